@@ -1,0 +1,26 @@
+# The two commands of the README:
+#   make run    installs (once) and runs the main job
+#   make test   installs (once) and runs the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint
+
+$(STAMP): pyproject.toml requirements/cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements/cpu.txt
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m sglang.tools.demo
+
+test: $(STAMP)
+	$(PY) test/run_suite.py --suite per-commit-cpu
+
+lint: $(STAMP)
+	$(PY) -m ruff check python test benchmark

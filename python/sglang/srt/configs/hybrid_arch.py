@@ -1,0 +1,133 @@
+"""Adapters that read a transformers config of a hybrid model and state what the runtime needs:
+which layers are full attention and which are linear (recurrent), the state shapes and dtypes of a
+linear layer, and the kernel state chunk (the granularity at which the prefill kernel materialises
+intermediate states: 64 tokens for Gated DeltaNet, the config's `chunk_size` for Mamba2).
+
+One adapter class per architecture registers itself with `register_hybrid_arch`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from sglang.srt.configs.mamba_utils import (
+    Mamba2CacheParams,
+    Mamba2StateShape,
+    resolve_state_dtypes,
+)
+
+_REGISTRY: dict[str, type[HybridArchConfig]] = {}
+
+
+def register_hybrid_arch(cls: type[HybridArchConfig]) -> type[HybridArchConfig]:
+    for arch in cls.architectures:
+        _REGISTRY[arch] = cls
+    return cls
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def hybrid_arch_config(hf_config: Any) -> HybridArchConfig:
+    """The adapter for `hf_config`, chosen by its `architectures` entry (or `model_type`)."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in _REGISTRY:
+            return _REGISTRY[arch](hf_config)
+    model_type = getattr(hf_config, "model_type", None)
+    for cls in _REGISTRY.values():
+        if cls.model_type == model_type:
+            return cls(hf_config)
+    raise ValueError(
+        f"Unsupported model architecture {archs or model_type!r}: this runtime serves hybrid models "
+        f"({', '.join(supported_architectures())})."
+    )
+
+
+class HybridArchConfig(ABC):
+    architectures: ClassVar[tuple[str, ...]]
+    model_type: ClassVar[str]
+    # "gdn" (Gated DeltaNet) or "mamba2": which linear-attention backend runs the linear layers.
+    linear_kind: ClassVar[str]
+    # Whether the linear backend writes track snapshots (required by the extra-buffer strategies).
+    supports_extra_buffer: ClassVar[bool] = True
+
+    def __init__(self, hf_config: Any):
+        self.hf_config = hf_config
+
+    @property
+    def architecture(self) -> str:
+        return self.architectures[0]
+
+    @property
+    @abstractmethod
+    def layer_types(self) -> list[str]:
+        """Per layer: "full_attention", "linear_attention", or (Nemotron-H) "mlp" / "moe"."""
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def full_attention_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    @abstractmethod
+    def kernel_state_chunk(self) -> int:
+        """Tokens per chunk of the prefill kernel; intermediate states exist at multiples of it."""
+
+    @property
+    @abstractmethod
+    def state_shape(self) -> Mamba2StateShape: ...
+
+    @property
+    def config_ssm_dtype(self) -> str | None:
+        return None
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.hf_config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hf_config.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.hf_config.max_position_embeddings
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        """Bytes of K and V of one token over all full-attention layers."""
+        per_layer = 2 * self.num_key_value_heads * self.head_dim * kv_dtype.itemsize
+        return per_layer * len(self.full_attention_layer_ids)
+
+    def mamba2_cache_params(
+        self, model_dtype: torch.dtype = torch.float32, ssm_dtype_flag: str | None = None
+    ) -> Mamba2CacheParams:
+        return Mamba2CacheParams(
+            shape=self.state_shape,
+            dtype=resolve_state_dtypes(model_dtype, self.config_ssm_dtype, ssm_dtype_flag),
+            layers=tuple(self.linear_layer_ids),
+        )
+
+    def mamba_cache_per_req(
+        self, model_dtype: torch.dtype = torch.float32, ssm_dtype_flag: str | None = None
+    ) -> int:
+        return self.mamba2_cache_params(model_dtype, ssm_dtype_flag).mamba_cache_per_req

@@ -1,0 +1,65 @@
+"""What the runtime knows about the model it serves: the HF config, its hybrid adapter, the weight
+dtype and the context length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sglang.srt.configs import hybrid_arch_config
+from sglang.srt.configs.hybrid_arch import HybridArchConfig
+from sglang.srt.configs.presets import resolve_model_path
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_config(model_path: str) -> Any:
+    from transformers import AutoConfig
+
+    path = resolve_model_path(model_path)
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"--model-path {model_path!r}: no config.json in {path}.")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """`auto` is float32 on CPU (the CPU path is exact) and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    model_path: str
+    context_length: int | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+
+    @cached_property
+    def path(self) -> str:
+        return resolve_model_path(self.model_path)
+
+    @cached_property
+    def hf_config(self) -> Any:
+        return load_hf_config(self.model_path)
+
+    @cached_property
+    def arch(self) -> HybridArchConfig:
+        return hybrid_arch_config(self.hf_config)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)
+
+    @property
+    def context_len(self) -> int:
+        return self.context_length or self.arch.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size

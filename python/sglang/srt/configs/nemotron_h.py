@@ -1,0 +1,52 @@
+"""Nemotron-H (Mamba2 mixers, full attention without positions, MLP and MoE blocks)."""
+
+from __future__ import annotations
+
+from sglang.srt.configs.hybrid_arch import HybridArchConfig, register_hybrid_arch
+from sglang.srt.configs.mamba_utils import Mamba2StateShape
+
+_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+@register_hybrid_arch
+class NemotronHArchConfig(HybridArchConfig):
+    architectures = ("NemotronHForCausalLM",)
+    model_type = "nemotron_h"
+    linear_kind = "mamba2"
+
+    @property
+    def layer_types(self) -> list[str]:
+        cfg = self.hf_config
+        types = getattr(cfg, "layers_block_type", None)
+        if types:
+            return list(types)
+        return [_PATTERN[c] for c in cfg.hybrid_override_pattern]
+
+    @property
+    def mamba_layer_ids(self) -> list[int]:
+        return self.linear_layer_ids
+
+    @property
+    def kernel_state_chunk(self) -> int:
+        # transformers writes `chunk_size`; some checkpoints (and SGLang) use `mamba_chunk_size`.
+        cfg = self.hf_config
+        chunk = getattr(cfg, "mamba_chunk_size", None) or getattr(cfg, "chunk_size", None)
+        if not chunk:
+            raise ValueError("The Nemotron-H config states neither chunk_size nor mamba_chunk_size.")
+        return int(chunk)
+
+    @property
+    def state_shape(self) -> Mamba2StateShape:
+        cfg = self.hf_config
+        return Mamba2StateShape.create(
+            intermediate_size=cfg.mamba_num_heads * cfg.mamba_head_dim,
+            n_groups=cfg.n_groups,
+            num_heads=cfg.mamba_num_heads,
+            head_dim=cfg.mamba_head_dim,
+            state_size=cfg.ssm_state_size,
+            conv_kernel=cfg.conv_kernel,
+        )
+
+    @property
+    def config_ssm_dtype(self) -> str | None:
+        return getattr(self.hf_config, "mamba_ssm_cache_dtype", None)

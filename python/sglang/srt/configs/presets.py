@@ -1,0 +1,66 @@
+"""Built-in tiny presets: `tiny-qwen3-next` and `tiny-nemotron-h`.
+
+Wherever a model path is accepted, a preset name resolves to a checkpoint folder generated on first use
+into `$SGLANG_CACHE_DIR/presets/` (default `~/.cache/sglang/presets/`). The folder name carries a digest
+of the generator, its corpus and the transformers version, so a change to any of them regenerates it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from sglang.srt.environ import envs
+
+PRESETS = {"tiny-qwen3-next": "qwen3_next", "tiny-nemotron-h": "nemotron_h"}
+PRESET_SEED = 0
+
+
+def cache_dir() -> Path:
+    root = envs.SGLANG_CACHE_DIR.get() or os.path.join(Path.home(), ".cache", "sglang")
+    return Path(root)
+
+
+def _recipe_digest() -> str:
+    import transformers
+
+    from sglang.tools import make_tiny_model
+
+    h = hashlib.sha256()
+    h.update(Path(make_tiny_model.__file__).read_bytes())
+    h.update(make_tiny_model.CORPUS.read_bytes())
+    h.update(transformers.__version__.encode())
+    h.update(str(PRESET_SEED).encode())
+    return h.hexdigest()[:12]
+
+
+def is_preset(model_path: str) -> bool:
+    return model_path in PRESETS
+
+
+def resolve_model_path(model_path: str) -> str:
+    """A preset name becomes its generated folder; anything else is returned unchanged."""
+    if not is_preset(model_path):
+        return model_path
+    target = cache_dir() / "presets" / f"{model_path}-{_recipe_digest()}"
+    if (target / "model.safetensors").is_file():
+        return str(target)
+    from sglang.tools.make_tiny_model import make_tiny_model
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Generate into a private folder and rename it into place, so that concurrent first uses (a server
+    # and a test, say) never see a half-written checkpoint.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_path}-", dir=target.parent))
+    try:
+        make_tiny_model(PRESETS[model_path], tmp, seed=PRESET_SEED)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

@@ -1,0 +1,135 @@
+"""Typed registry of the `SGLANG_*` environment variables the runtime reads.
+
+Every variable is declared once here with its type and default, and read through `envs.NAME.get()`.
+Tests change one with `with envs.NAME.override(value): ...`, which writes `os.environ` so that
+subprocesses started inside the block (scheduler, server) see the same value.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class EnvVar(Generic[T]):
+    """One environment variable with a type and a default."""
+
+    def __init__(self, default: T, doc: str = ""):
+        self.default = default
+        self.doc = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, objtype: type | None = None) -> EnvVar[T]:
+        return self
+
+    def parse(self, raw: str) -> T:
+        raise NotImplementedError
+
+    def format(self, value: T) -> str:
+        return str(value)
+
+    def is_set(self) -> bool:
+        return self.name in os.environ
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"Environment variable {self.name}={raw!r} is invalid: {e}") from None
+
+    def set(self, value: T | None) -> None:
+        if value is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.format(value)
+
+    @contextmanager
+    def override(self, value: T | None) -> Iterator[None]:
+        old = os.environ.get(self.name)
+        self.set(value)
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop(self.name, None)
+            else:
+                os.environ[self.name] = old
+
+
+class EnvBool(EnvVar[bool]):
+    def parse(self, raw: str) -> bool:
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError("expected a boolean (1/0, true/false)")
+
+    def format(self, value: bool) -> str:
+        return "1" if value else "0"
+
+
+class EnvInt(EnvVar[int]):
+    def parse(self, raw: str) -> int:
+        return int(raw.strip())
+
+
+class EnvFloat(EnvVar[float]):
+    def parse(self, raw: str) -> float:
+        return float(raw.strip())
+
+
+class EnvStr(EnvVar[str]):
+    def parse(self, raw: str) -> str:
+        return raw
+
+
+class EnvOptStr(EnvVar["str | None"]):
+    def parse(self, raw: str) -> str | None:
+        return raw or None
+
+
+class Envs:
+    # Paths
+    SGLANG_CACHE_DIR = EnvOptStr(None, "Where tiny presets are generated (default ~/.cache/sglang).")
+
+    # Mamba state dtypes (upstream names). --mamba-ssm-dtype writes SGLANG_MAMBA_SSM_DTYPE.
+    SGLANG_MAMBA_CONV_DTYPE = EnvOptStr(None, "Conv state dtype; default: the model dtype.")
+    SGLANG_MAMBA_SSM_DTYPE = EnvOptStr(None, "SSM state dtype; default: model config, else float32.")
+
+    # Fault injection for extra_buffer_lazy: 1 = the first allocation try at a decode track boundary
+    # fails (evict-and-retry then runs for real); 2 = the retry fails as well.
+    SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL = EnvInt(0, "Lazy track-slot allocation failure injection (0/1/2).")
+    # Negative controls: switch a cache path off so that the test of that path must fail.
+    SGLANG_TEST_SKIP_DEFERRED_COW = EnvBool(
+        False, "Do not copy the checkpoint into the running slot on a hit."
+    )
+    SGLANG_TEST_COW_ON_SCHEDULER_THREAD = EnvBool(
+        False, "Run deferred clear/copy on the scheduler thread instead of the forward stream."
+    )
+    SGLANG_TEST_SKIP_CACHE_HIT_ASSERT = EnvBool(False, "Kits do not require every prompt to hit.")
+    SGLANG_TEST_FORWARD_DELAY_MS = EnvFloat(0.0, "Sleep this long in the forward worker before each batch.")
+
+    # Checks
+    SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE = EnvBool(
+        True, "Run check_integrity() whenever the scheduler goes idle."
+    )
+
+    def all(self) -> list[EnvVar]:
+        return [v for v in vars(type(self)).values() if isinstance(v, EnvVar)]
+
+
+envs = Envs()

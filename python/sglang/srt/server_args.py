@@ -1,0 +1,387 @@
+"""`ServerArgs`: every command-line flag, with SGLang's names and defaults, parsed in one place.
+
+Construction validates and resolves the arguments (`__post_init__`): a combination that cannot work
+raises `ServerArgsError` with one sentence naming the flag. Derived values are properties.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import random
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from sglang.srt.configs.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+MAMBA_SCHEDULER_STRATEGY_CHOICES = ["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"]
+EXTRA_BUFFER_STRATEGIES = ("extra_buffer", "extra_buffer_lazy")
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+DEVICE_CHOICES = ["auto", "cpu", "cuda"]
+DISAGGREGATION_MODES = ["null", "prefill", "decode"]
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+SCHEDULE_POLICIES = ["fcfs", "lpm"]
+DEFAULT_MODEL = "tiny-qwen3-next"
+DEFAULT_TRACK_INTERVAL = 256
+DEFAULT_CHUNKED_PREFILL_SIZE = 2048
+
+
+class ServerArgsError(ValueError):
+    """A flag or a combination of flags that cannot work; the message names the flag."""
+
+
+@dataclass
+class ServerArgs:
+    # Model and tokenizer
+    model_path: str = DEFAULT_MODEL
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    context_length: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
+    random_seed: int | None = None
+
+    # HTTP server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    enable_metrics: bool = False
+    log_level: str = "info"
+    log_requests: bool = False
+
+    # Memory and scheduling
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    max_total_tokens: int | None = None
+    max_prefill_tokens: int = 16384
+    # None: 2048 (rounded to the mamba cache chunk); -1 (or 0): chunked prefill off.
+    chunked_prefill_size: int | None = None
+    page_size: int = 1
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    stream_interval: int = 1
+    tp_size: int = 1
+    watchdog_timeout: float = 300.0
+
+    # Mamba state cache
+    max_mamba_cache_size: int | None = None
+    mamba_ssm_dtype: str | None = None
+    mamba_full_memory_ratio: float = 0.9
+    mamba_scheduler_strategy: str = "auto"
+    # None: 256, rounded up to a multiple of the mamba cache chunk.
+    mamba_track_interval: int | None = None
+
+    # Prefill / decode disaggregation
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_decode_extra_slots: int | None = None
+    disaggregation_ib_device: str | None = None
+
+    # Filled by __post_init__: why `auto` resolved as it did (logged, shown in /get_server_info).
+    mamba_strategy_reason: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_basic_flags()
+        if self.device == "auto":
+            self.device = _auto_device()
+        if self.random_seed is None:
+            self.random_seed = random.randint(0, 2**30)
+        if self.tokenizer_path is None:
+            self.tokenizer_path = self.model_path
+        if self.served_model_name is None:
+            self.served_model_name = self.model_path
+        self._check_model()
+        self._handle_pd_disaggregation()
+        self._handle_mamba_strategy()
+        self._handle_chunk_aligned_sizes()
+
+    # ---- derived values --------------------------------------------------------------------------
+
+    @cached_property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(self.model_path, self.context_length, self.dtype, self.device)
+
+    @property
+    def mamba_radix_cache_strategy(self) -> str:
+        """Upstream's newer name for the same setting."""
+        return self.mamba_scheduler_strategy
+
+    @property
+    def enable_overlap_schedule(self) -> bool:
+        return not self.disable_overlap_schedule
+
+    def enable_mamba_extra_buffer(self) -> bool:
+        return not self.disable_radix_cache and self.mamba_scheduler_strategy in EXTRA_BUFFER_STRATEGIES
+
+    def enable_mamba_extra_buffer_lazy(self) -> bool:
+        return not self.disable_radix_cache and self.mamba_scheduler_strategy == "extra_buffer_lazy"
+
+    @property
+    def mamba_ping_pong_track_buffer_size(self) -> int:
+        """Track slots a request has room for: 2 with overlap (ping-pong), 1 without."""
+        return 2 if self.enable_overlap_schedule else 1
+
+    @property
+    def mamba_cache_chunk_size(self) -> int:
+        """Where checkpoints may sit: max(model kernel chunk, page size); one divides the other."""
+        chunk = self.model_config.arch.kernel_state_chunk
+        big, small = max(chunk, self.page_size), min(chunk, self.page_size)
+        if big % small != 0:
+            raise ServerArgsError(
+                f"--page-size {self.page_size} and the model's state chunk {chunk} must divide one another."
+            )
+        return big
+
+    @property
+    def chunked_prefill_enabled(self) -> bool:
+        return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
+
+    # ---- validation and resolution ------------------------------------------------------------
+
+    def _check_basic_flags(self) -> None:
+        _choice("--dtype", self.dtype, DTYPE_CHOICES)
+        _choice("--device", self.device, DEVICE_CHOICES)
+        _choice("--log-level", self.log_level, LOG_LEVELS)
+        _choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _choice("--mamba-scheduler-strategy", self.mamba_scheduler_strategy, MAMBA_SCHEDULER_STRATEGY_CHOICES)
+        _choice("--disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
+        if self.mamba_ssm_dtype is not None:
+            _choice("--mamba-ssm-dtype", self.mamba_ssm_dtype, ["float32", "bfloat16", "float16"])
+        if not 0 < self.port < 65536:
+            raise ServerArgsError(f"--port must be between 1 and 65535, got {self.port}.")
+        _positive("--page-size", self.page_size)
+        _positive("--max-prefill-tokens", self.max_prefill_tokens)
+        _positive("--stream-interval", self.stream_interval)
+        for flag, value in [
+            ("--max-running-requests", self.max_running_requests),
+            ("--max-total-tokens", self.max_total_tokens),
+            ("--max-mamba-cache-size", self.max_mamba_cache_size),
+            ("--mamba-track-interval", self.mamba_track_interval),
+            ("--context-length", self.context_length),
+        ]:
+            if value is not None:
+                _positive(flag, value)
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < -1:
+            raise ServerArgsError(
+                f"--chunked-prefill-size must be positive, or -1 to disable chunked prefill, "
+                f"got {self.chunked_prefill_size}."
+            )
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ServerArgsError(
+                f"--mem-fraction-static must be between 0 and 1, got {self.mem_fraction_static}."
+            )
+        if not self.mamba_full_memory_ratio > 0:
+            raise ServerArgsError(
+                f"--mamba-full-memory-ratio must be positive, got {self.mamba_full_memory_ratio}."
+            )
+        if self.tp_size != 1:
+            raise ServerArgsError(
+                f"--tp-size {self.tp_size} is not supported yet; this runtime runs --tp-size 1."
+            )
+        if self.disaggregation_decode_extra_slots is not None and self.disaggregation_decode_extra_slots < 0:
+            raise ServerArgsError(
+                "--disaggregation-decode-extra-slots must be 0 or more, "
+                f"got {self.disaggregation_decode_extra_slots}."
+            )
+
+    def _check_model(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ServerArgsError("--device cuda was given, but no CUDA device is available.")
+        try:
+            arch = self.model_config.arch
+        except (ValueError, OSError) as e:
+            raise ServerArgsError(f"--model-path {self.model_path!r} cannot be served: {e}") from None
+        limit = arch.max_position_embeddings
+        if self.context_length is not None and self.context_length > limit:
+            raise ServerArgsError(
+                f"--context-length {self.context_length} exceeds the model's max_position_embeddings ({limit})."
+            )
+
+    def _handle_pd_disaggregation(self) -> None:
+        """The decode server of PD disaggregation has no prefix cache yet (upstream PR #22462)."""
+        if self.disaggregation_mode != "decode":
+            return
+        if not self.disable_radix_cache:
+            logger.warning(
+                "--disaggregation-mode decode: the radix cache is turned off on the decode server."
+            )
+            self.disable_radix_cache = True
+        if self.mamba_scheduler_strategy in EXTRA_BUFFER_STRATEGIES:
+            logger.warning(
+                "--disaggregation-mode decode: --mamba-scheduler-strategy %s falls back to no_buffer, "
+                "since the decode server keeps no prefix cache.",
+                self.mamba_scheduler_strategy,
+            )
+            self.mamba_scheduler_strategy = "no_buffer"
+
+    def _handle_mamba_strategy(self) -> None:
+        arch = self.model_config.arch
+        strategy = self.mamba_scheduler_strategy
+        if strategy == "auto":
+            if self.disable_radix_cache:
+                strategy, reason = "no_buffer", "the radix cache is disabled, so no state is cached"
+            elif not arch.supports_extra_buffer:
+                strategy, reason = "no_buffer", f"{arch.architecture} does not write track snapshots"
+            elif self.enable_overlap_schedule:
+                strategy, reason = "extra_buffer_lazy", "overlap is on: one resident track slot per request"
+            else:
+                strategy, reason = "extra_buffer", "overlap is off: one track slot per request"
+            self.mamba_strategy_reason = f"auto chose {strategy}: {reason}"
+            logger.info("--mamba-scheduler-strategy %s", self.mamba_strategy_reason)
+            self.mamba_scheduler_strategy = strategy
+        if self.disable_radix_cache:
+            return
+        if strategy == "no_buffer":
+            if self.page_size != 1:
+                raise ServerArgsError(
+                    f"--mamba-scheduler-strategy no_buffer needs --page-size 1, got {self.page_size}."
+                )
+            if self.enable_overlap_schedule:
+                logger.info("--mamba-scheduler-strategy no_buffer runs without the overlap schedule.")
+                self.disable_overlap_schedule = True
+        else:
+            if not arch.supports_extra_buffer:
+                raise ServerArgsError(
+                    f"--mamba-scheduler-strategy {strategy} is not supported by {arch.architecture}."
+                )
+            if strategy == "extra_buffer_lazy" and not self.enable_overlap_schedule:
+                logger.info(
+                    "extra_buffer_lazy without the overlap schedule has no window to protect: "
+                    "it runs like extra_buffer with one track slot per request."
+                )
+
+    def _handle_chunk_aligned_sizes(self) -> None:
+        """Checkpoints of the extra-buffer modes sit at absolute multiples of the cache chunk C, so
+        prefill chunks and the decode track interval must be multiples of C."""
+        c = self.mamba_cache_chunk_size
+        aligned = self.enable_mamba_extra_buffer()
+        if self.chunked_prefill_size == 0:
+            self.chunked_prefill_size = -1
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = max(c, DEFAULT_CHUNKED_PREFILL_SIZE // c * c)
+        elif aligned and self.chunked_prefill_size > 0 and self.chunked_prefill_size % c:
+            raise ServerArgsError(
+                f"--chunked-prefill-size {self.chunked_prefill_size} must be a multiple of the mamba cache "
+                f"chunk size {c} with --mamba-scheduler-strategy {self.mamba_scheduler_strategy}."
+            )
+        if self.mamba_track_interval is None:
+            self.mamba_track_interval = -(-DEFAULT_TRACK_INTERVAL // c) * c
+        elif aligned and self.mamba_track_interval % c:
+            raise ServerArgsError(
+                f"--mamba-track-interval {self.mamba_track_interval} must be a multiple of the mamba cache "
+                f"chunk size {c} with --mamba-scheduler-strategy {self.mamba_scheduler_strategy}."
+            )
+
+    # ---- argparse --------------------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = ServerArgs.__dataclass_fields__
+
+        def default(name: str):
+            return d[name].default
+
+        g = parser.add_argument_group("model and tokenizer")
+        g.add_argument(
+            "--model-path",
+            "--model",
+            default=default("model_path"),
+            help="An HF-format checkpoint folder, or a built-in preset: tiny-qwen3-next, tiny-nemotron-h.",
+        )
+        g.add_argument("--tokenizer-path", default=None)
+        g.add_argument("--served-model-name", default=None)
+        g.add_argument("--context-length", type=int, default=None)
+        g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+        g.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
+        g.add_argument("--trust-remote-code", action="store_true")
+        g.add_argument("--skip-tokenizer-init", action="store_true")
+        g.add_argument("--random-seed", type=int, default=None)
+
+        g = parser.add_argument_group("HTTP server")
+        g.add_argument("--host", default=default("host"))
+        g.add_argument("--port", type=int, default=default("port"))
+        g.add_argument("--api-key", default=None, help="Bearer token checked on every route but /health.")
+        g.add_argument("--enable-metrics", action="store_true")
+        g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+        g.add_argument("--log-requests", action="store_true")
+
+        g = parser.add_argument_group("memory and scheduling")
+        g.add_argument("--mem-fraction-static", type=float, default=None)
+        g.add_argument("--max-running-requests", type=int, default=None)
+        g.add_argument("--max-total-tokens", type=int, default=None)
+        g.add_argument("--max-prefill-tokens", type=int, default=default("max_prefill_tokens"))
+        g.add_argument("--chunked-prefill-size", type=int, default=None, help="-1 disables chunked prefill.")
+        g.add_argument("--page-size", type=int, default=default("page_size"))
+        g.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
+        g.add_argument("--disable-radix-cache", action="store_true")
+        g.add_argument("--disable-overlap-schedule", action="store_true")
+        g.add_argument("--stream-interval", type=int, default=default("stream_interval"))
+        g.add_argument("--tp-size", "--tp", type=int, default=1)
+        g.add_argument("--watchdog-timeout", type=float, default=default("watchdog_timeout"))
+
+        g = parser.add_argument_group("mamba state cache")
+        g.add_argument("--max-mamba-cache-size", type=int, default=None)
+        g.add_argument("--mamba-ssm-dtype", default=None, choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--mamba-full-memory-ratio", type=float, default=default("mamba_full_memory_ratio"))
+        g.add_argument(
+            "--mamba-scheduler-strategy",
+            "--mamba-radix-cache-strategy",
+            dest="mamba_scheduler_strategy",
+            default="auto",
+            choices=MAMBA_SCHEDULER_STRATEGY_CHOICES,
+        )
+        g.add_argument("--mamba-track-interval", type=int, default=None)
+
+        g = parser.add_argument_group("prefill/decode disaggregation")
+        g.add_argument("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES)
+        g.add_argument(
+            "--disaggregation-transfer-backend", default=default("disaggregation_transfer_backend")
+        )
+        g.add_argument(
+            "--disaggregation-bootstrap-port", type=int, default=default("disaggregation_bootstrap_port")
+        )
+        g.add_argument("--disaggregation-decode-extra-slots", type=int, default=None)
+        g.add_argument("--disaggregation-ib-device", default=None)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls) if f.init and f.name != "mamba_strategy_reason"}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def __getstate__(self) -> dict:
+        # The model config (HF config object) is rebuilt where it is needed.
+        state = dict(self.__dict__)
+        state.pop("model_config", None)
+        return state
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))
+
+
+def _auto_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _choice(flag: str, value: str, choices: list[str]) -> None:
+    if value not in choices:
+        raise ServerArgsError(f"{flag} must be one of {', '.join(choices)}, got {value!r}.")
+
+
+def _positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise ServerArgsError(f"{flag} must be a positive integer, got {value}.")

@@ -1,0 +1,140 @@
+"""The correctness oracle: transformers' own implementation of each architecture, in float32.
+
+It scores token sequences (teacher-forced logprobs), runs prefixes incrementally with explicit
+positions, and reads or injects each linear layer's recurrent state in the runtime's pool layout:
+conv (conv_dim, K-1) = the last K-1 conv inputs; SSM (heads, head_dim, state) as described in
+`sglang.srt.configs.mamba_utils` (for Gated DeltaNet that is transformers' [K, V] state transposed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+
+from sglang.srt.configs import hybrid_arch_config
+from sglang.srt.configs.presets import resolve_model_path
+
+
+@dataclass
+class LinearState:
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
+class ReferenceModel:
+    def __init__(self, model_path: str):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.path = resolve_model_path(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.path, dtype=torch.float32, local_files_only=True
+        ).eval()
+        self.config = self.model.config
+        self.arch = hybrid_arch_config(self.config)
+
+    # ---- scoring ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """[len(ids), vocab] logits of one full forward."""
+        x = torch.tensor([list(ids)], dtype=torch.long)
+        return self.model(x, position_ids=torch.arange(len(ids))[None]).logits[0].float()
+
+    def logprobs(self, ids: Sequence[int]) -> torch.Tensor:
+        return self.logits(ids).log_softmax(-1)
+
+    def token_logprobs(self, ids: Sequence[int], start: int = 1) -> torch.Tensor:
+        """Teacher-forced logprob of ids[i] given ids[:i], for i in [start, len(ids))."""
+        assert start >= 1
+        lp = self.logprobs(ids)
+        target = torch.tensor(list(ids[start:]), dtype=torch.long)
+        return lp[start - 1 : len(ids) - 1].gather(1, target[:, None])[:, 0]
+
+    @torch.no_grad()
+    def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        cache = self.new_cache()
+        out: list[int] = []
+        logits = self.extend(cache, ids, 0)
+        pos = len(ids)
+        for _ in range(max_new_tokens):
+            nxt = int(logits[-1].argmax())
+            out.append(nxt)
+            logits = self.extend(cache, [nxt], pos)
+            pos += 1
+        return out
+
+    # ---- incremental forwards --------------------------------------------------------------------
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    @torch.no_grad()
+    def extend(self, cache, ids: Sequence[int], start: int) -> torch.Tensor:
+        """Run `ids` at absolute positions start.. on top of `cache`; [len(ids), vocab] logits."""
+        x = torch.tensor([list(ids)], dtype=torch.long)
+        pos = torch.arange(start, start + len(ids))[None]
+        out = self.model(x, past_key_values=cache, use_cache=True, position_ids=pos, cache_position=pos[0])
+        return out.logits[0].float()
+
+    def incremental_logits(self, ids: Sequence[int], boundaries: Sequence[int]) -> torch.Tensor:
+        """Logits of `ids` computed segment by segment, split at `boundaries`."""
+        cache = self.new_cache()
+        cuts = [0, *sorted(b for b in boundaries if 0 < b < len(ids)), len(ids)]
+        return torch.cat([self.extend(cache, ids[a:b], a) for a, b in pairwise(cuts)])
+
+    # ---- states ----------------------------------------------------------------------------------
+
+    def cache_after(self, ids: Sequence[int], p: int):
+        cache = self.new_cache()
+        if p > 0:
+            self.extend(cache, ids[:p], 0)
+        return cache
+
+    def states_from_cache(self, cache) -> dict[int, LinearState]:
+        states = {}
+        for layer_id in self.arch.linear_layer_ids:
+            layer = cache.layers[layer_id]
+            conv = layer.conv_states[0][0]
+            # transformers keeps the last K inputs; the pool keeps the last K-1.
+            conv = conv[:, -(self.arch.state_shape.conv_kernel - 1) :]
+            ssm = self._ssm_to_pool(layer.recurrent_states[0][0])
+            states[layer_id] = LinearState(conv.clone().float(), ssm.clone().float())
+        return states
+
+    def states_after(self, ids: Sequence[int], p: int) -> dict[int, LinearState]:
+        """Each linear layer's state after the first p tokens."""
+        return self.states_from_cache(self.cache_after(ids, p))
+
+    def cache_with_states(self, states: dict[int, LinearState], kv_source=None):
+        """A fresh cache holding the given linear states (pool layout), and the attention K/V of
+        `kv_source` (a cache of the same prefix), ready to continue the sequence."""
+        cache = self.new_cache()
+        kernel = self.arch.state_shape.conv_kernel
+        for layer_id, st in states.items():
+            layer = cache.layers[layer_id]
+            conv = torch.zeros(1, st.conv.shape[0], kernel)
+            conv[0, :, 1:] = st.conv
+            ssm = self._ssm_from_pool(st.ssm)[None]
+            layer.lazy_initialization(conv_states=conv, recurrent_states=ssm, conv_kernel_size=kernel)
+            layer.conv_states[0].copy_(conv)
+            layer.recurrent_states[0].copy_(ssm)
+            layer.has_previous_state[0] = True
+        if kv_source is not None:
+            for layer_id in self.arch.full_attention_layer_ids:
+                src = kv_source.layers[layer_id]
+                cache.layers[layer_id].update(src.keys.clone(), src.values.clone())
+        return cache
+
+    def _ssm_to_pool(self, ssm: torch.Tensor) -> torch.Tensor:
+        return ssm.transpose(-1, -2) if self.arch.linear_kind == "gdn" else ssm
+
+    def _ssm_from_pool(self, ssm: torch.Tensor) -> torch.Tensor:
+        return ssm.transpose(-1, -2).contiguous() if self.arch.linear_kind == "gdn" else ssm.clone()

@@ -1,0 +1,208 @@
+"""Write a tiny, random-weight, real-format Hugging Face checkpoint of a hybrid architecture.
+
+    python -m sglang.tools.make_tiny_model --arch qwen3_next --out DIR [--seed 0]
+
+The model is built with transformers' own classes from a fixed seed, so the same seed gives
+bit-identical files. It is small (a 128-token forward takes milliseconds on a CPU) but complete:
+several linear-attention layers and a full-attention layer, several heads, MoE where the architecture
+has one, conv kernel 4, and weights large enough that the logits are far from uniform. The tokenizer is
+a byte-level BPE trained on `data/tiny_corpus.txt`, with a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+CORPUS = Path(__file__).with_name("data") / "tiny_corpus.txt"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PAD_ID, IM_START_ID, IM_END_ID = 0, 1, 2
+VOCAB_SIZE = 512
+MAX_POSITIONS = 4096
+# Per architecture: (std of the body weights, gain of the output head). The body stays small so the
+# residual stream is O(1) and the network amplifies float32 round-off little: the chunked kernels err
+# by ~5e-7 relative, and with std 0.3 the oracle's own incremental path drifts from its full forward by
+# 1e-4 in logprob. The head is scaled up instead, so logits are far from uniform (mean top probability
+# ~0.15-0.2 of 512) while that drift stays below 1e-5 on thousands of scored tokens.
+WEIGHT_SCALES = {"qwen3_next": (0.05, 5.0), "nemotron_h": (0.1, 3.0)}
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+ARCHS = ("qwen3_next", "nemotron_h")
+
+
+def tiny_config(arch: str):
+    if arch not in ARCHS:
+        raise ValueError(f"--arch must be one of {ARCHS}, got {arch!r}.")
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=WEIGHT_SCALES[arch][0],
+        pad_token_id=PAD_ID,
+        bos_token_id=None,
+        eos_token_id=IM_END_ID,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(
+            **common,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        )
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        **common,
+        layers_block_type=[
+            "linear_attention",
+            "moe",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "mlp",
+        ],
+        intermediate_size=128,
+        ssm_state_size=16,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        conv_kernel=4,
+        expand=2,
+        # Differs from GDN's 64 so that the cache chunk of the two presets differs.
+        chunk_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+    )
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS.read_text(encoding="utf-8")], trainer=trainer)
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, IM_START_ID, IM_END_ID]
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False,
+        model_max_length=MAX_POSITIONS,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _inverse_softplus(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.log(-torch.expm1(-x))
+
+
+def _log_uniform(n: int, low: float, high: float, gen: torch.Generator) -> torch.Tensor:
+    """log(x) for x log-uniform in [low, high]."""
+    return torch.rand(n, generator=gen) * (math.log(high) - math.log(low)) + math.log(low)
+
+
+@torch.no_grad()
+def _condition_weights(model: torch.nn.Module, arch: str, gen: torch.Generator) -> None:
+    """Make the random model exercise every parameter and keep its recurrences well conditioned.
+
+    Norm weights, biases and per-head vectors start at constants (0 or 1); they get small random offsets
+    so that a runtime that ignores one of them differs from the oracle.
+
+    The per-token log-decay of a linear layer is kept small: the default initialisation gives log-decays
+    near -30, whose sums over a 64-token chunk (~-2000) leave float32 only ~1e-4 relative precision in
+    exp(c_i - c_j), and exact comparisons drown in it.
+    For Mamba2 this also keeps the time step above `time_step_min`: transformers clamps it there in its
+    chunked scan but not in its single-token step, so a binding clamp would make the oracle's own
+    incremental path disagree with its full forward.
+    """
+    model.lm_head.weight.mul_(WEIGHT_SCALES[arch][1])
+    for name, p in model.named_parameters():
+        if p.ndim == 1 and not name.endswith(("A_log", "dt_bias")):
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind == "Qwen3NextGatedDeltaNet":
+            # log-decay g = -exp(A_log) * softplus(a + dt_bias); a and b come from in_proj_ba.
+            module.in_proj_ba.weight.mul_(0.1)
+            module.A_log.copy_(_log_uniform(module.num_v_heads, 0.005, 0.1, gen))
+            module.dt_bias.copy_(1.0 + 0.1 * torch.randn(module.num_v_heads, generator=gen))
+        elif kind == "NemotronHMamba2Mixer":
+            # log-decay dt * A with dt = softplus(dt_raw + dt_bias) and A = -exp(A_log).
+            heads = module.num_heads
+            module.in_proj.weight[-heads:].mul_(0.1)
+            module.dt_bias.copy_(_inverse_softplus(_log_uniform(heads, 0.01, 0.1, gen).exp()))
+            module.A_log.copy_(_log_uniform(heads, 0.5, 4.0, gen))
+
+
+def make_tiny_model(arch: str, out: str | Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _condition_weights(model, arch, torch.Generator().manual_seed(seed + 1))
+    model.save_pretrained(out)
+
+    config_path = out / "config.json"
+    cfg = json.loads(config_path.read_text())
+    if arch == "qwen3_next":
+        # transformers writes only layer_types; SGLang-style loaders also read the interval.
+        cfg["full_attention_interval"] = 4
+    config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+    GenerationConfig(eos_token_id=[IM_END_ID, PAD_ID], pad_token_id=PAD_ID, do_sample=False).save_pretrained(
+        out
+    )
+    build_tokenizer().save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--arch", required=True, choices=ARCHS)
+    parser.add_argument("--out", required=True, help="Folder to write the checkpoint into.")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = make_tiny_model(args.arch, args.out, args.seed)
+    print(f"Wrote a tiny {args.arch} checkpoint to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Shared fixtures: the tiny presets and their transformers oracles, generated once per session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Two cores: one torch thread per process keeps parallel server/worker processes from thrashing.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+PRESET_NAMES = ["tiny-qwen3-next", "tiny-nemotron-h"]
+
+
+@pytest.fixture(scope="session")
+def preset_paths() -> dict[str, str]:
+    from sglang.srt.configs.presets import resolve_model_path
+
+    return {name: resolve_model_path(name) for name in PRESET_NAMES}
+
+
+class _Oracles(dict):
+    def __missing__(self, name: str):
+        from sglang.test.reference import ReferenceModel
+
+        self[name] = ReferenceModel(name)
+        return self[name]
+
+
+@pytest.fixture(scope="session")
+def oracles() -> dict:
+    """oracles[preset] is the transformers reference model of the preset, built once per session."""
+    return _Oracles()

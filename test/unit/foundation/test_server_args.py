@@ -1,0 +1,223 @@
+"""ServerArgs: every flag parses, every refused combination fails with a sentence naming the flag,
+`auto` resolves as documented, and the PD decode fallback applies."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sglang.srt.environ import envs
+from sglang.srt.server_args import (
+    MAMBA_SCHEDULER_STRATEGY_CHOICES,
+    ServerArgs,
+    ServerArgsError,
+    prepare_server_args,
+)
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="per-commit-cpu")
+
+
+def test_every_design_flag_parses():
+    args = prepare_server_args(
+        [
+            "--model-path", "tiny-nemotron-h",
+            "--tokenizer-path", "tiny-nemotron-h",
+            "--served-model-name", "tiny",
+            "--context-length", "2048",
+            "--dtype", "bfloat16",
+            "--device", "cpu",
+            "--random-seed", "7",
+            "--host", "0.0.0.0",
+            "--port", "31000",
+            "--api-key", "sk-test",
+            "--enable-metrics",
+            "--log-level", "debug",
+            "--mem-fraction-static", "0.5",
+            "--max-running-requests", "12",
+            "--max-total-tokens", "9000",
+            "--max-prefill-tokens", "4096",
+            "--chunked-prefill-size", "256",
+            "--page-size", "16",
+            "--disable-overlap-schedule",
+            "--mamba-scheduler-strategy", "extra_buffer",
+            "--mamba-track-interval", "64",
+            "--max-mamba-cache-size", "40",
+            "--mamba-full-memory-ratio", "0.5",
+            "--mamba-ssm-dtype", "bfloat16",
+            "--disaggregation-mode", "prefill",
+            "--disaggregation-transfer-backend", "nixl",
+            "--disaggregation-bootstrap-port", "9000",
+            "--disaggregation-decode-extra-slots", "4",
+            "--disaggregation-ib-device", "mlx5_0",
+        ]
+    )  # fmt: skip
+    assert (args.model_path, args.tokenizer_path, args.served_model_name) == ("tiny-nemotron-h",) * 2 + (
+        "tiny",
+    )
+    assert (args.context_length, args.dtype, args.device, args.random_seed) == (2048, "bfloat16", "cpu", 7)
+    assert (args.host, args.port, args.api_key, args.enable_metrics, args.log_level) == (
+        "0.0.0.0", 31000, "sk-test", True, "debug"
+    )  # fmt: skip
+    assert (args.mem_fraction_static, args.max_running_requests, args.max_total_tokens) == (0.5, 12, 9000)
+    assert (args.max_prefill_tokens, args.chunked_prefill_size, args.page_size) == (4096, 256, 16)
+    assert args.disable_overlap_schedule and not args.disable_radix_cache
+    assert (args.mamba_scheduler_strategy, args.mamba_track_interval, args.max_mamba_cache_size) == (
+        "extra_buffer", 64, 40
+    )  # fmt: skip
+    assert (args.mamba_full_memory_ratio, args.mamba_ssm_dtype) == (0.5, "bfloat16")
+    assert (args.disaggregation_mode, args.disaggregation_transfer_backend) == ("prefill", "nixl")
+    assert (args.disaggregation_bootstrap_port, args.disaggregation_decode_extra_slots) == (9000, 4)
+    assert args.disaggregation_ib_device == "mlx5_0"
+    assert args.mamba_cache_chunk_size == 32 and args.mamba_ping_pong_track_buffer_size == 1
+
+
+def test_defaults_match_sglang():
+    args = prepare_server_args([])
+    assert args.model_path == "tiny-qwen3-next" and args.host == "127.0.0.1" and args.port == 30000
+    assert args.page_size == 1 and args.max_prefill_tokens == 16384 and args.mamba_full_memory_ratio == 0.9
+    assert args.mamba_track_interval == 256 and args.device == "cpu" and args.dtype == "auto"
+    assert args.disaggregation_mode == "null" and not args.enable_metrics
+    assert args.enable_overlap_schedule and args.mamba_ping_pong_track_buffer_size == 2
+
+
+def test_radix_cache_strategy_is_the_same_flag():
+    assert MAMBA_SCHEDULER_STRATEGY_CHOICES == ["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"]
+    a = prepare_server_args(["--mamba-radix-cache-strategy", "extra_buffer"])
+    b = prepare_server_args(["--mamba-scheduler-strategy", "extra_buffer"])
+    assert a.mamba_scheduler_strategy == b.mamba_scheduler_strategy == a.mamba_radix_cache_strategy
+
+
+@pytest.mark.parametrize(
+    "kwargs,expected,overlap",
+    [
+        ({}, "extra_buffer_lazy", True),
+        ({"disable_overlap_schedule": True}, "extra_buffer", False),
+        ({"disable_radix_cache": True}, "no_buffer", True),
+    ],
+)
+def test_auto_strategy_resolution(kwargs, expected, overlap):
+    args = ServerArgs(**kwargs)
+    assert args.mamba_scheduler_strategy == expected
+    assert args.enable_overlap_schedule == overlap
+    assert args.mamba_strategy_reason.startswith(f"auto chose {expected}")
+
+
+def test_extra_buffer_predicates():
+    lazy = ServerArgs(mamba_scheduler_strategy="extra_buffer_lazy")
+    assert lazy.enable_mamba_extra_buffer() and lazy.enable_mamba_extra_buffer_lazy()
+    eb = ServerArgs(mamba_scheduler_strategy="extra_buffer")
+    assert eb.enable_mamba_extra_buffer() and not eb.enable_mamba_extra_buffer_lazy()
+    no_radix = ServerArgs(mamba_scheduler_strategy="extra_buffer", disable_radix_cache=True)
+    assert not no_radix.enable_mamba_extra_buffer()
+    nb = ServerArgs(mamba_scheduler_strategy="no_buffer")
+    assert not nb.enable_mamba_extra_buffer() and not nb.enable_overlap_schedule
+
+
+def test_lazy_without_overlap_is_allowed_and_logged(caplog):
+    with caplog.at_level(logging.INFO):
+        args = ServerArgs(mamba_scheduler_strategy="extra_buffer_lazy", disable_overlap_schedule=True)
+    assert args.enable_mamba_extra_buffer_lazy() and args.mamba_ping_pong_track_buffer_size == 1
+    assert "runs like extra_buffer with one track slot" in caplog.text
+
+
+def test_defaults_are_aligned_to_the_cache_chunk():
+    big_page = ServerArgs(model_path="tiny-qwen3-next", page_size=512)
+    assert big_page.mamba_cache_chunk_size == 512
+    assert big_page.mamba_track_interval == 512 and big_page.chunked_prefill_size == 2048
+    assert ServerArgs(chunked_prefill_size=-1).chunked_prefill_enabled is False
+    assert ServerArgs(chunked_prefill_size=0).chunked_prefill_size == -1
+    # Unaligned sizes are fine when no checkpoint depends on them.
+    assert (
+        ServerArgs(mamba_scheduler_strategy="no_buffer", chunked_prefill_size=100).chunked_prefill_size == 100
+    )
+    assert ServerArgs(disable_radix_cache=True, mamba_track_interval=100).mamba_track_interval == 100
+
+
+REFUSED = [
+    ({"mamba_scheduler_strategy": "no_buffer", "page_size": 16}, "no_buffer needs --page-size 1"),
+    ({"mamba_scheduler_strategy": "extra_buffer", "chunked_prefill_size": 100}, "--chunked-prefill-size 100 must be a multiple of the mamba cache chunk size 64"),
+    ({"mamba_scheduler_strategy": "extra_buffer_lazy", "mamba_track_interval": 100}, "--mamba-track-interval 100 must be a multiple of the mamba cache chunk size 64"),
+    ({"model_path": "tiny-nemotron-h", "chunked_prefill_size": 48}, "--chunked-prefill-size 48 must be a multiple of the mamba cache chunk size 32"),
+    ({"page_size": 128, "mamba_track_interval": 64}, "--mamba-track-interval 64 must be a multiple of the mamba cache chunk size 128"),
+    ({"page_size": 48}, "--page-size 48 and the model's state chunk 64"),
+    ({"page_size": 0}, "--page-size must be a positive integer"),
+    ({"port": 0}, "--port must be between 1 and 65535"),
+    ({"context_length": 100000}, "--context-length 100000 exceeds the model's max_position_embeddings"),
+    ({"context_length": 0}, "--context-length must be a positive integer"),
+    ({"tp_size": 2}, "--tp-size 2 is not supported"),
+    ({"mem_fraction_static": 1.5}, "--mem-fraction-static must be between 0 and 1"),
+    ({"max_running_requests": 0}, "--max-running-requests must be a positive integer"),
+    ({"max_total_tokens": -3}, "--max-total-tokens must be a positive integer"),
+    ({"max_mamba_cache_size": 0}, "--max-mamba-cache-size must be a positive integer"),
+    ({"chunked_prefill_size": -5}, "--chunked-prefill-size must be positive, or -1"),
+    ({"mamba_full_memory_ratio": 0}, "--mamba-full-memory-ratio must be positive"),
+    ({"mamba_track_interval": 0}, "--mamba-track-interval must be a positive integer"),
+    ({"stream_interval": 0}, "--stream-interval must be a positive integer"),
+    ({"mamba_scheduler_strategy": "bogus"}, "--mamba-scheduler-strategy must be one of"),
+    ({"dtype": "int8"}, "--dtype must be one of"),
+    ({"mamba_ssm_dtype": "int8"}, "--mamba-ssm-dtype must be one of"),
+    ({"disaggregation_mode": "both"}, "--disaggregation-mode must be one of"),
+    ({"disaggregation_decode_extra_slots": -1}, "--disaggregation-decode-extra-slots must be 0 or more"),
+    ({"model_path": "/nonexistent/model"}, "--model-path '/nonexistent/model' cannot be served"),
+    ({"device": "cuda"}, "--device cuda was given, but no CUDA device is available"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs,message", REFUSED, ids=[m.split()[0] + str(i) for i, (_, m) in enumerate(REFUSED)]
+)
+def test_refused_combinations_name_the_flag(kwargs, message):
+    with pytest.raises(ServerArgsError) as err:
+        ServerArgs(**kwargs)
+    text = str(err.value)
+    assert message in text
+    assert text.count(". ") == 0 and text.endswith("."), "one sentence"
+
+
+def test_pd_decode_turns_radix_off_and_falls_back_to_no_buffer(caplog):
+    with caplog.at_level(logging.WARNING):
+        args = ServerArgs(
+            disaggregation_mode="decode", mamba_scheduler_strategy="extra_buffer_lazy", page_size=16
+        )
+    assert args.disable_radix_cache
+    assert args.mamba_scheduler_strategy == "no_buffer" and not args.enable_mamba_extra_buffer()
+    assert "falls back to no_buffer" in caplog.text and "radix cache is turned off" in caplog.text
+    # The radix cache being off, no_buffer's page-size rule does not apply and overlap stays on.
+    assert args.page_size == 16 and args.enable_overlap_schedule
+    prefill = ServerArgs(disaggregation_mode="prefill", mamba_scheduler_strategy="extra_buffer")
+    assert prefill.mamba_scheduler_strategy == "extra_buffer" and not prefill.disable_radix_cache
+
+
+def test_server_args_pickle_for_subprocesses():
+    import pickle
+
+    args = ServerArgs(model_path="tiny-nemotron-h")
+    assert args.model_config.arch.kernel_state_chunk == 32
+    clone = pickle.loads(pickle.dumps(args))
+    assert clone.mamba_scheduler_strategy == args.mamba_scheduler_strategy
+    assert clone.mamba_cache_chunk_size == 32
+
+
+def test_env_registry_override_reaches_subprocesses():
+    var = envs.SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL
+    assert var.get() == 0 and not var.is_set()
+    code = "from sglang.srt.environ import envs; print(envs.SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL.get())"
+    with var.override(2):
+        assert var.get() == 2
+        out = subprocess.check_output([sys.executable, "-c", code], text=True)
+        assert out.strip() == "2"
+    assert var.get() == 0 and "SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL" not in os.environ
+    with envs.SGLANG_TEST_SKIP_DEFERRED_COW.override(True):
+        assert envs.SGLANG_TEST_SKIP_DEFERRED_COW.get() is True
+    os.environ["SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL"] = "often"
+    try:
+        with pytest.raises(ValueError, match="SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL='often'"):
+            var.get()
+    finally:
+        del os.environ["SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL"]
+    assert {v.name for v in envs.all()} >= {"SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL", "SGLANG_CACHE_DIR"}
