@@ -1,0 +1,94 @@
+"""The prefix-cache contract the scheduler programs against, with typed results.
+
+Safety rules:
+- KV indices and the checkpoint slot of a match are only safe to use while the matched node is locked
+  (`inc_lock_ref`). The scheduler matches and admits a request in one step and locks at admission; a
+  request that matched but is not admitted releases what the match gave it (`release_match`).
+- A request holds at most one lock, on `req.last_node`, and only on a node that carries a checkpoint
+  (or the root).
+- Every slot or page handed to the cache belongs to it afterwards; the cache frees what it does not keep.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+
+@dataclass
+class MatchResult:
+    """`device_indices`: KV slots of the matched prefix, up to the deepest checkpoint. `last_device_node`:
+    the node holding that checkpoint (the root if none). `mamba_branching_seqlen`: the chunk-aligned end
+    of a deeper KV match without a checkpoint, where the next prefill should take a snapshot."""
+
+    device_indices: list[int]
+    last_device_node: Any
+    mamba_branching_seqlen: int | None = None
+    kv_match_len: int = 0
+
+
+@dataclass
+class InsertResult:
+    prefix_len: int
+    mamba_exist: bool
+
+
+@dataclass
+class EvictResult:
+    num_tokens_evicted: int = 0
+    num_mamba_evicted: int = 0
+
+
+class BasePrefixCache(ABC):
+    page_size: int
+
+    @abstractmethod
+    def match_prefix(self, key: list[int], cow_mamba: bool = False, req: Req | None = None) -> MatchResult:
+        """Longest usable cached prefix of `key`. With `cow_mamba` and a checkpoint hit, `req` gets a
+        running slot (allocated here, evicting a checkpoint if needed) and `mamba_cow_src_index`; the
+        copy itself is deferred to the forward stream."""
+
+    @abstractmethod
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        """Insert what a finished request can give the tree, free everything else it holds, unlock."""
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        """Insert the prefix of a request that continues (chunked prefill); it keeps running."""
+
+    @abstractmethod
+    def release_match(self, req: Req) -> None:
+        """Undo what `match_prefix` gave a request that is not admitted (COW slot, flags)."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int = 0, mamba_num: int = 0) -> EvictResult: ...
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> None: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> None: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    def supports_mamba(self) -> bool:
+        return True
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def mamba_evictable_size(self) -> int:
+        return 0
+
+    def held_kv_slots(self) -> list[int]:
+        """Every KV slot the cache owns (for the accounting check)."""
+        return []
+
+    def held_mamba_slots(self) -> list[int]:
+        """Every mamba slot the cache owns (for the accounting check)."""
+        return []

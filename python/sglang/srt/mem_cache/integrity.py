@@ -1,0 +1,94 @@
+"""One accounting check for both pools (run whenever the scheduler is idle, and after every step of
+the property tests):
+
+    free + held by requests + reserved by an open group + held by the tree == total
+
+for KV pages and mamba slots, with no page or slot in two places, plus the request rows and the tree's
+own invariants. Every holder is counted: running slots, track slots, COW destinations of waiting
+requests, an open allocation group, tree nodes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+
+def _partition(what: str, total: set[int], holders: dict[str, list[int]]) -> None:
+    counts = Counter()
+    for slots in holders.values():
+        counts.update(slots)
+    twice = sorted(s for s, c in counts.items() if c > 1)
+    assert not twice, f"{what} held twice: {twice[:10]} ({ {k: len(v) for k, v in holders.items()} })"
+    held = set(counts)
+    missing, extra = total - held, held - total
+    assert not missing, f"{what} leaked (held by nobody): {sorted(missing)[:10]}"
+    assert not extra, f"{what} outside the pool: {sorted(extra)[:10]}"
+
+
+def check_integrity(
+    tree: BasePrefixCache,
+    req_to_token_pool: HybridReqToTokenPool,
+    token_allocator: PagedTokenAllocator,
+    reqs: Iterable[Req],
+) -> None:
+    reqs = list(reqs)
+    page = token_allocator.page_size
+    req_pages = []
+    for r in reqs:
+        req_pages += sorted({t // page for t in r.kv_indices[r.cache_protected_len :]})
+    _partition(
+        "KV page",
+        set(range(1, token_allocator.num_pages + 1)),
+        {
+            "free": list(token_allocator._free_pages),
+            "requests": req_pages,
+            "tree": sorted({t // page for t in tree.held_kv_slots()}),
+        },
+    )
+    alloc = req_to_token_pool.mamba_allocator
+    _partition(
+        "mamba slot",
+        set(range(1, alloc.size + 1)),
+        {
+            "free": list(alloc._free),
+            "group": list(alloc._group or ()),
+            "requests": [s for r in reqs for s in req_to_token_pool.mamba_slots_of(r)],
+            "tree": tree.held_mamba_slots(),
+        },
+    )
+    _partition(
+        "request row",
+        set(range(1, req_to_token_pool.size + 1)),
+        {
+            "free": list(req_to_token_pool.free_slots),
+            "requests": [r.req_pool_idx for r in reqs if r.req_pool_idx],
+        },
+    )
+    sanity = getattr(tree, "sanity_check", None)
+    if sanity is None:
+        return
+    sanity()
+    locks = Counter(id(r.last_node) for r in reqs if r.last_node is not None and r.last_node is not tree.root)
+    for node in tree.nodes():
+        if node is tree.root:
+            continue
+        assert node.mamba_lock_ref == locks.get(id(node), 0), f"{node}: lock count != requests holding it"
+    for r in reqs:
+        if r.last_node is None:
+            assert r.cache_protected_len == 0, f"{r} protects KV without a tree lock"
+            continue
+        path = []
+        node = r.last_node
+        while node is not None:
+            path[:0] = node.value
+            node = node.parent
+        assert r.kv_indices[: r.cache_protected_len] == path, f"{r}: protected KV differs from its tree path"

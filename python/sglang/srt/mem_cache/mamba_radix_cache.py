@@ -1,0 +1,458 @@
+"""`MambaRadixCache`: a radix tree over token ids whose nodes hold KV slots and, optionally, a checkpoint
+of the recurrent state after their last token.
+
+A recurrent state is a value at one position: it cannot be split or truncated like per-token KV. So a
+match is usable only down to the deepest node with a checkpoint; splitting an edge leaves a tombstone
+parent; and states reach the tree by donation: a request hands over a slot that already holds the right
+state (its running slot when it finishes under `no_buffer`, a track slot under the extra-buffer
+strategies) and, if it continues, takes a fresh slot in exchange. The only copies are COW on a hit
+(tree -> request, deferred to the forward stream) and the `no_buffer` snapshot of a chunked request
+(request -> tree), queued in `pending_state_copies` for the forward stream.
+
+Slots and pages are host ints. Allocation never asserts: when a slot cannot be had even after evicting
+one checkpoint, the operation degrades (no hit, or no checkpoint) and says so to its caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, EvictResult, InsertResult, MatchResult
+from sglang.srt.mem_cache.mamba_tree import LRUList, TreeNode
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
+
+
+class MambaRadixCache(BasePrefixCache):
+    def __init__(
+        self,
+        req_to_token_pool: HybridReqToTokenPool,
+        token_allocator: PagedTokenAllocator,
+        page_size: int = 1,
+        cache_chunk_size: int = 64,
+        enable_mamba_extra_buffer: bool = True,
+    ):
+        if not enable_mamba_extra_buffer and page_size != 1:
+            raise ValueError("MambaRadixCache without an extra buffer (no_buffer) needs page_size 1.")
+        self.req_to_token_pool = req_to_token_pool
+        self.token_allocator = token_allocator
+        self.mamba_allocator = req_to_token_pool.mamba_allocator
+        self.page_size = page_size
+        self.cache_chunk_size = cache_chunk_size
+        self.enable_mamba_extra_buffer = enable_mamba_extra_buffer
+        # (src, dst) state copies the forward stream must run before any later batch reads dst.
+        self.pending_state_copies: list[tuple[int, int]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.root = TreeNode()
+        self.root.full_lock_ref = 1
+        self.full_lru = LRUList()
+        self.mamba_lru = LRUList()
+        self.full_evictable_size_ = 0
+        self.full_protected_size_ = 0
+        self.mamba_evictable_size_ = 0
+        self.mamba_protected_size_ = 0
+        self.pending_state_copies = []
+
+    # ---- keys --------------------------------------------------------------------------------------
+
+    def _child_key(self, key: list[int], start: int = 0):
+        return key[start] if self.page_size == 1 else tuple(key[start : start + self.page_size])
+
+    def _match_len(self, node_key: list[int], key: list[int], start: int) -> int:
+        """Common prefix of node_key and key[start:], in whole pages."""
+        n = 0
+        limit = min(len(node_key), len(key) - start)
+        while n < limit and node_key[n] == key[start + n]:
+            n += 1
+        return n - n % self.page_size
+
+    def _page_aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    # ---- match -------------------------------------------------------------------------------------
+
+    def match_prefix(self, key: list[int], cow_mamba: bool = False, req: Req | None = None) -> MatchResult:
+        key = key[: self._page_aligned(len(key))]
+        node, matched = self.root, 0
+        best_node, best_len = self.root, 0
+        values: list[list[int]] = []
+        while matched < len(key):
+            child = node.children.get(self._child_key(key, matched))
+            if child is None:
+                break
+            n = self._match_len(child.key, key, matched)
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split_node(child, n)
+            values.append(child.value)
+            matched += n
+            node = child
+            if child.mamba_value is not None:
+                best_node, best_len = child, matched
+            if n < len(child.key):
+                break
+        if node is not self.root:
+            self.full_lru.touch_path(node, self.root)
+        if best_node is not self.root:
+            # Only the consumed checkpoint is refreshed (upstream #31643): refreshing the whole chain
+            # clusters a session's states and evicts cold sessions wholesale.
+            self.mamba_lru.touch(best_node)
+            best_node.hit_count += 1
+
+        branching = None
+        if self.enable_mamba_extra_buffer and matched > best_len:
+            b = matched // self.cache_chunk_size * self.cache_chunk_size
+            branching = b if b > best_len else None
+
+        if cow_mamba and best_node is not self.root and req is not None:
+            if not self._prepare_cow(best_node, req):
+                best_node, best_len = self.root, 0
+        if req is not None:
+            req.mamba_branching_seqlen = branching
+        indices = [v for part in values for v in part][:best_len]
+        return MatchResult(indices, best_node, branching, matched)
+
+    def _prepare_cow(self, node: TreeNode, req: Req) -> bool:
+        """Give `req` a running slot to copy `node`'s checkpoint into; the copy runs on the forward
+        stream. False if no slot can be had (the match then degrades to no hit)."""
+        if req.mamba_pool_idx is None:
+            self.inc_lock_ref(node)  # the source must survive the evict-and-retry below
+            slot = self.alloc_mamba_slot()
+            self.dec_lock_ref(node)
+            if slot is None:
+                return False
+            req.mamba_pool_idx = slot
+        req.mamba_cow_src_index = node.mamba_value
+        req.mamba_needs_clear = False
+        return True
+
+    def release_match(self, req: Req) -> None:
+        if req.req_pool_idx is None and req.mamba_pool_idx is not None:
+            self.mamba_allocator.free([req.mamba_pool_idx])
+            req.mamba_pool_idx = None
+        req.mamba_cow_src_index = None
+        req.mamba_needs_clear = False
+        req.mamba_branching_seqlen = None
+
+    def alloc_mamba_slot(self) -> int | None:
+        """One slot; if the pool is dry, evict one checkpoint and retry once."""
+        slots = self.mamba_allocator.alloc(1)
+        if slots is None:
+            self.evict_mamba(1)
+            slots = self.mamba_allocator.alloc(1)
+        return slots[0] if slots else None
+
+    # ---- insert ------------------------------------------------------------------------------------
+
+    def insert(
+        self, key: list[int], value: list[int], mamba_value: int, prev_prefix_len: int = 0
+    ) -> InsertResult:
+        """Insert `key` -> KV `value` with a checkpoint `mamba_value` after its last token. KV that the tree
+        already holds at positions >= prev_prefix_len is freed (the caller's duplicates). If the end node
+        already has a checkpoint, `mamba_exist` is true and the caller keeps (and must free) its slot."""
+        assert len(key) == len(value) and len(key) % self.page_size == 0
+        if not key:
+            return InsertResult(0, True)
+        node, i = self.root, 0
+        duplicates: list[int] = []
+        while i < len(key):
+            child = node.children.get(self._child_key(key, i))
+            if child is None:
+                break
+            n = self._match_len(child.key, key, i)
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split_node(child, n)
+            for pos in range(max(i, prev_prefix_len), i + n):
+                assert value[pos] != child.value[pos - i], "the caller passed tree-owned KV as its own"
+                duplicates.append(value[pos])
+            node, i = child, i + n
+        if duplicates:
+            self.token_allocator.free(duplicates)
+        if i < len(key):
+            node = self._add_leaf(node, key[i:], value[i:], mamba_value)
+            self.full_lru.touch_path(node, self.root)
+            return InsertResult(i, False)
+        self.full_lru.touch_path(node, self.root)
+        if node.mamba_value is not None:
+            self.mamba_lru.touch(node)
+            return InsertResult(i, True)
+        self._set_checkpoint(node, mamba_value)
+        return InsertResult(i, False)
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int], mamba_value: int) -> TreeNode:
+        node = TreeNode(list(key), list(value), parent)
+        parent.children[self._child_key(node.key)] = node
+        self.full_lru.insert_mru(node)
+        self.full_evictable_size_ += len(value)
+        self._set_checkpoint(node, mamba_value)
+        return node
+
+    def _set_checkpoint(self, node: TreeNode, slot: int) -> None:
+        assert node.mamba_value is None and node.mamba_lock_ref == 0
+        node.mamba_value = slot
+        self.mamba_lru.insert_mru(node)
+        self.mamba_evictable_size_ += 1
+
+    def _split_node(self, child: TreeNode, n: int) -> TreeNode:
+        """Split `child` after n tokens; the new parent is a tombstone (a state cannot be split) and
+        inherits the full locks of the path through it."""
+        parent = child.parent
+        new = TreeNode(child.key[:n], child.value[:n], parent)
+        new.full_lock_ref = child.full_lock_ref
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], new
+        new.children[self._child_key(child.key)] = child
+        parent.children[self._child_key(new.key)] = new
+        self.full_lru.insert_before(new, child)
+        return new
+
+    # ---- caching requests --------------------------------------------------------------------------
+
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        pool = self.req_to_token_pool
+        kv_len = len(req.kv_indices)
+        protected = req.cache_protected_len
+        if self.enable_mamba_extra_buffer:
+            cache_len = req.mamba_last_track_seqlen or 0
+        else:
+            cache_len = kv_len
+        keep_idx = None
+        if is_insert and protected < cache_len <= kv_len:
+            if self.enable_mamba_extra_buffer:
+                keep_idx = pool.get_mamba_ping_pong_keep_idx(req)
+                slot = req.mamba_ping_pong_track_buffer[keep_idx]
+            else:
+                slot = req.mamba_pool_idx
+            assert slot is not None and slot != -1, f"{req} has no snapshot for position {cache_len}"
+            res = self.insert(req.all_ids[:cache_len], req.kv_indices[:cache_len], slot, protected)
+            if res.mamba_exist:
+                keep_idx = None
+            elif not self.enable_mamba_extra_buffer:
+                req.mamba_pool_idx = None  # donated to the tree
+            own_from = cache_len
+        else:
+            own_from = protected
+        if kv_len > own_from:
+            self.token_allocator.free(req.kv_indices[own_from:kv_len])
+        pool.free_mamba_cache(req, keep_idx)
+        self._release_lock(req)
+        pool.free(req)
+        req.kv_indices = []
+        req.cache_protected_len = 0
+
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        pool = self.req_to_token_pool
+        protected = req.cache_protected_len
+        if self.enable_mamba_extra_buffer:
+            cache_len = req.mamba_last_track_seqlen
+            if cache_len is None or cache_len <= protected:
+                return
+        else:
+            cache_len = len(req.kv_indices)
+            if cache_len <= protected:
+                return
+        new_slot = self.alloc_mamba_slot()
+        if new_slot is None:
+            logger.debug("No mamba slot for the checkpoint of %s at %d: skipped.", req, cache_len)
+            return
+        if self.enable_mamba_extra_buffer:
+            keep_idx = pool.get_mamba_ping_pong_keep_idx(req)
+            snapshot = pool.exchange_mamba_ping_pong_slot(req, keep_idx, new_slot)
+        else:
+            snapshot = new_slot
+        key = req.all_ids[:cache_len]
+        res = self.insert(key, req.kv_indices[:cache_len], snapshot, protected)
+        if res.mamba_exist:
+            self.mamba_allocator.free([snapshot])
+        elif not self.enable_mamba_extra_buffer:
+            self.pending_state_copies.append((req.mamba_pool_idx, snapshot))
+
+        match = self.match_prefix(key)
+        node = match.last_device_node
+        assert len(match.device_indices) == cache_len and node.mamba_value is not None
+        if req.kv_indices[protected:cache_len] != match.device_indices[protected:]:
+            req.kv_indices[protected:cache_len] = match.device_indices[protected:]
+            req.mark_req_to_token_dirty(protected)
+        self._release_lock(req)
+        self.inc_lock_ref(node)
+        req.last_node = node
+        req.cache_protected_len = cache_len
+        req.mamba_last_track_seqlen = None
+
+    def take_pending_state_copies(self) -> list[tuple[int, int]]:
+        out, self.pending_state_copies = self.pending_state_copies, []
+        return out
+
+    def _release_lock(self, req: Req) -> None:
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+            req.last_node = None
+
+    # ---- locks -------------------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        if node is self.root:
+            return
+        assert node.mamba_value is not None, "requests lock only nodes with a checkpoint"
+        if node.mamba_lock_ref == 0:
+            self.mamba_evictable_size_ -= 1
+            self.mamba_protected_size_ += 1
+        node.mamba_lock_ref += 1
+        while node is not self.root:
+            if node.full_lock_ref == 0:
+                self.full_evictable_size_ -= len(node.value)
+                self.full_protected_size_ += len(node.value)
+            node.full_lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        if node is self.root:
+            return
+        assert node.mamba_lock_ref > 0
+        node.mamba_lock_ref -= 1
+        if node.mamba_lock_ref == 0:
+            self.mamba_evictable_size_ += 1
+            self.mamba_protected_size_ -= 1
+        while node is not self.root:
+            assert node.full_lock_ref > 0
+            node.full_lock_ref -= 1
+            if node.full_lock_ref == 0:
+                self.full_evictable_size_ += len(node.value)
+                self.full_protected_size_ -= len(node.value)
+            node = node.parent
+
+    # ---- eviction ----------------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int = 0, mamba_num: int = 0) -> EvictResult:
+        return EvictResult(self.evict_full(num_tokens), self.evict_mamba(mamba_num))
+
+    def evict_full(self, num_tokens: int) -> int:
+        """Evict unlocked leaves in LRU order (with their checkpoints, then tombstone parents that become
+        leaves) until `num_tokens` KV slots are free or nothing is evictable."""
+        freed = 0
+        while freed < num_tokens:
+            leaf = next((n for n in self.full_lru if n.is_leaf and n.full_lock_ref == 0), None)
+            if leaf is None:
+                break
+            freed += self._evict_leaf(leaf)
+        return freed
+
+    def evict_mamba(self, num: int) -> int:
+        """Free `num` unlocked checkpoints in LRU order: an inner node becomes a tombstone (its KV stays
+        usable as a path), a leaf is evicted whole."""
+        freed = 0
+        while freed < num:
+            node = next((n for n in self.mamba_lru if n.mamba_lock_ref == 0), None)
+            if node is None:
+                break
+            if node.is_leaf:
+                assert node.full_lock_ref == 0
+                self._evict_leaf(node)
+            else:
+                self._drop_checkpoint(node)
+            freed += 1
+        return freed
+
+    def _drop_checkpoint(self, node: TreeNode) -> None:
+        assert node.mamba_lock_ref == 0
+        self.mamba_allocator.free([node.mamba_value])
+        node.mamba_value = None
+        self.mamba_lru.remove(node)
+        self.mamba_evictable_size_ -= 1
+
+    def _evict_leaf(self, leaf: TreeNode) -> int:
+        freed = 0
+        node = leaf
+        while node is not self.root and node.is_leaf and node.full_lock_ref == 0:
+            if node is not leaf and node.mamba_value is not None:
+                break  # a parent with a checkpoint is a legitimate leaf now
+            parent = node.parent
+            if node.mamba_value is not None:
+                self._drop_checkpoint(node)
+            self.token_allocator.free(node.value)
+            freed += len(node.value)
+            self.full_evictable_size_ -= len(node.value)
+            self.full_lru.remove(node)
+            del parent.children[self._child_key(node.key)]
+            node = parent
+        return freed
+
+    # ---- sizes and accounting ----------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        return self.full_evictable_size_
+
+    def protected_size(self) -> int:
+        return self.full_protected_size_
+
+    def mamba_evictable_size(self) -> int:
+        return self.mamba_evictable_size_
+
+    def mamba_protected_size(self) -> int:
+        return self.mamba_protected_size_
+
+    def nodes(self) -> list[TreeNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def held_kv_slots(self) -> list[int]:
+        return [v for n in self.nodes() for v in n.value]
+
+    def held_mamba_slots(self) -> list[int]:
+        return [n.mamba_value for n in self.nodes() if n.mamba_value is not None]
+
+    def total_size(self) -> int:
+        return self.full_evictable_size_ + self.full_protected_size_
+
+    # ---- sanity ------------------------------------------------------------------------------------
+
+    def sanity_check(self) -> None:
+        """Structural invariants of the tree (see `mamba_tree`); raises AssertionError on a violation."""
+        nodes = self.nodes()
+        non_root = [n for n in nodes if n is not self.root]
+        assert len(self.full_lru) == len(non_root), "the full LRU must hold every non-root node"
+        assert all(n in self.full_lru for n in non_root)
+        with_ckpt = [n for n in non_root if n.mamba_value is not None]
+        assert len(self.mamba_lru) == len(with_ckpt), "the mamba LRU must hold exactly the checkpoints"
+        assert all(n in self.mamba_lru for n in with_ckpt)
+        assert self.root.mamba_value is None and self.root.full_lock_ref == 1
+        full_evictable = full_protected = mamba_evictable = mamba_protected = 0
+        for n in non_root:
+            assert n.key and len(n.key) == len(n.value) and len(n.key) % self.page_size == 0
+            assert n.parent.children.get(self._child_key(n.key)) is n
+            assert not (n.is_leaf and n.mamba_value is None), f"tombstone leaf {n}"
+            direct = n.full_lock_ref - sum(c.full_lock_ref for c in n.children.values())
+            assert direct >= 0, f"{n} has fewer full locks than its children"
+            if n.mamba_value is None:
+                assert direct == 0 and n.mamba_lock_ref == 0, f"locked tombstone {n}"
+            else:
+                assert n.mamba_lock_ref == direct, f"{n}: mamba locks != direct locks"
+            if n.full_lock_ref:
+                full_protected += len(n.value)
+            else:
+                full_evictable += len(n.value)
+            if n.mamba_value is not None:
+                if n.mamba_lock_ref:
+                    mamba_protected += 1
+                else:
+                    mamba_evictable += 1
+        assert (full_evictable, full_protected) == (self.full_evictable_size_, self.full_protected_size_)
+        assert (mamba_evictable, mamba_protected) == (self.mamba_evictable_size_, self.mamba_protected_size_)
+        kv = self.held_kv_slots()
+        assert len(kv) == len(set(kv)), "a KV slot appears twice in the tree"
+        ckpts = self.held_mamba_slots()
+        assert len(ckpts) == len(set(ckpts)), "a checkpoint slot appears twice in the tree"

@@ -1,0 +1,113 @@
+"""How big the pools are: KV tokens, mamba slots, request rows, the running cap.
+
+Slots come from `--max-mamba-cache-size`, else from a memory budget split between state and KV by
+`--mamba-full-memory-ratio` r (state : KV = r : 1). Tokens come from `--max-total-tokens`, else from the
+rest of the budget. The budget is `--mem-fraction-static` of the device memory minus the weights (on
+CPU the default fraction is 2% of RAM: the tiny presets need little, and tests start many engines).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from sglang.srt.configs.hybrid_arch import HybridArchConfig
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MEM_FRACTION = 0.02
+GPU_DEFAULT_MEM_FRACTION = 0.85
+MAX_RUNNING_REQUESTS_CAP = 4096
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    max_total_tokens: int
+    max_mamba_cache_size: int
+    max_running_requests: int
+    resident_slots_per_req: int
+    mamba_bytes_per_slot: int
+    kv_bytes_per_token: int
+
+    @property
+    def req_pool_size(self) -> int:
+        return self.max_running_requests
+
+
+def resident_slots_per_req(server_args: ServerArgs) -> int:
+    """Slots a running request holds between track boundaries: its running slot, plus the resident
+    track slots (lazy: 1; extra_buffer: 2 with overlap, 1 without)."""
+    if not server_args.enable_mamba_extra_buffer():
+        return 1
+    if server_args.enable_mamba_extra_buffer_lazy():
+        return 2
+    return 1 + server_args.mamba_ping_pong_track_buffer_size
+
+
+def device_memory_bytes(device: str) -> int:
+    if device == "cuda":
+        free, _total = torch.cuda.mem_get_info()
+        return free
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def compute_pool_sizes(
+    server_args: ServerArgs, arch: HybridArchConfig, weight_bytes: int, device_memory: int | None = None
+) -> PoolSizes:
+    dtype = server_args.model_config.torch_dtype
+    per_slot = arch.mamba_cache_per_req(dtype, server_args.mamba_ssm_dtype)
+    per_token = arch.kv_bytes_per_token(dtype)
+    resident = resident_slots_per_req(server_args)
+    slots, tokens = server_args.max_mamba_cache_size, server_args.max_total_tokens
+
+    if slots is None or tokens is None:
+        if device_memory is None:
+            device_memory = device_memory_bytes(server_args.device)
+        default_fraction = (
+            CPU_DEFAULT_MEM_FRACTION if server_args.device == "cpu" else GPU_DEFAULT_MEM_FRACTION
+        )
+        fraction = server_args.mem_fraction_static or default_fraction
+        rest = int(device_memory * fraction) - weight_bytes
+        if rest <= 0:
+            raise ServerArgsError(
+                f"--mem-fraction-static {fraction} leaves no memory for the caches after the weights "
+                f"({weight_bytes} bytes)."
+            )
+        r = server_args.mamba_full_memory_ratio
+        if slots is None:
+            state_budget = rest - tokens * per_token if tokens is not None else int(rest * r / (1 + r))
+            slots = state_budget // per_slot
+        if tokens is None:
+            tokens = (rest - slots * per_slot) // max(per_token, 1)
+
+    if slots < resident:
+        raise ServerArgsError(
+            f"--max-mamba-cache-size {slots} is smaller than the {resident} slot(s) one request needs with "
+            f"--mamba-scheduler-strategy {server_args.mamba_scheduler_strategy}."
+        )
+    page = server_args.page_size
+    if tokens < 2 * page:
+        raise ServerArgsError(
+            f"--max-total-tokens {tokens} is smaller than the two pages of {page} token(s) one request needs."
+        )
+    tokens = tokens // page * page
+    derived = min(slots // resident, tokens // 2, MAX_RUNNING_REQUESTS_CAP)
+    running = server_args.max_running_requests or max(1, derived)
+    if server_args.max_running_requests and running > slots // resident:
+        logger.warning(
+            "--max-running-requests %d exceeds what %d mamba slots hold at %d per request; "
+            "requests beyond that wait in the queue.",
+            running, slots, resident,
+        )  # fmt: skip
+    return PoolSizes(
+        max_total_tokens=tokens,
+        max_mamba_cache_size=slots,
+        max_running_requests=running,
+        resident_slots_per_req=resident,
+        mamba_bytes_per_slot=per_slot,
+        kv_bytes_per_token=per_token,
+    )

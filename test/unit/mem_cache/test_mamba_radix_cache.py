@@ -1,0 +1,282 @@
+"""MambaRadixCache operations, one scenario each; every test ends with the accounting check."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.mem_cache_sim import MemCacheSim, tag
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+
+def _insert(sim: MemCacheSim, key: list[int], prev: int = 0, tree_values: list[int] | None = None) -> tuple:
+    """Insert `key` with fresh KV (tree-owned values for the first `prev` positions) and a fresh
+    checkpoint tagged with `key`; returns (InsertResult, checkpoint slot)."""
+    fresh = sim.kv.alloc_extend(prev, len(key), (tree_values or [0])[-1] if prev else 0)
+    for i, s in enumerate(fresh):
+        sim.kv_tags[s] = tag(key[: prev + i + 1])
+    slot = sim.pool.mamba_allocator.alloc(1)[0]
+    sim.write_state(slot, key)
+    res = sim.tree.insert(key, (tree_values or [])[:prev] + fresh, slot, prev)
+    if res.mamba_exist:
+        sim.pool.mamba_allocator.free([slot])
+    return res, slot
+
+
+def _match_len(sim: MemCacheSim, key: list[int]) -> int:
+    m = sim.tree.match_prefix(key)
+    sim.assert_match_tags(key, m.device_indices, m.last_device_node)
+    return len(m.device_indices)
+
+
+def test_upstream_scenario_insert_split_evict():
+    sim = MemCacheSim(chunk=2, extra_buffer=False)
+    _insert(sim, [1, 2, 3])
+    _insert(sim, [1, 2, 3, 4, 5, 6, 7])
+    _insert(sim, [10, 11, 12])
+    _insert(sim, [1, 2, 3, 4, 5, 60, 70])
+    sim.check()
+    m = sim.tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert len(m.device_indices) == 7 and m.last_device_node.key == [6, 7]
+    split = m.last_device_node.parent
+    assert split.key == [4, 5] and split.mamba_value is None, "the split parent is a tombstone"
+    assert _match_len(sim, [1, 2, 3, 4, 5, 99]) == 3, "KV through the tombstone, state only at [1,2,3]"
+    sim.check()
+
+    # LRU order is now [10,11,12] < [1,2,3] < [4,5] < [60,70] < [6,7] (the match refreshed its path).
+    assert sim.tree.evict(num_tokens=1).num_tokens_evicted == 3
+    assert _match_len(sim, [10, 11, 12]) == 0
+    assert sim.tree.evict(num_tokens=1).num_tokens_evicted == 2  # [60,70]
+    assert _match_len(sim, [1, 2, 3, 4, 5, 6, 7]) == 7
+    # Mamba LRU: a([1,2,3]) is the least recent checkpoint and an inner node: it becomes a tombstone.
+    assert sim.tree.evict(mamba_num=1).num_mamba_evicted == 1
+    assert _match_len(sim, [1, 2, 3]) == 0
+    assert _match_len(sim, [1, 2, 3, 4, 5, 6, 7]) == 7, "the deeper checkpoint still works through tombstones"
+    assert sim.tree.evict(mamba_num=1).num_mamba_evicted == 1
+    assert sim.tree.total_size() == 0, "the last leaf went, and every tombstone ancestor with it"
+    sim.check()
+
+
+def test_mamba_lru_refreshes_only_the_consumed_node():
+    sim = MemCacheSim(chunk=2, extra_buffer=False)
+    _, a = _insert(sim, [1, 2, 3, 4])
+    _, b = _insert(sim, [1, 2, 3, 4, 5, 6, 7, 8])
+    _, c = _insert(sim, [20, 21, 22, 23])
+    assert _match_len(sim, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    sim.tree.evict_mamba(1)
+    held = set(sim.tree.held_mamba_slots())
+    assert held == {b, c}, "refreshing the whole chain would have evicted the other session's c"
+    sim.check()
+
+
+def test_insert_frees_duplicates_only_past_prev_prefix_len():
+    sim = MemCacheSim(chunk=2, extra_buffer=False)
+    key = list(range(1, 11))
+    _insert(sim, key[:6])
+    tree_values = sim.tree.match_prefix(key[:6]).device_indices
+    free0 = sim.kv.available_size()
+    res, _ = _insert(sim, key, prev=6, tree_values=tree_values)
+    assert res.prefix_len == 6 and not res.mamba_exist
+    assert sim.kv.available_size() == free0 - 4, "positions 6..9 are new; nothing freed"
+    free1 = sim.kv.available_size()
+    res, _ = _insert(sim, key, prev=3, tree_values=tree_values)
+    assert res.mamba_exist and res.prefix_len == 10
+    assert sim.kv.available_size() == free1, "7 fresh slots allocated, 7 duplicates (positions 3..9) freed"
+    sim.check()
+
+
+def test_cow_on_hit_copies_the_checkpoint_on_the_forward_stream():
+    sim = MemCacheSim(chunk=4)
+    ids = list(range(1, 30))
+    a = sim.new_req(ids)
+    assert sim.admit(a)
+    sim.extend(a, 28, track_at=24)
+    a.output_ids = [7]
+    sim.finish(a)
+    b = sim.new_req(ids + [40, 41])
+    m = sim.match(b)
+    assert len(m.device_indices) == 24 and b.mamba_cow_src_index == m.last_device_node.mamba_value
+    assert b.mamba_pool_idx is not None and b.mamba_pool_idx != b.mamba_cow_src_index
+    assert not b.mamba_needs_clear
+    sim.mp.conv_state[:, b.mamba_pool_idx] = -1.0  # stale content a skipped copy would leave
+    sim.mp.ssm_state[:, b.mamba_pool_idx] = -1.0
+    sim.tree.release_match(b)
+    assert sim.admit(b)
+    assert sim.state_tag(b.mamba_pool_idx) == tag(ids[:24]), "the running slot holds the checkpoint"
+    assert b.cache_protected_len == 24 and b.last_node.mamba_lock_ref == 1
+    sim.check()
+
+
+def test_matched_but_not_admitted_releases_cow_slot_and_lock():
+    sim = MemCacheSim(chunk=4, rows=1)
+    ids = list(range(1, 20))
+    a = sim.new_req(ids)
+    sim.admit(a)
+    sim.extend(a, 18, track_at=16)
+    sim.cache_unfinished(a)  # a keeps running, holding the only row
+    free = sim.pool.mamba_allocator.available_size()
+    b = sim.new_req(ids + [3])
+    assert not sim.admit(b), "no request row left"
+    assert b.mamba_pool_idx is None and b.mamba_cow_src_index is None and not b.mamba_needs_clear
+    assert b.last_node is None and sim.pool.mamba_allocator.available_size() == free
+    sim.check()
+
+
+def test_cache_finished_req_extra_buffer_inserts_up_to_the_track_position():
+    sim = MemCacheSim(chunk=4)
+    ids = list(range(1, 40))
+    r = sim.new_req(ids)
+    sim.admit(r)
+    sim.extend(r, 38, track_at=36)
+    r.output_ids = [5, 6]
+    kv_before = sim.kv.available_size()
+    sim.finish(r)
+    assert sim.tree.total_size() == 36, "KV past the last snapshot is freed"
+    assert sim.kv.available_size() == kv_before + 2
+    node = sim.tree.match_prefix(ids).last_device_node
+    assert sim.state_tag(node.mamba_value) == tag(ids[:36])
+    assert sim.pool.mamba_allocator.available_size() == 31, "running + other track slot freed, keep donated"
+    sim.check()
+
+
+def test_cache_finished_req_no_buffer_donates_the_running_slot():
+    sim = MemCacheSim(extra_buffer=False)
+    ids = list(range(1, 12))
+    r = sim.new_req(ids)
+    sim.admit(r)
+    sim.extend(r, 10)
+    r.output_ids = [50]
+    running = r.mamba_pool_idx
+    sim.finish(r)
+    assert sim.tree.held_mamba_slots() == [running] and sim.tree.total_size() == 10
+    assert _match_len(sim, ids + [50]) == 10
+    # The same prompt again: its last token is recomputed, so it needs the state after 10 tokens.
+    again = sim.new_req(ids)
+    assert sim.admit(again) and again.cache_protected_len == 10
+    sim.check()
+
+
+def test_duplicate_finish_keeps_the_tree_slot_and_frees_the_request_slot():
+    sim = MemCacheSim(chunk=4)
+    ids = list(range(1, 22))
+    for _ in range(2):
+        r = sim.new_req(ids)
+        sim.admit(r)
+        sim.extend(r, 20, track_at=20)
+        r.output_ids = [1]
+        sim.finish(r)
+        assert len(sim.tree.held_mamba_slots()) == 1
+    assert sim.pool.mamba_allocator.available_size() == 31
+    sim.check()
+
+
+def test_cache_unfinished_req_hands_the_snapshot_over_and_keeps_running():
+    sim = MemCacheSim(chunk=4)
+    ids = list(range(1, 60))
+    r = sim.new_req(ids)
+    sim.admit(r)
+    sim.extend(r, 24, track_at=24)
+    held_before = sim.pool.mamba_slots_of(r)
+    sim.cache_unfinished(r)
+    assert r.cache_protected_len == 24 and r.mamba_last_track_seqlen is None
+    assert len(sim.pool.mamba_slots_of(r)) == len(held_before), "a fresh slot took the snapshot's place"
+    node = sim.tree.match_prefix(ids[:24]).last_device_node
+    assert node is r.last_node and sim.state_tag(node.mamba_value) == tag(ids[:24])
+    sim.extend(r, 24, track_at=48)
+    sim.cache_unfinished(r)
+    assert r.cache_protected_len == 48
+    sim.check()
+
+
+def test_cache_unfinished_req_skips_the_checkpoint_when_no_slot_can_be_had():
+    sim = MemCacheSim(chunk=4, mamba_slots=3)  # running + 2 track slots: nothing spare, nothing evictable
+    r = sim.new_req(list(range(1, 40)))
+    sim.admit(r)
+    sim.extend(r, 24, track_at=24)
+    sim.cache_unfinished(r)
+    assert sim.tree.total_size() == 0 and r.cache_protected_len == 0
+    assert r.mamba_last_track_seqlen == 24, "the snapshot stays with the request"
+    sim.check()
+
+
+def test_no_buffer_chunked_caching_queues_a_copy_to_the_forward_stream():
+    sim = MemCacheSim(extra_buffer=False)
+    ids = list(range(1, 40))
+    r = sim.new_req(ids)
+    sim.admit(r)
+    sim.extend(r, 16)
+    sim.tree.cache_unfinished_req(r, chunked=True)
+    copies = sim.tree.take_pending_state_copies()
+    assert len(copies) == 1 and copies[0][0] == r.mamba_pool_idx
+    sim.mp.copy_from([copies[0][0]], [copies[0][1]])
+    node = sim.tree.match_prefix(ids[:16]).last_device_node
+    assert node.mamba_value == copies[0][1] and sim.state_tag(node.mamba_value) == tag(ids[:16])
+    sim.check()
+
+
+def test_branching_point_is_chunk_aligned():
+    sim = MemCacheSim(chunk=8)
+    ids = list(range(1, 40))
+    r = sim.new_req(ids)
+    sim.admit(r)
+    sim.extend(r, 38, track_at=32)
+    sim.cache_unfinished(r)
+    sim.extend(r, 1)
+    r.output_ids = [9]
+    sim.finish(r)
+    # A prompt sharing 20 tokens: KV matches 20 (a split), no checkpoint there; branching at 16.
+    b = sim.new_req(ids[:20] + [100, 101, 102])
+    m = sim.match(b)
+    assert m.kv_match_len == 20 and len(m.device_indices) == 0 and b.mamba_branching_seqlen == 16
+    sim.tree.release_match(b)
+    sim.check()
+
+
+@pytest.mark.parametrize("page", [4, 16])
+def test_page_aligned_matches_and_inserts(page):
+    sim = MemCacheSim(page_size=page, chunk=page, kv_tokens=1024)
+    ids = list(range(1, 3 * page + 3))
+    r = sim.new_req(ids)
+    sim.admit(r)
+    sim.extend(r, len(ids) - 1, track_at=3 * page)
+    r.output_ids = [1]
+    sim.finish(r)
+    assert sim.tree.total_size() == 3 * page
+    b = sim.new_req(ids[: 2 * page + 1] + [999])
+    m = sim.match(b)
+    assert len(m.device_indices) == 0 and m.kv_match_len == 2 * page and b.mamba_branching_seqlen == 2 * page
+    sim.tree.release_match(b)
+    sim.check()
+
+
+def test_slot_allocation_inside_a_group_draws_from_it_before_evicting():
+    sim = MemCacheSim(chunk=4, mamba_slots=6)
+    ids = list(range(1, 30))
+    r = sim.new_req(ids)
+    sim.admit(r)
+    sim.extend(r, 28, track_at=24)
+    r.output_ids = [1]
+    sim.finish(r)
+    with sim.pool.mamba_allocator.alloc_group(10) as reserved:
+        assert reserved == 5 and sim.pool.mamba_allocator.free_list_size() == 0
+        assert sim.tree.alloc_mamba_slot() is not None and len(sim.tree.held_mamba_slots()) == 1
+        taken = sim.pool.mamba_allocator.alloc(4)
+        assert taken is not None
+        slot = sim.tree.alloc_mamba_slot()  # pool dry: evicts the one checkpoint and retries
+        assert slot is not None and sim.tree.held_mamba_slots() == []
+    sim.pool.mamba_allocator.free(taken + [slot])
+
+
+def test_cow_degrades_to_no_hit_when_no_slot_can_be_had():
+    sim = MemCacheSim(chunk=4, mamba_slots=4)
+    ids = list(range(1, 30))
+    a = sim.new_req(ids)
+    sim.admit(a)
+    sim.extend(a, 28, track_at=24)
+    sim.cache_unfinished(a)  # the checkpoint is locked by a, which holds 3 slots
+    b = sim.new_req(ids)
+    m = sim.match(b)
+    assert len(m.device_indices) == 0 and b.mamba_pool_idx is None and b.mamba_cow_src_index is None
+    sim.tree.release_match(b)
+    sim.check()

@@ -1,0 +1,178 @@
+"""Pools: state moves over all layers, request slots (lazy set/donate/free), decode-side sizing,
+KV layer mapping and pool sizing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.memory_pool import (
+    HybridMambaDecodeReqToTokenPool,
+    HybridReqToTokenPool,
+    MambaPool,
+    MHATokenToKVPool,
+)
+from sglang.srt.mem_cache.pool_sizing import compute_pool_sizes, resident_slots_per_req
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.mem_cache_sim import SYNTHETIC_PARAMS
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+
+def _pool(**kw) -> HybridReqToTokenPool:
+    args = dict(size=4, mamba_size=12, max_context_len=64, cache_params=SYNTHETIC_PARAMS)
+    args.update(kw)
+    return HybridReqToTokenPool(**args)
+
+
+def test_mamba_pool_layout_clear_and_copy_over_all_layers():
+    pool = MambaPool(8, SYNTHETIC_PARAMS)
+    assert pool.conv_state.shape == (2, 9, 3, 3) and pool.ssm_state.shape == (2, 9, 2, 2, 2)
+    for s in range(1, 9):
+        pool.conv_state[:, s] = s
+        pool.ssm_state[:, s] = 10 * s
+    pool.copy_from([1, 2, 3], [6, 7, 8])
+    for dst, src in [(6, 1), (7, 2), (8, 3)]:
+        assert torch.all(pool.conv_state[:, dst] == src) and torch.all(pool.ssm_state[:, dst] == 10 * src)
+    pool.clear_slots(torch.tensor([2, 7]))
+    assert torch.all(pool.conv_state[:, [2, 7]] == 0) and torch.all(pool.ssm_state[:, [2, 7]] == 0)
+    assert torch.all(pool.ssm_state[:, 1] == 10) and torch.all(pool.ssm_state[:, 0] == 0)
+    conv, ssm = pool.layer_cache(1)
+    assert conv.data_ptr() == pool.conv_state[1].data_ptr() and ssm.shape == (9, 2, 2, 2)
+    # One slot of one layer is one contiguous block (what transfer engines move).
+    ptr, total, item = pool.get_contiguous_buf_infos()[0]
+    assert item * 9 == total and item == 3 * 3 * 4
+
+
+def test_alloc_and_free_accounting():
+    pool = _pool(enable_mamba_extra_buffer=False)
+    reqs = [Req(f"r{i}", [1, 2, 3]) for i in range(3)]
+    assert pool.alloc(reqs) is not None
+    assert pool.available_size() == 1 and pool.mamba_allocator.available_size() == 9
+    assert all(r.mamba_needs_clear and r.mamba_ping_pong_track_buffer is None for r in reqs)
+    assert pool.req_index_to_mamba_index[reqs[0].req_pool_idx] == reqs[0].mamba_pool_idx
+    for r in reqs[:2]:
+        pool.free_mamba_cache(r)
+        pool.free(r)
+    # Freeing the row without the mamba cache leaks exactly one slot.
+    pool.free(reqs[2])
+    assert pool.available_size() == 4 and pool.mamba_allocator.available_size() == 11
+
+
+def test_alloc_is_all_or_nothing():
+    pool = _pool(size=2, mamba_size=5, enable_mamba_extra_buffer=True, enable_overlap_schedule=True)
+    reqs = [Req("a", [1]), Req("b", [1])]
+    assert pool.alloc(reqs) is None, "2 requests x 3 slots > 5"
+    assert all(r.req_pool_idx is None and r.mamba_pool_idx is None for r in reqs)
+    assert pool.available_size() == 2 and pool.mamba_allocator.available_size() == 5
+    assert pool.alloc(reqs[:1]) is not None and pool.mamba_allocator.available_size() == 2
+    assert pool.resident_slots_per_req() == 3
+
+
+def test_lazy_slots_set_donate_exchange_and_free():
+    pool = _pool(enable_mamba_extra_buffer=True, enable_mamba_extra_buffer_lazy=True)
+    r = Req("a", [1, 2])
+    pool.alloc([r])
+    assert r.mamba_ping_pong_track_buffer[1] == -1 and r.mamba_ping_pong_track_buffer[0] > 0
+    assert pool.mamba_allocator.available_size() == 10 and pool.resident_slots_per_req() == 2
+    assert pool.get_mamba_ping_pong_keep_idx(r) == 0
+    # A decode boundary borrows a second slot and writes into it.
+    extra = pool.mamba_allocator.alloc(1)[0]
+    pool.set_mamba_ping_pong_slot(r, 1, extra)
+    r.mamba_next_track_idx = 1
+    assert pool.get_mamba_ping_pong_keep_idx(r) == 1
+    # After the step the older entry goes back: one track slot again.
+    pool.donate_mamba_ping_pong_slot(r, pool.get_mamba_ping_pong_other_idx(r.mamba_next_track_idx))
+    assert r.mamba_ping_pong_track_buffer == [-1, extra] and pool.mamba_allocator.available_size() == 10
+    new = pool.mamba_allocator.alloc(1)[0]
+    handed = pool.exchange_mamba_ping_pong_slot(r, 1, new)
+    assert handed == extra and r.mamba_ping_pong_track_buffer == [-1, new]
+    pool.free_mamba_cache(r)  # skips the -1 entry
+    assert pool.mamba_allocator.available_size() == 12 - 1, "the handed-over slot is the caller's now"
+    assert r.mamba_pool_idx is None and r.mamba_ping_pong_track_buffer is None and r.mamba_next_track_idx == 0
+
+
+def test_normal_extra_buffer_keep_index_and_free_with_keep():
+    pool = _pool(enable_mamba_extra_buffer=True, enable_overlap_schedule=True)
+    r = Req("a", [1, 2])
+    pool.alloc([r])
+    buf = list(r.mamba_ping_pong_track_buffer)
+    assert -1 not in buf and pool.mamba_allocator.available_size() == 9
+    r.mamba_next_track_idx = 1  # a snapshot went to entry 0, the next goes to entry 1
+    assert pool.get_mamba_ping_pong_keep_idx(r) == 0
+    pool.free_mamba_cache(r, mamba_ping_pong_track_buffer_to_keep=0)
+    assert pool.mamba_allocator.available_size() == 11 and buf[0] not in pool.mamba_allocator._free
+    no_overlap = _pool(enable_mamba_extra_buffer=True, enable_overlap_schedule=False)
+    assert (
+        no_overlap.mamba_ping_pong_track_buffer_size == 1 and no_overlap.get_mamba_ping_pong_other_idx(0) == 0
+    )
+
+
+@pytest.mark.parametrize("extra_buffer", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("given", [None, 5, 1000])
+def test_decode_side_sizing(extra_buffer, overlap, given, caplog):
+    size, pre = 8, 4
+    with caplog.at_level(logging.WARNING):
+        pool = HybridMambaDecodeReqToTokenPool(
+            size, pre, given, 64, SYNTHETIC_PARAMS, extra_buffer, enable_overlap_schedule=overlap
+        )
+    per_req = 1 + ((2 if overlap else 1) if extra_buffer else 0)
+    need = (size + pre) * per_req
+    assert pool.slots_per_req == per_req and pool.max_slots_needed == need
+    assert pool.mamba_allocator.size == (need if given is None else max(given, need))
+    assert pool.size == size + pre and pool.req_to_token.shape[0] == size + pre + 1
+    assert pool.mamba_spec_state_size == size + pre
+    raised = given is not None and given < need
+    assert (f"raises --max-mamba-cache-size from 5 to {need}" in caplog.text) == raised
+    # Every pre-allocated row can hold its full set of slots at once.
+    reqs = [Req(str(i), [1]) for i in range(size + pre)]
+    assert pool.alloc(reqs) is not None
+
+
+def test_kv_pool_maps_full_attention_layers_only():
+    kv = MHATokenToKVPool(16, 4, torch.float32, 2, 8, layer_ids=[3, 7])
+    assert kv.k_buffer[0].shape == (20, 2, 8) and kv.bytes_per_token() == 2 * 2 * 2 * 8 * 4
+    kv.set_kv_buffer(7, torch.tensor([4, 5]), torch.ones(2, 2, 8), torch.full((2, 2, 8), 2.0))
+    k, v = kv.get_kv_buffer(7)
+    assert torch.all(k[4:6] == 1) and torch.all(v[4:6] == 2) and torch.all(kv.k_buffer[0] == 0)
+    with pytest.raises(ValueError, match="Layer 2 is not a full-attention layer"):
+        kv.get_kv_buffer(2)
+
+
+def test_pool_sizing_from_flags_and_from_a_budget():
+    args = ServerArgs(max_mamba_cache_size=40, max_total_tokens=1000)
+    arch = args.model_config.arch
+    sizes = compute_pool_sizes(args, arch, weight_bytes=0)
+    assert (sizes.max_mamba_cache_size, sizes.max_total_tokens) == (40, 1000)
+    assert sizes.resident_slots_per_req == 2 and sizes.max_running_requests == 20
+    assert sizes.mamba_bytes_per_slot == arch.mamba_cache_per_req()
+
+    budget = ServerArgs(mamba_full_memory_ratio=1.0, mem_fraction_static=0.5)
+    sized = compute_pool_sizes(budget, arch, weight_bytes=1000, device_memory=2 * 10**7 + 2000)
+    rest = 10**7
+    assert sized.max_mamba_cache_size == (rest // 2) // sized.mamba_bytes_per_slot
+    used = (
+        sized.max_mamba_cache_size * sized.mamba_bytes_per_slot
+        + sized.max_total_tokens * sized.kv_bytes_per_token
+    )
+    assert rest - sized.kv_bytes_per_token < used <= rest, "the budget is spent, not exceeded"
+    assert resident_slots_per_req(ServerArgs(mamba_scheduler_strategy="extra_buffer")) == 3
+    assert resident_slots_per_req(ServerArgs(mamba_scheduler_strategy="no_buffer")) == 1
+
+
+def test_pool_sizing_refuses_too_small_pools():
+    with pytest.raises(ServerArgsError, match="--max-mamba-cache-size 1 is smaller than the 2 slot"):
+        compute_pool_sizes(
+            ServerArgs(max_mamba_cache_size=1, max_total_tokens=100), ServerArgs().model_config.arch, 0
+        )
+    with pytest.raises(ServerArgsError, match="--max-total-tokens 1 is smaller"):
+        compute_pool_sizes(
+            ServerArgs(max_mamba_cache_size=10, max_total_tokens=1), ServerArgs().model_config.arch, 0
+        )
+    with pytest.raises(ServerArgsError, match="--mem-fraction-static"):
+        compute_pool_sizes(ServerArgs(mem_fraction_static=0.1), ServerArgs().model_config.arch, 10**9, 10**9)
