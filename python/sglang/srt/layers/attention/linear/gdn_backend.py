@@ -1,0 +1,70 @@
+"""Gated DeltaNet backend: causal conv over the pooled conv state, then the gated delta rule over the
+pooled SSM state, in 64-token kernel chunks for extends and one recurrent step for decodes.
+
+The layer passes the conv inputs `mixed_qkv` [T, 2*Hk*Dk + Hv*Dv] (channel order q | k | v, as the
+conv state stores them), the log-decay g [T, Hv] and the write strength beta [T, Hv]; it reads the
+layer's `layer_id`, `conv1d` weight and head sizes. Returns the core output [T, Hv, Dv] in float32.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sglang.srt.layers.attention.linear.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    l2norm,
+    recurrent_gated_delta_rule_step,
+)
+from sglang.srt.layers.attention.mamba.mamba_backend_base import MambaAttnBackendBase
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class GDNAttnBackend(MambaAttnBackendBase):
+    def forward(
+        self, layer: Any, fb: ForwardBatch, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
+        weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
+        lid = layer.layer_id
+        if fb.forward_mode.is_decode():
+            x = self.conv_decode(lid, mixed_qkv, weight, layer.conv1d.bias)
+            q, k, v = self._split_heads(layer, x)
+            out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, self.read_ssm_decode(lid))
+            self.write_ssm_decode(lid, state)
+            return out
+        out = torch.empty(
+            mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim, dtype=torch.float32, device=g.device
+        )
+        for seq in self.meta.extend:
+            x = self.conv_extend(lid, seq, mixed_qkv[seq.tokens], weight, layer.conv1d.bias)
+            q, k, v = self._split_heads(layer, x)
+            o, final, inter = chunk_gated_delta_rule(
+                q,
+                k,
+                v,
+                g[seq.tokens],
+                beta[seq.tokens],
+                self.initial_ssm(lid, seq),
+                self.kernel_state_chunk,
+                return_intermediate=self.needs_intermediate(seq),
+            )
+            self.store_ssm(lid, seq, final, inter)
+            out[seq.tokens] = o
+        return out
+
+    @staticmethod
+    def _split_heads(layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output [..., C] -> q, k [..., Hv, Dk] (normalised, q scaled, key heads shared by
+        consecutive value heads) and v [..., Hv, Dv]."""
+        hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+        q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        lead = x.shape[:-1]
+        q = l2norm(q.reshape(*lead, hk, dk)) * dk**-0.5
+        k = l2norm(k.reshape(*lead, hk, dk))
+        if hv != hk:
+            q = q.repeat_interleave(hv // hk, dim=-2)
+            k = k.repeat_interleave(hv // hk, dim=-2)
+        return q, k, v.reshape(*lead, hv, dv)

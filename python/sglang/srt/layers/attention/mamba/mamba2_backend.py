@@ -1,0 +1,64 @@
+"""Mamba2 backend: causal conv over the pooled conv state, then the SSD chunked scan (chunk = the
+config's chunk size) for extends and the selective state update for decodes.
+
+The layer passes the conv inputs `xBC` [T, I + 2*G*N] (channel order x | B | C) and the raw time step
+dt [T, H]; it reads the layer's `layer_id`, `conv1d`, `A_log`, `D`, `dt_bias`, `time_step_min` and
+sizes. dt = softplus(dt + dt_bias) is clamped to >= time_step_min on both paths, so a state does not
+depend on which path produced it. Returns y [T, H, P] in float32 (D skip included, gate not applied).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from sglang.srt.layers.attention.mamba.mamba_backend_base import MambaAttnBackendBase
+from sglang.srt.layers.attention.mamba.ssd import selective_state_update, ssd_chunk_scan
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class Mamba2AttnBackend(MambaAttnBackendBase):
+    def forward(self, layer: Any, fb: ForwardBatch, xBC: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
+        lid = layer.layer_id
+        A = -torch.exp(layer.A_log.float())
+        dt = F.softplus(dt.float() + layer.dt_bias.float()).clamp(min=layer.time_step_min)
+        if fb.forward_mode.is_decode():
+            x, B, C = self._split(layer, self.conv_decode(lid, xBC, weight, layer.conv1d.bias))
+            y, state = selective_state_update(self.read_ssm_decode(lid), x, dt, A, B, C, layer.D)
+            self.write_ssm_decode(lid, state)
+            return y
+        y = torch.empty(xBC.shape[0], layer.num_heads, layer.head_dim, dtype=torch.float32, device=dt.device)
+        for seq in self.meta.extend:
+            x, B, C = self._split(
+                layer, self.conv_extend(lid, seq, xBC[seq.tokens], weight, layer.conv1d.bias)
+            )
+            out, final, inter = ssd_chunk_scan(
+                x,
+                dt[seq.tokens],
+                A,
+                B,
+                C,
+                layer.D,
+                self.initial_ssm(lid, seq),
+                self.kernel_state_chunk,
+                return_intermediate=self.needs_intermediate(seq),
+            )
+            self.store_ssm(lid, seq, final, inter)
+            y[seq.tokens] = out
+        return y
+
+    @staticmethod
+    def _split(layer: Any, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output [..., I + 2GN] -> x [..., H, P], B and C [..., H, N] (each group shared by
+        consecutive heads)."""
+        h, p, g, n = layer.num_heads, layer.head_dim, layer.n_groups, layer.ssm_state_size
+        x, B, C = xbc.split([h * p, g * n, g * n], dim=-1)
+        lead = xbc.shape[:-1]
+        B = B.reshape(*lead, g, n).repeat_interleave(h // g, dim=-2)
+        C = C.reshape(*lead, g, n).repeat_interleave(h // g, dim=-2)
+        return x.reshape(*lead, h, p), B, C

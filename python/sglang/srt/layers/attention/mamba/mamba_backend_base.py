@@ -1,0 +1,191 @@
+"""What the GDN and Mamba2 backends share: per-batch metadata (running slots, extend segments, track
+targets, built once from host lists), the causal conv over the pool's conv state, and state capture.
+
+State capture (tracking), extend: for a tracked request with prefix P and extend length E,
+`mamba_track_seqlens[i] = S` writes into `mamba_track_indices[i]` the state after the first S tokens.
+Valid: P < S <= P + E and either S == P + E (the final state) or (S - P) % kernel_state_chunk == 0
+(intermediate index (S - P) // kernel_state_chunk; conv state = the inputs at positions S-K+1..S-1).
+Anything else raises: the kernel has no such state. The kernel chunk (GDN 64, Mamba2 the config's
+chunk size) is not the cache chunk C = max(chunk, page size): with GDN and C = 128 the state after
+128·k tokens of an extend from 0 is intermediate index 2·k.
+
+Decode: after the step updated the running slot, masked rows copy it (conv and SSM) into their track
+slot: the state after seq_len tokens.
+
+A request with no prefix starts from zero state whatever its slot holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend, causal_conv1d_update
+from sglang.srt.mem_cache.memory_pool import MambaPool
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+@dataclass
+class ExtendSeq:
+    start: int
+    length: int
+    prefix: int
+    slot: int
+    track_slot: int | None = None
+    # Tokens of this extend the snapshot covers (S - P), and the intermediate index (None: final state).
+    track_offset: int = 0
+    track_chunk: int | None = None
+
+    @property
+    def tokens(self) -> slice:
+        return slice(self.start, self.start + self.length)
+
+
+@dataclass
+class LinearMetadata:
+    slots: torch.Tensor | None = None  # [bs] running slots
+    extend: list[ExtendSeq] | None = None
+    track_src: torch.Tensor | None = None  # decode: running slots of masked rows
+    track_dst: torch.Tensor | None = None  # decode: their track slots
+
+
+class MambaAttnBackendBase:
+    def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int):
+        self.mamba_pool = mamba_pool
+        self.kernel_state_chunk = kernel_state_chunk
+        self.conv_kernel = mamba_pool.cache_params.shape.conv_kernel
+        self.meta = LinearMetadata()
+
+    # ---- metadata ---------------------------------------------------------------------------------
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_extend():
+            self.meta = LinearMetadata(slots=fb.mamba_pool_indices, extend=self._extend_seqs(fb))
+        elif fb.forward_mode.is_decode():
+            src, dst = self._decode_track_rows(fb)
+            self.meta = LinearMetadata(slots=fb.mamba_pool_indices, track_src=src, track_dst=dst)
+        else:
+            self.meta = LinearMetadata()
+
+    def _tracked_rows(self, fb: ForwardBatch) -> list[int]:
+        mask = fb.mamba_track_mask_cpu
+        if mask is None:
+            return []
+        assert fb.mamba_track_indices_cpu is not None, "mamba_track_mask needs mamba_track_indices"
+        return [i for i, m in enumerate(mask) if m]
+
+    def _extend_seqs(self, fb: ForwardBatch) -> list[ExtendSeq]:
+        seqs = [
+            ExtendSeq(start, length, prefix, slot)
+            for start, length, prefix, slot in zip(
+                fb.extend_start_loc_cpu,
+                fb.extend_seq_lens_cpu,
+                fb.extend_prefix_lens_cpu,
+                fb.mamba_pool_indices_cpu,
+                strict=True,
+            )
+        ]
+        for i in self._tracked_rows(fb):
+            assert fb.mamba_track_seqlens_cpu is not None, "an extend that tracks needs mamba_track_seqlens"
+            seq, target = seqs[i], fb.mamba_track_seqlens_cpu[i]
+            offset = target - seq.prefix
+            if not 0 < offset <= seq.length:
+                raise ValueError(
+                    f"Track position {target} of batch row {i} is outside its extend "
+                    f"({seq.prefix}, {seq.prefix + seq.length}]."
+                )
+            if offset == seq.length:
+                chunk = None
+            elif offset % self.kernel_state_chunk == 0:
+                chunk = offset // self.kernel_state_chunk
+            else:
+                raise ValueError(
+                    f"Track position {target} of batch row {i} is neither the end of its extend "
+                    f"({seq.prefix + seq.length}) nor a multiple of the kernel state chunk "
+                    f"{self.kernel_state_chunk} after the extend start {seq.prefix}."
+                )
+            seq.track_slot = fb.mamba_track_indices_cpu[i]
+            seq.track_offset = offset
+            seq.track_chunk = chunk
+        return seqs
+
+    def _decode_track_rows(self, fb: ForwardBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        rows = self._tracked_rows(fb)
+        if not rows:
+            return None, None
+        if fb.mamba_track_seqlens_cpu is not None:
+            for i in rows:
+                if fb.mamba_track_seqlens_cpu[i] != fb.seq_lens_cpu[i]:
+                    raise ValueError(
+                        f"A decode step snapshots the state after seq_len tokens; batch row {i} asks "
+                        f"for {fb.mamba_track_seqlens_cpu[i]} with seq_len {fb.seq_lens_cpu[i]}."
+                    )
+        device = fb.mamba_pool_indices.device
+        src = torch.tensor([fb.mamba_pool_indices_cpu[i] for i in rows], dtype=torch.int64, device=device)
+        dst = torch.tensor([fb.mamba_track_indices_cpu[i] for i in rows], dtype=torch.int64, device=device)
+        return src, dst
+
+    # ---- conv and state I/O ------------------------------------------------------------------------
+
+    def conv_extend(
+        self,
+        layer_id: int,
+        seq: ExtendSeq,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Causal conv of one request's extend inputs x [E, C] over its conv state; updates the running
+        slot and, if tracked, the track slot. Returns silu(conv) [E, C] float32."""
+        conv, _ = self.mamba_pool.layer_cache(layer_id)
+        state = conv[seq.slot] if seq.prefix > 0 else torch.zeros_like(conv[seq.slot])
+        out, window = causal_conv1d_extend(x, state, weight, bias)
+        width = self.conv_kernel - 1
+        if seq.track_slot is not None:
+            conv[seq.track_slot] = window[seq.track_offset : seq.track_offset + width].t()
+        conv[seq.slot] = window[-width:].t()
+        return out
+
+    def initial_ssm(self, layer_id: int, seq: ExtendSeq) -> torch.Tensor:
+        _, ssm = self.mamba_pool.layer_cache(layer_id)
+        if seq.prefix == 0:
+            return torch.zeros(ssm.shape[1:], dtype=torch.float32, device=ssm.device)
+        return ssm[seq.slot].float()
+
+    def store_ssm(
+        self, layer_id: int, seq: ExtendSeq, final: torch.Tensor, intermediate: torch.Tensor | None
+    ) -> None:
+        _, ssm = self.mamba_pool.layer_cache(layer_id)
+        ssm[seq.slot] = final.to(ssm.dtype)
+        if seq.track_slot is not None:
+            snap = final if seq.track_chunk is None else intermediate[seq.track_chunk]
+            ssm[seq.track_slot] = snap.to(ssm.dtype)
+
+    def needs_intermediate(self, seq: ExtendSeq) -> bool:
+        return seq.track_slot is not None and seq.track_chunk is not None
+
+    def conv_decode(
+        self, layer_id: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One token per request, x [bs, C]; updates the running slots. Returns silu(conv) float32."""
+        conv, _ = self.mamba_pool.layer_cache(layer_id)
+        slots = self.meta.slots
+        out, new_state = causal_conv1d_update(x, conv[slots], weight, bias)
+        conv[slots] = new_state
+        return out
+
+    def read_ssm_decode(self, layer_id: int) -> torch.Tensor:
+        _, ssm = self.mamba_pool.layer_cache(layer_id)
+        return ssm[self.meta.slots]
+
+    def write_ssm_decode(self, layer_id: int, state: torch.Tensor) -> None:
+        """Store the updated running states, then copy them to the track slots of masked rows."""
+        conv, ssm = self.mamba_pool.layer_cache(layer_id)
+        ssm[self.meta.slots] = state.to(ssm.dtype)
+        if self.meta.track_src is not None:
+            conv[self.meta.track_dst] = conv[self.meta.track_src]
+            ssm[self.meta.track_dst] = ssm[self.meta.track_src]

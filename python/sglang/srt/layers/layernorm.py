@@ -1,0 +1,61 @@
+"""RMSNorm variants of the supported architectures. All normalise in float32 and return the input dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """`weight * norm(x)` (Nemotron-H), or `(1 + weight) * norm(x)` with `offset_one` (Qwen3-Next, whose
+    checkpoints store the weight centred on 0)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset_one: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if offset_one else torch.ones(hidden_size))
+        self.eps = eps
+        self.offset_one = offset_one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float()
+        if self.offset_one:
+            w = 1.0 + w
+        return (_rms(x.float(), self.eps) * w).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Qwen3-Next's gated norm over the last dim: `weight * norm(x) * silu(gate)` (norm before gate)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        # The oracle casts the normalised value to the input dtype before the weight: same here, so
+        # that bfloat16 rounds where it does.
+        y = self.weight * _rms(x.float(), self.eps).to(x.dtype)
+        return (y * F.silu(gate.float())).to(x.dtype)
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """Nemotron-H's Mamba2 output norm: `x * silu(gate)` first, then RMSNorm within groups of
+    `group_size` channels, then the weight (gate before norm)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = x.float() * F.silu(gate.float())
+        shape = y.shape
+        y = _rms(y.view(*shape[:-1], -1, self.group_size), self.eps).view(shape)
+        return self.weight * y.to(dtype)

@@ -1,0 +1,91 @@
+"""Logits only where they are needed, and input-token logprobs.
+
+Rows computed: the last token of every request (its logits pick the next token) and, for requests
+that return logprobs in an extend, the rows their input logprobs need.
+
+Input logprobs (extend, request i with return_logprob_mask[i], start = extend_logprob_start_lens_cpu[i],
+E = its extend length): one value per extend offset j with start < j < E, the logprob of input token j
+computed from the logits at offset j - 1; then, if `extend_logprob_next_ids_cpu[i]` is given (the first
+token of the next prefill chunk), its logprob from the logits at offset E - 1. All logprobs are
+log_softmax of the logits divided by the request's temperature (the raw logits when it is greedy),
+before any top-p / top-k cut, as SGLang returns them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+TopLogprobs = tuple[list[float], list[int]]
+
+
+@dataclass
+class LogitsProcessorOutput:
+    next_token_logits: torch.Tensor  # [bs, vocab] float32
+    input_token_logprobs: list[list[float]] | None = None
+    input_top_logprobs: list[list[TopLogprobs]] | None = None
+
+
+def scaled_log_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T) per row; T <= 0 (greedy) leaves the row unscaled."""
+    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    return torch.log_softmax(logits.float() / t[:, None], dim=-1)
+
+
+def top_logprobs(logprobs: torch.Tensor, n: int) -> TopLogprobs:
+    values, ids = logprobs.topk(n)
+    return values.tolist(), ids.tolist()
+
+
+class LogitsProcessor:
+    def __call__(
+        self, hidden: torch.Tensor, lm_head: torch.nn.Module, fb: ForwardBatch
+    ) -> LogitsProcessorOutput:
+        if not fb.forward_mode.is_extend():
+            return LogitsProcessorOutput(next_token_logits=lm_head(hidden).float())
+        starts, lens = fb.extend_start_loc_cpu, fb.extend_seq_lens_cpu
+        last = [s + e - 1 for s, e in zip(starts, lens, strict=True)]
+        if not fb.return_logprob:
+            return LogitsProcessorOutput(next_token_logits=lm_head(hidden[last]).float())
+
+        device = hidden.device
+        next_ids = fb.extend_logprob_next_ids_cpu or [None] * fb.batch_size
+        rows, targets, counts, temps = [torch.tensor(last, device=device)], [], [], []
+        for i in range(fb.batch_size):
+            if not fb.return_logprob_mask[i]:
+                counts.append(0)
+                continue
+            begin, end = starts[i] + fb.extend_logprob_start_lens_cpu[i], starts[i] + lens[i]
+            rows.append(torch.arange(begin, end - 1, device=device))
+            targets.append(fb.input_ids[begin + 1 : end])
+            if next_ids[i] is not None:
+                rows.append(torch.tensor([end - 1], device=device))
+                targets.append(torch.tensor([next_ids[i]], dtype=torch.int64, device=device))
+            counts.append(max(end - 1 - begin, 0) + (next_ids[i] is not None))
+            temps.append(fb.sampling_info.temperatures[i : i + 1].expand(counts[-1]))
+        logits = lm_head(hidden[torch.cat(rows)]).float()
+        bs = fb.batch_size
+        out = LogitsProcessorOutput(
+            next_token_logits=logits[:bs], input_token_logprobs=[[] for _ in range(bs)]
+        )
+        if not sum(counts):
+            return out
+        lp = scaled_log_softmax(logits[bs:], torch.cat(temps))
+        values = lp.gather(1, torch.cat(targets)[:, None])[:, 0]
+        top_n = fb.top_logprobs_nums
+        if any(n > 0 and c > 0 for n, c in zip(top_n, counts, strict=True)):
+            out.input_top_logprobs = [[] for _ in range(bs)]
+        offset = 0
+        for i, count in enumerate(counts):
+            rows_i = slice(offset, offset + count)
+            out.input_token_logprobs[i] = values[rows_i].tolist()
+            if out.input_top_logprobs is not None and top_n[i] > 0 and count:
+                top_v, top_i = lp[rows_i].topk(top_n[i], dim=-1)
+                out.input_top_logprobs[i] = list(zip(top_v.tolist(), top_i.tolist(), strict=True))
+            offset += count
+        return out

@@ -1,0 +1,63 @@
+"""Routed experts stored stacked: `w13` [E, 2I, H] (gate rows then up rows) for gated experts or
+[E, I, H] (up) for plain ones, and `w2` [E, H, I] (down). Tokens are grouped by expert and each
+expert runs once on its tokens."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.activation import get_act_fn
+
+EXPERT_SHARDS = ("gate", "up", "down")
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, gated: bool):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gated = gated
+        rows = 2 * intermediate_size if gated else intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act = get_act_fn(act)
+
+    def load_expert_weight(self, expert: int, shard: str, weight: torch.Tensor) -> None:
+        """One expert's `gate_proj` / `up_proj` / `down_proj` weight as HF checkpoints store it."""
+        inter = self.intermediate_size
+        if shard == "down":
+            self.w2.data[expert].copy_(weight)
+        elif shard == "gate":
+            assert self.gated, "plain experts have no gate_proj"
+            self.w13.data[expert, :inter].copy_(weight)
+        elif shard == "up":
+            rows = self.w13.data[expert, inter:] if self.gated else self.w13.data[expert]
+            rows.copy_(weight)
+        else:
+            raise ValueError(f"Unknown expert weight {shard!r}; expected one of {EXPERT_SHARDS}.")
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32."""
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // top_k
+        weight_of = weights.reshape(-1)[order]
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            tokens = token_of[start : start + n]
+            h = x[tokens] @ self.w13[expert].t()
+            if self.gated:
+                gate, up = h.split(self.intermediate_size, dim=-1)
+                h = self.act(gate) * up
+            else:
+                h = self.act(h)
+            y = h @ self.w2[expert].t()
+            out.index_add_(0, tokens, y.float() * weight_of[start : start + n, None])
+            start += n
+        return out.to(x.dtype)

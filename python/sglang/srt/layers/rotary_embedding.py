@@ -1,0 +1,47 @@
+"""Rotary position embedding, neox style (halves rotated, as transformers' `rotate_half`), applied to
+the first `rotary_dim` channels of each head (partial rotary); the rest pass through."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rotary_dim: int, base: float):
+        super().__init__()
+        assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D] at absolute `positions` [T]."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.rotary_dim // 2
+        xf = x.float()
+        x1, x2, rest = xf[..., :half], xf[..., half : self.rotary_dim], xf[..., self.rotary_dim :]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+        return out.to(x.dtype)
+
+
+def get_rope(
+    head_dim: int, rope_parameters: dict[str, Any] | None, default_theta: float = 10000.0
+) -> RotaryEmbedding:
+    """The rotary embedding an HF `rope_parameters` dict (transformers 5) describes; only the default
+    (unscaled) rope type is supported."""
+    params = dict(rope_parameters or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported yet; only the default rope is.")
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    return RotaryEmbedding(head_dim, rotary_dim, float(params.get("rope_theta", default_theta)))

@@ -1,0 +1,117 @@
+"""Next-token sampling: greedy for temperature 0, else temperature, top-k, top-p with per-request seeds.
+
+The rule (deterministic per request): for a request with seed s sampling the token at sequence index p
+(its seq_len after this forward), every vocab id v gets a uniform u = hash(s, p, v) from a fixed integer
+hash, and the token is argmax_v [log q(v) - log(-log u)] (Gumbel-max), where q is the softmax of
+logits / T restricted to the top-k and then the top-p set. The draw depends only on (s, p) and the
+request's own logits, so the same request gives the same tokens in any batch. A request without a seed
+draws a fresh seed from the sampler's generator (seeded by --random-seed) at every step.
+
+top_k <= 0 keeps every token. Top-p keeps a token while the probability of the more likely tokens
+before it is at most top_p (of the whole distribution, as SGLang). min_p drops tokens less likely than
+min_p times the most likely one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang.srt.layers.logits_processor import TopLogprobs, scaled_log_softmax, top_logprobs
+from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding values < 2^32; the products
+    stay below 2^63, so nothing overflows."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def seeded_uniforms(seeds: list[int], positions: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(seeds), vocab] uniforms in (0, 1): hash(seed, position, vocab id)."""
+    lo = torch.tensor([s & _M32 for s in seeds], dtype=torch.int64, device=device)
+    hi = torch.tensor([(s >> 32) & _M32 for s in seeds], dtype=torch.int64, device=device)
+    pos = torch.tensor([p & _M32 for p in positions], dtype=torch.int64, device=device)
+    key = _mix32(_mix32(_mix32((lo + _GOLDEN) & _M32) ^ hi) ^ pos)
+    ids = _mix32((torch.arange(vocab, dtype=torch.int64, device=device) + _GOLDEN) & _M32)
+    bits = _mix32(key[:, None] ^ ids[None, :])
+    return ((bits >> 8).float() + 0.5) / float(1 << 24)
+
+
+def truncated_probs(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    top_ks: torch.Tensor,
+    min_ps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(logits / T) with everything outside the top-k, then the top-p set, then below min_p
+    times the top probability zeroed."""
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    ks = torch.where(top_ks > 0, top_ks.clamp(max=vocab), torch.full_like(top_ks, vocab))
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    drop = rank >= ks[:, None]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    # As SGLang: a token is dropped when the more likely tokens before it already exceed top_p (of the
+    # whole distribution); top_p >= 1 keeps everything, whatever the cumsum's round-off.
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (before > top_ps[:, None]) & (top_ps[:, None] < 1.0)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    if min_ps is not None:
+        sorted_probs = sorted_probs.masked_fill(sorted_probs < min_ps[:, None] * sorted_probs[:, :1], 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: torch.Tensor  # [bs] int64, CPU
+    next_token_logprobs: torch.Tensor | None = None  # [bs] float32, CPU
+    next_token_top_logprobs: list[TopLogprobs | None] | None = None
+
+
+class Sampler:
+    def __init__(self, random_seed: int):
+        self._generator = torch.Generator().manual_seed(random_seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        positions: list[int],
+        return_logprob: bool = False,
+        top_logprobs_nums: list[int] | None = None,
+    ) -> SampleOutput:
+        """logits [bs, vocab] float32; positions[i] is the sequence index of request i's new token."""
+        ids = logits.argmax(dim=-1)
+        if not info.is_all_greedy:
+            # Every row is sampled and greedy rows (T <= 0) then take the argmax, so no host decision
+            # needs the device temperatures.
+            seeds = [
+                s if s is not None else int(torch.randint(0, 2**62, (1,), generator=self._generator))
+                for s in info.seeds
+            ]
+            temps = info.temperatures
+            probs = truncated_probs(
+                logits, torch.where(temps > 0, temps, 1.0), info.top_ps, info.top_ks, info.min_ps
+            )
+            u = seeded_uniforms(seeds, positions, logits.shape[1], logits.device)
+            sampled = (probs.log() - (-u.log()).log()).argmax(dim=-1)
+            ids = torch.where(temps > 0, sampled, ids)
+        out = SampleOutput(next_token_ids=ids.cpu())
+        if return_logprob:
+            lp = scaled_log_softmax(logits, info.temperatures)
+            out.next_token_logprobs = lp.gather(1, ids[:, None])[:, 0].cpu()
+            nums = top_logprobs_nums or []
+            if any(n > 0 for n in nums):
+                out.next_token_top_logprobs = [
+                    top_logprobs(lp[i], n) if n > 0 else None for i, n in enumerate(nums)
+                ]
+        return out

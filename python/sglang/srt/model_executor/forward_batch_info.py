@@ -1,0 +1,284 @@
+"""`ForwardBatch`: everything one forward of the model reads, built by the scheduler (or a test driver).
+
+Host/device split: every index the backends decide on is also given as a host list (`*_cpu`), so no
+backend syncs on a device tensor to decide anything. Tensors live on the model's device and are built
+once per batch (`ForwardBatch.create` does the plumbing from host lists).
+
+Sequence bookkeeping of request i (extend): positions [prefix, prefix + extend_len) are new; their KV
+slots are `out_cache_loc[extend_start_loc[i] : ...]`, and `seq_lens[i] = prefix + extend_len`. The
+runner writes `req_to_token_writes` (prefix rewrites, e.g. a cache hit) and then the new tokens' slots
+into `req_to_token` on the forward stream, before any layer runs. Decode: one token per request at
+position `seq_lens[i] - 1`.
+
+Mamba state (extend and decode): `mamba_pool_indices[i]` is the running slot, read and updated in place.
+Tracking writes the state after `mamba_track_seqlens[i]` tokens into `mamba_track_indices[i]` where
+`mamba_track_mask[i]` (the exact rule: `layers/attention/mamba/mamba_backend_base.py`). The deferred fields
+(`mamba_clear_indices`, then `mamba_cow_src_indices` -> `mamba_cow_dst_indices`) run on the forward
+stream before the first layer of an extend and are then set to None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum, auto
+from typing import Any
+
+import torch
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()
+    DECODE = auto()
+    IDLE = auto()
+
+    def is_extend(self) -> bool:
+        return self == ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-request sampling parameters. temperature 0 means greedy; top_k <= 0 means no top-k cut;
+    min_p 0 no min-p cut; a request without a seed draws a fresh one from the runner's generator at
+    every step."""
+
+    temperatures: torch.Tensor  # [bs] float32
+    top_ps: torch.Tensor  # [bs] float32
+    top_ks: torch.Tensor  # [bs] int64
+    seeds: list[int | None]
+    is_all_greedy: bool
+    min_ps: torch.Tensor | None = None  # [bs] float32; None: no min-p cut
+
+    @classmethod
+    def create(
+        cls,
+        temperatures: Sequence[float],
+        top_ps: Sequence[float] | None = None,
+        top_ks: Sequence[int] | None = None,
+        seeds: Sequence[int | None] | None = None,
+        min_ps: Sequence[float] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> SamplingBatchInfo:
+        bs = len(temperatures)
+        top_ps = list(top_ps) if top_ps is not None else [1.0] * bs
+        top_ks = list(top_ks) if top_ks is not None else [-1] * bs
+        seeds = list(seeds) if seeds is not None else [None] * bs
+        assert len(top_ps) == len(top_ks) == len(seeds) == bs
+        return cls(
+            temperatures=torch.tensor(list(temperatures), dtype=torch.float32, device=device),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            seeds=seeds,
+            is_all_greedy=all(t <= 0 for t in temperatures),
+            min_ps=torch.tensor(list(min_ps), dtype=torch.float32, device=device)
+            if min_ps and any(min_ps)
+            else None,
+        )
+
+    @classmethod
+    def greedy(cls, bs: int, device: str | torch.device = "cpu") -> SamplingBatchInfo:
+        return cls.create([0.0] * bs, device=device)
+
+
+def _long(values: Sequence[int], device: str | torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64, device=device)
+
+
+def _pair(
+    values: Sequence[int] | None, device: str | torch.device
+) -> tuple[torch.Tensor | None, list[int] | None]:
+    """An optional host list and its device tensor."""
+    if values is None:
+        return None, None
+    return _long(values, device), list(values)
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64
+    req_pool_indices_cpu: list[int]
+    seq_lens: torch.Tensor  # [bs] int64, length after this forward
+    seq_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot of each new token
+    mamba_pool_indices: torch.Tensor  # [bs] int64, running slots
+    mamba_pool_indices_cpu: list[int]
+    sampling_info: SamplingBatchInfo
+
+    # Extend only (empty / None for decode).
+    extend_prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_seq_lens: torch.Tensor | None = None
+    extend_start_loc: torch.Tensor | None = None
+    # (request row, first position, KV slots): rewrites of req_to_token before the new tokens' entries.
+    req_to_token_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+
+    # State capture.
+    mamba_track_indices: torch.Tensor | None = None
+    mamba_track_indices_cpu: list[int] | None = None
+    mamba_track_mask: torch.Tensor | None = None
+    mamba_track_mask_cpu: list[bool] | None = None
+    mamba_track_seqlens: torch.Tensor | None = None
+    mamba_track_seqlens_cpu: list[int] | None = None
+
+    # Deferred state operations (extend only): clear, then copy src -> dst.
+    mamba_cow_src_indices: torch.Tensor | None = None
+    mamba_cow_src_indices_cpu: list[int] | None = None
+    mamba_cow_dst_indices: torch.Tensor | None = None
+    mamba_cow_dst_indices_cpu: list[int] | None = None
+    mamba_clear_indices: torch.Tensor | None = None
+    mamba_clear_indices_cpu: list[int] | None = None
+
+    # Logprobs. `extend_logprob_start_lens_cpu[i]` is relative to the extend start;
+    # `extend_logprob_next_ids_cpu[i]`, when not None, is the input token that follows this extend
+    # (the first token of the next prefill chunk): its logprob is appended to the input logprobs.
+    return_logprob: bool = False
+    return_logprob_mask: list[bool] = field(default_factory=list)
+    top_logprobs_nums: list[int] = field(default_factory=list)
+    extend_logprob_start_lens_cpu: list[int] = field(default_factory=list)
+    extend_logprob_next_ids_cpu: list[int | None] | None = None
+
+    # Set by the model runner.
+    attn_backend: Any = None
+
+    def __post_init__(self) -> None:
+        # Per-request logprob lists may be left empty by a builder that wants the defaults.
+        if not self.return_logprob_mask:
+            self.return_logprob_mask = [self.return_logprob] * self.batch_size
+        if not self.top_logprobs_nums:
+            self.top_logprobs_nums = [0] * self.batch_size
+        if not self.extend_logprob_start_lens_cpu:
+            self.extend_logprob_start_lens_cpu = [0] * len(self.extend_seq_lens_cpu)
+
+    @property
+    def extend_start_loc_cpu(self) -> list[int]:
+        """Offset of each request's first new token in the batch (extend)."""
+        starts, total = [], 0
+        for n in self.extend_seq_lens_cpu:
+            starts.append(total)
+            total += n
+        return starts
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @classmethod
+    def create(
+        cls,
+        forward_mode: ForwardMode,
+        *,
+        input_ids: Sequence[int],
+        req_pool_indices: Sequence[int],
+        seq_lens: Sequence[int],
+        out_cache_loc: Sequence[int],
+        mamba_pool_indices: Sequence[int],
+        extend_prefix_lens: Sequence[int] | None = None,
+        req_to_token_writes: Sequence[tuple[int, int, Sequence[int] | torch.Tensor]] = (),
+        mamba_track_indices: Sequence[int] | None = None,
+        mamba_track_mask: Sequence[bool] | None = None,
+        mamba_track_seqlens: Sequence[int] | None = None,
+        mamba_cow_src_indices: Sequence[int] | None = None,
+        mamba_cow_dst_indices: Sequence[int] | None = None,
+        mamba_clear_indices: Sequence[int] | None = None,
+        sampling_info: SamplingBatchInfo | None = None,
+        return_logprob_mask: Sequence[bool] | None = None,
+        top_logprobs_nums: Sequence[int] | None = None,
+        extend_logprob_start_lens: Sequence[int] | None = None,
+        extend_logprob_next_ids: Sequence[int | None] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> ForwardBatch:
+        """Build a batch from host lists. For an extend, `extend_prefix_lens` is required and the
+        extend lengths are `seq_lens - prefix`; for a decode every request has one input token."""
+        bs = len(req_pool_indices)
+        seq_lens = list(seq_lens)
+        assert len(seq_lens) == len(mamba_pool_indices) == bs
+        extend = forward_mode.is_extend()
+        if extend:
+            assert extend_prefix_lens is not None, "an extend needs extend_prefix_lens"
+            prefix = list(extend_prefix_lens)
+            ext = [s - p for s, p in zip(seq_lens, prefix, strict=True)]
+            assert all(e > 0 for e in ext), "every request of an extend needs at least one new token"
+            ranges = [torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix, seq_lens, strict=True)]
+            positions = torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64)
+        else:
+            prefix, ext = [], []
+            positions = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64)
+        assert len(input_ids) == len(out_cache_loc) == positions.numel()
+        mask = list(return_logprob_mask) if return_logprob_mask is not None else [False] * bs
+        track_mask = None if mamba_track_mask is None else [bool(m) for m in mamba_track_mask]
+        track_idx, track_idx_cpu = _pair(mamba_track_indices, device)
+        track_len, track_len_cpu = _pair(mamba_track_seqlens, device)
+        cow_src, cow_src_cpu = _pair(mamba_cow_src_indices, device)
+        cow_dst, cow_dst_cpu = _pair(mamba_cow_dst_indices, device)
+        clear, clear_cpu = _pair(mamba_clear_indices, device)
+        batch = cls(
+            forward_mode=forward_mode,
+            batch_size=bs,
+            input_ids=_long(input_ids, device),
+            positions=positions.to(device),
+            req_pool_indices=_long(req_pool_indices, device),
+            req_pool_indices_cpu=list(req_pool_indices),
+            seq_lens=_long(seq_lens, device),
+            seq_lens_cpu=seq_lens,
+            out_cache_loc=_long(out_cache_loc, device),
+            mamba_pool_indices=_long(mamba_pool_indices, device),
+            mamba_pool_indices_cpu=list(mamba_pool_indices),
+            sampling_info=sampling_info or SamplingBatchInfo.greedy(bs, device),
+            extend_prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=ext,
+            req_to_token_writes=[
+                (row, start, torch.as_tensor(slots, dtype=torch.int64).to(device))
+                for row, start, slots in req_to_token_writes
+            ],
+            mamba_track_indices=track_idx,
+            mamba_track_indices_cpu=track_idx_cpu,
+            mamba_track_mask=None if track_mask is None else torch.tensor(track_mask, device=device),
+            mamba_track_mask_cpu=track_mask,
+            mamba_track_seqlens=track_len,
+            mamba_track_seqlens_cpu=track_len_cpu,
+            mamba_cow_src_indices=cow_src,
+            mamba_cow_src_indices_cpu=cow_src_cpu,
+            mamba_cow_dst_indices=cow_dst,
+            mamba_cow_dst_indices_cpu=cow_dst_cpu,
+            mamba_clear_indices=clear,
+            mamba_clear_indices_cpu=clear_cpu,
+            return_logprob=any(mask),
+            return_logprob_mask=mask,
+            top_logprobs_nums=list(top_logprobs_nums or []),
+            extend_logprob_start_lens_cpu=list(extend_logprob_start_lens or []),
+            extend_logprob_next_ids_cpu=None
+            if extend_logprob_next_ids is None
+            else list(extend_logprob_next_ids),
+        )
+        if extend:
+            batch.extend_prefix_lens = _long(prefix, device)
+            batch.extend_seq_lens = _long(ext, device)
+            batch.extend_start_loc = _long(batch.extend_start_loc_cpu, device)
+        return batch
+
+    @classmethod
+    def idle(cls, device: str | torch.device = "cpu") -> ForwardBatch:
+        return cls.create(
+            ForwardMode.IDLE,
+            input_ids=[],
+            req_pool_indices=[],
+            seq_lens=[],
+            out_cache_loc=[],
+            mamba_pool_indices=[],
+            device=device,
+        )

@@ -1,0 +1,126 @@
+"""`ModelRunner`: owns the model, its pools and the attention backends, and runs one forward.
+
+`forward_batch_generation` is called on the forward stream (the forward worker thread on CPU). It sets
+inference mode itself (thread-local in torch), writes the batch's `req_to_token` entries (prefix
+rewrites, then the new tokens' slots) before any layer reads them, runs the deferred state operations
+and the layers, and samples. It keeps no state between calls other than the pools.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.logits_processor import LogitsProcessor, TopLogprobs
+from sglang.srt.layers.sampler import Sampler
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
+from sglang.srt.mem_cache.pool_sizing import PoolSizes, compute_pool_sizes
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.models.registry import load_model
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+LINEAR_BACKENDS = {"gdn": GDNAttnBackend, "mamba2": Mamba2AttnBackend}
+
+
+@dataclass
+class GenerationBatchResult:
+    """Host-side results of one forward. Logprob conventions: see `layers/logits_processor.py`."""
+
+    next_token_ids: torch.Tensor  # [bs] int64, CPU
+    next_token_logprobs: torch.Tensor | None = None  # [bs] float32, CPU
+    next_token_top_logprobs: list[TopLogprobs | None] | None = None
+    # Extend only, per request (empty for requests without return_logprob).
+    input_token_logprobs: list[list[float]] | None = None
+    input_top_logprobs: list[list[TopLogprobs]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, pool_sizes: PoolSizes | None = None):
+        self.server_args = server_args
+        model_config = server_args.model_config
+        self.arch = model_config.arch
+        self.device = server_args.device
+        self.dtype = model_config.torch_dtype
+        self.model = load_model(model_config.hf_config, model_config.path, self.dtype, self.device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.pool_sizes = pool_sizes or compute_pool_sizes(server_args, self.arch, weight_bytes)
+        self._init_pools(model_config.context_len)
+        full = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool)
+        linear = LINEAR_BACKENDS[self.arch.linear_kind](
+            self.req_to_token_pool.mamba_pool, self.arch.kernel_state_chunk
+        )
+        self.attn_backend = HybridLinearAttnBackend(full, linear, self.arch.full_attention_layer_ids)
+        self.logits_processor = LogitsProcessor()
+        self.sampler = Sampler(server_args.random_seed)
+        logger.info(
+            "Model %s loaded (%s, %.1f MB of weights); pools: %d KV tokens, %d mamba slots, %d request rows.",
+            self.arch.architecture, self.dtype, weight_bytes / 2**20, self.pool_sizes.max_total_tokens,
+            self.pool_sizes.max_mamba_cache_size, self.pool_sizes.req_pool_size,
+        )  # fmt: skip
+
+    def _init_pools(self, context_len: int) -> None:
+        args, sizes = self.server_args, self.pool_sizes
+        self.req_to_token_pool = HybridReqToTokenPool(
+            size=sizes.req_pool_size,
+            mamba_size=sizes.max_mamba_cache_size,
+            max_context_len=context_len,
+            cache_params=self.arch.mamba2_cache_params(self.dtype, args.mamba_ssm_dtype),
+            enable_mamba_extra_buffer=args.enable_mamba_extra_buffer(),
+            enable_mamba_extra_buffer_lazy=args.enable_mamba_extra_buffer_lazy(),
+            enable_overlap_schedule=args.enable_overlap_schedule,
+            device=self.device,
+        )
+        self.token_to_kv_pool = MHATokenToKVPool(
+            size=sizes.max_total_tokens,
+            page_size=args.page_size,
+            dtype=self.dtype,
+            head_num=self.arch.num_key_value_heads,
+            head_dim=self.arch.head_dim,
+            layer_ids=self.arch.full_attention_layer_ids,
+            device=self.device,
+        )
+
+    @property
+    def mamba_pool(self) -> MambaPool:
+        return self.req_to_token_pool.mamba_pool
+
+    def forward_batch_generation(self, fb: ForwardBatch) -> GenerationBatchResult:
+        with torch.inference_mode():
+            if fb.forward_mode.is_idle() or fb.batch_size == 0:
+                return GenerationBatchResult(next_token_ids=torch.empty(0, dtype=torch.int64))
+            self._write_req_to_token(fb)
+            fb.attn_backend = self.attn_backend
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model(fb.input_ids, fb.positions, fb)
+            logits = self.logits_processor(hidden, self.model.lm_head, fb)
+            sample = self.sampler(
+                logits.next_token_logits,
+                fb.sampling_info,
+                fb.seq_lens_cpu,
+                return_logprob=fb.return_logprob,
+                top_logprobs_nums=fb.top_logprobs_nums,
+            )
+        return GenerationBatchResult(
+            next_token_ids=sample.next_token_ids,
+            next_token_logprobs=sample.next_token_logprobs,
+            next_token_top_logprobs=sample.next_token_top_logprobs,
+            input_token_logprobs=logits.input_token_logprobs,
+            input_top_logprobs=logits.input_top_logprobs,
+        )
+
+    def _write_req_to_token(self, fb: ForwardBatch) -> None:
+        pool = self.req_to_token_pool
+        for row, start, slots in fb.req_to_token_writes:
+            pool.write(row, start, slots)
+        rows = fb.req_pool_indices
+        if fb.forward_mode.is_extend():
+            rows = rows.repeat_interleave(fb.extend_seq_lens, output_size=fb.num_tokens)
+        pool.req_to_token[rows, fb.positions] = fb.out_cache_loc.to(torch.int32)

@@ -1,0 +1,96 @@
+"""Loading HF safetensors checkpoints into our model classes: a single `model.safetensors`, or shards
+listed by `model.safetensors.index.json`.
+
+Names are the checkpoint's own. Per-expert weights (`...experts.E.{gate,up,down}_proj.weight`) go into
+the stacked expert tensors; every other tensor must match a parameter by name and shape. A parameter
+the checkpoint does not provide is an error (a silently random weight would serve garbage).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from sglang.srt.layers.moe.experts import RoutedExperts
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_EXPERT_KEY = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<shard>gate|up|down)_proj\.weight$")
+
+
+def checkpoint_files(folder: str | Path) -> list[Path]:
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"No safetensors checkpoint in {folder}.")
+    return files
+
+
+def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+class WeightLoader:
+    """Copies named tensors into a model's parameters and checks that all of them were provided."""
+
+    def __init__(self, model: nn.Module, skip_prefixes: Iterable[str] = ()):
+        self.params = dict(model.named_parameters())
+        self.experts = {name: m for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
+        self.skip_prefixes = tuple(skip_prefixes)
+        self.loaded: set[str] = set()
+        self.expert_pieces: dict[str, set[tuple[int, str]]] = {name: set() for name in self.experts}
+        self.unused: list[str] = []
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        if self.skip_prefixes and name.startswith(self.skip_prefixes):
+            return
+        match = _EXPERT_KEY.match(name)
+        if match and match["module"] in self.experts:
+            expert, shard = int(match["expert"]), match["shard"]
+            self.experts[match["module"]].load_expert_weight(expert, shard, tensor)
+            self.expert_pieces[match["module"]].add((expert, shard))
+            return
+        param = self.params.get(name)
+        if param is None:
+            self.unused.append(name)
+            return
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"Checkpoint tensor {name} has shape {tuple(tensor.shape)}; the model expects {tuple(param.shape)}."
+            )
+        param.data.copy_(tensor)
+        self.loaded.add(name)
+
+    def finish(self) -> None:
+        for name, module in self.experts.items():
+            shards = ("gate", "up", "down") if module.gated else ("up", "down")
+            if len(self.expert_pieces[name]) == module.num_experts * len(shards):
+                self.loaded |= {f"{name}.w13", f"{name}.w2"}
+        missing = sorted(set(self.params) - self.loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"The checkpoint lacks {len(missing)} weight(s) of the model: {shown}")
+        if self.unused:
+            logger.warning(
+                "Ignored %d checkpoint tensor(s) the model has no use for, e.g. %s",
+                len(self.unused),
+                self.unused[0],
+            )

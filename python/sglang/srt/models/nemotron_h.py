@@ -1,0 +1,182 @@
+"""Nemotron-H: a stack of blocks, each `x + mixer(norm(x))`, where the mixer is a Mamba2 layer, full
+attention without positions, a relu2 MLP, or a MoE (sigmoid router with correction bias and group
+routing, relu2 experts, a shared expert). Parameter names follow the HF checkpoint (`backbone...`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.configs.nemotron_h import NemotronHArchConfig
+from sglang.srt.layers.layernorm import GroupedGatedRMSNorm, RMSNorm
+from sglang.srt.layers.mlp import PlainMLP
+from sglang.srt.layers.moe.experts import RoutedExperts
+from sglang.srt.layers.moe.router import grouped_sigmoid_topk
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.models.loader import WeightLoader
+
+
+class NemotronHMamba2Mixer(nn.Module):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
+        self.n_groups, self.ssm_state_size = config.n_groups, config.ssm_state_size
+        self.intermediate_size = self.num_heads * self.head_dim
+        self.time_step_min = float(config.time_step_min)
+        conv_dim = self.intermediate_size + 2 * self.n_groups * self.ssm_state_size
+        self.conv_dim = conv_dim
+        hidden = config.hidden_size
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, config.conv_kernel, groups=conv_dim, bias=config.use_conv_bias
+        )
+        self.in_proj = nn.Linear(
+            hidden, self.intermediate_size + conv_dim + self.num_heads, bias=config.use_bias
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = GroupedGatedRMSNorm(
+            self.intermediate_size, self.intermediate_size // self.n_groups, eps=config.layer_norm_epsilon
+        )
+        self.out_proj = nn.Linear(self.intermediate_size, hidden, bias=config.use_bias)
+
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        gate, xBC, dt = self.in_proj(hidden).split(
+            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
+        )
+        y = fb.attn_backend.forward_linear(self, fb, xBC, dt)
+        y = self.norm(y.reshape(hidden.shape[0], -1).to(hidden.dtype), gate)
+        return self.out_proj(y)
+
+
+class NemotronHAttention(nn.Module):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        d = getattr(config, "head_dim", None) or hidden // self.num_heads
+        bias = getattr(config, "attention_bias", False)
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
+        self.attn = RadixAttention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id)
+
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        out = self.attn(self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden), fb)
+        return self.o_proj(out)
+
+
+class NemotronHTopkRouter(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts))
+        self.top_k = config.num_experts_per_tok
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        return grouped_sigmoid_topk(
+            logits,
+            self.top_k,
+            self.e_score_correction_bias,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )
+
+
+class NemotronHMoE(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        if getattr(config, "moe_latent_size", None) is not None:
+            raise ValueError("Nemotron-H checkpoints with moe_latent_size are not supported yet.")
+        hidden, act, bias = config.hidden_size, config.mlp_hidden_act, config.mlp_bias
+        self.gate = NemotronHTopkRouter(config)
+        self.experts = RoutedExperts(
+            config.n_routed_experts, hidden, config.moe_intermediate_size, act, False
+        )
+        self.shared_experts = PlainMLP(hidden, config.moe_shared_expert_intermediate_size, act, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, config: Any, layer_id: int, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        if kind == "linear_attention":
+            self.mixer = NemotronHMamba2Mixer(config, layer_id)
+        elif kind == "full_attention":
+            self.mixer = NemotronHAttention(config, layer_id)
+        elif kind == "moe":
+            self.mixer = NemotronHMoE(config)
+        elif kind == "mlp":
+            self.mixer = PlainMLP(
+                config.hidden_size, config.intermediate_size, config.mlp_hidden_act, config.mlp_bias
+            )
+        else:
+            raise ValueError(f"Unknown Nemotron-H block type {kind!r} at layer {layer_id}.")
+
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = self.norm(hidden)
+        x = self.mixer(x, fb) if self.kind in ("linear_attention", "full_attention") else self.mixer(x)
+        return hidden + x
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        kinds = NemotronHArchConfig(config).layer_types
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(config, i, kind) for i, kind in enumerate(kinds))
+        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.embeddings(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, fb)
+        return self.norm_f(hidden)
+
+
+class NemotronHForCausalLM(nn.Module):
+    fp32_param_suffixes = ("A_log", "dt_bias", ".D", "e_score_correction_bias")
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.backbone = NemotronHModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [T, hidden]; attention here uses no positions."""
+        return self.backbone(input_ids, fb)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self, skip_prefixes=("mtp.",))
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            # transformers' in-memory names use `model.`; checkpoints use `backbone.`.
+            if name.startswith("model."):
+                name = "backbone." + name[len("model.") :]
+            name = name.replace(".experts.up_proj", ".experts.w13").replace(
+                ".experts.down_proj", ".experts.w2"
+            )
+            loader.load(name, tensor)
+        loader.finish()

@@ -1,0 +1,191 @@
+"""Qwen3-Next: Gated DeltaNet layers and gated full attention (partial rotary, q/k norms, an output gate),
+each followed by a sparse MoE with a sigmoid-gated shared expert (or a dense MLP). Parameter names
+follow the HF checkpoint (`model.layers.N...`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
+from sglang.srt.layers.mlp import GatedMLP
+from sglang.srt.layers.moe.experts import RoutedExperts
+from sglang.srt.layers.moe.router import softmax_topk
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.models.loader import WeightLoader
+
+
+class Qwen3NextGatedDeltaNet(nn.Module):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        conv_dim = 2 * key_dim + value_dim
+        hidden = config.hidden_size
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False
+        )
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * key_dim + 2 * value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, hidden, bias=False)
+
+    def _split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """The projections are laid out per key head: [q | k | v of its value heads | z of them] and
+        [b | a of its value heads]."""
+        t = qkvz.shape[0]
+        hk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
+        r = self.num_v_heads // hk
+        q, k, v, z = qkvz.view(t, hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = ba.view(t, hk, 2 * r).split([r, r], dim=-1)
+        mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed_qkv, z.reshape(t, self.num_v_heads, dv), b.reshape(t, -1), a.reshape(t, -1)
+
+    def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        mixed_qkv, z, b, a = self._split_projections(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        core = fb.attn_backend.forward_linear(self, fb, mixed_qkv, g, beta)
+        out = self.norm(core.to(hidden.dtype), z)
+        return self.out_proj(out.reshape(hidden.shape[0], -1))
+
+
+class Qwen3NextAttention(nn.Module):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        d = self.head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * d * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
+        self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, offset_one=True)
+        self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, offset_one=True)
+        self.rotary_emb = get_rope(d, _rope_parameters(config))
+        self.attn = RadixAttention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        t, d = hidden.shape[0], self.head_dim
+        # Each head's projection is [query | output gate].
+        q, gate = self.q_proj(hidden).view(t, self.num_heads, 2 * d).split(d, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(hidden).view(t, self.num_kv_heads, d))
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(hidden), fb)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
+
+
+class Qwen3NextSparseMoeBlock(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        hidden = config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(hidden, config.num_experts, bias=False)
+        self.experts = RoutedExperts(
+            config.num_experts, hidden, config.moe_intermediate_size, config.hidden_act, True
+        )
+        self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, weights, ids) + shared
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__()
+        self.is_linear = config.layer_types[layer_id] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = Qwen3NextGatedDeltaNet(config, layer_id)
+        else:
+            self.self_attn = Qwen3NextAttention(config, layer_id)
+        sparse = (
+            layer_id not in (config.mlp_only_layers or [])
+            and config.num_experts > 0
+            and (layer_id + 1) % config.decoder_sparse_step == 0
+        )
+        if sparse:
+            self.mlp = Qwen3NextSparseMoeBlock(config)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = self.input_layernorm(hidden)
+        x = self.linear_attn(x, fb) if self.is_linear else self.self_attn(positions, x, fb)
+        hidden = hidden + x
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, fb)
+        return self.norm(hidden)
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    # Small per-head parameters kept in float32 whatever the model dtype.
+    fp32_param_suffixes = ("A_log", "dt_bias")
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3NextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [T, hidden]; the logits processor applies `lm_head` where needed."""
+        return self.model(input_ids, positions, fb)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self, skip_prefixes=("mtp.",))
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            name = name.replace(".experts.gate_up_proj", ".experts.w13").replace(
+                ".experts.down_proj", ".experts.w2"
+            )
+            loader.load(name, tensor)
+        loader.finish()
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """transformers 5 writes `rope_parameters`; older checkpoints state rope_theta and
+    partial_rotary_factor at the top level."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = getattr(config, "rope_scaling", None) or {}
+    return {
+        "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
+        "rope_theta": getattr(config, "rope_theta", 10000.0),
+        "partial_rotary_factor": getattr(config, "partial_rotary_factor", 1.0),
+    }

@@ -1,0 +1,82 @@
+"""Helpers for tests that run the model runner against the transformers oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.server_args import ServerArgs
+from sglang.test.reference import LinearState
+from sglang.test.runner_driver import DriverRequest, Extend, RunnerDriver
+
+
+def make_runner(preset: str, page_size: int = 1, **server_args) -> ModelRunner:
+    """A runner with small fixed pools (no memory-budget sizing in tests)."""
+    kwargs = dict(
+        model_path=preset,
+        page_size=page_size,
+        max_total_tokens=16384,
+        max_mamba_cache_size=48,
+        max_running_requests=16,
+        random_seed=0,
+    )
+    kwargs.update(server_args)
+    return ModelRunner(ServerArgs(**kwargs))
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+def prefill(
+    driver: RunnerDriver, req: DriverRequest, tokens: Sequence[int], cuts: Sequence[int] = ()
+) -> list[float]:
+    """Prefill `tokens` on top of what `req` holds, in chunks split at `cuts` (offsets into tokens).
+    Returns the logprobs of tokens[1:] and then of the token sampled after the last one."""
+    bounds = [0, *[c for c in cuts if 0 < c < len(tokens)], len(tokens)]
+    lps: list[float] = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        nxt = tokens[b] if b < len(tokens) else None
+        res = driver.extend([Extend(req, list(tokens[a:b]), next_token=nxt)])
+        lps += res.input_token_logprobs[0]
+    return lps + [float(res.next_token_logprobs[0])]
+
+
+def decode_steps(driver: RunnerDriver, reqs: Sequence[DriverRequest], n: int) -> list[list[float]]:
+    """n greedy decode steps for the batch; per request the logprobs of the tokens it sampled."""
+    out: list[list[float]] = [[] for _ in reqs]
+    for _ in range(n):
+        res = driver.decode(reqs)
+        for i in range(len(reqs)):
+            out[i].append(float(res.next_token_logprobs[i]))
+    return out
+
+
+def max_abs(a: Sequence[float] | torch.Tensor, b: Sequence[float] | torch.Tensor) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape, f"{tuple(a.shape)} vs {tuple(b.shape)}"
+    return (a - b).abs().max().item()
+
+
+def pool_state(runner: ModelRunner, slot: int) -> dict[int, LinearState]:
+    """Each linear layer's (conv, ssm) in one mamba slot, as float32 copies."""
+    pool = runner.mamba_pool
+    return {
+        layer: LinearState(pool.conv_state[i, slot].float().clone(), pool.ssm_state[i, slot].float().clone())
+        for layer, i in pool.mamba_map.items()
+    }
+
+
+def state_errors(got: dict[int, LinearState], want: dict[int, LinearState]) -> tuple[float, float]:
+    """(max relative conv error, max relative SSM error) over layers; relative to the largest entry
+    of the oracle's tensor, since the SSM state grows with the sequence."""
+    conv = max(
+        (g.conv - want[k].conv).abs().max().item() / want[k].conv.abs().max().item() for k, g in got.items()
+    )
+    ssm = max(
+        (g.ssm - want[k].ssm).abs().max().item() / want[k].ssm.abs().max().item() for k, g in got.items()
+    )
+    return conv, ssm

@@ -1,0 +1,102 @@
+"""Sampling: greedy at temperature 0; a seeded request draws the same tokens whatever batch it is in;
+top-k, top-p and min-p keep the documented sets; frequencies follow the distribution; logprobs are those of
+the temperature-scaled distribution, before truncation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sglang.srt.layers.sampler import Sampler
+from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import make_runner, random_ids
+from sglang.test.runner_driver import Extend, RunnerDriver
+
+register_cpu_ci(est_time=5, suite="per-commit-cpu")
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+DRAWS = 4000
+# Binomial standard deviation of a frequency over 4000 draws is <= 0.008; 0.04 is five of them.
+FREQ_TOL = 0.04
+
+
+def _frequencies(seed: int, **params) -> torch.Tensor:
+    """Token frequencies of one seeded request sampled at DRAWS positions of PROBS (batched)."""
+    logits = PROBS.log().repeat(DRAWS, 1)
+    info = SamplingBatchInfo.create(
+        [params.get("temperature", 1.0)] * DRAWS,
+        [params.get("top_p", 1.0)] * DRAWS,
+        [params.get("top_k", -1)] * DRAWS,
+        [seed] * DRAWS,
+        [params.get("min_p", 0.0)] * DRAWS,
+    )
+    ids = Sampler(random_seed=0)(logits, info, positions=list(range(DRAWS))).next_token_ids
+    return torch.bincount(ids, minlength=4).float() / DRAWS
+
+
+def test_frequencies_follow_the_distribution():
+    assert (_frequencies(seed=1) - PROBS).abs().max() < FREQ_TOL
+
+
+@pytest.mark.parametrize(
+    "params,kept",
+    [
+        ({"top_k": 2}, [0, 1]),
+        ({"top_p": 0.6}, [0, 1]),  # 0.5 before token 1 is <= 0.6: kept; 0.8 before token 2 is not
+        ({"top_p": 0.4}, [0]),
+        ({"top_k": 3, "top_p": 0.9}, [0, 1, 2]),
+        ({"min_p": 0.35}, [0, 1]),  # 0.15 < 0.35 * 0.5
+    ],
+)
+def test_top_k_and_top_p_keep_the_documented_set(params, kept):
+    freq = _frequencies(seed=2, **params)
+    want = torch.zeros(4)
+    want[kept] = PROBS[kept] / PROBS[kept].sum()
+    assert (freq - want).abs().max() < FREQ_TOL
+    assert freq[[i for i in range(4) if i not in kept]].sum() == 0
+
+
+def test_greedy_rows_and_scaled_logprobs():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    info = SamplingBatchInfo.create([0.0, 0.5], seeds=[None, 7])
+    out = Sampler(random_seed=0)(
+        logits, info, positions=[3, 9], return_logprob=True, top_logprobs_nums=[2, 0]
+    )
+    assert out.next_token_ids[0] == 0
+    token = int(out.next_token_ids[1])
+    assert math.isclose(out.next_token_logprobs[0], torch.log_softmax(logits[0], -1)[0].item(), rel_tol=1e-6)
+    assert math.isclose(
+        out.next_token_logprobs[1], torch.log_softmax(logits[1] / 0.5, -1)[token].item(), rel_tol=1e-6
+    )
+    values, ids = out.next_token_top_logprobs[0]
+    assert ids == [0, 1] and out.next_token_top_logprobs[1] is None
+    assert math.isclose(values[1], torch.log_softmax(logits[0], -1)[1].item(), rel_tol=1e-6)
+
+
+def _sample_sequence(driver: RunnerDriver, prompt: list[int], seed: int, others: int) -> list[int]:
+    params = {"temperature": 1.0, "top_p": 0.95, "top_k": 100}
+    req = driver.new_request(seed=seed, **params)
+    batch = [req] + [driver.new_request(seed=1000 + i, **params) for i in range(others)]
+    if others:  # a greedy neighbour too
+        batch.append(driver.new_request())
+    driver.extend(
+        [Extend(r, prompt if r is req else random_ids(23 + j, seed=j)) for j, r in enumerate(batch)]
+    )
+    tokens = [req.next_token]
+    for _ in range(12):
+        driver.decode(batch)
+        tokens.append(req.next_token)
+    return tokens
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    driver = RunnerDriver(make_runner("tiny-qwen3-next"))
+    prompt = random_ids(30, seed=70)
+    alone = _sample_sequence(driver, prompt, seed=123, others=0)
+    batched = _sample_sequence(driver, prompt, seed=123, others=2)
+    other_seed = _sample_sequence(driver, prompt, seed=124, others=0)
+    assert alone == batched
+    assert alone != other_seed

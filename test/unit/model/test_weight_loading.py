@@ -1,0 +1,64 @@
+"""Checkpoints load from a single safetensors file or from shards with `model.safetensors.index.json`,
+with the real HF key names; a checkpoint that lacks a weight is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import make_runner, prefill, random_ids
+from sglang.test.runner_driver import RunnerDriver
+
+register_cpu_ci(est_time=4, suite="per-commit-cpu")
+
+
+def _reshard(src: Path, dst: Path, shards: int, drop: str | None = None) -> Path:
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    if drop:
+        del tensors[drop]
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(dst / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_sharded_checkpoint_gives_the_same_model(preset, preset_paths, tmp_path):
+    sharded = _reshard(Path(preset_paths[preset]), tmp_path / "sharded", shards=3)
+    prompt = random_ids(40, seed=60)
+    results = []
+    for path in (preset, str(sharded)):
+        driver = RunnerDriver(make_runner(path))
+        results.append(prefill(driver, driver.new_request(), prompt))
+    assert results[0] == results[1]
+
+
+def test_missing_weight_is_refused(preset_paths, tmp_path):
+    src = Path(preset_paths["tiny-nemotron-h"])
+    broken = _reshard(src, tmp_path / "broken", shards=2, drop="backbone.layers.0.mixer.D")
+    with pytest.raises(ValueError, match=r"lacks 1 weight.*backbone\.layers\.0\.mixer\.D"):
+        make_runner(str(broken))
+
+
+def test_expert_weights_land_in_the_stacked_tensors(preset_paths):
+    runner = make_runner("tiny-qwen3-next")
+    tensors = load_file(Path(preset_paths["tiny-qwen3-next"]) / "model.safetensors")
+    experts = runner.model.model.layers[0].mlp.experts
+    inter = experts.intermediate_size
+    prefix = "model.layers.0.mlp.experts.5"
+    assert torch.equal(experts.w13[5, :inter], tensors[f"{prefix}.gate_proj.weight"])
+    assert torch.equal(experts.w13[5, inter:], tensors[f"{prefix}.up_proj.weight"])
+    assert torch.equal(experts.w2[5], tensors[f"{prefix}.down_proj.weight"])
