@@ -1,9 +1,10 @@
-"""`Req`: one request's scheduling state, with SGLang's field names.
+"""`Req` (one request's scheduling state, SGLang's field names) and `ScheduleBatch` (one forward's worth
+of requests, turned into a `ForwardBatch`).
 
-KV bookkeeping on the host: `kv_indices[i]` is the KV slot of position i for positions the request
-holds KV for. Positions [0, cache_protected_len) are owned by the radix tree and locked through
-`last_node`; later positions are the request's own. `req_to_token_dirty_from` is the first position
-whose device row entry must be (re)written at the next forward (the forward stream does the write).
+KV bookkeeping on the host: `kv_indices[i]` is the KV slot of position i for every position a forward
+has been scheduled for. Positions [0, cache_protected_len) are owned by the radix tree and locked
+through `last_node`; later positions are the request's own. `req_to_token_dirty_from` is the first
+position whose device row entry must be (re)written by the next forward (on the forward stream).
 
 Mamba fields (upstream names):
   mamba_pool_idx                running slot (host int), or None
@@ -14,19 +15,47 @@ Mamba fields (upstream names):
   mamba_cow_src_index           checkpoint slot to copy into the running slot (deferred to the forward)
   mamba_needs_clear             the running slot is fresh and must be zeroed (deferred to the forward)
   mamba_lazy_is_insert          lazy mode: false while the newest snapshot may be unsafe to insert
+
+Overlap: a request's newest sampled token may still be in flight; `last_token_ref` then names it by
+a placeholder (-(future slot + 1)) that the forward stream resolves.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 
 class Req:
-    def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: Any = None):
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ):
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
         self.output_ids: list[int] = []
-        self.sampling_params = sampling_params
+        self.sampling_params = sampling_params or SamplingParams()
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.stream = stream
+        self.created_time = time.monotonic()
+
+        # Lifecycle
+        self.fill_ids: list[int] = []  # the tokens the current prefill covers (input + outputs so far)
+        self.finished_reason: dict[str, Any] | None = None
+        self.last_token_ref: int | None = None  # placeholder of a token sampled by an in-flight batch
+        self.num_inflight = 0  # batches in flight that contain this request
+        self.inflight_tokens = 0  # tokens those batches will sample for it
+        self.retracted = False
 
         # KV and radix cache
         self.req_pool_idx: int | None = None
@@ -36,6 +65,7 @@ class Req:
         self.last_node: Any = None
         self.req_to_token_dirty_from: int | None = None
         self.cached_tokens = 0
+        self.admitted_once = False
 
         # Mamba state
         self.mamba_pool_idx: int | None = None
@@ -47,6 +77,16 @@ class Req:
         self.mamba_needs_clear = False
         self.mamba_lazy_is_insert = True
 
+        # Outputs and what has been sent
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.input_token_logprobs: list[tuple[float | None, int]] = []
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
+        self.send_offset = 0
+        self.input_logprobs_sent = False
+
+    # ---- derived -----------------------------------------------------------------------------------
+
     @property
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
@@ -55,9 +95,247 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
+    @property
+    def kv_len(self) -> int:
+        return len(self.kv_indices)
+
+    @property
+    def prefill_done(self) -> bool:
+        return bool(self.fill_ids) and self.kv_len >= len(self.fill_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def planned_output_len(self) -> int:
+        return len(self.output_ids) + self.inflight_tokens
+
+    def wants_input_logprobs(self) -> bool:
+        """Input logprobs still to compute: asked for, and not all done (a retracted request that
+        prefills again has them already)."""
+        start, n_in = self.logprob_start_len, len(self.origin_input_ids)
+        if not self.return_logprob or start < 0 or start >= n_in:
+            return False
+        return len(self.input_token_logprobs) < n_in - start
+
     def mark_req_to_token_dirty(self, start: int) -> None:
         if self.req_to_token_dirty_from is None or start < self.req_to_token_dirty_from:
             self.req_to_token_dirty_from = start
 
+    def init_next_round_input(self) -> None:
+        """A (re)admitted request prefills its input and every output committed so far."""
+        self.fill_ids = self.all_ids
+
+    def reset_for_retract(self) -> None:
+        """Back to the waiting queue: everything held was released; it will prefill again."""
+        self.fill_ids = []
+        self.kv_indices = []
+        self.cache_protected_len = 0
+        self.last_node = None
+        self.req_to_token_dirty_from = None
+        self.last_token_ref = None
+        self.mamba_last_track_seqlen = None
+        self.mamba_branching_seqlen = None
+        self.mamba_cow_src_index = None
+        self.mamba_needs_clear = False
+        self.mamba_lazy_is_insert = True
+        self.retracted = True
+
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
+
+
+class ScheduleBatch:
+    """The requests of one forward and what the scheduler decided for each row.
+
+    Built on the scheduler thread from host state only; `forward_batch` is what the forward stream runs.
+    `sample_rows[i]` says whether row i's sampled token is a real output (the last prefill chunk of a
+    request that wants tokens, or a decode step); `pending_tracks` are decode snapshots to commit when
+    the result is processed."""
+
+    def __init__(self, reqs: list[Req], forward_mode, batch_id: int):
+        self.reqs = reqs
+        self.forward_mode = forward_mode
+        self.batch_id = batch_id
+        self.sample_rows: list[bool] = []
+        self.completes_prefill: list[bool] = []  # the row computes the last input position
+        self.future_slots: list[int] | None = None
+        self.pending_tracks: list[tuple[Req, int, int]] = []
+        self.prepend_none: list[bool] = []  # the first input token's logprob (none exists) goes first
+        self.input_lp_rows: list[bool] = []
+        self.state_copies: list[tuple[int, int]] = []
+        self.forward_batch = None
+        self.has_placeholders = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_extend(self) -> bool:
+        return self.forward_mode.is_extend()
+
+    # ---- extend ------------------------------------------------------------------------------------
+
+    def prepare_for_extend(self, spans: list[tuple[int, int]], ctx) -> None:
+        """`spans[i] = (prefix_len, end)`: request i computes positions [prefix_len, end) of its
+        `fill_ids`; their KV slots were allocated at admission and sit in `kv_indices`."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+        input_ids, out_loc, writes = [], [], []
+        track: list[tuple[int, int] | None] = []
+        lp_start, lp_next, lp_mask = [], [], []
+        for req, (p, end) in zip(self.reqs, spans, strict=True):
+            input_ids += req.fill_ids[p:end]
+            out_loc += req.kv_indices[p:end]
+            dirty = req.req_to_token_dirty_from
+            if dirty is not None and dirty < p:
+                writes.append((req.req_pool_idx, dirty, req.kv_indices[dirty:p]))
+            req.req_to_token_dirty_from = None
+            track.append(ctx.tracker.prefill_track(req, p, end))
+            done = end == len(req.fill_ids)
+            self.completes_prefill.append(done)
+            self.sample_rows.append(done and req.sampling_params.max_new_tokens > len(req.output_ids))
+            start, next_id, prepend = self._input_logprob_plan(req, p, end)
+            lp_mask.append(req.return_logprob)
+            lp_start.append(start)
+            lp_next.append(next_id)
+            self.prepend_none.append(prepend)
+            self.input_lp_rows.append(req.return_logprob and start < end - p - 1 or next_id is not None)
+        clear, cow_src, cow_dst = self._collect_deferred_mamba_cow_and_clear(ctx)
+        self.state_copies = ctx.tree_cache.take_pending_state_copies()
+        if ctx.cow_on_scheduler_thread:
+            # Negative control for the race tests: the state operations run here, off the stream.
+            mp = ctx.req_to_token_pool.mamba_pool
+            if self.state_copies:
+                mp.copy_from([s for s, _ in self.state_copies], [d for _, d in self.state_copies])
+            mp.clear_slots(clear)
+            mp.copy_from(cow_src, cow_dst)
+            self.state_copies, clear, cow_src, cow_dst = [], [], [], []
+        self._assign_future_slots(ctx)
+        self.forward_batch = ForwardBatch.create(
+            self.forward_mode,
+            input_ids=input_ids,
+            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            seq_lens=[end for _, end in spans],
+            out_cache_loc=out_loc,
+            mamba_pool_indices=[r.mamba_pool_idx for r in self.reqs],
+            extend_prefix_lens=[p for p, _ in spans],
+            req_to_token_writes=writes,
+            **self._track_fields(track),
+            mamba_cow_src_indices=cow_src or None,
+            mamba_cow_dst_indices=cow_dst or None,
+            mamba_clear_indices=clear or None,
+            sampling_info=self._sampling_info(ctx.device),
+            return_logprob_mask=lp_mask,
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
+            extend_logprob_start_lens=lp_start,
+            extend_logprob_next_ids=lp_next,
+            device=ctx.device,
+        )
+
+    @staticmethod
+    def _input_logprob_plan(req: Req, p: int, end: int) -> tuple[int, int | None, bool]:
+        """Runner arguments for input logprobs of positions [logprob_start_len, input length) that fall
+        into this extend: (start offset, next-chunk token, prepend None for position 0)."""
+        n_in, last = len(req.origin_input_ids), end - p - 1
+        lp_from = req.logprob_start_len
+        if not req.wants_input_logprobs():
+            return last, None, False
+        first = max(lp_from, p + 1)
+        next_id = req.fill_ids[end] if first <= end <= n_in - 1 else None
+        return min(first - 1 - p, last), next_id, lp_from == 0 and p == 0
+
+    def _collect_deferred_mamba_cow_and_clear(self, ctx) -> tuple[list[int], list[int], list[int]]:
+        """Fresh running slots to zero and checkpoints to copy into running slots, both run on the
+        forward stream before the first layer of this extend reads them."""
+        clear, src, dst = [], [], []
+        for req in self.reqs:
+            if req.mamba_cow_src_index is not None:
+                src.append(req.mamba_cow_src_index)
+                dst.append(req.mamba_pool_idx)
+            elif req.mamba_needs_clear:
+                clear.append(req.mamba_pool_idx)
+            req.mamba_cow_src_index = None
+            req.mamba_needs_clear = False
+        return clear, src, dst
+
+    # ---- decode ------------------------------------------------------------------------------------
+
+    def prepare_for_decode(self, ctx) -> None:
+        """One token per request at position kv_len; its KV slot was allocated by the scheduler."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+        input_ids, positions_end, out_loc = [], [], []
+        for req in self.reqs:
+            token = req.last_token_ref if req.last_token_ref is not None else req.output_ids[-1]
+            self.has_placeholders |= token < 0
+            input_ids.append(token)
+            out_loc.append(req.kv_indices[-1])
+            positions_end.append(req.kv_len)
+            self.sample_rows.append(True)
+            self.completes_prefill.append(False)
+        self.set_mamba_track_indices_from_reqs(ctx, positions_end)
+        self._assign_future_slots(ctx)
+        self.forward_batch = ForwardBatch.create(
+            self.forward_mode,
+            input_ids=input_ids,
+            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            seq_lens=positions_end,
+            out_cache_loc=out_loc,
+            mamba_pool_indices=[r.mamba_pool_idx for r in self.reqs],
+            **self._decode_track,
+            sampling_info=self._sampling_info(ctx.device),
+            return_logprob_mask=[r.return_logprob for r in self.reqs],
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
+            device=ctx.device,
+        )
+        self.state_copies = ctx.tree_cache.take_pending_state_copies()
+
+    def set_mamba_track_indices_from_reqs(self, ctx, seq_lens: list[int]) -> None:
+        """Decode snapshots: rows whose step ends on a track boundary write the state into a track slot
+        (lazy mode borrows it here); the snapshot is committed when the result is processed."""
+        track = []
+        for req, seq_len in zip(self.reqs, seq_lens, strict=True):
+            t = ctx.tracker.decode_track(req, seq_len)
+            if t is not None:
+                slot, entry = t
+                self.pending_tracks.append((req, entry, seq_len))
+                t = (slot, seq_len)
+            track.append(t)
+        self._decode_track = self._track_fields(track)
+
+    # ---- shared ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _track_fields(track: list[tuple[int, int] | None]) -> dict:
+        if not any(t is not None for t in track):
+            return {}
+        return {
+            "mamba_track_indices": [t[0] if t else 0 for t in track],
+            "mamba_track_mask": [t is not None for t in track],
+            "mamba_track_seqlens": [t[1] if t else 0 for t in track],
+        }
+
+    def _assign_future_slots(self, ctx) -> None:
+        """Requests whose sampled token is real get a future slot; later batches read it through a
+        placeholder until the result is processed."""
+        self.future_slots = ctx.alloc_future_slots(len(self.reqs))
+        for req, slot, real in zip(self.reqs, self.future_slots, self.sample_rows, strict=True):
+            req.num_inflight += 1
+            if real:
+                req.last_token_ref = -(slot + 1)
+                req.inflight_tokens += 1
+
+    def _sampling_info(self, device):
+        from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
+
+        params = [r.sampling_params for r in self.reqs]
+        return SamplingBatchInfo.create(
+            [sp.temperature if sp.top_k != 1 else 0.0 for sp in params],
+            [sp.top_p for sp in params],
+            [sp.top_k for sp in params],
+            [sp.sampling_seed for sp in params],
+            min_ps=[sp.min_p for sp in params],
+            device=device,
+        )

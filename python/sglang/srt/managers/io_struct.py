@@ -1,0 +1,143 @@
+"""Messages between the processes (pickled over ZMQ), with SGLang's names.
+
+    TokenizerManager --TokenizedGenerateReqInput / control--> Scheduler
+    Scheduler --BatchTokenIDOut--> DetokenizerManager --BatchStrOut--> TokenizerManager
+    Scheduler --control replies (FlushCacheReqOutput, GetInternalStateReqOutput)--> TokenizerManager
+
+Token outputs are deltas: each BatchTokenIDOut carries, per request, the tokens (and their logprobs)
+produced since the previous message for that request; the receiver accumulates them. `finished_reason`
+is None while the request runs, else SGLang's dict: {"type": "length", "length": n},
+{"type": "stop", "matched": token_id_or_str}, or {"type": "abort", "message": str}.
+Logprob entries are (logprob, token_id) pairs; top logprobs are lists of such pairs per position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+LogprobEntry = tuple[float, int]
+
+
+# ---- requests ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerateReqInput:
+    """The native /generate body and Engine.generate arguments (single or batched)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    # -1 (default): input logprobs are not returned, only output ones. Else: input logprobs from this
+    # position (the first input token has none).
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    rid: str
+    input_text: str | None
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str = ""
+    abort_all: bool = False
+    message: str = "Aborted by the client."
+
+
+@dataclass
+class FlushCacheReqInput:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    """Live scheduler state: request counts, pool usage and strategy, for /get_server_info."""
+
+    internal_state: dict[str, Any]
+
+
+@dataclass
+class HealthCheckReq:
+    pass
+
+
+# ---- outputs -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchTokenIDOut:
+    rids: list[str]
+    finished_reasons: list[dict[str, Any] | None]
+    # New output token ids of each request since its previous message.
+    output_ids: list[list[int]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[list[LogprobEntry]] | None] = field(default_factory=list)
+    # Sent once, with a request's first message: (None, token_id) for the first input token.
+    input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
+    skip_special_tokens: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOut:
+    """BatchTokenIDOut after detokenization: `output_strs` holds each request's new text."""
+
+    rids: list[str]
+    finished_reasons: list[dict[str, Any] | None]
+    output_strs: list[str]
+    output_ids: list[list[int]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[list[LogprobEntry]] | None] = field(default_factory=list)
+    input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
+
+
+@dataclass
+class PortArgs:
+    """IPC endpoints (ZMQ `ipc://` names) of the three processes."""
+
+    tokenizer_ipc_name: str
+    scheduler_input_ipc_name: str
+    detokenizer_ipc_name: str
+
+    @classmethod
+    def init_new(cls) -> PortArgs:
+        import tempfile
+
+        def name(tag: str) -> str:
+            return f"ipc://{tempfile.NamedTemporaryFile(prefix=f'sglang-{tag}-', delete=False).name}"
+
+        return cls(name("tokenizer"), name("scheduler"), name("detokenizer"))

@@ -1,0 +1,323 @@
+"""The scheduler: owns the pools' bookkeeping, the radix cache and the request queues, builds batches
+and runs the event loop. It never reads or writes a state or KV tensor: every such write runs on the
+forward stream (`ForwardWorker`).
+
+Overlap loop (default): launch batch N on the forward stream, then process the result of N-1, so the
+scheduler's work hides behind the forward. Without overlap each batch is processed right after it ran.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from concurrent.futures import Future
+
+from sglang.srt.environ import envs
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.schedule_policy import PrefillAdder
+from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
+from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
+from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
+from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
+from sglang.srt.mem_cache.chunk_cache import ChunkCache
+from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.integrity import check_integrity
+from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler(SchedulerIOMixin):
+    def __init__(self, server_args: ServerArgs, model_runner=None):
+        from sglang.srt.model_executor.model_runner import ModelRunner
+
+        self.server_args = server_args
+        self.device = server_args.device
+        self.model_runner = model_runner or ModelRunner(server_args)
+        sizes = self.model_runner.pool_sizes
+        self.pool_sizes = sizes
+        self.req_to_token_pool = self.model_runner.req_to_token_pool
+        self.token_allocator = PagedTokenAllocator(sizes.max_total_tokens, server_args.page_size)
+        if server_args.disable_radix_cache:
+            self.tree_cache = ChunkCache(self.req_to_token_pool, self.token_allocator, server_args.page_size)
+        else:
+            self.tree_cache = MambaRadixCache(
+                self.req_to_token_pool,
+                self.token_allocator,
+                server_args.page_size,
+                server_args.mamba_cache_chunk_size,
+                server_args.enable_mamba_extra_buffer(),
+            )
+        self.tracker = MambaTracker(self.req_to_token_pool, self.tree_cache, server_args)
+        self.max_running_requests = sizes.max_running_requests
+        self.context_len = server_args.model_config.context_len
+        self.max_req_input_len = min(self.context_len - 1, sizes.max_total_tokens - 1)
+        self.enable_overlap = server_args.enable_overlap_schedule
+        self.cow_on_scheduler_thread = envs.SGLANG_TEST_COW_ON_SCHEDULER_THREAD.get()
+        self.check_integrity_when_idle = envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get()
+
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.reqs_by_rid: dict[str, Req] = {}
+        self.in_flight: deque[tuple[ScheduleBatch, Future]] = deque()
+        self.result_processor = BatchResultProcessor(self)
+        self.num_batches = 0
+        self.events: list[tuple[str, int]] = []  # ("launch" | "process", batch id), for tests
+        self.record_events = False
+
+        future_size = 8 * self.max_running_requests + 64
+        self.worker = ForwardWorker(self.model_runner, future_size)
+        self._future_cursor = 0
+        self._future_size = future_size
+        self.counters = {
+            "num_requests_total": 0,
+            "num_prompt_tokens_total": 0,
+            "num_generation_tokens_total": 0,
+            "num_cached_tokens_total": 0,
+            "num_retractions_total": 0,
+        }
+        self.init_io()
+
+    # ---- intake ------------------------------------------------------------------------------------
+
+    def add_request(self, recv: TokenizedGenerateReqInput) -> Req:
+        req = Req(
+            recv.rid,
+            recv.input_ids,
+            recv.sampling_params,
+            return_logprob=recv.return_logprob,
+            logprob_start_len=recv.logprob_start_len,
+            top_logprobs_num=recv.top_logprobs_num,
+            stream=recv.stream,
+        )
+        self.counters["num_requests_total"] += 1
+        error = self._validate(req)
+        if error is not None:
+            req.finished_reason = {"type": "abort", "message": error}
+            self.result_processor.send_finished([req])
+            return req
+        self.counters["num_prompt_tokens_total"] += len(req.origin_input_ids)
+        self.reqs_by_rid[req.rid] = req
+        self.waiting_queue.append(req)
+        return req
+
+    def _validate(self, req: Req) -> str | None:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return "The input is empty."
+        if n > self.max_req_input_len:
+            return f"The input ({n} tokens) is longer than the limit of {self.max_req_input_len} tokens."
+        if req.rid in self.reqs_by_rid:
+            return f"A request with rid {req.rid!r} is already running."
+        return None
+
+    # ---- batch selection ---------------------------------------------------------------------------
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.chunked_req is not None:
+            # The previous chunk's snapshot goes to the tree; the request continues with a fresh slot.
+            self.tree_cache.cache_unfinished_req(self.chunked_req, chunked=True)
+        return self.get_new_batch_prefill() or self.get_new_batch_decode()
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        num_running = len(self.running) + (self.chunked_req is not None)
+        adder = PrefillAdder(self, num_running)
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        self._get_new_batch_prefill_raw(adder, num_running)
+        if not adder.spans:
+            return None
+        if self.chunked_req is not None and self.chunked_req.prefill_done:
+            self.chunked_req = None
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        for req, _, end in adder.spans:
+            if end == len(req.fill_ids) and req not in self.running:
+                self.running.append(req)
+        batch = ScheduleBatch(adder.reqs, ForwardMode.EXTEND, self._next_batch_id())
+        batch.prepare_for_extend([(p, end) for _, p, end in adder.spans], self)
+        return batch
+
+    def _get_new_batch_prefill_raw(self, adder: PrefillAdder, num_running: int) -> None:
+        """The waiting-queue pass, inside one slot-allocation group capped at what the pass can admit."""
+        pool = self.req_to_token_pool
+        admissible = min(pool.available_size(), self.max_running_requests - num_running)
+        if admissible <= 0:
+            return
+        cap = admissible * self.pool_sizes.resident_slots_per_req
+        with pool.mamba_allocator.alloc_group(cap):
+            for req in list(self.waiting_queue):
+                if req.num_inflight > 0:
+                    continue  # retracted while a batch with it is in flight: wait for its result
+                if not adder.add_one_req(req):
+                    break
+                self.waiting_queue.remove(req)
+                req.retracted = False
+
+    def get_new_batch_decode(self) -> ScheduleBatch | None:
+        reqs = [r for r in self.running if self._can_decode(r)]
+        if not reqs:
+            return None
+        reqs = self._ensure_decode_pages(reqs)
+        if not reqs:
+            return None
+        kv = self.token_allocator
+        for req in reqs:
+            slots = kv.alloc_extend(req.kv_len, req.kv_len + 1, req.kv_indices[-1])
+            assert slots is not None, "decode pages were reserved"
+            req.kv_indices += slots
+        batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
+        batch.prepare_for_decode(self)
+        return batch
+
+    def _can_decode(self, req: Req) -> bool:
+        return (
+            not req.finished
+            and req.prefill_done
+            and req.planned_output_len < req.sampling_params.max_new_tokens
+            and req.planned_output_len > 0
+            and req.kv_len < self.context_len
+        )
+
+    def _ensure_decode_pages(self, reqs: list[Req]) -> list[Req]:
+        """Pages for one more token per request: evict tree leaves, then retract requests (newest
+        first) until the rest fit."""
+        kv = self.token_allocator
+        page = kv.page_size
+
+        def need(rs: list[Req]) -> int:
+            return sum(1 for r in rs if r.kv_len % page == 0)
+
+        if kv.free_pages() < need(reqs):
+            self.tree_cache.evict(num_tokens=(need(reqs) - kv.free_pages()) * page)
+        while reqs and kv.free_pages() < need(reqs):
+            victim = reqs.pop()
+            self.retract(victim)
+        return reqs
+
+    def retract(self, req: Req) -> None:
+        """Give back everything `req` holds and queue it again; it prefills its tokens anew later."""
+        logger.info("Retracting %s: the KV pool is full.", req)
+        release_kv_cache(req, self.tree_cache, is_insert=False)
+        self.running.remove(req)
+        req.reset_for_retract()
+        self.waiting_queue.insert(0, req)
+        self.counters["num_retractions_total"] += 1
+
+    def decode_page_reserve(self) -> int:
+        page = self.token_allocator.page_size
+        return sum(1 for r in self.running if r.kv_len % page == 0)
+
+    def mamba_slots_needed(self, req: Req) -> int:
+        pool = self.req_to_token_pool
+        n = 1 if req.mamba_pool_idx is None else 0
+        if pool.enable_mamba_extra_buffer and req.mamba_ping_pong_track_buffer is None:
+            n += 1 if pool.enable_mamba_extra_buffer_lazy else pool.mamba_ping_pong_track_buffer_size
+        return n
+
+    def alloc_future_slots(self, n: int) -> list[int]:
+        start = self._future_cursor
+        self._future_cursor = (start + n) % self._future_size
+        return [(start + i) % self._future_size for i in range(n)]
+
+    def _next_batch_id(self) -> int:
+        self.num_batches += 1
+        return self.num_batches
+
+    # ---- running batches ---------------------------------------------------------------------------
+
+    def launch(self, batch: ScheduleBatch) -> None:
+        item = LaunchedBatch(
+            batch.forward_batch,
+            future_slots=batch.future_slots,
+            state_copies=batch.state_copies,
+            has_placeholders=batch.has_placeholders,
+            batch_id=batch.batch_id,
+        )
+        if self.record_events:
+            self.events.append(("launch", batch.batch_id))
+        self.in_flight.append((batch, self.worker.launch(item)))
+
+    def process_oldest(self) -> None:
+        batch, fut = self.in_flight.popleft()
+        self.result_processor.process_batch_result(batch, fut.result())
+        if self.record_events:
+            self.events.append(("process", batch.batch_id))
+
+    def step(self) -> bool:
+        """One loop iteration: schedule and launch a batch, then process results (under overlap, all
+        but the batch just launched). Returns False when there was nothing to do."""
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            self.launch(batch)
+        keep = 1 if batch is not None and self.enable_overlap else 0
+        while len(self.in_flight) > keep:
+            self.process_oldest()
+        if batch is None and not self.in_flight:
+            self.on_idle()
+            return False
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise RuntimeError("The scheduler did not go idle.")
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def remove_request(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked_req is req:
+            self.chunked_req = None
+        if req in self.waiting_queue:
+            self.waiting_queue.remove(req)
+        self.reqs_by_rid.pop(req.rid, None)
+
+    def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "Aborted.") -> None:
+        targets = list(self.reqs_by_rid.values()) if abort_all else [self.reqs_by_rid.get(rid)]
+        done = []
+        for req in targets:
+            if req is None or req.finished:
+                continue
+            req.finished_reason = {"type": "abort", "message": message}
+            self.result_processor.release_finished(req)
+            done.append(req)
+        self.result_processor.send_finished(done)
+
+    def live_requests(self) -> list[Req]:
+        return list(self.reqs_by_rid.values())
+
+    def on_idle(self) -> None:
+        if self.check_integrity_when_idle:
+            self.check_integrity()
+
+    def check_integrity(self) -> None:
+        assert not self.in_flight, "check_integrity needs the forward stream drained"
+        check_integrity(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
+
+    def is_idle(self) -> bool:
+        return not self.in_flight and not self.running and not self.waiting_queue and self.chunked_req is None
+
+    def flush_cache(self) -> tuple[bool, str]:
+        if not self.is_idle():
+            return False, "The cache was not flushed: requests are still running or waiting."
+        self.tree_cache.evict(
+            num_tokens=self.token_allocator.size, mamba_num=self.req_to_token_pool.mamba_allocator.size
+        )
+        self.tree_cache.reset()
+        self.check_integrity()
+        return True, ""
+
+    def shutdown(self) -> None:
+        while self.in_flight:
+            self.process_oldest()
+        self.worker.shutdown()

@@ -1,0 +1,165 @@
+"""Processing a batch's results on the scheduler: commit sampled tokens and logprobs, decide finishes,
+commit decode snapshots, release finished requests, and stream deltas out.
+
+Order per request (`_handle_finish_state_updated_req`): the finish state is updated first, then
+`_mamba_prefix_cache_update` commits a snapshot the batch wrote, then a finished request is released
+with `release_kv_cache(req, tree, is_insert=...)` (lazy mode: `req.mamba_lazy_is_insert`), so a
+request that finishes on a track boundary inserts the state of that very step.
+
+A request may already be gone when its batch is processed (aborted, or finished by the previous batch
+while this one was in flight, under overlap): its row is ignored. A retracted request still commits
+the token its in-flight batch sampled: it prefills it again when readmitted.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from sglang.srt.managers.io_struct import BatchTokenIDOut
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.mem_cache.common import release_kv_cache
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.model_executor.forward_worker import HostBatchResult
+
+logger = logging.getLogger(__name__)
+
+
+class BatchResultProcessor:
+    def __init__(self, sched: Scheduler):
+        self.sched = sched
+
+    def process_batch_result(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
+        sched = self.sched
+        next_ids = result.next_token_ids
+        out_lp = result.next_token_logprobs
+        pending = {id(req): (entry, seq) for req, entry, seq in batch.pending_tracks}
+        touched: list[Req] = []
+        for i, req in enumerate(batch.reqs):
+            req.num_inflight -= 1
+            if batch.sample_rows[i]:
+                req.inflight_tokens -= 1
+            if req.finished:
+                continue
+            if batch.is_extend() and result.input_token_logprobs is not None:
+                self._add_input_logprobs(req, batch, result, i)
+            if batch.sample_rows[i]:
+                token = next_ids[i]
+                req.output_ids.append(token)
+                if req.last_token_ref == -(batch.future_slots[i] + 1):
+                    req.last_token_ref = None
+                if req.return_logprob and out_lp is not None:
+                    req.output_token_logprobs.append((out_lp[i], token))
+                    tops = result.next_token_top_logprobs
+                    if req.top_logprobs_num and tops is not None and tops[i] is not None:
+                        req.output_top_logprobs.append(list(zip(*tops[i], strict=True)))
+                sched.counters["num_generation_tokens_total"] += 1
+            if req.retracted:
+                continue
+            if batch.sample_rows[i] or batch.completes_prefill[i]:
+                self.check_finished(req)
+            self._handle_finish_state_updated_req(req, pending.get(id(req)))
+            touched.append(req)
+        self.stream_output(touched)
+
+    # ---- finish ------------------------------------------------------------------------------------
+
+    def check_finished(self, req: Req) -> None:
+        sp = req.sampling_params
+        n = len(req.output_ids)
+        if n >= sp.max_new_tokens:
+            req.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+            return
+        token = req.output_ids[-1]
+        if n > sp.min_new_tokens:
+            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.sched.eos_token_ids):
+                req.finished_reason = {"type": "stop", "matched": token}
+                return
+            if sp.stop:
+                matched = self.sched.match_stop_string(req)
+                if matched is not None:
+                    req.finished_reason = {"type": "stop", "matched": matched}
+                    return
+        if req.seqlen >= self.sched.context_len:
+            req.finished_reason = {"type": "length", "length": n}
+
+    def _handle_finish_state_updated_req(self, req: Req, pending: tuple[int, int] | None) -> None:
+        if pending is not None:
+            self._mamba_prefix_cache_update(req, *pending)
+        if req.finished:
+            self.release_finished(req)
+
+    def _mamba_prefix_cache_update(self, req: Req, entry: int, seq_len: int) -> None:
+        if req.mamba_ping_pong_track_buffer is not None:
+            self.sched.tracker.commit_decode_track(req, entry, seq_len)
+
+    def release_finished(self, req: Req) -> None:
+        sched = self.sched
+        is_insert = req.mamba_lazy_is_insert if sched.tracker.lazy else True
+        if req.finished_reason and req.finished_reason.get("type") == "abort":
+            is_insert = False
+        release_kv_cache(req, sched.tree_cache, is_insert=is_insert)
+        sched.remove_request(req)
+
+    # ---- logprobs ----------------------------------------------------------------------------------
+
+    def _add_input_logprobs(self, req: Req, batch: ScheduleBatch, result, i: int) -> None:
+        values = result.input_token_logprobs[i] if i < len(result.input_token_logprobs) else []
+        if not req.wants_input_logprobs():
+            return
+        if batch.prepend_none[i]:
+            req.input_token_logprobs.append((None, req.origin_input_ids[0]))
+            if req.top_logprobs_num:
+                req.input_top_logprobs.append(None)
+        first = len(req.input_token_logprobs) + max(req.logprob_start_len, 0)
+        ids = req.origin_input_ids[first : first + len(values)]
+        req.input_token_logprobs += list(zip(values, ids, strict=True))
+        tops = result.input_top_logprobs[i] if result.input_top_logprobs else None
+        if req.top_logprobs_num and tops:
+            req.input_top_logprobs += [list(zip(*t, strict=True)) for t in tops]
+
+    # ---- output ------------------------------------------------------------------------------------
+
+    def stream_output(self, reqs: list[Req]) -> None:
+        """Send each request's new tokens: streaming requests every --stream-interval tokens, all of
+        them when they finish."""
+        sched = self.sched
+        interval = sched.server_args.stream_interval
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [])
+        for req in reqs:
+            new = len(req.output_ids) - req.send_offset
+            if not (req.finished or (req.stream and new >= interval)):
+                continue
+            self._append(out, req)
+        if out.rids:
+            sched.send_to_detokenizer(out)
+
+    def send_finished(self, reqs: list[Req]) -> None:
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [])
+        for req in reqs:
+            self._append(out, req)
+        if out.rids:
+            self.sched.send_to_detokenizer(out)
+
+    @staticmethod
+    def _append(out: BatchTokenIDOut, req: Req) -> None:
+        start = req.send_offset
+        out.rids.append(req.rid)
+        out.finished_reasons.append(req.finished_reason)
+        out.output_ids.append(req.output_ids[start:])
+        out.prompt_tokens.append(len(req.origin_input_ids))
+        out.completion_tokens.append(len(req.output_ids))
+        out.cached_tokens.append(req.cached_tokens)
+        lp = req.return_logprob
+        out.output_token_logprobs.append(req.output_token_logprobs[start:] if lp else None)
+        out.output_top_logprobs.append(
+            req.output_top_logprobs[start:] if lp and req.top_logprobs_num else None
+        )
+        first = lp and not req.input_logprobs_sent
+        out.input_token_logprobs.append(req.input_token_logprobs if first else None)
+        out.input_top_logprobs.append(req.input_top_logprobs if first and req.top_logprobs_num else None)
+        out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
+        req.input_logprobs_sent = req.input_logprobs_sent or bool(first)
+        req.send_offset = len(req.output_ids)

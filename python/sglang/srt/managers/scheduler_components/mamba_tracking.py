@@ -1,0 +1,138 @@
+"""Where the extra-buffer strategies snapshot recurrent state, and who owns each track slot when.
+
+Every checkpoint sits at an absolute multiple of the cache chunk C (prefill) or of the track interval I
+(decode; a multiple of C). Extends that track start at a multiple of C (a checkpoint, a chunk boundary
+or 0), so the kernel can take the state from its intermediate states.
+
+Prefill (scheduled and committed at once, when the batch is prepared): the snapshot goes to the
+branching point B if the extend covers it, else to the last multiple of C inside the extend. The
+entry written is `mamba_next_track_idx`; with two entries it swaps right away, so the keep entry is
+the one just scheduled. Committing before the forward ran is safe: anything that reads the slot runs
+later on the same stream.
+
+Decode (scheduled when prepared, committed when its result is processed): a boundary step writes into
+the next entry; on commit `mamba_last_track_seqlen` advances and (two entries) the index swaps. Until
+then the keep entry still holds the previous snapshot, so a request released meanwhile inserts that.
+
+extra_buffer_lazy keeps one track slot resident. At a boundary the second entry borrows a slot (first
+try; if the pool is dry, evict one checkpoint and retry) and the snapshot goes there; on commit the
+older entry is returned (`donate_mamba_ping_pong_slot`) and the new one becomes `mamba_next_track_idx`.
+When no second slot can be had the snapshot overwrites the only slot: the request may then not insert
+it (`mamba_lazy_is_insert = False`) until a later boundary gets its second slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from sglang.srt.environ import envs
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class MambaTracker:
+    def __init__(self, pool: HybridReqToTokenPool, tree: BasePrefixCache, server_args: ServerArgs):
+        self.pool = pool
+        self.tree = tree
+        self.enabled = server_args.enable_mamba_extra_buffer() and pool.enable_mamba_extra_buffer
+        # Without overlap there is one entry and no window to protect: lazy runs like extra_buffer.
+        self.lazy = (
+            self.enabled
+            and pool.enable_mamba_extra_buffer_lazy
+            and pool.mamba_ping_pong_track_buffer_size == 2
+        )
+        self.chunk = server_args.mamba_cache_chunk_size
+        self.interval = server_args.mamba_track_interval
+        self.lazy_alloc_failures = {"first_try": 0, "retry": 0}
+
+    # ---- prefill -------------------------------------------------------------------------------
+
+    def prefill_track(self, req: Req, prefix_len: int, end: int) -> tuple[int, int] | None:
+        """(track slot, position) of this extend's snapshot, or None; committed on the request."""
+        if not self.enabled:
+            return None
+        c = self.chunk
+        assert prefix_len % c == 0, (
+            f"{req}: a tracked extend must start at a multiple of {c}, not {prefix_len}"
+        )
+        branch = req.mamba_branching_seqlen
+        if branch is not None and prefix_len < branch <= end:
+            pos = branch
+        else:
+            pos = end // c * c
+        req.mamba_branching_seqlen = None
+        if pos <= prefix_len:
+            return None
+        entry = req.mamba_next_track_idx
+        slot = req.mamba_ping_pong_track_buffer[entry]
+        assert slot != -1
+        if not self.lazy:
+            req.mamba_next_track_idx = self.pool.get_mamba_ping_pong_other_idx(entry)
+        req.mamba_last_track_seqlen = pos
+        return slot, pos
+
+    # ---- decode --------------------------------------------------------------------------------
+
+    def is_boundary(self, seq_len: int) -> bool:
+        return self.enabled and seq_len % self.interval == 0
+
+    def decode_track(self, req: Req, seq_len: int) -> tuple[int, int] | None:
+        """(track slot, entry) for a decode step whose state after `seq_len` tokens is a snapshot."""
+        if not self.is_boundary(seq_len):
+            return None
+        entry = self.mamba_lazy_prealloc_at_boundary(req) if self.lazy else req.mamba_next_track_idx
+        return req.mamba_ping_pong_track_buffer[entry], entry
+
+    def mamba_lazy_prealloc_at_boundary(self, req: Req) -> int:
+        """The entry this boundary writes: the other entry with a borrowed slot, or (no slot to be had)
+        the resident one, which makes the request's newest snapshot unsafe to insert for now."""
+        pool = self.pool
+        other = pool.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
+        if req.mamba_ping_pong_track_buffer[other] != -1:
+            return other
+        slot = self._alloc_with_failure_injection()
+        if slot is None:
+            req.mamba_lazy_is_insert = False
+            return req.mamba_next_track_idx
+        pool.set_mamba_ping_pong_slot(req, other, slot)
+        return other
+
+    def _alloc_with_failure_injection(self) -> int | None:
+        mode = envs.SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL.get()
+        got = None if mode >= 1 else self.pool.mamba_allocator.alloc(1)
+        if got:
+            return got[0]
+        self.lazy_alloc_failures["first_try"] += 1
+        self.tree.evict(mamba_num=1)
+        got = None if mode >= 2 else self.pool.mamba_allocator.alloc(1)
+        if got:
+            return got[0]
+        self.lazy_alloc_failures["retry"] += 1
+        return None
+
+    def commit_decode_track(self, req: Req, entry: int, seq_len: int) -> None:
+        """`_mamba_check_track_boundary` on the processed result: the snapshot of `entry` is now the
+        request's newest; lazy mode then gives the older slot back (`mamba_lazy_post_decode_at_boundary`)."""
+        req.mamba_last_track_seqlen = seq_len
+        if self.lazy:
+            self.mamba_lazy_post_decode_at_boundary(req, entry)
+        else:
+            req.mamba_next_track_idx = self.pool.get_mamba_ping_pong_other_idx(entry)
+
+    def mamba_lazy_post_decode_at_boundary(self, req: Req, entry: int) -> None:
+        if entry == req.mamba_next_track_idx:
+            return  # written into the only slot: stays non-insertable until a boundary gets its second slot
+        older = req.mamba_next_track_idx
+        self.pool.donate_mamba_ping_pong_slot(req, older)
+        req.mamba_next_track_idx = entry
+        req.mamba_lazy_is_insert = True
+
+    def track_slots_of(self, req: Req) -> int:
+        return sum(1 for s in (req.mamba_ping_pong_track_buffer or ()) if s != -1)

@@ -1,0 +1,128 @@
+"""The forward stream: one FIFO worker thread that runs every write to model state (KV, conv, SSM).
+
+FIFO order is the only ordering guarantee the scheduler relies on: a slot freed or handed to the tree
+while a batch that writes it is still queued or running is safe, because whatever later reads or
+reuses it is a later task on the same stream.
+
+Overlap: batch N+1 is launched before N's sampled tokens reach the scheduler, so N+1 names them by
+placeholders: input id -(k + 1) means "the token sampled into future slot k". The worker resolves
+placeholders against `future_tokens` right before the forward; the batch that samples them ran first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang.srt.environ import envs
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+TopLogprobs = tuple[list[float], list[int]]
+
+
+@dataclass
+class HostBatchResult:
+    """A batch's results as host values (converted on the forward stream, so the scheduler never
+    touches a device tensor)."""
+
+    next_token_ids: list[int]
+    next_token_logprobs: list[float] | None = None
+    next_token_top_logprobs: list[TopLogprobs | None] | None = None
+    input_token_logprobs: list[list[float]] | None = None
+    input_top_logprobs: list[list[TopLogprobs]] | None = None
+
+
+@dataclass
+class LaunchedBatch:
+    """What the worker needs to run one batch."""
+
+    forward_batch: ForwardBatch
+    # Future slot of each request's sampled token (None: nothing to store).
+    future_slots: list[int] | None = None
+    # (src, dst) state copies queued by the tree (no_buffer snapshots), run before the batch.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Whether input ids hold placeholders (decided on the host: no device check on the way).
+    has_placeholders: bool = False
+    batch_id: int = 0
+
+
+class ForwardWorker:
+    def __init__(self, model_runner, future_size: int, threads: int | None = None):
+        self.model_runner = model_runner
+        self.future_tokens = torch.zeros(future_size, dtype=torch.int64)
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = threads
+        # Test hooks: called on the worker thread before each batch (may block to hold the stream).
+        self.before_batch_hooks: list[Callable[[LaunchedBatch], None]] = []
+        self._thread = threading.Thread(target=self._loop, name="forward-stream", daemon=True)
+        self._thread.start()
+
+    # ---- scheduler side --------------------------------------------------------------------------
+
+    def launch(self, item: LaunchedBatch) -> Future:
+        fut: Future = Future()
+        self._tasks.put((self._run_batch, item, fut))
+        return fut
+
+    def submit(self, fn: Callable[[], object]) -> Future:
+        """Run an arbitrary state operation on the forward stream, in order with the batches."""
+        fut: Future = Future()
+        self._tasks.put((lambda f: f(), fn, fut))
+        return fut
+
+    def shutdown(self) -> None:
+        self._tasks.put(None)
+        self._thread.join(timeout=10)
+
+    # ---- worker side -------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            fn, arg, fut = task
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(arg))
+            except BaseException as e:  # noqa: BLE001 - the scheduler re-raises it where it waits
+                logger.exception("The forward stream failed.")
+                fut.set_exception(e)
+
+    def _run_batch(self, item: LaunchedBatch):
+        for hook in self.before_batch_hooks:
+            hook(item)
+        delay = envs.SGLANG_TEST_FORWARD_DELAY_MS.get()
+        if delay:
+            time.sleep(delay / 1000)
+        fb = item.forward_batch
+        if item.state_copies:
+            src, dst = zip(*item.state_copies, strict=True)
+            self.model_runner.req_to_token_pool.mamba_pool.copy_from(list(src), list(dst))
+        if item.has_placeholders:
+            ids = fb.input_ids
+            fb.input_ids = torch.where(ids < 0, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
+        result = self.model_runner.forward_batch_generation(fb)
+        if item.future_slots is not None and item.future_slots:
+            slots = torch.tensor(item.future_slots, dtype=torch.int64)
+            self.future_tokens[slots] = result.next_token_ids.to(torch.int64).cpu()
+        lp = result.next_token_logprobs
+        return HostBatchResult(
+            next_token_ids=result.next_token_ids.tolist(),
+            next_token_logprobs=None if lp is None else lp.tolist(),
+            next_token_top_logprobs=result.next_token_top_logprobs,
+            input_token_logprobs=result.input_token_logprobs,
+            input_top_logprobs=result.input_top_logprobs,
+        )

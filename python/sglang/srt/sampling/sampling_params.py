@@ -1,0 +1,117 @@
+"""`SamplingParams`: SGLang's sampling fields, with validation that names the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MAX_N = 64
+
+
+class SamplingParamsError(ValueError):
+    """Bad sampling input; the message names the field (HTTP 400)."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    sampling_seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        d = dict(d or {})
+        if "seed" in d and "sampling_seed" not in d:
+            d["sampling_seed"] = d.pop("seed")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SamplingParamsError(f"sampling_params.{unknown[0]} is not a supported sampling parameter.")
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        if d.get("stop") is None:
+            d["stop"] = []
+        if d.get("stop_token_ids") is None:
+            d["stop_token_ids"] = []
+        params = cls(**d)
+        params.verify()
+        return params
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Raise SamplingParamsError naming the first bad field."""
+        _int("max_new_tokens", self.max_new_tokens, low=0)
+        _int("min_new_tokens", self.min_new_tokens, low=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise SamplingParamsError("min_new_tokens must not exceed max_new_tokens.")
+        _num("temperature", self.temperature)
+        if self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be non-negative, got {self.temperature}.")
+        _num("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}.")
+        _int("top_k", self.top_k, low=-1)
+        if self.top_k == 0:
+            raise SamplingParamsError("top_k must be -1 (disabled) or a positive integer, got 0.")
+        _num("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}.")
+        _int("n", self.n, low=1)
+        if self.n > MAX_N:
+            raise SamplingParamsError(f"n must be at most {MAX_N}, got {self.n}.")
+        if self.sampling_seed is not None:
+            _int("seed", self.sampling_seed, low=0)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _num(name, value)
+            if value != 0:
+                raise SamplingParamsError(f"{name} is not supported by this runtime yet; send 0.")
+        _num("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty != 1:
+            raise SamplingParamsError("repetition_penalty is not supported by this runtime yet; send 1.")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name} must be a boolean.")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise SamplingParamsError("stop must be a non-empty string or a list of non-empty strings.")
+        if not isinstance(self.stop_token_ids, list):
+            raise SamplingParamsError("stop_token_ids must be a list of token ids.")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids", t, low=0)
+            if vocab_size is not None and t >= vocab_size:
+                raise SamplingParamsError(
+                    f"stop_token_ids contains {t}, outside the vocabulary of {vocab_size}."
+                )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(f"{name} must be an integer, got {value!r}.")
+    if value < low:
+        raise SamplingParamsError(f"{name} must be at least {low}, got {value}.")
+
+
+def _num(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SamplingParamsError(f"{name} must be a number, got {value!r}.")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise SamplingParamsError(f"{name} must be a finite number, got {value!r}.")

@@ -1,0 +1,149 @@
+"""The scheduler against the transformers oracle, per strategy: exact logprobs, and `cached_tokens`
+equal to what the caching rules predict (derived below, not merely > 0), nothing held after a flush.
+
+Axes: preset x strategy x overlap x page size (1, 16, 128) x chunked prefill (off, on). Every value of
+each axis appears; not every combination does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+
+register_cpu_ci(est_time=75, suite="per-commit-cpu")
+
+QWEN, NEMO = "tiny-qwen3-next", "tiny-nemotron-h"
+# (preset, strategy, overlap, page size, chunked prefill size or None)
+CONFIGS = [
+    (QWEN, "no_buffer", False, 1, None),
+    (NEMO, "no_buffer", False, 1, 64),
+    (QWEN, "extra_buffer", True, 1, 256),
+    (NEMO, "extra_buffer", False, 16, None),
+    (QWEN, "extra_buffer_lazy", True, 128, None),
+    (NEMO, "extra_buffer_lazy", True, 128, 256),
+    (QWEN, "extra_buffer_lazy", False, 16, 128),
+    (NEMO, "extra_buffer", True, 1, None),
+]
+L = 230  # shared prefix of the branching case: chunk sizes 32, 64 and 128 give different answers
+P1 = 100  # turn-1 prompt of the decode-seeded cases
+
+
+class Rules:
+    """What each strategy caches, in the words of DESIGN section 5."""
+
+    def __init__(self, h: SchedulerHarness):
+        args = h.server_args
+        self.no_buffer = args.mamba_scheduler_strategy == "no_buffer"
+        self.c = args.mamba_cache_chunk_size
+        self.i = args.mamba_track_interval
+        self.k = args.chunked_prefill_size if args.chunked_prefill_enabled else None
+
+    def branching(self) -> list[int]:
+        # Request 1 leaves a checkpoint at every chunk end (chunked prefill) and past the prefix.
+        # Request 2 hits the deepest chunk end inside the prefix, matches KV to L, sets the branching
+        # point and snapshots there (extra buffer only); request 3 hits the deepest of the two.
+        chunk_hit = L // self.k * self.k if self.k else 0
+        if self.no_buffer:
+            return [0, chunk_hit, chunk_hit]
+        return [0, chunk_hit, max(chunk_hit, L // self.c * self.c)]
+
+    def turn2_hit(self, prompt_len: int, n: int) -> int:
+        """After turn 1 (prompt_len tokens, n outputs) finished, a continuation hits here: no_buffer
+        donates the state after every fed token; the extra-buffer modes keep the prefill snapshot
+        and the last decode boundary at or before the last fed position."""
+        fed = prompt_len + n - 1
+        if self.no_buffer:
+            return fed
+        boundary = fed // self.i * self.i
+        return max(prompt_len // self.c * self.c, boundary if boundary > prompt_len else 0)
+
+
+def _prompt_with_unique_token(oracle, prompt_len: int, m: int) -> tuple[list[int], int]:
+    """A prompt whose m-th greedy output token appears nowhere earlier in the output."""
+    for seed in range(100, 200):
+        prompt = token_ids(prompt_len, seed=seed)
+        out = oracle.greedy(prompt, m)
+        if out[-1] not in out[:-1]:
+            return prompt, out[-1]
+    raise AssertionError("no prompt found")
+
+
+def _harness(preset, strategy, overlap, page, chunk) -> SchedulerHarness:
+    c = {QWEN: 64, NEMO: 32}[preset]
+    c = max(c, page)
+    return SchedulerHarness(
+        preset,
+        mamba_scheduler_strategy=strategy,
+        disable_overlap_schedule=not overlap,
+        page_size=page,
+        chunked_prefill_size=chunk if chunk else -1,
+        mamba_track_interval=c,  # the smallest legal interval: decode snapshots every chunk
+    )
+
+
+@pytest.mark.parametrize("preset,strategy,overlap,page,chunk", CONFIGS, ids=lambda v: str(v))
+def test_workloads_match_oracle_and_cache_rules(preset, strategy, overlap, page, chunk, oracles):
+    h = _harness(preset, strategy, overlap, page, chunk)
+    oracle, rules = oracles[preset], Rules(h)
+    try:
+        # 1. Branching: prefix of L tokens built from ids, three suffixes of 4 cache chunks.
+        prefix = token_ids(L, seed=1)
+        got = []
+        for k in range(3):
+            prompt = prefix + token_ids(4 * rules.c, seed=10 + k)
+            out = h.generate(prompt, max_new_tokens=1)
+            h.check_oracle(oracle, prompt, out)
+            got.append(out.cached_tokens)
+        assert got == rules.branching()
+        h.flush_and_check_empty()
+
+        # 2. Decode-seeded hit: turn 2 = turn 1's prompt + its outputs + more.
+        prompt = token_ids(P1, seed=2)
+        out = h.generate(prompt, max_new_tokens=75)
+        h.check_oracle(oracle, prompt, out)
+        turn2 = prompt + out.output_ids + token_ids(5, seed=3)
+        out2 = h.generate(turn2, max_new_tokens=6)
+        h.check_oracle(oracle, turn2, out2)
+        assert out2.cached_tokens == rules.turn2_hit(P1, 75)
+        h.flush_and_check_empty()
+
+        # 3. Finishing exactly on a track boundary (P1 + n - 1 = 128) and one token after it.
+        for n in (29, 30):
+            prompt = token_ids(P1, seed=4 + n)
+            out = h.generate(prompt, max_new_tokens=n)
+            h.check_oracle(oracle, prompt, out)
+            turn2 = prompt + out.output_ids + [7, 8, 9]
+            out2 = h.generate(turn2, max_new_tokens=2)
+            h.check_oracle(oracle, turn2, out2)
+            assert out2.cached_tokens == rules.turn2_hit(P1, n), n
+            h.flush_and_check_empty()
+
+        # Finishing by a stop token at position 127: under overlap the step already in flight is the
+        # boundary step (128), which writes a snapshot while the request is released.
+        prompt, stop_at = _prompt_with_unique_token(oracle, P1, 28)
+        out = h.generate(prompt, max_new_tokens=40, stop_token_ids=[stop_at])
+        assert len(out.output_ids) == 28 and out.finished_reason == {"type": "stop", "matched": stop_at}
+        h.check_oracle(oracle, prompt, out)
+        turn2 = prompt + out.output_ids + [7, 8, 9]
+        out2 = h.generate(turn2, max_new_tokens=2)
+        h.check_oracle(oracle, turn2, out2)
+        assert out2.cached_tokens == rules.turn2_hit(P1, 28)
+        h.flush_and_check_empty()
+
+        # 4. Sixteen concurrent requests over four cached system prompts.
+        systems = [token_ids(150, seed=40 + g) for g in range(4)]
+        for s in systems:
+            h.generate(s, max_new_tokens=1)
+        prompts = [systems[k % 4] + token_ids(20 + 3 * k, seed=60 + k) for k in range(16)]
+        rids = [h.submit(p, max_new_tokens=10) for p in prompts]
+        h.run()
+        sys_hit = 150 if rules.no_buffer else 150 // rules.c * rules.c
+        for p, rid in zip(prompts, rids, strict=True):
+            out = h.outputs[rid]
+            h.check_oracle(oracle, p, out)
+            assert out.cached_tokens == sys_hit, (rid, out.cached_tokens)
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
