@@ -258,9 +258,12 @@ class Scheduler(SchedulerIOMixin):
         if batch is not None:
             self.launch(batch)
         keep = 1 if batch is not None and self.enable_overlap else 0
+        processed = len(self.in_flight) > keep
         while len(self.in_flight) > keep:
             self.process_oldest()
-        if batch is None and not self.in_flight:
+        if batch is None and not processed:
+            # Nothing launched and nothing in flight: idle (processing may have made room, so a step
+            # that processed results is never idle).
             self.on_idle()
             return False
         return True

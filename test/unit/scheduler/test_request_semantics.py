@@ -1,0 +1,147 @@
+"""Request-level behaviour of the scheduler: logprobs, prefill-only requests, stop strings, streaming,
+aborts, retraction, seeded sampling and the admission group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.managers.io_struct import AbortReq
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.scheduler_harness import ORACLE_TOL, SchedulerHarness, token_ids
+
+register_cpu_ci(est_time=30, suite="per-commit-cpu")
+
+QWEN = "tiny-qwen3-next"
+
+
+@pytest.fixture(scope="module")
+def h():
+    harness = SchedulerHarness(QWEN, mamba_scheduler_strategy="extra_buffer_lazy", chunked_prefill_size=128)
+    yield harness
+    harness.flush_and_check_empty()
+    harness.shutdown()
+
+
+@pytest.mark.parametrize("start", [0, 90])
+def test_input_logprobs_despite_a_cached_prefix_and_chunking(h, start, oracles):
+    prompt = token_ids(300, seed=50)
+    h.generate(prompt[:200], max_new_tokens=1)  # caches a checkpoint at 192
+    out = h.generate(prompt, max_new_tokens=3, logprob_start_len=start)
+    ref = oracles[QWEN].token_logprobs(prompt, start=max(start, 1))
+    got = out.input_logprobs
+    assert [t for _, t in got] == prompt[start:]
+    if start == 0:
+        assert got[0][0] is None
+        got = got[1:]
+    assert (torch.tensor([lp for lp, _ in got]) - ref).abs().max().item() < ORACLE_TOL
+    # The match stopped before the first position whose logprob is wanted.
+    assert out.cached_tokens <= max(start - 1, 0)
+    h.check_oracle(oracles[QWEN], prompt, out)
+
+
+def test_prefill_only_request_populates_the_cache(h):
+    prompt = token_ids(150, seed=51)
+    out = h.generate(prompt, max_new_tokens=0)
+    assert out.output_ids == [] and out.finished_reason == {"type": "length", "length": 0}
+    again = h.generate(prompt + [5, 6, 7], max_new_tokens=1)
+    assert again.cached_tokens == 128
+
+
+def test_stop_string_finishes_the_request(h, oracles):
+    prompt = token_ids(40, seed=52)
+    greedy = oracles[QWEN].greedy(prompt, 12)
+    text = h.sched.tokenizer.decode(greedy[8:10])
+    out = h.generate(prompt, max_new_tokens=12, stop=[text])
+    assert out.finished_reason == {"type": "stop", "matched": text}
+    assert len(out.output_ids) <= 10 and out.output_ids == greedy[: len(out.output_ids)]
+
+
+def test_streaming_sends_deltas_that_add_up(h):
+    prompt = token_ids(30, seed=53)
+    whole = h.generate(prompt, max_new_tokens=9)
+    streamed = h.generate(prompt, max_new_tokens=9, stream=True)
+    assert streamed.output_ids == whole.output_ids and streamed.logprobs == whole.logprobs
+    assert streamed.messages >= 5 and whole.messages == 1
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(h):
+    prompt = token_ids(25, seed=54)
+    sampling = dict(temperature=0.9, top_p=0.9, top_k=50, sampling_seed=1234)
+    alone = h.generate(prompt, max_new_tokens=10, **sampling)
+    rid = h.submit(prompt, max_new_tokens=10, **sampling)
+    for k in range(5):
+        h.submit(token_ids(20 + k, seed=55 + k), max_new_tokens=6, temperature=0.7)
+    h.run()
+    assert h.outputs[rid].output_ids == alone.output_ids
+    other = h.generate(prompt, max_new_tokens=10, **{**sampling, "sampling_seed": 99})
+    assert other.output_ids != alone.output_ids
+
+
+def test_abort_waiting_running_and_all(h):
+    sched = h.sched
+    running = h.submit(token_ids(40, seed=60), max_new_tokens=50)
+    for _ in range(4):
+        sched.step()  # prefill and a few decode steps; one batch still in flight (overlap)
+    waiting = h.submit(token_ids(40, seed=61), max_new_tokens=5)
+    sched.process_input_requests([AbortReq(rid=waiting), AbortReq(rid=running)])
+    others = [h.submit(token_ids(30, seed=62 + k), max_new_tokens=30) for k in range(3)]
+    sched.step()
+    sched.process_input_requests([AbortReq(abort_all=True)])
+    h.run()
+    for rid in [waiting, running, *others]:
+        assert h.outputs[rid].finished_reason["type"] == "abort", rid
+    assert 0 < len(h.outputs[running].output_ids) < 50 and h.outputs[waiting].output_ids == []
+    sched.process_input_requests([AbortReq(rid="unknown")])
+    assert sched.is_idle()
+    sched.check_integrity()
+
+
+def test_retraction_when_the_kv_pool_runs_out(oracles):
+    # 8 requests x (30 + 60) tokens need ~720 KV slots; the pool has 512.
+    h = SchedulerHarness(
+        QWEN, mamba_scheduler_strategy="extra_buffer", max_total_tokens=512, max_running_requests=8
+    )
+    try:
+        prompts = [token_ids(30, seed=70 + k) for k in range(8)]
+        rids = [h.submit(p, max_new_tokens=60) for p in prompts]
+        h.run()
+        assert h.sched.counters["num_retractions_total"] > 0
+        for p, rid in zip(prompts, rids, strict=True):
+            assert len(h.outputs[rid].output_ids) == 60
+            h.check_oracle(oracles[QWEN], p, h.outputs[rid])
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+
+
+def test_admission_pass_runs_in_one_capped_slot_group():
+    h = SchedulerHarness(QWEN, mamba_scheduler_strategy="extra_buffer", max_running_requests=4)
+    alloc = h.sched.req_to_token_pool.mamba_allocator
+    caps = []
+    begin = alloc.alloc_group_begin
+    alloc.alloc_group_begin = lambda n: caps.append(n) or begin(n)
+    try:
+        for k in range(10):
+            h.submit(token_ids(20, seed=80 + k), max_new_tokens=3)
+        h.sched.step()
+        # Four may run: the group covers 4 requests x 3 resident slots, not the 10 waiting.
+        assert caps == [4 * 3] and len(h.sched.running) == 4 and not alloc.group_open
+        h.run()
+        assert all(c <= 4 * 3 for c in caps) and len(caps) > 1
+    finally:
+        h.shutdown()
+
+
+def test_inputs_the_pool_cannot_hold_are_refused():
+    h = SchedulerHarness(QWEN, max_total_tokens=256)
+    try:
+        out = h.generate(token_ids(400, seed=90), max_new_tokens=2)
+        assert (
+            out.finished_reason["type"] == "abort"
+            and "longer than the limit" in out.finished_reason["message"]
+        )
+        assert h.sched.is_idle()
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
