@@ -85,6 +85,14 @@ class BasePrefixCache(ABC):
     def mamba_evictable_size(self) -> int:
         return 0
 
+    def total_size(self) -> int:
+        """KV slots the cache owns."""
+        return 0
+
+    def mamba_total_size(self) -> int:
+        """Mamba slots (checkpoints) the cache owns."""
+        return 0
+
     def held_kv_slots(self) -> list[int]:
         """Every KV slot the cache owns (for the accounting check)."""
         return []

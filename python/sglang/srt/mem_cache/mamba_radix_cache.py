@@ -418,6 +418,9 @@ class MambaRadixCache(BasePrefixCache):
     def total_size(self) -> int:
         return self.full_evictable_size_ + self.full_protected_size_
 
+    def mamba_total_size(self) -> int:
+        return self.mamba_evictable_size_ + self.mamba_protected_size_
+
     # ---- sanity ------------------------------------------------------------------------------------
 
     def sanity_check(self) -> None:

@@ -135,8 +135,7 @@ class SchedulerIOMixin:
         pool, kv, tree = self.req_to_token_pool, self.token_allocator, self.tree_cache
         reqs = self.live_requests()
         alloc = pool.mamba_allocator
-        tree_kv = len(tree.held_kv_slots())
-        tree_slots = len(tree.held_mamba_slots())
+        tree_kv, tree_slots = tree.total_size(), tree.mamba_total_size()
         return {
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
             "num_waiting_reqs": len(self.waiting_queue),
