@@ -115,6 +115,17 @@ def test_retraction_when_the_kv_pool_runs_out(oracles):
         h.shutdown()
 
 
+def test_a_request_that_outgrows_the_whole_kv_pool_is_aborted():
+    h = SchedulerHarness(QWEN, max_total_tokens=256)
+    try:
+        out = h.generate(token_ids(200, seed=91), max_new_tokens=100)
+        assert out.finished_reason["type"] == "abort" and "KV cache holds" in out.finished_reason["message"]
+        assert 0 < len(out.output_ids) < 100 and h.sched.counters["num_retractions_total"] == 0
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+
+
 def test_admission_pass_runs_in_one_capped_slot_group():
     h = SchedulerHarness(QWEN, mamba_scheduler_strategy="extra_buffer", max_running_requests=4)
     alloc = h.sched.req_to_token_pool.mamba_allocator

@@ -199,7 +199,16 @@ class Scheduler(SchedulerIOMixin):
             self.tree_cache.evict(num_tokens=(need(reqs) - kv.free_pages()) * page)
         while reqs and kv.free_pages() < need(reqs):
             victim = reqs.pop()
-            self.retract(victim)
+            if len(self.running) == 1 and self.chunked_req is None:
+                # Alone and still out of pages: prefilling it again would not fit either.
+                victim.finished_reason = {
+                    "type": "abort",
+                    "message": f"The request needs more than the {kv.size} tokens the KV cache holds.",
+                }
+                self.result_processor.release_finished(victim)
+                self.result_processor.send_finished([victim])
+            else:
+                self.retract(victim)
         return reqs
 
     def retract(self, req: Req) -> None:
