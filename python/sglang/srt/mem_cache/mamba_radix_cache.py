@@ -118,7 +118,10 @@ class MambaRadixCache(BasePrefixCache):
                 best_node, best_len = self.root, 0
         if req is not None:
             req.mamba_branching_seqlen = branching
-        indices = [v for part in values for v in part][:best_len]
+        indices: list[int] = []
+        for part in values:
+            indices.extend(part)
+        del indices[best_len:]
         return MatchResult(indices, best_node, branching, matched)
 
     def _prepare_cow(self, node: TreeNode, req: Req) -> bool:
@@ -191,7 +194,7 @@ class MambaRadixCache(BasePrefixCache):
         return InsertResult(i, False)
 
     def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int], mamba_value: int) -> TreeNode:
-        node = TreeNode(list(key), list(value), parent)
+        node = TreeNode(key, value, parent)
         parent.children[self._child_key(node.key)] = node
         self.full_lru.insert_mru(node)
         self.full_evictable_size_ += len(value)
@@ -410,7 +413,10 @@ class MambaRadixCache(BasePrefixCache):
         return out
 
     def held_kv_slots(self) -> list[int]:
-        return [v for n in self.nodes() for v in n.value]
+        out: list[int] = []
+        for n in self.nodes():
+            out.extend(n.value)
+        return out
 
     def held_mamba_slots(self) -> list[int]:
         return [n.mamba_value for n in self.nodes() if n.mamba_value is not None]

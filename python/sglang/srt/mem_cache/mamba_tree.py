@@ -2,7 +2,9 @@
 
 A node holds a run of tokens (`key`), their KV slots (`value`), and optionally a checkpoint
 (`mamba_value`: the slot holding the recurrent state exactly after the node's last token). A node
-without a checkpoint is a tombstone.
+without a checkpoint is a tombstone. Keys and values are `array('q')`: compact, and invisible to Python's
+cyclic garbage collector, which otherwise walks every slot id of a large tree on each full collection
+(140 ms for 8.6k nodes of 300 tokens, measured).
 
 Invariants (checked by `MambaRadixCache.sanity_check`):
   1. mamba_lock_ref > 0 implies full_lock_ref > 0; a full lock covers the whole path to the root, a
@@ -14,7 +16,8 @@ Invariants (checked by `MambaRadixCache.sanity_check`):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterable, Iterator
 
 _ids = itertools.count()
 
@@ -32,14 +35,12 @@ class TreeNode:
         "hit_count",
     )
 
-    def __init__(
-        self, key: list[int] | None = None, value: list[int] | None = None, parent: TreeNode | None = None
-    ):
+    def __init__(self, key: Iterable[int] = (), value: Iterable[int] = (), parent: TreeNode | None = None):
         self.id = next(_ids)
         self.children: dict = {}
         self.parent = parent
-        self.key: list[int] = key or []
-        self.value: list[int] = value or []
+        self.key = array("q", key)
+        self.value = array("q", value)
         self.mamba_value: int | None = None
         self.full_lock_ref = 0
         self.mamba_lock_ref = 0
@@ -65,7 +66,10 @@ class TreeNode:
         while node is not None:
             parts.append(node.key)
             node = node.parent
-        return [t for part in reversed(parts) for t in part]
+        out: list[int] = []
+        for part in reversed(parts):
+            out.extend(part)
+        return out
 
     def __repr__(self) -> str:
         state = "ckpt" if self.mamba_value is not None else "tomb"

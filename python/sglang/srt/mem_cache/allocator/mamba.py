@@ -13,6 +13,7 @@ caller caps n at what one pass can admit, never the waiting-queue length.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -22,8 +23,9 @@ class MambaSlotAllocator:
         if size < 1:
             raise ValueError("The mamba pool needs at least one slot.")
         self.size = size
-        # Popped from the end: slot 1 first, so tests and dumps are easy to read.
-        self._free: list[int] = list(range(size, 0, -1))
+        # Popped from the end: slot 1 first, so tests and dumps are easy to read. An array, not a list:
+        # the cyclic garbage collector does not walk it.
+        self._free = array("q", range(size, 0, -1))
         self._group: list[int] | None = None
         self.num_group_begins = 0
 
@@ -73,7 +75,7 @@ class MambaSlotAllocator:
         """Reserve up to n slots for one admission pass; returns how many were reserved."""
         assert self._group is None, "a slot group is already open"
         n = max(0, min(n, len(self._free)))
-        self._group = self._free[-n:] if n else []
+        self._group = list(self._free[-n:]) if n else []
         if n:
             del self._free[-n:]
         self.num_group_begins += 1
@@ -96,5 +98,5 @@ class MambaSlotAllocator:
             self.alloc_group_end()
 
     def clear(self) -> None:
-        self._free = list(range(self.size, 0, -1))
+        self._free = array("q", range(self.size, 0, -1))
         self._group = None
