@@ -17,7 +17,9 @@ register_cpu_ci(est_time=15, suite="per-commit-cpu")
 
 PRESET = "tiny-nemotron-h"  # cache chunk 32: interval 32 puts many boundaries in a short decode
 P1, N, INTERVAL = 100, 75, 32
-BOUNDARIES = len(range((P1 // INTERVAL + 1) * INTERVAL, P1 + N, INTERVAL))  # decode steps ending on a multiple of INTERVAL: 128, 160
+BOUNDARIES = len(
+    range((P1 // INTERVAL + 1) * INTERVAL, P1 + N, INTERVAL)
+)  # decode steps ending on a multiple of INTERVAL: 128, 160
 
 
 def _run(mode: int, chunk: int | None, oracles) -> tuple[SchedulerHarness, int, int]:
@@ -52,7 +54,9 @@ def test_first_try_failure_evicts_and_retries(oracles):
         failures = h.sched.get_internal_state()["lazy_alloc_failures"]
         assert failures == {"first_try": BOUNDARIES, "retry": 0}
         assert left == 3 - BOUNDARIES, "each failed first try evicted one checkpoint"
-        assert hit == (P1 + N - 1) // INTERVAL * INTERVAL, "the retry got the slot: decode-seeded hits still happen"
+        assert hit == (P1 + N - 1) // INTERVAL * INTERVAL, (
+            "the retry got the slot: decode-seeded hits still happen"
+        )
         h.flush_and_check_empty()
     finally:
         h.shutdown()

@@ -18,7 +18,7 @@ from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
-from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
+from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin, run_scheduler_process
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import release_kv_cache
@@ -29,6 +29,8 @@ from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatc
 from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["Scheduler", "run_scheduler_process"]
 
 
 class Scheduler(SchedulerIOMixin):

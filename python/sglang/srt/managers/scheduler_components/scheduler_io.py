@@ -41,11 +41,14 @@ class SchedulerIOMixin:
         import zmq
 
         ctx = zmq.Context(2)
+        self._parent_pid = os.getppid()
         recv = ctx.socket(zmq.PULL)
         recv.bind(port_args.scheduler_input_ipc_name)
         to_detok = ctx.socket(zmq.PUSH)
-        to_detok.connect(port_args.detokenizer_ipc_name)
         to_tok = ctx.socket(zmq.PUSH)
+        for sock in (recv, to_detok, to_tok):
+            sock.setsockopt(zmq.LINGER, 0)
+        to_detok.connect(port_args.detokenizer_ipc_name)
         to_tok.connect(port_args.tokenizer_ipc_name)
         self._sockets = (recv, to_detok, to_tok)
 
@@ -93,13 +96,28 @@ class SchedulerIOMixin:
         if self._sockets is None:
             self.detokenizer_outbox.append(obj)
         else:
-            self._sockets[1].send_pyobj(obj)
+            self._send(self._sockets[1], obj)
 
     def send_to_tokenizer(self: Scheduler, obj: Any) -> None:
         if self._sockets is None:
             self.tokenizer_outbox.append(obj)
         else:
-            self._sockets[2].send_pyobj(obj)
+            self._send(self._sockets[2], obj)
+
+    def _send(self: Scheduler, sock, obj: Any) -> None:
+        """Send without ever blocking for good: a peer that is gone would otherwise hang the scheduler
+        in a send, where it never notices that its parent died."""
+        import zmq
+
+        while True:
+            try:
+                sock.send_pyobj(obj, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if sock.poll(100, zmq.POLLOUT):
+                    continue
+                if os.getppid() != self._parent_pid:
+                    raise SystemExit("The parent process is gone; the scheduler exits.") from None
 
     # ---- receiving ---------------------------------------------------------------------------------
 
@@ -165,7 +183,7 @@ class SchedulerIOMixin:
     # ---- process loop ------------------------------------------------------------------------------
 
     def event_loop(self: Scheduler) -> None:
-        parent = os.getppid()
+        parent = self._parent_pid
         last_check = time.monotonic()
         busy = False
         while True:

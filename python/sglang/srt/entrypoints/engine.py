@@ -1,0 +1,222 @@
+"""`sglang.Engine`: the runtime for offline use, without HTTP.
+
+    engine = sglang.Engine(model_path="tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer_lazy")
+    out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+    for chunk in engine.generate("Hello", {"max_new_tokens": 8}, stream=True): ...
+    engine.shutdown()
+
+The scheduler and detokenizer run as subprocesses (as in the server); the TokenizerManager runs in this
+process on a private event loop in a background thread, so the sync API works anywhere (scripts,
+notebooks, inside another running loop) and `async_generate` works from any loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any
+
+from sglang.srt.entrypoints.process_launcher import SchedulerEntry, launch_subprocesses
+from sglang.srt.managers.io_struct import FlushCacheReqOutput, GenerateReqInput
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.server_args import ServerArgs
+from sglang.version import __version__
+
+
+def build_server_info(server_args: ServerArgs, model_info: dict[str, Any], state: dict[str, Any]) -> dict:
+    """The /get_server_info body: every server arg, the scheduler's limits and its live state."""
+    info = {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args)}
+    info.update(model_info)
+    info["internal_states"] = [state]
+    info["version"] = __version__
+    return info
+
+
+class Engine:
+    def __init__(self, *, scheduler_entry: SchedulerEntry | None = None, **kwargs: Any):
+        """`kwargs` are ServerArgs fields (`model_path=...`, `mamba_scheduler_strategy=...`); a bad one
+        raises ServerArgsError, a failed start ServerStartupError."""
+        self.server_args = ServerArgs(**kwargs)
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._launched = launch_subprocesses(self.server_args, scheduler_entry)
+        atexit.register(self.shutdown)
+        try:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(
+                target=self._loop.run_forever, name="sglang-engine-loop", daemon=True
+            )
+            self._thread.start()
+            self.tokenizer_manager = TokenizerManager(
+                self.server_args,
+                self._launched.port_args,
+                self._launched.model_info,
+                self._launched.all_alive,
+            )
+            self._run(self.tokenizer_manager.start())
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- generation --------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        return_text_in_logprobs: bool = False,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of
+        cumulative chunks. Bad input raises RequestError (naming the field) at the call."""
+        obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
+        if not stream:
+            return self._run(_first(self.tokenizer_manager.generate_request(obj)))
+        agen = self.tokenizer_manager.generate_request(obj)
+        try:
+            first = self._run(agen.__anext__())
+        except StopAsyncIteration:
+            return iter(())
+        return self._sync_stream(agen, first)
+
+    def _sync_stream(self, agen: AsyncIterator[dict], first: dict) -> Iterator[dict]:
+        try:
+            yield first
+            while True:
+                try:
+                    chunk = self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            # Closing the iterator early aborts the request (TokenizerManager's finally).
+            if not self._closed:
+                self._run(agen.aclose())
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        return_text_in_logprobs: bool = False,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        """As `generate`, from any event loop; with stream=True, await it for an async iterator."""
+        obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
+        if not stream:
+            return await self._await(_first(self.tokenizer_manager.generate_request(obj)))
+        agen = self.tokenizer_manager.generate_request(obj)
+        try:
+            first = await self._await(agen.__anext__())
+        except StopAsyncIteration:
+            first = None
+        return self._async_stream(agen, first)
+
+    async def _async_stream(self, agen: AsyncIterator[dict], first: dict | None) -> AsyncIterator[dict]:
+        try:
+            if first is None:
+                return
+            yield first
+            while True:
+                try:
+                    chunk = await self._await(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            if not self._closed:
+                await self._await(agen.aclose())
+
+    # ---- control -----------------------------------------------------------------------------------
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self._loop.call_soon_threadsafe(self.tokenizer_manager.abort_request, rid, abort_all)
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        """Empty the prefix cache; fails (success=False) while requests are running."""
+        return self._run(self.tokenizer_manager.flush_cache())
+
+    def get_internal_state(self) -> dict[str, Any]:
+        return self._run(self.tokenizer_manager.get_internal_state())
+
+    def get_server_info(self) -> dict[str, Any]:
+        """Server args, the scheduler's limits, and its live pool and slot statistics."""
+        state = self.get_internal_state()
+        return build_server_info(self.server_args, self._launched.model_info, state)
+
+    def shutdown(self) -> None:
+        """Stop the subprocesses and the loop thread. Idempotent; also runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        if self._loop is not None and self._loop.is_running():
+            tm = getattr(self, "tokenizer_manager", None)
+            if tm is not None:
+                asyncio.run_coroutine_threadsafe(tm.close(), self._loop).result(5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+        self._launched.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- loop bridging -----------------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("This Engine has been shut down.")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _await(self, coro: Coroutine) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("This Engine has been shut down.")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+
+async def _first(agen: AsyncIterator[Any]) -> Any:
+    async for item in agen:
+        await agen.aclose()
+        return item
+    raise RuntimeError("generate_request produced no output")
+
+
+def _make_obj(
+    prompt: Any,
+    sampling_params: Any,
+    input_ids: Any,
+    return_logprob: Any,
+    logprob_start_len: Any,
+    top_logprobs_num: Any,
+    stream: bool,
+    rid: Any,
+    return_text_in_logprobs: bool,
+) -> GenerateReqInput:
+    return GenerateReqInput(
+        text=prompt,
+        input_ids=input_ids,
+        sampling_params=sampling_params,
+        rid=rid,
+        return_logprob=return_logprob,
+        logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+        top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs,
+        stream=stream,
+    )

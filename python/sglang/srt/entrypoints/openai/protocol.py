@@ -1,0 +1,346 @@
+"""OpenAI-compatible request and response models (pydantic), with OpenAI's field names.
+
+Requests are validated strictly (no string-to-number coercion) straight from the JSON body; a failure
+becomes a `RequestError` naming the field (`request_error_from_validation`). Unknown fields are
+ignored, as OpenAI clients send vendor extensions.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.sampling.sampling_params import MAX_N
+
+MAX_TOP_LOGPROBS = 20
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int | None = Field(None, ge=0)
+    user: str | None = None
+    rid: str | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int | None) -> int | None:
+        if v is not None and v != -1 and v < 1:
+            raise ValueError("top_k must be -1 (disabled) or a positive integer")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in items):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The native sampling_params (None = server default)."""
+        d = {
+            "max_new_tokens": self.max_tokens,
+            "min_new_tokens": self.min_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "n": self.n,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        return {k: v for k, v in d.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(x, str) for x in v) or ids(v) or all(ids(x) and x for x in v):
+                return v
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+        )
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise _field_error("echo", "echo is not supported")
+        if self.suffix:
+            raise _field_error("suffix", "suffix is not supported")
+        if self.best_of not in (None, self.n):
+            raise _field_error("best_of", "best_of different from n is not supported")
+        return self
+
+
+class ContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part {i} has type {kind!r}; only 'text' parts are supported")
+        return v
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise _field_error("top_logprobs", "top_logprobs needs logprobs set to true")
+        if self.tools:
+            raise _field_error("tools", "tools (function calling) are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise _field_error("response_format", "only the 'text' response format is supported")
+        if self.max_completion_tokens is not None and self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class _FieldError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _field_error(field: str, message: str) -> _FieldError:
+    return _FieldError(field, message)
+
+
+def request_error_from_validation(exc: ValidationError) -> RequestError:
+    """The first validation error as a RequestError whose message names the field."""
+    err = exc.errors(include_url=False)[0]
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return RequestError(
+            f"The request body is not valid JSON: {err.get('ctx', {}).get('error', '')}.",
+            None,
+            "invalid_json",
+        )
+    loc = list(err.get("loc", ()))
+    ctx_err = (err.get("ctx") or {}).get("error")
+    if isinstance(ctx_err, _FieldError):
+        return RequestError(f"{ctx_err.field}: {ctx_err}.", ctx_err.field)
+    if not loc and kind in ("model_type", "model_attributes_type"):
+        return RequestError("The request body must be a JSON object.", None, "invalid_type")
+    param = _loc_to_param(loc)
+    if kind == "missing":
+        return RequestError(f"{param} is required.", param, "missing_required_parameter")
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
+    return RequestError(f"{param}: {msg}.", param, code)
+
+
+def _loc_to_param(loc: list[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif any(c in part for c in "[(-") or part in ("str", "int", "float", "bool"):
+            continue  # pydantic's tag of a union branch (`list[str]`), not part of the field name
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+# ---- responses -------------------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(_Response):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class AssistantMessage(_Response):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        # OpenAI's deltas carry only what changed: no `"role": null` after the first chunk.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "sglang"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: str = "list"
+    data: list[ModelCard]

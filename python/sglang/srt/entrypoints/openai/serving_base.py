@@ -1,0 +1,183 @@
+"""What the OpenAI-compatible and native routes share: error bodies, SSE framing, the request flow.
+
+Errors a client causes are HTTP 400 with OpenAI's body:
+    {"error": {"message": str, "type": "invalid_request_error", "param": str | None, "code": str}}
+Streams are Server-Sent Events: `data: <json>\\n\\n` per chunk, then `data: [DONE]\\n\\n`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from sglang.srt.entrypoints.openai.protocol import request_error_from_validation
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+# The status nginx uses for "client closed request": the client is gone, the body goes nowhere.
+CLIENT_CLOSED = 499
+
+
+def error_body(
+    message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def json_response(content: Any, status_code: int = 200) -> Response:
+    if isinstance(content, BaseModel):
+        content = content.model_dump()
+    return Response(orjson.dumps(content), status_code=status_code, media_type="application/json")
+
+
+def error_response(err: RequestError, status_code: int = 400) -> Response:
+    return json_response(error_body(err.message, err.param, err.code), status_code)
+
+
+def internal_error_response(e: BaseException) -> Response:
+    if isinstance(e, BackendDeadError):
+        return json_response(error_body(str(e), kind="server_error", code="backend_dead"), 503)
+    logger.exception("Request failed", exc_info=e)
+    return json_response(
+        error_body(f"Internal server error: {e}", kind="server_error", code="internal_error"), 500
+    )
+
+
+def sse(obj: Any) -> bytes:
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump()
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A stream whose generator is always closed when the response ends, however it ends (finished,
+    client gone, server error): closing it aborts requests still running."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def start_generation(
+    tm: TokenizerManager, obj: GenerateReqInput, request: Request | None
+) -> tuple[Any, AsyncIterator[Any]]:
+    """Validate and send `obj`; return the first output and the generator for the rest. Validation
+    errors (RequestError) are raised here, before any response has started."""
+    gen = tm.generate_request(obj, request)
+    try:
+        first = await gen.__anext__()
+    except BaseException:
+        await gen.aclose()
+        raise
+    return first, gen
+
+
+async def sse_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Frame a stream of SSE events: errors become an error event, and [DONE] always ends it."""
+    try:
+        async for event in events:
+            yield event
+    except ClientDisconnected:
+        return  # nobody to tell; the request was aborted on the way out
+    except Exception as e:
+        logger.exception("Streaming failed")
+        yield sse(error_body(f"Internal server error: {e}", kind="server_error", code="internal_error"))
+    yield SSE_DONE
+
+
+def parse_model(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise request_error_from_validation(e) from None
+
+
+class OpenAIServingBase:
+    """One OpenAI route: parse, map to a native request, reply (JSON or SSE)."""
+
+    request_model: type[BaseModel]
+    # Native field name -> this API's name, for error messages raised by the shared validation.
+    param_names: dict[str, str] = {}
+
+    def __init__(self, tokenizer_manager: TokenizerManager, model_name: str):
+        self.tm = tokenizer_manager
+        self.model_name = model_name
+
+    async def handle(self, request: Request) -> Response:
+        try:
+            req = parse_model(self.request_model, await request.body())
+            obj = self.to_generate_input(req)
+            first, gen = await start_generation(self.tm, obj, request)
+        except RequestError as e:
+            return error_response(self.rename(e))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as e:
+            return internal_error_response(e)
+        if getattr(req, "stream", False):
+            return SSEResponse(sse_stream(self.stream_events(req, obj, first, gen)))
+        await gen.aclose()
+        try:
+            return json_response(self.build_response(req, obj, first))
+        except Exception as e:
+            return internal_error_response(e)
+
+    def rename(self, err: RequestError) -> RequestError:
+        param = err.param or ""
+        new = self.param_names.get(param) or param.removeprefix("sampling_params.") or None
+        message = err.message
+        for native, public in self.param_names.items():
+            word = re.escape(native.removeprefix("sampling_params."))
+            message = re.sub(rf"\b{word}\b", public, message)
+        return RequestError(message, new, err.code)
+
+    def to_generate_input(self, req: Any) -> GenerateReqInput:
+        raise NotImplementedError
+
+    def build_response(self, req: Any, obj: GenerateReqInput, first: Any) -> BaseModel:
+        raise NotImplementedError
+
+    def stream_events(
+        self, req: Any, obj: GenerateReqInput, first: Any, gen: AsyncIterator[Any]
+    ) -> AsyncIterator[bytes]:
+        raise NotImplementedError
+
+
+def as_list(outputs: Any) -> list[dict]:
+    return outputs if isinstance(outputs, list) else [outputs]
+
+
+def finish_reason(meta: dict) -> tuple[str | None, Any]:
+    """(OpenAI finish_reason, matched stop) from SGLang's finish_reason dict."""
+    reason = meta.get("finish_reason")
+    if not reason:
+        return None, None
+    return reason.get("type"), reason.get("matched")
+
+
+def usage(outputs: list[dict], n: int) -> dict[str, Any]:
+    """Prompt and cached tokens count once per prompt (the first of its n samples)."""
+    firsts = outputs[::n] if n > 0 else outputs
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in firsts)
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in firsts)},
+    }

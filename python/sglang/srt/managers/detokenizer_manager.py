@@ -1,0 +1,154 @@
+"""DetokenizerManager: turns the scheduler's token deltas into text deltas (its own process).
+
+    Scheduler --BatchTokenIDOut--> DetokenizerManager --BatchStrOut--> TokenizerManager
+
+Text is produced incrementally per request. A byte-level tokenizer can split one UTF-8 character
+over several tokens; decoding such a partial sequence yields U+FFFD, so text is held back until the
+character is complete and is flushed (as it is) when the request finishes. A request's state is freed
+with its final message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import zmq
+
+from sglang.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, PortArgs
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """One request's decoding state.
+
+    `ids[surr_offset:read_offset]` is already emitted and ends on a character boundary; it is decoded
+    again with the new ids as left context, so a tokenizer that changes how a token renders depending
+    on its neighbour (leading spaces, merges) stays right, and the work per step stays small.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.surr_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, new_ids: list[int], finished: bool = False, drop_last: bool = False) -> str:
+        """Add new token ids; return the text that became final. `drop_last` leaves the last id out
+        of the text (a matched stop token is not part of the output text)."""
+        self.ids.extend(new_ids)
+        end = len(self.ids) - 1 if drop_last and self.ids else len(self.ids)
+        if end <= self.read_offset:
+            return ""
+        prefix = self._decode(self.ids[self.surr_offset : self.read_offset])
+        full = self._decode(self.ids[self.surr_offset : end])
+        if not finished and (len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR)):
+            # Incomplete character (or nothing visible yet): wait for more ids.
+            return ""
+        self.surr_offset, self.read_offset = self.read_offset, end
+        return full[len(prefix) :]
+
+
+class DetokenizerManager:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.states: dict[str, IncrementalDetokenizer] = {}
+
+    def handle_batch_token_id_out(self, out: BatchTokenIDOut) -> BatchStrOut:
+        texts = []
+        for i, rid in enumerate(out.rids):
+            finished = out.finished_reasons[i] is not None
+            skip = out.skip_special_tokens[i] if i < len(out.skip_special_tokens) else True
+            state = self.states.get(rid)
+            if state is None:
+                state = self.states[rid] = IncrementalDetokenizer(self.tokenizer, skip)
+            try:
+                texts.append(
+                    state.push(out.output_ids[i], finished, _drops_stop_token(out.finished_reasons[i]))
+                )
+            except Exception:
+                # A request must still get its (final) message; losing some text beats hanging it.
+                logger.exception("Failed to detokenize request %s", rid)
+                texts.append("")
+            if finished:
+                del self.states[rid]
+        return BatchStrOut(
+            rids=out.rids,
+            finished_reasons=out.finished_reasons,
+            output_strs=texts,
+            output_ids=out.output_ids,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            output_token_logprobs=out.output_token_logprobs,
+            output_top_logprobs=out.output_top_logprobs,
+            input_token_logprobs=out.input_token_logprobs,
+            input_top_logprobs=out.input_top_logprobs,
+        )
+
+
+def _drops_stop_token(reason: dict | None) -> bool:
+    """A request stopped by a stop token id: that token is not part of the text (SGLang trims it)."""
+    return bool(reason) and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
+
+
+def load_tokenizer(tokenizer_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from sglang.srt.configs.presets import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(tokenizer_path), local_files_only=True)
+
+
+def run_detokenizer_process(server_args: Any, port_args: PortArgs, pipe_writer: Any = None) -> None:
+    """Process entry: serve until the parent process goes away."""
+    logging.basicConfig(
+        level=server_args.log_level.upper(), format="[%(asctime)s detokenizer] %(levelname)s %(message)s"
+    )
+    parent = os.getppid()
+    try:
+        manager = DetokenizerManager(load_tokenizer(server_args.tokenizer_path))
+        ctx = zmq.Context()
+        recv = ctx.socket(zmq.PULL)
+        recv.bind(port_args.detokenizer_ipc_name)
+        send = ctx.socket(zmq.PUSH)
+        send.connect(port_args.tokenizer_ipc_name)
+    except Exception as e:  # reported to the launcher, which turns it into one clear startup error
+        if pipe_writer is not None:
+            pipe_writer.send({"status": "error", "message": f"detokenizer: {e}"})
+        raise
+    if pipe_writer is not None:
+        pipe_writer.send({"status": "ready"})
+    while True:
+        # Poll with a timeout so that an orphaned detokenizer notices its parent is gone and exits.
+        if not recv.poll(1000):
+            if os.getppid() != parent:
+                return
+            continue
+        msg = recv.recv_pyobj()
+        if isinstance(msg, BatchTokenIDOut):
+            if not _send_while_parent_lives(send, manager.handle_batch_token_id_out(msg), parent):
+                return
+        else:
+            logger.warning("Detokenizer ignores an unexpected message %s", type(msg).__name__)
+
+
+def _send_while_parent_lives(sock: zmq.Socket, obj: Any, parent: int) -> bool:
+    """Send, waiting while the receiver is slow; give up (False) once the parent process is gone, since
+    a blocking send to a dead receiver would keep this process alive forever."""
+    while True:
+        try:
+            sock.send_pyobj(obj, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if os.getppid() != parent:
+                return False
+            sock.poll(1000, zmq.POLLOUT)

@@ -1,0 +1,220 @@
+"""Validation and normalisation of generate requests, before anything reaches the scheduler.
+
+A native request (`GenerateReqInput`, one prompt or a batch, each possibly with `n > 1` samples) becomes
+a flat list of `TokenizedGenerateReqInput`, one per sample, or raises `RequestError` naming the field.
+A whole batch is checked before any of it is sent, so a bad item never leaves its siblings running.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from sglang.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
+
+# Without an explicit max_new_tokens, a request generates at most this many tokens (SGLang's default),
+# fewer if the context ends first.
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class RequestError(ValueError):
+    """A request a client got wrong: becomes HTTP 400 with `param` naming the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    context_len: int
+    max_req_input_len: int
+    vocab_size: int
+
+
+@dataclass
+class NormalizedRequest:
+    """One sample to send: the tokenized request, and where its output goes in the reply."""
+
+    req: TokenizedGenerateReqInput
+    index: int
+    return_text_in_logprobs: bool
+
+
+def sampling_params_from_dict(
+    d: dict[str, Any] | None, input_len: int, limits: RequestLimits, param_prefix: str = "sampling_params."
+) -> SamplingParams:
+    if d is not None and not isinstance(d, dict):
+        raise RequestError("sampling_params must be an object.", "sampling_params", "invalid_type")
+    # Clients (SGLang's own included) send null for "unset".
+    d = {k: v for k, v in (d or {}).items() if v is not None}
+    explicit_max = "max_new_tokens" in d
+    try:
+        params = SamplingParams.from_dict(d)
+        params.verify(limits.vocab_size)
+    except SamplingParamsError as e:
+        raise RequestError(str(e), param_prefix + _param_of(str(e))) from None
+    except TypeError as e:  # e.g. a list where a number belongs, caught by the dataclass constructor
+        raise RequestError(f"Invalid sampling_params: {e}.", "sampling_params", "invalid_type") from None
+    room = limits.context_len - input_len
+    if explicit_max and params.max_new_tokens > room:
+        raise RequestError(
+            f"max_new_tokens {params.max_new_tokens} plus the {input_len} input tokens exceeds the "
+            f"model's context length of {limits.context_len} tokens (at most {room} new tokens fit).",
+            param_prefix + "max_new_tokens",
+            "context_length_exceeded",
+        )
+    if not explicit_max:
+        params.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, room)
+        params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
+    return params
+
+
+def _param_of(message: str) -> str:
+    """SamplingParamsError messages start with the field name (see sampling_params.verify)."""
+    first = message.split()[0] if message else ""
+    return first.removeprefix("sampling_params.").rstrip(".,:")
+
+
+def check_input_ids(ids: Any, limits: RequestLimits, param: str) -> list[int]:
+    if not isinstance(ids, list):
+        raise RequestError(f"{param} must be a list of token ids.", param, "invalid_type")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise RequestError(f"{param}[{i}] must be an integer token id, got {t!r}.", param, "invalid_type")
+        if not 0 <= t < limits.vocab_size:
+            raise RequestError(
+                f"{param}[{i}] = {t} is outside the vocabulary (valid ids are 0..{limits.vocab_size - 1}).",
+                param,
+            )
+    check_input_len(len(ids), limits, param)
+    return ids
+
+
+def check_input_len(n: int, limits: RequestLimits, param: str) -> None:
+    if n == 0:
+        raise RequestError(f"The prompt ({param}) is empty; send at least one token.", param)
+    if n >= limits.context_len:
+        raise RequestError(
+            f"The input {param} ({n} tokens) is longer than the model's context length ({limits.context_len} tokens).",
+            param,
+            "context_length_exceeded",
+        )
+    if n > limits.max_req_input_len:
+        raise RequestError(
+            f"The input {param} ({n} tokens) is longer than the server accepts ({limits.max_req_input_len} tokens).",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def check_logprob_args(
+    return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any, input_len: int
+) -> None:
+    if not isinstance(return_logprob, bool):
+        raise RequestError("return_logprob must be a boolean.", "return_logprob", "invalid_type")
+    if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int):
+        raise RequestError("logprob_start_len must be an integer.", "logprob_start_len", "invalid_type")
+    if not -1 <= logprob_start_len < input_len:
+        raise RequestError(
+            f"logprob_start_len must be -1 (no input logprobs) or a position in the input "
+            f"(0..{input_len - 1}), got {logprob_start_len}.",
+            "logprob_start_len",
+        )
+    if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int):
+        raise RequestError("top_logprobs_num must be an integer.", "top_logprobs_num", "invalid_type")
+    if top_logprobs_num < 0:
+        raise RequestError(f"top_logprobs_num must be 0 or more, got {top_logprobs_num}.", "top_logprobs_num")
+
+
+def normalize_generate_request(
+    obj: GenerateReqInput, tokenizer: Any, limits: RequestLimits
+) -> tuple[list[NormalizedRequest], bool]:
+    """Check and tokenize `obj`; returns its samples and whether the reply is a list."""
+    if (obj.text is None) == (obj.input_ids is None):
+        raise RequestError("Give exactly one of text and input_ids.", "text", "missing_required_parameter")
+    if obj.text is not None:
+        is_batch = isinstance(obj.text, list)
+        texts = obj.text if is_batch else [obj.text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise RequestError(
+                "text must be a string or a non-empty list of strings.", "text", "invalid_type"
+            )
+        prompts: list[tuple[str | None, Any]] = [(t, None) for t in texts]
+    else:
+        ids = obj.input_ids
+        if not isinstance(ids, list):
+            raise RequestError(
+                "input_ids must be a list of token ids (or of lists).", "input_ids", "invalid_type"
+            )
+        is_batch = bool(ids) and all(isinstance(x, list) for x in ids)
+        prompts = [(None, x) for x in (ids if is_batch else [ids])]
+    size = len(prompts)
+    per_item = {
+        name: _per_item(getattr(obj, name), size, name, is_batch)
+        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
+    }
+    if not isinstance(obj.return_text_in_logprobs, bool):
+        raise RequestError(
+            "return_text_in_logprobs must be a boolean.", "return_text_in_logprobs", "invalid_type"
+        )
+    if not isinstance(obj.stream, bool):
+        raise RequestError("stream must be a boolean.", "stream", "invalid_type")
+
+    out: list[NormalizedRequest] = []
+    for i, (text, ids) in enumerate(prompts):
+        if text is not None:
+            ids = tokenizer.encode(text)
+            check_input_len(len(ids), limits, "text")
+        else:
+            ids = check_input_ids(ids, limits, "input_ids")
+        params = sampling_params_from_dict(per_item["sampling_params"][i], len(ids), limits)
+        start = per_item["logprob_start_len"][i]
+        top = per_item["top_logprobs_num"][i]
+        check_logprob_args(per_item["return_logprob"][i], start, top, len(ids))
+        if top > limits.vocab_size:
+            raise RequestError(f"top_logprobs_num must be at most {limits.vocab_size}.", "top_logprobs_num")
+        rid = per_item["rid"][i]
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise RequestError("rid must be a non-empty string.", "rid", "invalid_type")
+        base = rid or uuid.uuid4().hex
+        n = params.n
+        for j in range(n):
+            # Each sample is its own request; seeded samples get distinct seeds, else n copies of one
+            # seeded request would all return the same text.
+            seed = params.sampling_seed + j if params.sampling_seed is not None else None
+            sample_params = replace(params, n=1, sampling_seed=seed, stop=list(params.stop))
+            req = TokenizedGenerateReqInput(
+                rid=base if n == 1 else f"{base}-{j}",
+                input_text=text,
+                input_ids=list(ids),
+                sampling_params=sample_params,
+                return_logprob=per_item["return_logprob"][i],
+                logprob_start_len=start,
+                top_logprobs_num=top,
+                stream=obj.stream,
+            )
+            out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs))
+    rids = [r.req.rid for r in out]
+    if len(set(rids)) != len(rids):
+        raise RequestError("rid values must be unique within a request.", "rid")
+    return out, is_batch or len(out) > 1
+
+
+def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:
+    """A batch field is either one value for all items or a list with one value per item."""
+    defaults = {"sampling_params": None, "rid": None, "return_logprob": False}
+    defaults |= {"logprob_start_len": -1, "top_logprobs_num": 0}
+    if value is None:
+        value = defaults[name]
+    if is_batch and isinstance(value, list):
+        if len(value) != size:
+            raise RequestError(f"{name} has {len(value)} entries for a batch of {size} prompts.", name)
+        return [defaults[name] if v is None else v for v in value]
+    if isinstance(value, list) and name != "sampling_params":
+        raise RequestError(f"{name} must be a single value for a single prompt.", name, "invalid_type")
+    return [value] * size

@@ -1,0 +1,265 @@
+"""TokenizerManager: the front of the runtime, in the HTTP (or Engine) process, on one asyncio loop.
+
+It tokenizes and validates requests (`request_validation`), sends them to the scheduler, receives the
+detokenizer's `BatchStrOut` deltas in a background task, accumulates each request's state and hands
+outputs to the caller, in SGLang's native format (`{"text", "output_ids", "meta_info"}`). A caller that
+goes away (cancellation, a closed stream, a disconnected HTTP client) aborts its requests. Control RPCs
+(flush cache, internal state) go to the scheduler, whose replies come back on the same socket.
+
+All methods run on the loop that called `start()`; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from sglang.srt.managers.detokenizer_manager import load_tokenizer
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    PortArgs,
+)
+from sglang.srt.managers.request_validation import (
+    NormalizedRequest,
+    RequestError,
+    RequestLimits,
+    normalize_generate_request,
+)
+from sglang.srt.managers.tokenizer_output import ReqState
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting request checks whether its HTTP client is still there.
+DISCONNECT_POLL_S = 1.0
+CONTROL_TIMEOUT_S = 30.0
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away while its request was waiting; the request has been aborted."""
+
+
+class BackendDeadError(RuntimeError):
+    """The scheduler or detokenizer process is gone: running requests can never finish."""
+
+
+class DisconnectCheck(Protocol):
+    async def is_disconnected(self) -> bool: ...
+
+
+class TokenizerManager:
+    def __init__(
+        self,
+        server_args: Any,
+        port_args: PortArgs,
+        model_info: dict[str, Any],
+        backend_alive: Callable[[], bool] | None = None,
+    ):
+        self.server_args = server_args
+        # Checked while requests wait, so that a dead subprocess fails them instead of hanging them.
+        self.backend_alive = backend_alive or (lambda: True)
+        self.port_args = port_args
+        self.model_info = model_info
+        self.tokenizer = load_tokenizer(server_args.tokenizer_path)
+        self.limits = RequestLimits(
+            context_len=model_info["context_len"],
+            max_req_input_len=model_info["max_req_input_len"],
+            vocab_size=model_info["vocab_size"],
+        )
+        self.rid_to_state: dict[str, ReqState] = {}
+        # Optional observer (the metrics collector): on_first_token, on_finish, and on_abort for a
+        # request whose caller went away before it finished.
+        self.observer: Any = None
+        self._token_text: dict[int, str] = {}
+        self._control_waiters: dict[type, asyncio.Future] = {}
+        self._control_locks: dict[type, asyncio.Lock] = {}
+        self._recv_task: asyncio.Task | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the sockets and start receiving, on the running loop (idempotent)."""
+        if self._recv_task is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        self._recv = self._ctx.socket(zmq.PULL)
+        self._recv.bind(self.port_args.tokenizer_ipc_name)
+        # A plain (blocking) socket with no high-water mark: sends never wait, so they are safe from
+        # `finally` blocks of cancelled coroutines.
+        self._send = zmq.Context.instance().socket(zmq.PUSH)
+        self._send.setsockopt(zmq.SNDHWM, 0)
+        self._send.connect(self.port_args.scheduler_input_ipc_name)
+        self._recv_task = asyncio.create_task(self._recv_loop())
+
+    async def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            self._recv_task = None
+            self._recv.close(linger=0)
+            self._send.close(linger=0)
+            self._ctx.term()
+
+    @property
+    def context_len(self) -> int:
+        return self.limits.context_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    # ---- generation --------------------------------------------------------------------------------
+
+    def normalize(self, obj: GenerateReqInput) -> tuple[list[NormalizedRequest], bool]:
+        items, is_list = normalize_generate_request(obj, self.tokenizer, self.limits)
+        for item in items:
+            if item.req.rid in self.rid_to_state:
+                raise RequestError(f"A request with rid {item.req.rid!r} is already running.", "rid")
+        return items, is_list
+
+    async def generate_request(
+        self, obj: GenerateReqInput, request: DisconnectCheck | None = None
+    ) -> AsyncIterator[Any]:
+        """Yield the reply: once (a dict, or a list for batches and n > 1) without streaming; with
+        streaming, chunks as tokens arrive (cumulative text, as SGLang streams; "index" set when the
+        request has several outputs). Raises RequestError before anything is sent."""
+        items, is_list = self.normalize(obj)
+        yield_event = asyncio.Event()
+        states: list[ReqState] = []
+        try:
+            for item in items:
+                state = ReqState(item, time.time(), yield_event)
+                self.rid_to_state[item.req.rid] = state
+                states.append(state)
+                self._send.send_pyobj(item.req)
+            if obj.stream:
+                async for chunk in self._stream(states, yield_event, request, is_list):
+                    yield chunk
+            else:
+                await self._wait_all(states, yield_event, request)
+                outs = [self.make_output(s) for s in states]
+                yield outs if is_list else outs[0]
+        finally:
+            for state in states:
+                if not state.finished:
+                    self.abort_request(state.rid)
+                    if self.observer is not None:
+                        self.observer.on_abort(state)
+                self.rid_to_state.pop(state.rid, None)
+
+    async def _wait_event(self, event: asyncio.Event, request: DisconnectCheck | None) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(event.wait(), DISCONNECT_POLL_S)
+                event.clear()
+                return
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    # The caller's `finally` aborts whatever is still running.
+                    raise ClientDisconnected() from None
+                if not self.backend_alive():
+                    raise BackendDeadError("The scheduler or detokenizer process has exited.") from None
+
+    async def _wait_all(self, states: list[ReqState], event: asyncio.Event, request: Any) -> None:
+        while not all(s.finished for s in states):
+            await self._wait_event(event, request)
+
+    async def _stream(
+        self, states: list[ReqState], event: asyncio.Event, request: Any, with_index: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            for state in states:
+                if state.has_unsent_update():
+                    chunk = self.make_output(state)
+                    state.mark_sent()
+                    if with_index:
+                        chunk["index"] = state.index
+                    yield chunk
+            if all(s.finished for s in states):
+                return
+            await self._wait_event(event, request)
+
+    def make_output(self, state: ReqState) -> dict[str, Any]:
+        return state.to_dict(self.token_texts)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        missing = [t for t in set(ids) if t not in self._token_text]
+        if missing:
+            for t, s in zip(missing, self.tokenizer.batch_decode([[t] for t in missing]), strict=True):
+                self._token_text[t] = s
+        return [self._token_text[t] for t in ids]
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Ask the scheduler to abort; it answers with each request's final (abort) message."""
+        if self._recv_task is None:
+            return
+        self._send.send_pyobj(AbortReq(rid=rid, abort_all=abort_all))
+
+    # ---- receiving ---------------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._recv.recv_pyobj()
+            try:
+                self._dispatch(msg)
+            except Exception:
+                # A malformed message must not kill the loop every request depends on.
+                logger.exception("Failed to handle a %s message", type(msg).__name__)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchStrOut):
+            self._handle_batch_output(msg)
+            return
+        fut = self._control_waiters.pop(type(msg), None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+        else:
+            logger.warning("Dropping an unexpected or late %s", type(msg).__name__)
+
+    def _handle_batch_output(self, out: BatchStrOut) -> None:
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:  # its caller is gone (aborted) or it belongs to nobody
+                continue
+            first = state.apply(out, i)
+            if first and self.observer is not None:
+                self.observer.on_first_token(state)
+            if state.finished and self.observer is not None:
+                self.observer.on_finish(state)
+            state.event.set()
+
+    # ---- control -----------------------------------------------------------------------------------
+
+    async def flush_cache(self, timeout: float = CONTROL_TIMEOUT_S) -> FlushCacheReqOutput:
+        return await self._control(FlushCacheReqInput(), FlushCacheReqOutput, timeout)
+
+    async def get_internal_state(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+        out = await self._control(GetInternalStateReq(), GetInternalStateReqOutput, timeout)
+        return out.internal_state
+
+    async def _control(self, req: Any, reply_type: type, timeout: float) -> Any:
+        # One RPC of a kind at a time: replies carry no id, so a reply belongs to the one waiter.
+        lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
+        async with lock:
+            fut = asyncio.get_running_loop().create_future()
+            self._control_waiters[reply_type] = fut
+            self._send.send_pyobj(req)
+            try:
+                return await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(
+                    f"The scheduler did not answer {type(req).__name__} in {timeout:.0f} s."
+                ) from None
+            finally:
+                self._control_waiters.pop(reply_type, None)

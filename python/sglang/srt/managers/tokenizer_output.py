@@ -1,0 +1,148 @@
+"""`ReqState`: what the TokenizerManager accumulates for one request, and the reply built from it.
+
+Deltas from the detokenizer are appended; replies are cumulative (SGLang's native format):
+
+    {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
+     "completion_tokens", "cached_tokens", "e2e_latency", and with return_logprob:
+     "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"}}
+
+Logprob entries are `[logprob, token_id, text_or_None]` (text with return_text_in_logprobs); top
+logprobs are such lists per position.
+
+Stop strings: the scheduler finishes a request on the step whose text completes a stop string, and
+the text is cut where the string starts. While a request streams, text that may be the beginning of
+a stop string is held back, so a streamed prefix is never taken back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.managers.io_struct import BatchStrOut
+from sglang.srt.managers.request_validation import NormalizedRequest
+
+TokenTexts = Callable[[list[int]], list[str]]
+
+
+class ReqState:
+    def __init__(self, item: NormalizedRequest, created_time: float, event: asyncio.Event):
+        self.item = item
+        self.req = item.req
+        self.rid = item.req.rid
+        self.index = item.index
+        self.created_time = created_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        # Shared by all states of one generate call: set when any of them changes.
+        self.event = event
+
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.finished_reason: dict[str, Any] | None = None
+        self.prompt_tokens = len(item.req.input_ids)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.input_token_logprobs: list[tuple[float | None, int]] = []
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
+        self.got_message = False
+        self._sent: tuple[int, int, bool] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def apply(self, out: BatchStrOut, i: int) -> bool:
+        """Add the i-th entry of `out`; returns whether this was the request's first message."""
+        first = not self.got_message
+        self.got_message = True
+        if first:
+            self.first_token_time = time.time()
+        self.text += out.output_strs[i]
+        self.output_ids.extend(out.output_ids[i])
+        self.prompt_tokens = out.prompt_tokens[i]
+        self.completion_tokens = out.completion_tokens[i]
+        self.cached_tokens = out.cached_tokens[i]
+        if self.req.return_logprob:
+            self.output_token_logprobs.extend(_entry(out.output_token_logprobs, i) or [])
+            self.output_top_logprobs.extend(_entry(out.output_top_logprobs, i) or [])
+            self.input_token_logprobs.extend(_entry(out.input_token_logprobs, i) or [])
+            self.input_top_logprobs.extend(_entry(out.input_top_logprobs, i) or [])
+        if out.finished_reasons[i] is not None:
+            self.finished_reason = out.finished_reasons[i]
+            self.finish_time = time.time()
+        return first
+
+    # ---- text --------------------------------------------------------------------------------------
+
+    def visible_text(self) -> str:
+        stops = self.req.sampling_params.stop
+        text = self.text
+        if not stops:
+            return text
+        matched = (self.finished_reason or {}).get("matched")
+        cuts = [text.find(s) for s in stops]
+        cuts = [c for c in cuts if c >= 0]
+        if isinstance(matched, str) and matched in text:
+            cuts.append(text.find(matched))
+        if cuts:
+            return text[: min(cuts)]
+        if self.finished:
+            return text
+        return text[: len(text) - _stop_prefix_len(text, stops)]
+
+    # ---- streaming bookkeeping ---------------------------------------------------------------------
+
+    def _marker(self) -> tuple[int, int, bool]:
+        return (len(self.visible_text()), len(self.output_ids), self.finished)
+
+    def has_unsent_update(self) -> bool:
+        return self.got_message and self._marker() != self._sent
+
+    def mark_sent(self) -> None:
+        self._sent = self._marker()
+
+    # ---- reply -------------------------------------------------------------------------------------
+
+    def to_dict(self, token_texts: TokenTexts) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finished_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "e2e_latency": (self.finish_time or time.time()) - self.created_time,
+        }
+        if self.req.return_logprob:
+            texts = token_texts if self.item.return_text_in_logprobs else None
+            meta["input_token_logprobs"] = _with_text(self.input_token_logprobs, texts)
+            meta["output_token_logprobs"] = _with_text(self.output_token_logprobs, texts)
+            meta["input_top_logprobs"] = [_with_text(p, texts) if p else p for p in self.input_top_logprobs]
+            meta["output_top_logprobs"] = [_with_text(p, texts) if p else p for p in self.output_top_logprobs]
+        return {"text": self.visible_text(), "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def _entry(values: list[Any], i: int) -> Any:
+    return values[i] if i < len(values) else None
+
+
+def _with_text(entries: list[tuple[Any, int]], token_texts: TokenTexts | None) -> list[list[Any]]:
+    if not entries:
+        return []
+    texts = token_texts([tid for _, tid in entries]) if token_texts else [None] * len(entries)
+    return [[lp, tid, t] for (lp, tid), t in zip(entries, texts, strict=True)]
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best

@@ -1,0 +1,215 @@
+"""The OpenAI-compatible API through the official `openai` client, and the native routes, on a real
+server (with an API key and metrics on)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import orjson
+import requests
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.kits.common import prompt_ids
+from sglang.test.test_utils import ServerTestCase
+
+register_cpu_ci(est_time=30, suite="per-commit-cpu")
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def sse_events(resp: requests.Response) -> list:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith(b"data: "):
+            payload = line[len(b"data: ") :]
+            events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+    return events
+
+
+class TestOpenAIServer(ServerTestCase):
+    server_args = ["--mamba-scheduler-strategy", "extra_buffer_lazy", "--enable-metrics"]
+    api_key = "sk-test-key"
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        cls.client = openai.OpenAI(base_url=cls.base_url + "/v1", api_key=cls.api_key)
+
+    def chat(self, **kw):
+        return self.client.chat.completions.create(model=self.model, messages=MESSAGES, **kw)
+
+    def test_chat_non_stream_and_stream_agree(self) -> None:
+        full = self.chat(max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        choice = full.choices[0]
+        self.assertEqual(choice.finish_reason, "length")
+        self.assertEqual(full.usage.completion_tokens, 8)
+        self.assertEqual(full.usage.total_tokens, full.usage.prompt_tokens + 8)
+        stream = self.chat(
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = list(stream)
+        self.assertEqual(chunks[0].choices[0].delta.role, "assistant")
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        self.assertEqual(text, choice.message.content)
+        self.assertEqual([c.choices[0].finish_reason for c in chunks if c.choices][-1], "length")
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertEqual(chunks[-1].usage.completion_tokens, 8)
+
+    def test_completions_non_stream_and_stream_agree(self) -> None:
+        ids = prompt_ids(30, 1)
+        full = self.client.completions.create(model=self.model, prompt=ids, max_tokens=6, temperature=0)
+        self.assertEqual(full.usage.prompt_tokens, 30)
+        stream = self.client.completions.create(
+            model=self.model, prompt=ids, max_tokens=6, temperature=0, stream=True
+        )
+        text = "".join(c.choices[0].text for c in stream)
+        self.assertEqual(text, full.choices[0].text)
+
+    def test_chat_logprobs(self) -> None:
+        out = self.chat(
+            max_tokens=5, temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
+        )
+        content = out.choices[0].logprobs.content
+        self.assertEqual(len(content), out.usage.completion_tokens)
+        for tok in content:
+            self.assertLessEqual(tok.logprob, 0.0)
+            self.assertEqual(len(tok.top_logprobs), 3)
+            tops = [t.logprob for t in tok.top_logprobs]
+            self.assertEqual(tops, sorted(tops, reverse=True))
+            # Greedy: the chosen token is the most likely one.
+            self.assertAlmostEqual(tok.logprob, tops[0], places=5)
+
+    def test_completion_logprobs(self) -> None:
+        out = self.client.completions.create(
+            model=self.model, prompt="Hello", max_tokens=4, temperature=0, logprobs=2
+        )
+        lp = out.choices[0].logprobs
+        self.assertEqual(len(lp.tokens), out.usage.completion_tokens)
+        self.assertEqual(len(lp.token_logprobs), len(lp.tokens))
+        self.assertEqual(lp.text_offset, sorted(lp.text_offset))
+        self.assertTrue(all(len(t) <= 2 for t in lp.top_logprobs))
+
+    def test_cached_tokens_on_repeated_prefix(self) -> None:
+        self.flush_cache()
+        ids = prompt_ids(200, 2)
+        first = self.client.completions.create(model=self.model, prompt=ids, max_tokens=2, temperature=0)
+        self.assertEqual(first.usage.prompt_tokens_details.cached_tokens, 0)
+        second = self.client.completions.create(
+            model=self.model, prompt=ids + [7, 8], max_tokens=2, temperature=0
+        )
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        self.assertGreater(cached, 0)
+        self.assertLessEqual(cached, 200)
+
+    def test_n_and_stop(self) -> None:
+        out = self.chat(max_tokens=4, n=2, temperature=0)
+        self.assertEqual([c.index for c in out.choices], [0, 1])
+        base = self.client.completions.create(
+            model=self.model,
+            prompt="Once",
+            max_tokens=16,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
+        tokens = base.choices[0].logprobs.tokens
+        # A token from the middle with plain printable text makes a stop string the output surely holds.
+        k, stop = next(
+            (k, t) for k, t in enumerate(tokens) if k >= 2 and t.strip().isascii() and t.strip().isalnum()
+        )
+        stopped = self.client.completions.create(
+            model=self.model,
+            prompt="Once",
+            max_tokens=16,
+            temperature=0,
+            stop=[stop.strip()],
+            extra_body={"ignore_eos": True},
+        )
+        self.assertEqual(stopped.choices[0].finish_reason, "stop")
+        text = base.choices[0].text
+        self.assertEqual(stopped.choices[0].text, text[: text.index(stop.strip())])
+
+    def test_seed_makes_sampling_reproducible(self) -> None:
+        a = self.chat(max_tokens=8, temperature=1.0, seed=42)
+        b = self.chat(max_tokens=8, temperature=1.0, seed=42)
+        self.assertEqual(a.choices[0].message.content, b.choices[0].message.content)
+
+    def test_models_and_model_info(self) -> None:
+        self.assertEqual([m.id for m in self.client.models.list()], [self.model])
+        info = self.get("/get_model_info").json()
+        self.assertEqual((info["model_path"], info["vocab_size"]), (self.model, 512))
+
+    def test_api_key_is_required_except_for_health(self) -> None:
+        self.assertEqual(requests.get(self.base_url + "/health", timeout=10).status_code, 200)
+        for path in ("/get_server_info", "/v1/models", "/metrics"):
+            r = requests.get(self.base_url + path, timeout=10)
+            self.assertEqual(r.status_code, 401, path)
+            self.assertEqual(r.json()["error"]["code"], "invalid_api_key")
+        bad = openai.OpenAI(base_url=self.base_url + "/v1", api_key="wrong")
+        with self.assertRaises(openai.AuthenticationError):
+            bad.models.list()
+
+    def test_native_generate_batch_and_stream(self) -> None:
+        outs = self.generate(text=["Hi", "Hello there"], sampling_params={"max_new_tokens": 3})
+        self.assertEqual([o["meta_info"]["completion_tokens"] for o in outs], [3, 3])
+        r = self.post(
+            "/generate",
+            {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}, "stream": True},
+            stream=True,
+        )
+        events = sse_events(r)
+        self.assertEqual(events[-1], "[DONE]")
+        texts = [e["text"] for e in events[:-1]]
+        self.assertTrue(all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False)), texts)
+        self.assertEqual(events[-2]["meta_info"]["completion_tokens"], 4)
+
+    def test_abort_request_route(self) -> None:
+        result = {}
+
+        def run() -> None:
+            body = {
+                "input_ids": [5, 6],
+                "rid": "abort-me",
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            }
+            result["out"] = self.post("/generate", body).json()
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 30
+        while self.internal_state()["num_running_reqs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(self.post("/abort_request", {"rid": "abort-me"}).status_code, 200)
+        t.join(60)
+        self.assertEqual(result["out"]["meta_info"]["finish_reason"]["type"], "abort")
+        self.assertLess(result["out"]["meta_info"]["completion_tokens"], 3000)
+
+    def test_startup_log_names_strategy_pools_and_slots(self) -> None:
+        self.assertRegex(
+            self.server.log_text(),
+            r"--mamba-scheduler-strategy extra_buffer_lazy .*token pool \d+ tokens, mamba pool \d+ slots, "
+            r"\d+ resident mamba slots per running request",
+        )
+
+    def test_health_generate_server_info_and_metrics(self) -> None:
+        self.assertEqual(self.get("/health_generate").status_code, 200)
+        info = self.get("/get_server_info").json()
+        self.assertEqual(info["mamba_scheduler_strategy"], "extra_buffer_lazy")
+        self.assertIn("mamba_usage", info["internal_states"][0])
+        metrics = self.get("/metrics").text
+        for name in (
+            "sglang:num_requests_total",
+            "sglang:prompt_tokens_total",
+            "sglang:generation_tokens_total",
+            "sglang:cache_hit_rate",
+            "sglang:mamba_usage",
+            "sglang:mamba_lazy_alloc_failures_total",
+        ):
+            self.assertIn(name, metrics)
+        self.assert_idle_accounting()

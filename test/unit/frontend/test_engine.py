@@ -1,0 +1,165 @@
+"""sglang.Engine: generate (single, batch, n, streaming), async use, abort on close, control, startup
+errors and shutdown. Mostly against the fake scheduler (same protocol, no model); the last test runs the
+real scheduler through the same front end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import sglang
+from sglang.srt.entrypoints.process_launcher import ServerStartupError
+from sglang.srt.environ import envs
+from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.managers.tokenizer_manager import BackendDeadError
+from sglang.test import fake_scheduler
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=20, suite="per-commit-cpu")
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # A slow fake forward, so that a stream can be closed while its request still runs.
+    with envs.SGLANG_TEST_FORWARD_DELAY_MS.override(20):
+        eng = sglang.Engine(
+            scheduler_entry=fake_scheduler.run_scheduler_process, model_path="tiny-qwen3-next"
+        )
+    yield eng
+    eng.shutdown()
+
+
+def wait_idle(eng, timeout=10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = eng.get_internal_state()
+        if state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0:
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"not idle after {timeout} s: {state}")
+
+
+def test_generate_single(engine):
+    out = engine.generate(
+        input_ids=[5, 6, 7], sampling_params=GREEDY, return_logprob=True, top_logprobs_num=2
+    )
+    expected, prev = [], 7
+    for pos in range(3, 9):
+        prev = fake_scheduler.fake_token(prev, pos, 0, 512)
+        expected.append(prev)
+    assert out["output_ids"] == expected
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (3, 6)
+    assert [e[1] for e in meta["output_token_logprobs"]] == expected
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    assert meta["input_token_logprobs"] == []  # logprob_start_len defaults to -1
+
+
+def test_generate_batch_and_n(engine):
+    outs = engine.generate(["a", "bb"], [{"max_new_tokens": 2}, {"max_new_tokens": 3}])
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [2, 3]
+    outs = engine.generate("a", {"max_new_tokens": 2, "n": 3})
+    assert len(outs) == 3 and len({o["meta_info"]["id"] for o in outs}) == 3
+
+
+def test_stream_is_cumulative_and_matches_non_stream(engine):
+    full = engine.generate(input_ids=[9, 10], sampling_params=GREEDY)
+    chunks = list(engine.generate(input_ids=[9, 10], sampling_params=GREEDY, stream=True))
+    assert len(chunks) >= 2
+    for a, b in zip(chunks, chunks[1:], strict=False):
+        assert b["text"].startswith(a["text"]) and b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    assert chunks[-1]["output_ids"] == full["output_ids"] and chunks[-1]["text"] == full["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"] is not None
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_closing_a_stream_aborts_the_request(engine):
+    before = wait_idle(engine)["counters"]["num_generation_tokens_total"]
+    it = engine.generate(input_ids=[11, 12], sampling_params={"max_new_tokens": 3000}, stream=True)
+    next(it), next(it)
+    it.close()
+    state = wait_idle(engine, timeout=5)
+    # 3000 tokens at 20 ms each would take a minute; idle within seconds means it was aborted.
+    assert state["counters"]["num_generation_tokens_total"] == before, "an aborted request is not counted"
+
+
+def test_async_generate_from_another_loop(engine):
+    async def main():
+        out = await engine.async_generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+        stream = await engine.async_generate(input_ids=[5, 6, 7], sampling_params=GREEDY, stream=True)
+        chunks = [c async for c in stream]
+        return out, chunks
+
+    out, chunks = asyncio.run(main())
+    assert chunks[-1]["output_ids"] == out["output_ids"]
+
+
+def test_bad_input_raises_at_the_call(engine):
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.generate(input_ids=[1, 99999])
+    with pytest.raises(RequestError) as e:
+        engine.generate("x", {"temperature": -1}, stream=True)
+    assert e.value.param == "sampling_params.temperature"
+
+
+def test_flush_and_server_info(engine):
+    engine.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 1})
+    second = engine.generate(input_ids=[1, 2, 3, 4, 5], sampling_params={"max_new_tokens": 1})
+    assert second["meta_info"]["cached_tokens"] == 4
+    assert engine.flush_cache().success
+    info = engine.get_server_info()
+    assert info["model_path"] == "tiny-qwen3-next" and info["vocab_size"] == 512
+    state = info["internal_states"][0]
+    assert state["token_usage"]["held_by_tree"] == 0 and state["mamba_usage"]["held_by_requests"] == 0
+
+
+@pytest.mark.parametrize(
+    "entry, words",
+    [
+        (fake_scheduler.run_failing_scheduler_process, "the fake model cannot be loaded"),
+        (fake_scheduler.run_crashing_scheduler_process, "exited (code 3)"),
+    ],
+)
+def test_startup_failure_is_one_clear_error(entry, words):
+    with pytest.raises(ServerStartupError) as e:
+        sglang.Engine(scheduler_entry=entry, model_path="tiny-qwen3-next")
+    assert words in str(e.value) and "scheduler" in str(e.value)
+
+
+def test_dead_scheduler_fails_requests_and_shutdown_is_idempotent():
+    with envs.SGLANG_TEST_FORWARD_DELAY_MS.override(20):
+        eng = sglang.Engine(
+            scheduler_entry=fake_scheduler.run_scheduler_process, model_path="tiny-qwen3-next"
+        )
+    procs = list(eng._launched.processes)
+    it = eng.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 3000}, stream=True)
+    next(it)
+    procs[0].kill()  # the scheduler dies mid-request: the request fails instead of hanging
+    with pytest.raises(BackendDeadError):
+        for _ in it:
+            pass
+    eng.shutdown()
+    eng.shutdown()
+    assert all(not p.is_alive() for p in procs)
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate("x")
+
+
+def test_real_scheduler_through_the_engine():
+    with sglang.Engine(model_path="tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer_lazy") as eng:
+        out = eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, return_logprob=True)
+        assert out["meta_info"]["completion_tokens"] == 6
+        chunks = list(eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, stream=True))
+        assert chunks[-1]["output_ids"] == out["output_ids"], "greedy output is deterministic"
+        it = eng.generate(
+            input_ids=[5, 6], sampling_params={"max_new_tokens": 3000, "ignore_eos": True}, stream=True
+        )
+        next(it)
+        it.close()
+        state = wait_idle(eng, timeout=20)
+        assert state["mamba_usage"]["held_by_requests"] == 0 and state["token_usage"]["held_by_requests"] == 0

@@ -1,0 +1,157 @@
+"""OpenAI protocol: request validation messages, mapping to native requests, reply formats, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from sglang.srt.entrypoints.openai.protocol import (
+    ChatCompletionStreamResponse,
+    ChatStreamChoice,
+    CompletionRequest,
+    DeltaMessage,
+)
+from sglang.srt.entrypoints.openai.serving_base import SSE_DONE, parse_model, sse, sse_stream, usage
+from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
+from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion, completion_logprobs
+from sglang.srt.managers.request_validation import RequestError
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=2, suite="per-commit-cpu")
+
+
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "invalid_value"),
+        (b'{"prompt": "x", "max_tokens": "3"}', "max_tokens", "invalid_type"),
+        (b'{"prompt": "x", "temperature": -0.1}', "temperature", "invalid_value"),
+        (b'{"prompt": "x", "top_p": 0}', "top_p", "invalid_value"),
+        (b'{"prompt": "x", "top_k": 0}', "top_k", "invalid_value"),
+        (b'{"prompt": "x", "stop": 3}', "stop", "invalid_type"),
+        (b'{"prompt": {"a": 1}}', "prompt", "invalid_value"),
+        (b'{"prompt": [[1], "a"]}', "prompt", "invalid_value"),
+        (b'{"max_tokens": 3}', "prompt", "missing_required_parameter"),
+        (b'{"prompt": "x", "echo": true}', "echo", "invalid_value"),
+        (b'{"prompt": "x"', None, "invalid_json"),
+        (b'"just a string"', None, "invalid_type"),
+    ],
+)
+def test_completion_request_errors(body, param, code):
+    with pytest.raises(RequestError) as e:
+        parse_model(CompletionRequest, body)
+    assert (e.value.param, e.value.code) == (param, code)
+    if param:
+        assert e.value.message.startswith(param)
+
+
+def test_chat_errors_name_nested_fields():
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    cases = {
+        b'{"messages": [{"role": "robot", "content": "x"}]}': "messages[0].role",
+        b'{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 1}]}': "messages[1].content",
+        b'{"messages": []}': "messages",
+        b'{"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}': "top_logprobs",
+    }
+    for body, param in cases.items():
+        with pytest.raises(RequestError) as e:
+            parse_model(ChatCompletionRequest, body)
+        assert e.value.param == param, body
+
+
+def test_completion_request_maps_to_native():
+    serving = OpenAIServingCompletion(None, "m")
+    req = parse_model(
+        CompletionRequest,
+        b'{"prompt": [[5, 6], [7]], "max_tokens": 4, "temperature": 0, "seed": 3, "stop": "x", "logprobs": 2, "n": 2}',
+    )
+    obj = serving.to_generate_input(req)
+    assert obj.text is None and obj.input_ids == [[5, 6], [7]]
+    assert obj.sampling_params == {
+        "max_new_tokens": 4,
+        "temperature": 0,
+        "n": 2,
+        "stop": "x",
+        "seed": 3,
+        "ignore_eos": False,
+        "skip_special_tokens": True,
+    }
+    assert obj.return_logprob and obj.top_logprobs_num == 2 and obj.return_text_in_logprobs
+
+
+def test_native_errors_are_renamed_to_openai_fields():
+    chat = OpenAIServingChat(None, "m")
+    err = chat.rename(
+        RequestError("max_new_tokens 9 plus the 3 input tokens exceeds ...", "sampling_params.max_new_tokens")
+    )
+    assert err.param == "max_tokens" and err.message.startswith("max_tokens 9")
+    err = OpenAIServingCompletion(None, "m").rename(
+        RequestError("input_ids[1] = 999 is outside", "input_ids")
+    )
+    assert err.param == "prompt" and err.message.startswith("prompt[1]")
+    err = chat.rename(
+        RequestError("The input text (5000 tokens) is longer than the model's context length", "text")
+    )
+    assert err.param == "messages"
+    assert err.message == "The input messages (5000 tokens) is longer than the model's context length", (
+        "whole words are renamed; words containing a field name (context) are left alone"
+    )
+
+
+META = {
+    "output_token_logprobs": [[-0.5, 10, "ab"], [-1.0, 11, "é"]],
+    "output_top_logprobs": [[[-0.5, 10, "ab"], [-2.0, 12, "c"]], [[-1.0, 11, "é"], [-1.5, 13, "d"]]],
+}
+
+
+def test_logprob_formats():
+    lp, end = completion_logprobs(META, 0, 0, True)
+    assert lp.tokens == ["ab", "é"] and lp.token_logprobs == [-0.5, -1.0]
+    assert lp.text_offset == [0, 2] and end == 3
+    assert lp.top_logprobs == [{"ab": -0.5, "c": -2.0}, {"é": -1.0, "d": -1.5}]
+    tail, _ = completion_logprobs(META, 1, 2, False)
+    assert tail.tokens == ["é"] and tail.text_offset == [2] and tail.top_logprobs == [None]
+    chat = chat_logprobs(META, 0).model_dump()
+    assert chat["content"][1]["bytes"] == [0xC3, 0xA9]
+    assert [t["token"] for t in chat["content"][0]["top_logprobs"]] == ["ab", "c"]
+
+
+def test_usage_counts_each_prompt_once():
+    outs = [
+        {"meta_info": {"prompt_tokens": 5, "completion_tokens": c, "cached_tokens": 2}} for c in (3, 4, 1, 1)
+    ]
+    u = usage(outs, n=2)
+    assert u == {
+        "prompt_tokens": 10,
+        "completion_tokens": 9,
+        "total_tokens": 19,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+
+
+def test_sse_framing_and_deltas():
+    chunk = ChatCompletionStreamResponse(
+        id="c", model="m", choices=[ChatStreamChoice(index=0, delta=DeltaMessage(content="hi"))]
+    )
+    raw = sse(chunk)
+    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+    body = orjson.loads(raw[len(b"data: ") :])
+    assert body["choices"][0]["delta"] == {"content": "hi"}, "no null role in a delta"
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_sse_stream_ends_with_done_even_after_an_error():
+    async def events():
+        yield b"data: 1\n\n"
+        raise RuntimeError("boom")
+
+    async def collect():
+        return [e async for e in sse_stream(events())]
+
+    out = asyncio.run(collect())
+    assert out[0] == b"data: 1\n\n"
+    assert orjson.loads(out[1][6:])["error"]["type"] == "server_error"
+    assert out[-1] == SSE_DONE

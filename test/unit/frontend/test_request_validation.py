@@ -1,0 +1,159 @@
+"""Request validation names the bad field; normalisation expands batches and n; stop strings trim text."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sglang.srt.managers.detokenizer_manager import load_tokenizer
+from sglang.srt.managers.io_struct import BatchStrOut, GenerateReqInput
+from sglang.srt.managers.request_validation import (
+    DEFAULT_MAX_NEW_TOKENS,
+    RequestError,
+    RequestLimits,
+    normalize_generate_request,
+)
+from sglang.srt.managers.tokenizer_output import ReqState
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+LIMITS = RequestLimits(context_len=64, max_req_input_len=63, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("tiny-qwen3-next")
+
+
+def norm(tokenizer, **kw):
+    return normalize_generate_request(GenerateReqInput(**kw), tokenizer, LIMITS)
+
+
+@pytest.mark.parametrize(
+    "kw, param, words",
+    [
+        ({}, "text", "exactly one"),
+        ({"text": "a", "input_ids": [1]}, "text", "exactly one"),
+        ({"text": 5}, "text", "string"),
+        ({"input_ids": []}, "input_ids", "empty"),
+        ({"input_ids": [1, 512]}, "input_ids", "outside the vocabulary"),
+        ({"input_ids": [1, -1]}, "input_ids", "outside the vocabulary"),
+        ({"input_ids": [1, "x"]}, "input_ids", "integer"),
+        ({"input_ids": [5] * 64}, "input_ids", "context length"),
+        ({"text": "hello " * 80}, "text", "context length"),
+        (
+            {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 60}},
+            "sampling_params.max_new_tokens",
+            "context length",
+        ),
+        (
+            {"input_ids": [5], "sampling_params": {"temperature": -1}},
+            "sampling_params.temperature",
+            "non-negative",
+        ),
+        ({"input_ids": [5], "sampling_params": {"top_p": 0}}, "sampling_params.top_p", "(0, 1]"),
+        ({"input_ids": [5], "sampling_params": {"n": 65}}, "sampling_params.n", "at most"),
+        ({"input_ids": [5], "sampling_params": {"bogus": 1}}, "sampling_params.bogus", "not a supported"),
+        (
+            {"input_ids": [5], "sampling_params": {"stop_token_ids": [600]}},
+            "sampling_params.stop_token_ids",
+            "vocabulary",
+        ),
+        ({"input_ids": [5], "sampling_params": [1]}, "sampling_params", "object"),
+        ({"input_ids": [5, 6], "logprob_start_len": 2}, "logprob_start_len", "position"),
+        ({"input_ids": [5], "top_logprobs_num": -1}, "top_logprobs_num", "0 or more"),
+        ({"input_ids": [5], "return_logprob": "yes"}, "return_logprob", "boolean"),
+        ({"input_ids": [[5], [6]], "sampling_params": [{}, {}, {}]}, "sampling_params", "3 entries"),
+        ({"input_ids": [5], "rid": ["a", "b"]}, "rid", "single value"),
+        ({"input_ids": [[5], [6]], "rid": ["a", "a"]}, "rid", "unique"),
+    ],
+)
+def test_bad_requests_name_the_field(tokenizer, kw, param, words):
+    with pytest.raises(RequestError) as e:
+        norm(tokenizer, **kw)
+    assert e.value.param == param
+    assert words in e.value.message
+
+
+def test_default_max_new_tokens_is_clamped_to_the_context(tokenizer):
+    (item,), _ = norm(tokenizer, input_ids=[5] * 60)
+    assert item.req.sampling_params.max_new_tokens == 4
+    (item,), _ = norm(tokenizer, input_ids=[5] * 10, sampling_params={"max_new_tokens": None})
+    assert item.req.sampling_params.max_new_tokens == min(DEFAULT_MAX_NEW_TOKENS, 54)
+
+
+def test_batches_and_n_expand_prompt_major(tokenizer):
+    items, is_list = norm(
+        tokenizer,
+        text=["a", "b"],
+        sampling_params={"n": 2, "seed": 7},
+        rid=["x", "y"],
+        return_logprob=[True, False],
+    )
+    assert is_list
+    assert [i.req.rid for i in items] == ["x-0", "x-1", "y-0", "y-1"]
+    assert [i.index for i in items] == [0, 1, 2, 3]
+    assert [i.req.sampling_params.n for i in items] == [1, 1, 1, 1]
+    # Distinct seeds, so that n seeded samples are not n copies of one.
+    assert [i.req.sampling_params.sampling_seed for i in items] == [7, 8, 7, 8]
+    assert [i.req.return_logprob for i in items] == [True, True, False, False]
+    assert items[0].req.input_ids == tokenizer.encode("a")
+
+
+def test_single_prompt_is_not_a_list(tokenizer):
+    items, is_list = norm(tokenizer, input_ids=[5, 6])
+    assert not is_list and len(items) == 1 and items[0].req.input_ids == [5, 6]
+
+
+def make_state(tokenizer, stop: list[str]) -> ReqState:
+    (item,), _ = norm(tokenizer, input_ids=[5], sampling_params={"stop": stop} if stop else None)
+    return ReqState(item, 0.0, asyncio.Event())
+
+
+def feed(state: ReqState, text: str, finished: dict | None = None) -> None:
+    state.apply(
+        BatchStrOut(
+            rids=[state.rid],
+            finished_reasons=[finished],
+            output_strs=[text],
+            output_ids=[[7]],
+            prompt_tokens=[1],
+            completion_tokens=[len(state.output_ids) + 1],
+            cached_tokens=[0],
+        ),
+        0,
+    )
+
+
+def test_stop_string_prefix_is_held_back_and_trimmed(tokenizer):
+    state = make_state(tokenizer, ["STOP"])
+    seen = []
+    for piece in ["Hello S", "T", "OP!"]:
+        feed(state, piece)
+        seen.append(state.visible_text())
+    feed(state, "", {"type": "stop", "matched": "STOP"})
+    seen.append(state.visible_text())
+    assert seen == ["Hello ", "Hello ", "Hello ", "Hello "]
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop(tokenizer):
+    state = make_state(tokenizer, ["STOP"])
+    feed(state, "a ST")
+    assert state.visible_text() == "a "
+    feed(state, "AR")
+    assert state.visible_text() == "a STAR"
+    feed(state, " S", {"type": "length", "length": 3})
+    assert state.visible_text() == "a STAR S", "a finished request shows all of its text"
+
+
+def test_stream_markers_report_only_changes(tokenizer):
+    state = make_state(tokenizer, [])
+    assert not state.has_unsent_update()
+    feed(state, "x")
+    assert state.has_unsent_update()
+    state.mark_sent()
+    assert not state.has_unsent_update()
+    feed(state, "", {"type": "length", "length": 2})
+    assert state.has_unsent_update(), "the finish itself is an update"
