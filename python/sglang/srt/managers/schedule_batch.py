@@ -60,7 +60,6 @@ class Req:
         # KV and radix cache
         self.req_pool_idx: int | None = None
         self.kv_indices: list[int] = []
-        self.prefix_len = 0
         self.cache_protected_len = 0
         self.last_node: Any = None
         self.req_to_token_dirty_from: int | None = None
@@ -163,7 +162,6 @@ class ScheduleBatch:
         self.future_slots: list[int] | None = None
         self.pending_tracks: list[tuple[Req, int, int]] = []
         self.prepend_none: list[bool] = []  # the first input token's logprob (none exists) goes first
-        self.input_lp_rows: list[bool] = []
         self.state_copies: list[tuple[int, int]] = []
         self.forward_batch = None
         self.has_placeholders = False
@@ -201,7 +199,6 @@ class ScheduleBatch:
             lp_start.append(start)
             lp_next.append(next_id)
             self.prepend_none.append(prepend)
-            self.input_lp_rows.append(req.return_logprob and start < end - p - 1 or next_id is not None)
         clear, cow_src, cow_dst = self._collect_deferred_mamba_cow_and_clear(ctx)
         self.state_copies = ctx.tree_cache.take_pending_state_copies()
         if ctx.cow_on_scheduler_thread:

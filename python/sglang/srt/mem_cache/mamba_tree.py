@@ -50,10 +50,6 @@ class TreeNode:
     def is_leaf(self) -> bool:
         return not self.children
 
-    @property
-    def is_tombstone(self) -> bool:
-        return self.mamba_value is None
-
     def path_len(self) -> int:
         n, node = 0, self
         while node is not None:

@@ -159,9 +159,6 @@ class MambaPool:
                 infos.append((layer.data_ptr(), layer.nbytes, layer[0].nbytes))
         return infos
 
-    def bytes_per_slot(self) -> int:
-        return self.cache_params.mamba_cache_per_req
-
 
 class HybridReqToTokenPool(ReqToTokenPool):
     """Request rows plus each request's mamba slots: a running slot, and with an extra-buffer strategy a

@@ -73,12 +73,6 @@ class ForwardWorker:
         self._tasks.put((self._run_batch, item, fut))
         return fut
 
-    def submit(self, fn: Callable[[], object]) -> Future:
-        """Run an arbitrary state operation on the forward stream, in order with the batches."""
-        fut: Future = Future()
-        self._tasks.put((lambda f: f(), fn, fut))
-        return fut
-
     def shutdown(self) -> None:
         self._tasks.put(None)
         self._thread.join(timeout=10)

@@ -133,6 +133,3 @@ class MambaTracker:
         self.pool.donate_mamba_ping_pong_slot(req, older)
         req.mamba_next_track_idx = entry
         req.mamba_lazy_is_insert = True
-
-    def track_slots_of(self, req: Req) -> int:
-        return sum(1 for s in (req.mamba_ping_pong_track_buffer or ()) if s != -1)

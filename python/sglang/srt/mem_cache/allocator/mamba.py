@@ -27,7 +27,6 @@ class MambaSlotAllocator:
         # the cyclic garbage collector does not walk it.
         self._free = array("q", range(size, 0, -1))
         self._group: list[int] | None = None
-        self.num_group_begins = 0
 
     def available_size(self) -> int:
         return len(self._free) + len(self._group or ())
@@ -78,7 +77,6 @@ class MambaSlotAllocator:
         self._group = list(self._free[-n:]) if n else []
         if n:
             del self._free[-n:]
-        self.num_group_begins += 1
         return n
 
     def alloc_group_end(self) -> None:

@@ -11,7 +11,7 @@ collection of the cyclic garbage collector (tens of milliseconds on the schedule
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
 class PagedTokenAllocator:
@@ -72,10 +72,6 @@ class PagedTokenAllocator:
         for page in pages:
             assert 0 < page <= self.num_pages, f"slot page {page} is outside the pool"
         self._free_pages.extend(pages)
-
-    @staticmethod
-    def pages_of(token_slots: Sequence[int], page_size: int) -> set[int]:
-        return {t // page_size for t in token_slots}
 
     def clear(self) -> None:
         self._free_pages = array("q", range(self.num_pages, 0, -1))
