@@ -55,7 +55,6 @@ class Req:
         self.last_token_ref: int | None = None  # placeholder of a token sampled by an in-flight batch
         self.num_inflight = 0  # batches in flight that contain this request
         self.inflight_tokens = 0  # tokens those batches will sample for it
-        self.retracted = False
 
         # KV and radix cache
         self.req_pool_idx: int | None = None
@@ -139,7 +138,6 @@ class Req:
         self.mamba_cow_src_index = None
         self.mamba_needs_clear = False
         self.mamba_lazy_is_insert = True
-        self.retracted = True
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

@@ -161,7 +161,6 @@ class Scheduler(SchedulerIOMixin):
                 if not adder.add_one_req(req):
                     break
                 self.waiting_queue.remove(req)
-                req.retracted = False
 
     def get_new_batch_decode(self) -> ScheduleBatch | None:
         reqs = [r for r in self.running if self._can_decode(r)]

@@ -7,8 +7,9 @@ with `release_kv_cache(req, tree, is_insert=...)` (lazy mode: `req.mamba_lazy_is
 request that finishes on a track boundary inserts the state of that very step.
 
 A request may already be gone when its batch is processed (aborted, or finished by the previous batch
-while this one was in flight, under overlap): its row is ignored. A retracted request still commits
-the token its in-flight batch sampled: it prefills it again when readmitted.
+while this one was in flight, under overlap): its row is ignored. A request retracted while the batch
+was in flight still commits the token it sampled, and may finish on it (it holds nothing to release);
+otherwise it prefills that token again when readmitted.
 """
 
 from __future__ import annotations
@@ -56,8 +57,6 @@ class BatchResultProcessor:
                     if req.top_logprobs_num and tops is not None and tops[i] is not None:
                         req.output_top_logprobs.append(list(zip(*tops[i], strict=True)))
                 sched.counters["num_generation_tokens_total"] += 1
-            if req.retracted:
-                continue
             if batch.sample_rows[i] or batch.completes_prefill[i]:
                 self.check_finished(req)
             self._handle_finish_state_updated_req(req, pending.get(id(req)))
