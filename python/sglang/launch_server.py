@@ -26,11 +26,6 @@ def launch_server(server_args: ServerArgs) -> None:
     from sglang.srt.entrypoints.http_server import create_app
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    if server_args.disaggregation_mode != "null":
-        raise ServerStartupError(
-            f"--disaggregation-mode {server_args.disaggregation_mode}: disaggregated prefill/decode serving "
-            "is not available yet; start the server without --disaggregation-mode."
-        )
     launched = launch_subprocesses(server_args)
     # uvicorn re-raises SIGTERM after its graceful shutdown; as an exception (not the default action,
     # which ends the process on the spot) it lets the `finally` below stop the subprocesses.

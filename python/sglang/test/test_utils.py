@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import unittest
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -76,8 +77,9 @@ class ServerProcess:
             except requests.RequestException:
                 pass
             time.sleep(0.2)
+        log = self.log_text()[-4000:]
         self.stop()
-        raise RuntimeError(f"The server was not healthy within {timeout:.0f} s:\n{self.log_text()[-4000:]}")
+        raise RuntimeError(f"The server was not healthy within {timeout:.0f} s:\n{log}")
 
     def stop(self) -> None:
         """SIGTERM (the server stops its subprocesses), then SIGKILL to the whole group."""
@@ -93,7 +95,7 @@ class ServerProcess:
             pass
         self.proc.wait(5)
         self.log.close()
-        os.unlink(self.log.name)
+        Path(self.log.name).unlink(missing_ok=True)  # stop() may run twice (timeout, then teardown)
 
 
 class ServerTestCase(unittest.TestCase):

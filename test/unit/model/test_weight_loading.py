@@ -62,3 +62,13 @@ def test_expert_weights_land_in_the_stacked_tensors(preset_paths):
     assert torch.equal(experts.w13[5, :inter], tensors[f"{prefix}.gate_proj.weight"])
     assert torch.equal(experts.w13[5, inter:], tensors[f"{prefix}.up_proj.weight"])
     assert torch.equal(experts.w2[5], tensors[f"{prefix}.down_proj.weight"])
+
+
+def test_expert_weight_of_the_wrong_shape_is_refused():
+    from sglang.srt.layers.moe.experts import RoutedExperts
+
+    experts = RoutedExperts(num_experts=2, hidden_size=8, intermediate_size=4, act="silu", gated=True)
+    experts.load_expert_weight(1, "up", torch.ones(4, 8))
+    assert torch.equal(experts.w13.data[1, 4:], torch.ones(4, 8))
+    with pytest.raises(ValueError, match=r"Expert 0 gate_proj has shape \(8,\), expected \(4, 8\)"):
+        experts.load_expert_weight(0, "gate", torch.ones(8))  # would broadcast without the check

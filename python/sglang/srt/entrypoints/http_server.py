@@ -52,7 +52,9 @@ def parse_generate_body(body: bytes) -> GenerateReqInput:
         raise RequestError("The request body must be a JSON object.", None, "invalid_type")
     # Fields of SGLang features this runtime lacks are accepted when unset (clients send nulls).
     unknown = sorted(
-        k for k, v in data.items() if k not in _GENERATE_FIELDS and v not in (None, False, [], {})
+        k
+        for k, v in data.items()
+        if k not in _GENERATE_FIELDS and not (v is None or v is False or v in ([], {}))
     )
     if unknown:
         raise RequestError(

@@ -79,6 +79,12 @@ def launch_subprocesses(
 ) -> LaunchedProcesses:
     """Start the scheduler and the detokenizer; return once both are ready, with the scheduler's
     model info (`MODEL_INFO_KEYS`). Raises ServerStartupError (children already stopped) otherwise."""
+    if server_args.disaggregation_mode != "null":
+        # Refused here, so that the server and the Engine both refuse it.
+        raise ServerStartupError(
+            f"--disaggregation-mode {server_args.disaggregation_mode}: disaggregated prefill/decode serving "
+            "is not available yet; start without --disaggregation-mode."
+        )
     entry = scheduler_entry or default_scheduler_entry()
     port_args = PortArgs.init_new()
     ctx = mp.get_context("spawn")

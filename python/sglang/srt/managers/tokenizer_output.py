@@ -57,9 +57,11 @@ class ReqState:
         return self.finished_reason is not None
 
     def apply(self, out: BatchStrOut, i: int) -> bool:
-        """Add the i-th entry of `out`; returns whether this was the request's first message."""
-        first = not self.got_message
+        """Add the i-th entry of `out`; returns whether it carried the request's first tokens. Only a
+        streaming request hears of its tokens as they come (a non-streaming one gets a single message
+        at the end), so only there is the arrival a time to first token."""
         self.got_message = True
+        first = self.first_token_time is None and self.req.stream and bool(out.output_ids[i])
         if first:
             self.first_token_time = time.time()
         self.text += out.output_strs[i]

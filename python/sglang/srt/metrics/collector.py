@@ -103,8 +103,7 @@ class MetricsCollector:
         self.registry.register(_HitRate(self))
 
     def on_first_token(self, state: Any) -> None:
-        if state.first_token_time is not None:
-            self.ttft.observe(state.first_token_time - state.created_time)
+        self.ttft.observe(state.first_token_time - state.created_time)
 
     def on_abort(self, state: Any) -> None:
         self.num_aborted.inc()

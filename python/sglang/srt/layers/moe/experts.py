@@ -27,15 +27,20 @@ class RoutedExperts(nn.Module):
         """One expert's `gate_proj` / `up_proj` / `down_proj` weight as HF checkpoints store it."""
         inter = self.intermediate_size
         if shard == "down":
-            self.w2.data[expert].copy_(weight)
+            target = self.w2.data[expert]
         elif shard == "gate":
             assert self.gated, "plain experts have no gate_proj"
-            self.w13.data[expert, :inter].copy_(weight)
+            target = self.w13.data[expert, :inter]
         elif shard == "up":
-            rows = self.w13.data[expert, inter:] if self.gated else self.w13.data[expert]
-            rows.copy_(weight)
+            target = self.w13.data[expert, inter:] if self.gated else self.w13.data[expert]
         else:
             raise ValueError(f"Unknown expert weight {shard!r}; expected one of {EXPERT_SHARDS}.")
+        if weight.shape != target.shape:
+            # copy_ would broadcast a wrong-shaped tensor silently.
+            raise ValueError(
+                f"Expert {expert} {shard}_proj has shape {tuple(weight.shape)}, expected {tuple(target.shape)}."
+            )
+        target.copy_(weight)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32."""

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 def causal_conv1d_extend(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [E, C], state [C, K-1], weight [C, K]. Returns (silu(conv) [E, C] float32, window [K-1+E, C]
-    in x's dtype)."""
-    window = torch.cat([state.t().to(x.dtype), x], dim=0)
+    """x [E, C], state [C, K-1], weight [C, K]. Returns (silu(conv) [E, C], window [K-1+E, C]), both
+    float32: the inputs are convolved as given and rounded only where the window is stored."""
+    window = torch.cat([state.t().float(), x.float()], dim=0)
     channels = x.shape[1]
     b = None if bias is None else bias.float()
     out = F.conv1d(window.t().float()[None], weight.float()[:, None, :], b, groups=channels)[0]
@@ -28,9 +28,10 @@ def causal_conv1d_update(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence: x [bs, C], state [bs, C, K-1]. Returns (silu(conv) [bs, C] float32,
-    new state [bs, C, K-1] in the state's dtype)."""
-    full = torch.cat([state, x.to(state.dtype)[:, :, None]], dim=-1)
-    out = (full.float() * weight.float()[None]).sum(-1)
+    new state [bs, C, K-1] in the state's dtype). As in the extend, the current input enters the
+    convolution unrounded; only the stored state takes the state's dtype."""
+    full = torch.cat([state.float(), x.float()[:, :, None]], dim=-1)
+    out = (full * weight.float()[None]).sum(-1)
     if bias is not None:
         out = out + bias.float()
-    return F.silu(out), full[:, :, 1:]
+    return F.silu(out), full[:, :, 1:].to(state.dtype)
