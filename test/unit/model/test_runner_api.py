@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.server_args import ServerArgs
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, max_abs, prefill, random_ids
 from sglang.test.runner_driver import Extend, RunnerDriver
@@ -50,12 +49,12 @@ def test_forward_on_a_worker_thread_equals_the_calling_thread():
 
 
 def test_idle_batch_and_pools_from_server_args():
-    args = ServerArgs(
-        model_path="tiny-qwen3-next", max_total_tokens=4096, max_mamba_cache_size=20, page_size=16
-    )
     runner = make_runner("tiny-qwen3-next", page_size=16, max_total_tokens=4096, max_mamba_cache_size=20)
     assert runner.forward_batch_generation(ForwardBatch.idle()).next_token_ids.numel() == 0
     assert runner.req_to_token_pool.mamba_pool.size == 20 and runner.token_to_kv_pool.page_size == 16
-    assert runner.req_to_token_pool.enable_mamba_extra_buffer == args.enable_mamba_extra_buffer()
-    params = runner.arch.mamba2_cache_params(torch.float32)
-    assert tuple(runner.mamba_pool.ssm_state.shape[2:]) == params.shape.temporal
+    # `auto` with overlap and the radix cache on is extra_buffer_lazy: one resident track slot.
+    assert runner.req_to_token_pool.enable_mamba_extra_buffer_lazy
+    # Three GDN layers; conv (2 * 2 * 16 + 4 * 16, K - 1), SSM (4 value heads, 16, 16), float32.
+    assert runner.mamba_pool.conv_state.shape == (3, 21, 128, 3)
+    assert runner.mamba_pool.ssm_state.shape == (3, 21, 4, 16, 16)
+    assert runner.mamba_pool.ssm_state.dtype == torch.float32

@@ -14,6 +14,7 @@ min_p times the most likely one.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +40,14 @@ def seeded_uniforms(seeds: list[int], positions: list[int], vocab: int, device: 
     hi = torch.tensor([(s >> 32) & _M32 for s in seeds], dtype=torch.int64, device=device)
     pos = torch.tensor([p & _M32 for p in positions], dtype=torch.int64, device=device)
     key = _mix32(_mix32(_mix32((lo + _GOLDEN) & _M32) ^ hi) ^ pos)
-    ids = _mix32((torch.arange(vocab, dtype=torch.int64, device=device) + _GOLDEN) & _M32)
-    bits = _mix32(key[:, None] ^ ids[None, :])
+    bits = _mix32(key[:, None] ^ _vocab_hash(vocab, device)[None, :])
     return ((bits >> 8).float() + 0.5) / float(1 << 24)
+
+
+@functools.lru_cache(maxsize=4)
+def _vocab_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    """The per-vocab-id half of the hash: constant for a model, so computed once."""
+    return _mix32((torch.arange(vocab, dtype=torch.int64, device=device) + _GOLDEN) & _M32)
 
 
 def truncated_probs(
@@ -98,13 +104,14 @@ class Sampler:
                 s if s is not None else int(torch.randint(0, 2**62, (1,), generator=self._generator))
                 for s in info.seeds
             ]
-            temps = info.temperatures
-            probs = truncated_probs(
-                logits, torch.where(temps > 0, temps, 1.0), info.top_ps, info.top_ks, info.min_ps
-            )
+            temps = torch.where(info.temperatures > 0, info.temperatures, 1.0)
+            if info.needs_truncation:
+                probs = truncated_probs(logits, temps, info.top_ps, info.top_ks, info.min_ps)
+            else:
+                probs = torch.softmax(logits / temps[:, None], dim=-1)
             u = seeded_uniforms(seeds, positions, logits.shape[1], logits.device)
             sampled = (probs.log() - (-u.log()).log()).argmax(dim=-1)
-            ids = torch.where(temps > 0, sampled, ids)
+            ids = torch.where(info.temperatures > 0, sampled, ids)
         out = SampleOutput(next_token_ids=ids.cpu())
         if return_logprob:
             lp = scaled_log_softmax(logits, info.temperatures)

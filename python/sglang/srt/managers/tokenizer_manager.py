@@ -70,7 +70,6 @@ class TokenizerManager:
         # Checked while requests wait, so that a dead subprocess fails them instead of hanging them.
         self.backend_alive = backend_alive or (lambda: True)
         self.port_args = port_args
-        self.model_info = model_info
         self.tokenizer = load_tokenizer(server_args.tokenizer_path)
         self.limits = RequestLimits(
             context_len=model_info["context_len"],
@@ -110,14 +109,6 @@ class TokenizerManager:
             self._recv.close(linger=0)
             self._send.close(linger=0)
             self._ctx.term()
-
-    @property
-    def context_len(self) -> int:
-        return self.limits.context_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.limits.vocab_size
 
     # ---- generation --------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ stream before the first layer of an extend and are then set to None.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, auto
@@ -54,6 +55,9 @@ class SamplingBatchInfo:
     seeds: list[int | None]
     is_all_greedy: bool
     min_ps: torch.Tensor | None = None  # [bs] float32; None: no min-p cut
+    # Decided on the host: some row cuts its distribution (top-k, top-p or min-p), so the sampler
+    # must sort the vocabulary.
+    needs_truncation: bool = False
 
     @classmethod
     def create(
@@ -76,6 +80,9 @@ class SamplingBatchInfo:
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
             seeds=seeds,
             is_all_greedy=all(t <= 0 for t in temperatures),
+            needs_truncation=any(k > 0 for k in top_ks)
+            or any(p < 1 for p in top_ps)
+            or bool(min_ps and any(min_ps)),
             min_ps=torch.tensor(list(min_ps), dtype=torch.float32, device=device)
             if min_ps and any(min_ps)
             else None,
@@ -88,6 +95,10 @@ class SamplingBatchInfo:
 
 def _long(values: Sequence[int], device: str | torch.device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64, device=device)
+
+
+def _opt_long(values: Sequence[int] | None, device: str | torch.device) -> torch.Tensor | None:
+    return None if values is None else _long(values, device)
 
 
 def _pair(
@@ -117,9 +128,8 @@ class ForwardBatch:
     # Extend only (empty / None for decode).
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
-    extend_prefix_lens: torch.Tensor | None = None
+    extend_start_loc_cpu: list[int] = field(default_factory=list)  # offset of each request's first token
     extend_seq_lens: torch.Tensor | None = None
-    extend_start_loc: torch.Tensor | None = None
     # (request row, first position, KV slots): rewrites of req_to_token before the new tokens' entries.
     req_to_token_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
 
@@ -133,11 +143,8 @@ class ForwardBatch:
 
     # Deferred state operations (extend only): clear, then copy src -> dst.
     mamba_cow_src_indices: torch.Tensor | None = None
-    mamba_cow_src_indices_cpu: list[int] | None = None
     mamba_cow_dst_indices: torch.Tensor | None = None
-    mamba_cow_dst_indices_cpu: list[int] | None = None
     mamba_clear_indices: torch.Tensor | None = None
-    mamba_clear_indices_cpu: list[int] | None = None
 
     # Logprobs. `extend_logprob_start_lens_cpu[i]` is relative to the extend start;
     # `extend_logprob_next_ids_cpu[i]`, when not None, is the input token that follows this extend
@@ -161,21 +168,8 @@ class ForwardBatch:
             self.extend_logprob_start_lens_cpu = [0] * len(self.extend_seq_lens_cpu)
 
     @property
-    def extend_start_loc_cpu(self) -> list[int]:
-        """Offset of each request's first new token in the batch (extend)."""
-        starts, total = [], 0
-        for n in self.extend_seq_lens_cpu:
-            starts.append(total)
-            total += n
-        return starts
-
-    @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def device(self) -> torch.device:
-        return self.input_ids.device
 
     @classmethod
     def create(
@@ -223,9 +217,7 @@ class ForwardBatch:
         track_mask = None if mamba_track_mask is None else [bool(m) for m in mamba_track_mask]
         track_idx, track_idx_cpu = _pair(mamba_track_indices, device)
         track_len, track_len_cpu = _pair(mamba_track_seqlens, device)
-        cow_src, cow_src_cpu = _pair(mamba_cow_src_indices, device)
-        cow_dst, cow_dst_cpu = _pair(mamba_cow_dst_indices, device)
-        clear, clear_cpu = _pair(mamba_clear_indices, device)
+        starts = list(itertools.accumulate(ext, initial=0))[:-1]
         batch = cls(
             forward_mode=forward_mode,
             batch_size=bs,
@@ -241,6 +233,7 @@ class ForwardBatch:
             sampling_info=sampling_info or SamplingBatchInfo.greedy(bs, device),
             extend_prefix_lens_cpu=prefix,
             extend_seq_lens_cpu=ext,
+            extend_start_loc_cpu=starts,
             req_to_token_writes=[
                 (row, start, torch.as_tensor(slots, dtype=torch.int64).to(device))
                 for row, start, slots in req_to_token_writes
@@ -251,12 +244,9 @@ class ForwardBatch:
             mamba_track_mask_cpu=track_mask,
             mamba_track_seqlens=track_len,
             mamba_track_seqlens_cpu=track_len_cpu,
-            mamba_cow_src_indices=cow_src,
-            mamba_cow_src_indices_cpu=cow_src_cpu,
-            mamba_cow_dst_indices=cow_dst,
-            mamba_cow_dst_indices_cpu=cow_dst_cpu,
-            mamba_clear_indices=clear,
-            mamba_clear_indices_cpu=clear_cpu,
+            mamba_cow_src_indices=_opt_long(mamba_cow_src_indices, device),
+            mamba_cow_dst_indices=_opt_long(mamba_cow_dst_indices, device),
+            mamba_clear_indices=_opt_long(mamba_clear_indices, device),
             return_logprob=any(mask),
             return_logprob_mask=mask,
             top_logprobs_nums=list(top_logprobs_nums or []),
@@ -266,9 +256,7 @@ class ForwardBatch:
             else list(extend_logprob_next_ids),
         )
         if extend:
-            batch.extend_prefix_lens = _long(prefix, device)
             batch.extend_seq_lens = _long(ext, device)
-            batch.extend_start_loc = _long(batch.extend_start_loc_cpu, device)
         return batch
 
     @classmethod

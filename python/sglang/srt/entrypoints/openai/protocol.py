@@ -24,7 +24,6 @@ from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.sampling.sampling_params import MAX_N
 
 MAX_TOP_LOGPROBS = 20
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class _Request(BaseModel):

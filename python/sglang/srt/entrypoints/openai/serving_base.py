@@ -172,7 +172,7 @@ def finish_reason(meta: dict) -> tuple[str | None, Any]:
 
 def usage(outputs: list[dict], n: int) -> dict[str, Any]:
     """Prompt and cached tokens count once per prompt (the first of its n samples)."""
-    firsts = outputs[::n] if n > 0 else outputs
+    firsts = outputs[::n]
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in firsts)
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     return {

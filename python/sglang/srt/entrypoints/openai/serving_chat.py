@@ -56,7 +56,6 @@ class OpenAIServingChat(OpenAIServingBase):
         "input_ids": "messages",
         "sampling_params.max_new_tokens": "max_tokens",
         "sampling_params.min_new_tokens": "min_tokens",
-        "sampling_params.sampling_seed": "seed",
         "top_logprobs_num": "top_logprobs",
     }
 

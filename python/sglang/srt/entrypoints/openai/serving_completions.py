@@ -49,7 +49,6 @@ class OpenAIServingCompletion(OpenAIServingBase):
         "input_ids": "prompt",
         "sampling_params.max_new_tokens": "max_tokens",
         "sampling_params.min_new_tokens": "min_tokens",
-        "sampling_params.sampling_seed": "seed",
         "top_logprobs_num": "logprobs",
     }
 

@@ -53,9 +53,7 @@ class HybridLinearAttnBackend:
         if fb.mamba_cow_src_indices is not None and not envs.SGLANG_TEST_SKIP_DEFERRED_COW.get():
             assert fb.mamba_cow_dst_indices is not None, "mamba_cow_src_indices without destinations"
             self.mamba_pool.copy_from(fb.mamba_cow_src_indices, fb.mamba_cow_dst_indices)
-        fb.mamba_clear_indices = fb.mamba_clear_indices_cpu = None
-        fb.mamba_cow_src_indices = fb.mamba_cow_src_indices_cpu = None
-        fb.mamba_cow_dst_indices = fb.mamba_cow_dst_indices_cpu = None
+        fb.mamba_clear_indices = fb.mamba_cow_src_indices = fb.mamba_cow_dst_indices = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: ForwardBatch
