@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 
@@ -176,8 +177,6 @@ class ScheduleBatch:
     def prepare_for_extend(self, spans: list[tuple[int, int]], ctx) -> None:
         """`spans[i] = (prefix_len, end)`: request i computes positions [prefix_len, end) of its
         `fill_ids`; their KV slots were allocated at admission and sit in `kv_indices`."""
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
         input_ids, out_loc, writes = [], [], []
         track: list[tuple[int, int] | None] = []
         lp_start, lp_next, lp_mask = [], [], []
@@ -259,8 +258,6 @@ class ScheduleBatch:
 
     def prepare_for_decode(self, ctx) -> None:
         """One token per request at position kv_len; its KV slot was allocated by the scheduler."""
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
         input_ids, positions_end, out_loc = [], [], []
         for req in self.reqs:
             token = req.last_token_ref if req.last_token_ref is not None else req.output_ids[-1]
@@ -270,7 +267,7 @@ class ScheduleBatch:
             positions_end.append(req.kv_len)
             self.sample_rows.append(True)
             self.completes_prefill.append(False)
-        self.set_mamba_track_indices_from_reqs(ctx, positions_end)
+        track = self.set_mamba_track_indices_from_reqs(ctx, positions_end)
         self._assign_future_slots(ctx)
         self.forward_batch = ForwardBatch.create(
             self.forward_mode,
@@ -279,7 +276,7 @@ class ScheduleBatch:
             seq_lens=positions_end,
             out_cache_loc=out_loc,
             mamba_pool_indices=[r.mamba_pool_idx for r in self.reqs],
-            **self._decode_track,
+            **track,
             sampling_info=self._sampling_info(ctx.device),
             return_logprob_mask=[r.return_logprob for r in self.reqs],
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
@@ -287,9 +284,10 @@ class ScheduleBatch:
         )
         self.state_copies = ctx.tree_cache.take_pending_state_copies()
 
-    def set_mamba_track_indices_from_reqs(self, ctx, seq_lens: list[int]) -> None:
+    def set_mamba_track_indices_from_reqs(self, ctx, seq_lens: list[int]) -> dict:
         """Decode snapshots: rows whose step ends on a track boundary write the state into a track slot
-        (lazy mode borrows it here); the snapshot is committed when the result is processed."""
+        (lazy mode borrows it here); the snapshot is committed when the result is processed. Returns
+        the batch's track fields."""
         track = []
         for req, seq_len in zip(self.reqs, seq_lens, strict=True):
             t = ctx.tracker.decode_track(req, seq_len)
@@ -298,7 +296,7 @@ class ScheduleBatch:
                 self.pending_tracks.append((req, entry, seq_len))
                 t = (slot, seq_len)
             track.append(t)
-        self._decode_track = self._track_fields(track)
+        return self._track_fields(track)
 
     # ---- shared ------------------------------------------------------------------------------------
 
@@ -322,9 +320,7 @@ class ScheduleBatch:
                 req.last_token_ref = -(slot + 1)
                 req.inflight_tokens += 1
 
-    def _sampling_info(self, device):
-        from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
-
+    def _sampling_info(self, device) -> SamplingBatchInfo:
         params = [r.sampling_params for r in self.reqs]
         return SamplingBatchInfo.create(
             [sp.temperature if sp.top_k != 1 else 0.0 for sp in params],

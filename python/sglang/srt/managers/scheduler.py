@@ -154,13 +154,16 @@ class Scheduler(SchedulerIOMixin):
         if admissible <= 0:
             return
         cap = admissible * self.pool_sizes.resident_slots_per_req
+        admitted = set()
         with pool.mamba_allocator.alloc_group(cap):
-            for req in list(self.waiting_queue):
+            for req in self.waiting_queue:
                 if req.num_inflight > 0:
                     continue  # retracted while a batch with it is in flight: wait for its result
                 if not adder.add_one_req(req):
                     break
-                self.waiting_queue.remove(req)
+                admitted.add(id(req))
+        if admitted:
+            self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
 
     def get_new_batch_decode(self) -> ScheduleBatch | None:
         reqs = [r for r in self.running if self._can_decode(r)]
@@ -192,14 +195,12 @@ class Scheduler(SchedulerIOMixin):
         first) until the rest fit."""
         kv = self.token_allocator
         page = kv.page_size
-
-        def need(rs: list[Req]) -> int:
-            return sum(1 for r in rs if r.kv_len % page == 0)
-
-        if kv.free_pages() < need(reqs):
-            self.tree_cache.evict(num_tokens=(need(reqs) - kv.free_pages()) * page)
-        while reqs and kv.free_pages() < need(reqs):
+        need = sum(1 for r in reqs if r.kv_len % page == 0)  # requests whose next token opens a page
+        if kv.free_pages() < need:
+            self.tree_cache.evict(num_tokens=(need - kv.free_pages()) * page)
+        while reqs and kv.free_pages() < need:
             victim = reqs.pop()
+            need -= victim.kv_len % page == 0
             if len(self.running) == 1 and self.chunked_req is None:
                 # Alone and still out of pages: prefilling it again would not fit either.
                 victim.finished_reason = {
