@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements/cpu.txt
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	# sgl-kernel's C++ state-copy op for CPU (~40 s once, cached; a failed build warns, the torch path is used)
+	$(PY) -m sglang.srt.mem_cache.state_copy.native
 	touch $(STAMP)
 
 install: $(STAMP)

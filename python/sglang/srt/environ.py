@@ -110,6 +110,12 @@ class Envs:
     SGLANG_MAMBA_CONV_DTYPE = EnvOptStr(None, "Conv state dtype; default: the model dtype.")
     SGLANG_MAMBA_SSM_DTYPE = EnvOptStr(None, "SSM state dtype; default: model config, else float32.")
 
+    # State-copy ops of MambaPool (copy, clear, decode track copy): auto picks the fastest built one per
+    # device (CPU: cpp, else torch; CUDA: triton, else cuda, else torch); a name forces it.
+    SGLANG_MAMBA_STATE_COPY_BACKEND = EnvStr(
+        "auto", "State-copy implementation: auto, torch, cpp, triton or cuda (docs/state_management.md)."
+    )
+
     # Fault injection for extra_buffer_lazy: 1 = the first allocation try at a decode track boundary
     # fails (evict-and-retry then runs for real); 2 = the retry fails as well.
     SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL = EnvInt(0, "Lazy track-slot allocation failure injection (0/1/2).")

@@ -18,6 +18,7 @@ import torch
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+from sglang.srt.mem_cache.state_copy import StateCopier
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -110,8 +111,9 @@ class MambaPool:
     """Recurrent state: one tensor per state kind, `[num_linear_layers, size + 1, *shape]`; slot 0 is a
     dummy for padded rows. `mamba_map` maps a global layer id to its index in the stacked tensors.
 
-    `clear_slots` and `copy_from` move all layers of many slots in one indexed operation per state kind;
-    they must run on the forward stream."""
+    `clear_slots`, `copy_from` and `track_copy` move all layers and both state kinds of many slots in one
+    launch (`mem_cache/state_copy`: the semantics, -1 skipping, the implementation per device); they must
+    run on the forward stream."""
 
     def __init__(self, size: int, cache_params: Mamba2CacheParams, device: str = "cpu"):
         self.size = size
@@ -124,31 +126,22 @@ class MambaPool:
             num_layers, size + 1, *shape.temporal, dtype=dtype.temporal, device=device
         )
         self.mamba_map = {layer_id: i for i, layer_id in enumerate(cache_params.layers)}
+        self.state_copier = StateCopier([self.conv_state, self.ssm_state])
 
     def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv, ssm) views of one layer: `[size + 1, *shape]`."""
         i = self.mamba_map[layer_id]
         return self.conv_state[i], self.ssm_state[i]
 
-    def _index(self, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        if isinstance(slots, torch.Tensor):
-            return slots.to(device=self.device, dtype=torch.long)
-        return torch.tensor(list(slots), dtype=torch.long, device=self.device)
-
     def clear_slots(self, slots: Sequence[int] | torch.Tensor) -> None:
-        idx = self._index(slots)
-        if idx.numel() == 0:
-            return
-        self.conv_state.index_fill_(1, idx, 0)
-        self.ssm_state.index_fill_(1, idx, 0)
+        self.state_copier.clear(slots)
 
     def copy_from(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
-        s, d = self._index(src), self._index(dst)
-        assert s.numel() == d.numel()
-        if s.numel() == 0:
-            return
-        self.conv_state[:, d] = self.conv_state[:, s]
-        self.ssm_state[:, d] = self.ssm_state[:, s]
+        self.state_copier.copy(src, dst)
+
+    def track_copy(self, running: torch.Tensor, track: torch.Tensor, mask: torch.Tensor) -> None:
+        """Decode track copy: `running[i] -> track[i]` where `mask[i]`, all layers, conv and SSM."""
+        self.state_copier.track_copy(running, track, mask)
 
     def get_contiguous_buf_infos(self) -> list[tuple[int, int, int]]:
         """(data pointer, total bytes, bytes of one slot) per state tensor and layer: one slot of one

@@ -2,8 +2,9 @@
 
 `forward_batch_generation` is called on the forward stream (the forward worker thread on CPU). It sets
 inference mode itself (thread-local in torch), writes the batch's `req_to_token` entries (prefix
-rewrites, then the new tokens' slots) before any layer reads them, runs the deferred state operations
-and the layers, and samples. It keeps no state between calls other than the pools.
+rewrites, then the new tokens' slots) before any layer reads them, runs the deferred state operations,
+the layers and a decode's track copies, and samples. It keeps no state between calls other than the
+pools.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class ModelRunner:
             fb.attn_backend = self.attn_backend
             self.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb.input_ids, fb.positions, fb)
+            self.attn_backend.finish_forward(fb)
             logits = self.logits_processor(hidden, self.model.lm_head, fb)
             sample = self.sampler(
                 logits.next_token_logits,

@@ -4,7 +4,7 @@ backend (KV pool) or the linear-attention backend (mamba pool), as upstream SGLa
 `init_forward_metadata` runs once per batch on the forward stream, before the first layer: for an
 extend it first executes the deferred state operations the scheduler recorded (clear fresh slots, then
 copy checkpoints into running slots), so no layer reads a slot before they are done; then it builds both
-backends' per-batch index tensors.
+backends' per-batch index tensors. `finish_forward` runs after the last layer: a decode's track copies.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ class HybridLinearAttnBackend:
             self._execute_deferred_mamba_cow_and_clear(fb)
         self.full_attn_backend.init_forward_metadata(fb)
         self.linear_attn_backend.init_forward_metadata(fb)
+
+    def finish_forward(self, fb: ForwardBatch) -> None:
+        """After the last layer, before sampling: a decode's track copies (all layers in one launch)."""
+        if fb.forward_mode.is_decode():
+            self.linear_attn_backend.track_decode_states()
 
     def _execute_deferred_mamba_cow_and_clear(self, fb: ForwardBatch) -> None:
         """Clear first, then copy: a slot that is both cleared and a copy destination ends up holding

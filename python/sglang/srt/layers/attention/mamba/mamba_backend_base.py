@@ -9,8 +9,8 @@ Anything else raises: the kernel has no such state. The kernel chunk (GDN 64, Ma
 chunk size) is not the cache chunk C = max(chunk, page size): with GDN and C = 128 the state after
 128·k tokens of an extend from 0 is intermediate index 2·k.
 
-Decode: after the step updated the running slot, masked rows copy it (conv and SSM) into their track
-slot: the state after seq_len tokens.
+Decode: after the last layer updated the running slots, masked rows copy them (every layer, conv and
+SSM, one fused launch: `track_decode_states`) into their track slots: the state after seq_len tokens.
 
 A request with no prefix starts from zero state whatever its slot holds.
 """
@@ -49,8 +49,8 @@ class ExtendSeq:
 class LinearMetadata:
     slots: torch.Tensor | None = None  # [bs] running slots
     extend: list[ExtendSeq] | None = None
-    track_src: torch.Tensor | None = None  # decode: running slots of masked rows
-    track_dst: torch.Tensor | None = None  # decode: their track slots
+    # Decode: (running slots, track slots, track mask), all [bs]; None when no row tracks.
+    track_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class MambaAttnBackendBase:
@@ -66,8 +66,7 @@ class MambaAttnBackendBase:
         if fb.forward_mode.is_extend():
             self.meta = LinearMetadata(slots=fb.mamba_pool_indices, extend=self._extend_seqs(fb))
         elif fb.forward_mode.is_decode():
-            src, dst = self._decode_track_rows(fb)
-            self.meta = LinearMetadata(slots=fb.mamba_pool_indices, track_src=src, track_dst=dst)
+            self.meta = LinearMetadata(slots=fb.mamba_pool_indices, track_rows=self._decode_track_rows(fb))
         else:
             self.meta = LinearMetadata()
 
@@ -113,10 +112,10 @@ class MambaAttnBackendBase:
             seq.track_chunk = chunk
         return seqs
 
-    def _decode_track_rows(self, fb: ForwardBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _decode_track_rows(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         rows = self._tracked_rows(fb)
         if not rows:
-            return None, None
+            return None
         if fb.mamba_track_seqlens_cpu is not None:
             for i in rows:
                 if fb.mamba_track_seqlens_cpu[i] != fb.seq_lens_cpu[i]:
@@ -124,10 +123,7 @@ class MambaAttnBackendBase:
                         f"A decode step snapshots the state after seq_len tokens; batch row {i} asks "
                         f"for {fb.mamba_track_seqlens_cpu[i]} with seq_len {fb.seq_lens_cpu[i]}."
                     )
-        device = fb.mamba_pool_indices.device
-        src = torch.tensor([fb.mamba_pool_indices_cpu[i] for i in rows], dtype=torch.int64, device=device)
-        dst = torch.tensor([fb.mamba_track_indices_cpu[i] for i in rows], dtype=torch.int64, device=device)
-        return src, dst
+        return fb.mamba_pool_indices, fb.mamba_track_indices, fb.mamba_track_mask
 
     # ---- conv and state I/O ------------------------------------------------------------------------
 
@@ -183,9 +179,11 @@ class MambaAttnBackendBase:
         return ssm[self.meta.slots]
 
     def write_ssm_decode(self, layer_id: int, state: torch.Tensor) -> None:
-        """Store the updated running states, then copy them to the track slots of masked rows."""
-        conv, ssm = self.mamba_pool.layer_cache(layer_id)
+        _, ssm = self.mamba_pool.layer_cache(layer_id)
         ssm[self.meta.slots] = state.to(ssm.dtype)
-        if self.meta.track_src is not None:
-            conv[self.meta.track_dst] = conv[self.meta.track_src]
-            ssm[self.meta.track_dst] = ssm[self.meta.track_src]
+
+    def track_decode_states(self) -> None:
+        """After the last layer of a decode: copy the running slots of masked rows into their track
+        slots, every layer and both state kinds in one launch."""
+        if self.meta.track_rows is not None:
+            self.mamba_pool.track_copy(*self.meta.track_rows)

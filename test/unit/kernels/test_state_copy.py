@@ -1,0 +1,152 @@
+"""State-copy ops on CPU: the torch reference and sgl-kernel's C++ op against a row-by-row oracle of the
+documented semantics (NaN-poisoned destinations, -1 / 0 / self rows skipped, dtype mixes, 1 to 256
+slots), overlap rejected, the masked track copy, and the dispatch (auto, forced, build failure)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from sglang.srt.environ import envs
+from sglang.srt.mem_cache.state_copy import StateCopier, native
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.state_copy_checks import (
+    assert_same,
+    disjoint_rows,
+    expected_clear,
+    expected_copy,
+    make_states,
+    poison,
+)
+
+register_cpu_ci(est_time=5, suite="per-commit-cpu")
+
+CPU_IMPLS = ["torch", "cpp"]
+DTYPES = [
+    (torch.bfloat16, torch.float32),
+    (torch.float32, torch.float32),
+    (torch.float16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("n", [1, 8, 64, 256])
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
+def test_copy_and_clear_match_the_oracle(impl, n, dtypes):
+    num_slots = 2 * n + 3
+    for shape in ("tiny", "odd"):
+        states = make_states(num_slots, shape, dtypes, seed=n)
+        src, dst = disjoint_rows(n, num_slots, seed=n)
+        poison(states, dst + [0])
+        want = expected_copy(states, src, dst)
+        copier = StateCopier(states, impl)
+        assert copier.impl == impl
+        copier.copy(src, dst)
+        assert_same(states, want)
+        # The same ids as tensors (the engine's deferred COW passes tensors).
+        states = make_states(num_slots, shape, dtypes, seed=n + 1)
+        poison(states, dst + [0])
+        want = expected_copy(states, src, dst)
+        StateCopier(states, impl).copy(torch.tensor(src), torch.tensor(dst))
+        assert_same(states, want)
+
+        clear = [s for s in dst if s != 0] + [0, -1] + dst[:2]  # duplicates, the dummy, -1
+        states = make_states(num_slots, shape, dtypes, seed=n + 2)
+        want = expected_clear(states, clear)
+        StateCopier(states, impl).clear(clear)
+        assert_same(states, want)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32)], ids=str)
+def test_large_launches_match_the_oracle(impl, dtypes):
+    """Over 8 MB per launch: the C++ op streams its stores, unaligned rows included."""
+    n, num_slots = 24, 51  # 18 kept rows of 0.51 MiB: 9.2 MiB
+    states = make_states(num_slots, "large", dtypes, seed=3)
+    src, dst = disjoint_rows(n, num_slots, seed=3)
+    poison(states, dst + [0])
+    want = expected_copy(states, src, dst)
+    copier = StateCopier(states, impl)
+    copier.copy(src, dst)
+    assert_same(states, want)
+    want = expected_clear(states, dst)
+    copier.clear(dst)
+    assert_same(states, want)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_track_copy_copies_masked_rows_only(impl):
+    states = make_states(40, "tiny")
+    running = [3, 4, 5, 6, 7, 8, 0, 9]
+    track = [20, 21, 22, 23, -1, 24, 25, 9]
+    mask = [True, False, True, True, True, False, True, True]
+    poison(states, track + [0])
+    want = expected_copy(states, running, track, mask)
+    StateCopier(states, impl).track_copy(torch.tensor(running), torch.tensor(track), torch.tensor(mask))
+    assert_same(states, want)
+    # The poisoned unmasked destinations stay NaN: the oracle's own check is not vacuous.
+    assert torch.isnan(states[1][:, 21]).all() and not torch.isnan(states[1][:, 20]).any()
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_overlapping_host_ids_are_rejected_and_self_copies_are_no_ops(impl):
+    states = make_states(16, "tiny")
+    copier = StateCopier(states, impl)
+    before = [t.clone() for t in states]
+    with pytest.raises(ValueError, match="both a source and a destination"):
+        copier.copy([1, 2], [2, 3])  # chain: 2 is read by one row and written by another
+    with pytest.raises(ValueError, match="appears twice"):
+        copier.copy([1, 2], [5, 5])
+    with pytest.raises(ValueError, match="past the pool"):
+        copier.copy([1], [16])
+    with pytest.raises(ValueError, match="past the pool"):
+        copier.clear([16])
+    with pytest.raises(ValueError, match="sources for"):
+        copier.copy([1, 2], [3])
+    assert_same(states, before)  # a rejected call writes nothing
+    copier.copy([4, 2], [4, 7])  # 4 -> 4 is skipped, so 4 is no source of a kept row
+    assert_same(states, expected_copy(before, [4, 2], [4, 7]))
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_tensor_ids_past_the_pool_raise(impl):
+    copier = StateCopier(make_states(8, "tiny"), impl)
+    with pytest.raises((IndexError, RuntimeError)):
+        copier.copy(torch.tensor([1]), torch.tensor([8]))
+
+
+def test_auto_picks_cpp_on_cpu_and_the_env_var_forces_torch():
+    states = make_states(8, "tiny")
+    assert StateCopier(states).impl == "cpp"
+    with envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("torch"):
+        assert StateCopier(states).impl == "torch"
+    with (
+        envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("cuda"),
+        pytest.raises(ValueError, match="cuda tensors"),
+    ):
+        StateCopier(states)
+    with (
+        envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("fast"),
+        pytest.raises(ValueError, match="auto or one of"),
+    ):
+        StateCopier(states)
+
+
+def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
+    def broken(kind, verbose):
+        raise RuntimeError("c++: not found")
+
+    monkeypatch.setattr(native, "_build", broken)
+    monkeypatch.setattr(native, "_loaded", {})
+    with caplog.at_level(logging.WARNING):
+        assert StateCopier(make_states(8, "tiny")).impl == "torch"
+        assert StateCopier(make_states(8, "tiny")).impl == "torch"
+    warnings = [r for r in caplog.records if "state-copy ops unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "c++: not found" in warnings[0].getMessage()
+    with (
+        envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("cpp"),
+        pytest.raises(ValueError, match="build failed"),
+    ):
+        StateCopier(make_states(8, "tiny"))
