@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The full accounting walk whenever a scheduler goes idle, in-process and in every server the tests
+# start (production runs the O(1) count check instead).
+os.environ.setdefault("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

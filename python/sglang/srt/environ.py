@@ -123,6 +123,10 @@ class Envs:
     SGLANG_TEST_SKIP_DEFERRED_COW = EnvBool(
         False, "Do not copy the checkpoint into the running slot on a hit."
     )
+    SGLANG_TEST_SKIP_DEFERRED_CLEAR = EnvBool(False, "Do not zero a fresh running slot before its extend.")
+    SGLANG_TEST_IGNORE_MAMBA_LAZY_IS_INSERT = EnvBool(
+        False, "Insert a lazy request's snapshot at finish even when it may be unsafe."
+    )
     SGLANG_TEST_COW_ON_SCHEDULER_THREAD = EnvBool(
         False, "Run deferred clear/copy on the scheduler thread instead of the forward stream."
     )

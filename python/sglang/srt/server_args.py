@@ -130,10 +130,11 @@ class ServerArgs:
 
     @property
     def mamba_cache_chunk_size(self) -> int:
-        """Where checkpoints may sit: max(model kernel chunk, page size); one divides the other."""
+        """Where checkpoints may sit: max(model kernel chunk, page size); one divides the other when
+        checkpoints are taken at all (not with the radix cache disabled)."""
         chunk = self.model_config.arch.kernel_state_chunk
         big, small = max(chunk, self.page_size), min(chunk, self.page_size)
-        if big % small != 0:
+        if big % small != 0 and not self.disable_radix_cache:
             raise ServerArgsError(
                 f"--page-size {self.page_size} and the model's state chunk {chunk} must divide one another."
             )

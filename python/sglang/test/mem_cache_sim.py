@@ -83,15 +83,15 @@ class MemCacheSim:
         return self.tree.match_prefix(key, cow_mamba=cow, req=req)
 
     def admit(self, req: Req, cow: bool = True) -> bool:
-        """Match and admit in one step, as the scheduler does; False (and nothing held) if no room."""
+        """Match and admit in one step, as the scheduler does (the match locks its node for the
+        request); False (and nothing held) if no room."""
         m = self.match(req, cow)
         if self.pool.alloc([req]) is None:
             self.tree.release_match(req)
             return False
         req.kv_indices = list(m.device_indices)
         req.cache_protected_len = len(m.device_indices)
-        req.last_node = m.last_device_node
-        self.tree.inc_lock_ref(req.last_node)
+        assert req.last_node is (None if m.last_device_node is self.tree.root else m.last_device_node)
         self.reqs.append(req)
         self.run_deferred([req])
         return True

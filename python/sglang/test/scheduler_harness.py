@@ -36,6 +36,17 @@ def token_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 512, (n,), generator=g).tolist()
 
 
+def prompt_with_unique_token(oracle, prompt_len: int, m: int) -> tuple[list[int], int]:
+    """A prompt whose m-th greedy output token appears nowhere earlier in the output (a stop token that
+    ends generation after exactly m tokens), and that token."""
+    for seed in range(100, 200):
+        prompt = token_ids(prompt_len, seed=seed)
+        out = oracle.greedy(prompt, m)
+        if out[-1] not in out[:-1]:
+            return prompt, out[-1]
+    raise AssertionError("no prompt found")
+
+
 class SchedulerHarness:
     def __init__(self, model_path: str = "tiny-qwen3-next", **kwargs: Any):
         defaults = dict(

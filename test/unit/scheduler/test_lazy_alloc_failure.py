@@ -68,10 +68,10 @@ def test_total_failure_skips_the_unsafe_snapshot(chunk, oracles):
     try:
         failures = h.sched.get_internal_state()["lazy_alloc_failures"]
         assert failures == {"first_try": BOUNDARIES, "retry": BOUNDARIES}
-        # The first failed boundary overwrote the only track slot (the prefill snapshot) and no later
-        # boundary got a second slot: turn 1 inserts nothing at finish. What remains is what chunked
-        # prefill handed to the tree before: the chunk end at 64.
-        assert hit == (64 if chunk else 0)
+        # The first failed boundary overwrote the only track slot and no later boundary got a second
+        # slot: turn 1 inserts nothing at finish. What remains is what its prefill handed to the tree
+        # when it was scheduled: the prompt's checkpoint at 96 (and the chunk end at 64).
+        assert hit == P1 // INTERVAL * INTERVAL
         h.flush_and_check_empty()
     finally:
         h.shutdown()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+from sglang.test.scheduler_harness import SchedulerHarness, prompt_with_unique_token, token_ids
 
 register_cpu_ci(est_time=75, suite="per-commit-cpu")
 
@@ -58,16 +58,6 @@ class Rules:
             return fed
         boundary = fed // self.i * self.i
         return max(prompt_len // self.c * self.c, boundary if boundary > prompt_len else 0)
-
-
-def _prompt_with_unique_token(oracle, prompt_len: int, m: int) -> tuple[list[int], int]:
-    """A prompt whose m-th greedy output token appears nowhere earlier in the output."""
-    for seed in range(100, 200):
-        prompt = token_ids(prompt_len, seed=seed)
-        out = oracle.greedy(prompt, m)
-        if out[-1] not in out[:-1]:
-            return prompt, out[-1]
-    raise AssertionError("no prompt found")
 
 
 def _harness(preset, strategy, overlap, page, chunk) -> SchedulerHarness:
@@ -122,7 +112,7 @@ def test_workloads_match_oracle_and_cache_rules(preset, strategy, overlap, page,
 
         # Finishing by a stop token at position 127: under overlap the step already in flight is the
         # boundary step (128), which writes a snapshot while the request is released.
-        prompt, stop_at = _prompt_with_unique_token(oracle, P1, 28)
+        prompt, stop_at = prompt_with_unique_token(oracle, P1, 28)
         out = h.generate(prompt, max_new_tokens=40, stop_token_ids=[stop_at])
         assert len(out.output_ids) == 28 and out.finished_reason == {"type": "stop", "matched": stop_at}
         h.check_oracle(oracle, prompt, out)

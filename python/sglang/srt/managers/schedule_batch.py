@@ -15,6 +15,8 @@ Mamba fields (upstream names):
   mamba_cow_src_index           checkpoint slot to copy into the running slot (deferred to the forward)
   mamba_needs_clear             the running slot is fresh and must be zeroed (deferred to the forward)
   mamba_lazy_is_insert          lazy mode: false while the newest snapshot may be unsafe to insert
+  mamba_extra_snapshots         (slot, position) of prefill snapshots beyond the primary one, in slots
+                                borrowed for them until the tree takes them over
 
 Overlap: a request's newest sampled token may still be in flight; `last_token_ref` then names it by
 a placeholder (-(future slot + 1)) that the forward stream resolves.
@@ -75,6 +77,7 @@ class Req:
         self.mamba_cow_src_index: int | None = None
         self.mamba_needs_clear = False
         self.mamba_lazy_is_insert = True
+        self.mamba_extra_snapshots: list[tuple[int, int]] = []
 
         # Outputs and what has been sent
         self.output_token_logprobs: list[tuple[float, int]] = []
@@ -179,15 +182,15 @@ class ScheduleBatch:
         `fill_ids`; their KV slots were allocated at admission and sit in `kv_indices`."""
         input_ids, out_loc, writes = [], [], []
         track: list[tuple[int, int] | None] = []
+        extra_tracks: list[tuple[int, int, int]] = []
         lp_start, lp_next, lp_mask = [], [], []
-        for req, (p, end) in zip(self.reqs, spans, strict=True):
+        for row, (req, (p, end)) in enumerate(zip(self.reqs, spans, strict=True)):
             input_ids += req.fill_ids[p:end]
             out_loc += req.kv_indices[p:end]
-            dirty = req.req_to_token_dirty_from
-            if dirty is not None and dirty < p:
-                writes.append((req.req_pool_idx, dirty, req.kv_indices[dirty:p]))
-            req.req_to_token_dirty_from = None
-            track.append(ctx.tracker.prefill_track(req, p, end))
+            writes += self._dirty_row_writes(req, p)
+            snapshots = ctx.tracker.prefill_track(req, p, end)
+            track.append(snapshots[-1] if snapshots else None)
+            extra_tracks += [(row, slot, pos) for slot, pos in snapshots[:-1]]
             done = end == len(req.fill_ids)
             self.completes_prefill.append(done)
             self.sample_rows.append(done and req.sampling_params.max_new_tokens > len(req.output_ids))
@@ -217,6 +220,7 @@ class ScheduleBatch:
             extend_prefix_lens=[p for p, _ in spans],
             req_to_token_writes=writes,
             **self._track_fields(track),
+            mamba_extra_tracks=extra_tracks,
             mamba_cow_src_indices=cow_src or None,
             mamba_cow_dst_indices=cow_dst or None,
             mamba_clear_indices=clear or None,
@@ -258,12 +262,13 @@ class ScheduleBatch:
 
     def prepare_for_decode(self, ctx) -> None:
         """One token per request at position kv_len; its KV slot was allocated by the scheduler."""
-        input_ids, positions_end, out_loc = [], [], []
+        input_ids, positions_end, out_loc, writes = [], [], [], []
         for req in self.reqs:
             token = req.last_token_ref if req.last_token_ref is not None else req.output_ids[-1]
             self.has_placeholders |= token < 0
             input_ids.append(token)
             out_loc.append(req.kv_indices[-1])
+            writes += self._dirty_row_writes(req, req.kv_len - 1)
             positions_end.append(req.kv_len)
             self.sample_rows.append(True)
             self.completes_prefill.append(False)
@@ -276,6 +281,7 @@ class ScheduleBatch:
             seq_lens=positions_end,
             out_cache_loc=out_loc,
             mamba_pool_indices=[r.mamba_pool_idx for r in self.reqs],
+            req_to_token_writes=writes,
             **track,
             sampling_info=self._sampling_info(ctx.device),
             return_logprob_mask=[r.return_logprob for r in self.reqs],
@@ -299,6 +305,16 @@ class ScheduleBatch:
         return self._track_fields(track)
 
     # ---- shared ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _dirty_row_writes(req: Req, end: int) -> list[tuple[int, int, list[int]]]:
+        """The rewrite of `req`'s row from its first dirty position up to `end` (the positions this
+        forward writes itself follow), e.g. after the tree replaced KV the request had computed with
+        its own copies of the same tokens."""
+        dirty, req.req_to_token_dirty_from = req.req_to_token_dirty_from, None
+        if dirty is None or dirty >= end:
+            return []
+        return [(req.req_pool_idx, dirty, req.kv_indices[dirty:end])]
 
     @staticmethod
     def _track_fields(track: list[tuple[int, int] | None]) -> dict:

@@ -54,21 +54,40 @@ class PrefillAdder:
         return True
 
     def add_one_req(self, req: Req) -> bool:
-        """Match and try to admit `req`; False if it does not fit (the pass stops there)."""
-        sched, tree = self.sched, self.sched.tree_cache
+        self.num_running = num_running
+        """Match and try to admit `req`; False if it does not fit (the pass stops there).
+
+        A hit costs room of its own (the checkpoint stays locked while its copy takes a slot), so a
+        hit that does not fit while nothing else runs, and so nothing will free room, is given up and
+        the request is admitted cold: waiting would never end."""
+        sched = self.sched
         if self.rem_running <= 0 or self.rem_tokens <= 0 or sched.req_to_token_pool.available_size() == 0:
             return False
         req.init_next_round_input()
-        match = tree.match_prefix(self._match_key(req), cow_mamba=tree.supports_mamba(), req=req)
-        p = len(match.device_indices)
+        admitted, hit = self._try_admit(req, use_cache=True)
+        if not admitted and hit and self.num_running == 0 and not self.spans:
+            admitted, _ = self._try_admit(req, use_cache=False)
+        return admitted
+
+    def _try_admit(self, req: Req, use_cache: bool) -> tuple[bool, bool]:
+        """(admitted, matched a prefix). The match stays locked while room is made for the rest."""
+        tree = self.sched.tree_cache
+        indices: list[int] = []
+        if use_cache:
+            match = tree.match_prefix(self._match_key(req), cow_mamba=tree.supports_mamba(), req=req)
+            indices = match.device_indices
+        p = len(indices)
         end = self._chunk_end(p, len(req.fill_ids))
         if end is None or not self._reserve(req, p, end):
             tree.release_match(req)
-            return False
-        req.kv_indices = list(match.device_indices)
+            return False, p > 0
+        self._admit(req, indices, end)
+        return True, p > 0
+
+    def _admit(self, req: Req, indices: list[int], end: int) -> None:
+        sched, p = self.sched, len(indices)
+        req.kv_indices = list(indices)
         req.cache_protected_len = p
-        req.last_node = match.last_device_node
-        tree.inc_lock_ref(req.last_node)
         if p:
             req.mark_req_to_token_dirty(0)
         if not req.admitted_once:
@@ -77,7 +96,6 @@ class PrefillAdder:
             sched.counters["num_cached_tokens_total"] += p
         self._alloc_kv(req, p, end)
         self._take(req, p, end)
-        return True
 
     # ---- helpers -----------------------------------------------------------------------------------
 
@@ -107,8 +125,12 @@ class PrefillAdder:
         sched = self.sched
         kv = sched.token_allocator
         need = kv.needed_pages(p, end) + (sched.decode_page_reserve() if reserve_decode else 0)
-        if kv.free_pages() < need:
-            sched.tree_cache.evict(num_tokens=(need - kv.free_pages()) * kv.page_size)
+        missing = need - kv.free_pages()
+        if missing <= 0:
+            return True
+        if tree.evictable_size() // kv.page_size < missing:
+            return False  # evicting could not make room: keep the cache
+        tree.evict(num_tokens=missing * kv.page_size)
         return kv.free_pages() >= need
 
     def _reserve(self, req: Req, p: int, end: int) -> bool:
@@ -116,11 +138,11 @@ class PrefillAdder:
         sched = self.sched
         if not self._reserve_pages(p, end, reserve_decode=True):
             return False
-        pool = sched.req_to_token_pool
+        pool, tree = sched.req_to_token_pool, sched.tree_cache
         if pool.alloc([req]) is None:
             missing = sched.mamba_slots_needed(req) - pool.mamba_allocator.available_size()
             if missing > 0:
-                sched.tree_cache.evict(mamba_num=missing)
+                tree.evict(mamba_num=missing)
             if pool.alloc([req]) is None:
                 return False
         return True
@@ -128,6 +150,7 @@ class PrefillAdder:
     def _alloc_kv(self, req: Req, p: int, end: int) -> None:
         last = req.kv_indices[p - 1] if p else 0
         slots = self.sched.token_allocator.alloc_extend(p, end, last)
+        tree = sched.tree_cache
         assert slots is not None, "admission reserved the pages of this extend"
         req.kv_indices += slots
 
@@ -138,3 +161,5 @@ class PrefillAdder:
             self.new_chunked_req = req
         else:
             self.rem_running -= 1
+            if missing > tree.mamba_evictable_size():
+                return False  # evicting could not make room: keep the cache

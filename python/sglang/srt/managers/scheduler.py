@@ -22,7 +22,7 @@ from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMix
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import release_kv_cache
-from sglang.srt.mem_cache.integrity import check_integrity
+from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch
@@ -69,6 +69,7 @@ class Scheduler(SchedulerIOMixin):
         self.in_flight: deque[tuple[ScheduleBatch, Future]] = deque()
         self.result_processor = BatchResultProcessor(self)
         self.num_batches = 0
+        self.idle_checked = False  # the pools were checked since the last step that did work
         self.events: list[tuple[str, int]] = []  # ("launch" | "process", batch id), for tests
         self.record_events = False
 
@@ -121,9 +122,6 @@ class Scheduler(SchedulerIOMixin):
     # ---- batch selection ---------------------------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        if self.chunked_req is not None:
-            # The previous chunk's snapshot goes to the tree; the request continues with a fresh slot.
-            self.tree_cache.cache_unfinished_req(self.chunked_req, chunked=True)
         return self.get_new_batch_prefill() or self.get_new_batch_decode()
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
@@ -153,8 +151,19 @@ class Scheduler(SchedulerIOMixin):
         admissible = min(pool.available_size(), self.max_running_requests - num_running)
         if admissible <= 0:
             return
+        self._cache_prefill_snapshots(adder.spans)
         cap = admissible * self.pool_sizes.resident_slots_per_req
         admitted = set()
+    def _cache_prefill_snapshots(self, spans: list[tuple[Req, int, int]]) -> None:
+        """The snapshots an extend writes go to the tree as soon as it is prepared (safe by FIFO: whatever
+        reads them runs later on the forward stream), each request continuing with a fresh slot: a
+        chunk's, and with an extra buffer the prompt's too, so a request with the same prefix hits while
+        this one still decodes. no_buffer caches chunks only (its snapshot is a copy)."""
+        extra_buffer = self.server_args.enable_mamba_extra_buffer()
+        for req, _, end in spans:
+            if extra_buffer or end < len(req.fill_ids):
+                self.tree_cache.cache_unfinished_req(req, chunked=end < len(req.fill_ids))
+
         with pool.mamba_allocator.alloc_group(cap):
             for req in self.waiting_queue:
                 if req.num_inflight > 0:
@@ -294,6 +303,7 @@ class Scheduler(SchedulerIOMixin):
             self.chunked_req = None
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
+        self.idle_checked = False
         self.reqs_by_rid.pop(req.rid, None)
 
     def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "Aborted.") -> None:
@@ -328,8 +338,15 @@ class Scheduler(SchedulerIOMixin):
             num_tokens=self.token_allocator.size, mamba_num=self.req_to_token_pool.mamba_allocator.size
         )
         self.tree_cache.reset()
+        """Check the pools once per idle period (nothing changes while idle): by counts in production,
+        the full walk with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE (on in the test suite)."""
+        if self.idle_checked:
+            return
+        self.idle_checked = True
         self.check_integrity()
         return True, ""
+        else:
+            check_accounting(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
 
     def shutdown(self) -> None:
         while self.in_flight:

@@ -2,8 +2,9 @@
 
 Safety rules:
 - KV indices and the checkpoint slot of a match are only safe to use while the matched node is locked
-  (`inc_lock_ref`). The scheduler matches and admits a request in one step and locks at admission; a
-  request that matched but is not admitted releases what the match gave it (`release_match`).
+  (`inc_lock_ref`). `match_prefix(..., req=req)` locks it for the request (`req.last_node`) before it
+  returns, so the eviction that admission runs to make room cannot free it; a request that matched but
+  is not admitted releases what the match gave it, lock included (`release_match`).
 - A request holds at most one lock, on `req.last_node`, and only on a node that carries a checkpoint
   (or the root).
 - Every slot or page handed to the cache belongs to it afterwards; the cache frees what it does not keep.
@@ -48,9 +49,10 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def match_prefix(self, key: list[int], cow_mamba: bool = False, req: Req | None = None) -> MatchResult:
-        """Longest usable cached prefix of `key`. With `cow_mamba` and a checkpoint hit, `req` gets a
-        running slot (allocated here, evicting a checkpoint if needed) and `mamba_cow_src_index`; the
-        copy itself is deferred to the forward stream."""
+        """Longest usable cached prefix of `key`. With `req`, the matched node is locked for it
+        (`req.last_node`). With `cow_mamba` and a checkpoint hit, `req` gets a running slot (allocated
+        here, evicting a checkpoint if needed) and `mamba_cow_src_index`; the copy itself is deferred
+        to the forward stream."""
 
     @abstractmethod
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
@@ -62,7 +64,7 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def release_match(self, req: Req) -> None:
-        """Undo what `match_prefix` gave a request that is not admitted (COW slot, flags)."""
+        """Undo what `match_prefix` gave a request that is not admitted (lock, COW slot, flags)."""
 
     @abstractmethod
     def evict(self, num_tokens: int = 0, mamba_num: int = 0) -> EvictResult: ...

@@ -15,12 +15,9 @@ def release_kv_cache(req: Req, tree_cache: BasePrefixCache, is_insert: bool = Tr
     With `is_insert` the tree keeps what it can reuse (a finished request's prefix and checkpoint);
     without (abort, or a lazy snapshot that may be unsafe) everything is freed.
 
-    A request that never got a row (it matched with COW and was aborted while waiting) holds only the
-    COW destination slot, which `release_match` frees."""
+    A request that never got a row holds at most what a match gave it (a lock and a COW destination
+    slot), which `release_match` gives back."""
     if req.req_pool_idx is None and not req.kv_indices:
         tree_cache.release_match(req)
-        if req.last_node is not None:
-            tree_cache.dec_lock_ref(req.last_node)
-            req.last_node = None
         return
     tree_cache.cache_finished_req(req, is_insert=is_insert)

@@ -22,6 +22,32 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
 
+def check_accounting(
+    tree: BasePrefixCache,
+    req_to_token_pool: HybridReqToTokenPool,
+    token_allocator: PagedTokenAllocator,
+    reqs: Iterable[Req],
+) -> None:
+    """The identity by counts alone, O(number of live requests): cheap enough for every idle period in
+    production. It catches leaks, not a slot held twice (the full `check_integrity` does)."""
+    reqs = list(reqs)
+    page = token_allocator.page_size
+    req_pages = sum(-(-(len(r.kv_indices) - r.cache_protected_len) // page) for r in reqs)
+    kv = (token_allocator.free_pages(), req_pages, tree.total_size() // page)
+    assert sum(kv) == token_allocator.num_pages, (
+        f"KV pages leaked: free {kv[0]} + requests {kv[1]} + tree {kv[2]} != {token_allocator.num_pages}"
+    )
+    alloc = req_to_token_pool.mamba_allocator
+    held = sum(len(req_to_token_pool.mamba_slots_of(r)) for r in reqs)
+    slots = (alloc.free_list_size(), alloc.group_size(), held, tree.mamba_total_size())
+    assert sum(slots) == alloc.size, (
+        f"Mamba slots leaked: free {slots[0]} + group {slots[1]} + requests {slots[2]} + tree {slots[3]} "
+        f"!= {alloc.size}"
+    )
+    rows = len(req_to_token_pool.free_slots) + sum(1 for r in reqs if r.req_pool_idx)
+    assert rows == req_to_token_pool.size, f"Request rows leaked: {rows} of {req_to_token_pool.size} accounted"
+
+
 def _partition(what: str, total: set[int], holders: dict[str, list[int]]) -> None:
     counts = Counter()
     for slots in holders.values():

@@ -113,10 +113,14 @@ class MambaRadixCache(BasePrefixCache):
             b = matched // self.cache_chunk_size * self.cache_chunk_size
             branching = b if b > best_len else None
 
-        if cow_mamba and best_node is not self.root and req is not None:
-            if not self._prepare_cow(best_node, req):
-                best_node, best_len = self.root, 0
         if req is not None:
+            # The request holds the lock from here: admission may evict to make room, and must not
+            # evict what this match hands out. `release_match` unlocks if it is not admitted.
+            if cow_mamba and best_node is not self.root and not self._prepare_cow(best_node, req):
+                best_node, best_len = self.root, 0
+            if best_node is not self.root:
+                self.inc_lock_ref(best_node)
+                req.last_node = best_node
             req.mamba_branching_seqlen = branching
         indices: list[int] = []
         for part in values:
@@ -130,7 +134,7 @@ class MambaRadixCache(BasePrefixCache):
         if req.mamba_pool_idx is None:
             self.inc_lock_ref(node)  # the source must survive the evict-and-retry below
             slot = self.alloc_mamba_slot()
-            self.dec_lock_ref(node)
+            self.dec_lock_ref(node)  # (the caller locks it for the request)
             if slot is None:
                 return False
             req.mamba_pool_idx = slot
@@ -142,6 +146,8 @@ class MambaRadixCache(BasePrefixCache):
         if req.req_pool_idx is None and req.mamba_pool_idx is not None:
             self.mamba_allocator.free([req.mamba_pool_idx])
             req.mamba_pool_idx = None
+        if req.req_pool_idx is None:
+            self._release_lock(req)
         req.mamba_cow_src_index = None
         req.mamba_needs_clear = False
         req.mamba_branching_seqlen = None
@@ -254,43 +260,50 @@ class MambaRadixCache(BasePrefixCache):
         req.cache_protected_len = 0
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        """Hand a continuing request's new snapshots to the tree: its borrowed extra snapshots, and the
+        primary one (extra buffer: the keep entry, exchanged for a fresh slot; no_buffer: a copy of the
+        running slot into a fresh slot, queued for the forward stream). The primary is skipped if no
+        fresh slot can be had. The request then holds the tree's KV up to the deepest one, locked."""
         pool = self.req_to_token_pool
-        protected = req.cache_protected_len
+        donations = [(pos, slot, None) for slot, pos in req.mamba_extra_snapshots]
+        req.mamba_extra_snapshots = []
         if self.enable_mamba_extra_buffer:
-            cache_len = req.mamba_last_track_seqlen
-            if cache_len is None or cache_len <= protected:
-                return
+            primary = req.mamba_last_track_seqlen
         else:
-            cache_len = len(req.kv_indices)
-            if cache_len <= protected:
-                return
-        new_slot = self.alloc_mamba_slot()
-        if new_slot is None:
-            logger.debug("No mamba slot for the checkpoint of %s at %d: skipped.", req, cache_len)
-            return
-        if self.enable_mamba_extra_buffer:
-            keep_idx = pool.get_mamba_ping_pong_keep_idx(req)
-            snapshot = pool.exchange_mamba_ping_pong_slot(req, keep_idx, new_slot)
-        else:
-            snapshot = new_slot
-        key = req.all_ids[:cache_len]
-        res = self.insert(key, req.kv_indices[:cache_len], snapshot, protected)
-        if res.mamba_exist:
-            self.mamba_allocator.free([snapshot])
-        elif not self.enable_mamba_extra_buffer:
-            self.pending_state_copies.append((req.mamba_pool_idx, snapshot))
+            primary = len(req.kv_indices)
+        if primary is not None and primary > req.cache_protected_len:
+            new_slot = self.alloc_mamba_slot()
+            if new_slot is None:
+                logger.debug("No mamba slot for the checkpoint of %s at %d: skipped.", req, primary)
+            elif self.enable_mamba_extra_buffer:
+                keep_idx = pool.get_mamba_ping_pong_keep_idx(req)
+                donations.append((primary, pool.exchange_mamba_ping_pong_slot(req, keep_idx, new_slot), None))
+                req.mamba_last_track_seqlen = None
+            else:
+                donations.append((primary, new_slot, req.mamba_pool_idx))
+        for pos, slot, copy_from in sorted(donations, key=lambda d: d[0]):
+            self._donate_snapshot(req, pos, slot, copy_from)
 
+    def _donate_snapshot(self, req: Req, pos: int, slot: int, copy_from: int | None) -> None:
+        """Insert the request's prefix up to `pos` with the checkpoint `slot` (filled from `copy_from` on
+        the forward stream, if given); the request then protects that prefix through the tree."""
+        protected = req.cache_protected_len
+        key = req.all_ids[:pos]
+        res = self.insert(key, req.kv_indices[:pos], slot, protected)
+        if res.mamba_exist:
+            self.mamba_allocator.free([slot])
+        elif copy_from is not None:
+            self.pending_state_copies.append((copy_from, slot))
         match = self.match_prefix(key)
         node = match.last_device_node
-        assert len(match.device_indices) == cache_len and node.mamba_value is not None
-        if req.kv_indices[protected:cache_len] != match.device_indices[protected:]:
-            req.kv_indices[protected:cache_len] = match.device_indices[protected:]
+        assert len(match.device_indices) == pos and node.mamba_value is not None
+        if req.kv_indices[protected:pos] != match.device_indices[protected:]:
+            req.kv_indices[protected:pos] = match.device_indices[protected:]
             req.mark_req_to_token_dirty(protected)
         self._release_lock(req)
         self.inc_lock_ref(node)
         req.last_node = node
-        req.cache_protected_len = cache_len
-        req.mamba_last_track_seqlen = None
+        req.cache_protected_len = pos
 
     def take_pending_state_copies(self) -> list[tuple[int, int]]:
         out, self.pending_state_copies = self.pending_state_copies, []

@@ -239,7 +239,9 @@ class HybridReqToTokenPool(ReqToTokenPool):
         buf = req.mamba_ping_pong_track_buffer
         if buf is not None:
             out += [s for i, s in enumerate(buf) if s != -1 and i != mamba_ping_pong_track_buffer_to_keep]
+        out += [slot for slot, _ in req.mamba_extra_snapshots]
         self.mamba_allocator.free(out)
+        req.mamba_extra_snapshots = []
         req.mamba_pool_idx = None
         req.mamba_ping_pong_track_buffer = None
         req.mamba_next_track_idx = 0
@@ -281,10 +283,11 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     @staticmethod
     def mamba_slots_of(req: Req) -> list[int]:
-        """Every mamba slot `req` holds: running slot, track slots, and a COW destination is the
-        running slot itself."""
+        """Every mamba slot `req` holds: running slot, track slots, borrowed snapshot slots, and a COW
+        destination is the running slot itself."""
         out = [] if req.mamba_pool_idx is None else [req.mamba_pool_idx]
         out += [s for s in (req.mamba_ping_pong_track_buffer or ()) if s != -1]
+        out += [slot for slot, _ in req.mamba_extra_snapshots]
         return out
 
     def resident_slots_per_req(self) -> int:

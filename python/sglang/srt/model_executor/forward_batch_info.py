@@ -140,6 +140,8 @@ class ForwardBatch:
     mamba_track_mask_cpu: list[bool] | None = None
     mamba_track_seqlens: torch.Tensor | None = None
     mamba_track_seqlens_cpu: list[int] | None = None
+    # Extend only: further snapshots, (batch row, slot, seqlen), same rule as the primary one.
+    mamba_extra_tracks: list[tuple[int, int, int]] = field(default_factory=list)
 
     # Deferred state operations (extend only): clear, then copy src -> dst.
     mamba_cow_src_indices: torch.Tensor | None = None
@@ -186,6 +188,7 @@ class ForwardBatch:
         mamba_track_indices: Sequence[int] | None = None,
         mamba_track_mask: Sequence[bool] | None = None,
         mamba_track_seqlens: Sequence[int] | None = None,
+        mamba_extra_tracks: Sequence[tuple[int, int, int]] = (),
         mamba_cow_src_indices: Sequence[int] | None = None,
         mamba_cow_dst_indices: Sequence[int] | None = None,
         mamba_clear_indices: Sequence[int] | None = None,
@@ -244,6 +247,7 @@ class ForwardBatch:
             mamba_track_mask_cpu=track_mask,
             mamba_track_seqlens=track_len,
             mamba_track_seqlens_cpu=track_len_cpu,
+            mamba_extra_tracks=list(mamba_extra_tracks),
             mamba_cow_src_indices=_opt_long(mamba_cow_src_indices, device),
             mamba_cow_dst_indices=_opt_long(mamba_cow_dst_indices, device),
             mamba_clear_indices=_opt_long(mamba_clear_indices, device),

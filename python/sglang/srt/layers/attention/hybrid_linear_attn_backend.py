@@ -53,7 +53,7 @@ class HybridLinearAttnBackend:
     def _execute_deferred_mamba_cow_and_clear(self, fb: ForwardBatch) -> None:
         """Clear first, then copy: a slot that is both cleared and a copy destination ends up holding
         the copy."""
-        if fb.mamba_clear_indices is not None:
+        if fb.mamba_clear_indices is not None and not envs.SGLANG_TEST_SKIP_DEFERRED_CLEAR.get():
             self.mamba_pool.clear_slots(fb.mamba_clear_indices)
         if fb.mamba_cow_src_indices is not None and not envs.SGLANG_TEST_SKIP_DEFERRED_COW.get():
             assert fb.mamba_cow_dst_indices is not None, "mamba_cow_src_indices without destinations"

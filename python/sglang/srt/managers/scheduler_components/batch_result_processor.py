@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import BatchTokenIDOut
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.common import release_kv_cache
@@ -96,7 +97,9 @@ class BatchResultProcessor:
 
     def release_finished(self, req: Req) -> None:
         sched = self.sched
-        is_insert = req.mamba_lazy_is_insert if sched.tracker.lazy else True
+        is_insert = True
+        if sched.tracker.lazy and not envs.SGLANG_TEST_IGNORE_MAMBA_LAZY_IS_INSERT.get():
+            is_insert = req.mamba_lazy_is_insert
         if req.finished_reason and req.finished_reason.get("type") == "abort":
             is_insert = False
         release_kv_cache(req, sched.tree_cache, is_insert=is_insert)

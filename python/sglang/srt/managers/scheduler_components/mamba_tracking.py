@@ -4,11 +4,15 @@ Every checkpoint sits at an absolute multiple of the cache chunk C (prefill) or 
 (decode; a multiple of C). Extends that track start at a multiple of C (a checkpoint, a chunk boundary
 or 0), so the kernel can take the state from its intermediate states.
 
-Prefill (scheduled and committed at once, when the batch is prepared): the snapshot goes to the
-branching point B if the extend covers it, else to the last multiple of C inside the extend. The
-entry written is `mamba_next_track_idx`; with two entries it swaps right away, so the keep entry is
-the one just scheduled. Committing before the forward ran is safe: anything that reads the slot runs
-later on the same stream.
+Prefill (scheduled and committed at once, when the batch is prepared): the primary snapshot goes to
+the last multiple of C inside the extend, into entry `mamba_next_track_idx` (with two entries it swaps
+right away, so the keep entry is the one just scheduled). Extra snapshots, each into a slot borrowed
+for it (skipped if none can be had), go to the branching point B when the extend covers it (B stays
+pending through earlier chunks) and, when the extend completes the prompt, to the last multiple of C
+before its last token, `(L - 1) // C * C`: an exact repeat of the prompt must recompute its last token
+and can hit only there. The scheduler hands all of them to the tree right after the batch is prepared
+(`cache_unfinished_req`), so a request with the same prefix hits while this one still decodes.
+Committing before the forward ran is safe: anything that reads the slots runs later on the same stream.
 
 Decode (scheduled when prepared, committed when its result is processed): a boundary step writes into
 the next entry; on commit `mamba_last_track_seqlen` advances and (two entries) the index swaps. Until
@@ -54,29 +58,41 @@ class MambaTracker:
 
     # ---- prefill -------------------------------------------------------------------------------
 
-    def prefill_track(self, req: Req, prefix_len: int, end: int) -> tuple[int, int] | None:
-        """(track slot, position) of this extend's snapshot, or None; committed on the request."""
+    def prefill_track(self, req: Req, prefix_len: int, end: int) -> list[tuple[int, int]]:
+        """(slot, position) of each snapshot this extend writes, shallowest first; the last one is the
+        primary (the keep entry of the track buffer, committed on the request), the others sit in
+        borrowed slots listed in `req.mamba_extra_snapshots`."""
         if not self.enabled:
-            return None
+            return []
         c = self.chunk
         assert prefix_len % c == 0, (
             f"{req}: a tracked extend must start at a multiple of {c}, not {prefix_len}"
         )
+        primary = end // c * c
+        if primary <= prefix_len:
+            return []
+        extra = set()
         branch = req.mamba_branching_seqlen
-        if branch is not None and prefix_len < branch <= end:
-            pos = branch
-        else:
-            pos = end // c * c
-        req.mamba_branching_seqlen = None
-        if pos <= prefix_len:
-            return None
+        if branch is not None and branch <= end:
+            req.mamba_branching_seqlen = None
+            extra.add(branch)
+        if end == len(req.fill_ids):
+            extra.add((end - 1) // c * c)
+        out = []
+        for pos in sorted(p for p in extra if prefix_len < p < primary):
+            slot = self.tree.alloc_mamba_slot()
+            if slot is None:
+                continue
+            req.mamba_extra_snapshots.append((slot, pos))
+            out.append((slot, pos))
         entry = req.mamba_next_track_idx
         slot = req.mamba_ping_pong_track_buffer[entry]
         assert slot != -1
         if not self.lazy:
             req.mamba_next_track_idx = self.pool.get_mamba_ping_pong_other_idx(entry)
-        req.mamba_last_track_seqlen = pos
-        return slot, pos
+        req.mamba_last_track_seqlen = primary
+        out.append((slot, primary))
+        return out
 
     # ---- decode --------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 targets, built once from host lists), the causal conv over the pool's conv state, and state capture.
 
 State capture (tracking), extend: for a tracked request with prefix P and extend length E,
-`mamba_track_seqlens[i] = S` writes into `mamba_track_indices[i]` the state after the first S tokens.
+`mamba_track_seqlens[i] = S` writes into `mamba_track_indices[i]` the state after the first S tokens;
+`mamba_extra_tracks` entries (i, slot, S) write further snapshots of row i by the same rule.
 Valid: P < S <= P + E and either S == P + E (the final state) or (S - P) % kernel_state_chunk == 0
 (intermediate index (S - P) // kernel_state_chunk; conv state = the inputs at positions S-K+1..S-1).
 Anything else raises: the kernel has no such state. The kernel chunk (GDN 64, Mamba2 the config's
@@ -12,12 +13,14 @@ chunk size) is not the cache chunk C = max(chunk, page size): with GDN and C = 1
 Decode: after the last layer updated the running slots, masked rows copy them (every layer, conv and
 SSM, one fused launch: `track_decode_states`) into their track slots: the state after seq_len tokens.
 
-A request with no prefix starts from zero state whatever its slot holds.
+Every extend starts from the state in its running slot, a request with no prefix too: the scheduler
+gives a fresh slot a deferred clear (`mamba_clear_indices`), so zero state is the pool's job, and the
+kernels read initial states uniformly by slot (what batched GPU kernels need).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,15 +33,19 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Snapshot:
+    slot: int
+    offset: int  # tokens of the extend the snapshot covers (S - P)
+    chunk: int | None  # intermediate state index; None: the final state
+
+
+@dataclass
 class ExtendSeq:
     start: int
     length: int
     prefix: int
     slot: int
-    track_slot: int | None = None
-    # Tokens of this extend the snapshot covers (S - P), and the intermediate index (None: final state).
-    track_offset: int = 0
-    track_chunk: int | None = None
+    tracks: list[Snapshot] = field(default_factory=list)
 
     @property
     def tokens(self) -> slice:
@@ -88,9 +95,11 @@ class MambaAttnBackendBase:
                 strict=True,
             )
         ]
-        for i in self._tracked_rows(fb):
-            assert fb.mamba_track_seqlens_cpu is not None, "an extend that tracks needs mamba_track_seqlens"
-            seq, target = seqs[i], fb.mamba_track_seqlens_cpu[i]
+        targets = [
+            (i, fb.mamba_track_indices_cpu[i], fb.mamba_track_seqlens_cpu[i]) for i in self._tracked_rows(fb)
+        ]
+        for i, slot, target in targets + list(fb.mamba_extra_tracks):
+            seq = seqs[i]
             offset = target - seq.prefix
             if not 0 < offset <= seq.length:
                 raise ValueError(
@@ -107,9 +116,7 @@ class MambaAttnBackendBase:
                     f"({seq.prefix + seq.length}) nor a multiple of the kernel state chunk "
                     f"{self.kernel_state_chunk} after the extend start {seq.prefix}."
                 )
-            seq.track_slot = fb.mamba_track_indices_cpu[i]
-            seq.track_offset = offset
-            seq.track_chunk = chunk
+            seq.tracks.append(Snapshot(slot, offset, chunk))
         return seqs
 
     def _decode_track_rows(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -138,18 +145,16 @@ class MambaAttnBackendBase:
         """Causal conv of one request's extend inputs x [E, C] over its conv state; updates the running
         slot and, if tracked, the track slot. Returns silu(conv) [E, C] float32."""
         conv, _ = self.mamba_pool.layer_cache(layer_id)
-        state = conv[seq.slot] if seq.prefix > 0 else torch.zeros_like(conv[seq.slot])
+        state = conv[seq.slot]
         out, window = causal_conv1d_extend(x, state, weight, bias)
         width = self.conv_kernel - 1
-        if seq.track_slot is not None:
-            conv[seq.track_slot] = window[seq.track_offset : seq.track_offset + width].t()
+        for t in seq.tracks:
+            conv[t.slot] = window[t.offset : t.offset + width].t()
         conv[seq.slot] = window[-width:].t()
         return out
 
     def initial_ssm(self, layer_id: int, seq: ExtendSeq) -> torch.Tensor:
         _, ssm = self.mamba_pool.layer_cache(layer_id)
-        if seq.prefix == 0:
-            return torch.zeros(ssm.shape[1:], dtype=torch.float32, device=ssm.device)
         return ssm[seq.slot].float()
 
     def store_ssm(
@@ -157,12 +162,12 @@ class MambaAttnBackendBase:
     ) -> None:
         _, ssm = self.mamba_pool.layer_cache(layer_id)
         ssm[seq.slot] = final.to(ssm.dtype)
-        if seq.track_slot is not None:
-            snap = final if seq.track_chunk is None else intermediate[seq.track_chunk]
-            ssm[seq.track_slot] = snap.to(ssm.dtype)
+        for t in seq.tracks:
+            snap = final if t.chunk is None else intermediate[t.chunk]
+            ssm[t.slot] = snap.to(ssm.dtype)
 
     def needs_intermediate(self, seq: ExtendSeq) -> bool:
-        return seq.track_slot is not None and seq.track_chunk is not None
+        return any(t.chunk is not None for t in seq.tracks)
 
     def conv_decode(
         self, layer_id: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
