@@ -17,11 +17,33 @@ import logging
 from typing import TYPE_CHECKING
 
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
 if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+# Beyond this many waiting requests lpm falls back to arrival order: matching each one every pass would
+# cost more than better ordering saves (upstream's cut-off).
+LPM_QUEUE_LIMIT = 128
+
+
+class SchedulePolicy:
+    """`--schedule-policy`: the order in which one admission pass considers the waiting requests.
+    fcfs: arrival. lpm: longest cached prefix first (ties in arrival order), so requests that share what
+    the cache holds run while it still holds it."""
+
+    def __init__(self, policy: str, tree_cache: BasePrefixCache):
+        self.policy = policy
+        self.tree_cache = tree_cache
+
+    def calc_priority(self, waiting_queue: list[Req]) -> list[Req]:
+        if self.policy == "fcfs" or len(waiting_queue) > LPM_QUEUE_LIMIT:
+            return waiting_queue
+        tree = self.tree_cache
+        hit = {id(r): len(tree.match_prefix(r.all_ids[: r.seqlen - 1]).device_indices) for r in waiting_queue}
+        return sorted(waiting_queue, key=lambda r: -hit[id(r)])
 
 
 class PrefillAdder:
@@ -32,6 +54,7 @@ class PrefillAdder:
         if args.chunked_prefill_enabled:
             budget = min(budget, args.chunked_prefill_size)
         self.rem_tokens = budget
+        self.num_running = num_running
         self.rem_running = sched.max_running_requests - num_running
         self.spans: list[tuple[Req, int, int]] = []
         self.new_chunked_req: Req | None = None
@@ -54,7 +77,6 @@ class PrefillAdder:
         return True
 
     def add_one_req(self, req: Req) -> bool:
-        self.num_running = num_running
         """Match and try to admit `req`; False if it does not fit (the pass stops there).
 
         A hit costs room of its own (the checkpoint stays locked while its copy takes a slot), so a
@@ -124,6 +146,7 @@ class PrefillAdder:
         unlocked tree leaves if needed."""
         sched = self.sched
         kv = sched.token_allocator
+        tree = sched.tree_cache
         need = kv.needed_pages(p, end) + (sched.decode_page_reserve() if reserve_decode else 0)
         missing = need - kv.free_pages()
         if missing <= 0:
@@ -141,6 +164,8 @@ class PrefillAdder:
         pool, tree = sched.req_to_token_pool, sched.tree_cache
         if pool.alloc([req]) is None:
             missing = sched.mamba_slots_needed(req) - pool.mamba_allocator.available_size()
+            if missing > tree.mamba_evictable_size():
+                return False  # evicting could not make room: keep the cache
             if missing > 0:
                 tree.evict(mamba_num=missing)
             if pool.alloc([req]) is None:
@@ -150,7 +175,6 @@ class PrefillAdder:
     def _alloc_kv(self, req: Req, p: int, end: int) -> None:
         last = req.kv_indices[p - 1] if p else 0
         slots = self.sched.token_allocator.alloc_extend(p, end, last)
-        tree = sched.tree_cache
         assert slots is not None, "admission reserved the pages of this extend"
         req.kv_indices += slots
 
@@ -161,5 +185,3 @@ class PrefillAdder:
             self.new_chunked_req = req
         else:
             self.rem_running -= 1
-            if missing > tree.mamba_evictable_size():
-                return False  # evicting could not make room: keep the cache

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 
 from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.schedule_policy import PrefillAdder
+from sglang.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin, run_scheduler_process
@@ -30,7 +31,11 @@ from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scheduler", "run_scheduler_process"]
+__all__ = ["Scheduler", "SchedulerWatchdogError", "run_scheduler_process"]
+
+
+class SchedulerWatchdogError(RuntimeError):
+    """A forward did not finish within --watchdog-timeout: the forward stream is stuck."""
 
 
 class Scheduler(SchedulerIOMixin):
@@ -55,12 +60,16 @@ class Scheduler(SchedulerIOMixin):
                 server_args.enable_mamba_extra_buffer(),
             )
         self.tracker = MambaTracker(self.req_to_token_pool, self.tree_cache, server_args)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
         self.max_running_requests = sizes.max_running_requests
         self.context_len = server_args.model_config.context_len
         self.max_req_input_len = min(self.context_len - 1, sizes.max_total_tokens - 1)
         self.enable_overlap = server_args.enable_overlap_schedule
+        timeout = server_args.watchdog_timeout
+        self.watchdog_timeout = timeout if timeout and timeout > 0 else None
         self.cow_on_scheduler_thread = envs.SGLANG_TEST_COW_ON_SCHEDULER_THREAD.get()
         self.check_integrity_when_idle = envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get()
+        self.idle_checked = False  # the pools were checked since the last step that did work
 
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
@@ -69,7 +78,6 @@ class Scheduler(SchedulerIOMixin):
         self.in_flight: deque[tuple[ScheduleBatch, Future]] = deque()
         self.result_processor = BatchResultProcessor(self)
         self.num_batches = 0
-        self.idle_checked = False  # the pools were checked since the last step that did work
         self.events: list[tuple[str, int]] = []  # ("launch" | "process", batch id), for tests
         self.record_events = False
 
@@ -143,17 +151,9 @@ class Scheduler(SchedulerIOMixin):
                 self.running.append(req)
         batch = ScheduleBatch(adder.reqs, ForwardMode.EXTEND, self._next_batch_id())
         batch.prepare_for_extend([(p, end) for _, p, end in adder.spans], self)
+        self._cache_prefill_snapshots(adder.spans)
         return batch
 
-    def _get_new_batch_prefill_raw(self, adder: PrefillAdder, num_running: int) -> None:
-        """The waiting-queue pass, inside one slot-allocation group capped at what the pass can admit."""
-        pool = self.req_to_token_pool
-        admissible = min(pool.available_size(), self.max_running_requests - num_running)
-        if admissible <= 0:
-            return
-        self._cache_prefill_snapshots(adder.spans)
-        cap = admissible * self.pool_sizes.resident_slots_per_req
-        admitted = set()
     def _cache_prefill_snapshots(self, spans: list[tuple[Req, int, int]]) -> None:
         """The snapshots an extend writes go to the tree as soon as it is prepared (safe by FIFO: whatever
         reads them runs later on the forward stream), each request continuing with a fresh slot: a
@@ -164,8 +164,16 @@ class Scheduler(SchedulerIOMixin):
             if extra_buffer or end < len(req.fill_ids):
                 self.tree_cache.cache_unfinished_req(req, chunked=end < len(req.fill_ids))
 
+    def _get_new_batch_prefill_raw(self, adder: PrefillAdder, num_running: int) -> None:
+        """The waiting-queue pass, inside one slot-allocation group capped at what the pass can admit."""
+        pool = self.req_to_token_pool
+        admissible = min(pool.available_size(), self.max_running_requests - num_running)
+        if admissible <= 0:
+            return
+        cap = admissible * self.pool_sizes.resident_slots_per_req
+        admitted = set()
         with pool.mamba_allocator.alloc_group(cap):
-            for req in self.waiting_queue:
+            for req in self.policy.calc_priority(self.waiting_queue):
                 if req.num_inflight > 0:
                     continue  # retracted while a batch with it is in flight: wait for its result
                 if not adder.add_one_req(req):
@@ -267,7 +275,16 @@ class Scheduler(SchedulerIOMixin):
 
     def process_oldest(self) -> None:
         batch, fut = self.in_flight.popleft()
-        self.result_processor.process_batch_result(batch, fut.result())
+        try:
+            result = fut.result(timeout=self.watchdog_timeout)
+        except FutureTimeoutError:
+            raise SchedulerWatchdogError(
+                f"The forward of batch {batch.batch_id} ({batch.forward_mode.name.lower()}, "
+                f"{batch.batch_size} requests, {batch.forward_batch.num_tokens} tokens, rids "
+                f"{[r.rid for r in batch.reqs[:8]]}) did not finish within --watchdog-timeout "
+                f"{self.watchdog_timeout:g} s."
+            ) from None
+        self.result_processor.process_batch_result(batch, result)
         if self.record_events:
             self.events.append(("process", batch.batch_id))
 
@@ -286,6 +303,7 @@ class Scheduler(SchedulerIOMixin):
             # that processed results is never idle).
             self.on_idle()
             return False
+        self.idle_checked = False
         return True
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
@@ -303,7 +321,6 @@ class Scheduler(SchedulerIOMixin):
             self.chunked_req = None
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
-        self.idle_checked = False
         self.reqs_by_rid.pop(req.rid, None)
 
     def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "Aborted.") -> None:
@@ -321,8 +338,15 @@ class Scheduler(SchedulerIOMixin):
         return list(self.reqs_by_rid.values())
 
     def on_idle(self) -> None:
+        """Check the pools once per idle period (nothing changes while idle): by counts in production,
+        the full walk with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE (on in the test suite)."""
+        if self.idle_checked:
+            return
+        self.idle_checked = True
         if self.check_integrity_when_idle:
             self.check_integrity()
+        else:
+            check_accounting(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
 
     def check_integrity(self) -> None:
         assert not self.in_flight, "check_integrity needs the forward stream drained"
@@ -338,15 +362,8 @@ class Scheduler(SchedulerIOMixin):
             num_tokens=self.token_allocator.size, mamba_num=self.req_to_token_pool.mamba_allocator.size
         )
         self.tree_cache.reset()
-        """Check the pools once per idle period (nothing changes while idle): by counts in production,
-        the full walk with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE (on in the test suite)."""
-        if self.idle_checked:
-            return
-        self.idle_checked = True
         self.check_integrity()
         return True, ""
-        else:
-            check_accounting(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
 
     def shutdown(self) -> None:
         while self.in_flight:

@@ -230,3 +230,11 @@ def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None
         sched.event_loop()
     finally:
         sched.shutdown()
+    from sglang.srt.managers.scheduler import SchedulerWatchdogError
+
+    except SchedulerWatchdogError as e:
+        # The forward stream is stuck: nothing can be shut down cleanly. Exit non-zero at once; the
+        # server sees its scheduler gone and stops.
+        logger.error("Watchdog: %s The scheduler exits.", e)
+        logging.shutdown()
+        os._exit(1)
