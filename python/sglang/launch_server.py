@@ -1,51 +1,139 @@
 """`python -m sglang.launch_server [flags]`: start the HTTP server (SGLang's flags; see --help).
 
 A bad flag prints one sentence naming it and exits with status 2; a failed start prints one sentence
-and exits with status 1. No traceback in either case.
+and exits with status 1. No traceback in either case. Once serving, the server exits with status 1 when
+its scheduler or detokenizer process exits or the scheduler stalls (--watchdog-timeout); in-flight
+requests get HTTP 503 first.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import sys
+import time
+from typing import Any
 
 from sglang.srt.entrypoints.process_launcher import (
     ServerStartupError,
+    check_flag_support,
     launch_subprocesses,
 )
 from sglang.srt.server_args import ServerArgs, ServerArgsError, prepare_server_args
 
 logger = logging.getLogger("sglang.launch_server")
 
+# Seconds the server keeps answering after its backend failed, so that waiting requests (which check
+# every second) and health checks get their 503 before it shuts down.
+BACKEND_FAILURE_DRAIN_S = 1.0
 
-def launch_server(server_args: ServerArgs) -> None:
-    """Start the subprocesses, then serve HTTP until interrupted; the subprocesses stop with it."""
+
+def launch_server(server_args: ServerArgs) -> int:
+    """Bind the port, load the tokenizer and start the subprocesses (each failure is one sentence, and
+    nothing is left running), then serve HTTP until interrupted (status 0) or until the backend fails
+    (status 1); the subprocesses stop with it."""
     import uvicorn
 
+    from sglang.srt.entrypoints.http_guard import timed_h11_protocol
     from sglang.srt.entrypoints.http_server import create_app
+    from sglang.srt.environ import envs
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    launched = launch_subprocesses(server_args)
+    class Server(uvicorn.Server):
+        backend_error: str | None = None
+        failed_at = 0.0
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                logger.info("The server is fired up and ready to roll!")
+
+        async def on_tick(self, counter: int) -> bool:
+            # Every 0.1 s. A dead child or a stalled scheduler ends the server rather than leave it up
+            # and unable to serve: for BACKEND_FAILURE_DRAIN_S it still answers (503 for waiting
+            # requests, /health and new requests), then it shuts down.
+            should_exit = await super().on_tick(counter)
+            if self.backend_error is None:
+                self.backend_error = tm.health.error()
+                if self.backend_error is None:
+                    return should_exit
+                self.failed_at = time.monotonic()
+                logger.error("%s The server shuts down.", self.backend_error)
+            return should_exit or time.monotonic() - self.failed_at >= BACKEND_FAILURE_DRAIN_S
+
+    check_flag_support(server_args)  # before anything else fails for a flag that is refused anyway
+    sock = bind_socket(server_args.host, server_args.port)
+    try:
+        tokenizer = load_server_tokenizer(server_args)
+        launched = launch_subprocesses(server_args)
+    except BaseException:
+        sock.close()
+        raise
     # uvicorn re-raises SIGTERM after its graceful shutdown; as an exception (not the default action,
     # which ends the process on the spot) it lets the `finally` below stop the subprocesses.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
-        tm = TokenizerManager(server_args, launched.port_args, launched.model_info, launched.all_alive)
+        tm = TokenizerManager(
+            server_args, launched.port_args, launched.model_info, launched.failure, tokenizer=tokenizer
+        )
         app = create_app(server_args, tm, launched.model_info)
-        uvicorn.run(
+        config = uvicorn.Config(
             app,
-            host=server_args.host,
-            port=server_args.port,
             log_level=server_args.log_level,
             access_log=server_args.log_requests,
             timeout_keep_alive=5,
             # In-flight requests must not hold the shutdown (and the subprocesses) forever.
             timeout_graceful_shutdown=5,
             loop="asyncio",
+            http=timed_h11_protocol(envs.SGLANG_HTTP_READ_TIMEOUT.get()),
         )
+        server = Server(config)
+        server.run(sockets=[sock])
     finally:
         launched.shutdown()
+        sock.close()
+    return 1 if server.backend_error is not None else 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything starts: a port in use fails at once, and "ready"
+    is logged only once the server is serving on it."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as e:
+        raise ServerStartupError(f"--host {host!r} cannot be resolved: {e.strerror}.") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServerStartupError(
+                f"--port {port} is already in use on {host}; stop what holds it or pick another --port."
+            ) from None
+        raise ServerStartupError(
+            f"--host {host} --port {port} cannot be listened on: {e.strerror}."
+        ) from None
+    return sock
+
+
+def load_server_tokenizer(server_args: ServerArgs) -> Any:
+    """The TokenizerManager's tokenizer, loaded before the subprocesses (which load it too) start."""
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+    try:
+        return get_tokenizer(server_args.tokenizer_path)
+    except Exception as e:  # noqa: BLE001 - any failure is the flag's: one sentence, no traceback
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ServerStartupError(
+            f"--tokenizer-path {server_args.tokenizer_path!r}: the tokenizer cannot be loaded ({reason})."
+        ) from None
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:
@@ -62,13 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         level=server_args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s"
     )
     try:
-        launch_server(server_args)
+        return launch_server(server_args)
     except ServerStartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        pass
-    return 0
+        return 0
 
 
 if __name__ == "__main__":

@@ -133,9 +133,21 @@ class Envs:
     SGLANG_TEST_SKIP_CACHE_HIT_ASSERT = EnvBool(False, "Kits do not require every prompt to hit.")
     SGLANG_TEST_FORWARD_DELAY_MS = EnvFloat(0.0, "Sleep this long in the forward worker before each batch.")
 
+    # Request deadlines (upstream names; seconds, 0 or less = off): a request still waiting, or still
+    # running after its first forward, past its limit is aborted with HTTP 503.
+    SGLANG_REQ_WAITING_TIMEOUT = EnvFloat(-1.0, "Abort requests that waited this long for admission.")
+    SGLANG_REQ_RUNNING_TIMEOUT = EnvFloat(-1.0, "Abort requests running this long since their first forward.")
+
+    # HTTP: a client gets this long to send a request head or the next piece of a body.
+    SGLANG_HTTP_READ_TIMEOUT = EnvFloat(
+        30.0, "Seconds before a stalled or idle-before-request connection closes."
+    )
+
     # Checks
+    # Off in production (the walk over every page and node costs ~0.2-0.5 s with large pools); the test
+    # suite turns it on (test/conftest.py). Without it, going idle runs the O(1) count check.
     SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE = EnvBool(
-        True, "Run check_integrity() whenever the scheduler goes idle."
+        False, "Run the full check_integrity() walk when the scheduler goes idle."
     )
 
     def all(self) -> list[EnvVar]:

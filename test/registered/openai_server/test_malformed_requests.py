@@ -1,14 +1,16 @@
-"""Malformed requests get HTTP 400 with an OpenAI-style error naming the field; afterwards the server
-answers normally and, once idle, no slot is held by a request."""
+"""Malformed requests get HTTP 400 with an OpenAI-style error naming the field (413 for a body over the
+limit); afterwards the server answers normally and, once idle, no slot is held by a request. Fields
+upstream's /generate accepts are accepted here too."""
 
 from __future__ import annotations
 
 import json
+import socket
 
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.test_utils import ServerTestCase
 
-register_cpu_ci(est_time=15, suite="per-commit-cpu")
+register_cpu_ci(est_time=18, suite="per-commit-cpu")
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -30,6 +32,13 @@ CASES = [
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
+    (
+        CHAT,
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": None}]},
+        "messages[1].content",
+    ),
+    (CHAT, chat(stop_regex="(unclosed"), "stop_regex"),
     (
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -59,6 +68,7 @@ CASES = [
     (COMP, {"prompt": "hello " * 5000}, "prompt"),
     (COMP, {"prompt": "x", "logprobs": 100}, "logprobs"),
     (COMP, {"prompt": "x", "echo": True}, "echo"),
+    (COMP, {"prompt": "x", "stop_regex": ["["]}, "stop_regex"),
     (GEN, b"{not json}", None),
     (GEN, {"sampling_params": {"max_new_tokens": 2}}, "text"),
     (GEN, {"text": "a", "input_ids": [1]}, "text"),
@@ -74,6 +84,15 @@ CASES = [
     (GEN, {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 1_000_000}, "logprob_start_len"),
     (GEN, {"text": ["a", "b"], "sampling_params": [{}, {}, {}]}, "sampling_params"),
     (GEN, {"text": "a", "image_data": "x.png"}, "image_data"),
+    (GEN, {"text": "a", "lora_path": "my-adapter"}, "lora_path"),
+    (GEN, {"text": "a", "sampling_params": {"stop_regex": "(a"}}, "sampling_params.stop_regex"),
+    # 64 prompts x n=64 would start 4096 sequences at once.
+    (
+        GEN,
+        {"input_ids": [[5, 6]] * 64, "sampling_params": {"n": 64, "max_new_tokens": 1}},
+        "sampling_params.n",
+    ),
+    ("/pause_generation", {"mode": "sideways"}, "mode"),
     ("/abort_request", {"nothing": 1}, "rid"),
 ]
 
@@ -101,4 +120,42 @@ class TestMalformedRequests(ServerTestCase):
         out = self.generate(text="still alive?", sampling_params={"max_new_tokens": 4, "ignore_eos": True})
         self.assertEqual(out["meta_info"]["completion_tokens"], 4)
         self.assertEqual(self.get("/health").status_code, 200)
+        self.assert_idle_accounting()
+
+    def test_fields_upstream_accepts_are_accepted(self) -> None:
+        out = self.generate(
+            text="hi",
+            sampling_params={"max_new_tokens": 2, "ignore_eos": True},
+            lora_path="",
+            return_hidden_states=False,
+            stream_options={"include_usage": True},
+            bootstrap_host="10.0.0.1",
+            bootstrap_port=8998,
+            bootstrap_room=7,
+            log_metrics=True,
+            no_logs=False,
+            return_entropy=False,
+            some_future_field={"x": 1},
+        )
+        self.assertEqual(out["meta_info"]["completion_tokens"], 2)
+
+    def test_a_body_over_the_limit_gets_413_before_it_is_sent(self) -> None:
+        limit = self.get("/get_server_info").json()["max_request_body_size"]
+        with socket.create_connection(("127.0.0.1", self.server.port), timeout=10) as s:
+            s.sendall(
+                f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {limit + 1}\r\n\r\n".encode()
+            )
+            raw = b""
+            while chunk := s.recv(65536):  # the server closes the connection after its answer
+                raw += chunk
+            head, _, body = raw.partition(b"\r\n\r\n")
+        self.assertTrue(head.startswith(b"HTTP/1.1 413"), head)
+        message = json.loads(body)["error"]["message"]
+        self.assertIn(f"limit of {limit} bytes", message)
+        self.assertIn("--max-request-body-size", message)
+        # Just under the limit the body is read, and refused for what it says.
+        r = self.post("/v1/completions", {"prompt": "x" * (limit - 100)})
+        self.assertEqual(r.status_code, 400, r.text[:200])
+        self.assertEqual(r.json()["error"]["code"], "context_length_exceeded")
         self.assert_idle_accounting()

@@ -3,6 +3,7 @@ server (with an API key and metrics on)."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -210,6 +211,63 @@ class TestOpenAIServer(ServerTestCase):
             "sglang:cache_hit_rate",
             "sglang:mamba_usage",
             "sglang:mamba_lazy_alloc_failures_total",
+            'sglang:http_responses_total{model_name="tiny-qwen3-next",status_code="200"}',
         ):
             self.assertIn(name, metrics)
         self.assert_idle_accounting()
+
+    def test_api_key_is_never_echoed(self) -> None:
+        info = self.get("/get_server_info")
+        self.assertNotIn(self.api_key, info.text)
+        self.assertEqual(info.json()["api_key"], "<redacted>")
+        self.assertNotIn(self.api_key, self.get("/metrics").text)
+        self.assertNotIn(self.api_key, self.server.log_text())
+
+    def test_stop_regex_on_every_route(self) -> None:
+        base = (
+            self.client.completions.create(
+                model=self.model, prompt="Once", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
+        # A character from the middle of the output: a pattern the output surely matches there.
+        char = next(c for c in base[len(base) // 3 :] if c.isascii() and c.isalnum())
+        pattern = f"[{char}]"
+        stopped = self.client.completions.create(
+            model=self.model,
+            prompt="Once",
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True, "stop_regex": pattern},
+        ).choices[0]
+        self.assertEqual(stopped.finish_reason, "stop")
+        self.assertEqual(stopped.matched_stop, pattern, "upstream reports the pattern")
+        self.assertTrue(base.startswith(stopped.text) and len(stopped.text) < len(base))
+        self.assertIsNotNone(re.search(pattern, stopped.text), "upstream keeps the matched text")
+        native = self.generate(
+            text="Once",
+            sampling_params={
+                "max_new_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stop_regex": [pattern],
+            },
+        )
+        self.assertEqual(native["meta_info"]["finish_reason"], {"type": "stop", "matched": pattern})
+        self.assertEqual(native["text"], stopped.text)
+        chat = self.chat(
+            max_tokens=32, temperature=0, extra_body={"ignore_eos": True, "stop_regex": "[A-Za-z0-9]"}
+        )
+        self.assertEqual(chat.choices[0].finish_reason, "stop")
+        self.assertEqual(chat.choices[0].matched_stop, "[A-Za-z0-9]")
+
+    def test_chat_errors_keep_their_words(self) -> None:
+        r = self.post(
+            "/v1/chat/completions",
+            {"model": self.model, "messages": MESSAGES, "response_format": {"type": "json_object"}},
+        )
+        self.assertEqual(r.status_code, 400)
+        err = r.json()["error"]
+        self.assertEqual(err["param"], "response_format")
+        self.assertIn("only the 'text' response format is supported", err["message"])

@@ -168,11 +168,3 @@ def test_real_scheduler_through_the_engine():
 def test_engine_refuses_disaggregation_modes_like_the_server():
     with pytest.raises(ServerStartupError, match="--disaggregation-mode prefill: disaggregated"):
         sglang.Engine(scheduler_entry=fake_scheduler.run_scheduler_process, disaggregation_mode="prefill")
-
-
-def test_generate_body_refuses_unknown_fields_set_to_zero():
-    from sglang.srt.entrypoints.http_server import parse_generate_body
-
-    assert parse_generate_body(b'{"text": "hi", "lora_path": null}').text == "hi"  # unset: accepted
-    with pytest.raises(RequestError, match="return_hidden_states is not a supported field"):
-        parse_generate_body(b'{"text": "hi", "return_hidden_states": 0}')

@@ -68,7 +68,7 @@ def test_completion_request_maps_to_native():
         CompletionRequest,
         b'{"prompt": [[5, 6], [7]], "max_tokens": 4, "temperature": 0, "seed": 3, "stop": "x", "logprobs": 2, "n": 2}',
     )
-    obj = serving.to_generate_input(req)
+    obj = asyncio.run(serving.to_generate_input(req))
     assert obj.text is None and obj.input_ids == [[5, 6], [7]]
     assert obj.sampling_params == {
         "max_new_tokens": 4,
@@ -92,11 +92,11 @@ def test_native_errors_are_renamed_to_openai_fields():
         RequestError("input_ids[1] = 999 is outside", "input_ids")
     )
     assert err.param == "prompt" and err.message.startswith("prompt[1]")
-    err = chat.rename(
+    err = OpenAIServingCompletion(None, "m").rename(
         RequestError("The input text (5000 tokens) is longer than the model's context length", "text")
     )
-    assert err.param == "messages"
-    assert err.message == "The input messages (5000 tokens) is longer than the model's context length", (
+    assert err.param == "prompt"
+    assert err.message == "The input prompt (5000 tokens) is longer than the model's context length", (
         "whole words are renamed; words containing a field name (context) are left alone"
     )
 

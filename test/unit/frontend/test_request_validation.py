@@ -6,15 +6,17 @@ import asyncio
 
 import pytest
 
-from sglang.srt.managers.detokenizer_manager import load_tokenizer
+from sglang.srt.managers import text_encoder
 from sglang.srt.managers.io_struct import BatchStrOut, GenerateReqInput
 from sglang.srt.managers.request_validation import (
     DEFAULT_MAX_NEW_TOKENS,
     RequestError,
     RequestLimits,
+    max_samples_per_request,
     normalize_generate_request,
 )
 from sglang.srt.managers.tokenizer_output import ReqState
+from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=3, suite="per-commit-cpu")
@@ -24,7 +26,7 @@ LIMITS = RequestLimits(context_len=64, max_req_input_len=63, vocab_size=512)
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer("tiny-qwen3-next")
+    return get_tokenizer("tiny-qwen3-next")
 
 
 def norm(tokenizer, **kw):
@@ -68,6 +70,17 @@ def norm(tokenizer, **kw):
         ({"input_ids": [[5], [6]], "sampling_params": [{}, {}, {}]}, "sampling_params", "3 entries"),
         ({"input_ids": [5], "rid": ["a", "b"]}, "rid", "single value"),
         ({"input_ids": [[5], [6]], "rid": ["a", "a"]}, "rid", "unique"),
+        ({"input_ids": [5] * 70 + ["x"]}, "input_ids", "context length"),  # length before element checks
+        (
+            {"input_ids": [5], "sampling_params": {"stop_regex": "(a"}},
+            "sampling_params.stop_regex",
+            "regular",
+        ),
+        (
+            {"input_ids": [5], "sampling_params": {"stop_regex": [""]}},
+            "sampling_params.stop_regex",
+            "non-empty",
+        ),
     ],
 )
 def test_bad_requests_name_the_field(tokenizer, kw, param, words):
@@ -157,3 +170,34 @@ def test_stream_markers_report_only_changes(tokenizer):
     assert not state.has_unsent_update()
     feed(state, "", {"type": "length", "length": 2})
     assert state.has_unsent_update(), "the finish itself is an update"
+
+
+def test_one_request_may_not_fan_out_past_the_cap(tokenizer):
+    big = GenerateReqInput(input_ids=[[5]] * 64, sampling_params={"n": 64})
+    with pytest.raises(RequestError) as e:
+        normalize_generate_request(big, tokenizer, LIMITS, max_samples=1024)
+    assert e.value.param == "sampling_params.n"
+    assert "4096 sequences (64 prompts with n = 64)" in e.value.message
+    assert "--max-samples-per-request" in e.value.message
+    ok = GenerateReqInput(input_ids=[[5]] * 16, sampling_params={"n": 64})
+    items, _ = normalize_generate_request(ok, tokenizer, LIMITS, max_samples=1024)
+    assert len(items) == 1024
+    assert max_samples_per_request(None, 4096) == 1024
+    assert max_samples_per_request(None, 8) == 64, "one prompt may always ask for the largest n"
+    assert max_samples_per_request(5, 4096) == 5
+
+
+def test_stop_regex_reaches_every_sample(tokenizer):
+    items, _ = norm(tokenizer, input_ids=[5], sampling_params={"n": 2, "stop_regex": r"\d+"})
+    assert [i.req.sampling_params.stop_regex for i in items] == [[r"\d+"], [r"\d+"]]
+
+
+def test_a_long_text_far_past_the_limit_is_counted_from_a_prefix(tokenizer, monkeypatch):
+    monkeypatch.setattr(text_encoder, "_worker_tokenizer", tokenizer)
+    text = "hello world, this is a test. " * 20_000  # ~580k characters
+    ids, n, at_least = text_encoder._encode_in_worker(text, 64, True)
+    assert ids is None and at_least
+    assert 64 < n < len(tokenizer.encode(text)), "a lower bound, from a prefix only"
+    short = "hello world. " * 3
+    ids, n, at_least = text_encoder._encode_in_worker(short, 64, True)
+    assert ids == tokenizer.encode(short) and n == len(ids) and not at_least

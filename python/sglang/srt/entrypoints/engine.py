@@ -14,22 +14,29 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 from sglang.srt.entrypoints.process_launcher import SchedulerEntry, launch_subprocesses
 from sglang.srt.managers.io_struct import FlushCacheReqOutput, GenerateReqInput
+from sglang.srt.managers.request_validation import max_samples_per_request
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import ServerArgs
 from sglang.version import __version__
 
 
 def build_server_info(server_args: ServerArgs, model_info: dict[str, Any], state: dict[str, Any]) -> dict:
-    """The /get_server_info body: every server arg, the scheduler's limits and its live state."""
-    info = {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args)}
+    """The /get_server_info body: every server arg (secrets redacted) and the resolved values derived
+    from them, the scheduler's limits and its live state."""
+    info = server_args.public_dict()
+    info["mamba_radix_cache_strategy"] = server_args.mamba_radix_cache_strategy
+    info["mamba_cache_chunk_size"] = server_args.mamba_cache_chunk_size
+    info["max_request_body_size"] = server_args.request_body_limit
     info.update(model_info)
+    info["max_samples_per_request"] = max_samples_per_request(
+        server_args.max_samples_per_request, model_info["max_running_requests"]
+    )
     info["internal_states"] = [state]
     info["version"] = __version__
     return info
@@ -54,7 +61,7 @@ class Engine:
                 self.server_args,
                 self._launched.port_args,
                 self._launched.model_info,
-                self._launched.all_alive,
+                self._launched.failure,
             )
             self._run(self.tokenizer_manager.start())
         except BaseException:

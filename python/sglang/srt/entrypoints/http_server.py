@@ -3,6 +3,7 @@
 Process layout as SGLang: this process runs uvicorn and the TokenizerManager on one event loop; the
 scheduler and the detokenizer are subprocesses (`process_launcher`). Every route answers bad input with
 HTTP 400 (OpenAI's error body), and no request can stop the server: failures are caught per request.
+Bodies are read, size-checked and timed by `http_guard.RequestGuard` before a route sees them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import fields
 from typing import Any
 
 import orjson
@@ -18,6 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from sglang.srt.entrypoints.engine import build_server_info
+from sglang.srt.entrypoints.generate_body import parse_generate_body
+from sglang.srt.entrypoints.http_guard import RequestGuard
 from sglang.srt.entrypoints.openai.protocol import ModelCard, ModelList
 from sglang.srt.entrypoints.openai.serving_base import (
     CLIENT_CLOSED,
@@ -26,42 +28,23 @@ from sglang.srt.entrypoints.openai.serving_base import (
     error_response,
     internal_error_response,
     json_response,
+    server_abort_response,
     sse,
     sse_stream,
     start_generation,
 )
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
-from sglang.srt.managers.tokenizer_manager import ClientDisconnected, TokenizerManager
+from sglang.srt.managers.tokenizer_manager import ClientDisconnected, ServerAbortError, TokenizerManager
 from sglang.srt.metrics.collector import MetricsCollector
 
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-_GENERATE_FIELDS = {f.name for f in fields(GenerateReqInput)}
-
-
-def parse_generate_body(body: bytes) -> GenerateReqInput:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise RequestError(f"The request body is not valid JSON: {e}.", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise RequestError("The request body must be a JSON object.", None, "invalid_type")
-    # Fields of SGLang features this runtime lacks are accepted when unset (clients send nulls).
-    unknown = sorted(
-        k
-        for k, v in data.items()
-        if k not in _GENERATE_FIELDS and not (v is None or v is False or v in ([], {}))
-    )
-    if unknown:
-        raise RequestError(
-            f"{unknown[0]} is not a supported field of /generate.", unknown[0], "unknown_parameter"
-        )
-    # null means "the default" for known fields too.
-    return GenerateReqInput(**{k: v for k, v in data.items() if k in _GENERATE_FIELDS and v is not None})
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, Any]) -> None:
@@ -80,7 +63,8 @@ def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, A
     )
 
 
-def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any]) -> FastAPI:
+def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any]) -> RequestGuard:
+    """The ASGI app: the routes, behind the request guard (body limit and read timeouts)."""
     model_name = server_args.served_model_name
     metrics = MetricsCollector(model_name) if server_args.enable_metrics else None
     tm.observer = metrics
@@ -91,7 +75,6 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
     async def lifespan(app: FastAPI):
         await tm.start()
         log_startup(server_args, model_info, await tm.get_internal_state())
-        logger.info("The server is fired up and ready to roll!")
         yield
         await tm.close()
 
@@ -111,11 +94,16 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if tm.backend_alive() else 503)
+        # Unhealthy once a child process has exited or the scheduler has stalled (the server then exits).
+        return Response(status_code=503 if tm.health.error() else 200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        obj = GenerateReqInput(input_ids=[1], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        if tm.health.error():
+            return Response(status_code=503)
+        obj = GenerateReqInput(
+            input_ids=[1], sampling_params={"max_new_tokens": 1, "temperature": 0}, log_metrics=False
+        )
 
         async def run() -> None:
             async for _ in tm.generate_request(obj):
@@ -162,16 +150,40 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
             return json_response(error_body(str(e), kind="server_error", code="timeout"), 503)
         if out.success:
             return PlainTextResponse("Cache flushed.\n")
-        return PlainTextResponse(f"Cache not flushed: {out.message or 'requests are running.'}\n", 400)
+        return PlainTextResponse(
+            f"{out.message or 'The cache was not flushed: requests are running.'}\n", 400
+        )
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        try:
+            data = _json_object(await request.body())
+        except RequestError as e:
+            return error_response(e)
+        mode = data.get("mode", "abort") if isinstance(data, dict) else None
+        if mode not in PAUSE_MODES:
+            message = f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}."
+            return error_response(RequestError(message, "mode"))
+        try:
+            await tm.pause_generation(mode)
+        except TimeoutError as e:
+            return json_response(error_body(str(e), kind="server_error", code="timeout"), 503)
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        try:
+            await tm.continue_generation()
+        except TimeoutError as e:
+            return json_response(error_body(str(e), kind="server_error", code="timeout"), 503)
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         try:
-            data = orjson.loads(await request.body() or b"{}")
-        except orjson.JSONDecodeError as e:
-            return error_response(
-                RequestError(f"The request body is not valid JSON: {e}.", None, "invalid_json")
-            )
+            data = _json_object(await request.body())
+        except RequestError as e:
+            return error_response(e)
         rid, abort_all = (
             (data.get("rid"), data.get("abort_all", False)) if isinstance(data, dict) else (None, None)
         )
@@ -187,6 +199,8 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
             first, gen = await start_generation(tm, obj, request)
         except RequestError as e:
             return error_response(e)
+        except ServerAbortError as e:
+            return server_abort_response(e)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
@@ -219,7 +233,20 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
                 state = None  # serve the request-side metrics even when the scheduler is busy
             return Response(metrics.render(state), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return app
+    return RequestGuard(
+        app,
+        max_body_bytes=server_args.request_body_limit,
+        read_timeout=envs.SGLANG_HTTP_READ_TIMEOUT.get(),
+        on_response=metrics.on_http_response if metrics is not None else None,
+    )
+
+
+def _json_object(body: bytes) -> Any:
+    """An optional JSON body ({} when empty); RequestError when it is not JSON."""
+    try:
+        return orjson.loads(body or b"{}")
+    except orjson.JSONDecodeError as e:
+        raise RequestError(f"The request body is not valid JSON: {e}.", None, "invalid_json") from None
 
 
 async def _native_events(first: Any, gen: Any):

@@ -5,13 +5,22 @@ whole front end against a fake scheduler (`sglang.test.fake_scheduler`) with the
 
     scheduler_entry(server_args, port_args, pipe_writer)  # sends {"status": "ready", ...} or
                                                            # {"status": "error", "message": str}
+                                                           # ("flag_error": True: the message is one
+                                                           # sentence naming a flag, shown as is)
+
+Every child exits when this process does, however it ends (`utils.child_process`). Flags this runtime
+cannot honour are refused here, and flags kept only for compatibility are logged as having no effect,
+so that the server and the Engine treat them alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +28,7 @@ from typing import Any
 
 from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
 from sglang.srt.managers.io_struct import PortArgs
+from sglang.srt.utils.child_process import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +46,83 @@ class ServerStartupError(RuntimeError):
     """A child process failed to start; the message says which and why, in one sentence."""
 
 
+# The companions of --disaggregation-mode: refused with the PD modes until disaggregated serving exists
+# (a value other than the default asks for a feature this runtime lacks).
+PD_COMPANION_FLAGS = (
+    "disaggregation_transfer_backend",
+    "disaggregation_bootstrap_port",
+    "disaggregation_decode_extra_slots",
+    "disaggregation_ib_device",
+)
+# Accepted so that upstream command lines run unchanged; each is logged once at startup with the reason.
+NO_EFFECT_FLAGS = {
+    "trust_remote_code": "models run on this runtime's own implementations and tokenizers load from "
+    "local files, so no code from a checkpoint is ever run",
+}
+
+
+def check_flag_support(server_args: Any) -> None:
+    """Refuse what this runtime cannot honour: ServerStartupError with one sentence naming the flag."""
+    if server_args.disaggregation_mode != "null":
+        raise ServerStartupError(
+            f"--disaggregation-mode {server_args.disaggregation_mode}: disaggregated prefill/decode serving "
+            "is not available yet; start without --disaggregation-mode."
+        )
+    defaults = _defaults(server_args)
+    for name in PD_COMPANION_FLAGS:
+        value = getattr(server_args, name)
+        if value != defaults[name]:
+            flag = _flag(name)
+            raise ServerStartupError(
+                f"{flag} {value}: disaggregated prefill/decode serving is not available yet; start without {flag}."
+            )
+    if server_args.skip_tokenizer_init:
+        # Upstream's flag serves without any tokenizer; this server tokenizes prompts, matches stop
+        # strings and detokenizes outputs itself.
+        raise ServerStartupError(
+            "--skip-tokenizer-init is not supported: this server needs the tokenizer for prompts, stop "
+            "strings and output text (send input_ids to skip prompt tokenization)."
+        )
+
+
+def log_no_effect_flags(server_args: Any) -> None:
+    defaults = _defaults(server_args)
+    for name, reason in NO_EFFECT_FLAGS.items():
+        if getattr(server_args, name) != defaults[name]:
+            logger.warning("%s has no effect: %s.", _flag(name), reason)
+
+
+def _defaults(server_args: Any) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(server_args)}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 @dataclass
 class LaunchedProcesses:
     port_args: PortArgs
     model_info: dict[str, Any]
     processes: list[mp.process.BaseProcess] = field(default_factory=list)
 
-    def all_alive(self) -> bool:
-        return bool(self.processes) and all(p.is_alive() for p in self.processes)
+    def failure(self) -> str | None:
+        """Why the children cannot serve (one of them has exited), or None while all of them run."""
+        if not self.processes:
+            return "The scheduler and detokenizer processes have been stopped."
+        for proc in self.processes:
+            if not proc.is_alive():
+                name, code = proc.name.removeprefix("sglang-"), proc.exitcode
+                how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
+                return f"The {name} process has exited ({how})."
+        return None
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the children (terminate, then kill) and remove the IPC files. Idempotent."""
         for proc in self.processes:
             if proc.is_alive():
                 proc.terminate()
+                _continue(proc)  # a stopped (SIGSTOP) child takes the SIGTERM only once it runs
         deadline = time.monotonic() + timeout
         for proc in self.processes:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -79,20 +152,23 @@ def launch_subprocesses(
 ) -> LaunchedProcesses:
     """Start the scheduler and the detokenizer; return once both are ready, with the scheduler's
     model info (`MODEL_INFO_KEYS`). Raises ServerStartupError (children already stopped) otherwise."""
-    if server_args.disaggregation_mode != "null":
-        # Refused here, so that the server and the Engine both refuse it.
-        raise ServerStartupError(
-            f"--disaggregation-mode {server_args.disaggregation_mode}: disaggregated prefill/decode serving "
-            "is not available yet; start without --disaggregation-mode."
-        )
+    check_flag_support(server_args)
+    log_no_effect_flags(server_args)
     entry = scheduler_entry or default_scheduler_entry()
     port_args = PortArgs.init_new()
     ctx = mp.get_context("spawn")
     launched = LaunchedProcesses(port_args, {})
     waits = []
+    # The kernel's parent-death signal follows the starting thread: ask for it only when that thread
+    # lives as long as this process (an Engine may be created on a short-lived thread).
+    pdeathsig = threading.current_thread() is threading.main_thread()
     for name, target in (("scheduler", entry), ("detokenizer", run_detokenizer_process)):
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(server_args, port_args, writer), name=f"sglang-{name}")
+        proc = ctx.Process(
+            target=child_main,
+            args=(name, target, pdeathsig, server_args, port_args, writer),
+            name=f"sglang-{name}",
+        )
         proc.start()
         writer.close()  # the child holds its own copy; EOF on the reader then means the child is gone
         launched.processes.append(proc)
@@ -108,7 +184,24 @@ def launch_subprocesses(
     except BaseException:
         launched.shutdown()
         raise
+    logger.info(
+        "Started %s.",
+        ", ".join(f"the {p.name.removeprefix('sglang-')} (pid {p.pid})" for p in launched.processes),
+    )
     return launched
+
+
+def child_main(name: str, target: Callable, pdeathsig: bool, *args: Any) -> None:
+    """Entry of every child the launcher starts: tie its life to this process, then run `target`."""
+    exit_with_parent(name, use_pdeathsig=pdeathsig)
+    target(*args)
+
+
+def _continue(proc: mp.process.BaseProcess) -> None:
+    try:
+        os.kill(proc.pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def _wait_ready(name: str, proc: mp.process.BaseProcess, reader: Any, timeout: float) -> dict[str, Any]:
@@ -124,6 +217,8 @@ def _wait_ready(name: str, proc: mp.process.BaseProcess, reader: Any, timeout: f
                 ) from None
             if msg.get("status") == "ready":
                 return msg
+            if msg.get("flag_error"):
+                raise ServerStartupError(msg["message"])  # one sentence that names the flag
             raise ServerStartupError(f"The {name} process failed to start: {msg.get('message', msg)}")
         if not proc.is_alive() and not reader.poll(0):
             raise ServerStartupError(

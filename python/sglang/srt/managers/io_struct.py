@@ -3,11 +3,13 @@
     TokenizerManager --TokenizedGenerateReqInput / control--> Scheduler
     Scheduler --BatchTokenIDOut--> DetokenizerManager --BatchStrOut--> TokenizerManager
     Scheduler --control replies (FlushCacheReqOutput, GetInternalStateReqOutput)--> TokenizerManager
+    Scheduler --SchedulerHeartbeat (while its loop runs)--> TokenizerManager
 
 Token outputs are deltas: each BatchTokenIDOut carries, per request, the tokens (and their logprobs)
 produced since the previous message for that request; the receiver accumulates them. `finished_reason`
 is None while the request runs, else SGLang's dict: {"type": "length", "length": n},
-{"type": "stop", "matched": token_id_or_str}, or {"type": "abort", "message": str}.
+{"type": "stop", "matched": token_id_or_str_or_regex}, or {"type": "abort", "message": str} with
+"status_code" (an HTTP status) when the server, not the client, ended the request.
 Logprob entries are (logprob, token_id) pairs; top logprobs are lists of such pairs per position.
 """
 
@@ -39,6 +41,8 @@ class GenerateReqInput:
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    # False: the request is left out of the metrics (health checks).
+    log_metrics: bool = True
 
 
 @dataclass
@@ -85,6 +89,44 @@ class GetInternalStateReqOutput:
 
 @dataclass
 class HealthCheckReq:
+    pass
+
+
+@dataclass
+class SchedulerHeartbeat:
+    """Sent by the scheduler's loop at least every `HEARTBEAT_INTERVAL_S` while the loop runs (a forward
+    it waits for holds it up to --watchdog-timeout). The TokenizerManager declares the scheduler stalled
+    when it has heard nothing from it for longer (`SCHEDULER_STALL_GRACE_S` past the timeout)."""
+
+
+# Seconds between two heartbeats of a running scheduler loop.
+HEARTBEAT_INTERVAL_S = 0.5
+# Silence beyond --watchdog-timeout before the server declares the scheduler stalled: a forward that
+# hangs is reported first by the scheduler's own watchdog, with the batch it ran.
+SCHEDULER_STALL_GRACE_S = 1.0
+
+
+@dataclass
+class PauseGenerationReqInput:
+    """Upstream's modes: "abort" (the TokenizerManager aborts every request and holds new ones; the
+    scheduler is not involved), "retract" (running requests go back to the waiting queue, giving back
+    their KV and state slots) and "in_place" (requests keep everything and wait)."""
+
+    mode: str = "abort"
+
+
+@dataclass
+class PauseGenerationReqOutput:
+    pass
+
+
+@dataclass
+class ContinueGenerationReqInput:
+    pass
+
+
+@dataclass
+class ContinueGenerationReqOutput:
     pass
 
 

@@ -3,6 +3,10 @@
 A native request (`GenerateReqInput`, one prompt or a batch, each possibly with `n > 1` samples) becomes
 a flat list of `TokenizedGenerateReqInput`, one per sample, or raises `RequestError` naming the field.
 A whole batch is checked before any of it is sent, so a bad item never leaves its siblings running.
+
+Three steps, so that the caller can tokenize in between without blocking (`TokenizerManager`):
+`parse_prompts` (the shape of the input, and the fan-out cap), tokenizing `Prompts.texts`, then
+`build_requests`. `normalize_generate_request` runs the three in a row.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
-from sglang.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
+from sglang.srt.managers.text_encoder import Encoded
+from sglang.srt.sampling.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 
 # Without an explicit max_new_tokens, a request generates at most this many tokens (SGLang's default),
 # fewer if the context ends first.
@@ -34,6 +39,19 @@ class RequestLimits:
     context_len: int
     max_req_input_len: int
     vocab_size: int
+
+
+@dataclass
+class Prompts:
+    """The prompts of a request: `texts` to tokenize (empty with input_ids), `ids` per prompt (None
+    for a text prompt), and whether the request was a batch."""
+
+    texts: list[str]
+    ids: list[Any]
+    is_batch: bool
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 @dataclass
@@ -83,6 +101,8 @@ def _param_of(message: str) -> str:
 def check_input_ids(ids: Any, limits: RequestLimits, param: str) -> list[int]:
     if not isinstance(ids, list):
         raise RequestError(f"{param} must be a list of token ids.", param, "invalid_type")
+    # The length first: a huge list is refused without a scan of every element.
+    check_input_len(len(ids), limits, param)
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
             raise RequestError(f"{param}[{i}] must be an integer token id, got {t!r}.", param, "invalid_type")
@@ -91,22 +111,22 @@ def check_input_ids(ids: Any, limits: RequestLimits, param: str) -> list[int]:
                 f"{param}[{i}] = {t} is outside the vocabulary (valid ids are 0..{limits.vocab_size - 1}).",
                 param,
             )
-    check_input_len(len(ids), limits, param)
     return ids
 
 
-def check_input_len(n: int, limits: RequestLimits, param: str) -> None:
+def check_input_len(n: int, limits: RequestLimits, param: str, at_least: bool = False) -> None:
     if n == 0:
         raise RequestError(f"The prompt ({param}) is empty; send at least one token.", param)
+    size = f"more than {n} tokens" if at_least else f"{n} tokens"
     if n >= limits.context_len:
         raise RequestError(
-            f"The input {param} ({n} tokens) is longer than the model's context length ({limits.context_len} tokens).",
+            f"The input {param} ({size}) is longer than the model's context length ({limits.context_len} tokens).",
             param,
             "context_length_exceeded",
         )
     if n > limits.max_req_input_len:
         raise RequestError(
-            f"The input {param} ({n} tokens) is longer than the server accepts ({limits.max_req_input_len} tokens).",
+            f"The input {param} ({size}) is longer than the server accepts ({limits.max_req_input_len} tokens).",
             param,
             "context_length_exceeded",
         )
@@ -131,10 +151,8 @@ def check_logprob_args(
         raise RequestError(f"top_logprobs_num must be 0 or more, got {top_logprobs_num}.", "top_logprobs_num")
 
 
-def normalize_generate_request(
-    obj: GenerateReqInput, tokenizer: Any, limits: RequestLimits
-) -> tuple[list[NormalizedRequest], bool]:
-    """Check and tokenize `obj`; returns its samples and whether the reply is a list."""
+def parse_prompts(obj: GenerateReqInput, max_samples: int | None = None) -> Prompts:
+    """The shape of `obj`'s input, checked; and the number of sequences it would start, capped."""
     if (obj.text is None) == (obj.input_ids is None):
         raise RequestError("Give exactly one of text and input_ids.", "text", "missing_required_parameter")
     if obj.text is not None:
@@ -144,7 +162,7 @@ def normalize_generate_request(
             raise RequestError(
                 "text must be a string or a non-empty list of strings.", "text", "invalid_type"
             )
-        prompts: list[tuple[str | None, Any]] = [(t, None) for t in texts]
+        prompts = Prompts(list(texts), [None] * len(texts), is_batch)
     else:
         ids = obj.input_ids
         if not isinstance(ids, list):
@@ -152,10 +170,47 @@ def normalize_generate_request(
                 "input_ids must be a list of token ids (or of lists).", "input_ids", "invalid_type"
             )
         is_batch = bool(ids) and all(isinstance(x, list) for x in ids)
-        prompts = [(None, x) for x in (ids if is_batch else [ids])]
+        prompts = Prompts([], ids if is_batch else [ids], is_batch)
+    if max_samples is not None:
+        check_fanout(obj.sampling_params, len(prompts), max_samples)
+    return prompts
+
+
+def max_samples_per_request(configured: int | None, max_running_requests: int) -> int:
+    """--max-samples-per-request, else a quarter of the running slots (so that one request cannot take
+    the whole server), but at least MAX_N: one prompt may always ask for the largest n."""
+    return configured or max(MAX_N, max_running_requests // 4)
+
+
+def check_fanout(sampling_params: Any, num_prompts: int, max_samples: int) -> None:
+    """One request may start at most `max_samples` sequences (prompts times n), so that no single
+    client takes the whole server. Counted before anything is tokenized."""
+    per_item = sampling_params if isinstance(sampling_params, list) else [sampling_params] * num_prompts
+    ns = [_raw_n(p) for p in per_item[:num_prompts]]
+    total = sum(ns) + max(0, num_prompts - len(ns))
+    if total > max_samples:
+        n = max(ns, default=1)
+        shape = f"{num_prompts} prompts with n = {n}" if num_prompts > 1 else f"n = {n}"
+        raise RequestError(
+            f"This request would start {total} sequences ({shape}); the server starts at most {max_samples} "
+            "per request (--max-samples-per-request).",
+            "sampling_params.n",
+        )
+
+
+def _raw_n(params: Any) -> int:
+    n = params.get("n") if isinstance(params, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
+def build_requests(
+    obj: GenerateReqInput, prompts: Prompts, encoded: list[Encoded], limits: RequestLimits
+) -> tuple[list[NormalizedRequest], bool]:
+    """Check everything else and expand `prompts` (with `encoded[i]`, the tokens of `prompts.texts[i]`)
+    into one request per sample; returns them and whether the reply is a list."""
     size = len(prompts)
     per_item = {
-        name: _per_item(getattr(obj, name), size, name, is_batch)
+        name: _per_item(getattr(obj, name), size, name, prompts.is_batch)
         for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
     }
     if not isinstance(obj.return_text_in_logprobs, bool):
@@ -166,10 +221,13 @@ def normalize_generate_request(
         raise RequestError("stream must be a boolean.", "stream", "invalid_type")
 
     out: list[NormalizedRequest] = []
-    for i, (text, ids) in enumerate(prompts):
-        if text is not None:
-            ids = tokenizer.encode(text)
-            check_input_len(len(ids), limits, "text")
+    texts = iter(zip(prompts.texts, encoded, strict=True))
+    for i, ids in enumerate(prompts.ids):
+        text = None
+        if ids is None:
+            text, enc = next(texts)
+            check_input_len(enc.num_tokens, limits, "text", enc.at_least)
+            ids = enc.ids
         else:
             ids = check_input_ids(ids, limits, "input_ids")
         params = sampling_params_from_dict(per_item["sampling_params"][i], len(ids), limits)
@@ -187,7 +245,9 @@ def normalize_generate_request(
             # Each sample is its own request; seeded samples get distinct seeds, else n copies of one
             # seeded request would all return the same text.
             seed = params.sampling_seed + j if params.sampling_seed is not None else None
-            sample_params = replace(params, n=1, sampling_seed=seed, stop=list(params.stop))
+            sample_params = replace(
+                params, n=1, sampling_seed=seed, stop=list(params.stop), stop_regex=list(params.stop_regex)
+            )
             req = TokenizedGenerateReqInput(
                 rid=base if n == 1 else f"{base}-{j}",
                 input_text=text,
@@ -202,7 +262,19 @@ def normalize_generate_request(
     rids = [r.req.rid for r in out]
     if len(set(rids)) != len(rids):
         raise RequestError("rid values must be unique within a request.", "rid")
-    return out, is_batch or len(out) > 1
+    return out, prompts.is_batch or len(out) > 1
+
+
+def normalize_generate_request(
+    obj: GenerateReqInput, tokenizer: Any, limits: RequestLimits, max_samples: int | None = None
+) -> tuple[list[NormalizedRequest], bool]:
+    """Check and tokenize `obj` (on this thread); returns its samples and whether the reply is a list."""
+    prompts = parse_prompts(obj, max_samples)
+    encoded = []
+    for text in prompts.texts:
+        ids = tokenizer.encode(text)
+        encoded.append(Encoded(ids, len(ids)))
+    return build_requests(obj, prompts, encoded, limits)
 
 
 def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:

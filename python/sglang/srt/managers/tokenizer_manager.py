@@ -3,8 +3,13 @@
 It tokenizes and validates requests (`request_validation`), sends them to the scheduler, receives the
 detokenizer's `BatchStrOut` deltas in a background task, accumulates each request's state and hands
 outputs to the caller, in SGLang's native format (`{"text", "output_ids", "meta_info"}`). A caller that
-goes away (cancellation, a closed stream, a disconnected HTTP client) aborts its requests. Control RPCs
-(flush cache, internal state) go to the scheduler, whose replies come back on the same socket.
+goes away (cancellation, a closed stream, a disconnected HTTP client) aborts its requests; a request the
+server ends (a deadline) raises `ServerAbortError` with the HTTP status for the client. Long texts are
+tokenized off the loop (`TextEncoder`). Control RPCs (flush cache, internal state, pause and continue)
+go to the scheduler, whose replies come back on the same socket.
+
+A child process that has exited, or a scheduler silent for longer than --watchdog-timeout
+(`BackendHealth`), fails waiting requests with `BackendDeadError` (HTTP 503).
 
 All methods run on the loop that called `start()`; nothing here is thread-safe.
 """
@@ -20,24 +25,34 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
-from sglang.srt.managers.detokenizer_manager import load_tokenizer
+from sglang.srt.managers.backend_health import BackendHealth
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     PortArgs,
+    SchedulerHeartbeat,
 )
 from sglang.srt.managers.request_validation import (
     NormalizedRequest,
     RequestError,
     RequestLimits,
-    normalize_generate_request,
+    build_requests,
+    check_input_len,
+    max_samples_per_request,
+    parse_prompts,
 )
+from sglang.srt.managers.text_encoder import Encoded, TextEncoder
 from sglang.srt.managers.tokenizer_output import ReqState
+from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +66,16 @@ class ClientDisconnected(Exception):
 
 
 class BackendDeadError(RuntimeError):
-    """The scheduler or detokenizer process is gone: running requests can never finish."""
+    """The scheduler or detokenizer process is gone or stalled: running requests can never finish."""
+
+
+class ServerAbortError(Exception):
+    """The server ended the request (e.g. a deadline); the client gets `status_code` and `message`."""
+
+    def __init__(self, status_code: int, message: str):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
 
 
 class DisconnectCheck(Protocol):
@@ -64,18 +88,27 @@ class TokenizerManager:
         server_args: Any,
         port_args: PortArgs,
         model_info: dict[str, Any],
-        backend_alive: Callable[[], bool] | None = None,
+        backend_failure: Callable[[], str | None] | None = None,
+        tokenizer: Any = None,
     ):
         self.server_args = server_args
-        # Checked while requests wait, so that a dead subprocess fails them instead of hanging them.
-        self.backend_alive = backend_alive or (lambda: True)
+        # Checked while requests wait, so that a dead or stalled backend fails them instead of hanging
+        # them. `backend_failure` says why the child processes cannot serve (one has exited), or None.
+        self.health = BackendHealth(server_args.watchdog_timeout, backend_failure or (lambda: None))
         self.port_args = port_args
-        self.tokenizer = load_tokenizer(server_args.tokenizer_path)
+        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(server_args.tokenizer_path)
+        self.encoder = TextEncoder(self.tokenizer, server_args.tokenizer_path)
         self.limits = RequestLimits(
             context_len=model_info["context_len"],
             max_req_input_len=model_info["max_req_input_len"],
             vocab_size=model_info["vocab_size"],
         )
+        self.max_samples_per_request = max_samples_per_request(
+            server_args.max_samples_per_request, model_info["max_running_requests"]
+        )
+        # Cleared by /pause_generation: new requests wait until /continue_generation.
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
         self.rid_to_state: dict[str, ReqState] = {}
         # Optional observer (the metrics collector): on_first_token, on_finish, and on_abort for a
         # request whose caller went away before it finished.
@@ -84,6 +117,7 @@ class TokenizerManager:
         self._control_waiters: dict[type, asyncio.Future] = {}
         self._control_locks: dict[type, asyncio.Lock] = {}
         self._recv_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
         self._ctx: zmq.asyncio.Context | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -101,8 +135,13 @@ class TokenizerManager:
         self._send.setsockopt(zmq.SNDHWM, 0)
         self._send.connect(self.port_args.scheduler_input_ipc_name)
         self._recv_task = asyncio.create_task(self._recv_loop())
+        self._watch_task = asyncio.create_task(self.health.watch())
 
     async def close(self) -> None:
+        self.encoder.close()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            self._watch_task = None
         if self._recv_task is not None:
             self._recv_task.cancel()
             self._recv_task = None
@@ -112,8 +151,21 @@ class TokenizerManager:
 
     # ---- generation --------------------------------------------------------------------------------
 
-    def normalize(self, obj: GenerateReqInput) -> tuple[list[NormalizedRequest], bool]:
-        items, is_list = normalize_generate_request(obj, self.tokenizer, self.limits)
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`, tokenized off the loop when long; RequestError naming `param` when it is
+        longer than the context."""
+        enc = await self.encoder.encode(text, self.limits.context_len, add_special_tokens)
+        if enc.ids is None:
+            check_input_len(enc.num_tokens, self.limits, param, enc.at_least)  # raises: too long
+        assert enc.ids is not None
+        return enc.ids
+
+    async def normalize(self, obj: GenerateReqInput) -> tuple[list[NormalizedRequest], bool]:
+        prompts = parse_prompts(obj, self.max_samples_per_request)
+        encoded: list[Encoded] = []
+        for text in prompts.texts:
+            encoded.append(await self.encoder.encode(text, self.limits.context_len))
+        items, is_list = build_requests(obj, prompts, encoded, self.limits)
         for item in items:
             if item.req.rid in self.rid_to_state:
                 raise RequestError(f"A request with rid {item.req.rid!r} is already running.", "rid")
@@ -124,13 +176,19 @@ class TokenizerManager:
     ) -> AsyncIterator[Any]:
         """Yield the reply: once (a dict, or a list for batches and n > 1) without streaming; with
         streaming, chunks as tokens arrive (cumulative text, as SGLang streams; "index" set when the
-        request has several outputs). Raises RequestError before anything is sent."""
-        items, is_list = self.normalize(obj)
+        request has several outputs). Raises RequestError before anything is sent, ServerAbortError
+        when the server ends a request."""
+        items, is_list = await self.normalize(obj)
+        if not self._unpaused.is_set():
+            await self._wait_unpaused(request)
+        error = self.health.error()
+        if error is not None:
+            raise BackendDeadError(error)
         yield_event = asyncio.Event()
         states: list[ReqState] = []
         try:
             for item in items:
-                state = ReqState(item, time.time(), yield_event)
+                state = ReqState(item, time.time(), yield_event, obj.log_metrics)
                 self.rid_to_state[item.req.rid] = state
                 states.append(state)
                 self._send.send_pyobj(item.req)
@@ -139,15 +197,26 @@ class TokenizerManager:
                     yield chunk
             else:
                 await self._wait_all(states, yield_event, request)
+                for state in states:
+                    _raise_if_server_abort(state)
                 outs = [self.make_output(s) for s in states]
                 yield outs if is_list else outs[0]
         finally:
             for state in states:
                 if not state.finished:
                     self.abort_request(state.rid)
-                    if self.observer is not None:
+                    if self.observer is not None and state.log_metrics:
                         self.observer.on_abort(state)
                 self.rid_to_state.pop(state.rid, None)
+
+    async def _wait_unpaused(self, request: DisconnectCheck | None) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._unpaused.wait(), DISCONNECT_POLL_S)
+                return
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    raise ClientDisconnected() from None
 
     async def _wait_event(self, event: asyncio.Event, request: DisconnectCheck | None) -> None:
         while True:
@@ -159,8 +228,9 @@ class TokenizerManager:
                 if request is not None and await request.is_disconnected():
                     # The caller's `finally` aborts whatever is still running.
                     raise ClientDisconnected() from None
-                if not self.backend_alive():
-                    raise BackendDeadError("The scheduler or detokenizer process has exited.") from None
+                error = self.health.error()
+                if error is not None:
+                    raise BackendDeadError(error) from None
 
     async def _wait_all(self, states: list[ReqState], event: asyncio.Event, request: Any) -> None:
         while not all(s.finished for s in states):
@@ -171,6 +241,7 @@ class TokenizerManager:
     ) -> AsyncIterator[dict[str, Any]]:
         while True:
             for state in states:
+                _raise_if_server_abort(state)
                 if state.has_unsent_update():
                     chunk = self.make_output(state)
                     state.mark_sent()
@@ -212,6 +283,9 @@ class TokenizerManager:
         if isinstance(msg, BatchStrOut):
             self._handle_batch_output(msg)
             return
+        self.health.heard()  # everything else comes from the scheduler
+        if isinstance(msg, SchedulerHeartbeat):
+            return
         fut = self._control_waiters.pop(type(msg), None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
@@ -224,10 +298,11 @@ class TokenizerManager:
             if state is None:  # its caller is gone (aborted) or it belongs to nobody
                 continue
             first = state.apply(out, i)
-            if first and self.observer is not None:
-                self.observer.on_first_token(state)
-            if state.finished and self.observer is not None:
-                self.observer.on_finish(state)
+            if self.observer is not None and state.log_metrics:
+                if first:
+                    self.observer.on_first_token(state)
+                if state.finished:
+                    self.observer.on_finish(state)
             state.event.set()
 
     # ---- control -----------------------------------------------------------------------------------
@@ -238,6 +313,28 @@ class TokenizerManager:
     async def get_internal_state(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
         out = await self._control(GetInternalStateReq(), GetInternalStateReqOutput, timeout)
         return out.internal_state
+
+    async def pause_generation(self, mode: str, timeout: float = CONTROL_TIMEOUT_S) -> None:
+        """Upstream's modes: "abort" aborts every request (until none is left) and holds new ones here;
+        "retract" and "in_place" pause the scheduler (see `PauseGenerationReqInput`). New requests wait
+        in every mode until `continue_generation`."""
+        self._unpaused.clear()
+        if mode != "abort":
+            await self._control(PauseGenerationReqInput(mode), PauseGenerationReqOutput, timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while any(not s.finished for s in self.rid_to_state.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Requests were still running {timeout:.0f} s after they were aborted.")
+            self.abort_request(abort_all=True)
+            for _ in range(20):
+                await asyncio.sleep(0.05)
+                if all(s.finished for s in self.rid_to_state.values()):
+                    break
+
+    async def continue_generation(self, timeout: float = CONTROL_TIMEOUT_S) -> None:
+        await self._control(ContinueGenerationReqInput(), ContinueGenerationReqOutput, timeout)
+        self._unpaused.set()
 
     async def _control(self, req: Any, reply_type: type, timeout: float) -> Any:
         # One RPC of a kind at a time: replies carry no id, so a reply belongs to the one waiter.
@@ -254,3 +351,11 @@ class TokenizerManager:
                 ) from None
             finally:
                 self._control_waiters.pop(reply_type, None)
+
+
+def _raise_if_server_abort(state: ReqState) -> None:
+    reason = state.finished_reason or {}
+    if reason.get("type") == "abort" and reason.get("status_code"):
+        raise ServerAbortError(
+            reason["status_code"], reason.get("message", "The server aborted the request.")
+        )

@@ -28,8 +28,11 @@ TokenTexts = Callable[[list[int]], list[str]]
 
 
 class ReqState:
-    def __init__(self, item: NormalizedRequest, created_time: float, event: asyncio.Event):
+    def __init__(
+        self, item: NormalizedRequest, created_time: float, event: asyncio.Event, log_metrics: bool = True
+    ):
         self.item = item
+        self.log_metrics = log_metrics
         self.req = item.req
         self.rid = item.req.rid
         self.index = item.index

@@ -1,8 +1,10 @@
 """Prometheus metrics of the server (`--enable-metrics`, served at /metrics), with SGLang's names.
 
-Two sources: the TokenizerManager reports each request's first token and finish (counters and latency
-histograms, `on_first_token` / `on_finish`), and the scheduler's internal state, fetched when /metrics
-is scraped, gives the live gauges (requests, token pool, mamba slots, lazy allocation failures).
+Three sources: the TokenizerManager reports each request's first token and finish (counters and latency
+histograms, `on_first_token` / `on_finish`); the HTTP request guard reports the status of every
+response (`on_http_response`; 499 for a client that went away before its answer, as nginx counts it);
+and the scheduler's internal state, fetched when /metrics is scraped, gives the live gauges (requests,
+token pool, mamba slots, lazy allocation failures).
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ class MetricsCollector:
         self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens.")
         self.cached_tokens = counter("sglang:cached_tokens", "Prompt tokens served from the prefix cache.")
+        self.http_responses = Counter(
+            "sglang:http_responses",
+            "HTTP responses by status code (499: the client went away first).",
+            [*labels, "status_code"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "sglang:time_to_first_token_seconds",
             "Time to first token.",
@@ -104,6 +112,9 @@ class MetricsCollector:
 
     def on_first_token(self, state: Any) -> None:
         self.ttft.observe(state.first_token_time - state.created_time)
+
+    def on_http_response(self, status_code: int) -> None:
+        self.http_responses.labels(self.model_name, str(status_code)).inc()
 
     def on_abort(self, state: Any) -> None:
         self.num_aborted.inc()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -21,6 +22,9 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     stop: list[str] = field(default_factory=list)
+    # Regular expressions searched in the tail of the output; a match stops the request with the
+    # pattern as `matched` (upstream reports the pattern, and keeps the matched text in the output).
+    stop_regex: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -40,10 +44,11 @@ class SamplingParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise SamplingParamsError(f"sampling_params.{unknown[0]} is not a supported sampling parameter.")
-        if isinstance(d.get("stop"), str):
-            d["stop"] = [d["stop"]]
-        if d.get("stop") is None:
-            d["stop"] = []
+        for name in ("stop", "stop_regex"):
+            if isinstance(d.get(name), str):
+                d[name] = [d[name]]
+            if d.get(name) is None:
+                d[name] = []
         if d.get("stop_token_ids") is None:
             d["stop_token_ids"] = []
         params = cls(**d)
@@ -86,6 +91,17 @@ class SamplingParams:
                 raise SamplingParamsError(f"{name} must be a boolean.")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise SamplingParamsError("stop must be a non-empty string or a list of non-empty strings.")
+        if not isinstance(self.stop_regex, list) or not all(
+            isinstance(s, str) and s for s in self.stop_regex
+        ):
+            raise SamplingParamsError("stop_regex must be a non-empty string or a list of non-empty strings.")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise SamplingParamsError(
+                    f"stop_regex {pattern!r} is not a valid regular expression: {e}."
+                ) from None
         if not isinstance(self.stop_token_ids, list):
             raise SamplingParamsError("stop_token_ids must be a list of token ids.")
         for t in self.stop_token_ids:

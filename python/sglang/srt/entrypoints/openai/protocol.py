@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -45,6 +46,7 @@ class _SamplingFields(_Request):
     min_p: float | None = Field(None, ge=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(None, ge=0)
     stream: bool = False
@@ -84,6 +86,7 @@ class _SamplingFields(_Request):
             "min_p": self.min_p,
             "n": self.n,
             "stop": self.stop,
+            "stop_regex": self.stop_regex,
             "stop_token_ids": self.stop_token_ids,
             "seed": self.seed,
             "presence_penalty": self.presence_penalty,
@@ -140,7 +143,8 @@ class ContentPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    # Required but for assistant messages (upstream's protocol: those may carry tool calls instead).
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -151,6 +155,14 @@ class ChatMessage(_Request):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text":
                     raise ValueError(f"content part {i} has type {kind!r}; only 'text' parts are supported")
+        return v
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_required(cls, v: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if v is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or a list of text parts)")
         return v
 
     def text(self) -> str:

@@ -1,0 +1,100 @@
+"""Tokenization that never blocks the TokenizerManager's event loop.
+
+Short texts are tokenized on the loop (a few milliseconds at most). Long ones go to a worker process:
+a fast tokenizer holds the GIL for much of a long text (a 10 MB prompt kept the loop of the HTTP
+process, and every other request on it, waiting for 9-14 s), so a thread would not do. The worker
+returns the ids only of a text within `limit` tokens; for a longer one it returns the count, and it
+stops early when a prefix of the text alone is already far beyond the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+# Texts up to this many characters are tokenized on the loop.
+INLINE_MAX_CHARS = 16_384
+# The early check tokenizes a prefix of this many characters per allowed token...
+PROBE_CHARS_PER_TOKEN = 8
+# ...and a text is over the limit when that prefix alone exceeds it by this margin (the cut can split
+# a word or a special token into a few more pieces than the whole text has there).
+PROBE_MARGIN_TOKENS = 64
+
+
+@dataclass
+class Encoded:
+    """`ids` is None when the text is longer than the limit; `num_tokens` is then its length, or a
+    lower bound of it when `at_least`."""
+
+    ids: list[int] | None
+    num_tokens: int
+    at_least: bool = False
+
+
+class TextEncoder:
+    def __init__(self, tokenizer: Any, tokenizer_path: str):
+        self.tokenizer = tokenizer
+        self.tokenizer_path = tokenizer_path
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def encode(self, text: str, limit: int, add_special_tokens: bool = True) -> Encoded:
+        if len(text) <= INLINE_MAX_CHARS:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return Encoded(ids if len(ids) <= limit else None, len(ids))
+        if self._pool is None:
+            # Started on first use: most servers never see a long prompt.
+            self._pool = ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=mp.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(self.tokenizer_path,),
+            )
+        loop = asyncio.get_running_loop()
+        try:
+            ids, n, at_least = await loop.run_in_executor(
+                self._pool, _encode_in_worker, text, limit, add_special_tokens
+            )
+        except BrokenProcessPool:
+            self._pool = None  # the next long text starts a fresh worker
+            raise RuntimeError("The tokenizer worker process exited; retry the request.") from None
+        return Encoded(ids, n, at_least)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+_worker_tokenizer: Any = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _worker_tokenizer
+    from sglang.srt.utils.child_process import exit_with_parent
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+    # Started by the thread that runs the TokenizerManager's loop, which outlives every use of it.
+    exit_with_parent("tokenizer worker")
+    # Bulk work: the scheduler and the HTTP loop come first when cores are scarce.
+    os.nice(10)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _worker_tokenizer = get_tokenizer(tokenizer_path)
+
+
+def _encode_in_worker(text: str, limit: int, add_special_tokens: bool) -> tuple[list[int] | None, int, bool]:
+    tok = _worker_tokenizer
+    probe = limit * PROBE_CHARS_PER_TOKEN
+    if len(text) > 2 * probe:
+        cut = text.rfind(" ", probe // 2, probe)
+        n = len(tok.encode(text[: cut if cut > 0 else probe], add_special_tokens=False))
+        if n > limit + PROBE_MARGIN_TOKENS:
+            return None, n - PROBE_MARGIN_TOKENS, True
+    ids = tok.encode(text, add_special_tokens=add_special_tokens)
+    if len(ids) > limit:
+        return None, len(ids), False
+    return ids, len(ids), False

@@ -1,0 +1,128 @@
+"""No flag without an effect: every flag of `python -m sglang.launch_server --help` is read by the
+runtime, or refused at startup with one sentence naming it, or logged at startup as having no effect.
+A new flag that is none of these fails here until it is given an effect or a reason."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sglang
+from sglang.srt.entrypoints import process_launcher
+from sglang.srt.entrypoints.process_launcher import (
+    ServerStartupError,
+    check_flag_support,
+    log_no_effect_flags,
+)
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=8, suite="per-commit-cpu")
+
+PACKAGE = Path(sglang.__file__).parent
+
+# Refused at startup (ServerArgsError or ServerStartupError): a value that asks for the missing feature.
+REFUSED = {
+    "skip_tokenizer_init": True,
+    "tp_size": 2,
+    "disaggregation_mode": "prefill",
+    "disaggregation_transfer_backend": "nixl",
+    "disaggregation_bootstrap_port": 9000,
+    "disaggregation_decode_extra_slots": 4,
+    "disaggregation_ib_device": "mlx5_0",
+}
+# Accepted for compatibility and logged as having no effect.
+NO_EFFECT = {"trust_remote_code": True}
+# Read through a value ServerArgs derives from them rather than by their own name.
+DERIVED = {
+    "context_length": "context_len",
+    "disable_overlap_schedule": "enable_overlap_schedule",
+    "max_request_body_size": "request_body_limit",
+}
+
+
+def help_flags() -> dict[str, str]:
+    """Flag -> dest, for every flag that `--help` lists."""
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return {opt: a.dest for a in parser._actions if a.dest != "help" for opt in a.option_strings}
+
+
+def runtime_sources() -> str:
+    files = [f for f in PACKAGE.rglob("*.py") if "test" not in f.relative_to(PACKAGE).parts]
+    return "\n".join(f.read_text() for f in files if f.name != "server_args.py")
+
+
+def test_help_lists_the_flags_the_audit_knows():
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    listed = set(re.findall(r"(--[a-z][a-z0-9-]+)", out.stdout)) - {"--help"}
+    assert listed == set(help_flags())
+
+
+def test_every_flag_is_read_refused_or_logged_as_without_effect():
+    sources = runtime_sources()
+    dests = set(help_flags().values())
+    assert set(REFUSED) | set(NO_EFFECT) | set(DERIVED) <= dests
+    assert set(NO_EFFECT) == set(process_launcher.NO_EFFECT_FLAGS)
+    unread = [
+        dest
+        for dest in sorted(dests - set(REFUSED) - set(NO_EFFECT))
+        if not re.search(rf"\.{DERIVED.get(dest, dest)}\b", sources)
+    ]
+    assert not unread, f"flags nothing reads (give them an effect, or refuse or log them): {unread}"
+
+
+@pytest.mark.parametrize("dest", sorted(REFUSED))
+def test_a_refused_flag_stops_the_start_with_one_sentence_naming_it(dest):
+    flag = "--" + dest.replace("_", "-")
+    try:
+        args = ServerArgs(**{dest: REFUSED[dest]})
+    except ServerArgsError as e:
+        message = str(e)
+    else:
+        with pytest.raises(ServerStartupError) as e:
+            check_flag_support(args)
+        message = str(e.value)
+    assert message.startswith(flag) and message.endswith(".") and ". " not in message, message
+
+
+def test_defaults_are_not_refused_and_log_nothing(caplog):
+    args = ServerArgs()
+    with caplog.at_level(logging.WARNING):
+        check_flag_support(args)
+        log_no_effect_flags(args)
+    assert not caplog.records
+
+
+def test_a_flag_without_effect_is_logged_once_with_the_reason(caplog):
+    with caplog.at_level(logging.WARNING, logger=process_launcher.__name__):
+        log_no_effect_flags(ServerArgs(**NO_EFFECT))
+    assert [r.getMessage() for r in caplog.records] == [
+        "--trust-remote-code has no effect: models run on this runtime's own implementations and "
+        "tokenizers load from local files, so no code from a checkpoint is ever run."
+    ]
+
+
+def test_a_refused_companion_flag_fails_the_command_line_in_one_sentence():
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--disaggregation-bootstrap-port", "9000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: --disaggregation-bootstrap-port 9000: disaggregated prefill/decode serving is not available "
+        "yet; start without --disaggregation-bootstrap-port."
+    ], proc.stderr
+    assert "Traceback" not in proc.stderr
