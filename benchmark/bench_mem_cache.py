@@ -20,6 +20,7 @@ from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, 
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool
 
 TINY = Mamba2CacheParams(
@@ -46,9 +47,10 @@ def timed(fn, repeat: int) -> float:
 def bench_match_insert(repeat: int) -> float:
     rng = random.Random(0)
     slots = 4096
-    pool = HybridReqToTokenPool(8, slots, 1024, TINY, enable_mamba_extra_buffer=True)
+    strategy = MambaStrategy.resolve("extra_buffer", radix_cache=True, overlap=True, cache_chunk_size=64)
+    pool = HybridReqToTokenPool(8, slots, 1024, TINY, strategy)
     kv = PagedTokenAllocator(1 << 20, 1)
-    tree = MambaRadixCache(pool, kv, page_size=1, cache_chunk_size=64)
+    tree = MambaRadixCache(pool, kv, page_size=1)
     prefixes = [[rng.randrange(512) for _ in range(256)] for _ in range(16)]
 
     def key() -> list[int]:

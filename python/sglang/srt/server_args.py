@@ -14,23 +14,32 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.mem_cache.mamba_strategy import EXTRA_BUFFER_STRATEGIES, MambaStrategy
+from sglang.srt.server_args_checks import (
+    DEVICE_CHOICES,
+    DISAGGREGATION_MODES,
+    DTYPE_CHOICES,
+    LOG_LEVELS,
+    MAMBA_SCHEDULER_STRATEGY_CHOICES,
+    SCHEDULE_POLICIES,
+    ServerArgsError,
+    check_basic_flags,
+    check_model,
+    check_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
-MAMBA_SCHEDULER_STRATEGY_CHOICES = ["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"]
-EXTRA_BUFFER_STRATEGIES = ("extra_buffer", "extra_buffer_lazy")
-DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
-DEVICE_CHOICES = ["auto", "cpu", "cuda"]
-DISAGGREGATION_MODES = ["null", "prefill", "decode"]
-LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
-SCHEDULE_POLICIES = ["fcfs", "lpm"]
 DEFAULT_MODEL = "tiny-qwen3-next"
 DEFAULT_TRACK_INTERVAL = 256
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048
-
-
-class ServerArgsError(ValueError):
-    """A flag or a combination of flags that cannot work; the message names the flag."""
+# Fields whose value is a secret: never returned, logged or printed (see `public_dict`).
+SECRET = {"secret": True}
+REDACTED = "<redacted>"
+# Default request body limit: room for one prompt of the whole context, JSON-escaped (a token is a few
+# bytes of text or one integer id), plus the rest of the body.
+BODY_BYTES_PER_CONTEXT_TOKEN = 64
+BODY_BYTES_BASE = 1 << 20
 
 
 @dataclass
@@ -49,10 +58,14 @@ class ServerArgs:
     # HTTP server
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = field(default=None, metadata=SECRET)
     enable_metrics: bool = False
     log_level: str = "info"
     log_requests: bool = False
+    # None: derived from the context length (`request_body_limit`).
+    max_request_body_size: int | None = None
+    # None: a quarter of the max running requests, at least 64 (`request_validation`).
+    max_samples_per_request: int | None = None
 
     # Memory and scheduling
     mem_fraction_static: float | None = None
@@ -88,7 +101,7 @@ class ServerArgs:
     mamba_strategy_reason: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
-        self._check_basic_flags()
+        check_basic_flags(self)
         if self.device == "auto":
             self.device = _auto_device()
         if self.random_seed is None:
@@ -97,10 +110,30 @@ class ServerArgs:
             self.tokenizer_path = self.model_path
         if self.served_model_name is None:
             self.served_model_name = self.model_path
-        self._check_model()
+        check_model(self)
+        check_tokenizer(self)
         self._handle_pd_disaggregation()
         self._handle_mamba_strategy()
+        # Resolved once; components read it, not the flags (`mem_cache/mamba_strategy.py`).
+        self.mamba_strategy = MambaStrategy.resolve(
+            self.mamba_scheduler_strategy,
+            radix_cache=not self.disable_radix_cache,
+            overlap=self.enable_overlap_schedule,
+            cache_chunk_size=self.mamba_cache_chunk_size,
+        )
         self._handle_chunk_aligned_sizes()
+
+    def public_dict(self) -> dict:
+        """Every field, with secrets redacted: what /get_server_info returns and what a log may show."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = REDACTED if f.metadata.get("secret") and value is not None else value
+        return out
+
+    def __repr__(self) -> str:
+        fields_ = ", ".join(f"{k}={v!r}" for k, v in self.public_dict().items())
+        return f"ServerArgs({fields_})"
 
     # ---- derived values --------------------------------------------------------------------------
 
@@ -118,15 +151,7 @@ class ServerArgs:
         return not self.disable_overlap_schedule
 
     def enable_mamba_extra_buffer(self) -> bool:
-        return not self.disable_radix_cache and self.mamba_scheduler_strategy in EXTRA_BUFFER_STRATEGIES
-
-    def enable_mamba_extra_buffer_lazy(self) -> bool:
-        return not self.disable_radix_cache and self.mamba_scheduler_strategy == "extra_buffer_lazy"
-
-    @property
-    def mamba_ping_pong_track_buffer_size(self) -> int:
-        """Track slots a request has room for: 2 with overlap (ping-pong), 1 without."""
-        return 2 if self.enable_overlap_schedule else 1
+        return self.mamba_strategy.extra_buffer
 
     @property
     def mamba_cache_chunk_size(self) -> int:
@@ -141,72 +166,17 @@ class ServerArgs:
         return big
 
     @property
+    def request_body_limit(self) -> int:
+        """Bytes a request body may have (HTTP 413 above)."""
+        if self.max_request_body_size is not None:
+            return self.max_request_body_size
+        return BODY_BYTES_BASE + BODY_BYTES_PER_CONTEXT_TOKEN * self.model_config.context_len
+
+    @property
     def chunked_prefill_enabled(self) -> bool:
         return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
 
     # ---- validation and resolution ------------------------------------------------------------
-
-    def _check_basic_flags(self) -> None:
-        _choice("--dtype", self.dtype, DTYPE_CHOICES)
-        _choice("--device", self.device, DEVICE_CHOICES)
-        _choice("--log-level", self.log_level, LOG_LEVELS)
-        _choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
-        _choice("--mamba-scheduler-strategy", self.mamba_scheduler_strategy, MAMBA_SCHEDULER_STRATEGY_CHOICES)
-        _choice("--disaggregation-mode", self.disaggregation_mode, DISAGGREGATION_MODES)
-        if self.mamba_ssm_dtype is not None:
-            _choice("--mamba-ssm-dtype", self.mamba_ssm_dtype, ["float32", "bfloat16", "float16"])
-        if not 0 < self.port < 65536:
-            raise ServerArgsError(f"--port must be between 1 and 65535, got {self.port}.")
-        _positive("--page-size", self.page_size)
-        _positive("--max-prefill-tokens", self.max_prefill_tokens)
-        _positive("--stream-interval", self.stream_interval)
-        for flag, value in [
-            ("--max-running-requests", self.max_running_requests),
-            ("--max-total-tokens", self.max_total_tokens),
-            ("--max-mamba-cache-size", self.max_mamba_cache_size),
-            ("--mamba-track-interval", self.mamba_track_interval),
-            ("--context-length", self.context_length),
-        ]:
-            if value is not None:
-                _positive(flag, value)
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < -1:
-            raise ServerArgsError(
-                f"--chunked-prefill-size must be positive, or -1 to disable chunked prefill, "
-                f"got {self.chunked_prefill_size}."
-            )
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            raise ServerArgsError(
-                f"--mem-fraction-static must be between 0 and 1, got {self.mem_fraction_static}."
-            )
-        if not self.mamba_full_memory_ratio > 0:
-            raise ServerArgsError(
-                f"--mamba-full-memory-ratio must be positive, got {self.mamba_full_memory_ratio}."
-            )
-        if self.tp_size != 1:
-            raise ServerArgsError(
-                f"--tp-size {self.tp_size} is not supported yet; this runtime runs --tp-size 1."
-            )
-        if self.disaggregation_decode_extra_slots is not None and self.disaggregation_decode_extra_slots < 0:
-            raise ServerArgsError(
-                "--disaggregation-decode-extra-slots must be 0 or more, "
-                f"got {self.disaggregation_decode_extra_slots}."
-            )
-
-    def _check_model(self) -> None:
-        if self.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ServerArgsError("--device cuda was given, but no CUDA device is available.")
-        try:
-            arch = self.model_config.arch
-        except (ValueError, OSError) as e:
-            raise ServerArgsError(f"--model-path {self.model_path!r} cannot be served: {e}") from None
-        limit = arch.max_position_embeddings
-        if self.context_length is not None and self.context_length > limit:
-            raise ServerArgsError(
-                f"--context-length {self.context_length} exceeds the model's max_position_embeddings ({limit})."
-            )
 
     def _handle_pd_disaggregation(self) -> None:
         """The decode server of PD disaggregation has no prefix cache yet (upstream PR #22462)."""
@@ -304,8 +274,16 @@ class ServerArgs:
         g.add_argument("--context-length", type=int, default=None)
         g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
         g.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
-        g.add_argument("--trust-remote-code", action="store_true")
-        g.add_argument("--skip-tokenizer-init", action="store_true")
+        g.add_argument(
+            "--trust-remote-code",
+            action="store_true",
+            help="Accepted for compatibility; no effect (no code from a checkpoint is ever run).",
+        )
+        g.add_argument(
+            "--skip-tokenizer-init",
+            action="store_true",
+            help="Not supported: the server refuses to start with it (it tokenizes and detokenizes itself).",
+        )
         g.add_argument("--random-seed", type=int, default=None)
 
         g = parser.add_argument_group("HTTP server")
@@ -315,6 +293,19 @@ class ServerArgs:
         g.add_argument("--enable-metrics", action="store_true")
         g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
         g.add_argument("--log-requests", action="store_true")
+        g.add_argument(
+            "--max-request-body-size",
+            type=int,
+            default=None,
+            help="Largest request body in bytes (HTTP 413 above); default: 1 MiB + 64 bytes per context token.",
+        )
+        g.add_argument(
+            "--max-samples-per-request",
+            type=int,
+            default=None,
+            help="Most sequences one request may start (prompts x n); default: a quarter of the max running "
+            "requests, at least 64.",
+        )
 
         g = parser.add_argument_group("memory and scheduling")
         g.add_argument("--mem-fraction-static", type=float, default=None)
@@ -328,7 +319,13 @@ class ServerArgs:
         g.add_argument("--disable-overlap-schedule", action="store_true")
         g.add_argument("--stream-interval", type=int, default=default("stream_interval"))
         g.add_argument("--tp-size", "--tp", type=int, default=1)
-        g.add_argument("--watchdog-timeout", type=float, default=default("watchdog_timeout"))
+        g.add_argument(
+            "--watchdog-timeout",
+            type=float,
+            default=default("watchdog_timeout"),
+            help="Seconds a forward may take, and the scheduler may stay silent, before the stall is "
+            "reported and the server exits with status 1; 0 or less: off.",
+        )
 
         g = parser.add_argument_group("mamba state cache")
         g.add_argument("--max-mamba-cache-size", type=int, default=None)
@@ -343,7 +340,10 @@ class ServerArgs:
         )
         g.add_argument("--mamba-track-interval", type=int, default=None)
 
-        g = parser.add_argument_group("prefill/decode disaggregation")
+        g = parser.add_argument_group(
+            "prefill/decode disaggregation",
+            "Not available yet: the server refuses to start with any of these set to other than its default.",
+        )
         g.add_argument("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES)
         g.add_argument(
             "--disaggregation-transfer-backend", default=default("disaggregation_transfer_backend")
@@ -376,13 +376,3 @@ def _auto_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _choice(flag: str, value: str, choices: list[str]) -> None:
-    if value not in choices:
-        raise ServerArgsError(f"{flag} must be one of {', '.join(choices)}, got {value!r}.")
-
-
-def _positive(flag: str, value: int) -> None:
-    if value < 1:
-        raise ServerArgsError(f"{flag} must be a positive integer, got {value}.")

@@ -4,31 +4,38 @@ Front-end tests (TokenizerManager, detokenizer, Engine, HTTP server) run against
 depend on the model or the scheduler. Tokens are deterministic (a function of the previous token, the
 position and the seed); logprobs are made up but consistent; a finished request's ids are remembered
 so that a repeated prefix reports `cached_tokens`, as a prefix cache would. It honours max_new_tokens,
-stop_token_ids, stop strings, aborts (one or all), flush_cache (refused while requests run) and
-internal-state queries with the real scheduler's keys. `SGLANG_TEST_FORWARD_DELAY_MS` slows each step,
-as it slows the real forward.
+stop_token_ids, stop strings and regexes, aborts (one or all), flush_cache (refused while requests
+run), pause/continue (no steps while paused) and internal-state queries with the real scheduler's keys, and
+sends the heartbeat. `SGLANG_TEST_FORWARD_DELAY_MS` slows each step, as it slows the real forward.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
 import zmq
 
 from sglang.srt.environ import envs
-from sglang.srt.managers.detokenizer_manager import load_tokenizer
 from sglang.srt.managers.io_struct import (
+    HEARTBEAT_INTERVAL_S,
     AbortReq,
     BatchTokenIDOut,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     PortArgs,
+    SchedulerHeartbeat,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 FAKE_TOTAL_TOKENS = 16384
 FAKE_MAMBA_SLOTS = 256
@@ -58,10 +65,11 @@ class FakeScheduler:
         self.vocab = cfg.vocab_size
         self.context_len = cfg.context_len
         self.max_running = server_args.max_running_requests or 64
-        self.tokenizer = load_tokenizer(server_args.tokenizer_path)
+        self.tokenizer = get_tokenizer(server_args.tokenizer_path)
         self.running: dict[str, _Req] = {}
         self.waiting: list[_Req] = []
         self.cache: list[tuple[int, ...]] = []
+        self.paused = False
         self.counters = dict.fromkeys(
             (
                 "num_requests_total",
@@ -93,14 +101,18 @@ class FakeScheduler:
 
     def serve(self) -> None:
         parent = os.getppid()
+        last_beat = 0.0
         while True:
-            busy = bool(self.running or self.waiting)
-            if self.recv.poll(0 if busy else 500):
+            if time.monotonic() - last_beat >= HEARTBEAT_INTERVAL_S:  # as the real scheduler's loop
+                last_beat = time.monotonic()
+                self.to_tokenizer.send_pyobj(SchedulerHeartbeat())
+            busy = bool(self.running or self.waiting) and not self.paused
+            if self.recv.poll(0 if busy else 100):
                 while self.recv.poll(0):
                     self.handle(self.recv.recv_pyobj())
             elif not busy and os.getppid() != parent:
                 return
-            if self.running or self.waiting:
+            if (self.running or self.waiting) and not self.paused:
                 delay = envs.SGLANG_TEST_FORWARD_DELAY_MS.get()
                 time.sleep(delay / 1000 if delay > 0 else 0.001)
                 self.step()
@@ -124,11 +136,16 @@ class FakeScheduler:
             busy = bool(self.running or self.waiting)
             if not busy:
                 self.cache.clear()
-            self.to_tokenizer.send_pyobj(
-                FlushCacheReqOutput(success=not busy, message="Requests are running." if busy else "")
-            )
+            message = "The cache was not flushed: requests are running." if busy else ""
+            self.to_tokenizer.send_pyobj(FlushCacheReqOutput(success=not busy, message=message))
         elif isinstance(msg, GetInternalStateReq):
             self.to_tokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
+        elif isinstance(msg, PauseGenerationReqInput):
+            self.paused = True
+            self.to_tokenizer.send_pyobj(PauseGenerationReqOutput())
+        elif isinstance(msg, ContinueGenerationReqInput):
+            self.paused = False
+            self.to_tokenizer.send_pyobj(ContinueGenerationReqOutput())
 
     def step(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
@@ -157,11 +174,14 @@ class FakeScheduler:
         p = r.req.sampling_params
         if r.output and r.output[-1] in p.stop_token_ids:
             return {"type": "stop", "matched": r.output[-1]}
-        if p.stop:
+        if p.stop or p.stop_regex:
             text = self.tokenizer.decode(r.output[-8:])
             for s in p.stop:
                 if s in text:
                     return {"type": "stop", "matched": s}
+            for pattern in p.stop_regex:
+                if re.search(pattern, text):
+                    return {"type": "stop", "matched": pattern}
         if len(r.output) >= p.max_new_tokens or len(r.req.input_ids) + len(r.output) >= self.context_len:
             return {"type": "length", "length": len(r.output)}
         return None
@@ -235,7 +255,7 @@ class FakeScheduler:
     def internal_state(self) -> dict[str, Any]:
         held_tokens = sum(len(r.req.input_ids) + len(r.output) for r in self.running.values())
         tree_tokens = min(sum(len(s) for s in self.cache), FAKE_TOTAL_TOKENS - held_tokens)
-        slots = 2 if self.server_args.enable_mamba_extra_buffer() else 1
+        slots = self.server_args.mamba_strategy.resident_slots_per_req
         held_slots = slots * len(self.running)
         tree_slots = min(len(self.cache), FAKE_MAMBA_SLOTS - held_slots)
         return {

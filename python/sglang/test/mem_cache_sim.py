@@ -19,6 +19,7 @@ from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.integrity import check_integrity
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 SYNTHETIC_PARAMS = Mamba2CacheParams(
@@ -47,11 +48,11 @@ class MemCacheSim:
         chunk: int = 4,
         max_context_len: int = 1024,
     ):
-        self.pool = HybridReqToTokenPool(
-            rows, mamba_slots, max_context_len, SYNTHETIC_PARAMS, extra_buffer, lazy, overlap
-        )
+        name = "extra_buffer_lazy" if lazy else "extra_buffer" if extra_buffer else "no_buffer"
+        strategy = MambaStrategy.resolve(name, radix_cache=True, overlap=overlap, cache_chunk_size=chunk)
+        self.pool = HybridReqToTokenPool(rows, mamba_slots, max_context_len, SYNTHETIC_PARAMS, strategy)
         self.kv = PagedTokenAllocator(kv_tokens, page_size)
-        self.tree = MambaRadixCache(self.pool, self.kv, page_size, chunk, extra_buffer)
+        self.tree = MambaRadixCache(self.pool, self.kv, page_size)
         self.kv_tags = torch.zeros(self.kv.size + page_size * 2)
         self.reqs: list[Req] = []
         self._n = 0
@@ -128,7 +129,7 @@ class MemCacheSim:
             self.kv_tags[s] = tag(ids[: start + i + 1])
         req.kv_indices += slots
         self.write_state(req.mamba_pool_idx, ids[:end])
-        if track_at is not None and self.pool.enable_mamba_extra_buffer:
+        if track_at is not None and self.pool.strategy.extra_buffer:
             self.track(req, track_at)
         return True
 
@@ -136,8 +137,7 @@ class MemCacheSim:
         buf = req.mamba_ping_pong_track_buffer
         self.write_state(buf[req.mamba_next_track_idx], req.all_ids[:seqlen])
         req.mamba_last_track_seqlen = seqlen
-        if not self.pool.enable_mamba_extra_buffer_lazy:
-            req.mamba_next_track_idx = self.pool.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
+        self.pool.advance_track_entry(req, req.mamba_next_track_idx)
 
     def finish(self, req: Req, is_insert: bool = True) -> None:
         self.tree.cache_finished_req(req, is_insert)

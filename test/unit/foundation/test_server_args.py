@@ -73,7 +73,7 @@ def test_every_design_flag_parses():
     assert (args.disaggregation_mode, args.disaggregation_transfer_backend) == ("prefill", "nixl")
     assert (args.disaggregation_bootstrap_port, args.disaggregation_decode_extra_slots) == (9000, 4)
     assert args.disaggregation_ib_device == "mlx5_0"
-    assert args.mamba_cache_chunk_size == 32 and args.mamba_ping_pong_track_buffer_size == 1
+    assert args.mamba_cache_chunk_size == 32 and args.mamba_strategy.track_entries == 1
 
 
 def test_defaults_match_sglang():
@@ -82,7 +82,7 @@ def test_defaults_match_sglang():
     assert args.page_size == 1 and args.max_prefill_tokens == 16384 and args.mamba_full_memory_ratio == 0.9
     assert args.mamba_track_interval == 256 and args.device == "cpu" and args.dtype == "auto"
     assert args.disaggregation_mode == "null" and not args.enable_metrics
-    assert args.enable_overlap_schedule and args.mamba_ping_pong_track_buffer_size == 2
+    assert args.enable_overlap_schedule and args.mamba_strategy.track_entries == 2
 
 
 def test_radix_cache_strategy_is_the_same_flag():
@@ -107,21 +107,25 @@ def test_auto_strategy_resolution(kwargs, expected, overlap):
     assert args.mamba_strategy_reason.startswith(f"auto chose {expected}")
 
 
-def test_extra_buffer_predicates():
-    lazy = ServerArgs(mamba_scheduler_strategy="extra_buffer_lazy")
-    assert lazy.enable_mamba_extra_buffer() and lazy.enable_mamba_extra_buffer_lazy()
-    eb = ServerArgs(mamba_scheduler_strategy="extra_buffer")
-    assert eb.enable_mamba_extra_buffer() and not eb.enable_mamba_extra_buffer_lazy()
+def test_strategy_resolves_once_into_the_slot_rules():
+    lazy = ServerArgs(mamba_scheduler_strategy="extra_buffer_lazy").mamba_strategy
+    assert (lazy.extra_buffer, lazy.lazy, lazy.track_entries) == (True, True, 2)
+    assert (lazy.resident_slots_per_req, lazy.max_slots_per_req) == (2, 3)
+    eb = ServerArgs(mamba_scheduler_strategy="extra_buffer").mamba_strategy
+    assert (eb.extra_buffer, eb.lazy, eb.resident_slots_per_req) == (True, False, 3)
     no_radix = ServerArgs(mamba_scheduler_strategy="extra_buffer", disable_radix_cache=True)
-    assert not no_radix.enable_mamba_extra_buffer()
-    nb = ServerArgs(mamba_scheduler_strategy="no_buffer")
-    assert not nb.enable_mamba_extra_buffer() and not nb.enable_overlap_schedule
+    assert not no_radix.enable_mamba_extra_buffer() and no_radix.mamba_strategy.resident_slots_per_req == 1
+    nb = ServerArgs(mamba_scheduler_strategy="no_buffer").mamba_strategy
+    assert not nb.extra_buffer and nb.track_entries == 0 and nb.resident_slots_per_req == 1
+    assert ServerArgs(page_size=128).mamba_strategy.cache_chunk_size == 128
 
 
 def test_lazy_without_overlap_is_allowed_and_logged(caplog):
     with caplog.at_level(logging.INFO):
         args = ServerArgs(mamba_scheduler_strategy="extra_buffer_lazy", disable_overlap_schedule=True)
-    assert args.enable_mamba_extra_buffer_lazy() and args.mamba_ping_pong_track_buffer_size == 1
+    strategy = args.mamba_strategy
+    assert strategy.extra_buffer and not strategy.lazy and strategy.track_entries == 1
+    assert strategy.resident_slots_per_req == 2
     assert "runs like extra_buffer with one track slot" in caplog.text
 
 

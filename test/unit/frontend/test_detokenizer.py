@@ -10,9 +10,9 @@ from sglang.srt.managers.detokenizer_manager import (
     REPLACEMENT_CHAR,
     DetokenizerManager,
     IncrementalDetokenizer,
-    load_tokenizer,
 )
 from sglang.srt.managers.io_struct import BatchTokenIDOut
+from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="per-commit-cpu")
@@ -22,7 +22,7 @@ MULTIBYTE = "héllo wörld, 世界 🙂 ok ü"
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer("tiny-qwen3-next")
+    return get_tokenizer("tiny-qwen3-next")
 
 
 def stream(tokenizer, ids: list[int], chunks: list[int], skip: bool = True) -> list[str]:

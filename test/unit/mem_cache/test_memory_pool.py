@@ -8,14 +8,11 @@ import logging
 import pytest
 import torch
 
+from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool
 from sglang.srt.managers.schedule_batch import Req
-from sglang.srt.mem_cache.memory_pool import (
-    HybridMambaDecodeReqToTokenPool,
-    HybridReqToTokenPool,
-    MambaPool,
-    MHATokenToKVPool,
-)
-from sglang.srt.mem_cache.pool_sizing import compute_pool_sizes, resident_slots_per_req
+from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
+from sglang.srt.mem_cache.pool_sizing import compute_pool_sizes
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mem_cache_sim import SYNTHETIC_PARAMS
@@ -23,10 +20,14 @@ from sglang.test.mem_cache_sim import SYNTHETIC_PARAMS
 register_cpu_ci(est_time=3, suite="per-commit-cpu")
 
 
-def _pool(**kw) -> HybridReqToTokenPool:
+def _strategy(name: str, overlap: bool = True) -> MambaStrategy:
+    return MambaStrategy.resolve(name, radix_cache=True, overlap=overlap, cache_chunk_size=4)
+
+
+def _pool(strategy: str = "no_buffer", overlap: bool = True, **kw) -> HybridReqToTokenPool:
     args = dict(size=4, mamba_size=12, max_context_len=64, cache_params=SYNTHETIC_PARAMS)
     args.update(kw)
-    return HybridReqToTokenPool(**args)
+    return HybridReqToTokenPool(strategy=_strategy(strategy, overlap), **args)
 
 
 def test_mamba_pool_layout_clear_and_copy_over_all_layers():
@@ -49,12 +50,11 @@ def test_mamba_pool_layout_clear_and_copy_over_all_layers():
 
 
 def test_alloc_and_free_accounting():
-    pool = _pool(enable_mamba_extra_buffer=False)
+    pool = _pool("no_buffer")
     reqs = [Req(f"r{i}", [1, 2, 3]) for i in range(3)]
     assert pool.alloc(reqs) is not None
     assert pool.available_size() == 1 and pool.mamba_allocator.available_size() == 9
     assert all(r.mamba_needs_clear and r.mamba_ping_pong_track_buffer is None for r in reqs)
-    assert pool.req_index_to_mamba_index[reqs[0].req_pool_idx] == reqs[0].mamba_pool_idx
     for r in reqs[:2]:
         pool.free_mamba_cache(r)
         pool.free(r)
@@ -64,21 +64,21 @@ def test_alloc_and_free_accounting():
 
 
 def test_alloc_is_all_or_nothing():
-    pool = _pool(size=2, mamba_size=5, enable_mamba_extra_buffer=True, enable_overlap_schedule=True)
+    pool = _pool("extra_buffer", size=2, mamba_size=5)
     reqs = [Req("a", [1]), Req("b", [1])]
     assert pool.alloc(reqs) is None, "2 requests x 3 slots > 5"
     assert all(r.req_pool_idx is None and r.mamba_pool_idx is None for r in reqs)
     assert pool.available_size() == 2 and pool.mamba_allocator.available_size() == 5
     assert pool.alloc(reqs[:1]) is not None and pool.mamba_allocator.available_size() == 2
-    assert pool.resident_slots_per_req() == 3
+    assert pool.strategy.resident_slots_per_req == 3
 
 
 def test_lazy_slots_set_donate_exchange_and_free():
-    pool = _pool(enable_mamba_extra_buffer=True, enable_mamba_extra_buffer_lazy=True)
+    pool = _pool("extra_buffer_lazy")
     r = Req("a", [1, 2])
     pool.alloc([r])
     assert r.mamba_ping_pong_track_buffer[1] == -1 and r.mamba_ping_pong_track_buffer[0] > 0
-    assert pool.mamba_allocator.available_size() == 10 and pool.resident_slots_per_req() == 2
+    assert pool.mamba_allocator.available_size() == 10 and pool.strategy.resident_slots_per_req == 2
     assert pool.get_mamba_ping_pong_keep_idx(r) == 0
     # A decode boundary borrows a second slot and writes into it.
     extra = pool.mamba_allocator.alloc(1)[0]
@@ -97,7 +97,7 @@ def test_lazy_slots_set_donate_exchange_and_free():
 
 
 def test_normal_extra_buffer_keep_index_and_free_with_keep():
-    pool = _pool(enable_mamba_extra_buffer=True, enable_overlap_schedule=True)
+    pool = _pool("extra_buffer")
     r = Req("a", [1, 2])
     pool.alloc([r])
     buf = list(r.mamba_ping_pong_track_buffer)
@@ -106,10 +106,8 @@ def test_normal_extra_buffer_keep_index_and_free_with_keep():
     assert pool.get_mamba_ping_pong_keep_idx(r) == 0
     pool.free_mamba_cache(r, mamba_ping_pong_track_buffer_to_keep=0)
     assert pool.mamba_allocator.available_size() == 11 and buf[0] not in pool.mamba_allocator._free
-    no_overlap = _pool(enable_mamba_extra_buffer=True, enable_overlap_schedule=False)
-    assert (
-        no_overlap.mamba_ping_pong_track_buffer_size == 1 and no_overlap.get_mamba_ping_pong_other_idx(0) == 0
-    )
+    no_overlap = _pool("extra_buffer", overlap=False)
+    assert no_overlap.strategy.track_entries == 1 and no_overlap.get_mamba_ping_pong_other_idx(0) == 0
 
 
 @pytest.mark.parametrize("extra_buffer", [True, False])
@@ -118,9 +116,8 @@ def test_normal_extra_buffer_keep_index_and_free_with_keep():
 def test_decode_side_sizing(extra_buffer, overlap, given, caplog):
     size, pre = 8, 4
     with caplog.at_level(logging.WARNING):
-        pool = HybridMambaDecodeReqToTokenPool(
-            size, pre, given, 64, SYNTHETIC_PARAMS, extra_buffer, enable_overlap_schedule=overlap
-        )
+        strategy = _strategy("extra_buffer_lazy" if extra_buffer else "no_buffer", overlap)
+        pool = HybridMambaDecodeReqToTokenPool(size, pre, given, 64, SYNTHETIC_PARAMS, strategy)
     per_req = 1 + ((2 if overlap else 1) if extra_buffer else 0)
     need = (size + pre) * per_req
     assert pool.slots_per_req == per_req and pool.max_slots_needed == need
@@ -161,8 +158,8 @@ def test_pool_sizing_from_flags_and_from_a_budget():
         + sized.max_total_tokens * sized.kv_bytes_per_token
     )
     assert rest - sized.kv_bytes_per_token < used <= rest, "the budget is spent, not exceeded"
-    assert resident_slots_per_req(ServerArgs(mamba_scheduler_strategy="extra_buffer")) == 3
-    assert resident_slots_per_req(ServerArgs(mamba_scheduler_strategy="no_buffer")) == 1
+    assert ServerArgs(mamba_scheduler_strategy="extra_buffer").mamba_strategy.resident_slots_per_req == 3
+    assert ServerArgs(mamba_scheduler_strategy="no_buffer").mamba_strategy.resident_slots_per_req == 1
 
 
 def test_pool_sizing_refuses_too_small_pools():

@@ -124,7 +124,7 @@ class CacheMachine(RuleBasedStateMachine):
             self._finish(req, insert=False)
             return
         pos = len(req.kv_indices)
-        if self.sim.pool.enable_mamba_extra_buffer and pos % self.sim.tree.cache_chunk_size == 0:
+        if self.sim.pool.strategy.extra_buffer and pos % self.sim.tree.cache_chunk_size == 0:
             self.sim.track(req, pos)
 
     @rule(data=st.data())
@@ -144,7 +144,19 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(ids=tokens)
     def match_and_release(self, ids):
         req = self.sim.new_req(ids)
-        m = self.sim.tree.match_prefix(ids, cow_mamba=True, req=req)
+        tree = self.sim.tree
+        # A COW match needs a running slot: a free one, or one freed by evicting an unlocked checkpoint
+        # other than the one matched. Without it the match degrades to no hit (nothing is held).
+        deepest = self._expected_match(ids)
+        slot_possible = self.sim.pool.mamba_allocator.available_size() > 0 or any(
+            n.mamba_value is not None and n.mamba_lock_ref == 0 and n.path_key() != ids[:deepest]
+            for n in tree.nodes()
+        )
+        m = tree.match_prefix(ids, cow_mamba=True, req=req)
+        if deepest and not slot_possible:
+            assert not m.device_indices and req.mamba_pool_idx is None and req.last_node is None
+            tree.release_match(req)
+            return
         self._check_match(ids, m)
         if req.mamba_cow_src_index is not None:
             assert req.mamba_cow_src_index == m.last_device_node.mamba_value

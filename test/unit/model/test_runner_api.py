@@ -53,7 +53,7 @@ def test_idle_batch_and_pools_from_server_args():
     assert runner.forward_batch_generation(ForwardBatch.idle()).next_token_ids.numel() == 0
     assert runner.req_to_token_pool.mamba_pool.size == 20 and runner.token_to_kv_pool.page_size == 16
     # `auto` with overlap and the radix cache on is extra_buffer_lazy: one resident track slot.
-    assert runner.req_to_token_pool.enable_mamba_extra_buffer_lazy
+    assert runner.req_to_token_pool.strategy.lazy
     # Three GDN layers; conv (2 * 2 * 16 + 4 * 16, K - 1), SSM (4 value heads, 16, 16), float32.
     assert runner.mamba_pool.conv_state.shape == (3, 21, 128, 3)
     assert runner.mamba_pool.ssm_state.shape == (3, 21, 4, 16, 16)

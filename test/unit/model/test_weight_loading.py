@@ -20,7 +20,9 @@ register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
 def _reshard(src: Path, dst: Path, shards: int, drop: str | None = None) -> Path:
     dst.mkdir()
-    shutil.copy(src / "config.json", dst / "config.json")
+    for f in src.iterdir():  # config and tokenizer files, as a real checkpoint folder has them
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
     tensors = load_file(src / "model.safetensors")
     if drop:
         del tensors[drop]

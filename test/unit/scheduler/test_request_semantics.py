@@ -51,7 +51,7 @@ def test_prefill_only_request_populates_the_cache(h):
 def test_stop_string_finishes_the_request(h, oracles):
     prompt = token_ids(40, seed=52)
     greedy = oracles[QWEN].greedy(prompt, 12)
-    text = h.sched.tokenizer.decode(greedy[8:10])
+    text = h.sched.finisher.tokenizer.decode(greedy[8:10])
     out = h.generate(prompt, max_new_tokens=12, stop=[text])
     assert out.finished_reason == {"type": "stop", "matched": text}
     assert len(out.output_ids) <= 10 and out.output_ids == greedy[: len(out.output_ids)]

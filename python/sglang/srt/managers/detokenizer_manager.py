@@ -11,12 +11,13 @@ with its final message.
 from __future__ import annotations
 
 import logging
-import os
+import sys
 from typing import Any
 
 import zmq
 
 from sglang.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, PortArgs
+from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -100,55 +101,31 @@ def _drops_stop_token(reason: dict | None) -> bool:
     return bool(reason) and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
 
 
-def load_tokenizer(tokenizer_path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    from sglang.srt.configs.presets import resolve_model_path
-
-    return AutoTokenizer.from_pretrained(resolve_model_path(tokenizer_path), local_files_only=True)
-
-
 def run_detokenizer_process(server_args: Any, port_args: PortArgs, pipe_writer: Any = None) -> None:
-    """Process entry: serve until the parent process goes away."""
+    """Process entry: serve until the process is stopped. The launcher makes it exit with its parent."""
     logging.basicConfig(
         level=server_args.log_level.upper(), format="[%(asctime)s detokenizer] %(levelname)s %(message)s"
     )
-    parent = os.getppid()
     try:
-        manager = DetokenizerManager(load_tokenizer(server_args.tokenizer_path))
+        manager = DetokenizerManager(get_tokenizer(server_args.tokenizer_path))
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
-        recv.bind(port_args.detokenizer_ipc_name)
         send = ctx.socket(zmq.PUSH)
+        for sock in (recv, send):
+            # Output for a receiver that is gone must never hold up this process's exit.
+            sock.setsockopt(zmq.LINGER, 0)
+        recv.bind(port_args.detokenizer_ipc_name)
         send.connect(port_args.tokenizer_ipc_name)
     except Exception as e:  # reported to the launcher, which turns it into one clear startup error
-        if pipe_writer is not None:
-            pipe_writer.send({"status": "error", "message": f"detokenizer: {e}"})
-        raise
+        if pipe_writer is None:
+            raise
+        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        sys.exit(1)
     if pipe_writer is not None:
         pipe_writer.send({"status": "ready"})
     while True:
-        # Poll with a timeout so that an orphaned detokenizer notices its parent is gone and exits.
-        if not recv.poll(1000):
-            if os.getppid() != parent:
-                return
-            continue
         msg = recv.recv_pyobj()
         if isinstance(msg, BatchTokenIDOut):
-            if not _send_while_parent_lives(send, manager.handle_batch_token_id_out(msg), parent):
-                return
+            send.send_pyobj(manager.handle_batch_token_id_out(msg))
         else:
             logger.warning("Detokenizer ignores an unexpected message %s", type(msg).__name__)
-
-
-def _send_while_parent_lives(sock: zmq.Socket, obj: Any, parent: int) -> bool:
-    """Send, waiting while the receiver is slow; give up (False) once the parent process is gone, since
-    a blocking send to a dead receiver would keep this process alive forever."""
-    while True:
-        try:
-            sock.send_pyobj(obj, zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            if os.getppid() != parent:
-                return False
-            sock.poll(1000, zmq.POLLOUT)

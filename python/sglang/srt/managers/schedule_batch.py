@@ -25,10 +25,22 @@ a placeholder (-(future slot + 1)) that the forward stream resolves.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+
+class SnapshotTracker(Protocol):
+    """What a batch asks of the scheduler's `MambaTracker` (kept structural so that this module, which
+    the tracker reads `Req` from, does not import it back)."""
+
+    def prefill_track(self, req: Req, prefix_len: int, end: int) -> list[tuple[int, int]]: ...
+
+    def decode_track(self, req: Req, seq_len: int) -> tuple[int, int] | None: ...
 
 
 class Req:
@@ -147,6 +159,20 @@ class Req:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
 
 
+class FutureSlots:
+    """Slots of the overlap schedule's future-token map (SGLang's future map), handed out in a ring: a
+    batch's sampled token goes to its slot, and a later batch names it by placeholder until processed."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.cursor = 0
+
+    def alloc(self, n: int) -> list[int]:
+        start = self.cursor
+        self.cursor = (start + n) % self.size
+        return [(start + i) % self.size for i in range(n)]
+
+
 class ScheduleBatch:
     """The requests of one forward and what the scheduler decided for each row.
 
@@ -177,7 +203,14 @@ class ScheduleBatch:
 
     # ---- extend ------------------------------------------------------------------------------------
 
-    def prepare_for_extend(self, spans: list[tuple[int, int]], ctx) -> None:
+    def prepare_for_extend(
+        self,
+        spans: list[tuple[int, int]],
+        tracker: SnapshotTracker,
+        tree_cache: BasePrefixCache,
+        future_slots: FutureSlots,
+        device: str,
+    ) -> None:
         """`spans[i] = (prefix_len, end)`: request i computes positions [prefix_len, end) of its
         `fill_ids`; their KV slots were allocated at admission and sit in `kv_indices`."""
         input_ids, out_loc, writes = [], [], []
@@ -188,7 +221,7 @@ class ScheduleBatch:
             input_ids += req.fill_ids[p:end]
             out_loc += req.kv_indices[p:end]
             writes += self._dirty_row_writes(req, p)
-            snapshots = ctx.tracker.prefill_track(req, p, end)
+            snapshots = tracker.prefill_track(req, p, end)
             track.append(snapshots[-1] if snapshots else None)
             extra_tracks += [(row, slot, pos) for slot, pos in snapshots[:-1]]
             done = end == len(req.fill_ids)
@@ -199,17 +232,9 @@ class ScheduleBatch:
             lp_start.append(start)
             lp_next.append(next_id)
             self.prepend_none.append(prepend)
-        clear, cow_src, cow_dst = self._collect_deferred_mamba_cow_and_clear(ctx)
-        self.state_copies = ctx.tree_cache.take_pending_state_copies()
-        if ctx.cow_on_scheduler_thread:
-            # Negative control for the race tests: the state operations run here, off the stream.
-            mp = ctx.req_to_token_pool.mamba_pool
-            if self.state_copies:
-                mp.copy_from([s for s, _ in self.state_copies], [d for _, d in self.state_copies])
-            mp.clear_slots(clear)
-            mp.copy_from(cow_src, cow_dst)
-            self.state_copies, clear, cow_src, cow_dst = [], [], [], []
-        self._assign_future_slots(ctx)
+        clear, cow_src, cow_dst = self._collect_deferred_mamba_cow_and_clear()
+        self.state_copies = tree_cache.take_pending_state_copies()
+        self._assign_future_slots(future_slots)
         self.forward_batch = ForwardBatch.create(
             self.forward_mode,
             input_ids=input_ids,
@@ -224,12 +249,12 @@ class ScheduleBatch:
             mamba_cow_src_indices=cow_src or None,
             mamba_cow_dst_indices=cow_dst or None,
             mamba_clear_indices=clear or None,
-            sampling_info=self._sampling_info(ctx.device),
+            sampling_info=self._sampling_info(device),
             return_logprob_mask=lp_mask,
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
             extend_logprob_start_lens=lp_start,
             extend_logprob_next_ids=lp_next,
-            device=ctx.device,
+            device=device,
         )
 
     @staticmethod
@@ -244,7 +269,7 @@ class ScheduleBatch:
         next_id = req.fill_ids[end] if first <= end <= n_in - 1 else None
         return min(first - 1 - p, last), next_id, lp_from == 0 and p == 0
 
-    def _collect_deferred_mamba_cow_and_clear(self, ctx) -> tuple[list[int], list[int], list[int]]:
+    def _collect_deferred_mamba_cow_and_clear(self) -> tuple[list[int], list[int], list[int]]:
         """Fresh running slots to zero and checkpoints to copy into running slots, both run on the
         forward stream before the first layer of this extend reads them."""
         clear, src, dst = [], [], []
@@ -260,7 +285,9 @@ class ScheduleBatch:
 
     # ---- decode ------------------------------------------------------------------------------------
 
-    def prepare_for_decode(self, ctx) -> None:
+    def prepare_for_decode(
+        self, tracker: SnapshotTracker, tree_cache: BasePrefixCache, future_slots: FutureSlots, device: str
+    ) -> None:
         """One token per request at position kv_len; its KV slot was allocated by the scheduler."""
         input_ids, positions_end, out_loc, writes = [], [], [], []
         for req in self.reqs:
@@ -272,8 +299,8 @@ class ScheduleBatch:
             positions_end.append(req.kv_len)
             self.sample_rows.append(True)
             self.completes_prefill.append(False)
-        track = self.set_mamba_track_indices_from_reqs(ctx, positions_end)
-        self._assign_future_slots(ctx)
+        track = self.set_mamba_track_indices_from_reqs(tracker, positions_end)
+        self._assign_future_slots(future_slots)
         self.forward_batch = ForwardBatch.create(
             self.forward_mode,
             input_ids=input_ids,
@@ -283,20 +310,20 @@ class ScheduleBatch:
             mamba_pool_indices=[r.mamba_pool_idx for r in self.reqs],
             req_to_token_writes=writes,
             **track,
-            sampling_info=self._sampling_info(ctx.device),
+            sampling_info=self._sampling_info(device),
             return_logprob_mask=[r.return_logprob for r in self.reqs],
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
-            device=ctx.device,
+            device=device,
         )
-        self.state_copies = ctx.tree_cache.take_pending_state_copies()
+        self.state_copies = tree_cache.take_pending_state_copies()
 
-    def set_mamba_track_indices_from_reqs(self, ctx, seq_lens: list[int]) -> dict:
+    def set_mamba_track_indices_from_reqs(self, tracker: SnapshotTracker, seq_lens: list[int]) -> dict:
         """Decode snapshots: rows whose step ends on a track boundary write the state into a track slot
         (lazy mode borrows it here); the snapshot is committed when the result is processed. Returns
         the batch's track fields."""
         track = []
         for req, seq_len in zip(self.reqs, seq_lens, strict=True):
-            t = ctx.tracker.decode_track(req, seq_len)
+            t = tracker.decode_track(req, seq_len)
             if t is not None:
                 slot, entry = t
                 self.pending_tracks.append((req, entry, seq_len))
@@ -326,10 +353,10 @@ class ScheduleBatch:
             "mamba_track_seqlens": [t[1] if t else 0 for t in track],
         }
 
-    def _assign_future_slots(self, ctx) -> None:
+    def _assign_future_slots(self, future_slots: FutureSlots) -> None:
         """Requests whose sampled token is real get a future slot; later batches read it through a
         placeholder until the result is processed."""
-        self.future_slots = ctx.alloc_future_slots(len(self.reqs))
+        self.future_slots = future_slots.alloc(len(self.reqs))
         for req, slot, real in zip(self.reqs, self.future_slots, self.sample_rows, strict=True):
             req.num_inflight += 1
             if real:

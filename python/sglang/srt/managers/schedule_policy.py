@@ -14,13 +14,13 @@ A request that does not fit waits in the queue; nothing asserts on a full pool.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
-
-if TYPE_CHECKING:
-    from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.mem_cache.common import alloc_for_extend
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +46,36 @@ class SchedulePolicy:
         return sorted(waiting_queue, key=lambda r: -hit[id(r)])
 
 
+@dataclass(frozen=True)
+class AdmissionBudget:
+    """What one admission pass may admit, fixed when the pass starts."""
+
+    tokens: int  # --max-prefill-tokens, capped by --chunked-prefill-size
+    running: int  # request slots left under --max-running-requests
+    align: int  # chunks end on multiples of this (the cache chunk when extends track, else the page)
+    chunked_prefill: bool
+    decode_page_reserve: int  # pages the running requests' next decode step needs
+    chunk_in_progress: bool  # a request is mid-prefill already (only one may be)
+    nothing_running: bool  # nothing else runs: waiting cannot make room
+
+
 class PrefillAdder:
-    def __init__(self, sched: Scheduler, num_running: int):
-        self.sched = sched
-        args = sched.server_args
-        budget = args.max_prefill_tokens
-        if args.chunked_prefill_enabled:
-            budget = min(budget, args.chunked_prefill_size)
-        self.rem_tokens = budget
-        self.num_running = num_running
-        self.rem_running = sched.max_running_requests - num_running
+    def __init__(
+        self,
+        tree_cache: BasePrefixCache,
+        req_to_token_pool: HybridReqToTokenPool,
+        token_allocator: PagedTokenAllocator,
+        budget: AdmissionBudget,
+    ):
+        self.tree_cache = tree_cache
+        self.req_to_token_pool = req_to_token_pool
+        self.token_allocator = token_allocator
+        self.budget = budget
+        self.rem_tokens = budget.tokens
+        self.rem_running = budget.running
         self.spans: list[tuple[Req, int, int]] = []
         self.new_chunked_req: Req | None = None
-        # Extends that track start at multiples of the cache chunk, so chunks end on them too.
-        self.align = args.mamba_cache_chunk_size if args.enable_mamba_extra_buffer() else args.page_size
+        self.cached_tokens_admitted = 0  # prefix hits of requests admitted for the first time
 
     @property
     def reqs(self) -> list[Req]:
@@ -70,9 +86,10 @@ class PrefillAdder:
         its next chunk does not fit this pass."""
         p = req.kv_len
         end = self._chunk_end(p, len(req.fill_ids), continuing=True)
-        if end is None or not self._reserve_pages(p, end, reserve_decode=False):
+        if end is None or not alloc_for_extend(
+            self.tree_cache, self.req_to_token_pool, self.token_allocator, req, p, end
+        ):
             return False
-        self._alloc_kv(req, p, end)
         self._take(req, p, end)
         return True
 
@@ -82,46 +99,50 @@ class PrefillAdder:
         A hit costs room of its own (the checkpoint stays locked while its copy takes a slot), so a
         hit that does not fit while nothing else runs, and so nothing will free room, is given up and
         the request is admitted cold: waiting would never end."""
-        sched = self.sched
-        if self.rem_running <= 0 or self.rem_tokens <= 0 or sched.req_to_token_pool.available_size() == 0:
+        if self.rem_running <= 0 or self.rem_tokens <= 0 or self.req_to_token_pool.available_size() == 0:
             return False
         req.init_next_round_input()
         admitted, hit = self._try_admit(req, use_cache=True)
-        if not admitted and hit and self.num_running == 0 and not self.spans:
+        if not admitted and hit and self.budget.nothing_running and not self.spans:
             admitted, _ = self._try_admit(req, use_cache=False)
         return admitted
 
     def _try_admit(self, req: Req, use_cache: bool) -> tuple[bool, bool]:
         """(admitted, matched a prefix). The match stays locked while room is made for the rest."""
-        tree = self.sched.tree_cache
+        tree = self.tree_cache
         indices: list[int] = []
         if use_cache:
             match = tree.match_prefix(self._match_key(req), cow_mamba=tree.supports_mamba(), req=req)
             indices = match.device_indices
         p = len(indices)
         end = self._chunk_end(p, len(req.fill_ids))
-        if end is None or not self._reserve(req, p, end):
+        req.kv_indices = list(indices)
+        if end is None or not alloc_for_extend(
+            tree,
+            self.req_to_token_pool,
+            self.token_allocator,
+            req,
+            p,
+            end,
+            reserve_pages=self.budget.decode_page_reserve,
+        ):
+            req.kv_indices = []
             tree.release_match(req)
             return False, p > 0
-        self._admit(req, indices, end)
-        return True, p > 0
-
-    def _admit(self, req: Req, indices: list[int], end: int) -> None:
-        sched, p = self.sched, len(indices)
-        req.kv_indices = list(indices)
         req.cache_protected_len = p
         if p:
             req.mark_req_to_token_dirty(0)
         if not req.admitted_once:
             req.cached_tokens = p
             req.admitted_once = True
-            sched.counters["num_cached_tokens_total"] += p
-        self._alloc_kv(req, p, end)
+            self.cached_tokens_admitted += p
         self._take(req, p, end)
+        return True, p > 0
 
     # ---- helpers -----------------------------------------------------------------------------------
 
-    def _match_key(self, req: Req) -> list[int]:
+    @staticmethod
+    def _match_key(req: Req) -> list[int]:
         # At least one token is recomputed (its logits pick the next token); input logprobs from
         # position s need the logits at s - 1, so the match stops before it.
         n = len(req.fill_ids) - 1
@@ -134,49 +155,13 @@ class PrefillAdder:
         position (None: nothing fits this pass). One request at a time is mid-prefill."""
         if total - p <= self.rem_tokens:
             return total
-        if not self.sched.server_args.chunked_prefill_enabled:
+        if not self.budget.chunked_prefill:
             return total if not self.spans else None  # an oversized prompt still runs, alone
-        if not continuing and (self.new_chunked_req is not None or self.sched.chunked_req is not None):
+        if not continuing and (self.new_chunked_req is not None or self.budget.chunk_in_progress):
             return None
-        end = (p + self.rem_tokens) // self.align * self.align
+        align = self.budget.align
+        end = (p + self.rem_tokens) // align * align
         return end if end > p else None
-
-    def _reserve_pages(self, p: int, end: int, reserve_decode: bool) -> bool:
-        """Free KV pages for the extend (and one decode step of the running requests), evicting
-        unlocked tree leaves if needed."""
-        sched = self.sched
-        kv = sched.token_allocator
-        tree = sched.tree_cache
-        need = kv.needed_pages(p, end) + (sched.decode_page_reserve() if reserve_decode else 0)
-        missing = need - kv.free_pages()
-        if missing <= 0:
-            return True
-        if tree.evictable_size() // kv.page_size < missing:
-            return False  # evicting could not make room: keep the cache
-        tree.evict(num_tokens=missing * kv.page_size)
-        return kv.free_pages() >= need
-
-    def _reserve(self, req: Req, p: int, end: int) -> bool:
-        """Make room for `req`: KV pages for the extend, a row and its mamba slots."""
-        sched = self.sched
-        if not self._reserve_pages(p, end, reserve_decode=True):
-            return False
-        pool, tree = sched.req_to_token_pool, sched.tree_cache
-        if pool.alloc([req]) is None:
-            missing = sched.mamba_slots_needed(req) - pool.mamba_allocator.available_size()
-            if missing > tree.mamba_evictable_size():
-                return False  # evicting could not make room: keep the cache
-            if missing > 0:
-                tree.evict(mamba_num=missing)
-            if pool.alloc([req]) is None:
-                return False
-        return True
-
-    def _alloc_kv(self, req: Req, p: int, end: int) -> None:
-        last = req.kv_indices[p - 1] if p else 0
-        slots = self.sched.token_allocator.alloc_extend(p, end, last)
-        assert slots is not None, "admission reserved the pages of this extend"
-        req.kv_indices += slots
 
     def _take(self, req: Req, p: int, end: int) -> None:
         self.spans.append((req, p, end))

@@ -8,26 +8,30 @@ scheduler's work hides behind the forward. Without overlap each batch is process
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
+import sys
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
 from sglang.srt.environ import envs
-from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
+from sglang.srt.managers.finish_checker import FinishChecker
+from sglang.srt.managers.io_struct import PortArgs
+from sglang.srt.managers.schedule_batch import FutureSlots, Req, ScheduleBatch
+from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
-from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin, run_scheduler_process
+from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
-from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.common import alloc_for_decode, release_kv_cache
 from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args import ServerArgs, ServerArgsError
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +53,9 @@ class Scheduler(SchedulerIOMixin):
         self.pool_sizes = sizes
         self.req_to_token_pool = self.model_runner.req_to_token_pool
         self.token_allocator = PagedTokenAllocator(sizes.max_total_tokens, server_args.page_size)
-        if server_args.disable_radix_cache:
-            self.tree_cache = ChunkCache(self.req_to_token_pool, self.token_allocator, server_args.page_size)
-        else:
-            self.tree_cache = MambaRadixCache(
-                self.req_to_token_pool,
-                self.token_allocator,
-                server_args.page_size,
-                server_args.mamba_cache_chunk_size,
-                server_args.enable_mamba_extra_buffer(),
-            )
-        self.tracker = MambaTracker(self.req_to_token_pool, self.tree_cache, server_args)
+        cache_cls = ChunkCache if server_args.disable_radix_cache else MambaRadixCache
+        self.tree_cache = cache_cls(self.req_to_token_pool, self.token_allocator, server_args.page_size)
+        self.tracker = MambaTracker(self.req_to_token_pool, self.tree_cache, server_args.mamba_track_interval)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
         self.max_running_requests = sizes.max_running_requests
         self.context_len = server_args.model_config.context_len
@@ -76,15 +72,13 @@ class Scheduler(SchedulerIOMixin):
         self.chunked_req: Req | None = None
         self.reqs_by_rid: dict[str, Req] = {}
         self.in_flight: deque[tuple[ScheduleBatch, Future]] = deque()
-        self.result_processor = BatchResultProcessor(self)
         self.num_batches = 0
         self.events: list[tuple[str, int]] = []  # ("launch" | "process", batch id), for tests
         self.record_events = False
 
         future_size = 8 * self.max_running_requests + 64
         self.worker = ForwardWorker(self.model_runner, future_size)
-        self._future_cursor = 0
-        self._future_size = future_size
+        self.future_slots = FutureSlots(future_size)
         self.counters = {
             "num_requests_total": 0,
             "num_prompt_tokens_total": 0,
@@ -93,39 +87,16 @@ class Scheduler(SchedulerIOMixin):
             "num_retractions_total": 0,
         }
         self.init_io()
-
-    # ---- intake ------------------------------------------------------------------------------------
-
-    def add_request(self, recv: TokenizedGenerateReqInput) -> Req:
-        req = Req(
-            recv.rid,
-            recv.input_ids,
-            recv.sampling_params,
-            return_logprob=recv.return_logprob,
-            logprob_start_len=recv.logprob_start_len,
-            top_logprobs_num=recv.top_logprobs_num,
-            stream=recv.stream,
+        self.finisher = FinishChecker.from_server_args(server_args)
+        self.result_processor = BatchResultProcessor(
+            self.tree_cache,
+            self.tracker,
+            self.finisher,
+            output_sink=self.send_to_detokenizer,
+            on_release=self.remove_request,
+            counters=self.counters,
+            stream_interval=server_args.stream_interval,
         )
-        self.counters["num_requests_total"] += 1
-        error = self._validate(req)
-        if error is not None:
-            req.finished_reason = {"type": "abort", "message": error}
-            self.result_processor.send_finished([req])
-            return req
-        self.counters["num_prompt_tokens_total"] += len(req.origin_input_ids)
-        self.reqs_by_rid[req.rid] = req
-        self.waiting_queue.append(req)
-        return req
-
-    def _validate(self, req: Req) -> str | None:
-        n = len(req.origin_input_ids)
-        if n == 0:
-            return "The input is empty."
-        if n > self.max_req_input_len:
-            return f"The input ({n} tokens) is longer than the limit of {self.max_req_input_len} tokens."
-        if req.rid in self.reqs_by_rid:
-            return f"A request with rid {req.rid!r} is already running."
-        return None
 
     # ---- batch selection ---------------------------------------------------------------------------
 
@@ -136,10 +107,13 @@ class Scheduler(SchedulerIOMixin):
         if not self.waiting_queue and self.chunked_req is None:
             return None
         num_running = len(self.running) + (self.chunked_req is not None)
-        adder = PrefillAdder(self, num_running)
+        adder = PrefillAdder(
+            self.tree_cache, self.req_to_token_pool, self.token_allocator, self._admission_budget(num_running)
+        )
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
         self._get_new_batch_prefill_raw(adder, num_running)
+        self.counters["num_cached_tokens_total"] += adder.cached_tokens_admitted
         if not adder.spans:
             return None
         if self.chunked_req is not None and self.chunked_req.prefill_done:
@@ -150,16 +124,49 @@ class Scheduler(SchedulerIOMixin):
             if end == len(req.fill_ids) and req not in self.running:
                 self.running.append(req)
         batch = ScheduleBatch(adder.reqs, ForwardMode.EXTEND, self._next_batch_id())
-        batch.prepare_for_extend([(p, end) for _, p, end in adder.spans], self)
+        spans = [(p, end) for _, p, end in adder.spans]
+        batch.prepare_for_extend(spans, self.tracker, self.tree_cache, self.future_slots, self.device)
+        if self.cow_on_scheduler_thread:
+            self._run_state_ops_here(batch)
         self._cache_prefill_snapshots(adder.spans)
         return batch
+
+    def _run_state_ops_here(self, batch: ScheduleBatch) -> None:
+        """Negative control of the race tests (SGLANG_TEST_COW_ON_SCHEDULER_THREAD): the batch's state
+        copies, clears and COW copies run here, on the scheduler thread, off the forward stream."""
+        mp, fb = self.req_to_token_pool.mamba_pool, batch.forward_batch
+        if batch.state_copies:
+            mp.copy_from([s for s, _ in batch.state_copies], [d for _, d in batch.state_copies])
+        if fb.mamba_clear_indices is not None:
+            mp.clear_slots(fb.mamba_clear_indices)
+        if fb.mamba_cow_src_indices is not None:
+            mp.copy_from(fb.mamba_cow_src_indices, fb.mamba_cow_dst_indices)
+        batch.state_copies = []
+        fb.mamba_clear_indices = fb.mamba_cow_src_indices = fb.mamba_cow_dst_indices = None
+
+    def _admission_budget(self, num_running: int) -> AdmissionBudget:
+        args = self.server_args
+        tokens = args.max_prefill_tokens
+        if args.chunked_prefill_enabled:
+            tokens = min(tokens, args.chunked_prefill_size)
+        page = self.token_allocator.page_size
+        return AdmissionBudget(
+            tokens=tokens,
+            running=self.max_running_requests - num_running,
+            # Extends that track start at multiples of the cache chunk, so chunks end on them too.
+            align=args.mamba_cache_chunk_size if args.mamba_strategy.extra_buffer else page,
+            chunked_prefill=args.chunked_prefill_enabled,
+            decode_page_reserve=sum(1 for r in self.running if r.kv_len % page == 0),
+            chunk_in_progress=self.chunked_req is not None,
+            nothing_running=num_running == 0,
+        )
 
     def _cache_prefill_snapshots(self, spans: list[tuple[Req, int, int]]) -> None:
         """The snapshots an extend writes go to the tree as soon as it is prepared (safe by FIFO: whatever
         reads them runs later on the forward stream), each request continuing with a fresh slot: a
         chunk's, and with an extra buffer the prompt's too, so a request with the same prefix hits while
         this one still decodes. no_buffer caches chunks only (its snapshot is a copy)."""
-        extra_buffer = self.server_args.enable_mamba_extra_buffer()
+        extra_buffer = self.server_args.mamba_strategy.extra_buffer
         for req, _, end in spans:
             if extra_buffer or end < len(req.fill_ids):
                 self.tree_cache.cache_unfinished_req(req, chunked=end < len(req.fill_ids))
@@ -170,7 +177,7 @@ class Scheduler(SchedulerIOMixin):
         admissible = min(pool.available_size(), self.max_running_requests - num_running)
         if admissible <= 0:
             return
-        cap = admissible * self.pool_sizes.resident_slots_per_req
+        cap = admissible * self.server_args.mamba_strategy.resident_slots_per_req
         admitted = set()
         with pool.mamba_allocator.alloc_group(cap):
             for req in self.policy.calc_priority(self.waiting_queue):
@@ -184,18 +191,14 @@ class Scheduler(SchedulerIOMixin):
 
     def get_new_batch_decode(self) -> ScheduleBatch | None:
         reqs = [r for r in self.running if self._can_decode(r)]
+        # One more KV slot each; while the pool (after evicting the tree) cannot give that, retract the
+        # newest request.
+        while reqs and not alloc_for_decode(self.tree_cache, self.token_allocator, reqs):
+            self._retract_or_abort(reqs.pop())
         if not reqs:
             return None
-        reqs = self._ensure_decode_pages(reqs)
-        if not reqs:
-            return None
-        kv = self.token_allocator
-        for req in reqs:
-            slots = kv.alloc_extend(req.kv_len, req.kv_len + 1, req.kv_indices[-1])
-            assert slots is not None, "decode pages were reserved"
-            req.kv_indices += slots
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
-        batch.prepare_for_decode(self)
+        batch.prepare_for_decode(self.tracker, self.tree_cache, self.future_slots, self.device)
         return batch
 
     def _can_decode(self, req: Req) -> bool:
@@ -207,28 +210,15 @@ class Scheduler(SchedulerIOMixin):
             and req.kv_len < self.context_len
         )
 
-    def _ensure_decode_pages(self, reqs: list[Req]) -> list[Req]:
-        """Pages for one more token per request: evict tree leaves, then retract requests (newest
-        first) until the rest fit."""
-        kv = self.token_allocator
-        page = kv.page_size
-        need = sum(1 for r in reqs if r.kv_len % page == 0)  # requests whose next token opens a page
-        if kv.free_pages() < need:
-            self.tree_cache.evict(num_tokens=(need - kv.free_pages()) * page)
-        while reqs and kv.free_pages() < need:
-            victim = reqs.pop()
-            need -= victim.kv_len % page == 0
-            if len(self.running) == 1 and self.chunked_req is None:
-                # Alone and still out of pages: prefilling it again would not fit either.
-                victim.finished_reason = {
-                    "type": "abort",
-                    "message": f"The request needs more than the {kv.size} tokens the KV cache holds.",
-                }
-                self.result_processor.release_finished(victim)
-                self.result_processor.send_finished([victim])
-            else:
-                self.retract(victim)
-        return reqs
+    def _retract_or_abort(self, victim: Req) -> None:
+        if len(self.running) == 1 and self.chunked_req is None:
+            # Alone and still out of pages: prefilling it again would not fit either.
+            message = (
+                f"The request needs more than the {self.token_allocator.size} tokens the KV cache holds."
+            )
+            self.abort_with_status([victim], message)
+        else:
+            self.retract(victim)
 
     def retract(self, req: Req) -> None:
         """Give back everything `req` holds and queue it again; it prefills its tokens anew later."""
@@ -239,21 +229,18 @@ class Scheduler(SchedulerIOMixin):
         self.waiting_queue.insert(0, req)
         self.counters["num_retractions_total"] += 1
 
-    def decode_page_reserve(self) -> int:
-        page = self.token_allocator.page_size
-        return sum(1 for r in self.running if r.kv_len % page == 0)
-
-    def mamba_slots_needed(self, req: Req) -> int:
-        pool = self.req_to_token_pool
-        n = 1 if req.mamba_pool_idx is None else 0
-        if pool.enable_mamba_extra_buffer and req.mamba_ping_pong_track_buffer is None:
-            n += 1 if pool.enable_mamba_extra_buffer_lazy else pool.mamba_ping_pong_track_buffer_size
-        return n
-
-    def alloc_future_slots(self, n: int) -> list[int]:
-        start = self._future_cursor
-        self._future_cursor = (start + n) % self._future_size
-        return [(start + i) % self._future_size for i in range(n)]
+    def retract_all(self) -> None:
+        """Finish the batches in flight, then send every running request back to the waiting queue
+        (/pause_generation with mode "retract"): their KV and state slots are free afterwards."""
+        while self.in_flight:
+            self.process_oldest()
+        if self.chunked_req is not None:
+            # Between two prefill chunks a request holds KV and slots as a running one does.
+            self.running.append(self.chunked_req)
+            self.chunked_req = None
+        # retract() queues at the front, so going backwards keeps the running order.
+        for req in reversed(list(self.running)):
+            self.retract(req)
 
     def _next_batch_id(self) -> int:
         self.num_batches += 1
@@ -323,17 +310,6 @@ class Scheduler(SchedulerIOMixin):
             self.waiting_queue.remove(req)
         self.reqs_by_rid.pop(req.rid, None)
 
-    def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "Aborted.") -> None:
-        targets = list(self.reqs_by_rid.values()) if abort_all else [self.reqs_by_rid.get(rid)]
-        done = []
-        for req in targets:
-            if req is None or req.finished:
-                continue
-            req.finished_reason = {"type": "abort", "message": message}
-            self.result_processor.release_finished(req)
-            done.append(req)
-        self.result_processor.send_finished(done)
-
     def live_requests(self) -> list[Req]:
         return list(self.reqs_by_rid.values())
 
@@ -346,7 +322,9 @@ class Scheduler(SchedulerIOMixin):
         if self.check_integrity_when_idle:
             self.check_integrity()
         else:
-            check_accounting(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
+            check_accounting(
+                self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests()
+            )
 
     def check_integrity(self) -> None:
         assert not self.in_flight, "check_integrity needs the forward stream drained"
@@ -369,3 +347,48 @@ class Scheduler(SchedulerIOMixin):
         while self.in_flight:
             self.process_oldest()
         self.worker.shutdown()
+
+
+def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None:
+    """Entry point of the scheduler process: load the model, report readiness, serve forever."""
+    from sglang.srt.utils.process import configure_subprocess
+
+    configure_subprocess(server_args, "scheduler")
+    try:
+        sched = Scheduler(server_args)
+        sched.connect(port_args)
+    except ServerArgsError as e:
+        # A flag that cannot work: the parent prints this one sentence, which names the flag.
+        pipe_writer.send({"status": "error", "message": str(e), "flag_error": True})
+        sys.exit(1)
+    except Exception as e:  # noqa: BLE001 - the parent shows it as one startup error
+        logger.exception("The scheduler failed to start.")
+        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        return
+    # Everything allocated so far (torch, transformers, the model) lives until exit: move it out of the
+    # cyclic collector's reach, or each full collection walks it (~75 ms on the scheduler thread).
+    gc.collect()
+    gc.freeze()
+    pipe_writer.send(
+        {
+            "status": "ready",
+            "max_total_num_tokens": sched.token_allocator.size,
+            "max_req_input_len": sched.max_req_input_len,
+            "context_len": sched.context_len,
+            "vocab_size": server_args.model_config.vocab_size,
+            "max_running_requests": sched.max_running_requests,
+            "max_mamba_cache_size": sched.pool_sizes.max_mamba_cache_size,
+            "resident_slots_per_req": sched.pool_sizes.resident_slots_per_req,
+            "mamba_scheduler_strategy": server_args.mamba_scheduler_strategy,
+        }
+    )
+    try:
+        sched.event_loop()
+    except SchedulerWatchdogError as e:
+        # The forward stream is stuck: nothing can be shut down cleanly. Exit non-zero at once; the
+        # server sees its scheduler gone and stops.
+        logger.error("Watchdog: %s The scheduler exits.", e)
+        logging.shutdown()
+        os._exit(1)
+    finally:
+        sched.shutdown()

@@ -1,13 +1,108 @@
-"""Releasing what a request holds."""
+"""Taking and giving back what a request holds, in one place (upstream's names).
+
+Allocate, evict, retry lives here and nowhere else: `evict_from_tree_cache` makes room by evicting
+unlocked tree entries in LRU order, but only when that can make enough room (a failed attempt keeps
+the cache); `alloc_for_extend` and `alloc_for_decode` take everything an extend or a decode step needs,
+or nothing; `alloc_mamba_slot` takes one slot, evicting one checkpoint if the pool is dry.
+`release_kv_cache` gives everything back.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+
+def evict_from_tree_cache(
+    tree_cache: BasePrefixCache,
+    token_allocator: PagedTokenAllocator | None = None,
+    num_pages: int = 0,
+    mamba_allocator: MambaSlotAllocator | None = None,
+    num_slots: int = 0,
+) -> bool:
+    """Make `num_pages` KV pages and `num_slots` mamba slots free. Evicts nothing unless evicting can
+    make room for all of it; True if the room is there."""
+    missing_pages = num_pages - token_allocator.free_pages() if token_allocator else 0
+    missing_slots = num_slots - mamba_allocator.available_size() if mamba_allocator else 0
+    if missing_pages <= 0 and missing_slots <= 0:
+        return True
+    page = token_allocator.page_size if token_allocator else 1
+    if (
+        missing_pages > tree_cache.evictable_size() // page
+        or missing_slots > tree_cache.mamba_evictable_size()
+    ):
+        return False
+    tree_cache.evict(num_tokens=max(missing_pages, 0) * page, mamba_num=max(missing_slots, 0))
+    return (token_allocator is None or token_allocator.free_pages() >= num_pages) and (
+        mamba_allocator is None or mamba_allocator.available_size() >= num_slots
+    )
+
+
+def alloc_for_extend(
+    tree_cache: BasePrefixCache,
+    req_to_token_pool: HybridReqToTokenPool,
+    token_allocator: PagedTokenAllocator,
+    req: Req,
+    prefix_len: int,
+    end: int,
+    reserve_pages: int = 0,
+) -> bool:
+    """Everything an extend of `req` over positions [prefix_len, end) needs, or nothing: KV pages for
+    it (with `reserve_pages` more kept free), its request row and mamba slots. On success the new KV
+    slots are appended to `req.kv_indices`, which holds exactly the prefix."""
+    assert len(req.kv_indices) == prefix_len
+    need = token_allocator.needed_pages(prefix_len, end) + reserve_pages
+    if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=need):
+        return False
+    if req_to_token_pool.alloc([req]) is None:
+        slots = req_to_token_pool.mamba_slots_needed(req)
+        alloc = req_to_token_pool.mamba_allocator
+        if not evict_from_tree_cache(tree_cache, mamba_allocator=alloc, num_slots=slots):
+            return False
+        if req_to_token_pool.alloc([req]) is None:
+            return False
+    last = req.kv_indices[-1] if prefix_len else 0
+    new = token_allocator.alloc_extend(prefix_len, end, last)
+    assert new is not None, "the pages of this extend were made free above"
+    req.kv_indices += new
+    return True
+
+
+def alloc_for_decode(
+    tree_cache: BasePrefixCache, token_allocator: PagedTokenAllocator, reqs: list[Req]
+) -> bool:
+    """One more KV slot for every request (a fresh page where its last one is full), or nothing."""
+    page = token_allocator.page_size
+    need = sum(1 for r in reqs if r.kv_len % page == 0)
+    if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=need):
+        return False
+    for req in reqs:
+        slot = token_allocator.alloc_extend(req.kv_len, req.kv_len + 1, req.kv_indices[-1])
+        assert slot is not None, "the pages of this step were made free above"
+        req.kv_indices += slot
+    return True
+
+
+def alloc_mamba_slot(
+    tree_cache: BasePrefixCache, mamba_allocator: MambaSlotAllocator, failing_tries: int = 0
+) -> tuple[int | None, int]:
+    """(slot or None, tries that failed): take one slot, else evict one checkpoint and try once more.
+    `failing_tries` (0-2) makes that many tries fail on purpose: fault injection for tests, which still
+    runs the eviction for real."""
+    for attempt in range(2):
+        if attempt:
+            tree_cache.evict(mamba_num=1)
+        got = None if attempt < failing_tries else mamba_allocator.alloc(1)
+        if got:
+            return got[0], attempt
+    return None, 2
 
 
 def release_kv_cache(req: Req, tree_cache: BasePrefixCache, is_insert: bool = True) -> None:

@@ -45,7 +45,9 @@ def check_accounting(
         f"!= {alloc.size}"
     )
     rows = len(req_to_token_pool.free_slots) + sum(1 for r in reqs if r.req_pool_idx)
-    assert rows == req_to_token_pool.size, f"Request rows leaked: {rows} of {req_to_token_pool.size} accounted"
+    assert rows == req_to_token_pool.size, (
+        f"Request rows leaked: {rows} of {req_to_token_pool.size} accounted"
+    )
 
 
 def _partition(what: str, total: set[int], holders: dict[str, list[int]]) -> None:

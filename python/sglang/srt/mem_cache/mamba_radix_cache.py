@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, EvictResult, InsertResult, MatchResult
-from sglang.srt.mem_cache.mamba_tree import LRUList, TreeNode
+from sglang.srt.mem_cache.common import alloc_mamba_slot
+from sglang.srt.mem_cache.mamba_tree import MambaTree, TreeNode
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 if TYPE_CHECKING:
@@ -29,84 +30,46 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class MambaRadixCache(BasePrefixCache):
+class MambaRadixCache(MambaTree, BasePrefixCache):
     def __init__(
         self,
         req_to_token_pool: HybridReqToTokenPool,
         token_allocator: PagedTokenAllocator,
         page_size: int = 1,
-        cache_chunk_size: int = 64,
-        enable_mamba_extra_buffer: bool = True,
     ):
-        if not enable_mamba_extra_buffer and page_size != 1:
+        strategy = req_to_token_pool.strategy
+        if not strategy.extra_buffer and page_size != 1:
             raise ValueError("MambaRadixCache without an extra buffer (no_buffer) needs page_size 1.")
         self.req_to_token_pool = req_to_token_pool
         self.token_allocator = token_allocator
         self.mamba_allocator = req_to_token_pool.mamba_allocator
         self.page_size = page_size
-        self.cache_chunk_size = cache_chunk_size
-        self.enable_mamba_extra_buffer = enable_mamba_extra_buffer
+        self.cache_chunk_size = strategy.cache_chunk_size
+        self.enable_mamba_extra_buffer = strategy.extra_buffer
         # (src, dst) state copies the forward stream must run before any later batch reads dst.
         self.pending_state_copies: list[tuple[int, int]] = []
         self.reset()
 
     def reset(self) -> None:
-        self.root = TreeNode()
-        self.root.full_lock_ref = 1
-        self.full_lru = LRUList()
-        self.mamba_lru = LRUList()
-        self.full_evictable_size_ = 0
-        self.full_protected_size_ = 0
-        self.mamba_evictable_size_ = 0
-        self.mamba_protected_size_ = 0
+        self.reset_tree()
         self.pending_state_copies = []
-
-    # ---- keys --------------------------------------------------------------------------------------
-
-    def _child_key(self, key: list[int], start: int = 0):
-        return key[start] if self.page_size == 1 else tuple(key[start : start + self.page_size])
-
-    def _match_len(self, node_key: list[int], key: list[int], start: int) -> int:
-        """Common prefix of node_key and key[start:], in whole pages."""
-        n = 0
-        limit = min(len(node_key), len(key) - start)
-        while n < limit and node_key[n] == key[start + n]:
-            n += 1
-        return n - n % self.page_size
-
-    def _page_aligned(self, n: int) -> int:
-        return n - n % self.page_size
 
     # ---- match -------------------------------------------------------------------------------------
 
     def match_prefix(self, key: list[int], cow_mamba: bool = False, req: Req | None = None) -> MatchResult:
         key = key[: self._page_aligned(len(key))]
-        node, matched = self.root, 0
+        path, matched = self._walk(key)
+        node = path[-1][0] if path else self.root
         best_node, best_len = self.root, 0
-        values: list[list[int]] = []
-        while matched < len(key):
-            child = node.children.get(self._child_key(key, matched))
-            if child is None:
-                break
-            n = self._match_len(child.key, key, matched)
-            if n == 0:
-                break
-            if n < len(child.key):
-                child = self._split_node(child, n)
-            values.append(child.value)
-            matched += n
-            node = child
+        for child, start in path:
             if child.mamba_value is not None:
-                best_node, best_len = child, matched
-            if n < len(child.key):
-                break
+                best_node, best_len = child, start + len(child.key)
         if node is not self.root:
             self.full_lru.touch_path(node, self.root)
         if best_node is not self.root:
             # Only the consumed checkpoint is refreshed (upstream #31643): refreshing the whole chain
             # clusters a session's states and evicts cold sessions wholesale.
             self.mamba_lru.touch(best_node)
-            best_node.hit_count += 1
 
         branching = None
         if self.enable_mamba_extra_buffer and matched > best_len:
@@ -123,30 +86,30 @@ class MambaRadixCache(BasePrefixCache):
                 req.last_node = best_node
             req.mamba_branching_seqlen = branching
         indices: list[int] = []
-        for part in values:
-            indices.extend(part)
-        del indices[best_len:]
+        for child, _ in path:
+            if len(indices) >= best_len:
+                break
+            indices.extend(child.value)
         return MatchResult(indices, best_node, branching, matched)
 
     def _prepare_cow(self, node: TreeNode, req: Req) -> bool:
         """Give `req` a running slot to copy `node`'s checkpoint into; the copy runs on the forward
         stream. False if no slot can be had (the match then degrades to no hit)."""
+        pool = self.req_to_token_pool
         if req.mamba_pool_idx is None:
             self.inc_lock_ref(node)  # the source must survive the evict-and-retry below
             slot = self.alloc_mamba_slot()
             self.dec_lock_ref(node)  # (the caller locks it for the request)
             if slot is None:
                 return False
-            req.mamba_pool_idx = slot
+            pool.set_running_slot(req, slot, needs_clear=False)
         req.mamba_cow_src_index = node.mamba_value
         req.mamba_needs_clear = False
         return True
 
     def release_match(self, req: Req) -> None:
-        if req.req_pool_idx is None and req.mamba_pool_idx is not None:
-            self.mamba_allocator.free([req.mamba_pool_idx])
-            req.mamba_pool_idx = None
         if req.req_pool_idx is None:
+            self.req_to_token_pool.free_running_slot(req)
             self._release_lock(req)
         req.mamba_cow_src_index = None
         req.mamba_needs_clear = False
@@ -154,11 +117,7 @@ class MambaRadixCache(BasePrefixCache):
 
     def alloc_mamba_slot(self) -> int | None:
         """One slot; if the pool is dry, evict one checkpoint and retry once."""
-        slots = self.mamba_allocator.alloc(1)
-        if slots is None:
-            self.evict_mamba(1)
-            slots = self.mamba_allocator.alloc(1)
-        return slots[0] if slots else None
+        return alloc_mamba_slot(self, self.mamba_allocator)[0]
 
     # ---- insert ------------------------------------------------------------------------------------
 
@@ -171,21 +130,13 @@ class MambaRadixCache(BasePrefixCache):
         assert len(key) == len(value) and len(key) % self.page_size == 0
         if not key:
             return InsertResult(0, True)
-        node, i = self.root, 0
+        path, i = self._walk(key)
+        node = path[-1][0] if path else self.root
         duplicates: list[int] = []
-        while i < len(key):
-            child = node.children.get(self._child_key(key, i))
-            if child is None:
-                break
-            n = self._match_len(child.key, key, i)
-            if n == 0:
-                break
-            if n < len(child.key):
-                child = self._split_node(child, n)
-            for pos in range(max(i, prev_prefix_len), i + n):
-                assert value[pos] != child.value[pos - i], "the caller passed tree-owned KV as its own"
+        for child, start in path:
+            for pos in range(max(start, prev_prefix_len), start + len(child.key)):
+                assert value[pos] != child.value[pos - start], "the caller passed tree-owned KV as its own"
                 duplicates.append(value[pos])
-            node, i = child, i + n
         if duplicates:
             self.token_allocator.free(duplicates)
         if i < len(key):
@@ -213,18 +164,6 @@ class MambaRadixCache(BasePrefixCache):
         self.mamba_lru.insert_mru(node)
         self.mamba_evictable_size_ += 1
 
-    def _split_node(self, child: TreeNode, n: int) -> TreeNode:
-        """Split `child` after n tokens; the new parent is a tombstone (a state cannot be split) and
-        inherits the full locks of the path through it."""
-        parent = child.parent
-        new = TreeNode(child.key[:n], child.value[:n], parent)
-        new.full_lock_ref = child.full_lock_ref
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], new
-        new.children[self._child_key(child.key)] = child
-        parent.children[self._child_key(new.key)] = new
-        self.full_lru.insert_before(new, child)
-        return new
-
     # ---- caching requests --------------------------------------------------------------------------
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
@@ -247,7 +186,7 @@ class MambaRadixCache(BasePrefixCache):
             if res.mamba_exist:
                 keep_idx = None
             elif not self.enable_mamba_extra_buffer:
-                req.mamba_pool_idx = None  # donated to the tree
+                pool.donate_running_slot(req)
             own_from = cache_len
         else:
             own_from = protected
@@ -265,8 +204,7 @@ class MambaRadixCache(BasePrefixCache):
         running slot into a fresh slot, queued for the forward stream). The primary is skipped if no
         fresh slot can be had. The request then holds the tree's KV up to the deepest one, locked."""
         pool = self.req_to_token_pool
-        donations = [(pos, slot, None) for slot, pos in req.mamba_extra_snapshots]
-        req.mamba_extra_snapshots = []
+        donations = [(pos, slot, None) for slot, pos in pool.take_extra_snapshots(req)]
         if self.enable_mamba_extra_buffer:
             primary = req.mamba_last_track_seqlen
         else:
@@ -313,39 +251,6 @@ class MambaRadixCache(BasePrefixCache):
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
             req.last_node = None
-
-    # ---- locks -------------------------------------------------------------------------------------
-
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        if node is self.root:
-            return
-        assert node.mamba_value is not None, "requests lock only nodes with a checkpoint"
-        if node.mamba_lock_ref == 0:
-            self.mamba_evictable_size_ -= 1
-            self.mamba_protected_size_ += 1
-        node.mamba_lock_ref += 1
-        while node is not self.root:
-            if node.full_lock_ref == 0:
-                self.full_evictable_size_ -= len(node.value)
-                self.full_protected_size_ += len(node.value)
-            node.full_lock_ref += 1
-            node = node.parent
-
-    def dec_lock_ref(self, node: TreeNode) -> None:
-        if node is self.root:
-            return
-        assert node.mamba_lock_ref > 0
-        node.mamba_lock_ref -= 1
-        if node.mamba_lock_ref == 0:
-            self.mamba_evictable_size_ += 1
-            self.mamba_protected_size_ -= 1
-        while node is not self.root:
-            assert node.full_lock_ref > 0
-            node.full_lock_ref -= 1
-            if node.full_lock_ref == 0:
-                self.full_evictable_size_ += len(node.value)
-                self.full_protected_size_ -= len(node.value)
-            node = node.parent
 
     # ---- eviction ----------------------------------------------------------------------------------
 
@@ -402,79 +307,3 @@ class MambaRadixCache(BasePrefixCache):
             del parent.children[self._child_key(node.key)]
             node = parent
         return freed
-
-    # ---- sizes and accounting ----------------------------------------------------------------------
-
-    def evictable_size(self) -> int:
-        return self.full_evictable_size_
-
-    def protected_size(self) -> int:
-        return self.full_protected_size_
-
-    def mamba_evictable_size(self) -> int:
-        return self.mamba_evictable_size_
-
-    def mamba_protected_size(self) -> int:
-        return self.mamba_protected_size_
-
-    def nodes(self) -> list[TreeNode]:
-        out, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
-
-    def held_kv_slots(self) -> list[int]:
-        out: list[int] = []
-        for n in self.nodes():
-            out.extend(n.value)
-        return out
-
-    def held_mamba_slots(self) -> list[int]:
-        return [n.mamba_value for n in self.nodes() if n.mamba_value is not None]
-
-    def total_size(self) -> int:
-        return self.full_evictable_size_ + self.full_protected_size_
-
-    def mamba_total_size(self) -> int:
-        return self.mamba_evictable_size_ + self.mamba_protected_size_
-
-    # ---- sanity ------------------------------------------------------------------------------------
-
-    def sanity_check(self) -> None:
-        """Structural invariants of the tree (see `mamba_tree`); raises AssertionError on a violation."""
-        nodes = self.nodes()
-        non_root = [n for n in nodes if n is not self.root]
-        assert len(self.full_lru) == len(non_root), "the full LRU must hold every non-root node"
-        assert all(n in self.full_lru for n in non_root)
-        with_ckpt = [n for n in non_root if n.mamba_value is not None]
-        assert len(self.mamba_lru) == len(with_ckpt), "the mamba LRU must hold exactly the checkpoints"
-        assert all(n in self.mamba_lru for n in with_ckpt)
-        assert self.root.mamba_value is None and self.root.full_lock_ref == 1
-        full_evictable = full_protected = mamba_evictable = mamba_protected = 0
-        for n in non_root:
-            assert n.key and len(n.key) == len(n.value) and len(n.key) % self.page_size == 0
-            assert n.parent.children.get(self._child_key(n.key)) is n
-            assert not (n.is_leaf and n.mamba_value is None), f"tombstone leaf {n}"
-            direct = n.full_lock_ref - sum(c.full_lock_ref for c in n.children.values())
-            assert direct >= 0, f"{n} has fewer full locks than its children"
-            if n.mamba_value is None:
-                assert direct == 0 and n.mamba_lock_ref == 0, f"locked tombstone {n}"
-            else:
-                assert n.mamba_lock_ref == direct, f"{n}: mamba locks != direct locks"
-            if n.full_lock_ref:
-                full_protected += len(n.value)
-            else:
-                full_evictable += len(n.value)
-            if n.mamba_value is not None:
-                if n.mamba_lock_ref:
-                    mamba_protected += 1
-                else:
-                    mamba_evictable += 1
-        assert (full_evictable, full_protected) == (self.full_evictable_size_, self.full_protected_size_)
-        assert (mamba_evictable, mamba_protected) == (self.mamba_evictable_size_, self.mamba_protected_size_)
-        kv = self.held_kv_slots()
-        assert len(kv) == len(set(kv)), "a KV slot appears twice in the tree"
-        ckpts = self.held_mamba_slots()
-        assert len(ckpts) == len(set(ckpts)), "a checkpoint slot appears twice in the tree"

@@ -6,7 +6,7 @@ without a checkpoint is a tombstone. Keys and values are `array('q')`: compact, 
 cyclic garbage collector, which otherwise walks every slot id of a large tree on each full collection
 (140 ms for 8.6k nodes of 300 tokens, measured).
 
-Invariants (checked by `MambaRadixCache.sanity_check`):
+Invariants (checked by `MambaTree.sanity_check`):
   1. mamba_lock_ref > 0 implies full_lock_ref > 0; a full lock covers the whole path to the root, a
      mamba lock only its node.
   2. A leaf is never a tombstone (tombstone leaves are deleted eagerly).
@@ -32,7 +32,6 @@ class TreeNode:
         "mamba_value",
         "full_lock_ref",
         "mamba_lock_ref",
-        "hit_count",
     )
 
     def __init__(self, key: Iterable[int] = (), value: Iterable[int] = (), parent: TreeNode | None = None):
@@ -44,7 +43,6 @@ class TreeNode:
         self.mamba_value: int | None = None
         self.full_lock_ref = 0
         self.mamba_lock_ref = 0
-        self.hit_count = 0
 
     @property
     def is_leaf(self) -> bool:
@@ -129,3 +127,170 @@ class LRUList:
             after = self._next[node.id]
             yield node
             node = after
+
+
+class MambaTree:
+    """The radix structure of `MambaRadixCache`: nodes, the two LRU lists, locks and the size counters
+    they move (KV slots and checkpoints, each evictable or protected by a lock). The cache adds what
+    requests do with it: matches, inserts, donations and eviction."""
+
+    page_size: int
+
+    def reset_tree(self) -> None:
+        self.root = TreeNode()
+        self.root.full_lock_ref = 1
+        self.full_lru = LRUList()
+        self.mamba_lru = LRUList()
+        self.full_evictable_size_ = 0
+        self.full_protected_size_ = 0
+        self.mamba_evictable_size_ = 0
+        self.mamba_protected_size_ = 0
+
+    # ---- keys --------------------------------------------------------------------------------------
+
+    def _child_key(self, key: list[int], start: int = 0):
+        return key[start] if self.page_size == 1 else tuple(key[start : start + self.page_size])
+
+    def _match_len(self, node_key: list[int], key: list[int], start: int) -> int:
+        """Common prefix of node_key and key[start:], in whole pages."""
+        n = 0
+        limit = min(len(node_key), len(key) - start)
+        while n < limit and node_key[n] == key[start + n]:
+            n += 1
+        return n - n % self.page_size
+
+    def _page_aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _walk(self, key: list[int]) -> tuple[list[tuple[TreeNode, int]], int]:
+        """The one tree walk of match and insert: descend along `key` (page-aligned), splitting a node
+        that matches only in part. Returns the path's nodes below the root, each with the key offset
+        it starts at, and the matched length."""
+        node, matched = self.root, 0
+        path: list[tuple[TreeNode, int]] = []
+        while matched < len(key):
+            child = node.children.get(self._child_key(key, matched))
+            n = 0 if child is None else self._match_len(child.key, key, matched)
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split_node(child, n)
+            path.append((child, matched))
+            node, matched = child, matched + n
+        return path, matched
+
+    def _split_node(self, child: TreeNode, n: int) -> TreeNode:
+        """Split `child` after n tokens; the new parent is a tombstone (a state cannot be split) and
+        inherits the full locks of the path through it."""
+        parent = child.parent
+        new = TreeNode(child.key[:n], child.value[:n], parent)
+        new.full_lock_ref = child.full_lock_ref
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], new
+        new.children[self._child_key(child.key)] = child
+        parent.children[self._child_key(new.key)] = new
+        self.full_lru.insert_before(new, child)
+        return new
+
+    # ---- locks -------------------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        if node is self.root:
+            return
+        assert node.mamba_value is not None, "requests lock only nodes with a checkpoint"
+        if node.mamba_lock_ref == 0:
+            self.mamba_evictable_size_ -= 1
+            self.mamba_protected_size_ += 1
+        node.mamba_lock_ref += 1
+        while node is not self.root:
+            if node.full_lock_ref == 0:
+                self.full_evictable_size_ -= len(node.value)
+                self.full_protected_size_ += len(node.value)
+            node.full_lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        if node is self.root:
+            return
+        assert node.mamba_lock_ref > 0
+        node.mamba_lock_ref -= 1
+        if node.mamba_lock_ref == 0:
+            self.mamba_evictable_size_ += 1
+            self.mamba_protected_size_ -= 1
+        while node is not self.root:
+            assert node.full_lock_ref > 0
+            node.full_lock_ref -= 1
+            if node.full_lock_ref == 0:
+                self.full_evictable_size_ += len(node.value)
+                self.full_protected_size_ -= len(node.value)
+            node = node.parent
+
+    # ---- sizes and accounting ----------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        return self.full_evictable_size_
+
+    def protected_size(self) -> int:
+        return self.full_protected_size_
+
+    def mamba_evictable_size(self) -> int:
+        return self.mamba_evictable_size_
+
+    def mamba_protected_size(self) -> int:
+        return self.mamba_protected_size_
+
+    def nodes(self) -> list[TreeNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def held_kv_slots(self) -> list[int]:
+        out: list[int] = []
+        for n in self.nodes():
+            out.extend(n.value)
+        return out
+
+    def held_mamba_slots(self) -> list[int]:
+        return [n.mamba_value for n in self.nodes() if n.mamba_value is not None]
+
+    def total_size(self) -> int:
+        return self.full_evictable_size_ + self.full_protected_size_
+
+    def mamba_total_size(self) -> int:
+        return self.mamba_evictable_size_ + self.mamba_protected_size_
+
+    # ---- sanity ------------------------------------------------------------------------------------
+
+    def sanity_check(self) -> None:
+        """The invariants above, the lock rules and the size counters; raises AssertionError on a
+        violation."""
+        root = self.root
+        non_root = [n for n in self.nodes() if n is not root]
+        assert len(self.full_lru) == len(non_root), "the full LRU must hold every non-root node"
+        assert all(n in self.full_lru for n in non_root)
+        with_ckpt = [n for n in non_root if n.mamba_value is not None]
+        assert len(self.mamba_lru) == len(with_ckpt), "the mamba LRU must hold exactly the checkpoints"
+        assert all(n in self.mamba_lru for n in with_ckpt)
+        assert root.mamba_value is None and root.full_lock_ref == 1
+        full = [0, 0]  # evictable, protected
+        mamba = [0, 0]
+        for n in non_root:
+            assert n.key and len(n.key) == len(n.value) and len(n.key) % self.page_size == 0
+            assert n.parent.children.get(self._child_key(n.key)) is n
+            assert not (n.is_leaf and n.mamba_value is None), f"tombstone leaf {n}"
+            direct = n.full_lock_ref - sum(c.full_lock_ref for c in n.children.values())
+            assert direct >= 0, f"{n} has fewer full locks than its children"
+            if n.mamba_value is None:
+                assert direct == 0 and n.mamba_lock_ref == 0, f"locked tombstone {n}"
+            else:
+                assert n.mamba_lock_ref == direct, f"{n}: mamba locks != direct locks"
+                mamba[n.mamba_lock_ref > 0] += 1
+            full[n.full_lock_ref > 0] += len(n.value)
+        assert full == [self.full_evictable_size_, self.full_protected_size_]
+        assert mamba == [self.mamba_evictable_size_, self.mamba_protected_size_]
+        kv = self.held_kv_slots()
+        assert len(kv) == len(set(kv)), "a KV slot appears twice in the tree"
+        ckpts = self.held_mamba_slots()
+        assert len(ckpts) == len(set(ckpts)), "a checkpoint slot appears twice in the tree"

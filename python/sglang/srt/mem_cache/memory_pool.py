@@ -1,7 +1,6 @@
 """Memory pools: request rows (`ReqToTokenPool`), K/V of the full-attention layers
-(`MHATokenToKVPool`), recurrent state (`MambaPool`), and the hybrid request pools that tie a request
-row to its mamba slots (`HybridReqToTokenPool`, and `HybridMambaDecodeReqToTokenPool` for the decode
-side of PD disaggregation).
+(`MHATokenToKVPool`), recurrent state (`MambaPool`), and the hybrid request pool that ties a request
+row to its mamba slots (`HybridReqToTokenPool`; the PD decode side's is in `disaggregation/decode.py`).
 
 Host/device split: slot and row ids are host ints owned by the scheduler. The tensors here (the
 `req_to_token` table, K/V, conv and SSM states) are only read or written on the forward stream; the
@@ -18,6 +17,7 @@ import torch
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
 from sglang.srt.mem_cache.state_copy import StateCopier
 
 if TYPE_CHECKING:
@@ -29,8 +29,6 @@ logger = logging.getLogger(__name__)
 class ReqToTokenPool:
     """Request rows. `req_to_token[row, i]` is the KV slot of position i of the request in `row`;
     row 0 is padding (padded batch rows point at it)."""
-
-    enable_mamba_extra_buffer_lazy = False
 
     def __init__(self, size: int, max_context_len: int, device: str = "cpu"):
         self.size = size
@@ -155,9 +153,8 @@ class MambaPool:
 
 class HybridReqToTokenPool(ReqToTokenPool):
     """Request rows plus each request's mamba slots: a running slot, and with an extra-buffer strategy a
-    ping-pong track buffer of `mamba_ping_pong_track_buffer_size` entries (2 with overlap, 1 without).
-    The request object is authoritative for its slots; `req_index_to_mamba_index` mirrors the running
-    slot per row on the host.
+    ping-pong track buffer of `strategy.track_entries` entries. The request object is authoritative for
+    its slots, and every write to its slot fields goes through a method here: one owner.
 
     Lazy mode keeps one track slot resident: entry `mamba_next_track_idx` holds it, the other entry is
     -1 until a decode track boundary borrows a second slot."""
@@ -168,99 +165,102 @@ class HybridReqToTokenPool(ReqToTokenPool):
         mamba_size: int,
         max_context_len: int,
         cache_params: Mamba2CacheParams,
-        enable_mamba_extra_buffer: bool,
-        enable_mamba_extra_buffer_lazy: bool = False,
-        enable_overlap_schedule: bool = True,
+        strategy: MambaStrategy,
         device: str = "cpu",
     ):
         super().__init__(size, max_context_len, device)
         self.mamba_pool = MambaPool(mamba_size, cache_params, device)
         self.mamba_allocator = MambaSlotAllocator(mamba_size)
-        self.enable_mamba_extra_buffer = enable_mamba_extra_buffer
-        self.enable_mamba_extra_buffer_lazy = enable_mamba_extra_buffer and enable_mamba_extra_buffer_lazy
-        self.mamba_ping_pong_track_buffer_size = 2 if enable_overlap_schedule else 1
-        self.req_index_to_mamba_index: list[int] = [0] * (size + 1)
+        self.strategy = strategy
 
     # ---- rows and running slots --------------------------------------------------------------------
+
+    def mamba_slots_needed(self, req: Req) -> int:
+        """Slots `req` still needs to run: its running slot and its resident track slots."""
+        return self.strategy.slots_to_admit(
+            req.mamba_pool_idx is not None,
+            not self.strategy.extra_buffer or req.mamba_ping_pong_track_buffer is not None,
+        )
 
     def alloc(self, reqs: Sequence[Req]) -> list[int] | None:
         """Rows, running slots (fresh ones are flagged `mamba_needs_clear`; the clear itself runs on the
         forward stream) and track buffers. All or nothing: on failure nothing is held and None is
         returned."""
         new_rows = [r for r in reqs if r.req_pool_idx is None]
-        need_running = [r for r in reqs if r.mamba_pool_idx is None]
-        need_track = [
-            r for r in reqs if self.enable_mamba_extra_buffer and r.mamba_ping_pong_track_buffer is None
-        ]
-        per_track = 1 if self.enable_mamba_extra_buffer_lazy else self.mamba_ping_pong_track_buffer_size
-        n_slots = len(need_running) + per_track * len(need_track)
         if len(new_rows) > len(self.free_slots):
             return None
-        slots = self.mamba_allocator.alloc(n_slots)
+        slots = self.mamba_allocator.alloc(sum(self.mamba_slots_needed(r) for r in reqs))
         if slots is None:
             return None
         rows = super().alloc(reqs)
         assert rows is not None
         it = iter(slots)
-        for r in need_running:
-            r.mamba_pool_idx = next(it)
-            r.mamba_needs_clear = True
-        for r in need_track:
-            self._set_track_buffer(r, [next(it) for _ in range(per_track)])
         for r in reqs:
-            self.req_index_to_mamba_index[r.req_pool_idx] = r.mamba_pool_idx
+            if r.mamba_pool_idx is None:
+                self.set_running_slot(r, next(it), needs_clear=True)
+            if self.strategy.extra_buffer and r.mamba_ping_pong_track_buffer is None:
+                track = [next(it) for _ in range(self.strategy.resident_track_slots)]
+                r.mamba_ping_pong_track_buffer = track + [-1] * (self.strategy.track_entries - len(track))
+                r.mamba_next_track_idx = 0
         return rows
 
-    def _set_track_buffer(self, req: Req, slots: list[int]) -> None:
-        buf = slots + [-1] * (self.mamba_ping_pong_track_buffer_size - len(slots))
-        req.mamba_ping_pong_track_buffer = buf
-        req.mamba_next_track_idx = 0
+    def set_running_slot(self, req: Req, slot: int, needs_clear: bool) -> None:
+        """`req` runs in `slot`: a fresh one is zeroed on the forward stream (`needs_clear`), a COW
+        destination gets the checkpoint copied in instead."""
+        assert req.mamba_pool_idx is None, f"{req} already has a running slot"
+        req.mamba_pool_idx = slot
+        req.mamba_needs_clear = needs_clear
 
-    def _alloc_ping_pong_buffer(self, req: Req) -> bool:
-        """Give `req` its track buffer: all entries, or one in lazy mode (the other stays -1)."""
-        n = 1 if self.enable_mamba_extra_buffer_lazy else self.mamba_ping_pong_track_buffer_size
-        slots = self.mamba_allocator.alloc(n)
-        if slots is None:
-            return False
-        self._set_track_buffer(req, slots)
-        return True
+    def free_running_slot(self, req: Req) -> None:
+        if req.mamba_pool_idx is not None:
+            self.mamba_allocator.free([req.mamba_pool_idx])
+            req.mamba_pool_idx = None
+        req.mamba_needs_clear = False
 
-    def free(self, req: Req) -> None:
-        if req.req_pool_idx is not None:
-            self.req_index_to_mamba_index[req.req_pool_idx] = 0
-        super().free(req)
+    def donate_running_slot(self, req: Req) -> int:
+        """no_buffer: the finished request's running slot becomes a checkpoint; the tree owns it now."""
+        slot, req.mamba_pool_idx = req.mamba_pool_idx, None
+        assert slot is not None
+        return slot
 
     def free_mamba_cache(self, req: Req, mamba_ping_pong_track_buffer_to_keep: int | None = None) -> None:
-        """Free the running slot and the track slots except entry `..._to_keep` (now owned by the tree);
-        -1 entries are skipped. The request's mamba fields are cleared."""
-        out = []
-        if req.mamba_pool_idx is not None:
-            out.append(req.mamba_pool_idx)
+        """Free the running slot, borrowed snapshot slots and the track slots except entry
+        `..._to_keep` (now owned by the tree); -1 entries are skipped. The request's mamba fields are
+        cleared."""
+        out = [] if req.mamba_pool_idx is None else [req.mamba_pool_idx]
         buf = req.mamba_ping_pong_track_buffer
         if buf is not None:
             out += [s for i, s in enumerate(buf) if s != -1 and i != mamba_ping_pong_track_buffer_to_keep]
-        out += [slot for slot, _ in req.mamba_extra_snapshots]
+        out += [slot for slot, _ in self.take_extra_snapshots(req)]
         self.mamba_allocator.free(out)
-        req.mamba_extra_snapshots = []
         req.mamba_pool_idx = None
         req.mamba_ping_pong_track_buffer = None
         req.mamba_next_track_idx = 0
         req.mamba_needs_clear = False
-        if req.req_pool_idx is not None:
-            self.req_index_to_mamba_index[req.req_pool_idx] = 0
+
+    # ---- snapshot slots ---------------------------------------------------------------------------
+
+    def add_extra_snapshot(self, req: Req, slot: int, position: int) -> None:
+        """A slot borrowed for a prefill snapshot beyond the primary one, held until the tree takes it."""
+        req.mamba_extra_snapshots.append((slot, position))
+
+    def take_extra_snapshots(self, req: Req) -> list[tuple[int, int]]:
+        """Hand over the borrowed snapshots, (slot, position); the caller owns their slots now."""
+        out, req.mamba_extra_snapshots = req.mamba_extra_snapshots, []
+        return out
 
     # ---- ping-pong track buffer -------------------------------------------------------------------
 
     def get_mamba_ping_pong_other_idx(self, idx: int) -> int:
-        return 1 - idx if self.mamba_ping_pong_track_buffer_size == 2 else idx
+        return self.strategy.other_entry(idx)
 
     def get_mamba_ping_pong_keep_idx(self, req: Req) -> int:
-        """The entry that holds the newest snapshot. Normal mode swaps `mamba_next_track_idx` as soon as
-        a snapshot is scheduled, so that is the other entry; lazy mode writes into the entry
-        `mamba_next_track_idx` points at."""
-        if self.enable_mamba_extra_buffer_lazy:
-            return req.mamba_next_track_idx
-        return self.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
+        return self.strategy.keep_entry(req.mamba_next_track_idx)
+
+    def advance_track_entry(self, req: Req, written: int) -> None:
+        """A snapshot into entry `written` was scheduled (normal mode) or committed (lazy): normal mode
+        writes the next one into the other entry; lazy keeps `written` as its one resident slot."""
+        req.mamba_next_track_idx = written if self.strategy.lazy else self.strategy.other_entry(written)
 
     def set_mamba_ping_pong_slot(self, req: Req, idx: int, slot: int) -> None:
         req.mamba_ping_pong_track_buffer[idx] = slot
@@ -290,59 +290,6 @@ class HybridReqToTokenPool(ReqToTokenPool):
         out += [slot for slot, _ in req.mamba_extra_snapshots]
         return out
 
-    def resident_slots_per_req(self) -> int:
-        """Slots a running request holds between track boundaries."""
-        if not self.enable_mamba_extra_buffer:
-            return 1
-        if self.enable_mamba_extra_buffer_lazy:
-            return 2
-        return 1 + self.mamba_ping_pong_track_buffer_size
-
     def clear(self) -> None:
         super().clear()
         self.mamba_allocator.clear()
-        self.req_index_to_mamba_index = [0] * (self.size + 1)
-
-
-class HybridMambaDecodeReqToTokenPool(HybridReqToTokenPool):
-    """The decode side of PD disaggregation pre-allocates destinations (request row and running slot)
-    for transfers in flight beyond the running cap: `pre_alloc_size` extra rows. Its mamba pool is sized
-    to what those rows can hold, raised above a smaller `--max-mamba-cache-size` with a warning."""
-
-    def __init__(
-        self,
-        size: int,
-        pre_alloc_size: int,
-        max_mamba_cache_size: int | None,
-        max_context_len: int,
-        cache_params: Mamba2CacheParams,
-        enable_mamba_extra_buffer: bool,
-        enable_overlap_schedule: bool = True,
-        device: str = "cpu",
-    ):
-        ping_pong = 2 if enable_overlap_schedule else 1
-        self.pre_alloc_size = pre_alloc_size
-        self.slots_per_req = 1 + (ping_pong if enable_mamba_extra_buffer else 0)
-        self.max_slots_needed = (size + pre_alloc_size) * self.slots_per_req
-        if max_mamba_cache_size is None:
-            mamba_size = self.max_slots_needed
-        else:
-            mamba_size = max(max_mamba_cache_size, self.max_slots_needed)
-            if mamba_size > max_mamba_cache_size:
-                logger.warning(
-                    "The decode server raises --max-mamba-cache-size from %d to %d: %d request rows "
-                    "(%d running + %d pre-allocated) need %d slot(s) each.",
-                    max_mamba_cache_size, mamba_size, size + pre_alloc_size, size, pre_alloc_size,
-                    self.slots_per_req,
-                )  # fmt: skip
-        self.mamba_spec_state_size = size + pre_alloc_size
-        super().__init__(
-            size + pre_alloc_size,
-            mamba_size,
-            max_context_len,
-            cache_params,
-            enable_mamba_extra_buffer=enable_mamba_extra_buffer,
-            enable_mamba_extra_buffer_lazy=False,
-            enable_overlap_schedule=enable_overlap_schedule,
-            device=device,
-        )

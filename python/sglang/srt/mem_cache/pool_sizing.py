@@ -38,16 +38,6 @@ class PoolSizes:
         return self.max_running_requests
 
 
-def resident_slots_per_req(server_args: ServerArgs) -> int:
-    """Slots a running request holds between track boundaries: its running slot, plus the resident
-    track slots (lazy: 1; extra_buffer: 2 with overlap, 1 without)."""
-    if not server_args.enable_mamba_extra_buffer():
-        return 1
-    if server_args.enable_mamba_extra_buffer_lazy():
-        return 2
-    return 1 + server_args.mamba_ping_pong_track_buffer_size
-
-
 def device_memory_bytes(device: str) -> int:
     if device == "cuda":
         free, _total = torch.cuda.mem_get_info()
@@ -61,7 +51,7 @@ def compute_pool_sizes(
     dtype = server_args.model_config.torch_dtype
     per_slot = arch.mamba_cache_per_req(dtype, server_args.mamba_ssm_dtype)
     per_token = arch.kv_bytes_per_token(dtype)
-    resident = resident_slots_per_req(server_args)
+    resident = server_args.mamba_strategy.resident_slots_per_req
     slots, tokens = server_args.max_mamba_cache_size, server_args.max_total_tokens
 
     if slots is None or tokens is None:

@@ -74,9 +74,7 @@ class ModelRunner:
             mamba_size=sizes.max_mamba_cache_size,
             max_context_len=context_len,
             cache_params=self.arch.mamba2_cache_params(self.dtype, args.mamba_ssm_dtype),
-            enable_mamba_extra_buffer=args.enable_mamba_extra_buffer(),
-            enable_mamba_extra_buffer_lazy=args.enable_mamba_extra_buffer_lazy(),
-            enable_overlap_schedule=args.enable_overlap_schedule,
+            strategy=args.mamba_strategy,
             device=self.device,
         )
         self.token_to_kv_pool = MHATokenToKVPool(

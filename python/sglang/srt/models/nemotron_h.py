@@ -4,7 +4,6 @@ routing, relu2 experts, a shared expert). Parameter names follow the HF checkpoi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.moe.router import grouped_sigmoid_topk
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.models.loader import WeightLoader
+from sglang.srt.models.causal_lm import HybridCausalLM
 
 
 class NemotronHMamba2Mixer(nn.Module):
@@ -152,31 +151,20 @@ class NemotronHModel(nn.Module):
         return self.norm_f(hidden)
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(HybridCausalLM):
+    backbone_attr = "backbone"
     fp32_param_suffixes = ("A_log", "dt_bias", ".D", "e_score_correction_bias")
 
     def __init__(self, config: Any):
-        super().__init__()
-        self.config = config
-        self.backbone = NemotronHModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
+        backbone = NemotronHModel(config)
+        super().__init__(config, backbone, backbone.embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, hidden]; attention here uses no positions."""
         return self.backbone(input_ids, fb)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self, skip_prefixes=("mtp.",))
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            # transformers' in-memory names use `model.`; checkpoints use `backbone.`.
-            if name.startswith("model."):
-                name = "backbone." + name[len("model.") :]
-            name = name.replace(".experts.up_proj", ".experts.w13").replace(
-                ".experts.down_proj", ".experts.w2"
-            )
-            loader.load(name, tensor)
-        loader.finish()
+    def checkpoint_name(self, name: str) -> str:
+        # transformers' in-memory names use `model.`; checkpoints use `backbone.`.
+        if name.startswith("model."):
+            name = "backbone." + name[len("model.") :]
+        return name.replace(".experts.up_proj", ".experts.w13").replace(".experts.down_proj", ".experts.w2")

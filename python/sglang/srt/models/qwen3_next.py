@@ -4,7 +4,6 @@ follow the HF checkpoint (`model.layers.N...`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from sglang.srt.layers.moe.router import softmax_topk
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.models.loader import WeightLoader
+from sglang.srt.models.causal_lm import HybridCausalLM
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
@@ -149,32 +148,22 @@ class Qwen3NextModel(nn.Module):
         return self.norm(hidden)
 
 
-class Qwen3NextForCausalLM(nn.Module):
-    # Small per-head parameters kept in float32 whatever the model dtype.
+class Qwen3NextForCausalLM(HybridCausalLM):
+    backbone_attr = "model"
     fp32_param_suffixes = ("A_log", "dt_bias")
 
     def __init__(self, config: Any):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3NextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        model = Qwen3NextModel(config)
+        super().__init__(config, model, model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, hidden]; the logits processor applies `lm_head` where needed."""
         return self.model(input_ids, positions, fb)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self, skip_prefixes=("mtp.",))
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            name = name.replace(".experts.gate_up_proj", ".experts.w13").replace(
-                ".experts.down_proj", ".experts.w2"
-            )
-            loader.load(name, tensor)
-        loader.finish()
+    def checkpoint_name(self, name: str) -> str:
+        return name.replace(".experts.gate_up_proj", ".experts.w13").replace(
+            ".experts.down_proj", ".experts.w2"
+        )
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:

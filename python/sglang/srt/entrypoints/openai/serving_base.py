@@ -17,16 +17,20 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from sglang.srt.entrypoints.openai.protocol import request_error_from_validation
+from sglang.srt.entrypoints.http_guard import CLIENT_CLOSED
+from sglang.srt.entrypoints.openai.protocol import UsageInfo, request_error_from_validation
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
-from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, TokenizerManager
+from sglang.srt.managers.tokenizer_manager import (
+    BackendDeadError,
+    ClientDisconnected,
+    ServerAbortError,
+    TokenizerManager,
+)
 
 logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
-# The status nginx uses for "client closed request": the client is gone, the body goes nowhere.
-CLIENT_CLOSED = 499
 
 
 def error_body(
@@ -45,9 +49,22 @@ def error_response(err: RequestError, status_code: int = 400) -> Response:
     return json_response(error_body(err.message, err.param, err.code), status_code)
 
 
+def server_abort_body(e: ServerAbortError) -> dict:
+    # Upstream answers these (deadlines) with the HTTP status as `code`, e.g. 503.
+    return error_body(e.message, kind="server_error", code=e.status_code)
+
+
+def server_abort_response(e: ServerAbortError) -> Response:
+    return json_response(server_abort_body(e), e.status_code)
+
+
+def backend_dead_body(e: BackendDeadError) -> dict:
+    return error_body(str(e), kind="server_error", code="backend_dead")
+
+
 def internal_error_response(e: BaseException) -> Response:
     if isinstance(e, BackendDeadError):
-        return json_response(error_body(str(e), kind="server_error", code="backend_dead"), 503)
+        return json_response(backend_dead_body(e), 503)
     logger.exception("Request failed", exc_info=e)
     return json_response(
         error_body(f"Internal server error: {e}", kind="server_error", code="internal_error"), 500
@@ -94,6 +111,10 @@ async def sse_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             yield event
     except ClientDisconnected:
         return  # nobody to tell; the request was aborted on the way out
+    except ServerAbortError as e:
+        yield sse(server_abort_body(e))
+    except BackendDeadError as e:
+        yield sse(backend_dead_body(e))
     except Exception as e:
         logger.exception("Streaming failed")
         yield sse(error_body(f"Internal server error: {e}", kind="server_error", code="internal_error"))
@@ -121,10 +142,17 @@ class OpenAIServingBase:
     async def handle(self, request: Request) -> Response:
         try:
             req = parse_model(self.request_model, await request.body())
-            obj = self.to_generate_input(req)
+            obj = await self.to_generate_input(req)
+        except RequestError as e:
+            return error_response(e)  # raised here, errors already use this API's field names
+        except Exception as e:
+            return internal_error_response(e)
+        try:
             first, gen = await start_generation(self.tm, obj, request)
         except RequestError as e:
             return error_response(self.rename(e))
+        except ServerAbortError as e:
+            return server_abort_response(e)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
@@ -138,6 +166,8 @@ class OpenAIServingBase:
             return internal_error_response(e)
 
     def rename(self, err: RequestError) -> RequestError:
+        """A native validation error in this API's words: its field, and the native field names in its
+        message (only those: an English word that happens to be a native name stays)."""
         param = err.param or ""
         new = self.param_names.get(param) or param.removeprefix("sampling_params.") or None
         message = err.message
@@ -146,16 +176,70 @@ class OpenAIServingBase:
             message = re.sub(rf"\b{word}\b", public, message)
         return RequestError(message, new, err.code)
 
-    def to_generate_input(self, req: Any) -> GenerateReqInput:
+    async def to_generate_input(self, req: Any) -> GenerateReqInput:
+        raise NotImplementedError
+
+    # ---- replies: one implementation, the route supplies its choices --------------------------------
+
+    id_prefix: str  # "chatcmpl-" or "cmpl-"
+    response_model: type[BaseModel]
+    stream_response_model: type[BaseModel]
+
+    def make_choice(self, req: Any, index: int, out: dict) -> BaseModel:
+        """The choice of a whole (non-streamed) output."""
+        raise NotImplementedError
+
+    def opening_choice(self, index: int) -> BaseModel | None:
+        """A choice to send before a stream's first delta of choice `index` (chat: the role)."""
+        return None
+
+    def stream_choice(self, req: Any, index: int, delta: str, meta: dict, progress: dict) -> BaseModel | None:
+        """The choice for one stream chunk, or None if it carries nothing. `progress` is the route's
+        own per-choice state across chunks (how many logprob entries it sent)."""
         raise NotImplementedError
 
     def build_response(self, req: Any, obj: GenerateReqInput, first: Any) -> BaseModel:
-        raise NotImplementedError
+        outs = as_list(first)
+        return self.response_model(
+            id=f"{self.id_prefix}{outs[0]['meta_info']['id']}",
+            model=self.model_name,
+            choices=[self.make_choice(req, i, out) for i, out in enumerate(outs)],
+            usage=UsageInfo(**usage(outs, req.n)),
+        )
 
-    def stream_events(
+    async def stream_events(
         self, req: Any, obj: GenerateReqInput, first: Any, gen: AsyncIterator[Any]
     ) -> AsyncIterator[bytes]:
-        raise NotImplementedError
+        """Chunks carry each choice's whole text so far; events carry the new part. With
+        `stream_options.include_usage` a last event has no choices and the usage."""
+        stream_id = f"{self.id_prefix}{first['meta_info']['id']}"
+        sent_text: dict[int, int] = {}
+        progress: dict[int, Any] = {}
+        last: dict[int, dict] = {}
+
+        def event(choices: list[BaseModel], **extra: Any) -> bytes:
+            return sse(
+                self.stream_response_model(id=stream_id, model=self.model_name, choices=choices, **extra)
+            )
+
+        chunk = first
+        while chunk is not None:
+            i = chunk.get("index", 0)
+            if i not in sent_text:
+                sent_text[i] = 0
+                opening = self.opening_choice(i)
+                if opening is not None:
+                    yield event([opening])
+            delta = chunk["text"][sent_text[i] :]
+            sent_text[i] = len(chunk["text"])
+            choice = self.stream_choice(req, i, delta, chunk["meta_info"], progress)
+            if choice is not None:
+                yield event([choice])
+            last[i] = chunk
+            chunk = await anext(gen, None)
+        if req.include_usage:
+            outs = [last[i] for i in sorted(last)]
+            yield event([], usage=UsageInfo(**usage(outs, req.n)))
 
 
 def as_list(outputs: Any) -> list[dict]:

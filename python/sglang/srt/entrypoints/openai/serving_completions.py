@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
-
 from sglang.srt.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
 )
 from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
-    as_list,
     finish_reason,
-    sse,
-    usage,
 )
 from sglang.srt.managers.io_struct import GenerateReqInput
 
@@ -44,6 +37,9 @@ def completion_logprobs(
 
 class OpenAIServingCompletion(OpenAIServingBase):
     request_model = CompletionRequest
+    response_model = CompletionResponse
+    stream_response_model = CompletionResponse
+    id_prefix = "cmpl-"
     param_names = {
         "text": "prompt",
         "input_ids": "prompt",
@@ -52,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         "top_logprobs_num": "logprobs",
     }
 
-    def to_generate_input(self, req: CompletionRequest) -> GenerateReqInput:
+    async def to_generate_input(self, req: CompletionRequest) -> GenerateReqInput:
         p = req.prompt
         is_text = isinstance(p, str) or all(isinstance(x, str) for x in p)
         return GenerateReqInput(
@@ -66,57 +62,26 @@ class OpenAIServingCompletion(OpenAIServingBase):
             stream=req.stream,
         )
 
-    def build_response(self, req: CompletionRequest, obj: GenerateReqInput, first: Any) -> CompletionResponse:
-        outs = as_list(first)
-        choices = []
-        for i, out in enumerate(outs):
-            reason, matched = finish_reason(out["meta_info"])
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs, _ = completion_logprobs(out["meta_info"], 0, 0, req.logprobs > 0)
-            choices.append(
-                CompletionChoice(
-                    index=i, text=out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched
-                )
-            )
-        return CompletionResponse(
-            id=f"cmpl-{outs[0]['meta_info']['id']}",
-            model=self.model_name,
-            choices=choices,
-            usage=UsageInfo(**usage(outs, req.n)),
+    def make_choice(self, req: CompletionRequest, index: int, out: dict) -> CompletionChoice:
+        reason, matched = finish_reason(out["meta_info"])
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs, _ = completion_logprobs(out["meta_info"], 0, 0, req.logprobs > 0)
+        return CompletionChoice(
+            index=index, text=out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched
         )
 
-    async def stream_events(
-        self, req: CompletionRequest, obj: GenerateReqInput, first: Any, gen: AsyncIterator[Any]
-    ) -> AsyncIterator[bytes]:
-        sent_text: dict[int, int] = {}
-        sent_lp: dict[int, int] = {}
-        offsets: dict[int, int] = {}
-        last: dict[int, dict] = {}
-        stream_id = f"cmpl-{first['meta_info']['id']}"
-        chunk = first
-        while chunk is not None:
-            i = chunk.get("index", 0)
-            meta = chunk["meta_info"]
-            delta = chunk["text"][sent_text.get(i, 0) :]
-            sent_text[i] = len(chunk["text"])
-            logprobs = None
-            if req.logprobs is not None:
-                start = sent_lp.get(i, 0)
-                logprobs, offsets[i] = completion_logprobs(meta, start, offsets.get(i, 0), req.logprobs > 0)
-                sent_lp[i] = start + len(logprobs.tokens)
-            reason, matched = finish_reason(meta)
-            if delta or reason or (logprobs and logprobs.tokens):
-                choice = CompletionChoice(
-                    index=i, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
-                )
-                yield sse(CompletionResponse(id=stream_id, model=self.model_name, choices=[choice]))
-            last[i] = chunk
-            chunk = await anext(gen, None)
-        if req.include_usage:
-            outs = [last[i] for i in sorted(last)]
-            yield sse(
-                CompletionResponse(
-                    id=stream_id, model=self.model_name, choices=[], usage=UsageInfo(**usage(outs, req.n))
-                )
-            )
+    def stream_choice(
+        self, req: CompletionRequest, index: int, delta: str, meta: dict, progress: dict
+    ) -> CompletionChoice | None:
+        logprobs = None
+        if req.logprobs is not None:
+            sent, offset = progress.get(index, (0, 0))
+            logprobs, offset = completion_logprobs(meta, sent, offset, req.logprobs > 0)
+            progress[index] = (sent + len(logprobs.tokens), offset)
+        reason, matched = finish_reason(meta)
+        if not (delta or reason or (logprobs and logprobs.tokens)):
+            return None
+        return CompletionChoice(
+            index=index, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
+        )

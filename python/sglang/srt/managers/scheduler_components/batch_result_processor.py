@@ -15,26 +15,43 @@ otherwise it prefills that token again when readmitted.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.environ import envs
+from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import BatchTokenIDOut
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.common import release_kv_cache
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.model_executor.forward_worker import HostBatchResult
 
 logger = logging.getLogger(__name__)
 
 
 class BatchResultProcessor:
-    def __init__(self, sched: Scheduler):
-        self.sched = sched
+    def __init__(
+        self,
+        tree_cache: BasePrefixCache,
+        tracker: MambaTracker,
+        finisher: FinishChecker,
+        output_sink: Callable[[Any], None],
+        on_release: Callable[[Req], None],
+        counters: dict[str, int],
+        stream_interval: int,
+    ):
+        self.tree_cache = tree_cache
+        self.tracker = tracker
+        self.finisher = finisher
+        self.output_sink = output_sink  # to the detokenizer
+        self.on_release = on_release  # the scheduler forgets a released request
+        self.counters = counters
+        self.stream_interval = stream_interval
 
     def process_batch_result(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
-        sched = self.sched
         next_ids = result.next_token_ids
         out_lp = result.next_token_logprobs
         pending = {id(req): (entry, seq) for req, entry, seq in batch.pending_tracks}
@@ -57,33 +74,14 @@ class BatchResultProcessor:
                     tops = result.next_token_top_logprobs
                     if req.top_logprobs_num and tops is not None and tops[i] is not None:
                         req.output_top_logprobs.append(list(zip(*tops[i], strict=True)))
-                sched.counters["num_generation_tokens_total"] += 1
+                self.counters["num_generation_tokens_total"] += 1
             if batch.sample_rows[i] or batch.completes_prefill[i]:
-                self.check_finished(req)
+                self.finisher.check_finished(req)
             self._handle_finish_state_updated_req(req, pending.get(id(req)))
             touched.append(req)
         self.stream_output(touched)
 
     # ---- finish ------------------------------------------------------------------------------------
-
-    def check_finished(self, req: Req) -> None:
-        sp = req.sampling_params
-        n = len(req.output_ids)
-        if n >= sp.max_new_tokens:
-            req.finished_reason = {"type": "length", "length": sp.max_new_tokens}
-            return
-        token = req.output_ids[-1]
-        if n > sp.min_new_tokens:
-            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.sched.eos_token_ids):
-                req.finished_reason = {"type": "stop", "matched": token}
-                return
-            if sp.stop:
-                matched = self.sched.match_stop_string(req)
-                if matched is not None:
-                    req.finished_reason = {"type": "stop", "matched": matched}
-                    return
-        if req.seqlen >= self.sched.context_len:
-            req.finished_reason = {"type": "length", "length": n}
 
     def _handle_finish_state_updated_req(self, req: Req, pending: tuple[int, int] | None) -> None:
         if pending is not None:
@@ -93,17 +91,16 @@ class BatchResultProcessor:
 
     def _mamba_prefix_cache_update(self, req: Req, entry: int, seq_len: int) -> None:
         if req.mamba_ping_pong_track_buffer is not None:
-            self.sched.tracker.commit_decode_track(req, entry, seq_len)
+            self.tracker.commit_decode_track(req, entry, seq_len)
 
     def release_finished(self, req: Req) -> None:
-        sched = self.sched
         is_insert = True
-        if sched.tracker.lazy and not envs.SGLANG_TEST_IGNORE_MAMBA_LAZY_IS_INSERT.get():
+        if self.tracker.lazy and not envs.SGLANG_TEST_IGNORE_MAMBA_LAZY_IS_INSERT.get():
             is_insert = req.mamba_lazy_is_insert
         if req.finished_reason and req.finished_reason.get("type") == "abort":
             is_insert = False
-        release_kv_cache(req, sched.tree_cache, is_insert=is_insert)
-        sched.remove_request(req)
+        release_kv_cache(req, self.tree_cache, is_insert=is_insert)
+        self.on_release(req)
 
     # ---- logprobs ----------------------------------------------------------------------------------
 
@@ -127,8 +124,7 @@ class BatchResultProcessor:
     def stream_output(self, reqs: list[Req]) -> None:
         """Send each request's new tokens: streaming requests every --stream-interval tokens, all of
         them when they finish."""
-        sched = self.sched
-        interval = sched.server_args.stream_interval
+        interval = self.stream_interval
         out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [])
         for req in reqs:
             new = len(req.output_ids) - req.send_offset
@@ -136,14 +132,14 @@ class BatchResultProcessor:
                 continue
             self._append(out, req)
         if out.rids:
-            sched.send_to_detokenizer(out)
+            self.output_sink(out)
 
     def send_finished(self, reqs: list[Req]) -> None:
         out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [])
         for req in reqs:
             self._append(out, req)
         if out.rids:
-            self.sched.send_to_detokenizer(out)
+            self.output_sink(out)
 
     @staticmethod
     def _append(out: BatchTokenIDOut, req: Req) -> None:

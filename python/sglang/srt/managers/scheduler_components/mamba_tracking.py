@@ -32,28 +32,24 @@ from typing import TYPE_CHECKING
 
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sglang.srt.mem_cache.common import alloc_mamba_slot
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
 class MambaTracker:
-    def __init__(self, pool: HybridReqToTokenPool, tree: BasePrefixCache, server_args: ServerArgs):
+    def __init__(self, pool: HybridReqToTokenPool, tree: BasePrefixCache, track_interval: int):
         self.pool = pool
         self.tree = tree
-        self.enabled = server_args.enable_mamba_extra_buffer() and pool.enable_mamba_extra_buffer
-        # Without overlap there is one entry and no window to protect: lazy runs like extra_buffer.
-        self.lazy = (
-            self.enabled
-            and pool.enable_mamba_extra_buffer_lazy
-            and pool.mamba_ping_pong_track_buffer_size == 2
-        )
-        self.chunk = server_args.mamba_cache_chunk_size
-        self.interval = server_args.mamba_track_interval
+        strategy = pool.strategy
+        self.enabled = strategy.extra_buffer
+        self.lazy = strategy.lazy
+        self.chunk = strategy.cache_chunk_size
+        self.interval = track_interval
         self.lazy_alloc_failures = {"first_try": 0, "retry": 0}
 
     # ---- prefill -------------------------------------------------------------------------------
@@ -80,16 +76,15 @@ class MambaTracker:
             extra.add((end - 1) // c * c)
         out = []
         for pos in sorted(p for p in extra if prefix_len < p < primary):
-            slot = self.tree.alloc_mamba_slot()
+            slot, _ = alloc_mamba_slot(self.tree, self.pool.mamba_allocator)
             if slot is None:
                 continue
-            req.mamba_extra_snapshots.append((slot, pos))
+            self.pool.add_extra_snapshot(req, slot, pos)
             out.append((slot, pos))
         entry = req.mamba_next_track_idx
         slot = req.mamba_ping_pong_track_buffer[entry]
         assert slot != -1
-        if not self.lazy:
-            req.mamba_next_track_idx = self.pool.get_mamba_ping_pong_other_idx(entry)
+        self.pool.advance_track_entry(req, entry)
         req.mamba_last_track_seqlen = primary
         out.append((slot, primary))
         return out
@@ -113,25 +108,16 @@ class MambaTracker:
         other = pool.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
         if req.mamba_ping_pong_track_buffer[other] != -1:
             return other
-        slot = self._alloc_with_failure_injection()
+        slot, failed = alloc_mamba_slot(
+            self.tree, pool.mamba_allocator, failing_tries=envs.SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL.get()
+        )
+        self.lazy_alloc_failures["first_try"] += failed >= 1
+        self.lazy_alloc_failures["retry"] += failed >= 2
         if slot is None:
             req.mamba_lazy_is_insert = False
             return req.mamba_next_track_idx
         pool.set_mamba_ping_pong_slot(req, other, slot)
         return other
-
-    def _alloc_with_failure_injection(self) -> int | None:
-        mode = envs.SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL.get()
-        got = None if mode >= 1 else self.pool.mamba_allocator.alloc(1)
-        if got:
-            return got[0]
-        self.lazy_alloc_failures["first_try"] += 1
-        self.tree.evict(mamba_num=1)
-        got = None if mode >= 2 else self.pool.mamba_allocator.alloc(1)
-        if got:
-            return got[0]
-        self.lazy_alloc_failures["retry"] += 1
-        return None
 
     def commit_decode_track(self, req: Req, entry: int, seq_len: int) -> None:
         """`_mamba_check_track_boundary` on the processed result: the snapshot of `entry` is now the
@@ -140,12 +126,11 @@ class MambaTracker:
         if self.lazy:
             self.mamba_lazy_post_decode_at_boundary(req, entry)
         else:
-            req.mamba_next_track_idx = self.pool.get_mamba_ping_pong_other_idx(entry)
+            self.pool.advance_track_entry(req, entry)
 
     def mamba_lazy_post_decode_at_boundary(self, req: Req, entry: int) -> None:
         if entry == req.mamba_next_track_idx:
             return  # written into the only slot: stays non-insertable until a boundary gets its second slot
-        older = req.mamba_next_track_idx
-        self.pool.donate_mamba_ping_pong_slot(req, older)
-        req.mamba_next_track_idx = entry
+        self.pool.donate_mamba_ping_pong_slot(req, req.mamba_next_track_idx)
+        self.pool.advance_track_entry(req, entry)
         req.mamba_lazy_is_insert = True

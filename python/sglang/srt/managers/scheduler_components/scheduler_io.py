@@ -1,27 +1,32 @@
-"""The scheduler's I/O: ZMQ sockets in the scheduler process (or in-process sinks for tests), input
-dispatch, the internal-state report, the process loop and `run_scheduler_process`."""
+"""The scheduler's I/O, a part of the `Scheduler` class kept in its own file (as upstream's scheduler
+mixins): ZMQ sockets in the scheduler process (or in-process sinks for tests), intake and aborts, input
+dispatch, the internal-state report and the process loop. It does not import `scheduler.py`; the
+process entry `run_scheduler_process` lives there."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sglang.srt.managers.io_struct import (
+    HEARTBEAT_INTERVAL_S,
     AbortReq,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     PortArgs,
+    SchedulerHeartbeat,
     TokenizedGenerateReqInput,
 )
-
-if TYPE_CHECKING:
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.scheduler_components.request_control import GenerationPause, RequestDeadlines
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +34,16 @@ IDLE_POLL_MS = 50
 
 
 class SchedulerIOMixin:
-    def init_io(self: Scheduler, port_args: PortArgs | None = None) -> None:
+    def init_io(self, port_args: PortArgs | None = None) -> None:
         self.port_args = port_args
         # In-process sinks (tests, or before sockets exist): what would be sent to each process.
         self.detokenizer_outbox: list[Any] = []
         self.tokenizer_outbox: list[Any] = []
         self._sockets = None
-        self._init_tokenizer()
+        self.request_deadlines = RequestDeadlines(self._request_views, self.abort_with_status)
+        self.generation_pause = GenerationPause(self.retract_all)
 
-    def connect(self: Scheduler, port_args: PortArgs) -> None:
+    def connect(self, port_args: PortArgs) -> None:
         import zmq
 
         ctx = zmq.Context(2)
@@ -52,59 +58,21 @@ class SchedulerIOMixin:
         to_tok.connect(port_args.tokenizer_ipc_name)
         self._sockets = (recv, to_detok, to_tok)
 
-    def _init_tokenizer(self: Scheduler) -> None:
-        """For stop strings and end-of-sequence ids."""
-        cfg = self.server_args.model_config.hf_config
-        eos = set()
-        for value in (getattr(cfg, "eos_token_id", None), self._generation_config_eos()):
-            if isinstance(value, int):
-                eos.add(value)
-            elif value:
-                eos.update(value)
-        self.tokenizer = None
-        if not self.server_args.skip_tokenizer_init:
-            from transformers import AutoTokenizer
-
-            from sglang.srt.configs.presets import resolve_model_path
-
-            self.tokenizer = AutoTokenizer.from_pretrained(
-                resolve_model_path(self.server_args.tokenizer_path)
-            )
-            if self.tokenizer.eos_token_id is not None:
-                eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = eos
-
-    def _generation_config_eos(self: Scheduler):
-        import json
-        from pathlib import Path
-
-        path = Path(self.server_args.model_config.path) / "generation_config.json"
-        if not path.is_file():
-            return None
-        return json.loads(path.read_text()).get("eos_token_id")
-
-    def match_stop_string(self: Scheduler, req: Req) -> str | None:
-        if self.tokenizer is None:
-            return None
-        longest = max(len(s) for s in req.sampling_params.stop)
-        tail = self.tokenizer.decode(req.output_ids[-(longest + 8) :], skip_special_tokens=False)
-        return next((s for s in req.sampling_params.stop if s in tail), None)
-
     # ---- sending -----------------------------------------------------------------------------------
 
-    def send_to_detokenizer(self: Scheduler, obj: Any) -> None:
+    def send_to_detokenizer(self, obj: Any) -> None:
         if self._sockets is None:
             self.detokenizer_outbox.append(obj)
         else:
             self._send(self._sockets[1], obj)
 
-    def send_to_tokenizer(self: Scheduler, obj: Any) -> None:
+    def send_to_tokenizer(self, obj: Any) -> None:
         if self._sockets is None:
             self.tokenizer_outbox.append(obj)
         else:
             self._send(self._sockets[2], obj)
 
-    def _send(self: Scheduler, sock, obj: Any) -> None:
+    def _send(self, sock, obj: Any) -> None:
         """Send without ever blocking for good: a peer that is gone would otherwise hang the scheduler
         in a send, where it never notices that its parent died."""
         import zmq
@@ -121,7 +89,7 @@ class SchedulerIOMixin:
 
     # ---- receiving ---------------------------------------------------------------------------------
 
-    def recv_requests(self: Scheduler, timeout_ms: int = 0) -> list[Any]:
+    def recv_requests(self, timeout_ms: int = 0) -> list[Any]:
         import zmq
 
         recv = self._sockets[0]
@@ -134,9 +102,10 @@ class SchedulerIOMixin:
             except zmq.ZMQError:
                 return out
 
-    def process_input_requests(self: Scheduler, reqs: list[Any]) -> None:
+    def process_input_requests(self, reqs: list[Any]) -> None:
         for obj in reqs:
             if isinstance(obj, TokenizedGenerateReqInput):
+                self.request_deadlines.on_arrival(obj.rid)
                 self.add_request(obj)
             elif isinstance(obj, AbortReq):
                 self.abort_request(obj.rid, obj.abort_all, obj.message)
@@ -145,12 +114,69 @@ class SchedulerIOMixin:
                 self.send_to_tokenizer(FlushCacheReqOutput(ok, msg))
             elif isinstance(obj, GetInternalStateReq):
                 self.send_to_tokenizer(GetInternalStateReqOutput(self.get_internal_state()))
+            elif isinstance(obj, PauseGenerationReqInput):
+                self.generation_pause.pause(obj.mode)
+                self.send_to_tokenizer(PauseGenerationReqOutput())
+            elif isinstance(obj, ContinueGenerationReqInput):
+                self.generation_pause.resume()
+                self.send_to_tokenizer(ContinueGenerationReqOutput())
             else:
                 logger.warning("The scheduler ignores an unknown message %r.", type(obj).__name__)
 
+    # ---- intake and aborts -----------------------------------------------------------------------
+
+    def add_request(self, recv: TokenizedGenerateReqInput) -> Req:
+        req = Req(
+            recv.rid,
+            recv.input_ids,
+            recv.sampling_params,
+            return_logprob=recv.return_logprob,
+            logprob_start_len=recv.logprob_start_len,
+            top_logprobs_num=recv.top_logprobs_num,
+            stream=recv.stream,
+        )
+        self.counters["num_requests_total"] += 1
+        error = self._validate(req)
+        if error is not None:
+            req.finished_reason = {"type": "abort", "message": error}
+            self.result_processor.send_finished([req])
+            return req
+        self.counters["num_prompt_tokens_total"] += len(req.origin_input_ids)
+        self.reqs_by_rid[req.rid] = req
+        self.waiting_queue.append(req)
+        return req
+
+    def _validate(self, req: Req) -> str | None:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return "The input is empty."
+        if n > self.max_req_input_len:
+            return f"The input ({n} tokens) is longer than the limit of {self.max_req_input_len} tokens."
+        if req.rid in self.reqs_by_rid:
+            return f"A request with rid {req.rid!r} is already running."
+        return None
+
+    def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "Aborted.") -> None:
+        targets = list(self.reqs_by_rid.values()) if abort_all else [self.reqs_by_rid.get(rid)]
+        self.abort_with_status([r for r in targets if r is not None and not r.finished], message)
+
+    def abort_with_status(self, reqs: list[Req], message: str, status_code: int | None = None) -> None:
+        """Finish `reqs` as aborted by the server, releasing what they hold; with `status_code` the client
+        gets that HTTP status."""
+        for req in reqs:
+            req.finished_reason = {"type": "abort", "message": message}
+            if status_code is not None:
+                req.finished_reason["status_code"] = status_code
+            self.result_processor.release_finished(req)
+        self.result_processor.send_finished(reqs)
+
+    def _request_views(self) -> tuple[list[Req], list[Req], dict[str, Req]]:
+        running = list(self.running) + ([self.chunked_req] if self.chunked_req is not None else [])
+        return self.waiting_queue, running, self.reqs_by_rid
+
     # ---- state -------------------------------------------------------------------------------------
 
-    def get_internal_state(self: Scheduler) -> dict[str, Any]:
+    def get_internal_state(self) -> dict[str, Any]:
         pool, kv, tree = self.req_to_token_pool, self.token_allocator, self.tree_cache
         reqs = self.live_requests()
         alloc = pool.mamba_allocator
@@ -182,59 +208,18 @@ class SchedulerIOMixin:
 
     # ---- process loop ------------------------------------------------------------------------------
 
-    def event_loop(self: Scheduler) -> None:
-        parent = self._parent_pid
-        last_check = time.monotonic()
+    def event_loop(self) -> None:
+        # The launcher makes this process exit with its parent. The heartbeat, sent just before a step
+        # (which may wait up to --watchdog-timeout for a forward), tells the parent that this loop runs.
+        last_beat = 0.0
         busy = False
         while True:
             self.process_input_requests(self.recv_requests(0 if busy else IDLE_POLL_MS))
-            busy = self.step()
-            if time.monotonic() - last_check > 1.0:
-                last_check = time.monotonic()
-                if os.getppid() != parent:
-                    logger.info("The parent process is gone; the scheduler exits.")
-                    return
-
-
-def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None:
-    """Entry point of the scheduler process: load the model, report readiness, serve forever."""
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.utils.process import configure_subprocess
-
-    configure_subprocess(server_args, "scheduler")
-    try:
-        sched = Scheduler(server_args)
-        sched.connect(port_args)
-    except Exception as e:  # noqa: BLE001 - the parent shows it as one startup error
-        logger.exception("The scheduler failed to start.")
-        pipe_writer.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
-        return
-    # Everything allocated so far (torch, transformers, the model) lives until exit: move it out of the
-    # cyclic collector's reach, or each full collection walks it (~75 ms on the scheduler thread).
-    gc.collect()
-    gc.freeze()
-    pipe_writer.send(
-        {
-            "status": "ready",
-            "max_total_num_tokens": sched.token_allocator.size,
-            "max_req_input_len": sched.max_req_input_len,
-            "context_len": sched.context_len,
-            "vocab_size": server_args.model_config.vocab_size,
-            "max_running_requests": sched.max_running_requests,
-            "max_mamba_cache_size": sched.pool_sizes.max_mamba_cache_size,
-            "resident_slots_per_req": sched.pool_sizes.resident_slots_per_req,
-            "mamba_scheduler_strategy": server_args.mamba_scheduler_strategy,
-        }
-    )
-    try:
-        sched.event_loop()
-    finally:
-        sched.shutdown()
-    from sglang.srt.managers.scheduler import SchedulerWatchdogError
-
-    except SchedulerWatchdogError as e:
-        # The forward stream is stuck: nothing can be shut down cleanly. Exit non-zero at once; the
-        # server sees its scheduler gone and stops.
-        logger.error("Watchdog: %s The scheduler exits.", e)
-        logging.shutdown()
-        os._exit(1)
+            now = time.monotonic()
+            if now - last_beat >= HEARTBEAT_INTERVAL_S:
+                last_beat = now
+                self.send_to_tokenizer(SchedulerHeartbeat())
+            busy = False
+            if not self.generation_pause.paused:
+                self.request_deadlines.check()
+                busy = self.step()

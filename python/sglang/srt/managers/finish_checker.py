@@ -1,0 +1,84 @@
+"""When a request is finished: its length limit, a stop token id or end-of-sequence id, a stop string or
+stop regex in the output's tail, or the context length. The tokenizer the stop strings need and the
+end-of-sequence ids (model config, generation config, tokenizer) are gathered here, once."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.server_args import ServerArgs
+
+# Output tokens decoded to look for a stop regex: a regex has no length to size the window by.
+STOP_REGEX_TAIL_TOKENS = 64
+
+
+class FinishChecker:
+    def __init__(self, eos_token_ids: set[int], context_len: int, tokenizer: Any = None):
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_server_args(cls, server_args: ServerArgs) -> FinishChecker:
+        eos: set[int] = set()
+        cfg = server_args.model_config
+        for value in (getattr(cfg.hf_config, "eos_token_id", None), _generation_config_eos(cfg.path)):
+            if isinstance(value, int):
+                eos.add(value)
+            elif value:
+                eos.update(value)
+        tokenizer = None
+        if not server_args.skip_tokenizer_init:
+            tokenizer = get_tokenizer(server_args.tokenizer_path)
+            if tokenizer.eos_token_id is not None:
+                eos.add(tokenizer.eos_token_id)
+        return cls(eos, cfg.context_len, tokenizer)
+
+    def check_finished(self, req: Req) -> None:
+        """Set `req.finished_reason` if its newest output token ends it."""
+        sp = req.sampling_params
+        n = len(req.output_ids)
+        if n >= sp.max_new_tokens:
+            req.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+            return
+        token = req.output_ids[-1]
+        if n > sp.min_new_tokens:
+            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+                req.finished_reason = {"type": "stop", "matched": token}
+                return
+            if sp.stop or sp.stop_regex:
+                matched = self.match_stop_string(req)
+                if matched is not None:
+                    req.finished_reason = {"type": "stop", "matched": matched}
+                    return
+        if req.seqlen >= self.context_len:
+            req.finished_reason = {"type": "length", "length": n}
+
+    def match_stop_string(self, req: Req) -> str | None:
+        """The stop string in the output's tail, else the stop regex (its pattern, as upstream reports
+        it) that matches there, else None."""
+        if self.tokenizer is None:
+            return None
+        sp = req.sampling_params
+        window = max((len(s) for s in sp.stop), default=0) + 8
+        if sp.stop_regex:
+            window = max(window, STOP_REGEX_TAIL_TOKENS)
+        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
+        matched = next((s for s in sp.stop if s in tail), None)
+        if matched is None:
+            matched = next((p for p in sp.stop_regex if re.search(p, tail)), None)
+        return matched
+
+
+def _generation_config_eos(model_path: str) -> Any:
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("eos_token_id")

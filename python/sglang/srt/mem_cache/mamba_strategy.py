@@ -1,0 +1,59 @@
+"""`MambaStrategy`: `--mamba-scheduler-strategy` resolved once, by `ServerArgs`, into the numbers every
+component reads: the pools, the tracker, the tree, pool sizing and the PD decode pool. This is the one
+home of the slot rules; nothing else recomputes them.
+
+- `extra_buffer`: requests snapshot into track slots (an extra-buffer strategy with a radix cache).
+- `track_entries`: ping-pong entries of a request's track buffer: 2 with overlap (the snapshot being
+  written never is the one the tree may take), 1 without; 0 when nothing is tracked.
+- `lazy`: one track slot resident, a second borrowed at each decode track boundary. Without overlap
+  there is one entry and no window to protect, so `extra_buffer_lazy` runs as `extra_buffer` then.
+- Slots per running request: `resident_slots_per_req` between boundaries (admission, pool sizing),
+  `max_slots_per_req` at most (every entry filled: what the PD decode pool reserves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXTRA_BUFFER_STRATEGIES = ("extra_buffer", "extra_buffer_lazy")
+
+
+@dataclass(frozen=True)
+class MambaStrategy:
+    name: str = "no_buffer"
+    extra_buffer: bool = False
+    lazy: bool = False
+    track_entries: int = 0
+    cache_chunk_size: int = 64
+
+    @classmethod
+    def resolve(cls, name: str, radix_cache: bool, overlap: bool, cache_chunk_size: int) -> MambaStrategy:
+        extra = radix_cache and name in EXTRA_BUFFER_STRATEGIES
+        entries = (2 if overlap else 1) if extra else 0
+        lazy = extra and name == "extra_buffer_lazy" and entries == 2
+        return cls(name, extra, lazy, entries, cache_chunk_size)
+
+    @property
+    def resident_track_slots(self) -> int:
+        return 1 if self.lazy else self.track_entries
+
+    @property
+    def resident_slots_per_req(self) -> int:
+        return 1 + self.resident_track_slots
+
+    @property
+    def max_slots_per_req(self) -> int:
+        return 1 + self.track_entries
+
+    def slots_to_admit(self, has_running_slot: bool, has_track_buffer: bool) -> int:
+        """Slots a request still needs before it can run: its running slot and its resident track slots."""
+        return (0 if has_running_slot else 1) + (0 if has_track_buffer else self.resident_track_slots)
+
+    def other_entry(self, idx: int) -> int:
+        return 1 - idx if self.track_entries == 2 else idx
+
+    def keep_entry(self, next_idx: int) -> int:
+        """The entry holding a request's newest snapshot: normal mode swaps `mamba_next_track_idx` as soon
+        as a snapshot is scheduled, so the keep entry is the other one; lazy mode writes the entry
+        `mamba_next_track_idx` points at."""
+        return next_idx if self.lazy else self.other_entry(next_idx)

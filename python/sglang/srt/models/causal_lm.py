@@ -1,0 +1,41 @@
+"""`HybridCausalLM`: the CausalLM wrapper every hybrid model shares. A backbone (under the checkpoint's
+own attribute name: `model` or `backbone`), an LM head tied to the input embedding when the config says
+so, and weight loading through `WeightLoader`; a model adds only its forward and its name mapping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sglang.srt.models.loader import WeightLoader
+
+
+class HybridCausalLM(nn.Module):
+    backbone_attr: str  # the backbone's attribute, as the checkpoint names it
+    # Small per-parameter tensors kept in float32 whatever the model dtype.
+    fp32_param_suffixes: tuple[str, ...] = ()
+    # Checkpoint prefixes that have no module here (multi-token prediction heads).
+    skip_prefixes: tuple[str, ...] = ("mtp.",)
+
+    def __init__(self, config: Any, backbone: nn.Module, embedding: nn.Embedding):
+        super().__init__()
+        self.config = config
+        setattr(self, self.backbone_attr, backbone)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = embedding.weight
+
+    def checkpoint_name(self, name: str) -> str:
+        """The parameter a checkpoint tensor loads into (a model maps the names that differ)."""
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self, skip_prefixes=self.skip_prefixes)
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            loader.load(self.checkpoint_name(name), tensor)
+        loader.finish()

@@ -1,0 +1,119 @@
+"""The checks `ServerArgs` runs on construction: each refuses a flag value, or a combination, that cannot
+work with `ServerArgsError`, one sentence naming the flag. (Resolution, where flags change one another,
+stays in `ServerArgs`.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sglang.srt.configs.presets import is_preset
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
+
+MAMBA_SCHEDULER_STRATEGY_CHOICES = ["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"]
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+DEVICE_CHOICES = ["auto", "cpu", "cuda"]
+DISAGGREGATION_MODES = ["null", "prefill", "decode"]
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+SCHEDULE_POLICIES = ["fcfs", "lpm"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class ServerArgsError(ValueError):
+    """A flag or a combination of flags that cannot work; the message names the flag."""
+
+
+def check_basic_flags(args: ServerArgs) -> None:
+    _choice("--dtype", args.dtype, DTYPE_CHOICES)
+    _choice("--device", args.device, DEVICE_CHOICES)
+    _choice("--log-level", args.log_level, LOG_LEVELS)
+    _choice("--schedule-policy", args.schedule_policy, SCHEDULE_POLICIES)
+    _choice("--mamba-scheduler-strategy", args.mamba_scheduler_strategy, MAMBA_SCHEDULER_STRATEGY_CHOICES)
+    _choice("--disaggregation-mode", args.disaggregation_mode, DISAGGREGATION_MODES)
+    if args.mamba_ssm_dtype is not None:
+        _choice("--mamba-ssm-dtype", args.mamba_ssm_dtype, ["float32", "bfloat16", "float16"])
+    if not 0 < args.port < 65536:
+        raise ServerArgsError(f"--port must be between 1 and 65535, got {args.port}.")
+    _positive("--page-size", args.page_size)
+    _positive("--max-prefill-tokens", args.max_prefill_tokens)
+    _positive("--stream-interval", args.stream_interval)
+    for flag, value in [
+        ("--max-running-requests", args.max_running_requests),
+        ("--max-total-tokens", args.max_total_tokens),
+        ("--max-mamba-cache-size", args.max_mamba_cache_size),
+        ("--mamba-track-interval", args.mamba_track_interval),
+        ("--context-length", args.context_length),
+        ("--max-request-body-size", args.max_request_body_size),
+        ("--max-samples-per-request", args.max_samples_per_request),
+    ]:
+        if value is not None:
+            _positive(flag, value)
+    if args.chunked_prefill_size is not None and args.chunked_prefill_size < -1:
+        raise ServerArgsError(
+            f"--chunked-prefill-size must be positive, or -1 to disable chunked prefill, "
+            f"got {args.chunked_prefill_size}."
+        )
+    if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
+        raise ServerArgsError(
+            f"--mem-fraction-static must be between 0 and 1, got {args.mem_fraction_static}."
+        )
+    if not args.mamba_full_memory_ratio > 0:
+        raise ServerArgsError(
+            f"--mamba-full-memory-ratio must be positive, got {args.mamba_full_memory_ratio}."
+        )
+    if args.tp_size != 1:
+        raise ServerArgsError(
+            f"--tp-size {args.tp_size} is not supported yet; this runtime runs --tp-size 1."
+        )
+    if args.disaggregation_decode_extra_slots is not None and args.disaggregation_decode_extra_slots < 0:
+        raise ServerArgsError(
+            "--disaggregation-decode-extra-slots must be 0 or more, "
+            f"got {args.disaggregation_decode_extra_slots}."
+        )
+
+
+def check_model(args: ServerArgs) -> None:
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ServerArgsError("--device cuda was given, but no CUDA device is available.")
+    try:
+        arch = args.model_config.arch
+    except (ValueError, OSError) as e:
+        raise ServerArgsError(f"--model-path {args.model_path!r} cannot be served: {e}") from None
+    limit = arch.max_position_embeddings
+    if args.context_length is not None and args.context_length > limit:
+        raise ServerArgsError(
+            f"--context-length {args.context_length} exceeds the model's max_position_embeddings ({limit})."
+        )
+
+
+def check_tokenizer(args: ServerArgs) -> None:
+    """Only local folders (or presets) are served, so a path that is not one fails here, in one
+    sentence, instead of in every process that loads the tokenizer."""
+    if args.skip_tokenizer_init or is_preset(args.tokenizer_path):
+        return
+    flag = "--tokenizer-path" if args.tokenizer_path != args.model_path else "--model-path"
+    folder = Path(args.tokenizer_path)
+    if not folder.is_dir():
+        raise ServerArgsError(
+            f"{flag} {args.tokenizer_path!r} is not a folder; give a local tokenizer folder or a "
+            "built-in preset (nothing is downloaded from a hub)."
+        )
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ServerArgsError(
+            f"{flag} {args.tokenizer_path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})."
+        )
+
+
+def _choice(flag: str, value: str, choices: list[str]) -> None:
+    if value not in choices:
+        raise ServerArgsError(f"{flag} must be one of {', '.join(choices)}, got {value!r}.")
+
+
+def _positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise ServerArgsError(f"{flag} must be a positive integer, got {value}.")
