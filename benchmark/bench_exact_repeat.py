@@ -20,17 +20,22 @@ import requests
 from sglang.test.test_utils import ServerProcess
 
 
-def ttft(base_url: str, ids: list[int]) -> tuple[float, int]:
+def ttft(base_url: str, ids: list[int], output_ids: list[int] | None = None) -> tuple[float, int]:
+    """(seconds to the first streamed chunk, cached tokens) of one 2-token greedy request; the output ids
+    are appended to `output_ids` if given."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "stream": True}
     start = time.perf_counter()
-    first, cached = None, None
+    first, cached, chunk = None, None, {}
     with requests.post(base_url + "/generate", json=body, stream=True, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
             first = first or time.perf_counter() - start
-            cached = json.loads(line[5:])["meta_info"].get("cached_tokens", cached)
+            chunk = json.loads(line[5:])
+            cached = chunk["meta_info"].get("cached_tokens", cached)
+    if output_ids is not None:
+        output_ids.extend(chunk.get("output_ids", []))
     return first, cached
 
 

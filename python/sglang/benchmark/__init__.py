@@ -1,0 +1,1 @@
+"""`python -m sglang.bench_serving`'s parts: datasets, request backends, metrics."""
