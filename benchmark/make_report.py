@@ -116,10 +116,13 @@ def engine_vs_hf(quick: bool) -> list[dict]:
     return rows
 
 
-def _median_time(fn, reps: int) -> float:
-    fn()  # warm-up
+def _median_time(fn, reps: int, before=None) -> float:
+    """Median seconds of `fn` over `reps` runs after one warm-up; `before` runs untimed before each."""
+    fn()
     samples = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
@@ -132,7 +135,6 @@ def _hf_generate(model, prompts: list[list[int]], out_len: int) -> None:
 
 
 def _engine_generate(engine, prompts: list[list[int]], sampling: dict) -> None:
-    engine.flush_cache()
     engine.generate(input_ids=prompts, sampling_params=sampling)
 
 
