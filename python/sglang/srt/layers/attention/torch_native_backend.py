@@ -78,7 +78,10 @@ class TorchNativeAttnBackend:
             out = torch.empty_like(q)
             for seq in self.meta.extend:
                 qs = slice(seq.q_start, seq.q_start + seq.q_len)
-                out[qs] = self._extend_one(q[qs], k_buf[seq.kv_indices], v_buf[seq.kv_indices], seq, layer)
+                kv = seq.kv_indices
+                out[qs] = self._extend_one(
+                    q[qs], k_buf.index_select(0, kv), v_buf.index_select(0, kv), seq, layer
+                )
         return out.view(num_tokens, hq * d)
 
     @staticmethod
@@ -101,13 +104,20 @@ class TorchNativeAttnBackend:
     def _decode(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention
     ) -> torch.Tensor:
-        """q [bs, Hq, D]; every request attends to its own (padded, masked) slot row."""
+        """q [bs, Hq, D]; every request attends to its own (padded, masked) slot row. One batched matmul
+        per KV head reads the gathered keys in place (strided), instead of einsum's permuted copies;
+        `index_select` gathers ~3x faster than advanced indexing on CPU."""
         bs, hq, d = q.shape
         kv, mask = self.meta.decode_kv_indices, self.meta.decode_mask
-        k, v = k_buf[kv].float(), v_buf[kv].float()  # [bs, L, Hk, D]
-        hk = k.shape[2]
+        length, hk = kv.shape[1], k_buf.shape[1]
+        flat = kv.reshape(-1)
+        k = k_buf.index_select(0, flat).view(bs, length, hk, d).float()
+        v = v_buf.index_select(0, flat).view(bs, length, hk, d).float()
         qg = q.float().view(bs, hk, hq // hk, d)
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * layer.scaling
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(dim=-1), v)
+        pad = ~mask[:, None, :]
+        out = torch.empty(bs, hk, hq // hk, d, dtype=torch.float32, device=q.device)
+        for h in range(hk):
+            scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)) * layer.scaling  # [bs, g, L]
+            probs = scores.masked_fill_(pad, float("-inf")).softmax(dim=-1)
+            torch.bmm(probs, v[:, :, h], out=out[:, h])
         return out.reshape(bs, hq, d).to(q.dtype)

@@ -1,6 +1,9 @@
 """Routed experts stored stacked: `w13` [E, 2I, H] (gate rows then up rows) for gated experts or
-[E, I, H] (up) for plain ones, and `w2` [E, H, I] (down). Tokens are grouped by expert and each
-expert runs once on its tokens."""
+[E, I, H] (up) for plain ones, and `w2` [E, H, I] (down). Tokens are grouped by expert (sorted once per
+layer). Small batches (decode) run every expert at once as two batched matmuls over a zero-padded
+[E, max tokens per expert, H] block; large ones (prefill) run each expert once on its tokens, where the
+padding would cost more than the per-expert calls. Both accumulate each token's experts in the same
+order (they agreed bit for bit where measured; matmul kernels may round differently in general)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,11 @@ from torch import nn
 from sglang.srt.layers.activation import get_act_fn
 
 EXPERT_SHARDS = ("gate", "up", "down")
+# Batched path up to this many (token, expert) assignments, and while the padded block holds at most
+# PADDING_LIMIT times the assignments. Measured on CPU (tiny preset shapes, one thread): 3x faster at 64
+# tokens x top-2, 1.2x at 512 tokens, slower from ~1,024 tokens.
+BATCHED_MAX_ASSIGNMENTS = 1024
+PADDING_LIMIT = 4
 
 
 class RoutedExperts(nn.Module):
@@ -51,18 +59,48 @@ class RoutedExperts(nn.Module):
         token_of = order // top_k
         weight_of = weights.reshape(-1)[order]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        assignments = flat.numel()
+        if (
+            assignments <= BATCHED_MAX_ASSIGNMENTS
+            and self.num_experts * max(counts) <= PADDING_LIMIT * assignments
+        ):
+            y = self._batched(x, flat, order, token_of, counts)
+            out.index_add_(0, token_of, y.float() * weight_of[:, None])
+            return out.to(x.dtype)
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
             tokens = token_of[start : start + n]
-            h = x[tokens] @ self.w13[expert].t()
-            if self.gated:
-                gate, up = h.split(self.intermediate_size, dim=-1)
-                h = self.act(gate) * up
-            else:
-                h = self.act(h)
-            y = h @ self.w2[expert].t()
+            y = self._mlp(x[tokens], self.w13[expert].t(), self.w2[expert].t())
             out.index_add_(0, tokens, y.float() * weight_of[start : start + n, None])
             start += n
         return out.to(x.dtype)
+
+    def _mlp(self, x: torch.Tensor, w13_t: torch.Tensor, w2_t: torch.Tensor) -> torch.Tensor:
+        h = torch.matmul(x, w13_t)
+        if self.gated:
+            gate, up = h.split(self.intermediate_size, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return torch.matmul(h, w2_t)
+
+    def _batched(
+        self,
+        x: torch.Tensor,
+        flat: torch.Tensor,
+        order: torch.Tensor,
+        token_of: torch.Tensor,
+        counts: list[int],
+    ) -> torch.Tensor:
+        """Every expert at once: the sorted assignments fill rows of a zero-padded [E, max count, H] block.
+        Returns the output of each sorted assignment, [T*k, H]."""
+        expert_of = flat[order]
+        counts_t = torch.tensor(counts, device=x.device)
+        first_row = torch.cumsum(counts_t, 0) - counts_t
+        row = torch.arange(flat.numel(), device=x.device) - first_row[expert_of]
+        block = x.new_zeros(self.num_experts, max(counts), x.shape[1])
+        block[expert_of, row] = x[token_of]
+        y = self._mlp(block, self.w13.transpose(1, 2), self.w2.transpose(1, 2))
+        return y[expert_of, row]

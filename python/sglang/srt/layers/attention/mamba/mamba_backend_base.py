@@ -172,20 +172,21 @@ class MambaAttnBackendBase:
     def conv_decode(
         self, layer_id: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """One token per request, x [bs, C]; updates the running slots. Returns silu(conv) float32."""
+        """One token per request, x [bs, C]; updates the running slots. Returns silu(conv) float32.
+        (`index_select` / `index_copy_`: ~3x faster than advanced indexing on CPU.)"""
         conv, _ = self.mamba_pool.layer_cache(layer_id)
         slots = self.meta.slots
-        out, new_state = causal_conv1d_update(x, conv[slots], weight, bias)
-        conv[slots] = new_state
+        out, new_state = causal_conv1d_update(x, conv.index_select(0, slots), weight, bias)
+        conv.index_copy_(0, slots, new_state.to(conv.dtype))
         return out
 
     def read_ssm_decode(self, layer_id: int) -> torch.Tensor:
         _, ssm = self.mamba_pool.layer_cache(layer_id)
-        return ssm[self.meta.slots]
+        return ssm.index_select(0, self.meta.slots)
 
     def write_ssm_decode(self, layer_id: int, state: torch.Tensor) -> None:
         _, ssm = self.mamba_pool.layer_cache(layer_id)
-        ssm[self.meta.slots] = state.to(ssm.dtype)
+        ssm.index_copy_(0, self.meta.slots, state.to(ssm.dtype))
 
     def track_decode_states(self) -> None:
         """After the last layer of a decode: copy the running slots of masked rows into their track

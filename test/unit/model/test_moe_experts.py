@@ -1,0 +1,75 @@
+"""RoutedExperts: the batched path (decode-size batches, one padded block for every expert) and the
+per-expert path (prefill-size batches) both compute each token's weighted sum of its experts' MLPs, as a
+plain per-token reference does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.layers.moe import experts as experts_mod
+from sglang.srt.layers.moe.experts import RoutedExperts
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=2, suite="per-commit-cpu")
+
+E, H, INTER, TOP_K = 8, 32, 16, 2
+# float32 matmuls of different shapes round differently: 1e-5 relative is far below any routing or
+# weighting mistake (a wrong expert or weight changes outputs by O(1)).
+TOL = 1e-5
+
+
+def _experts(gated: bool) -> RoutedExperts:
+    torch.manual_seed(0)
+    m = RoutedExperts(E, H, INTER, "silu", gated)
+    torch.nn.init.normal_(m.w13, std=0.2)
+    torch.nn.init.normal_(m.w2, std=0.2)
+    return m
+
+
+def _reference(m: RoutedExperts, x, weights, ids) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist(), strict=True):
+            h = m.w13[e] @ x[t]
+            h = torch.nn.functional.silu(h[:INTER]) * h[INTER:] if m.gated else torch.nn.functional.silu(h)
+            out[t] += w * (m.w2[e] @ h)
+    return out
+
+
+def _routing(tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=g)
+    weights, ids = torch.randn(tokens, E, generator=g).softmax(-1).topk(TOP_K)
+    return x, weights, ids
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_both_paths_match_the_reference(gated, tokens, monkeypatch):
+    m = _experts(gated)
+    x, weights, ids = _routing(tokens, seed=tokens)
+    ref = _reference(m, x, weights, ids)
+    calls = {"batched": 0}
+    real = RoutedExperts._batched
+
+    def counting(self, *a):
+        calls["batched"] += 1
+        return real(self, *a)
+
+    monkeypatch.setattr(RoutedExperts, "_batched", counting)
+    with torch.no_grad():
+        batched = m(x, weights, ids)
+        monkeypatch.setattr(experts_mod, "BATCHED_MAX_ASSIGNMENTS", 0)  # force the per-expert path
+        looped = m(x, weights, ids)
+    assert calls["batched"] == 1, "a decode-size batch takes the batched path"
+    torch.testing.assert_close(batched, ref, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(looped, ref, rtol=TOL, atol=TOL)
+
+
+def test_large_batches_take_the_per_expert_path(monkeypatch):
+    m = _experts(True)
+    x, weights, ids = _routing(600, seed=5)  # 1,200 assignments > BATCHED_MAX_ASSIGNMENTS
+    monkeypatch.setattr(RoutedExperts, "_batched", lambda *a: pytest.fail("batched path taken"))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, weights, ids), _reference(m, x, weights, ids), rtol=TOL, atol=TOL)
