@@ -21,13 +21,15 @@ from sglang.srt.entrypoints.process_launcher import (
     check_flag_support,
     launch_subprocesses,
 )
+from sglang.srt.managers.tokenizer_manager import DISCONNECT_POLL_S
 from sglang.srt.server_args import ServerArgs, ServerArgsError, prepare_server_args
 
 logger = logging.getLogger("sglang.launch_server")
 
-# Seconds the server keeps answering after its backend failed, so that waiting requests (which check
-# every second) and health checks get their 503 before it shuts down.
-BACKEND_FAILURE_DRAIN_S = 1.0
+# Seconds the server keeps answering after its backend failed, so that waiting requests and health
+# checks get their 503 before it shuts down: a full poll period of the waiters, plus a margin (a waiter
+# whose poll just missed the failure sees it on its next one).
+BACKEND_FAILURE_DRAIN_S = DISCONNECT_POLL_S + 0.5
 
 
 def launch_server(server_args: ServerArgs) -> int:
@@ -98,8 +100,9 @@ def launch_server(server_args: ServerArgs) -> int:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything starts: a port in use fails at once, and "ready"
-    is logged only once the server is serving on it."""
+    """The server's socket, bound before anything starts: a port in use fails at once. It listens only
+    once uvicorn serves on it (`create_server` calls listen), so a client that connects while the model
+    loads is refused at once instead of hanging in the backlog; "ready" is logged after that."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -110,16 +113,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
-        sock.listen(2048)
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
             raise ServerStartupError(
                 f"--port {port} is already in use on {host}; stop what holds it or pick another --port."
             ) from None
-        raise ServerStartupError(
-            f"--host {host} --port {port} cannot be listened on: {e.strerror}."
-        ) from None
+        raise ServerStartupError(f"--host {host} --port {port} cannot be bound: {e.strerror}.") from None
     return sock
 
 

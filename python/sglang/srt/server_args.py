@@ -173,6 +173,11 @@ class ServerArgs:
         return BODY_BYTES_BASE + BODY_BYTES_PER_CONTEXT_TOKEN * self.model_config.context_len
 
     @property
+    def watchdog_seconds(self) -> float | None:
+        """--watchdog-timeout as the scheduler and the health check use it: None when off (0 or less)."""
+        return self.watchdog_timeout if self.watchdog_timeout and self.watchdog_timeout > 0 else None
+
+    @property
     def chunked_prefill_enabled(self) -> bool:
         return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
 

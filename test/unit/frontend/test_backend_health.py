@@ -24,6 +24,7 @@ from sglang.srt.environ import envs
 from sglang.srt.managers.backend_health import BackendHealth
 from sglang.srt.managers.io_struct import SCHEDULER_STALL_GRACE_S
 from sglang.srt.managers.tokenizer_manager import BackendDeadError
+from sglang.srt.server_args import ServerArgs
 from sglang.test import fake_scheduler
 from sglang.test.ci_register import register_cpu_ci
 
@@ -96,7 +97,7 @@ def test_a_dead_process_is_reported_instead_of_a_stall():
 
 def test_the_watchdog_is_off_with_a_timeout_of_zero():
     async def scenario() -> BackendHealth:
-        health = BackendHealth(0, lambda: None)
+        health = BackendHealth(ServerArgs(watchdog_timeout=0).watchdog_seconds, lambda: None)
         await asyncio.wait_for(health.watch(), 1.0)  # returns at once
         health.last_heard -= 3600  # an hour of silence
         return health

@@ -53,3 +53,17 @@ def test_a_port_in_use_fails_before_anything_starts():
     assert proc.returncode == 1, proc.stderr
     assert_one_error(proc, f"--port {port} is already in use on 127.0.0.1")
     assert "ready to roll" not in proc.stderr + proc.stdout
+
+
+def test_the_port_refuses_connections_until_the_server_serves():
+    """Bound early (so a port in use fails first), but not listening: a client that connects while the
+    model loads is refused at once rather than left hanging in the backlog."""
+    from sglang.launch_server import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+    finally:
+        sock.close()

@@ -195,9 +195,55 @@ def test_stop_regex_reaches_every_sample(tokenizer):
 def test_a_long_text_far_past_the_limit_is_counted_from_a_prefix(tokenizer, monkeypatch):
     monkeypatch.setattr(text_encoder, "_worker_tokenizer", tokenizer)
     text = "hello world, this is a test. " * 20_000  # ~580k characters
-    ids, n, at_least = text_encoder._encode_in_worker(text, 64, True)
+    [(ids, n, at_least)] = text_encoder._encode_in_worker([text], 64, True)
     assert ids is None and at_least
     assert 64 < n < len(tokenizer.encode(text)), "a lower bound, from a prefix only"
     short = "hello world. " * 3
-    ids, n, at_least = text_encoder._encode_in_worker(short, 64, True)
+    [(ids, n, at_least)] = text_encoder._encode_in_worker([short], 64, True)
     assert ids == tokenizer.encode(short) and n == len(ids) and not at_least
+
+
+def test_a_batch_of_texts_long_together_goes_to_the_worker_in_one_call(tokenizer, monkeypatch):
+    """Each text is short, but 64 of them are ~1 MB: tokenizing them on the event loop would hold up
+    every other request for about a second."""
+    import asyncio
+
+    calls = []
+
+    class Pool:  # stands in for the worker process: one call, the whole batch
+        def submit(self, fn, *args):
+            calls.append(len(args[0]))
+            from concurrent.futures import Future
+
+            fut = Future()
+            fut.set_result(fn(*args))
+            return fut
+
+    monkeypatch.setattr(text_encoder, "_worker_tokenizer", tokenizer)
+    enc = text_encoder.TextEncoder(tokenizer, "tiny-qwen3-next")
+    enc._pool = Pool()
+    texts = ["word " * 3000] * 64  # 15,000 characters each: every one alone would be tokenized inline
+    out = asyncio.run(enc.encode_many(texts, 4096))
+    assert calls == [64] and len(out) == 64
+    short = asyncio.run(enc.encode_many(["hello world"] * 3, 4096))
+    assert calls == [64] and short[0].ids == tokenizer.encode("hello world")
+
+
+def test_a_dead_tokenizer_worker_is_a_backend_error_not_a_500(tokenizer):
+    import asyncio
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    from sglang.srt.managers.backend_health import BackendDeadError
+
+    class DeadPool:
+        def submit(self, fn, *args):
+            fut = Future()
+            fut.set_exception(BrokenProcessPool("gone"))
+            return fut
+
+    enc = text_encoder.TextEncoder(tokenizer, "tiny-qwen3-next")
+    enc._pool = DeadPool()
+    with pytest.raises(BackendDeadError, match="tokenizer worker"):
+        asyncio.run(enc.encode_many(["x" * 20_000], 4096))
+    assert enc._pool is None, "the next long text starts a fresh worker"

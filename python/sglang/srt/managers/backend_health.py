@@ -20,6 +20,12 @@ from sglang.srt.managers.io_struct import SCHEDULER_STALL_GRACE_S
 
 logger = logging.getLogger(__name__)
 
+
+class BackendDeadError(RuntimeError):
+    """A process the server needs (scheduler, detokenizer, tokenizer worker) is gone or stalled: the
+    requests that wait for it can never finish (HTTP 503)."""
+
+
 # How often the scheduler's silence is checked.
 CHECK_INTERVAL_S = 0.25
 # A check that comes this much later than planned means this event loop was held up: messages may wait
@@ -29,7 +35,7 @@ LOOP_LAG_S = 1.0
 
 class BackendHealth:
     def __init__(self, watchdog_timeout: float | None, process_failure: Callable[[], str | None]):
-        self.watchdog_timeout = watchdog_timeout if watchdog_timeout and watchdog_timeout > 0 else None
+        self.watchdog_timeout = watchdog_timeout  # None: the silence check is off
         self.process_failure = process_failure
         self.last_heard = time.monotonic()
         self.stall: str | None = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
-from sglang.srt.managers.text_encoder import Encoded
+from sglang.srt.managers.text_encoder import Encoded, encode_texts
 from sglang.srt.sampling.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 
 # Without an explicit max_new_tokens, a request generates at most this many tokens (SGLang's default),
@@ -268,12 +268,10 @@ def build_requests(
 def normalize_generate_request(
     obj: GenerateReqInput, tokenizer: Any, limits: RequestLimits, max_samples: int | None = None
 ) -> tuple[list[NormalizedRequest], bool]:
-    """Check and tokenize `obj` (on this thread); returns its samples and whether the reply is a list."""
+    """Check and tokenize `obj` on this thread, as `TokenizerManager.normalize` does off it; returns its
+    samples and whether the reply is a list."""
     prompts = parse_prompts(obj, max_samples)
-    encoded = []
-    for text in prompts.texts:
-        ids = tokenizer.encode(text)
-        encoded.append(Encoded(ids, len(ids)))
+    encoded = encode_texts(tokenizer, prompts.texts, limits.context_len)
     return build_requests(obj, prompts, encoded, limits)
 
 

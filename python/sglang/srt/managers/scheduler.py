@@ -61,8 +61,7 @@ class Scheduler(SchedulerIOMixin):
         self.context_len = server_args.model_config.context_len
         self.max_req_input_len = min(self.context_len - 1, sizes.max_total_tokens - 1)
         self.enable_overlap = server_args.enable_overlap_schedule
-        timeout = server_args.watchdog_timeout
-        self.watchdog_timeout = timeout if timeout and timeout > 0 else None
+        self.watchdog_timeout = server_args.watchdog_seconds
         self.cow_on_scheduler_thread = envs.SGLANG_TEST_COW_ON_SCHEDULER_THREAD.get()
         self.check_integrity_when_idle = envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get()
         self.idle_checked = False  # the pools were checked since the last step that did work

@@ -1,6 +1,7 @@
 """Tokenization that never blocks the TokenizerManager's event loop.
 
-Short texts are tokenized on the loop (a few milliseconds at most). Long ones go to a worker process:
+A request's texts are tokenized on the loop when they are short together (a few milliseconds at most),
+else all of them go to a worker process in one call:
 a fast tokenizer holds the GIL for much of a long text (a 10 MB prompt kept the loop of the HTTP
 process, and every other request on it, waiting for 9-14 s), so a thread would not do. The worker
 returns the ids only of a text within `limit` tokens; for a longer one it returns the count, and it
@@ -17,7 +18,9 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
-# Texts up to this many characters are tokenized on the loop.
+from sglang.srt.managers.backend_health import BackendDeadError
+
+# A request's texts, up to this many characters in all, are tokenized on the loop.
 INLINE_MAX_CHARS = 16_384
 # The early check tokenizes a prefix of this many characters per allowed token...
 PROBE_CHARS_PER_TOKEN = 8
@@ -43,9 +46,13 @@ class TextEncoder:
         self._pool: ProcessPoolExecutor | None = None
 
     async def encode(self, text: str, limit: int, add_special_tokens: bool = True) -> Encoded:
-        if len(text) <= INLINE_MAX_CHARS:
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-            return Encoded(ids if len(ids) <= limit else None, len(ids))
+        return (await self.encode_many([text], limit, add_special_tokens))[0]
+
+    async def encode_many(
+        self, texts: list[str], limit: int, add_special_tokens: bool = True
+    ) -> list[Encoded]:
+        if sum(len(t) for t in texts) <= INLINE_MAX_CHARS:
+            return encode_texts(self.tokenizer, texts, limit, add_special_tokens)
         if self._pool is None:
             # Started on first use: most servers never see a long prompt.
             self._pool = ProcessPoolExecutor(
@@ -56,18 +63,23 @@ class TextEncoder:
             )
         loop = asyncio.get_running_loop()
         try:
-            ids, n, at_least = await loop.run_in_executor(
-                self._pool, _encode_in_worker, text, limit, add_special_tokens
-            )
+            out = await loop.run_in_executor(self._pool, _encode_in_worker, texts, limit, add_special_tokens)
         except BrokenProcessPool:
             self._pool = None  # the next long text starts a fresh worker
-            raise RuntimeError("The tokenizer worker process exited; retry the request.") from None
-        return Encoded(ids, n, at_least)
+            raise BackendDeadError("The tokenizer worker process exited; retry the request.") from None
+        return [Encoded(*r) for r in out]
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def encode_texts(
+    tokenizer: Any, texts: list[str], limit: int, add_special_tokens: bool = True
+) -> list[Encoded]:
+    """`texts` tokenized on this thread, as the worker does it."""
+    return [Encoded(*_encode(tokenizer, t, limit, add_special_tokens)) for t in texts]
 
 
 _worker_tokenizer: Any = None
@@ -86,8 +98,14 @@ def _init_worker(tokenizer_path: str) -> None:
     _worker_tokenizer = get_tokenizer(tokenizer_path)
 
 
-def _encode_in_worker(text: str, limit: int, add_special_tokens: bool) -> tuple[list[int] | None, int, bool]:
-    tok = _worker_tokenizer
+def _encode_in_worker(
+    texts: list[str], limit: int, add_special_tokens: bool
+) -> list[tuple[list[int] | None, int, bool]]:
+    return [_encode(_worker_tokenizer, t, limit, add_special_tokens) for t in texts]
+
+
+def _encode(tok: Any, text: str, limit: int, add_special_tokens: bool) -> tuple[list[int] | None, int, bool]:
+    """(ids or None if over `limit`, token count or a lower bound of it, whether it is a lower bound)."""
     probe = limit * PROBE_CHARS_PER_TOKEN
     if len(text) > 2 * probe:
         cut = text.rfind(" ", probe // 2, probe)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
-from sglang.srt.managers.backend_health import BackendHealth
+from sglang.srt.managers.backend_health import BackendDeadError, BackendHealth
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -50,7 +50,7 @@ from sglang.srt.managers.request_validation import (
     max_samples_per_request,
     parse_prompts,
 )
-from sglang.srt.managers.text_encoder import Encoded, TextEncoder
+from sglang.srt.managers.text_encoder import TextEncoder
 from sglang.srt.managers.tokenizer_output import ReqState
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -63,10 +63,6 @@ CONTROL_TIMEOUT_S = 30.0
 
 class ClientDisconnected(Exception):
     """The HTTP client went away while its request was waiting; the request has been aborted."""
-
-
-class BackendDeadError(RuntimeError):
-    """The scheduler or detokenizer process is gone or stalled: running requests can never finish."""
 
 
 class ServerAbortError(Exception):
@@ -94,7 +90,7 @@ class TokenizerManager:
         self.server_args = server_args
         # Checked while requests wait, so that a dead or stalled backend fails them instead of hanging
         # them. `backend_failure` says why the child processes cannot serve (one has exited), or None.
-        self.health = BackendHealth(server_args.watchdog_timeout, backend_failure or (lambda: None))
+        self.health = BackendHealth(server_args.watchdog_seconds, backend_failure or (lambda: None))
         self.port_args = port_args
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(server_args.tokenizer_path)
         self.encoder = TextEncoder(self.tokenizer, server_args.tokenizer_path)
@@ -109,6 +105,7 @@ class TokenizerManager:
         # Cleared by /pause_generation: new requests wait until /continue_generation.
         self._unpaused = asyncio.Event()
         self._unpaused.set()
+        self._scheduler_paused = False  # a "retract" or "in_place" pause reached the scheduler
         self.rid_to_state: dict[str, ReqState] = {}
         # Optional observer (the metrics collector): on_first_token, on_finish, and on_abort for a
         # request whose caller went away before it finished.
@@ -162,9 +159,7 @@ class TokenizerManager:
 
     async def normalize(self, obj: GenerateReqInput) -> tuple[list[NormalizedRequest], bool]:
         prompts = parse_prompts(obj, self.max_samples_per_request)
-        encoded: list[Encoded] = []
-        for text in prompts.texts:
-            encoded.append(await self.encoder.encode(text, self.limits.context_len))
+        encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len)
         items, is_list = build_requests(obj, prompts, encoded, self.limits)
         for item in items:
             if item.req.rid in self.rid_to_state:
@@ -180,7 +175,7 @@ class TokenizerManager:
         when the server ends a request."""
         items, is_list = await self.normalize(obj)
         if not self._unpaused.is_set():
-            await self._wait_unpaused(request)
+            await self._wait_event(self._unpaused, request, clear=False)
         error = self.health.error()
         if error is not None:
             raise BackendDeadError(error)
@@ -209,20 +204,16 @@ class TokenizerManager:
                         self.observer.on_abort(state)
                 self.rid_to_state.pop(state.rid, None)
 
-    async def _wait_unpaused(self, request: DisconnectCheck | None) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._unpaused.wait(), DISCONNECT_POLL_S)
-                return
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    raise ClientDisconnected() from None
-
-    async def _wait_event(self, event: asyncio.Event, request: DisconnectCheck | None) -> None:
+    async def _wait_event(
+        self, event: asyncio.Event, request: DisconnectCheck | None, clear: bool = True
+    ) -> None:
+        """Wait for `event` (cleared after, unless `clear` is False), failing when the client goes away
+        or the backend dies or stalls."""
         while True:
             try:
                 await asyncio.wait_for(event.wait(), DISCONNECT_POLL_S)
-                event.clear()
+                if clear:
+                    event.clear()
                 return
             except asyncio.TimeoutError:
                 if request is not None and await request.is_disconnected():
@@ -315,26 +306,39 @@ class TokenizerManager:
         return out.internal_state
 
     async def pause_generation(self, mode: str, timeout: float = CONTROL_TIMEOUT_S) -> None:
-        """Upstream's modes: "abort" aborts every request (until none is left) and holds new ones here;
-        "retract" and "in_place" pause the scheduler (see `PauseGenerationReqInput`). New requests wait
-        in every mode until `continue_generation`."""
+        """Upstream's modes: "abort" aborts every request and holds new ones here; "retract" and
+        "in_place" pause the scheduler (see `PauseGenerationReqInput`). New requests wait in every mode
+        until `continue_generation`. A pause that fails (TimeoutError) leaves the pause state as it was."""
+        was_paused = not self._unpaused.is_set()
         self._unpaused.clear()
-        if mode != "abort":
-            await self._control(PauseGenerationReqInput(mode), PauseGenerationReqOutput, timeout)
-            return
-        deadline = time.monotonic() + timeout
-        while any(not s.finished for s in self.rid_to_state.values()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Requests were still running {timeout:.0f} s after they were aborted.")
+        try:
+            if mode != "abort":
+                await self._control(PauseGenerationReqInput(mode), PauseGenerationReqOutput, timeout)
+                self._scheduler_paused = True
+                return
+            # One abort suffices: it follows every request already sent on the same ordered socket.
             self.abort_request(abort_all=True)
-            for _ in range(20):
+            deadline = time.monotonic() + timeout
+            while any(not s.finished for s in self.rid_to_state.values()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"Requests were still running {timeout:.0f} s after they were aborted."
+                    )
                 await asyncio.sleep(0.05)
-                if all(s.finished for s in self.rid_to_state.values()):
-                    break
+        except BaseException:
+            if not was_paused:
+                self._unpaused.set()
+            raise
 
     async def continue_generation(self, timeout: float = CONTROL_TIMEOUT_S) -> None:
-        await self._control(ContinueGenerationReqInput(), ContinueGenerationReqOutput, timeout)
-        self._unpaused.set()
+        """Resume: new requests go through again even if the scheduler does not answer (its own pause,
+        if any, then holds them in its queue)."""
+        try:
+            if self._scheduler_paused:  # an "abort" pause never reached the scheduler
+                await self._control(ContinueGenerationReqInput(), ContinueGenerationReqOutput, timeout)
+                self._scheduler_paused = False
+        finally:
+            self._unpaused.set()
 
     async def _control(self, req: Any, reply_type: type, timeout: float) -> Any:
         # One RPC of a kind at a time: replies carry no id, so a reply belongs to the one waiter.

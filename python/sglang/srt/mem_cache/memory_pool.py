@@ -178,8 +178,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
     def mamba_slots_needed(self, req: Req) -> int:
         """Slots `req` still needs to run: its running slot and its resident track slots."""
         return self.strategy.slots_to_admit(
-            req.mamba_pool_idx is not None,
-            not self.strategy.extra_buffer or req.mamba_ping_pong_track_buffer is not None,
+            req.mamba_pool_idx is not None, req.mamba_ping_pong_track_buffer is not None
         )
 
     def alloc(self, reqs: Sequence[Req]) -> list[int] | None:
