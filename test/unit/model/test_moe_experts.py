@@ -73,3 +73,16 @@ def test_large_batches_take_the_per_expert_path(monkeypatch):
     monkeypatch.setattr(RoutedExperts, "_batched", lambda *a: pytest.fail("batched path taken"))
     with torch.no_grad():
         torch.testing.assert_close(m(x, weights, ids), _reference(m, x, weights, ids), rtol=TOL, atol=TOL)
+
+
+def test_skewed_routing_takes_the_per_expert_path(monkeypatch):
+    """Few assignments, all on two of 32 experts: the padded block would hold 16x the work."""
+    torch.manual_seed(0)
+    m = RoutedExperts(32, H, INTER, "silu", True)
+    torch.nn.init.normal_(m.w13, std=0.2)
+    torch.nn.init.normal_(m.w2, std=0.2)
+    x, weights, _ = _routing(16, seed=6)
+    ids = torch.tensor([[0, 1]] * 16)
+    monkeypatch.setattr(RoutedExperts, "_batched", lambda *a: pytest.fail("batched path taken"))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, weights, ids), _reference(m, x, weights, ids), rtol=TOL, atol=TOL)

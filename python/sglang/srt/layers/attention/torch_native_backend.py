@@ -115,9 +115,9 @@ class TorchNativeAttnBackend:
         v = v_buf.index_select(0, flat).view(bs, length, hk, d).float()
         qg = q.float().view(bs, hk, hq // hk, d)
         pad = ~mask[:, None, :]
-        out = torch.empty(bs, hk, hq // hk, d, dtype=torch.float32, device=q.device)
+        out = torch.empty(hk, bs, hq // hk, d, dtype=torch.float32, device=q.device)
         for h in range(hk):
             scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)) * layer.scaling  # [bs, g, L]
             probs = scores.masked_fill_(pad, float("-inf")).softmax(dim=-1)
-            torch.bmm(probs, v[:, :, h], out=out[:, h])
-        return out.reshape(bs, hq, d).to(q.dtype)
+            torch.bmm(probs, v[:, :, h], out=out[h])  # contiguous: written in place
+        return out.permute(1, 0, 2, 3).reshape(bs, hq, d).to(q.dtype)

@@ -55,16 +55,14 @@ class RoutedExperts(nn.Module):
         top_k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts_t = torch.bincount(flat, minlength=self.num_experts)
+        counts = counts_t.tolist()
         token_of = order // top_k
         weight_of = weights.reshape(-1)[order]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        assignments = flat.numel()
-        if (
-            assignments <= BATCHED_MAX_ASSIGNMENTS
-            and self.num_experts * max(counts) <= PADDING_LIMIT * assignments
-        ):
-            y = self._batched(x, flat, order, token_of, counts)
+        assignments, most = flat.numel(), max(counts)
+        if assignments <= BATCHED_MAX_ASSIGNMENTS and self.num_experts * most <= PADDING_LIMIT * assignments:
+            y = self._batched(x, flat[order], token_of, counts_t, most)
             out.index_add_(0, token_of, y.float() * weight_of[:, None])
             return out.to(x.dtype)
         start = 0
@@ -89,18 +87,16 @@ class RoutedExperts(nn.Module):
     def _batched(
         self,
         x: torch.Tensor,
-        flat: torch.Tensor,
-        order: torch.Tensor,
+        expert_of: torch.Tensor,
         token_of: torch.Tensor,
-        counts: list[int],
+        counts: torch.Tensor,
+        most: int,
     ) -> torch.Tensor:
-        """Every expert at once: the sorted assignments fill rows of a zero-padded [E, max count, H] block.
-        Returns the output of each sorted assignment, [T*k, H]."""
-        expert_of = flat[order]
-        counts_t = torch.tensor(counts, device=x.device)
-        first_row = torch.cumsum(counts_t, 0) - counts_t
-        row = torch.arange(flat.numel(), device=x.device) - first_row[expert_of]
-        block = x.new_zeros(self.num_experts, max(counts), x.shape[1])
+        """Every expert at once: the sorted assignments (expert `expert_of[i]`, token `token_of[i]`) fill
+        rows of a zero-padded [E, most, H] block. Returns each sorted assignment's output, [T*k, H]."""
+        first_row = torch.cumsum(counts, 0) - counts
+        row = torch.arange(expert_of.numel(), device=x.device) - first_row[expert_of]
+        block = x.new_zeros(self.num_experts, most, x.shape[1])
         block[expert_of, row] = x[token_of]
         y = self._mlp(block, self.w13.transpose(1, 2), self.w2.transpose(1, 2))
         return y[expert_of, row]
