@@ -28,7 +28,10 @@ from sglang.benchmark.datasets import DATASETS, DatasetError, DatasetRow, sample
 from sglang.benchmark.metrics import ServerStats, compute_metrics, format_summary
 
 WARMUP_OUTPUT_LEN = 16
-STATS_INTERVAL_S = 0.1
+# /get_server_info is polled this often during a run (each poll is a scheduler round trip: cheap, but
+# not free on a 2-core machine).
+STATS_INTERVAL_S = 0.25
+FLUSH_TRIES = 50
 
 
 class BenchError(RuntimeError):
@@ -72,9 +75,14 @@ async def _warmup(args: Any, spec: RequestSpec, row: DatasetRow) -> None:
             if not warm.success:
                 raise BenchError(f"The warmup request failed ({warm.error}); check --backend and the server.")
         if args.flush_cache:
-            async with session.post(spec.url + "/flush_cache", headers=spec.headers) as resp:
-                if resp.status != 200:
-                    raise BenchError(f"--flush-cache: the server refused ({(await resp.text()).strip()}).")
+            # Refused while a batch is still in flight (the warmup's last step may be): retry briefly.
+            for _ in range(FLUSH_TRIES):
+                async with session.post(spec.url + "/flush_cache", headers=spec.headers) as resp:
+                    if resp.status == 200:
+                        return
+                    refusal = (await resp.text()).strip()
+                await asyncio.sleep(0.1)
+            raise BenchError(f"--flush-cache: the server kept refusing ({refusal}).")
 
 
 async def _run(
@@ -169,6 +177,7 @@ def run_benchmark(args: Any) -> dict[str, Any]:
             input_lens=[o.prompt_len for o in outputs],
             output_lens=[o.output_len for o in outputs],
             ttfts=[o.ttft for o in outputs],
+            latencies=[o.latency for o in outputs],
             itls=[o.itl for o in outputs],
             generated_texts=[o.generated_text for o in outputs],
             errors=[o.error for o in outputs],

@@ -4,7 +4,8 @@
 - `sglang-oai`: POST /v1/completions,
 - `sglang-oai-chat`: POST /v1/chat/completions (the prompt as one user message).
 
-Streaming by default: TTFT is the first chunk that carries text, ITL the gaps between later chunks.
+Streaming by default: TTFT is the first chunk that carries text, ITL the gaps between later chunks,
+per token.
 Token counts and cached tokens are the server's own (`meta_info`, or `usage` through
 `stream_options.include_usage`).
 """
@@ -104,6 +105,7 @@ async def send_request(
     out = RequestOutput(prompt_len=row.prompt_len)
     body = request_body(spec, row, max_new_tokens or row.output_len)
     start = last = time.perf_counter()
+    last_tokens = 0
     try:
         async with session.post(spec.url + BACKENDS[spec.backend], json=body, headers=spec.headers) as resp:
             if resp.status != 200:
@@ -134,8 +136,12 @@ async def send_request(
                     if not out.ttft:
                         out.ttft = now - start
                     else:
-                        out.itl.append(now - last)
-                    last = now
+                        # One ITL per token, as upstream: a chunk carrying n tokens (--stream-interval,
+                        # text held back for a split UTF-8 character) splits its gap n ways. The OpenAI
+                        # routes count tokens only at the end: one per chunk there.
+                        n = max(1, out.output_len - last_tokens) if whole else 1
+                        out.itl += [(now - last) / n] * n
+                    last, last_tokens = now, out.output_len
                     out.generated_text = text if whole else out.generated_text + text
             out.latency = time.perf_counter() - start
             out.success = True

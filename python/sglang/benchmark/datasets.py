@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 DATASETS = ["random", "generated-shared-prefix", "sharegpt"]
-# ShareGPT pairs kept, as upstream filters them: enough of a prompt and an answer to measure.
+# ShareGPT pairs with a prompt or an answer shorter than this many tokens are skipped (too little to
+# measure).
 SHAREGPT_MIN_LEN = 4
 MIN_WORD_TOKENS = 16
 
