@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements/cpu.txt
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	# Mooncake's transfer engine (PD disaggregation) loads libibverbs.so.1 from Debian's libibverbs1
+	@ldconfig -p | grep -q libibverbs.so.1 || apt-get install -y -q libibverbs1 >/dev/null \
+		|| (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null) \
+		|| echo "warning: libibverbs1 is not installed: --disaggregation-mode will not start (apt-get install libibverbs1)"
 	# sgl-kernel's C++ state-copy op for CPU (~40 s once, cached; a failed build warns, the torch path is used)
 	$(PY) -m sglang.srt.mem_cache.state_copy.native
 	touch $(STAMP)

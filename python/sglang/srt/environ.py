@@ -138,6 +138,18 @@ class Envs:
     SGLANG_REQ_WAITING_TIMEOUT = EnvFloat(-1.0, "Abort requests that waited this long for admission.")
     SGLANG_REQ_RUNNING_TIMEOUT = EnvFloat(-1.0, "Abort requests running this long since their first forward.")
 
+    # Prefill/decode disaggregation (upstream names; seconds). The prefill server waits this long for a
+    # decode server to send a room's destination; the decode server waits this long for the transfer.
+    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT = EnvFloat(
+        300.0, "Prefill side: abort a request whose decode server sent no destination in this time."
+    )
+    SGLANG_DISAGGREGATION_WAITING_TIMEOUT = EnvFloat(
+        300.0, "Decode side: abort a request whose prefill server transferred nothing in this time."
+    )
+    SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER = EnvOptStr(
+        None, "Prefill side: the transfer of each request whose rid starts with this fails (fault injection)."
+    )
+
     # HTTP: a client gets this long to send a request head or the next piece of a body.
     SGLANG_HTTP_READ_TIMEOUT = EnvFloat(
         30.0, "Seconds before a stalled or idle-before-request connection closes."

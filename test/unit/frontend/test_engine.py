@@ -165,6 +165,10 @@ def test_real_scheduler_through_the_engine():
         assert state["mamba_usage"]["held_by_requests"] == 0 and state["token_usage"]["held_by_requests"] == 0
 
 
-def test_engine_refuses_disaggregation_modes_like_the_server():
-    with pytest.raises(ServerStartupError, match="--disaggregation-mode prefill: disaggregated"):
-        sglang.Engine(scheduler_entry=fake_scheduler.run_scheduler_process, disaggregation_mode="prefill")
+def test_engine_refuses_a_transfer_backend_like_the_server():
+    with pytest.raises(ServerStartupError, match="--disaggregation-transfer-backend nixl: this server moves"):
+        sglang.Engine(
+            scheduler_entry=fake_scheduler.run_scheduler_process,
+            disaggregation_mode="prefill",
+            disaggregation_transfer_backend="nixl",
+        )

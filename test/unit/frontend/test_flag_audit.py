@@ -31,11 +31,7 @@ PACKAGE = Path(sglang.__file__).parent
 REFUSED = {
     "skip_tokenizer_init": True,
     "tp_size": 2,
-    "disaggregation_mode": "prefill",
     "disaggregation_transfer_backend": "nixl",
-    "disaggregation_bootstrap_port": 9000,
-    "disaggregation_decode_extra_slots": 4,
-    "disaggregation_ib_device": "mlx5_0",
 }
 # Accepted for compatibility and logged as having no effect.
 NO_EFFECT = {"trust_remote_code": True}
@@ -112,17 +108,18 @@ def test_a_flag_without_effect_is_logged_once_with_the_reason(caplog):
     ]
 
 
-def test_a_refused_companion_flag_fails_the_command_line_in_one_sentence():
+def test_a_refused_transfer_backend_fails_the_command_line_in_one_sentence():
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--disaggregation-bootstrap-port", "9000"],
+        [sys.executable, "-m", "sglang.launch_server", "--disaggregation-mode", "prefill",
+         "--disaggregation-transfer-backend", "nixl"],
         capture_output=True,
         text=True,
         timeout=120,
-    )
+    )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        "error: --disaggregation-bootstrap-port 9000: disaggregated prefill/decode serving is not available "
-        "yet; start without --disaggregation-bootstrap-port."
+        "error: --disaggregation-transfer-backend nixl: this server moves KV and state with mooncake only; "
+        "use --disaggregation-transfer-backend mooncake."
     ], proc.stderr
     assert "Traceback" not in proc.stderr

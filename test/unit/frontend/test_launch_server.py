@@ -1,4 +1,4 @@
-"""`python -m sglang.launch_server` refuses bad flags, the disaggregation modes, a tokenizer that is
+"""`python -m sglang.launch_server` refuses bad flags, a transfer backend it lacks, a tokenizer that is
 not there, pools too small to serve and a port in use with one sentence and a non-zero exit, without a
 traceback (and without claiming to be ready)."""
 
@@ -25,8 +25,8 @@ def launch(*args: str) -> subprocess.CompletedProcess:
     "args, code, words",
     [
         (["--page-size", "0"], 2, "--page-size must be a positive integer"),
-        (["--disaggregation-mode", "prefill"], 1, "--disaggregation-mode prefill: disaggregated"),
-        (["--disaggregation-mode", "decode"], 1, "--disaggregation-mode decode: disaggregated"),
+        (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"], 1,
+         "--disaggregation-transfer-backend nixl: this server moves KV and state with mooncake only"),
         (["--tokenizer-path", "/nonexistent/tok"], 2, "--tokenizer-path '/nonexistent/tok' is not a folder"),
         (["--max-mamba-cache-size", "1"], 1, "--max-mamba-cache-size 1 is smaller than the 2 slot(s)"),
     ],

@@ -1,4 +1,13 @@
-"""The decode side of prefill/decode disaggregation.
+"""The decode side of prefill/decode disaggregation (`--disaggregation-mode decode`).
+
+`DecodeTransferQueue`: a request that carries a bootstrap room first waits in the pre-allocation queue
+until its destinations can be reserved (request row, running slot, KV slots for the prompt, keeping one
+page free per running request so that they go on decoding); then the destination goes to the prefill
+server named by the room's bootstrap host and port, and the request waits for that server's answer.
+When the prompt's KV and state have arrived, the first token (sampled by the prefill server) is
+committed and the request joins the running batch, decoding with the overlap schedule as any other. A
+request aborted while a transfer may still write into what it holds keeps it until the prefill server
+answers (or twice the waiting timeout passes). Requests without a room are served whole.
 
 `HybridMambaDecodeReqToTokenPool` (upstream PR #22462): the decode server pre-allocates destinations
 (request row and running slot) for transfers in flight beyond the running cap, `pre_alloc_size` extra
@@ -11,12 +20,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
+from sglang.srt.disaggregation.channel import Channel, reachable_host, tcp_url
+from sglang.srt.disaggregation.transfer import PoolLayout, make_transfer_engine
+from sglang.srt.environ import envs
+from sglang.srt.mem_cache.common import alloc_for_extend
 from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+
 logger = logging.getLogger(__name__)
+
+
+def default_decode_extra_slots(max_running_requests: int) -> int:
+    """Upstream's default for --disaggregation-decode-extra-slots: request rows for transfers in flight
+    beyond the running cap, twice the cap when it is small."""
+    return 2 * max_running_requests if max_running_requests <= 32 else 0
 
 
 class HybridMambaDecodeReqToTokenPool(HybridReqToTokenPool):
@@ -47,3 +72,235 @@ class HybridMambaDecodeReqToTokenPool(HybridReqToTokenPool):
                 )  # fmt: skip
         self.mamba_spec_state_size = size + pre_alloc_size
         super().__init__(size + pre_alloc_size, mamba_size, max_context_len, cache_params, strategy, device)
+
+
+class DecodeTransferQueue:
+    def __init__(self, sched: Scheduler):
+        args = sched.server_args
+        self.sched = sched
+        self.layout = PoolLayout.of(sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool)
+        host = reachable_host(args.host)
+        self.engine = make_transfer_engine(
+            args.disaggregation_transfer_backend,
+            host,
+            args.disaggregation_ib_device,
+            self.layout,
+            args.device,
+        )
+        self.channel = Channel(args.host, None)
+        self.notify_url = tcp_url(host, self.channel.port)
+        self.prealloc: list[Req] = []  # waiting for destinations
+        # Reserved, the destination not sent yet: (request, id of the newest batch launched at reservation).
+        self.reserved: list[tuple[Req, int]] = []
+        self.transfers: dict[str, tuple[Req, float]] = {}  # destination sent: (request, since)
+        self.ready: list[Req] = []  # transferred, waiting for a place in the running batch
+        self.zombies: dict[str, tuple[Req, float]] = {}  # aborted while a transfer may still write
+        self.dst_sent: set[str] = set()  # rooms whose prefill server was asked (it answers, or got a cancel)
+        self.timeout = envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
+        self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "seconds": 0.0}
+
+    # ---- the scheduler's hooks ----------------------------------------------------------------------
+
+    def add(self, req: Req) -> None:
+        if req.bootstrap.port is None:
+            message = "bootstrap_port is null: give the router the prefill server's bootstrap port (--prefill URL PORT)."
+            self.sched.abort_with_status([req], message, 400)
+            return
+        if req.bootstrap.room in self._rooms_in_use():
+            self.sched.abort_with_status(
+                [req], f"bootstrap_room {req.bootstrap.room} is already in use.", 400
+            )
+            return
+        req.fill_ids = list(req.origin_input_ids)
+        self.prealloc.append(req)
+
+    def defer_release(self, req: Req) -> bool:
+        """An aborted request: True if a transfer may still write into what it holds (released when the
+        prefill server answers); else it leaves the queues and is released now."""
+        key = req.bootstrap.room
+        if key in self.transfers and self.transfers[key][0] is req:
+            del self.transfers[key]
+            self.zombies[key] = (req, time.monotonic() + 2 * self.timeout)
+            self._send(req, {"type": "cancel", "room": key, "notify": self.notify_url})
+            return True
+        self.prealloc = [r for r in self.prealloc if r is not req]
+        self.reserved = [(r, w) for r, w in self.reserved if r is not req]
+        self.ready = [r for r in self.ready if r is not req]
+        return False
+
+    def on_released(self, req: Req) -> None:
+        """A request with a room ended here before its prefill server was asked for the transfer (refused,
+        aborted while waiting): tell that server, which otherwise holds its half until its timeout."""
+        if req.bootstrap.port is None:
+            return
+        if (req.finished_reason or {}).get("type") != "abort":
+            self.dst_sent.discard(req.bootstrap.room)
+            return
+        if req.bootstrap.room in self.dst_sent:
+            self.dst_sent.discard(req.bootstrap.room)
+            return  # the prefill server knows: it answered, or got a cancel
+        self._send(req, {"type": "cancel", "room": req.bootstrap.room, "notify": self.notify_url})
+
+    def busy(self) -> bool:
+        return bool(self.prealloc or self.reserved or self.transfers or self.ready or self.zombies)
+
+    def transfers_running(self) -> bool:
+        return False  # transfers run on the prefill server; their answers wake the loop
+
+    def poll(self) -> bool:
+        did = False
+        for msg in self.channel.recv_all():
+            if msg["type"] == "done":
+                did = True
+                try:
+                    self._on_done(msg)
+                except (KeyError, TypeError, ValueError) as e:
+                    logger.warning(
+                        "Disaggregation: a malformed answer for room %r was dropped (%s).", msg["room"], e
+                    )
+        did = self._expire() or did
+        did = self._preallocate() or did
+        did = self._send_destinations() or did
+        return self._admit_ready() or did
+
+    # ---- queues --------------------------------------------------------------------------------------
+
+    def _rooms_in_use(self) -> set[str]:
+        reqs = self.prealloc + [r for r, _ in self.reserved] + self.ready
+        return {r.bootstrap.room for r in reqs} | set(self.transfers) | set(self.zombies)
+
+    def _send(self, req: Req, msg: dict[str, Any]) -> bool:
+        return self.channel.send(tcp_url(req.bootstrap.host, req.bootstrap.port), msg)
+
+    def _preallocate(self) -> bool:
+        """Reserve destinations in arrival order."""
+        sched = self.sched
+        did = False
+        while self.prealloc:
+            req = self.prealloc[0]
+            # One page per request that will decode before this one, so the running batch is not starved.
+            reserve = len(sched.running) + len(self.ready) + len(self.transfers) + len(self.reserved) + 1
+            n = len(req.origin_input_ids)
+            if not alloc_for_extend(
+                sched.tree_cache,
+                sched.req_to_token_pool,
+                sched.token_allocator,
+                req,
+                0,
+                n,
+                reserve_pages=reserve,
+            ):
+                break
+            self.prealloc.pop(0)
+            did = True
+            req.mamba_needs_clear = False  # the transfer writes the whole state
+            req.mark_req_to_token_dirty(0)
+            self.reserved.append((req, sched.num_batches))
+        return did
+
+    def _send_destinations(self) -> bool:
+        """Send the destinations whose slots no batch in flight can still write. A slot freed when a
+        batch's result was processed may be written by the batch launched after it (overlap schedule);
+        the forward stream orders that against later forwards, but not against the prefill server's
+        transfer, which must wait until every batch launched before the reservation is processed."""
+        processed = self.sched.processed_batch_id
+        did = False
+        while self.reserved and self.reserved[0][1] <= processed:
+            req, _ = self.reserved.pop(0)
+            did = True
+            key = req.bootstrap.room
+            sent = self._send(req, {
+                "type": "dst", "room": key, "rid": req.rid, "notify": self.notify_url,
+                "session": self.engine.session_id, "layout": self.layout.to_dict(),
+                "kv": req.kv_indices, "slot": req.mamba_pool_idx,
+            })  # fmt: skip
+            if not sent:  # nothing can write into it: release at once
+                self.sched.abort_with_status([req], "The prefill server does not take messages.", 503)
+                continue
+            self.dst_sent.add(key)
+            self.transfers[key] = (req, time.monotonic())
+        return did
+
+    def _on_done(self, msg: dict[str, Any]) -> None:
+        key = str(msg["room"])
+        if key in self.zombies:
+            req, _ = self.zombies.pop(key)
+            self.sched.result_processor.release_finished(req)
+            return
+        entry = self.transfers.pop(key, None)
+        if entry is None:
+            return  # a room this server gave up already
+        req = entry[0]
+        outputs = [int(t) for t in msg.get("output_ids", [])] if msg.get("ok") else []
+        if not msg.get("ok") or (not outputs and req.sampling_params.max_new_tokens > 0):
+            self.stats["failed_transfers"] += 1
+            error = msg.get("error") or "no first token came with the state"
+            self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
+            return
+        self.stats["transfers"] += 1
+        self.stats["bytes"] += int(msg.get("bytes", 0))
+        self.stats["seconds"] += float(msg.get("seconds", 0.0))
+        req.output_ids += outputs
+        req.cached_tokens = int(msg.get("cached_tokens", 0))
+        self.sched.counters["num_generation_tokens_total"] += len(outputs)
+        if req.return_logprob:
+            req.output_token_logprobs += [
+                (_logprob(lp), int(t)) for lp, t in msg.get("output_token_logprobs", [])
+            ]
+            if req.top_logprobs_num:
+                req.output_top_logprobs += [
+                    [(_logprob(lp), int(t)) for lp, t in top] for top in msg.get("output_top_logprobs", [])
+                ]
+        self.sched.finisher.check_finished(req)
+        if req.finished:
+            self.sched.result_processor.release_finished(req)
+            self.sched.result_processor.send_finished([req])
+        else:
+            self.ready.append(req)
+
+    def _admit_ready(self) -> bool:
+        sched = self.sched
+        admitted = []
+        while self.ready and len(sched.running) < sched.max_running_requests:
+            req = self.ready.pop(0)
+            sched.running.append(req)
+            admitted.append(req)
+        if admitted:
+            sched.result_processor.stream_output(admitted)
+        return bool(admitted)
+
+    def _expire(self) -> bool:
+        now = time.monotonic()
+        did = False
+        for key, (req, since) in list(self.transfers.items()):
+            if now - since > self.timeout:
+                did = True
+                message = f"the prefill server transferred nothing for room {key} within {self.timeout:g} s"
+                self.sched.abort_with_status([req], message, 503)  # held until its answer or deadline
+        for key, (req, deadline) in list(self.zombies.items()):
+            if now > deadline:
+                did = True
+                del self.zombies[key]
+                logger.warning("Room %s: no answer from the prefill server; %s's slots are freed.", key, req)
+                self.sched.result_processor.release_finished(req)
+        return did
+
+    def state(self) -> dict[str, Any]:
+        """For /get_server_info: the queues and the transfers so far (bytes, seconds on the transfer
+        engine)."""
+        return {
+            "prealloc_queue": len(self.prealloc) + len(self.reserved),
+            "transfer_queue": len(self.transfers),
+            "ready": len(self.ready),
+            "aborted_holding": len(self.zombies),
+            "session": self.engine.session_id,
+            **self.stats,
+        }
+
+    def shutdown(self) -> None:
+        self.channel.close()
+
+
+def _logprob(value: Any) -> float:
+    """JSON has no -inf (orjson writes it, and NaN, as null)."""
+    return float("-inf") if value is None else float(value)

@@ -2,7 +2,7 @@
 
 Each upstream field is either implemented (`GenerateReqInput` here), ignored because it changes nothing
 on this server (routing and tracing hints, logging switches, the bootstrap fields the sglang-router adds
-for PD disaggregation), or names a feature this server lacks: that one is refused with HTTP 400 when it
+for PD disaggregation other than host, port and room), or names a feature this server lacks: that one is refused with HTTP 400 when it
 is set to anything but an empty value (null, false, "", [], {}), which clients send for "unset".
 Keys that upstream does not know are ignored, as upstream's request parsing ignores them.
 """
@@ -35,10 +35,7 @@ IGNORED = frozenset(
         "priority",
         "custom_labels",
         "no_logs",
-        # prefill/decode disaggregation: meaningless on a server that is neither side
-        "bootstrap_host",
-        "bootstrap_port",
-        "bootstrap_room",
+        # prefill/decode disaggregation (bootstrap_host/port/room are implemented)
         "bootstrap_pair_key",
         "decode_tp_size",
         # only read together with return_routed_experts (refused below)

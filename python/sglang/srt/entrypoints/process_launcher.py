@@ -46,14 +46,8 @@ class ServerStartupError(RuntimeError):
     """A child process failed to start; the message says which and why, in one sentence."""
 
 
-# The companions of --disaggregation-mode: refused with the PD modes until disaggregated serving exists
-# (a value other than the default asks for a feature this runtime lacks).
-PD_COMPANION_FLAGS = (
-    "disaggregation_transfer_backend",
-    "disaggregation_bootstrap_port",
-    "disaggregation_decode_extra_slots",
-    "disaggregation_ib_device",
-)
+# Transfer engines this server moves KV and state with (--disaggregation-transfer-backend).
+TRANSFER_BACKENDS = ("mooncake",)
 # Accepted so that upstream command lines run unchanged; each is logged once at startup with the reason.
 NO_EFFECT_FLAGS = {
     "trust_remote_code": "models run on this runtime's own implementations and tokenizers load from "
@@ -63,19 +57,12 @@ NO_EFFECT_FLAGS = {
 
 def check_flag_support(server_args: Any) -> None:
     """Refuse what this runtime cannot honour: ServerStartupError with one sentence naming the flag."""
-    if server_args.disaggregation_mode != "null":
+    backend = server_args.disaggregation_transfer_backend
+    if backend not in TRANSFER_BACKENDS:
         raise ServerStartupError(
-            f"--disaggregation-mode {server_args.disaggregation_mode}: disaggregated prefill/decode serving "
-            "is not available yet; start without --disaggregation-mode."
+            f"--disaggregation-transfer-backend {backend}: this server moves KV and state with mooncake "
+            "only; use --disaggregation-transfer-backend mooncake."
         )
-    defaults = _defaults(server_args)
-    for name in PD_COMPANION_FLAGS:
-        value = getattr(server_args, name)
-        if value != defaults[name]:
-            flag = _flag(name)
-            raise ServerStartupError(
-                f"{flag} {value}: disaggregated prefill/decode serving is not available yet; start without {flag}."
-            )
     if server_args.skip_tokenizer_init:
         # Upstream's flag serves without any tokenizer; this server tokenizes prompts, matches stop
         # strings and detokenizes outputs itself.

@@ -43,6 +43,11 @@ class GenerateReqInput:
     stream: bool = False
     # False: the request is left out of the metrics (health checks).
     log_metrics: bool = True
+    # Prefill/decode disaggregation (added by sglang-router's PD mode to the request it posts to both
+    # servers): the prefill server's bootstrap address and the room that pairs the two halves.
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
 
 
 @dataclass
@@ -55,6 +60,18 @@ class TokenizedGenerateReqInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    bootstrap: BootstrapInfo | None = None
+
+
+@dataclass(frozen=True)
+class BootstrapInfo:
+    """Where the prefill half of a disaggregated request runs and which room pairs the halves. `room` is
+    the router's bootstrap_room, suffixed with the sample index when a request has n > 1 samples (both
+    servers fan out the same way)."""
+
+    host: str
+    port: int | None
+    room: str
 
 
 @dataclass

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from sglang.srt.managers.io_struct import BootstrapInfo, GenerateReqInput, TokenizedGenerateReqInput
 from sglang.srt.managers.text_encoder import Encoded, encode_texts
 from sglang.srt.sampling.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 
@@ -203,15 +203,44 @@ def _raw_n(params: Any) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def bootstrap_info(host: Any, port: Any, room: Any) -> BootstrapInfo | None:
+    """The PD fields of one prompt: none, or a room with the prefill server's host (and port)."""
+    if room is None:
+        return None
+    if not isinstance(room, int) or isinstance(room, bool) or room < 0:
+        raise RequestError("bootstrap_room must be a non-negative integer.", "bootstrap_room", "invalid_type")
+    if not isinstance(host, str) or not host:
+        raise RequestError(
+            "bootstrap_host must be set with bootstrap_room.", "bootstrap_host", "invalid_type"
+        )
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+        raise RequestError("bootstrap_port must be a port number or null.", "bootstrap_port", "invalid_type")
+    return BootstrapInfo(host, port, str(room))
+
+
+def sample_bootstrap(info: BootstrapInfo | None, j: int, n: int) -> BootstrapInfo | None:
+    """Sample j of n gets its own room (both servers fan out the same way, so the rooms pair up)."""
+    return info if info is None or n == 1 else replace(info, room=f"{info.room}#{j}")
+
+
 def build_requests(
     obj: GenerateReqInput, prompts: Prompts, encoded: list[Encoded], limits: RequestLimits
 ) -> tuple[list[NormalizedRequest], bool]:
     """Check everything else and expand `prompts` (with `encoded[i]`, the tokens of `prompts.texts[i]`)
     into one request per sample; returns them and whether the reply is a list."""
     size = len(prompts)
+    if size > 1 and obj.bootstrap_room is not None and not isinstance(obj.bootstrap_room, list):
+        # One room pairs one request's halves; a shared one would pair the wrong ones.
+        raise RequestError(
+            "bootstrap_room must be a list with one room per prompt in a batch.", "bootstrap_room"
+        )
     per_item = {
         name: _per_item(getattr(obj, name), size, name, prompts.is_batch)
         for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
+        + BOOTSTRAP_FIELDS
     }
     if not isinstance(obj.return_text_in_logprobs, bool):
         raise RequestError(
@@ -241,6 +270,7 @@ def build_requests(
             raise RequestError("rid must be a non-empty string.", "rid", "invalid_type")
         base = rid or uuid.uuid4().hex
         n = params.n
+        bootstrap = bootstrap_info(*(per_item[name][i] for name in BOOTSTRAP_FIELDS))
         for j in range(n):
             # Each sample is its own request; seeded samples get distinct seeds, else n copies of one
             # seeded request would all return the same text.
@@ -257,6 +287,7 @@ def build_requests(
                 logprob_start_len=start,
                 top_logprobs_num=top,
                 stream=obj.stream,
+                bootstrap=sample_bootstrap(bootstrap, j, n),
             )
             out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs))
     rids = [r.req.rid for r in out]
@@ -279,6 +310,7 @@ def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:
     """A batch field is either one value for all items or a list with one value per item."""
     defaults = {"sampling_params": None, "rid": None, "return_logprob": False}
     defaults |= {"logprob_start_len": -1, "top_logprobs_num": 0}
+    defaults |= dict.fromkeys(BOOTSTRAP_FIELDS)
     if value is None:
         value = defaults[name]
     if is_batch and isinstance(value, list):

@@ -31,6 +31,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, SamplingB
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import BootstrapInfo
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
 
@@ -63,6 +64,7 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.stream = stream
         self.created_time = time.monotonic()
+        self.bootstrap: BootstrapInfo | None = None  # PD disaggregation: where the other half runs
 
         # Lifecycle
         self.fill_ids: list[int] = []  # the tokens the current prefill covers (input + outputs so far)

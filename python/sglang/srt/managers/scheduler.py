@@ -72,6 +72,7 @@ class Scheduler(SchedulerIOMixin):
         self.reqs_by_rid: dict[str, Req] = {}
         self.in_flight: deque[tuple[ScheduleBatch, Future]] = deque()
         self.num_batches = 0
+        self.processed_batch_id = 0  # batches are processed in launch order: all up to this one are done
         self.events: list[tuple[str, int]] = []  # ("launch" | "process", batch id), for tests
         self.record_events = False
 
@@ -85,6 +86,8 @@ class Scheduler(SchedulerIOMixin):
             "num_cached_tokens_total": 0,
             "num_retractions_total": 0,
         }
+        self.disaggregation_mode = server_args.disaggregation_mode
+        self.disagg = None  # the PD queue of this side (prefill or decode), if any
         self.init_io()
         self.finisher = FinishChecker.from_server_args(server_args)
         self.result_processor = BatchResultProcessor(
@@ -96,6 +99,15 @@ class Scheduler(SchedulerIOMixin):
             counters=self.counters,
             stream_interval=server_args.stream_interval,
         )
+        if self.disaggregation_mode == "prefill":
+            from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+            self.disagg = PrefillBootstrapQueue(self)
+            self.result_processor.prefill_handoff = self.disagg.on_prefill_done
+        elif self.disaggregation_mode == "decode":
+            from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+            self.disagg = DecodeTransferQueue(self)
 
     # ---- batch selection ---------------------------------------------------------------------------
 
@@ -207,6 +219,8 @@ class Scheduler(SchedulerIOMixin):
             and req.planned_output_len < req.sampling_params.max_new_tokens
             and req.planned_output_len > 0
             and req.kv_len < self.context_len
+            # A prefill server hands a disaggregated request over after its prompt; it never decodes it.
+            and not (req.bootstrap is not None and self.disaggregation_mode == "prefill")
         )
 
     def _retract_or_abort(self, victim: Req) -> None:
@@ -230,7 +244,8 @@ class Scheduler(SchedulerIOMixin):
 
     def retract_all(self) -> None:
         """Finish the batches in flight, then send every running request back to the waiting queue
-        (/pause_generation with mode "retract"): their KV and state slots are free afterwards."""
+        (/pause_generation with mode "retract"): their KV and state slots are free afterwards. PD
+        requests between their two servers (waiting for or in a transfer) keep theirs."""
         while self.in_flight:
             self.process_oldest()
         if self.chunked_req is not None:
@@ -271,12 +286,14 @@ class Scheduler(SchedulerIOMixin):
                 f"{self.watchdog_timeout:g} s."
             ) from None
         self.result_processor.process_batch_result(batch, result)
+        self.processed_batch_id = batch.batch_id
         if self.record_events:
             self.events.append(("process", batch.batch_id))
 
     def step(self) -> bool:
         """One loop iteration: schedule and launch a batch, then process results (under overlap, all
         but the batch just launched). Returns False when there was nothing to do."""
+        disagg_did = self.disagg.poll() if self.disagg is not None else False
         batch = self.get_next_batch_to_run()
         if batch is not None:
             self.launch(batch)
@@ -284,7 +301,7 @@ class Scheduler(SchedulerIOMixin):
         processed = len(self.in_flight) > keep
         while len(self.in_flight) > keep:
             self.process_oldest()
-        if batch is None and not processed:
+        if batch is None and not processed and not disagg_did:
             # Nothing launched and nothing in flight: idle (processing may have made room, so a step
             # that processed results is never idle).
             self.on_idle()
@@ -301,6 +318,8 @@ class Scheduler(SchedulerIOMixin):
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def remove_request(self, req: Req) -> None:
+        if req.bootstrap is not None and self.disagg is not None:
+            self.disagg.on_released(req)
         if req in self.running:
             self.running.remove(req)
         if self.chunked_req is req:
@@ -335,7 +354,13 @@ class Scheduler(SchedulerIOMixin):
         check_integrity(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
 
     def is_idle(self) -> bool:
-        return not self.in_flight and not self.running and not self.waiting_queue and self.chunked_req is None
+        return (
+            not self.in_flight
+            and not self.running
+            and not self.waiting_queue
+            and self.chunked_req is None
+            and not (self.disagg is not None and self.disagg.busy())
+        )
 
     def flush_cache(self) -> tuple[bool, str]:
         if not self.is_idle():
@@ -351,6 +376,8 @@ class Scheduler(SchedulerIOMixin):
         while self.in_flight:
             self.process_oldest()
         self.worker.shutdown()
+        if self.disagg is not None:
+            self.disagg.shutdown()
 
 
 def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None:

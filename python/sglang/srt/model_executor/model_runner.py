@@ -9,11 +9,13 @@ pools.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
+from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool, default_decode_extra_slots
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
@@ -69,14 +71,31 @@ class ModelRunner:
 
     def _init_pools(self, context_len: int) -> None:
         args, sizes = self.server_args, self.pool_sizes
-        self.req_to_token_pool = HybridReqToTokenPool(
-            size=sizes.req_pool_size,
-            mamba_size=sizes.max_mamba_cache_size,
-            max_context_len=context_len,
-            cache_params=self.arch.mamba2_cache_params(self.dtype, args.mamba_ssm_dtype),
-            strategy=args.mamba_strategy,
-            device=self.device,
-        )
+        cache_params = self.arch.mamba2_cache_params(self.dtype, args.mamba_ssm_dtype)
+        if args.disaggregation_mode == "decode":
+            # Rows (and slots) for transfers in flight beyond the running cap (upstream PR #22462).
+            extra = args.disaggregation_decode_extra_slots
+            self.req_to_token_pool = HybridMambaDecodeReqToTokenPool(
+                size=sizes.req_pool_size,
+                pre_alloc_size=default_decode_extra_slots(sizes.req_pool_size) if extra is None else extra,
+                max_mamba_cache_size=sizes.max_mamba_cache_size,
+                max_context_len=context_len,
+                cache_params=cache_params,
+                strategy=args.mamba_strategy,
+                device=self.device,
+            )
+            self.pool_sizes = dataclasses.replace(
+                sizes, max_mamba_cache_size=self.req_to_token_pool.mamba_pool.size
+            )
+        else:
+            self.req_to_token_pool = HybridReqToTokenPool(
+                size=sizes.req_pool_size,
+                mamba_size=sizes.max_mamba_cache_size,
+                max_context_len=context_len,
+                cache_params=cache_params,
+                strategy=args.mamba_strategy,
+                device=self.device,
+            )
         self.token_to_kv_pool = MHATokenToKVPool(
             size=sizes.max_total_tokens,
             page_size=args.page_size,

@@ -59,6 +59,17 @@ class _SamplingFields(_Request):
     min_tokens: int | None = Field(None, ge=0)
     user: str | None = None
     rid: str | None = None
+    # Prefill/decode disaggregation: added by sglang-router's PD mode (see GenerateReqInput).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = Field(None, ge=0)
+
+    def bootstrap_fields(self) -> dict[str, Any]:
+        return {
+            "bootstrap_host": self.bootstrap_host,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_room": self.bootstrap_room,
+        }
 
     @field_validator("top_k")
     @classmethod

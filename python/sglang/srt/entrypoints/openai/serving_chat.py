@@ -74,6 +74,7 @@ class OpenAIServingChat(OpenAIServingBase):
             top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True,
             stream=req.stream,
+            **req.bootstrap_fields(),
         )
 
     def make_choice(self, req: ChatCompletionRequest, index: int, out: dict) -> ChatChoice:

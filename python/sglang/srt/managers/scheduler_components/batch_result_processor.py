@@ -50,6 +50,8 @@ class BatchResultProcessor:
         self.on_release = on_release  # the scheduler forgets a released request
         self.counters = counters
         self.stream_interval = stream_interval
+        # PD prefill server: takes a disaggregated request once its prompt is done (it decodes elsewhere).
+        self.prefill_handoff: Callable[[Req], None] | None = None
 
     def process_batch_result(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
         next_ids = result.next_token_ids
@@ -75,6 +77,9 @@ class BatchResultProcessor:
                     if req.top_logprobs_num and tops is not None and tops[i] is not None:
                         req.output_top_logprobs.append(list(zip(*tops[i], strict=True)))
                 self.counters["num_generation_tokens_total"] += 1
+            if batch.completes_prefill[i] and req.bootstrap is not None and self.prefill_handoff is not None:
+                self.prefill_handoff(req)  # the decode server checks the first token's finish
+                continue
             if batch.sample_rows[i] or batch.completes_prefill[i]:
                 self.finisher.check_finished(req)
             self._handle_finish_state_updated_req(req, pending.get(id(req)))

@@ -31,6 +31,8 @@ from sglang.srt.managers.scheduler_components.request_control import GenerationP
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+# While a KV transfer runs on its thread, the loop looks for its end this often.
+DISAGG_TRANSFER_POLL_MS = 1
 
 
 class SchedulerIOMixin:
@@ -94,8 +96,20 @@ class SchedulerIOMixin:
 
         recv = self._sockets[0]
         out = []
-        if timeout_ms and not recv.poll(timeout_ms):
-            return out
+        if timeout_ms:
+            if self.disagg is None or self.generation_pause.paused:
+                # (paused: the PD queues wait too, so their messages must not wake the loop)
+                if not recv.poll(timeout_ms):
+                    return out
+            else:
+                # Messages from the other server (or a transfer ending) wake the loop too.
+                if self.disagg.transfers_running():
+                    timeout_ms = min(timeout_ms, DISAGG_TRANSFER_POLL_MS)
+                poller = zmq.Poller()
+                poller.register(recv, zmq.POLLIN)
+                poller.register(self.disagg.channel.pull, zmq.POLLIN)
+                if not dict(poller.poll(timeout_ms)).get(recv):
+                    return out
         while True:
             try:
                 out.append(recv.recv_pyobj(zmq.NOBLOCK))
@@ -135,15 +149,21 @@ class SchedulerIOMixin:
             top_logprobs_num=recv.top_logprobs_num,
             stream=recv.stream,
         )
+        req.bootstrap = recv.bootstrap
         self.counters["num_requests_total"] += 1
         error = self._validate(req)
         if error is not None:
             req.finished_reason = {"type": "abort", "message": error}
             self.result_processor.send_finished([req])
+            if req.bootstrap is not None and self.disagg is not None:
+                self.disagg.on_released(req)
             return req
         self.counters["num_prompt_tokens_total"] += len(req.origin_input_ids)
         self.reqs_by_rid[req.rid] = req
-        self.waiting_queue.append(req)
+        if req.bootstrap is not None and self.disaggregation_mode == "decode":
+            self.disagg.add(req)  # its prompt's KV and state come from the prefill server
+        else:
+            self.waiting_queue.append(req)
         return req
 
     def _validate(self, req: Req) -> str | None:
@@ -167,6 +187,8 @@ class SchedulerIOMixin:
             req.finished_reason = {"type": "abort", "message": message}
             if status_code is not None:
                 req.finished_reason["status_code"] = status_code
+            if req.bootstrap is not None and self.disagg is not None and self.disagg.defer_release(req):
+                continue  # a transfer still uses what it holds; released when the transfer ends
             self.result_processor.release_finished(req)
         self.result_processor.send_finished(reqs)
 
@@ -204,6 +226,8 @@ class SchedulerIOMixin:
             },
             "lazy_alloc_failures": dict(self.tracker.lazy_alloc_failures),
             "counters": dict(self.counters),
+            "disaggregation_mode": self.disaggregation_mode,
+            "disaggregation": self.disagg.state() if self.disagg is not None else None,
         }
 
     # ---- process loop ------------------------------------------------------------------------------

@@ -1,0 +1,301 @@
+"""The prefill side of prefill/decode disaggregation (`--disaggregation-mode prefill`).
+
+A request that carries a bootstrap room is prefilled as on any server (its own radix cache, every
+mamba strategy, chunked prefill) and its first token sampled; then, instead of decoding, it waits in
+the `PrefillBootstrapQueue` for the decode server's destination of that room (request slots and KV
+token slots it reserved), its prompt's KV and running recurrent state are written there through the
+transfer engine (on a worker thread; the scheduler goes on), the decode server is told the first token,
+and the request finishes here: the tree keeps its prefix, and the reply (one token, the input logprobs
+the router merges) goes to the router. Requests without a room are served whole, as on a plain server.
+
+While a transfer reads a request's KV and state, what it holds is not freed, even if it is aborted:
+the release waits for the transfer to end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sglang.srt.disaggregation.channel import Channel, reachable_host
+from sglang.srt.disaggregation.transfer import (
+    PoolLayout,
+    TransferError,
+    make_transfer_engine,
+    transfer_descriptors,
+)
+from sglang.srt.environ import envs
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Room:
+    since: float = field(default_factory=time.monotonic)
+    req: Req | None = None  # prefilled, waiting for its destination or being transferred
+    dst: dict[str, Any] | None = None  # the decode server's destination
+    future: Future | None = None  # the transfer
+
+
+class PrefillBootstrapQueue:
+    def __init__(self, sched: Scheduler):
+        args = sched.server_args
+        self.sched = sched
+        self.layout = PoolLayout.of(sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool)
+        host = reachable_host(args.host)
+        self.engine = make_transfer_engine(
+            args.disaggregation_transfer_backend,
+            host,
+            args.disaggregation_ib_device,
+            self.layout,
+            args.device,
+        )
+        self.channel = Channel(args.host, args.disaggregation_bootstrap_port)
+        self.rooms: dict[str, _Room] = {}
+        # Rooms whose request ended here without a transfer: a destination that comes later is answered
+        # with an error at once (the decode server frees it).
+        self.ended: dict[str, tuple[float, str]] = {}
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+        self.timeout = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+        self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "seconds": 0.0}
+        logger.info("Prefill server: bootstrap on port %d, transfers by %s.", self.channel.port,
+                    args.disaggregation_transfer_backend)  # fmt: skip
+
+    # ---- the scheduler's hooks ----------------------------------------------------------------------
+
+    def on_prefill_done(self, req: Req) -> None:
+        """The prompt is prefilled and the first token sampled: hold the request until its transfer."""
+        if req in self.sched.running:
+            self.sched.running.remove(req)
+        key = req.bootstrap.room
+        if key in self.ended:
+            self._abort(req, f"the decode server gave room {key} up", 503)
+            return
+        room = self.rooms.setdefault(key, _Room())
+        if room.req is not None:
+            self._abort(req, f"bootstrap_room {key} is already in use on this prefill server", 400)
+            return
+        room.req = req
+        self._maybe_start(key, room)
+
+    def defer_release(self, req: Req) -> bool:
+        """An aborted request: True while a transfer still reads what it holds (released when the
+        transfer ends); else its room is given up and it is released now."""
+        room = self.rooms.get(req.bootstrap.room) if req.bootstrap else None
+        if room is None or room.req is not req:
+            return False
+        if room.future is not None:
+            return True
+        room.req = None
+        return False
+
+    def on_released(self, req: Req) -> None:
+        """A request with a room is gone (finished, aborted, refused): answer a destination waiting for it,
+        and remember the room so that a later one is answered too."""
+        if req.bootstrap is None or (req.finished_reason or {}).get("type") != "abort":
+            return
+        key = req.bootstrap.room
+        room = self.rooms.get(key)
+        if room is not None and room.req is not None and room.req is not req:
+            return  # another request's room (this one was refused as a duplicate)
+        if room is not None and room.future is None:
+            del self.rooms[key]
+            if room.dst is not None:
+                self._notify_failed(room.dst, f"the prefill request ended: {req.finished_reason['message']}")
+                return
+        self.ended[key] = (time.monotonic(), req.finished_reason["message"])
+
+    def busy(self) -> bool:
+        return any(r.req is not None for r in self.rooms.values())
+
+    def transfers_running(self) -> bool:
+        return any(r.future is not None for r in self.rooms.values())
+
+    def poll(self) -> bool:
+        """Take the decode servers' messages, start the transfers that can start, finish those that
+        ended, and give up rooms past the bootstrap timeout. True if anything happened."""
+        did = False
+        for msg in self.channel.recv_all():
+            did = True
+            if msg["type"] == "dst":
+                self._on_dst(msg)
+            elif msg["type"] == "cancel":
+                self._on_cancel(msg)
+        for key, room in list(self.rooms.items()):
+            if room.future is not None and room.future.done():
+                did = True
+                self._complete(key, room)
+        return self._expire() or did
+
+    # ---- rooms ---------------------------------------------------------------------------------------
+
+    def _on_dst(self, msg: dict[str, Any]) -> None:
+        key = str(msg["room"])
+        problem = _malformed_dst(msg)
+        if problem is not None:
+            logger.warning("Disaggregation: a malformed destination for room %s: %s.", key, problem)
+            self._notify_failed(msg, f"a malformed destination ({problem})")
+            return
+        if key in self.ended:
+            self._notify_failed(msg, f"the prefill request ended: {self.ended.pop(key)[1]}")
+            return
+        room = self.rooms.setdefault(key, _Room())
+        if room.dst is not None:
+            self._notify_failed(msg, f"room {key} already has a destination")
+            return
+        room.dst = msg
+        self._maybe_start(key, room)
+
+    def _on_cancel(self, msg: dict[str, Any]) -> None:
+        key = str(msg["room"])
+        room = self.rooms.get(key)
+        if room is not None and room.future is not None:
+            return  # the transfer's own answer frees the decode side
+        # A prefilled request of this room that comes later is ended at once.
+        self.ended[key] = (time.monotonic(), "the decode server gave the request up")
+        if room is None:
+            return
+        del self.rooms[key]
+        if room.dst is not None:
+            self._notify_failed(room.dst, "cancelled by the decode server")
+        if room.req is not None:
+            self._abort(room.req, "the decode server gave the request up", 503)
+
+    def _maybe_start(self, key: str, room: _Room) -> None:
+        req, dst = room.req, room.dst
+        if req is None or dst is None or room.future is not None:
+            return
+        n = len(req.origin_input_ids)
+        layout = PoolLayout.from_dict(dst["layout"])
+        problem = self.layout.mismatch(layout)
+        if problem is None and len(dst["kv"]) != n:
+            problem = f"the decode server reserved {len(dst['kv'])} KV slots for a {n}-token prompt"
+        if problem is not None:
+            del self.rooms[key]
+            self._notify_failed(dst, f"the transfer cannot be made: {problem}")
+            self._abort(req, f"KV transfer to the decode server failed: {problem}", 500)
+            return
+        descriptors = transfer_descriptors(
+            self.layout, layout, req.kv_indices[:n], dst["kv"], req.mamba_pool_idx, dst["slot"]
+        )
+        fail_prefix = envs.SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER.get()
+        inject = fail_prefix is not None and req.rid.startswith(fail_prefix)
+        room.future = self.executor.submit(self._transfer, dst["session"], descriptors, inject)
+
+    def _transfer(
+        self, session: str, descriptors: list[tuple[int, int, int]], inject: bool
+    ) -> tuple[int, float]:
+        """On the transfer thread."""
+        if inject:
+            raise TransferError("transfer failure injected by SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER")
+        start = time.perf_counter()
+        self.engine.write(session, descriptors)
+        return sum(n for _, _, n in descriptors), time.perf_counter() - start
+
+    def _complete(self, key: str, room: _Room) -> None:
+        del self.rooms[key]
+        req, dst = room.req, room.dst
+        try:
+            nbytes, seconds = room.future.result()
+        except Exception as e:  # noqa: BLE001 - any failure ends this request on both sides
+            self.stats["failed_transfers"] += 1
+            logger.warning("KV transfer of room %s (%s) failed: %s", key, req, e)
+            self._notify_failed(dst, f"KV transfer failed: {e}")
+            if req.finished:  # aborted while the transfer ran
+                self.sched.result_processor.release_finished(req)
+            else:
+                self._abort(req, f"KV transfer to the decode server failed: {e}", 500)
+            return
+        self.stats["transfers"] += 1
+        self.stats["bytes"] += nbytes
+        self.stats["seconds"] += seconds
+        self.channel.send(dst["notify"], {
+            "type": "done", "room": key, "ok": True,
+            "output_ids": req.output_ids,
+            "output_token_logprobs": req.output_token_logprobs,
+            "output_top_logprobs": req.output_top_logprobs,
+            "cached_tokens": req.cached_tokens,
+            "bytes": nbytes, "seconds": seconds,
+        })  # fmt: skip
+        processor = self.sched.result_processor
+        if not req.finished:
+            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+            processor.release_finished(req)
+            processor.send_finished([req])
+        else:
+            processor.release_finished(req)
+
+    def _expire(self) -> bool:
+        now = time.monotonic()
+        did = False
+        for key, room in list(self.rooms.items()):
+            if room.future is None and now - room.since > self.timeout:
+                did = True
+                del self.rooms[key]
+                if room.dst is not None:
+                    self._notify_failed(room.dst, "the prefill server never got this request")
+                    self.ended[key] = (now, "the destination waited too long for this request")
+                if room.req is not None:
+                    message = f"no decode server sent a destination for room {key} within {self.timeout:g} s"
+                    self._abort(room.req, message, 503)
+        for key, (since, _) in list(self.ended.items()):
+            if now - since > self.timeout:
+                del self.ended[key]
+        return did
+
+    def _abort(self, req: Req, message: str, status_code: int) -> None:
+        self.sched.abort_with_status([req], message, status_code)
+
+    def _notify_failed(self, dst: dict[str, Any], error: str) -> None:
+        if isinstance(dst.get("notify"), str):
+            self.channel.send(
+                dst["notify"], {"type": "done", "room": str(dst["room"]), "ok": False, "error": error}
+            )
+
+    def state(self) -> dict[str, Any]:
+        """For /get_server_info: the queues and the transfers so far (bytes, seconds on the transfer
+        engine)."""
+        return {
+            "bootstrap_port": self.channel.port,
+            "rooms": len(self.rooms),
+            "waiting_for_destination": sum(
+                1 for r in self.rooms.values() if r.req is not None and r.future is None
+            ),
+            "transferring": sum(1 for r in self.rooms.values() if r.future is not None),
+            "session": self.engine.session_id,
+            **self.stats,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True)
+        self.channel.close()
+
+
+def _malformed_dst(msg: dict[str, Any]) -> str | None:
+    """What is wrong with a destination from the network, or None."""
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(msg.get("notify"), str) or not isinstance(msg.get("session"), str):
+        return "notify and session must be strings"
+    if not is_int(msg.get("slot")) or not isinstance(msg.get("kv"), list) or not all(map(is_int, msg["kv"])):
+        return "slot and kv must be slot ids"
+    layout = msg.get("layout")
+    try:
+        PoolLayout.from_dict(layout)
+    except TypeError:
+        return "layout is not a pool layout"
+    lists = [layout[k] for k in ("kv_ptrs", "kv_nbytes", "state_ptrs", "state_nbytes", "state_slot_bytes")]
+    if not all(isinstance(v, list) and all(map(is_int, v)) for v in lists) or not is_int(
+        layout["kv_bytes_per_token"]
+    ):
+        return "layout holds something other than addresses and sizes"
+    return None

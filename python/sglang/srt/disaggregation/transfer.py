@@ -1,0 +1,171 @@
+"""Moving one request's KV and recurrent state from the prefill server's pools into the decode server's.
+
+What moves: for every full-attention layer, K and V of the prompt's tokens (token slot t of a layer is
+`bytes_per_token` bytes at `ptr + t * bytes_per_token`, so runs of consecutive slots on both sides
+merge into one descriptor), and for every linear layer the conv and SSM rows of the running slot (one
+slot of one layer is one contiguous block, `MambaPool.get_contiguous_buf_infos`). Page sizes may differ
+between the two servers: descriptors are per token run, not per page.
+
+The bytes move through Mooncake's transfer engine (`mooncake-transfer-engine-non-cuda`, TCP, with
+P2PHANDSHAKE: no metadata service), as upstream SGLang does. A batch holds at most
+`MAX_DESCRIPTORS_PER_BATCH` descriptors per peer: above 2,048 Mooncake's TCP transport rejects the
+batch and, from ~2,100 on, keeps the link to that peer broken (reference/distributed.md, section 1.6).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+from sglang.srt.server_args import ServerArgsError
+
+logger = logging.getLogger(__name__)
+
+MAX_DESCRIPTORS_PER_BATCH = 2048
+
+# (source address, destination address, bytes)
+Descriptor = tuple[int, int, int]
+
+
+class TransferError(RuntimeError):
+    """A transfer did not complete; the request it carried ends with an error on both servers."""
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where a server's pools live, as a transfer engine addresses them. Sent by the decode server with
+    every destination, so the prefill server needs no state per decode server."""
+
+    kv_ptrs: list[int]  # K then V of each full-attention layer
+    kv_nbytes: list[int]
+    kv_bytes_per_token: int
+    state_ptrs: list[int]  # conv of each linear layer, then SSM of each
+    state_nbytes: list[int]
+    state_slot_bytes: list[int]
+
+    @classmethod
+    def of(cls, token_to_kv_pool, mamba_pool) -> PoolLayout:
+        kv = [
+            b for pair in zip(token_to_kv_pool.k_buffer, token_to_kv_pool.v_buffer, strict=True) for b in pair
+        ]
+        per_token = kv[0][0].nbytes if kv else 0
+        states = mamba_pool.get_contiguous_buf_infos()
+        return cls(
+            kv_ptrs=[b.data_ptr() for b in kv],
+            kv_nbytes=[b.nbytes for b in kv],
+            kv_bytes_per_token=per_token,
+            state_ptrs=[p for p, _, _ in states],
+            state_nbytes=[n for _, n, _ in states],
+            state_slot_bytes=[s for _, _, s in states],
+        )
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every buffer, to register with the transfer engine."""
+        return list(zip(self.kv_ptrs + self.state_ptrs, self.kv_nbytes + self.state_nbytes, strict=True))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PoolLayout:
+        return cls(**d)
+
+    def mismatch(self, other: PoolLayout) -> str | None:
+        """Why a transfer between the two layouts cannot be right (different models or dtypes), or None."""
+        if len(self.kv_ptrs) != len(other.kv_ptrs) or self.kv_bytes_per_token != other.kv_bytes_per_token:
+            return (
+                f"the KV layouts differ ({len(self.kv_ptrs) // 2} layers of {self.kv_bytes_per_token} bytes per "
+                f"token here, {len(other.kv_ptrs) // 2} of {other.kv_bytes_per_token} there)"
+            )
+        if self.state_slot_bytes != other.state_slot_bytes:
+            return "the recurrent-state layouts differ (another model, or another --mamba-ssm-dtype)"
+        return None
+
+
+def token_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs (src start, dst start, length) where both slot lists go up by one together."""
+    assert len(src) == len(dst)
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def transfer_descriptors(
+    src: PoolLayout,
+    dst: PoolLayout,
+    src_tokens: list[int],
+    dst_tokens: list[int],
+    src_slot: int,
+    dst_slot: int,
+) -> list[Descriptor]:
+    """Every copy one request needs: its tokens' K and V in every full-attention layer and its running
+    slot's conv and SSM rows in every linear layer."""
+    out: list[Descriptor] = []
+    per_token = src.kv_bytes_per_token
+    runs = token_runs(src_tokens, dst_tokens)
+    for s_ptr, d_ptr in zip(src.kv_ptrs, dst.kv_ptrs, strict=True):
+        out += [(s_ptr + s * per_token, d_ptr + d * per_token, n * per_token) for s, d, n in runs]
+    for s_ptr, d_ptr, size in zip(src.state_ptrs, dst.state_ptrs, src.state_slot_bytes, strict=True):
+        out.append((s_ptr + src_slot * size, d_ptr + dst_slot * size, size))
+    return out
+
+
+def make_transfer_engine(backend: str, hostname: str, ib_device: str | None, layout: PoolLayout, device: str):
+    if device != "cpu":
+        # The engine installed (mooncake-transfer-engine-non-cuda) moves host memory only.
+        raise ServerArgsError(
+            f"--disaggregation-mode with --device {device}: KV and state transfer from GPU memory is not "
+            "supported yet; run the prefill and decode servers with --device cpu."
+        )
+    if backend == "mooncake":
+        return MooncakeTransferEngine(hostname, ib_device, layout.regions())
+    raise ServerArgsError(
+        f"--disaggregation-transfer-backend {backend}: this server moves KV and state with mooncake only."
+    )
+
+
+class MooncakeTransferEngine:
+    """One Mooncake engine per server: its pools registered once, writes to a peer by session id."""
+
+    def __init__(self, hostname: str, ib_device: str | None, regions: list[tuple[int, int]]):
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise ServerArgsError(
+                "--disaggregation-transfer-backend mooncake needs the Mooncake transfer engine: "
+                "pip install 'sglang[pd]' (mooncake-transfer-engine-non-cuda) and apt-get install "
+                f"libibverbs1 ({e})."
+            ) from None
+        self.engine = TransferEngine()
+        protocol = "rdma" if ib_device else "tcp"
+        rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, ib_device or "")
+        if rc != 0:
+            raise RuntimeError(f"Mooncake did not start on {hostname} over {protocol} (code {rc}).")
+        self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
+        regions = [(p, n) for p, n in regions if n > 0]
+        if regions:
+            rc = self.engine.batch_register_memory([p for p, _ in regions], [n for _, n in regions])
+            if rc != 0:
+                raise RuntimeError(
+                    f"Mooncake could not register the pools ({len(regions)} buffers, code {rc})."
+                )
+        logger.info(
+            "Mooncake transfer engine up: session %s, %d buffers registered.", self.session_id, len(regions)
+        )
+
+    def write(self, session_id: str, descriptors: list[Descriptor]) -> None:
+        for i in range(0, len(descriptors), MAX_DESCRIPTORS_PER_BATCH):
+            batch = descriptors[i : i + MAX_DESCRIPTORS_PER_BATCH]
+            rc = self.engine.batch_transfer_sync_write(
+                session_id, [s for s, _, _ in batch], [d for _, d, _ in batch], [n for _, _, n in batch]
+            )
+            if rc != 0:
+                raise TransferError(
+                    f"Mooncake write of {len(batch)} blocks to {session_id} failed (code {rc})."
+                )

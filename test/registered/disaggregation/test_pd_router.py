@@ -1,0 +1,355 @@
+"""Prefill/decode disaggregation end to end: the real `sglang-router` in PD mode in front of a prefill
+server and a decode server (real processes, loopback, Mooncake's TCP transfer engine), on both presets.
+
+The prefill servers keep a radix cache with an extra-buffer strategy (Qwen3-Next: extra_buffer_lazy,
+page size 16 against 1 on the decode side, so KV moves across page sizes; Nemotron-H: extra_buffer with
+chunked prefill). The single server the answers are compared with is the prefill server itself, asked
+without bootstrap fields (then it serves requests whole). After every test both servers are idle with
+nothing held by requests (and, as everywhere in the suite, the scheduler's full integrity walk runs when
+it goes idle: SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import orjson
+import pytest
+import requests
+import zmq
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.router_process import start_pd, stop_all
+from sglang.test.test_utils import ServerProcess
+
+register_cpu_ci(est_time=170, suite="per-commit-cpu")
+
+# Greedy tokens equal; logprobs within 1e-4: the two paths run the same kernels on the same weights,
+# but the decode side reads its prompt KV from another page layout (summation order in attention may
+# differ by float32 rounding, ~1e-6), far below the 1e-4 the issue sets.
+LOGPROB_TOL = 1e-4
+FAIL_PREFIX = "fail-transfer-"
+# Decode side's waiting timeout, and the prefill side's bootstrap timeout (longer, so that a room only
+# the decode side knows is given up by the decode side first).
+WAITING_TIMEOUT_S = 8
+BOOTSTRAP_TIMEOUT_S = 12
+PRESETS = {
+    "tiny-qwen3-next": (["--page-size", "16"], ["--page-size", "1"]),
+    "tiny-nemotron-h": (["--mamba-scheduler-strategy", "extra_buffer", "--chunked-prefill-size", "128"], []),
+}
+# The decode server asks for fewer mamba slots than its request rows need: it raises the size and logs it.
+DECODE_SIZING = [
+    "--max-running-requests",
+    "8",
+    "--disaggregation-decode-extra-slots",
+    "8",
+    "--max-mamba-cache-size",
+    "4",
+]
+
+
+@pytest.fixture(scope="module", params=list(PRESETS))
+def pd(request, preset_paths):
+    path = preset_paths[request.param]
+    prefill_args, decode_args = PRESETS[request.param]
+    prefill, decode, router, bootstrap_port = start_pd(
+        path,
+        prefill_args,
+        [*DECODE_SIZING, *decode_args],
+        prefill_env={
+            "SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER": FAIL_PREFIX,
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
+        },
+        decode_env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)},
+    )
+    try:
+        yield {"prefill": prefill, "decode": decode, "router": router, "bootstrap_port": bootstrap_port,
+               "model": path}  # fmt: skip
+    finally:
+        stop_all(router, decode, prefill)
+
+
+@pytest.fixture(autouse=True)
+def nothing_held_afterwards(request):
+    yield
+    if "pd" in request.fixturenames:
+        pd = request.getfixturevalue("pd")
+        for name in ("prefill", "decode"):
+            assert_quiescent(pd[name], name)
+
+
+def internal_state(server: ServerProcess) -> dict:
+    return requests.get(server.base_url + "/get_server_info", timeout=10).json()["internal_states"][0]
+
+
+def assert_quiescent(server: ServerProcess, name: str, timeout: float = 15) -> None:
+    """No request runs, waits or holds a KV slot or a mamba slot; the PD queues are empty."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = internal_state(server)
+        queues = {k: v for k, v in (state["disaggregation"] or {}).items() if k in QUEUE_KEYS}
+        held = (
+            state["num_running_reqs"], state["num_waiting_reqs"],
+            state["token_usage"]["held_by_requests"], state["mamba_usage"]["held_by_requests"],
+        )  # fmt: skip
+        if held == (0, 0, 0, 0) and not any(queues.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} server still holds something: {held}, {queues}")
+        time.sleep(0.2)
+
+
+QUEUE_KEYS = (
+    "rooms",
+    "waiting_for_destination",
+    "transferring",
+    "prealloc_queue",
+    "transfer_queue",
+    "ready",
+    "aborted_holding",
+)
+
+
+def post(url: str, body: dict, timeout: float = 60) -> requests.Response:
+    return requests.post(url, json=body, timeout=timeout)
+
+
+def prompts(n: int, base: int = 0) -> list[list[int]]:
+    # Lengths across page, chunk and kernel-chunk boundaries (16, 64, 128): 5 .. 300 tokens.
+    lengths = [5, 16, 17, 63, 64, 65, 129, 300]
+    return [[(7 * i + 3 * j + base) % 500 + 3 for j in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+def generate_body(ids: list[int], max_new_tokens: int = 12, **extra) -> dict:
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        **extra,
+    }
+
+
+def assert_same_generation(got: dict, want: dict) -> None:
+    assert got["output_ids"] == want["output_ids"]
+    g, w = got["meta_info"], want["meta_info"]
+    assert [t for _, t, _ in g["output_token_logprobs"]] == want["output_ids"]
+    for (lg, _, _), (lw, _, _) in zip(g["output_token_logprobs"], w["output_token_logprobs"], strict=True):
+        assert abs(lg - lw) <= LOGPROB_TOL
+    # The router merges the prefill's input logprobs with the decode's (none).
+    gi, wi = g["input_token_logprobs"], w["input_token_logprobs"]
+    assert [t for _, t, _ in gi] == [t for _, t, _ in wi]
+    for (lg, _, _), (lw, _, _) in zip(gi, wi, strict=True):
+        assert (lg is None and lw is None) or abs(lg - lw) <= LOGPROB_TOL
+    assert g["prompt_tokens"] == w["prompt_tokens"] and g["completion_tokens"] == w["completion_tokens"]
+
+
+def test_generate_through_the_router_matches_a_single_server(pd):
+    for ids in prompts(8):
+        want = post(pd["prefill"].base_url + "/generate", generate_body(ids)).json()
+        r = post(pd["router"].base_url + "/generate", generate_body(ids))
+        assert r.status_code == 200, r.text
+        assert_same_generation(r.json(), want)
+    state = internal_state(pd["decode"])["disaggregation"]
+    assert state["transfers"] >= 8 and state["failed_transfers"] == 0 and state["bytes"] > 0
+
+
+def test_a_repeated_prompt_hits_the_prefill_cache_and_still_matches(pd):
+    ids = prompts(1, base=11)[0] + list(range(3, 200))
+    body = generate_body(ids, logprob_start_len=-1)  # input logprobs from 0 would recompute the prompt
+    first = post(pd["router"].base_url + "/generate", body).json()
+    again = post(pd["router"].base_url + "/generate", body).json()
+    assert again["meta_info"]["cached_tokens"] > 0  # the prefill server's radix cache served it
+    assert_same_generation(again, first)
+
+
+def test_openai_chat_and_completions_through_the_router(pd):
+    chat = {"model": pd["model"], "messages": [{"role": "user", "content": "Tell me about hybrid models."}],
+            "max_tokens": 10, "temperature": 0}  # fmt: skip
+    want = post(pd["prefill"].base_url + "/v1/chat/completions", chat).json()
+    got = post(pd["router"].base_url + "/v1/chat/completions", chat).json()
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"] == 10
+
+    comp = {"model": pd["model"], "prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0}
+    want = post(pd["prefill"].base_url + "/v1/completions", comp).json()
+    got = post(pd["router"].base_url + "/v1/completions", comp).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+
+
+def sse_events(resp: requests.Response) -> list:
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def test_streaming_through_the_router(pd):
+    ids = prompts(3)[2]
+    want = post(pd["prefill"].base_url + "/generate", generate_body(ids, 16)).json()
+    body = generate_body(ids, 16, stream=True)
+    with requests.post(pd["router"].base_url + "/generate", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert len(events) > 1  # streamed, not one final message
+    assert events[-1]["output_ids"] == want["output_ids"]
+
+    chat = {"model": pd["model"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12,
+            "temperature": 0, "stream": True}  # fmt: skip
+    text = post(pd["prefill"].base_url + "/v1/chat/completions", {**chat, "stream": False}).json()
+    with requests.post(
+        pd["router"].base_url + "/v1/chat/completions", json=chat, stream=True, timeout=60
+    ) as r:
+        chunks = sse_events(r)
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert streamed == text["choices"][0]["message"]["content"]
+
+
+def test_sixteen_concurrent_requests(pd):
+    all_ids = prompts(16, base=5)
+    want = [post(pd["prefill"].base_url + "/generate", generate_body(ids)).json() for ids in all_ids]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(
+            pool.map(lambda ids: post(pd["router"].base_url + "/generate", generate_body(ids)), all_ids)
+        )
+    for r, w in zip(got, want, strict=True):
+        assert r.status_code == 200, r.text
+        assert_same_generation(r.json(), w)
+
+
+def test_decode_pool_sizing_is_raised_and_logged(pd):
+    # 8 running + 8 pre-allocated rows, one slot each (the decode side runs no_buffer): 16 > 4.
+    log = pd["decode"].log_text()
+    assert "raises --max-mamba-cache-size from 4 to 16: 16 request rows (8 running + 8 pre-allocated)" in log
+    info = requests.get(pd["decode"].base_url + "/get_server_info", timeout=10).json()
+    assert info["max_mamba_cache_size"] == 16
+    assert info["internal_states"][0]["mamba_scheduler_strategy"] == "no_buffer"
+
+
+def test_a_failed_transfer_is_an_error_and_frees_both_sides(pd):
+    body = generate_body(prompts(1)[0], rid=FAIL_PREFIX + "1")
+    r = post(pd["router"].base_url + "/generate", body, timeout=120)
+    assert r.status_code >= 500, r.text
+    assert "transfer" in r.text.lower()
+    assert internal_state(pd["prefill"])["disaggregation"]["failed_transfers"] >= 1
+    assert internal_state(pd["decode"])["disaggregation"]["failed_transfers"] >= 1
+    # The servers go on serving.
+    ok = post(pd["router"].base_url + "/generate", generate_body(prompts(1)[0]))
+    assert ok.status_code == 200
+
+
+def test_decode_gives_up_a_room_whose_prefill_never_comes(pd):
+    """A request only the decode server gets (its prefill half lost): after the waiting timeout the
+    client gets 503, the prefill server drops the destination, and nothing stays held."""
+    body = generate_body(prompts(1)[0], bootstrap_host="127.0.0.1", bootstrap_port=pd["bootstrap_port"],
+                         bootstrap_room=123456789)  # fmt: skip
+    start = time.monotonic()
+    r = post(pd["decode"].base_url + "/generate", body, timeout=WAITING_TIMEOUT_S * 4)
+    assert r.status_code == 503, r.text
+    assert WAITING_TIMEOUT_S - 1 <= time.monotonic() - start < WAITING_TIMEOUT_S * 3
+    assert "transferred nothing" in r.text
+
+
+def test_n_samples_pair_up_by_room(pd):
+    """n > 1: both servers fan the request out the same way, each sample in its own room."""
+    body = generate_body(prompts(2)[1], 6)
+    body["sampling_params"]["n"] = 2
+    want = post(pd["prefill"].base_url + "/generate", body).json()
+    got = post(pd["router"].base_url + "/generate", body)
+    assert got.status_code == 200, got.text
+    got = got.json()
+    assert isinstance(got, list) and len(got) == 2
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+
+
+def half(pd: dict, side: str, room: int, rid: str, **extra) -> requests.Response:
+    """One half of a disaggregated request, posted to one server as the router would."""
+    body = generate_body(prompts(1)[0], 4, rid=rid, bootstrap_host="127.0.0.1",
+                         bootstrap_port=pd["bootstrap_port"], bootstrap_room=room, **extra)  # fmt: skip
+    return post(pd[side].base_url + "/generate", body, timeout=BOOTSTRAP_TIMEOUT_S * 4)
+
+
+def in_background(fn, *args, **kw) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault("r", fn(*args, **kw)))
+    thread.start()
+    return thread, out
+
+
+def test_max_new_tokens_one_and_zero_through_the_router(pd):
+    for n in (1, 0):
+        body = generate_body(prompts(4)[3], n)
+        want = post(pd["prefill"].base_url + "/generate", body).json()
+        got = post(pd["router"].base_url + "/generate", body)
+        assert got.status_code == 200, got.text
+        assert got.json()["output_ids"] == want["output_ids"] and len(want["output_ids"]) == n
+
+
+def test_prefill_gives_up_a_request_whose_decode_half_never_comes(pd):
+    start = time.monotonic()
+    r = half(pd, "prefill", 555001, "lonely-prefill")
+    assert r.status_code == 503, r.text
+    assert "no decode server sent a destination" in r.text
+    assert BOOTSTRAP_TIMEOUT_S - 1 <= time.monotonic() - start < BOOTSTRAP_TIMEOUT_S * 3
+
+
+def test_a_decode_half_aborted_in_transfer_is_freed_and_its_prefill_half_ended(pd):
+    """Aborted while its destination waits at the prefill server: the decode side keeps the slots until
+    the prefill server answers its cancel; the prefill half that comes later ends at once."""
+    thread, out = in_background(half, pd, "decode", 555002, "orphan-decode")
+    deadline = time.monotonic() + 5
+    while internal_state(pd["prefill"])["disaggregation"]["rooms"] == 0:  # the destination arrived
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    requests.post(pd["decode"].base_url + "/abort_request", json={"rid": "orphan-decode"}, timeout=10)
+    thread.join(10)
+    assert out["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert_quiescent(pd["decode"], "decode")  # the prefill server's answer freed the slots
+    start = time.monotonic()
+    late = half(pd, "prefill", 555002, "late-prefill")
+    assert late.status_code == 503 and "gave" in late.text, late.text
+    assert time.monotonic() - start < BOOTSTRAP_TIMEOUT_S / 2  # not its bootstrap timeout
+
+
+def test_a_room_in_use_is_refused_on_the_decode_side(pd):
+    thread, out = in_background(half, pd, "decode", 555003, "first")
+    time.sleep(0.5)
+    dup = half(pd, "decode", 555003, "second")
+    assert dup.status_code == 400 and "already in use" in dup.text, dup.text
+    assert half(pd, "prefill", 555003, "prefill-half").status_code == 200
+    thread.join(20)
+    assert out["r"].status_code == 200 and len(out["r"].json()["output_ids"]) == 4
+
+
+def test_a_batch_needs_one_room_per_prompt(pd):
+    body = {"text": ["a", "b"], "bootstrap_host": "127.0.0.1", "bootstrap_port": pd["bootstrap_port"],
+            "bootstrap_room": 5}  # fmt: skip
+    r = post(pd["decode"].base_url + "/generate", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_room", r.text
+
+
+def test_malformed_messages_to_the_bootstrap_port_are_answered_or_dropped(pd):
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{pd['bootstrap_port']}")
+    try:
+        push.send(b"not json")
+        push.send(orjson.dumps({"no": "type"}))
+        bad = {"type": "dst", "room": "777", "notify": f"tcp://127.0.0.1:{port}", "session": "x",
+               "layout": {"kv_ptrs": "oops"}, "kv": [1, "two"], "slot": 1}  # fmt: skip
+        push.send(orjson.dumps(bad))
+        assert pull.poll(10_000), "no answer to a malformed destination"
+        answer = orjson.loads(pull.recv())
+        assert answer["room"] == "777" and answer["ok"] is False and "malformed" in answer["error"]
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+    assert requests.get(pd["prefill"].base_url + "/health", timeout=5).status_code == 200
+    assert post(pd["router"].base_url + "/generate", generate_body(prompts(1)[0], 2)).status_code == 200

@@ -1,0 +1,73 @@
+"""The decode side's ordering rule, without servers: a reservation's destination goes to the prefill
+server only once every batch launched before the reservation is processed. Under the overlap schedule
+the batch launched after batch N may still write the slots a request finished in N gave back; the
+forward stream orders that write before later forwards, but nothing orders it against a transfer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from sglang.srt.disaggregation.decode import DecodeTransferQueue
+from sglang.srt.disaggregation.transfer import PoolLayout
+from sglang.srt.managers.io_struct import BootstrapInfo
+from sglang.srt.managers.schedule_batch import Req
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=2, suite="per-commit-cpu")
+
+
+class RecordingChannel:
+    def __init__(self):
+        self.sent: list[tuple[str, dict]] = []
+
+    def send(self, url: str, msg: dict) -> bool:
+        self.sent.append((url, msg))
+        return True
+
+
+def make_queue(sched) -> DecodeTransferQueue:
+    q = DecodeTransferQueue.__new__(DecodeTransferQueue)
+    q.sched = sched
+    q.layout = PoolLayout([], [], 0, [], [], [])
+    q.engine = SimpleNamespace(session_id="decode:1")
+    q.channel = RecordingChannel()
+    q.notify_url = "tcp://127.0.0.1:1"
+    q.prealloc, q.reserved, q.ready = [], [], []
+    q.transfers, q.zombies, q.dst_sent = {}, {}, set()
+    q.timeout = 300.0
+    return q
+
+
+def req(room: str) -> Req:
+    r = Req(f"rid-{room}", [5, 6, 7])
+    r.bootstrap = BootstrapInfo("127.0.0.1", 8998, room)
+    r.kv_indices, r.mamba_pool_idx = [10, 11, 12], 3
+    return r
+
+
+def test_a_destination_waits_for_the_batches_launched_before_its_reservation():
+    sched = SimpleNamespace(processed_batch_id=6, num_batches=7)
+    q = make_queue(sched)
+    a = req("a")
+    q.reserved.append((a, sched.num_batches))  # reserved while batch 7 is in flight
+    assert not q._send_destinations()
+    assert q.channel.sent == [] and q.transfers == {}
+    sched.processed_batch_id = 7
+    assert q._send_destinations()
+    [(url, msg)] = q.channel.sent
+    assert url == "tcp://127.0.0.1:8998"
+    assert (msg["type"], msg["room"], msg["kv"], msg["slot"]) == ("dst", "a", [10, 11, 12], 3)
+    assert "a" in q.transfers and "a" in q.dst_sent
+
+
+def test_a_request_refused_before_its_destination_went_out_cancels_its_room():
+    q = make_queue(SimpleNamespace(processed_batch_id=0, num_batches=0))
+    r = req("b")
+    r.finished_reason = {"type": "abort", "message": "refused"}
+    q.on_released(r)
+    assert q.channel.sent == [("tcp://127.0.0.1:8998", {"type": "cancel", "room": "b", "notify": q.notify_url})]
+    # Once the destination went out, the prefill server answers by itself: no cancel.
+    q.channel.sent.clear()
+    q.dst_sent.add("b")
+    q.on_released(r)
+    assert q.channel.sent == []
