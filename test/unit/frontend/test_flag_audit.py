@@ -123,3 +123,13 @@ def test_a_refused_transfer_backend_fails_the_command_line_in_one_sentence():
         "use --disaggregation-transfer-backend mooncake."
     ], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_disaggregation_on_a_gpu_is_refused_in_one_sentence():
+    args = ServerArgs()
+    args.disaggregation_mode, args.device = "decode", "cuda"  # as resolved on a GPU machine
+    with pytest.raises(ServerStartupError) as e:
+        check_flag_support(args)
+    message = str(e.value)
+    assert message.startswith("--disaggregation-mode decode with --device cuda: KV and state transfer")
+    assert message.endswith(".") and ". " not in message

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
 from sglang.srt.disaggregation.channel import Channel, reachable_host, tcp_url
-from sglang.srt.disaggregation.transfer import PoolLayout, make_transfer_engine
+from sglang.srt.disaggregation.transfer import open_transfer_engine
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import alloc_for_extend
 from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
@@ -78,17 +78,9 @@ class DecodeTransferQueue:
     def __init__(self, sched: Scheduler):
         args = sched.server_args
         self.sched = sched
-        self.layout = PoolLayout.of(sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool)
-        host = reachable_host(args.host)
-        self.engine = make_transfer_engine(
-            args.disaggregation_transfer_backend,
-            host,
-            args.disaggregation_ib_device,
-            self.layout,
-            args.device,
-        )
+        self.layout, self.engine = open_transfer_engine(sched)
         self.channel = Channel(args.host, None)
-        self.notify_url = tcp_url(host, self.channel.port)
+        self.notify_url = tcp_url(reachable_host(args.host), self.channel.port)
         self.prealloc: list[Req] = []  # waiting for destinations
         # Reserved, the destination not sent yet: (request, id of the newest batch launched at reservation).
         self.reserved: list[tuple[Req, int]] = []

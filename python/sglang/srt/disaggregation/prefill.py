@@ -20,11 +20,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sglang.srt.disaggregation.channel import Channel, reachable_host
+from sglang.srt.disaggregation.channel import Channel
 from sglang.srt.disaggregation.transfer import (
     PoolLayout,
     TransferError,
-    make_transfer_engine,
+    open_transfer_engine,
     transfer_descriptors,
 )
 from sglang.srt.environ import envs
@@ -48,15 +48,7 @@ class PrefillBootstrapQueue:
     def __init__(self, sched: Scheduler):
         args = sched.server_args
         self.sched = sched
-        self.layout = PoolLayout.of(sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool)
-        host = reachable_host(args.host)
-        self.engine = make_transfer_engine(
-            args.disaggregation_transfer_backend,
-            host,
-            args.disaggregation_ib_device,
-            self.layout,
-            args.device,
-        )
+        self.layout, self.engine = open_transfer_engine(sched)
         self.channel = Channel(args.host, args.disaggregation_bootstrap_port)
         self.rooms: dict[str, _Room] = {}
         # Rooms whose request ended here without a transfer: a destination that comes later is answered

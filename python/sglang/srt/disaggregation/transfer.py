@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
+from sglang.srt.disaggregation.channel import reachable_host
 from sglang.srt.server_args import ServerArgsError
 
 logger = logging.getLogger(__name__)
@@ -116,18 +117,13 @@ def transfer_descriptors(
     return out
 
 
-def make_transfer_engine(backend: str, hostname: str, ib_device: str | None, layout: PoolLayout, device: str):
-    if device != "cpu":
-        # The engine installed (mooncake-transfer-engine-non-cuda) moves host memory only.
-        raise ServerArgsError(
-            f"--disaggregation-mode with --device {device}: KV and state transfer from GPU memory is not "
-            "supported yet; run the prefill and decode servers with --device cpu."
-        )
-    if backend == "mooncake":
-        return MooncakeTransferEngine(hostname, ib_device, layout.regions())
-    raise ServerArgsError(
-        f"--disaggregation-transfer-backend {backend}: this server moves KV and state with mooncake only."
-    )
+def open_transfer_engine(sched) -> tuple[PoolLayout, MooncakeTransferEngine]:
+    """The layout of a scheduler's pools and the transfer engine they are registered with (the flags were
+    checked at startup: `check_flag_support`)."""
+    args = sched.server_args
+    layout = PoolLayout.of(sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool)
+    host = reachable_host(args.host)
+    return layout, MooncakeTransferEngine(host, args.disaggregation_ib_device, layout.regions())
 
 
 class MooncakeTransferEngine:

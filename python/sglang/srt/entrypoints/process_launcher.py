@@ -63,6 +63,12 @@ def check_flag_support(server_args: Any) -> None:
             f"--disaggregation-transfer-backend {backend}: this server moves KV and state with mooncake "
             "only; use --disaggregation-transfer-backend mooncake."
         )
+    if server_args.disaggregation_mode != "null" and server_args.device != "cpu":
+        # The engine installed (mooncake-transfer-engine-non-cuda) moves host memory only.
+        raise ServerStartupError(
+            f"--disaggregation-mode {server_args.disaggregation_mode} with --device {server_args.device}: "
+            "KV and state transfer from GPU memory is not supported yet; use --device cpu."
+        )
     if server_args.skip_tokenizer_init:
         # Upstream's flag serves without any tokenizer; this server tokenizes prompts, matches stop
         # strings and detokenizes outputs itself.
