@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m sglang.launch_server --model-path tiny-qwen3-next --mamba-scheduler-strategy extra_buffer_lazy --host 127.0.0.1 --port 30000
+	$(PY) -m sglang.launch_server --model-path tiny-qwen3-next-demo --mamba-scheduler-strategy extra_buffer_lazy --host 127.0.0.1 --port 30000
 
 test: $(STAMP)
 	$(PY) test/run_suite.py --suite per-commit-cpu

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.test_utils import ServerProcess, find_free_port
+from sglang.test.test_utils import ServerProcess, find_free_port, looks_like_python
 
 register_cpu_ci(est_time=15, suite="per-commit-cpu")
 
@@ -76,13 +76,22 @@ def test_readme_examples_run_as_written(doc: Path):
         curl = subprocess.run(["bash", "-c", fix(ex["curl"])], capture_output=True, text=True, timeout=120)
         assert curl.returncode == 0, curl.stderr
         reply = json.loads(curl.stdout)
-        assert isinstance(reply["choices"][0]["message"]["content"], str), reply
+        choice = reply["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        print(f"curl example's completion: {text!r}")
         assert reply["usage"]["completion_tokens"] >= 1, reply
+        # The default model is the demo, which writes Python; the README shows its (greedy) answer.
+        assert looks_like_python(text), text
+        shown = [c for lang, c in code_blocks(doc.read_text()) if lang == "text"]
+        prompt = json.loads(re.search(r"-d '(.*)'", ex["curl"]).group(1))["prompt"]
+        assert shown and shown[0] == prompt + text + "\n", "the README's shown completion is out of date"
         py = subprocess.run(
             [sys.executable, "-c", fix(ex["openai"])], capture_output=True, text=True, timeout=120
         )
         assert py.returncode == 0, py.stderr
+        print(f"openai example printed: {py.stdout!r}")
         assert "completion_tokens=" in py.stdout, py.stdout
+        assert looks_like_python(py.stdout.split("CompletionUsage")[0]), py.stdout
     finally:
         server.stop()
 

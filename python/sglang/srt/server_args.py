@@ -30,7 +30,7 @@ from sglang.srt.server_args_checks import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "tiny-qwen3-next"
+DEFAULT_MODEL = "tiny-qwen3-next-demo"
 DEFAULT_TRACK_INTERVAL = 256
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048
 # Fields whose value is a secret: never returned, logged or printed (see `public_dict`).
@@ -272,7 +272,8 @@ class ServerArgs:
             "--model-path",
             "--model",
             default=default("model_path"),
-            help="An HF-format checkpoint folder, or a built-in preset: tiny-qwen3-next, tiny-nemotron-h.",
+            help="An HF-format checkpoint folder, or a built-in preset: tiny-qwen3-next-demo (the default: a "
+            "small trained model that writes Python), tiny-qwen3-next, tiny-nemotron-h (random test fixtures).",
         )
         g.add_argument("--tokenizer-path", default=None)
         g.add_argument("--served-model-name", default=None)

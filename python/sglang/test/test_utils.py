@@ -14,6 +14,7 @@ Front-end unit tests that need a scripted scheduler use `sglang.test.fake_schedu
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,21 @@ import requests
 
 STARTUP_TIMEOUT_S = 180.0
 IDLE_TIMEOUT_S = 30.0
+
+
+# Marks of Python source that prose in any language lacks; `looks_like_python` wants several of them.
+PYTHON_MARKS = ("def ", "return", "self", "import ", "None", " = ", "):", "\n    ", '"""', "if ", "()", "==")
+
+
+def looks_like_python(text: str) -> bool:
+    """What the demo model should write (it learned Python from the standard library): printable ASCII,
+    ASCII identifier-or-operator words, and several marks of Python source (not just prose)."""
+    if not text or not all(c.isascii() and (c.isprintable() or c in "\n\t") for c in text):
+        return False
+    words = text.split()
+    shaped = sum(bool(re.fullmatch(r"[\w.()\[\],:=+\-*/'\"<>!%{}#@]+", w, re.ASCII)) for w in words)
+    marks = sum(mark in text for mark in PYTHON_MARKS)
+    return len(words) >= 5 and shaped / len(words) > 0.8 and marks >= 3
 
 
 def find_free_port() -> int:

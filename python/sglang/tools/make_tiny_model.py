@@ -100,7 +100,8 @@ def tiny_config(arch: str):
     )
 
 
-def build_tokenizer():
+def build_tokenizer(texts: list[str] | None = None, vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE trained on `texts` (default: the tiny corpus), ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -108,12 +109,14 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([CORPUS.read_text(encoding="utf-8")], trainer=trainer)
+    if texts is None:
+        texts = [CORPUS.read_text(encoding="utf-8")]
+    tok.train_from_iterator(texts, trainer=trainer)
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, IM_START_ID, IM_END_ID]
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -78,7 +78,7 @@ def test_every_design_flag_parses():
 
 def test_defaults_match_sglang():
     args = prepare_server_args([])
-    assert args.model_path == "tiny-qwen3-next" and args.host == "127.0.0.1" and args.port == 30000
+    assert args.model_path == "tiny-qwen3-next-demo" and args.host == "127.0.0.1" and args.port == 30000
     assert args.page_size == 1 and args.max_prefill_tokens == 16384 and args.mamba_full_memory_ratio == 0.9
     assert args.mamba_track_interval == 256 and args.device == "cpu" and args.dtype == "auto"
     assert args.disaggregation_mode == "null" and not args.enable_metrics

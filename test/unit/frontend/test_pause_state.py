@@ -33,7 +33,7 @@ class ScriptedControl:
 
 @pytest.fixture
 def tm():
-    manager = TokenizerManager(ServerArgs(), PortArgs.init_new(), MODEL_INFO)
+    manager = TokenizerManager(ServerArgs(model_path="tiny-qwen3-next"), PortArgs.init_new(), MODEL_INFO)
     yield manager
     manager.encoder.close()
 

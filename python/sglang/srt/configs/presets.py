@@ -1,8 +1,11 @@
-"""Built-in tiny presets: `tiny-qwen3-next` and `tiny-nemotron-h`.
+"""Built-in tiny presets: `tiny-qwen3-next-demo` (the default model), `tiny-qwen3-next` and
+`tiny-nemotron-h`.
 
-Wherever a model path is accepted, a preset name resolves to a checkpoint folder generated on first use
-into `$SGLANG_CACHE_DIR/presets/` (default `~/.cache/sglang/presets/`). The folder name carries a digest
-of the generator, its corpus and the transformers version, so a change to any of them regenerates it.
+Wherever a model path is accepted, a preset name resolves to a checkpoint folder. The demo model is
+trained (`sglang.tools.train_tiny_model`) and ships with the package. The two random presets are the
+test fixtures: generated on first use into `$SGLANG_CACHE_DIR/presets/` (default
+`~/.cache/sglang/presets/`), in a folder whose name carries a digest of the generator, its corpus and
+the transformers version, so a change to any of them regenerates it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 from sglang.srt.environ import envs
 
 PRESETS = {"tiny-qwen3-next": "qwen3_next", "tiny-nemotron-h": "nemotron_h"}
+# Trained checkpoints that ship with the package (name -> folder).
+SHIPPED = {"tiny-qwen3-next-demo": Path(__file__).parents[2] / "tools" / "data" / "tiny-qwen3-next-demo"}
 PRESET_SEED = 0
 
 
@@ -38,11 +43,14 @@ def _recipe_digest() -> str:
 
 
 def is_preset(model_path: str) -> bool:
-    return model_path in PRESETS
+    return model_path in PRESETS or model_path in SHIPPED
 
 
 def resolve_model_path(model_path: str) -> str:
-    """A preset name becomes its generated folder; anything else is returned unchanged."""
+    """A preset name becomes its folder (shipped, or generated on first use); anything else is returned
+    unchanged."""
+    if model_path in SHIPPED:
+        return str(SHIPPED[model_path])
     if not is_preset(model_path):
         return model_path
     target = cache_dir() / "presets" / f"{model_path}-{_recipe_digest()}"
