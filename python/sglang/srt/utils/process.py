@@ -10,11 +10,14 @@ import torch
 LOG_FORMAT = "[%(asctime)s %(name)s] %(levelname)s %(message)s"
 
 
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_torch_threads() -> int:
     """Torch threads for a compute process on CPU: one core is left to the scheduler and HTTP threads,
     since oversubscribed cores make torch's parallel regions far slower than one thread."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
+    return max(1, available_cores() - 1)
 
 
 def configure_logging(log_level: str, prefix: str = "") -> None:
@@ -25,5 +28,13 @@ def configure_logging(log_level: str, prefix: str = "") -> None:
 def configure_subprocess(server_args, name: str) -> None:
     configure_logging(server_args.log_level, name)
     if server_args.device == "cpu":
-        torch.set_num_threads(default_torch_threads())
+        threads = default_torch_threads()
+        torch.set_num_threads(threads)
+        if name == "scheduler" and available_cores() > 1:  # the process that runs the forward
+            logging.getLogger(__name__).info(
+                "The forward uses %d torch thread(s) of the %d core(s) available (one is left to the scheduler, "
+                "tokenizer and detokenizer).",
+                threads,
+                available_cores(),
+            )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
