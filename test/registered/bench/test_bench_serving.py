@@ -130,18 +130,14 @@ class TestBenchServing(ServerTestCase):
         )  # fmt: skip
         self.assertEqual((r["completed"], r["total_output_tokens"]), (4, 4 * 6))
 
+    def bench_argv(self, num_prompts: int) -> list[str]:
+        """`python -m sglang.bench_serving` against this server."""
+        base = [sys.executable, "-m", "sglang.bench_serving", "--base-url", self.base_url]
+        return [*base, "--num-prompts", str(num_prompts)]
+
     def test_the_summary_has_upstreams_rows(self) -> None:
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "sglang.bench_serving",
-                "--base-url",
-                self.base_url,
-                "--num-prompts",
-                "2",
-                *SMALL,
-            ],
+            [*self.bench_argv(2), *SMALL],
             capture_output=True,
             text=True,
             timeout=120,
@@ -180,16 +176,9 @@ class TestBenchServing(ServerTestCase):
         ]
         for flags, sentence in cases:
             with self.subTest(flags=flags):
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "sglang.bench_serving",
-                    "--base-url",
-                    self.base_url,
-                    "--num-prompts",
-                    "1",
-                ]
-                proc = subprocess.run([*argv, *flags], capture_output=True, text=True, timeout=120)
+                proc = subprocess.run(
+                    [*self.bench_argv(1), *flags], capture_output=True, text=True, timeout=120
+                )
                 self.assertNotEqual(proc.returncode, 0)
                 self.assertIn(sentence, proc.stderr)
                 self.assertNotIn("Traceback", proc.stderr)

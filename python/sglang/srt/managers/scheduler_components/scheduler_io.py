@@ -42,6 +42,7 @@ class SchedulerIOMixin:
         self.detokenizer_outbox: list[Any] = []
         self.tokenizer_outbox: list[Any] = []
         self._sockets = None
+        self._pd_poller = None
         self.request_deadlines = RequestDeadlines(self._request_views, self.abort_with_status)
         self.generation_pause = GenerationPause(self.retract_all)
 
@@ -59,6 +60,12 @@ class SchedulerIOMixin:
         to_detok.connect(port_args.detokenizer_ipc_name)
         to_tok.connect(port_args.tokenizer_ipc_name)
         self._sockets = (recv, to_detok, to_tok)
+        # A PD server's loop also wakes for the other server's messages (built once: the idle loop polls
+        # every IDLE_POLL_MS).
+        if self.disagg is not None:
+            self._pd_poller = zmq.Poller()
+            self._pd_poller.register(recv, zmq.POLLIN)
+            self._pd_poller.register(self.disagg.channel.pull, zmq.POLLIN)
 
     # ---- sending -----------------------------------------------------------------------------------
 
@@ -97,18 +104,14 @@ class SchedulerIOMixin:
         recv = self._sockets[0]
         out = []
         if timeout_ms:
-            if self.disagg is None or self.generation_pause.paused:
+            if self._pd_poller is None or self.generation_pause.paused:
                 # (paused: the PD queues wait too, so their messages must not wake the loop)
                 if not recv.poll(timeout_ms):
                     return out
             else:
-                # Messages from the other server (or a transfer ending) wake the loop too.
-                if self.disagg.transfers_running():
+                if self.disagg.transfers_running():  # a transfer ending on its thread wakes nothing
                     timeout_ms = min(timeout_ms, DISAGG_TRANSFER_POLL_MS)
-                poller = zmq.Poller()
-                poller.register(recv, zmq.POLLIN)
-                poller.register(self.disagg.channel.pull, zmq.POLLIN)
-                if not dict(poller.poll(timeout_ms)).get(recv):
+                if not dict(self._pd_poller.poll(timeout_ms)).get(recv):
                     return out
         while True:
             try:
