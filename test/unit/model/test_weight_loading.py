@@ -74,3 +74,46 @@ def test_expert_weight_of_the_wrong_shape_is_refused():
     assert torch.equal(experts.w13.data[1, 4:], torch.ones(4, 8))
     with pytest.raises(ValueError, match=r"Expert 0 gate_proj has shape \(8,\), expected \(4, 8\)"):
         experts.load_expert_weight(0, "gate", torch.ones(8))  # would broadcast without the check
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_weights_are_allocated_once_in_their_serving_dtype(preset, preset_paths, monkeypatch):
+    """The loader builds on the meta device and allocates each parameter straight in its dtype: no
+    float32 copy of a bfloat16 model, nothing random-initialised, ties and float32 parameters kept,
+    and every value the checkpoint's own."""
+    allocated: list[torch.dtype] = []
+    real_empty = torch.empty
+
+    def counting_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        if not out.is_meta:
+            allocated.append(out.dtype)
+        return out
+
+    from transformers import AutoConfig
+
+    from sglang.srt.models.registry import load_model
+
+    config = AutoConfig.from_pretrained(preset_paths[preset])
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    model = load_model(config, preset_paths[preset], torch.bfloat16, "cpu")
+    monkeypatch.undo()
+    keep = model.fp32_param_suffixes
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        assert p.dtype == (torch.float32 if name.endswith(keep) else torch.bfloat16), name
+        assert p.device.type == "cpu" and not p.requires_grad
+    # One allocation per distinct parameter plus one per buffer: nothing was built twice.
+    assert len(allocated) == len(params) + len(list(model.buffers()))
+    assert allocated.count(torch.float32) == sum(n.endswith(keep) for n in params) + len(
+        list(model.buffers())
+    )
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    tensors = load_file(Path(preset_paths[preset]) / "model.safetensors")
+    for name, p in params.items():
+        ckpt = tensors.get(model.checkpoint_name(name)) if name in tensors else tensors.get(name)
+        if ckpt is not None:
+            assert torch.equal(p, ckpt.to(p.dtype)), name
+    rotary = [m for m in model.modules() if hasattr(m, "inv_freq")]
+    assert all(m.inv_freq.dtype == torch.float32 for m in rotary)

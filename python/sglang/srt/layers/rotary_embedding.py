@@ -15,8 +15,10 @@ class RotaryEmbedding(nn.Module):
         assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Computed on the host in float32 whatever device or dtype the model is built in (the loader
+        # builds on the meta device and copies buffers as they are).
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
+        self.register_buffer("inv_freq", 1.0 / (base**exponents), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

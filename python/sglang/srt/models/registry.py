@@ -29,10 +29,40 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
 
 
 def load_model(hf_config: Any, path: str, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """Build the model for `hf_config` in `dtype` on `device` and load the checkpoint at `path`."""
-    model = get_model_class(hf_config)(hf_config).to(device=device, dtype=dtype)
-    for name, param in model.named_parameters():
-        if name.endswith(getattr(model, "fp32_param_suffixes", ())):
-            param.data = param.data.float()
+    """Build the model for `hf_config` in `dtype` on `device` and load the checkpoint at `path`.
+
+    The model is built on the meta device and each parameter is then allocated once, in its serving
+    dtype on `device`, for the checkpoint to fill: no random initialisation and no float32 copy first
+    (an 80B model in bfloat16 never needs twice its memory on the host)."""
+    with torch.device("meta"):
+        model = get_model_class(hf_config)(hf_config)
+    materialize(model, dtype, torch.device(device))
     model.load_weights(iter_checkpoint(path))
     return model.eval().requires_grad_(False)
+
+
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every meta parameter by an uninitialised one in `dtype` (float32 for the model's
+    `fp32_param_suffixes`) on `device`, keeping tied parameters tied; buffers (computed at construction,
+    on the host) are copied to `device` as they are."""
+    keep_fp32 = getattr(model, "fp32_param_suffixes", ())
+    made: dict[int, nn.Parameter] = {}
+    for prefix, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in made:
+                full = f"{prefix}.{name}" if prefix else name
+                dt = torch.float32 if keep_fp32 and full.endswith(keep_fp32) else dtype
+                made[id(param)] = nn.Parameter(
+                    torch.empty(param.shape, dtype=dt, device=device), requires_grad=False
+                )
+            module._parameters[name] = made[id(param)]
+        for name, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            if buf.is_meta:
+                raise ValueError(
+                    f"Buffer {prefix}.{name} was built on the meta device; build it on the host."
+                )
+            module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device).copy_(buf)
