@@ -173,3 +173,22 @@ def test_pool_sizing_refuses_too_small_pools():
         )
     with pytest.raises(ServerArgsError, match="--mem-fraction-static"):
         compute_pool_sizes(ServerArgs(mem_fraction_static=0.1), ServerArgs().model_config.arch, 10**9, 10**9)
+
+
+def test_cuda_budget_is_measured_after_the_weights(monkeypatch):
+    """On CUDA, --mem-fraction-static is SGLang's: weights + caches <= fraction x total memory. The
+    weights are already resident when the pools are sized, so they are not subtracted a second time."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60 * gib, 80 * gib))  # 20 GiB in use
+    args = ServerArgs(mem_fraction_static=0.9, mamba_full_memory_ratio=1.0)
+    args.device = "cuda"  # after validation, which needs a real GPU for it
+    sized = compute_pool_sizes(args, args.model_config.arch, weight_bytes=16 * gib)
+    rest = 60 * gib - 8 * gib  # free minus the 10% of 80 GiB kept for activations
+    used = (
+        sized.max_mamba_cache_size * sized.mamba_bytes_per_slot
+        + sized.max_total_tokens * sized.kv_bytes_per_token
+    )
+    assert rest - sized.kv_bytes_per_token - sized.mamba_bytes_per_slot < used <= rest
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (7 * gib, 80 * gib))
+    with pytest.raises(ServerArgsError, match="--mem-fraction-static 0.9 leaves no memory"):
+        compute_pool_sizes(args, args.model_config.arch, weight_bytes=16 * gib)

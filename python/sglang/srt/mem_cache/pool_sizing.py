@@ -2,8 +2,11 @@
 
 Slots come from `--max-mamba-cache-size`, else from a memory budget split between state and KV by
 `--mamba-full-memory-ratio` r (state : KV = r : 1). Tokens come from `--max-total-tokens`, else from the
-rest of the budget. The budget is `--mem-fraction-static` of the device memory minus the weights (on
-CPU the default fraction is 2% of RAM: the tiny presets need little, and tests start many engines).
+rest of the budget. The budget (`cache_budget_bytes`) follows SGLang's meaning of `--mem-fraction-static`:
+the fraction of the device's memory that weights and caches may hold together. On CUDA it is measured
+after the weights are loaded: free memory minus the (1 - fraction) of the total that stays free for
+activations. On CPU it is the fraction of RAM minus the weights (default 2%: the tiny presets need
+little, and tests start many engines).
 """
 
 from __future__ import annotations
@@ -38,11 +41,19 @@ class PoolSizes:
         return self.max_running_requests
 
 
-def device_memory_bytes(device: str) -> int:
+def cache_budget_bytes(
+    device: str, fraction: float | None, weight_bytes: int, device_memory: int | None = None
+) -> tuple[int, float]:
+    """Bytes the KV and state pools may take, and the fraction used (module docstring). `device_memory`
+    overrides the host RAM size on CPU (tests)."""
     if device == "cuda":
-        free, _total = torch.cuda.mem_get_info()
-        return free
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        fraction = fraction or GPU_DEFAULT_MEM_FRACTION
+        free, total = torch.cuda.mem_get_info()  # the weights are already resident
+        return int(free - total * (1 - fraction)), fraction
+    fraction = fraction or CPU_DEFAULT_MEM_FRACTION
+    if device_memory is None:
+        device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(device_memory * fraction) - weight_bytes, fraction
 
 
 def compute_pool_sizes(
@@ -55,13 +66,9 @@ def compute_pool_sizes(
     slots, tokens = server_args.max_mamba_cache_size, server_args.max_total_tokens
 
     if slots is None or tokens is None:
-        if device_memory is None:
-            device_memory = device_memory_bytes(server_args.device)
-        default_fraction = (
-            CPU_DEFAULT_MEM_FRACTION if server_args.device == "cpu" else GPU_DEFAULT_MEM_FRACTION
+        rest, fraction = cache_budget_bytes(
+            server_args.device, server_args.mem_fraction_static, weight_bytes, device_memory
         )
-        fraction = server_args.mem_fraction_static or default_fraction
-        rest = int(device_memory * fraction) - weight_bytes
         if rest <= 0:
             raise ServerArgsError(
                 f"--mem-fraction-static {fraction} leaves no memory for the caches after the weights "
