@@ -76,10 +76,6 @@ class RunnerDriver:
         self.page_size = runner.server_args.page_size
         self.kv_allocator = PagedTokenAllocator(runner.pool_sizes.max_total_tokens, self.page_size)
 
-    @property
-    def device(self) -> str:
-        return self.runner.device
-
     def new_request(
         self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1, seed: int | None = None
     ) -> DriverRequest:
@@ -105,7 +101,6 @@ class RunnerDriver:
             [r.top_p for r in reqs],
             [r.top_k for r in reqs],
             [r.seed for r in reqs],
-            device=self.device,
         )
 
     def _alloc_kv(self, req: DriverRequest, n: int) -> list[int]:
@@ -161,7 +156,6 @@ class RunnerDriver:
             top_logprobs_nums=[top_logprobs_num] * len(items),
             extend_logprob_start_lens=[it.logprob_start for it in items],
             extend_logprob_next_ids=[it.next_token for it in items],
-            device=self.device,
         )
         result = self.runner.forward_batch_generation(fb)
         for i, (it, slots) in enumerate(zip(items, new_slots, strict=True)):
@@ -180,6 +174,21 @@ class RunnerDriver:
     ) -> GenerationBatchResult:
         """One token per request: `input_ids`, or each request's last sampled token. `track` maps a
         request to the slot that receives its state after this step."""
+        fb = self.decode_batch(reqs, input_ids, track, return_logprob, top_logprobs_num)
+        result = self.runner.forward_batch_generation(fb)
+        for i, req in enumerate(reqs):
+            req.next_token = int(result.next_token_ids[i])
+        return result
+
+    def decode_batch(
+        self,
+        reqs: Sequence[DriverRequest],
+        input_ids: Sequence[int] | None = None,
+        track: dict[DriverRequest, int] | None = None,
+        return_logprob: bool = True,
+        top_logprobs_num: int = 0,
+    ) -> ForwardBatch:
+        """`decode`'s batch, not run (its KV slots are allocated and booked to the requests)."""
         tokens = list(input_ids) if input_ids is not None else [r.next_token for r in reqs]
         assert all(t is not None for t in tokens), "a request has no sampled token to feed"
         new_slots = [self._alloc_kv(r, 1)[0] for r in reqs]
@@ -198,14 +207,11 @@ class RunnerDriver:
             sampling_info=self._sampling(reqs),
             return_logprob_mask=[return_logprob] * len(reqs),
             top_logprobs_nums=[top_logprobs_num] * len(reqs),
-            device=self.device,
         )
-        result = self.runner.forward_batch_generation(fb)
-        for i, (req, tok, slot) in enumerate(zip(reqs, tokens, new_slots, strict=True)):
+        for req, tok, slot in zip(reqs, tokens, new_slots, strict=True):
             req.token_ids = req.token_ids + [tok]
             req.kv_slots = req.kv_slots + [slot]
-            req.next_token = int(result.next_token_ids[i])
-        return result
+        return fb
 
 
 def _track_slot(item: Extend) -> int:

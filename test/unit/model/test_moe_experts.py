@@ -86,3 +86,32 @@ def test_skewed_routing_takes_the_per_expert_path(monkeypatch):
     monkeypatch.setattr(RoutedExperts, "_batched", lambda *a: pytest.fail("batched path taken"))
     with torch.no_grad():
         torch.testing.assert_close(m(x, weights, ids), _reference(m, x, weights, ids), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_device_path_matches_the_reference_without_reading_counts(gated, tokens, monkeypatch):
+    """`forward_device` (what GPUs run) never reads a device value on the host: `.tolist()` / `.item()`
+    are made to fail. float32 takes the padded form; bfloat16 with 16-byte rows the grouped GEMMs."""
+    m = _experts(gated)
+    x, weights, ids = _routing(tokens, seed=tokens)
+    ref = _reference(m, x, weights, ids)
+
+    def no_host_read(*a, **k):
+        raise AssertionError("the device path read a tensor on the host")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_host_read)
+    monkeypatch.setattr(torch.Tensor, "item", no_host_read)
+    with torch.no_grad():
+        assert not m.grouped_mm_applies(x)
+        fp32 = m.forward_device(x, weights, ids)
+        mb = m.to(torch.bfloat16)
+        xb = x.bfloat16()
+        assert mb.grouped_mm_applies(xb)
+        bf16 = mb.forward_device(xb, weights, ids)
+    monkeypatch.undo()
+    torch.testing.assert_close(fp32, ref, rtol=TOL, atol=TOL)
+    # bfloat16 weights and inputs: ~3 significant digits; outputs are O(1), so 3e-2 absolute is
+    # rounding, while a wrong expert, weight or row moves them by O(1).
+    ref_b = _reference(mb.float(), xb.float(), weights, ids)
+    torch.testing.assert_close(bf16.float(), ref_b, rtol=3e-2, atol=3e-2)

@@ -33,7 +33,7 @@ def _frequencies(seed: int, **params) -> torch.Tensor:
         [seed] * DRAWS,
         [params.get("min_p", 0.0)] * DRAWS,
     )
-    ids = Sampler(random_seed=0)(logits, info, positions=list(range(DRAWS))).next_token_ids
+    ids = Sampler(random_seed=0)(logits, info, positions=torch.arange(DRAWS)).next_token_ids
     return torch.bincount(ids, minlength=4).float() / DRAWS
 
 
@@ -63,7 +63,7 @@ def test_greedy_rows_and_scaled_logprobs():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0]])
     info = SamplingBatchInfo.create([0.0, 0.5], seeds=[None, 7])
     out = Sampler(random_seed=0)(
-        logits, info, positions=[3, 9], return_logprob=True, top_logprobs_nums=[2, 0]
+        logits, info, positions=torch.tensor([3, 9]), return_logprob=True, top_logprobs_nums=[2, 0]
     )
     assert out.next_token_ids[0] == 0
     token = int(out.next_token_ids[1])

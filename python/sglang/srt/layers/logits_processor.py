@@ -76,16 +76,23 @@ class LogitsProcessor:
         if not sum(counts):
             return out
         lp = scaled_log_softmax(logits[bs:], torch.cat(temps))
-        values = lp.gather(1, torch.cat(targets)[:, None])[:, 0]
+        # One copy to the host for all requests (and one per kind of top logprobs), then sliced.
+        values = lp.gather(1, torch.cat(targets)[:, None])[:, 0].tolist()
         top_n = fb.top_logprobs_nums
-        if any(n > 0 and c > 0 for n, c in zip(top_n, counts, strict=True)):
+        most = max((n for n, c in zip(top_n, counts, strict=True) if c > 0), default=0)
+        if most > 0:
             out.input_top_logprobs = [[] for _ in range(bs)]
+            top_v, top_i = (t.tolist() for t in lp.topk(most, dim=-1))
         offset = 0
         for i, count in enumerate(counts):
-            rows_i = slice(offset, offset + count)
-            out.input_token_logprobs[i] = values[rows_i].tolist()
-            if out.input_top_logprobs is not None and top_n[i] > 0 and count:
-                top_v, top_i = lp[rows_i].topk(top_n[i], dim=-1)
-                out.input_top_logprobs[i] = list(zip(top_v.tolist(), top_i.tolist(), strict=True))
+            out.input_token_logprobs[i] = values[offset : offset + count]
+            if most > 0 and top_n[i] > 0 and count:
+                n = top_n[i]  # topk is sorted, so the first n of the top `most` are the top n
+                out.input_top_logprobs[i] = [
+                    (v[:n], ids[:n])
+                    for v, ids in zip(
+                        top_v[offset : offset + count], top_i[offset : offset + count], strict=True
+                    )
+                ]
             offset += count
         return out

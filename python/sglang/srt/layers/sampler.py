@@ -34,13 +34,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def seeded_uniforms(seeds: list[int], positions: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(seeds), vocab] uniforms in (0, 1): hash(seed, position, vocab id)."""
-    lo = torch.tensor([s & _M32 for s in seeds], dtype=torch.int64, device=device)
-    hi = torch.tensor([(s >> 32) & _M32 for s in seeds], dtype=torch.int64, device=device)
-    pos = torch.tensor([p & _M32 for p in positions], dtype=torch.int64, device=device)
+def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[len(seeds), vocab] uniforms in (0, 1): hash(seed, position, vocab id). `seeds` holds the low 64
+    bits of each seed as int64; both tensors are on the logits' device."""
+    lo, hi, pos = seeds & _M32, (seeds >> 32) & _M32, positions.to(torch.int64) & _M32
     key = _mix32(_mix32(_mix32((lo + _GOLDEN) & _M32) ^ hi) ^ pos)
-    bits = _mix32(key[:, None] ^ _vocab_hash(vocab, device)[None, :])
+    bits = _mix32(key[:, None] ^ _vocab_hash(vocab, seeds.device)[None, :])
     return ((bits >> 8).float() + 0.5) / float(1 << 24)
 
 
@@ -78,44 +77,58 @@ def truncated_probs(
 
 @dataclass
 class SampleOutput:
-    next_token_ids: torch.Tensor  # [bs] int64, CPU
-    next_token_logprobs: torch.Tensor | None = None  # [bs] float32, CPU
+    next_token_ids: torch.Tensor  # [bs] int64, on the logits' device
+    next_token_logprobs: torch.Tensor | None = None  # [bs] float32, on the logits' device
     next_token_top_logprobs: list[TopLogprobs | None] | None = None
 
 
 class Sampler:
     def __init__(self, random_seed: int):
-        self._generator = torch.Generator().manual_seed(random_seed)
+        self.random_seed = random_seed
+        self._generators: dict[torch.device, torch.Generator | None] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator of fresh seeds on `device` (seeded by --random-seed); the `meta` device of the
+        device audit has none and uses torch's default one."""
+        if device not in self._generators:
+            self._generators[device] = (
+                None
+                if device.type == "meta"
+                else torch.Generator(device=device).manual_seed(self.random_seed)
+            )
+        return self._generators[device]
 
     def __call__(
         self,
         logits: torch.Tensor,
         info: SamplingBatchInfo,
-        positions: list[int],
+        positions: torch.Tensor,
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
     ) -> SampleOutput:
-        """logits [bs, vocab] float32; positions[i] is the sequence index of request i's new token."""
+        """logits [bs, vocab] float32; positions[i] (on the logits' device) is the sequence index of
+        request i's new token. Nothing here reads the device on the host, top logprobs aside."""
         ids = logits.argmax(dim=-1)
         if not info.is_all_greedy:
             # Every row is sampled and greedy rows (T <= 0) then take the argmax, so no host decision
             # needs the device temperatures.
-            seeds = [
-                s if s is not None else int(torch.randint(0, 2**62, (1,), generator=self._generator))
-                for s in info.seeds
-            ]
+            device = logits.device
+            fresh = torch.randint(
+                0, 2**62, info.has_seed.shape, generator=self._generator(device), device=device
+            )
+            seeds = torch.where(info.has_seed, info.seed_bits, fresh)
             temps = torch.where(info.temperatures > 0, info.temperatures, 1.0)
             if info.needs_truncation:
                 probs = truncated_probs(logits, temps, info.top_ps, info.top_ks, info.min_ps)
             else:
                 probs = torch.softmax(logits / temps[:, None], dim=-1)
-            u = seeded_uniforms(seeds, positions, logits.shape[1], logits.device)
+            u = seeded_uniforms(seeds, positions, logits.shape[1])
             sampled = (probs.log() - (-u.log()).log()).argmax(dim=-1)
             ids = torch.where(info.temperatures > 0, sampled, ids)
-        out = SampleOutput(next_token_ids=ids.cpu())
+        out = SampleOutput(next_token_ids=ids)
         if return_logprob:
             lp = scaled_log_softmax(logits, info.temperatures)
-            out.next_token_logprobs = lp.gather(1, ids[:, None])[:, 0].cpu()
+            out.next_token_logprobs = lp.gather(1, ids[:, None])[:, 0]
             nums = top_logprobs_nums or []
             if any(n > 0 for n in nums):
                 out.next_token_top_logprobs = [

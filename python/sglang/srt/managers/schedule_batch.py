@@ -211,7 +211,6 @@ class ScheduleBatch:
         tracker: SnapshotTracker,
         tree_cache: BasePrefixCache,
         future_slots: FutureSlots,
-        device: str,
     ) -> None:
         """`spans[i] = (prefix_len, end)`: request i computes positions [prefix_len, end) of its
         `fill_ids`; their KV slots were allocated at admission and sit in `kv_indices`."""
@@ -251,12 +250,11 @@ class ScheduleBatch:
             mamba_cow_src_indices=cow_src or None,
             mamba_cow_dst_indices=cow_dst or None,
             mamba_clear_indices=clear or None,
-            sampling_info=self._sampling_info(device),
+            sampling_info=self._sampling_info(),
             return_logprob_mask=lp_mask,
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
             extend_logprob_start_lens=lp_start,
             extend_logprob_next_ids=lp_next,
-            device=device,
         )
 
     @staticmethod
@@ -288,7 +286,7 @@ class ScheduleBatch:
     # ---- decode ------------------------------------------------------------------------------------
 
     def prepare_for_decode(
-        self, tracker: SnapshotTracker, tree_cache: BasePrefixCache, future_slots: FutureSlots, device: str
+        self, tracker: SnapshotTracker, tree_cache: BasePrefixCache, future_slots: FutureSlots
     ) -> None:
         """One token per request at position kv_len; its KV slot was allocated by the scheduler."""
         input_ids, positions_end, out_loc, writes = [], [], [], []
@@ -312,10 +310,9 @@ class ScheduleBatch:
             mamba_pool_indices=[r.mamba_pool_idx for r in self.reqs],
             req_to_token_writes=writes,
             **track,
-            sampling_info=self._sampling_info(device),
+            sampling_info=self._sampling_info(),
             return_logprob_mask=[r.return_logprob for r in self.reqs],
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
-            device=device,
         )
         self.state_copies = tree_cache.take_pending_state_copies()
 
@@ -365,7 +362,7 @@ class ScheduleBatch:
                 req.last_token_ref = -(slot + 1)
                 req.inflight_tokens += 1
 
-    def _sampling_info(self, device) -> SamplingBatchInfo:
+    def _sampling_info(self) -> SamplingBatchInfo:
         params = [r.sampling_params for r in self.reqs]
         return SamplingBatchInfo.create(
             [sp.temperature if sp.top_k != 1 else 0.0 for sp in params],
@@ -373,5 +370,4 @@ class ScheduleBatch:
             [sp.top_k for sp in params],
             [sp.sampling_seed for sp in params],
             min_ps=[sp.min_p for sp in params],
-            device=device,
         )

@@ -47,7 +47,6 @@ class Scheduler(SchedulerIOMixin):
         from sglang.srt.model_executor.model_runner import ModelRunner
 
         self.server_args = server_args
-        self.device = server_args.device
         self.model_runner = model_runner or ModelRunner(server_args)
         sizes = self.model_runner.pool_sizes
         self.pool_sizes = sizes
@@ -136,7 +135,7 @@ class Scheduler(SchedulerIOMixin):
                 self.running.append(req)
         batch = ScheduleBatch(adder.reqs, ForwardMode.EXTEND, self._next_batch_id())
         spans = [(p, end) for _, p, end in adder.spans]
-        batch.prepare_for_extend(spans, self.tracker, self.tree_cache, self.future_slots, self.device)
+        batch.prepare_for_extend(spans, self.tracker, self.tree_cache, self.future_slots)
         if self.cow_on_scheduler_thread:
             self._run_state_ops_here(batch)
         self._cache_prefill_snapshots(adder.spans)
@@ -209,7 +208,7 @@ class Scheduler(SchedulerIOMixin):
         if not reqs:
             return None
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
-        batch.prepare_for_decode(self.tracker, self.tree_cache, self.future_slots, self.device)
+        batch.prepare_for_decode(self.tracker, self.tree_cache, self.future_slots)
         return batch
 
     def _can_decode(self, req: Req) -> bool:
@@ -277,7 +276,7 @@ class Scheduler(SchedulerIOMixin):
     def process_oldest(self) -> None:
         batch, fut = self.in_flight.popleft()
         try:
-            result = fut.result(timeout=self.watchdog_timeout)
+            result = fut.result(timeout=self.watchdog_timeout).wait()
         except FutureTimeoutError:
             raise SchedulerWatchdogError(
                 f"The forward of batch {batch.batch_id} ({batch.forward_mode.name.lower()}, "

@@ -1,8 +1,9 @@
 """`ForwardBatch`: everything one forward of the model reads, built by the scheduler (or a test driver).
 
 Host/device split: every index the backends decide on is also given as a host list (`*_cpu`), so no
-backend syncs on a device tensor to decide anything. Tensors live on the model's device and are built
-once per batch (`ForwardBatch.create` does the plumbing from host lists).
+backend syncs on a device tensor to decide anything. `ForwardBatch.create` builds the tensors once per
+batch on the host, from host lists; the forward stream then moves them all to the model's device with
+one transfer (`ForwardBatch.to_device`: one packed, pinned, non-blocking copy on CUDA; nothing on CPU).
 
 Sequence bookkeeping of request i (extend): positions [prefix, prefix + extend_len) are new; their KV
 slots are `out_cache_loc[extend_start_loc[i] : ...]`, and `seq_lens[i] = prefix + extend_len`. The
@@ -55,6 +56,10 @@ class SamplingBatchInfo:
     seeds: list[int | None]
     is_all_greedy: bool
     min_ps: torch.Tensor | None = None  # [bs] float32; None: no min-p cut
+    # `seeds` as tensors for the sampler on the device: the low 64 bits of each seed as int64 (two's
+    # complement), and whether the request has one.
+    seed_bits: torch.Tensor | None = None  # [bs] int64
+    has_seed: torch.Tensor | None = None  # [bs] bool
     # Decided on the host: some row cuts its distribution (top-k, top-p or min-p), so the sampler
     # must sort the vocabulary.
     needs_truncation: bool = False
@@ -67,7 +72,6 @@ class SamplingBatchInfo:
         top_ks: Sequence[int] | None = None,
         seeds: Sequence[int | None] | None = None,
         min_ps: Sequence[float] | None = None,
-        device: str | torch.device = "cpu",
     ) -> SamplingBatchInfo:
         bs = len(temperatures)
         top_ps = list(top_ps) if top_ps is not None else [1.0] * bs
@@ -75,39 +79,78 @@ class SamplingBatchInfo:
         seeds = list(seeds) if seeds is not None else [None] * bs
         assert len(top_ps) == len(top_ks) == len(seeds) == bs
         return cls(
-            temperatures=torch.tensor(list(temperatures), dtype=torch.float32, device=device),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            temperatures=torch.tensor(list(temperatures), dtype=torch.float32),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64),
             seeds=seeds,
             is_all_greedy=all(t <= 0 for t in temperatures),
             needs_truncation=any(k > 0 for k in top_ks)
             or any(p < 1 for p in top_ps)
             or bool(min_ps and any(min_ps)),
-            min_ps=torch.tensor(list(min_ps), dtype=torch.float32, device=device)
-            if min_ps and any(min_ps)
-            else None,
+            min_ps=torch.tensor(list(min_ps), dtype=torch.float32) if min_ps and any(min_ps) else None,
+            seed_bits=torch.tensor([_int64_bits(s or 0) for s in seeds], dtype=torch.int64),
+            has_seed=torch.tensor([s is not None for s in seeds], dtype=torch.bool),
         )
 
     @classmethod
-    def greedy(cls, bs: int, device: str | torch.device = "cpu") -> SamplingBatchInfo:
-        return cls.create([0.0] * bs, device=device)
+    def greedy(cls, bs: int) -> SamplingBatchInfo:
+        return cls.create([0.0] * bs)
+
+    TENSOR_FIELDS = ("temperatures", "top_ps", "top_ks", "min_ps", "seed_bits", "has_seed")
 
 
-def _long(values: Sequence[int], device: str | torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device=device)
+def _int64_bits(value: int) -> int:
+    """The low 64 bits of a non-negative int, as the int64 with the same bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _opt_long(values: Sequence[int] | None, device: str | torch.device) -> torch.Tensor | None:
-    return None if values is None else _long(values, device)
+def _long(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
 
 
-def _pair(
-    values: Sequence[int] | None, device: str | torch.device
-) -> tuple[torch.Tensor | None, list[int] | None]:
-    """An optional host list and its device tensor."""
+def _opt_long(values: Sequence[int] | None) -> torch.Tensor | None:
+    return None if values is None else _long(values)
+
+
+def _pair(values: Sequence[int] | None) -> tuple[torch.Tensor | None, list[int] | None]:
+    """An optional host list and its tensor."""
     if values is None:
         return None, None
-    return _long(values, device), list(values)
+    return _long(values), list(values)
+
+
+_ALIGN = 16  # bytes: every tensor of a packed transfer starts at a multiple (any dtype's alignment)
+
+
+def move_to_device(tensors: Sequence[torch.Tensor | None], device: torch.device) -> list[torch.Tensor | None]:
+    """Host tensors on `device` with ONE host-to-device copy: their bytes are packed into one host
+    buffer (pinned when CUDA is there, so the copy is non-blocking and the host goes on), copied, and
+    each comes back as a view of the device buffer, with its dtype and shape. None stays None. On the
+    host device they are returned as they are. Run it on the stream that will read the tensors."""
+    if device.type == "cpu":
+        return list(tensors)
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        if t is not None:
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
+    for t, off in zip(tensors, offsets, strict=True):
+        if t is not None and t.numel():
+            raw = t.contiguous().reshape(-1).view(torch.uint8)
+            host[off : off + raw.numel()].copy_(raw)
+    dev = torch.empty(host.shape, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=pin)
+    out: list[torch.Tensor | None] = []
+    for t, off in zip(tensors, offsets, strict=True):
+        if t is None:
+            out.append(None)
+            continue
+        nbytes = t.numel() * t.element_size()
+        out.append(dev[off : off + nbytes].view(t.dtype).view(t.shape))
+    return out
 
 
 @dataclass
@@ -157,6 +200,10 @@ class ForwardBatch:
     extend_logprob_start_lens_cpu: list[int] = field(default_factory=list)
     extend_logprob_next_ids_cpu: list[int | None] | None = None
 
+    # Overlap: the future slot each request's sampled token goes to (set by the forward worker, moved
+    # with the batch).
+    future_slots: torch.Tensor | None = None
+
     # Set by the model runner.
     attn_backend: Any = None
 
@@ -172,6 +219,33 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    TENSOR_FIELDS = (
+        "input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc", "mamba_pool_indices",
+        "extend_seq_lens", "mamba_track_indices", "mamba_track_mask", "mamba_track_seqlens",
+        "mamba_cow_src_indices", "mamba_cow_dst_indices", "mamba_clear_indices", "future_slots",
+    )  # fmt: skip
+
+    def to_device(self, device: str | torch.device) -> None:
+        """Move every tensor of the batch (its sampling parameters and prefix rewrites too) to `device`
+        in one transfer (`move_to_device`); a batch already there is left alone. The model runner calls
+        it on the forward stream, before anything reads the batch."""
+        device = torch.device(device)
+        if device.type == "cpu" or self.input_ids.device.type == device.type:
+            return
+        info = self.sampling_info
+        owners = [(self, name) for name in self.TENSOR_FIELDS]
+        owners += [(info, name) for name in SamplingBatchInfo.TENSOR_FIELDS]
+        tensors = [getattr(obj, name) for obj, name in owners]
+        tensors += [slots for _, _, slots in self.req_to_token_writes]
+        moved = move_to_device(tensors, device)
+        for (obj, name), t in zip(owners, moved[: len(owners)], strict=True):
+            setattr(obj, name, t)
+        writes = moved[len(owners) :]
+        self.req_to_token_writes = [
+            (row, start, slots)
+            for (row, start, _), slots in zip(self.req_to_token_writes, writes, strict=True)
+        ]
 
     @classmethod
     def create(
@@ -197,10 +271,10 @@ class ForwardBatch:
         top_logprobs_nums: Sequence[int] | None = None,
         extend_logprob_start_lens: Sequence[int] | None = None,
         extend_logprob_next_ids: Sequence[int | None] | None = None,
-        device: str | torch.device = "cpu",
     ) -> ForwardBatch:
-        """Build a batch from host lists. For an extend, `extend_prefix_lens` is required and the
-        extend lengths are `seq_lens - prefix`; for a decode every request has one input token."""
+        """Build a batch from host lists, its tensors on the host (`to_device` moves them). For an
+        extend, `extend_prefix_lens` is required and the extend lengths are `seq_lens - prefix`; for a
+        decode every request has one input token."""
         bs = len(req_pool_indices)
         seq_lens = list(seq_lens)
         assert len(seq_lens) == len(mamba_pool_indices) == bs
@@ -218,39 +292,39 @@ class ForwardBatch:
         assert len(input_ids) == len(out_cache_loc) == positions.numel()
         mask = list(return_logprob_mask) if return_logprob_mask is not None else [False] * bs
         track_mask = None if mamba_track_mask is None else [bool(m) for m in mamba_track_mask]
-        track_idx, track_idx_cpu = _pair(mamba_track_indices, device)
-        track_len, track_len_cpu = _pair(mamba_track_seqlens, device)
+        track_idx, track_idx_cpu = _pair(mamba_track_indices)
+        track_len, track_len_cpu = _pair(mamba_track_seqlens)
         starts = list(itertools.accumulate(ext, initial=0))[:-1]
         batch = cls(
             forward_mode=forward_mode,
             batch_size=bs,
-            input_ids=_long(input_ids, device),
-            positions=positions.to(device),
-            req_pool_indices=_long(req_pool_indices, device),
+            input_ids=_long(input_ids),
+            positions=positions,
+            req_pool_indices=_long(req_pool_indices),
             req_pool_indices_cpu=list(req_pool_indices),
-            seq_lens=_long(seq_lens, device),
+            seq_lens=_long(seq_lens),
             seq_lens_cpu=seq_lens,
-            out_cache_loc=_long(out_cache_loc, device),
-            mamba_pool_indices=_long(mamba_pool_indices, device),
+            out_cache_loc=_long(out_cache_loc),
+            mamba_pool_indices=_long(mamba_pool_indices),
             mamba_pool_indices_cpu=list(mamba_pool_indices),
-            sampling_info=sampling_info or SamplingBatchInfo.greedy(bs, device),
+            sampling_info=sampling_info or SamplingBatchInfo.greedy(bs),
             extend_prefix_lens_cpu=prefix,
             extend_seq_lens_cpu=ext,
             extend_start_loc_cpu=starts,
             req_to_token_writes=[
-                (row, start, torch.as_tensor(slots, dtype=torch.int64).to(device))
+                (row, start, torch.as_tensor(slots, dtype=torch.int64))
                 for row, start, slots in req_to_token_writes
             ],
             mamba_track_indices=track_idx,
             mamba_track_indices_cpu=track_idx_cpu,
-            mamba_track_mask=None if track_mask is None else torch.tensor(track_mask, device=device),
+            mamba_track_mask=None if track_mask is None else torch.tensor(track_mask),
             mamba_track_mask_cpu=track_mask,
             mamba_track_seqlens=track_len,
             mamba_track_seqlens_cpu=track_len_cpu,
             mamba_extra_tracks=list(mamba_extra_tracks),
-            mamba_cow_src_indices=_opt_long(mamba_cow_src_indices, device),
-            mamba_cow_dst_indices=_opt_long(mamba_cow_dst_indices, device),
-            mamba_clear_indices=_opt_long(mamba_clear_indices, device),
+            mamba_cow_src_indices=_opt_long(mamba_cow_src_indices),
+            mamba_cow_dst_indices=_opt_long(mamba_cow_dst_indices),
+            mamba_clear_indices=_opt_long(mamba_clear_indices),
             return_logprob=any(mask),
             return_logprob_mask=mask,
             top_logprobs_nums=list(top_logprobs_nums or []),
@@ -260,11 +334,11 @@ class ForwardBatch:
             else list(extend_logprob_next_ids),
         )
         if extend:
-            batch.extend_seq_lens = _long(ext, device)
+            batch.extend_seq_lens = _long(ext)
         return batch
 
     @classmethod
-    def idle(cls, device: str | torch.device = "cpu") -> ForwardBatch:
+    def idle(cls) -> ForwardBatch:
         return cls.create(
             ForwardMode.IDLE,
             input_ids=[],
@@ -272,5 +346,4 @@ class ForwardBatch:
             seq_lens=[],
             out_cache_loc=[],
             mamba_pool_indices=[],
-            device=device,
         )

@@ -7,6 +7,13 @@ reuses it is a later task on the same stream.
 Overlap: batch N+1 is launched before N's sampled tokens reach the scheduler, so N+1 names them by
 placeholders: input id -(k + 1) means "the token sampled into future slot k". The worker resolves
 placeholders against `future_tokens` right before the forward; the batch that samples them ran first.
+`future_tokens` lives on the model's device and is written and read there, so a placeholder never
+makes the stream wait for the host.
+
+Results: the sampled ids and their logprobs are the only device-to-host copy of a step. On CUDA the
+worker starts it (non-blocking, into pinned memory) and records an event; `PendingResult.wait`, called
+by the scheduler when it processes the batch, waits for that event alone, so the worker thread goes on
+launching the next batch meanwhile.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +50,46 @@ class HostBatchResult:
 
 
 @dataclass
+class PendingResult:
+    """A batch's results on their way to the host (see the module docstring)."""
+
+    # [1 or 2, bs] float64 on the host (pinned on CUDA): the sampled ids, then their logprobs if any.
+    packed: torch.Tensor
+    has_logprobs: bool
+    next_token_top_logprobs: list[TopLogprobs | None] | None
+    input_token_logprobs: list[list[float]] | None
+    input_top_logprobs: list[list[TopLogprobs]] | None
+    copied: Any = None  # a CUDA event recorded after the copy; None: already on the host
+
+    def wait(self) -> HostBatchResult:
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows = self.packed.tolist()
+        return HostBatchResult(
+            next_token_ids=[int(x) for x in rows[0]],
+            next_token_logprobs=rows[1] if self.has_logprobs else None,
+            next_token_top_logprobs=self.next_token_top_logprobs,
+            input_token_logprobs=self.input_token_logprobs,
+            input_top_logprobs=self.input_top_logprobs,
+        )
+
+
+def results_to_host(ids: torch.Tensor, logprobs: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+    """Start the step's one device-to-host copy: ids and logprobs stacked as float64 (exact for token
+    ids below 2**53 and for float32 logprobs). On CUDA into pinned memory without blocking, returning
+    an event recorded after it; elsewhere a plain copy and no event."""
+    rows = [ids.to(torch.float64)] + ([] if logprobs is None else [logprobs.to(torch.float64)])
+    packed = torch.stack(rows)
+    if packed.device.type != "cuda":
+        return packed.cpu(), None
+    host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+@dataclass
 class LaunchedBatch:
     """What the worker needs to run one batch."""
 
@@ -58,7 +106,8 @@ class LaunchedBatch:
 class ForwardWorker:
     def __init__(self, model_runner, future_size: int, threads: int | None = None):
         self.model_runner = model_runner
-        self.future_tokens = torch.zeros(future_size, dtype=torch.int64)
+        self.device = torch.device(model_runner.device)
+        self.future_tokens = torch.zeros(future_size, dtype=torch.int64, device=self.device)
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = threads
         # Test hooks: called on the worker thread before each batch (may block to hold the stream).
@@ -82,6 +131,12 @@ class ForwardWorker:
     def _loop(self) -> None:
         if self._threads:
             torch.set_num_threads(self._threads)
+        if self.device.type == "cuda":
+            # The forward stream is a CUDA stream of its own: everything this thread launches is
+            # ordered on it, in FIFO order, and the scheduler thread never waits on it except in
+            # `PendingResult.wait`.
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
         while True:
             task = self._tasks.get()
             if task is None:
@@ -105,18 +160,22 @@ class ForwardWorker:
         if item.state_copies:
             src, dst = zip(*item.state_copies, strict=True)
             self.model_runner.req_to_token_pool.mamba_pool.copy_from(list(src), list(dst))
+        if item.future_slots:
+            fb.future_slots = torch.tensor(item.future_slots, dtype=torch.int64)
+        fb.to_device(self.device)
         if item.has_placeholders:
             ids = fb.input_ids
             fb.input_ids = torch.where(ids < 0, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
         result = self.model_runner.forward_batch_generation(fb)
-        if item.future_slots is not None and item.future_slots:
-            slots = torch.tensor(item.future_slots, dtype=torch.int64)
-            self.future_tokens[slots] = result.next_token_ids.to(torch.int64).cpu()
-        lp = result.next_token_logprobs
-        return HostBatchResult(
-            next_token_ids=result.next_token_ids.tolist(),
-            next_token_logprobs=None if lp is None else lp.tolist(),
+        if fb.future_slots is not None:
+            # A device-side write: the next batch's placeholders read it on this stream, no host trip.
+            self.future_tokens[fb.future_slots] = result.next_token_ids
+        packed, copied = results_to_host(result.next_token_ids, result.next_token_logprobs)
+        return PendingResult(
+            packed=packed,
+            has_logprobs=result.next_token_logprobs is not None,
             next_token_top_logprobs=result.next_token_top_logprobs,
             input_token_logprobs=result.input_token_logprobs,
             input_top_logprobs=result.input_top_logprobs,
+            copied=copied,
         )

@@ -1,7 +1,8 @@
 """`ModelRunner`: owns the model, its pools and the attention backends, and runs one forward.
 
 `forward_batch_generation` is called on the forward stream (the forward worker thread on CPU). It sets
-inference mode itself (thread-local in torch), writes the batch's `req_to_token` entries (prefix
+inference mode itself (thread-local in torch), moves the batch to the model's device (one transfer),
+writes the batch's `req_to_token` entries (prefix
 rewrites, then the new tokens' slots) before any layer reads them, runs the deferred state operations,
 the layers and a decode's track copies, and samples. It keeps no state between calls other than the
 pools.
@@ -37,8 +38,8 @@ LINEAR_BACKENDS = {"gdn": GDNAttnBackend, "mamba2": Mamba2AttnBackend}
 class GenerationBatchResult:
     """Host-side results of one forward. Logprob conventions: see `layers/logits_processor.py`."""
 
-    next_token_ids: torch.Tensor  # [bs] int64, CPU
-    next_token_logprobs: torch.Tensor | None = None  # [bs] float32, CPU
+    next_token_ids: torch.Tensor  # [bs] int64, on the model's device
+    next_token_logprobs: torch.Tensor | None = None  # [bs] float32, on the model's device
     next_token_top_logprobs: list[TopLogprobs | None] | None = None
     # Extend only, per request (empty for requests without return_logprob).
     input_token_logprobs: list[list[float]] | None = None
@@ -114,6 +115,7 @@ class ModelRunner:
         with torch.inference_mode():
             if fb.forward_mode.is_idle() or fb.batch_size == 0:
                 return GenerationBatchResult(next_token_ids=torch.empty(0, dtype=torch.int64))
+            fb.to_device(self.device)
             self._write_req_to_token(fb)
             fb.attn_backend = self.attn_backend
             self.attn_backend.init_forward_metadata(fb)
@@ -123,7 +125,7 @@ class ModelRunner:
             sample = self.sampler(
                 logits.next_token_logits,
                 fb.sampling_info,
-                fb.seq_lens_cpu,
+                fb.seq_lens,
                 return_logprob=fb.return_logprob,
                 top_logprobs_nums=fb.top_logprobs_nums,
             )

@@ -3,7 +3,13 @@
 layer). Small batches (decode) run every expert at once as two batched matmuls over a zero-padded
 [E, max tokens per expert, H] block; large ones (prefill) run each expert once on its tokens, where the
 padding would cost more than the per-expert calls. Both accumulate each token's experts in the same
-order (they agreed bit for bit where measured; matmul kernels may round differently in general)."""
+order (they agreed bit for bit where measured; matmul kernels may round differently in general).
+
+On an accelerator the host never reads the per-expert counts (that would be a device sync per layer):
+`forward_device` groups the sorted tokens with `torch._grouped_mm` over device offsets (bfloat16, the
+serving dtype on GPUs), or, where grouped GEMMs do not apply (float32, unaligned dims), runs the
+padded batched form with room for every token in every expert. A fixed number of launches per layer
+either way, so it is also what a CUDA graph can capture."""
 
 from __future__ import annotations
 
@@ -52,6 +58,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32."""
+        if x.device.type != "cpu":
+            return self.forward_device(x, weights, ids)
         top_k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -75,14 +83,43 @@ class RoutedExperts(nn.Module):
             start += n
         return out.to(x.dtype)
 
-    def _mlp(self, x: torch.Tensor, w13_t: torch.Tensor, w2_t: torch.Tensor) -> torch.Tensor:
-        h = torch.matmul(x, w13_t)
+    def forward_device(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`forward` without any device-to-host read (see the module docstring); runs on CPU too."""
+        num_tokens, top_k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        expert_of, token_of = flat[order], order // top_k
+        weight_of = weights.reshape(-1)[order]
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        if self.grouped_mm_applies(x):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(self._activate(h), self.w2.transpose(1, 2), offs=offs)
+        else:
+            # Top-k experts of a token are distinct, so no expert gets more than num_tokens rows.
+            y = self._batched(x, expert_of, token_of, counts, num_tokens)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, token_of, y.float() * weight_of[:, None])
+        return out.to(x.dtype)
+
+    def grouped_mm_applies(self, x: torch.Tensor) -> bool:
+        """Grouped GEMMs take bfloat16 with rows of a multiple of 16 bytes (CUDA's rule, kept on CPU)."""
+        dims = (x.shape[1], self.intermediate_size)
+        return (
+            x.dtype == self.w13.dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm")
+            and all(d % 8 == 0 for d in dims)
+        )
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = h.split(self.intermediate_size, dim=-1)
-            h = self.act(gate) * up
-        else:
-            h = self.act(h)
-        return torch.matmul(h, w2_t)
+            return self.act(gate) * up
+        return self.act(h)
+
+    def _mlp(self, x: torch.Tensor, w13_t: torch.Tensor, w2_t: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(self._activate(torch.matmul(x, w13_t)), w2_t)
 
     def _batched(
         self,

@@ -1,0 +1,78 @@
+"""Run the accelerator path on a machine without one, to catch device mixing and host syncs in CI.
+
+The model, its pools and every batch are put on torch's `meta` device, which stands in for CUDA:
+meta tensors have a device, shape and dtype but no data, so every op runs (as shape arithmetic) and
+`DeviceAudit`, a dispatch mode that sees every aten op, records:
+- `mixed`: ops whose tensor arguments sit on different devices (0-dim CPU scalars aside), which CUDA
+  refuses or pays a hidden copy for;
+- `host_reads`: reads of a device value on the host (`.item()`, `.tolist()`, `int(t)`), each a device
+  sync; they return 0 so that the code goes on and every one is counted;
+- `h2d` / `d2h`: copies between the host and the device (a copy out of meta gives an empty host
+  tensor).
+
+Values are never computed: this checks where tensors live and what the host waits for, not what the
+model outputs (the CPU tests do that). Branches taken only on CUDA itself (pinned buffers, events, the
+CUDA stream) are not reached.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+
+
+def _where() -> str:
+    """The innermost frame of this project's runtime code that led to the op."""
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace("\\", "/")
+        if "/sglang/srt/" in path:
+            return f"{path.split('/sglang/')[-1]}:{frame.lineno}"
+    return "?"
+
+
+@dataclass
+class DeviceAudit(TorchDispatchMode):
+    device: str = "meta"
+    mixed: list[str] = field(default_factory=list)
+    host_reads: list[str] = field(default_factory=list)
+    h2d: list[str] = field(default_factory=list)
+    d2h: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def reset(self) -> None:
+        for events in (self.mixed, self.host_reads, self.h2d, self.d2h):
+            events.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten._local_scalar_dense.default, aten.item.default) and args[0].is_meta:
+            self.host_reads.append(_where())
+            return False if args[0].dtype == torch.bool else 0
+        if func.overloadpacket in (aten._to_copy, aten.to):
+            target = kwargs.get("device") or next((a for a in args if isinstance(a, torch.device)), None)
+            src, dst = args[0].device, torch.device(target) if target is not None else args[0].device
+            if src.type != dst.type:
+                (self.h2d if dst.type == self.device else self.d2h).append(_where())
+                if src.type == self.device:  # out of meta: an empty host tensor
+                    dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
+                    return torch.zeros(args[0].shape, dtype=dtype or args[0].dtype, device=dst)
+                return func(*args, **kwargs)
+        if func is aten.copy_.default and args[0].device.type != args[1].device.type:
+            (self.h2d if args[0].is_meta else self.d2h).append(_where())
+            return args[0] if args[1].is_meta else func(*args, **kwargs)
+        devices = {
+            t.device.type
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and not (t.device.type == "cpu" and t.dim() == 0)
+        }
+        if len(devices) > 1:
+            self.mixed.append(f"{func} at {_where()}")
+        return func(*args, **kwargs)

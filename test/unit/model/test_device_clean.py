@@ -1,0 +1,124 @@
+"""The accelerator path is device-clean, checked without an accelerator: the model, its pools and every
+batch sit on torch's `meta` device standing in for CUDA, under `DeviceAudit` (sglang/test/device_audit.py).
+Per forward: no op mixes host and device tensors, the host never reads a device value, the batch
+reaches the device in ONE host-to-device copy, and the only device-to-host copies are the results
+(sampled ids and their logprobs; input logprobs when asked for)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.environ import envs
+from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.server_args import ServerArgs
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.device_audit import DeviceAudit
+from sglang.test.runner_driver import Extend, RunnerDriver
+
+register_cpu_ci(est_time=6, suite="per-commit-cpu")
+
+PRESETS = ["tiny-qwen3-next", "tiny-nemotron-h"]
+
+
+class _RecordingStateCopy:
+    """Stands in for the GPU state-copy kernel (tested on its own in test/unit/kernels): records where
+    the ids it gets live. The torch reference filters rows with a boolean mask, a sync by design."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.devices: list[str] = []
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, mask: torch.Tensor | None) -> None:
+        self.devices += [t.device.type for t in (src, dst, mask) if t is not None]
+
+    def clear(self, slots: torch.Tensor) -> None:
+        self.devices.append(slots.device.type)
+
+
+def _meta_runner(preset: str, audit: DeviceAudit) -> tuple[ModelRunner, _RecordingStateCopy]:
+    args = ServerArgs(
+        model_path=preset,
+        page_size=16,
+        max_total_tokens=4096,
+        max_mamba_cache_size=24,
+        max_running_requests=8,
+        mamba_scheduler_strategy="extra_buffer",
+    )
+    args.device = "meta"  # after validation, which accepts only the devices users may name
+    with envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("torch"):
+        runner = ModelRunner(args)
+    copier = _RecordingStateCopy()
+    runner.mamba_pool.state_copier._impl = copier
+    assert next(runner.model.parameters()).is_meta and runner.mamba_pool.conv_state.is_meta
+    assert not audit.mixed and not audit.host_reads and not audit.d2h
+    audit.reset()
+    return runner, copier
+
+
+def _runtime(events: list[str]) -> list[str]:
+    """Events raised by the runtime itself (the test driver reads sampled ids back on purpose)."""
+    return [e for e in events if e.startswith("srt/")]
+
+
+def _check_forward(audit: DeviceAudit, d2h: int) -> None:
+    assert audit.mixed == [], audit.mixed
+    assert _runtime(audit.host_reads) == [], audit.host_reads
+    assert len(audit.h2d) == 1, f"the batch should reach the device in one copy: {audit.h2d}"
+    assert len(_runtime(audit.d2h)) == d2h, audit.d2h
+    audit.reset()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_forwards_are_device_clean(preset):
+    with DeviceAudit() as audit:
+        runner, copier = _meta_runner(preset, audit)
+        driver = RunnerDriver(runner)
+        a, b = driver.new_request(), driver.new_request(temperature=0.7, top_k=5, seed=3)
+        # Extend: two requests, a clear of fresh slots, snapshots at the kernel chunk and at the end.
+        chunk = runner.arch.kernel_state_chunk
+        driver.extend([Extend(a, list(range(3, 3 + 2 * chunk + 5)), track_seqlen=chunk), Extend(b, [5] * 40)])
+        _check_forward(audit, d2h=1)  # input logprobs of the extend (the driver asks for them)
+        # A prefix hit: shared KV pages and a COW of a snapshot into the running slot.
+        c = driver.new_request()
+        driver.extend(
+            [Extend(c, [7] * 9, prefix_from=(a, 2 * chunk), cow_src=a.track_slot)], return_logprob=False
+        )
+        _check_forward(audit, d2h=0)
+        # Decode with a track copy, greedy and seeded sampling side by side, with and without logprobs.
+        track = {a: driver.alloc_mamba_slots(1)[0]}
+        driver.decode([a, b, c], track=track, return_logprob=False)
+        _check_forward(audit, d2h=0)
+        driver.decode([a, b, c], top_logprobs_num=2)
+        # top logprobs are host lists by contract: one copy of the values and ids per request asking.
+        assert audit.mixed == [] and _runtime(audit.host_reads) == [] and len(audit.h2d) == 1
+    assert copier.devices and set(copier.devices) == {"meta"}, "state-copy ids must live on the device"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_overlap_placeholders_resolve_on_the_device(preset):
+    """The forward worker's future-token map lives on the device: the batch that samples into future
+    slots writes it there and the next batch's placeholders read it there, with the one batch copy
+    each; the results are the only copy back (the bug this guards: a host map indexed by device ids
+    crashed every overlapped decode on CUDA)."""
+    with DeviceAudit() as audit:
+        runner, _ = _meta_runner(preset, audit)
+        driver = RunnerDriver(runner)
+        worker = ForwardWorker(runner, future_size=16)
+        try:
+            assert worker.future_tokens.is_meta
+            reqs = [driver.new_request(), driver.new_request()]
+            driver.extend([Extend(r, [4] * 20) for r in reqs], return_logprob=False)
+            audit.reset()
+            for step in range(2):
+                fb = driver.decode_batch(reqs, input_ids=[-1, -2] if step else [9, 9])
+                pending = worker._run_batch(
+                    LaunchedBatch(fb, future_slots=[0, 1], has_placeholders=bool(step), batch_id=step)
+                )
+                assert fb.future_slots is not None and fb.future_slots.is_meta
+                _check_forward(audit, d2h=1)  # the sampled ids, nothing else
+                assert len(pending.wait().next_token_ids) == 2
+        finally:
+            worker.shutdown()
