@@ -116,6 +116,11 @@ class Envs:
         "auto", "State-copy implementation: auto, torch, cpp, triton or cuda (docs/state_management.md)."
     )
 
+    # Gated DeltaNet decode step: auto = the Triton kernel in place on the pool on CUDA, the torch step
+    # elsewhere; torch forces the torch step (debugging); triton forces the kernel (on CPU it needs
+    # TRITON_INTERPRET=1, for tests).
+    SGLANG_GDN_DECODE_BACKEND = EnvStr("auto", "Gated DeltaNet decode step: auto, torch or triton.")
+
     # Fault injection for extra_buffer_lazy: 1 = the first allocation try at a decode track boundary
     # fails (evict-and-retry then runs for real); 2 = the retry fails as well.
     SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL = EnvInt(0, "Lazy track-slot allocation failure injection (0/1/2).")

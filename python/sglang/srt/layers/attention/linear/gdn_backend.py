@@ -1,6 +1,9 @@
 """Gated DeltaNet backend: causal conv over the pooled conv state, then the gated delta rule over the
 pooled SSM state, in 64-token kernel chunks for extends and one recurrent step for decodes.
 
+The decode step is the Triton kernel that updates the pool in place (`gdn_decode_triton.py`) on CUDA,
+and the torch step (gather, update, scatter) elsewhere; `SGLANG_GDN_DECODE_BACKEND` forces one.
+
 The layer passes the conv inputs `mixed_qkv` [T, 2*Hk*Dk + Hv*Dv] (channel order q | k | v, as the
 conv state stores them), the log-decay g [T, Hv] and the write strength beta [T, Hv]; it reads the
 layer's `layer_id`, `conv1d` weight and head sizes. Returns the core output [T, Hv, Dv] in float32.
@@ -12,18 +15,31 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang.srt.environ import envs
 from sglang.srt.layers.attention.linear.gated_delta_rule import (
     chunk_gated_delta_rule,
     l2norm,
     recurrent_gated_delta_rule_step,
 )
 from sglang.srt.layers.attention.mamba.mamba_backend_base import MambaAttnBackendBase
+from sglang.srt.mem_cache.memory_pool import MambaPool
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
+def decode_uses_triton(device: torch.device) -> bool:
+    choice = envs.SGLANG_GDN_DECODE_BACKEND.get()
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"SGLANG_GDN_DECODE_BACKEND must be auto, torch or triton; got {choice!r}.")
+    return choice == "triton" or (choice == "auto" and device.type == "cuda")
+
+
 class GDNAttnBackend(MambaAttnBackendBase):
+    def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int):
+        super().__init__(mamba_pool, kernel_state_chunk)
+        self.decode_in_place = decode_uses_triton(mamba_pool.ssm_state.device)
+
     def forward(
         self, layer: Any, fb: ForwardBatch, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
     ) -> torch.Tensor:
@@ -32,6 +48,12 @@ class GDNAttnBackend(MambaAttnBackendBase):
         if fb.forward_mode.is_decode():
             x = self.conv_decode(lid, mixed_qkv, weight, layer.conv1d.bias)
             q, k, v = self._split_heads(layer, x)
+            if self.decode_in_place:
+                from sglang.srt.layers.attention.linear.gdn_decode_triton import gdn_decode_inplace
+
+                return gdn_decode_inplace(
+                    q, k, v, g, beta, self.mamba_pool.layer_cache(lid)[1], self.meta.slots
+                )
             out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, self.read_ssm_decode(lid))
             self.write_ssm_decode(lid, state)
             return out
