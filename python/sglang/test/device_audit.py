@@ -47,6 +47,24 @@ class DeviceAudit(TorchDispatchMode):
     def __post_init__(self) -> None:
         super().__init__()
 
+    def __enter__(self):
+        # `torch.tensor(data, device=...)` copies host data to the device below the dispatcher, where
+        # no mode sees it: count it here.
+        self._tensor = real = torch.tensor
+
+        def counted(*args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == self.device:
+                self.h2d.append(_where())
+            return real(*args, **kwargs)
+
+        torch.tensor = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.tensor = self._tensor
+        return super().__exit__(*exc)
+
     def reset(self) -> None:
         for events in (self.mixed, self.host_reads, self.h2d, self.d2h):
             events.clear()

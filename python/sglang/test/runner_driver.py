@@ -158,10 +158,11 @@ class RunnerDriver:
             extend_logprob_next_ids=[it.next_token for it in items],
         )
         result = self.runner.forward_batch_generation(fb)
-        for i, (it, slots) in enumerate(zip(items, new_slots, strict=True)):
+        sampled = result.next_token_ids.tolist()  # one read of the device, not one per request
+        for it, slots, token in zip(items, new_slots, sampled, strict=True):
             it.req.token_ids = it.req.token_ids + list(it.tokens)
             it.req.kv_slots = it.req.kv_slots + slots
-            it.req.next_token = int(result.next_token_ids[i])
+            it.req.next_token = token
         return result
 
     def decode(
@@ -176,8 +177,8 @@ class RunnerDriver:
         request to the slot that receives its state after this step."""
         fb = self.decode_batch(reqs, input_ids, track, return_logprob, top_logprobs_num)
         result = self.runner.forward_batch_generation(fb)
-        for i, req in enumerate(reqs):
-            req.next_token = int(result.next_token_ids[i])
+        for req, token in zip(reqs, result.next_token_ids.tolist(), strict=True):
+            req.next_token = token
         return result
 
     def decode_batch(

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang.srt.model_executor.forward_batch_info import move_to_device
+
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
@@ -49,26 +51,30 @@ class LogitsProcessor:
         if not fb.forward_mode.is_extend():
             return LogitsProcessorOutput(next_token_logits=lm_head(hidden).float())
         starts, lens = fb.extend_start_loc_cpu, fb.extend_seq_lens_cpu
-        last = [s + e - 1 for s, e in zip(starts, lens, strict=True)]
         if not fb.return_logprob:
-            return LogitsProcessorOutput(next_token_logits=lm_head(hidden[last]).float())
+            return LogitsProcessorOutput(next_token_logits=lm_head(hidden[fb.extend_last_loc]).float())
 
-        device = hidden.device
+        # Rows and targets as host lists, then one copy to the device (`move_to_device`). A target is
+        # an input id (its offset in input_ids) or the next chunk's first token (offset past them).
         next_ids = fb.extend_logprob_next_ids_cpu or [None] * fb.batch_size
-        rows, targets, counts, temps = [torch.tensor(last, device=device)], [], [], []
+        rows, target_at, next_vals, counts, temps = [], [], [], [], []
         for i in range(fb.batch_size):
             if not fb.return_logprob_mask[i]:
                 counts.append(0)
                 continue
             begin, end = starts[i] + fb.extend_logprob_start_lens_cpu[i], starts[i] + lens[i]
-            rows.append(torch.arange(begin, end - 1, device=device))
-            targets.append(fb.input_ids[begin + 1 : end])
+            rows += range(begin, end - 1)
+            target_at += range(begin + 1, end)
             if next_ids[i] is not None:
-                rows.append(torch.tensor([end - 1], device=device))
-                targets.append(torch.tensor([next_ids[i]], dtype=torch.int64, device=device))
+                rows.append(end - 1)
+                target_at.append(fb.num_tokens + len(next_vals))
+                next_vals.append(next_ids[i])
             counts.append(max(end - 1 - begin, 0) + (next_ids[i] is not None))
             temps.append(fb.sampling_info.temperatures[i : i + 1].expand(counts[-1]))
-        logits = lm_head(hidden[torch.cat(rows)]).float()
+        rows_t, target_t, next_t = move_to_device(
+            [torch.tensor(v, dtype=torch.int64) for v in (rows, target_at, next_vals)], hidden.device
+        )
+        logits = lm_head(hidden[torch.cat([fb.extend_last_loc, rows_t])]).float()
         bs = fb.batch_size
         out = LogitsProcessorOutput(
             next_token_logits=logits[:bs], input_token_logprobs=[[] for _ in range(bs)]
@@ -77,7 +83,8 @@ class LogitsProcessor:
             return out
         lp = scaled_log_softmax(logits[bs:], torch.cat(temps))
         # One copy to the host for all requests (and one per kind of top logprobs), then sliced.
-        values = lp.gather(1, torch.cat(targets)[:, None])[:, 0].tolist()
+        targets = torch.cat([fb.input_ids, next_t])[target_t]
+        values = lp.gather(1, targets[:, None])[:, 0].tolist()
         top_n = fb.top_logprobs_nums
         most = max((n for n, c in zip(top_n, counts, strict=True) if c > 0), default=0)
         if most > 0:

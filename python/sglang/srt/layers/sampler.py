@@ -5,7 +5,8 @@ The rule (deterministic per request): for a request with seed s sampling the tok
 hash, and the token is argmax_v [log q(v) - log(-log u)] (Gumbel-max), where q is the softmax of
 logits / T restricted to the top-k and then the top-p set. The draw depends only on (s, p) and the
 request's own logits, so the same request gives the same tokens in any batch. A request without a seed
-draws a fresh seed from the sampler's generator (seeded by --random-seed) at every step.
+draws a fresh seed from the sampler's generator on the device (seeded by --random-seed) at every step
+(one draw per row of a sampled batch, so what an unseeded request gets depends on its batch).
 
 top_k <= 0 keeps every token. Top-p keeps a token while the probability of the more likely tokens
 before it is at most top_p (of the whole distribution, as SGLang). min_p drops tokens less likely than

@@ -276,8 +276,8 @@ class Scheduler(SchedulerIOMixin):
     def process_oldest(self) -> None:
         batch, fut = self.in_flight.popleft()
         try:
-            result = fut.result(timeout=self.watchdog_timeout).wait()
-        except FutureTimeoutError:
+            result = fut.result(timeout=self.watchdog_timeout).wait(self.watchdog_timeout)
+        except (FutureTimeoutError, TimeoutError):
             raise SchedulerWatchdogError(
                 f"The forward of batch {batch.batch_id} ({batch.forward_mode.name.lower()}, "
                 f"{batch.batch_size} requests, {batch.forward_batch.num_tokens} tokens, rids "

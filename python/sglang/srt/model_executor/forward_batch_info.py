@@ -173,6 +173,7 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     extend_start_loc_cpu: list[int] = field(default_factory=list)  # offset of each request's first token
     extend_seq_lens: torch.Tensor | None = None
+    extend_last_loc: torch.Tensor | None = None  # [bs] offset of each request's last new token
     # (request row, first position, KV slots): rewrites of req_to_token before the new tokens' entries.
     req_to_token_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
 
@@ -222,7 +223,7 @@ class ForwardBatch:
 
     TENSOR_FIELDS = (
         "input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc", "mamba_pool_indices",
-        "extend_seq_lens", "mamba_track_indices", "mamba_track_mask", "mamba_track_seqlens",
+        "extend_seq_lens", "extend_last_loc", "mamba_track_indices", "mamba_track_mask", "mamba_track_seqlens",
         "mamba_cow_src_indices", "mamba_cow_dst_indices", "mamba_clear_indices", "future_slots",
     )  # fmt: skip
 
@@ -335,6 +336,7 @@ class ForwardBatch:
         )
         if extend:
             batch.extend_seq_lens = _long(ext)
+            batch.extend_last_loc = _long([s + e - 1 for s, e in zip(starts, ext, strict=True)])
         return batch
 
     @classmethod

@@ -39,8 +39,7 @@ TopLogprobs = tuple[list[float], list[int]]
 
 @dataclass
 class HostBatchResult:
-    """A batch's results as host values (converted on the forward stream, so the scheduler never
-    touches a device tensor)."""
+    """A batch's results as host values (`PendingResult.wait` makes them from the one result copy)."""
 
     next_token_ids: list[int]
     next_token_logprobs: list[float] | None = None
@@ -61,9 +60,18 @@ class PendingResult:
     input_top_logprobs: list[list[TopLogprobs]] | None
     copied: Any = None  # a CUDA event recorded after the copy; None: already on the host
 
-    def wait(self) -> HostBatchResult:
+    def wait(self, timeout: float | None = None) -> HostBatchResult:
+        """The host values, once the copy is done; raises TimeoutError after `timeout` seconds (the
+        scheduler's watchdog: the worker returns at launch, so a hung device shows here)."""
         if self.copied is not None:
-            self.copied.synchronize()
+            if timeout is None:
+                self.copied.synchronize()
+            else:
+                deadline = time.monotonic() + timeout
+                while not self.copied.query():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    time.sleep(50e-6)
         rows = self.packed.tolist()
         return HostBatchResult(
             next_token_ids=[int(x) for x in rows[0]],
@@ -107,6 +115,8 @@ class ForwardWorker:
     def __init__(self, model_runner, future_size: int, threads: int | None = None):
         self.model_runner = model_runner
         self.device = torch.device(model_runner.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.future_tokens = torch.zeros(future_size, dtype=torch.int64, device=self.device)
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = threads
@@ -136,7 +146,10 @@ class ForwardWorker:
             # ordered on it, in FIFO order, and the scheduler thread never waits on it except in
             # `PendingResult.wait`.
             torch.cuda.set_device(self.device)
-            torch.cuda.set_stream(torch.cuda.Stream(self.device))
+            stream = torch.cuda.Stream(self.device)
+            # Ordered after what startup launched on the default stream (weights, pools, this map).
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            torch.cuda.set_stream(stream)
         while True:
             task = self._tasks.get()
             if task is None:

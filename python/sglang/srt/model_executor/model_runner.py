@@ -36,7 +36,7 @@ LINEAR_BACKENDS = {"gdn": GDNAttnBackend, "mamba2": Mamba2AttnBackend}
 
 @dataclass
 class GenerationBatchResult:
-    """Host-side results of one forward. Logprob conventions: see `layers/logits_processor.py`."""
+    """Results of one forward: sampled ids and logprobs on the device, the rest host lists. Logprob conventions: see `layers/logits_processor.py`."""
 
     next_token_ids: torch.Tensor  # [bs] int64, on the model's device
     next_token_logprobs: torch.Tensor | None = None  # [bs] float32, on the model's device

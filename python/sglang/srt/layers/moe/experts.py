@@ -8,8 +8,9 @@ order (they agreed bit for bit where measured; matmul kernels may round differen
 On an accelerator the host never reads the per-expert counts (that would be a device sync per layer):
 `forward_device` groups the sorted tokens with `torch._grouped_mm` over device offsets (bfloat16, the
 serving dtype on GPUs), or, where grouped GEMMs do not apply (float32, unaligned dims), runs the
-padded batched form with room for every token in every expert. A fixed number of launches per layer
-either way, so it is also what a CUDA graph can capture."""
+padded batched form with room for every token in every expert, up to BATCHED_MAX_ASSIGNMENTS (decode
+sizes; larger batches take the per-expert path, one sync per layer). A fixed number of launches per
+layer either way, so it is also what a CUDA graph can capture."""
 
 from __future__ import annotations
 
@@ -58,8 +59,10 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32."""
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" and (self.grouped_mm_applies(x) or ids.numel() <= BATCHED_MAX_ASSIGNMENTS):
             return self.forward_device(x, weights, ids)
+        # CPU, or a large float32/float16 batch on a device (prefill), where the padded block of
+        # `forward_device` would cost E / k times the work: the host reads the counts (one sync).
         top_k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
