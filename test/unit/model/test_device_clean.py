@@ -124,3 +124,26 @@ def test_overlap_placeholders_resolve_on_the_device(preset):
                 assert len(pending.wait().next_token_ids) == 2
         finally:
             worker.shutdown()
+
+
+def test_a_result_copy_that_never_completes_trips_the_watchdog():
+    """On a device the worker returns at launch, so the scheduler's watchdog must also bound the wait
+    for the result copy (`PendingResult.wait(timeout)` polls its event)."""
+    from sglang.srt.model_executor.forward_worker import PendingResult
+
+    class NeverDone:
+        def query(self) -> bool:
+            return False
+
+    class Done(NeverDone):
+        def query(self) -> bool:
+            return True
+
+    packed = torch.tensor([[5.0, 7.0], [-0.5, -1.25]], dtype=torch.float64)
+    fields = dict(packed=packed, has_logprobs=True, next_token_top_logprobs=None)
+    fields.update(input_token_logprobs=None, input_top_logprobs=None)
+    with pytest.raises(TimeoutError):
+        PendingResult(**fields, copied=NeverDone()).wait(timeout=0.02)
+    host = PendingResult(**fields, copied=Done()).wait(timeout=0.02)
+    assert host.next_token_ids == [5, 7] and all(type(t) is int for t in host.next_token_ids)
+    assert host.next_token_logprobs == [-0.5, -1.25]

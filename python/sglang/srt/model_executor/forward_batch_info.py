@@ -53,11 +53,10 @@ class SamplingBatchInfo:
     temperatures: torch.Tensor  # [bs] float32
     top_ps: torch.Tensor  # [bs] float32
     top_ks: torch.Tensor  # [bs] int64
-    seeds: list[int | None]
     is_all_greedy: bool
     min_ps: torch.Tensor | None = None  # [bs] float32; None: no min-p cut
-    # `seeds` as tensors for the sampler on the device: the low 64 bits of each seed as int64 (two's
-    # complement), and whether the request has one.
+    # Per-request seeds for the sampler on the device: the low 64 bits of each seed as int64 (two's
+    # complement, what the sampler's hash reads), and whether the request has one.
     seed_bits: torch.Tensor | None = None  # [bs] int64
     has_seed: torch.Tensor | None = None  # [bs] bool
     # Decided on the host: some row cuts its distribution (top-k, top-p or min-p), so the sampler
@@ -82,7 +81,6 @@ class SamplingBatchInfo:
             temperatures=torch.tensor(list(temperatures), dtype=torch.float32),
             top_ps=torch.tensor(top_ps, dtype=torch.float32),
             top_ks=torch.tensor(top_ks, dtype=torch.int64),
-            seeds=seeds,
             is_all_greedy=all(t <= 0 for t in temperatures),
             needs_truncation=any(k > 0 for k in top_ks)
             or any(p < 1 for p in top_ps)

@@ -10,10 +10,11 @@ placeholders against `future_tokens` right before the forward; the batch that sa
 `future_tokens` lives on the model's device and is written and read there, so a placeholder never
 makes the stream wait for the host.
 
-Results: the sampled ids and their logprobs are the only device-to-host copy of a step. On CUDA the
-worker starts it (non-blocking, into pinned memory) and records an event; `PendingResult.wait`, called
-by the scheduler when it processes the batch, waits for that event alone, so the worker thread goes on
-launching the next batch meanwhile.
+Results: on CPU the worker returns them as host values (`HostBatchResult`). On a device the sampled
+ids and their logprobs are the only device-to-host copy of a step: on CUDA the worker starts it
+(non-blocking, into pinned memory) and records an event; `PendingResult.wait`, called by the scheduler
+when it processes the batch, waits for that event alone, so the worker thread goes on launching the
+next batch meanwhile.
 """
 
 from __future__ import annotations
@@ -39,13 +40,18 @@ TopLogprobs = tuple[list[float], list[int]]
 
 @dataclass
 class HostBatchResult:
-    """A batch's results as host values (`PendingResult.wait` makes them from the one result copy)."""
+    """A batch's results as host values: what the worker returns on CPU, and what `PendingResult.wait`
+    makes from the one result copy on a device."""
 
     next_token_ids: list[int]
     next_token_logprobs: list[float] | None = None
     next_token_top_logprobs: list[TopLogprobs | None] | None = None
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[TopLogprobs]] | None = None
+
+    def wait(self, timeout: float | None = None) -> HostBatchResult:
+        """Already on the host (the same call as `PendingResult.wait`)."""
+        return self
 
 
 @dataclass
@@ -83,9 +89,9 @@ class PendingResult:
 
 
 def results_to_host(ids: torch.Tensor, logprobs: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
-    """Start the step's one device-to-host copy: ids and logprobs stacked as float64 (exact for token
-    ids below 2**53 and for float32 logprobs). On CUDA into pinned memory without blocking, returning
-    an event recorded after it; elsewhere a plain copy and no event."""
+    """Start the step's one device-to-host copy of device results: ids and logprobs stacked as float64
+    (exact for token ids below 2**53 and for float32 logprobs). On CUDA into pinned memory without
+    blocking, returning an event recorded after it; elsewhere a plain copy and no event."""
     rows = [ids.to(torch.float64)] + ([] if logprobs is None else [logprobs.to(torch.float64)])
     packed = torch.stack(rows)
     if packed.device.type != "cuda":
@@ -183,10 +189,20 @@ class ForwardWorker:
         if fb.future_slots is not None:
             # A device-side write: the next batch's placeholders read it on this stream, no host trip.
             self.future_tokens[fb.future_slots] = result.next_token_ids
-        packed, copied = results_to_host(result.next_token_ids, result.next_token_logprobs)
+        lp = result.next_token_logprobs
+        if result.next_token_ids.device.type == "cpu":
+            # Nothing to copy: the host values are made here, off the scheduler thread.
+            return HostBatchResult(
+                next_token_ids=result.next_token_ids.tolist(),
+                next_token_logprobs=None if lp is None else lp.tolist(),
+                next_token_top_logprobs=result.next_token_top_logprobs,
+                input_token_logprobs=result.input_token_logprobs,
+                input_top_logprobs=result.input_top_logprobs,
+            )
+        packed, copied = results_to_host(result.next_token_ids, lp)
         return PendingResult(
             packed=packed,
-            has_logprobs=result.next_token_logprobs is not None,
+            has_logprobs=lp is not None,
             next_token_top_logprobs=result.next_token_top_logprobs,
             input_token_logprobs=result.input_token_logprobs,
             input_top_logprobs=result.input_top_logprobs,
