@@ -27,6 +27,7 @@ class DriverRequest:
     mamba_ping_pong_track_buffer: list[int] | None = None
     mamba_next_track_idx: int = 0
     mamba_needs_clear: bool = False
+    mamba_extra_snapshots: list[tuple[int, int]] = field(default_factory=list)
     # Sampling.
     temperature: float = 0.0
     top_p: float = 1.0

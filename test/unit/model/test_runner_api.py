@@ -58,3 +58,17 @@ def test_idle_batch_and_pools_from_server_args():
     assert runner.mamba_pool.conv_state.shape == (3, 21, 128, 3)
     assert runner.mamba_pool.ssm_state.shape == (3, 21, 4, 16, 16)
     assert runner.mamba_pool.ssm_state.dtype == torch.float32
+
+
+def test_driver_frees_every_slot_of_an_extra_buffer_request():
+    # RunnerDriver.free goes through HybridReqToTokenPool.free_mamba_cache, which reads the request's
+    # borrowed-snapshot list; a driver request without that field crashed there.
+    runner = make_runner("tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer")
+    driver = RunnerDriver(runner)
+    allocator = runner.req_to_token_pool.mamba_allocator
+    free_before = allocator.available_size()
+    req = driver.new_request()
+    driver.extend([Extend(req, random_ids(40, seed=82))])
+    assert allocator.available_size() < free_before
+    driver.free(req)
+    assert allocator.available_size() == free_before

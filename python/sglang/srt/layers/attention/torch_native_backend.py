@@ -2,8 +2,9 @@
 
 The new tokens' K/V are stored at `out_cache_loc` first; then every query attends to the KV slots
 `req_to_token[row, :seq_len]` of its request, causally (query at position p sees keys 0..p). Any page
-size works, since only slot ids are read. Scores and softmax are computed in float32; grouped-query
-heads share their KV head without copying it.
+size works, since only slot ids are read. Both modes run torch's fused `scaled_dot_product_attention`
+(its flash kernel on CPU accumulates in float32); grouped-query heads share their KV head without copying
+it (`enable_gqa`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
@@ -88,36 +90,45 @@ class TorchNativeAttnBackend:
     def _extend_one(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: _ExtendSeq, layer: RadixAttention
     ) -> torch.Tensor:
-        """q [E, Hq, D] against k, v [S, Hk, D] of the whole sequence (prefix + extend)."""
-        e, hq, d = q.shape
-        s, hk = k.shape[0], k.shape[1]
-        group = hq // hk
-        qg = q.float().view(e, hk, group, d).permute(1, 2, 0, 3)  # [Hk, g, E, D]
-        kf, vf = k.float().permute(1, 0, 2), v.float().permute(1, 0, 2)  # [Hk, S, D]
-        scores = torch.matmul(qg, kf[:, None].transpose(-1, -2)) * layer.scaling  # [Hk, g, E, S]
-        q_pos = torch.arange(e, device=q.device)[:, None] + seq.prefix_len
-        allowed = torch.arange(s, device=q.device)[None, :] <= q_pos
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out = torch.matmul(scores.softmax(dim=-1), vf[:, None])  # [Hk, g, E, D]
-        return out.permute(2, 0, 1, 3).reshape(e, hq, d).to(q.dtype)
+        """q [E, Hq, D] against k, v [S, Hk, D] of the whole sequence (prefix + extend), through torch's
+        fused SDPA (the flash kernel on CPU: no [E, S] score matrix is materialised). Without a prefix
+        the mask is plain causal; with one, query i sees keys 0..prefix_len + i (a boolean mask, since
+        SDPA's `is_causal` aligns the diagonal top-left)."""
+        e = q.shape[0]
+        mask = None
+        if seq.prefix_len:
+            s = k.shape[0]
+            mask = torch.ones(e, s, dtype=torch.bool, device=q.device).tril(seq.prefix_len)
+        # 4-D inputs: with 3-D ones torch takes the unfused math path.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=layer.scaling,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
 
     def _decode(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention
     ) -> torch.Tensor:
-        """q [bs, Hq, D]; every request attends to its own (padded, masked) slot row. One batched matmul
-        per KV head reads the gathered keys in place (strided), instead of einsum's permuted copies;
-        `index_select` gathers ~3x faster than advanced indexing on CPU."""
+        """q [bs, Hq, D]; every request attends to its own slot row, gathered padded to the longest
+        (`index_select` gathers ~3x faster than advanced indexing on CPU) and masked past its length,
+        in one fused SDPA call for the batch."""
         bs, hq, d = q.shape
         kv, mask = self.meta.decode_kv_indices, self.meta.decode_mask
         length, hk = kv.shape[1], k_buf.shape[1]
         flat = kv.reshape(-1)
-        k = k_buf.index_select(0, flat).view(bs, length, hk, d).float()
-        v = v_buf.index_select(0, flat).view(bs, length, hk, d).float()
-        qg = q.float().view(bs, hk, hq // hk, d)
-        pad = ~mask[:, None, :]
-        out = torch.empty(hk, bs, hq // hk, d, dtype=torch.float32, device=q.device)
-        for h in range(hk):
-            scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)) * layer.scaling  # [bs, g, L]
-            probs = scores.masked_fill_(pad, float("-inf")).softmax(dim=-1)
-            torch.bmm(probs, v[:, :, h], out=out[h])  # contiguous: written in place
-        return out.permute(1, 0, 2, 3).reshape(bs, hq, d).to(q.dtype)
+        k = k_buf.index_select(0, flat).view(bs, length, hk, d).transpose(1, 2)
+        v = v_buf.index_select(0, flat).view(bs, length, hk, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None],
+            k,
+            v,
+            attn_mask=mask[:, None, None, :],
+            scale=layer.scaling,
+            enable_gqa=True,
+        )
+        return out[:, :, 0]
