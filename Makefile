@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 		|| (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null) \
 		|| echo "warning: libibverbs1 is not installed: --disaggregation-mode will not start (apt-get install libibverbs1)"
 	# sgl-kernel's C++ state-copy op for CPU (~40 s once, cached; a failed build warns, the torch path is used)
-	$(PY) -m sglang.srt.mem_cache.state_copy.native
+	$(PY) -m sglang.srt.utils.sgl_kernel
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.mem_cache.state_copy import StateCopier, native
+from sglang.srt.mem_cache.state_copy import StateCopier
+from sglang.srt.utils import sgl_kernel
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.state_copy_checks import (
     assert_same,
@@ -138,12 +139,12 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog
     def broken(kind, verbose):
         raise RuntimeError("c++: not found")
 
-    monkeypatch.setattr(native, "_build", broken)
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(sgl_kernel, "_build", broken)
+    monkeypatch.setattr(sgl_kernel, "_loaded", {})
     with caplog.at_level(logging.WARNING):
         assert StateCopier(make_states(8, "tiny")).impl == "torch"
         assert StateCopier(make_states(8, "tiny")).impl == "torch"
-    warnings = [r for r in caplog.records if "state-copy ops unavailable" in r.getMessage()]
+    warnings = [r for r in caplog.records if "CPU ops unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "c++: not found" in warnings[0].getMessage()
     with (
         envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("cpp"),

@@ -9,7 +9,8 @@ import subprocess
 import pytest
 import torch
 
-from sglang.srt.mem_cache.state_copy import StateCopier, native
+from sglang.srt.mem_cache.state_copy import StateCopier
+from sglang.srt.utils import sgl_kernel
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.state_copy_checks import (
     assert_same,
@@ -34,7 +35,7 @@ def test_cuda_kernel_compiles_for_sm90(tmp_path):
         "-arch=sm_90",
         "-std=c++17",
         "-O3",
-        str(native.SOURCE_DIR / "state_copy_cuda.cu"),
+        str(sgl_kernel.SOURCE_DIR / "state_copy_cuda.cu"),
         "-o",
         str(out),
     ]

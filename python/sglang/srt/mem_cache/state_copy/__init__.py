@@ -74,7 +74,8 @@ def _make(name: str, tensors: Sequence[torch.Tensor], device: torch.device):
         kind = "cpu" if name == "cpp" else "cuda"
         if device.type != kind:
             return None, f"the {name} op works on {kind} tensors, the pool is on {device.type}"
-        from sglang.srt.mem_cache.state_copy.native import NativeStateCopy, load_extension
+        from sglang.srt.mem_cache.state_copy.native import NativeStateCopy
+        from sglang.srt.utils.sgl_kernel import load_extension
 
         module, reason = load_extension(kind)
         return (NativeStateCopy(name, module, tensors), "") if module is not None else (None, reason)

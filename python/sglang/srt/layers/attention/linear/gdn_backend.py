@@ -2,7 +2,9 @@
 pooled SSM state, in 64-token kernel chunks for extends and one recurrent step for decodes.
 
 The decode step is the Triton kernel that updates the pool in place (`gdn_decode_triton.py`) on CUDA,
-and the torch step (gather, update, scatter) elsewhere; `SGLANG_GDN_DECODE_BACKEND` forces one.
+sgl-kernel's C++ op (also in place, q/k normalisation fused) on CPU where it is built, and the torch
+step (gather, update, scatter) otherwise; `SGLANG_GDN_DECODE_BACKEND` / `SGLANG_CPU_DECODE_BACKEND`
+force one.
 
 The layer passes the conv inputs `mixed_qkv` [T, 2*Hk*Dk + Hv*Dv] (channel order q | k | v, as the
 conv state stores them), the log-decay g [T, Hv] and the write strength beta [T, Hv]; it reads the
@@ -51,6 +53,9 @@ class GDNAttnBackend(MambaAttnBackendBase):
     def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int):
         super().__init__(mamba_pool, kernel_state_chunk)
         self.decode_in_place = decode_uses_triton(mamba_pool.ssm_state.device)
+        # The C++ step unless the GDN choice names one (torch or triton).
+        auto = envs.SGLANG_GDN_DECODE_BACKEND.get() == "auto"
+        self.decode_cpp = self.cpu_ops is not None and auto and not self.decode_in_place
 
     def forward(
         self, layer: Any, fb: ForwardBatch, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
@@ -59,6 +64,18 @@ class GDNAttnBackend(MambaAttnBackendBase):
         lid = layer.layer_id
         if fb.forward_mode.is_decode():
             x = self.conv_decode(lid, mixed_qkv, weight, layer.conv1d.bias)
+            if self.decode_cpp:
+                return self.cpu_ops.gdn_decode(
+                    x,
+                    g.contiguous(),
+                    beta.contiguous(),
+                    self.mamba_pool.layer_cache(lid)[1],
+                    self.meta.slots,
+                    layer.num_k_heads,
+                    layer.num_v_heads,
+                    layer.head_k_dim,
+                    layer.head_v_dim,
+                )
             q, k, v = self._split_heads(layer, x)
             if self.decode_in_place:
                 from sglang.srt.layers.attention.linear.gdn_decode_triton import gdn_decode_inplace

@@ -1,5 +1,6 @@
 """Mamba2 backend: causal conv over the pooled conv state, then the SSD chunked scan (chunk = the
-config's chunk size) for extends and the selective state update for decodes.
+config's chunk size) for extends and the selective state update for decodes (sgl-kernel's C++ op on
+CPU where it is built, in place on the pool; torch otherwise).
 
 The layer passes the conv inputs `xBC` [T, I + 2*G*N] (channel order x | B | C) and the raw time step
 dt [T, H]; it reads the layer's `layer_id`, `conv1d`, `A_log`, `D`, `dt_bias`, `time_step_min` and
@@ -28,7 +29,21 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
         A = -torch.exp(layer.A_log.float())
         dt = F.softplus(dt.float() + layer.dt_bias.float()).clamp(min=layer.time_step_min)
         if fb.forward_mode.is_decode():
-            x, B, C = self._split(layer, self.conv_decode(lid, xBC, weight, layer.conv1d.bias))
+            xbc = self.conv_decode(lid, xBC, weight, layer.conv1d.bias)
+            if self.cpu_ops is not None:
+                return self.cpu_ops.mamba2_decode(
+                    xbc,
+                    dt.contiguous(),
+                    A.contiguous(),
+                    layer.D.float().contiguous(),
+                    self.mamba_pool.layer_cache(lid)[1],
+                    self.meta.slots,
+                    layer.num_heads,
+                    layer.head_dim,
+                    layer.n_groups,
+                    layer.ssm_state_size,
+                )
+            x, B, C = self._split(layer, xbc)
             y, state = selective_state_update(self.read_ssm_decode(lid), x, dt, A, B, C, layer.D)
             self.write_ssm_decode(lid, state)
             return y

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend, causal_conv1d_update
+from sglang.srt.layers.cpu_decode_ops import cpu_decode_ops
 from sglang.srt.mem_cache.memory_pool import MambaPool
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class MambaAttnBackendBase:
         self.kernel_state_chunk = kernel_state_chunk
         self.conv_kernel = mamba_pool.cache_params.shape.conv_kernel
         self.meta = LinearMetadata()
+        # The sgl-kernel C++ decode ops on CPU (None: the torch steps).
+        self.cpu_ops = cpu_decode_ops(mamba_pool.conv_state.device)
 
     # ---- metadata ---------------------------------------------------------------------------------
 
@@ -176,6 +179,11 @@ class MambaAttnBackendBase:
         (`index_select` / `index_copy_`: ~3x faster than advanced indexing on CPU.)"""
         conv, _ = self.mamba_pool.layer_cache(layer_id)
         slots = self.meta.slots
+        if self.cpu_ops is not None:
+            b = None if bias is None else bias.float().contiguous()
+            return self.cpu_ops.causal_conv1d_update(
+                x.float().contiguous(), conv, slots, weight.float().contiguous(), b
+            )
         out, new_state = causal_conv1d_update(x, conv.index_select(0, slots), weight, bias)
         conv.index_copy_(0, slots, new_state.to(conv.dtype))
         return out
