@@ -46,7 +46,7 @@ def slots_per_request(strategy: str, slots: int, requests: int) -> dict:
     return {"mean": statistics.mean(per_req), "peak": max(per_req), "peak_running": peak_running}
 
 
-def decode_step_time(running: int, strategy: str) -> tuple[float, float]:
+def decode_step_time(running: int, strategy: str) -> tuple[float, float, float]:
     h = SchedulerHarness(
         "tiny-qwen3-next",
         mamba_scheduler_strategy=strategy,
@@ -61,7 +61,7 @@ def decode_step_time(running: int, strategy: str) -> tuple[float, float]:
         h.submit(token_ids(40, seed=k), max_new_tokens=60, return_logprob=False)
     while sched.waiting_queue or sched.chunked_req is not None:
         sched.step()  # prefill everyone first
-    build, process = [], []
+    build, forward, process = [], [], []
     for _ in range(30):
         t0 = time.perf_counter()
         batch = sched.get_next_batch_to_run()
@@ -74,9 +74,10 @@ def decode_step_time(running: int, strategy: str) -> tuple[float, float]:
         sched.process_oldest()
         t3 = time.perf_counter()
         build.append(t1 - t0)
+        forward.append(t2 - t1)
         process.append(t3 - t2)
     h.shutdown()
-    return statistics.median(build), statistics.median(process)
+    return statistics.median(build), statistics.median(forward), statistics.median(process)
 
 
 def main() -> None:
@@ -95,8 +96,12 @@ def main() -> None:
         print(f"{strategy:<18} {r['mean']:>20.2f}, {r['peak']:>6.2f} {r['peak_running']:>13}")
     print(f"\nscheduler host time per decode step at {args.running} running requests (median of 30):")
     for strategy in STRATEGIES:
-        build, process = decode_step_time(args.running, strategy)
-        print(f"{strategy:<18} build {build * 1e3:6.2f} ms   process {process * 1e3:6.2f} ms")
+        build, forward, process = decode_step_time(args.running, strategy)
+        share = (build + process) / forward
+        print(
+            f"{strategy:<18} build {build * 1e3:6.2f} ms   process {process * 1e3:6.2f} ms   "
+            f"forward {forward * 1e3:6.2f} ms   host / forward {share:.1%}"
+        )
 
 
 if __name__ == "__main__":

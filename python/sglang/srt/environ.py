@@ -120,9 +120,9 @@ class Envs:
     # elsewhere; torch forces the torch step (debugging); triton forces the kernel (on CPU it needs
     # TRITON_INTERPRET=1, for tests).
     SGLANG_GDN_DECODE_BACKEND = EnvStr("auto", "Gated DeltaNet decode step: auto, torch or triton.")
-    # CPU decode ops (conv update, GDN and Mamba2 state updates, paged decode attention): auto = the
-    # sgl-kernel C++ ops where built, else torch; torch forces the torch steps; cpp requires the C++ ops.
-    SGLANG_CPU_DECODE_BACKEND = EnvStr("auto", "CPU decode ops: auto, torch or cpp.")
+    # CPU ops of the linear-attention layers (conv, GDN and Mamba2, decode and extend): auto = the
+    # sgl-kernel C++ ops where built, else torch; torch forces the torch path; cpp requires the C++ ops.
+    SGLANG_CPU_LINEAR_ATTN_BACKEND = EnvStr("auto", "CPU linear-attention ops: auto, torch or cpp.")
 
     # Fault injection for extra_buffer_lazy: 1 = the first allocation try at a decode track boundary
     # fails (evict-and-retry then runs for real); 2 = the retry fails as well.

@@ -4,7 +4,7 @@ oracle, far closer than dropping the state does (the negative control).
 
 Measured on the tiny presets (6 prompts each): over the 16 tokens after a 128-token prefix, bf16 errs
 by at most 0.41 (Qwen3-Next) / 0.09 (Nemotron-H) in logprob where dropping the state errs by 1.7-6.0;
-the state itself is within 7% of the oracle's (dropping it is a 100% error). Further from the handover
+the state itself is within 7-11% of the oracle's (dropping it is a 100% error). Further from the handover
 the bf16 error is the weight rounding of these small random models (transformers' own bf16 model errs
 as much, up to 1.4 where a rounded router flips an expert), while the dropped state fades from the
 prediction; so the comparison is made where the carried state decides the prediction.
@@ -23,10 +23,13 @@ register_cpu_ci(est_time=6, suite="per-commit-cpu")
 
 PREFIX, WINDOW = 128, 16
 # Bounds from the measurements above with headroom: max logprob error over the window, mean over the
-# whole continuation, relative state error.
+# whole continuation, relative state error. The state error depends on which float32 form computed the
+# extend: 7% with the chunked torch form, 10.4% (Qwen3-Next, third GDN layer) with the C++ recurrent one.
+# The two agree to 7e-7 in a float32 model, and to 3e-4 after the first layer in this bfloat16 one; the
+# activations' bf16 rounding and an expert route flipped by it amplify that to ~11% two layers on.
 BF16_WINDOW_MAX = {"tiny-qwen3-next": 0.5, "tiny-nemotron-h": 0.2}
 BF16_MEAN = 0.2
-BF16_STATE_REL = 0.1
+BF16_STATE_REL = 0.15
 
 
 def _continuation_errors(preset: str, oracle, prompt: list[int], drop_state: bool, **server_args):

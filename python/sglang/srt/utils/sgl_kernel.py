@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parents[4] / "sgl-kernel" / "csrc"
 SOURCES = {
-    "cpu": ["state_copy_cpu.cpp", "decode_cpu.cpp"],
+    "cpu": ["state_copy_cpu.cpp", "linear_attn_cpu.cpp"],
     "cuda": ["state_copy_cuda_binding.cpp", "state_copy_cuda.cu"],
 }
 HEADERS = ["state_copy.h", "state_copy_binding.h"]
@@ -72,7 +72,7 @@ def _build(kind: str, verbose: bool) -> ModuleType:
 
     out = build_dir() / kind
     out.mkdir(parents=True, exist_ok=True)
-    # -fno-trapping-math lets GCC vectorise loops with clamps (decode_cpu.cpp's exp); no -march: the
+    # -fno-trapping-math lets GCC vectorise loops with clamps (linear_attn_cpu.cpp's exp); no -march: the
     # decode loops are short (head dims of 16-256) and measured slower with AVX-512 on the CI's EPYC.
     cflags = ["-O3", "-fno-trapping-math"]
     kwargs = {}

@@ -3,7 +3,7 @@ pooled SSM state, in 64-token kernel chunks for extends and one recurrent step f
 
 The decode step is the Triton kernel that updates the pool in place (`gdn_decode_triton.py`) on CUDA,
 sgl-kernel's C++ op (also in place, q/k normalisation fused) on CPU where it is built, and the torch
-step (gather, update, scatter) otherwise; `SGLANG_GDN_DECODE_BACKEND` / `SGLANG_CPU_DECODE_BACKEND`
+step (gather, update, scatter) otherwise; `SGLANG_GDN_DECODE_BACKEND` / `SGLANG_CPU_LINEAR_ATTN_BACKEND`
 force one.
 
 The layer passes the conv inputs `mixed_qkv` [T, 2*Hk*Dk + Hv*Dv] (channel order q | k | v, as the
@@ -86,6 +86,19 @@ class GDNAttnBackend(MambaAttnBackendBase):
             out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, self.read_ssm_decode(lid))
             self.write_ssm_decode(lid, state)
             return out
+        if self.uses_cpu_extend(layer.head_k_dim, layer.head_v_dim):
+            x = self.conv_extend_batch(lid, mixed_qkv, weight, layer.conv1d.bias)
+            return self.cpu_ops.gdn_extend(
+                x,
+                g.contiguous(),
+                beta.contiguous(),
+                self.mamba_pool.layer_cache(lid)[1],
+                *self.meta.cpu_extend,
+                layer.num_k_heads,
+                layer.num_v_heads,
+                layer.head_k_dim,
+                layer.head_v_dim,
+            )
         out = torch.empty(
             mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim, dtype=torch.float32, device=g.device
         )

@@ -47,6 +47,20 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
             y, state = selective_state_update(self.read_ssm_decode(lid), x, dt, A, B, C, layer.D)
             self.write_ssm_decode(lid, state)
             return y
+        if self.uses_cpu_extend(layer.head_dim, layer.ssm_state_size):
+            xbc = self.conv_extend_batch(lid, xBC, weight, layer.conv1d.bias)
+            return self.cpu_ops.mamba2_extend(
+                xbc,
+                dt.contiguous(),
+                A.contiguous(),
+                layer.D.float().contiguous(),
+                self.mamba_pool.layer_cache(lid)[1],
+                *self.meta.cpu_extend,
+                layer.num_heads,
+                layer.head_dim,
+                layer.n_groups,
+                layer.ssm_state_size,
+            )
         y = torch.empty(xBC.shape[0], layer.num_heads, layer.head_dim, dtype=torch.float32, device=dt.device)
         for seq in self.meta.extend:
             x, B, C = self._split(

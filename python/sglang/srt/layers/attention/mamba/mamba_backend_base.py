@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang.srt.layers.attention.cpu_linear_ops import cpu_linear_ops
 from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend, causal_conv1d_update
-from sglang.srt.layers.cpu_decode_ops import cpu_decode_ops
 from sglang.srt.mem_cache.memory_pool import MambaPool
 
 if TYPE_CHECKING:
@@ -59,6 +59,13 @@ class LinearMetadata:
     extend: list[ExtendSeq] | None = None
     # Decode: (running slots, track slots, track mask), all [bs]; None when no row tracks.
     track_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Extend through the C++ ops: (cu_seqlens, running slots, snap_ptr, snap_offset, snap_slot), int64.
+    cpu_extend: tuple[torch.Tensor, ...] | None = None
+
+
+# The C++ extend ops run the recurrence token by token: per token and head K*V multiply-adds against
+# C*(K+V) for the chunked form (C = the kernel chunk, 64+), so they serve small heads only.
+CPU_RECURRENT_MAX_HEAD_DIM = 64
 
 
 class MambaAttnBackendBase:
@@ -68,13 +75,15 @@ class MambaAttnBackendBase:
         self.conv_kernel = mamba_pool.cache_params.shape.conv_kernel
         self.meta = LinearMetadata()
         # The sgl-kernel C++ decode ops on CPU (None: the torch steps).
-        self.cpu_ops = cpu_decode_ops(mamba_pool.conv_state.device)
+        self.cpu_ops = cpu_linear_ops(mamba_pool.conv_state.device)
 
     # ---- metadata ---------------------------------------------------------------------------------
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_extend():
-            self.meta = LinearMetadata(slots=fb.mamba_pool_indices, extend=self._extend_seqs(fb))
+            seqs = self._extend_seqs(fb)
+            cpu_extend = _cpu_extend_args(seqs) if self.cpu_ops is not None else None
+            self.meta = LinearMetadata(slots=fb.mamba_pool_indices, extend=seqs, cpu_extend=cpu_extend)
         elif fb.forward_mode.is_decode():
             self.meta = LinearMetadata(slots=fb.mamba_pool_indices, track_rows=self._decode_track_rows(fb))
         else:
@@ -156,6 +165,19 @@ class MambaAttnBackendBase:
         conv[seq.slot] = window[-width:].t()
         return out
 
+    def uses_cpu_extend(self, *head_dims: int) -> bool:
+        return self.meta.cpu_extend is not None and max(head_dims) <= CPU_RECURRENT_MAX_HEAD_DIM
+
+    def conv_extend_batch(
+        self, layer_id: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`conv_extend` for every request of the batch in one C++ call (`uses_cpu_extend`)."""
+        conv, _ = self.mamba_pool.layer_cache(layer_id)
+        b = None if bias is None else bias.float().contiguous()
+        return self.cpu_ops.causal_conv1d_extend(
+            x.float().contiguous(), conv, weight.float().contiguous(), b, *self.meta.cpu_extend
+        )
+
     def initial_ssm(self, layer_id: int, seq: ExtendSeq) -> torch.Tensor:
         _, ssm = self.mamba_pool.layer_cache(layer_id)
         return ssm[seq.slot].float()
@@ -201,3 +223,18 @@ class MambaAttnBackendBase:
         slots, every layer and both state kinds in one launch."""
         if self.meta.track_rows is not None:
             self.mamba_pool.track_copy(*self.meta.track_rows)
+
+
+def _cpu_extend_args(seqs: list[ExtendSeq]) -> tuple[torch.Tensor, ...]:
+    """The C++ extend ops' batch description: sequences back to back from token 0, and each one's
+    snapshots sorted by offset behind snap_ptr."""
+    cu, slots, ptr, offsets, snap_slots = [0], [], [0], [], []
+    for seq in seqs:
+        assert seq.start == cu[-1], "extend sequences are laid out back to back"
+        cu.append(seq.start + seq.length)
+        slots.append(seq.slot)
+        for t in sorted(seq.tracks, key=lambda t: t.offset):
+            offsets.append(t.offset)
+            snap_slots.append(t.slot)
+        ptr.append(len(offsets))
+    return tuple(torch.tensor(v, dtype=torch.int64) for v in (cu, slots, ptr, offsets, snap_slots))

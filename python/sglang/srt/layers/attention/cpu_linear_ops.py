@@ -1,0 +1,39 @@
+"""sgl-kernel's C++ ops of the linear-attention layers for CPU tensors (`sgl-kernel/csrc/linear_attn_cpu.cpp`):
+- decode: the conv update and the Gated DeltaNet / Mamba2 state updates, in place on the pool, one call
+  each instead of ~30 small torch ops and whole-state gather/scatter copies;
+- extend: the conv and the GDN / Mamba2 recurrence over the whole variable-length batch in one call each
+  (no Python loop per request), with the snapshots the prefix cache asks for; used for heads of at most
+  `CPU_RECURRENT_MAX_HEAD_DIM` (`mamba_backend_base.py`), larger ones keep the chunked torch form.
+
+`SGLANG_CPU_LINEAR_ATTN_BACKEND`: auto (the C++ ops where sgl-kernel's CPU extension is built, else the
+torch path), torch (force the torch path, for debugging) or cpp (the C++ ops, or a startup error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sglang.srt.environ import envs
+
+CHOICES = ("auto", "torch", "cpp")
+
+
+def cpu_linear_ops(device: torch.device | str) -> Any | None:
+    """`torch.ops.sgl_kernel` when the C++ decode ops serve tensors on `device`, else None."""
+    choice = envs.SGLANG_CPU_LINEAR_ATTN_BACKEND.get()
+    if choice not in CHOICES:
+        raise ValueError(
+            f"SGLANG_CPU_LINEAR_ATTN_BACKEND must be one of {', '.join(CHOICES)}; got {choice!r}."
+        )
+    if torch.device(device).type != "cpu" or choice == "torch":
+        return None
+    from sglang.srt.utils.sgl_kernel import load_extension
+
+    module, reason = load_extension("cpu")
+    if module is None:
+        if choice == "cpp":
+            raise ValueError(f"SGLANG_CPU_LINEAR_ATTN_BACKEND=cpp cannot run: {reason}.")
+        return None
+    return torch.ops.sgl_kernel

@@ -1,0 +1,487 @@
+// CPU ops of the linear-attention layers, registered as torch.ops.sgl_kernel.*. Decode (one token per
+// request):
+//
+//   causal_conv1d_update  the depthwise conv of the linear-attention layers over the pool's conv state,
+//                         read and shifted in place through the batch's slots; returns silu(conv).
+//   gdn_decode            the Gated DeltaNet step on the pool's SSM state in place: q/k l2-norm, q scale,
+//                         key heads shared by consecutive value heads, gated delta update, S q.
+//   mamba2_decode         the Mamba2 selective state update on the pool's SSM state in place, D skip.
+// Extend (a variable-length batch in one call, with the snapshots the prefix cache asks for):
+//   causal_conv1d_extend, gdn_extend, mamba2_extend (below).
+//
+// They replace ~30 small torch ops per layer (and the gather/scatter copies of whole states), or a
+// Python loop over an extend's requests, with one call. The decode ops do the torch steps' arithmetic in
+// float32; the extend ops run the same recurrence token by token where the torch path uses the chunked
+// form; both agree with the torch path to float32 rounding. State pools may be float32, bfloat16 or float16 (a layer's view: slot-major,
+// contiguous per slot); the other inputs are float32 (the backends pass them so). Work is split over
+// (request, head) pairs with at::parallel_for, so torch's thread setting applies. The torch twins are
+// in python/sglang/srt/layers/attention/ and test/unit/kernels/test_cpu_linear_ops.py compares them.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace sgl_linear {
+namespace {
+
+// exp for the loops below: Cephes' expf polynomial after a reduction by ln 2 (max relative error
+// 8e-8 against double-precision exp over [-87, 88], sampled every 7e-4), branch-free so that
+// `omp simd` loops vectorise it; libm's expf is a scalar call. Inputs are clamped to [-87, 88]: exp of
+// anything below is ~1e-38 instead of 0, harmless for silu.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f;
+  const int32_t k = static_cast<int32_t>(t + (t >= 0.0f ? 0.5f : -0.5f));
+  const float kf = static_cast<float>(k);
+  const float r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (k + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float silu(float x) { return x / (1.0f + fast_exp(-x)); }
+
+// Serial below this many (request, head) units: waking another thread costs more than it saves.
+constexpr int64_t kGrain = 16;
+
+void check_slots(const at::Tensor& slots, int64_t bs, const at::Tensor& pool, const char* what) {
+  TORCH_CHECK(slots.dtype() == at::kLong && slots.dim() == 1 && slots.size(0) == bs,
+              what, ": slots must be an int64 vector of one entry per request");
+  TORCH_CHECK(pool.is_contiguous(), what, ": the pool's layer view must be contiguous");
+}
+
+void check_f32(const at::Tensor& t, const char* what, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), what, ": ", name,
+              " must be a contiguous float32 tensor");
+}
+
+template <typename S>
+void conv_update_impl(const float* x, S* state, const int64_t* slots, const float* w, const float* bias,
+                      float* out, int64_t bs, int64_t channels, int64_t width) {
+  const int64_t keep = width - 1;  // state columns per channel
+  at::parallel_for(0, bs, std::max<int64_t>(1, kGrain * 64 / std::max<int64_t>(channels, 1)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      S* st = state + slots[b] * channels * keep;
+      const float* xb = x + b * channels;
+      float* ob = out + b * channels;
+      for (int64_t c = 0; c < channels; ++c) {
+        S* row = st + c * keep;
+        const float* wc = w + c * width;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < keep; ++j) acc += static_cast<float>(row[j]) * wc[j];
+        acc += xb[c] * wc[keep];
+        if (bias != nullptr) acc += bias[c];
+        ob[c] = acc;
+        for (int64_t j = 0; j + 1 < keep; ++j) row[j] = row[j + 1];
+        if (keep > 0) row[keep - 1] = static_cast<S>(xb[c]);
+      }
+#pragma omp simd
+      for (int64_t c = 0; c < channels; ++c) ob[c] = silu(ob[c]);
+    }
+  });
+}
+
+at::Tensor causal_conv1d_update(const at::Tensor& x, at::Tensor conv_state, const at::Tensor& slots,
+                                const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const char* what = "causal_conv1d_update";
+  check_f32(x, what, "x");
+  check_f32(weight, what, "weight");
+  const int64_t bs = x.size(0), channels = x.size(1), width = weight.size(1);
+  check_slots(slots, bs, conv_state, what);
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(1) == channels && conv_state.size(2) == width - 1,
+              what, ": conv_state must be [slots, channels, width - 1]");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, what, "bias");
+    b = bias->data_ptr<float>();
+  }
+  auto out = at::empty({bs, channels}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, conv_state.scalar_type(), "sgl_kernel_decode", [&] {
+    conv_update_impl<scalar_t>(x.data_ptr<float>(), conv_state.data_ptr<scalar_t>(),
+                               slots.data_ptr<int64_t>(), weight.data_ptr<float>(), b,
+                               out.data_ptr<float>(), bs, channels, width);
+  });
+  return out;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void l2norm_into(const float* x, float* out, int64_t n, float scale) {
+  const float r = 1.0f / std::sqrt(dot(x, x, n) + 1e-6f) * scale;
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r;
+}
+
+template <typename S>
+void gdn_impl(const float* qkv, const float* g, const float* beta, S* ssm, const int64_t* slots, float* out,
+              int64_t bs, int64_t hk, int64_t hv, int64_t dk, int64_t dv) {
+  const int64_t stride = 2 * hk * dk + hv * dv, ratio = hv / hk;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  at::parallel_for(0, bs * hv, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(dk), k(dk), row(dk);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / hv, h = u % hv, kh = h / ratio;
+      const float* base = qkv + b * stride;
+      l2norm_into(base + kh * dk, q.data(), dk, q_scale);
+      l2norm_into(base + hk * dk + kh * dk, k.data(), dk, 1.0f);
+      const float* v = base + 2 * hk * dk + h * dv;
+      const float decay = std::exp(g[u]), bt = beta[u];
+      S* st = ssm + (slots[b] * hv + h) * dv * dk;
+      float* o = out + u * dv;
+      for (int64_t i = 0; i < dv; ++i) {
+        S* srow = st + i * dk;
+#pragma omp simd
+        for (int64_t j = 0; j < dk; ++j) row[j] = static_cast<float>(srow[j]) * decay;
+        const float delta = (v[i] - dot(row.data(), k.data(), dk)) * bt;
+#pragma omp simd
+        for (int64_t j = 0; j < dk; ++j) row[j] += delta * k[j];
+        o[i] = dot(row.data(), q.data(), dk);
+#pragma omp simd
+        for (int64_t j = 0; j < dk; ++j) srow[j] = static_cast<S>(row[j]);
+      }
+    }
+  });
+}
+
+at::Tensor gdn_decode(const at::Tensor& qkv, const at::Tensor& g, const at::Tensor& beta, at::Tensor ssm,
+                      const at::Tensor& slots, int64_t hk, int64_t hv, int64_t dk, int64_t dv) {
+  const char* what = "gdn_decode";
+  check_f32(qkv, what, "qkv");
+  check_f32(g, what, "g");
+  check_f32(beta, what, "beta");
+  const int64_t bs = qkv.size(0);
+  check_slots(slots, bs, ssm, what);
+  TORCH_CHECK(hv % hk == 0 && qkv.size(1) == 2 * hk * dk + hv * dv, what, ": qkv must be [bs, 2*hk*dk + hv*dv]");
+  TORCH_CHECK(ssm.dim() == 4 && ssm.size(1) == hv && ssm.size(2) == dv && ssm.size(3) == dk, what,
+              ": ssm must be [slots, hv, dv, dk]");
+  auto out = at::empty({bs, hv, dv}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_decode", [&] {
+    gdn_impl<scalar_t>(qkv.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(),
+                       ssm.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), out.data_ptr<float>(), bs, hk,
+                       hv, dk, dv);
+  });
+  return out;
+}
+
+template <typename S>
+void mamba2_impl(const float* xbc, const float* dt, const float* A, const float* D, S* ssm,
+                 const int64_t* slots, float* y, int64_t bs, int64_t heads, int64_t p, int64_t groups,
+                 int64_t n) {
+  const int64_t stride = heads * p + 2 * groups * n, per_group = heads / groups;
+  at::parallel_for(0, bs * heads, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(n);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / heads, h = u % heads, grp = h / per_group;
+      const float* base = xbc + b * stride;
+      const float* x = base + h * p;
+      const float* B = base + heads * p + grp * n;
+      const float* C = base + heads * p + groups * n + grp * n;
+      const float step = dt[u], decay = std::exp(step * A[h]);
+      S* st = ssm + (slots[b] * heads + h) * p * n;
+      float* yo = y + u * p;
+      for (int64_t i = 0; i < p; ++i) {
+        S* srow = st + i * n;
+        const float dx = step * x[i];
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) row[j] = static_cast<float>(srow[j]) * decay + dx * B[j];
+        yo[i] = dot(row.data(), C, n) + D[h] * x[i];
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) srow[j] = static_cast<S>(row[j]);
+      }
+    }
+  });
+}
+
+at::Tensor mamba2_decode(const at::Tensor& xbc, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& D,
+                         at::Tensor ssm, const at::Tensor& slots, int64_t heads, int64_t head_dim,
+                         int64_t groups, int64_t state_size) {
+  const char* what = "mamba2_decode";
+  check_f32(xbc, what, "xbc");
+  check_f32(dt, what, "dt");
+  check_f32(A, what, "A");
+  check_f32(D, what, "D");
+  const int64_t bs = xbc.size(0);
+  check_slots(slots, bs, ssm, what);
+  TORCH_CHECK(heads % groups == 0 && xbc.size(1) == heads * head_dim + 2 * groups * state_size, what,
+              ": xbc must be [bs, heads*head_dim + 2*groups*state_size]");
+  TORCH_CHECK(ssm.dim() == 4 && ssm.size(1) == heads && ssm.size(2) == head_dim && ssm.size(3) == state_size,
+              what, ": ssm must be [slots, heads, head_dim, state_size]");
+  auto y = at::empty({bs, heads, head_dim}, xbc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_decode", [&] {
+    mamba2_impl<scalar_t>(xbc.data_ptr<float>(), dt.data_ptr<float>(), A.data_ptr<float>(), D.data_ptr<float>(),
+                          ssm.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), y.data_ptr<float>(), bs, heads,
+                          head_dim, groups, state_size);
+  });
+  return y;
+}
+
+
+// ---- extend: a whole variable-length batch in one call ---------------------------------------------
+//
+// Sequence b covers tokens [cu_seqlens[b], cu_seqlens[b+1]) and starts from the state in slots[b], which
+// receives its final state. Snapshots: entries [snap_ptr[b], snap_ptr[b+1]) of (snap_offset, snap_slot),
+// sorted by offset, ask for the state after `offset` tokens of the sequence (1 <= offset <= length) in
+// `snap_slot`. The recurrence runs token by token in float32 (the state is rounded to the pool's dtype
+// only where stored), which for small heads does fewer operations than the chunked form: per token
+// and head K*V against C*(K+V) (C = the chunk), so the backends take this path when K, V <= 64.
+
+struct Extend {
+  const int64_t* cu;         // [B + 1]
+  const int64_t* slots;      // [B]
+  const int64_t* snap_ptr;   // [B + 1]
+  const int64_t* snap_off;   // [M]
+  const int64_t* snap_slot;  // [M]
+  int64_t batch;
+};
+
+Extend read_extend(const at::Tensor& cu, const at::Tensor& slots, const at::Tensor& snap_ptr,
+                   const at::Tensor& snap_off, const at::Tensor& snap_slot, const char* what) {
+  for (const at::Tensor* t : {&cu, &slots, &snap_ptr, &snap_off, &snap_slot}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(), what,
+                ": cu_seqlens, slots and the snapshot tensors must be contiguous int64 vectors");
+  }
+  const int64_t batch = slots.size(0);
+  TORCH_CHECK(cu.size(0) == batch + 1 && snap_ptr.size(0) == batch + 1 && snap_off.size(0) == snap_slot.size(0),
+              what, ": cu_seqlens and snap_ptr need batch + 1 entries, the snapshot lists one length");
+  return {cu.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), snap_ptr.data_ptr<int64_t>(),
+          snap_off.data_ptr<int64_t>(), snap_slot.data_ptr<int64_t>(), batch};
+}
+
+template <typename S>
+void store_state(S* dst, const float* src, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<S>(src[i]);
+}
+
+template <typename S>
+void conv_extend_impl(const float* x, S* state, const float* w, const float* bias, float* out, const Extend& e,
+                      int64_t channels, int64_t width) {
+  const int64_t keep = width - 1;
+  // The weight transposed to [width, channels], so that every loop below runs along channels.
+  std::vector<float> wt(width * channels);
+  for (int64_t c = 0; c < channels; ++c)
+    for (int64_t j = 0; j < width; ++j) wt[j * channels + c] = w[c * width + j];
+  at::parallel_for(0, e.batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> head(keep * channels);  // the initial state as rows [keep, channels]
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t start = e.cu[b], len = e.cu[b + 1] - start;
+      S* st = state + e.slots[b] * channels * keep;
+      for (int64_t c = 0; c < channels; ++c)
+        for (int64_t j = 0; j < keep; ++j) head[j * channels + c] = static_cast<float>(st[c * keep + j]);
+      // Row i of the window: the state's rows, then the extend's inputs.
+      auto row = [&](int64_t i) { return i < keep ? head.data() + i * channels : x + (start + i - keep) * channels; };
+      for (int64_t t = 0; t < len; ++t) {
+        float* o = out + (start + t) * channels;
+#pragma omp simd
+        for (int64_t c = 0; c < channels; ++c) o[c] = bias != nullptr ? bias[c] : 0.0f;
+        for (int64_t j = 0; j < width; ++j) {
+          const float* r = row(t + j);
+          const float* wj = wt.data() + j * channels;
+#pragma omp simd
+          for (int64_t c = 0; c < channels; ++c) o[c] += r[c] * wj[c];
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < channels; ++c) o[c] = silu(o[c]);
+      }
+      // Conv state after `off` tokens: window rows off .. off + keep - 1. The running slot last, since
+      // the window's head rows were read from it.
+      auto write = [&](S* dst, int64_t off) {
+        for (int64_t j = 0; j < keep; ++j) {
+          const float* r = row(off + j);
+          for (int64_t c = 0; c < channels; ++c) dst[c * keep + j] = static_cast<S>(r[c]);
+        }
+      };
+      for (int64_t m = e.snap_ptr[b]; m < e.snap_ptr[b + 1]; ++m) write(state + e.snap_slot[m] * channels * keep, e.snap_off[m]);
+      write(st, len);
+    }
+  });
+}
+
+at::Tensor causal_conv1d_extend(const at::Tensor& x, at::Tensor conv_state, const at::Tensor& weight,
+                                const c10::optional<at::Tensor>& bias, const at::Tensor& cu, const at::Tensor& slots,
+                                const at::Tensor& snap_ptr, const at::Tensor& snap_off, const at::Tensor& snap_slot) {
+  const char* what = "causal_conv1d_extend";
+  check_f32(x, what, "x");
+  check_f32(weight, what, "weight");
+  const Extend e = read_extend(cu, slots, snap_ptr, snap_off, snap_slot, what);
+  const int64_t channels = x.size(1), width = weight.size(1);
+  TORCH_CHECK(conv_state.is_contiguous() && conv_state.dim() == 3 && conv_state.size(1) == channels &&
+                  conv_state.size(2) == width - 1,
+              what, ": conv_state must be a contiguous [slots, channels, width - 1]");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, what, "bias");
+    b = bias->data_ptr<float>();
+  }
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, conv_state.scalar_type(), "sgl_kernel_extend", [&] {
+    conv_extend_impl<scalar_t>(x.data_ptr<float>(), conv_state.data_ptr<scalar_t>(), weight.data_ptr<float>(), b,
+                               out.data_ptr<float>(), e, channels, width);
+  });
+  return out;
+}
+
+template <typename S>
+void gdn_extend_impl(const float* qkv, const float* g, const float* beta, S* ssm, float* out, const Extend& e,
+                     int64_t hk, int64_t hv, int64_t dk, int64_t dv) {
+  const int64_t stride = 2 * hk * dk + hv * dv, ratio = hv / hk, size = dv * dk;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  at::parallel_for(0, e.batch * hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(dk), k(dk), st(size);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / hv, h = u % hv, kh = h / ratio, start = e.cu[b], len = e.cu[b + 1] - start;
+      S* running = ssm + (e.slots[b] * hv + h) * size;
+      for (int64_t i = 0; i < size; ++i) st[i] = static_cast<float>(running[i]);
+      int64_t m = e.snap_ptr[b];
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t tok = start + t;
+        const float* base = qkv + tok * stride;
+        l2norm_into(base + kh * dk, q.data(), dk, q_scale);
+        l2norm_into(base + hk * dk + kh * dk, k.data(), dk, 1.0f);
+        const float* v = base + 2 * hk * dk + h * dv;
+        const float decay = std::exp(g[tok * hv + h]), bt = beta[tok * hv + h];
+        float* o = out + (tok * hv + h) * dv;
+        for (int64_t i = 0; i < dv; ++i) {
+          float* row = st.data() + i * dk;
+#pragma omp simd
+          for (int64_t j = 0; j < dk; ++j) row[j] *= decay;
+          const float delta = (v[i] - dot(row, k.data(), dk)) * bt;
+#pragma omp simd
+          for (int64_t j = 0; j < dk; ++j) row[j] += delta * k[j];
+          o[i] = dot(row, q.data(), dk);
+        }
+        for (; m < e.snap_ptr[b + 1] && e.snap_off[m] == t + 1; ++m)
+          store_state(ssm + (e.snap_slot[m] * hv + h) * size, st.data(), size);
+      }
+      store_state(running, st.data(), size);
+    }
+  });
+}
+
+at::Tensor gdn_extend(const at::Tensor& qkv, const at::Tensor& g, const at::Tensor& beta, at::Tensor ssm,
+                      const at::Tensor& cu, const at::Tensor& slots, const at::Tensor& snap_ptr,
+                      const at::Tensor& snap_off, const at::Tensor& snap_slot, int64_t hk, int64_t hv, int64_t dk,
+                      int64_t dv) {
+  const char* what = "gdn_extend";
+  check_f32(qkv, what, "qkv");
+  check_f32(g, what, "g");
+  check_f32(beta, what, "beta");
+  const Extend e = read_extend(cu, slots, snap_ptr, snap_off, snap_slot, what);
+  TORCH_CHECK(hv % hk == 0 && qkv.size(1) == 2 * hk * dk + hv * dv, what, ": qkv must be [T, 2*hk*dk + hv*dv]");
+  TORCH_CHECK(ssm.is_contiguous() && ssm.dim() == 4 && ssm.size(1) == hv && ssm.size(2) == dv && ssm.size(3) == dk,
+              what, ": ssm must be a contiguous [slots, hv, dv, dk]");
+  auto out = at::empty({qkv.size(0), hv, dv}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_extend", [&] {
+    gdn_extend_impl<scalar_t>(qkv.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(),
+                              ssm.data_ptr<scalar_t>(), out.data_ptr<float>(), e, hk, hv, dk, dv);
+  });
+  return out;
+}
+
+template <typename S>
+void mamba2_extend_impl(const float* xbc, const float* dt, const float* A, const float* D, S* ssm, float* y,
+                        const Extend& e, int64_t heads, int64_t p, int64_t groups, int64_t n) {
+  const int64_t stride = heads * p + 2 * groups * n, per_group = heads / groups, size = p * n;
+  at::parallel_for(0, e.batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> st(size);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / heads, h = u % heads, grp = h / per_group, start = e.cu[b], len = e.cu[b + 1] - start;
+      S* running = ssm + (e.slots[b] * heads + h) * size;
+      for (int64_t i = 0; i < size; ++i) st[i] = static_cast<float>(running[i]);
+      int64_t m = e.snap_ptr[b];
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t tok = start + t;
+        const float* base = xbc + tok * stride;
+        const float* x = base + h * p;
+        const float* B = base + heads * p + grp * n;
+        const float* C = base + heads * p + groups * n + grp * n;
+        const float step = dt[tok * heads + h], decay = std::exp(step * A[h]);
+        float* yo = y + (tok * heads + h) * p;
+        for (int64_t i = 0; i < p; ++i) {
+          float* row = st.data() + i * n;
+          const float dx = step * x[i];
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) row[j] = row[j] * decay + dx * B[j];
+          yo[i] = dot(row, C, n) + D[h] * x[i];
+        }
+        for (; m < e.snap_ptr[b + 1] && e.snap_off[m] == t + 1; ++m)
+          store_state(ssm + (e.snap_slot[m] * heads + h) * size, st.data(), size);
+      }
+      store_state(running, st.data(), size);
+    }
+  });
+}
+
+at::Tensor mamba2_extend(const at::Tensor& xbc, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& D,
+                         at::Tensor ssm, const at::Tensor& cu, const at::Tensor& slots, const at::Tensor& snap_ptr,
+                         const at::Tensor& snap_off, const at::Tensor& snap_slot, int64_t heads, int64_t head_dim,
+                         int64_t groups, int64_t state_size) {
+  const char* what = "mamba2_extend";
+  check_f32(xbc, what, "xbc");
+  check_f32(dt, what, "dt");
+  check_f32(A, what, "A");
+  check_f32(D, what, "D");
+  const Extend e = read_extend(cu, slots, snap_ptr, snap_off, snap_slot, what);
+  TORCH_CHECK(heads % groups == 0 && xbc.size(1) == heads * head_dim + 2 * groups * state_size, what,
+              ": xbc must be [T, heads*head_dim + 2*groups*state_size]");
+  TORCH_CHECK(ssm.is_contiguous() && ssm.dim() == 4 && ssm.size(1) == heads && ssm.size(2) == head_dim &&
+                  ssm.size(3) == state_size,
+              what, ": ssm must be a contiguous [slots, heads, head_dim, state_size]");
+  auto y = at::empty({xbc.size(0), heads, head_dim}, xbc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_extend", [&] {
+    mamba2_extend_impl<scalar_t>(xbc.data_ptr<float>(), dt.data_ptr<float>(), A.data_ptr<float>(), D.data_ptr<float>(),
+                                 ssm.data_ptr<scalar_t>(), y.data_ptr<float>(), e, heads, head_dim, groups, state_size);
+  });
+  return y;
+}
+
+}  // namespace
+}  // namespace sgl_linear
+
+TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
+  m.def("causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor slots, Tensor weight, Tensor? bias) -> Tensor");
+  m.def(
+      "gdn_decode(Tensor qkv, Tensor g, Tensor beta, Tensor(a!) ssm, Tensor slots, int hk, int hv, int dk, int dv) "
+      "-> Tensor");
+  m.def(
+      "mamba2_decode(Tensor xbc, Tensor dt, Tensor A, Tensor D, Tensor(a!) ssm, Tensor slots, int heads, "
+      "int head_dim, int groups, int state_size) -> Tensor");
+}
+
+TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
+  m.def(
+      "causal_conv1d_extend(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor cu_seqlens, "
+      "Tensor slots, Tensor snap_ptr, Tensor snap_offset, Tensor snap_slot) -> Tensor");
+  m.def(
+      "gdn_extend(Tensor qkv, Tensor g, Tensor beta, Tensor(a!) ssm, Tensor cu_seqlens, Tensor slots, "
+      "Tensor snap_ptr, Tensor snap_offset, Tensor snap_slot, int hk, int hv, int dk, int dv) -> Tensor");
+  m.def(
+      "mamba2_extend(Tensor xbc, Tensor dt, Tensor A, Tensor D, Tensor(a!) ssm, Tensor cu_seqlens, Tensor slots, "
+      "Tensor snap_ptr, Tensor snap_offset, Tensor snap_slot, int heads, int head_dim, int groups, "
+      "int state_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
+  m.impl("causal_conv1d_extend", &sgl_linear::causal_conv1d_extend);
+  m.impl("gdn_extend", &sgl_linear::gdn_extend);
+  m.impl("mamba2_extend", &sgl_linear::mamba2_extend);
+  m.impl("causal_conv1d_update", &sgl_linear::causal_conv1d_update);
+  m.impl("gdn_decode", &sgl_linear::gdn_decode);
+  m.impl("mamba2_decode", &sgl_linear::mamba2_decode);
+}

@@ -1,0 +1,255 @@
+"""sgl-kernel's C++ linear-attention ops (`sgl-kernel/csrc/linear_attn_cpu.cpp`) against their torch twins:
+- decode: the conv update, the Gated DeltaNet step and the Mamba2 selective state update;
+- extend: the conv, GDN and Mamba2 over a variable-length batch (lengths 1, chunk - 1, chunk, chunk + 1
+  and more) with snapshots at chunk multiples and at the end, against the per-request chunked torch forms;
+each reading and writing a pool in place through slots given out of order, float32 and bfloat16 pools,
+untouched slots bit-equal; and the engine gives the same tokens, logprobs and snapshots with the C++ ops
+and with the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.environ import envs
+from sglang.srt.layers.attention.cpu_linear_ops import cpu_linear_ops
+from sglang.srt.layers.attention.linear.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    l2norm,
+    recurrent_gated_delta_rule_step,
+)
+from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend, causal_conv1d_update
+from sglang.srt.layers.attention.mamba.ssd import selective_state_update, ssd_chunk_scan
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import make_runner, max_abs, random_ids
+from sglang.test.runner_driver import Extend, RunnerDriver
+
+register_cpu_ci(est_time=6, suite="per-commit-cpu")
+
+# float32: same arithmetic in another summation order (and a polynomial exp in silu, 8e-8 relative):
+# measured <= 5e-7 on these sizes. bfloat16 pools: both sides round the new state to bf16 once, and
+# one rounding may land on either side of a tie-free bf16 step (2^-8 relative): states <= 1 in size.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+SLOTS = 12
+# Extend outputs are float32 either way; states in a bfloat16 pool carry one rounding, as above.
+
+
+@pytest.fixture(scope="module")
+def ops():
+    found = cpu_linear_ops("cpu")
+    assert found is not None, "the sgl-kernel CPU extension is built by `make install` / `.ci/run`"
+    return found
+
+
+def _slots(bs: int, seed: int) -> torch.Tensor:
+    # Out of order, distinct, never the dummy slot 0.
+    return torch.randperm(SLOTS - 1, generator=torch.Generator().manual_seed(seed))[:bs] + 1
+
+
+def _untouched(before: torch.Tensor, after: torch.Tensor, slots: torch.Tensor) -> bool:
+    keep = torch.ones(before.shape[0], dtype=torch.bool)
+    keep[slots] = False
+    return torch.equal(before[keep], after[keep])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_conv_update_matches_torch(ops, dtype, with_bias):
+    torch.manual_seed(0)
+    bs, channels, width = 5, 40, 4
+    x = torch.randn(bs, channels)
+    weight = torch.randn(channels, width)
+    bias = torch.randn(channels) if with_bias else None
+    pool = torch.randn(SLOTS, channels, width - 1).to(dtype)
+    slots = _slots(bs, 1)
+    want_out, want_state = causal_conv1d_update(x, pool[slots], weight, bias)
+    got_pool = pool.clone()
+    got_out = ops.causal_conv1d_update(x, got_pool, slots, weight, bias)
+    assert max_abs(got_out, want_out) < TOL[torch.float32]  # the output is float32 either way
+    assert max_abs(got_pool[slots].float(), want_state.float()) < TOL[dtype]
+    assert _untouched(pool, got_pool, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_step_matches_torch(ops, dtype):
+    torch.manual_seed(1)
+    bs, hk, hv, dk, dv = 6, 2, 6, 8, 12  # three value heads per key head; dk != dv
+    qkv = torch.randn(bs, 2 * hk * dk + hv * dv)
+    g = -torch.rand(bs, hv)
+    beta = torch.rand(bs, hv)
+    pool = (0.3 * torch.randn(SLOTS, hv, dv, dk)).to(dtype)
+    slots = _slots(bs, 2)
+    q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = (l2norm(q.reshape(bs, hk, dk)) * dk**-0.5).repeat_interleave(hv // hk, dim=1)
+    k = l2norm(k.reshape(bs, hk, dk)).repeat_interleave(hv // hk, dim=1)
+    want_out, want_state = recurrent_gated_delta_rule_step(q, k, v.reshape(bs, hv, dv), g, beta, pool[slots])
+    got_pool = pool.clone()
+    got_out = ops.gdn_decode(qkv, g, beta, got_pool, slots, hk, hv, dk, dv)
+    assert max_abs(got_out, want_out) < TOL[dtype]
+    assert max_abs(got_pool[slots].float(), want_state) < TOL[dtype]
+    assert _untouched(pool, got_pool, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_step_matches_torch(ops, dtype):
+    torch.manual_seed(2)
+    bs, heads, head_dim, groups, n = 5, 8, 6, 2, 10
+    xbc = torch.randn(bs, heads * head_dim + 2 * groups * n)
+    dt = torch.rand(bs, heads) * 0.1 + 0.001
+    A = -torch.rand(heads) - 0.5
+    D = torch.randn(heads)
+    pool = (0.3 * torch.randn(SLOTS, heads, head_dim, n)).to(dtype)
+    slots = _slots(bs, 3)
+    x, B, C = xbc.split([heads * head_dim, groups * n, groups * n], dim=-1)
+    B = B.reshape(bs, groups, n).repeat_interleave(heads // groups, dim=1)
+    C = C.reshape(bs, groups, n).repeat_interleave(heads // groups, dim=1)
+    want_y, want_state = selective_state_update(pool[slots], x.reshape(bs, heads, head_dim), dt, A, B, C, D)
+    got_pool = pool.clone()
+    got_y = ops.mamba2_decode(xbc, dt, A, D, got_pool, slots, heads, head_dim, groups, n)
+    assert max_abs(got_y, want_y) < TOL[dtype]
+    assert max_abs(got_pool[slots].float(), want_state) < TOL[dtype]
+    assert _untouched(pool, got_pool, slots)
+
+
+CHUNK = 16
+LENGTHS = [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
+
+
+class _Batch:
+    """A variable-length extend batch: running slots out of order, and snapshots at every chunk
+    multiple inside each sequence plus its end, each into a slot of its own."""
+
+    def __init__(self, seed: int):
+        perm = torch.randperm(SLOTS * 2 - 1, generator=torch.Generator().manual_seed(seed)) + 1
+        self.running = perm[: len(LENGTHS)].tolist()
+        free = iter(perm[len(LENGTHS) :].tolist())
+        self.snaps = [[(o, next(free)) for o in [*range(CHUNK, n, CHUNK), n]] for n in LENGTHS]
+        cu = [0]
+        for n in LENGTHS:
+            cu.append(cu[-1] + n)
+        self.cu = cu
+        ptr, offsets, slots = [0], [], []
+        for snaps in self.snaps:
+            offsets += [o for o, _ in snaps]
+            slots += [s for _, s in snaps]
+            ptr.append(len(offsets))
+        self.args = tuple(torch.tensor(v) for v in (cu, self.running, ptr, offsets, slots))
+
+    def seqs(self):
+        for b, n in enumerate(LENGTHS):
+            yield slice(self.cu[b], self.cu[b] + n), self.running[b], self.snaps[b]
+
+
+def _pool(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return (0.3 * torch.randn(SLOTS * 2, *shape)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_extend_matches_torch(ops, dtype):
+    torch.manual_seed(3)
+    batch, channels, width = _Batch(4), 24, 4
+    x = torch.randn(batch.cu[-1], channels)
+    weight, bias = torch.randn(channels, width), torch.randn(channels)
+    pool = _pool(dtype, channels, width - 1)
+    got_pool = pool.clone()
+    got = ops.causal_conv1d_extend(x, got_pool, weight, bias, *batch.args)
+    touched = []
+    for tokens, slot, snaps in batch.seqs():
+        want, window = causal_conv1d_extend(x[tokens], pool[slot], weight, bias)
+        assert max_abs(got[tokens], want) < TOL[torch.float32]
+        for offset, snap_slot in [*snaps, (tokens.stop - tokens.start, slot)]:
+            # Stored states are the window's inputs rounded to the pool dtype: exact.
+            assert torch.equal(got_pool[snap_slot], window[offset : offset + width - 1].t().to(dtype))
+            touched.append(snap_slot)
+    assert _untouched(pool, got_pool, torch.tensor(touched))
+
+
+def _check_states(got_pool, want_final, want_inter, slot, snaps, dtype):
+    assert max_abs(got_pool[slot].float(), want_final) < TOL[dtype]
+    for offset, snap_slot in snaps:
+        want = want_final if offset % CHUNK else want_inter[offset // CHUNK]
+        assert max_abs(got_pool[snap_slot].float(), want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_extend_matches_chunked_torch(ops, dtype):
+    torch.manual_seed(5)
+    batch, hk, hv, dk, dv = _Batch(6), 2, 4, 8, 12
+    total = batch.cu[-1]
+    qkv = torch.randn(total, 2 * hk * dk + hv * dv)
+    g, beta = -0.3 * torch.rand(total, hv), torch.rand(total, hv)
+    pool = _pool(dtype, hv, dv, dk)
+    got_pool = pool.clone()
+    got = ops.gdn_extend(qkv, g, beta, got_pool, *batch.args, hk, hv, dk, dv)
+    for tokens, slot, snaps in batch.seqs():
+        n = tokens.stop - tokens.start
+        q, k, v = qkv[tokens].split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q = (l2norm(q.reshape(n, hk, dk)) * dk**-0.5).repeat_interleave(hv // hk, dim=1)
+        k = l2norm(k.reshape(n, hk, dk)).repeat_interleave(hv // hk, dim=1)
+        want, final, inter = chunk_gated_delta_rule(
+            q, k, v.reshape(n, hv, dv), g[tokens], beta[tokens], pool[slot].float(), CHUNK, True
+        )
+        assert max_abs(got[tokens], want) < TOL[torch.float32]
+        _check_states(got_pool, final, inter, slot, snaps, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_extend_matches_chunked_torch(ops, dtype):
+    torch.manual_seed(7)
+    batch, heads, head_dim, groups, n = _Batch(8), 4, 6, 2, 10
+    total = batch.cu[-1]
+    xbc = torch.randn(total, heads * head_dim + 2 * groups * n)
+    dt = torch.rand(total, heads) * 0.1 + 0.001
+    A, D = -torch.rand(heads) - 0.5, torch.randn(heads)
+    pool = _pool(dtype, heads, head_dim, n)
+    got_pool = pool.clone()
+    got = ops.mamba2_extend(xbc, dt, A, D, got_pool, *batch.args, heads, head_dim, groups, n)
+    for tokens, slot, snaps in batch.seqs():
+        length = tokens.stop - tokens.start
+        x, B, C = xbc[tokens].split([heads * head_dim, groups * n, groups * n], dim=-1)
+        B = B.reshape(length, groups, n).repeat_interleave(heads // groups, dim=1)
+        C = C.reshape(length, groups, n).repeat_interleave(heads // groups, dim=1)
+        x = x.reshape(length, heads, head_dim)
+        want, final, inter = ssd_chunk_scan(x, dt[tokens], A, B, C, D, pool[slot].float(), CHUNK, True)
+        assert max_abs(got[tokens], want) < TOL[torch.float32]
+        _check_states(got_pool, final, inter, slot, snaps, dtype)
+
+
+def test_bad_shapes_are_refused(ops):
+    pool = torch.zeros(SLOTS, 8, 3)
+    with pytest.raises(RuntimeError, match="conv_state must be"):
+        ops.causal_conv1d_update(torch.zeros(2, 9), pool, torch.tensor([1, 2]), torch.zeros(9, 4), None)
+    with pytest.raises(RuntimeError, match="int64 vector"):
+        ops.causal_conv1d_update(
+            torch.zeros(2, 8), pool, torch.tensor([1], dtype=torch.int32), torch.zeros(8, 4), None
+        )
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_engine_decodes_alike_with_cpp_and_torch_steps(ops, preset):
+    """Three requests of different lengths in one extend (the C++ recurrent path), then 8 greedy
+    decode steps with logprobs and a track copy at each step: same tokens, input and output logprobs
+    within float32 noise, and the same snapshot."""
+
+    def run(backend: str):
+        with envs.SGLANG_CPU_LINEAR_ATTN_BACKEND.override(backend):
+            runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
+        assert (runner.attn_backend.linear_attn_backend.cpu_ops is not None) == (backend == "cpp")
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request() for _ in range(3)]
+        first = driver.extend(
+            [Extend(r, random_ids(n, seed=90 + n)) for r, n in zip(reqs, (5, 33, 70), strict=True)]
+        )
+        tokens, logprobs = [], [torch.tensor(sum(first.input_token_logprobs, []))]
+        for _ in range(8):
+            res = driver.decode(reqs, track={reqs[1]: reqs[1].track_slot})
+            tokens.append(res.next_token_ids.tolist())
+            logprobs.append(res.next_token_logprobs.clone())
+        snapshot = runner.mamba_pool.ssm_state[:, reqs[1].track_slot].clone()
+        return tokens, torch.cat(logprobs), snapshot
+
+    with_cpp, with_torch = run("cpp"), run("torch")
+    assert with_cpp[0] == with_torch[0]
+    # Over 8 steps and every layer the two paths' float32 rounding differences compound; measured ~1e-6.
+    assert max_abs(with_cpp[1], with_torch[1]) < 1e-4
+    assert max_abs(with_cpp[2], with_torch[2]) < 1e-4
