@@ -19,7 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import PortArgs
-from sglang.srt.managers.schedule_batch import FutureSlots, Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import FutureSlots, Req, SamplingInfoCache, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
@@ -78,6 +78,7 @@ class Scheduler(SchedulerIOMixin):
         future_size = 8 * self.max_running_requests + 64
         self.worker = ForwardWorker(self.model_runner, future_size)
         self.future_slots = FutureSlots(future_size)
+        self.sampling_cache = SamplingInfoCache()
         self.counters = {
             "num_requests_total": 0,
             "num_prompt_tokens_total": 0,
@@ -208,7 +209,7 @@ class Scheduler(SchedulerIOMixin):
         if not reqs:
             return None
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
-        batch.prepare_for_decode(self.tracker, self.tree_cache, self.future_slots)
+        batch.prepare_for_decode(self.tracker, self.tree_cache, self.future_slots, self.sampling_cache)
         return batch
 
     def _can_decode(self, req: Req) -> bool:

@@ -78,15 +78,20 @@ def alloc_for_extend(
 def alloc_for_decode(
     tree_cache: BasePrefixCache, token_allocator: PagedTokenAllocator, reqs: list[Req]
 ) -> bool:
-    """One more KV slot for every request (a fresh page where its last one is full), or nothing."""
+    """One more KV slot for every request (a fresh page where its last one is full), or nothing. The
+    fresh pages are taken in one allocation, in request order (what `alloc_extend` per request gives):
+    this runs for every running request at every decode step."""
     page = token_allocator.page_size
-    need = sum(1 for r in reqs if r.kv_len % page == 0)
+    opens_page = [len(r.kv_indices) % page == 0 for r in reqs]
+    need = sum(opens_page)
     if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=need):
         return False
-    for req in reqs:
-        slot = token_allocator.alloc_extend(req.kv_len, req.kv_len + 1, req.kv_indices[-1])
-        assert slot is not None, "the pages of this step were made free above"
-        req.kv_indices += slot
+    pages = token_allocator.alloc_pages(need)
+    assert pages is not None, "the pages of this step were made free above"
+    fresh = iter(pages)
+    for req, opens in zip(reqs, opens_page, strict=True):
+        kv = req.kv_indices
+        kv.append(next(fresh) * page if opens else kv[-1] + 1)
     return True
 
 
