@@ -123,3 +123,26 @@ def test_attention_runs_the_fused_kernel(mode):
     # The math fallback (taken e.g. for 3-D inputs) materialises [E, S] scores through softmax.
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
     assert "aten::_softmax" not in ops
+
+
+def test_rope_tables_are_computed_once_per_batch():
+    from sglang.srt.layers.rotary_embedding import get_rope
+
+    rope_a, rope_b = (
+        get_rope(16, {"partial_rotary_factor": 0.5}),
+        get_rope(16, {"partial_rotary_factor": 0.5}),
+    )
+    positions = torch.tensor([0, 5, 9])
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    cache: dict = {}
+    want = rope_a(positions, q, k)
+    got_a = rope_a(positions, q, k, cache)
+    assert len(cache) == 1
+    cos_sin = next(iter(cache.values()))
+    got_b = rope_b(positions, q, k, cache)  # a second layer of the same batch reads the first's tables
+    assert next(iter(cache.values())) is cos_sin
+    for got in (got_a, got_b):
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    # Another base is another table.
+    get_rope(16, {"rope_theta": 500.0})(positions, q, k, cache)
+    assert len(cache) == 2

@@ -15,17 +15,25 @@ class RotaryEmbedding(nn.Module):
         assert rotary_dim % 2 == 0 and rotary_dim <= head_dim
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
+        self.base = base
         # Computed on the host in float32 whatever device or dtype the model is built in (the loader
         # builds on the meta device and copies buffers as they are).
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
         self.register_buffer("inv_freq", 1.0 / (base**exponents), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] at absolute `positions` [T]."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        """q [T, Hq, D], k [T, Hk, D] at absolute `positions` [T]. `cache` (the batch's `rope_cache`)
+        keeps cos/sin for the batch's other attention layers: computed once per batch, not per layer."""
+        key = (self.rotary_dim, self.base)
+        cos_sin = cache.get(key) if cache is not None else None
+        if cos_sin is None:
+            freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+            cos_sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+            if cache is not None:
+                cache[key] = cos_sin
+        cos, sin = cos_sin
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -205,6 +205,9 @@ class ForwardBatch:
 
     # Set by the model runner.
     attn_backend: Any = None
+    # RoPE cos/sin of this batch's positions, computed by the first attention layer and read by the
+    # others (`RotaryEmbedding.forward`), keyed by (rotary_dim, base).
+    rope_cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Per-request logprob lists may be left empty by a builder that wants the defaults.

@@ -83,7 +83,7 @@ class Qwen3NextAttention(nn.Module):
         q, gate = self.q_proj(hidden).view(t, self.num_heads, 2 * d).split(d, dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(hidden).view(t, self.num_kv_heads, d))
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, fb.rope_cache)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(hidden), fb)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
