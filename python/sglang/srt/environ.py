@@ -116,10 +116,12 @@ class Envs:
         "auto", "State-copy implementation: auto, torch, cpp, triton or cuda (docs/state_management.md)."
     )
 
-    # Gated DeltaNet decode step: auto = the Triton kernel in place on the pool on CUDA, the torch step
-    # elsewhere; torch forces the torch step (debugging); triton forces the kernel (on CPU it needs
+    # Decode step of the Gated DeltaNet / Mamba2 layers (conv update included): auto = the Triton kernels
+    # in place on the pool on CUDA, the C++ ops on CPU (SGLANG_CPU_LINEAR_ATTN_BACKEND), else the torch
+    # step; torch forces the torch step (debugging); triton forces the kernels (on CPU they need
     # TRITON_INTERPRET=1, for tests).
     SGLANG_GDN_DECODE_BACKEND = EnvStr("auto", "Gated DeltaNet decode step: auto, torch or triton.")
+    SGLANG_MAMBA2_DECODE_BACKEND = EnvStr("auto", "Mamba2 decode step: auto, torch or triton.")
     # CPU ops of the linear-attention layers (conv, GDN and Mamba2, decode and extend): auto = the
     # sgl-kernel C++ ops where built, else torch; torch forces the torch path; cpp requires the C++ ops.
     SGLANG_CPU_LINEAR_ATTN_BACKEND = EnvStr("auto", "CPU linear-attention ops: auto, torch or cpp.")

@@ -13,7 +13,6 @@ layer's `layer_id`, `conv1d` weight and head sizes. Returns the core output [T, 
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,32 +29,10 @@ from sglang.srt.mem_cache.memory_pool import MambaPool
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-logger = logging.getLogger(__name__)
-
-
-def decode_uses_triton(device: torch.device) -> bool:
-    choice = envs.SGLANG_GDN_DECODE_BACKEND.get()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"SGLANG_GDN_DECODE_BACKEND must be auto, torch or triton; got {choice!r}.")
-    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
-        try:
-            import sglang.srt.layers.attention.linear.gdn_decode_triton  # noqa: F401
-        except Exception as e:  # noqa: BLE001 - no usable triton: the torch step serves
-            if choice == "triton":
-                raise
-            logger.warning("The Triton GDN decode kernel is unavailable (%s); using the torch step.", e)
-            return False
-        return True
-    return False
-
 
 class GDNAttnBackend(MambaAttnBackendBase):
     def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int):
-        super().__init__(mamba_pool, kernel_state_chunk)
-        self.decode_in_place = decode_uses_triton(mamba_pool.ssm_state.device)
-        # The C++ step unless the GDN choice names one (torch or triton).
-        auto = envs.SGLANG_GDN_DECODE_BACKEND.get() == "auto"
-        self.decode_cpp = self.cpu_ops is not None and auto and not self.decode_in_place
+        super().__init__(mamba_pool, kernel_state_chunk, envs.SGLANG_GDN_DECODE_BACKEND)
 
     def forward(
         self, layer: Any, fb: ForwardBatch, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor

@@ -1,6 +1,7 @@
 """Mamba2 backend: causal conv over the pooled conv state, then the SSD chunked scan (chunk = the
-config's chunk size) for extends and the selective state update for decodes (sgl-kernel's C++ op on
-CPU where it is built, in place on the pool; torch otherwise).
+config's chunk size) for extends and the selective state update for decodes: in place on the pool,
+by the Triton kernels on CUDA (`decode_triton.py`) and sgl-kernel's C++ op on CPU where it is built;
+torch otherwise (`SGLANG_MAMBA2_DECODE_BACKEND` forces torch or triton).
 
 The layer passes the conv inputs `xBC` [T, I + 2*G*N] (channel order x | B | C) and the raw time step
 dt [T, H]; it reads the layer's `layer_id`, `conv1d`, `A_log`, `D`, `dt_bias`, `time_step_min` and
@@ -15,14 +16,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from sglang.srt.environ import envs
 from sglang.srt.layers.attention.mamba.mamba_backend_base import MambaAttnBackendBase
 from sglang.srt.layers.attention.mamba.ssd import selective_state_update, ssd_chunk_scan
+from sglang.srt.mem_cache.memory_pool import MambaPool
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 class Mamba2AttnBackend(MambaAttnBackendBase):
+    def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int):
+        super().__init__(mamba_pool, kernel_state_chunk, envs.SGLANG_MAMBA2_DECODE_BACKEND)
+
     def forward(self, layer: Any, fb: ForwardBatch, xBC: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
         weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
         lid = layer.layer_id
@@ -30,7 +36,22 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
         dt = F.softplus(dt.float() + layer.dt_bias.float()).clamp(min=layer.time_step_min)
         if fb.forward_mode.is_decode():
             xbc = self.conv_decode(lid, xBC, weight, layer.conv1d.bias)
-            if self.cpu_ops is not None:
+            if self.decode_in_place:
+                from sglang.srt.layers.attention.mamba.decode_triton import mamba2_decode_inplace
+
+                return mamba2_decode_inplace(
+                    xbc,
+                    dt,
+                    A,
+                    layer.D.float(),
+                    self.mamba_pool.layer_cache(lid)[1],
+                    self.meta.slots,
+                    layer.num_heads,
+                    layer.head_dim,
+                    layer.n_groups,
+                    layer.ssm_state_size,
+                )
+            if self.decode_cpp:
                 return self.cpu_ops.mamba2_decode(
                     xbc,
                     dt.contiguous(),

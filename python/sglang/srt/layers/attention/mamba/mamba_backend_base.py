@@ -20,8 +20,9 @@ kernels read initial states uniformly by slot (what batched GPU kernels need).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +32,8 @@ from sglang.srt.mem_cache.memory_pool import MambaPool
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,13 +72,20 @@ CPU_RECURRENT_MAX_HEAD_DIM = 64
 
 
 class MambaAttnBackendBase:
-    def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int):
+    def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int, decode_choice: Any):
+        """`decode_choice`: the layer kind's decode-step env var (auto, torch or triton)."""
         self.mamba_pool = mamba_pool
         self.kernel_state_chunk = kernel_state_chunk
         self.conv_kernel = mamba_pool.cache_params.shape.conv_kernel
         self.meta = LinearMetadata()
-        # The sgl-kernel C++ decode ops on CPU (None: the torch steps).
+        # The sgl-kernel C++ ops on CPU (None: the torch path).
         self.cpu_ops = cpu_linear_ops(mamba_pool.conv_state.device)
+        # Decode step: the Triton kernels in place on the pool (CUDA), the C++ ops (CPU, unless the
+        # layer's choice names torch or triton), or the torch step.
+        self.decode_in_place = decode_uses_triton(mamba_pool.ssm_state.device, decode_choice)
+        self.decode_cpp = (
+            self.cpu_ops is not None and decode_choice.get() == "auto" and not self.decode_in_place
+        )
 
     # ---- metadata ---------------------------------------------------------------------------------
 
@@ -201,7 +211,11 @@ class MambaAttnBackendBase:
         (`index_select` / `index_copy_`: ~3x faster than advanced indexing on CPU.)"""
         conv, _ = self.mamba_pool.layer_cache(layer_id)
         slots = self.meta.slots
-        if self.cpu_ops is not None:
+        if self.decode_in_place:
+            from sglang.srt.layers.attention.mamba.decode_triton import causal_conv1d_update_inplace
+
+            return causal_conv1d_update_inplace(x, conv, slots, weight, bias)
+        if self.decode_cpp:
             b = None if bias is None else bias.float().contiguous()
             return self.cpu_ops.causal_conv1d_update(
                 x.float().contiguous(), conv, slots, weight.float().contiguous(), b
@@ -238,3 +252,22 @@ def _cpu_extend_args(seqs: list[ExtendSeq]) -> tuple[torch.Tensor, ...]:
             snap_slots.append(t.slot)
         ptr.append(len(offsets))
     return tuple(torch.tensor(v, dtype=torch.int64) for v in (cu, slots, ptr, offsets, snap_slots))
+
+
+def decode_uses_triton(device: torch.device, choice_var: Any) -> bool:
+    """Whether the decode step runs the Triton kernels: `triton` forces them (on CPU they need
+    TRITON_INTERPRET=1), `auto` takes them on CUDA when Triton imports, `torch` never."""
+    choice = choice_var.get()
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"{choice_var.name} must be auto, torch or triton; got {choice!r}.")
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        try:
+            import sglang.srt.layers.attention.linear.gdn_decode_triton  # noqa: F401
+            import sglang.srt.layers.attention.mamba.decode_triton  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - no usable triton: the torch step serves
+            if choice == "triton":
+                raise
+            logger.warning("The Triton decode kernels are unavailable (%s); using the torch step.", e)
+            return False
+        return True
+    return False

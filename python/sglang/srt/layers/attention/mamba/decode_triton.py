@@ -1,0 +1,199 @@
+"""Single-token decode kernels of the linear-attention layers in Triton, in place on the pool (the CUDA
+path; on CPU tensors they run only under `TRITON_INTERPRET=1`, for tests on tiny shapes):
+
+- `causal_conv1d_update_inplace`: the depthwise conv over each request's conv state, read from its
+  running slot and shifted there in place (the new input enters the window); returns silu(conv). Twin:
+  `causal_conv1d.causal_conv1d_update` with a gather and a scatter around it.
+- `mamba2_decode_inplace`: the Mamba2 selective state update of each (request, head), reading x, B and
+  C straight from the conv output (B and C of a group shared by its heads, no repeat copies), updating
+  the state in the running slot and returning y = S C + D x. Twin: `ssd.selective_state_update`.
+
+No gather or scatter copies of whole states and no host reads: the slots are a device tensor, so the
+launches are CUDA-graph safe; padded rows point at the dummy slot 0, which absorbs their writes. The
+Gated DeltaNet step is `linear/gdn_decode_triton.py`, built the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.layers.attention.linear.gdn_decode_triton import _add
+
+
+def _conv_update_kernel(
+    x_ptr,
+    state_ptr,
+    slot_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    slot_stride,
+    CHANNELS: tl.constexpr,
+    KEEP: tl.constexpr,
+    BKEEP: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    offs_j = tl.arange(0, BKEEP)
+    mc = offs_c < CHANNELS
+    mj = offs_j < KEEP
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    base = state_ptr + slot * slot_stride
+    tile = offs_c[:, None] * KEEP + offs_j[None, :]
+    m2 = mc[:, None] & mj[None, :]
+    state = tl.load(base + tile, mask=m2, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs_c[:, None] * (KEEP + 1) + offs_j[None, :], mask=m2, other=0.0).to(tl.float32)
+    w_last = tl.load(w_ptr + offs_c * (KEEP + 1) + KEEP, mask=mc, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b * CHANNELS + offs_c, mask=mc, other=0.0).to(tl.float32)
+    acc = tl.reduce(state * w, 1, _add) + x * w_last
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)
+    tl.store(out_ptr + b * CHANNELS + offs_c, acc / (1.0 + tl.exp(-acc)), mask=mc)
+    # The window moves one input on: column j takes column j + 1, the last one the new input.
+    shifted = tl.load(base + tile + 1, mask=mc[:, None] & (offs_j[None, :] < KEEP - 1), other=0.0)
+    new = tl.where(offs_j[None, :] == KEEP - 1, x[:, None].to(shifted.dtype), shifted)
+    tl.store(base + tile, new.to(state_ptr.dtype.element_ty), mask=m2)
+
+
+def _mamba2_decode_kernel(
+    xbc_ptr,
+    dt_ptr,
+    a_ptr,
+    d_ptr,
+    state_ptr,
+    slot_ptr,
+    y_ptr,
+    slot_stride,
+    HEADS: tl.constexpr,
+    P: tl.constexpr,
+    N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_p = tl.program_id(2) * BP + tl.arange(0, BP)
+    offs_n = tl.arange(0, BN)
+    mp = offs_p < P
+    mn = offs_n < N
+    grp = h // (HEADS // GROUPS)
+    row = xbc_ptr + b * (HEADS * P + 2 * GROUPS * N)
+    x = tl.load(row + h * P + offs_p, mask=mp, other=0.0).to(tl.float32)
+    B = tl.load(row + HEADS * P + grp * N + offs_n, mask=mn, other=0.0).to(tl.float32)
+    C = tl.load(row + HEADS * P + GROUPS * N + grp * N + offs_n, mask=mn, other=0.0).to(tl.float32)
+    bh = b * HEADS + h
+    dt = tl.load(dt_ptr + bh).to(tl.float32)
+    decay = tl.exp(dt * tl.load(a_ptr + h).to(tl.float32))
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    base = state_ptr + slot * slot_stride + h * (P * N)
+    tile = offs_p[:, None] * N + offs_n[None, :]
+    m2 = mp[:, None] & mn[None, :]
+    s = tl.load(base + tile, mask=m2, other=0.0).to(tl.float32)
+    s = s * decay + (dt * x)[:, None] * B[None, :]
+    y = tl.reduce(s * C[None, :], 1, _add) + tl.load(d_ptr + h).to(tl.float32) * x
+    tl.store(y_ptr + bh * P + offs_p, y, mask=mp)
+    tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
+
+
+_jitted: dict[tuple[str, bool], object] = {}
+
+
+def _kernel(fn):
+    """The jitted kernel for the current `TRITON_INTERPRET` setting (decided at first use)."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    key = (fn.__name__, interpret)
+    if key not in _jitted:
+        _jitted[key] = triton.jit(fn)
+    return _jitted[key]
+
+
+def conv_block(channels: int, keep: int) -> int:
+    """Channels per program: a [BC, keep] float32 tile of at most 8 KB."""
+    return max(16, min(triton.next_power_of_2(channels), 2048 // triton.next_power_of_2(keep)))
+
+
+def causal_conv1d_update_inplace(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [bs, C]; `conv_state` is one layer of the pool, [slots, C, K-1] (any float dtype, rows
+    contiguous); weight [C, K]; `slots` [bs] int64 on the same device. Shifts the states of `slots` in
+    place and returns silu(conv) [bs, C] float32."""
+    bs, channels = x.shape
+    keep = weight.shape[1] - 1
+    assert conv_state.shape[1:] == (channels, keep) and conv_state[0].is_contiguous(), "layout [C, K-1]"
+    out = torch.empty(bs, channels, dtype=torch.float32, device=x.device)
+    if bs == 0:
+        return out
+    bc = conv_block(channels, keep)
+    _kernel(_conv_update_kernel)[(bs, triton.cdiv(channels, bc))](
+        x.contiguous(),
+        conv_state,
+        slots.contiguous(),
+        weight.contiguous(),
+        bias if bias is not None else weight,  # unread without a bias
+        out,
+        conv_state.stride(0),
+        CHANNELS=channels,
+        KEEP=keep,
+        BKEEP=triton.next_power_of_2(keep),
+        BC=bc,
+        HAS_BIAS=bias is not None,
+    )
+    return out
+
+
+def head_block(head_dim: int, state_size: int) -> int:
+    """Head rows per program: a [BP, N] float32 tile of at most 16 KB in registers."""
+    return max(1, min(triton.next_power_of_2(head_dim), 4096 // triton.next_power_of_2(state_size)))
+
+
+def mamba2_decode_inplace(
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    ssm: torch.Tensor,
+    slots: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    groups: int,
+    state_size: int,
+) -> torch.Tensor:
+    """xbc [bs, H*P + 2*G*N] (the conv output: x | B | C), dt [bs, H] (softplus'd and clamped), A, D
+    [H]; `ssm` is one layer of the pool, [slots, H, P, N]. Updates the states of `slots` in place and
+    returns y [bs, H, P] float32 (D skip included)."""
+    bs = xbc.shape[0]
+    assert xbc.shape[1] == heads * head_dim + 2 * groups * state_size and heads % groups == 0
+    assert ssm.shape[1:] == (heads, head_dim, state_size) and ssm[0].is_contiguous(), "layout [H, P, N]"
+    y = torch.empty(bs, heads, head_dim, dtype=torch.float32, device=xbc.device)
+    if bs == 0:
+        return y
+    bp = head_block(head_dim, state_size)
+    _kernel(_mamba2_decode_kernel)[(bs, heads, triton.cdiv(head_dim, bp))](
+        xbc.contiguous(),
+        dt.contiguous(),
+        A.contiguous(),
+        D.contiguous(),
+        ssm,
+        slots.contiguous(),
+        y,
+        ssm.stride(0),
+        HEADS=heads,
+        P=head_dim,
+        N=state_size,
+        GROUPS=groups,
+        BP=bp,
+        BN=triton.next_power_of_2(state_size),
+    )
+    return y
