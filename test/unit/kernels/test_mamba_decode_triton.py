@@ -123,7 +123,8 @@ def _compile(fn, signature: dict, constexprs: dict, pointers: int) -> str:
 @pytest.mark.parametrize("state", ["fp32", "bf16"])
 def test_compiles_for_sm90(state):
     """Nemotron-H-8B shapes (128 heads of 64, 8 groups, N = 128; conv over 10,240 channels, width 4) and
-    Qwen3-Next-80B's conv (8,192 channels): the kernels compile for an H100 from this CPU machine."""
+    Qwen3-Next-80B's conv (8,192 channels): the decode kernels and the extend conv's two kernels
+    compile for an H100 from this CPU machine."""
     from sglang.srt.layers.attention.mamba import decode_triton as mod
 
     conv_sig = {
@@ -147,6 +148,21 @@ def test_compiles_for_sm90(state):
     }  # fmt: skip
     consts = {"HEADS": 128, "P": 64, "N": 128, "GROUPS": 8, "BP": mod.head_block(64, 128), "BN": 128}
     assert ".target sm_90" in _compile(mod._mamba2_decode_kernel, ssm_sig, consts, 7)
+    ext_sig = {
+        "x_ptr": "*fp32", "state_ptr": f"*{state}", "cu_ptr": "*i64", "slot_ptr": "*i64", "w_ptr": "*fp32",
+        "bias_ptr": "*fp32", "out_ptr": "*fp32", "slot_stride": "i64",
+        **{k: "constexpr" for k in ("CHANNELS", "KEEP", "BT", "BC", "HAS_BIAS")},
+    }  # fmt: skip
+    bc = mod.conv_block(10240, 3)
+    consts = {"CHANNELS": 10240, "KEEP": 3, "BT": 2048 // bc, "BC": bc, "HAS_BIAS": True}
+    assert ".target sm_90" in _compile(mod._conv_extend_kernel, ext_sig, consts, 7)
+    win_sig = {
+        "x_ptr": "*fp32", "state_ptr": f"*{state}",
+        **{k: "*i64" for k in ("cu_ptr", "slot_ptr", "seq_ptr", "off_ptr", "dst_ptr")}, "slot_stride": "i64",
+        **{k: "constexpr" for k in ("CHANNELS", "KEEP", "BKEEP", "BC")},
+    }  # fmt: skip
+    consts = {"CHANNELS": 10240, "KEEP": 3, "BKEEP": 4, "BC": bc}
+    assert ".target sm_90" in _compile(mod._conv_window_kernel, win_sig, consts, 7)
 
 
 @pytest.mark.parametrize("preset", ["tiny-nemotron-h"])  # Qwen3-Next: test_gdn_decode_triton.py
@@ -186,3 +202,35 @@ def test_engine_decodes_through_the_kernels_as_through_the_torch_step(interpret,
     torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
     for a, b in zip(snap_a, snap_b, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("width,dtype", [(4, torch.float32), (3, torch.float32), (4, torch.bfloat16)])
+def test_conv_extend_batch_matches_torch(interpret, width, dtype):
+    """Sequences of 1, 2 (shorter than the window), 7 and 20 tokens from pool slots out of order, with
+    snapshots after 1, 3 and 16 tokens (windows reaching into the initial state) and the final windows."""
+    from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend
+    from sglang.srt.layers.attention.mamba.decode_triton import causal_conv1d_extend_batch
+
+    g = torch.Generator().manual_seed(width)
+    channels, lengths, running = 40, [1, 2, 7, 20], [9, 3, 11, 6]
+    snaps = [(2, 1, 1), (2, 3, 4), (3, 16, 8)]  # (sequence, offset, slot)
+    pool = torch.randn(NUM_SLOTS, channels, width - 1, generator=g).to(dtype)
+    before = pool.clone()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = torch.randn(int(cu[-1]), channels, generator=g)
+    weight, bias = torch.randn(channels, width, generator=g), torch.randn(channels, generator=g)
+    snap_t = tuple(torch.tensor(col) for col in zip(*snaps, strict=True))
+    out = causal_conv1d_extend_batch(x, pool, weight, bias, cu, torch.tensor(running), max(lengths), snap_t)
+    written = set(running) | {s for _, _, s in snaps}
+    for b, (n, slot) in enumerate(zip(lengths, running, strict=True)):
+        tokens = slice(int(cu[b]), int(cu[b]) + n)
+        want, window = causal_conv1d_extend(x[tokens], before[slot], weight, bias)
+        torch.testing.assert_close(out[tokens], want, **TOL[torch.float32])
+        # Stored windows are the inputs rounded to the pool dtype: exact in float32; in bfloat16 within
+        # one ulp (the interpreter rounds float32 -> bfloat16 toward zero, torch to nearest).
+        for dst, off in [(slot, n)] + [(d, o) for s, o, d in snaps if s == b]:
+            torch.testing.assert_close(
+                pool[dst].float(), window[off : off + width - 1].t().to(dtype).float(), **TOL[dtype]
+            )
+    rest = [s for s in range(NUM_SLOTS) if s not in written]
+    assert torch.equal(pool[rest], before[rest])

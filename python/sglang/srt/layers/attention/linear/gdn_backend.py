@@ -79,8 +79,13 @@ class GDNAttnBackend(MambaAttnBackendBase):
         out = torch.empty(
             mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim, dtype=torch.float32, device=g.device
         )
+        conv_all = self.conv_extend_all(lid, mixed_qkv, weight, layer.conv1d.bias)
         for seq in self.meta.extend:
-            x = self.conv_extend(lid, seq, mixed_qkv[seq.tokens], weight, layer.conv1d.bias)
+            x = (
+                conv_all[seq.tokens]
+                if conv_all is not None
+                else self.conv_extend(lid, seq, mixed_qkv[seq.tokens], weight, layer.conv1d.bias)
+            )
             q, k, v = self._split_heads(layer, x)
             o, final, inter = chunk_gated_delta_rule(
                 q,

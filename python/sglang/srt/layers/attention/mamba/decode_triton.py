@@ -197,3 +197,124 @@ def mamba2_decode_inplace(
         BN=triton.next_power_of_2(state_size),
     )
     return y
+
+
+# ---- extend: the conv over a whole variable-length batch ---------------------------------------------
+
+
+def _conv_extend_kernel(
+    x_ptr,
+    state_ptr,
+    cu_ptr,
+    slot_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    slot_stride,
+    CHANNELS: tl.constexpr,
+    KEEP: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """out[t] = silu(sum_j w[:, j] * in(t + j - KEEP) + bias) for a [BT, BC] tile of one sequence, where
+    in(i) is the sequence's input i, or for i < 0 column KEEP + i of its initial conv state."""
+    b = tl.program_id(0)
+    start = tl.load(cu_ptr + b)
+    length = tl.load(cu_ptr + b + 1) - start
+    offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
+    offs_c = tl.program_id(2) * BC + tl.arange(0, BC)
+    mt = offs_t < length
+    mc = offs_c < CHANNELS
+    state = state_ptr + tl.load(slot_ptr + b).to(tl.int64) * slot_stride
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(KEEP + 1):
+        i = offs_t + j - KEEP  # the input position this tap reads
+        from_x = mt[:, None] & mc[None, :] & (i[:, None] >= 0)
+        xv = tl.load(x_ptr + (start + i[:, None]) * CHANNELS + offs_c[None, :], mask=from_x, other=0.0)
+        from_state = mt[:, None] & mc[None, :] & (i[:, None] < 0)
+        sv = tl.load(state + offs_c[None, :] * KEEP + (KEEP + i[:, None]), mask=from_state, other=0.0)
+        w = tl.load(w_ptr + offs_c * (KEEP + 1) + j, mask=mc, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)[None, :]
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(
+        out_ptr + (start + offs_t[:, None]) * CHANNELS + offs_c[None, :], out, mask=mt[:, None] & mc[None, :]
+    )
+
+
+def _conv_window_kernel(
+    x_ptr,
+    state_ptr,
+    cu_ptr,
+    slot_ptr,
+    seq_ptr,
+    off_ptr,
+    dst_ptr,
+    slot_stride,
+    CHANNELS: tl.constexpr,
+    KEEP: tl.constexpr,
+    BKEEP: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """Entry e: the conv state after off[e] tokens of sequence seq[e] (inputs off - KEEP .. off - 1,
+    from the extend or from its initial state) into slot dst[e]."""
+    e = tl.program_id(0)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    offs_j = tl.arange(0, BKEEP)
+    mc = offs_c < CHANNELS
+    b = tl.load(seq_ptr + e)
+    start = tl.load(cu_ptr + b)
+    i = tl.load(off_ptr + e) - KEEP + offs_j  # the input position of each state column
+    m2 = mc[:, None] & (offs_j[None, :] < KEEP)
+    src = state_ptr + tl.load(slot_ptr + b).to(tl.int64) * slot_stride
+    xv = tl.load(
+        x_ptr + (start + i[None, :]) * CHANNELS + offs_c[:, None], mask=m2 & (i[None, :] >= 0), other=0.0
+    )
+    sv = tl.load(src + offs_c[:, None] * KEEP + (KEEP + i[None, :]), mask=m2 & (i[None, :] < 0), other=0.0)
+    window = xv.to(tl.float32) + sv.to(tl.float32)
+    # The whole window is read before it is written: the final one goes to the running slot itself.
+    dst = state_ptr + tl.load(dst_ptr + e).to(tl.int64) * slot_stride
+    tl.store(dst + offs_c[:, None] * KEEP + offs_j[None, :], window.to(state_ptr.dtype.element_ty), mask=m2)
+
+
+def causal_conv1d_extend_batch(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    max_len: int,
+    snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """The conv of every sequence of an extend, x [T, C] (sequence b is tokens cu_seqlens[b] ..
+    cu_seqlens[b+1], starting from the conv state in slots[b]), in three launches: the outputs
+    (silu, [T, C] float32); the snapshots (`snapshots` = (sequence, offset, slot) tensors, slots other
+    than the running ones); the final windows into the running slots. `max_len` (a host int) sizes the
+    grid. Twin: `causal_conv1d.causal_conv1d_extend` per sequence."""
+    total, channels = x.shape
+    keep = weight.shape[1] - 1
+    assert conv_state.shape[1:] == (channels, keep) and conv_state[0].is_contiguous(), "layout [C, K-1]"
+    out = torch.empty(total, channels, dtype=torch.float32, device=x.device)
+    batch = slots.numel()
+    if batch == 0 or total == 0:
+        return out
+    x = x.contiguous()
+    bc = conv_block(channels, keep)
+    bt = max(1, min(triton.next_power_of_2(max_len), 2048 // bc))
+    grid = (batch, triton.cdiv(max_len, bt), triton.cdiv(channels, bc))
+    _kernel(_conv_extend_kernel)[grid](
+        x, conv_state, cu_seqlens, slots, weight.contiguous(), bias if bias is not None else weight, out,
+        conv_state.stride(0), CHANNELS=channels, KEEP=keep, BT=bt, BC=bc, HAS_BIAS=bias is not None,
+    )  # fmt: skip
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    finals = (torch.arange(batch, device=x.device), lengths, slots)
+    for seq, off, dst in [snapshots, finals] if snapshots is not None else [finals]:
+        if seq.numel():
+            _kernel(_conv_window_kernel)[(seq.numel(), triton.cdiv(channels, bc))](
+                x, conv_state, cu_seqlens, slots, seq, off, dst, conv_state.stride(0),
+                CHANNELS=channels, KEEP=keep, BKEEP=triton.next_power_of_2(keep), BC=bc,
+            )  # fmt: skip
+    return out

@@ -83,10 +83,14 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
                 layer.ssm_state_size,
             )
         y = torch.empty(xBC.shape[0], layer.num_heads, layer.head_dim, dtype=torch.float32, device=dt.device)
+        conv_all = self.conv_extend_all(lid, xBC, weight, layer.conv1d.bias)
         for seq in self.meta.extend:
-            x, B, C = self._split(
-                layer, self.conv_extend(lid, seq, xBC[seq.tokens], weight, layer.conv1d.bias)
+            xbc = (
+                conv_all[seq.tokens]
+                if conv_all is not None
+                else self.conv_extend(lid, seq, xBC[seq.tokens], weight, layer.conv1d.bias)
             )
+            x, B, C = self._split(layer, xbc)
             out, final, inter = ssd_chunk_scan(
                 x,
                 dt[seq.tokens],

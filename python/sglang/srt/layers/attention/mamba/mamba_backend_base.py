@@ -64,6 +64,9 @@ class LinearMetadata:
     track_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Extend through the C++ ops: (cu_seqlens, running slots, snap_ptr, snap_offset, snap_slot), int64.
     cpu_extend: tuple[torch.Tensor, ...] | None = None
+    # Extend conv through the Triton kernels: (cu_seqlens, running slots, (snap_seq, snap_offset,
+    # snap_slot)) on the device, and the longest extend (a host int, for the grid).
+    triton_extend: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], int] | None = None
 
 
 # The C++ extend ops run the recurrence token by token: per token and head K*V multiply-adds against
@@ -93,7 +96,11 @@ class MambaAttnBackendBase:
         if fb.forward_mode.is_extend():
             seqs = self._extend_seqs(fb)
             cpu_extend = _cpu_extend_args(seqs) if self.cpu_ops is not None else None
-            self.meta = LinearMetadata(slots=fb.mamba_pool_indices, extend=seqs, cpu_extend=cpu_extend)
+            device = self.mamba_pool.conv_state.device
+            triton_extend = _triton_extend_args(seqs, device) if self.decode_in_place else None
+            self.meta = LinearMetadata(
+                slots=fb.mamba_pool_indices, extend=seqs, cpu_extend=cpu_extend, triton_extend=triton_extend
+            )
         elif fb.forward_mode.is_decode():
             self.meta = LinearMetadata(slots=fb.mamba_pool_indices, track_rows=self._decode_track_rows(fb))
         else:
@@ -188,6 +195,20 @@ class MambaAttnBackendBase:
             x.float().contiguous(), conv, weight.float().contiguous(), b, *self.meta.cpu_extend
         )
 
+    def conv_extend_all(
+        self, layer_id: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The conv of every request of the extend in three Triton launches (with the Triton decode
+        kernels, i.e. on CUDA), snapshots and running slots written; None elsewhere (then `conv_extend`
+        runs per request)."""
+        if self.meta.triton_extend is None:
+            return None
+        from sglang.srt.layers.attention.mamba.decode_triton import causal_conv1d_extend_batch
+
+        cu, slots, snaps, max_len = self.meta.triton_extend
+        conv, _ = self.mamba_pool.layer_cache(layer_id)
+        return causal_conv1d_extend_batch(x, conv, weight, bias, cu, slots, max_len, snaps)
+
     def initial_ssm(self, layer_id: int, seq: ExtendSeq) -> torch.Tensor:
         _, ssm = self.mamba_pool.layer_cache(layer_id)
         return ssm[seq.slot].float()
@@ -252,6 +273,23 @@ def _cpu_extend_args(seqs: list[ExtendSeq]) -> tuple[torch.Tensor, ...]:
             snap_slots.append(t.slot)
         ptr.append(len(offsets))
     return tuple(torch.tensor(v, dtype=torch.int64) for v in (cu, slots, ptr, offsets, snap_slots))
+
+
+def _triton_extend_args(
+    seqs: list[ExtendSeq], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], int]:
+    """The Triton conv's batch description, built on the host and moved in one copy."""
+    from sglang.srt.model_executor.forward_batch_info import move_to_device
+
+    cu, snaps = [0], []
+    for i, seq in enumerate(seqs):
+        assert seq.start == cu[-1], "extend sequences are laid out back to back"
+        cu.append(seq.start + seq.length)
+        snaps += [(i, t.offset, t.slot) for t in seq.tracks]
+    snap_cols = [[e[k] for e in snaps] for k in range(3)]  # sequence, offset, slot
+    host = [cu, [s.slot for s in seqs], *snap_cols]
+    moved = move_to_device([torch.tensor(v, dtype=torch.int64) for v in host], device)
+    return moved[0], moved[1], tuple(moved[2:]), max((s.length for s in seqs), default=0)
 
 
 def decode_uses_triton(device: torch.device, choice_var: Any) -> bool:
