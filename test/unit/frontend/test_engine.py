@@ -172,3 +172,16 @@ def test_engine_refuses_a_transfer_backend_like_the_server():
             disaggregation_mode="prefill",
             disaggregation_transfer_backend="nixl",
         )
+
+
+def test_a_slow_stream_reader_still_gets_the_last_tokens(engine):
+    # The request finishes while the caller holds its first chunk; the stream used to end at once
+    # (its requests were finished) without the tokens that had arrived meanwhile.
+    it = engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, stream=True)
+    chunks = [next(it)]
+    time.sleep(6 * 0.02 + 0.5)  # six forwards of the fake scheduler's 20 ms, with room
+    chunks += list(it)
+    full = engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    assert len(chunks[0]["output_ids"]) < 6
+    assert chunks[-1]["output_ids"] == full["output_ids"] and len(full["output_ids"]) == 6
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}

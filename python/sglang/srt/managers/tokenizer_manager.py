@@ -239,6 +239,9 @@ class TokenizerManager:
                     if with_index:
                         chunk["index"] = state.index
                     yield chunk
+            # Outputs that arrived while the caller held a chunk are sent before anything ends.
+            if any(s.has_unsent_update() for s in states):
+                continue
             if all(s.finished for s in states):
                 return
             await self._wait_event(event, request)
