@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	@ldconfig -p | grep -q libibverbs.so.1 || apt-get install -y -q libibverbs1 >/dev/null \
 		|| (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null) \
 		|| echo "warning: libibverbs1 is not installed: --disaggregation-mode will not start (apt-get install libibverbs1)"
-	# sgl-kernel's C++ state-copy op for CPU (~40 s once, cached; a failed build warns, the torch path is used)
+	# sgl-kernel's C++ ops for CPU (~45 s once, cached; a failed build warns, the torch paths are used)
 	$(PY) -m sglang.srt.utils.sgl_kernel
 	touch $(STAMP)
 

@@ -1,6 +1,6 @@
 """The engine against Hugging Face `generate` on CPU, same checkpoint, same torch thread count, in one run:
 
-    .venv/bin/python benchmark/bench_cpu_vs_hf.py              # both presets, 5 repetitions, ~10 min
+    .venv/bin/python benchmark/bench_cpu_vs_hf.py              # both presets, 5 repetitions, ~4-5 min
     .venv/bin/python benchmark/bench_cpu_vs_hf.py --reps 1 --preset tiny-qwen3-next   # a quick look
 
 Workloads (issue 19's):
@@ -13,7 +13,8 @@ Workloads (issue 19's):
 
 Every workload is timed after one warm-up; the engine's cache is flushed (untimed) before each repetition,
 so hits come only from within the repetition. Greedy with `ignore_eos`, so both sides generate exactly the
-same number of tokens. Ratios are medians of per-repetition ratios, HF and engine alternating.
+same number of tokens. `engine_over_hf` is the engine's speed over HF's (HF time / engine time: above 1,
+the engine is faster), the median of per-repetition ratios, HF and engine alternating.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     rows = [r for p in args.preset or PRESETS for r in run_preset(p, args.strategy, args.reps)]
-    print("\n| preset | workload | HF s | engine s | engine / HF |\n|---|---|---|---|---|")
+    print("\n| preset | workload | HF s | engine s | speedup (HF s / engine s) |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['preset']} | {r['workload']} | {r['hf_s']} | {r['engine_s']} | {r['engine_over_hf']}x |")
 

@@ -55,10 +55,16 @@ inline float silu(float x) { return x / (1.0f + fast_exp(-x)); }
 // Serial below this many (request, head) units: waking another thread costs more than it saves.
 constexpr int64_t kGrain = 16;
 
+void check_slot_values(const int64_t* slots, int64_t n, int64_t num_slots, const char* what) {
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, what, ": slot ", slots[i], " is outside the pool");
+}
+
 void check_slots(const at::Tensor& slots, int64_t bs, const at::Tensor& pool, const char* what) {
-  TORCH_CHECK(slots.dtype() == at::kLong && slots.dim() == 1 && slots.size(0) == bs,
+  TORCH_CHECK(slots.dtype() == at::kLong && slots.dim() == 1 && slots.size(0) == bs && slots.is_contiguous(),
               what, ": slots must be an int64 vector of one entry per request");
   TORCH_CHECK(pool.is_contiguous(), what, ": the pool's layer view must be contiguous");
+  check_slot_values(slots.data_ptr<int64_t>(), bs, pool.size(0), what);
 }
 
 void check_f32(const at::Tensor& t, const char* what, const char* name) {
@@ -250,8 +256,11 @@ struct Extend {
   int64_t batch;
 };
 
+// `rows`: the tokens of the inputs; `num_slots`: the pool's slots. Sequences must tile the rows in
+// order, and snapshots sit inside their sequence (1 <= offset <= length, sorted).
 Extend read_extend(const at::Tensor& cu, const at::Tensor& slots, const at::Tensor& snap_ptr,
-                   const at::Tensor& snap_off, const at::Tensor& snap_slot, const char* what) {
+                   const at::Tensor& snap_off, const at::Tensor& snap_slot, int64_t rows, int64_t num_slots,
+                   const char* what) {
   for (const at::Tensor* t : {&cu, &slots, &snap_ptr, &snap_off, &snap_slot}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(), what,
                 ": cu_seqlens, slots and the snapshot tensors must be contiguous int64 vectors");
@@ -259,8 +268,21 @@ Extend read_extend(const at::Tensor& cu, const at::Tensor& slots, const at::Tens
   const int64_t batch = slots.size(0);
   TORCH_CHECK(cu.size(0) == batch + 1 && snap_ptr.size(0) == batch + 1 && snap_off.size(0) == snap_slot.size(0),
               what, ": cu_seqlens and snap_ptr need batch + 1 entries, the snapshot lists one length");
-  return {cu.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), snap_ptr.data_ptr<int64_t>(),
-          snap_off.data_ptr<int64_t>(), snap_slot.data_ptr<int64_t>(), batch};
+  const Extend e{cu.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), snap_ptr.data_ptr<int64_t>(),
+                 snap_off.data_ptr<int64_t>(), snap_slot.data_ptr<int64_t>(), batch};
+  const int64_t num_snaps = snap_off.size(0);
+  TORCH_CHECK(e.cu[0] == 0 && e.cu[batch] == rows && e.snap_ptr[0] == 0 && e.snap_ptr[batch] == num_snaps, what,
+              ": cu_seqlens must run from 0 to the number of tokens, snap_ptr from 0 to the number of snapshots");
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = e.cu[b + 1] - e.cu[b];
+    TORCH_CHECK(len >= 0 && e.snap_ptr[b + 1] >= e.snap_ptr[b], what, ": cu_seqlens and snap_ptr must not decrease");
+    for (int64_t m = e.snap_ptr[b]; m < e.snap_ptr[b + 1]; ++m)
+      TORCH_CHECK(e.snap_off[m] >= 1 && e.snap_off[m] <= len && (m == e.snap_ptr[b] || e.snap_off[m] >= e.snap_off[m - 1]),
+                  what, ": snapshot offsets must lie in 1..length of their sequence, sorted");
+  }
+  check_slot_values(e.slots, batch, num_slots, what);
+  check_slot_values(e.snap_slot, num_snaps, num_slots, what);
+  return e;
 }
 
 template <typename S>
@@ -319,7 +341,7 @@ at::Tensor causal_conv1d_extend(const at::Tensor& x, at::Tensor conv_state, cons
   const char* what = "causal_conv1d_extend";
   check_f32(x, what, "x");
   check_f32(weight, what, "weight");
-  const Extend e = read_extend(cu, slots, snap_ptr, snap_off, snap_slot, what);
+  const Extend e = read_extend(cu, slots, snap_ptr, snap_off, snap_slot, x.size(0), conv_state.size(0), what);
   const int64_t channels = x.size(1), width = weight.size(1);
   TORCH_CHECK(conv_state.is_contiguous() && conv_state.dim() == 3 && conv_state.size(1) == channels &&
                   conv_state.size(2) == width - 1,
@@ -382,7 +404,7 @@ at::Tensor gdn_extend(const at::Tensor& qkv, const at::Tensor& g, const at::Tens
   check_f32(qkv, what, "qkv");
   check_f32(g, what, "g");
   check_f32(beta, what, "beta");
-  const Extend e = read_extend(cu, slots, snap_ptr, snap_off, snap_slot, what);
+  const Extend e = read_extend(cu, slots, snap_ptr, snap_off, snap_slot, qkv.size(0), ssm.size(0), what);
   TORCH_CHECK(hv % hk == 0 && qkv.size(1) == 2 * hk * dk + hv * dv, what, ": qkv must be [T, 2*hk*dk + hv*dv]");
   TORCH_CHECK(ssm.is_contiguous() && ssm.dim() == 4 && ssm.size(1) == hv && ssm.size(2) == dv && ssm.size(3) == dk,
               what, ": ssm must be a contiguous [slots, hv, dv, dk]");
@@ -437,7 +459,7 @@ at::Tensor mamba2_extend(const at::Tensor& xbc, const at::Tensor& dt, const at::
   check_f32(dt, what, "dt");
   check_f32(A, what, "A");
   check_f32(D, what, "D");
-  const Extend e = read_extend(cu, slots, snap_ptr, snap_off, snap_slot, what);
+  const Extend e = read_extend(cu, slots, snap_ptr, snap_off, snap_slot, xbc.size(0), ssm.size(0), what);
   TORCH_CHECK(heads % groups == 0 && xbc.size(1) == heads * head_dim + 2 * groups * state_size, what,
               ": xbc must be [T, heads*head_dim + 2*groups*state_size]");
   TORCH_CHECK(ssm.is_contiguous() && ssm.dim() == 4 && ssm.size(1) == heads && ssm.size(2) == head_dim &&

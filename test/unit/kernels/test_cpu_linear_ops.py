@@ -253,3 +253,21 @@ def test_engine_decodes_alike_with_cpp_and_torch_steps(ops, preset):
     # Over 8 steps and every layer the two paths' float32 rounding differences compound; measured ~1e-6.
     assert max_abs(with_cpp[1], with_torch[1]) < 1e-4
     assert max_abs(with_cpp[2], with_torch[2]) < 1e-4
+
+
+def test_bad_extend_descriptions_are_refused(ops):
+    x, pool, w = torch.zeros(5, 8), torch.zeros(SLOTS, 8, 3), torch.zeros(8, 4)
+
+    def call(cu, slots, ptr, off, snap_slots):
+        args = [torch.tensor(v, dtype=torch.int64) for v in (cu, slots, ptr, off, snap_slots)]
+        return ops.causal_conv1d_extend(x, pool, w, None, *args)
+
+    call([0, 2, 5], [1, 2], [0, 1, 1], [2], [3])  # valid: a snapshot at the end of sequence 0
+    with pytest.raises(RuntimeError, match="number of tokens"):
+        call([0, 2, 4], [1, 2], [0, 0, 0], [], [])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        call([0, 2, 5], [1, SLOTS], [0, 0, 0], [], [])
+    with pytest.raises(RuntimeError, match="1..length"):
+        call([0, 2, 5], [1, 2], [0, 1, 1], [3], [3])  # offset 3 in a 2-token sequence
+    with pytest.raises(RuntimeError, match="1..length"):
+        call([0, 2, 5], [1, 2], [0, 1, 1], [0], [3])

@@ -105,7 +105,11 @@ def test_engine_decodes_through_the_kernel_as_through_the_torch_step(interpret):
 
     runs = []
     for backend in ("triton", "torch"):
-        with envs.SGLANG_GDN_DECODE_BACKEND.override(backend):
+        # The C++ CPU ops off, so that the extend's conv is the Triton one too.
+        with (
+            envs.SGLANG_GDN_DECODE_BACKEND.override(backend),
+            envs.SGLANG_CPU_LINEAR_ATTN_BACKEND.override("torch"),
+        ):
             runner = make_runner("tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer")
         assert runner.attn_backend.linear_attn_backend.decode_in_place == (backend == "triton")
         driver = RunnerDriver(runner)

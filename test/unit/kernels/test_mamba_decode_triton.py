@@ -34,7 +34,7 @@ def _untouched(before: torch.Tensor, after: torch.Tensor) -> None:
     "channels,width,bias,dtype",
     [
         (24, 4, True, torch.float32),  # one channel block, not a power of two
-        (300, 4, False, torch.float32),  # several channel blocks
+        (600, 4, False, torch.float32),  # two channel blocks (512 + a masked one)
         (40, 3, True, torch.float32),  # a conv of width 3: two state columns
         (24, 4, True, torch.bfloat16),  # a bfloat16 pool: the new input is stored rounded
     ],
@@ -56,8 +56,8 @@ def test_conv_update_matches_torch_in_place(interpret, channels, width, bias, dt
     torch.testing.assert_close(out[real], want_out[real], **TOL[torch.float32])
     torch.testing.assert_close(pool[idx][real].float(), want_state[real].float(), **TOL[dtype])
     _untouched(before, pool)
-    if channels > conv_block(channels, width - 1):
-        assert channels // conv_block(channels, width - 1) > 1  # several programs per request
+    if channels == 600:
+        assert conv_block(channels, width - 1) < channels  # the case really splits channels
 
 
 @pytest.mark.parametrize(
@@ -168,7 +168,8 @@ def test_compiles_for_sm90(state):
 @pytest.mark.parametrize("preset", ["tiny-nemotron-h"])  # Qwen3-Next: test_gdn_decode_triton.py
 def test_engine_decodes_through_the_kernels_as_through_the_torch_step(interpret, preset):
     """Prefill then 5 greedy decode steps of 3 requests (one with a track copy), once with the Triton
-    kernels forced (interpreted: conv update and the Mamba2 step) and once with the torch step."""
+    kernels forced (interpreted: the extend's batched conv, the conv update and the Mamba2 step) and once
+    with the torch path."""
     from sglang.srt.environ import envs
     from sglang.test.model_checks import make_runner, random_ids
     from sglang.test.runner_driver import Extend, RunnerDriver
@@ -178,10 +179,11 @@ def test_engine_decodes_through_the_kernels_as_through_the_torch_step(interpret,
     )
     runs = []
     for backend in ("triton", "torch"):
-        with choice.override(backend):
+        # The C++ CPU ops off: with them the extend would not reach the Triton conv.
+        with choice.override(backend), envs.SGLANG_CPU_LINEAR_ATTN_BACKEND.override("torch"):
             runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
         linear = runner.attn_backend.linear_attn_backend
-        assert linear.decode_in_place == (backend == "triton") and not linear.decode_cpp
+        assert linear.decode_in_place == (backend == "triton") and linear.cpu_ops is None
         driver = RunnerDriver(runner)
         reqs = [driver.new_request() for _ in range(3)]
         driver.extend([Extend(r, random_ids(20 + 7 * i, seed=i)) for i, r in enumerate(reqs)])
@@ -204,15 +206,24 @@ def test_engine_decodes_through_the_kernels_as_through_the_torch_step(interpret,
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("width,dtype", [(4, torch.float32), (3, torch.float32), (4, torch.bfloat16)])
-def test_conv_extend_batch_matches_torch(interpret, width, dtype):
+@pytest.mark.parametrize(
+    "width,channels,dtype",
+    [
+        (4, 40, torch.float32),  # one channel tile, one token tile per sequence
+        (3, 40, torch.float32),
+        (4, 40, torch.bfloat16),
+        (4, 600, torch.float32),  # two channel tiles of 512 and token tiles of 4: tile edges inside
+    ],
+)
+def test_conv_extend_batch_matches_torch(interpret, width, channels, dtype):
     """Sequences of 1, 2 (shorter than the window), 7 and 20 tokens from pool slots out of order, with
     snapshots after 1, 3 and 16 tokens (windows reaching into the initial state) and the final windows."""
     from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend
-    from sglang.srt.layers.attention.mamba.decode_triton import causal_conv1d_extend_batch
+    from sglang.srt.layers.attention.mamba.decode_triton import causal_conv1d_extend_batch, conv_block
 
-    g = torch.Generator().manual_seed(width)
-    channels, lengths, running = 40, [1, 2, 7, 20], [9, 3, 11, 6]
+    g = torch.Generator().manual_seed(width + channels)
+    lengths, running = [1, 2, 7, 20], [9, 3, 11, 6]
+    assert (conv_block(channels, width - 1) < channels) == (channels == 600)
     snaps = [(2, 1, 1), (2, 3, 4), (3, 16, 8)]  # (sequence, offset, slot)
     pool = torch.randn(NUM_SLOTS, channels, width - 1, generator=g).to(dtype)
     before = pool.clone()

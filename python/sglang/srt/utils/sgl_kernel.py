@@ -1,6 +1,7 @@
 """sgl-kernel (`sgl-kernel/csrc/`), the project's native ops, as torch extensions: one C++/OpenMP extension
-for CPU tensors (the state-copy ops and the decode ops, `torch.ops.sgl_kernel.*`) and one CUDA extension
-(the state-copy ops). Both are built with `torch.utils.cpp_extension` on first use and cached under
+for CPU tensors (the state-copy ops and the linear-attention ops, `torch.ops.sgl_kernel.*`) and one CUDA
+extension (the state-copy ops). One extension per device: a CPU source that fails to compile takes every
+CPU op with it (each caller then runs its torch path). Both are built with `torch.utils.cpp_extension` on first use and cached under
 `$SGLANG_CACHE_DIR/sgl-kernel/` (default `~/.cache/sglang/sgl-kernel/`); later processes load the cached
 build, and an edited source is rebuilt. `make run` / `make test` build the CPU one at install time:
 

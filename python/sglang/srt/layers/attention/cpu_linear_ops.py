@@ -21,7 +21,7 @@ CHOICES = ("auto", "torch", "cpp")
 
 
 def cpu_linear_ops(device: torch.device | str) -> Any | None:
-    """`torch.ops.sgl_kernel` when the C++ decode ops serve tensors on `device`, else None."""
+    """`torch.ops.sgl_kernel` when the C++ linear-attention ops serve tensors on `device`, else None."""
     choice = envs.SGLANG_CPU_LINEAR_ATTN_BACKEND.get()
     if choice not in CHOICES:
         raise ValueError(

@@ -91,9 +91,9 @@ class TorchNativeAttnBackend:
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: _ExtendSeq, layer: RadixAttention
     ) -> torch.Tensor:
         """q [E, Hq, D] against k, v [S, Hk, D] of the whole sequence (prefix + extend), through torch's
-        fused SDPA (the flash kernel on CPU: no [E, S] score matrix is materialised). Without a prefix
-        the mask is plain causal; with one, query i sees keys 0..prefix_len + i (a boolean mask, since
-        SDPA's `is_causal` aligns the diagonal top-left)."""
+        fused SDPA (the flash kernel on CPU: no float [E, S] score matrix). Without a prefix the mask is
+        plain causal; with one, query i sees keys 0..prefix_len + i, a boolean [E, S] mask (SDPA's
+        `is_causal` aligns the diagonal top-left)."""
         e = q.shape[0]
         mask = None
         if seq.prefix_len:

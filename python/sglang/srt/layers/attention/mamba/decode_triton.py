@@ -219,15 +219,18 @@ def _conv_extend_kernel(
 ):
     """out[t] = silu(sum_j w[:, j] * in(t + j - KEEP) + bias) for a [BT, BC] tile of one sequence, where
     in(i) is the sequence's input i, or for i < 0 column KEEP + i of its initial conv state."""
-    b = tl.program_id(0)
+    # Token tiles on grid axis 0 (up to 2^31 - 1 programs; axes 1 and 2 stop at 65,535).
+    b = tl.program_id(1)
     start = tl.load(cu_ptr + b)
     length = tl.load(cu_ptr + b + 1) - start
-    offs_t = tl.program_id(1) * BT + tl.arange(0, BT)
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_c = tl.program_id(2) * BC + tl.arange(0, BC)
     mt = offs_t < length
     mc = offs_c < CHANNELS
     state = state_ptr + tl.load(slot_ptr + b).to(tl.int64) * slot_stride
-    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    # tl.full, not tl.zeros: tl.zeros is a jitted helper, which the interpreter refuses when
+    # triton.language was imported before TRITON_INTERPRET was set (one pytest process).
+    acc = tl.full((BT, BC), 0.0, tl.float32)
     for j in tl.static_range(KEEP + 1):
         i = offs_t + j - KEEP  # the input position this tap reads
         from_x = mt[:, None] & mc[None, :] & (i[:, None] >= 0)
@@ -304,7 +307,7 @@ def causal_conv1d_extend_batch(
     x = x.contiguous()
     bc = conv_block(channels, keep)
     bt = max(1, min(triton.next_power_of_2(max_len), 2048 // bc))
-    grid = (batch, triton.cdiv(max_len, bt), triton.cdiv(channels, bc))
+    grid = (triton.cdiv(max_len, bt), batch, triton.cdiv(channels, bc))
     _kernel(_conv_extend_kernel)[grid](
         x, conv_state, cu_seqlens, slots, weight.contiguous(), bias if bias is not None else weight, out,
         conv_state.stride(0), CHANNELS=channels, KEEP=keep, BT=bt, BC=bc, HAS_BIAS=bias is not None,
