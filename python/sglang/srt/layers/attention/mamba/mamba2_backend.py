@@ -36,23 +36,13 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
         dt = F.softplus(dt.float() + layer.dt_bias.float()).clamp(min=layer.time_step_min)
         if fb.forward_mode.is_decode():
             xbc = self.conv_decode(lid, xBC, weight, layer.conv1d.bias)
-            if self.decode_in_place:
-                from sglang.srt.layers.attention.mamba.decode_triton import mamba2_decode_inplace
-
-                return mamba2_decode_inplace(
-                    xbc,
-                    dt,
-                    A,
-                    layer.D.float(),
-                    self.mamba_pool.layer_cache(lid)[1],
-                    self.meta.slots,
-                    layer.num_heads,
-                    layer.head_dim,
-                    layer.n_groups,
-                    layer.ssm_state_size,
-                )
-            if self.decode_cpp:
-                return self.cpu_ops.mamba2_decode(
+            if self.decode_in_place or self.decode_cpp:
+                # The Triton kernel (CUDA) and the C++ op (CPU) take the same arguments.
+                if self.decode_in_place:
+                    from sglang.srt.layers.attention.mamba.decode_triton import mamba2_decode_inplace as step
+                else:
+                    step = self.cpu_ops.mamba2_decode
+                return step(
                     xbc,
                     dt.contiguous(),
                     A.contiguous(),
