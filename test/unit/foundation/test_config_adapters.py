@@ -103,3 +103,17 @@ def test_chunk_size_aliases_and_interval_only_configs():
 def test_unsupported_architecture_is_named():
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         hybrid_arch_config(SimpleNamespace(architectures=["LlamaForCausalLM"], model_type="llama"))
+
+
+def test_auto_dtype_is_float32_on_cpu_and_the_checkpoints_dtype_on_a_gpu():
+    from sglang.srt.configs.model_config import ModelConfig, resolve_dtype
+
+    # No GPU is needed: the dtype is resolved from the device name and the config alone.
+    assert ModelConfig("tiny-qwen3-next", device="cpu").torch_dtype == torch.float32
+    assert ModelConfig("tiny-qwen3-next", device="cuda").torch_dtype == torch.float32  # a float32 checkpoint
+    assert ModelConfig("tiny-qwen3-next", dtype="bfloat16", device="cpu").torch_dtype == torch.bfloat16
+    assert resolve_dtype("auto", "cuda", torch.bfloat16) == torch.bfloat16
+    assert resolve_dtype("auto", "cuda", "float16") == torch.float16
+    assert resolve_dtype("auto", "cuda", None) == torch.bfloat16  # the config names none
+    assert resolve_dtype("auto", "cuda", torch.float64) == torch.bfloat16  # one the runtime does not serve
+    assert resolve_dtype("auto", "cpu", torch.bfloat16) == torch.float32

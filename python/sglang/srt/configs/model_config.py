@@ -26,11 +26,17 @@ def load_hf_config(model_path: str) -> Any:
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """`auto` is float32 on CPU (the CPU path is exact) and bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    return _DTYPES[dtype]
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: Any = None) -> torch.dtype:
+    """`auto` is float32 on CPU (the CPU path is exact) and on a GPU the checkpoint's dtype (the HF
+    config's `dtype`; bfloat16 for the hybrid models' published checkpoints, and where the config names
+    none or one the runtime does not serve)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device == "cpu":
+        return torch.float32
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = _DTYPES.get(checkpoint_dtype.removeprefix("torch."))
+    return checkpoint_dtype if checkpoint_dtype in _DTYPES.values() else torch.bfloat16
 
 
 @dataclass
@@ -54,7 +60,9 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.dtype, self.device)
+        if self.dtype != "auto" or self.device == "cpu":
+            return resolve_dtype(self.dtype, self.device)
+        return resolve_dtype(self.dtype, self.device, getattr(self.hf_config, "dtype", None))
 
     @property
     def context_len(self) -> int:
