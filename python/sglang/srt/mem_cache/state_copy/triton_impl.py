@@ -13,14 +13,13 @@ jitted kernel is made on first use, so the interpreter setting at that time deci
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
-import triton
 import triton.language as tl
 
 from sglang.srt.mem_cache.state_copy.layout import StateLayout, describe
+from sglang.srt.utils.triton_jit import jit_for_env
 
 BLOCK = 2048  # words per program (16 KB of int64)
 NUM_WARPS = 8
@@ -84,15 +83,9 @@ def _state_copy_kernel(
         tl.store(to, tl.load(frm, mask=m), mask=m)
 
 
-_jitted: dict[bool, object] = {}
-
-
 def kernel():
     """The jitted kernel for the current `TRITON_INTERPRET` setting."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if interpret not in _jitted:
-        _jitted[interpret] = triton.jit(_state_copy_kernel)
-    return _jitted[interpret]
+    return jit_for_env(_state_copy_kernel)
 
 
 def build_table(lay: StateLayout, block: int = BLOCK) -> tuple[torch.dtype, int, list[list[int]], int]:

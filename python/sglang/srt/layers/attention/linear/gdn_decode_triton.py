@@ -16,21 +16,11 @@ On CPU tensors the kernel runs only under `TRITON_INTERPRET=1` (tests on tiny sh
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-
-def _add_fn(a, b):
-    return a + b
-
-
-# A JITFunction whatever TRITON_INTERPRET says at import: compiled kernels need one, and the
-# interpreter only calls its `.fn`.
-_add = JITFunction(_add_fn)
+from sglang.srt.utils.triton_jit import add, jit_for_env
 
 
 def _gdn_decode_kernel(
@@ -68,25 +58,13 @@ def _gdn_decode_kernel(
     g = tl.load(g_ptr + bh).to(tl.float32)
     beta = tl.load(beta_ptr + bh).to(tl.float32)
     s = s * tl.exp(g)
-    # tl.reduce with our own combine, not tl.sum: tl.sum is a jitted helper, which the interpreter
-    # refuses when triton.language was imported before TRITON_INTERPRET was set (one pytest process).
-    predicted = tl.reduce(s * k[None, :], 1, _add)
+    # tl.reduce with our own combine, not tl.sum (sglang.srt.utils.triton_jit says why).
+    predicted = tl.reduce(s * k[None, :], 1, add)
     delta = (v - predicted) * beta
     s = s + delta[:, None] * k[None, :]
-    out = tl.reduce(s * q[None, :], 1, _add)
+    out = tl.reduce(s * q[None, :], 1, add)
     tl.store(out_ptr + bh * V + offs_v, out, mask=mv)
     tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
-
-
-_jitted: dict[bool, object] = {}
-
-
-def _kernel():
-    """The jitted kernel for the current `TRITON_INTERPRET` setting (decided at first use)."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if interpret not in _jitted:
-        _jitted[interpret] = triton.jit(_gdn_decode_kernel)
-    return _jitted[interpret]
 
 
 def block_v(value_dim: int, key_dim: int) -> int:
@@ -115,7 +93,7 @@ def gdn_decode_inplace(
         return out
     bv = block_v(value_dim, key_dim)
     grid = (bs, heads, triton.cdiv(value_dim, bv))
-    _kernel()[grid](
+    jit_for_env(_gdn_decode_kernel)[grid](
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),

@@ -15,13 +15,11 @@ Gated DeltaNet step is `linear/gdn_decode_triton.py`, built the same way.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.attention.linear.gdn_decode_triton import _add
+from sglang.srt.utils.triton_jit import add, jit_for_env
 
 
 def _conv_update_kernel(
@@ -51,7 +49,7 @@ def _conv_update_kernel(
     w = tl.load(w_ptr + offs_c[:, None] * (KEEP + 1) + offs_j[None, :], mask=m2, other=0.0).to(tl.float32)
     w_last = tl.load(w_ptr + offs_c * (KEEP + 1) + KEEP, mask=mc, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + b * CHANNELS + offs_c, mask=mc, other=0.0).to(tl.float32)
-    acc = tl.reduce(state * w, 1, _add) + x * w_last
+    acc = tl.reduce(state * w, 1, add) + x * w_last
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)
     tl.store(out_ptr + b * CHANNELS + offs_c, acc / (1.0 + tl.exp(-acc)), mask=mc)
@@ -97,21 +95,9 @@ def _mamba2_decode_kernel(
     m2 = mp[:, None] & mn[None, :]
     s = tl.load(base + tile, mask=m2, other=0.0).to(tl.float32)
     s = s * decay + (dt * x)[:, None] * B[None, :]
-    y = tl.reduce(s * C[None, :], 1, _add) + tl.load(d_ptr + h).to(tl.float32) * x
+    y = tl.reduce(s * C[None, :], 1, add) + tl.load(d_ptr + h).to(tl.float32) * x
     tl.store(y_ptr + bh * P + offs_p, y, mask=mp)
     tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
-
-
-_jitted: dict[tuple[str, bool], object] = {}
-
-
-def _kernel(fn):
-    """The jitted kernel for the current `TRITON_INTERPRET` setting (decided at first use)."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    key = (fn.__name__, interpret)
-    if key not in _jitted:
-        _jitted[key] = triton.jit(fn)
-    return _jitted[key]
 
 
 def conv_block(channels: int, keep: int) -> int:
@@ -136,7 +122,7 @@ def causal_conv1d_update_inplace(
     if bs == 0:
         return out
     bc = conv_block(channels, keep)
-    _kernel(_conv_update_kernel)[(bs, triton.cdiv(channels, bc))](
+    jit_for_env(_conv_update_kernel)[(bs, triton.cdiv(channels, bc))](
         x.contiguous(),
         conv_state,
         slots.contiguous(),
@@ -180,7 +166,7 @@ def mamba2_decode_inplace(
     if bs == 0:
         return y
     bp = head_block(head_dim, state_size)
-    _kernel(_mamba2_decode_kernel)[(bs, heads, triton.cdiv(head_dim, bp))](
+    jit_for_env(_mamba2_decode_kernel)[(bs, heads, triton.cdiv(head_dim, bp))](
         xbc.contiguous(),
         dt.contiguous(),
         A.contiguous(),
@@ -228,8 +214,7 @@ def _conv_extend_kernel(
     mt = offs_t < length
     mc = offs_c < CHANNELS
     state = state_ptr + tl.load(slot_ptr + b).to(tl.int64) * slot_stride
-    # tl.full, not tl.zeros: tl.zeros is a jitted helper, which the interpreter refuses when
-    # triton.language was imported before TRITON_INTERPRET was set (one pytest process).
+    # tl.full, not tl.zeros: a jitted helper (sglang.srt.utils.triton_jit says why).
     acc = tl.full((BT, BC), 0.0, tl.float32)
     for j in tl.static_range(KEEP + 1):
         i = offs_t + j - KEEP  # the input position this tap reads
@@ -308,7 +293,7 @@ def causal_conv1d_extend_batch(
     bc = conv_block(channels, keep)
     bt = max(1, min(triton.next_power_of_2(max_len), 2048 // bc))
     grid = (triton.cdiv(max_len, bt), batch, triton.cdiv(channels, bc))
-    _kernel(_conv_extend_kernel)[grid](
+    jit_for_env(_conv_extend_kernel)[grid](
         x, conv_state, cu_seqlens, slots, weight.contiguous(), bias if bias is not None else weight, out,
         conv_state.stride(0), CHANNELS=channels, KEEP=keep, BT=bt, BC=bc, HAS_BIAS=bias is not None,
     )  # fmt: skip
@@ -316,7 +301,7 @@ def causal_conv1d_extend_batch(
     finals = (torch.arange(batch, device=x.device), lengths, slots)
     for seq, off, dst in [snapshots, finals] if snapshots is not None else [finals]:
         if seq.numel():
-            _kernel(_conv_window_kernel)[(seq.numel(), triton.cdiv(channels, bc))](
+            jit_for_env(_conv_window_kernel)[(seq.numel(), triton.cdiv(channels, bc))](
                 x, conv_state, cu_seqlens, slots, seq, off, dst, conv_state.stride(0),
                 CHANNELS=channels, KEEP=keep, BKEEP=triton.next_power_of_2(keep), BC=bc,
             )  # fmt: skip

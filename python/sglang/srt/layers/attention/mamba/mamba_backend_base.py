@@ -20,6 +20,7 @@ kernels read initial states uniformly by slot (what batched GPU kernels need).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -260,35 +261,48 @@ class MambaAttnBackendBase:
             self.mamba_pool.track_copy(*self.meta.track_rows)
 
 
-def _cpu_extend_args(seqs: list[ExtendSeq]) -> tuple[torch.Tensor, ...]:
-    """The C++ extend ops' batch description: sequences back to back from token 0, and each one's
-    snapshots sorted by offset behind snap_ptr."""
-    cu, slots, ptr, offsets, snap_slots = [0], [], [0], [], []
-    for seq in seqs:
+def _extend_layout(seqs: list[ExtendSeq]) -> tuple[list[int], list[int], list[tuple[int, int, int]]]:
+    """(cu_seqlens, running slots, snapshots as (sequence, offset, slot) sorted by sequence then offset):
+    what both batched extend paths describe a batch with. Sequences lie back to back from token 0."""
+    cu, snaps = [0], []
+    for i, seq in enumerate(seqs):
         assert seq.start == cu[-1], "extend sequences are laid out back to back"
         cu.append(seq.start + seq.length)
-        slots.append(seq.slot)
-        for t in sorted(seq.tracks, key=lambda t: t.offset):
-            offsets.append(t.offset)
-            snap_slots.append(t.slot)
-        ptr.append(len(offsets))
-    return tuple(torch.tensor(v, dtype=torch.int64) for v in (cu, slots, ptr, offsets, snap_slots))
+        snaps += sorted((i, t.offset, t.slot) for t in seq.tracks)
+    return cu, [s.slot for s in seqs], snaps
+
+
+def _long(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _cpu_extend_args(seqs: list[ExtendSeq]) -> tuple[torch.Tensor, ...]:
+    """The C++ extend ops' description: (cu_seqlens, slots, snap_ptr, snap_offset, snap_slot), with each
+    sequence's snapshots behind snap_ptr."""
+    cu, slots, snaps = _extend_layout(seqs)
+    ptr = [0] * (len(seqs) + 1)
+    for seq_index, _, _ in snaps:
+        ptr[seq_index + 1] += 1
+    ptr = list(itertools.accumulate(ptr))
+    return (
+        _long(cu),
+        _long(slots),
+        _long(ptr),
+        _long([o for _, o, _ in snaps]),
+        _long([s for _, _, s in snaps]),
+    )
 
 
 def _triton_extend_args(
     seqs: list[ExtendSeq], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], int]:
-    """The Triton conv's batch description, built on the host and moved in one copy."""
+    """The Triton conv's description, built on the host and moved in one copy: (cu_seqlens, slots,
+    (snap_sequence, snap_offset, snap_slot), the longest extend)."""
     from sglang.srt.model_executor.forward_batch_info import move_to_device
 
-    cu, snaps = [0], []
-    for i, seq in enumerate(seqs):
-        assert seq.start == cu[-1], "extend sequences are laid out back to back"
-        cu.append(seq.start + seq.length)
-        snaps += [(i, t.offset, t.slot) for t in seq.tracks]
-    snap_cols = [[e[k] for e in snaps] for k in range(3)]  # sequence, offset, slot
-    host = [cu, [s.slot for s in seqs], *snap_cols]
-    moved = move_to_device([torch.tensor(v, dtype=torch.int64) for v in host], device)
+    cu, slots, snaps = _extend_layout(seqs)
+    columns = [[e[k] for e in snaps] for k in range(3)]
+    moved = move_to_device([_long(v) for v in (cu, slots, *columns)], device)
     return moved[0], moved[1], tuple(moved[2:]), max((s.length for s in seqs), default=0)
 
 
