@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import random
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -16,6 +17,7 @@ from functools import cached_property
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.mamba_strategy import EXTRA_BUFFER_STRATEGIES, MambaStrategy
 from sglang.srt.server_args_checks import (
+    ATTENTION_BACKEND_CHOICES,
     DEVICE_CHOICES,
     DISAGGREGATION_MODES,
     DTYPE_CHOICES,
@@ -82,6 +84,10 @@ class ServerArgs:
     tp_size: int = 1
     watchdog_timeout: float = 300.0
 
+    # Kernels. None: triton on CUDA, torch_native on CPU.
+    attention_backend: str | None = None
+    triton_attention_num_kv_splits: int = 8
+
     # Mamba state cache
     max_mamba_cache_size: int | None = None
     mamba_ssm_dtype: str | None = None
@@ -112,6 +118,7 @@ class ServerArgs:
             self.served_model_name = self.model_path
         check_model(self)
         check_tokenizer(self)
+        self._handle_attention_backend()
         self._handle_pd_disaggregation()
         self._handle_mamba_strategy()
         # Resolved once; components read it, not the flags (`mem_cache/mamba_strategy.py`).
@@ -182,6 +189,25 @@ class ServerArgs:
         return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
 
     # ---- validation and resolution ------------------------------------------------------------
+
+    def _handle_attention_backend(self) -> None:
+        """Full attention: our Triton kernels on CUDA, torch's SDPA on CPU; Triton on a CPU only for
+        tests, under TRITON_INTERPRET=1."""
+        if self.attention_backend is None:
+            self.attention_backend = "triton" if self.device == "cuda" else "torch_native"
+        if self.attention_backend != "triton":
+            return
+        if self.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise ServerArgsError(
+                "--attention-backend triton needs --device cuda (on a CPU its kernels run only under "
+                "TRITON_INTERPRET=1, for tests); use --attention-backend torch_native."
+            )
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise ServerArgsError(
+                f"--attention-backend triton needs the triton package, which cannot be imported ({e})."
+            ) from None
 
     def _handle_pd_disaggregation(self) -> None:
         """The decode server of PD disaggregation has no prefix cache yet (upstream PR #22462)."""
@@ -331,6 +357,21 @@ class ServerArgs:
             default=default("watchdog_timeout"),
             help="Seconds a forward may take, and the scheduler may stay silent, before the stall is "
             "reported and the server exits with status 1; 0 or less: off.",
+        )
+
+        g = parser.add_argument_group("kernels")
+        g.add_argument(
+            "--attention-backend",
+            default=None,
+            choices=ATTENTION_BACKEND_CHOICES,
+            help="Full-attention kernels: triton (the default on CUDA) or torch_native (torch SDPA, the "
+            "default on CPU).",
+        )
+        g.add_argument(
+            "--triton-attention-num-kv-splits",
+            type=int,
+            default=default("triton_attention_num_kv_splits"),
+            help="Splits of each request's key range in the Triton decode attention (run in parallel).",
         )
 
         g = parser.add_argument_group("mamba state cache")

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 MAMBA_SCHEDULER_STRATEGY_CHOICES = ["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"]
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]
+# None: triton on CUDA, torch_native on CPU (`ServerArgs._handle_attention_backend`).
+ATTENTION_BACKEND_CHOICES = ["torch_native", "triton"]
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 SCHEDULE_POLICIES = ["fcfs", "lpm"]
@@ -28,6 +30,9 @@ class ServerArgsError(ValueError):
 def check_basic_flags(args: ServerArgs) -> None:
     _choice("--dtype", args.dtype, DTYPE_CHOICES)
     _choice("--device", args.device, DEVICE_CHOICES)
+    if args.attention_backend is not None:
+        _choice("--attention-backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)
+    _positive("--triton-attention-num-kv-splits", args.triton_attention_num_kv_splits)
     _choice("--log-level", args.log_level, LOG_LEVELS)
     _choice("--schedule-policy", args.schedule_policy, SCHEDULE_POLICIES)
     _choice("--mamba-scheduler-strategy", args.mamba_scheduler_strategy, MAMBA_SCHEDULER_STRATEGY_CHOICES)

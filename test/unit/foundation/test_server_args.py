@@ -54,6 +54,8 @@ def test_every_design_flag_parses():
             "--disaggregation-bootstrap-port", "9000",
             "--disaggregation-decode-extra-slots", "4",
             "--disaggregation-ib-device", "mlx5_0",
+            "--attention-backend", "torch_native",
+            "--triton-attention-num-kv-splits", "4",
         ]
     )  # fmt: skip
     assert (args.model_path, args.tokenizer_path, args.served_model_name) == ("tiny-nemotron-h",) * 2 + (
@@ -73,6 +75,7 @@ def test_every_design_flag_parses():
     assert (args.disaggregation_mode, args.disaggregation_transfer_backend) == ("prefill", "nixl")
     assert (args.disaggregation_bootstrap_port, args.disaggregation_decode_extra_slots) == (9000, 4)
     assert args.disaggregation_ib_device == "mlx5_0"
+    assert (args.attention_backend, args.triton_attention_num_kv_splits) == ("torch_native", 4)
     assert args.mamba_cache_chunk_size == 32 and args.mamba_strategy.track_entries == 1
 
 
@@ -169,6 +172,8 @@ REFUSED = [
     ({"disaggregation_decode_extra_slots": -1}, "--disaggregation-decode-extra-slots must be 0 or more"),
     ({"model_path": "/nonexistent/model"}, "--model-path '/nonexistent/model' cannot be served"),
     ({"device": "cuda"}, "--device cuda was given, but no CUDA device is available"),
+    ({"attention_backend": "flashinfer"}, "--attention-backend must be one of torch_native, triton"),
+    ({"triton_attention_num_kv_splits": 0}, "--triton-attention-num-kv-splits must be a positive integer"),
 ]  # fmt: skip
 
 
@@ -181,6 +186,21 @@ def test_refused_combinations_name_the_flag(kwargs, message):
     text = str(err.value)
     assert message in text
     assert text.count(". ") == 0 and text.endswith("."), "one sentence"
+
+
+def test_attention_backend_resolution(monkeypatch):
+    """torch_native on CPU by default; triton on a CPU only under the interpreter (tests), else refused
+    in one sentence; triton is the CUDA default (the device resolved as on a GPU machine)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert ServerArgs().attention_backend == "torch_native"
+    with pytest.raises(ServerArgsError, match=r"^--attention-backend triton needs --device cuda .*\.$"):
+        ServerArgs(attention_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ServerArgs(attention_backend="triton").attention_backend == "triton"
+    args = ServerArgs()
+    args.device, args.attention_backend = "cuda", None
+    args._handle_attention_backend()
+    assert args.attention_backend == "triton"
 
 
 def test_pd_decode_turns_radix_off_and_falls_back_to_no_buffer(caplog):

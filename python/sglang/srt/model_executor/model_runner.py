@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from sglang.srt.mem_cache.pool_sizing import PoolSizes, compute_pool_sizes
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.registry import load_model
 from sglang.srt.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class ModelRunner:
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.pool_sizes = pool_sizes or compute_pool_sizes(server_args, self.arch, weight_bytes)
         self._init_pools(model_config.context_len)
-        full = TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool)
+        full = self._full_attn_backend()
         linear = LINEAR_BACKENDS[self.arch.linear_kind](
             self.req_to_token_pool.mamba_pool, self.arch.kernel_state_chunk
         )
@@ -69,6 +73,16 @@ class ModelRunner:
             self.arch.architecture, self.dtype, weight_bytes / 2**20, self.pool_sizes.max_total_tokens,
             self.pool_sizes.max_mamba_cache_size, self.pool_sizes.req_pool_size,
         )  # fmt: skip
+
+    def _full_attn_backend(self) -> TorchNativeAttnBackend | TritonAttnBackend:
+        args = self.server_args
+        if args.attention_backend == "triton":
+            from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+            return TritonAttnBackend(
+                self.req_to_token_pool, self.token_to_kv_pool, args.triton_attention_num_kv_splits
+            )
+        return TorchNativeAttnBackend(self.req_to_token_pool, self.token_to_kv_pool)
 
     def _init_pools(self, context_len: int) -> None:
         args, sizes = self.server_args, self.pool_sizes

@@ -1,0 +1,71 @@
+"""`TritonAttnBackend` (`--attention-backend triton`): paged full attention through the project's own
+Triton kernels (`triton_ops/`), the default on CUDA.
+
+The new tokens' K/V are stored at `out_cache_loc` first (as in the torch-native backend); the kernels
+then read every key through `req_to_token`, so any page size works and a cached prefix is read in place,
+never gathered. Decode is split over the key range (`--triton-attention-num-kv-splits`, upstream's flag
+and default) and reads all lengths on the device: nothing per batch is decided on the host, so a decode
+is CUDA-graph safe. An extend's per-batch metadata is the new tokens' start offsets (one cumsum on the
+device) and the longest extend (a host int, for the grid).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+DEFAULT_NUM_KV_SPLITS = 8
+
+
+class TritonAttnBackend:
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool: MHATokenToKVPool,
+        num_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
+    ):
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.kv_pool = token_to_kv_pool
+        self.num_kv_splits = num_kv_splits
+        self.extend_start_loc: torch.Tensor | None = None
+        self.max_extend_len = 0
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_extend():
+            lens = fb.extend_seq_lens
+            self.extend_start_loc = torch.cumsum(lens, 0) - lens
+            self.max_extend_len = max(fb.extend_seq_lens_cpu, default=0)
+        else:
+            self.extend_start_loc, self.max_extend_len = None, 0
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: ForwardBatch
+    ) -> torch.Tensor:
+        hq, hk, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+        num_tokens = q.shape[0]
+        self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, hk, d), v.view(-1, hk, d))
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)
+        q = q.reshape(num_tokens, hq, d)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
+        if fb.forward_mode.is_decode():
+            decode_attention_fwd(
+                q, k_buf, v_buf, out, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                layer.scaling, self.num_kv_splits,
+            )  # fmt: skip
+        else:
+            extend_attention_fwd(
+                q, k_buf, v_buf, out, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                fb.extend_seq_lens, self.extend_start_loc, self.max_extend_len, layer.scaling,
+            )  # fmt: skip
+        return out.view(num_tokens, hq * d)
