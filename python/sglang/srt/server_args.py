@@ -87,6 +87,10 @@ class ServerArgs:
     # Kernels. None: triton on CUDA, torch_native on CPU.
     attention_backend: str | None = None
     triton_attention_num_kv_splits: int = 8
+    disable_cuda_graph: bool = False
+    # None: min(160, the running cap); `cuda_graph_bs` (sizes to capture) overrides it.
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None
 
     # Mamba state cache
     max_mamba_cache_size: int | None = None
@@ -178,6 +182,12 @@ class ServerArgs:
         if self.max_request_body_size is not None:
             return self.max_request_body_size
         return BODY_BYTES_BASE + BODY_BYTES_PER_CONTEXT_TOKEN * self.model_config.context_len
+
+    @property
+    def cuda_graph_enabled(self) -> bool:
+        """Decode replays CUDA graphs: on CUDA, unless --disable-cuda-graph, with the Triton attention
+        (the torch-native one sizes its decode from host lengths, which a graph would freeze)."""
+        return self.device == "cuda" and not self.disable_cuda_graph and self.attention_backend == "triton"
 
     @property
     def watchdog_seconds(self) -> float | None:
@@ -372,6 +382,24 @@ class ServerArgs:
             type=int,
             default=default("triton_attention_num_kv_splits"),
             help="Splits of each request's key range in the Triton decode attention (run in parallel).",
+        )
+        g.add_argument(
+            "--disable-cuda-graph",
+            action="store_true",
+            help="Run every decode eagerly (CUDA graphs are captured only on CUDA, with --attention-backend triton).",
+        )
+        g.add_argument(
+            "--cuda-graph-max-bs",
+            type=int,
+            default=None,
+            help="Largest decode batch replayed from a CUDA graph; default min(160, the running cap).",
+        )
+        g.add_argument(
+            "--cuda-graph-bs",
+            type=int,
+            nargs="+",
+            default=None,
+            help="The decode batch sizes to capture (instead of the sizes up to the max).",
         )
 
         g = parser.add_argument_group("mamba state cache")

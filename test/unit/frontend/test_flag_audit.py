@@ -39,6 +39,7 @@ NO_EFFECT = {"trust_remote_code": True}
 DERIVED = {
     "context_length": "context_len",
     "disable_overlap_schedule": "enable_overlap_schedule",
+    "disable_cuda_graph": "cuda_graph_enabled",
     "max_request_body_size": "request_body_limit",
 }
 

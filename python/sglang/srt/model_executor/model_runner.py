@@ -4,8 +4,9 @@
 inference mode itself (thread-local in torch), moves the batch to the model's device (one transfer),
 writes the batch's `req_to_token` entries (prefix
 rewrites, then the new tokens' slots) before any layer reads them, runs the deferred state operations,
-the layers and a decode's track copies, and samples. It keeps no state between calls other than the
-pools.
+the layers and a decode's track copies, and samples. A decode that fits a captured CUDA graph replays it
+for the slot writes and the layers (`cuda_graph_runner.py`). It keeps no state between calls other
+than the pools (and the graphs' buffers).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sglang.srt.layers.logits_processor import LogitsProcessor, TopLogprobs
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
 from sglang.srt.mem_cache.pool_sizing import PoolSizes, compute_pool_sizes
+from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, capture_bs_list
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.registry import load_model
 from sglang.srt.server_args import ServerArgs
@@ -68,6 +70,11 @@ class ModelRunner:
         self.attn_backend = HybridLinearAttnBackend(full, linear, self.arch.full_attention_layer_ids)
         self.logits_processor = LogitsProcessor()
         self.sampler = Sampler(server_args.random_seed)
+        self.graph_runner: CudaGraphRunner | None = None
+        if server_args.cuda_graph_enabled:
+            self.graph_runner = CudaGraphRunner(
+                self, capture_bs_list(server_args, self.pool_sizes.max_running_requests)
+            )
         logger.info(
             "Model %s loaded (%s, %.1f MB of weights); pools: %d KV tokens, %d mamba slots, %d request rows.",
             self.arch.architecture, self.dtype, weight_bytes / 2**20, self.pool_sizes.max_total_tokens,
@@ -130,10 +137,16 @@ class ModelRunner:
             if fb.forward_mode.is_idle() or fb.batch_size == 0:
                 return GenerationBatchResult(next_token_ids=torch.empty(0, dtype=torch.int64))
             fb.to_device(self.device)
-            self._write_req_to_token(fb)
             fb.attn_backend = self.attn_backend
-            self.attn_backend.init_forward_metadata(fb)
-            hidden = self.model(fb.input_ids, fb.positions, fb)
+            self._rewrite_req_to_token(fb)
+            if self.graph_runner is not None and self.graph_runner.can_run(fb):
+                hidden = self.graph_runner.replay(fb)
+                # The real batch's metadata, for what runs after the layers (a decode's track copies).
+                self.attn_backend.init_forward_metadata(fb)
+            else:
+                self.write_new_token_slots(fb)
+                self.attn_backend.init_forward_metadata(fb)
+                hidden = self.model(fb.input_ids, fb.positions, fb)
             self.attn_backend.finish_forward(fb)
             logits = self.logits_processor(hidden, self.model.lm_head, fb)
             sample = self.sampler(
@@ -151,11 +164,15 @@ class ModelRunner:
             input_top_logprobs=logits.input_top_logprobs,
         )
 
-    def _write_req_to_token(self, fb: ForwardBatch) -> None:
-        pool = self.req_to_token_pool
+    def _rewrite_req_to_token(self, fb: ForwardBatch) -> None:
+        """Prefix rewrites (e.g. a cache hit), before the new tokens' slots."""
         for row, start, slots in fb.req_to_token_writes:
-            pool.write(row, start, slots)
+            self.req_to_token_pool.write(row, start, slots)
+
+    def write_new_token_slots(self, fb: ForwardBatch) -> None:
+        """`req_to_token[row, position] = out_cache_loc` for every new token, on the device (no host
+        value read: the CUDA-graph decode body runs it too)."""
         rows = fb.req_pool_indices
         if fb.forward_mode.is_extend():
             rows = rows.repeat_interleave(fb.extend_seq_lens, output_size=fb.num_tokens)
-        pool.req_to_token[rows, fb.positions] = fb.out_cache_loc.to(torch.int32)
+        self.req_to_token_pool.req_to_token[rows, fb.positions] = fb.out_cache_loc.to(torch.int32)

@@ -1,0 +1,137 @@
+"""The CUDA-graph decode runner. On CPU it runs without graphs (`use_graphs=False`): the body runs
+eagerly on the static buffers at every replay, so what a graph relies on is checked here (padding to
+the bucket with the dummy rows, the captured batch holding no host values, track copies after the
+replay); on a GPU the same runner captures real graphs (the `gpu` test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.environ import envs
+from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, GraphUnsafeError, capture_bs_list
+from sglang.srt.server_args import ServerArgs
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import make_runner, random_ids
+from sglang.test.runner_driver import Extend, RunnerDriver
+
+register_cpu_ci(est_time=30, suite="per-commit-cpu")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _triton_runner(preset: str, **kwargs):
+    """The CUDA path's kernels, interpreted: Triton attention and the Triton linear decode steps."""
+    with (
+        envs.SGLANG_GDN_DECODE_BACKEND.override("triton"),
+        envs.SGLANG_MAMBA2_DECODE_BACKEND.override("triton"),
+    ):
+        return make_runner(preset, attention_backend="triton", **kwargs)
+
+
+def _serve(runner, n_reqs: int, steps: int, track_step: int):
+    driver = RunnerDriver(runner)
+    reqs = [driver.new_request() for _ in range(n_reqs)]
+    driver.extend([Extend(r, random_ids(11 + 5 * i, seed=i)) for i, r in enumerate(reqs)])
+    tokens, logprobs = [], []
+    for step in range(steps):
+        track = {reqs[1]: reqs[1].track_slot} if step == track_step else None
+        res = driver.decode(reqs, track=track)
+        tokens.append(res.next_token_ids.tolist())
+        logprobs += res.next_token_logprobs.tolist()
+    pool = runner.mamba_pool
+    snapshot = pool.ssm_state[:, reqs[1].track_slot].clone()
+    # Every slot but the dummy 0, and every KV slot but the dummy page: a padded row writes nowhere else.
+    page = runner.server_args.page_size
+    kv = [runner.token_to_kv_pool.get_kv_buffer(i)[0][page:] for i in runner.arch.full_attention_layer_ids]
+    states = torch.cat(
+        [pool.ssm_state[:, 1:].flatten(), pool.conv_state[:, 1:].flatten(), *[k.flatten() for k in kv]]
+    )
+    return tokens, torch.tensor(logprobs), snapshot, states
+
+
+def _count_replays(graph_runner: CudaGraphRunner) -> list[int]:
+    """The batch size of every replay from now on."""
+    sizes, replay = [], graph_runner.replay
+    graph_runner.replay = lambda fb: sizes.append(fb.batch_size) or replay(fb)
+    return sizes
+
+
+# Buckets 8 and 4: three padded rows and one.
+@pytest.mark.parametrize("preset,n_reqs", [("tiny-qwen3-next", 5), ("tiny-nemotron-h", 3)])
+def test_padded_replay_serves_as_the_eager_decode(interpret, preset, n_reqs):
+    runs = []
+    for graphs in (True, False):
+        runner = _triton_runner(preset, mamba_scheduler_strategy="extra_buffer")
+        if graphs:
+            runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4, 8], use_graphs=False)
+            replays = _count_replays(runner.graph_runner)
+        runs.append(_serve(runner, n_reqs, steps=5, track_step=2))
+        if graphs:
+            assert replays == [n_reqs] * 5, "every decode went through the graph runner"
+            assert runner.graph_runner.bucket(n_reqs) == (4 if n_reqs == 3 else 8)
+    (tok_g, lp_g, snap_g, pool_g), (tok_e, lp_e, snap_e, pool_e) = runs
+    assert tok_g == tok_e
+    # The same kernels per row; only the batch's matmuls see more (padded) rows, which may change
+    # their float32 summation blocking: ~1e-7. A padded row that wrote into a real slot, or a stale
+    # buffer row, moves logprobs by O(0.1).
+    torch.testing.assert_close(lp_g, lp_e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(snap_g, snap_e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool_g, pool_e, rtol=1e-5, atol=1e-5)
+
+
+def test_batches_over_the_largest_bucket_run_eagerly(interpret):
+    runner = _triton_runner("tiny-qwen3-next")
+    runner.graph_runner = CudaGraphRunner(runner, [1, 2], use_graphs=False)
+    driver = RunnerDriver(runner)
+    reqs = [driver.new_request() for _ in range(3)]
+    driver.extend([Extend(r, random_ids(9, seed=i)) for i, r in enumerate(reqs)])
+    used = _count_replays(runner.graph_runner)
+    driver.decode(reqs)
+    driver.decode(reqs[:2])
+    assert used == [2]
+
+
+def test_a_body_that_reads_host_values_cannot_be_captured():
+    """The torch-native attention sizes its decode from the batch's host lengths: frozen in a graph."""
+    runner = make_runner("tiny-qwen3-next", attention_backend="torch_native")
+    with pytest.raises(GraphUnsafeError, match="host list"):
+        CudaGraphRunner(runner, [2], use_graphs=False)
+
+
+def test_capture_sizes_and_flags(monkeypatch):
+    args = ServerArgs()
+    assert capture_bs_list(args, 256)[:6] == [1, 2, 4, 8, 12, 16] and capture_bs_list(args, 256)[-1] == 160
+    assert capture_bs_list(args, 20) == [1, 2, 4, 8, 12, 16, 20]
+    assert capture_bs_list(ServerArgs(cuda_graph_max_bs=10), 64) == [1, 2, 4, 8, 10]
+    assert capture_bs_list(ServerArgs(cuda_graph_bs=[32, 3, 3, 100]), 64) == [3, 32]
+    assert not ServerArgs().cuda_graph_enabled  # CPU: never
+    args.device, args.attention_backend = "cuda", "triton"  # as resolved on a GPU machine
+    assert args.cuda_graph_enabled
+    args.disable_cuda_graph = True
+    assert not args.cuda_graph_enabled
+    args.disable_cuda_graph, args.attention_backend = False, "torch_native"
+    assert not args.cuda_graph_enabled
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_gpu_graphs_on_and_off_give_the_same_greedy_tokens(preset):
+    runs = []
+    for disable in (False, True):
+        runner = make_runner(preset, device="cuda", dtype="float32", disable_cuda_graph=disable)
+        assert (runner.graph_runner is None) == disable
+        if not disable:
+            assert runner.graph_runner.use_graphs and runner.graph_runner.graphs
+        runs.append(_serve(runner, 5, steps=8, track_step=3))
+    (tok_g, lp_g, snap_g, _), (tok_e, lp_e, snap_e, _) = runs
+    assert tok_g == tok_e
+    torch.testing.assert_close(lp_g.cpu(), lp_e.cpu(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(snap_g.cpu(), snap_e.cpu(), rtol=1e-4, atol=1e-4)
