@@ -122,6 +122,11 @@ class Envs:
     # TRITON_INTERPRET=1, for tests).
     SGLANG_GDN_DECODE_BACKEND = EnvStr("auto", "Gated DeltaNet decode step: auto, torch or triton.")
     SGLANG_MAMBA2_DECODE_BACKEND = EnvStr("auto", "Mamba2 decode step: auto, torch or triton.")
+    # Extend (prefill) of the Gated DeltaNet layers: auto = flash-linear-attention's chunked kernels over
+    # the whole variable-length batch on CUDA where FLA is installed, else the per-request torch form (or
+    # the C++ op on CPU); torch forces that; fla requires FLA; torch_varlen runs the batched path with
+    # FLA's torch twin (tests).
+    SGLANG_GDN_EXTEND_BACKEND = EnvStr("auto", "Gated DeltaNet extend: auto, torch, fla or torch_varlen.")
     # CPU ops of the linear-attention layers (conv, GDN and Mamba2, decode and extend): auto = the
     # sgl-kernel C++ ops where built, else torch; torch forces the torch path; cpp requires the C++ ops.
     SGLANG_CPU_LINEAR_ATTN_BACKEND = EnvStr("auto", "CPU linear-attention ops: auto, torch or cpp.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from sglang.srt.environ import envs
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, max_abs, pool_state, prefill, random_ids, state_errors
 from sglang.test.runner_driver import Extend, RunnerDriver
@@ -27,19 +28,25 @@ def _cache_chunk(runner) -> int:
 
 
 @pytest.mark.parametrize(
-    "preset,page_size",
+    "preset,page_size,gdn_extend",
     [
-        ("tiny-qwen3-next", 1),
-        ("tiny-qwen3-next", 16),
-        ("tiny-qwen3-next", 128),  # C = 128, twice the GDN kernel chunk
-        ("tiny-nemotron-h", 1),
-        ("tiny-nemotron-h", 16),
-        ("tiny-nemotron-h", 128),  # C = 128, four times the Mamba2 chunk of 32
+        ("tiny-qwen3-next", 1, "auto"),
+        ("tiny-qwen3-next", 16, "auto"),
+        ("tiny-qwen3-next", 128, "auto"),  # C = 128, twice the GDN kernel chunk
+        # The packed-batch extend (FLA's contract on CUDA) with its torch twin: snapshots taken from
+        # the chunk-start states of the packed batch.
+        ("tiny-qwen3-next", 1, "torch_varlen"),
+        ("tiny-qwen3-next", 128, "torch_varlen"),
+        ("tiny-nemotron-h", 1, "auto"),
+        ("tiny-nemotron-h", 16, "auto"),
+        ("tiny-nemotron-h", 128, "auto"),  # C = 128, four times the Mamba2 chunk of 32
     ],
 )
-def test_extend_and_decode_snapshots_match_the_oracle(preset, page_size, oracles):
+def test_extend_and_decode_snapshots_match_the_oracle(preset, page_size, gdn_extend, oracles):
     ref = oracles[preset]
-    runner = make_runner(preset, page_size=page_size)
+    with envs.SGLANG_GDN_EXTEND_BACKEND.override(gdn_extend):
+        runner = make_runner(preset, page_size=page_size)
+    assert (runner.attn_backend.linear_attn_backend.varlen_impl is not None) == (gdn_extend == "torch_varlen")
     driver = RunnerDriver(runner)
     c = _cache_chunk(runner)
     assert c == max(page_size, runner.arch.kernel_state_chunk)

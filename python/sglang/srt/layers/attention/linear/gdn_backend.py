@@ -1,6 +1,8 @@
 """Gated DeltaNet backend: causal conv over the pooled conv state, then the gated delta rule over the
 pooled SSM state, in 64-token kernel chunks for extends and one recurrent step for decodes.
 
+The extend runs over the whole packed batch where `varlen_impl` is set (flash-linear-attention on CUDA,
+`gdn_varlen.py`), else per request (torch's chunked form, or sgl-kernel's C++ op on CPU for small heads).
 The decode step is the Triton kernel that updates the pool in place (`gdn_decode_triton.py`) on CUDA,
 sgl-kernel's C++ op (also in place, q/k normalisation fused) on CPU where it is built, and the torch
 step (gather, update, scatter) otherwise; `SGLANG_GDN_DECODE_BACKEND` / `SGLANG_CPU_LINEAR_ATTN_BACKEND`
@@ -23,6 +25,7 @@ from sglang.srt.layers.attention.linear.gated_delta_rule import (
     l2norm,
     recurrent_gated_delta_rule_step,
 )
+from sglang.srt.layers.attention.linear.gdn_varlen import gdn_varlen_impl
 from sglang.srt.layers.attention.mamba.mamba_backend_base import MambaAttnBackendBase
 from sglang.srt.mem_cache.memory_pool import MambaPool
 
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 class GDNAttnBackend(MambaAttnBackendBase):
     def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int):
         super().__init__(mamba_pool, kernel_state_chunk, envs.SGLANG_GDN_DECODE_BACKEND)
+        self.varlen_impl = gdn_varlen_impl(mamba_pool.ssm_state.device)
 
     def forward(
         self, layer: Any, fb: ForwardBatch, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
@@ -63,6 +67,16 @@ class GDNAttnBackend(MambaAttnBackendBase):
             out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, self.read_ssm_decode(lid))
             self.write_ssm_decode(lid, state)
             return out
+        if self.varlen_impl is not None:
+            x = self.conv_extend_packed(lid, mixed_qkv, weight, layer.conv1d.bias)
+            q, k, v = self._split_heads(layer, x, expand=False)
+            v_meta = self.meta.varlen
+            out, final, chunk_states = self.varlen_impl(
+                q, k, v, g, beta, self.initial_ssm_batch(lid), v_meta.cu_seqlens, v_meta.cu_seqlens_cpu,
+                self.kernel_state_chunk,
+            )  # fmt: skip
+            self.store_varlen_states(lid, final, chunk_states)
+            return out.float()
         if self.uses_cpu_extend(layer.head_k_dim, layer.head_v_dim):
             x = self.conv_extend_batch(lid, mixed_qkv, weight, layer.conv1d.bias)
             return self.cpu_ops.gdn_extend(
@@ -102,15 +116,17 @@ class GDNAttnBackend(MambaAttnBackendBase):
         return out
 
     @staticmethod
-    def _split_heads(layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split_heads(
+        layer: Any, x: torch.Tensor, expand: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [..., C] -> q, k [..., Hv, Dk] (normalised, q scaled, key heads shared by
-        consecutive value heads) and v [..., Hv, Dv]."""
+        consecutive value heads; [..., Hk, Dk] without `expand`) and v [..., Hv, Dv]."""
         hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
         q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
         lead = x.shape[:-1]
         q = l2norm(q.reshape(*lead, hk, dk)) * dk**-0.5
         k = l2norm(k.reshape(*lead, hk, dk))
-        if hv != hk:
+        if hv != hk and expand:
             q = q.repeat_interleave(hv // hk, dim=-2)
             k = k.repeat_interleave(hv // hk, dim=-2)
         return q, k, v.reshape(*lead, hv, dv)

@@ -68,6 +68,31 @@ class LinearMetadata:
     # Extend conv through the Triton kernels: (cu_seqlens, running slots, (snap_seq, snap_offset,
     # snap_slot)) on the device, and the longest extend (a host int, for the grid).
     triton_extend: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], int] | None = None
+    # Extend through a packed-batch kernel (`varlen_impl`).
+    varlen: VarlenExtend | None = None
+
+
+@dataclass
+class VarlenExtend:
+    """A whole extend batch for kernels over packed sequences (`cu_seqlens`) that return each
+    sequence's final state and its states at chunk starts (`linear/gdn_varlen.py` has the contract):
+    which of those states each snapshot slot takes. Index tensors on the device."""
+
+    cu_seqlens: torch.Tensor  # [N + 1]
+    cu_seqlens_cpu: list[int]
+    # Intermediate snapshots: chunk-state rows -> slots; final-state snapshots: sequences -> slots.
+    chunk_rows: torch.Tensor
+    chunk_slots: torch.Tensor
+    final_rows: torch.Tensor
+    final_slots: torch.Tensor
+
+
+def chunk_offsets(cu_seqlens: list[int], chunk_size: int) -> list[int]:
+    """Index of each sequence's first chunk state in a packed batch (the total last)."""
+    out = [0]
+    for a, b in itertools.pairwise(cu_seqlens):
+        out.append(out[-1] + -(-(b - a) // chunk_size))
+    return out
 
 
 # The C++ extend ops run the recurrence token by token: per token and head K*V multiply-adds against
@@ -90,6 +115,8 @@ class MambaAttnBackendBase:
         self.decode_cpp = (
             self.cpu_ops is not None and decode_choice.get() == "auto" and not self.decode_in_place
         )
+        # The extend over the packed batch (the layer kind's contract), or None: per request.
+        self.varlen_impl: Any = None
 
     # ---- metadata ---------------------------------------------------------------------------------
 
@@ -99,8 +126,13 @@ class MambaAttnBackendBase:
             cpu_extend = _cpu_extend_args(seqs) if self.cpu_ops is not None else None
             device = self.mamba_pool.conv_state.device
             triton_extend = _triton_extend_args(seqs, device) if self.decode_in_place else None
+            varlen = _varlen_args(seqs, self.kernel_state_chunk, device) if self.varlen_impl else None
             self.meta = LinearMetadata(
-                slots=fb.mamba_pool_indices, extend=seqs, cpu_extend=cpu_extend, triton_extend=triton_extend
+                slots=fb.mamba_pool_indices,
+                extend=seqs,
+                cpu_extend=cpu_extend,
+                triton_extend=triton_extend,
+                varlen=varlen,
             )
         elif fb.forward_mode.is_decode():
             self.meta = LinearMetadata(slots=fb.mamba_pool_indices, track_rows=self._decode_track_rows(fb))
@@ -210,6 +242,34 @@ class MambaAttnBackendBase:
         conv, _ = self.mamba_pool.layer_cache(layer_id)
         return causal_conv1d_extend_batch(x, conv, weight, bias, cu, slots, max_len, snaps)
 
+    def conv_extend_packed(
+        self, layer_id: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The conv of the whole extend batch x [T, C] (snapshots and running slots written): the Triton
+        launches where they serve, else `conv_extend` per request."""
+        out = self.conv_extend_all(layer_id, x, weight, bias)
+        if out is None:
+            out = torch.cat(
+                [self.conv_extend(layer_id, seq, x[seq.tokens], weight, bias) for seq in self.meta.extend]
+            )
+        return out
+
+    def initial_ssm_batch(self, layer_id: int) -> torch.Tensor:
+        """The extend's initial states [N, ...] float32, read from the running slots."""
+        _, ssm = self.mamba_pool.layer_cache(layer_id)
+        return ssm.index_select(0, self.meta.slots).float()
+
+    def store_varlen_states(self, layer_id: int, final: torch.Tensor, chunk_states: torch.Tensor) -> None:
+        """A packed-batch kernel's results into the pool: final states into the running slots, then
+        each snapshot from its chunk-start or final state (`VarlenExtend`)."""
+        _, ssm = self.mamba_pool.layer_cache(layer_id)
+        v = self.meta.varlen
+        ssm.index_copy_(0, self.meta.slots, final.to(ssm.dtype))
+        if v.chunk_rows.numel():
+            ssm.index_copy_(0, v.chunk_slots, chunk_states.index_select(0, v.chunk_rows).to(ssm.dtype))
+        if v.final_rows.numel():
+            ssm.index_copy_(0, v.final_slots, final.index_select(0, v.final_rows).to(ssm.dtype))
+
     def initial_ssm(self, layer_id: int, seq: ExtendSeq) -> torch.Tensor:
         _, ssm = self.mamba_pool.layer_cache(layer_id)
         return ssm[seq.slot].float()
@@ -304,6 +364,24 @@ def _triton_extend_args(
     columns = [[e[k] for e in snaps] for k in range(3)]
     moved = move_to_device([_long(v) for v in (cu, slots, *columns)], device)
     return moved[0], moved[1], tuple(moved[2:]), max((s.length for s in seqs), default=0)
+
+
+def _varlen_args(seqs: list[ExtendSeq], chunk_size: int, device: torch.device) -> VarlenExtend:
+    """`VarlenExtend` of the batch, its index tensors built on the host and moved in one copy."""
+    from sglang.srt.model_executor.forward_batch_info import move_to_device
+
+    cu = list(itertools.accumulate((s.length for s in seqs), initial=0))
+    first = chunk_offsets(cu, chunk_size)
+    inter, final = [], []
+    for i, seq in enumerate(seqs):
+        for t in seq.tracks:
+            if t.chunk is None:
+                final.append((i, t.slot))
+            else:
+                inter.append((first[i] + t.chunk, t.slot))
+    columns = [[r for r, _ in inter], [s for _, s in inter], [r for r, _ in final], [s for _, s in final]]
+    moved = move_to_device([_long(cu), *(_long(c) for c in columns)], device)
+    return VarlenExtend(moved[0], cu, *moved[1:])
 
 
 def decode_uses_triton(device: torch.device, choice_var: Any) -> bool:
