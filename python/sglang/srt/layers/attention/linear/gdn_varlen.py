@@ -51,7 +51,8 @@ def chunk_gdn_varlen_fla(
     q, k, v = (t.to(dtype).unsqueeze(0).contiguous() for t in (q, k, v))
     g, beta = (t.float().unsqueeze(0).contiguous() for t in (g, beta))
     common = dict(cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-    chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    # The host copy of cu_seqlens spares FLA a device read.
+    chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=torch.tensor(cu_seqlens_cpu))
     # The kernels use exp2: gates are cumulated per chunk and scaled by 1 / ln 2.
     g = chunk_local_cumsum(g, scale=RCP_LN2, chunk_indices=chunk_indices, **common)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_indices=chunk_indices, **common)
