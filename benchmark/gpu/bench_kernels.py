@@ -1,0 +1,245 @@
+"""The project's GPU kernels against the torch path and FLA's public calls, one layer at the shapes of the
+real models, all timed round-robin in one run (CUDA events, medians):
+
+    python benchmark/gpu/bench_kernels.py                   # on the GPU machine, ~1 min
+    TRITON_INTERPRET=1 python benchmark/gpu/bench_kernels.py --device cpu --tiny   # a CPU check of the script
+
+Rows (issue 13's and 12's):
+- GDN prefill, Qwen3-Next-80B layer (16 key / 32 value heads, dims 128), 8 x 2,048 tokens: ours (FLA's four
+  steps over the packed batch + the chunk-start states) vs FLA's public `chunk_gated_delta_rule` vs the
+  torch chunked rule (one sequence at a time); target: ours within 1.2x of FLA's public call.
+- GDN decode at batch 1 / 64 / 256: our Triton step in place on the pool vs the torch step (gather, update,
+  scatter) vs FLA's `fused_recurrent_gated_delta_rule` (gathered states); with the fraction of memory
+  bandwidth ours reaches (each fp32 state read and written once; target >= 70 %).
+- Mamba2 decode (Nemotron-H-8B layer: 128 heads x 64 dims, state 128) at batch 1 / 64 / 256: Triton vs torch.
+- Full-attention decode at batch 64 x 2,048 keys (16 query / 2 KV heads, dim 256): our Triton paged decode
+  vs gather + torch SDPA (the torch-native backend's form).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+# H100 SXM HBM3: 3.35 TB/s.
+PEAK_BANDWIDTH = {"cuda": 3.35e12}
+
+
+def _timer(device: str) -> Callable[[Callable], float]:
+    def run(fn: Callable) -> float:
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    return run
+
+
+def round_robin(cases: dict[str, Callable], device: str, reps: int) -> dict[str, float]:
+    """Median seconds per case, the cases interleaved (after one warm-up each)."""
+    timer = _timer(device)
+    for fn in cases.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(reps):
+        for name, fn in cases.items():
+            times[name].append(timer(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _fla_available() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def gdn_prefill(device: str, tiny: bool, reps: int) -> dict:
+    from sglang.srt.layers.attention.linear.gated_delta_rule import l2norm
+    from sglang.srt.layers.attention.linear.gdn_varlen import chunk_gdn_varlen_fla, chunk_gdn_varlen_torch
+
+    hk, hv, d, n, length = (2, 4, 16, 2, 70) if tiny else (16, 32, 128, 8, 2048)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    t = n * length
+    q = (l2norm(torch.randn(t, hk, d, device=device)) * d**-0.5).to(dtype)
+    k = l2norm(torch.randn(t, hk, d, device=device)).to(dtype)
+    v = torch.randn(t, hv, d, device=device, dtype=dtype)
+    g = -torch.rand(t, hv, device=device) * 0.1
+    beta = torch.rand(t, hv, device=device)
+    h0 = torch.zeros(n, hv, d, d, device=device)
+    cu_cpu = [i * length for i in range(n + 1)]
+    cu = torch.tensor(cu_cpu, device=device)
+    cases = {
+        "torch chunked rule (per sequence)": lambda: chunk_gdn_varlen_torch(
+            q, k, v, g, beta, h0, cu, cu_cpu, 64
+        )
+    }
+    if device == "cuda" and _fla_available():
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        cases["ours (FLA steps + chunk states)"] = lambda: chunk_gdn_varlen_fla(
+            q, k, v, g, beta, h0, cu, cu_cpu, 64
+        )
+        group = hv // hk
+        qe, ke = q.repeat_interleave(group, 1)[None], k.repeat_interleave(group, 1)[None]
+        cases["FLA public chunk_gated_delta_rule"] = lambda: chunk_gated_delta_rule(
+            qe, ke, v[None], g[None], beta[None], scale=1.0, initial_state=h0, output_final_state=True,
+            cu_seqlens=cu,
+        )  # fmt: skip
+    times = round_robin(cases, device, reps)
+    return {"kernel": f"GDN prefill {n} x {length}, heads {hk}/{hv}, dim {d}", "ms": _ms(times)}
+
+
+def gdn_decode(device: str, tiny: bool, reps: int) -> list[dict]:
+
+    hv, d = (4, 16) if tiny else (32, 128)
+    return [_gdn_decode_row(device, bs, hv, d, reps) for bs in ((1, 8) if tiny else (1, 64, 256))]
+
+
+def _gdn_decode_row(device: str, bs: int, hv: int, d: int, reps: int) -> dict:
+    from sglang.srt.layers.attention.linear.gated_delta_rule import l2norm, recurrent_gated_delta_rule_step
+    from sglang.srt.layers.attention.linear.gdn_decode_triton import gdn_decode_inplace
+
+    pool = torch.randn(bs + 1, hv, d, d, device=device) * 0.1
+    slots = torch.arange(1, bs + 1, device=device)
+    q = l2norm(torch.randn(bs, hv, d, device=device)) * d**-0.5
+    k = l2norm(torch.randn(bs, hv, d, device=device))
+    v = torch.randn(bs, hv, d, device=device)
+    g = -torch.rand(bs, hv, device=device) * 0.1
+    beta = torch.rand(bs, hv, device=device)
+
+    def torch_step():
+        out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, pool.index_select(0, slots))
+        pool.index_copy_(0, slots, state)
+
+    cases = {"ours (Triton, in place)": lambda: gdn_decode_inplace(q, k, v, g, beta, pool, slots),
+             "torch step (gather/scatter)": torch_step}  # fmt: skip
+    if device == "cuda" and _fla_available():
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        def fla_step():
+            h = pool.index_select(0, slots)
+            _, h = fused_recurrent_gated_delta_rule(
+                q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=1.0,
+                initial_state=h, output_final_state=True, state_v_first=True,
+            )  # fmt: skip
+            pool.index_copy_(0, slots, h)
+
+        cases["FLA fused recurrent (gather/scatter)"] = fla_step
+    times = round_robin(cases, device, reps)
+    row = {"kernel": f"GDN decode bs {bs}, {hv} heads, dim {d}", "ms": _ms(times)}
+    _bandwidth(row, device, 2 * bs * hv * d * d * 4, times["ours (Triton, in place)"])
+    return row
+
+
+def mamba2_decode(device: str, tiny: bool, reps: int) -> list[dict]:
+
+    h, p, n, groups = (4, 8, 16, 2) if tiny else (128, 64, 128, 8)
+    return [
+        _mamba2_decode_row(device, bs, h, p, n, groups, reps) for bs in ((1, 8) if tiny else (1, 64, 256))
+    ]
+
+
+def _mamba2_decode_row(device: str, bs: int, h: int, p: int, n: int, groups: int, reps: int) -> dict:
+    from sglang.srt.layers.attention.mamba.decode_triton import mamba2_decode_inplace
+    from sglang.srt.layers.attention.mamba.ssd import selective_state_update
+
+    pool = torch.randn(bs + 1, h, p, n, device=device) * 0.1
+    slots = torch.arange(1, bs + 1, device=device)
+    xbc = torch.randn(bs, h * p + 2 * groups * n, device=device)
+    dt = torch.rand(bs, h, device=device)
+    a, dd = -torch.rand(h, device=device), torch.randn(h, device=device)
+
+    def torch_step():
+        x, b, c = xbc.split([h * p, groups * n, groups * n], dim=-1)
+        b = b.view(bs, groups, n).repeat_interleave(h // groups, 1)
+        c = c.view(bs, groups, n).repeat_interleave(h // groups, 1)
+        _, state = selective_state_update(pool.index_select(0, slots), x.view(bs, h, p), dt, a, b, c, dd)
+        pool.index_copy_(0, slots, state)
+
+    cases = {
+        "ours (Triton, in place)": lambda: mamba2_decode_inplace(
+            xbc, dt, a, dd, pool, slots, h, p, groups, n
+        ),
+        "torch step (gather/scatter)": torch_step,
+    }
+    times = round_robin(cases, device, reps)
+    row = {"kernel": f"Mamba2 decode bs {bs}, {h} heads x {p}, state {n}", "ms": _ms(times)}
+    _bandwidth(row, device, 2 * bs * h * p * n * 4, times["ours (Triton, in place)"])
+    return row
+
+
+def attention_decode(device: str, tiny: bool, reps: int) -> dict:
+    import torch.nn.functional as F
+
+    from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+
+    hq, hk, d, bs, ctx = (4, 2, 16, 4, 50) if tiny else (16, 2, 256, 64, 2048)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    k_buf = torch.randn(bs * ctx + 1, hk, d, device=device, dtype=dtype)
+    v_buf = torch.randn_like(k_buf)
+    r2t = torch.arange(1, bs * ctx + 1, device=device, dtype=torch.int32).view(bs, ctx)
+    rows, lens = torch.arange(bs, device=device), torch.full((bs,), ctx, device=device)
+    q = torch.randn(bs, hq, d, device=device, dtype=dtype)
+    out = torch.empty_like(q)
+
+    def sdpa():
+        idx = r2t.long().reshape(-1)
+        k = k_buf.index_select(0, idx).view(bs, ctx, hk, d).transpose(1, 2)
+        v = v_buf.index_select(0, idx).view(bs, ctx, hk, d).transpose(1, 2)
+        F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+
+    cases = {"ours (Triton paged, 8 splits)": lambda: decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, lens, d**-0.5),
+             "gather + torch SDPA": sdpa}  # fmt: skip
+    times = round_robin(cases, device, reps)
+    row = {"kernel": f"attention decode bs {bs} x {ctx} keys, heads {hq}/{hk}, dim {d}", "ms": _ms(times)}
+    _bandwidth(
+        row, device, 2 * bs * ctx * hk * d * k_buf.element_size(), times["ours (Triton paged, 8 splits)"]
+    )
+    return row
+
+
+def _ms(times: dict[str, float]) -> dict[str, float]:
+    return {name: round(t * 1e3, 4) for name, t in times.items()}
+
+
+def _bandwidth(row: dict, device: str, nbytes: int, seconds: float) -> None:
+    row["ours_GB_per_s"] = round(nbytes / seconds / 1e9, 1)
+    if device in PEAK_BANDWIDTH:
+        row["ours_fraction_of_peak"] = round(nbytes / seconds / PEAK_BANDWIDTH[device], 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny shapes (a CPU run under TRITON_INTERPRET=1)"
+    )
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", help="also write the rows as JSON here")
+    args = parser.parse_args()
+    rows = [gdn_prefill(args.device, args.tiny, args.reps)]
+    rows += gdn_decode(args.device, args.tiny, args.reps)
+    rows += mamba2_decode(args.device, args.tiny, args.reps)
+    rows.append(attention_decode(args.device, args.tiny, args.reps))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
