@@ -1,6 +1,6 @@
-"""RoutedExperts: the batched path (decode-size batches, one padded block for every expert) and the
-per-expert path (prefill-size batches) both compute each token's weighted sum of its experts' MLPs, as a
-plain per-token reference does."""
+"""RoutedExperts: the grouped GEMMs (decode-size batches where rows are 16-byte aligned), the batched
+path (one padded block for every expert) and the per-expert path (prefill-size batches) all compute each
+token's weighted sum of its experts' MLPs, as a plain per-token reference does."""
 
 from __future__ import annotations
 
@@ -46,29 +46,51 @@ def _routing(tokens: int, seed: int):
 
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_both_paths_match_the_reference(gated, tokens, monkeypatch):
+def test_every_path_matches_the_reference(gated, tokens, monkeypatch):
     m = _experts(gated)
     x, weights, ids = _routing(tokens, seed=tokens)
     ref = _reference(m, x, weights, ids)
-    calls = {"batched": 0}
-    real = RoutedExperts._batched
+    calls = {"batched": 0, "grouped_mm": 0}
+    real_batched, real_grouped = RoutedExperts._batched, torch._grouped_mm
 
-    def counting(self, *a):
+    def batched(self, *a):
         calls["batched"] += 1
-        return real(self, *a)
+        return real_batched(self, *a)
 
-    monkeypatch.setattr(RoutedExperts, "_batched", counting)
+    def grouped(*a, **k):
+        calls["grouped_mm"] += 1
+        return real_grouped(*a, **k)
+
+    monkeypatch.setattr(RoutedExperts, "_batched", batched)
+    monkeypatch.setattr(torch, "_grouped_mm", grouped)
     with torch.no_grad():
-        batched = m(x, weights, ids)
+        assert m.grouped_mm_applies(x), "float32 rows of 16-byte multiples on CPU"
+        decode = m(x, weights, ids)
+        assert calls == {"batched": 0, "grouped_mm": 2}, "a decode-size batch takes the grouped GEMMs"
+        monkeypatch.setattr(RoutedExperts, "grouped_mm_applies", lambda self, x: False)
+        padded = m(x, weights, ids)
+        assert calls["batched"] == 1, "without grouped GEMMs, the padded block"
         monkeypatch.setattr(experts_mod, "BATCHED_MAX_ASSIGNMENTS", 0)  # force the per-expert path
         looped = m(x, weights, ids)
-    assert calls["batched"] == 1, "a decode-size batch takes the batched path"
-    torch.testing.assert_close(batched, ref, rtol=TOL, atol=TOL)
-    torch.testing.assert_close(looped, ref, rtol=TOL, atol=TOL)
+    for out in (decode, padded, looped):
+        torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
+
+
+def test_unaligned_rows_skip_the_grouped_gemms():
+    """torch._grouped_mm refuses rows that are not 16-byte multiples (CPU too): 6 float32 = 24 bytes."""
+    torch.manual_seed(0)
+    m = RoutedExperts(E, H, 6, "silu", True)
+    torch.nn.init.normal_(m.w13, std=0.2)
+    torch.nn.init.normal_(m.w2, std=0.2)
+    x, weights, ids = _routing(5, seed=9)
+    assert not m.grouped_mm_applies(x)
+    with torch.no_grad():
+        assert m(x, weights, ids).shape == x.shape
 
 
 def test_large_batches_take_the_per_expert_path(monkeypatch):
     m = _experts(True)
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: pytest.fail("grouped GEMMs taken"))
     x, weights, ids = _routing(600, seed=5)  # 1,200 assignments > BATCHED_MAX_ASSIGNMENTS
     monkeypatch.setattr(RoutedExperts, "_batched", lambda *a: pytest.fail("batched path taken"))
     with torch.no_grad():
@@ -76,7 +98,9 @@ def test_large_batches_take_the_per_expert_path(monkeypatch):
 
 
 def test_skewed_routing_takes_the_per_expert_path(monkeypatch):
-    """Few assignments, all on two of 32 experts: the padded block would hold 16x the work."""
+    """Few assignments, all on two of 32 experts: the padded block would hold 16x the work (without
+    grouped GEMMs, which do not pad)."""
+    monkeypatch.setattr(RoutedExperts, "grouped_mm_applies", lambda self, x: False)
     torch.manual_seed(0)
     m = RoutedExperts(32, H, INTER, "silu", True)
     torch.nn.init.normal_(m.w13, std=0.2)
@@ -92,7 +116,8 @@ def test_skewed_routing_takes_the_per_expert_path(monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 7, 64])
 def test_device_path_matches_the_reference_without_reading_counts(gated, tokens, monkeypatch):
     """`forward_device` (what GPUs run) never reads a device value on the host: `.tolist()` / `.item()`
-    are made to fail. float32 takes the padded form; bfloat16 with 16-byte rows the grouped GEMMs."""
+    are made to fail. On CUDA float32 takes the padded form, bfloat16 with 16-byte rows the grouped
+    GEMMs: both forms, in both dtypes where they run on CPU."""
     m = _experts(gated)
     x, weights, ids = _routing(tokens, seed=tokens)
     ref = _reference(m, x, weights, ids)
@@ -103,14 +128,15 @@ def test_device_path_matches_the_reference_without_reading_counts(gated, tokens,
     monkeypatch.setattr(torch.Tensor, "tolist", no_host_read)
     monkeypatch.setattr(torch.Tensor, "item", no_host_read)
     with torch.no_grad():
-        assert not m.grouped_mm_applies(x)
-        fp32 = m.forward_device(x, weights, ids)
+        fp32 = m.forward_device(x, weights, ids, grouped=False)
+        fp32_grouped = m.forward_device(x, weights, ids, grouped=True)
         mb = m.to(torch.bfloat16)
         xb = x.bfloat16()
         assert mb.grouped_mm_applies(xb)
         bf16 = mb.forward_device(xb, weights, ids)
     monkeypatch.undo()
     torch.testing.assert_close(fp32, ref, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(fp32_grouped, ref, rtol=TOL, atol=TOL)
     # bfloat16 weights and inputs: ~3 significant digits; outputs are O(1), so 3e-2 absolute is
     # rounding, while a wrong expert, weight or row moves them by O(1).
     ref_b = _reference(mb.float(), xb.float(), weights, ids)

@@ -10,7 +10,8 @@ On an accelerator the host never reads the per-expert counts (that would be a de
 serving dtype on GPUs), or, where grouped GEMMs do not apply (float32, unaligned dims), runs the
 padded batched form with room for every token in every expert, up to BATCHED_MAX_ASSIGNMENTS (decode
 sizes; larger batches take the per-expert path, one sync per layer). A fixed number of launches per
-layer either way, so it is also what a CUDA graph can capture."""
+layer either way, so it is also what a CUDA graph can capture. On CPU, decode-size batches take the
+grouped GEMMs too (any float dtype there), faster than the padded block."""
 
 from __future__ import annotations
 
@@ -59,7 +60,13 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32."""
-        if x.device.type != "cpu" and (self.grouped_mm_applies(x) or ids.numel() <= BATCHED_MAX_ASSIGNMENTS):
+        small = ids.numel() <= BATCHED_MAX_ASSIGNMENTS
+        if x.device.type == "cpu":
+            # Decode-size batches: grouped GEMMs, 1.2-1.5x faster than the padded block on CPU (tiny
+            # preset shapes, one thread, 2 to 1,024 assignments), equal to it up to float32 rounding.
+            if small and self.grouped_mm_applies(x):
+                return self.forward_device(x, weights, ids)
+        elif self.grouped_mm_applies(x) or small:
             return self.forward_device(x, weights, ids)
         # CPU, or a large float32/float16 batch on a device (prefill), where the padded block of
         # `forward_device` would cost E / k times the work: the host reads the counts (one sync).
@@ -86,8 +93,11 @@ class RoutedExperts(nn.Module):
             start += n
         return out.to(x.dtype)
 
-    def forward_device(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """`forward` without any device-to-host read (see the module docstring); runs on CPU too."""
+    def forward_device(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, grouped: bool | None = None
+    ) -> torch.Tensor:
+        """`forward` without any device-to-host read (see the module docstring); runs on CPU too.
+        `grouped`: grouped GEMMs or the padded block (default: grouped where `grouped_mm_applies`)."""
         num_tokens, top_k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -95,7 +105,7 @@ class RoutedExperts(nn.Module):
         weight_of = weights.reshape(-1)[order]
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat))
-        if self.grouped_mm_applies(x):
+        if self.grouped_mm_applies(x) if grouped is None else grouped:
             offs = torch.cumsum(counts, 0).to(torch.int32)
             h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs)
             y = torch._grouped_mm(self._activate(h), self.w2.transpose(1, 2), offs=offs)
@@ -107,12 +117,15 @@ class RoutedExperts(nn.Module):
         return out.to(x.dtype)
 
     def grouped_mm_applies(self, x: torch.Tensor) -> bool:
-        """Grouped GEMMs take bfloat16 with rows of a multiple of 16 bytes (CUDA's rule, kept on CPU)."""
+        """Grouped GEMMs take rows of a multiple of 16 bytes (on CPU and CUDA), and on an accelerator
+        bfloat16 only (CUDA's kernels); on CPU any float dtype."""
         dims = (x.shape[1], self.intermediate_size)
+        dtype_ok = x.device.type == "cpu" or x.dtype == torch.bfloat16
         return (
-            x.dtype == self.w13.dtype == torch.bfloat16
+            x.dtype == self.w13.dtype
+            and dtype_ok
             and hasattr(torch, "_grouped_mm")
-            and all(d % 8 == 0 for d in dims)
+            and all(d * x.element_size() % 16 == 0 for d in dims)
         )
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
