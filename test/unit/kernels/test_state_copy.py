@@ -151,3 +151,30 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog
         pytest.raises(ValueError, match="build failed"),
     ):
         StateCopier(make_states(8, "tiny"))
+
+
+def test_host_slot_lists_reach_the_device_in_one_copy():
+    """On a device (`meta` standing in for CUDA under the audit), a copy's two host id lists travel
+    together in one packed transfer, as a clear's list does on its own."""
+    from sglang.test.device_audit import DeviceAudit
+
+    class Recording:  # the kernels' calls (torch's `nonzero` has no meta kernel)
+        calls: list = []
+
+        def copy(self, src, dst, mask):
+            self.calls.append((src, dst))
+
+        def clear(self, slots):
+            self.calls.append((slots,))
+
+    with DeviceAudit() as audit:
+        copier = StateCopier([torch.zeros(2, 6, 3, device="meta"), torch.zeros(2, 6, 4, device="meta")], "torch")
+        copier._impl = Recording()
+        audit.reset()
+        copier.copy([1, 2], [3, 4])
+        assert len(audit.h2d) == 1, audit.h2d
+        copier.clear([5])
+        assert len(audit.h2d) == 2 and not audit.mixed and not audit.host_reads
+    (src, dst), (slots,) = Recording.calls
+    assert src.device.type == dst.device.type == slots.device.type == "meta"
+    assert src.shape == dst.shape == (2,) and src.dtype == torch.int64

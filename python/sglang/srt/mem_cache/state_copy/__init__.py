@@ -122,6 +122,8 @@ class StateCopier:
             return
         if not isinstance(src, torch.Tensor) and not isinstance(dst, torch.Tensor):
             self._check_host_rows(src, dst)
+            self._impl.copy(*self._host_ids(src, dst), None)
+            return
         self._impl.copy(self._ids(src), self._ids(dst), None)
 
     def clear(self, slots: Ids) -> None:
@@ -147,7 +149,13 @@ class StateCopier:
             if ids.dtype == torch.int64 and ids.device == self.device and ids.is_contiguous():
                 return ids
             return ids.to(device=self.device, dtype=torch.int64).contiguous()
-        return torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+        return self._host_ids(ids)[0]
+
+    def _host_ids(self, *lists: Sequence[int]) -> list[torch.Tensor]:
+        """Host id lists on the pool's device in one copy (pinned and non-blocking on CUDA)."""
+        from sglang.srt.model_executor.forward_batch_info import move_to_device
+
+        return move_to_device([torch.tensor(list(ids), dtype=torch.int64) for ids in lists], self.device)
 
     def _check_range(self, ids: Sequence[int]) -> None:
         bad = [i for i in ids if i >= self.layout.num_slots]
