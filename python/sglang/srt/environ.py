@@ -127,6 +127,9 @@ class Envs:
     # the C++ op on CPU); torch forces that; fla requires FLA; torch_varlen runs the batched path with
     # FLA's torch twin (tests).
     SGLANG_GDN_EXTEND_BACKEND = EnvStr("auto", "Gated DeltaNet extend: auto, torch, fla or torch_varlen.")
+    # The same for the Mamba2 layers' SSD (FLA's simple-GLA kernels; auto only where the model's chunk
+    # size is a multiple of FLA's 64).
+    SGLANG_MAMBA2_EXTEND_BACKEND = EnvStr("auto", "Mamba2 extend: auto, torch, fla or torch_varlen.")
     # CPU ops of the linear-attention layers (conv, GDN and Mamba2, decode and extend): auto = the
     # sgl-kernel C++ ops where built, else torch; torch forces the torch path; cpp requires the C++ ops.
     SGLANG_CPU_LINEAR_ATTN_BACKEND = EnvStr("auto", "CPU linear-attention ops: auto, torch or cpp.")

@@ -28,25 +28,34 @@ def _cache_chunk(runner) -> int:
 
 
 @pytest.mark.parametrize(
-    "preset,page_size,gdn_extend",
+    "preset,page_size,extend",
     [
         ("tiny-qwen3-next", 1, "auto"),
         ("tiny-qwen3-next", 16, "auto"),
         ("tiny-qwen3-next", 128, "auto"),  # C = 128, twice the GDN kernel chunk
         # The packed-batch extend (FLA's contract on CUDA) with its torch twin: snapshots taken from
-        # the chunk-start states of the packed batch.
+        # the chunk-start states of the packed batch (GDN here, Mamba2 below).
         ("tiny-qwen3-next", 1, "torch_varlen"),
         ("tiny-qwen3-next", 128, "torch_varlen"),
         ("tiny-nemotron-h", 1, "auto"),
         ("tiny-nemotron-h", 16, "auto"),
         ("tiny-nemotron-h", 128, "auto"),  # C = 128, four times the Mamba2 chunk of 32
+        ("tiny-nemotron-h", 1, "torch_varlen"),
+        ("tiny-nemotron-h", 128, "torch_varlen"),
+        # States every 16 tokens for a state chunk of 32 (as FLA's 64 serves a config chunk of 128+):
+        # snapshot rows are picked by token offset, not by chunk index.
+        ("tiny-nemotron-h", 1, "torch_varlen_half"),
     ],
 )
-def test_extend_and_decode_snapshots_match_the_oracle(preset, page_size, gdn_extend, oracles):
+def test_extend_and_decode_snapshots_match_the_oracle(preset, page_size, extend, oracles):
     ref = oracles[preset]
-    with envs.SGLANG_GDN_EXTEND_BACKEND.override(gdn_extend):
+    choice = extend.removesuffix("_half")
+    with envs.SGLANG_GDN_EXTEND_BACKEND.override(choice), envs.SGLANG_MAMBA2_EXTEND_BACKEND.override(choice):
         runner = make_runner(preset, page_size=page_size)
-    assert (runner.attn_backend.linear_attn_backend.varlen_impl is not None) == (gdn_extend == "torch_varlen")
+    linear = runner.attn_backend.linear_attn_backend
+    assert (linear.varlen_impl is not None) == (choice == "torch_varlen")
+    if extend.endswith("_half"):
+        linear.varlen_chunk //= 2
     driver = RunnerDriver(runner)
     c = _cache_chunk(runner)
     assert c == max(page_size, runner.arch.kernel_state_chunk)

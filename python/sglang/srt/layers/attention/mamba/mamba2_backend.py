@@ -1,5 +1,6 @@
 """Mamba2 backend: causal conv over the pooled conv state, then the SSD chunked scan (chunk = the
-config's chunk size) for extends and the selective state update for decodes: in place on the pool,
+config's chunk size) for extends (over the whole packed batch where `varlen_impl` is set: FLA on CUDA,
+`ssd_varlen.py`; else per request, or sgl-kernel's C++ op on CPU) and the selective state update for decodes: in place on the pool,
 by the Triton kernels on CUDA (`decode_triton.py`) and sgl-kernel's C++ op on CPU where it is built;
 torch otherwise (`SGLANG_MAMBA2_DECODE_BACKEND` forces torch or triton).
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from sglang.srt.environ import envs
 from sglang.srt.layers.attention.mamba.mamba_backend_base import MambaAttnBackendBase
 from sglang.srt.layers.attention.mamba.ssd import selective_state_update, ssd_chunk_scan
+from sglang.srt.layers.attention.mamba.ssd_varlen import ssd_varlen_impl
 from sglang.srt.mem_cache.memory_pool import MambaPool
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 class Mamba2AttnBackend(MambaAttnBackendBase):
     def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int):
         super().__init__(mamba_pool, kernel_state_chunk, envs.SGLANG_MAMBA2_DECODE_BACKEND)
+        self.varlen_impl, self.varlen_chunk = ssd_varlen_impl(mamba_pool.ssm_state.device, kernel_state_chunk)
 
     def forward(self, layer: Any, fb: ForwardBatch, xBC: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
         weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
@@ -57,6 +60,16 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
             x, B, C = self._split(layer, xbc)
             y, state = selective_state_update(self.read_ssm_decode(lid), x, dt, A, B, C, layer.D)
             self.write_ssm_decode(lid, state)
+            return y
+        if self.varlen_impl is not None:
+            xbc = self.conv_extend_packed(lid, xBC, weight, layer.conv1d.bias)
+            x, B, C = self._split(layer, xbc, expand=False)
+            v_meta = self.meta.varlen
+            y, final, chunk_states = self.varlen_impl(
+                x, dt, A, B, C, layer.D, self.initial_ssm_batch(lid), v_meta.cu_seqlens, v_meta.cu_seqlens_cpu,
+                self.varlen_chunk,
+            )  # fmt: skip
+            self.store_varlen_states(lid, final, chunk_states)
             return y
         if self.uses_cpu_extend(layer.head_dim, layer.ssm_state_size):
             xbc = self.conv_extend_batch(lid, xBC, weight, layer.conv1d.bias)
@@ -97,12 +110,15 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
         return y
 
     @staticmethod
-    def _split(layer: Any, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split(
+        layer: Any, xbc: torch.Tensor, expand: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [..., I + 2GN] -> x [..., H, P], B and C [..., H, N] (each group shared by
-        consecutive heads)."""
+        consecutive heads; [..., G, N] without `expand`)."""
         h, p, g, n = layer.num_heads, layer.head_dim, layer.n_groups, layer.ssm_state_size
         x, B, C = xbc.split([h * p, g * n, g * n], dim=-1)
         lead = xbc.shape[:-1]
-        B = B.reshape(*lead, g, n).repeat_interleave(h // g, dim=-2)
-        C = C.reshape(*lead, g, n).repeat_interleave(h // g, dim=-2)
+        B, C = B.reshape(*lead, g, n), C.reshape(*lead, g, n)
+        if expand:
+            B, C = B.repeat_interleave(h // g, dim=-2), C.repeat_interleave(h // g, dim=-2)
         return x.reshape(*lead, h, p), B, C

@@ -75,8 +75,8 @@ class LinearMetadata:
 @dataclass
 class VarlenExtend:
     """A whole extend batch for kernels over packed sequences (`cu_seqlens`) that return each
-    sequence's final state and its states at chunk starts (`linear/gdn_varlen.py` has the contract):
-    which of those states each snapshot slot takes. Index tensors on the device."""
+    sequence's final state and its states at chunk starts (`linear/gdn_varlen.py`, `mamba/ssd_varlen.py`
+    have the contract): which of those states each snapshot slot takes. Index tensors on the device."""
 
     cu_seqlens: torch.Tensor  # [N + 1]
     cu_seqlens_cpu: list[int]
@@ -115,8 +115,10 @@ class MambaAttnBackendBase:
         self.decode_cpp = (
             self.cpu_ops is not None and decode_choice.get() == "auto" and not self.decode_in_place
         )
-        # The extend over the packed batch (the layer kind's contract), or None: per request.
+        # The extend over the packed batch (the layer kind's contract), or None: per request; it
+        # returns states every `varlen_chunk` tokens, a divisor of the kernel state chunk.
         self.varlen_impl: Any = None
+        self.varlen_chunk = kernel_state_chunk
 
     # ---- metadata ---------------------------------------------------------------------------------
 
@@ -126,7 +128,7 @@ class MambaAttnBackendBase:
             cpu_extend = _cpu_extend_args(seqs) if self.cpu_ops is not None else None
             device = self.mamba_pool.conv_state.device
             triton_extend = _triton_extend_args(seqs, device) if self.decode_in_place else None
-            varlen = _varlen_args(seqs, self.kernel_state_chunk, device) if self.varlen_impl else None
+            varlen = _varlen_args(seqs, self.varlen_chunk, device) if self.varlen_impl else None
             self.meta = LinearMetadata(
                 slots=fb.mamba_pool_indices,
                 extend=seqs,
@@ -378,7 +380,8 @@ def _varlen_args(seqs: list[ExtendSeq], chunk_size: int, device: torch.device) -
             if t.chunk is None:
                 final.append((i, t.slot))
             else:
-                inter.append((first[i] + t.chunk, t.slot))
+                # t.offset is a multiple of the kernel chunk, which chunk_size divides.
+                inter.append((first[i] + t.offset // chunk_size, t.slot))
     columns = [[r for r, _ in inter], [s for _, s in inter], [r for r, _ in final], [s for _, s in final]]
     moved = move_to_device([_long(cu), *(_long(c) for c in columns)], device)
     return VarlenExtend(moved[0], cu, *moved[1:])
