@@ -1,6 +1,7 @@
 """The paged torch-native attention backend against a float64 per-request reference: extends with and
 without a cached prefix, decodes of requests of different lengths, grouped-query heads, scattered KV
-slots, float32 and bfloat16; and that both modes run torch's fused SDPA kernel (no score matrix)."""
+slots, float32 and bfloat16; and that both modes run torch's fused SDPA kernel (no score matrix), but a
+float32 decode of large GQA groups, which runs grouped matmuls."""
 
 from __future__ import annotations
 
@@ -23,14 +24,15 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 class _Case:
-    def __init__(self, dtype: torch.dtype, seq_lens: list[int], seed: int = 0):
+    def __init__(self, dtype: torch.dtype, seq_lens: list[int], seed: int = 0, hq: int = HQ, hk: int = HK):
         torch.manual_seed(seed)
+        self.hq, self.hk = hq, hk
         total = sum(seq_lens)
         self.req_pool = ReqToTokenPool(len(seq_lens) + 1, max(seq_lens) + 8)
-        self.kv_pool = MHATokenToKVPool(total + 64, 1, dtype, HK, D, layer_ids=[3])
+        self.kv_pool = MHATokenToKVPool(total + 64, 1, dtype, hk, D, layer_ids=[3])
         self.backend = TorchNativeAttnBackend(self.req_pool, self.kv_pool)
         self.layer = SimpleNamespace(
-            tp_q_head_num=HQ, tp_k_head_num=HK, head_dim=D, scaling=D**-0.5, layer_id=3
+            tp_q_head_num=hq, tp_k_head_num=hk, head_dim=D, scaling=D**-0.5, layer_id=3
         )
         # Scattered slots: every request's positions map to a random permutation of the pool rows.
         slots = torch.randperm(total + 63)[:total] + 1
@@ -47,8 +49,8 @@ class _Case:
     def fill_prefix(self, prefix_lens: list[int]) -> None:
         k_buf, v_buf = self.kv_pool.get_kv_buffer(3)
         for s, p in zip(self.slots, prefix_lens, strict=True):
-            k_buf[s[:p]] = torch.randn(p, HK, D).to(self.dtype)
-            v_buf[s[:p]] = torch.randn(p, HK, D).to(self.dtype)
+            k_buf[s[:p]] = torch.randn(p, self.hk, D).to(self.dtype)
+            v_buf[s[:p]] = torch.randn(p, self.hk, D).to(self.dtype)
 
     def run(self, mode: ForwardMode, new_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the backend's output, the reference's)."""
@@ -71,9 +73,9 @@ class _Case:
             out_cache_loc=torch.cat([s[p:] for s, p in zip(self.slots, prefix, strict=True)]),
         )
         tokens = sum(new_lens)
-        q = torch.randn(tokens, HQ * D).to(self.dtype)
-        k = torch.randn(tokens, HK * D).to(self.dtype)
-        v = torch.randn(tokens, HK * D).to(self.dtype)
+        q = torch.randn(tokens, self.hq * D).to(self.dtype)
+        k = torch.randn(tokens, self.hk * D).to(self.dtype)
+        v = torch.randn(tokens, self.hk * D).to(self.dtype)
         self.backend.init_forward_metadata(fb)
         return self.backend.forward(q, k, v, self.layer, fb), q, prefix
 
@@ -81,12 +83,12 @@ class _Case:
         k_buf, v_buf = self.kv_pool.get_kv_buffer(3)
         outs, start = [], 0
         for s, p, e in zip(self.slots, prefix, new_lens, strict=True):
-            qi = q[start : start + e].double().view(e, HK, HQ // HK, D)
+            qi = q[start : start + e].double().view(e, self.hk, self.hq // self.hk, D)
             k, v = k_buf[s].double(), v_buf[s].double()  # [S, Hk, D]
             scores = torch.einsum("ehgd,shd->hges", qi, k) * D**-0.5
             allowed = torch.arange(len(s))[None, :] <= torch.arange(e)[:, None] + p
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-            outs.append(torch.einsum("hges,shd->ehgd", probs, v).reshape(e, HQ * D))
+            outs.append(torch.einsum("hges,shd->ehgd", probs, v).reshape(e, self.hq * D))
             start += e
         return torch.cat(outs)
 
@@ -103,9 +105,11 @@ def test_extend_with_and_without_prefix(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_of_requests_of_different_lengths(dtype):
+# 32 query heads per KV head of 16 dims: the grouped matmuls (group x dim >= 512).
+@pytest.mark.parametrize("hq,hk", [(HQ, HK), (32, 1)])
+def test_decode_of_requests_of_different_lengths(dtype, hq, hk):
     seq_lens = [1, 300, 17, 64, 65]  # padded to 300: the mask must hide every other row's padding
-    case = _Case(dtype, seq_lens, seed=1)
+    case = _Case(dtype, seq_lens, seed=1, hq=hq, hk=hk)
     case.fill_prefix([n - 1 for n in seq_lens])
     out, ref = case.run(ForwardMode.DECODE, [1] * len(seq_lens))
     assert (out.double() - ref).abs().max().item() < TOL[dtype]
@@ -123,6 +127,17 @@ def test_attention_runs_the_fused_kernel(mode):
     # The math fallback (taken e.g. for 3-D inputs) materialises [E, S] scores through softmax.
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
     assert "aten::_softmax" not in ops
+
+
+def test_decode_of_large_float32_groups_runs_grouped_matmuls():
+    """32 query heads per KV head: one [group, D] x [D, S] product per KV head, no SDPA."""
+    case = _Case(torch.float32, [200, 90], seed=3, hq=32, hk=1)
+    case.fill_prefix([199, 89])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        case.forward(ForwardMode.DECODE, [1, 1])
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in ops
+    assert "aten::matmul" in ops
 
 
 def test_rope_tables_are_computed_once_per_batch():

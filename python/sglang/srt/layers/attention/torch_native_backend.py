@@ -4,7 +4,8 @@ The new tokens' K/V are stored at `out_cache_loc` first; then every query attend
 `req_to_token[row, :seq_len]` of its request, causally (query at position p sees keys 0..p). Any page
 size works, since only slot ids are read. Both modes run torch's fused `scaled_dot_product_attention`
 (its flash kernel on CPU accumulates in float32); grouped-query heads share their KV head without copying
-it (`enable_gqa`).
+it (`enable_gqa`). A float32 decode of large GQA groups runs two matmuls per KV head instead
+(`GROUPED_DECODE_MIN_WORK`; `benchmark/bench_decode_attention_cpu.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ class _Metadata:
     extend: list[_ExtendSeq] | None = None
     decode_kv_indices: torch.Tensor | None = None  # [bs, max_len]
     decode_mask: torch.Tensor | None = None  # [bs, max_len] True where the key exists
+
+
+# A float32 decode whose (query heads per KV head) x (head dim) reaches this runs two matmuls over each
+# KV head's whole group instead of SDPA, whose CPU flash kernel re-reads the keys for every query head.
+# `benchmark/bench_decode_attention_cpu.py`, one thread, SDPA time / matmuls time: group x dim 256
+# (4 x 64) 0.87-0.90; 512 (8 x 64) 1.18-1.24; 512 (4 x 128) 1.41; 1,024 (4 x 256) 1.56; 2,048
+# (8 x 256, Qwen3-Next-80B) 1.6-2.5; the tiny presets (2 x 16) ~1.0.
+GROUPED_DECODE_MIN_WORK = 512
 
 
 class TorchNativeAttnBackend:
@@ -116,13 +125,18 @@ class TorchNativeAttnBackend:
     ) -> torch.Tensor:
         """q [bs, Hq, D]; every request attends to its own slot row, gathered padded to the longest
         (`index_select` gathers ~3x faster than advanced indexing on CPU) and masked past its length,
-        in one fused SDPA call for the batch."""
+        in one fused SDPA call for the batch (large float32 GQA groups: `GROUPED_DECODE_MIN_WORK`)."""
         bs, hq, d = q.shape
         kv, mask = self.meta.decode_kv_indices, self.meta.decode_mask
         length, hk = kv.shape[1], k_buf.shape[1]
         flat = kv.reshape(-1)
         k = k_buf.index_select(0, flat).view(bs, length, hk, d).transpose(1, 2)
         v = v_buf.index_select(0, flat).view(bs, length, hk, d).transpose(1, 2)
+        group = hq // hk
+        if group * d >= GROUPED_DECODE_MIN_WORK and q.dtype == torch.float32:
+            scores = torch.matmul(q.view(bs, hk, group, d), k.transpose(-1, -2)) * layer.scaling
+            probs = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
+            return torch.matmul(probs, v).view(bs, hq, d)
         out = F.scaled_dot_product_attention(
             q[:, :, None],
             k,
