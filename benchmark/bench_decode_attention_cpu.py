@@ -1,19 +1,32 @@
-"""Decode attention on CPU: torch's fused SDPA (flash kernel, `enable_gqa`) against two matmuls over each
-KV head's whole query group, on gathered KV padded to the longest request, one thread, round-robin medians:
+"""Decode attention on CPU, the torch-native backend's three ways, one thread, round-robin medians:
 
     .venv/bin/python benchmark/bench_decode_attention_cpu.py
 
-Why: the torch-native backend takes the matmuls for float32 decodes where (query heads per KV head) x
-(head dim) >= 512 (`GROUPED_DECODE_MIN_WORK`): the flash kernel re-reads every key once per query head.
+- `sdpa`: gather each request's KV (padded to the longest) with `index_select`, then torch's fused SDPA
+  (flash kernel, `enable_gqa`), which re-reads every key once per query head;
+- `grouped`: the same gather, then two matmuls over each KV head's whole query group (what the backend
+  takes for float32 decodes where (query heads per KV head) x (head dim) >= `GROUPED_DECODE_MIN_WORK`);
+- `cpp`: sgl-kernel's `decode_attention`, which reads the KV pool in place through `req_to_token` (the
+  default where the CPU extension is built; `SGLANG_CPU_ATTN_BACKEND`).
+
+Each runs through `TorchNativeAttnBackend` over real pools (the new token's KV store included), with each
+request's slots contiguous as the allocator hands them out; request lengths vary between half and all
+of `keys`.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
+
+from sglang.srt.environ import envs
+from sglang.srt.layers.attention import torch_native_backend
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 # (batch, keys, query heads, KV heads, head dim): the tiny presets, then Qwen3-Next-80B's attention.
 SHAPES = [
@@ -28,36 +41,68 @@ SHAPES = [
 ]
 
 
+def _backend(kind: str, req_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool) -> TorchNativeAttnBackend:
+    with envs.SGLANG_CPU_ATTN_BACKEND.override("cpp" if kind == "cpp" else "torch"):
+        return TorchNativeAttnBackend(req_pool, kv_pool)
+
+
 def row(bs: int, length: int, hq: int, hk: int, d: int) -> str:
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(bs, hq, 1, d, generator=g)
-    k, v = torch.randn(bs, hk, length, d, generator=g), torch.randn(bs, hk, length, d, generator=g)
-    mask = torch.arange(length)[None, :] < torch.randint(length // 2, length + 1, (bs,), generator=g)[:, None]
-    group = hq // hk
+    lens = torch.randint(length // 2, length + 1, (bs,), generator=g).tolist()
+    req_pool = ReqToTokenPool(bs + 1, length + 1)
+    kv_pool = MHATokenToKVPool(sum(lens) + 1, 1, torch.float32, hk, d, layer_ids=[0])
+    k_buf, v_buf = kv_pool.get_kv_buffer(0)
+    k_buf.normal_(generator=g)
+    v_buf.normal_(generator=g)
+    start = 1
+    for r, n in enumerate(lens):
+        req_pool.write(r + 1, 0, torch.arange(start, start + n))
+        start += n
+    fb = SimpleNamespace(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=bs,
+        req_pool_indices=torch.arange(1, bs + 1),
+        req_pool_indices_cpu=list(range(1, bs + 1)),
+        seq_lens=torch.tensor(lens),
+        seq_lens_cpu=lens,
+        out_cache_loc=torch.tensor([1 + sum(lens[: r + 1]) - 1 for r in range(bs)]),
+    )
+    layer = SimpleNamespace(tp_q_head_num=hq, tp_k_head_num=hk, head_dim=d, scaling=d**-0.5, layer_id=0)
+    q = torch.randn(bs, hq * d, generator=g)
+    k_new = k_buf[fb.out_cache_loc].view(bs, hk * d).clone()
+    v_new = v_buf[fb.out_cache_loc].view(bs, hk * d).clone()
+    backends = {kind: _backend(kind, req_pool, kv_pool) for kind in ("sdpa", "grouped", "cpp")}
+    limit = torch_native_backend.GROUPED_DECODE_MIN_WORK
 
-    def sdpa():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], enable_gqa=True)
+    def run(kind: str) -> torch.Tensor:
+        # The backend picks SDPA or the matmuls by this threshold: set it for the way being timed.
+        torch_native_backend.GROUPED_DECODE_MIN_WORK = 0 if kind == "grouped" else 1 << 30
+        backend = backends[kind]
+        backend.init_forward_metadata(fb)
+        return backend.forward(q, k_new, v_new, layer, fb)
 
-    def grouped():
-        s = torch.matmul(q.view(bs, hk, group, d), k.transpose(-1, -2)) * d**-0.5
-        return torch.matmul(s.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1), v)
-
-    assert torch.allclose(sdpa(), grouped().view(bs, hq, 1, d), atol=1e-4)
-    times: dict[str, list[float]] = {"sdpa": [], "grouped": []}
-    for _ in range(15):
-        for name, fn in (("sdpa", sdpa), ("grouped", grouped)):
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    a, b = (statistics.median(times[n]) * 1e3 for n in ("sdpa", "grouped"))
-    return f"| {bs} x {length} | {hq}/{hk}, {d} | {a:.2f} | {b:.2f} | {a / b:.2f} |"
+    try:
+        want = run("sdpa")
+        for kind in ("grouped", "cpp"):
+            assert torch.allclose(run(kind), want, atol=1e-4), kind
+        times: dict[str, list[float]] = {kind: [] for kind in backends}
+        for _ in range(15):
+            for kind in backends:
+                t = time.perf_counter()
+                run(kind)
+                times[kind].append(time.perf_counter() - t)
+    finally:
+        torch_native_backend.GROUPED_DECODE_MIN_WORK = limit
+    a, b, c = (statistics.median(times[kind]) * 1e3 for kind in ("sdpa", "grouped", "cpp"))
+    return f"| {bs} x {length} | {hq}/{hk}, {d} | {a:.2f} | {b:.2f} | {c:.2f} | {min(a, b) / c:.2f} |"
 
 
 def main() -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     print(
-        "| batch x keys | heads q/kv, dim | SDPA ms | grouped matmuls ms | SDPA / matmuls |\n|---|---|---|---|---|"
+        "| batch x keys | heads q/kv, dim | gather + SDPA ms | gather + matmuls ms | C++ in place ms | "
+        "best torch / C++ |\n|---|---|---|---|---|---|"
     )
     for shape in SHAPES:
         print(row(*shape), flush=True)

@@ -133,6 +133,9 @@ class Envs:
     # CPU ops of the linear-attention layers (conv, GDN and Mamba2, decode and extend): auto = the
     # sgl-kernel C++ ops where built, else torch; torch forces the torch path; cpp requires the C++ ops.
     SGLANG_CPU_LINEAR_ATTN_BACKEND = EnvStr("auto", "CPU linear-attention ops: auto, torch or cpp.")
+    # CPU decode of the full-attention layers: auto = the sgl-kernel C++ op that reads the paged KV in place
+    # where built, else SDPA over a gathered copy; torch forces SDPA; cpp requires the C++ op.
+    SGLANG_CPU_ATTN_BACKEND = EnvStr("auto", "CPU full-attention decode: auto, torch or cpp.")
 
     # Fault injection for extra_buffer_lazy: 1 = the first allocation try at a decode track boundary
     # fails (evict-and-retry then runs for real); 2 = the retry fails as well.

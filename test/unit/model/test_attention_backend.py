@@ -1,7 +1,9 @@
 """The paged torch-native attention backend against a float64 per-request reference: extends with and
 without a cached prefix, decodes of requests of different lengths, grouped-query heads, scattered KV
-slots, float32 and bfloat16; and that both modes run torch's fused SDPA kernel (no score matrix), but a
-float32 decode of large GQA groups, which runs grouped matmuls."""
+slots, float32 and bfloat16; decodes both through SDPA (`SGLANG_CPU_ATTN_BACKEND=torch`) and through
+sgl-kernel's C++ op (the default where built); that both modes of the torch path run torch's fused SDPA
+kernel (no score matrix), but a float32 decode of large GQA groups, which runs grouped matmuls; and that
+the C++ decode reads the KV in place (no gather)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang.srt.environ import envs
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -24,15 +27,26 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 class _Case:
-    def __init__(self, dtype: torch.dtype, seq_lens: list[int], seed: int = 0, hq: int = HQ, hk: int = HK):
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        seq_lens: list[int],
+        seed: int = 0,
+        hq: int = HQ,
+        hk: int = HK,
+        d: int = D,
+        backend: str = "torch",
+    ):
         torch.manual_seed(seed)
-        self.hq, self.hk = hq, hk
+        self.hq, self.hk, self.d = hq, hk, d
         total = sum(seq_lens)
         self.req_pool = ReqToTokenPool(len(seq_lens) + 1, max(seq_lens) + 8)
-        self.kv_pool = MHATokenToKVPool(total + 64, 1, dtype, hk, D, layer_ids=[3])
-        self.backend = TorchNativeAttnBackend(self.req_pool, self.kv_pool)
+        self.kv_pool = MHATokenToKVPool(total + 64, 1, dtype, hk, d, layer_ids=[3])
+        with envs.SGLANG_CPU_ATTN_BACKEND.override(backend):
+            self.backend = TorchNativeAttnBackend(self.req_pool, self.kv_pool)
+        assert (self.backend.cpu_ops is not None) == (backend == "cpp")
         self.layer = SimpleNamespace(
-            tp_q_head_num=hq, tp_k_head_num=hk, head_dim=D, scaling=D**-0.5, layer_id=3
+            tp_q_head_num=hq, tp_k_head_num=hk, head_dim=d, scaling=d**-0.5, layer_id=3
         )
         # Scattered slots: every request's positions map to a random permutation of the pool rows.
         slots = torch.randperm(total + 63)[:total] + 1
@@ -49,8 +63,8 @@ class _Case:
     def fill_prefix(self, prefix_lens: list[int]) -> None:
         k_buf, v_buf = self.kv_pool.get_kv_buffer(3)
         for s, p in zip(self.slots, prefix_lens, strict=True):
-            k_buf[s[:p]] = torch.randn(p, self.hk, D).to(self.dtype)
-            v_buf[s[:p]] = torch.randn(p, self.hk, D).to(self.dtype)
+            k_buf[s[:p]] = torch.randn(p, self.hk, self.d).to(self.dtype)
+            v_buf[s[:p]] = torch.randn(p, self.hk, self.d).to(self.dtype)
 
     def run(self, mode: ForwardMode, new_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the backend's output, the reference's)."""
@@ -73,9 +87,9 @@ class _Case:
             out_cache_loc=torch.cat([s[p:] for s, p in zip(self.slots, prefix, strict=True)]),
         )
         tokens = sum(new_lens)
-        q = torch.randn(tokens, self.hq * D).to(self.dtype)
-        k = torch.randn(tokens, self.hk * D).to(self.dtype)
-        v = torch.randn(tokens, self.hk * D).to(self.dtype)
+        q = torch.randn(tokens, self.hq * self.d).to(self.dtype)
+        k = torch.randn(tokens, self.hk * self.d).to(self.dtype)
+        v = torch.randn(tokens, self.hk * self.d).to(self.dtype)
         self.backend.init_forward_metadata(fb)
         return self.backend.forward(q, k, v, self.layer, fb), q, prefix
 
@@ -83,12 +97,12 @@ class _Case:
         k_buf, v_buf = self.kv_pool.get_kv_buffer(3)
         outs, start = [], 0
         for s, p, e in zip(self.slots, prefix, new_lens, strict=True):
-            qi = q[start : start + e].double().view(e, self.hk, self.hq // self.hk, D)
+            qi = q[start : start + e].double().view(e, self.hk, self.hq // self.hk, self.d)
             k, v = k_buf[s].double(), v_buf[s].double()  # [S, Hk, D]
-            scores = torch.einsum("ehgd,shd->hges", qi, k) * D**-0.5
+            scores = torch.einsum("ehgd,shd->hges", qi, k) * self.d**-0.5
             allowed = torch.arange(len(s))[None, :] <= torch.arange(e)[:, None] + p
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-            outs.append(torch.einsum("hges,shd->ehgd", probs, v).reshape(e, self.hq * D))
+            outs.append(torch.einsum("hges,shd->ehgd", probs, v).reshape(e, self.hq * self.d))
             start += e
         return torch.cat(outs)
 
@@ -105,11 +119,14 @@ def test_extend_with_and_without_prefix(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# 32 query heads per KV head of 16 dims: the grouped matmuls (group x dim >= 512).
+# 32 query heads per KV head of 16 dims: the grouped matmuls (group x dim >= 512) on the torch path.
 @pytest.mark.parametrize("hq,hk", [(HQ, HK), (32, 1)])
-def test_decode_of_requests_of_different_lengths(dtype, hq, hk):
-    seq_lens = [1, 300, 17, 64, 65]  # padded to 300: the mask must hide every other row's padding
-    case = _Case(dtype, seq_lens, seed=1, hq=hq, hk=hk)
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_decode_of_requests_of_different_lengths(dtype, hq, hk, backend):
+    # Torch pads to 300: the mask must hide every other row's padding. The C++ op's key blocks are 64:
+    # 64 and 65 end on and just past a block, 300 crosses several.
+    seq_lens = [1, 300, 17, 64, 65]
+    case = _Case(dtype, seq_lens, seed=1, hq=hq, hk=hk, backend=backend)
     case.fill_prefix([n - 1 for n in seq_lens])
     out, ref = case.run(ForwardMode.DECODE, [1] * len(seq_lens))
     assert (out.double() - ref).abs().max().item() < TOL[dtype]
@@ -161,3 +178,28 @@ def test_rope_tables_are_computed_once_per_batch():
     # Another base is another table.
     get_rope(16, {"rope_theta": 500.0})(positions, q, k, cache)
     assert len(cache) == 2
+
+
+# The C++ op's head dims: 16, 64, 128 and 256 are compiled as constants (256 with the four-way split dot),
+# 24 and 80 take the loop of any length.
+@pytest.mark.parametrize("d", [16, 24, 64, 80, 128, 256])
+def test_cpp_decode_at_every_head_dim(d):
+    seq_lens = [3, 150, 129]
+    case = _Case(torch.float32, seq_lens, seed=4, hq=8, hk=2, d=d, backend="cpp")
+    case.fill_prefix([n - 1 for n in seq_lens])
+    out, ref = case.run(ForwardMode.DECODE, [1] * len(seq_lens))
+    assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
+
+
+def test_cpp_decode_reads_the_kv_in_place():
+    case = _Case(torch.float32, [200, 90], seed=5, backend="cpp")
+    case.fill_prefix([199, 89])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        case.forward(ForwardMode.DECODE, [1, 1])
+    ops = {e.key for e in prof.key_averages()}
+    assert "sgl_kernel::decode_attention" in ops
+    assert not ops & {
+        "aten::index_select",
+        "aten::index",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+    }

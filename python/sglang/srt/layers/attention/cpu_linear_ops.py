@@ -1,12 +1,15 @@
-"""sgl-kernel's C++ ops of the linear-attention layers for CPU tensors (`sgl-kernel/csrc/linear_attn_cpu.cpp`):
-- decode: the conv update and the Gated DeltaNet / Mamba2 state updates, in place on the pool, one call
-  each instead of ~30 small torch ops and whole-state gather/scatter copies;
-- extend: the conv and the GDN / Mamba2 recurrence over the whole variable-length batch in one call each
-  (no Python loop per request), with the snapshots the prefix cache asks for; used for heads of at most
-  `CPU_RECURRENT_MAX_HEAD_DIM` (`mamba_backend_base.py`), larger ones keep the chunked torch form.
+"""sgl-kernel's C++ ops for CPU tensors, and the env vars that choose them:
+- `SGLANG_CPU_LINEAR_ATTN_BACKEND` (`sgl-kernel/csrc/linear_attn_cpu.cpp`), the linear-attention layers:
+  decode: the conv update and the Gated DeltaNet / Mamba2 state updates, in place on the pool, one call
+  each instead of ~30 small torch ops and whole-state gather/scatter copies; extend: the conv and the
+  GDN / Mamba2 recurrence over the whole variable-length batch in one call each (no Python loop per
+  request), with the snapshots the prefix cache asks for; used for heads of at most
+  `CPU_RECURRENT_MAX_HEAD_DIM` (`mamba_backend_base.py`), larger ones keep the chunked torch form;
+- `SGLANG_CPU_ATTN_BACKEND` (`sgl-kernel/csrc/attention_cpu.cpp`), the full-attention decode: the paged
+  KV read in place through `req_to_token` instead of SDPA over a gathered, padded copy.
 
-`SGLANG_CPU_LINEAR_ATTN_BACKEND`: auto (the C++ ops where sgl-kernel's CPU extension is built, else the
-torch path), torch (force the torch path, for debugging) or cpp (the C++ ops, or a startup error).
+Each is auto (the C++ ops where sgl-kernel's CPU extension is built, else the torch path), torch (force
+the torch path, for debugging) or cpp (the C++ ops, or a startup error).
 """
 
 from __future__ import annotations
@@ -15,18 +18,15 @@ from typing import Any
 
 import torch
 
-from sglang.srt.environ import envs
+from sglang.srt.environ import EnvStr, envs
 
 CHOICES = ("auto", "torch", "cpp")
 
 
-def cpu_linear_ops(device: torch.device | str) -> Any | None:
-    """`torch.ops.sgl_kernel` when the C++ linear-attention ops serve tensors on `device`, else None."""
-    choice = envs.SGLANG_CPU_LINEAR_ATTN_BACKEND.get()
+def _cpu_ops(env: EnvStr, device: torch.device | str) -> Any | None:
+    choice, name = env.get(), env.name
     if choice not in CHOICES:
-        raise ValueError(
-            f"SGLANG_CPU_LINEAR_ATTN_BACKEND must be one of {', '.join(CHOICES)}; got {choice!r}."
-        )
+        raise ValueError(f"{name} must be one of {', '.join(CHOICES)}; got {choice!r}.")
     if torch.device(device).type != "cpu" or choice == "torch":
         return None
     from sglang.srt.utils.sgl_kernel import load_extension
@@ -34,6 +34,16 @@ def cpu_linear_ops(device: torch.device | str) -> Any | None:
     module, reason = load_extension("cpu")
     if module is None:
         if choice == "cpp":
-            raise ValueError(f"SGLANG_CPU_LINEAR_ATTN_BACKEND=cpp cannot run: {reason}.")
+            raise ValueError(f"{name}=cpp cannot run: {reason}.")
         return None
     return torch.ops.sgl_kernel
+
+
+def cpu_linear_ops(device: torch.device | str) -> Any | None:
+    """`torch.ops.sgl_kernel` when the C++ linear-attention ops serve tensors on `device`, else None."""
+    return _cpu_ops(envs.SGLANG_CPU_LINEAR_ATTN_BACKEND, device)
+
+
+def cpu_attention_ops(device: torch.device | str) -> Any | None:
+    """`torch.ops.sgl_kernel` when the C++ decode attention serves tensors on `device`, else None."""
+    return _cpu_ops(envs.SGLANG_CPU_ATTN_BACKEND, device)

@@ -5,7 +5,9 @@ The new tokens' K/V are stored at `out_cache_loc` first; then every query attend
 size works, since only slot ids are read. Both modes run torch's fused `scaled_dot_product_attention`
 (its flash kernel on CPU accumulates in float32); grouped-query heads share their KV head without copying
 it (`enable_gqa`). A float32 decode of large GQA groups runs two matmuls per KV head instead
-(`GROUPED_DECODE_MIN_WORK`; `benchmark/bench_decode_attention_cpu.py`).
+(`GROUPED_DECODE_MIN_WORK`; `benchmark/bench_decode_attention_cpu.py`). Where sgl-kernel's CPU extension is
+built, a decode runs its C++ op instead, which reads each request's keys and values in place through
+`req_to_token` (no gathered copy; `SGLANG_CPU_ATTN_BACKEND=torch` forces the SDPA path).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from sglang.srt.layers.attention.cpu_linear_ops import cpu_attention_ops
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 if TYPE_CHECKING:
@@ -51,6 +54,7 @@ class TorchNativeAttnBackend:
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = token_to_kv_pool
         self.meta = _Metadata()
+        self.cpu_ops = cpu_attention_ops(self.req_to_token.device)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_extend():
@@ -66,7 +70,7 @@ class TorchNativeAttnBackend:
                     )
                 )
             self.meta = _Metadata(extend=seqs)
-        elif fb.forward_mode.is_decode() and fb.batch_size:
+        elif fb.forward_mode.is_decode() and fb.batch_size and self.cpu_ops is None:
             max_len = max(fb.seq_lens_cpu)
             rows = fb.req_pool_indices
             kv = self.req_to_token[rows, :max_len].long()
@@ -83,7 +87,17 @@ class TorchNativeAttnBackend:
         q = q.view(num_tokens, hq, d)
         self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, hk, d), v.view(-1, hk, d))
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)
-        if fb.forward_mode.is_decode():
+        if fb.forward_mode.is_decode() and self.cpu_ops is not None:
+            out = self.cpu_ops.decode_attention(
+                q.float().contiguous(),
+                k_buf,
+                v_buf,
+                self.req_to_token,
+                fb.req_pool_indices,
+                fb.seq_lens,
+                layer.scaling,
+            ).to(q.dtype)
+        elif fb.forward_mode.is_decode():
             out = self._decode(q, k_buf, v_buf, layer)
         else:
             out = torch.empty_like(q)
