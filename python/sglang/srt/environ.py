@@ -136,6 +136,9 @@ class Envs:
     # CPU decode of the full-attention layers: auto = the sgl-kernel C++ op that reads the paged KV in place
     # where built, else SDPA over a gathered copy; torch forces SDPA; cpp requires the C++ op.
     SGLANG_CPU_ATTN_BACKEND = EnvStr("auto", "CPU full-attention decode: auto, torch or cpp.")
+    # CPU routed experts of small MoE layers at decode sizes: auto = the sgl-kernel C++ op where built (and
+    # the experts small enough, `moe/experts.py`), else torch's grouped GEMMs; torch forces those.
+    SGLANG_CPU_MOE_BACKEND = EnvStr("auto", "CPU routed experts: auto, torch or cpp.")
 
     # Fault injection for extra_buffer_lazy: 1 = the first allocation try at a decode track boundary
     # fails (evict-and-retry then runs for real); 2 = the retry fails as well.

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.layers.attention.cpu_linear_ops import cpu_attention_ops
+from sglang.srt.layers.cpu_ops import cpu_attention_ops
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, max_abs, random_ids
 from sglang.test.runner_driver import Extend, RunnerDriver

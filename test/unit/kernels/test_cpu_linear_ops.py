@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.layers.attention.cpu_linear_ops import cpu_linear_ops
 from sglang.srt.layers.attention.linear.gated_delta_rule import (
     chunk_gated_delta_rule,
     l2norm,
@@ -20,6 +19,7 @@ from sglang.srt.layers.attention.linear.gated_delta_rule import (
 )
 from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend, causal_conv1d_update
 from sglang.srt.layers.attention.mamba.ssd import selective_state_update, ssd_chunk_scan
+from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, max_abs, random_ids
 from sglang.test.runner_driver import Extend, RunnerDriver

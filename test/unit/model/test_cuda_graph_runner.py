@@ -96,8 +96,10 @@ def test_batches_over_the_largest_bucket_run_eagerly(interpret):
 
 
 def test_a_body_that_reads_host_values_cannot_be_captured():
-    """The torch-native attention sizes its decode from the batch's host lengths: frozen in a graph."""
-    runner = make_runner("tiny-qwen3-next", attention_backend="torch_native")
+    """The torch-native attention's SDPA path sizes its decode from the batch's host lengths: frozen in
+    a graph."""
+    with envs.SGLANG_CPU_ATTN_BACKEND.override("torch"):
+        runner = make_runner("tiny-qwen3-next", attention_backend="torch_native")
     with pytest.raises(GraphUnsafeError, match="host list"):
         CudaGraphRunner(runner, [2], use_graphs=False)
 

@@ -38,6 +38,9 @@ def load_model(hf_config: Any, path: str, dtype: torch.dtype, device: str | torc
         model = get_model_class(hf_config)(hf_config)
     materialize(model, dtype, torch.device(device))
     model.load_weights(iter_checkpoint(path))
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model.eval().requires_grad_(False)
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from sglang.srt.layers.attention.cpu_linear_ops import cpu_attention_ops
+from sglang.srt.layers.cpu_ops import cpu_attention_ops
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 if TYPE_CHECKING:

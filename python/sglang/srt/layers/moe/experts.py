@@ -11,7 +11,9 @@ serving dtype on GPUs), or, where grouped GEMMs do not apply (float32, unaligned
 padded batched form with room for every token in every expert, up to BATCHED_MAX_ASSIGNMENTS (decode
 sizes; larger batches take the per-expert path, one sync per layer). A fixed number of launches per
 layer either way, so it is also what a CUDA graph can capture. On CPU, decode-size batches take the
-grouped GEMMs too (any float dtype there), faster than the padded block."""
+grouped GEMMs too (any float dtype there), faster than the padded block; for small experts, sgl-kernel's
+C++ op instead (`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
+parameters stored transposed (`process_weights_after_loading`)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.activation import get_act_fn
+from sglang.srt.layers.cpu_ops import cpu_moe_ops
 
 EXPERT_SHARDS = ("gate", "up", "down")
 # Batched path up to this many (token, expert) assignments, and while the padded block holds at most
@@ -26,6 +29,13 @@ EXPERT_SHARDS = ("gate", "up", "down")
 # tokens x top-2, 1.2x at 512 tokens, slower from ~1,024 tokens.
 BATCHED_MAX_ASSIGNMENTS = 1024
 PADDING_LIMIT = 4
+# The C++ op's activations, by the codes it takes.
+CPU_OP_ACTIVATIONS = {"silu": 0, "swish": 0, "relu2": 1, "relu": 2, "gelu": 3}
+# The C++ op serves experts of at most this many weights (w13 + w2) and batches of at most
+# BATCHED_MAX_ASSIGNMENTS. Against the grouped GEMMs (`benchmark/bench_moe_cpu.py`, one thread): 4-6k
+# weights per expert (the tiny presets) 1.2-13x faster from 1 to 512 tokens; 98k (hidden 256) 1.1-1.7x;
+# 393k (hidden 512) 0.75-0.82x, where the weights stream from memory and torch's GEMMs read them better.
+CPU_OP_MAX_EXPERT_WEIGHTS = 128 * 1024
 
 
 class RoutedExperts(nn.Module):
@@ -38,6 +48,20 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = get_act_fn(act)
+        self.act_code = CPU_OP_ACTIVATIONS.get(act)
+        self.cpu_ops = None  # set by process_weights_after_loading where the C++ op serves this layer
+
+    def process_weights_after_loading(self) -> None:
+        """On CPU, where the C++ op serves this layer, store w13 / w2 transposed (contiguous [E, H, R] and
+        [E, I, H]; the parameters become views of them with their usual shapes, so every torch path
+        reads them as before)."""
+        ops = cpu_moe_ops(self.w13.device)
+        weights_per_expert = self.w13.shape[1] * self.w13.shape[2] + self.w2.shape[1] * self.w2.shape[2]
+        if ops is None or self.act_code is None or weights_per_expert > CPU_OP_MAX_EXPERT_WEIGHTS:
+            return
+        for param in (self.w13, self.w2):
+            param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
+        self.cpu_ops = ops
 
     def load_expert_weight(self, expert: int, shard: str, weight: torch.Tensor) -> None:
         """One expert's `gate_proj` / `up_proj` / `down_proj` weight as HF checkpoints store it."""
@@ -61,6 +85,17 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32."""
         small = ids.numel() <= BATCHED_MAX_ASSIGNMENTS
+        if self.cpu_ops is not None and small:
+            out = self.cpu_ops.moe_experts(
+                x.float().contiguous(),
+                self.w13.transpose(1, 2),
+                self.w2.transpose(1, 2),
+                weights.float().contiguous(),
+                ids.contiguous(),
+                self.gated,
+                self.act_code,
+            )
+            return out.to(x.dtype)
         if x.device.type == "cpu":
             # Decode-size batches: grouped GEMMs, 1.2-1.5x faster than the padded block on CPU (tiny
             # preset shapes, one thread, 2 to 1,024 assignments), equal to it up to float32 rounding.

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sglang.srt.layers.attention.cpu_linear_ops import cpu_linear_ops
 from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend, causal_conv1d_update
+from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.srt.mem_cache.memory_pool import MambaPool
 
 if TYPE_CHECKING:

@@ -6,7 +6,9 @@
   request), with the snapshots the prefix cache asks for; used for heads of at most
   `CPU_RECURRENT_MAX_HEAD_DIM` (`mamba_backend_base.py`), larger ones keep the chunked torch form;
 - `SGLANG_CPU_ATTN_BACKEND` (`sgl-kernel/csrc/attention_cpu.cpp`), the full-attention decode: the paged
-  KV read in place through `req_to_token` instead of SDPA over a gathered, padded copy.
+  KV read in place through `req_to_token` instead of SDPA over a gathered, padded copy;
+- `SGLANG_CPU_MOE_BACKEND` (`sgl-kernel/csrc/moe_cpu.cpp`), the routed experts of small MoE layers at
+  decode sizes (`layers/moe/experts.py`) instead of torch's grouped GEMMs.
 
 Each is auto (the C++ ops where sgl-kernel's CPU extension is built, else the torch path), torch (force
 the torch path, for debugging) or cpp (the C++ ops, or a startup error).
@@ -47,3 +49,8 @@ def cpu_linear_ops(device: torch.device | str) -> Any | None:
 def cpu_attention_ops(device: torch.device | str) -> Any | None:
     """`torch.ops.sgl_kernel` when the C++ decode attention serves tensors on `device`, else None."""
     return _cpu_ops(envs.SGLANG_CPU_ATTN_BACKEND, device)
+
+
+def cpu_moe_ops(device: torch.device | str) -> Any | None:
+    """`torch.ops.sgl_kernel` when the C++ routed experts serve tensors on `device`, else None."""
+    return _cpu_ops(envs.SGLANG_CPU_MOE_BACKEND, device)

@@ -1,0 +1,222 @@
+// CPU routed experts for decode-size batches, registered as torch.ops.sgl_kernel.moe_experts.
+//
+//   moe_experts(x, w13t, w2t, topk_weights, topk_ids, gated, activation) -> out
+//
+// x [T, H] float32; w13t [E, H, R] and w2t [E, I, H]: the experts' w13 [E, R, H] (R = 2I: gate rows then
+// up rows, gated; R = I: up, plain) and w2 [E, H, I] transposed, contiguous (on CPU `RoutedExperts` stores
+// them so: its w13 / w2 are views of these); topk_weights [T, k] float32, topk_ids [T, k] int64.
+// out[t] = sum over its k experts e of weight * w2[e] act(w13[e] x[t]) (gated: act(gate) * up),
+// accumulated in float32, the k terms added in their top-k order. Activations: 0 silu, 1 relu2 (relu
+// squared), 2 relu, 3 gelu (erf).
+//
+// The torch path sorts the assignments by expert and runs two grouped GEMMs over them plus ~15 small ops
+// (`RoutedExperts.forward_device`); torch's CPU grouped GEMM is a loop of one `mm` per expert through the
+// dispatcher, ~60 us per layer at the tiny presets' decode sizes. Here: a counting sort by expert, then
+// per expert its tokens in tiles of kTile, each weight row read once per tile, units split over experts
+// with at::parallel_for. The caller keeps prefill-size batches on the GEMM path.
+// The torch twin is `RoutedExperts.forward_device` (test/unit/kernels/test_cpu_moe.py).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace sgl_moe {
+namespace {
+
+constexpr int kTile = 4;   // tokens that share each pass over a weight row
+constexpr int kCols = 32;  // output columns per register block (4 AVX2 vectors per token)
+constexpr int64_t kRegisterWidth = 256;  // outputs up to this wide are computed in register blocks
+
+inline float activate(float v, int64_t act) {
+  switch (act) {
+    case 0: return v / (1.0f + std::exp(-v));
+    case 1: return v > 0.0f ? v * v : 0.0f;
+    case 2: return v > 0.0f ? v : 0.0f;
+    default: return 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
+  }
+}
+
+template <typename W>
+struct Problem {
+  const float* x;  // [T, H]
+  const W* w13t;   // [E, H, R]
+  const W* w2t;    // [E, I, H]
+  const float* topk_weights;  // [T * k]
+  const int64_t* by_expert;   // assignment ids (t * k + j) sorted by expert
+  const int64_t* expert_start;  // [E + 1] into by_expert
+  float* y;  // [T * k, H]: each assignment's weighted output
+  int64_t k, H, I;
+  bool gated;
+  int64_t act;
+};
+
+// out[t][0:m] = sum_c in[t][c] * rows[c][0:m] for the kN tokens of a tile (rows of length `ld`). Narrow
+// outputs go in blocks of kCols columns whose accumulators (kN x kCols floats, at most 16 AVX2 registers)
+// stay in registers over the whole sum; wide ones stream each weight row once (a column block would
+// walk the weights with a stride of a row, 2x slower where the weights come from memory).
+template <int kN, typename W>
+inline __attribute__((always_inline)) void tile_product(const float* const* in, int64_t len, const W* rows,
+                                                        int64_t ld, int64_t m, float* const* out) {
+  int64_t j = 0;
+  if (m <= kRegisterWidth) {
+    for (; j + kCols <= m; j += kCols) {
+      float acc[kN][kCols] = {};
+      for (int64_t c = 0; c < len; ++c) {
+        const W* row = rows + c * ld + j;
+        for (int t = 0; t < kN; ++t) {
+          const float v = in[t][c];
+#pragma omp simd
+          for (int l = 0; l < kCols; ++l) acc[t][l] += v * static_cast<float>(row[l]);
+        }
+      }
+      for (int t = 0; t < kN; ++t) std::copy(acc[t], acc[t] + kCols, out[t] + j);
+    }
+  }
+  if (j < m) {  // wide outputs (whole rows streamed once, the outputs in L1), or the last partial block
+    for (int t = 0; t < kN; ++t) std::fill(out[t] + j, out[t] + m, 0.0f);
+    for (int64_t c = 0; c < len; ++c) {
+      const W* row = rows + c * ld;
+      for (int t = 0; t < kN; ++t) {
+        const float v = in[t][c];
+        float* o = out[t];
+#pragma omp simd
+        for (int64_t l = j; l < m; ++l) o[l] += v * static_cast<float>(row[l]);
+      }
+    }
+  }
+}
+
+// Experts [begin, end). Always inlined, so each caller compiles it for its own instruction set. With the
+// weights transposed, both products are sums of weight rows scaled by one input each (vectorised along
+// the row, no horizontal sums). A tile of 3 is padded to 4 with a zero input row; tiles of 1 and 2 run
+// as such (an expert that serves one token of a decode batch must not pay for four).
+template <typename W>
+inline __attribute__((always_inline)) void expert_units(const Problem<W>& p, int64_t begin, int64_t end) {
+  const int64_t H = p.H, I = p.I, R = p.gated ? 2 * I : I;
+  std::vector<float> h(kTile * R), a(kTile * I), zeros(std::max(H, I), 0.0f), spare(kTile * H);
+  const float* xs[kTile];
+  const float* as[kTile];
+  float* hs[kTile];
+  float* ys[kTile];
+  for (int t = 0; t < kTile; ++t) {
+    hs[t] = h.data() + t * R;
+    as[t] = a.data() + t * I;
+  }
+  for (int64_t e = begin; e < end; ++e) {
+    const W* w13t = p.w13t + e * H * R;
+    const W* w2t = p.w2t + e * I * H;
+    for (int64_t s = p.expert_start[e]; s < p.expert_start[e + 1]; s += kTile) {
+      const int64_t n = std::min<int64_t>(kTile, p.expert_start[e + 1] - s);
+      const int64_t* asg = p.by_expert + s;
+      for (int64_t t = 0; t < kTile; ++t) {
+        xs[t] = t < n ? p.x + (asg[t] / p.k) * H : zeros.data();
+        ys[t] = t < n ? p.y + asg[t] * H : spare.data() + t * H;
+      }
+      const int width = n == 1 ? 1 : n == 2 ? 2 : kTile;
+      const auto product = [&](const float* const* in, int64_t len, const W* rows, int64_t m, float* const* out) {
+        if (width == 1)
+          tile_product<1>(in, len, rows, m, m, out);
+        else if (width == 2)
+          tile_product<2>(in, len, rows, m, m, out);
+        else
+          tile_product<kTile>(in, len, rows, m, m, out);
+      };
+      product(xs, H, w13t, R, hs);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t c = 0; c < I; ++c)
+          a[t * I + c] = p.gated ? activate(h[t * R + c], p.act) * h[t * R + I + c] : activate(h[t * R + c], p.act);
+      for (int64_t t = n; t < kTile; ++t) std::fill(a.begin() + t * I, a.begin() + (t + 1) * I, 0.0f);
+      product(as, I, w2t, H, ys);
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = p.topk_weights[asg[t]];
+#pragma omp simd
+        for (int64_t o = 0; o < H; ++o) ys[t][o] *= w;
+      }
+    }
+  }
+}
+
+// The build has no -march (x86-64 baseline, SSE2); AVX2 + FMA where the CPU has them.
+template <typename W>
+__attribute__((target("avx2,fma"))) void expert_units_avx2(const Problem<W>& p, int64_t begin, int64_t end) {
+  expert_units(p, begin, end);
+}
+
+template <typename W>
+void expert_units_baseline(const Problem<W>& p, int64_t begin, int64_t end) {
+  expert_units(p, begin, end);
+}
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13t, const at::Tensor& w2t,
+                       const at::Tensor& topk_weights, const at::Tensor& topk_ids, bool gated, int64_t activation) {
+  const char* what = "moe_experts";
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), what,
+              ": x must be a contiguous float32 [tokens, hidden] tensor");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(w13t.dim() == 3 && w2t.dim() == 3 && w13t.is_contiguous() && w2t.is_contiguous() &&
+                  w13t.scalar_type() == w2t.scalar_type(),
+              what, ": w13t and w2t must be contiguous [experts, rows, cols] tensors of one dtype");
+  const int64_t E = w13t.size(0), I = w2t.size(1);
+  TORCH_CHECK(w13t.size(1) == H && w13t.size(2) == (gated ? 2 * I : I) && w2t.size(0) == E && w2t.size(2) == H,
+              what, ": w13t must be [experts, hidden, ", gated ? "2 x " : "",
+              "intermediate] and w2t [experts, intermediate, hidden]");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.dim() == 2 && topk_ids.size(0) == T &&
+                  topk_ids.is_contiguous(),
+              what, ": topk_ids must be a contiguous int64 [tokens, k] tensor");
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.sizes() == topk_ids.sizes() &&
+                  topk_weights.is_contiguous(),
+              what, ": topk_weights must be a contiguous float32 tensor shaped like topk_ids");
+  TORCH_CHECK(activation >= 0 && activation <= 3, what, ": activation must be 0 (silu), 1 (relu2), 2 (relu) or 3 (gelu)");
+  const int64_t k = topk_ids.size(1), A = T * k;
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  // Counting sort of the assignments by expert (stable), every id checked first.
+  std::vector<int64_t> start(E + 1, 0), by_expert(A);
+  for (int64_t i = 0; i < A; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < E, what, ": expert id ", ids[i], " is outside the ", E, " experts");
+    ++start[ids[i] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < A; ++i) by_expert[fill[ids[i]]++] = i;
+
+  auto y = at::empty({A, H}, x.options());
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w13t.scalar_type(), "moe_experts", [&] {
+    const Problem<scalar_t> p{x.data_ptr<float>(), w13t.data_ptr<scalar_t>(), w2t.data_ptr<scalar_t>(),
+                              topk_weights.data_ptr<float>(), by_expert.data(), start.data(), y.data_ptr<float>(),
+                              k, H, I, gated, activation};
+    at::parallel_for(0, E, 1, [&](int64_t begin, int64_t end) {
+      if (avx2)
+        expert_units_avx2(p, begin, end);
+      else
+        expert_units_baseline(p, begin, end);
+    });
+  });
+  // Each token's k outputs summed in top-k order.
+  auto out = at::empty({T, H}, x.options());
+  const float* ys = y.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* o = os + t * H;
+    std::copy(ys + t * k * H, ys + (t * k + 1) * H, o);
+    for (int64_t j = 1; j < k; ++j) {
+      const float* yj = ys + (t * k + j) * H;
+#pragma omp simd
+      for (int64_t c = 0; c < H; ++c) o[c] += yj[c];
+    }
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace sgl_moe
+
+TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
+  m.def(
+      "moe_experts(Tensor x, Tensor w13t, Tensor w2t, Tensor topk_weights, Tensor topk_ids, bool gated, "
+      "int activation) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) { m.impl("moe_experts", &sgl_moe::moe_experts); }

@@ -1,0 +1,170 @@
+"""sgl-kernel's C++ routed experts (`sgl-kernel/csrc/moe_cpu.cpp`) against a per-token float64 reference
+and the grouped-GEMM torch path: gated and plain experts with every activation the op knows, tiles of 1
+to 5 tokens per expert and idle experts, top-1 and top-k, outputs narrower and wider than a register
+block and not a multiple of it, bfloat16 weights; bad routing refused; `RoutedExperts` keeps its weights'
+values when it stores them transposed, keeps large experts on the GEMMs, and the engine decodes alike
+with either path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.environ import envs
+from sglang.srt.layers.activation import get_act_fn
+from sglang.srt.layers.cpu_ops import cpu_moe_ops
+from sglang.srt.layers.moe.experts import CPU_OP_ACTIVATIONS, RoutedExperts
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import make_runner, max_abs, random_ids
+from sglang.test.runner_driver import Extend, RunnerDriver
+
+register_cpu_ci(est_time=6, suite="per-commit-cpu")
+
+# float32 sums (of up to 300 terms here) against the reference's float64: measured <= 3e-6 of the
+# output's scale; 1e-5 of it is far below a wrong expert, weight or activation (O(0.1) changes).
+TOL = 1e-5
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return max_abs(got, want) < TOL * max(1.0, want.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def ops():
+    found = cpu_moe_ops("cpu")
+    assert found is not None, "the sgl-kernel CPU extension is built by `make install` / `.ci/run`"
+    return found
+
+
+def _layer(experts: int, hidden: int, inter: int, act: str, gated: bool, seed: int = 0) -> RoutedExperts:
+    torch.manual_seed(seed)
+    m = RoutedExperts(experts, hidden, inter, act, gated)
+    torch.nn.init.normal_(m.w13, std=0.2)
+    torch.nn.init.normal_(m.w2, std=0.2)
+    return m
+
+
+def _reference(m: RoutedExperts, x, weights, ids) -> torch.Tensor:
+    act, inter = get_act_fn(_act_name(m)), m.intermediate_size
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist(), strict=True):
+            h = m.w13[e].double() @ x[t].double()
+            h = act(h[:inter]) * h[inter:] if m.gated else act(h)
+            out[t] += w * (m.w2[e].double() @ h)
+    return out
+
+
+def _act_name(m: RoutedExperts) -> str:
+    return next(name for name, code in CPU_OP_ACTIVATIONS.items() if code == m.act_code)
+
+
+def _run(ops, m: RoutedExperts, x, weights, ids) -> torch.Tensor:
+    w13t, w2t = m.w13.transpose(1, 2).contiguous(), m.w2.transpose(1, 2).contiguous()
+    return ops.moe_experts(x, w13t, w2t, weights, ids, m.gated, m.act_code)
+
+
+def _routing(tokens: int, experts: int, top_k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    weights, ids = torch.randn(tokens, experts, generator=g).softmax(-1).topk(top_k)
+    return weights, ids
+
+
+@pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False), ("relu", False), ("gelu", True)])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 17])
+def test_op_matches_the_reference(ops, act, gated, tokens):
+    # 4 experts, top-2: with 17 tokens an expert serves 5-12 (tiles of 4, then 1 to 3); with 1 some idle.
+    m = _layer(4, 48, 40, act, gated)  # outputs of 80 / 40 and 48 columns: a register block plus a rest
+    x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens))
+    weights, ids = _routing(tokens, 4, 2, seed=tokens)
+    assert _close(_run(ops, m, x, weights, ids), _reference(m, x, weights, ids))
+
+
+@pytest.mark.parametrize("hidden,inter,top_k", [(64, 32, 1), (96, 300, 3), (320, 64, 2)])
+def test_op_at_narrow_and_wide_outputs(ops, hidden, inter, top_k):
+    """600 gate+up rows and 320 hidden outputs: past the register width, whole rows are streamed."""
+    m = _layer(6, hidden, inter, "silu", True, seed=1)
+    x = torch.randn(9, hidden, generator=torch.Generator().manual_seed(2))
+    weights, ids = _routing(9, 6, top_k, seed=3)
+    assert _close(_run(ops, m, x, weights, ids), _reference(m, x, weights, ids))
+
+
+def test_op_with_bfloat16_weights(ops):
+    m = _layer(4, 64, 32, "silu", True, seed=4)
+    m.w13.data, m.w2.data = m.w13.data.bfloat16(), m.w2.data.bfloat16()
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(5))
+    weights, ids = _routing(6, 4, 2, seed=6)
+    # Same bf16 weights on both sides, float32 arithmetic in the op: float32 rounding only.
+    assert _close(_run(ops, m, x, weights, ids), _reference(m, x, weights, ids))
+
+
+def test_bad_routing_is_refused(ops):
+    m = _layer(4, 48, 16, "silu", True)  # w13 [4, 32, 48]: its untransposed shape is refused
+    x = torch.randn(3, 48)
+    weights, ids = _routing(3, 4, 2, seed=0)
+    with pytest.raises(RuntimeError, match="outside the 4 experts"):
+        _run(ops, m, x, weights, torch.tensor([[0, 1], [2, 4], [1, 3]]))
+    with pytest.raises(RuntimeError, match="outside the 4 experts"):
+        _run(ops, m, x, weights, torch.tensor([[0, 1], [2, -1], [1, 3]]))
+    with pytest.raises(RuntimeError, match="shaped like topk_ids"):
+        _run(ops, m, x, weights[:, :1].contiguous(), ids)
+    with pytest.raises(RuntimeError, match="w13t must be"):
+        ops.moe_experts(x, m.w13.contiguous(), m.w2.transpose(1, 2).contiguous(), weights, ids, True, 0)
+    with pytest.raises(RuntimeError, match="activation must be"):
+        ops.moe_experts(
+            x, m.w13.transpose(1, 2).contiguous(), m.w2.transpose(1, 2).contiguous(), weights, ids, True, 7
+        )
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_layer_serves_from_the_transposed_weights(ops, tokens):
+    """After `process_weights_after_loading` the parameters keep their values and shapes; decode sizes run
+    the op, more than BATCHED_MAX_ASSIGNMENTS assignments the per-expert GEMMs; both as before."""
+    m = _layer(8, 64, 32, "silu", True, seed=7)
+    x = torch.randn(tokens * 4 if tokens == 300 else tokens, 64, generator=torch.Generator().manual_seed(8))
+    weights, ids = _routing(x.shape[0], 8, 2, seed=9)
+    before = m.forward(x, weights, ids)
+    w13 = m.w13.detach().clone()
+    m.process_weights_after_loading()
+    assert m.cpu_ops is not None and m.w13.transpose(1, 2).is_contiguous() and torch.equal(m.w13, w13)
+    after = m.forward(x, weights, ids)
+    assert _close(after, before)
+    assert _close(after, _reference(m, x, weights, ids))
+
+
+def test_large_experts_and_the_torch_switch_keep_the_gemms(ops):
+    big = _layer(2, 512, 256, "silu", True)  # 393k weights per expert: the GEMMs measured faster
+    big.process_weights_after_loading()
+    assert big.cpu_ops is None and big.w13.is_contiguous()
+    small = _layer(2, 64, 32, "silu", True)
+    with envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
+        small.process_weights_after_loading()
+    assert small.cpu_ops is None and small.w13.is_contiguous()
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_engine_decodes_alike_with_cpp_and_torch_experts(ops, preset):
+    """A 3-request extend (the GEMM path at 180 tokens x top-2 for qwen... and the op below 1,024
+    assignments), then 10 greedy decode steps: the same tokens and logprobs within float32 noise."""
+
+    def run(backend: str):
+        with envs.SGLANG_CPU_MOE_BACKEND.override(backend):
+            runner = make_runner(preset)
+        layers = [m for m in runner.model.modules() if isinstance(m, RoutedExperts)]
+        assert layers and all((m.cpu_ops is not None) == (backend == "cpp") for m in layers)
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request() for _ in range(3)]
+        first = driver.extend(
+            [Extend(r, random_ids(n, seed=n)) for r, n in zip(reqs, (7, 60, 113), strict=True)]
+        )
+        tokens, logprobs = [], [torch.tensor(sum(first.input_token_logprobs, []))]
+        for _ in range(10):
+            res = driver.decode(reqs)
+            tokens.append(res.next_token_ids.tolist())
+            logprobs.append(res.next_token_logprobs.clone())
+        return tokens, torch.cat(logprobs)
+
+    with_cpp, with_torch = run("cpp"), run("torch")
+    assert with_cpp[0] == with_torch[0]
+    # float32 sums in other orders through every layer; measured ~1e-6.
+    assert max_abs(with_cpp[1], with_torch[1]) < 1e-4
