@@ -7,12 +7,15 @@
 // gathers every request's keys and values into a padded copy first (`index_select`, ~3.5 GB/s on the
 // CI's EPYC for 128-byte rows) and then runs SDPA over the copy; this reads each key and value once.
 //
-// Work unit: one (request, KV head) pair, which serves the G = Hq / Hk query heads sharing that KV head,
-// so a key row is read once per group. Keys go in blocks of kBlock: the block's scores for the G heads,
-// an online softmax (running max and sum per head, the accumulator rescaled when the max grows), then
-// the weighted values. Accumulation is float32 for any KV dtype (float32, bfloat16, float16); q and the
-// output are float32 (the backend converts). Units are split with at::parallel_for, so torch's thread
-// setting applies. The torch twin is the backend's SDPA path (test/unit/kernels/test_cpu_attention.py).
+// Work unit: a request and its KV heads (a KV head, or part of one's group, where a request has more than
+// 32 query heads), whose query heads are served together, so each key row is read once. Keys go in blocks of kBlock: the
+// block's scores for the unit's heads, an online softmax (running max and sum per head, the accumulator
+// rescaled when the max grows), then the weighted values. Accumulation is float32 for any KV dtype
+// (float32, bfloat16, float16); q and the output are float32 (the backend converts). Units are split
+// with at::parallel_for, so torch's thread setting applies. Tests against a float64 reference and the
+// SDPA path: test/unit/model/test_attention_backend.py, test/unit/kernels/test_cpu_attention.py.
+// (An extend form of the same loop, query tokens with causal limits, measured 1.5-4x slower than SDPA's
+// blocked flash kernel at 8-2,048 query tokens and was not kept: extends stay on SDPA.)
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -78,78 +81,87 @@ struct Problem {
   const T* v_buf;
   const int32_t* req_to_token;  // [rows, row_stride]
   int64_t row_stride;
-  const int64_t* rows;
-  const int64_t* seq_lens;
+  const int64_t* rows;      // [bs] request rows of req_to_token
+  const int64_t* seq_lens;  // [bs] keys after this forward (the new token's included)
   float* out;  // [bs, hq, d]
   int64_t hq, hk, d;
   float scale;
 };
 
-// The units [begin, end); `scratch` holds group * (kBlock + d + 2) floats. Always inlined, so each caller
+// One task: request b's query heads [head0, head0 + rows) (at most kMaxRows, of whole KV-head groups or
+// within one group), which all read each key row of their KV heads while it is in cache.
+struct Unit {
+  int64_t b, head0, rows;
+};
+constexpr int64_t kMaxRows = 32;
+
+// The units in `units`; `scratch` holds kMaxRows * (kBlock + d + 2) floats. Always inlined, so each caller
 // below compiles it for its own instruction set. kD > 0 is the head dim as a constant (the loops over it
 // unroll: a head of 16 is two AVX2 vectors, no loop left), 0 reads it from the problem.
 template <typename T, int kD>
-inline __attribute__((always_inline)) void decode_units(const Problem<T>& p, int64_t begin, int64_t end,
+inline __attribute__((always_inline)) void attend_units(const Problem<T>& p, const Unit* units, int64_t count,
                                                         float* scratch) {
   const int64_t group = p.hq / p.hk, d = kD > 0 ? kD : p.d, slot_stride = p.hk * d;
   float* scores = scratch;
-  float* acc = scores + group * kBlock;
-  float* run_max = acc + group * d;
-  float* run_sum = run_max + group;
-  for (int64_t u = begin; u < end; ++u) {
-    const int64_t b = u / p.hk, h = u % p.hk, len = p.seq_lens[b];
-    const int32_t* slots = p.req_to_token + p.rows[b] * p.row_stride;
-    const float* qg = p.q + (b * p.hq + h * group) * d;
-    for (int64_t i = 0; i < group * d; ++i) acc[i] = 0.0f;
-    for (int64_t g = 0; g < group; ++g) {
-      run_max[g] = -std::numeric_limits<float>::infinity();
-      run_sum[g] = 0.0f;
+  float* acc = scores + kMaxRows * kBlock;
+  float* run_max = acc + kMaxRows * d;
+  float* run_sum = run_max + kMaxRows;
+  int64_t kv_off[kMaxRows];  // each row's KV head, as an offset into a slot row
+  for (int64_t ui = 0; ui < count; ++ui) {
+    const Unit& un = units[ui];
+    const int64_t rows = un.rows, len = p.seq_lens[un.b];
+    const float* q = p.q + (un.b * p.hq + un.head0) * d;  // the unit's rows, consecutive
+    for (int64_t r = 0; r < rows; ++r) {
+      kv_off[r] = ((un.head0 + r) / group) * d;
+      run_max[r] = -std::numeric_limits<float>::infinity();
+      run_sum[r] = 0.0f;
     }
+    for (int64_t i = 0; i < rows * d; ++i) acc[i] = 0.0f;
+    const int32_t* slots = p.req_to_token + p.rows[un.b] * p.row_stride;
     for (int64_t j0 = 0; j0 < len; j0 += kBlock) {
       const int64_t n = std::min(kBlock, len - j0);
       for (int64_t j = 0; j < n; ++j) {
-        const T* kr = p.k_buf + slots[j0 + j] * slot_stride + h * d;
-        for (int64_t g = 0; g < group; ++g) {
-          scores[g * kBlock + j] = dot_qk<kD>(qg + g * d, kr, d) * p.scale;
-        }
+        const T* kr = p.k_buf + slots[j0 + j] * slot_stride;
+        for (int64_t r = 0; r < rows; ++r) scores[r * kBlock + j] = dot_qk<kD>(q + r * d, kr + kv_off[r], d) * p.scale;
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores + g * kBlock;
-        float m = run_max[g];
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
-        if (m > run_max[g]) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores + r * kBlock;
+        float m = run_max[r];
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
+        if (m > run_max[r]) {
           // exp(-inf) on the first block: the accumulator and sum are still 0.
-          const float c = exp_nonpositive(run_max[g] - m);
-          run_sum[g] *= c;
-          float* ag = acc + g * d;
+          const float c = exp_nonpositive(run_max[r] - m);
+          run_sum[r] *= c;
+          float* ar = acc + r * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) ag[i] *= c;
-          run_max[g] = m;
+          for (int64_t i = 0; i < d; ++i) ar[i] *= c;
+          run_max[r] = m;
         }
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) {
-          sg[j] = exp_nonpositive(sg[j] - m);
-          sum += sg[j];
+          sr[j] = exp_nonpositive(sr[j] - m);
+          sum += sr[j];
         }
-        run_sum[g] += sum;
+        run_sum[r] += sum;
       }
       for (int64_t j = 0; j < n; ++j) {
-        const T* vr = p.v_buf + slots[j0 + j] * slot_stride + h * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * kBlock + j];
-          float* ag = acc + g * d;
+        const T* vr = p.v_buf + slots[j0 + j] * slot_stride;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float w = scores[r * kBlock + j];
+          const T* v = vr + kv_off[r];
+          float* ar = acc + r * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) ag[i] += w * static_cast<float>(vr[i]);
+          for (int64_t i = 0; i < d; ++i) ar[i] += w * static_cast<float>(v[i]);
         }
       }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float* o = p.out + (b * p.hq + h * group + g) * d;
-      const float inv = len > 0 ? 1.0f / run_sum[g] : 0.0f;
-      const float* ag = acc + g * d;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = p.out + (q - p.q) + r * d;
+      const float inv = len > 0 ? 1.0f / run_sum[r] : 0.0f;
+      const float* ar = acc + r * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) o[i] = ag[i] * inv;
+      for (int64_t i = 0; i < d; ++i) o[i] = ar[i] * inv;
     }
   }
 }
@@ -158,37 +170,48 @@ inline __attribute__((always_inline)) void decode_units(const Problem<T>& p, int
 // baseline is SSE2; the dot products and value sums here are 2-4x faster with AVX2 + FMA, taken where
 // the CPU has them.
 template <typename T, int kD>
-__attribute__((target("avx2,fma"))) void decode_units_avx2(const Problem<T>& p, int64_t begin, int64_t end,
-                                                          float* scratch) {
-  decode_units<T, kD>(p, begin, end, scratch);
+__attribute__((target("avx2,fma"))) void attend_units_avx2(const Problem<T>& p, const Unit* units, int64_t count,
+                                                           float* scratch) {
+  attend_units<T, kD>(p, units, count, scratch);
 }
 
 template <typename T, int kD>
-void decode_units_baseline(const Problem<T>& p, int64_t begin, int64_t end, float* scratch) {
-  decode_units<T, kD>(p, begin, end, scratch);
+void attend_units_baseline(const Problem<T>& p, const Unit* units, int64_t count, float* scratch) {
+  attend_units<T, kD>(p, units, count, scratch);
 }
 
 template <typename T, int kD>
-void run_units(bool avx2, const Problem<T>& p, int64_t begin, int64_t end, float* scratch) {
+void run_units(bool avx2, const Problem<T>& p, const Unit* units, int64_t count, float* scratch) {
   if (avx2)
-    decode_units_avx2<T, kD>(p, begin, end, scratch);
+    attend_units_avx2<T, kD>(p, units, count, scratch);
   else
-    decode_units_baseline<T, kD>(p, begin, end, scratch);
+    attend_units_baseline<T, kD>(p, units, count, scratch);
+}
+
+// Units: a request's query heads in pieces of at most kMaxRows, of whole KV-head groups where a group fits
+// (the tiny presets' 4 heads are one unit: both KV heads' keys, one 128-byte slot row, come in one pass).
+// A row's KV head is its own, so a piece may also end inside a group larger than kMaxRows.
+std::vector<Unit> make_units(int64_t bs, int64_t hq, int64_t hk) {
+  const int64_t group = hq / hk, per = group <= kMaxRows ? kMaxRows / group * group : kMaxRows;
+  std::vector<Unit> units;
+  for (int64_t b = 0; b < bs; ++b)
+    for (int64_t head0 = 0; head0 < hq; head0 += per) units.push_back({b, head0, std::min(per, hq - head0)});
+  return units;
 }
 
 template <typename T>
-void decode_impl(const Problem<T>& p, int64_t bs) {
+void attend(const Problem<T>& p, const std::vector<Unit>& units) {
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const int64_t group = p.hq / p.hk;
   // One unit reads seq_len x d keys and values: worth its own task whatever the batch.
-  at::parallel_for(0, bs * p.hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(group * (kBlock + p.d + 2));
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kMaxRows * (kBlock + p.d + 2));
+    const Unit* u = units.data() + begin;
     switch (p.d) {  // the head dims of the supported models
-      case 16: return run_units<T, 16>(avx2, p, begin, end, scratch.data());
-      case 64: return run_units<T, 64>(avx2, p, begin, end, scratch.data());
-      case 128: return run_units<T, 128>(avx2, p, begin, end, scratch.data());
-      case 256: return run_units<T, 256>(avx2, p, begin, end, scratch.data());
-      default: return run_units<T, 0>(avx2, p, begin, end, scratch.data());
+      case 16: return run_units<T, 16>(avx2, p, u, end - begin, scratch.data());
+      case 64: return run_units<T, 64>(avx2, p, u, end - begin, scratch.data());
+      case 128: return run_units<T, 128>(avx2, p, u, end - begin, scratch.data());
+      case 256: return run_units<T, 256>(avx2, p, u, end - begin, scratch.data());
+      default: return run_units<T, 0>(avx2, p, u, end - begin, scratch.data());
     }
   });
 }
@@ -228,11 +251,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
     TORCH_CHECK(lo >= 0 && hi < num_slots, what, ": request ", b, " reads a KV slot outside the pool");
   }
   auto out = at::empty_like(q);
+  const std::vector<Unit> units = make_units(bs, hq, hk);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_buffer.scalar_type(), "decode_attention", [&] {
     const Problem<scalar_t> p{q.data_ptr<float>(), k_buffer.data_ptr<scalar_t>(), v_buffer.data_ptr<scalar_t>(),
                               table, context, rows, lens, out.data_ptr<float>(), hq, hk, d,
                               static_cast<float>(scale)};
-    decode_impl(p, bs);
+    attend(p, units);
   });
   return out;
 }
@@ -246,4 +270,6 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
       "Tensor seq_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) { m.impl("decode_attention", &sgl_attention::decode_attention); }
+TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
+  m.impl("decode_attention", &sgl_attention::decode_attention);
+}

@@ -51,6 +51,7 @@ def _args(**change):
         ({"req_pool_indices": torch.tensor([0, 2])}, "outside req_to_token"),
         ({"seq_lens": torch.tensor([5, 3])}, "outside req_to_token"),
         ({"seq_lens": torch.tensor([4])}, "one entry per request"),
+        ({"req_pool_indices": torch.tensor([0])}, "one entry per request"),
         ({"req_to_token": torch.zeros(2, 4, dtype=torch.int64)}, "int32"),
         ({"q": torch.zeros(2, 3, 16)}, "multiple of kv_heads"),
         ({"q": torch.zeros(2, 4, 16, dtype=torch.float64)}, "float32"),

@@ -181,11 +181,25 @@ def test_rope_tables_are_computed_once_per_batch():
 
 
 # The C++ op's head dims: 16, 64, 128 and 256 are compiled as constants (256 with the four-way split dot),
-# 24 and 80 take the loop of any length.
-@pytest.mark.parametrize("d", [16, 24, 64, 80, 128, 256])
-def test_cpp_decode_at_every_head_dim(d):
+# 24 and 80 take the loop of any length. Its units hold at most 32 query heads: 64 / 2 splits into two
+# whole groups, 96 / 2 splits groups of 48 across units, 40 / 8 packs six groups of 5 and then two.
+@pytest.mark.parametrize(
+    "d,hq,hk",
+    [
+        (16, 8, 2),
+        (24, 8, 2),
+        (64, 8, 2),
+        (80, 8, 2),
+        (128, 8, 2),
+        (256, 8, 2),
+        (16, 64, 2),
+        (16, 96, 2),
+        (16, 40, 8),
+    ],
+)
+def test_cpp_decode_at_every_head_dim_and_group(d, hq, hk):
     seq_lens = [3, 150, 129]
-    case = _Case(torch.float32, seq_lens, seed=4, hq=8, hk=2, d=d, backend="cpp")
+    case = _Case(torch.float32, seq_lens, seed=4, hq=hq, hk=hk, d=d, backend="cpp")
     case.fill_prefix([n - 1 for n in seq_lens])
     out, ref = case.run(ForwardMode.DECODE, [1] * len(seq_lens))
     assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
