@@ -139,6 +139,9 @@ class Envs:
     # CPU routed experts of small MoE layers at decode sizes: auto = the sgl-kernel C++ op where built (and
     # the experts small enough, `moe/experts.py`), else torch's grouped GEMMs; torch forces those.
     SGLANG_CPU_MOE_BACKEND = EnvStr("auto", "CPU routed experts: auto, torch or cpp.")
+    # CPU RMSNorms (plain and gated) of float32 activations: auto = one sgl-kernel C++ call where built,
+    # else the torch ops; torch forces those.
+    SGLANG_CPU_NORM_BACKEND = EnvStr("auto", "CPU RMSNorm: auto, torch or cpp.")
 
     # Fault injection for extra_buffer_lazy: 1 = the first allocation try at a decode track boundary
     # fails (evict-and-retry then runs for real); 2 = the retry fails as well.

@@ -8,7 +8,9 @@
 - `SGLANG_CPU_ATTN_BACKEND` (`sgl-kernel/csrc/attention_cpu.cpp`), the full-attention decode: the paged
   KV read in place through `req_to_token` instead of SDPA over a gathered, padded copy;
 - `SGLANG_CPU_MOE_BACKEND` (`sgl-kernel/csrc/moe_cpu.cpp`), the routed experts of small MoE layers at
-  decode sizes (`layers/moe/experts.py`) instead of torch's grouped GEMMs.
+  decode sizes (`layers/moe/experts.py`) instead of torch's grouped GEMMs;
+- `SGLANG_CPU_NORM_BACKEND` (`sgl-kernel/csrc/norm_cpu.cpp`), the RMSNorms of float32 activations
+  (`layers/layernorm.py`), one call instead of ~7 small ops.
 
 Each is auto (the C++ ops where sgl-kernel's CPU extension is built, else the torch path), torch (force
 the torch path, for debugging) or cpp (the C++ ops, or a startup error).
@@ -54,3 +56,8 @@ def cpu_attention_ops(device: torch.device | str) -> Any | None:
 def cpu_moe_ops(device: torch.device | str) -> Any | None:
     """`torch.ops.sgl_kernel` when the C++ routed experts serve tensors on `device`, else None."""
     return _cpu_ops(envs.SGLANG_CPU_MOE_BACKEND, device)
+
+
+def cpu_norm_ops(device: torch.device | str) -> Any | None:
+    """`torch.ops.sgl_kernel` when the C++ RMSNorms serve tensors on `device`, else None."""
+    return _cpu_ops(envs.SGLANG_CPU_NORM_BACKEND, device)

@@ -1,4 +1,6 @@
-"""RMSNorm variants of the supported architectures. All normalise in float32 and return the input dtype."""
+"""RMSNorm variants of the supported architectures. All normalise in float32 and return the input dtype.
+On CPU, float32 activations take one sgl-kernel C++ call (`sgl-kernel/csrc/norm_cpu.cpp`, the same
+arithmetic; `SGLANG_CPU_NORM_BACKEND=torch` forces the torch ops), chosen when the weights are loaded."""
 
 from __future__ import annotations
 
@@ -6,12 +8,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.cpu_ops import cpu_norm_ops
+
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class RMSNorm(nn.Module):
+class _CpuNorm(nn.Module):
+    """Picks the C++ op for this module once its weight is on its device (`process_weights_after_loading`)."""
+
+    cpu_ops = None
+
+    def process_weights_after_loading(self) -> None:
+        self.cpu_ops = cpu_norm_ops(self.weight.device) if self.weight.dtype == torch.float32 else None
+
+    def _use_cpu_op(self, x: torch.Tensor) -> bool:
+        return self.cpu_ops is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
+class RMSNorm(_CpuNorm):
     """`weight * norm(x)` (Nemotron-H), or `(1 + weight) * norm(x)` with `offset_one` (Qwen3-Next, whose
     checkpoints store the weight centred on 0)."""
 
@@ -22,13 +38,17 @@ class RMSNorm(nn.Module):
         self.offset_one = offset_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_cpu_op(x):
+            return self.cpu_ops.rmsnorm(
+                x.contiguous(), self.weight, self.eps, 1.0 if self.offset_one else 0.0
+            )
         w = self.weight.float()
         if self.offset_one:
             w = 1.0 + w
         return (_rms(x.float(), self.eps) * w).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(_CpuNorm):
     """Qwen3-Next's gated norm over the last dim: `weight * norm(x) * silu(gate)` (norm before gate)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -37,13 +57,17 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self._use_cpu_op(x) and gate.dtype == torch.float32:
+            return self.cpu_ops.gated_rmsnorm(
+                x.contiguous(), gate.contiguous(), self.weight, self.eps, x.shape[-1], False
+            )
         # The oracle casts the normalised value to the input dtype before the weight: same here, so
         # that bfloat16 rounds where it does.
         y = self.weight * _rms(x.float(), self.eps).to(x.dtype)
         return (y * F.silu(gate.float())).to(x.dtype)
 
 
-class GroupedGatedRMSNorm(nn.Module):
+class GroupedGatedRMSNorm(_CpuNorm):
     """Nemotron-H's Mamba2 output norm: `x * silu(gate)` first, then RMSNorm within groups of
     `group_size` channels, then the weight (gate before norm)."""
 
@@ -54,6 +78,10 @@ class GroupedGatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self._use_cpu_op(x) and gate.dtype == torch.float32:
+            return self.cpu_ops.gated_rmsnorm(
+                x.contiguous(), gate.contiguous(), self.weight, self.eps, self.group_size, True
+            )
         dtype = x.dtype
         y = x.float() * F.silu(gate.float())
         shape = y.shape
