@@ -47,6 +47,12 @@ class _Metadata:
 # (4 x 64) 0.87-0.90; 512 (8 x 64) 1.18-1.24; 512 (4 x 128) 1.41; 1,024 (4 x 256) 1.56; 2,048
 # (8 x 256, Qwen3-Next-80B) 1.6-2.5; the tiny presets (2 x 16) ~1.0.
 GROUPED_DECODE_MIN_WORK = 512
+# An extend over a cached prefix of at least this many new tokens runs as two flash calls (prefix, then the
+# new tokens causally) merged by log-sum-exp on CPU: 16 x (256 over 1,300), 64 over 1,984 and 512 over 512
+# tokens measured 1.3-1.4x faster than one masked call; 8 new tokens 2.5x slower (two calls' overhead).
+SPLIT_PREFIX_MIN_TOKENS = 16
+# torch's CPU flash kernel with its log-sum-exp (GQA heads shared as in SDPA); None where this torch lacks it.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 class TorchNativeAttnBackend:
@@ -115,22 +121,24 @@ class TorchNativeAttnBackend:
     ) -> torch.Tensor:
         """q [E, Hq, D] against k, v [S, Hk, D] of the whole sequence (prefix + extend), through torch's
         fused SDPA (the flash kernel on CPU: no float [E, S] score matrix). Without a prefix the mask is
-        plain causal; with one, query i sees keys 0..prefix_len + i, a boolean [E, S] mask (SDPA's
-        `is_causal` aligns the diagonal top-left)."""
-        e = q.shape[0]
-        mask = None
-        if seq.prefix_len:
-            s = k.shape[0]
-            mask = torch.ones(e, s, dtype=torch.bool, device=q.device).tril(seq.prefix_len)
+        plain causal. With one, query i sees keys 0..prefix_len + i (SDPA's `is_causal` aligns the
+        diagonal top-left): on CPU the prefix (no mask) and the new keys (causal) are two flash calls
+        merged by their log-sum-exps, 1.3-1.4x faster than one call with a boolean [E, S] mask, which SDPA
+        turns into a float one (`SPLIT_PREFIX_MIN_TOKENS`); else that masked call."""
+        e, p = q.shape[0], seq.prefix_len
         # 4-D inputs: with 3-D ones torch takes the unfused math path.
+        q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if p and e >= SPLIT_PREFIX_MIN_TOKENS and q.device.type == "cpu" and _CPU_FLASH is not None:
+            out_p, lse_p = _CPU_FLASH(q4, k4[:, :, :p], v4[:, :, :p], 0.0, False, scale=layer.scaling)
+            out_n, lse_n = _CPU_FLASH(q4, k4[:, :, p:], v4[:, :, p:], 0.0, True, scale=layer.scaling)
+            top = torch.maximum(lse_p, lse_n)
+            w_p, w_n = (lse_p - top).exp_().unsqueeze(-1), (lse_n - top).exp_().unsqueeze(-1)
+            return ((out_p * w_p + out_n * w_n) / (w_p + w_n)).to(q.dtype)[0].transpose(0, 1)
+        mask = None
+        if p:
+            mask = torch.ones(e, k.shape[0], dtype=torch.bool, device=q.device).tril(p)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=layer.scaling,
-            enable_gqa=True,
+            q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=True
         )
         return out[0].transpose(0, 1)
 
