@@ -142,6 +142,8 @@ class Envs:
     # CPU RMSNorms (plain and gated) of float32 activations: auto = one sgl-kernel C++ call where built,
     # else the torch ops; torch forces those.
     SGLANG_CPU_NORM_BACKEND = EnvStr("auto", "CPU RMSNorm: auto, torch or cpp.")
+    # CPU rotary embedding of float32 q/k: auto = one sgl-kernel C++ call where built, else the torch ops.
+    SGLANG_CPU_ROPE_BACKEND = EnvStr("auto", "CPU rotary embedding: auto, torch or cpp.")
 
     # Fault injection for extra_buffer_lazy: 1 = the first allocation try at a decode track boundary
     # fails (evict-and-retry then runs for real); 2 = the retry fails as well.

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sglang.srt.models.qwen3_next import Qwen3NextGatedDeltaNet, group_rows_by_piece
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, prefill, random_ids
 from sglang.test.runner_driver import RunnerDriver
@@ -111,9 +112,23 @@ def test_weights_are_allocated_once_in_their_serving_dtype(preset, preset_paths,
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight is model.get_input_embeddings().weight
     tensors = load_file(Path(preset_paths[preset]) / "model.safetensors")
+    # Qwen3-Next's input projections are regrouped once loaded (same rows, another order).
+    regrouped = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, Qwen3NextGatedDeltaNet):
+            for proj, sizes in module.projection_pieces().items():
+                regrouped[
+                    f"{prefix}.{'in_proj_qkvz' if proj is module.in_proj_qkvz else 'in_proj_ba'}.weight"
+                ] = (
+                    module.num_k_heads,
+                    sizes,
+                )
+    assert bool(regrouped) == (preset == "tiny-qwen3-next")
     for name, p in params.items():
         ckpt = tensors.get(model.checkpoint_name(name)) if name in tensors else tensors.get(name)
         if ckpt is not None:
+            if name in regrouped:
+                ckpt = group_rows_by_piece(ckpt, *regrouped[name])
             assert torch.equal(p, ckpt.to(p.dtype)), name
     rotary = [m for m in model.modules() if hasattr(m, "inv_freq")]
     assert all(m.inv_freq.dtype == torch.float32 for m in rotary)

@@ -10,7 +10,9 @@
 - `SGLANG_CPU_MOE_BACKEND` (`sgl-kernel/csrc/moe_cpu.cpp`), the routed experts of small MoE layers at
   decode sizes (`layers/moe/experts.py`) instead of torch's grouped GEMMs;
 - `SGLANG_CPU_NORM_BACKEND` (`sgl-kernel/csrc/norm_cpu.cpp`), the RMSNorms of float32 activations
-  (`layers/layernorm.py`), one call instead of ~7 small ops.
+  (`layers/layernorm.py`), one call instead of ~7 small ops;
+- `SGLANG_CPU_ROPE_BACKEND` (`sgl-kernel/csrc/rope_cpu.cpp`), the rotary embedding of float32 q and k
+  (`layers/rotary_embedding.py`), one call instead of ~20 small ops.
 
 Each is auto (the C++ ops where sgl-kernel's CPU extension is built, else the torch path), torch (force
 the torch path, for debugging) or cpp (the C++ ops, or a startup error).
@@ -61,3 +63,8 @@ def cpu_moe_ops(device: torch.device | str) -> Any | None:
 def cpu_norm_ops(device: torch.device | str) -> Any | None:
     """`torch.ops.sgl_kernel` when the C++ RMSNorms serve tensors on `device`, else None."""
     return _cpu_ops(envs.SGLANG_CPU_NORM_BACKEND, device)
+
+
+def cpu_rope_ops(device: torch.device | str) -> Any | None:
+    """`torch.ops.sgl_kernel` when the C++ rotary embedding serves tensors on `device`, else None."""
+    return _cpu_ops(envs.SGLANG_CPU_ROPE_BACKEND, device)

@@ -1,5 +1,7 @@
 """Rotary position embedding, neox style (halves rotated, as transformers' `rotate_half`), applied to
-the first `rotary_dim` channels of each head (partial rotary); the rest pass through."""
+the first `rotary_dim` channels of each head (partial rotary); the rest pass through. On CPU, float32 q
+and k take one sgl-kernel C++ call (`sgl-kernel/csrc/rope_cpu.cpp`, the same float32 arithmetic;
+`SGLANG_CPU_ROPE_BACKEND=torch` forces the torch ops), chosen when the model is loaded."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from sglang.srt.layers.cpu_ops import cpu_rope_ops
 
 
 class RotaryEmbedding(nn.Module):
@@ -20,12 +24,18 @@ class RotaryEmbedding(nn.Module):
         # builds on the meta device and copies buffers as they are).
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
         self.register_buffer("inv_freq", 1.0 / (base**exponents), persistent=False)
+        self.cpu_ops = None
+
+    def process_weights_after_loading(self) -> None:
+        self.cpu_ops = cpu_rope_ops(self.inv_freq.device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D] at absolute `positions` [T]. `cache` (the batch's `rope_cache`)
         keeps cos/sin for the batch's other attention layers: computed once per batch, not per layer."""
+        if self.cpu_ops is not None and q.dtype == k.dtype == torch.float32 and q.device.type == "cpu":
+            return self.cpu_ops.rotary_embedding(positions, q, k, self.inv_freq, self.rotary_dim)
         key = (self.rotary_dim, self.base)
         cos_sin = cache.get(key) if cache is not None else None
         if cos_sin is None:

@@ -20,6 +20,13 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
 
 
+def group_rows_by_piece(weight: torch.Tensor, heads: int, sizes: list[int]) -> torch.Tensor:
+    """Rows laid out per head as [piece 0 | piece 1 | ...] regrouped as [piece 0 of every head | piece 1 of
+    every head | ...] (Qwen3-Next's input projections; `Qwen3NextGatedDeltaNet.process_weights_after_loading`)."""
+    pieces = weight.view(heads, sum(sizes), weight.shape[1]).split(sizes, dim=1)
+    return torch.cat([p.reshape(-1, weight.shape[1]) for p in pieces])
+
+
 class Qwen3NextGatedDeltaNet(nn.Module):
     def __init__(self, config: Any, layer_id: int):
         super().__init__()
@@ -41,11 +48,31 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, hidden, bias=False)
 
+        # The checkpoint lays the projections out per key head; `process_weights_after_loading` regroups them.
+        self.projections_grouped = False
+
+    def process_weights_after_loading(self) -> None:
+        """Reorder the rows of the input projections from the checkpoint's per-key-head layout, [q | k | v of
+        its value heads | z of them] and [b | a of its value heads] for each key head, to [q | k | v | z] and
+        [b | a] over all heads: the outputs then split by slicing, where the per-head layout takes ~10 ops
+        per layer (views, splits, reshapes, a concatenation) every forward. Same products, same values."""
+        for proj, sizes in self.projection_pieces().items():
+            proj.weight.data = group_rows_by_piece(proj.weight.data, self.num_k_heads, sizes)
+        self.projections_grouped = True
+
+    def projection_pieces(self) -> dict[nn.Linear, list[int]]:
+        """Each input projection with the sizes of its pieces within one key head's rows."""
+        dk, dv, r = self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
+        return {self.in_proj_qkvz: [dk, dk, r * dv, r * dv], self.in_proj_ba: [r, r]}
+
     def _split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """The projections are laid out per key head: [q | k | v of its value heads | z of them] and
-        [b | a of its value heads]."""
+        """(mixed q|k|v, z [T, Hv, Dv], b, a) from the projections' outputs."""
         t = qkvz.shape[0]
         hk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
+        if self.projections_grouped:
+            qkv_dim = 2 * hk * dk + self.num_v_heads * dv
+            z = qkvz[:, qkv_dim:].reshape(t, self.num_v_heads, dv)
+            return qkvz[:, :qkv_dim].contiguous(), z, ba[:, : self.num_v_heads], ba[:, self.num_v_heads :]
         r = self.num_v_heads // hk
         q, k, v, z = qkvz.view(t, hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
         b, a = ba.view(t, hk, 2 * r).split([r, r], dim=-1)
