@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -30,26 +32,7 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // keys per block: the block's scores for 8 heads stay in 2 KB
 
-// exp(x) for x <= 0 (scores minus their running max), Cephes' expf polynomial after a reduction by ln 2
-// (relative error below 1e-7); branch-free so the softmax loop vectorises. Below -87 it returns ~1e-38.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const int32_t k = static_cast<int32_t>(t - 0.5f);  // rounds to nearest for t <= 0
-  const float kf = static_cast<float>(k);
-  const float r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (k + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using sgl_cpu::fast_exp;  // of scores minus their running max (<= 0; exp(-inf) clamps to ~1e-38)
 
 // q . k over a head. With a constant head dim that is a multiple of 32, four independent partial sums (four
 // AVX2 vectors) instead of one: a single vector accumulator makes a 256-dim dot a chain of 32 dependent FMAs.
@@ -130,7 +113,7 @@ inline __attribute__((always_inline)) void attend_units(const Problem<T>& p, con
         for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
         if (m > run_max[r]) {
           // exp(-inf) on the first block: the accumulator and sum are still 0.
-          const float c = exp_nonpositive(run_max[r] - m);
+          const float c = fast_exp(run_max[r] - m);
           run_sum[r] *= c;
           float* ar = acc + r * d;
 #pragma omp simd
@@ -140,7 +123,7 @@ inline __attribute__((always_inline)) void attend_units(const Problem<T>& p, con
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) {
-          sr[j] = exp_nonpositive(sr[j] - m);
+          sr[j] = fast_exp(sr[j] - m);
           sum += sr[j];
         }
         run_sum[r] += sum;

@@ -80,3 +80,19 @@ def state_errors(got: dict[int, LinearState], want: dict[int, LinearState]) -> t
         (g.ssm - want[k].ssm).abs().max().item() / want[k].ssm.abs().max().item() for k, g in got.items()
     )
     return conv, ssm
+
+
+def greedy_tokens_and_logprobs(
+    runner: ModelRunner, prompt_lens: Sequence[int], steps: int
+) -> tuple[list[list[int]], torch.Tensor]:
+    """One extend of fresh requests with random prompts of `prompt_lens` tokens, then `steps` greedy
+    decode steps: (the sampled tokens per step, the input logprobs and then every step's logprobs)."""
+    driver = RunnerDriver(runner)
+    reqs = [driver.new_request() for _ in prompt_lens]
+    first = driver.extend([Extend(r, random_ids(n, seed=n)) for r, n in zip(reqs, prompt_lens, strict=True)])
+    tokens, logprobs = [], [torch.tensor(sum(first.input_token_logprobs, []))]
+    for _ in range(steps):
+        res = driver.decode(reqs)
+        tokens.append(res.next_token_ids.tolist())
+        logprobs.append(res.next_token_logprobs.clone())
+    return tokens, torch.cat(logprobs)

@@ -15,8 +15,7 @@ from sglang.srt.layers.activation import get_act_fn
 from sglang.srt.layers.cpu_ops import cpu_moe_ops
 from sglang.srt.layers.moe.experts import CPU_OP_ACTIVATIONS, RoutedExperts
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.model_checks import make_runner, max_abs, random_ids
-from sglang.test.runner_driver import Extend, RunnerDriver
+from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner, max_abs
 
 register_cpu_ci(est_time=6, suite="per-commit-cpu")
 
@@ -144,25 +143,15 @@ def test_large_experts_and_the_torch_switch_keep_the_gemms(ops):
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
 def test_engine_decodes_alike_with_cpp_and_torch_experts(ops, preset):
-    """A 3-request extend (the GEMM path at 180 tokens x top-2 for qwen... and the op below 1,024
-    assignments), then 10 greedy decode steps: the same tokens and logprobs within float32 noise."""
+    """A 3-request extend (180 tokens x top-2: the op, below 1,024 assignments), then 10 greedy decode
+    steps: the same tokens and logprobs within float32 noise."""
 
     def run(backend: str):
         with envs.SGLANG_CPU_MOE_BACKEND.override(backend):
             runner = make_runner(preset)
         layers = [m for m in runner.model.modules() if isinstance(m, RoutedExperts)]
         assert layers and all((m.cpu_ops is not None) == (backend == "cpp") for m in layers)
-        driver = RunnerDriver(runner)
-        reqs = [driver.new_request() for _ in range(3)]
-        first = driver.extend(
-            [Extend(r, random_ids(n, seed=n)) for r, n in zip(reqs, (7, 60, 113), strict=True)]
-        )
-        tokens, logprobs = [], [torch.tensor(sum(first.input_token_logprobs, []))]
-        for _ in range(10):
-            res = driver.decode(reqs)
-            tokens.append(res.next_token_ids.tolist())
-            logprobs.append(res.next_token_logprobs.clone())
-        return tokens, torch.cat(logprobs)
+        return greedy_tokens_and_logprobs(runner, (7, 60, 113), steps=10)
 
     with_cpp, with_torch = run("cpp"), run("torch")
     assert with_cpp[0] == with_torch[0]

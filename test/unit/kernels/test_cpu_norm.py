@@ -12,8 +12,7 @@ from sglang.srt.environ import envs
 from sglang.srt.layers.cpu_ops import cpu_norm_ops
 from sglang.srt.layers.layernorm import GatedRMSNorm, GroupedGatedRMSNorm, RMSNorm
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.model_checks import make_runner, max_abs, random_ids
-from sglang.test.runner_driver import Extend, RunnerDriver
+from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner, max_abs
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
@@ -98,15 +97,7 @@ def test_engine_decodes_alike_with_cpp_and_torch_norms(ops, preset):
             m for m in runner.model.modules() if isinstance(m, RMSNorm | GatedRMSNorm | GroupedGatedRMSNorm)
         ]
         assert norms and all((m.cpu_ops is not None) == (backend == "cpp") for m in norms)
-        driver = RunnerDriver(runner)
-        reqs = [driver.new_request() for _ in range(2)]
-        first = driver.extend([Extend(r, random_ids(n, seed=n)) for r, n in zip(reqs, (9, 70), strict=True)])
-        tokens, logprobs = [], [torch.tensor(sum(first.input_token_logprobs, []))]
-        for _ in range(8):
-            res = driver.decode(reqs)
-            tokens.append(res.next_token_ids.tolist())
-            logprobs.append(res.next_token_logprobs.clone())
-        return tokens, torch.cat(logprobs)
+        return greedy_tokens_and_logprobs(runner, (9, 70), steps=8)
 
     with_cpp, with_torch = run("cpp"), run("torch")
     assert with_cpp[0] == with_torch[0]

@@ -34,7 +34,7 @@ SOURCES = {
     "cpu": ["state_copy_cpu.cpp", "linear_attn_cpu.cpp", "attention_cpu.cpp", "moe_cpu.cpp", "norm_cpu.cpp", "rope_cpu.cpp"],
     "cuda": ["state_copy_cuda_binding.cpp", "state_copy_cuda.cu"],
 }
-HEADERS = ["state_copy.h", "state_copy_binding.h"]
+HEADERS = ["state_copy.h", "state_copy_binding.h", "cpu_math.h"]
 
 _loaded: dict[str, tuple[ModuleType | None, str]] = {}
 
