@@ -153,7 +153,7 @@ inline __attribute__((always_inline)) void attend_units(const Problem<T>& p, con
 // baseline is SSE2; the dot products and value sums here are 2-4x faster with AVX2 + FMA, taken where
 // the CPU has them.
 template <typename T, int kD>
-__attribute__((target("avx2,fma"))) void attend_units_avx2(const Problem<T>& p, const Unit* units, int64_t count,
+SGL_TARGET_AVX2 void attend_units_avx2(const Problem<T>& p, const Unit* units, int64_t count,
                                                            float* scratch) {
   attend_units<T, kD>(p, units, count, scratch);
 }
@@ -184,7 +184,7 @@ std::vector<Unit> make_units(int64_t bs, int64_t hq, int64_t hk) {
 
 template <typename T>
 void attend(const Problem<T>& p, const std::vector<Unit>& units) {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = sgl_cpu::has_avx2();
   // One unit reads seq_len x d keys and values: worth its own task whatever the batch.
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kMaxRows * (kBlock + p.d + 2));
@@ -211,7 +211,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
                   v_buffer.is_contiguous(),
               what, ": k_buffer and v_buffer must be contiguous [slots, kv_heads, head_dim] tensors of one dtype");
   const int64_t hk = k_buffer.size(1), num_slots = k_buffer.size(0);
-  TORCH_CHECK(hk > 0 && hq % hk == 0, what, ": q_heads must be a multiple of kv_heads");
+  TORCH_CHECK(hk > 0 && hq > 0 && hq % hk == 0, what, ": q_heads must be a positive multiple of kv_heads");
   TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.is_contiguous(),
               what, ": req_to_token must be a contiguous int32 [rows, context] tensor");
   for (const at::Tensor* t : {&req_pool_indices, &seq_lens})

@@ -3,16 +3,39 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
+// AVX2 + FMA twins of the hot loops: the build has no -march (x86-64 baseline, SSE2), so a function marked
+// SGL_TARGET_AVX2 that always-inlines a loop body compiles that body for AVX2 + FMA, and has_avx2() picks it
+// at run time. Elsewhere (aarch64) the mark is empty and has_avx2() false: the baseline twin runs.
+#if defined(__x86_64__) || defined(_M_X64)
+#define SGL_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define SGL_TARGET_AVX2
+#endif
+
 namespace sgl_cpu {
+
+// SGLANG_TEST_CPU_OPS_BASELINE=1 runs the baseline twins on any CPU (tests of the code a CPU without AVX2
+// runs); read at every call, so a test can switch it.
+inline bool has_avx2() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const char* baseline = std::getenv("SGLANG_TEST_CPU_OPS_BASELINE");
+  return yes && !(baseline != nullptr && baseline[0] == '1');
+#else
+  return false;
+#endif
+}
 
 // exp for vectorised loops: Cephes' expf polynomial after a reduction by ln 2 (max relative error
 // 8e-8 against double-precision exp over [-87, 88], sampled every 7e-4), branch-free so that
 // `omp simd` loops vectorise it; libm's expf is a scalar call. Inputs are clamped to [-87, 88]: exp of
-// anything below is ~1e-38 instead of 0, harmless for silu.
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+// anything below is ~1e-38 instead of 0, harmless for silu; NaN stays NaN.
+inline __attribute__((always_inline)) float fast_exp(float v) {
+  const bool nan = v != v;  // NaN in, NaN out (a select, so the loops still vectorise)
+  const float x = nan ? 0.0f : std::min(std::max(v, -87.0f), 88.0f);
   const float t = x * 1.44269504088896341f;
   const int32_t k = static_cast<int32_t>(t + (t >= 0.0f ? 0.5f : -0.5f));
   const float kf = static_cast<float>(k);
@@ -27,7 +50,7 @@ inline float fast_exp(float x) {
   int32_t bits = (k + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return nan ? v : p * scale;
 }
 
 }  // namespace sgl_cpu

@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -88,6 +90,18 @@ inline __attribute__((always_inline)) void tile_product(const float* const* in, 
   }
 }
 
+// tile_product for a tile of `width` tokens (1, 2 or kTile), rows of length m.
+template <typename W>
+inline __attribute__((always_inline)) void product(int width, const float* const* in, int64_t len, const W* rows,
+                                                   int64_t m, float* const* out) {
+  if (width == 1)
+    tile_product<1>(in, len, rows, m, m, out);
+  else if (width == 2)
+    tile_product<2>(in, len, rows, m, m, out);
+  else
+    tile_product<kTile>(in, len, rows, m, m, out);
+}
+
 // Experts [begin, end). Always inlined, so each caller compiles it for its own instruction set. With the
 // weights transposed, both products are sums of weight rows scaled by one input each (vectorised along
 // the row, no horizontal sums). A tile of 3 is padded to 4 with a zero input row; tiles of 1 and 2 run
@@ -115,20 +129,12 @@ inline __attribute__((always_inline)) void expert_units(const Problem<W>& p, int
         ys[t] = t < n ? p.y + asg[t] * H : spare.data() + t * H;
       }
       const int width = n == 1 ? 1 : n == 2 ? 2 : kTile;
-      const auto product = [&](const float* const* in, int64_t len, const W* rows, int64_t m, float* const* out) {
-        if (width == 1)
-          tile_product<1>(in, len, rows, m, m, out);
-        else if (width == 2)
-          tile_product<2>(in, len, rows, m, m, out);
-        else
-          tile_product<kTile>(in, len, rows, m, m, out);
-      };
-      product(xs, H, w13t, R, hs);
+      product(width, xs, H, w13t, R, hs);
       for (int64_t t = 0; t < n; ++t)
         for (int64_t c = 0; c < I; ++c)
           a[t * I + c] = p.gated ? activate(h[t * R + c], p.act) * h[t * R + I + c] : activate(h[t * R + c], p.act);
       for (int64_t t = n; t < kTile; ++t) std::fill(a.begin() + t * I, a.begin() + (t + 1) * I, 0.0f);
-      product(as, I, w2t, H, ys);
+      product(width, as, I, w2t, H, ys);
       for (int64_t t = 0; t < n; ++t) {
         const float w = p.topk_weights[asg[t]];
 #pragma omp simd
@@ -140,7 +146,7 @@ inline __attribute__((always_inline)) void expert_units(const Problem<W>& p, int
 
 // The build has no -march (x86-64 baseline, SSE2); AVX2 + FMA where the CPU has them.
 template <typename W>
-__attribute__((target("avx2,fma"))) void expert_units_avx2(const Problem<W>& p, int64_t begin, int64_t end) {
+SGL_TARGET_AVX2 void expert_units_avx2(const Problem<W>& p, int64_t begin, int64_t end) {
   expert_units(p, begin, end);
 }
 
@@ -170,6 +176,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13t, const at::Te
               what, ": topk_weights must be a contiguous float32 tensor shaped like topk_ids");
   TORCH_CHECK(activation >= 0 && activation <= 3, what, ": activation must be 0 (silu), 1 (relu2), 2 (relu) or 3 (gelu)");
   const int64_t k = topk_ids.size(1), A = T * k;
+  TORCH_CHECK(k > 0, what, ": every token needs at least one expert (topk_ids has 0 columns)");
   const int64_t* ids = topk_ids.data_ptr<int64_t>();
   // Counting sort of the assignments by expert (stable), every id checked first.
   std::vector<int64_t> start(E + 1, 0), by_expert(A);
@@ -182,7 +189,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13t, const at::Te
   for (int64_t i = 0; i < A; ++i) by_expert[fill[ids[i]]++] = i;
 
   auto y = at::empty({A, H}, x.options());
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = sgl_cpu::has_avx2();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w13t.scalar_type(), "moe_experts", [&] {
     const Problem<scalar_t> p{x.data_ptr<float>(), w13t.data_ptr<scalar_t>(), w2t.data_ptr<scalar_t>(),
                               topk_weights.data_ptr<float>(), by_expert.data(), start.data(), y.data_ptr<float>(),

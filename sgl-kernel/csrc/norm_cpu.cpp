@@ -17,13 +17,17 @@
 
 #include <cmath>
 
+#include "cpu_math.h"
+
 namespace sgl_norm {
 namespace {
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+// With the polynomial exp (relative error < 1e-7) the gate loops vectorise; libm's expf is a scalar call,
+// which made the gated norms slower than torch's from ~256 rows.
+inline __attribute__((always_inline)) float silu(float v) { return v / (1.0f + sgl_cpu::fast_exp(-v)); }
 
 // 1 / sqrt(mean(v^2) + eps) over n values.
-inline float inv_rms(const float* v, int64_t n, float eps) {
+inline __attribute__((always_inline)) float inv_rms(const float* v, int64_t n, float eps) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += v[i] * v[i];
@@ -58,6 +62,47 @@ at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, do
   return out;
 }
 
+struct GatedRows {
+  const float *x, *gate, *weight;
+  float* out;
+  int64_t h, group_size;
+  float eps;
+  bool gate_first;
+};
+
+// Rows [begin, end). Always inlined, so each caller compiles it for its own instruction set: the gate's
+// exp is most of the work, 2x faster in AVX2 than in the build's SSE2 baseline.
+inline __attribute__((always_inline)) void gated_rows(const GatedRows& p, int64_t begin, int64_t end) {
+  const int64_t h = p.h, group_size = p.group_size;
+  for (int64_t r = begin; r < end; ++r) {
+    const float* xr = p.x + r * h;
+    const float* gr = p.gate + r * h;
+    const float* w = p.weight;
+    float* o = p.out + r * h;
+    if (p.gate_first) {
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) o[i] = xr[i] * silu(gr[i]);
+      for (int64_t g0 = 0; g0 < h; g0 += group_size) {
+        const float k = inv_rms(o + g0, group_size, p.eps);
+#pragma omp simd
+        for (int64_t i = g0; i < g0 + group_size; ++i) o[i] = w[i] * (o[i] * k);
+      }
+    } else {
+      for (int64_t g0 = 0; g0 < h; g0 += group_size) {
+        const float k = inv_rms(xr + g0, group_size, p.eps);
+#pragma omp simd
+        for (int64_t i = g0; i < g0 + group_size; ++i) o[i] = w[i] * (xr[i] * k) * silu(gr[i]);
+      }
+    }
+  }
+}
+
+SGL_TARGET_AVX2 void gated_rows_avx2(const GatedRows& p, int64_t begin, int64_t end) {
+  gated_rows(p, begin, end);
+}
+
+void gated_rows_baseline(const GatedRows& p, int64_t begin, int64_t end) { gated_rows(p, begin, end); }
+
 at::Tensor gated_rmsnorm(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps,
                          int64_t group_size, bool gate_first) {
   const char* what = "gated_rmsnorm";
@@ -72,25 +117,13 @@ at::Tensor gated_rmsnorm(const at::Tensor& x, const at::Tensor& gate, const at::
   const float* w = weight.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
+  const bool avx2 = sgl_cpu::has_avx2();
+  const GatedRows p{xs, gs, w, os, h, group_size, e, gate_first};
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xs + r * h;
-      const float* gr = gs + r * h;
-      float* o = os + r * h;
-      if (gate_first) {
-        for (int64_t i = 0; i < h; ++i) o[i] = xr[i] * silu(gr[i]);
-        for (int64_t g0 = 0; g0 < h; g0 += group_size) {
-          const float k = inv_rms(o + g0, group_size, e);
-#pragma omp simd
-          for (int64_t i = g0; i < g0 + group_size; ++i) o[i] = w[i] * (o[i] * k);
-        }
-      } else {
-        for (int64_t g0 = 0; g0 < h; g0 += group_size) {
-          const float k = inv_rms(xr + g0, group_size, e);
-          for (int64_t i = g0; i < g0 + group_size; ++i) o[i] = w[i] * (xr[i] * k) * silu(gr[i]);
-        }
-      }
-    }
+    if (avx2)
+      gated_rows_avx2(p, begin, end);
+    else
+      gated_rows_baseline(p, begin, end);
   });
   return out;
 }

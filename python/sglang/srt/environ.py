@@ -145,6 +145,10 @@ class Envs:
     # CPU rotary embedding of float32 q/k: auto = one sgl-kernel C++ call where built, else the torch ops.
     SGLANG_CPU_ROPE_BACKEND = EnvStr("auto", "CPU rotary embedding: auto, torch or cpp.")
 
+    # The sgl-kernel CPU ops' baseline (SSE2) twins instead of their AVX2 + FMA ones, to test the code a
+    # CPU without AVX2 runs (read by the C++ ops at every call).
+    SGLANG_TEST_CPU_OPS_BASELINE = EnvBool(False, "Run the CPU ops' baseline twins, not the AVX2 ones.")
+
     # Fault injection for extra_buffer_lazy: 1 = the first allocation try at a decode track boundary
     # fails (evict-and-retry then runs for real); 2 = the retry fails as well.
     SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL = EnvInt(0, "Lazy track-slot allocation failure injection (0/1/2).")

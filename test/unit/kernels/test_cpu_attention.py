@@ -54,6 +54,7 @@ def _args(**change):
         ({"req_pool_indices": torch.tensor([0])}, "one entry per request"),
         ({"req_to_token": torch.zeros(2, 4, dtype=torch.int64)}, "int32"),
         ({"q": torch.zeros(2, 3, 16)}, "multiple of kv_heads"),
+        ({"q": torch.zeros(2, 0, 16)}, "positive multiple of kv_heads"),
         ({"q": torch.zeros(2, 4, 16, dtype=torch.float64)}, "float32"),
         ({"v_buffer": torch.zeros(10, 2, 8)}, "one dtype"),
     ],
@@ -65,10 +66,20 @@ def test_bad_descriptions_are_refused(ops, change, message):
 
 
 def test_a_good_description_runs(ops):
-    # The control for the refusals above: the same arguments unchanged are served (keys of row 1
-    # past its seq_len, here slot 8, are never read).
-    out = ops.decode_attention(*_args().values(), 0.25)
+    # The control for the refusals above: the same arguments are served, and only keys before each
+    # seq_len are read or checked (row 1 names slot 99, outside the pool, past its seq_len of 3).
+    table = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 99]], dtype=torch.int32)
+    out = ops.decode_attention(*_args(req_to_token=table).values(), 0.25)
     assert out.shape == (2, 4, 16) and bool(torch.isfinite(out).all())
+
+
+def test_a_nan_query_gives_nan_for_its_request_only(ops):
+    args = _args(k_buffer=torch.randn(10, 2, 16), v_buffer=torch.randn(10, 2, 16), q=torch.randn(2, 4, 16))
+    args["q"][1, 2, 5] = float("nan")
+    out = ops.decode_attention(*args.values(), 0.25)
+    # Query head 2 reads KV head 1: its scores are NaN, so its output is; nothing else is touched.
+    assert bool(out[1, 2].isnan().all()) and bool(torch.isfinite(out[0]).all())
+    assert bool(torch.isfinite(out[1, [0, 1, 3]]).all())
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])

@@ -80,12 +80,16 @@ def test_op_matches_the_reference(ops, act, gated, tokens):
 
 
 @pytest.mark.parametrize("hidden,inter,top_k", [(64, 32, 1), (96, 300, 3), (320, 64, 2)])
-def test_op_at_narrow_and_wide_outputs(ops, hidden, inter, top_k):
-    """600 gate+up rows and 320 hidden outputs: past the register width, whole rows are streamed."""
+@pytest.mark.parametrize("baseline", [False, True])
+def test_op_at_narrow_and_wide_outputs(ops, hidden, inter, top_k, baseline):
+    """600 gate+up rows and 320 hidden outputs: past the register width, whole rows are streamed.
+    `baseline`: the SSE2 twin a CPU without AVX2 runs (SGLANG_TEST_CPU_OPS_BASELINE)."""
     m = _layer(6, hidden, inter, "silu", True, seed=1)
     x = torch.randn(9, hidden, generator=torch.Generator().manual_seed(2))
     weights, ids = _routing(9, 6, top_k, seed=3)
-    assert _close(_run(ops, m, x, weights, ids), _reference(m, x, weights, ids))
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        got = _run(ops, m, x, weights, ids)
+    assert _close(got, _reference(m, x, weights, ids))
 
 
 def test_op_with_bfloat16_weights(ops):
@@ -109,6 +113,8 @@ def test_bad_routing_is_refused(ops):
         _run(ops, m, x, weights[:, :1].contiguous(), ids)
     with pytest.raises(RuntimeError, match="w13t must be"):
         ops.moe_experts(x, m.w13.contiguous(), m.w2.transpose(1, 2).contiguous(), weights, ids, True, 0)
+    with pytest.raises(RuntimeError, match="at least one expert"):
+        _run(ops, m, x, weights[:, :0].contiguous(), ids[:, :0].contiguous())
     with pytest.raises(RuntimeError, match="activation must be"):
         ops.moe_experts(
             x, m.w13.transpose(1, 2).contiguous(), m.w2.transpose(1, 2).contiguous(), weights, ids, True, 7

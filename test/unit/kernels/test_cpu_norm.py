@@ -50,9 +50,12 @@ def test_rmsnorm_over_heads_of_a_strided_view(ops):
     assert got.shape == q.shape and max_abs(got, want) < TOL
 
 
-def test_gated_rmsnorm_norm_then_gate(ops):
+@pytest.mark.parametrize("baseline", [False, True])
+def test_gated_rmsnorm_norm_then_gate(ops, baseline):
+    """`baseline`: the SSE2 twin a CPU without AVX2 runs (SGLANG_TEST_CPU_OPS_BASELINE)."""
     x, gate = torch.randn(6, 4, 16), torch.randn(6, 4, 16)
-    want, got = _pair(GatedRMSNorm(16, eps=1e-6), x, gate)
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        want, got = _pair(GatedRMSNorm(16, eps=1e-6), x, gate)
     assert max_abs(got, want) < TOL
 
 

@@ -62,6 +62,9 @@ def test_bad_arguments_are_refused(ops):
         rope = RotaryEmbedding(16, 8, 10000.0)
         rope.process_weights_after_loading()
     assert rope.cpu_ops is None
+    passthrough = RotaryEmbedding(16, 0, 10000.0)  # no rotary channels: the torch form, not the op
+    passthrough.process_weights_after_loading()
+    assert passthrough.cpu_ops is None
 
 
 def test_regrouped_projections_split_alike():
@@ -84,6 +87,7 @@ def test_regrouped_projections_split_alike():
 
     before = split()
     layer.process_weights_after_loading()
+    layer.process_weights_after_loading()  # once only: a second call must not permute the rows again
     after = split()
     for a, b in zip(after, before, strict=True):
         # The same dot products, permuted rows: float32 GEMM blocking may differ by an ulp.

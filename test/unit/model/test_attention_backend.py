@@ -197,11 +197,14 @@ def test_rope_tables_are_computed_once_per_batch():
         (16, 40, 8),
     ],
 )
-def test_cpp_decode_at_every_head_dim_and_group(d, hq, hk):
+@pytest.mark.parametrize("baseline", [False, True])
+def test_cpp_decode_at_every_head_dim_and_group(d, hq, hk, baseline):
+    """`baseline`: the SSE2 twin a CPU without AVX2 runs (SGLANG_TEST_CPU_OPS_BASELINE)."""
     seq_lens = [3, 150, 129]
     case = _Case(torch.float32, seq_lens, seed=4, hq=hq, hk=hk, d=d, backend="cpp")
     case.fill_prefix([n - 1 for n in seq_lens])
-    out, ref = case.run(ForwardMode.DECODE, [1] * len(seq_lens))
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        out, ref = case.run(ForwardMode.DECODE, [1] * len(seq_lens))
     assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
 
 

@@ -27,7 +27,8 @@ class RotaryEmbedding(nn.Module):
         self.cpu_ops = None
 
     def process_weights_after_loading(self) -> None:
-        self.cpu_ops = cpu_rope_ops(self.inv_freq.device)
+        # rotary_dim 0 (every channel passes through) stays on the torch form; the op rotates something.
+        self.cpu_ops = cpu_rope_ops(self.inv_freq.device) if self.rotary_dim > 0 else None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: dict | None = None

@@ -55,7 +55,10 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         """Reorder the rows of the input projections from the checkpoint's per-key-head layout, [q | k | v of
         its value heads | z of them] and [b | a of its value heads] for each key head, to [q | k | v | z] and
         [b | a] over all heads: the outputs then split by slicing, where the per-head layout takes ~10 ops
-        per layer (views, splits, reshapes, a concatenation) every forward. Same products, same values."""
+        per layer (views, splits, reshapes, a concatenation) every forward. Same products, same values.
+        Once only: the rows are regrouped in place of the checkpoint's."""
+        if self.projections_grouped:
+            return
         for proj, sizes in self.projection_pieces().items():
             proj.weight.data = group_rows_by_piece(proj.weight.data, self.num_k_heads, sizes)
         self.projections_grouped = True

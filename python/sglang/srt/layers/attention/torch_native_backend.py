@@ -51,8 +51,13 @@ GROUPED_DECODE_MIN_WORK = 512
 # new tokens causally) merged by log-sum-exp on CPU: 16 x (256 over 1,300), 64 over 1,984 and 512 over 512
 # tokens measured 1.3-1.4x faster than one masked call; 8 new tokens 2.5x slower (two calls' overhead).
 SPLIT_PREFIX_MIN_TOKENS = 16
-# torch's CPU flash kernel with its log-sum-exp (GQA heads shared as in SDPA); None where this torch lacks it.
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# torch's CPU flash kernel with its log-sum-exp. It shares KV heads between query heads (GQA) from torch 2.9
+# on (pytorch#157893); before that SDPA's front end expanded them, so older torch keeps the masked call.
+_CPU_FLASH = (
+    getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
+    else None
+)
 
 
 class TorchNativeAttnBackend:
