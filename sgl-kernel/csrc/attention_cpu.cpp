@@ -120,13 +120,16 @@ inline __attribute__((always_inline)) void attend_units(const Problem<T>& p, con
           for (int64_t i = 0; i < d; ++i) ar[i] *= c;
           run_max[r] = m;
         }
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
+        // `probe` is NaN where a score is NaN or infinite (as torch's softmax gives NaN there): it makes the
+        // row's sum, and so its output, NaN, where the max above skips NaNs and fast_exp maps them to ~0.
+        float sum = 0.0f, probe = 0.0f;
+#pragma omp simd reduction(+ : sum, probe)
         for (int64_t j = 0; j < n; ++j) {
+          probe += sr[j] - sr[j];
           sr[j] = fast_exp(sr[j] - m);
           sum += sr[j];
         }
-        run_sum[r] += sum;
+        run_sum[r] += sum + probe;
       }
       for (int64_t j = 0; j < n; ++j) {
         const T* vr = p.v_buf + slots[j0 + j] * slot_stride;

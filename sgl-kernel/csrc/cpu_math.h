@@ -32,10 +32,12 @@ inline bool has_avx2() {
 // exp for vectorised loops: Cephes' expf polynomial after a reduction by ln 2 (max relative error
 // 8e-8 against double-precision exp over [-87, 88], sampled every 7e-4), branch-free so that
 // `omp simd` loops vectorise it; libm's expf is a scalar call. Inputs are clamped to [-87, 88]: exp of
-// anything below is ~1e-38 instead of 0, harmless for silu; NaN stays NaN.
+// anything below is ~1e-38 instead of 0, harmless for silu.
 inline __attribute__((always_inline)) float fast_exp(float v) {
-  const bool nan = v != v;  // NaN in, NaN out (a select, so the loops still vectorise)
-  const float x = nan ? 0.0f : std::min(std::max(v, -87.0f), 88.0f);
+  // max(-87, NaN) is -87 (the comparison is false): a NaN gives exp(-87), never an undefined int conversion.
+  // (Returning the NaN itself takes a select that stops GCC vectorising the loops; callers that must
+  // propagate NaN check their inputs, as the attention op does.)
+  const float x = std::min(88.0f, std::max(-87.0f, v));
   const float t = x * 1.44269504088896341f;
   const int32_t k = static_cast<int32_t>(t + (t >= 0.0f ? 0.5f : -0.5f));
   const float kf = static_cast<float>(k);
@@ -50,7 +52,7 @@ inline __attribute__((always_inline)) float fast_exp(float v) {
   int32_t bits = (k + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return nan ? v : p * scale;
+  return p * scale;
 }
 
 }  // namespace sgl_cpu
