@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace sgl_linear {
@@ -454,6 +455,35 @@ at::Tensor mamba2_extend(const at::Tensor& xbc, const at::Tensor& dt, const at::
   return y;
 }
 
+// Gated DeltaNet's gates from the projections (Qwen3-Next), as the torch form computes them in float32:
+// beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) (softplus with torch's threshold of 20).
+// a, b [T, Hv] (strided rows allowed: they are slices of one projection), A_log, dt_bias [Hv].
+std::tuple<at::Tensor, at::Tensor> gdn_gating(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
+                                              const at::Tensor& dt_bias) {
+  const char* what = "gdn_gating";
+  for (const at::Tensor* t : {&a, &b})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->stride(1) == 1, what,
+                ": a and b must be float32 [tokens, heads] tensors with contiguous rows");
+  TORCH_CHECK(a.sizes() == b.sizes(), what, ": a and b must have one shape");
+  const int64_t tokens = a.size(0), heads = a.size(1);
+  check_f32(A_log, what, "A_log");
+  check_f32(dt_bias, what, "dt_bias");
+  TORCH_CHECK(A_log.numel() == heads && dt_bias.numel() == heads, what, ": A_log and dt_bias need one value per head");
+  auto g = at::empty({tokens, heads}, a.options());
+  auto beta = at::empty({tokens, heads}, a.options());
+  const float *as = a.data_ptr<float>(), *bs = b.data_ptr<float>();
+  const float *al = A_log.data_ptr<float>(), *dt = dt_bias.data_ptr<float>();
+  float *gs = g.data_ptr<float>(), *betas = beta.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const float x = as[t * a.stride(0) + h] + dt[h];
+      const float softplus = x > 20.0f ? x : std::log1p(std::exp(x));
+      gs[t * heads + h] = -std::exp(al[h]) * softplus;
+      betas[t * heads + h] = 1.0f / (1.0f + std::exp(-bs[t * b.stride(0) + h]));
+    }
+  return {g, beta};
+}
+
 }  // namespace
 }  // namespace sgl_linear
 
@@ -480,7 +510,12 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
       "int state_size) -> Tensor");
 }
 
+TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
+  m.def("gdn_gating(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias) -> (Tensor, Tensor)");
+}
+
 TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
+  m.impl("gdn_gating", &sgl_linear::gdn_gating);
   m.impl("causal_conv1d_extend", &sgl_linear::causal_conv1d_extend);
   m.impl("gdn_extend", &sgl_linear::gdn_extend);
   m.impl("mamba2_extend", &sgl_linear::mamba2_extend);

@@ -271,3 +271,21 @@ def test_bad_extend_descriptions_are_refused(ops):
         call([0, 2, 5], [1, 2], [0, 1, 1], [3], [3])  # offset 3 in a 2-token sequence
     with pytest.raises(RuntimeError, match="1..length"):
         call([0, 2, 5], [1, 2], [0, 1, 1], [0], [3])
+
+
+def test_gdn_gating_matches_torch(ops):
+    """beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), from strided slices of one projection
+    (as Qwen3-Next's grouped [b | a]), across softplus's threshold of 20."""
+    ba = torch.randn(7, 12) * 8
+    ba[0, 6:] = torch.tensor([25.0, 19.5, -30.0, 0.0, 21.0, -1.0])  # a + dt_bias on both sides of 20
+    b, a = ba[:, :6], ba[:, 6:]
+    A_log, dt_bias = torch.randn(6), torch.randn(6) * 0.1
+    g, beta = ops.gdn_gating(a, b, A_log, dt_bias)
+    want_g = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    # float32 exp / log1p from libm against torch's vectorised ones: an ulp or two.
+    assert max_abs(beta, b.sigmoid()) < 1e-6
+    assert max_abs(g, want_g) < 1e-5 * max(1.0, want_g.abs().max().item())
+    with pytest.raises(RuntimeError, match="one value per head"):
+        ops.gdn_gating(a, b, A_log[:5].contiguous(), dt_bias)
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.gdn_gating(a[:, :5], b, A_log, dt_bias)

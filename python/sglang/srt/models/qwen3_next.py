@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -50,6 +51,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
 
         # The checkpoint lays the projections out per key head; `process_weights_after_loading` regroups them.
         self.projections_grouped = False
+        self.cpu_ops = None
 
     def process_weights_after_loading(self) -> None:
         """Reorder the rows of the input projections from the checkpoint's per-key-head layout, [q | k | v of
@@ -57,6 +59,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         [b | a] over all heads: the outputs then split by slicing, where the per-head layout takes ~10 ops
         per layer (views, splits, reshapes, a concatenation) every forward. Same products, same values.
         Once only: the rows are regrouped in place of the checkpoint's."""
+        # On CPU the gates are one sgl-kernel call (SGLANG_CPU_LINEAR_ATTN_BACKEND), not ~7 small ops.
+        self.cpu_ops = cpu_linear_ops(self.A_log.device)
         if self.projections_grouped:
             return
         for proj, sizes in self.projection_pieces().items():
@@ -84,8 +88,11 @@ class Qwen3NextGatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         mixed_qkv, z, b, a = self._split_projections(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if self.cpu_ops is not None and a.dtype == torch.float32:
+            g, beta = self.cpu_ops.gdn_gating(a, b, self.A_log, self.dt_bias)
+        else:
+            beta = b.float().sigmoid()
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         core = fb.attn_backend.forward_linear(self, fb, mixed_qkv, g, beta)
         out = self.norm(core.to(hidden.dtype), z)
         return self.out_proj(out.reshape(hidden.shape[0], -1))
