@@ -19,7 +19,6 @@ from sglang.srt.layers.attention.linear.gated_delta_rule import (
 )
 from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend, causal_conv1d_update
 from sglang.srt.layers.attention.mamba.ssd import selective_state_update, ssd_chunk_scan
-from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, max_abs, random_ids
 from sglang.test.runner_driver import Extend, RunnerDriver
@@ -32,13 +31,6 @@ register_cpu_ci(est_time=6, suite="per-commit-cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 SLOTS = 12
 # Extend outputs are float32 either way; states in a bfloat16 pool carry one rounding, as above.
-
-
-@pytest.fixture(scope="module")
-def ops():
-    found = cpu_linear_ops("cpu")
-    assert found is not None, "the sgl-kernel CPU extension is built by `make install` / `.ci/run`"
-    return found
 
 
 def _slots(bs: int, seed: int) -> torch.Tensor:

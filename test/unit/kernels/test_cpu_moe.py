@@ -12,7 +12,6 @@ import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.layers.activation import get_act_fn
-from sglang.srt.layers.cpu_ops import cpu_moe_ops
 from sglang.srt.layers.moe.experts import CPU_OP_ACTIVATIONS, RoutedExperts
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner, max_abs
@@ -26,13 +25,6 @@ TOL = 1e-5
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return max_abs(got, want) < TOL * max(1.0, want.abs().max().item())
-
-
-@pytest.fixture(scope="module")
-def ops():
-    found = cpu_moe_ops("cpu")
-    assert found is not None, "the sgl-kernel CPU extension is built by `make install` / `.ci/run`"
-    return found
 
 
 def _layer(experts: int, hidden: int, inter: int, act: str, gated: bool, seed: int = 0) -> RoutedExperts:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.layers.cpu_ops import cpu_rope_ops
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.models.qwen3_next import Qwen3NextGatedDeltaNet
 from sglang.test.ci_register import register_cpu_ci
@@ -23,13 +22,6 @@ register_cpu_ci(est_time=2, suite="per-commit-cpu")
 # ones differ by an ulp or two: measured <= 2e-6 at positions up to 100k (angles of 1e5 rad). A wrong
 # half, sign or pass-through channel is O(1).
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def ops():
-    found = cpu_rope_ops("cpu")
-    assert found is not None, "the sgl-kernel CPU extension is built by `make install` / `.ci/run`"
-    return found
 
 
 @pytest.mark.parametrize("head_dim,rotary_dim", [(16, 8), (64, 64), (256, 64)])
