@@ -182,7 +182,9 @@ def test_rope_tables_are_computed_once_per_batch():
 
 # The C++ op's head dims: 16, 64, 128 and 256 are compiled as constants (256 with the four-way split dot),
 # 24 and 80 take the loop of any length. Its units hold at most 32 query heads: 64 / 2 splits into two
-# whole groups, 96 / 2 splits groups of 48 across units, 40 / 8 packs six groups of 5 and then two.
+# whole groups, 96 / 2 splits groups of 48 across units, 40 / 8 packs six groups of 5 and then two. With
+# AVX2, head dims 16 and 64 sum the values in registers, 64 / d rows at a time: 6 / 3 is a pass of four rows
+# over two KV heads, then two rows alone. The lengths end inside a block of 8 keys (3, 150, 129).
 @pytest.mark.parametrize(
     "d,hq,hk",
     [
@@ -195,6 +197,7 @@ def test_rope_tables_are_computed_once_per_batch():
         (16, 64, 2),
         (16, 96, 2),
         (16, 40, 8),
+        (16, 6, 3),
     ],
 )
 @pytest.mark.parametrize("baseline", [False, True])
