@@ -1,6 +1,7 @@
 // CPU routed experts for decode-size batches, registered as torch.ops.sgl_kernel.moe_experts.
 //
-//   moe_experts(x, w13t, w2t, topk_weights, topk_ids, gated, activation) -> out
+//   moe_experts(x, w13t, w2t, topk_weights, topk_ids, gated, activation,
+//               shared_w13t=None, shared_w2t=None, shared_gate=None) -> out
 //
 // x [T, H] float32; w13t [E, H, R] and w2t [E, I, H]: the experts' w13 [E, R, H] (R = 2I: gate rows then
 // up rows, gated; R = I: up, plain) and w2 [E, H, I] transposed, contiguous (on CPU `RoutedExperts` stores
@@ -8,6 +9,11 @@
 // out[t] = sum over its k experts e of weight * w2[e] act(w13[e] x[t]) (gated: act(gate) * up),
 // accumulated in float32, the k terms added in their top-k order. Activations: 0 silu, 1 relu2 (relu
 // squared), 2 relu, 3 gelu (erf).
+//
+// The layer's shared expert, where given (shared_w13t [H, Rs] and shared_w2t [Is, H], the same layout for one
+// expert with its own intermediate size, the same gating and activation), is one more unit serving every
+// token: out[t] += g[t] * w2s act(w13s x[t]), added after the routed terms, with g[t] = sigmoid(shared_gate
+// . x[t]) (shared_gate [H], Qwen3-Next's shared_expert_gate) or 1. In torch that is 6-8 more ops per layer.
 //
 // The torch path sorts the assignments by expert and runs two grouped GEMMs over them plus ~15 small ops
 // (`RoutedExperts.forward_device`); torch's CPU grouped GEMM is a loop of one `mm` per expert through the
@@ -156,7 +162,9 @@ void expert_units_baseline(const Problem<W>& p, int64_t begin, int64_t end) {
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13t, const at::Tensor& w2t,
-                       const at::Tensor& topk_weights, const at::Tensor& topk_ids, bool gated, int64_t activation) {
+                       const at::Tensor& topk_weights, const at::Tensor& topk_ids, bool gated, int64_t activation,
+                       const c10::optional<at::Tensor>& shared_w13t, const c10::optional<at::Tensor>& shared_w2t,
+                       const c10::optional<at::Tensor>& shared_gate) {
   const char* what = "moe_experts";
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), what,
               ": x must be a contiguous float32 [tokens, hidden] tensor");
@@ -188,22 +196,69 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13t, const at::Te
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < A; ++i) by_expert[fill[ids[i]]++] = i;
 
+  // The shared expert: one more expert, every token assigned to it once (k = 1), weighted by its gate.
+  const bool shared = shared_w13t.has_value();
+  TORCH_CHECK(shared == shared_w2t.has_value(), what, ": shared_w13t and shared_w2t come together");
+  TORCH_CHECK(shared || !shared_gate.has_value(), what, ": shared_gate needs the shared expert's weights");
+  int64_t Is = 0;
+  std::vector<int64_t> shared_order, shared_start{0, T};
+  at::Tensor shared_weights, shared_y;
+  if (shared) {
+    const at::Tensor &s13 = *shared_w13t, &s2 = *shared_w2t;
+    TORCH_CHECK(s13.dim() == 2 && s2.dim() == 2 && s13.is_contiguous() && s2.is_contiguous() &&
+                    s13.scalar_type() == w13t.scalar_type() && s2.scalar_type() == w13t.scalar_type(),
+                what, ": shared_w13t and shared_w2t must be contiguous 2-d tensors of the experts' dtype");
+    Is = s2.size(0);
+    TORCH_CHECK(s13.size(0) == H && s13.size(1) == (gated ? 2 * Is : Is) && s2.size(1) == H, what,
+                ": shared_w13t must be [hidden, ", gated ? "2 x " : "", "shared intermediate] and shared_w2t "
+                "[shared intermediate, hidden]");
+    shared_order.resize(T);
+    for (int64_t t = 0; t < T; ++t) shared_order[t] = t;
+    if (shared_gate.has_value()) {
+      const at::Tensor& g = *shared_gate;
+      TORCH_CHECK(g.scalar_type() == at::kFloat && g.dim() == 1 && g.size(0) == H && g.is_contiguous(), what,
+                  ": shared_gate must be a contiguous float32 [hidden] vector");
+      shared_weights = at::empty({T}, x.options());
+      const float *gs = g.data_ptr<float>(), *xs = x.data_ptr<float>();
+      float* ws = shared_weights.data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t) {
+        float dot = 0.0f;
+        for (int64_t c = 0; c < H; ++c) dot += gs[c] * xs[t * H + c];
+        ws[t] = 1.0f / (1.0f + std::exp(-dot));
+      }
+    } else {
+      shared_weights = at::ones({T}, x.options());
+    }
+    shared_y = at::empty({T, H}, x.options());
+  }
+
   auto y = at::empty({A, H}, x.options());
   const bool avx2 = sgl_cpu::has_avx2();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w13t.scalar_type(), "moe_experts", [&] {
-    const Problem<scalar_t> p{x.data_ptr<float>(), w13t.data_ptr<scalar_t>(), w2t.data_ptr<scalar_t>(),
-                              topk_weights.data_ptr<float>(), by_expert.data(), start.data(), y.data_ptr<float>(),
-                              k, H, I, gated, activation};
-    at::parallel_for(0, E, 1, [&](int64_t begin, int64_t end) {
+    using P = Problem<scalar_t>;
+    const P p{x.data_ptr<float>(), w13t.data_ptr<scalar_t>(), w2t.data_ptr<scalar_t>(),
+              topk_weights.data_ptr<float>(), by_expert.data(), start.data(), y.data_ptr<float>(),
+              k, H, I, gated, activation};
+    const P ps = shared ? P{x.data_ptr<float>(), shared_w13t->data_ptr<scalar_t>(), shared_w2t->data_ptr<scalar_t>(),
+                            shared_weights.data_ptr<float>(), shared_order.data(), shared_start.data(),
+                            shared_y.data_ptr<float>(), 1, H, Is, gated, activation}
+                        : p;
+    auto run = [&](const P& problem, int64_t begin, int64_t end) {
       if (avx2)
-        expert_units_avx2(p, begin, end);
+        expert_units_avx2(problem, begin, end);
       else
-        expert_units_baseline(p, begin, end);
+        expert_units_baseline(problem, begin, end);
+    };
+    // Units 0..E-1 the routed experts, unit E the shared one.
+    at::parallel_for(0, E + (shared ? 1 : 0), 1, [&](int64_t begin, int64_t end) {
+      if (begin < E) run(p, begin, std::min(end, E));
+      if (end > E) run(ps, 0, 1);
     });
   });
-  // Each token's k outputs summed in top-k order.
+  // Each token's k outputs summed in top-k order, then its shared expert's.
   auto out = at::empty({T, H}, x.options());
   const float* ys = y.data_ptr<float>();
+  const float* ss = shared ? shared_y.data_ptr<float>() : nullptr;
   float* os = out.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     float* o = os + t * H;
@@ -212,6 +267,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13t, const at::Te
       const float* yj = ys + (t * k + j) * H;
 #pragma omp simd
       for (int64_t c = 0; c < H; ++c) o[c] += yj[c];
+    }
+    if (ss != nullptr) {
+      const float* st = ss + t * H;
+#pragma omp simd
+      for (int64_t c = 0; c < H; ++c) o[c] += st[c];
     }
   }
   return out;
@@ -223,7 +283,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13t, const at::Te
 TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   m.def(
       "moe_experts(Tensor x, Tensor w13t, Tensor w2t, Tensor topk_weights, Tensor topk_ids, bool gated, "
-      "int activation) -> Tensor");
+      "int activation, Tensor? shared_w13t=None, Tensor? shared_w2t=None, Tensor? shared_gate=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) { m.impl("moe_experts", &sgl_moe::moe_experts); }

@@ -1,9 +1,9 @@
 """sgl-kernel's C++ routed experts (`sgl-kernel/csrc/moe_cpu.cpp`) against a per-token float64 reference
 and the grouped-GEMM torch path: gated and plain experts with every activation the op knows, tiles of 1
 to 5 tokens per expert and idle experts, top-1 and top-k, outputs narrower and wider than a register
-block and not a multiple of it, bfloat16 weights; bad routing refused; `RoutedExperts` keeps its weights'
-values when it stores them transposed, keeps large experts on the GEMMs, and the engine decodes alike
-with either path."""
+block and not a multiple of it, bfloat16 weights; the layer's shared expert (gated or not) in the same call;
+bad routing refused; `RoutedExperts` keeps its weights' values when it stores them transposed (its shared
+expert's too), keeps large experts on the GEMMs, and the engine decodes alike with either path."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.layers.activation import get_act_fn
+from sglang.srt.layers.mlp import GatedMLP, PlainMLP
 from sglang.srt.layers.moe.experts import CPU_OP_ACTIVATIONS, RoutedExperts
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner, max_abs
@@ -93,6 +94,77 @@ def test_op_with_bfloat16_weights(ops):
     assert _close(_run(ops, m, x, weights, ids), _reference(m, x, weights, ids))
 
 
+def _shared(hidden: int, inter: int, act: str, gated: bool, seed: int):
+    torch.manual_seed(seed)
+    mlp = GatedMLP(hidden, inter, act) if gated else PlainMLP(hidden, inter, act)
+    gate = torch.nn.Linear(hidden, 1, bias=False) if gated else None  # Qwen3-Next's gate; Nemotron-H has none
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return mlp, gate
+
+
+def _shared_reference(mlp, gate, x) -> torch.Tensor:
+    out = mlp.down_proj(mlp.act(mlp.gate_proj(x)) * mlp.up_proj(x)) if hasattr(mlp, "gate_proj") else mlp(x)
+    return out.double() * (torch.sigmoid(gate(x)).double() if gate is not None else 1.0)
+
+
+@pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False)])
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("baseline", [False, True])
+def test_op_adds_the_shared_expert(ops, act, gated, tokens, baseline):
+    """The shared expert's intermediate size (72) differs from the routed ones' (40); 6 tokens are a tile of 4
+    and one of 2."""
+    m = _layer(4, 48, 40, act, gated, seed=10)
+    mlp, gate = _shared(48, 72, act, gated, seed=11)
+    x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(12))
+    weights, ids = _routing(tokens, 4, 2, seed=13)
+    want = _reference(m, x, weights, ids) + _shared_reference(mlp, gate, x)
+    up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) if gated else mlp.up_proj.weight
+    args = (up.t().contiguous(), mlp.down_proj.weight.t().contiguous())
+    args += (gate.weight.reshape(-1).contiguous(),) if gate is not None else ()
+    w13t, w2t = m.w13.transpose(1, 2).contiguous(), m.w2.transpose(1, 2).contiguous()
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        got = ops.moe_experts(x, w13t, w2t, weights, ids, gated, m.act_code, *args)
+    assert _close(got, want)
+    with pytest.raises(RuntimeError, match="shared_w13t must be"):
+        ops.moe_experts(x, w13t, w2t, weights, ids, gated, m.act_code, args[1], args[0])
+    with pytest.raises(RuntimeError, match="come together"):
+        ops.moe_experts(x, w13t, w2t, weights, ids, gated, m.act_code, args[0])
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+@pytest.mark.parametrize("gated", [True, False])
+def test_layer_fuses_its_shared_expert(ops, tokens, gated):
+    """`fuse_shared_expert` keeps the shared MLP's weights' values and shapes (now views of the op's
+    transposed copy); the layer's output is the same with the shared expert inside the op (decode sizes) or
+    added by torch (300 x 4 tokens: past BATCHED_MAX_ASSIGNMENTS) and equal to the float64 reference."""
+    act = "silu" if gated else "relu2"
+    m = _layer(8, 64, 32, act, gated, seed=14)
+    mlp, gate = _shared(64, 48, act, gated, seed=15)
+    x = torch.randn(tokens * 4 if tokens == 300 else tokens, 64, generator=torch.Generator().manual_seed(16))
+    weights, ids = _routing(x.shape[0], 8, 2, seed=17)
+    before = m.forward(x, weights, ids, mlp, gate)
+    down = mlp.down_proj.weight.detach().clone()
+    m.fuse_shared_expert(mlp, gate)
+    m.fuse_shared_expert(mlp, gate)  # load_model may reach it twice: nothing moves again
+    assert m.fused_shared == (mlp, gate) and torch.equal(mlp.down_proj.weight, down)
+    assert mlp.down_proj.weight.t().is_contiguous()
+    after = m.forward(x, weights, ids, mlp, gate)
+    assert _close(after, before)
+    assert _close(after, _reference(m, x, weights, ids) + _shared_reference(mlp, gate, x))
+
+
+def test_a_shared_expert_unlike_the_routed_ones_stays_in_torch(ops):
+    m = _layer(4, 48, 40, "silu", True, seed=18)
+    for mlp, gate in [
+        _shared(48, 72, "relu2", False, seed=19),  # not gated
+        (GatedMLP(48, 72, "silu", bias=True), None),  # biases
+        (GatedMLP(48, 72, "gelu"), None),  # another activation
+    ]:
+        m.fuse_shared_expert(mlp, gate)
+        assert m.fused_shared is None
+
+
 def test_bad_routing_is_refused(ops):
     m = _layer(4, 48, 16, "silu", True)  # w13 [4, 32, 48]: its untransposed shape is refused
     x = torch.randn(3, 48)
@@ -149,6 +221,8 @@ def test_engine_decodes_alike_with_cpp_and_torch_experts(ops, preset):
             runner = make_runner(preset)
         layers = [m for m in runner.model.modules() if isinstance(m, RoutedExperts)]
         assert layers and all((m.cpu_ops is not None) == (backend == "cpp") for m in layers)
+        # Both presets' shared experts run inside the op with it.
+        assert all((m.fused_shared is not None) == (backend == "cpp") for m in layers)
         return greedy_tokens_and_logprobs(runner, (7, 60, 113), steps=10)
 
     with_cpp, with_torch = run("cpp"), run("torch")

@@ -7,8 +7,10 @@
   `CPU_RECURRENT_MAX_HEAD_DIM` (`mamba_backend_base.py`), larger ones keep the chunked torch form;
 - `SGLANG_CPU_ATTN_BACKEND` (`sgl-kernel/csrc/attention_cpu.cpp`), the full-attention decode: the paged
   KV read in place through `req_to_token` instead of SDPA over a gathered, padded copy;
-- `SGLANG_CPU_MOE_BACKEND` (`sgl-kernel/csrc/moe_cpu.cpp`), the routed experts of small MoE layers at
-  decode sizes (`layers/moe/experts.py`) instead of torch's grouped GEMMs;
+- `SGLANG_CPU_MOE_BACKEND` (`sgl-kernel/csrc/moe_cpu.cpp`, `moe_routing_cpu.cpp`), the routed experts of
+  small MoE layers at decode sizes, with the layer's shared expert in the same call
+  (`layers/moe/experts.py`), instead of torch's grouped GEMMs, and their top-k routing
+  (`layers/moe/router.py`);
 - `SGLANG_CPU_NORM_BACKEND` (`sgl-kernel/csrc/norm_cpu.cpp`), the RMSNorms of float32 activations
   (`layers/layernorm.py`), one call instead of ~7 small ops;
 - `SGLANG_CPU_ROPE_BACKEND` (`sgl-kernel/csrc/rope_cpu.cpp`), the rotary embedding of float32 q and k

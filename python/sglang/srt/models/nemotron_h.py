@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.configs.nemotron_h import NemotronHArchConfig
+from sglang.srt.layers.cpu_ops import cpu_moe_ops
 from sglang.srt.layers.layernorm import GroupedGatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import PlainMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -81,6 +82,13 @@ class NemotronHTopkRouter(nn.Module):
         self.n_group, self.topk_group = config.n_group, config.topk_group
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
+        self.cpu_ops = None  # the C++ top-k on CPU (process_weights_after_loading)
+
+    def process_weights_after_loading(self) -> None:
+        experts = self.weight.shape[0]
+        # The op refuses groupings that cannot hold top_k experts; such a config keeps the torch path.
+        groups_ok = experts % self.n_group == 0 and self.top_k <= self.topk_group * (experts // self.n_group)
+        self.cpu_ops = cpu_moe_ops(self.weight.device) if groups_ok else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
@@ -92,6 +100,7 @@ class NemotronHTopkRouter(nn.Module):
             self.topk_group,
             self.norm_topk_prob,
             self.routed_scaling_factor,
+            self.cpu_ops,
         )
 
 
@@ -107,9 +116,12 @@ class NemotronHMoE(nn.Module):
         )
         self.shared_experts = PlainMLP(hidden, config.moe_shared_expert_intermediate_size, act, bias)
 
+    def process_weights_after_loading(self) -> None:
+        self.experts.fuse_shared_expert(self.shared_experts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return self.experts(x, weights, ids, self.shared_experts)
 
 
 class NemotronHBlock(nn.Module):

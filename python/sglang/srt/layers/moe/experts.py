@@ -13,7 +13,9 @@ sizes; larger batches take the per-expert path, one sync per layer). A fixed num
 layer either way, so it is also what a CUDA graph can capture. On CPU, decode-size batches take the
 grouped GEMMs too (any float dtype there), faster than the padded block; for small experts, sgl-kernel's
 C++ op instead (`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
-parameters stored transposed (`process_weights_after_loading`)."""
+parameters stored transposed (`process_weights_after_loading`). The layer's shared expert (and its sigmoid
+gate, Qwen3-Next) is added here too: where the C++ op serves the layer, it runs inside the same call
+(`fuse_shared_expert`)."""
 
 from __future__ import annotations
 
@@ -50,18 +52,52 @@ class RoutedExperts(nn.Module):
         self.act = get_act_fn(act)
         self.act_code = CPU_OP_ACTIVATIONS.get(act)
         self.cpu_ops = None  # set by process_weights_after_loading where the C++ op serves this layer
+        # Set by fuse_shared_expert: (the shared expert, its gate) and the op's arguments for them.
+        self.fused_shared: tuple[nn.Module, nn.Linear | None] | None = None
+        self.fused_shared_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     def process_weights_after_loading(self) -> None:
         """On CPU, where the C++ op serves this layer, store w13 / w2 transposed (contiguous [E, H, R] and
         [E, I, H]; the parameters become views of them with their usual shapes, so every torch path
-        reads them as before)."""
+        reads them as before). Runs once however often it is called."""
         ops = cpu_moe_ops(self.w13.device)
         weights_per_expert = self.w13.shape[1] * self.w13.shape[2] + self.w2.shape[1] * self.w2.shape[2]
         if ops is None or self.act_code is None or weights_per_expert > CPU_OP_MAX_EXPERT_WEIGHTS:
             return
-        for param in (self.w13, self.w2):
-            param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
+        if self.cpu_ops is None:
+            for param in (self.w13, self.w2):
+                param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
         self.cpu_ops = ops
+
+    def fuse_shared_expert(self, mlp: nn.Module, gate: nn.Linear | None = None) -> None:
+        """After loading: where the C++ op serves this layer, give it the layer's shared expert `mlp` (a
+        GatedMLP for gated experts, a PlainMLP for plain ones, of the same activation, without biases) and
+        its sigmoid `gate` ([1, H], or None), so decode batches run both in one call. The MLP's weights are
+        stored transposed, [H, R] and [I, H], and its Linear weights become views of them (same values and
+        shapes for its torch forward). Where anything differs, the shared expert stays a torch MLP."""
+        self.process_weights_after_loading()
+        gated_mlp = hasattr(mlp, "gate_proj")
+        linears = [mlp.gate_proj, mlp.up_proj] if gated_mlp else [mlp.up_proj]
+        linears.append(mlp.down_proj)
+        plain = all(lin.bias is None for lin in linears) and (gate is None or gate.bias is None)
+        size = sum(lin.weight.numel() for lin in linears)
+        same = gated_mlp == self.gated and mlp.act is self.act and linears[0].weight.dtype == self.w13.dtype
+        if self.cpu_ops is None or not plain or not same or size > CPU_OP_MAX_EXPERT_WEIGHTS:
+            return
+        if self.fused_shared is None:
+            up = torch.cat([lin.weight.data for lin in linears[:-1]]) if gated_mlp else linears[0].weight.data
+            w13t, w2t = up.t().contiguous(), mlp.down_proj.weight.data.t().contiguous()
+            start = 0
+            for lin in linears[:-1]:
+                rows = lin.weight.shape[0]
+                lin.weight.data = w13t[:, start : start + rows].t()
+                start += rows
+            mlp.down_proj.weight.data = w2t.t()
+        else:
+            w13t, w2t = self.fused_shared_args[:2]
+        gate_vec = None if gate is None else gate.weight.data.float().reshape(-1).contiguous()
+        self.fused_shared = (mlp, gate)
+        self.fused_shared_args = (w13t, w2t, gate_vec)
 
     def load_expert_weight(self, expert: int, shard: str, weight: torch.Tensor) -> None:
         """One expert's `gate_proj` / `up_proj` / `down_proj` weight as HF checkpoints store it."""
@@ -82,10 +118,19 @@ class RoutedExperts(nn.Module):
             )
         target.copy_(weight)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        shared_expert: nn.Module | None = None,
+        shared_gate: nn.Linear | None = None,
+    ) -> torch.Tensor:
+        """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32, plus the
+        layer's `shared_expert(x)` where given (times sigmoid(`shared_gate`(x)) where given)."""
         small = ids.numel() <= BATCHED_MAX_ASSIGNMENTS
         if self.cpu_ops is not None and small:
+            fused = shared_expert is not None and self.fused_shared == (shared_expert, shared_gate)
             out = self.cpu_ops.moe_experts(
                 x.float().contiguous(),
                 self.w13.transpose(1, 2),
@@ -94,8 +139,25 @@ class RoutedExperts(nn.Module):
                 ids.contiguous(),
                 self.gated,
                 self.act_code,
+                *(self.fused_shared_args if fused else ()),
             )
-            return out.to(x.dtype)
+            out = out.to(x.dtype)
+            return out if fused else self._add_shared(out, x, shared_expert, shared_gate)
+        return self._add_shared(self._routed(x, weights, ids), x, shared_expert, shared_gate)
+
+    @staticmethod
+    def _add_shared(
+        out: torch.Tensor, x: torch.Tensor, shared_expert: nn.Module | None, shared_gate: nn.Linear | None
+    ) -> torch.Tensor:
+        if shared_expert is None:
+            return out
+        shared = shared_expert(x)
+        if shared_gate is not None:
+            shared = torch.sigmoid(shared_gate(x)) * shared
+        return out + shared
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        small = ids.numel() <= BATCHED_MAX_ASSIGNMENTS
         if x.device.type == "cpu":
             # Decode-size batches: grouped GEMMs, 1.2-1.5x faster than the padded block on CPU (tiny
             # preset shapes, one thread, 2 to 1,024 assignments), equal to it up to float32 rounding.
