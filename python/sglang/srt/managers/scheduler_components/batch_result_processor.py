@@ -54,36 +54,49 @@ class BatchResultProcessor:
         self.prefill_handoff: Callable[[Req], None] | None = None
 
     def process_batch_result(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
+        # This runs for every request of every batch: the batch's lists and the checks that do not
+        # change between rows are read once.
         next_ids = result.next_token_ids
         out_lp = result.next_token_logprobs
         pending = {id(req): (entry, seq) for req, entry, seq in batch.pending_tracks}
+        input_logprobs = batch.is_extend() and result.input_token_logprobs is not None
+        sample_rows, completes_prefill, future_slots = (
+            batch.sample_rows,
+            batch.completes_prefill,
+            batch.future_slots,
+        )
+        handoff, check_finished = self.prefill_handoff, self.finisher.check_finished
         touched: list[Req] = []
+        generated = 0
         for i, req in enumerate(batch.reqs):
             req.num_inflight -= 1
-            if batch.sample_rows[i]:
+            sampled = sample_rows[i]
+            if sampled:
                 req.inflight_tokens -= 1
-            if req.finished:
+            if req.finished_reason is not None:
                 continue
-            if batch.is_extend() and result.input_token_logprobs is not None:
+            if input_logprobs:
                 self._add_input_logprobs(req, batch, result, i)
-            if batch.sample_rows[i]:
+            if sampled:
                 token = next_ids[i]
                 req.output_ids.append(token)
-                if req.last_token_ref == -(batch.future_slots[i] + 1):
+                if req.last_token_ref == ~future_slots[i]:  # -(slot + 1): no later batch read it yet
                     req.last_token_ref = None
                 if req.return_logprob and out_lp is not None:
                     req.output_token_logprobs.append((out_lp[i], token))
                     tops = result.next_token_top_logprobs
                     if req.top_logprobs_num and tops is not None and tops[i] is not None:
                         req.output_top_logprobs.append(list(zip(*tops[i], strict=True)))
-                self.counters["num_generation_tokens_total"] += 1
-            if batch.completes_prefill[i] and req.bootstrap is not None and self.prefill_handoff is not None:
-                self.prefill_handoff(req)  # the decode server checks the first token's finish
+                generated += 1
+            completes = completes_prefill[i]
+            if completes and req.bootstrap is not None and handoff is not None:
+                handoff(req)  # the decode server checks the first token's finish
                 continue
-            if batch.sample_rows[i] or batch.completes_prefill[i]:
-                self.finisher.check_finished(req)
-            self._handle_finish_state_updated_req(req, pending.get(id(req)))
+            if sampled or completes:
+                check_finished(req)
+            self._handle_finish_state_updated_req(req, pending.get(id(req)) if pending else None)
             touched.append(req)
+        self.counters["num_generation_tokens_total"] += generated
         self.stream_output(touched)
 
     # ---- finish ------------------------------------------------------------------------------------

@@ -94,6 +94,14 @@ class MambaTracker:
     def is_boundary(self, seq_len: int) -> bool:
         return self.enabled and seq_len % self.interval == 0
 
+    def boundary_rows(self, seq_lens: list[int]) -> list[int]:
+        """The rows of a decode batch (by their seq_len after the step) that end on a track boundary:
+        `is_boundary` over the whole batch in one pass, as every decode step asks it of every request."""
+        if not self.enabled:
+            return []
+        interval = self.interval
+        return [i for i, n in enumerate(seq_lens) if n % interval == 0]
+
     def decode_track(self, req: Req, seq_len: int) -> tuple[int, int] | None:
         """(track slot, entry) for a decode step whose state after `seq_len` tokens is a snapshot."""
         if not self.is_boundary(seq_len):
