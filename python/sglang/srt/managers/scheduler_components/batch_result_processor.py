@@ -94,8 +94,10 @@ class BatchResultProcessor:
                 continue
             if sampled or completes:
                 check_finished(req)
-            self._handle_finish_state_updated_req(req, pending.get(id(req)) if pending else None)
-            touched.append(req)
+            if pending or req.finished_reason is not None:
+                self._handle_finish_state_updated_req(req, pending.get(id(req)))
+            if req.stream or req.finished_reason is not None:
+                touched.append(req)  # what stream_output may send
         self.counters["num_generation_tokens_total"] += generated
         self.stream_output(touched)
 
