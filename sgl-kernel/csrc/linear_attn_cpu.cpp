@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace sgl_linear {
@@ -54,30 +55,65 @@ void check_f32(const at::Tensor& t, const char* what, const char* name) {
               " must be a contiguous float32 tensor");
 }
 
+// Requests [begin, end) of the conv update. kKeep > 0 is the state's columns (width - 1) as a constant
+// (the inner loops unroll and GCC vectorises across channels), 0 reads `keep`. Always inlined, so each
+// caller below compiles it for its own instruction set.
+template <typename S, int kKeep>
+inline __attribute__((always_inline)) void conv_update_rows(const float* x, S* state, const int64_t* slots,
+                                                            const float* w, const float* bias, float* out,
+                                                            int64_t begin, int64_t end, int64_t channels,
+                                                            int64_t keep_arg) {
+  const int64_t keep = kKeep > 0 ? kKeep : keep_arg, width = keep + 1;
+  for (int64_t b = begin; b < end; ++b) {
+    S* st = state + slots[b] * channels * keep;
+    const float* xb = x + b * channels;
+    float* ob = out + b * channels;
+    for (int64_t c = 0; c < channels; ++c) {
+      S* row = st + c * keep;
+      const float* wc = w + c * width;
+      float acc = 0.0f;
+      for (int64_t j = 0; j < keep; ++j) acc += static_cast<float>(row[j]) * wc[j];
+      acc += xb[c] * wc[keep];
+      if (bias != nullptr) acc += bias[c];
+      ob[c] = acc;
+      for (int64_t j = 0; j + 1 < keep; ++j) row[j] = row[j + 1];
+      if (keep > 0) row[keep - 1] = static_cast<S>(xb[c]);
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < channels; ++c) ob[c] = silu(ob[c]);
+  }
+}
+
+template <typename S, int kKeep>
+SGL_TARGET_AVX2 void conv_update_rows_avx2(const float* x, S* state, const int64_t* slots, const float* w,
+                                           const float* bias, float* out, int64_t begin, int64_t end,
+                                           int64_t channels, int64_t keep) {
+  conv_update_rows<S, kKeep>(x, state, slots, w, bias, out, begin, end, channels, keep);
+}
+
+template <typename S, int kKeep>
+void conv_update_rows_baseline(const float* x, S* state, const int64_t* slots, const float* w,
+                               const float* bias, float* out, int64_t begin, int64_t end, int64_t channels,
+                               int64_t keep) {
+  conv_update_rows<S, kKeep>(x, state, slots, w, bias, out, begin, end, channels, keep);
+}
+
 template <typename S>
 void conv_update_impl(const float* x, S* state, const int64_t* slots, const float* w, const float* bias,
                       float* out, int64_t bs, int64_t channels, int64_t width) {
   const int64_t keep = width - 1;  // state columns per channel
+  const bool avx2 = sgl_cpu::has_avx2();
   at::parallel_for(0, bs, std::max<int64_t>(1, kGrain * 64 / std::max<int64_t>(channels, 1)),
                    [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      S* st = state + slots[b] * channels * keep;
-      const float* xb = x + b * channels;
-      float* ob = out + b * channels;
-      for (int64_t c = 0; c < channels; ++c) {
-        S* row = st + c * keep;
-        const float* wc = w + c * width;
-        float acc = 0.0f;
-        for (int64_t j = 0; j < keep; ++j) acc += static_cast<float>(row[j]) * wc[j];
-        acc += xb[c] * wc[keep];
-        if (bias != nullptr) acc += bias[c];
-        ob[c] = acc;
-        for (int64_t j = 0; j + 1 < keep; ++j) row[j] = row[j + 1];
-        if (keep > 0) row[keep - 1] = static_cast<S>(xb[c]);
-      }
-#pragma omp simd
-      for (int64_t c = 0; c < channels; ++c) ob[c] = silu(ob[c]);
-    }
+    // Width 4 (both presets' and the released models' convs) as a constant; any other as a variable.
+    if (keep == 3 && avx2)
+      conv_update_rows_avx2<S, 3>(x, state, slots, w, bias, out, begin, end, channels, keep);
+    else if (keep == 3)
+      conv_update_rows_baseline<S, 3>(x, state, slots, w, bias, out, begin, end, channels, keep);
+    else if (avx2)
+      conv_update_rows_avx2<S, 0>(x, state, slots, w, bias, out, begin, end, channels, keep);
+    else
+      conv_update_rows_baseline<S, 0>(x, state, slots, w, bias, out, begin, end, channels, keep);
   });
 }
 
@@ -104,46 +140,92 @@ at::Tensor causal_conv1d_update(const at::Tensor& x, at::Tensor conv_state, cons
   return out;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// Calls f(std::integral_constant<int, K>()) with K = n for the state rows the models use (16, 64, 128), so
+// loops over a row unroll and vectorise with a constant length, else with K = 0 (the length read at run time).
+template <typename F>
+inline void with_row_length(int64_t n, F&& f) {
+  switch (n) {
+    case 16: return f(std::integral_constant<int, 16>());
+    case 64: return f(std::integral_constant<int, 64>());
+    case 128: return f(std::integral_constant<int, 128>());
+    default: return f(std::integral_constant<int, 0>());
+  }
+}
+
+inline __attribute__((always_inline)) float dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
-inline void l2norm_into(const float* x, float* out, int64_t n, float scale) {
+inline __attribute__((always_inline)) void l2norm_into(const float* x, float* out, int64_t n, float scale) {
   const float r = 1.0f / std::sqrt(dot(x, x, n) + 1e-6f) * scale;
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r;
 }
 
 template <typename S>
-void gdn_impl(const float* qkv, const float* g, const float* beta, S* ssm, const int64_t* slots, float* out,
-              int64_t bs, int64_t hk, int64_t hv, int64_t dk, int64_t dv) {
+struct GdnStep {
+  const float *qkv, *g, *beta;
+  S* ssm;
+  const int64_t* slots;
+  float* out;
+  int64_t hk, hv, dk, dv;
+};
+
+// (request, value head) units [begin, end); kDk > 0 is the key dim as a constant. `scratch`: 3 * dk floats.
+// Always inlined, so each caller below compiles it for its own instruction set.
+template <typename S, int kDk>
+inline __attribute__((always_inline)) void gdn_units(const GdnStep<S>& a, int64_t begin, int64_t end,
+                                                     float* scratch) {
+  const int64_t dk = kDk > 0 ? kDk : a.dk, hk = a.hk, hv = a.hv, dv = a.dv;
   const int64_t stride = 2 * hk * dk + hv * dv, ratio = hv / hk;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
-  at::parallel_for(0, bs * hv, kGrain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(dk), k(dk), row(dk);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / hv, h = u % hv, kh = h / ratio;
-      const float* base = qkv + b * stride;
-      l2norm_into(base + kh * dk, q.data(), dk, q_scale);
-      l2norm_into(base + hk * dk + kh * dk, k.data(), dk, 1.0f);
-      const float* v = base + 2 * hk * dk + h * dv;
-      const float decay = std::exp(g[u]), bt = beta[u];
-      S* st = ssm + (slots[b] * hv + h) * dv * dk;
-      float* o = out + u * dv;
-      for (int64_t i = 0; i < dv; ++i) {
-        S* srow = st + i * dk;
+  float *q = scratch, *k = scratch + dk, *row = scratch + 2 * dk;
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t b = u / hv, h = u % hv, kh = h / ratio;
+    const float* base = a.qkv + b * stride;
+    l2norm_into(base + kh * dk, q, dk, q_scale);
+    l2norm_into(base + hk * dk + kh * dk, k, dk, 1.0f);
+    const float* v = base + 2 * hk * dk + h * dv;
+    const float decay = std::exp(a.g[u]), bt = a.beta[u];
+    S* st = a.ssm + (a.slots[b] * hv + h) * dv * dk;
+    float* o = a.out + u * dv;
+    for (int64_t i = 0; i < dv; ++i) {
+      S* srow = st + i * dk;
 #pragma omp simd
-        for (int64_t j = 0; j < dk; ++j) row[j] = static_cast<float>(srow[j]) * decay;
-        const float delta = (v[i] - dot(row.data(), k.data(), dk)) * bt;
+      for (int64_t j = 0; j < dk; ++j) row[j] = static_cast<float>(srow[j]) * decay;
+      const float delta = (v[i] - dot(row, k, dk)) * bt;
 #pragma omp simd
-        for (int64_t j = 0; j < dk; ++j) row[j] += delta * k[j];
-        o[i] = dot(row.data(), q.data(), dk);
+      for (int64_t j = 0; j < dk; ++j) row[j] += delta * k[j];
+      o[i] = dot(row, q, dk);
 #pragma omp simd
-        for (int64_t j = 0; j < dk; ++j) srow[j] = static_cast<S>(row[j]);
-      }
+      for (int64_t j = 0; j < dk; ++j) srow[j] = static_cast<S>(row[j]);
     }
+  }
+}
+
+template <typename S, int kDk>
+SGL_TARGET_AVX2 void gdn_units_avx2(const GdnStep<S>& a, int64_t begin, int64_t end, float* scratch) {
+  gdn_units<S, kDk>(a, begin, end, scratch);
+}
+
+template <typename S, int kDk>
+void gdn_units_baseline(const GdnStep<S>& a, int64_t begin, int64_t end, float* scratch) {
+  gdn_units<S, kDk>(a, begin, end, scratch);
+}
+
+template <typename S>
+void gdn_impl(const GdnStep<S>& a, int64_t bs) {
+  const bool avx2 = sgl_cpu::has_avx2();
+  at::parallel_for(0, bs * a.hv, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(3 * a.dk);
+    with_row_length(a.dk, [&](auto kDk) {
+      if (avx2)
+        gdn_units_avx2<S, decltype(kDk)::value>(a, begin, end, scratch.data());
+      else
+        gdn_units_baseline<S, decltype(kDk)::value>(a, begin, end, scratch.data());
+    });
   });
 }
 
@@ -160,39 +242,72 @@ at::Tensor gdn_decode(const at::Tensor& qkv, const at::Tensor& g, const at::Tens
               ": ssm must be [slots, hv, dv, dk]");
   auto out = at::empty({bs, hv, dv}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_decode", [&] {
-    gdn_impl<scalar_t>(qkv.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(),
-                       ssm.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), out.data_ptr<float>(), bs, hk,
-                       hv, dk, dv);
+    const GdnStep<scalar_t> a{qkv.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>(),
+                              ssm.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), out.data_ptr<float>(),
+                              hk, hv, dk, dv};
+    gdn_impl(a, bs);
   });
   return out;
 }
 
 template <typename S>
-void mamba2_impl(const float* xbc, const float* dt, const float* A, const float* D, S* ssm,
-                 const int64_t* slots, float* y, int64_t bs, int64_t heads, int64_t p, int64_t groups,
-                 int64_t n) {
+struct Mamba2Step {
+  const float *xbc, *dt, *A, *D;
+  S* ssm;
+  const int64_t* slots;
+  float* y;
+  int64_t heads, p, groups, n;
+};
+
+// (request, head) units [begin, end); kN > 0 is the state size as a constant. `row`: n floats. Always
+// inlined, so each caller below compiles it for its own instruction set.
+template <typename S, int kN>
+inline __attribute__((always_inline)) void mamba2_units(const Mamba2Step<S>& a, int64_t begin, int64_t end,
+                                                        float* row) {
+  const int64_t n = kN > 0 ? kN : a.n, heads = a.heads, p = a.p, groups = a.groups;
   const int64_t stride = heads * p + 2 * groups * n, per_group = heads / groups;
-  at::parallel_for(0, bs * heads, kGrain, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(n);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / heads, h = u % heads, grp = h / per_group;
-      const float* base = xbc + b * stride;
-      const float* x = base + h * p;
-      const float* B = base + heads * p + grp * n;
-      const float* C = base + heads * p + groups * n + grp * n;
-      const float step = dt[u], decay = std::exp(step * A[h]);
-      S* st = ssm + (slots[b] * heads + h) * p * n;
-      float* yo = y + u * p;
-      for (int64_t i = 0; i < p; ++i) {
-        S* srow = st + i * n;
-        const float dx = step * x[i];
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t b = u / heads, h = u % heads, grp = h / per_group;
+    const float* base = a.xbc + b * stride;
+    const float* x = base + h * p;
+    const float* B = base + heads * p + grp * n;
+    const float* C = base + heads * p + groups * n + grp * n;
+    const float step = a.dt[u], decay = std::exp(step * a.A[h]);
+    S* st = a.ssm + (a.slots[b] * heads + h) * p * n;
+    float* yo = a.y + u * p;
+    for (int64_t i = 0; i < p; ++i) {
+      S* srow = st + i * n;
+      const float dx = step * x[i];
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) row[j] = static_cast<float>(srow[j]) * decay + dx * B[j];
-        yo[i] = dot(row.data(), C, n) + D[h] * x[i];
+      for (int64_t j = 0; j < n; ++j) row[j] = static_cast<float>(srow[j]) * decay + dx * B[j];
+      yo[i] = dot(row, C, n) + a.D[h] * x[i];
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) srow[j] = static_cast<S>(row[j]);
-      }
+      for (int64_t j = 0; j < n; ++j) srow[j] = static_cast<S>(row[j]);
     }
+  }
+}
+
+template <typename S, int kN>
+SGL_TARGET_AVX2 void mamba2_units_avx2(const Mamba2Step<S>& a, int64_t begin, int64_t end, float* row) {
+  mamba2_units<S, kN>(a, begin, end, row);
+}
+
+template <typename S, int kN>
+void mamba2_units_baseline(const Mamba2Step<S>& a, int64_t begin, int64_t end, float* row) {
+  mamba2_units<S, kN>(a, begin, end, row);
+}
+
+template <typename S>
+void mamba2_impl(const Mamba2Step<S>& a, int64_t bs) {
+  const bool avx2 = sgl_cpu::has_avx2();
+  at::parallel_for(0, bs * a.heads, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(a.n);
+    with_row_length(a.n, [&](auto kN) {
+      if (avx2)
+        mamba2_units_avx2<S, decltype(kN)::value>(a, begin, end, row.data());
+      else
+        mamba2_units_baseline<S, decltype(kN)::value>(a, begin, end, row.data());
+    });
   });
 }
 
@@ -212,9 +327,10 @@ at::Tensor mamba2_decode(const at::Tensor& xbc, const at::Tensor& dt, const at::
               what, ": ssm must be [slots, heads, head_dim, state_size]");
   auto y = at::empty({bs, heads, head_dim}, xbc.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_decode", [&] {
-    mamba2_impl<scalar_t>(xbc.data_ptr<float>(), dt.data_ptr<float>(), A.data_ptr<float>(), D.data_ptr<float>(),
-                          ssm.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), y.data_ptr<float>(), bs, heads,
-                          head_dim, groups, state_size);
+    const Mamba2Step<scalar_t> a{xbc.data_ptr<float>(), dt.data_ptr<float>(), A.data_ptr<float>(),
+                                 D.data_ptr<float>(), ssm.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
+                                 y.data_ptr<float>(), heads, head_dim, groups, state_size};
+    mamba2_impl(a, bs);
   });
   return y;
 }

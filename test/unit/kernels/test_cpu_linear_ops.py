@@ -44,11 +44,14 @@ def _untouched(before: torch.Tensor, after: torch.Tensor, slots: torch.Tensor) -
     return torch.equal(before[keep], after[keep])
 
 
+# The decode ops compile a conv width of 4 and state rows of 16, 64 and 128 as constants (in an AVX2 twin and
+# the baseline one, `baseline` picks); other sizes take the loops of any length.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_conv_update_matches_torch(ops, dtype, with_bias):
+@pytest.mark.parametrize("width,baseline", [(4, False), (4, True), (3, False)])
+def test_conv_update_matches_torch(ops, dtype, with_bias, width, baseline):
     torch.manual_seed(0)
-    bs, channels, width = 5, 40, 4
+    bs, channels = 5, 40
     x = torch.randn(bs, channels)
     weight = torch.randn(channels, width)
     bias = torch.randn(channels) if with_bias else None
@@ -56,16 +59,18 @@ def test_conv_update_matches_torch(ops, dtype, with_bias):
     slots = _slots(bs, 1)
     want_out, want_state = causal_conv1d_update(x, pool[slots], weight, bias)
     got_pool = pool.clone()
-    got_out = ops.causal_conv1d_update(x, got_pool, slots, weight, bias)
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        got_out = ops.causal_conv1d_update(x, got_pool, slots, weight, bias)
     assert max_abs(got_out, want_out) < TOL[torch.float32]  # the output is float32 either way
     assert max_abs(got_pool[slots].float(), want_state.float()) < TOL[dtype]
     assert _untouched(pool, got_pool, slots)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gdn_step_matches_torch(ops, dtype):
+@pytest.mark.parametrize("dk,baseline", [(8, False), (16, False), (16, True), (64, False)])
+def test_gdn_step_matches_torch(ops, dtype, dk, baseline):
     torch.manual_seed(1)
-    bs, hk, hv, dk, dv = 6, 2, 6, 8, 12  # three value heads per key head; dk != dv
+    bs, hk, hv, dv = 6, 2, 6, 12  # three value heads per key head; dk != dv
     qkv = torch.randn(bs, 2 * hk * dk + hv * dv)
     g = -torch.rand(bs, hv)
     beta = torch.rand(bs, hv)
@@ -76,16 +81,18 @@ def test_gdn_step_matches_torch(ops, dtype):
     k = l2norm(k.reshape(bs, hk, dk)).repeat_interleave(hv // hk, dim=1)
     want_out, want_state = recurrent_gated_delta_rule_step(q, k, v.reshape(bs, hv, dv), g, beta, pool[slots])
     got_pool = pool.clone()
-    got_out = ops.gdn_decode(qkv, g, beta, got_pool, slots, hk, hv, dk, dv)
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        got_out = ops.gdn_decode(qkv, g, beta, got_pool, slots, hk, hv, dk, dv)
     assert max_abs(got_out, want_out) < TOL[dtype]
     assert max_abs(got_pool[slots].float(), want_state) < TOL[dtype]
     assert _untouched(pool, got_pool, slots)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mamba2_step_matches_torch(ops, dtype):
+@pytest.mark.parametrize("n,baseline", [(10, False), (16, False), (16, True), (128, False)])
+def test_mamba2_step_matches_torch(ops, dtype, n, baseline):
     torch.manual_seed(2)
-    bs, heads, head_dim, groups, n = 5, 8, 6, 2, 10
+    bs, heads, head_dim, groups = 5, 8, 6, 2
     xbc = torch.randn(bs, heads * head_dim + 2 * groups * n)
     dt = torch.rand(bs, heads) * 0.1 + 0.001
     A = -torch.rand(heads) - 0.5
@@ -97,7 +104,8 @@ def test_mamba2_step_matches_torch(ops, dtype):
     C = C.reshape(bs, groups, n).repeat_interleave(heads // groups, dim=1)
     want_y, want_state = selective_state_update(pool[slots], x.reshape(bs, heads, head_dim), dt, A, B, C, D)
     got_pool = pool.clone()
-    got_y = ops.mamba2_decode(xbc, dt, A, D, got_pool, slots, heads, head_dim, groups, n)
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        got_y = ops.mamba2_decode(xbc, dt, A, D, got_pool, slots, heads, head_dim, groups, n)
     assert max_abs(got_y, want_y) < TOL[dtype]
     assert max_abs(got_pool[slots].float(), want_state) < TOL[dtype]
     assert _untouched(pool, got_pool, slots)
