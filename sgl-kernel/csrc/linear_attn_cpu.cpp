@@ -600,6 +600,34 @@ std::tuple<at::Tensor, at::Tensor> gdn_gating(const at::Tensor& a, const at::Ten
   return {g, beta};
 }
 
+// Mamba2's time step and decay rate, as the torch form computes them in float32 (Nemotron-H):
+// dt = max(softplus(dt + dt_bias), time_step_min) (softplus with torch's threshold of 20) and A = -exp(A_log).
+// dt [T, H] (strided rows allowed: a slice of the input projection), dt_bias and A_log [H].
+std::tuple<at::Tensor, at::Tensor> mamba2_gating(const at::Tensor& dt, const at::Tensor& dt_bias,
+                                                 const at::Tensor& A_log, double time_step_min) {
+  const char* what = "mamba2_gating";
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.dim() == 2 && dt.stride(1) == 1, what,
+              ": dt must be a float32 [tokens, heads] tensor with contiguous rows");
+  const int64_t tokens = dt.size(0), heads = dt.size(1);
+  check_f32(dt_bias, what, "dt_bias");
+  check_f32(A_log, what, "A_log");
+  TORCH_CHECK(dt_bias.numel() == heads && A_log.numel() == heads, what,
+              ": dt_bias and A_log need one value per head");
+  auto out = at::empty({tokens, heads}, dt.options());
+  auto A = at::empty({heads}, dt.options());
+  const float *ds = dt.data_ptr<float>(), *bias = dt_bias.data_ptr<float>(), *al = A_log.data_ptr<float>();
+  float *os = out.data_ptr<float>(), *as = A.data_ptr<float>();
+  const float floor = static_cast<float>(time_step_min);
+  for (int64_t h = 0; h < heads; ++h) as[h] = -std::exp(al[h]);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const float x = ds[t * dt.stride(0) + h] + bias[h];
+      const float softplus = x > 20.0f ? x : std::log1p(std::exp(x));
+      os[t * heads + h] = std::max(softplus, floor);
+    }
+  return {out, A};
+}
+
 }  // namespace
 }  // namespace sgl_linear
 
@@ -628,10 +656,12 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
 
 TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   m.def("gdn_gating(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias) -> (Tensor, Tensor)");
+  m.def("mamba2_gating(Tensor dt, Tensor dt_bias, Tensor A_log, float time_step_min) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
   m.impl("gdn_gating", &sgl_linear::gdn_gating);
+  m.impl("mamba2_gating", &sgl_linear::mamba2_gating);
   m.impl("causal_conv1d_extend", &sgl_linear::causal_conv1d_extend);
   m.impl("gdn_extend", &sgl_linear::gdn_extend);
   m.impl("mamba2_extend", &sgl_linear::mamba2_extend);

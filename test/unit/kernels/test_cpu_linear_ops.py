@@ -289,3 +289,22 @@ def test_gdn_gating_matches_torch(ops):
         ops.gdn_gating(a, b, A_log[:5].contiguous(), dt_bias)
     with pytest.raises(RuntimeError, match="one shape"):
         ops.gdn_gating(a[:, :5], b, A_log, dt_bias)
+
+
+def test_mamba2_gating_matches_torch(ops):
+    """dt = max(softplus(dt + dt_bias), time_step_min) from a strided slice of the input projection (as
+    Nemotron-H's), across softplus's threshold of 20 and below the floor; A = -exp(A_log)."""
+    proj = torch.randn(7, 20) * 8
+    dt = proj[:, 12:]  # 8 heads, rows 20 apart
+    dt[0] = torch.tensor([25.0, 19.5, -30.0, 0.0, 21.0, -1.0, -12.0, 3.0])
+    A_log, dt_bias = torch.randn(8), torch.randn(8) * 0.1
+    got_dt, got_a = ops.mamba2_gating(dt, dt_bias, A_log, 1e-3)
+    want_dt = torch.nn.functional.softplus(dt + dt_bias).clamp(min=1e-3)
+    assert (want_dt == 1e-3).any()  # the floor is reached
+    # float32 exp / log1p from libm against torch's vectorised ones: an ulp or two.
+    assert max_abs(got_dt, want_dt) < 1e-5 * max(1.0, want_dt.abs().max().item())
+    assert max_abs(got_a, -A_log.exp()) < 1e-6 * max(1.0, A_log.exp().max().item())
+    with pytest.raises(RuntimeError, match="one value per head"):
+        ops.mamba2_gating(dt, dt_bias[:5].contiguous(), A_log, 1e-3)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.mamba2_gating(dt.t(), dt_bias, A_log, 1e-3)

@@ -1,7 +1,8 @@
 """sgl-kernel's C++ ops for CPU tensors, and the env vars that choose them:
 - `SGLANG_CPU_LINEAR_ATTN_BACKEND` (`sgl-kernel/csrc/linear_attn_cpu.cpp`), the linear-attention layers:
   decode: the conv update and the Gated DeltaNet / Mamba2 state updates, in place on the pool, one call
-  each instead of ~30 small torch ops and whole-state gather/scatter copies; extend: the conv and the
+  each instead of ~30 small torch ops and whole-state gather/scatter copies; both layers' gates (time
+  step, decay) one call each, decode and extend; extend: the conv and the
   GDN / Mamba2 recurrence over the whole variable-length batch in one call each (no Python loop per
   request), with the snapshots the prefix cache asks for; used for heads of at most
   `CPU_RECURRENT_MAX_HEAD_DIM` (`mamba_backend_base.py`), larger ones keep the chunked torch form;
