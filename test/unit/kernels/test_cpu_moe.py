@@ -132,12 +132,13 @@ def test_op_adds_the_shared_expert(ops, act, gated, tokens, baseline):
         ops.moe_experts(x, w13t, w2t, weights, ids, gated, m.act_code, args[0])
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 300])
+@pytest.mark.parametrize("tokens", [1, 16, 200, 300])
 @pytest.mark.parametrize("gated", [True, False])
 def test_layer_fuses_its_shared_expert(ops, tokens, gated):
     """`fuse_shared_expert` keeps the shared MLP's weights' values and shapes (now views of the op's
-    transposed copy); the layer's output is the same with the shared expert inside the op (decode sizes) or
-    added by torch (300 x 4 tokens: past BATCHED_MAX_ASSIGNMENTS) and equal to the float64 reference."""
+    transposed copy); the layer's output is the same with the shared expert inside the op (decode sizes),
+    added by torch beside the op (200 tokens: past CPU_OP_MAX_SHARED_TOKENS) or beside the GEMMs (300 x 4
+    tokens: past BATCHED_MAX_ASSIGNMENTS), and equal to the float64 reference."""
     act = "silu" if gated else "relu2"
     m = _layer(8, 64, 32, act, gated, seed=14)
     mlp, gate = _shared(64, 48, act, gated, seed=15)

@@ -38,6 +38,10 @@ CPU_OP_ACTIVATIONS = {"silu": 0, "swish": 0, "relu2": 1, "relu": 2, "gelu": 3}
 # weights per expert (the tiny presets) 1.2-13x faster from 1 to 512 tokens; 98k (hidden 256) 1.1-1.7x;
 # 393k (hidden 512) 0.75-0.82x, where the weights stream from memory and torch's GEMMs read them better.
 CPU_OP_MAX_EXPERT_WEIGHTS = 128 * 1024
+# The shared expert runs inside the op up to this many tokens; above, as torch GEMMs beside it. The tiny
+# Qwen3-Next's MoE block (one thread): fused / unfused 24 / 47 us at 1 token, 82 / 94 us at 64, 252 / 241
+# at 256, 489 / 426 at 500.
+CPU_OP_MAX_SHARED_TOKENS = 128
 
 
 class RoutedExperts(nn.Module):
@@ -130,7 +134,11 @@ class RoutedExperts(nn.Module):
         layer's `shared_expert(x)` where given (times sigmoid(`shared_gate`(x)) where given)."""
         small = ids.numel() <= BATCHED_MAX_ASSIGNMENTS
         if self.cpu_ops is not None and small:
-            fused = shared_expert is not None and self.fused_shared == (shared_expert, shared_gate)
+            fused = (
+                shared_expert is not None
+                and self.fused_shared == (shared_expert, shared_gate)
+                and x.shape[0] <= CPU_OP_MAX_SHARED_TOKENS
+            )
             out = self.cpu_ops.moe_experts(
                 x.float().contiguous(),
                 self.w13.transpose(1, 2),
