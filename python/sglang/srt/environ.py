@@ -136,9 +136,10 @@ class Envs:
     # CPU decode of the full-attention layers: auto = the sgl-kernel C++ op that reads the paged KV in place
     # where built, else SDPA over a gathered copy; torch forces SDPA; cpp requires the C++ op.
     SGLANG_CPU_ATTN_BACKEND = EnvStr("auto", "CPU full-attention decode: auto, torch or cpp.")
-    # CPU routed experts of small MoE layers at decode sizes: auto = the sgl-kernel C++ op where built (and
-    # the experts small enough, `moe/experts.py`), else torch's grouped GEMMs; torch forces those.
-    SGLANG_CPU_MOE_BACKEND = EnvStr("auto", "CPU routed experts: auto, torch or cpp.")
+    # CPU routed experts of small MoE layers at decode sizes, with the layer's shared expert, and the top-k
+    # routing: auto = the sgl-kernel C++ ops where built (and the experts small enough, `moe/experts.py`),
+    # else torch's grouped GEMMs and routing ops; torch forces those.
+    SGLANG_CPU_MOE_BACKEND = EnvStr("auto", "CPU MoE experts and routing: auto, torch or cpp.")
     # CPU RMSNorms (plain and gated) of float32 activations: auto = one sgl-kernel C++ call where built,
     # else the torch ops; torch forces those.
     SGLANG_CPU_NORM_BACKEND = EnvStr("auto", "CPU RMSNorm: auto, torch or cpp.")
