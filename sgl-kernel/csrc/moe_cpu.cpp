@@ -11,8 +11,8 @@
 // squared), 2 relu, 3 gelu (erf).
 //
 // The layer's shared expert, where given (shared_w13t [H, Rs] and shared_w2t [Is, H], the same layout for one
-// expert with its own intermediate size, the same gating and activation), is one more unit serving every
-// token: out[t] += g[t] * w2s act(w13s x[t]), added after the routed terms, with g[t] = sigmoid(shared_gate
+// expert with its own intermediate size, the same gating and activation), is one more expert serving every
+// token (its tokens split into tasks of kSharedChunk): out[t] += g[t] * w2s act(w13s x[t]), added after the routed terms, with g[t] = sigmoid(shared_gate
 // . x[t]) (shared_gate [H], Qwen3-Next's shared_expert_gate) or 1. In torch that is 6-8 more ops per layer.
 //
 // The torch path sorts the assignments by expert and runs two grouped GEMMs over them plus ~15 small ops
@@ -34,6 +34,7 @@ namespace sgl_moe {
 namespace {
 
 constexpr int kTile = 4;   // tokens that share each pass over a weight row
+constexpr int64_t kSharedChunk = 16;  // the shared expert's tokens per task
 constexpr int kCols = 32;  // output columns per register block (4 AVX2 vectors per token)
 constexpr int64_t kRegisterWidth = 256;  // outputs up to this wide are computed in register blocks
 
@@ -201,7 +202,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13t, const at::Te
   TORCH_CHECK(shared == shared_w2t.has_value(), what, ": shared_w13t and shared_w2t come together");
   TORCH_CHECK(shared || !shared_gate.has_value(), what, ": shared_gate needs the shared expert's weights");
   int64_t Is = 0;
-  std::vector<int64_t> shared_order, shared_start{0, T};
+  std::vector<int64_t> shared_order;
   at::Tensor shared_weights, shared_y;
   if (shared) {
     const at::Tensor &s13 = *shared_w13t, &s2 = *shared_w2t;
@@ -240,7 +241,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13t, const at::Te
               topk_weights.data_ptr<float>(), by_expert.data(), start.data(), y.data_ptr<float>(),
               k, H, I, gated, activation};
     const P ps = shared ? P{x.data_ptr<float>(), shared_w13t->data_ptr<scalar_t>(), shared_w2t->data_ptr<scalar_t>(),
-                            shared_weights.data_ptr<float>(), shared_order.data(), shared_start.data(),
+                            shared_weights.data_ptr<float>(), shared_order.data(), nullptr,
                             shared_y.data_ptr<float>(), 1, H, Is, gated, activation}
                         : p;
     auto run = [&](const P& problem, int64_t begin, int64_t end) {
@@ -249,10 +250,19 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13t, const at::Te
       else
         expert_units_baseline(problem, begin, end);
     };
-    // Units 0..E-1 the routed experts, unit E the shared one.
-    at::parallel_for(0, E + (shared ? 1 : 0), 1, [&](int64_t begin, int64_t end) {
+    // Units 0..E-1 the routed experts, then the shared one's tokens in chunks of kSharedChunk (so with
+    // several threads it is not one long task beside the routed experts).
+    const int64_t chunks = shared ? (T + kSharedChunk - 1) / kSharedChunk : 0;
+    at::parallel_for(0, E + chunks, 1, [&](int64_t begin, int64_t end) {
       if (begin < E) run(p, begin, std::min(end, E));
-      if (end > E) run(ps, 0, 1);
+      for (int64_t c = std::max(begin, E) - E; c < end - E; ++c) {
+        const int64_t first = c * kSharedChunk;
+        const int64_t range[2] = {0, std::min(kSharedChunk, T - first)};
+        P chunk = ps;
+        chunk.by_expert = shared_order.data() + first;
+        chunk.expert_start = range;
+        run(chunk, 0, 1);
+      }
     });
   });
   // Each token's k outputs summed in top-k order, then its shared expert's.

@@ -109,11 +109,11 @@ def _shared_reference(mlp, gate, x) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False)])
-@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("tokens,threads", [(1, 1), (6, 1), (40, 1), (40, 2)])
 @pytest.mark.parametrize("baseline", [False, True])
-def test_op_adds_the_shared_expert(ops, act, gated, tokens, baseline):
+def test_op_adds_the_shared_expert(ops, act, gated, tokens, threads, baseline):
     """The shared expert's intermediate size (72) differs from the routed ones' (40); 6 tokens are a tile of 4
-    and one of 2."""
+    and one of 2; 40 tokens are three tasks of at most 16 (on one thread or two)."""
     m = _layer(4, 48, 40, act, gated, seed=10)
     mlp, gate = _shared(48, 72, act, gated, seed=11)
     x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(12))
@@ -123,8 +123,13 @@ def test_op_adds_the_shared_expert(ops, act, gated, tokens, baseline):
     args = (up.t().contiguous(), mlp.down_proj.weight.t().contiguous())
     args += (gate.weight.reshape(-1).contiguous(),) if gate is not None else ()
     w13t, w2t = m.w13.transpose(1, 2).contiguous(), m.w2.transpose(1, 2).contiguous()
-    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
-        got = ops.moe_experts(x, w13t, w2t, weights, ids, gated, m.act_code, *args)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+            got = ops.moe_experts(x, w13t, w2t, weights, ids, gated, m.act_code, *args)
+    finally:
+        torch.set_num_threads(before)
     assert _close(got, want)
     with pytest.raises(RuntimeError, match="shared_w13t must be"):
         ops.moe_experts(x, w13t, w2t, weights, ids, gated, m.act_code, args[1], args[0])

@@ -1,7 +1,8 @@
 """sgl-kernel's C++ top-k routing (`sgl-kernel/csrc/moe_routing_cpu.cpp`) against its torch twins in
 `layers/moe/router.py`: Qwen3-Next's softmax top-k (renormalised or not) and Nemotron-H's biased grouped
 sigmoid top-k, at the presets' shapes and others; a NaN logit never yields an expert id outside the layer;
-bad arguments refused; the models pick the op at load under SGLANG_CPU_MOE_BACKEND."""
+bad arguments refused; large batches and layers keep the torch ops; the models pick the op at load where
+the C++ op serves their experts (SGLANG_CPU_MOE_BACKEND)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import pytest
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.layers.moe.router import grouped_sigmoid_topk, softmax_topk
+from sglang.srt.layers.moe.router import (
+    CPU_ROUTING_MAX_EXPERTS,
+    CPU_ROUTING_MAX_TOKENS,
+    grouped_sigmoid_topk,
+    softmax_topk,
+)
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, max_abs
 
@@ -61,6 +67,25 @@ def test_a_nan_logit_keeps_the_ids_inside_the_layer(ops):
         assert ((ids >= 0) & (ids < 8)).all()
         assert all(len(set(row)) == 2 for row in ids.tolist())  # distinct experts per token
         assert torch.isnan(weights[1]).all() and not torch.isnan(weights[0]).any()
+
+
+class _MustNotRun:
+    """Stands in for the ops where the torch path must run."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the C++ routing op {name} ran")
+
+
+def test_large_batches_and_layers_keep_the_torch_ops():
+    """The C++ top-k serves at most CPU_ROUTING_MAX_TOKENS tokens of at most CPU_ROUTING_MAX_EXPERTS experts
+    (one thread, a scan of the experts per pick: torch's ops measured faster beyond)."""
+    many_tokens = _logits(CPU_ROUTING_MAX_TOKENS + 1, 8, seed=4)
+    many_experts = _logits(4, CPU_ROUTING_MAX_EXPERTS + 1, seed=5)
+    for logits in (many_tokens, many_experts):
+        weights, ids = softmax_topk(logits, 2, True, _MustNotRun())
+        assert torch.equal(ids, softmax_topk(logits, 2, True)[1])
+        bias = torch.zeros(logits.shape[1])
+        grouped_sigmoid_topk(logits, 2, bias, 1, 1, True, 1.0, ops=_MustNotRun())
 
 
 def test_bad_arguments_are_refused(ops):

@@ -211,6 +211,16 @@ def test_cpp_decode_at_every_head_dim_and_group(d, hq, hk, baseline):
     assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("d,hq,hk", [(16, 6, 3), (64, 8, 2)])
+def test_cpp_decode_of_bfloat16_kv_at_the_register_head_dims(d, hq, hk):
+    """The AVX2 paths of head dims 16 and 64 widen bfloat16 keys and values themselves."""
+    seq_lens = [3, 150, 129]
+    case = _Case(torch.bfloat16, seq_lens, seed=6, hq=hq, hk=hk, d=d, backend="cpp")
+    case.fill_prefix([n - 1 for n in seq_lens])
+    out, ref = case.run(ForwardMode.DECODE, [1] * len(seq_lens))
+    assert (out.double() - ref).abs().max().item() < TOL[torch.bfloat16]
+
+
 def test_cpp_decode_reads_the_kv_in_place():
     case = _Case(torch.float32, [200, 90], seed=5, backend="cpp")
     case.fill_prefix([199, 89])

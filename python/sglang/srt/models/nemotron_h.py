@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.configs.nemotron_h import NemotronHArchConfig
-from sglang.srt.layers.cpu_ops import cpu_moe_ops
 from sglang.srt.layers.layernorm import GroupedGatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import PlainMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -82,13 +81,13 @@ class NemotronHTopkRouter(nn.Module):
         self.n_group, self.topk_group = config.n_group, config.topk_group
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
-        self.cpu_ops = None  # the C++ top-k on CPU (process_weights_after_loading)
+        self.cpu_ops = None  # the C++ top-k: NemotronHMoE sets it where the C++ op serves the experts
 
-    def process_weights_after_loading(self) -> None:
+    def groups_hold_top_k(self) -> bool:
+        """Whether the grouping can hold top_k experts (the C++ op refuses one that cannot; such a config
+        keeps the torch path)."""
         experts = self.weight.shape[0]
-        # The op refuses groupings that cannot hold top_k experts; such a config keeps the torch path.
-        groups_ok = experts % self.n_group == 0 and self.top_k <= self.topk_group * (experts // self.n_group)
-        self.cpu_ops = cpu_moe_ops(self.weight.device) if groups_ok else None
+        return experts % self.n_group == 0 and self.top_k <= self.topk_group * (experts // self.n_group)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
@@ -117,6 +116,8 @@ class NemotronHMoE(nn.Module):
         self.shared_experts = PlainMLP(hidden, config.moe_shared_expert_intermediate_size, act, bias)
 
     def process_weights_after_loading(self) -> None:
+        self.experts.process_weights_after_loading()
+        self.gate.cpu_ops = self.experts.cpu_ops if self.gate.groups_hold_top_k() else None
         self.experts.fuse_shared_expert(self.shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.layers.cpu_ops import cpu_linear_ops, cpu_moe_ops
+from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -137,10 +137,11 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         )
         self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-        self.routing_ops = None  # the C++ top-k on CPU (process_weights_after_loading)
+        self.routing_ops = None  # the C++ top-k where the C++ op serves the experts (set at load)
 
     def process_weights_after_loading(self) -> None:
-        self.routing_ops = cpu_moe_ops(self.gate.weight.device)
+        self.experts.process_weights_after_loading()
+        self.routing_ops = self.experts.cpu_ops
         self.experts.fuse_shared_expert(self.shared_expert, self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -85,9 +85,12 @@ class RoutedExperts(nn.Module):
         linears.append(mlp.down_proj)
         plain = all(lin.bias is None for lin in linears) and (gate is None or gate.bias is None)
         size = sum(lin.weight.numel() for lin in linears)
-        same = gated_mlp == self.gated and mlp.act is self.act and linears[0].weight.dtype == self.w13.dtype
+        dtypes_ok = all(lin.weight.dtype == self.w13.dtype for lin in linears)
+        same = gated_mlp == self.gated and mlp.act is self.act and dtypes_ok
         if self.cpu_ops is None or not plain or not same or size > CPU_OP_MAX_EXPERT_WEIGHTS:
             return
+        if self.fused_shared is not None and self.fused_shared[0] is not mlp:
+            raise ValueError("This layer's experts already run another shared expert inside the C++ op.")
         if self.fused_shared is None:
             up = torch.cat([lin.weight.data for lin in linears[:-1]]) if gated_mlp else linears[0].weight.data
             w13t, w2t = up.t().contiguous(), mlp.down_proj.weight.data.t().contiguous()
