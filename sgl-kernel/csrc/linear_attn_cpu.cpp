@@ -457,40 +457,74 @@ at::Tensor causal_conv1d_extend(const at::Tensor& x, at::Tensor conv_state, cons
   return out;
 }
 
+// (sequence, value head) units [begin, end) of a GDN extend; kDk > 0 is the key dim as a constant (see
+// with_row_length). `scratch`: 2 * dk + dv * dk floats. Always inlined, so each caller compiles it for its
+// own instruction set.
+template <typename S, int kDk>
+inline __attribute__((always_inline)) void gdn_extend_units(const float* qkv, const float* g, const float* beta,
+                                                            S* ssm, float* out, const Extend& e, int64_t hk,
+                                                            int64_t hv, int64_t dk_arg, int64_t dv, int64_t begin,
+                                                            int64_t end, float* scratch) {
+  const int64_t dk = kDk > 0 ? kDk : dk_arg;
+  const int64_t stride = 2 * hk * dk + hv * dv, ratio = hv / hk, size = dv * dk;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  float *q = scratch, *k = scratch + dk, *st = scratch + 2 * dk;
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t b = u / hv, h = u % hv, kh = h / ratio, start = e.cu[b], len = e.cu[b + 1] - start;
+    S* running = ssm + (e.slots[b] * hv + h) * size;
+    for (int64_t i = 0; i < size; ++i) st[i] = static_cast<float>(running[i]);
+    int64_t m = e.snap_ptr[b];
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t tok = start + t;
+      const float* base = qkv + tok * stride;
+      l2norm_into(base + kh * dk, q, dk, q_scale);
+      l2norm_into(base + hk * dk + kh * dk, k, dk, 1.0f);
+      const float* v = base + 2 * hk * dk + h * dv;
+      const float decay = std::exp(g[tok * hv + h]), bt = beta[tok * hv + h];
+      float* o = out + (tok * hv + h) * dv;
+      for (int64_t i = 0; i < dv; ++i) {
+        float* row = st + i * dk;
+#pragma omp simd
+        for (int64_t j = 0; j < dk; ++j) row[j] *= decay;
+        const float delta = (v[i] - dot(row, k, dk)) * bt;
+#pragma omp simd
+        for (int64_t j = 0; j < dk; ++j) row[j] += delta * k[j];
+        o[i] = dot(row, q, dk);
+      }
+      for (; m < e.snap_ptr[b + 1] && e.snap_off[m] == t + 1; ++m)
+        store_state(ssm + (e.snap_slot[m] * hv + h) * size, st, size);
+    }
+    store_state(running, st, size);
+  }
+}
+
+template <typename S, int kDk>
+SGL_TARGET_AVX2 void gdn_extend_units_avx2(const float* qkv, const float* g, const float* beta, S* ssm, float* out,
+                                           const Extend& e, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
+                                           int64_t begin, int64_t end, float* scratch) {
+  gdn_extend_units<S, kDk>(qkv, g, beta, ssm, out, e, hk, hv, dk, dv, begin, end, scratch);
+}
+
+template <typename S, int kDk>
+void gdn_extend_units_baseline(const float* qkv, const float* g, const float* beta, S* ssm, float* out,
+                               const Extend& e, int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t begin,
+                               int64_t end, float* scratch) {
+  gdn_extend_units<S, kDk>(qkv, g, beta, ssm, out, e, hk, hv, dk, dv, begin, end, scratch);
+}
+
 template <typename S>
 void gdn_extend_impl(const float* qkv, const float* g, const float* beta, S* ssm, float* out, const Extend& e,
                      int64_t hk, int64_t hv, int64_t dk, int64_t dv) {
-  const int64_t stride = 2 * hk * dk + hv * dv, ratio = hv / hk, size = dv * dk;
-  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  const bool avx2 = sgl_cpu::has_avx2();
   at::parallel_for(0, e.batch * hv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(dk), k(dk), st(size);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / hv, h = u % hv, kh = h / ratio, start = e.cu[b], len = e.cu[b + 1] - start;
-      S* running = ssm + (e.slots[b] * hv + h) * size;
-      for (int64_t i = 0; i < size; ++i) st[i] = static_cast<float>(running[i]);
-      int64_t m = e.snap_ptr[b];
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t tok = start + t;
-        const float* base = qkv + tok * stride;
-        l2norm_into(base + kh * dk, q.data(), dk, q_scale);
-        l2norm_into(base + hk * dk + kh * dk, k.data(), dk, 1.0f);
-        const float* v = base + 2 * hk * dk + h * dv;
-        const float decay = std::exp(g[tok * hv + h]), bt = beta[tok * hv + h];
-        float* o = out + (tok * hv + h) * dv;
-        for (int64_t i = 0; i < dv; ++i) {
-          float* row = st.data() + i * dk;
-#pragma omp simd
-          for (int64_t j = 0; j < dk; ++j) row[j] *= decay;
-          const float delta = (v[i] - dot(row, k.data(), dk)) * bt;
-#pragma omp simd
-          for (int64_t j = 0; j < dk; ++j) row[j] += delta * k[j];
-          o[i] = dot(row, q.data(), dk);
-        }
-        for (; m < e.snap_ptr[b + 1] && e.snap_off[m] == t + 1; ++m)
-          store_state(ssm + (e.snap_slot[m] * hv + h) * size, st.data(), size);
-      }
-      store_state(running, st.data(), size);
-    }
+    std::vector<float> scratch(2 * dk + dv * dk);
+    with_row_length(dk, [&](auto kDk) {
+      constexpr int K = decltype(kDk)::value;
+      if (avx2)
+        gdn_extend_units_avx2<S, K>(qkv, g, beta, ssm, out, e, hk, hv, dk, dv, begin, end, scratch.data());
+      else
+        gdn_extend_units_baseline<S, K>(qkv, g, beta, ssm, out, e, hk, hv, dk, dv, begin, end, scratch.data());
+    });
   });
 }
 
@@ -514,37 +548,70 @@ at::Tensor gdn_extend(const at::Tensor& qkv, const at::Tensor& g, const at::Tens
   return out;
 }
 
+// (sequence, head) units [begin, end) of a Mamba2 extend; kN > 0 is the state size as a constant.
+// `st`: p * n floats. Always inlined, so each caller compiles it for its own instruction set.
+template <typename S, int kN>
+inline __attribute__((always_inline)) void mamba2_extend_units(const float* xbc, const float* dt, const float* A,
+                                                               const float* D, S* ssm, float* y, const Extend& e,
+                                                               int64_t heads, int64_t p, int64_t groups,
+                                                               int64_t n_arg, int64_t begin, int64_t end,
+                                                               float* st) {
+  const int64_t n = kN > 0 ? kN : n_arg;
+  const int64_t stride = heads * p + 2 * groups * n, per_group = heads / groups, size = p * n;
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t b = u / heads, h = u % heads, grp = h / per_group, start = e.cu[b], len = e.cu[b + 1] - start;
+    S* running = ssm + (e.slots[b] * heads + h) * size;
+    for (int64_t i = 0; i < size; ++i) st[i] = static_cast<float>(running[i]);
+    int64_t m = e.snap_ptr[b];
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t tok = start + t;
+      const float* base = xbc + tok * stride;
+      const float* x = base + h * p;
+      const float* B = base + heads * p + grp * n;
+      const float* C = base + heads * p + groups * n + grp * n;
+      const float step = dt[tok * heads + h], decay = std::exp(step * A[h]);
+      float* yo = y + (tok * heads + h) * p;
+      for (int64_t i = 0; i < p; ++i) {
+        float* row = st + i * n;
+        const float dx = step * x[i];
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) row[j] = row[j] * decay + dx * B[j];
+        yo[i] = dot(row, C, n) + D[h] * x[i];
+      }
+      for (; m < e.snap_ptr[b + 1] && e.snap_off[m] == t + 1; ++m)
+        store_state(ssm + (e.snap_slot[m] * heads + h) * size, st, size);
+    }
+    store_state(running, st, size);
+  }
+}
+
+template <typename S, int kN>
+SGL_TARGET_AVX2 void mamba2_extend_units_avx2(const float* xbc, const float* dt, const float* A, const float* D,
+                                              S* ssm, float* y, const Extend& e, int64_t heads, int64_t p,
+                                              int64_t groups, int64_t n, int64_t begin, int64_t end, float* st) {
+  mamba2_extend_units<S, kN>(xbc, dt, A, D, ssm, y, e, heads, p, groups, n, begin, end, st);
+}
+
+template <typename S, int kN>
+void mamba2_extend_units_baseline(const float* xbc, const float* dt, const float* A, const float* D, S* ssm,
+                                  float* y, const Extend& e, int64_t heads, int64_t p, int64_t groups, int64_t n,
+                                  int64_t begin, int64_t end, float* st) {
+  mamba2_extend_units<S, kN>(xbc, dt, A, D, ssm, y, e, heads, p, groups, n, begin, end, st);
+}
+
 template <typename S>
 void mamba2_extend_impl(const float* xbc, const float* dt, const float* A, const float* D, S* ssm, float* y,
                         const Extend& e, int64_t heads, int64_t p, int64_t groups, int64_t n) {
-  const int64_t stride = heads * p + 2 * groups * n, per_group = heads / groups, size = p * n;
+  const bool avx2 = sgl_cpu::has_avx2();
   at::parallel_for(0, e.batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> st(size);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / heads, h = u % heads, grp = h / per_group, start = e.cu[b], len = e.cu[b + 1] - start;
-      S* running = ssm + (e.slots[b] * heads + h) * size;
-      for (int64_t i = 0; i < size; ++i) st[i] = static_cast<float>(running[i]);
-      int64_t m = e.snap_ptr[b];
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t tok = start + t;
-        const float* base = xbc + tok * stride;
-        const float* x = base + h * p;
-        const float* B = base + heads * p + grp * n;
-        const float* C = base + heads * p + groups * n + grp * n;
-        const float step = dt[tok * heads + h], decay = std::exp(step * A[h]);
-        float* yo = y + (tok * heads + h) * p;
-        for (int64_t i = 0; i < p; ++i) {
-          float* row = st.data() + i * n;
-          const float dx = step * x[i];
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) row[j] = row[j] * decay + dx * B[j];
-          yo[i] = dot(row, C, n) + D[h] * x[i];
-        }
-        for (; m < e.snap_ptr[b + 1] && e.snap_off[m] == t + 1; ++m)
-          store_state(ssm + (e.snap_slot[m] * heads + h) * size, st.data(), size);
-      }
-      store_state(running, st.data(), size);
-    }
+    std::vector<float> st(p * n);
+    with_row_length(n, [&](auto kN) {
+      constexpr int K = decltype(kN)::value;
+      if (avx2)
+        mamba2_extend_units_avx2<S, K>(xbc, dt, A, D, ssm, y, e, heads, p, groups, n, begin, end, st.data());
+      else
+        mamba2_extend_units_baseline<S, K>(xbc, dt, A, D, ssm, y, e, heads, p, groups, n, begin, end, st.data());
+    });
   });
 }
 

@@ -172,15 +172,18 @@ def _check_states(got_pool, want_final, want_inter, slot, snaps, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gdn_extend_matches_chunked_torch(ops, dtype):
+@pytest.mark.parametrize("dk,baseline", [(8, False), (16, False), (16, True)])
+def test_gdn_extend_matches_chunked_torch(ops, dtype, dk, baseline):
+    """dk 16 is compiled as a constant (AVX2 and baseline twins); 8 takes the loop of any length."""
     torch.manual_seed(5)
-    batch, hk, hv, dk, dv = _Batch(6), 2, 4, 8, 12
+    batch, hk, hv, dv = _Batch(6), 2, 4, 12
     total = batch.cu[-1]
     qkv = torch.randn(total, 2 * hk * dk + hv * dv)
     g, beta = -0.3 * torch.rand(total, hv), torch.rand(total, hv)
     pool = _pool(dtype, hv, dv, dk)
     got_pool = pool.clone()
-    got = ops.gdn_extend(qkv, g, beta, got_pool, *batch.args, hk, hv, dk, dv)
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        got = ops.gdn_extend(qkv, g, beta, got_pool, *batch.args, hk, hv, dk, dv)
     for tokens, slot, snaps in batch.seqs():
         n = tokens.stop - tokens.start
         q, k, v = qkv[tokens].split([hk * dk, hk * dk, hv * dv], dim=-1)
@@ -194,16 +197,20 @@ def test_gdn_extend_matches_chunked_torch(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mamba2_extend_matches_chunked_torch(ops, dtype):
+@pytest.mark.parametrize("n,baseline", [(10, False), (16, False), (16, True)])
+def test_mamba2_extend_matches_chunked_torch(ops, dtype, n, baseline):
+    """A state size of 16 is compiled as a constant (AVX2 and baseline twins); 10 takes the loop of any
+    length."""
     torch.manual_seed(7)
-    batch, heads, head_dim, groups, n = _Batch(8), 4, 6, 2, 10
+    batch, heads, head_dim, groups = _Batch(8), 4, 6, 2
     total = batch.cu[-1]
     xbc = torch.randn(total, heads * head_dim + 2 * groups * n)
     dt = torch.rand(total, heads) * 0.1 + 0.001
     A, D = -torch.rand(heads) - 0.5, torch.randn(heads)
     pool = _pool(dtype, heads, head_dim, n)
     got_pool = pool.clone()
-    got = ops.mamba2_extend(xbc, dt, A, D, got_pool, *batch.args, heads, head_dim, groups, n)
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        got = ops.mamba2_extend(xbc, dt, A, D, got_pool, *batch.args, heads, head_dim, groups, n)
     for tokens, slot, snaps in batch.seqs():
         length = tokens.stop - tokens.start
         x, B, C = xbc[tokens].split([heads * head_dim, groups * n, groups * n], dim=-1)
