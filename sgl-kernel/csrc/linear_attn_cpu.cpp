@@ -389,47 +389,75 @@ void store_state(S* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<S>(src[i]);
 }
 
+// Sequences [begin, end) of a conv extend; `wt` is the weight transposed to [width, channels], so that every
+// loop runs along channels; `head`: keep * channels floats. Always inlined, so each caller compiles it for
+// its own instruction set.
+template <typename S>
+inline __attribute__((always_inline)) void conv_extend_rows(const float* x, S* state, const float* wt,
+                                                            const float* bias, float* out, const Extend& e,
+                                                            int64_t channels, int64_t width, int64_t begin,
+                                                            int64_t end, float* head) {
+  const int64_t keep = width - 1;
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t start = e.cu[b], len = e.cu[b + 1] - start;
+    S* st = state + e.slots[b] * channels * keep;
+    for (int64_t c = 0; c < channels; ++c)
+      for (int64_t j = 0; j < keep; ++j) head[j * channels + c] = static_cast<float>(st[c * keep + j]);
+    // Row i of the window: the state's rows (the initial state as rows [keep, channels]), then the inputs.
+    auto row = [&](int64_t i) { return i < keep ? head + i * channels : x + (start + i - keep) * channels; };
+    for (int64_t t = 0; t < len; ++t) {
+      float* o = out + (start + t) * channels;
+#pragma omp simd
+      for (int64_t c = 0; c < channels; ++c) o[c] = bias != nullptr ? bias[c] : 0.0f;
+      for (int64_t j = 0; j < width; ++j) {
+        const float* r = row(t + j);
+        const float* wj = wt + j * channels;
+#pragma omp simd
+        for (int64_t c = 0; c < channels; ++c) o[c] += r[c] * wj[c];
+      }
+#pragma omp simd
+      for (int64_t c = 0; c < channels; ++c) o[c] = silu(o[c]);
+    }
+    // Conv state after `off` tokens: window rows off .. off + keep - 1. The running slot last, since
+    // the window's head rows were read from it.
+    auto write = [&](S* dst, int64_t off) {
+      for (int64_t j = 0; j < keep; ++j) {
+        const float* r = row(off + j);
+        for (int64_t c = 0; c < channels; ++c) dst[c * keep + j] = static_cast<S>(r[c]);
+      }
+    };
+    for (int64_t m = e.snap_ptr[b]; m < e.snap_ptr[b + 1]; ++m) write(state + e.snap_slot[m] * channels * keep, e.snap_off[m]);
+    write(st, len);
+  }
+}
+
+template <typename S>
+SGL_TARGET_AVX2 void conv_extend_rows_avx2(const float* x, S* state, const float* wt, const float* bias, float* out,
+                                           const Extend& e, int64_t channels, int64_t width, int64_t begin,
+                                           int64_t end, float* head) {
+  conv_extend_rows(x, state, wt, bias, out, e, channels, width, begin, end, head);
+}
+
+template <typename S>
+void conv_extend_rows_baseline(const float* x, S* state, const float* wt, const float* bias, float* out,
+                               const Extend& e, int64_t channels, int64_t width, int64_t begin, int64_t end,
+                               float* head) {
+  conv_extend_rows(x, state, wt, bias, out, e, channels, width, begin, end, head);
+}
+
 template <typename S>
 void conv_extend_impl(const float* x, S* state, const float* w, const float* bias, float* out, const Extend& e,
                       int64_t channels, int64_t width) {
-  const int64_t keep = width - 1;
-  // The weight transposed to [width, channels], so that every loop below runs along channels.
   std::vector<float> wt(width * channels);
   for (int64_t c = 0; c < channels; ++c)
     for (int64_t j = 0; j < width; ++j) wt[j * channels + c] = w[c * width + j];
+  const bool avx2 = sgl_cpu::has_avx2();
   at::parallel_for(0, e.batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> head(keep * channels);  // the initial state as rows [keep, channels]
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t start = e.cu[b], len = e.cu[b + 1] - start;
-      S* st = state + e.slots[b] * channels * keep;
-      for (int64_t c = 0; c < channels; ++c)
-        for (int64_t j = 0; j < keep; ++j) head[j * channels + c] = static_cast<float>(st[c * keep + j]);
-      // Row i of the window: the state's rows, then the extend's inputs.
-      auto row = [&](int64_t i) { return i < keep ? head.data() + i * channels : x + (start + i - keep) * channels; };
-      for (int64_t t = 0; t < len; ++t) {
-        float* o = out + (start + t) * channels;
-#pragma omp simd
-        for (int64_t c = 0; c < channels; ++c) o[c] = bias != nullptr ? bias[c] : 0.0f;
-        for (int64_t j = 0; j < width; ++j) {
-          const float* r = row(t + j);
-          const float* wj = wt.data() + j * channels;
-#pragma omp simd
-          for (int64_t c = 0; c < channels; ++c) o[c] += r[c] * wj[c];
-        }
-#pragma omp simd
-        for (int64_t c = 0; c < channels; ++c) o[c] = silu(o[c]);
-      }
-      // Conv state after `off` tokens: window rows off .. off + keep - 1. The running slot last, since
-      // the window's head rows were read from it.
-      auto write = [&](S* dst, int64_t off) {
-        for (int64_t j = 0; j < keep; ++j) {
-          const float* r = row(off + j);
-          for (int64_t c = 0; c < channels; ++c) dst[c * keep + j] = static_cast<S>(r[c]);
-        }
-      };
-      for (int64_t m = e.snap_ptr[b]; m < e.snap_ptr[b + 1]; ++m) write(state + e.snap_slot[m] * channels * keep, e.snap_off[m]);
-      write(st, len);
-    }
+    std::vector<float> head((width - 1) * channels);
+    if (avx2)
+      conv_extend_rows_avx2(x, state, wt.data(), bias, out, e, channels, width, begin, end, head.data());
+    else
+      conv_extend_rows_baseline(x, state, wt.data(), bias, out, e, channels, width, begin, end, head.data());
   });
 }
 

@@ -145,14 +145,17 @@ def _pool(dtype: torch.dtype, *shape: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_extend_matches_torch(ops, dtype):
+@pytest.mark.parametrize("baseline", [False, True])
+def test_conv_extend_matches_torch(ops, dtype, baseline):
+    """`baseline`: the SSE2 twin a CPU without AVX2 runs."""
     torch.manual_seed(3)
     batch, channels, width = _Batch(4), 24, 4
     x = torch.randn(batch.cu[-1], channels)
     weight, bias = torch.randn(channels, width), torch.randn(channels)
     pool = _pool(dtype, channels, width - 1)
     got_pool = pool.clone()
-    got = ops.causal_conv1d_extend(x, got_pool, weight, bias, *batch.args)
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        got = ops.causal_conv1d_extend(x, got_pool, weight, bias, *batch.args)
     touched = []
     for tokens, slot, snaps in batch.seqs():
         want, window = causal_conv1d_extend(x[tokens], pool[slot], weight, bias)
