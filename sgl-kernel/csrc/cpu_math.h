@@ -17,6 +17,27 @@
 
 namespace sgl_cpu {
 
+// The AVX2 + FMA twin and the baseline twin of `Body` (a function marked always_inline, so each twin
+// compiles its body for its own instruction set), and the call that picks one at run time:
+//   sgl_cpu::run_twin<my_loop<T, 16>>(has_avx2(), args...);
+template <auto Body, typename... Args>
+SGL_TARGET_AVX2 void avx2_twin(Args... args) {
+  Body(args...);
+}
+
+template <auto Body, typename... Args>
+void baseline_twin(Args... args) {
+  Body(args...);
+}
+
+template <auto Body, typename... Args>
+inline void run_twin(bool avx2, Args... args) {
+  if (avx2)
+    avx2_twin<Body>(args...);
+  else
+    baseline_twin<Body>(args...);
+}
+
 // SGLANG_TEST_CPU_OPS_BASELINE=1 runs the baseline twins on any CPU (tests of the code a CPU without AVX2
 // runs); read at every call, so a test can switch it.
 inline bool has_avx2() {

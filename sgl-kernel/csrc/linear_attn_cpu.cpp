@@ -84,20 +84,6 @@ inline __attribute__((always_inline)) void conv_update_rows(const float* x, S* s
   }
 }
 
-template <typename S, int kKeep>
-SGL_TARGET_AVX2 void conv_update_rows_avx2(const float* x, S* state, const int64_t* slots, const float* w,
-                                           const float* bias, float* out, int64_t begin, int64_t end,
-                                           int64_t channels, int64_t keep) {
-  conv_update_rows<S, kKeep>(x, state, slots, w, bias, out, begin, end, channels, keep);
-}
-
-template <typename S, int kKeep>
-void conv_update_rows_baseline(const float* x, S* state, const int64_t* slots, const float* w,
-                               const float* bias, float* out, int64_t begin, int64_t end, int64_t channels,
-                               int64_t keep) {
-  conv_update_rows<S, kKeep>(x, state, slots, w, bias, out, begin, end, channels, keep);
-}
-
 template <typename S>
 void conv_update_impl(const float* x, S* state, const int64_t* slots, const float* w, const float* bias,
                       float* out, int64_t bs, int64_t channels, int64_t width) {
@@ -106,14 +92,10 @@ void conv_update_impl(const float* x, S* state, const int64_t* slots, const floa
   at::parallel_for(0, bs, std::max<int64_t>(1, kGrain * 64 / std::max<int64_t>(channels, 1)),
                    [&](int64_t begin, int64_t end) {
     // Width 4 (both presets' and the released models' convs) as a constant; any other as a variable.
-    if (keep == 3 && avx2)
-      conv_update_rows_avx2<S, 3>(x, state, slots, w, bias, out, begin, end, channels, keep);
-    else if (keep == 3)
-      conv_update_rows_baseline<S, 3>(x, state, slots, w, bias, out, begin, end, channels, keep);
-    else if (avx2)
-      conv_update_rows_avx2<S, 0>(x, state, slots, w, bias, out, begin, end, channels, keep);
+    if (keep == 3)
+      sgl_cpu::run_twin<conv_update_rows<S, 3>>(avx2, x, state, slots, w, bias, out, begin, end, channels, keep);
     else
-      conv_update_rows_baseline<S, 0>(x, state, slots, w, bias, out, begin, end, channels, keep);
+      sgl_cpu::run_twin<conv_update_rows<S, 0>>(avx2, x, state, slots, w, bias, out, begin, end, channels, keep);
   });
 }
 
@@ -176,8 +158,9 @@ struct GdnStep {
 // (request, value head) units [begin, end); kDk > 0 is the key dim as a constant. `scratch`: 3 * dk floats.
 // Always inlined, so each caller below compiles it for its own instruction set.
 template <typename S, int kDk>
-inline __attribute__((always_inline)) void gdn_units(const GdnStep<S>& a, int64_t begin, int64_t end,
+inline __attribute__((always_inline)) void gdn_units(const GdnStep<S>* step, int64_t begin, int64_t end,
                                                      float* scratch) {
+  const GdnStep<S>& a = *step;
   const int64_t dk = kDk > 0 ? kDk : a.dk, hk = a.hk, hv = a.hv, dv = a.dv;
   const int64_t stride = 2 * hk * dk + hv * dv, ratio = hv / hk;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
@@ -205,26 +188,13 @@ inline __attribute__((always_inline)) void gdn_units(const GdnStep<S>& a, int64_
   }
 }
 
-template <typename S, int kDk>
-SGL_TARGET_AVX2 void gdn_units_avx2(const GdnStep<S>& a, int64_t begin, int64_t end, float* scratch) {
-  gdn_units<S, kDk>(a, begin, end, scratch);
-}
-
-template <typename S, int kDk>
-void gdn_units_baseline(const GdnStep<S>& a, int64_t begin, int64_t end, float* scratch) {
-  gdn_units<S, kDk>(a, begin, end, scratch);
-}
-
 template <typename S>
 void gdn_impl(const GdnStep<S>& a, int64_t bs) {
   const bool avx2 = sgl_cpu::has_avx2();
   at::parallel_for(0, bs * a.hv, kGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(3 * a.dk);
     with_row_length(a.dk, [&](auto kDk) {
-      if (avx2)
-        gdn_units_avx2<S, decltype(kDk)::value>(a, begin, end, scratch.data());
-      else
-        gdn_units_baseline<S, decltype(kDk)::value>(a, begin, end, scratch.data());
+      sgl_cpu::run_twin<gdn_units<S, decltype(kDk)::value>>(avx2, &a, begin, end, scratch.data());
     });
   });
 }
@@ -262,8 +232,9 @@ struct Mamba2Step {
 // (request, head) units [begin, end); kN > 0 is the state size as a constant. `row`: n floats. Always
 // inlined, so each caller below compiles it for its own instruction set.
 template <typename S, int kN>
-inline __attribute__((always_inline)) void mamba2_units(const Mamba2Step<S>& a, int64_t begin, int64_t end,
-                                                        float* row) {
+inline __attribute__((always_inline)) void mamba2_units(const Mamba2Step<S>* step, int64_t begin,
+                                                        int64_t end, float* row) {
+  const Mamba2Step<S>& a = *step;
   const int64_t n = kN > 0 ? kN : a.n, heads = a.heads, p = a.p, groups = a.groups;
   const int64_t stride = heads * p + 2 * groups * n, per_group = heads / groups;
   for (int64_t u = begin; u < end; ++u) {
@@ -287,26 +258,13 @@ inline __attribute__((always_inline)) void mamba2_units(const Mamba2Step<S>& a, 
   }
 }
 
-template <typename S, int kN>
-SGL_TARGET_AVX2 void mamba2_units_avx2(const Mamba2Step<S>& a, int64_t begin, int64_t end, float* row) {
-  mamba2_units<S, kN>(a, begin, end, row);
-}
-
-template <typename S, int kN>
-void mamba2_units_baseline(const Mamba2Step<S>& a, int64_t begin, int64_t end, float* row) {
-  mamba2_units<S, kN>(a, begin, end, row);
-}
-
 template <typename S>
 void mamba2_impl(const Mamba2Step<S>& a, int64_t bs) {
   const bool avx2 = sgl_cpu::has_avx2();
   at::parallel_for(0, bs * a.heads, kGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> row(a.n);
     with_row_length(a.n, [&](auto kN) {
-      if (avx2)
-        mamba2_units_avx2<S, decltype(kN)::value>(a, begin, end, row.data());
-      else
-        mamba2_units_baseline<S, decltype(kN)::value>(a, begin, end, row.data());
+      sgl_cpu::run_twin<mamba2_units<S, decltype(kN)::value>>(avx2, &a, begin, end, row.data());
     });
   });
 }
@@ -394,9 +352,10 @@ void store_state(S* dst, const float* src, int64_t n) {
 // its own instruction set.
 template <typename S>
 inline __attribute__((always_inline)) void conv_extend_rows(const float* x, S* state, const float* wt,
-                                                            const float* bias, float* out, const Extend& e,
+                                                            const float* bias, float* out, const Extend* extend,
                                                             int64_t channels, int64_t width, int64_t begin,
                                                             int64_t end, float* head) {
+  const Extend& e = *extend;
   const int64_t keep = width - 1;
   for (int64_t b = begin; b < end; ++b) {
     const int64_t start = e.cu[b], len = e.cu[b + 1] - start;
@@ -432,20 +391,6 @@ inline __attribute__((always_inline)) void conv_extend_rows(const float* x, S* s
 }
 
 template <typename S>
-SGL_TARGET_AVX2 void conv_extend_rows_avx2(const float* x, S* state, const float* wt, const float* bias, float* out,
-                                           const Extend& e, int64_t channels, int64_t width, int64_t begin,
-                                           int64_t end, float* head) {
-  conv_extend_rows(x, state, wt, bias, out, e, channels, width, begin, end, head);
-}
-
-template <typename S>
-void conv_extend_rows_baseline(const float* x, S* state, const float* wt, const float* bias, float* out,
-                               const Extend& e, int64_t channels, int64_t width, int64_t begin, int64_t end,
-                               float* head) {
-  conv_extend_rows(x, state, wt, bias, out, e, channels, width, begin, end, head);
-}
-
-template <typename S>
 void conv_extend_impl(const float* x, S* state, const float* w, const float* bias, float* out, const Extend& e,
                       int64_t channels, int64_t width) {
   std::vector<float> wt(width * channels);
@@ -454,10 +399,8 @@ void conv_extend_impl(const float* x, S* state, const float* w, const float* bia
   const bool avx2 = sgl_cpu::has_avx2();
   at::parallel_for(0, e.batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> head((width - 1) * channels);
-    if (avx2)
-      conv_extend_rows_avx2(x, state, wt.data(), bias, out, e, channels, width, begin, end, head.data());
-    else
-      conv_extend_rows_baseline(x, state, wt.data(), bias, out, e, channels, width, begin, end, head.data());
+    sgl_cpu::run_twin<conv_extend_rows<S>>(avx2, x, state, wt.data(), bias, out, &e, channels, width, begin, end,
+                                           head.data());
   });
 }
 
@@ -490,9 +433,10 @@ at::Tensor causal_conv1d_extend(const at::Tensor& x, at::Tensor conv_state, cons
 // own instruction set.
 template <typename S, int kDk>
 inline __attribute__((always_inline)) void gdn_extend_units(const float* qkv, const float* g, const float* beta,
-                                                            S* ssm, float* out, const Extend& e, int64_t hk,
+                                                            S* ssm, float* out, const Extend* extend, int64_t hk,
                                                             int64_t hv, int64_t dk_arg, int64_t dv, int64_t begin,
                                                             int64_t end, float* scratch) {
+  const Extend& e = *extend;
   const int64_t dk = kDk > 0 ? kDk : dk_arg;
   const int64_t stride = 2 * hk * dk + hv * dv, ratio = hv / hk, size = dv * dk;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
@@ -526,20 +470,6 @@ inline __attribute__((always_inline)) void gdn_extend_units(const float* qkv, co
   }
 }
 
-template <typename S, int kDk>
-SGL_TARGET_AVX2 void gdn_extend_units_avx2(const float* qkv, const float* g, const float* beta, S* ssm, float* out,
-                                           const Extend& e, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
-                                           int64_t begin, int64_t end, float* scratch) {
-  gdn_extend_units<S, kDk>(qkv, g, beta, ssm, out, e, hk, hv, dk, dv, begin, end, scratch);
-}
-
-template <typename S, int kDk>
-void gdn_extend_units_baseline(const float* qkv, const float* g, const float* beta, S* ssm, float* out,
-                               const Extend& e, int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t begin,
-                               int64_t end, float* scratch) {
-  gdn_extend_units<S, kDk>(qkv, g, beta, ssm, out, e, hk, hv, dk, dv, begin, end, scratch);
-}
-
 template <typename S>
 void gdn_extend_impl(const float* qkv, const float* g, const float* beta, S* ssm, float* out, const Extend& e,
                      int64_t hk, int64_t hv, int64_t dk, int64_t dv) {
@@ -548,10 +478,8 @@ void gdn_extend_impl(const float* qkv, const float* g, const float* beta, S* ssm
     std::vector<float> scratch(2 * dk + dv * dk);
     with_row_length(dk, [&](auto kDk) {
       constexpr int K = decltype(kDk)::value;
-      if (avx2)
-        gdn_extend_units_avx2<S, K>(qkv, g, beta, ssm, out, e, hk, hv, dk, dv, begin, end, scratch.data());
-      else
-        gdn_extend_units_baseline<S, K>(qkv, g, beta, ssm, out, e, hk, hv, dk, dv, begin, end, scratch.data());
+      sgl_cpu::run_twin<gdn_extend_units<S, K>>(avx2, qkv, g, beta, ssm, out, &e, hk, hv, dk, dv, begin, end,
+                                                scratch.data());
     });
   });
 }
@@ -580,10 +508,11 @@ at::Tensor gdn_extend(const at::Tensor& qkv, const at::Tensor& g, const at::Tens
 // `st`: p * n floats. Always inlined, so each caller compiles it for its own instruction set.
 template <typename S, int kN>
 inline __attribute__((always_inline)) void mamba2_extend_units(const float* xbc, const float* dt, const float* A,
-                                                               const float* D, S* ssm, float* y, const Extend& e,
+                                                               const float* D, S* ssm, float* y, const Extend* extend,
                                                                int64_t heads, int64_t p, int64_t groups,
                                                                int64_t n_arg, int64_t begin, int64_t end,
                                                                float* st) {
+  const Extend& e = *extend;
   const int64_t n = kN > 0 ? kN : n_arg;
   const int64_t stride = heads * p + 2 * groups * n, per_group = heads / groups, size = p * n;
   for (int64_t u = begin; u < end; ++u) {
@@ -613,20 +542,6 @@ inline __attribute__((always_inline)) void mamba2_extend_units(const float* xbc,
   }
 }
 
-template <typename S, int kN>
-SGL_TARGET_AVX2 void mamba2_extend_units_avx2(const float* xbc, const float* dt, const float* A, const float* D,
-                                              S* ssm, float* y, const Extend& e, int64_t heads, int64_t p,
-                                              int64_t groups, int64_t n, int64_t begin, int64_t end, float* st) {
-  mamba2_extend_units<S, kN>(xbc, dt, A, D, ssm, y, e, heads, p, groups, n, begin, end, st);
-}
-
-template <typename S, int kN>
-void mamba2_extend_units_baseline(const float* xbc, const float* dt, const float* A, const float* D, S* ssm,
-                                  float* y, const Extend& e, int64_t heads, int64_t p, int64_t groups, int64_t n,
-                                  int64_t begin, int64_t end, float* st) {
-  mamba2_extend_units<S, kN>(xbc, dt, A, D, ssm, y, e, heads, p, groups, n, begin, end, st);
-}
-
 template <typename S>
 void mamba2_extend_impl(const float* xbc, const float* dt, const float* A, const float* D, S* ssm, float* y,
                         const Extend& e, int64_t heads, int64_t p, int64_t groups, int64_t n) {
@@ -635,10 +550,8 @@ void mamba2_extend_impl(const float* xbc, const float* dt, const float* A, const
     std::vector<float> st(p * n);
     with_row_length(n, [&](auto kN) {
       constexpr int K = decltype(kN)::value;
-      if (avx2)
-        mamba2_extend_units_avx2<S, K>(xbc, dt, A, D, ssm, y, e, heads, p, groups, n, begin, end, st.data());
-      else
-        mamba2_extend_units_baseline<S, K>(xbc, dt, A, D, ssm, y, e, heads, p, groups, n, begin, end, st.data());
+      sgl_cpu::run_twin<mamba2_extend_units<S, K>>(avx2, xbc, dt, A, D, ssm, y, &e, heads, p, groups, n, begin, end,
+                                                   st.data());
     });
   });
 }

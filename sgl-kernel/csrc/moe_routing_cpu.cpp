@@ -35,6 +35,20 @@ inline int64_t best_free(const float* values, const char* taken, int64_t n) {
   return best;
 }
 
+// Takes the top_k experts of `rank` among those not yet taken (best first, marking them taken): their ids
+// into `ids`, their `weight`s into `ws`. Returns the sum of those weights.
+float pick_top_k(const float* rank, const float* weight, char* taken, int64_t E, int64_t top_k, int64_t* ids,
+                 float* ws) {
+  float kept = 0.0f;
+  for (int64_t j = 0; j < top_k; ++j) {
+    const int64_t e = best_free(rank, taken, E);
+    taken[e] = 1;
+    ids[j] = e;
+    kept += ws[j] = weight[e];
+  }
+  return kept;
+}
+
 void check_logits(const at::Tensor& logits, int64_t top_k, const char* what) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(), what,
               ": logits must be a contiguous float32 [tokens, experts] tensor");
@@ -60,13 +74,7 @@ std::tuple<at::Tensor, at::Tensor> topk_softmax(const at::Tensor& logits, int64_
     for (int64_t e = 0; e < E; ++e) sum += probs[e] = std::exp(l[e] - m);
     for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
     std::fill(taken.begin(), taken.end(), 0);
-    float kept = 0.0f;
-    for (int64_t j = 0; j < top_k; ++j) {
-      const int64_t e = best_free(probs.data(), taken.data(), E);
-      taken[e] = 1;
-      is[t * top_k + j] = e;
-      kept += ws[t * top_k + j] = probs[e];
-    }
+    const float kept = pick_top_k(probs.data(), probs.data(), taken.data(), E, top_k, is + t * top_k, ws + t * top_k);
     if (renormalize)
       for (int64_t j = 0; j < top_k; ++j) ws[t * top_k + j] /= kept;
   }
@@ -120,13 +128,8 @@ std::tuple<at::Tensor, at::Tensor> biased_grouped_topk(const at::Tensor& logits,
       group_taken[g] = 1;
       std::fill(taken.begin() + g * group_size, taken.begin() + (g + 1) * group_size, 0);
     }
-    float kept = 0.0f;
-    for (int64_t j = 0; j < top_k; ++j) {
-      const int64_t e = best_free(biased.data(), taken.data(), E);
-      taken[e] = 1;
-      is[t * top_k + j] = e;
-      kept += ws[t * top_k + j] = scores[e];
-    }
+    const float kept =
+        pick_top_k(biased.data(), scores.data(), taken.data(), E, top_k, is + t * top_k, ws + t * top_k);
     const float factor = static_cast<float>(scaling);
     for (int64_t j = 0; j < top_k; ++j) {
       float& w = ws[t * top_k + j];
