@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.mamba_tree import common_prefix_len
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mem_cache_sim import MemCacheSim
 
@@ -243,3 +244,26 @@ TestCacheMachine.settings = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+
+
+def _common_prefix_by_element(a: list[int], b: list[int], start: int, limit: int) -> int:
+    n = 0
+    while n < limit and a[n] == b[start + n]:
+        n += 1
+    return n
+
+
+# Two-token alphabets and lengths past the 64-token first block: matches end anywhere, inside blocks
+# that grew to 128 or 256 and in the halving that finds the difference.
+long_keys = st.lists(st.integers(0, 1), max_size=600)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(a=long_keys, shared=st.integers(0, 600), tail=long_keys, start=st.integers(0, 3))
+def test_common_prefix_len_is_the_elementwise_match(a, shared, tail, start):
+    b = [7] * start + a[:shared] + tail
+    limit = min(len(a), len(b) - start)
+    expected = _common_prefix_by_element(a, b, start, limit)
+    assert common_prefix_len(a, b, start, limit) == expected
+    # A tuple beside a list never compares equal as a slice: still the right answer, element by element.
+    assert common_prefix_len(tuple(a), b, start, limit) == expected

@@ -129,6 +129,28 @@ class LRUList:
             node = after
 
 
+def common_prefix_len(a: list[int], b: list[int], start: int, limit: int) -> int:
+    """How many of a[:limit] equal b[start:start + limit], counted from the front. Blocks are compared
+    as list slices (one C loop each; a 2,000-token key took ~100 us element by element in Python):
+    a block that matches doubles the next one, one that does not is halved, and blocks of 16 or fewer
+    tokens are compared one by one."""
+    n, block = 0, 64
+    while n < limit:
+        m = min(block, limit - n)
+        if m > 16:
+            if a[n : n + m] == b[start + n : start + n + m]:
+                n, block = n + m, block * 2
+            else:
+                block = m // 2
+            continue
+        end = n + m
+        while n < end and a[n] == b[start + n]:
+            n += 1
+        if n < end:
+            break
+    return n
+
+
 class MambaTree:
     """The radix structure of `MambaRadixCache`: nodes, the two LRU lists, locks and the size counters
     they move (KV slots and checkpoints, each evictable or protected by a lock). The cache adds what
@@ -153,10 +175,7 @@ class MambaTree:
 
     def _match_len(self, node_key: list[int], key: list[int], start: int) -> int:
         """Common prefix of node_key and key[start:], in whole pages."""
-        n = 0
-        limit = min(len(node_key), len(key) - start)
-        while n < limit and node_key[n] == key[start + n]:
-            n += 1
+        n = common_prefix_len(node_key, key, start, min(len(node_key), len(key) - start))
         return n - n % self.page_size
 
     def _page_aligned(self, n: int) -> int:
