@@ -1,5 +1,7 @@
 """The overlap schedule: real concurrency between the scheduler and the forward stream, and the race it
-must be exact under (a checkpoint handed to the tree by a batch that is still running)."""
+must be exact under (a checkpoint handed to the tree by a batch that is still running). On CPU the
+forward stream runs on the scheduler thread by default; these tests give it its own thread, as on CUDA,
+so that a batch can be held in flight."""
 
 from __future__ import annotations
 
@@ -16,6 +18,12 @@ from sglang.test.scheduler_harness import SchedulerHarness, token_ids
 register_cpu_ci(est_time=15, suite="per-commit-cpu")
 
 PRESET = "tiny-qwen3-next"
+
+
+@pytest.fixture(autouse=True)
+def forward_stream_thread():
+    with envs.SGLANG_CPU_FORWARD_THREAD.override(True):
+        yield
 
 
 def _wait_for(pred, timeout: float) -> bool:

@@ -1,5 +1,6 @@
 """--watchdog-timeout: a forward that does not finish in time is reported with the batch it ran (the
-scheduler process then exits non-zero instead of hanging)."""
+scheduler process then exits non-zero instead of hanging), whether the forward stream is a thread of its
+own or runs on the scheduler thread (the CPU default)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from sglang.srt.managers.scheduler import SchedulerWatchdogError
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
 
-register_cpu_ci(est_time=5, suite="per-commit-cpu")
+register_cpu_ci(est_time=8, suite="per-commit-cpu")
 
 
-def test_stuck_forward_is_reported_with_its_batch():
-    h = SchedulerHarness("tiny-qwen3-next", watchdog_timeout=0.3, disable_overlap_schedule=True)
+@pytest.mark.parametrize("thread", [True, False], ids=["stream-thread", "inline"])
+def test_stuck_forward_is_reported_with_its_batch(thread):
+    with envs.SGLANG_CPU_FORWARD_THREAD.override(thread):
+        h = SchedulerHarness("tiny-qwen3-next", watchdog_timeout=0.3, disable_overlap_schedule=True)
     try:
+        assert h.sched.worker.inline is not thread
         rid = h.submit(token_ids(40, seed=1), max_new_tokens=2)
         with envs.SGLANG_TEST_FORWARD_DELAY_MS.override(1500.0):
             with pytest.raises(SchedulerWatchdogError, match=r"batch 1 \(extend, 1 requests, 40 tokens") as e:

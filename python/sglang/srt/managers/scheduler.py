@@ -12,6 +12,8 @@ import gc
 import logging
 import os
 import sys
+import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -30,7 +32,7 @@ from sglang.srt.mem_cache.common import alloc_for_decode, release_kv_cache
 from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch
+from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class Scheduler(SchedulerIOMixin):
         self.max_req_input_len = min(self.context_len - 1, sizes.max_total_tokens - 1)
         self.enable_overlap = server_args.enable_overlap_schedule
         self.watchdog_timeout = server_args.watchdog_seconds
+        self.running_inline: tuple[ScheduleBatch, float] | None = None  # see `launch`
         self.cow_on_scheduler_thread = envs.SGLANG_TEST_COW_ON_SCHEDULER_THREAD.get()
         self.check_integrity_when_idle = envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get()
         self.idle_checked = False  # the pools were checked since the last step that did work
@@ -273,19 +276,31 @@ class Scheduler(SchedulerIOMixin):
         )
         if self.record_events:
             self.events.append(("launch", batch.batch_id))
-        self.in_flight.append((batch, self.worker.launch(item)))
+        # A forward run on this thread (inline) is watched by `watch_inline_forward` while it runs.
+        self.running_inline = (batch, time.monotonic()) if self.worker.inline else None
+        fut = self.worker.launch(item)
+        self.running_inline = None
+        self.in_flight.append((batch, fut))
+
+    def stuck_forward_message(self, batch: ScheduleBatch) -> str:
+        return (
+            f"The forward of batch {batch.batch_id} ({batch.forward_mode.name.lower()}, "
+            f"{batch.batch_size} requests, {batch.forward_batch.num_tokens} tokens, rids "
+            f"{[r.rid for r in batch.reqs[:8]]}) did not finish within --watchdog-timeout "
+            f"{self.watchdog_timeout:g} s."
+        )
 
     def process_oldest(self) -> None:
         batch, fut = self.in_flight.popleft()
         try:
             result = fut.result(timeout=self.watchdog_timeout).wait(self.watchdog_timeout)
+            if isinstance(fut, RanFuture) and self.watchdog_timeout is not None:
+                # Run on this thread: in a scheduler process `watch_inline_forward` ends one that runs
+                # too long; elsewhere (an in-process scheduler) it is reported once it returns.
+                if fut.seconds > self.watchdog_timeout:
+                    raise TimeoutError
         except (FutureTimeoutError, TimeoutError):
-            raise SchedulerWatchdogError(
-                f"The forward of batch {batch.batch_id} ({batch.forward_mode.name.lower()}, "
-                f"{batch.batch_size} requests, {batch.forward_batch.num_tokens} tokens, rids "
-                f"{[r.rid for r in batch.reqs[:8]]}) did not finish within --watchdog-timeout "
-                f"{self.watchdog_timeout:g} s."
-            ) from None
+            raise SchedulerWatchdogError(self.stuck_forward_message(batch)) from None
         self.result_processor.process_batch_result(batch, result)
         self.processed_batch_id = batch.batch_id
         if self.record_events:
@@ -414,13 +429,31 @@ def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None
             "mamba_scheduler_strategy": server_args.mamba_scheduler_strategy,
         }
     )
+    if sched.worker.inline and sched.watchdog_timeout is not None:
+        threading.Thread(target=watch_inline_forward, args=(sched,), name="watchdog", daemon=True).start()
     try:
         sched.event_loop()
     except SchedulerWatchdogError as e:
-        # The forward stream is stuck: nothing can be shut down cleanly. Exit non-zero at once; the
-        # server sees its scheduler gone and stops.
-        logger.error("Watchdog: %s The scheduler exits.", e)
-        logging.shutdown()
-        os._exit(1)
+        _exit_stuck(str(e))
     finally:
         sched.shutdown()
+
+
+def _exit_stuck(message: str) -> None:
+    """The forward stream is stuck: nothing can be shut down cleanly. Exit non-zero at once; the server
+    sees its scheduler gone and stops."""
+    logger.error("Watchdog: %s The scheduler exits.", message)
+    logging.shutdown()
+    os._exit(1)
+
+
+def watch_inline_forward(sched: Scheduler) -> None:
+    """The watchdog of a forward stream on the scheduler thread (the CPU default): a forward running
+    past --watchdog-timeout ends the process with the batch named, as the wait on a forward thread
+    does. Checks four times per timeout (at most once a second)."""
+    timeout = sched.watchdog_timeout
+    while True:
+        time.sleep(min(timeout / 4, 1.0))
+        running = sched.running_inline
+        if running is not None and time.monotonic() - running[1] > timeout:
+            _exit_stuck(sched.stuck_forward_message(running[0]))

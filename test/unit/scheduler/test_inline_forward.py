@@ -1,0 +1,68 @@
+"""The forward stream on the scheduler thread (the CPU default, `forward_worker.py`): a batch runs at
+launch, the overlap schedule still launches N+1 before it processes N and stays oracle-exact, and a
+forward that raises fails the scheduler where it takes that batch's result, as with a thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sglang.srt.environ import envs
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+
+register_cpu_ci(est_time=8, suite="per-commit-cpu")
+
+PRESET = "tiny-qwen3-next"
+
+
+def test_cpu_default_runs_each_batch_at_launch_on_the_scheduler_thread(oracles):
+    h = SchedulerHarness(PRESET, mamba_scheduler_strategy="extra_buffer_lazy")
+    try:
+        assert h.sched.worker.inline and h.sched.enable_overlap
+        assert not any(t.name == "forward-stream" for t in threading.enumerate() if t.is_alive())
+        ran_on = []
+        h.sched.worker.before_batch_hooks.append(lambda item: ran_on.append(threading.get_ident()))
+        h.sched.record_events = True
+        prompt = token_ids(60, seed=3)
+        rid = h.submit(prompt, max_new_tokens=12)
+        h.run()
+        assert set(ran_on) == {threading.get_ident()}
+        # Overlap: the decode batch N+1 is launched before N is processed.
+        events = h.sched.events
+        assert any(
+            events[i] == ("launch", n + 1) and ("process", n) in events[i + 1 :]
+            for i in range(len(events))
+            for n in range(1, 12)
+        ), events
+        h.check_oracle(oracles[PRESET], prompt, h.outputs[rid])
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+
+
+def test_thread_on_request():
+    with envs.SGLANG_CPU_FORWARD_THREAD.override(True):
+        h = SchedulerHarness(PRESET)
+    try:
+        assert not h.sched.worker.inline and h.sched.worker._thread.is_alive()
+    finally:
+        h.shutdown()
+    assert not h.sched.worker._thread.is_alive()
+
+
+def test_a_forward_that_raises_fails_the_step_that_takes_its_result():
+    h = SchedulerHarness(PRESET, disable_overlap_schedule=True)
+
+    def boom(item):
+        raise RuntimeError("forward exploded")
+
+    try:
+        h.submit(token_ids(40, seed=4), max_new_tokens=2)
+        h.sched.worker.before_batch_hooks.append(boom)
+        with pytest.raises(RuntimeError, match="forward exploded"):
+            h.sched.step()
+    finally:
+        h.sched.worker.before_batch_hooks.clear()
+        h.shutdown()
