@@ -176,10 +176,12 @@ def _check_states(got_pool, want_final, want_inter, slot, snaps, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dk,baseline", [(8, False), (16, False), (16, True)])
-def test_gdn_extend_matches_chunked_torch(ops, dtype, dk, baseline):
-    """dk 16 is compiled as a constant (AVX2 and baseline twins); 8 takes the loop of any length."""
+@pytest.mark.parametrize("dv", [12, 20])
+def test_gdn_extend_matches_chunked_torch(ops, dtype, dk, baseline, dv):
+    """dk 16 is compiled as a constant (AVX2 and baseline twins); 8 takes the loop of any length. Value
+    dims run in blocks of 16 lanes: 20 is one block and a rest of 4, 12 only a rest."""
     torch.manual_seed(5)
-    batch, hk, hv, dv = _Batch(6), 2, 4, 12
+    batch, hk, hv = _Batch(6), 2, 4
     total = batch.cu[-1]
     qkv = torch.randn(total, 2 * hk * dk + hv * dv)
     g, beta = -0.3 * torch.rand(total, hv), torch.rand(total, hv)
@@ -201,11 +203,12 @@ def test_gdn_extend_matches_chunked_torch(ops, dtype, dk, baseline):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,baseline", [(10, False), (16, False), (16, True)])
-def test_mamba2_extend_matches_chunked_torch(ops, dtype, n, baseline):
+@pytest.mark.parametrize("head_dim", [6, 20])
+def test_mamba2_extend_matches_chunked_torch(ops, dtype, n, baseline, head_dim):
     """A state size of 16 is compiled as a constant (AVX2 and baseline twins); 10 takes the loop of any
-    length."""
+    length. Head dims run in blocks of 16 lanes: 20 is one block and a rest of 4, 6 only a rest."""
     torch.manual_seed(7)
-    batch, heads, head_dim, groups = _Batch(8), 4, 6, 2
+    batch, heads, groups = _Batch(8), 4, 2
     total = batch.cu[-1]
     xbc = torch.randn(total, heads * head_dim + 2 * groups * n)
     dt = torch.rand(total, heads) * 0.1 + 0.001
