@@ -13,7 +13,7 @@ Safety rules:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,8 +34,14 @@ class MatchResult:
 
 @dataclass
 class InsertResult:
+    """`prefix_len`: how much of the key the tree held already. `last_node`: the node ending at the key
+    (None for an empty key). `tree_indices`: the tree's KV at positions [prev_prefix_len, prefix_len),
+    which replace the caller's duplicates there (freed by the insert)."""
+
     prefix_len: int
     mamba_exist: bool
+    last_node: Any = None
+    tree_indices: list[int] = field(default_factory=list)
 
 
 @dataclass

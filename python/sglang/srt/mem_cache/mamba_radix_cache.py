@@ -16,6 +16,7 @@ one checkpoint, the operation degrades (no hit, or no checkpoint) and says so to
 from __future__ import annotations
 
 import logging
+import operator
 from typing import TYPE_CHECKING
 
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
@@ -133,22 +134,27 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         path, i = self._walk(key)
         node = path[-1][0] if path else self.root
         duplicates: list[int] = []
+        tree_indices: list[int] = []
         for child, start in path:
-            for pos in range(max(start, prev_prefix_len), start + len(child.key)):
-                assert value[pos] != child.value[pos - start], "the caller passed tree-owned KV as its own"
-                duplicates.append(value[pos])
+            lo = max(start, prev_prefix_len)
+            end = start + len(child.key)
+            if lo < end:
+                mine, theirs = value[lo:end], child.value[lo - start :]
+                assert not any(map(operator.eq, mine, theirs)), "the caller passed tree-owned KV as its own"
+                duplicates += mine
+                tree_indices += theirs
         if duplicates:
             self.token_allocator.free(duplicates)
         if i < len(key):
             node = self._add_leaf(node, key[i:], value[i:], mamba_value)
             self.full_lru.touch_path(node, self.root)
-            return InsertResult(i, False)
+            return InsertResult(i, False, node, tree_indices)
         self.full_lru.touch_path(node, self.root)
         if node.mamba_value is not None:
             self.mamba_lru.touch(node)
-            return InsertResult(i, True)
+            return InsertResult(i, True, node, tree_indices)
         self._set_checkpoint(node, mamba_value)
-        return InsertResult(i, False)
+        return InsertResult(i, False, node, tree_indices)
 
     def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int], mamba_value: int) -> TreeNode:
         node = TreeNode(key, value, parent)
@@ -226,17 +232,17 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         """Insert the request's prefix up to `pos` with the checkpoint `slot` (filled from `copy_from` on
         the forward stream, if given); the request then protects that prefix through the tree."""
         protected = req.cache_protected_len
-        key = req.all_ids[:pos]
-        res = self.insert(key, req.kv_indices[:pos], slot, protected)
+        res = self.insert(req.all_ids[:pos], req.kv_indices[:pos], slot, protected)
         if res.mamba_exist:
             self.mamba_allocator.free([slot])
         elif copy_from is not None:
             self.pending_state_copies.append((copy_from, slot))
-        match = self.match_prefix(key)
-        node = match.last_device_node
-        assert len(match.device_indices) == pos and node.mamba_value is not None
-        if req.kv_indices[protected:pos] != match.device_indices[protected:]:
-            req.kv_indices[protected:pos] = match.device_indices[protected:]
+        node = res.last_node
+        assert node is not None and node.mamba_value is not None
+        if res.tree_indices:
+            # The tree's KV replaces the duplicates the insert freed (the rest of the key is now the
+            # request's own KV in the tree).
+            req.kv_indices[protected : protected + len(res.tree_indices)] = res.tree_indices
             req.mark_req_to_token_dirty(protected)
         self._release_lock(req)
         self.inc_lock_ref(node)
