@@ -176,10 +176,10 @@ def _check_states(got_pool, want_final, want_inter, slot, snaps, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dk,baseline", [(8, False), (16, False), (16, True)])
-@pytest.mark.parametrize("dv", [12, 20])
+@pytest.mark.parametrize("dv", [12, 36])
 def test_gdn_extend_matches_chunked_torch(ops, dtype, dk, baseline, dv):
     """dk 16 is compiled as a constant (AVX2 and baseline twins); 8 takes the loop of any length. Value
-    dims run in blocks of 16 lanes: 20 is one block and a rest of 4, 12 only a rest."""
+    dims run in blocks of 16 lanes: 36 is two blocks and a rest of 4, 12 only a rest."""
     torch.manual_seed(5)
     batch, hk, hv = _Batch(6), 2, 4
     total = batch.cu[-1]
@@ -203,10 +203,10 @@ def test_gdn_extend_matches_chunked_torch(ops, dtype, dk, baseline, dv):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,baseline", [(10, False), (16, False), (16, True)])
-@pytest.mark.parametrize("head_dim", [6, 20])
+@pytest.mark.parametrize("head_dim", [6, 36])
 def test_mamba2_extend_matches_chunked_torch(ops, dtype, n, baseline, head_dim):
     """A state size of 16 is compiled as a constant (AVX2 and baseline twins); 10 takes the loop of any
-    length. Head dims run in blocks of 16 lanes: 20 is one block and a rest of 4, 6 only a rest."""
+    length. Head dims run in blocks of 16 lanes: 36 is two blocks and a rest of 4, 6 only a rest."""
     torch.manual_seed(7)
     batch, heads, groups = _Batch(8), 4, 2
     total = batch.cu[-1]

@@ -12,6 +12,7 @@ pools are full again.
 from __future__ import annotations
 
 import os
+from array import array
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -265,5 +266,8 @@ def test_common_prefix_len_is_the_elementwise_match(a, shared, tail, start):
     limit = min(len(a), len(b) - start)
     expected = _common_prefix_by_element(a, b, start, limit)
     assert common_prefix_len(a, b, start, limit) == expected
-    # A tuple beside a list never compares equal as a slice: still the right answer, element by element.
+    # As the tree walks: int64 arrays on both sides (the block compares are memcmps).
+    assert common_prefix_len(array("q", a), array("q", b), start, limit) == expected
+    # Slices of different types never compare equal: still the right answer, element by element.
+    assert common_prefix_len(array("q", a), b, start, limit) == expected
     assert common_prefix_len(tuple(a), b, start, limit) == expected

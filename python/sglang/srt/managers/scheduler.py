@@ -278,8 +278,10 @@ class Scheduler(SchedulerIOMixin):
             self.events.append(("launch", batch.batch_id))
         # A forward run on this thread (inline) is watched by `watch_inline_forward` while it runs.
         self.running_inline = (batch, time.monotonic()) if self.worker.inline else None
-        fut = self.worker.launch(item)
-        self.running_inline = None
+        try:
+            fut = self.worker.launch(item)
+        finally:
+            self.running_inline = None
         self.in_flight.append((batch, fut))
 
     def stuck_forward_message(self, batch: ScheduleBatch) -> str:
