@@ -48,6 +48,48 @@ class SnapshotTracker(Protocol):
 
 
 class Req:
+    # Slots, not a __dict__: the scheduler touches a few of these per request at every step, and a
+    # compact object keeps them in fewer cache lines (the forward runs on the same core on CPU).
+    __slots__ = (
+        "rid",
+        "origin_input_ids",
+        "output_ids",
+        "sampling_params",
+        "return_logprob",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "stream",
+        "created_time",
+        "bootstrap",
+        "fill_ids",
+        "finished_reason",
+        "last_token_ref",
+        "num_inflight",
+        "inflight_tokens",
+        "req_pool_idx",
+        "kv_indices",
+        "cache_protected_len",
+        "last_node",
+        "req_to_token_dirty_from",
+        "cached_tokens",
+        "admitted_once",
+        "mamba_pool_idx",
+        "mamba_ping_pong_track_buffer",
+        "mamba_next_track_idx",
+        "mamba_last_track_seqlen",
+        "mamba_branching_seqlen",
+        "mamba_cow_src_index",
+        "mamba_needs_clear",
+        "mamba_lazy_is_insert",
+        "mamba_extra_snapshots",
+        "output_token_logprobs",
+        "output_top_logprobs",
+        "input_token_logprobs",
+        "input_top_logprobs",
+        "send_offset",
+        "input_logprobs_sent",
+    )
+
     def __init__(
         self,
         rid: str,

@@ -13,7 +13,7 @@ class SamplingParamsError(ValueError):
     """Bad sampling input; the message names the field (HTTP 400)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingParams:
     max_new_tokens: int = 128
     min_new_tokens: int = 0
