@@ -379,7 +379,8 @@ inline __attribute__((always_inline)) void conv_extend_rows(const float* x, S* s
         for (int64_t c = 0; c < channels; ++c) dst[c * keep + j] = static_cast<S>(r[c]);
       }
     };
-    for (int64_t m = e.snap_ptr[b]; m < e.snap_ptr[b + 1]; ++m) write(state + e.snap_slot[m] * channels * keep, e.snap_off[m]);
+    for (int64_t m = e.snap_ptr[b]; m < e.snap_ptr[b + 1]; ++m)
+      write(state + e.snap_slot[m] * channels * keep, e.snap_off[m]);
     write(st, len);
   }
 }
@@ -435,6 +436,39 @@ inline __attribute__((always_inline)) void store_transposed(S* dst, const float*
     for (int64_t j = 0; j < n; ++j) dst[i * n + j] = static_cast<S>(st[j * p + i]);
 }
 
+// The (sequence, head) units [begin, end) of an extend whose per-head state, [lanes, rows] in the pool, is held
+// transposed in `st` (rows of lanes: load_transposed). Each unit loads it from its running slot, runs
+// `token(h, tok)` over its tokens in order, stores it into each snapshot slot at its offset and last back into
+// the running slot. Always inlined, as `token` must be, so each caller compiles both for its own instruction set.
+template <typename S, typename Token>
+inline __attribute__((always_inline)) void transposed_state_units(const Extend& e, S* ssm, int64_t heads,
+                                                                  int64_t lanes, int64_t rows, int64_t begin,
+                                                                  int64_t end, float* st, Token&& token) {
+  const int64_t size = lanes * rows;
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t b = u / heads, h = u % heads, start = e.cu[b], len = e.cu[b + 1] - start;
+    S* running = ssm + (e.slots[b] * heads + h) * size;
+    load_transposed(st, running, lanes, rows);
+    int64_t m = e.snap_ptr[b];
+    for (int64_t t = 0; t < len; ++t) {
+      token(h, start + t);
+      for (; m < e.snap_ptr[b + 1] && e.snap_off[m] == t + 1; ++m)
+        store_transposed(ssm + (e.snap_slot[m] * heads + h) * size, st, lanes, rows);
+    }
+    store_transposed(running, st, lanes, rows);
+  }
+}
+
+// block(kW, i0, w) over lanes [0, lanes): blocks of 16 with kW = 16 (a constant: the block's accumulators stay
+// in registers), then the rest with kW = 0 and w < 16.
+template <typename Block>
+inline __attribute__((always_inline)) void for_lane_blocks(int64_t lanes, Block&& block) {
+  constexpr int kLanes = 16;
+  int64_t i0 = 0;
+  for (; i0 + kLanes <= lanes; i0 += kLanes) block(std::integral_constant<int, kLanes>(), i0, kLanes);
+  if (i0 < lanes) block(std::integral_constant<int, 0>(), i0, lanes - i0);
+}
+
 // One token of a GDN value head over value lanes [i0, i0 + w) of a transposed state (st[j * dv + i] =
 // state[i][j]; kW > 0: w as a constant, whose accumulators stay in registers): the state decays, its read
 // along k gives the delta of each value lane, the delta along k is added, and the read along q is the output.
@@ -475,42 +509,31 @@ inline __attribute__((always_inline)) void gdn_token_lanes(float* st, const floa
 }
 
 // (sequence, value head) units [begin, end) of a GDN extend; kDk > 0 is the key dim as a constant (see
-// with_row_length). `scratch`: 2 * dk + dv * dk floats, q, k and the state transposed (gdn_token_lanes, in
-// blocks of 16 value lanes: an extend of 16 x 256 tokens, 4 heads of 16 x 16, 2.0-2.4 -> 1.1-1.2 ms per layer). Always inlined, so each caller compiles
-// it for its own instruction set.
+// with_row_length). `scratch`: 2 * dk + dv * dk floats, q, k and the state transposed (gdn_token_lanes: an
+// extend of 16 x 256 tokens, 4 heads of 16 x 16, 2.0-2.4 -> 1.1-1.2 ms per layer). Always inlined, so each
+// caller compiles it for its own instruction set.
 template <typename S, int kDk>
 inline __attribute__((always_inline)) void gdn_extend_units(const float* qkv, const float* g, const float* beta,
                                                             S* ssm, float* out, const Extend* extend, int64_t hk,
                                                             int64_t hv, int64_t dk_arg, int64_t dv, int64_t begin,
                                                             int64_t end, float* scratch) {
-  constexpr int kLanes = 16;
-  const Extend& e = *extend;
   const int64_t dk = kDk > 0 ? kDk : dk_arg;
-  const int64_t stride = 2 * hk * dk + hv * dv, ratio = hv / hk, size = dv * dk;
+  const int64_t stride = 2 * hk * dk + hv * dv, ratio = hv / hk;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
   float *q = scratch, *k = scratch + dk, *st = scratch + 2 * dk;
-  for (int64_t u = begin; u < end; ++u) {
-    const int64_t b = u / hv, h = u % hv, kh = h / ratio, start = e.cu[b], len = e.cu[b + 1] - start;
-    S* running = ssm + (e.slots[b] * hv + h) * size;
-    load_transposed(st, running, dv, dk);
-    int64_t m = e.snap_ptr[b];
-    for (int64_t t = 0; t < len; ++t) {
-      const int64_t tok = start + t;
-      const float* base = qkv + tok * stride;
-      l2norm_into(base + kh * dk, q, dk, q_scale);
-      l2norm_into(base + hk * dk + kh * dk, k, dk, 1.0f);
-      const float* v = base + 2 * hk * dk + h * dv;
-      const float decay = std::exp(g[tok * hv + h]), bt = beta[tok * hv + h];
-      float* o = out + (tok * hv + h) * dv;
-      int64_t i0 = 0;
-      for (; i0 + kLanes <= dv; i0 += kLanes) gdn_token_lanes<kLanes>(st, q, k, v, decay, bt, o, dv, dk, i0, kLanes);
-      for (; i0 < dv; i0 += kLanes)
-        gdn_token_lanes<0>(st, q, k, v, decay, bt, o, dv, dk, i0, std::min<int64_t>(kLanes, dv - i0));
-      for (; m < e.snap_ptr[b + 1] && e.snap_off[m] == t + 1; ++m)
-        store_transposed(ssm + (e.snap_slot[m] * hv + h) * size, st, dv, dk);
-    }
-    store_transposed(running, st, dv, dk);
-  }
+  transposed_state_units(*extend, ssm, hv, dv, dk, begin, end, st,
+                         [&](int64_t h, int64_t tok) __attribute__((always_inline)) {
+    const int64_t kh = h / ratio;
+    const float* base = qkv + tok * stride;
+    l2norm_into(base + kh * dk, q, dk, q_scale);
+    l2norm_into(base + hk * dk + kh * dk, k, dk, 1.0f);
+    const float* v = base + 2 * hk * dk + h * dv;
+    const float decay = std::exp(g[tok * hv + h]), bt = beta[tok * hv + h];
+    float* o = out + (tok * hv + h) * dv;
+    for_lane_blocks(dv, [&](auto kW, int64_t i0, int64_t w) __attribute__((always_inline)) {
+      gdn_token_lanes<decltype(kW)::value>(st, q, k, v, decay, bt, o, dv, dk, i0, w);
+    });
+  });
 }
 
 template <typename S>
@@ -576,43 +599,30 @@ inline __attribute__((always_inline)) void mamba2_token_lanes(float* st, const f
 }
 
 // (sequence, head) units [begin, end) of a Mamba2 extend; kN > 0 is the state size as a constant. `st`: p * n
-// floats, the state transposed (load_transposed), so that the update and y both run along the head dim with
-// B[j] and C[j] broadcast, in blocks of 16 lanes held in registers: no horizontal sum per state row (an extend
-// of 16 x 256 tokens, 8 heads of 16 x 16: 4.2-4.5 -> 1.3-1.5 ms per layer). Always inlined, so each caller compiles it for its own
-// instruction set.
+// floats, the state transposed, so that the update and y both run along the head dim with B[j] and C[j]
+// broadcast (mamba2_token_lanes: an extend of 16 x 256 tokens, 8 heads of 16 x 16, 4.2-4.5 -> 1.3-1.5 ms per
+// layer). Always inlined, so each caller compiles it for its own instruction set.
 template <typename S, int kN>
 inline __attribute__((always_inline)) void mamba2_extend_units(const float* xbc, const float* dt, const float* A,
                                                                const float* D, S* ssm, float* y, const Extend* extend,
                                                                int64_t heads, int64_t p, int64_t groups,
                                                                int64_t n_arg, int64_t begin, int64_t end,
                                                                float* st) {
-  constexpr int kLanes = 16;
-  const Extend& e = *extend;
   const int64_t n = kN > 0 ? kN : n_arg;
-  const int64_t stride = heads * p + 2 * groups * n, per_group = heads / groups, size = p * n;
-  for (int64_t u = begin; u < end; ++u) {
-    const int64_t b = u / heads, h = u % heads, grp = h / per_group, start = e.cu[b], len = e.cu[b + 1] - start;
-    S* running = ssm + (e.slots[b] * heads + h) * size;
-    load_transposed(st, running, p, n);
-    int64_t m = e.snap_ptr[b];
-    for (int64_t t = 0; t < len; ++t) {
-      const int64_t tok = start + t;
-      const float* base = xbc + tok * stride;
-      const float* x = base + h * p;
-      const float* B = base + heads * p + grp * n;
-      const float* C = base + heads * p + groups * n + grp * n;
-      const float step = dt[tok * heads + h], decay = std::exp(step * A[h]);
-      float* yo = y + (tok * heads + h) * p;
-      int64_t i0 = 0;
-      for (; i0 + kLanes <= p; i0 += kLanes)
-        mamba2_token_lanes<kLanes>(st, x, B, C, step, decay, D[h], yo, p, n, i0, kLanes);
-      for (; i0 < p; i0 += kLanes)
-        mamba2_token_lanes<0>(st, x, B, C, step, decay, D[h], yo, p, n, i0, std::min<int64_t>(kLanes, p - i0));
-      for (; m < e.snap_ptr[b + 1] && e.snap_off[m] == t + 1; ++m)
-        store_transposed(ssm + (e.snap_slot[m] * heads + h) * size, st, p, n);
-    }
-    store_transposed(running, st, p, n);
-  }
+  const int64_t stride = heads * p + 2 * groups * n, per_group = heads / groups;
+  transposed_state_units(*extend, ssm, heads, p, n, begin, end, st,
+                         [&](int64_t h, int64_t tok) __attribute__((always_inline)) {
+    const int64_t grp = h / per_group;
+    const float* base = xbc + tok * stride;
+    const float* x = base + h * p;
+    const float* B = base + heads * p + grp * n;
+    const float* C = base + heads * p + groups * n + grp * n;
+    const float step = dt[tok * heads + h], decay = std::exp(step * A[h]);
+    float* yo = y + (tok * heads + h) * p;
+    for_lane_blocks(p, [&](auto kW, int64_t i0, int64_t w) __attribute__((always_inline)) {
+      mamba2_token_lanes<decltype(kW)::value>(st, x, B, C, step, decay, D[h], yo, p, n, i0, w);
+    });
+  });
 }
 
 template <typename S>

@@ -12,8 +12,9 @@
 //
 // The layer's shared expert, where given (shared_w13t [H, Rs] and shared_w2t [Is, H], the same layout for one
 // expert with its own intermediate size, the same gating and activation), is one more expert serving every
-// token (its tokens split into tasks of kSharedChunk): out[t] += g[t] * w2s act(w13s x[t]), added after the routed terms, with g[t] = sigmoid(shared_gate
-// . x[t]) (shared_gate [H], Qwen3-Next's shared_expert_gate) or 1. In torch that is 6-8 more ops per layer.
+// token (its tokens split into tasks of kSharedChunk): out[t] += g[t] * w2s act(w13s x[t]), added after the
+// routed terms, with g[t] = sigmoid(shared_gate . x[t]) (shared_gate [H], Qwen3-Next's shared_expert_gate) or 1.
+// In torch that is 6-8 more ops per layer.
 //
 // The torch path sorts the assignments by expert and runs two grouped GEMMs over them plus ~15 small ops
 // (`RoutedExperts.forward_device`); torch's CPU grouped GEMM is a loop of one `mm` per expert through the
