@@ -43,6 +43,8 @@ class FinishChecker:
 
     def check_finished(self, req: Req) -> None:
         """Set `req.finished_reason` if its newest output token ends it."""
+        if req.finish_token_ids is None:
+            self.set_quick_check(req)
         sp = req.sampling_params
         n = len(req.output_ids)
         if n >= sp.max_new_tokens:
@@ -60,6 +62,20 @@ class FinishChecker:
                     return
         if len(req.origin_input_ids) + n >= self.context_len:  # req.seqlen
             req.finished_reason = {"type": "length", "length": n}
+
+    def set_quick_check(self, req: Req) -> None:
+        """What a decode step's result loop tests before calling `check_finished` (one length compare
+        and one set lookup per request instead of the call): the output length from which a length
+        limit or a stop string may end `req`, and the token ids that may stop it."""
+        sp = req.sampling_params
+        ids = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            ids |= self.eos_token_ids
+        req.finish_token_ids = frozenset(ids)
+        if sp.stop or sp.stop_regex:
+            req.finish_check_len = 0  # the output's text is searched after every token
+        else:
+            req.finish_check_len = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
 
     def match_stop_string(self, req: Req) -> str | None:
         """The stop string in the output's tail, else the stop regex (its pattern, as upstream reports

@@ -26,14 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, SamplingBatchInfo
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, SamplingBatchInfo, host_int64
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import BootstrapInfo
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
 
 class SnapshotTracker(Protocol):
@@ -63,6 +67,8 @@ class Req:
         "bootstrap",
         "fill_ids",
         "finished_reason",
+        "finish_check_len",
+        "finish_token_ids",
         "last_token_ref",
         "num_inflight",
         "inflight_tokens",
@@ -114,6 +120,11 @@ class Req:
         # Lifecycle
         self.fill_ids: list[int] = []  # the tokens the current prefill covers (input + outputs so far)
         self.finished_reason: dict[str, Any] | None = None
+        # Set by `FinishChecker.check_finished` on its first call: below `finish_check_len` output
+        # tokens and for a token not in `finish_token_ids`, the check cannot end the request (0: always
+        # check).
+        self.finish_check_len = 0
+        self.finish_token_ids: frozenset[int] | None = None
         self.last_token_ref: int | None = None  # placeholder of a token sampled by an in-flight batch
         self.num_inflight = 0  # batches in flight that contain this request
         self.inflight_tokens = 0  # tokens those batches will sample for it
@@ -214,30 +225,60 @@ class FutureSlots:
         self.size = size
         self.cursor = 0
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int) -> Sequence[int]:
+        """`n` slots in order: a `range` unless the ring wraps (every batch asks, so no list)."""
         start, size = self.cursor, self.size
         self.cursor = (start + n) % size
         if start + n <= size:
-            return list(range(start, start + n))
+            return range(start, start + n)
         return [(start + i) % size for i in range(n)]
 
 
-class SamplingInfoCache:
-    """The decode batches' sampling parameters, kept while the batch's requests stay the same ones in the
-    same order (every step, between arrivals and finishes): building them costs ~2 us per request per
-    step. A batch gets its own shallow copy, since moving a batch to the device replaces its fields."""
+@dataclasses.dataclass(slots=True)
+class DecodeRows:
+    """A decode batch's per-request values that stay the same from step to step while the same requests
+    decode in the same order: request rows and running slots (lists, and their host tensors by
+    `ForwardBatch` field name), sampling parameters and logprob options."""
 
-    def __init__(self):
-        self._params: list[SamplingParams] = []
-        self._info: SamplingBatchInfo | None = None
+    req_pool_indices: list[int]
+    mamba_pool_indices: list[int]
+    host_tensors: dict[str, torch.Tensor]
+    sampling_info: SamplingBatchInfo
+    return_logprob_mask: list[bool]
+    top_logprobs_nums: list[int]
 
-    def get(self, reqs: list[Req]) -> SamplingBatchInfo:
-        params = [r.sampling_params for r in reqs]
-        # List equality: one C loop that takes the same objects as equal without comparing their fields
-        # (and equal parameters give the same info in any case).
-        if self._info is None or params != self._params:
-            self._params, self._info = params, _sampling_info(params)
-        return dataclasses.replace(self._info)
+    @classmethod
+    def of(cls, reqs: list[Req]) -> DecodeRows:
+        rows = [r.req_pool_idx for r in reqs]
+        slots = [r.mamba_pool_idx for r in reqs]
+        return cls(
+            req_pool_indices=rows,
+            mamba_pool_indices=slots,
+            host_tensors={"req_pool_indices": host_int64(rows), "mamba_pool_indices": host_int64(slots)},
+            sampling_info=_sampling_info([r.sampling_params for r in reqs]),
+            return_logprob_mask=[r.return_logprob for r in reqs],
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+        )
+
+
+class DecodeRowsCache:
+    """The decode batches' `DecodeRows`, kept while the batch's requests are the same ones in the same
+    order (every step, between arrivals and finishes) and no request's row or running slot changed
+    (the request pool's `slot_epoch`): building them costs ~0.2 us per request per step. The rows are
+    shared by the batches that get them; each batch copies what it may change (`prepare_for_decode`)."""
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool):
+        self.pool = req_to_token_pool
+        self._reqs: list[Req] = []
+        self._epoch = -1
+        self._rows: DecodeRows | None = None
+
+    def get(self, reqs: list[Req]) -> DecodeRows:
+        epoch = self.pool.slot_epoch
+        # List equality: one C loop over the request objects (compared by identity).
+        if self._rows is None or epoch != self._epoch or reqs != self._reqs:
+            self._reqs, self._epoch, self._rows = list(reqs), epoch, DecodeRows.of(reqs)
+        return self._rows
 
 
 def _sampling_info(params: list[SamplingParams]) -> SamplingBatchInfo:
@@ -264,7 +305,7 @@ class ScheduleBatch:
         self.batch_id = batch_id
         self.sample_rows: list[bool] = []
         self.completes_prefill: list[bool] = []  # the row computes the last input position
-        self.future_slots: list[int] | None = None
+        self.future_slots: Sequence[int] | None = None
         self.pending_tracks: list[tuple[Req, int, int]] = []
         self.prepend_none: list[bool] = []  # the first input token's logprob (none exists) goes first
         self.state_copies: list[tuple[int, int]] = []
@@ -362,20 +403,20 @@ class ScheduleBatch:
 
     def prepare_for_decode(
         self,
+        out_cache_loc: list[int],
         tracker: SnapshotTracker,
         tree_cache: BasePrefixCache,
         future_slots: FutureSlots,
-        sampling_cache: SamplingInfoCache | None = None,
+        rows_cache: DecodeRowsCache | None = None,
     ) -> None:
-        """One token per request at position kv_len; its KV slot was allocated by the scheduler.
-        (This runs for every running request at every step: comprehensions over the requests, not one
-        loop of appends, measured ~2x faster at 256 requests.)"""
+        """One token per request at position kv_len - 1; its KV slot, `out_cache_loc[i]`, was allocated
+        by the scheduler (`alloc_for_decode`). (This runs for every running request at every step:
+        comprehensions over the requests, not one loop of appends, measured ~2x faster at 256
+        requests.)"""
         reqs, n = self.reqs, len(self.reqs)
         input_ids = [r.output_ids[-1] if r.last_token_ref is None else r.last_token_ref for r in reqs]
-        self.has_placeholders = any(t < 0 for t in input_ids)
-        kv = [r.kv_indices for r in reqs]
-        out_loc = [k[-1] for k in kv]
-        positions_end = [len(k) for k in kv]
+        self.has_placeholders = min(input_ids) < 0
+        positions_end = [len(r.kv_indices) for r in reqs]
         writes = []
         for req in reqs:
             if req.req_to_token_dirty_from is not None:
@@ -384,18 +425,21 @@ class ScheduleBatch:
         self.completes_prefill = [False] * n
         track = self.set_mamba_track_indices_from_reqs(tracker, positions_end)
         self._assign_future_slots(future_slots)
+        rows = rows_cache.get(reqs) if rows_cache is not None else DecodeRows.of(reqs)
         self.forward_batch = ForwardBatch.create(
             self.forward_mode,
             input_ids=input_ids,
-            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            req_pool_indices=rows.req_pool_indices,
             seq_lens=positions_end,
-            out_cache_loc=out_loc,
-            mamba_pool_indices=[r.mamba_pool_idx for r in self.reqs],
+            out_cache_loc=out_cache_loc,
+            mamba_pool_indices=rows.mamba_pool_indices,
             req_to_token_writes=writes,
             **track,
-            sampling_info=sampling_cache.get(self.reqs) if sampling_cache else self._sampling_info(),
-            return_logprob_mask=[r.return_logprob for r in self.reqs],
-            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
+            # Its own shallow copy: moving a batch to the device replaces the info's fields.
+            sampling_info=dataclasses.replace(rows.sampling_info),
+            return_logprob_mask=rows.return_logprob_mask,
+            top_logprobs_nums=rows.top_logprobs_nums,
+            host_tensors=rows.host_tensors,
         )
         self.state_copies = tree_cache.take_pending_state_copies()
 
@@ -442,6 +486,12 @@ class ScheduleBatch:
         """Requests whose sampled token is real get a future slot; later batches read it through a
         placeholder until the result is processed."""
         self.future_slots = future_slots.alloc(len(self.reqs))
+        if self.forward_mode.is_decode():  # every row samples: the short loop (every step, every request)
+            for req, slot in zip(self.reqs, self.future_slots, strict=True):
+                req.num_inflight += 1
+                req.last_token_ref = ~slot
+                req.inflight_tokens += 1
+            return
         for req, slot, real in zip(self.reqs, self.future_slots, self.sample_rows, strict=True):
             req.num_inflight += 1
             if real:

@@ -21,7 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import PortArgs
-from sglang.srt.managers.schedule_batch import FutureSlots, Req, SamplingInfoCache, ScheduleBatch
+from sglang.srt.managers.schedule_batch import DecodeRowsCache, FutureSlots, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
@@ -81,7 +81,7 @@ class Scheduler(SchedulerIOMixin):
         future_size = 8 * self.max_running_requests + 64
         self.worker = ForwardWorker(self.model_runner, future_size)
         self.future_slots = FutureSlots(future_size)
-        self.sampling_cache = SamplingInfoCache()
+        self.rows_cache = DecodeRowsCache(self.req_to_token_pool)
         self.counters = {
             "num_requests_total": 0,
             "num_prompt_tokens_total": 0,
@@ -219,12 +219,17 @@ class Scheduler(SchedulerIOMixin):
         ]
         # One more KV slot each; while the pool (after evicting the tree) cannot give that, retract the
         # newest request.
-        while reqs and not alloc_for_decode(self.tree_cache, self.token_allocator, reqs):
+        out_cache_loc = None
+        while (
+            reqs and (out_cache_loc := alloc_for_decode(self.tree_cache, self.token_allocator, reqs)) is None
+        ):
             self._retract_or_abort(reqs.pop())
         if not reqs:
             return None
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
-        batch.prepare_for_decode(self.tracker, self.tree_cache, self.future_slots, self.sampling_cache)
+        batch.prepare_for_decode(
+            out_cache_loc, self.tracker, self.tree_cache, self.future_slots, self.rows_cache
+        )
         return batch
 
     def _retract_or_abort(self, victim: Req) -> None:

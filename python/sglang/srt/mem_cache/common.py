@@ -77,30 +77,33 @@ def alloc_for_extend(
 
 def alloc_for_decode(
     tree_cache: BasePrefixCache, token_allocator: PagedTokenAllocator, reqs: list[Req]
-) -> bool:
-    """One more KV slot for every request (a fresh page where its last one is full), or nothing. The
-    fresh pages are taken in one allocation, in request order (what `alloc_extend` per request gives):
-    this runs for every running request at every decode step."""
+) -> list[int] | None:
+    """One more KV slot for every request (a fresh page where its last one is full), or nothing (None).
+    Returns the new slots in request order (the step's `out_cache_loc`). The fresh pages are taken in
+    one allocation, in request order (what `alloc_extend` per request gives): this runs for every
+    running request at every decode step."""
     page = token_allocator.page_size
     if page == 1:  # every request opens a page: its slot is the page
         if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=len(reqs)):
-            return False
-        pages = token_allocator.alloc_pages(len(reqs))
-        assert pages is not None, "the pages of this step were made free above"
-        for req, slot in zip(reqs, pages, strict=True):
+            return None
+        slots = token_allocator.alloc_pages(len(reqs))
+        assert slots is not None, "the pages of this step were made free above"
+        for req, slot in zip(reqs, slots, strict=True):
             req.kv_indices.append(slot)
-        return True
+        return slots
     opens_page = [len(r.kv_indices) % page == 0 for r in reqs]
     need = sum(opens_page)
     if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=need):
-        return False
+        return None
     pages = token_allocator.alloc_pages(need)
     assert pages is not None, "the pages of this step were made free above"
     fresh = iter(pages)
+    slots = []
     for req, opens in zip(reqs, opens_page, strict=True):
         kv = req.kv_indices
         kv.append(next(fresh) * page if opens else kv[-1] + 1)
-    return True
+        slots.append(kv[-1])
+    return slots
 
 
 def alloc_mamba_slot(

@@ -28,7 +28,10 @@ logger = logging.getLogger(__name__)
 
 class ReqToTokenPool:
     """Request rows. `req_to_token[row, i]` is the KV slot of position i of the request in `row`;
-    row 0 is padding (padded batch rows point at it)."""
+    row 0 is padding (padded batch rows point at it).
+
+    `slot_epoch` changes whenever some request's row or running slot does (every write to those fields
+    goes through this class): what a decode batch keeps from step to step is valid while it stays."""
 
     def __init__(self, size: int, max_context_len: int, device: str = "cpu"):
         self.size = size
@@ -36,6 +39,7 @@ class ReqToTokenPool:
         self.device = device
         self.req_to_token = torch.zeros(size + 1, max_context_len, dtype=torch.int32, device=device)
         self.free_slots: list[int] = list(range(size, 0, -1))
+        self.slot_epoch = 0
 
     def available_size(self) -> int:
         return len(self.free_slots)
@@ -47,6 +51,7 @@ class ReqToTokenPool:
             return None
         for r in need:
             r.req_pool_idx = self.free_slots.pop()
+        self.slot_epoch += 1
         return [r.req_pool_idx for r in reqs]
 
     def free(self, req: Req) -> None:
@@ -54,6 +59,7 @@ class ReqToTokenPool:
             return
         self.free_slots.append(req.req_pool_idx)
         req.req_pool_idx = None
+        self.slot_epoch += 1
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Forward stream only."""
@@ -61,6 +67,7 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size, 0, -1))
+        self.slot_epoch += 1
 
 
 class MHATokenToKVPool:
@@ -209,17 +216,20 @@ class HybridReqToTokenPool(ReqToTokenPool):
         assert req.mamba_pool_idx is None, f"{req} already has a running slot"
         req.mamba_pool_idx = slot
         req.mamba_needs_clear = needs_clear
+        self.slot_epoch += 1
 
     def free_running_slot(self, req: Req) -> None:
         if req.mamba_pool_idx is not None:
             self.mamba_allocator.free([req.mamba_pool_idx])
             req.mamba_pool_idx = None
+            self.slot_epoch += 1
         req.mamba_needs_clear = False
 
     def donate_running_slot(self, req: Req) -> int:
         """no_buffer: the finished request's running slot becomes a checkpoint; the tree owns it now."""
         slot, req.mamba_pool_idx = req.mamba_pool_idx, None
         assert slot is not None
+        self.slot_epoch += 1
         return slot
 
     def free_mamba_cache(self, req: Req, mamba_ping_pong_track_buffer_to_keep: int | None = None) -> None:
@@ -233,6 +243,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         out += [slot for slot, _ in self.take_extra_snapshots(req)]
         self.mamba_allocator.free(out)
         req.mamba_pool_idx = None
+        self.slot_epoch += 1
         req.mamba_ping_pong_track_buffer = None
         req.mamba_next_track_idx = 0
         req.mamba_needs_clear = False

@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, host_int64
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class LaunchedBatch:
 
     forward_batch: ForwardBatch
     # Future slot of each request's sampled token (None: nothing to store).
-    future_slots: list[int] | None = None
+    future_slots: Sequence[int] | None = None
     # (src, dst) state copies queued by the tree (no_buffer snapshots), run before the batch.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     # Whether input ids hold placeholders (decided on the host: no device check on the way).
@@ -221,7 +221,7 @@ class ForwardWorker:
             src, dst = zip(*item.state_copies, strict=True)
             self.model_runner.req_to_token_pool.mamba_pool.copy_from(list(src), list(dst))
         if item.future_slots:
-            fb.future_slots = torch.tensor(item.future_slots, dtype=torch.int64)
+            fb.future_slots = host_int64(item.future_slots)
         fb.to_device(self.device)
         if item.has_placeholders:
             ids = fb.input_ids

@@ -54,17 +54,17 @@ class BatchResultProcessor:
         self.prefill_handoff: Callable[[Req], None] | None = None
 
     def process_batch_result(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
+        if batch.forward_mode.is_decode():
+            self.process_batch_result_decode(batch, result)
+        else:
+            self.process_batch_result_prefill(batch, result)
+
+    def process_batch_result_prefill(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
         # This runs for every request of every batch: the batch's lists and the checks that do not
         # change between rows are read once.
-        next_ids = result.next_token_ids
-        out_lp = result.next_token_logprobs
         pending = {id(req): (entry, seq) for req, entry, seq in batch.pending_tracks}
-        input_logprobs = batch.is_extend() and result.input_token_logprobs is not None
-        sample_rows, completes_prefill, future_slots = (
-            batch.sample_rows,
-            batch.completes_prefill,
-            batch.future_slots,
-        )
+        input_logprobs = result.input_token_logprobs is not None
+        sample_rows, completes_prefill = batch.sample_rows, batch.completes_prefill
         handoff, check_finished = self.prefill_handoff, self.finisher.check_finished
         touched: list[Req] = []
         generated = 0
@@ -78,15 +78,7 @@ class BatchResultProcessor:
             if input_logprobs:
                 self._add_input_logprobs(req, batch, result, i)
             if sampled:
-                token = next_ids[i]
-                req.output_ids.append(token)
-                if req.last_token_ref == ~future_slots[i]:  # -(slot + 1): no later batch read it yet
-                    req.last_token_ref = None
-                if req.return_logprob and out_lp is not None:
-                    req.output_token_logprobs.append((out_lp[i], token))
-                    tops = result.next_token_top_logprobs
-                    if req.top_logprobs_num and tops is not None and tops[i] is not None:
-                        req.output_top_logprobs.append(list(zip(*tops[i], strict=True)))
+                self._commit_token(req, batch, result, i)
                 generated += 1
             completes = completes_prefill[i]
             if completes and req.bootstrap is not None and handoff is not None:
@@ -100,6 +92,52 @@ class BatchResultProcessor:
                 touched.append(req)  # what stream_output may send
         self.counters["num_generation_tokens_total"] += generated
         self.stream_output(touched)
+
+    def process_batch_result_decode(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
+        """`process_batch_result_prefill` for a batch whose every row sampled a token and none has
+        input logprobs: this runs for every running request at every step, so its loop is the short
+        one, and `check_finished` runs only where the quick check (`set_quick_check`) says it may end
+        the request."""
+        pending = {id(req): (entry, seq) for req, entry, seq in batch.pending_tracks}
+        check_finished, logprobs = self.finisher.check_finished, result.next_token_logprobs is not None
+        touched: list[Req] = []
+        generated = 0
+        rows = zip(batch.reqs, result.next_token_ids, batch.future_slots, strict=True)
+        for i, (req, token, slot) in enumerate(rows):
+            req.num_inflight -= 1
+            req.inflight_tokens -= 1
+            if req.finished_reason is not None:
+                continue
+            generated += 1
+            out = req.output_ids
+            out.append(token)
+            if req.last_token_ref == ~slot:  # -(slot + 1): no later batch read it yet
+                req.last_token_ref = None
+            if logprobs and req.return_logprob:
+                self._append_output_logprobs(req, result, i, token)
+            if len(out) >= req.finish_check_len or token in req.finish_token_ids:
+                check_finished(req)
+            if pending or req.finished_reason is not None:
+                self._handle_finish_state_updated_req(req, pending.get(id(req)))
+            if req.stream or req.finished_reason is not None:
+                touched.append(req)  # what stream_output may send
+        self.counters["num_generation_tokens_total"] += generated
+        self.stream_output(touched)
+
+    def _commit_token(self, req: Req, batch: ScheduleBatch, result: HostBatchResult, i: int) -> None:
+        token = result.next_token_ids[i]
+        req.output_ids.append(token)
+        if req.last_token_ref == ~batch.future_slots[i]:  # -(slot + 1): no later batch read it yet
+            req.last_token_ref = None
+        if req.return_logprob and result.next_token_logprobs is not None:
+            self._append_output_logprobs(req, result, i, token)
+
+    @staticmethod
+    def _append_output_logprobs(req: Req, result: HostBatchResult, i: int, token: int) -> None:
+        req.output_token_logprobs.append((result.next_token_logprobs[i], token))
+        tops = result.next_token_top_logprobs
+        if req.top_logprobs_num and tops is not None and tops[i] is not None:
+            req.output_top_logprobs.append(list(zip(*tops[i], strict=True)))
 
     # ---- finish ------------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ import torch
 from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend, causal_conv1d_update
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.srt.mem_cache.memory_pool import MambaPool
+from sglang.srt.model_executor.forward_batch_info import host_int64
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -334,10 +335,6 @@ def _extend_layout(seqs: list[ExtendSeq]) -> tuple[list[int], list[int], list[tu
     return cu, [s.slot for s in seqs], snaps
 
 
-def _long(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
 def _cpu_extend_args(seqs: list[ExtendSeq]) -> tuple[torch.Tensor, ...]:
     """The C++ extend ops' description: (cu_seqlens, slots, snap_ptr, snap_offset, snap_slot), with each
     sequence's snapshots behind snap_ptr."""
@@ -347,11 +344,11 @@ def _cpu_extend_args(seqs: list[ExtendSeq]) -> tuple[torch.Tensor, ...]:
         ptr[seq_index + 1] += 1
     ptr = list(itertools.accumulate(ptr))
     return (
-        _long(cu),
-        _long(slots),
-        _long(ptr),
-        _long([o for _, o, _ in snaps]),
-        _long([s for _, _, s in snaps]),
+        host_int64(cu),
+        host_int64(slots),
+        host_int64(ptr),
+        host_int64([o for _, o, _ in snaps]),
+        host_int64([s for _, _, s in snaps]),
     )
 
 
@@ -364,7 +361,7 @@ def _triton_extend_args(
 
     cu, slots, snaps = _extend_layout(seqs)
     columns = [[e[k] for e in snaps] for k in range(3)]
-    moved = move_to_device([_long(v) for v in (cu, slots, *columns)], device)
+    moved = move_to_device([host_int64(v) for v in (cu, slots, *columns)], device)
     return moved[0], moved[1], tuple(moved[2:]), max((s.length for s in seqs), default=0)
 
 
@@ -383,7 +380,7 @@ def _varlen_args(seqs: list[ExtendSeq], chunk_size: int, device: torch.device) -
                 # t.offset is a multiple of the kernel chunk, which chunk_size divides.
                 inter.append((first[i] + t.offset // chunk_size, t.slot))
     columns = [[r for r, _ in inter], [s for _, s in inter], [r for r, _ in final], [s for _, s in final]]
-    moved = move_to_device([_long(cu), *(_long(c) for c in columns)], device)
+    moved = move_to_device([host_int64(cu), *(host_int64(c) for c in columns)], device)
     return VarlenExtend(moved[0], cu, *moved[1:])
 
 

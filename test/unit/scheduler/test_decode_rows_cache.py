@@ -1,0 +1,142 @@
+"""The decode batches' per-request constants (`DecodeRowsCache`): reused while the same requests decode
+in the same order and no request's row or running slot changed, rebuilt when one arrives, leaves, is
+reordered, or has its row or running slot replaced; and through the scheduler, every decode batch's rows
+equal the ones read fresh from its requests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from sglang.srt.managers.schedule_batch import DecodeRows, DecodeRowsCache, Req
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+
+register_cpu_ci(est_time=8, suite="per-commit-cpu")
+
+
+class _Pool(ReqToTokenPool):
+    """Rows from a real request pool; running slots set by hand through the epoch, as the hybrid pool
+    sets them."""
+
+    def __init__(self):
+        super().__init__(8, 16)
+
+    def set_slot(self, req: Req, slot: int) -> None:
+        req.mamba_pool_idx = slot
+        self.slot_epoch += 1
+
+
+def _req(pool: _Pool, i: int, **params) -> Req:
+    req = Req(str(i), [1, 2, 3], SamplingParams(**params), return_logprob=i % 2 == 1, top_logprobs_num=i)
+    pool.alloc([req])
+    pool.set_slot(req, 10 + i)
+    return req
+
+
+def test_reused_for_the_same_requests_and_rebuilt_when_they_or_their_slots_change():
+    pool = _Pool()
+    cache = DecodeRowsCache(pool)
+    a, b = _req(pool, 0, temperature=0.5, top_k=4), _req(pool, 1, temperature=0.0, sampling_seed=7)
+    first = cache.get([a, b])
+    assert cache.get([a, b]) is first
+    assert first.req_pool_indices == [a.req_pool_idx, b.req_pool_idx]
+    assert first.mamba_pool_indices == [10, 11]
+    assert first.host_tensors["mamba_pool_indices"].tolist() == [10, 11]
+    assert first.sampling_info.temperatures.tolist() == [
+        0.5,
+        0.0,
+    ] and first.sampling_info.top_ks.tolist() == [4, -1]
+    assert first.return_logprob_mask == [False, True] and first.top_logprobs_nums == [0, 1]
+
+    c = _req(pool, 2, temperature=0.75, top_p=0.5)
+    assert cache.get([a, b, c]).sampling_info.temperatures.tolist() == [0.5, 0.0, 0.75]
+    swapped = cache.get([b, a])
+    assert swapped.mamba_pool_indices == [11, 10] and swapped.sampling_info.has_seed.tolist() == [True, False]
+
+    # Same requests, same order, but one running slot replaced (a COW or a fresh slot): rebuilt.
+    before = cache.get([b, a])
+    pool.set_slot(a, 42)
+    after = cache.get([b, a])
+    assert after is not before and after.mamba_pool_indices == [11, 42]
+    assert after.host_tensors["mamba_pool_indices"].tolist() == [11, 42]
+    # A row given back and taken again (a retraction and readmission): rebuilt.
+    pool.free(b)
+    pool.alloc([b])
+    assert cache.get([b, a]) is not after
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
+def test_every_decode_batch_carries_its_requests_current_rows(strategy):
+    """Through admissions, finishes, retractions (a pool too small for everyone) and snapshots, each
+    decode batch's rows equal those read fresh from its requests, and batches do not share the sampling
+    info object a device move would replace fields of."""
+    h = SchedulerHarness(
+        "tiny-nemotron-h",
+        mamba_scheduler_strategy=strategy,
+        max_running_requests=6,
+        max_total_tokens=400,
+        mamba_track_interval=32,
+    )
+    checked, infos = 0, []
+    cached_get, launch = h.sched.rows_cache.get, h.sched.launch
+
+    def checked_get(reqs):
+        nonlocal checked
+        rows = cached_get(reqs)
+        fresh = DecodeRows.of(reqs)
+        assert rows.req_pool_indices == fresh.req_pool_indices
+        assert rows.mamba_pool_indices == fresh.mamba_pool_indices
+        for name, tensor in rows.host_tensors.items():
+            assert torch.equal(tensor, fresh.host_tensors[name]), name
+        for f in dataclasses.fields(fresh.sampling_info):
+            mine, theirs = getattr(rows.sampling_info, f.name), getattr(fresh.sampling_info, f.name)
+            assert torch.equal(mine, theirs) if isinstance(mine, torch.Tensor) else mine == theirs, f.name
+        checked += 1
+        return rows
+
+    def launch_and_record(batch):
+        if batch.forward_mode == ForwardMode.DECODE:
+            infos.append(batch.forward_batch.sampling_info)  # kept alive: ids stay distinct
+        return launch(batch)
+
+    h.sched.rows_cache.get, h.sched.launch = checked_get, launch_and_record
+    try:
+        shared = token_ids(30, seed=1)
+        for k in range(10):
+            h.submit(shared + token_ids(5 + 3 * k, seed=2 + k), max_new_tokens=40 + 8 * k, temperature=0.0)
+        h.sched.run_until_idle()
+        assert h.sched.counters["num_retractions_total"] > 0  # the pool was too small for everyone
+        assert checked > 20 and len({id(i) for i in infos}) == len(infos) == checked
+    finally:
+        h.shutdown()
+
+
+def test_every_write_to_a_row_or_running_slot_moves_the_epoch():
+    """The cache's validity rests on this: the pool is the one writer of `req_pool_idx` and
+    `mamba_pool_idx`, and each of its writes changes `slot_epoch`."""
+    h = SchedulerHarness("tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer_lazy")
+    pool = h.sched.req_to_token_pool
+    req = Req("r", [1, 2, 3], SamplingParams())
+
+    def moves(write) -> bool:
+        before = pool.slot_epoch
+        write()
+        return pool.slot_epoch != before
+
+    try:
+        assert moves(lambda: pool.alloc([req])) and req.mamba_pool_idx is not None
+        assert moves(lambda: pool.free_running_slot(req)) and req.mamba_pool_idx is None
+        slot = pool.mamba_allocator.alloc(1)[0]
+        assert moves(lambda: pool.set_running_slot(req, slot, needs_clear=True))
+        assert moves(lambda: pool.mamba_allocator.free([pool.donate_running_slot(req)]))
+        assert moves(lambda: pool.set_running_slot(req, pool.mamba_allocator.alloc(1)[0], needs_clear=True))
+        assert moves(lambda: pool.free_mamba_cache(req)) and req.mamba_pool_idx is None
+        assert moves(lambda: pool.free(req)) and req.req_pool_idx is None
+    finally:
+        h.shutdown()
