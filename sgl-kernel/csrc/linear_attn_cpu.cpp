@@ -6,6 +6,8 @@
 //   gdn_decode            the Gated DeltaNet step on the pool's SSM state in place: q/k l2-norm, q scale,
 //                         key heads shared by consecutive value heads, gated delta update, S q.
 //   mamba2_decode         the Mamba2 selective state update on the pool's SSM state in place, D skip.
+//   mamba2_mixer_decode   Mamba2's gating, conv update and state update in one call (Nemotron-H's mixer),
+//                         straight from the input projection's slices.
 // Extend (a variable-length batch in one call, with the snapshots the prefix cache asks for):
 //   causal_conv1d_extend, gdn_extend, mamba2_extend (below).
 //
@@ -59,14 +61,14 @@ void check_f32(const at::Tensor& t, const char* what, const char* name) {
 // (the inner loops unroll and GCC vectorises across channels), 0 reads `keep`. Always inlined, so each
 // caller below compiles it for its own instruction set.
 template <typename S, int kKeep>
-inline __attribute__((always_inline)) void conv_update_rows(const float* x, S* state, const int64_t* slots,
-                                                            const float* w, const float* bias, float* out,
-                                                            int64_t begin, int64_t end, int64_t channels,
-                                                            int64_t keep_arg) {
+inline __attribute__((always_inline)) void conv_update_rows(const float* x, int64_t x_stride, S* state,
+                                                            const int64_t* slots, const float* w,
+                                                            const float* bias, float* out, int64_t begin,
+                                                            int64_t end, int64_t channels, int64_t keep_arg) {
   const int64_t keep = kKeep > 0 ? kKeep : keep_arg, width = keep + 1;
   for (int64_t b = begin; b < end; ++b) {
     S* st = state + slots[b] * channels * keep;
-    const float* xb = x + b * channels;
+    const float* xb = x + b * x_stride;
     float* ob = out + b * channels;
     for (int64_t c = 0; c < channels; ++c) {
       S* row = st + c * keep;
@@ -84,18 +86,21 @@ inline __attribute__((always_inline)) void conv_update_rows(const float* x, S* s
   }
 }
 
+// x: bs rows of `channels` floats, `x_stride` apart (a slice of the input projection is fine).
 template <typename S>
-void conv_update_impl(const float* x, S* state, const int64_t* slots, const float* w, const float* bias,
-                      float* out, int64_t bs, int64_t channels, int64_t width) {
+void conv_update_impl(const float* x, int64_t x_stride, S* state, const int64_t* slots, const float* w,
+                      const float* bias, float* out, int64_t bs, int64_t channels, int64_t width) {
   const int64_t keep = width - 1;  // state columns per channel
   const bool avx2 = sgl_cpu::has_avx2();
   at::parallel_for(0, bs, std::max<int64_t>(1, kGrain * 64 / std::max<int64_t>(channels, 1)),
                    [&](int64_t begin, int64_t end) {
     // Width 4 (both presets' and the released models' convs) as a constant; any other as a variable.
     if (keep == 3)
-      sgl_cpu::run_twin<conv_update_rows<S, 3>>(avx2, x, state, slots, w, bias, out, begin, end, channels, keep);
+      sgl_cpu::run_twin<conv_update_rows<S, 3>>(avx2, x, x_stride, state, slots, w, bias, out, begin, end,
+                                                channels, keep);
     else
-      sgl_cpu::run_twin<conv_update_rows<S, 0>>(avx2, x, state, slots, w, bias, out, begin, end, channels, keep);
+      sgl_cpu::run_twin<conv_update_rows<S, 0>>(avx2, x, x_stride, state, slots, w, bias, out, begin, end,
+                                                channels, keep);
   });
 }
 
@@ -115,7 +120,7 @@ at::Tensor causal_conv1d_update(const at::Tensor& x, at::Tensor conv_state, cons
   }
   auto out = at::empty({bs, channels}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, conv_state.scalar_type(), "sgl_kernel_decode", [&] {
-    conv_update_impl<scalar_t>(x.data_ptr<float>(), conv_state.data_ptr<scalar_t>(),
+    conv_update_impl<scalar_t>(x.data_ptr<float>(), channels, conv_state.data_ptr<scalar_t>(),
                                slots.data_ptr<int64_t>(), weight.data_ptr<float>(), b,
                                out.data_ptr<float>(), bs, channels, width);
   });
@@ -691,23 +696,22 @@ std::tuple<at::Tensor, at::Tensor> gdn_gating(const at::Tensor& a, const at::Ten
   return {g, beta};
 }
 
-// Mamba2's time step and decay rate, as the torch form computes them in float32 (Nemotron-H):
-// dt = max(softplus(dt + dt_bias), time_step_min) (softplus with torch's threshold of 20) and A = -exp(A_log).
-// dt [T, H] (strided rows allowed: a slice of the input projection), dt_bias and A_log [H].
-std::tuple<at::Tensor, at::Tensor> mamba2_gating(const at::Tensor& dt, const at::Tensor& dt_bias,
-                                                 const at::Tensor& A_log, double time_step_min) {
-  const char* what = "mamba2_gating";
+void check_mamba2_gating(const at::Tensor& dt, const at::Tensor& dt_bias, const at::Tensor& A_log,
+                         const char* what) {
   TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.dim() == 2 && dt.stride(1) == 1, what,
               ": dt must be a float32 [tokens, heads] tensor with contiguous rows");
-  const int64_t tokens = dt.size(0), heads = dt.size(1);
   check_f32(dt_bias, what, "dt_bias");
   check_f32(A_log, what, "A_log");
-  TORCH_CHECK(dt_bias.numel() == heads && A_log.numel() == heads, what,
+  TORCH_CHECK(dt_bias.numel() == dt.size(1) && A_log.numel() == dt.size(1), what,
               ": dt_bias and A_log need one value per head");
-  auto out = at::empty({tokens, heads}, dt.options());
-  auto A = at::empty({heads}, dt.options());
+}
+
+// dt = max(softplus(dt + dt_bias), time_step_min) into os [tokens, heads] and A = -exp(A_log) into as
+// [heads], for arguments `check_mamba2_gating` passed (see `mamba2_gating`).
+void mamba2_gating_into(const at::Tensor& dt, const at::Tensor& dt_bias, const at::Tensor& A_log,
+                        double time_step_min, float* os, float* as) {
+  const int64_t tokens = dt.size(0), heads = dt.size(1);
   const float *ds = dt.data_ptr<float>(), *bias = dt_bias.data_ptr<float>(), *al = A_log.data_ptr<float>();
-  float *os = out.data_ptr<float>(), *as = A.data_ptr<float>();
   const float floor = static_cast<float>(time_step_min);
   for (int64_t h = 0; h < heads; ++h) as[h] = -std::exp(al[h]);
   for (int64_t t = 0; t < tokens; ++t)
@@ -716,7 +720,72 @@ std::tuple<at::Tensor, at::Tensor> mamba2_gating(const at::Tensor& dt, const at:
       const float softplus = x > 20.0f ? x : std::log1p(std::exp(x));
       os[t * heads + h] = std::max(softplus, floor);
     }
+}
+
+// Mamba2's time step and decay rate, as the torch form computes them in float32 (Nemotron-H):
+// dt = max(softplus(dt + dt_bias), time_step_min) (softplus with torch's threshold of 20) and A = -exp(A_log).
+// dt [T, H] (strided rows allowed: a slice of the input projection), dt_bias and A_log [H].
+std::tuple<at::Tensor, at::Tensor> mamba2_gating(const at::Tensor& dt, const at::Tensor& dt_bias,
+                                                 const at::Tensor& A_log, double time_step_min) {
+  check_mamba2_gating(dt, dt_bias, A_log, "mamba2_gating");
+  auto out = at::empty({dt.size(0), dt.size(1)}, dt.options());
+  auto A = at::empty({dt.size(1)}, dt.options());
+  mamba2_gating_into(dt, dt_bias, A_log, time_step_min, out.data_ptr<float>(), A.data_ptr<float>());
   return {out, A};
+}
+
+// Mamba2's whole decode step after the input projection in one call (Nemotron-H's mixer on CPU): the time
+// step and decay (`mamba2_gating`), the conv update of the pooled conv state (`causal_conv1d_update`) and
+// the selective state update (`mamba2_decode`), each computed as that op computes it, so the results are the
+// three calls' bit for bit. xBC and dt may be slices of the input projection (rows apart, contiguous
+// within); weight, bias and D are float32. Returns y [bs, heads, head_dim].
+at::Tensor mamba2_mixer_decode(const at::Tensor& xBC, const at::Tensor& dt, const at::Tensor& dt_bias,
+                               const at::Tensor& A_log, const at::Tensor& D, double time_step_min,
+                               at::Tensor conv_state, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                               at::Tensor ssm, const at::Tensor& slots, int64_t heads, int64_t head_dim,
+                               int64_t groups, int64_t state_size) {
+  const char* what = "mamba2_mixer_decode";
+  TORCH_CHECK(xBC.scalar_type() == at::kFloat && xBC.dim() == 2 && xBC.stride(1) == 1, what,
+              ": xBC must be a float32 [bs, channels] tensor with contiguous rows");
+  check_f32(weight, what, "weight");
+  check_f32(D, what, "D");
+  const int64_t bs = xBC.size(0), channels = xBC.size(1), width = weight.size(1);
+  TORCH_CHECK(heads > 0 && groups > 0 && heads % groups == 0 &&
+                  channels == heads * head_dim + 2 * groups * state_size,
+              what, ": xBC must be [bs, heads*head_dim + 2*groups*state_size]");
+  check_mamba2_gating(dt, dt_bias, A_log, what);
+  TORCH_CHECK(dt.size(0) == bs && dt.size(1) == heads, what, ": dt must be [bs, heads]");
+  TORCH_CHECK(D.numel() == heads, what, ": D needs one value per head");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == channels, what, ": weight must be [channels, width]");
+  check_slots(slots, bs, conv_state, what);
+  check_slots(slots, bs, ssm, what);
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(1) == channels && conv_state.size(2) == width - 1,
+              what, ": conv_state must be [slots, channels, width - 1]");
+  TORCH_CHECK(ssm.dim() == 4 && ssm.size(1) == heads && ssm.size(2) == head_dim && ssm.size(3) == state_size,
+              what, ": ssm must be [slots, heads, head_dim, state_size]");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, what, "bias");
+    TORCH_CHECK(bias->numel() == channels, what, ": bias needs one value per channel");
+    b = bias->data_ptr<float>();
+  }
+  auto step = at::empty({bs, heads}, xBC.options());
+  auto A = at::empty({heads}, xBC.options());
+  mamba2_gating_into(dt, dt_bias, A_log, time_step_min, step.data_ptr<float>(), A.data_ptr<float>());
+  auto xbc = at::empty({bs, channels}, xBC.options());
+  auto y = at::empty({bs, heads, head_dim}, xBC.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, conv_state.scalar_type(), "sgl_kernel_decode", [&] {
+    conv_update_impl<scalar_t>(xBC.data_ptr<float>(), xBC.stride(0), conv_state.data_ptr<scalar_t>(),
+                               slots.data_ptr<int64_t>(), weight.data_ptr<float>(), b, xbc.data_ptr<float>(), bs,
+                               channels, width);
+  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_decode", [&] {
+    const Mamba2Step<scalar_t> a{xbc.data_ptr<float>(), step.data_ptr<float>(), A.data_ptr<float>(),
+                                 D.data_ptr<float>(), ssm.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
+                                 y.data_ptr<float>(), heads, head_dim, groups, state_size};
+    mamba2_impl(a, bs);
+  });
+  return y;
 }
 
 }  // namespace
@@ -748,6 +817,10 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
 TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   m.def("gdn_gating(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias) -> (Tensor, Tensor)");
   m.def("mamba2_gating(Tensor dt, Tensor dt_bias, Tensor A_log, float time_step_min) -> (Tensor, Tensor)");
+  m.def(
+      "mamba2_mixer_decode(Tensor xBC, Tensor dt, Tensor dt_bias, Tensor A_log, Tensor D, float time_step_min, "
+      "Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor(b!) ssm, Tensor slots, int heads, int head_dim, "
+      "int groups, int state_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
@@ -759,4 +832,5 @@ TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
   m.impl("causal_conv1d_update", &sgl_linear::causal_conv1d_update);
   m.impl("gdn_decode", &sgl_linear::gdn_decode);
   m.impl("mamba2_decode", &sgl_linear::mamba2_decode);
+  m.impl("mamba2_mixer_decode", &sgl_linear::mamba2_mixer_decode);
 }

@@ -1,5 +1,6 @@
 """sgl-kernel's C++ linear-attention ops (`sgl-kernel/csrc/linear_attn_cpu.cpp`) against their torch twins:
-- decode: the conv update, the Gated DeltaNet step and the Mamba2 selective state update;
+- decode: the conv update, the Gated DeltaNet step and the Mamba2 selective state update, and the fused
+  Mamba2 step against those three calls;
 - extend: the conv, GDN and Mamba2 over a variable-length batch (lengths 1, chunk - 1, chunk, chunk + 1
   and more) with snapshots at chunk multiples and at the end, against the per-request chunked torch forms;
 each reading and writing a pool in place through slots given out of order, float32 and bfloat16 pools,
@@ -247,7 +248,10 @@ def test_engine_decodes_alike_with_cpp_and_torch_steps(ops, preset):
     def run(backend: str):
         with envs.SGLANG_CPU_LINEAR_ATTN_BACKEND.override(backend):
             runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
-        assert (runner.attn_backend.linear_attn_backend.cpu_ops is not None) == (backend == "cpp")
+        linear = runner.attn_backend.linear_attn_backend
+        assert (linear.cpu_ops is not None) == (backend == "cpp")
+        if linear.cpu_ops is not None:
+            linear.cpu_ops = _Recording(linear.cpu_ops)
         driver = RunnerDriver(runner)
         reqs = [driver.new_request() for _ in range(3)]
         first = driver.extend(
@@ -259,6 +263,9 @@ def test_engine_decodes_alike_with_cpp_and_torch_steps(ops, preset):
             tokens.append(res.next_token_ids.tolist())
             logprobs.append(res.next_token_logprobs.clone())
         snapshot = runner.mamba_pool.ssm_state[:, reqs[1].track_slot].clone()
+        if backend == "cpp":  # Nemotron-H's decode takes the fused step, Qwen3-Next's the GDN one
+            fused = "mamba2_mixer_decode" in linear.cpu_ops.called
+            assert fused == (preset == "tiny-nemotron-h"), linear.cpu_ops.called
         return tokens, torch.cat(logprobs), snapshot
 
     with_cpp, with_torch = run("cpp"), run("torch")
@@ -266,6 +273,17 @@ def test_engine_decodes_alike_with_cpp_and_torch_steps(ops, preset):
     # Over 8 steps and every layer the two paths' float32 rounding differences compound; measured ~1e-6.
     assert max_abs(with_cpp[1], with_torch[1]) < 1e-4
     assert max_abs(with_cpp[2], with_torch[2]) < 1e-4
+
+
+class _Recording:
+    """The ops namespace, noting which ops are called."""
+
+    def __init__(self, ops):
+        self.ops, self.called = ops, set()
+
+    def __getattr__(self, name):
+        self.called.add(name)
+        return getattr(self.ops, name)
 
 
 def test_bad_extend_descriptions_are_refused(ops):
@@ -321,3 +339,102 @@ def test_mamba2_gating_matches_torch(ops):
         ops.mamba2_gating(dt, dt_bias[:5].contiguous(), A_log, 1e-3)
     with pytest.raises(RuntimeError, match="contiguous rows"):
         ops.mamba2_gating(dt.t(), dt_bias, A_log, 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("n,baseline", [(16, False), (16, True), (10, False)])
+def test_mamba2_mixer_decode_is_the_three_calls(ops, dtype, with_bias, n, baseline):
+    """The fused decode step on slices of one input projection (as Nemotron-H's mixer splits it) gives
+    the outputs and pool states of mamba2_gating, causal_conv1d_update and mamba2_decode called in turn on
+    contiguous copies, bit for bit (the same arithmetic in the same order); untouched slots stay."""
+    torch.manual_seed(4)
+    bs, heads, head_dim, groups, width = 5, 8, 6, 2, 4
+    channels = heads * head_dim + 2 * groups * n
+    proj = torch.randn(bs, 3 + channels + heads)  # [gate | xBC | dt], rows 3 + channels + heads apart
+    xBC, dt = proj[:, 3 : 3 + channels], proj[:, 3 + channels :]
+    weight, bias = torch.randn(channels, width), torch.randn(channels) if with_bias else None
+    dt_bias, A_log, D = torch.randn(heads) * 0.1, torch.randn(heads), torch.randn(heads)
+    conv_pool = torch.randn(SLOTS, channels, width - 1).to(dtype)
+    ssm_pool = (0.3 * torch.randn(SLOTS, heads, head_dim, n)).to(dtype)
+    slots = _slots(bs, 5)
+    want_conv, want_ssm = conv_pool.clone(), ssm_pool.clone()
+    got_conv, got_ssm = conv_pool.clone(), ssm_pool.clone()
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        step, A = ops.mamba2_gating(dt, dt_bias, A_log, 1e-3)
+        xbc = ops.causal_conv1d_update(xBC.contiguous(), want_conv, slots, weight, bias)
+        want_y = ops.mamba2_decode(xbc, step, A, D, want_ssm, slots, heads, head_dim, groups, n)
+        got_y = ops.mamba2_mixer_decode(
+            xBC,
+            dt,
+            dt_bias,
+            A_log,
+            D,
+            1e-3,
+            got_conv,
+            weight,
+            bias,
+            got_ssm,
+            slots,
+            heads,
+            head_dim,
+            groups,
+            n,
+        )
+    assert torch.equal(got_y, want_y)
+    assert torch.equal(got_conv, want_conv) and torch.equal(got_ssm, want_ssm)
+    assert _untouched(conv_pool, got_conv, slots) and _untouched(ssm_pool, got_ssm, slots)
+    with pytest.raises(RuntimeError, match="xBC must be"):
+        ops.mamba2_mixer_decode(
+            xBC[:, 1:],
+            dt,
+            dt_bias,
+            A_log,
+            D,
+            1e-3,
+            got_conv,
+            weight,
+            bias,
+            got_ssm,
+            slots,
+            heads,
+            head_dim,
+            groups,
+            n,
+        )
+    with pytest.raises(RuntimeError, match="dt must be"):
+        ops.mamba2_mixer_decode(
+            xBC,
+            dt[:3],
+            dt_bias,
+            A_log,
+            D,
+            1e-3,
+            got_conv,
+            weight,
+            bias,
+            got_ssm,
+            slots,
+            heads,
+            head_dim,
+            groups,
+            n,
+        )
+    with pytest.raises(RuntimeError, match="outside|slot"):
+        ops.mamba2_mixer_decode(
+            xBC,
+            dt,
+            dt_bias,
+            A_log,
+            D,
+            1e-3,
+            got_conv,
+            weight,
+            bias,
+            got_ssm,
+            slots + SLOTS,
+            heads,
+            head_dim,
+            groups,
+            n,
+        )

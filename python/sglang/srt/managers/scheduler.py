@@ -121,6 +121,10 @@ class Scheduler(SchedulerIOMixin):
         if not self.waiting_queue and self.chunked_req is None:
             return None
         num_running = len(self.running) + (self.chunked_req is not None)
+        if self.chunked_req is None and (
+            num_running >= self.max_running_requests or not self.req_to_token_pool.available_size()
+        ):
+            return None  # no request could be admitted: skip the pass (every step while the queue waits)
         adder = PrefillAdder(
             self.tree_cache, self.req_to_token_pool, self.token_allocator, self._admission_budget(num_running)
         )
@@ -170,7 +174,9 @@ class Scheduler(SchedulerIOMixin):
             # Extends that track start at multiples of the cache chunk, so chunks end on them too.
             align=args.mamba_cache_chunk_size if args.mamba_strategy.extra_buffer else page,
             chunked_prefill=args.chunked_prefill_enabled,
-            decode_page_reserve=sum(1 for r in self.running if r.kv_len % page == 0),
+            decode_page_reserve=len(self.running)
+            if page == 1
+            else sum(1 for r in self.running if len(r.kv_indices) % page == 0),
             chunk_in_progress=self.chunked_req is not None,
             nothing_running=num_running == 0,
         )

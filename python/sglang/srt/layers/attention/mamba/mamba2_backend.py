@@ -1,8 +1,9 @@
 """Mamba2 backend: causal conv over the pooled conv state, then the SSD chunked scan (chunk = the
 config's chunk size) for extends (over the whole packed batch where `varlen_impl` is set: FLA on CUDA,
 `ssd_varlen.py`; else per request, or sgl-kernel's C++ op on CPU) and the selective state update for decodes: in place on the pool,
-by the Triton kernels on CUDA (`decode_triton.py`) and sgl-kernel's C++ op on CPU where it is built;
-torch otherwise (`SGLANG_MAMBA2_DECODE_BACKEND` forces torch or triton).
+by the Triton kernels on CUDA (`decode_triton.py`) and sgl-kernel's C++ ops on CPU where they are built
+(float32 layers: gating, conv and state update as one call, `mamba2_mixer_decode`); torch otherwise
+(`SGLANG_MAMBA2_DECODE_BACKEND` forces torch or triton).
 
 The layer passes the conv inputs `xBC` [T, I + 2*G*N] (channel order x | B | C) and the raw time step
 dt [T, H]; it reads the layer's `layer_id`, `conv1d`, `A_log`, `D`, `dt_bias`, `time_step_min` and
@@ -35,6 +36,15 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
     def forward(self, layer: Any, fb: ForwardBatch, xBC: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
         weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
         lid = layer.layer_id
+        if self.decode_cpp and fb.forward_mode.is_decode() and _all_float32(xBC, dt, weight, layer):
+            # The whole step in one C++ call on the projection's slices: the same arithmetic as the
+            # gating, conv and state-update calls below, without the copies and calls between them.
+            conv, ssm = self.mamba_pool.layer_cache(lid)
+            return self.cpu_ops.mamba2_mixer_decode(
+                xBC, dt, layer.dt_bias, layer.A_log, layer.D, layer.time_step_min, conv, weight,
+                layer.conv1d.bias, ssm, self.meta.slots, layer.num_heads, layer.head_dim, layer.n_groups,
+                layer.ssm_state_size,
+            )  # fmt: skip
         if self.cpu_ops is not None and dt.dtype == layer.A_log.dtype == layer.dt_bias.dtype == torch.float32:
             # One C++ call instead of ~6 small ops per layer (the same float32 arithmetic).
             dt, A = self.cpu_ops.mamba2_gating(dt, layer.dt_bias, layer.A_log, layer.time_step_min)
@@ -126,3 +136,12 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
         if expand:
             B, C = B.repeat_interleave(h // g, dim=-2), C.repeat_interleave(h // g, dim=-2)
         return x.reshape(*lead, h, p), B, C
+
+
+def _all_float32(xBC: torch.Tensor, dt: torch.Tensor, weight: torch.Tensor, layer: Any) -> bool:
+    """The fused decode op's inputs are float32 as they are (a bfloat16 model takes the separate calls,
+    which convert)."""
+    bias = layer.conv1d.bias
+    return all(t.dtype == torch.float32 for t in (xBC, dt, weight, layer.dt_bias, layer.A_log, layer.D)) and (
+        bias is None or bias.dtype == torch.float32
+    )
