@@ -9,6 +9,10 @@
 - `cpp`: sgl-kernel's `decode_attention`, which reads the KV pool in place through `req_to_token` (the
   default where the CPU extension is built; `SGLANG_CPU_ATTN_BACKEND`).
 
+A second table times the C++ op over batches whose requests share their first keys (a system prompt):
+each request over all of its keys, against the shared-prefix (cascade) pass first, and which of the two
+the op's default threshold takes.
+
 Each runs through `TorchNativeAttnBackend` over real pools (the new token's KV store included), with each
 request's slots contiguous as the allocator hands them out; request lengths vary between half and all
 of `keys`.
@@ -25,6 +29,7 @@ import torch
 from sglang.srt.environ import envs
 from sglang.srt.layers.attention import torch_native_backend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.cpu_ops import cpu_attention_ops
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -97,6 +102,50 @@ def row(bs: int, length: int, hq: int, hk: int, d: int) -> str:
     return f"| {bs} x {length} | {hq}/{hk}, {d} | {a:.2f} | {b:.2f} | {c:.2f} | {min(a, b) / c:.2f} |"
 
 
+# (batch, shared prefix keys, own keys, query heads, KV heads, head dim, KV dtype): requests whose first keys
+# are the same slots (a shared system prompt), each with its own tail.
+SHARED_SHAPES = [
+    (16, 1024, 276, 4, 2, 16, torch.float32),
+    (16, 1024, 276, 8, 2, 64, torch.float32),
+    (32, 128, 64, 16, 2, 128, torch.float32),
+    (16, 1024, 276, 16, 2, 256, torch.float32),
+    (16, 1024, 276, 16, 2, 256, torch.bfloat16),
+    (4, 4000, 64, 16, 2, 256, torch.bfloat16),
+]
+
+
+def shared_row(bs: int, prefix: int, own: int, hq: int, hk: int, d: int, dtype: torch.dtype) -> str:
+    """The C++ op over a batch sharing its first `prefix` slots, the shared-prefix pass forced on and off
+    (`shared_prefix_min_macs` 0 / never), and the prefix work the op's default threshold (2^23 multiply-adds:
+    query rows x prefix keys x head dim) compares."""
+    ops = cpu_attention_ops("cpu")
+    assert ops is not None, "the sgl-kernel CPU extension is not built"
+    g = torch.Generator().manual_seed(0)
+    lens = [prefix + own - (b * 7) % max(own // 2, 1) for b in range(bs)]
+    table = torch.zeros(bs + 1, max(lens), dtype=torch.int32)
+    start = prefix + 1
+    for b, n in enumerate(lens):
+        own_slots = torch.arange(start, start + n - prefix)
+        table[b + 1, :n] = torch.cat([torch.arange(1, prefix + 1), own_slots]).to(torch.int32)
+        start += n - prefix
+    k_buf = torch.randn(start, hk, d, generator=g).to(dtype)
+    v_buf = torch.randn(start, hk, d, generator=g).to(dtype)
+    q = torch.randn(bs, hq, d, generator=g)
+    args = (q, k_buf, v_buf, table, torch.arange(1, bs + 1), torch.tensor(lens), d**-0.5)
+    ways = {"alone": (1 << 62,), "shared": (0,)}
+    assert torch.allclose(ops.decode_attention(*args, 0), ops.decode_attention(*args, 1 << 62), atol=1e-5)
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(15):
+        for way, extra in ways.items():
+            t = time.perf_counter()
+            ops.decode_attention(*args, *extra)
+            times[way].append(time.perf_counter() - t)
+    a, s = (statistics.median(times[way]) * 1e3 for way in ways)
+    work = bs * hq * prefix * d / 2**20
+    name = str(dtype).removeprefix("torch.")
+    return f"| {bs} x ({prefix} + {own}) | {hq}/{hk}, {d}, {name} | {a:.2f} | {s:.2f} | {a / s:.2f} | {work:.0f} M |"
+
+
 def main() -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -106,6 +155,12 @@ def main() -> None:
     )
     for shape in SHAPES:
         print(row(*shape), flush=True)
+    print(
+        "\n| batch x (shared + own keys) | heads q/kv, dim, KV | each alone ms | shared prefix first ms | "
+        "alone / shared | prefix work (default shares >= 8 M) |\n|---|---|---|---|---|---|"
+    )
+    for shape in SHARED_SHAPES:
+        print(shared_row(*shape), flush=True)
 
 
 if __name__ == "__main__":

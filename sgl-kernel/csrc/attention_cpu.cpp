@@ -1,6 +1,7 @@
 // CPU paged decode attention, registered as torch.ops.sgl_kernel.decode_attention.
 //
-//   decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale) -> out
+//   decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
+//                    shared_prefix_min_macs=2^23) -> out
 //
 // One query token per request attends to the keys of its own request, read in place from the KV pool
 // through `req_to_token[row, 0:seq_len]` (any page size: only token slot ids are read). The torch path
@@ -16,6 +17,9 @@
 // per tree of horizontal adds and keep the value sums in registers (block_scores_tree, block_values_avx2:
 // 16 x 1,300 keys, 4 / 2 heads of 16, 0.42 -> 0.30 ms). Tests against a float64 reference and the
 // SDPA path: test/unit/model/test_attention_backend.py, test/unit/kernels/test_cpu_attention.py.
+// Requests of a batch that share their first KV slots (the radix cache's shared prefixes) attend to them
+// together first where that work is large (`SharedPrefixes`; `shared_prefix_min_macs`, 0 always, a huge
+// value never): 16 requests x 1,024 shared + ~276 own keys, 16 / 2 heads of 256, 9.6 -> 4.4 ms.
 // (An extend form of the same loop, query tokens with causal limits, measured 1.5-4x slower than SDPA's
 // blocked flash kernel at 8-2,048 query tokens and was not kept: extends stay on SDPA.)
 #include <ATen/Parallel.h>
@@ -177,6 +181,22 @@ struct Problem {
   float* out;  // [bs, hq, d]
   int64_t hq, hk, d;
   float scale;
+  // Shared prefixes (see `find_shared_prefixes`); null when none. Request b's keys [0, start[b]) were
+  // attended by its group's prefix pass, which left each of its query rows' online-softmax state at rows
+  // state_row[b] + head of the shared state arrays.
+  const int64_t* start = nullptr;
+  const int64_t* state_row = nullptr;
+  float* shared_acc = nullptr;  // [state rows, d]
+  float* shared_max = nullptr;  // [state rows]
+  float* shared_sum = nullptr;
+};
+
+// The online-softmax state of a run of query rows: unnormalised outputs (rows x d, consecutive), running
+// maxes and sums.
+struct RowState {
+  float* acc;
+  float* run_max;
+  float* run_sum;
 };
 
 // One task: request b's query heads [head0, head0 + rows) (at most kMaxRows, of whole KV-head groups or
@@ -186,92 +206,108 @@ struct Unit {
 };
 constexpr int64_t kMaxRows = 32;
 
-// The units in `units`; `scratch` holds kMaxRows * (kBlock + d + 2) floats. Always inlined, so each caller
-// below compiles it for its own instruction set. kD > 0 is the head dim as a constant (the loops over it
-// unroll: a head of 16 is two AVX2 vectors, no loop left), 0 reads it from the problem.
+// One block of n keys (slot ids `slots[0, n)`) for `rows` query rows `q` (rows x d, consecutive), row r
+// reading its KV head at kv_off[r]: the block's scores, the online-softmax update of `st`, then the weighted
+// values. `scores` holds kMaxRows * kBlock floats. Always inlined, so each caller compiles it for its own
+// instruction set; a row's arithmetic does not depend on the other rows of the call.
+template <typename T, int kD, bool kAvx2>
+inline __attribute__((always_inline)) void attend_block(const Problem<T>& p, const float* q, int64_t rows,
+                                                        const int64_t* kv_off, const int32_t* slots, int64_t n,
+                                                        float* scores, const RowState& st) {
+  const int64_t d = kD > 0 ? kD : p.d, slot_stride = p.hk * d;
+  float *acc = st.acc, *run_max = st.run_max, *run_sum = st.run_sum;
+#if SGL_ATTN_X86
+  if constexpr (kAvx2 && kRegisterValues<T, kD>) {  // head dims 16 and 64 (see block_scores_tree)
+    block_scores_tree<T, kD>(q, rows, kv_off, slots, n, p.k_buf, slot_stride, p.scale, scores);
+  } else
+#endif
+  {
+    for (int64_t j = 0; j < n; ++j) {
+      const T* kr = p.k_buf + slots[j] * slot_stride;
+      for (int64_t r = 0; r < rows; ++r) scores[r * kBlock + j] = dot_qk<kD>(q + r * d, kr + kv_off[r], d) * p.scale;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * kBlock;
+    float m = run_max[r];
+    // A vector max (without the pragma GCC keeps the scalar order of comparisons: a chain of n
+    // dependent maxes per row and block). NaN scores may or may not win it; the probe below makes
+    // such a row NaN either way.
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; ++j) m = sr[j] > m ? sr[j] : m;
+    if (m > run_max[r]) {
+      // exp(-inf) on the first block: the accumulator and sum are still 0.
+      const float c = fast_exp(run_max[r] - m);
+      run_sum[r] *= c;
+      float* ar = acc + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) ar[i] *= c;
+      run_max[r] = m;
+    }
+    // `probe` is NaN where a score is NaN or infinite (as torch's softmax gives NaN there): it makes the
+    // row's sum, and so its output, NaN, where the max above may skip NaNs and fast_exp maps them to ~0.
+    float sum = 0.0f, probe = 0.0f;
+#pragma omp simd reduction(+ : sum, probe)
+    for (int64_t j = 0; j < n; ++j) {
+      probe += sr[j] - sr[j];
+      sr[j] = fast_exp(sr[j] - m);
+      sum += sr[j];
+    }
+    run_sum[r] += sum + probe;
+  }
+#if SGL_ATTN_X86
+  if constexpr (kAvx2 && kRegisterValues<T, kD>) {
+    block_values_avx2<T, kD>(scores, rows, kv_off, slots, n, p.v_buf, slot_stride, acc);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = p.v_buf + slots[j] * slot_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float w = scores[r * kBlock + j];
+      const T* v = vr + kv_off[r];
+      float* ar = acc + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) ar[i] += w * static_cast<float>(v[i]);
+    }
+  }
+}
+
+// The units in `units`; `scratch` holds kMaxRows * (kBlock + d + 2) floats. kD > 0 is the head dim as a
+// constant (the loops over it unroll: a head of 16 is two AVX2 vectors, no loop left), 0 reads it from the
+// problem. A request whose first keys were attended by a shared-prefix pass starts from that pass's state.
 template <typename T, int kD, bool kAvx2>
 inline __attribute__((always_inline)) void attend_units(const Problem<T>& p, const Unit* units, int64_t count,
                                                         float* scratch) {
-  const int64_t group = p.hq / p.hk, d = kD > 0 ? kD : p.d, slot_stride = p.hk * d;
+  const int64_t group = p.hq / p.hk, d = kD > 0 ? kD : p.d;
   float* scores = scratch;
-  float* acc = scores + kMaxRows * kBlock;
-  float* run_max = acc + kMaxRows * d;
-  float* run_sum = run_max + kMaxRows;
+  const RowState st{scores + kMaxRows * kBlock, scores + kMaxRows * (kBlock + d), scores + kMaxRows * (kBlock + d + 1)};
   int64_t kv_off[kMaxRows];  // each row's KV head, as an offset into a slot row
   for (int64_t ui = 0; ui < count; ++ui) {
     const Unit& un = units[ui];
     const int64_t rows = un.rows, len = p.seq_lens[un.b];
+    const int64_t start = p.start != nullptr ? p.start[un.b] : 0;
     const float* q = p.q + (un.b * p.hq + un.head0) * d;  // the unit's rows, consecutive
-    for (int64_t r = 0; r < rows; ++r) {
-      kv_off[r] = ((un.head0 + r) / group) * d;
-      run_max[r] = -std::numeric_limits<float>::infinity();
-      run_sum[r] = 0.0f;
-    }
-    for (int64_t i = 0; i < rows * d; ++i) acc[i] = 0.0f;
-    const int32_t* slots = p.req_to_token + p.rows[un.b] * p.row_stride;
-    for (int64_t j0 = 0; j0 < len; j0 += kBlock) {
-      const int64_t n = std::min(kBlock, len - j0);
-#if SGL_ATTN_X86
-      if constexpr (kAvx2 && kRegisterValues<T, kD>) {  // head dims 16 and 64 (see block_scores_tree)
-        block_scores_tree<T, kD>(q, rows, kv_off, slots + j0, n, p.k_buf, slot_stride, p.scale, scores);
-      } else
-#endif
-      {
-        for (int64_t j = 0; j < n; ++j) {
-          const T* kr = p.k_buf + slots[j0 + j] * slot_stride;
-          for (int64_t r = 0; r < rows; ++r)
-            scores[r * kBlock + j] = dot_qk<kD>(q + r * d, kr + kv_off[r], d) * p.scale;
-        }
-      }
+    for (int64_t r = 0; r < rows; ++r) kv_off[r] = ((un.head0 + r) / group) * d;
+    if (start > 0) {
+      const int64_t s0 = p.state_row[un.b] + un.head0;
+      std::memcpy(st.acc, p.shared_acc + s0 * d, rows * d * sizeof(float));
+      std::memcpy(st.run_max, p.shared_max + s0, rows * sizeof(float));
+      std::memcpy(st.run_sum, p.shared_sum + s0, rows * sizeof(float));
+    } else {
       for (int64_t r = 0; r < rows; ++r) {
-        float* sr = scores + r * kBlock;
-        float m = run_max[r];
-        // A vector max (without the pragma GCC keeps the scalar order of comparisons: a chain of n
-        // dependent maxes per row and block). NaN scores may or may not win it; the probe below makes
-        // such a row NaN either way.
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; ++j) m = sr[j] > m ? sr[j] : m;
-        if (m > run_max[r]) {
-          // exp(-inf) on the first block: the accumulator and sum are still 0.
-          const float c = fast_exp(run_max[r] - m);
-          run_sum[r] *= c;
-          float* ar = acc + r * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) ar[i] *= c;
-          run_max[r] = m;
-        }
-        // `probe` is NaN where a score is NaN or infinite (as torch's softmax gives NaN there): it makes the
-        // row's sum, and so its output, NaN, where the max above may skip NaNs and fast_exp maps them to ~0.
-        float sum = 0.0f, probe = 0.0f;
-#pragma omp simd reduction(+ : sum, probe)
-        for (int64_t j = 0; j < n; ++j) {
-          probe += sr[j] - sr[j];
-          sr[j] = fast_exp(sr[j] - m);
-          sum += sr[j];
-        }
-        run_sum[r] += sum + probe;
+        st.run_max[r] = -std::numeric_limits<float>::infinity();
+        st.run_sum[r] = 0.0f;
       }
-#if SGL_ATTN_X86
-      if constexpr (kAvx2 && kRegisterValues<T, kD>) {
-        block_values_avx2<T, kD>(scores, rows, kv_off, slots + j0, n, p.v_buf, slot_stride, acc);
-        continue;
-      }
-#endif
-      for (int64_t j = 0; j < n; ++j) {
-        const T* vr = p.v_buf + slots[j0 + j] * slot_stride;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float w = scores[r * kBlock + j];
-          const T* v = vr + kv_off[r];
-          float* ar = acc + r * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) ar[i] += w * static_cast<float>(v[i]);
-        }
-      }
+      for (int64_t i = 0; i < rows * d; ++i) st.acc[i] = 0.0f;
     }
+    const int32_t* slots = p.req_to_token + p.rows[un.b] * p.row_stride;
+    for (int64_t j0 = start; j0 < len; j0 += kBlock)
+      attend_block<T, kD, kAvx2>(p, q, rows, kv_off, slots + j0, std::min(kBlock, len - j0), scores, st);
     for (int64_t r = 0; r < rows; ++r) {
       float* o = p.out + (q - p.q) + r * d;
-      const float inv = len > 0 ? 1.0f / run_sum[r] : 0.0f;
-      const float* ar = acc + r * d;
+      const float inv = len > 0 ? 1.0f / st.run_sum[r] : 0.0f;
+      const float* ar = st.acc + r * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) o[i] = ar[i] * inv;
     }
@@ -311,26 +347,125 @@ std::vector<Unit> make_units(int64_t bs, int64_t hq, int64_t hk) {
   return units;
 }
 
+// Calls f(std::integral_constant<int, D>()) with D = d for the head dims of the supported models, else 0.
+template <typename F>
+inline void with_head_dim(int64_t d, F&& f) {
+  switch (d) {
+    case 16: return f(std::integral_constant<int, 16>());
+    case 64: return f(std::integral_constant<int, 64>());
+    case 128: return f(std::integral_constant<int, 128>());
+    case 256: return f(std::integral_constant<int, 256>());
+    default: return f(std::integral_constant<int, 0>());
+  }
+}
+
+// Shared prefixes (cascade attention). Requests whose first keys are the same KV slots (a prefix the radix
+// cache shares among them: a system prompt, a conversation's earlier turns) are grouped by their first
+// slot; a group's prefix is the longest run of slots its first request has in common with every other.
+// A group whose prefix work (query rows x prefix keys x head dim) reaches `min_macs` attends to its prefix
+// first, per KV head as two matrix products over all of its requests' query rows (torch's GEMMs: the keys
+// are read once per group, and the products run at GEMM speed) with an exact softmax in between, leaving
+// each row's (max, sum, unnormalised output) in the state rows; each request's own pass then continues
+// the online softmax from there over its remaining keys. Below that work the products' fixed costs
+// outweigh the saving (bench_decode_attention_cpu.py's shared-prefix table), and every request takes its
+// own pass over all of its keys. The result equals the unshared one to float32 rounding (the order of
+// the sums differs).
+struct SharedPrefixes {
+  std::vector<std::vector<int64_t>> members;  // per group, batch indices
+  std::vector<int64_t> prefix;                // per group
+  std::vector<int64_t> start, state_row;      // per request: keys already attended, its first state row
+  int64_t state_rows = 0;
+};
+
+SharedPrefixes find_shared_prefixes(const int32_t* table, int64_t row_stride, const int64_t* rows,
+                                    const int64_t* lens, int64_t bs, int64_t hq, int64_t d, int64_t min_macs) {
+  SharedPrefixes sp;
+  std::vector<int64_t> cand;
+  for (int64_t b = 0; b < bs; ++b)
+    if (lens[b] > 0) cand.push_back(b);
+  auto first = [&](int64_t b) { return table[rows[b] * row_stride]; };
+  std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return first(a) < first(b); });
+  for (size_t i = 0; i < cand.size();) {
+    size_t j = i + 1;
+    while (j < cand.size() && first(cand[j]) == first(cand[i])) ++j;
+    const int32_t* lead = table + rows[cand[i]] * row_stride;
+    int64_t prefix = lens[cand[i]];
+    for (size_t k = i + 1; k < j; ++k) {
+      const int32_t* other = table + rows[cand[k]] * row_stride;
+      prefix = std::mismatch(lead, lead + std::min(prefix, lens[cand[k]]), other).first - lead;
+    }
+    if (j - i >= 2 && static_cast<int64_t>(j - i) * hq * prefix * d >= min_macs) {
+      sp.members.emplace_back(cand.begin() + i, cand.begin() + j);
+      sp.prefix.push_back(prefix);
+    }
+    i = j;
+  }
+  if (sp.members.empty()) return sp;
+  sp.start.assign(bs, 0);
+  sp.state_row.assign(bs, -1);
+  for (size_t g = 0; g < sp.members.size(); ++g)
+    for (const int64_t b : sp.members[g]) {
+      sp.start[b] = sp.prefix[g];
+      sp.state_row[b] = sp.state_rows;
+      sp.state_rows += hq;
+    }
+  return sp;
+}
+
+// Each group's prefix pass (see SharedPrefixes): state rows state_row[b] + head get the (max, sum,
+// unnormalised output) of request b's query head over the group's prefix keys.
+void attend_shared_prefixes(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                            const int32_t* table, int64_t row_stride, const int64_t* rows, const SharedPrefixes& sp,
+                            double scale, float* acc, float* run_max, float* run_sum) {
+  const int64_t hq = q.size(1), hk = k_buffer.size(1), d = q.size(2), group = hq / hk;
+  const auto long_opts = at::TensorOptions().dtype(at::kLong);
+  for (size_t g = 0; g < sp.members.size(); ++g) {
+    const std::vector<int64_t>& members = sp.members[g];
+    const int64_t count = static_cast<int64_t>(members.size()), prefix = sp.prefix[g];
+    const int32_t* lead = table + rows[members[0]] * row_stride;
+    auto slots = at::empty({prefix}, long_opts);
+    std::copy(lead, lead + prefix, slots.data_ptr<int64_t>());
+    const auto keys = k_buffer.index_select(0, slots).to(at::kFloat);  // [prefix, hk, d]
+    const auto values = v_buffer.index_select(0, slots).to(at::kFloat);
+    const auto queries = q.index_select(0, at::tensor(members, long_opts));  // [count, hq, d]
+    for (int64_t h = 0; h < hk; ++h) {
+      const auto qh = queries.narrow(1, h * group, group).reshape({count * group, d});
+      auto p = at::mm(qh, keys.select(1, h).t()).mul_(scale);  // [count * group, prefix]
+      const auto m = std::get<0>(p.max(1));  // NaN where a score is: the row's output is NaN then
+      p.sub_(m.unsqueeze(1)).exp_();
+      const auto l = p.sum(1);
+      const auto o = at::mm(p, values.select(1, h)).contiguous();  // [count * group, d]
+      const float *mp = m.data_ptr<float>(), *lp = l.data_ptr<float>(), *op = o.data_ptr<float>();
+      for (int64_t i = 0; i < count; ++i)
+        for (int64_t r = 0; r < group; ++r) {
+          const int64_t src = i * group + r, dst = sp.state_row[members[i]] + h * group + r;
+          run_max[dst] = mp[src];
+          run_sum[dst] = lp[src];
+          std::memcpy(acc + dst * d, op + src * d, d * sizeof(float));
+        }
+    }
+  }
+}
+
 template <typename T>
 void attend(const Problem<T>& p, const std::vector<Unit>& units) {
   const bool avx2 = sgl_cpu::has_avx2();
   // One unit reads seq_len x d keys and values: worth its own task whatever the batch.
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kMaxRows * (kBlock + p.d + 2));
-    const Unit* u = units.data() + begin;
     switch (p.d) {  // the head dims of the supported models
-      case 16: return run_units<T, 16>(avx2, p, u, end - begin, scratch.data());
-      case 64: return run_units<T, 64>(avx2, p, u, end - begin, scratch.data());
-      case 128: return run_units<T, 128>(avx2, p, u, end - begin, scratch.data());
-      case 256: return run_units<T, 256>(avx2, p, u, end - begin, scratch.data());
-      default: return run_units<T, 0>(avx2, p, u, end - begin, scratch.data());
+      case 16: return run_units<T, 16>(avx2, p, units.data() + begin, end - begin, scratch.data());
+      case 64: return run_units<T, 64>(avx2, p, units.data() + begin, end - begin, scratch.data());
+      case 128: return run_units<T, 128>(avx2, p, units.data() + begin, end - begin, scratch.data());
+      case 256: return run_units<T, 256>(avx2, p, units.data() + begin, end - begin, scratch.data());
+      default: return run_units<T, 0>(avx2, p, units.data() + begin, end - begin, scratch.data());
     }
   });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, int64_t shared_prefix_min_macs) {
   const char* what = "decode_attention";
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), what,
               ": q must be a contiguous float32 [bs, q_heads, head_dim] tensor");
@@ -364,10 +499,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   }
   auto out = at::empty_like(q);
   const std::vector<Unit> units = make_units(bs, hq, hk);
+  const SharedPrefixes shared = find_shared_prefixes(table, context, rows, lens, bs, hq, d, shared_prefix_min_macs);
+  std::vector<float> state(shared.state_rows * (d + 2));  // output rows, then maxes, then sums
+  float* acc = state.data();
+  float *run_max = acc + shared.state_rows * d, *run_sum = run_max + shared.state_rows;
+  if (shared.state_rows > 0)
+    attend_shared_prefixes(q, k_buffer, v_buffer, table, context, rows, shared, scale, acc, run_max, run_sum);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_buffer.scalar_type(), "decode_attention", [&] {
-    const Problem<scalar_t> p{q.data_ptr<float>(), k_buffer.data_ptr<scalar_t>(), v_buffer.data_ptr<scalar_t>(),
-                              table, context, rows, lens, out.data_ptr<float>(), hq, hk, d,
-                              static_cast<float>(scale)};
+    Problem<scalar_t> p{q.data_ptr<float>(), k_buffer.data_ptr<scalar_t>(), v_buffer.data_ptr<scalar_t>(),
+                        table, context, rows, lens, out.data_ptr<float>(), hq, hk, d,
+                        static_cast<float>(scale)};
+    if (shared.state_rows > 0) {
+      p.start = shared.start.data();
+      p.state_row = shared.state_row.data();
+      p.shared_acc = acc;
+      p.shared_max = run_max;
+      p.shared_sum = run_sum;
+    }
     attend(p, units);
   });
   return out;
@@ -379,7 +527,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
 TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor req_pool_indices, "
-      "Tensor seq_lens, float scale) -> Tensor");
+      "Tensor seq_lens, float scale, int shared_prefix_min_macs=8388608) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {

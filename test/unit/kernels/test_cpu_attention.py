@@ -1,6 +1,7 @@
 """sgl-kernel's C++ paged decode attention (`sgl-kernel/csrc/attention_cpu.cpp`): bad descriptions are
-refused before anything is read (the op reads the pool through ids it is given), and the engine decodes
-alike with it and with SDPA over gathered KV. Its outputs against a float64 reference, at every head dim
+refused before anything is read (the op reads the pool through ids it is given), requests that share
+their first KV slots attend to them together (cascade) with the result they get alone, and the engine
+decodes alike with it and with SDPA over gathered KV. Its outputs against a float64 reference, at every head dim
 and GQA shape, are in test/unit/model/test_attention_backend.py (the backend's decode tests run both)."""
 
 from __future__ import annotations
@@ -100,3 +101,81 @@ def test_engine_decodes_alike_with_cpp_and_sdpa(ops, preset, page_size):
     assert with_cpp[0] == with_sdpa[0]
     # Both accumulate in float32 in different orders; measured ~1e-6 over 12 steps.
     assert max_abs(with_cpp[1], with_sdpa[1]) < 1e-4
+
+
+def _reference(q, k_buf, v_buf, table, rows, lens, scale):
+    """float64 attention of each request's query heads over its own keys (GQA by repetition)."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_buf.shape[1]
+    for b, (row, n) in enumerate(zip(rows.tolist(), lens.tolist(), strict=True)):
+        slots = table[row, :n].long()
+        k = k_buf[slots].double().repeat_interleave(group, dim=1)  # [n, hq, d]
+        v = v_buf[slots].double().repeat_interleave(group, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), k) * scale, dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", w, v)
+    return out
+
+
+def _shared_batch(dtype: torch.dtype, d: int):
+    """Ten requests: three sharing 70 slots (own tails of 5-40) and a fourth whose whole sequence is those 70
+    (its own pass has no keys left), two sharing 130 with a third that shares only 40 of them (the group's
+    prefix is 40), one alone, and two with one key each that share their only slot."""
+    g = torch.Generator().manual_seed(7)
+    hk, hq = 2, 8
+    shared_a, shared_b = torch.arange(1, 71), torch.arange(71, 201)
+    free = iter(range(201, 2000))
+    own = lambda n: torch.tensor([next(free) for _ in range(n)])  # noqa: E731
+    rows = [
+        torch.cat([shared_a, own(5)]),
+        torch.cat([shared_a, own(40)]),
+        torch.cat([shared_a, own(17)]),
+        shared_a.clone(),  # its whole sequence is the prefix: its own pass has no keys left
+        torch.cat([shared_b, own(9)]),
+        torch.cat([shared_b, own(30)]),
+        torch.cat([shared_b[:40], own(60)]),
+        own(33),
+        torch.tensor([1999]),
+    ]
+    rows.append(torch.tensor([1999]))
+    context = max(len(r) for r in rows)
+    table = torch.zeros(len(rows) + 1, context, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i + 1, : len(r)] = r.to(torch.int32)
+    k_buf = torch.randn(2000, hk, d, generator=g).to(dtype)
+    v_buf = torch.randn(2000, hk, d, generator=g).to(dtype)
+    q = torch.randn(len(rows), hq, d, generator=g)
+    order = torch.randperm(len(rows), generator=g) + 1  # batch order unrelated to the groups
+    lens = torch.tensor([len(rows[i - 1]) for i in order.tolist()])
+    return q, k_buf, v_buf, table, order, lens
+
+
+SHARE_ALWAYS, SHARE_NEVER = 0, 1 << 62  # shared_prefix_min_macs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_shared_prefixes_give_the_unshared_result(ops, dtype, d):
+    """Cascade attention over groups of requests that share their first KV slots (forced on at these small
+    sizes) against each request over its own keys, and both against float64. Tolerance: float32 sums in
+    another order (a matrix product over the prefix, then the online softmax over the rest), measured
+    <= 1e-6; the reference bound covers bfloat16 keys, which both paths read alike."""
+    q, k_buf, v_buf, table, rows, lens = _shared_batch(dtype, d)
+    scale = d**-0.5
+    shared = ops.decode_attention(q, k_buf, v_buf, table, rows, lens, scale, SHARE_ALWAYS)
+    alone = ops.decode_attention(q, k_buf, v_buf, table, rows, lens, scale, SHARE_NEVER)
+    assert max_abs(shared, alone) < 1e-5
+    assert not torch.equal(shared, alone)  # the shared pass ran (another summation order)
+    want = _reference(q, k_buf, v_buf, table, rows, lens, scale)
+    assert max_abs(shared.double(), want) < 1e-5 and max_abs(alone.double(), want) < 1e-5
+    # The default threshold leaves these small groups to their own passes: the same bits as unshared.
+    assert torch.equal(ops.decode_attention(q, k_buf, v_buf, table, rows, lens, scale), alone)
+
+
+def test_a_nan_query_in_a_shared_group_gives_nan_for_its_head_only(ops):
+    q, k_buf, v_buf, table, rows, lens = _shared_batch(torch.float32, 16)
+    b = int((rows == 1).nonzero())  # a member of the first group
+    q[b, 3, 0] = float("nan")
+    out = ops.decode_attention(q, k_buf, v_buf, table, rows, lens, 0.25, SHARE_ALWAYS)
+    assert bool(out[b, 3].isnan().all())
+    out[b, 3] = 0.0
+    assert bool(torch.isfinite(out).all())
