@@ -244,7 +244,8 @@ inline __attribute__((always_inline)) void attend_block(const Problem<T>& p, con
       for (int64_t i = 0; i < d; ++i) ar[i] *= c;
       run_max[r] = m;
     }
-    // `probe` is NaN where a score is NaN or infinite (as torch's softmax gives NaN there): it makes the
+    // `probe` is NaN where a score is NaN or infinite (torch's softmax gives NaN for NaN and +inf; a -inf
+    // score, which only an infinite key or query gives here, is taken as broken input too): it makes the
     // row's sum, and so its output, NaN, where the max above may skip NaNs and fast_exp maps them to ~0.
     float sum = 0.0f, probe = 0.0f;
 #pragma omp simd reduction(+ : sum, probe)
@@ -380,6 +381,9 @@ struct SharedPrefixes {
 SharedPrefixes find_shared_prefixes(const int32_t* table, int64_t row_stride, const int64_t* rows,
                                     const int64_t* lens, int64_t bs, int64_t hq, int64_t d, int64_t min_macs) {
   SharedPrefixes sp;
+  // No group could reach the work (every request sharing all of the longest one's keys): nothing to look for.
+  const int64_t longest = bs > 0 ? *std::max_element(lens, lens + bs) : 0;
+  if (bs < 2 || bs * hq * longest * d < min_macs) return sp;
   std::vector<int64_t> cand;
   for (int64_t b = 0; b < bs; ++b)
     if (lens[b] > 0) cand.push_back(b);
@@ -390,7 +394,8 @@ SharedPrefixes find_shared_prefixes(const int32_t* table, int64_t row_stride, co
     while (j < cand.size() && first(cand[j]) == first(cand[i])) ++j;
     const int32_t* lead = table + rows[cand[i]] * row_stride;
     int64_t prefix = lens[cand[i]];
-    for (size_t k = i + 1; k < j; ++k) {
+    if (static_cast<int64_t>(j - i) * hq * prefix * d < min_macs) prefix = 0;  // too little even if all shared
+    for (size_t k = i + 1; k < j && prefix > 0; ++k) {
       const int32_t* other = table + rows[cand[k]] * row_stride;
       prefix = std::mismatch(lead, lead + std::min(prefix, lens[cand[k]]), other).first - lead;
     }
@@ -431,9 +436,10 @@ void attend_shared_prefixes(const at::Tensor& q, const at::Tensor& k_buffer, con
     for (int64_t h = 0; h < hk; ++h) {
       const auto qh = queries.narrow(1, h * group, group).reshape({count * group, d});
       auto p = at::mm(qh, keys.select(1, h).t()).mul_(scale);  // [count * group, prefix]
-      const auto m = std::get<0>(p.max(1));  // NaN where a score is: the row's output is NaN then
+      const auto probe = (p - p).sum(1);  // NaN where a score is NaN or infinite, as the blocks' probe
+      const auto m = std::get<0>(p.max(1));
       p.sub_(m.unsqueeze(1)).exp_();
-      const auto l = p.sum(1);
+      const auto l = p.sum(1).add_(probe);
       const auto o = at::mm(p, values.select(1, h)).contiguous();  // [count * group, d]
       const float *mp = m.data_ptr<float>(), *lp = l.data_ptr<float>(), *op = o.data_ptr<float>();
       for (int64_t i = 0; i < count; ++i)

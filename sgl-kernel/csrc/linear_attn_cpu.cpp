@@ -57,6 +57,37 @@ void check_f32(const at::Tensor& t, const char* what, const char* name) {
               " must be a contiguous float32 tensor");
 }
 
+// The conv weight [channels, width], an optional bias [channels] and the pool's conv state [slots, channels,
+// width - 1] that `bs` rows of `channels` update through `slots`. Returns the bias data, or null.
+const float* check_conv(const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& conv_state,
+                        const at::Tensor& slots, int64_t bs, int64_t channels, const char* what) {
+  check_f32(weight, what, "weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == channels && weight.size(1) >= 1, what,
+              ": weight must be [channels, width]");
+  check_slots(slots, bs, conv_state, what);
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(1) == channels && conv_state.size(2) == weight.size(1) - 1,
+              what, ": conv_state must be [slots, channels, width - 1]");
+  if (!bias.has_value()) return nullptr;
+  check_f32(*bias, what, "bias");
+  TORCH_CHECK(bias->numel() == channels, what, ": bias needs one value per channel");
+  return bias->data_ptr<float>();
+}
+
+// A Mamba2 state update's sizes: xbc rows of heads*head_dim + 2*groups*state_size, dt [bs, heads], D one
+// value per head, the pool's SSM state [slots, heads, head_dim, state_size] through `slots`.
+void check_mamba2_step(int64_t bs, int64_t xbc_width, const at::Tensor& dt, const at::Tensor& D, const at::Tensor& ssm,
+                       const at::Tensor& slots, int64_t heads, int64_t head_dim, int64_t groups, int64_t state_size,
+                       const char* what) {
+  TORCH_CHECK(heads > 0 && groups > 0 && heads % groups == 0 &&
+                  xbc_width == heads * head_dim + 2 * groups * state_size,
+              what, ": xbc must be [bs, heads*head_dim + 2*groups*state_size]");
+  TORCH_CHECK(dt.dim() == 2 && dt.size(0) == bs && dt.size(1) == heads, what, ": dt must be [bs, heads]");
+  TORCH_CHECK(D.numel() == heads, what, ": D needs one value per head");
+  check_slots(slots, bs, ssm, what);
+  TORCH_CHECK(ssm.dim() == 4 && ssm.size(1) == heads && ssm.size(2) == head_dim && ssm.size(3) == state_size,
+              what, ": ssm must be [slots, heads, head_dim, state_size]");
+}
+
 // Requests [begin, end) of the conv update. kKeep > 0 is the state's columns (width - 1) as a constant
 // (the inner loops unroll and GCC vectorises across channels), 0 reads `keep`. Always inlined, so each
 // caller below compiles it for its own instruction set.
@@ -108,16 +139,10 @@ at::Tensor causal_conv1d_update(const at::Tensor& x, at::Tensor conv_state, cons
                                 const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const char* what = "causal_conv1d_update";
   check_f32(x, what, "x");
-  check_f32(weight, what, "weight");
-  const int64_t bs = x.size(0), channels = x.size(1), width = weight.size(1);
-  check_slots(slots, bs, conv_state, what);
-  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(1) == channels && conv_state.size(2) == width - 1,
-              what, ": conv_state must be [slots, channels, width - 1]");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    check_f32(*bias, what, "bias");
-    b = bias->data_ptr<float>();
-  }
+  TORCH_CHECK(x.dim() == 2, what, ": x must be [bs, channels]");
+  const int64_t bs = x.size(0), channels = x.size(1);
+  const float* b = check_conv(weight, bias, conv_state, slots, bs, channels, what);
+  const int64_t width = weight.size(1);
   auto out = at::empty({bs, channels}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, conv_state.scalar_type(), "sgl_kernel_decode", [&] {
     conv_update_impl<scalar_t>(x.data_ptr<float>(), channels, conv_state.data_ptr<scalar_t>(),
@@ -282,12 +307,10 @@ at::Tensor mamba2_decode(const at::Tensor& xbc, const at::Tensor& dt, const at::
   check_f32(dt, what, "dt");
   check_f32(A, what, "A");
   check_f32(D, what, "D");
+  TORCH_CHECK(xbc.dim() == 2, what, ": xbc must be [bs, heads*head_dim + 2*groups*state_size]");
   const int64_t bs = xbc.size(0);
-  check_slots(slots, bs, ssm, what);
-  TORCH_CHECK(heads % groups == 0 && xbc.size(1) == heads * head_dim + 2 * groups * state_size, what,
-              ": xbc must be [bs, heads*head_dim + 2*groups*state_size]");
-  TORCH_CHECK(ssm.dim() == 4 && ssm.size(1) == heads && ssm.size(2) == head_dim && ssm.size(3) == state_size,
-              what, ": ssm must be [slots, heads, head_dim, state_size]");
+  check_mamba2_step(bs, xbc.size(1), dt, D, ssm, slots, heads, head_dim, groups, state_size, what);
+  TORCH_CHECK(A.numel() == heads, what, ": A needs one value per head");
   auto y = at::empty({bs, heads, head_dim}, xbc.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_decode", [&] {
     const Mamba2Step<scalar_t> a{xbc.data_ptr<float>(), dt.data_ptr<float>(), A.data_ptr<float>(),
@@ -747,28 +770,12 @@ at::Tensor mamba2_mixer_decode(const at::Tensor& xBC, const at::Tensor& dt, cons
   const char* what = "mamba2_mixer_decode";
   TORCH_CHECK(xBC.scalar_type() == at::kFloat && xBC.dim() == 2 && xBC.stride(1) == 1, what,
               ": xBC must be a float32 [bs, channels] tensor with contiguous rows");
-  check_f32(weight, what, "weight");
   check_f32(D, what, "D");
-  const int64_t bs = xBC.size(0), channels = xBC.size(1), width = weight.size(1);
-  TORCH_CHECK(heads > 0 && groups > 0 && heads % groups == 0 &&
-                  channels == heads * head_dim + 2 * groups * state_size,
-              what, ": xBC must be [bs, heads*head_dim + 2*groups*state_size]");
   check_mamba2_gating(dt, dt_bias, A_log, what);
-  TORCH_CHECK(dt.size(0) == bs && dt.size(1) == heads, what, ": dt must be [bs, heads]");
-  TORCH_CHECK(D.numel() == heads, what, ": D needs one value per head");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == channels, what, ": weight must be [channels, width]");
-  check_slots(slots, bs, conv_state, what);
-  check_slots(slots, bs, ssm, what);
-  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(1) == channels && conv_state.size(2) == width - 1,
-              what, ": conv_state must be [slots, channels, width - 1]");
-  TORCH_CHECK(ssm.dim() == 4 && ssm.size(1) == heads && ssm.size(2) == head_dim && ssm.size(3) == state_size,
-              what, ": ssm must be [slots, heads, head_dim, state_size]");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    check_f32(*bias, what, "bias");
-    TORCH_CHECK(bias->numel() == channels, what, ": bias needs one value per channel");
-    b = bias->data_ptr<float>();
-  }
+  const int64_t bs = xBC.size(0), channels = xBC.size(1);
+  check_mamba2_step(bs, channels, dt, D, ssm, slots, heads, head_dim, groups, state_size, what);
+  const float* b = check_conv(weight, bias, conv_state, slots, bs, channels, what);
+  const int64_t width = weight.size(1);
   auto step = at::empty({bs, heads}, xBC.options());
   auto A = at::empty({heads}, xBC.options());
   mamba2_gating_into(dt, dt_bias, A_log, time_step_min, step.data_ptr<float>(), A.data_ptr<float>());

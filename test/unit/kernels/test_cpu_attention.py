@@ -179,3 +179,16 @@ def test_a_nan_query_in_a_shared_group_gives_nan_for_its_head_only(ops):
     assert bool(out[b, 3].isnan().all())
     out[b, 3] = 0.0
     assert bool(torch.isfinite(out).all())
+
+
+def test_an_infinite_key_in_a_shared_prefix_gives_nan_as_alone(ops):
+    """A -inf or +inf score (an infinite key, e.g. an fp16 overflow) makes the rows that read it NaN,
+    whether the prefix holding it is attended together or by each request alone."""
+    q, k_buf, v_buf, table, rows, lens = _shared_batch(torch.float32, 16)
+    q = q.abs()  # every score of key head 0 with an infinite entry has the entry's sign
+    for value in (float("-inf"), float("inf")):
+        k = k_buf.clone()
+        k[3, 0, 0] = value  # slot 3: in the first group's shared prefix
+        shared = ops.decode_attention(q, k, v_buf, table, rows, lens, 0.25, SHARE_ALWAYS)
+        alone = ops.decode_attention(q, k, v_buf, table, rows, lens, 0.25, SHARE_NEVER)
+        assert torch.equal(shared.isnan(), alone.isnan()) and bool(alone.isnan().any()), value

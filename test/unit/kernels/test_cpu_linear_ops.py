@@ -231,6 +231,20 @@ def test_mamba2_extend_matches_chunked_torch(ops, dtype, n, baseline, head_dim):
 
 def test_bad_shapes_are_refused(ops):
     pool = torch.zeros(SLOTS, 8, 3)
+    x, slots, w = torch.zeros(2, 8), torch.tensor([1, 2]), torch.zeros(8, 4)
+    with pytest.raises(RuntimeError, match="one value per channel"):
+        ops.causal_conv1d_update(x, pool, slots, w, torch.zeros(5))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.causal_conv1d_update(x, pool, slots, torch.zeros(5, 4), None)
+    xbc, ssm = torch.zeros(2, 2 * 3 + 2 * 4), torch.zeros(SLOTS, 2, 3, 4)
+    dt, a_or_d = torch.zeros(2, 2), torch.zeros(2)
+    with pytest.raises(RuntimeError, match="dt must be"):
+        ops.mamba2_decode(xbc, torch.zeros(2, 1), a_or_d, a_or_d, ssm, slots, 2, 3, 1, 4)
+    with pytest.raises(RuntimeError, match="D needs"):
+        ops.mamba2_decode(xbc, dt, a_or_d, torch.zeros(1), ssm, slots, 2, 3, 1, 4)
+    with pytest.raises(RuntimeError, match="A needs"):
+        ops.mamba2_decode(xbc, dt, torch.zeros(1), a_or_d, ssm, slots, 2, 3, 1, 4)
+    ops.mamba2_decode(xbc, dt, a_or_d, a_or_d, ssm, slots, 2, 3, 1, 4)  # the control: served
     with pytest.raises(RuntimeError, match="conv_state must be"):
         ops.causal_conv1d_update(torch.zeros(2, 9), pool, torch.tensor([1, 2]), torch.zeros(9, 4), None)
     with pytest.raises(RuntimeError, match="int64 vector"):
@@ -384,7 +398,7 @@ def test_mamba2_mixer_decode_is_the_three_calls(ops, dtype, with_bias, n, baseli
     assert torch.equal(got_y, want_y)
     assert torch.equal(got_conv, want_conv) and torch.equal(got_ssm, want_ssm)
     assert _untouched(conv_pool, got_conv, slots) and _untouched(ssm_pool, got_ssm, slots)
-    with pytest.raises(RuntimeError, match="xBC must be"):
+    with pytest.raises(RuntimeError, match="xbc must be"):
         ops.mamba2_mixer_decode(
             xBC[:, 1:],
             dt,

@@ -113,6 +113,7 @@ def test_every_decode_batch_carries_its_requests_current_rows(strategy):
         h.sched.run_until_idle()
         assert h.sched.counters["num_retractions_total"] > 0  # the pool was too small for everyone
         assert checked > 20 and len({id(i) for i in infos}) == len(infos) == checked
+        assert h.sched.rows_cache._reqs == []  # nothing decodes any more: the requests are let go
     finally:
         h.shutdown()
 

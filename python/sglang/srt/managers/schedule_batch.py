@@ -280,6 +280,9 @@ class DecodeRowsCache:
             self._reqs, self._epoch, self._rows = list(reqs), epoch, DecodeRows.of(reqs)
         return self._rows
 
+    def clear(self) -> None:
+        self._reqs, self._rows = [], None
+
 
 def _sampling_info(params: list[SamplingParams]) -> SamplingBatchInfo:
     return SamplingBatchInfo.create(

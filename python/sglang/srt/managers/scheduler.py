@@ -231,6 +231,7 @@ class Scheduler(SchedulerIOMixin):
         ):
             self._retract_or_abort(reqs.pop())
         if not reqs:
+            self.rows_cache.clear()  # let the last decode's requests go
             return None
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
         batch.prepare_for_decode(
