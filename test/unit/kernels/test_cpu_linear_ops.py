@@ -378,7 +378,7 @@ def test_mamba2_mixer_decode_is_the_three_calls(ops, dtype, with_bias, n, baseli
         step, A = ops.mamba2_gating(dt, dt_bias, A_log, 1e-3)
         xbc = ops.causal_conv1d_update(xBC.contiguous(), want_conv, slots, weight, bias)
         want_y = ops.mamba2_decode(xbc, step, A, D, want_ssm, slots, heads, head_dim, groups, n)
-        got_y = ops.mamba2_mixer_decode(
+        args = [
             xBC,
             dt,
             dt_bias,
@@ -394,61 +394,16 @@ def test_mamba2_mixer_decode_is_the_three_calls(ops, dtype, with_bias, n, baseli
             head_dim,
             groups,
             n,
-        )
+        ]
+        got_y = ops.mamba2_mixer_decode(*args)
     assert torch.equal(got_y, want_y)
     assert torch.equal(got_conv, want_conv) and torch.equal(got_ssm, want_ssm)
     assert _untouched(conv_pool, got_conv, slots) and _untouched(ssm_pool, got_ssm, slots)
-    with pytest.raises(RuntimeError, match="xbc must be"):
-        ops.mamba2_mixer_decode(
-            xBC[:, 1:],
-            dt,
-            dt_bias,
-            A_log,
-            D,
-            1e-3,
-            got_conv,
-            weight,
-            bias,
-            got_ssm,
-            slots,
-            heads,
-            head_dim,
-            groups,
-            n,
-        )
-    with pytest.raises(RuntimeError, match="dt must be"):
-        ops.mamba2_mixer_decode(
-            xBC,
-            dt[:3],
-            dt_bias,
-            A_log,
-            D,
-            1e-3,
-            got_conv,
-            weight,
-            bias,
-            got_ssm,
-            slots,
-            heads,
-            head_dim,
-            groups,
-            n,
-        )
-    with pytest.raises(RuntimeError, match="outside|slot"):
-        ops.mamba2_mixer_decode(
-            xBC,
-            dt,
-            dt_bias,
-            A_log,
-            D,
-            1e-3,
-            got_conv,
-            weight,
-            bias,
-            got_ssm,
-            slots + SLOTS,
-            heads,
-            head_dim,
-            groups,
-            n,
-        )
+    for position, bad, message in [
+        (0, xBC[:, 1:], "xbc must be"),
+        (1, dt[:3], "dt must be"),
+        (10, slots + SLOTS, "outside|slot"),
+        (8, torch.zeros(3), "one value per channel"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            ops.mamba2_mixer_decode(*args[:position], bad, *args[position + 1 :])
