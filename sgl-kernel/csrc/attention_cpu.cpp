@@ -361,8 +361,11 @@ inline void with_head_dim(int64_t d, F&& f) {
 }
 
 // Shared prefixes (cascade attention). Requests whose first keys are the same KV slots (a prefix the radix
-// cache shares among them: a system prompt, a conversation's earlier turns) are grouped by their first
-// slot; a group's prefix is the longest run of slots its first request has in common with every other.
+// cache shares among them: a system prompt, a conversation's earlier turns) are found by sorting the
+// requests' slot rows (lexicographically: requests with a common prefix end up next to each other, and a
+// run's common prefix is the shortest one between neighbours) and cutting the order where neighbours share
+// less than a block of keys or less than half of the run's prefix so far, so that a short head every
+// request shares (a chat template's first tokens) does not join long prefixes that subsets share.
 // A group whose prefix work (query rows x prefix keys x head dim) reaches `min_macs` attends to its prefix
 // first, per KV head as two matrix products over all of its requests' query rows (torch's GEMMs: the keys
 // are read once per group, and the products run at GEMM speed) with an exact softmax in between, leaving
@@ -387,23 +390,32 @@ SharedPrefixes find_shared_prefixes(const int32_t* table, int64_t row_stride, co
   std::vector<int64_t> cand;
   for (int64_t b = 0; b < bs; ++b)
     if (lens[b] > 0) cand.push_back(b);
-  auto first = [&](int64_t b) { return table[rows[b] * row_stride]; };
-  std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return first(a) < first(b); });
-  for (size_t i = 0; i < cand.size();) {
-    size_t j = i + 1;
-    while (j < cand.size() && first(cand[j]) == first(cand[i])) ++j;
-    const int32_t* lead = table + rows[cand[i]] * row_stride;
-    int64_t prefix = lens[cand[i]];
-    if (static_cast<int64_t>(j - i) * hq * prefix * d < min_macs) prefix = 0;  // too little even if all shared
-    for (size_t k = i + 1; k < j && prefix > 0; ++k) {
-      const int32_t* other = table + rows[cand[k]] * row_stride;
-      prefix = std::mismatch(lead, lead + std::min(prefix, lens[cand[k]]), other).first - lead;
-    }
+  auto row = [&](int64_t b) { return table + rows[b] * row_stride; };
+  std::sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) {
+    return std::lexicographical_compare(row(a), row(a) + lens[a], row(b), row(b) + lens[b]);
+  });
+  auto close = [&](size_t i, size_t j, int64_t prefix) {  // the run cand[i, j) sharing `prefix` keys
     if (j - i >= 2 && static_cast<int64_t>(j - i) * hq * prefix * d >= min_macs) {
       sp.members.emplace_back(cand.begin() + i, cand.begin() + j);
       sp.prefix.push_back(prefix);
     }
-    i = j;
+  };
+  size_t start = 0;
+  int64_t prefix = 0;  // of the run cand[start, i)
+  for (size_t i = 1; i <= cand.size(); ++i) {
+    int64_t common = 0;  // with the previous request
+    if (i < cand.size()) {
+      const int64_t a = cand[i - 1], b = cand[i], n = std::min(lens[a], lens[b]);
+      common = std::mismatch(row(a), row(a) + n, row(b)).first - row(a);
+    }
+    const bool extends = i < cand.size() && common >= kBlock && (i - start == 1 || 2 * common >= prefix);
+    if (extends) {
+      prefix = i - start == 1 ? common : std::min(prefix, common);
+      continue;
+    }
+    close(start, i, prefix);
+    start = i;
+    prefix = 0;
   }
   if (sp.members.empty()) return sp;
   sp.start.assign(bs, 0);

@@ -118,8 +118,8 @@ def _reference(q, k_buf, v_buf, table, rows, lens, scale):
 
 def _shared_batch(dtype: torch.dtype, d: int):
     """Ten requests: three sharing 70 slots (own tails of 5-40) and a fourth whose whole sequence is those 70
-    (its own pass has no keys left), two sharing 130 with a third that shares only 40 of them (the group's
-    prefix is 40), one alone, and two with one key each that share their only slot."""
+    (its own pass has no keys left), two sharing 130 with a third that shares only 40 of them (less than a
+    block: it goes alone), one alone, and two with one key each that share their only slot (alone too)."""
     g = torch.Generator().manual_seed(7)
     hk, hq = 2, 8
     shared_a, shared_b = torch.arange(1, 71), torch.arange(71, 201)
@@ -192,3 +192,26 @@ def test_an_infinite_key_in_a_shared_prefix_gives_nan_as_alone(ops):
         shared = ops.decode_attention(q, k, v_buf, table, rows, lens, 0.25, SHARE_ALWAYS)
         alone = ops.decode_attention(q, k, v_buf, table, rows, lens, 0.25, SHARE_NEVER)
         assert torch.equal(shared.isnan(), alone.isnan()) and bool(alone.isnan().any()), value
+
+
+def test_a_short_head_every_request_shares_does_not_hide_the_long_prefixes(ops):
+    """Six requests whose first 8 slots are the same (say a chat template's first tokens), in two sets of
+    three that share 200 slots each: the sets are two groups with a 200-key prefix. Were they one group
+    over the 8 common keys, its work would stay under the threshold given here and no prefix pass would
+    run (the output would equal the unshared one bit for bit)."""
+    g = torch.Generator().manual_seed(11)
+    hq, hk, d = 8, 2, 16
+    head = torch.arange(1, 9)
+    sets = [torch.cat([head, torch.arange(100, 292)]), torch.cat([head, torch.arange(300, 492)])]
+    free = iter(range(500, 1000))
+    rows = [torch.cat([sets[i % 2], torch.tensor([next(free) for _ in range(5 + i)])]) for i in range(6)]
+    table = torch.zeros(7, max(len(r) for r in rows), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i + 1, : len(r)] = r.to(torch.int32)
+    k_buf, v_buf = torch.randn(1000, hk, d, generator=g), torch.randn(1000, hk, d, generator=g)
+    q = torch.randn(6, hq, d, generator=g)
+    args = (q, k_buf, v_buf, table, torch.arange(1, 7), torch.tensor([len(r) for r in rows]), 0.25)
+    one_set = 3 * hq * 200 * d  # a set's prefix work; all six over the 8 common keys: 6 * hq * 8 * d
+    shared = ops.decode_attention(*args, one_set)
+    alone = ops.decode_attention(*args, SHARE_NEVER)
+    assert not torch.equal(shared, alone) and max_abs(shared, alone) < 1e-5
