@@ -19,7 +19,7 @@
 // SDPA path: test/unit/model/test_attention_backend.py, test/unit/kernels/test_cpu_attention.py.
 // Requests of a batch that share their first KV slots (the radix cache's shared prefixes) attend to them
 // together first where that work is large (`SharedPrefixes`; `shared_prefix_min_macs`, 0 always, a huge
-// value never): 16 requests x 1,024 shared + ~276 own keys, 16 / 2 heads of 256, 9.6 -> 4.4 ms.
+// value never): 16 requests x 1,024 shared + ~276 own keys, 16 / 2 heads of 256, 9.8 -> 4.9 ms.
 // (An extend form of the same loop, query tokens with causal limits, measured 1.5-4x slower than SDPA's
 // blocked flash kernel at 8-2,048 query tokens and was not kept: extends stay on SDPA.)
 #include <ATen/Parallel.h>
@@ -209,7 +209,7 @@ constexpr int64_t kMaxRows = 32;
 // One block of n keys (slot ids `slots[0, n)`) for `rows` query rows `q` (rows x d, consecutive), row r
 // reading its KV head at kv_off[r]: the block's scores, the online-softmax update of `st`, then the weighted
 // values. `scores` holds kMaxRows * kBlock floats. Always inlined, so each caller compiles it for its own
-// instruction set; a row's arithmetic does not depend on the other rows of the call.
+// instruction set.
 template <typename T, int kD, bool kAvx2>
 inline __attribute__((always_inline)) void attend_block(const Problem<T>& p, const float* q, int64_t rows,
                                                         const int64_t* kv_off, const int32_t* slots, int64_t n,
@@ -348,18 +348,6 @@ std::vector<Unit> make_units(int64_t bs, int64_t hq, int64_t hk) {
   return units;
 }
 
-// Calls f(std::integral_constant<int, D>()) with D = d for the head dims of the supported models, else 0.
-template <typename F>
-inline void with_head_dim(int64_t d, F&& f) {
-  switch (d) {
-    case 16: return f(std::integral_constant<int, 16>());
-    case 64: return f(std::integral_constant<int, 64>());
-    case 128: return f(std::integral_constant<int, 128>());
-    case 256: return f(std::integral_constant<int, 256>());
-    default: return f(std::integral_constant<int, 0>());
-  }
-}
-
 // Shared prefixes (cascade attention). Requests whose first keys are the same KV slots (a prefix the radix
 // cache shares among them: a system prompt, a conversation's earlier turns) are found by sorting the
 // requests' slot rows (lexicographically: requests with a common prefix end up next to each other, and a
@@ -471,12 +459,13 @@ void attend(const Problem<T>& p, const std::vector<Unit>& units) {
   // One unit reads seq_len x d keys and values: worth its own task whatever the batch.
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kMaxRows * (kBlock + p.d + 2));
+    const Unit* u = units.data() + begin;
     switch (p.d) {  // the head dims of the supported models
-      case 16: return run_units<T, 16>(avx2, p, units.data() + begin, end - begin, scratch.data());
-      case 64: return run_units<T, 64>(avx2, p, units.data() + begin, end - begin, scratch.data());
-      case 128: return run_units<T, 128>(avx2, p, units.data() + begin, end - begin, scratch.data());
-      case 256: return run_units<T, 256>(avx2, p, units.data() + begin, end - begin, scratch.data());
-      default: return run_units<T, 0>(avx2, p, units.data() + begin, end - begin, scratch.data());
+      case 16: return run_units<T, 16>(avx2, p, u, end - begin, scratch.data());
+      case 64: return run_units<T, 64>(avx2, p, u, end - begin, scratch.data());
+      case 128: return run_units<T, 128>(avx2, p, u, end - begin, scratch.data());
+      case 256: return run_units<T, 256>(avx2, p, u, end - begin, scratch.data());
+      default: return run_units<T, 0>(avx2, p, u, end - begin, scratch.data());
     }
   });
 }

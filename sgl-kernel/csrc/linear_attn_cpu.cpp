@@ -135,21 +135,27 @@ void conv_update_impl(const float* x, int64_t x_stride, S* state, const int64_t*
   });
 }
 
+// The conv update for arguments `check_conv` passed: x's bs rows of `channels` floats, `x_stride` apart.
+at::Tensor conv_update_checked(const at::Tensor& x, int64_t x_stride, at::Tensor& conv_state, const at::Tensor& slots,
+                               const at::Tensor& weight, const float* bias) {
+  const int64_t bs = x.size(0), channels = x.size(1), width = weight.size(1);
+  auto out = at::empty({bs, channels}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, conv_state.scalar_type(), "sgl_kernel_decode", [&] {
+    conv_update_impl<scalar_t>(x.data_ptr<float>(), x_stride, conv_state.data_ptr<scalar_t>(),
+                               slots.data_ptr<int64_t>(), weight.data_ptr<float>(), bias, out.data_ptr<float>(), bs,
+                               channels, width);
+  });
+  return out;
+}
+
 at::Tensor causal_conv1d_update(const at::Tensor& x, at::Tensor conv_state, const at::Tensor& slots,
                                 const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const char* what = "causal_conv1d_update";
   check_f32(x, what, "x");
   TORCH_CHECK(x.dim() == 2, what, ": x must be [bs, channels]");
   const int64_t bs = x.size(0), channels = x.size(1);
-  const float* b = check_conv(weight, bias, conv_state, slots, bs, channels, what);
-  const int64_t width = weight.size(1);
-  auto out = at::empty({bs, channels}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, conv_state.scalar_type(), "sgl_kernel_decode", [&] {
-    conv_update_impl<scalar_t>(x.data_ptr<float>(), channels, conv_state.data_ptr<scalar_t>(),
-                               slots.data_ptr<int64_t>(), weight.data_ptr<float>(), b,
-                               out.data_ptr<float>(), bs, channels, width);
-  });
-  return out;
+  return conv_update_checked(x, channels, conv_state, slots, weight,
+                             check_conv(weight, bias, conv_state, slots, bs, channels, what));
 }
 
 // Calls f(std::integral_constant<int, K>()) with K = n for the state rows the models use (16, 64, 128), so
@@ -299,6 +305,21 @@ void mamba2_impl(const Mamba2Step<S>& a, int64_t bs) {
   });
 }
 
+// The Mamba2 state update for arguments `check_mamba2_step` passed (xbc, dt, A and D contiguous).
+at::Tensor mamba2_decode_checked(const at::Tensor& xbc, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& D,
+                                 at::Tensor& ssm, const at::Tensor& slots, int64_t heads, int64_t head_dim,
+                                 int64_t groups, int64_t state_size) {
+  const int64_t bs = xbc.size(0);
+  auto y = at::empty({bs, heads, head_dim}, xbc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_decode", [&] {
+    const Mamba2Step<scalar_t> a{xbc.data_ptr<float>(), dt.data_ptr<float>(), A.data_ptr<float>(),
+                                 D.data_ptr<float>(), ssm.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
+                                 y.data_ptr<float>(), heads, head_dim, groups, state_size};
+    mamba2_impl(a, bs);
+  });
+  return y;
+}
+
 at::Tensor mamba2_decode(const at::Tensor& xbc, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& D,
                          at::Tensor ssm, const at::Tensor& slots, int64_t heads, int64_t head_dim,
                          int64_t groups, int64_t state_size) {
@@ -311,14 +332,7 @@ at::Tensor mamba2_decode(const at::Tensor& xbc, const at::Tensor& dt, const at::
   const int64_t bs = xbc.size(0);
   check_mamba2_step(bs, xbc.size(1), dt, D, ssm, slots, heads, head_dim, groups, state_size, what);
   TORCH_CHECK(A.numel() == heads, what, ": A needs one value per head");
-  auto y = at::empty({bs, heads, head_dim}, xbc.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_decode", [&] {
-    const Mamba2Step<scalar_t> a{xbc.data_ptr<float>(), dt.data_ptr<float>(), A.data_ptr<float>(),
-                                 D.data_ptr<float>(), ssm.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
-                                 y.data_ptr<float>(), heads, head_dim, groups, state_size};
-    mamba2_impl(a, bs);
-  });
-  return y;
+  return mamba2_decode_checked(xbc, dt, A, D, ssm, slots, heads, head_dim, groups, state_size);
 }
 
 
@@ -775,24 +789,11 @@ at::Tensor mamba2_mixer_decode(const at::Tensor& xBC, const at::Tensor& dt, cons
   const int64_t bs = xBC.size(0), channels = xBC.size(1);
   check_mamba2_step(bs, channels, dt, D, ssm, slots, heads, head_dim, groups, state_size, what);
   const float* b = check_conv(weight, bias, conv_state, slots, bs, channels, what);
-  const int64_t width = weight.size(1);
   auto step = at::empty({bs, heads}, xBC.options());
   auto A = at::empty({heads}, xBC.options());
   mamba2_gating_into(dt, dt_bias, A_log, time_step_min, step.data_ptr<float>(), A.data_ptr<float>());
-  auto xbc = at::empty({bs, channels}, xBC.options());
-  auto y = at::empty({bs, heads, head_dim}, xBC.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, conv_state.scalar_type(), "sgl_kernel_decode", [&] {
-    conv_update_impl<scalar_t>(xBC.data_ptr<float>(), xBC.stride(0), conv_state.data_ptr<scalar_t>(),
-                               slots.data_ptr<int64_t>(), weight.data_ptr<float>(), b, xbc.data_ptr<float>(), bs,
-                               channels, width);
-  });
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, ssm.scalar_type(), "sgl_kernel_decode", [&] {
-    const Mamba2Step<scalar_t> a{xbc.data_ptr<float>(), step.data_ptr<float>(), A.data_ptr<float>(),
-                                 D.data_ptr<float>(), ssm.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
-                                 y.data_ptr<float>(), heads, head_dim, groups, state_size};
-    mamba2_impl(a, bs);
-  });
-  return y;
+  const auto xbc = conv_update_checked(xBC, xBC.stride(0), conv_state, slots, weight, b);
+  return mamba2_decode_checked(xbc, step, A, D, ssm, slots, heads, head_dim, groups, state_size);
 }
 
 }  // namespace

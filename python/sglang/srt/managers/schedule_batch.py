@@ -489,12 +489,6 @@ class ScheduleBatch:
         """Requests whose sampled token is real get a future slot; later batches read it through a
         placeholder until the result is processed."""
         self.future_slots = future_slots.alloc(len(self.reqs))
-        if self.forward_mode.is_decode():  # every row samples: the short loop (every step, every request)
-            for req, slot in zip(self.reqs, self.future_slots, strict=True):
-                req.num_inflight += 1
-                req.last_token_ref = ~slot
-                req.inflight_tokens += 1
-            return
         for req, slot, real in zip(self.reqs, self.future_slots, self.sample_rows, strict=True):
             req.num_inflight += 1
             if real:

@@ -295,6 +295,7 @@ class ForwardBatch:
         built = host_tensors or {}
         seq_lens = list(seq_lens)
         assert len(seq_lens) == len(mamba_pool_indices) == bs
+        seq_lens_tensor = host_int64(seq_lens)
         extend = forward_mode.is_extend()
         if extend:
             assert extend_prefix_lens is not None, "an extend needs extend_prefix_lens"
@@ -305,9 +306,6 @@ class ForwardBatch:
             positions = torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64)
         else:
             prefix, ext = [], []
-            positions = None  # seq_lens - 1, from its tensor below
-        seq_lens_tensor = host_int64(seq_lens)
-        if positions is None:
             positions = seq_lens_tensor - 1
         assert len(input_ids) == len(out_cache_loc) == positions.numel()
         mask = list(return_logprob_mask) if return_logprob_mask is not None else [False] * bs
