@@ -438,8 +438,7 @@ class ScheduleBatch:
             mamba_pool_indices=rows.mamba_pool_indices,
             req_to_token_writes=writes,
             **track,
-            # Its own shallow copy: moving a batch to the device replaces the info's fields.
-            sampling_info=dataclasses.replace(rows.sampling_info),
+            sampling_info=rows.sampling_info,  # shared: `to_device` moves a copy
             return_logprob_mask=rows.return_logprob_mask,
             top_logprobs_nums=rows.top_logprobs_nums,
             host_tensors=rows.host_tensors,

@@ -20,6 +20,7 @@ stream before the first layer of an extend and are then set to None.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from array import array
 from collections.abc import Sequence
@@ -246,7 +247,8 @@ class ForwardBatch:
         device = torch.device(device)
         if device.type == "cpu" or self.input_ids.device.type == device.type:
             return
-        info = self.sampling_info
+        # The sampling info gets a copy of its own first: batches of the same requests share one.
+        info = self.sampling_info = dataclasses.replace(self.sampling_info)
         owners = [(self, name) for name in self.TENSOR_FIELDS]
         owners += [(info, name) for name in SamplingBatchInfo.TENSOR_FIELDS]
         tensors = [getattr(obj, name) for obj, name in owners]
@@ -306,7 +308,9 @@ class ForwardBatch:
             positions = torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64)
         else:
             prefix, ext = [], []
-            positions = seq_lens_tensor - 1
+            # Not `seq_lens_tensor - 1`: one arithmetic op on the scheduler thread right after a forward
+            # costs more than the list (measured 12 vs 7 us at 256 requests).
+            positions = host_int64([n - 1 for n in seq_lens])
         assert len(input_ids) == len(out_cache_loc) == positions.numel()
         mask = list(return_logprob_mask) if return_logprob_mask is not None else [False] * bs
         track_mask = None if mamba_track_mask is None else [bool(m) for m in mamba_track_mask]
