@@ -24,6 +24,7 @@ from sglang.srt.managers.io_struct import PortArgs
 from sglang.srt.managers.schedule_batch import DecodeRowsCache, FutureSlots, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
+from sglang.srt.managers.scheduler_components.decode_set import DecodeSetCache
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
@@ -90,6 +91,9 @@ class Scheduler(SchedulerIOMixin):
             "num_retractions_total": 0,
         }
         self.disaggregation_mode = server_args.disaggregation_mode
+        self.decode_set = DecodeSetCache(
+            self.context_len, prefill_server=self.disaggregation_mode == "prefill"
+        )
         self.disagg = None  # the PD queue of this side (prefill or decode), if any
         self.init_io()
         self.finisher = FinishChecker.from_server_args(server_args)
@@ -210,19 +214,7 @@ class Scheduler(SchedulerIOMixin):
             self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
 
     def get_new_batch_decode(self) -> ScheduleBatch | None:
-        ctx, prefill_server = self.context_len, self.disaggregation_mode == "prefill"
-        # Which running requests decode a token now (one pass at every step, so Req's properties are
-        # spelled out: finished, planned_output_len, prefill_done and kv_len). A prefill server hands a
-        # disaggregated request over after its prompt; it never decodes it.
-        reqs = [
-            r
-            for r in self.running
-            if r.finished_reason is None
-            and 0 < len(r.output_ids) + r.inflight_tokens < r.sampling_params.max_new_tokens
-            and r.fill_ids
-            and len(r.fill_ids) <= len(r.kv_indices) < ctx
-            and not (prefill_server and r.bootstrap is not None)
-        ]
+        reqs = self.decode_set.select(self.running)
         # One more KV slot each; while the pool (after evicting the tree) cannot give that, retract the
         # newest request.
         out_cache_loc = None
@@ -231,7 +223,8 @@ class Scheduler(SchedulerIOMixin):
         ):
             self._retract_or_abort(reqs.pop())
         if not reqs:
-            self.rows_cache.clear()  # let the last decode's requests go
+            self.decode_set.clear()  # let the last decode's requests go
+            self.rows_cache.clear()
             return None
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
         batch.prepare_for_decode(
