@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
@@ -100,3 +102,35 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     other_seed = _sample_sequence(driver, prompt, seed=124, others=0)
     assert alone == batched
     assert alone != other_seed
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.0, 2.0),
+            st.floats(0.01, 1.0),
+            st.integers(-1, 50),
+            st.one_of(st.none(), st.integers(0, 2**70)),
+            st.floats(0.0, 1.0),
+        ),
+        max_size=12,
+    )
+)
+def test_batch_info_holds_each_requests_parameters(rows):
+    """`SamplingBatchInfo.create` packs its lists into tensors (and decides the host flags) as a plain
+    `torch.tensor` of each list would, seeds as their low 64 bits."""
+    temps, top_ps, top_ks, seeds, min_ps = (list(c) for c in zip(*rows, strict=True)) if rows else ([],) * 5
+    info = SamplingBatchInfo.create(temps, top_ps, top_ks, seeds, min_ps)
+    assert torch.equal(info.temperatures, torch.tensor(temps, dtype=torch.float32))
+    assert torch.equal(info.top_ps, torch.tensor(top_ps, dtype=torch.float32))
+    assert torch.equal(info.top_ks, torch.tensor(top_ks, dtype=torch.int64))
+    assert info.has_seed.tolist() == [s is not None for s in seeds]
+    bits = [(s or 0) % 2**64 for s in seeds]
+    assert [b % 2**64 for b in info.seed_bits.tolist()] == bits
+    if any(min_ps):
+        assert torch.equal(info.min_ps, torch.tensor(min_ps, dtype=torch.float32))
+    else:
+        assert info.min_ps is None
+    assert info.is_all_greedy == all(t <= 0 for t in temps)
+    assert info.needs_truncation == (any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps) or any(min_ps))
