@@ -94,6 +94,7 @@ class Req:
         "input_top_logprobs",
         "send_offset",
         "input_logprobs_sent",
+        "sampling_row",
     )
 
     def __init__(
@@ -156,6 +157,8 @@ class Req:
         self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
         self.send_offset = 0
         self.input_logprobs_sent = False
+        # What a batch reads of this request's sampling options, in `sampling_rows` order.
+        self.sampling_row: tuple | None = None
 
     # ---- derived -----------------------------------------------------------------------------------
 
@@ -251,13 +254,14 @@ class DecodeRows:
     def of(cls, reqs: list[Req]) -> DecodeRows:
         rows = [r.req_pool_idx for r in reqs]
         slots = [r.mamba_pool_idx for r in reqs]
+        temps, top_ps, top_ks, seeds, min_ps, logprob, top_nums = sampling_columns(reqs)
         return cls(
             req_pool_indices=rows,
             mamba_pool_indices=slots,
             host_tensors={"req_pool_indices": host_int64(rows), "mamba_pool_indices": host_int64(slots)},
-            sampling_info=_sampling_info([r.sampling_params for r in reqs]),
-            return_logprob_mask=[r.return_logprob for r in reqs],
-            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+            sampling_info=SamplingBatchInfo.create(temps, top_ps, top_ks, seeds, min_ps),
+            return_logprob_mask=list(logprob),
+            top_logprobs_nums=list(top_nums),
         )
 
 
@@ -284,14 +288,26 @@ class DecodeRowsCache:
         self._reqs, self._rows = [], None
 
 
-def _sampling_info(params: list[SamplingParams]) -> SamplingBatchInfo:
-    return SamplingBatchInfo.create(
-        [sp.temperature if sp.top_k != 1 else 0.0 for sp in params],
-        [sp.top_p for sp in params],
-        [sp.top_k for sp in params],
-        [sp.sampling_seed for sp in params],
-        min_ps=[sp.min_p for sp in params],
+def sampling_columns(reqs: list[Req]) -> list[tuple]:
+    """The requests' sampling options by column: temperatures (0 for greedy, top_k 1 included), top_ps,
+    top_ks, seeds, min_ps, return_logprob, top logprobs wanted. Each request's row is made once (its
+    options do not change), so a batch whose requests changed reads one attribute per request."""
+    rows = [r.sampling_row or _make_sampling_row(r) for r in reqs]
+    return list(zip(*rows, strict=True)) if rows else [()] * 7
+
+
+def _make_sampling_row(req: Req) -> tuple:
+    sp = req.sampling_params
+    req.sampling_row = (
+        sp.temperature if sp.top_k != 1 else 0.0,
+        sp.top_p,
+        sp.top_k,
+        sp.sampling_seed,
+        sp.min_p,
+        req.return_logprob,
+        req.top_logprobs_num if req.return_logprob else 0,
     )
+    return req.sampling_row
 
 
 class ScheduleBatch:
@@ -309,7 +325,7 @@ class ScheduleBatch:
         self.sample_rows: list[bool] = []
         self.completes_prefill: list[bool] = []  # the row computes the last input position
         self.future_slots: Sequence[int] | None = None
-        self.pending_tracks: list[tuple[Req, int, int]] = []
+        self.pending_tracks: dict[int, tuple[int, int]] = {}  # row -> (track entry, seq_len)
         self.prepend_none: list[bool] = []  # the first input token's logprob (none exists) goes first
         self.state_copies: list[tuple[int, int]] = []
         self.forward_batch = None
@@ -452,15 +468,26 @@ class ScheduleBatch:
         rows = tracker.boundary_rows(seq_lens)
         if not rows:
             return {}
-        track: list[tuple[int, int] | None] = [None] * len(seq_lens)
+        n = len(seq_lens)
+        # Dense per-row fields, written at the few tracked rows only (a step of staggered requests has
+        # some at almost every step).
+        fields = {
+            "mamba_track_indices": [0] * n,
+            "mamba_track_mask": [False] * n,
+            "mamba_track_seqlens": [0] * n,
+        }
+        tracked = False
         for i in rows:
             req, seq_len = self.reqs[i], seq_lens[i]
             t = tracker.decode_track(req, seq_len)
             if t is not None:
                 slot, entry = t
-                self.pending_tracks.append((req, entry, seq_len))
-                track[i] = (slot, seq_len)
-        return self._track_fields(track)
+                self.pending_tracks[i] = (entry, seq_len)
+                fields["mamba_track_indices"][i] = slot
+                fields["mamba_track_mask"][i] = True
+                fields["mamba_track_seqlens"][i] = seq_len
+                tracked = True
+        return fields if tracked else {}
 
     # ---- shared ------------------------------------------------------------------------------------
 
@@ -495,4 +522,5 @@ class ScheduleBatch:
                 req.inflight_tokens += 1
 
     def _sampling_info(self) -> SamplingBatchInfo:
-        return _sampling_info([r.sampling_params for r in self.reqs])
+        temps, top_ps, top_ks, seeds, min_ps, _, _ = sampling_columns(self.reqs)
+        return SamplingBatchInfo.create(temps, top_ps, top_ks, seeds, min_ps)

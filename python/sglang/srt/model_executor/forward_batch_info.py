@@ -94,7 +94,7 @@ class SamplingBatchInfo:
             seed_bits=host_int64([0 if s is None else _int64_bits(s) for s in seeds])
             if seeded
             else torch.zeros(bs, dtype=torch.int64),
-            has_seed=torch.tensor([s is not None for s in seeds], dtype=torch.bool)
+            has_seed=host_bool([s is not None for s in seeds])
             if seeded
             else torch.zeros(bs, dtype=torch.bool),
         )
@@ -119,6 +119,14 @@ def host_int64(values: Sequence[int]) -> torch.Tensor:
     if not packed:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(packed, dtype=torch.int64)
+
+
+def host_bool(values: Sequence[bool]) -> torch.Tensor:
+    """A bool host tensor of `values`, through a `bytearray` as `host_int64` through an array."""
+    packed = bytearray(values)
+    if not packed:
+        return torch.empty(0, dtype=torch.bool)
+    return torch.frombuffer(packed, dtype=torch.bool)
 
 
 def host_float32(values: Sequence[float]) -> torch.Tensor:
@@ -328,7 +336,7 @@ class ForwardBatch:
             positions = host_int64([n - 1 for n in seq_lens])
         assert len(input_ids) == len(out_cache_loc) == positions.numel()
         mask = list(return_logprob_mask) if return_logprob_mask is not None else [False] * bs
-        track_mask = None if mamba_track_mask is None else [bool(m) for m in mamba_track_mask]
+        track_mask = None if mamba_track_mask is None else list(map(bool, mamba_track_mask))
         track_idx, track_idx_cpu = _pair(mamba_track_indices)
         track_len, track_len_cpu = _pair(mamba_track_seqlens)
         starts = list(itertools.accumulate(ext, initial=0))[:-1]
@@ -354,7 +362,7 @@ class ForwardBatch:
             ],
             mamba_track_indices=track_idx,
             mamba_track_indices_cpu=track_idx_cpu,
-            mamba_track_mask=None if track_mask is None else torch.tensor(track_mask),
+            mamba_track_mask=None if track_mask is None else host_bool(track_mask),
             mamba_track_mask_cpu=track_mask,
             mamba_track_seqlens=track_len,
             mamba_track_seqlens_cpu=track_len_cpu,

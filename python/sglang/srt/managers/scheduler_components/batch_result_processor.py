@@ -62,7 +62,7 @@ class BatchResultProcessor:
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
         # This runs for every request of every batch: the batch's lists and the checks that do not
         # change between rows are read once.
-        pending = {id(req): (entry, seq) for req, entry, seq in batch.pending_tracks}
+        pending = batch.pending_tracks
         input_logprobs = result.input_token_logprobs is not None
         sample_rows, completes_prefill = batch.sample_rows, batch.completes_prefill
         handoff, check_finished = self.prefill_handoff, self.finisher.check_finished
@@ -86,8 +86,9 @@ class BatchResultProcessor:
                 continue
             if sampled or completes:
                 check_finished(req)
-            if pending or req.finished_reason is not None:
-                self._handle_finish_state_updated_req(req, pending.get(id(req)))
+            track = pending.get(i) if pending else None
+            if track is not None or req.finished_reason is not None:
+                self._handle_finish_state_updated_req(req, track)
             if req.stream or req.finished_reason is not None:
                 touched.append(req)  # what stream_output may send
         self.counters["num_generation_tokens_total"] += generated
@@ -98,7 +99,7 @@ class BatchResultProcessor:
         input logprobs: this runs for every running request at every step, so its loop is the short
         one, and `check_finished` runs only where the quick check (`set_quick_check`) says it may end
         the request."""
-        pending = {id(req): (entry, seq) for req, entry, seq in batch.pending_tracks}
+        pending = batch.pending_tracks
         check_finished, logprobs = self.finisher.check_finished, result.next_token_logprobs is not None
         touched: list[Req] = []
         generated = 0
@@ -117,8 +118,10 @@ class BatchResultProcessor:
                 self._append_output_logprobs(req, result, i, token)
             if len(out) >= req.finish_check_len or token in req.finish_token_ids:
                 check_finished(req)
-            if pending or req.finished_reason is not None:
-                self._handle_finish_state_updated_req(req, pending.get(id(req)))
+            # Only the rows with a snapshot to commit, or that finished, have more to do.
+            track = pending.get(i) if pending else None
+            if track is not None or req.finished_reason is not None:
+                self._handle_finish_state_updated_req(req, track)
             if req.stream or req.finished_reason is not None:
                 touched.append(req)  # what stream_output may send
         self.counters["num_generation_tokens_total"] += generated
