@@ -5,7 +5,10 @@
    requests running at once;
 2. scheduler time per decode step with --running requests decoding: the host work of building the
    batch and processing its result (the forward itself excluded), without overlap so the two are
-   apart.
+   apart. Two cases: steady (the same requests decode step after step) and churn (3 x --running
+   requests with output lengths spread over 40-199 tokens, so requests finish and new ones are
+   admitted between decode steps, as in serving; its decode steps of at least --running - 8
+   requests are timed).
 
     python benchmark/bench_scheduler.py [--slots 64] [--requests 64] [--running 256]
 """
@@ -80,6 +83,41 @@ def decode_step_time(running: int, strategy: str) -> tuple[float, float, float]:
     return statistics.median(build), statistics.median(forward), statistics.median(process)
 
 
+def churn_decode_step_time(running: int, strategy: str) -> tuple[float, float, float]:
+    h = SchedulerHarness(
+        "tiny-qwen3-next",
+        mamba_scheduler_strategy=strategy,
+        disable_overlap_schedule=True,
+        max_running_requests=running,
+        max_mamba_cache_size=4 * running,
+        max_total_tokens=running * 400,
+        mamba_track_interval=64,
+    )
+    sched = h.sched
+    for k in range(3 * running):
+        h.submit(token_ids(40, seed=k), max_new_tokens=40 + (k * 37) % 160, return_logprob=False)
+    build, forward, process = [], [], []
+    for step in range(400):
+        t0 = time.perf_counter()
+        batch = sched.get_next_batch_to_run()
+        t1 = time.perf_counter()
+        if batch is None:
+            break
+        sched.launch(batch)
+        _, fut = sched.in_flight[0]
+        fut.result()
+        t2 = time.perf_counter()
+        sched.process_oldest()
+        t3 = time.perf_counter()
+        if step >= 20 and batch.forward_mode.is_decode() and batch.batch_size >= running - 8:
+            build.append(t1 - t0)
+            forward.append(t2 - t1)
+            process.append(t3 - t2)
+    h.shutdown()
+    assert len(build) >= 30, "too few full decode steps to time"
+    return statistics.median(build), statistics.median(forward), statistics.median(process)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--slots", type=int, default=64)
@@ -94,14 +132,15 @@ def main() -> None:
     for strategy in STRATEGIES:
         r = slots_per_request(strategy, args.slots, args.requests)
         print(f"{strategy:<18} {r['mean']:>20.2f}, {r['peak']:>6.2f} {r['peak_running']:>13}")
-    print(f"\nscheduler host time per decode step at {args.running} running requests (median of 30):")
-    for strategy in STRATEGIES:
-        build, forward, process = decode_step_time(args.running, strategy)
-        share = (build + process) / forward
-        print(
-            f"{strategy:<18} build {build * 1e3:6.2f} ms   process {process * 1e3:6.2f} ms   "
-            f"forward {forward * 1e3:6.2f} ms   host / forward {share:.1%}"
-        )
+    for case, timer in [("steady", decode_step_time), ("churn", churn_decode_step_time)]:
+        print(f"\nscheduler host time per decode step at {args.running} running requests, {case} (medians):")
+        for strategy in STRATEGIES:
+            build, forward, process = timer(args.running, strategy)
+            share = (build + process) / forward
+            print(
+                f"{strategy:<18} build {build * 1e3:6.2f} ms   process {process * 1e3:6.2f} ms   "
+                f"forward {forward * 1e3:6.2f} ms   host / forward {share:.1%}"
+            )
 
 
 if __name__ == "__main__":
