@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.scheduler_components.decode_set import DecodeSetCache, select_decode_reqs
+from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
 
@@ -88,3 +90,10 @@ def test_a_steady_decode_reuses_the_selection_until_a_request_runs_out_of_tokens
         assert sorted(len(o.output_ids) for o in h.outputs.values()) == [6, 9]
     finally:
         h.shutdown()
+
+
+def test_requests_compare_by_identity():
+    """The scheduler compares lists of requests (`DecodeSetCache`, `DecodeRowsCache`, the waiting queue's
+    admitted head) and keeps sets of them: two requests with the same contents are different requests."""
+    a, b = (Req("r", [1, 2, 3], SamplingParams()) for _ in range(2))
+    assert a != b and [a] != [b] and len({a, b}) == 2 and [a] == [a]

@@ -202,16 +202,19 @@ class Scheduler(SchedulerIOMixin):
         if admissible <= 0:
             return
         cap = admissible * self.server_args.mamba_strategy.resident_slots_per_req
-        admitted = set()
+        admitted: list[Req] = []
         with pool.mamba_allocator.alloc_group(cap):
             for req in self.policy.calc_priority(self.waiting_queue):
                 if req.num_inflight > 0:
                     continue  # retracted while a batch with it is in flight: wait for its result
                 if not adder.add_one_req(req):
                     break
-                admitted.add(id(req))
-        if admitted:
-            self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+                admitted.append(req)
+        if self.waiting_queue[: len(admitted)] == admitted:
+            del self.waiting_queue[: len(admitted)]  # the queue's head (first come, first served)
+        else:
+            taken = set(admitted)  # by identity: Req keeps object hashing and equality
+            self.waiting_queue = [r for r in self.waiting_queue if r not in taken]
 
     def get_new_batch_decode(self) -> ScheduleBatch | None:
         reqs = self.decode_set.select(self.running)

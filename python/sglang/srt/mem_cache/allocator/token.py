@@ -68,9 +68,11 @@ class PagedTokenAllocator:
         """Free the pages of these slots. Callers pass whole pages they own (every slot of a partial
         trailing page they own counts as owning it)."""
         p = self.page_size
-        pages = sorted({t // p for t in token_slots}, reverse=True)
-        for page in pages:
-            assert 0 < page <= self.num_pages, f"slot page {page} is outside the pool"
+        # Slots are pages at page size 1 (an owner's slots are distinct): no set of them.
+        pages = sorted(token_slots if p == 1 else {t // p for t in token_slots}, reverse=True)
+        if pages and not (0 < pages[-1] and pages[0] <= self.num_pages):
+            bad = pages[-1] if pages[-1] <= 0 else pages[0]
+            raise AssertionError(f"slot page {bad} is outside the pool")
         self._free_pages.extend(pages)
 
     def clear(self) -> None:
