@@ -163,3 +163,28 @@ def test_a_device_move_leaves_the_shared_sampling_info_alone():
     assert moved.temperatures.is_meta and moved.top_ks.is_meta
     assert kept.temperatures.device.type == "cpu" and kept.temperatures.tolist() == [0.5, 0.0]
     assert batches[1].req_pool_indices.device.type == "cpu"  # the shared row tensors too
+
+
+def test_requests_that_sample_alike_share_one_sampling_info():
+    """A batch whose requests all sample alike reuses the sampling info of an earlier batch of the same
+    size and settings; one request with other settings makes the batch build its own, row by row."""
+    pool, infos = _Pool(), {}
+    a, b, c = (_req(pool, i, temperature=0.7, top_k=5) for i in range(3))
+    # _req asks logprobs of odd requests: make the three alike in that too.
+    for r in (a, b, c):
+        r.return_logprob, r.top_logprobs_num, r.sampling_row = False, 0, None
+    first = DecodeRows.of([a, b], infos)
+    assert DecodeRows.of([b, c], infos).sampling_info is first.sampling_info
+    assert torch.allclose(first.sampling_info.temperatures, torch.tensor([0.7, 0.7]))
+    assert first.sampling_info.top_ks.tolist() == [5, 5] and first.return_logprob_mask == [False, False]
+    assert DecodeRows.of([a, b, c], infos).sampling_info is not first.sampling_info  # another size
+
+    d = _req(pool, 3, temperature=0.0, sampling_seed=9)
+    mixed = DecodeRows.of([a, d, b], infos).sampling_info
+    assert torch.allclose(mixed.temperatures, torch.tensor([0.7, 0.0, 0.7]))
+    assert mixed.top_ks.tolist() == [5, -1, 5] and mixed.has_seed.tolist() == [False, True, False]
+    for k in range(40):  # settings never seen again do not pile up
+        other = Req(f"o{k}", [1], SamplingParams(temperature=0.1 + k / 100))
+        other.req_pool_idx, other.mamba_pool_idx = a.req_pool_idx, 12
+        DecodeRows.of([other], infos)
+    assert len(infos) <= 16

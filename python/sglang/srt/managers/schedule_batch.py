@@ -251,17 +251,39 @@ class DecodeRows:
     top_logprobs_nums: list[int]
 
     @classmethod
-    def of(cls, reqs: list[Req]) -> DecodeRows:
+    def of(cls, reqs: list[Req], uniform_infos: dict | None = None) -> DecodeRows:
+        """Read from the requests. `uniform_infos` keeps the sampling info of batches whose requests all
+        sample alike, by (sampling row, batch size): such a batch (one client's settings, or the
+        defaults) then reuses it instead of building its tensors again."""
+        n = len(reqs)
         rows = [r.req_pool_idx for r in reqs]
         slots = [r.mamba_pool_idx for r in reqs]
-        temps, top_ps, top_ks, seeds, min_ps, logprob, top_nums = sampling_columns(reqs)
+        sampling = [r.sampling_row or _make_sampling_row(r) for r in reqs]
+        # Interned rows: alike requests hold the same tuple, so the count compares identities.
+        if n and sampling.count(sampling[0]) == n:
+            row = sampling[0]
+            key = (row, n)
+            info = uniform_infos.get(key) if uniform_infos is not None else None
+            if info is None:
+                info = SamplingBatchInfo.create(*([v] * n for v in row[:5]))
+                if uniform_infos is not None:
+                    if len(uniform_infos) >= 16:
+                        uniform_infos.clear()
+                    uniform_infos[key] = info
+            logprob_mask, top_nums = [row[5]] * n, [row[6]] * n
+        else:
+            temps, top_ps, top_ks, seeds, min_ps, logprob, top = (
+                zip(*sampling, strict=True) if n else [()] * 7
+            )
+            info = SamplingBatchInfo.create(temps, top_ps, top_ks, seeds, min_ps)
+            logprob_mask, top_nums = list(logprob), list(top)
         return cls(
             req_pool_indices=rows,
             mamba_pool_indices=slots,
             host_tensors={"req_pool_indices": host_int64(rows), "mamba_pool_indices": host_int64(slots)},
-            sampling_info=SamplingBatchInfo.create(temps, top_ps, top_ks, seeds, min_ps),
-            return_logprob_mask=list(logprob),
-            top_logprobs_nums=list(top_nums),
+            sampling_info=info,
+            return_logprob_mask=logprob_mask,
+            top_logprobs_nums=top_nums,
         )
 
 
@@ -276,12 +298,14 @@ class DecodeRowsCache:
         self._reqs: list[Req] = []
         self._epoch = -1
         self._rows: DecodeRows | None = None
+        self._uniform_infos: dict = {}  # see `DecodeRows.of`
 
     def get(self, reqs: list[Req]) -> DecodeRows:
         epoch = self.pool.slot_epoch
         # List equality: one C loop over the request objects (compared by identity).
         if self._rows is None or epoch != self._epoch or reqs != self._reqs:
-            self._reqs, self._epoch, self._rows = list(reqs), epoch, DecodeRows.of(reqs)
+            rows = DecodeRows.of(reqs, self._uniform_infos)
+            self._reqs, self._epoch, self._rows = list(reqs), epoch, rows
         return self._rows
 
     def clear(self) -> None:
@@ -296,9 +320,12 @@ def sampling_columns(reqs: list[Req]) -> list[tuple]:
     return list(zip(*rows, strict=True)) if rows else [()] * 7
 
 
+_SAMPLING_ROWS: dict[tuple, tuple] = {}  # interned rows (a bounded set of immutable tuples)
+
+
 def _make_sampling_row(req: Req) -> tuple:
     sp = req.sampling_params
-    req.sampling_row = (
+    row = (
         sp.temperature if sp.top_k != 1 else 0.0,
         sp.top_p,
         sp.top_k,
@@ -307,6 +334,9 @@ def _make_sampling_row(req: Req) -> tuple:
         req.return_logprob,
         req.top_logprobs_num if req.return_logprob else 0,
     )
+    if len(_SAMPLING_ROWS) >= 1024:
+        _SAMPLING_ROWS.clear()
+    req.sampling_row = _SAMPLING_ROWS.setdefault(row, row)
     return req.sampling_row
 
 
