@@ -88,6 +88,8 @@ class ServerArgs:
     attention_backend: str | None = None
     triton_attention_num_kv_splits: int = 8
     disable_cuda_graph: bool = False
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     # None: min(160, the running cap); `cuda_graph_bs` (sizes to capture) overrides it.
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
@@ -400,6 +402,18 @@ class ServerArgs:
             nargs="+",
             default=None,
             help="The decode batch sizes to capture (instead of the sizes up to the max).",
+        )
+        g.add_argument(
+            "--enable-torch-compile",
+            action="store_true",
+            help="Accepted for compatibility; no effect: the CPU forward's C++ ops measured faster eager "
+            "than under torch.compile, and CUDA decode replays CUDA graphs.",
+        )
+        g.add_argument(
+            "--torch-compile-max-bs",
+            type=int,
+            default=default("torch_compile_max_bs"),
+            help="Accepted for compatibility; no effect (torch.compile is not used).",
         )
 
         g = parser.add_argument_group("mamba state cache")

@@ -34,7 +34,7 @@ REFUSED = {
     "disaggregation_transfer_backend": "nixl",
 }
 # Accepted for compatibility and logged as having no effect.
-NO_EFFECT = {"trust_remote_code": True}
+NO_EFFECT = {"trust_remote_code": True, "enable_torch_compile": True, "torch_compile_max_bs": 16}
 # Read through a value ServerArgs derives from them rather than by their own name.
 DERIVED = {
     "context_length": "context_len",
@@ -103,10 +103,14 @@ def test_defaults_are_not_refused_and_log_nothing(caplog):
 def test_a_flag_without_effect_is_logged_once_with_the_reason(caplog):
     with caplog.at_level(logging.WARNING, logger=process_launcher.__name__):
         log_no_effect_flags(ServerArgs(**NO_EFFECT))
-    assert [r.getMessage() for r in caplog.records] == [
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == (
         "--trust-remote-code has no effect: models run on this runtime's own implementations and "
         "tokenizers load from local files, so no code from a checkpoint is ever run."
-    ]
+    )
+    flags = ["--" + name.replace("_", "-") for name in NO_EFFECT]
+    assert [m.split(" has no effect: ")[0] for m in messages] == flags
+    assert all(m.endswith(".") for m in messages)
 
 
 def test_a_refused_transfer_backend_fails_the_command_line_in_one_sentence():

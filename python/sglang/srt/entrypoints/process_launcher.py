@@ -52,6 +52,10 @@ TRANSFER_BACKENDS = ("mooncake",)
 NO_EFFECT_FLAGS = {
     "trust_remote_code": "models run on this runtime's own implementations and tokenizers load from "
     "local files, so no code from a checkpoint is ever run",
+    "enable_torch_compile": "the forward runs eagerly, as on CPU its C++ ops measured faster than "
+    "torch.compile's inductor graphs at these model sizes (benchmark/README.md) and on CUDA decode "
+    "replays CUDA graphs",
+    "torch_compile_max_bs": "torch.compile is not used (see --enable-torch-compile)",
 }
 
 
