@@ -72,6 +72,7 @@ class Req:
         "last_token_ref",
         "num_inflight",
         "inflight_tokens",
+        "decode_until",
         "req_pool_idx",
         "kv_indices",
         "cache_protected_len",
@@ -129,6 +130,7 @@ class Req:
         self.last_token_ref: int | None = None  # placeholder of a token sampled by an in-flight batch
         self.num_inflight = 0  # batches in flight that contain this request
         self.inflight_tokens = 0  # tokens those batches will sample for it
+        self.decode_until = -1  # the scheduler's decode selection certificate (`DecodeSetCache`)
 
         # KV and radix cache
         self.req_pool_idx: int | None = None
@@ -205,6 +207,7 @@ class Req:
     def reset_for_retract(self) -> None:
         """Back to the waiting queue: everything held was released; it will prefill again."""
         self.fill_ids = []
+        self.decode_until = -1  # its prefill again samples a token outside any decode batch
         self.kv_indices = []
         self.cache_protected_len = 0
         self.last_node = None

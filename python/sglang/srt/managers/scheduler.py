@@ -250,6 +250,9 @@ class Scheduler(SchedulerIOMixin):
         logger.info("Retracting %s: the KV pool is full.", req)
         release_kv_cache(req, self.tree_cache, is_insert=False)
         self.running.remove(req)
+        # It may be back at the same place before the next decode build (a pause that retracts
+        # everyone, then its new prefill): the same running list would not show it.
+        self.decode_set.clear()
         req.reset_for_retract()
         self.waiting_queue.insert(0, req)
         self.counters["num_retractions_total"] += 1

@@ -1,5 +1,5 @@
 """Which running requests decode a token at a step (upstream: the running batch after `filter_batch`),
-and `DecodeSetCache`, which keeps that answer while it cannot change.
+and `DecodeSetCache`, which answers it without re-reading what cannot have changed.
 
 A running request decodes when it is not finished, has sampled at least one token (or has one in flight)
 and fewer than its max_new_tokens, its prefill is done, and its KV is below the context length. A PD
@@ -8,12 +8,13 @@ prefill server hands a disaggregated request over after its prompt and never dec
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from sglang.srt.managers.schedule_batch import Req
 
 
 def select_decode_reqs(running: list[Req], context_len: int, prefill_server: bool) -> list[Req]:
-    # One pass over every running request at every step, so Req's properties (finished,
-    # planned_output_len, prefill_done, kv_len) are spelled out.
+    # Req's properties (finished, planned_output_len, prefill_done, kv_len) spelled out.
     return [
         r
         for r in running
@@ -25,53 +26,60 @@ def select_decode_reqs(running: list[Req], context_len: int, prefill_server: boo
     ]
 
 
-def decode_steps_left(reqs: list[Req], context_len: int) -> int:
-    """How many more decode batches of all of `reqs` each request stays selected for: every such batch
-    adds one planned output token and one KV slot to each (its output and context budgets)."""
+def decode_steps_left(req: Req, context_len: int) -> int:
+    """How many decode batches in a row a selected request stays selected for: each adds one planned
+    output token and one KV slot (its output and context budgets)."""
     return min(
-        (
-            min(
-                r.sampling_params.max_new_tokens - len(r.output_ids) - r.inflight_tokens,
-                context_len - len(r.kv_indices),
-            )
-            for r in reqs
-        ),
-        default=0,
+        req.sampling_params.max_new_tokens - len(req.output_ids) - req.inflight_tokens,
+        context_len - len(req.kv_indices),
     )
 
 
-class DecodeSetCache:
-    """`select_decode_reqs` without its pass over the running requests while the running list is the same
-    one (same requests, same order) as at the previous decode build: every step of a steady decode.
+_decode_until = attrgetter("decode_until")
 
-    Why the answer holds then: between two decode builds with the same running list, each selected
-    request went through exactly one decode batch (one more planned token and KV slot), processing moves
-    tokens from in flight to committed (the planned count stays), and a request that finishes, is
-    aborted or retracted leaves the running list (on a PD prefill server a finished disaggregated
-    request may stay until its transfer ends, so it is not cached there). A request not selected stays
-    so: the reasons only grow (outputs, KV) or end with its leaving. So the selection is the previous
-    one for `decode_steps_left` steps, counted once the list is seen the same twice (a list that changes
-    at every step, under arrivals and finishes, costs one comparison: lengths differ, or the first
-    different request)."""
+
+class DecodeSetCache:
+    """`select_decode_reqs` that reads each request in full once, when it first qualifies: it then
+    holds a certificate, `req.decode_until`, the number of decode builds after which it stops
+    qualifying, and later builds read only that and whether it finished.
+
+    Why a certificate holds: a request that qualifies is in every decode batch built while it does, and
+    each adds exactly one planned token and one KV slot; processing moves tokens from in flight to
+    committed (the planned count stays); a request that finishes, is aborted or is retracted leaves the
+    running list, and a retracted one drops its certificate (`Req.reset_for_retract`: its prefill
+    again will sample a token outside any decode batch). A request that does not qualify is read in
+    full at each build (few do: those whose last token is in flight).
+
+    While the running list is the very one of the previous build (same requests, same order) and no
+    certificate has run out, the selection is the previous one: one list comparison per steady step."""
 
     def __init__(self, context_len: int, prefill_server: bool):
         self.context_len = context_len
         self.prefill_server = prefill_server
+        self.builds = 0  # decode builds so far: the clock of `decode_until`
         self._running: list[Req] = []
         self._reqs: list[Req] = []
-        self._steps_left: int | None = None
+        self._min_until = 0
 
     def select(self, running: list[Req]) -> list[Req]:
-        """The requests of this step's decode batch (a list of the caller's own)."""
-        if not self.prefill_server and self._reqs and running == self._running:
-            if self._steps_left is None:
-                self._steps_left = decode_steps_left(self._reqs, self.context_len)
-            if self._steps_left > 0:
-                self._steps_left -= 1
-                return list(self._reqs)
-        reqs = select_decode_reqs(running, self.context_len, self.prefill_server)
-        self._running, self._reqs, self._steps_left = list(running), reqs, None
+        """The requests of this decode build (a list of the caller's own)."""
+        now = self.builds
+        self.builds += 1
+        if self._reqs and now < self._min_until and running == self._running:
+            return list(self._reqs)
+        qualifies = self._qualifies
+        reqs = [
+            r for r in running if (r.decode_until > now and r.finished_reason is None) or qualifies(r, now)
+        ]
+        self._running, self._reqs = list(running), reqs
+        self._min_until = min(map(_decode_until, reqs), default=0)
         return list(reqs)
 
+    def _qualifies(self, req: Req, now: int) -> bool:
+        if not select_decode_reqs([req], self.context_len, self.prefill_server):
+            return False
+        req.decode_until = now + decode_steps_left(req, self.context_len)
+        return True
+
     def clear(self) -> None:
-        self._running, self._reqs, self._steps_left = [], [], None
+        self._running, self._reqs, self._min_until = [], [], 0
