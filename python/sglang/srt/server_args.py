@@ -406,8 +406,8 @@ class ServerArgs:
         g.add_argument(
             "--enable-torch-compile",
             action="store_true",
-            help="Accepted for compatibility; no effect: the CPU forward's C++ ops measured faster eager "
-            "than under torch.compile, and CUDA decode replays CUDA graphs.",
+            help="Accepted for compatibility; no effect: the forward runs eagerly (torch.compile is not "
+            "built; its CPU measurement is in benchmark/README.md).",
         )
         g.add_argument(
             "--torch-compile-max-bs",

@@ -159,7 +159,7 @@ class Req:
         self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
         self.send_offset = 0
         self.input_logprobs_sent = False
-        # What a batch reads of this request's sampling options, in `sampling_rows` order.
+        # What a batch reads of this request's sampling options (`_make_sampling_row`).
         self.sampling_row: tuple | None = None
 
     # ---- derived -----------------------------------------------------------------------------------
@@ -261,8 +261,9 @@ class DecodeRows:
         n = len(reqs)
         rows = [r.req_pool_idx for r in reqs]
         slots = [r.mamba_pool_idx for r in reqs]
-        sampling = [r.sampling_row or _make_sampling_row(r) for r in reqs]
-        # Interned rows: alike requests hold the same tuple, so the count compares identities.
+        sampling = sampling_rows(reqs)
+        # Interned rows: alike requests hold the same tuple, so the count compares identities (values,
+        # slower but still right, for requests from before the interning table was last emptied).
         if n and sampling.count(sampling[0]) == n:
             row = sampling[0]
             key = (row, n)
@@ -275,9 +276,7 @@ class DecodeRows:
                     uniform_infos[key] = info
             logprob_mask, top_nums = [row[5]] * n, [row[6]] * n
         else:
-            temps, top_ps, top_ks, seeds, min_ps, logprob, top = (
-                zip(*sampling, strict=True) if n else [()] * 7
-            )
+            temps, top_ps, top_ks, seeds, min_ps, logprob, top = _columns(sampling)
             info = SamplingBatchInfo.create(temps, top_ps, top_ks, seeds, min_ps)
             logprob_mask, top_nums = list(logprob), list(top)
         return cls(
@@ -315,11 +314,19 @@ class DecodeRowsCache:
         self._reqs, self._rows = [], None
 
 
+def sampling_rows(reqs: list[Req]) -> list[tuple]:
+    """Each request's sampling options: temperature (0 for greedy, top_k 1 included), top_p, top_k,
+    seed, min_p, return_logprob, top logprobs wanted. A request's row is made once (its options do not
+    change), so a batch whose requests changed reads one attribute per request."""
+    return [r.sampling_row or _make_sampling_row(r) for r in reqs]
+
+
 def sampling_columns(reqs: list[Req]) -> list[tuple]:
-    """The requests' sampling options by column: temperatures (0 for greedy, top_k 1 included), top_ps,
-    top_ks, seeds, min_ps, return_logprob, top logprobs wanted. Each request's row is made once (its
-    options do not change), so a batch whose requests changed reads one attribute per request."""
-    rows = [r.sampling_row or _make_sampling_row(r) for r in reqs]
+    """`sampling_rows` by column."""
+    return _columns(sampling_rows(reqs))
+
+
+def _columns(rows: list[tuple]) -> list[tuple]:
     return list(zip(*rows, strict=True)) if rows else [()] * 7
 
 

@@ -50,7 +50,10 @@ class ForwardMode(IntEnum):
 class SamplingBatchInfo:
     """Per-request sampling parameters. temperature 0 means greedy; top_k <= 0 means no top-k cut;
     min_p 0 no min-p cut; a request without a seed draws a fresh one from the runner's generator at
-    every step."""
+    every step. Values are finite (`SamplingParams.verify`).
+
+    Decode batches of the same requests, and batches whose requests all sample alike, share one info
+    and its host tensors: nothing writes them in place (`ForwardBatch.to_device` moves a copy)."""
 
     temperatures: torch.Tensor  # [bs] float32
     top_ps: torch.Tensor  # [bs] float32

@@ -48,7 +48,8 @@ class DecodeSetCache:
     committed (the planned count stays); a request that finishes, is aborted or is retracted leaves the
     running list, and a retracted one drops its certificate (`Req.reset_for_retract`: its prefill
     again will sample a token outside any decode batch). A request that does not qualify is read in
-    full at each build (few do: those whose last token is in flight).
+    full at each build (few do: those whose last token is in flight, and on a PD prefill server the
+    disaggregated ones between their prompt and their handoff).
 
     While the running list is the very one of the previous build (same requests, same order) and no
     certificate has run out, the selection is the previous one: one list comparison per steady step."""
