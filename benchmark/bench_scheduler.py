@@ -49,73 +49,68 @@ def slots_per_request(strategy: str, slots: int, requests: int) -> dict:
     return {"mean": statistics.mean(per_req), "peak": max(per_req), "peak_running": peak_running}
 
 
-def decode_step_time(running: int, strategy: str) -> tuple[float, float, float]:
-    h = SchedulerHarness(
+def _timing_harness(running: int, strategy: str, tokens_per_request: int) -> SchedulerHarness:
+    return SchedulerHarness(
         "tiny-qwen3-next",
         mamba_scheduler_strategy=strategy,
         disable_overlap_schedule=True,
         max_running_requests=running,
         max_mamba_cache_size=4 * running,
-        max_total_tokens=running * 200,
+        max_total_tokens=running * tokens_per_request,
         mamba_track_interval=64,
     )
+
+
+def _timed_step(sched):
+    """One step with its host parts apart: (batch, build s, forward s, process s); batch None: idle."""
+    t0 = time.perf_counter()
+    batch = sched.get_next_batch_to_run()
+    t1 = time.perf_counter()
+    if batch is None:
+        return None, 0.0, 0.0, 0.0
+    sched.launch(batch)
+    _, fut = sched.in_flight[0]
+    fut.result()
+    t2 = time.perf_counter()
+    sched.process_oldest()
+    t3 = time.perf_counter()
+    return batch, t1 - t0, t2 - t1, t3 - t2
+
+
+def _medians(times: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    return tuple(statistics.median(t[i] for t in times) for i in range(3))
+
+
+def decode_step_time(running: int, strategy: str) -> tuple[float, float, float]:
+    h = _timing_harness(running, strategy, 200)
     sched = h.sched
     for k in range(running):
         h.submit(token_ids(40, seed=k), max_new_tokens=60, return_logprob=False)
     while sched.waiting_queue or sched.chunked_req is not None:
         sched.step()  # prefill everyone first
-    build, forward, process = [], [], []
+    times = []
     for _ in range(30):
-        t0 = time.perf_counter()
-        batch = sched.get_next_batch_to_run()
-        t1 = time.perf_counter()
+        batch, *t = _timed_step(sched)
         assert batch is not None and batch.batch_size == running and batch.forward_mode.is_decode()
-        sched.launch(batch)
-        _, fut = sched.in_flight[0]
-        fut.result()
-        t2 = time.perf_counter()
-        sched.process_oldest()
-        t3 = time.perf_counter()
-        build.append(t1 - t0)
-        forward.append(t2 - t1)
-        process.append(t3 - t2)
+        times.append(t)
     h.shutdown()
-    return statistics.median(build), statistics.median(forward), statistics.median(process)
+    return _medians(times)
 
 
 def churn_decode_step_time(running: int, strategy: str) -> tuple[float, float, float]:
-    h = SchedulerHarness(
-        "tiny-qwen3-next",
-        mamba_scheduler_strategy=strategy,
-        disable_overlap_schedule=True,
-        max_running_requests=running,
-        max_mamba_cache_size=4 * running,
-        max_total_tokens=running * 400,
-        mamba_track_interval=64,
-    )
-    sched = h.sched
+    h = _timing_harness(running, strategy, 400)
     for k in range(3 * running):
         h.submit(token_ids(40, seed=k), max_new_tokens=40 + (k * 37) % 160, return_logprob=False)
-    build, forward, process = [], [], []
+    times = []
     for step in range(400):
-        t0 = time.perf_counter()
-        batch = sched.get_next_batch_to_run()
-        t1 = time.perf_counter()
+        batch, *t = _timed_step(h.sched)
         if batch is None:
             break
-        sched.launch(batch)
-        _, fut = sched.in_flight[0]
-        fut.result()
-        t2 = time.perf_counter()
-        sched.process_oldest()
-        t3 = time.perf_counter()
         if step >= 20 and batch.forward_mode.is_decode() and batch.batch_size >= running - 8:
-            build.append(t1 - t0)
-            forward.append(t2 - t1)
-            process.append(t3 - t2)
+            times.append(t)
     h.shutdown()
-    assert len(build) >= 30, "too few full decode steps to time"
-    return statistics.median(build), statistics.median(forward), statistics.median(process)
+    assert len(times) >= 30, "too few full decode steps to time"
+    return _medians(times)
 
 
 def main() -> None:
