@@ -101,7 +101,8 @@ def test_a_request_is_read_once_until_its_certificate_runs_out():
         # Build 0 reads both: 5 more tokens for the first (builds 0-4), 8 for the second (0-7).
         assert first == {"req-0": 5, "req-1": 8}
         # Builds 1-4 reuse the selection; build 5 reads nobody in full either (the first request
-        # finished and left); the second is read again only at build 8, when it has finished too.
+        # finished and left); the second finishes at build 7's result, before its certificate runs out
+        # at build 8 (no overlap), so it is not read again.
         assert reads == [("req-0", 0), ("req-1", 0)]
         h.collect()
         assert sorted(len(o.output_ids) for o in h.outputs.values()) == [6, 9]
