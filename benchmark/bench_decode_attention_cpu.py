@@ -111,6 +111,8 @@ SHARED_SHAPES = [
     (16, 1024, 276, 16, 2, 256, torch.float32),
     (16, 1024, 276, 16, 2, 256, torch.bfloat16),
     (4, 4000, 64, 16, 2, 256, torch.bfloat16),
+    (64, 1024, 64, 16, 2, 256, torch.bfloat16),
+    (256, 1024, 16, 4, 2, 16, torch.float32),  # small heads: the search for shared prefixes shows
 ]
 
 

@@ -171,6 +171,31 @@ def test_shared_prefixes_give_the_unshared_result(ops, dtype, d):
     assert torch.equal(ops.decode_attention(q, k_buf, v_buf, table, rows, lens, scale), alone)
 
 
+@pytest.mark.parametrize("common", [64, 65, 80, 127])
+def test_prefixes_that_end_on_or_beside_a_compare_chunk(ops, common):
+    """The shared-prefix search compares slot rows 16 entries at a time before the entry-wise compare:
+    rows that part on, just after, or between those chunk boundaries (and one row that is all prefix)
+    attend to exactly their own keys. (A group needs a prefix of a block, 64 keys, at least.)"""
+    g = torch.Generator().manual_seed(common)
+    hq, hk, d = 4, 2, 16
+    prefix = torch.arange(1, common + 1)
+    rows = [torch.cat([prefix, torch.arange(200 + 50 * i, 200 + 50 * i + 10 + i)]) for i in range(3)]
+    rows.append(prefix.clone())
+    table = torch.zeros(len(rows) + 1, max(len(r) for r in rows), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i + 1, : len(r)] = r.to(torch.int32)
+    k_buf, v_buf = torch.randn(400, hk, d, generator=g), torch.randn(400, hk, d, generator=g)
+    q = torch.randn(len(rows), hq, d, generator=g)
+    order = torch.tensor([3, 1, 4, 2])
+    lens = torch.tensor([len(rows[i - 1]) for i in order.tolist()])
+    shared = ops.decode_attention(q, k_buf, v_buf, table, order, lens, 0.25, SHARE_ALWAYS)
+    want = _reference(q, k_buf, v_buf, table, order, lens, 0.25)
+    assert not torch.equal(
+        shared, ops.decode_attention(q, k_buf, v_buf, table, order, lens, 0.25, SHARE_NEVER)
+    )
+    assert max_abs(shared.double(), want) < 1e-5  # as the test above: float32 sums in another order
+
+
 def test_a_nan_query_in_a_shared_group_gives_nan_for_its_head_only(ops):
     q, k_buf, v_buf, table, rows, lens = _shared_batch(torch.float32, 16)
     b = int((rows == 1).nonzero())  # a member of the first group
