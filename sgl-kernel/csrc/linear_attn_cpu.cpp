@@ -57,6 +57,15 @@ void check_f32(const at::Tensor& t, const char* what, const char* name) {
               " must be a contiguous float32 tensor");
 }
 
+// The inputs of a Mamba2 state update (decode or extend): xbc, dt, A and D as contiguous float32.
+void check_mamba2_f32(const at::Tensor& xbc, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& D,
+                      const char* what) {
+  check_f32(xbc, what, "xbc");
+  check_f32(dt, what, "dt");
+  check_f32(A, what, "A");
+  check_f32(D, what, "D");
+}
+
 // The conv weight [channels, width], an optional bias [channels] and the pool's conv state [slots, channels,
 // width - 1] that `bs` rows of `channels` update through `slots`. Returns the bias data, or null.
 const float* check_conv(const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& conv_state,
@@ -324,10 +333,7 @@ at::Tensor mamba2_decode(const at::Tensor& xbc, const at::Tensor& dt, const at::
                          at::Tensor ssm, const at::Tensor& slots, int64_t heads, int64_t head_dim,
                          int64_t groups, int64_t state_size) {
   const char* what = "mamba2_decode";
-  check_f32(xbc, what, "xbc");
-  check_f32(dt, what, "dt");
-  check_f32(A, what, "A");
-  check_f32(D, what, "D");
+  check_mamba2_f32(xbc, dt, A, D, what);
   TORCH_CHECK(xbc.dim() == 2, what, ": xbc must be [bs, heads*head_dim + 2*groups*state_size]");
   const int64_t bs = xbc.size(0);
   check_mamba2_step(bs, xbc.size(1), dt, D, ssm, slots, heads, head_dim, groups, state_size, what);
@@ -686,10 +692,7 @@ at::Tensor mamba2_extend(const at::Tensor& xbc, const at::Tensor& dt, const at::
                          const at::Tensor& snap_off, const at::Tensor& snap_slot, int64_t heads, int64_t head_dim,
                          int64_t groups, int64_t state_size) {
   const char* what = "mamba2_extend";
-  check_f32(xbc, what, "xbc");
-  check_f32(dt, what, "dt");
-  check_f32(A, what, "A");
-  check_f32(D, what, "D");
+  check_mamba2_f32(xbc, dt, A, D, what);
   const Extend e = read_extend(cu, slots, snap_ptr, snap_off, snap_slot, xbc.size(0), ssm.size(0), what);
   TORCH_CHECK(heads % groups == 0 && xbc.size(1) == heads * head_dim + 2 * groups * state_size, what,
               ": xbc must be [T, heads*head_dim + 2*groups*state_size]");

@@ -86,7 +86,7 @@ class SamplingBatchInfo:
         seeded = seeds.count(None) < bs
         # Packed arrays the tensors share (`host_float32`, `host_int64`), and C-level max/min over the
         # lists: a decode batch of new requests builds this for every request at that step, and
-        # `torch.tensor` on a list costs ~3x more (130 -> 45 us at 256 requests).
+        # `torch.tensor` on a list costs ~3x more (130 -> 41 us at 256 requests).
         return cls(
             temperatures=host_float32(temperatures),
             top_ps=host_float32(top_ps),
@@ -118,26 +118,22 @@ def _int64_bits(value: int) -> int:
 def host_int64(values: Sequence[int]) -> torch.Tensor:
     """An int64 host tensor of `values`, through a packed `array` the tensor then shares: 3-4x faster
     than `torch.tensor` on a list (~5 vs ~16 us for 256 ints), and every batch makes several."""
-    packed = array("q", values)
-    if not packed:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(packed, dtype=torch.int64)
-
-
-def host_bool(values: Sequence[bool]) -> torch.Tensor:
-    """A bool host tensor of `values`, through a `bytearray` as `host_int64` through an array."""
-    packed = bytearray(values)
-    if not packed:
-        return torch.empty(0, dtype=torch.bool)
-    return torch.frombuffer(packed, dtype=torch.bool)
+    return _sharing(array("q", values), torch.int64)
 
 
 def host_float32(values: Sequence[float]) -> torch.Tensor:
-    """A float32 host tensor of `values`, through a packed `array` as `host_int64`."""
-    packed = array("f", values)
-    if not packed:
-        return torch.empty(0, dtype=torch.float32)
-    return torch.frombuffer(packed, dtype=torch.float32)
+    """A float32 host tensor of `values`, as `host_int64`."""
+    return _sharing(array("f", values), torch.float32)
+
+
+def host_bool(values: Sequence[bool]) -> torch.Tensor:
+    """A bool host tensor of `values`, as `host_int64` (through a `bytearray`)."""
+    return _sharing(bytearray(values), torch.bool)
+
+
+def _sharing(packed: array | bytearray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor sharing `packed`'s memory (`frombuffer` refuses an empty buffer)."""
+    return torch.frombuffer(packed, dtype=dtype) if packed else torch.empty(0, dtype=dtype)
 
 
 def _prebuilt_or_int64(built: dict[str, torch.Tensor], name: str, values: Sequence[int]) -> torch.Tensor:
