@@ -62,7 +62,6 @@ class BatchResultProcessor:
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
         # This runs for every request of every batch: the batch's lists and the checks that do not
         # change between rows are read once.
-        pending = batch.pending_tracks
         input_logprobs = result.input_token_logprobs is not None
         sample_rows, completes_prefill = batch.sample_rows, batch.completes_prefill
         handoff, check_finished = self.prefill_handoff, self.finisher.check_finished
@@ -86,9 +85,8 @@ class BatchResultProcessor:
                 continue
             if sampled or completes:
                 check_finished(req)
-            track = pending.get(i) if pending else None
-            if track is not None or req.finished_reason is not None:
-                self._handle_finish_state_updated_req(req, track)
+            if req.finished_reason is not None:  # (extends write no decode snapshots to commit)
+                self._handle_finish_state_updated_req(req, None)
             if req.stream or req.finished_reason is not None:
                 touched.append(req)  # what stream_output may send
         self.counters["num_generation_tokens_total"] += generated
