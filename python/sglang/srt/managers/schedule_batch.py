@@ -18,8 +18,10 @@ Mamba fields (upstream names):
   mamba_extra_snapshots         (slot, position) of prefill snapshots beyond the primary one, in slots
                                 borrowed for them until the tree takes them over
 
-Overlap: a request's newest sampled token may still be in flight; `last_token_ref` then names it by
-a placeholder (-(future slot + 1)) that the forward stream resolves.
+Overlap: a request's newest sampled token may still be in flight (`inflight_tokens` > 0);
+`last_token_ref` then names it by a placeholder (-(future slot + 1)) that the forward stream resolves.
+Each batch that samples for the request sets it, and batches are processed in launch order, so while
+any token is in flight it names the newest one (when none is, it is stale and nothing reads it).
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class Req:
         # check).
         self.finish_check_len = 0
         self.finish_token_ids: frozenset[int] | None = None
-        self.last_token_ref: int | None = None  # placeholder of a token sampled by an in-flight batch
+        self.last_token_ref: int | None = None  # placeholder of its newest in-flight token (see above)
         self.num_inflight = 0  # batches in flight that contain this request
         self.inflight_tokens = 0  # tokens those batches will sample for it
         self.decode_until = -1  # the scheduler's decode selection certificate (`DecodeSetCache`)
@@ -212,7 +214,6 @@ class Req:
         self.cache_protected_len = 0
         self.last_node = None
         self.req_to_token_dirty_from = None
-        self.last_token_ref = None
         self.mamba_last_track_seqlen = None
         self.mamba_branching_seqlen = None
         self.mamba_cow_src_index = None
@@ -473,7 +474,7 @@ class ScheduleBatch:
         comprehensions over the requests, not one loop of appends, measured ~2x faster at 256
         requests.)"""
         reqs, n = self.reqs, len(self.reqs)
-        input_ids = [r.output_ids[-1] if r.last_token_ref is None else r.last_token_ref for r in reqs]
+        input_ids = [r.last_token_ref if r.inflight_tokens else r.output_ids[-1] for r in reqs]
         self.has_placeholders = min(input_ids) < 0
         positions_end = [len(r.kv_indices) for r in reqs]
         writes = []

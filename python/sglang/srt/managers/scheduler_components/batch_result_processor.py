@@ -77,7 +77,7 @@ class BatchResultProcessor:
             if input_logprobs:
                 self._add_input_logprobs(req, batch, result, i)
             if sampled:
-                self._commit_token(req, batch, result, i)
+                self._commit_token(req, result, i)
                 generated += 1
             completes = completes_prefill[i]
             if completes and req.bootstrap is not None and handoff is not None:
@@ -100,36 +100,32 @@ class BatchResultProcessor:
         pending = batch.pending_tracks
         check_finished, logprobs = self.finisher.check_finished, result.next_token_logprobs is not None
         touched: list[Req] = []
-        generated = 0
-        rows = zip(batch.reqs, result.next_token_ids, batch.future_slots, strict=True)
-        for i, (req, token, slot) in enumerate(rows):
+        skipped = 0
+        for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             req.num_inflight -= 1
             req.inflight_tokens -= 1
             if req.finished_reason is not None:
+                skipped += 1
                 continue
-            generated += 1
             out = req.output_ids
             out.append(token)
-            if req.last_token_ref == ~slot:  # -(slot + 1): no later batch read it yet
-                req.last_token_ref = None
             if logprobs and req.return_logprob:
                 self._append_output_logprobs(req, result, i, token)
             if len(out) >= req.finish_check_len or token in req.finish_token_ids:
                 check_finished(req)
             # Only the rows with a snapshot to commit, or that finished, have more to do.
-            track = pending.get(i) if pending else None
-            if track is not None or req.finished_reason is not None:
-                self._handle_finish_state_updated_req(req, track)
+            if pending and i in pending:
+                self._handle_finish_state_updated_req(req, pending[i])
+            elif req.finished_reason is not None:
+                self._handle_finish_state_updated_req(req, None)
             if req.stream or req.finished_reason is not None:
                 touched.append(req)  # what stream_output may send
-        self.counters["num_generation_tokens_total"] += generated
+        self.counters["num_generation_tokens_total"] += len(batch.reqs) - skipped
         self.stream_output(touched)
 
-    def _commit_token(self, req: Req, batch: ScheduleBatch, result: HostBatchResult, i: int) -> None:
+    def _commit_token(self, req: Req, result: HostBatchResult, i: int) -> None:
         token = result.next_token_ids[i]
         req.output_ids.append(token)
-        if req.last_token_ref == ~batch.future_slots[i]:  # -(slot + 1): no later batch read it yet
-            req.last_token_ref = None
         if req.return_logprob and result.next_token_logprobs is not None:
             self._append_output_logprobs(req, result, i, token)
 
