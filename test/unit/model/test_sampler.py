@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang.srt.layers.sampler import Sampler
+from sglang.srt.layers.sampler import Sampler, inverse_cdf_sample, seeded_uniforms
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, random_ids
@@ -59,6 +59,44 @@ def test_top_k_and_top_p_keep_the_documented_set(params, kept):
     want[kept] = PROBS[kept] / PROBS[kept].sum()
     assert (freq - want).abs().max() < FREQ_TOL
     assert freq[[i for i in range(4) if i not in kept]].sum() == 0
+
+
+def test_inverse_cdf_never_takes_a_zero_probability_id():
+    """A uniform just below 1 makes u * total round up to the total in float32; the target must stay
+    below it, or the search lands past the last id that has probability (here on ids 2-3, which have
+    none)."""
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.3, 0.0, 0.0]])
+    u = torch.full((2,), 1 - 2**-25)  # rounds to 1.0 in float32
+    assert inverse_cdf_sample(probs, u).tolist() == [1, 1]
+    assert inverse_cdf_sample(probs, torch.zeros(2)).tolist() == [0, 1]  # leading zeros skipped too
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.one_of(st.just(0.0), st.floats(1e-6, 1.0)), min_size=1, max_size=40).filter(any),
+    st.floats(0.0, 1.0),
+)
+def test_inverse_cdf_takes_the_id_where_the_cumulative_sum_passes_the_target(weights, u):
+    probs = torch.tensor([weights])
+    cdf = probs[0].cumsum(0)
+    i = int(inverse_cdf_sample(probs, torch.tensor([u]))[0])
+    assert weights[i] > 0
+    target = min(u * cdf[-1].item(), cdf[-1].item())
+    # The first id whose cumulative sum exceeds the target (the one below it does not), up to the
+    # float32 rounding of the product (the kernel's target is float32 too, one rounding away).
+    assert cdf[i].item() >= target * (1 - 1e-6)
+    assert i == 0 or cdf[i - 1].item() <= target * (1 + 1e-6)
+
+
+def test_seeded_uniforms_are_uniform_and_differ_by_seed_and_position():
+    positions = torch.arange(20000)
+    u = seeded_uniforms(torch.full((20000,), 7), positions)
+    assert 0 < u.min() and u.max() < 1
+    # Deciles of 20,000 uniforms: each holds 2,000 +- 42 (binomial sd); 200 is almost five of them.
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert (counts - 2000).abs().max() < 200
+    assert not torch.equal(u, seeded_uniforms(torch.full((20000,), 8), positions))
+    assert torch.equal(u, seeded_uniforms(torch.full((20000,), 7), positions))
 
 
 def test_greedy_rows_and_scaled_logprobs():
