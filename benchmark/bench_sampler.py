@@ -1,8 +1,11 @@
 """Sampler time per decode step (CPU, one torch thread): `Sampler` on random logits at batch x vocab
 shapes of the tiny presets (2,048) and of Qwen3-Next (151,936), greedy, temperature 1 (SGLang's default
-sampling) and temperature 0.7 with top-p 0.9 and top-k 50, medians of --reps calls.
+sampling), temperature 0.7 with top-p 0.9 and top-k 50, and with top-p 0.95 alone, medians of --reps
+calls. Random logits (standard normal times --logit-scale) at scale 1 are flatter than a trained
+model's: top-p 0.95 alone then keeps most of the vocabulary and the sampler sorts all of it; at scale 4
+the cut lies among the few most likely tokens, as it does in serving.
 
-    python benchmark/bench_sampler.py [--reps 15]
+    python benchmark/bench_sampler.py [--reps 15] [--logit-scale 1]
 """
 
 from __future__ import annotations
@@ -24,18 +27,20 @@ def settings(bs: int) -> dict[str, SamplingBatchInfo]:
         "greedy": SamplingBatchInfo.greedy(bs),
         "T=1": SamplingBatchInfo.create([1.0] * bs),
         "T=0.7 top-p 0.9 top-k 50": SamplingBatchInfo.create([0.7] * bs, [0.9] * bs, [50] * bs),
+        "T=0.7 top-p 0.95": SamplingBatchInfo.create([0.7] * bs, [0.95] * bs),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--logit-scale", type=float, default=1.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     sampler = Sampler(random_seed=0)
     print(f"{'batch':>6} {'vocab':>7}  {'setting':<26} {'ms per call':>11}")
     for bs, vocab in SHAPES:
-        logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(bs))
+        logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(bs)) * args.logit_scale
         positions = torch.arange(bs) + 100
         for name, info in settings(bs).items():
             times = []

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang.srt.layers.sampler import Sampler, inverse_cdf_sample, seeded_uniforms
+from sglang.srt.layers import sampler as sampler_module
+from sglang.srt.layers.sampler import Sampler, inverse_cdf_sample, seeded_uniforms, truncated_probs
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, random_ids
@@ -59,6 +60,86 @@ def test_top_k_and_top_p_keep_the_documented_set(params, kept):
     want[kept] = PROBS[kept] / PROBS[kept].sum()
     assert (freq - want).abs().max() < FREQ_TOL
     assert freq[[i for i in range(4) if i not in kept]].sum() == 0
+
+
+def test_tokens_as_likely_as_the_cut_are_all_kept():
+    logits = torch.tensor([0.3, 0.3, 0.3, 0.1]).log().repeat(3, 1)
+    kept = truncated_probs(
+        logits,
+        torch.ones(3),
+        top_ps=torch.tensor([1.0, 0.2, 1.0]),
+        top_ks=torch.tensor([1, -1, -1]),
+        min_ps=torch.tensor([0.0, 0.0, 0.9]),
+        sort_width=-1,
+    )
+    assert (kept > 0).tolist() == [[True, True, True, False]] * 3
+
+
+def _row_cut(row: torch.Tensor, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+    """The documented cut of one row, through a sort of its whole vocabulary (float32 as the sampler)."""
+    probs = torch.softmax(row, dim=-1)
+    values = probs.sort(descending=True).values
+    cut = torch.tensor(0.0)
+    if top_k > 0:
+        cut = values[min(top_k, len(values)) - 1]
+    top_p32 = torch.tensor(top_p, dtype=torch.float32)
+    if top_p32 < 1:
+        kept = max(int(((values.cumsum(0) - values) <= top_p32).sum()), 1)
+        cut = torch.maximum(cut, values[kept - 1])
+    if min_p:
+        cut = torch.maximum(cut, torch.tensor(min_p, dtype=torch.float32) * values[0])
+    return probs.masked_fill(probs < cut, 0.0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 60),
+    st.lists(
+        st.tuples(
+            st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.05]),
+            st.sampled_from([-1, 0, 1, 2, 5, 9, 70]),
+            st.sampled_from([0.0, 0.0, 0.1]),
+            st.floats(0.1, 4.0),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(0, 2**16),
+)
+def test_a_rows_cut_does_not_depend_on_its_batch_or_the_sort_taken(vocab, rows, seed):
+    """Whatever the batch's sort width (its largest top_k, or the whole vocabulary) and, for top-p
+    alone, whether the partial sort of the head (here 4 wide, so that both it and the fallback to a
+    whole sort run) held every cut, each row gets the documented cut of it alone."""
+    top_ps, top_ks, min_ps, scales = (list(c) for c in zip(*rows, strict=True))
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed))
+    logits = logits * torch.tensor(scales)[:, None]
+    info = SamplingBatchInfo.create([1.0] * len(rows), top_ps, top_ks, min_ps=min_ps)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampler_module, "TOP_P_HEAD", 4)
+        got = truncated_probs(
+            logits, info.temperatures, info.top_ps, info.top_ks, info.min_ps, info.sort_width
+        )
+    for i, (top_p, top_k, min_p, _) in enumerate(rows):
+        assert torch.equal(got[i], _row_cut(logits[i], top_p, top_k, min_p))
+
+
+@pytest.mark.parametrize("flat_row", [False, True])
+def test_top_p_alone_sorts_only_the_head_when_it_holds_every_cut(monkeypatch, flat_row):
+    """Peaked rows cut by top-p 0.5 within their 4 most likely tokens: only those are sorted. A flat row
+    (its cut past the head) makes the batch sort the whole vocabulary. The cuts are the documented ones
+    either way."""
+    monkeypatch.setattr(sampler_module, "TOP_P_HEAD", 4)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5)) * 6
+    if flat_row:
+        logits[1] = 0.0
+    info = SamplingBatchInfo.create([1.0] * 3, [0.5] * 3, [-1] * 3)
+    assert info.sort_width == -1
+    probs = torch.softmax(logits, dim=-1)
+    values = sampler_module._most_likely_first(probs, 50, info.top_ps, info.top_ks)
+    assert values.shape[-1] == (50 if flat_row else 4)
+    got = truncated_probs(logits, info.temperatures, info.top_ps, info.top_ks, None, info.sort_width)
+    for i in range(3):
+        assert torch.equal(got[i], _row_cut(logits[i], 0.5, -1, 0.0))
 
 
 def test_inverse_cdf_never_takes_a_zero_probability_id():

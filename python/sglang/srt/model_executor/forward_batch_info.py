@@ -64,9 +64,11 @@ class SamplingBatchInfo:
     # complement, what the sampler's hash reads), and whether the request has one.
     seed_bits: torch.Tensor | None = None  # [bs] int64
     has_seed: torch.Tensor | None = None  # [bs] bool
-    # Decided on the host: some row cuts its distribution (top-k, top-p or min-p), so the sampler
-    # must sort the vocabulary.
+    # Decided on the host: some row cuts its distribution (top-k, top-p or min-p); and how many of each
+    # row's most likely tokens the cut must see in order: the largest top_k, or -1 (the whole
+    # vocabulary) when a row cuts by top-p without a top-k, or 0 (min-p alone needs only the maximum).
     needs_truncation: bool = False
+    sort_width: int = 0
 
     @classmethod
     def create(
@@ -93,6 +95,7 @@ class SamplingBatchInfo:
             top_ks=host_int64(top_ks),
             is_all_greedy=bs == 0 or max(temperatures) <= 0,
             needs_truncation=bs > 0 and (max(top_ks) > 0 or min(top_ps) < 1 or has_min_p),
+            sort_width=_sort_width(top_ps, top_ks),
             min_ps=host_float32(min_ps) if has_min_p else None,
             seed_bits=host_int64([0 if s is None else _int64_bits(s) for s in seeds])
             if seeded
@@ -107,6 +110,15 @@ class SamplingBatchInfo:
         return cls.create([0.0] * bs)
 
     TENSOR_FIELDS = ("temperatures", "top_ps", "top_ks", "min_ps", "seed_bits", "has_seed")
+
+
+def _sort_width(top_ps: list[float], top_ks: list[int]) -> int:
+    """`SamplingBatchInfo.sort_width`."""
+    if not top_ks:
+        return 0
+    if min(top_ps) < 1 and any(p < 1 and k <= 0 for p, k in zip(top_ps, top_ks, strict=True)):
+        return -1
+    return max(max(top_ks), 0)
 
 
 def _int64_bits(value: int) -> int:
