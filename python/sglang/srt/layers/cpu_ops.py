@@ -15,7 +15,9 @@
 - `SGLANG_CPU_NORM_BACKEND` (`sgl-kernel/csrc/norm_cpu.cpp`), the RMSNorms of float32 activations
   (`layers/layernorm.py`), one call instead of ~7 small ops;
 - `SGLANG_CPU_ROPE_BACKEND` (`sgl-kernel/csrc/rope_cpu.cpp`), the rotary embedding of float32 q and k
-  (`layers/rotary_embedding.py`), one call instead of ~20 small ops.
+  (`layers/rotary_embedding.py`), one call instead of ~20 small ops;
+- `SGLANG_CPU_SAMPLING_BACKEND` (`sgl-kernel/csrc/sampling_cpu.cpp`), sampling of batches without a
+  top-k / top-p / min-p cut (`layers/sampler.py`), two passes over the logits instead of ~5.
 
 Each is auto (the C++ ops where sgl-kernel's CPU extension is built, else the torch path), torch (force
 the torch path, for debugging) or cpp (the C++ ops, or a startup error).
@@ -71,3 +73,8 @@ def cpu_norm_ops(device: torch.device | str) -> Any | None:
 def cpu_rope_ops(device: torch.device | str) -> Any | None:
     """`torch.ops.sgl_kernel` when the C++ rotary embedding serves tensors on `device`, else None."""
     return _cpu_ops(envs.SGLANG_CPU_ROPE_BACKEND, device)
+
+
+def cpu_sampling_ops(device: torch.device | str) -> Any | None:
+    """`torch.ops.sgl_kernel` when the C++ sampling serves logits on `device`, else None."""
+    return _cpu_ops(envs.SGLANG_CPU_SAMPLING_BACKEND, device)

@@ -14,6 +14,10 @@ One uniform per row, not one per vocab entry: the Gumbel-max rule this replaced 
 logarithms of every logit, ~20 passes over [batch, vocab] (13.7 ms at 256 x 2,048 on one CPU thread,
 more than the tiny model's whole decode forward; 64 ms for 16 rows of a 152k vocab).
 
+On CPU a batch without a cut is one sgl-kernel call (`sample_logits`, `SGLANG_CPU_SAMPLING_BACKEND`):
+the same rule with its sums taken in blocks of 64 ids, so a draw can differ from this file's torch form
+only where u lands within rounding of a step of the cumulative sum.
+
 top_k <= 0 keeps every token. Top-p keeps a token while the probability of the more likely tokens
 before it is at most top_p (of the whole distribution, as SGLang). min_p drops tokens less likely than
 min_p times the most likely one.
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang.srt.layers.cpu_ops import cpu_sampling_ops
 from sglang.srt.layers.logits_processor import TopLogprobs, scaled_log_softmax, top_logprobs
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 
@@ -154,10 +159,11 @@ class Sampler:
     ) -> SampleOutput:
         """logits [bs, vocab] float32; positions[i] (on the logits' device) is the sequence index of
         request i's new token. Nothing here reads the device on the host, top logprobs aside."""
-        # max's indices are argmax's (the first maximum, NaN included), at about half of argmax's time on CPU
-        # (16 x 512 logits: 6.6 against 13 us).
-        ids = logits.max(dim=-1).indices
-        if not info.is_all_greedy:
+        if info.is_all_greedy:
+            # max's indices are argmax's (the first maximum, NaN included), at about half of argmax's
+            # time on CPU (16 x 512 logits: 6.6 against 13 us).
+            ids = logits.max(dim=-1).indices
+        else:
             # Every row is sampled and greedy rows (T <= 0) then take the argmax, so no host decision
             # needs the device temperatures.
             device = logits.device
@@ -165,15 +171,21 @@ class Sampler:
                 0, 2**62, info.has_seed.shape, generator=self._generator(device), device=device
             )
             seeds = torch.where(info.has_seed, info.seed_bits, fresh)
-            temps = torch.where(info.temperatures > 0, info.temperatures, 1.0)
-            if info.needs_truncation:
-                probs = truncated_probs(
-                    logits, temps, info.top_ps, info.top_ks, info.min_ps, info.sort_width
-                )
+            uniforms = seeded_uniforms(seeds, positions)
+            plain = not info.needs_truncation and logits.dtype == torch.float32
+            ops = cpu_sampling_ops(device) if plain else None
+            if ops is not None:
+                ids = ops.sample_logits(logits.contiguous(), info.temperatures, uniforms)
             else:
-                probs = torch.softmax(logits / temps[:, None], dim=-1)
-            sampled = inverse_cdf_sample(probs, seeded_uniforms(seeds, positions))
-            ids = torch.where(info.temperatures > 0, sampled, ids)
+                temps = torch.where(info.temperatures > 0, info.temperatures, 1.0)
+                if info.needs_truncation:
+                    probs = truncated_probs(
+                        logits, temps, info.top_ps, info.top_ks, info.min_ps, info.sort_width
+                    )
+                else:
+                    probs = torch.softmax(logits / temps[:, None], dim=-1)
+                sampled = inverse_cdf_sample(probs, uniforms)
+                ids = torch.where(info.temperatures > 0, sampled, logits.max(dim=-1).indices)
         out = SampleOutput(next_token_ids=ids)
         if return_logprob:
             lp = scaled_log_softmax(logits, info.temperatures)

@@ -1,0 +1,122 @@
+"""sgl-kernel's C++ sampling (`sgl-kernel/csrc/sampling_cpu.cpp`) against its torch twin in
+`layers/sampler.py`: greedy rows take exactly torch's first maximum (ties, NaN, infinities); sampled rows
+take the inverse-CDF id of the same uniform, up to rounding at the steps of the cumulative sum; the
+extreme uniforms stay inside the row; the sampler picks the op only for rows without a cut, and seeded
+draws through it do not depend on the batch; the AVX2 and baseline twins agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.environ import envs
+from sglang.srt.layers.sampler import Sampler, inverse_cdf_sample
+from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+# The op sums exp in blocks of 64 with a polynomial exp (relative error < 1e-7); the twin takes libm's
+# exp and one flat float32 cumulative sum. A draw can differ only where the target lies within a few
+# float32 roundings of the total (~1e-6 at 5,000 ids) of a step of the cumulative sum: none of 10,000
+# rows of 2,048 ids did (measured). The tolerance is ten times that bound; a wrong id is off by a whole
+# token's probability.
+CDF_TOL = 2e-5
+
+
+def _twin(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits / torch.where(temps > 0, temps, 1.0)[:, None], dim=-1)
+    return torch.where(temps > 0, inverse_cdf_sample(probs, u), logits.max(dim=-1).indices)
+
+
+def test_greedy_rows_take_torchs_first_maximum(ops):
+    logits = torch.randn(6, 300).round(decimals=1)  # many ties for the maximum
+    logits[1, 7] = float("nan")
+    logits[1, 200] = float("nan")
+    logits[2, 11] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, :] = 0.5
+    temps, u = torch.zeros(6), torch.rand(6)
+    got = ops.sample_logits(logits, temps, u)
+    assert got.tolist() == logits.max(dim=-1).indices.tolist()
+    assert got[1] == 7 and got[3] == 0 and got[4] == 0
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64, 65, 2048, 5000])
+def test_sampled_rows_take_the_inverse_cdf_id_up_to_rounding(ops, vocab):
+    rows = 400
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=gen) * torch.rand(rows, 1, generator=gen) * 6
+    temps = torch.rand(rows, generator=gen) * 1.5 + 0.05
+    u = torch.rand(rows, generator=gen)
+    got, want = ops.sample_logits(logits, temps, u), _twin(logits, temps, u)
+    assert ((got >= 0) & (got < vocab)).all()
+    probs = torch.softmax(logits / temps[:, None], dim=-1).double()
+    cdf = probs.cumsum(dim=-1)
+    for r in torch.nonzero(got != want)[:, 0].tolist():
+        i, target = int(got[r]), float(u[r]) * float(cdf[r, -1])
+        assert cdf[r, i] >= target - CDF_TOL and (i == 0 or cdf[r, i - 1] <= target + CDF_TOL), r
+    assert (got != want).float().mean() < 0.01
+
+
+def test_the_extreme_uniforms_stay_inside_the_row(ops):
+    logits = torch.randn(3, 200)
+    logits[:, 150:] = -1e4  # the last ids hold almost nothing: a target at the total would run past them
+    temps = torch.ones(3)
+    top = ops.sample_logits(logits, temps, torch.full((3,), 1 - 2**-24))
+    assert ((top >= 0) & (top < 200)).all()
+    assert ops.sample_logits(logits, temps, torch.zeros(3)).tolist() == [0, 0, 0]
+
+
+def test_bad_inputs_are_refused(ops):
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.sample_logits(torch.randn(2, 8, dtype=torch.float64), torch.ones(2), torch.rand(2))
+    with pytest.raises(RuntimeError, match=r"\[bs\]"):
+        ops.sample_logits(torch.randn(2, 8), torch.ones(3), torch.rand(2))
+
+
+def test_the_baseline_twin_agrees(ops, monkeypatch):
+    logits, temps, u = torch.randn(300, 1000) * 3, torch.rand(300) + 0.1, torch.rand(300)
+    temps[:50] = 0.0
+    avx2 = ops.sample_logits(logits, temps, u)
+    monkeypatch.setenv("SGLANG_TEST_CPU_OPS_BASELINE", "1")
+    baseline = ops.sample_logits(logits, temps, u)
+    assert torch.equal(avx2[:50], baseline[:50])  # greedy: exact
+    assert (avx2 != baseline).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_the_sampler_uses_the_op_only_without_a_cut(ops, monkeypatch, backend):
+    calls = []
+    real = torch.ops.sgl_kernel.sample_logits
+
+    def counting(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.sgl_kernel, "sample_logits", counting, raising=False)
+    sampler, logits, positions = Sampler(random_seed=0), torch.randn(4, 64), torch.arange(4)
+    with envs.SGLANG_CPU_SAMPLING_BACKEND.override(backend):
+        plain = sampler(logits, SamplingBatchInfo.create([1.0, 0.0, 0.7, 1.0]), positions)
+        sampler(logits, SamplingBatchInfo.create([1.0] * 4, top_ps=[0.9] * 4), positions)
+        sampler(logits, SamplingBatchInfo.greedy(4), positions)
+    assert calls == ([4] if backend == "cpp" else [])
+    assert plain.next_token_ids[1] == logits[1].argmax()
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_seeded_draws_do_not_depend_on_the_batch(ops, backend):
+    """Row 0 (seed 11, position 40) alone and among others, through either path."""
+    logits = torch.randn(5, 512, generator=torch.Generator().manual_seed(3)) * 2
+    with envs.SGLANG_CPU_SAMPLING_BACKEND.override(backend):
+        draws = []
+        for bs in (1, 5):
+            info = SamplingBatchInfo.create([0.8] * bs, seeds=[11] + [None] * (bs - 1))
+            positions = torch.tensor([40] + [7] * (bs - 1))
+            draws.append(
+                [
+                    int(Sampler(random_seed=bs)(logits[:bs], info, positions).next_token_ids[0])
+                    for _ in range(3)
+                ]
+            )
+    assert draws[0] == draws[1] and len(set(draws[0])) == 1
