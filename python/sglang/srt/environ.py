@@ -145,8 +145,8 @@ class Envs:
     SGLANG_CPU_NORM_BACKEND = EnvStr("auto", "CPU RMSNorm: auto, torch or cpp.")
     # CPU rotary embedding of float32 q/k: auto = one sgl-kernel C++ call where built, else the torch ops.
     SGLANG_CPU_ROPE_BACKEND = EnvStr("auto", "CPU rotary embedding: auto, torch or cpp.")
-    # CPU sampling of rows without a top-k / top-p / min-p cut: auto = one sgl-kernel C++ call where
-    # built, else the torch ops (`layers/sampler.py`).
+    # CPU sampling of float32 logits (with or without top-k / top-p / min-p cuts): auto = one sgl-kernel
+    # C++ call where built, else the torch ops (`layers/sampler.py`).
     SGLANG_CPU_SAMPLING_BACKEND = EnvStr("auto", "CPU sampling: auto, torch or cpp.")
     # The forward stream on CPU runs on the scheduler thread (`forward_worker.py`); set, on a thread of its
     # own as on CUDA (the overlap-race tests hold that thread to keep a batch in flight).

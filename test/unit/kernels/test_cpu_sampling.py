@@ -1,8 +1,9 @@
 """sgl-kernel's C++ sampling (`sgl-kernel/csrc/sampling_cpu.cpp`) against its torch twin in
 `layers/sampler.py`: greedy rows take exactly torch's first maximum (ties, NaN, infinities); sampled rows
-take the inverse-CDF id of the same uniform, up to rounding at the steps of the cumulative sum; the
-extreme uniforms stay inside the row; the sampler picks the op only for rows without a cut, and seeded
-draws through it do not depend on the batch; the AVX2 and baseline twins agree."""
+take the inverse-CDF id of the same uniform, up to rounding at the steps of the cumulative sum; rows with
+top-k / top-p / min-p cuts take only ids the documented cut keeps (ties at the cut all kept); the extreme
+uniforms stay inside the row; the sampler picks the op for sampled float32 batches, and seeded draws
+through it do not depend on the batch; the AVX2 and baseline twins agree."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.layers.sampler import Sampler, inverse_cdf_sample
+from sglang.srt.layers.sampler import Sampler, inverse_cdf_sample, truncated_probs
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 from sglang.test.ci_register import register_cpu_ci
 
@@ -86,12 +87,12 @@ def test_the_baseline_twin_agrees(ops, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
-def test_the_sampler_uses_the_op_only_without_a_cut(ops, monkeypatch, backend):
+def test_the_sampler_uses_the_op_for_sampled_float32_batches(ops, monkeypatch, backend):
     calls = []
     real = torch.ops.sgl_kernel.sample_logits
 
     def counting(*args):
-        calls.append(args[0].shape[0])
+        calls.append(args[3] is not None)  # with top_ps: a cut to make
         return real(*args)
 
     monkeypatch.setattr(torch.ops.sgl_kernel, "sample_logits", counting, raising=False)
@@ -100,8 +101,81 @@ def test_the_sampler_uses_the_op_only_without_a_cut(ops, monkeypatch, backend):
         plain = sampler(logits, SamplingBatchInfo.create([1.0, 0.0, 0.7, 1.0]), positions)
         sampler(logits, SamplingBatchInfo.create([1.0] * 4, top_ps=[0.9] * 4), positions)
         sampler(logits, SamplingBatchInfo.greedy(4), positions)
-    assert calls == ([4] if backend == "cpp" else [])
+        sampler(logits.double(), SamplingBatchInfo.create([1.0] * 4), positions)
+    assert calls == ([False, True] if backend == "cpp" else [])
     assert plain.next_token_ids[1] == logits[1].argmax()
+
+
+def _reference_cut(probs: torch.Tensor, top_p: float, top_k: int, min_p: float) -> float:
+    """The documented cut of one row (`layers/sampler.py`), in float64 from its sorted probabilities."""
+    values = probs.double().sort(descending=True).values
+    cut = values[min(top_k, len(values)) - 1].item() if top_k > 0 else 0.0
+    if top_p < 1:
+        kept = max(int(((values.cumsum(0) - values) <= top_p).sum()), 1)
+        cut = max(cut, values[kept - 1].item())
+    return max(cut, min_p * values[0].item())
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 3000])
+@pytest.mark.parametrize("scale", [1.0, 5.0])
+def test_cut_rows_take_only_kept_ids_as_the_twin_does(ops, vocab, scale):
+    """Rows of every kind of cut, each drawn at 64 uniforms: every id is one the documented cut keeps (up
+    to rounding at the cut), and the draws are the torch twin's but for rounding at the steps."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows, draws = 24, 64
+    top_ps = torch.tensor([1.0, 0.9, 0.5, 0.05, 0.95, 1.0] * 4)
+    top_ks = torch.tensor([3, -1, 5, -1, 40, -1] * 4)
+    min_ps = torch.tensor([0.0] * 18 + [0.2] * 6)
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    temps = torch.rand(rows, generator=gen) + 0.3
+    rep = lambda t: t.repeat_interleave(draws, dim=0)  # noqa: E731
+    u = torch.rand(rows * draws, generator=gen)
+    got = ops.sample_logits(rep(logits), rep(temps), u, rep(top_ps), rep(top_ks), rep(min_ps))
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    for r in range(rows):
+        cut = _reference_cut(probs[r], float(top_ps[r]), int(top_ks[r]), float(min_ps[r]))
+        ids = got[r * draws : (r + 1) * draws]
+        assert (probs[r][ids] >= cut * (1 - 1e-5)).all(), r
+    info = SamplingBatchInfo.create(
+        rep(temps).tolist(), rep(top_ps).tolist(), rep(top_ks).tolist(), min_ps=rep(min_ps).tolist()
+    )
+    twin = inverse_cdf_sample(
+        truncated_probs(
+            rep(logits), info.temperatures, info.top_ps, info.top_ks, info.min_ps, info.sort_width
+        ),
+        u,
+    )
+    assert (got != twin).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("top_p,top_k", [(0.9, -1), (1.0, 5), (0.9, 2000)])
+def test_a_cut_in_the_long_tail_is_found_past_the_first_gathering(ops, top_p, top_k):
+    """One likely token and 2,999 tied ones each below 2^-10 of it, holding 60 % of the mass: the cut
+    lies among the tail, which the first gathering (weights of at least 2^-10 of the largest) misses."""
+    logits = torch.full((400, 3000), -8.0)  # exp(-8) = 3.4e-4 < 2^-10 = 9.8e-4
+    logits[:, 0] = 0.0
+    n = logits.shape[0]
+    got = ops.sample_logits(
+        logits,
+        torch.ones(n),
+        torch.rand(n),
+        torch.full((n,), top_p),
+        torch.full((n,), top_k, dtype=torch.long),
+    )
+    tail = (got != 0).float().mean()  # every tail token ties at the cut, so all are kept: ~0.5 of draws
+    assert 0.4 < tail < 0.8
+
+
+def test_ties_at_the_cut_are_all_kept(ops):
+    logits = torch.tensor([0.3, 0.3, 0.3, 0.1]).log().repeat(600, 1)
+    got = ops.sample_logits(
+        logits,
+        torch.ones(600),
+        torch.rand(600),
+        torch.full((600,), 0.2),
+        torch.full((600,), 1, dtype=torch.long),
+    )
+    assert torch.bincount(got, minlength=4)[:3].min() > 150 and (got != 3).all()
 
 
 @pytest.mark.parametrize("backend", ["cpp", "torch"])

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang.srt.environ import envs
 from sglang.srt.layers import sampler as sampler_module
 from sglang.srt.layers.sampler import Sampler, inverse_cdf_sample, seeded_uniforms, truncated_probs
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
@@ -24,6 +25,13 @@ PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 DRAWS = 4000
 # Binomial standard deviation of a frequency over 4000 draws is <= 0.008; 0.04 is five of them.
 FREQ_TOL = 0.04
+
+
+@pytest.fixture(params=["cpp", "torch"])
+def backend(request):
+    """The sampler's CPU paths: sgl-kernel's op and the torch form (`SGLANG_CPU_SAMPLING_BACKEND`)."""
+    with envs.SGLANG_CPU_SAMPLING_BACKEND.override(request.param):
+        yield request.param
 
 
 def _frequencies(seed: int, **params) -> torch.Tensor:
@@ -40,7 +48,7 @@ def _frequencies(seed: int, **params) -> torch.Tensor:
     return torch.bincount(ids, minlength=4).float() / DRAWS
 
 
-def test_frequencies_follow_the_distribution():
+def test_frequencies_follow_the_distribution(backend):
     assert (_frequencies(seed=1) - PROBS).abs().max() < FREQ_TOL
 
 
@@ -54,7 +62,7 @@ def test_frequencies_follow_the_distribution():
         ({"min_p": 0.35}, [0, 1]),  # 0.15 < 0.35 * 0.5
     ],
 )
-def test_top_k_and_top_p_keep_the_documented_set(params, kept):
+def test_top_k_and_top_p_keep_the_documented_set(backend, params, kept):
     freq = _frequencies(seed=2, **params)
     want = torch.zeros(4)
     want[kept] = PROBS[kept] / PROBS[kept].sum()
@@ -180,7 +188,7 @@ def test_seeded_uniforms_are_uniform_and_differ_by_seed_and_position():
     assert torch.equal(u, seeded_uniforms(torch.full((20000,), 7), positions))
 
 
-def test_greedy_rows_and_scaled_logprobs():
+def test_greedy_rows_and_scaled_logprobs(backend):
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0]])
     info = SamplingBatchInfo.create([0.0, 0.5], seeds=[None, 7])
     out = Sampler(random_seed=0)(
@@ -213,7 +221,7 @@ def _sample_sequence(driver: RunnerDriver, prompt: list[int], seed: int, others:
     return tokens
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch():
+def test_seeded_sampling_does_not_depend_on_the_batch(backend):
     driver = RunnerDriver(make_runner("tiny-qwen3-next"))
     prompt = random_ids(30, seed=70)
     alone = _sample_sequence(driver, prompt, seed=123, others=0)

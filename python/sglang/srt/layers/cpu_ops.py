@@ -16,8 +16,9 @@
   (`layers/layernorm.py`), one call instead of ~7 small ops;
 - `SGLANG_CPU_ROPE_BACKEND` (`sgl-kernel/csrc/rope_cpu.cpp`), the rotary embedding of float32 q and k
   (`layers/rotary_embedding.py`), one call instead of ~20 small ops;
-- `SGLANG_CPU_SAMPLING_BACKEND` (`sgl-kernel/csrc/sampling_cpu.cpp`), sampling of batches without a
-  top-k / top-p / min-p cut (`layers/sampler.py`), two passes over the logits instead of ~5.
+- `SGLANG_CPU_SAMPLING_BACKEND` (`sgl-kernel/csrc/sampling_cpu.cpp`), sampling of float32 logits
+  (`layers/sampler.py`), two passes over the logits instead of ~5, and a cut (top-k / top-p / min-p)
+  from a sort of only the likely tokens instead of a partial sort of every row.
 
 Each is auto (the C++ ops where sgl-kernel's CPU extension is built, else the torch path), torch (force
 the torch path, for debugging) or cpp (the C++ ops, or a startup error).

@@ -14,9 +14,10 @@ One uniform per row, not one per vocab entry: the Gumbel-max rule this replaced 
 logarithms of every logit, ~20 passes over [batch, vocab] (13.7 ms at 256 x 2,048 on one CPU thread,
 more than the tiny model's whole decode forward; 64 ms for 16 rows of a 152k vocab).
 
-On CPU a batch without a cut is one sgl-kernel call (`sample_logits`, `SGLANG_CPU_SAMPLING_BACKEND`):
-the same rule with its sums taken in blocks of 64 ids, so a draw can differ from this file's torch form
-only where u lands within rounding of a step of the cumulative sum.
+On CPU sampling is one sgl-kernel call (`sample_logits`, `SGLANG_CPU_SAMPLING_BACKEND`): the same rule
+with its sums taken in blocks of 64 ids and the cut found among the weights of at least 2^-10 (then
+2^-20, then all) of the largest, so a draw can differ from this file's torch form only where u lands
+within rounding of a step of the cumulative sum, or a probability within rounding of the cut.
 
 top_k <= 0 keeps every token. Top-p keeps a token while the probability of the more likely tokens
 before it is at most top_p (of the whole distribution, as SGLang). min_p drops tokens less likely than
@@ -172,10 +173,17 @@ class Sampler:
             )
             seeds = torch.where(info.has_seed, info.seed_bits, fresh)
             uniforms = seeded_uniforms(seeds, positions)
-            plain = not info.needs_truncation and logits.dtype == torch.float32
-            ops = cpu_sampling_ops(device) if plain else None
+            ops = cpu_sampling_ops(device) if logits.dtype == torch.float32 else None
             if ops is not None:
-                ids = ops.sample_logits(logits.contiguous(), info.temperatures, uniforms)
+                cut = info.needs_truncation
+                ids = ops.sample_logits(
+                    logits.contiguous(),
+                    info.temperatures,
+                    uniforms,
+                    info.top_ps if cut else None,
+                    info.top_ks if cut else None,
+                    info.min_ps,
+                )
             else:
                 temps = torch.where(info.temperatures > 0, info.temperatures, 1.0)
                 if info.needs_truncation:
