@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from sglang.srt.environ import envs
 from sglang.srt.layers import sampler as sampler_module
+from sglang.srt.layers.logits_processor import top_logprobs
 from sglang.srt.layers.sampler import Sampler, inverse_cdf_sample, seeded_uniforms, truncated_probs
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 from sglang.test.ci_register import register_cpu_ci
@@ -203,6 +204,18 @@ def test_greedy_rows_and_scaled_logprobs(backend):
     values, ids = out.next_token_top_logprobs[0]
     assert ids == [0, 1] and out.next_token_top_logprobs[1] is None
     assert math.isclose(values[1], torch.log_softmax(logits[0], -1)[1].item(), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("nums", [[3, 0, 1, 5], [2, 2], [0, 0]])
+def test_top_logprobs_of_the_rows_that_want_them(nums):
+    lp = torch.log_softmax(torch.randn(len(nums), 50), dim=-1)
+    got = top_logprobs(lp, nums)
+    for i, n in enumerate(nums):
+        if n == 0:
+            assert got[i] is None
+        else:
+            values, ids = lp[i].topk(n)
+            assert got[i] == (values.tolist(), ids.tolist())
 
 
 def _sample_sequence(driver: RunnerDriver, prompt: list[int], seed: int, others: int) -> list[int]:

@@ -39,9 +39,20 @@ def scaled_log_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
     return torch.log_softmax(logits.float() / t[:, None], dim=-1)
 
 
-def top_logprobs(logprobs: torch.Tensor, n: int) -> TopLogprobs:
-    values, ids = logprobs.topk(n)
-    return values.tolist(), ids.tolist()
+def top_logprobs(logprobs: torch.Tensor, nums: list[int]) -> list[TopLogprobs | None]:
+    """Row i's `nums[i]` largest logprobs (None where 0): one topk over the rows that want some and one
+    copy to the host (a call and a copy per row cost ~5 us each: 1.3 ms at 256 rows)."""
+    rows = [i for i, n in enumerate(nums) if n > 0]
+    out: list[TopLogprobs | None] = [None] * len(nums)
+    if not rows:
+        return out
+    wanted = logprobs if len(rows) == len(nums) else logprobs[torch.tensor(rows, device=logprobs.device)]
+    # topk is sorted, so the first n of the top `most` are the top n.
+    values, ids = (t.tolist() for t in wanted.topk(max(nums), dim=-1))
+    for j, i in enumerate(rows):
+        n = nums[i]
+        out[i] = (values[j][:n], ids[j][:n])
+    return out
 
 
 class LogitsProcessor:

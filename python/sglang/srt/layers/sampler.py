@@ -200,7 +200,5 @@ class Sampler:
             out.next_token_logprobs = lp.gather(1, ids[:, None])[:, 0]
             nums = top_logprobs_nums or []
             if any(n > 0 for n in nums):
-                out.next_token_top_logprobs = [
-                    top_logprobs(lp[i], n) if n > 0 else None for i, n in enumerate(nums)
-                ]
+                out.next_token_top_logprobs = top_logprobs(lp, nums)
         return out
