@@ -8,7 +8,8 @@
 //       sum of the kept weights w(v) = exp((x(v) - max) / T) exceeds u times their total. The sums run over
 //       blocks of 64 ids (each block's sum first, then the ids of the block the target falls in), which
 //       keeps the total and the search consistent while the exp loop vectorises. A row holding a NaN takes
-//       its first NaN (greedy or not), as torch's max reports it.
+//       its first NaN (greedy or not), as torch's max reports it; a row whose maximum is infinite, or whose
+//       temperature's reciprocal overflows, its first maximum.
 //
 // The cut needs the row's most likely weights in order only down to it: the weights of at least 1/1024
 // of the largest (then 2^-20, then all) are gathered and sorted, enough as soon as they hold the top-k-th
@@ -60,6 +61,7 @@ inline float cut_weight(const float* w, int64_t vocab, float total, float top_p,
     for (int64_t i = 0; i < vocab; ++i)
       if (w[i] >= floor) taken.push_back(w[i]);
     const int64_t n = static_cast<int64_t>(taken.size());
+    if (n == 0) continue;  // (the largest weight is 1: only a non-finite row would take none)
     // The k-th largest weight, if the taken ones hold it (every weight left out is smaller).
     const bool k_known = by_k && n >= top_k;
     if (by_k && !k_known && !by_p) continue;
@@ -114,8 +116,10 @@ inline __attribute__((always_inline)) void sample_rows(const Rows& p, int64_t be
         continue;
       }
     }
+    // Greedy: temperature 0, one so small that 1 / T overflows (SamplingParams makes those below 1e-6
+    // greedy), or an infinite maximum (an all -inf row, or a +inf logit, which takes all the mass).
     const float t = p.temperatures[r];
-    if (!(t > 0.0f)) {
+    if (!(t > 0.0f) || !std::isfinite(1.0f / t) || !std::isfinite(m)) {
       int64_t i = 0;
       while (x[i] != m) ++i;
       p.out[r] = i;

@@ -16,6 +16,7 @@ from sglang.srt.layers import sampler as sampler_module
 from sglang.srt.layers.logits_processor import top_logprobs
 from sglang.srt.layers.sampler import Sampler, inverse_cdf_sample, seeded_uniforms, truncated_probs
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, random_ids
 from sglang.test.runner_driver import Extend, RunnerDriver
@@ -178,10 +179,32 @@ def test_inverse_cdf_takes_the_id_where_the_cumulative_sum_passes_the_target(wei
     assert i == 0 or cdf[i - 1].item() <= target * (1 + 1e-6)
 
 
+def test_inverse_cdf_never_takes_a_zero_probability_id_of_an_unsequential_sum(monkeypatch):
+    """A parallel scan (CUDA's cumsum) may round the sum at an id of probability 0 above the one before
+    it; exaggerated here to 1e-3, the search would land on such ids in about 5 % of the draws."""
+    probs = torch.zeros(2000, 100)
+    probs[:, ::2] = 0.02  # every other id cut
+    real = torch.Tensor.cumsum
+
+    def unsequential(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        return out + (self == 0) * 1e-3
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", unsequential)
+    ids = inverse_cdf_sample(probs, torch.rand(2000, generator=torch.Generator().manual_seed(1)))
+    assert (ids % 2 == 0).all()
+
+
+def test_tiny_temperatures_sample_greedily():
+    """As upstream (below 1e-6): logits divided by 1e-39 would overflow float32."""
+    assert SamplingParams(temperature=1e-7).is_greedy and not SamplingParams(temperature=1e-5).is_greedy
+
+
 def test_seeded_uniforms_are_uniform_and_differ_by_seed_and_position():
     positions = torch.arange(20000)
     u = seeded_uniforms(torch.full((20000,), 7), positions)
-    assert 0 < u.min() and u.max() < 1
+    k = u.double() * 2**23 - 0.5  # u = (k + 1/2) / 2^23 exactly, so never 0 or 1
+    assert torch.equal(k, k.round()) and k.min() >= 0 and k.max() < 2**23
     # Deciles of 20,000 uniforms: each holds 2,000 +- 42 (binomial sd); 200 is almost five of them.
     counts = torch.histc(u, bins=10, min=0.0, max=1.0)
     assert (counts - 2000).abs().max() < 200

@@ -1,8 +1,8 @@
 """Next-token sampling: greedy for temperature 0, else temperature, top-k, top-p with per-request seeds.
 
 The rule (deterministic per request): a request with seed s sampling the token at sequence index p (its
-seq_len after this forward) draws one uniform u = hash(s, p) in (0, 1) from a fixed integer hash (24
-bits, as upstream's seeded sampling), and takes the first vocab id v (in id order) at which the
+seq_len after this forward) draws one uniform u = hash(s, p) in (0, 1) from a fixed integer hash (23
+bits, exact in float32; upstream's seeded sampling takes 24), and takes the first vocab id v (in id order) at which the
 cumulative probability q(0) + ... + q(v) exceeds u times the total, where q is the softmax of logits / T
 restricted to the top-k and then the top-p set (inverse-CDF sampling, in float32 as
 `torch.multinomial`). The draw depends only on (s, p) and the request's own logits, so the same request
@@ -47,19 +47,24 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[len(seeds)] float32 uniforms in (0, 1) on a 2^-24 grid: hash(seed, position). `seeds` holds the
-    low 64 bits of each seed as int64; both tensors are on the logits' device."""
+    """[len(seeds)] float32 uniforms (k + 1/2) / 2^23 for k = hash(seed, position) mod 2^23: inside
+    (0, 1) and exact in float32 (24 significant bits; with 24 bits of k the largest would round to 1).
+    `seeds` holds the low 64 bits of each seed as int64; both tensors are on the logits' device."""
     lo, hi, pos = seeds & _M32, (seeds >> 32) & _M32, positions.to(torch.int64) & _M32
     key = _mix32(_mix32(_mix32((lo + _GOLDEN) & _M32) ^ hi) ^ pos)
-    return ((_mix32(key) >> 8).float() + 0.5) / float(1 << 24)
+    return ((_mix32(key) >> 9).float() + 0.5) / float(1 << 23)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """[bs] ids: per row, the first id whose cumulative probability exceeds `uniforms` times the row's
     total (rows need not sum to 1). An id of probability 0 is never taken: the cumulative sum does not
-    grow there (adding 0 is exact), and the target is kept strictly below the total, which rounding
-    of the product could otherwise reach."""
-    cdf = probs.cumsum(dim=-1)
+    grow there, and the target is kept strictly below the total, which rounding of the product could
+    otherwise reach."""
+    # A parallel scan (CUDA's cumsum) may round the sum at an id of probability 0 one ulp above the id
+    # before it, where the search could then land: such ids take the running maximum (exactly the sum
+    # before them), which also keeps the sums sorted for the search. (CPU's cumsum is sequential:
+    # adding 0 is exact there.)
+    cdf = torch.where(probs > 0, probs.cumsum(dim=-1), 0.0).cummax(dim=-1).values
     total = cdf[:, -1:]
     target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     ids = torch.searchsorted(cdf, target, right=True)[:, 0]
@@ -120,7 +125,8 @@ def _most_likely_first(
         # exceed top_p: the top-k cut, if lower, then does not matter), or when its top-k is within the
         # head (a top-p cut past the head is then lower), or when it cuts by neither.
         top_p = top_ps < 1.0
-        p_in_head = top_p & ((head.sum(dim=-1) - head[:, -1]) > top_ps)
+        # (From the cumulative sum the cut itself takes, so that both paths decide alike to the ulp.)
+        p_in_head = top_p & ((head.cumsum(dim=-1) - head)[:, -1] > top_ps)
         k_in_head = (top_ks > 0) & (top_ks <= TOP_P_HEAD)
         if bool((p_in_head | k_in_head | (~top_p & (top_ks <= 0))).all()):
             return head

@@ -337,7 +337,7 @@ _SAMPLING_ROWS: dict[tuple, tuple] = {}  # interned rows (a bounded set of immut
 def _make_sampling_row(req: Req) -> tuple:
     sp = req.sampling_params
     row = (
-        sp.temperature if sp.top_k != 1 else 0.0,
+        0.0 if sp.is_greedy else sp.temperature,
         sp.top_p,
         sp.top_k,
         sp.sampling_seed,

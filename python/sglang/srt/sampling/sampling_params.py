@@ -7,6 +7,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_N = 64
+# A temperature below this samples greedily, as upstream (`_SAMPLING_EPS`): dividing logits by it would
+# overflow float32.
+SAMPLING_EPS = 1e-6
 
 
 class SamplingParamsError(ValueError):
@@ -113,7 +116,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
