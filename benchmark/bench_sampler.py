@@ -5,12 +5,15 @@ calls. Random logits (standard normal times --logit-scale) at scale 1 are flatte
 model's: top-p 0.95 alone then keeps most of the vocabulary and the sampler sorts all of it; at scale 4
 the cut lies among the few most likely tokens, as it does in serving.
 
-    python benchmark/bench_sampler.py [--reps 15] [--logit-scale 1]
+    python benchmark/bench_sampler.py [--reps 15] [--logit-scale 1] [--device cpu]
+
+On a GPU (`--device cuda`) each call is timed to a synchronize; the torch form runs there.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -31,22 +34,36 @@ def settings(bs: int) -> dict[str, SamplingBatchInfo]:
     }
 
 
+def _on(info: SamplingBatchInfo, device: torch.device) -> SamplingBatchInfo:
+    moved = copy.copy(info)
+    for name in SamplingBatchInfo.TENSOR_FIELDS:
+        tensor = getattr(info, name)
+        if tensor is not None:
+            setattr(moved, name, tensor.to(device))
+    return moved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--logit-scale", type=float, default=1.0)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    device = torch.device(args.device)
     sampler = Sampler(random_seed=0)
     print(f"{'batch':>6} {'vocab':>7}  {'setting':<26} {'ms per call':>11}")
     for bs, vocab in SHAPES:
         logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(bs)) * args.logit_scale
-        positions = torch.arange(bs) + 100
+        logits, positions = logits.to(device), (torch.arange(bs) + 100).to(device)
         for name, info in settings(bs).items():
+            info = _on(info, device)
             times = []
             for _ in range(args.reps):
                 t0 = time.perf_counter()
                 sampler(logits, info, positions)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             print(f"{bs:>6} {vocab:>7}  {name:<26} {statistics.median(times) * 1e3:>11.2f}")
 

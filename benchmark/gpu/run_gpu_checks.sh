@@ -17,6 +17,9 @@ tail -5 "$OUT/gpu-tests.log"
 [ "${1:-all}" = tests ] && exit 0
 timeout 240 python3 benchmark/gpu/bench_kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
 echo "bench_kernels: exit $?" | tee -a "$OUT/summary.txt"
+timeout 120 python3 benchmark/bench_sampler.py --device cuda --reps 9 > "$OUT/sampler.log" 2>&1
+echo "bench_sampler: exit $?" | tee -a "$OUT/summary.txt"
 timeout 300 python3 benchmark/gpu/bench_engine_vs_hf.py --out "$OUT/engine_vs_hf.json" > "$OUT/engine_vs_hf.log" 2>&1
 echo "bench_engine_vs_hf: exit $?" | tee -a "$OUT/summary.txt"
+cat "$OUT/sampler.log"
 cat "$OUT/kernels.log" "$OUT/engine_vs_hf.log" | grep '^{' || true
