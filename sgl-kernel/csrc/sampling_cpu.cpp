@@ -9,7 +9,10 @@
 //       blocks of 64 ids (each block's sum first, then the ids of the block the target falls in), which
 //       keeps the total and the search consistent while the exp loop vectorises. A row holding a NaN takes
 //       its first NaN (greedy or not), as torch's max reports it; a row whose maximum is infinite, or whose
-//       temperature's reciprocal overflows, its first maximum.
+//       temperature's reciprocal overflows, its first maximum. With `logprobs` ([bs] float32), each row's
+//       drawn id's log-probability is written there: of softmax(logits / T) before the cut, of the
+//       unscaled softmax for greedy rows (`scaled_log_softmax`'s convention), NaN where a logit is NaN or
+//       the maximum infinite.
 //
 // The cut needs the row's most likely weights in order only down to it: the weights of at least 1/1024
 // of the largest (then 2^-20, then all) are gathered and sorted, enough as soon as they hold the top-k-th
@@ -42,6 +45,7 @@ struct Rows {
   const float *top_ps, *min_ps;  // null: no such cut in the batch
   const int64_t* top_ks;
   int64_t* out;
+  float* logprobs;  // null: not asked for
   int64_t vocab;
 };
 
@@ -113,6 +117,7 @@ inline __attribute__((always_inline)) void sample_rows(const Rows& p, int64_t be
       while (i < vocab && x[i] == x[i]) ++i;
       if (i < vocab) {
         p.out[r] = i;
+        if (p.logprobs) p.logprobs[r] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
     }
@@ -123,6 +128,12 @@ inline __attribute__((always_inline)) void sample_rows(const Rows& p, int64_t be
       int64_t i = 0;
       while (x[i] != m) ++i;
       p.out[r] = i;
+      if (p.logprobs) {  // of the unscaled distribution (log_softmax has none for an infinite maximum)
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < vocab; ++j) sum += sgl_cpu::fast_exp(x[j] - m);
+        p.logprobs[r] = std::isfinite(m) ? -std::log(sum) : std::numeric_limits<float>::quiet_NaN();
+      }
       continue;
     }
     const float inv_t = 1.0f / t;
@@ -138,6 +149,7 @@ inline __attribute__((always_inline)) void sample_rows(const Rows& p, int64_t be
       sums[b] = s;
       total += s;
     }
+    const float log_total = std::log(total);  // before the cut: logprobs are of the whole distribution
     const float cut = cut_weight(w, vocab, total, p.top_ps ? p.top_ps[r] : 1.0f, p.top_ks ? p.top_ks[r] : 0,
                                  p.min_ps ? p.min_ps[r] : 0.0f, scratch.taken);
     if (cut > 0.0f) {  // the kept weights and their sums (the largest, 1, is always kept)
@@ -173,6 +185,7 @@ inline __attribute__((always_inline)) void sample_rows(const Rows& p, int64_t be
       }
     }
     p.out[r] = id;
+    if (p.logprobs) p.logprobs[r] = (x[id] - m) * inv_t - log_total;
   }
 }
 
@@ -194,7 +207,7 @@ const T* optional_rows(const std::optional<at::Tensor>& t, at::ScalarType type, 
 
 at::Tensor sample_logits(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms,
                          const std::optional<at::Tensor>& top_ps, const std::optional<at::Tensor>& top_ks,
-                         const std::optional<at::Tensor>& min_ps) {
+                         const std::optional<at::Tensor>& min_ps, const std::optional<at::Tensor>& logprobs) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
               "sample_logits: logits must be a contiguous float32 [bs, vocab] tensor");
   const int64_t bs = logits.size(0), vocab = logits.size(1);
@@ -210,6 +223,7 @@ at::Tensor sample_logits(const at::Tensor& logits, const at::Tensor& temperature
                optional_rows<float>(min_ps, at::kFloat, bs, "min_ps"),
                optional_rows<int64_t>(top_ks, at::kLong, bs, "top_ks"),
                out.data_ptr<int64_t>(),
+               const_cast<float*>(optional_rows<float>(logprobs, at::kFloat, bs, "logprobs")),
                vocab};
   const bool avx2 = sgl_cpu::has_avx2();
   const int64_t blocks = (vocab + kBlock - 1) / kBlock;
@@ -229,7 +243,7 @@ at::Tensor sample_logits(const at::Tensor& logits, const at::Tensor& temperature
 TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
   m.def(
       "sample_logits(Tensor logits, Tensor temperatures, Tensor uniforms, Tensor? top_ps=None, Tensor? top_ks=None, "
-      "Tensor? min_ps=None) -> Tensor");
+      "Tensor? min_ps=None, Tensor(a!)? logprobs=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) { m.impl("sample_logits", &sgl_sampling::sample_logits); }

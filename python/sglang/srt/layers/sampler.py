@@ -17,7 +17,9 @@ more than the tiny model's whole decode forward; 64 ms for 16 rows of a 152k voc
 On CPU sampling is one sgl-kernel call (`sample_logits`, `SGLANG_CPU_SAMPLING_BACKEND`): the same rule
 with its sums taken in blocks of 64 ids and the cut found among the weights of at least 2^-10 (then
 2^-20, then all) of the largest, so a draw can differ from this file's torch form only where u lands
-within rounding of a step of the cumulative sum, or a probability within rounding of the cut.
+within rounding of a step of the cumulative sum, or a probability within rounding of the cut. Unless
+top logprobs are asked for, the op also gives the drawn ids' logprobs (greedy batches included), in
+place of a log_softmax over the whole batch.
 
 top_k <= 0 keeps every token. Top-p keeps a token while the probability of the more likely tokens
 before it is at most top_p (of the whole distribution, as SGLang). min_p drops tokens less likely than
@@ -156,6 +158,12 @@ class Sampler:
             )
         return self._generators[device]
 
+    def _uniforms(self, info: SamplingBatchInfo, positions: torch.Tensor) -> torch.Tensor:
+        """Each row's uniform: from its seed, or (no seed) from a fresh one drawn on the device."""
+        device = positions.device
+        fresh = torch.randint(0, 2**62, info.has_seed.shape, generator=self._generator(device), device=device)
+        return seeded_uniforms(torch.where(info.has_seed, info.seed_bits, fresh), positions)
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -166,45 +174,46 @@ class Sampler:
     ) -> SampleOutput:
         """logits [bs, vocab] float32; positions[i] (on the logits' device) is the sequence index of
         request i's new token. Nothing here reads the device on the host, top logprobs aside."""
-        if info.is_all_greedy:
+        ops = cpu_sampling_ops(logits.device) if logits.dtype == torch.float32 else None
+        nums = top_logprobs_nums or []
+        tops = return_logprob and any(n > 0 for n in nums)
+        # The op also writes the drawn ids' logprobs (top logprobs need the whole log_softmax anyway).
+        op_logprobs = return_logprob and not tops and ops is not None
+        logprobs = None
+        if ops is not None and (op_logprobs or not info.is_all_greedy):
+            cut = info.needs_truncation
+            logprobs = torch.empty(logits.shape[0]) if op_logprobs else None
+            # (A greedy batch reads no uniform: it draws no fresh seeds, as the torch form.)
+            greedy = info.is_all_greedy
+            ids = ops.sample_logits(
+                logits.contiguous(),
+                info.temperatures,
+                torch.zeros(logits.shape[0]) if greedy else self._uniforms(info, positions),
+                info.top_ps if cut else None,
+                info.top_ks if cut else None,
+                info.min_ps,
+                logprobs,
+            )
+        elif info.is_all_greedy:
             # max's indices are argmax's (the first maximum, NaN included), at about half of argmax's
             # time on CPU (16 x 512 logits: 6.6 against 13 us).
             ids = logits.max(dim=-1).indices
         else:
             # Every row is sampled and greedy rows (T <= 0) then take the argmax, so no host decision
             # needs the device temperatures.
-            device = logits.device
-            fresh = torch.randint(
-                0, 2**62, info.has_seed.shape, generator=self._generator(device), device=device
-            )
-            seeds = torch.where(info.has_seed, info.seed_bits, fresh)
-            uniforms = seeded_uniforms(seeds, positions)
-            ops = cpu_sampling_ops(device) if logits.dtype == torch.float32 else None
-            if ops is not None:
-                cut = info.needs_truncation
-                ids = ops.sample_logits(
-                    logits.contiguous(),
-                    info.temperatures,
-                    uniforms,
-                    info.top_ps if cut else None,
-                    info.top_ks if cut else None,
-                    info.min_ps,
-                )
+            temps = torch.where(info.temperatures > 0, info.temperatures, 1.0)
+            if info.needs_truncation:
+                probs = truncated_probs(logits, temps, info.top_ps, info.top_ks, info.min_ps, info.sort_width)
             else:
-                temps = torch.where(info.temperatures > 0, info.temperatures, 1.0)
-                if info.needs_truncation:
-                    probs = truncated_probs(
-                        logits, temps, info.top_ps, info.top_ks, info.min_ps, info.sort_width
-                    )
-                else:
-                    probs = torch.softmax(logits / temps[:, None], dim=-1)
-                sampled = inverse_cdf_sample(probs, uniforms)
-                ids = torch.where(info.temperatures > 0, sampled, logits.max(dim=-1).indices)
+                probs = torch.softmax(logits / temps[:, None], dim=-1)
+            sampled = inverse_cdf_sample(probs, self._uniforms(info, positions))
+            ids = torch.where(info.temperatures > 0, sampled, logits.max(dim=-1).indices)
         out = SampleOutput(next_token_ids=ids)
-        if return_logprob:
+        if logprobs is not None:
+            out.next_token_logprobs = logprobs
+        elif return_logprob:
             lp = scaled_log_softmax(logits, info.temperatures)
             out.next_token_logprobs = lp.gather(1, ids[:, None])[:, 0]
-            nums = top_logprobs_nums or []
-            if any(n > 0 for n in nums):
+            if tops:
                 out.next_token_top_logprobs = top_logprobs(lp, nums)
         return out
