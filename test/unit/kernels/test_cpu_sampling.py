@@ -85,8 +85,8 @@ def test_rows_that_cannot_be_scaled_take_their_first_maximum(ops):
 
 
 # The op's logprob is (x - max) / T - log(sum of exp weights): a polynomial exp (relative error < 1e-7)
-# summed in blocks against log_softmax's libm exp; measured within 2.4e-6 over 2,560 rows of 5,000 ids. A logprob of the
-# truncated distribution instead, or of the wrong id, is off by 0.01 or more here.
+# summed in blocks against log_softmax's libm exp; measured within 2.4e-6 over 2,560 rows of 5,000 ids.
+# A logprob of the truncated distribution instead, or of the wrong id, is off by 0.01 or more here.
 LOGPROB_TOL = 1e-5
 
 

@@ -2,17 +2,17 @@
 
 The rule (deterministic per request): a request with seed s sampling the token at sequence index p (its
 seq_len after this forward) draws one uniform u = hash(s, p) in (0, 1) from a fixed integer hash (23
-bits, exact in float32; upstream's seeded sampling takes 24), and takes the first vocab id v (in id order) at which the
-cumulative probability q(0) + ... + q(v) exceeds u times the total, where q is the softmax of logits / T
-restricted to the top-k and then the top-p set (inverse-CDF sampling, in float32 as
-`torch.multinomial`). The draw depends only on (s, p) and the request's own logits, so the same request
-gives the same tokens in any batch. A request without a seed draws a fresh seed from the sampler's
-generator on the device (seeded by --random-seed) at every step (one draw per row of a sampled batch,
-so what an unseeded request gets depends on its batch).
+bits, exact in float32; upstream's seeded sampling takes 24), and takes the first vocab id v (in id
+order) at which the cumulative probability q(0) + ... + q(v) exceeds u times the total, where q is the
+softmax of logits / T restricted to the top-k and then the top-p set (inverse-CDF sampling, in float32
+as `torch.multinomial`). The draw depends only on (s, p) and the request's own logits, so the same
+request gives the same tokens in any batch. A request without a seed draws a fresh seed from the
+sampler's generator on the device (seeded by --random-seed) at every step (one draw per row of a
+sampled batch, so what an unseeded request gets depends on its batch).
 
 One uniform per row, not one per vocab entry: the Gumbel-max rule this replaced hashed and took two
-logarithms of every logit, ~20 passes over [batch, vocab] (13.7 ms at 256 x 2,048 on one CPU thread,
-more than the tiny model's whole decode forward; 64 ms for 16 rows of a 152k vocab).
+logarithms of every logit, ~20 passes over [batch, vocab] (11-14 ms at 256 x 2,048 on one CPU thread,
+more than the tiny model's whole decode forward; 64-67 ms for 16 rows of a 152k vocab).
 
 On CPU sampling is one sgl-kernel call (`sample_logits`, `SGLANG_CPU_SAMPLING_BACKEND`): the same rule
 with its sums taken in blocks of 64 ids and the cut found among the weights of at least 2^-10 (then
