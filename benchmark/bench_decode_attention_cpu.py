@@ -11,7 +11,8 @@
 
 A second table times the C++ op over batches whose requests share their first keys (a system prompt):
 each request over all of its keys, against the shared-prefix (cascade) pass first, and which of the two
-the op's default threshold takes.
+the op's default threshold takes. A third times the C++ op over pools of each `--kv-cache-dtype` (and
+float16) at the shapes of the first table, against the float32 pool.
 
 Each runs through `TorchNativeAttnBackend` over real pools (the new token's KV store included), with each
 request's slots contiguous as the allocator hands them out; request lengths vary between half and all
@@ -33,10 +34,12 @@ from sglang.srt.layers.cpu_ops import cpu_attention_ops
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-# (batch, keys, query heads, KV heads, head dim): the tiny presets, then Qwen3-Next-80B's attention.
+# (batch, keys, query heads, KV heads, head dim): the tiny presets, the demo model (heads of 32), then
+# Qwen3-Next-80B's attention.
 SHAPES = [
     (16, 1300, 4, 2, 16),
     (64, 256, 4, 2, 16),
+    (256, 330, 4, 2, 32),
     (16, 1300, 8, 2, 64),
     (16, 1300, 16, 2, 64),
     (16, 1300, 8, 2, 128),
@@ -148,6 +151,32 @@ def shared_row(bs: int, prefix: int, own: int, hq: int, hk: int, d: int, dtype: 
     return f"| {bs} x ({prefix} + {own}) | {hq}/{hk}, {d}, {name} | {a:.2f} | {s:.2f} | {a / s:.2f} | {work:.0f} M |"
 
 
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def kv_dtype_row(bs: int, length: int, hq: int, hk: int, d: int) -> str:
+    """The C++ op over the same keys and values stored in each KV dtype (round-robin medians)."""
+    ops = cpu_attention_ops("cpu")
+    assert ops is not None, "the sgl-kernel CPU extension is not built"
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(length // 2, length + 1, (bs,), generator=g)
+    table = torch.zeros(bs, length, dtype=torch.int32)
+    for b, n in enumerate(lens.tolist()):
+        table[b, :n] = torch.arange(1 + b * length, 1 + b * length + n, dtype=torch.int32)
+    k, v = torch.randn(bs * length + 1, hk, d, generator=g), torch.randn(bs * length + 1, hk, d, generator=g)
+    q = torch.randn(bs, hq, d, generator=g)
+    pools = {dtype: (k.to(dtype), v.to(dtype)) for dtype in KV_DTYPES}
+    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in KV_DTYPES}
+    for _ in range(15):
+        for dtype, (kb, vb) in pools.items():
+            t = time.perf_counter()
+            ops.decode_attention(q, kb, vb, table, torch.arange(bs), lens, d**-0.5)
+            times[dtype].append(time.perf_counter() - t)
+    ms = [statistics.median(times[dtype]) * 1e3 for dtype in KV_DTYPES]
+    cells = " | ".join(f"{m:.2f} ({ms[0] / m:.2f}x)" for m in ms[1:])
+    return f"| {bs} x {length} | {hq}/{hk}, {d} | {ms[0]:.2f} | {cells} |"
+
+
 def main() -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -163,6 +192,12 @@ def main() -> None:
     )
     for shape in SHARED_SHAPES:
         print(shared_row(*shape), flush=True)
+    print(
+        "\n| batch x keys | heads q/kv, dim | float32 KV ms | bfloat16 ms (vs float32) | float16 ms | "
+        "float8 e4m3fn ms | float8 e5m2 ms |\n|---|---|---|---|---|---|---|"
+    )
+    for shape in SHAPES:
+        print(kv_dtype_row(*shape), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@
 // 32 query heads), whose query heads are served together, so each key row is read once. Keys go in blocks of kBlock: the
 // block's scores for the unit's heads, an online softmax (running max and sum per head, the accumulator
 // rescaled when the max grows), then the weighted values. Accumulation is float32 for any KV dtype
-// (float32, bfloat16, float16); q and the output are float32 (the backend converts). Units are split
-// with at::parallel_for, so torch's thread setting applies. With AVX2, head dims 16 and 64 score eight keys
-// per tree of horizontal adds and keep the value sums in registers (block_scores_tree, block_values_avx2:
-// 16 x 1,300 keys, 4 / 2 heads of 16, 0.42 -> 0.30 ms). Tests against a float64 reference and the
+// (float32, bfloat16, float16, and float8 e4m3fn / e5m2 for --kv-cache-dtype fp8_e4m3 / fp8_e5m2); q and
+// the output are float32 (the backend converts). Units are split with at::parallel_for, so torch's
+// thread setting applies. With AVX2, head dims 16, 32 and 64 score eight keys per tree of horizontal adds
+// and keep the value sums in registers (block_scores_tree, block_values_avx2: 16 x 1,300 keys, 4 / 2 heads
+// of 16, 0.42 -> 0.30 ms; the demo model's 256 x 330 keys, 4 / 2 heads of 32, 4.7 -> 2.9 ms against the
+// loop of any head dim). Tests against a float64 reference and the
 // SDPA path: test/unit/model/test_attention_backend.py, test/unit/kernels/test_cpu_attention.py.
 // Requests of a batch that share their first KV slots (the radix cache's shared prefixes) attend to them
 // together first where that work is large (`SharedPrefixes`; `shared_prefix_min_macs`, 0 always, a huge
@@ -48,6 +50,51 @@ constexpr int64_t kBlock = 64;  // keys per block: the block's scores for 8 head
 
 using sgl_cpu::fast_exp;  // of scores minus their running max (<= 0; exp(-inf) clamps to ~1e-38)
 
+// ---- KV elements to float -------------------------------------------------------------------------------
+// Float8 pools (--kv-cache-dtype fp8_e4m3 / fp8_e5m2, stored unscaled) are read through a table of the
+// format's 256 values, built at compile time from the OCP definitions; the AVX2 loads below convert eight
+// at once. Tests compare both with torch's conversion on every code.
+template <typename T>
+constexpr bool kFloat8 = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+
+constexpr float pow2(int e) {
+  float v = 1.0f;
+  for (; e > 0; --e) v *= 2.0f;
+  for (; e < 0; ++e) v *= 0.5f;
+  return v;
+}
+
+// e4m3fn: bias 7, no infinities, S.1111.111 is NaN. e5m2: bias 15, IEEE infinities and NaNs.
+constexpr float float8_value(int bits, int mantissa_bits, int bias, bool ieee_specials) {
+  const int exp_max = (1 << (7 - mantissa_bits)) - 1, mant_max = (1 << mantissa_bits) - 1;
+  const int e = (bits >> mantissa_bits) & exp_max, m = bits & mant_max;
+  const float sign = (bits & 0x80) ? -1.0f : 1.0f;
+  if (ieee_specials && e == exp_max)
+    return m == 0 ? sign * std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+  if (!ieee_specials && e == exp_max && m == mant_max) return std::numeric_limits<float>::quiet_NaN();
+  const float frac = static_cast<float>(m) / static_cast<float>(1 << mantissa_bits);
+  return sign * (e == 0 ? frac * pow2(1 - bias) : (1.0f + frac) * pow2(e - bias));
+}
+
+template <typename T>
+struct Float8Table {
+  static constexpr bool kE4M3 = std::is_same_v<T, c10::Float8_e4m3fn>;
+  float v[256] = {};
+  constexpr Float8Table() {
+    for (int b = 0; b < 256; ++b) v[b] = kE4M3 ? float8_value(b, 3, 7, false) : float8_value(b, 2, 15, true);
+  }
+};
+template <typename T>
+constexpr Float8Table<T> kFloat8Table{};
+
+template <typename T>
+inline __attribute__((always_inline)) float kv_float(const T* x, int64_t i) {
+  if constexpr (kFloat8<T>)
+    return kFloat8Table<T>.v[reinterpret_cast<const uint8_t*>(x)[i]];
+  else
+    return static_cast<float>(x[i]);
+}
+
 // q . k over a head. With a constant head dim that is a multiple of 32, four independent partial sums (four
 // AVX2 vectors) instead of one: a single vector accumulator makes a 256-dim dot a chain of 32 dependent FMAs.
 template <int kD, typename T>
@@ -57,7 +104,7 @@ inline __attribute__((always_inline)) float dot_qk(const float* q, const T* k, i
     float part[kLanes] = {};
     for (int i = 0; i < kD; i += kLanes) {
 #pragma omp simd
-      for (int l = 0; l < kLanes; ++l) part[l] += q[i + l] * static_cast<float>(k[i + l]);
+      for (int l = 0; l < kLanes; ++l) part[l] += q[i + l] * kv_float(k, i + l);
     }
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -66,13 +113,13 @@ inline __attribute__((always_inline)) float dot_qk(const float* q, const T* k, i
   } else {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+    for (int64_t i = 0; i < d; ++i) s += q[i] * kv_float(k, i);
     return s;
   }
 }
 
 #if SGL_ATTN_X86
-// Eight keys' q . k at once with AVX2 + FMA, for float32 and bfloat16 KV at head dims 16 and 64: each key's
+// Eight keys' q . k at once with AVX2 + FMA, for every KV dtype at head dims 16, 32 and 64: each key's
 // products go into one vector (its d / 8 pieces summed lane-wise), then a tree of horizontal adds turns the
 // eight vectors into one vector of eight scores. The plain loop above does one horizontal sum per key and
 // head; the tree shares them among eight keys. At 128 and 256 the plain loop's four partial sums are
@@ -81,14 +128,81 @@ template <typename T>
 SGL_TARGET_AVX2 inline __attribute__((always_inline)) __m256 load8(const T* x) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm256_loadu_ps(x);
-  } else {  // bfloat16: the high half of a float32
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the high half of a float32
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  } else {  // float8, widened to 16 bits
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+    if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+      return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));  // the high byte of a float16, specials included
+    } else {
+      // e4m3fn: the sign to bit 15 and the exponent and mantissa under a float16's, which then reads the
+      // value / 2^8 (normal and subnormal codes alike: the two biases differ by 8). The NaN codes
+      // (S.1111.111) read +-480 that way, which no finite code does (the largest is 448).
+      const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+      const __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+      const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.0f));
+      const __m256 nan = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), f), _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
+      return _mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+    }
   }
 }
 
 template <typename T>
-constexpr bool kTreeDtype = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+constexpr bool kTreeDtype = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
+                            std::is_same_v<T, c10::Half> || kFloat8<T>;
+
+// KV dtypes whose elements need a conversion GCC does not vectorise on its own (float16 through c10, float8
+// through the table): at head dims 128 and 256 they take explicit AVX2 loops (block_scores_converted,
+// block_values_converted).
+template <typename T>
+constexpr bool kConverted = std::is_same_v<T, c10::Half> || kFloat8<T>;
+
+template <typename T, int kD>
+SGL_TARGET_AVX2 inline __attribute__((always_inline)) float dot_avx2(const float* q, const T* k) {
+  static_assert(kD % 32 == 0, "four vectors per step");
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int c = 0; c < kD; c += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8(k + c), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), load8(k + c + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 16), load8(k + c + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 24), load8(k + c + 24), a3);
+  }
+  const __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// A block's scores and weighted values with dot_avx2 (arguments as block_scores_tree's and
+// block_values_avx2's; not inlined into the two-instruction-set template, as those).
+template <typename T, int kD>
+SGL_TARGET_AVX2 void block_scores_converted(const float* q, int64_t rows, const int64_t* kv_off, const int32_t* slots,
+                                            int64_t n, const T* k_buf, int64_t slot_stride, float scale,
+                                            float* scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kr = k_buf + slots[j] * slot_stride;
+    for (int64_t r = 0; r < rows; ++r) scores[r * kBlock + j] = dot_avx2<T, kD>(q + r * kD, kr + kv_off[r]) * scale;
+  }
+}
+
+template <typename T, int kD>
+SGL_TARGET_AVX2 void block_values_converted(const float* scores, int64_t rows, const int64_t* kv_off,
+                                            const int32_t* slots, int64_t n, const T* v_buf, int64_t slot_stride,
+                                            float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = v_buf + slots[j] * slot_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 w = _mm256_set1_ps(scores[r * kBlock + j]);
+      const T* v = vr + kv_off[r];
+      float* a = acc + r * kD;
+      for (int c = 0; c < kD; c += 8) _mm256_storeu_ps(a + c, _mm256_fmadd_ps(w, load8(v + c), _mm256_loadu_ps(a + c)));
+    }
+  }
+}
 
 // scores[r * kBlock + j] = scale * q_r . k_j for the block's n keys (row r's KV head at kv_off[r] of a slot
 // row); entries n..round_up(n, 8) are written with a repeat of key 0's scores and never read. A call per
@@ -169,6 +283,56 @@ SGL_TARGET_AVX2 void block_values_avx2(const float* scores, int64_t rows, const 
 }
 #endif
 
+// ---- e4m3fn pools under GQA: each key and value row converted once per unit -------------------------------
+// A unit's query heads of one KV head all read its key rows: converting in the score loop converts each
+// row once per query head (8 times at Qwen3-Next-80B's 16 / 2 heads, where e4m3fn read in place measured
+// 0.26-0.67x of a float32 pool's time; e4m3fn takes ~10 vector ops per 8 elements, see load8). Instead the
+// block's rows of the unit's KV heads [h0, h0 + nh) go to float `dst` rows of nh * d first (row j of the
+// block at j * nh * d), and the float path reads those (benchmark/README.md, KV cache dtypes).
+template <typename T>
+inline __attribute__((always_inline)) void convert_rows(const T* buf, const int32_t* slots, int64_t n,
+                                                        int64_t slot_stride, int64_t h0, int64_t nh, int64_t d,
+                                                        float* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* src = buf + slots[j] * slot_stride + h0 * d;
+    float* out = dst + j * nh * d;
+#pragma omp simd
+    for (int64_t i = 0; i < nh * d; ++i) out[i] = kv_float(src, i);
+  }
+}
+
+#if SGL_ATTN_X86
+template <typename T>
+SGL_TARGET_AVX2 void convert_rows_avx2(const T* buf, const int32_t* slots, int64_t n, int64_t slot_stride,
+                                       int64_t h0, int64_t nh, int64_t d, float* dst) {
+  const int64_t width = nh * d, whole = width / 8 * 8;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* src = buf + slots[j] * slot_stride + h0 * d;
+    float* out = dst + j * width;
+    for (int64_t i = 0; i < whole; i += 8) _mm256_storeu_ps(out + i, load8(src + i));
+    for (int64_t i = whole; i < width; ++i) out[i] = kv_float(src, i);
+  }
+}
+#endif
+
+template <typename T, bool kAvx2>
+void convert_block(const T* buf, const int32_t* slots, int64_t n, int64_t slot_stride, int64_t h0, int64_t nh,
+                   int64_t d, float* dst) {
+#if SGL_ATTN_X86
+  if constexpr (kAvx2) return convert_rows_avx2<T>(buf, slots, n, slot_stride, h0, nh, d, dst);
+#endif
+  convert_rows<T>(buf, slots, n, slot_stride, h0, nh, d, dst);
+}
+
+// 0, 1, ..., kBlock - 1: the slot ids of a converted block's rows.
+struct BlockRows {
+  int32_t v[kBlock] = {};
+  constexpr BlockRows() {
+    for (int i = 0; i < kBlock; ++i) v[i] = i;
+  }
+};
+constexpr BlockRows kBlockRows{};
+
 template <typename T>
 struct Problem {
   const float* q;  // [bs, hq, d]
@@ -206,6 +370,18 @@ struct Unit {
 };
 constexpr int64_t kMaxRows = 32;
 
+// KV heads a unit of kMaxRows query rows may span, whole groups or part of one (see make_units).
+inline int64_t max_unit_kv_heads(int64_t hq, int64_t hk) {
+  return std::min(hk, kMaxRows / std::max<int64_t>(hq / hk, 1) + 1);
+}
+
+// e4m3fn pools under GQA convert each block's rows once per unit (convert_block). e5m2's conversion is one
+// shift, cheaper in place than the converted rows' round trip through memory at head dims of 128 and 256.
+template <typename T>
+inline bool converts_blocks(int64_t hq, int64_t hk) {
+  return std::is_same_v<T, c10::Float8_e4m3fn> && hq / hk > 1;
+}
+
 // One block of n keys (slot ids `slots[0, n)`) for `rows` query rows `q` (rows x d, consecutive), row r
 // reading its KV head at kv_off[r]: the block's scores, the online-softmax update of `st`, then the weighted
 // values. `scores` holds kMaxRows * kBlock floats. Always inlined, so each caller compiles it for its own
@@ -217,8 +393,10 @@ inline __attribute__((always_inline)) void attend_block(const Problem<T>& p, con
   const int64_t d = kD > 0 ? kD : p.d, slot_stride = p.hk * d;
   float *acc = st.acc, *run_max = st.run_max, *run_sum = st.run_sum;
 #if SGL_ATTN_X86
-  if constexpr (kAvx2 && kRegisterValues<T, kD>) {  // head dims 16 and 64 (see block_scores_tree)
+  if constexpr (kAvx2 && kRegisterValues<T, kD>) {  // head dims 16, 32 and 64 (see block_scores_tree)
     block_scores_tree<T, kD>(q, rows, kv_off, slots, n, p.k_buf, slot_stride, p.scale, scores);
+  } else if constexpr (kAvx2 && kConverted<T> && kD > 0 && kD % 32 == 0) {  // 128 and 256
+    block_scores_converted<T, kD>(q, rows, kv_off, slots, n, p.k_buf, slot_stride, p.scale, scores);
   } else
 #endif
   {
@@ -260,6 +438,9 @@ inline __attribute__((always_inline)) void attend_block(const Problem<T>& p, con
   if constexpr (kAvx2 && kRegisterValues<T, kD>) {
     block_values_avx2<T, kD>(scores, rows, kv_off, slots, n, p.v_buf, slot_stride, acc);
     return;
+  } else if constexpr (kAvx2 && kConverted<T> && kD > 0 && kD % 32 == 0) {
+    block_values_converted<T, kD>(scores, rows, kv_off, slots, n, p.v_buf, slot_stride, acc);
+    return;
   }
 #endif
   for (int64_t j = 0; j < n; ++j) {
@@ -269,12 +450,13 @@ inline __attribute__((always_inline)) void attend_block(const Problem<T>& p, con
       const T* v = vr + kv_off[r];
       float* ar = acc + r * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) ar[i] += w * static_cast<float>(v[i]);
+      for (int64_t i = 0; i < d; ++i) ar[i] += w * kv_float(v, i);
     }
   }
 }
 
-// The units in `units`; `scratch` holds kMaxRows * (kBlock + d + 2) floats. kD > 0 is the head dim as a
+// The units in `units`; `scratch` holds kMaxRows * (kBlock + d + 2) floats, then (where converts_blocks)
+// 2 * kBlock * max_unit_kv_heads * d for the converted keys and values. kD > 0 is the head dim as a
 // constant (the loops over it unroll: a head of 16 is two AVX2 vectors, no loop left), 0 reads it from the
 // problem. A request whose first keys were attended by a shared-prefix pass starts from that pass's state.
 template <typename T, int kD, bool kAvx2>
@@ -303,8 +485,25 @@ inline __attribute__((always_inline)) void attend_units(const Problem<T>& p, con
       for (int64_t i = 0; i < rows * d; ++i) st.acc[i] = 0.0f;
     }
     const int32_t* slots = p.req_to_token + p.rows[un.b] * p.row_stride;
-    for (int64_t j0 = start; j0 < len; j0 += kBlock)
-      attend_block<T, kD, kAvx2>(p, q, rows, kv_off, slots + j0, std::min(kBlock, len - j0), scores, st);
+    if (converts_blocks<T>(p.hq, p.hk)) {
+      const int64_t h0 = kv_off[0] / d, nh = kv_off[rows - 1] / d - h0 + 1;
+      float* conv_k = scratch + kMaxRows * (kBlock + d + 2);
+      float* conv_v = conv_k + kBlock * max_unit_kv_heads(p.hq, p.hk) * d;
+      // The float view of the converted block: nh KV heads per row, rows 0..n-1.
+      Problem<float> pf{p.q, conv_k, conv_v, nullptr, 0, nullptr, nullptr, p.out, p.hq, nh, p.d, p.scale};
+      int64_t off[kMaxRows];
+      for (int64_t r = 0; r < rows; ++r) off[r] = kv_off[r] - h0 * d;
+      const int64_t slot_stride = p.hk * d;
+      for (int64_t j0 = start; j0 < len; j0 += kBlock) {
+        const int64_t n = std::min(kBlock, len - j0);
+        convert_block<T, kAvx2>(p.k_buf, slots + j0, n, slot_stride, h0, nh, d, conv_k);
+        convert_block<T, kAvx2>(p.v_buf, slots + j0, n, slot_stride, h0, nh, d, conv_v);
+        attend_block<float, kD, kAvx2>(pf, q, rows, off, kBlockRows.v, n, scores, st);
+      }
+    } else {
+      for (int64_t j0 = start; j0 < len; j0 += kBlock)
+        attend_block<T, kD, kAvx2>(p, q, rows, kv_off, slots + j0, std::min(kBlock, len - j0), scores, st);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       float* o = p.out + (q - p.q) + r * d;
       const float inv = len > 0 ? 1.0f / st.run_sum[r] : 0.0f;
@@ -471,10 +670,12 @@ void attend(const Problem<T>& p, const std::vector<Unit>& units) {
   const bool avx2 = sgl_cpu::has_avx2();
   // One unit reads seq_len x d keys and values: worth its own task whatever the batch.
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(kMaxRows * (kBlock + p.d + 2));
+    const int64_t converted = converts_blocks<T>(p.hq, p.hk) ? 2 * kBlock * max_unit_kv_heads(p.hq, p.hk) * p.d : 0;
+    std::vector<float> scratch(kMaxRows * (kBlock + p.d + 2) + converted);
     const Unit* u = units.data() + begin;
     switch (p.d) {  // the head dims of the supported models
       case 16: return run_units<T, 16>(avx2, p, u, end - begin, scratch.data());
+      case 32: return run_units<T, 32>(avx2, p, u, end - begin, scratch.data());
       case 64: return run_units<T, 64>(avx2, p, u, end - begin, scratch.data());
       case 128: return run_units<T, 128>(avx2, p, u, end - begin, scratch.data());
       case 256: return run_units<T, 256>(avx2, p, u, end - begin, scratch.data());
@@ -525,7 +726,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   float *run_max = acc + shared.state_rows * d, *run_sum = run_max + shared.state_rows;
   if (shared.state_rows > 0)
     attend_shared_prefixes(q, k_buffer, v_buffer, table, context, rows, shared, scale, acc, run_max, run_sum);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_buffer.scalar_type(), "decode_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND4(at::kBFloat16, at::kHalf, at::kFloat8_e4m3fn, at::kFloat8_e5m2, k_buffer.scalar_type(),
+                                  "decode_attention", [&] {
     Problem<scalar_t> p{q.data_ptr<float>(), k_buffer.data_ptr<scalar_t>(), v_buffer.data_ptr<scalar_t>(),
                         table, context, rows, lens, out.data_ptr<float>(), hq, hk, d,
                         static_cast<float>(scale)};

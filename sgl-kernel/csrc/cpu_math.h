@@ -7,10 +7,11 @@
 #include <cstring>
 
 // AVX2 + FMA twins of the hot loops: the build has no -march (x86-64 baseline, SSE2), so a function marked
-// SGL_TARGET_AVX2 that always-inlines a loop body compiles that body for AVX2 + FMA, and has_avx2() picks it
-// at run time. Elsewhere (aarch64) the mark is empty and has_avx2() false: the baseline twin runs.
+// SGL_TARGET_AVX2 that always-inlines a loop body compiles that body for AVX2 + FMA (and F16C, the
+// half-to-float conversions every AVX2 CPU has), and has_avx2() picks it at run time. Elsewhere (aarch64)
+// the mark is empty and has_avx2() false: the baseline twin runs.
 #if defined(__x86_64__) || defined(_M_X64)
-#define SGL_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define SGL_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #else
 #define SGL_TARGET_AVX2
 #endif
@@ -42,7 +43,8 @@ inline void run_twin(bool avx2, Args... args) {
 // runs); read at every call, so a test can switch it.
 inline bool has_avx2() {
 #if defined(__x86_64__) || defined(_M_X64)
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const char* baseline = std::getenv("SGLANG_TEST_CPU_OPS_BASELINE");
   return yes && !(baseline != nullptr && baseline[0] == '1');
 #else

@@ -152,7 +152,7 @@ def _shared_batch(dtype: torch.dtype, d: int):
 SHARE_ALWAYS, SHARE_NEVER = 0, 1 << 62  # shared_prefix_min_macs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("d", [16, 64, 128])
 def test_shared_prefixes_give_the_unshared_result(ops, dtype, d):
     """Cascade attention over groups of requests that share their first KV slots (forced on at these small
@@ -240,3 +240,66 @@ def test_a_short_head_every_request_shares_does_not_hide_the_long_prefixes(ops):
     shared = ops.decode_attention(*args, one_set)
     alone = ops.decode_attention(*args, SHARE_NEVER)
     assert not torch.equal(shared, alone) and max_abs(shared, alone) < 1e-5
+
+
+def _codes(dtype: torch.dtype) -> torch.Tensor:
+    """Every float8 code; for 16-bit dtypes 4,096 random bit patterns and the specials (NaN, +-inf,
+    subnormals, -0)."""
+    if dtype.itemsize == 1:
+        return torch.arange(256, dtype=torch.uint8).view(dtype)
+    bits = torch.randint(
+        -(2**15), 2**15, (4096,), generator=torch.Generator().manual_seed(1), dtype=torch.int16
+    )
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-7, -1e-7, -0.0]).to(dtype)
+    return torch.cat([bits.view(dtype), specials])
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 20, 32, 64, 128])
+@pytest.mark.parametrize("baseline", [False, True])
+def test_every_value_code_reads_as_torch_converts_it(ops, dtype, d, baseline):
+    """Requests of one key each: softmax weight 1, so each output is its value row itself, and every
+    element of the pool must read as torch's conversion of it (NaN codes as NaN), on each of the op's
+    paths: head dims 16, 32 and 64 (AVX2 registers), 128 (the converted dtypes' AVX2 loops), 20 (the plain
+    loop; the table for float8; a converted e4m3fn block row that ends inside a vector), and the SSE2
+    twin. Two query heads per KV head: e4m3fn converts each block's rows once per unit."""
+    codes = _codes(dtype)
+    n = -(-codes.numel() // d)
+    v_buf = torch.zeros(n + 1, 1, d, dtype=dtype)
+    v_buf.view(-1)[d : d + codes.numel()] = codes  # slot 0 stays the dummy
+    k_buf = torch.zeros_like(v_buf)
+    table = torch.arange(1, n + 1, dtype=torch.int32).view(n, 1)
+    q = torch.randn(n, 2, d, generator=torch.Generator().manual_seed(2))
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        out = ops.decode_attention(
+            q, k_buf, v_buf, table, torch.arange(n), torch.ones(n, dtype=torch.long), 0.1
+        )
+    want = v_buf[1:].float().expand(n, 2, d)
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("d", [16, 20, 32, 64, 128])
+@pytest.mark.parametrize("baseline", [False, True])
+def test_every_key_code_scores_as_torch_converts_it(ops, dtype, d, baseline):
+    """One request over keys holding every finite float8 code, against float64 over torch's conversion
+    of the same keys (float32 sums: 1e-5, as the other decode tests); a NaN key code makes its request's
+    output NaN, as torch's softmax does."""
+    codes = _codes(dtype)
+    finite = codes[codes.float().isfinite()]
+    n = -(-finite.numel() // d)
+    k_buf = torch.zeros(n + 2, 1, d, dtype=dtype)
+    k_buf.view(-1)[d : d + finite.numel()] = finite
+    k_buf[n + 1, 0, 0] = codes[codes.float().isnan()][0]  # a NaN key, read by the second request only
+    v_buf = torch.randn(n + 2, 1, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+    table = torch.zeros(2, n + 1, dtype=torch.int32)
+    table[0, :n] = torch.arange(1, n + 1)
+    table[1, : n + 1] = torch.arange(1, n + 2)
+    q = torch.randn(2, 2, d, generator=torch.Generator().manual_seed(4))
+    lens = torch.tensor([n, n + 1])
+    scale = 0.01  # keeps e5m2's largest keys (5.7e4) inside exp's range after the max is taken
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        out = ops.decode_attention(q, k_buf, v_buf, table, torch.arange(2), lens, scale)
+    want = _reference(q[:1], k_buf, v_buf, table[:1], torch.tensor([0]), lens[:1], scale)
+    assert max_abs(out[:1].double(), want) < 1e-5
+    assert bool(out[1].isnan().all())
