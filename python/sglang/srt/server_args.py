@@ -21,6 +21,7 @@ from sglang.srt.server_args_checks import (
     DEVICE_CHOICES,
     DISAGGREGATION_MODES,
     DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
     LOG_LEVELS,
     MAMBA_SCHEDULER_STRATEGY_CHOICES,
     SCHEDULE_POLICIES,
@@ -77,6 +78,8 @@ class ServerArgs:
     # None: 2048 (rounded to the mamba cache chunk); -1 (or 0): chunked prefill off.
     chunked_prefill_size: int | None = None
     page_size: int = 1
+    # "auto": the model's dtype; see KV_CACHE_DTYPE_CHOICES.
+    kv_cache_dtype: str = "auto"
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
@@ -152,7 +155,7 @@ class ServerArgs:
 
     @cached_property
     def model_config(self) -> ModelConfig:
-        return ModelConfig(self.model_path, self.context_length, self.dtype, self.device)
+        return ModelConfig(self.model_path, self.context_length, self.dtype, self.device, self.kv_cache_dtype)
 
     @property
     def mamba_radix_cache_strategy(self) -> str:
@@ -358,6 +361,14 @@ class ServerArgs:
         g.add_argument("--max-prefill-tokens", type=int, default=default("max_prefill_tokens"))
         g.add_argument("--chunked-prefill-size", type=int, default=None, help="-1 disables chunked prefill.")
         g.add_argument("--page-size", type=int, default=default("page_size"))
+        g.add_argument(
+            "--kv-cache-dtype",
+            default=default("kv_cache_dtype"),
+            choices=KV_CACHE_DTYPE_CHOICES,
+            help="The full-attention layers' KV cache dtype: auto (the model's), bf16 / bfloat16, fp8_e4m3 or "
+            "fp8_e5m2 (stored unscaled, as upstream without k_scale / v_scale). Attention still computes in "
+            "the model's dtype. fp4_e2m1 is not supported.",
+        )
         g.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
         g.add_argument("--disable-radix-cache", action="store_true")
         g.add_argument("--disable-overlap-schedule", action="store_true")

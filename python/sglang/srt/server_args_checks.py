@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 MAMBA_SCHEDULER_STRATEGY_CHOICES = ["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"]
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+# Upstream's choices; fp4_e2m1 is refused (`check_basic_flags`).
+KV_CACHE_DTYPE_CHOICES = ["auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "fp4_e2m1"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]
 # None: triton on CUDA, torch_native on CPU (`ServerArgs._handle_attention_backend`).
 ATTENTION_BACKEND_CHOICES = ["torch_native", "triton"]
@@ -29,6 +31,12 @@ class ServerArgsError(ValueError):
 
 def check_basic_flags(args: ServerArgs) -> None:
     _choice("--dtype", args.dtype, DTYPE_CHOICES)
+    _choice("--kv-cache-dtype", args.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
+    if args.kv_cache_dtype == "fp4_e2m1":
+        raise ServerArgsError(
+            "--kv-cache-dtype fp4_e2m1 is not supported (its block-scaled MXFP4 format needs kernels this "
+            "runtime does not have); use fp8_e4m3, fp8_e5m2 or bf16."
+        )
     _choice("--device", args.device, DEVICE_CHOICES)
     if args.attention_backend is not None:
         _choice("--attention-backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)

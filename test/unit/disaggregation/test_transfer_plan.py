@@ -132,6 +132,22 @@ def test_layouts_of_different_models_are_refused():
     assert PoolLayout.from_dict(layout.to_dict()) == layout
 
 
+def test_kv_cache_dtypes_of_the_same_size_are_refused():
+    """bfloat16 and float16 KV (or the two float8s) have the same bytes per token: the layouts name the
+    dtype, so a prefill server and a decode server started with different --kv-cache-dtype refuse."""
+    _, mp = make_pools(64, 16, 4, fill=0.0)
+    pools = {
+        dtype: MHATokenToKVPool(64, 16, dtype, head_num=2, head_dim=4, layer_ids=LAYERS)
+        for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+    }
+    layouts = {dtype: PoolLayout.of(kv, mp) for dtype, kv in pools.items()}
+    for a, b in [(torch.bfloat16, torch.float16), (torch.float8_e4m3fn, torch.float8_e5m2)]:
+        assert layouts[a].kv_bytes_per_token == layouts[b].kv_bytes_per_token
+        message = layouts[a].mismatch(layouts[b])
+        assert message is not None and "--kv-cache-dtype" in message
+    assert layouts[torch.float8_e5m2].mismatch(PoolLayout.of(pools[torch.float8_e5m2], mp)) is None
+
+
 @pytest.mark.parametrize(
     "host, port, room, field",
     [

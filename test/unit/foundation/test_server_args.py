@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.server_args import (
@@ -43,6 +44,7 @@ def test_every_design_flag_parses():
             "--max-prefill-tokens", "4096",
             "--chunked-prefill-size", "256",
             "--page-size", "16",
+            "--kv-cache-dtype", "fp8_e4m3",
             "--disable-overlap-schedule",
             "--mamba-scheduler-strategy", "extra_buffer",
             "--mamba-track-interval", "64",
@@ -67,6 +69,8 @@ def test_every_design_flag_parses():
     )  # fmt: skip
     assert (args.mem_fraction_static, args.max_running_requests, args.max_total_tokens) == (0.5, 12, 9000)
     assert (args.max_prefill_tokens, args.chunked_prefill_size, args.page_size) == (4096, 256, 16)
+    assert args.kv_cache_dtype == "fp8_e4m3"
+    assert args.model_config.kv_cache_torch_dtype == torch.float8_e4m3fn
     assert args.disable_overlap_schedule and not args.disable_radix_cache
     assert (args.mamba_scheduler_strategy, args.mamba_track_interval, args.max_mamba_cache_size) == (
         "extra_buffer", 64, 40
@@ -84,6 +88,7 @@ def test_defaults_match_sglang():
     assert args.model_path == "tiny-qwen3-next-demo" and args.host == "127.0.0.1" and args.port == 30000
     assert args.page_size == 1 and args.max_prefill_tokens == 16384 and args.mamba_full_memory_ratio == 0.9
     assert args.mamba_track_interval == 256 and args.device == "cpu" and args.dtype == "auto"
+    assert args.kv_cache_dtype == "auto" and args.model_config.kv_cache_torch_dtype == torch.float32
     assert args.disaggregation_mode == "null" and not args.enable_metrics
     assert args.enable_overlap_schedule and args.mamba_strategy.track_entries == 2
 
@@ -168,6 +173,8 @@ REFUSED = [
     ({"mamba_scheduler_strategy": "bogus"}, "--mamba-scheduler-strategy must be one of"),
     ({"dtype": "int8"}, "--dtype must be one of"),
     ({"mamba_ssm_dtype": "int8"}, "--mamba-ssm-dtype must be one of"),
+    ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype must be one of"),
+    ({"kv_cache_dtype": "fp4_e2m1"}, "--kv-cache-dtype fp4_e2m1 is not supported"),
     ({"disaggregation_mode": "both"}, "--disaggregation-mode must be one of"),
     ({"disaggregation_decode_extra_slots": -1}, "--disaggregation-decode-extra-slots must be 0 or more"),
     ({"model_path": "/nonexistent/model"}, "--model-path '/nonexistent/model' cannot be served"),

@@ -20,7 +20,9 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _pool(hk: int, d: int, dtype: torch.dtype, seed: int):
+def _pool(hk: int, d: int, dtype: torch.dtype, seed: int, kv_dtype: torch.dtype | None = None):
+    """K and V buffers in `kv_dtype` (a `--kv-cache-dtype` pool), else `dtype`."""
+    dtype = kv_dtype or dtype
     g = torch.Generator().manual_seed(seed)
     return (
         torch.randn(NUM_SLOTS, hk, d, generator=g).to(dtype),
@@ -57,21 +59,31 @@ def _reference(q, k_buf, v_buf, slots, q_pos, scale):
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
+# --kv-cache-dtype pools under float32 and bfloat16 queries: the kernels read the stored values and
+# convert them exactly, so the tolerance is the query dtype's.
+KV_POOLS = [
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float8_e4m3fn),
+    (torch.bfloat16, torch.float8_e5m2),
+]
+
+
 @pytest.mark.parametrize(
-    "hq,hk,d,dtype,splits",
+    "hq,hk,d,dtype,splits,kv_dtype",
     [
-        (4, 2, 16, torch.float32, 1),  # one split: stage 2 is a copy
-        (4, 2, 24, torch.float32, 3),  # head dim not a power of two; a GQA group of 2
-        (6, 1, 16, torch.float32, 8),  # more splits than the shortest request has keys
-        (4, 4, 16, torch.bfloat16, 4),  # a bfloat16 pool, no grouping
+        (4, 2, 16, torch.float32, 1, None),  # one split: stage 2 is a copy
+        (4, 2, 24, torch.float32, 3, None),  # head dim not a power of two; a GQA group of 2
+        (6, 1, 16, torch.float32, 8, None),  # more splits than the shortest request has keys
+        (4, 4, 16, torch.bfloat16, 4, None),  # a bfloat16 pool, no grouping
+        *[(4, 2, 16, q, 2, kv) for q, kv in KV_POOLS],
     ],
 )
-def test_decode_matches_the_torch_twin(interpret, hq, hk, d, dtype, splits):
+def test_decode_matches_the_torch_twin(interpret, hq, hk, d, dtype, splits, kv_dtype):
     from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
 
     rows, lens = [3, 0, 1, 5], [1, 5, 70, 130]  # row 0 with length 1: a padded CUDA-graph row
     r2t = _req_to_token(rows, lens, seed=d)
-    k_buf, v_buf = _pool(hk, d, dtype, seed=hq)
+    k_buf, v_buf = _pool(hk, d, dtype, seed=hq, kv_dtype=kv_dtype)
     q = torch.randn(len(rows), hq, d, generator=torch.Generator().manual_seed(7)).to(dtype)
     out = torch.full_like(q, float("nan"))
     decode_attention_fwd(q, k_buf, v_buf, out, r2t, torch.tensor(rows), torch.tensor(lens), 0.3, splits)
@@ -81,14 +93,15 @@ def test_decode_matches_the_torch_twin(interpret, hq, hk, d, dtype, splits):
 
 
 @pytest.mark.parametrize(
-    "hq,hk,d,dtype",
+    "hq,hk,d,dtype,kv_dtype",
     [
-        (4, 2, 24, torch.float32),
-        (2, 1, 160, torch.float32),  # a head over 128 dims: the smaller tiles of `block_sizes`
-        (4, 2, 16, torch.bfloat16),
+        (4, 2, 24, torch.float32, None),
+        (2, 1, 160, torch.float32, None),  # a head over 128 dims: the smaller tiles of `block_sizes`
+        (4, 2, 16, torch.bfloat16, None),
+        *[(4, 2, 16, q, kv) for q, kv in KV_POOLS],
     ],
 )
-def test_extend_with_prefix_matches_the_torch_twin(interpret, hq, hk, d, dtype):
+def test_extend_with_prefix_matches_the_torch_twin(interpret, hq, hk, d, dtype, kv_dtype):
     from sglang.srt.layers.attention.triton_ops.extend_attention import block_sizes, extend_attention_fwd
 
     # No prefix; a prefix with an extend over more than one query block; a long prefix, one block.
@@ -96,7 +109,7 @@ def test_extend_with_prefix_matches_the_torch_twin(interpret, hq, hk, d, dtype):
     lens = [p + e for p, e in zip(prefix, ext, strict=True)]
     assert max(ext) > block_sizes(d)[0]
     r2t = _req_to_token(rows, lens, seed=d + 1)
-    k_buf, v_buf = _pool(hk, d, dtype, seed=hq + 1)
+    k_buf, v_buf = _pool(hk, d, dtype, seed=hq + 1, kv_dtype=kv_dtype)
     q = torch.randn(sum(ext), hq, d, generator=torch.Generator().manual_seed(8)).to(dtype)
     starts = [0, ext[0], ext[0] + ext[1]]
     out = torch.full_like(q, float("nan"))
@@ -123,16 +136,22 @@ def _compile_sm90(fn, signature: dict, constexprs: dict) -> str:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_kernels_compile_for_sm90(dtype):
-    """Qwen3-Next-80B's full attention: 16 query heads, 2 KV heads, 256 dims."""
+@pytest.mark.parametrize(
+    "dtype,kv", [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv"), ("bf16", "fp8e5"), ("fp16", "bf16")]
+)
+def test_kernels_compile_for_sm90(dtype, kv):
+    """Qwen3-Next-80B's full attention: 16 query heads, 2 KV heads, 256 dims; `kv`: the pool's dtype
+    (float8 for --kv-cache-dtype fp8_e4m3 / fp8_e5m2, whose tensor-core dots take the query's dtype)."""
     from sglang.srt.layers.attention.triton_ops import decode_attention as dec
     from sglang.srt.layers.attention.triton_ops import extend_attention as ext
 
-    ieee = dtype == "fp32"
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    names |= {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
+    ieee = dec.f32_dot(names[dtype], names[kv])
+    assert ieee == (dtype == "fp32" or kv == "bf16" != dtype)
     strides = lambda *names: {n: "i32" for n in names}  # noqa: E731
     stage1 = {
-        **{n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr")},
+        "q_ptr": f"*{dtype}", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}",
         "req_to_token_ptr": "*i32", "rows_ptr": "*i64", "seq_lens_ptr": "*i64",
         "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "sm_scale": "fp32",
         **strides("stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_r2t"),
@@ -154,7 +173,7 @@ def test_kernels_compile_for_sm90(dtype):
     assert ".target sm_90" in ptx
     block_m, block_n = ext.block_sizes(256)
     extend = {
-        **{n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")},
+        "q_ptr": f"*{dtype}", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}", "o_ptr": f"*{dtype}",
         "req_to_token_ptr": "*i32", "rows_ptr": "*i64", "seq_lens_ptr": "*i64", "extend_lens_ptr": "*i64",
         "extend_starts_ptr": "*i64", "sm_scale": "fp32",
         **strides("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
@@ -206,10 +225,12 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_kernels_match_the_torch_twin_at_80b_shapes(dtype):
+@pytest.mark.parametrize(
+    "dtype,kv_dtype", [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, torch.float8_e4m3fn)]
+)
+def test_gpu_kernels_match_the_torch_twin_at_80b_shapes(dtype, kv_dtype):
     """Compiled on the GPU: Qwen3-Next-80B's heads (16 / 2 / 256), 24 decode rows up to 200 keys and
-    an extend over cached prefixes."""
+    an extend over cached prefixes; and a float8 pool (--kv-cache-dtype fp8_e4m3) under bfloat16."""
     from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
     from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 
@@ -217,7 +238,7 @@ def test_gpu_kernels_match_the_torch_twin_at_80b_shapes(dtype):
     rows = list(range(1, 25))
     lens = [1 + (37 * i) % 200 for i in range(24)]
     r2t = _req_to_token(rows, lens, seed=3).to(dev)
-    k_buf, v_buf = (t.to(dev) for t in _pool(hk, d, dtype, seed=4))
+    k_buf, v_buf = (t.to(dev) for t in _pool(hk, d, dtype, seed=4, kv_dtype=kv_dtype))
     q = torch.randn(24, hq, d, device=dev).to(dtype)
     out = torch.empty_like(q)
     idx, seq = torch.tensor(rows, device=dev), torch.tensor(lens, device=dev)

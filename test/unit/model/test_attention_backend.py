@@ -36,12 +36,15 @@ class _Case:
         hk: int = HK,
         d: int = D,
         backend: str = "torch",
+        kv_dtype: torch.dtype | None = None,
     ):
+        """`kv_dtype`: the KV pool's (`--kv-cache-dtype`), else `dtype`, which the layer computes in."""
         torch.manual_seed(seed)
+        self.kv_dtype = kv_dtype or dtype
         self.hq, self.hk, self.d = hq, hk, d
         total = sum(seq_lens)
         self.req_pool = ReqToTokenPool(len(seq_lens) + 1, max(seq_lens) + 8)
-        self.kv_pool = MHATokenToKVPool(total + 64, 1, dtype, hk, d, layer_ids=[3])
+        self.kv_pool = MHATokenToKVPool(total + 64, 1, self.kv_dtype, hk, d, layer_ids=[3])
         with envs.SGLANG_CPU_ATTN_BACKEND.override(backend):
             self.backend = TorchNativeAttnBackend(self.req_pool, self.kv_pool)
         assert (self.backend.cpu_ops is not None) == (backend == "cpp")
@@ -63,8 +66,8 @@ class _Case:
     def fill_prefix(self, prefix_lens: list[int]) -> None:
         k_buf, v_buf = self.kv_pool.get_kv_buffer(3)
         for s, p in zip(self.slots, prefix_lens, strict=True):
-            k_buf[s[:p]] = torch.randn(p, self.hk, self.d).to(self.dtype)
-            v_buf[s[:p]] = torch.randn(p, self.hk, self.d).to(self.dtype)
+            k_buf[s[:p]] = torch.randn(p, self.hk, self.d).to(self.kv_dtype)
+            v_buf[s[:p]] = torch.randn(p, self.hk, self.d).to(self.kv_dtype)
 
     def run(self, mode: ForwardMode, new_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the backend's output, the reference's)."""
@@ -180,8 +183,8 @@ def test_rope_tables_are_computed_once_per_batch():
     assert len(cache) == 2
 
 
-# The C++ op's head dims: 16, 64, 128 and 256 are compiled as constants (256 with the four-way split dot),
-# 24 and 80 take the loop of any length. Its units hold at most 32 query heads: 64 / 2 splits into two
+# The C++ op's head dims: 16, 32 (the demo model's), 64, 128 and 256 are compiled as constants (256 with
+# the four-way split dot), 24 and 80 take the loop of any length. Its units hold at most 32 query heads: 64 / 2 splits into two
 # whole groups, 96 / 2 splits groups of 48 across units, 40 / 8 packs six groups of 5 and then two. With
 # AVX2, head dims 16 and 64 sum the values in registers, 64 / d rows at a time: 6 / 3 is a pass of four rows
 # over two KV heads, then two rows alone. The lengths end inside a block of 8 keys (3, 150, 129).
@@ -190,6 +193,7 @@ def test_rope_tables_are_computed_once_per_batch():
     [
         (16, 8, 2),
         (24, 8, 2),
+        (32, 4, 2),
         (64, 8, 2),
         (80, 8, 2),
         (128, 8, 2),
@@ -219,6 +223,39 @@ def test_cpp_decode_of_bfloat16_kv_at_the_register_head_dims(d, hq, hk):
     case.fill_prefix([n - 1 for n in seq_lens])
     out, ref = case.run(ForwardMode.DECODE, [1] * len(seq_lens))
     assert (out.double() - ref).abs().max().item() < TOL[torch.bfloat16]
+
+
+KV_CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_CACHE_DTYPES)
+@pytest.mark.parametrize("mode,backend", [("extend", "torch"), ("decode", "torch"), ("decode", "cpp")])
+def test_a_kv_cache_dtype_pool_under_a_float32_model(kv_dtype, mode, backend):
+    """`--kv-cache-dtype`: the layer stores its new keys and values in the pool's dtype and attends in
+    float32 over the stored values. The reference reads the same stored values, so the tolerance is
+    float32's (a wrong conversion of an element, or a key read as another dtype, is off by O(1))."""
+    seq_lens = [70, 38, 129, 1]
+    new_lens = [70, 1, 65, 1] if mode == "extend" else [1] * 4
+    case = _Case(torch.float32, seq_lens, seed=7, backend=backend, kv_dtype=kv_dtype)
+    case.fill_prefix([n - e for n, e in zip(seq_lens, new_lens, strict=True)])
+    out, ref = case.run(ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE, new_lens)
+    assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
+
+
+# Head dims 16, 32 and 64 take the AVX2 register paths, 128 and 256 the explicit AVX2 loops of the
+# converted dtypes (float16, float8), 24 the plain loop; `baseline` the SSE2 twin.
+@pytest.mark.parametrize("kv_dtype", KV_CACHE_DTYPES)
+@pytest.mark.parametrize(
+    "d,hq,hk", [(16, 6, 3), (24, 4, 2), (32, 4, 2), (64, 8, 2), (128, 8, 2), (256, 4, 2)]
+)
+@pytest.mark.parametrize("baseline", [False, True])
+def test_cpp_decode_of_kv_cache_dtypes_at_every_head_dim(kv_dtype, d, hq, hk, baseline):
+    seq_lens = [3, 150, 129]
+    case = _Case(torch.float32, seq_lens, seed=8, hq=hq, hk=hk, d=d, backend="cpp", kv_dtype=kv_dtype)
+    case.fill_prefix([n - 1 for n in seq_lens])
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        out, ref = case.run(ForwardMode.DECODE, [1] * len(seq_lens))
+    assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
 
 
 def test_cpp_decode_reads_the_kv_in_place():

@@ -15,6 +15,14 @@ from sglang.srt.configs.hybrid_arch import HybridArchConfig
 from sglang.srt.configs.presets import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --kv-cache-dtype: the pool's storage dtype ("auto": the model's). float8 values are stored unscaled
+# (scale 1, upstream's default without k_scale / v_scale in the checkpoint); e4m3fn saturates at +-448.
+_KV_CACHE_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def load_hf_config(model_path: str) -> Any:
@@ -45,6 +53,7 @@ class ModelConfig:
     context_length: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
+    kv_cache_dtype: str = "auto"
 
     @cached_property
     def path(self) -> str:
@@ -63,6 +72,13 @@ class ModelConfig:
         if self.dtype != "auto" or self.device == "cpu":
             return resolve_dtype(self.dtype, self.device)
         return resolve_dtype(self.dtype, self.device, getattr(self.hf_config, "dtype", None))
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The full-attention KV pool's dtype (`--kv-cache-dtype`)."""
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        return _KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     @property
     def context_len(self) -> int:

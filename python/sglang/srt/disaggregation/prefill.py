@@ -290,4 +290,6 @@ def _malformed_dst(msg: dict[str, Any]) -> str | None:
         layout["kv_bytes_per_token"]
     ):
         return "layout holds something other than addresses and sizes"
+    if not isinstance(layout.get("kv_dtype", ""), str):
+        return "layout's kv_dtype must be a string"
     return None

@@ -43,6 +43,9 @@ class PoolLayout:
     state_ptrs: list[int]  # conv of each linear layer, then SSM of each
     state_nbytes: list[int]
     state_slot_bytes: list[int]
+    # The KV pool's dtype (`--kv-cache-dtype`): bfloat16 and float16, or the two float8s, have the same
+    # bytes per token and different meanings.
+    kv_dtype: str = ""
 
     @classmethod
     def of(cls, token_to_kv_pool, mamba_pool) -> PoolLayout:
@@ -58,6 +61,7 @@ class PoolLayout:
             state_ptrs=[p for p, _, _ in states],
             state_nbytes=[n for _, n, _ in states],
             state_slot_bytes=[s for _, _, s in states],
+            kv_dtype=str(token_to_kv_pool.dtype),
         )
 
     def regions(self) -> list[tuple[int, int]]:
@@ -77,6 +81,10 @@ class PoolLayout:
             return (
                 f"the KV layouts differ ({len(self.kv_ptrs) // 2} layers of {self.kv_bytes_per_token} bytes per "
                 f"token here, {len(other.kv_ptrs) // 2} of {other.kv_bytes_per_token} there)"
+            )
+        if self.kv_dtype != other.kv_dtype:
+            return (
+                f"the KV cache dtypes differ ({self.kv_dtype} here, {other.kv_dtype} there: --kv-cache-dtype)"
             )
         if self.state_slot_bytes != other.state_slot_bytes:
             return "the recurrent-state layouts differ (another model, or another --mamba-ssm-dtype)"

@@ -103,7 +103,15 @@ class MHATokenToKVPool:
         return self.k_buffer[i], self.v_buffer[i]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores `k` and `v` at `loc`, converted to the pool's dtype (`--kv-cache-dtype`; float8 unscaled,
+        e4m3fn saturating at +-448 as torch converts)."""
         i = self._index(layer_id)
+        if (
+            self.dtype.itemsize == 1
+        ):  # float8: written through a byte view (index_put has no float8 form on every device)
+            self.k_buffer[i].view(torch.uint8)[loc] = k.to(self.dtype).view(torch.uint8)
+            self.v_buffer[i].view(torch.uint8)[loc] = v.to(self.dtype).view(torch.uint8)
+            return
         self.k_buffer[i][loc] = k.to(self.dtype)
         self.v_buffer[i][loc] = v.to(self.dtype)
 

@@ -61,7 +61,7 @@ def compute_pool_sizes(
 ) -> PoolSizes:
     dtype = server_args.model_config.torch_dtype
     per_slot = arch.mamba_cache_per_req(dtype, server_args.mamba_ssm_dtype)
-    per_token = arch.kv_bytes_per_token(dtype)
+    per_token = arch.kv_bytes_per_token(server_args.model_config.kv_cache_torch_dtype)
     resident = server_args.mamba_strategy.resident_slots_per_req
     slots, tokens = server_args.max_mamba_cache_size, server_args.max_total_tokens
 

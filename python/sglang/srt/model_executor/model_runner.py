@@ -59,6 +59,7 @@ class ModelRunner:
         self.arch = model_config.arch
         self.device = server_args.device
         self.dtype = model_config.torch_dtype
+        self.kv_cache_dtype = model_config.kv_cache_torch_dtype
         self.model = load_model(model_config.hf_config, model_config.path, self.dtype, self.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.pool_sizes = pool_sizes or compute_pool_sizes(server_args, self.arch, weight_bytes)
@@ -76,9 +77,9 @@ class ModelRunner:
                 self, capture_bs_list(server_args, self.pool_sizes.max_running_requests)
             )
         logger.info(
-            "Model %s loaded (%s, %.1f MB of weights); pools: %d KV tokens, %d mamba slots, %d request rows.",
+            "Model %s loaded (%s, %.1f MB of weights); pools: %d KV tokens (%s), %d mamba slots, %d request rows.",
             self.arch.architecture, self.dtype, weight_bytes / 2**20, self.pool_sizes.max_total_tokens,
-            self.pool_sizes.max_mamba_cache_size, self.pool_sizes.req_pool_size,
+            self.kv_cache_dtype, self.pool_sizes.max_mamba_cache_size, self.pool_sizes.req_pool_size,
         )  # fmt: skip
 
     def _full_attn_backend(self) -> TorchNativeAttnBackend | TritonAttnBackend:
@@ -121,7 +122,7 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             size=sizes.max_total_tokens,
             page_size=args.page_size,
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
             head_num=self.arch.num_key_value_heads,
             head_dim=self.arch.head_dim,
             layer_ids=self.arch.full_attention_layer_ids,

@@ -116,7 +116,7 @@ class TorchNativeAttnBackend:
                 qs = slice(seq.q_start, seq.q_start + seq.q_len)
                 kv = seq.kv_indices
                 out[qs] = self._extend_one(
-                    q[qs], k_buf.index_select(0, kv), v_buf.index_select(0, kv), seq, layer
+                    q[qs], _gather(k_buf, kv, q.dtype), _gather(v_buf, kv, q.dtype), seq, layer
                 )
         return out.view(num_tokens, hq * d)
 
@@ -157,8 +157,8 @@ class TorchNativeAttnBackend:
         kv, mask = self.meta.decode_kv_indices, self.meta.decode_mask
         length, hk = kv.shape[1], k_buf.shape[1]
         flat = kv.reshape(-1)
-        k = k_buf.index_select(0, flat).view(bs, length, hk, d).transpose(1, 2)
-        v = v_buf.index_select(0, flat).view(bs, length, hk, d).transpose(1, 2)
+        k = _gather(k_buf, flat, q.dtype).view(bs, length, hk, d).transpose(1, 2)
+        v = _gather(v_buf, flat, q.dtype).view(bs, length, hk, d).transpose(1, 2)
         group = hq // hk
         if group * d >= GROUPED_DECODE_MIN_WORK and q.dtype == torch.float32:
             scores = torch.matmul(q.view(bs, hk, group, d), k.transpose(-1, -2)) * layer.scaling
@@ -173,3 +173,12 @@ class TorchNativeAttnBackend:
             enable_gqa=True,
         )
         return out[:, :, 0]
+
+
+def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `slots` of a KV pool layer in the compute dtype (a `--kv-cache-dtype` pool converts after the
+    gather, so only the rows read are converted)."""
+    if buf.dtype.itemsize == 1:  # float8: gathered as bytes (index_select has no float8 form on every device)
+        return buf.view(torch.uint8).index_select(0, slots).view(buf.dtype).to(dtype)
+    rows = buf.index_select(0, slots)
+    return rows if rows.dtype == dtype else rows.to(dtype)

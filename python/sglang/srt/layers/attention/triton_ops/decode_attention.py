@@ -28,11 +28,14 @@ BLOCK_N = 64
 MIN_DOT_DIM = 16
 
 
-def f32_dot(dtype: torch.dtype) -> bool:
-    """Whether the kernels' dot products run in float32 (IEEE, not TF32): for float32 pools (outputs
-    as exact as torch's), and under the interpreter, whose bfloat16 `tl.dot` is wrong (Triton 3.x:
-    errors of 1e10 on a 16 x 16 product). Otherwise the dots take the pool's dtype, float32 accumulate."""
-    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def f32_dot(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernels' dot products run in float32 (IEEE, not TF32): for float32 queries (outputs
+    as exact as torch's), for a 16-bit KV pool of the other 16-bit dtype (`--kv-cache-dtype bf16` under
+    a float16 model: neither converts exactly to the other), and under the interpreter, whose bfloat16
+    `tl.dot` is wrong (Triton 3.x: errors of 1e10 on a 16 x 16 product). Otherwise the dots take the
+    query's dtype (a float8 pool's values convert to it exactly), float32 accumulate."""
+    mixed_16bit = kv_dtype is not None and kv_dtype.itemsize == 2 and kv_dtype != dtype
+    return dtype == torch.float32 or mixed_16bit or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _decode_stage1_kernel(
@@ -98,7 +101,7 @@ def _decode_stage1_kernel(
         if F32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
-            s = tl.dot(q, k)
+            s = tl.dot(q, k.to(q.dtype))  # a float8 pool's keys in the query's dtype (exact)
         s = tl.where(mn[None, :], s * sm_scale, float("-inf"))
         # Every block holds at least one key of the range, so m_new is finite.
         m_new = tl.maximum(m_i, tl.reduce(s, 1, maximum))
@@ -113,7 +116,7 @@ def _decode_stage1_kernel(
         if F32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -204,7 +207,7 @@ def decode_attention_fwd(
         BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
         BLOCK_N=BLOCK_N,
         NUM_SPLITS=num_kv_splits,
-        F32_DOT=f32_dot(q.dtype),
+        F32_DOT=f32_dot(q.dtype, k_buffer.dtype),
     )
     jit_for_env(_decode_stage2_kernel)[(bs, num_q_heads)](
         mid_o,

@@ -96,7 +96,7 @@ def _extend_kernel(
         if F32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
-            s = tl.dot(q, k)
+            s = tl.dot(q, k.to(q.dtype))  # a float8 pool's keys in the query's dtype (exact)
         visible = mn[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * sm_scale, float("-inf"))
         # Key 0 is in the first block and every query sees it, so m_new stays finite from there on.
@@ -112,7 +112,7 @@ def _extend_kernel(
         if F32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -174,5 +174,5 @@ def extend_attention_fwd(
         BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        F32_DOT=f32_dot(q.dtype),
+        F32_DOT=f32_dot(q.dtype, k_buffer.dtype),
     )
