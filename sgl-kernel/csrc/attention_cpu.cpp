@@ -370,16 +370,22 @@ struct Unit {
 };
 constexpr int64_t kMaxRows = 32;
 
-// KV heads a unit of kMaxRows query rows may span, whole groups or part of one (see make_units).
+// KV heads a unit may span (see make_units): kMaxRows / group whole groups, or, where a group is larger
+// than kMaxRows, a piece of kMaxRows rows that may cross one group boundary (groups of 48: rows 32-63
+// read KV heads 0 and 1).
 inline int64_t max_unit_kv_heads(int64_t hq, int64_t hk) {
-  return std::min(hk, kMaxRows / std::max<int64_t>(hq / hk, 1) + 1);
+  const int64_t group = hq / hk;
+  return std::min(hk, group <= kMaxRows ? kMaxRows / group : int64_t{2});
 }
 
 // e4m3fn pools under GQA convert each block's rows once per unit (convert_block). e5m2's conversion is one
 // shift, cheaper in place than the converted rows' round trip through memory at head dims of 128 and 256.
 template <typename T>
+constexpr bool kConvertsBlocks = std::is_same_v<T, c10::Float8_e4m3fn>;
+
+template <typename T>
 inline bool converts_blocks(int64_t hq, int64_t hk) {
-  return std::is_same_v<T, c10::Float8_e4m3fn> && hq / hk > 1;
+  return kConvertsBlocks<T> && hq / hk > 1;
 }
 
 // One block of n keys (slot ids `slots[0, n)`) for `rows` query rows `q` (rows x d, consecutive), row r
@@ -485,22 +491,28 @@ inline __attribute__((always_inline)) void attend_units(const Problem<T>& p, con
       for (int64_t i = 0; i < rows * d; ++i) st.acc[i] = 0.0f;
     }
     const int32_t* slots = p.req_to_token + p.rows[un.b] * p.row_stride;
-    if (converts_blocks<T>(p.hq, p.hk)) {
-      const int64_t h0 = kv_off[0] / d, nh = kv_off[rows - 1] / d - h0 + 1;
-      float* conv_k = scratch + kMaxRows * (kBlock + d + 2);
-      float* conv_v = conv_k + kBlock * max_unit_kv_heads(p.hq, p.hk) * d;
-      // The float view of the converted block: nh KV heads per row, rows 0..n-1.
-      Problem<float> pf{p.q, conv_k, conv_v, nullptr, 0, nullptr, nullptr, p.out, p.hq, nh, p.d, p.scale};
-      int64_t off[kMaxRows];
-      for (int64_t r = 0; r < rows; ++r) off[r] = kv_off[r] - h0 * d;
-      const int64_t slot_stride = p.hk * d;
-      for (int64_t j0 = start; j0 < len; j0 += kBlock) {
-        const int64_t n = std::min(kBlock, len - j0);
-        convert_block<T, kAvx2>(p.k_buf, slots + j0, n, slot_stride, h0, nh, d, conv_k);
-        convert_block<T, kAvx2>(p.v_buf, slots + j0, n, slot_stride, h0, nh, d, conv_v);
-        attend_block<float, kD, kAvx2>(pf, q, rows, off, kBlockRows.v, n, scores, st);
+    bool converted = false;  // compiled for e4m3fn pools only
+    if constexpr (kConvertsBlocks<T>) {
+      if (converts_blocks<T>(p.hq, p.hk)) {
+        const int64_t h0 = kv_off[0] / d, nh = kv_off[rows - 1] / d - h0 + 1, room = max_unit_kv_heads(p.hq, p.hk);
+        TORCH_CHECK(nh <= room, "decode_attention: a unit spans ", nh, " KV heads, its scratch ", room);
+        float* conv_k = scratch + kMaxRows * (kBlock + d + 2);
+        float* conv_v = conv_k + kBlock * room * d;
+        // The float view of the converted block: nh KV heads per row, rows 0..n-1.
+        Problem<float> pf{p.q, conv_k, conv_v, nullptr, 0, nullptr, nullptr, p.out, p.hq, nh, p.d, p.scale};
+        int64_t off[kMaxRows];
+        for (int64_t r = 0; r < rows; ++r) off[r] = kv_off[r] - h0 * d;
+        const int64_t slot_stride = p.hk * d;
+        for (int64_t j0 = start; j0 < len; j0 += kBlock) {
+          const int64_t n = std::min(kBlock, len - j0);
+          convert_block<T, kAvx2>(p.k_buf, slots + j0, n, slot_stride, h0, nh, d, conv_k);
+          convert_block<T, kAvx2>(p.v_buf, slots + j0, n, slot_stride, h0, nh, d, conv_v);
+          attend_block<float, kD, kAvx2>(pf, q, rows, off, kBlockRows.v, n, scores, st);
+        }
+        converted = true;
       }
-    } else {
+    }
+    if (!converted) {
       for (int64_t j0 = start; j0 < len; j0 += kBlock)
         attend_block<T, kD, kAvx2>(p, q, rows, kv_off, slots + j0, std::min(kBlock, len - j0), scores, st);
     }

@@ -223,6 +223,16 @@ class ServerArgs:
             raise ServerArgsError(
                 f"--attention-backend triton needs the triton package, which cannot be imported ({e})."
             ) from None
+        if self.device == "cuda" and self.kv_cache_dtype == "fp8_e4m3":
+            import torch
+
+            # Triton has e4m3fn (`fp8e4nv`) from compute capability 8.9 (Ada, Hopper); e5m2 from 8.0.
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (8, 9):
+                raise ServerArgsError(
+                    "--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer with the "
+                    f"triton attention backend (this one is {major}.{minor}); use fp8_e5m2 or bf16."
+                )
 
     def _handle_pd_disaggregation(self) -> None:
         """The decode server of PD disaggregation has no prefix cache yet (upstream PR #22462)."""

@@ -210,6 +210,24 @@ def test_attention_backend_resolution(monkeypatch):
     assert args.attention_backend == "triton"
 
 
+@pytest.mark.parametrize(
+    "capability,refused", [((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)]
+)
+def test_fp8_e4m3_kv_needs_a_gpu_whose_triton_has_it(monkeypatch, capability, refused):
+    """Triton compiles e4m3fn loads from compute capability 8.9 only: an older GPU is refused at start in
+    one sentence, not at the first forward (the device resolved as on a GPU machine)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    for kv, may_refuse in [("fp8_e4m3", True), ("fp8_e5m2", False)]:
+        args = ServerArgs(kv_cache_dtype=kv)
+        args.device, args.attention_backend = "cuda", None
+        if refused and may_refuse:
+            with pytest.raises(ServerArgsError, match=r"^--kv-cache-dtype fp8_e4m3 needs a GPU .*\.$"):
+                args._handle_attention_backend()
+        else:
+            args._handle_attention_backend()
+            assert args.attention_backend == "triton"
+
+
 def test_pd_decode_turns_radix_off_and_falls_back_to_no_buffer(caplog):
     with caplog.at_level(logging.WARNING):
         args = ServerArgs(

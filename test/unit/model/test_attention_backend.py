@@ -243,10 +243,23 @@ def test_a_kv_cache_dtype_pool_under_a_float32_model(kv_dtype, mode, backend):
 
 
 # Head dims 16, 32 and 64 take the AVX2 register paths, 128 and 256 the explicit AVX2 loops of the
-# converted dtypes (float16, float8), 24 the plain loop; `baseline` the SSE2 twin.
+# converted dtypes (float16, float8), 24 the plain loop; `baseline` the SSE2 twin. GQA groups of 48 split
+# across units (96 / 2, 80 / 2: a unit spans two KV heads, which e4m3fn's converted rows must hold; the
+# first scratch bound overflowed there) and units of several whole groups (40 / 8).
 @pytest.mark.parametrize("kv_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize(
-    "d,hq,hk", [(16, 6, 3), (24, 4, 2), (32, 4, 2), (64, 8, 2), (128, 8, 2), (256, 4, 2)]
+    "d,hq,hk",
+    [
+        (16, 6, 3),
+        (24, 4, 2),
+        (32, 4, 2),
+        (64, 8, 2),
+        (128, 8, 2),
+        (256, 4, 2),
+        (16, 96, 2),
+        (16, 80, 2),
+        (16, 40, 8),
+    ],
 )
 @pytest.mark.parametrize("baseline", [False, True])
 def test_cpp_decode_of_kv_cache_dtypes_at_every_head_dim(kv_dtype, d, hq, hk, baseline):

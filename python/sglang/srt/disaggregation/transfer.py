@@ -83,9 +83,8 @@ class PoolLayout:
                 f"token here, {len(other.kv_ptrs) // 2} of {other.kv_bytes_per_token} there)"
             )
         if self.kv_dtype != other.kv_dtype:
-            return (
-                f"the KV cache dtypes differ ({self.kv_dtype} here, {other.kv_dtype} there: --kv-cache-dtype)"
-            )
+            here, there = self.kv_dtype or "none named", other.kv_dtype or "none named"
+            return f"the KV cache dtypes differ ({here} here, {there} there: --kv-cache-dtype)"
         if self.state_slot_bytes != other.state_slot_bytes:
             return "the recurrent-state layouts differ (another model, or another --mamba-ssm-dtype)"
         return None
