@@ -12,7 +12,9 @@
 A second table times the C++ op over batches whose requests share their first keys (a system prompt):
 each request over all of its keys, against the shared-prefix (cascade) pass first, and which of the two
 the op's default threshold takes. A third times the C++ op over pools of each `--kv-cache-dtype` (and
-float16) at the shapes of the first table, against the float32 pool.
+float16) at the shapes of the first table, against the float32 pool. A fourth times the C++ op over
+keys in consecutive slots (a prefill's, or pages of 64+) against keys in scattered slots (what a decode
+with --page-size 1 leaves: one step's slots go to all requests in turn), min of 21 runs.
 
 Each runs through `TorchNativeAttnBackend` over real pools (the new token's KV store included), with each
 request's slots contiguous as the allocator hands them out; request lengths vary between half and all
@@ -177,6 +179,30 @@ def kv_dtype_row(bs: int, length: int, hq: int, hk: int, d: int) -> str:
     return f"| {bs} x {length} | {hq}/{hk}, {d} | {ms[0]:.2f} | {cells} |"
 
 
+def scattered_row(bs: int, length: int, hq: int, hk: int, d: int) -> str:
+    """The C++ op, float32, every request at `length` keys, in consecutive slots and in a random
+    permutation of them (each key row a cache miss the hardware cannot predict)."""
+    ops = cpu_attention_ops("cpu")
+    assert ops is not None, "the sgl-kernel CPU extension is not built"
+    g = torch.Generator().manual_seed(0)
+    n = bs * length
+    k, v = torch.randn(n + 1, hk, d, generator=g), torch.randn(n + 1, hk, d, generator=g)
+    q = torch.randn(bs, hq, d, generator=g)
+    lens = torch.full((bs,), length)
+    tables = {
+        "consecutive": torch.arange(1, n + 1, dtype=torch.int32).view(bs, length),
+        "scattered": (torch.randperm(n, generator=g) + 1).to(torch.int32).view(bs, length),
+    }
+    times: dict[str, list[float]] = {way: [] for way in tables}
+    for _ in range(21):
+        for way, table in tables.items():
+            t = time.perf_counter()
+            ops.decode_attention(q, k, v, table, torch.arange(bs), lens, d**-0.5)
+            times[way].append(time.perf_counter() - t)
+    c, s = (min(times[way]) * 1e3 for way in tables)
+    return f"| {bs} x {length} | {hq}/{hk}, {d} | {c:.2f} | {s:.2f} | {s / c:.2f} |"
+
+
 def main() -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -198,6 +224,12 @@ def main() -> None:
     )
     for shape in SHAPES:
         print(kv_dtype_row(*shape), flush=True)
+    print(
+        "\n| batch x keys | heads q/kv, dim | consecutive slots ms | scattered slots ms | scattered / "
+        "consecutive |\n|---|---|---|---|---|"
+    )
+    for shape in SHAPES:
+        print(scattered_row(*shape), flush=True)
 
 
 if __name__ == "__main__":
