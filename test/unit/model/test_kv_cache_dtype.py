@@ -1,6 +1,8 @@
 """`--kv-cache-dtype` (bf16, fp8_e4m3, fp8_e5m2 under a float32 model): the full-attention layers store
 their keys and values in that dtype and attend in the model's dtype over the stored values; pools are
-sized by its bytes; a prefix hit reads the same stored values as the request that wrote them.
+sized by its bytes; a prefix hit reads the same stored values as the request that wrote them. The
+oracle test runs on CUDA too (marked `gpu`: a float32 model over the Triton kernels; not run yet, no GPU
+was at hand when it was written).
 
 Measured on the tiny presets (200-token prompts in three chunks, teacher-forced, 3 seeds each), max /
 mean |logprob - float32 oracle|: bf16 <= 8.2e-3 / 6.5e-4; fp8_e4m3 <= 0.33 / 1.3e-2; fp8_e5m2 <= 0.33 /
@@ -27,19 +29,26 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2"
 MAX_ERR = {"bf16": 2e-2, "fp8_e4m3": 0.6, "fp8_e5m2": 0.6}
 MEAN_ERR = {"bf16": 2e-3, "fp8_e4m3": 4e-2, "fp8_e5m2": 4e-2}
 CONTROL_MEAN_MIN = 0.1
+# On CUDA (float32 model, Triton attention over the same stored values): flash-linear-attention's Gated
+# DeltaNet prefill adds its TF32 error (the strategy matrix's GPU_ORACLE_TOL, from the H100 facts file).
+GPU_EXTRA = 5e-3
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
 @pytest.mark.parametrize("kv", list(KV_DTYPES))
-def test_logprobs_stay_close_to_the_float32_oracle(preset, kv, oracles):
+def test_logprobs_stay_close_to_the_float32_oracle(preset, kv, device, oracles):
     prompt = random_ids(200, seed=50)
     want = oracles[preset].token_logprobs(prompt)
-    runner = make_runner(preset, kv_cache_dtype=kv)
+    extra = 0.0 if device == "cpu" else GPU_EXTRA
+    runner = make_runner(preset, kv_cache_dtype=kv, device=device, dtype="float32")
     pool = runner.token_to_kv_pool
     assert all(b.dtype == KV_DTYPES[kv] for b in pool.k_buffer + pool.v_buffer)
     driver = RunnerDriver(runner)
     err = (torch.tensor(prefill(driver, driver.new_request(), prompt, cuts=[64, 150])[:-1]) - want).abs()
-    assert err.max().item() < MAX_ERR[kv] and err.mean().item() < MEAN_ERR[kv]
+    assert err.max().item() < MAX_ERR[kv] + extra and err.mean().item() < MEAN_ERR[kv] + extra
 
     # The control: the same pool zeroed after the first 100 tokens errs far more.
     req = driver.new_request()
@@ -47,6 +56,7 @@ def test_logprobs_stay_close_to_the_float32_oracle(preset, kv, oracles):
     for buf in pool.k_buffer + pool.v_buffer:
         buf.view(torch.uint8).zero_()
     rest = driver.extend([Extend(req, prompt[100:])]).input_token_logprobs[0]
+    rest = [float(x) for x in rest]
     assert (torch.tensor(rest) - want[100:]).abs().mean().item() > max(CONTROL_MEAN_MIN, 2 * MEAN_ERR[kv])
 
 
