@@ -22,6 +22,7 @@ from sglang.srt.layers.moe.experts import RoutedExperts
 # (tokens, experts, top-k, hidden, intermediate, activation, gated)
 SHAPES = [
     *[(t, 8, 2, 64, 32, "silu", True) for t in (1, 16, 64, 256, 512)],
+    (256, 4, 2, 128, 128, "silu", True),  # the demo model's experts at a 256-request decode
     (16, 4, 2, 64, 32, "relu2", False),
     (64, 4, 2, 64, 32, "relu2", False),
     (16, 16, 2, 256, 128, "silu", True),

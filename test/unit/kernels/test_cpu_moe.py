@@ -63,9 +63,10 @@ def _routing(tokens: int, experts: int, top_k: int, seed: int):
 
 
 @pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False), ("relu", False), ("gelu", True)])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 17])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 17, 40])
 def test_op_matches_the_reference(ops, act, gated, tokens):
-    # 4 experts, top-2: with 17 tokens an expert serves 5-12 (tiles of 4, then 1 to 3); with 1 some idle.
+    # 4 experts, top-2: with 17 tokens an expert serves 5-12 (a tile of 8 where 8 are left, then tiles of 4,
+    # then 1 to 3), with 40 about 20 (tiles of 8, then the rest); with 1 some idle.
     m = _layer(4, 48, 40, act, gated)  # outputs of 80 / 40 and 48 columns: a register block plus a rest
     x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens))
     weights, ids = _routing(tokens, 4, 2, seed=tokens)
