@@ -97,6 +97,17 @@ void check_mamba2_step(int64_t bs, int64_t xbc_width, const at::Tensor& dt, cons
               what, ": ssm must be [slots, heads, head_dim, state_size]");
 }
 
+// The decode steps read and write each request's (head's) state once, wherever its slot is: the next
+// one is asked for while this one is updated (its first kStatePrefetchBytes; the hardware follows).
+constexpr int64_t kStatePrefetchBytes = 1024;
+
+template <typename S>
+inline __attribute__((always_inline)) void prefetch_state(const S* st, int64_t elements) {
+  const char* p = reinterpret_cast<const char*>(st);
+  const int64_t bytes = std::min<int64_t>(elements * static_cast<int64_t>(sizeof(S)), kStatePrefetchBytes);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 1, 3);
+}
+
 // Requests [begin, end) of the conv update. kKeep > 0 is the state's columns (width - 1) as a constant
 // (the inner loops unroll and GCC vectorises across channels), 0 reads `keep`. Always inlined, so each
 // caller below compiles it for its own instruction set.
@@ -108,6 +119,7 @@ inline __attribute__((always_inline)) void conv_update_rows(const float* x, int6
   const int64_t keep = kKeep > 0 ? kKeep : keep_arg, width = keep + 1;
   for (int64_t b = begin; b < end; ++b) {
     S* st = state + slots[b] * channels * keep;
+    if (b + 1 < end) prefetch_state(state + slots[b + 1] * channels * keep, channels * keep);
     const float* xb = x + b * x_stride;
     float* ob = out + b * channels;
     for (int64_t c = 0; c < channels; ++c) {
@@ -167,12 +179,14 @@ at::Tensor causal_conv1d_update(const at::Tensor& x, at::Tensor conv_state, cons
                              check_conv(weight, bias, conv_state, slots, bs, channels, what));
 }
 
-// Calls f(std::integral_constant<int, K>()) with K = n for the state rows the models use (16, 64, 128), so
-// loops over a row unroll and vectorise with a constant length, else with K = 0 (the length read at run time).
+// Calls f(std::integral_constant<int, K>()) with K = n for the state rows the models use (16, 32 for the
+// demo model, 64, 128), so loops over a row unroll and vectorise with a constant length, else with K = 0
+// (the length read at run time).
 template <typename F>
 inline void with_row_length(int64_t n, F&& f) {
   switch (n) {
     case 16: return f(std::integral_constant<int, 16>());
+    case 32: return f(std::integral_constant<int, 32>());
     case 64: return f(std::integral_constant<int, 64>());
     case 128: return f(std::integral_constant<int, 128>());
     default: return f(std::integral_constant<int, 0>());
@@ -218,6 +232,7 @@ inline __attribute__((always_inline)) void gdn_units(const GdnStep<S>* step, int
     const float* v = base + 2 * hk * dk + h * dv;
     const float decay = std::exp(a.g[u]), bt = a.beta[u];
     S* st = a.ssm + (a.slots[b] * hv + h) * dv * dk;
+    if (u + 1 < end) prefetch_state(a.ssm + (a.slots[(u + 1) / hv] * hv + (u + 1) % hv) * dv * dk, dv * dk);
     float* o = a.out + u * dv;
     for (int64_t i = 0; i < dv; ++i) {
       S* srow = st + i * dk;
@@ -290,6 +305,7 @@ inline __attribute__((always_inline)) void mamba2_units(const Mamba2Step<S>* ste
     const float* C = base + heads * p + groups * n + grp * n;
     const float step = a.dt[u], decay = std::exp(step * a.A[h]);
     S* st = a.ssm + (a.slots[b] * heads + h) * p * n;
+    if (u + 1 < end) prefetch_state(a.ssm + (a.slots[(u + 1) / heads] * heads + (u + 1) % heads) * p * n, p * n);
     float* yo = a.y + u * p;
     for (int64_t i = 0; i < p; ++i) {
       S* srow = st + i * n;
