@@ -92,7 +92,9 @@ def test_gdn_step_matches_torch(ops, dtype, dk, baseline):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,baseline", [(10, False), (16, False), (16, True), (32, False), (128, False)])
+@pytest.mark.parametrize(
+    "n,baseline", [(10, False), (16, False), (16, True), (32, False), (32, True), (128, False)]
+)
 def test_mamba2_step_matches_torch(ops, dtype, n, baseline):
     torch.manual_seed(2)
     bs, heads, head_dim, groups = 5, 8, 6, 2
@@ -178,7 +180,7 @@ def _check_states(got_pool, want_final, want_inter, slot, snaps, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dk,baseline", [(8, False), (16, False), (16, True), (32, False)])
+@pytest.mark.parametrize("dk,baseline", [(8, False), (16, False), (16, True), (32, False), (32, True)])
 @pytest.mark.parametrize("dv", [12, 36])
 def test_gdn_extend_matches_chunked_torch(ops, dtype, dk, baseline, dv):
     """dk 16 and 32 are compiled as constants (AVX2 and baseline twins); 8 takes the loop of any length. Value
@@ -205,7 +207,7 @@ def test_gdn_extend_matches_chunked_torch(ops, dtype, dk, baseline, dv):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,baseline", [(10, False), (16, False), (16, True), (32, False)])
+@pytest.mark.parametrize("n,baseline", [(10, False), (16, False), (16, True), (32, False), (32, True)])
 @pytest.mark.parametrize("head_dim", [6, 36])
 def test_mamba2_extend_matches_chunked_torch(ops, dtype, n, baseline, head_dim):
     """A state size of 16 is compiled as a constant (AVX2 and baseline twins); 10 takes the loop of any

@@ -75,24 +75,46 @@ def test_op_matches_the_reference(ops, act, gated, tokens):
 
 @pytest.mark.parametrize("hidden,inter,top_k", [(64, 32, 1), (96, 300, 3), (320, 64, 2)])
 @pytest.mark.parametrize("baseline", [False, True])
-def test_op_at_narrow_and_wide_outputs(ops, hidden, inter, top_k, baseline):
+@pytest.mark.parametrize("tokens", [9, 40])
+def test_op_at_narrow_and_wide_outputs(ops, hidden, inter, top_k, baseline, tokens):
     """600 gate+up rows and 320 hidden outputs: past the register width, whole rows are streamed.
-    `baseline`: the SSE2 twin a CPU without AVX2 runs (SGLANG_TEST_CPU_OPS_BASELINE)."""
+    `baseline`: the SSE2 twin a CPU without AVX2 runs (SGLANG_TEST_CPU_OPS_BASELINE). 40 tokens give
+    experts 8 or more: tiles of 8 in both widths."""
     m = _layer(6, hidden, inter, "silu", True, seed=1)
-    x = torch.randn(9, hidden, generator=torch.Generator().manual_seed(2))
-    weights, ids = _routing(9, 6, top_k, seed=3)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2))
+    weights, ids = _routing(tokens, 6, top_k, seed=3)
     with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
         got = _run(ops, m, x, weights, ids)
     assert _close(got, _reference(m, x, weights, ids))
 
 
-def test_op_with_bfloat16_weights(ops):
+@pytest.mark.parametrize("tokens", [6, 40])
+def test_op_with_bfloat16_weights(ops, tokens):
     m = _layer(4, 64, 32, "silu", True, seed=4)
     m.w13.data, m.w2.data = m.w13.data.bfloat16(), m.w2.data.bfloat16()
-    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(5))
-    weights, ids = _routing(6, 4, 2, seed=6)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5))
+    weights, ids = _routing(tokens, 4, 2, seed=6)
     # Same bf16 weights on both sides, float32 arithmetic in the op: float32 rounding only.
     assert _close(_run(ops, m, x, weights, ids), _reference(m, x, weights, ids))
+
+
+@pytest.mark.parametrize("baseline", [False, True])
+def test_silu_at_extreme_inputs(ops, baseline):
+    """The op's silu (a vectorised exp) at inputs far outside exp's range: 0 below -88 (exp's own clamp
+    would give h / 1.6e38 there: -0.6 at -1e38), h above, NaN for NaN and -inf (as torch's silu), against
+    float64 (1e-6 absolute: the exp's 8e-8 relative error at |h| <= 88)."""
+    inf, nan = float("inf"), float("nan")
+    h = torch.tensor([-inf, -3e38, -1e30, -100.0, -88.5, -20.0, -1.0, 0.0, 1.0, 20.0, 100.0, 1e30, inf, nan])
+    n = h.numel()
+    # One expert of one input and one intermediate unit, plain: out = w2 * silu(w13 * x) = silu(x).
+    w13t, w2t = torch.ones(1, 1, 1), torch.ones(1, 1, 1)
+    with envs.SGLANG_TEST_CPU_OPS_BASELINE.override(baseline):
+        got = ops.moe_experts(
+            h[:, None], w13t, w2t, torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.long), False, 0
+        )
+    want = torch.nn.functional.silu(h.double())
+    want[(h < -88) & (h > -inf)] = 0.0
+    torch.testing.assert_close(got[:, 0].double(), want, rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
 def _shared(hidden: int, inter: int, act: str, gated: bool, seed: int):

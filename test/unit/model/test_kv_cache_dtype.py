@@ -43,6 +43,8 @@ def test_logprobs_stay_close_to_the_float32_oracle(preset, kv, device, oracles):
     prompt = random_ids(200, seed=50)
     want = oracles[preset].token_logprobs(prompt)
     extra = 0.0 if device == "cpu" else GPU_EXTRA
+    if device == "cuda" and kv == "fp8_e4m3" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton has e4m3fn from compute capability 8.9; the server refuses it below")
     runner = make_runner(preset, kv_cache_dtype=kv, device=device, dtype="float32")
     pool = runner.token_to_kv_pool
     assert all(b.dtype == KV_DTYPES[kv] for b in pool.k_buffer + pool.v_buffer)
