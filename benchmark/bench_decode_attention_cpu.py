@@ -203,33 +203,42 @@ def scattered_row(bs: int, length: int, hq: int, hk: int, d: int) -> str:
     return f"| {bs} x {length} | {hq}/{hk}, {d} | {c:.2f} | {s:.2f} | {s / c:.2f} |"
 
 
+# (header, the row function, its shapes): the four tables in order.
+TABLES = [
+    (
+        "| batch x keys | heads q/kv, dim | gather + SDPA ms | gather + matmuls ms | C++ in place ms | "
+        "best torch / C++ |\n|---|---|---|---|---|---|",
+        row,
+        SHAPES,
+    ),
+    (
+        "| batch x (shared + own keys) | heads q/kv, dim, KV | each alone ms | shared prefix first ms | "
+        "alone / shared | prefix work (default shares >= 8 M) |\n|---|---|---|---|---|---|",
+        shared_row,
+        SHARED_SHAPES,
+    ),
+    (
+        "| batch x keys | heads q/kv, dim | float32 KV ms | bfloat16 ms (vs float32) | float16 ms | "
+        "float8 e4m3fn ms | float8 e5m2 ms |\n|---|---|---|---|---|---|---|",
+        kv_dtype_row,
+        SHAPES,
+    ),
+    (
+        "| batch x keys | heads q/kv, dim | consecutive slots ms | scattered slots ms | scattered / "
+        "consecutive |\n|---|---|---|---|---|",
+        scattered_row,
+        SHAPES,
+    ),
+]
+
+
 def main() -> None:
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
-    print(
-        "| batch x keys | heads q/kv, dim | gather + SDPA ms | gather + matmuls ms | C++ in place ms | "
-        "best torch / C++ |\n|---|---|---|---|---|---|"
-    )
-    for shape in SHAPES:
-        print(row(*shape), flush=True)
-    print(
-        "\n| batch x (shared + own keys) | heads q/kv, dim, KV | each alone ms | shared prefix first ms | "
-        "alone / shared | prefix work (default shares >= 8 M) |\n|---|---|---|---|---|---|"
-    )
-    for shape in SHARED_SHAPES:
-        print(shared_row(*shape), flush=True)
-    print(
-        "\n| batch x keys | heads q/kv, dim | float32 KV ms | bfloat16 ms (vs float32) | float16 ms | "
-        "float8 e4m3fn ms | float8 e5m2 ms |\n|---|---|---|---|---|---|---|"
-    )
-    for shape in SHAPES:
-        print(kv_dtype_row(*shape), flush=True)
-    print(
-        "\n| batch x keys | heads q/kv, dim | consecutive slots ms | scattered slots ms | scattered / "
-        "consecutive |\n|---|---|---|---|---|"
-    )
-    for shape in SHAPES:
-        print(scattered_row(*shape), flush=True)
+    for i, (header, make_row, shapes) in enumerate(TABLES):
+        print(("\n" if i else "") + header)
+        for shape in shapes:
+            print(make_row(*shape), flush=True)
 
 
 if __name__ == "__main__":
