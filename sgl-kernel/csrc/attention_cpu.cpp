@@ -119,6 +119,28 @@ inline __attribute__((always_inline)) void prefetch_rows(const T* buf, const int
   }
 }
 
+// The requests of one block's score loop, which goes over its n keys kAhead at a time: the first keys on
+// construction, then before each group [j0, j0 + kAhead) the keys of the next group and this group's values.
+template <typename T>
+struct BlockPrefetch {
+  const T *k_buf, *v_buf;
+  const int32_t* slots;
+  int64_t n, slot_stride, lo, hi;
+  bool on;
+
+  BlockPrefetch(const T* k, const T* v, const int32_t* s, int64_t count, int64_t stride, int64_t first, int64_t last)
+      : k_buf(k), v_buf(v), slots(s), n(count), slot_stride(stride), lo(first), hi(last), on(scattered(s, count)) {
+    if (on) prefetch_rows(k_buf, slots, 0, std::min(kAhead, n), slot_stride, lo, hi);
+  }
+
+  inline __attribute__((always_inline)) void before(int64_t j0) const {
+    if (!on) return;
+    const int64_t e = std::min(j0 + kAhead, n);
+    prefetch_rows(k_buf, slots, e, std::min(e + kAhead, n), slot_stride, lo, hi);
+    prefetch_rows(v_buf, slots, j0, e, slot_stride, lo, hi);
+  }
+};
+
 // q . k over a head. With a constant head dim that is a multiple of 32, four independent partial sums (four
 // AVX2 vectors) instead of one: a single vector accumulator makes a 256-dim dot a chain of 32 dependent FMAs.
 template <int kD, typename T>
@@ -207,16 +229,10 @@ template <typename T, int kD>
 SGL_TARGET_AVX2 void block_scores_converted(const float* q, int64_t rows, const int64_t* kv_off, const int32_t* slots,
                                             int64_t n, const T* k_buf, const T* v_buf, int64_t slot_stride,
                                             float scale, float* scores) {
-  const int64_t lo = kv_off[0], hi = kv_off[rows - 1] + kD;
-  const bool fetch = scattered(slots, n);
-  if (fetch) prefetch_rows(k_buf, slots, 0, std::min<int64_t>(kAhead, n), slot_stride, lo, hi);
+  const BlockPrefetch<T> fetch(k_buf, v_buf, slots, n, slot_stride, kv_off[0], kv_off[rows - 1] + kD);
   for (int64_t j0 = 0; j0 < n; j0 += kAhead) {
-    const int64_t e = std::min(j0 + kAhead, n);
-    if (fetch) {
-      prefetch_rows(k_buf, slots, e, std::min(e + kAhead, n), slot_stride, lo, hi);
-      prefetch_rows(v_buf, slots, j0, e, slot_stride, lo, hi);
-    }
-    for (int64_t j = j0; j < e; ++j) {
+    fetch.before(j0);
+    for (int64_t j = j0, e = std::min(j0 + kAhead, n); j < e; ++j) {
       const T* kr = k_buf + slots[j] * slot_stride;
       for (int64_t r = 0; r < rows; ++r) scores[r * kBlock + j] = dot_avx2<T, kD>(q + r * kD, kr + kv_off[r]) * scale;
     }
@@ -248,14 +264,10 @@ SGL_TARGET_AVX2 void block_scores_tree(
     const T* v_buf, int64_t slot_stride, float scale, float* scores) {
   static_assert(kD > 0 && kD % 8 == 0, "the tree takes whole vectors of a head");
   const __m256 vscale = _mm256_set1_ps(scale);
-  const int64_t lo = kv_off[0], hi = kv_off[rows - 1] + kD;
-  const bool fetch = scattered(slots, n);
-  if (fetch) prefetch_rows(k_buf, slots, 0, std::min<int64_t>(kAhead, n), slot_stride, lo, hi);
+  static_assert(kAhead == 8, "the tree scores the keys kAhead at a time");
+  const BlockPrefetch<T> fetch(k_buf, v_buf, slots, n, slot_stride, kv_off[0], kv_off[rows - 1] + kD);
   for (int64_t j8 = 0; j8 < n; j8 += 8) {
-    if (fetch) {
-      prefetch_rows(k_buf, slots, j8 + kAhead, std::min<int64_t>(j8 + 8 + kAhead, n), slot_stride, lo, hi);
-      prefetch_rows(v_buf, slots, j8, std::min<int64_t>(j8 + 8, n), slot_stride, lo, hi);
-    }
+    fetch.before(j8);
     const T* keys[8];
     for (int jj = 0; jj < 8; ++jj) keys[jj] = k_buf + slots[j8 + jj < n ? j8 + jj : j8] * slot_stride;
     for (int64_t r = 0; r < rows; ++r) {
@@ -447,16 +459,10 @@ inline __attribute__((always_inline)) void attend_block(const Problem<T>& p, con
   } else
 #endif
   {
-    const int64_t lo = kv_off[0], hi = kv_off[rows - 1] + d;
-    const bool fetch = scattered(slots, n);
-    if (fetch) prefetch_rows(p.k_buf, slots, 0, std::min<int64_t>(kAhead, n), slot_stride, lo, hi);
+    const BlockPrefetch<T> fetch(p.k_buf, p.v_buf, slots, n, slot_stride, kv_off[0], kv_off[rows - 1] + d);
     for (int64_t j0 = 0; j0 < n; j0 += kAhead) {
-      const int64_t e = std::min(j0 + kAhead, n);
-      if (fetch) {
-        prefetch_rows(p.k_buf, slots, e, std::min(e + kAhead, n), slot_stride, lo, hi);
-        prefetch_rows(p.v_buf, slots, j0, e, slot_stride, lo, hi);
-      }
-      for (int64_t j = j0; j < e; ++j) {
+      fetch.before(j0);
+      for (int64_t j = j0, e = std::min(j0 + kAhead, n); j < e; ++j) {
         const T* kr = p.k_buf + slots[j] * slot_stride;
         for (int64_t r = 0; r < rows; ++r)
           scores[r * kBlock + j] = dot_qk<kD>(q + r * d, kr + kv_off[r], d) * p.scale;

@@ -78,4 +78,12 @@ inline __attribute__((always_inline)) float fast_exp(float v) {
   return p * scale;
 }
 
+// silu(v) = v / (1 + exp(-v)) through fast_exp, for vectorised loops (the conv update, the gated norms, the
+// routed experts). Below v = -88 fast_exp's clamp would give v / 1.6e38 (-0.6 at v = -1e38) instead of ~0:
+// the factor is 0 there, by a 0 / 1 mask GCC vectorises (a NaN-keeping max or select stopped it: the
+// experts' silu 125 -> 173 us at 256 tokens). NaN and -inf give NaN, as torch's silu.
+inline __attribute__((always_inline)) float silu(float v) {
+  return v * (static_cast<float>(v >= -88.0f) / (1.0f + fast_exp(-v)));
+}
+
 }  // namespace sgl_cpu

@@ -34,8 +34,7 @@ namespace sgl_linear {
 namespace {
 
 using sgl_cpu::fast_exp;
-
-inline float silu(float x) { return x / (1.0f + fast_exp(-x)); }
+using sgl_cpu::silu;
 
 // Serial below this many (request, head) units: waking another thread costs more than it saves.
 constexpr int64_t kGrain = 16;

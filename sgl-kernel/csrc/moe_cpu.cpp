@@ -19,8 +19,8 @@
 // The torch path sorts the assignments by expert and runs two grouped GEMMs over them plus ~15 small ops
 // (`RoutedExperts.forward_device`); torch's CPU grouped GEMM is a loop of one `mm` per expert through the
 // dispatcher, ~60 us per layer at the tiny presets' decode sizes. Here: a counting sort by expert, then
-// per expert its tokens in tiles of kWideTile (or kTile), each weight row read once per tile, units split over experts
-// with at::parallel_for. The caller keeps prefill-size batches on the GEMM path.
+// per expert its tokens in tiles of kWideTile (or kTile), each weight row read once per tile, units split
+// over experts with at::parallel_for. The caller keeps prefill-size batches on the GEMM path.
 // The torch twin is `RoutedExperts.forward_device` (test/unit/kernels/test_cpu_moe.py).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -53,18 +53,14 @@ inline float activate(float v, int64_t act) {
   }
 }
 
-// a[c] = act(h[c]) (gated: act(h[c]) * h[I + c]) for c < I. silu takes the vectorised fast_exp (libm's
+// a[c] = act(h[c]) (gated: act(h[c]) * h[I + c]) for c < I. silu is the vectorised sgl_cpu::silu (libm's
 // expf is a scalar call: at 256 tokens x top-2 of 128-wide experts, 65,536 of them per layer were a third
-// of the op's time). fast_exp clamps its input at 88, which would give h / 1.6e38 below h = -88 (-0.6 at
-// h = -1e38) instead of ~0: there the factor is 0 (a 0 / 1 mask, which GCC vectorises where a NaN-keeping
-// max or select stopped it: 125 -> 173 us at 256 tokens). NaN and -inf give NaN, as libm's silu did.
-// The other activations stay scalar.
+// of the op's time); the other activations stay scalar.
 inline __attribute__((always_inline)) void activate_row(const float* h, int64_t I, bool gated, int64_t act,
                                                         float* a) {
   if (act == 0) {
 #pragma omp simd
-    for (int64_t c = 0; c < I; ++c)
-      a[c] = h[c] * (static_cast<float>(h[c] >= -88.0f) / (1.0f + sgl_cpu::fast_exp(-h[c])));
+    for (int64_t c = 0; c < I; ++c) a[c] = sgl_cpu::silu(h[c]);
   } else {
     for (int64_t c = 0; c < I; ++c) a[c] = activate(h[c], act);
   }

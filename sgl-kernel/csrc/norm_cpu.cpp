@@ -24,7 +24,7 @@ namespace {
 
 // With the polynomial exp (relative error < 1e-7) the gate loops vectorise; libm's expf is a scalar call,
 // which made the gated norms slower than torch's from ~256 rows.
-inline __attribute__((always_inline)) float silu(float v) { return v / (1.0f + sgl_cpu::fast_exp(-v)); }
+using sgl_cpu::silu;
 
 // 1 / sqrt(mean(v^2) + eps) over n values.
 inline __attribute__((always_inline)) float inv_rms(const float* v, int64_t n, float eps) {

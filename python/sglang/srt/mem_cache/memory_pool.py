@@ -106,14 +106,11 @@ class MHATokenToKVPool:
         """Stores `k` and `v` at `loc`, converted to the pool's dtype (`--kv-cache-dtype`; float8 unscaled,
         e4m3fn saturating at +-448 as torch converts)."""
         i = self._index(layer_id)
-        if (
-            self.dtype.itemsize == 1
-        ):  # float8: written through a byte view (index_put has no float8 form on every device)
-            self.k_buffer[i].view(torch.uint8)[loc] = k.to(self.dtype).view(torch.uint8)
-            self.v_buffer[i].view(torch.uint8)[loc] = v.to(self.dtype).view(torch.uint8)
-            return
-        self.k_buffer[i][loc] = k.to(self.dtype)
-        self.v_buffer[i][loc] = v.to(self.dtype)
+        for buf, new in ((self.k_buffer[i], k.to(self.dtype)), (self.v_buffer[i], v.to(self.dtype))):
+            # float8 through a byte view, as upstream does (index_put has no float8 form everywhere)
+            if self.dtype.itemsize == 1:
+                buf, new = buf.view(torch.uint8), new.view(torch.uint8)
+            buf[loc] = new
 
     def bytes_per_token(self) -> int:
         k = self.k_buffer[0]
