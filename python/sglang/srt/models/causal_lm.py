@@ -20,7 +20,7 @@ class HybridCausalLM(nn.Module):
     # Checkpoint prefixes that have no module here (multi-token prediction heads).
     skip_prefixes: tuple[str, ...] = ("mtp.",)
 
-    def __init__(self, config: Any, backbone: nn.Module, embedding: nn.Embedding):
+    def __init__(self, config: Any, backbone: nn.Module, embedding: nn.Module):
         super().__init__()
         self.config = config
         setattr(self, self.backbone_attr, backbone)

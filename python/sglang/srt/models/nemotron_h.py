@@ -16,6 +16,7 @@ from sglang.srt.layers.mlp import PlainMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.moe.router import grouped_sigmoid_topk
 from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
 
@@ -153,7 +154,7 @@ class NemotronHModel(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         kinds = NemotronHArchConfig(config).layer_types
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(NemotronHBlock(config, i, kind) for i, kind in enumerate(kinds))
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
