@@ -288,8 +288,9 @@ class ServerArgs:
                 )
 
     def _handle_chunk_aligned_sizes(self) -> None:
-        """Checkpoints of the extra-buffer modes sit at absolute multiples of the cache chunk C, so
-        prefill chunks and the decode track interval must be multiples of C."""
+        """Prefill chunks and the decode track interval of the extra-buffer modes must be multiples of the
+        cache chunk C: a prompt's chunks then keep the snapshot lattice of its first extend, and decode
+        snapshots sit on multiples of C (see mamba_tracking)."""
         c = self.mamba_cache_chunk_size
         aligned = self.enable_mamba_extra_buffer()
         if self.chunked_prefill_size == 0:

@@ -34,6 +34,7 @@ class TestQwen3NextLazyExtraBuffer(_Qwen3NextLazy, ServerTestCase):
 class TestQwen3NextLazyExtraBufferLargePage(_Qwen3NextLazy, ServerTestCase):
     cache_chunk_size = 128
     mamba_track_interval = 128
+    page_size = 128
     server_args = [*LAZY, "--page-size", "128", "--mamba-track-interval", "128"]
 
 
@@ -65,6 +66,7 @@ class TestQwen3NextSkipDeferredCowNegativeControl(KLDivergenceMixin, ServerTestC
     env = {"SGLANG_TEST_SKIP_DEFERRED_COW": "1"}
     test_kl_prefill_hit = None
     test_kl_decode_seeded_hit = None
+    test_kl_decode_boundary_hit = None
 
     def test_kl_fails_without_deferred_cow(self) -> None:
         stats = self.kl_prefill_hit_stats()

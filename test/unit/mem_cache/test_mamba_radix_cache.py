@@ -93,18 +93,18 @@ def test_cow_on_hit_copies_the_checkpoint_on_the_forward_stream():
     assert sim.admit(a)
     sim.extend(a, 28, track_at=24)
     a.output_ids = [7]
-    sim.finish(a)
+    sim.finish(a)  # checkpoints at the track position 24 and at a's final 28
     b = sim.new_req(ids + [40, 41])
     m = sim.match(b)
-    assert len(m.device_indices) == 24 and b.mamba_cow_src_index == m.last_device_node.mamba_value
+    assert len(m.device_indices) == 28 and b.mamba_cow_src_index == m.last_device_node.mamba_value
     assert b.mamba_pool_idx is not None and b.mamba_pool_idx != b.mamba_cow_src_index
     assert not b.mamba_needs_clear
     sim.mp.conv_state[:, b.mamba_pool_idx] = -1.0  # stale content a skipped copy would leave
     sim.mp.ssm_state[:, b.mamba_pool_idx] = -1.0
     sim.tree.release_match(b)
     assert sim.admit(b)
-    assert sim.state_tag(b.mamba_pool_idx) == tag(ids[:24]), "the running slot holds the checkpoint"
-    assert b.cache_protected_len == 24 and b.last_node.mamba_lock_ref == 1
+    assert sim.state_tag(b.mamba_pool_idx) == tag(ids[:28]), "the running slot holds the checkpoint"
+    assert b.cache_protected_len == 28 and b.last_node.mamba_lock_ref == 1
     sim.check()
 
 
@@ -123,13 +123,34 @@ def test_matched_but_not_admitted_releases_cow_slot_and_lock():
     sim.check()
 
 
-def test_cache_finished_req_extra_buffer_inserts_up_to_the_track_position():
+def test_cache_finished_req_extra_buffer_inserts_the_track_snapshot_and_the_final_state():
     sim = MemCacheSim(chunk=4)
     ids = list(range(1, 40))
     r = sim.new_req(ids)
     sim.admit(r)
     sim.extend(r, 38, track_at=36)
     r.output_ids = [5, 6]
+    running = r.mamba_pool_idx
+    sim.finish(r)
+    assert sim.tree.total_size() == 38, "all of the request's KV, up to its final state"
+    assert sim.state_tag(sim.tree.match_prefix(ids).last_device_node.mamba_value) == tag(ids[:38])
+    assert running in sim.tree.held_mamba_slots(), "the running slot was donated, not copied"
+    node36 = sim.tree.match_prefix(ids[:37]).last_device_node
+    assert sim.state_tag(node36.mamba_value) == tag(ids[:36]), "the track snapshot stays a checkpoint"
+    assert sim.pool.mamba_allocator.available_size() == 30, "the other track slot freed, two donated"
+    sim.check()
+
+
+def test_cache_finished_req_extra_buffer_inserts_up_to_the_track_position_while_a_batch_is_in_flight():
+    """A batch in flight still advances the running state (the request finished on the token that
+    batch feeds it): only the track snapshot goes in, and the KV past it is freed."""
+    sim = MemCacheSim(chunk=4)
+    ids = list(range(1, 40))
+    r = sim.new_req(ids)
+    sim.admit(r)
+    sim.extend(r, 38, track_at=36)
+    r.output_ids = [5, 6]
+    r.num_inflight = 1
     kv_before = sim.kv.available_size()
     sim.finish(r)
     assert sim.tree.total_size() == 36, "KV past the last snapshot is freed"
@@ -137,6 +158,20 @@ def test_cache_finished_req_extra_buffer_inserts_up_to_the_track_position():
     node = sim.tree.match_prefix(ids).last_device_node
     assert sim.state_tag(node.mamba_value) == tag(ids[:36])
     assert sim.pool.mamba_allocator.available_size() == 31, "running + other track slot freed, keep donated"
+    sim.check()
+
+
+def test_cache_finished_req_final_state_only_on_a_page_boundary():
+    """A checkpoint ends a page-aligned key: with KV ending inside a page, the final state is not
+    inserted (the track snapshot is)."""
+    sim = MemCacheSim(chunk=4, page_size=4)
+    ids = list(range(1, 40))
+    r = sim.new_req(ids)
+    sim.admit(r)
+    sim.extend(r, 38, track_at=36)
+    r.output_ids = [5, 6]
+    sim.finish(r)
+    assert sim.tree.total_size() == 36
     sim.check()
 
 
@@ -159,10 +194,10 @@ def test_cache_finished_req_no_buffer_donates_the_running_slot():
 
 def test_duplicate_finish_keeps_the_tree_slot_and_frees_the_request_slot():
     sim = MemCacheSim(chunk=4)
-    ids = list(range(1, 22))
+    ids = list(range(1, 21))
     for _ in range(2):
         r = sim.new_req(ids)
-        sim.admit(r)
+        sim.admit(r)  # no hit: the prompt's last token is recomputed, and no checkpoint sits before it
         sim.extend(r, 20, track_at=20)
         r.output_ids = [1]
         sim.finish(r)
@@ -255,9 +290,9 @@ def test_slot_allocation_inside_a_group_draws_from_it_before_evicting():
     ids = list(range(1, 30))
     r = sim.new_req(ids)
     sim.admit(r)
-    sim.extend(r, 28, track_at=24)
+    sim.extend(r, 28, track_at=28)
     r.output_ids = [1]
-    sim.finish(r)
+    sim.finish(r)  # one checkpoint: the final state is the track snapshot's position
     with sim.pool.mamba_allocator.alloc_group(10) as reserved:
         assert reserved == 5 and sim.pool.mamba_allocator.free_list_size() == 0
         assert sim.tree.alloc_mamba_slot() is not None and len(sim.tree.held_mamba_slots()) == 1

@@ -33,16 +33,20 @@ def _run(mode: int, chunk: int | None, oracles) -> tuple[SchedulerHarness, int, 
         chunked_prefill_size=chunk or -1,
     )
     for k in range(3):
-        h.generate(token_ids(40, seed=70 + k), max_new_tokens=1)
+        h.generate(token_ids(32, seed=70 + k), max_new_tokens=1)
     unrelated = len(h.sched.tree_cache.held_mamba_slots())
     prompt = token_ids(P1, seed=5)
     with envs.SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL.override(mode):
         out = h.generate(prompt, max_new_tokens=N)
     h.check_oracle(oracle, prompt, out)
     assert unrelated == 3
-    # The unrelated prompts (40 tokens) left their prefill checkpoints at 32.
+    # The unrelated prompts (32 tokens) left one checkpoint each, at 32: their prefill snapshot is their
+    # final state.
     left = sum(1 for n in h.sched.tree_cache.nodes() if n.mamba_value is not None and n.path_len() == 32)
-    turn2 = prompt + out.output_ids + [11, 12]
+    # Turn 2 leaves turn 1's answer 10 tokens before its end: past the last boundary (160), short of
+    # turn 1's final state (a checkpoint at 174 whatever the boundaries did), so it hits the track
+    # snapshot if turn 1 inserted one.
+    turn2 = prompt + out.output_ids[: N - 10] + [11, 12]
     out2 = h.generate(turn2, max_new_tokens=4)
     h.check_oracle(oracle, turn2, out2)
     return h, out2.cached_tokens, left
@@ -54,7 +58,7 @@ def test_first_try_failure_evicts_and_retries(oracles):
         failures = h.sched.get_internal_state()["lazy_alloc_failures"]
         assert failures == {"first_try": BOUNDARIES, "retry": 0}
         assert left == 3 - BOUNDARIES, "each failed first try evicted one checkpoint"
-        assert hit == (P1 + N - 1) // INTERVAL * INTERVAL, (
+        assert hit == (P1 + N - 10) // INTERVAL * INTERVAL, (
             "the retry got the slot: decode-seeded hits still happen"
         )
         h.flush_and_check_empty()
@@ -69,8 +73,9 @@ def test_total_failure_skips_the_unsafe_snapshot(chunk, oracles):
         failures = h.sched.get_internal_state()["lazy_alloc_failures"]
         assert failures == {"first_try": BOUNDARIES, "retry": BOUNDARIES}
         # The first failed boundary overwrote the only track slot and no later boundary got a second
-        # slot: turn 1 inserts nothing at finish. What remains is what its prefill handed to the tree
-        # when it was scheduled: the prompt's checkpoint at 96 (and the chunk end at 64).
+        # slot: turn 1 inserts no track snapshot at finish (only its settled final state, past turn 2's
+        # divergence). What turn 2 can hit is what its prefill handed to the tree when it was
+        # scheduled: the prompt's checkpoint at 96 (and the chunk end at 64).
         assert hit == P1 // INTERVAL * INTERVAL
         h.flush_and_check_empty()
     finally:

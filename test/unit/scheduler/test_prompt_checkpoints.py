@@ -44,11 +44,17 @@ def test_exact_repeat_hits_the_last_chunk_before_the_last_token(strategy, oracle
             repeat = h.generate(prompt, max_new_tokens=2)
             h.check_oracle(oracle, prompt, repeat)
             assert repeat.cached_tokens == (length - 1) // C * C, length
-            # The continuation still hits the whole prompt: L is a multiple of C here but for 2C+1.
+            # The continuation hits all of the first request's KV (the prompt and its first output
+            # token): its final state. Leaving the first answer right after the prompt, it hits the
+            # prompt's checkpoint (L is a multiple of C here but for 2C+1).
             turn2 = prompt + first.output_ids + [5, 6]
             out2 = h.generate(turn2, max_new_tokens=2)
             h.check_oracle(oracle, turn2, out2)
-            assert out2.cached_tokens == length // C * C, length
+            assert out2.cached_tokens == length + 1, length
+            branch = prompt + [7, 8]
+            out3 = h.generate(branch, max_new_tokens=2)
+            h.check_oracle(oracle, branch, out3)
+            assert out3.cached_tokens == length // C * C, length
             h.flush_and_check_empty()
     finally:
         h.shutdown()
@@ -57,7 +63,8 @@ def test_exact_repeat_hits_the_last_chunk_before_the_last_token(strategy, oracle
 @pytest.mark.parametrize("strategy", EXTRA)
 def test_prompt_checkpoint_survives_a_decode_boundary(strategy, oracles):
     """A prompt one token short of a boundary (2C − 1) whose outputs cross it: the decode snapshot at
-    2C does not replace the prompt's checkpoint at C; both reach the tree."""
+    2C does not replace the prompt's checkpoint at C; both reach the tree, and so does the final state
+    at 2C + 6."""
     h = _harness(strategy)
     oracle = oracles[QWEN]
     try:
@@ -66,10 +73,15 @@ def test_prompt_checkpoint_survives_a_decode_boundary(strategy, oracles):
         repeat = h.generate(prompt, max_new_tokens=2)
         h.check_oracle(oracle, prompt, repeat)
         assert repeat.cached_tokens == C
-        turn2 = prompt + first.output_ids + [5, 6]
+        # Leaving the first answer after 4 of its tokens (position 2C + 3): the decode snapshot.
+        turn2 = prompt + first.output_ids[:4] + [5, 6]
         out2 = h.generate(turn2, max_new_tokens=2)
         h.check_oracle(oracle, turn2, out2)
         assert out2.cached_tokens == 2 * C
+        turn2 = prompt + first.output_ids + [5, 6]
+        out2 = h.generate(turn2, max_new_tokens=2)
+        h.check_oracle(oracle, turn2, out2)
+        assert out2.cached_tokens == 2 * C + 6
         h.flush_and_check_empty()
     finally:
         h.shutdown()
@@ -94,6 +106,34 @@ def test_second_request_hits_while_the_first_decodes(strategy, oracles):
         h.check_oracle(oracle, prompt, h.outputs[first])
         h.check_oracle(oracle, second_prompt, h.outputs[second])
         assert h.outputs[second].cached_tokens == 192
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+@pytest.mark.parametrize("strategy", EXTRA)
+def test_extend_from_a_final_state_snapshots_on_its_lattice(strategy, chunk, oracles):
+    """Turn 1 (100 + 11 tokens) leaves its final state at 110, off the cache chunk (C = 64). Turn 2
+    extends from there to 261: its snapshots sit at 110 + k * C (174 is a chunk end when chunked, and
+    238 the last one in the prompt); a request leaving turn 2 at 200 hits 174, either that chunk end
+    or, unchunked, the branching point a first such request snapshots; one leaving at 250 hits 238."""
+    h = _harness(strategy, chunked_prefill_size=chunk or -1)
+    oracle = oracles[QWEN]
+    try:
+        prompt1 = token_ids(100, seed=240)
+        out1 = h.generate(prompt1, max_new_tokens=11)
+        turn2 = prompt1 + out1.output_ids + token_ids(150, seed=241)
+        out2 = h.generate(turn2, max_new_tokens=2)
+        h.check_oracle(oracle, turn2, out2)
+        assert out2.cached_tokens == 110
+        hits = []
+        for k, leave_at in enumerate([200, 200, 250]):
+            prompt = turn2[:leave_at] + token_ids(100, seed=242 + k)  # its own snapshot lies past 200
+            out = h.generate(prompt, max_new_tokens=2)
+            h.check_oracle(oracle, prompt, out)
+            hits.append(out.cached_tokens)
+        assert hits == ([174, 174, 238] if chunk else [110, 174, 238])
         h.flush_and_check_empty()
     finally:
         h.shutdown()
@@ -172,7 +212,10 @@ def test_lazy_snapshot_overwritten_in_flight_is_not_inserted(ignore_flag, oracle
     """Lazy, every second-slot allocation failing: the boundary at 128 writes the only track slot and
     commits (newest snapshot 128, unsafe to insert from then on); the request then stops on a token at
     position 159 while the step at 160, already launched, overwrites that slot again. Inserting it at
-    128 would hand later requests the state after 160."""
+    128 would hand later requests the state after 160; a turn 2 that leaves the answer at 140 hits 96.
+
+    The request's release waits for that step (it writes the stop token's KV and state): its final
+    state then goes in at 160, and a turn 2 that continues the whole answer hits all of it."""
     h = _harness("extra_buffer_lazy", NEMO, mamba_track_interval=32)
     oracle = oracles[NEMO]
     try:
@@ -181,7 +224,11 @@ def test_lazy_snapshot_overwritten_in_flight_is_not_inserted(ignore_flag, oracle
             with envs.SGLANG_TEST_IGNORE_MAMBA_LAZY_IS_INSERT.override(ignore_flag):
                 out = h.generate(prompt, max_new_tokens=80, stop_token_ids=[stop])
         assert len(out.output_ids) == 60 and out.finished_reason == {"type": "stop", "matched": stop}
-        turn2 = prompt + out.output_ids + [7, 8, 9]
+        whole = prompt + out.output_ids + [7, 8, 9]
+        out_whole = h.generate(whole, max_new_tokens=4)
+        assert out_whole.cached_tokens == 160
+        assert h.check_oracle(oracle, whole, out_whole) <= 1e-4
+        turn2 = prompt + out.output_ids[:40] + [7, 8, 9]
         out2 = h.generate(turn2, max_new_tokens=4)
         err = h.check_oracle(oracle, turn2, out2, tol=10.0)
         if ignore_flag:
@@ -206,8 +253,11 @@ def test_matched_request_not_admitted_holds_nothing(oracles):
         other = h.submit(token_ids(40, seed=262), max_new_tokens=10)
         h.sched.step()
         assert len(h.sched.running) == 2
-        node = h.sched.tree_cache.match_prefix(a[:129]).last_device_node
-        assert node.mamba_value is not None
+        # A left checkpoints at 128 (its prefill snapshot) and 130 (its final state); the second short
+        # request's admission evicted the older one.
+        node = h.sched.tree_cache.match_prefix(a).last_device_node
+        assert node.mamba_value is not None and node.path_len() == 130
+        assert len(h.sched.tree_cache.held_mamba_slots()) == 1
         prompt = a + token_ids(20, seed=263)
         rid = h.submit(prompt, max_new_tokens=3)
         h.sched.step()
@@ -221,7 +271,7 @@ def test_matched_request_not_admitted_holds_nothing(oracles):
         assert h.outputs[other].finished_reason is not None
         out = h.outputs[rid]
         h.check_oracle(oracles[QWEN], prompt, out)
-        assert out.cached_tokens == 128
+        assert out.cached_tokens == 130
         h.flush_and_check_empty()
     finally:
         h.shutdown()

@@ -38,7 +38,8 @@ def _cached_tokens(policy: str, oracle) -> list[int]:
 def test_lpm_serves_the_cached_prefix_first(oracles):
     fcfs = _cached_tokens("fcfs", oracles[PRESET])
     lpm = _cached_tokens("lpm", oracles[PRESET])
+    # A hit is the prefix's final state (200) or its prefill snapshot (192).
     # fcfs: each request evicts the checkpoint the next one needs (measured: no hit at all).
-    assert fcfs.count(192) <= 2, fcfs
+    assert sum(c >= 192 for c in fcfs) <= 2, fcfs
     # lpm: after the first request of each group, every request hits its prefix's checkpoint.
-    assert lpm.count(192) >= 9, lpm
+    assert sum(c >= 192 for c in lpm) >= 9, lpm

@@ -37,6 +37,8 @@ class Rules:
     def __init__(self, h: SchedulerHarness):
         args = h.server_args
         self.no_buffer = args.mamba_scheduler_strategy == "no_buffer"
+        self.overlap = not args.disable_overlap_schedule and not self.no_buffer
+        self.page = args.page_size
         self.c = args.mamba_cache_chunk_size
         self.i = args.mamba_track_interval
         self.k = args.chunked_prefill_size if args.chunked_prefill_enabled else None
@@ -50,15 +52,24 @@ class Rules:
             return [0, chunk_hit, chunk_hit]
         return [0, chunk_hit, max(chunk_hit, L // self.c * self.c)]
 
-    def turn2_hit(self, prompt_len: int, n: int) -> int:
-        """After turn 1 (prompt_len tokens, n outputs) finished, a continuation hits here: no_buffer
-        donates the state after every fed token; the extra-buffer modes keep the prefill snapshot
-        and the last decode boundary at or before the last fed position."""
+    def turn2_hit(self, prompt_len: int, n: int, stopped: bool = False) -> int:
+        """After turn 1 (prompt_len tokens, n outputs) finished, a continuation hits here: every
+        strategy inserts the state after the last fed token where that KV ends on a page (no_buffer:
+        page 1 always). A request that stopped on a token under overlap is released after the step
+        already in flight, which feeds that token too. Else the extra-buffer modes keep the prefill
+        snapshot and the last decode boundary at or before the last fed position."""
         fed = prompt_len + n - 1
-        if self.no_buffer:
-            return fed
+        final = fed + 1 if stopped and self.overlap else fed
+        if self.no_buffer or final % self.page == 0:
+            return final
         boundary = fed // self.i * self.i
         return max(prompt_len // self.c * self.c, boundary if boundary > prompt_len else 0)
+
+    def prompt_hit(self, prompt_len: int) -> int:
+        """A continuation of a prompt whose request generated one token (its KV: the prompt)."""
+        if self.no_buffer or prompt_len % self.page == 0:
+            return prompt_len
+        return prompt_len // self.c * self.c
 
 
 def _harness(preset, strategy, overlap, page, chunk, **kwargs) -> SchedulerHarness:
@@ -133,7 +144,8 @@ def _run_workloads(h: SchedulerHarness, oracle, tol: float) -> None:
             h.flush_and_check_empty()
 
         # Finishing by a stop token at position 127: under overlap the step already in flight is the
-        # boundary step (128), which writes a snapshot while the request is released.
+        # boundary step (128), which writes a snapshot and the stop token's KV and state; the request
+        # is released when it has been processed.
         prompt, stop_at = prompt_with_unique_token(oracle, P1, 28)
         out = h.generate(prompt, max_new_tokens=40, stop_token_ids=[stop_at])
         assert len(out.output_ids) == 28 and out.finished_reason == {"type": "stop", "matched": stop_at}
@@ -141,7 +153,7 @@ def _run_workloads(h: SchedulerHarness, oracle, tol: float) -> None:
         turn2 = prompt + out.output_ids + [7, 8, 9]
         out2 = h.generate(turn2, max_new_tokens=2)
         h.check_oracle(oracle, turn2, out2, tol)
-        assert out2.cached_tokens == rules.turn2_hit(P1, 28)
+        assert out2.cached_tokens == rules.turn2_hit(P1, 28, stopped=True)
         h.flush_and_check_empty()
 
         # 4. Sixteen concurrent requests over four cached system prompts.
@@ -151,7 +163,7 @@ def _run_workloads(h: SchedulerHarness, oracle, tol: float) -> None:
         prompts = [systems[k % 4] + token_ids(20 + 3 * k, seed=60 + k) for k in range(16)]
         rids = [h.submit(p, max_new_tokens=10) for p in prompts]
         h.run()
-        sys_hit = 150 if rules.no_buffer else 150 // rules.c * rules.c
+        sys_hit = rules.prompt_hit(150)
         for p, rid in zip(prompts, rids, strict=True):
             out = h.outputs[rid]
             h.check_oracle(oracle, p, out, tol)

@@ -75,6 +75,7 @@ class Req:
         "num_inflight",
         "inflight_tokens",
         "decode_until",
+        "release_deferred",
         "req_pool_idx",
         "kv_indices",
         "cache_protected_len",
@@ -133,6 +134,7 @@ class Req:
         self.num_inflight = 0  # batches in flight that contain this request
         self.inflight_tokens = 0  # tokens those batches will sample for it
         self.decode_until = -1  # the scheduler's decode selection certificate (`DecodeSetCache`)
+        self.release_deferred = False  # finished; releases when no batch in flight contains it
 
         # KV and radix cache
         self.req_pool_idx: int | None = None

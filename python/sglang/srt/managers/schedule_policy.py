@@ -52,7 +52,7 @@ class AdmissionBudget:
 
     tokens: int  # --max-prefill-tokens, capped by --chunked-prefill-size
     running: int  # request slots left under --max-running-requests
-    align: int  # chunks end on multiples of this (the cache chunk when extends track, else the page)
+    align: int  # chunks are multiples of this (the cache chunk when extends track, else the page)
     chunked_prefill: bool
     decode_page_reserve: int  # pages the running requests' next decode step needs
     chunk_in_progress: bool  # a request is mid-prefill already (only one may be)
@@ -151,8 +151,9 @@ class PrefillAdder:
         return req.fill_ids[:n]
 
     def _chunk_end(self, p: int, total: int, continuing: bool = False) -> int | None:
-        """End of this extend: all of it if it fits the token budget, else a chunk ending on an aligned
-        position (None: nothing fits this pass). One request at a time is mid-prefill."""
+        """End of this extend: all of it if it fits the token budget, else a chunk of a multiple of the
+        alignment, so that every chunk of a prompt keeps the lattice of its first extend (None: nothing
+        fits this pass). One request at a time is mid-prefill."""
         if total - p <= self.rem_tokens:
             return total
         if not self.budget.chunked_prefill:
@@ -160,7 +161,7 @@ class PrefillAdder:
         if not continuing and (self.new_chunked_req is not None or self.budget.chunk_in_progress):
             return None
         align = self.budget.align
-        end = (p + self.rem_tokens) // align * align
+        end = p + self.rem_tokens // align * align
         return end if end > p else None
 
     def _take(self, req: Req, p: int, end: int) -> None:

@@ -87,6 +87,11 @@ class BasePrefixCache(ABC):
     def supports_mamba(self) -> bool:
         return True
 
+    def defers_finished_release(self, req: Req) -> bool:
+        """Whether a finished `req` that a batch in flight still contains should be released only once
+        that batch is processed, because the tree would then take its settled final state."""
+        return False
+
     def evictable_size(self) -> int:
         return 0
 

@@ -19,6 +19,7 @@ import logging
 import operator
 from typing import TYPE_CHECKING
 
+from sglang.srt.environ import envs
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, EvictResult, InsertResult, MatchResult
 from sglang.srt.mem_cache.common import alloc_mamba_slot
@@ -74,7 +75,9 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
 
         branching = None
         if self.enable_mamba_extra_buffer and matched > best_len:
-            b = matched // self.cache_chunk_size * self.cache_chunk_size
+            # On the lattice of the extend that will start at the hit (see mamba_tracking).
+            c = self.cache_chunk_size
+            b = best_len + (matched - best_len) // c * c
             branching = b if b > best_len else None
 
         if req is not None:
@@ -172,30 +175,43 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
 
     # ---- caching requests --------------------------------------------------------------------------
 
+    def _final_state_settled(self, req: Req) -> bool:
+        """The running slot holds the state after all of the request's KV: no batch in flight still
+        advances it, and the KV ends on a page (a checkpoint ends a page-aligned key)."""
+        return req.num_inflight == 0 and req.mamba_pool_idx is not None and req.kv_len % self.page_size == 0
+
+    def defers_finished_release(self, req: Req) -> bool:
+        return (
+            self.enable_mamba_extra_buffer
+            and req.mamba_pool_idx is not None
+            and req.kv_len % self.page_size == 0
+        )
+
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        """With an extra buffer, the request's newest track snapshot goes in with its KV up to there (the
+        keep entry, donated), as upstream does; under lazy only if no in-flight boundary may have
+        overwritten it (`mamba_lazy_is_insert`). Then, where the running state is settled (always under
+        `no_buffer`), the whole KV goes in with the running slot as the final checkpoint (donated): the
+        next turn of a conversation hits all of it, where upstream recomputes the tail since the last track
+        boundary (up to `--mamba-track-interval` tokens, the whole answer when it is shorter)."""
         pool = self.req_to_token_pool
         kv_len = len(req.kv_indices)
-        protected = req.cache_protected_len
-        if self.enable_mamba_extra_buffer:
-            cache_len = req.mamba_last_track_seqlen or 0
-        else:
-            cache_len = kv_len
+        own_from = req.cache_protected_len  # the request's own KV starts here
         keep_idx = None
-        if is_insert and protected < cache_len <= kv_len:
-            if self.enable_mamba_extra_buffer:
-                keep_idx = pool.get_mamba_ping_pong_keep_idx(req)
-                slot = req.mamba_ping_pong_track_buffer[keep_idx]
-            else:
-                slot = req.mamba_pool_idx
-            assert slot is not None and slot != -1, f"{req} has no snapshot for position {cache_len}"
-            res = self.insert(req.all_ids[:cache_len], req.kv_indices[:cache_len], slot, protected)
-            if res.mamba_exist:
+        track_len = req.mamba_last_track_seqlen if self.enable_mamba_extra_buffer else None
+        track_safe = req.mamba_lazy_is_insert or envs.SGLANG_TEST_IGNORE_MAMBA_LAZY_IS_INSERT.get()
+        if is_insert and track_safe and track_len is not None and own_from < track_len <= kv_len:
+            keep_idx = pool.get_mamba_ping_pong_keep_idx(req)
+            slot = req.mamba_ping_pong_track_buffer[keep_idx]
+            assert slot != -1, f"{req} has no snapshot for position {track_len}"
+            if self.insert(req.all_ids[:track_len], req.kv_indices[:track_len], slot, own_from).mamba_exist:
                 keep_idx = None
-            elif not self.enable_mamba_extra_buffer:
+            own_from = track_len
+        if is_insert and own_from < kv_len and self._final_state_settled(req):
+            res = self.insert(req.all_ids[:kv_len], req.kv_indices[:kv_len], req.mamba_pool_idx, own_from)
+            if not res.mamba_exist:
                 pool.donate_running_slot(req)
-            own_from = cache_len
-        else:
-            own_from = protected
+            own_from = kv_len
         if kv_len > own_from:
             self.token_allocator.free(req.kv_indices[own_from:kv_len])
         pool.free_mamba_cache(req, keep_idx)

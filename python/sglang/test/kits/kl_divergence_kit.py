@@ -1,15 +1,18 @@
 """`KLDivergenceMixin`: a prefix-cache hit must give the logprobs of a cold prefill of the same tokens.
 
-Two kinds of hit, prompts built from token ids:
+Three kinds of hit, prompts built from token ids:
 - prefill hit: flush, populate the prefix (max_new_tokens=0), generate prefix + suffix greedily;
 - decode-seeded hit: flush, turn 1 generates from a prompt, turn 2 sends turn 1's prompt + output + more,
-  hitting a checkpoint written while turn 1 decoded.
+  hitting turn 1's final state (or, where that is not inserted, a checkpoint written while it decoded);
+- decode-boundary hit: the same, but turn 2 leaves turn 1's output 10 tokens before its end, past its last
+  decode track boundary: it hits the snapshot written at that boundary.
 Each hit's output logprobs are compared with a cold prefill (after a flush) of prompt + output with
 logprob_start_len=0, whose input logprobs at the output positions are the teacher-forced values.
 Reported: mean KL (k3 estimator, exp(d) - 1 - d with d = cold - hit, per token) and max |Δlogprob|.
 
 Every prompt must hit (unless SGLANG_TEST_SKIP_CACHE_HIT_ASSERT=1), with exactly the cached_tokens the
-strategy's rules predict (`expected_prefill_hit`, `expected_decode_seeded_hit`).
+strategy's rules predict (`expected_prefill_hit`, `expected_decode_seeded_hit`,
+`expected_decode_boundary_hit`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class KLDivergenceMixin(KitRequests):
     # The server's cache chunk C (max(kernel chunk, page size)) and decode track interval I.
     cache_chunk_size: int = 64
     mamba_track_interval: int = 64
+    page_size: int = 1
     mamba_strategy: str = "extra_buffer"  # "no_buffer" changes the predicted hits
     kl_div_thres: float = 1e-8
     max_logprob_diff_thres: float = 1e-4
@@ -59,18 +63,33 @@ class KLDivergenceMixin(KitRequests):
 
     # ---- predictions -------------------------------------------------------------------------------
 
-    def expected_prefill_hit(self, prefix_len: int) -> int:
-        if self.mamba_strategy == "no_buffer":
-            return prefix_len
-        return prefix_len // self.cache_chunk_size * self.cache_chunk_size
+    def _final_state_inserted(self, kv_len: int) -> bool:
+        # A finished request's final state goes into the tree where its KV ends on a page.
+        return self.mamba_strategy == "no_buffer" or kv_len % self.page_size == 0
 
-    def expected_decode_seeded_hit(self, prompt_len: int, turn1_new_tokens: int) -> int:
+    def _prompt_snapshot(self, prompt_len: int) -> int:
+        return prompt_len // self.cache_chunk_size * self.cache_chunk_size
+
+    def expected_prefill_hit(self, prefix_len: int) -> int:
+        # The populating request's KV is the prefix; its prefill snapshot sits at the last chunk in it.
+        return prefix_len if self._final_state_inserted(prefix_len) else self._prompt_snapshot(prefix_len)
+
+    def _last_boundary(self, prompt_len: int, turn1_new_tokens: int) -> int:
         # Turn 1 ran prompt + n - 1 tokens through the model (its last token was never fed back).
         computed = prompt_len + turn1_new_tokens - 1
         if self.mamba_strategy == "no_buffer":
-            return computed
+            return 0
         interval = self.mamba_track_interval
-        return max(self.expected_prefill_hit(prompt_len), computed // interval * interval)
+        return max(self._prompt_snapshot(prompt_len), computed // interval * interval)
+
+    def expected_decode_seeded_hit(self, prompt_len: int, turn1_new_tokens: int) -> int:
+        computed = prompt_len + turn1_new_tokens - 1
+        if self._final_state_inserted(computed):
+            return computed
+        return self._last_boundary(prompt_len, turn1_new_tokens)
+
+    def expected_decode_boundary_hit(self, prompt_len: int, turn1_new_tokens: int) -> int:
+        return self._last_boundary(prompt_len, turn1_new_tokens)
 
     # ---- measurements ------------------------------------------------------------------------------
 
@@ -94,16 +113,19 @@ class KLDivergenceMixin(KitRequests):
             n += len(hit.logprobs)
         return KLStats(sum(kls) / max(n, 1), max(diffs), n, cached, expected)
 
-    def kl_decode_seeded_stats(self) -> KLStats:
+    def kl_decode_seeded_stats(self, leave_early: int = 0) -> KLStats:
+        """Turn 2 continues turn 1's output but for its last `leave_early` tokens."""
+        expect = self.expected_decode_boundary_hit if leave_early else self.expected_decode_seeded_hit
         kls, diffs, cached, expected, n = [], [], [], [], 0
         for k, length in enumerate(self.kl_decode_prompt_lens):
             prompt1 = prompt_ids(length, self.kl_seed + 200 + k)
             self.flush_cache()
             turn1 = self.greedy(prompt1, self.kl_turn1_new_tokens)
-            prompt2 = prompt1 + turn1.output_ids + prompt_ids(self.kl_suffix_len, self.kl_seed + 300 + k)
+            kept = turn1.output_ids[: len(turn1.output_ids) - leave_early]
+            prompt2 = prompt1 + kept + prompt_ids(self.kl_suffix_len, self.kl_seed + 300 + k)
             hit = self.greedy(prompt2, self.kl_new_tokens)
             cached.append(hit.cached_tokens)
-            expected.append(self.expected_decode_seeded_hit(length, self.kl_turn1_new_tokens))
+            expected.append(expect(length, self.kl_turn1_new_tokens))
             kl, diff = self._compare(prompt2, hit.output_ids, hit.logprobs)
             kls.append(kl * len(hit.logprobs))
             diffs.append(diff)
@@ -125,3 +147,8 @@ class KLDivergenceMixin(KitRequests):
 
     def test_kl_decode_seeded_hit(self) -> None:
         self.assert_kl_stats(self.kl_decode_seeded_stats(), "decode-seeded hit")
+
+    def test_kl_decode_boundary_hit(self) -> None:
+        # 10 tokens short of turn 1's end: past its last boundary with the defaults (100 + 39 fed
+        # tokens, boundaries every 32, 64 or 128: the last at 128).
+        self.assert_kl_stats(self.kl_decode_seeded_stats(leave_early=10), "decode-boundary hit")

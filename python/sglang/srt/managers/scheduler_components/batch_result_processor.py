@@ -3,11 +3,12 @@ commit decode snapshots, release finished requests, and stream deltas out.
 
 Order per request (`_handle_finish_state_updated_req`): the finish state is updated first, then
 `_mamba_prefix_cache_update` commits a snapshot the batch wrote, then a finished request is released
-with `release_kv_cache(req, tree, is_insert=...)` (lazy mode: `req.mamba_lazy_is_insert`), so a
-request that finishes on a track boundary inserts the state of that very step.
+with `release_kv_cache(req, tree, is_insert=...)` (not for an abort), so a request that finishes on a
+track boundary inserts the state of that very step.
 
 A request may already be gone when its batch is processed (aborted, or finished by the previous batch
-while this one was in flight, under overlap): its row is ignored. A request retracted while the batch
+while this one was in flight, under overlap): its row is ignored, except that a finished request whose
+release waited for this batch (`release_finished`) is released now. A request retracted while the batch
 was in flight still commits the token it sampled, and may finish on it (it holds nothing to release);
 otherwise it prefills that token again when readmitted.
 """
@@ -18,7 +19,6 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import BatchTokenIDOut
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -73,6 +73,7 @@ class BatchResultProcessor:
             if sampled:
                 req.inflight_tokens -= 1
             if req.finished_reason is not None:
+                self._release_landed(req)
                 continue
             if input_logprobs:
                 self._add_input_logprobs(req, batch, result, i)
@@ -106,6 +107,7 @@ class BatchResultProcessor:
             req.inflight_tokens -= 1
             if req.finished_reason is not None:
                 skipped += 1
+                self._release_landed(req)
                 continue
             out = req.output_ids
             out.append(token)
@@ -149,13 +151,22 @@ class BatchResultProcessor:
             self.tracker.commit_decode_track(req, entry, seq_len)
 
     def release_finished(self, req: Req) -> None:
-        is_insert = True
-        if self.tracker.lazy and not envs.SGLANG_TEST_IGNORE_MAMBA_LAZY_IS_INSERT.get():
-            is_insert = req.mamba_lazy_is_insert
-        if req.finished_reason and req.finished_reason.get("type") == "abort":
-            is_insert = False
-        release_kv_cache(req, self.tree_cache, is_insert=is_insert)
+        """Give back what a finished request holds and drop it from the scheduler. One that a batch in
+        flight still contains (it finished on the token that batch feeds it, under overlap) leaves the
+        scheduler now but gives its KV and slots back when that batch is processed, if the tree then
+        takes its final state (`defers_finished_release`): the batch writes that token's KV and state."""
+        is_insert = not (req.finished_reason and req.finished_reason.get("type") == "abort")
+        if is_insert and req.num_inflight > 0 and self.tree_cache.defers_finished_release(req):
+            req.release_deferred = True
+        else:
+            release_kv_cache(req, self.tree_cache, is_insert=is_insert)
         self.on_release(req)
+
+    def _release_landed(self, req: Req) -> None:
+        """A deferred release (`release_finished`), once no batch in flight contains the request."""
+        if req.release_deferred and req.num_inflight == 0:
+            req.release_deferred = False
+            release_kv_cache(req, self.tree_cache, is_insert=True)
 
     # ---- logprobs ----------------------------------------------------------------------------------
 

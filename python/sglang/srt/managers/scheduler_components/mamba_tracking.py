@@ -1,16 +1,18 @@
 """Where the extra-buffer strategies snapshot recurrent state, and who owns each track slot when.
 
-Every checkpoint sits at an absolute multiple of the cache chunk C (prefill) or of the track interval I
-(decode; a multiple of C). Extends that track start at a multiple of C (a checkpoint, a chunk boundary
-or 0), so the kernel can take the state from its intermediate states.
+An extend snapshots only on its lattice, P + k * C for an extend starting at P (C the cache chunk): there
+the kernel has an intermediate state. P is a checkpoint, a chunk boundary or 0, so it is a multiple of C
+unless the request's hit is a finished request's final state (`MambaRadixCache.cache_finished_req`),
+which sits at that request's last position; chunks of the same prompt keep its lattice. Decode snapshots
+sit at multiples of the track interval I (a multiple of C).
 
 Prefill (scheduled and committed at once, when the batch is prepared): the primary snapshot goes to
-the last multiple of C inside the extend, into entry `mamba_next_track_idx` (with two entries it swaps
+the last lattice position inside the extend, into entry `mamba_next_track_idx` (with two entries it swaps
 right away, so the keep entry is the one just scheduled). Extra snapshots, each into a slot borrowed
 for it (skipped if none can be had), go to the branching point B when the extend covers it (B stays
-pending through earlier chunks) and, when the extend completes the prompt, to the last multiple of C
-before its last token, `(L - 1) // C * C`: an exact repeat of the prompt must recompute its last token
-and can hit only there. The scheduler hands all of them to the tree right after the batch is prepared
+pending through earlier chunks) and, when the extend completes the prompt, to the last lattice position
+before its last token: an exact repeat of the prompt must recompute its last token and can hit only
+there. The scheduler hands all of them to the tree right after the batch is prepared
 (`cache_unfinished_req`), so a request with the same prefix hits while this one still decodes.
 Committing before the forward ran is safe: anything that reads the slots runs later on the same stream.
 
@@ -61,10 +63,11 @@ class MambaTracker:
         if not self.enabled:
             return []
         c = self.chunk
-        assert prefix_len % c == 0, (
-            f"{req}: a tracked extend must start at a multiple of {c}, not {prefix_len}"
-        )
-        primary = end // c * c
+
+        def on_lattice(pos: int) -> int:  # the last snapshot position <= pos this extend can write
+            return prefix_len + (pos - prefix_len) // c * c
+
+        primary = on_lattice(end)
         if primary <= prefix_len:
             return []
         extra = set()
@@ -73,9 +76,9 @@ class MambaTracker:
             req.mamba_branching_seqlen = None
             extra.add(branch)
         if end == len(req.fill_ids):
-            extra.add((end - 1) // c * c)
+            extra.add(on_lattice(end - 1))
         out = []
-        for pos in sorted(p for p in extra if prefix_len < p < primary):
+        for pos in sorted(p for p in extra if prefix_len < p < primary and (p - prefix_len) % c == 0):
             slot, _ = alloc_mamba_slot(self.tree, self.pool.mamba_allocator)
             if slot is None:
                 continue
