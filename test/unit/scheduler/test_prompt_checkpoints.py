@@ -240,6 +240,43 @@ def test_lazy_snapshot_overwritten_in_flight_is_not_inserted(ignore_flag, oracle
         h.shutdown()
 
 
+def _stop_while_another_decodes(prompt_a: list[int], stop: int, total_tokens: int | None):
+    """A stops on its 9th token (under overlap the next step, already launched, feeds it that token, so
+    its release waits for that step); B decodes on. Returns the harness, A's and B's outputs and the KV
+    in use when A's release was deferred."""
+    kw = {} if total_tokens is None else {"max_total_tokens": total_tokens}
+    h = _harness("extra_buffer", **kw)
+    prompt_b = token_ids(64, seed=271)
+    rb = h.submit(prompt_b, max_new_tokens=60)
+    ra = h.submit(prompt_a, max_new_tokens=40, stop_token_ids=[stop])
+    sched, used = h.sched, None
+    a = sched.reqs_by_rid[ra]
+    while sched.step():
+        if a.release_deferred and used is None:
+            used = sched.token_allocator.size - sched.token_allocator.available_size()
+    h.collect()
+    return h, h.outputs[ra], h.outputs[rb], prompt_b, used
+
+
+def test_a_deferred_release_does_not_cost_a_running_request(oracles):
+    """With the KV pool exactly as full as it is while A's release waits, B's next decode step finds no
+    page: it must wait for that step's processing to return A's pages, not be aborted (B alone) or
+    retracted."""
+    oracle = oracles[QWEN]
+    prompt_a, stop = prompt_with_unique_token(oracle, 64, 9)
+    h, _, _, _, used = _stop_while_another_decodes(prompt_a, stop, None)
+    h.shutdown()
+    assert used is not None, "A's release was not deferred"
+    h, out_a, out_b, prompt_b, _ = _stop_while_another_decodes(prompt_a, stop, used)
+    try:
+        assert out_a.finished_reason == {"type": "stop", "matched": stop}
+        assert out_b.finished_reason == {"type": "length", "length": 60}, out_b.finished_reason
+        h.check_oracle(oracle, prompt_b, out_b)
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+
+
 def test_matched_request_not_admitted_holds_nothing(oracles):
     """Lazy with 5 slots: prompt A's checkpoint is cached and two short requests hold two slots each;
     a hit on A must wait for room. While it waits it holds no slot and no lock (its failed admission did

@@ -175,14 +175,15 @@ class Scheduler(SchedulerIOMixin):
         return AdmissionBudget(
             tokens=tokens,
             running=self.max_running_requests - num_running,
-            # Extends that track start at multiples of the cache chunk, so chunks end on them too.
+            # Chunks are multiples of the cache chunk: they keep the snapshot lattice of a prompt's first extend.
             align=args.mamba_cache_chunk_size if args.mamba_strategy.extra_buffer else page,
             chunked_prefill=args.chunked_prefill_enabled,
             decode_page_reserve=len(self.running)
             if page == 1
             else sum(1 for r in self.running if len(r.kv_indices) % page == 0),
             chunk_in_progress=self.chunked_req is not None,
-            nothing_running=num_running == 0,
+            # (A finished request whose release waits for the batch in flight will make room too.)
+            nothing_running=num_running == 0 and not self.result_processor.deferred_releases,
         )
 
     def _cache_prefill_snapshots(self, spans: list[tuple[Req, int, int]]) -> None:
@@ -224,6 +225,12 @@ class Scheduler(SchedulerIOMixin):
         while (
             reqs and (out_cache_loc := alloc_for_decode(self.tree_cache, self.token_allocator, reqs)) is None
         ):
+            if self.result_processor.deferred_releases:
+                # Finished requests give their pages back once the batch in flight is processed, which
+                # a step without a new batch does at once: wait for that rather than retract anyone.
+                self.decode_set.clear()
+                self.rows_cache.clear()
+                return None
             self._retract_or_abort(reqs.pop())
         if not reqs:
             self.decode_set.clear()  # let the last decode's requests go
@@ -358,7 +365,9 @@ class Scheduler(SchedulerIOMixin):
         self.reqs_by_rid.pop(req.rid, None)
 
     def live_requests(self) -> list[Req]:
-        return list(self.reqs_by_rid.values())
+        """Every request that holds KV or slots: those the scheduler knows, and finished ones whose release
+        waits for a batch in flight."""
+        return list(self.reqs_by_rid.values()) + self.result_processor.deferred_releases
 
     def on_idle(self) -> None:
         """Check the pools once per idle period (nothing changes while idle): by counts in production,

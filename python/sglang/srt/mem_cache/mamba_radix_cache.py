@@ -4,8 +4,8 @@ of the recurrent state after their last token.
 A recurrent state is a value at one position: it cannot be split or truncated like per-token KV. So a
 match is usable only down to the deepest node with a checkpoint; splitting an edge leaves a tombstone
 parent; and states reach the tree by donation: a request hands over a slot that already holds the right
-state (its running slot when it finishes under `no_buffer`, a track slot under the extra-buffer
-strategies) and, if it continues, takes a fresh slot in exchange. The only copies are COW on a hit
+state (a track slot under the extra-buffer strategies; its running slot when it finishes, under every
+strategy where that state is settled) and, if it continues, takes a fresh slot in exchange. The only copies are COW on a hit
 (tree -> request, deferred to the forward stream) and the `no_buffer` snapshot of a chunked request
 (request -> tree), queued in `pending_state_copies` for the forward stream.
 
@@ -73,13 +73,6 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
             # clusters a session's states and evicts cold sessions wholesale.
             self.mamba_lru.touch(best_node)
 
-        branching = None
-        if self.enable_mamba_extra_buffer and matched > best_len:
-            # On the lattice of the extend that will start at the hit (see mamba_tracking).
-            c = self.cache_chunk_size
-            b = best_len + (matched - best_len) // c * c
-            branching = b if b > best_len else None
-
         if req is not None:
             # The request holds the lock from here: admission may evict to make room, and must not
             # evict what this match hands out. `release_match` unlocks if it is not admitted.
@@ -88,6 +81,13 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
             if best_node is not self.root:
                 self.inc_lock_ref(best_node)
                 req.last_node = best_node
+        branching = None
+        if self.enable_mamba_extra_buffer and matched > best_len:
+            # On the lattice of the extend that will start at the hit (see mamba_tracking).
+            c = self.cache_chunk_size
+            b = best_len + (matched - best_len) // c * c
+            branching = b if b > best_len else None
+        if req is not None:
             req.mamba_branching_seqlen = branching
         indices: list[int] = []
         for child, _ in path:

@@ -231,7 +231,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         req.mamba_needs_clear = False
 
     def donate_running_slot(self, req: Req) -> int:
-        """no_buffer: the finished request's running slot becomes a checkpoint; the tree owns it now."""
+        """A finished request's running slot becomes a checkpoint; the tree owns it now."""
         slot, req.mamba_pool_idx = req.mamba_pool_idx, None
         assert slot is not None
         self.slot_epoch += 1

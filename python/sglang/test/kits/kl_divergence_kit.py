@@ -74,22 +74,25 @@ class KLDivergenceMixin(KitRequests):
         # The populating request's KV is the prefix; its prefill snapshot sits at the last chunk in it.
         return prefix_len if self._final_state_inserted(prefix_len) else self._prompt_snapshot(prefix_len)
 
-    def _last_boundary(self, prompt_len: int, turn1_new_tokens: int) -> int:
+    def _last_boundary(self, prompt_len: int, turn1_new_tokens: int, shared: int) -> int:
+        """What turn 2 hits through turn 1's checkpoints other than its final state, sharing `shared`
+        tokens with it: the prompt's snapshot, or turn 1's newest decode snapshot (the only one it
+        inserts) if turn 2 reaches it."""
         # Turn 1 ran prompt + n - 1 tokens through the model (its last token was never fed back).
         computed = prompt_len + turn1_new_tokens - 1
         if self.mamba_strategy == "no_buffer":
             return 0
-        interval = self.mamba_track_interval
-        return max(self._prompt_snapshot(prompt_len), computed // interval * interval)
+        newest = computed // self.mamba_track_interval * self.mamba_track_interval
+        return max(self._prompt_snapshot(prompt_len), newest if newest <= shared else 0)
 
     def expected_decode_seeded_hit(self, prompt_len: int, turn1_new_tokens: int) -> int:
         computed = prompt_len + turn1_new_tokens - 1
         if self._final_state_inserted(computed):
             return computed
-        return self._last_boundary(prompt_len, turn1_new_tokens)
+        return self._last_boundary(prompt_len, turn1_new_tokens, computed)
 
-    def expected_decode_boundary_hit(self, prompt_len: int, turn1_new_tokens: int) -> int:
-        return self._last_boundary(prompt_len, turn1_new_tokens)
+    def expected_decode_boundary_hit(self, prompt_len: int, turn1_new_tokens: int, leave_early: int) -> int:
+        return self._last_boundary(prompt_len, turn1_new_tokens, prompt_len + turn1_new_tokens - leave_early)
 
     # ---- measurements ------------------------------------------------------------------------------
 
@@ -115,7 +118,6 @@ class KLDivergenceMixin(KitRequests):
 
     def kl_decode_seeded_stats(self, leave_early: int = 0) -> KLStats:
         """Turn 2 continues turn 1's output but for its last `leave_early` tokens."""
-        expect = self.expected_decode_boundary_hit if leave_early else self.expected_decode_seeded_hit
         kls, diffs, cached, expected, n = [], [], [], [], 0
         for k, length in enumerate(self.kl_decode_prompt_lens):
             prompt1 = prompt_ids(length, self.kl_seed + 200 + k)
@@ -125,7 +127,12 @@ class KLDivergenceMixin(KitRequests):
             prompt2 = prompt1 + kept + prompt_ids(self.kl_suffix_len, self.kl_seed + 300 + k)
             hit = self.greedy(prompt2, self.kl_new_tokens)
             cached.append(hit.cached_tokens)
-            expected.append(expect(length, self.kl_turn1_new_tokens))
+            if leave_early:
+                expected.append(
+                    self.expected_decode_boundary_hit(length, self.kl_turn1_new_tokens, leave_early)
+                )
+            else:
+                expected.append(self.expected_decode_seeded_hit(length, self.kl_turn1_new_tokens))
             kl, diff = self._compare(prompt2, hit.output_ids, hit.logprobs)
             kls.append(kl * len(hit.logprobs))
             diffs.append(diff)
@@ -150,5 +157,6 @@ class KLDivergenceMixin(KitRequests):
 
     def test_kl_decode_boundary_hit(self) -> None:
         # 10 tokens short of turn 1's end: past its last boundary with the defaults (100 + 39 fed
-        # tokens, boundaries every 32, 64 or 128: the last at 128).
+        # tokens, boundaries every 32, 64 or 128: the last at 128). A `no_buffer` server has no decode
+        # snapshots: a subclass for one sets this test to None.
         self.assert_kl_stats(self.kl_decode_seeded_stats(leave_early=10), "decode-boundary hit")

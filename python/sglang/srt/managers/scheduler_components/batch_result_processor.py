@@ -3,8 +3,8 @@ commit decode snapshots, release finished requests, and stream deltas out.
 
 Order per request (`_handle_finish_state_updated_req`): the finish state is updated first, then
 `_mamba_prefix_cache_update` commits a snapshot the batch wrote, then a finished request is released
-with `release_kv_cache(req, tree, is_insert=...)` (not for an abort), so a request that finishes on a
-track boundary inserts the state of that very step.
+with `release_kv_cache(req, tree, is_insert=...)` (is_insert false for an abort), so a request that
+finishes on a track boundary inserts the state of that very step.
 
 A request may already be gone when its batch is processed (aborted, or finished by the previous batch
 while this one was in flight, under overlap): its row is ignored, except that a finished request whose
@@ -52,6 +52,9 @@ class BatchResultProcessor:
         self.stream_interval = stream_interval
         # PD prefill server: takes a disaggregated request once its prompt is done (it decodes elsewhere).
         self.prefill_handoff: Callable[[Req], None] | None = None
+        # Finished requests whose release waits for a batch in flight (`release_finished`): they still
+        # hold their KV and slots.
+        self.deferred_releases: list[Req] = []
 
     def process_batch_result(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
         if batch.forward_mode.is_decode():
@@ -158,6 +161,7 @@ class BatchResultProcessor:
         is_insert = not (req.finished_reason and req.finished_reason.get("type") == "abort")
         if is_insert and req.num_inflight > 0 and self.tree_cache.defers_finished_release(req):
             req.release_deferred = True
+            self.deferred_releases.append(req)
         else:
             release_kv_cache(req, self.tree_cache, is_insert=is_insert)
         self.on_release(req)
@@ -166,6 +170,7 @@ class BatchResultProcessor:
         """A deferred release (`release_finished`), once no batch in flight contains the request."""
         if req.release_deferred and req.num_inflight == 0:
             req.release_deferred = False
+            self.deferred_releases.remove(req)
             release_kv_cache(req, self.tree_cache, is_insert=True)
 
     # ---- logprobs ----------------------------------------------------------------------------------
