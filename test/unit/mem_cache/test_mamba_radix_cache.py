@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from sglang.srt.managers.schedule_batch import Req
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mem_cache_sim import MemCacheSim, tag
 
@@ -123,13 +124,19 @@ def test_matched_but_not_admitted_releases_cow_slot_and_lock():
     sim.check()
 
 
-def test_cache_finished_req_extra_buffer_inserts_the_track_snapshot_and_the_final_state():
-    sim = MemCacheSim(chunk=4)
+def _decoded_to_38(sim: MemCacheSim) -> tuple[list[int], Req]:
+    """A request of 39 prompt tokens that ran 38 positions with a track snapshot at 36, two outputs."""
     ids = list(range(1, 40))
     r = sim.new_req(ids)
     sim.admit(r)
     sim.extend(r, 38, track_at=36)
     r.output_ids = [5, 6]
+    return ids, r
+
+
+def test_cache_finished_req_extra_buffer_inserts_the_track_snapshot_and_the_final_state():
+    sim = MemCacheSim(chunk=4)
+    ids, r = _decoded_to_38(sim)
     running = r.mamba_pool_idx
     sim.finish(r)
     assert sim.tree.total_size() == 38, "all of the request's KV, up to its final state"
@@ -145,11 +152,7 @@ def test_cache_finished_req_extra_buffer_inserts_up_to_the_track_position_while_
     """A batch in flight still advances the running state (the request finished on the token that
     batch feeds it): only the track snapshot goes in, and the KV past it is freed."""
     sim = MemCacheSim(chunk=4)
-    ids = list(range(1, 40))
-    r = sim.new_req(ids)
-    sim.admit(r)
-    sim.extend(r, 38, track_at=36)
-    r.output_ids = [5, 6]
+    ids, r = _decoded_to_38(sim)
     r.num_inflight = 1
     kv_before = sim.kv.available_size()
     sim.finish(r)
@@ -165,11 +168,7 @@ def test_cache_finished_req_final_state_only_on_a_page_boundary():
     """A checkpoint ends a page-aligned key: with KV ending inside a page, the final state is not
     inserted (the track snapshot is)."""
     sim = MemCacheSim(chunk=4, page_size=4)
-    ids = list(range(1, 40))
-    r = sim.new_req(ids)
-    sim.admit(r)
-    sim.extend(r, 38, track_at=36)
-    r.output_ids = [5, 6]
+    ids, r = _decoded_to_38(sim)
     sim.finish(r)
     assert sim.tree.total_size() == 36
     sim.check()
