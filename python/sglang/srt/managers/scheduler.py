@@ -175,7 +175,8 @@ class Scheduler(SchedulerIOMixin):
         return AdmissionBudget(
             tokens=tokens,
             running=self.max_running_requests - num_running,
-            # Chunks are multiples of the cache chunk: they keep the snapshot lattice of a prompt's first extend.
+            # Chunks are multiples of the cache chunk: they keep the snapshot lattice of a prompt's
+            # first extend.
             align=args.mamba_cache_chunk_size if args.mamba_strategy.extra_buffer else page,
             chunked_prefill=args.chunked_prefill_enabled,
             decode_page_reserve=len(self.running)

@@ -5,9 +5,9 @@ A recurrent state is a value at one position: it cannot be split or truncated li
 match is usable only down to the deepest node with a checkpoint; splitting an edge leaves a tombstone
 parent; and states reach the tree by donation: a request hands over a slot that already holds the right
 state (a track slot under the extra-buffer strategies; its running slot when it finishes, under every
-strategy where that state is settled) and, if it continues, takes a fresh slot in exchange. The only copies are COW on a hit
-(tree -> request, deferred to the forward stream) and the `no_buffer` snapshot of a chunked request
-(request -> tree), queued in `pending_state_copies` for the forward stream.
+strategy where that state is settled) and, if it continues, takes a fresh slot in exchange. The only
+copies are COW on a hit (tree -> request, deferred to the forward stream) and the `no_buffer` snapshot
+of a chunked request (request -> tree), queued in `pending_state_copies` for the forward stream.
 
 Slots and pages are host ints. Allocation never asserts: when a slot cannot be had even after evicting
 one checkpoint, the operation degrades (no hit, or no checkpoint) and says so to its caller.
