@@ -175,17 +175,13 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
 
     # ---- caching requests --------------------------------------------------------------------------
 
-    def _final_state_settled(self, req: Req) -> bool:
-        """The running slot holds the state after all of the request's KV: no batch in flight still
-        advances it, and the KV ends on a page (a checkpoint ends a page-aligned key)."""
-        return req.num_inflight == 0 and req.mamba_pool_idx is not None and req.kv_len % self.page_size == 0
+    def _final_state_insertable(self, req: Req) -> bool:
+        """The request's running slot can be the checkpoint of its whole KV once no batch in flight
+        advances it: it has one, and the KV ends on a page (a checkpoint ends a page-aligned key)."""
+        return req.mamba_pool_idx is not None and req.kv_len % self.page_size == 0
 
     def defers_finished_release(self, req: Req) -> bool:
-        return (
-            self.enable_mamba_extra_buffer
-            and req.mamba_pool_idx is not None
-            and req.kv_len % self.page_size == 0
-        )
+        return self.enable_mamba_extra_buffer and self._final_state_insertable(req)
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """With an extra buffer, the request's newest track snapshot goes in with its KV up to there (the
@@ -195,7 +191,7 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         next turn of a conversation hits all of it, where upstream recomputes the tail since the last track
         boundary (up to `--mamba-track-interval` tokens, the whole answer when it is shorter)."""
         pool = self.req_to_token_pool
-        kv_len = len(req.kv_indices)
+        ids, kv_len = req.all_ids, len(req.kv_indices)
         own_from = req.cache_protected_len  # the request's own KV starts here
         keep_idx = None
         track_len = req.mamba_last_track_seqlen if self.enable_mamba_extra_buffer else None
@@ -204,11 +200,11 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
             keep_idx = pool.get_mamba_ping_pong_keep_idx(req)
             slot = req.mamba_ping_pong_track_buffer[keep_idx]
             assert slot != -1, f"{req} has no snapshot for position {track_len}"
-            if self.insert(req.all_ids[:track_len], req.kv_indices[:track_len], slot, own_from).mamba_exist:
+            if self.insert(ids[:track_len], req.kv_indices[:track_len], slot, own_from).mamba_exist:
                 keep_idx = None
             own_from = track_len
-        if is_insert and own_from < kv_len and self._final_state_settled(req):
-            res = self.insert(req.all_ids[:kv_len], req.kv_indices[:kv_len], req.mamba_pool_idx, own_from)
+        if is_insert and own_from < kv_len and req.num_inflight == 0 and self._final_state_insertable(req):
+            res = self.insert(ids[:kv_len], req.kv_indices[:kv_len], req.mamba_pool_idx, own_from)
             if not res.mamba_exist:
                 pool.donate_running_slot(req)
             own_from = kv_len

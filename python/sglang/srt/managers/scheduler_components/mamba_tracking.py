@@ -78,7 +78,10 @@ class MambaTracker:
         if end == len(req.fill_ids):
             extra.add(on_lattice(end - 1))
         out = []
-        for pos in sorted(p for p in extra if prefix_len < p < primary and (p - prefix_len) % c == 0):
+        assert all((p - prefix_len) % c == 0 for p in extra), (
+            f"{req}: snapshot {extra} off the lattice of {prefix_len}"
+        )
+        for pos in sorted(p for p in extra if prefix_len < p < primary):
             slot, _ = alloc_mamba_slot(self.tree, self.pool.mamba_allocator)
             if slot is None:
                 continue
