@@ -2,7 +2,8 @@
 without a cached prefix, decodes of requests of different lengths, grouped-query heads, scattered KV
 slots, float32 and bfloat16; decodes both through SDPA (`SGLANG_CPU_ATTN_BACKEND=torch`) and through
 sgl-kernel's C++ op (the default where built); that both modes of the torch path run torch's fused SDPA
-kernel (no score matrix), but a float32 decode of large GQA groups, which runs grouped matmuls; and that
+kernel (no score matrix), but a float32 decode of large GQA groups, which runs grouped matmuls; that a
+bfloat16 pool under a float16 model attends in float32 (bfloat16 holds values float16 cannot); and that
 the C++ decode reads the KV in place (no gather)."""
 
 from __future__ import annotations
@@ -246,6 +247,28 @@ def test_a_kv_cache_dtype_pool_under_a_float32_model(kv_dtype, mode, backend):
     case.fill_prefix([n - e for n, e in zip(seq_lens, new_lens, strict=True)])
     out, ref = case.run(ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE, new_lens)
     assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("mode,backend", [("extend", "torch"), ("decode", "torch"), ("decode", "cpp")])
+def test_a_bfloat16_pool_under_a_float16_model_keeps_float16s_largest_values_finite(mode, backend):
+    """float16's largest value, 65504, is 65536 in a bfloat16 pool: inf in float16. A key or value there
+    must not turn the output to NaN or inf (the layer attends in float32 for this pair of dtypes)."""
+    seq_lens = [70, 38, 129, 1]
+    new_lens = [70, 1, 65, 1] if mode == "extend" else [1] * 4
+    prefix = [n - e for n, e in zip(seq_lens, new_lens, strict=True)]
+    case = _Case(torch.float16, seq_lens, seed=8, backend=backend, kv_dtype=torch.bfloat16)
+    case.fill_prefix(prefix)
+    k_buf, v_buf = case.kv_pool.get_kv_buffer(3)
+    for s, p in zip(case.slots, prefix, strict=True):
+        if p >= 2:  # one key element and one value element of the cached prefix
+            k_buf[s[0], 0, 0] = torch.tensor(65504.0, dtype=torch.float16).to(torch.bfloat16)
+            v_buf[s[1], 1, 2] = torch.tensor(-65504.0, dtype=torch.float16).to(torch.bfloat16)
+    assert k_buf[case.slots[2][0], 0, 0].item() == 65536.0  # beyond float16 once stored
+    out, ref = case.run(ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE, new_lens)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    # The reference reads the same stored values; what is left is the float16 output's rounding, one
+    # part in 2**11 of |out| (outputs reach ~1e3 where the large value carries 1/70 of the weight).
+    assert ((out.double() - ref).abs() <= 1e-3 * ref.abs().clamp(min=1)).all()
 
 
 def test_cpp_decode_reads_the_kv_in_place():

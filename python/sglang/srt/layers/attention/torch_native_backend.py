@@ -98,6 +98,7 @@ class TorchNativeAttnBackend:
         q = q.view(num_tokens, hq, d)
         self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, hk, d), v.view(-1, hk, d))
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)
+        out_dtype, q = q.dtype, q.to(_compute_dtype(q.dtype, k_buf.dtype))
         if fb.forward_mode.is_decode() and self.cpu_ops is not None:
             out = self.cpu_ops.decode_attention(
                 q.float().contiguous(),
@@ -107,18 +108,18 @@ class TorchNativeAttnBackend:
                 fb.req_pool_indices,
                 fb.seq_lens,
                 layer.scaling,
-            ).to(q.dtype)
+            )
         elif fb.forward_mode.is_decode():
             out = self._decode(q, k_buf, v_buf, layer)
         else:
-            out = torch.empty_like(q)
+            out = torch.empty_like(q, dtype=out_dtype)
             for seq in self.meta.extend:
                 qs = slice(seq.q_start, seq.q_start + seq.q_len)
                 kv = seq.kv_indices
                 out[qs] = self._extend_one(
                     q[qs], _gather(k_buf, kv, q.dtype), _gather(v_buf, kv, q.dtype), seq, layer
                 )
-        return out.view(num_tokens, hq * d)
+        return out.to(out_dtype).view(num_tokens, hq * d)
 
     @staticmethod
     def _extend_one(
@@ -173,6 +174,16 @@ class TorchNativeAttnBackend:
             enable_gqa=True,
         )
         return out[:, :, 0]
+
+
+def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """What the torch path attends in: the query's dtype, unless the pool holds values that dtype cannot.
+    A bfloat16 pool under a float16 model does: a key or value near float16's largest (65504) rounds to
+    65536 in bfloat16, which is inf in float16 (one such key makes the request's output NaN); float32
+    holds every bfloat16 value (the C++ op and the Triton kernels attend in float32 anyway)."""
+    if q_dtype == torch.float16 and kv_dtype == torch.bfloat16:
+        return torch.float32
+    return q_dtype
 
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
