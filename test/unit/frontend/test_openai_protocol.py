@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -80,6 +81,92 @@ def test_completion_request_maps_to_native():
         "skip_special_tokens": True,
     }
     assert obj.return_logprob and obj.top_logprobs_num == 2 and obj.return_text_in_logprobs
+
+
+class _TemplateTokenizer:
+    """A tokenizer whose chat template writes `role: content` lines (and the variables it was given)."""
+
+    chat_template = "(role: content lines)"
+
+    def __init__(self):
+        self.kwargs = None
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kwargs):
+        self.kwargs = kwargs
+        lines = [f"{m['role']}: {m['content']}" for m in messages] + [f"{k}={v}" for k, v in kwargs.items()]
+        return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
+
+
+def _chat_serving(context_len: int = 100) -> tuple[OpenAIServingChat, list[str]]:
+    """Chat serving over a fake tokenizer manager whose `encode` gives one id per character (the texts
+    it encoded go to the returned list)."""
+    encoded: list[str] = []
+
+    async def encode(text, param, add_special_tokens=True):
+        encoded.append(text)
+        return [ord(c) % 50 for c in text]
+
+    tm = SimpleNamespace(
+        tokenizer=_TemplateTokenizer(), encode=encode, limits=SimpleNamespace(context_len=context_len)
+    )
+    return OpenAIServingChat(tm, "m"), encoded
+
+
+def _chat_input(serving: OpenAIServingChat, body: dict):
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    return asyncio.run(serving.to_generate_input(parse_model(ChatCompletionRequest, orjson.dumps(body))))
+
+
+def test_chat_without_max_tokens_may_run_to_the_context_length():
+    serving, _ = _chat_serving(context_len=100)
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    obj = _chat_input(serving, hi)
+    assert obj.sampling_params["max_new_tokens"] == 100 - len(obj.input_ids), "not /generate's 128"
+    assert _chat_input(serving, {**hi, "max_tokens": 5}).sampling_params["max_new_tokens"] == 5
+    both = {**hi, "max_tokens": 10, "max_completion_tokens": 3}
+    assert _chat_input(serving, both).sampling_params["max_new_tokens"] == 3, "the newer name wins"
+    # /v1/completions keeps OpenAI's default of 16.
+    req = parse_model(CompletionRequest, b'{"prompt": [5, 6]}')
+    assert (
+        asyncio.run(OpenAIServingCompletion(None, "m").to_generate_input(req)).sampling_params[
+            "max_new_tokens"
+        ]
+        == 16
+    )
+
+
+def test_chat_template_kwargs_and_continue_final_message():
+    serving, encoded = _chat_serving()
+    user = {"role": "user", "content": "hi"}
+    _chat_input(serving, {"messages": [user], "chat_template_kwargs": {"enable_thinking": False}})
+    assert serving.tm.tokenizer.kwargs == {"enable_thinking": False}
+    assert encoded[-1] == "user: hi\nenable_thinking=False\nassistant: "
+    started = {"role": "assistant", "content": "Once upon"}
+    _chat_input(serving, {"messages": [user, started], "continue_final_message": True})
+    assert encoded[-1] == "user: hi\nassistant: Once upon", "the answer goes on from the last message"
+    _chat_input(serving, {"messages": [user, started]})
+    assert encoded[-1] == "user: hi\nassistant: Once upon\nassistant: ", "without the flag: a new turn"
+    with pytest.raises(RequestError) as e:
+        _chat_input(serving, {"messages": [user], "chat_template_kwargs": {"tokenize": True}})
+    assert e.value.param == "chat_template_kwargs" and "tokenize" in e.value.message
+
+
+@pytest.mark.parametrize("name, value", [("regex", "[0-9]+"), ("json_schema", "{}"), ("ebnf", "root ::= x"),
+                                         ("logit_bias", {"5": 10}), ("no_stop_trim", True)])  # fmt: skip
+def test_upstream_extras_this_server_lacks_are_refused_not_ignored(name, value):
+    for model in (CompletionRequest, None):
+        body = {"prompt": "x"} if model else {"messages": [{"role": "user", "content": "x"}]}
+        if model is None:
+            from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest as model
+        with pytest.raises(RequestError) as e:
+            parse_model(model, orjson.dumps({**body, name: value}))
+        assert (e.value.param, e.value.code) == (
+            name,
+            "unsupported_parameter",
+        ) and "not supported" in e.value.message
+        # What clients send for "unset" passes.
+        parse_model(model, orjson.dumps({**body, name: None}))
 
 
 def test_native_errors_are_renamed_to_openai_fields():

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from sglang.srt.entrypoints.generate_body import is_empty
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.sampling.sampling_params import MAX_N
 
@@ -59,6 +60,12 @@ class _SamplingFields(_Request):
     min_tokens: int | None = Field(None, ge=0)
     user: str | None = None
     rid: str | None = None
+    # Upstream extensions this server lacks: refused when set (`_refuse_unsupported`), never ignored.
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    logit_bias: Any = None
+    no_stop_trim: Any = None
     # Prefill/decode disaggregation: added by sglang-router's PD mode (see GenerateReqInput).
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
@@ -86,6 +93,15 @@ class _SamplingFields(_Request):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _SamplingFields:
+        for name, feature in _UNSUPPORTED_EXTRAS.items():
+            if not is_empty(getattr(self, name)):
+                raise _field_error(
+                    name, f"{name} is not supported: this server has no {feature}", "unsupported_parameter"
+                )
+        return self
+
     def sampling_params(self) -> dict[str, Any]:
         """The native sampling_params (None = server default)."""
         d = {
@@ -111,6 +127,17 @@ class _SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# Fields of upstream's OpenAI requests for features this server lacks. Upstream acts on them, so
+# ignoring them would answer something else than asked (an unconstrained text for a `regex`).
+_UNSUPPORTED_EXTRAS = {
+    "regex": "constrained decoding",
+    "json_schema": "constrained decoding",
+    "ebnf": "constrained decoding",
+    "logit_bias": "logit bias",
+    "no_stop_trim": "untrimmed stop strings",
+}
 
 
 class CompletionRequest(_SamplingFields):
@@ -189,6 +216,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Upstream's extensions: extra variables for the chat template (e.g. `enable_thinking`), and
+    # continuing the last message when it is the assistant's (its text is the answer's beginning).
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
@@ -198,19 +229,32 @@ class ChatCompletionRequest(_SamplingFields):
             raise _field_error("tools", "tools (function calling) are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise _field_error("response_format", "only the 'text' response format is supported")
-        if self.max_completion_tokens is not None and self.max_tokens is None:
+        reserved = sorted(set(self.chat_template_kwargs or {}) & CHAT_TEMPLATE_RESERVED)
+        if reserved:
+            raise _field_error(
+                "chat_template_kwargs", f"chat_template_kwargs.{reserved[0]} is set by the server"
+            )
+        # OpenAI's newer name wins over the older one, as upstream (`max_completion_tokens or max_tokens`).
+        if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
 
 
+# Arguments of `apply_chat_template` the server sets itself.
+CHAT_TEMPLATE_RESERVED = frozenset(
+    {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict"}
+)
+
+
 class _FieldError(ValueError):
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, code: str = "invalid_value"):
         super().__init__(message)
         self.field = field
+        self.code = code
 
 
-def _field_error(field: str, message: str) -> _FieldError:
-    return _FieldError(field, message)
+def _field_error(field: str, message: str, code: str = "invalid_value") -> _FieldError:
+    return _FieldError(field, message, code)
 
 
 def request_error_from_validation(exc: ValidationError) -> RequestError:
@@ -226,7 +270,7 @@ def request_error_from_validation(exc: ValidationError) -> RequestError:
     loc = list(err.get("loc", ()))
     ctx_err = (err.get("ctx") or {}).get("error")
     if isinstance(ctx_err, _FieldError):
-        return RequestError(f"{ctx_err.field}: {ctx_err}.", ctx_err.field)
+        return RequestError(f"{ctx_err.field}: {ctx_err}.", ctx_err.field, ctx_err.code)
     if not loc and kind in ("model_type", "model_attributes_type"):
         return RequestError("The request body must be a JSON object.", None, "invalid_type")
     param = _loc_to_param(loc)

@@ -55,20 +55,33 @@ class OpenAIServingChat(OpenAIServingBase):
     }
 
     async def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids. With `continue_final_message` and an assistant message last, as
+        upstream: the template renders the messages before it with the generation prompt, and that
+        message's text follows as the answer's beginning (otherwise the flag changes nothing)."""
         tokenizer = self.tm.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("This model has no chat template; use /v1/completions.", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prefix = ""
+        if req.continue_final_message and len(messages) > 1 and messages[-1]["role"] == "assistant":
+            prefix = messages.pop()["content"]
         try:
-            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            prompt = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **(req.chat_template_kwargs or {})
+            )
         except Exception as e:  # a template may refuse a role order or a role (jinja raise_exception)
             raise RequestError(f"The chat template rejected the messages: {e}", "messages") from None
-        return await self.tm.encode(prompt, "messages", add_special_tokens=False)
+        return await self.tm.encode(prompt + prefix, "messages", add_special_tokens=False)
 
     async def to_generate_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
+        input_ids = await self.apply_chat_template(req)
+        sampling_params = req.sampling_params()
+        # Without max_tokens / max_completion_tokens an answer runs to its end or the context length,
+        # as upstream's chat (the native default, 128 tokens, is /generate's).
+        sampling_params.setdefault("max_new_tokens", self.tm.limits.context_len - len(input_ids))
         return GenerateReqInput(
-            input_ids=await self.apply_chat_template(req),
-            sampling_params=req.sampling_params(),
+            input_ids=input_ids,
+            sampling_params=sampling_params,
             rid=req.rid,
             return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0,
