@@ -2,7 +2,9 @@
 batch sit on torch's `meta` device standing in for CUDA, under `DeviceAudit` (sglang/test/device_audit.py).
 Per forward: no op mixes host and device tensors, the host never reads a device value, the batch
 reaches the device in ONE host-to-device copy (two when input logprobs are asked for), and the only
-device-to-host copies are the results (sampled ids and their logprobs; input logprobs when asked for)."""
+device-to-host copies are the results (sampled ids and their logprobs; input logprobs when asked for).
+Both the torch kernels and the ones CUDA runs by default (Triton attention and linear-attention steps,
+the packed extend, the CUDA-graph decode body, their launches recorded instead of run)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ class _RecordingStateCopy:
         self.devices.append(slots.device.type)
 
 
-def _meta_runner(preset: str, audit: DeviceAudit) -> tuple[ModelRunner, _RecordingStateCopy]:
+def _meta_runner(preset: str, audit: DeviceAudit, **flags) -> tuple[ModelRunner, _RecordingStateCopy]:
     args = ServerArgs(
         model_path=preset,
         page_size=16,
@@ -46,6 +48,7 @@ def _meta_runner(preset: str, audit: DeviceAudit) -> tuple[ModelRunner, _Recordi
         max_mamba_cache_size=24,
         max_running_requests=8,
         mamba_scheduler_strategy="extra_buffer",
+        **flags,
     )
     args.device = "meta"  # after validation, which accepts only the devices users may name
     with envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("torch"):
@@ -124,6 +127,82 @@ def test_overlap_placeholders_resolve_on_the_device(preset):
                 assert len(pending.wait().next_token_ids) == 2
         finally:
             worker.shutdown()
+
+
+class _RecordedLaunches:
+    """Stands in for `jit_for_env` in the Triton kernel modules: `kernel[grid](...)` records the
+    kernel, checks that the grid is host ints (a device value there would sync) and notes the devices
+    of its tensor arguments, and runs nothing (the kernels are tested against their torch twins in
+    test/unit/kernels)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, set[str]]] = []
+
+    def __call__(self, fn):
+        recorder = self
+
+        class Launcher:
+            def __getitem__(self, grid):
+                assert all(type(g) is int for g in grid), f"{fn.__name__}: grid {grid} is not host ints"
+
+                def launch(*args, **kwargs):
+                    devices = {
+                        a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                    }
+                    recorder.calls.append((fn.__name__, devices))
+
+                return launch
+
+        return Launcher()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_cuda_default_kernels_are_device_clean(preset, monkeypatch):
+    """What CUDA runs by default where the test above runs torch: Triton attention, the Triton decode
+    steps and conv extend in place on the pool, the packed (varlen) extend, and the CUDA-graph runner's
+    decode body (captured graphs replay exactly that body)."""
+    import sglang.srt.layers.attention.linear.gdn_decode_triton as gdn_decode
+    import sglang.srt.layers.attention.mamba.decode_triton as mamba_decode
+    import sglang.srt.layers.attention.triton_ops.decode_attention as decode_attention
+    import sglang.srt.layers.attention.triton_ops.extend_attention as extend_attention
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    launches = _RecordedLaunches()
+    for module in (gdn_decode, mamba_decode, decode_attention, extend_attention):
+        monkeypatch.setattr(module, "jit_for_env", launches)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what lets `--attention-backend triton` start without CUDA
+    for var, value in [
+        (envs.SGLANG_GDN_DECODE_BACKEND, "triton"),
+        (envs.SGLANG_MAMBA2_DECODE_BACKEND, "triton"),
+        (envs.SGLANG_GDN_EXTEND_BACKEND, "torch_varlen"),  # FLA's on a GPU; the same packed layout
+        (envs.SGLANG_MAMBA2_EXTEND_BACKEND, "torch_varlen"),
+        (envs.SGLANG_CPU_LINEAR_ATTN_BACKEND, "torch"),
+    ]:
+        monkeypatch.setenv(var.name, value)
+    with DeviceAudit() as audit:
+        runner, copier = _meta_runner(preset, audit, attention_backend="triton")
+        linear = runner.attn_backend.linear_attn_backend
+        assert linear.decode_in_place and linear.varlen_impl is not None
+        driver = RunnerDriver(runner)
+        a, b = driver.new_request(), driver.new_request()
+        chunk = runner.arch.kernel_state_chunk
+        driver.extend(
+            [Extend(a, list(range(3, 3 + 2 * chunk + 5)), track_seqlen=chunk), Extend(b, [5] * 40)],
+            return_logprob=False,
+        )
+        # The batch's copy, then the conv kernel's and the packed extend's index tensors, one copy
+        # each (built on the host, so none waits for the device).
+        _check_forward(audit, d2h=0, h2d=3)
+        runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False)
+        _check_forward(audit, d2h=0, h2d=0)  # capturing the body copies nothing
+        track = {a: driver.alloc_mamba_slots(1)[0]}
+        driver.decode([a, b], track=track, return_logprob=False)
+        _check_forward(audit, d2h=0)
+    decode_step = "_gdn_decode_kernel" if "qwen" in preset else "_mamba2_decode_kernel"
+    kernels = {name for name, _ in launches.calls}
+    assert {"_extend_kernel", "_decode_stage1_kernel", "_conv_extend_kernel", decode_step} <= kernels, kernels
+    assert all(devices == {"meta"} for _, devices in launches.calls), launches.calls
+    assert copier.devices and set(copier.devices) == {"meta"}
 
 
 def test_a_result_copy_that_never_completes_trips_the_watchdog():
