@@ -104,6 +104,65 @@ def test_a_body_that_reads_host_values_cannot_be_captured():
         CudaGraphRunner(runner, [2], use_graphs=False)
 
 
+class _FakeGraph:
+    """What the runner keeps of a capture: `replay` runs the captured body into the captured output."""
+
+    def __init__(self, runner: CudaGraphRunner, fb, out: torch.Tensor):
+        self.runner, self.fb, self.out = runner, fb, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.runner._body(self.fb))
+
+
+def test_a_bucket_that_cannot_be_captured_is_left_to_the_next_one(interpret, monkeypatch, caplog):
+    """The capture bookkeeping of `use_graphs=True` with stand-in graphs: a bucket whose capture fails
+    is left out (its batches replay the next larger graph, padded), a graph-unsafe body stops the
+    start, and a replay returns the captured output, as the eager decode."""
+    import sglang.srt.model_executor.cuda_graph_runner as cgr
+
+    def capture_one(self, fb, pool):
+        if fb.batch_size == 4:
+            raise RuntimeError("out of graph memory")
+        out = self._body(fb).clone()
+        return _FakeGraph(self, fb, out), out
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(cgr.CudaGraphRunner, "_capture_one", capture_one)
+    runs = []
+    for graphs in (True, False):
+        runner = _triton_runner("tiny-qwen3-next")
+        if graphs:
+            with caplog.at_level("WARNING"):
+                runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4, 8], use_graphs=True)
+            assert runner.graph_runner.bs_list == [1, 2, 8] and sorted(runner.graph_runner.graphs) == [
+                1,
+                2,
+                8,
+            ]
+            assert runner.graph_runner.bucket(3) == 8
+            assert "size 4 cannot be captured" in caplog.text and "next larger captured size" in caplog.text
+            replays = _count_replays(runner.graph_runner)
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request() for _ in range(3)]
+        driver.extend([Extend(r, random_ids(9 + i, seed=i)) for i, r in enumerate(reqs)])
+        res = [driver.decode(reqs) for _ in range(2)]
+        runs.append(
+            ([r.next_token_ids.tolist() for r in res], torch.cat([r.next_token_logprobs for r in res]))
+        )
+        if graphs:
+            assert replays == [3, 3]
+    (tok_g, lp_g), (tok_e, lp_e) = runs
+    assert tok_g == tok_e
+    torch.testing.assert_close(lp_g, lp_e, rtol=1e-5, atol=1e-5)  # padded matmuls: see the test above
+
+    def unsafe(self, fb, pool):
+        raise GraphUnsafeError("read a host list")
+
+    monkeypatch.setattr(cgr.CudaGraphRunner, "_capture_one", unsafe)
+    with pytest.raises(GraphUnsafeError):
+        CudaGraphRunner(_triton_runner("tiny-qwen3-next"), [2], use_graphs=True)
+
+
 def test_capture_sizes_and_flags(monkeypatch):
     args = ServerArgs()
     assert capture_bs_list(args, 256)[:6] == [1, 2, 4, 8, 12, 16] and capture_bs_list(args, 256)[-1] == 160

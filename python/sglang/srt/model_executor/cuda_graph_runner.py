@@ -183,9 +183,10 @@ class CudaGraphRunner:
                     self.graphs[bs], self.outputs[bs] = self._capture_one(fb, pool)
                 except GraphUnsafeError:
                     raise
-                except Exception as e:  # noqa: BLE001 - one bucket that cannot be captured runs eagerly
-                    logger.warning("Decode batch size %d cannot be captured in a CUDA graph (%s); it runs "
-                                   "eagerly.", bs, e)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - a bucket that cannot be captured is left out
+                    logger.warning("Decode batch size %d cannot be captured in a CUDA graph (%s); its batches "
+                                   "replay the next larger captured size, or run eagerly above the largest.",
+                                   bs, e)  # fmt: skip
                     self.graphs.pop(bs, None)
 
     def _capture_one(self, fb: ForwardBatch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
