@@ -120,16 +120,18 @@ def _compile(fn, signature: dict, constexprs: dict, pointers: int) -> str:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
-@pytest.mark.parametrize("state", ["fp32", "bf16"])
-def test_compiles_for_sm90(state):
+# (state dtype, activation dtype): the model's dtype on a GPU is bfloat16 (`--dtype auto`), so the conv
+# kernels read bfloat16 inputs, weights and bias there.
+@pytest.mark.parametrize("state,act", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")])
+def test_compiles_for_sm90(state, act):
     """Nemotron-H-8B shapes (128 heads of 64, 8 groups, N = 128; conv over 10,240 channels, width 4) and
     Qwen3-Next-80B's conv (8,192 channels): the decode kernels and the extend conv's two kernels
     compile for an H100 from this CPU machine."""
     from sglang.srt.layers.attention.mamba import decode_triton as mod
 
     conv_sig = {
-        "x_ptr": "*fp32", "state_ptr": f"*{state}", "slot_ptr": "*i64", "w_ptr": "*fp32",
-        "bias_ptr": "*fp32", "out_ptr": "*fp32", "slot_stride": "i64",
+        "x_ptr": f"*{act}", "state_ptr": f"*{state}", "slot_ptr": "*i64", "w_ptr": f"*{act}",
+        "bias_ptr": f"*{act}", "out_ptr": "*fp32", "slot_stride": "i64",
         **{k: "constexpr" for k in ("CHANNELS", "KEEP", "BKEEP", "BC", "HAS_BIAS")},
     }  # fmt: skip
     for channels, bias in ((10240, True), (8192, False)):
@@ -149,15 +151,15 @@ def test_compiles_for_sm90(state):
     consts = {"HEADS": 128, "P": 64, "N": 128, "GROUPS": 8, "BP": mod.head_block(64, 128), "BN": 128}
     assert ".target sm_90" in _compile(mod._mamba2_decode_kernel, ssm_sig, consts, 7)
     ext_sig = {
-        "x_ptr": "*fp32", "state_ptr": f"*{state}", "cu_ptr": "*i64", "slot_ptr": "*i64", "w_ptr": "*fp32",
-        "bias_ptr": "*fp32", "out_ptr": "*fp32", "slot_stride": "i64",
+        "x_ptr": f"*{act}", "state_ptr": f"*{state}", "cu_ptr": "*i64", "slot_ptr": "*i64", "w_ptr": f"*{act}",
+        "bias_ptr": f"*{act}", "out_ptr": "*fp32", "slot_stride": "i64",
         **{k: "constexpr" for k in ("CHANNELS", "KEEP", "BT", "BC", "HAS_BIAS")},
     }  # fmt: skip
     bc = mod.conv_block(10240, 3)
     consts = {"CHANNELS": 10240, "KEEP": 3, "BT": 2048 // bc, "BC": bc, "HAS_BIAS": True}
     assert ".target sm_90" in _compile(mod._conv_extend_kernel, ext_sig, consts, 7)
     win_sig = {
-        "x_ptr": "*fp32", "state_ptr": f"*{state}",
+        "x_ptr": f"*{act}", "state_ptr": f"*{state}",
         **{k: "*i64" for k in ("cu_ptr", "slot_ptr", "seq_ptr", "off_ptr", "dst_ptr")}, "slot_stride": "i64",
         **{k: "constexpr" for k in ("CHANNELS", "KEEP", "BKEEP", "BC")},
     }  # fmt: skip

@@ -124,7 +124,13 @@ def test_extend_with_prefix_matches_the_torch_twin(interpret, hq, hk, d, dtype, 
         torch.testing.assert_close(out[qs].double(), want, **TOL[dtype])
 
 
+# sm_90's largest shared memory per block (227 KiB): a kernel that asks for more compiles but fails at
+# launch, so only a GPU run would show it.
+SM90_MAX_SHARED = 232448
+
+
 def _compile_sm90(fn, signature: dict, constexprs: dict) -> str:
+    """The kernel's PTX for an H100, after checking that its shared memory fits one block."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -133,15 +139,28 @@ def _compile_sm90(fn, signature: dict, constexprs: dict) -> str:
     pointers = [i for i, t in enumerate(signature.values()) if t.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}  # 16-byte aligned, as at launch
     src = ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert compiled.metadata.shared <= SM90_MAX_SHARED, f"{fn.__name__}: {compiled.metadata.shared} bytes"
+    return compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize(
-    "dtype,kv", [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv"), ("bf16", "fp8e5"), ("fp16", "bf16")]
+    "dtype,kv,d",
+    [
+        ("bf16", "bf16", 256),
+        ("fp32", "fp32", 256),
+        ("bf16", "fp8e4nv", 256),
+        ("bf16", "fp8e5", 256),
+        ("fp16", "bf16", 256),
+        ("fp16", "fp16", 256),  # --dtype float16: float16 tensor-core dots
+        ("fp16", "fp8e4nv", 256),
+        ("bf16", "bf16", 128),  # Nemotron-H's head size: other tiles
+    ],
 )
-def test_kernels_compile_for_sm90(dtype, kv):
-    """Qwen3-Next-80B's full attention: 16 query heads, 2 KV heads, 256 dims; `kv`: the pool's dtype
-    (float8 for --kv-cache-dtype fp8_e4m3 / fp8_e5m2, whose tensor-core dots take the query's dtype)."""
+def test_kernels_compile_for_sm90(dtype, kv, d):
+    """Qwen3-Next-80B's full attention: 16 query heads, 2 KV heads, 256 dims (`d`: 128 for Nemotron-H);
+    `kv`: the pool's dtype (float8 for --kv-cache-dtype fp8_e4m3 / fp8_e5m2, whose tensor-core dots
+    take the query's dtype). Each fits sm_90's shared memory per block (`_compile_sm90`)."""
     from sglang.srt.layers.attention.triton_ops import decode_attention as dec
     from sglang.srt.layers.attention.triton_ops import extend_attention as ext
 
@@ -160,7 +179,7 @@ def test_kernels_compile_for_sm90(dtype, kv):
     ptx = _compile_sm90(
         dec._decode_stage1_kernel,
         stage1,
-        dict(NUM_Q_HEADS=16, GROUP=8, D=256, BLOCK_D=256, BLOCK_H=16, BLOCK_N=dec.BLOCK_N, NUM_SPLITS=8, F32_DOT=ieee),
+        dict(NUM_Q_HEADS=16, GROUP=8, D=d, BLOCK_D=d, BLOCK_H=16, BLOCK_N=dec.BLOCK_N, NUM_SPLITS=8, F32_DOT=ieee),
     )  # fmt: skip
     assert ".target sm_90" in ptx
     stage2 = {
@@ -168,10 +187,10 @@ def test_kernels_compile_for_sm90(dtype, kv):
         **{n: "constexpr" for n in ("NUM_Q_HEADS", "D", "BLOCK_D", "NUM_SPLITS", "BLOCK_S")},
     }  # fmt: skip
     ptx = _compile_sm90(
-        dec._decode_stage2_kernel, stage2, dict(NUM_Q_HEADS=16, D=256, BLOCK_D=256, NUM_SPLITS=8, BLOCK_S=8)
+        dec._decode_stage2_kernel, stage2, dict(NUM_Q_HEADS=16, D=d, BLOCK_D=d, NUM_SPLITS=8, BLOCK_S=8)
     )
     assert ".target sm_90" in ptx
-    block_m, block_n = ext.block_sizes(256)
+    block_m, block_n = ext.block_sizes(d)
     extend = {
         "q_ptr": f"*{dtype}", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}", "o_ptr": f"*{dtype}",
         "req_to_token_ptr": "*i32", "rows_ptr": "*i64", "seq_lens_ptr": "*i64", "extend_lens_ptr": "*i64",
@@ -183,7 +202,7 @@ def test_kernels_compile_for_sm90(dtype, kv):
     ptx = _compile_sm90(
         ext._extend_kernel,
         extend,
-        dict(GROUP=8, D=256, BLOCK_D=256, BLOCK_M=block_m, BLOCK_N=block_n, F32_DOT=ieee),
+        dict(GROUP=8, D=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=block_n, F32_DOT=ieee),
     )
     assert ".target sm_90" in ptx
 
