@@ -27,7 +27,8 @@ register_cpu_ci(est_time=2, suite="per-commit-cpu")
     "body, param, code",
     [
         (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "invalid_value"),
-        (b'{"prompt": "x", "max_tokens": "3"}', "max_tokens", "invalid_type"),
+        (b'{"prompt": "x", "max_tokens": "three"}', "max_tokens", "invalid_type"),
+        (b'{"prompt": "x", "max_tokens": 2.5}', "max_tokens", "invalid_value"),
         (b'{"prompt": "x", "temperature": -0.1}', "temperature", "invalid_value"),
         (b'{"prompt": "x", "top_p": 0}', "top_p", "invalid_value"),
         (b'{"prompt": "x", "top_k": 0}', "top_k", "invalid_value"),
@@ -46,6 +47,17 @@ def test_completion_request_errors(body, param, code):
     assert (e.value.param, e.value.code) == (param, code)
     if param:
         assert e.value.message.startswith(param)
+
+
+def test_values_upstream_takes_are_taken():
+    """Upstream's request models validate in pydantic's lax mode: numbers as strings, whole floats for
+    integers and booleans for counts are converted, not refused."""
+    req = parse_model(
+        CompletionRequest,
+        b'{"prompt": "x", "max_tokens": 5.0, "temperature": "0.5", "logprobs": true, "stream": "true"}',
+    )
+    assert (req.max_tokens, req.temperature, req.logprobs, req.stream) == (5, 0.5, 1, True)
+    assert type(req.max_tokens) is int and type(req.logprobs) is int
 
 
 def test_chat_errors_name_nested_fields():

@@ -1,8 +1,9 @@
 """OpenAI-compatible request and response models (pydantic), with OpenAI's field names.
 
-Requests are validated strictly (no string-to-number coercion) straight from the JSON body; a failure
-becomes a `RequestError` naming the field (`request_error_from_validation`). Unknown fields are
-ignored, as OpenAI clients send vendor extensions.
+Requests are validated straight from the JSON body in pydantic's lax mode, as upstream's models are (what
+upstream takes, we take: `5.0` or `"5"` for an integer, `true` for a count of 1; `5.5` or `"five"` is
+refused); a failure becomes a `RequestError` naming the field (`request_error_from_validation`).
+Unknown fields are ignored, as OpenAI clients send vendor extensions.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ MAX_TOP_LOGPROBS = 20
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(_Request):
