@@ -242,6 +242,39 @@ def test_sse_framing_and_deltas():
     assert SSE_DONE == b"data: [DONE]\n\n"
 
 
+def test_chat_stream_ends_each_choice_with_a_finish_chunk_and_echoes_the_model():
+    """As upstream: the text's chunks carry no finish reason; a chunk of its own with an empty delta
+    does. Replies name the model the request named (the served name when it named none)."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    serving, _ = _chat_serving()
+    req = parse_model(
+        ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}], "stream": true}'
+    )
+    chunks = [
+        {"text": "He", "meta_info": {"id": "r", "finish_reason": None}},
+        {"text": "Hello", "meta_info": {"id": "r", "finish_reason": {"type": "stop", "matched": 7}}},
+    ]
+
+    async def rest():
+        yield chunks[1]
+
+    async def collect(req):
+        return [orjson.loads(e[6:]) async for e in serving.stream_events(req, None, chunks[0], rest())]
+
+    events = asyncio.run(collect(req))
+    choices = [e["choices"][0] for e in events]
+    assert [c["delta"] for c in choices] == [{"role": "assistant", "content": ""}, {"content": "He"},
+                                             {"content": "llo"}, {}]  # fmt: skip
+    assert [c["finish_reason"] for c in choices] == [None, None, None, "stop"]
+    assert choices[-1]["matched_stop"] == 7 and choices[2]["matched_stop"] is None
+    assert {e["model"] for e in events} == {"m"}
+    named = parse_model(
+        ChatCompletionRequest, b'{"model": "my-model", "messages": [{"role": "user", "content": "x"}]}'
+    )
+    assert {e["model"] for e in asyncio.run(collect(named))} == {"my-model"}
+
+
 def test_sse_stream_ends_with_done_even_after_an_error():
     async def events():
         yield b"data: 1\n\n"

@@ -198,11 +198,20 @@ class OpenAIServingBase:
         own per-choice state across chunks (how many logprob entries it sent)."""
         raise NotImplementedError
 
+    def stream_choices(self, req: Any, index: int, delta: str, meta: dict, progress: dict) -> list[BaseModel]:
+        """The events' choices for one chunk of the output (`stream_choice`'s, by default)."""
+        choice = self.stream_choice(req, index, delta, meta, progress)
+        return [] if choice is None else [choice]
+
+    def response_model_name(self, req: Any) -> str:
+        """The `model` of a reply: the request's, as upstream echoes it, else the served model's name."""
+        return req.model or self.model_name
+
     def build_response(self, req: Any, obj: GenerateReqInput, first: Any) -> BaseModel:
         outs = as_list(first)
         return self.response_model(
             id=f"{self.id_prefix}{outs[0]['meta_info']['id']}",
-            model=self.model_name,
+            model=self.response_model_name(req),
             choices=[self.make_choice(req, i, out) for i, out in enumerate(outs)],
             usage=UsageInfo(**usage(outs, req.n)),
         )
@@ -213,14 +222,13 @@ class OpenAIServingBase:
         """Chunks carry each choice's whole text so far; events carry the new part. With
         `stream_options.include_usage` a last event has no choices and the usage."""
         stream_id = f"{self.id_prefix}{first['meta_info']['id']}"
+        model = self.response_model_name(req)
         sent_text: dict[int, int] = {}
         progress: dict[int, Any] = {}
         last: dict[int, dict] = {}
 
         def event(choices: list[BaseModel], **extra: Any) -> bytes:
-            return sse(
-                self.stream_response_model(id=stream_id, model=self.model_name, choices=choices, **extra)
-            )
+            return sse(self.stream_response_model(id=stream_id, model=model, choices=choices, **extra))
 
         chunk = first
         while chunk is not None:
@@ -232,8 +240,7 @@ class OpenAIServingBase:
                     yield event([opening])
             delta = chunk["text"][sent_text[i] :]
             sent_text[i] = len(chunk["text"])
-            choice = self.stream_choice(req, i, delta, chunk["meta_info"], progress)
-            if choice is not None:
+            for choice in self.stream_choices(req, i, delta, chunk["meta_info"], progress):
                 yield event([choice])
             last[i] = chunk
             chunk = await anext(gen, None)

@@ -104,6 +104,25 @@ class OpenAIServingChat(OpenAIServingBase):
         # OpenAI's first chunk of a choice carries the role only.
         return ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
 
+    def stream_choices(
+        self, req: ChatCompletionRequest, index: int, delta: str, meta: dict, progress: dict
+    ) -> list[ChatStreamChoice]:
+        """As upstream (and OpenAI), the finish reason comes in a choice of its own with an empty delta,
+        after the last text."""
+        choice = self.stream_choice(req, index, delta, meta, progress)
+        if choice is None or choice.finish_reason is None:
+            return [] if choice is None else [choice]
+        ending = ChatStreamChoice(
+            index=index,
+            delta=DeltaMessage(),
+            finish_reason=choice.finish_reason,
+            matched_stop=choice.matched_stop,
+        )
+        if choice.delta.content is None and choice.logprobs is None:
+            return [ending]
+        choice.finish_reason = choice.matched_stop = None
+        return [choice, ending]
+
     def stream_choice(
         self, req: ChatCompletionRequest, index: int, delta: str, meta: dict, progress: dict
     ) -> ChatStreamChoice | None:
