@@ -69,6 +69,9 @@ class ServerArgs:
     max_request_body_size: int | None = None
     # None: a quarter of the max running requests, at least 64 (`request_validation`).
     max_samples_per_request: int | None = None
+    # Where a chat request's unset sampling fields come from: "model" (the checkpoint's
+    # generation_config.json, upstream's default) or "openai" (the API's own defaults).
+    sampling_defaults: str = "model"
 
     # Memory and scheduling
     mem_fraction_static: float | None = None
@@ -363,6 +366,13 @@ class ServerArgs:
             default=None,
             help="Most sequences one request may start (prompts x n); default: a quarter of the max running "
             "requests, at least 64.",
+        )
+        g.add_argument(
+            "--sampling-defaults",
+            default=default("sampling_defaults"),
+            choices=["openai", "model"],
+            help="model: a chat request's unset temperature / top_p / top_k / min_p come from the checkpoint's "
+            "generation_config.json, as upstream; openai: the API's defaults (1.0, 1.0, off, 0).",
         )
 
         g = parser.add_argument_group("memory and scheduling")

@@ -109,7 +109,7 @@ class _TemplateTokenizer:
         return "\n".join(lines) + ("\nassistant: " if add_generation_prompt else "")
 
 
-def _chat_serving(context_len: int = 100) -> tuple[OpenAIServingChat, list[str]]:
+def _chat_serving(context_len: int = 100, sampling_defaults=None) -> tuple[OpenAIServingChat, list[str]]:
     """Chat serving over a fake tokenizer manager whose `encode` gives one id per character (the texts
     it encoded go to the returned list)."""
     encoded: list[str] = []
@@ -121,7 +121,7 @@ def _chat_serving(context_len: int = 100) -> tuple[OpenAIServingChat, list[str]]
     tm = SimpleNamespace(
         tokenizer=_TemplateTokenizer(), encode=encode, limits=SimpleNamespace(context_len=context_len)
     )
-    return OpenAIServingChat(tm, "m"), encoded
+    return OpenAIServingChat(tm, "m", sampling_defaults), encoded
 
 
 def _chat_input(serving: OpenAIServingChat, body: dict):
@@ -162,6 +162,32 @@ def test_chat_template_kwargs_and_continue_final_message():
     with pytest.raises(RequestError) as e:
         _chat_input(serving, {"messages": [user], "chat_template_kwargs": {"tokenize": True}})
     assert e.value.param == "chat_template_kwargs" and "tokenize" in e.value.message
+
+
+def test_sampling_defaults_model_takes_the_checkpoints_generation_config(tmp_path, caplog):
+    import json
+
+    from sglang.srt.sampling.model_defaults import model_sampling_defaults
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    assert model_sampling_defaults(str(tmp_path)) == {}, "no generation_config.json: nothing"
+    config = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+    (tmp_path / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 1.05}))
+    with caplog.at_level("WARNING"):
+        defaults = model_sampling_defaults(str(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+    assert "repetition_penalty 1.05" in caplog.text, "a setting this server lacks is named, not applied"
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 0}))
+    assert model_sampling_defaults(str(tmp_path)) == {"top_k": -1}, "transformers' top_k 0 is off"
+
+    serving, _ = _chat_serving(sampling_defaults=defaults)
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    params = _chat_input(serving, hi).sampling_params
+    assert {k: params[k] for k in defaults} == defaults
+    params = _chat_input(serving, {**hi, "temperature": 0, "top_k": 5}).sampling_params
+    assert (params["temperature"], params["top_k"], params["top_p"]) == (0, 5, 0.95), "the request's win"
+    assert ServerArgs().sampling_defaults == "model", "upstream's default"
+    assert prepare_server_args(["--sampling-defaults", "openai"]).sampling_defaults == "openai"
 
 
 @pytest.mark.parametrize("name, value", [("regex", "[0-9]+"), ("json_schema", "{}"), ("ebnf", "root ::= x"),

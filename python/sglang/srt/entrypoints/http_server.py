@@ -40,6 +40,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import ClientDisconnected, ServerAbortError, TokenizerManager
 from sglang.srt.metrics.collector import MetricsCollector
+from sglang.srt.sampling.model_defaults import model_sampling_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,14 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
     model_name = server_args.served_model_name
     metrics = MetricsCollector(model_name) if server_args.enable_metrics else None
     tm.observer = metrics
-    chat = OpenAIServingChat(tm, model_name)
+    sampling_defaults = {}
+    if server_args.sampling_defaults == "model":
+        sampling_defaults = model_sampling_defaults(server_args.model_config.path)
+        if sampling_defaults:
+            logger.info(
+                "Chat requests take the model's sampling defaults for unset fields: %s.", sampling_defaults
+            )
+    chat = OpenAIServingChat(tm, model_name, sampling_defaults)
     completions = OpenAIServingCompletion(tm, model_name)
 
     @asynccontextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sglang.srt.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -54,6 +56,12 @@ class OpenAIServingChat(OpenAIServingBase):
         "top_logprobs_num": "top_logprobs",
     }
 
+    def __init__(self, tokenizer_manager, model_name: str, sampling_defaults: dict[str, Any] | None = None):
+        """`sampling_defaults`: sampling_params for the fields a request leaves unset (the model's
+        recommendation, `model_sampling_defaults`)."""
+        super().__init__(tokenizer_manager, model_name)
+        self.sampling_defaults = dict(sampling_defaults or {})
+
     async def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's token ids. With `continue_final_message` and an assistant message last, as
         upstream: the template renders the messages before it with the generation prompt, and that
@@ -79,6 +87,8 @@ class OpenAIServingChat(OpenAIServingBase):
         # Without max_tokens / max_completion_tokens an answer runs to its end or the context length,
         # as upstream's chat (the native default, 128 tokens, is /generate's).
         sampling_params.setdefault("max_new_tokens", self.tm.limits.context_len - len(input_ids))
+        for name, value in self.sampling_defaults.items():  # --sampling-defaults model
+            sampling_params.setdefault(name, value)
         return GenerateReqInput(
             input_ids=input_ids,
             sampling_params=sampling_params,
