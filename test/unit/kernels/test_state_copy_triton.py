@@ -65,6 +65,37 @@ def test_track_copy_copies_masked_rows_only(interpret):
     assert_same(states, want)
 
 
+def test_more_rows_than_one_launch_takes_go_in_several(interpret, monkeypatch):
+    """A CUDA grid holds at most 65,535 rows (`MAX_ROWS_PER_LAUNCH`): more go in several launches, each
+    with its slice of the ids and the mask. Lowered to 3 here, so 8 rows take three launches."""
+    from sglang.srt.mem_cache.state_copy import triton_impl
+
+    monkeypatch.setattr(triton_impl, "MAX_ROWS_PER_LAUNCH", 3)
+    n, num_slots = 8, 19
+    states = make_states(num_slots, "tiny", (torch.bfloat16, torch.float32), seed=1)
+    copier = StateCopier(states, "triton")
+    src, dst = disjoint_rows(n, num_slots, seed=1)
+    poison(states, dst + [0])
+    want = expected_copy(states, src, dst)
+    copier.copy(src, dst)
+    assert_same(states, want)
+    running, track = disjoint_rows(n, num_slots, seed=2)
+    mask = [True, False, False, True, True, True, False, True]  # no chunk of 3 repeats another
+    poison(states, track + [0])
+    want = expected_copy(states, running, track, mask)
+    copier.track_copy(torch.tensor(running), torch.tensor(track), torch.tensor(mask))
+    assert_same(states, want)
+    want = expected_clear(states, dst)
+    copier.clear(dst)
+    assert_same(states, want)
+    # The start-up warm-up (copy, clear and masked copy of dummy row 0) moves nothing.
+    before = [s.clone() for s in states]
+    copier._impl.warm_up()
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, states, strict=True)
+    )
+
+
 def test_a_failing_triton_kernel_is_reported_once_and_refused(interpret, monkeypatch, caplog):
     from sglang.srt.mem_cache import state_copy
     from sglang.srt.mem_cache.state_copy import triton_impl
