@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -16,3 +19,27 @@ def ops():
     module, reason = load_extension("cpu")
     assert module is not None, f"the sgl-kernel CPU extension is not built: {reason}"
     return torch.ops.sgl_kernel
+
+
+class _FlaModules:
+    """Makes flash-linear-attention missing or importable (empty stand-in modules: the backend
+    selection only imports it) for one test."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+
+    def missing(self) -> None:
+        for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+            self.monkeypatch.delitem(sys.modules, name)
+        self.monkeypatch.setitem(sys.modules, "fla", None)  # `import fla...` raises ImportError
+
+    def importable(self, submodule: str) -> None:
+        parts = submodule.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            self.monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+
+
+@pytest.fixture
+def fla_modules(monkeypatch) -> _FlaModules:
+    return _FlaModules(monkeypatch)

@@ -32,6 +32,29 @@ def _inputs(lengths: list[int], hk: int, hv: int, d: int, device: str, seed: int
     return q, k, v, decay, beta, h0, torch.tensor(cu, device=device), cu
 
 
+def test_cuda_auto_takes_fla_where_it_imports_and_warns_where_not(monkeypatch, caplog, fla_modules):
+    """The selection on a GPU, without one: `auto` on CUDA takes FLA when it imports, else the
+    per-request torch form with a warning naming the fix; `fla` asked for and missing is an error; CPU
+    `auto` never takes it."""
+    from sglang.srt.environ import envs
+    from sglang.srt.layers.attention.linear import gdn_varlen
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setenv(envs.SGLANG_GDN_EXTEND_BACKEND.name, "auto")
+    fla_modules.missing()
+    with caplog.at_level("WARNING"):
+        assert gdn_varlen.gdn_varlen_impl(cuda) is None
+    assert "pip install fla-core" in caplog.text
+    monkeypatch.setenv(envs.SGLANG_GDN_EXTEND_BACKEND.name, "fla")
+    with pytest.raises(ImportError):
+        gdn_varlen.gdn_varlen_impl(cuda)
+    fla_modules.importable("fla.ops.common.chunk_delta_h")
+    assert gdn_varlen.gdn_varlen_impl(cuda) is gdn_varlen.chunk_gdn_varlen_fla
+    monkeypatch.setenv(envs.SGLANG_GDN_EXTEND_BACKEND.name, "auto")
+    assert gdn_varlen.gdn_varlen_impl(cuda) is gdn_varlen.chunk_gdn_varlen_fla
+    assert gdn_varlen.gdn_varlen_impl(cpu) is None
+
+
 def test_the_twin_returns_every_chunk_start_state():
     """Chunk state offsets(cu)[i] + c is sequence i's state after c * C tokens: lengths 1, C - 1, C,
     C + 1 and 2C + 3 (3 chunks)."""

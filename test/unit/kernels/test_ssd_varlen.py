@@ -32,6 +32,31 @@ def _inputs(lengths: list[int], heads: int, p: int, groups: int, n: int, device:
     return x, dt, a, b, c, d, h0, torch.tensor(cu, device=device), cu
 
 
+def test_cuda_auto_takes_fla_at_a_chunk_it_divides(monkeypatch, caplog, fla_modules):
+    """The selection on a GPU, without one: `auto` on CUDA takes FLA (states every 64 tokens) when it
+    imports and 64 divides the model's chunk; otherwise the per-request torch form, with the reason in
+    a warning; `fla` asked for and unable to serve is an error naming the reason."""
+    from sglang.srt.environ import envs
+    from sglang.srt.layers.attention.mamba import ssd_varlen
+
+    cuda = torch.device("cuda")
+    monkeypatch.setenv(envs.SGLANG_MAMBA2_EXTEND_BACKEND.name, "auto")
+    fla_modules.missing()
+    with caplog.at_level("WARNING"):
+        assert ssd_varlen.ssd_varlen_impl(cuda, 256) == (None, 256)
+    assert "flash-linear-attention is unavailable" in caplog.text
+    fla_modules.importable("fla.ops.common.chunk_h")
+    assert ssd_varlen.ssd_varlen_impl(cuda, 256) == (ssd_varlen.ssd_varlen_fla, 64)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert ssd_varlen.ssd_varlen_impl(cuda, 100) == (None, 100)
+    assert "chunk size 100 is not a multiple of FLA's 64" in caplog.text
+    monkeypatch.setenv(envs.SGLANG_MAMBA2_EXTEND_BACKEND.name, "fla")
+    with pytest.raises(ValueError, match="chunk size 100"):
+        ssd_varlen.ssd_varlen_impl(cuda, 100)
+    assert ssd_varlen.ssd_varlen_impl(torch.device("cpu"), 256) == (ssd_varlen.ssd_varlen_fla, 64)
+
+
 def test_the_twin_returns_every_chunk_start_state():
     """Lengths 1, S - 1, S, S + 1, 2S + 3 with S = 16; 4 heads over 2 groups."""
     from sglang.srt.layers.attention.mamba.ssd_varlen import ssd_varlen_torch
