@@ -387,8 +387,8 @@ class ServerArgs:
             default=default("kv_cache_dtype"),
             choices=KV_CACHE_DTYPE_CHOICES,
             help="The full-attention layers' KV cache dtype: auto (the model's), bf16 / bfloat16, fp8_e4m3 or "
-            "fp8_e5m2 (stored unscaled, as upstream without k_scale / v_scale). Attention still computes in "
-            "the model's dtype. fp4_e2m1 is not supported.",
+            "fp8_e5m2 (stored unscaled, as upstream without k_scale / v_scale). Attention reads the stored "
+            "values converted (docs/server.md). fp4_e2m1 is not supported.",
         )
         g.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
         g.add_argument("--disable-radix-cache", action="store_true")

@@ -136,6 +136,9 @@ def test_chat_without_max_tokens_may_run_to_the_context_length():
     obj = _chat_input(serving, hi)
     assert obj.sampling_params["max_new_tokens"] == 100 - len(obj.input_ids), "not /generate's 128"
     assert _chat_input(serving, {**hi, "max_tokens": 5}).sampling_params["max_new_tokens"] == 5
+    obj = _chat_input(serving, {**hi, "min_tokens": 500})
+    room = 100 - len(obj.input_ids)
+    assert (obj.sampling_params["max_new_tokens"], obj.sampling_params["min_new_tokens"]) == (room, room)
     both = {**hi, "max_tokens": 10, "max_completion_tokens": 3}
     assert _chat_input(serving, both).sampling_params["max_new_tokens"] == 3, "the newer name wins"
     # /v1/completions keeps OpenAI's default of 16.
@@ -162,6 +165,28 @@ def test_chat_template_kwargs_and_continue_final_message():
     with pytest.raises(RequestError) as e:
         _chat_input(serving, {"messages": [user], "chat_template_kwargs": {"tokenize": True}})
     assert e.value.param == "chat_template_kwargs" and "tokenize" in e.value.message
+    # An answer that goes on from an assistant message alone.
+    _chat_input(serving, {"messages": [started], "continue_final_message": True})
+    assert encoded[-1] == "\nassistant: Once upon"
+
+
+def test_chat_template_kwargs_are_template_variables_only():
+    """Not the arguments of transformers' `apply_chat_template` (the real tokenizer's): `chat_template`
+    would render a template the request brings on the server, `tools` would pass the tools refusal."""
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+    serving, _ = _chat_serving()
+    serving.tm.tokenizer = get_tokenizer("tiny-qwen3-next")
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    for name, value in [
+        ("chat_template", "{{ 7 * 7 }}"),
+        ("tools", [{"type": "function"}]),
+        ("documents", []),
+    ]:
+        with pytest.raises(RequestError) as e:
+            _chat_input(serving, {**hi, "chat_template_kwargs": {name: value}})
+        assert e.value.param == "chat_template_kwargs" and name in e.value.message
+    _chat_input(serving, {**hi, "chat_template_kwargs": {"enable_thinking": False}})  # a variable: fine
 
 
 def test_sampling_defaults_model_takes_the_checkpoints_generation_config(tmp_path, caplog):
@@ -186,6 +211,14 @@ def test_sampling_defaults_model_takes_the_checkpoints_generation_config(tmp_pat
     assert {k: params[k] for k in defaults} == defaults
     params = _chat_input(serving, {**hi, "temperature": 0, "top_k": 5}).sampling_params
     assert (params["temperature"], params["top_k"], params["top_p"]) == (0, 5, 0.95), "the request's win"
+    # A value no request could send is left out (else every chat leaving the field unset would fail);
+    # a whole float for top_k is its integer; a file that is not a JSON object gives no defaults.
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"top_k": 20.0, "temperature": "0.7", "top_p": 0})
+    )
+    assert model_sampling_defaults(str(tmp_path)) == {"top_k": 20}
+    (tmp_path / "generation_config.json").write_text("[1, 2")
+    assert model_sampling_defaults(str(tmp_path)) == {}
     assert ServerArgs().sampling_defaults == "model", "upstream's default"
     assert prepare_server_args(["--sampling-defaults", "openai"]).sampling_defaults == "openai"
 
@@ -203,8 +236,9 @@ def test_upstream_extras_this_server_lacks_are_refused_not_ignored(name, value):
             name,
             "unsupported_parameter",
         ) and "not supported" in e.value.message
-        # What clients send for "unset" passes.
-        parse_model(model, orjson.dumps({**body, name: None}))
+        # What clients send for "unset" passes (for the flag, any false value of the lax mode).
+        for unset in (None, False, "false", 0) if name == "no_stop_trim" else (None,):
+            parse_model(model, orjson.dumps({**body, name: unset}))
 
 
 def test_native_errors_are_renamed_to_openai_fields():
@@ -299,6 +333,13 @@ def test_chat_stream_ends_each_choice_with_a_finish_chunk_and_echoes_the_model()
         ChatCompletionRequest, b'{"model": "my-model", "messages": [{"role": "user", "content": "x"}]}'
     )
     assert {e["model"] for e in asyncio.run(collect(named))} == {"my-model"}
+    # An ending that adds no text and no logprob entries (an abort) is the finish chunk alone.
+    with_logprobs = parse_model(
+        ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}'
+    )
+    chunks[1] = {"text": "He", "meta_info": {"id": "r", "finish_reason": {"type": "abort"}}}
+    choices = [e["choices"][0] for e in asyncio.run(collect(with_logprobs))]
+    assert [c["finish_reason"] for c in choices] == [None, None, "abort"] and choices[-1]["delta"] == {}
 
 
 def test_sse_stream_ends_with_done_even_after_an_error():

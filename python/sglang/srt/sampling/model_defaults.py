@@ -8,6 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from sglang.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
+
 logger = logging.getLogger(__name__)
 
 # The generation_config keys upstream takes, by our sampling_params name.
@@ -22,10 +24,29 @@ def model_sampling_defaults(model_path: str) -> dict[str, Any]:
     path = Path(model_path) / "generation_config.json"
     if not path.is_file():
         return {}
-    config = json.loads(path.read_text())
-    out = {k: config[k] for k in _KEYS if config.get(k) is not None}
-    if out.get("top_k") == 0:
-        out["top_k"] = -1
+    try:
+        config = json.loads(path.read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        logger.warning("The model's generation_config.json cannot be read (%s); no sampling defaults.", e)
+        return {}
+    out = {}
+    for key in _KEYS:
+        value = config.get(key)
+        if value is None:
+            continue
+        if key == "top_k" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if key == "top_k" and value == 0:
+            value = -1
+        try:
+            SamplingParams.from_dict({key: value})
+        except (SamplingParamsError, TypeError) as e:
+            # A value no request could send would make every chat that leaves the field unset fail.
+            logger.warning("The model's generation_config.json %s %r is left out: %s", key, value, e)
+            continue
+        out[key] = value
     penalty = config.get("repetition_penalty")
     if penalty not in (None, 1, 1.0):
         logger.warning(

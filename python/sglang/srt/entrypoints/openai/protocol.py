@@ -66,7 +66,7 @@ class _SamplingFields(_Request):
     json_schema: Any = None
     ebnf: Any = None
     logit_bias: Any = None
-    no_stop_trim: Any = None
+    no_stop_trim: bool | None = None
     # Prefill/decode disaggregation: added by sglang-router's PD mode (see GenerateReqInput).
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
@@ -230,21 +230,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise _field_error("tools", "tools (function calling) are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise _field_error("response_format", "only the 'text' response format is supported")
-        reserved = sorted(set(self.chat_template_kwargs or {}) & CHAT_TEMPLATE_RESERVED)
-        if reserved:
-            raise _field_error(
-                "chat_template_kwargs", f"chat_template_kwargs.{reserved[0]} is set by the server"
-            )
         # OpenAI's newer name wins over the older one, as upstream (`max_completion_tokens or max_tokens`).
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
-
-
-# Arguments of `apply_chat_template` the server sets itself.
-CHAT_TEMPLATE_RESERVED = frozenset(
-    {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict"}
-)
 
 
 class _FieldError(ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from sglang.srt.entrypoints.openai.protocol import (
@@ -44,6 +45,12 @@ def chat_logprobs(meta: dict, start: int) -> ChoiceLogprobs:
     return ChoiceLogprobs(content=content)
 
 
+def _template_arguments(tokenizer: Any) -> set[str]:
+    """The named parameters of the tokenizer's `apply_chat_template`."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
 class OpenAIServingChat(OpenAIServingBase):
     request_model = ChatCompletionRequest
     response_model = ChatCompletionResponse
@@ -71,11 +78,22 @@ class OpenAIServingChat(OpenAIServingBase):
             raise RequestError("This model has no chat template; use /v1/completions.", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prefix = ""
-        if req.continue_final_message and len(messages) > 1 and messages[-1]["role"] == "assistant":
+        if req.continue_final_message and messages[-1]["role"] == "assistant":
             prefix = messages.pop()["content"]
+        variables = req.chat_template_kwargs or {}
+        # Only the template's own variables: not apply_chat_template's arguments (`chat_template`
+        # would let a request render a template of its own on the server, `tools` would pass the
+        # tools refusal).
+        named = sorted(set(variables) & _template_arguments(tokenizer))
+        if named:
+            raise RequestError(
+                f"chat_template_kwargs.{named[0]} is an argument of the chat template call, not a "
+                "template variable.",
+                "chat_template_kwargs",
+            )
         try:
             prompt = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **(req.chat_template_kwargs or {})
+                messages, tokenize=False, add_generation_prompt=True, **variables
             )
         except Exception as e:  # a template may refuse a role order or a role (jinja raise_exception)
             raise RequestError(f"The chat template rejected the messages: {e}", "messages") from None
@@ -86,7 +104,11 @@ class OpenAIServingChat(OpenAIServingBase):
         sampling_params = req.sampling_params()
         # Without max_tokens / max_completion_tokens an answer runs to its end or the context length,
         # as upstream's chat (the native default, 128 tokens, is /generate's).
-        sampling_params.setdefault("max_new_tokens", self.tm.limits.context_len - len(input_ids))
+        if "max_new_tokens" not in sampling_params:
+            room = self.tm.limits.context_len - len(input_ids)
+            sampling_params["max_new_tokens"] = room
+            if sampling_params.get("min_new_tokens", 0) > room:  # as the native default does
+                sampling_params["min_new_tokens"] = room
         for name, value in self.sampling_defaults.items():  # --sampling-defaults model
             sampling_params.setdefault(name, value)
         return GenerateReqInput(
@@ -128,7 +150,7 @@ class OpenAIServingChat(OpenAIServingBase):
             finish_reason=choice.finish_reason,
             matched_stop=choice.matched_stop,
         )
-        if choice.delta.content is None and choice.logprobs is None:
+        if choice.delta.content is None and not (choice.logprobs and choice.logprobs.content):
             return [ending]
         choice.finish_reason = choice.matched_stop = None
         return [choice, ending]
