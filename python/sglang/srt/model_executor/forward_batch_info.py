@@ -249,6 +249,10 @@ class ForwardBatch:
     # with the batch).
     future_slots: torch.Tensor | None = None
 
+    # Backends' index tensors built on the host before the batch moves (`prepare_host_metadata`), by
+    # name: `to_device` moves them with the batch's own.
+    aux_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
     # Set by the model runner.
     attn_backend: Any = None
     # RoPE cos/sin of this batch's positions, computed by the first attention layer and read by the
@@ -286,11 +290,14 @@ class ForwardBatch:
         owners = [(self, name) for name in self.TENSOR_FIELDS]
         owners += [(info, name) for name in SamplingBatchInfo.TENSOR_FIELDS]
         tensors = [getattr(obj, name) for obj, name in owners]
+        aux = list(self.aux_tensors)
+        tensors += [self.aux_tensors[name] for name in aux]
         tensors += [slots for _, _, slots in self.req_to_token_writes]
         moved = move_to_device(tensors, device)
         for (obj, name), t in zip(owners, moved[: len(owners)], strict=True):
             setattr(obj, name, t)
-        writes = moved[len(owners) :]
+        self.aux_tensors = dict(zip(aux, moved[len(owners) : len(owners) + len(aux)], strict=True))
+        writes = moved[len(owners) + len(aux) :]
         self.req_to_token_writes = [
             (row, start, slots)
             for (row, start, _), slots in zip(self.req_to_token_writes, writes, strict=True)

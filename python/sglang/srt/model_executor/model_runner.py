@@ -137,6 +137,7 @@ class ModelRunner:
         with torch.inference_mode():
             if fb.forward_mode.is_idle() or fb.batch_size == 0:
                 return GenerationBatchResult(next_token_ids=torch.empty(0, dtype=torch.int64))
+            self.attn_backend.prepare_host_metadata(fb)  # what goes in the batch's one copy
             fb.to_device(self.device)
             fb.attn_backend = self.attn_backend
             self._rewrite_req_to_token(fb)

@@ -39,6 +39,11 @@ class HybridLinearAttnBackend:
     def mamba_pool(self) -> MambaPool:
         return self.linear_attn_backend.mamba_pool
 
+    def prepare_host_metadata(self, fb: ForwardBatch) -> None:
+        """Before the batch moves to the device: index tensors built on the host go with it
+        (`ForwardBatch.aux_tensors`)."""
+        self.linear_attn_backend.prepare_host_metadata(fb)
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_extend():
             self._execute_deferred_mamba_cow_and_clear(fb)

@@ -127,9 +127,9 @@ class MambaAttnBackendBase:
         if fb.forward_mode.is_extend():
             seqs = self._extend_seqs(fb)
             cpu_extend = _cpu_extend_args(seqs) if self.cpu_ops is not None else None
-            device = self.mamba_pool.conv_state.device
-            triton_extend = _triton_extend_args(seqs, device) if self.decode_in_place else None
-            varlen = _varlen_args(seqs, self.varlen_chunk, device) if self.varlen_impl else None
+            device, aux = self.mamba_pool.conv_state.device, fb.aux_tensors
+            triton_extend = _triton_extend_args(seqs, aux, device) if self.decode_in_place else None
+            varlen = _varlen_args(seqs, self.varlen_chunk, aux, device) if self.varlen_impl else None
             self.meta = LinearMetadata(
                 slots=fb.mamba_pool_indices,
                 extend=seqs,
@@ -141,6 +141,18 @@ class MambaAttnBackendBase:
             self.meta = LinearMetadata(slots=fb.mamba_pool_indices, track_rows=self._decode_track_rows(fb))
         else:
             self.meta = LinearMetadata()
+
+    def prepare_host_metadata(self, fb: ForwardBatch) -> None:
+        """Before the batch moves to the device: an extend's index tensors for the Triton conv and the
+        packed kernels go into `fb.aux_tensors`, so they reach the device in the batch's one copy
+        (`init_forward_metadata` then takes them from there)."""
+        if not fb.forward_mode.is_extend() or not (self.decode_in_place or self.varlen_impl):
+            return
+        seqs = self._extend_seqs(fb)
+        if self.decode_in_place:
+            fb.aux_tensors.update(zip(_TRITON_KEYS, _triton_extend_host(seqs), strict=True))
+        if self.varlen_impl:
+            fb.aux_tensors.update(zip(_VARLEN_KEYS, _varlen_host(seqs, self.varlen_chunk), strict=True))
 
     def _tracked_rows(self, fb: ForwardBatch) -> list[int]:
         mask = fb.mamba_track_mask_cpu
@@ -352,23 +364,44 @@ def _cpu_extend_args(seqs: list[ExtendSeq]) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _triton_extend_args(
-    seqs: list[ExtendSeq], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], int]:
-    """The Triton conv's description, built on the host and moved in one copy: (cu_seqlens, slots,
-    (snap_sequence, snap_offset, snap_slot), the longest extend)."""
+# `ForwardBatch.aux_tensors` names of the extend index tensors (`prepare_host_metadata`).
+_TRITON_KEYS = tuple(
+    f"linear.conv.{name}" for name in ("cu", "slots", "snap_seq", "snap_offset", "snap_slot")
+)
+_VARLEN_KEYS = tuple(
+    f"linear.varlen.{name}" for name in ("cu", "chunk_rows", "chunk_slots", "final_rows", "final_slots")
+)
+
+
+def _moved(keys: tuple[str, ...], aux: dict[str, torch.Tensor], host: Any, device: torch.device) -> list:
+    """The tensors `keys` as moved with the batch, or (not prepared) `host()` moved in a copy of their own."""
     from sglang.srt.model_executor.forward_batch_info import move_to_device
 
+    if keys[0] in aux:
+        return [aux[k] for k in keys]
+    return move_to_device(host(), device)
+
+
+def _triton_extend_host(seqs: list[ExtendSeq]) -> list[torch.Tensor]:
+    """The Triton conv's description on the host: cu_seqlens, slots, then the snapshots' (sequence,
+    offset, slot) columns."""
     cu, slots, snaps = _extend_layout(seqs)
     columns = [[e[k] for e in snaps] for k in range(3)]
-    moved = move_to_device([host_int64(v) for v in (cu, slots, *columns)], device)
+    return [host_int64(v) for v in (cu, slots, *columns)]
+
+
+def _triton_extend_args(
+    seqs: list[ExtendSeq], aux: dict[str, torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], int]:
+    """The Triton conv's description on the device: (cu_seqlens, slots, (snap_sequence, snap_offset,
+    snap_slot), the longest extend)."""
+    moved = _moved(_TRITON_KEYS, aux, lambda: _triton_extend_host(seqs), device)
     return moved[0], moved[1], tuple(moved[2:]), max((s.length for s in seqs), default=0)
 
 
-def _varlen_args(seqs: list[ExtendSeq], chunk_size: int, device: torch.device) -> VarlenExtend:
-    """`VarlenExtend` of the batch, its index tensors built on the host and moved in one copy."""
-    from sglang.srt.model_executor.forward_batch_info import move_to_device
-
+def _varlen_host(seqs: list[ExtendSeq], chunk_size: int) -> list[torch.Tensor]:
+    """`VarlenExtend`'s index tensors on the host: cu_seqlens, then the intermediate snapshots' (chunk
+    row, slot) and the final-state snapshots' (sequence, slot) columns."""
     cu = list(itertools.accumulate((s.length for s in seqs), initial=0))
     first = chunk_offsets(cu, chunk_size)
     inter, final = [], []
@@ -380,7 +413,15 @@ def _varlen_args(seqs: list[ExtendSeq], chunk_size: int, device: torch.device) -
                 # t.offset is a multiple of the kernel chunk, which chunk_size divides.
                 inter.append((first[i] + t.offset // chunk_size, t.slot))
     columns = [[r for r, _ in inter], [s for _, s in inter], [r for r, _ in final], [s for _, s in final]]
-    moved = move_to_device([host_int64(cu), *(host_int64(c) for c in columns)], device)
+    return [host_int64(cu), *(host_int64(c) for c in columns)]
+
+
+def _varlen_args(
+    seqs: list[ExtendSeq], chunk_size: int, aux: dict[str, torch.Tensor], device: torch.device
+) -> VarlenExtend:
+    """`VarlenExtend` of the batch, its index tensors on the device."""
+    moved = _moved(_VARLEN_KEYS, aux, lambda: _varlen_host(seqs, chunk_size), device)
+    cu = list(itertools.accumulate((s.length for s in seqs), initial=0))
     return VarlenExtend(moved[0], cu, *moved[1:])
 
 
