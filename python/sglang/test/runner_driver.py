@@ -11,8 +11,9 @@ itself, and filling the deferred clear / copy fields as the scheduler does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
@@ -112,8 +113,14 @@ class RunnerDriver:
         return slots
 
     def extend(
-        self, items: Sequence[Extend], return_logprob: bool = True, top_logprobs_num: int = 0
+        self,
+        items: Sequence[Extend],
+        return_logprob: bool = True,
+        top_logprobs_num: int = 0,
+        forward: Callable[[ForwardBatch], Any] | None = None,
     ) -> GenerationBatchResult:
+        """`forward` runs the batch (default: the runner's `forward_batch_generation`; e.g. the forward
+        worker's path instead); what it returns needs `next_token_ids`."""
         reqs = [it.req for it in items]
         writes, clear, cow_src, cow_dst = [], [], [], []
         prefix, new_slots = [], []
@@ -158,7 +165,7 @@ class RunnerDriver:
             extend_logprob_start_lens=[it.logprob_start for it in items],
             extend_logprob_next_ids=[it.next_token for it in items],
         )
-        result = self.runner.forward_batch_generation(fb)
+        result = (forward or self.runner.forward_batch_generation)(fb)
         sampled = result.next_token_ids.tolist()  # one read of the device, not one per request
         for it, slots, token in zip(items, new_slots, sampled, strict=True):
             it.req.token_ids = it.req.token_ids + list(it.tokens)

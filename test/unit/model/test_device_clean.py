@@ -8,6 +8,8 @@ the packed extend, the CUDA-graph decode body, their launches recorded instead o
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -193,6 +195,23 @@ def test_the_cuda_default_kernels_are_device_clean(preset, monkeypatch):
         # The conv kernel's and the packed extend's index tensors are built on the host before the
         # batch moves and go in its one copy (`prepare_host_metadata`).
         _check_forward(audit, d2h=0)
+        # The same through the forward worker, which moves the batch itself (the serving path).
+        worker = ForwardWorker(runner, future_size=16)
+        try:
+
+            def through_worker(fb):
+                host = worker._run_batch(LaunchedBatch(fb, batch_id=1)).wait()
+                return SimpleNamespace(next_token_ids=torch.tensor(host.next_token_ids))
+
+            c = driver.new_request()
+            driver.extend(
+                [Extend(c, list(range(5, 5 + chunk + 9)), track_seqlen=chunk)],
+                return_logprob=False,
+                forward=through_worker,
+            )
+            _check_forward(audit, d2h=1)  # the sampled ids come back
+        finally:
+            worker.shutdown()
         runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False)
         _check_forward(audit, d2h=0, h2d=0)  # capturing the body copies nothing
         track = {a: driver.alloc_mamba_slots(1)[0]}

@@ -250,8 +250,9 @@ class ForwardBatch:
     future_slots: torch.Tensor | None = None
 
     # Backends' index tensors built on the host before the batch moves (`prepare_host_metadata`), by
-    # name: `to_device` moves them with the batch's own.
+    # name: `to_device` moves them with the batch's own. `moved`: `ModelRunner.move_batch` ran.
     aux_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    moved: bool = False
 
     # Set by the model runner.
     attn_backend: Any = None

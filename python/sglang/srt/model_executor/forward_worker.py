@@ -222,7 +222,7 @@ class ForwardWorker:
             self.model_runner.req_to_token_pool.mamba_pool.copy_from(list(src), list(dst))
         if item.future_slots:
             fb.future_slots = host_int64(item.future_slots)
-        fb.to_device(self.device)
+        self.model_runner.move_batch(fb)
         if item.has_placeholders:
             ids = fb.input_ids
             fb.input_ids = torch.where(ids < 0, self.future_tokens[(-ids - 1).clamp(min=0)], ids)

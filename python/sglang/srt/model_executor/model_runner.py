@@ -137,8 +137,7 @@ class ModelRunner:
         with torch.inference_mode():
             if fb.forward_mode.is_idle() or fb.batch_size == 0:
                 return GenerationBatchResult(next_token_ids=torch.empty(0, dtype=torch.int64))
-            self.attn_backend.prepare_host_metadata(fb)  # what goes in the batch's one copy
-            fb.to_device(self.device)
+            self.move_batch(fb)
             fb.attn_backend = self.attn_backend
             self._rewrite_req_to_token(fb)
             if self.graph_runner is not None and self.graph_runner.can_run(fb):
@@ -165,6 +164,16 @@ class ModelRunner:
             input_token_logprobs=logits.input_token_logprobs,
             input_top_logprobs=logits.input_top_logprobs,
         )
+
+    def move_batch(self, fb: ForwardBatch) -> None:
+        """The batch on the model's device in one copy, with the backends' host-built index tensors
+        (`prepare_host_metadata`); a batch moved before is left alone. Whoever moves a batch first
+        (the forward worker, or `forward_batch_generation`) calls this."""
+        if fb.moved:
+            return
+        self.attn_backend.prepare_host_metadata(fb)
+        fb.to_device(self.device)
+        fb.moved = True
 
     def _rewrite_req_to_token(self, fb: ForwardBatch) -> None:
         """Prefix rewrites (e.g. a cache hit), before the new tokens' slots."""

@@ -143,9 +143,9 @@ class MambaAttnBackendBase:
             self.meta = LinearMetadata()
 
     def prepare_host_metadata(self, fb: ForwardBatch) -> None:
-        """Before the batch moves to the device: an extend's index tensors for the Triton conv and the
-        packed kernels go into `fb.aux_tensors`, so they reach the device in the batch's one copy
-        (`init_forward_metadata` then takes them from there)."""
+        """Before the batch moves to the device (`ModelRunner.move_batch`): an extend's index tensors
+        for the Triton conv and the packed kernels go into `fb.aux_tensors`, so they reach the device
+        in the batch's one copy (`init_forward_metadata` then takes them from there)."""
         if not fb.forward_mode.is_extend() or not (self.decode_in_place or self.varlen_impl):
             return
         seqs = self._extend_seqs(fb)
@@ -374,10 +374,11 @@ _VARLEN_KEYS = tuple(
 
 
 def _moved(keys: tuple[str, ...], aux: dict[str, torch.Tensor], host: Any, device: torch.device) -> list:
-    """The tensors `keys` as moved with the batch, or (not prepared) `host()` moved in a copy of their own."""
+    """The tensors `keys` as moved with the batch, or (not prepared, or prepared after the batch moved)
+    `host()` moved in a copy of their own."""
     from sglang.srt.model_executor.forward_batch_info import move_to_device
 
-    if keys[0] in aux:
+    if keys[0] in aux and aux[keys[0]].device == device:
         return [aux[k] for k in keys]
     return move_to_device(host(), device)
 
