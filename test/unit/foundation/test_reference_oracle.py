@@ -74,3 +74,58 @@ def test_greedy_matches_full_forward_argmax(oracles):
     out = ref.greedy(prompt, 8)
     logits = ref.logits(prompt + out)
     assert out == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
+# Kernel packages transformers swaps in for its torch functions when they import (its
+# `use_kernel_func_from_hub_with_fallback`): (package, submodule, functions). On the GPU machine
+# flash-linear-attention is installed, and its Triton kernels fail on the oracle's CPU tensors.
+FAKE_KERNEL_PACKAGES = [
+    ("fla", "ops.gated_delta_rule", ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]),
+    ("causal_conv1d", "", ["causal_conv1d_fn", "causal_conv1d_update"]),
+]
+_SCRIPT = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from sglang.srt.configs.presets import resolve_model_path
+from sglang.test.reference import ReferenceModel
+name, ids = sys.argv[1], json.loads(sys.argv[2])
+raw = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32)
+try:
+    raw(torch.tensor([ids]))
+    fake_ran = False
+except RuntimeError as e:
+    fake_ran = "fake kernel package" in str(e)
+print(json.dumps({"fake_ran": fake_ran, "lp": ReferenceModel(name).token_logprobs(ids).tolist()}))
+"""
+
+
+def test_the_oracle_runs_transformers_torch_code_beside_installed_kernel_packages(tmp_path, oracles):
+    """With kernel packages importable (fakes that raise here), the oracle still computes with
+    transformers' torch functions, and gets what it gets without them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    for package, sub, names in FAKE_KERNEL_PACKAGES:
+        parts = [package, *sub.split(".")] if sub else [package]
+        for depth in range(1, len(parts) + 1):
+            d = tmp_path.joinpath(*parts[:depth])
+            d.mkdir(exist_ok=True)
+            (d / "__init__.py").touch()
+        body = "".join(
+            f"def {n}(*a, **k):\n    raise RuntimeError('the fake kernel package ran')\n" for n in names
+        )
+        tmp_path.joinpath(*parts, "__init__.py").write_text(body)
+    ids = _ids(80, seed=7)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, "tiny-qwen3-next", json.dumps(ids)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["fake_ran"], "transformers did not pick up the fake kernel package: the test proves nothing"
+    # Same torch code on the same machine; 1e-6 allows another summation order across processes.
+    want = oracles["tiny-qwen3-next"].token_logprobs(ids)
+    assert (torch.tensor(got["lp"]) - want).abs().max().item() < 1e-6
