@@ -44,11 +44,13 @@ inline const bool* check_mask(const c10::optional<torch::Tensor>& mask, int64_t 
   return mask->data_ptr<bool>();
 }
 
-// Registers StateTable, copy(table, src, dst, mask=None) and clear(table, slots) on the module.
+// Registers StateTable, copy(table, src, dst, mask=None) and clear(table, slots) on the module. The CPU
+// and CUDA extensions both register a StateTable, and a process loads both on a GPU machine: the class is
+// module-local, else pybind11 refuses the second ("generic_type: type "StateTable" is already registered").
 template <typename CopyFn, typename ClearFn>
 void define_module(pybind11::module_& m, CopyFn copy, ClearFn clear) {
   namespace py = pybind11;
-  py::class_<StateTable>(m, "StateTable")
+  py::class_<StateTable>(m, "StateTable", py::module_local())
       .def(py::init(&make_table), py::arg("base"), py::arg("num_layers"), py::arg("layer_stride"),
            py::arg("slot_stride"), py::arg("row_bytes"), py::arg("num_slots"));
   m.def("copy", copy, "Copy the slot rows src[i] -> dst[i] of every state tensor (kept rows only).",

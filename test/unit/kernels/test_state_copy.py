@@ -22,7 +22,7 @@ from sglang.test.state_copy_checks import (
     poison,
 )
 
-register_cpu_ci(est_time=5, suite="per-commit-cpu")
+register_cpu_ci(est_time=30, suite="per-commit-cpu")
 
 CPU_IMPLS = ["torch", "cpp"]
 DTYPES = [
@@ -178,3 +178,32 @@ def test_host_slot_lists_reach_the_device_in_one_copy():
     (src, dst), (slots,) = Recording.calls
     assert src.device.type == dst.device.type == slots.device.type == "meta"
     assert src.shape == dst.shape == (2,) and src.dtype == torch.int64
+
+
+_TWIN_SCRIPT = """
+import sys, torch
+from torch.utils.cpp_extension import load
+from sglang.srt.utils import sgl_kernel
+real, why = sgl_kernel.load_extension("cpu")
+assert real is not None, why
+twin = load(name="sgl_kernel_state_copy_twin", sources=[str(sgl_kernel.SOURCE_DIR / "state_copy_cpu.cpp")],
+            extra_cflags=["-O0", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(sgl_kernel.SOURCE_DIR)], build_directory=sys.argv[1])
+assert real.StateTable is not twin.StateTable
+print("both loaded")
+"""
+
+
+def test_two_extensions_with_the_state_copy_binding_load_in_one_process(tmp_path):
+    """On a GPU machine one process loads the CPU and the CUDA extension, and both register a
+    StateTable: pybind11 refused the second ("already registered": the CUDA ops were unavailable on the
+    H200). A second CPU module built from the same binding stands in for the CUDA one here."""
+    import subprocess
+    import sys
+
+    if sgl_kernel.load_extension("cpu")[0] is None:
+        pytest.skip("the sgl-kernel CPU ops are not built here")
+    proc = subprocess.run(
+        [sys.executable, "-c", _TWIN_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and "both loaded" in proc.stdout, proc.stderr[-2000:]
