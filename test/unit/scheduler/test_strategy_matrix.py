@@ -92,9 +92,11 @@ def test_workloads_match_oracle_and_cache_rules(preset, strategy, overlap, page,
 
 
 # On CUDA in float32: the Triton attention's dots are IEEE, but flash-linear-attention's Gated DeltaNet
-# prefill runs its dots in TF32 (1.4e-4 relative per layer output, measured on an H100: the facts file);
-# a stale or misplaced state moves logprobs by O(0.1).
-GPU_ORACLE_TOL = 5e-3
+# prefill runs its dots in TF32 (1.4e-4 relative per layer output, measured on an H100: the facts file).
+# Measured on an H200 (2026-11-26): tiny-qwen3-next's first cold 486-token prompt errs by 7.53e-3, the
+# same in all four Qwen configurations (so the prefill's arithmetic, not the cache); tiny-nemotron-h passed
+# every workload within 5e-3. Twice the measurement; a stale or misplaced state moves logprobs by O(0.1).
+GPU_ORACLE_TOL = 1.5e-2
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
