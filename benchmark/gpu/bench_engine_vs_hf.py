@@ -17,11 +17,19 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+_T0 = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """A timestamped line on stderr, so a run stopped at its time limit shows where the time went."""
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def write_checkpoint(out: Path, small: bool) -> Path:
@@ -115,15 +123,20 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp), args.small)
+        progress("checkpoint written")
         hf = Hf(path, args.device, getattr(torch, dtype))
+        progress("HF model loaded")
         runs = {"engine, CUDA graphs": {}, "engine, no CUDA graph": {"disable_cuda_graph": True}}
         if args.device != "cuda":
             runs = {"engine": {}}
         for name, kwargs in runs.items():
             eng = Eng(path, args.device, dtype, **kwargs)
+            progress(f"{name}: started")
             try:
                 hf.generate(prompts, out_len)  # warm-up
+                progress("HF warm-up done")
                 eng.generate(prompts, out_len)
+                progress(f"{name}: warm-up done")
                 hf_t, eng_t = [], []
                 for _ in range(args.reps):
                     t = time.perf_counter()
@@ -133,6 +146,7 @@ def main() -> None:
                     t = time.perf_counter()
                     eng.generate(prompts, out_len)
                     eng_t.append(time.perf_counter() - t)
+                    progress(f"HF {hf_t[-1]:.2f} s, {name} {eng_t[-1]:.2f} s")
             finally:
                 eng.engine.shutdown()
             tokens = n * out_len

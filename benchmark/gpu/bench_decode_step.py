@@ -1,0 +1,122 @@
+"""Where one decode step goes, on the model runner (no scheduler): the issue's breakdown of wall time, GPU
+kernel time, kernel launches and host syncs per step, at batch 1 and 64, with CUDA graphs on and off.
+
+    python benchmark/gpu/bench_decode_step.py                       # on the GPU machine, ~1 min
+    python benchmark/gpu/bench_decode_step.py --device cpu --small  # a CPU check of the script
+
+Model: `bench_engine_vs_hf.py`'s random ~150M Qwen3-Next (bfloat16 on CUDA). Each request is prefilled
+with 256 tokens, then decoded. Wall: median of `--steps` timed steps, each ending in the driver's read of
+the sampled ids (the one sync a step is allowed). Kernels, launches and syncs: `torch.profiler` over 5
+steps, divided by 5 (nothing else runs inside the profiled region). A launch is a `cudaLaunchKernel`-like runtime call or one `cudaGraphLaunch`; a sync
+is a runtime call that waits for the device (stream / event / device synchronize, a blocking memcpy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine_vs_hf import write_checkpoint  # noqa: E402
+
+PROFILED = 5
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def _runner(path: Path, device: str, dtype: str, graphs: bool, max_bs: int):
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=str(path),
+        device=device,
+        dtype=dtype,
+        max_total_tokens=max_bs * 512,
+        max_mamba_cache_size=max_bs * 2 + 2,
+        max_running_requests=max_bs,
+        disable_cuda_graph=not graphs,
+        random_seed=0,
+    )
+    return ModelRunner(args)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(runner, device: str, batch: int, steps: int, prompt_len: int) -> dict:
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    driver = RunnerDriver(runner)
+    reqs = [driver.new_request() for _ in range(batch)]
+    g = torch.Generator().manual_seed(batch)
+    for i in range(0, batch, 8):  # prefill in groups of 8 requests
+        group = reqs[i : i + 8]
+        driver.extend([Extend(r, torch.randint(10, 2000, (prompt_len,), generator=g).tolist()) for r in group])
+    for _ in range(3):  # warm-up (and Triton compiles)
+        driver.decode(reqs)
+    _sync(device)
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        driver.decode(reqs)  # ends in next_token_ids.tolist()
+        walls.append(time.perf_counter() - t)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(PROFILED):
+            driver.decode(reqs)  # the last step's read of the ids waits for the device
+    kernel_us, launches, syncs = 0.0, 0, 0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        elif ev.name.startswith(LAUNCH_CALLS):
+            launches += 1
+        elif ev.name.startswith(SYNC_CALLS):
+            syncs += 1
+    for r in reqs:
+        driver.free(r)
+    return {
+        "batch": batch,
+        "wall_ms": round(statistics.median(walls) * 1e3, 3),
+        "gpu_kernel_ms": round(kernel_us / PROFILED / 1e3, 3),
+        "launches": launches / PROFILED,
+        "host_syncs": syncs / PROFILED,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--small", action="store_true", help="a narrow model, batches 1 and 4 (CPU check)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", help="also write the rows as JSON here")
+    args = parser.parse_args()
+    batches, prompt_len = ((1, 4), 32) if args.small else ((1, 64), 256)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp), args.small)
+        for graphs in (True, False) if args.device == "cuda" else (False,):
+            runner = _runner(path, args.device, dtype, graphs, max(batches))
+            for batch in batches:
+                row = {"cuda_graphs": graphs, **measure(runner, args.device, batch, args.steps, prompt_len)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del runner
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
