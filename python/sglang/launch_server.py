@@ -48,8 +48,8 @@ def launch_server(server_args: ServerArgs) -> int:
         failed_at = 0.0
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets=sockets)
-            if not self.should_exit:
+            await super().startup(sockets=sockets)  # the app's lifespan: start-up and warm-up request
+            if not self.should_exit and tm.health.error() is None:
                 logger.info("The server is fired up and ready to roll!")
 
         async def on_tick(self, counter: int) -> bool:

@@ -65,6 +65,7 @@ class ServerArgs:
     enable_metrics: bool = False
     log_level: str = "info"
     log_requests: bool = False
+    skip_server_warmup: bool = False
     # None: derived from the context length (`request_body_limit`).
     max_request_body_size: int | None = None
     # None: a quarter of the max running requests, at least 64 (`request_validation`).
@@ -354,6 +355,12 @@ class ServerArgs:
         g.add_argument("--enable-metrics", action="store_true")
         g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
         g.add_argument("--log-requests", action="store_true")
+        g.add_argument(
+            "--skip-server-warmup",
+            action="store_true",
+            help="Serve without the warm-up request (one short generation before the port listens, which "
+            "compiles and autotunes the GPU kernels at start rather than in the first user's request).",
+        )
         g.add_argument(
             "--max-request-body-size",
             type=int,

@@ -35,6 +35,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
 )
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.entrypoints.server_warmup import run_server_warmup
 from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
@@ -83,6 +84,11 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
     async def lifespan(app: FastAPI):
         await tm.start()
         log_startup(server_args, model_info, await tm.get_internal_state())
+        if not server_args.skip_server_warmup:  # before the port listens
+            failure = await run_server_warmup(tm, model_info["context_len"])
+            if failure is not None:
+                logger.error("%s", failure)
+                tm.health.declare(failure)  # the server answers 503 and shuts down (launch_server)
         yield
         await tm.close()
 

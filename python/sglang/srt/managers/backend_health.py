@@ -39,6 +39,7 @@ class BackendHealth:
         self.process_failure = process_failure
         self.last_heard = time.monotonic()
         self.stall: str | None = None
+        self.declared: str | None = None  # a failure found elsewhere (the server's warm-up request)
 
     def heard(self) -> None:
         """A message from the scheduler arrived."""
@@ -46,7 +47,11 @@ class BackendHealth:
 
     def error(self) -> str | None:
         """Why requests cannot be served, in one sentence, or None."""
-        return self.process_failure() or self.stall
+        return self.process_failure() or self.stall or self.declared
+
+    def declare(self, reason: str) -> None:
+        """Requests cannot be served, for a reason found outside this class (once and for good)."""
+        self.declared = self.declared or reason
 
     async def watch(self) -> None:
         """Run on the receiving loop until a stall is declared (a no-op with the watchdog off)."""

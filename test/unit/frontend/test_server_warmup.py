@@ -1,0 +1,76 @@
+"""The server's warm-up request (upstream's; --skip-server-warmup skips it): one short generation runs
+through the whole path before the port listens and "ready to roll" is logged, counts in no metric, and
+leaves nothing cached; a warm-up that fails stops the server with status 1 and one sentence."""
+
+from __future__ import annotations
+
+import re
+
+import requests
+
+from sglang.srt.configs.presets import resolve_model_path
+from sglang.srt.entrypoints.server_warmup import WARMUP_NEW_TOKENS, WARMUP_TEXT
+from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.test_utils import ServerProcess
+
+register_cpu_ci(est_time=25, suite="per-commit-cpu")
+
+MODEL = "tiny-qwen3-next"
+
+
+def _metric(text: str, name: str) -> float:
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)]
+    assert values, f"{name} is not in /metrics"
+    return sum(values)
+
+
+def test_the_warmup_runs_before_ready_counts_nowhere_and_leaves_nothing_cached():
+    server = ServerProcess(["--model-path", MODEL, "--enable-metrics"])
+    try:
+        server.wait_ready()
+        log = server.log_text()
+        done = re.search(r"Warm-up request done in [\d.]+ s: (\d+) prompt tokens, (\d+) generated", log)
+        assert done, log
+        assert int(done.group(2)) == WARMUP_NEW_TOKENS
+        assert log.index("Warm-up request done") < log.index("ready to roll")
+        metrics = requests.get(server.base_url + "/metrics", timeout=10).text
+        assert _metric(metrics, "sglang:prompt_tokens_total") == 0
+        # The warm-up's own prompt again: without the flush its final state would be a cache hit.
+        ids = get_tokenizer(resolve_model_path(MODEL)).encode(WARMUP_TEXT, add_special_tokens=False)
+        assert len(ids) == int(done.group(1))
+        body = {"input_ids": ids + [5, 6], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        out = requests.post(server.base_url + "/generate", json=body, timeout=60).json()
+        assert out["meta_info"]["cached_tokens"] == 0, out
+    finally:
+        server.stop()
+
+
+def test_skip_server_warmup_serves_without_it():
+    server = ServerProcess(["--model-path", MODEL, "--skip-server-warmup"])
+    try:
+        server.wait_ready()
+        log = server.log_text()
+        assert "ready to roll" in log and "Warm-up" not in log, log
+    finally:
+        server.stop()
+
+
+def test_a_failed_warmup_stops_the_server_with_status_1_and_one_sentence():
+    """The warm-up's forward outlasts --watchdog-timeout (a GPU kernel that hangs, say): the scheduler
+    reports the stall and exits, the warm-up fails, and the server never says it is ready."""
+    server = ServerProcess(
+        ["--model-path", MODEL, "--watchdog-timeout", "1"], env={"SGLANG_TEST_FORWARD_DELAY_MS": "4000"}
+    )
+    try:
+        code = server.proc.wait(90)
+        log = server.log_text()
+        assert code == 1, log
+        failed = [line for line in log.splitlines() if "The warm-up request failed (" in line]
+        assert len(failed) == 1 and failed[0].endswith(").") and ". " not in failed[0].split("failed (")[1], (
+            log
+        )
+        assert re.search(r"ERROR sglang\.launch_server: .* The server shuts down\.", log), log
+        assert "ready to roll" not in log and "Traceback" not in log, log
+    finally:
+        server.stop()
