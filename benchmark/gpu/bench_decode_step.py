@@ -7,7 +7,8 @@ kernel time, kernel launches and host syncs per step, at batch 1 and 64, with CU
 Model: `bench_engine_vs_hf.py`'s random ~150M Qwen3-Next (bfloat16 on CUDA). Each request is prefilled
 with 256 tokens, then decoded. Wall: median of `--steps` timed steps, each ending in the driver's read of
 the sampled ids (the one sync a step is allowed). Kernels, launches and syncs: `torch.profiler` over 5
-steps, divided by 5 (nothing else runs inside the profiled region). A launch is a `cudaLaunchKernel`-like runtime call or one `cudaGraphLaunch`; a sync
+steps, divided by 5 (nothing else runs inside the profiled region); on CUDA the 12 kernels that take the
+most GPU time per step follow each row (also in the JSON). A launch is a `cudaLaunchKernel`-like runtime call or one `cudaGraphLaunch`; a sync
 is a runtime call that waits for the device (stream / event / device synchronize, a blocking memcpy).
 """
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine_vs_hf import write_checkpoint  # noqa: E402
 
 PROFILED = 5
+TOP_KERNELS = 12
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 
@@ -92,7 +94,19 @@ def measure(runner, device: str, batch: int, steps: int, prompt_len: int) -> dic
         "gpu_kernel_ms": round(kernel_us / PROFILED / 1e3, 3),
         "launches": launches / PROFILED,
         "host_syncs": syncs / PROFILED,
+        "top_kernels": _top_kernels(prof) if device == "cuda" else [],
     }
+
+
+def _top_kernels(prof) -> list[str]:
+    """The kernels that take the most GPU time per step: "us per step, launches per step, name"."""
+    rows = []
+    for avg in prof.key_averages():
+        us = getattr(avg, "self_device_time_total", 0.0)
+        if us > 0:
+            rows.append((us / PROFILED, avg.count / PROFILED, avg.key[:90]))
+    rows.sort(reverse=True)
+    return [f"{us:8.1f} us {count:5.1f}x {name}" for us, count, name in rows[:TOP_KERNELS]]
 
 
 def main() -> None:
@@ -112,7 +126,8 @@ def main() -> None:
             for batch in batches:
                 row = {"cuda_graphs": graphs, **measure(runner, args.device, batch, args.steps, prompt_len)}
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
+                print("".join(f"    {line}\n" for line in row["top_kernels"]), end="", flush=True)
             del runner
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
