@@ -177,8 +177,9 @@ def test_a_stopped_scheduler_makes_the_server_unhealthy_then_exit(servers):
 
 def test_a_scheduler_watchdog_exit_fails_the_request_and_ends_the_server(servers):
     started, kids = servers
+    # No warm-up: its forward would be the one past the watchdog (test_server_warmup covers that).
     server = ServerProcess(
-        [*MODEL, "--watchdog-timeout", "2", "--disable-overlap-schedule"],
+        [*MODEL, "--watchdog-timeout", "2", "--disable-overlap-schedule", "--skip-server-warmup"],
         env={"SGLANG_TEST_FORWARD_DELAY_MS": "4000"},
     )
     started.append(server)
