@@ -26,8 +26,15 @@ from collections.abc import Callable
 
 import torch
 
-# H100 SXM HBM3: 3.35 TB/s.
-PEAK_BANDWIDTH = {"cuda": 3.35e12}
+# HBM bandwidth by GPU name: H100 SXM (HBM3) 3.35 TB/s, H200 (HBM3e) 4.8 TB/s; others: no fraction.
+PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def peak_bandwidth(device: str) -> float | None:
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
 
 
 def _timer(device: str) -> Callable[[Callable], float]:
@@ -217,8 +224,9 @@ def _ms(times: dict[str, float]) -> dict[str, float]:
 
 def _bandwidth(row: dict, device: str, nbytes: int, seconds: float) -> None:
     row["ours_GB_per_s"] = round(nbytes / seconds / 1e9, 1)
-    if device in PEAK_BANDWIDTH:
-        row["ours_fraction_of_peak"] = round(nbytes / seconds / PEAK_BANDWIDTH[device], 3)
+    peak = peak_bandwidth(device)
+    if peak is not None:
+        row["ours_fraction_of_peak"] = round(nbytes / seconds / peak, 3)
 
 
 def main() -> None:

@@ -1,0 +1,49 @@
+"""The GPU benchmark scripts keep working between the rare sessions that have a GPU (a script that
+crashes there wastes minutes of a 15-minute lease): each runs its CPU check and prints the rows its
+README describes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=45, suite="per-commit-cpu")
+
+GPU_BENCH = Path(__file__).resolve().parents[3] / "benchmark" / "gpu"
+
+
+def _rows(script: str, *args: str) -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(GPU_BENCH / script), "--device", "cpu", *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_bench_decode_step_prints_the_breakdown_per_batch():
+    rows = _rows("bench_decode_step.py", "--small", "--steps", "2")
+    assert [r["batch"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["wall_ms"] > 0 and set(r) >= {"gpu_kernel_ms", "launches", "host_syncs", "cuda_graphs"}
+
+
+def test_bench_engine_vs_hf_prints_the_ratio():
+    (row,) = _rows("bench_engine_vs_hf.py", "--small", "--reps", "1")
+    assert row["engine_tok_per_s"] > 0 and row["hf_tok_per_s"] > 0 and row["engine_over_hf"] > 0
+
+
+def test_bench_kernels_prints_every_kernel_row():
+    rows = _rows("bench_kernels.py", "--tiny", "--reps", "1")
+    kernels = [r["kernel"] for r in rows]
+    assert [k.split()[0:2] for k in kernels] == [
+        ["GDN", "prefill"], ["GDN", "decode"], ["GDN", "decode"], ["Mamba2", "decode"], ["Mamba2", "decode"],
+        ["attention", "decode"],
+    ]  # fmt: skip
+    assert all(all(ms > 0 for ms in r["ms"].values()) for r in rows)
