@@ -7,9 +7,11 @@ kernel time, kernel launches and host syncs per step, at batch 1 and 64, with CU
 Model: `bench_engine_vs_hf.py`'s random ~150M Qwen3-Next (bfloat16 on CUDA). Each request is prefilled
 with 256 tokens, then decoded. Wall: median of `--steps` timed steps, each ending in the driver's read of
 the sampled ids (the one sync a step is allowed). Kernels, launches and syncs: `torch.profiler` over 5
-steps, divided by 5 (nothing else runs inside the profiled region); on CUDA the 12 kernels that take the
-most GPU time per step follow each row (also in the JSON). A launch is a `cudaLaunchKernel`-like runtime call or one `cudaGraphLaunch`; a sync
-is a runtime call that waits for the device (stream / event / device synchronize, a blocking memcpy).
+steps, divided by 5; launches and syncs are counted inside the steps only (stopping the profiler
+synchronizes the device too). On CUDA the 12 kernels that take the most GPU time per step follow each
+row (also in the JSON). A launch is a `cudaLaunchKernel`-like runtime call or one `cudaGraphLaunch`; a
+sync is a runtime call that waits for the device (stream / event / device synchronize, a blocking
+memcpy).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine_vs_hf import write_checkpoint  # noqa: E402
 
 PROFILED = 5
+STEP = "decode_step"
 TOP_KERNELS = 12
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -77,14 +80,22 @@ def measure(runner, device: str, batch: int, steps: int, prompt_len: int) -> dic
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(PROFILED):
-            driver.decode(reqs)  # the last step's read of the ids waits for the device
+            with torch.profiler.record_function(STEP):
+                driver.decode(reqs)  # the last step's read of the ids waits for the device
+    # Host calls count inside the steps only: the profiler's own stop synchronizes the device too.
+    steps_at = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == STEP]
+    assert len(steps_at) == PROFILED, steps_at
+
+    def in_a_step(ev) -> bool:
+        return any(start <= ev.time_range.start <= end for start, end in steps_at)
+
     kernel_us, launches, syncs = 0.0, 0, 0
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernel_us += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-        elif ev.name.startswith(LAUNCH_CALLS):
+        elif ev.name.startswith(LAUNCH_CALLS) and in_a_step(ev):
             launches += 1
-        elif ev.name.startswith(SYNC_CALLS):
+        elif ev.name.startswith(SYNC_CALLS) and in_a_step(ev):
             syncs += 1
     for r in reqs:
         driver.free(r)
