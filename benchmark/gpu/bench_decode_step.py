@@ -32,8 +32,14 @@ from bench_engine_vs_hf import write_checkpoint  # noqa: E402
 PROFILED = 5
 STEP = "decode_step"
 TOP_KERNELS = 12
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
-LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernelEx",
+    "cudaGraphLaunch",
+)
 
 
 def _runner(path: Path, device: str, dtype: str, graphs: bool, max_bs: int):
@@ -66,7 +72,9 @@ def measure(runner, device: str, batch: int, steps: int, prompt_len: int) -> dic
     g = torch.Generator().manual_seed(batch)
     for i in range(0, batch, 8):  # prefill in groups of 8 requests
         group = reqs[i : i + 8]
-        driver.extend([Extend(r, torch.randint(10, 2000, (prompt_len,), generator=g).tolist()) for r in group])
+        driver.extend(
+            [Extend(r, torch.randint(10, 2000, (prompt_len,), generator=g).tolist()) for r in group]
+        )
     for _ in range(3):  # warm-up (and Triton compiles)
         driver.decode(reqs)
     _sync(device)
@@ -83,7 +91,13 @@ def measure(runner, device: str, batch: int, steps: int, prompt_len: int) -> dic
             with torch.profiler.record_function(STEP):
                 driver.decode(reqs)  # the last step's read of the ids waits for the device
     # Host calls count inside the steps only: the profiler's own stop synchronizes the device too.
-    steps_at = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == STEP]
+    # Kineto also reports each range as a GPU-side annotation: the host's ranges are the CPU ones.
+    cpu = torch.autograd.DeviceType.CPU
+    steps_at = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.name == STEP and e.device_type == cpu
+    ]
     assert len(steps_at) == PROFILED, steps_at
 
     def in_a_step(ev) -> bool:
@@ -92,10 +106,11 @@ def measure(runner, device: str, batch: int, steps: int, prompt_len: int) -> dic
     kernel_us, launches, syncs = 0.0, 0, 0
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            kernel_us += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            if ev.name != STEP:  # the annotation spans the step's kernels: not a kernel itself
+                kernel_us += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         elif ev.name.startswith(LAUNCH_CALLS) and in_a_step(ev):
             launches += 1
-        elif ev.name.startswith(SYNC_CALLS) and in_a_step(ev):
+        elif ev.name in SYNC_CALLS and in_a_step(ev):
             syncs += 1
     for r in reqs:
         driver.free(r)
@@ -113,6 +128,8 @@ def _top_kernels(prof) -> list[str]:
     """The kernels that take the most GPU time per step: "us per step, launches per step, name"."""
     rows = []
     for avg in prof.key_averages():
+        if avg.device_type != torch.autograd.DeviceType.CUDA or avg.key == STEP:
+            continue  # host ops (their device time is their kernels') and the step annotation
         us = getattr(avg, "self_device_time_total", 0.0)
         if us > 0:
             rows.append((us / PROFILED, avg.count / PROFILED, avg.key[:90]))
