@@ -10,6 +10,7 @@ server holds nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -20,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 WARMUP_TEXT = "The capital city of France is"
 WARMUP_NEW_TOKENS = 8
+# As upstream's warm-up request: long enough for a first forward that compiles and autotunes kernels,
+# finite where --watchdog-timeout is off and a forward hangs.
+WARMUP_TIMEOUT_S = 600.0
 
 
 async def run_server_warmup(tm: Any, context_len: int) -> str | None:
@@ -33,15 +37,15 @@ async def run_server_warmup(tm: Any, context_len: int) -> str | None:
         log_metrics=False,
     )
     start = time.monotonic()
-    out = None
     try:
-        async for chunk in tm.generate_request(obj):
-            out = chunk
+        out = await asyncio.wait_for(_generate(tm, obj), WARMUP_TIMEOUT_S)
+        flushed = await tm.flush_cache()
+    except TimeoutError:
+        return f"The warm-up request did not finish within {WARMUP_TIMEOUT_S:.0f} s."
     except Exception as e:  # noqa: BLE001 - any failure stops the start, named in one sentence
         reason = str(e).strip().rstrip(".") or type(e).__name__
         return f"The warm-up request failed ({reason})."
     generated = len(out["output_ids"]) if isinstance(out, dict) and "output_ids" in out else "?"
-    flushed = await tm.flush_cache()
     logger.info(
         "Warm-up request done in %.2f s: %d prompt tokens, %s generated%s (--skip-server-warmup skips it).",
         time.monotonic() - start,
@@ -50,3 +54,10 @@ async def run_server_warmup(tm: Any, context_len: int) -> str | None:
         "" if flushed.success else "; the cache was not flushed",
     )
     return None
+
+
+async def _generate(tm: Any, obj: GenerateReqInput) -> Any:
+    out = None
+    async for chunk in tm.generate_request(obj):
+        out = chunk
+    return out
