@@ -50,6 +50,15 @@ def use_torch_kernels(model: torch.nn.Module) -> list[str]:
     return swapped
 
 
+_ORACLE_MODULES_SWAPPED: set[str] = set()  # what use_torch_kernels has swapped in this process
+
+
+def _kernel_package_installed() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d"))
+
+
 class ReferenceModel:
     def __init__(self, model_path: str):
         from transformers import AutoModelForCausalLM
@@ -63,7 +72,14 @@ class ReferenceModel:
         ).eval()
         self.config = self.model.config
         self.arch = hybrid_arch_config(self.config)
-        use_torch_kernels(self.model)
+        swapped = use_torch_kernels(self.model)
+        if not swapped and _kernel_package_installed() and not _ORACLE_MODULES_SWAPPED:
+            # transformers before 5.17 binds the kernel packages per layer, where this cannot undo it.
+            raise RuntimeError(
+                "The oracle needs transformers >= 5.17 where flash-linear-attention or causal-conv1d is "
+                "installed: older versions run their GPU kernels on the oracle's CPU tensors."
+            )
+        _ORACLE_MODULES_SWAPPED.update(swapped)
 
     # ---- scoring ---------------------------------------------------------------------------------
 
