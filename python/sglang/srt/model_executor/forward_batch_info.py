@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -128,14 +129,33 @@ def _int64_bits(value: int) -> int:
 
 
 def host_int64(values: Sequence[int]) -> torch.Tensor:
-    """An int64 host tensor of `values`, through a packed `array` the tensor then shares: 3-4x faster
-    than `torch.tensor` on a list (~5 vs ~16 us for 256 ints), and every batch makes several."""
-    return _sharing(array("q", values), torch.int64)
+    """An int64 host tensor of `values`, packed by `struct` into a buffer the tensor then shares: every
+    batch makes several, and for 256 ints this is ~1.8x faster than through an `array` (which converts
+    int by int) and ~6x faster than `torch.tensor` on the list; 2.7x faster than `array` at 4,096."""
+    return _packed(values, "q", torch.int64)
 
 
 def host_float32(values: Sequence[float]) -> torch.Tensor:
     """A float32 host tensor of `values`, as `host_int64`."""
-    return _sharing(array("f", values), torch.float32)
+    return _packed(values, "f", torch.float32)
+
+
+_PACKERS: dict[tuple[int, str], struct.Struct] = {}  # by (length, code); bounded: see `_packed`
+_PACK_FROM = 16  # below this many values `array` is as fast (the struct call has a fixed cost)
+
+
+def _packed(values: Sequence, code: str, dtype: torch.dtype) -> torch.Tensor:
+    n = len(values)
+    if n < _PACK_FROM:
+        return _sharing(array(code, values), dtype)
+    packer = _PACKERS.get((n, code))
+    if packer is None:
+        if len(_PACKERS) >= 512:  # lengths of extends vary without bound
+            _PACKERS.clear()
+        packer = _PACKERS[(n, code)] = struct.Struct(f"={n}{code}")
+    buf = bytearray(packer.size)
+    packer.pack_into(buf, 0, *values)
+    return torch.frombuffer(buf, dtype=dtype)
 
 
 def host_bool(values: Sequence[bool]) -> torch.Tensor:
