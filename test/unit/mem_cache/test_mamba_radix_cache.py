@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mem_cache_sim import MemCacheSim, tag
 
@@ -153,7 +156,9 @@ def test_cache_finished_req_extra_buffer_inserts_up_to_the_track_position_while_
     batch feeds it): only the track snapshot goes in, and the KV past it is freed."""
     sim = MemCacheSim(chunk=4)
     ids, r = _decoded_to_38(sim)
-    r.num_inflight = 1
+    r.inflight = InflightBatches(8)
+    r.inflight.add(SimpleNamespace(reqs=[r], batch_size=1, sample_rows=[True]))
+    assert r.num_inflight == 1
     kv_before = sim.kv.available_size()
     sim.finish(r)
     assert sim.tree.total_size() == 36, "KV past the last snapshot is freed"

@@ -21,10 +21,11 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import PortArgs
-from sglang.srt.managers.schedule_batch import DecodeRowsCache, FutureSlots, Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import DecodeRowsCache, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
 from sglang.srt.managers.scheduler_components.decode_set import DecodeSetCache
+from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
@@ -81,7 +82,7 @@ class Scheduler(SchedulerIOMixin):
 
         future_size = 8 * self.max_running_requests + 64
         self.worker = ForwardWorker(self.model_runner, future_size)
-        self.future_slots = FutureSlots(future_size)
+        self.inflight = InflightBatches(future_size)  # built and not yet processed
         self.rows_cache = DecodeRowsCache(self.req_to_token_pool)
         self.counters = {
             "num_requests_total": 0,
@@ -147,7 +148,7 @@ class Scheduler(SchedulerIOMixin):
                 self.running.append(req)
         batch = ScheduleBatch(adder.reqs, ForwardMode.EXTEND, self._next_batch_id())
         spans = [(p, end) for _, p, end in adder.spans]
-        batch.prepare_for_extend(spans, self.tracker, self.tree_cache, self.future_slots)
+        batch.prepare_for_extend(spans, self.tracker, self.tree_cache, self.inflight)
         if self.cow_on_scheduler_thread:
             self._run_state_ops_here(batch)
         self._cache_prefill_snapshots(adder.spans)
@@ -222,10 +223,8 @@ class Scheduler(SchedulerIOMixin):
         reqs = self.decode_set.select(self.running)
         # One more KV slot each; while the pool (after evicting the tree) cannot give that, retract the
         # newest request.
-        out_cache_loc = None
-        while (
-            reqs and (out_cache_loc := alloc_for_decode(self.tree_cache, self.token_allocator, reqs)) is None
-        ):
+        allocated = None
+        while reqs and (allocated := alloc_for_decode(self.tree_cache, self.token_allocator, reqs)) is None:
             if self.result_processor.deferred_releases:
                 # Finished requests give their pages back once the batch in flight is processed, which
                 # a step without a new batch does at once: wait for that rather than retract anyone.
@@ -238,9 +237,7 @@ class Scheduler(SchedulerIOMixin):
             self.rows_cache.clear()
             return None
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
-        batch.prepare_for_decode(
-            out_cache_loc, self.tracker, self.tree_cache, self.future_slots, self.rows_cache
-        )
+        batch.prepare_for_decode(*allocated, self.tracker, self.tree_cache, self.inflight, self.rows_cache)
         return batch
 
     def _retract_or_abort(self, victim: Req) -> None:
@@ -322,6 +319,7 @@ class Scheduler(SchedulerIOMixin):
                     raise TimeoutError
         except (FutureTimeoutError, TimeoutError):
             raise SchedulerWatchdogError(self.stuck_forward_message(batch)) from None
+        self.inflight.landed(batch, result.next_token_ids)
         self.result_processor.process_batch_result(batch, result)
         self.processed_batch_id = batch.batch_id
         if self.record_events:
@@ -390,6 +388,7 @@ class Scheduler(SchedulerIOMixin):
 
     def check_integrity(self) -> None:
         assert not self.in_flight, "check_integrity needs the forward stream drained"
+        assert not self.inflight, "every batch built was launched and processed"
         check_integrity(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
 
     def is_idle(self) -> bool:

@@ -77,20 +77,25 @@ def alloc_for_extend(
 
 def alloc_for_decode(
     tree_cache: BasePrefixCache, token_allocator: PagedTokenAllocator, reqs: list[Req]
-) -> list[int] | None:
+) -> tuple[list[int], list[int]] | None:
     """One more KV slot for every request (a fresh page where its last one is full), or nothing (None).
-    Returns the new slots in request order (the step's `out_cache_loc`). The fresh pages are taken in
-    one allocation, in request order (what `alloc_extend` per request gives): this runs for every
-    running request at every decode step."""
+    Returns the new slots in request order (the step's `out_cache_loc`) and each request's KV length
+    after it (the step's `seq_lens`). The fresh pages are taken in one allocation, in request order
+    (what `alloc_extend` per request gives): this runs for every running request at every decode step,
+    so it is one pass over the requests."""
     page = token_allocator.page_size
+    lens: list[int] = []
+    append_len = lens.append
     if page == 1:  # every request opens a page: its slot is the page
         if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=len(reqs)):
             return None
         slots = token_allocator.alloc_pages(len(reqs))
         assert slots is not None, "the pages of this step were made free above"
         for req, slot in zip(reqs, slots, strict=True):
-            req.kv_indices.append(slot)
-        return slots
+            kv = req.kv_indices
+            kv.append(slot)
+            append_len(len(kv))
+        return slots, lens
     opens_page = [len(r.kv_indices) % page == 0 for r in reqs]
     need = sum(opens_page)
     if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=need):
@@ -103,7 +108,8 @@ def alloc_for_decode(
         kv = req.kv_indices
         kv.append(next(fresh) * page if opens else kv[-1] + 1)
         slots.append(kv[-1])
-    return slots
+        append_len(len(kv))
+    return slots, lens
 
 
 def alloc_mamba_slot(

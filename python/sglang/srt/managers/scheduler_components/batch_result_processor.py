@@ -71,10 +71,7 @@ class BatchResultProcessor:
         touched: list[Req] = []
         generated = 0
         for i, req in enumerate(batch.reqs):
-            req.num_inflight -= 1
             sampled = sample_rows[i]
-            if sampled:
-                req.inflight_tokens -= 1
             if req.finished_reason is not None:
                 self._release_landed(req)
                 continue
@@ -100,14 +97,16 @@ class BatchResultProcessor:
         """`process_batch_result_prefill` for a batch whose every row sampled a token and none has
         input logprobs: this runs for every running request at every step, so its loop is the short
         one, and `check_finished` runs only where the quick check (`set_quick_check`) says it may end
-        the request."""
+        the request. Most steps have no logprobs, snapshots or streams to handle: their loop is
+        shorter still (`_commit_decode_tokens`)."""
+        if result.next_token_logprobs is None and not batch.pending_tracks and not batch.any_stream:
+            self._commit_decode_tokens(batch, result)
+            return
         pending = batch.pending_tracks
         check_finished, logprobs = self.finisher.check_finished, result.next_token_logprobs is not None
         touched: list[Req] = []
         skipped = 0
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
-            req.num_inflight -= 1
-            req.inflight_tokens -= 1
             if req.finished_reason is not None:
                 skipped += 1
                 self._release_landed(req)
@@ -127,6 +126,28 @@ class BatchResultProcessor:
                 touched.append(req)  # what stream_output may send
         self.counters["num_generation_tokens_total"] += len(batch.reqs) - skipped
         self.stream_output(touched)
+
+    def _commit_decode_tokens(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
+        """The decode loop for a batch without logprobs, snapshots to commit or streaming requests:
+        commit each token, and only a request that finishes on it has more to do (release, send)."""
+        check_finished = self.finisher.check_finished
+        finished: list[Req] = []
+        skipped = 0
+        for req, token in zip(batch.reqs, result.next_token_ids, strict=True):
+            if req.finished_reason is not None:
+                skipped += 1
+                self._release_landed(req)
+                continue
+            out = req.output_ids
+            out.append(token)
+            if len(out) >= req.finish_check_len or token in req.finish_token_ids:
+                check_finished(req)
+                if req.finished_reason is not None:
+                    self._handle_finish_state_updated_req(req, None)
+                    finished.append(req)
+        self.counters["num_generation_tokens_total"] += len(batch.reqs) - skipped
+        if finished:
+            self.stream_output(finished)
 
     def _commit_token(self, req: Req, result: HostBatchResult, i: int) -> None:
         token = result.next_token_ids[i]

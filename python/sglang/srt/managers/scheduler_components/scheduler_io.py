@@ -153,6 +153,7 @@ class SchedulerIOMixin:
             stream=recv.stream,
         )
         req.bootstrap = recv.bootstrap
+        req.inflight = self.inflight
         self.counters["num_requests_total"] += 1
         error = self._validate(req)
         if error is not None:
