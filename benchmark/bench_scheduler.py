@@ -11,6 +11,7 @@
    requests are timed).
 
     python benchmark/bench_scheduler.py [--slots 64] [--requests 64] [--running 256]
+                                        [--preset tiny-qwen3-next | tiny-nemotron-h]
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import torch
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
 
 STRATEGIES = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
+PRESETS = ["tiny-qwen3-next", "tiny-nemotron-h"]
 
 
-def slots_per_request(strategy: str, slots: int, requests: int) -> dict:
+def slots_per_request(preset: str, strategy: str, slots: int, requests: int) -> dict:
     h = SchedulerHarness(
-        "tiny-qwen3-next",
+        preset,
         mamba_scheduler_strategy=strategy,
         max_mamba_cache_size=slots,
         max_running_requests=requests,
@@ -49,9 +51,9 @@ def slots_per_request(strategy: str, slots: int, requests: int) -> dict:
     return {"mean": statistics.mean(per_req), "peak": max(per_req), "peak_running": peak_running}
 
 
-def _timing_harness(running: int, strategy: str, tokens_per_request: int) -> SchedulerHarness:
+def _timing_harness(preset: str, running: int, strategy: str, tokens_per_request: int) -> SchedulerHarness:
     return SchedulerHarness(
-        "tiny-qwen3-next",
+        preset,
         mamba_scheduler_strategy=strategy,
         disable_overlap_schedule=True,
         max_running_requests=running,
@@ -81,8 +83,8 @@ def _medians(times: list[tuple[float, float, float]]) -> tuple[float, float, flo
     return tuple(statistics.median(t[i] for t in times) for i in range(3))
 
 
-def decode_step_time(running: int, strategy: str) -> tuple[float, float, float]:
-    h = _timing_harness(running, strategy, 200)
+def decode_step_time(preset: str, running: int, strategy: str) -> tuple[float, float, float]:
+    h = _timing_harness(preset, running, strategy, 200)
     sched = h.sched
     for k in range(running):
         h.submit(token_ids(40, seed=k), max_new_tokens=60, return_logprob=False)
@@ -97,8 +99,8 @@ def decode_step_time(running: int, strategy: str) -> tuple[float, float, float]:
     return _medians(times)
 
 
-def churn_decode_step_time(running: int, strategy: str) -> tuple[float, float, float]:
-    h = _timing_harness(running, strategy, 400)
+def churn_decode_step_time(preset: str, running: int, strategy: str) -> tuple[float, float, float]:
+    h = _timing_harness(preset, running, strategy, 400)
     for k in range(3 * running):
         h.submit(token_ids(40, seed=k), max_new_tokens=40 + (k * 37) % 160, return_logprob=False)
     times = []
@@ -118,19 +120,21 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--running", type=int, default=256)
+    parser.add_argument("--preset", choices=PRESETS, default=PRESETS[0])
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print(f"{args.preset}, one torch thread")
     print(
         f"{args.requests} requests (120-token prompts, 150 outputs, track interval 64), {args.slots} mamba slots"
     )
     print(f"{'strategy':<18} {'slots/running req (mean, peak)':>30} {'peak running':>13}")
     for strategy in STRATEGIES:
-        r = slots_per_request(strategy, args.slots, args.requests)
+        r = slots_per_request(args.preset, strategy, args.slots, args.requests)
         print(f"{strategy:<18} {r['mean']:>20.2f}, {r['peak']:>6.2f} {r['peak_running']:>13}")
     for case, timer in [("steady", decode_step_time), ("churn", churn_decode_step_time)]:
         print(f"\nscheduler host time per decode step at {args.running} running requests, {case} (medians):")
         for strategy in STRATEGIES:
-            build, forward, process = timer(args.running, strategy)
+            build, forward, process = timer(args.preset, args.running, strategy)
             share = (build + process) / forward
             print(
                 f"{strategy:<18} build {build * 1e3:6.2f} ms   process {process * 1e3:6.2f} ms   "
