@@ -47,6 +47,37 @@ def prompt_with_unique_token(oracle, prompt_len: int, m: int) -> tuple[list[int]
     raise AssertionError("no prompt found")
 
 
+def churn_harness(overlap: bool, **kwargs: Any) -> SchedulerHarness:
+    """A lazy-strategy scheduler too small for `submit_churn`'s outputs (retractions), 8 running."""
+    args = dict(
+        mamba_scheduler_strategy="extra_buffer_lazy",
+        disable_overlap_schedule=not overlap,
+        max_running_requests=8,
+        max_total_tokens=520,
+        mamba_track_interval=64,
+    )
+    args.update(kwargs)
+    return SchedulerHarness("tiny-qwen3-next", **args)
+
+
+def run_churn(h: SchedulerHarness, abort_at: int = 40, max_steps: int = 600) -> list[str]:
+    """14 requests of 10-101 prompt tokens and 20-137 new tokens (every third one with stop ids), run
+    until idle; the sixth is aborted at step `abort_at` (running by then, or finished: either is fine).
+    Returns the rids in submission order, outputs collected."""
+    rids = []
+    for k in range(14):
+        prompt = token_ids(10 + 7 * k, seed=k)
+        stops = {"stop_token_ids": list(range(3, 12))} if k % 3 == 0 else {}
+        rids.append(h.submit(prompt, max_new_tokens=20 + 9 * k, return_logprob=False, **stops))
+    for step in range(max_steps):
+        if step == abort_at:
+            h.sched.abort_request(rids[5])
+        if not h.sched.step():
+            break
+    h.collect()
+    return rids
+
+
 class SchedulerHarness:
     def __init__(self, model_path: str = "tiny-qwen3-next", **kwargs: Any):
         defaults = dict(

@@ -11,7 +11,7 @@ from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.scheduler_components.decode_set import DecodeSetCache, select_decode_reqs
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+from sglang.test.scheduler_harness import SchedulerHarness, churn_harness, run_churn, token_ids
 
 register_cpu_ci(est_time=12, suite="per-commit-cpu")
 
@@ -42,28 +42,11 @@ def _checked(h: SchedulerHarness) -> dict[str, int]:
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_selection_equals_the_fresh_pass_through_arrivals_finishes_aborts_and_retractions(overlap):
-    h = SchedulerHarness(
-        "tiny-qwen3-next",
-        mamba_scheduler_strategy="extra_buffer_lazy",
-        disable_overlap_schedule=not overlap,
-        max_running_requests=8,
-        max_total_tokens=520,  # too few for everyone's outputs: retractions
-        context_length=120,  # some requests reach the context before their max_new_tokens
-        mamba_track_interval=64,
-    )
+    # context_length: some requests reach the context before their max_new_tokens
+    h = churn_harness(overlap, context_length=120)
     seen = _checked(h)
     try:
-        rids = []
-        for k in range(14):
-            prompt = token_ids(10 + 7 * k, seed=k)
-            stops = {"stop_token_ids": list(range(3, 12))} if k % 3 == 0 else {}
-            rids.append(h.submit(prompt, max_new_tokens=20 + 9 * k, return_logprob=False, **stops))
-        for step in range(400):
-            if step == 40:
-                h.sched.abort_request(rids[5])  # running by now (or finished): either is fine
-            if not h.sched.step():
-                break
-        h.collect()
+        rids = run_churn(h, max_steps=400)
         reasons = [h.outputs[r].finished_reason["type"] for r in rids]
         assert h.sched.counters["num_retractions_total"] > 0
         assert {"length", "stop", "abort"} <= set(reasons)

@@ -19,7 +19,7 @@ from sglang.srt.managers.scheduler_components.inflight_batches import (
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+from sglang.test.scheduler_harness import SchedulerHarness, churn_harness, run_churn, token_ids
 
 register_cpu_ci(est_time=15, suite="per-commit-cpu")
 
@@ -65,27 +65,10 @@ def _checked(h: SchedulerHarness) -> dict[str, int]:
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_input_ids_and_counts_equal_a_fresh_reading_through_churn_aborts_and_retractions(overlap):
-    h = SchedulerHarness(
-        "tiny-qwen3-next",
-        mamba_scheduler_strategy="extra_buffer_lazy",
-        disable_overlap_schedule=not overlap,
-        max_running_requests=8,
-        max_total_tokens=520,  # too few for everyone's outputs: retractions
-        mamba_track_interval=64,  # decode snapshots too (requests cross 64 and 128)
-    )
+    h = churn_harness(overlap)  # requests cross 64 and 128: decode snapshots too
     seen = _checked(h)
     try:
-        rids = []
-        for k in range(14):
-            prompt = token_ids(10 + 7 * k, seed=k)
-            stops = {"stop_token_ids": list(range(3, 12))} if k % 3 == 0 else {}
-            rids.append(h.submit(prompt, max_new_tokens=20 + 9 * k, return_logprob=False, **stops))
-        for step in range(600):
-            if step == 40:
-                h.sched.abort_request(rids[5])
-            if not h.sched.step():
-                break
-        h.collect()
+        run_churn(h)
         assert h.sched.counters["num_retractions_total"] > 0
         assert len(h.sched.inflight) == 0 and all(r.num_inflight == 0 for r in h.sched.running)
         assert seen["builds"] > 60
