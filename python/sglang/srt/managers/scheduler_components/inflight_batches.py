@@ -122,9 +122,5 @@ class InflightBatches:
             for req, slot, sampled in zip(batch.reqs, batch.future_slots, batch.sample_rows, strict=True):
                 if sampled:
                     refs[req] = ~slot
-        ids = [refs.get(r, None) for r in reqs]
-        if None not in ids:
-            return ids, True
-        found = len(ids) - ids.count(None)
-        ids = [r.output_ids[-1] if i is None else i for r, i in zip(reqs, ids, strict=True)]
-        return ids, found > 0
+        ids = [refs[r] if r in refs else r.output_ids[-1] for r in reqs]
+        return ids, min(ids) < 0  # placeholders are negative, tokens are not
