@@ -64,6 +64,16 @@ class InflightLedger(Protocol):
     def inflight_tokens(self, req: Req) -> int: ...
 
 
+class DecodeKVLedger(Protocol):
+    """What a request asks of the scheduler's `DecodeKVLog` (mem_cache/decode_kv_log.py)."""
+
+    pending: int
+
+    def append_pending(self, req: Req) -> None: ...
+
+    def replaced(self, req: Req, kv_indices: list[int]) -> None: ...
+
+
 class Req:
     # Slots, not a __dict__: the scheduler touches a few of these per request at every step, and a
     # compact object keeps them in fewer cache lines (the forward runs on the same core on CPU).
@@ -86,7 +96,8 @@ class Req:
         "decode_until",
         "release_deferred",
         "req_pool_idx",
-        "kv_indices",
+        "_kv_indices",
+        "kv_log",
         "cache_protected_len",
         "last_node",
         "req_to_token_dirty_from",
@@ -147,7 +158,10 @@ class Req:
 
         # KV and radix cache
         self.req_pool_idx: int | None = None
-        self.kv_indices: list[int] = []
+        self._kv_indices: list[int] = []  # `kv_indices`
+        # The scheduler's `DecodeKVLog` once the request decodes: its newest decode slots may be there,
+        # not yet in `_kv_indices`. None: everything is in the list.
+        self.kv_log: DecodeKVLedger | None = None
         self.cache_protected_len = 0
         self.last_node: Any = None
         self.req_to_token_dirty_from: int | None = None
@@ -184,6 +198,24 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def kv_indices(self) -> list[int]:
+        """The KV slot of each position scheduled so far (the decode steps' newest ones appended first
+        from the scheduler's `DecodeKVLog`, where they wait while the decode set is unchanged)."""
+        log = self.kv_log
+        if log is not None and log.pending:
+            log.append_pending(self)
+        return self._kv_indices
+
+    @kv_indices.setter
+    def kv_indices(self, value: list[int]) -> None:
+        log = self.kv_log
+        if log is not None:
+            if log.pending:
+                log.append_pending(self)  # so that they are not appended to the new list later
+            log.replaced(self, value)
+        self._kv_indices = value
 
     @property
     def kv_len(self) -> int:

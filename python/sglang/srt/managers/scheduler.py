@@ -31,6 +31,7 @@ from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMix
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import alloc_for_decode, release_kv_cache
+from sglang.srt.mem_cache.decode_kv_log import DecodeKVLog
 from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -84,6 +85,7 @@ class Scheduler(SchedulerIOMixin):
         self.worker = ForwardWorker(self.model_runner, future_size)
         self.inflight = InflightBatches(future_size)  # built and not yet processed
         self.rows_cache = DecodeRowsCache(self.req_to_token_pool)
+        self.kv_log = DecodeKVLog()  # decode slots not yet in the requests' kv_indices
         self.counters = {
             "num_requests_total": 0,
             "num_prompt_tokens_total": 0,
@@ -224,17 +226,23 @@ class Scheduler(SchedulerIOMixin):
         # One more KV slot each; while the pool (after evicting the tree) cannot give that, retract the
         # newest request.
         allocated = None
-        while reqs and (allocated := alloc_for_decode(self.tree_cache, self.token_allocator, reqs)) is None:
+        while (
+            reqs
+            and (allocated := alloc_for_decode(self.tree_cache, self.token_allocator, reqs, self.kv_log))
+            is None
+        ):
             if self.result_processor.deferred_releases:
                 # Finished requests give their pages back once the batch in flight is processed, which
                 # a step without a new batch does at once: wait for that rather than retract anyone.
                 self.decode_set.clear()
                 self.rows_cache.clear()
+                self.kv_log.clear()
                 return None
             self._retract_or_abort(reqs.pop())
         if not reqs:
             self.decode_set.clear()  # let the last decode's requests go
             self.rows_cache.clear()
+            self.kv_log.clear()
             return None
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
         batch.prepare_for_decode(*allocated, self.tracker, self.tree_cache, self.inflight, self.rows_cache)

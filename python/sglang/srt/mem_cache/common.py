@@ -17,6 +17,7 @@ from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.decode_kv_log import DecodeKVLog
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 
@@ -76,26 +77,22 @@ def alloc_for_extend(
 
 
 def alloc_for_decode(
-    tree_cache: BasePrefixCache, token_allocator: PagedTokenAllocator, reqs: list[Req]
+    tree_cache: BasePrefixCache, token_allocator: PagedTokenAllocator, reqs: list[Req], kv_log: DecodeKVLog
 ) -> tuple[list[int], list[int]] | None:
     """One more KV slot for every request (a fresh page where its last one is full), or nothing (None).
     Returns the new slots in request order (the step's `out_cache_loc`) and each request's KV length
     after it (the step's `seq_lens`). The fresh pages are taken in one allocation, in request order
-    (what `alloc_extend` per request gives): this runs for every running request at every decode step,
-    so it is one pass over the requests."""
+    (what `alloc_extend` per request gives). This runs for every running request at every decode step:
+    with page size 1 the slots go to `kv_log` (appended to the requests' lists when read) and the
+    lengths follow from the previous step's, so a steady step touches no request."""
     page = token_allocator.page_size
-    lens: list[int] = []
-    append_len = lens.append
     if page == 1:  # every request opens a page: its slot is the page
         if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=len(reqs)):
             return None
         slots = token_allocator.alloc_pages(len(reqs))
         assert slots is not None, "the pages of this step were made free above"
-        for req, slot in zip(reqs, slots, strict=True):
-            kv = req.kv_indices
-            kv.append(slot)
-            append_len(len(kv))
-        return slots, lens
+        return slots, kv_log.record(reqs, slots)
+    kv_log.clear()
     opens_page = [len(r.kv_indices) % page == 0 for r in reqs]
     need = sum(opens_page)
     if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=need):
@@ -103,12 +100,12 @@ def alloc_for_decode(
     pages = token_allocator.alloc_pages(need)
     assert pages is not None, "the pages of this step were made free above"
     fresh = iter(pages)
-    slots = []
+    slots, lens = [], []
     for req, opens in zip(reqs, opens_page, strict=True):
         kv = req.kv_indices
         kv.append(next(fresh) * page if opens else kv[-1] + 1)
         slots.append(kv[-1])
-        append_len(len(kv))
+        lens.append(len(kv))
     return slots, lens
 
 
