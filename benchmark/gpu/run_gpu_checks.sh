@@ -11,9 +11,23 @@
 # only): one 80B-shape GDN test > 45 s, HF `generate`'s warm-up ~50 s. The groups took: matrix-qwen 65 s,
 # matrix-nemo 23 s, model 70 s, kernels over 180 s (stopped there); decode_step ~60 s.
 # TEST_LIMIT (default 330) bounds each test group, in seconds; PYTEST_ARGS replaces the gpu tests' targets.
+# Triton's cache is .gpu-cache/triton: flash-linear-attention keeps its autotuning results there (a JSON
+# of a few hundred bytes per kernel and shapes), and on exit they are copied to $OUT/gpu-cache/triton. The
+# next session that is lent a GPU copies that folder to .gpu-cache/ and carries it (`carry: [".whl",
+# ".gpu-cache"]`): each kernel then compiles its tuned config only, instead of timing every config
+# (the results' key is Triton's version and target, the kernel's source and its shapes: H100 and H200
+# share them). Compiled kernels stay behind (too big to carry).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
+export TRITON_CACHE_DIR=$PWD/.gpu-cache/triton
+save_autotune() {
+  [ -d "$TRITON_CACHE_DIR" ] || return 0
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar --null -T - -cf -) |
+    (mkdir -p "$OUT/gpu-cache/triton" && cd "$OUT/gpu-cache/triton" && tar -xf -)
+  echo "autotune results saved: $(find "$OUT/gpu-cache" -name '*.autotune.json' | wc -l)" >> "$OUT/summary.txt"
+}
+trap save_autotune EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site:$PWD/python SGLANG_CACHE_DIR=$PWD/.sgcache PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -55,4 +69,4 @@ bench 80 decode_step python3 benchmark/gpu/bench_decode_step.py
 bench 150 kernels python3 benchmark/gpu/bench_kernels.py --reps 10
 bench 45 state_copy python3 benchmark/bench_state_copy.py --device cuda --seconds 0.1
 bench 40 sampler python3 benchmark/bench_sampler.py --device cuda --reps 5
-[ -f "$OUT/bench.log" ] && grep '^{\|^|' "$OUT/bench.log" >> "$OUT/summary.txt"
+if [ -f "$OUT/bench.log" ]; then grep '^{\|^|' "$OUT/bench.log" >> "$OUT/summary.txt"; fi

@@ -47,3 +47,21 @@ def test_bench_kernels_prints_every_kernel_row():
         ["attention", "decode"],
     ]  # fmt: skip
     assert all(all(ms > 0 for ms in r["ms"].values()) for r in rows)
+
+
+def test_run_gpu_checks_brings_back_the_autotune_results(tmp_path):
+    """The device script hands Triton's autotuning results (and nothing else of its cache) back under
+    $OUT, where the next GPU session picks them up; run here with no step, no wheels and no GPU."""
+    cache = tmp_path / "work" / ".gpu-cache" / "triton"
+    (cache / "abc123").mkdir(parents=True)
+    (cache / "abc123" / "chunk_fwd_kernel.autotune.json").write_text('{"configs_timings": []}')
+    (cache / "abc123" / "chunk_fwd_kernel.cubin").write_bytes(b"\0" * 64)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(GPU_BENCH / "run_gpu_checks.sh"), "none"],
+        cwd=tmp_path / "work", env={**os.environ, "OUT": str(out)}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert saved == ["gpu-cache/triton/abc123/chunk_fwd_kernel.autotune.json", "summary.txt"]
+    assert "autotune results saved: 1" in (out / "summary.txt").read_text()
