@@ -87,6 +87,18 @@ def test_steady_steps_leave_the_lists_alone_until_read():
     assert reqs[2]._kv_indices == before[2] + [12, 22, 32, 42]
 
 
+def test_the_check_catches_a_list_whose_length_changed_in_place():
+    log, reqs = DecodeKVLog(), _reqs(3)
+    for step in range(3):
+        log.record(reqs, [10 * step + i for i in range(3)])
+    log.check()
+    reqs[2].kv_indices = reqs[2].kv_indices[:2]  # through the setter: the log follows
+    log.check()
+    reqs[1].kv_indices.append(99)  # in place: the next step would start from a wrong length
+    with pytest.raises(AssertionError, match="differ"):
+        log.check()
+
+
 def test_a_step_must_give_every_request_a_slot():
     log, reqs = DecodeKVLog(), _reqs(2)
     with pytest.raises(AssertionError, match="one per request"):

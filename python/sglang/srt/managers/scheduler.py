@@ -397,6 +397,7 @@ class Scheduler(SchedulerIOMixin):
     def check_integrity(self) -> None:
         assert not self.in_flight, "check_integrity needs the forward stream drained"
         assert not self.inflight, "every batch built was launched and processed"
+        self.kv_log.check()
         check_integrity(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
 
     def is_idle(self) -> bool:

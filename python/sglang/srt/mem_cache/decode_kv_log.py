@@ -99,6 +99,12 @@ class DecodeKVLog:
         self.flush()
         self._reqs, self._lens, self._scans, self._places = [], [], 0, None
 
+    def check(self) -> None:
+        """The lengths the next step continues from are the lists' (the log's invariant: nothing
+        changes the length of a list in the decode set but a step or a replacement through the setter)."""
+        actual = [len(r.kv_indices) for r in self._reqs]
+        assert actual == self._lens, f"decode KV lengths {self._lens} differ from the lists' {actual}"
+
     def _place(self, req: Req) -> int | None:
         """`req`'s place in the decode set, or None. A finish or a snapshot insert asks for a few
         requests per step: a scan each (C-level, identity first) is cheaper than a map of the set."""
