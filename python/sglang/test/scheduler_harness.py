@@ -48,7 +48,7 @@ def prompt_with_unique_token(oracle, prompt_len: int, m: int) -> tuple[list[int]
 
 
 def churn_harness(overlap: bool, **kwargs: Any) -> SchedulerHarness:
-    """A lazy-strategy scheduler too small for `submit_churn`'s outputs (retractions), 8 running."""
+    """A lazy-strategy scheduler too small for `run_churn`'s outputs (retractions), 8 running."""
     args = dict(
         mamba_scheduler_strategy="extra_buffer_lazy",
         disable_overlap_schedule=not overlap,

@@ -67,7 +67,7 @@ class InflightLedger(Protocol):
 class DecodeKVLedger(Protocol):
     """What a request asks of the scheduler's `DecodeKVLog` (mem_cache/decode_kv_log.py)."""
 
-    pending: int
+    pending: list  # the steps not yet appended: a request with a log looks here first
 
     def append_pending(self, req: Req) -> None: ...
 

@@ -234,19 +234,22 @@ class Scheduler(SchedulerIOMixin):
             if self.result_processor.deferred_releases:
                 # Finished requests give their pages back once the batch in flight is processed, which
                 # a step without a new batch does at once: wait for that rather than retract anyone.
-                self.decode_set.clear()
-                self.rows_cache.clear()
-                self.kv_log.clear()
+                self._forget_decode_set()
                 return None
             self._retract_or_abort(reqs.pop())
         if not reqs:
-            self.decode_set.clear()  # let the last decode's requests go
-            self.rows_cache.clear()
-            self.kv_log.clear()
+            self._forget_decode_set()  # let the last decode's requests go
             return None
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
         batch.prepare_for_decode(*allocated, self.tracker, self.tree_cache, self.inflight, self.rows_cache)
         return batch
+
+    def _forget_decode_set(self) -> None:
+        """No decode batch this step: the caches of the last decode set let its requests go (their
+        pending KV slots appended)."""
+        self.decode_set.clear()
+        self.rows_cache.clear()
+        self.kv_log.clear()
 
     def _retract_or_abort(self, victim: Req) -> None:
         if len(self.running) == 1 and self.chunked_req is None:

@@ -11,7 +11,8 @@ previous step's (+1 each).
 Nothing reads a request's list in a steady step; what does (a finish, a retraction, a snapshot insert at a
 track boundary, a dirty-row rewrite, the integrity checks) goes through `Req.kv_indices`, which first
 appends the steps pending for that request (`append_pending`). The whole log is appended when the decode
-set changes, and every `MAX_PENDING` steps, which bounds its memory.
+set changes (the new set's first step is appended at once, in the pass that reads the lengths), and
+every `MAX_PENDING` steps, which bounds its memory.
 
 Used for page size 1 only (`alloc_for_decode`): with larger pages a step's slot depends on each request's
 last slot, which a snapshot insert may have replaced in its list.
@@ -30,9 +31,10 @@ class DecodeKVLog:
     SCANS = 16  # places found by scanning the decode set before a map of it is built
 
     def __init__(self) -> None:
-        self.pending = 0  # steps recorded and not yet appended to every request (`Req.kv_indices` reads it)
+        # Per step recorded and not yet appended to every request, the slot of each of `_reqs` (what
+        # `Req.kv_indices` looks at first).
+        self.pending: list[list[int]] = []
         self._reqs: list[Req] = []  # the decode set the pending steps were for, in their order
-        self._steps: list[list[int]] = []  # per pending step, the slot of each of `_reqs`
         self._lens: list[int] = []  # each of `_reqs`' KV length after the newest step
         self._done: dict[int, int] = {}  # place -> pending steps already appended to that request
         self._scans = 0  # places looked up in this decode set so far
@@ -54,10 +56,9 @@ class DecodeKVLog:
                 kv.append(slot)
                 lens.append(len(kv))
             return lens
-        if self.pending >= self.MAX_PENDING:
+        if len(self.pending) >= self.MAX_PENDING:
             self.flush()
-        self._steps.append(slots)
-        self.pending += 1
+        self.pending.append(slots)
         self._lens = [n + 1 for n in self._lens]
         return self._lens
 
@@ -66,10 +67,10 @@ class DecodeKVLog:
         i = self._place(req)
         if i is None:
             return
-        done = self._done.get(i, 0)
-        if done < self.pending:
-            req._kv_indices.extend([step[i] for step in self._steps[done:]])
-            self._done[i] = self.pending
+        done, steps = self._done.get(i, 0), self.pending
+        if done < len(steps):
+            req._kv_indices.extend([step[i] for step in steps[done:]])
+            self._done[i] = len(steps)
 
     def replaced(self, req: Req, kv_indices: list[int]) -> None:
         """`req`'s list was replaced (after `append_pending`): its length in the set follows the new one."""
@@ -83,16 +84,10 @@ class DecodeKVLog:
         if not self.pending:
             return
         done = self._done
-        if self.pending == 1:
-            for i, (r, slot) in enumerate(zip(self._reqs, self._steps[0], strict=True)):
-                if i not in done:
-                    r._kv_indices.append(slot)
-        else:
-            for i, (r, slots) in enumerate(zip(self._reqs, zip(*self._steps, strict=True), strict=True)):
-                r._kv_indices.extend(slots[done.get(i, 0) :])
-        self._steps = []
+        for i, (r, slots) in enumerate(zip(self._reqs, zip(*self.pending, strict=True), strict=True)):
+            r._kv_indices.extend(slots[done.get(i, 0) :])
+        self.pending = []
         self._done = {}
-        self.pending = 0
 
     def clear(self) -> None:
         """Append everything and forget the decode set (the next step starts a new one)."""
