@@ -17,9 +17,10 @@ import time
 from typing import Any
 
 from sglang.srt.entrypoints.process_launcher import (
+    LaunchedProcesses,
     ServerStartupError,
     check_flag_support,
-    launch_subprocesses,
+    start_subprocesses,
 )
 from sglang.srt.managers.tokenizer_manager import DISCONNECT_POLL_S
 from sglang.srt.server_args import ServerArgs, ServerArgsError, prepare_server_args
@@ -33,9 +34,39 @@ BACKEND_FAILURE_DRAIN_S = DISCONNECT_POLL_S + 0.5
 
 
 def launch_server(server_args: ServerArgs) -> int:
-    """Bind the port, load the tokenizer and start the subprocesses (each failure is one sentence, and
-    nothing is left running), then serve HTTP until interrupted (status 0) or until the backend fails
-    (status 1); the subprocesses stop with it."""
+    """Bind the port, start the subprocesses, load the tokenizer and wait for the subprocesses (each
+    failure is one sentence, and nothing is left running), then serve HTTP until interrupted (status 0)
+    or until the backend fails (status 1); the subprocesses stop with it."""
+    check_flag_support(server_args)  # before anything else fails for a flag that is refused anyway
+    sock = bind_socket(server_args.host, server_args.port)
+    try:
+        starting = start_subprocesses(server_args)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        # While the children import torch and load the model, this process loads the tokenizer and
+        # imports its HTTP stack (~2.8 s on a 2-core VM), which it used to do before starting them.
+        tokenizer = load_server_tokenizer(server_args)
+        _import_http_stack()
+        launched = starting.wait_ready()
+    except BaseException:
+        starting.shutdown()
+        sock.close()
+        raise
+    return _serve(server_args, sock, tokenizer, launched)
+
+
+def _import_http_stack() -> None:
+    """Import the modules `_serve` needs (then its own imports are look-ups)."""
+    import uvicorn  # noqa: F401
+
+    from sglang.srt.entrypoints import http_guard, http_server  # noqa: F401
+
+
+def _serve(server_args: ServerArgs, sock: socket.socket, tokenizer: Any, launched: LaunchedProcesses) -> int:
+    """Serve HTTP on `sock` with the started subprocesses until interrupted or the backend fails; the
+    subprocesses and the socket end with it."""
     import uvicorn
 
     from sglang.srt.entrypoints.http_guard import timed_h11_protocol
@@ -65,14 +96,6 @@ def launch_server(server_args: ServerArgs) -> int:
                 logger.error("%s The server shuts down.", self.backend_error)
             return should_exit or time.monotonic() - self.failed_at >= BACKEND_FAILURE_DRAIN_S
 
-    check_flag_support(server_args)  # before anything else fails for a flag that is refused anyway
-    sock = bind_socket(server_args.host, server_args.port)
-    try:
-        tokenizer = load_server_tokenizer(server_args)
-        launched = launch_subprocesses(server_args)
-    except BaseException:
-        sock.close()
-        raise
     # uvicorn re-raises SIGTERM after its graceful shutdown; as an exception (not the default action,
     # which ends the process on the spot) it lets the `finally` below stop the subprocesses.
     signal.signal(signal.SIGTERM, _raise_system_exit)

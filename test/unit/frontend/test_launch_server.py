@@ -1,12 +1,17 @@
 """`python -m sglang.launch_server` refuses bad flags, a transfer backend it lacks, a tokenizer that is
-not there, pools too small to serve and a port in use with one sentence and a non-zero exit, without a
-traceback (and without claiming to be ready)."""
+not there or cannot be loaded, pools too small to serve and a port in use with one sentence and a
+non-zero exit, without a traceback (and without claiming to be ready)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -15,9 +20,13 @@ from sglang.test.ci_register import register_cpu_ci
 register_cpu_ci(est_time=40, suite="per-commit-cpu")
 
 
-def launch(*args: str) -> subprocess.CompletedProcess:
+def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "sglang.launch_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
 
 
@@ -53,6 +62,38 @@ def test_a_port_in_use_fails_before_anything_starts():
     assert proc.returncode == 1, proc.stderr
     assert_one_error(proc, f"--port {port} is already in use on 127.0.0.1")
     assert "ready to roll" not in proc.stderr + proc.stdout
+
+
+def test_an_unloadable_tokenizer_stops_the_started_subprocesses(preset_paths, tmp_path):
+    """The scheduler and detokenizer start before the tokenizer loads (they import torch and load the
+    model meanwhile): a tokenizer that cannot be loaded is one sentence, and no process of the launch is
+    left (each carries a marker in its environment, looked for in /proc), nor their IPC files (made in
+    the launch's TMPDIR)."""
+    model, tmp = tmp_path / "model", tmp_path / "tmp"
+    shutil.copytree(preset_paths["tiny-qwen3-next"], model)
+    (model / "tokenizer.json").write_text("not json")
+    tmp.mkdir()
+    marker = f"sglang-launch-test-{uuid.uuid4().hex}"
+    env = {**os.environ, "SGLANG_TEST_LAUNCH_MARKER": marker, "TMPDIR": str(tmp)}
+    proc = launch("--model-path", str(model), env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert_one_error(proc, f"--tokenizer-path {str(model)!r}: the tokenizer cannot be loaded")
+    assert sorted(p.name for p in tmp.glob("sglang-*")) == []
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(marker) == []
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
 
 
 def test_the_port_refuses_connections_until_the_server_serves():

@@ -149,43 +149,70 @@ def launch_subprocesses(
 ) -> LaunchedProcesses:
     """Start the scheduler and the detokenizer; return once both are ready, with the scheduler's
     model info (`MODEL_INFO_KEYS`). Raises ServerStartupError (children already stopped) otherwise."""
+    return start_subprocesses(server_args, scheduler_entry).wait_ready(startup_timeout)
+
+
+@dataclass
+class StartingProcesses:
+    """Children started but not yet waited for: the caller may do its own start-up work meanwhile (the
+    HTTP server imports its stack and loads the tokenizer while the scheduler imports torch and loads
+    the model), then calls `wait_ready`, or `shutdown` if that work fails."""
+
+    launched: LaunchedProcesses
+    readers: list[tuple[str, mp.process.BaseProcess, Any]]
+
+    def wait_ready(self, timeout: float = 600.0) -> LaunchedProcesses:
+        """Both children's ready handshakes, then the launched processes with the scheduler's model info.
+        Raises ServerStartupError (children already stopped) otherwise."""
+        launched = self.launched
+        try:
+            for name, proc, reader in self.readers:
+                msg = _wait_ready(name, proc, reader, timeout)
+                if name == "scheduler":
+                    missing = [k for k in MODEL_INFO_KEYS if k not in msg]
+                    if missing:
+                        raise ServerStartupError(f"The scheduler's ready message lacks {', '.join(missing)}.")
+                    launched.model_info = {k: v for k, v in msg.items() if k != "status"}
+        except BaseException:
+            launched.shutdown()
+            raise
+        logger.info(
+            "Started %s.",
+            ", ".join(f"the {p.name.removeprefix('sglang-')} (pid {p.pid})" for p in launched.processes),
+        )
+        return launched
+
+    def shutdown(self) -> None:
+        self.launched.shutdown()
+
+
+def start_subprocesses(server_args: Any, scheduler_entry: SchedulerEntry | None = None) -> StartingProcesses:
+    """Start the scheduler and the detokenizer, without waiting for them (`StartingProcesses`)."""
     check_flag_support(server_args)
     log_no_effect_flags(server_args)
     entry = scheduler_entry or default_scheduler_entry()
     port_args = PortArgs.init_new()
     ctx = mp.get_context("spawn")
-    launched = LaunchedProcesses(port_args, {})
-    waits = []
+    starting = StartingProcesses(LaunchedProcesses(port_args, {}), [])
     # The kernel's parent-death signal follows the starting thread: ask for it only when that thread
     # lives as long as this process (an Engine may be created on a short-lived thread).
     pdeathsig = threading.current_thread() is threading.main_thread()
-    for name, target in (("scheduler", entry), ("detokenizer", run_detokenizer_process)):
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=child_main,
-            args=(name, target, pdeathsig, server_args, port_args, writer),
-            name=f"sglang-{name}",
-        )
-        proc.start()
-        writer.close()  # the child holds its own copy; EOF on the reader then means the child is gone
-        launched.processes.append(proc)
-        waits.append((name, proc, reader))
     try:
-        for name, proc, reader in waits:
-            msg = _wait_ready(name, proc, reader, startup_timeout)
-            if name == "scheduler":
-                missing = [k for k in MODEL_INFO_KEYS if k not in msg]
-                if missing:
-                    raise ServerStartupError(f"The scheduler's ready message lacks {', '.join(missing)}.")
-                launched.model_info = {k: v for k, v in msg.items() if k != "status"}
+        for name, target in (("scheduler", entry), ("detokenizer", run_detokenizer_process)):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=child_main,
+                args=(name, target, pdeathsig, server_args, port_args, writer),
+                name=f"sglang-{name}",
+            )
+            proc.start()
+            writer.close()  # the child holds its own copy; EOF on the reader then means the child is gone
+            starting.launched.processes.append(proc)
+            starting.readers.append((name, proc, reader))
     except BaseException:
-        launched.shutdown()
+        starting.shutdown()
         raise
-    logger.info(
-        "Started %s.",
-        ", ".join(f"the {p.name.removeprefix('sglang-')} (pid {p.pid})" for p in launched.processes),
-    )
-    return launched
+    return starting
 
 
 def child_main(name: str, target: Callable, pdeathsig: bool, *args: Any) -> None:
