@@ -8,12 +8,16 @@ build, and an edited source is rebuilt. `make run` / `make test` build the CPU o
     python -m sglang.srt.utils.sgl_kernel [--cuda]
 
 A build that fails (no compiler, no nvcc, a CPU-only torch for CUDA) is reported once per process and
-the caller falls back to its torch implementation; `load_extension` never raises.
+the caller falls back to its torch implementation; `load_extension` never raises. Processes build or
+load one at a time (an flock per build folder); a build that was killed midway is taken up by the next
+process (`_builder_lock`), not waited for forever.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -82,15 +86,35 @@ def _build(kind: str, verbose: bool) -> ModuleType:
         kwargs["extra_ldflags"] = ["-fopenmp"]
     else:
         kwargs["extra_cuda_cflags"] = ["-O3"]
-    return load(
-        name=f"sgl_kernel_{kind}",
-        sources=[str(SOURCE_DIR / f) for f in SOURCES[kind]],
-        extra_cflags=cflags,
-        extra_include_paths=[str(SOURCE_DIR)],
-        build_directory=str(out),
-        verbose=verbose,
-        **kwargs,
-    )
+    with _builder_lock(out):
+        return load(
+            name=f"sgl_kernel_{kind}",
+            sources=[str(SOURCE_DIR / f) for f in SOURCES[kind]],
+            extra_cflags=cflags,
+            extra_include_paths=[str(SOURCE_DIR)],
+            build_directory=str(out),
+            verbose=verbose,
+            **kwargs,
+        )
+
+
+@contextlib.contextmanager
+def _builder_lock(out: Path):
+    """One process at a time builds or loads in `out`, under an flock that the kernel releases when its
+    holder dies. torch's own lock (the file `lock`, which `load` creates and waits on while it exists)
+    does not go away with a killed build, and every later load then waits forever: a server stopped
+    during its first build would never start again. Under the flock, a `lock` file can only be such a
+    leftover, and is removed."""
+    with open(out / "build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = out / "lock"
+            if stale.exists():
+                logger.warning("Removing %s, left by an sgl-kernel build that was stopped.", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load_extension(kind: str, verbose: bool = False) -> tuple[ModuleType | None, str]:
