@@ -10,7 +10,6 @@ Arguments after `--` go to the server. Each launch is stopped (SIGTERM) once hea
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import subprocess
 import sys
@@ -18,15 +17,11 @@ import time
 
 import requests
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sglang.test.test_utils import find_free_port
 
 
 def time_to_healthy(server_args: list[str], timeout: float = 300.0) -> float:
-    port = free_port()
+    port = find_free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port), *server_args]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

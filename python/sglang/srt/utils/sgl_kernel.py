@@ -104,17 +104,14 @@ def _builder_lock(out: Path):
     holder dies. torch's own lock (the file `lock`, which `load` creates and waits on while it exists)
     does not go away with a killed build, and every later load then waits forever: a server stopped
     during its first build would never start again. Under the flock, a `lock` file can only be such a
-    leftover, and is removed."""
+    leftover, and is removed. Closing the file releases the flock."""
     with open(out / "build.flock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            stale = out / "lock"
-            if stale.exists():
-                logger.warning("Removing %s, left by an sgl-kernel build that was stopped.", stale)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        stale = out / "lock"
+        if stale.exists():
+            logger.warning("Removing %s, left by an sgl-kernel build that was stopped.", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def load_extension(kind: str, verbose: bool = False) -> tuple[ModuleType | None, str]:
