@@ -12,8 +12,8 @@
 # matrix-nemo 23 s, model 70 s, kernels over 180 s (stopped there); decode_step ~60 s.
 # TEST_LIMIT (default 330) bounds each test group, in seconds; PYTEST_ARGS replaces the gpu tests' targets.
 # Triton's cache is .gpu-cache/triton: flash-linear-attention keeps its autotuning results there (a JSON
-# of a few hundred bytes per kernel and shapes), and on exit they are copied to $OUT/gpu-cache/triton. The
-# next session that is lent a GPU copies that folder to .gpu-cache/ and carries it (`carry: [".whl",
+# of a few hundred bytes per kernel and shapes), and on exit they are packed into $OUT/gpu-cache.tar. The
+# next session that is lent a GPU unpacks it into .gpu-cache/triton and carries that (`carry: [".whl",
 # ".gpu-cache"]`): each kernel then compiles its tuned config only, instead of timing every config
 # (the results' key is Triton's version and target, the kernel's source and its shapes: H100 and H200
 # share them). Compiled kernels stay behind (too big to carry).
@@ -21,11 +21,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 export TRITON_CACHE_DIR=$PWD/.gpu-cache/triton
-save_autotune() {
+save_autotune() {  # one tarball: the device tool brings back at most 8 files, 2 folders down
   [ -d "$TRITON_CACHE_DIR" ] || return 0
-  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar --null -T - -cf -) |
-    (mkdir -p "$OUT/gpu-cache/triton" && cd "$OUT/gpu-cache/triton" && tar -xf -)
-  echo "autotune results saved: $(find "$OUT/gpu-cache" -name '*.autotune.json' | wc -l)" >> "$OUT/summary.txt"
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar --null -T - -cf "$OUT/gpu-cache.tar")
+  echo "autotune results saved: $(tar -tf "$OUT/gpu-cache.tar" | grep -c 'autotune.json$')" >> "$OUT/summary.txt"
 }
 trap save_autotune EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl

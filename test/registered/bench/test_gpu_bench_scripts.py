@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 from sglang.test.ci_register import register_cpu_ci
@@ -51,7 +52,8 @@ def test_bench_kernels_prints_every_kernel_row():
 
 def test_run_gpu_checks_brings_back_the_autotune_results(tmp_path):
     """The device script hands Triton's autotuning results (and nothing else of its cache) back under
-    $OUT, where the next GPU session picks them up; run here with no step, no wheels and no GPU."""
+    $OUT as one tarball (the device tool returns at most 8 files, 2 folders down), where the next GPU
+    session picks them up; run here with no step, no wheels and no GPU."""
     cache = tmp_path / "work" / ".gpu-cache" / "triton"
     (cache / "abc123").mkdir(parents=True)
     (cache / "abc123" / "chunk_fwd_kernel.autotune.json").write_text('{"configs_timings": []}')
@@ -63,5 +65,7 @@ def test_run_gpu_checks_brings_back_the_autotune_results(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     saved = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-    assert saved == ["gpu-cache/triton/abc123/chunk_fwd_kernel.autotune.json", "summary.txt"]
+    assert saved == ["gpu-cache.tar", "summary.txt"]
+    with tarfile.open(out / "gpu-cache.tar") as tar:
+        assert [m.name for m in tar.getmembers() if m.isfile()] == ["./abc123/chunk_fwd_kernel.autotune.json"]
     assert "autotune results saved: 1" in (out / "summary.txt").read_text()
