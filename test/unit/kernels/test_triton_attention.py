@@ -20,19 +20,20 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _pool(hk: int, d: int, dtype: torch.dtype, seed: int, kv_dtype: torch.dtype | None = None):
+def _pool(hk, d, dtype, seed, kv_dtype=None, num_slots=NUM_SLOTS) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V buffers in `kv_dtype` (a `--kv-cache-dtype` pool), else `dtype`."""
     dtype = kv_dtype or dtype
     g = torch.Generator().manual_seed(seed)
     return (
-        torch.randn(NUM_SLOTS, hk, d, generator=g).to(dtype),
-        torch.randn(NUM_SLOTS, hk, d, generator=g).to(dtype),
+        torch.randn(num_slots, hk, d, generator=g).to(dtype),
+        torch.randn(num_slots, hk, d, generator=g).to(dtype),
     )
 
 
-def _req_to_token(rows: list[int], lens: list[int], seed: int) -> torch.Tensor:
+def _req_to_token(rows: list[int], lens: list[int], seed: int, num_slots: int = NUM_SLOTS) -> torch.Tensor:
     """Rows of scattered slot ids (no two requests share one), as any page size leaves them."""
-    perm = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(seed)).int()
+    assert sum(lens) <= num_slots, f"{sum(lens)} keys do not fit a pool of {num_slots} slots"
+    perm = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed)).int()
     r2t = torch.zeros(max(rows) + 2, ROW_LEN, dtype=torch.int32)
     off = 0
     for row, n in zip(rows, lens, strict=True):
@@ -253,11 +254,11 @@ def test_gpu_kernels_match_the_torch_twin_at_80b_shapes(dtype, kv_dtype):
     from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
     from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 
-    hq, hk, d, dev = 16, 2, 256, "cuda"
+    hq, hk, d, dev, slots = 16, 2, 256, "cuda", 4096  # the 24 rows hold 2,236 keys
     rows = list(range(1, 25))
     lens = [1 + (37 * i) % 200 for i in range(24)]
-    r2t = _req_to_token(rows, lens, seed=3).to(dev)
-    k_buf, v_buf = (t.to(dev) for t in _pool(hk, d, dtype, seed=4, kv_dtype=kv_dtype))
+    r2t = _req_to_token(rows, lens, seed=3, num_slots=slots).to(dev)
+    k_buf, v_buf = (t.to(dev) for t in _pool(hk, d, dtype, seed=4, kv_dtype=kv_dtype, num_slots=slots))
     q = torch.randn(24, hq, d, device=dev).to(dtype)
     out = torch.empty_like(q)
     idx, seq = torch.tensor(rows, device=dev), torch.tensor(lens, device=dev)
@@ -270,7 +271,7 @@ def test_gpu_kernels_match_the_torch_twin_at_80b_shapes(dtype, kv_dtype):
     prefix, ext = [0, 17, 130], [90, 40, 3]
     lens = [p + e for p, e in zip(prefix, ext, strict=True)]
     rows = [2, 5, 9]
-    r2t = _req_to_token(rows, lens, seed=5).to(dev)
+    r2t = _req_to_token(rows, lens, seed=5, num_slots=slots).to(dev)
     q = torch.randn(sum(ext), hq, d, device=dev).to(dtype)
     out = torch.empty_like(q)
     starts = [0, ext[0], ext[0] + ext[1]]

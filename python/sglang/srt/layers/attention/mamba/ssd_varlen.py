@@ -75,8 +75,9 @@ def ssd_varlen_fla(
         states_in_fp32=True,
         **common,
     )
+    # The states stay float32 (they are the cache's snapshots); the output's dots take them in q's dtype.
     o = chunk_fwd_o(
-        q=q, k=k, v=v, g=g, h=h, scale=1.0, state_v_first=True, chunk_indices=chunk_indices, **common
+        q=q, k=k, v=v, g=g, h=h.to(dtype), scale=1.0, state_v_first=True, chunk_indices=chunk_indices, **common
     )
     y = o[0].float() + D.float()[None, :, None] * x.float()
     return y, final, h[0]
