@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool, default_decode_extra_slots
+from sglang.srt.layers.attention.fla_float32 import use_ieee_float32_dots
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
@@ -65,6 +66,8 @@ class ModelRunner:
         self.pool_sizes = pool_sizes or compute_pool_sizes(server_args, self.arch, weight_bytes)
         self._init_pools(model_config.context_len)
         full = self._full_attn_backend()
+        if torch.device(self.device).type == "cuda" and self.dtype == torch.float32:
+            use_ieee_float32_dots()  # before any FLA kernel compiles: see layers/attention/fla_float32.py
         linear = LINEAR_BACKENDS[self.arch.linear_kind](
             self.req_to_token_pool.mamba_pool, self.arch.kernel_state_chunk
         )
