@@ -143,6 +143,10 @@ class Envs:
     # CPU RMSNorms (plain and gated) of float32 activations: auto = one sgl-kernel C++ call where built,
     # else the torch ops; torch forces those.
     SGLANG_CPU_NORM_BACKEND = EnvStr("auto", "CPU RMSNorm: auto, torch or cpp.")
+    # RMSNorms on a GPU: auto = one Triton kernel per norm (layers/rmsnorm_triton.py) for weights on
+    # CUDA; torch forces the torch ops; triton forces the kernel on any device (on CPU it needs
+    # TRITON_INTERPRET=1, for tests).
+    SGLANG_GPU_NORM_BACKEND = EnvStr("auto", "GPU RMSNorm: auto, torch or triton.")
     # CPU rotary embedding of float32 q/k: auto = one sgl-kernel C++ call where built, else the torch ops.
     SGLANG_CPU_ROPE_BACKEND = EnvStr("auto", "CPU rotary embedding: auto, torch or cpp.")
     # CPU sampling of float32 logits (with or without top-k / top-p / min-p cuts): auto = one sgl-kernel

@@ -94,3 +94,93 @@ class DeviceAudit(TorchDispatchMode):
         if len(devices) > 1:
             self.mixed.append(f"{func} at {_where()}")
         return func(*args, **kwargs)
+
+
+# Ops that only make a new view of a tensor (or read its metadata): no kernel runs for them on CUDA.
+VIEW_OPS = frozenset(
+    """alias as_strided detach expand permute select slice split split_with_sizes squeeze t transpose
+    unbind unflatten unfold unsqueeze view view_as _reshape_alias _unsafe_view lift_fresh
+    sym_size sym_stride sym_numel sym_storage_offset is_same_size""".split()
+)
+
+ALLOCATIONS = frozenset(("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"))
+
+
+@dataclass
+class OpCensus(TorchDispatchMode):
+    """Counts the aten ops that run a kernel (views left out), each with where the runtime called it:
+    on CUDA each is about one kernel launch, so over a decode step this is what a CUDA graph replays."""
+
+    ops: list[tuple[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        inputs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        # A view or an input handed back (`.to` its own dtype, `reshape` of a contiguous tensor) shares
+        # an input's storage (inference tensors record no view base); an in-place op (`copy_`,
+        # `index_add_`) does too but runs a kernel. An allocation runs none.
+        storages = {a.untyped_storage()._cdata for a in inputs}
+        handed_back = isinstance(out, torch.Tensor) and out.untyped_storage()._cdata in storages
+        no_kernel = name in VIEW_OPS or name in ALLOCATIONS or (handed_back and not name.endswith("_"))
+        if not no_kernel and any(t.is_meta for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+            self.ops.append((name, _where()))
+        return out
+
+
+class RecordedLaunches:
+    """Stands in for `jit_for_env` in the Triton kernel modules: `kernel[grid](...)` records the
+    kernel, checks that the grid is host ints (a device value there would sync) and notes the devices
+    of its tensor arguments, and runs nothing (the kernels are tested against their torch twins in
+    test/unit/kernels)."""
+
+    MODULES = (
+        "sglang.srt.layers.attention.linear.gdn_decode_triton",
+        "sglang.srt.layers.attention.mamba.decode_triton",
+        "sglang.srt.layers.attention.triton_ops.decode_attention",
+        "sglang.srt.layers.attention.triton_ops.extend_attention",
+        "sglang.srt.layers.rmsnorm_triton",
+    )
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, set[str]]] = []
+
+    def __call__(self, fn):
+        recorder = self
+
+        class Launcher:
+            def __getitem__(self, grid):
+                assert all(type(g) is int for g in grid), f"{fn.__name__}: grid {grid} is not host ints"
+
+                def launch(*args, **kwargs):
+                    devices = {
+                        a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                    }
+                    recorder.calls.append((fn.__name__, devices))
+
+                return launch
+
+        return Launcher()
+
+    def patches(self) -> list[tuple[object, str, object]]:
+        """(module, "jit_for_env", self) for each Triton kernel module, to set with monkeypatch or
+        `setattr`."""
+        import importlib
+
+        return [(importlib.import_module(name), "jit_for_env", self) for name in self.MODULES]
+
+
+# What CUDA runs by default, forced where the meta device stands in for it: the Triton decode steps and
+# norms, the packed extend (FLA's on a GPU; the same packed layout), no CPU C++ ops.
+CUDA_DEFAULT_ENV = {
+    "SGLANG_GDN_DECODE_BACKEND": "triton",
+    "SGLANG_MAMBA2_DECODE_BACKEND": "triton",
+    "SGLANG_GDN_EXTEND_BACKEND": "torch_varlen",
+    "SGLANG_MAMBA2_EXTEND_BACKEND": "torch_varlen",
+    "SGLANG_CPU_LINEAR_ATTN_BACKEND": "torch",
+    "SGLANG_GPU_NORM_BACKEND": "triton",
+    "TRITON_INTERPRET": "1",  # what lets `--attention-backend triton` start without CUDA
+}

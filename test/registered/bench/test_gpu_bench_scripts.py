@@ -69,3 +69,20 @@ def test_run_gpu_checks_brings_back_the_autotune_results(tmp_path):
     with tarfile.open(out / "gpu-cache.tar") as tar:
         assert [m.name for m in tar.getmembers() if m.isfile()] == ["./abc123/chunk_fwd_kernel.autotune.json"]
     assert "autotune results saved: 1" in (out / "summary.txt").read_text()
+
+
+def _census(*args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(GPU_BENCH / "kernel_census.py"), "--model", "tiny-nemotron-h", *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[0])
+
+
+def test_kernel_census_counts_what_the_triton_norm_saves():
+    """The census of a decode step (meta device, CUDA's default kernels) counts every kernel: with the
+    norms' Triton kernel (the CUDA default) the step runs fewer than with their torch form."""
+    fused, torch_form = _census(), _census("--env", "SGLANG_GPU_NORM_BACKEND=torch")
+    assert fused["triton"] > torch_form["triton"] > 0  # the decode steps' kernels, plus one per norm
+    assert 0 < fused["kernels"] < torch_form["kernels"]

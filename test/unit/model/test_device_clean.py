@@ -18,7 +18,7 @@ from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatc
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.device_audit import DeviceAudit
+from sglang.test.device_audit import CUDA_DEFAULT_ENV, DeviceAudit, RecordedLaunches
 from sglang.test.runner_driver import Extend, RunnerDriver
 
 register_cpu_ci(est_time=6, suite="per-commit-cpu")
@@ -131,56 +131,18 @@ def test_overlap_placeholders_resolve_on_the_device(preset):
             worker.shutdown()
 
 
-class _RecordedLaunches:
-    """Stands in for `jit_for_env` in the Triton kernel modules: `kernel[grid](...)` records the
-    kernel, checks that the grid is host ints (a device value there would sync) and notes the devices
-    of its tensor arguments, and runs nothing (the kernels are tested against their torch twins in
-    test/unit/kernels)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, set[str]]] = []
-
-    def __call__(self, fn):
-        recorder = self
-
-        class Launcher:
-            def __getitem__(self, grid):
-                assert all(type(g) is int for g in grid), f"{fn.__name__}: grid {grid} is not host ints"
-
-                def launch(*args, **kwargs):
-                    devices = {
-                        a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
-                    }
-                    recorder.calls.append((fn.__name__, devices))
-
-                return launch
-
-        return Launcher()
-
-
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_cuda_default_kernels_are_device_clean(preset, monkeypatch):
     """What CUDA runs by default where the test above runs torch: Triton attention, the Triton decode
     steps and conv extend in place on the pool, the packed (varlen) extend, and the CUDA-graph runner's
     decode body (captured graphs replay exactly that body)."""
-    import sglang.srt.layers.attention.linear.gdn_decode_triton as gdn_decode
-    import sglang.srt.layers.attention.mamba.decode_triton as mamba_decode
-    import sglang.srt.layers.attention.triton_ops.decode_attention as decode_attention
-    import sglang.srt.layers.attention.triton_ops.extend_attention as extend_attention
     from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
-    launches = _RecordedLaunches()
-    for module in (gdn_decode, mamba_decode, decode_attention, extend_attention):
-        monkeypatch.setattr(module, "jit_for_env", launches)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what lets `--attention-backend triton` start without CUDA
-    for var, value in [
-        (envs.SGLANG_GDN_DECODE_BACKEND, "triton"),
-        (envs.SGLANG_MAMBA2_DECODE_BACKEND, "triton"),
-        (envs.SGLANG_GDN_EXTEND_BACKEND, "torch_varlen"),  # FLA's on a GPU; the same packed layout
-        (envs.SGLANG_MAMBA2_EXTEND_BACKEND, "torch_varlen"),
-        (envs.SGLANG_CPU_LINEAR_ATTN_BACKEND, "torch"),
-    ]:
-        monkeypatch.setenv(var.name, value)
+    launches = RecordedLaunches()
+    for module, name, value in launches.patches():
+        monkeypatch.setattr(module, name, value)
+    for var, value in CUDA_DEFAULT_ENV.items():
+        monkeypatch.setenv(var, value)
     with DeviceAudit() as audit:
         runner, copier = _meta_runner(preset, audit, attention_backend="triton")
         linear = runner.attn_backend.linear_attn_backend
@@ -219,7 +181,7 @@ def test_the_cuda_default_kernels_are_device_clean(preset, monkeypatch):
         _check_forward(audit, d2h=0)
     decode_step = "_gdn_decode_kernel" if "qwen" in preset else "_mamba2_decode_kernel"
     kernels = {name for name, _ in launches.calls}
-    assert {"_extend_kernel", "_decode_stage1_kernel", "_conv_extend_kernel", decode_step} <= kernels, kernels
+    assert {"_extend_kernel", "_decode_stage1_kernel", "_conv_extend_kernel", "_rmsnorm_kernel", decode_step} <= kernels, kernels
     assert all(devices == {"meta"} for _, devices in launches.calls), launches.calls
     assert copier.devices and set(copier.devices) == {"meta"}
 

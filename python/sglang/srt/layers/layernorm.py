@@ -1,6 +1,8 @@
 """RMSNorm variants of the supported architectures. All normalise in float32 and return the input dtype.
 On CPU, float32 activations take one sgl-kernel C++ call (`sgl-kernel/csrc/norm_cpu.cpp`, the same
-arithmetic; `SGLANG_CPU_NORM_BACKEND=torch` forces the torch ops), chosen when the weights are loaded."""
+arithmetic; `SGLANG_CPU_NORM_BACKEND=torch` forces the torch ops); on CUDA every norm is one Triton
+kernel (`layers/rmsnorm_triton.py`, the same arithmetic; `SGLANG_GPU_NORM_BACKEND=torch` forces the torch
+ops). Both are chosen when the weights are loaded."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.environ import envs
+from sglang.srt.layers import rmsnorm_triton as tri
 from sglang.srt.layers.cpu_ops import cpu_norm_ops
 
 
@@ -15,13 +19,23 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _use_triton(device: torch.device) -> bool:
+    choice = envs.SGLANG_GPU_NORM_BACKEND.get()
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"SGLANG_GPU_NORM_BACKEND must be auto, torch or triton; got {choice!r}.")
+    return choice == "triton" or (choice == "auto" and device.type == "cuda")
+
+
 class _CpuNorm(nn.Module):
-    """Picks the C++ op for this module once its weight is on its device (`process_weights_after_loading`)."""
+    """Picks the C++ op (CPU) or the Triton kernel (GPU) for this module once its weight is on its
+    device (`process_weights_after_loading`)."""
 
     cpu_ops = None
+    triton = False
 
     def process_weights_after_loading(self) -> None:
         self.cpu_ops = cpu_norm_ops(self.weight.device) if self.weight.dtype == torch.float32 else None
+        self.triton = _use_triton(self.weight.device)
 
     def _use_cpu_op(self, x: torch.Tensor) -> bool:
         return self.cpu_ops is not None and x.dtype == torch.float32 and x.device.type == "cpu"
@@ -38,6 +52,8 @@ class RMSNorm(_CpuNorm):
         self.offset_one = offset_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            return tri.rmsnorm_triton(x, self.weight, self.eps, tri.PLAIN, offset_one=self.offset_one)
         if self._use_cpu_op(x):
             return self.cpu_ops.rmsnorm(
                 x.contiguous(), self.weight, self.eps, 1.0 if self.offset_one else 0.0
@@ -57,6 +73,8 @@ class GatedRMSNorm(_CpuNorm):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            return tri.rmsnorm_triton(x, self.weight, self.eps, tri.GATE_AFTER, gate=gate)
         if self._use_cpu_op(x) and gate.dtype == torch.float32:
             return self.cpu_ops.gated_rmsnorm(
                 x.contiguous(), gate.contiguous(), self.weight, self.eps, x.shape[-1], False
@@ -78,6 +96,11 @@ class GroupedGatedRMSNorm(_CpuNorm):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            out_dtype = torch.promote_types(self.weight.dtype, x.dtype)
+            return tri.rmsnorm_triton(
+                x, self.weight, self.eps, tri.GATE_FIRST, gate=gate, group_size=self.group_size, out_dtype=out_dtype
+            )
         if self._use_cpu_op(x) and gate.dtype == torch.float32:
             return self.cpu_ops.gated_rmsnorm(
                 x.contiguous(), gate.contiguous(), self.weight, self.eps, self.group_size, True

@@ -1,0 +1,104 @@
+"""Kernels per decode step on the CUDA path, counted without a GPU: the model and its pools on torch's
+`meta` device standing in for CUDA, with the kernels CUDA runs by default (Triton attention and
+linear-attention decode, the CUDA-graph decode body); every aten op that runs a kernel (views left out)
+and every Triton launch is counted over one decode step, by op and by the line of the runtime that
+issued it. On CUDA each is about one launch: a CUDA graph replays them all, at ~2 us each at small
+batches (benchmark/gpu/README.md), so this count is what fusion has to bring down.
+
+    python benchmark/gpu/kernel_census.py                      # tiny-qwen3-next, bfloat16, batch 1
+    python benchmark/gpu/kernel_census.py --model tiny-nemotron-h --batch 64 --top 30
+    python benchmark/gpu/kernel_census.py --env SGLANG_GPU_NORM_BACKEND=torch  # the norms' torch form
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import Counter
+
+import torch
+
+
+class _OneLaunchStateCopy:
+    """The GPU state-copy kernel's stand-in: one launch per op, as the Triton and CUDA ones take."""
+
+    name = "one-launch"
+
+    def __init__(self, launches) -> None:
+        self.launches = launches
+
+    def copy(self, src, dst, mask) -> None:
+        self.launches.calls.append(("state_copy", {"meta"}))
+
+    def clear(self, slots) -> None:
+        self.launches.calls.append(("state_clear", {"meta"}))
+
+
+def census(model: str, batch: int, dtype: str, env: dict | None = None) -> tuple[Counter, Counter, Counter]:
+    """(ops by name, ops by runtime line, Triton launches by kernel) of one decode step of `batch`, with
+    CUDA's default kernels unless `env` overrides a choice."""
+    from sglang.test.device_audit import CUDA_DEFAULT_ENV, DeviceAudit, OpCensus, RecordedLaunches
+
+    os.environ.update({**CUDA_DEFAULT_ENV, **(env or {})})
+    launches = RecordedLaunches()
+    for module, name, value in launches.patches():
+        setattr(module, name, value)
+
+    from sglang.srt.environ import envs
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    args = ServerArgs(
+        model_path=model, dtype=dtype, attention_backend="triton", page_size=16, max_total_tokens=16384,
+        max_mamba_cache_size=3 * batch + 8, max_running_requests=batch, mamba_scheduler_strategy="extra_buffer",
+    )  # fmt: skip
+    args.device = "meta"  # after validation, which accepts only the devices users may name
+    with DeviceAudit(), envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("torch"):
+        runner = ModelRunner(args)
+        runner.mamba_pool.state_copier._impl = _OneLaunchStateCopy(launches)
+        runner.graph_runner = CudaGraphRunner(runner, [batch], use_graphs=False)  # the captured body
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request() for _ in range(batch)]
+        driver.extend([Extend(r, [5] * 32) for r in reqs], return_logprob=False)
+        fb = driver.decode_batch(reqs, return_logprob=False)
+        launches.calls.clear()
+        with OpCensus() as ops:
+            runner.forward_batch_generation(fb)
+    device_ops = [(name, where) for name, where in ops.ops if where != "?"]
+    return (
+        Counter(name for name, _ in device_ops),
+        Counter(where for _, where in device_ops),
+        Counter(name for name, _ in launches.calls),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-qwen3-next")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE over the CUDA defaults")
+    args = parser.parse_args()
+    env = dict(kv.split("=", 1) for kv in args.env)
+    by_op, by_line, triton = census(args.model, args.batch, args.dtype, env)
+    total = sum(by_op.values()) + sum(triton.values())
+    print(json.dumps({"model": args.model, "batch": args.batch, "dtype": args.dtype, "env": env, "kernels": total,
+                      "aten": sum(by_op.values()), "triton": sum(triton.values())}))  # fmt: skip
+    print("\nby aten op:")
+    for name, n in by_op.most_common(args.top):
+        print(f"  {n:5d}  {name}")
+    print("\nby runtime line:")
+    for where, n in by_line.most_common(args.top):
+        print(f"  {n:5d}  {where}")
+    print("\nTriton launches:")
+    for name, n in triton.most_common():
+        print(f"  {n:5d}  {name}")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,95 @@
+"""The RMSNorm family (`layers/layernorm.py`) in one Triton kernel each call, the CUDA path: the torch
+form takes 8-10 kernels per norm (casts, pow, mean, add, rsqrt, muls), about a third of a tiny decode
+step's ~450 launches (`benchmark/gpu/kernel_census.py`). The arithmetic is the torch form's, step for
+step: float32 statistics, and the same roundings to the activation dtype where the torch form rounds.
+
+Modes (`MODE`), per row of x [M, N], normalised per group of G channels (G = N unless grouped):
+- PLAIN:      out = norm(x) * (w [+ 1 with OFFSET_ONE])                       (RMSNorm)
+- GATE_AFTER: out = round(w * round(norm(x))) * silu(gate)                    (GatedRMSNorm, Qwen3-Next)
+- GATE_FIRST: out = w * round(norm(x * silu(gate)))                           (GroupedGatedRMSNorm, Nemotron-H)
+where round() is the cast to the activation dtype the torch form makes (a no-op in float32). On CPU
+tensors the kernel runs only under `TRITON_INTERPRET=1`, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.utils.triton_jit import add, jit_for_env
+
+PLAIN, GATE_AFTER, GATE_FIRST = 0, 1, 2
+
+
+def _rmsnorm_kernel(
+    x_ptr,
+    gate_ptr,
+    w_ptr,
+    out_ptr,
+    x_stride,
+    gate_stride,
+    eps,
+    N: tl.constexpr,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    MODE: tl.constexpr,
+    OFFSET_ONE: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * G + tl.arange(0, BG)
+    mask = tl.arange(0, BG) < G
+    act = x_ptr.dtype.element_ty  # the torch form's roundings are to x's dtype
+    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    if MODE == 2:
+        g = tl.load(gate_ptr + row * gate_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x * (g / (1.0 + tl.exp(-g)))
+    n = x * (1.0 / tl.sqrt(tl.reduce(x * x, 0, add) / G + eps))
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MODE == 0:
+        if OFFSET_ONE:
+            w = w + 1.0
+        y = n * w
+    elif MODE == 1:
+        y = w * n.to(act).to(tl.float32)
+        if ROUND_PRODUCT:
+            y = y.to(act).to(tl.float32)
+        g = tl.load(gate_ptr + row * gate_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y * (g / (1.0 + tl.exp(-g)))
+    else:
+        y = w * n.to(act).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    mode: int = PLAIN,
+    gate: torch.Tensor | None = None,
+    group_size: int | None = None,
+    offset_one: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The norm of x over its last dim (in groups of `group_size`), in one launch; the result has x's
+    shape and `out_dtype` (the torch form's result dtype: x's, or its promotion with the weight's)."""
+    n = x.shape[-1]
+    g = group_size or n
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    gate2 = None
+    if gate is not None:
+        gate2 = gate.reshape(-1, n)
+        if gate2.stride(-1) != 1:
+            gate2 = gate2.contiguous()
+    out = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if x2.shape[0]:
+        jit_for_env(_rmsnorm_kernel)[(x2.shape[0], n // g)](
+            x2, gate2 if gate2 is not None else x2, weight, out, x2.stride(0),
+            gate2.stride(0) if gate2 is not None else 0, eps,
+            N=n, G=g, BG=triton.next_power_of_2(g), MODE=mode, OFFSET_ONE=offset_one,
+            ROUND_PRODUCT=weight.dtype == x.dtype and x.dtype != torch.float32,
+        )  # fmt: skip
+    return out.view(x.shape)
