@@ -1,12 +1,16 @@
-"""The Triton Gated DeltaNet decode kernel (in place on the pool) against its torch twin
-`recurrent_gated_delta_rule_step`, under TRITON_INTERPRET=1 on tiny shapes, and compiled for sm_90."""
+"""The Triton Gated DeltaNet decode kernel (in place on the pool, q/k prep and gates fused) against its
+torch twin (the backend's `_split_heads` and `gdn_gates`, then `recurrent_gated_delta_rule_step`), under
+TRITON_INTERPRET=1 on tiny shapes, and compiled for sm_90."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sglang.srt.layers.attention.linear.gated_delta_rule import l2norm, recurrent_gated_delta_rule_step
+from sglang.srt.layers.attention.linear.gated_delta_rule import recurrent_gated_delta_rule_step
+from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend, gdn_gates
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=8, suite="per-commit-cpu")
@@ -17,35 +21,51 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _inputs(bs: int, heads: int, kd: int, vd: int, seed: int):
+def _layer(hk: int, hv: int, kd: int, vd: int, seed: int, dtype=torch.float32) -> SimpleNamespace:
     g = torch.Generator().manual_seed(seed)
-    q = l2norm(torch.randn(bs, heads, kd, generator=g)) * kd**-0.5
-    k = l2norm(torch.randn(bs, heads, kd, generator=g))
-    v = torch.randn(bs, heads, vd, generator=g)
-    decay = -torch.rand(bs, heads, generator=g) * 0.5
-    beta = torch.rand(bs, heads, generator=g)
-    return q, k, v, decay, beta
+    return SimpleNamespace(
+        num_k_heads=hk, num_v_heads=hv, head_k_dim=kd, head_v_dim=vd, cpu_ops=None,
+        A_log=torch.randn(hv, generator=g).to(dtype), dt_bias=torch.randn(hv, generator=g).to(dtype),
+    )  # fmt: skip
+
+
+def _inputs(bs: int, layer: SimpleNamespace, seed: int, gate_dtype=torch.float32):
+    """The conv output x [bs, q | k | v] and the raw gate projections a, b as strided columns of one
+    [bs, 2 * Hv] tensor (how the grouped projection hands them over); a spans softplus' threshold."""
+    g = torch.Generator().manual_seed(seed)
+    channels = 2 * layer.num_k_heads * layer.head_k_dim + layer.num_v_heads * layer.head_v_dim
+    x = torch.randn(bs, channels, generator=g)
+    ba = (torch.randn(bs, 2 * layer.num_v_heads, generator=g) * 12).to(gate_dtype)
+    return x, ba[:, layer.num_v_heads :], ba[:, : layer.num_v_heads]
+
+
+def _twin(x, a, b, layer, state):
+    q, k, v = GDNAttnBackend._split_heads(layer, x)
+    g, beta = gdn_gates(layer, a, b)
+    return recurrent_gated_delta_rule_step(q, k, v, g, beta, state)
 
 
 @pytest.mark.parametrize(
-    "heads,kd,vd,dtype",
+    "hk,hv,kd,vd,dtype",
     [
-        (2, 16, 8, torch.float32),  # one value block per head
-        (3, 12, 40, torch.float32),  # dims that are not powers of two: masked lanes
-        (2, 64, 128, torch.float32),  # several value blocks per head (BV < V)
-        (2, 16, 8, torch.bfloat16),  # a bfloat16 pool: read, update in float32, store rounded
+        (2, 2, 16, 8, torch.float32),  # one value block per head
+        (1, 3, 12, 40, torch.float32),  # dims that are not powers of two, three value heads per key head
+        (2, 4, 64, 128, torch.float32),  # several value blocks per head (BV < V)
+        (2, 2, 16, 8, torch.bfloat16),  # a bfloat16 pool and gates: read, update in float32, store rounded
     ],
 )
-def test_matches_the_torch_step_in_place(interpret, heads, kd, vd, dtype):
+def test_matches_the_torch_step_in_place(interpret, hk, hv, kd, vd, dtype):
     from sglang.srt.layers.attention.linear.gdn_decode_triton import block_v, gdn_decode_inplace
 
     num_slots, slots = 12, [7, 2, 11, 0, 5]  # out of order; a padded row on the dummy slot 0
-    pool = torch.randn(num_slots, heads, vd, kd, generator=torch.Generator().manual_seed(1)).to(dtype)
+    pool = torch.randn(num_slots, hv, vd, kd, generator=torch.Generator().manual_seed(1)).to(dtype)
     before = pool.clone()
-    q, k, v, decay, beta = _inputs(len(slots), heads, kd, vd, seed=heads + kd)
+    layer = _layer(hk, hv, kd, vd, seed=hk + kd, dtype=dtype)
+    x, a, b = _inputs(len(slots), layer, seed=hv + vd, gate_dtype=dtype)
+    assert not a.is_contiguous()
     idx = torch.tensor(slots)
-    want_out, want_state = recurrent_gated_delta_rule_step(q, k, v, decay, beta, pool[idx])
-    out = gdn_decode_inplace(q, k, v, decay, beta, pool, idx)
+    want_out, want_state = _twin(x, a, b, layer, pool[idx])
+    out = gdn_decode_inplace(x, a, b, layer.A_log, layer.dt_bias, pool, idx, hk, kd)
     # float32: the same sums in another order (~1e-6 relative); bfloat16 states: both round the
     # float32 update to bfloat16 once when stored, so they agree to one bfloat16 ulp (2^-8 relative).
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
@@ -57,21 +77,33 @@ def test_matches_the_torch_step_in_place(interpret, heads, kd, vd, dtype):
         assert vd // block_v(vd, kd) > 1  # the case really splits value rows over programs
 
 
+def test_a_wrong_key_head_changes_the_result(interpret):
+    """The control: value heads read their own key head; pairing them with the other one is visibly
+    different, so the comparison above can fail."""
+    from sglang.srt.layers.attention.linear.gdn_decode_triton import gdn_decode_inplace
+
+    layer = _layer(2, 4, 16, 8, seed=3)
+    x, a, b = _inputs(2, layer, seed=4)
+    pool = torch.zeros(3, 4, 8, 16)
+    out = gdn_decode_inplace(x, a, b, layer.A_log, layer.dt_bias, pool, torch.tensor([1, 2]), 2, 16)
+    swapped = torch.cat([x[:, 16:32], x[:, :16], x[:, 48:64], x[:, 32:48], x[:, 64:]], dim=1)
+    want, _ = _twin(swapped, a, b, layer, torch.zeros(2, 4, 8, 16))
+    assert (out - want).abs().max() > 1e-2
+
+
 def test_empty_batch_launches_nothing(interpret):
     from sglang.srt.layers.attention.linear.gdn_decode_triton import gdn_decode_inplace
 
-    pool = torch.zeros(3, 2, 8, 16)
-    q, k, v, decay, beta = _inputs(0, 2, 16, 8, seed=0)
-    assert gdn_decode_inplace(q, k, v, decay, beta, pool, torch.empty(0, dtype=torch.int64)).shape == (
-        0,
-        2,
-        8,
-    )
+    layer = _layer(2, 2, 16, 8, seed=0)
+    x, a, b = _inputs(0, layer, seed=0)
+    out = gdn_decode_inplace(x, a, b, layer.A_log, layer.dt_bias, torch.zeros(3, 2, 8, 16), torch.empty(0, dtype=torch.int64), 2, 16)
+    assert out.shape == (0, 2, 8)
 
 
 @pytest.mark.parametrize("state", ["fp32", "bf16"])
 def test_compiles_for_sm90(state):
-    """Qwen3-Next-80B shapes (K = V = 128): the kernel compiles for an H100 from this CPU machine."""
+    """Qwen3-Next-80B shapes (16 key heads, 32 value heads, K = V = 128; bfloat16 gates): the kernel
+    compiles for an H100 from this CPU machine."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -80,14 +112,12 @@ def test_compiles_for_sm90(state):
     from sglang.srt.layers.attention.linear import gdn_decode_triton as mod
 
     signature = {
-        **{name: "*fp32" for name in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr")},
-        "state_ptr": f"*{state}",
-        "slot_ptr": "*i64",
-        "out_ptr": "*fp32",
-        "slot_stride": "i64",
-        **{name: "constexpr" for name in ("NUM_HEADS", "K", "V", "BK", "BV")},
-    }
-    constexprs = {"NUM_HEADS": 32, "K": 128, "V": 128, "BK": 128, "BV": mod.block_v(128, 128)}
+        "x_ptr": "*fp32", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16",
+        "state_ptr": f"*{state}", "slot_ptr": "*i64", "out_ptr": "*fp32",
+        **{name: "i64" for name in ("x_stride", "ab_stride", "slot_stride")},
+        **{name: "constexpr" for name in ("NUM_HEADS", "KEY_HEADS", "K", "V", "BK", "BV")},
+    }  # fmt: skip
+    constexprs = {"NUM_HEADS": 32, "KEY_HEADS": 16, "K": 128, "V": 128, "BK": 128, "BV": mod.block_v(128, 128)}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}  # pointers 16-byte aligned, as at launch
     src = ASTSource(
         fn=JITFunction(mod._gdn_decode_kernel), signature=signature, constexprs=constexprs, attrs=attrs

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
@@ -60,7 +59,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         [b | a] over all heads: the outputs then split by slicing, where the per-head layout takes ~10 ops
         per layer (views, splits, reshapes, a concatenation) every forward. Same products, same values.
         Once only: the rows are regrouped in place of the checkpoint's."""
-        # On CPU the gates are one sgl-kernel call (SGLANG_CPU_LINEAR_ATTN_BACKEND), not ~7 small ops.
+        # On CPU the backend computes the gates with one sgl-kernel call (`gdn_gates`), not ~7 small ops.
         self.cpu_ops = cpu_linear_ops(self.A_log.device)
         if self.projections_grouped:
             return
@@ -89,12 +88,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         mixed_qkv, z, b, a = self._split_projections(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
-        if self.cpu_ops is not None and a.dtype == torch.float32:
-            g, beta = self.cpu_ops.gdn_gating(a, b, self.A_log, self.dt_bias)
-        else:
-            beta = b.float().sigmoid()
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        core = fb.attn_backend.forward_linear(self, fb, mixed_qkv, g, beta)
+        core = fb.attn_backend.forward_linear(self, fb, mixed_qkv, a, b)  # the gates are the backend's
         out = self.norm(core.to(hidden.dtype), z)
         return self.out_proj(out.reshape(hidden.shape[0], -1))
 

@@ -9,8 +9,10 @@ step (gather, update, scatter) otherwise; `SGLANG_GDN_DECODE_BACKEND` / `SGLANG_
 force one.
 
 The layer passes the conv inputs `mixed_qkv` [T, 2*Hk*Dk + Hv*Dv] (channel order q | k | v, as the
-conv state stores them), the log-decay g [T, Hv] and the write strength beta [T, Hv]; it reads the
-layer's `layer_id`, `conv1d` weight and head sizes. Returns the core output [T, Hv, Dv] in float32.
+conv state stores them) and its gate projections a, b [T, Hv]; the gates (log-decay g = -exp(A_log) *
+softplus(a + dt_bias), write strength beta = sigmoid(b)) are computed here (`gdn_gates`), inside the
+kernel on the CUDA decode path. It reads the layer's `layer_id`, `conv1d` weight, `A_log`, `dt_bias`,
+`cpu_ops` and head sizes. Returns the core output [T, Hv, Dv] in float32.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from sglang.srt.environ import envs
 from sglang.srt.layers.attention.linear.gated_delta_rule import (
@@ -33,16 +36,35 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
+def gdn_gates(layer: Any, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-decay g and write strength beta [T, Hv] in float32, from the layer's raw projections: one
+    sgl-kernel call on CPU (the layer's `cpu_ops`, SGLANG_CPU_LINEAR_ATTN_BACKEND), else torch ops."""
+    if layer.cpu_ops is not None and a.dtype == torch.float32:
+        return layer.cpu_ops.gdn_gating(a, b, layer.A_log, layer.dt_bias)
+    beta = b.float().sigmoid()
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias.float())
+    return g, beta
+
+
 class GDNAttnBackend(MambaAttnBackendBase):
     def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int):
         super().__init__(mamba_pool, kernel_state_chunk, envs.SGLANG_GDN_DECODE_BACKEND)
         self.varlen_impl = gdn_varlen_impl(mamba_pool.ssm_state.device)
 
     def forward(
-        self, layer: Any, fb: ForwardBatch, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+        self, layer: Any, fb: ForwardBatch, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ) -> torch.Tensor:
         weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
         lid = layer.layer_id
+        if fb.forward_mode.is_decode() and self.decode_in_place:
+            from sglang.srt.layers.attention.linear.gdn_decode_triton import gdn_decode_inplace
+
+            x = self.conv_decode(lid, mixed_qkv, weight, layer.conv1d.bias)
+            return gdn_decode_inplace(
+                x, a, b, layer.A_log, layer.dt_bias, self.mamba_pool.layer_cache(lid)[1], self.meta.slots,
+                layer.num_k_heads, layer.head_k_dim,
+            )  # fmt: skip
+        g, beta = gdn_gates(layer, a, b)
         if fb.forward_mode.is_decode():
             x = self.conv_decode(lid, mixed_qkv, weight, layer.conv1d.bias)
             if self.decode_cpp:
@@ -58,12 +80,6 @@ class GDNAttnBackend(MambaAttnBackendBase):
                     layer.head_v_dim,
                 )
             q, k, v = self._split_heads(layer, x)
-            if self.decode_in_place:
-                from sglang.srt.layers.attention.linear.gdn_decode_triton import gdn_decode_inplace
-
-                return gdn_decode_inplace(
-                    q, k, v, g, beta, self.mamba_pool.layer_cache(lid)[1], self.meta.slots
-                )
             out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, self.read_ssm_decode(lid))
             self.write_ssm_decode(lid, state)
             return out

@@ -3,12 +3,15 @@ value rows of one head's state straight from the request's running slot, applies
 update for the batch's token and writes the block back to the same slot. No gather or scatter copies
 of whole states, no host reads: the slots are a device tensor, so the launch is CUDA-graph safe.
 
-The math is `recurrent_gated_delta_rule_step` (the torch twin the tests compare against), per
+One launch per layer does everything between the conv and the output norm: it reads q, k and v out of
+the conv output where they sit, normalises q and k (l2, q scaled by K^-1/2), shares each key head with
+its value heads, and computes the gates from the projections' raw a and b (g = -exp(A_log) *
+softplus(a + dt_bias), beta = sigmoid(b)); the torch form of that prep is ~20 small kernels per layer.
+The math is then `recurrent_gated_delta_rule_step` (the torch twin the tests compare against), per
 (request b, value head h), with the pool's state layout `[V, K]` (value rows first):
 
     S = S * exp(g);  delta = (v - S k) * beta;  S = S + delta k^T;  out = S q
 
-q and k arrive normalised, scaled and repeated to the value heads, as the torch path makes them.
 Padded rows (CUDA graphs) point at the dummy slot 0, which absorbs their writes.
 
 On CPU tensors the kernel runs only under `TRITON_INTERPRET=1` (tests on tiny shapes).
@@ -24,16 +27,19 @@ from sglang.srt.utils.triton_jit import add, jit_for_env
 
 
 def _gdn_decode_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
     state_ptr,
     slot_ptr,
     out_ptr,
+    x_stride,
+    ab_stride,
     slot_stride,
     NUM_HEADS: tl.constexpr,
+    KEY_HEADS: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BK: tl.constexpr,
@@ -43,7 +49,8 @@ def _gdn_decode_kernel(
     h = tl.program_id(1)
     vb = tl.program_id(2)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    bh = b * NUM_HEADS + h
+    row = b.to(tl.int64) * x_stride
+    kh = h // (NUM_HEADS // KEY_HEADS)  # consecutive value heads share a key head
     offs_k = tl.arange(0, BK)
     offs_v = vb * BV + tl.arange(0, BV)
     mk = offs_k < K
@@ -52,18 +59,24 @@ def _gdn_decode_kernel(
     m2 = mv[:, None] & mk[None, :]
     base = state_ptr + slot * slot_stride + h * (V * K)
     s = tl.load(base + tile, mask=m2, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + bh * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-    q = tl.load(q_ptr + bh * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + bh * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + bh).to(tl.float32)
-    beta = tl.load(beta_ptr + bh).to(tl.float32)
+    # x = [q (KEY_HEADS x K) | k (KEY_HEADS x K) | v (NUM_HEADS x V)]; l2norm as the torch form's, eps 1e-6.
+    q = tl.load(x_ptr + row + kh * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(x_ptr + row + (KEY_HEADS + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(x_ptr + row + 2 * KEY_HEADS * K + h * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+    q = q * (1.0 / tl.sqrt(tl.reduce(q * q, 0, add) + 1e-6)) * (1.0 / tl.sqrt(K * 1.0))
+    k = k * (1.0 / tl.sqrt(tl.reduce(k * k, 0, add) + 1e-6))
+    # The gates, as the torch form: softplus with its threshold 20.
+    ga = tl.load(a_ptr + b * ab_stride + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(ga > 20.0, ga, tl.log(1.0 + tl.exp(tl.minimum(ga, 20.0))))
+    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + b * ab_stride + h).to(tl.float32)))
     s = s * tl.exp(g)
     # tl.reduce with our own combine, not tl.sum (sglang.srt.utils.triton_jit says why).
     predicted = tl.reduce(s * k[None, :], 1, add)
     delta = (v - predicted) * beta
     s = s + delta[:, None] * k[None, :]
     out = tl.reduce(s * q[None, :], 1, add)
-    tl.store(out_ptr + bh * V + offs_v, out, mask=mv)
+    tl.store(out_ptr + (b * NUM_HEADS + h) * V + offs_v, out, mask=mv)
     tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
 
 
@@ -74,39 +87,35 @@ def block_v(value_dim: int, key_dim: int) -> int:
 
 
 def gdn_decode_inplace(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     ssm: torch.Tensor,
     slots: torch.Tensor,
+    key_heads: int,
+    key_dim: int,
 ) -> torch.Tensor:
-    """q, k [bs, H, K], v [bs, H, V], g, beta [bs, H]; `ssm` is one layer of the pool, [slots, H, V, K]
-    (any float dtype, rows contiguous); `slots` [bs] int64 on the same device. Updates the states of
-    `slots` in place and returns the output [bs, H, V] float32."""
-    bs, heads, key_dim = k.shape
-    value_dim = v.shape[-1]
-    assert ssm.shape[1:] == (heads, value_dim, key_dim) and ssm[0].is_contiguous(), "pool layout [H, V, K]"
-    out = torch.empty(bs, heads, value_dim, dtype=torch.float32, device=v.device)
+    """x [bs, 2 * key_heads * key_dim + H * V], the conv output (rows contiguous); a, b [bs, H] the raw
+    gate projections (rows may be strided, the same stride for both); a_log, dt_bias [H]; `ssm` is one
+    layer of the pool, [slots, H, V, K] (any float dtype, rows contiguous); `slots` [bs] int64 on the
+    same device. Updates the states of `slots` in place and returns the output [bs, H, V] float32."""
+    bs = x.shape[0]
+    heads, value_dim = ssm.shape[1], ssm.shape[2]
+    assert ssm.shape[3] == key_dim and ssm[0].is_contiguous(), "pool layout [H, V, K]"
+    assert x.shape[1] == 2 * key_heads * key_dim + heads * value_dim and heads % key_heads == 0
+    out = torch.empty(bs, heads, value_dim, dtype=torch.float32, device=x.device)
     if bs == 0:
         return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
+        a, b = a.contiguous(), b.contiguous()
     bv = block_v(value_dim, key_dim)
     grid = (bs, heads, triton.cdiv(value_dim, bv))
     jit_for_env(_gdn_decode_kernel)[grid](
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        g.contiguous(),
-        beta.contiguous(),
-        ssm,
-        slots.contiguous(),
-        out,
-        ssm.stride(0),
-        NUM_HEADS=heads,
-        K=key_dim,
-        V=value_dim,
-        BK=triton.next_power_of_2(key_dim),
-        BV=bv,
-    )
+        x, a, b, a_log, dt_bias, ssm, slots.contiguous(), out, x.stride(0), a.stride(0), ssm.stride(0),
+        NUM_HEADS=heads, KEY_HEADS=key_heads, K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=bv,
+    )  # fmt: skip
     return out
