@@ -147,6 +147,8 @@ class Envs:
     # CUDA; torch forces the torch ops; triton forces the kernel on any device (on CPU it needs
     # TRITON_INTERPRET=1, for tests).
     SGLANG_GPU_NORM_BACKEND = EnvStr("auto", "GPU RMSNorm: auto, torch or triton.")
+    # Rotary embedding of q and k on a GPU, the same choices: one Triton launch (layers/rotary_triton.py).
+    SGLANG_GPU_ROPE_BACKEND = EnvStr("auto", "GPU rotary embedding: auto, torch or triton.")
     # CPU rotary embedding of float32 q/k: auto = one sgl-kernel C++ call where built, else the torch ops.
     SGLANG_CPU_ROPE_BACKEND = EnvStr("auto", "CPU rotary embedding: auto, torch or cpp.")
     # CPU sampling of float32 logits (with or without top-k / top-p / min-p cuts): auto = one sgl-kernel

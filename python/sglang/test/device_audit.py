@@ -143,6 +143,7 @@ class RecordedLaunches:
         "sglang.srt.layers.attention.triton_ops.decode_attention",
         "sglang.srt.layers.attention.triton_ops.extend_attention",
         "sglang.srt.layers.rmsnorm_triton",
+        "sglang.srt.layers.rotary_triton",
     )
 
     def __init__(self) -> None:
@@ -173,8 +174,8 @@ class RecordedLaunches:
         return [(importlib.import_module(name), "jit_for_env", self) for name in self.MODULES]
 
 
-# What CUDA runs by default, forced where the meta device stands in for it: the Triton decode steps and
-# norms, the packed extend (FLA's on a GPU; the same packed layout), no CPU C++ ops.
+# What CUDA runs by default, forced where the meta device stands in for it: the Triton decode steps,
+# norms and rotary embedding, the packed extend (FLA's on a GPU; the same packed layout), no CPU C++ ops.
 CUDA_DEFAULT_ENV = {
     "SGLANG_GDN_DECODE_BACKEND": "triton",
     "SGLANG_MAMBA2_DECODE_BACKEND": "triton",
@@ -182,5 +183,6 @@ CUDA_DEFAULT_ENV = {
     "SGLANG_MAMBA2_EXTEND_BACKEND": "torch_varlen",
     "SGLANG_CPU_LINEAR_ATTN_BACKEND": "torch",
     "SGLANG_GPU_NORM_BACKEND": "triton",
+    "SGLANG_GPU_ROPE_BACKEND": "triton",
     "TRITON_INTERPRET": "1",  # what lets `--attention-backend triton` start without CUDA
 }

@@ -158,7 +158,7 @@ def test_engine_through_the_kernel_as_through_the_torch_form(interpret, preset):
     for backend in ("triton", "torch"):
         with envs.SGLANG_GPU_NORM_BACKEND.override(backend), envs.SGLANG_CPU_NORM_BACKEND.override("torch"):
             runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
-        norms = [m for m in runner.model.modules() if hasattr(m, "triton")]
+        norms = [m for m in runner.model.modules() if isinstance(m, (RMSNorm, GatedRMSNorm, GroupedGatedRMSNorm))]
         assert norms and all(m.triton == (backend == "triton") for m in norms)
         driver = RunnerDriver(runner)
         reqs = [driver.new_request() for _ in range(2)]

@@ -13,17 +13,11 @@ from torch import nn
 from sglang.srt.environ import envs
 from sglang.srt.layers import rmsnorm_triton as tri
 from sglang.srt.layers.cpu_ops import cpu_norm_ops
+from sglang.srt.utils.triton_jit import triton_chosen
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _use_triton(device: torch.device) -> bool:
-    choice = envs.SGLANG_GPU_NORM_BACKEND.get()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"SGLANG_GPU_NORM_BACKEND must be auto, torch or triton; got {choice!r}.")
-    return choice == "triton" or (choice == "auto" and device.type == "cuda")
 
 
 class _CpuNorm(nn.Module):
@@ -35,7 +29,7 @@ class _CpuNorm(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.cpu_ops = cpu_norm_ops(self.weight.device) if self.weight.dtype == torch.float32 else None
-        self.triton = _use_triton(self.weight.device)
+        self.triton = triton_chosen(envs.SGLANG_GPU_NORM_BACKEND, self.weight.device)
 
     def _use_cpu_op(self, x: torch.Tensor) -> bool:
         return self.cpu_ops is not None and x.dtype == torch.float32 and x.device.type == "cpu"

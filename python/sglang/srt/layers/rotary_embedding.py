@@ -1,7 +1,8 @@
 """Rotary position embedding, neox style (halves rotated, as transformers' `rotate_half`), applied to
 the first `rotary_dim` channels of each head (partial rotary); the rest pass through. On CPU, float32 q
 and k take one sgl-kernel C++ call (`sgl-kernel/csrc/rope_cpu.cpp`, the same float32 arithmetic;
-`SGLANG_CPU_ROPE_BACKEND=torch` forces the torch ops), chosen when the model is loaded."""
+`SGLANG_CPU_ROPE_BACKEND=torch` forces the torch ops); on CUDA one Triton launch (`rotary_triton.py`;
+`SGLANG_GPU_ROPE_BACKEND=torch` forces the torch ops). Both are chosen when the model is loaded."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang.srt.environ import envs
 from sglang.srt.layers.cpu_ops import cpu_rope_ops
+from sglang.srt.layers.rotary_triton import rotary_triton
+from sglang.srt.utils.triton_jit import triton_chosen
 
 
 class RotaryEmbedding(nn.Module):
@@ -25,16 +29,20 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
         self.register_buffer("inv_freq", 1.0 / (base**exponents), persistent=False)
         self.cpu_ops = None
+        self.triton = False
 
     def process_weights_after_loading(self) -> None:
-        # rotary_dim 0 (every channel passes through) stays on the torch form; the op rotates something.
+        # rotary_dim 0 (every channel passes through) stays on the torch form; the ops rotate something.
         self.cpu_ops = cpu_rope_ops(self.inv_freq.device) if self.rotary_dim > 0 else None
+        self.triton = self.rotary_dim > 0 and triton_chosen(envs.SGLANG_GPU_ROPE_BACKEND, self.inv_freq.device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D] at absolute `positions` [T]. `cache` (the batch's `rope_cache`)
         keeps cos/sin for the batch's other attention layers: computed once per batch, not per layer."""
+        if self.triton and q.dtype == k.dtype:
+            return rotary_triton(positions, q, k, self.inv_freq, self.rotary_dim)
         if self.cpu_ops is not None and q.dtype == k.dtype == torch.float32 and q.device.type == "cpu":
             return self.cpu_ops.rotary_embedding(positions, q, k, self.inv_freq, self.rotary_dim)
         key = (self.rotary_dim, self.base)

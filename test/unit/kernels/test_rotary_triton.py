@@ -1,0 +1,106 @@
+"""The rotary embedding's Triton kernel (layers/rotary_triton.py, the CUDA path) against the module's torch
+form: under `TRITON_INTERPRET=1` on small shapes (partial and full rotary, strided q and k, float32 and
+bfloat16), compiled for sm_90 at Qwen3-Next-80B's shape, and through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.layers.rotary_triton import rotary_triton
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=10, suite="per-commit-cpu")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(32, 32), (64, 16), (24, 12)])
+def test_matches_the_torch_form(interpret, dtype, head_dim, rotary_dim):
+    rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
+    g = torch.Generator().manual_seed(head_dim + rotary_dim)
+    positions = torch.tensor([0, 5, 17, 300, 4095])
+    qg = torch.randn(5, 3, 2 * head_dim, generator=g).to(dtype)
+    q, k = qg[..., :head_dim], torch.randn(5, 1, head_dim, generator=g).to(dtype)  # q strided, as split
+    want_q, want_k = rope(positions, q, k)
+    got_q, got_k = rotary_triton(positions, q, k, rope.inv_freq, rotary_dim)
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+        # float32: cos / sin of the same float32 angle by another library (~1e-6 relative at angles up to
+        # ~4,000 rad); bfloat16: one rounding of the float32 result, which Triton's interpreter truncates
+        # where torch rounds to nearest (one bfloat16 step, 2^-7 relative at most).
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-5)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        # The channels past the rotary ones pass through unchanged.
+        assert torch.equal(got[..., rotary_dim:], want[..., rotary_dim:])
+
+
+def test_a_wrong_position_changes_the_result(interpret):
+    """The control: rotating at other positions is visibly different, so the comparison can fail."""
+    rope = RotaryEmbedding(16, 16, 10000.0)
+    q, k = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
+    want_q, _ = rope(torch.tensor([3, 4]), q, k)
+    got_q, _ = rotary_triton(torch.tensor([4, 3]), q, k, rope.inv_freq, 16)
+    assert (got_q - want_q).abs().max() > 1e-2
+
+
+def test_an_empty_batch_launches_nothing(interpret):
+    rope = RotaryEmbedding(16, 16, 10000.0)
+    q, k = rotary_triton(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2, 16), torch.zeros(0, 1, 16), rope.inv_freq, 16)
+    assert q.shape == (0, 2, 16) and k.shape == (0, 1, 16)
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp32"])
+def test_compiles_for_sm90(act):
+    """Qwen3-Next-80B's attention (16 query / 2 KV heads of 256, a quarter rotary) compiles for an H100
+    from this CPU machine."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from sglang.srt.layers import rotary_triton as mod
+
+    sig = {
+        "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", **{k: f"*{act}" for k in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")},
+        **{k: "i64" for k in ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h")},
+        **{k: "constexpr" for k in ("HQ", "HK", "D", "HALF", "BHALF", "BREST")},
+    }  # fmt: skip
+    consts = dict(HQ=16, HK=2, D=256, HALF=32, BHALF=32, BREST=256)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # 16-byte aligned, as at launch
+    src = ASTSource(fn=JITFunction(mod._rope_kernel), signature=sig, constexprs=consts, attrs=attrs)
+    assert ".target sm_90" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def test_engine_through_the_kernel_as_through_the_torch_form(interpret):
+    """tiny-qwen3-next (partial rotary): prefill then 4 greedy decode steps of 2 requests with the rotary
+    embedding through the kernel (interpreted) and through the torch form: the same tokens and logprobs."""
+    from sglang.srt.environ import envs
+    from sglang.test.model_checks import make_runner, random_ids
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    runs = []
+    for backend in ("triton", "torch"):
+        with envs.SGLANG_GPU_ROPE_BACKEND.override(backend), envs.SGLANG_CPU_ROPE_BACKEND.override("torch"):
+            runner = make_runner("tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer")
+        ropes = [m for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
+        assert ropes and all(m.triton == (backend == "triton") for m in ropes)
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request() for _ in range(2)]
+        driver.extend([Extend(r, random_ids(17 + 9 * i, seed=i)) for i, r in enumerate(reqs)])
+        tokens, logprobs = [], []
+        for _ in range(4):
+            res = driver.decode(reqs)
+            tokens.append(res.next_token_ids.tolist())
+            logprobs += res.next_token_logprobs.tolist()
+        runs.append((tokens, logprobs))
+    (tok_a, lp_a), (tok_b, lp_b) = runs
+    assert tok_a == tok_b
+    # The same float32 rotation (cos / sin ~1e-6 apart); a wrong position or channel moves logprobs by
+    # O(0.1).
+    torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
