@@ -31,8 +31,8 @@ def main() -> None:
     args = ap.parse_args()
     sys.path[:0] = [str(ROOT / "test"), str(ROOT / "test/unit/scheduler")]
     import test_strategy_matrix as matrix
-    from conftest import _Oracles
 
+    from conftest import _Oracles
     from sglang.test.scheduler_harness import SchedulerHarness
 
     check, rows = SchedulerHarness.check_oracle, []

@@ -144,6 +144,7 @@ class RecordedLaunches:
         "sglang.srt.layers.attention.triton_ops.extend_attention",
         "sglang.srt.layers.rmsnorm_triton",
         "sglang.srt.layers.rotary_triton",
+        "sglang.srt.layers.moe.routing_triton",
     )
 
     def __init__(self) -> None:
@@ -175,7 +176,7 @@ class RecordedLaunches:
 
 
 # What CUDA runs by default, forced where the meta device stands in for it: the Triton decode steps,
-# norms and rotary embedding, the packed extend (FLA's on a GPU; the same packed layout), no CPU C++ ops.
+# norms, rotary embedding and MoE routing, the packed extend (FLA's on a GPU; the same packed layout), no CPU C++ ops.
 CUDA_DEFAULT_ENV = {
     "SGLANG_GDN_DECODE_BACKEND": "triton",
     "SGLANG_MAMBA2_DECODE_BACKEND": "triton",
@@ -184,5 +185,6 @@ CUDA_DEFAULT_ENV = {
     "SGLANG_CPU_LINEAR_ATTN_BACKEND": "torch",
     "SGLANG_GPU_NORM_BACKEND": "triton",
     "SGLANG_GPU_ROPE_BACKEND": "triton",
+    "SGLANG_GPU_MOE_BACKEND": "triton",
     "TRITON_INTERPRET": "1",  # what lets `--attention-backend triton` start without CUDA
 }

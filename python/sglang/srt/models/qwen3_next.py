@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang.srt.environ import envs
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import GatedMLP
@@ -19,6 +20,7 @@ from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
+from sglang.srt.utils.triton_jit import triton_chosen
 
 
 def group_rows_by_piece(weight: torch.Tensor, heads: int, sizes: list[int]) -> torch.Tensor:
@@ -133,14 +135,18 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.routing_ops = None  # the C++ top-k where the C++ op serves the experts (set at load)
+        self.routing_triton = False  # the Triton top-k on CUDA (set at load)
 
     def process_weights_after_loading(self) -> None:
         self.experts.process_weights_after_loading()
         self.routing_ops = self.experts.cpu_ops
+        self.routing_triton = triton_chosen(envs.SGLANG_GPU_MOE_BACKEND, self.gate.weight.device)
         self.experts.fuse_shared_expert(self.shared_expert, self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob, self.routing_ops)
+        weights, ids = softmax_topk(
+            self.gate(x), self.top_k, self.norm_topk_prob, self.routing_ops, self.routing_triton
+        )
         return self.experts(x, weights, ids, self.shared_expert, self.shared_expert_gate)
 
 

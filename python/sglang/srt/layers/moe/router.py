@@ -23,9 +23,14 @@ def _cpp_routes(ops: Any | None, router_logits: torch.Tensor) -> bool:
 
 
 def softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, ops: Any | None = None
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, ops: Any | None = None, triton: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-Next: softmax over all experts, keep the top k, renormalise them to sum to 1."""
+    """Qwen3-Next: softmax over all experts, keep the top k, renormalise them to sum to 1. `triton`: one
+    Triton launch (`routing_triton.py`, the CUDA path, SGLANG_GPU_MOE_BACKEND)."""
+    if triton:
+        from sglang.srt.layers.moe.routing_triton import softmax_topk_triton
+
+        return softmax_topk_triton(router_logits, top_k, renormalize)
     if _cpp_routes(ops, router_logits):
         return ops.topk_softmax(router_logits.float().contiguous(), top_k, renormalize)
     probs = torch.softmax(router_logits.float(), dim=-1)

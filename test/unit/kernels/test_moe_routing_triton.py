@@ -1,0 +1,98 @@
+"""Qwen3-Next's routing kernel (layers/moe/routing_triton.py, the CUDA path) against `softmax_topk`'s torch
+form: under `TRITON_INTERPRET=1` on small shapes, compiled for sm_90 at Qwen3-Next-80B's 512 experts /
+top-10, and through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.layers.moe.router import softmax_topk
+from sglang.srt.layers.moe.routing_triton import softmax_topk_triton
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=10, suite="per-commit-cpu")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4), (512, 10), (16, 1)])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_torch_form(interpret, experts, top_k, renormalize, dtype):
+    g = torch.Generator().manual_seed(experts + top_k)
+    # Distinct logits in each row (multiples of 1/16 up to 16, exact in bfloat16): without ties torch's
+    # order is defined, so both pick the same experts in the same order (ties: the test below).
+    logits = torch.stack([torch.randperm(experts, generator=g) for _ in range(9)]).sub(experts // 2).div(16).to(dtype)
+    want_w, want_ids = softmax_topk(logits, top_k, renormalize)
+    got_w, got_ids = softmax_topk_triton(logits, top_k, renormalize)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids, want_ids)
+    # The same float32 softmax with its sums in another order: ~1e-7 relative.
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-7)
+
+
+def test_ties_go_to_the_lower_expert_and_each_expert_once(interpret):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0]])
+    w, ids = softmax_topk_triton(logits, 4, False)
+    assert ids.tolist() == [[1, 2, 4, 5]]
+    assert w[0, 0] == w[0, 1] == w[0, 2] > w[0, 3]
+
+
+def test_strided_logits_and_an_empty_batch(interpret):
+    wide = torch.randn(5, 20)
+    logits = wide[:, :10]  # a column slice: rows strided
+    want = softmax_topk(logits, 3, True)
+    got = softmax_topk_triton(logits, 3, True)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+    w, ids = softmax_topk_triton(torch.zeros(0, 10), 3, True)
+    assert w.shape == ids.shape == (0, 3)
+
+
+def test_compiles_for_sm90():
+    """Qwen3-Next-80B: 512 experts, top 10, bfloat16 logits; compiles for an H100 from this CPU machine."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from sglang.srt.layers.moe import routing_triton as mod
+
+    sig = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "logits_stride": "i64",
+           **{k: "constexpr" for k in ("E", "BE", "K", "BK", "RENORMALIZE")}}  # fmt: skip
+    consts = dict(E=512, BE=512, K=10, BK=16, RENORMALIZE=True)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+    src = ASTSource(fn=JITFunction(mod._softmax_topk_kernel), signature=sig, constexprs=consts, attrs=attrs)
+    assert ".target sm_90" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def test_engine_routes_through_the_kernel_as_through_the_torch_form(interpret):
+    """tiny-qwen3-next: prefill then 4 greedy decode steps of 2 requests with the routing through the
+    kernel (interpreted) and through the torch form: the same tokens and logprobs."""
+    from sglang.srt.environ import envs
+    from sglang.test.model_checks import make_runner, random_ids
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    runs = []
+    for backend in ("triton", "torch"):
+        with envs.SGLANG_GPU_MOE_BACKEND.override(backend), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
+            runner = make_runner("tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer")
+        blocks = [m for m in runner.model.modules() if hasattr(m, "routing_triton")]
+        assert blocks and all(m.routing_triton == (backend == "triton") for m in blocks)
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request() for _ in range(2)]
+        driver.extend([Extend(r, random_ids(17 + 9 * i, seed=i)) for i, r in enumerate(reqs)])
+        tokens, logprobs = [], []
+        for _ in range(4):
+            res = driver.decode(reqs)
+            tokens.append(res.next_token_ids.tolist())
+            logprobs += res.next_token_logprobs.tolist()
+        runs.append((tokens, logprobs))
+    (tok_a, lp_a), (tok_b, lp_b) = runs
+    assert tok_a == tok_b
+    # The same experts with weights ~1e-7 apart; a wrong expert or weight moves logprobs by O(0.1).
+    torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
