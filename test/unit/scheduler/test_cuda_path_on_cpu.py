@@ -1,0 +1,45 @@
+"""The CUDA path's numerics without a GPU: the scheduler serving with every kernel CUDA runs by default
+forced and interpreted (`TRITON_INTERPRET=1`: Triton attention, the linear layers' decode steps, the
+norms, the rotary embedding, the routing; the packed extend in its torch form, FLA's layout), against
+the transformers oracle at the CPU tolerance, with the caching rules' hits. The kernels' own tests
+compare each with its torch twin; this one checks that they compose into the same model."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.device_audit import CUDA_DEFAULT_ENV
+from sglang.test.scheduler_harness import ORACLE_TOL, SchedulerHarness, token_ids
+
+register_cpu_ci(est_time=55, suite="per-commit-cpu")
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_cuda_default_kernels_serve_the_oracles_logprobs(preset, oracles, monkeypatch):
+    for name, value in CUDA_DEFAULT_ENV.items():
+        monkeypatch.setenv(name, value)
+    h = SchedulerHarness(
+        preset, attention_backend="triton", mamba_scheduler_strategy="extra_buffer", page_size=16,
+        disable_overlap_schedule=True,
+    )  # fmt: skip
+    runner = h.sched.model_runner
+    linear = runner.attn_backend.linear_attn_backend
+    assert linear.decode_in_place and linear.varlen_impl is not None
+    assert type(runner.attn_backend.full_attn_backend).__name__ == "TritonAttnBackend"
+    modules = list(runner.model.modules())
+    assert all(m.triton for m in modules if hasattr(m, "triton") and getattr(m, "rotary_dim", 1) > 0)
+    assert all(m.routing_triton for m in modules if hasattr(m, "routing_triton"))
+    try:
+        # A cold prompt, then its continuation: prefill, decode (past a track boundary) and a cache hit,
+        # all through the kernels.
+        prompt = token_ids(90, seed=1)
+        out = h.generate(prompt, max_new_tokens=12)
+        h.check_oracle(oracles[preset], prompt, out, ORACLE_TOL)
+        turn2 = prompt + out.output_ids + token_ids(7, seed=2)
+        out2 = h.generate(turn2, max_new_tokens=4)
+        h.check_oracle(oracles[preset], turn2, out2, ORACLE_TOL)
+        assert out2.cached_tokens > 0
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
