@@ -149,9 +149,10 @@ class Envs:
     SGLANG_GPU_NORM_BACKEND = EnvStr("auto", "GPU RMSNorm: auto, torch or triton.")
     # Rotary embedding of q and k on a GPU, the same choices: one Triton launch (layers/rotary_triton.py).
     SGLANG_GPU_ROPE_BACKEND = EnvStr("auto", "GPU rotary embedding: auto, torch or triton.")
-    # MoE routing on a GPU, the same choices: Qwen3-Next's softmax top-k in one Triton launch
-    # (layers/moe/routing_triton.py).
-    SGLANG_GPU_MOE_BACKEND = EnvStr("auto", "GPU MoE routing: auto, torch or triton.")
+    # MoE on a GPU, the same choices: Qwen3-Next's softmax top-k in one Triton launch
+    # (layers/moe/routing_triton.py) and the token bookkeeping around the grouped GEMMs in three
+    # (layers/moe/dispatch_triton.py).
+    SGLANG_GPU_MOE_BACKEND = EnvStr("auto", "GPU MoE routing and dispatch: auto, torch or triton.")
     # CPU rotary embedding of float32 q/k: auto = one sgl-kernel C++ call where built, else the torch ops.
     SGLANG_CPU_ROPE_BACKEND = EnvStr("auto", "CPU rotary embedding: auto, torch or cpp.")
     # CPU sampling of float32 logits (with or without top-k / top-p / min-p cuts): auto = one sgl-kernel

@@ -145,6 +145,7 @@ class RecordedLaunches:
         "sglang.srt.layers.rmsnorm_triton",
         "sglang.srt.layers.rotary_triton",
         "sglang.srt.layers.moe.routing_triton",
+        "sglang.srt.layers.moe.dispatch_triton",
     )
 
     def __init__(self) -> None:
@@ -176,7 +177,7 @@ class RecordedLaunches:
 
 
 # What CUDA runs by default, forced where the meta device stands in for it: the Triton decode steps,
-# norms, rotary embedding and MoE routing, the packed extend (FLA's on a GPU; the same packed layout), no CPU C++ ops.
+# norms, rotary embedding, MoE routing and dispatch, the packed extend (FLA's on a GPU; the same packed layout), no CPU C++ ops.
 CUDA_DEFAULT_ENV = {
     "SGLANG_GDN_DECODE_BACKEND": "triton",
     "SGLANG_MAMBA2_DECODE_BACKEND": "triton",

@@ -131,8 +131,9 @@ def test_overlap_placeholders_resolve_on_the_device(preset):
             worker.shutdown()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the grouped GEMMs' MoE path
 @pytest.mark.parametrize("preset", PRESETS)
-def test_the_cuda_default_kernels_are_device_clean(preset, monkeypatch):
+def test_the_cuda_default_kernels_are_device_clean(preset, dtype, monkeypatch):
     """What CUDA runs by default where the test above runs torch: Triton attention, the Triton decode
     steps and conv extend in place on the pool, the packed (varlen) extend, and the CUDA-graph runner's
     decode body (captured graphs replay exactly that body)."""
@@ -144,7 +145,7 @@ def test_the_cuda_default_kernels_are_device_clean(preset, monkeypatch):
     for var, value in CUDA_DEFAULT_ENV.items():
         monkeypatch.setenv(var, value)
     with DeviceAudit() as audit:
-        runner, copier = _meta_runner(preset, audit, attention_backend="triton")
+        runner, copier = _meta_runner(preset, audit, attention_backend="triton", dtype=dtype)
         linear = runner.attn_backend.linear_attn_backend
         assert linear.decode_in_place and linear.varlen_impl is not None
         driver = RunnerDriver(runner)
@@ -182,6 +183,8 @@ def test_the_cuda_default_kernels_are_device_clean(preset, monkeypatch):
     decode_step = "_gdn_decode_kernel" if "qwen" in preset else "_mamba2_decode_kernel"
     kernels = {name for name, _ in launches.calls}
     expected = {"_extend_kernel", "_decode_stage1_kernel", "_conv_extend_kernel", "_rmsnorm_kernel", decode_step}
+    if dtype == "bfloat16":  # the MoE bookkeeping around the grouped GEMMs (bfloat16 on a GPU)
+        expected |= {"_align_kernel", "_offsets_kernel", "_combine_kernel"}
     if "qwen" in preset:  # Nemotron-H's attention has no rotary embedding, its routing is grouped
         expected |= {"_rope_kernel", "_softmax_topk_kernel"}
     assert expected <= kernels, kernels

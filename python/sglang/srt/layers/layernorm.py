@@ -11,9 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.environ import envs
-from sglang.srt.layers import rmsnorm_triton as tri
 from sglang.srt.layers.cpu_ops import cpu_norm_ops
-from sglang.srt.utils.triton_jit import triton_chosen
+from sglang.srt.layers.gpu_ops import triton_chosen
+
+
+def _tri():
+    """The Triton kernel's module, imported where a norm runs it (a CPU install may lack triton)."""
+    from sglang.srt.layers import rmsnorm_triton
+
+    return rmsnorm_triton
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,6 +53,7 @@ class RMSNorm(_CpuNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.triton:
+            tri = _tri()
             return tri.rmsnorm_triton(x, self.weight, self.eps, tri.PLAIN, offset_one=self.offset_one)
         if self._use_cpu_op(x):
             return self.cpu_ops.rmsnorm(
@@ -68,6 +75,7 @@ class GatedRMSNorm(_CpuNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.triton:
+            tri = _tri()
             return tri.rmsnorm_triton(x, self.weight, self.eps, tri.GATE_AFTER, gate=gate)
         if self._use_cpu_op(x) and gate.dtype == torch.float32:
             return self.cpu_ops.gated_rmsnorm(
@@ -91,7 +99,7 @@ class GroupedGatedRMSNorm(_CpuNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.triton:
-            out_dtype = torch.promote_types(self.weight.dtype, x.dtype)
+            tri, out_dtype = _tri(), torch.promote_types(self.weight.dtype, x.dtype)
             return tri.rmsnorm_triton(
                 x, self.weight, self.eps, tri.GATE_FIRST, gate=gate, group_size=self.group_size, out_dtype=out_dtype
             )

@@ -13,8 +13,7 @@ from torch import nn
 
 from sglang.srt.environ import envs
 from sglang.srt.layers.cpu_ops import cpu_rope_ops
-from sglang.srt.layers.rotary_triton import rotary_triton
-from sglang.srt.utils.triton_jit import triton_chosen
+from sglang.srt.layers.gpu_ops import triton_chosen
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,6 +41,8 @@ class RotaryEmbedding(nn.Module):
         """q [T, Hq, D], k [T, Hk, D] at absolute `positions` [T]. `cache` (the batch's `rope_cache`)
         keeps cos/sin for the batch's other attention layers: computed once per batch, not per layer."""
         if self.triton and q.dtype == k.dtype:
+            from sglang.srt.layers.rotary_triton import rotary_triton  # here: a CPU install may lack triton
+
             return rotary_triton(positions, q, k, self.inv_freq, self.rotary_dim)
         if self.cpu_ops is not None and q.dtype == k.dtype == torch.float32 and q.device.type == "cpu":
             return self.cpu_ops.rotary_embedding(positions, q, k, self.inv_freq, self.rotary_dim)

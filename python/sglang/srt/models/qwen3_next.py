@@ -11,6 +11,7 @@ from torch import nn
 
 from sglang.srt.environ import envs
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
+from sglang.srt.layers.gpu_ops import triton_chosen
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -20,7 +21,6 @@ from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
-from sglang.srt.utils.triton_jit import triton_chosen
 
 
 def group_rows_by_piece(weight: torch.Tensor, heads: int, sizes: list[int]) -> torch.Tensor:

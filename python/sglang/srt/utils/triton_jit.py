@@ -13,9 +13,7 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Callable
-from typing import Any
 
-import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
@@ -56,12 +54,3 @@ def jit_for_env(fn: Callable):
         _jitted[key] = triton.jit(fn)
     return _jitted[key]
 
-
-def triton_chosen(choice: Any, device: torch.device) -> bool:
-    """Whether a `SGLANG_GPU_*_BACKEND` variable (`choice`: auto, torch or triton) puts a layer on its
-    Triton kernel for weights on `device`: auto on CUDA, triton anywhere (on CPU tensors only under
-    TRITON_INTERPRET=1, for tests). A bad value is one sentence naming the variable."""
-    value = choice.get()
-    if value not in ("auto", "torch", "triton"):
-        raise ValueError(f"{choice.name} must be auto, torch or triton; got {value!r}.")
-    return value == "triton" or (value == "auto" and device.type == "cuda")

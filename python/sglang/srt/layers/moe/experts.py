@@ -10,7 +10,8 @@ On an accelerator the host never reads the per-expert counts (that would be a de
 serving dtype on GPUs), or, where grouped GEMMs do not apply (float32, unaligned dims), runs the
 padded batched form with room for every token in every expert, up to BATCHED_MAX_ASSIGNMENTS (decode
 sizes; larger batches take the per-expert path, one sync per layer). A fixed number of launches per
-layer either way, so it is also what a CUDA graph can capture. On CPU, decode-size batches take the
+layer either way, so it is also what a CUDA graph can capture; on CUDA the bookkeeping around the grouped
+GEMMs is three Triton launches (`dispatch_triton.py`, `SGLANG_GPU_MOE_BACKEND`). On CPU, decode-size batches take the
 grouped GEMMs too (any float dtype there), faster than the padded block; for small experts, sgl-kernel's
 C++ op instead (`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
 parameters stored transposed (`process_weights_after_loading`). The layer's shared expert (and its sigmoid
@@ -22,8 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sglang.srt.environ import envs
 from sglang.srt.layers.activation import get_act_fn
 from sglang.srt.layers.cpu_ops import cpu_moe_ops
+from sglang.srt.layers.gpu_ops import triton_chosen
 
 EXPERT_SHARDS = ("gate", "up", "down")
 # Batched path up to this many (token, expert) assignments, and while the padded block holds at most
@@ -42,6 +45,9 @@ CPU_OP_MAX_EXPERT_WEIGHTS = 128 * 1024
 # Qwen3-Next's MoE block (one thread): fused / unfused 24 / 47 us at 1 token, 82 / 94 us at 64, 252 / 241
 # at 256, 489 / 426 at 500.
 CPU_OP_MAX_SHARED_TOKENS = 128
+# The Triton bookkeeping (`dispatch_triton.py`) serves batches of at most this many assignments: its
+# compares grow as their square; 4,096 (256 tokens x top-16) is 16M compares, a few us on a GPU.
+ALIGN_MAX_ASSIGNMENTS = 4096
 
 
 class RoutedExperts(nn.Module):
@@ -56,6 +62,7 @@ class RoutedExperts(nn.Module):
         self.act = get_act_fn(act)
         self.act_code = CPU_OP_ACTIVATIONS.get(act)
         self.cpu_ops = None  # set by process_weights_after_loading where the C++ op serves this layer
+        self.triton = False  # the Triton bookkeeping around the grouped GEMMs (CUDA; set at load)
         # Set by fuse_shared_expert: (the shared expert, its gate) and the op's arguments for them.
         self.fused_shared: tuple[nn.Module, nn.Linear | None] | None = None
         self.fused_shared_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
@@ -64,6 +71,7 @@ class RoutedExperts(nn.Module):
         """On CPU, where the C++ op serves this layer, store w13 / w2 transposed (contiguous [E, H, R] and
         [E, I, H]; the parameters become views of them with their usual shapes, so every torch path
         reads them as before). Runs once however often it is called."""
+        self.triton = triton_chosen(envs.SGLANG_GPU_MOE_BACKEND, self.w13.device)
         ops = cpu_moe_ops(self.w13.device)
         weights_per_expert = self.w13.shape[1] * self.w13.shape[2] + self.w2.shape[1] * self.w2.shape[2]
         if ops is None or self.act_code is None or weights_per_expert > CPU_OP_MAX_EXPERT_WEIGHTS:
@@ -207,13 +215,22 @@ class RoutedExperts(nn.Module):
         """`forward` without any device-to-host read (see the module docstring); runs on CPU too.
         `grouped`: grouped GEMMs or the padded block (default: grouped where `grouped_mm_applies`)."""
         num_tokens, top_k = ids.shape
+        use_grouped = self.grouped_mm_applies(x) if grouped is None else grouped
+        if self.triton and use_grouped and ids.numel() <= ALIGN_MAX_ASSIGNMENTS:
+            # Three launches for the bookkeeping instead of ~15 (imported here: a CPU install may lack triton).
+            from sglang.srt.layers.moe import dispatch_triton
+
+            token_of, inv, offs = dispatch_triton.moe_align(ids, self.num_experts)
+            h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(self._activate(h), self.w2.transpose(1, 2), offs=offs)
+            return dispatch_triton.moe_combine(y, inv, weights, x.dtype)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         expert_of, token_of = flat[order], order // top_k
         weight_of = weights.reshape(-1)[order]
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat))
-        if self.grouped_mm_applies(x) if grouped is None else grouped:
+        if use_grouped:
             offs = torch.cumsum(counts, 0).to(torch.int32)
             h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs)
             y = torch._grouped_mm(self._activate(h), self.w2.transpose(1, 2), offs=offs)

@@ -1,0 +1,91 @@
+"""The MoE block's token bookkeeping around its grouped GEMMs in Triton, the CUDA path of
+`RoutedExperts.forward_device` for decode-size batches: torch takes ~15 kernels per layer for it (a
+stable argsort, gathers, a histogram, a cumsum, casts, a zero fill and an `index_add_`), these take three.
+
+- `moe_align`: for the [T, k] expert ids, the stable sort by expert of the T * k assignments, as the
+  token of each sorted row, the sorted position of each assignment (its inverse) and the grouped GEMM's
+  `offs` (int32 cumulative counts per expert). Each position is the number of assignments before it in
+  (expert, index) order: O((T k)^2) compares, which at decode sizes is far less than a launch costs.
+- `moe_combine`: each token's output, the weighted sum of its k rows of the experts' output, summed in
+  float32 in pick order and rounded once to the activation dtype (torch's form sums the same products
+  with an `index_add_`).
+
+On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.utils.triton_jit import add, jit_for_env
+
+_BLOCK = 128
+
+
+def _align_kernel(ids_ptr, token_ptr, inv_ptr, n, TOP_K: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr):
+    i = tl.program_id(0) * BI + tl.arange(0, BI)
+    mi = i < n
+    e_i = tl.load(ids_ptr + i, mask=mi, other=0)
+    pos = (i * 0).to(tl.int64)  # zeros made from i (tl.zeros is a jitted helper: triton_jit says why)
+    for j0 in range(0, n, BJ):
+        j = j0 + tl.arange(0, BJ)
+        e_j = tl.load(ids_ptr + j, mask=j < n, other=0)
+        before = (e_j[None, :] < e_i[:, None]) | ((e_j[None, :] == e_i[:, None]) & (j[None, :] < i[:, None]))
+        pos += tl.reduce((before & (j[None, :] < n)).to(tl.int64), 1, add)
+    tl.store(inv_ptr + i, pos, mask=mi)
+    tl.store(token_ptr + pos, (i // TOP_K).to(tl.int64), mask=mi)
+
+
+def _offsets_kernel(ids_ptr, offs_ptr, n, E: tl.constexpr, BE: tl.constexpr, BJ: tl.constexpr):
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    total = (e * 0).to(tl.int32)
+    for j0 in range(0, n, BJ):
+        j = j0 + tl.arange(0, BJ)
+        e_j = tl.load(ids_ptr + j, mask=j < n, other=E)  # masked lanes count for no expert
+        total += tl.reduce((e_j[None, :] <= e[:, None]).to(tl.int32), 1, add)
+    tl.store(offs_ptr + e, total, mask=e < E)
+
+
+def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] int64 -> (token of each sorted row [T k] int64, sorted position of each assignment in
+    row-major [T, k] order [T k] int64, offs [E] int32)."""
+    n = ids.numel()
+    flat = ids.reshape(-1).contiguous()
+    token_of = torch.empty(n, dtype=torch.int64, device=ids.device)
+    inv = torch.empty(n, dtype=torch.int64, device=ids.device)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    if n:
+        jit_for_env(_align_kernel)[(triton.cdiv(n, _BLOCK),)](
+            flat, token_of, inv, n, TOP_K=ids.shape[1], BI=_BLOCK, BJ=_BLOCK
+        )
+    be = min(_BLOCK, triton.next_power_of_2(num_experts))
+    jit_for_env(_offsets_kernel)[(triton.cdiv(num_experts, be),)](flat, offs, n, E=num_experts, BE=be, BJ=_BLOCK)
+    return token_of, inv, offs
+
+
+def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    mh = h < H
+    acc = h.to(tl.float32) * 0.0
+    for j in tl.static_range(TOP_K):
+        row = tl.load(inv_ptr + t * TOP_K + j)
+        w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        acc += tl.load(y_ptr + row * H + h, mask=mh, other=0.0).to(tl.float32) * w
+    tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mh)
+
+
+def moe_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T k, H] the experts' output in sorted order, inv [T k] (from `moe_align`), weights [T, k] ->
+    [T, H] in `dtype`: each token's weighted sum of its rows."""
+    t, top_k = weights.shape
+    hidden = y.shape[1]
+    out = torch.empty(t, hidden, dtype=dtype, device=y.device)
+    if t:
+        bh = min(1024, triton.next_power_of_2(hidden))
+        jit_for_env(_combine_kernel)[(t, triton.cdiv(hidden, bh))](
+            y.contiguous(), inv, weights.contiguous(), out, H=hidden, TOP_K=top_k, BH=bh
+        )
+    return out

@@ -1,0 +1,116 @@
+"""The MoE bookkeeping kernels (layers/moe/dispatch_triton.py, the CUDA path) against the torch form of
+`RoutedExperts.forward_device`: under `TRITON_INTERPRET=1` on small shapes, compiled for sm_90 at
+Qwen3-Next-80B's 512 experts / top-10, and through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.layers.moe import dispatch_triton as dt
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=15, suite="per-commit-cpu")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
+    """Distinct experts per token (as top-k gives), few experts so that many share one, some unused."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 2, 8), (37, 3, 5), (300, 2, 16), (9, 10, 512)])
+def test_align_matches_a_stable_sort(interpret, tokens, top_k, experts):
+    ids = _ids(tokens, top_k, experts, seed=tokens)
+    token_of, inv, offs = dt.moe_align(ids, experts)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    assert torch.equal(token_of, order // top_k)
+    assert torch.equal(order[inv], torch.arange(flat.numel()))  # inv is order's inverse
+    assert offs.dtype == torch.int32
+    assert torch.equal(offs, torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32))
+
+
+def test_align_of_an_empty_batch(interpret):
+    token_of, inv, offs = dt.moe_align(torch.zeros(0, 2, dtype=torch.int64), 4)
+    assert token_of.numel() == inv.numel() == 0 and offs.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_matches_the_index_add_form(interpret, dtype):
+    tokens, top_k, hidden = 6, 3, 40
+    ids = _ids(tokens, top_k, 7, seed=3)
+    _, inv, _ = dt.moe_align(ids, 7)
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(tokens * top_k, hidden, generator=g).to(dtype)
+    weights = torch.rand(tokens, top_k, generator=g)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    want = torch.zeros(tokens, hidden).index_add_(0, order // top_k, y.float() * weights.reshape(-1)[order, None])
+    got = dt.moe_combine(y, inv, weights, dtype)
+    assert got.dtype == dtype
+    # float32: the same products summed in another order (~1e-7 relative); bfloat16: one rounding of it,
+    # which the interpreter truncates where torch rounds to nearest (one step, 2^-7 relative).
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-5)
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), **tol)
+
+
+def test_compiles_for_sm90():
+    """Qwen3-Next-80B (512 experts, top 10, hidden 2,048, bfloat16): the three kernels compile for an H100
+    from this CPU machine."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    def compile_(fn, sig, consts, pointers):
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(pointers)}
+        src = ASTSource(fn=JITFunction(fn), signature=sig, constexprs=consts, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+    align = {"ids_ptr": "*i64", "token_ptr": "*i64", "inv_ptr": "*i64", "n": "i32",
+             **{k: "constexpr" for k in ("TOP_K", "BI", "BJ")}}  # fmt: skip
+    assert ".target sm_90" in compile_(dt._align_kernel, align, dict(TOP_K=10, BI=128, BJ=128), 3)
+    offsets = {"ids_ptr": "*i64", "offs_ptr": "*i32", "n": "i32", **{k: "constexpr" for k in ("E", "BE", "BJ")}}
+    assert ".target sm_90" in compile_(dt._offsets_kernel, offsets, dict(E=512, BE=128, BJ=128), 2)
+    combine = {"y_ptr": "*bf16", "inv_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16",
+               **{k: "constexpr" for k in ("H", "TOP_K", "BH")}}  # fmt: skip
+    assert ".target sm_90" in compile_(dt._combine_kernel, combine, dict(H=2048, TOP_K=10, BH=1024), 4)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset, monkeypatch):
+    """Prefill then 4 greedy decode steps of 2 requests with the experts' bookkeeping through the kernels
+    (interpreted; the C++ MoE op off, so the grouped GEMMs run) and through the torch form."""
+    from sglang.srt.environ import envs
+    from sglang.test.model_checks import make_runner, random_ids
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    aligned = []
+    real = dt.moe_align
+    monkeypatch.setattr(dt, "moe_align", lambda *a: aligned.append(a[0].shape) or real(*a))
+    runs = []
+    for backend in ("triton", "torch"):
+        with envs.SGLANG_GPU_MOE_BACKEND.override(backend), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
+            runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request() for _ in range(2)]
+        driver.extend([Extend(r, random_ids(17 + 9 * i, seed=i)) for i, r in enumerate(reqs)])
+        tokens, logprobs = [], []
+        for _ in range(4):
+            res = driver.decode(reqs)
+            tokens.append(res.next_token_ids.tolist())
+            logprobs += res.next_token_logprobs.tolist()
+        runs.append((tokens, logprobs))
+        if backend == "triton":
+            assert aligned, "the kernels did not run"
+            aligned.clear()
+    assert not aligned
+    (tok_a, lp_a), (tok_b, lp_b) = runs
+    assert tok_a == tok_b
+    # The same float32 products summed in another order; a wrong row or weight moves logprobs by O(0.1).
+    torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
