@@ -87,8 +87,7 @@ def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset,
     """Prefill then 4 greedy decode steps of 2 requests with the experts' bookkeeping through the kernels
     (interpreted; the C++ MoE op off, so the grouped GEMMs run) and through the torch form."""
     from sglang.srt.environ import envs
-    from sglang.test.model_checks import make_runner, random_ids
-    from sglang.test.runner_driver import Extend, RunnerDriver
+    from sglang.test.model_checks import greedy_run, make_runner
 
     aligned = []
     real = dt.moe_align
@@ -97,15 +96,7 @@ def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset,
     for backend in ("triton", "torch"):
         with envs.SGLANG_GPU_MOE_BACKEND.override(backend), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
             runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
-        driver = RunnerDriver(runner)
-        reqs = [driver.new_request() for _ in range(2)]
-        driver.extend([Extend(r, random_ids(17 + 9 * i, seed=i)) for i, r in enumerate(reqs)])
-        tokens, logprobs = [], []
-        for _ in range(4):
-            res = driver.decode(reqs)
-            tokens.append(res.next_token_ids.tolist())
-            logprobs += res.next_token_logprobs.tolist()
-        runs.append((tokens, logprobs))
+        runs.append(greedy_run(runner))
         if backend == "triton":
             assert aligned, "the kernels did not run"
             aligned.clear()

@@ -74,8 +74,7 @@ def test_engine_routes_through_the_kernel_as_through_the_torch_form(interpret):
     """tiny-qwen3-next: prefill then 4 greedy decode steps of 2 requests with the routing through the
     kernel (interpreted) and through the torch form: the same tokens and logprobs."""
     from sglang.srt.environ import envs
-    from sglang.test.model_checks import make_runner, random_ids
-    from sglang.test.runner_driver import Extend, RunnerDriver
+    from sglang.test.model_checks import greedy_run, make_runner
 
     runs = []
     for backend in ("triton", "torch"):
@@ -83,15 +82,7 @@ def test_engine_routes_through_the_kernel_as_through_the_torch_form(interpret):
             runner = make_runner("tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer")
         blocks = [m for m in runner.model.modules() if hasattr(m, "routing_triton")]
         assert blocks and all(m.routing_triton == (backend == "triton") for m in blocks)
-        driver = RunnerDriver(runner)
-        reqs = [driver.new_request() for _ in range(2)]
-        driver.extend([Extend(r, random_ids(17 + 9 * i, seed=i)) for i, r in enumerate(reqs)])
-        tokens, logprobs = [], []
-        for _ in range(4):
-            res = driver.decode(reqs)
-            tokens.append(res.next_token_ids.tolist())
-            logprobs += res.next_token_logprobs.tolist()
-        runs.append((tokens, logprobs))
+        runs.append(greedy_run(runner))
     (tok_a, lp_a), (tok_b, lp_b) = runs
     assert tok_a == tok_b
     # The same experts with weights ~1e-7 apart; a wrong expert or weight moves logprobs by O(0.1).

@@ -151,8 +151,7 @@ def test_engine_through_the_kernel_as_through_the_torch_form(interpret, preset):
     """Prefill then 4 greedy decode steps of 2 requests with every norm of the model through the kernel
     (interpreted) and through the torch form: the same tokens and logprobs."""
     from sglang.srt.environ import envs
-    from sglang.test.model_checks import make_runner, random_ids
-    from sglang.test.runner_driver import Extend, RunnerDriver
+    from sglang.test.model_checks import greedy_run, make_runner
 
     runs = []
     for backend in ("triton", "torch"):
@@ -160,15 +159,7 @@ def test_engine_through_the_kernel_as_through_the_torch_form(interpret, preset):
             runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
         norms = [m for m in runner.model.modules() if isinstance(m, (RMSNorm, GatedRMSNorm, GroupedGatedRMSNorm))]
         assert norms and all(m.triton == (backend == "triton") for m in norms)
-        driver = RunnerDriver(runner)
-        reqs = [driver.new_request() for _ in range(2)]
-        driver.extend([Extend(r, random_ids(17 + 9 * i, seed=i)) for i, r in enumerate(reqs)])
-        tokens, logprobs = [], []
-        for _ in range(4):
-            res = driver.decode(reqs)
-            tokens.append(res.next_token_ids.tolist())
-            logprobs += res.next_token_logprobs.tolist()
-        runs.append((tokens, logprobs))
+        runs.append(greedy_run(runner))
     (tok_a, lp_a), (tok_b, lp_b) = runs
     assert tok_a == tok_b
     # The same float32 math with sums in another order (~1e-7 per norm); a wrong norm moves logprobs
