@@ -43,3 +43,15 @@ class _FlaModules:
 @pytest.fixture
 def fla_modules(monkeypatch) -> _FlaModules:
     return _FlaModules(monkeypatch)
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])])
+def kernel_device(request, monkeypatch) -> str:
+    """Where a Triton kernel test runs: on CPU tensors under `TRITON_INTERPRET=1` (CI), and compiled on
+    a CUDA GPU where there is one (marked `gpu`), against the same torch form."""
+    if request.param == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return request.param

@@ -74,6 +74,20 @@ def test_a_users_triton_f32_default_is_left_alone(stand_in, monkeypatch):
     assert os.environ["TRITON_F32_DEFAULT"] == "tf32" and module.PRECISION == tl.constexpr("tf32")
 
 
+def test_a_users_ieee_default_reaches_flas_own_constant(stand_in, monkeypatch):
+    module, constants = stand_in
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert fla_float32.use_ieee_float32_dots(constants) == "user"
+    assert module.PRECISION == tl.constexpr("ieee")
+
+
+def test_a_missing_constant_is_named_in_a_warning(stand_in, caplog):
+    module, _ = stand_in
+    with caplog.at_level(logging.WARNING, logger=fla_float32.__name__):
+        assert fla_float32.use_ieee_float32_dots(((module.__name__, "RENAMED"),)) == "ieee"
+    assert "has no RENAMED" in caplog.text
+
+
 def test_without_fla_nothing_is_set(monkeypatch):
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
     assert fla_float32.use_ieee_float32_dots((("no_such_fla_module.chunk_fwd", "X"),)) == "no-fla"

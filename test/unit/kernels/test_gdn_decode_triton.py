@@ -29,13 +29,13 @@ def _layer(hk: int, hv: int, kd: int, vd: int, seed: int, dtype=torch.float32) -
     )  # fmt: skip
 
 
-def _inputs(bs: int, layer: SimpleNamespace, seed: int, gate_dtype=torch.float32):
+def _inputs(bs: int, layer: SimpleNamespace, seed: int, gate_dtype=torch.float32, device="cpu"):
     """The conv output x [bs, q | k | v] and the raw gate projections a, b as strided columns of one
     [bs, 2 * Hv] tensor (how the grouped projection hands them over); a spans softplus' threshold."""
     g = torch.Generator().manual_seed(seed)
     channels = 2 * layer.num_k_heads * layer.head_k_dim + layer.num_v_heads * layer.head_v_dim
-    x = torch.randn(bs, channels, generator=g)
-    ba = (torch.randn(bs, 2 * layer.num_v_heads, generator=g) * 12).to(gate_dtype)
+    x = torch.randn(bs, channels, generator=g).to(device)
+    ba = (torch.randn(bs, 2 * layer.num_v_heads, generator=g) * 12).to(device, gate_dtype)
     return x, ba[:, layer.num_v_heads :], ba[:, : layer.num_v_heads]
 
 
@@ -54,16 +54,18 @@ def _twin(x, a, b, layer, state):
         (2, 2, 16, 8, torch.bfloat16),  # a bfloat16 pool and gates: read, update in float32, store rounded
     ],
 )
-def test_matches_the_torch_step_in_place(interpret, hk, hv, kd, vd, dtype):
+def test_matches_the_torch_step_in_place(kernel_device, hk, hv, kd, vd, dtype):
     from sglang.srt.layers.attention.linear.gdn_decode_triton import block_v, gdn_decode_inplace
 
+    dev = kernel_device
     num_slots, slots = 12, [7, 2, 11, 0, 5]  # out of order; a padded row on the dummy slot 0
-    pool = torch.randn(num_slots, hv, vd, kd, generator=torch.Generator().manual_seed(1)).to(dtype)
+    pool = torch.randn(num_slots, hv, vd, kd, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
     before = pool.clone()
     layer = _layer(hk, hv, kd, vd, seed=hk + kd, dtype=dtype)
-    x, a, b = _inputs(len(slots), layer, seed=hv + vd, gate_dtype=dtype)
+    layer.A_log, layer.dt_bias = layer.A_log.to(dev), layer.dt_bias.to(dev)
+    x, a, b = _inputs(len(slots), layer, seed=hv + vd, gate_dtype=dtype, device=dev)
     assert not a.is_contiguous()
-    idx = torch.tensor(slots)
+    idx = torch.tensor(slots, device=dev)
     want_out, want_state = _twin(x, a, b, layer, pool[idx])
     out = gdn_decode_inplace(x, a, b, layer.A_log, layer.dt_bias, pool, idx, hk, kd)
     # float32: the same sums in another order (~1e-6 relative); bfloat16 states: both round the

@@ -25,13 +25,13 @@ def _ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 2, 8), (37, 3, 5), (300, 2, 16), (9, 10, 512)])
-def test_align_matches_a_stable_sort(interpret, tokens, top_k, experts):
-    ids = _ids(tokens, top_k, experts, seed=tokens)
+def test_align_matches_a_stable_sort(kernel_device, tokens, top_k, experts):
+    ids = _ids(tokens, top_k, experts, seed=tokens).to(kernel_device)
     token_of, inv, offs = dt.moe_align(ids, experts)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     assert torch.equal(token_of, order // top_k)
-    assert torch.equal(order[inv], torch.arange(flat.numel()))  # inv is order's inverse
+    assert torch.equal(order[inv], torch.arange(flat.numel(), device=kernel_device))  # inv is order's inverse
     assert offs.dtype == torch.int32
     assert torch.equal(offs, torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32))
 
@@ -42,15 +42,16 @@ def test_align_of_an_empty_batch(interpret):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_combine_matches_the_index_add_form(interpret, dtype):
+def test_combine_matches_the_index_add_form(kernel_device, dtype):
     tokens, top_k, hidden = 6, 3, 40
-    ids = _ids(tokens, top_k, 7, seed=3)
+    ids = _ids(tokens, top_k, 7, seed=3).to(kernel_device)
     _, inv, _ = dt.moe_align(ids, 7)
     g = torch.Generator().manual_seed(4)
-    y = torch.randn(tokens * top_k, hidden, generator=g).to(dtype)
-    weights = torch.rand(tokens, top_k, generator=g)
+    y = torch.randn(tokens * top_k, hidden, generator=g).to(kernel_device, dtype)
+    weights = torch.rand(tokens, top_k, generator=g).to(kernel_device)
     order = torch.argsort(ids.reshape(-1), stable=True)
-    want = torch.zeros(tokens, hidden).index_add_(0, order // top_k, y.float() * weights.reshape(-1)[order, None])
+    want = torch.zeros(tokens, hidden, device=kernel_device)
+    want.index_add_(0, order // top_k, y.float() * weights.reshape(-1)[order, None])
     got = dt.moe_combine(y, inv, weights, dtype)
     assert got.dtype == dtype
     # float32: the same products summed in another order (~1e-7 relative); bfloat16: one rounding of it,

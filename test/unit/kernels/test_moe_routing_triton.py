@@ -22,11 +22,12 @@ def interpret(monkeypatch):
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4), (512, 10), (16, 1)])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_the_torch_form(interpret, experts, top_k, renormalize, dtype):
+def test_matches_the_torch_form(kernel_device, experts, top_k, renormalize, dtype):
     g = torch.Generator().manual_seed(experts + top_k)
     # Distinct logits in each row (multiples of 1/16 up to 16, exact in bfloat16): without ties torch's
     # order is defined, so both pick the same experts in the same order (ties: the test below).
-    logits = torch.stack([torch.randperm(experts, generator=g) for _ in range(9)]).sub(experts // 2).div(16).to(dtype)
+    logits = torch.stack([torch.randperm(experts, generator=g) for _ in range(9)]).sub(experts // 2).div(16)
+    logits = logits.to(kernel_device, dtype)
     want_w, want_ids = softmax_topk(logits, top_k, renormalize)
     got_w, got_ids = softmax_topk_triton(logits, top_k, renormalize)
     assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
@@ -87,3 +88,9 @@ def test_engine_routes_through_the_kernel_as_through_the_torch_form(interpret):
     assert tok_a == tok_b
     # The same experts with weights ~1e-7 apart; a wrong expert or weight moves logprobs by O(0.1).
     torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
+
+
+def test_a_nan_row_keeps_its_ids_in_range(interpret):
+    logits = torch.tensor([[float("nan")] * 6, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+    _, ids = softmax_topk_triton(logits, 2, True)
+    assert ids[0].min() >= 0 and ids[0].max() < 6 and ids[1].tolist() == [5, 4]

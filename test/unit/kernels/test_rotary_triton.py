@@ -21,19 +21,21 @@ def interpret(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,rotary_dim", [(32, 32), (64, 16), (24, 12)])
-def test_matches_the_torch_form(interpret, dtype, head_dim, rotary_dim):
-    rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0)
+def test_matches_the_torch_form(kernel_device, dtype, head_dim, rotary_dim):
+    rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0).to(kernel_device)
     g = torch.Generator().manual_seed(head_dim + rotary_dim)
-    positions = torch.tensor([0, 5, 17, 300, 4095])
-    qg = torch.randn(5, 3, 2 * head_dim, generator=g).to(dtype)
-    q, k = qg[..., :head_dim], torch.randn(5, 1, head_dim, generator=g).to(dtype)  # q strided, as split
+    positions = torch.tensor([0, 5, 17, 300, 4095], device=kernel_device)
+    qg = torch.randn(5, 3, 2 * head_dim, generator=g).to(kernel_device, dtype)
+    q = qg[..., :head_dim]  # strided, as split out of the projection
+    k = torch.randn(5, 1, head_dim, generator=g).to(kernel_device, dtype)
     want_q, want_k = rope(positions, q, k)
     got_q, got_k = rotary_triton(positions, q, k, rope.inv_freq, rotary_dim)
     for got, want in ((got_q, want_q), (got_k, want_k)):
         assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
         # float32: cos / sin of the same float32 angle by another library (~1e-6 relative at angles up to
         # ~4,000 rad); bfloat16: one rounding of the float32 result, which Triton's interpreter truncates
-        # where torch rounds to nearest (one bfloat16 step, 2^-7 relative at most).
+        # where torch rounds to nearest, and which on a GPU an ulp of cos / sin can move (one bfloat16
+        # step, 2^-7 relative at most).
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-5)
         torch.testing.assert_close(got.float(), want.float(), **tol)
         # The channels past the rotary ones pass through unchanged.

@@ -35,7 +35,7 @@ class _CpuNorm(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.cpu_ops = cpu_norm_ops(self.weight.device) if self.weight.dtype == torch.float32 else None
-        self.triton = triton_chosen(envs.SGLANG_GPU_NORM_BACKEND, self.weight.device)
+        self.triton = triton_chosen(envs.SGLANG_GPU_NORM_BACKEND, self.weight.device, "sglang.srt.layers.rmsnorm_triton")
 
     def _use_cpu_op(self, x: torch.Tensor) -> bool:
         return self.cpu_ops is not None and x.dtype == torch.float32 and x.device.type == "cpu"

@@ -1,7 +1,9 @@
 """The RMSNorm family (`layers/layernorm.py`) in one Triton kernel each call, the CUDA path: the torch
 form takes 8-10 kernels per norm (casts, pow, mean, add, rsqrt, muls), about a third of a tiny decode
-step's ~450 launches (`benchmark/gpu/kernel_census.py`). The arithmetic is the torch form's, step for
-step: float32 statistics, and the same roundings to the activation dtype where the torch form rounds.
+step's ~450 launches (`benchmark/gpu/kernel_census.py`). The arithmetic is the torch form's operations in
+its order: float32 statistics, and the same roundings to the activation dtype where the torch form rounds
+(a GPU's exp / sqrt / divide intrinsics may differ from torch's by an ulp or two, which can move a
+bfloat16 rounding by one step).
 
 Modes (`MODE`), per row of x [M, N], normalised per group of G channels (G = N unless grouped):
 - PLAIN:      out = norm(x) * (w [+ 1 with OFFSET_ONE])                       (RMSNorm)

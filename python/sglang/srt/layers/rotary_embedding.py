@@ -33,7 +33,9 @@ class RotaryEmbedding(nn.Module):
     def process_weights_after_loading(self) -> None:
         # rotary_dim 0 (every channel passes through) stays on the torch form; the ops rotate something.
         self.cpu_ops = cpu_rope_ops(self.inv_freq.device) if self.rotary_dim > 0 else None
-        self.triton = self.rotary_dim > 0 and triton_chosen(envs.SGLANG_GPU_ROPE_BACKEND, self.inv_freq.device)
+        self.triton = self.rotary_dim > 0 and triton_chosen(
+            envs.SGLANG_GPU_ROPE_BACKEND, self.inv_freq.device, "sglang.srt.layers.rotary_triton"
+        )
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: dict | None = None

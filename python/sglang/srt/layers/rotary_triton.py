@@ -1,7 +1,8 @@
 """Rotary position embedding of q and k in one Triton launch, the CUDA path of `layers/rotary_embedding.py`
 (neox style, partial rotary): the torch form takes ~14 kernels per attention layer (casts, cos/sin, slices,
-products, a concatenation). The arithmetic is the torch form's: cos and sin of position x inverse
-frequency in float32, the rotation in float32, one rounding to the activation dtype. On CPU tensors the
+products, a concatenation). The arithmetic is the torch form's operations: cos and sin of position x
+inverse frequency in float32, the rotation in float32, one rounding to the activation dtype (a GPU's
+intrinsics may differ from torch's by an ulp or two). On CPU tensors the
 kernel runs only under `TRITON_INTERPRET=1`, for tests.
 """
 
@@ -71,7 +72,7 @@ def rotary_triton(
         return q_out, k_out
     half = rotary_dim // 2
     jit_for_env(_rope_kernel)[(t, hq + hk)](
-        positions, inv_freq, q, k, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        positions.contiguous(), inv_freq, q, k, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         HQ=hq, HK=hk, D=d, HALF=half, BHALF=triton.next_power_of_2(half),
         BREST=triton.next_power_of_2(d - rotary_dim) if d > rotary_dim else 0,
     )  # fmt: skip

@@ -140,7 +140,9 @@ class Qwen3NextSparseMoeBlock(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.experts.process_weights_after_loading()
         self.routing_ops = self.experts.cpu_ops
-        self.routing_triton = triton_chosen(envs.SGLANG_GPU_MOE_BACKEND, self.gate.weight.device)
+        self.routing_triton = triton_chosen(
+            envs.SGLANG_GPU_MOE_BACKEND, self.gate.weight.device, "sglang.srt.layers.moe.routing_triton"
+        )
         self.experts.fuse_shared_expert(self.shared_expert, self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ constant naming TF32 in Gated DeltaNet's fused triangular solve). Measured on an
 matrix's workloads (`benchmark/gpu/oracle_drift.py`, tiny-qwen3-next in float32): TF32 moved logprobs by
 up to 0.24 from the float32 transformers oracle; IEEE dots gave 7.7e-6, as the torch form on the GPU
 (8.8e-6) and the CPU path do. A float32 model is asked for to be exact, as torch's own float32 matmuls
-are by default, so float32 on CUDA gets IEEE; bfloat16 and float16 inputs are unaffected either way.
+are by default, so float32 on CUDA gets IEEE. The setting is the process's (an environment variable and
+a module constant), as is the model's dtype in a serving process; a process that later runs a bfloat16
+model keeps it, for FLA's float32 intermediates (its bfloat16 dots are unaffected).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def set_ieee(module: ModuleType, constant: str) -> bool:
     import triton.language as tl
 
     if not hasattr(module, constant):
+        logger.warning("%s has no %s: its float32 dots keep their own precision.", module.__name__, constant)
         return False
     if any(fn.hash is not None for fn in _jit_functions(module)):
         logger.warning(
@@ -51,8 +54,10 @@ def set_ieee(module: ModuleType, constant: str) -> bool:
 
 def use_ieee_float32_dots(constants=_TF32_CONSTANTS) -> str:
     """Make FLA's float32 dots IEEE in this process, before its kernels compile. Returns what was done:
-    "user" (TRITON_F32_DEFAULT was set: it is left as it is), "no-fla", or "ieee"."""
-    if os.environ.get("TRITON_F32_DEFAULT"):
+    "user" (TRITON_F32_DEFAULT was set: it is left as it is, and where it says ieee FLA's own constant
+    follows it), "no-fla", or "ieee"."""
+    user = os.environ.get("TRITON_F32_DEFAULT")
+    if user and user != "ieee":
         return "user"
     modules = []
     for name, constant in constants:
@@ -64,5 +69,7 @@ def use_ieee_float32_dots(constants=_TF32_CONSTANTS) -> str:
     os.environ["TRITON_F32_DEFAULT"] = "ieee"
     for module, constant in modules:
         set_ieee(module, constant)
+    if user:
+        return "user"
     logger.info("Float32 model on CUDA: flash-linear-attention's float32 dots run in IEEE, not TF32.")
     return "ieee"

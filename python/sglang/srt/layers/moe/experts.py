@@ -71,7 +71,7 @@ class RoutedExperts(nn.Module):
         """On CPU, where the C++ op serves this layer, store w13 / w2 transposed (contiguous [E, H, R] and
         [E, I, H]; the parameters become views of them with their usual shapes, so every torch path
         reads them as before). Runs once however often it is called."""
-        self.triton = triton_chosen(envs.SGLANG_GPU_MOE_BACKEND, self.w13.device)
+        self.triton = triton_chosen(envs.SGLANG_GPU_MOE_BACKEND, self.w13.device, "sglang.srt.layers.moe.dispatch_triton")
         ops = cpu_moe_ops(self.w13.device)
         weights_per_expert = self.w13.shape[1] * self.w13.shape[2] + self.w2.shape[1] * self.w2.shape[2]
         if ops is None or self.act_code is None or weights_per_expert > CPU_OP_MAX_EXPERT_WEIGHTS:

@@ -38,6 +38,7 @@ def _softmax_topk_kernel(
         best = tl.reduce(p, 0, maximum)
         # The lowest id among the best: the largest of (BE - id) where p is the best.
         idx = BE - tl.reduce(tl.where(p == best, BE - e, 0), 0, maximum)
+        idx = tl.minimum(idx, E - 1)  # a NaN row matches nothing: keep its ids in range
         picked_w = tl.where(slots == j, best, picked_w)
         picked_id = tl.where(slots == j, idx.to(tl.int64), picked_id)
         p = tl.where(e == idx, -1.0, p)

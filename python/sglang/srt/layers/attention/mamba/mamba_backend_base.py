@@ -29,6 +29,7 @@ import torch
 
 from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend, causal_conv1d_update
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
+from sglang.srt.layers.gpu_ops import triton_chosen
 from sglang.srt.mem_cache.memory_pool import MambaPool
 from sglang.srt.model_executor.forward_batch_info import host_int64
 
@@ -427,19 +428,8 @@ def _varlen_args(
 
 
 def decode_uses_triton(device: torch.device, choice_var: Any) -> bool:
-    """Whether the decode step runs the Triton kernels: `triton` forces them (on CPU they need
-    TRITON_INTERPRET=1), `auto` takes them on CUDA when Triton imports, `torch` never."""
-    choice = choice_var.get()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"{choice_var.name} must be auto, torch or triton; got {choice!r}.")
-    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
-        try:
-            import sglang.srt.layers.attention.linear.gdn_decode_triton  # noqa: F401
-            import sglang.srt.layers.attention.mamba.decode_triton  # noqa: F401
-        except Exception as e:  # noqa: BLE001 - no usable triton: the torch step serves
-            if choice == "triton":
-                raise
-            logger.warning("The Triton decode kernels are unavailable (%s); using the torch step.", e)
-            return False
-        return True
-    return False
+    """Whether the decode step runs the Triton kernels (`gpu_ops.triton_chosen`'s rule)."""
+    return triton_chosen(
+        choice_var, device,
+        "sglang.srt.layers.attention.linear.gdn_decode_triton", "sglang.srt.layers.attention.mamba.decode_triton",
+    )  # fmt: skip
