@@ -85,24 +85,32 @@ def test_compiles_for_sm90():
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
 def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset, monkeypatch):
-    """Prefill then 4 greedy decode steps of 2 requests with the experts' bookkeeping through the kernels
-    (interpreted; the C++ MoE op off, so the grouped GEMMs run) and through the torch form."""
+    """Prefill then 4 greedy decode steps of 2 requests with SGLANG_GPU_MOE_BACKEND=triton (the experts'
+    bookkeeping and, for Qwen3-Next, its routing through the kernels, interpreted; the C++ MoE op off, so
+    the grouped GEMMs run) and =torch: the same tokens and logprobs."""
     from sglang.srt.environ import envs
+    from sglang.srt.layers.moe import routing_triton
+    from sglang.srt.layers.moe.experts import RoutedExperts
     from sglang.test.model_checks import greedy_run, make_runner
 
-    aligned = []
-    real = dt.moe_align
-    monkeypatch.setattr(dt, "moe_align", lambda *a: aligned.append(a[0].shape) or real(*a))
+    calls = []
+    for module, name in ((dt, "moe_align"), (routing_triton, "softmax_topk_triton")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     runs = []
     for backend in ("triton", "torch"):
         with envs.SGLANG_GPU_MOE_BACKEND.override(backend), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
             runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
+        experts = [m for m in runner.model.modules() if isinstance(m, RoutedExperts)]
+        assert experts and all(m.triton == (backend == "triton") for m in experts)
         runs.append(greedy_run(runner))
         if backend == "triton":
-            assert aligned, "the kernels did not run"
-            aligned.clear()
-    assert not aligned
+            want = {"moe_align", "softmax_topk_triton"} if "qwen" in preset else {"moe_align"}
+            assert set(calls) == want, calls
+            calls.clear()
+    assert not calls
     (tok_a, lp_a), (tok_b, lp_b) = runs
     assert tok_a == tok_b
-    # The same float32 products summed in another order; a wrong row or weight moves logprobs by O(0.1).
+    # The same experts with weights ~1e-7 apart and the same float32 products summed in another order; a
+    # wrong expert, row or weight moves logprobs by O(0.1).
     torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)

@@ -29,7 +29,6 @@ def test_cuda_default_kernels_serve_the_oracles_logprobs(preset, oracles, monkey
     assert type(runner.attn_backend.full_attn_backend).__name__ == "TritonAttnBackend"
     modules = list(runner.model.modules())
     assert all(m.triton for m in modules if hasattr(m, "triton") and getattr(m, "rotary_dim", 1) > 0)
-    assert all(m.routing_triton for m in modules if hasattr(m, "routing_triton"))
     try:
         # A cold prompt, then its continuation: prefill, decode (past a track boundary) and a cache hit,
         # all through the kernels.

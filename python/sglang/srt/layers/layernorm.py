@@ -26,7 +26,7 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class _CpuNorm(nn.Module):
+class _DeviceNorm(nn.Module):
     """Picks the C++ op (CPU) or the Triton kernel (GPU) for this module once its weight is on its
     device (`process_weights_after_loading`)."""
 
@@ -35,13 +35,15 @@ class _CpuNorm(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.cpu_ops = cpu_norm_ops(self.weight.device) if self.weight.dtype == torch.float32 else None
-        self.triton = triton_chosen(envs.SGLANG_GPU_NORM_BACKEND, self.weight.device, "sglang.srt.layers.rmsnorm_triton")
+        self.triton = triton_chosen(
+            envs.SGLANG_GPU_NORM_BACKEND, self.weight.device, "sglang.srt.layers.rmsnorm_triton"
+        )
 
     def _use_cpu_op(self, x: torch.Tensor) -> bool:
         return self.cpu_ops is not None and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
-class RMSNorm(_CpuNorm):
+class RMSNorm(_DeviceNorm):
     """`weight * norm(x)` (Nemotron-H), or `(1 + weight) * norm(x)` with `offset_one` (Qwen3-Next, whose
     checkpoints store the weight centred on 0)."""
 
@@ -65,7 +67,7 @@ class RMSNorm(_CpuNorm):
         return (_rms(x.float(), self.eps) * w).to(x.dtype)
 
 
-class GatedRMSNorm(_CpuNorm):
+class GatedRMSNorm(_DeviceNorm):
     """Qwen3-Next's gated norm over the last dim: `weight * norm(x) * silu(gate)` (norm before gate)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -87,7 +89,7 @@ class GatedRMSNorm(_CpuNorm):
         return (y * F.silu(gate.float())).to(x.dtype)
 
 
-class GroupedGatedRMSNorm(_CpuNorm):
+class GroupedGatedRMSNorm(_DeviceNorm):
     """Nemotron-H's Mamba2 output norm: `x * silu(gate)` first, then RMSNorm within groups of
     `group_size` channels, then the weight (gate before norm)."""
 

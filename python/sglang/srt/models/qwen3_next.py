@@ -9,9 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sglang.srt.environ import envs
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
-from sglang.srt.layers.gpu_ops import triton_chosen
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -135,19 +133,16 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.routing_ops = None  # the C++ top-k where the C++ op serves the experts (set at load)
-        self.routing_triton = False  # the Triton top-k on CUDA (set at load)
 
     def process_weights_after_loading(self) -> None:
         self.experts.process_weights_after_loading()
         self.routing_ops = self.experts.cpu_ops
-        self.routing_triton = triton_chosen(
-            envs.SGLANG_GPU_MOE_BACKEND, self.gate.weight.device, "sglang.srt.layers.moe.routing_triton"
-        )
         self.experts.fuse_shared_expert(self.shared_expert, self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The Triton top-k where the experts run their Triton bookkeeping (SGLANG_GPU_MOE_BACKEND).
         weights, ids = softmax_topk(
-            self.gate(x), self.top_k, self.norm_topk_prob, self.routing_ops, self.routing_triton
+            self.gate(x), self.top_k, self.norm_topk_prob, self.routing_ops, self.experts.triton
         )
         return self.experts(x, weights, ids, self.shared_expert, self.shared_expert_gate)
 

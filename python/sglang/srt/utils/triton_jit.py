@@ -53,4 +53,3 @@ def jit_for_env(fn: Callable):
             fn = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
         _jitted[key] = triton.jit(fn)
     return _jitted[key]
-

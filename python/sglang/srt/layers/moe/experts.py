@@ -10,10 +10,10 @@ On an accelerator the host never reads the per-expert counts (that would be a de
 serving dtype on GPUs), or, where grouped GEMMs do not apply (float32, unaligned dims), runs the
 padded batched form with room for every token in every expert, up to BATCHED_MAX_ASSIGNMENTS (decode
 sizes; larger batches take the per-expert path, one sync per layer). A fixed number of launches per
-layer either way, so it is also what a CUDA graph can capture; on CUDA the bookkeeping around the grouped
-GEMMs is three Triton launches (`dispatch_triton.py`, `SGLANG_GPU_MOE_BACKEND`). On CPU, decode-size batches take the
-grouped GEMMs too (any float dtype there), faster than the padded block; for small experts, sgl-kernel's
-C++ op instead (`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
+layer either way, so it is also what a CUDA graph can capture; on CUDA the bookkeeping around the
+grouped GEMMs is three Triton launches (`dispatch_triton.py`, `SGLANG_GPU_MOE_BACKEND`, which also puts
+Qwen3-Next's routing on its Triton kernel). On CPU, decode-size batches take the grouped GEMMs too
+(any float dtype there), faster than the padded block; for small experts, sgl-kernel's C++ op instead (`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
 parameters stored transposed (`process_weights_after_loading`). The layer's shared expert (and its sigmoid
 gate, Qwen3-Next) is added here too: where the C++ op serves the layer, it runs inside the same call
 (`fuse_shared_expert`)."""
@@ -71,7 +71,10 @@ class RoutedExperts(nn.Module):
         """On CPU, where the C++ op serves this layer, store w13 / w2 transposed (contiguous [E, H, R] and
         [E, I, H]; the parameters become views of them with their usual shapes, so every torch path
         reads them as before). Runs once however often it is called."""
-        self.triton = triton_chosen(envs.SGLANG_GPU_MOE_BACKEND, self.w13.device, "sglang.srt.layers.moe.dispatch_triton")
+        self.triton = triton_chosen(
+            envs.SGLANG_GPU_MOE_BACKEND, self.w13.device,
+            "sglang.srt.layers.moe.dispatch_triton", "sglang.srt.layers.moe.routing_triton",
+        )  # fmt: skip
         ops = cpu_moe_ops(self.w13.device)
         weights_per_expert = self.w13.shape[1] * self.w13.shape[2] + self.w2.shape[1] * self.w2.shape[2]
         if ops is None or self.act_code is None or weights_per_expert > CPU_OP_MAX_EXPERT_WEIGHTS:
@@ -216,29 +219,29 @@ class RoutedExperts(nn.Module):
         `grouped`: grouped GEMMs or the padded block (default: grouped where `grouped_mm_applies`)."""
         num_tokens, top_k = ids.shape
         use_grouped = self.grouped_mm_applies(x) if grouped is None else grouped
+        kernels = None
         if self.triton and use_grouped and ids.numel() <= ALIGN_MAX_ASSIGNMENTS:
             # Three launches for the bookkeeping instead of ~15 (imported here: a CPU install may lack triton).
-            from sglang.srt.layers.moe import dispatch_triton
+            from sglang.srt.layers.moe import dispatch_triton as kernels
 
-            token_of, inv, offs = dispatch_triton.moe_align(ids, self.num_experts)
-            h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs)
-            y = torch._grouped_mm(self._activate(h), self.w2.transpose(1, 2), offs=offs)
-            return dispatch_triton.moe_combine(y, inv, weights, x.dtype)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        expert_of, token_of = flat[order], order // top_k
-        weight_of = weights.reshape(-1)[order]
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))
+            token_of, inv, offs = kernels.moe_align(ids, self.num_experts)
+        else:
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            expert_of, token_of = flat[order], order // top_k
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+            counts.index_add_(0, flat, torch.ones_like(flat))
+            offs = torch.cumsum(counts, 0).to(torch.int32) if use_grouped else None
         if use_grouped:
-            offs = torch.cumsum(counts, 0).to(torch.int32)
             h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs)
             y = torch._grouped_mm(self._activate(h), self.w2.transpose(1, 2), offs=offs)
         else:
             # Top-k experts of a token are distinct, so no expert gets more than num_tokens rows.
             y = self._batched(x, expert_of, token_of, counts, num_tokens)
+        if kernels is not None:
+            return kernels.moe_combine(y, inv, weights, x.dtype)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, token_of, y.float() * weight_of[:, None])
+        out.index_add_(0, token_of, y.float() * weights.reshape(-1)[order, None])
         return out.to(x.dtype)
 
     def grouped_mm_applies(self, x: torch.Tensor) -> bool:

@@ -56,17 +56,16 @@ class GDNAttnBackend(MambaAttnBackendBase):
     ) -> torch.Tensor:
         weight = layer.conv1d.weight.view(layer.conv1d.weight.shape[0], -1)
         lid = layer.layer_id
-        if fb.forward_mode.is_decode() and self.decode_in_place:
-            from sglang.srt.layers.attention.linear.gdn_decode_triton import gdn_decode_inplace
-
-            x = self.conv_decode(lid, mixed_qkv, weight, layer.conv1d.bias)
-            return gdn_decode_inplace(
-                x, a, b, layer.A_log, layer.dt_bias, self.mamba_pool.layer_cache(lid)[1], self.meta.slots,
-                layer.num_k_heads, layer.head_k_dim,
-            )  # fmt: skip
-        g, beta = gdn_gates(layer, a, b)
         if fb.forward_mode.is_decode():
             x = self.conv_decode(lid, mixed_qkv, weight, layer.conv1d.bias)
+            if self.decode_in_place:  # the gates and the q/k prep inside the kernel
+                from sglang.srt.layers.attention.linear.gdn_decode_triton import gdn_decode_inplace
+
+                return gdn_decode_inplace(
+                    x, a, b, layer.A_log, layer.dt_bias, self.mamba_pool.layer_cache(lid)[1], self.meta.slots,
+                    layer.num_k_heads, layer.head_k_dim,
+                )  # fmt: skip
+            g, beta = gdn_gates(layer, a, b)
             if self.decode_cpp:
                 return self.cpu_ops.gdn_decode(
                     x,
@@ -83,6 +82,7 @@ class GDNAttnBackend(MambaAttnBackendBase):
             out, state = recurrent_gated_delta_rule_step(q, k, v, g, beta, self.read_ssm_decode(lid))
             self.write_ssm_decode(lid, state)
             return out
+        g, beta = gdn_gates(layer, a, b)
         if self.varlen_impl is not None:
             x = self.conv_extend_packed(lid, mixed_qkv, weight, layer.conv1d.bias)
             q, k, v = self._split_heads(layer, x, expand=False)
