@@ -158,6 +158,10 @@ class Envs:
     # CPU sampling of float32 logits (with or without top-k / top-p / min-p cuts): auto = one sgl-kernel
     # C++ call where built, else the torch ops (`layers/sampler.py`).
     SGLANG_CPU_SAMPLING_BACKEND = EnvStr("auto", "CPU sampling: auto, torch or cpp.")
+    # CPU decode: each decoder block (its norm, mixer or MoE and residual add) as one sgl-kernel call
+    # (`layers/decode_blocks.py`) where every part of it would run its own C++ op; 0 calls the parts one
+    # by one (the same arithmetic, for debugging and A/B runs).
+    SGLANG_CPU_DECODE_BLOCKS = EnvBool(True, "CPU decode: each decoder block as one sgl-kernel call.")
     # The forward stream on CPU runs on the scheduler thread (`forward_worker.py`); set, on a thread of its
     # own as on CUDA (the overlap-race tests hold that thread to keep a batch in flight).
     SGLANG_CPU_FORWARD_THREAD = EnvBool(

@@ -261,10 +261,11 @@ def test_bad_shapes_are_refused(ops):
 def test_engine_decodes_alike_with_cpp_and_torch_steps(ops, preset):
     """Three requests of different lengths in one extend (the C++ recurrent path), then 8 greedy
     decode steps with logprobs and a track copy at each step: same tokens, input and output logprobs
-    within float32 noise, and the same snapshot."""
+    within float32 noise, and the same snapshot. The decode blocks are off: this is about the steps'
+    own ops (the blocks call the same ones, test_cpu_decode_blocks.py)."""
 
     def run(backend: str):
-        with envs.SGLANG_CPU_LINEAR_ATTN_BACKEND.override(backend):
+        with envs.SGLANG_CPU_LINEAR_ATTN_BACKEND.override(backend), envs.SGLANG_CPU_DECODE_BLOCKS.override(False):
             runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
         linear = runner.attn_backend.linear_attn_backend
         assert (linear.cpu_ops is not None) == (backend == "cpp")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.configs.nemotron_h import NemotronHArchConfig
+from sglang.srt.layers.decode_blocks import Mamba2Block, MoEBlock
 from sglang.srt.layers.layernorm import GroupedGatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import PlainMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -121,6 +122,13 @@ class NemotronHMoE(nn.Module):
         self.gate.cpu_ops = self.experts.cpu_ops if self.gate.groups_hold_top_k() else None
         self.experts.fuse_shared_expert(self.shared_experts)
 
+    def fused_block(self, norm: RMSNorm) -> MoEBlock | None:
+        """`hidden + self(norm(hidden))` as one C++ call, where that applies (`decode_blocks.py`)."""
+        g = self.gate
+        routing = (g.e_score_correction_bias, g.top_k, g.norm_topk_prob, g.n_group, g.topk_group)
+        routing += (float(g.routed_scaling_factor),)
+        return MoEBlock.build(norm, self.experts, g.weight, g.cpu_ops, (self.shared_experts, None), routing)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids, self.shared_experts)
@@ -143,8 +151,19 @@ class NemotronHBlock(nn.Module):
             )
         else:
             raise ValueError(f"Unknown Nemotron-H block type {kind!r} at layer {layer_id}.")
+        self.fused: Mamba2Block | MoEBlock | None = None  # the block as one C++ call (CPU; set at load)
+
+    def process_weights_after_loading(self) -> None:
+        """After the children's (`load_model` runs them first): the fused CPU block where it applies."""
+        if self.kind == "linear_attention":
+            self.fused = Mamba2Block.build(self.norm, self.mixer)
+        elif self.kind == "moe":
+            self.fused = self.mixer.fused_block(self.norm)
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        out = self.fused(hidden, fb) if self.fused is not None else None
+        if out is not None:
+            return out
         x = self.norm(hidden)
         x = self.mixer(x, fb) if self.kind in ("linear_attention", "full_attention") else self.mixer(x)
         return hidden + x

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
+from sglang.srt.layers.decode_blocks import GdnBlock, MoEBlock
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -139,6 +140,12 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.routing_ops = self.experts.cpu_ops
         self.experts.fuse_shared_expert(self.shared_expert, self.shared_expert_gate)
 
+    def fused_block(self, norm: RMSNorm) -> MoEBlock | None:
+        """`hidden + self(norm(hidden))` as one C++ call, where that applies (`decode_blocks.py`)."""
+        routing = (None, self.top_k, self.norm_topk_prob, 1, 1, 1.0)
+        shared = (self.shared_expert, self.shared_expert_gate)
+        return MoEBlock.build(norm, self.experts, self.gate.weight, self.routing_ops, shared, routing)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The Triton top-k where the experts run their Triton bookkeeping (SGLANG_GPU_MOE_BACKEND).
         weights, ids = softmax_topk(
@@ -166,12 +173,27 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
+        # Each half of the layer as one C++ call where its parts all run C++ ops (CPU; set at load).
+        self.mixer_block: GdnBlock | None = None
+        self.moe_block: MoEBlock | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """After the children's (`load_model` runs them first): the fused CPU blocks where they apply."""
+        if self.is_linear:
+            self.mixer_block = GdnBlock.build(self.input_layernorm, self.linear_attn)
+        if isinstance(self.mlp, Qwen3NextSparseMoeBlock):
+            self.moe_block = self.mlp.fused_block(self.post_attention_layernorm)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = self.input_layernorm(hidden)
-        x = self.linear_attn(x, fb) if self.is_linear else self.self_attn(positions, x, fb)
-        hidden = hidden + x
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        fused = self.mixer_block(hidden, fb) if self.mixer_block is not None else None
+        if fused is not None:
+            hidden = fused
+        else:
+            x = self.input_layernorm(hidden)
+            x = self.linear_attn(x, fb) if self.is_linear else self.self_attn(positions, x, fb)
+            hidden = hidden + x
+        fused = self.moe_block(hidden) if self.moe_block is not None else None
+        return fused if fused is not None else hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class Qwen3NextModel(nn.Module):

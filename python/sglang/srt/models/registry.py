@@ -38,7 +38,9 @@ def load_model(hf_config: Any, path: str, dtype: torch.dtype, device: str | torc
         model = get_model_class(hf_config)(hf_config)
     materialize(model, dtype, torch.device(device))
     model.load_weights(iter_checkpoint(path))
-    for module in model.modules():
+    # Children first: a module's own step may read what its children's made (a decoder layer's fused
+    # decode blocks read its norms' and experts' C++ choices).
+    for module in reversed(list(model.modules())):
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     return model.eval().requires_grad_(False)

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parents[4] / "sgl-kernel" / "csrc"
 SOURCES = {
-    "cpu": ["state_copy_cpu.cpp", "linear_attn_cpu.cpp", "attention_cpu.cpp", "moe_cpu.cpp", "moe_routing_cpu.cpp", "norm_cpu.cpp", "rope_cpu.cpp", "sampling_cpu.cpp"],
+    "cpu": ["state_copy_cpu.cpp", "linear_attn_cpu.cpp", "attention_cpu.cpp", "moe_cpu.cpp", "moe_routing_cpu.cpp", "norm_cpu.cpp", "rope_cpu.cpp", "sampling_cpu.cpp", "decode_blocks_cpu.cpp"],
     "cuda": ["state_copy_cuda_binding.cpp", "state_copy_cuda.cu"],
 }
 HEADERS = ["state_copy.h", "state_copy_binding.h", "cpu_math.h"]

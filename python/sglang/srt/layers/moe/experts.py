@@ -146,26 +146,35 @@ class RoutedExperts(nn.Module):
     ) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32, plus the
         layer's `shared_expert(x)` where given (times sigmoid(`shared_gate`(x)) where given)."""
-        small = ids.numel() <= BATCHED_MAX_ASSIGNMENTS
-        if self.cpu_ops is not None and small:
-            fused = (
-                shared_expert is not None
-                and self.fused_shared == (shared_expert, shared_gate)
-                and x.shape[0] <= CPU_OP_MAX_SHARED_TOKENS
-            )
+        if self.cpu_op_serves(ids.numel()):
+            fused = self.cpu_op_fuses_shared(x.shape[0], shared_expert, shared_gate)
+            w13t, w2t, gated, act, *shared = self.cpu_op_args(fused)
             out = self.cpu_ops.moe_experts(
-                x.float().contiguous(),
-                self.w13.transpose(1, 2),
-                self.w2.transpose(1, 2),
-                weights.float().contiguous(),
-                ids.contiguous(),
-                self.gated,
-                self.act_code,
-                *(self.fused_shared_args if fused else ()),
+                x.float().contiguous(), w13t, w2t, weights.float().contiguous(), ids.contiguous(), gated, act, *shared
             )
             out = out.to(x.dtype)
             return out if fused else self._add_shared(out, x, shared_expert, shared_gate)
         return self._add_shared(self._routed(x, weights, ids), x, shared_expert, shared_gate)
+
+    def cpu_op_serves(self, assignments: int) -> bool:
+        """Whether the C++ op runs a batch of this many (token, expert) assignments."""
+        return self.cpu_ops is not None and assignments <= BATCHED_MAX_ASSIGNMENTS
+
+    def cpu_op_fuses_shared(
+        self, num_tokens: int, shared_expert: nn.Module | None, shared_gate: nn.Linear | None
+    ) -> bool:
+        """Whether the C++ op runs this shared expert (and gate) inside its call for `num_tokens` tokens."""
+        return (
+            shared_expert is not None
+            and self.fused_shared == (shared_expert, shared_gate)
+            and num_tokens <= CPU_OP_MAX_SHARED_TOKENS
+        )
+
+    def cpu_op_args(self, fused: bool) -> tuple:
+        """The C++ op's arguments after x, weights and ids: the stored-transposed experts, their kind, and
+        the shared expert's weights where `fused`."""
+        head = (self.w13.transpose(1, 2), self.w2.transpose(1, 2), self.gated, self.act_code)
+        return head + (self.fused_shared_args if fused else ())
 
     @staticmethod
     def _add_shared(

@@ -17,8 +17,8 @@ CPU_ROUTING_MAX_TOKENS = 256
 CPU_ROUTING_MAX_EXPERTS = 64
 
 
-def _cpp_routes(ops: Any | None, router_logits: torch.Tensor) -> bool:
-    tokens, experts = router_logits.shape
+def cpp_routes(ops: Any | None, tokens: int, experts: int) -> bool:
+    """Whether the C++ top-k routes `tokens` tokens over `experts` experts."""
     return ops is not None and tokens <= CPU_ROUTING_MAX_TOKENS and experts <= CPU_ROUTING_MAX_EXPERTS
 
 
@@ -31,7 +31,7 @@ def softmax_topk(
         from sglang.srt.layers.moe.routing_triton import softmax_topk_triton
 
         return softmax_topk_triton(router_logits, top_k, renormalize)
-    if _cpp_routes(ops, router_logits):
+    if cpp_routes(ops, *router_logits.shape):
         return ops.topk_softmax(router_logits.float().contiguous(), top_k, renormalize)
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -53,7 +53,7 @@ def grouped_sigmoid_topk(
     """Nemotron-H (DeepSeek-V3 style): sigmoid scores; experts are chosen by score + correction bias,
     first among the `topk_groups` groups whose two best biased scores sum highest, and weighted by the
     unbiased score (renormalised, then scaled)."""
-    if _cpp_routes(ops, router_logits):
+    if cpp_routes(ops, *router_logits.shape):
         return ops.biased_grouped_topk(
             router_logits.float().contiguous(),
             correction_bias.float().contiguous(),

@@ -1,0 +1,149 @@
+"""Whole decoder blocks in one sgl-kernel call on CPU (`sgl-kernel/csrc/decode_blocks_cpu.cpp`).
+
+A block is `hidden + f(norm(hidden))`: Qwen3-Next's linear-attention half-layer (`GdnBlock`) and its
+MoE half-layer (`MoEBlock`), Nemotron-H's Mamba2 and MoE blocks (`Mamba2Block`, `MoEBlock`). Called
+one by one from Python, a block's parts are ~15-25 torch and sgl-kernel calls; at the tiny presets' decode
+sizes each costs 10-30 us in place, several times its own work. The C++ op makes the same calls on the
+same tensors (so the result is the one-by-one path's bit for bit) without the Python between them.
+
+Each block is built after the weights are loaded, only where every part of it runs its own C++ op
+(float32 weights, each part's SGLANG_CPU_*_BACKEND choice and size limits, the layer's shared expert
+fused into the experts' op); per batch it returns None where a part would not (an extend for the
+mixers, more tokens than the MoE op's limits), and the model then calls its modules as before.
+`SGLANG_CPU_DECODE_BLOCKS=0` turns the blocks off.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from sglang.srt.environ import envs
+from sglang.srt.layers.moe.experts import RoutedExperts
+from sglang.srt.layers.moe.router import cpp_routes
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+def _all_float32(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.dtype == torch.float32 for t in tensors)
+
+
+def _blocks_on(*parts_ops: Any) -> bool:
+    """The switch is on and every part runs its C++ op (so the extension, which holds the blocks, is loaded)."""
+    return envs.SGLANG_CPU_DECODE_BLOCKS.get() and all(ops is not None for ops in parts_ops)
+
+
+def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float, float]:
+    return norm.weight, norm.eps, 1.0 if getattr(norm, "offset_one", False) else 0.0
+
+
+def _linear_backend(fb: ForwardBatch) -> Any:
+    """The batch's linear-attention backend where it runs the C++ decode step, else None."""
+    if not fb.forward_mode.is_decode():
+        return None
+    backend = fb.attn_backend.linear_attn_backend
+    return backend if backend.decode_cpp else None
+
+
+class GdnBlock:
+    """Qwen3-Next's `hidden + GatedDeltaNet(input_layernorm(hidden))` for a decode batch."""
+
+    @classmethod
+    def build(cls, norm: nn.Module, mixer: nn.Module) -> GdnBlock | None:
+        weights = (norm.weight, mixer.in_proj_qkvz.weight, mixer.in_proj_ba.weight, mixer.conv1d.weight)
+        weights += (mixer.A_log, mixer.dt_bias, mixer.norm.weight, mixer.out_proj.weight)
+        biases = (mixer.in_proj_qkvz.bias, mixer.in_proj_ba.bias, mixer.conv1d.bias, mixer.out_proj.bias)
+        parts_ops = (norm.cpu_ops, mixer.cpu_ops, mixer.norm.cpu_ops)
+        if not (_blocks_on(*parts_ops) and mixer.projections_grouped and _all_float32(*weights)):
+            return None
+        if any(b is not None for b in biases):
+            return None
+        return cls(norm, mixer)
+
+    def __init__(self, norm: nn.Module, mixer: nn.Module):
+        self.op = torch.ops.sgl_kernel.gdn_block_decode.default
+        self.layer_id = mixer.layer_id
+        self.head = (*_norm_args(norm), mixer.in_proj_qkvz.weight, mixer.in_proj_ba.weight)
+        self.conv_weight = mixer.conv1d.weight.view(mixer.conv1d.weight.shape[0], -1)
+        self.tail = (mixer.A_log, mixer.dt_bias, mixer.norm.weight, mixer.norm.eps, mixer.out_proj.weight)
+        self.tail += (mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
+
+    def __call__(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor | None:
+        backend = _linear_backend(fb)
+        if backend is None:
+            return None
+        conv, ssm = backend.mamba_pool.layer_cache(self.layer_id)
+        return self.op(hidden, *self.head, conv, self.conv_weight, ssm, backend.meta.slots, *self.tail)
+
+
+class Mamba2Block:
+    """Nemotron-H's `hidden + Mamba2Mixer(norm(hidden))` for a decode batch."""
+
+    @classmethod
+    def build(cls, norm: nn.Module, mixer: nn.Module) -> Mamba2Block | None:
+        weights = (norm.weight, mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, mixer.conv1d.bias)
+        weights += (mixer.dt_bias, mixer.A_log, mixer.D, mixer.norm.weight, mixer.out_proj.weight, mixer.out_proj.bias)
+        if not (_blocks_on(norm.cpu_ops, mixer.norm.cpu_ops) and _all_float32(*weights)):
+            return None
+        if getattr(norm, "offset_one", False):
+            return None  # Nemotron-H's norms are `weight * norm(x)`; the op passes no offset
+        return cls(norm, mixer)
+
+    def __init__(self, norm: nn.Module, mixer: nn.Module):
+        self.op = torch.ops.sgl_kernel.mamba2_block_decode.default
+        self.layer_id = mixer.layer_id
+        self.head = (norm.weight, norm.eps, mixer.in_proj.weight, mixer.in_proj.bias)
+        self.conv = (mixer.conv1d.weight.view(mixer.conv1d.weight.shape[0], -1), mixer.conv1d.bias)
+        out_norm = mixer.norm
+        self.tail = (mixer.dt_bias, mixer.A_log, mixer.D, mixer.time_step_min, out_norm.weight, out_norm.eps)
+        self.tail += (out_norm.group_size, mixer.out_proj.weight, mixer.out_proj.bias)
+        self.tail += (mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size)
+
+    def __call__(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor | None:
+        backend = _linear_backend(fb)  # its C++ step is the mixer op this block calls
+        if backend is None:
+            return None
+        conv, ssm = backend.mamba_pool.layer_cache(self.layer_id)
+        return self.op(hidden, *self.head, conv, *self.conv, ssm, backend.meta.slots, *self.tail)
+
+
+class MoEBlock:
+    """`hidden + MoE(norm(hidden))` (routed experts with the shared expert inside the experts' C++ op) for
+    a batch of few tokens, any forward mode."""
+
+    @classmethod
+    def build(
+        cls,
+        norm: nn.Module,
+        experts: RoutedExperts,
+        router_weight: torch.Tensor,
+        routing_ops: Any,
+        shared: tuple[nn.Module, nn.Linear | None],
+        routing: tuple,
+    ) -> MoEBlock | None:
+        """`routing`: (correction_bias or None, top_k, renormalize, num_groups, topk_groups, scaling), the
+        router's arguments (softmax top-k without a correction bias, grouped sigmoid top-k with one)."""
+        ok = _blocks_on(norm.cpu_ops, experts.cpu_ops, routing_ops)
+        ok = ok and experts.fused_shared == shared and _all_float32(norm.weight, router_weight, routing[0])
+        return cls(norm, experts, router_weight, routing_ops, shared, routing) if ok else None
+
+    def __init__(self, norm, experts, router_weight, routing_ops, shared, routing):
+        self.op = torch.ops.sgl_kernel.moe_block_decode.default
+        self.experts, self.routing_ops, self.shared = experts, routing_ops, shared
+        self.num_experts, self.top_k = router_weight.shape[0], routing[1]
+        self.head = (*_norm_args(norm), router_weight, *routing)
+        self.tail = experts.cpu_op_args(fused=True)
+
+    def __call__(self, hidden: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor | None:
+        tokens = hidden.shape[0]
+        if not (
+            cpp_routes(self.routing_ops, tokens, self.num_experts)
+            and self.experts.cpu_op_serves(tokens * self.top_k)
+            and self.experts.cpu_op_fuses_shared(tokens, *self.shared)
+        ):
+            return None
+        return self.op(hidden, *self.head, *self.tail)
