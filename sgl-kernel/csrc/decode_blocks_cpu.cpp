@@ -17,6 +17,16 @@
 //       a MoE block: the norm, the router GEMM, the top-k (`topk_softmax`, or `biased_grouped_topk` where a
 //       correction bias is given), the routed experts with the shared expert (`moe_experts`) and the residual
 //       add.
+//   attention_block_decode(hidden, norm_w, norm_eps, norm_offset, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b,
+//                          q_norm_w, k_norm_w, qk_eps, qk_offset, positions, inv_freq, rotary_dim, k_buffer,
+//                          v_buffer, loc, req_to_token, req_pool_indices, seq_lens, scale, heads, kv_heads,
+//                          head_dim, output_gate) -> hidden'
+//       a full-attention block: the norm, the q/k/v projections, Qwen3-Next's q/k norms, rotary embedding
+//       and per-head output gate where given, the new token's K and V into the pool at `loc`,
+//       `decode_attention` over the pool in place, the output projection and the residual add;
+//   mlp_block_decode(hidden, norm_w, norm_eps, norm_offset, gate_w, gate_b, up_w, up_b, down_w, down_b,
+//                    activation) -> hidden'
+//       a dense MLP block (gated where gate_w is given; Nemotron-H's relu2 MLP is not).
 //
 // Each is the composition of the per-op path, called from C++: the same sgl-kernel ops (through the
 // dispatcher, typed as their kernels are declared: the pool states they write by value), at::linear for the projections (what torch.nn.functional.linear runs) and at::add for the
@@ -29,6 +39,7 @@
 #include <torch/extension.h>
 
 #include <tuple>
+#include <utility>
 
 namespace sgl_blocks {
 namespace {
@@ -125,6 +136,65 @@ T moe_block_decode(const T& hidden, const T& norm_w, double norm_eps, double nor
   return at::add(hidden, out);
 }
 
+T attention_block_decode(const T& hidden, const T& norm_w, double norm_eps, double norm_offset, const T& q_w,
+                         const OptT& q_b, const T& k_w, const OptT& k_b, const T& v_w, const OptT& v_b, const T& o_w,
+                         const OptT& o_b, const OptT& q_norm_w, const OptT& k_norm_w, double qk_eps, double qk_offset,
+                         const T& positions, const OptT& inv_freq, int64_t rotary_dim, T k_buffer, T v_buffer,
+                         const T& loc, const T& req_to_token, const T& req_pool_indices, const T& seq_lens,
+                         double scale, int64_t heads, int64_t kv_heads, int64_t head_dim, bool output_gate) {
+  const char* what = "attention_block_decode";
+  check_hidden(hidden, what);
+  TORCH_CHECK(q_norm_w.has_value() == k_norm_w.has_value(), what, ": q and k are normalised both or neither");
+  TORCH_CHECK(k_buffer.element_size() > 1, what, ": a float8 KV pool takes the per-op path (a byte view)");
+  static const auto rope_op = find_op<std::tuple<T, T>(const T&, const T&, const T&, const T&, int64_t)>(
+      "sgl_kernel::rotary_embedding");
+  static const auto attn_op = find_op<T(const T&, const T&, const T&, const T&, const T&, const T&, double, int64_t)>(
+      "sgl_kernel::decode_attention");
+  const int64_t bs = hidden.size(0), d = head_dim;
+  const T x = rmsnorm(hidden, norm_w, norm_eps, norm_offset);
+  // With an output gate each head's projection is [query | gate] (Qwen3-Next).
+  const T qg = at::linear(x, q_w, q_b).view({bs, heads, output_gate ? 2 * d : d});
+  T q = output_gate ? qg.narrow(2, 0, d) : qg;
+  T k = at::linear(x, k_w, k_b).view({bs, kv_heads, d});
+  if (q_norm_w.has_value()) {
+    q = rmsnorm(q.contiguous(), *q_norm_w, qk_eps, qk_offset);
+    k = rmsnorm(k.contiguous(), *k_norm_w, qk_eps, qk_offset);
+  }
+  if (inv_freq.has_value()) std::tie(q, k) = rope_op.call(positions, q, k, *inv_freq, rotary_dim);
+  const T v = at::linear(x, v_w, v_b);
+  // The new token's K and V into the pool (as the backend's set_kv_buffer: `buf[loc] = new`), then the
+  // paged decode attention over the pool in place.
+  k_buffer.index_put_({loc}, k.reshape({-1, kv_heads, d}).to(k_buffer.scalar_type()));
+  v_buffer.index_put_({loc}, v.view({-1, kv_heads, d}).to(v_buffer.scalar_type()));
+  const int64_t min_macs = 8388608;  // the op's default (its schema's)
+  T out = attn_op.call(q.reshape({bs, heads, d}).contiguous(), k_buffer, v_buffer, req_to_token, req_pool_indices,
+                       seq_lens, scale, min_macs).view({bs, heads * d});
+  if (output_gate) out = at::mul(out, at::sigmoid(qg.narrow(2, d, d).reshape({bs, heads * d})));
+  return at::add(hidden, at::linear(out, o_w, o_b));
+}
+
+// The activations by the codes of `moe_experts` (CPU_OP_ACTIVATIONS), as torch computes them
+// (python/sglang/srt/layers/activation.py).
+T activate(const T& h, int64_t activation) {
+  switch (activation) {
+    case 0: return at::silu(h);
+    case 1: return at::square(at::relu(h));
+    case 2: return at::relu(h);
+    case 3: return at::gelu(h);
+    default: TORCH_CHECK(false, "mlp_block_decode: unknown activation code ", activation);
+  }
+}
+
+T mlp_block_decode(const T& hidden, const T& norm_w, double norm_eps, double norm_offset, const OptT& gate_w,
+                   const OptT& gate_b, const T& up_w, const OptT& up_b, const T& down_w, const OptT& down_b,
+                   int64_t activation) {
+  check_hidden(hidden, "mlp_block_decode");
+  const T x = rmsnorm(hidden, norm_w, norm_eps, norm_offset);
+  const T h = gate_w.has_value() ? at::mul(activate(at::linear(x, *gate_w, gate_b), activation), at::linear(x, up_w, up_b))
+                                 : activate(at::linear(x, up_w, up_b), activation);
+  return at::add(hidden, at::linear(h, down_w, down_b));
+}
+
 }  // namespace
 }  // namespace sgl_blocks
 
@@ -145,7 +215,24 @@ TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
       "Tensor? shared_gate=None) -> Tensor");
 }
 
+TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
+  m.def(
+      "attention_block_decode(Tensor hidden, Tensor norm_w, float norm_eps, float norm_offset, Tensor q_w, "
+      "Tensor? q_b, Tensor k_w, Tensor? k_b, Tensor v_w, Tensor? v_b, Tensor o_w, Tensor? o_b, Tensor? q_norm_w, "
+      "Tensor? k_norm_w, float qk_eps, float qk_offset, Tensor positions, Tensor? inv_freq, int rotary_dim, "
+      "Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, Tensor req_to_token, Tensor req_pool_indices, "
+      "Tensor seq_lens, float scale, int heads, int kv_heads, int head_dim, bool output_gate) -> Tensor");
+}
+
+TORCH_LIBRARY_FRAGMENT(sgl_kernel, m) {
+  m.def(
+      "mlp_block_decode(Tensor hidden, Tensor norm_w, float norm_eps, float norm_offset, Tensor? gate_w, "
+      "Tensor? gate_b, Tensor up_w, Tensor? up_b, Tensor down_w, Tensor? down_b, int activation) -> Tensor");
+}
+
 TORCH_LIBRARY_IMPL(sgl_kernel, CPU, m) {
+  m.impl("mlp_block_decode", &sgl_blocks::mlp_block_decode);
+  m.impl("attention_block_decode", &sgl_blocks::attention_block_decode);
   m.impl("gdn_block_decode", &sgl_blocks::gdn_block_decode);
   m.impl("mamba2_block_decode", &sgl_blocks::mamba2_block_decode);
   m.impl("moe_block_decode", &sgl_blocks::moe_block_decode);

@@ -2,7 +2,8 @@
 the engine with the blocks on decodes bit for bit as with them off (the same sgl-kernel ops and GEMMs
 called one by one from Python) on both presets, pool states included, and the blocks did run; each block
 is built only where all of its parts run their C++ ops and steps aside per batch where one would not
-(an extend, too many tokens for the MoE op); bad input is refused with a message."""
+(an extend, too many tokens for the MoE op, a torch decode step, a float8 KV pool); bad input is refused
+with a message."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import pytest
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.layers.decode_blocks import GdnBlock, Mamba2Block, MoEBlock
+from sglang.srt.layers.decode_blocks import AttentionBlock, GdnBlock, Mamba2Block, MLPBlock, MoEBlock
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import CPU_OP_MAX_SHARED_TOKENS
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner, pool_state
 
 register_cpu_ci(est_time=12, suite="per-commit-cpu")
 
-BLOCK_ATTRS = ("mixer_block", "moe_block", "fused")
+BLOCK_ATTRS = ("mixer_block", "mlp_block", "fused")
 
 
 def _blocks(runner) -> list:
@@ -43,12 +46,16 @@ def _count_calls(blocks: list) -> dict[int, int]:
 
 @pytest.mark.parametrize(
     "preset,kinds",
-    [("tiny-qwen3-next", {GdnBlock: 3, MoEBlock: 4}), ("tiny-nemotron-h", {Mamba2Block: 3, MoEBlock: 1})],
+    [
+        ("tiny-qwen3-next", {GdnBlock: 3, AttentionBlock: 1, MoEBlock: 4}),
+        ("tiny-nemotron-h", {Mamba2Block: 3, AttentionBlock: 1, MoEBlock: 1, MLPBlock: 1}),
+    ],
 )
 def test_engine_decodes_bit_for_bit_with_and_without_blocks(ops, preset, kinds):
-    """A 3-request extend of 180 tokens (over the MoE op's 128: the parts run), a 2-request extend of 14
-    tokens (the MoE blocks run, the mixers' do not: an extend) and 8 greedy decode steps of each (every
-    block runs): the same tokens, logprobs and pool states, exactly."""
+    """A 3-request extend of 180 tokens (over the MoE op's 128: the parts run; the dense MLP block runs at
+    any size), a 2-request extend of 14 tokens (the MoE blocks run, the mixers' and attention's do not:
+    an extend) and 8 greedy decode steps of each (every block runs): the same tokens, logprobs and pool
+    states (recurrent and KV), exactly."""
 
     def run(on: bool):
         with envs.SGLANG_CPU_DECODE_BLOCKS.override(on):
@@ -57,54 +64,88 @@ def test_engine_decodes_bit_for_bit_with_and_without_blocks(ops, preset, kinds):
         calls = _count_calls(blocks)
         results = [greedy_tokens_and_logprobs(runner, lens, steps=8) for lens in ((7, 60, 113), (5, 9))]
         states = [pool_state(runner, slot) for slot in range(1, 6)]
-        return blocks, calls, results, states
+        kv = runner.token_to_kv_pool
+        return blocks, calls, results, (states, kv.k_buffer, kv.v_buffer)
 
     blocks, calls, with_blocks, states_on = run(True)
     assert {k: sum(isinstance(b, k) for b in blocks) for k in kinds} == kinds
-    # Mixers: 16 decode steps. MoE: those and the 14-token extend.
+    # Mixers and attention: 16 decode steps. MoE: those and the 14-token extend. Dense MLP: every forward.
+    runs = {GdnBlock: 16, Mamba2Block: 16, AttentionBlock: 16, MoEBlock: 17, MLPBlock: 18}
     for b in blocks:
-        assert calls[id(b)] == (17 if isinstance(b, MoEBlock) else 16), type(b).__name__
+        assert calls[id(b)] == runs[type(b)], type(b).__name__
     no_blocks, _, without, states_off = run(False)
     assert no_blocks == []
     for (tok_on, lp_on), (tok_off, lp_off) in zip(with_blocks, without, strict=True):
         assert tok_on == tok_off
         assert torch.equal(lp_on, lp_off)  # the same ops on the same tensors: no rounding may differ
-    for on, off in zip(states_on, states_off, strict=True):
+    for k_on, k_off in zip(states_on[1] + states_on[2], states_off[1] + states_off[2], strict=True):
+        assert torch.equal(k_on, k_off)
+    for on, off in zip(states_on[0], states_off[0], strict=True):
         for layer in on:
             assert torch.equal(on[layer].conv, off[layer].conv) and torch.equal(on[layer].ssm, off[layer].ssm)
 
 
 @pytest.mark.parametrize(
-    "env,mixers,moes",
+    "env,built",
     [
-        (envs.SGLANG_CPU_NORM_BACKEND, False, False),
-        (envs.SGLANG_CPU_MOE_BACKEND, True, False),
-        (envs.SGLANG_CPU_LINEAR_ATTN_BACKEND, False, True),
+        (envs.SGLANG_CPU_NORM_BACKEND, {}),
+        (envs.SGLANG_CPU_MOE_BACKEND, {GdnBlock: 3, AttentionBlock: 1}),
+        (envs.SGLANG_CPU_LINEAR_ATTN_BACKEND, {AttentionBlock: 1, MoEBlock: 4}),
+        (envs.SGLANG_CPU_ROPE_BACKEND, {GdnBlock: 3, MoEBlock: 4}),
     ],
 )
-def test_a_part_forced_to_torch_keeps_its_block_off(ops, env, mixers, moes):
+def test_a_part_forced_to_torch_keeps_its_block_off(ops, env, built):
     """A user forcing one part's torch path gets that part's torch ops: its blocks are not built."""
     with env.override("torch"):
         blocks = _blocks(make_runner("tiny-qwen3-next"))
-    assert any(isinstance(b, GdnBlock) for b in blocks) == mixers
-    assert any(isinstance(b, MoEBlock) for b in blocks) == moes
+    assert {k: sum(isinstance(b, k) for b in blocks) for k in built} == built
+    assert len(blocks) == sum(built.values())
 
 
 def test_bfloat16_models_build_no_blocks(ops):
     assert _blocks(make_runner("tiny-nemotron-h", dtype="bfloat16")) == []
 
 
-def test_a_torch_decode_step_keeps_the_mixer_blocks_aside(ops):
+@pytest.mark.parametrize(
+    "env,value,aside",
+    [(envs.SGLANG_GDN_DECODE_BACKEND, "torch", GdnBlock), (envs.SGLANG_CPU_ATTN_BACKEND, "torch", AttentionBlock)],
+)
+def test_a_torch_decode_step_keeps_its_block_aside(ops, env, value, aside):
     """SGLANG_GDN_DECODE_BACKEND=torch: the C++ gates still run (the block is built) but the decode step
-    is torch's, so the block steps aside at every batch; the MoE blocks still run."""
-    with envs.SGLANG_GDN_DECODE_BACKEND.override("torch"):
+    is torch's; SGLANG_CPU_ATTN_BACKEND=torch: SDPA attends. That block steps aside at every batch, the
+    others still run."""
+    with env.override(value):
         runner = make_runner("tiny-qwen3-next")
     blocks = _blocks(runner)
     calls = _count_calls(blocks)
     greedy_tokens_and_logprobs(runner, (6, 11), steps=3)
-    assert any(isinstance(b, GdnBlock) for b in blocks)
+    assert any(isinstance(b, aside) for b in blocks)
     for b in blocks:
-        assert calls[id(b)] == (4 if isinstance(b, MoEBlock) else 0)
+        assert calls[id(b)] == (0 if isinstance(b, aside) else 4 if isinstance(b, MoEBlock) else 3)
+
+
+def test_a_float8_kv_pool_keeps_the_attention_blocks_aside(ops):
+    """float8 pools are written through a byte view: the per-op path stores and attends; decoding works."""
+    runner = make_runner("tiny-nemotron-h", kv_cache_dtype="fp8_e4m3")
+    blocks = _blocks(runner)
+    calls = _count_calls(blocks)
+    tokens, _ = greedy_tokens_and_logprobs(runner, (6, 11), steps=3)
+    assert len(tokens) == 3
+    assert all(calls[id(b)] == 0 for b in blocks if isinstance(b, AttentionBlock))
+    assert any(calls[id(b)] == 3 for b in blocks if isinstance(b, Mamba2Block))
+
+
+def test_a_gated_mlp_block_equals_its_parts(ops):
+    """Qwen3-Next's dense layers (none in the tiny preset): a silu GatedMLP with the offset norm."""
+    torch.manual_seed(0)
+    norm, mlp = RMSNorm(64, offset_one=True), GatedMLP(64, 96, "silu")
+    torch.nn.init.normal_(norm.weight, std=0.1)
+    norm.process_weights_after_loading()
+    block = MLPBlock.build(norm, mlp)
+    assert block is not None
+    hidden = torch.randn(5, 64)
+    with torch.inference_mode():
+        assert torch.equal(block(hidden), hidden + mlp(norm(hidden)))
 
 
 def test_moe_block_serves_up_to_the_ops_token_limit(ops):
@@ -113,15 +154,15 @@ def test_moe_block_serves_up_to_the_ops_token_limit(ops):
     layer = runner.model.model.layers[0]
     torch.manual_seed(0)
     hidden = torch.randn(CPU_OP_MAX_SHARED_TOKENS + 1, layer.input_layernorm.weight.shape[0])
-    assert layer.moe_block(hidden) is None
+    assert layer.mlp_block(hidden) is None
     rows = hidden[:CPU_OP_MAX_SHARED_TOKENS]
     with torch.inference_mode():
         want = rows + layer.mlp(layer.post_attention_layernorm(rows))
-        assert torch.equal(layer.moe_block(rows), want)
+        assert torch.equal(layer.mlp_block(rows), want)
 
 
 def test_bad_hidden_is_refused(ops):
     runner = make_runner("tiny-qwen3-next")
-    block = runner.model.model.layers[0].moe_block
+    block = runner.model.model.layers[0].mlp_block
     with pytest.raises(RuntimeError, match="hidden must be a contiguous float32"):
         block(torch.zeros(2, 64, dtype=torch.bfloat16))

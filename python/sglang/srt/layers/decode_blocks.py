@@ -1,7 +1,8 @@
 """Whole decoder blocks in one sgl-kernel call on CPU (`sgl-kernel/csrc/decode_blocks_cpu.cpp`).
 
-A block is `hidden + f(norm(hidden))`: Qwen3-Next's linear-attention half-layer (`GdnBlock`) and its
-MoE half-layer (`MoEBlock`), Nemotron-H's Mamba2 and MoE blocks (`Mamba2Block`, `MoEBlock`). Called
+A block is `hidden + f(norm(hidden))`: each half of a Qwen3-Next layer (`GdnBlock` or `AttentionBlock`,
+then `MoEBlock` or `MLPBlock`), each Nemotron-H block (`Mamba2Block`, `AttentionBlock`, `MoEBlock`,
+`MLPBlock`). Called
 one by one from Python, a block's parts are ~15-25 torch and sgl-kernel calls; at the tiny presets' decode
 sizes each costs 10-30 us in place, several times its own work. The C++ op makes the same calls on the
 same tensors (so the result is the one-by-one path's bit for bit) without the Python between them.
@@ -9,7 +10,8 @@ same tensors (so the result is the one-by-one path's bit for bit) without the Py
 Each block is built after the weights are loaded, only where every part of it runs its own C++ op
 (float32 weights, each part's SGLANG_CPU_*_BACKEND choice and size limits, the layer's shared expert
 fused into the experts' op); per batch it returns None where a part would not (an extend for the
-mixers, more tokens than the MoE op's limits), and the model then calls its modules as before.
+mixers and attention, more tokens than the MoE op's limits, a float8 KV pool), and the model then calls
+its modules as before.
 `SGLANG_CPU_DECODE_BLOCKS=0` turns the blocks off.
 """
 
@@ -21,7 +23,8 @@ import torch
 from torch import nn
 
 from sglang.srt.environ import envs
-from sglang.srt.layers.moe.experts import RoutedExperts
+from sglang.srt.layers.activation import get_act_fn
+from sglang.srt.layers.moe.experts import CPU_OP_ACTIVATIONS, RoutedExperts
 from sglang.srt.layers.moe.router import cpp_routes
 
 if TYPE_CHECKING:
@@ -147,3 +150,75 @@ class MoEBlock:
         ):
             return None
         return self.op(hidden, *self.head, *self.tail)
+
+
+class AttentionBlock:
+    """`hidden + Attention(norm(hidden))` for a decode batch: Nemotron-H's plain attention, or Qwen3-Next's
+    with q/k norms, rotary embedding and a per-head output gate."""
+
+    @classmethod
+    def build(
+        cls,
+        norm: nn.Module,
+        attn: nn.Module,
+        qk_norms: tuple[nn.Module, nn.Module] | None = None,
+        rope: nn.Module | None = None,
+        output_gate: bool = False,
+    ) -> AttentionBlock | None:
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        norms = (norm, *(qk_norms or ()))
+        parts_ops = [n.cpu_ops for n in norms] + ([rope.cpu_ops] if rope is not None else [])
+        weights = [n.weight for n in norms] + [t for p in projections for t in (p.weight, p.bias)]
+        if not (_blocks_on(*parts_ops) and _all_float32(*weights)):
+            return None
+        if qk_norms and (qk_norms[0].eps, qk_norms[0].offset_one) != (qk_norms[1].eps, qk_norms[1].offset_one):
+            return None  # the op takes one eps and offset for both
+        return cls(norm, attn, qk_norms, rope, output_gate)
+
+    def __init__(self, norm, attn, qk_norms, rope, output_gate):
+        self.op = torch.ops.sgl_kernel.attention_block_decode.default
+        radix = attn.attn
+        self.layer_id = radix.layer_id
+        self.head = (*_norm_args(norm),)
+        for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+            self.head += (p.weight, p.bias)
+        self.head += (qk_norms[0].weight, qk_norms[1].weight, *_norm_args(qk_norms[0])[1:]) if qk_norms else (
+            None, None, 0.0, 0.0,
+        )  # fmt: skip
+        self.rope = (rope.inv_freq, rope.rotary_dim) if rope is not None else (None, 0)
+        self.tail = (radix.scaling, radix.tp_q_head_num, radix.tp_k_head_num, radix.head_dim, output_gate)
+
+    def __call__(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor | None:
+        if not fb.forward_mode.is_decode():
+            return None
+        backend = fb.attn_backend.full_attn_backend
+        if backend.cpu_ops is None:
+            return None
+        k_buf, v_buf = backend.kv_pool.get_kv_buffer(self.layer_id)
+        if k_buf.element_size() == 1:
+            return None  # float8 pools are written through a byte view (`set_kv_buffer`)
+        return self.op(
+            hidden, *self.head, fb.positions, *self.rope, k_buf, v_buf, fb.out_cache_loc, backend.req_to_token,
+            fb.req_pool_indices, fb.seq_lens, *self.tail,
+        )  # fmt: skip
+
+
+class MLPBlock:
+    """`hidden + MLP(norm(hidden))` for a dense MLP (gated or plain), any batch."""
+
+    @classmethod
+    def build(cls, norm: nn.Module, mlp: nn.Module) -> MLPBlock | None:
+        linears = [getattr(mlp, "gate_proj", None), mlp.up_proj, mlp.down_proj]
+        weights = [norm.weight] + [t for lin in linears if lin is not None for t in (lin.weight, lin.bias)]
+        code = next((c for name, c in CPU_OP_ACTIVATIONS.items() if get_act_fn(name) is mlp.act), None)
+        ok = _blocks_on(norm.cpu_ops) and code is not None and _all_float32(*weights)
+        return cls(norm, linears, code) if ok else None
+
+    def __init__(self, norm, linears, activation: int):
+        self.op = torch.ops.sgl_kernel.mlp_block_decode.default
+        gate, up, down = linears
+        self.args = (*_norm_args(norm), *((gate.weight, gate.bias) if gate is not None else (None, None)))
+        self.args += (up.weight, up.bias, down.weight, down.bias, activation)
+
+    def __call__(self, hidden: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
+        return self.op(hidden, *self.args)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.configs.nemotron_h import NemotronHArchConfig
-from sglang.srt.layers.decode_blocks import Mamba2Block, MoEBlock
+from sglang.srt.layers.decode_blocks import AttentionBlock, Mamba2Block, MLPBlock, MoEBlock
 from sglang.srt.layers.layernorm import GroupedGatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import PlainMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -151,14 +151,19 @@ class NemotronHBlock(nn.Module):
             )
         else:
             raise ValueError(f"Unknown Nemotron-H block type {kind!r} at layer {layer_id}.")
-        self.fused: Mamba2Block | MoEBlock | None = None  # the block as one C++ call (CPU; set at load)
+        # The block as one C++ call (CPU; set at load).
+        self.fused: Mamba2Block | AttentionBlock | MoEBlock | MLPBlock | None = None
 
     def process_weights_after_loading(self) -> None:
         """After the children's (`load_model` runs them first): the fused CPU block where it applies."""
         if self.kind == "linear_attention":
             self.fused = Mamba2Block.build(self.norm, self.mixer)
+        elif self.kind == "full_attention":
+            self.fused = AttentionBlock.build(self.norm, self.mixer)
         elif self.kind == "moe":
             self.fused = self.mixer.fused_block(self.norm)
+        else:
+            self.fused = MLPBlock.build(self.norm, self.mixer)
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         out = self.fused(hidden, fb) if self.fused is not None else None

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
-from sglang.srt.layers.decode_blocks import GdnBlock, MoEBlock
+from sglang.srt.layers.decode_blocks import AttentionBlock, GdnBlock, MLPBlock, MoEBlock
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -174,15 +174,22 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
         # Each half of the layer as one C++ call where its parts all run C++ ops (CPU; set at load).
-        self.mixer_block: GdnBlock | None = None
-        self.moe_block: MoEBlock | None = None
+        self.mixer_block: GdnBlock | AttentionBlock | None = None
+        self.mlp_block: MoEBlock | MLPBlock | None = None
 
     def process_weights_after_loading(self) -> None:
         """After the children's (`load_model` runs them first): the fused CPU blocks where they apply."""
+        norm = self.input_layernorm
         if self.is_linear:
-            self.mixer_block = GdnBlock.build(self.input_layernorm, self.linear_attn)
+            self.mixer_block = GdnBlock.build(norm, self.linear_attn)
+        else:
+            attn = self.self_attn
+            qk_norms = (attn.q_norm, attn.k_norm)
+            self.mixer_block = AttentionBlock.build(norm, attn, qk_norms, attn.rotary_emb, output_gate=True)
         if isinstance(self.mlp, Qwen3NextSparseMoeBlock):
-            self.moe_block = self.mlp.fused_block(self.post_attention_layernorm)
+            self.mlp_block = self.mlp.fused_block(self.post_attention_layernorm)
+        else:
+            self.mlp_block = MLPBlock.build(self.post_attention_layernorm, self.mlp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         fused = self.mixer_block(hidden, fb) if self.mixer_block is not None else None
@@ -192,7 +199,7 @@ class Qwen3NextDecoderLayer(nn.Module):
             x = self.input_layernorm(hidden)
             x = self.linear_attn(x, fb) if self.is_linear else self.self_attn(positions, x, fb)
             hidden = hidden + x
-        fused = self.moe_block(hidden) if self.moe_block is not None else None
+        fused = self.mlp_block(hidden) if self.mlp_block is not None else None
         return fused if fused is not None else hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
