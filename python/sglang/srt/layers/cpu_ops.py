@@ -21,7 +21,9 @@
   from a sort of only the likely tokens instead of a partial sort of every row.
 
 Each is auto (the C++ ops where sgl-kernel's CPU extension is built, else the torch path), torch (force
-the torch path, for debugging) or cpp (the C++ ops, or a startup error).
+the torch path, for debugging) or cpp (the C++ ops, or a startup error). Where every part of a decoder
+block runs its C++ op, a decode step calls the whole block as one C++ call (`layers/decode_blocks.py`,
+`SGLANG_CPU_DECODE_BLOCKS`).
 """
 
 from __future__ import annotations

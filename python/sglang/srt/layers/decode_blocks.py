@@ -24,6 +24,7 @@ from torch import nn
 
 from sglang.srt.environ import envs
 from sglang.srt.layers.activation import get_act_fn
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.moe.experts import CPU_OP_ACTIVATIONS, RoutedExperts
 from sglang.srt.layers.moe.router import cpp_routes
 
@@ -192,7 +193,8 @@ class AttentionBlock:
         if not fb.forward_mode.is_decode():
             return None
         backend = fb.attn_backend.full_attn_backend
-        if backend.cpu_ops is None:
+        # What the block does is the torch-native backend's C++ decode (`--attention-backend triton` is not).
+        if not isinstance(backend, TorchNativeAttnBackend) or backend.cpu_ops is None:
             return None
         k_buf, v_buf = backend.kv_pool.get_kv_buffer(self.layer_id)
         if k_buf.element_size() == 1:
