@@ -44,14 +44,15 @@ def _count_calls(blocks: list) -> dict[int, int]:
     return calls
 
 
+QWEN_BLOCKS = {GdnBlock: 3, AttentionBlock: 1, MoEBlock: 4}
+NEMOTRON_BLOCKS = {Mamba2Block: 3, AttentionBlock: 1, MoEBlock: 1, MLPBlock: 1}
+
+
 @pytest.mark.parametrize(
-    "preset,kinds",
-    [
-        ("tiny-qwen3-next", {GdnBlock: 3, AttentionBlock: 1, MoEBlock: 4}),
-        ("tiny-nemotron-h", {Mamba2Block: 3, AttentionBlock: 1, MoEBlock: 1, MLPBlock: 1}),
-    ],
+    "preset,kinds,page_size",
+    [("tiny-qwen3-next", QWEN_BLOCKS, 1), ("tiny-nemotron-h", NEMOTRON_BLOCKS, 1), ("tiny-qwen3-next", QWEN_BLOCKS, 16)],
 )
-def test_engine_decodes_bit_for_bit_with_and_without_blocks(ops, preset, kinds):
+def test_engine_decodes_bit_for_bit_with_and_without_blocks(ops, preset, kinds, page_size):
     """A 3-request extend of 180 tokens (over the MoE op's 128: the parts run; the dense MLP block runs at
     any size), a 2-request extend of 14 tokens (the MoE blocks run, the mixers' and attention's do not:
     an extend) and 8 greedy decode steps of each (every block runs): the same tokens, logprobs and pool
@@ -59,7 +60,7 @@ def test_engine_decodes_bit_for_bit_with_and_without_blocks(ops, preset, kinds):
 
     def run(on: bool):
         with envs.SGLANG_CPU_DECODE_BLOCKS.override(on):
-            runner = make_runner(preset)
+            runner = make_runner(preset, page_size=page_size)
         blocks = _blocks(runner)
         calls = _count_calls(blocks)
         results = [greedy_tokens_and_logprobs(runner, lens, steps=8) for lens in ((7, 60, 113), (5, 9))]
@@ -166,3 +167,24 @@ def test_bad_hidden_is_refused(ops):
     block = runner.model.model.layers[0].mlp_block
     with pytest.raises(RuntimeError, match="hidden must be a contiguous float32"):
         block(torch.zeros(2, 64, dtype=torch.bfloat16))
+
+
+def test_blocks_refuse_weights_of_other_shapes(ops):
+    """The ops check what the Python side cannot have checked for them: a message, not a wrong read."""
+    runner = make_runner("tiny-qwen3-next")
+    layer = runner.model.model.layers[0]
+    block = layer.mixer_block
+    head = list(block.head)
+    head[3] = head[3][:-1]  # w_qkvz one row short
+    conv, ssm = runner.mamba_pool.layer_cache(0)
+    slots = torch.ones(2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="w_qkvz must have"):
+        block.op(torch.zeros(2, 64), *head, conv, block.conv_weight, ssm, slots, *block.tail)
+    with pytest.raises(RuntimeError, match="unknown activation code"):
+        ops.mlp_block_decode(torch.zeros(2, 64), *_norm_and_mlp_args(layer), 9)
+
+
+def _norm_and_mlp_args(layer) -> tuple:
+    """A Qwen3-Next layer's post-attention norm and shared expert as mlp_block_decode's arguments."""
+    norm, mlp = layer.post_attention_layernorm, layer.mlp.shared_expert
+    return (norm.weight, norm.eps, 1.0, mlp.gate_proj.weight, None, mlp.up_proj.weight, None, mlp.down_proj.weight, None)
