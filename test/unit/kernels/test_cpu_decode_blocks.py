@@ -125,15 +125,44 @@ def test_a_torch_decode_step_keeps_its_block_aside(ops, env, value, aside):
         assert calls[id(b)] == (0 if isinstance(b, aside) else 4 if isinstance(b, MoEBlock) else 3)
 
 
-def test_a_float8_kv_pool_keeps_the_attention_blocks_aside(ops):
-    """float8 pools are written through a byte view: the per-op path stores and attends; decoding works."""
-    runner = make_runner("tiny-nemotron-h", kv_cache_dtype="fp8_e4m3")
-    blocks = _blocks(runner)
-    calls = _count_calls(blocks)
-    tokens, _ = greedy_tokens_and_logprobs(runner, (6, 11), steps=3)
-    assert len(tokens) == 3
+@pytest.mark.parametrize(
+    "server_args,interpret",
+    [(dict(kv_cache_dtype="fp8_e4m3"), False), (dict(attention_backend="triton"), True)],
+)
+def test_attention_blocks_step_aside_for_what_they_do_not_do(ops, monkeypatch, server_args, interpret):
+    """A float8 pool (written through a byte view) and `--attention-backend triton` (its own kernels, here
+    interpreted): the parts store and attend, the other blocks still run, and the decode is the one
+    without blocks, exactly."""
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def run(on: bool):
+        with envs.SGLANG_CPU_DECODE_BLOCKS.override(on):
+            runner = make_runner("tiny-nemotron-h", **server_args)
+        blocks = _blocks(runner)
+        calls = _count_calls(blocks)
+        return blocks, calls, greedy_tokens_and_logprobs(runner, (6, 11), steps=3)
+
+    blocks, calls, (tokens, logprobs) = run(True)
+    assert any(isinstance(b, AttentionBlock) for b in blocks)
     assert all(calls[id(b)] == 0 for b in blocks if isinstance(b, AttentionBlock))
     assert any(calls[id(b)] == 3 for b in blocks if isinstance(b, Mamba2Block))
+    _, _, (tokens_off, logprobs_off) = run(False)
+    assert tokens == tokens_off and torch.equal(logprobs, logprobs_off)
+
+
+@pytest.mark.parametrize(
+    "env,built",
+    [(envs.SGLANG_GPU_NORM_BACKEND, {}), (envs.SGLANG_GPU_MOE_BACKEND, {GdnBlock: 3, AttentionBlock: 1})],
+)
+def test_a_part_on_its_triton_kernel_keeps_its_block_off(ops, monkeypatch, env, built):
+    """The modules check their Triton choice first (on CPU under the interpreter, as the CUDA-path tests
+    run them): a block would run the C++ op instead, so it is not built."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with env.override("triton"):
+        blocks = _blocks(make_runner("tiny-qwen3-next"))
+    assert {k: sum(isinstance(b, k) for b in blocks) for k in built} == built
+    assert len(blocks) == sum(built.values())
 
 
 def test_a_gated_mlp_block_equals_its_parts(ops):
