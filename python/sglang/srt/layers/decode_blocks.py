@@ -2,16 +2,16 @@
 
 A block is `hidden + f(norm(hidden))`: each half of a Qwen3-Next layer (`GdnBlock` or `AttentionBlock`,
 then `MoEBlock` or `MLPBlock`), each Nemotron-H block (`Mamba2Block`, `AttentionBlock`, `MoEBlock`,
-`MLPBlock`). Called
-one by one from Python, a block's parts are ~15-25 torch and sgl-kernel calls; at the tiny presets' decode
-sizes each costs 10-30 us in place, several times its own work. The C++ op makes the same calls on the
-same tensors (so the result is the one-by-one path's bit for bit) without the Python between them.
+`MLPBlock`). Called one by one from Python, a block's parts are ~15-25 torch and sgl-kernel calls; at the
+tiny presets' decode sizes each costs 10-30 us in place, several times its own work. The C++ op makes
+the same calls on the same tensors (so the result is the one-by-one path's bit for bit) without the
+Python between them.
 
 Each block is built after the weights are loaded, only where every part of it runs its own C++ op
-(float32 weights, each part's SGLANG_CPU_*_BACKEND choice and size limits, the layer's shared expert
-fused into the experts' op); per batch it returns None where a part would not (an extend for the
-mixers and attention, more tokens than the MoE op's limits, a float8 KV pool), and the model then calls
-its modules as before.
+(float32 weights, each part's SGLANG_CPU_*_BACKEND choice and size limits, no part on its Triton
+kernel, the layer's shared expert fused into the experts' op); per batch it returns None where a part
+would not (an extend for the mixers and attention, more tokens than the MoE op's limits, a float8 KV
+pool, another attention backend), and the model then calls its modules as before.
 `SGLANG_CPU_DECODE_BLOCKS=0` turns the blocks off.
 """
 
