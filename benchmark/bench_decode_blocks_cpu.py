@@ -3,6 +3,7 @@ the same blocks' parts called one by one (`SGLANG_CPU_DECODE_BLOCKS=0`), in one 
 
     .venv/bin/python benchmark/bench_decode_blocks_cpu.py            # both presets, 6 rounds, ~1 min
     .venv/bin/python benchmark/bench_decode_blocks_cpu.py --preset tiny-nemotron-h --rounds 10
+    .venv/bin/python benchmark/bench_decode_blocks_cpu.py --preset tiny-qwen3-next-demo   # the server's default
 
 The workload is one turn of issue 19's multi-turn one: 16 requests of a shared 1,024-token prompt plus
 128 own tokens, 128 greedy tokens each, through a `Scheduler` driven in-process (extra_buffer_lazy). The
@@ -79,7 +80,9 @@ def measure(preset: str, rounds: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=["tiny-qwen3-next", "tiny-nemotron-h"], action="append")
+    parser.add_argument(
+        "--preset", choices=["tiny-qwen3-next", "tiny-nemotron-h", "tiny-qwen3-next-demo"], action="append"
+    )
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     torch.set_num_threads(1)
