@@ -20,9 +20,8 @@ import time
 
 import torch
 
+from sglang.srt.layers.decode_blocks import built_blocks
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
-
-BLOCK_ATTRS = ("mixer_block", "mlp_block", "fused")
 
 
 def measure(preset: str, rounds: int) -> str:
@@ -34,7 +33,7 @@ def measure(preset: str, rounds: int) -> str:
         max_running_requests=32,
     )
     runner = h.sched.model_runner
-    built = [(m, a, getattr(m, a)) for m in runner.model.modules() for a in BLOCK_ATTRS if getattr(m, a, None)]
+    built = built_blocks(runner.model)
     assert built, "no decode blocks were built (SGLANG_CPU_DECODE_BLOCKS=0, or the CPU extension is missing)"
 
     def use_blocks(on: bool) -> None:

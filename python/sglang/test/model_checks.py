@@ -55,20 +55,6 @@ def decode_steps(driver: RunnerDriver, reqs: Sequence[DriverRequest], n: int) ->
     return out
 
 
-def greedy_run(runner: ModelRunner, n_reqs: int = 2, steps: int = 4) -> tuple[list[list[int]], list[float]]:
-    """Prefill `n_reqs` random prompts (17, 26, ... tokens), then `steps` greedy decode steps of the
-    batch: (the sampled ids per step, every logprob in order), for comparing two runners' kernels."""
-    driver = RunnerDriver(runner)
-    reqs = [driver.new_request() for _ in range(n_reqs)]
-    driver.extend([Extend(r, random_ids(17 + 9 * i, seed=i)) for i, r in enumerate(reqs)])
-    tokens, logprobs = [], []
-    for _ in range(steps):
-        res = driver.decode(reqs)
-        tokens.append(res.next_token_ids.tolist())
-        logprobs += res.next_token_logprobs.tolist()
-    return tokens, logprobs
-
-
 def max_abs(a: Sequence[float] | torch.Tensor, b: Sequence[float] | torch.Tensor) -> float:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     assert a.shape == b.shape, f"{tuple(a.shape)} vs {tuple(b.shape)}"

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.layers.decode_blocks import AttentionBlock, GdnBlock, Mamba2Block, MLPBlock, MoEBlock
+from sglang.srt.layers.decode_blocks import (
+    AttentionBlock,
+    GdnBlock,
+    Mamba2Block,
+    MLPBlock,
+    MoEBlock,
+    built_blocks,
+)
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import CPU_OP_MAX_SHARED_TOKENS
@@ -20,15 +27,9 @@ from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner, po
 
 register_cpu_ci(est_time=12, suite="per-commit-cpu")
 
-BLOCK_ATTRS = ("mixer_block", "mlp_block", "fused")
-
-
 def _blocks(runner) -> list:
     """Every decode block the runner's model built, in layer order."""
-    found = []
-    for module in runner.model.modules():
-        found += [getattr(module, a) for a in BLOCK_ATTRS if getattr(module, a, None) is not None]
-    return found
+    return [block for _, _, block in built_blocks(runner.model)]
 
 
 def _count_calls(blocks: list) -> dict[int, int]:

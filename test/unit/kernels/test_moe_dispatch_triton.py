@@ -91,7 +91,7 @@ def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset,
     from sglang.srt.environ import envs
     from sglang.srt.layers.moe import routing_triton
     from sglang.srt.layers.moe.experts import RoutedExperts
-    from sglang.test.model_checks import greedy_run, make_runner
+    from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner
 
     calls = []
     for module, name in ((dt, "moe_align"), (routing_triton, "softmax_topk_triton")):
@@ -103,7 +103,7 @@ def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset,
             runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
         experts = [m for m in runner.model.modules() if isinstance(m, RoutedExperts)]
         assert experts and all(m.triton == (backend == "triton") for m in experts)
-        runs.append(greedy_run(runner))
+        runs.append(greedy_tokens_and_logprobs(runner, (17, 26), steps=4))
         if backend == "triton":
             want = {"moe_align", "softmax_topk_triton"} if "qwen" in preset else {"moe_align"}
             assert set(calls) == want, calls
@@ -113,4 +113,4 @@ def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset,
     assert tok_a == tok_b
     # The same experts with weights ~1e-7 apart and the same float32 products summed in another order; a
     # wrong expert, row or weight moves logprobs by O(0.1).
-    torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lp_a, lp_b, rtol=1e-4, atol=1e-4)

@@ -152,7 +152,7 @@ def test_engine_through_the_kernel_as_through_the_torch_form(interpret, preset):
     """Prefill then 4 greedy decode steps of 2 requests with every norm of the model through the kernel
     (interpreted) and through the torch form: the same tokens and logprobs."""
     from sglang.srt.environ import envs
-    from sglang.test.model_checks import greedy_run, make_runner
+    from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner
 
     runs = []
     for backend in ("triton", "torch"):
@@ -160,9 +160,9 @@ def test_engine_through_the_kernel_as_through_the_torch_form(interpret, preset):
             runner = make_runner(preset, mamba_scheduler_strategy="extra_buffer")
         norms = [m for m in runner.model.modules() if isinstance(m, (RMSNorm, GatedRMSNorm, GroupedGatedRMSNorm))]
         assert norms and all(m.triton == (backend == "triton") for m in norms)
-        runs.append(greedy_run(runner))
+        runs.append(greedy_tokens_and_logprobs(runner, (17, 26), steps=4))
     (tok_a, lp_a), (tok_b, lp_b) = runs
     assert tok_a == tok_b
     # The same float32 math with sums in another order (~1e-7 per norm); a wrong norm moves logprobs
     # by O(0.1).
-    torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lp_a, lp_b, rtol=1e-4, atol=1e-4)

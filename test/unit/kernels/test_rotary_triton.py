@@ -83,7 +83,7 @@ def test_engine_through_the_kernel_as_through_the_torch_form(interpret):
     """tiny-qwen3-next (partial rotary): prefill then 4 greedy decode steps of 2 requests with the rotary
     embedding through the kernel (interpreted) and through the torch form: the same tokens and logprobs."""
     from sglang.srt.environ import envs
-    from sglang.test.model_checks import greedy_run, make_runner
+    from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner
 
     runs = []
     for backend in ("triton", "torch"):
@@ -91,9 +91,9 @@ def test_engine_through_the_kernel_as_through_the_torch_form(interpret):
             runner = make_runner("tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer")
         ropes = [m for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
         assert ropes and all(m.triton == (backend == "triton") for m in ropes)
-        runs.append(greedy_run(runner))
+        runs.append(greedy_tokens_and_logprobs(runner, (17, 26), steps=4))
     (tok_a, lp_a), (tok_b, lp_b) = runs
     assert tok_a == tok_b
     # The same float32 rotation (cos / sin ~1e-6 apart); a wrong position or channel moves logprobs by
     # O(0.1).
-    torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lp_a, lp_b, rtol=1e-4, atol=1e-4)

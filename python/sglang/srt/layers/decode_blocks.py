@@ -36,13 +36,25 @@ def _all_float32(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or t.dtype == torch.float32 for t in tensors)
 
 
-def _blocks_on(*parts_ops: Any, modules: tuple[nn.Module, ...] = ()) -> bool:
+# Where the models keep their blocks: a Qwen3-Next layer's two halves, a Nemotron-H block.
+BLOCK_ATTRS = ("mixer_block", "mlp_block", "fused")
+
+
+def built_blocks(model: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+    """(module, attribute, block) for every block the model built, in module order."""
+    found = ((m, a, getattr(m, a, None)) for m in model.modules() for a in BLOCK_ATTRS)
+    return [(m, a, b) for m, a, b in found if b is not None]
+
+
+def _blocks_on(*parts: nn.Module | None) -> bool:
     """The switch is on and every part runs its C++ op (so the extension, which holds the blocks, is
-    loaded): each of `parts_ops` is set and none of `modules` runs its Triton kernel instead (a
-    SGLANG_GPU_*_BACKEND=triton choice, which the modules check first, also on CPU under the interpreter)."""
-    if any(getattr(m, "triton", False) for m in modules):
+    loaded): its `cpu_ops` is set and it does not run its Triton kernel instead (a
+    SGLANG_GPU_*_BACKEND=triton choice, which the modules check first, also on CPU under the interpreter).
+    None parts are absent ones."""
+    present = [p for p in parts if p is not None]
+    if any(p.cpu_ops is None or getattr(p, "triton", False) for p in present):
         return False
-    return envs.SGLANG_CPU_DECODE_BLOCKS.get() and all(ops is not None for ops in parts_ops)
+    return envs.SGLANG_CPU_DECODE_BLOCKS.get()
 
 
 def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float, float]:
@@ -65,9 +77,7 @@ class GdnBlock:
         weights = (norm.weight, mixer.in_proj_qkvz.weight, mixer.in_proj_ba.weight, mixer.conv1d.weight)
         weights += (mixer.A_log, mixer.dt_bias, mixer.norm.weight, mixer.out_proj.weight)
         biases = (mixer.in_proj_qkvz.bias, mixer.in_proj_ba.bias, mixer.conv1d.bias, mixer.out_proj.bias)
-        parts_ops = (norm.cpu_ops, mixer.cpu_ops, mixer.norm.cpu_ops)
-        on = _blocks_on(*parts_ops, modules=(norm, mixer.norm))
-        if not (on and mixer.projections_grouped and _all_float32(*weights)):
+        if not (_blocks_on(norm, mixer, mixer.norm) and mixer.projections_grouped and _all_float32(*weights)):
             return None
         if any(b is not None for b in biases):
             return None
@@ -96,7 +106,7 @@ class Mamba2Block:
     def build(cls, norm: nn.Module, mixer: nn.Module) -> Mamba2Block | None:
         weights = (norm.weight, mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, mixer.conv1d.bias)
         weights += (mixer.dt_bias, mixer.A_log, mixer.D, mixer.norm.weight, mixer.out_proj.weight, mixer.out_proj.bias)
-        if not (_blocks_on(norm.cpu_ops, mixer.norm.cpu_ops, modules=(norm, mixer.norm)) and _all_float32(*weights)):
+        if not (_blocks_on(norm, mixer.norm) and _all_float32(*weights)):
             return None
         if getattr(norm, "offset_one", False):
             return None  # Nemotron-H's norms are `weight * norm(x)`; the op passes no offset
@@ -136,7 +146,7 @@ class MoEBlock:
     ) -> MoEBlock | None:
         """`routing`: (correction_bias or None, top_k, renormalize, num_groups, topk_groups, scaling), the
         router's arguments (softmax top-k without a correction bias, grouped sigmoid top-k with one)."""
-        ok = _blocks_on(norm.cpu_ops, experts.cpu_ops, routing_ops, modules=(norm, experts))
+        ok = _blocks_on(norm, experts) and routing_ops is not None
         ok = ok and experts.fused_shared == shared and _all_float32(norm.weight, router_weight, routing[0])
         return cls(norm, experts, router_weight, routing_ops, shared, routing) if ok else None
 
@@ -173,9 +183,8 @@ class AttentionBlock:
     ) -> AttentionBlock | None:
         projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
         norms = (norm, *(qk_norms or ()))
-        parts_ops = [n.cpu_ops for n in norms] + ([rope.cpu_ops] if rope is not None else [])
         weights = [n.weight for n in norms] + [t for p in projections for t in (p.weight, p.bias)]
-        if not (_blocks_on(*parts_ops, modules=(*norms, rope)) and _all_float32(*weights)):
+        if not (_blocks_on(*norms, rope) and _all_float32(*weights)):
             return None
         if qk_norms and (qk_norms[0].eps, qk_norms[0].offset_one) != (qk_norms[1].eps, qk_norms[1].offset_one):
             return None  # the op takes one eps and offset for both
@@ -218,7 +227,7 @@ class MLPBlock:
         linears = [getattr(mlp, "gate_proj", None), mlp.up_proj, mlp.down_proj]
         weights = [norm.weight] + [t for lin in linears if lin is not None for t in (lin.weight, lin.bias)]
         code = next((c for name, c in CPU_OP_ACTIVATIONS.items() if get_act_fn(name) is mlp.act), None)
-        ok = _blocks_on(norm.cpu_ops, modules=(norm,)) and code is not None and _all_float32(*weights)
+        ok = _blocks_on(norm) and code is not None and _all_float32(*weights)
         return cls(norm, linears, code) if ok else None
 
     def __init__(self, norm, linears, activation: int):

@@ -13,7 +13,8 @@ sizes; larger batches take the per-expert path, one sync per layer). A fixed num
 layer either way, so it is also what a CUDA graph can capture; on CUDA the bookkeeping around the
 grouped GEMMs is three Triton launches (`dispatch_triton.py`, `SGLANG_GPU_MOE_BACKEND`, which also puts
 Qwen3-Next's routing on its Triton kernel). On CPU, decode-size batches take the grouped GEMMs too
-(any float dtype there), faster than the padded block; for small experts, sgl-kernel's C++ op instead (`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
+(any float dtype there), faster than the padded block; for small experts, sgl-kernel's C++ op instead
+(`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
 parameters stored transposed (`process_weights_after_loading`). The layer's shared expert (and its sigmoid
 gate, Qwen3-Next) is added here too: where the C++ op serves the layer, it runs inside the same call
 (`fuse_shared_expert`)."""
