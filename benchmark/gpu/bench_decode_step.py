@@ -11,7 +11,8 @@ steps, divided by 5; launches and syncs are counted inside the steps only (stopp
 synchronizes the device too). On CUDA the 12 kernels that take the most GPU time per step follow each
 row (also in the JSON). A launch is a `cudaLaunchKernel`-like runtime call or one `cudaGraphLaunch`; a
 sync is a runtime call that waits for the device (stream / event / device synchronize, a blocking
-memcpy).
+memcpy). `--host-profile N` adds, per row, the host functions that take the most time over N more steps
+(cProfile, by own time): where the wall time beyond the GPU's goes.
 """
 
 from __future__ import annotations
@@ -64,7 +65,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(runner, device: str, batch: int, steps: int, prompt_len: int) -> dict:
+def _host_profile(driver, reqs, steps: int) -> list[str]:
+    """cProfile over `steps` decode steps: the 15 functions with the most own time, per step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        driver.decode(reqs)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in stats.stats.items():
+        rows.append((own / steps * 1e6, cum / steps * 1e6, calls / steps, f"{Path(file).name}:{line}({name})"))
+    rows.sort(reverse=True)
+    return [f"{own:8.1f} us own {cum:8.1f} us cum {calls:6.1f}x {where}" for own, cum, calls, where in rows[:15]]
+
+
+def measure(runner, device: str, batch: int, steps: int, prompt_len: int, host_profile: int = 0) -> dict:
     from sglang.test.runner_driver import Extend, RunnerDriver
 
     driver = RunnerDriver(runner)
@@ -112,6 +131,7 @@ def measure(runner, device: str, batch: int, steps: int, prompt_len: int) -> dic
             launches += 1
         elif ev.name in SYNC_CALLS and in_a_step(ev):
             syncs += 1
+    host = _host_profile(driver, reqs, host_profile) if host_profile else []
     for r in reqs:
         driver.free(r)
     return {
@@ -121,6 +141,7 @@ def measure(runner, device: str, batch: int, steps: int, prompt_len: int) -> dic
         "launches": launches / PROFILED,
         "host_syncs": syncs / PROFILED,
         "top_kernels": _top_kernels(prof) if device == "cuda" else [],
+        "host_profile": host,
     }
 
 
@@ -142,6 +163,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="a narrow model, batches 1 and 4 (CPU check)")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N", help="cProfile N more steps per row")
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args()
     batches, prompt_len = ((1, 4), 32) if args.small else ((1, 64), 256)
@@ -152,10 +174,10 @@ def main() -> None:
         for graphs in (True, False) if args.device == "cuda" else (False,):
             runner = _runner(path, args.device, dtype, graphs, max(batches))
             for batch in batches:
-                row = {"cuda_graphs": graphs, **measure(runner, args.device, batch, args.steps, prompt_len)}
+                row = {"cuda_graphs": graphs, **measure(runner, args.device, batch, args.steps, prompt_len, args.host_profile)}
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
-                print("".join(f"    {line}\n" for line in row["top_kernels"]), end="", flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "host_profile")}))
+                print("".join(f"    {line}\n" for line in row["top_kernels"] + row["host_profile"]), end="", flush=True)
             del runner
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

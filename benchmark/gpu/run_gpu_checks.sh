@@ -12,6 +12,8 @@
 # matrix-nemo 23 s, model 70 s, kernels over 180 s (stopped there); decode_step ~60 s, and over 80 s
 # after the tests on a fresh machine (2026-11-27: FLA autotunes its shapes).
 # TEST_LIMIT (default 330) bounds each test group, in seconds; PYTEST_ARGS replaces the gpu tests' targets.
+# GPU_DEADLINE_S (seconds from the start; none by default) cuts each later step's limit to the time left and
+# skips a step with under 20 s left, so one device call of a known length brings back everything it ran.
 # Triton's cache is .gpu-cache/triton: flash-linear-attention keeps its autotuning results there (a JSON
 # of a few hundred bytes per kernel and shapes), and on exit they are packed into $OUT/gpu-cache.tar. The
 # next session that is lent a GPU unpacks it into .gpu-cache/triton and carries that (`carry: [".whl",
@@ -33,11 +35,22 @@ export PYTHONPATH=$PWD/.site:$PWD/python SGLANG_CACHE_DIR=$PWD/.sgcache PYTHONUN
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
   >> "$OUT/summary.txt" 2>&1
 steps=" ${*:-tests} "
+limit_for() {  # wanted limit -> the limit the deadline leaves (0: skip)
+  local want=$1 left
+  if [ -n "${GPU_DEADLINE_S:-}" ]; then
+    left=$((GPU_DEADLINE_S - SECONDS - 10))
+    ((left < want)) && want=$left
+  fi
+  ((want < 20)) && want=0
+  echo "$want"
+}
 
 group() {  # name, pytest targets...
-  local name=$1
+  local name=$1 limit
   shift
-  timeout "${TEST_LIMIT:-330}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --durations=8 \
+  limit=$(limit_for "${TEST_LIMIT:-330}")
+  ((limit == 0)) && { echo "tests $name: skipped (deadline)" >> "$OUT/summary.txt"; return; }
+  timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --durations=8 \
     "$@" > "$OUT/tests-$name.log" 2>&1
   echo "tests $name: exit $? ($(tail -1 "$OUT/tests-$name.log"))" >> "$OUT/summary.txt"
 }
@@ -54,18 +67,23 @@ elif [[ $steps == *" tests "* ]]; then
   group matrix-qwen test/unit/scheduler/test_strategy_matrix.py -k qwen &
   group matrix-nemo test/unit/scheduler/test_strategy_matrix.py -k nemotron &
   group model test/unit/model/test_cuda_graph_runner.py test/unit/model/test_kv_cache_dtype.py &
+  # The engine again with the CUDA state-copy kernels forced (auto picks Triton on CUDA).
+  SGLANG_MAMBA_STATE_COPY_BACKEND=cuda group copy-cuda test/unit/scheduler/test_strategy_matrix.py \
+    test/unit/model/test_cuda_graph_runner.py &
   wait
 fi
 bench() {  # limit, name, command...
-  local limit=$1 name=$2
-  shift 2
+  local limit name=$2
   [[ $steps == *" $name "* ]] || return 0
+  limit=$(limit_for "$1")
+  shift 2
+  ((limit == 0)) && { echo "bench $name: skipped (deadline)" >> "$OUT/summary.txt"; return; }
   echo "=== $name" >> "$OUT/bench.log"
   timeout "$limit" "$@" >> "$OUT/bench.log" 2>&1
   echo "bench $name: exit $?" >> "$OUT/summary.txt"
 }
-bench 270 engine_vs_hf python3 benchmark/gpu/bench_engine_vs_hf.py --reps 2
 bench 150 decode_step python3 benchmark/gpu/bench_decode_step.py
+bench 270 engine_vs_hf python3 benchmark/gpu/bench_engine_vs_hf.py --reps 2
 bench 150 kernels python3 benchmark/gpu/bench_kernels.py --reps 10
 bench 45 state_copy python3 benchmark/bench_state_copy.py --device cuda --seconds 0.1
 bench 40 sampler python3 benchmark/bench_sampler.py --device cuda --reps 5
