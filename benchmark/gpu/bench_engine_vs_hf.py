@@ -9,6 +9,8 @@ facts file's measurement, where the project served 0.47x of HF). Workload: 64 pr
 128 output) tokens, greedy with `ignore_eos`, all sent at once; HF generates them as one batch. Engine
 runs: CUDA graphs on and off (`--disable-cuda-graph`). Prints output tok/s and the engine's speed over
 HF's (HF time / engine time), medians of `--reps` runs, HF and engine alternating.
+`--host-profile`: the CUDA-graph run only, its scheduler process under cProfile (SGLANG_CPROFILE_DIR),
+and the functions with the most own time printed after it (the times are inflated by the profiling).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from sglang.srt.environ import envs
+from sglang.srt.utils.host_profile import top_rows
 
 _T0 = time.perf_counter()
 
@@ -114,6 +119,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="a narrow model and few prompts (CPU check)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--host-profile", action="store_true", help="profile the scheduler (graphs run only)")
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args()
     n, in_len, out_len = (4, 32, 8) if args.small else (64, 256, 128)
@@ -129,8 +135,11 @@ def main() -> None:
         runs = {"engine, CUDA graphs": {}, "engine, no CUDA graph": {"disable_cuda_graph": True}}
         if args.device != "cuda":
             runs = {"engine": {}}
+        if args.host_profile:
+            runs = dict(list(runs.items())[:1])
         for name, kwargs in runs.items():
-            eng = Eng(path, args.device, dtype, **kwargs)
+            with envs.SGLANG_CPROFILE_DIR.override(str(Path(tmp) / "prof") if args.host_profile else None):
+                eng = Eng(path, args.device, dtype, **kwargs)
             progress(f"{name}: started")
             try:
                 hf.generate(prompts, out_len)  # warm-up
@@ -157,6 +166,8 @@ def main() -> None:
                 "engine_over_hf": round(statistics.median(h / e for h, e in zip(hf_t, eng_t, strict=True)), 2),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
+        for profile in (Path(tmp) / "prof").glob("*.prof"):
+            print(f"{profile.name}, by own time:\n" + "".join(f"    {r}\n" for r in top_rows(profile, 30)))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

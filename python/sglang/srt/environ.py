@@ -105,6 +105,7 @@ class EnvOptStr(EnvVar["str | None"]):
 class Envs:
     # Paths
     SGLANG_CACHE_DIR = EnvOptStr(None, "Where tiny presets are generated (default ~/.cache/sglang).")
+    SGLANG_CPROFILE_DIR = EnvOptStr(None, "Write a cProfile of the scheduler process here (utils/host_profile.py).")
 
     # Mamba state dtypes (upstream names). --mamba-ssm-dtype writes SGLANG_MAMBA_SSM_DTYPE.
     SGLANG_MAMBA_CONV_DTYPE = EnvOptStr(None, "Conv state dtype; default: the model dtype.")

@@ -14,6 +14,7 @@ from sglang.srt.entrypoints.process_launcher import ServerStartupError
 from sglang.srt.environ import envs
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError
+from sglang.srt.utils.host_profile import top_rows
 from sglang.test import fake_scheduler
 from sglang.test.ci_register import register_cpu_ci
 
@@ -150,8 +151,11 @@ def test_dead_scheduler_fails_requests_and_shutdown_is_idempotent():
         eng.generate("x")
 
 
-def test_real_scheduler_through_the_engine():
-    with sglang.Engine(model_path="tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer_lazy") as eng:
+def test_real_scheduler_through_the_engine(tmp_path):
+    # Also under SGLANG_CPROFILE_DIR: the scheduler process writes its profile when the engine stops it.
+    with envs.SGLANG_CPROFILE_DIR.override(str(tmp_path)):
+        eng = sglang.Engine(model_path="tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer_lazy")
+    with eng:
         out = eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, return_logprob=True)
         assert out["meta_info"]["completion_tokens"] == 6
         chunks = list(eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, stream=True))
@@ -163,6 +167,8 @@ def test_real_scheduler_through_the_engine():
         it.close()
         state = wait_idle(eng, timeout=20)
         assert state["mamba_usage"]["held_by_requests"] == 0 and state["token_usage"]["held_by_requests"] == 0
+    (profile,) = tmp_path.glob("scheduler-*.prof")
+    assert any("event_loop" in row for row in top_rows(profile, n=200))
 
 
 def test_engine_refuses_a_transfer_backend_like_the_server():

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.utils.host_profile import host_profile
 
 logger = logging.getLogger(__name__)
 
@@ -466,7 +467,8 @@ def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None
     if sched.worker.inline and sched.watchdog_timeout is not None:
         threading.Thread(target=watch_inline_forward, args=(sched,), name="watchdog", daemon=True).start()
     try:
-        sched.event_loop()
+        with host_profile("scheduler"):
+            sched.event_loop()
     except SchedulerWatchdogError as e:
         _exit_stuck(str(e))
     finally:
