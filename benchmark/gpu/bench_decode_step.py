@@ -145,15 +145,16 @@ def measure(runner, device: str, batch: int, steps: int, prompt_len: int, host_p
     }
 
 
-def _top_kernels(prof) -> list[str]:
-    """The kernels that take the most GPU time per step: "us per step, launches per step, name"."""
+def _top_kernels(prof, per: int = PROFILED, skip: str = STEP) -> list[str]:
+    """The kernels that take the most GPU time per step (`per` steps profiled; `skip`, an annotation, is
+    not a kernel): "us per step, launches per step, name"."""
     rows = []
     for avg in prof.key_averages():
-        if avg.device_type != torch.autograd.DeviceType.CUDA or avg.key == STEP:
+        if avg.device_type != torch.autograd.DeviceType.CUDA or avg.key == skip:
             continue  # host ops (their device time is their kernels') and the step annotation
         us = getattr(avg, "self_device_time_total", 0.0)
         if us > 0:
-            rows.append((us / PROFILED, avg.count / PROFILED, avg.key[:90]))
+            rows.append((us / per, avg.count / per, avg.key[:90]))
     rows.sort(reverse=True)
     return [f"{us:8.1f} us {count:5.1f}x {name}" for us, count, name in rows[:TOP_KERNELS]]
 

@@ -15,6 +15,10 @@ Rows (issue 13's and 12's):
 - Mamba2 decode (Nemotron-H-8B layer: 128 heads x 64 dims, state 128) at batch 1 / 64 / 256: Triton vs torch.
 - Full-attention decode at batch 64 x 2,048 keys (16 query / 2 KV heads, dim 256): our Triton paged decode
   vs gather + torch SDPA (the torch-native backend's form).
+
+The GDN prefill row also times ours with q / k expanded to the value heads beforehand (as the public call
+gets them), and `--kernels` prints each prefill case's kernels by GPU time per call (torch.profiler): where
+ours and FLA's public call part ways.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def _fla_available() -> bool:
     return True
 
 
-def gdn_prefill(device: str, tiny: bool, reps: int) -> dict:
+def gdn_prefill(device: str, tiny: bool, reps: int, kernels: bool = False) -> dict:
     from sglang.srt.layers.attention.linear.gated_delta_rule import l2norm
     from sglang.srt.layers.attention.linear.gdn_varlen import chunk_gdn_varlen_fla, chunk_gdn_varlen_torch
 
@@ -102,12 +106,29 @@ def gdn_prefill(device: str, tiny: bool, reps: int) -> dict:
         )
         group = hv // hk
         qe, ke = q.repeat_interleave(group, 1)[None], k.repeat_interleave(group, 1)[None]
+        cases["ours, q/k expanded to the value heads"] = lambda: chunk_gdn_varlen_fla(
+            qe[0], ke[0], v, g, beta, h0, cu, cu_cpu, 64
+        )
         cases["FLA public chunk_gated_delta_rule"] = lambda: chunk_gated_delta_rule(
             qe, ke, v[None], g[None], beta[None], scale=1.0, initial_state=h0, output_final_state=True,
             cu_seqlens=cu,
         )  # fmt: skip
     times = round_robin(cases, device, reps)
-    return {"kernel": f"GDN prefill {n} x {length}, heads {hk}/{hv}, dim {d}", "ms": _ms(times)}
+    row = {"kernel": f"GDN prefill {n} x {length}, heads {hk}/{hv}, dim {d}", "ms": _ms(times)}
+    if kernels and device == "cuda":
+        row["kernels_per_call"] = {name: _kernels_of(fn) for name, fn in cases.items()}
+    return row
+
+
+def _kernels_of(fn: Callable, calls: int = 3) -> list[str]:
+    """`fn`'s kernels by GPU time per call, from torch.profiler over `calls` calls."""
+    from bench_decode_step import _top_kernels
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return _top_kernels(prof, per=calls, skip="")
 
 
 def gdn_decode(device: str, tiny: bool, reps: int) -> list[dict]:
@@ -246,14 +267,20 @@ def main() -> None:
         "--tiny", action="store_true", help="tiny shapes (a CPU run under TRITON_INTERPRET=1)"
     )
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--kernels", action="store_true", help="the GDN prefill cases' kernels (CUDA)")
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args()
-    rows = [gdn_prefill(args.device, args.tiny, args.reps)]
+    rows = [gdn_prefill(args.device, args.tiny, args.reps, args.kernels)]
     rows += gdn_decode(args.device, args.tiny, args.reps)
     rows += mamba2_decode(args.device, args.tiny, args.reps)
     rows.append(attention_decode(args.device, args.tiny, args.reps))
     for row in rows:
+        listed = row.pop("kernels_per_call", {})
         print(json.dumps(row), flush=True)
+        for name, lines in listed.items():
+            print(f"  {name}:\n" + "".join(f"    {line}\n" for line in lines), end="", flush=True)
+        if listed:
+            row["kernels_per_call"] = listed
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
