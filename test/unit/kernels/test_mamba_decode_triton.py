@@ -109,25 +109,15 @@ def test_empty_batches_launch_nothing(interpret):
     assert y.shape == (0, 2, 4)
 
 
-def _compile(fn, signature: dict, constexprs: dict, pointers: int) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(pointers)}  # 16-byte aligned, as at launch
-    src = ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-
-
 # (state dtype, activation dtype): the model's dtype on a GPU is bfloat16 (`--dtype auto`), so the conv
 # kernels read bfloat16 inputs, weights and bias there.
 @pytest.mark.parametrize("state,act", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")])
 def test_compiles_for_sm90(state, act):
     """Nemotron-H-8B shapes (128 heads of 64, 8 groups, N = 128; conv over 10,240 channels, width 4) and
     Qwen3-Next-80B's conv (8,192 channels): the decode kernels and the extend conv's two kernels
-    compile for an H100 from this CPU machine."""
+    compile for an H100 from this CPU machine, without spilling to local memory."""
     from sglang.srt.layers.attention.mamba import decode_triton as mod
+    from sglang.test.sm90 import compile_sm90_in_registers
 
     conv_sig = {
         "x_ptr": f"*{act}", "state_ptr": f"*{state}", "slot_ptr": "*i64", "w_ptr": f"*{act}",
@@ -142,14 +132,14 @@ def test_compiles_for_sm90(state, act):
             "BC": mod.conv_block(channels, 3),
             "HAS_BIAS": bias,
         }
-        assert ".target sm_90" in _compile(mod._conv_update_kernel, conv_sig, consts, 6)
+        compile_sm90_in_registers(mod._conv_update_kernel, conv_sig, consts)
     ssm_sig = {
         **{k: "*fp32" for k in ("xbc_ptr", "dt_ptr", "a_ptr", "d_ptr")},
         "state_ptr": f"*{state}", "slot_ptr": "*i64", "y_ptr": "*fp32", "slot_stride": "i64",
         **{k: "constexpr" for k in ("HEADS", "P", "N", "GROUPS", "BP", "BN")},
     }  # fmt: skip
     consts = {"HEADS": 128, "P": 64, "N": 128, "GROUPS": 8, "BP": mod.head_block(64, 128), "BN": 128}
-    assert ".target sm_90" in _compile(mod._mamba2_decode_kernel, ssm_sig, consts, 7)
+    compile_sm90_in_registers(mod._mamba2_decode_kernel, ssm_sig, consts)
     ext_sig = {
         "x_ptr": f"*{act}", "state_ptr": f"*{state}", "cu_ptr": "*i64", "slot_ptr": "*i64", "w_ptr": f"*{act}",
         "bias_ptr": f"*{act}", "out_ptr": "*fp32", "slot_stride": "i64",
@@ -157,14 +147,14 @@ def test_compiles_for_sm90(state, act):
     }  # fmt: skip
     bc = mod.conv_block(10240, 3)
     consts = {"CHANNELS": 10240, "KEEP": 3, "BT": 2048 // bc, "BC": bc, "HAS_BIAS": True}
-    assert ".target sm_90" in _compile(mod._conv_extend_kernel, ext_sig, consts, 7)
+    compile_sm90_in_registers(mod._conv_extend_kernel, ext_sig, consts)
     win_sig = {
         "x_ptr": f"*{act}", "state_ptr": f"*{state}",
         **{k: "*i64" for k in ("cu_ptr", "slot_ptr", "seq_ptr", "off_ptr", "dst_ptr")}, "slot_stride": "i64",
         **{k: "constexpr" for k in ("CHANNELS", "KEEP", "BKEEP", "BC")},
     }  # fmt: skip
     consts = {"CHANNELS": 10240, "KEEP": 3, "BKEEP": 4, "BC": bc}
-    assert ".target sm_90" in _compile(mod._conv_window_kernel, win_sig, consts, 7)
+    compile_sm90_in_registers(mod._conv_window_kernel, win_sig, consts)
 
 
 @pytest.mark.parametrize("preset", ["tiny-nemotron-h"])  # Qwen3-Next: test_gdn_decode_triton.py

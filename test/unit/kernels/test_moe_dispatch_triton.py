@@ -9,6 +9,7 @@ import torch
 
 from sglang.srt.layers.moe import dispatch_triton as dt
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.sm90 import compile_sm90_in_registers
 
 register_cpu_ci(est_time=15, suite="per-commit-cpu")
 
@@ -62,25 +63,15 @@ def test_combine_matches_the_index_add_form(kernel_device, dtype):
 
 def test_compiles_for_sm90():
     """Qwen3-Next-80B (512 experts, top 10, hidden 2,048, bfloat16): the three kernels compile for an H100
-    from this CPU machine."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    def compile_(fn, sig, consts, pointers):
-        attrs = {(i,): [["tt.divisibility", 16]] for i in range(pointers)}
-        src = ASTSource(fn=JITFunction(fn), signature=sig, constexprs=consts, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-
+    from this CPU machine, at the tiles `moe_align` launches, without spilling to local memory."""
     align = {"ids_ptr": "*i64", "token_ptr": "*i64", "inv_ptr": "*i64", "n": "i32",
              **{k: "constexpr" for k in ("TOP_K", "BI", "BJ")}}  # fmt: skip
-    assert ".target sm_90" in compile_(dt._align_kernel, align, dict(TOP_K=10, BI=128, BJ=128), 3)
+    compile_sm90_in_registers(dt._align_kernel, align, dict(TOP_K=10, BI=dt._BI, BJ=dt._BJ))
     offsets = {"ids_ptr": "*i64", "offs_ptr": "*i32", "n": "i32", **{k: "constexpr" for k in ("E", "BE", "BJ")}}
-    assert ".target sm_90" in compile_(dt._offsets_kernel, offsets, dict(E=512, BE=128, BJ=128), 2)
+    compile_sm90_in_registers(dt._offsets_kernel, offsets, dict(E=512, BE=dt._BE, BJ=dt._BJ))
     combine = {"y_ptr": "*bf16", "inv_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16",
                **{k: "constexpr" for k in ("H", "TOP_K", "BH")}}  # fmt: skip
-    assert ".target sm_90" in compile_(dt._combine_kernel, combine, dict(H=2048, TOP_K=10, BH=1024), 4)
+    compile_sm90_in_registers(dt._combine_kernel, combine, dict(H=2048, TOP_K=10, BH=1024))
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])

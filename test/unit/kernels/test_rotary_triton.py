@@ -60,13 +60,9 @@ def test_an_empty_batch_launches_nothing(interpret):
 @pytest.mark.parametrize("act", ["bf16", "fp32"])
 def test_compiles_for_sm90(act):
     """Qwen3-Next-80B's attention (16 query / 2 KV heads of 256, a quarter rotary) compiles for an H100
-    from this CPU machine."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
+    from this CPU machine, without spilling to local memory."""
     from sglang.srt.layers import rotary_triton as mod
+    from sglang.test.sm90 import compile_sm90_in_registers
 
     sig = {
         "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", **{k: f"*{act}" for k in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")},
@@ -74,9 +70,7 @@ def test_compiles_for_sm90(act):
         **{k: "constexpr" for k in ("HQ", "HK", "D", "HALF", "BHALF", "BREST")},
     }  # fmt: skip
     consts = dict(HQ=16, HK=2, D=256, HALF=32, BHALF=32, BREST=256)
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # 16-byte aligned, as at launch
-    src = ASTSource(fn=JITFunction(mod._rope_kernel), signature=sig, constexprs=consts, attrs=attrs)
-    assert ".target sm_90" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    compile_sm90_in_registers(mod._rope_kernel, sig, consts)
 
 
 def test_engine_through_the_kernel_as_through_the_torch_form(interpret):

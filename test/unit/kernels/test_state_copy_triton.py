@@ -119,11 +119,8 @@ def test_triton_is_refused_on_cpu_without_the_interpreter(monkeypatch):
 
 
 def _compile_sm90(word: str, vec: int, clear: bool, mask: bool):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
     from sglang.srt.mem_cache.state_copy import triton_impl
+    from sglang.test.sm90 import compile_sm90_in_registers
 
     signature = {
         "base_ptr": f"*{word}",
@@ -145,15 +142,9 @@ def _compile_sm90(word: str, vec: int, clear: bool, mask: bool):
         "IS_CLEAR": clear,
         "HAS_MASK": mask,
     }
-    # Pointer arguments aligned to 16 bytes, as Triton specialises them at launch on a GPU.
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
-    src = ASTSource(
-        fn=JITFunction(triton_impl._state_copy_kernel),
-        signature=signature,
-        constexprs=constexprs,
-        attrs=attrs,
+    return compile_sm90_in_registers(
+        triton_impl._state_copy_kernel, signature, constexprs, num_warps=triton_impl.NUM_WARPS
     )
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": triton_impl.NUM_WARPS})
 
 
 @pytest.mark.parametrize("clear,mask", [(False, False), (True, False), (False, True)])

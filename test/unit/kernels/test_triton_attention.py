@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.sm90 import compile_sm90_in_registers
 
 register_cpu_ci(est_time=25, suite="per-commit-cpu")
 
@@ -108,7 +109,7 @@ def test_extend_with_prefix_matches_the_torch_twin(interpret, hq, hk, d, dtype, 
     # No prefix; a prefix with an extend over more than one query block; a long prefix, one block.
     prefix, ext, rows = [0, 10, 70], [5, 70, 3], [2, 0, 4]
     lens = [p + e for p, e in zip(prefix, ext, strict=True)]
-    assert max(ext) > block_sizes(d)[0]
+    assert max(ext) > block_sizes(d, f32=True)[0]  # the interpreter's dots are float32
     r2t = _req_to_token(rows, lens, seed=d + 1)
     k_buf, v_buf = _pool(hk, d, dtype, seed=hq + 1, kv_dtype=kv_dtype)
     q = torch.randn(sum(ext), hq, d, generator=torch.Generator().manual_seed(8)).to(dtype)
@@ -123,26 +124,6 @@ def test_extend_with_prefix_matches_the_torch_twin(interpret, hq, hk, d, dtype, 
         pos = prefix[i] + torch.arange(ext[i])
         want = _reference(q[qs], k_buf, v_buf, r2t[rows[i], : lens[i]].long(), pos, 0.3)
         torch.testing.assert_close(out[qs].double(), want, **TOL[dtype])
-
-
-# sm_90's largest shared memory per block (227 KiB): a kernel that asks for more compiles but fails at
-# launch, so only a GPU run would show it.
-SM90_MAX_SHARED = 232448
-
-
-def _compile_sm90(fn, signature: dict, constexprs: dict) -> str:
-    """The kernel's PTX for an H100, after checking that its shared memory fits one block."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    pointers = [i for i, t in enumerate(signature.values()) if t.startswith("*")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}  # 16-byte aligned, as at launch
-    src = ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    assert compiled.metadata.shared <= SM90_MAX_SHARED, f"{fn.__name__}: {compiled.metadata.shared} bytes"
-    return compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize(
@@ -161,7 +142,8 @@ def _compile_sm90(fn, signature: dict, constexprs: dict) -> str:
 def test_kernels_compile_for_sm90(dtype, kv, d):
     """Qwen3-Next-80B's full attention: 16 query heads, 2 KV heads, 256 dims (`d`: 128 for Nemotron-H);
     `kv`: the pool's dtype (float8 for --kv-cache-dtype fp8_e4m3 / fp8_e5m2, whose tensor-core dots
-    take the query's dtype). Each fits sm_90's shared memory per block (`_compile_sm90`)."""
+    take the query's dtype). Each fits sm_90's shared memory per block and keeps its values in registers
+    at its launch configuration (`compile_sm90_in_registers`)."""
     from sglang.srt.layers.attention.triton_ops import decode_attention as dec
     from sglang.srt.layers.attention.triton_ops import extend_attention as ext
 
@@ -177,21 +159,21 @@ def test_kernels_compile_for_sm90(dtype, kv, d):
         **strides("stride_qb", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_r2t"),
         **{n: "constexpr" for n in ("NUM_Q_HEADS", "GROUP", "D", "BLOCK_D", "BLOCK_H", "BLOCK_N", "NUM_SPLITS", "F32_DOT")},
     }  # fmt: skip
-    ptx = _compile_sm90(
+    compile_sm90_in_registers(
         dec._decode_stage1_kernel,
         stage1,
-        dict(NUM_Q_HEADS=16, GROUP=8, D=d, BLOCK_D=d, BLOCK_H=16, BLOCK_N=dec.BLOCK_N, NUM_SPLITS=8, F32_DOT=ieee),
+        dict(NUM_Q_HEADS=16, GROUP=8, D=d, BLOCK_D=d, BLOCK_H=16, BLOCK_N=dec.stage1_block_n(d, ieee), NUM_SPLITS=8,
+             F32_DOT=ieee),
+        num_warps=dec.STAGE1_WARPS,
     )  # fmt: skip
-    assert ".target sm_90" in ptx
     stage2 = {
         "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "o_ptr": f"*{dtype}", **strides("stride_ob", "stride_oh"),
         **{n: "constexpr" for n in ("NUM_Q_HEADS", "D", "BLOCK_D", "NUM_SPLITS", "BLOCK_S")},
     }  # fmt: skip
-    ptx = _compile_sm90(
+    compile_sm90_in_registers(
         dec._decode_stage2_kernel, stage2, dict(NUM_Q_HEADS=16, D=d, BLOCK_D=d, NUM_SPLITS=8, BLOCK_S=8)
     )
-    assert ".target sm_90" in ptx
-    block_m, block_n = ext.block_sizes(d)
+    block_m, block_n = ext.block_sizes(d, ieee)
     extend = {
         "q_ptr": f"*{dtype}", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}", "o_ptr": f"*{dtype}",
         "req_to_token_ptr": "*i32", "rows_ptr": "*i64", "seq_lens_ptr": "*i64", "extend_lens_ptr": "*i64",
@@ -200,12 +182,12 @@ def test_kernels_compile_for_sm90(dtype, kv, d):
                   "stride_oh", "stride_r2t"),
         **{n: "constexpr" for n in ("GROUP", "D", "BLOCK_D", "BLOCK_M", "BLOCK_N", "F32_DOT")},
     }  # fmt: skip
-    ptx = _compile_sm90(
+    compile_sm90_in_registers(
         ext._extend_kernel,
         extend,
         dict(GROUP=8, D=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=block_n, F32_DOT=ieee),
+        num_warps=ext.NUM_WARPS,
     )
-    assert ".target sm_90" in ptx
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])

@@ -21,7 +21,11 @@ import triton.language as tl
 
 from sglang.srt.utils.triton_jit import add, jit_for_env
 
-_BLOCK = 128
+# Tiles of the compares: 32 assignments against 64 (BI x BJ) in `_align_kernel`, 32 experts against 64
+# assignments in `_offsets_kernel`. At 128 x 128 (int64) the align kernel spilled 2,808 bytes per
+# thread to local memory and the offsets kernel 312 (sm_90, `sglang.test.sm90` checks it); these keep
+# 96 and 64 registers, and at decode sizes (T k = 128) make 4 programs where 128 made one.
+_BI, _BJ, _BE = 32, 64, 32
 
 
 def _align_kernel(ids_ptr, token_ptr, inv_ptr, n, TOP_K: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr):
@@ -57,11 +61,9 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     inv = torch.empty(n, dtype=torch.int64, device=ids.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     if n:
-        jit_for_env(_align_kernel)[(triton.cdiv(n, _BLOCK),)](
-            flat, token_of, inv, n, TOP_K=ids.shape[1], BI=_BLOCK, BJ=_BLOCK
-        )
-    be = min(_BLOCK, triton.next_power_of_2(num_experts))
-    jit_for_env(_offsets_kernel)[(triton.cdiv(num_experts, be),)](flat, offs, n, E=num_experts, BE=be, BJ=_BLOCK)
+        jit_for_env(_align_kernel)[(triton.cdiv(n, _BI),)](flat, token_of, inv, n, TOP_K=ids.shape[1], BI=_BI, BJ=_BJ)
+    be = min(_BE, triton.next_power_of_2(num_experts))
+    jit_for_env(_offsets_kernel)[(triton.cdiv(num_experts, be),)](flat, offs, n, E=num_experts, BE=be, BJ=_BJ)
     return token_of, inv, offs
 
 

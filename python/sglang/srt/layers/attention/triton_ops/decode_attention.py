@@ -22,8 +22,16 @@ import triton.language as tl
 
 from sglang.srt.utils.triton_jit import add, jit_for_env, maximum
 
-# Keys per block: a [BLOCK_N, D] tile of keys and of values per iteration.
-BLOCK_N = 64
+# Stage 1 runs on 8 warps over tiles of 32 keys (16 for float32 dots over heads of more than 128 dims):
+# at 64 keys on 4 warps it spilled 32-1,360 bytes per thread to local memory on sm_90 (by dtype and head
+# size; `sglang.test.sm90` checks every variant), these keep 90-210 registers and none.
+STAGE1_WARPS = 8
+
+
+def stage1_block_n(head_dim: int, f32: bool) -> int:
+    """Keys per block of stage 1: a [BLOCK_N, D] tile of keys and one of values per iteration."""
+    return 16 if f32 and head_dim > 128 else 32
+
 # tl.dot needs every dimension to be at least 16.
 MIN_DOT_DIM = 16
 
@@ -181,6 +189,7 @@ def decode_attention_fwd(
     assert q.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == o.stride(-1) == 1
     group = num_q_heads // num_kv_heads
     block_d = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    f32 = f32_dot(q.dtype, k_buffer.dtype)
     mid_o = torch.empty(bs, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(bs, num_q_heads, num_kv_splits, dtype=torch.float32, device=q.device)
     jit_for_env(_decode_stage1_kernel)[(bs, num_kv_heads, num_kv_splits)](
@@ -205,9 +214,10 @@ def decode_attention_fwd(
         D=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(group)),
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=stage1_block_n(head_dim, f32),
         NUM_SPLITS=num_kv_splits,
-        F32_DOT=f32_dot(q.dtype, k_buffer.dtype),
+        F32_DOT=f32,
+        num_warps=STAGE1_WARPS,
     )
     jit_for_env(_decode_stage2_kernel)[(bs, num_q_heads)](
         mid_o,
