@@ -16,7 +16,9 @@ Rows (issue 13's and 12's):
 - Full-attention decode at batch 64 x 2,048 keys (16 query / 2 KV heads, dim 256): our Triton paged decode
   vs gather + torch SDPA (the torch-native backend's form).
 
-The GDN prefill row also times ours with q / k expanded to the value heads beforehand (as the public call
+`--sweep` adds, at batch 256, our GDN and Mamba2 decode steps at other (state tile, warps) pairs than
+the defaults (`TILE_FLOATS`, `NUM_WARPS` of their modules), with the bandwidth each reaches. The GDN
+prefill row also times ours with q / k expanded to the value heads beforehand (as the public call
 gets them), and `--kernels` prints each prefill case's kernels by GPU time per call (torch.profiler): where
 ours and FLA's public call part ways.
 """
@@ -137,7 +139,7 @@ def gdn_decode(device: str, tiny: bool, reps: int) -> list[dict]:
     return [_gdn_decode_row(device, bs, hv, d, reps) for bs in ((1, 8) if tiny else (1, 64, 256))]
 
 
-def _gdn_decode_row(device: str, bs: int, hv: int, d: int, reps: int) -> dict:
+def _gdn_decode_row(device: str, bs: int, hv: int, d: int, reps: int, ours_only: bool = False) -> dict:
     from types import SimpleNamespace
 
     from sglang.srt.layers.attention.linear.gated_delta_rule import recurrent_gated_delta_rule_step
@@ -164,7 +166,9 @@ def _gdn_decode_row(device: str, bs: int, hv: int, d: int, reps: int) -> dict:
 
     ours = lambda: gdn_decode_inplace(x, a, b, layer.A_log, layer.dt_bias, pool, slots, hk, d)  # noqa: E731
     cases = {"ours (Triton, in place)": ours, "torch step (gather/scatter)": torch_step}
-    if device == "cuda" and _fla_available():
+    if ours_only:
+        del cases["torch step (gather/scatter)"]
+    elif device == "cuda" and _fla_available():
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
         def fla_step():
@@ -182,6 +186,33 @@ def _gdn_decode_row(device: str, bs: int, hv: int, d: int, reps: int) -> dict:
     return row
 
 
+# (values in a program's float32 state tile, warps): the decode steps' configurations `--sweep` times.
+SWEEP = [(1024, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8)]
+
+
+def decode_sweep(device: str, tiny: bool, reps: int) -> list[dict]:
+    """Our GDN and Mamba2 decode steps at batch 256 (8 tiny) with each SWEEP configuration."""
+    from sglang.srt.layers.attention.linear import gdn_decode_triton
+    from sglang.srt.layers.attention.mamba import decode_triton
+
+    rows = []
+    for module, row_of in ((gdn_decode_triton, _gdn_decode_row), (decode_triton, _mamba2_decode_row)):
+        default = (module.TILE_FLOATS, module.NUM_WARPS)
+        try:
+            for tile, warps in SWEEP:
+                module.TILE_FLOATS, module.NUM_WARPS = tile, warps
+                if row_of is _gdn_decode_row:
+                    row = row_of(device, 8 if tiny else 256, 4 if tiny else 32, 16 if tiny else 128, reps, ours_only=True)
+                else:
+                    args = (4, 8, 16, 2) if tiny else (128, 64, 128, 8)
+                    row = row_of(device, 8 if tiny else 256, *args, reps, ours_only=True)
+                row["config"] = {"tile_floats": tile, "num_warps": warps, "default": (tile, warps) == default}
+                rows.append(row)
+        finally:
+            module.TILE_FLOATS, module.NUM_WARPS = default
+    return rows
+
+
 def mamba2_decode(device: str, tiny: bool, reps: int) -> list[dict]:
 
     h, p, n, groups = (4, 8, 16, 2) if tiny else (128, 64, 128, 8)
@@ -190,7 +221,9 @@ def mamba2_decode(device: str, tiny: bool, reps: int) -> list[dict]:
     ]
 
 
-def _mamba2_decode_row(device: str, bs: int, h: int, p: int, n: int, groups: int, reps: int) -> dict:
+def _mamba2_decode_row(
+    device: str, bs: int, h: int, p: int, n: int, groups: int, reps: int, ours_only: bool = False
+) -> dict:
     from sglang.srt.layers.attention.mamba.decode_triton import mamba2_decode_inplace
     from sglang.srt.layers.attention.mamba.ssd import selective_state_update
 
@@ -213,6 +246,8 @@ def _mamba2_decode_row(device: str, bs: int, h: int, p: int, n: int, groups: int
         ),
         "torch step (gather/scatter)": torch_step,
     }
+    if ours_only:
+        del cases["torch step (gather/scatter)"]
     times = round_robin(cases, device, reps)
     row = {"kernel": f"Mamba2 decode bs {bs}, {h} heads x {p}, state {n}", "ms": _ms(times)}
     _bandwidth(row, device, 2 * bs * h * p * n * 4, times["ours (Triton, in place)"])
@@ -268,12 +303,15 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kernels", action="store_true", help="the GDN prefill cases' kernels (CUDA)")
+    parser.add_argument("--sweep", action="store_true", help="the decode steps' tile / warps pairs")
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args()
     rows = [gdn_prefill(args.device, args.tiny, args.reps, args.kernels)]
     rows += gdn_decode(args.device, args.tiny, args.reps)
     rows += mamba2_decode(args.device, args.tiny, args.reps)
     rows.append(attention_decode(args.device, args.tiny, args.reps))
+    if args.sweep:
+        rows += decode_sweep(args.device, args.tiny, args.reps)
     for row in rows:
         listed = row.pop("kernels_per_call", {})
         print(json.dumps(row), flush=True)

@@ -116,7 +116,7 @@ def test_compiles_for_sm90(state):
         **{name: "constexpr" for name in ("NUM_HEADS", "KEY_HEADS", "K", "V", "BK", "BV")},
     }  # fmt: skip
     constexprs = {"NUM_HEADS": 32, "KEY_HEADS": 16, "K": 128, "V": 128, "BK": 128, "BV": mod.block_v(128, 128)}
-    compile_sm90_in_registers(mod._gdn_decode_kernel, signature, constexprs)
+    compile_sm90_in_registers(mod._gdn_decode_kernel, signature, constexprs, num_warps=mod.NUM_WARPS)
 
 
 def test_engine_decodes_through_the_kernel_as_through_the_torch_step(interpret):

@@ -139,7 +139,7 @@ def test_compiles_for_sm90(state, act):
         **{k: "constexpr" for k in ("HEADS", "P", "N", "GROUPS", "BP", "BN")},
     }  # fmt: skip
     consts = {"HEADS": 128, "P": 64, "N": 128, "GROUPS": 8, "BP": mod.head_block(64, 128), "BN": 128}
-    compile_sm90_in_registers(mod._mamba2_decode_kernel, ssm_sig, consts)
+    compile_sm90_in_registers(mod._mamba2_decode_kernel, ssm_sig, consts, num_warps=mod.NUM_WARPS)
     ext_sig = {
         "x_ptr": f"*{act}", "state_ptr": f"*{state}", "cu_ptr": "*i64", "slot_ptr": "*i64", "w_ptr": f"*{act}",
         "bias_ptr": f"*{act}", "out_ptr": "*fp32", "slot_stride": "i64",

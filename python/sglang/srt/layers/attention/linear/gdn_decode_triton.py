@@ -82,10 +82,16 @@ def _gdn_decode_kernel(
     tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
 
 
+# A program's [BV, K] float32 tile of the state holds at most TILE_FLOATS values (16 KB), on NUM_WARPS
+# warps: 128 registers, no spill on sm_90. `bench_kernels.py --sweep` times other pairs on a GPU.
+TILE_FLOATS = 4096
+NUM_WARPS = 4
+
+
 def block_v(value_dim: int, key_dim: int) -> int:
-    """Value rows per program: a [BV, K] float32 tile of at most 16 KB in registers."""
+    """Value rows per program: a [BV, K] float32 tile of at most TILE_FLOATS values in registers."""
     bk = triton.next_power_of_2(key_dim)
-    return max(1, min(triton.next_power_of_2(value_dim), 4096 // bk))
+    return max(1, min(triton.next_power_of_2(value_dim), TILE_FLOATS // bk))
 
 
 def gdn_decode_inplace(
@@ -119,5 +125,6 @@ def gdn_decode_inplace(
     jit_for_env(_gdn_decode_kernel)[grid](
         x, a, b, a_log, dt_bias, ssm, slots.contiguous(), out, x.stride(0), a.stride(0), ssm.stride(0),
         NUM_HEADS=heads, KEY_HEADS=key_heads, K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=bv,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
