@@ -111,8 +111,9 @@ class Envs:
     SGLANG_MAMBA_CONV_DTYPE = EnvOptStr(None, "Conv state dtype; default: the model dtype.")
     SGLANG_MAMBA_SSM_DTYPE = EnvOptStr(None, "SSM state dtype; default: model config, else float32.")
 
-    # State-copy ops of MambaPool (copy, clear, decode track copy): auto picks the fastest built one per
-    # device (CPU: cpp, else torch; CUDA: triton, else cuda, else torch); a name forces it.
+    # State-copy ops of MambaPool (copy, clear, decode track copy): auto picks the fastest one that runs
+    # per device (state_copy/__init__.py: CPU cpp, else torch; CUDA cuda where its build is cached, else
+    # triton, else cuda, else torch); a name forces it.
     SGLANG_MAMBA_STATE_COPY_BACKEND = EnvStr(
         "auto", "State-copy implementation: auto, torch, cpp, triton or cuda (docs/state_management.md)."
     )

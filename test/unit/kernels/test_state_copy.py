@@ -5,6 +5,7 @@ slots), overlap rejected, the masked track copy, and the dispatch (auto, forced,
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -133,6 +134,32 @@ def test_auto_picks_cpp_on_cpu_and_the_env_var_forces_torch():
         pytest.raises(ValueError, match="auto or one of"),
     ):
         StateCopier(states)
+
+
+def test_auto_tries_the_cuda_op_first_where_its_build_is_cached(monkeypatch):
+    from sglang.srt.mem_cache import state_copy
+
+    monkeypatch.setattr(sgl_kernel, "is_built", lambda kind: kind == "cuda")
+    assert state_copy.auto_order("cuda") == ("cuda", "triton", "torch")
+    monkeypatch.setattr(sgl_kernel, "is_built", lambda kind: False)
+    assert state_copy.auto_order("cuda") == ("triton", "cuda", "torch")  # no first build at startup
+    assert state_copy.auto_order("cpu") == ("cpp", "torch")
+
+
+def test_is_built_means_a_cached_build_newer_than_its_sources(tmp_path, monkeypatch):
+    monkeypatch.setattr(sgl_kernel, "_loaded", {})
+    monkeypatch.setattr(sgl_kernel, "_missing_prerequisite", lambda kind: None)  # as where nvcc exists
+    with envs.SGLANG_CACHE_DIR.override(str(tmp_path)):
+        assert not sgl_kernel.is_built("cuda")
+        built = sgl_kernel.build_dir() / "cuda" / "sgl_kernel_cuda.so"
+        built.parent.mkdir(parents=True)
+        built.write_bytes(b"")
+        sources = sgl_kernel.SOURCES["cuda"] + sgl_kernel.HEADERS
+        newest = max((sgl_kernel.SOURCE_DIR / f).stat().st_mtime for f in sources)
+        os.utime(built, (newest + 10, newest + 10))
+        assert sgl_kernel.is_built("cuda")
+        os.utime(built, (newest - 10, newest - 10))  # a source edited since: loading would rebuild
+        assert not sgl_kernel.is_built("cuda")
 
 
 def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog):

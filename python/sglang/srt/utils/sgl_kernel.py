@@ -114,6 +114,18 @@ def _builder_lock(out: Path):
         yield
 
 
+def is_built(kind: str) -> bool:
+    """Whether a build of `kind` is cached and newer than its sources: loading it then compiles nothing
+    (`load` would rebuild a stale one). Selections that must not pay a first build use it."""
+    if kind in _loaded:
+        return _loaded[kind][0] is not None
+    built = build_dir() / kind / f"sgl_kernel_{kind}.so"
+    if not built.is_file() or _missing_prerequisite(kind) is not None:
+        return False
+    newest = max((SOURCE_DIR / f).stat().st_mtime for f in SOURCES[kind] + HEADERS)
+    return built.stat().st_mtime >= newest
+
+
 def load_extension(kind: str, verbose: bool = False) -> tuple[ModuleType | None, str]:
     """(module, "") or (None, why not). Built or loaded once per process; a failure warns once."""
     if kind not in _loaded:
