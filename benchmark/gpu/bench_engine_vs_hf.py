@@ -9,6 +9,8 @@ facts file's measurement, where the project served 0.47x of HF). Workload: 64 pr
 128 output) tokens, greedy with `ignore_eos`, all sent at once; HF generates them as one batch. Engine
 runs: CUDA graphs on and off (`--disable-cuda-graph`). Prints output tok/s and the engine's speed over
 HF's (HF time / engine time), medians of `--reps` runs, HF and engine alternating.
+`--batch-log`: the engine logs upstream's "Prefill batch." lines and a "Decode batch." line every 16
+decode batches (their generation throughput: how far decode is from the step time alone).
 `--host-profile`: the CUDA-graph run only, its scheduler process under cProfile (SGLANG_CPROFILE_DIR),
 and the functions with the most own time printed after it (the times are inflated by the profiling).
 """
@@ -100,10 +102,11 @@ class Hf:
 
 
 class Eng:
-    def __init__(self, path: Path, device: str, dtype: str, **kwargs):
+    def __init__(self, path: Path, device: str, dtype: str, batch_log: bool = False, **kwargs):
         from sglang import Engine
 
-        self.engine = Engine(model_path=str(path), device=device, dtype=dtype, log_level="warning", **kwargs)
+        logs = dict(log_level="info", decode_log_interval=16) if batch_log else dict(log_level="warning")
+        self.engine = Engine(model_path=str(path), device=device, dtype=dtype, **logs, **kwargs)
 
     def generate(self, prompts: list[list[int]], out_len: int) -> None:
         sampling = {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0}
@@ -120,6 +123,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a narrow model and few prompts (CPU check)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--host-profile", action="store_true", help="profile the scheduler (graphs run only)")
+    parser.add_argument("--batch-log", action="store_true", help="the engine's prefill / decode batch lines")
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args()
     n, in_len, out_len = (4, 32, 8) if args.small else (64, 256, 128)
@@ -139,7 +143,7 @@ def main() -> None:
             runs = dict(list(runs.items())[:1])
         for name, kwargs in runs.items():
             with envs.SGLANG_CPROFILE_DIR.override(str(Path(tmp) / "prof") if args.host_profile else None):
-                eng = Eng(path, args.device, dtype, **kwargs)
+                eng = Eng(path, args.device, dtype, args.batch_log, **kwargs)
             progress(f"{name}: started")
             try:
                 hf.generate(prompts, out_len)  # warm-up

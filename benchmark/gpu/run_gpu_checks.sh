@@ -83,7 +83,7 @@ bench() {  # limit, name, command...
   echo "bench $name: exit $?" >> "$OUT/summary.txt"
 }
 bench 150 decode_step python3 benchmark/gpu/bench_decode_step.py
-bench 270 engine_vs_hf python3 benchmark/gpu/bench_engine_vs_hf.py --reps 2
+bench 270 engine_vs_hf python3 benchmark/gpu/bench_engine_vs_hf.py --reps 2 --batch-log
 bench 150 kernels python3 benchmark/gpu/bench_kernels.py --reps 10 --kernels --sweep
 bench 45 state_copy python3 benchmark/bench_state_copy.py --device cuda --seconds 0.1
 bench 40 sampler python3 benchmark/bench_sampler.py --device cuda --reps 5

@@ -65,6 +65,8 @@ class ServerArgs:
     enable_metrics: bool = False
     log_level: str = "info"
     log_requests: bool = False
+    # Upstream's "Decode batch." log line every this many decode batches (`batch_stats_log.py`).
+    decode_log_interval: int = 40
     skip_server_warmup: bool = False
     # None: derived from the context length (`request_body_limit`).
     max_request_body_size: int | None = None
@@ -355,6 +357,13 @@ class ServerArgs:
         g.add_argument("--enable-metrics", action="store_true")
         g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
         g.add_argument("--log-requests", action="store_true")
+        g.add_argument(
+            "--decode-log-interval",
+            type=int,
+            default=default("decode_log_interval"),
+            help="Log a 'Decode batch.' line (running requests, token and mamba slot usage, generation "
+            "throughput) every this many decode batches; every prefill batch logs a 'Prefill batch.' line.",
+        )
         g.add_argument(
             "--skip-server-warmup",
             action="store_true",

@@ -52,6 +52,7 @@ def check_basic_flags(args: ServerArgs) -> None:
     _positive("--page-size", args.page_size)
     _positive("--max-prefill-tokens", args.max_prefill_tokens)
     _positive("--stream-interval", args.stream_interval)
+    _positive("--decode-log-interval", args.decode_log_interval)
     for flag, value in [
         ("--max-running-requests", args.max_running_requests),
         ("--max-total-tokens", args.max_total_tokens),

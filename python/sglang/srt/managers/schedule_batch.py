@@ -411,6 +411,7 @@ class ScheduleBatch:
         self.forward_batch = None
         self.has_placeholders = False
         self.any_stream = True  # some request streams (decode batches know; others assume so)
+        self.cached_tokens = 0  # an extend's prompt tokens the radix tree gave (the batch log's)
 
     @property
     def batch_size(self) -> int:

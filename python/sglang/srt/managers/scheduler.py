@@ -24,6 +24,7 @@ from sglang.srt.managers.io_struct import PortArgs
 from sglang.srt.managers.schedule_batch import DecodeRowsCache, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
+from sglang.srt.managers.scheduler_components.batch_stats_log import BatchStatsLog
 from sglang.srt.managers.scheduler_components.decode_set import DecodeSetCache
 from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
@@ -34,6 +35,7 @@ from sglang.srt.mem_cache.common import alloc_for_decode, release_kv_cache
 from sglang.srt.mem_cache.decode_kv_log import DecodeKVLog
 from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+from sglang.srt.model_executor.cuda_graph_runner import capture_bs_list
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
 from sglang.srt.server_args import ServerArgs, ServerArgsError
@@ -94,6 +96,16 @@ class Scheduler(SchedulerIOMixin):
             "num_cached_tokens_total": 0,
             "num_retractions_total": 0,
         }
+        graph_sizes = (
+            capture_bs_list(server_args, self.max_running_requests) if server_args.cuda_graph_enabled else []
+        )
+        self.batch_stats = BatchStatsLog(
+            server_args.decode_log_interval,
+            self.token_allocator,
+            self.req_to_token_pool.mamba_allocator,
+            self.tree_cache,
+            cuda_graph_max_bs=max(graph_sizes, default=0),
+        )
         self.disaggregation_mode = server_args.disaggregation_mode
         self.decode_set = DecodeSetCache(
             self.context_len, prefill_server=self.disaggregation_mode == "prefill"
@@ -150,6 +162,7 @@ class Scheduler(SchedulerIOMixin):
             if end == len(req.fill_ids) and req not in self.running:
                 self.running.append(req)
         batch = ScheduleBatch(adder.reqs, ForwardMode.EXTEND, self._next_batch_id())
+        batch.cached_tokens = adder.cached_tokens_admitted
         spans = [(p, end) for _, p, end in adder.spans]
         batch.prepare_for_extend(spans, self.tracker, self.tree_cache, self.inflight)
         if self.cow_on_scheduler_thread:
@@ -311,6 +324,9 @@ class Scheduler(SchedulerIOMixin):
         finally:
             self.running_inline = None
         self.in_flight.append((batch, fut))
+        self.batch_stats.on_launch(
+            batch, len(self.running) + (self.chunked_req is not None), len(self.waiting_queue)
+        )
 
     def stuck_forward_message(self, batch: ScheduleBatch) -> str:
         return (

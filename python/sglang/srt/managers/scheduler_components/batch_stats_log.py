@@ -1,0 +1,78 @@
+"""Upstream's batch log lines, at INFO on the scheduler's logger: one per prefill batch launched,
+
+    Prefill batch. #new-seq: 3, #new-token: 412, #cached-token: 1024, token usage: 0.12, mamba usage: 0.25, #running-req: 5, #queue-req: 0
+
+and one every `--decode-log-interval` decode batches,
+
+    Decode batch. #running-req: 16, #token: 3420, token usage: 0.21, mamba usage: 0.31, cuda graph: True, gen throughput (token/s): 812.44, #queue-req: 0
+
+The throughput is the tokens the decode batches launched since the previous decode line generate, over
+the time since it. Usage counts what requests and the tree's locked nodes hold, not what the radix tree
+keeps and could evict (as upstream counts it); `#token` is that many KV slots. With the scheduler's
+logger above INFO nothing is computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+    from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+logger = logging.getLogger("sglang.srt.managers.scheduler")
+
+
+class BatchStatsLog:
+    def __init__(
+        self,
+        interval: int,
+        tokens: PagedTokenAllocator,
+        mamba: MambaSlotAllocator,
+        tree: BasePrefixCache,
+        cuda_graph_max_bs: int,
+    ):
+        self.interval = interval
+        self.tokens, self.mamba, self.tree = tokens, mamba, tree
+        self.cuda_graph_max_bs = cuda_graph_max_bs
+        self._decodes = 0  # decode batches since the last decode line
+        self._generated = 0  # their tokens
+        self._since = time.monotonic()
+
+    def on_launch(self, batch: ScheduleBatch, running: int, queued: int) -> None:
+        if batch.forward_mode.is_decode():
+            self._decodes += 1
+            self._generated += batch.batch_size
+            if self._decodes < self.interval:
+                return
+            now = time.monotonic()
+            throughput = self._generated / max(now - self._since, 1e-9)
+            self._decodes, self._generated, self._since = 0, 0, now
+            if logger.isEnabledFor(logging.INFO):
+                used, token_usage, mamba_usage = self.usage()
+                graph = 0 < batch.batch_size <= self.cuda_graph_max_bs
+                logger.info(
+                    "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, mamba usage: %.2f, "
+                    "cuda graph: %s, gen throughput (token/s): %.2f, #queue-req: %d",
+                    batch.batch_size, used, token_usage, mamba_usage, graph, throughput, queued,
+                )  # fmt: skip
+        elif batch.forward_mode.is_extend() and logger.isEnabledFor(logging.INFO):
+            _, token_usage, mamba_usage = self.usage()
+            logger.info(
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                "mamba usage: %.2f, #running-req: %d, #queue-req: %d",
+                batch.batch_size, batch.forward_batch.num_tokens, batch.cached_tokens, token_usage,
+                mamba_usage, running, queued,
+            )  # fmt: skip
+
+    def usage(self) -> tuple[int, float, float]:
+        """(KV slots in use, their share of the pool, the share of mamba slots in use), the tree's
+        evictable entries not counted."""
+        kv, mamba = self.tokens, self.mamba
+        used = kv.size - kv.available_size() - self.tree.evictable_size()
+        mamba_used = mamba.size - mamba.free_list_size() - self.tree.mamba_evictable_size()
+        return used, used / max(kv.size, 1), mamba_used / max(mamba.size, 1)

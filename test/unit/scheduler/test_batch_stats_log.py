@@ -1,0 +1,53 @@
+"""Upstream's batch log lines (`batch_stats_log.py`): a "Prefill batch." line per prefill batch with its new
+and cached tokens, a "Decode batch." line every --decode-log-interval decode batches with the running
+requests and the generation throughput; and the flag's check."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+
+register_cpu_ci(est_time=6, suite="per-commit-cpu")
+
+LOGGER = "sglang.srt.managers.scheduler"
+
+
+def _fields(line: str) -> dict[str, float]:
+    return {k: float(v) for k, v in re.findall(r"([#\w][\w -]*?(?:\(token/s\))?): ([\d.]+)", line)}
+
+
+def test_prefill_lines_count_new_and_cached_tokens_and_decode_lines_come_every_interval(caplog):
+    h = SchedulerHarness("tiny-qwen3-next", decode_log_interval=3, disable_overlap_schedule=True)
+    prompt = token_ids(150, seed=1)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        h.generate(prompt, max_new_tokens=8)  # 1 prefill, 7 decode batches: 2 decode lines
+        h.generate(prompt + token_ids(10, seed=2), max_new_tokens=1)  # a prefix hit
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    prefill = [_fields(m) for m in lines if m.startswith("Prefill batch.")]
+    decode = [_fields(m) for m in lines if m.startswith("Decode batch.")]
+    assert [p["#new-seq"] for p in prefill] == [1, 1]
+    assert (prefill[0]["#new-token"], prefill[0]["#cached-token"]) == (150, 0)
+    assert prefill[1]["#cached-token"] > 0
+    assert prefill[1]["#new-token"] + prefill[1]["#cached-token"] == 160
+    assert len(decode) == 2
+    for d in decode:
+        assert d["#running-req"] == 1 and d["gen throughput (token/s)"] > 0
+        assert 0 < d["token usage"] <= 1 and 0 < d["mamba usage"] <= 1 and d["#token"] > 150
+
+
+def test_nothing_is_logged_above_info(caplog):
+    h = SchedulerHarness("tiny-qwen3-next", decode_log_interval=1)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        h.generate(token_ids(20, seed=3), max_new_tokens=4)
+    assert not [r for r in caplog.records if "batch." in r.getMessage()]
+
+
+def test_the_interval_must_be_positive():
+    with pytest.raises(ServerArgsError, match="--decode-log-interval"):
+        ServerArgs(model_path="tiny-qwen3-next", decode_log_interval=0)
