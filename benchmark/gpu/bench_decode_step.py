@@ -68,19 +68,15 @@ def _sync(device: str) -> None:
 def _host_profile(driver, reqs, steps: int) -> list[str]:
     """cProfile over `steps` decode steps: the 15 functions with the most own time, per step."""
     import cProfile
-    import pstats
+
+    from sglang.srt.utils.host_profile import top_rows
 
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         driver.decode(reqs)
     prof.disable()
-    stats = pstats.Stats(prof)
-    rows = []
-    for (file, line, name), (_, calls, own, cum, _) in stats.stats.items():
-        rows.append((own / steps * 1e6, cum / steps * 1e6, calls / steps, f"{Path(file).name}:{line}({name})"))
-    rows.sort(reverse=True)
-    return [f"{own:8.1f} us own {cum:8.1f} us cum {calls:6.1f}x {where}" for own, cum, calls, where in rows[:15]]
+    return top_rows(prof, 15, per=steps, unit="us")
 
 
 def measure(runner, device: str, batch: int, steps: int, prompt_len: int, host_profile: int = 0) -> dict:

@@ -4,8 +4,10 @@ The scheduler's own hook is checked where the engine runs the real scheduler (`t
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 from sglang.srt.environ import envs
@@ -19,19 +21,38 @@ def busy_for_the_profile() -> int:
     return sum(i * i for i in range(20000))
 
 
-def test_without_the_variable_nothing_is_written(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_without_the_variable_no_handler_is_installed():
+    before = signal.getsignal(signal.SIGTERM)
     with envs.SGLANG_CPROFILE_DIR.override(None), host_profile("unit"):
-        busy_for_the_profile()
-    assert list(tmp_path.iterdir()) == []
+        assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_the_profile_names_the_profiled_function(tmp_path):
+def test_the_profile_names_the_profiled_function_and_the_handler_is_restored(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
     with envs.SGLANG_CPROFILE_DIR.override(str(tmp_path / "prof")), host_profile("unit"):
+        assert signal.getsignal(signal.SIGTERM) is not before  # SIGTERM ends the body, profile written
         busy_for_the_profile()
+    assert signal.getsignal(signal.SIGTERM) is before
     (path,) = (tmp_path / "prof").iterdir()
     assert path.name.startswith("unit-") and path.suffix == ".prof"
     assert any("busy_for_the_profile" in row for row in top_rows(path, n=50))
+
+
+def test_off_the_main_thread_it_profiles_without_a_handler(tmp_path):
+    before, errors = signal.getsignal(signal.SIGTERM), []
+
+    def body():
+        try:
+            with envs.SGLANG_CPROFILE_DIR.override(str(tmp_path)), host_profile("thread"):
+                busy_for_the_profile()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join()
+    assert errors == [] and signal.getsignal(signal.SIGTERM) is before
+    assert len(list(tmp_path.glob("thread-*.prof"))) == 1
 
 
 SERVE = """

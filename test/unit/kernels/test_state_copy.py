@@ -5,7 +5,6 @@ slots), overlap rejected, the masked track copy, and the dispatch (auto, forced,
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
@@ -146,19 +145,21 @@ def test_auto_tries_the_cuda_op_first_where_its_build_is_cached(monkeypatch):
     assert state_copy.auto_order("cpu") == ("cpp", "torch")
 
 
-def test_is_built_means_a_cached_build_newer_than_its_sources(tmp_path, monkeypatch):
+def test_is_built_means_a_cached_build_stamped_with_what_it_would_be_built_from(tmp_path, monkeypatch):
     monkeypatch.setattr(sgl_kernel, "_loaded", {})
     monkeypatch.setattr(sgl_kernel, "_missing_prerequisite", lambda kind: None)  # as where nvcc exists
     with envs.SGLANG_CACHE_DIR.override(str(tmp_path)):
         assert not sgl_kernel.is_built("cuda")
-        built = sgl_kernel.build_dir() / "cuda" / "sgl_kernel_cuda.so"
-        built.parent.mkdir(parents=True)
-        built.write_bytes(b"")
-        sources = sgl_kernel.SOURCES["cuda"] + sgl_kernel.HEADERS
-        newest = max((sgl_kernel.SOURCE_DIR / f).stat().st_mtime for f in sources)
-        os.utime(built, (newest + 10, newest + 10))
+        out = sgl_kernel.build_dir() / "cuda"
+        out.mkdir(parents=True)
+        (out / "sgl_kernel_cuda.so").write_bytes(b"")
+        assert not sgl_kernel.is_built("cuda"), "a build without a stamp (from before stamps) may be stale"
+        (out / sgl_kernel.STAMP).write_text(sgl_kernel.build_key("cuda"))
         assert sgl_kernel.is_built("cuda")
-        os.utime(built, (newest - 10, newest - 10))  # a source edited since: loading would rebuild
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0")  # another target: torch's load would rebuild
+        assert not sgl_kernel.is_built("cuda")
+        monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+        monkeypatch.setattr(sgl_kernel, "_flags", lambda kind: {"extra_cuda_cflags": ["-O2"]})  # other flags
         assert not sgl_kernel.is_built("cuda")
 
 

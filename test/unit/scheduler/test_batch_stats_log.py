@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from sglang.srt.managers.scheduler_components import batch_stats_log
+from sglang.srt.managers.scheduler_components.batch_stats_log import BatchStatsLog
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
@@ -41,11 +43,34 @@ def test_prefill_lines_count_new_and_cached_tokens_and_decode_lines_come_every_i
         assert 0 < d["token usage"] <= 1 and 0 < d["mamba usage"] <= 1 and d["#token"] > 150
 
 
-def test_nothing_is_logged_above_info(caplog):
+def test_above_info_nothing_is_computed(caplog, monkeypatch):
+    def refuse(self):
+        raise AssertionError("usage computed with the log off")
+
+    monkeypatch.setattr(BatchStatsLog, "usage", refuse)
     h = SchedulerHarness("tiny-qwen3-next", decode_log_interval=1)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         h.generate(token_ids(20, seed=3), max_new_tokens=4)
     assert not [r for r in caplog.records if "batch." in r.getMessage()]
+
+
+def test_idle_time_does_not_count_in_the_throughput(caplog, monkeypatch):
+    """A window opens at the first decode batch after idle: a clock that jumps 1,000 s while the scheduler
+    is idle between two requests leaves the second request's line at the steps' own pace."""
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 0.001  # every read: 1 ms
+        return clock[0]
+
+    monkeypatch.setattr(batch_stats_log.time, "monotonic", tick)
+    h = SchedulerHarness("tiny-qwen3-next", decode_log_interval=4, disable_overlap_schedule=True)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        h.generate(token_ids(20, seed=4), max_new_tokens=3)  # 2 decode batches: no line, a window open
+        clock[0] += 1000.0  # idle
+        h.generate(token_ids(20, seed=5), max_new_tokens=6)  # 5 decode batches: one line
+    (line,) = [_fields(r.getMessage()) for r in caplog.records if r.getMessage().startswith("Decode batch.")]
+    assert line["gen throughput (token/s)"] > 100  # 4 tokens over 4 ms steps; 0.004 tok/s with the idle time
 
 
 def test_the_interval_must_be_positive():

@@ -35,7 +35,6 @@ from sglang.srt.mem_cache.common import alloc_for_decode, release_kv_cache
 from sglang.srt.mem_cache.decode_kv_log import DecodeKVLog
 from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
-from sglang.srt.model_executor.cuda_graph_runner import capture_bs_list
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
 from sglang.srt.server_args import ServerArgs, ServerArgsError
@@ -96,15 +95,13 @@ class Scheduler(SchedulerIOMixin):
             "num_cached_tokens_total": 0,
             "num_retractions_total": 0,
         }
-        graph_sizes = (
-            capture_bs_list(server_args, self.max_running_requests) if server_args.cuda_graph_enabled else []
-        )
+        graphs = getattr(self.model_runner, "graph_runner", None)
         self.batch_stats = BatchStatsLog(
             server_args.decode_log_interval,
             self.token_allocator,
             self.req_to_token_pool.mamba_allocator,
             self.tree_cache,
-            cuda_graph_max_bs=max(graph_sizes, default=0),
+            cuda_graph_max_bs=graphs.max_bs if graphs is not None and graphs.use_graphs else 0,
         )
         self.disaggregation_mode = server_args.disaggregation_mode
         self.decode_set = DecodeSetCache(
@@ -402,6 +399,7 @@ class Scheduler(SchedulerIOMixin):
         if self.idle_checked:
             return
         self.idle_checked = True
+        self.batch_stats.reset()
         self.check_pools()
 
     def check_pools(self) -> None:

@@ -81,7 +81,7 @@ class _StaticInputs:
     mamba_pool_indices: torch.Tensor
     # Row i holds PADDING[i]'s value (contiguous: `_foreach_copy_`'s one-launch path on CUDA needs dense
     # tensors); `load`'s target and source slices per (batch size, bucket).
-    pad_values: torch.Tensor | None = None
+    pad_values: torch.Tensor
     load_plans: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(
         default_factory=dict
     )

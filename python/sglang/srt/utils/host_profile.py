@@ -17,6 +17,7 @@ import os
 import pstats
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,31 +33,42 @@ def _exit_on_term(signum: int, frame: object) -> None:
 
 @contextmanager
 def host_profile(process: str) -> Iterator[None]:
-    """Run the body under cProfile when SGLANG_CPROFILE_DIR is set (main thread only); else nothing."""
+    """Run the body under cProfile when SGLANG_CPROFILE_DIR is set; else nothing. In the main thread
+    SIGTERM then ends the body with SystemExit (signal handlers can only be set there)."""
     folder = envs.SGLANG_CPROFILE_DIR.get()
     if not folder:
         yield
         return
     path = Path(folder) / f"{process}-{os.getpid()}.prof"
     path.parent.mkdir(parents=True, exist_ok=True)
-    previous = signal.signal(signal.SIGTERM, _exit_on_term)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_term) if main else None
     prof = cProfile.Profile()
     prof.enable()
     try:
         yield
     finally:
         prof.disable()
-        signal.signal(signal.SIGTERM, previous)
+        if main:  # (None: a handler set outside Python, which Python cannot reinstall)
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         prof.dump_stats(path)
         logger.info("Host profile written to %s.", path)
 
 
-def top_rows(path: str | Path, n: int = 25) -> list[str]:
-    """The `n` functions with the most own time in a profile file: "own s, cumulative s, calls, where"."""
-    stats = pstats.Stats(str(path))
+_UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6}
+
+
+def top_rows(source: str | Path | cProfile.Profile, n: int = 25, per: int = 1, unit: str = "s") -> list[str]:
+    """The `n` functions with the most own time in a profile (a file, or a `cProfile.Profile`), as
+    "own, cumulative, calls, where"; times in `unit` and calls divided by `per` (e.g. per step)."""
+    stats = pstats.Stats(source if isinstance(source, cProfile.Profile) else str(source))
+    scale = _UNITS[unit] / per
     rows = [
-        (own, cum, calls, f"{Path(file).name}:{line}({name})")
+        (own * scale, cum * scale, calls / per, f"{Path(file).name}:{line}({name})")
         for (file, line, name), (_, calls, own, cum, _) in stats.stats.items()
     ]
     rows.sort(reverse=True)
-    return [f"{own:8.3f} s own {cum:8.3f} s cum {calls:8d}x {where}" for own, cum, calls, where in rows[:n]]
+    return [
+        f"{own:9.3f} {unit} own {cum:9.3f} {unit} cum {calls:8.1f}x {where}"
+        for own, cum, calls, where in rows[:n]
+    ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -39,6 +40,7 @@ SOURCES = {
     "cuda": ["state_copy_cuda_binding.cpp", "state_copy_cuda.cu"],
 }
 HEADERS = ["state_copy.h", "state_copy_binding.h", "cpu_math.h"]
+STAMP = "build.stamp"  # beside a build: `build_key` of what it was built from (`is_built`)
 
 _loaded: dict[str, tuple[ModuleType | None, str]] = {}
 
@@ -70,6 +72,35 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
+def _flags(kind: str) -> dict[str, list[str]]:
+    # -fno-trapping-math lets GCC vectorise loops with clamps (linear_attn_cpu.cpp's exp); no -march: the
+    # decode loops are short (head dims of 16-256) and measured slower with AVX-512 on the CI's EPYC.
+    flags = {"extra_cflags": ["-O3", "-fno-trapping-math"]}
+    if kind == "cpu":
+        flags["extra_cflags"].append("-fopenmp")
+        flags["extra_ldflags"] = ["-fopenmp"]
+    else:
+        flags["extra_cuda_cflags"] = ["-O3"]
+    return flags
+
+
+def build_key(kind: str) -> str:
+    """What a build of `kind` depends on beyond torch's version (the folder's name): its sources and
+    headers, the flags, and for CUDA the target architectures (TORCH_CUDA_ARCH_LIST, else the GPU's)
+    and nvcc. torch's `load` rebuilds when any of these changed."""
+    digest = hashlib.sha256(repr(sorted(_flags(kind).items())).encode())
+    for name in SOURCES[kind] + HEADERS:
+        digest.update(name.encode() + (SOURCE_DIR / name).read_bytes())
+    if kind == "cuda":
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST") or (
+            str(torch.cuda.get_device_capability()) if torch.cuda.is_available() else ""
+        )
+        digest.update(f"{arch}|{CUDA_HOME}|{torch.version.cuda}".encode())
+    return digest.hexdigest()
+
+
 def _build(kind: str, verbose: bool) -> ModuleType:
     from torch.utils.cpp_extension import load
 
@@ -77,25 +108,17 @@ def _build(kind: str, verbose: bool) -> ModuleType:
 
     out = build_dir() / kind
     out.mkdir(parents=True, exist_ok=True)
-    # -fno-trapping-math lets GCC vectorise loops with clamps (linear_attn_cpu.cpp's exp); no -march: the
-    # decode loops are short (head dims of 16-256) and measured slower with AVX-512 on the CI's EPYC.
-    cflags = ["-O3", "-fno-trapping-math"]
-    kwargs = {}
-    if kind == "cpu":
-        cflags.append("-fopenmp")
-        kwargs["extra_ldflags"] = ["-fopenmp"]
-    else:
-        kwargs["extra_cuda_cflags"] = ["-O3"]
     with _builder_lock(out):
-        return load(
+        module = load(
             name=f"sgl_kernel_{kind}",
             sources=[str(SOURCE_DIR / f) for f in SOURCES[kind]],
-            extra_cflags=cflags,
             extra_include_paths=[str(SOURCE_DIR)],
             build_directory=str(out),
             verbose=verbose,
-            **kwargs,
+            **_flags(kind),
         )
+        (out / STAMP).write_text(build_key(kind))
+        return module
 
 
 @contextlib.contextmanager
@@ -115,15 +138,17 @@ def _builder_lock(out: Path):
 
 
 def is_built(kind: str) -> bool:
-    """Whether a build of `kind` is cached and newer than its sources: loading it then compiles nothing
-    (`load` would rebuild a stale one). Selections that must not pay a first build use it."""
+    """Whether a build of `kind` is cached for what it would be built from now (`build_key`, stamped by
+    `_build`): loading it then compiles nothing. Selections that must not pay a first build use it."""
     if kind in _loaded:
         return _loaded[kind][0] is not None
-    built = build_dir() / kind / f"sgl_kernel_{kind}.so"
-    if not built.is_file() or _missing_prerequisite(kind) is not None:
+    out = build_dir() / kind
+    if not (out / f"sgl_kernel_{kind}.so").is_file() or _missing_prerequisite(kind) is not None:
         return False
-    newest = max((SOURCE_DIR / f).stat().st_mtime for f in SOURCES[kind] + HEADERS)
-    return built.stat().st_mtime >= newest
+    try:
+        return (out / STAMP).read_text() == build_key(kind)
+    except OSError:
+        return False
 
 
 def load_extension(kind: str, verbose: bool = False) -> tuple[ModuleType | None, str]:

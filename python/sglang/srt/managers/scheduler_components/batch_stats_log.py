@@ -6,8 +6,10 @@ and one every `--decode-log-interval` decode batches,
 
     Decode batch. #running-req: 16, #token: 3420, token usage: 0.21, mamba usage: 0.31, cuda graph: True, gen throughput (token/s): 812.44, #queue-req: 0
 
-The throughput is the tokens the decode batches launched since the previous decode line generate, over
-the time since it. Usage counts what requests and the tree's locked nodes hold, not what the radix tree
+The throughput is the tokens of the decode batches launched since the previous decode line, over the
+time between that line's batch and this one's; a window opens at the first decode batch after the
+scheduler was idle (`reset`), so idle time never counts. `cuda graph`: the batch fits the decode
+graphs the model runner captured. Usage counts what requests and the tree's locked nodes hold, not what the radix tree
 keeps and could evict (as upstream counts it); `#token` is that many KV slots. With the scheduler's
 logger above INFO nothing is computed.
 """
@@ -39,17 +41,24 @@ class BatchStatsLog:
         self.interval = interval
         self.tokens, self.mamba, self.tree = tokens, mamba, tree
         self.cuda_graph_max_bs = cuda_graph_max_bs
-        self._decodes = 0  # decode batches since the last decode line
+        self._decodes = 0  # decode batches of the window
         self._generated = 0  # their tokens
-        self._since = time.monotonic()
+        self._since: float | None = None  # the window's opening launch; None: the next decode opens one
+
+    def reset(self) -> None:
+        """The scheduler is idle: the next decode batch opens a new window."""
+        self._decodes, self._generated, self._since = 0, 0, None
 
     def on_launch(self, batch: ScheduleBatch, running: int, queued: int) -> None:
         if batch.forward_mode.is_decode():
+            now = time.monotonic()
+            if self._since is None:
+                self._since = now  # its tokens come after the window opens: not counted
+                return
             self._decodes += 1
             self._generated += batch.batch_size
             if self._decodes < self.interval:
                 return
-            now = time.monotonic()
             throughput = self._generated / max(now - self._since, 1e-9)
             self._decodes, self._generated, self._since = 0, 0, now
             if logger.isEnabledFor(logging.INFO):

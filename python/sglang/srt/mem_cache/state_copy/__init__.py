@@ -39,6 +39,8 @@ from sglang.srt.mem_cache.state_copy.torch_impl import TorchStateCopy
 logger = logging.getLogger(__name__)
 
 IMPLS = ("torch", "cpp", "triton", "cuda")
+
+
 def auto_order(device_type: str) -> tuple[str, ...]:
     """The implementations `auto` tries on a device, fastest first (the module docstring says why)."""
     if device_type == "cpu":
