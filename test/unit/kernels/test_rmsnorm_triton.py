@@ -85,6 +85,19 @@ def test_grouped_gated_norm_matches_the_torch_form(kernel_device, dtype, hidden,
     _check(got, want, roundings=2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_and_norm_matches_the_add_then_the_norm(kernel_device, dtype):
+    """`add_rmsnorm_triton` (the decoder layer's residual add fused into the next norm) against torch's
+    add and the module's torch form: the sum (one rounding) and its norm (two: the sum's and the norm's)."""
+    m = _module(RMSNorm, dtype, 5, hidden_size=96, eps=1e-6, offset_one=True).to(kernel_device)
+    g = torch.Generator().manual_seed(6)
+    x, residual = ((torch.randn(5, 96, generator=g) * 3).to(kernel_device, dtype) for _ in range(2))
+    normed, total = tri.add_rmsnorm_triton(x, residual, m.weight, m.eps, offset_one=True)
+    _check(total, residual + x)
+    _check(normed, m(residual + x), roundings=2)
+    assert torch.equal(m.add_and_norm(x, residual)[1], residual + x)  # the torch form of the module
+
+
 def test_a_wrong_group_changes_the_result(interpret):
     """The control: normalising over the whole row instead of each group is visibly different, so the
     grouped comparison above can fail."""
@@ -114,6 +127,10 @@ def test_the_modules_take_the_kernel_when_asked(interpret, monkeypatch):
     assert m.triton and m.cpu_ops is not None  # the C++ op stays chosen for CPU, the kernel goes first
     m(torch.randn(2, 16))
     assert calls == [tri.PLAIN]
+    fused = []
+    monkeypatch.setattr(tri, "add_rmsnorm_triton", lambda *a, **k: fused.append(1) or (a[0], a[1]))
+    m.add_and_norm(torch.randn(2, 16), torch.randn(2, 16))
+    assert fused == [1]
     with envs.SGLANG_GPU_NORM_BACKEND.override("torch"):
         m.process_weights_after_loading()
     assert not m.triton
@@ -129,14 +146,19 @@ def test_compiles_for_sm90(act):
     from sglang.test.sm90 import compile_sm90_in_registers
 
     sig = {
-        **{k: f"*{act}" for k in ("x_ptr", "gate_ptr", "w_ptr", "out_ptr")},
-        "x_stride": "i64", "gate_stride": "i64", "eps": "fp32",
-        **{k: "constexpr" for k in ("N", "G", "BG", "MODE", "OFFSET_ONE", "ROUND_PRODUCT")},
+        **{k: f"*{act}" for k in ("x_ptr", "gate_ptr", "w_ptr", "out_ptr", "res_ptr", "sum_ptr")},
+        "x_stride": "i64", "gate_stride": "i64", "res_stride": "i64", "eps": "fp32",
+        **{k: "constexpr" for k in ("N", "G", "BG", "MODE", "OFFSET_ONE", "ROUND_PRODUCT", "HAS_RESIDUAL")},
     }  # fmt: skip
     rounding = act == "bf16"
-    for n, g, mode in ((2048, 2048, tri.PLAIN), (128, 128, tri.GATE_AFTER), (8192, 1024, tri.GATE_FIRST)):
+    for n, g, mode, residual in (
+        (2048, 2048, tri.PLAIN, False),
+        (2048, 2048, tri.PLAIN, True),  # the fused residual add (`add_rmsnorm_triton`)
+        (128, 128, tri.GATE_AFTER, False),
+        (8192, 1024, tri.GATE_FIRST, False),
+    ):
         consts = dict(N=n, G=g, BG=g, MODE=mode, OFFSET_ONE=mode == tri.PLAIN, ROUND_PRODUCT=rounding)
-        compile_sm90_in_registers(tri._rmsnorm_kernel, sig, consts)
+        compile_sm90_in_registers(tri._rmsnorm_kernel, sig, {**consts, "HAS_RESIDUAL": residual})
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])

@@ -66,6 +66,16 @@ class RMSNorm(_DeviceNorm):
             w = 1.0 + w
         return (_rms(x.float(), self.eps) * w).to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(residual + x), residual + x): a decoder layer's residual add and its next norm, as
+        upstream's fused add-RMSNorm. With the Triton kernel one launch; otherwise the add, then the norm
+        (the same values: the kernel rounds the sum where torch's add does)."""
+        if self.triton and x.shape == residual.shape and x.dtype == residual.dtype:
+            tri = _tri()
+            return tri.add_rmsnorm_triton(x, residual, self.weight, self.eps, offset_one=self.offset_one)
+        total = residual + x
+        return self(total), total
+
 
 class GatedRMSNorm(_DeviceNorm):
     """Qwen3-Next's gated norm over the last dim: `weight * norm(x) * silu(gate)` (norm before gate)."""

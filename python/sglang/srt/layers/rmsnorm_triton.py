@@ -9,8 +9,11 @@ Modes (`MODE`), per row of x [M, N], normalised per group of G channels (G = N u
 - PLAIN:      out = norm(x) * (w [+ 1 with OFFSET_ONE])                       (RMSNorm)
 - GATE_AFTER: out = round(w * round(norm(x))) * silu(gate)                    (GatedRMSNorm, Qwen3-Next)
 - GATE_FIRST: out = w * round(norm(x * silu(gate)))                           (GroupedGatedRMSNorm, Nemotron-H)
-where round() is the cast to the activation dtype the torch form makes (a no-op in float32). On CPU
-tensors the kernel runs only under `TRITON_INTERPRET=1`, for tests.
+where round() is the cast to the activation dtype the torch form makes (a no-op in float32). With
+`residual` (PLAIN only: `add_rmsnorm_triton`, upstream's fused add-RMSNorm) x is first replaced by
+round(x + residual), which the kernel also writes out: the decoder layer's residual add and the next
+norm in one launch instead of two. On CPU tensors the kernel runs only under `TRITON_INTERPRET=1`, for
+tests.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ def _rmsnorm_kernel(
     gate_ptr,
     w_ptr,
     out_ptr,
+    res_ptr,
+    sum_ptr,
     x_stride,
     gate_stride,
+    res_stride,
     eps,
     N: tl.constexpr,
     G: tl.constexpr,
@@ -38,12 +44,18 @@ def _rmsnorm_kernel(
     MODE: tl.constexpr,
     OFFSET_ONE: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * G + tl.arange(0, BG)
     mask = tl.arange(0, BG) < G
     act = x_ptr.dtype.element_ty  # the torch form's roundings are to x's dtype
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(act)  # torch's add of two activations: float32 arithmetic, one rounding
+        tl.store(sum_ptr + row * N + offs, s, mask=mask)
+        x = s.to(tl.float32)
     if MODE == 2:
         g = tl.load(gate_ptr + row * gate_stride + offs, mask=mask, other=0.0).to(tl.float32)
         x = x * (g / (1.0 + tl.exp(-g)))
@@ -87,11 +99,36 @@ def rmsnorm_triton(
         if gate2.stride(-1) != 1:
             gate2 = gate2.contiguous()
     out = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
-    if x2.shape[0]:
-        jit_for_env(_rmsnorm_kernel)[(x2.shape[0], n // g)](
-            x2, gate2 if gate2 is not None else x2, weight, out, x2.stride(0),
-            gate2.stride(0) if gate2 is not None else 0, eps,
-            N=n, G=g, BG=triton.next_power_of_2(g), MODE=mode, OFFSET_ONE=offset_one,
-            ROUND_PRODUCT=weight.dtype == x.dtype and x.dtype != torch.float32,
-        )  # fmt: skip
+    _launch(x2, gate2, weight, out, None, None, eps, mode, g, offset_one)
     return out.view(x.shape)
+
+
+def add_rmsnorm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset_one: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x) * weight, residual + x) in one launch, the sum rounded to x's dtype as torch's
+    add rounds it (x and residual of one shape and dtype; the norm's dtype is x's)."""
+    assert x.shape == residual.shape and x.dtype == residual.dtype, "x and residual: one shape, one dtype"
+    n = x.shape[-1]
+    x2, r2 = x.reshape(-1, n), residual.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch(x2, None, weight, out, r2, total, eps, PLAIN, n, offset_one)
+    return out.view(x.shape), total.view(x.shape)
+
+
+def _launch(x2, gate2, weight, out, res2, total, eps, mode, g, offset_one) -> None:
+    if not x2.shape[0]:
+        return
+    n = x2.shape[1]
+    jit_for_env(_rmsnorm_kernel)[(x2.shape[0], n // g)](
+        x2, gate2 if gate2 is not None else x2, weight, out, res2 if res2 is not None else x2,
+        total if total is not None else out, x2.stride(0), gate2.stride(0) if gate2 is not None else 0,
+        res2.stride(0) if res2 is not None else 0, eps,
+        N=n, G=g, BG=triton.next_power_of_2(g), MODE=mode, OFFSET_ONE=offset_one,
+        ROUND_PRODUCT=weight.dtype == x2.dtype and x2.dtype != torch.float32, HAS_RESIDUAL=res2 is not None,
+    )  # fmt: skip

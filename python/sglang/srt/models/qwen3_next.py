@@ -198,6 +198,9 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             x = self.input_layernorm(hidden)
             x = self.linear_attn(x, fb) if self.is_linear else self.self_attn(positions, x, fb)
+            if self.mlp_block is None:  # the residual add and the norm after it: one kernel on CUDA
+                normed, hidden = self.post_attention_layernorm.add_and_norm(x, hidden)
+                return hidden + self.mlp(normed)
             hidden = hidden + x
         fused = self.mlp_block(hidden) if self.mlp_block is not None else None
         return fused if fused is not None else hidden + self.mlp(self.post_attention_layernorm(hidden))
