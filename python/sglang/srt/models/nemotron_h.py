@@ -165,13 +165,24 @@ class NemotronHBlock(nn.Module):
         else:
             self.fused = MLPBlock.build(self.norm, self.mixer)
 
-    def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        out = self.fused(hidden, fb) if self.fused is not None else None
-        if out is not None:
-            return out
-        x = self.norm(hidden)
+    def forward(
+        self, hidden: torch.Tensor, fb: ForwardBatch, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block on `hidden + residual` (residual None: `hidden` alone); returns (out, residual), whose
+        sum is the block's output: the residual add is deferred into the next block's norm
+        (`RMSNorm.add_and_norm`, one kernel on CUDA); the CPU decode block takes and gives whole states."""
+        if self.fused is not None:
+            if residual is not None:
+                hidden, residual = hidden + residual, None
+            out = self.fused(hidden, fb)
+            if out is not None:
+                return out, None
+        if residual is None:
+            x, residual = self.norm(hidden), hidden
+        else:
+            x, residual = self.norm.add_and_norm(hidden, residual)
         x = self.mixer(x, fb) if self.kind in ("linear_attention", "full_attention") else self.mixer(x)
-        return hidden + x
+        return x, residual
 
 
 class NemotronHModel(nn.Module):
@@ -183,10 +194,10 @@ class NemotronHModel(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        hidden = self.embeddings(input_ids)
+        hidden, residual = self.embeddings(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, fb)
-        return self.norm_f(hidden)
+            hidden, residual = layer(hidden, fb, residual)
+        return self.norm_f(hidden) if residual is None else self.norm_f.add_and_norm(hidden, residual)[0]
 
 
 class NemotronHForCausalLM(HybridCausalLM):

@@ -191,16 +191,32 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             self.mlp_block = MLPBlock.build(self.post_attention_layernorm, self.mlp)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer on `hidden + residual` (residual None: `hidden` alone); returns (out, residual), whose
+        sum is the layer's output. Without the CPU decode blocks the residual adds are deferred into the
+        norm after them (`RMSNorm.add_and_norm`: one kernel each on CUDA, upstream's fused add-RMSNorm);
+        the blocks take and give whole hidden states (residual None)."""
+        if self.mixer_block is not None or self.mlp_block is not None:
+            return self._whole(positions, hidden if residual is None else hidden + residual, fb), None
+        if residual is None:
+            x, residual = self.input_layernorm(hidden), hidden
+        else:
+            x, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        x = self.linear_attn(x, fb) if self.is_linear else self.self_attn(positions, x, fb)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
+
+    def _whole(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """The layer where the CPU decode blocks are built (each steps aside where its batch does not fit
+        its op: the parts then run one by one)."""
         fused = self.mixer_block(hidden, fb) if self.mixer_block is not None else None
         if fused is not None:
             hidden = fused
         else:
             x = self.input_layernorm(hidden)
             x = self.linear_attn(x, fb) if self.is_linear else self.self_attn(positions, x, fb)
-            if self.mlp_block is None:  # the residual add and the norm after it: one kernel on CUDA
-                normed, hidden = self.post_attention_layernorm.add_and_norm(x, hidden)
-                return hidden + self.mlp(normed)
             hidden = hidden + x
         fused = self.mlp_block(hidden) if self.mlp_block is not None else None
         return fused if fused is not None else hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -214,10 +230,10 @@ class Qwen3NextModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(positions, hidden, fb)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, fb, residual)
+        return self.norm(hidden) if residual is None else self.norm.add_and_norm(hidden, residual)[0]
 
 
 class Qwen3NextForCausalLM(HybridCausalLM):
