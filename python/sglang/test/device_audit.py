@@ -146,6 +146,7 @@ class RecordedLaunches:
         "sglang.srt.layers.rotary_triton",
         "sglang.srt.layers.moe.routing_triton",
         "sglang.srt.layers.moe.dispatch_triton",
+        "sglang.srt.layers.moe.elementwise_triton",
     )
 
     def __init__(self) -> None:

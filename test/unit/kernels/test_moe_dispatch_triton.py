@@ -80,12 +80,14 @@ def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset,
     bookkeeping and, for Qwen3-Next, its routing through the kernels, interpreted; the C++ MoE op off, so
     the grouped GEMMs run) and =torch: the same tokens and logprobs."""
     from sglang.srt.environ import envs
+    from sglang.srt.layers.moe import elementwise_triton as ew
     from sglang.srt.layers.moe import routing_triton
     from sglang.srt.layers.moe.experts import RoutedExperts
     from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner
 
     calls = []
-    for module, name in ((dt, "moe_align"), (routing_triton, "softmax_topk_triton")):
+    spied = [(dt, "moe_align"), (routing_triton, "softmax_topk_triton"), (ew, "silu_mul"), (ew, "add_sigmoid_mul")]
+    for module, name in spied:
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     runs = []
@@ -96,7 +98,9 @@ def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset,
         assert experts and all(m.triton == (backend == "triton") for m in experts)
         runs.append(greedy_tokens_and_logprobs(runner, (17, 26), steps=4))
         if backend == "triton":
-            want = {"moe_align", "softmax_topk_triton"} if "qwen" in preset else {"moe_align"}
+            # Qwen3-Next: gated experts (silu) and a gated shared expert; Nemotron-H: plain ones (relu2).
+            qwen = {"moe_align", "softmax_topk_triton", "silu_mul", "add_sigmoid_mul"}
+            want = qwen if "qwen" in preset else {"moe_align"}
             assert set(calls) == want, calls
             calls.clear()
     assert not calls

@@ -22,12 +22,14 @@ gate, Qwen3-Next) is added here too: where the C++ op serves the layer, it runs 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.environ import envs
 from sglang.srt.layers.activation import get_act_fn
 from sglang.srt.layers.cpu_ops import cpu_moe_ops
 from sglang.srt.layers.gpu_ops import triton_chosen
+from sglang.srt.layers.mlp import GatedMLP
 
 EXPERT_SHARDS = ("gate", "up", "down")
 # Batched path up to this many (token, expert) assignments, and while the padded block holds at most
@@ -75,6 +77,7 @@ class RoutedExperts(nn.Module):
         self.triton = triton_chosen(
             envs.SGLANG_GPU_MOE_BACKEND, self.w13.device,
             "sglang.srt.layers.moe.dispatch_triton", "sglang.srt.layers.moe.routing_triton",
+            "sglang.srt.layers.moe.elementwise_triton",
         )  # fmt: skip
         ops = cpu_moe_ops(self.w13.device)
         weights_per_expert = self.w13.shape[1] * self.w13.shape[2] + self.w2.shape[1] * self.w2.shape[2]
@@ -177,16 +180,31 @@ class RoutedExperts(nn.Module):
         head = (self.w13.transpose(1, 2), self.w2.transpose(1, 2), self.gated, self.act_code)
         return head + (self.fused_shared_args if fused else ())
 
-    @staticmethod
     def _add_shared(
-        out: torch.Tensor, x: torch.Tensor, shared_expert: nn.Module | None, shared_gate: nn.Linear | None
+        self, out: torch.Tensor, x: torch.Tensor, shared_expert: nn.Module | None, shared_gate: nn.Linear | None
     ) -> torch.Tensor:
         if shared_expert is None:
             return out
-        shared = shared_expert(x)
-        if shared_gate is not None:
-            shared = torch.sigmoid(shared_gate(x)) * shared
-        return out + shared
+        k = self._elementwise_kernels(out)
+        if k is not None and isinstance(shared_expert, GatedMLP) and shared_expert.act is F.silu:
+            shared = shared_expert.down_proj(k.silu_mul(shared_expert.gate_proj(x), shared_expert.up_proj(x)))
+        else:
+            shared = shared_expert(x)
+        if shared_gate is None:
+            return out + shared
+        gate = shared_gate(x)
+        if k is not None and gate.dtype == out.dtype == shared.dtype:
+            return k.add_sigmoid_mul(out, shared, gate)
+        return out + torch.sigmoid(gate) * shared
+
+    def _elementwise_kernels(self, like: torch.Tensor):
+        """The Triton elementwise kernels where these experts run their Triton bookkeeping (imported here:
+        a CPU install may lack triton), else None."""
+        if not self.triton:
+            return None
+        from sglang.srt.layers.moe import elementwise_triton
+
+        return elementwise_triton
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         small = ids.numel() <= BATCHED_MAX_ASSIGNMENTS
@@ -269,7 +287,8 @@ class RoutedExperts(nn.Module):
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = h.split(self.intermediate_size, dim=-1)
-            return self.act(gate) * up
+            k = self._elementwise_kernels(h) if self.act is F.silu and h.dim() == 2 else None
+            return k.silu_mul(gate, up) if k is not None else self.act(gate) * up
         return self.act(h)
 
     def _mlp(self, x: torch.Tensor, w13_t: torch.Tensor, w2_t: torch.Tensor) -> torch.Tensor:
