@@ -66,10 +66,15 @@ class RMSNorm(_DeviceNorm):
             w = 1.0 + w
         return (_rms(x.float(), self.eps) * w).to(x.dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(residual + x), residual + x): a decoder layer's residual add and its next norm, as
-        upstream's fused add-RMSNorm. With the Triton kernel one launch; otherwise the add, then the norm
-        (the same values: the kernel rounds the sum where torch's add does)."""
+        upstream's fused add-RMSNorm; residual None (the first layer's input): (self(x), x). With the
+        Triton kernel one launch; otherwise the add, then the norm (the same values: the kernel rounds
+        the sum where torch's add does)."""
+        if residual is None:
+            return self(x), x
         if self.triton and x.shape == residual.shape and x.dtype == residual.dtype:
             tri = _tri()
             return tri.add_rmsnorm_triton(x, residual, self.weight, self.eps, offset_one=self.offset_one)

@@ -177,10 +177,7 @@ class NemotronHBlock(nn.Module):
             out = self.fused(hidden, fb)
             if out is not None:
                 return out, None
-        if residual is None:
-            x, residual = self.norm(hidden), hidden
-        else:
-            x, residual = self.norm.add_and_norm(hidden, residual)
+        x, residual = self.norm.add_and_norm(hidden, residual)
         x = self.mixer(x, fb) if self.kind in ("linear_attention", "full_attention") else self.mixer(x)
         return x, residual
 
@@ -197,7 +194,7 @@ class NemotronHModel(nn.Module):
         hidden, residual = self.embeddings(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(hidden, fb, residual)
-        return self.norm_f(hidden) if residual is None else self.norm_f.add_and_norm(hidden, residual)[0]
+        return self.norm_f.add_and_norm(hidden, residual)[0]
 
 
 class NemotronHForCausalLM(HybridCausalLM):

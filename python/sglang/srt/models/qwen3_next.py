@@ -200,10 +200,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         the blocks take and give whole hidden states (residual None)."""
         if self.mixer_block is not None or self.mlp_block is not None:
             return self._whole(positions, hidden if residual is None else hidden + residual, fb), None
-        if residual is None:
-            x, residual = self.input_layernorm(hidden), hidden
-        else:
-            x, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        x, residual = self.input_layernorm.add_and_norm(hidden, residual)
         x = self.linear_attn(x, fb) if self.is_linear else self.self_attn(positions, x, fb)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
@@ -233,7 +230,7 @@ class Qwen3NextModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, fb, residual)
-        return self.norm(hidden) if residual is None else self.norm.add_and_norm(hidden, residual)[0]
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class Qwen3NextForCausalLM(HybridCausalLM):

@@ -35,7 +35,15 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, gate_stride, up_stride, N: tl.co
 
 
 def _add_sigmoid_mul_kernel(
-    out_ptr, shared_ptr, gate_ptr, res_ptr, out_stride, shared_stride, gate_stride, N: tl.constexpr, BN: tl.constexpr
+    out_ptr,
+    shared_ptr,
+    gate_ptr,
+    res_ptr,
+    out_stride,
+    shared_stride,
+    gate_stride,
+    N: tl.constexpr,
+    BN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -57,14 +65,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [T, N] of one dtype -> silu(gate) * up [T, N] (rows contiguous)."""
     assert gate.shape == up.shape and gate.dim() == 2 and gate.dtype == up.dtype
     gate, up = _rows(gate), _rows(up)
-    t, n = gate.shape
-    out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
-    if t:
-        bn = min(BLOCK, triton.next_power_of_2(n))
-        jit_for_env(_silu_mul_kernel)[(t, triton.cdiv(n, bn))](
-            gate, up, out, gate.stride(0), up.stride(0), N=n, BN=bn
-        )
-    return out
+    return _launch(_silu_mul_kernel, gate, (gate, up), (gate.stride(0), up.stride(0)))
 
 
 def add_sigmoid_mul(out: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -72,11 +73,15 @@ def add_sigmoid_mul(out: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor)
     assert out.shape == shared.shape and out.dim() == 2 and gate.shape == (out.shape[0], 1)
     assert out.dtype == shared.dtype == gate.dtype
     out, shared = _rows(out), _rows(shared)
-    t, n = out.shape
-    res = torch.empty(t, n, dtype=out.dtype, device=out.device)
+    strides = (out.stride(0), shared.stride(0), gate.stride(0))
+    return _launch(_add_sigmoid_mul_kernel, out, (out, shared, gate), strides)
+
+
+def _launch(kernel, like: torch.Tensor, inputs: tuple, strides: tuple) -> torch.Tensor:
+    """A [T, N] result like `like`, from `kernel` over rows and blocks of BLOCK columns (nothing for T 0)."""
+    t, n = like.shape
+    result = torch.empty(t, n, dtype=like.dtype, device=like.device)
     if t:
         bn = min(BLOCK, triton.next_power_of_2(n))
-        jit_for_env(_add_sigmoid_mul_kernel)[(t, triton.cdiv(n, bn))](
-            out, shared, gate, res, out.stride(0), shared.stride(0), gate.stride(0), N=n, BN=bn
-        )
-    return res
+        jit_for_env(kernel)[(t, triton.cdiv(n, bn))](*inputs, result, *strides, N=n, BN=bn)
+    return result

@@ -185,7 +185,7 @@ class RoutedExperts(nn.Module):
     ) -> torch.Tensor:
         if shared_expert is None:
             return out
-        k = self._elementwise_kernels(out)
+        k = self._elementwise_kernels()
         if k is not None and isinstance(shared_expert, GatedMLP) and shared_expert.act is F.silu:
             shared = shared_expert.down_proj(k.silu_mul(shared_expert.gate_proj(x), shared_expert.up_proj(x)))
         else:
@@ -197,7 +197,7 @@ class RoutedExperts(nn.Module):
             return k.add_sigmoid_mul(out, shared, gate)
         return out + torch.sigmoid(gate) * shared
 
-    def _elementwise_kernels(self, like: torch.Tensor):
+    def _elementwise_kernels(self):
         """The Triton elementwise kernels where these experts run their Triton bookkeeping (imported here:
         a CPU install may lack triton), else None."""
         if not self.triton:
@@ -287,7 +287,7 @@ class RoutedExperts(nn.Module):
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = h.split(self.intermediate_size, dim=-1)
-            k = self._elementwise_kernels(h) if self.act is F.silu and h.dim() == 2 else None
+            k = self._elementwise_kernels() if self.act is F.silu and h.dim() == 2 else None
             return k.silu_mul(gate, up) if k is not None else self.act(gate) * up
         return self.act(h)
 
