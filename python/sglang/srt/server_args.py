@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from sglang.srt.configs.gpu_memory_defaults import gpu_memory_defaults, gpu_memory_mib
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.mamba_strategy import EXTRA_BUFFER_STRATEGIES, MambaStrategy
 from sglang.srt.server_args_checks import (
@@ -143,7 +144,7 @@ class ServerArgs:
             overlap=self.enable_overlap_schedule,
             cache_chunk_size=self.mamba_cache_chunk_size,
         )
-        self._handle_chunk_aligned_sizes()
+        self._handle_chunk_aligned_sizes(self._handle_gpu_memory_settings())
 
     def public_dict(self) -> dict:
         """Every field, with secrets redacted: what /get_server_info returns and what a log may show."""
@@ -293,7 +294,26 @@ class ServerArgs:
                     "it runs like extra_buffer with one track slot per request."
                 )
 
-    def _handle_chunk_aligned_sizes(self) -> None:
+    def _handle_gpu_memory_settings(self) -> int:
+        """On CUDA, SGLang's GPU-memory defaults (`configs/gpu_memory_defaults.py`): sets
+        `--cuda-graph-max-bs` where neither it nor `--cuda-graph-bs` is given, and returns the default
+        `--chunked-prefill-size` (which `_handle_chunk_aligned_sizes` aligns and takes where the flag is
+        not given); elsewhere returns DEFAULT_CHUNKED_PREFILL_SIZE."""
+        wants_graph_bs = self.cuda_graph_max_bs is None and not self.cuda_graph_bs
+        if self.device != "cuda" or (self.chunked_prefill_size is not None and not wants_graph_bs):
+            return DEFAULT_CHUNKED_PREFILL_SIZE
+        memory = gpu_memory_mib()
+        defaults = gpu_memory_defaults(memory)
+        if wants_graph_bs:
+            self.cuda_graph_max_bs = defaults.cuda_graph_max_bs
+        logger.info(
+            "GPU memory %s: default --chunked-prefill-size %d, --cuda-graph-max-bs %d (SGLang's for this memory).",
+            "unknown" if memory is None else f"{memory / 1024:.1f} GiB",
+            defaults.chunked_prefill_size, defaults.cuda_graph_max_bs,
+        )  # fmt: skip
+        return defaults.chunked_prefill_size
+
+    def _handle_chunk_aligned_sizes(self, default_chunked_prefill_size: int) -> None:
         """Prefill chunks and the decode track interval of the extra-buffer modes must be multiples of the
         cache chunk C: a prompt's chunks then keep the snapshot lattice of its first extend, and decode
         snapshots sit on multiples of C (see mamba_tracking)."""
@@ -302,7 +322,7 @@ class ServerArgs:
         if self.chunked_prefill_size == 0:
             self.chunked_prefill_size = -1
         if self.chunked_prefill_size is None:
-            self.chunked_prefill_size = max(c, DEFAULT_CHUNKED_PREFILL_SIZE // c * c)
+            self.chunked_prefill_size = max(c, default_chunked_prefill_size // c * c)
         elif aligned and self.chunked_prefill_size > 0 and self.chunked_prefill_size % c:
             raise ServerArgsError(
                 f"--chunked-prefill-size {self.chunked_prefill_size} must be a multiple of the mamba cache "
@@ -396,7 +416,13 @@ class ServerArgs:
         g.add_argument("--max-running-requests", type=int, default=None)
         g.add_argument("--max-total-tokens", type=int, default=None)
         g.add_argument("--max-prefill-tokens", type=int, default=default("max_prefill_tokens"))
-        g.add_argument("--chunked-prefill-size", type=int, default=None, help="-1 disables chunked prefill.")
+        g.add_argument(
+            "--chunked-prefill-size",
+            type=int,
+            default=None,
+            help="Most prompt tokens per prefill forward; -1 disables chunked prefill. Default 2048 on CPU; on "
+            "CUDA SGLang's by GPU memory (8192 on an H100 or H200).",
+        )
         g.add_argument("--page-size", type=int, default=default("page_size"))
         g.add_argument(
             "--kv-cache-dtype",
@@ -442,7 +468,8 @@ class ServerArgs:
             "--cuda-graph-max-bs",
             type=int,
             default=None,
-            help="Largest decode batch replayed from a CUDA graph; default min(160, the running cap).",
+            help="Largest decode batch replayed from a CUDA graph; default SGLang's by GPU memory (256 on an H100 "
+            "or H200), never above the running cap.",
         )
         g.add_argument(
             "--cuda-graph-bs",

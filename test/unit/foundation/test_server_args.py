@@ -228,6 +228,72 @@ def test_fp8_e4m3_kv_needs_a_gpu_whose_triton_has_it(monkeypatch, capability, re
             assert args.attention_backend == "triton"
 
 
+@pytest.mark.parametrize(
+    "memory_mib,chunk,graph_bs",
+    [
+        (15_360, 2048, 8),  # T4
+        (24_564, 4096, 48),  # RTX 4090
+        (40_960, 4096, 32),  # A100 40 GB
+        (81_559, 8192, 256),  # H100 80 GB
+        (143_771, 8192, 256),  # H200
+        (183_359, 16384, 512),  # B200
+        (None, 4096, 160),  # the memory could not be read
+    ],
+)
+def test_cuda_defaults_follow_gpu_memory(monkeypatch, memory_mib, chunk, graph_bs):
+    """On CUDA, --chunked-prefill-size and --cuda-graph-max-bs default to SGLang's values for the GPU's
+    memory (the device resolved as on a GPU machine, its memory faked); CPU keeps 2048 and no graph size."""
+    import sglang.srt.server_args as server_args_module
+
+    monkeypatch.setattr(server_args_module, "gpu_memory_mib", lambda: memory_mib)
+    args = ServerArgs()
+    assert args.chunked_prefill_size == 2048 and args.cuda_graph_max_bs is None
+    args.device = "cuda"
+    args.chunked_prefill_size = None
+    args._handle_chunk_aligned_sizes(args._handle_gpu_memory_settings())
+    assert args.chunked_prefill_size == chunk and args.cuda_graph_max_bs == graph_bs
+
+
+def test_cuda_memory_defaults_keep_given_flags_and_alignment(monkeypatch):
+    """A given flag wins over the memory default, a given --cuda-graph-bs leaves --cuda-graph-max-bs
+    unset, and the default prefill chunk is aligned to the cache chunk like any default."""
+    import sglang.srt.server_args as server_args_module
+
+    probes = []
+    monkeypatch.setattr(server_args_module, "gpu_memory_mib", lambda: probes.append(1) or 81_559)
+
+    def on_cuda(**kwargs) -> ServerArgs:
+        args = ServerArgs(**kwargs)
+        args.device = "cuda"
+        args.chunked_prefill_size = kwargs.get("chunked_prefill_size")
+        args._handle_chunk_aligned_sizes(args._handle_gpu_memory_settings())
+        return args
+
+    given = on_cuda(chunked_prefill_size=1024, cuda_graph_max_bs=24)
+    assert (given.chunked_prefill_size, given.cuda_graph_max_bs) == (1024, 24) and probes == []
+    listed = on_cuda(cuda_graph_bs=[1, 8])
+    assert listed.cuda_graph_max_bs is None and listed.chunked_prefill_size == 8192
+    # A cache chunk of 3,000 tokens (page size) takes the largest multiple under the default: 6,000.
+    monkeypatch.setattr(ServerArgs, "mamba_cache_chunk_size", 3000)
+    assert on_cuda(mamba_scheduler_strategy="extra_buffer").chunked_prefill_size == 6000
+
+
+def test_gpu_memory_probe(monkeypatch):
+    """The probe reads the current device's total memory in MiB from its properties (no CUDA context),
+    and gives None where no device can be read, as on this CPU machine."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.gpu_memory_defaults import gpu_memory_mib
+
+    if not torch.cuda.is_available():
+        assert gpu_memory_mib() is None
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=(i + 77) * 2**30)
+    )
+    assert gpu_memory_mib() == 80 * 1024
+
+
 def test_pd_decode_turns_radix_off_and_falls_back_to_no_buffer(caplog):
     with caplog.at_level(logging.WARNING):
         args = ServerArgs(

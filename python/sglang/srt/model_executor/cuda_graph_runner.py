@@ -57,7 +57,8 @@ _NO_HOST_VALUES = _NoHostValues()
 
 def capture_bs_list(args: ServerArgs, max_running_requests: int) -> list[int]:
     """The batch sizes to capture: `--cuda-graph-bs` if given, else 1, 2, 4, 8, 12, then every 8 up to
-    `--cuda-graph-max-bs` (default min(160, the running cap)); never above the running cap."""
+    `--cuda-graph-max-bs` (on CUDA SGLang's default by GPU memory, `configs/gpu_memory_defaults.py`; 160
+    where unset); never above the running cap."""
     cap = max_running_requests
     if args.cuda_graph_bs:
         sizes = [b for b in args.cuda_graph_bs if b <= cap]

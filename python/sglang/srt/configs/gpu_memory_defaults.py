@@ -1,0 +1,51 @@
+"""SGLang's defaults that scale with the GPU: `--chunked-prefill-size` and `--cuda-graph-max-bs` when
+neither is given, by the device's total memory, as upstream's `_handle_gpu_memory_settings` picks them
+for one GPU (tensor parallelism below 4). A GPU with more memory takes longer prefill chunks (fewer
+forwards for a long prompt or a burst of prompts: 64 x 256 prompt tokens are 8 extends at 2,048 tokens,
+2 at 8,192) and captures CUDA graphs for larger decode batches.
+
+The memory is read from the device's properties, which creates no CUDA context in the process that
+asks (the server's main process resolves its arguments before the scheduler starts).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class GpuMemoryDefaults(NamedTuple):
+    chunked_prefill_size: int
+    cuda_graph_max_bs: int
+
+
+# (below this many MiB of device memory, the defaults), in order; SGLang's tiers and their examples.
+GPU_MEMORY_TIERS: list[tuple[int, GpuMemoryDefaults]] = [
+    (20 * 1024, GpuMemoryDefaults(2048, 8)),  # T4, RTX 4080
+    (35 * 1024, GpuMemoryDefaults(4096, 48)),  # A10, RTX 4090 / 5090
+    (60 * 1024, GpuMemoryDefaults(4096, 32)),  # A100 40 GB, L40
+    (90 * 1024, GpuMemoryDefaults(8192, 256)),  # H100, A100 80 GB
+    (160 * 1024, GpuMemoryDefaults(8192, 256)),  # H20, H200
+]
+LARGEST_GPU = GpuMemoryDefaults(16384, 512)  # B200, MI300
+UNKNOWN_GPU = GpuMemoryDefaults(4096, 160)  # the memory could not be read
+
+
+def gpu_memory_defaults(memory_mib: int | None) -> GpuMemoryDefaults:
+    """The defaults for a GPU of `memory_mib` MiB (None: unknown)."""
+    if memory_mib is None:
+        return UNKNOWN_GPU
+    for below, defaults in GPU_MEMORY_TIERS:
+        if memory_mib < below:
+            return defaults
+    return LARGEST_GPU
+
+
+def gpu_memory_mib() -> int | None:
+    """Total memory of the CUDA device the server runs on (the current one), in MiB; None if it cannot
+    be read."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory // 2**20
+    except Exception:  # noqa: BLE001 - no readable device: the caller falls back to UNKNOWN_GPU
+        return None
