@@ -19,7 +19,7 @@ Rows (issue 13's and 12's):
 `--sweep` adds, at batch 256, our GDN and Mamba2 decode steps at other (state tile, warps) pairs than
 the defaults (`TILE_FLOATS`, `NUM_WARPS` of their modules), with the bandwidth each reaches. The GDN
 prefill row also times ours with q / k expanded to the value heads beforehand (as the public call
-gets them), and `--kernels` prints each prefill case's kernels by GPU time per call (torch.profiler): where
+gets them) and the public call with our arguments (key heads, `state_v_first`), and `--kernels` prints each prefill case's kernels by GPU time per call (torch.profiler): where
 ours and FLA's public call part ways.
 """
 
@@ -115,8 +115,20 @@ def gdn_prefill(device: str, tiny: bool, reps: int, kernels: bool = False) -> di
             qe, ke, v[None], g[None], beta[None], scale=1.0, initial_state=h0, output_final_state=True,
             cu_seqlens=cu,
         )  # fmt: skip
+        # The public call with our arguments (q/k on the key heads, the pool's [V, K] state layout): if
+        # it is as slow as ours, the time is in FLA's kernels for these arguments, not in our glue.
+        cases["FLA public, key heads + state_v_first"] = lambda: chunk_gated_delta_rule(
+            q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=h0,
+            output_final_state=True, cu_seqlens=cu, state_v_first=True,
+        )  # fmt: skip
     times = round_robin(cases, device, reps)
     row = {"kernel": f"GDN prefill {n} x {length}, heads {hk}/{hv}, dim {d}", "ms": _ms(times)}
+    if device == "cuda":
+        # FLA's public call dispatches to FlashQLA (a fused TileLang kernel) where `flash_qla` is installed
+        # (sm_90+, bf16, dims 128); its four Triton steps, which ours runs, otherwise.
+        import importlib.util
+
+        row["fla_public_backend"] = "flash_qla" if importlib.util.find_spec("flash_qla") else "triton"
     if kernels and device == "cuda":
         row["kernels_per_call"] = {name: _kernels_of(fn) for name, fn in cases.items()}
     return row
