@@ -14,7 +14,11 @@ import random
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from sglang.srt.configs.gpu_memory_defaults import gpu_memory_defaults, gpu_memory_mib
+from sglang.srt.configs.gpu_memory_defaults import (
+    gpu_memory_defaults,
+    gpu_memory_mib,
+    mem_fraction_static_default,
+)
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.mamba_strategy import EXTRA_BUFFER_STRATEGIES, MambaStrategy
 from sglang.srt.server_args_checks import (
@@ -295,21 +299,28 @@ class ServerArgs:
                 )
 
     def _handle_gpu_memory_settings(self) -> int:
-        """On CUDA, SGLang's GPU-memory defaults (`configs/gpu_memory_defaults.py`): sets
-        `--cuda-graph-max-bs` where neither it nor `--cuda-graph-bs` is given, and returns the default
-        `--chunked-prefill-size` (which `_handle_chunk_aligned_sizes` aligns and takes where the flag is
-        not given); elsewhere returns DEFAULT_CHUNKED_PREFILL_SIZE."""
+        """On CUDA, SGLang's GPU-memory defaults (`configs/gpu_memory_defaults.py`) for what is not given:
+        sets `--cuda-graph-max-bs` (unless `--cuda-graph-bs` lists the sizes) and `--mem-fraction-static`,
+        and returns the default `--chunked-prefill-size` (which `_handle_chunk_aligned_sizes` aligns and
+        takes where the flag is not given); elsewhere returns DEFAULT_CHUNKED_PREFILL_SIZE."""
         wants_graph_bs = self.cuda_graph_max_bs is None and not self.cuda_graph_bs
-        if self.device != "cuda" or (self.chunked_prefill_size is not None and not wants_graph_bs):
+        given = self.chunked_prefill_size is not None and self.mem_fraction_static is not None
+        if self.device != "cuda" or (given and not wants_graph_bs):
             return DEFAULT_CHUNKED_PREFILL_SIZE
         memory = gpu_memory_mib()
         defaults = gpu_memory_defaults(memory)
         if wants_graph_bs:
             self.cuda_graph_max_bs = defaults.cuda_graph_max_bs
+        if self.mem_fraction_static is None and memory is not None:
+            chunk = self.chunked_prefill_size or defaults.chunked_prefill_size
+            prefill_tokens = chunk if chunk > 0 else self.max_prefill_tokens
+            graph_bs = 0 if self.disable_cuda_graph else self.cuda_graph_max_bs or max(self.cuda_graph_bs)
+            self.mem_fraction_static = mem_fraction_static_default(memory, prefill_tokens, graph_bs)
         logger.info(
-            "GPU memory %s: default --chunked-prefill-size %d, --cuda-graph-max-bs %d (SGLang's for this memory).",
-            "unknown" if memory is None else f"{memory / 1024:.1f} GiB",
-            defaults.chunked_prefill_size, defaults.cuda_graph_max_bs,
+            "GPU memory %s: defaults --chunked-prefill-size %d, --cuda-graph-max-bs %d, --mem-fraction-static "
+            "%s (SGLang's for this memory; given flags win).",
+            "unknown" if memory is None else f"{memory / 1024:.1f} GiB", defaults.chunked_prefill_size,
+            defaults.cuda_graph_max_bs, self.mem_fraction_static,
         )  # fmt: skip
         return defaults.chunked_prefill_size
 
@@ -412,7 +423,13 @@ class ServerArgs:
         )
 
         g = parser.add_argument_group("memory and scheduling")
-        g.add_argument("--mem-fraction-static", type=float, default=None)
+        g.add_argument(
+            "--mem-fraction-static",
+            type=float,
+            default=None,
+            help="Fraction of the device's memory for weights and caches. Default on CUDA SGLang's for the GPU "
+            "(all but a reserve for activations and graphs: 0.907 on an H200), on CPU 0.02 of RAM.",
+        )
         g.add_argument("--max-running-requests", type=int, default=None)
         g.add_argument("--max-total-tokens", type=int, default=None)
         g.add_argument("--max-prefill-tokens", type=int, default=default("max_prefill_tokens"))

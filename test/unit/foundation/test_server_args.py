@@ -252,6 +252,24 @@ def test_cuda_defaults_follow_gpu_memory(monkeypatch, memory_mib, chunk, graph_b
     args.chunked_prefill_size = None
     args._handle_chunk_aligned_sizes(args._handle_gpu_memory_settings())
     assert args.chunked_prefill_size == chunk and args.cuda_graph_max_bs == graph_bs
+    if memory_mib is None:
+        assert args.mem_fraction_static is None  # the pool sizing's own default (0.85) then applies
+    else:
+        # All but the reserve: 512 + 1.5 per prefill token + 2 per graph size + 128 MiB, >= 10 GiB above 60.
+        reserve = (1 - args.mem_fraction_static) * memory_mib
+        floor = 10 * 1024 if memory_mib > 60 * 1024 else 0
+        assert abs(reserve - max(640 + 1.5 * chunk + 2 * graph_bs, floor)) <= memory_mib * 0.0005 + 1e-6
+
+
+def test_cuda_mem_fraction_default_follows_sglang():
+    """SGLang's --mem-fraction-static on an H100 and an H200 (8,192-token chunks, 256 graph sizes), a
+    chunk-free server reserving for its largest prefill, and a GPU too small for the reserve."""
+    from sglang.srt.configs.gpu_memory_defaults import mem_fraction_static_default
+
+    assert mem_fraction_static_default(81_559, 8192, 256) == 0.835
+    assert mem_fraction_static_default(143_771, 8192, 256) == 0.907
+    assert mem_fraction_static_default(143_771, 16384, 256) < mem_fraction_static_default(143_771, 8192, 0)
+    assert mem_fraction_static_default(2_048, 2048, 8) is None
 
 
 def test_cuda_memory_defaults_keep_given_flags_and_alignment(monkeypatch):
@@ -269,10 +287,17 @@ def test_cuda_memory_defaults_keep_given_flags_and_alignment(monkeypatch):
         args._handle_chunk_aligned_sizes(args._handle_gpu_memory_settings())
         return args
 
-    given = on_cuda(chunked_prefill_size=1024, cuda_graph_max_bs=24)
-    assert (given.chunked_prefill_size, given.cuda_graph_max_bs) == (1024, 24) and probes == []
+    given = on_cuda(chunked_prefill_size=1024, cuda_graph_max_bs=24, mem_fraction_static=0.5)
+    assert (given.chunked_prefill_size, given.cuda_graph_max_bs, given.mem_fraction_static) == (1024, 24, 0.5)
+    assert probes == []
     listed = on_cuda(cuda_graph_bs=[1, 8])
     assert listed.cuda_graph_max_bs is None and listed.chunked_prefill_size == 8192
+    # The graph reserve follows the listed sizes (16 MiB for 8) and vanishes with graphs off (no 512 MiB).
+    no_graphs = on_cuda(disable_cuda_graph=True)
+    assert no_graphs.mem_fraction_static > on_cuda().mem_fraction_static
+    # A given chunk sizes the reserve; at 2,048 tokens it is under the 10 GiB floor of an 80 GiB GPU.
+    only_chunk = on_cuda(chunked_prefill_size=2048)
+    assert only_chunk.chunked_prefill_size == 2048 and only_chunk.mem_fraction_static == 0.874
     # A cache chunk of 3,000 tokens (page size) takes the largest multiple under the default: 6,000.
     monkeypatch.setattr(ServerArgs, "mamba_cache_chunk_size", 3000)
     assert on_cuda(mamba_scheduler_strategy="extra_buffer").chunked_prefill_size == 6000

@@ -1,8 +1,9 @@
-"""SGLang's defaults that scale with the GPU: `--chunked-prefill-size` and `--cuda-graph-max-bs` when
-neither is given, by the device's total memory, as upstream's `_handle_gpu_memory_settings` picks them
-for one GPU (tensor parallelism below 4). A GPU with more memory takes longer prefill chunks (fewer
-forwards for a long prompt or a burst of prompts: 64 x 256 prompt tokens are 8 extends at 2,048 tokens,
-2 at 8,192) and captures CUDA graphs for larger decode batches.
+"""SGLang's defaults that scale with the GPU: `--chunked-prefill-size`, `--cuda-graph-max-bs` and
+`--mem-fraction-static` where not given, by the device's total memory, as upstream's
+`_handle_gpu_memory_settings` picks them for one GPU (tensor parallelism below 4). A GPU with more memory
+takes longer prefill chunks (fewer forwards for a long prompt or a burst of prompts: 64 x 256 prompt
+tokens are 8 extends at 2,048 tokens, 2 at 8,192), captures CUDA graphs for larger decode batches, and
+gives the caches all its memory but a reserve sized for those (`mem_fraction_static_default`).
 
 The memory is read from the device's properties, which creates no CUDA context in the process that
 asks (the server's main process resolves its arguments before the scheduler starts).
@@ -38,6 +39,19 @@ def gpu_memory_defaults(memory_mib: int | None) -> GpuMemoryDefaults:
         if memory_mib < below:
             return defaults
     return LARGEST_GPU
+
+
+def mem_fraction_static_default(memory_mib: int, prefill_tokens: int, cuda_graph_max_bs: int) -> float | None:
+    """The fraction of a GPU of `memory_mib` MiB that weights and caches may take: all but a reserve of
+    512 MiB (metadata), 1.5 MiB per token of the largest prefill forward (at least 2,048 tokens:
+    activations), 2 MiB per graph batch size up to `cuda_graph_max_bs` (0: no graphs) and 128 MiB (one
+    GPU's share of the parallel slack); at least 10 GiB on a GPU above 60 GiB. None where the reserve
+    leaves nothing (the pool sizing's own default then applies)."""
+    reserved = 512 + max(prefill_tokens, 2048) * 1.5 + cuda_graph_max_bs * 2 + 1024 / 8
+    if memory_mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    fraction = round((memory_mib - reserved) / memory_mib, 3)
+    return fraction if fraction > 0 else None
 
 
 def gpu_memory_mib() -> int | None:

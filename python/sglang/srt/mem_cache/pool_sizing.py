@@ -23,6 +23,8 @@ from sglang.srt.server_args import ServerArgs, ServerArgsError
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_MEM_FRACTION = 0.02
+# Where ServerArgs left --mem-fraction-static unset on CUDA (the GPU's memory could not be read; it
+# otherwise sets SGLang's default for the GPU: `configs/gpu_memory_defaults.py`).
 GPU_DEFAULT_MEM_FRACTION = 0.85
 MAX_RUNNING_REQUESTS_CAP = 4096
 
