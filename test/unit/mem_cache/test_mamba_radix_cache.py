@@ -74,6 +74,55 @@ def test_mamba_lru_refreshes_only_the_consumed_node():
     sim.check()
 
 
+def _locked_head_tree(locked: int, free: int) -> tuple[MemCacheSim, list, list[int]]:
+    """`locked` checkpoints held as by requests (the least recently used: where running requests'
+    nodes gather), then `free` unlocked ones, some inner nodes and some leaves; returns the locked
+    nodes and the free slots in LRU order."""
+    sim = MemCacheSim(chunk=2, extra_buffer=False, mamba_slots=locked + free + 4, kv_tokens=8 * (locked + free))
+    held = []
+    for i in range(locked):
+        res, _ = _insert(sim, [100 + i, 1])
+        sim.tree.inc_lock_ref(res.last_node)
+        held.append(res.last_node)
+    order = []
+    for i in range(free):
+        res, slot = _insert(sim, [200 + i, 1])
+        order.append(slot)
+        if i % 3 == 0:  # an inner node with a checkpoint: freeing it leaves a tombstone
+            _, deeper = _insert(sim, [200 + i, 1, 5, 6], prev=2, tree_values=list(res.last_node.value))
+            order.append(deeper)
+    return sim, held, order
+
+
+def test_evict_mamba_frees_in_lru_order_in_one_pass(monkeypatch):
+    """Freeing k checkpoints frees the same ones as k single evictions (LRU order past the locked
+    nodes, inner nodes and leaves alike) and walks the LRU list once: 64 locked nodes ahead of 12 to
+    free cost 76 visits, where a scan from the list's start per checkpoint took ~12 x 64."""
+    from sglang.srt.mem_cache.mamba_tree import LRUList
+
+    sim, held, order = _locked_head_tree(locked=64, free=9)
+    one_by_one, _, _ = _locked_head_tree(locked=64, free=9)
+    visits = []
+    walk = LRUList.__iter__
+
+    def counted(lru):
+        for node in walk(lru):
+            visits.append(node)
+            yield node
+
+    monkeypatch.setattr(LRUList, "__iter__", counted)
+    assert sim.tree.evict_mamba(len(order)) == len(order) == 12
+    assert len(visits) <= 64 + len(order) + 1
+    for _ in order:
+        assert one_by_one.tree.evict_mamba(1) == 1
+    assert sorted(sim.tree.held_mamba_slots()) == sorted(one_by_one.tree.held_mamba_slots())
+    assert not set(order) & set(sim.tree.held_mamba_slots()), "exactly the unlocked checkpoints went"
+    assert sim.tree.evict_mamba(1) == 0, "only locked checkpoints are left"
+    for node in held:
+        sim.tree.dec_lock_ref(node)
+    sim.check()
+
+
 def test_insert_frees_duplicates_only_past_prev_prefix_len():
     sim = MemCacheSim(chunk=2, extra_buffer=False)
     key = list(range(1, 11))

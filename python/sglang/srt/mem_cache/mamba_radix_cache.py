@@ -290,8 +290,14 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         """Free `num` unlocked checkpoints in LRU order: an inner node becomes a tombstone (its KV stays
         usable as a path), a leaf is evicted whole."""
         freed = 0
+        # One pass over the LRU for the whole call, not one from its start per checkpoint (the locked
+        # nodes of running requests gather there): freeing a checkpoint changes no other node's lock
+        # or place in this list, and evicting a leaf removes from it only that node (`_evict_leaf`
+        # stops at the first parent with a checkpoint), which the iteration survives; so the order is
+        # the same as a new scan's each time.
+        unlocked = (n for n in self.mamba_lru if n.mamba_lock_ref == 0)
         while freed < num:
-            node = next((n for n in self.mamba_lru if n.mamba_lock_ref == 0), None)
+            node = next(unlocked, None)
             if node is None:
                 break
             if node.is_leaf:
