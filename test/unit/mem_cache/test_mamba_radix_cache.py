@@ -123,6 +123,75 @@ def test_evict_mamba_frees_in_lru_order_in_one_pass(monkeypatch):
     sim.check()
 
 
+def _random_tree(seed: int) -> tuple[MemCacheSim, list]:
+    """Keys over three tokens with shared prefixes (splits, tombstones, chains of checkpoints whose
+    parents become leaves as they go), a third of them locked as by requests, touched in random order."""
+    import random
+
+    rng = random.Random(seed)
+    sim = MemCacheSim(chunk=2, extra_buffer=False, mamba_slots=200, kv_tokens=2000)
+    held = []
+    for _ in range(60):
+        key = [rng.randint(1, 3) for _ in range(rng.randint(2, 12))]
+        m = sim.tree.match_prefix(key)
+        if len(m.device_indices) < len(key):
+            prev = len(m.device_indices)
+            res, _ = _insert(sim, key, prev=prev, tree_values=list(m.device_indices))
+            node = res.last_node
+        else:
+            node = m.last_device_node
+        if rng.random() < 0.3 and node.mamba_value is not None:
+            sim.tree.inc_lock_ref(node)
+            held.append(node)
+    return sim, held
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_evict_full_frees_the_leaves_single_evictions_would(seed, monkeypatch):
+    """Evicting N tokens frees the same KV, checkpoints and nodes as single-leaf evictions repeated until
+    N are free (least recent unlocked leaf first, a parent once its last child goes), on random trees."""
+    for target in (1, 7, 30, 10_000):
+        sim, held = _random_tree(seed)
+        ref, ref_held = _random_tree(seed)
+        freed = sim.tree.evict_full(target)
+        ref_freed = 0
+        while ref_freed < target:
+            n = ref.tree.evict_full(1)
+            if n == 0:
+                break
+            ref_freed += n
+        assert freed == ref_freed
+        assert sorted(sim.tree.held_kv_slots()) == sorted(ref.tree.held_kv_slots())
+        assert sorted(sim.tree.held_mamba_slots()) == sorted(ref.tree.held_mamba_slots())
+        for tree_sim, locked in ((sim, held), (ref, ref_held)):
+            for node in locked:
+                tree_sim.tree.dec_lock_ref(node)
+            tree_sim.check()
+
+
+def test_evict_full_walks_the_lru_a_bounded_number_of_times(monkeypatch):
+    """Evicting many leaves behind many locked nodes walks the LRU list about twice (the first leaf's
+    scan, then one ranking pass), where a scan from its start per leaf walked it once per leaf."""
+    from sglang.srt.mem_cache.mamba_tree import LRUList
+
+    sim, held, order = _locked_head_tree(locked=64, free=9)
+    visits = []
+    walk = LRUList.__iter__
+
+    def counted(lru):
+        for node in walk(lru):
+            visits.append(node)
+            yield node
+
+    monkeypatch.setattr(LRUList, "__iter__", counted)
+    size = len(sim.tree.full_lru)
+    assert sim.tree.evict_full(10_000) > 0 and not set(order) & set(sim.tree.held_mamba_slots())
+    assert len(visits) <= 3 * size
+    for node in held:
+        sim.tree.dec_lock_ref(node)
+    sim.check()
+
+
 def test_insert_frees_duplicates_only_past_prev_prefix_len():
     sim = MemCacheSim(chunk=2, extra_buffer=False)
     key = list(range(1, 11))

@@ -15,6 +15,7 @@ one checkpoint, the operation degrades (no hit, or no checkpoint) and says so to
 
 from __future__ import annotations
 
+import heapq
 import logging
 import operator
 from typing import TYPE_CHECKING
@@ -278,13 +279,33 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
     def evict_full(self, num_tokens: int) -> int:
         """Evict unlocked leaves in LRU order (with their checkpoints, then tombstone parents that become
         leaves) until `num_tokens` KV slots are free or nothing is evictable."""
-        freed = 0
-        while freed < num_tokens:
-            leaf = next((n for n in self.full_lru if n.is_leaf and n.full_lock_ref == 0), None)
-            if leaf is None:
-                break
-            freed += self._evict_leaf(leaf)
+        if num_tokens <= 0:
+            return 0
+        leaf = next((n for n in self.full_lru if self._full_evictable(n)), None)
+        if leaf is None:
+            return 0
+        freed, _ = self._evict_leaf(leaf)
+        if freed >= num_tokens:
+            return freed  # the usual case: one leaf, found by a scan that stops there
+        # More leaves: one pass ranks the list, then a heap gives the least recent evictable leaf each
+        # time, where a scan from the start per leaf walked every locked and inner node again. Locks
+        # do not change here and nodes only leave the list, so the heap's order is the scan's; a
+        # parent becomes evictable when its last child goes, and joins the heap at its rank.
+        rank = {n.id: i for i, n in enumerate(self.full_lru)}
+        ready = [(rank[n.id], n.id, n) for n in self.full_lru if self._full_evictable(n)]
+        heapq.heapify(ready)
+        while freed < num_tokens and ready:
+            _, _, leaf = heapq.heappop(ready)
+            if leaf.id not in rank:
+                continue  # evicted with a leaf below it
+            n, parent = self._evict_leaf(leaf, evicted=rank)
+            freed += n
+            if self._full_evictable(parent):
+                heapq.heappush(ready, (rank[parent.id], parent.id, parent))
         return freed
+
+    def _full_evictable(self, node: TreeNode) -> bool:
+        return node.is_leaf and node.full_lock_ref == 0 and node is not self.root
 
     def evict_mamba(self, num: int) -> int:
         """Free `num` unlocked checkpoints in LRU order: an inner node becomes a tombstone (its KV stays
@@ -315,7 +336,9 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         self.mamba_lru.remove(node)
         self.mamba_evictable_size_ -= 1
 
-    def _evict_leaf(self, leaf: TreeNode) -> int:
+    def _evict_leaf(self, leaf: TreeNode, evicted: dict | None = None) -> tuple[int, TreeNode]:
+        """Evict `leaf` and the tombstone parents that become leaves (their ids leave `evicted`);
+        returns the KV slots freed and the first node kept above them."""
         freed = 0
         node = leaf
         while node is not self.root and node.is_leaf and node.full_lock_ref == 0:
@@ -329,5 +352,7 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
             self.full_evictable_size_ -= len(node.value)
             self.full_lru.remove(node)
             del parent.children[self._child_key(node.key)]
+            if evicted is not None:
+                del evicted[node.id]
             node = parent
-        return freed
+        return freed, node
