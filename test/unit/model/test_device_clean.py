@@ -215,3 +215,36 @@ def test_a_result_copy_that_never_completes_trips_the_watchdog():
     host = PendingResult(**fields, copied=Done()).wait(timeout=0.02)
     assert host.next_token_ids == [5, 7] and all(type(t) is int for t in host.next_token_ids)
     assert host.next_token_logprobs == [-0.5, -1.25]
+
+
+def test_result_copy_without_logprobs_runs_no_kernel_before_it():
+    """The step's one result copy: without logprobs the ids go as they are (int64, exact beyond 2**53;
+    no cast or stack launched first), with logprobs stacked as float64; `PendingResult.wait` gives
+    ints and floats either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sglang.srt.model_executor.forward_worker import PendingResult, results_to_host
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.tensor([3, 2**53 + 1, 7])
+    with Ops() as ops:
+        packed, event = results_to_host(ids, None)
+    # (On CPU `.cpu()` is the tensor itself; on CUDA the copy into pinned memory follows.)
+    assert set(ops.names) <= {"view.default"}, ops.names
+    assert packed.dtype == torch.int64 and event is None
+    fields = dict(next_token_top_logprobs=None, input_token_logprobs=None, input_top_logprobs=None)
+    host = PendingResult(packed=packed, has_logprobs=False, **fields).wait()
+    assert host.next_token_ids == [3, 2**53 + 1, 7] and all(type(t) is int for t in host.next_token_ids)
+    assert host.next_token_logprobs is None
+    lp = torch.tensor([-0.5, -1.25, -3.0])
+    packed, _ = results_to_host(ids[[0, 2]], lp[[0, 2]])
+    host = PendingResult(packed=packed, has_logprobs=True, **fields).wait()
+    assert host.next_token_ids == [3, 7] and host.next_token_logprobs == [-0.5, -3.0]

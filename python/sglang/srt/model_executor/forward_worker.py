@@ -66,7 +66,8 @@ class HostBatchResult:
 class PendingResult:
     """A batch's results on their way to the host (see the module docstring)."""
 
-    # [1 or 2, bs] float64 on the host (pinned on CUDA): the sampled ids, then their logprobs if any.
+    # [1 or 2, bs] on the host (pinned on CUDA): the sampled ids, then their logprobs if any
+    # (`results_to_host`: int64 ids alone, float64 with logprobs).
     packed: torch.Tensor
     has_logprobs: bool
     next_token_top_logprobs: list[TopLogprobs | None] | None
@@ -97,14 +98,17 @@ class PendingResult:
 
 
 def results_to_host(ids: torch.Tensor, logprobs: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
-    """Start the step's one device-to-host copy of device results: ids and logprobs stacked as float64
-    (exact for token ids below 2**53 and for float32 logprobs). On CUDA into pinned memory without
-    blocking, returning an event recorded after it; elsewhere a plain copy and no event."""
-    rows = [ids.to(torch.float64)] + ([] if logprobs is None else [logprobs.to(torch.float64)])
-    packed = torch.stack(rows)
+    """Start the step's one device-to-host copy of device results [1 or 2, bs]: the ids as they are
+    (int64) when there are no logprobs (no kernel before the copy), else ids and logprobs stacked as
+    float64 (exact for token ids below 2**53 and for float32 logprobs). On CUDA into pinned memory
+    without blocking, returning an event recorded after it; elsewhere a plain copy and no event."""
+    if logprobs is None:
+        packed = ids.reshape(1, -1)
+    else:
+        packed = torch.stack([ids.to(torch.float64), logprobs.to(torch.float64)])
     if packed.device.type != "cuda":
         return packed.cpu(), None
-    host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
     host.copy_(packed, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
