@@ -59,6 +59,26 @@ def _kernel_package_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d"))
 
 
+def _recompute_rotary_buffers(model: torch.nn.Module) -> None:
+    """Fill the rotary embeddings' inverse frequencies (buffers outside the checkpoint) from the config
+    again. transformers computes them in `_init_weights`, which skips a tensor it takes for initialised;
+    in a process that built a model under `torch.device("meta")` inside a TorchDispatchMode before (the
+    meta-device audits of test_device_clean), it skipped them and left uninitialised memory (transformers
+    5.24, torch 2.13; the oracle's logprobs then moved by up to 0.36). The cause is not ours to fix; the
+    oracle must not depend on what ran before it."""
+    for module in model.modules():
+        if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
+            init = getattr(module, f"compute_{module.rope_type}_rope_parameters", None)
+            if init is None:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                init = ROPE_INIT_FUNCTIONS[module.rope_type]
+            inv_freq, _ = init(module.config)
+            with torch.no_grad():
+                module.inv_freq.copy_(inv_freq)
+                module.original_inv_freq.copy_(inv_freq)
+
+
 class ReferenceModel:
     def __init__(self, model_path: str):
         from transformers import AutoModelForCausalLM
@@ -72,6 +92,7 @@ class ReferenceModel:
         ).eval()
         self.config = self.model.config
         self.arch = hybrid_arch_config(self.config)
+        _recompute_rotary_buffers(self.model)
         swapped = use_torch_kernels(self.model)
         if not swapped and _kernel_package_installed() and not _ORACLE_MODULES_SWAPPED:
             # transformers before 5.17 binds the kernel packages per layer, where this cannot undo it.

@@ -129,3 +129,30 @@ def test_the_oracle_runs_transformers_torch_code_beside_installed_kernel_package
     # Same torch code on the same machine; 1e-6 allows another summation order across processes.
     want = oracles["tiny-qwen3-next"].token_logprobs(ids)
     assert (torch.tensor(got["lp"]) - want).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_the_oracle_is_exact_after_a_meta_device_audit(name):
+    """An oracle built after one of our models was constructed on the meta device inside a dispatch mode
+    (the meta-device audits do that) keeps exact buffers: transformers had left its rotary frequencies
+    uninitialised there (ReferenceModel refills them). Its only buffers outside the checkpoint are the
+    rotary ones, so refilling them covers them all."""
+    from sglang.srt.models.registry import get_model_class
+    from sglang.srt.server_args import ServerArgs
+    from sglang.test.device_audit import DeviceAudit
+    from sglang.test.reference import ReferenceModel
+
+    hf_config = ServerArgs(model_path=name).model_config.hf_config
+    with DeviceAudit(), torch.device("meta"):
+        get_model_class(hf_config)(hf_config)
+    ref = ReferenceModel(name)
+    persistent = set(ref.model.state_dict())
+    outside = {n for n, _ in ref.model.named_buffers() if n not in persistent}
+    assert outside <= {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}, outside
+    for module in ref.model.modules():
+        if hasattr(module, "original_inv_freq"):
+            params = module.config.rope_parameters
+            dim = int(module.config.head_dim * params.get("partial_rotary_factor", 1.0))
+            want = 1.0 / params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+            torch.testing.assert_close(module.inv_freq, want, rtol=1e-6, atol=0)
+            assert torch.equal(module.inv_freq, module.original_inv_freq)
