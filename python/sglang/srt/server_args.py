@@ -86,7 +86,8 @@ class ServerArgs:
     max_running_requests: int | None = None
     max_total_tokens: int | None = None
     max_prefill_tokens: int = 16384
-    # None: 2048 (rounded to the mamba cache chunk); -1 (or 0): chunked prefill off.
+    # None: 2048 on CPU, on CUDA SGLang's for the GPU's memory (`_handle_gpu_memory_settings`), rounded
+    # to the mamba cache chunk; -1 (or 0): chunked prefill off.
     chunked_prefill_size: int | None = None
     page_size: int = 1
     # "auto": the model's dtype; see KV_CACHE_DTYPE_CHOICES.
@@ -104,7 +105,8 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
-    # None: min(160, the running cap); `cuda_graph_bs` (sizes to capture) overrides it.
+    # None: on CUDA SGLang's for the GPU's memory (160 where unknown), never above the running cap;
+    # `cuda_graph_bs` (sizes to capture) overrides it.
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
 
@@ -312,9 +314,12 @@ class ServerArgs:
         if wants_graph_bs:
             self.cuda_graph_max_bs = defaults.cuda_graph_max_bs
         if self.mem_fraction_static is None and memory is not None:
-            chunk = self.chunked_prefill_size or defaults.chunked_prefill_size
-            prefill_tokens = chunk if chunk > 0 else self.max_prefill_tokens
-            graph_bs = 0 if self.disable_cuda_graph else self.cuda_graph_max_bs or max(self.cuda_graph_bs)
+            chunk = self.chunked_prefill_size
+            chunk = defaults.chunked_prefill_size if chunk is None else chunk
+            prefill_tokens = chunk if chunk > 0 else self.max_prefill_tokens  # 0 and -1: no chunking
+            # The graphs captured: the listed sizes where given (they win over the largest size).
+            graph_bs = max(self.cuda_graph_bs) if self.cuda_graph_bs else self.cuda_graph_max_bs
+            graph_bs = graph_bs if self.cuda_graph_enabled else 0
             self.mem_fraction_static = mem_fraction_static_default(memory, prefill_tokens, graph_bs)
         logger.info(
             "GPU memory %s: defaults --chunked-prefill-size %d, --cuda-graph-max-bs %d, --mem-fraction-static "

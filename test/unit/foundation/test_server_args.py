@@ -248,7 +248,7 @@ def test_cuda_defaults_follow_gpu_memory(monkeypatch, memory_mib, chunk, graph_b
     monkeypatch.setattr(server_args_module, "gpu_memory_mib", lambda: memory_mib)
     args = ServerArgs()
     assert args.chunked_prefill_size == 2048 and args.cuda_graph_max_bs is None
-    args.device = "cuda"
+    args.device, args.attention_backend = "cuda", "triton"  # as resolved on a GPU machine
     args.chunked_prefill_size = None
     args._handle_chunk_aligned_sizes(args._handle_gpu_memory_settings())
     assert args.chunked_prefill_size == chunk and args.cuda_graph_max_bs == graph_bs
@@ -283,6 +283,7 @@ def test_cuda_memory_defaults_keep_given_flags_and_alignment(monkeypatch):
     def on_cuda(**kwargs) -> ServerArgs:
         args = ServerArgs(**kwargs)
         args.device = "cuda"
+        args.attention_backend = kwargs.get("attention_backend", "triton")  # as resolved on a GPU machine
         args.chunked_prefill_size = kwargs.get("chunked_prefill_size")
         args._handle_chunk_aligned_sizes(args._handle_gpu_memory_settings())
         return args
@@ -292,9 +293,23 @@ def test_cuda_memory_defaults_keep_given_flags_and_alignment(monkeypatch):
     assert probes == []
     listed = on_cuda(cuda_graph_bs=[1, 8])
     assert listed.cuda_graph_max_bs is None and listed.chunked_prefill_size == 8192
-    # The graph reserve follows the listed sizes (16 MiB for 8) and vanishes with graphs off (no 512 MiB).
-    no_graphs = on_cuda(disable_cuda_graph=True)
-    assert no_graphs.mem_fraction_static > on_cuda().mem_fraction_static
+    # The graph reserve follows the captured sizes: 2 MiB x 8 listed (not 2 x 512 given beside them),
+    # 2 x 256 by default, none with graphs off or with the torch attention (which captures none).
+    both = on_cuda(cuda_graph_bs=[1, 8], cuda_graph_max_bs=512)
+    graphs_off = [on_cuda(disable_cuda_graph=True), on_cuda(attention_backend="torch_native")]
+    reserve = {  # MiB: 512 + 1.5 x 8192 + 128 = 12,928 and the graphs'
+        name: round((1 - a.mem_fraction_static) * 81_559)
+        for name, a in [("listed", listed), ("both", both), ("default", on_cuda()), ("off", graphs_off[0]),
+                        ("torch attention", graphs_off[1])]
+    }  # fmt: skip
+    assert abs(reserve["listed"] - (12_928 + 16)) <= 41 and reserve["both"] == reserve["listed"]
+    assert abs(reserve["default"] - (12_928 + 512)) <= 41
+    assert abs(reserve["off"] - 12_928) <= 41 and reserve["torch attention"] == reserve["off"]
+    # Chunked prefill off (0 or -1): the reserve is for the largest prefill, --max-prefill-tokens.
+    for off in (0, -1):
+        unchunked = on_cuda(chunked_prefill_size=off)
+        assert unchunked.chunked_prefill_size == -1
+        assert abs((1 - unchunked.mem_fraction_static) * 81_559 - (640 + 1.5 * 16384 + 512)) <= 41
     # A given chunk sizes the reserve; at 2,048 tokens it is under the 10 GiB floor of an 80 GiB GPU.
     only_chunk = on_cuda(chunked_prefill_size=2048)
     assert only_chunk.chunked_prefill_size == 2048 and only_chunk.mem_fraction_static == 0.874

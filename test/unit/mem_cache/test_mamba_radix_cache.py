@@ -95,9 +95,9 @@ def _locked_head_tree(locked: int, free: int) -> tuple[MemCacheSim, list, list[i
 
 
 def test_evict_mamba_frees_in_lru_order_in_one_pass(monkeypatch):
-    """Freeing k checkpoints frees the same ones as k single evictions (LRU order past the locked
-    nodes, inner nodes and leaves alike) and walks the LRU list once: 64 locked nodes ahead of 12 to
-    free cost 76 visits, where a scan from the list's start per checkpoint took ~12 x 64."""
+    """Freeing 7 of 12 unlocked checkpoints frees the 7 least recent, as 7 single evictions do (LRU
+    order past the locked nodes, inner nodes and leaves alike), and walks the LRU list once: 64 locked
+    nodes ahead cost ~71 visits, where a scan from the list's start per checkpoint took ~7 x 64."""
     from sglang.srt.mem_cache.mamba_tree import LRUList
 
     sim, held, order = _locked_head_tree(locked=64, free=9)
@@ -111,13 +111,14 @@ def test_evict_mamba_frees_in_lru_order_in_one_pass(monkeypatch):
             yield node
 
     monkeypatch.setattr(LRUList, "__iter__", counted)
-    assert sim.tree.evict_mamba(len(order)) == len(order) == 12
-    assert len(visits) <= 64 + len(order) + 1
-    for _ in order:
+    assert len(order) == 12 and sim.tree.evict_mamba(7) == 7
+    assert len(visits) <= 64 + 7 + 1
+    for _ in range(7):
         assert one_by_one.tree.evict_mamba(1) == 1
     assert sorted(sim.tree.held_mamba_slots()) == sorted(one_by_one.tree.held_mamba_slots())
-    assert not set(order) & set(sim.tree.held_mamba_slots()), "exactly the unlocked checkpoints went"
-    assert sim.tree.evict_mamba(1) == 0, "only locked checkpoints are left"
+    assert set(order[7:]) <= set(sim.tree.held_mamba_slots()), "the 5 most recent unlocked ones stay"
+    assert not set(order[:7]) & set(sim.tree.held_mamba_slots()), "the 7 least recent went"
+    assert sim.tree.evict_mamba(100) == 5, "then the rest; locked checkpoints never"
     for node in held:
         sim.tree.dec_lock_ref(node)
     sim.check()
@@ -125,14 +126,16 @@ def test_evict_mamba_frees_in_lru_order_in_one_pass(monkeypatch):
 
 def _random_tree(seed: int) -> tuple[MemCacheSim, list]:
     """Keys over three tokens with shared prefixes (splits, tombstones, chains of checkpoints whose
-    parents become leaves as they go), a third of them locked as by requests, touched in random order."""
+    parents become leaves as they go), a third of them locked as by requests, then half of them matched
+    again in random order, so that recency is not creation order."""
     import random
 
     rng = random.Random(seed)
     sim = MemCacheSim(chunk=2, extra_buffer=False, mamba_slots=200, kv_tokens=2000)
-    held = []
+    held, keys = [], []
     for _ in range(60):
         key = [rng.randint(1, 3) for _ in range(rng.randint(2, 12))]
+        keys.append(key)
         m = sim.tree.match_prefix(key)
         if len(m.device_indices) < len(key):
             prev = len(m.device_indices)
@@ -143,6 +146,8 @@ def _random_tree(seed: int) -> tuple[MemCacheSim, list]:
         if rng.random() < 0.3 and node.mamba_value is not None:
             sim.tree.inc_lock_ref(node)
             held.append(node)
+    for key in rng.sample(keys, 30):  # matches refresh old paths: recency unlike creation order
+        sim.tree.match_prefix(key)
     return sim, held
 
 
@@ -150,7 +155,7 @@ def _random_tree(seed: int) -> tuple[MemCacheSim, list]:
 def test_evict_full_frees_the_leaves_single_evictions_would(seed, monkeypatch):
     """Evicting N tokens frees the same KV, checkpoints and nodes as single-leaf evictions repeated until
     N are free (least recent unlocked leaf first, a parent once its last child goes), on random trees."""
-    for target in (1, 7, 30, 10_000):
+    for target in (1, 7, 30, 60, 10_000):
         sim, held = _random_tree(seed)
         ref, ref_held = _random_tree(seed)
         freed = sim.tree.evict_full(target)

@@ -5,8 +5,10 @@ takes longer prefill chunks (fewer forwards for a long prompt or a burst of prom
 tokens are 8 extends at 2,048 tokens, 2 at 8,192), captures CUDA graphs for larger decode batches, and
 gives the caches all its memory but a reserve sized for those (`mem_fraction_static_default`).
 
-The memory is read from the device's properties, which creates no CUDA context in the process that
-asks (the server's main process resolves its arguments before the scheduler starts).
+The memory is read from the device's properties: unlike `torch.cuda.mem_get_info`, that creates no CUDA
+context (no device memory) in the process that asks, the server's main process, which resolves its
+arguments before it starts the scheduler. It does initialise torch's CUDA state there (as upstream's
+`nvidia-smi` query would not); the server's children are started by spawn, so they do not inherit it.
 """
 
 from __future__ import annotations

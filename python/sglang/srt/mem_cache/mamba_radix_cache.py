@@ -281,18 +281,30 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         leaves) until `num_tokens` KV slots are free or nothing is evictable."""
         if num_tokens <= 0:
             return 0
-        leaf = next((n for n in self.full_lru if self._full_evictable(n)), None)
-        if leaf is None:
-            return 0
-        freed, _ = self._evict_leaf(leaf)
+        # A scan from the list's start per leaf stops at the first evictable one: cheap while those
+        # sit near the start, but each scan walks every locked and inner node before them again. Once
+        # the scans have walked more nodes than the list holds, one ranking pass and a heap take over.
+        freed, walked, size = 0, 0, len(self.full_lru)
+        while freed < num_tokens and walked <= size:
+            leaf, steps = None, 0
+            for steps, node in enumerate(self.full_lru, 1):  # noqa: B007 - read after the loop
+                if not node.children and node.full_lock_ref == 0:  # (the root is not in the list)
+                    leaf = node
+                    break
+            if leaf is None:
+                return freed
+            walked += steps
+            freed += self._evict_leaf(leaf)[0]
         if freed >= num_tokens:
-            return freed  # the usual case: one leaf, found by a scan that stops there
-        # More leaves: one pass ranks the list, then a heap gives the least recent evictable leaf each
-        # time, where a scan from the start per leaf walked every locked and inner node again. Locks
-        # do not change here and nodes only leave the list, so the heap's order is the scan's; a
-        # parent becomes evictable when its last child goes, and joins the heap at its rank.
-        rank = {n.id: i for i, n in enumerate(self.full_lru)}
-        ready = [(rank[n.id], n.id, n) for n in self.full_lru if self._full_evictable(n)]
+            return freed
+        # Locks do not change here and nodes only leave the list, so the heap's order (by rank in the
+        # list) is the scan's; a parent becomes evictable when its last child goes, and joins the heap
+        # at its rank.
+        rank, ready = {}, []
+        for i, node in enumerate(self.full_lru):
+            rank[node.id] = i
+            if not node.children and node.full_lock_ref == 0:
+                ready.append((i, node.id, node))
         heapq.heapify(ready)
         while freed < num_tokens and ready:
             _, _, leaf = heapq.heappop(ready)
