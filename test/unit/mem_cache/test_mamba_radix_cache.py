@@ -94,16 +94,11 @@ def _locked_head_tree(locked: int, free: int) -> tuple[MemCacheSim, list, list[i
     return sim, held, order
 
 
-def test_evict_mamba_frees_in_lru_order_in_one_pass(monkeypatch):
-    """Freeing 7 of 12 unlocked checkpoints frees the 7 least recent, as 7 single evictions do (LRU
-    order past the locked nodes, inner nodes and leaves alike), and walks the LRU list once: 64 locked
-    nodes ahead cost ~71 visits, where a scan from the list's start per checkpoint took ~7 x 64."""
+def _count_lru_visits(monkeypatch) -> list:
+    """The nodes every LRU-list walk visits from now on, in a list that grows as they are walked."""
     from sglang.srt.mem_cache.mamba_tree import LRUList
 
-    sim, held, order = _locked_head_tree(locked=64, free=9)
-    one_by_one, _, _ = _locked_head_tree(locked=64, free=9)
-    visits = []
-    walk = LRUList.__iter__
+    visits, walk = [], LRUList.__iter__
 
     def counted(lru):
         for node in walk(lru):
@@ -111,6 +106,16 @@ def test_evict_mamba_frees_in_lru_order_in_one_pass(monkeypatch):
             yield node
 
     monkeypatch.setattr(LRUList, "__iter__", counted)
+    return visits
+
+
+def test_evict_mamba_frees_in_lru_order_in_one_pass(monkeypatch):
+    """Freeing 7 of 12 unlocked checkpoints frees the 7 least recent, as 7 single evictions do (LRU
+    order past the locked nodes, inner nodes and leaves alike), and walks the LRU list once: 64 locked
+    nodes ahead cost ~71 visits, where a scan from the list's start per checkpoint took ~7 x 64."""
+    sim, held, order = _locked_head_tree(locked=64, free=9)
+    one_by_one, _, _ = _locked_head_tree(locked=64, free=9)
+    visits = _count_lru_visits(monkeypatch)
     assert len(order) == 12 and sim.tree.evict_mamba(7) == 7
     assert len(visits) <= 64 + 7 + 1
     for _ in range(7):
@@ -175,20 +180,11 @@ def test_evict_full_frees_the_leaves_single_evictions_would(seed, monkeypatch):
 
 
 def test_evict_full_walks_the_lru_a_bounded_number_of_times(monkeypatch):
-    """Evicting many leaves behind many locked nodes walks the LRU list about twice (the first leaf's
-    scan, then one ranking pass), where a scan from its start per leaf walked it once per leaf."""
-    from sglang.srt.mem_cache.mamba_tree import LRUList
-
+    """Evicting many leaves behind many locked nodes walks the LRU list at most three times (scans from
+    its start until they have walked its length, then one ranking pass), where a scan per leaf walked
+    the locked nodes once per leaf."""
     sim, held, order = _locked_head_tree(locked=64, free=9)
-    visits = []
-    walk = LRUList.__iter__
-
-    def counted(lru):
-        for node in walk(lru):
-            visits.append(node)
-            yield node
-
-    monkeypatch.setattr(LRUList, "__iter__", counted)
+    visits = _count_lru_visits(monkeypatch)
     size = len(sim.tree.full_lru)
     assert sim.tree.evict_full(10_000) > 0 and not set(order) & set(sim.tree.held_mamba_slots())
     assert len(visits) <= 3 * size
