@@ -3,7 +3,9 @@
 - a match + insert cycle of the mamba radix tree on a warm tree;
 - `MambaPool.copy_from` of 64 slots over all layers (one indexed op per state kind), for the tiny
   preset's shapes and for a 12-layer slice of a Qwen3-Next-80B rank at TP 8;
-- slot alloc/free, one at a time, and inside an allocation group.
+- slot alloc/free, one at a time, and inside an allocation group;
+- eviction of 2 and of 1,000 leaves (and as many checkpoints) from a 5,000-node tree whose 4,000 least
+  recent nodes are locked, as running requests' nodes gather at the start of the LRU lists.
 
     python benchmark/bench_mem_cache.py [--repeat N]
 """
@@ -94,6 +96,26 @@ def bench_alloc(grouped: bool, repeat: int) -> float:
     return timed(run, repeat) / 256
 
 
+def bench_evict(leaves: int, kind: str) -> float:
+    """One eviction of `leaves` 2-token leaves (`kind` "full": their KV, "mamba": their checkpoints)
+    behind 4,000 locked nodes, in a tree of 5,000; medians of 3 fresh trees."""
+    times = []
+    for _ in range(3):
+        strategy = MambaStrategy.resolve("no_buffer", radix_cache=True, overlap=False, cache_chunk_size=2)
+        pool = HybridReqToTokenPool(8, 5100, 64, TINY, strategy)
+        kv = PagedTokenAllocator(12_000, 1)
+        tree = MambaRadixCache(pool, kv, page_size=1)
+        for i in range(5000):
+            res = tree.insert([100_000 + i, 1], kv.alloc_extend(0, 2, 0), pool.mamba_allocator.alloc(1)[0], 0)
+            if i < 4000:
+                tree.inc_lock_ref(res.last_node)
+        start = time.perf_counter()
+        freed = tree.evict_full(2 * leaves) if kind == "full" else tree.evict_mamba(leaves)
+        times.append(time.perf_counter() - start)
+        assert freed == (2 * leaves if kind == "full" else leaves)
+    return sorted(times)[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=200)
@@ -113,6 +135,10 @@ def main() -> None:
     print(
         f"match + insert cycle (512-token keys, warm tree): {bench_match_insert(args.repeat) * 1e6:8.1f} us"
     )
+    for kind in ("full", "mamba"):
+        for leaves in (2, 1000):
+            t = bench_evict(leaves, kind)
+            print(f"evict_{kind} of {leaves:5d} behind 4,000 locked nodes (5,000 in all): {t * 1e3:8.2f} ms")
 
 
 if __name__ == "__main__":
