@@ -319,19 +319,40 @@ def test_cuda_memory_defaults_keep_given_flags_and_alignment(monkeypatch):
 
 
 def test_gpu_memory_probe(monkeypatch):
-    """The probe reads the current device's total memory in MiB from its properties (no CUDA context),
-    and gives None where no device can be read, as on this CPU machine."""
+    """The probe asks nvidia-smi for the first visible device's total memory (MiB), without touching
+    torch's CUDA state; where nvidia-smi fails it reads torch's device properties; where neither can,
+    as on this CPU machine, None."""
+    import subprocess
     from types import SimpleNamespace
 
-    from sglang.srt.configs.gpu_memory_defaults import gpu_memory_mib
+    import sglang.srt.configs.gpu_memory_defaults as probe
 
     if not torch.cuda.is_available():
-        assert gpu_memory_mib() is None
+        assert probe.gpu_memory_mib() is None
+    asked = []
+
+    def smi(cmd, **kwargs):
+        asked.append(cmd)
+        if smi.fails:
+            raise FileNotFoundError(cmd[0])
+        return SimpleNamespace(stdout="143771\n")
+
+    def properties(i):
+        raise AssertionError("torch's CUDA state is touched although nvidia-smi answered")
+
+    monkeypatch.setattr(subprocess, "run", smi)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    smi.fails = False
+    assert probe.gpu_memory_mib() == 143771 and asked[-1][-2:] == ["-i", "3"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert probe.gpu_memory_mib() == 143771 and asked[-1][-2:] == ["-i", "0"]
+    smi.fails = True
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=(i + 77) * 2**30)
     )
-    assert gpu_memory_mib() == 80 * 1024
+    assert probe.gpu_memory_mib() == 80 * 1024
 
 
 def test_pd_decode_turns_radix_off_and_falls_back_to_no_buffer(caplog):

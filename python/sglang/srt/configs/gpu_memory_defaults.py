@@ -5,14 +5,17 @@ takes longer prefill chunks (fewer forwards for a long prompt or a burst of prom
 tokens are 8 extends at 2,048 tokens, 2 at 8,192), captures CUDA graphs for larger decode batches, and
 gives the caches all its memory but a reserve sized for those (`mem_fraction_static_default`).
 
-The memory is read from the device's properties: unlike `torch.cuda.mem_get_info`, that creates no CUDA
-context (no device memory) in the process that asks, the server's main process, which resolves its
-arguments before it starts the scheduler. It does initialise torch's CUDA state there (as upstream's
-`nvidia-smi` query would not); the server's children are started by spawn, so they do not inherit it.
+The memory is read with `nvidia-smi`, as upstream reads it, for the first device CUDA_VISIBLE_DEVICES
+names: the process that asks (the server's main process, or the program that makes an `Engine`) gets
+no CUDA state of torch's, so it may still fork children that use CUDA. Where `nvidia-smi` cannot answer,
+the device's properties are read through torch: no CUDA context either (`torch.cuda.mem_get_info` would
+make one), but torch's CUDA state is then initialised in that process.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 from typing import NamedTuple
 
 
@@ -57,8 +60,15 @@ def mem_fraction_static_default(memory_mib: int, prefill_tokens: int, cuda_graph
 
 
 def gpu_memory_mib() -> int | None:
-    """Total memory of the CUDA device the server runs on (the current one), in MiB; None if it cannot
-    be read."""
+    """Total memory of the CUDA device the server runs on (the first visible one), in MiB: from
+    `nvidia-smi`, else from torch's device properties (module docstring); None if neither can read it."""
+    device = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", device]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True).stdout
+        return int(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass  # no nvidia-smi, or a device it does not name this way (a MIG instance): ask torch
     try:
         import torch
 
