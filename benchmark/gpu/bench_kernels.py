@@ -81,6 +81,7 @@ def _fla_available() -> bool:
 
 
 def gdn_prefill(device: str, tiny: bool, reps: int, kernels: bool = False) -> dict:
+    from sglang.srt.layers.attention.fla_chunks import chunk_layout
     from sglang.srt.layers.attention.linear.gated_delta_rule import l2norm
     from sglang.srt.layers.attention.linear.gdn_varlen import chunk_gdn_varlen_fla, chunk_gdn_varlen_torch
 
@@ -103,13 +104,16 @@ def gdn_prefill(device: str, tiny: bool, reps: int, kernels: bool = False) -> di
     if device == "cuda" and _fla_available():
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+        # FLA's chunk layout as serving has it: built on the host, moved with the batch (fla_chunks.py).
+        indices, offsets = chunk_layout(cu_cpu, 64, torch.device(device))
+        layout = dict(chunk_indices=indices, chunk_offsets=offsets)
         cases["ours (FLA steps + chunk states)"] = lambda: chunk_gdn_varlen_fla(
-            q, k, v, g, beta, h0, cu, cu_cpu, 64
+            q, k, v, g, beta, h0, cu, cu_cpu, 64, **layout
         )
         group = hv // hk
         qe, ke = q.repeat_interleave(group, 1)[None], k.repeat_interleave(group, 1)[None]
         cases["ours, q/k expanded to the value heads"] = lambda: chunk_gdn_varlen_fla(
-            qe[0], ke[0], v, g, beta, h0, cu, cu_cpu, 64
+            qe[0], ke[0], v, g, beta, h0, cu, cu_cpu, 64, **layout
         )
         cases["FLA public chunk_gated_delta_rule"] = lambda: chunk_gated_delta_rule(
             qe, ke, v[None], g[None], beta[None], scale=1.0, initial_state=h0, output_final_state=True,

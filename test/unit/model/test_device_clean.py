@@ -194,6 +194,38 @@ def test_the_cuda_default_kernels_are_device_clean(preset, dtype, monkeypatch):
     assert copier.devices and set(copier.devices) == {"meta"}
 
 
+def test_the_fla_extend_takes_its_chunk_layout_from_the_batch(monkeypatch):
+    """tiny-qwen3-next's extend through the FLA glue, as CUDA runs it (FLA's wrappers stood in for on
+    the meta device, `sglang/test/fake_fla.py`): FLA's chunk layout travels in the batch's one copy
+    and every layer's kernels get it, so no layer builds its own (in FLA, a blocking copy: a host sync
+    per Gated DeltaNet layer of every extend)."""
+    from sglang.test.fake_fla import fake_fla
+
+    launches = RecordedLaunches()
+    for module, name, value in launches.patches():
+        monkeypatch.setattr(module, name, value)
+    for var, value in CUDA_DEFAULT_ENV.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv(envs.SGLANG_GDN_EXTEND_BACKEND.name, "fla")
+    with fake_fla() as fla, DeviceAudit() as audit:
+        runner, _ = _meta_runner("tiny-qwen3-next", audit, attention_backend="triton")
+        linear = runner.attn_backend.linear_attn_backend
+        assert linear.varlen_impl.__name__ == "chunk_gdn_varlen_fla"
+        driver = RunnerDriver(runner)
+        lengths = [2 * linear.varlen_chunk + 5, 40]
+        reqs = [driver.new_request() for _ in lengths]
+        driver.extend([Extend(r, [5] * n) for r, n in zip(reqs, lengths, strict=True)], return_logprob=False)
+        _check_forward(audit, d2h=0)
+    calls = fla.called("chunk_gated_delta_rule_fwd_h")
+    assert len(calls) == len(runner.arch.linear_layer_ids) > 0
+    assert fla.called("prepare_chunk_indices") == []
+    chunks = sum(-(-n // linear.varlen_chunk) for n in lengths)
+    for call in calls:
+        assert call["chunk_indices"].is_meta and call["chunk_indices"].shape == (chunks, 2)
+        assert call["chunk_offsets"].is_meta and call["chunk_offsets"].shape == (len(lengths) + 1,)
+    assert all(c["chunk_indices"] is calls[0]["chunk_indices"] for c in calls), "one layout per batch"
+
+
 def test_a_result_copy_that_never_completes_trips_the_watchdog():
     """On a device the worker returns at launch, so the scheduler's watchdog must also bound the wait
     for the result copy (`PendingResult.wait(timeout)` polls its event)."""

@@ -89,7 +89,7 @@ class GDNAttnBackend(MambaAttnBackendBase):
             v_meta = self.meta.varlen
             out, final, chunk_states = self.varlen_impl(
                 q, k, v, g, beta, self.initial_ssm_batch(lid), v_meta.cu_seqlens, v_meta.cu_seqlens_cpu,
-                self.kernel_state_chunk,
+                self.varlen_chunk, chunk_indices=v_meta.chunk_indices, chunk_offsets=v_meta.chunk_offsets,
             )  # fmt: skip
             self.store_varlen_states(lid, final, chunk_states)
             return out.float()

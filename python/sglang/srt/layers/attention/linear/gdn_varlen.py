@@ -7,13 +7,17 @@ The contract both keep, for N sequences packed along T (`cu_seqlens` [N + 1]):
 - inputs: q, k [T, Hk, K] (l2-normalised, q scaled), v [T, Hv, V], g (log-decay), beta [T, Hv] float32,
   initial states [N, Hv, V, K] float32 (the pool's layout); value head j reads key head j // (Hv / Hk);
 - returns (out [T, Hv, V], final states [N, Hv, V, K] float32, chunk states [sum_i ceil(len_i / C), Hv,
-  V, K]): chunk state `chunk_offsets(cu)[i] + c` (`mamba_backend_base.chunk_offsets`) is sequence i's state at the START of its chunk c,
-  i.e. after c * C of its tokens, which is the cache's intermediate snapshot index c.
+  V, K]): chunk state `chunk_offsets(cu)[i] + c` (`layers/attention/fla_chunks.py`) is sequence i's
+  state at the START of its chunk c, i.e. after c * C of its tokens, which is the cache's intermediate
+  snapshot index c;
+- optional FLA chunk layout of the batch (`chunk_indices`, `chunk_offsets` on the device), which the
+  FLA path reads instead of building it (building it costs a host sync per layer).
 
 FLA's public `chunk_gated_delta_rule` does not return the chunk states, so the FLA path runs its four
 forward steps (cumsum of the gates, intra-chunk WY transform, chunk-to-chunk states, outputs), a recipe
 checked on an H100 against the public call (`../shared/reference/gpu.md`). FLA stores chunk states in
-the inputs' dtype (bfloat16 snapshots from bfloat16 inputs) and runs its dots in TF32.
+the inputs' dtype (bfloat16 snapshots from bfloat16 inputs) and runs its dots in TF32 (IEEE for
+float32 models: `layers/attention/fla_float32.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.layers.attention.fla_chunks import chunk_layout
 from sglang.srt.layers.attention.linear.gated_delta_rule import chunk_gated_delta_rule
 
 logger = logging.getLogger(__name__)
@@ -39,20 +44,24 @@ def chunk_gdn_varlen_fla(
     cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: list[int],
     chunk_size: int,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunk_indices` / `chunk_offsets`: FLA's chunk layout of the batch on the device, as the backend
+    moves it with the batch (`layers/attention/fla_chunks.py`); built and copied here when not given.
+    Given both, nothing here or in FLA's kernels' wrappers waits for the device."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
-    from fla.ops.utils.index import prepare_chunk_indices
 
     dtype = v.dtype if v.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     q, k, v = (t.to(dtype).unsqueeze(0).contiguous() for t in (q, k, v))
     g, beta = (t.float().unsqueeze(0).contiguous() for t in (g, beta))
+    if chunk_indices is None or chunk_offsets is None:
+        chunk_indices, chunk_offsets = chunk_layout(cu_seqlens_cpu, chunk_size, v.device)
     common = dict(cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-    # The host copy of cu_seqlens spares FLA a device read.
-    chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=torch.tensor(cu_seqlens_cpu))
     # The kernels use exp2: gates are cumulated per chunk and scaled by 1 / ln 2.
     g = chunk_local_cumsum(g, scale=RCP_LN2, chunk_indices=chunk_indices, **common)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_indices=chunk_indices, **common)
@@ -65,6 +74,7 @@ def chunk_gdn_varlen_fla(
         output_final_state=True,
         state_v_first=True,
         chunk_indices=chunk_indices,
+        chunk_offsets=chunk_offsets,
         **common,
     )
     out = chunk_fwd_o(
@@ -83,8 +93,11 @@ def chunk_gdn_varlen_torch(
     cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: list[int],
     chunk_size: int,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract in torch, one sequence at a time (`chunk_gated_delta_rule`)."""
+    """The contract in torch, one sequence at a time (`chunk_gated_delta_rule`); FLA's chunk layout
+    is not needed."""
     group = v.shape[1] // k.shape[1]
     q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)

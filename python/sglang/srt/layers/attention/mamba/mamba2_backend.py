@@ -81,7 +81,7 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
             v_meta = self.meta.varlen
             y, final, chunk_states = self.varlen_impl(
                 x, dt, A, B, C, layer.D, self.initial_ssm_batch(lid), v_meta.cu_seqlens, v_meta.cu_seqlens_cpu,
-                self.varlen_chunk,
+                self.varlen_chunk, chunk_indices=v_meta.chunk_indices, chunk_offsets=v_meta.chunk_offsets,
             )  # fmt: skip
             self.store_varlen_states(lid, final, chunk_states)
             return y

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang.srt.layers.attention.fla_chunks import chunk_layout_host, chunk_offsets
 from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend, causal_conv1d_update
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.srt.layers.gpu_ops import triton_chosen
@@ -87,14 +88,9 @@ class VarlenExtend:
     chunk_slots: torch.Tensor
     final_rows: torch.Tensor
     final_slots: torch.Tensor
-
-
-def chunk_offsets(cu_seqlens: list[int], chunk_size: int) -> list[int]:
-    """Index of each sequence's first chunk state in a packed batch (the total last)."""
-    out = [0]
-    for a, b in itertools.pairwise(cu_seqlens):
-        out.append(out[-1] + -(-(b - a) // chunk_size))
-    return out
+    # FLA's chunk layout of the batch at the kernel's chunk (`layers/attention/fla_chunks.py`).
+    chunk_indices: torch.Tensor  # [NT, 2]
+    chunk_offsets: torch.Tensor  # [N + 1]
 
 
 # The C++ extend ops run the recurrence token by token: per token and head K*V multiply-adds against
@@ -370,7 +366,8 @@ _TRITON_KEYS = tuple(
     f"linear.conv.{name}" for name in ("cu", "slots", "snap_seq", "snap_offset", "snap_slot")
 )
 _VARLEN_KEYS = tuple(
-    f"linear.varlen.{name}" for name in ("cu", "chunk_rows", "chunk_slots", "final_rows", "final_slots")
+    f"linear.varlen.{name}"
+    for name in ("cu", "chunk_rows", "chunk_slots", "final_rows", "final_slots", "chunk_indices", "chunk_offsets")
 )
 
 
@@ -403,7 +400,7 @@ def _triton_extend_args(
 
 def _varlen_host(seqs: list[ExtendSeq], chunk_size: int) -> list[torch.Tensor]:
     """`VarlenExtend`'s index tensors on the host: cu_seqlens, then the intermediate snapshots' (chunk
-    row, slot) and the final-state snapshots' (sequence, slot) columns."""
+    row, slot) and the final-state snapshots' (sequence, slot) columns, then FLA's chunk layout."""
     cu = list(itertools.accumulate((s.length for s in seqs), initial=0))
     first = chunk_offsets(cu, chunk_size)
     inter, final = [], []
@@ -415,7 +412,7 @@ def _varlen_host(seqs: list[ExtendSeq], chunk_size: int) -> list[torch.Tensor]:
                 # t.offset is a multiple of the kernel chunk, which chunk_size divides.
                 inter.append((first[i] + t.offset // chunk_size, t.slot))
     columns = [[r for r, _ in inter], [s for _, s in inter], [r for r, _ in final], [s for _, s in final]]
-    return [host_int64(cu), *(host_int64(c) for c in columns)]
+    return [host_int64(cu), *(host_int64(c) for c in columns), *chunk_layout_host(cu, chunk_size, first)]
 
 
 def _varlen_args(

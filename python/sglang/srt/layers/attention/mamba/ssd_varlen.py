@@ -10,7 +10,8 @@ The contract both keep, for N sequences packed along T (`cu_seqlens` [N + 1]) an
 - inputs: x [T, H, P], dt [T, H] (biased, softplus'd, clamped), A, D [H], B, C [T, G, N] (group g
   serves heads g * H/G ...), initial states [N, H, P, N] float32;
 - returns (y [T, H, P] float32, final states [N, H, P, N] float32, chunk states [sum_i ceil(len_i / S),
-  H, P, N]): chunk state `chunk_offsets(cu, S)[i] + c` is sequence i's state after c * S of its tokens.
+  H, P, N]): chunk state `chunk_offsets(cu, S)[i] + c` is sequence i's state after c * S of its tokens;
+- optional FLA chunk layout (`chunk_indices`, `chunk_offsets`), as in `linear/gdn_varlen.py`.
 
 The FLA path mirrors FLA's own `chunk_simple_gla_fwd` (gates cumulated per 64-token chunk in log2, the
 chunk states, the output), with B and C expanded to every head (its state pass takes as many key heads
@@ -25,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.layers.attention.fla_chunks import chunk_layout
 from sglang.srt.layers.attention.mamba.ssd import ssd_chunk_scan
 
 logger = logging.getLogger(__name__)
@@ -47,12 +49,14 @@ def ssd_varlen_fla(
     cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: list[int],
     chunk_size: int,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from fla.ops.common.chunk_h import chunk_fwd_h
+    """`chunk_indices` / `chunk_offsets`: FLA's chunk layout on the device, as `chunk_gdn_varlen_fla`
+    takes it; given both, nothing here waits for the device."""
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
-    from fla.ops.utils.index import prepare_chunk_indices
 
     assert chunk_size == FLA_CHUNK, "FLA's SSD runs 64-token chunks"
     heads = x.shape[1]
@@ -61,26 +65,51 @@ def ssd_varlen_fla(
     v = (x.float() * dt[..., None]).to(dtype).unsqueeze(0).contiguous()
     q, k = (_heads(t, heads).to(dtype).unsqueeze(0).contiguous() for t in (C, B))
     g = (dt * A.float()[None]).unsqueeze(0).contiguous()
-    chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=torch.tensor(cu_seqlens_cpu))
+    if chunk_indices is None or chunk_offsets is None:
+        chunk_indices, chunk_offsets = chunk_layout(cu_seqlens_cpu, chunk_size, x.device)
     common = dict(cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     # The kernels use exp2: gates are cumulated per chunk and scaled by 1 / ln 2.
     g = chunk_local_cumsum(g, scale=RCP_LN2, chunk_indices=chunk_indices, **common)
-    h, final = chunk_fwd_h(
-        k=k,
-        v=v,
-        g=g,
-        h0=initial_states.float().contiguous(),
-        output_final_state=True,
-        state_v_first=True,
-        states_in_fp32=True,
-        **common,
-    )
+    h0 = initial_states.float().contiguous()
+    h, final = _chunk_states(k, v, g, h0, cu_seqlens, chunk_offsets, chunk_indices.shape[0], chunk_size)
     # The states stay float32 (they are the cache's snapshots); the output's dots take them in q's dtype.
     o = chunk_fwd_o(
         q=q, k=k, v=v, g=g, h=h.to(dtype), scale=1.0, state_v_first=True, chunk_indices=chunk_indices, **common
     )
     y = o[0].float() + D.float()[None, :, None] * x.float()
     return y, final, h[0]
+
+
+def _chunk_states(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    h0: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_offsets: torch.Tensor,
+    num_chunks: int,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLA 0.6.0's `chunk_fwd_h` (float32 states in the [V, K] layout, one at each chunk start, and the
+    final ones) with the number of chunks given by the host (`chunk_indices`' length): `chunk_fwd_h`
+    reads it back from the device with `.item()`, a sync per Mamba2 layer."""
+    import triton
+    from fla.ops.common.chunk_h import chunk_fwd_kernel_h
+
+    _, t, heads, dk, dv = *k.shape, v.shape[-1]
+    n = chunk_offsets.shape[0] - 1
+    h = k.new_empty(1, num_chunks, heads, dv, dk, dtype=torch.float32)
+    final = k.new_empty(n, heads, dv, dk, dtype=torch.float32)
+
+    def grid(meta):
+        return (triton.cdiv(dk, meta["BK"]) * triton.cdiv(dv, meta["BV"]) * n * heads,)
+
+    chunk_fwd_kernel_h[grid](
+        k=k, v=v, h=h, g=g, g_gamma=None, gk=None, gv=None, h0=h0, ht=final, cu_seqlens=cu_seqlens,
+        split_offsets=chunk_offsets, T=t, H=heads, K=dk, V=dv, BT=chunk, BS=chunk, USE_G=True,
+        USE_G_GAMMA=False, USE_GK=False, USE_GV=False, STATE_V_FIRST=True,
+    )  # fmt: skip
+    return h, final
 
 
 def ssd_varlen_torch(
@@ -94,8 +123,11 @@ def ssd_varlen_torch(
     cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: list[int],
     chunk_size: int,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contract in torch, one sequence at a time (`ssd_chunk_scan`)."""
+    """The contract in torch, one sequence at a time (`ssd_chunk_scan`); FLA's chunk layout is not
+    needed."""
     heads = x.shape[1]
     B, C = _heads(B, heads), _heads(C, heads)
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)

@@ -1,0 +1,157 @@
+"""FLA's chunk layout built on the host (`layers/attention/fla_chunks.py`), and the packed-extend glue
+that hands it to FLA instead of letting FLA build it with a host sync per layer: on CPU through a
+stand-in for FLA on the `meta` device under the device audit (`sglang/test/fake_fla.py`), on a GPU with
+the real FLA under torch's sync check."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from sglang.srt.layers.attention.fla_chunks import chunk_layout, chunk_layout_host, chunk_offsets
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.device_audit import DeviceAudit
+from sglang.test.fake_fla import fake_fla
+
+register_cpu_ci(est_time=2, suite="per-commit-cpu")
+
+
+def _cu(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_the_layout_is_flas_definition(chunk):
+    """Per chunk of the batch, sequence by sequence, (sequence, chunk within it); offsets the first chunk
+    of each sequence, the total last. Lengths 1, C - 1, C, C + 1, 2C + 3 and a lone 1 at the end."""
+    lengths = [1, chunk - 1, chunk, chunk + 1, 2 * chunk + 3, 1]
+    cu = _cu(lengths)
+    indices, offsets = chunk_layout_host(cu, chunk)
+    want = [(i, c) for i, n in enumerate(lengths) for c in range(math.ceil(n / chunk))]
+    assert indices.shape == (len(want), 2) and indices.dtype == torch.int64
+    assert [tuple(p) for p in indices.tolist()] == want
+    assert offsets.tolist() == chunk_offsets(cu, chunk) == [0, 1, 2, 3, 5, 8, 9]
+    # The same through the one copy it takes where no batch carries it.
+    moved = chunk_layout(cu, chunk, torch.device("cpu"))
+    assert torch.equal(moved[0], indices) and torch.equal(moved[1], offsets)
+
+
+def _meta_gdn_inputs(lengths, hk=2, hv=4, d=16):
+    t = sum(lengths)
+    meta = dict(device="meta")
+    q, k = torch.empty(t, hk, d, **meta), torch.empty(t, hk, d, **meta)
+    v = torch.empty(t, hv, d, **meta)
+    g, beta = torch.empty(t, hv, **meta), torch.empty(t, hv, **meta)
+    h0 = torch.empty(len(lengths), hv, d, d, **meta)
+    return q, k, v, g, beta, h0
+
+
+def _meta_layout(cu: list[int], chunk: int):
+    indices, offsets = chunk_layout_host(cu, chunk)
+    return indices.to("meta"), offsets.to("meta"), torch.tensor(cu).to("meta")
+
+
+def test_gdn_glue_hands_flas_kernels_the_layout_and_waits_for_nothing():
+    """With the batch's layout given, the glue and FLA's wrappers run with no host read of a device
+    value and no host-to-device copy; every wrapper gets the given tensors (one built by FLA would be a
+    blocking copy per layer). Without it, the glue builds it in one copy of its own, still no read."""
+    from sglang.srt.layers.attention.linear.gdn_varlen import chunk_gdn_varlen_fla
+
+    lengths = [1, 63, 64, 65, 131]
+    cu = _cu(lengths)
+    indices, offsets, cu_dev = _meta_layout(cu, 64)
+    inputs = _meta_gdn_inputs(lengths)
+    with fake_fla() as fla, DeviceAudit() as audit:
+        out, final, chunks = chunk_gdn_varlen_fla(
+            *inputs, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets
+        )
+    assert audit.host_reads == [] and audit.h2d == [] and audit.mixed == [], (audit.host_reads, audit.h2d)
+    assert fla.called("prepare_chunk_indices") == []
+    for name in ("chunk_local_cumsum", "chunk_gated_delta_rule_fwd_intra", "chunk_gated_delta_rule_fwd_h", "chunk_fwd_o"):
+        (call,) = fla.called(name)
+        assert call["chunk_indices"] is indices, name
+    assert fla.called("chunk_gated_delta_rule_fwd_h")[0]["chunk_offsets"] is offsets
+    assert chunks.shape[0] == indices.shape[0] == sum(math.ceil(n / 64) for n in lengths)
+    assert out.shape == inputs[2].shape and final.shape == inputs[5].shape
+
+    with fake_fla() as fla, DeviceAudit() as audit:
+        chunk_gdn_varlen_fla(*inputs, cu_dev, cu, 64)
+    assert audit.host_reads == [] and len(audit.h2d) == 1 and fla.called("prepare_chunk_indices") == []
+
+
+def test_ssd_glue_launches_the_state_pass_with_the_hosts_chunk_count():
+    """The Mamba2 glue runs FLA's state kernel itself with the number of chunks from the layout's shape:
+    FLA's `chunk_fwd_h` reads it back with `.item()` (a sync per layer), which the stand-in keeps."""
+    from sglang.srt.layers.attention.mamba.ssd_varlen import ssd_varlen_fla
+
+    lengths = [64, 1, 200]
+    cu = _cu(lengths)
+    indices, offsets, cu_dev = _meta_layout(cu, 64)
+    t, heads, p, groups, n = sum(lengths), 4, 8, 2, 16
+    meta = dict(device="meta")
+    x, dt = torch.empty(t, heads, p, **meta), torch.empty(t, heads, **meta)
+    a, d = torch.empty(heads, **meta), torch.empty(heads, **meta)
+    b, c = torch.empty(t, groups, n, **meta), torch.empty(t, groups, n, **meta)
+    h0 = torch.empty(len(lengths), heads, p, n, **meta)
+    with fake_fla() as fla, DeviceAudit() as audit:
+        y, final, chunks = ssd_varlen_fla(
+            x, dt, a, b, c, d, h0, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets
+        )
+    assert audit.host_reads == [] and audit.h2d == [] and audit.mixed == [], (audit.host_reads, audit.h2d)
+    assert fla.called("chunk_fwd_h") == [] and fla.called("prepare_chunk_indices") == []
+    (launch,) = fla.called("chunk_fwd_kernel_h")
+    assert launch["split_offsets"] is offsets and launch["cu_seqlens"] is cu_dev
+    assert launch["h"].shape == (1, 1 + 1 + 4, heads, p, n) and launch["h"].dtype == torch.float32
+    assert launch["ht"].shape == h0.shape and launch["h0"].shape == h0.shape
+    assert (launch["BT"], launch["BS"], launch["STATE_V_FIRST"], launch["USE_G"]) == (64, 64, True, True)
+    assert chunks.shape == launch["h"].shape[1:] and final is launch["ht"] and y.shape == x.shape
+
+
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+    reason="needs a CUDA GPU and flash-linear-attention (fla-core)",
+)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_the_fla_extends_run_without_a_sync_and_as_without_the_layout():
+    """The real FLA, both glues: given the layout (as the backend moves it with the batch), a call makes
+    no host sync (torch's sync check raises on one) and gives what the call building the layout gives."""
+    from sglang.srt.layers.attention.linear.gdn_varlen import chunk_gdn_varlen_fla
+    from sglang.srt.layers.attention.mamba.ssd_varlen import ssd_varlen_fla
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    lengths = [100, 64, 257, 1]
+    cu = _cu(lengths)
+    cu_dev = torch.tensor(cu, device=dev)
+    t = sum(lengths)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, generator=gen)
+
+    q = torch.nn.functional.normalize(rand(t, 2, 64), dim=-1) * 64**-0.5
+    k = torch.nn.functional.normalize(rand(t, 2, 64), dim=-1)
+    gdn = (q, k, rand(t, 4, 64), -torch.rand(t, 4, device=dev, generator=gen) * 0.1,
+           torch.rand(t, 4, device=dev, generator=gen), rand(4, 4, 64, 64) * 0.1)  # fmt: skip
+    dt = torch.rand(t, 4, device=dev, generator=gen) * 0.1
+    ssd = (rand(t, 4, 32), dt, -torch.rand(4, device=dev, generator=gen), rand(t, 2, 16), rand(t, 2, 16),
+           rand(4), rand(4, 4, 32, 16) * 0.1)  # fmt: skip
+    for glue, inputs in ((chunk_gdn_varlen_fla, gdn), (ssd_varlen_fla, ssd)):
+        want = glue(*inputs, cu_dev, cu, 64)  # also compiles and autotunes outside the check
+        indices, offsets = chunk_layout(cu, 64, dev)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = glue(*inputs, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), glue.__name__
