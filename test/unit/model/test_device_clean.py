@@ -4,10 +4,12 @@ Per forward: no op mixes host and device tensors, the host never reads a device 
 reaches the device in ONE host-to-device copy (two when input logprobs are asked for), and the only
 device-to-host copies are the results (sampled ids and their logprobs; input logprobs when asked for).
 Both the torch kernels and the ones CUDA runs by default (Triton attention and linear-attention steps,
-the packed extend, the CUDA-graph decode body, their launches recorded instead of run)."""
+the packed extend, the CUDA-graph decode body, their launches recorded instead of run). On a GPU, one
+test (marked `gpu`) counts the host syncs of real forwards with torch's own check."""
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -280,3 +282,60 @@ def test_result_copy_without_logprobs_runs_no_kernel_before_it():
     packed, _ = results_to_host(ids[[0, 2]], lp[[0, 2]])
     host = PendingResult(packed=packed, has_logprobs=True, **fields).wait()
     assert host.next_token_ids == [3, 7] and host.next_token_logprobs == [-0.5, -3.0]
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gpu_forwards_wait_for_the_device_nowhere(preset):
+    """On CUDA with the default kernels (bfloat16, Triton attention, FLA's packed extend where it is
+    installed, CUDA graphs): an extend with snapshots, a prefix hit with a COW and decode steps with a
+    track copy, greedy and seeded, make no host sync at all (torch's sync check warns at each): the
+    forward leaves its results on the device, and the one result copy is the forward worker's. Counted
+    on the second of two identical rounds (the first compiles and autotunes, which synchronizes)."""
+    from sglang.test.model_checks import make_runner
+
+    runner = make_runner(preset, page_size=16, device="cuda", dtype="bfloat16", attention_backend="triton")
+    driver = RunnerDriver(runner)
+    chunk = runner.arch.kernel_state_chunk
+    syncs: list[str] = []
+
+    def counted(fb):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                result = runner.forward_batch_generation(fb)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.extend(f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message))
+        return result
+
+    def one_round():
+        a, b = driver.new_request(), driver.new_request(temperature=0.7, top_k=5, seed=3)
+        driver.extend(
+            [Extend(a, list(range(3, 3 + 2 * chunk + 5)), track_seqlen=chunk), Extend(b, [5] * 40)],
+            return_logprob=False, forward=counted,
+        )  # fmt: skip
+        c = driver.new_request()
+        driver.extend(
+            [Extend(c, [7] * 9, prefix_from=(a, 2 * chunk), cow_src=a.track_slot)],
+            return_logprob=False, forward=counted,
+        )  # fmt: skip
+        track = {a: driver.alloc_mamba_slots(1)[0]}
+        for step in range(3):
+            reqs = [a, b, c]
+            fb = driver.decode_batch(reqs, track=track if step == 1 else None, return_logprob=False)
+            for req, token in zip(reqs, counted(fb).next_token_ids.tolist(), strict=True):
+                req.next_token = token
+        for req in (a, b, c):
+            driver.free(req)
+
+    one_round()
+    syncs.clear()
+    one_round()
+    assert syncs == [], "host syncs in the forwards:\n" + "\n".join(syncs)
