@@ -23,6 +23,7 @@ from sglang.srt.managers.io_struct import (
     HEARTBEAT_INTERVAL_S,
     AbortReq,
     BatchTokenIDOut,
+    BatchTokenizedGenerateReqInput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
     FlushCacheReqInput,
@@ -118,7 +119,10 @@ class FakeScheduler:
                 self.step()
 
     def handle(self, msg: Any) -> None:
-        if isinstance(msg, TokenizedGenerateReqInput):
+        if isinstance(msg, BatchTokenizedGenerateReqInput):
+            for one in msg:
+                self.handle(one)
+        elif isinstance(msg, TokenizedGenerateReqInput):
             self.waiting.append(_Req(msg, self._cached_len(msg.input_ids)))
         elif isinstance(msg, AbortReq):
             targets = list(self.running.values()) + self.waiting if msg.abort_all else []

@@ -63,6 +63,21 @@ class TokenizedGenerateReqInput:
     bootstrap: BootstrapInfo | None = None
 
 
+@dataclass
+class BatchTokenizedGenerateReqInput:
+    """The requests of one batch call (a list of prompts, n > 1) in one message, as upstream sends them:
+    the scheduler takes them in together, so its next prefill can admit the whole batch (sent one by
+    one, the first prefill starts with the few that arrived first)."""
+
+    batch: list[TokenizedGenerateReqInput]
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def __iter__(self):
+        return iter(self.batch)
+
+
 @dataclass(frozen=True)
 class BootstrapInfo:
     """Where the prefill half of a disaggregated request runs and which room pairs the halves. `room` is

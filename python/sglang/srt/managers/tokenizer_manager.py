@@ -29,6 +29,7 @@ from sglang.srt.managers.backend_health import BackendDeadError, BackendHealth
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
+    BatchTokenizedGenerateReqInput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
     FlushCacheReqInput,
@@ -186,7 +187,9 @@ class TokenizerManager:
                 state = ReqState(item, time.time(), yield_event, obj.log_metrics)
                 self.rid_to_state[item.req.rid] = state
                 states.append(state)
-                self._send.send_pyobj(item.req)
+            # A batch goes in one message, so the scheduler admits it together.
+            reqs = [item.req for item in items]
+            self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs))
             if obj.stream:
                 async for chunk in self._stream(states, yield_event, request, is_list):
                     yield chunk

@@ -13,6 +13,7 @@ from typing import Any
 from sglang.srt.managers.io_struct import (
     HEARTBEAT_INTERVAL_S,
     AbortReq,
+    BatchTokenizedGenerateReqInput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
     FlushCacheReqInput,
@@ -124,6 +125,10 @@ class SchedulerIOMixin:
             if isinstance(obj, TokenizedGenerateReqInput):
                 self.request_deadlines.on_arrival(obj.rid)
                 self.add_request(obj)
+            elif isinstance(obj, BatchTokenizedGenerateReqInput):
+                for one in obj:
+                    self.request_deadlines.on_arrival(one.rid)
+                    self.add_request(one)
             elif isinstance(obj, AbortReq):
                 self.abort_request(obj.rid, obj.abort_all, obj.message)
             elif isinstance(obj, FlushCacheReqInput):
