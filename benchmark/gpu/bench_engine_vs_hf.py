@@ -11,6 +11,11 @@ runs: CUDA graphs on and off (`--disable-cuda-graph`). Prints output tok/s and t
 HF's (HF time / engine time), medians of `--reps` runs, HF and engine alternating.
 `--batch-log`: the engine logs upstream's "Prefill batch." lines and a "Decode batch." line every 16
 decode batches (their generation throughput: how far decode is from the step time alone).
+Each row also splits the engine's last timed run by the scheduler's `loop_times` (get_internal_state):
+its loop's seconds taking requests in, building, launching, waiting for results and processing them,
+the forward stream's host time, and the batches by kind; what the loop does not account for is spent
+before the requests reach it or after their results leave it (tokenizer, detokenizer, IPC), to within
+the idle poll in progress when the run starts (up to 50 ms counted as `inputs`).
 `--host-profile`: the CUDA-graph run only, its scheduler process under cProfile (SGLANG_CPROFILE_DIR),
 and the functions with the most own time printed after it (the times are inflated by the profiling).
 """
@@ -116,6 +121,17 @@ class Eng:
     def flush(self) -> None:
         assert self.engine.flush_cache().success
 
+    def loop_times(self) -> dict:
+        return self.engine.get_internal_state()["loop_times"]
+
+
+def loop_split(before: dict, after: dict, wall: float) -> dict:
+    """`loop_times` over one run (after - before), and the wall time the loop does not account for."""
+    delta = {k: round(after[k] - before[k], 4) for k in after}
+    parts = sum(delta[k] for k in ("inputs", "build", "launch", "wait", "process"))
+    delta["outside_loop"] = round(wall - parts, 4)
+    return delta
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -156,10 +172,12 @@ def main() -> None:
                     hf.generate(prompts, out_len)
                     hf_t.append(time.perf_counter() - t)
                     eng.flush()
+                    before = eng.loop_times()
                     t = time.perf_counter()
                     eng.generate(prompts, out_len)
                     eng_t.append(time.perf_counter() - t)
-                    progress(f"HF {hf_t[-1]:.2f} s, {name} {eng_t[-1]:.2f} s")
+                    split = loop_split(before, eng.loop_times(), eng_t[-1])
+                    progress(f"HF {hf_t[-1]:.2f} s, {name} {eng_t[-1]:.2f} s; engine loop: {split}")
             finally:
                 eng.engine.shutdown()
             tokens = n * out_len
@@ -168,6 +186,7 @@ def main() -> None:
                 "hf_tok_per_s": round(tokens / statistics.median(hf_t), 1),
                 "engine_tok_per_s": round(tokens / statistics.median(eng_t), 1),
                 "engine_over_hf": round(statistics.median(h / e for h, e in zip(hf_t, eng_t, strict=True)), 2),
+                "engine_loop_seconds_last_run": split,
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         for profile in (Path(tmp) / "prof").glob("*.prof"):

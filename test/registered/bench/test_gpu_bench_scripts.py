@@ -38,6 +38,11 @@ def test_bench_decode_step_prints_the_breakdown_per_batch():
 def test_bench_engine_vs_hf_prints_the_ratio():
     (row,) = _rows("bench_engine_vs_hf.py", "--small", "--reps", "1")
     assert row["engine_tok_per_s"] > 0 and row["hf_tok_per_s"] > 0 and row["engine_over_hf"] > 0
+    # The run split by the scheduler's loop: 4 prompts x 8 new tokens, the first from the prefill.
+    split = row["engine_loop_seconds_last_run"]
+    assert split["prefill_batches"] >= 1 and split["decode_batches"] >= 7
+    assert all(split[k] >= 0 for k in ("inputs", "build", "launch", "wait", "process", "forward"))
+    assert 0 < split["forward"] <= split["launch"] + 1e-3  # the CPU forward runs inside the launch
 
 
 def test_bench_kernels_prints_every_kernel_row():

@@ -27,6 +27,7 @@ from sglang.srt.managers.scheduler_components.batch_result_processor import Batc
 from sglang.srt.managers.scheduler_components.batch_stats_log import BatchStatsLog
 from sglang.srt.managers.scheduler_components.decode_set import DecodeSetCache
 from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
+from sglang.srt.managers.scheduler_components.loop_times import LoopTimes, clock
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
@@ -85,6 +86,7 @@ class Scheduler(SchedulerIOMixin):
 
         future_size = 8 * self.max_running_requests + 64
         self.worker = ForwardWorker(self.model_runner, future_size)
+        self.loop_times = LoopTimes()
         self.inflight = InflightBatches(future_size)  # built and not yet processed
         self.rows_cache = DecodeRowsCache(self.req_to_token_pool)
         self.kv_log = DecodeKVLog()  # decode slots not yet in the requests' kv_indices
@@ -335,6 +337,7 @@ class Scheduler(SchedulerIOMixin):
 
     def process_oldest(self) -> None:
         batch, fut = self.in_flight.popleft()
+        times, start = self.loop_times, clock()
         try:
             result = fut.result(timeout=self.watchdog_timeout).wait(self.watchdog_timeout)
             if isinstance(fut, RanFuture) and self.watchdog_timeout is not None:
@@ -344,8 +347,11 @@ class Scheduler(SchedulerIOMixin):
                     raise TimeoutError
         except (FutureTimeoutError, TimeoutError):
             raise SchedulerWatchdogError(self.stuck_forward_message(batch)) from None
+        landed = clock()
         self.inflight.landed(batch, result.next_token_ids)
         self.result_processor.process_batch_result(batch, result)
+        times.wait += landed - start
+        times.process += clock() - landed
         self.processed_batch_id = batch.batch_id
         if self.record_events:
             self.events.append(("process", batch.batch_id))
@@ -354,9 +360,17 @@ class Scheduler(SchedulerIOMixin):
         """One loop iteration: schedule and launch a batch, then process results (under overlap, all
         but the batch just launched). Returns False when there was nothing to do."""
         disagg_did = self.disagg.poll() if self.disagg is not None else False
+        times, start = self.loop_times, clock()
         batch = self.get_next_batch_to_run()
+        built = clock()
+        times.build += built - start
         if batch is not None:
             self.launch(batch)
+            times.launch += clock() - built
+            if batch.forward_mode.is_decode():
+                times.decode_batches += 1
+            else:
+                times.prefill_batches += 1
         keep = 1 if batch is not None and self.enable_overlap else 0
         processed = len(self.in_flight) > keep
         while len(self.in_flight) > keep:

@@ -155,6 +155,8 @@ class ForwardWorker:
         if inline is None:
             inline = self.device.type == "cpu" and not envs.SGLANG_CPU_FORWARD_THREAD.get()
         self.inline = inline
+        # Host time spent in `_run_batch`, summed (the scheduler's `loop_times` reports it).
+        self.busy_seconds = 0.0
         self._thread: threading.Thread | None = None
         if inline:
             if threads:
@@ -215,6 +217,13 @@ class ForwardWorker:
                 fut.set_exception(e)
 
     def _run_batch(self, item: LaunchedBatch):
+        start = time.perf_counter()
+        try:
+            return self._run_batch_body(item)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    def _run_batch_body(self, item: LaunchedBatch):
         for hook in self.before_batch_hooks:
             hook(item)
         delay = envs.SGLANG_TEST_FORWARD_DELAY_MS.get()

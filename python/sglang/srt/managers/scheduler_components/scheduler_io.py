@@ -27,6 +27,7 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.scheduler_components.loop_times import clock
 from sglang.srt.managers.scheduler_components.request_control import GenerationPause, RequestDeadlines
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,7 @@ class SchedulerIOMixin:
             },
             "lazy_alloc_failures": dict(self.tracker.lazy_alloc_failures),
             "counters": dict(self.counters),
+            "loop_times": self.loop_times.report(self.worker.busy_seconds),
             "disaggregation_mode": self.disaggregation_mode,
             "disaggregation": self.disagg.state() if self.disagg is not None else None,
         }
@@ -247,7 +249,9 @@ class SchedulerIOMixin:
         last_beat = 0.0
         busy = False
         while True:
+            start = clock()
             self.process_input_requests(self.recv_requests(0 if busy else IDLE_POLL_MS))
+            self.loop_times.inputs += clock() - start
             now = time.monotonic()
             if now - last_beat >= HEARTBEAT_INTERVAL_S:
                 last_beat = now
