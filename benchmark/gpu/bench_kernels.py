@@ -110,6 +110,10 @@ def gdn_prefill(device: str, tiny: bool, reps: int, kernels: bool = False) -> di
         cases["ours (FLA steps + chunk states)"] = lambda: chunk_gdn_varlen_fla(
             q, k, v, g, beta, h0, cu, cu_cpu, 64, **layout
         )
+        # FLA's kernels in their default [K, V] state layout, the pool's states transposed in and out.
+        cases["ours, FLA's [K, V] state layout"] = lambda: chunk_gdn_varlen_fla(
+            q, k, v, g, beta, h0, cu, cu_cpu, 64, **layout, kernel_state_v_first=False
+        )
         group = hv // hk
         qe, ke = q.repeat_interleave(group, 1)[None], k.repeat_interleave(group, 1)[None]
         cases["ours, q/k expanded to the value heads"] = lambda: chunk_gdn_varlen_fla(

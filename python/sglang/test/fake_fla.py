@@ -60,13 +60,18 @@ class FakeFla:
         self, k, w, u, g=None, initial_state=None, output_final_state=False, chunk_size=64,
         state_v_first=False, cu_seqlens=None, chunk_indices=None, chunk_offsets=None, **kw,
     ):  # fmt: skip
-        self.calls.append(("chunk_gated_delta_rule_fwd_h", dict(chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)))  # fmt: skip
+        self.calls.append((
+            "chunk_gated_delta_rule_fwd_h",
+            dict(chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, initial_state=initial_state,
+                 state_v_first=state_v_first),
+        ))  # fmt: skip
         chunk_indices = self._layout(cu_seqlens, chunk_size, chunk_indices)
         if chunk_offsets is None:
             chunk_offsets = self.prepare_chunk_offsets(cu_seqlens, chunk_size)
         hv, dk, dv = u.shape[2], k.shape[-1], u.shape[-1]
-        h = k.new_empty(1, len(chunk_indices), hv, dv, dk)
-        final = k.new_zeros(len(cu_seqlens) - 1, hv, dv, dk, dtype=torch.float32)
+        state = (dv, dk) if state_v_first else (dk, dv)
+        h = k.new_empty(1, len(chunk_indices), hv, *state)
+        final = k.new_zeros(len(cu_seqlens) - 1, hv, *state, dtype=torch.float32)
         return h, torch.empty_like(u), final
 
     def chunk_fwd_o(self, q, k, v, h, g=None, scale=None, state_v_first=False, cu_seqlens=None, chunk_size=64,

@@ -85,6 +85,31 @@ def test_gdn_glue_hands_flas_kernels_the_layout_and_waits_for_nothing():
     assert audit.host_reads == [] and len(audit.h2d) == 1 and fla.called("prepare_chunk_indices") == []
 
 
+def test_gdn_glue_in_flas_state_layout_keeps_the_pools():
+    """`kernel_state_v_first=False` (a measurement switch): FLA's kernels get the initial states
+    transposed to their [K, V] layout, contiguous, and the final and chunk states come back in the
+    pool's [V, K] (key dim 16, value dim 8 here, so a missed transpose shows in the shapes)."""
+    from sglang.srt.layers.attention.linear.gdn_varlen import chunk_gdn_varlen_fla
+
+    lengths = [70, 5]
+    cu = _cu(lengths)
+    indices, offsets, cu_dev = _meta_layout(cu, 64)
+    q, k, _, g, beta, _ = _meta_gdn_inputs(lengths, d=16)
+    v = torch.empty(sum(lengths), 4, 8, device="meta")
+    h0 = torch.empty(len(lengths), 4, 8, 16, device="meta")  # [N, Hv, V, K]
+    for v_first in (True, False):
+        with fake_fla() as fla:
+            out, final, chunks = chunk_gdn_varlen_fla(
+                q, k, v, g, beta, h0, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets,
+                kernel_state_v_first=v_first,
+            )  # fmt: skip
+        (call,) = fla.called("chunk_gated_delta_rule_fwd_h")
+        assert call["state_v_first"] is v_first
+        given = call["initial_state"]
+        assert given.is_contiguous() and given.shape == ((2, 4, 8, 16) if v_first else (2, 4, 16, 8))
+        assert final.shape == (2, 4, 8, 16) and chunks.shape == (2 + 1, 4, 8, 16) and out.shape == v.shape
+
+
 def test_ssd_glue_launches_the_state_pass_with_the_hosts_chunk_count():
     """The Mamba2 glue runs FLA's state kernel itself with the number of chunks from the layout's shape:
     FLA's `chunk_fwd_h` reads it back with `.item()` (a sync per layer), which the stand-in keeps."""
@@ -144,6 +169,14 @@ def test_gpu_the_fla_extends_run_without_a_sync_and_as_without_the_layout():
     dt = torch.rand(t, 4, device=dev, generator=gen) * 0.1
     ssd = (rand(t, 4, 32), dt, -torch.rand(4, device=dev, generator=gen), rand(t, 2, 16), rand(t, 2, 16),
            rand(4), rand(4, 4, 32, 16) * 0.1)  # fmt: skip
+    # FLA's own [K, V] state layout (the measurement switch) gives the same results in the pool's layout.
+    indices, offsets = chunk_layout(cu, 64, dev)
+    v_first = chunk_gdn_varlen_fla(*gdn, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets)
+    k_first = chunk_gdn_varlen_fla(*gdn, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets,
+                                   kernel_state_v_first=False)  # fmt: skip
+    for a, b in zip(k_first, v_first, strict=True):
+        # float32 inputs with TF32 dots, as the FLA-vs-twin test's float32 tolerances (1e-3 / 5e-3).
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-3, atol=5e-3)
     for glue, inputs in ((chunk_gdn_varlen_fla, gdn), (ssd_varlen_fla, ssd)):
         want = glue(*inputs, cu_dev, cu, 64)  # also compiles and autotunes outside the check
         indices, offsets = chunk_layout(cu, 64, dev)

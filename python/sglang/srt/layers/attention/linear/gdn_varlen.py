@@ -46,10 +46,16 @@ def chunk_gdn_varlen_fla(
     chunk_size: int,
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
+    kernel_state_v_first: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`chunk_indices` / `chunk_offsets`: FLA's chunk layout of the batch on the device, as the backend
     moves it with the batch (`layers/attention/fla_chunks.py`); built and copied here when not given.
-    Given both, nothing here or in FLA's kernels' wrappers waits for the device."""
+    Given both, nothing here or in FLA's kernels' wrappers waits for the device.
+
+    `kernel_state_v_first` False runs FLA's kernels in their default [K, V] state layout: the initial
+    states go in transposed (one copy) and the states come back as transposed views, so the contract's
+    [V, K] holds either way. For measuring which layout FLA's kernels run faster (`bench_kernels.py`);
+    serving uses the pool's layout."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
@@ -65,22 +71,26 @@ def chunk_gdn_varlen_fla(
     # The kernels use exp2: gates are cumulated per chunk and scaled by 1 / ln 2.
     g = chunk_local_cumsum(g, scale=RCP_LN2, chunk_indices=chunk_indices, **common)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_indices=chunk_indices, **common)
+    h0 = initial_states.float() if kernel_state_v_first else initial_states.float().transpose(-1, -2)
     h, v_new, final = chunk_gated_delta_rule_fwd_h(
         k=k,
         w=w,
         u=u,
         g=g,
-        initial_state=initial_states.float().contiguous(),
+        initial_state=h0.contiguous(),
         output_final_state=True,
-        state_v_first=True,
+        state_v_first=kernel_state_v_first,
         chunk_indices=chunk_indices,
         chunk_offsets=chunk_offsets,
         **common,
     )
     out = chunk_fwd_o(
-        q=q, k=k, v=v_new, h=h, g=g, scale=1.0, state_v_first=True, chunk_indices=chunk_indices, **common
-    )
-    return out[0], final, h[0]
+        q=q, k=k, v=v_new, h=h, g=g, scale=1.0, state_v_first=kernel_state_v_first, chunk_indices=chunk_indices,
+        **common,
+    )  # fmt: skip
+    if kernel_state_v_first:
+        return out[0], final, h[0]
+    return out[0], final.transpose(-1, -2), h[0].transpose(-1, -2)
 
 
 def chunk_gdn_varlen_torch(
