@@ -61,11 +61,12 @@ def _kernel_package_installed() -> bool:
 
 def _recompute_rotary_buffers(model: torch.nn.Module) -> None:
     """Fill the rotary embeddings' inverse frequencies (buffers outside the checkpoint) from the config
-    again. transformers computes them in `_init_weights`, which skips a tensor it takes for initialised;
-    in a process that built a model under `torch.device("meta")` inside a TorchDispatchMode before (the
-    meta-device audits of test_device_clean), it skipped them and left uninitialised memory (transformers
-    5.24, torch 2.13; the oracle's logprobs then moved by up to 0.36). The cause is not ours to fix; the
-    oracle must not depend on what ran before it."""
+    again. transformers computes them in `_init_weights`; in a process that built a model under
+    `torch.device("meta")` inside a TorchDispatchMode before (the meta-device audits of
+    test_device_clean), they were left as uninitialised memory (transformers 5.24, torch 2.13; the
+    oracle's logprobs then moved by up to 0.36). Why they were left is not established (transformers
+    does not initialise a tensor it takes for initialised, which would explain it); either way the oracle
+    must not depend on what ran before it."""
     for module in model.modules():
         if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
             init = getattr(module, f"compute_{module.rope_type}_rope_parameters", None)
