@@ -11,11 +11,12 @@ runs: CUDA graphs on and off (`--disable-cuda-graph`). Prints output tok/s and t
 HF's (HF time / engine time), medians of `--reps` runs, HF and engine alternating.
 `--batch-log`: the engine logs upstream's "Prefill batch." lines and a "Decode batch." line every 16
 decode batches (their generation throughput: how far decode is from the step time alone).
-Each row also splits the engine's last timed run by the scheduler's `loop_times` (get_internal_state):
-its loop's seconds taking requests in, building, launching, waiting for results and processing them,
-the forward stream's host time, and the batches by kind; what the loop does not account for is spent
-before the requests reach it or after their results leave it (tokenizer, detokenizer, IPC), to within
-the idle poll in progress when the run starts (up to 50 ms counted as `inputs`).
+Each row also splits the engine's last timed run by the scheduler's `loop_times` (get_internal_state,
+`scheduler_components/loop_times.py`): its loop's seconds waiting for messages (`idle`: requests on
+their way from the tokenizer, or nothing to do), taking them in, building, launching, waiting for
+results and processing them, the forward stream's host time, the batches by kind, and `untimed`, the
+wall time left (the loop's untimed bits, and the idle poll in progress when the run starts, up to 50 ms,
+which counts before it). The detokenizer's and tokenizer's work after the last result is in `idle`.
 `--host-profile`: the CUDA-graph run only, its scheduler process under cProfile (SGLANG_CPROFILE_DIR),
 and the functions with the most own time printed after it (the times are inflated by the profiling).
 """
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.managers.scheduler_components.loop_times import PARTS
 from sglang.srt.utils.host_profile import top_rows
 
 _T0 = time.perf_counter()
@@ -126,10 +128,9 @@ class Eng:
 
 
 def loop_split(before: dict, after: dict, wall: float) -> dict:
-    """`loop_times` over one run (after - before), and the wall time the loop does not account for."""
+    """`loop_times` over one run (after - before), and the wall time its parts leave untimed."""
     delta = {k: round(after[k] - before[k], 4) for k in after}
-    parts = sum(delta[k] for k in ("inputs", "build", "launch", "wait", "process"))
-    delta["outside_loop"] = round(wall - parts, 4)
+    delta["untimed"] = round(wall - sum(delta[k] for k in PARTS), 4)
     return delta
 
 

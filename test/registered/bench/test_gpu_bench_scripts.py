@@ -41,7 +41,7 @@ def test_bench_engine_vs_hf_prints_the_ratio():
     # The run split by the scheduler's loop: 4 prompts x 8 new tokens, the first from the prefill.
     split = row["engine_loop_seconds_last_run"]
     assert split["prefill_batches"] >= 1 and split["decode_batches"] >= 7
-    assert all(split[k] >= 0 for k in ("inputs", "build", "launch", "wait", "process", "forward"))
+    assert all(split[k] >= 0 for k in ("idle", "intake", "build", "launch", "wait", "process", "forward"))
     assert 0 < split["forward"] <= split["launch"] + 1e-3  # the CPU forward runs inside the launch
 
 

@@ -70,9 +70,10 @@ def test_a_single_request_goes_as_it_is(tm):
 
 
 def test_the_scheduler_admits_a_batch_message_together():
-    """Four prompts in one message: all in the first prefill, in order, each with its deadline
-    registered; a request the scheduler refuses is refused alone."""
+    """Four prompts in one message: all in the first prefill, in order, each with its arrival noted
+    for the request deadlines; a request the scheduler refuses is refused alone."""
     h = SchedulerHarness()
+    h.sched.request_deadlines.enabled = True  # (as SGLANG_REQ_WAITING_TIMEOUT would set it)
     try:
         params = SamplingParams.from_dict({"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True})
         reqs = [
@@ -83,6 +84,7 @@ def test_the_scheduler_admits_a_batch_message_together():
         reqs.append(TokenizedGenerateReqInput(rid="too-long", input_text=None, input_ids=[5] * 100_000,
                                               sampling_params=params))  # fmt: skip
         h.sched.process_input_requests([BatchTokenizedGenerateReqInput(reqs)])
+        assert set(h.sched.request_deadlines._arrived) == {"b0", "b1", "b2", "b3", "too-long"}
         batch = h.sched.get_next_batch_to_run()
         assert batch is not None and batch.forward_mode.is_extend()
         assert [r.rid for r in batch.reqs] == ["b0", "b1", "b2", "b3"]

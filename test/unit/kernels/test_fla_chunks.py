@@ -131,6 +131,12 @@ def test_ssd_glue_launches_the_state_pass_with_the_hosts_chunk_count():
     assert audit.host_reads == [] and audit.h2d == [] and audit.mixed == [], (audit.host_reads, audit.h2d)
     assert fla.called("chunk_fwd_h") == [] and fla.called("prepare_chunk_indices") == []
     (launch,) = fla.called("chunk_fwd_kernel_h")
+    # Every argument FLA 0.6.0's `chunk_fwd_h` passes its kernel, by name (a missing or misspelled one
+    # would fail only on a GPU); the block sizes and heuristics are the kernel's decorators'.
+    assert set(launch) == {
+        "k", "v", "h", "g", "g_gamma", "gk", "gv", "h0", "ht", "cu_seqlens", "split_offsets", "T", "H", "K",
+        "V", "BT", "BS", "USE_G", "USE_G_GAMMA", "USE_GK", "USE_GV", "STATE_V_FIRST",
+    }  # fmt: skip
     assert launch["split_offsets"] is offsets and launch["cu_seqlens"] is cu_dev
     assert launch["h"].shape == (1, 1 + 1 + 4, heads, p, n) and launch["h"].dtype == torch.float32
     assert launch["ht"].shape == h0.shape and launch["h0"].shape == h0.shape
@@ -147,10 +153,15 @@ gpu = pytest.mark.skipif(
 @pytest.mark.gpu
 @gpu
 def test_gpu_the_fla_extends_run_without_a_sync_and_as_without_the_layout():
-    """The real FLA, both glues: given the layout (as the backend moves it with the batch), a call makes
-    no host sync (torch's sync check raises on one) and gives what the call building the layout gives."""
+    """The real FLA: our layout is FLA's own (`prepare_chunk_indices` / `prepare_chunk_offsets`); the
+    Mamba2 state pass we launch gives what FLA's `chunk_fwd_h` gives; both glues, given the layout (as
+    the backend moves it with the batch), make no host sync (torch's sync check raises on one) and give
+    what they give without it."""
+    from fla.ops.common.chunk_h import chunk_fwd_h
+    from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+
     from sglang.srt.layers.attention.linear.gdn_varlen import chunk_gdn_varlen_fla
-    from sglang.srt.layers.attention.mamba.ssd_varlen import ssd_varlen_fla
+    from sglang.srt.layers.attention.mamba.ssd_varlen import _chunk_states, ssd_varlen_fla
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -169,8 +180,18 @@ def test_gpu_the_fla_extends_run_without_a_sync_and_as_without_the_layout():
     dt = torch.rand(t, 4, device=dev, generator=gen) * 0.1
     ssd = (rand(t, 4, 32), dt, -torch.rand(4, device=dev, generator=gen), rand(t, 2, 16), rand(t, 2, 16),
            rand(4), rand(4, 4, 32, 16) * 0.1)  # fmt: skip
-    # FLA's own [K, V] state layout (the measurement switch) gives the same results in the pool's layout.
     indices, offsets = chunk_layout(cu, 64, dev)
+    assert torch.equal(indices, prepare_chunk_indices(cu_dev, 64))
+    assert torch.equal(offsets, prepare_chunk_offsets(cu_dev, 64))
+    k_ssd, v_ssd = rand(1, t, 4, 16), rand(1, t, 4, 32)
+    g_ssd = -torch.rand(1, t, 4, device=dev, generator=gen) * 0.1
+    h0 = rand(4, 4, 32, 16)
+    want = chunk_fwd_h(k=k_ssd, v=v_ssd, g=g_ssd, h0=h0, output_final_state=True, state_v_first=True,
+                       cu_seqlens=cu_dev, chunk_size=64, states_in_fp32=True)  # fmt: skip
+    got = _chunk_states(k_ssd, v_ssd, g_ssd, h0, cu_dev, offsets, indices.shape[0], 64)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    # FLA's own [K, V] state layout (the measurement switch) gives the same results in the pool's layout.
     v_first = chunk_gdn_varlen_fla(*gdn, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets)
     k_first = chunk_gdn_varlen_fla(*gdn, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets,
                                    kernel_state_v_first=False)  # fmt: skip

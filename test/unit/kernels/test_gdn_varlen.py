@@ -10,8 +10,8 @@ import importlib.util
 import pytest
 import torch
 
+from sglang.srt.layers.attention.fla_chunks import chunk_offsets
 from sglang.srt.layers.attention.linear.gated_delta_rule import l2norm
-from sglang.srt.layers.attention.mamba.mamba_backend_base import chunk_offsets
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="per-commit-cpu")

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from sglang.srt.layers.attention.mamba.mamba_backend_base import chunk_offsets
+from sglang.srt.layers.attention.fla_chunks import chunk_offsets
 from sglang.srt.layers.attention.mamba.ssd import ssd_chunk_scan
 from sglang.test.ci_register import register_cpu_ci
 

@@ -9,6 +9,7 @@ test (marked `gpu`) counts the host syncs of real forwards with torch's own chec
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from types import SimpleNamespace
 
@@ -284,15 +285,17 @@ def test_result_copy_without_logprobs_runs_no_kernel_before_it():
     assert host.next_token_ids == [3, 7] and host.next_token_logprobs == [-0.5, -3.0]
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+    reason="needs a CUDA GPU and flash-linear-attention (fla-core)",
+)
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("preset", PRESETS)
 def test_gpu_forwards_wait_for_the_device_nowhere(preset):
-    """On CUDA with the default kernels (bfloat16, Triton attention, FLA's packed extend where it is
-    installed, CUDA graphs): an extend with snapshots, a prefix hit with a COW and decode steps with a
+    """On CUDA with the default kernels (bfloat16, Triton attention, FLA's packed extend, CUDA graphs): an extend with snapshots, a prefix hit with a COW and decode steps with a
     track copy, greedy and seeded, make no host sync at all (torch's sync check warns at each): the
     forward leaves its results on the device, and the one result copy is the forward worker's. Counted
     on the second of two identical rounds (the first compiles and autotunes, which synchronizes)."""

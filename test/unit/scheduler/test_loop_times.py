@@ -23,6 +23,6 @@ def test_loop_times_count_batches_and_sum_the_parts():
         assert all(times[k] > 0 for k in ("build", "launch", "wait", "process", "forward"))
         # Inline on CPU: the forward runs inside the launch, and its result is there at once.
         assert times["forward"] <= times["launch"]
-        assert times["inputs"] == 0  # the harness feeds the scheduler directly, not through its loop
+        assert times["idle"] == times["intake"] == 0  # the harness feeds the scheduler, not its loop
     finally:
         h.shutdown()

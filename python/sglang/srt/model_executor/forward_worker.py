@@ -155,7 +155,7 @@ class ForwardWorker:
         if inline is None:
             inline = self.device.type == "cpu" and not envs.SGLANG_CPU_FORWARD_THREAD.get()
         self.inline = inline
-        # Host time spent in `_run_batch`, summed (the scheduler's `loop_times` reports it).
+        # Host time spent running batches, summed (the scheduler's `loop_times` reports it).
         self.busy_seconds = 0.0
         self._thread: threading.Thread | None = None
         if inline:
@@ -217,18 +217,18 @@ class ForwardWorker:
                 fut.set_exception(e)
 
     def _run_batch(self, item: LaunchedBatch):
-        start = time.perf_counter()
+        for hook in self.before_batch_hooks:
+            hook(item)
+        delay = envs.SGLANG_TEST_FORWARD_DELAY_MS.get()
+        if delay:
+            time.sleep(delay / 1000)
+        start = time.perf_counter()  # (the test hooks and delay above are not the forward's)
         try:
             return self._run_batch_body(item)
         finally:
             self.busy_seconds += time.perf_counter() - start
 
     def _run_batch_body(self, item: LaunchedBatch):
-        for hook in self.before_batch_hooks:
-            hook(item)
-        delay = envs.SGLANG_TEST_FORWARD_DELAY_MS.get()
-        if delay:
-            time.sleep(delay / 1000)
         fb = item.forward_batch
         if item.state_copies:
             src, dst = zip(*item.state_copies, strict=True)

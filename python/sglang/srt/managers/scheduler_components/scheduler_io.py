@@ -249,9 +249,12 @@ class SchedulerIOMixin:
         last_beat = 0.0
         busy = False
         while True:
-            start = clock()
-            self.process_input_requests(self.recv_requests(0 if busy else IDLE_POLL_MS))
-            self.loop_times.inputs += clock() - start
+            times, start = self.loop_times, clock()
+            msgs = self.recv_requests(0 if busy else IDLE_POLL_MS)
+            received = clock()
+            self.process_input_requests(msgs)
+            times.idle += received - start
+            times.intake += clock() - received
             now = time.monotonic()
             if now - last_beat >= HEARTBEAT_INTERVAL_S:
                 last_beat = now
