@@ -61,12 +61,15 @@ elif [[ $steps == *" tests "* ]]; then
   # The CUDA ops' build first (the state-copy tests load it; the CPU ops are not needed on CUDA).
   MAX_JOBS=16 python3 -c "from sglang.srt.utils import sgl_kernel as k; print(k.load_extension('cuda')[1] or 'sgl-kernel CUDA ops ready')" \
     2>&1 | tail -2 >> "$OUT/summary.txt"
-  group kernels-fla test/unit/kernels/test_gdn_varlen.py test/unit/kernels/test_ssd_varlen.py &
+  # FLA's tests in one group, in order: they share FLA's autotuning results (by shape, layout, dtype).
+  group kernels-fla test/unit/kernels/test_gdn_varlen.py test/unit/kernels/test_ssd_varlen.py \
+    test/unit/kernels/test_fla_chunks.py &
   group kernels test/unit/kernels --ignore test/unit/kernels/test_gdn_varlen.py \
-    --ignore test/unit/kernels/test_ssd_varlen.py &
+    --ignore test/unit/kernels/test_ssd_varlen.py --ignore test/unit/kernels/test_fla_chunks.py &
   group matrix-qwen test/unit/scheduler/test_strategy_matrix.py -k qwen &
   group matrix-nemo test/unit/scheduler/test_strategy_matrix.py -k nemotron &
-  group model test/unit/model/test_cuda_graph_runner.py test/unit/model/test_kv_cache_dtype.py &
+  group model test/unit/model/test_cuda_graph_runner.py test/unit/model/test_kv_cache_dtype.py \
+    test/unit/model/test_device_clean.py &
   # The engine again with the Triton state-copy kernels forced (auto picks the CUDA op, built above).
   SGLANG_MAMBA_STATE_COPY_BACKEND=triton group copy-triton test/unit/scheduler/test_strategy_matrix.py \
     test/unit/model/test_cuda_graph_runner.py &
