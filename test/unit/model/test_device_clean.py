@@ -295,10 +295,11 @@ gpu = pytest.mark.skipif(
 @gpu
 @pytest.mark.parametrize("preset", PRESETS)
 def test_gpu_forwards_wait_for_the_device_nowhere(preset):
-    """On CUDA with the default kernels (bfloat16, Triton attention, FLA's packed extend, CUDA graphs): an extend with snapshots, a prefix hit with a COW and decode steps with a
-    track copy, greedy and seeded, make no host sync at all (torch's sync check warns at each): the
-    forward leaves its results on the device, and the one result copy is the forward worker's. Counted
-    on the second of two identical rounds (the first compiles and autotunes, which synchronizes)."""
+    """On CUDA with the default kernels (bfloat16, Triton attention, FLA's packed extend, CUDA graphs):
+    an extend with snapshots, a prefix hit with a COW and decode steps with a track copy, greedy and
+    seeded, make no host sync at all (torch's sync check warns at each): the forward leaves its results
+    on the device, and the one result copy is the forward worker's. Counted on the second of two
+    identical rounds (the first compiles and autotunes, which synchronizes)."""
     from sglang.test.model_checks import make_runner
 
     runner = make_runner(preset, page_size=16, device="cuda", dtype="bfloat16", attention_backend="triton")
