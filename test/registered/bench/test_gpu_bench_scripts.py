@@ -4,6 +4,7 @@ README describes."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -55,25 +56,75 @@ def test_bench_kernels_prints_every_kernel_row():
     assert all(all(ms > 0 for ms in r["ms"].values()) for r in rows)
 
 
-def test_run_gpu_checks_brings_back_the_autotune_results(tmp_path):
-    """The device script hands Triton's autotuning results (and nothing else of its cache) back under
-    $OUT as one tarball (the device tool returns at most 8 files, 2 folders down), where the next GPU
-    session picks them up; run here with no step, no wheels and no GPU."""
+def test_bench_kernels_changes_the_order_of_its_cases():
+    """The round robin runs its cases in a fresh order each repetition: no case runs after the same
+    one every time, and each gets one warm-up and `reps` timed calls."""
+    sys.path.insert(0, str(GPU_BENCH))
+    try:
+        from bench_kernels import round_robin
+    finally:
+        sys.path.remove(str(GPU_BENCH))
+    calls: list[str] = []
+    cases = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+    times = round_robin(cases, "cpu", reps=8)
+    assert set(times) == set("abcd") and all(t >= 0 for t in times.values())
+    warm, timed = calls[:4], calls[4:]
+    assert warm == list("abcd") and sorted(timed) == sorted("abcd" * 8)
+    reps = [timed[i : i + 4] for i in range(0, 32, 4)]
+    assert all(sorted(rep) == list("abcd") for rep in reps)
+    for name in "abcd":
+        before = {rep[rep.index(name) - 1] for rep in reps if rep.index(name) > 0}
+        assert len(before) > 1, (name, reps)
+
+
+def _seed(path: Path, files: dict[str, str]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return path
+
+
+def _run_gpu_checks(work: Path, out: Path, **env: str) -> subprocess.CompletedProcess:
+    """run_gpu_checks.sh with no step, no wheels and no GPU."""
+    return subprocess.run(
+        ["bash", str(GPU_BENCH / "run_gpu_checks.sh"), "none"],
+        cwd=work, env={**os.environ, "OUT": str(out), **env}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_run_gpu_checks_seeds_the_cache_and_brings_back_the_autotune_results(tmp_path):
+    """The device script seeds Triton's cache with the committed autotuning results, keeps what the
+    cache already holds over the seed, and hands every result (and nothing else of its cache) back under
+    $OUT as one tarball (the device tool returns at most 8 files, 2 folders down)."""
     cache = tmp_path / "work" / ".gpu-cache" / "triton"
     (cache / "abc123").mkdir(parents=True)
-    (cache / "abc123" / "chunk_fwd_kernel.autotune.json").write_text('{"configs_timings": []}')
+    (cache / "abc123" / "chunk_fwd_kernel.autotune.json").write_text('{"here": 1}')
     (cache / "abc123" / "chunk_fwd_kernel.cubin").write_bytes(b"\0" * 64)
+    seed = _seed(tmp_path / "seed.tar.gz", {
+        "./abc123/chunk_fwd_kernel.autotune.json": '{"seed": 1}', "./def456/l2norm.autotune.json": '{"seed": 2}',
+    })  # fmt: skip
     out = tmp_path / "out"
-    proc = subprocess.run(
-        ["bash", str(GPU_BENCH / "run_gpu_checks.sh"), "none"],
-        cwd=tmp_path / "work", env={**os.environ, "OUT": str(out)}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = _run_gpu_checks(tmp_path / "work", out, AUTOTUNE_SEED=str(seed))
     assert proc.returncode == 0, proc.stderr[-2000:]
     saved = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-    assert saved == ["gpu-cache.tar", "summary.txt"]
-    with tarfile.open(out / "gpu-cache.tar") as tar:
-        assert [m.name for m in tar.getmembers() if m.isfile()] == ["./abc123/chunk_fwd_kernel.autotune.json"]
-    assert "autotune results saved: 1" in (out / "summary.txt").read_text()
+    assert saved == ["fla-autotune.tar.gz", "summary.txt"]
+    with tarfile.open(out / "fla-autotune.tar.gz") as tar:
+        names = [m.name for m in tar.getmembers() if m.isfile()]
+        assert names == ["./abc123/chunk_fwd_kernel.autotune.json", "./def456/l2norm.autotune.json"]
+        assert tar.extractfile(names[0]).read() == b'{"here": 1}'  # the cache's own result wins
+    assert "autotune results saved: 2" in (out / "summary.txt").read_text()
+
+
+def test_the_committed_autotune_seed_holds_results_only():
+    """The seed the script reads by default (a GPU session's `$OUT/fla-autotune.tar.gz`, committed):
+    Triton autotuning results, each a JSON with the timings of its configs, and nothing else."""
+    with tarfile.open(GPU_BENCH / "fla-autotune.tar.gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile()]
+        assert members and all(m.name.endswith(".autotune.json") for m in members)
+        for m in members:
+            assert "configs_timings" in json.loads(tar.extractfile(m).read())
 
 
 def _census(*args: str) -> dict:
