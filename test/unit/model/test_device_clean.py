@@ -10,7 +10,9 @@ test (marked `gpu`) counts the host syncs of real forwards with torch's own chec
 from __future__ import annotations
 
 import importlib.util
+import threading
 import warnings
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -229,27 +231,61 @@ def test_the_fla_extend_takes_its_chunk_layout_from_the_batch(monkeypatch):
     assert all(c["chunk_indices"] is calls[0]["chunk_indices"] for c in calls), "one layout per batch"
 
 
+_NO_LISTS = dict(next_token_top_logprobs=None, input_token_logprobs=None, input_top_logprobs=None)
+
+
 def test_a_result_copy_that_never_completes_trips_the_watchdog():
     """On a device the worker returns at launch, so the scheduler's watchdog must also bound the wait
-    for the result copy (`PendingResult.wait(timeout)` polls its event)."""
+    for the result copy (`PendingResult.wait(timeout)` waits on the copy's future)."""
     from sglang.srt.model_executor.forward_worker import PendingResult
 
-    class NeverDone:
-        def query(self) -> bool:
-            return False
-
-    class Done(NeverDone):
-        def query(self) -> bool:
-            return True
-
     packed = torch.tensor([[5.0, 7.0], [-0.5, -1.25]], dtype=torch.float64)
-    fields = dict(packed=packed, has_logprobs=True, next_token_top_logprobs=None)
-    fields.update(input_token_logprobs=None, input_top_logprobs=None)
+    done: Future = Future()
+    done.set_result(None)
     with pytest.raises(TimeoutError):
-        PendingResult(**fields, copied=NeverDone()).wait(timeout=0.02)
-    host = PendingResult(**fields, copied=Done()).wait(timeout=0.02)
+        PendingResult(packed=packed, has_logprobs=True, **_NO_LISTS, copied=Future()).wait(timeout=0.02)
+    host = PendingResult(packed=packed, has_logprobs=True, **_NO_LISTS, copied=done).wait(timeout=0.02)
     assert host.next_token_ids == [5, 7] and all(type(t) is int for t in host.next_token_ids)
     assert host.next_token_logprobs == [-0.5, -1.25]
+
+
+def test_the_copy_waiter_waits_for_the_copies_in_order_and_nobody_polls():
+    """`CopyWaiter` waits for each result copy's event on its own thread (`synchronize`, which waits in
+    C without the GIL; never `query`: a scheduler polling it took the GIL from the forward thread at
+    every poll), in the order they were recorded, and hands a failed wait's error to the scheduler."""
+    from sglang.srt.model_executor.forward_worker import CopyWaiter, PendingResult
+
+    class Event:
+        def __init__(self, error: str | None = None):
+            self.error, self.on_device = error, threading.Event()
+
+        def synchronize(self) -> None:
+            assert self.on_device.wait(5)
+            if self.error:
+                raise RuntimeError(self.error)
+
+        def query(self) -> bool:
+            raise AssertionError("a result copy's event was polled")
+
+    packed = torch.tensor([[3, 4]])
+    waiter = CopyWaiter()
+    try:
+        first, second, failed = Event(), Event(), Event(error="device error")
+        copies = [waiter.watch(e) for e in (first, second, failed)]
+        results = [PendingResult(packed=packed, has_logprobs=False, **_NO_LISTS, copied=c) for c in copies]
+        second.on_device.set()  # done on the device, but the first is waited for first
+        with pytest.raises(TimeoutError):
+            results[0].wait(timeout=0.05)
+        assert not copies[1].done()
+        first.on_device.set()
+        assert results[0].wait(timeout=5).next_token_ids == [3, 4]
+        assert results[1].wait(timeout=5).next_token_ids == [3, 4]
+        failed.on_device.set()
+        with pytest.raises(RuntimeError, match="device error"):
+            results[2].wait(timeout=5)
+    finally:
+        waiter.shutdown()
+    assert not waiter._thread.is_alive()
 
 
 def test_result_copy_without_logprobs_runs_no_kernel_before_it():

@@ -22,7 +22,8 @@ Results: on CPU the worker returns them as host values (`HostBatchResult`). On a
 ids and their logprobs are the only device-to-host copy of a step: on CUDA the worker starts it
 (non-blocking, into pinned memory) and records an event; `PendingResult.wait`, called by the scheduler
 when it processes the batch, waits for that event alone, so the worker thread goes on launching the
-next batch meanwhile.
+next batch meanwhile. The event is waited for by `CopyWaiter`'s thread, in C without the GIL, and the
+scheduler blocks on a future it completes (no polling: see `CopyWaiter`).
 """
 
 from __future__ import annotations
@@ -73,20 +74,13 @@ class PendingResult:
     next_token_top_logprobs: list[TopLogprobs | None] | None
     input_token_logprobs: list[list[float]] | None
     input_top_logprobs: list[list[TopLogprobs]] | None
-    copied: Any = None  # a CUDA event recorded after the copy; None: already on the host
+    copied: Future | None = None  # done when the copy is (`CopyWaiter.watch`); None: already on the host
 
     def wait(self, timeout: float | None = None) -> HostBatchResult:
         """The host values, once the copy is done; raises TimeoutError after `timeout` seconds (the
         scheduler's watchdog: the worker returns at launch, so a hung device shows here)."""
         if self.copied is not None:
-            if timeout is None:
-                self.copied.synchronize()
-            else:
-                deadline = time.monotonic() + timeout
-                while not self.copied.query():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError
-                    time.sleep(50e-6)
+            self.copied.result(timeout)  # (concurrent.futures' TimeoutError is the builtin one)
         rows = self.packed.tolist()
         return HostBatchResult(
             next_token_ids=[int(x) for x in rows[0]],
@@ -95,6 +89,48 @@ class PendingResult:
             input_token_logprobs=self.input_token_logprobs,
             input_top_logprobs=self.input_top_logprobs,
         )
+
+
+class CopyWaiter:
+    """Waits for the result copies' events, in the order they were recorded (one stream, so they
+    complete in that order), on a thread of its own, and completes each one's future.
+
+    `event.synchronize()` waits in C with the GIL released, so the wait itself holds no GIL; the
+    scheduler blocks on the future (a lock: no GIL either) and wakes when it is done.
+    Polling `event.query()` every 50 us from the scheduler thread instead took the GIL at every poll
+    from the forward thread, launching the next batch meanwhile (it gives the GIL up at each torch op),
+    and took a core. `benchmark/bench_result_wait.py` on the CPU VM: a thread of small torch ops took
+    1.31-1.32x its time alone beside a 50-us poller when the cores were busy, 1.11x beside this
+    waiter; with idle cores both cost 1.09-1.15x."""
+
+    def __init__(self) -> None:
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="result-copies", daemon=True)
+        self._thread.start()
+
+    def watch(self, event: Any) -> Future:
+        """A future done once `event` (anything with `synchronize()`) has completed, or failed with
+        the error its wait raised."""
+        fut: Future = Future()
+        self._events.put((event, fut))
+        return fut
+
+    def shutdown(self) -> None:
+        self._events.put(None)
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._events.get()
+            if item is None:
+                return
+            event, fut = item
+            try:
+                event.synchronize()
+            except BaseException as e:  # noqa: BLE001 - raised where the scheduler waits
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
 
 
 def results_to_host(ids: torch.Tensor, logprobs: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
@@ -158,6 +194,8 @@ class ForwardWorker:
         # Host time spent running batches, summed (the scheduler's `loop_times` reports it).
         self.busy_seconds = 0.0
         self._thread: threading.Thread | None = None
+        # Where a result copy takes an event (CUDA), the thread that waits for them.
+        self.copy_waiter = CopyWaiter() if self.device.type == "cuda" else None
         if inline:
             if threads:
                 torch.set_num_threads(threads)
@@ -188,6 +226,8 @@ class ForwardWorker:
         if self._thread is not None:
             self._tasks.put(None)
             self._thread.join(timeout=10)
+        if self.copy_waiter is not None:
+            self.copy_waiter.shutdown()
 
     # ---- worker side -------------------------------------------------------------------------------
 
@@ -253,7 +293,8 @@ class ForwardWorker:
                 input_token_logprobs=result.input_token_logprobs,
                 input_top_logprobs=result.input_top_logprobs,
             )
-        packed, copied = results_to_host(result.next_token_ids, lp)
+        packed, event = results_to_host(result.next_token_ids, lp)
+        copied = None if event is None else self.copy_waiter.watch(event)
         return PendingResult(
             packed=packed,
             has_logprobs=lp is not None,
