@@ -103,8 +103,10 @@ class CopyWaiter:
     1.31-1.32x its time alone beside a 50-us poller when the cores were busy, 1.11x beside this
     waiter; with idle cores both cost 1.09-1.15x."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        """`device`: the CUDA device whose events it waits for (made current on its thread)."""
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._device = device
         self._thread = threading.Thread(target=self._loop, name="result-copies", daemon=True)
         self._thread.start()
 
@@ -120,6 +122,8 @@ class CopyWaiter:
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         while True:
             item = self._events.get()
             if item is None:
@@ -195,7 +199,7 @@ class ForwardWorker:
         self.busy_seconds = 0.0
         self._thread: threading.Thread | None = None
         # Where a result copy takes an event (CUDA), the thread that waits for them.
-        self.copy_waiter = CopyWaiter() if self.device.type == "cuda" else None
+        self.copy_waiter = CopyWaiter(self.device) if self.device.type == "cuda" else None
         if inline:
             if threads:
                 torch.set_num_threads(threads)
