@@ -229,6 +229,42 @@ def test_greedy_rows_and_scaled_logprobs(backend):
     assert math.isclose(values[1], torch.log_softmax(logits[0], -1)[1].item(), rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("return_logprob", [False, True])
+def test_bfloat16_logits_are_sampled_as_their_float32_values(backend, return_logprob):
+    """The logits come in the lm_head's dtype. A greedy step without logprobs takes the argmax of them
+    as they are, with no float32 copy (at 256 x 151,936 bfloat16 logits the copy is 156 MB to write and
+    read back on a GPU), and gets the ids the float32 logits give, ties to the first; anything more
+    (here logprobs, and a sampled row) reads them in float32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.to_float32 = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ == "_to_copy" and out.dtype == torch.float32:
+                self.to_float32 += 1
+            return out
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 257, generator=gen).to(torch.bfloat16)
+    logits[1, [10, 20]] = 9.0  # a tie: the first one wins
+    positions = torch.arange(6)
+    greedy = SamplingBatchInfo.create([0.0] * 6)
+    with Casts() as casts:
+        out = Sampler(random_seed=0)(logits, greedy, positions, return_logprob=return_logprob)
+    want = Sampler(random_seed=0)(logits.float(), greedy, positions, return_logprob=return_logprob)
+    assert torch.equal(out.next_token_ids, want.next_token_ids) and out.next_token_ids[1] == 10
+    assert casts.to_float32 == (1 if return_logprob else 0)
+    if return_logprob:
+        assert torch.equal(out.next_token_logprobs, want.next_token_logprobs)
+    mixed = SamplingBatchInfo.create([0.0, 0.7, 0.0, 0.0, 1.0, 0.0], seeds=[None, 5, None, None, 6, None])
+    out = Sampler(random_seed=0)(logits, mixed, positions)
+    assert torch.equal(out.next_token_ids, Sampler(random_seed=0)(logits.float(), mixed, positions).next_token_ids)
+
+
 @pytest.mark.parametrize("nums", [[3, 0, 1, 5], [2, 2], [0, 0]])
 def test_top_logprobs_of_the_rows_that_want_them(nums):
     lp = torch.log_softmax(torch.randn(len(nums), 50), dim=-1)

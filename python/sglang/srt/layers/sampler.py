@@ -172,8 +172,11 @@ class Sampler:
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
     ) -> SampleOutput:
-        """logits [bs, vocab] float32; positions[i] (on the logits' device) is the sequence index of
-        request i's new token. Nothing here reads the device on the host, top logprobs aside."""
+        """logits [bs, vocab], any float dtype; positions[i] (on the logits' device) is the sequence index
+        of request i's new token. Nothing here reads the device on the host, top logprobs aside."""
+        if not (info.is_all_greedy and not return_logprob):
+            # The argmax alone reads the logits as they are (a cast changes no value and no order).
+            logits = logits.float()
         ops = cpu_sampling_ops(logits.device) if logits.dtype == torch.float32 else None
         nums = top_logprobs_nums or []
         tops = return_logprob and any(n > 0 for n in nums)
