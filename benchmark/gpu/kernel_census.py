@@ -35,9 +35,13 @@ class _OneLaunchStateCopy:
         self.launches.calls.append(("state_clear", {"meta"}))
 
 
-def census(model: str, batch: int, dtype: str, env: dict | None = None) -> tuple[Counter, Counter, Counter]:
-    """(ops by name, ops by runtime line, Triton launches by kernel) of one decode step of `batch`, with
-    CUDA's default kernels unless `env` overrides a choice."""
+def census(
+    model: str, batch: int, dtype: str, env: dict | None = None
+) -> tuple[Counter, Counter, Counter, Counter]:
+    """(ops by name, ops by runtime line, Triton launches by kernel, and the ops outside the CUDA graph's
+    body by runtime line) of one decode step of `batch`, run as the engine runs it (the forward worker,
+    its input ids placeholders for the previous step's tokens), with CUDA's default kernels unless
+    `env` overrides a choice. Outside the body each op is a launch of its own on every step."""
     from sglang.test.device_audit import CUDA_DEFAULT_ENV, DeviceAudit, OpCensus, RecordedLaunches
 
     os.environ.update({**CUDA_DEFAULT_ENV, **(env or {})})
@@ -47,6 +51,7 @@ def census(model: str, batch: int, dtype: str, env: dict | None = None) -> tuple
 
     from sglang.srt.environ import envs
     from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+    from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import ServerArgs
     from sglang.test.runner_driver import Extend, RunnerDriver
@@ -59,19 +64,31 @@ def census(model: str, batch: int, dtype: str, env: dict | None = None) -> tuple
     with DeviceAudit(), envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("torch"):
         runner = ModelRunner(args)
         runner.mamba_pool.state_copier._impl = _OneLaunchStateCopy(launches)
-        runner.graph_runner = CudaGraphRunner(runner, [batch], use_graphs=False)  # the captured body
+        graphs = runner.graph_runner = CudaGraphRunner(runner, [batch], use_graphs=False)  # the captured body
+        body, in_body = graphs._body, []
+
+        def marked_body(fb):
+            in_body.append(True)
+            try:
+                return body(fb)
+            finally:
+                in_body.pop()
+
+        graphs._body = marked_body
         driver = RunnerDriver(runner)
+        worker = ForwardWorker(runner, future_size=2 * batch, inline=True)
         reqs = [driver.new_request() for _ in range(batch)]
         driver.extend([Extend(r, [5] * 32) for r in reqs], return_logprob=False)
-        fb = driver.decode_batch(reqs, return_logprob=False)
+        fb = driver.decode_batch(reqs, input_ids=[-1 - i for i in range(batch)], return_logprob=False)
         launches.calls.clear()
-        with OpCensus() as ops:
-            runner.forward_batch_generation(fb)
-    device_ops = [(name, where) for name, where in ops.ops if where != "?"]
+        with OpCensus(in_body=in_body) as ops:
+            worker._run_batch(LaunchedBatch(fb, future_slots=range(batch, 2 * batch), has_placeholders=True))
+    device_ops = [(name, where, body) for name, where, body in ops.ops if where != "?"]
     return (
-        Counter(name for name, _ in device_ops),
-        Counter(where for _, where in device_ops),
+        Counter(name for name, _, _ in device_ops),
+        Counter(where for _, where, _ in device_ops),
         Counter(name for name, _ in launches.calls),
+        Counter(where for _, where, body in device_ops if not body),
     )
 
 
@@ -84,15 +101,20 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE over the CUDA defaults")
     args = parser.parse_args()
     env = dict(kv.split("=", 1) for kv in args.env)
-    by_op, by_line, triton = census(args.model, args.batch, args.dtype, env)
+    by_op, by_line, triton, outside = census(args.model, args.batch, args.dtype, env)
     total = sum(by_op.values()) + sum(triton.values())
     print(json.dumps({"model": args.model, "batch": args.batch, "dtype": args.dtype, "env": env, "kernels": total,
-                      "aten": sum(by_op.values()), "triton": sum(triton.values())}))  # fmt: skip
+                      "aten": sum(by_op.values()), "triton": sum(triton.values()),
+                      "outside_graph": sum(outside.values())}))  # fmt: skip
     print("\nby aten op:")
     for name, n in by_op.most_common(args.top):
         print(f"  {n:5d}  {name}")
     print("\nby runtime line:")
     for where, n in by_line.most_common(args.top):
+        print(f"  {n:5d}  {where}")
+    print("\noutside the CUDA graph's body (eager at every step; besides the replay, the static inputs' load")
+    print("and the result copy):")
+    for where, n in outside.most_common():
         print(f"  {n:5d}  {where}")
     print("\nTriton launches:")
     for name, n in triton.most_common():

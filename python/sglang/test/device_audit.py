@@ -109,9 +109,12 @@ ALLOCATIONS = frozenset(("empty", "empty_like", "empty_strided", "new_empty", "n
 @dataclass
 class OpCensus(TorchDispatchMode):
     """Counts the aten ops that run a kernel (views left out), each with where the runtime called it:
-    on CUDA each is about one kernel launch, so over a decode step this is what a CUDA graph replays."""
+    on CUDA each is about one kernel launch, so over a decode step this is what a CUDA graph replays.
+    Each op also notes whether `in_body` (a list its user pushes to while a region runs, e.g. a CUDA
+    graph's body) was non-empty."""
 
-    ops: list[tuple[str, str]] = field(default_factory=list)
+    ops: list[tuple[str, str, bool]] = field(default_factory=list)
+    in_body: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -127,7 +130,7 @@ class OpCensus(TorchDispatchMode):
         handed_back = isinstance(out, torch.Tensor) and out.untyped_storage()._cdata in storages
         no_kernel = name in VIEW_OPS or name in ALLOCATIONS or (handed_back and not name.endswith("_"))
         if not no_kernel and any(t.is_meta for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
-            self.ops.append((name, _where()))
+            self.ops.append((name, _where(), bool(self.in_body)))
         return out
 
 

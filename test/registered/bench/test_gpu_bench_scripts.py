@@ -138,7 +138,12 @@ def _census(*args: str) -> dict:
 
 def test_kernel_census_counts_what_the_triton_norm_saves():
     """The census of a decode step (meta device, CUDA's default kernels) counts every kernel: with the
-    norms' Triton kernel (the CUDA default) the step runs fewer than with their torch form."""
+    norms' Triton kernel (the CUDA default) the step runs fewer than with their torch form; and the
+    kernels launched outside the CUDA graph, at every step."""
     fused, torch_form = _census(), _census("--env", "SGLANG_GPU_NORM_BACKEND=torch")
     assert fused["triton"] > torch_form["triton"] > 0  # the decode steps' kernels, plus one per norm
     assert 0 < fused["kernels"] < torch_form["kernels"]
+    # Launched eagerly around the replay at every step: the batch's copy in, the placeholders' gather,
+    # the lm_head, the argmax and the future tokens' write (11 with a `where` for the placeholders and
+    # a float32 copy of the logits).
+    assert fused["outside_graph"] == 5

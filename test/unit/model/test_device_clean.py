@@ -120,7 +120,7 @@ def test_overlap_placeholders_resolve_on_the_device(preset):
         driver = RunnerDriver(runner)
         worker = ForwardWorker(runner, future_size=16)
         try:
-            assert worker.future_tokens.is_meta
+            assert worker.token_lookup.is_meta
             reqs = [driver.new_request(), driver.new_request()]
             driver.extend([Extend(r, [4] * 20) for r in reqs], return_logprob=False)
             audit.reset()
@@ -134,6 +134,54 @@ def test_overlap_placeholders_resolve_on_the_device(preset):
                 assert len(pending.wait().next_token_ids) == 2
         finally:
             worker.shutdown()
+
+
+def test_placeholders_resolve_in_one_gather():
+    """`token_lookup` maps a token id to itself and a placeholder -(k + 1) to future slot k's token, in
+    one gather (a `where` over the two took six kernels), up to the largest id sampling can pick."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    vocab, rows = 50, 64  # an lm_head with more rows than the vocabulary: it bounds the ids
+    seen: list[torch.Tensor] = []
+
+    class Runner:
+        device = "cpu"
+        server_args = SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab))
+        model = SimpleNamespace(lm_head=torch.nn.Linear(4, rows, bias=False))
+
+        def move_batch(self, fb):
+            pass
+
+        def forward_batch_generation(self, fb):
+            seen.append(fb.input_ids)
+            return SimpleNamespace(next_token_ids=torch.tensor(sampled[: fb.batch_size]), next_token_logprobs=None,
+                                   next_token_top_logprobs=None, input_token_logprobs=None, input_top_logprobs=None)  # fmt: skip
+
+    class Ops(TorchDispatchMode):
+        names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def batch(ids):
+        n = len(ids)
+        return ForwardBatch.create(ForwardMode.DECODE, input_ids=ids, req_pool_indices=range(n),
+                                   seq_lens=[5] * n, out_cache_loc=range(n), mamba_pool_indices=range(n))  # fmt: skip
+
+    worker = ForwardWorker(Runner(), future_size=8, inline=True)
+    assert worker.token_lookup.shape == (rows + 8,)
+    sampled = [63, 0, 41]
+    worker._run_batch(LaunchedBatch(batch([1, 2, 3]), future_slots=[3, 5, 7]))
+    sampled = [9]
+    with Ops() as ops:
+        worker._run_batch(LaunchedBatch(batch([-4, 63, -6, -8, 0]), future_slots=[0], has_placeholders=True))
+    assert seen[-1].tolist() == [63, 63, 0, 41, 0]
+    assert ops.names.count("index") == 1 and "where" not in ops.names
+    worker._run_batch(LaunchedBatch(batch([-1, 49]), has_placeholders=True))
+    assert seen[-1].tolist() == [9, 49]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the grouped GEMMs' MoE path

@@ -290,8 +290,8 @@ class ForwardBatch:
     extend_logprob_start_lens_cpu: list[int] = field(default_factory=list)
     extend_logprob_next_ids_cpu: list[int | None] | None = None
 
-    # Overlap: the future slot each request's sampled token goes to (set by the forward worker, moved
-    # with the batch).
+    # Overlap: where each request's sampled token goes in the forward worker's `token_lookup` (future
+    # slot k at -(k + 1); set by the worker, moved with the batch).
     future_slots: torch.Tensor | None = None
 
     # Backends' index tensors built on the host before the batch moves (`prepare_host_metadata`), by

@@ -6,9 +6,11 @@ reuses it is a later task on the same stream.
 
 Overlap: batch N+1 is launched before N's sampled tokens reach the scheduler, so N+1 names them by
 placeholders: input id -(k + 1) means "the token sampled into future slot k". The worker resolves
-placeholders against `future_tokens` right before the forward; the batch that samples them ran first.
-`future_tokens` lives on the model's device and is written and read there, so a placeholder never
-makes the stream wait for the host.
+placeholders against `token_lookup` right before the forward; the batch that samples them ran first.
+`token_lookup` lives on the model's device and is written and read there, so a placeholder never
+makes the stream wait for the host. It is [0, 1, ..., V - 1 | future slot F - 1, ..., future slot 0]
+(V token ids, F future slots): a token id indexes itself and a placeholder -(k + 1), as torch wraps a
+negative index, future slot k, so a batch's ids resolve in one gather (six kernels with a `where`).
 
 On CPU the forward stream runs on the scheduler thread by default (`inline`): `launch` runs the batch
 at once and returns a done future, so the FIFO order holds trivially and every overlap code path
@@ -178,6 +180,14 @@ class RanFuture(Future):
         self.seconds = seconds
 
 
+def token_id_bound(model_runner) -> int:
+    """One past the largest token id a batch can hold: the vocabulary the requests are checked against,
+    or the lm_head's rows (what sampling can pick) where more."""
+    rows = getattr(getattr(model_runner.model, "lm_head", None), "weight", None)
+    vocab = model_runner.server_args.model_config.vocab_size
+    return max(vocab, rows.shape[0]) if rows is not None else vocab
+
+
 class ForwardWorker:
     def __init__(
         self, model_runner, future_size: int, threads: int | None = None, inline: bool | None = None
@@ -187,7 +197,10 @@ class ForwardWorker:
         self.device = torch.device(model_runner.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.future_tokens = torch.zeros(future_size, dtype=torch.int64, device=self.device)
+        vocab = token_id_bound(model_runner)
+        self.token_lookup = torch.cat([
+            torch.arange(vocab, device=self.device), torch.zeros(future_size, dtype=torch.int64, device=self.device)
+        ])  # fmt: skip
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = threads
         # Test hooks: called on the forward stream before each batch (may block to hold the stream).
@@ -278,15 +291,15 @@ class ForwardWorker:
             src, dst = zip(*item.state_copies, strict=True)
             self.model_runner.req_to_token_pool.mamba_pool.copy_from(list(src), list(dst))
         if item.future_slots:
-            fb.future_slots = host_int64(item.future_slots)
+            # Where the future slots sit in `token_lookup`: slot k at index -(k + 1).
+            fb.future_slots = host_int64([-1 - k for k in item.future_slots])
         self.model_runner.move_batch(fb)
         if item.has_placeholders:
-            ids = fb.input_ids
-            fb.input_ids = torch.where(ids < 0, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
+            fb.input_ids = self.token_lookup[fb.input_ids]
         result = self.model_runner.forward_batch_generation(fb)
         if fb.future_slots is not None:
             # A device-side write: the next batch's placeholders read it on this stream, no host trip.
-            self.future_tokens[fb.future_slots] = result.next_token_ids
+            self.token_lookup[fb.future_slots] = result.next_token_ids
         lp = result.next_token_logprobs
         if result.next_token_ids.device.type == "cpu":
             # Nothing to copy: the host values are made here, off the scheduler thread.
