@@ -5,6 +5,7 @@
 # one at a time. Logs come back under $OUT (default /tmp/gpu-out): summary.txt, tests-GROUP.log, bench.log.
 #   bash benchmark/gpu/run_gpu_checks.sh tests                # the GPU tests, ~5 min
 #   bash benchmark/gpu/run_gpu_checks.sh engine_vs_hf decode_step kernels state_copy sampler   # ~9 min
+#   (engine_profile: bench_engine_vs_hf's graphs run under cProfile, the top host functions of every thread)
 # A device call runs 10 minutes at most and a session has 15 minutes of device time, starts included: pick.
 # Measured on an H200 (2026-11-26), a fresh machine: building the sgl-kernel CPU ops 58 s; flash-linear-
 # attention autotunes each kernel at its first shapes (FLA_CACHE_RESULTS keeps the results on that machine
@@ -94,6 +95,7 @@ bench() {  # limit, name, command...
 bench 150 decode_step python3 benchmark/gpu/bench_decode_step.py
 bench 270 engine_vs_hf python3 benchmark/gpu/bench_engine_vs_hf.py --reps 2 --batch-log
 bench 150 kernels python3 benchmark/gpu/bench_kernels.py --reps 10 --kernels --sweep
+bench 150 engine_profile python3 benchmark/gpu/bench_engine_vs_hf.py --reps 1 --host-profile
 bench 45 state_copy python3 benchmark/bench_state_copy.py --device cuda --seconds 0.1
 bench 40 sampler python3 benchmark/bench_sampler.py --device cuda --reps 5
 if [ -f "$OUT/bench.log" ]; then grep '^{\|^|' "$OUT/bench.log" >> "$OUT/summary.txt"; fi
