@@ -10,7 +10,7 @@ Three ways of waiting, alternated round by round, the forward thread's time per 
 - `alone`: nobody waits (the burst's own time);
 - `poll 50 us`: the scheduler polls `event.query()` every 50 us (the wait before `CopyWaiter`);
 - `CopyWaiter`: the scheduler blocks on the future `forward_worker.CopyWaiter` completes, its thread
-  waiting in `event.synchronize()` without the GIL (as CUDA's does).
+  waiting in `event.synchronize()` without the GIL (CUDA's also spins a core meanwhile; this one sleeps).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from sglang.srt.model_executor.forward_worker import CopyWaiter
 
 
 class FakeCopyEvent:
-    """A result copy's CUDA event stand-in: done `seconds` after it is made; `synchronize` sleeps
-    (the GIL released, as in cudaEventSynchronize)."""
+    """A result copy's CUDA event stand-in: done `seconds` after it is made; `synchronize` sleeps with
+    the GIL released (cudaEventSynchronize releases it too, but spins on its core on CUDA's default
+    flags: this measures the GIL's part only)."""
 
     def __init__(self, seconds: float):
         self.done_at = time.perf_counter() + seconds

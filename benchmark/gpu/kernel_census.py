@@ -64,7 +64,8 @@ def census(
     with DeviceAudit(), envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("torch"):
         runner = ModelRunner(args)
         runner.mamba_pool.state_copier._impl = _OneLaunchStateCopy(launches)
-        graphs = runner.graph_runner = CudaGraphRunner(runner, [batch], use_graphs=False)  # the captured body
+        # The captured body, run eagerly (no GPU here), its ops marked.
+        graphs = runner.graph_runner = CudaGraphRunner(runner, [batch], use_graphs=False)
         body, in_body = graphs._body, []
 
         def marked_body(fb):
@@ -82,13 +83,14 @@ def census(
         fb = driver.decode_batch(reqs, input_ids=[-1 - i for i in range(batch)], return_logprob=False)
         launches.calls.clear()
         with OpCensus(in_body=in_body) as ops:
-            worker._run_batch(LaunchedBatch(fb, future_slots=range(batch, 2 * batch), has_placeholders=True))
-    device_ops = [(name, where, body) for name, where, body in ops.ops if where != "?"]
+            step = LaunchedBatch(fb, future_slots=range(batch, 2 * batch), has_placeholders=True)
+            worker._run_batch(step)
+    device_ops = [(name, where, inside) for name, where, inside in ops.ops if where != "?"]
     return (
         Counter(name for name, _, _ in device_ops),
         Counter(where for _, where, _ in device_ops),
         Counter(name for name, _ in launches.calls),
-        Counter(where for _, where, body in device_ops if not body),
+        Counter(where for _, where, inside in device_ops if not inside),
     )
 
 

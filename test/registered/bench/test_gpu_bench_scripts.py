@@ -103,7 +103,8 @@ def test_run_gpu_checks_seeds_the_cache_and_brings_back_the_autotune_results(tmp
     (cache / "abc123" / "chunk_fwd_kernel.autotune.json").write_text('{"here": 1}')
     (cache / "abc123" / "chunk_fwd_kernel.cubin").write_bytes(b"\0" * 64)
     seed = _seed(tmp_path / "seed.tar.gz", {
-        "./abc123/chunk_fwd_kernel.autotune.json": '{"seed": 1}', "./def456/l2norm.autotune.json": '{"seed": 2}',
+        "./abc123/chunk_fwd_kernel.autotune.json": '{"seed": 1}',
+        "./def456/l2norm.autotune.json": '{"seed": 2}',
     })  # fmt: skip
     out = tmp_path / "out"
     proc = _run_gpu_checks(tmp_path / "work", out, AUTOTUNE_SEED=str(seed))

@@ -156,8 +156,9 @@ def test_placeholders_resolve_in_one_gather():
 
         def forward_batch_generation(self, fb):
             seen.append(fb.input_ids)
-            return SimpleNamespace(next_token_ids=torch.tensor(sampled[: fb.batch_size]), next_token_logprobs=None,
-                                   next_token_top_logprobs=None, input_token_logprobs=None, input_top_logprobs=None)  # fmt: skip
+            ids = torch.tensor(sampled[: fb.batch_size])
+            return SimpleNamespace(next_token_ids=ids, next_token_logprobs=None, next_token_top_logprobs=None,
+                                   input_token_logprobs=None, input_top_logprobs=None)  # fmt: skip
 
     class Ops(TorchDispatchMode):
         names: list[str] = []
@@ -167,9 +168,11 @@ def test_placeholders_resolve_in_one_gather():
             return func(*args, **(kwargs or {}))
 
     def batch(ids):
-        n = len(ids)
-        return ForwardBatch.create(ForwardMode.DECODE, input_ids=ids, req_pool_indices=range(n),
-                                   seq_lens=[5] * n, out_cache_loc=range(n), mamba_pool_indices=range(n))  # fmt: skip
+        rows = range(len(ids))
+        return ForwardBatch.create(
+            ForwardMode.DECODE, input_ids=ids, req_pool_indices=rows, seq_lens=[5] * len(ids),
+            out_cache_loc=rows, mamba_pool_indices=rows,
+        )  # fmt: skip
 
     worker = ForwardWorker(Runner(), future_size=8, inline=True)
     assert worker.token_lookup.shape == (rows + 8,)
@@ -334,6 +337,33 @@ def test_the_copy_waiter_waits_for_the_copies_in_order_and_nobody_polls():
     finally:
         waiter.shutdown()
     assert not waiter._thread.is_alive()
+    with pytest.raises(RuntimeError, match="shut down"):
+        waiter.watch(Event())
+
+
+def test_a_copy_waiter_that_cannot_take_its_device_fails_every_wait():
+    """If the waiter's thread cannot make its device current, each copy's wait fails with that error
+    at once (not a hang the watchdog would report as a stuck forward)."""
+    from sglang.srt.model_executor.forward_worker import CopyWaiter
+
+    class WaitedWithoutItsDevice(Exception):
+        pass
+
+    class Event:
+        def synchronize(self) -> None:
+            raise WaitedWithoutItsDevice
+
+    waiter = CopyWaiter(torch.device("cuda", 7 if torch.cuda.is_available() else 0))
+    if torch.cuda.is_available() and torch.cuda.device_count() > 7:
+        pytest.skip("the machine has a GPU 7")
+    try:
+        copies = [waiter.watch(Event()) for _ in range(2)]
+        for copy in copies:
+            with pytest.raises(Exception) as e:
+                copy.result(timeout=5)
+            assert not isinstance(e.value, (WaitedWithoutItsDevice, TimeoutError))
+    finally:
+        waiter.shutdown()
 
 
 def test_result_copy_without_logprobs_runs_no_kernel_before_it():

@@ -244,8 +244,8 @@ def test_bfloat16_logits_are_sampled_as_their_float32_values(backend, return_log
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func.overloadpacket.__name__ == "_to_copy" and out.dtype == torch.float32:
-                self.to_float32 += 1
+            if func.overloadpacket.__name__ == "_to_copy" and out.dtype == torch.float32 and out.dim() == 2:
+                self.to_float32 += 1  # a [bs, vocab] float32 copy: the logits
             return out
 
     gen = torch.Generator().manual_seed(3)
@@ -261,8 +261,15 @@ def test_bfloat16_logits_are_sampled_as_their_float32_values(backend, return_log
     if return_logprob:
         assert torch.equal(out.next_token_logprobs, want.next_token_logprobs)
     mixed = SamplingBatchInfo.create([0.0, 0.7, 0.0, 0.0, 1.0, 0.0], seeds=[None, 5, None, None, 6, None])
-    out = Sampler(random_seed=0)(logits, mixed, positions)
-    assert torch.equal(out.next_token_ids, Sampler(random_seed=0)(logits.float(), mixed, positions).next_token_ids)
+    with Casts() as casts:
+        out = Sampler(random_seed=0)(logits, mixed, positions)
+    assert casts.to_float32 == 1  # sampled rows read the logits in float32, once
+    want = Sampler(random_seed=0)(logits.float(), mixed, positions)
+    assert torch.equal(out.next_token_ids, want.next_token_ids)
+    # Wider logits are read as they are.
+    with Casts() as casts:
+        Sampler(random_seed=0)(logits.double(), mixed, positions)
+    assert casts.to_float32 == 0
 
 
 @pytest.mark.parametrize("nums", [[3, 0, 1, 5], [2, 2], [0, 0]])

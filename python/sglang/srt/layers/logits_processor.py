@@ -88,7 +88,7 @@ class LogitsProcessor:
         rows_t, target_t, next_t = move_to_device(
             [torch.tensor(v, dtype=torch.int64) for v in (rows, target_at, next_vals)], hidden.device
         )
-        logits = lm_head(hidden[torch.cat([fb.extend_last_loc, rows_t])]).float()
+        logits = lm_head(hidden[torch.cat([fb.extend_last_loc, rows_t])])
         bs = fb.batch_size
         out = LogitsProcessorOutput(
             next_token_logits=logits[:bs], input_token_logprobs=[[] for _ in range(bs)]

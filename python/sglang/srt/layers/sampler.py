@@ -172,10 +172,11 @@ class Sampler:
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
     ) -> SampleOutput:
-        """logits [bs, vocab], any float dtype; positions[i] (on the logits' device) is the sequence index
-        of request i's new token. Nothing here reads the device on the host, top logprobs aside."""
-        if not (info.is_all_greedy and not return_logprob):
-            # The argmax alone reads the logits as they are (a cast changes no value and no order).
+        """logits [bs, vocab] in float32 or wider, or in bfloat16 / float16 (read as float32: exact);
+        positions[i] (on the logits' device) is the sequence index of request i's new token. Nothing
+        here reads the device on the host, top logprobs aside."""
+        if logits.element_size() < 4 and not (info.is_all_greedy and not return_logprob):
+            # The argmax alone reads them as they are (the upcast changes no value and no order).
             logits = logits.float()
         ops = cpu_sampling_ops(logits.device) if logits.dtype == torch.float32 else None
         nums = top_logprobs_nums or []

@@ -87,7 +87,7 @@ class Scheduler(SchedulerIOMixin):
         future_size = 8 * self.max_running_requests + 64
         self.worker = ForwardWorker(self.model_runner, future_size)
         self.loop_times = LoopTimes()
-        self.inflight = InflightBatches(future_size)  # built and not yet processed
+        self.inflight = InflightBatches(self.worker.future_size)  # built and not yet processed
         self.rows_cache = DecodeRowsCache(self.req_to_token_pool)
         self.kv_log = DecodeKVLog()  # decode slots not yet in the requests' kv_indices
         self.counters = {

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +83,10 @@ class PendingResult:
         """The host values, once the copy is done; raises TimeoutError after `timeout` seconds (the
         scheduler's watchdog: the worker returns at launch, so a hung device shows here)."""
         if self.copied is not None:
-            self.copied.result(timeout)  # (concurrent.futures' TimeoutError is the builtin one)
+            try:
+                self.copied.result(timeout)
+            except FutureTimeoutError:  # (the builtin TimeoutError from Python 3.11 on, not before)
+                raise TimeoutError from None
         rows = self.packed.tolist()
         return HostBatchResult(
             next_token_ids=[int(x) for x in rows[0]],
@@ -97,41 +101,52 @@ class CopyWaiter:
     """Waits for the result copies' events, in the order they were recorded (one stream, so they
     complete in that order), on a thread of its own, and completes each one's future.
 
-    `event.synchronize()` waits in C with the GIL released, so the wait itself holds no GIL; the
-    scheduler blocks on the future (a lock: no GIL either) and wakes when it is done.
-    Polling `event.query()` every 50 us from the scheduler thread instead took the GIL at every poll
-    from the forward thread, launching the next batch meanwhile (it gives the GIL up at each torch op),
-    and took a core. `benchmark/bench_result_wait.py` on the CPU VM: a thread of small torch ops took
-    1.31-1.32x its time alone beside a 50-us poller when the cores were busy, 1.11x beside this
-    waiter; with idle cores both cost 1.09-1.15x."""
+    `event.synchronize()` waits in C with the GIL released (on CUDA's default flags it spins on its
+    core meanwhile, which is what the lowest wake-up latency costs); the scheduler blocks on the future
+    (a lock: no GIL either) and wakes when it is done. Polling `event.query()` every 50 us from the
+    scheduler thread instead took the GIL at every poll from the forward thread, launching the next
+    batch meanwhile (it gives the GIL up at each torch op). `benchmark/bench_result_wait.py` on the CPU
+    VM, the GIL's part alone (its stand-in event sleeps, where CUDA's spins): beside busy cores a thread
+    of torch ops took 1.31-1.32x its time alone with a 50-us poller and 1.11x with this waiter; with
+    idle cores both cost 1.09-1.15x, so on a GPU machine's many cores the gain may be small."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         """`device`: the CUDA device whose events it waits for (made current on its thread)."""
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._device = device
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="result-copies", daemon=True)
         self._thread.start()
 
     def watch(self, event: Any) -> Future:
         """A future done once `event` (anything with `synchronize()`) has completed, or failed with
         the error its wait raised."""
+        if self._closed:
+            raise RuntimeError("the result copies' waiter was shut down")
         fut: Future = Future()
         self._events.put((event, fut))
         return fut
 
     def shutdown(self) -> None:
+        self._closed = True
         self._events.put(None)
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
+        failed: BaseException | None = None
         if self._device is not None:
-            torch.cuda.set_device(self._device)
+            try:
+                torch.cuda.set_device(self._device)
+            except BaseException as e:  # noqa: BLE001 - every copy's wait fails with it
+                failed = e
         while True:
             item = self._events.get()
             if item is None:
                 return
             event, fut = item
             try:
+                if failed is not None:
+                    raise failed
                 event.synchronize()
             except BaseException as e:  # noqa: BLE001 - raised where the scheduler waits
                 fut.set_exception(e)
@@ -197,10 +212,11 @@ class ForwardWorker:
         self.device = torch.device(model_runner.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        vocab = token_id_bound(model_runner)
-        self.token_lookup = torch.cat([
-            torch.arange(vocab, device=self.device), torch.zeros(future_size, dtype=torch.int64, device=self.device)
-        ])  # fmt: skip
+        # Future slots are the scheduler's (`InflightBatches` takes this size): a slot past it would land
+        # in the token ids' part of `token_lookup`.
+        self.future_size = future_size
+        ids = torch.arange(token_id_bound(model_runner), device=self.device)
+        self.token_lookup = torch.cat([ids, ids.new_zeros(future_size)])
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = threads
         # Test hooks: called on the forward stream before each batch (may block to hold the stream).
