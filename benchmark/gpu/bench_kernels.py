@@ -17,7 +17,8 @@ Rows (issue 13's and 12's):
   vs gather + torch SDPA (the torch-native backend's form).
 
 `--sweep` adds, at batch 256, our GDN and Mamba2 decode steps at other (state tile, warps) pairs than
-the defaults (`TILE_FLOATS`, `NUM_WARPS` of their modules), with the bandwidth each reaches. The GDN
+the defaults (`TILE_FLOATS`, `NUM_WARPS` of their modules), GDN's each with its output from the updated
+and from the decayed tile (`FUSED_OUT`), with the bandwidth each reaches. The GDN
 prefill row also times ours with q / k expanded to the value heads beforehand (as the public call
 gets them) and the public call with our arguments (key heads, `state_v_first`), and `--kernels` prints each prefill case's kernels by GPU time per call (torch.profiler): where
 ours and FLA's public call part ways.
@@ -26,6 +27,7 @@ ours and FLA's public call part ways.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -218,25 +220,34 @@ SWEEP = [(1024, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8)]
 
 
 def decode_sweep(device: str, tiny: bool, reps: int) -> list[dict]:
-    """Our GDN and Mamba2 decode steps at batch 256 (8 tiny) with each SWEEP configuration."""
+    """Our GDN and Mamba2 decode steps at batch 256 (8 tiny) with each SWEEP configuration; GDN's also
+    with its output from the decayed tile (`FUSED_OUT`)."""
     from sglang.srt.layers.attention.linear import gdn_decode_triton
     from sglang.srt.layers.attention.mamba import decode_triton
 
     rows = []
     for module, row_of in ((gdn_decode_triton, _gdn_decode_row), (decode_triton, _mamba2_decode_row)):
         default = (module.TILE_FLOATS, module.NUM_WARPS)
+        fused_default = getattr(module, "FUSED_OUT", None)
+        forms = (False, True) if fused_default is not None else (None,)
         try:
-            for tile, warps in SWEEP:
+            for (tile, warps), fused in itertools.product(SWEEP, forms):
                 module.TILE_FLOATS, module.NUM_WARPS = tile, warps
+                config = {"tile_floats": tile, "num_warps": warps}
+                if fused is not None:
+                    module.FUSED_OUT = config["fused_out"] = fused
                 if row_of is _gdn_decode_row:
                     row = row_of(device, 8 if tiny else 256, 4 if tiny else 32, 16 if tiny else 128, reps, ours_only=True)
                 else:
                     args = (4, 8, 16, 2) if tiny else (128, 64, 128, 8)
                     row = row_of(device, 8 if tiny else 256, *args, reps, ours_only=True)
-                row["config"] = {"tile_floats": tile, "num_warps": warps, "default": (tile, warps) == default}
+                config["default"] = (tile, warps) == default and fused == fused_default
+                row["config"] = config
                 rows.append(row)
         finally:
             module.TILE_FLOATS, module.NUM_WARPS = default
+            if fused_default is not None:
+                module.FUSED_OUT = fused_default
     return rows
 
 

@@ -47,13 +47,20 @@ def test_bench_engine_vs_hf_prints_the_ratio():
 
 
 def test_bench_kernels_prints_every_kernel_row():
-    rows = _rows("bench_kernels.py", "--tiny", "--reps", "1")
-    kernels = [r["kernel"] for r in rows]
-    assert [k.split()[0:2] for k in kernels] == [
+    """Every kernel's row, then `--sweep`'s: each decode configuration once per kernel (GDN's in both
+    forms of its output), the defaults marked once per kernel."""
+    rows = _rows("bench_kernels.py", "--tiny", "--reps", "1", "--sweep")
+    main, sweep = [r for r in rows if "config" not in r], [r for r in rows if "config" in r]
+    assert [r["kernel"].split()[0:2] for r in main] == [
         ["GDN", "prefill"], ["GDN", "decode"], ["GDN", "decode"], ["Mamba2", "decode"], ["Mamba2", "decode"],
         ["attention", "decode"],
     ]  # fmt: skip
     assert all(all(ms > 0 for ms in r["ms"].values()) for r in rows)
+    gdn = [r["config"] for r in sweep if r["kernel"].startswith("GDN")]
+    mamba2 = [r["config"] for r in sweep if r["kernel"].startswith("Mamba2")]
+    assert len(gdn) == 2 * len(mamba2) > 0 and {c["fused_out"] for c in gdn} == {False, True}
+    assert sum(c["default"] for c in gdn) == 1 and sum(c["default"] for c in mamba2) == 1
+    assert next(c for c in gdn if c["default"])["fused_out"] is False
 
 
 def test_bench_kernels_changes_the_order_of_its_cases():

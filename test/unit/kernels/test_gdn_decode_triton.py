@@ -54,8 +54,14 @@ def _twin(x, a, b, layer, state):
         (2, 2, 16, 8, torch.bfloat16),  # a bfloat16 pool and gates: read, update in float32, store rounded
     ],
 )
-def test_matches_the_torch_step_in_place(kernel_device, hk, hv, kd, vd, dtype):
+@pytest.mark.parametrize("fused_out", [False, True], ids=["out-from-updated", "out-from-decayed"])
+def test_matches_the_torch_step_in_place(kernel_device, hk, hv, kd, vd, dtype, fused_out, monkeypatch):
+    """Both forms of the output (`FUSED_OUT`: from the updated tile, or from the decayed one plus
+    delta (k . q)) against the twin."""
+    from sglang.srt.layers.attention.linear import gdn_decode_triton
     from sglang.srt.layers.attention.linear.gdn_decode_triton import block_v, gdn_decode_inplace
+
+    monkeypatch.setattr(gdn_decode_triton, "FUSED_OUT", fused_out)
 
     dev = kernel_device
     num_slots, slots = 12, [7, 2, 11, 0, 5]  # out of order; a padded row on the dummy slot 0
@@ -102,8 +108,9 @@ def test_empty_batch_launches_nothing(interpret):
     assert out.shape == (0, 2, 8)
 
 
+@pytest.mark.parametrize("fused_out", [False, True])
 @pytest.mark.parametrize("state", ["fp32", "bf16"])
-def test_compiles_for_sm90(state):
+def test_compiles_for_sm90(state, fused_out):
     """Qwen3-Next-80B shapes (16 key heads, 32 value heads, K = V = 128; bfloat16 gates): the kernel
     compiles for an H100 from this CPU machine, without spilling to local memory."""
     from sglang.srt.layers.attention.linear import gdn_decode_triton as mod
@@ -113,9 +120,10 @@ def test_compiles_for_sm90(state):
         "x_ptr": "*fp32", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16",
         "state_ptr": f"*{state}", "slot_ptr": "*i64", "out_ptr": "*fp32",
         **{name: "i64" for name in ("x_stride", "ab_stride", "slot_stride")},
-        **{name: "constexpr" for name in ("NUM_HEADS", "KEY_HEADS", "K", "V", "BK", "BV")},
+        **{name: "constexpr" for name in ("NUM_HEADS", "KEY_HEADS", "K", "V", "BK", "BV", "FUSED_OUT")},
     }  # fmt: skip
-    constexprs = {"NUM_HEADS": 32, "KEY_HEADS": 16, "K": 128, "V": 128, "BK": 128, "BV": mod.block_v(128, 128)}
+    constexprs = {"NUM_HEADS": 32, "KEY_HEADS": 16, "K": 128, "V": 128, "BK": 128, "BV": mod.block_v(128, 128),
+                  "FUSED_OUT": fused_out}  # fmt: skip
     compile_sm90_in_registers(mod._gdn_decode_kernel, signature, constexprs, num_warps=mod.NUM_WARPS)
 
 

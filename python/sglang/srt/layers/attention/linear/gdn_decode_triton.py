@@ -44,6 +44,7 @@ def _gdn_decode_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    FUSED_OUT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -76,16 +77,29 @@ def _gdn_decode_kernel(
     # tl.reduce with our own combine, not tl.sum (sglang.srt.utils.triton_jit says why).
     predicted = tl.reduce(s * k[None, :], 1, add)
     delta = (v - predicted) * beta
-    s = s + delta[:, None] * k[None, :]
-    out = tl.reduce(s * q[None, :], 1, add)
-    tl.store(out_ptr + (b * NUM_HEADS + h) * V + offs_v, out, mask=mv)
-    tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
+    if FUSED_OUT:
+        # S' q = S q + delta (k . q): both reductions read the decayed tile, and the updated tile is
+        # stored without a second pass over it (the same sums in another order).
+        sq = tl.reduce(s * q[None, :], 1, add)
+        s = s + delta[:, None] * k[None, :]
+        tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
+        out = sq + delta * tl.reduce(k * q, 0, add)
+        tl.store(out_ptr + (b * NUM_HEADS + h) * V + offs_v, out, mask=mv)
+    else:
+        s = s + delta[:, None] * k[None, :]
+        out = tl.reduce(s * q[None, :], 1, add)
+        tl.store(out_ptr + (b * NUM_HEADS + h) * V + offs_v, out, mask=mv)
+        tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
 
 
 # A program's [BV, K] float32 tile of the state holds at most TILE_FLOATS values (16 KB), on NUM_WARPS
 # warps: 128 registers, no spill on sm_90. `bench_kernels.py --sweep` times other pairs on a GPU.
 TILE_FLOATS = 4096
 NUM_WARPS = 4
+# The output from the decayed tile (`FUSED_OUT` above), for `bench_kernels.py --sweep` to time against
+# the output from the updated tile; on an H200 the kernel reached 58-65 % of the HBM peak at batch 256
+# either way of tiling (benchmark/gpu/README.md), where issue 13 asks 70 %. Not yet timed on a GPU.
+FUSED_OUT = False
 
 
 def block_v(value_dim: int, key_dim: int) -> int:
@@ -125,6 +139,6 @@ def gdn_decode_inplace(
     jit_for_env(_gdn_decode_kernel)[grid](
         x, a, b, a_log, dt_bias, ssm, slots.contiguous(), out, x.stride(0), a.stride(0), ssm.stride(0),
         NUM_HEADS=heads, KEY_HEADS=key_heads, K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=bv,
-        num_warps=NUM_WARPS,
+        FUSED_OUT=FUSED_OUT, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
