@@ -195,6 +195,14 @@ class RanFuture(Future):
         self.seconds = seconds
 
 
+def placeholders(slots: Sequence[int]) -> Sequence[int]:
+    """The placeholders of future slots, -(slot + 1) each (a `range` for a `range`): the input ids a
+    later batch names their tokens by, and the slots' indices in `token_lookup`."""
+    if isinstance(slots, range):
+        return range(~slots.start, ~slots.stop, -1)
+    return [~s for s in slots]
+
+
 def token_id_bound(model_runner) -> int:
     """One past the largest token id a batch can hold: the vocabulary the requests are checked against,
     or the lm_head's rows (what sampling can pick) where more."""
@@ -307,8 +315,8 @@ class ForwardWorker:
             src, dst = zip(*item.state_copies, strict=True)
             self.model_runner.req_to_token_pool.mamba_pool.copy_from(list(src), list(dst))
         if item.future_slots:
-            # Where the future slots sit in `token_lookup`: slot k at index -(k + 1).
-            fb.future_slots = host_int64([-1 - k for k in item.future_slots])
+            # Where the future slots sit in `token_lookup`: at their placeholders.
+            fb.future_slots = host_int64(placeholders(item.future_slots))
         self.model_runner.move_batch(fb)
         if item.has_placeholders:
             fb.input_ids = self.token_lookup[fb.input_ids]

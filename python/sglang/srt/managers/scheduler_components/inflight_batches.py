@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from sglang.srt.model_executor.forward_worker import placeholders
+
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 
@@ -39,13 +41,6 @@ class FutureSlots:
         if start + n <= size:
             return range(start, start + n)
         return [(start + i) % size for i in range(n)]
-
-
-def placeholders(slots: Sequence[int]) -> Sequence[int]:
-    """The placeholders of future slots: -(slot + 1) each, a `range` for a `range`."""
-    if isinstance(slots, range):
-        return range(~slots.start, ~slots.stop, -1)
-    return [~s for s in slots]
 
 
 class _Entry:
