@@ -18,10 +18,11 @@ Rows (issue 13's and 12's):
 
 `--sweep` adds, at batch 256, our GDN and Mamba2 decode steps at other (state tile, warps) pairs than
 the defaults (`TILE_FLOATS`, `NUM_WARPS` of their modules), GDN's each with its output from the updated
-and from the decayed tile (`FUSED_OUT`), with the bandwidth each reaches. The GDN
-prefill row also times ours with q / k expanded to the value heads beforehand (as the public call
-gets them) and the public call with our arguments (key heads, `state_v_first`), and `--kernels` prints each prefill case's kernels by GPU time per call (torch.profiler): where
-ours and FLA's public call part ways.
+and from the decayed tile (`FUSED_OUT`), with the bandwidth each reaches. The GDN prefill row also
+times ours in the pool's [V, K] state layout (served: FLA's [K, V], the states transposed in and out),
+ours with q / k expanded to the value heads beforehand (as the public call gets them) and the public
+call with our arguments (key heads, `state_v_first`); `--kernels` prints each prefill case's kernels
+by GPU time per call (torch.profiler): where ours and FLA's public call part ways.
 """
 
 from __future__ import annotations
@@ -115,12 +116,12 @@ def gdn_prefill(device: str, tiny: bool, reps: int, kernels: bool = False) -> di
         # FLA's chunk layout as serving has it: built on the host, moved with the batch (fla_chunks.py).
         indices, offsets = chunk_layout(cu_cpu, 64, torch.device(device))
         layout = dict(chunk_indices=indices, chunk_offsets=offsets)
+        # As served: FLA's kernels in their own [K, V] state layout, the pool's states transposed in and out.
         cases["ours (FLA steps + chunk states)"] = lambda: chunk_gdn_varlen_fla(
             q, k, v, g, beta, h0, cu, cu_cpu, 64, **layout
         )
-        # FLA's kernels in their default [K, V] state layout, the pool's states transposed in and out.
-        cases["ours, FLA's [K, V] state layout"] = lambda: chunk_gdn_varlen_fla(
-            q, k, v, g, beta, h0, cu, cu_cpu, 64, **layout, kernel_state_v_first=False
+        cases["ours, the pool's [V, K] state layout"] = lambda: chunk_gdn_varlen_fla(
+            q, k, v, g, beta, h0, cu, cu_cpu, 64, **layout, kernel_state_v_first=True
         )
         group = hv // hk
         qe, ke = q.repeat_interleave(group, 1)[None], k.repeat_interleave(group, 1)[None]

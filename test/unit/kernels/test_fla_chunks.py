@@ -86,9 +86,9 @@ def test_gdn_glue_hands_flas_kernels_the_layout_and_waits_for_nothing():
 
 
 def test_gdn_glue_in_flas_state_layout_keeps_the_pools():
-    """`kernel_state_v_first=False` (a measurement switch): FLA's kernels get the initial states
-    transposed to their [K, V] layout, contiguous, and the final and chunk states come back in the
-    pool's [V, K] (key dim 16, value dim 8 here, so a missed transpose shows in the shapes)."""
+    """`kernel_state_v_first=False` (the default): FLA's kernels get the initial states transposed to
+    their [K, V] layout, contiguous, and the final and chunk states come back in the pool's [V, K] (key
+    dim 16, value dim 8 here, so a missed transpose shows in the shapes); True hands them the pool's."""
     from sglang.srt.layers.attention.linear.gdn_varlen import chunk_gdn_varlen_fla
 
     lengths = [70, 5]
@@ -213,7 +213,8 @@ def test_gpu_the_fla_extends_run_without_a_sync_and_as_without_the_layout():
             assert torch.equal(mine, theirs), glue.__name__
     # The layout switch, in bfloat16 as `bench_kernels.py` times it.
     bf16 = [t.to(torch.bfloat16) for t in gdn[:3]] + list(gdn[3:])
-    v_first = chunk_gdn_varlen_fla(*bf16, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets)
+    v_first = chunk_gdn_varlen_fla(*bf16, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets,
+                                   kernel_state_v_first=True)  # fmt: skip
     k_first = chunk_gdn_varlen_fla(*bf16, cu_dev, cu, 64, chunk_indices=indices, chunk_offsets=offsets,
                                    kernel_state_v_first=False)  # fmt: skip
     # FLA against FLA: the two layouts' kernels sum in other orders, in bfloat16 (chunk states stored in
