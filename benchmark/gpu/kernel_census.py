@@ -51,7 +51,7 @@ def census(
 
     from sglang.srt.environ import envs
     from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
-    from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch
+    from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, placeholders
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import ServerArgs
     from sglang.test.runner_driver import Extend, RunnerDriver
@@ -80,7 +80,7 @@ def census(
         worker = ForwardWorker(runner, future_size=2 * batch, inline=True)
         reqs = [driver.new_request() for _ in range(batch)]
         driver.extend([Extend(r, [5] * 32) for r in reqs], return_logprob=False)
-        fb = driver.decode_batch(reqs, input_ids=[-1 - i for i in range(batch)], return_logprob=False)
+        fb = driver.decode_batch(reqs, input_ids=list(placeholders(range(batch))), return_logprob=False)
         launches.calls.clear()
         with OpCensus(in_body=in_body) as ops:
             step = LaunchedBatch(fb, future_slots=range(batch, 2 * batch), has_placeholders=True)

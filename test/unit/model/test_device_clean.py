@@ -353,9 +353,9 @@ def test_a_copy_waiter_that_cannot_take_its_device_fails_every_wait():
         def synchronize(self) -> None:
             raise WaitedWithoutItsDevice
 
-    waiter = CopyWaiter(torch.device("cuda", 7 if torch.cuda.is_available() else 0))
     if torch.cuda.is_available() and torch.cuda.device_count() > 7:
         pytest.skip("the machine has a GPU 7")
+    waiter = CopyWaiter(torch.device("cuda", 7))  # no such device here, with or without CUDA
     try:
         copies = [waiter.watch(Event()) for _ in range(2)]
         for copy in copies:

@@ -127,9 +127,7 @@ class SchedulerIOMixin:
                 self.request_deadlines.on_arrival(obj.rid)
                 self.add_request(obj)
             elif isinstance(obj, BatchTokenizedGenerateReqInput):
-                for one in obj:
-                    self.request_deadlines.on_arrival(one.rid)
-                    self.add_request(one)
+                self.process_input_requests(obj.batch)
             elif isinstance(obj, AbortReq):
                 self.abort_request(obj.rid, obj.abort_all, obj.message)
             elif isinstance(obj, FlushCacheReqInput):
