@@ -146,7 +146,8 @@ def test_pool_sizing_from_flags_and_from_a_budget():
     arch = args.model_config.arch
     sizes = compute_pool_sizes(args, arch, weight_bytes=0)
     assert (sizes.max_mamba_cache_size, sizes.max_total_tokens) == (40, 1000)
-    assert sizes.resident_slots_per_req == 2 and sizes.max_running_requests == 20
+    # extra_buffer_lazy: 2 resident slots and 2 of tree headroom per running request (upstream's ratio 4).
+    assert sizes.resident_slots_per_req == 2 and sizes.max_running_requests == 10
     assert sizes.mamba_bytes_per_slot == arch.mamba_cache_per_req()
 
     budget = ServerArgs(mamba_full_memory_ratio=1.0, mem_fraction_static=0.5)
@@ -160,6 +161,23 @@ def test_pool_sizing_from_flags_and_from_a_budget():
     assert rest - sized.kv_bytes_per_token < used <= rest, "the budget is spent, not exceeded"
     assert ServerArgs(mamba_scheduler_strategy="extra_buffer").mamba_strategy.resident_slots_per_req == 3
     assert ServerArgs(mamba_scheduler_strategy="no_buffer").mamba_strategy.resident_slots_per_req == 1
+
+
+@pytest.mark.parametrize(
+    "flags, running",
+    [
+        ({"mamba_scheduler_strategy": "no_buffer"}, 40 // 3),
+        ({"mamba_scheduler_strategy": "extra_buffer"}, 40 // 5),
+        ({"mamba_scheduler_strategy": "extra_buffer", "disable_overlap_schedule": True}, 40 // 4),
+        ({"mamba_scheduler_strategy": "no_buffer", "disable_radix_cache": True}, 40),
+        ({"max_running_requests": 30}, 30),
+    ],
+)
+def test_the_derived_running_cap_leaves_the_tree_headroom(flags, running):
+    """Upstream's mamba ratio: the running slots plus 2 per request for the tree's checkpoints, none
+    without a radix cache; a cap given by flag stands."""
+    args = ServerArgs(max_mamba_cache_size=40, max_total_tokens=1000, **flags)
+    assert compute_pool_sizes(args, args.model_config.arch, weight_bytes=0).max_running_requests == running
 
 
 def test_pool_sizing_refuses_too_small_pools():

@@ -7,8 +7,13 @@ home of the slot rules; nothing else recomputes them.
   written never is the one the tree may take), 1 without; 0 when nothing is tracked.
 - `lazy`: one track slot resident, a second borrowed at each decode track boundary. Without overlap
   there is one entry and no window to protect, so `extra_buffer_lazy` runs as `extra_buffer` then.
-- Slots per running request: `resident_slots_per_req` between boundaries (admission, pool sizing),
-  `max_slots_per_req` at most (every entry filled: what the PD decode pool reserves).
+- Slots per running request: `resident_slots_per_req` between boundaries (admission), `max_slots_per_req`
+  at most (every entry filled: what the PD decode pool reserves).
+- `tree_headroom`: slots per running request left to the radix tree when the running cap is derived from
+  the pool (2 with a radix cache, as upstream's base ratio 3 keeps beside the running slot). Without it a
+  saturated pool is all running slots: every checkpoint is evicted by the next admission, and a load of
+  shared prefixes hits nothing. `slots_per_running_req` is upstream's "mamba ratio": 1 without a radix
+  cache, 3 `no_buffer`, 5 `extra_buffer` with overlap, 4 `extra_buffer_lazy`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 EXTRA_BUFFER_STRATEGIES = ("extra_buffer", "extra_buffer_lazy")
+TREE_HEADROOM_SLOTS = 2
 
 
 @dataclass(frozen=True)
@@ -25,13 +31,15 @@ class MambaStrategy:
     lazy: bool = False
     track_entries: int = 0
     cache_chunk_size: int = 64
+    tree_headroom: int = 0
 
     @classmethod
     def resolve(cls, name: str, radix_cache: bool, overlap: bool, cache_chunk_size: int) -> MambaStrategy:
         extra = radix_cache and name in EXTRA_BUFFER_STRATEGIES
         entries = (2 if overlap else 1) if extra else 0
         lazy = extra and name == "extra_buffer_lazy" and entries == 2
-        return cls(name, extra, lazy, entries, cache_chunk_size)
+        headroom = TREE_HEADROOM_SLOTS if radix_cache else 0
+        return cls(name, extra, lazy, entries, cache_chunk_size, headroom)
 
     @property
     def resident_track_slots(self) -> int:
@@ -40,6 +48,10 @@ class MambaStrategy:
     @property
     def resident_slots_per_req(self) -> int:
         return 1 + self.resident_track_slots
+
+    @property
+    def slots_per_running_req(self) -> int:
+        return self.resident_slots_per_req + self.tree_headroom
 
     @property
     def max_slots_per_req(self) -> int:

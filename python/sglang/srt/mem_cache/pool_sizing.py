@@ -64,7 +64,8 @@ def compute_pool_sizes(
     dtype = server_args.model_config.torch_dtype
     per_slot = arch.mamba_cache_per_req(dtype, server_args.mamba_ssm_dtype)
     per_token = arch.kv_bytes_per_token(server_args.model_config.kv_cache_torch_dtype)
-    resident = server_args.mamba_strategy.resident_slots_per_req
+    strategy = server_args.mamba_strategy
+    resident = strategy.resident_slots_per_req
     slots, tokens = server_args.max_mamba_cache_size, server_args.max_total_tokens
 
     if slots is None or tokens is None:
@@ -94,7 +95,9 @@ def compute_pool_sizes(
             f"--max-total-tokens {tokens} is smaller than the two pages of {page} token(s) one request needs."
         )
     tokens = tokens // page * page
-    derived = min(slots // resident, tokens // 2, MAX_RUNNING_REQUESTS_CAP)
+    # The derived cap leaves the tree its headroom (`MambaStrategy.tree_headroom`); a cap given by flag
+    # may take it all.
+    derived = min(slots // strategy.slots_per_running_req, tokens // 2, MAX_RUNNING_REQUESTS_CAP)
     running = server_args.max_running_requests or max(1, derived)
     if server_args.max_running_requests and running > slots // resident:
         logger.warning(
