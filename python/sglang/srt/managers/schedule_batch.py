@@ -74,13 +74,22 @@ class DecodeKVLedger(Protocol):
     def replaced(self, req: Req, kv_indices: list[int]) -> None: ...
 
 
+class DecodeTokenLedger(Protocol):
+    """What a request asks of the scheduler's `DecodeTokenLog` (scheduler_components/decode_token_log.py)."""
+
+    pending: list  # the steps not yet appended: a request with a log looks here first
+
+    def append_pending(self, req: Req) -> None: ...
+
+
 class Req:
     # Slots, not a __dict__: the scheduler touches a few of these per request at every step, and a
     # compact object keeps them in fewer cache lines (the forward runs on the same core on CPU).
     __slots__ = (
         "rid",
         "origin_input_ids",
-        "output_ids",
+        "_output_ids",
+        "token_log",
         "sampling_params",
         "return_logprob",
         "logprob_start_len",
@@ -133,7 +142,10 @@ class Req:
     ):
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
-        self.output_ids: list[int] = []
+        self._output_ids: list[int] = []  # `output_ids`
+        # The scheduler's `DecodeTokenLog` once the request decodes: its newest tokens may be there, not
+        # yet in `_output_ids`. None: everything is in the list.
+        self.token_log: DecodeTokenLedger | None = None
         self.sampling_params = sampling_params or SamplingParams()
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
@@ -198,6 +210,22 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The tokens sampled so far (the newest decode steps' appended first from the scheduler's
+        `DecodeTokenLog`, where they wait while no request of the decode set can finish)."""
+        log = self.token_log
+        if log is not None and log.pending:
+            log.append_pending(self)
+        return self._output_ids
+
+    @output_ids.setter
+    def output_ids(self, value: list[int]) -> None:
+        log = self.token_log
+        if log is not None and log.pending:
+            log.append_pending(self)  # so that they are not appended to the new list later
+        self._output_ids = value
 
     @property
     def kv_indices(self) -> list[int]:

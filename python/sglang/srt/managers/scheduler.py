@@ -282,6 +282,7 @@ class Scheduler(SchedulerIOMixin):
         # It may be back at the same place before the next decode build (a pause that retracts
         # everyone, then its new prefill): the same running list would not show it.
         self.decode_set.clear()
+        self.result_processor.token_log.clear()  # its tokens so far go to its list, nothing later
         req.reset_for_retract()
         self.waiting_queue.insert(0, req)
         self.counters["num_retractions_total"] += 1

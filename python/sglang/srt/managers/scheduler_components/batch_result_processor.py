@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import BatchTokenIDOut
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.scheduler_components.decode_token_log import DecodeTokenLog
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.common import release_kv_cache
@@ -42,6 +43,7 @@ class BatchResultProcessor:
         on_release: Callable[[Req], None],
         counters: dict[str, int],
         stream_interval: int,
+        token_log: DecodeTokenLog | None = None,
     ):
         self.tree_cache = tree_cache
         self.tracker = tracker
@@ -50,6 +52,8 @@ class BatchResultProcessor:
         self.on_release = on_release  # the scheduler forgets a released request
         self.counters = counters
         self.stream_interval = stream_interval
+        # Decode steps' tokens not yet in the requests' output_ids (`decode_token_log.py`).
+        self.token_log = token_log if token_log is not None else DecodeTokenLog()
         # PD prefill server: takes a disaggregated request once its prompt is done (it decodes elsewhere).
         self.prefill_handoff: Callable[[Req], None] | None = None
         # Finished requests whose release waits for a batch in flight (`release_finished`): they still
@@ -98,20 +102,27 @@ class BatchResultProcessor:
         input logprobs: this runs for every running request at every step, so its loop is the short
         one, and `check_finished` runs only where the quick check (`set_quick_check`) says it may end
         the request. Most steps have no logprobs, snapshots or streams to handle: their loop is
-        shorter still (`_commit_decode_tokens`)."""
+        shorter still (`_commit_decode_tokens`), and while no request can finish on a step its tokens
+        are only logged (`DecodeTokenLog`)."""
+        log = self.token_log
         if result.next_token_logprobs is None and not batch.pending_tracks and not batch.any_stream:
+            if log.log(batch.reqs, result.next_token_ids):
+                self.counters["num_generation_tokens_total"] += len(batch.reqs)
+                return
+            log.flush()  # the loop below reads the lists themselves
             self._commit_decode_tokens(batch, result)
             return
+        log.flush()
         pending = batch.pending_tracks
         check_finished, logprobs = self.finisher.check_finished, result.next_token_logprobs is not None
         touched: list[Req] = []
-        skipped = 0
+        skipped = finished = 0
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if req.finished_reason is not None:
                 skipped += 1
                 self._release_landed(req)
                 continue
-            out = req.output_ids
+            out = req._output_ids  # flushed above
             out.append(token)
             if logprobs and req.return_logprob:
                 self._append_output_logprobs(req, result, i, token)
@@ -124,7 +135,9 @@ class BatchResultProcessor:
                 self._handle_finish_state_updated_req(req, None)
             if req.stream or req.finished_reason is not None:
                 touched.append(req)  # what stream_output may send
+                finished += req.finished_reason is not None
         self.counters["num_generation_tokens_total"] += len(batch.reqs) - skipped
+        log.after_step(batch.reqs, clean=not skipped and not finished)
         self.stream_output(touched)
 
     def _commit_decode_tokens(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
@@ -138,7 +151,7 @@ class BatchResultProcessor:
                 skipped += 1
                 self._release_landed(req)
                 continue
-            out = req.output_ids
+            out = req._output_ids  # the caller flushed the log
             out.append(token)
             if len(out) >= req.finish_check_len or token in req.finish_token_ids:
                 check_finished(req)
@@ -146,6 +159,7 @@ class BatchResultProcessor:
                     self._handle_finish_state_updated_req(req, None)
                     finished.append(req)
         self.counters["num_generation_tokens_total"] += len(batch.reqs) - skipped
+        self.token_log.after_step(batch.reqs, clean=not skipped and not finished)
         if finished:
             self.stream_output(finished)
 
@@ -179,6 +193,7 @@ class BatchResultProcessor:
         flight still contains (it finished on the token that batch feeds it, under overlap) leaves the
         scheduler now but gives its KV and slots back when that batch is processed, if the tree then
         takes its final state (`defers_finished_release`): the batch writes that token's KV and state."""
+        self.token_log.clear()  # the decode set changes (and an abort must not get a logged token)
         is_insert = not (req.finished_reason and req.finished_reason.get("type") == "abort")
         if is_insert and req.num_inflight > 0 and self.tree_cache.defers_finished_release(req):
             req.release_deferred = True

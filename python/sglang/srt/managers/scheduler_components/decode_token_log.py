@@ -1,0 +1,79 @@
+"""`DecodeTokenLog`: the tokens of decode steps that can end no request, kept per step and appended to
+each request's `output_ids` only when something reads that list (`DecodeStepLog` says why).
+
+A step's tokens are logged instead of committed one by one (`log`) when all of these hold:
+- the batch is the decode set the log was started for (the same requests in the same order);
+- no request can reach the output length at which its finish check runs (`Req.finish_check_len`): the
+  smallest distance to it, taken when the log started, stays above the steps since (`_slack`);
+- no token of the step is a stop or end-of-sequence id of any request of the set (`_stop_ids`, their
+  union; one C-level `isdisjoint`).
+Then no request can finish on the step: its tokens need no other bookkeeping.
+
+The caller commits every other step one by one and tells the log (`after_step`): a step in which a
+request of the batch finished or was already gone forgets the set; the same batch twice in a row starts
+logging it. Whatever ends a request outside a step (an abort, a PD hand-off, a retraction) forgets the
+set too (`clear`), so a request that is gone never gets a logged token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from sglang.srt.managers.decode_step_log import DecodeStepLog
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+
+class DecodeTokenLog(DecodeStepLog):
+    LIST_ATTR = "_output_ids"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._steps = 0  # steps of the set since the log started it
+        self._slack = 0  # a step numbered this (or later) may reach some request's finish check length
+        self._stop_ids: frozenset[int] = frozenset()
+        self._previous: list[Req] | None = None  # the last batch committed one by one
+        self.steps_logged = 0  # (tests and benchmarks)
+
+    def log(self, reqs: list[Req], tokens: Sequence[int]) -> bool:
+        """Log this step's tokens for `reqs` (True) if no request can finish on them; else False: the
+        caller commits them one by one and then calls `after_step`."""
+        if self._steps + 1 >= self._slack or reqs != self._reqs or not self._stop_ids.isdisjoint(tokens):
+            return False
+        if len(self.pending) >= self.MAX_PENDING:
+            self.flush()
+        self.pending.append(tokens)
+        self._steps += 1
+        self.steps_logged += 1
+        return True
+
+    def after_step(self, reqs: list[Req], clean: bool) -> None:
+        """A step of `reqs` was committed one by one; `clean`: no request of it finished or was gone."""
+        if not clean:
+            self.clear()
+        elif self._reqs and reqs == self._reqs:
+            self._steps += 1
+        elif reqs == self._previous:
+            self._start(reqs)
+        else:
+            self.clear()
+            self._previous = list(reqs)
+
+    def _start(self, reqs: list[Req]) -> None:
+        self.clear()
+        slack, stop_ids = None, set()
+        for r in reqs:
+            if r.token_log is not self:
+                r.token_log = self
+            left = r.finish_check_len - len(r._output_ids)  # nothing is pending after the clear
+            slack = left if slack is None or left < slack else slack
+            if r.finish_token_ids is None:
+                return  # no quick check yet: every step checks it
+            stop_ids |= r.finish_token_ids
+        self._reqs, self._slack, self._stop_ids = list(reqs), slack or 0, frozenset(stop_ids)
+
+    def clear(self) -> None:
+        super().clear()
+        self._steps, self._slack, self._previous = 0, 0, None
