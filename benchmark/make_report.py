@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "benchmarks"
 PRESETS = ["tiny-qwen3-next", "tiny-nemotron-h"]
 STRATEGIES = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
-MAMBA_POOL = 48  # fixed slots: what a strategy spends per request decides how many run at once
+MAMBA_POOL = 48  # fixed slots: what a strategy spends per request (its resident slots and the tree's
+# headroom, `MambaStrategy.slots_per_running_req`) decides how many run at once
 
 
 def workloads(quick: bool) -> dict[str, list[str]]:

@@ -24,12 +24,15 @@ def test_churn_serves_the_same_outputs_with_and_without_the_log(overlap, monkeyp
     try:
         rids = run_churn(h, max_steps=400)
         logged = h.sched.result_processor.token_log.steps_logged
+        retractions = h.sched.counters["num_retractions_total"]
         with_log = _outputs(h, rids)
         h.flush_and_check_empty()
     finally:
         h.shutdown()
     assert logged > 20, "the workload must log steps"
+    assert retractions > 0
     assert {r["type"] for _, r in with_log} == {"length", "stop", "abort"}
+    assert len(with_log[13][0]) == 120 - 101, "the last request ends at the context length"
 
     monkeypatch.setattr(DecodeTokenLog, "log", lambda self, reqs, tokens: False)
     h = churn_harness(overlap, context_length=120)
@@ -53,7 +56,12 @@ def test_output_ids_read_between_logged_steps_hold_every_token():
         reqs = list(sched.running)
         # One token from the prefill, then one per decode step.
         assert all(len(r._output_ids) < steps for r in reqs)
+        sched.check_integrity()  # the log's invariant holds with steps pending (its reads append them)
         assert [len(r.output_ids) for r in reqs] == [steps] * 3
+        reqs[1]._output_ids.append(5)  # a token from outside the set's steps breaks the invariant
+        with pytest.raises(AssertionError, match="decode output lengths"):
+            log.check()
+        reqs[1]._output_ids.pop()
         # 90 tokens: past MAX_PENDING (64) logged steps, then the length finish at the slack's end.
         sched.run_until_idle()
         h.collect()

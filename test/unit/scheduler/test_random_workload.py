@@ -79,7 +79,7 @@ def test_random_workload_on_small_pools(preset, strategy, page, chunk, fail_mode
         disable_overlap_schedule=not overlap,
         max_mamba_cache_size=4 * resident + 2,
         max_total_tokens=4096,
-        max_running_requests=None,
+        max_running_requests=4,  # the pool, not the derived cap (which keeps tree headroom), limits
         mamba_track_interval=c,
     )
     h.oracle = oracles[preset]

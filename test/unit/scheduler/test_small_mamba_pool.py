@@ -41,7 +41,7 @@ def test_32_requests_on_12_slots(preset, strategy, oracles):
             assert time.monotonic() - start < TIME_BOUND_S
         h.collect()
         assert peak > 1, "requests must run concurrently"
-        assert peak <= 12 // sched.pool_sizes.resident_slots_per_req
+        assert peak <= sched.max_running_requests == 12 // sched.server_args.mamba_strategy.slots_per_running_req
         for p, rid in zip(prompts, rids, strict=True):
             out = h.outputs[rid]
             assert out.finished_reason == {"type": "length", "length": 12}

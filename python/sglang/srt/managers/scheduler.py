@@ -277,12 +277,12 @@ class Scheduler(SchedulerIOMixin):
     def retract(self, req: Req) -> None:
         """Give back everything `req` holds and queue it again; it prefills its tokens anew later."""
         logger.info("Retracting %s: the KV pool is full.", req)
+        self.result_processor.token_log.clear()  # its tokens so far go to its list, nothing later
         release_kv_cache(req, self.tree_cache, is_insert=False)
         self.running.remove(req)
         # It may be back at the same place before the next decode build (a pause that retracts
         # everyone, then its new prefill): the same running list would not show it.
         self.decode_set.clear()
-        self.result_processor.token_log.clear()  # its tokens so far go to its list, nothing later
         req.reset_for_retract()
         self.waiting_queue.insert(0, req)
         self.counters["num_retractions_total"] += 1
@@ -431,6 +431,7 @@ class Scheduler(SchedulerIOMixin):
         assert not self.in_flight, "check_integrity needs the forward stream drained"
         assert not self.inflight, "every batch built was launched and processed"
         self.kv_log.check()
+        self.result_processor.token_log.check()
         check_integrity(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
 
     def is_idle(self) -> bool:

@@ -34,6 +34,7 @@ class DecodeTokenLog(DecodeStepLog):
         self._steps = 0  # steps of the set since the log started it
         self._slack = 0  # a step numbered this (or later) may reach some request's finish check length
         self._stop_ids: frozenset[int] = frozenset()
+        self._base: list[int] = []  # each of `_reqs`' output length when the log started the set
         self._previous: list[Req] | None = None  # the last batch committed one by one
         self.steps_logged = 0  # (tests and benchmarks)
 
@@ -63,17 +64,27 @@ class DecodeTokenLog(DecodeStepLog):
 
     def _start(self, reqs: list[Req]) -> None:
         self.clear()
-        slack, stop_ids = None, set()
+        slack, stop_ids, base = None, set(), []
         for r in reqs:
             if r.token_log is not self:
                 r.token_log = self
-            left = r.finish_check_len - len(r._output_ids)  # nothing is pending after the clear
+            n = len(r._output_ids)  # nothing is pending after the clear
+            base.append(n)
+            left = r.finish_check_len - n
             slack = left if slack is None or left < slack else slack
             if r.finish_token_ids is None:
                 return  # no quick check yet: every step checks it
             stop_ids |= r.finish_token_ids
         self._reqs, self._slack, self._stop_ids = list(reqs), slack or 0, frozenset(stop_ids)
+        self._base = base
+
+    def check(self) -> None:
+        """The log's invariant: nothing but the set's steps (logged or committed) added tokens to its
+        requests since it started the set (the slack counts on it)."""
+        actual = [len(r.output_ids) for r in self._reqs]
+        expected = [n + self._steps for n in self._base[: len(actual)]]
+        assert actual == expected, f"decode output lengths {actual} differ from the log's {expected}"
 
     def clear(self) -> None:
         super().clear()
-        self._steps, self._slack, self._previous = 0, 0, None
+        self._steps, self._slack, self._previous, self._base = 0, 0, None, []
