@@ -204,7 +204,8 @@ class TestOpenAIServer(ServerTestCase):
         self.assertRegex(
             self.server.log_text(),
             r"--mamba-scheduler-strategy extra_buffer_lazy .*token pool \d+ tokens, mamba pool \d+ slots, "
-            r"\d+ resident mamba slots per running request",
+            r"\d+ resident mamba slots per running request, max running requests \d+ \(derived, keeping 2 "
+            r"mamba slots per request for the radix cache\)",
         )
 
     def test_health_generate_server_info_and_metrics(self) -> None:

@@ -51,9 +51,16 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, Any]) -> None:
     mamba = state.get("mamba_usage", {})
+    headroom = state.get("tree_headroom_slots_per_req", 0)
+    if getattr(server_args, "max_running_requests", None):
+        cap = "as --max-running-requests"
+    elif headroom:
+        cap = f"derived, keeping {headroom} mamba slots per request for the radix cache"
+    else:
+        cap = "derived"
     logger.info(
         "Serving %s: --mamba-scheduler-strategy %s (%s); token pool %d tokens, mamba pool %s slots, "
-        "%s resident mamba slots per running request, max running requests %d, context length %d.",
+        "%s resident mamba slots per running request, max running requests %d (%s), context length %d.",
         server_args.model_path,
         state.get("mamba_scheduler_strategy", server_args.mamba_scheduler_strategy),
         state.get("mamba_strategy_reason") or server_args.mamba_strategy_reason or "as requested",
@@ -61,6 +68,7 @@ def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, A
         mamba.get("total", "?"),
         state.get("resident_slots_per_req", "?"),
         model_info["max_running_requests"],
+        cap,
         model_info["context_len"],
     )
 

@@ -217,6 +217,7 @@ class SchedulerIOMixin:
             "mamba_scheduler_strategy": self.server_args.mamba_scheduler_strategy,
             "mamba_strategy_reason": self.server_args.mamba_strategy_reason,
             "resident_slots_per_req": self.pool_sizes.resident_slots_per_req,
+            "tree_headroom_slots_per_req": self.server_args.mamba_strategy.tree_headroom,
             "max_running_requests": self.max_running_requests,
             "max_total_num_tokens": kv.size,
             "token_usage": {
