@@ -129,6 +129,21 @@ def test_evict_mamba_frees_in_lru_order_in_one_pass(monkeypatch):
     sim.check()
 
 
+def test_evict_mamba_steps_over_locked_checkpoints_once(monkeypatch):
+    """The locked checkpoints a pass steps over (running requests' prefixes) move to the recent end: the
+    next eviction starts at the unlocked ones instead of walking all 64 again, and still frees in the
+    same order as before among the unlocked."""
+    sim, held, order = _locked_head_tree(locked=64, free=9)
+    visits = _count_lru_visits(monkeypatch)
+    assert sim.tree.evict_mamba(1) == 1 and len(visits) == 65
+    visits.clear()
+    assert sim.tree.evict_mamba(1) == 1 and len(visits) == 1
+    assert not set(order[:2]) & set(sim.tree.held_mamba_slots()), "the 2 least recent unlocked went"
+    for node in held:
+        sim.tree.dec_lock_ref(node)
+    sim.check()
+
+
 def _random_tree(seed: int) -> tuple[MemCacheSim, list]:
     """Keys over three tokens with shared prefixes (splits, tombstones, chains of checkpoints whose
     parents become leaves as they go), a third of them locked as by requests, then half of them matched

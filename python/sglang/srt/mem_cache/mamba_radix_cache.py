@@ -327,18 +327,25 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         # nodes of running requests gather there): freeing a checkpoint changes no other node's lock
         # or place in this list, and evicting a leaf removes from it only that node (`_evict_leaf`
         # stops at the first parent with a checkpoint), which the iteration survives; so the order is
-        # the same as a new scan's each time.
-        unlocked = (n for n in self.mamba_lru if n.mamba_lock_ref == 0)
+        # the same as a new scan's each time. The locked checkpoints the pass steps over are in use:
+        # they move to the most recent end afterwards, so the next call does not step over them again.
+        passed: list[TreeNode] = []
+        lru = iter(self.mamba_lru)
         while freed < num:
-            node = next(unlocked, None)
+            node = next(lru, None)
             if node is None:
                 break
+            if node.mamba_lock_ref:
+                passed.append(node)
+                continue
             if node.is_leaf:
                 assert node.full_lock_ref == 0
                 self._evict_leaf(node)
             else:
                 self._drop_checkpoint(node)
             freed += 1
+        for node in passed:
+            self.mamba_lru.touch(node)
         return freed
 
     def _drop_checkpoint(self, node: TreeNode) -> None:
