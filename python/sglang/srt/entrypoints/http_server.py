@@ -52,7 +52,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, Any]) -> None:
     mamba = state.get("mamba_usage", {})
     headroom = state.get("tree_headroom_slots_per_req", 0)
-    if getattr(server_args, "max_running_requests", None):
+    if server_args.max_running_requests:
         cap = "as --max-running-requests"
     elif headroom:
         cap = f"derived, keeping {headroom} mamba slots per request for the radix cache"

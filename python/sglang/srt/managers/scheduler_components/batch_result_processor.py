@@ -105,14 +105,14 @@ class BatchResultProcessor:
         shorter still (`_commit_decode_tokens`), and while no request can finish on a step its tokens
         are only logged (`DecodeTokenLog`)."""
         log = self.token_log
-        if result.next_token_logprobs is None and not batch.pending_tracks and not batch.any_stream:
-            if log.log(batch.reqs, result.next_token_ids):
-                self.counters["num_generation_tokens_total"] += len(batch.reqs)
-                return
-            log.flush()  # the loop below reads the lists themselves
+        short = result.next_token_logprobs is None and not batch.pending_tracks and not batch.any_stream
+        if short and log.log(batch.reqs, result.next_token_ids):
+            self.counters["num_generation_tokens_total"] += len(batch.reqs)
+            return
+        log.flush()  # the loops below read the lists themselves
+        if short:
             self._commit_decode_tokens(batch, result)
             return
-        log.flush()
         pending = batch.pending_tracks
         check_finished, logprobs = self.finisher.check_finished, result.next_token_logprobs is not None
         touched: list[Req] = []
@@ -122,7 +122,7 @@ class BatchResultProcessor:
                 skipped += 1
                 self._release_landed(req)
                 continue
-            out = req._output_ids  # flushed above
+            out = req._output_ids  # the log was flushed above
             out.append(token)
             if logprobs and req.return_logprob:
                 self._append_output_logprobs(req, result, i, token)

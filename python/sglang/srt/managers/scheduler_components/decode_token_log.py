@@ -64,25 +64,24 @@ class DecodeTokenLog(DecodeStepLog):
 
     def _start(self, reqs: list[Req]) -> None:
         self.clear()
-        slack, stop_ids, base = None, set(), []
+        stop_ids, base, slack = set(), [], []
         for r in reqs:
             if r.token_log is not self:
                 r.token_log = self
-            n = len(r._output_ids)  # nothing is pending after the clear
-            base.append(n)
-            left = r.finish_check_len - n
-            slack = left if slack is None or left < slack else slack
             if r.finish_token_ids is None:
                 return  # no quick check yet: every step checks it
+            n = len(r._output_ids)  # nothing is pending after the clear
+            base.append(n)
+            slack.append(r.finish_check_len - n)
             stop_ids |= r.finish_token_ids
-        self._reqs, self._slack, self._stop_ids = list(reqs), slack or 0, frozenset(stop_ids)
-        self._base = base
+        self._reqs, self._base, self._stop_ids = list(reqs), base, frozenset(stop_ids)
+        self._slack = min(slack, default=0)
 
     def check(self) -> None:
         """The log's invariant: nothing but the set's steps (logged or committed) added tokens to its
         requests since it started the set (the slack counts on it)."""
         actual = [len(r.output_ids) for r in self._reqs]
-        expected = [n + self._steps for n in self._base[: len(actual)]]
+        expected = [n + self._steps for n in self._base]
         assert actual == expected, f"decode output lengths {actual} differ from the log's {expected}"
 
     def clear(self) -> None:
