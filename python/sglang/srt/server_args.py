@@ -423,8 +423,9 @@ class ServerArgs:
             "--sampling-defaults",
             default=default("sampling_defaults"),
             choices=["openai", "model"],
-            help="model: a chat request's unset temperature / top_p / top_k / min_p come from the checkpoint's "
-            "generation_config.json, as upstream; openai: the API's defaults (1.0, 1.0, off, 0).",
+            help="model: a chat request's unset temperature / top_p / top_k / min_p / repetition_penalty come "
+            "from the checkpoint's generation_config.json, as upstream; openai: the API's defaults (1.0, 1.0, "
+            "off, 0, 1.0).",
         )
 
         g = parser.add_argument_group("memory and scheduling")

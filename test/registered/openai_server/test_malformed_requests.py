@@ -59,7 +59,10 @@ CASES = [
     (CHAT, chat(stop=[""]), "stop"),
     (CHAT, chat(seed=-1), "seed"),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (CHAT, chat(frequency_penalty=0.5), "frequency_penalty"),
+    (CHAT, chat(frequency_penalty=2.5), "frequency_penalty"),
+    (CHAT, chat(repetition_penalty=0), "repetition_penalty"),
+    (CHAT, chat(logit_bias={"99999": 5}), "logit_bias"),
+    (CHAT, chat(logit_bias={"5": "up"}), "logit_bias.5"),
     (COMP, {"model": "m"}, "prompt"),
     (COMP, {"prompt": 12}, "prompt"),
     (COMP, {"prompt": []}, "prompt"),
@@ -86,6 +89,7 @@ CASES = [
     (GEN, {"text": "a", "image_data": "x.png"}, "image_data"),
     (GEN, {"text": "a", "lora_path": "my-adapter"}, "lora_path"),
     (GEN, {"text": "a", "sampling_params": {"stop_regex": "(a"}}, "sampling_params.stop_regex"),
+    (GEN, {"text": "a", "sampling_params": {"logit_bias": {"-3": 1}}}, "sampling_params.logit_bias"),
     # 64 prompts x n=64 would start 4096 sequences at once.
     (
         GEN,
@@ -138,6 +142,20 @@ class TestMalformedRequests(ServerTestCase):
             some_future_field={"x": 1},
         )
         self.assertEqual(out["meta_info"]["completion_tokens"], 2)
+
+    def test_penalties_and_logit_bias_are_applied(self) -> None:
+        # Upstream's penalty fields on both routes (their rules: test/unit/scheduler/test_penalties.py).
+        forced = self.generate(
+            input_ids=[5, 6, 7],
+            sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {"42": 100}},
+        )
+        self.assertEqual(forced["output_ids"], [42] * 4)
+        body = chat(max_tokens=4, temperature=0, frequency_penalty=1.5, presence_penalty=0.5,
+                    repetition_penalty=1.2, logit_bias={"42": 2.5})  # fmt: skip
+        r = self.post(CHAT, body)
+        self.assertEqual(r.status_code, 200, r.text)
+        self.assertGreater(r.json()["usage"]["completion_tokens"], 0)
+        self.assert_idle_accounting()
 
     def test_a_body_over_the_limit_gets_413_before_it_is_sent(self) -> None:
         limit = self.get("/get_server_info").json()["max_request_body_size"]

@@ -109,6 +109,37 @@ def test_forwards_are_device_clean(preset):
     assert copier.devices and set(copier.devices) == {"meta"}, "state-copy ids must live on the device"
 
 
+def test_logit_penalties_run_on_the_device():
+    """A batch with every kind of penalty (counts with a fresh row, a ban, a bias): its penalty tensors
+    travel in the batch's one copy, the counts live on the device, and nothing is read back."""
+    from sglang.srt.model_executor.forward_batch_info import host_float32, host_int64
+    from sglang.srt.sampling.penaltylib import PenaltyBatchInfo
+
+    def info() -> PenaltyBatchInfo:
+        ints, floats = host_int64, host_float32
+        return PenaltyBatchInfo(
+            rows=ints([0, 2]), slots=ints([0, 3]), frequency=floats([0.5, 0]), presence=floats([0, 1]),
+            repetition=floats([1.2, 1]), count_rows=ints([0, 2]), count_slots=ints([0, 3]),
+            clear_slots=ints([3]), init_slots=ints([3]), init_ids=ints([9]), ban_rows=ints([1, 1]),
+            ban_ids=ints([2, 5]), bias_rows=ints([2]), bias_ids=ints([7]), bias_values=floats([3.0]),
+            num_slots=4,
+        )  # fmt: skip
+
+    with DeviceAudit() as audit:
+        runner, _ = _meta_runner(PRESETS[0], audit)
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request(), driver.new_request(temperature=0.8, seed=1), driver.new_request()]
+        driver.extend([Extend(r, [4] * 20) for r in reqs], return_logprob=False)
+        audit.reset()
+        for _ in range(2):
+            fb = driver.decode_batch(reqs, return_logprob=True)
+            fb.penalties = info()
+            runner.forward_batch_generation(fb)
+            assert fb.penalties.ban_ids.is_meta and runner.penalizer.counts.is_meta
+            _check_forward(audit, d2h=0)
+        assert runner.penalizer.counts.shape[0] >= 4
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_overlap_placeholders_resolve_on_the_device(preset):
     """The forward worker's future-token map lives on the device: the batch that samples into future

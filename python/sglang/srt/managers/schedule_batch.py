@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, SamplingBatchInfo, host_int64
+from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, PenaltySlots, is_penalized
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -128,6 +129,8 @@ class Req:
         "send_offset",
         "input_logprobs_sent",
         "sampling_row",
+        "penalized",
+        "penalty_slot",
     )
 
     def __init__(
@@ -200,6 +203,10 @@ class Req:
         self.input_logprobs_sent = False
         # What a batch reads of this request's sampling options (`_make_sampling_row`).
         self.sampling_row: tuple | None = None
+        # Logit penalties (sampling/penaltylib.py): whether any applies, and the request's row of the
+        # output token counts (the scheduler's `PenaltySlots`; kept across retraction).
+        self.penalized = is_penalized(self.sampling_params)
+        self.penalty_slot: int | None = None
 
     # ---- derived -----------------------------------------------------------------------------------
 
@@ -318,6 +325,7 @@ class DecodeRows:
     return_logprob_mask: list[bool]
     top_logprobs_nums: list[int]
     any_stream: bool  # some request streams its output
+    any_penalized: bool  # some request's logits take penalties (sampling/penaltylib.py)
 
     @classmethod
     def of(cls, reqs: list[Req], uniform_infos: dict | None = None) -> DecodeRows:
@@ -341,10 +349,12 @@ class DecodeRows:
                         uniform_infos.clear()
                     uniform_infos[key] = info
             logprob_mask, top_nums, any_stream = [row[5]] * n, [row[6]] * n, row[7]
+            any_penalized = row[8]
         else:
-            temps, top_ps, top_ks, seeds, min_ps, logprob, top, stream = _columns(sampling)
+            temps, top_ps, top_ks, seeds, min_ps, logprob, top, stream, penalized = _columns(sampling)
             info = SamplingBatchInfo.create(temps, top_ps, top_ks, seeds, min_ps)
             logprob_mask, top_nums, any_stream = list(logprob), list(top), any(stream)
+            any_penalized = any(penalized)
         return cls(
             req_pool_indices=rows,
             mamba_pool_indices=slots,
@@ -353,6 +363,7 @@ class DecodeRows:
             return_logprob_mask=logprob_mask,
             top_logprobs_nums=top_nums,
             any_stream=any_stream,
+            any_penalized=any_penalized,
         )
 
 
@@ -383,8 +394,9 @@ class DecodeRowsCache:
 
 def sampling_rows(reqs: list[Req]) -> list[tuple]:
     """Each request's sampling and output options: temperature (0 for greedy, top_k 1 included), top_p,
-    top_k, seed, min_p, return_logprob, top logprobs wanted, stream. A request's row is made once (its
-    options do not change), so a batch whose requests changed reads one attribute per request."""
+    top_k, seed, min_p, return_logprob, top logprobs wanted, stream, penalized. A request's row is made
+    once (its options do not change), so a batch whose requests changed reads one attribute per
+    request."""
     return [r.sampling_row or _make_sampling_row(r) for r in reqs]
 
 
@@ -394,7 +406,7 @@ def sampling_columns(reqs: list[Req]) -> list[tuple]:
 
 
 def _columns(rows: list[tuple]) -> list[tuple]:
-    return list(zip(*rows, strict=True)) if rows else [()] * 8
+    return list(zip(*rows, strict=True)) if rows else [()] * 9
 
 
 _SAMPLING_ROWS: dict[tuple, tuple] = {}  # interned rows (a bounded set of immutable tuples)
@@ -411,6 +423,7 @@ def _make_sampling_row(req: Req) -> tuple:
         req.return_logprob,
         req.top_logprobs_num if req.return_logprob else 0,
         req.stream,
+        req.penalized,
     )
     if len(_SAMPLING_ROWS) >= 1024:
         _SAMPLING_ROWS.clear()
@@ -456,9 +469,11 @@ class ScheduleBatch:
         tracker: SnapshotTracker,
         tree_cache: BasePrefixCache,
         inflight: InflightLedger,
+        penalty_slots: PenaltySlots | None = None,
     ) -> None:
         """`spans[i] = (prefix_len, end)`: request i computes positions [prefix_len, end) of its
-        `fill_ids`; their KV slots were allocated at admission and sit in `kv_indices`."""
+        `fill_ids`; their KV slots were allocated at admission and sit in `kv_indices`. A penalized
+        request takes its row of `penalty_slots` here if it has none."""
         input_ids, out_loc, writes = [], [], []
         track: list[tuple[int, int] | None] = []
         extra_tracks: list[tuple[int, int, int]] = []
@@ -501,6 +516,11 @@ class ScheduleBatch:
             extend_logprob_start_lens=lp_start,
             extend_logprob_next_ids=lp_next,
         )
+        if penalty_slots is not None and any(r.penalized for r in self.reqs):
+            seq_lens = [end for _, end in spans]
+            self.forward_batch.penalties = PenaltyBatchInfo.build(
+                self.reqs, seq_lens, self.sample_rows, penalty_slots
+            )
 
     @staticmethod
     def _input_logprob_plan(req: Req, p: int, end: int) -> tuple[int, int | None, bool]:
@@ -538,6 +558,7 @@ class ScheduleBatch:
         tree_cache: BasePrefixCache,
         inflight: InflightLedger,
         rows_cache: DecodeRowsCache | None = None,
+        penalty_slots: PenaltySlots | None = None,
     ) -> None:
         """One token per request at position kv_len - 1; its KV slot, `out_cache_loc[i]`, and its KV
         length, `seq_lens[i]`, come from `alloc_for_decode`. (This runs for every running request at
@@ -568,6 +589,8 @@ class ScheduleBatch:
             top_logprobs_nums=rows.top_logprobs_nums,
             host_tensors=rows.host_tensors,
         )
+        if rows.any_penalized and penalty_slots is not None:
+            self.forward_batch.penalties = PenaltyBatchInfo.build(reqs, seq_lens, self.sample_rows, penalty_slots)
         self.state_copies = tree_cache.take_pending_state_copies()
 
     def set_mamba_track_indices_from_reqs(self, tracker: SnapshotTracker, seq_lens: list[int]) -> dict:

@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
+from sglang.srt.sampling.penaltylib import PenaltySlots
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.srt.utils.host_profile import host_profile
 
@@ -90,6 +91,7 @@ class Scheduler(SchedulerIOMixin):
         self.inflight = InflightBatches(self.worker.future_size)  # built and not yet processed
         self.rows_cache = DecodeRowsCache(self.req_to_token_pool)
         self.kv_log = DecodeKVLog()  # decode slots not yet in the requests' kv_indices
+        self.penalty_slots = PenaltySlots()  # rows of the model runner's output token counts
         self.counters = {
             "num_requests_total": 0,
             "num_prompt_tokens_total": 0,
@@ -163,7 +165,7 @@ class Scheduler(SchedulerIOMixin):
         batch = ScheduleBatch(adder.reqs, ForwardMode.EXTEND, self._next_batch_id())
         batch.cached_tokens = adder.cached_tokens_admitted
         spans = [(p, end) for _, p, end in adder.spans]
-        batch.prepare_for_extend(spans, self.tracker, self.tree_cache, self.inflight)
+        batch.prepare_for_extend(spans, self.tracker, self.tree_cache, self.inflight, self.penalty_slots)
         if self.cow_on_scheduler_thread:
             self._run_state_ops_here(batch)
         self._cache_prefill_snapshots(adder.spans)
@@ -254,7 +256,9 @@ class Scheduler(SchedulerIOMixin):
             self._forget_decode_set()  # let the last decode's requests go
             return None
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
-        batch.prepare_for_decode(*allocated, self.tracker, self.tree_cache, self.inflight, self.rows_cache)
+        batch.prepare_for_decode(
+            *allocated, self.tracker, self.tree_cache, self.inflight, self.rows_cache, self.penalty_slots
+        )
         return batch
 
     def _forget_decode_set(self) -> None:
@@ -402,6 +406,10 @@ class Scheduler(SchedulerIOMixin):
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
         self.reqs_by_rid.pop(req.rid, None)
+        if req.penalty_slot is not None:
+            # Batches in flight may still count into it: its next owner's first batch zeroes it after them.
+            self.penalty_slots.free(req.penalty_slot)
+            req.penalty_slot = None
 
     def live_requests(self) -> list[Req]:
         """Every request that holds KV or slots: those the scheduler knows, and finished ones whose release
@@ -432,6 +440,7 @@ class Scheduler(SchedulerIOMixin):
         assert not self.inflight, "every batch built was launched and processed"
         self.kv_log.check()
         self.result_processor.token_log.check()
+        self.penalty_slots.check(self.live_requests())
         check_integrity(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
 
     def is_idle(self) -> bool:

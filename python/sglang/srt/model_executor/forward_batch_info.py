@@ -294,6 +294,9 @@ class ForwardBatch:
     # slot k at -(k + 1); set by the worker, moved with the batch).
     future_slots: torch.Tensor | None = None
 
+    # Logit penalties of the batch's penalized requests (`sampling/penaltylib.py`); None: none.
+    penalties: Any = None
+
     # Backends' index tensors built on the host before the batch moves (`prepare_host_metadata`), by
     # name: `to_device` moves them with the batch's own. `moved`: `ModelRunner.move_batch` ran.
     aux_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -335,6 +338,8 @@ class ForwardBatch:
         info = self.sampling_info = dataclasses.replace(self.sampling_info)
         owners = [(self, name) for name in self.TENSOR_FIELDS]
         owners += [(info, name) for name in SamplingBatchInfo.TENSOR_FIELDS]
+        if self.penalties is not None:
+            owners += [(self.penalties, name) for name in self.penalties.TENSOR_FIELDS]
         tensors = [getattr(obj, name) for obj, name in owners]
         aux = list(self.aux_tensors)
         tensors += [self.aux_tensors[name] for name in aux]

@@ -4,7 +4,7 @@
 inference mode itself (thread-local in torch), moves the batch to the model's device (one transfer),
 writes the batch's `req_to_token` entries (prefix
 rewrites, then the new tokens' slots) before any layer reads them, runs the deferred state operations,
-the layers and a decode's track copies, and samples. A decode that fits a captured CUDA graph replays it
+the layers and a decode's track copies, applies the batch's logit penalties, and samples. A decode that fits a captured CUDA graph replays it
 for the slot writes and the layers (`cuda_graph_runner.py`). It keeps no state between calls other
 than the pools (and the graphs' buffers).
 """
@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.pool_sizing import PoolSizes, compute_pool_sizes
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, capture_bs_list
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.registry import load_model
+from sglang.srt.sampling.penaltylib import Penalizer
 from sglang.srt.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class ModelRunner:
         self.attn_backend = HybridLinearAttnBackend(full, linear, self.arch.full_attention_layer_ids)
         self.logits_processor = LogitsProcessor()
         self.sampler = Sampler(server_args.random_seed)
+        self.penalizer = Penalizer()
         self.graph_runner: CudaGraphRunner | None = None
         if server_args.cuda_graph_enabled:
             self.graph_runner = CudaGraphRunner(
@@ -153,13 +155,18 @@ class ModelRunner:
                 hidden = self.model(fb.input_ids, fb.positions, fb)
             self.attn_backend.finish_forward(fb)
             logits = self.logits_processor(hidden, self.model.lm_head, fb)
+            next_logits = logits.next_token_logits
+            if fb.penalties is not None:
+                next_logits = self.penalizer.apply(next_logits, fb.penalties)
             sample = self.sampler(
-                logits.next_token_logits,
+                next_logits,
                 fb.sampling_info,
                 fb.seq_lens,
                 return_logprob=fb.return_logprob,
                 top_logprobs_nums=fb.top_logprobs_nums,
             )
+            if fb.penalties is not None:
+                self.penalizer.cumulate(fb.penalties, sample.next_token_ids)
         return GenerationBatchResult(
             next_token_ids=sample.next_token_ids,
             next_token_logprobs=sample.next_token_logprobs,

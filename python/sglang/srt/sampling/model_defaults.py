@@ -13,14 +13,14 @@ from sglang.srt.sampling.sampling_params import SamplingParams, SamplingParamsEr
 logger = logging.getLogger(__name__)
 
 # The generation_config keys upstream takes, by our sampling_params name.
-_KEYS = ("temperature", "top_p", "top_k", "min_p")
+_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def model_sampling_defaults(model_path: str) -> dict[str, Any]:
     """The sampling_params a chat request gets for the fields it leaves unset: the keys of `_KEYS` that
     the checkpoint's generation_config.json sets (transformers' own defaults do not count; `top_k` 0 is
-    its "off", ours -1). Its `repetition_penalty`, which this server does not support, is left out
-    with a warning, so that it never turns every request into an error."""
+    its "off", ours -1). A value no request could send is left out with a warning, so that it never
+    turns every request into an error."""
     path = Path(model_path) / "generation_config.json"
     if not path.is_file():
         return {}
@@ -47,11 +47,4 @@ def model_sampling_defaults(model_path: str) -> dict[str, Any]:
             logger.warning("The model's generation_config.json %s %r is left out: %s", key, value, e)
             continue
         out[key] = value
-    penalty = config.get("repetition_penalty")
-    if penalty not in (None, 1, 1.0):
-        logger.warning(
-            "The model's generation_config.json sets repetition_penalty %s, which this server does not "
-            "support; chat requests do not get it.",
-            penalty,
-        )
     return out

@@ -34,9 +34,12 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     n: int = 1
     sampling_seed: int | None = None
+    # Logit penalties (`penaltylib.py` has the rules): frequency and presence in [-2, 2], repetition in
+    # (0, 2]; logit_bias maps token ids (JSON keys are strings) to a bias added to their logits.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -84,11 +87,12 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _num(name, value)
-            if value != 0:
-                raise SamplingParamsError(f"{name} is not supported by this runtime yet; send 0.")
+            if not -2 <= value <= 2:
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {value}.")
         _num("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty != 1:
-            raise SamplingParamsError("repetition_penalty is not supported by this runtime yet; send 1.")
+        if not 0 < self.repetition_penalty <= 2:
+            raise SamplingParamsError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(f"{name} must be a boolean.")
@@ -120,6 +124,23 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _logit_bias(bias: Any, vocab_size: int | None) -> dict[int, float] | None:
+    """`logit_bias` with int keys (None when empty); its ids in the vocabulary, its biases finite."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias must be an object mapping token ids to biases.")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        _int("logit_bias token id", token, low=0)
+        if vocab_size is not None and token >= vocab_size:
+            raise SamplingParamsError(f"logit_bias names token {token}, outside the vocabulary of {vocab_size}.")
+        _num("logit_bias", value)
+        out[token] = float(value)
+    return out or None
 
 
 def _int(name: str, value: Any, low: int) -> None:

@@ -56,6 +56,7 @@ class _SamplingFields(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id -> bias (sampling_params.logit_bias)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_tokens: int | None = Field(None, ge=0)
@@ -65,7 +66,6 @@ class _SamplingFields(_Request):
     regex: Any = None
     json_schema: Any = None
     ebnf: Any = None
-    logit_bias: Any = None
     no_stop_trim: bool | None = None
     # Prefill/decode disaggregation: added by sglang-router's PD mode (see GenerateReqInput).
     bootstrap_host: str | None = None
@@ -120,6 +120,7 @@ class _SamplingFields(_Request):
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
         }
@@ -136,7 +137,6 @@ _UNSUPPORTED_EXTRAS = {
     "regex": "constrained decoding",
     "json_schema": "constrained decoding",
     "ebnf": "constrained decoding",
-    "logit_bias": "logit bias",
     "no_stop_trim": "untrimmed stop strings",
 }
 

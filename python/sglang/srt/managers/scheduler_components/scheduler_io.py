@@ -167,6 +167,8 @@ class SchedulerIOMixin:
                 self.disagg.on_released(req)
             return req
         self.counters["num_prompt_tokens_total"] += len(req.origin_input_ids)
+        if req.penalized:
+            self.finisher.set_quick_check(req)  # its stop ids, which min_new_tokens bans until then
         self.reqs_by_rid[req.rid] = req
         if req.bootstrap is not None and self.disaggregation_mode == "decode":
             self.disagg.add(req)  # its prompt's KV and state come from the prefill server
