@@ -157,6 +157,18 @@ class TestMalformedRequests(ServerTestCase):
         self.assertGreater(r.json()["usage"]["completion_tokens"], 0)
         self.assert_idle_accounting()
 
+    def test_no_stop_trim_keeps_the_stop_tokens_text(self) -> None:
+        greedy = {"temperature": 0, "ignore_eos": True, "skip_special_tokens": False}
+        ids = self.generate(input_ids=[5, 6, 7], sampling_params={**greedy, "max_new_tokens": 6})["output_ids"]
+        k = next(i for i in range(1, 6) if ids[i] not in ids[:i])  # the first stop there is at k
+        texts = {}
+        for keep in (False, True):
+            params = {**greedy, "max_new_tokens": 6, "stop_token_ids": [ids[k]], "no_stop_trim": keep}
+            texts[keep] = self.generate(input_ids=[5, 6, 7], sampling_params=params)["text"]
+        for n, keep in ((k, False), (k + 1, True)):
+            plain = self.generate(input_ids=[5, 6, 7], sampling_params={**greedy, "max_new_tokens": n})["text"]
+            self.assertEqual(texts[keep], plain, f"no_stop_trim={keep}")
+
     def test_a_body_over_the_limit_gets_413_before_it_is_sent(self) -> None:
         limit = self.get("/get_server_info").json()["max_request_body_size"]
         with socket.create_connection(("127.0.0.1", self.server.port), timeout=10) as s:

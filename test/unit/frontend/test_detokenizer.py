@@ -60,7 +60,7 @@ def test_special_tokens_follow_skip_flag(tokenizer):
     assert "".join(stream(tokenizer, ids, [1] * len(ids), skip=False)) == "hi<|im_end|>"
 
 
-def out_msg(rids, ids, reasons, skip=None):
+def out_msg(rids, ids, reasons, skip=None, no_stop_trim=None):
     n = len(rids)
     return BatchTokenIDOut(
         rids=rids,
@@ -70,6 +70,7 @@ def out_msg(rids, ids, reasons, skip=None):
         completion_tokens=[len(x) for x in ids],
         cached_tokens=[0] * n,
         skip_special_tokens=skip or [True] * n,
+        no_stop_trim=no_stop_trim or [False] * n,
     )
 
 
@@ -96,6 +97,10 @@ def test_matched_stop_token_is_not_in_the_text(tokenizer):
     res = mgr.handle_batch_token_id_out(out_msg(["r"], [ids], [{"type": "stop", "matched": stop}]))
     assert res.output_strs == [tokenizer.decode(ids[:-1])]
     assert res.output_ids == [ids], "output ids keep the stop token, as SGLang's do"
+    kept = mgr.handle_batch_token_id_out(
+        out_msg(["r"], [ids], [{"type": "stop", "matched": stop}], no_stop_trim=[True])
+    )
+    assert kept.output_strs == [tokenizer.decode(ids)], "no_stop_trim keeps the stop token's text"
 
 
 @settings(max_examples=60, deadline=None)

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from sglang.srt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
     ChatCompletionStreamResponse,
     ChatStreamChoice,
     CompletionRequest,
@@ -61,8 +62,6 @@ def test_values_upstream_takes_are_taken():
 
 
 def test_chat_errors_name_nested_fields():
-    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
-
     cases = {
         b'{"messages": [{"role": "robot", "content": "x"}]}': "messages[0].role",
         b'{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 1}]}': "messages[1].content",
@@ -90,6 +89,7 @@ def test_completion_request_maps_to_native():
         "stop": "x",
         "seed": 3,
         "ignore_eos": False,
+        "no_stop_trim": False,
         "skip_special_tokens": True,
     }
     assert obj.return_logprob and obj.top_logprobs_num == 2 and obj.return_text_in_logprobs
@@ -125,8 +125,6 @@ def _chat_serving(context_len: int = 100, sampling_defaults=None) -> tuple[OpenA
 
 
 def _chat_input(serving: OpenAIServingChat, body: dict):
-    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
-
     return asyncio.run(serving.to_generate_input(parse_model(ChatCompletionRequest, orjson.dumps(body))))
 
 
@@ -221,8 +219,7 @@ def test_sampling_defaults_model_takes_the_checkpoints_generation_config(tmp_pat
     assert prepare_server_args(["--sampling-defaults", "openai"]).sampling_defaults == "openai"
 
 
-@pytest.mark.parametrize("name, value", [("regex", "[0-9]+"), ("json_schema", "{}"), ("ebnf", "root ::= x"),
-                                         ("no_stop_trim", True)])  # fmt: skip
+@pytest.mark.parametrize("name, value", [("regex", "[0-9]+"), ("json_schema", "{}"), ("ebnf", "root ::= x")])
 def test_upstream_extras_this_server_lacks_are_refused_not_ignored(name, value):
     for model in (CompletionRequest, None):
         body = {"prompt": "x"} if model else {"messages": [{"role": "user", "content": "x"}]}
@@ -234,9 +231,16 @@ def test_upstream_extras_this_server_lacks_are_refused_not_ignored(name, value):
             name,
             "unsupported_parameter",
         ) and "not supported" in e.value.message
-        # What clients send for "unset" passes (for the flag, any false value of the lax mode).
-        for unset in (None, False, "false", 0) if name == "no_stop_trim" else (None,):
-            parse_model(model, orjson.dumps({**body, name: unset}))
+        parse_model(model, orjson.dumps({**body, name: None}))  # what clients send for "unset" passes
+
+
+def test_penalties_logit_bias_and_no_stop_trim_reach_the_sampling_params():
+    extra = {"frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.1,
+             "logit_bias": {"12": -3.5}, "no_stop_trim": True}  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for model, body in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, chat)):
+        params = parse_model(model, orjson.dumps({**body, **extra})).sampling_params()
+        assert {k: params[k] for k in extra} == extra
 
 
 def test_native_errors_are_renamed_to_openai_fields():
@@ -303,8 +307,6 @@ def test_sse_framing_and_deltas():
 def test_chat_stream_ends_each_choice_with_a_finish_chunk_and_echoes_the_model():
     """As upstream: the text's chunks carry no finish reason; a chunk of its own with an empty delta
     does. Replies name the model the request named (the served name when it named none)."""
-    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
-
     serving, _ = _chat_serving()
     req = parse_model(
         ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}], "stream": true}'

@@ -120,8 +120,9 @@ def test_single_prompt_is_not_a_list(tokenizer):
     assert not is_list and len(items) == 1 and items[0].req.input_ids == [5, 6]
 
 
-def make_state(tokenizer, stop: list[str]) -> ReqState:
-    (item,), _ = norm(tokenizer, input_ids=[5], sampling_params={"stop": stop} if stop else None)
+def make_state(tokenizer, stop: list[str], **sampling) -> ReqState:
+    params = {"stop": stop, **sampling} if stop else None
+    (item,), _ = norm(tokenizer, input_ids=[5], sampling_params=params)
     return ReqState(item, 0.0, asyncio.Event())
 
 
@@ -149,6 +150,14 @@ def test_stop_string_prefix_is_held_back_and_trimmed(tokenizer):
     feed(state, "", {"type": "stop", "matched": "STOP"})
     seen.append(state.visible_text())
     assert seen == ["Hello ", "Hello ", "Hello ", "Hello "]
+
+
+def test_no_stop_trim_keeps_the_stop_string_and_holds_nothing_back(tokenizer):
+    state = make_state(tokenizer, ["STOP"], no_stop_trim=True)
+    feed(state, "Hello S")
+    assert state.visible_text() == "Hello S"
+    feed(state, "TOP!", {"type": "stop", "matched": "STOP"})
+    assert state.visible_text() == "Hello STOP!", "upstream's no_stop_trim: the output as generated"
 
 
 def test_held_back_text_is_released_when_it_is_not_a_stop(tokenizer):

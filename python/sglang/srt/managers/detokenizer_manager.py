@@ -68,12 +68,15 @@ class DetokenizerManager:
         for i, rid in enumerate(out.rids):
             finished = out.finished_reasons[i] is not None
             skip = out.skip_special_tokens[i] if i < len(out.skip_special_tokens) else True
+            keep_stop = i < len(out.no_stop_trim) and out.no_stop_trim[i]
             state = self.states.get(rid)
             if state is None:
                 state = self.states[rid] = IncrementalDetokenizer(self.tokenizer, skip)
             try:
                 texts.append(
-                    state.push(out.output_ids[i], finished, _drops_stop_token(out.finished_reasons[i]))
+                    state.push(
+                        out.output_ids[i], finished, not keep_stop and _drops_stop_token(out.finished_reasons[i])
+                    )
                 )
             except Exception:
                 # A request must still get its (final) message; losing some text beats hanging it.
@@ -97,7 +100,8 @@ class DetokenizerManager:
 
 
 def _drops_stop_token(reason: dict | None) -> bool:
-    """A request stopped by a stop token id: that token is not part of the text (SGLang trims it)."""
+    """A request stopped by a stop token id: that token is not part of the text (SGLang trims it unless
+    the request asks `no_stop_trim`)."""
     return bool(reason) and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
 
 

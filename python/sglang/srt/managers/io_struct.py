@@ -180,6 +180,7 @@ class BatchTokenIDOut:
     input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
     input_top_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
     skip_special_tokens: list[bool] = field(default_factory=list)
+    no_stop_trim: list[bool] = field(default_factory=list)  # keep a matched stop token's text
 
 
 @dataclass

@@ -87,8 +87,8 @@ class ReqState:
     def visible_text(self) -> str:
         stops = self.req.sampling_params.stop
         text = self.text
-        if not stops:
-            return text
+        if not stops or self.req.sampling_params.no_stop_trim:
+            return text  # (nothing is trimmed: nothing to hold back either)
         matched = (self.finished_reason or {}).get("matched")
         cuts = [text.find(s) for s in stops]
         cuts = [c for c in cuts if c >= 0]

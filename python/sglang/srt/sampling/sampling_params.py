@@ -30,6 +30,8 @@ class SamplingParams:
     stop_regex: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Keep a matched stop string (or the text of a matched stop token) in the output text, as upstream.
+    no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     n: int = 1
@@ -93,7 +95,7 @@ class SamplingParams:
         if not 0 < self.repetition_penalty <= 2:
             raise SamplingParamsError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
         self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(f"{name} must be a boolean.")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

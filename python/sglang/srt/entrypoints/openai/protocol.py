@@ -58,6 +58,7 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id -> bias (sampling_params.logit_bias)
     ignore_eos: bool = False
+    no_stop_trim: bool = False
     skip_special_tokens: bool = True
     min_tokens: int | None = Field(None, ge=0)
     user: str | None = None
@@ -66,7 +67,6 @@ class _SamplingFields(_Request):
     regex: Any = None
     json_schema: Any = None
     ebnf: Any = None
-    no_stop_trim: bool | None = None
     # Prefill/decode disaggregation: added by sglang-router's PD mode (see GenerateReqInput).
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
@@ -122,6 +122,7 @@ class _SamplingFields(_Request):
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias,
             "ignore_eos": self.ignore_eos,
+            "no_stop_trim": self.no_stop_trim,
             "skip_special_tokens": self.skip_special_tokens,
         }
         return {k: v for k, v in d.items() if v is not None}
@@ -137,7 +138,6 @@ _UNSUPPORTED_EXTRAS = {
     "regex": "constrained decoding",
     "json_schema": "constrained decoding",
     "ebnf": "constrained decoding",
-    "no_stop_trim": "untrimmed stop strings",
 }
 
 

@@ -232,7 +232,7 @@ class BatchResultProcessor:
         """Send each request's new tokens: streaming requests every --stream-interval tokens, all of
         them when they finish."""
         interval = self.stream_interval
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [])
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [], [])
         for req in reqs:
             new = len(req.output_ids) - req.send_offset
             if not (req.finished or (req.stream and new >= interval)):
@@ -242,7 +242,7 @@ class BatchResultProcessor:
             self.output_sink(out)
 
     def send_finished(self, reqs: list[Req]) -> None:
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [])
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [], [])
         for req in reqs:
             self._append(out, req)
         if out.rids:
@@ -266,5 +266,6 @@ class BatchResultProcessor:
         out.input_token_logprobs.append(req.input_token_logprobs if first else None)
         out.input_top_logprobs.append(req.input_top_logprobs if first and req.top_logprobs_num else None)
         out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
+        out.no_stop_trim.append(req.sampling_params.no_stop_trim)
         req.input_logprobs_sent = req.input_logprobs_sent or bool(first)
         req.send_offset = len(req.output_ids)
