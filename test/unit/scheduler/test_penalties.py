@@ -86,8 +86,16 @@ def test_logit_bias_and_min_new_tokens_against_the_oracle(h, oracles):
     out = h.generate(prompt, max_new_tokens=12, min_new_tokens=4, stop_token_ids=stops)
     assert not set(out.output_ids[:4]) & set(stops)
     check_rules(oracles[QWEN], prompt, out, min_new=4, stops=stops)
-    if out.finished_reason["type"] == "stop":
-        assert len(out.output_ids) > 4 and out.output_ids[-1] in stops
+    # The greedy 4th token as the stop id: with min_new_tokens 4 it is banned there (the 4th token is
+    # the last one banned), with 3 it ends the request there.
+    k = next(i for i in range(3, 12) if plain.output_ids[i] not in plain.output_ids[:i])
+    stop = plain.output_ids[k]
+    banned = h.generate(prompt, max_new_tokens=k + 1, min_new_tokens=k + 1, stop_token_ids=[stop])
+    assert banned.output_ids[:k] == plain.output_ids[:k] and banned.output_ids[k] != stop
+    check_rules(oracles[QWEN], prompt, banned, min_new=k + 1, stops=[stop])
+    ended = h.generate(prompt, max_new_tokens=12, min_new_tokens=k, stop_token_ids=[stop])
+    assert ended.output_ids == plain.output_ids[: k + 1]
+    assert ended.finished_reason == {"type": "stop", "matched": stop}
     avoided = h.generate(prompt, max_new_tokens=5, logit_bias={plain.output_ids[0]: -100.0})
     check_rules(oracles[QWEN], prompt, avoided, bias={plain.output_ids[0]: -100.0})
     assert avoided.output_ids[0] != plain.output_ids[0]
@@ -103,7 +111,7 @@ def test_mixed_batches_and_reused_rows_match_solo_runs(h):
     for wave in (range(0, 4), range(4, 8)):
         rids = {k: h.submit(prompts[k], max_new_tokens=16 + k, **kwargs[k]) for k in wave}
         h.run()
-        assert h.sched.model_runner.penalizer.counts.shape[0] == 8, "rows are reused, not grown per request"
+        assert h.sched.penalty_slots.size <= 3, "3 count-penalized requests at a time: rows are reused"
         for k, rid in rids.items():
             assert h.outputs[rid].output_ids == solo[k], f"request {k} ({kwargs[k]})"
 
@@ -115,6 +123,22 @@ def test_the_counts_hold_exactly_the_kept_tokens(h):
         out = h.generate(token_ids(100, seed=seed), max_new_tokens=5, logit_bias=BOOST, frequency_penalty=0.1)
         counts = h.sched.model_runner.penalizer.counts[0]  # the lowest row: no other request holds one
         assert torch.equal(counts, torch.bincount(torch.tensor(out.output_ids), minlength=counts.numel()).int())
+
+
+def test_eos_is_banned_until_min_new_tokens_and_the_row_is_reused_after_a_stop(h):
+    """EOS pushed up by a bias: banned for the first 3 tokens, then it ends the request (overlap on: the
+    batch launched before that finish was processed also counted into the row); the next request takes
+    the row and holds exactly its own tokens."""
+    eos = min(h.sched.finisher.eos_token_ids)
+    prompt = token_ids(30, seed=42)
+    out = h.generate(
+        prompt, max_new_tokens=10, min_new_tokens=3, ignore_eos=False, logit_bias={eos: 100.0}, frequency_penalty=0.1
+    )
+    assert eos not in out.output_ids[:3] and out.output_ids[3] == eos and len(out.output_ids) == 4
+    assert out.finished_reason == {"type": "stop", "matched": eos}
+    nxt = h.generate(prompt, max_new_tokens=3, frequency_penalty=0.1)
+    counts = h.sched.model_runner.penalizer.counts[0]
+    assert torch.equal(counts, torch.bincount(torch.tensor(nxt.output_ids), minlength=counts.numel()).int())
 
 
 def test_counts_survive_retraction(oracles):
@@ -145,6 +169,8 @@ def test_counts_survive_retraction(oracles):
         (dict(logit_bias={"x": 1}), "logit_bias"),
         (dict(logit_bias={"5": float("nan")}), "logit_bias"),
         (dict(logit_bias=[5]), "logit_bias"),
+        (dict(logit_bias={"--5": 1}), "logit_bias"),
+        (dict(logit_bias={"5": 101}), "logit_bias"),
     ],
 )
 def test_bad_penalties_name_their_field(params, field):

@@ -61,6 +61,11 @@ class PenaltySlots:
         self._next = 0  # rows from here on were never handed out
         self.in_use: set[int] = set()
 
+    @property
+    def size(self) -> int:
+        """How many rows were ever handed out (the counts need at least this many)."""
+        return self._next
+
     def alloc(self) -> int:
         slot = heapq.heappop(self._free) if self._free else self._next
         if slot == self._next:

@@ -129,18 +129,26 @@ class SamplingParams:
 
 
 def _logit_bias(bias: Any, vocab_size: int | None) -> dict[int, float] | None:
-    """`logit_bias` with int keys (None when empty); its ids in the vocabulary, its biases finite."""
+    """`logit_bias` with int keys (None when empty); its ids in the vocabulary, its biases in [-100, 100]
+    (OpenAI's range: a larger one turns the logits to inf and the logprobs to NaN)."""
     if bias is None:
         return None
     if not isinstance(bias, dict):
         raise SamplingParamsError("logit_bias must be an object mapping token ids to biases.")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        token = key
+        if isinstance(key, str):
+            try:
+                token = int(key)
+            except ValueError:
+                raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}.") from None
         _int("logit_bias token id", token, low=0)
         if vocab_size is not None and token >= vocab_size:
             raise SamplingParamsError(f"logit_bias names token {token}, outside the vocabulary of {vocab_size}.")
         _num("logit_bias", value)
+        if not -100 <= value <= 100:
+            raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {value}.")
         out[token] = float(value)
     return out or None
 
