@@ -52,3 +52,15 @@ def test_move_to_device_keeps_dtypes_shapes_and_none():
         if t is not None:
             assert m.device.type == "meta" and m.dtype == t.dtype and m.shape == t.shape
     assert move_to_device(tensors, torch.device("cpu"))[0] is tensors[0]  # the host: as they are
+
+
+def test_host_floats_beyond_float32_become_inf_at_any_length():
+    """`host_float32` packs 16 or more values with `struct`, which refuses a float beyond float32's range
+    (it crashed the scheduler on a batch of 16 requests with temperature 1e39, a value upstream accepts);
+    they become inf, as in `array` (below 16) and in torch."""
+    from sglang.srt.model_executor.forward_batch_info import host_float32
+
+    for n in (3, 16, 40):
+        values = [0.5] * (n - 1) + [1e39]
+        packed = host_float32(values)
+        assert torch.equal(packed, torch.tensor(values, dtype=torch.float32)) and packed[-1].isinf()

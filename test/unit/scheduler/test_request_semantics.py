@@ -65,6 +65,22 @@ def test_streaming_sends_deltas_that_add_up(h):
     assert streamed.messages >= 5 and whole.messages == 1
 
 
+def test_a_temperature_beyond_float32_samples(h):
+    # 16 alike requests pack their temperatures with `struct`, which refused 1e39 and crashed the step.
+    rids = [h.submit(token_ids(12, seed=60 + k), max_new_tokens=3, temperature=1e39) for k in range(16)]
+    h.run()
+    assert all(len(h.outputs[r].output_ids) == 3 for r in rids)
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token(h):
+    # 10**20 does not fit the batch's int64 tensor: it crashed the step; any top_k >= the vocabulary
+    # keeps every token, as -1 does.
+    prompt = token_ids(12, seed=66)
+    sampling = dict(temperature=0.8, sampling_seed=5)
+    huge = h.generate(prompt, max_new_tokens=4, top_k=10**20, **sampling)
+    assert huge.output_ids == h.generate(prompt, max_new_tokens=4, top_k=-1, **sampling).output_ids
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(h):
     prompt = token_ids(25, seed=54)
     sampling = dict(temperature=0.9, top_p=0.9, top_k=50, sampling_seed=1234)

@@ -154,7 +154,12 @@ def _packed(values: Sequence, code: str, dtype: torch.dtype) -> torch.Tensor:
             _PACKERS.clear()
         packer = _PACKERS[(n, code)] = struct.Struct(f"={n}{code}")
     buf = bytearray(packer.size)
-    packer.pack_into(buf, 0, *values)
+    try:
+        packer.pack_into(buf, 0, *values)
+    except OverflowError:
+        # A float beyond float32's range (a temperature of 1e39 is a valid request, as upstream):
+        # `array` rounds it to inf, as torch does, where `struct` refuses it.
+        return _sharing(array(code, values), dtype)
     return torch.frombuffer(buf, dtype=dtype)
 
 

@@ -10,6 +10,8 @@ MAX_N = 64
 # A temperature below this samples greedily, as upstream (`_SAMPLING_EPS`): dividing logits by it would
 # overflow float32.
 SAMPLING_EPS = 1e-6
+# A top_k at least this large (or the vocabulary's size, where known) keeps every token: it is -1.
+TOP_K_ALL = 1 << 30
 
 
 class SamplingParamsError(ValueError):
@@ -78,6 +80,9 @@ class SamplingParams:
         _int("top_k", self.top_k, low=-1)
         if self.top_k == 0:
             raise SamplingParamsError("top_k must be -1 (disabled) or a positive integer, got 0.")
+        if self.top_k >= (vocab_size or TOP_K_ALL):
+            # Keeps every token, as -1 does (and an int beyond int64 could not go into the batch's tensor).
+            self.top_k = -1
         _num("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}.")
