@@ -5,9 +5,10 @@ end-of-sequence ids (model config, generation config, tokenizer) are gathered he
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import regex
 
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -17,6 +18,19 @@ if TYPE_CHECKING:
 
 # Output tokens decoded to look for a stop regex: a regex has no length to size the window by.
 STOP_REGEX_TAIL_TOKENS = 64
+# The time one stop regex may take to search that tail. The search runs on the scheduler thread at every
+# step of the request: a pattern that backtracks exponentially (`(a|aa)+$` on "aaa...b") would stop
+# every request for hours. A sane pattern takes microseconds there; one that runs out of time ends its
+# request with a 400 naming stop_regex.
+STOP_REGEX_TIMEOUT_S = 0.02
+
+
+class StopRegexTimeout(Exception):
+    """A stop regex ran out of its time on the output's tail."""
+
+    def __init__(self, pattern: str):
+        super().__init__(pattern)
+        self.pattern = pattern
 
 
 class FinishChecker:
@@ -56,7 +70,16 @@ class FinishChecker:
                 req.finished_reason = {"type": "stop", "matched": token}
                 return
             if sp.stop or sp.stop_regex:
-                matched = self.match_stop_string(req)
+                try:
+                    matched = self.match_stop_string(req)
+                except StopRegexTimeout as e:
+                    req.finished_reason = {
+                        "type": "abort",
+                        "status_code": 400,
+                        "message": f"stop_regex {e.pattern!r} took more than {STOP_REGEX_TIMEOUT_S * 1e3:g} ms "
+                        "to search the output; use a pattern that does not backtrack without bound.",
+                    }
+                    return
                 if matched is not None:
                     req.finished_reason = {"type": "stop", "matched": matched}
                     return
@@ -79,7 +102,7 @@ class FinishChecker:
 
     def match_stop_string(self, req: Req) -> str | None:
         """The stop string in the output's tail, else the stop regex (its pattern, as upstream reports
-        it) that matches there, else None."""
+        it) that matches there, else None. Raises StopRegexTimeout for a regex out of time."""
         if self.tokenizer is None:
             return None
         sp = req.sampling_params
@@ -89,8 +112,15 @@ class FinishChecker:
         tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
         matched = next((s for s in sp.stop if s in tail), None)
         if matched is None:
-            matched = next((p for p in sp.stop_regex if re.search(p, tail)), None)
+            matched = next((p for p in sp.stop_regex if _search(p, tail)), None)
         return matched
+
+
+def _search(pattern: str, text: str) -> bool:
+    try:
+        return regex.search(pattern, text, timeout=STOP_REGEX_TIMEOUT_S) is not None
+    except TimeoutError:
+        raise StopRegexTimeout(pattern) from None
 
 
 def _generation_config_eos(model_path: str) -> Any:

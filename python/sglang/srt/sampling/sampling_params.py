@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+import regex
 
 MAX_N = 64
 # A temperature below this samples greedily, as upstream (`_SAMPLING_EPS`): dividing logits by it would
@@ -111,8 +112,8 @@ class SamplingParams:
             raise SamplingParamsError("stop_regex must be a non-empty string or a list of non-empty strings.")
         for pattern in self.stop_regex:
             try:
-                re.compile(pattern)
-            except re.error as e:
+                regex.compile(pattern)  # the engine that searches it (managers/finish_checker.py)
+            except regex.error as e:
                 raise SamplingParamsError(
                     f"stop_regex {pattern!r} is not a valid regular expression: {e}."
                 ) from None
