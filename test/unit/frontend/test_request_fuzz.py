@@ -1,0 +1,104 @@
+"""Any request body gets a request or a 400 naming its field, never another error (a 500): random JSON
+values in every field of /generate's body and its sampling_params, and of the OpenAI completion and chat
+bodies, through the same parsing and normalisation the server runs (no model needed). Each example is
+a valid body with a few fields replaced, since validation stops at the first bad one. It fails on the
+logit_bias key "--5" that raised a ValueError (a 500) before 35e0782."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang.srt.entrypoints.generate_body import parse_generate_body
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from sglang.srt.entrypoints.openai.serving_base import parse_model
+from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.managers.request_validation import RequestError, RequestLimits, normalize_generate_request
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=15, suite="per-commit-cpu")
+
+LIMITS = RequestLimits(context_len=64, max_req_input_len=63, vocab_size=512)
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from([0, 1, -1, 5, 511, 512, 10**20]),
+    st.floats(allow_nan=False), st.sampled_from([0.0, 0.5, 1.0, 1e39, -1e39, 1e-300]),
+    st.text(max_size=8), st.sampled_from(["", "5", "--5", "x", "(a", "[0-9]+", "²"]),
+)  # fmt: skip
+keys = st.one_of(st.text(max_size=4), st.sampled_from(["5", "--5", "²", "-1", "600", "seed"]))
+json_values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+SAMPLING_KEYS = [f.name for f in SamplingParams.__dataclass_fields__.values()] + ["seed"]
+# Few fields at a time (validation stops at the first bad one), and the maps' keys where they matter.
+sampling_params = st.one_of(
+    st.dictionaries(st.sampled_from(SAMPLING_KEYS), json_values, max_size=3),
+    st.fixed_dictionaries({"logit_bias": st.dictionaries(keys, scalars, max_size=3)}),
+)
+generate_keys = ["text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+                 "top_logprobs_num", "stream", "rid", "return_text_in_logprobs"]  # fmt: skip
+OPENAI_KEYS = [name for name in CompletionRequest.model_fields if name not in ("prompt", "messages")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return get_tokenizer("tiny-qwen3-next")
+
+
+def _run(fn) -> None:
+    """fn() returns or raises RequestError (a 400 naming a field); anything else fails the test."""
+    try:
+        fn()
+    except RequestError as e:
+        assert e.message, e
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.dictionaries(st.sampled_from(generate_keys), json_values, max_size=2), sampling=sampling_params)
+def test_any_generate_body_is_a_request_or_a_named_400(tokenizer, fields, sampling):
+    # A valid body with a few fields replaced (validation stops at the first bad one).
+    body = {"input_ids": [5, 6], "sampling_params": sampling, **fields}
+    _run(lambda: normalize_generate_request(parse_generate_body(json.dumps(body).encode()), tokenizer, LIMITS))
+
+
+class _TokenizerManager:
+    """What `to_generate_input` reads of the tokenizer manager: the tokenizer (the chat template), its
+    `encode` and the model's limits."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.limits = LIMITS
+
+    async def encode(self, text, param, add_special_tokens=True):
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    extra=st.dictionaries(st.sampled_from(OPENAI_KEYS), json_values, max_size=2),
+    chat=st.booleans(),
+    sampling=sampling_params,
+)
+def test_any_openai_body_is_a_request_or_a_named_400(tokenizer, extra, chat, sampling):
+    body = {**({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": [5, 6]}), **extra}
+    body |= {k: v for k, v in sampling.items() if k in OPENAI_KEYS}
+    model, serving = (
+        (ChatCompletionRequest, OpenAIServingChat(_TokenizerManager(tokenizer), "m"))
+        if chat
+        else (CompletionRequest, OpenAIServingCompletion(_TokenizerManager(tokenizer), "m"))
+    )
+
+    def check():
+        req = parse_model(model, json.dumps(body).encode())
+        obj = asyncio.run(serving.to_generate_input(req))
+        normalize_generate_request(obj, tokenizer, LIMITS)
+
+    _run(check)
