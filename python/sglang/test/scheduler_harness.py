@@ -166,3 +166,30 @@ class SchedulerHarness:
 
     def shutdown(self) -> None:
         self.sched.shutdown()
+
+
+def check_penalized_oracle(oracle, prompt: list[int], out: Output, **params: Any) -> None:
+    """Greedy output under logit penalties (`params`: the sampling fields of
+    sglang/srt/sampling/penaltylib.py) against the oracle: every token is the argmax, and its logprob
+    the log-softmax, of the oracle's logits with upstream's rules applied to the tokens before it
+    (written out here, independently of the runtime's tensors)."""
+    freq, pres = params.get("frequency_penalty", 0.0), params.get("presence_penalty", 0.0)
+    rep, bias = params.get("repetition_penalty", 1.0), params.get("logit_bias") or {}
+    min_new, stops = params.get("min_new_tokens", 0), params.get("stop_token_ids", [])
+    n = len(prompt)
+    logits = oracle.logits(prompt + out.output_ids)[n - 1 : n - 1 + len(out.output_ids)]
+    counts = torch.zeros(logits.shape[1])
+    for t, token in enumerate(out.output_ids):
+        row = logits[t].clone()
+        for i in counts.nonzero()[:, 0].tolist():
+            row[i] = row[i] / rep if row[i] > 0 else row[i] * rep
+            row[i] -= freq * counts[i] + pres
+        for i, b in bias.items():
+            row[int(i)] += b
+        if t < min_new:
+            row[list(stops)] = float("-inf")
+        lp = row.log_softmax(-1)
+        # Greedy: the token is the maximum (up to the engine-vs-oracle error, ORACLE_TOL).
+        assert lp[token] >= lp.max() - ORACLE_TOL, f"{out.rid} step {t}: {token} is not the penalized argmax"
+        assert abs(out.logprobs[t] - lp[token].item()) < ORACLE_TOL, f"{out.rid} step {t}: logprob"
+        counts[token] += 1

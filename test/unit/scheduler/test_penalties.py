@@ -12,7 +12,7 @@ import torch
 from sglang.srt.sampling.penaltylib import PenaltySlots
 from sglang.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.scheduler_harness import ORACLE_TOL, SchedulerHarness, token_ids
+from sglang.test.scheduler_harness import SchedulerHarness, check_penalized_oracle, token_ids
 
 register_cpu_ci(est_time=40, suite="per-commit-cpu")
 
@@ -30,25 +30,10 @@ def h():
 
 
 def check_rules(oracle, prompt, out, freq=0.0, pres=0.0, rep=1.0, bias=None, min_new=0, stops=()) -> None:
-    """Every output token against the oracle's logits with the rules applied (the module docstring of
-    penaltylib.py), written out here independently of the runtime's tensors."""
-    n = len(prompt)
-    logits = oracle.logits(prompt + out.output_ids)[n - 1 : n - 1 + len(out.output_ids)]
-    counts = torch.zeros(logits.shape[1])
-    for t, token in enumerate(out.output_ids):
-        row = logits[t].clone()
-        for i in counts.nonzero()[:, 0].tolist():
-            row[i] = row[i] / rep if row[i] > 0 else row[i] * rep
-            row[i] -= freq * counts[i] + pres
-        for i, b in (bias or {}).items():
-            row[i] += b
-        if t < min_new:
-            row[list(stops)] = float("-inf")
-        lp = row.log_softmax(-1)
-        # Greedy: the token is the maximum (up to the engine-vs-oracle error of ~1e-5, ORACLE_TOL).
-        assert lp[token] >= lp.max() - ORACLE_TOL, f"step {t}: {token} is not the penalized argmax"
-        assert abs(out.logprobs[t] - lp[token].item()) < ORACLE_TOL, f"step {t}: logprob"
-        counts[token] += 1
+    check_penalized_oracle(
+        oracle, prompt, out, frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
+        logit_bias=bias, min_new_tokens=min_new, stop_token_ids=list(stops),
+    )  # fmt: skip
 
 
 # A bias that makes one token win until the penalties outweigh it: the counts then decide the output.

@@ -1,7 +1,9 @@
 """A seeded random workload on small pools, per configuration: rounds of requests over shared prefixes
 (cache hits of every depth, exact repeats, continuations), random lengths, some aborted mid-decode,
-lazy allocation failures injected. After every round: each request that was not aborted matches the
-oracle, every aborted one ended with an abort, and `check_integrity()` holds. Admission under pressure
+lazy allocation failures injected, a third of the requests with logit penalties (their output token
+counts on the forward stream, through retraction, aborts and reused rows). After every round: each
+request that was not aborted matches the oracle (with its penalties' rules), every aborted one ended
+with an abort, and `check_integrity()` holds. Admission under pressure
 (evictions, retractions, waiting for room) is exercised for real, with every strategy."""
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 
 from sglang.srt.environ import envs
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+from sglang.test.scheduler_harness import SchedulerHarness, check_penalized_oracle, token_ids
 
 register_cpu_ci(est_time=50, suite="per-commit-cpu")
 
@@ -47,24 +49,33 @@ def _run_round(h: SchedulerHarness, rng: random.Random, prefixes: list[list[int]
                 rng.randint(1, 60), seed=rng.randrange(10**6)
             )
         n = rng.randint(1, 40)
-        jobs.append((h.submit(prompt, max_new_tokens=n), prompt, n))
-    to_abort = {rid for rid, _, _ in jobs if rng.random() < 0.2}
+        penalties = {}
+        if rng.random() < 0.35:
+            # A boosted token that the counts then push back down (penalties that never bite test nothing).
+            penalties = {"logit_bias": {rng.randrange(512): 3.0}, "frequency_penalty": rng.choice([0.0, 0.8]),
+                         "presence_penalty": rng.choice([0.0, 1.0]), "repetition_penalty": rng.choice([1.0, 1.5])}  # fmt: skip
+        jobs.append((h.submit(prompt, max_new_tokens=n, **penalties), prompt, n, penalties))
+    to_abort = {rid for rid, *_ in jobs if rng.random() < 0.2}
     for _ in range(rng.randint(2, 6)):
         sched.step()
     for rid in sorted(to_abort):
         sched.abort_request(rid)
     sched.run_until_idle()
     h.collect()
-    for rid, prompt, n in jobs:
+    for rid, prompt, n, penalties in jobs:
         out = h.outputs[rid]
         assert out.finished_reason is not None, rid
         if out.finished_reason["type"] == "abort":
             assert rid in to_abort, out.finished_reason
             continue
         assert len(out.output_ids) == n
-        h.check_oracle(h.oracle, prompt, out)
+        if penalties:
+            check_penalized_oracle(h.oracle, prompt, out, **penalties)
+        else:
+            h.check_oracle(h.oracle, prompt, out)
         history.append(prompt + out.output_ids)
     sched.check_integrity()
+    assert not sched.penalty_slots.in_use
 
 
 @pytest.mark.parametrize("preset,strategy,page,chunk,fail_mode,overlap", CONFIGS, ids=lambda v: str(v))
