@@ -90,6 +90,7 @@ CASES = [
     (GEN, {"text": "a", "lora_path": "my-adapter"}, "lora_path"),
     (GEN, {"text": "a", "sampling_params": {"stop_regex": "(a"}}, "sampling_params.stop_regex"),
     (GEN, {"text": "a", "sampling_params": {"logit_bias": {"-3": 1}}}, "sampling_params.logit_bias"),
+    (GEN, {"input_ids": [5], "return_logprob": True, "token_ids_logprob": [5, -1]}, "token_ids_logprob"),
     # 64 prompts x n=64 would start 4096 sequences at once.
     (
         GEN,
@@ -156,6 +157,25 @@ class TestMalformedRequests(ServerTestCase):
         self.assertEqual(r.status_code, 200, r.text)
         self.assertGreater(r.json()["usage"]["completion_tokens"], 0)
         self.assert_idle_accounting()
+
+    def test_token_ids_logprob_in_meta_info(self) -> None:
+        # upstream's token_ids_logprob (the values against the oracle: test/unit/scheduler/test_request_semantics.py)
+        greedy = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+        first = self.generate(input_ids=[5, 6, 7], sampling_params=greedy)["output_ids"][0]
+        out = self.generate(
+            input_ids=[5, 6, 7], sampling_params=greedy, return_logprob=True, logprob_start_len=0,
+            token_ids_logprob=[first, 3], return_text_in_logprobs=True,
+        )  # fmt: skip
+        meta = out["meta_info"]
+        chosen, inputs = meta["output_token_ids_logprobs"], meta["input_token_ids_logprobs"]
+        self.assertEqual(len(chosen), 3)
+        self.assertEqual([[e[1] for e in step] for step in chosen], [[first, 3]] * 3)
+        self.assertTrue(all(isinstance(e[2], str) for step in chosen for e in step))
+        self.assertAlmostEqual(chosen[0][0][0], meta["output_token_logprobs"][0][0], places=5)
+        self.assertEqual(inputs[0], None)  # the first input token has no logprob
+        self.assertEqual(len(inputs), 3)
+        plain = self.generate(input_ids=[5, 6, 7], sampling_params=greedy, return_logprob=True)["meta_info"]
+        self.assertNotIn("output_token_ids_logprobs", plain)
 
     def test_no_stop_trim_keeps_the_stop_tokens_text(self) -> None:
         greedy = {"temperature": 0, "ignore_eos": True, "skip_special_tokens": False}

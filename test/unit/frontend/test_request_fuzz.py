@@ -44,7 +44,7 @@ sampling_params = st.one_of(
     st.fixed_dictionaries({"logit_bias": st.dictionaries(keys, scalars, max_size=3)}),
 )
 generate_keys = ["text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-                 "top_logprobs_num", "stream", "rid", "return_text_in_logprobs"]  # fmt: skip
+                 "top_logprobs_num", "token_ids_logprob", "stream", "rid", "return_text_in_logprobs"]  # fmt: skip
 OPENAI_KEYS = [name for name in CompletionRequest.model_fields if name not in ("prompt", "messages")]
 
 

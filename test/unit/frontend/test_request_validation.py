@@ -120,6 +120,33 @@ def test_single_prompt_is_not_a_list(tokenizer):
     assert not is_list and len(items) == 1 and items[0].req.input_ids == [5, 6]
 
 
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"token_ids_logprob": 5}, "non-empty list"),
+        ({"token_ids_logprob": []}, "non-empty list"),
+        ({"token_ids_logprob": [1, "x"]}, "integer token ids"),
+        ({"token_ids_logprob": [1, 512]}, "outside the vocabulary"),
+        ({"token_ids_logprob": [[1], [2]]}, "integer token ids"),  # one prompt: one list of ids
+        ({"input_ids": [[5], [6]], "token_ids_logprob": [[1], [2], [3]]}, "3 lists for a batch of 2"),
+        ({"input_ids": [[5], [6]], "token_ids_logprob": [[1], []]}, "non-empty lists"),
+    ],
+)
+def test_token_ids_logprob_is_checked(tokenizer, kw, words):
+    with pytest.raises(RequestError) as e:
+        norm(tokenizer, **{"input_ids": [5], "return_logprob": True, **kw})
+    assert e.value.param == "token_ids_logprob" and words in e.value.message, e.value.message
+
+
+def test_token_ids_logprob_per_prompt_or_for_all(tokenizer):
+    items, _ = norm(tokenizer, input_ids=[[5], [6]], token_ids_logprob=[3, 4])
+    assert [i.req.token_ids_logprob for i in items] == [[3, 4], [3, 4]]
+    items, _ = norm(tokenizer, input_ids=[[5], [6]], token_ids_logprob=[[3], None])
+    assert [i.req.token_ids_logprob for i in items] == [[3], None]
+    items, _ = norm(tokenizer, input_ids=[5], sampling_params={"n": 2}, token_ids_logprob=[9])
+    assert [i.req.token_ids_logprob for i in items] == [[9], [9]], "every sample of n"
+
+
 def make_state(tokenizer, stop: list[str], **sampling) -> ReqState:
     params = {"stop": stop, **sampling} if stop else None
     (item,), _ = norm(tokenizer, input_ids=[5], sampling_params=params)

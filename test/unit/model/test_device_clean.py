@@ -189,7 +189,8 @@ def test_placeholders_resolve_in_one_gather():
             seen.append(fb.input_ids)
             ids = torch.tensor(sampled[: fb.batch_size])
             return SimpleNamespace(next_token_ids=ids, next_token_logprobs=None, next_token_top_logprobs=None,
-                                   input_token_logprobs=None, input_top_logprobs=None)  # fmt: skip
+                                   input_token_logprobs=None, input_top_logprobs=None,
+                                   next_token_ids_logprobs=None, input_token_ids_logprobs=None)  # fmt: skip
 
     class Ops(TorchDispatchMode):
         names: list[str] = []

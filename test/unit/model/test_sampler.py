@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sglang.srt.environ import envs
 from sglang.srt.layers import sampler as sampler_module
-from sglang.srt.layers.logits_processor import top_logprobs
+from sglang.srt.layers.logits_processor import chosen_logprobs, top_logprobs
 from sglang.srt.layers.sampler import Sampler, inverse_cdf_sample, seeded_uniforms, truncated_probs
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -282,6 +282,29 @@ def test_top_logprobs_of_the_rows_that_want_them(nums):
         else:
             values, ids = lp[i].topk(n)
             assert got[i] == (values.tolist(), ids.tolist())
+
+
+def test_token_ids_logprobs_are_the_sampled_distributions_at_the_asked_ids(backend):
+    """Ragged lists, repeats and a row that asks none; the same (temperature-scaled) distribution as
+    the sampled token's logprob, whichever sampling path the batch takes."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    info = SamplingBatchInfo.create([0.0, 0.8, 0.0], seeds=[None, 4, None])
+    asked = [(5, 1, 5), None, (39,)]
+    out = Sampler(random_seed=0)(
+        logits, info, torch.arange(3), return_logprob=True, token_ids_logprobs=asked
+    )
+    for i, temperature in enumerate([1.0, 0.8, 1.0]):
+        lp = torch.log_softmax(logits[i] / temperature, -1)
+        if asked[i] is None:
+            assert out.next_token_ids_logprobs[i] is None
+            continue
+        values, ids = out.next_token_ids_logprobs[i]
+        assert ids == list(asked[i]) and torch.allclose(torch.tensor(values), lp[list(asked[i])], atol=1e-6)
+    assert math.isclose(
+        out.next_token_logprobs[1], torch.log_softmax(logits[1] / 0.8, -1)[out.next_token_ids[1]].item(),
+        rel_tol=1e-6,
+    )
+    assert chosen_logprobs(logits, [None, None]) == [None, None]
 
 
 def _sample_sequence(driver: RunnerDriver, prompt: list[int], seed: int, others: int) -> list[int]:

@@ -7,7 +7,7 @@ machines). The bytes of KV and state never go this way; they go through the tran
         {"type": "cancel", "room", "notify"}     the decode side gave the request up
     prefill -> decode (to "notify")
         {"type": "done", "room", "ok": true, "output_ids", "output_token_logprobs",
-         "output_top_logprobs", "cached_tokens", "bytes", "seconds"}
+         "output_top_logprobs", "output_token_ids_logprobs", "cached_tokens", "bytes", "seconds"}
         {"type": "done", "room", "ok": false, "error": str}
 
 Every "dst" gets exactly one "done" (ok or not) from a prefill server that is alive; a decode server

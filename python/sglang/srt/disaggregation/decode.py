@@ -243,6 +243,11 @@ class DecodeTransferQueue:
                 req.output_top_logprobs += [
                     [(_logprob(lp), int(t)) for lp, t in top] for top in msg.get("output_top_logprobs", [])
                 ]
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs += [
+                    [(_logprob(lp), int(t)) for lp, t in chosen]
+                    for chosen in msg.get("output_token_ids_logprobs", [])
+                ]
         self.sched.finisher.check_finished(req)
         if req.finished:
             self.sched.result_processor.release_finished(req)

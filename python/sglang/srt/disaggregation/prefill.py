@@ -213,6 +213,7 @@ class PrefillBootstrapQueue:
             "output_ids": req.output_ids,
             "output_token_logprobs": req.output_token_logprobs,
             "output_top_logprobs": req.output_top_logprobs,
+            "output_token_ids_logprobs": req.output_token_ids_logprobs,
             "cached_tokens": req.cached_tokens,
             "bytes": nbytes, "seconds": seconds,
         })  # fmt: skip

@@ -81,6 +81,7 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         return_text_in_logprobs: bool = False,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of
         cumulative chunks. Bad input raises RequestError (naming the field) at the call."""
@@ -119,6 +120,7 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         return_text_in_logprobs: bool = False,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As `generate`, from any event loop; with stream=True, await it for an async iterator."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
@@ -215,6 +217,7 @@ def _make_obj(
     stream: bool,
     rid: Any,
     return_text_in_logprobs: bool,
+    token_ids_logprob: Any = None,
 ) -> GenerateReqInput:
     return GenerateReqInput(
         text=prompt,
@@ -225,5 +228,6 @@ def _make_obj(
         logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
         top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs,
+        token_ids_logprob=token_ids_logprob,
         stream=stream,
     )

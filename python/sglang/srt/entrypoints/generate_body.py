@@ -66,7 +66,6 @@ UNSUPPORTED = {
     "lora_id": "LoRA adapters",
     "custom_logit_processor": "custom logit processors",
     "positional_embed_overrides": "embedding overrides",
-    "token_ids_logprob": "logprobs of chosen token ids",
     "return_sampling_mask": "sampling masks",
     "return_flat_raw_top_logprobs": "flat top logprobs",
     "return_flat_raw_top_logprobs_b64": "flat top logprobs",

@@ -34,6 +34,7 @@ class LogitsProcessorOutput:
     next_token_logits: torch.Tensor
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[TopLogprobs]] | None = None
+    input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
 
 
 def scaled_log_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -55,6 +56,24 @@ def top_logprobs(logprobs: torch.Tensor, nums: list[int]) -> list[TopLogprobs | 
     for j, i in enumerate(rows):
         n = nums[i]
         out[i] = (values[j][:n], ids[j][:n])
+    return out
+
+
+def chosen_logprobs(logprobs: torch.Tensor, token_ids: list) -> list[TopLogprobs | None]:
+    """Row i's logprobs at the ids `token_ids[i]` (None where None), in their order: one gather over
+    the rows that want some and one copy to the host."""
+    rows = [i for i, ids in enumerate(token_ids) if ids]
+    out: list[TopLogprobs | None] = [None] * len(token_ids)
+    if not rows:
+        return out
+    width = max(len(token_ids[i]) for i in rows)
+    # Padded to one width with each row's first id (dropped again below).
+    index = [list(token_ids[i]) + [token_ids[i][0]] * (width - len(token_ids[i])) for i in rows]
+    device = logprobs.device
+    wanted = logprobs[torch.tensor(rows, device=device)].gather(1, torch.tensor(index, device=device))
+    for j, values in enumerate(wanted.tolist()):
+        ids = list(token_ids[rows[j]])
+        out[rows[j]] = (values[: len(ids)], ids)
     return out
 
 
@@ -104,9 +123,17 @@ class LogitsProcessor:
         if most > 0:
             out.input_top_logprobs = [[] for _ in range(bs)]
             top_v, top_i = (t.tolist() for t in lp.topk(most, dim=-1))
+        wants_ids = fb.token_ids_logprobs
+        if wants_ids is not None:
+            # Each position of request i wants the same ids: its rows of lp, gathered at them.
+            out.input_token_ids_logprobs = [[] for _ in range(bs)]
+            per_row = [ids for ids, c in zip(wants_ids, counts, strict=True) for _ in range(c)]
+            chosen = chosen_logprobs(lp, per_row)
         offset = 0
         for i, count in enumerate(counts):
             out.input_token_logprobs[i] = values[offset : offset + count]
+            if wants_ids is not None and wants_ids[i] and count:
+                out.input_token_ids_logprobs[i] = chosen[offset : offset + count]
             if most > 0 and top_n[i] > 0 and count:
                 n = top_n[i]  # topk is sorted, so the first n of the top `most` are the top n
                 out.input_top_logprobs[i] = [

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang.srt.layers.cpu_ops import cpu_sampling_ops
-from sglang.srt.layers.logits_processor import TopLogprobs, scaled_log_softmax, top_logprobs
+from sglang.srt.layers.logits_processor import TopLogprobs, chosen_logprobs, scaled_log_softmax, top_logprobs
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 
 _M32 = 0xFFFFFFFF
@@ -140,6 +140,7 @@ class SampleOutput:
     next_token_ids: torch.Tensor  # [bs] int64, on the logits' device
     next_token_logprobs: torch.Tensor | None = None  # [bs] float32, on the logits' device
     next_token_top_logprobs: list[TopLogprobs | None] | None = None
+    next_token_ids_logprobs: list[TopLogprobs | None] | None = None  # `token_ids_logprobs` asked
 
 
 class Sampler:
@@ -171,16 +172,18 @@ class Sampler:
         positions: torch.Tensor,
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
+        token_ids_logprobs: list | None = None,
     ) -> SampleOutput:
         """logits [bs, vocab] in float32 or wider, or in bfloat16 / float16 (read as float32: exact);
         positions[i] (on the logits' device) is the sequence index of request i's new token. Nothing
-        here reads the device on the host, top logprobs aside."""
+        here reads the device on the host, top logprobs and `token_ids_logprobs` (per row, the ids
+        whose logprobs it wants, or None) aside."""
         if logits.element_size() < 4 and not (info.is_all_greedy and not return_logprob):
             # The argmax alone reads them as they are (the upcast changes no value and no order).
             logits = logits.float()
         ops = cpu_sampling_ops(logits.device) if logits.dtype == torch.float32 else None
         nums = top_logprobs_nums or []
-        tops = return_logprob and any(n > 0 for n in nums)
+        tops = return_logprob and (any(n > 0 for n in nums) or token_ids_logprobs is not None)
         # The op also writes the drawn ids' logprobs (top logprobs need the whole log_softmax anyway).
         op_logprobs = return_logprob and not tops and ops is not None
         logprobs = None
@@ -218,6 +221,8 @@ class Sampler:
         elif return_logprob:
             lp = scaled_log_softmax(logits, info.temperatures)
             out.next_token_logprobs = lp.gather(1, ids[:, None])[:, 0]
-            if tops:
+            if any(n > 0 for n in nums):
                 out.next_token_top_logprobs = top_logprobs(lp, nums)
+            if token_ids_logprobs is not None:
+                out.next_token_ids_logprobs = chosen_logprobs(lp, token_ids_logprobs)
         return out

@@ -96,6 +96,8 @@ class DetokenizerManager:
             output_top_logprobs=out.output_top_logprobs,
             input_token_logprobs=out.input_token_logprobs,
             input_top_logprobs=out.input_top_logprobs,
+            output_token_ids_logprobs=out.output_token_ids_logprobs,
+            input_token_ids_logprobs=out.input_token_ids_logprobs,
         )
 
 

@@ -39,6 +39,9 @@ class GenerateReqInput:
     # position (the first input token has none).
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
+    # With return_logprob: the logprobs of these token ids at every output (and input) position, as
+    # upstream's `token_ids_logprob` (one list for every prompt, or one list per prompt).
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     # False: the request is left out of the metrics (health checks).
@@ -59,6 +62,7 @@ class TokenizedGenerateReqInput:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
     stream: bool = False
     bootstrap: BootstrapInfo | None = None
 
@@ -179,6 +183,9 @@ class BatchTokenIDOut:
     # Sent once, with a request's first message: (None, token_id) for the first input token.
     input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
     input_top_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
+    # `token_ids_logprob`'s entries per position, as top logprobs are (None: not asked for).
+    output_token_ids_logprobs: list[list[list[LogprobEntry]] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
     skip_special_tokens: list[bool] = field(default_factory=list)
     no_stop_trim: list[bool] = field(default_factory=list)  # keep a matched stop token's text
 
@@ -198,6 +205,8 @@ class BatchStrOut:
     output_top_logprobs: list[list[list[LogprobEntry]] | None] = field(default_factory=list)
     input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
     input_top_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[list[LogprobEntry]] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
 
 
 @dataclass

@@ -242,6 +242,7 @@ def build_requests(
         for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
         + BOOTSTRAP_FIELDS
     }
+    token_ids_lists = _token_ids_logprob(obj.token_ids_logprob, size, prompts.is_batch, limits.vocab_size)
     if not isinstance(obj.return_text_in_logprobs, bool):
         raise RequestError(
             "return_text_in_logprobs must be a boolean.", "return_text_in_logprobs", "invalid_type"
@@ -265,6 +266,7 @@ def build_requests(
         check_logprob_args(per_item["return_logprob"][i], start, top, len(ids))
         if top > limits.vocab_size:
             raise RequestError(f"top_logprobs_num must be at most {limits.vocab_size}.", "top_logprobs_num")
+        token_ids = token_ids_lists[i]
         rid = per_item["rid"][i]
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise RequestError("rid must be a non-empty string.", "rid", "invalid_type")
@@ -286,6 +288,7 @@ def build_requests(
                 return_logprob=per_item["return_logprob"][i],
                 logprob_start_len=start,
                 top_logprobs_num=top,
+                token_ids_logprob=None if token_ids is None else list(token_ids),
                 stream=obj.stream,
                 bootstrap=sample_bootstrap(bootstrap, j, n),
             )
@@ -304,6 +307,33 @@ def normalize_generate_request(
     prompts = parse_prompts(obj, max_samples)
     encoded = encode_texts(tokenizer, prompts.texts, limits.context_len)
     return build_requests(obj, prompts, encoded, limits)
+
+
+def _token_ids_logprob(value: Any, size: int, is_batch: bool, vocab_size: int) -> list[list[int] | None]:
+    """`token_ids_logprob` per prompt: one list of token ids for all, or (a batch) one list (or null)
+    per prompt, as upstream; each id in the vocabulary."""
+    name = "token_ids_logprob"
+    if value is None:
+        return [None] * size
+    if not isinstance(value, list) or not value:
+        raise RequestError(f"{name} must be a non-empty list of token ids.", name, "invalid_type")
+    if is_batch and all(v is None or isinstance(v, list) for v in value):
+        if len(value) != size:
+            raise RequestError(f"{name} has {len(value)} lists for a batch of {size} prompts.", name)
+        lists = value
+    else:
+        lists = [value] * size
+    for ids in lists:
+        if ids is None:
+            continue
+        if not isinstance(ids, list) or not ids:
+            raise RequestError(f"{name} must hold non-empty lists of token ids.", name, "invalid_type")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise RequestError(f"{name} must hold integer token ids, got {t!r}.", name, "invalid_type")
+            if not 0 <= t < vocab_size:
+                raise RequestError(f"{name} names {t}, outside the vocabulary of {vocab_size}.", name)
+    return lists
 
 
 def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:

@@ -95,6 +95,7 @@ class Req:
         "return_logprob",
         "logprob_start_len",
         "top_logprobs_num",
+        "token_ids_logprob",
         "stream",
         "created_time",
         "bootstrap",
@@ -126,6 +127,8 @@ class Req:
         "output_top_logprobs",
         "input_token_logprobs",
         "input_top_logprobs",
+        "output_token_ids_logprobs",
+        "input_token_ids_logprobs",
         "send_offset",
         "input_logprobs_sent",
         "sampling_row",
@@ -142,6 +145,7 @@ class Req:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        token_ids_logprob: list[int] | None = None,
     ):
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
@@ -153,6 +157,7 @@ class Req:
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
+        self.token_ids_logprob = token_ids_logprob  # with return_logprob: these ids' logprobs too
         self.stream = stream
         self.created_time = time.monotonic()
         self.bootstrap: BootstrapInfo | None = None  # PD disaggregation: where the other half runs
@@ -199,6 +204,8 @@ class Req:
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.input_token_logprobs: list[tuple[float | None, int]] = []
         self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
+        self.output_token_ids_logprobs: list[list[tuple[float, int]]] = []
+        self.input_token_ids_logprobs: list[list[tuple[float, int]] | None] = []
         self.send_offset = 0
         self.input_logprobs_sent = False
         # What a batch reads of this request's sampling options (`_make_sampling_row`).
@@ -324,6 +331,7 @@ class DecodeRows:
     sampling_info: SamplingBatchInfo
     return_logprob_mask: list[bool]
     top_logprobs_nums: list[int]
+    token_ids_logprobs: list[tuple[int, ...] | None] | None  # None: no request asks
     any_stream: bool  # some request streams its output
     any_penalized: bool  # some request's logits take penalties (sampling/penaltylib.py)
 
@@ -350,11 +358,13 @@ class DecodeRows:
                     uniform_infos[key] = info
             logprob_mask, top_nums, any_stream = [row[5]] * n, [row[6]] * n, row[7]
             any_penalized = row[8]
+            token_ids = None if row[9] is None else [row[9]] * n
         else:
-            temps, top_ps, top_ks, seeds, min_ps, logprob, top, stream, penalized = _columns(sampling)
+            temps, top_ps, top_ks, seeds, min_ps, logprob, top, stream, penalized, ids = _columns(sampling)
             info = SamplingBatchInfo.create(temps, top_ps, top_ks, seeds, min_ps)
             logprob_mask, top_nums, any_stream = list(logprob), list(top), any(stream)
             any_penalized = any(penalized)
+            token_ids = list(ids) if ids.count(None) < n else None
         return cls(
             req_pool_indices=rows,
             mamba_pool_indices=slots,
@@ -362,6 +372,7 @@ class DecodeRows:
             sampling_info=info,
             return_logprob_mask=logprob_mask,
             top_logprobs_nums=top_nums,
+            token_ids_logprobs=token_ids,
             any_stream=any_stream,
             any_penalized=any_penalized,
         )
@@ -394,8 +405,8 @@ class DecodeRowsCache:
 
 def sampling_rows(reqs: list[Req]) -> list[tuple]:
     """Each request's sampling and output options: temperature (0 for greedy, top_k 1 included), top_p,
-    top_k, seed, min_p, return_logprob, top logprobs wanted, stream, penalized. A request's row is made
-    once (its options do not change), so a batch whose requests changed reads one attribute per
+    top_k, seed, min_p, return_logprob, top logprobs wanted, stream, penalized, the token ids whose
+    logprobs are wanted (a tuple, or None). A request's row is made once (its options do not change), so a batch whose requests changed reads one attribute per
     request."""
     return [r.sampling_row or _make_sampling_row(r) for r in reqs]
 
@@ -406,10 +417,16 @@ def sampling_columns(reqs: list[Req]) -> list[tuple]:
 
 
 def _columns(rows: list[tuple]) -> list[tuple]:
-    return list(zip(*rows, strict=True)) if rows else [()] * 9
+    return list(zip(*rows, strict=True)) if rows else [()] * 10
 
 
 _SAMPLING_ROWS: dict[tuple, tuple] = {}  # interned rows (a bounded set of immutable tuples)
+
+
+def _token_ids_logprobs(reqs: list[Req]) -> list[tuple[int, ...] | None] | None:
+    """Each request's token ids whose logprobs it wants (None: no request wants any)."""
+    ids = [row[9] for row in sampling_rows(reqs)]
+    return ids if ids.count(None) < len(ids) else None
 
 
 def _make_sampling_row(req: Req) -> tuple:
@@ -424,6 +441,7 @@ def _make_sampling_row(req: Req) -> tuple:
         req.top_logprobs_num if req.return_logprob else 0,
         req.stream,
         req.penalized,
+        tuple(req.token_ids_logprob) if req.return_logprob and req.token_ids_logprob else None,
     )
     if len(_SAMPLING_ROWS) >= 1024:
         _SAMPLING_ROWS.clear()
@@ -513,6 +531,7 @@ class ScheduleBatch:
             sampling_info=self._sampling_info(),
             return_logprob_mask=lp_mask,
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in self.reqs],
+            token_ids_logprobs=_token_ids_logprobs(self.reqs),
             extend_logprob_start_lens=lp_start,
             extend_logprob_next_ids=lp_next,
         )
@@ -587,6 +606,7 @@ class ScheduleBatch:
             sampling_info=rows.sampling_info,  # shared: `to_device` moves a copy
             return_logprob_mask=rows.return_logprob_mask,
             top_logprobs_nums=rows.top_logprobs_nums,
+            token_ids_logprobs=rows.token_ids_logprobs,
             host_tensors=rows.host_tensors,
         )
         if rows.any_penalized and penalty_slots is not None:

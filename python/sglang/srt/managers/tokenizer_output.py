@@ -4,7 +4,8 @@ Deltas from the detokenizer are appended; replies are cumulative (SGLang's nativ
 
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "e2e_latency", and with return_logprob:
-     "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"}}
+     "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
+     and with token_ids_logprob "input_token_ids_logprobs", "output_token_ids_logprobs"}}
 
 Logprob entries are `[logprob, token_id, text_or_None]` (text with return_text_in_logprobs); top
 logprobs are such lists per position.
@@ -52,6 +53,8 @@ class ReqState:
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.input_token_logprobs: list[tuple[float | None, int]] = []
         self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
+        self.output_token_ids_logprobs: list[list[tuple[float, int]]] = []
+        self.input_token_ids_logprobs: list[list[tuple[float, int]] | None] = []
         self.got_message = False
         self._sent: tuple[int, int, bool] | None = None
 
@@ -77,6 +80,8 @@ class ReqState:
             self.output_top_logprobs.extend(_entry(out.output_top_logprobs, i) or [])
             self.input_token_logprobs.extend(_entry(out.input_token_logprobs, i) or [])
             self.input_top_logprobs.extend(_entry(out.input_top_logprobs, i) or [])
+            self.output_token_ids_logprobs.extend(_entry(out.output_token_ids_logprobs, i) or [])
+            self.input_token_ids_logprobs.extend(_entry(out.input_token_ids_logprobs, i) or [])
         if out.finished_reasons[i] is not None:
             self.finished_reason = out.finished_reasons[i]
             self.finish_time = time.time()
@@ -128,6 +133,11 @@ class ReqState:
             meta["output_token_logprobs"] = _with_text(self.output_token_logprobs, texts)
             meta["input_top_logprobs"] = [_with_text(p, texts) if p else p for p in self.input_top_logprobs]
             meta["output_top_logprobs"] = [_with_text(p, texts) if p else p for p in self.output_top_logprobs]
+            if self.req.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = [
+                    _with_text(p, texts) if p else p for p in self.input_token_ids_logprobs
+                ]
+                meta["output_token_ids_logprobs"] = [_with_text(p, texts) for p in self.output_token_ids_logprobs]
         return {"text": self.visible_text(), "output_ids": list(self.output_ids), "meta_info": meta}
 
 

@@ -292,6 +292,9 @@ class ForwardBatch:
     return_logprob: bool = False
     return_logprob_mask: list[bool] = field(default_factory=list)
     top_logprobs_nums: list[int] = field(default_factory=list)
+    # Per request, the token ids whose logprobs it wants (upstream's token_ids_logprob) or None;
+    # None for the batch when no request wants any.
+    token_ids_logprobs: list[Sequence[int] | None] | None = None
     extend_logprob_start_lens_cpu: list[int] = field(default_factory=list)
     extend_logprob_next_ids_cpu: list[int | None] | None = None
 
@@ -381,6 +384,7 @@ class ForwardBatch:
         sampling_info: SamplingBatchInfo | None = None,
         return_logprob_mask: Sequence[bool] | None = None,
         top_logprobs_nums: Sequence[int] | None = None,
+        token_ids_logprobs: list[Sequence[int] | None] | None = None,
         extend_logprob_start_lens: Sequence[int] | None = None,
         extend_logprob_next_ids: Sequence[int | None] | None = None,
         host_tensors: dict[str, torch.Tensor] | None = None,
@@ -447,6 +451,7 @@ class ForwardBatch:
             return_logprob=any(mask),
             return_logprob_mask=mask,
             top_logprobs_nums=list(top_logprobs_nums or []),
+            token_ids_logprobs=token_ids_logprobs,
             extend_logprob_start_lens_cpu=list(extend_logprob_start_lens or []),
             extend_logprob_next_ids_cpu=None
             if extend_logprob_next_ids is None

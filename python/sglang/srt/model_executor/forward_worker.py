@@ -60,6 +60,8 @@ class HostBatchResult:
     next_token_top_logprobs: list[TopLogprobs | None] | None = None
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[TopLogprobs]] | None = None
+    next_token_ids_logprobs: list[TopLogprobs | None] | None = None
+    input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
 
     def wait(self, timeout: float | None = None) -> HostBatchResult:
         """Already on the host (the same call as `PendingResult.wait`)."""
@@ -77,6 +79,8 @@ class PendingResult:
     next_token_top_logprobs: list[TopLogprobs | None] | None
     input_token_logprobs: list[list[float]] | None
     input_top_logprobs: list[list[TopLogprobs]] | None
+    next_token_ids_logprobs: list[TopLogprobs | None] | None = None
+    input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
     copied: Future | None = None  # done when the copy is (`CopyWaiter.watch`); None: already on the host
 
     def wait(self, timeout: float | None = None) -> HostBatchResult:
@@ -94,6 +98,8 @@ class PendingResult:
             next_token_top_logprobs=self.next_token_top_logprobs,
             input_token_logprobs=self.input_token_logprobs,
             input_top_logprobs=self.input_top_logprobs,
+            next_token_ids_logprobs=self.next_token_ids_logprobs,
+            input_token_ids_logprobs=self.input_token_ids_logprobs,
         )
 
 
@@ -333,6 +339,8 @@ class ForwardWorker:
                 next_token_top_logprobs=result.next_token_top_logprobs,
                 input_token_logprobs=result.input_token_logprobs,
                 input_top_logprobs=result.input_top_logprobs,
+                next_token_ids_logprobs=result.next_token_ids_logprobs,
+                input_token_ids_logprobs=result.input_token_ids_logprobs,
             )
         packed, event = results_to_host(result.next_token_ids, lp)
         copied = None if event is None else self.copy_waiter.watch(event)
@@ -342,5 +350,7 @@ class ForwardWorker:
             next_token_top_logprobs=result.next_token_top_logprobs,
             input_token_logprobs=result.input_token_logprobs,
             input_top_logprobs=result.input_top_logprobs,
+            next_token_ids_logprobs=result.next_token_ids_logprobs,
+            input_token_ids_logprobs=result.input_token_ids_logprobs,
             copied=copied,
         )

@@ -49,9 +49,11 @@ class GenerationBatchResult:
     next_token_ids: torch.Tensor  # [bs] int64, on the model's device
     next_token_logprobs: torch.Tensor | None = None  # [bs] float32, on the model's device
     next_token_top_logprobs: list[TopLogprobs | None] | None = None
+    next_token_ids_logprobs: list[TopLogprobs | None] | None = None  # upstream's token_ids_logprob
     # Extend only, per request (empty for requests without return_logprob).
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[TopLogprobs]] | None = None
+    input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
 
 
 class ModelRunner:
@@ -164,6 +166,7 @@ class ModelRunner:
                 fb.seq_lens,
                 return_logprob=fb.return_logprob,
                 top_logprobs_nums=fb.top_logprobs_nums,
+                token_ids_logprobs=fb.token_ids_logprobs,
             )
             if fb.penalties is not None:
                 self.penalizer.cumulate(fb.penalties, sample.next_token_ids)
@@ -171,8 +174,10 @@ class ModelRunner:
             next_token_ids=sample.next_token_ids,
             next_token_logprobs=sample.next_token_logprobs,
             next_token_top_logprobs=sample.next_token_top_logprobs,
+            next_token_ids_logprobs=sample.next_token_ids_logprobs,
             input_token_logprobs=logits.input_token_logprobs,
             input_top_logprobs=logits.input_top_logprobs,
+            input_token_ids_logprobs=logits.input_token_ids_logprobs,
         )
 
     def move_batch(self, fb: ForwardBatch) -> None:

@@ -175,6 +175,9 @@ class BatchResultProcessor:
         tops = result.next_token_top_logprobs
         if req.top_logprobs_num and tops is not None and tops[i] is not None:
             req.output_top_logprobs.append(list(zip(*tops[i], strict=True)))
+        chosen = result.next_token_ids_logprobs
+        if chosen is not None and chosen[i] is not None:
+            req.output_token_ids_logprobs.append(list(zip(*chosen[i], strict=True)))
 
     # ---- finish ------------------------------------------------------------------------------------
 
@@ -215,16 +218,21 @@ class BatchResultProcessor:
         values = result.input_token_logprobs[i] if i < len(result.input_token_logprobs) else []
         if not req.wants_input_logprobs():
             return
+        chosen = result.input_token_ids_logprobs[i] if result.input_token_ids_logprobs else None
         if batch.prepend_none[i]:
             req.input_token_logprobs.append((None, req.origin_input_ids[0]))
             if req.top_logprobs_num:
                 req.input_top_logprobs.append(None)
+            if req.token_ids_logprob:
+                req.input_token_ids_logprobs.append(None)
         first = len(req.input_token_logprobs) + max(req.logprob_start_len, 0)
         ids = req.origin_input_ids[first : first + len(values)]
         req.input_token_logprobs += list(zip(values, ids, strict=True))
         tops = result.input_top_logprobs[i] if result.input_top_logprobs else None
         if req.top_logprobs_num and tops:
             req.input_top_logprobs += [list(zip(*t, strict=True)) for t in tops]
+        if chosen:
+            req.input_token_ids_logprobs += [list(zip(*t, strict=True)) for t in chosen]
 
     # ---- output ------------------------------------------------------------------------------------
 
@@ -232,7 +240,7 @@ class BatchResultProcessor:
         """Send each request's new tokens: streaming requests every --stream-interval tokens, all of
         them when they finish."""
         interval = self.stream_interval
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [], [])
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [], [], [], [])
         for req in reqs:
             new = len(req.output_ids) - req.send_offset
             if not (req.finished or (req.stream and new >= interval)):
@@ -242,7 +250,7 @@ class BatchResultProcessor:
             self.output_sink(out)
 
     def send_finished(self, reqs: list[Req]) -> None:
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [], [])
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [], [], [], [])
         for req in reqs:
             self._append(out, req)
         if out.rids:
@@ -265,6 +273,9 @@ class BatchResultProcessor:
         first = lp and not req.input_logprobs_sent
         out.input_token_logprobs.append(req.input_token_logprobs if first else None)
         out.input_top_logprobs.append(req.input_top_logprobs if first and req.top_logprobs_num else None)
+        ids = lp and req.token_ids_logprob
+        out.output_token_ids_logprobs.append(req.output_token_ids_logprobs[start:] if ids else None)
+        out.input_token_ids_logprobs.append(req.input_token_ids_logprobs if first and ids else None)
         out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
         out.no_stop_trim.append(req.sampling_params.no_stop_trim)
         req.input_logprobs_sent = req.input_logprobs_sent or bool(first)

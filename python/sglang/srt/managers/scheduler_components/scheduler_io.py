@@ -154,6 +154,7 @@ class SchedulerIOMixin:
             return_logprob=recv.return_logprob,
             logprob_start_len=recv.logprob_start_len,
             top_logprobs_num=recv.top_logprobs_num,
+            token_ids_logprob=recv.token_ids_logprob,
             stream=recv.stream,
         )
         req.bootstrap = recv.bootstrap
