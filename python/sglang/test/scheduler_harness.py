@@ -24,6 +24,10 @@ class Output:
     rid: str
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # Per output position (with top_logprobs_num / token_ids_logprob): [(logprob, token id)].
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     input_logprobs: list[tuple[float | None, int]] | None = None
     cached_tokens: int = 0
     prompt_tokens: int = 0
@@ -99,6 +103,8 @@ class SchedulerHarness:
         return_logprob: bool = True,
         logprob_start_len: int = -1,
         stream: bool = False,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: list[int] | None = None,
         **sampling: Any,
     ) -> str:
         rid = f"req-{next(self._ids)}"
@@ -112,6 +118,8 @@ class SchedulerHarness:
                 sampling_params=SamplingParams.from_dict(params),
                 return_logprob=return_logprob,
                 logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                token_ids_logprob=token_ids_logprob,
                 stream=stream,
             )
         )
@@ -138,6 +146,9 @@ class SchedulerHarness:
                 out.output_ids += msg.output_ids[i]
                 if msg.output_token_logprobs[i] is not None:
                     out.logprobs += [lp for lp, _ in msg.output_token_logprobs[i]]
+                out.top_logprobs += msg.output_top_logprobs[i] or []
+                out.token_ids_logprobs += msg.output_token_ids_logprobs[i] or []
+                out.input_token_ids_logprobs += msg.input_token_ids_logprobs[i] or []
                 if msg.input_token_logprobs[i] is not None:
                     out.input_logprobs = list(msg.input_token_logprobs[i])
                 out.cached_tokens = msg.cached_tokens[i]

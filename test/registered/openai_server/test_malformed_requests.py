@@ -179,15 +179,17 @@ class TestMalformedRequests(ServerTestCase):
 
     def test_no_stop_trim_keeps_the_stop_tokens_text(self) -> None:
         greedy = {"temperature": 0, "ignore_eos": True, "skip_special_tokens": False}
+
+        def text(max_new: int, **params) -> str:
+            body = {"input_ids": [5, 6, 7], "sampling_params": {**greedy, "max_new_tokens": max_new, **params}}
+            return self.post("/generate", body).json()["text"]
+
         ids = self.generate(input_ids=[5, 6, 7], sampling_params={**greedy, "max_new_tokens": 6})["output_ids"]
-        k = next(i for i in range(1, 6) if ids[i] not in ids[:i])  # the first stop there is at k
-        texts = {}
-        for keep in (False, True):
-            params = {**greedy, "max_new_tokens": 6, "stop_token_ids": [ids[k]], "no_stop_trim": keep}
-            texts[keep] = self.generate(input_ids=[5, 6, 7], sampling_params=params)["text"]
-        for n, keep in ((k, False), (k + 1, True)):
-            plain = self.generate(input_ids=[5, 6, 7], sampling_params={**greedy, "max_new_tokens": n})["text"]
-            self.assertEqual(texts[keep], plain, f"no_stop_trim={keep}")
+        plain = [text(n) for n in range(7)]
+        # A stop token that shows in the text (so that keeping it is visible), first met at position k.
+        k = next(i for i in range(1, 6) if ids[i] not in ids[:i] and plain[i + 1] != plain[i])
+        self.assertEqual(text(6, stop_token_ids=[ids[k]]), plain[k])
+        self.assertEqual(text(6, stop_token_ids=[ids[k]], no_stop_trim=True), plain[k + 1])
 
     def test_a_body_over_the_limit_gets_413_before_it_is_sent(self) -> None:
         limit = self.get("/get_server_info").json()["max_request_body_size"]

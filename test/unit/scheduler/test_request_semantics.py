@@ -43,36 +43,28 @@ def test_input_logprobs_despite_a_cached_prefix_and_chunking(h, start, oracles):
 def test_token_ids_logprob_against_the_oracle(h, oracles):
     """upstream's token_ids_logprob: at every output position and every input position from
     logprob_start_len (the first input token has none), the logprobs of the asked ids, in their order,
-    are the oracle's; a prompt in two chunks and a cached prefix on the way."""
-    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
+    are the oracle's; through a prompt in chunks, a cached prefix, streamed deltas and a neighbour in
+    the same batches that asks none."""
     prompt, ids = token_ids(260, seed=56), [5, 300, 7, 5]
-    h.generate(prompt[:140], max_new_tokens=1)  # a checkpoint for the next request to hit
-    for start in (0, 150):
-        params = SamplingParams.from_dict({"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
-        h.sched.add_request(TokenizedGenerateReqInput(
-            rid=f"tid-{start}", input_text=None, input_ids=prompt, sampling_params=params, return_logprob=True,
-            logprob_start_len=start, token_ids_logprob=ids,
-        ))  # fmt: skip
-        h.sched.run_until_idle()
-        got_in, got_out, out_ids = [], [], []
-        for msg in h.sched.detokenizer_outbox:
-            k = msg.rids.index(f"tid-{start}")
-            got_in += msg.input_token_ids_logprobs[k] or []
-            got_out += msg.output_token_ids_logprobs[k]
-            out_ids += msg.output_ids[k]
-        h.sched.detokenizer_outbox.clear()
-        lp = oracles[QWEN].logprobs(prompt + out_ids)
+    h.generate(prompt[:140], max_new_tokens=1)  # a checkpoint for the next requests to hit
+    for start, stream in ((150, True), (0, False)):
+        rid = h.submit(prompt, max_new_tokens=5, logprob_start_len=start, stream=stream, token_ids_logprob=ids)
+        other = h.submit(token_ids(90, seed=57), max_new_tokens=7, logprob_start_len=3)
+        h.run()
+        out = h.outputs[rid]
+        # Input logprobs from `start` on need those positions computed: the hit stops before them.
+        assert (out.cached_tokens > 0) == (start > 0) and len(out.output_ids) == 5
+        assert h.outputs[other].token_ids_logprobs == [] and h.outputs[other].input_token_ids_logprobs == []
+        lp = oracles[QWEN].logprobs(prompt + out.output_ids)
+        got = list(out.input_token_ids_logprobs)
         if start == 0:
-            assert got_in[0] is None
-            got_in = got_in[1:]
-        # Input position p (from max(start, 1)) is scored by the logits at p - 1; output token j by
+            assert got[0] is None
+            got = got[1:]
+        # Input position p (from max(start, 1)) is scored by the logits at p - 1, output token j by
         # those at len(prompt) - 1 + j.
         first = max(start, 1)
-        assert len(got_in) == len(prompt) - first and len(got_out) == len(out_ids) == 5
-        rows = lp[first - 1 : -1]  # the input positions', then the output tokens'
-        for entries, row in zip(got_in + got_out, rows, strict=True):
+        assert len(got) == len(prompt) - first and len(out.token_ids_logprobs) == 5
+        for entries, row in zip(got + out.token_ids_logprobs, lp[first - 1 : -1], strict=True):
             assert [t for _, t in entries] == ids
             assert max(abs(v - row[t].item()) for v, t in entries) < ORACLE_TOL
 

@@ -1,7 +1,9 @@
 """Any sampling parameters the server accepts run: random mixes of extreme but valid values (a temperature
 of 1e39, a top_k beyond int64, biases at +-100, every penalty at its bounds, stop ids, min_new_tokens)
 go through the real scheduler in shared batches, and every request finishes with its tokens, finite
-logprobs and the pools intact. Two such values crashed the scheduler before (a7fd670)."""
+logprobs and the pools intact, on both CPU sampling paths, with top logprobs and token_ids_logprob
+asked or not. Two such values crashed the scheduler before (a7fd670), and a temperature beyond float32
+made the logprobs NaN where a token was banned."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sglang.srt.environ import envs
 from sglang.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
@@ -42,19 +45,26 @@ params = st.fixed_dictionaries(
 )
 
 
-@pytest.fixture(scope="module")
-def h():
-    harness = SchedulerHarness("tiny-qwen3-next", chunked_prefill_size=64)
-    yield harness
-    harness.flush_and_check_empty()
-    harness.shutdown()
+@pytest.fixture(scope="module", params=["cpp", "torch"])
+def h(request):
+    """Both CPU sampling paths (sgl-kernel's op; the torch form, which is also the GPU's)."""
+    with envs.SGLANG_CPU_SAMPLING_BACKEND.override(request.param):
+        harness = SchedulerHarness("tiny-qwen3-next", chunked_prefill_size=64)
+        yield harness
+        harness.flush_and_check_empty()
+        harness.shutdown()
 
 
 # Derandomized: the same examples on every run (a CI failure reproduces); 60 of them cover each extreme
 # value above several times.
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batch=st.lists(params, min_size=1, max_size=4), lengths=st.lists(st.integers(1, 80), min_size=4, max_size=4))
-def test_any_accepted_sampling_parameters_run(h, batch, lengths):
+@given(
+    batch=st.lists(params, min_size=1, max_size=4),
+    lengths=st.lists(st.integers(1, 80), min_size=4, max_size=4),
+    tops=st.sampled_from([0, 3]),
+    chosen=st.sampled_from([None, [0, 7, 511]]),
+)
+def test_any_accepted_sampling_parameters_run(h, batch, lengths, tops, chosen):
     accepted = []
     for d in batch:
         try:
@@ -63,7 +73,8 @@ def test_any_accepted_sampling_parameters_run(h, batch, lengths):
             continue  # refused with a 400 naming the field: not this test's concern
         accepted.append(d)
     rids = [
-        h.submit(token_ids(n, seed=n), max_new_tokens=6, **{k: v for k, v in d.items() if k != "seed"},
+        h.submit(token_ids(n, seed=n), max_new_tokens=6, top_logprobs_num=tops, token_ids_logprob=chosen,
+                 **{k: v for k, v in d.items() if k != "seed"},
                  **({"sampling_seed": d["seed"]} if d.get("seed") is not None else {}))
         for d, n in zip(accepted, lengths, strict=False)
     ]  # fmt: skip
@@ -73,6 +84,11 @@ def test_any_accepted_sampling_parameters_run(h, batch, lengths):
         assert out.finished_reason is not None and out.finished_reason["type"] in ("length", "stop"), out
         assert d.get("min_new_tokens", 0) <= len(out.output_ids) <= 6
         assert all(0 <= t < VOCAB for t in out.output_ids)
-        assert len(out.logprobs) == len(out.output_ids) and not any(math.isnan(lp) for lp in out.logprobs)
+        # The sampled tokens' logprobs are finite; asked ones may be -inf (a banned id), never NaN.
+        assert len(out.logprobs) == len(out.output_ids) and all(math.isfinite(lp) for lp in out.logprobs)
+        asked = [lp for step in out.top_logprobs + out.token_ids_logprobs for lp, _ in step]
+        assert len(out.top_logprobs) == (len(out.output_ids) if tops else 0)
+        assert len(out.token_ids_logprobs) == (len(out.output_ids) if chosen else 0)
+        assert not any(math.isnan(lp) for lp in asked)
     h.sched.check_integrity()
     assert not h.sched.penalty_slots.in_use

@@ -328,6 +328,8 @@ def _token_ids_logprob(value: Any, size: int, is_batch: bool, vocab_size: int) -
             continue
         if not isinstance(ids, list) or not ids:
             raise RequestError(f"{name} must hold non-empty lists of token ids.", name, "invalid_type")
+        if len(ids) > vocab_size:  # as top_logprobs_num: its cost grows with positions x ids
+            raise RequestError(f"{name} may name at most {vocab_size} ids, got {len(ids)}.", name)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise RequestError(f"{name} must hold integer token ids, got {t!r}.", name, "invalid_type")

@@ -69,10 +69,11 @@ class ClientDisconnected(Exception):
 class ServerAbortError(Exception):
     """The server ended the request (e.g. a deadline); the client gets `status_code` and `message`."""
 
-    def __init__(self, status_code: int, message: str):
+    def __init__(self, status_code: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
+        self.param = param  # the request's field at fault, for a 4xx
 
 
 class DisconnectCheck(Protocol):
@@ -367,5 +368,5 @@ def _raise_if_server_abort(state: ReqState) -> None:
     reason = state.finished_reason or {}
     if reason.get("type") == "abort" and reason.get("status_code"):
         raise ServerAbortError(
-            reason["status_code"], reason.get("message", "The server aborted the request.")
+            reason["status_code"], reason.get("message", "The server aborted the request."), reason.get("param")
         )

@@ -11,6 +11,7 @@ MAX_N = 64
 # A temperature below this samples greedily, as upstream (`_SAMPLING_EPS`): dividing logits by it would
 # overflow float32.
 SAMPLING_EPS = 1e-6
+FLOAT32_MAX = 3.4028234663852886e38
 # A top_k at least this large (or the vocabulary's size, where known) keeps every token: it is -1.
 TOP_K_ALL = 1 << 30
 
@@ -75,6 +76,9 @@ class SamplingParams:
         _num("temperature", self.temperature)
         if self.temperature < 0:
             raise SamplingParamsError(f"temperature must be non-negative, got {self.temperature}.")
+        # Beyond float32's range it would be inf in the batch's tensor, and a banned (-inf) logit over
+        # inf is NaN: the largest float32 samples the same (every finite logit over it is ~0).
+        self.temperature = min(self.temperature, FLOAT32_MAX)
         _num("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}.")

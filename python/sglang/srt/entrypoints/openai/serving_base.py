@@ -50,7 +50,10 @@ def error_response(err: RequestError, status_code: int = 400) -> Response:
 
 
 def server_abort_body(e: ServerAbortError) -> dict:
-    # Upstream answers these (deadlines) with the HTTP status as `code`, e.g. 503.
+    # Upstream answers these (deadlines) with the HTTP status as `code`, e.g. 503. One that names a
+    # field of the request (a stop_regex out of time) is the client's error.
+    if e.param is not None:
+        return error_body(e.message, e.param, code=e.status_code)
     return error_body(e.message, kind="server_error", code=e.status_code)
 
 
