@@ -20,6 +20,7 @@ from sglang.srt.configs.gpu_memory_defaults import (
     mem_fraction_static_default,
 )
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.entrypoints.openai.reasoning_parser import FORMATS as REASONING_FORMATS
 from sglang.srt.mem_cache.mamba_strategy import EXTRA_BUFFER_STRATEGIES, MambaStrategy
 from sglang.srt.server_args_checks import (
     ATTENTION_BACKEND_CHOICES,
@@ -80,6 +81,11 @@ class ServerArgs:
     # Where a chat request's unset sampling fields come from: "model" (the checkpoint's
     # generation_config.json, upstream's default) or "openai" (the API's own defaults).
     sampling_defaults: str = "model"
+    # Chat answers' reasoning into `reasoning_content` (entrypoints/openai/reasoning_parser.py).
+    reasoning_parser: str | None = None
+    # Upstream's tool-call parsers: accepted so that upstream's command lines start; chat requests with
+    # `tools` are refused (this server has no function calling), so the flag has no effect.
+    tool_call_parser: str | None = None
 
     # Memory and scheduling
     mem_fraction_static: float | None = None
@@ -426,6 +432,19 @@ class ServerArgs:
             help="model: a chat request's unset temperature / top_p / top_k / min_p / repetition_penalty come "
             "from the checkpoint's generation_config.json, as upstream; openai: the API's defaults (1.0, 1.0, "
             "off, 0, 1.0).",
+        )
+        g.add_argument(
+            "--reasoning-parser",
+            default=None,
+            choices=sorted(REASONING_FORMATS),
+            help="Split a chat answer's reasoning (<think> ... </think>) into reasoning_content, whole or as "
+            "it streams (upstream's flag: qwen3 for Qwen3 / Qwen3-Next, deepseek-r1).",
+        )
+        g.add_argument(
+            "--tool-call-parser",
+            default=None,
+            help="Accepted for compatibility; no effect (chat requests with tools are refused: no function "
+            "calling).",
         )
 
         g = parser.add_argument_group("memory and scheduling")

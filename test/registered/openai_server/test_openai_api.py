@@ -30,7 +30,7 @@ def sse_events(resp: requests.Response) -> list:
 
 
 class TestOpenAIServer(ServerTestCase):
-    server_args = ["--mamba-scheduler-strategy", "extra_buffer_lazy", "--enable-metrics"]
+    server_args = ["--mamba-scheduler-strategy", "extra_buffer_lazy", "--enable-metrics", "--reasoning-parser", "qwen3"]
     api_key = "sk-test-key"
 
     @classmethod
@@ -61,6 +61,26 @@ class TestOpenAIServer(ServerTestCase):
         self.assertEqual([c.choices[0].finish_reason for c in chunks if c.choices][-1], "length")
         self.assertEqual(chunks[-1].choices, [])
         self.assertEqual(chunks[-1].usage.completion_tokens, 8)
+
+    def test_reasoning_parser_splits_an_opened_think_block(self) -> None:
+        # The tiny preset's template opens no think block: an assistant message "<think>" continued
+        # does, so the answer (no "</think>" from a random model) is all reasoning; separate_reasoning
+        # false gives the text as generated. (The parser's rules: test/unit/frontend/test_reasoning_parser.py)
+        messages = MESSAGES + [{"role": "assistant", "content": "<think>\n"}]
+        kw = dict(model=self.model, messages=messages, max_tokens=6, temperature=0)
+        extra = {"ignore_eos": True, "continue_final_message": True}
+        raw = self.client.chat.completions.create(**kw, extra_body={**extra, "separate_reasoning": False})
+        text = raw.choices[0].message.content
+        self.assertTrue(text)
+        split = self.client.chat.completions.create(**kw, extra_body=extra).choices[0].message
+        self.assertEqual((split.reasoning_content, split.content), (text, None))
+        chunks = list(self.client.chat.completions.create(**kw, extra_body=extra, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        self.assertEqual("".join(getattr(d, "reasoning_content", None) or "" for d in deltas), text)
+        self.assertEqual("".join(d.content or "" for d in deltas), "")
+        plain = self.chat(max_tokens=6, temperature=0, extra_body={"ignore_eos": True}).choices[0].message
+        self.assertIsNone(getattr(plain, "reasoning_content", None))  # no think block: all content
+        self.assertTrue(plain.content)
 
     def test_completions_non_stream_and_stream_agree(self) -> None:
         ids = prompt_ids(30, 1)

@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -221,6 +222,12 @@ class ChatCompletionRequest(_SamplingFields):
     # continuing the last message when it is the assistant's (its text is the answer's beginning).
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
+    # Upstream's, with --reasoning-parser: split the answer's reasoning into `reasoning_content`
+    # (false: the text as generated), and stream it as it comes (false: in one piece when it ends).
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    # Whether the rendered prompt leaves a think block open (set by the chat serving).
+    _prompt_opens_reasoning: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
@@ -342,6 +349,7 @@ class CompletionResponse(_Response):
 class AssistantMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser, as upstream
 
 
 class ChatChoice(_Response):
@@ -364,6 +372,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from sglang.srt.entrypoints.openai.protocol import (
     DeltaMessage,
     TopLogprob,
 )
+from sglang.srt.entrypoints.openai.reasoning_parser import FORMATS, ReasoningParser, prompt_opens_reasoning
 from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     finish_reason,
@@ -63,11 +64,18 @@ class OpenAIServingChat(OpenAIServingBase):
         "top_logprobs_num": "top_logprobs",
     }
 
-    def __init__(self, tokenizer_manager, model_name: str, sampling_defaults: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        tokenizer_manager,
+        model_name: str,
+        sampling_defaults: dict[str, Any] | None = None,
+        reasoning_parser: str | None = None,
+    ):
         """`sampling_defaults`: sampling_params for the fields a request leaves unset (the model's
-        recommendation, `model_sampling_defaults`)."""
+        recommendation, `model_sampling_defaults`); `reasoning_parser`: --reasoning-parser."""
         super().__init__(tokenizer_manager, model_name)
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.reasoning_format = FORMATS[reasoning_parser] if reasoning_parser else None
 
     async def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's token ids. With `continue_final_message` and an assistant message last, as
@@ -97,6 +105,7 @@ class OpenAIServingChat(OpenAIServingBase):
             )
         except Exception as e:  # a template may refuse a role order or a role (jinja raise_exception)
             raise RequestError(f"The chat template rejected the messages: {e}", "messages") from None
+        req._prompt_opens_reasoning = prompt_opens_reasoning(prompt + prefix)
         return await self.tm.encode(prompt + prefix, "messages", add_special_tokens=False)
 
     async def to_generate_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
@@ -122,11 +131,21 @@ class OpenAIServingChat(OpenAIServingBase):
             **req.bootstrap_fields(),
         )
 
+    def _reasoning_parser(self, req: ChatCompletionRequest) -> ReasoningParser | None:
+        if self.reasoning_format is None or not req.separate_reasoning:
+            return None
+        return ReasoningParser(self.reasoning_format, req._prompt_opens_reasoning)
+
     def make_choice(self, req: ChatCompletionRequest, index: int, out: dict) -> ChatChoice:
         reason, matched = finish_reason(out["meta_info"])
+        message = AssistantMessage(content=out["text"])
+        parser = self._reasoning_parser(req)
+        if parser is not None:
+            reasoning, content = parser.parse(out["text"])
+            message = AssistantMessage(content=content or None, reasoning_content=reasoning or None)
         return ChatChoice(
             index=index,
-            message=AssistantMessage(content=out["text"]),
+            message=message,
             logprobs=chat_logprobs(out["meta_info"], 0) if req.logprobs else None,
             finish_reason=reason,
             matched_stop=matched,
@@ -150,10 +169,31 @@ class OpenAIServingChat(OpenAIServingBase):
             finish_reason=choice.finish_reason,
             matched_stop=choice.matched_stop,
         )
-        if choice.delta.content is None and not (choice.logprobs and choice.logprobs.content):
+        text = choice.delta
+        if text.content is None and text.reasoning_content is None and not (choice.logprobs and choice.logprobs.content):
             return [ending]
         choice.finish_reason = choice.matched_stop = None
         return [choice, ending]
+
+    def _split_reasoning(
+        self, req: ChatCompletionRequest, index: int, delta: str, last: bool, progress: dict
+    ) -> tuple[str, str]:
+        """(reasoning, content) of a choice's new text; the choice's parser lives in `progress`. With
+        stream_reasoning false the reasoning is held until it ends (or the answer does)."""
+        parser = progress.get(("reasoning", index))
+        if parser is None:
+            parser = progress[("reasoning", index)] = self._reasoning_parser(req)
+        reasoning, content = parser.feed(delta)
+        if last:
+            more_reasoning, more_content = parser.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        if not req.stream_reasoning:
+            held = progress.get(("held", index), "") + reasoning
+            if parser.in_reasoning and not last:
+                progress[("held", index)] = held
+                return "", content
+            progress[("held", index)], reasoning = "", held
+        return reasoning, content
 
     def stream_choice(
         self, req: ChatCompletionRequest, index: int, delta: str, meta: dict, progress: dict
@@ -163,11 +203,14 @@ class OpenAIServingChat(OpenAIServingBase):
             logprobs = chat_logprobs(meta, progress.get(index, 0))
             progress[index] = progress.get(index, 0) + len(logprobs.content)
         reason, matched = finish_reason(meta)
-        if not (delta or reason or (logprobs and logprobs.content)):
+        reasoning = ""
+        if self.reasoning_format is not None and req.separate_reasoning:
+            reasoning, delta = self._split_reasoning(req, index, delta, reason is not None, progress)
+        if not (delta or reasoning or reason or (logprobs and logprobs.content)):
             return None
         return ChatStreamChoice(
             index=index,
-            delta=DeltaMessage(content=delta or None),
+            delta=DeltaMessage(content=delta or None, reasoning_content=reasoning or None),
             logprobs=logprobs,
             finish_reason=reason,
             matched_stop=matched,

@@ -1,0 +1,103 @@
+"""`--reasoning-parser` (upstream's flag): a chat answer's reasoning, between think tags, goes to the
+message's `reasoning_content` and the rest to `content`, whole or as it streams.
+
+The parsers (upstream's names): `qwen3` (Qwen3 / Qwen3-Next) and `deepseek-r1`, both `<think> ...
+</think>`. Where the answer starts:
+- inside the reasoning when the prompt left a think block open (a thinking template ends its
+  generation prompt with `<think>`), and always for `deepseek-r1` (R1 may leave the opening tag out);
+- otherwise in the content, and an answer that opens with `<think>` (leading whitespace aside) enters
+  the reasoning there. `enable_thinking: false` templates close the block in the prompt.
+
+The reasoning ends at `</think>` (the text after it is content, as it comes); for `qwen3` also where a
+tool call (`<tool_call>`) begins. An answer cut off inside its reasoning is all reasoning. While
+streaming, text that may be the start of a tag is held back until the next piece decides it, so any
+cutting of a text into pieces gives what the whole text gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    always_reasoning: bool  # the answer starts in the reasoning whatever the prompt
+    ends_at: tuple[str, ...]  # markers that end the reasoning; the first one is dropped, others kept
+
+
+FORMATS = {
+    "qwen3": ReasoningFormat(always_reasoning=False, ends_at=(THINK_END, "<tool_call>")),
+    "deepseek-r1": ReasoningFormat(always_reasoning=True, ends_at=(THINK_END,)),
+}
+
+
+def prompt_opens_reasoning(prompt: str) -> bool:
+    """Whether `prompt` ends inside a think block (its last opening tag is not closed)."""
+    return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+
+
+class ReasoningParser:
+    """One answer's split into (reasoning, content): `feed` each new piece of text, then `finish`."""
+
+    def __init__(self, fmt: ReasoningFormat, prompt_opens: bool = False):
+        self.fmt = fmt
+        self.in_reasoning = fmt.always_reasoning or prompt_opens
+        self.at_start = True  # nothing of the answer consumed yet: an opening tag may come
+        self.saw_reasoning = self.in_reasoning
+        self._buf = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) that `text` completes."""
+        self._buf += text
+        reasoning, content = [], []
+        while self._buf:
+            if self.at_start:
+                stripped = self._buf.lstrip()
+                if not stripped or (THINK_START.startswith(stripped) and stripped != THINK_START):
+                    break  # whitespace or a partial opening tag: wait
+                self.at_start = False
+                if stripped.startswith(THINK_START):
+                    self._buf = stripped[len(THINK_START) :]
+                    self.in_reasoning = self.saw_reasoning = True
+                continue
+            if not self.in_reasoning:
+                content.append(self._buf)
+                self._buf = ""
+                break
+            hits = [(self._buf.find(m), i, m) for i, m in enumerate(self.fmt.ends_at) if m in self._buf]
+            if hits:
+                at, i, marker = min(hits)
+                reasoning.append(self._buf[:at])
+                self._buf = self._buf[at + len(marker) :] if i == 0 else self._buf[at:]
+                self.in_reasoning = False
+                continue
+            keep = _partial_marker_len(self._buf, self.fmt.ends_at)
+            reasoning.append(self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep :]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What is held back, once the answer is complete."""
+        text, self._buf = self._buf, ""
+        self.at_start = False
+        return (text, "") if self.in_reasoning else ("", text)
+
+    def parse(self, text: str) -> tuple[str | None, str]:
+        """A whole answer: (reasoning, or None where it has none, content)."""
+        r1, c1 = self.feed(text)
+        r2, c2 = self.finish()
+        return (r1 + r2 if self.saw_reasoning else None), c1 + c2
+
+
+def _partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
+    """The length of the longest end of `text` that begins one of `markers` (and is not all of it)."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if marker.startswith(text[-n:]):
+                best = n
+                break
+    return best
