@@ -438,7 +438,8 @@ class ServerArgs:
             default=None,
             choices=sorted(REASONING_FORMATS),
             help="Split a chat answer's reasoning (<think> ... </think>) into reasoning_content, whole or as "
-            "it streams (upstream's flag: qwen3 for Qwen3 / Qwen3-Next, deepseek-r1).",
+            "it streams (upstream's flag: qwen3 for Qwen3 / Qwen3-Next, qwen3-thinking for thinking-only "
+            "checkpoints, deepseek-r1).",
         )
         g.add_argument(
             "--tool-call-parser",

@@ -38,6 +38,7 @@ def parse(fmt: str, text: str, opens: bool = False) -> tuple[str | None, str]:
         ("deepseek-r1", False, "<think>hm</think>4", ("hm", "4")),
         ("deepseek-r1", False, "a <tool_call> b</think>c", ("a <tool_call> b", "c")),  # only </think> ends
         ("qwen3", True, "</thi", ("</thi", "")),  # a partial tag at the end is text
+        ("qwen3-thinking", False, "hm</think>4", ("hm", "4")),
         ("qwen3", False, "<thi", (None, "<thi")),
     ],
 )
@@ -73,13 +74,17 @@ def test_any_cutting_streams_what_the_whole_answer_gives(parts, cuts, fmt, opens
 
 
 class _Template:
-    """A chat template that opens a think block unless enable_thinking is false (as Qwen3's)."""
+    """A chat template that opens a think block unless enable_thinking is false (as Qwen3's), or adds
+    no think tags at all with `instruct` (as an Instruct model's)."""
 
     chat_template = "qwen3-like"
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **variables):
-        head = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-        return head + ("<think>\n" if variables.get("enable_thinking", True) else "<think>\n\n</think>\n\n")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        if not add_generation_prompt:
+            return text
+        opened = "<think>\n" if variables.get("enable_thinking", True) else "<think>\n\n</think>\n\n"
+        return text + "<assistant>" + ("" if variables.get("instruct") else opened)
 
 
 def _serving(parser: str | None = "qwen3") -> OpenAIServingChat:
@@ -90,8 +95,9 @@ def _serving(parser: str | None = "qwen3") -> OpenAIServingChat:
     return OpenAIServingChat(tm, "m", reasoning_parser=parser)
 
 
-def _request(serving: OpenAIServingChat, **body) -> ChatCompletionRequest:
-    req = parse_model(ChatCompletionRequest, orjson.dumps({"messages": [{"role": "user", "content": "q"}], **body}))
+def _request(serving: OpenAIServingChat, messages=None, **body) -> ChatCompletionRequest:
+    messages = messages or [{"role": "user", "content": "q"}]
+    req = parse_model(ChatCompletionRequest, orjson.dumps({"messages": messages, **body}))
     asyncio.run(serving.to_generate_input(req))  # renders the template: whether it opened the block
     return req
 
@@ -122,6 +128,37 @@ def test_the_chat_route_splits_whole_and_streamed_answers(stream_reasoning):
     assert chunks[-1].finish_reason == "stop" and chunks[-1].delta.model_dump() == {}
     sent = [c.delta.reasoning_content for c in chunks if c.delta.reasoning_content]
     assert len(sent) == (1 if not stream_reasoning else 2), "held until the reasoning ends, or as it comes"
+
+
+def test_tags_in_the_messages_do_not_open_the_reasoning():
+    """Only the template's own tail decides: a system prompt about <think> (an Instruct model never
+    closes it) and a continued answer's text in the middle leave the answer's start alone."""
+    serving = _serving()
+    about = [{"role": "system", "content": "Wrap reasoning in <think> tags."}, {"role": "user", "content": "q"}]
+    off = _request(serving, about, chat_template_kwargs={"instruct": True})
+    message = serving.make_choice(off, 0, _out("Hello!")).message
+    assert (message.reasoning_content, message.content) == (None, "Hello!")
+    cont = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>a</think>The answer"}]
+    req = _request(serving, cont, continue_final_message=True, chat_template_kwargs={"instruct": True})
+    message = serving.make_choice(req, 0, _out("<think> is a tag")).message
+    assert (message.reasoning_content, message.content) == (None, "<think> is a tag"), "mid-answer: text"
+    opened = _request(serving, [*cont[:1], {"role": "assistant", "content": "<think>\nso"}], continue_final_message=True,
+                      chat_template_kwargs={"instruct": True})  # fmt: skip
+    message = serving.make_choice(opened, 0, _out(" far</think>ok")).message
+    assert (message.reasoning_content, message.content) == (" far", "ok"), "a continued open block"
+
+
+def test_streams_of_several_choices_and_a_held_partial_tag():
+    serving = _serving()
+    req = _request(serving, n=2)
+    progress: dict = {}
+    got = {0: ["", ""], 1: ["", ""]}
+    steps = [(0, "a</thi", False), (1, "b</think>B", False), (0, "", True), (1, "!", True)]
+    for index, piece, last in steps:
+        for choice in serving.stream_choices(req, index, piece, _out("", finished=last)["meta_info"], progress):
+            got[index][0] += choice.delta.reasoning_content or ""
+            got[index][1] += choice.delta.content or ""
+    assert got == {0: ["a</thi", ""], 1: ["b", "B!"]}, "the held '</thi' is flushed as reasoning at the end"
 
 
 def test_thinking_off_and_separate_reasoning_false_keep_the_text():

@@ -226,8 +226,10 @@ class ChatCompletionRequest(_SamplingFields):
     # (false: the text as generated), and stream it as it comes (false: in one piece when it ends).
     separate_reasoning: bool = True
     stream_reasoning: bool = True
-    # Whether the rendered prompt leaves a think block open (set by the chat serving).
+    # Set by the chat serving: whether the generation prompt leaves a think block open, and whether the
+    # answer continues a final message's text.
     _prompt_opens_reasoning: bool = PrivateAttr(default=False)
+    _continues_message: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:

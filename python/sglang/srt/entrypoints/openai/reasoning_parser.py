@@ -1,12 +1,15 @@
 """`--reasoning-parser` (upstream's flag): a chat answer's reasoning, between think tags, goes to the
 message's `reasoning_content` and the rest to `content`, whole or as it streams.
 
-The parsers (upstream's names): `qwen3` (Qwen3 / Qwen3-Next) and `deepseek-r1`, both `<think> ...
-</think>`. Where the answer starts:
-- inside the reasoning when the prompt left a think block open (a thinking template ends its
-  generation prompt with `<think>`), and always for `deepseek-r1` (R1 may leave the opening tag out);
-- otherwise in the content, and an answer that opens with `<think>` (leading whitespace aside) enters
-  the reasoning there. `enable_thinking: false` templates close the block in the prompt.
+The parsers (upstream's names): `qwen3` (Qwen3 / Qwen3-Next), `qwen3-thinking` and `deepseek-r1`, all
+`<think> ... </think>`. Where the answer starts:
+- inside the reasoning when the generation prompt (what the template adds after the messages, and a
+  continued final message) leaves a think block open: a thinking template ends it with `<think>`; and
+  always for `qwen3-thinking` and `deepseek-r1` (whose models may leave the opening tag out);
+- otherwise in the content, and an answer that opens with `<think>` (leading whitespace aside; not a
+  continued message's middle) enters the reasoning there. `enable_thinking: false` templates close
+  the block in the prompt. Tags in the messages themselves (a system prompt about `<think>`) count
+  for nothing.
 
 The reasoning ends at `</think>` (the text after it is content, as it comes); for `qwen3` also where a
 tool call (`<tool_call>`) begins. An answer cut off inside its reasoning is all reasoning. While
@@ -29,22 +32,25 @@ class ReasoningFormat:
 
 FORMATS = {
     "qwen3": ReasoningFormat(always_reasoning=False, ends_at=(THINK_END, "<tool_call>")),
+    "qwen3-thinking": ReasoningFormat(always_reasoning=True, ends_at=(THINK_END, "<tool_call>")),
     "deepseek-r1": ReasoningFormat(always_reasoning=True, ends_at=(THINK_END,)),
 }
 
 
-def prompt_opens_reasoning(prompt: str) -> bool:
-    """Whether `prompt` ends inside a think block (its last opening tag is not closed)."""
-    return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+def prompt_opens_reasoning(generation_prompt: str) -> bool:
+    """Whether `generation_prompt` (the template's tail after the messages, and a continued message)
+    ends inside a think block (its last opening tag is not closed)."""
+    return generation_prompt.rfind(THINK_START) > generation_prompt.rfind(THINK_END)
 
 
 class ReasoningParser:
     """One answer's split into (reasoning, content): `feed` each new piece of text, then `finish`."""
 
-    def __init__(self, fmt: ReasoningFormat, prompt_opens: bool = False):
+    def __init__(self, fmt: ReasoningFormat, prompt_opens: bool = False, continues: bool = False):
+        """`continues`: the answer goes on from a continued message's text (no opening tag there)."""
         self.fmt = fmt
         self.in_reasoning = fmt.always_reasoning or prompt_opens
-        self.at_start = True  # nothing of the answer consumed yet: an opening tag may come
+        self.at_start = not continues  # nothing of the answer consumed yet: an opening tag may come
         self.saw_reasoning = self.in_reasoning
         self._buf = ""
 

@@ -105,7 +105,17 @@ class OpenAIServingChat(OpenAIServingBase):
             )
         except Exception as e:  # a template may refuse a role order or a role (jinja raise_exception)
             raise RequestError(f"The chat template rejected the messages: {e}", "messages") from None
-        req._prompt_opens_reasoning = prompt_opens_reasoning(prompt + prefix)
+        if self.reasoning_format is not None:
+            # Only the template's own tail counts (a message may mention <think>).
+            try:
+                base = tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=False, **variables
+                )
+            except Exception:  # noqa: BLE001 - a template that needs the generation prompt: all of it
+                base = ""
+            tail = prompt[len(base) :] if prompt.startswith(base) else prompt
+            req._prompt_opens_reasoning = prompt_opens_reasoning(tail + prefix)
+            req._continues_message = bool(prefix.strip())
         return await self.tm.encode(prompt + prefix, "messages", add_special_tokens=False)
 
     async def to_generate_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
@@ -134,7 +144,7 @@ class OpenAIServingChat(OpenAIServingBase):
     def _reasoning_parser(self, req: ChatCompletionRequest) -> ReasoningParser | None:
         if self.reasoning_format is None or not req.separate_reasoning:
             return None
-        return ReasoningParser(self.reasoning_format, req._prompt_opens_reasoning)
+        return ReasoningParser(self.reasoning_format, req._prompt_opens_reasoning, req._continues_message)
 
     def make_choice(self, req: ChatCompletionRequest, index: int, out: dict) -> ChatChoice:
         reason, matched = finish_reason(out["meta_info"])
