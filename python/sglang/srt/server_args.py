@@ -21,6 +21,7 @@ from sglang.srt.configs.gpu_memory_defaults import (
 )
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.entrypoints.openai.reasoning_parser import FORMATS as REASONING_FORMATS
+from sglang.srt.entrypoints.openai.tool_call_parser import PARSERS as TOOL_CALL_PARSERS
 from sglang.srt.mem_cache.mamba_strategy import EXTRA_BUFFER_STRATEGIES, MambaStrategy
 from sglang.srt.server_args_checks import (
     ATTENTION_BACKEND_CHOICES,
@@ -83,8 +84,7 @@ class ServerArgs:
     sampling_defaults: str = "model"
     # Chat answers' reasoning into `reasoning_content` (entrypoints/openai/reasoning_parser.py).
     reasoning_parser: str | None = None
-    # Upstream's tool-call parsers: accepted so that upstream's command lines start; chat requests with
-    # `tools` are refused (this server has no function calling), so the flag has no effect.
+    # Chat answers' tool calls into `tool_calls` (entrypoints/openai/tool_call_parser.py).
     tool_call_parser: str | None = None
 
     # Memory and scheduling
@@ -444,8 +444,9 @@ class ServerArgs:
         g.add_argument(
             "--tool-call-parser",
             default=None,
-            help="Accepted for compatibility; no effect (chat requests with tools are refused: no function "
-            "calling).",
+            choices=sorted(TOOL_CALL_PARSERS),
+            help="Parse a chat answer's tool calls (<tool_call>{json}</tool_call>) into tool_calls (upstream's "
+            "flag: qwen25 for Qwen2.5 / Qwen3 / Qwen3-Next, alias qwen).",
         )
 
         g = parser.add_argument_group("memory and scheduling")

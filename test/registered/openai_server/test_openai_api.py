@@ -30,7 +30,10 @@ def sse_events(resp: requests.Response) -> list:
 
 
 class TestOpenAIServer(ServerTestCase):
-    server_args = ["--mamba-scheduler-strategy", "extra_buffer_lazy", "--enable-metrics", "--reasoning-parser", "qwen3"]
+    server_args = [
+        "--mamba-scheduler-strategy", "extra_buffer_lazy", "--enable-metrics", "--reasoning-parser", "qwen3",
+        "--tool-call-parser", "qwen25",
+    ]  # fmt: skip
     api_key = "sk-test-key"
 
     @classmethod
@@ -81,6 +84,16 @@ class TestOpenAIServer(ServerTestCase):
         plain = self.chat(max_tokens=6, temperature=0, extra_body={"ignore_eos": True}).choices[0].message
         self.assertIsNone(getattr(plain, "reasoning_content", None))  # no think block: all content
         self.assertTrue(plain.content)
+
+    def test_a_chat_with_tools_answers(self) -> None:
+        # The tiny model calls nothing: the answer is content (the parsing of calls, whole and streamed:
+        # test/unit/frontend/test_tool_call_parser.py).
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        for choice in ("auto", "none"):
+            out = self.chat(max_tokens=4, temperature=0, tools=tools, tool_choice=choice, extra_body={"ignore_eos": True})
+            self.assertEqual(out.choices[0].finish_reason, "length")
+            self.assertTrue(out.choices[0].message.content)
+            self.assertFalse(out.choices[0].message.tool_calls)
 
     def test_completions_non_stream_and_stream_agree(self) -> None:
         ids = prompt_ids(30, 1)

@@ -34,9 +34,7 @@ REFUSED = {
     "disaggregation_transfer_backend": "nixl",
 }
 # Accepted for compatibility and logged as having no effect.
-NO_EFFECT = {
-    "trust_remote_code": True, "enable_torch_compile": True, "torch_compile_max_bs": 16, "tool_call_parser": "qwen25",
-}  # fmt: skip
+NO_EFFECT = {"trust_remote_code": True, "enable_torch_compile": True, "torch_compile_max_bs": 16}
 # Read through a value ServerArgs derives from them rather than by their own name.
 DERIVED = {
     "context_length": "context_len",

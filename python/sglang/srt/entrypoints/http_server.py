@@ -85,7 +85,9 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
             logger.info(
                 "Chat requests take the model's sampling defaults for unset fields: %s.", sampling_defaults
             )
-    chat = OpenAIServingChat(tm, model_name, sampling_defaults, server_args.reasoning_parser)
+    chat = OpenAIServingChat(
+        tm, model_name, sampling_defaults, server_args.reasoning_parser, server_args.tool_call_parser
+    )
     completions = OpenAIServingCompletion(tm, model_name)
 
     @asynccontextmanager

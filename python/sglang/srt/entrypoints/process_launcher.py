@@ -56,7 +56,6 @@ NO_EFFECT_FLAGS = {
     "measured 72 us against 67 us eager for one MoE block at these model sizes, and 56 us with "
     "cpp_wrapper after 4-8 s of compile per block: benchmark/README.md)",
     "torch_compile_max_bs": "torch.compile is not used (see --enable-torch-compile)",
-    "tool_call_parser": "chat requests with tools are refused: this server has no function calling",
 }
 
 

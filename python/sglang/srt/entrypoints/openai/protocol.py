@@ -181,11 +181,38 @@ class ContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Request):
+    """A call an earlier assistant message made (a conversation's history)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Required but for assistant messages (upstream's protocol: those may carry tool calls instead).
     content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
     @field_validator("content", mode="before")
     @classmethod
@@ -216,7 +243,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
+    # Function calling, as upstream: the tools go to the chat template, and with --tool-call-parser the
+    # answer's calls come back parsed. "required" and a named function need constrained decoding.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     # Upstream's extensions: extra variables for the chat template (e.g. `enable_thinking`), and
     # continuing the last message when it is the assistant's (its text is the answer's beginning).
@@ -235,8 +265,13 @@ class ChatCompletionRequest(_SamplingFields):
     def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise _field_error("top_logprobs", "top_logprobs needs logprobs set to true")
-        if self.tools:
-            raise _field_error("tools", "tools (function calling) are not supported")
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            raise _field_error(
+                "tool_choice",
+                "tool_choice 'required' or a named function needs constrained decoding, which this server "
+                "lacks; send 'auto' or 'none'",
+                "unsupported_parameter",
+            )
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise _field_error("response_format", "only the 'text' response format is supported")
         # OpenAI's newer name wins over the older one, as upstream (`max_completion_tokens or max_tokens`).
@@ -352,6 +387,7 @@ class AssistantMessage(_Response):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None  # with --reasoning-parser, as upstream
+    tool_calls: list[dict[str, Any]] | None = None  # with --tool-call-parser
 
 
 class ChatChoice(_Response):
@@ -375,6 +411,7 @@ class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # a call whole, when its block closes
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

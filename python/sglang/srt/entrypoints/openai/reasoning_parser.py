@@ -79,7 +79,7 @@ class ReasoningParser:
                 self._buf = self._buf[at + len(marker) :] if i == 0 else self._buf[at:]
                 self.in_reasoning = False
                 continue
-            keep = _partial_marker_len(self._buf, self.fmt.ends_at)
+            keep = partial_marker_len(self._buf, self.fmt.ends_at)
             reasoning.append(self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep :]
             break
@@ -98,7 +98,7 @@ class ReasoningParser:
         return (r1 + r2 if self.saw_reasoning else None), c1 + c2
 
 
-def _partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
+def partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
     """The length of the longest end of `text` that begins one of `markers` (and is not all of it)."""
     best = 0
     for marker in markers:

@@ -22,6 +22,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     finish_reason,
 )
+from sglang.srt.entrypoints.openai.tool_call_parser import ToolCallParser
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
 
@@ -44,6 +45,25 @@ def chat_logprobs(meta: dict, start: int) -> ChoiceLogprobs:
             )
         )
     return ChoiceLogprobs(content=content)
+
+
+def _template_message(m: Any) -> dict[str, Any]:
+    """A message as chat templates read it (OpenAI's shape: an assistant's calls, a tool's call id)."""
+    message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        message["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        message["name"] = m.name
+    return message
+
+
+def _template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools the template shows the model (none with tool_choice "none", as upstream)."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
 def _template_arguments(tokenizer: Any) -> set[str]:
@@ -70,12 +90,14 @@ class OpenAIServingChat(OpenAIServingBase):
         model_name: str,
         sampling_defaults: dict[str, Any] | None = None,
         reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
     ):
         """`sampling_defaults`: sampling_params for the fields a request leaves unset (the model's
-        recommendation, `model_sampling_defaults`); `reasoning_parser`: --reasoning-parser."""
+        recommendation, `model_sampling_defaults`); `reasoning_parser`, `tool_call_parser`: the flags."""
         super().__init__(tokenizer_manager, model_name)
         self.sampling_defaults = dict(sampling_defaults or {})
         self.reasoning_format = FORMATS[reasoning_parser] if reasoning_parser else None
+        self.parses_tool_calls = tool_call_parser is not None
 
     async def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's token ids. With `continue_final_message` and an assistant message last, as
@@ -84,14 +106,14 @@ class OpenAIServingChat(OpenAIServingBase):
         tokenizer = self.tm.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("This model has no chat template; use /v1/completions.", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [_template_message(m) for m in req.messages]
         prefix = ""
         if req.continue_final_message and messages[-1]["role"] == "assistant":
             prefix = messages.pop()["content"]
         variables = req.chat_template_kwargs or {}
         # Only the template's own variables: not apply_chat_template's arguments (`chat_template`
-        # would let a request render a template of its own on the server, `tools` would pass the
-        # tools refusal).
+        # would let a request render a template of its own on the server, `tools` would pass by the
+        # request's own field and its checks).
         named = sorted(set(variables) & _template_arguments(tokenizer))
         if named:
             raise RequestError(
@@ -99,9 +121,11 @@ class OpenAIServingChat(OpenAIServingBase):
                 "template variable.",
                 "chat_template_kwargs",
             )
+        shown = _template_tools(req)
+        tools = {"tools": shown} if shown else {}
         try:
             prompt = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **variables
+                messages, tokenize=False, add_generation_prompt=True, **tools, **variables
             )
         except Exception as e:  # a template may refuse a role order or a role (jinja raise_exception)
             raise RequestError(f"The chat template rejected the messages: {e}", "messages") from None
@@ -109,7 +133,7 @@ class OpenAIServingChat(OpenAIServingBase):
             # Only the template's own tail counts (a message may mention <think>).
             try:
                 base = tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=False, **variables
+                    messages, tokenize=False, add_generation_prompt=False, **tools, **variables
                 )
             except Exception:  # noqa: BLE001 - a template that needs the generation prompt: all of it
                 base = ""
@@ -153,6 +177,13 @@ class OpenAIServingChat(OpenAIServingBase):
         if parser is not None:
             reasoning, content = parser.parse(out["text"])
             message = AssistantMessage(content=content or None, reasoning_content=reasoning or None)
+        if self._parses_tools(req):
+            content, calls = ToolCallParser().parse(message.content or "")
+            if calls:
+                for call in calls:
+                    del call["index"]  # (a streaming field)
+                message.content, message.tool_calls = content.strip() or None, calls
+                reason = "tool_calls" if reason == "stop" else reason
         return ChatChoice(
             index=index,
             message=message,
@@ -179,11 +210,28 @@ class OpenAIServingChat(OpenAIServingBase):
             finish_reason=choice.finish_reason,
             matched_stop=choice.matched_stop,
         )
-        text = choice.delta
-        if text.content is None and text.reasoning_content is None and not (choice.logprobs and choice.logprobs.content):
+        d = choice.delta
+        if d.content is None and d.reasoning_content is None and d.tool_calls is None and not (
+            choice.logprobs and choice.logprobs.content
+        ):
             return [ending]
         choice.finish_reason = choice.matched_stop = None
         return [choice, ending]
+
+    def _parses_tools(self, req: ChatCompletionRequest) -> bool:
+        return self.parses_tool_calls and bool(req.tools) and req.tool_choice != "none"
+
+    def _split_tool_calls(
+        self, index: int, content: str, last: bool, progress: dict
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """(content, completed calls) of a choice's new content; its parser lives in `progress`."""
+        parser = progress.get(("tools", index))
+        if parser is None:
+            parser = progress[("tools", index)] = ToolCallParser()
+        content, calls = parser.feed(content)
+        if last:
+            content += parser.finish()
+        return content, calls
 
     def _split_reasoning(
         self, req: ChatCompletionRequest, index: int, delta: str, last: bool, progress: dict
@@ -213,14 +261,20 @@ class OpenAIServingChat(OpenAIServingBase):
             logprobs = chat_logprobs(meta, progress.get(index, 0))
             progress[index] = progress.get(index, 0) + len(logprobs.content)
         reason, matched = finish_reason(meta)
-        reasoning = ""
+        reasoning, calls = "", []
         if self.reasoning_format is not None and req.separate_reasoning:
             reasoning, delta = self._split_reasoning(req, index, delta, reason is not None, progress)
-        if not (delta or reasoning or reason or (logprobs and logprobs.content)):
+        if self._parses_tools(req):
+            delta, calls = self._split_tool_calls(index, delta, reason is not None, progress)
+            if calls:
+                progress[("called", index)] = True
+            if reason == "stop" and progress.get(("called", index)):
+                reason = "tool_calls"
+        if not (delta or reasoning or calls or reason or (logprobs and logprobs.content)):
             return None
         return ChatStreamChoice(
             index=index,
-            delta=DeltaMessage(content=delta or None, reasoning_content=reasoning or None),
+            delta=DeltaMessage(content=delta or None, reasoning_content=reasoning or None, tool_calls=calls or None),
             logprobs=logprobs,
             finish_reason=reason,
             matched_stop=matched,
