@@ -34,7 +34,9 @@ def calls_of(text: str) -> tuple[str, list[tuple[str, dict]]]:
     "text, want",
     [
         (CALL, ("", [("get_weather", {"city": "Paris"})])),
-        ("Let me look.\n" + CALL + "\n" + CALL, ("Let me look.\n\n", [("get_weather", {"city": "Paris"})] * 2)),
+        # The whitespace after a call separates calls: dropped; the text before them stays as it is.
+        ("Let me look.\n" + CALL + "\n" + CALL + "\n", ("Let me look.\n", [("get_weather", {"city": "Paris"})] * 2)),
+        (CALL + "\n Done.", ("Done.", [("get_weather", {"city": "Paris"})])),
         ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', ("", [("f", {"x": 1})])),
         ('<tool_call>{"name": "f"}</tool_call>', ("", [("f", {})])),
         ("It is sunny.", ("It is sunny.", [])),
@@ -42,11 +44,21 @@ def calls_of(text: str) -> tuple[str, list[tuple[str, dict]]]:
         ("<tool_call>not json</tool_call>", ("<tool_call>not json</tool_call>", [])),
         ('<tool_call>{"arguments": {}}</tool_call>', ('<tool_call>{"arguments": {}}</tool_call>', [])),
         ('a <tool_call>{"name": "f"', ('a <tool_call>{"name": "f"', [])),
+        # NaN is not JSON; nesting past Python's stack is not a call either (no crash).
+        ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+         ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', [])),
+        ("<tool_call>" + "[" * 5000 + "</tool_call>", ("<tool_call>" + "[" * 5000 + "</tool_call>", [])),
         ("a <tool_ca", ("a <tool_ca", [])),
     ],
 )
 def test_whole_answers(text, want):
     assert calls_of(text) == want
+
+
+def test_a_name_the_request_has_no_tool_for_stays_text():
+    block = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    content, calls = ToolCallParser({"get_weather"}).parse(block + CALL)
+    assert content == block and [c["function"]["name"] for c in calls] == ["get_weather"]
 
 
 def test_string_arguments_pass_through_and_ids_are_distinct():
@@ -115,19 +127,34 @@ def test_the_chat_route_returns_parsed_calls_whole_and_streamed():
     serving = _serving()
     req = _request(serving)
     assert serving.tm.tokenizer.seen[-1]["tools"] == TOOLS, "the tools reach the template"
-    choice = serving.make_choice(req, 0, {"text": "Checking.\n" + CALL, "meta_info": _meta(True)})
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
-    (call,) = choice.message.tool_calls
+    text = "Checking.\n" + CALL + "\n" + CALL
+    choice = serving.make_choice(req, 0, {"text": text, "meta_info": _meta(True)})
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking.\n"
+    call, again = choice.message.tool_calls
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'} and "index" not in call
+    assert call["id"] != again["id"]
     progress: dict = {}
     chunks = []
-    text = "Checking.\n" + CALL
     for k, piece in enumerate([text[:15], text[15:40], text[40:], ""]):
         chunks += serving.stream_choices(req, 0, piece, _meta(k == 3), progress)
     streamed = [c for ch in chunks for c in ch.delta.tool_calls or []]
-    assert [c["function"] for c in streamed] == [call["function"]] and streamed[0]["index"] == 0
-    assert "".join(ch.delta.content or "" for ch in chunks) == "Checking.\n"
+    assert [c["function"] for c in streamed] == [call["function"]] * 2 and [c["index"] for c in streamed] == [0, 1]
+    assert "".join(ch.delta.content or "" for ch in chunks) == choice.message.content, "streamed as whole"
     assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_a_call_cut_by_the_length_limit_keeps_length_and_reasoning_comes_first():
+    serving = OpenAIServingChat(_serving().tm, "m", reasoning_parser="deepseek-r1", tool_call_parser="qwen25")
+    req = _request(serving)
+    out = {"text": "hm" + "</think>" + CALL, "meta_info": {"finish_reason": {"type": "length", "length": 9}}}
+    choice = serving.make_choice(req, 0, out)
+    assert choice.message.reasoning_content == "hm" and len(choice.message.tool_calls) == 1
+    assert choice.finish_reason == "length", "only a stop becomes tool_calls"
+
+
+def test_an_unknown_parser_name_is_refused():
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        _serving("llama3")
 
 
 def test_tool_choice_none_and_no_parser_leave_the_text():
@@ -152,14 +179,16 @@ def test_a_conversation_with_calls_and_answers_reaches_the_template():
     ]  # fmt: skip
     _request(serving, messages=history)
     messages = serving.tm.tokenizer.seen[-1]["messages"]
-    assert messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    # Arguments as a mapping (Qwen2.5's template tojson-s them: a string would be quoted).
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forcing_a_call_needs_constrained_decoding(choice):
+@pytest.mark.parametrize("tools", [TOOLS, None])
+def test_forcing_a_call_needs_constrained_decoding(choice, tools):
     with pytest.raises(RequestError) as e:
         parse_model(ChatCompletionRequest, orjson.dumps(
-            {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": choice}
+            {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice}
         ))  # fmt: skip
     assert e.value.param == "tool_choice" and "constrained decoding" in e.value.message

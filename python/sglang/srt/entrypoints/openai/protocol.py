@@ -265,7 +265,7 @@ class ChatCompletionRequest(_SamplingFields):
     def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise _field_error("top_logprobs", "top_logprobs needs logprobs set to true")
-        if self.tools and self.tool_choice not in (None, "none", "auto"):
+        if self.tool_choice not in (None, "none", "auto"):
             raise _field_error(
                 "tool_choice",
                 "tool_choice 'required' or a named function needs constrained decoding, which this server "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any
 
 from sglang.srt.entrypoints.openai.protocol import (
@@ -22,6 +23,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     finish_reason,
 )
+from sglang.srt.entrypoints.openai.tool_call_parser import PARSERS as TOOL_CALL_PARSERS
 from sglang.srt.entrypoints.openai.tool_call_parser import ToolCallParser
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
@@ -51,12 +53,25 @@ def _template_message(m: Any) -> dict[str, Any]:
     """A message as chat templates read it (OpenAI's shape: an assistant's calls, a tool's call id)."""
     message: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls:
-        message["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+        # Arguments as a mapping: some templates (Qwen2.5's) `tojson` them, which would quote a string.
+        message["tool_calls"] = [_template_call(c.model_dump(exclude_none=True)) for c in m.tool_calls]
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         message["name"] = m.name
     return message
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return call  # not JSON: as sent
+        if isinstance(parsed, dict):
+            call["function"]["arguments"] = parsed
+    return call
 
 
 def _template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -97,6 +112,8 @@ class OpenAIServingChat(OpenAIServingBase):
         super().__init__(tokenizer_manager, model_name)
         self.sampling_defaults = dict(sampling_defaults or {})
         self.reasoning_format = FORMATS[reasoning_parser] if reasoning_parser else None
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}.")
         self.parses_tool_calls = tool_call_parser is not None
 
     async def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
@@ -178,11 +195,11 @@ class OpenAIServingChat(OpenAIServingBase):
             reasoning, content = parser.parse(out["text"])
             message = AssistantMessage(content=content or None, reasoning_content=reasoning or None)
         if self._parses_tools(req):
-            content, calls = ToolCallParser().parse(message.content or "")
+            content, calls = self._tool_call_parser(req).parse(message.content or "")
             if calls:
                 for call in calls:
                     del call["index"]  # (a streaming field)
-                message.content, message.tool_calls = content.strip() or None, calls
+                message.content, message.tool_calls = content or None, calls
                 reason = "tool_calls" if reason == "stop" else reason
         return ChatChoice(
             index=index,
@@ -221,13 +238,17 @@ class OpenAIServingChat(OpenAIServingBase):
     def _parses_tools(self, req: ChatCompletionRequest) -> bool:
         return self.parses_tool_calls and bool(req.tools) and req.tool_choice != "none"
 
+    @staticmethod
+    def _tool_call_parser(req: ChatCompletionRequest) -> ToolCallParser:
+        return ToolCallParser({t.function.name for t in req.tools})
+
     def _split_tool_calls(
-        self, index: int, content: str, last: bool, progress: dict
+        self, req: ChatCompletionRequest, index: int, content: str, last: bool, progress: dict
     ) -> tuple[str, list[dict[str, Any]]]:
         """(content, completed calls) of a choice's new content; its parser lives in `progress`."""
         parser = progress.get(("tools", index))
         if parser is None:
-            parser = progress[("tools", index)] = ToolCallParser()
+            parser = progress[("tools", index)] = self._tool_call_parser(req)
         content, calls = parser.feed(content)
         if last:
             content += parser.finish()
@@ -265,7 +286,7 @@ class OpenAIServingChat(OpenAIServingBase):
         if self.reasoning_format is not None and req.separate_reasoning:
             reasoning, delta = self._split_reasoning(req, index, delta, reason is not None, progress)
         if self._parses_tools(req):
-            delta, calls = self._split_tool_calls(index, delta, reason is not None, progress)
+            delta, calls = self._split_tool_calls(req, index, delta, reason is not None, progress)
             if calls:
                 progress[("called", index)] = True
             if reason == "stop" and progress.get(("called", index)):
