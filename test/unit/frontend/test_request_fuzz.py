@@ -86,17 +86,35 @@ class _TokenizerManager:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+CHAT_KEYS = [name for name in ChatCompletionRequest.model_fields if name not in OPENAI_KEYS]
+# Chat fields in valid and odd shapes: tools, a conversation with calls, template variables.
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{"}}]}
+chat_values = st.one_of(
+    json_values,
+    st.just([TOOL]),
+    st.just([{"role": "user", "content": "hi"}, CALLED, {"role": "tool", "tool_call_id": "c", "content": "x"}]),
+    st.just([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>"}]),
+    st.sampled_from(["auto", "none", "required"]),
+    st.dictionaries(st.sampled_from(["enable_thinking", "tools", "x"]), scalars, max_size=2),
+)
+
+
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     extra=st.dictionaries(st.sampled_from(OPENAI_KEYS), json_values, max_size=2),
+    chat_extra=st.dictionaries(st.sampled_from(CHAT_KEYS), chat_values, max_size=3),
     chat=st.booleans(),
     sampling=sampling_params,
 )
-def test_any_openai_body_is_a_request_or_a_named_400(tokenizer, extra, chat, sampling):
+def test_any_openai_body_is_a_request_or_a_named_400(tokenizer, extra, chat_extra, chat, sampling):
     body = {**({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": [5, 6]}), **extra}
     body |= {k: v for k, v in sampling.items() if k in OPENAI_KEYS}
+    if chat:
+        body |= chat_extra
+    parsers = {"reasoning_parser": "qwen3", "tool_call_parser": "qwen25"}
     model, serving = (
-        (ChatCompletionRequest, OpenAIServingChat(_TokenizerManager(tokenizer), "m"))
+        (ChatCompletionRequest, OpenAIServingChat(_TokenizerManager(tokenizer), "m", **parsers))
         if chat
         else (CompletionRequest, OpenAIServingCompletion(_TokenizerManager(tokenizer), "m"))
     )
