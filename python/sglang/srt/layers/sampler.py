@@ -183,9 +183,10 @@ class Sampler:
             logits = logits.float()
         ops = cpu_sampling_ops(logits.device) if logits.dtype == torch.float32 else None
         nums = top_logprobs_nums or []
-        tops = return_logprob and (any(n > 0 for n in nums) or token_ids_logprobs is not None)
+        # Top logprobs and chosen ids' logprobs read the whole log_softmax.
+        whole_lp = return_logprob and (any(n > 0 for n in nums) or token_ids_logprobs is not None)
         # The op also writes the drawn ids' logprobs (top logprobs need the whole log_softmax anyway).
-        op_logprobs = return_logprob and not tops and ops is not None
+        op_logprobs = return_logprob and not whole_lp and ops is not None
         logprobs = None
         if ops is not None and (op_logprobs or not info.is_all_greedy):
             cut = info.needs_truncation

@@ -69,15 +69,12 @@ class DetokenizerManager:
             finished = out.finished_reasons[i] is not None
             skip = out.skip_special_tokens[i] if i < len(out.skip_special_tokens) else True
             keep_stop = i < len(out.no_stop_trim) and out.no_stop_trim[i]
+            drop_stop = not keep_stop and _drops_stop_token(out.finished_reasons[i])
             state = self.states.get(rid)
             if state is None:
                 state = self.states[rid] = IncrementalDetokenizer(self.tokenizer, skip)
             try:
-                texts.append(
-                    state.push(
-                        out.output_ids[i], finished, not keep_stop and _drops_stop_token(out.finished_reasons[i])
-                    )
-                )
+                texts.append(state.push(out.output_ids[i], finished, drop_stop))
             except Exception:
                 # A request must still get its (final) message; losing some text beats hanging it.
                 logger.exception("Failed to detokenize request %s", rid)

@@ -80,8 +80,8 @@ class FinishChecker:
                         "type": "abort",
                         "status_code": 400,
                         "param": "stop_regex",
-                        "message": f"stop_regex {e.pattern!r} took more than {STOP_REGEX_BUDGET_S * 1e3:g} ms "
-                        "to search the output; use a pattern that does not backtrack without bound.",
+                        "message": f"stop_regex {e.pattern!r} took more than {STOP_REGEX_BUDGET_S * 1e3:g} "
+                        "ms to search the output; use a pattern that does not backtrack without bound.",
                     }
                     return
                 if matched is not None:

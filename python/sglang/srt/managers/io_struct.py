@@ -15,7 +15,7 @@ Logprob entries are (logprob, token_id) pairs; top logprobs are lists of such pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -188,6 +188,11 @@ class BatchTokenIDOut:
     input_token_ids_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
     skip_special_tokens: list[bool] = field(default_factory=list)
     no_stop_trim: list[bool] = field(default_factory=list)  # keep a matched stop token's text
+
+    @classmethod
+    def empty(cls) -> BatchTokenIDOut:
+        """A message with no request yet, every per-request list empty (to append to)."""
+        return cls(*([] for _ in fields(cls)))
 
 
 @dataclass

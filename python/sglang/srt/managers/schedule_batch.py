@@ -406,8 +406,8 @@ class DecodeRowsCache:
 def sampling_rows(reqs: list[Req]) -> list[tuple]:
     """Each request's sampling and output options: temperature (0 for greedy, top_k 1 included), top_p,
     top_k, seed, min_p, return_logprob, top logprobs wanted, stream, penalized, the token ids whose
-    logprobs are wanted (a tuple, or None). A request's row is made once (its options do not change), so a batch whose requests changed reads one attribute per
-    request."""
+    logprobs are wanted (a tuple, or None). A request's row is made once (its options do not change),
+    so a batch whose requests changed reads one attribute per request."""
     return [r.sampling_row or _make_sampling_row(r) for r in reqs]
 
 
@@ -610,7 +610,9 @@ class ScheduleBatch:
             host_tensors=rows.host_tensors,
         )
         if rows.any_penalized and penalty_slots is not None:
-            self.forward_batch.penalties = PenaltyBatchInfo.build(reqs, seq_lens, self.sample_rows, penalty_slots)
+            self.forward_batch.penalties = PenaltyBatchInfo.build(
+                reqs, seq_lens, self.sample_rows, penalty_slots
+            )
         self.state_copies = tree_cache.take_pending_state_copies()
 
     def set_mamba_track_indices_from_reqs(self, tracker: SnapshotTracker, seq_lens: list[int]) -> dict:

@@ -368,5 +368,7 @@ def _raise_if_server_abort(state: ReqState) -> None:
     reason = state.finished_reason or {}
     if reason.get("type") == "abort" and reason.get("status_code"):
         raise ServerAbortError(
-            reason["status_code"], reason.get("message", "The server aborted the request."), reason.get("param")
+            reason["status_code"],
+            reason.get("message", "The server aborted the request."),
+            reason.get("param"),
         )

@@ -137,7 +137,9 @@ class ReqState:
                 meta["input_token_ids_logprobs"] = [
                     _with_text(p, texts) if p else p for p in self.input_token_ids_logprobs
                 ]
-                meta["output_token_ids_logprobs"] = [_with_text(p, texts) for p in self.output_token_ids_logprobs]
+                meta["output_token_ids_logprobs"] = [
+                    _with_text(p, texts) for p in self.output_token_ids_logprobs
+                ]
         return {"text": self.visible_text(), "output_ids": list(self.output_ids), "meta_info": meta}
 
 

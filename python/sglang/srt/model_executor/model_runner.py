@@ -4,9 +4,9 @@
 inference mode itself (thread-local in torch), moves the batch to the model's device (one transfer),
 writes the batch's `req_to_token` entries (prefix
 rewrites, then the new tokens' slots) before any layer reads them, runs the deferred state operations,
-the layers and a decode's track copies, applies the batch's logit penalties, and samples. A decode that fits a captured CUDA graph replays it
-for the slot writes and the layers (`cuda_graph_runner.py`). It keeps no state between calls other
-than the pools (and the graphs' buffers).
+the layers and a decode's track copies, applies the batch's logit penalties, and samples. A decode
+that fits a captured CUDA graph replays it for the slot writes and the layers (`cuda_graph_runner.py`).
+It keeps no state between calls other than the pools (and the graphs' buffers).
 """
 
 from __future__ import annotations

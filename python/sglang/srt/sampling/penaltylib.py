@@ -123,8 +123,13 @@ class PenaltyBatchInfo:
         i's length after this forward, so it has `seq_lens[i] - len(prompt)` tokens out when it samples
         here; `sample_rows[i]`: whether row i samples a token the request keeps. A request with a
         count-based penalty and no row takes one here."""
-        rows, row_slots, freq, pres, rep, count_rows, count_slots = [], [], [], [], [], [], []
-        clear, init_slots, init_ids, ban_rows, ban_ids, bias_rows, bias_ids, bias_values = ([] for _ in range(8))
+        # Tuples per entry, turned into the fields' columns below.
+        counted: list[tuple[int, int, float, float, float]] = []  # (row, slot, freq, presence, repetition)
+        kept: list[tuple[int, int]] = []  # (row, slot) of the rows whose sampled token counts
+        clear: list[int] = []
+        init: list[tuple[int, int]] = []  # (slot, token)
+        bans: list[tuple[int, int]] = []  # (row, token)
+        biases: list[tuple[int, int, float]] = []  # (row, token, bias)
         for i, req in enumerate(reqs):
             if not req.penalized:
                 continue
@@ -134,49 +139,28 @@ class PenaltyBatchInfo:
                 if slot is None:
                     slot = req.penalty_slot = slots.alloc()
                     clear.append(slot)
-                    out = req.output_ids
-                    init_slots += [slot] * len(out)
-                    init_ids += out
-                rows.append(i)
-                row_slots.append(slot)
-                freq.append(sp.frequency_penalty)
-                pres.append(sp.presence_penalty)
-                rep.append(sp.repetition_penalty)
+                    init += [(slot, t) for t in req.output_ids]
+                counted.append((i, slot, sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty))
                 if sample_rows[i]:
-                    count_rows.append(i)
-                    count_slots.append(slot)
+                    kept.append((i, slot))
             if sp.min_new_tokens > seq_lens[i] - len(req.origin_input_ids):
                 stops = req.finish_token_ids if req.finish_token_ids is not None else sp.stop_token_ids
-                ban_rows += [i] * len(stops)
-                ban_ids += stops
+                bans += [(i, t) for t in stops]
             if sp.logit_bias:
-                bias_rows += [i] * len(sp.logit_bias)
-                bias_ids += sp.logit_bias
-                bias_values += sp.logit_bias.values()
-        if not (rows or ban_rows or bias_rows):
+                biases += [(i, t, b) for t, b in sp.logit_bias.items()]
+        if not (counted or bans or biases):
             return None
-
-        def ints(values: list[int]) -> torch.Tensor | None:
-            return host_int64(values) if values else None
-
+        rows, row_slots, freq, pres, rep = _columns(counted, "iifff")
+        count_rows, count_slots = _columns(kept, "ii")
+        init_slots, init_ids = _columns(init, "ii")
+        ban_rows, ban_ids = _columns(bans, "ii")
+        bias_rows, bias_ids, bias_values = _columns(biases, "iif")
         return cls(
-            rows=ints(rows),
-            slots=ints(row_slots),
-            frequency=host_float32(freq) if rows else None,
-            presence=host_float32(pres) if rows else None,
-            repetition=host_float32(rep) if rows else None,
-            count_rows=ints(count_rows),
-            count_slots=ints(count_slots),
-            clear_slots=ints(clear),
-            init_slots=ints(init_slots),
-            init_ids=ints(init_ids),
-            ban_rows=ints(ban_rows),
-            ban_ids=ints(ban_ids),
-            bias_rows=ints(bias_rows),
-            bias_ids=ints(bias_ids),
-            bias_values=host_float32(bias_values) if bias_rows else None,
-            num_slots=max(row_slots, default=-1) + 1,
-        )
+            rows=rows, slots=row_slots, frequency=freq, presence=pres, repetition=rep, count_rows=count_rows,
+            count_slots=count_slots, clear_slots=host_int64(clear) if clear else None, init_slots=init_slots,
+            init_ids=init_ids, ban_rows=ban_rows, ban_ids=ban_ids, bias_rows=bias_rows, bias_ids=bias_ids,
+            bias_values=bias_values, num_slots=max((c[1] for c in counted), default=-1) + 1,
+        )  # fmt: skip
 
 
 assert {f.name for f in fields(PenaltyBatchInfo)} >= set(PenaltyBatchInfo.TENSOR_FIELDS)
@@ -228,6 +212,16 @@ class Penalizer:
         if info.count_rows is not None:
             ids = next_token_ids[info.count_rows]
             self.counts.index_put_((info.count_slots, ids), _ones(ids), accumulate=True)
+
+
+def _columns(entries: list[tuple], kinds: str) -> list[torch.Tensor | None]:
+    """The host tensors of `entries`' columns (`kinds`: i int64, f float32), or Nones when empty."""
+    if not entries:
+        return [None] * len(kinds)
+    return [
+        host_int64(col) if kind == "i" else host_float32(col)
+        for col, kind in zip(zip(*entries, strict=True), kinds, strict=True)
+    ]
 
 
 def _ones(like: torch.Tensor) -> torch.Tensor:

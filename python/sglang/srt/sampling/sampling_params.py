@@ -155,7 +155,9 @@ def _logit_bias(bias: Any, vocab_size: int | None) -> dict[int, float] | None:
                 raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}.") from None
         _int("logit_bias token id", token, low=0)
         if vocab_size is not None and token >= vocab_size:
-            raise SamplingParamsError(f"logit_bias names token {token}, outside the vocabulary of {vocab_size}.")
+            raise SamplingParamsError(
+                f"logit_bias names token {token}, outside the vocabulary of {vocab_size}."
+            )
         _num("logit_bias", value)
         if not -100 <= value <= 100:
             raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {value}.")

@@ -113,7 +113,9 @@ class OpenAIServingChat(OpenAIServingBase):
         self.sampling_defaults = dict(sampling_defaults or {})
         self.reasoning_format = FORMATS[reasoning_parser] if reasoning_parser else None
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"--tool-call-parser must be one of {sorted(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}.")
+            raise ValueError(
+                f"--tool-call-parser must be one of {sorted(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}."
+            )
         self.parses_tool_calls = tool_call_parser is not None
 
     async def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
@@ -295,7 +297,9 @@ class OpenAIServingChat(OpenAIServingBase):
             return None
         return ChatStreamChoice(
             index=index,
-            delta=DeltaMessage(content=delta or None, reasoning_content=reasoning or None, tool_calls=calls or None),
+            delta=DeltaMessage(
+                content=delta or None, reasoning_content=reasoning or None, tool_calls=calls or None
+            ),
             logprobs=logprobs,
             finish_reason=reason,
             matched_stop=matched,

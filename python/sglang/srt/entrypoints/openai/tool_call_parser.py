@@ -82,7 +82,8 @@ class ToolCallParser:
         try:
             obj = json.loads(body, parse_constant=_no_constant)
             name = obj.get("name") if isinstance(obj, dict) else None
-            if not isinstance(name, str) or not name or (self.tool_names is not None and name not in self.tool_names):
+            known = self.tool_names is None or name in self.tool_names
+            if not isinstance(name, str) or not name or not known:
                 return None
             args = obj.get("arguments", obj.get("parameters", {}))
             arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)

@@ -240,7 +240,7 @@ class BatchResultProcessor:
         """Send each request's new tokens: streaming requests every --stream-interval tokens, all of
         them when they finish."""
         interval = self.stream_interval
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [], [], [], [])
+        out = BatchTokenIDOut.empty()
         for req in reqs:
             new = len(req.output_ids) - req.send_offset
             if not (req.finished or (req.stream and new >= interval)):
@@ -250,7 +250,7 @@ class BatchResultProcessor:
             self.output_sink(out)
 
     def send_finished(self, reqs: list[Req]) -> None:
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [], [], [], [], [])
+        out = BatchTokenIDOut.empty()
         for req in reqs:
             self._append(out, req)
         if out.rids:
