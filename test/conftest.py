@@ -16,7 +16,7 @@ import torch  # noqa: E402
 # Two cores: one torch thread per process keeps parallel server/worker processes from thrashing.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-PRESET_NAMES = ["tiny-qwen3-next", "tiny-nemotron-h"]
+PRESET_NAMES = ["tiny-qwen3-next", "tiny-nemotron-h", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 
 
 @pytest.fixture(scope="session")

@@ -373,7 +373,8 @@ class ServerArgs:
             "--model",
             default=default("model_path"),
             help="An HF-format checkpoint folder, or a built-in preset: tiny-qwen3-next-demo (the default: a "
-            "small trained model that writes Python), tiny-qwen3-next, tiny-nemotron-h (random test fixtures).",
+            "small trained model that writes Python), tiny-qwen3-next, tiny-nemotron-h, tiny-qwen3.5, "
+            "tiny-qwen3.5-moe (random test fixtures).",
         )
         g.add_argument("--tokenizer-path", default=None)
         g.add_argument("--served-model-name", default=None)

@@ -28,14 +28,19 @@ MAX_POSITIONS = 4096
 # by ~5e-7 relative, and with std 0.3 the oracle's own incremental path drifts from its full forward by
 # 1e-4 in logprob. The head is scaled up instead, so logits are far from uniform (mean top probability
 # ~0.15-0.2 of 512) while that drift stays below 1e-5 on thousands of scored tokens.
-WEIGHT_SCALES = {"qwen3_next": (0.05, 5.0), "nemotron_h": (0.1, 3.0)}
+WEIGHT_SCALES = {
+    "qwen3_next": (0.05, 5.0),
+    "qwen3_5": (0.05, 5.0),
+    "qwen3_5_moe": (0.05, 5.0),
+    "nemotron_h": (0.1, 3.0),
+}
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-ARCHS = ("qwen3_next", "nemotron_h")
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
 
 
 def tiny_config(arch: str):
@@ -54,24 +59,31 @@ def tiny_config(arch: str):
         eos_token_id=IM_END_ID,
         tie_word_embeddings=False,
     )
+    gdn = dict(
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     if arch == "qwen3_next":
         from transformers import Qwen3NextConfig
 
-        return Qwen3NextConfig(
-            **common,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-        )
+        return Qwen3NextConfig(**common, **gdn, **moe, intermediate_size=128)
+    # Qwen3.5's published rotary: interleaved mRoPE over 3 axes (text puts one position on all three).
+    rope = dict(rope_theta=10000.0, partial_rotary_factor=0.25, rope_type="default")
+    rope.update(mrope_interleaved=True, mrope_section=[1, 1, 0])
+    if arch == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**common, **gdn, intermediate_size=128, rope_parameters=rope)
+    if arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(**common, **gdn, **moe, rope_parameters=rope)
     from transformers import NemotronHConfig
 
     return NemotronHConfig(
@@ -159,9 +171,12 @@ def _condition_weights(model: torch.nn.Module, arch: str, gen: torch.Generator) 
             p.add_(0.1 * torch.randn(p.shape, generator=gen))
     for module in model.modules():
         kind = type(module).__name__
-        if kind == "Qwen3NextGatedDeltaNet":
-            # log-decay g = -exp(A_log) * softplus(a + dt_bias); a and b come from in_proj_ba.
-            module.in_proj_ba.weight.mul_(0.1)
+        if kind in ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"):
+            # log-decay g = -exp(A_log) * softplus(a + dt_bias); a and b come from in_proj_ba (Qwen3.5:
+            # in_proj_a and in_proj_b).
+            for proj in ("in_proj_ba", "in_proj_a", "in_proj_b"):
+                if hasattr(module, proj):
+                    getattr(module, proj).weight.mul_(0.1)
             module.A_log.copy_(_log_uniform(module.num_v_heads, 0.005, 0.1, gen))
             module.dt_bias.copy_(1.0 + 0.1 * torch.randn(module.num_v_heads, generator=gen))
         elif kind == "NemotronHMamba2Mixer":
@@ -185,7 +200,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0) -> Path:
 
     config_path = out / "config.json"
     cfg = json.loads(config_path.read_text())
-    if arch == "qwen3_next":
+    if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         # transformers writes only layer_types; SGLang-style loaders also read the interval.
         cfg["full_attention_interval"] = 4
     config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -23,6 +23,9 @@ register_cpu_ci(est_time=5, suite="per-commit-cpu")
 EXPECTED = {
     "tiny-qwen3-next": ([3], [0, 1, 2], (128, 3), (4, 16, 16), 64, 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)),
     "tiny-nemotron-h": ([3], [0, 2, 4], (192, 3), (8, 16, 16), 32, 3 * (192 * 3 * 4 + 8 * 16 * 16 * 4)),
+    # Qwen3.5 and Qwen3.5-MoE have Qwen3-Next's linear layers.
+    "tiny-qwen3.5": ([3], [0, 1, 2], (128, 3), (4, 16, 16), 64, 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)),
+    "tiny-qwen3.5-moe": ([3], [0, 1, 2], (128, 3), (4, 16, 16), 64, 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)),
 }
 
 
@@ -98,6 +101,18 @@ def test_chunk_size_aliases_and_interval_only_configs():
     assert Qwen3NextArchConfig(cfg).linear_layer_ids == [0, 1, 2, 4, 5, 6]
     pattern = SimpleNamespace(layers_block_type=None, hybrid_override_pattern="M-M*E")
     assert NemotronHArchConfig(pattern).mamba_layer_ids == [0, 2]
+
+
+def test_model_type_fallback_and_text_config():
+    """A config naming no architecture of ours is matched by `model_type`; a multimodal one is read
+    through its `text_config`."""
+    text = SimpleNamespace(layer_types=["linear_attention", "full_attention"], vocab_size=7)
+    for model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+        cfg = SimpleNamespace(architectures=None, model_type=model_type, **vars(text))
+        assert type(hybrid_arch_config(cfg)).__name__ == "Qwen3_5ArchConfig"
+    wrapped = SimpleNamespace(architectures=["Qwen3_5MoeForConditionalGeneration"], get_text_config=lambda: text)
+    arch = hybrid_arch_config(wrapped)
+    assert arch.hf_config is text and arch.top_config is wrapped and arch.full_attention_layer_ids == [1]
 
 
 def test_unsupported_architecture_is_named():

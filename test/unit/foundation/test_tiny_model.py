@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from sglang.test.ci_register import register_cpu_ci
-from sglang.tools.make_tiny_model import CHATML_TEMPLATE, make_tiny_model
+from sglang.tools.make_tiny_model import ARCHS, CHATML_TEMPLATE, make_tiny_model
 
 register_cpu_ci(est_time=25, suite="per-commit-cpu")
 
@@ -19,7 +19,7 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_same_seed_gives_bit_identical_checkpoints(arch, tmp_path):
     a = _files(make_tiny_model(arch, tmp_path / "a", seed=3))
     b = _files(make_tiny_model(arch, tmp_path / "b", seed=3))
@@ -38,6 +38,15 @@ def test_qwen3_next_config_states_both_layer_forms(preset_paths):
     assert cfg["linear_conv_kernel_dim"] == 4 and cfg["num_experts"] > 1
 
 
+@pytest.mark.parametrize(("name", "arch"), [("tiny-qwen3.5", "Qwen3_5ForCausalLM"), ("tiny-qwen3.5-moe", "Qwen3_5MoeForCausalLM")])
+def test_qwen3_5_configs(name, arch, preset_paths):
+    cfg = json.loads((Path(preset_paths[name]) / "config.json").read_text())
+    assert cfg["architectures"] == [arch] and cfg["layer_types"][-1] == "full_attention"
+    # The published checkpoints' interleaved mRoPE, so the oracle runs that path.
+    assert cfg["rope_parameters"]["mrope_interleaved"] is True
+    assert (cfg.get("num_experts", 0) > 1) == name.endswith("moe")
+
+
 def test_nemotron_h_config_chunk_size(preset_paths):
     cfg = json.loads((Path(preset_paths["tiny-nemotron-h"]) / "config.json").read_text())
     assert cfg["chunk_size"] == 32
@@ -45,7 +54,7 @@ def test_nemotron_h_config_chunk_size(preset_paths):
     assert "moe" in cfg["layers_block_type"] and "full_attention" in cfg["layers_block_type"]
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-nemotron-h"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-nemotron-h", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
 def test_presets_load_offline_with_auto_classes(name, preset_paths, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -40,7 +40,7 @@ def hybrid_arch_config(hf_config: Any) -> HybridArchConfig:
             return _REGISTRY[arch](hf_config)
     model_type = getattr(hf_config, "model_type", None)
     for cls in _REGISTRY.values():
-        if cls.model_type == model_type:
+        if model_type in cls.model_types:
             return cls(hf_config)
     raise ValueError(
         f"Unsupported model architecture {archs or model_type!r}: this runtime serves hybrid models "
@@ -50,14 +50,19 @@ def hybrid_arch_config(hf_config: Any) -> HybridArchConfig:
 
 class HybridArchConfig(ABC):
     architectures: ClassVar[tuple[str, ...]]
-    model_type: ClassVar[str]
+    # The config's `model_type`s it serves (the fallback where `architectures` names none of ours).
+    model_types: ClassVar[tuple[str, ...]]
     # "gdn" (Gated DeltaNet) or "mamba2": which linear-attention backend runs the linear layers.
     linear_kind: ClassVar[str]
     # Whether the linear backend writes track snapshots (required by the extra-buffer strategies).
     supports_extra_buffer: ClassVar[bool] = True
 
     def __init__(self, hf_config: Any):
-        self.hf_config = hf_config
+        # A multimodal checkpoint's config (Qwen3.5's) holds the language model's in `text_config`;
+        # this runtime serves that part. A text config is its own text config.
+        self.top_config = hf_config
+        text = getattr(hf_config, "get_text_config", None)
+        self.hf_config = text() if text is not None else hf_config
 
     @property
     def architecture(self) -> str:

@@ -71,7 +71,8 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto" or self.device == "cpu":
             return resolve_dtype(self.dtype, self.device)
-        return resolve_dtype(self.dtype, self.device, getattr(self.hf_config, "dtype", None))
+        checkpoint = getattr(self.hf_config, "dtype", None) or getattr(self.arch.hf_config, "dtype", None)
+        return resolve_dtype(self.dtype, self.device, checkpoint)
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:

@@ -11,7 +11,7 @@ _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "mo
 @register_hybrid_arch
 class NemotronHArchConfig(HybridArchConfig):
     architectures = ("NemotronHForCausalLM",)
-    model_type = "nemotron_h"
+    model_types = ("nemotron_h",)
     linear_kind = "mamba2"
 
     @property

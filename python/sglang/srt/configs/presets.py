@@ -1,8 +1,8 @@
-"""Built-in tiny presets: `tiny-qwen3-next-demo` (the default model), `tiny-qwen3-next` and
-`tiny-nemotron-h`.
+"""Built-in tiny presets: `tiny-qwen3-next-demo` (the default model), `tiny-qwen3-next`,
+`tiny-nemotron-h`, `tiny-qwen3.5` and `tiny-qwen3.5-moe`.
 
 Wherever a model path is accepted, a preset name resolves to a checkpoint folder. The demo model is
-trained (`sglang.tools.train_tiny_model`) and ships with the package. The two random presets are the
+trained (`sglang.tools.train_tiny_model`) and ships with the package. The random presets are the
 test fixtures: generated on first use into `$SGLANG_CACHE_DIR/presets/` (default
 `~/.cache/sglang/presets/`), in a folder whose name carries a digest of the generator, its corpus and
 the transformers version, so a change to any of them regenerates it.
@@ -18,7 +18,12 @@ from pathlib import Path
 
 from sglang.srt.environ import envs
 
-PRESETS = {"tiny-qwen3-next": "qwen3_next", "tiny-nemotron-h": "nemotron_h"}
+PRESETS = {
+    "tiny-qwen3-next": "qwen3_next",
+    "tiny-nemotron-h": "nemotron_h",
+    "tiny-qwen3.5": "qwen3_5",
+    "tiny-qwen3.5-moe": "qwen3_5_moe",
+}
 # Trained checkpoints that ship with the package (name -> folder).
 SHIPPED = {"tiny-qwen3-next-demo": Path(__file__).parents[2] / "tools" / "data" / "tiny-qwen3-next-demo"}
 PRESET_SEED = 0

@@ -12,7 +12,7 @@ GDN_KERNEL_CHUNK = 64
 @register_hybrid_arch
 class Qwen3NextArchConfig(HybridArchConfig):
     architectures = ("Qwen3NextForCausalLM",)
-    model_type = "qwen3_next"
+    model_types = ("qwen3_next",)
     linear_kind = "gdn"
 
     @property

@@ -46,7 +46,10 @@ class FinishChecker:
     def from_server_args(cls, server_args: ServerArgs) -> FinishChecker:
         eos: set[int] = set()
         cfg = server_args.model_config
-        for value in (getattr(cfg.hf_config, "eos_token_id", None), _generation_config_eos(cfg.path)):
+        # A multimodal checkpoint (Qwen3.5's) may state its ids only in the language model's config.
+        configs = (cfg.hf_config, cfg.arch.hf_config)
+        values = [getattr(c, "eos_token_id", None) for c in configs] + [_generation_config_eos(cfg.path)]
+        for value in values:
             if isinstance(value, int):
                 eos.add(value)
             elif value:

@@ -32,10 +32,20 @@ class HybridCausalLM(nn.Module):
         """The parameter a checkpoint tensor loads into (a model maps the names that differ)."""
         return name
 
+    def checkpoint_rows(self, name: str) -> tuple[str, int] | None:
+        """(parameter, first row) where the checkpoint tensor `name` (after `checkpoint_name`) is a block
+        of rows of a parameter that fuses several (a model maps the names it stacks)."""
+        return None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self, skip_prefixes=self.skip_prefixes)
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            loader.load(self.checkpoint_name(name), tensor)
+            name = self.checkpoint_name(name)
+            rows = self.checkpoint_rows(name)
+            if rows is None:
+                loader.load(name, tensor)
+            else:
+                loader.load_rows(rows[0], rows[1], name, tensor)
         loader.finish()

@@ -2,8 +2,10 @@
 listed by `model.safetensors.index.json`.
 
 Names are the checkpoint's own. Per-expert weights (`...experts.E.{gate,up,down}_proj.weight`) go into
-the stacked expert tensors; every other tensor must match a parameter by name and shape. A parameter
-the checkpoint does not provide is an error (a silently random weight would serve garbage).
+the stacked expert tensors; a tensor the model stacks into a fused parameter (Qwen3.5's split input
+projections) goes into its block of rows (`load_rows`); every other tensor must match a parameter by
+name and shape. A parameter the checkpoint does not provide, wholly, is an error (a silently random
+weight would serve garbage).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class WeightLoader:
         self.skip_prefixes = tuple(skip_prefixes)
         self.loaded: set[str] = set()
         self.expert_pieces: dict[str, set[tuple[int, str]]] = {name: set() for name in self.experts}
+        self.row_blocks: dict[str, list[tuple[int, int, str]]] = {}  # param -> (start, stop, source)
         self.unused: list[str] = []
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
@@ -79,7 +82,38 @@ class WeightLoader:
         param.data.copy_(tensor)
         self.loaded.add(name)
 
+    def load_rows(self, name: str, start: int, source: str, tensor: torch.Tensor) -> None:
+        """Copy `tensor` (checkpoint name `source`) into rows [start, start + len) of parameter `name`."""
+        param = self.params.get(name)
+        if param is None:
+            self.unused.append(source)
+            return
+        stop = start + tensor.shape[0]
+        if tuple(param.shape[1:]) != tuple(tensor.shape[1:]) or stop > param.shape[0]:
+            raise ValueError(
+                f"Checkpoint tensor {source} has shape {tuple(tensor.shape)}; the model expects rows "
+                f"[{start}, {stop}) of {name}, shape {tuple(param.shape)}."
+            )
+        param.data[start:stop].copy_(tensor)
+        self.row_blocks.setdefault(name, []).append((start, stop, source))
+
+    def _check_row_blocks(self) -> None:
+        """A stacked parameter is loaded when its blocks tile its rows exactly once."""
+        for name, blocks in self.row_blocks.items():
+            end = 0
+            for start, stop, source in sorted(blocks):
+                if start != end:
+                    raise ValueError(
+                        f"Checkpoint tensor {source} lands on rows [{start}, {stop}) of {name}, whose "
+                        f"rows [{min(start, end)}, {max(start, end)}) are "
+                        f"{'given twice' if start < end else 'not given'}."
+                    )
+                end = stop
+            if end == self.params[name].shape[0]:
+                self.loaded.add(name)
+
     def finish(self) -> None:
+        self._check_row_blocks()
         for name, module in self.experts.items():
             shards = ("gate", "up", "down") if module.gated else ("up", "down")
             if len(self.expert_pieces[name]) == module.num_experts * len(shards):

@@ -126,7 +126,8 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
+        # Qwen3.5-MoE's config has no such field: its router always renormalises the top k.
+        self.norm_topk_prob = getattr(config, "norm_topk_prob", True)
         self.gate = nn.Linear(hidden, config.num_experts, bias=False)
         self.experts = RoutedExperts(
             config.num_experts, hidden, config.moe_intermediate_size, config.hidden_act, True
@@ -154,20 +155,25 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         return self.experts(x, weights, ids, self.shared_expert, self.shared_expert_gate)
 
 
+def is_sparse_layer(config: Any, layer_id: int) -> bool:
+    """Whether the layer's MLP is the MoE. Qwen3.5's configs have none of these fields (no experts:
+    dense everywhere) or only `num_experts` (Qwen3.5-MoE: a MoE in every layer)."""
+    return (
+        layer_id not in (getattr(config, "mlp_only_layers", None) or [])
+        and getattr(config, "num_experts", 0) > 0
+        and (layer_id + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+    )
+
+
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, gdn_cls: type[Qwen3NextGatedDeltaNet]):
         super().__init__()
         self.is_linear = config.layer_types[layer_id] == "linear_attention"
         if self.is_linear:
-            self.linear_attn = Qwen3NextGatedDeltaNet(config, layer_id)
+            self.linear_attn = gdn_cls(config, layer_id)
         else:
             self.self_attn = Qwen3NextAttention(config, layer_id)
-        sparse = (
-            layer_id not in (config.mlp_only_layers or [])
-            and config.num_experts > 0
-            and (layer_id + 1) % config.decoder_sparse_step == 0
-        )
-        if sparse:
+        if is_sparse_layer(config, layer_id):
             self.mlp = Qwen3NextSparseMoeBlock(config)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
@@ -220,10 +226,12 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextModel(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, gdn_cls: type[Qwen3NextGatedDeltaNet]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(config, i, gdn_cls) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -236,9 +244,10 @@ class Qwen3NextModel(nn.Module):
 class Qwen3NextForCausalLM(HybridCausalLM):
     backbone_attr = "model"
     fp32_param_suffixes = ("A_log", "dt_bias")
+    gdn_cls = Qwen3NextGatedDeltaNet  # the linear layers' class (Qwen3.5's loads other projections)
 
     def __init__(self, config: Any):
-        model = Qwen3NextModel(config)
+        model = Qwen3NextModel(config, self.gdn_cls)
         super().__init__(config, model, model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

@@ -1,0 +1,64 @@
+"""Qwen3.5 and Qwen3.5-MoE: Qwen3-Next's network (`qwen3_next.py`), a dense MLP in every layer or a MoE
+in every layer, whose checkpoints store the Gated DeltaNet's input projections split by piece over all
+heads (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). They load as row blocks of Qwen3-Next's
+fused projections, which are then already in the grouped layout its forward slices (nothing to regroup).
+
+The published checkpoints are multimodal (`Qwen3_5[Moe]ForConditionalGeneration`): the language model's
+weights under `model.language_model.`, the vision tower's under `model.visual.` (not loaded: text only).
+Text positions are the same on mRoPE's three axes, where mRoPE is the plain rotary embedding.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sglang.srt.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextGatedDeltaNet
+
+_SPLIT_PROJECTION = re.compile(
+    r"^(?P<layer>model\.layers\.\d+\.linear_attn)\.in_proj_(?P<piece>qkv|z|b|a)\.weight$"
+)
+_LANGUAGE_MODEL = "model.language_model."
+
+
+class Qwen3_5GatedDeltaNet(Qwen3NextGatedDeltaNet):
+    def __init__(self, config: Any, layer_id: int):
+        super().__init__(config, layer_id)
+        self.projections_grouped = True  # loaded piece by piece over all heads: [q | k | v | z], [b | a]
+
+    def piece_rows(self) -> dict[str, tuple[str, int]]:
+        """Checkpoint projection piece -> (fused projection, its first row there)."""
+        qkv_dim = 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+        return {
+            "qkv": ("in_proj_qkvz", 0),
+            "z": ("in_proj_qkvz", qkv_dim),
+            "b": ("in_proj_ba", 0),
+            "a": ("in_proj_ba", self.num_v_heads),
+        }
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 and Qwen3.5-MoE (the config says which MLP each layer has)."""
+
+    gdn_cls = Qwen3_5GatedDeltaNet
+
+    def checkpoint_rows(self, name: str) -> tuple[str, int] | None:
+        match = _SPLIT_PROJECTION.match(name)
+        if match is None:
+            return None
+        fused, start = self.get_submodule(match["layer"]).piece_rows()[match["piece"]]
+        return f"{match['layer']}.{fused}.weight", start
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The multimodal checkpoint's language model (text in, text out)."""
+
+    skip_prefixes = ("mtp.", "model.visual.")
+
+    def __init__(self, config: Any):
+        super().__init__(config.get_text_config())
+
+    def checkpoint_name(self, name: str) -> str:
+        if name.startswith(_LANGUAGE_MODEL):
+            name = "model." + name.removeprefix(_LANGUAGE_MODEL)
+        return super().checkpoint_name(name)
