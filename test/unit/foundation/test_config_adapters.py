@@ -113,6 +113,10 @@ def test_model_type_fallback_and_text_config():
     wrapped = SimpleNamespace(architectures=["Qwen3_5MoeForConditionalGeneration"], get_text_config=lambda: text)
     arch = hybrid_arch_config(wrapped)
     assert arch.hf_config is text and arch.top_config is wrapped and arch.full_attention_layer_ids == [1]
+    # Qwen3.5's configs name the SSM state dtype as `mamba_ssm_dtype` (in `text_config`).
+    assert arch.config_ssm_dtype is None
+    text.mamba_ssm_dtype = "bfloat16"
+    assert arch.config_ssm_dtype == "bfloat16"
 
 
 def test_unsupported_architecture_is_named():

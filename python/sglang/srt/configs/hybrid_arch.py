@@ -96,7 +96,9 @@ class HybridArchConfig(ABC):
 
     @property
     def config_ssm_dtype(self) -> str | None:
-        return None
+        """The SSM state dtype the config names (`mamba_ssm_dtype`, as upstream reads it: Qwen3.5's
+        configs say float32), or None."""
+        return getattr(self.hf_config, "mamba_ssm_dtype", None)
 
     @property
     def num_attention_heads(self) -> int:

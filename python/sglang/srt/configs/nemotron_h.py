@@ -49,4 +49,4 @@ class NemotronHArchConfig(HybridArchConfig):
 
     @property
     def config_ssm_dtype(self) -> str | None:
-        return getattr(self.hf_config, "mamba_ssm_cache_dtype", None)
+        return getattr(self.hf_config, "mamba_ssm_cache_dtype", None) or super().config_ssm_dtype
