@@ -446,8 +446,9 @@ class ServerArgs:
             "--tool-call-parser",
             default=None,
             choices=sorted(TOOL_CALL_PARSERS),
-            help="Parse a chat answer's tool calls (<tool_call>{json}</tool_call>) into tool_calls (upstream's "
-            "flag: qwen25 for Qwen2.5 / Qwen3 / Qwen3-Next, alias qwen).",
+            help="Parse a chat answer's tool calls (<tool_call>...</tool_call>) into tool_calls (upstream's "
+            "flag): qwen25 (alias qwen) for Qwen2.5 / Qwen3 / Qwen3-Next's JSON calls, qwen3_coder for "
+            "Qwen3-Coder / Qwen3.5's XML calls.",
         )
 
         g = parser.add_argument_group("memory and scheduling")

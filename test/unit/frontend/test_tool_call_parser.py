@@ -1,5 +1,6 @@
-"""`--tool-call-parser qwen25`: a chat answer's `<tool_call>{json}</tool_call>` blocks into OpenAI tool
-calls, whole and streamed (any cutting gives what the whole answer gives); the tools reach the chat
+"""`--tool-call-parser qwen25` and `qwen3_coder`: a chat answer's `<tool_call>{json}</tool_call>` or
+`<tool_call><function=...><parameter=...>` blocks into OpenAI tool calls (XML values typed by the tool's
+schema), whole and streamed (any cutting gives what the whole answer gives); the tools reach the chat
 template, with an earlier turn's calls and the tools' answers."""
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_whole_answers(text, want):
 
 def test_a_name_the_request_has_no_tool_for_stays_text():
     block = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
-    content, calls = ToolCallParser({"get_weather"}).parse(block + CALL)
+    content, calls = ToolCallParser({"get_weather": None}).parse(block + CALL)
     assert content == block and [c["function"]["name"] for c in calls] == ["get_weather"]
 
 
@@ -83,6 +84,100 @@ def test_any_cutting_streams_what_the_whole_answer_gives(parts, cuts):
     content += parser.finish()
     strip = [(c["index"], c["function"]) for c in calls]
     assert (content, strip) == (whole_content, [(c["index"], c["function"]) for c in whole_calls])
+
+
+# ---- qwen3_coder: XML calls ---------------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "metric": {"type": "boolean"},
+        "temp": {"type": "number"},
+        "opts": {"type": "object"},
+        "tags": {"type": ["array", "null"]},
+    },
+}
+XML = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+
+
+def xml_calls_of(text: str, tools=None) -> tuple[str, list[tuple[str, dict]]]:
+    tools = {"get_weather": SCHEMA, "f": None} if tools is None else tools
+    content, calls = ToolCallParser(tools, "qwen3_coder").parse(text)
+    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def _xml(*params: tuple[str, str], name: str = "get_weather") -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize(
+    "params, want",
+    [
+        # The template's layout: one newline each side of a value is layout, not value.
+        ([("city", "Paris"), ("days", "3")], {"city": "Paris", "days": 3}),
+        ([("city", "two\nlines "), ("metric", "True")], {"city": "two\nlines ", "metric": True}),
+        ([("temp", "21.5"), ("days", " 7 ")], {"temp": 21.5, "days": 7}),
+        ([("temp", "3"), ("opts", '{"unit": "C"}'), ("tags", '["a"]')], {"temp": 3, "opts": {"unit": "C"}, "tags": ["a"]}),
+        ([("tags", "null"), ("city", "null")], {"tags": None, "city": None}),
+        # Text that is not the schema's type stays the string (as upstream); so does an unknown key.
+        ([("days", "three"), ("metric", "yes"), ("opts", "{bad"), ("temp", "1e999")],
+         {"days": "three", "metric": "yes", "opts": "{bad", "temp": "1e999"}),
+        # JSON for an object or array type is taken as either container (as upstream).
+        ([("temp", "NaN"), ("opts", "[1]"), ("unknown", "42")], {"temp": "NaN", "opts": [1], "unknown": "42"}),
+        ([], {}),
+    ],
+)
+def test_xml_values_take_the_schemas_types(params, want):
+    assert xml_calls_of(_xml(*params)) == ("", [("get_weather", want)])
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("Sure.\n" + XML + "\n" + XML, ("Sure.\n", [("get_weather", {"city": "Paris"})] * 2)),
+        # Several functions in one block; closing tags left out end where the next tag (or block) starts.
+        ("<tool_call><function=f><parameter=a>1</parameter></function><function=f></function></tool_call>",
+         ("", [("f", {"a": "1"}), ("f", {})])),
+        ("<tool_call>\n<function=f>\n<parameter=a>\nx\n<parameter=b>\ny\n</tool_call>", ("", [("f", {"a": "x", "b": "y"})])),
+        # Not a call: stays text as generated.
+        ("<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>", ("<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>", [])),
+        ("<tool_call>prose <function=f></function></tool_call>", ("<tool_call>prose <function=f></function></tool_call>", [])),
+        ("<tool_call><function=f>stray<parameter=a>1</parameter></function></tool_call>",
+         ("<tool_call><function=f>stray<parameter=a>1</parameter></function></tool_call>", [])),
+        ("<tool_call></tool_call>", ("<tool_call></tool_call>", [])),
+        ("<tool_call><function=f>", ("<tool_call><function=f>", [])),
+        # A JSON block is not this format's call.
+        (CALL, (CALL, [])),
+    ],
+)
+def test_xml_whole_answers(text, want):
+    assert xml_calls_of(text) == want
+
+
+xml_pieces = st.lists(st.sampled_from(
+    [XML, "<tool_call>", "</tool_call>", "<function=f>", "</function>", "<parameter=a>", "</parameter>", "<tool", "1", "\n"]
+))  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(parts=xml_pieces, cuts=st.lists(st.integers(0, 400)))
+def test_xml_any_cutting_streams_what_the_whole_answer_gives(parts, cuts):
+    text = "".join(parts)
+    tools = {"get_weather": SCHEMA, "f": {"properties": {"a": {"type": "integer"}}}}
+    whole_content, whole_calls = ToolCallParser(tools, "qwen3_coder").parse(text)
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    parser, content, calls = ToolCallParser(tools, "qwen3_coder"), "", []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        c, new = parser.feed(text[a:b])
+        content, calls = content + c, calls + new
+    content += parser.finish()
+    strip = [(c["index"], c["function"]) for c in calls]
+    assert (content, strip) == (whole_content, [(c["index"], c["function"]) for c in whole_calls])
+    for call in calls:
+        json.loads(call["function"]["arguments"])  # always valid JSON
 
 
 # ---- the chat route ---------------------------------------------------------------------------------
@@ -150,6 +245,17 @@ def test_a_call_cut_by_the_length_limit_keeps_length_and_reasoning_comes_first()
     choice = serving.make_choice(req, 0, out)
     assert choice.message.reasoning_content == "hm" and len(choice.message.tool_calls) == 1
     assert choice.finish_reason == "length", "only a stop becomes tool_calls"
+
+
+def test_the_chat_route_types_qwen3_coder_calls_by_the_requests_schema():
+    serving = _serving("qwen3_coder")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    req = _request(serving, tools=tools)
+    text = "Checking.\n" + _xml(("city", "Paris"), ("days", "2"))
+    choice = serving.make_choice(req, 0, {"text": text, "meta_info": _meta(True)})
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking.\n"
+    (call,) = choice.message.tool_calls
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}
 
 
 def test_an_unknown_parser_name_is_refused():

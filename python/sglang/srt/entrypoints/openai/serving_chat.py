@@ -116,7 +116,7 @@ class OpenAIServingChat(OpenAIServingBase):
             raise ValueError(
                 f"--tool-call-parser must be one of {sorted(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}."
             )
-        self.parses_tool_calls = tool_call_parser is not None
+        self.tool_call_parser = tool_call_parser
 
     async def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's token ids. With `continue_final_message` and an assistant message last, as
@@ -238,11 +238,11 @@ class OpenAIServingChat(OpenAIServingBase):
         return [choice, ending]
 
     def _parses_tools(self, req: ChatCompletionRequest) -> bool:
-        return self.parses_tool_calls and bool(req.tools) and req.tool_choice != "none"
+        return self.tool_call_parser is not None and bool(req.tools) and req.tool_choice != "none"
 
-    @staticmethod
-    def _tool_call_parser(req: ChatCompletionRequest) -> ToolCallParser:
-        return ToolCallParser({t.function.name for t in req.tools})
+    def _tool_call_parser(self, req: ChatCompletionRequest) -> ToolCallParser:
+        tools = {t.function.name: t.function.parameters for t in req.tools}
+        return ToolCallParser(tools, self.tool_call_parser)
 
     def _split_tool_calls(
         self, req: ChatCompletionRequest, index: int, content: str, last: bool, progress: dict

@@ -1,11 +1,20 @@
 """`--tool-call-parser` (upstream's flag): a chat answer's tool calls into `message.tool_calls`.
 
-`qwen25` (alias `qwen`; Qwen2.5 / Qwen3 / Qwen3-Next's Hermes-style format, upstream's names): each call is
-a JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`, naming one
-of the request's tools. The text outside the blocks is the message's content, as it comes, but for
-the whitespace right after a call (the separators between calls). A block that is not such a call
-(not JSON, an unknown name, or cut off before its closing tag) stays in the content as generated, so
-nothing the model wrote is lost.
+Both formats put each call between `<tool_call>` and `</tool_call>`, naming one of the request's tools:
+- `qwen25` (alias `qwen`; Qwen2.5 / Qwen3 / Qwen3-Next's Hermes-style format, upstream's names): the
+  block is a JSON object `{"name": ..., "arguments": {...}}`.
+- `qwen3_coder` (Qwen3-Coder, Qwen3.5 and Qwen3.6's XML format, upstream's name): the block is
+  `<function=NAME>` then `<parameter=KEY>VALUE</parameter>` per argument then `</function>`; a block may
+  hold several functions. The XML is untyped: a value becomes the type the tool's JSON schema gives its
+  parameter (`integer`, `number`, `boolean`, `object` or `array`, where the text parses as one; "null"
+  is null), and a string otherwise, as upstream converts them. A value's one newline on each side (the
+  chat template's layout) is not part of it. A closing tag the model leaves out ends where the next
+  parameter, the function or the block does.
+
+The text outside the blocks is the message's content, as it comes, but for the whitespace right after a
+call (the separators between calls). A block that is not a call (not JSON or not such XML, an unknown
+name, or cut off before its closing tag) stays in the content as generated, so nothing the model wrote
+is lost.
 
 Streaming: text outside blocks streams as content (an end that may start `<tool_call>` is held back
 until the next piece decides it); a call is sent whole, in one delta, once its block closes. Any
@@ -15,21 +24,31 @@ cutting of the answer into pieces gives what the whole answer gives.
 from __future__ import annotations
 
 import json
+import math
+import re
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from sglang.srt.entrypoints.openai.reasoning_parser import partial_marker_len
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-PARSERS = ("qwen", "qwen25")
+# --tool-call-parser name -> the block format it parses.
+PARSERS = {"qwen": "json", "qwen25": "json", "qwen3_coder": "xml"}
+_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|\Z)", re.S)
+# A parameter's value ends at its closing tag, or where the next parameter starts, or at the end.
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 
 
 class ToolCallParser:
     """One answer's split into content and calls: `feed` each new piece of text, then `finish`."""
 
-    def __init__(self, tool_names: set[str] | None = None) -> None:
-        """`tool_names`: the request's tools (None: any name)."""
-        self.tool_names = tool_names
+    def __init__(self, tools: Mapping[str, Any] | None = None, parser: str = "qwen25") -> None:
+        """`tools`: the request's tools, name -> the JSON schema of its parameters (None: any name,
+        no schema); `parser`: the `--tool-call-parser` name."""
+        self.tools = tools
+        self.xml = PARSERS[parser] == "xml"
         self._buf = ""
         self.num_calls = 0
         self._after_call = False  # whitespace here is a separator: dropped
@@ -53,12 +72,17 @@ class ToolCallParser:
                 break  # inside a block: wait for its end
             block = self._buf[: end + len(CALL_END)]
             self._buf = self._buf[end + len(CALL_END) :]
-            call = self._call(block[len(CALL_START) : -len(CALL_END)])
-            if call is None:
+            body = block[len(CALL_START) : -len(CALL_END)]
+            found = _xml_calls(body) if self.xml else _json_call(body)
+            try:
+                if found is None or not all(self._known(name) for name, _ in found):
+                    raise ValueError("not a call")
+                arguments = [self._arguments(name, args) for name, args in found]
+            except (ValueError, RecursionError):  # RecursionError: nested past the stack
                 content.append(self._text(block))
-            else:
-                calls.append(call)
-                self._after_call = True
+                continue
+            calls += [self._call(name, args) for (name, _), args in zip(found, arguments, strict=True)]
+            self._after_call = True
         return "".join(content), calls
 
     def _text(self, text: str) -> str:
@@ -77,18 +101,21 @@ class ToolCallParser:
         content, calls = self.feed(text)
         return content + self.finish(), calls
 
-    def _call(self, body: str) -> dict[str, Any] | None:
-        """An OpenAI tool call from a block's JSON, or None if it is not a call."""
-        try:
-            obj = json.loads(body, parse_constant=_no_constant)
-            name = obj.get("name") if isinstance(obj, dict) else None
-            known = self.tool_names is None or name in self.tool_names
-            if not isinstance(name, str) or not name or not known:
-                return None
-            args = obj.get("arguments", obj.get("parameters", {}))
-            arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        except (ValueError, RecursionError):  # not JSON (NaN and Infinity are not), or nested past the stack
-            return None
+    def _known(self, name: Any) -> bool:
+        return isinstance(name, str) and bool(name) and (self.tools is None or name in self.tools)
+
+    def _arguments(self, name: str, args: Any) -> str:
+        """The call's arguments as a JSON string (XML values typed by the tool's schema first)."""
+        if isinstance(args, str):
+            return args
+        if self.xml:
+            schema = self.tools.get(name) if self.tools is not None else None
+            props = schema.get("properties") if isinstance(schema, dict) else None
+            props = props if isinstance(props, dict) else {}
+            args = {key: _typed(value, props.get(key)) for key, value in args.items()}
+        return json.dumps(args, ensure_ascii=False)
+
+    def _call(self, name: str, arguments: str) -> dict[str, Any]:
         call = {
             "index": self.num_calls,
             "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -97,6 +124,80 @@ class ToolCallParser:
         }
         self.num_calls += 1
         return call
+
+
+def _json_call(body: str) -> list[tuple[str, Any]] | None:
+    """[(name, arguments)] of a `qwen25` block, or None if it is not a call."""
+    try:
+        obj = json.loads(body, parse_constant=_no_constant)  # NaN and Infinity are not JSON
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    return [(obj.get("name"), obj.get("arguments", obj.get("parameters", {})))]
+
+
+def _xml_calls(body: str) -> list[tuple[str, dict[str, str]]] | None:
+    """[(name, {key: raw value})] of a `qwen3_coder` block's functions, or None if it is not made of
+    functions alone."""
+    calls, end = [], 0
+    for match in _FUNCTION.finditer(body):
+        if body[end : match.start()].strip():
+            return None
+        end = match.end()
+        params, inner_end = {}, 0
+        inner = match[2]
+        for param in _PARAMETER.finditer(inner):
+            if inner[inner_end : param.start()].strip():
+                return None
+            inner_end = param.end()
+            params[param[1].strip()] = _strip_one_newline(param[2])
+        if inner[inner_end:].strip():
+            return None
+        calls.append((match[1].strip(), params))
+    if not calls or body[end:].strip():
+        return None
+    return calls
+
+
+def _strip_one_newline(value: str) -> str:
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """An XML value as the type its parameter's schema names (upstream's conversion), else the string."""
+    if value.strip().lower() == "null":
+        return None
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
+        kind = next((k for k in kind if k != "null"), None)
+    kind = kind.lower() if isinstance(kind, str) else None
+    if kind is None or kind in _STRING_TYPES:
+        return value
+    text = value.strip()
+    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+        try:
+            return int(text)
+        except ValueError:
+            return value
+    if kind.startswith(("num", "float", "double")):
+        try:
+            number = float(text)
+        except ValueError:
+            return value
+        if not math.isfinite(number):
+            return value
+        return int(number) if number.is_integer() and not any(c in text for c in ".eE") else number
+    if kind in ("boolean", "bool", "binary"):
+        return {"true": True, "false": False}.get(text.lower(), value)
+    if kind in ("object", "array", "dict", "list"):
+        try:
+            parsed = json.loads(text, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            return value
+        return parsed if isinstance(parsed, (dict, list)) else value
+    return value
 
 
 def _no_constant(name: str) -> Any:
