@@ -16,7 +16,13 @@ import torch  # noqa: E402
 # Two cores: one torch thread per process keeps parallel server/worker processes from thrashing.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-PRESET_NAMES = ["tiny-qwen3-next", "tiny-nemotron-h", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
+PRESET_NAMES = [
+    "tiny-qwen3-next",
+    "tiny-nemotron-h",
+    "tiny-qwen3.5",
+    "tiny-qwen3.5-moe",
+    "tiny-granite-4.0-h",
+]
 
 
 @pytest.fixture(scope="session")

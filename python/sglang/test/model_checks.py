@@ -96,3 +96,26 @@ def greedy_tokens_and_logprobs(
         tokens.append(res.next_token_ids.tolist())
         logprobs.append(res.next_token_logprobs.clone())
     return tokens, torch.cat(logprobs)
+
+
+def batched_extends_with_prefixes(
+    driver: RunnerDriver, prefixes: Sequence[int], extends: Sequence[int], decode: int, seed: int
+) -> tuple[list[DriverRequest], list[list[float]]]:
+    """Requests whose prompts (random, `prefixes[i] + extends[i]` tokens) are prefilled in two batched
+    extends, the prefixes first (those of length 0 skip it), then `decode` batched greedy steps: the
+    requests and, per request, the logprobs of its prompt's tokens after the first and of each sampled
+    token (to score against the oracle on `req.token_ids + [req.next_token]`)."""
+    pairs = zip(prefixes, extends, strict=True)
+    prompts = [random_ids(p + e, seed=seed + i) for i, (p, e) in enumerate(pairs)]
+    reqs = [driver.new_request() for _ in prompts]
+    lps: list[list[float]] = [[] for _ in reqs]
+    first = [Extend(r, p[:n], next_token=p[n]) for r, p, n in zip(reqs, prompts, prefixes, strict=True) if n]
+    if first:
+        for it, got in zip(first, driver.extend(first).input_token_logprobs, strict=True):
+            lps[reqs.index(it.req)] += got
+    res = driver.extend([Extend(r, p[n:]) for r, p, n in zip(reqs, prompts, prefixes, strict=True)])
+    for i in range(len(reqs)):
+        lps[i] += res.input_token_logprobs[i] + [float(res.next_token_logprobs[i])]
+    for i, steps in enumerate(decode_steps(driver, reqs, decode)):
+        lps[i] += steps
+    return reqs, lps

@@ -33,6 +33,8 @@ WEIGHT_SCALES = {
     "qwen3_5": (0.05, 5.0),
     "qwen3_5_moe": (0.05, 5.0),
     "nemotron_h": (0.1, 3.0),
+    # The head gain is doubled against logits_scaling 2 (the logits are divided by it).
+    "granitemoehybrid": (0.1, 6.0),
 }
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -40,7 +42,7 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid")
 
 
 def tiny_config(arch: str):
@@ -68,7 +70,9 @@ def tiny_config(arch: str):
         linear_num_key_heads=2,
         linear_num_value_heads=4,
     )
-    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    moe = dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    )
     if arch == "qwen3_next":
         from transformers import Qwen3NextConfig
 
@@ -84,6 +88,31 @@ def tiny_config(arch: str):
         from transformers import Qwen3_5MoeTextConfig
 
         return Qwen3_5MoeTextConfig(**common, **gdn, **moe, rope_parameters=rope)
+    if arch == "granitemoehybrid":
+        from transformers import GraniteMoeHybridConfig
+
+        # Granite-4.0-H's scales, none of them 1, and an attention scale other than 1/sqrt(head_dim), so a
+        # runtime that drops one differs from the oracle.
+        scales = dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.125)
+        return GraniteMoeHybridConfig(
+            **common,
+            **scales,
+            logits_scaling=2.0,
+            num_hidden_layers=4,
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            position_embedding_type="rope",
+            intermediate_size=32,
+            shared_intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=32,
+        )
     from transformers import NemotronHConfig
 
     return NemotronHConfig(
@@ -179,7 +208,7 @@ def _condition_weights(model: torch.nn.Module, arch: str, gen: torch.Generator) 
                     getattr(module, proj).weight.mul_(0.1)
             module.A_log.copy_(_log_uniform(module.num_v_heads, 0.005, 0.1, gen))
             module.dt_bias.copy_(1.0 + 0.1 * torch.randn(module.num_v_heads, generator=gen))
-        elif kind == "NemotronHMamba2Mixer":
+        elif kind in ("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer"):
             # log-decay dt * A with dt = softplus(dt_raw + dt_bias) and A = -exp(A_log).
             heads = module.num_heads
             module.in_proj.weight[-heads:].mul_(0.1)

@@ -26,6 +26,8 @@ EXPECTED = {
     # Qwen3.5 and Qwen3.5-MoE have Qwen3-Next's linear layers.
     "tiny-qwen3.5": ([3], [0, 1, 2], (128, 3), (4, 16, 16), 64, 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)),
     "tiny-qwen3.5-moe": ([3], [0, 1, 2], (128, 3), (4, 16, 16), 64, 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)),
+    # Granite-4.0-H: Nemotron-H's Mamba2 sizes (8 heads of 16, 2 groups, state 16), attention at layer 1.
+    "tiny-granite-4.0-h": ([1], [0, 2, 3], (192, 3), (8, 16, 16), 32, 3 * (192 * 3 * 4 + 8 * 16 * 16 * 4)),
 }
 
 
@@ -110,7 +112,9 @@ def test_model_type_fallback_and_text_config():
     for model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         cfg = SimpleNamespace(architectures=None, model_type=model_type, **vars(text))
         assert type(hybrid_arch_config(cfg)).__name__ == "Qwen3_5ArchConfig"
-    wrapped = SimpleNamespace(architectures=["Qwen3_5MoeForConditionalGeneration"], get_text_config=lambda: text)
+    wrapped = SimpleNamespace(
+        architectures=["Qwen3_5MoeForConditionalGeneration"], get_text_config=lambda: text
+    )
     arch = hybrid_arch_config(wrapped)
     assert arch.hf_config is text and arch.top_config is wrapped and arch.full_attention_layer_ids == [1]
     # Qwen3.5's configs name the SSM state dtype as `mamba_ssm_dtype` (in `text_config`).

@@ -38,7 +38,9 @@ def test_qwen3_next_config_states_both_layer_forms(preset_paths):
     assert cfg["linear_conv_kernel_dim"] == 4 and cfg["num_experts"] > 1
 
 
-@pytest.mark.parametrize(("name", "arch"), [("tiny-qwen3.5", "Qwen3_5ForCausalLM"), ("tiny-qwen3.5-moe", "Qwen3_5MoeForCausalLM")])
+@pytest.mark.parametrize(
+    ("name", "arch"), [("tiny-qwen3.5", "Qwen3_5ForCausalLM"), ("tiny-qwen3.5-moe", "Qwen3_5MoeForCausalLM")]
+)
 def test_qwen3_5_configs(name, arch, preset_paths):
     cfg = json.loads((Path(preset_paths[name]) / "config.json").read_text())
     assert cfg["architectures"] == [arch] and cfg["layer_types"][-1] == "full_attention"
@@ -54,7 +56,9 @@ def test_nemotron_h_config_chunk_size(preset_paths):
     assert "moe" in cfg["layers_block_type"] and "full_attention" in cfg["layers_block_type"]
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-nemotron-h", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
+@pytest.mark.parametrize(
+    "name", ["tiny-qwen3-next", "tiny-nemotron-h", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-granite-4.0-h"]
+)
 def test_presets_load_offline_with_auto_classes(name, preset_paths, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -20,8 +20,15 @@ from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.models.qwen3_next import Qwen3NextSparseMoeBlock
 from sglang.srt.server_args import ServerArgs
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.model_checks import decode_steps, make_runner, max_abs, prefill, random_ids
-from sglang.test.runner_driver import Extend, RunnerDriver
+from sglang.test.model_checks import (
+    batched_extends_with_prefixes,
+    decode_steps,
+    make_runner,
+    max_abs,
+    prefill,
+    random_ids,
+)
+from sglang.test.runner_driver import RunnerDriver
 
 register_cpu_ci(est_time=10, suite="per-commit-cpu")
 
@@ -46,18 +53,7 @@ def test_chunked_prefill_and_decode_match_the_oracle(preset, oracles):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_batched_extends_with_prefixes_match_the_oracle(preset, oracles):
     driver = RunnerDriver(make_runner(preset))
-    prefixes, extends = [0, 30, 70], [90, 1, 66]
-    prompts = [random_ids(p + e, seed=80 + i) for i, (p, e) in enumerate(zip(prefixes, extends, strict=True))]
-    reqs = [driver.new_request() for _ in prompts]
-    lps: list[list[float]] = [[] for _ in reqs]
-    first = [Extend(r, p[:n], next_token=p[n]) for r, p, n in zip(reqs, prompts, prefixes, strict=True) if n]
-    for it, got in zip(first, driver.extend(first).input_token_logprobs, strict=True):
-        lps[reqs.index(it.req)] += got
-    res = driver.extend([Extend(r, p[n:]) for r, p, n in zip(reqs, prompts, prefixes, strict=True)])
-    for i in range(len(reqs)):
-        lps[i] += res.input_token_logprobs[i] + [float(res.next_token_logprobs[i])]
-    for i, steps in enumerate(decode_steps(driver, reqs, 5)):
-        lps[i] += steps
+    reqs, lps = batched_extends_with_prefixes(driver, [0, 30, 70], [90, 1, 66], decode=5, seed=80)
     for req, got in zip(reqs, lps, strict=True):
         ref = oracles[preset].token_logprobs(req.token_ids + [req.next_token], start=1).tolist()
         assert max_abs(got, ref) < TOL

@@ -32,6 +32,11 @@ class HybridCausalLM(nn.Module):
         """The parameter a checkpoint tensor loads into (a model maps the names that differ)."""
         return name
 
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The (parameter name, tensor) pairs a checkpoint tensor loads as: itself under `checkpoint_name`,
+        unless a model splits it or folds a constant into it."""
+        return [(self.checkpoint_name(name), tensor)]
+
     def checkpoint_rows(self, name: str) -> tuple[str, int] | None:
         """(parameter, first row) where the checkpoint tensor `name` (after `checkpoint_name`) is a block
         of rows of a parameter that fuses several (a model maps the names it stacks)."""
@@ -42,10 +47,10 @@ class HybridCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            name = self.checkpoint_name(name)
-            rows = self.checkpoint_rows(name)
-            if rows is None:
-                loader.load(name, tensor)
-            else:
-                loader.load_rows(rows[0], rows[1], name, tensor)
+            for target, piece in self.checkpoint_tensors(name, tensor):
+                rows = self.checkpoint_rows(target)
+                if rows is None:
+                    loader.load(target, piece)
+                else:
+                    loader.load_rows(rows[0], rows[1], target, piece)
         loader.finish()

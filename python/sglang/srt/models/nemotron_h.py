@@ -12,7 +12,8 @@ from torch import nn
 
 from sglang.srt.configs.nemotron_h import NemotronHArchConfig
 from sglang.srt.layers.decode_blocks import AttentionBlock, Mamba2Block, MLPBlock, MoEBlock
-from sglang.srt.layers.layernorm import GroupedGatedRMSNorm, RMSNorm
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.mamba2_mixer import Mamba2Mixer
 from sglang.srt.layers.mlp import PlainMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.moe.router import grouped_sigmoid_topk
@@ -22,38 +23,21 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
 
 
-class NemotronHMamba2Mixer(nn.Module):
+class NemotronHMamba2Mixer(Mamba2Mixer):
     def __init__(self, config: Any, layer_id: int):
-        super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
-        self.n_groups, self.ssm_state_size = config.n_groups, config.ssm_state_size
-        self.intermediate_size = self.num_heads * self.head_dim
-        self.time_step_min = float(config.time_step_min)
-        conv_dim = self.intermediate_size + 2 * self.n_groups * self.ssm_state_size
-        self.conv_dim = conv_dim
-        hidden = config.hidden_size
-        self.conv1d = nn.Conv1d(
-            conv_dim, conv_dim, config.conv_kernel, groups=conv_dim, bias=config.use_conv_bias
+        super().__init__(
+            layer_id,
+            config.hidden_size,
+            num_heads=config.mamba_num_heads,
+            head_dim=config.mamba_head_dim,
+            n_groups=config.n_groups,
+            state_size=config.ssm_state_size,
+            conv_kernel=config.conv_kernel,
+            conv_bias=config.use_conv_bias,
+            proj_bias=config.use_bias,
+            eps=config.layer_norm_epsilon,
+            time_step_min=config.time_step_min,
         )
-        self.in_proj = nn.Linear(
-            hidden, self.intermediate_size + conv_dim + self.num_heads, bias=config.use_bias
-        )
-        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
-        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
-        self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = GroupedGatedRMSNorm(
-            self.intermediate_size, self.intermediate_size // self.n_groups, eps=config.layer_norm_epsilon
-        )
-        self.out_proj = nn.Linear(self.intermediate_size, hidden, bias=config.use_bias)
-
-    def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        gate, xBC, dt = self.in_proj(hidden).split(
-            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
-        )
-        y = fb.attn_backend.forward_linear(self, fb, xBC, dt)
-        y = self.norm(y.reshape(hidden.shape[0], -1).to(hidden.dtype), gate)
-        return self.out_proj(y)
 
 
 class NemotronHAttention(nn.Module):

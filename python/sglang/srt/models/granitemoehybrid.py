@@ -1,0 +1,229 @@
+"""Granite-4.0-H (`GraniteMoeHybridForCausalLM`): each layer is `x + m * mixer(norm(x))` with a Mamba2
+mixer or full attention (rotary or no positions, the config's attention scale), then
+`x + m * (MoE(norm(x)) + shared_mlp(norm(x)))` (the shared MLP alone where there are no experts); the
+embedding is scaled by `embedding_multiplier` and the logits divided by `logits_scaling`.
+
+The scales are folded into the weights as they load, so the layers are the plain residual blocks every
+fused path knows: the residual multiplier `m` into each branch's last projection (`o_proj`, the Mamba
+`out_proj`, the experts' and the shared MLP's output projections), and `1 / logits_scaling` into the
+final norm's weight (the LM head is linear, and may be tied to the embedding, which stays as it is).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sglang.srt.configs.granitemoehybrid import GraniteMoeHybridArchConfig
+from sglang.srt.layers.decode_blocks import AttentionBlock, Mamba2Block, MLPBlock, MoEBlock
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.mamba2_mixer import Mamba2Mixer
+from sglang.srt.layers.mlp import GatedMLP
+from sglang.srt.layers.moe.experts import RoutedExperts
+from sglang.srt.layers.moe.router import softmax_topk
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.models.causal_lm import HybridCausalLM
+
+# Checkpoint name pieces -> ours (the MoE's router and experts; the shared MLP lives in our MoE module).
+_RENAMES = (
+    (".block_sparse_moe.router.layer.", ".mlp.gate."),
+    (".block_sparse_moe.input_linear.weight", ".mlp.experts.w13"),
+    (".block_sparse_moe.output_linear.weight", ".mlp.experts.w2"),
+)
+# Tensors that end a residual branch: scaled by the residual multiplier as they load.
+_BRANCH_ENDS = (".o_proj.weight", ".o_proj.bias", ".mamba.out_proj.weight", ".mamba.out_proj.bias")
+_BRANCH_ENDS += (".mlp.experts.w2", ".down_proj.weight")
+
+
+class GraniteMoeHybridAttention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, head_dim: int):
+        super().__init__()
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim,
+        )
+        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=bias)
+        rope = getattr(config, "position_embedding_type", None) == "rope"
+        self.rotary_emb = get_rope(head_dim, getattr(config, "rope_parameters", None)) if rope else None
+        scale = float(config.attention_multiplier)
+        self.attn = RadixAttention(self.num_heads, head_dim, scale, self.num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k = self.q_proj(hidden), self.k_proj(hidden)
+        if self.rotary_emb is not None:
+            t = hidden.shape[0]
+            q, k = self.rotary_emb(
+                positions, q.view(t, self.num_heads, -1), k.view(t, self.num_kv_heads, -1), fb.rope_cache
+            )
+            q, k = q.reshape(t, -1), k.reshape(t, -1)
+        return self.o_proj(self.attn(q, k, self.v_proj(hidden), fb))
+
+
+class GraniteMoeHybridMoE(nn.Module):
+    """Softmax over the top k router logits (= softmax over all, renormalised over the top k), the
+    routed experts, plus the shared MLP (run inside the experts' C++ op where that applies)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        hidden, act = config.hidden_size, config.hidden_act
+        self.top_k = config.num_experts_per_tok
+        self.gate = nn.Linear(hidden, config.num_local_experts, bias=False)
+        self.experts = RoutedExperts(config.num_local_experts, hidden, config.intermediate_size, act, True)
+        self.shared_mlp = GatedMLP(hidden, config.shared_intermediate_size, act)
+        self.routing_ops = None  # the C++ top-k where the C++ op serves the experts (set at load)
+
+    def process_weights_after_loading(self) -> None:
+        self.experts.process_weights_after_loading()
+        self.routing_ops = self.experts.cpu_ops
+        self.experts.fuse_shared_expert(self.shared_mlp)
+
+    def fused_block(self, norm: RMSNorm) -> MoEBlock | None:
+        routing = (None, self.top_k, True, 1, 1, 1.0)
+        return MoEBlock.build(
+            norm, self.experts, self.gate.weight, self.routing_ops, (self.shared_mlp, None), routing
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_topk(self.gate(x), self.top_k, True, self.routing_ops, self.experts.triton)
+        return self.experts(x, weights, ids, self.shared_mlp, None)
+
+
+class GraniteMoeHybridDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, arch: GraniteMoeHybridArchConfig):
+        super().__init__()
+        self.is_linear = arch.layer_types[layer_id] == "linear_attention"
+        if self.is_linear:
+            self.mamba = Mamba2Mixer(
+                layer_id,
+                config.hidden_size,
+                num_heads=config.mamba_n_heads,
+                head_dim=arch.mamba_head_dim,
+                n_groups=config.mamba_n_groups,
+                state_size=config.mamba_d_state,
+                conv_kernel=config.mamba_d_conv,
+                conv_bias=config.mamba_conv_bias,
+                proj_bias=config.mamba_proj_bias,
+                eps=config.rms_norm_eps,
+                time_step_min=(getattr(config, "time_step_limit", None) or (0.0,))[0],
+            )
+        else:
+            self.self_attn = GraniteMoeHybridAttention(config, layer_id, arch.head_dim)
+        if (getattr(config, "num_local_experts", 0) or 0) > 0:
+            self.mlp: nn.Module = GraniteMoeHybridMoE(config)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.shared_intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Each half of the layer as one C++ call where its parts all run C++ ops (CPU; set at load).
+        self.mixer_block: Mamba2Block | AttentionBlock | None = None
+        self.mlp_block: MoEBlock | MLPBlock | None = None
+
+    def process_weights_after_loading(self) -> None:
+        norm = self.input_layernorm
+        if self.is_linear:
+            self.mixer_block = Mamba2Block.build(norm, self.mamba)
+        else:
+            self.mixer_block = AttentionBlock.build(norm, self.self_attn, rope=self.self_attn.rotary_emb)
+        if isinstance(self.mlp, GraniteMoeHybridMoE):
+            self.mlp_block = self.mlp.fused_block(self.post_attention_layernorm)
+        else:
+            self.mlp_block = MLPBlock.build(self.post_attention_layernorm, self.mlp)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        fb: ForwardBatch,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As Qwen3-Next's layer: returns (out, residual), whose sum is the layer's output; the fused CPU
+        blocks take and give whole hidden states."""
+        if self.mixer_block is not None or self.mlp_block is not None:
+            hidden = hidden if residual is None else hidden + residual
+            fused = self.mixer_block(hidden, fb) if self.mixer_block is not None else None
+            hidden = (
+                fused
+                if fused is not None
+                else hidden + self._mixer(positions, self.input_layernorm(hidden), fb)
+            )
+            fused = self.mlp_block(hidden) if self.mlp_block is not None else None
+            return (
+                fused if fused is not None else hidden + self.mlp(self.post_attention_layernorm(hidden))
+            ), None
+        x, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(self._mixer(positions, x, fb), residual)
+        return self.mlp(x), residual
+
+    def _mixer(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return self.mamba(x, fb) if self.is_linear else self.self_attn(positions, x, fb)
+
+
+class GraniteMoeHybridModel(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        arch = GraniteMoeHybridArchConfig(config)
+        self.embedding_multiplier = float(config.embedding_multiplier)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            GraniteMoeHybridDecoderLayer(config, i, arch) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids) * self.embedding_multiplier, None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, fb, residual)
+        return self.norm.add_and_norm(hidden, residual)[0]
+
+
+class GraniteMoeHybridForCausalLM(HybridCausalLM):
+    backbone_attr = "model"
+    fp32_param_suffixes = ("A_log", "dt_bias", ".D")
+
+    def __init__(self, config: Any):
+        model = GraniteMoeHybridModel(config)
+        super().__init__(config, model, model.embed_tokens)
+        self.residual_multiplier = float(config.residual_multiplier)
+        self.logits_scaling = float(config.logits_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [T, hidden], already divided by `logits_scaling` (folded into the norm)."""
+        return self.model(input_ids, positions, fb)
+
+    def checkpoint_name(self, name: str) -> str:
+        for old, new in _RENAMES:
+            name = name.replace(old, new)
+        if ".shared_mlp.output_linear." in name:
+            name = name.replace(".shared_mlp.output_linear.", self._shared_mlp_prefix(name) + "down_proj.")
+        return name
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The shared MLP's [gate | up] rows as its two projections; the multipliers folded in."""
+        if ".shared_mlp.input_linear." in name:
+            prefix = name[: name.index(".shared_mlp.")] + self._shared_mlp_prefix(name)
+            suffix = name.rsplit(".", 1)[1]
+            gate, up = tensor.chunk(2, dim=0)
+            return [(f"{prefix}gate_proj.{suffix}", gate), (f"{prefix}up_proj.{suffix}", up)]
+        name = self.checkpoint_name(name)
+        if name.endswith(_BRANCH_ENDS):
+            tensor = tensor * self.residual_multiplier
+        elif name == "model.norm.weight":
+            tensor = tensor / self.logits_scaling
+        return [(name, tensor)]
+
+    def _shared_mlp_prefix(self, name: str) -> str:
+        """Where a layer's shared MLP lives here: inside the MoE module, or the layer's whole MLP."""
+        layer = int(name.split(".")[2])
+        return (
+            ".mlp.shared_mlp." if isinstance(self.model.layers[layer].mlp, GraniteMoeHybridMoE) else ".mlp."
+        )
