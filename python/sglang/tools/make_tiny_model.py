@@ -216,12 +216,15 @@ def _condition_weights(model: torch.nn.Module, arch: str, gen: torch.Generator) 
             module.A_log.copy_(_log_uniform(heads, 0.5, 4.0, gen))
 
 
-def make_tiny_model(arch: str, out: str | Path, seed: int = 0) -> Path:
+def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None) -> Path:
+    """`overrides`: config fields set on the preset's config (a test's variant: another MoE, say)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _condition_weights(model, arch, torch.Generator().manual_seed(seed + 1))

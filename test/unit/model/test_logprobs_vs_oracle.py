@@ -85,3 +85,21 @@ def test_batched_extend_with_different_prefixes_then_batched_decode(preset, orac
         tokens = req.token_ids + [req.next_token]
         assert len(tokens) == prefixes[i] + extends[i] + 9
         assert max_abs(lps[i], _score(oracles[preset], tokens)) < TOL, f"request {i}"
+
+
+def test_nemotron_h_latent_moe(tmp_path):
+    """Nemotron 3 Super's LatentMoE (`moe_latent_size`): the routed experts run between a down and an
+    up projection of the routed tokens; the shared expert and the router read the hidden state."""
+    from sglang.srt.models.nemotron_h import NemotronHMoE
+    from sglang.test.reference import ReferenceModel
+    from sglang.tools.make_tiny_model import make_tiny_model
+
+    folder = str(make_tiny_model("nemotron_h", tmp_path / "latent", overrides={"moe_latent_size": 24}))
+    runner = make_runner(folder, page_size=16)
+    moe = next(b.mixer for b in runner.model.backbone.layers if isinstance(b.mixer, NemotronHMoE))
+    assert moe.experts.w13.shape[-1] == 24 and moe.fc1_latent_proj.weight.shape == (24, 64)
+    driver = RunnerDriver(runner)
+    req = driver.new_request()
+    lps = prefill(driver, req, random_ids(120, seed=5), cuts=[50])
+    lps += decode_steps(driver, [req], 8)[0]
+    assert max_abs(lps, _score(ReferenceModel(folder), req.token_ids + [req.next_token])) < TOL

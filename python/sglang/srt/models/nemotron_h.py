@@ -90,24 +90,33 @@ class NemotronHTopkRouter(nn.Module):
 
 
 class NemotronHMoE(nn.Module):
+    """Routed experts plus a shared expert. With `moe_latent_size` (Nemotron 3 Super's LatentMoE) the
+    routed experts run in a smaller latent space: `fc2_latent_proj(experts(fc1_latent_proj(x)))`, routed
+    on x itself; the shared expert stays on x."""
+
     def __init__(self, config: Any):
         super().__init__()
-        if getattr(config, "moe_latent_size", None) is not None:
-            raise ValueError("Nemotron-H checkpoints with moe_latent_size are not supported yet.")
         hidden, act, bias = config.hidden_size, config.mlp_hidden_act, config.mlp_bias
+        latent = getattr(config, "moe_latent_size", None)
         self.gate = NemotronHTopkRouter(config)
         self.experts = RoutedExperts(
-            config.n_routed_experts, hidden, config.moe_intermediate_size, act, False
+            config.n_routed_experts, latent or hidden, config.moe_intermediate_size, act, False
         )
         self.shared_experts = PlainMLP(hidden, config.moe_shared_expert_intermediate_size, act, bias)
+        self.fc1_latent_proj = nn.Linear(hidden, latent, bias=bias) if latent else None
+        self.fc2_latent_proj = nn.Linear(latent, hidden, bias=bias) if latent else None
 
     def process_weights_after_loading(self) -> None:
         self.experts.process_weights_after_loading()
         self.gate.cpu_ops = self.experts.cpu_ops if self.gate.groups_hold_top_k() else None
-        self.experts.fuse_shared_expert(self.shared_experts)
+        if self.fc1_latent_proj is None:  # the op's shared expert reads the experts' input
+            self.experts.fuse_shared_expert(self.shared_experts)
 
     def fused_block(self, norm: RMSNorm) -> MoEBlock | None:
-        """`hidden + self(norm(hidden))` as one C++ call, where that applies (`decode_blocks.py`)."""
+        """`hidden + self(norm(hidden))` as one C++ call, where that applies (`decode_blocks.py`; not with
+        the latent projections)."""
+        if self.fc1_latent_proj is not None:
+            return None
         g = self.gate
         routing = (g.e_score_correction_bias, g.top_k, g.norm_topk_prob, g.n_group, g.topk_group)
         routing += (float(g.routed_scaling_factor),)
@@ -115,7 +124,10 @@ class NemotronHMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return self.experts(x, weights, ids, self.shared_experts)
+        if self.fc1_latent_proj is None:
+            return self.experts(x, weights, ids, self.shared_experts)
+        routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
+        return routed + self.shared_experts(x)
 
 
 class NemotronHBlock(nn.Module):
