@@ -13,16 +13,13 @@ os.environ.setdefault("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from sglang.srt.configs.presets import PRESETS  # noqa: E402
+
 # Two cores: one torch thread per process keeps parallel server/worker processes from thrashing.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-PRESET_NAMES = [
-    "tiny-qwen3-next",
-    "tiny-nemotron-h",
-    "tiny-qwen3.5",
-    "tiny-qwen3.5-moe",
-    "tiny-granite-4.0-h",
-]
+# Every random preset (`configs/presets.py`), generated once per session.
+PRESET_NAMES = list(PRESETS)
 
 
 @pytest.fixture(scope="session")

@@ -166,7 +166,7 @@ class ReferenceModel:
     def states_from_cache(self, cache) -> dict[int, LinearState]:
         states = {}
         for layer_id in self.arch.linear_layer_ids:
-            layer = cache.layers[layer_id]
+            layer = cache.layers[self.arch.model_layer_of(layer_id)]
             conv = layer.conv_states[0][0]
             # transformers keeps the last K inputs; the pool keeps the last K-1.
             conv = conv[:, -(self.arch.state_shape.conv_kernel - 1) :]
@@ -184,7 +184,7 @@ class ReferenceModel:
         cache = self.new_cache()
         kernel = self.arch.state_shape.conv_kernel
         for layer_id, st in states.items():
-            layer = cache.layers[layer_id]
+            layer = cache.layers[self.arch.model_layer_of(layer_id)]
             conv = torch.zeros(1, st.conv.shape[0], kernel)
             conv[0, :, 1:] = st.conv
             ssm = self._ssm_from_pool(st.ssm)[None]

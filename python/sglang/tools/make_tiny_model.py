@@ -35,6 +35,8 @@ WEIGHT_SCALES = {
     "nemotron_h": (0.1, 3.0),
     # The head gain is doubled against logits_scaling 2 (the logits are divided by it).
     "granitemoehybrid": (0.1, 6.0),
+    # Halved against lm_head_multiplier 2.
+    "falcon_h1": (0.1, 1.5),
 }
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -42,7 +44,7 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid")
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "falcon_h1")
 
 
 def tiny_config(arch: str):
@@ -112,6 +114,29 @@ def tiny_config(arch: str):
             mamba_d_conv=4,
             mamba_expand=2,
             mamba_chunk_size=32,
+        )
+    if arch == "falcon_h1":
+        from transformers import FalconH1Config
+
+        # Falcon-H1's muP multipliers, none of them 1 (a runtime that drops one differs from the oracle);
+        # its Mamba2 output norm gated after (the published configs' mamba_norm_before_gate).
+        mup = dict(embedding_multiplier=2.0, lm_head_multiplier=2.0, key_multiplier=0.5)
+        mup.update(attention_in_multiplier=1.5, attention_out_multiplier=0.7, mlp_multipliers=[0.8, 1.3])
+        mup.update(ssm_in_multiplier=1.2, ssm_out_multiplier=0.9, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05])
+        return FalconH1Config(
+            **common,
+            **mup,
+            num_hidden_layers=3,
+            intermediate_size=96,
+            mamba_d_ssm=128,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=32,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=True,
         )
     from transformers import NemotronHConfig
 
@@ -208,7 +233,7 @@ def _condition_weights(model: torch.nn.Module, arch: str, gen: torch.Generator) 
                     getattr(module, proj).weight.mul_(0.1)
             module.A_log.copy_(_log_uniform(module.num_v_heads, 0.005, 0.1, gen))
             module.dt_bias.copy_(1.0 + 0.1 * torch.randn(module.num_v_heads, generator=gen))
-        elif kind in ("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer"):
+        elif kind in ("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer"):
             # log-decay dt * A with dt = softplus(dt_raw + dt_bias) and A = -exp(A_log).
             heads = module.num_heads
             module.in_proj.weight[-heads:].mul_(0.1)

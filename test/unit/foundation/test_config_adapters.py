@@ -28,6 +28,8 @@ EXPECTED = {
     "tiny-qwen3.5-moe": ([3], [0, 1, 2], (128, 3), (4, 16, 16), 64, 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)),
     # Granite-4.0-H: Nemotron-H's Mamba2 sizes (8 heads of 16, 2 groups, state 16), attention at layer 1.
     "tiny-granite-4.0-h": ([1], [0, 2, 3], (192, 3), (8, 16, 16), 32, 3 * (192 * 3 * 4 + 8 * 16 * 16 * 4)),
+    # Falcon-H1: every layer both; the Mamba2 mixers take ids 3..5 (d_ssm 128 = 8 heads of 16).
+    "tiny-falcon-h1": ([0, 1, 2], [3, 4, 5], (192, 3), (8, 16, 16), 32, 3 * (192 * 3 * 4 + 8 * 16 * 16 * 4)),
 }
 
 
@@ -50,8 +52,8 @@ def test_adapter_shapes_match_the_oracle_cache(name, oracles):
     ref = oracles[name]
     cache = ref.cache_after(list(range(3, 40)), 37)
     for layer_id in ref.arch.linear_layer_ids:
-        conv = cache.layers[layer_id].conv_states[0]
-        ssm = cache.layers[layer_id].recurrent_states[0]
+        conv = cache.layers[ref.arch.model_layer_of(layer_id)].conv_states[0]
+        ssm = cache.layers[ref.arch.model_layer_of(layer_id)].recurrent_states[0]
         assert (conv.shape[1], conv.shape[2] - 1) == ref.arch.state_shape.conv
         assert ssm[0].numel() == torch.Size(ref.arch.state_shape.temporal).numel()
     for st in ref.states_from_cache(cache).values():

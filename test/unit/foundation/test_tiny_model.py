@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from sglang.srt.configs.presets import PRESETS
 from sglang.test.ci_register import register_cpu_ci
 from sglang.tools.make_tiny_model import ARCHS, CHATML_TEMPLATE, make_tiny_model
 
@@ -56,9 +57,7 @@ def test_nemotron_h_config_chunk_size(preset_paths):
     assert "moe" in cfg["layers_block_type"] and "full_attention" in cfg["layers_block_type"]
 
 
-@pytest.mark.parametrize(
-    "name", ["tiny-qwen3-next", "tiny-nemotron-h", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-granite-4.0-h"]
-)
+@pytest.mark.parametrize("name", list(PRESETS))
 def test_presets_load_offline_with_auto_classes(name, preset_paths, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -85,6 +85,11 @@ class HybridArchConfig(ABC):
     def linear_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
+    def model_layer_of(self, linear_layer_id: int) -> int:
+        """The model layer a linear layer id belongs to (itself, except where a layer holds both kinds
+        and its mixer takes another id: Falcon-H1)."""
+        return linear_layer_id
+
     @property
     @abstractmethod
     def kernel_state_chunk(self) -> int:

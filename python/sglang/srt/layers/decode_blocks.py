@@ -110,6 +110,8 @@ class Mamba2Block:
             return None
         if getattr(norm, "offset_one", False):
             return None  # Nemotron-H's norms are `weight * norm(x)`; the op passes no offset
+        if not getattr(mixer.norm, "gate_first", False):
+            return None  # the op's output norm gates first (Falcon-H1's may gate after, or not norm)
         return cls(norm, mixer)
 
     def __init__(self, norm: nn.Module, mixer: nn.Module):

@@ -106,25 +106,33 @@ class GatedRMSNorm(_DeviceNorm):
 
 class GroupedGatedRMSNorm(_DeviceNorm):
     """Nemotron-H's Mamba2 output norm: `x * silu(gate)` first, then RMSNorm within groups of
-    `group_size` channels, then the weight (gate before norm)."""
+    `group_size` channels, then the weight (gate before norm). With `gate_first=False` (Falcon-H1's
+    `mamba_norm_before_gate`): the grouped norm, the weight, then `* silu(gate)`."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6, gate_first: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.group_size = group_size
         self.eps = eps
+        self.gate_first = gate_first
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.triton:
             tri, out_dtype = _tri(), torch.promote_types(self.weight.dtype, x.dtype)
+            mode = tri.GATE_FIRST if self.gate_first else tri.GATE_AFTER
             return tri.rmsnorm_triton(
-                x, self.weight, self.eps, tri.GATE_FIRST, gate=gate, group_size=self.group_size, out_dtype=out_dtype
+                x, self.weight, self.eps, mode, gate=gate, group_size=self.group_size, out_dtype=out_dtype
             )
         if self._use_cpu_op(x) and gate.dtype == torch.float32:
             return self.cpu_ops.gated_rmsnorm(
-                x.contiguous(), gate.contiguous(), self.weight, self.eps, self.group_size, True
+                x.contiguous(), gate.contiguous(), self.weight, self.eps, self.group_size, self.gate_first
             )
         dtype = x.dtype
+        if not self.gate_first:
+            shape = x.shape
+            normed = _rms(x.float().view(*shape[:-1], -1, self.group_size), self.eps).view(shape)
+            y = self.weight * normed.to(dtype)
+            return (y * F.silu(gate.float())).to(dtype)
         y = x.float() * F.silu(gate.float())
         shape = y.shape
         y = _rms(y.view(*shape[:-1], -1, self.group_size), self.eps).view(shape)

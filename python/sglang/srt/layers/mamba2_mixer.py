@@ -1,11 +1,13 @@
-"""The Mamba2 mixer of the hybrid models (Nemotron-H's, Granite-4.0-H's; transformers' `BambaMixer`):
-`in_proj` to [gate | x B C | dt], a causal conv over x B C, the SSD scan (the backend's), a grouped
-gated RMSNorm and `out_proj`. Parameter names follow the checkpoints (`in_proj`, `conv1d`, `dt_bias`,
-`A_log`, `D`, `norm`, `out_proj`); a model builds it from its config's own field names."""
+"""The Mamba2 mixer of the hybrid models (Nemotron-H's, Granite-4.0-H's, Falcon-H1's; transformers'
+`BambaMixer`): `in_proj` to [gate | x B C | dt], a causal conv over x B C, the SSD scan (the backend's),
+a grouped gated RMSNorm (or, without one, `* silu(gate)`) and `out_proj`. Parameter names follow the
+checkpoints (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`); a model builds it from its
+config's own field names."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.layers.layernorm import GroupedGatedRMSNorm
@@ -27,7 +29,11 @@ class Mamba2Mixer(nn.Module):
         proj_bias: bool,
         eps: float,
         time_step_min: float,
+        norm: nn.Module | None = None,
+        out_proj_bias: bool | None = None,
     ):
+        """`norm`: the output norm taking (y, gate); default Nemotron-H's (gate first, groups of
+        `num_heads * head_dim / n_groups`). `out_proj_bias`: default `proj_bias` (Falcon-H1 names its own)."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -45,8 +51,11 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
-        self.norm = GroupedGatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps=eps)
-        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=proj_bias)
+        if norm is None:
+            norm = GroupedGatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps=eps)
+        self.norm = norm
+        out_bias = proj_bias if out_proj_bias is None else out_proj_bias
+        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=out_bias)
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         gate, xBC, dt = self.in_proj(hidden).split(
@@ -55,3 +64,10 @@ class Mamba2Mixer(nn.Module):
         y = fb.attn_backend.forward_linear(self, fb, xBC, dt)
         y = self.norm(y.reshape(hidden.shape[0], -1).to(hidden.dtype), gate)
         return self.out_proj(y)
+
+
+class SiluGate(nn.Module):
+    """The output gate of a Mamba2 mixer without a norm (Falcon-H1 without `mamba_rms_norm`)."""
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (y.float() * F.silu(gate.float())).to(y.dtype)

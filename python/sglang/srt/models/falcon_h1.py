@@ -1,0 +1,181 @@
+"""Falcon-H1 (`FalconH1ForCausalLM`): each layer is `x + mamba(n) + attention(n)` with `n = norm(x)` (the
+two mixers side by side), then `x + mlp(norm(x))`; a Llama-style attention (rotary, GQA) and gated MLP.
+
+Falcon-H1's muP multipliers are folded into the weights as they load, so the layers compute plain
+projections: `ssm_in_multiplier` and the per-section `ssm_multipliers` (over [gate | x | B | C | dt])
+into the Mamba `in_proj` rows, `ssm_out_multiplier` into its `out_proj`; `attention_in_multiplier` into
+q/k/v, `key_multiplier` into k, `attention_out_multiplier` into `o_proj`; `mlp_multipliers` into
+`gate_proj` and `down_proj`; `lm_head_multiplier` into the final norm's weight (the LM head may be tied
+to the embedding). The embedding multiplier scales the lookup.
+
+The attention of layer i has pool id i, its Mamba2 mixer id `num_hidden_layers + i` (`configs/falcon_h1.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from sglang.srt.configs.falcon_h1 import FalconH1ArchConfig
+from sglang.srt.layers.decode_blocks import MLPBlock
+from sglang.srt.layers.layernorm import GroupedGatedRMSNorm, RMSNorm
+from sglang.srt.layers.mamba2_mixer import Mamba2Mixer, SiluGate
+from sglang.srt.layers.mlp import GatedMLP
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.models.causal_lm import HybridCausalLM
+
+_LAYER_PARAM = re.compile(r"^model\.layers\.\d+\.(?P<param>[\w.]+)$")
+
+
+class FalconH1Attention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, head_dim: int):
+        super().__init__()
+        hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=bias)
+        self.rotary_emb = get_rope(head_dim, getattr(config, "rope_parameters", None))
+        self.attn = RadixAttention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        t = hidden.shape[0]
+        q = self.q_proj(hidden).view(t, self.num_heads, -1)
+        k = self.k_proj(hidden).view(t, self.num_kv_heads, -1)
+        q, k = self.rotary_emb(positions, q, k, fb.rope_cache)
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(hidden), fb))
+
+
+class FalconH1DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, arch: FalconH1ArchConfig):
+        super().__init__()
+        intermediate = config.mamba_n_heads * arch.mamba_head_dim
+        eps = config.rms_norm_eps
+        if not config.mamba_rms_norm:
+            norm: nn.Module = SiluGate()
+        else:
+            group = intermediate // config.mamba_n_groups
+            norm = GroupedGatedRMSNorm(intermediate, group, eps, gate_first=not config.mamba_norm_before_gate)
+        self.mamba = Mamba2Mixer(
+            arch.linear_layer_ids[layer_id],
+            config.hidden_size,
+            num_heads=config.mamba_n_heads,
+            head_dim=arch.mamba_head_dim,
+            n_groups=config.mamba_n_groups,
+            state_size=config.mamba_d_state,
+            conv_kernel=config.mamba_d_conv,
+            conv_bias=config.mamba_conv_bias,
+            proj_bias=config.mamba_proj_bias,
+            eps=eps,
+            time_step_min=(getattr(config, "time_step_limit", None) or (0.0,))[0],
+            norm=norm,
+            out_proj_bias=config.projectors_bias,
+        )
+        self.self_attn = FalconH1Attention(config, layer_id, arch.head_dim)
+        self.feed_forward = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            getattr(config, "mlp_bias", False),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.mlp_block: MLPBlock | None = None  # the MLP half as one C++ call (CPU; set at load)
+
+    def process_weights_after_loading(self) -> None:
+        self.mlp_block = MLPBlock.build(self.pre_ff_layernorm, self.feed_forward)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = self.input_layernorm(hidden)
+        hidden = hidden + self.mamba(x, fb) + self.self_attn(positions, x, fb)
+        fused = self.mlp_block(hidden) if self.mlp_block is not None else None
+        return fused if fused is not None else hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+
+
+class FalconH1Model(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        arch = FalconH1ArchConfig(config)
+        self.embedding_multiplier = float(config.embedding_multiplier)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            FalconH1DecoderLayer(config, i, arch) for i in range(config.num_hidden_layers)
+        )
+        self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) * self.embedding_multiplier
+        for layer in self.layers:
+            hidden = layer(positions, hidden, fb)
+        return self.final_layernorm(hidden)
+
+
+class FalconH1ForCausalLM(HybridCausalLM):
+    backbone_attr = "model"
+    fp32_param_suffixes = ("A_log", "dt_bias", ".D")
+
+    def __init__(self, config: Any):
+        model = FalconH1Model(config)
+        super().__init__(config, model, model.embed_tokens)
+        self.scales = _folded_scales(config, FalconH1ArchConfig(config))
+        self.lm_head_multiplier = float(config.lm_head_multiplier)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [T, hidden], already times `lm_head_multiplier` (folded into the norm)."""
+        return self.model(input_ids, positions, fb)
+
+    def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensor with the multipliers of its parameter folded in (`in_proj` rows by section)."""
+        if name.endswith("mamba.mup_vector"):
+            return []  # the multipliers it holds come from the config (folded below)
+        name = self.checkpoint_name(name)
+        if name == "model.final_layernorm.weight":
+            return [(name, tensor * self.lm_head_multiplier)]
+        match = _LAYER_PARAM.match(name)
+        scale = self.scales.get(match["param"]) if match else None
+        if scale is None:
+            return [(name, tensor)]
+        if isinstance(scale, torch.Tensor):  # per output row
+            scale = scale.to(tensor.device, tensor.dtype).view(-1, *([1] * (tensor.ndim - 1)))
+        return [(name, tensor * scale)]
+
+
+def _folded_scales(config: Any, arch: FalconH1ArchConfig) -> dict[str, float | torch.Tensor]:
+    """Per parameter of a layer (its path inside the layer): the factor it loads with. A multiplier on
+    a projection's input scales its weight only; one on its output, its weight and bias."""
+    c = config
+    intermediate, gs = c.mamba_n_heads * arch.mamba_head_dim, c.mamba_n_groups * c.mamba_d_state
+    sections = [intermediate, intermediate, gs, gs, c.mamba_n_heads]  # [gate | x | B | C | dt]
+    mup = [float(s) for s in (c.ssm_multipliers or [1.0] * 5)]
+    # Built on the host (the model is built under the meta device) and moved to each tensor as it loads.
+    rows = torch.cat([torch.full((n,), s, device="cpu") for n, s in zip(sections, mup, strict=True)])
+    gate, down = (float(s) for s in (c.mlp_multipliers or (1.0, 1.0)))
+    attn_in, key, attn_out = (
+        float(c.attention_in_multiplier),
+        float(c.key_multiplier),
+        float(c.attention_out_multiplier),
+    )
+    ssm_out = float(c.ssm_out_multiplier)
+    return {
+        "mamba.in_proj.weight": rows * float(c.ssm_in_multiplier),
+        "mamba.in_proj.bias": rows,
+        "mamba.out_proj.weight": ssm_out,
+        "mamba.out_proj.bias": ssm_out,
+        "self_attn.q_proj.weight": attn_in,
+        "self_attn.k_proj.weight": attn_in * key,
+        "self_attn.k_proj.bias": key,
+        "self_attn.v_proj.weight": attn_in,
+        "self_attn.o_proj.weight": attn_out,
+        "self_attn.o_proj.bias": attn_out,
+        "feed_forward.gate_proj.weight": gate,
+        "feed_forward.gate_proj.bias": gate,
+        "feed_forward.down_proj.weight": down,
+        "feed_forward.down_proj.bias": down,
+    }
