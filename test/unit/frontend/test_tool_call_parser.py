@@ -36,7 +36,10 @@ def calls_of(text: str) -> tuple[str, list[tuple[str, dict]]]:
     [
         (CALL, ("", [("get_weather", {"city": "Paris"})])),
         # The whitespace after a call separates calls: dropped; the text before them stays as it is.
-        ("Let me look.\n" + CALL + "\n" + CALL + "\n", ("Let me look.\n", [("get_weather", {"city": "Paris"})] * 2)),
+        (
+            "Let me look.\n" + CALL + "\n" + CALL + "\n",
+            ("Let me look.\n", [("get_weather", {"city": "Paris"})] * 2),
+        ),
         (CALL + "\n Done.", ("Done.", [("get_weather", {"city": "Paris"})])),
         ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', ("", [("f", {"x": 1})])),
         ('<tool_call>{"name": "f"}</tool_call>', ("", [("f", {})])),
@@ -46,9 +49,16 @@ def calls_of(text: str) -> tuple[str, list[tuple[str, dict]]]:
         ('<tool_call>{"arguments": {}}</tool_call>', ('<tool_call>{"arguments": {}}</tool_call>', [])),
         ('a <tool_call>{"name": "f"', ('a <tool_call>{"name": "f"', [])),
         # NaN is not JSON; nesting past Python's stack is not a call either (no crash).
-        ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
-         ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', [])),
+        (
+            '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+            ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', []),
+        ),
         ("<tool_call>" + "[" * 5000 + "</tool_call>", ("<tool_call>" + "[" * 5000 + "</tool_call>", [])),
+        # 1e400 parses as inf, which JSON cannot carry in `arguments`: not a call.
+        (
+            '<tool_call>{"name": "f", "arguments": {"x": 1e400}}</tool_call>',
+            ('<tool_call>{"name": "f", "arguments": {"x": 1e400}}</tool_call>', []),
+        ),
         ("a <tool_ca", ("a <tool_ca", [])),
     ],
 )
@@ -63,12 +73,16 @@ def test_a_name_the_request_has_no_tool_for_stays_text():
 
 
 def test_string_arguments_pass_through_and_ids_are_distinct():
-    content, calls = ToolCallParser().parse(CALL + '<tool_call>{"name": "g", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    content, calls = ToolCallParser().parse(
+        CALL + '<tool_call>{"name": "g", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    )
     assert calls[1]["function"]["arguments"] == '{"a": 1}' and [c["index"] for c in calls] == [0, 1]
     assert calls[0]["id"] != calls[1]["id"] and calls[0]["id"].startswith("call_")
 
 
-pieces = st.lists(st.sampled_from([CALL, "<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "f"}', "x", "\n"]))
+pieces = st.lists(
+    st.sampled_from([CALL, "<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "f"}', "x", "\n"])
+)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -120,13 +134,22 @@ def _xml(*params: tuple[str, str], name: str = "get_weather") -> str:
         ([("city", "Paris"), ("days", "3")], {"city": "Paris", "days": 3}),
         ([("city", "two\nlines "), ("metric", "True")], {"city": "two\nlines ", "metric": True}),
         ([("temp", "21.5"), ("days", " 7 ")], {"temp": 21.5, "days": 7}),
-        ([("temp", "3"), ("opts", '{"unit": "C"}'), ("tags", '["a"]')], {"temp": 3, "opts": {"unit": "C"}, "tags": ["a"]}),
+        (
+            [("temp", "3"), ("opts", '{"unit": "C"}'), ("tags", '["a"]')],
+            {"temp": 3, "opts": {"unit": "C"}, "tags": ["a"]},
+        ),
         ([("tags", "null"), ("city", "null")], {"tags": None, "city": None}),
         # Text that is not the schema's type stays the string (as upstream); so does an unknown key.
-        ([("days", "three"), ("metric", "yes"), ("opts", "{bad"), ("temp", "1e999")],
-         {"days": "three", "metric": "yes", "opts": "{bad", "temp": "1e999"}),
+        (
+            [("days", "three"), ("metric", "yes"), ("opts", "{bad"), ("temp", "1e999")],
+            {"days": "three", "metric": "yes", "opts": "{bad", "temp": "1e999"},
+        ),
         # JSON for an object or array type is taken as either container (as upstream).
-        ([("temp", "NaN"), ("opts", "[1]"), ("unknown", "42")], {"temp": "NaN", "opts": [1], "unknown": "42"}),
+        (
+            [("temp", "NaN"), ("opts", "[1]"), ("unknown", "42")],
+            {"temp": "NaN", "opts": [1], "unknown": "42"},
+        ),
+        ([("opts", '{"x": 1e400}')], {"opts": '{"x": 1e400}'}),
         ([], {}),
     ],
 )
@@ -139,14 +162,27 @@ def test_xml_values_take_the_schemas_types(params, want):
     [
         ("Sure.\n" + XML + "\n" + XML, ("Sure.\n", [("get_weather", {"city": "Paris"})] * 2)),
         # Several functions in one block; closing tags left out end where the next tag (or block) starts.
-        ("<tool_call><function=f><parameter=a>1</parameter></function><function=f></function></tool_call>",
-         ("", [("f", {"a": "1"}), ("f", {})])),
-        ("<tool_call>\n<function=f>\n<parameter=a>\nx\n<parameter=b>\ny\n</tool_call>", ("", [("f", {"a": "x", "b": "y"})])),
+        (
+            "<tool_call><function=f><parameter=a>1</parameter></function><function=f></function></tool_call>",
+            ("", [("f", {"a": "1"}), ("f", {})]),
+        ),
+        (
+            "<tool_call>\n<function=f>\n<parameter=a>\nx\n<parameter=b>\ny\n</tool_call>",
+            ("", [("f", {"a": "x", "b": "y"})]),
+        ),
         # Not a call: stays text as generated.
-        ("<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>", ("<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>", [])),
-        ("<tool_call>prose <function=f></function></tool_call>", ("<tool_call>prose <function=f></function></tool_call>", [])),
-        ("<tool_call><function=f>stray<parameter=a>1</parameter></function></tool_call>",
-         ("<tool_call><function=f>stray<parameter=a>1</parameter></function></tool_call>", [])),
+        (
+            "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>",
+            ("<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>", []),
+        ),
+        (
+            "<tool_call>prose <function=f></function></tool_call>",
+            ("<tool_call>prose <function=f></function></tool_call>", []),
+        ),
+        (
+            "<tool_call><function=f>stray<parameter=a>1</parameter></function></tool_call>",
+            ("<tool_call><function=f>stray<parameter=a>1</parameter></function></tool_call>", []),
+        ),
         ("<tool_call></tool_call>", ("<tool_call></tool_call>", [])),
         ("<tool_call><function=f>", ("<tool_call><function=f>", [])),
         # A JSON block is not this format's call.
@@ -193,7 +229,9 @@ class _Template:
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
         self.seen.append({"messages": messages, **kwargs})
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
 
 
 def _serving(parser: str | None = "qwen25") -> OpenAIServingChat:
@@ -226,14 +264,19 @@ def test_the_chat_route_returns_parsed_calls_whole_and_streamed():
     choice = serving.make_choice(req, 0, {"text": text, "meta_info": _meta(True)})
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking.\n"
     call, again = choice.message.tool_calls
-    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'} and "index" not in call
+    assert (
+        call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'} and "index" not in call
+    )
     assert call["id"] != again["id"]
     progress: dict = {}
     chunks = []
     for k, piece in enumerate([text[:15], text[15:40], text[40:], ""]):
         chunks += serving.stream_choices(req, 0, piece, _meta(k == 3), progress)
     streamed = [c for ch in chunks for c in ch.delta.tool_calls or []]
-    assert [c["function"] for c in streamed] == [call["function"]] * 2 and [c["index"] for c in streamed] == [0, 1]
+    assert [c["function"] for c in streamed] == [call["function"]] * 2 and [c["index"] for c in streamed] == [
+        0,
+        1,
+    ]
     assert "".join(ch.delta.content or "" for ch in chunks) == choice.message.content, "streamed as whole"
     assert chunks[-1].finish_reason == "tool_calls"
 

@@ -51,13 +51,14 @@ def test_gated_rmsnorm_norm_then_gate(ops, baseline):
     assert max_abs(got, want) < TOL
 
 
-def test_grouped_gated_rmsnorm_gate_then_norm_per_group(ops):
+@pytest.mark.parametrize("gate_first", [True, False])  # Nemotron-H's; Falcon-H1's norm before gate
+def test_grouped_gated_rmsnorm_per_group(ops, gate_first):
     x, gate = torch.randn(6, 96), torch.randn(6, 96)
-    grouped = GroupedGatedRMSNorm(96, group_size=24, eps=1e-5)
+    grouped = GroupedGatedRMSNorm(96, group_size=24, eps=1e-5, gate_first=gate_first)
     want, got = _pair(grouped, x, gate)
     assert max_abs(got, want) < TOL
     # One norm over the whole row differs: the comparison above does check the grouping.
-    whole = GroupedGatedRMSNorm(96, group_size=96, eps=1e-5)
+    whole = GroupedGatedRMSNorm(96, group_size=96, eps=1e-5, gate_first=gate_first)
     whole.weight.data.copy_(grouped.weight.data)
     assert max_abs(whole(x, gate), got) > 1e-2
 

@@ -73,16 +73,19 @@ def test_gated_norm_matches_the_torch_form(kernel_device, dtype, dv):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden,group", [(128, 32), (96, 24), (64, 64)])
-def test_grouped_gated_norm_matches_the_torch_form(kernel_device, dtype, hidden, group):
-    m = _module(GroupedGatedRMSNorm, dtype, 7, hidden_size=hidden, group_size=group, eps=1e-5).to(kernel_device)
+@pytest.mark.parametrize("gate_first", [True, False])  # Nemotron-H's; Falcon-H1's norm before gate
+def test_grouped_gated_norm_matches_the_torch_form(kernel_device, dtype, hidden, group, gate_first):
+    m = _module(
+        GroupedGatedRMSNorm, dtype, 7, hidden_size=hidden, group_size=group, eps=1e-5, gate_first=gate_first
+    ).to(kernel_device)
     g = torch.Generator().manual_seed(8)
     x, gate = (torch.randn(6, hidden, generator=g).to(kernel_device, dtype) for _ in range(2))
     want = m(x, gate)
     got = tri.rmsnorm_triton(
-        x, m.weight, m.eps, tri.GATE_FIRST, gate=gate, group_size=group,
+        x, m.weight, m.eps, tri.GATE_FIRST if gate_first else tri.GATE_AFTER, gate=gate, group_size=group,
         out_dtype=torch.promote_types(m.weight.dtype, x.dtype),
     )  # fmt: skip
-    _check(got, want, roundings=2)
+    _check(got, want, roundings=2 if gate_first else 3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -29,6 +29,8 @@ from sglang.test.runner_driver import Extend, RunnerDriver
 register_cpu_ci(est_time=6, suite="per-commit-cpu")
 
 PRESETS = ["tiny-qwen3-next", "tiny-nemotron-h"]
+# Every architecture's forward (the Qwen3.5 and Granite/Falcon-H1 layers too), on the meta device.
+ALL_ARCHS = [*PRESETS, "tiny-qwen3.5-moe", "tiny-granite-4.0-h", "tiny-falcon-h1"]
 
 
 class _RecordingStateCopy:
@@ -81,7 +83,7 @@ def _check_forward(audit: DeviceAudit, d2h: int, h2d: int = 1) -> None:
     audit.reset()
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", ALL_ARCHS)
 def test_forwards_are_device_clean(preset):
     with DeviceAudit() as audit:
         runner, copier = _meta_runner(preset, audit)

@@ -79,9 +79,11 @@ def test_split_projections_fill_the_fused_ones(preset, preset_paths):
     assert linear == 3
 
 
-def _multimodal_layout(src: Path, dst: Path, moe: bool) -> Path:
+def _multimodal_layout(src: Path, dst: Path, moe: bool, tied: bool = False) -> Path:
     """The text checkpoint `src` rewritten as the published multimodal one: config under `text_config`,
-    the language model under `model.language_model.`, plus a vision tower and an MTP head to skip."""
+    the language model under `model.language_model.`, plus a vision tower and an MTP head to skip.
+    `tied`: the top-level config ties the LM head to the embedding (the text config still says not), and
+    the checkpoint has no `lm_head.weight`, as the small tied releases."""
     dst.mkdir()
     for f in src.iterdir():
         if f.is_file() and f.name not in ("config.json", "model.safetensors"):
@@ -92,7 +94,7 @@ def _multimodal_layout(src: Path, dst: Path, moe: bool) -> Path:
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
         "model_type": kind,
         "text_config": {**text, "model_type": f"{kind}_text"},
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tied,
     }
     (dst / "config.json").write_text(json.dumps(config))
     tensors = {}
@@ -101,6 +103,8 @@ def _multimodal_layout(src: Path, dst: Path, moe: bool) -> Path:
     g = torch.Generator().manual_seed(0)
     tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(24, 8, generator=g)
     tensors["mtp.fc.weight"] = torch.randn(64, 128, generator=g)
+    if tied:
+        del tensors["lm_head.weight"]
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
 
@@ -152,4 +156,48 @@ def test_broken_split_projections_are_refused(edit, message, preset_paths, tmp_p
     (dst / "model.safetensors").unlink()
     save_file(tensors, str(dst / "model-main.safetensors"))
     with pytest.raises(ValueError, match=message):
+        make_runner(str(dst))
+
+
+def test_the_multimodal_configs_tie_flag_decides(preset_paths, tmp_path):
+    """transformers ties the LM head by the top-level config's flag and does not copy it into
+    `text_config` (which says untied here): the checkpoint without `lm_head.weight` loads, tied."""
+    folder = _multimodal_layout(Path(preset_paths["tiny-qwen3.5"]), tmp_path / "vl", moe=False, tied=True)
+    model = make_runner(str(folder)).model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_split_projection_for_an_attention_layer_is_left_unused(preset_paths, tmp_path):
+    """A checkpoint whose split projection names a layer that is full attention here loads (the tensor
+    is reported unused), instead of failing on the missing module."""
+    dst = tmp_path / "extra"
+    shutil.copytree(preset_paths["tiny-qwen3.5"], dst)
+    tensors = load_file(dst / "model.safetensors")
+    stray = tensors["model.layers.0.linear_attn.in_proj_qkv.weight"].clone()
+    tensors["model.layers.3.linear_attn.in_proj_qkv.weight"] = stray
+    save_file(tensors, str(dst / "model.safetensors"))
+    assert make_runner(str(dst)).model.model.layers[3].is_linear is False
+
+
+def test_quantized_checkpoints_are_refused_by_name(preset_paths, tmp_path):
+    from sglang.srt.server_args import ServerArgsError
+
+    dst = tmp_path / "fp8"
+    shutil.copytree(preset_paths["tiny-qwen3.5"], dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(
+        ServerArgsError, match=r"cannot be served: its weights are quantized \(quantization_config: fp8\)"
+    ):
+        ServerArgs(model_path=str(dst))
+    # Without the config's word, float8 tensors are still refused as they load.
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(dst / "model.safetensors")
+    tensors["model.layers.3.self_attn.o_proj.weight"] = tensors["model.layers.3.self_attn.o_proj.weight"].to(
+        torch.float8_e4m3fn
+    )
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=r"o_proj.weight is torch.float8_e4m3fn: quantized weights are not supported"
+    ):
         make_runner(str(dst))

@@ -8,23 +8,15 @@ every layer has a KV slot and a state slot.
 
 from __future__ import annotations
 
-import math
-
-from sglang.srt.configs.hybrid_arch import HybridArchConfig, register_hybrid_arch
-from sglang.srt.configs.mamba_utils import Mamba2StateShape
+from sglang.srt.configs.bamba_fields import BambaFieldsArchConfig
+from sglang.srt.configs.hybrid_arch import register_hybrid_arch
 
 
 @register_hybrid_arch
-class FalconH1ArchConfig(HybridArchConfig):
+class FalconH1ArchConfig(BambaFieldsArchConfig):
     architectures = ("FalconH1ForCausalLM",)
     model_types = ("falcon_h1",)
     linear_kind = "mamba2"
-
-    def __init__(self, hf_config):
-        super().__init__(hf_config)
-        upper = (getattr(self.hf_config, "time_step_limit", None) or (0.0, math.inf))[1]
-        if upper != math.inf:
-            raise ValueError(f"A Mamba2 time_step_limit with an upper bound ({upper}) is not supported.")
 
     @property
     def layer_types(self) -> list[str]:
@@ -44,32 +36,7 @@ class FalconH1ArchConfig(HybridArchConfig):
         return linear_layer_id - self.num_hidden_layers
 
     @property
-    def head_dim(self) -> int:
-        cfg = self.hf_config
-        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-    @property
     def mamba_intermediate_size(self) -> int:
+        """`mamba_d_ssm` where the config sets it."""
         cfg = self.hf_config
-        return cfg.mamba_d_ssm if cfg.mamba_d_ssm is not None else int(cfg.mamba_expand * cfg.hidden_size)
-
-    @property
-    def mamba_head_dim(self) -> int:
-        d = self.hf_config.mamba_d_head
-        return self.mamba_intermediate_size // self.hf_config.mamba_n_heads if d in (None, "auto") else int(d)
-
-    @property
-    def kernel_state_chunk(self) -> int:
-        return int(self.hf_config.mamba_chunk_size)
-
-    @property
-    def state_shape(self) -> Mamba2StateShape:
-        cfg = self.hf_config
-        return Mamba2StateShape.create(
-            intermediate_size=cfg.mamba_n_heads * self.mamba_head_dim,
-            n_groups=cfg.mamba_n_groups,
-            num_heads=cfg.mamba_n_heads,
-            head_dim=self.mamba_head_dim,
-            state_size=cfg.mamba_d_state,
-            conv_kernel=cfg.mamba_d_conv,
-        )
+        return cfg.mamba_d_ssm if cfg.mamba_d_ssm is not None else super().mamba_intermediate_size

@@ -3,17 +3,15 @@ rotary positions), each followed by a MoE with a shared MLP (or the shared MLP a
 
 from __future__ import annotations
 
-import math
-
-from sglang.srt.configs.hybrid_arch import HybridArchConfig, register_hybrid_arch
-from sglang.srt.configs.mamba_utils import Mamba2StateShape
+from sglang.srt.configs.bamba_fields import BambaFieldsArchConfig
+from sglang.srt.configs.hybrid_arch import register_hybrid_arch
 
 # The checkpoints' names for the layer kinds (transformers renames them on load; both are accepted).
 _KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 @register_hybrid_arch
-class GraniteMoeHybridArchConfig(HybridArchConfig):
+class GraniteMoeHybridArchConfig(BambaFieldsArchConfig):
     architectures = ("GraniteMoeHybridForCausalLM",)
     model_types = ("granitemoehybrid",)
     linear_kind = "mamba2"
@@ -25,40 +23,9 @@ class GraniteMoeHybridArchConfig(HybridArchConfig):
                 "This Granite checkpoint has no Mamba layers: it is not a hybrid model, which is what this "
                 "runtime serves."
             )
-        upper = (getattr(self.hf_config, "time_step_limit", None) or (0.0, math.inf))[1]
-        if upper != math.inf:
-            raise ValueError(f"A Mamba2 time_step_limit with an upper bound ({upper}) is not supported.")
 
     @property
     def layer_types(self) -> list[str]:
         cfg = self.hf_config
         types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
         return [_KINDS.get(t, t) for t in types]
-
-    @property
-    def head_dim(self) -> int:
-        cfg = self.hf_config
-        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-    @property
-    def mamba_head_dim(self) -> int:
-        cfg = self.hf_config
-        intermediate = int(cfg.mamba_expand * cfg.hidden_size)
-        d = cfg.mamba_d_head
-        return intermediate // cfg.mamba_n_heads if d in (None, "auto") else int(d)
-
-    @property
-    def kernel_state_chunk(self) -> int:
-        return int(self.hf_config.mamba_chunk_size)
-
-    @property
-    def state_shape(self) -> Mamba2StateShape:
-        cfg = self.hf_config
-        return Mamba2StateShape.create(
-            intermediate_size=cfg.mamba_n_heads * self.mamba_head_dim,
-            n_groups=cfg.mamba_n_groups,
-            num_heads=cfg.mamba_n_heads,
-            head_dim=self.mamba_head_dim,
-            state_size=cfg.mamba_d_state,
-            conv_kernel=cfg.mamba_d_conv,
-        )

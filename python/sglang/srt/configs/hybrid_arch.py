@@ -63,6 +63,14 @@ class HybridArchConfig(ABC):
         self.top_config = hf_config
         text = getattr(hf_config, "get_text_config", None)
         self.hf_config = text() if text is not None else hf_config
+        quant = _field(hf_config, self.hf_config, "quantization_config")
+        if quant:
+            get = quant.get if isinstance(quant, dict) else lambda key, default: getattr(quant, key, default)
+            method = get("quant_method", "?")
+            raise ValueError(
+                f"its weights are quantized (quantization_config: {method}); this runtime serves unquantized "
+                "checkpoints (bfloat16, float16 or float32 weights)."
+            )
 
     @property
     def architecture(self) -> str:
@@ -103,7 +111,7 @@ class HybridArchConfig(ABC):
     def config_ssm_dtype(self) -> str | None:
         """The SSM state dtype the config names (`mamba_ssm_dtype`, as upstream reads it: Qwen3.5's
         configs say float32), or None."""
-        return getattr(self.hf_config, "mamba_ssm_dtype", None)
+        return _field(self.hf_config, self.top_config, "mamba_ssm_dtype")
 
     @property
     def num_attention_heads(self) -> int:
@@ -143,3 +151,8 @@ class HybridArchConfig(ABC):
         self, model_dtype: torch.dtype = torch.float32, ssm_dtype_flag: str | None = None
     ) -> int:
         return self.mamba2_cache_params(model_dtype, ssm_dtype_flag).mamba_cache_per_req
+
+
+def _field(first: Any, second: Any, name: str) -> Any:
+    """A config field from the first config that states it (text config, then the multimodal one)."""
+    return getattr(first, name, None) or getattr(second, name, None)

@@ -129,10 +129,11 @@ class GroupedGatedRMSNorm(_DeviceNorm):
             )
         dtype = x.dtype
         if not self.gate_first:
+            # Falcon-H1's order: float32 throughout, one rounding at the end (the Triton kernel's
+            # GATE_AFTER rounds twice more, as Qwen3-Next's norm does: a bfloat16 step or two apart).
             shape = x.shape
             normed = _rms(x.float().view(*shape[:-1], -1, self.group_size), self.eps).view(shape)
-            y = self.weight * normed.to(dtype)
-            return (y * F.silu(gate.float())).to(dtype)
+            return (self.weight.float() * normed * F.silu(gate.float())).to(dtype)
         y = x.float() * F.silu(gate.float())
         shape = y.shape
         y = _rms(y.view(*shape[:-1], -1, self.group_size), self.eps).view(shape)

@@ -37,6 +37,11 @@ class HybridCausalLM(nn.Module):
         unless a model splits it or folds a constant into it."""
         return [(self.checkpoint_name(name), tensor)]
 
+    def folded_scale(self, name: str) -> float | torch.Tensor | None:
+        """A constant the parameter `name` loads multiplied by (a config multiplier folded into the weight:
+        Granite's, Falcon-H1's; a tensor scales each output row), or None."""
+        return None
+
     def checkpoint_rows(self, name: str) -> tuple[str, int] | None:
         """(parameter, first row) where the checkpoint tensor `name` (after `checkpoint_name`) is a block
         of rows of a parameter that fuses several (a model maps the names it stacks)."""
@@ -48,9 +53,19 @@ class HybridCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             for target, piece in self.checkpoint_tensors(name, tensor):
+                scale = self.folded_scale(target)
+                if scale is not None:
+                    piece = _fold(piece, scale)
                 rows = self.checkpoint_rows(target)
                 if rows is None:
                     loader.load(target, piece)
                 else:
                     loader.load_rows(rows[0], rows[1], target, piece)
         loader.finish()
+
+
+def _fold(tensor: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """`tensor * scale` in float32 (the copy into the parameter rounds once, to its dtype)."""
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(tensor.device, torch.float32).view(-1, *([1] * (tensor.ndim - 1)))
+    return tensor.float() * scale

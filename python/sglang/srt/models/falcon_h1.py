@@ -22,35 +22,14 @@ from torch import nn
 from sglang.srt.configs.falcon_h1 import FalconH1ArchConfig
 from sglang.srt.layers.decode_blocks import MLPBlock
 from sglang.srt.layers.layernorm import GroupedGatedRMSNorm, RMSNorm
+from sglang.srt.layers.llama_attention import LlamaStyleAttention
 from sglang.srt.layers.mamba2_mixer import Mamba2Mixer, SiluGate
 from sglang.srt.layers.mlp import GatedMLP
-from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
 
 _LAYER_PARAM = re.compile(r"^model\.layers\.\d+\.(?P<param>[\w.]+)$")
-
-
-class FalconH1Attention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, head_dim: int):
-        super().__init__()
-        hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=bias)
-        self.rotary_emb = get_rope(head_dim, getattr(config, "rope_parameters", None))
-        self.attn = RadixAttention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, -1)
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, -1)
-        q, k = self.rotary_emb(positions, q, k, fb.rope_cache)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(hidden), fb))
 
 
 class FalconH1DecoderLayer(nn.Module):
@@ -66,19 +45,16 @@ class FalconH1DecoderLayer(nn.Module):
         self.mamba = Mamba2Mixer(
             arch.linear_layer_ids[layer_id],
             config.hidden_size,
-            num_heads=config.mamba_n_heads,
-            head_dim=arch.mamba_head_dim,
-            n_groups=config.mamba_n_groups,
-            state_size=config.mamba_d_state,
-            conv_kernel=config.mamba_d_conv,
-            conv_bias=config.mamba_conv_bias,
-            proj_bias=config.mamba_proj_bias,
-            eps=eps,
-            time_step_min=(getattr(config, "time_step_limit", None) or (0.0,))[0],
+            **arch.mamba_mixer_args(),
             norm=norm,
             out_proj_bias=config.projectors_bias,
         )
-        self.self_attn = FalconH1Attention(config, layer_id, arch.head_dim)
+        d = arch.head_dim
+        self.self_attn = LlamaStyleAttention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, d, layer_id,
+            scale=d**-0.5, rope_parameters=getattr(config, "rope_parameters", None) or {},
+            bias=getattr(config, "attention_bias", False),
+        )  # fmt: skip
         self.feed_forward = GatedMLP(
             config.hidden_size,
             config.intermediate_size,
@@ -132,19 +108,16 @@ class FalconH1ForCausalLM(HybridCausalLM):
         return self.model(input_ids, positions, fb)
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The tensor with the multipliers of its parameter folded in (`in_proj` rows by section)."""
         if name.endswith("mamba.mup_vector"):
-            return []  # the multipliers it holds come from the config (folded below)
-        name = self.checkpoint_name(name)
+            return []  # the multipliers it holds come from the config (`folded_scale`)
+        return [(self.checkpoint_name(name), tensor)]
+
+    def folded_scale(self, name: str) -> float | torch.Tensor | None:
+        """The muP multipliers of the parameter (`in_proj` rows by section)."""
         if name == "model.final_layernorm.weight":
-            return [(name, tensor * self.lm_head_multiplier)]
+            return self.lm_head_multiplier
         match = _LAYER_PARAM.match(name)
-        scale = self.scales.get(match["param"]) if match else None
-        if scale is None:
-            return [(name, tensor)]
-        if isinstance(scale, torch.Tensor):  # per output row
-            scale = scale.to(tensor.device, tensor.dtype).view(-1, *([1] * (tensor.ndim - 1)))
-        return [(name, tensor * scale)]
+        return self.scales.get(match["param"]) if match else None
 
 
 def _folded_scales(config: Any, arch: FalconH1ArchConfig) -> dict[str, float | torch.Tensor]:
@@ -154,7 +127,7 @@ def _folded_scales(config: Any, arch: FalconH1ArchConfig) -> dict[str, float | t
     intermediate, gs = c.mamba_n_heads * arch.mamba_head_dim, c.mamba_n_groups * c.mamba_d_state
     sections = [intermediate, intermediate, gs, gs, c.mamba_n_heads]  # [gate | x | B | C | dt]
     mup = [float(s) for s in (c.ssm_multipliers or [1.0] * 5)]
-    # Built on the host (the model is built under the meta device) and moved to each tensor as it loads.
+    # Built on the host (the model is built under the meta device); `_fold` moves it to each tensor.
     rows = torch.cat([torch.full((n,), s, device="cpu") for n, s in zip(sections, mup, strict=True)])
     gate, down = (float(s) for s in (c.mlp_multipliers or (1.0, 1.0)))
     attn_in, key, attn_out = (

@@ -19,12 +19,11 @@ from torch import nn
 from sglang.srt.configs.granitemoehybrid import GraniteMoeHybridArchConfig
 from sglang.srt.layers.decode_blocks import AttentionBlock, Mamba2Block, MLPBlock, MoEBlock
 from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.llama_attention import LlamaStyleAttention
 from sglang.srt.layers.mamba2_mixer import Mamba2Mixer
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.moe.router import softmax_topk
-from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
@@ -38,35 +37,6 @@ _RENAMES = (
 # Tensors that end a residual branch: scaled by the residual multiplier as they load.
 _BRANCH_ENDS = (".o_proj.weight", ".o_proj.bias", ".mamba.out_proj.weight", ".mamba.out_proj.bias")
 _BRANCH_ENDS += (".mlp.experts.w2", ".down_proj.weight")
-
-
-class GraniteMoeHybridAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, head_dim: int):
-        super().__init__()
-        hidden, bias = config.hidden_size, config.attention_bias
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            head_dim,
-        )
-        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=bias)
-        rope = getattr(config, "position_embedding_type", None) == "rope"
-        self.rotary_emb = get_rope(head_dim, getattr(config, "rope_parameters", None)) if rope else None
-        scale = float(config.attention_multiplier)
-        self.attn = RadixAttention(self.num_heads, head_dim, scale, self.num_kv_heads, layer_id)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        q, k = self.q_proj(hidden), self.k_proj(hidden)
-        if self.rotary_emb is not None:
-            t = hidden.shape[0]
-            q, k = self.rotary_emb(
-                positions, q.view(t, self.num_heads, -1), k.view(t, self.num_kv_heads, -1), fb.rope_cache
-            )
-            q, k = q.reshape(t, -1), k.reshape(t, -1)
-        return self.o_proj(self.attn(q, k, self.v_proj(hidden), fb))
 
 
 class GraniteMoeHybridMoE(nn.Module):
@@ -103,21 +73,14 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         super().__init__()
         self.is_linear = arch.layer_types[layer_id] == "linear_attention"
         if self.is_linear:
-            self.mamba = Mamba2Mixer(
-                layer_id,
-                config.hidden_size,
-                num_heads=config.mamba_n_heads,
-                head_dim=arch.mamba_head_dim,
-                n_groups=config.mamba_n_groups,
-                state_size=config.mamba_d_state,
-                conv_kernel=config.mamba_d_conv,
-                conv_bias=config.mamba_conv_bias,
-                proj_bias=config.mamba_proj_bias,
-                eps=config.rms_norm_eps,
-                time_step_min=(getattr(config, "time_step_limit", None) or (0.0,))[0],
-            )
+            self.mamba = Mamba2Mixer(layer_id, config.hidden_size, **arch.mamba_mixer_args())
         else:
-            self.self_attn = GraniteMoeHybridAttention(config, layer_id, arch.head_dim)
+            rope = getattr(config, "position_embedding_type", None) == "rope"  # Granite-4.0-H's: "nope"
+            self.self_attn = LlamaStyleAttention(
+                config.hidden_size, config.num_attention_heads, config.num_key_value_heads, arch.head_dim,
+                layer_id, scale=float(config.attention_multiplier), bias=config.attention_bias,
+                rope_parameters=(getattr(config, "rope_parameters", None) or {}) if rope else None,
+            )  # fmt: skip
         if (getattr(config, "num_local_experts", 0) or 0) > 0:
             self.mlp: nn.Module = GraniteMoeHybridMoE(config)
         else:
@@ -208,18 +171,18 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM):
         return name
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The shared MLP's [gate | up] rows as its two projections; the multipliers folded in."""
+        """The shared MLP's [gate | up] rows as its two projections."""
         if ".shared_mlp.input_linear." in name:
             prefix = name[: name.index(".shared_mlp.")] + self._shared_mlp_prefix(name)
             suffix = name.rsplit(".", 1)[1]
             gate, up = tensor.chunk(2, dim=0)
             return [(f"{prefix}gate_proj.{suffix}", gate), (f"{prefix}up_proj.{suffix}", up)]
-        name = self.checkpoint_name(name)
+        return [(self.checkpoint_name(name), tensor)]
+
+    def folded_scale(self, name: str) -> float | None:
         if name.endswith(_BRANCH_ENDS):
-            tensor = tensor * self.residual_multiplier
-        elif name == "model.norm.weight":
-            tensor = tensor / self.logits_scaling
-        return [(name, tensor)]
+            return self.residual_multiplier
+        return 1.0 / self.logits_scaling if name == "model.norm.weight" else None
 
     def _shared_mlp_prefix(self, name: str) -> str:
         """Where a layer's shared MLP lives here: inside the MoE module, or the layer's whole MLP."""

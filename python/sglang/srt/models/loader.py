@@ -65,7 +65,10 @@ class WeightLoader:
     def load(self, name: str, tensor: torch.Tensor) -> None:
         if self.skip_prefixes and name.startswith(self.skip_prefixes):
             return
+
         match = _EXPERT_KEY.match(name)
+        if (match and match["module"] in self.experts) or name in self.params:
+            _check_unquantized(name, tensor)
         if match and match["module"] in self.experts:
             expert, shard = int(match["expert"]), match["shard"]
             self.experts[match["module"]].load_expert_weight(expert, shard, tensor)
@@ -88,6 +91,7 @@ class WeightLoader:
         if param is None:
             self.unused.append(source)
             return
+        _check_unquantized(source, tensor)
         stop = start + tensor.shape[0]
         if tuple(param.shape[1:]) != tuple(tensor.shape[1:]) or stop > param.shape[0]:
             raise ValueError(
@@ -128,3 +132,12 @@ class WeightLoader:
                 len(self.unused),
                 self.unused[0],
             )
+
+
+def _check_unquantized(name: str, tensor: torch.Tensor) -> None:
+    """A quantized checkpoint's packed integers or float8 values would load as wrong numbers."""
+    if not tensor.is_floating_point() or tensor.element_size() < 2:
+        raise ValueError(
+            f"Checkpoint tensor {name} is {tensor.dtype}: quantized weights are not supported (serve an "
+            "unquantized checkpoint)."
+        )

@@ -44,9 +44,13 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
     def checkpoint_rows(self, name: str) -> tuple[str, int] | None:
         match = _SPLIT_PROJECTION.match(name)
-        if match is None:
+        try:
+            layer = self.get_submodule(match["layer"]) if match else None
+        except AttributeError:  # not a linear layer here: the loader names the tensor as unused
+            layer = None
+        if layer is None:
             return None
-        fused, start = self.get_submodule(match["layer"]).piece_rows()[match["piece"]]
+        fused, start = layer.piece_rows()[match["piece"]]
         return f"{match['layer']}.{fused}.weight", start
 
 
@@ -56,7 +60,11 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     skip_prefixes = ("mtp.", "model.visual.")
 
     def __init__(self, config: Any):
-        super().__init__(config.get_text_config())
+        # Whether the LM head is the embedding is the multimodal config's to say, as transformers reads
+        # it (it does not copy the flag into `text_config`, where it may say otherwise).
+        text = config.get_text_config()
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+        super().__init__(text)
 
     def checkpoint_name(self, name: str) -> str:
         if name.startswith(_LANGUAGE_MODEL):

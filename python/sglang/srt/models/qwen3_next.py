@@ -175,8 +175,10 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.self_attn = Qwen3NextAttention(config, layer_id)
         if is_sparse_layer(config, layer_id):
             self.mlp = Qwen3NextSparseMoeBlock(config)
-        else:
+        elif getattr(config, "intermediate_size", None):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        else:
+            raise ValueError(f"Layer {layer_id} has neither experts nor an intermediate_size in the config.")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset_one=True)
         # Each half of the layer as one C++ call where its parts all run C++ ops (CPU; set at load).

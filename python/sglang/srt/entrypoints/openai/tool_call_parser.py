@@ -50,6 +50,7 @@ class ToolCallParser:
         self.tools = tools
         self.xml = PARSERS[parser] == "xml"
         self._buf = ""
+        self._scanned = 0  # inside a block: how much of `_buf` holds no closing tag's start
         self.num_calls = 0
         self._after_call = False  # whitespace here is a separator: dropped
 
@@ -67,9 +68,12 @@ class ToolCallParser:
                 break
             content.append(self._text(self._buf[:start]))
             self._buf = self._buf[start:]
-            end = self._buf.find(CALL_END)
+            # Inside a block: search only what came since the last piece (a long call streams in many).
+            end = self._buf.find(CALL_END, max(len(CALL_START), self._scanned - len(CALL_END) + 1))
             if end < 0:
-                break  # inside a block: wait for its end
+                self._scanned = len(self._buf)
+                break  # wait for its end
+            self._scanned = 0
             block = self._buf[: end + len(CALL_END)]
             self._buf = self._buf[end + len(CALL_END) :]
             body = block[len(CALL_START) : -len(CALL_END)]
@@ -94,7 +98,7 @@ class ToolCallParser:
 
     def finish(self) -> str:
         """What is held back once the answer is complete (an unclosed block stays text)."""
-        text, self._buf = self._buf, ""
+        text, self._buf, self._scanned = self._buf, "", 0
         return self._text(text)
 
     def parse(self, text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -113,7 +117,7 @@ class ToolCallParser:
             props = schema.get("properties") if isinstance(schema, dict) else None
             props = props if isinstance(props, dict) else {}
             args = {key: _typed(value, props.get(key)) for key, value in args.items()}
-        return json.dumps(args, ensure_ascii=False)
+        return json.dumps(args, ensure_ascii=False, allow_nan=False)  # 1e400 parses as inf: not JSON
 
     def _call(self, name: str, arguments: str) -> dict[str, Any]:
         call = {
@@ -194,6 +198,7 @@ def _typed(value: str, schema: Any) -> Any:
     if kind in ("object", "array", "dict", "list"):
         try:
             parsed = json.loads(text, parse_constant=_no_constant)
+            json.dumps(parsed, allow_nan=False)  # 1e400 parses as inf, which JSON has no word for
         except (ValueError, RecursionError):
             return value
         return parsed if isinstance(parsed, (dict, list)) else value

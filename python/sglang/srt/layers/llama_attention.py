@@ -1,0 +1,47 @@
+"""Llama-style full attention: q/k/v projections, rotary positions (or none), GQA and `o_proj`, at a
+given scale. Granite-4.0-H's (its `attention_multiplier`, rotary or `nope`) and Falcon-H1's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class LlamaStyleAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_id: int,
+        *,
+        scale: float,
+        rope_parameters: dict[str, Any] | None,
+        bias: bool = False,
+    ):
+        """`rope_parameters` None: no positions."""
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.rotary_emb = get_rope(head_dim, rope_parameters) if rope_parameters is not None else None
+        self.attn = RadixAttention(num_heads, head_dim, scale, num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k = self.q_proj(hidden), self.k_proj(hidden)
+        if self.rotary_emb is not None:
+            t = hidden.shape[0]
+            q, k = self.rotary_emb(
+                positions, q.view(t, self.num_heads, -1), k.view(t, self.num_kv_heads, -1), fb.rope_cache
+            )
+            q, k = q.reshape(t, -1), k.reshape(t, -1)
+        return self.o_proj(self.attn(q, k, self.v_proj(hidden), fb))
