@@ -439,8 +439,8 @@ class ServerArgs:
             default=None,
             choices=sorted(REASONING_FORMATS),
             help="Split a chat answer's reasoning (<think> ... </think>) into reasoning_content, whole or as "
-            "it streams (upstream's flag: qwen3 for Qwen3 / Qwen3-Next, qwen3-thinking for thinking-only "
-            "checkpoints, deepseek-r1).",
+            "it streams (upstream's flag: qwen3 for Qwen3 / Qwen3-Next / Qwen3.5, nemotron_3 (alias nano_v3) "
+            "for Nemotron 3, qwen3-thinking for thinking-only checkpoints, deepseek-r1).",
         )
         g.add_argument(
             "--tool-call-parser",

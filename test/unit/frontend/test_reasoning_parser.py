@@ -40,6 +40,9 @@ def parse(fmt: str, text: str, opens: bool = False) -> tuple[str | None, str]:
         ("qwen3", True, "</thi", ("</thi", "")),  # a partial tag at the end is text
         ("qwen3-thinking", False, "hm</think>4", ("hm", "4")),
         ("qwen3", False, "<thi", (None, "<thi")),
+        # Nemotron 3: the template opens the block; a tool call may end it without </think>.
+        ("nemotron_3", True, "hm<tool_call>\n<function=f>", ("hm", "<tool_call>\n<function=f>")),
+        ("nano_v3", False, "It is 4.", (None, "It is 4.")),  # enable_thinking false
     ],
 )
 def test_whole_answers(fmt, opens, text, want):

@@ -1,8 +1,8 @@
 """`--reasoning-parser` (upstream's flag): a chat answer's reasoning, between think tags, goes to the
 message's `reasoning_content` and the rest to `content`, whole or as it streams.
 
-The parsers (upstream's names): `qwen3` (Qwen3 / Qwen3-Next), `qwen3-thinking` and `deepseek-r1`, all
-`<think> ... </think>`. Where the answer starts:
+The parsers (upstream's names): `qwen3` (Qwen3 / Qwen3-Next / Qwen3.5), `nemotron_3` (alias `nano_v3`;
+Nemotron 3, which reads as `qwen3`), `qwen3-thinking` and `deepseek-r1`, all `<think> ... </think>`. Where the answer starts:
 - inside the reasoning when the generation prompt (what the template adds after the messages, and a
   continued final message) leaves a think block open: a thinking template ends it with `<think>`; and
   always for `qwen3-thinking` and `deepseek-r1` (whose models may leave the opening tag out);
@@ -30,8 +30,13 @@ class ReasoningFormat:
     ends_at: tuple[str, ...]  # markers that end the reasoning; the first one is dropped, others kept
 
 
+_QWEN3 = ReasoningFormat(always_reasoning=False, ends_at=(THINK_END, "<tool_call>"))
 FORMATS = {
-    "qwen3": ReasoningFormat(always_reasoning=False, ends_at=(THINK_END, "<tool_call>")),
+    "qwen3": _QWEN3,
+    # Nemotron 3's (upstream's names, old and new): Qwen3's tags, the block opened by the template
+    # (`enable_thinking`), and a tool call may follow without `</think>`.
+    "nano_v3": _QWEN3,
+    "nemotron_3": _QWEN3,
     "qwen3-thinking": ReasoningFormat(always_reasoning=True, ends_at=(THINK_END, "<tool_call>")),
     "deepseek-r1": ReasoningFormat(always_reasoning=True, ends_at=(THINK_END,)),
 }
