@@ -183,7 +183,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-qwen3-next", "tiny-nemotron-h", "tiny-qwen3.5-moe", "tiny-granite-4.0-h", "tiny-falcon-h1"]
+)
 def test_gpu_graphs_on_and_off_give_the_same_greedy_tokens(preset):
     runs = []
     for disable in (False, True):

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang.srt.server_args import ServerArgs
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import ORACLE_TOL, SchedulerHarness, prompt_with_unique_token, token_ids
 
-register_cpu_ci(est_time=75, suite="per-commit-cpu")
+register_cpu_ci(est_time=85, suite="per-commit-cpu")
 
-QWEN, NEMO = "tiny-qwen3-next", "tiny-nemotron-h"
+QWEN, NEMO, FALCON = "tiny-qwen3-next", "tiny-nemotron-h", "tiny-falcon-h1"
 # (preset, strategy, overlap, page size, chunked prefill size or None)
 CONFIGS = [
     (QWEN, "no_buffer", False, 1, None),
@@ -26,6 +27,14 @@ CONFIGS = [
     (NEMO, "extra_buffer_lazy", True, 128, 256),
     (QWEN, "extra_buffer_lazy", False, 16, 128),
     (NEMO, "extra_buffer", True, 1, None),
+    # Falcon-H1: every layer both kinds (KV and state cached together), chunked prefill under overlap.
+    (FALCON, "extra_buffer_lazy", True, 16, 128),
+]
+# On a GPU also the other architectures (their layers run the same kernels as the two above).
+GPU_CONFIGS = CONFIGS + [
+    ("tiny-qwen3.5-moe", "extra_buffer_lazy", True, 16, None),
+    ("tiny-qwen3.5", "extra_buffer", True, 1, 256),
+    ("tiny-granite-4.0-h", "extra_buffer_lazy", True, 1, 64),
 ]
 L = 230  # shared prefix of the branching case: chunk sizes 32, 64 and 128 give different answers
 P1 = 100  # turn-1 prompt of the decode-seeded cases
@@ -73,8 +82,7 @@ class Rules:
 
 
 def _harness(preset, strategy, overlap, page, chunk, **kwargs) -> SchedulerHarness:
-    c = {QWEN: 64, NEMO: 32}[preset]
-    c = max(c, page)
+    c = max(ServerArgs(model_path=preset).model_config.arch.kernel_state_chunk, page)
     return SchedulerHarness(
         preset,
         mamba_scheduler_strategy=strategy,
@@ -102,7 +110,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("preset,strategy,overlap,page,chunk", CONFIGS, ids=lambda v: str(v))
+@pytest.mark.parametrize("preset,strategy,overlap,page,chunk", GPU_CONFIGS, ids=lambda v: str(v))
 def test_gpu_workloads_match_oracle_and_cache_rules(preset, strategy, overlap, page, chunk, oracles):
     """The same workloads on CUDA: Triton attention, the Triton decode kernels, CUDA graphs (on by
     default), FLA's prefill where installed."""
