@@ -37,6 +37,7 @@ WEIGHT_SCALES = {
     "granitemoehybrid": (0.1, 6.0),
     # Halved against lm_head_multiplier 2.
     "falcon_h1": (0.1, 1.5),
+    "bamba": (0.1, 3.0),
 }
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -44,7 +45,7 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "falcon_h1")
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "falcon_h1", "bamba")
 
 
 def tiny_config(arch: str):
@@ -107,6 +108,22 @@ def tiny_config(arch: str):
             shared_intermediate_size=64,
             num_local_experts=4,
             num_experts_per_tok=2,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=32,
+        )
+    if arch == "bamba":
+        from transformers import BambaConfig
+
+        return BambaConfig(
+            **common,
+            num_hidden_layers=4,
+            attn_layer_indices=[1, 3],
+            intermediate_size=128,
             mamba_n_heads=8,
             mamba_d_head=16,
             mamba_n_groups=2,
@@ -233,7 +250,7 @@ def _condition_weights(model: torch.nn.Module, arch: str, gen: torch.Generator) 
                     getattr(module, proj).weight.mul_(0.1)
             module.A_log.copy_(_log_uniform(module.num_v_heads, 0.005, 0.1, gen))
             module.dt_bias.copy_(1.0 + 0.1 * torch.randn(module.num_v_heads, generator=gen))
-        elif kind in ("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer"):
+        elif kind in ("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer", "BambaMixer"):
             # log-decay dt * A with dt = softplus(dt_raw + dt_bias) and A = -exp(A_log).
             heads = module.num_heads
             module.in_proj.weight[-heads:].mul_(0.1)

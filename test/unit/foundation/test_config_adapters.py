@@ -30,6 +30,8 @@ EXPECTED = {
     "tiny-granite-4.0-h": ([1], [0, 2, 3], (192, 3), (8, 16, 16), 32, 3 * (192 * 3 * 4 + 8 * 16 * 16 * 4)),
     # Falcon-H1: every layer both; the Mamba2 mixers take ids 3..5 (d_ssm 128 = 8 heads of 16).
     "tiny-falcon-h1": ([0, 1, 2], [3, 4, 5], (192, 3), (8, 16, 16), 32, 3 * (192 * 3 * 4 + 8 * 16 * 16 * 4)),
+    # Bamba: attention at attn_layer_indices [1, 3].
+    "tiny-bamba": ([1, 3], [0, 2], (192, 3), (8, 16, 16), 32, 2 * (192 * 3 * 4 + 8 * 16 * 16 * 4)),
 }
 
 

@@ -81,8 +81,8 @@ def test_layers_are_built_as_the_config_says(variants):
     moe = make_runner(variants["rope-moe"][0]).model.model.layers
     assert [layer.is_linear for layer in moe] == [True, False, True, True]
     assert all(isinstance(layer.mlp, GraniteMoeHybridMoE) for layer in moe)
-    assert moe[1].self_attn.rotary_emb is not None and moe[1].self_attn.attn.scaling == 0.125
-    assert make_runner(variants["nope"][0]).model.model.layers[1].self_attn.rotary_emb is None
+    assert moe[1].mixer.rotary_emb is not None and moe[1].mixer.attn.scaling == 0.125
+    assert make_runner(variants["nope"][0]).model.model.layers[1].mixer.rotary_emb is None
     assert all(type(layer.mlp) is GatedMLP for layer in make_runner(variants["dense"][0]).model.model.layers)
 
 

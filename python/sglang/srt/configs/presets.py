@@ -1,5 +1,6 @@
 """Built-in tiny presets: `tiny-qwen3-next-demo` (the default model), `tiny-qwen3-next`,
-`tiny-nemotron-h`, `tiny-qwen3.5`, `tiny-qwen3.5-moe`, `tiny-granite-4.0-h` and `tiny-falcon-h1`.
+`tiny-nemotron-h`, `tiny-qwen3.5`, `tiny-qwen3.5-moe`, `tiny-granite-4.0-h`, `tiny-falcon-h1` and
+`tiny-bamba`.
 
 Wherever a model path is accepted, a preset name resolves to a checkpoint folder. The demo model is
 trained (`sglang.tools.train_tiny_model`) and ships with the package. The random presets are the
@@ -25,6 +26,7 @@ PRESETS = {
     "tiny-qwen3.5-moe": "qwen3_5_moe",
     "tiny-granite-4.0-h": "granitemoehybrid",
     "tiny-falcon-h1": "falcon_h1",
+    "tiny-bamba": "bamba",
 }
 # Trained checkpoints that ship with the package (name -> folder).
 SHIPPED = {"tiny-qwen3-next-demo": Path(__file__).parents[2] / "tools" / "data" / "tiny-qwen3-next-demo"}

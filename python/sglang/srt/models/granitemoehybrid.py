@@ -17,25 +17,28 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.granitemoehybrid import GraniteMoeHybridArchConfig
-from sglang.srt.layers.decode_blocks import AttentionBlock, Mamba2Block, MLPBlock, MoEBlock
+from sglang.srt.layers.decode_blocks import MoEBlock
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.llama_attention import LlamaStyleAttention
 from sglang.srt.layers.mamba2_mixer import Mamba2Mixer
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.moe.router import softmax_topk
-from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
+from sglang.srt.models.hybrid_decoder_layer import HybridDecoderLayer, HybridStack
 
-# Checkpoint name pieces -> ours (the MoE's router and experts; the shared MLP lives in our MoE module).
+# Checkpoint name pieces -> ours (`HybridDecoderLayer`'s mixer; the MoE's router and experts; the shared
+# MLP lives in our MoE module).
 _RENAMES = (
+    (".mamba.", ".mixer."),
+    (".self_attn.", ".mixer."),
     (".block_sparse_moe.router.layer.", ".mlp.gate."),
     (".block_sparse_moe.input_linear.weight", ".mlp.experts.w13"),
     (".block_sparse_moe.output_linear.weight", ".mlp.experts.w2"),
 )
 # Tensors that end a residual branch: scaled by the residual multiplier as they load.
-_BRANCH_ENDS = (".o_proj.weight", ".o_proj.bias", ".mamba.out_proj.weight", ".mamba.out_proj.bias")
+_BRANCH_ENDS = (".o_proj.weight", ".o_proj.bias", ".mixer.out_proj.weight", ".mixer.out_proj.bias")
 _BRANCH_ENDS += (".mlp.experts.w2", ".down_proj.weight")
 
 
@@ -68,85 +71,22 @@ class GraniteMoeHybridMoE(nn.Module):
         return self.experts(x, weights, ids, self.shared_mlp, None)
 
 
-class GraniteMoeHybridDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, arch: GraniteMoeHybridArchConfig):
-        super().__init__()
-        self.is_linear = arch.layer_types[layer_id] == "linear_attention"
-        if self.is_linear:
-            self.mamba = Mamba2Mixer(layer_id, config.hidden_size, **arch.mamba_mixer_args())
-        else:
-            rope = getattr(config, "position_embedding_type", None) == "rope"  # Granite-4.0-H's: "nope"
-            self.self_attn = LlamaStyleAttention(
-                config.hidden_size, config.num_attention_heads, config.num_key_value_heads, arch.head_dim,
-                layer_id, scale=float(config.attention_multiplier), bias=config.attention_bias,
-                rope_parameters=(getattr(config, "rope_parameters", None) or {}) if rope else None,
-            )  # fmt: skip
-        if (getattr(config, "num_local_experts", 0) or 0) > 0:
-            self.mlp: nn.Module = GraniteMoeHybridMoE(config)
-        else:
-            self.mlp = GatedMLP(config.hidden_size, config.shared_intermediate_size, config.hidden_act)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # Each half of the layer as one C++ call where its parts all run C++ ops (CPU; set at load).
-        self.mixer_block: Mamba2Block | AttentionBlock | None = None
-        self.mlp_block: MoEBlock | MLPBlock | None = None
-
-    def process_weights_after_loading(self) -> None:
-        norm = self.input_layernorm
-        if self.is_linear:
-            self.mixer_block = Mamba2Block.build(norm, self.mamba)
-        else:
-            self.mixer_block = AttentionBlock.build(norm, self.self_attn, rope=self.self_attn.rotary_emb)
-        if isinstance(self.mlp, GraniteMoeHybridMoE):
-            self.mlp_block = self.mlp.fused_block(self.post_attention_layernorm)
-        else:
-            self.mlp_block = MLPBlock.build(self.post_attention_layernorm, self.mlp)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        fb: ForwardBatch,
-        residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As Qwen3-Next's layer: returns (out, residual), whose sum is the layer's output; the fused CPU
-        blocks take and give whole hidden states."""
-        if self.mixer_block is not None or self.mlp_block is not None:
-            hidden = hidden if residual is None else hidden + residual
-            fused = self.mixer_block(hidden, fb) if self.mixer_block is not None else None
-            hidden = (
-                fused
-                if fused is not None
-                else hidden + self._mixer(positions, self.input_layernorm(hidden), fb)
-            )
-            fused = self.mlp_block(hidden) if self.mlp_block is not None else None
-            return (
-                fused if fused is not None else hidden + self.mlp(self.post_attention_layernorm(hidden))
-            ), None
-        x, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        x, residual = self.post_attention_layernorm.add_and_norm(self._mixer(positions, x, fb), residual)
-        return self.mlp(x), residual
-
-    def _mixer(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return self.mamba(x, fb) if self.is_linear else self.self_attn(positions, x, fb)
-
-
-class GraniteMoeHybridModel(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        arch = GraniteMoeHybridArchConfig(config)
-        self.embedding_multiplier = float(config.embedding_multiplier)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            GraniteMoeHybridDecoderLayer(config, i, arch) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids) * self.embedding_multiplier, None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, fb, residual)
-        return self.norm.add_and_norm(hidden, residual)[0]
+def _layer(config: Any, layer_id: int, arch: GraniteMoeHybridArchConfig) -> HybridDecoderLayer:
+    hidden = config.hidden_size
+    if arch.layer_types[layer_id] == "linear_attention":
+        mixer: nn.Module = Mamba2Mixer(layer_id, hidden, **arch.mamba_mixer_args())
+    else:
+        rope = getattr(config, "position_embedding_type", None) == "rope"  # Granite-4.0-H's: "nope"
+        mixer = LlamaStyleAttention(
+            hidden, config.num_attention_heads, config.num_key_value_heads, arch.head_dim, layer_id,
+            scale=float(config.attention_multiplier), bias=config.attention_bias,
+            rope_parameters=(getattr(config, "rope_parameters", None) or {}) if rope else None,
+        )  # fmt: skip
+    if (getattr(config, "num_local_experts", 0) or 0) > 0:
+        mlp: nn.Module = GraniteMoeHybridMoE(config)
+    else:
+        mlp = GatedMLP(hidden, config.shared_intermediate_size, config.hidden_act)
+    return HybridDecoderLayer(mixer, mlp, hidden, config.rms_norm_eps)
 
 
 class GraniteMoeHybridForCausalLM(HybridCausalLM):
@@ -154,7 +94,15 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM):
     fp32_param_suffixes = ("A_log", "dt_bias", ".D")
 
     def __init__(self, config: Any):
-        model = GraniteMoeHybridModel(config)
+        arch = GraniteMoeHybridArchConfig(config)
+        layers = [_layer(config, i, arch) for i in range(config.num_hidden_layers)]
+        model = HybridStack(
+            config.vocab_size,
+            layers,
+            config.hidden_size,
+            config.rms_norm_eps,
+            float(config.embedding_multiplier),
+        )
         super().__init__(config, model, model.embed_tokens)
         self.residual_multiplier = float(config.residual_multiplier)
         self.logits_scaling = float(config.logits_scaling)
