@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -119,3 +122,14 @@ def batched_extends_with_prefixes(
     for i, steps in enumerate(decode_steps(driver, reqs, decode)):
         lps[i] += steps
     return reqs, lps
+
+
+def checkpoint_variant(src: str, edit: dict, dst: Path) -> str:
+    """A copy of the checkpoint folder `src` at `dst` whose config.json has the fields of `edit` (the same
+    weights under another setting: a norm's order, no positions, no experts); `src` itself if no edit."""
+    if not edit:
+        return src
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **edit}))
+    return str(dst)

@@ -91,6 +91,9 @@ def tiny_config(arch: str):
         from transformers import Qwen3_5MoeTextConfig
 
         return Qwen3_5MoeTextConfig(**common, **gdn, **moe, rope_parameters=rope)
+    # Bamba's Mamba2 fields (Granite-4.0-H's and Bamba's configs): Nemotron-H's sizes and chunk.
+    bamba_mamba = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4)
+    bamba_mamba.update(mamba_expand=2, mamba_chunk_size=32)
     if arch == "granitemoehybrid":
         from transformers import GraniteMoeHybridConfig
 
@@ -108,13 +111,7 @@ def tiny_config(arch: str):
             shared_intermediate_size=64,
             num_local_experts=4,
             num_experts_per_tok=2,
-            mamba_n_heads=8,
-            mamba_d_head=16,
-            mamba_n_groups=2,
-            mamba_d_state=16,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=32,
+            **bamba_mamba,
         )
     if arch == "bamba":
         from transformers import BambaConfig
@@ -124,13 +121,7 @@ def tiny_config(arch: str):
             num_hidden_layers=4,
             attn_layer_indices=[1, 3],
             intermediate_size=128,
-            mamba_n_heads=8,
-            mamba_d_head=16,
-            mamba_n_groups=2,
-            mamba_d_state=16,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=32,
+            **bamba_mamba,
         )
     if arch == "falcon_h1":
         from transformers import FalconH1Config

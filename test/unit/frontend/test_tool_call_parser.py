@@ -88,16 +88,21 @@ pieces = st.lists(
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(parts=pieces, cuts=st.lists(st.integers(0, 400)))
 def test_any_cutting_streams_what_the_whole_answer_gives(parts, cuts):
-    text = "".join(parts)
-    whole_content, whole_calls = ToolCallParser().parse(text)
+    _check_streaming(ToolCallParser, "".join(parts), cuts)
+
+
+def _check_streaming(make_parser, text: str, cuts: list[int]) -> list[dict]:
+    """The pieces of `text` cut at `cuts`, fed one by one, give what the whole text gives; the calls."""
+    whole_content, whole_calls = make_parser().parse(text)
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    parser, content, calls = ToolCallParser(), "", []
+    parser, content, calls = make_parser(), "", []
     for a, b in zip(bounds, bounds[1:], strict=False):
         c, new = parser.feed(text[a:b])
         content, calls = content + c, calls + new
     content += parser.finish()
     strip = [(c["index"], c["function"]) for c in calls]
     assert (content, strip) == (whole_content, [(c["index"], c["function"]) for c in whole_calls])
+    return calls
 
 
 # ---- qwen3_coder: XML calls ---------------------------------------------------------------------------
@@ -201,17 +206,8 @@ xml_pieces = st.lists(st.sampled_from(
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(parts=xml_pieces, cuts=st.lists(st.integers(0, 400)))
 def test_xml_any_cutting_streams_what_the_whole_answer_gives(parts, cuts):
-    text = "".join(parts)
     tools = {"get_weather": SCHEMA, "f": {"properties": {"a": {"type": "integer"}}}}
-    whole_content, whole_calls = ToolCallParser(tools, "qwen3_coder").parse(text)
-    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    parser, content, calls = ToolCallParser(tools, "qwen3_coder"), "", []
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        c, new = parser.feed(text[a:b])
-        content, calls = content + c, calls + new
-    content += parser.finish()
-    strip = [(c["index"], c["function"]) for c in calls]
-    assert (content, strip) == (whole_content, [(c["index"], c["function"]) for c in whole_calls])
+    calls = _check_streaming(lambda: ToolCallParser(tools, "qwen3_coder"), "".join(parts), cuts)
     for call in calls:
         json.loads(call["function"]["arguments"])  # always valid JSON
 

@@ -5,10 +5,6 @@ folded into the weights at load act as the config's; every layer has a KV slot a
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 
 from sglang.srt.layers.layernorm import GroupedGatedRMSNorm
@@ -16,6 +12,7 @@ from sglang.srt.layers.mamba2_mixer import SiluGate
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import (
     batched_extends_with_prefixes,
+    checkpoint_variant,
     decode_steps,
     make_runner,
     max_abs,
@@ -45,14 +42,8 @@ def variants(preset_paths, tmp_path_factory) -> dict[str, tuple[str, ReferenceMo
     """variant -> (checkpoint folder, its oracle)."""
     out = {}
     for name, edit in VARIANTS.items():
-        folder = Path(preset_paths[PRESET])
-        if edit:
-            copy = tmp_path_factory.mktemp(name) / "ckpt"
-            shutil.copytree(folder, copy)
-            cfg = json.loads((copy / "config.json").read_text())
-            (copy / "config.json").write_text(json.dumps({**cfg, **edit}))
-            folder = copy
-        out[name] = (str(folder), ReferenceModel(str(folder)))
+        folder = checkpoint_variant(preset_paths[PRESET], edit, tmp_path_factory.mktemp(name) / "ckpt")
+        out[name] = (folder, ReferenceModel(folder))
     return out
 
 
