@@ -170,7 +170,10 @@ class ReferenceModel:
             conv = layer.conv_states[0][0]
             # transformers keeps the last K inputs; the pool keeps the last K-1.
             conv = conv[:, -(self.arch.state_shape.conv_kernel - 1) :]
-            ssm = self._ssm_to_pool(layer.recurrent_states[0][0])
+            if layer.recurrent_states[0] is None:  # a short conv's state is its window alone
+                ssm = torch.zeros(self.arch.state_shape.temporal)
+            else:
+                ssm = self._ssm_to_pool(layer.recurrent_states[0][0])
             states[layer_id] = LinearState(conv.clone().float(), ssm.clone().float())
         return states
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang.srt.configs.presets import PRESETS as PRESET_ARCHS
 from sglang.srt.environ import envs
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, GraphUnsafeError, capture_bs_list
 from sglang.srt.server_args import ServerArgs
@@ -179,13 +180,13 @@ def test_capture_sizes_and_flags(monkeypatch):
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# Every architecture (`configs/presets.py`).
+PRESETS = list(PRESET_ARCHS)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize(
-    "preset", ["tiny-qwen3-next", "tiny-nemotron-h", "tiny-qwen3.5-moe", "tiny-granite-4.0-h", "tiny-falcon-h1"]
-)
+@pytest.mark.parametrize("preset", PRESETS)
 def test_gpu_graphs_on_and_off_give_the_same_greedy_tokens(preset):
     runs = []
     for disable in (False, True):

@@ -29,8 +29,8 @@ from sglang.test.runner_driver import Extend, RunnerDriver
 register_cpu_ci(est_time=6, suite="per-commit-cpu")
 
 PRESETS = ["tiny-qwen3-next", "tiny-nemotron-h"]
-# Every architecture's forward (Qwen3.5's, Granite-4.0-H's, Falcon-H1's and Bamba's too), on the meta device.
-ALL_ARCHS = [*PRESETS, "tiny-qwen3.5-moe", "tiny-granite-4.0-h", "tiny-falcon-h1", "tiny-bamba"]
+# Every architecture's forward (Qwen3.5's, Granite-4.0-H's, Falcon-H1's, Bamba's, LFM2's), on the meta device.
+ALL_ARCHS = [*PRESETS, "tiny-qwen3.5-moe", "tiny-granite-4.0-h", "tiny-falcon-h1", "tiny-bamba", "tiny-lfm2"]
 
 
 class _RecordingStateCopy:

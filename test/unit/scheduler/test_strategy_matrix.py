@@ -14,7 +14,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import ORACLE_TOL, SchedulerHarness, prompt_with_unique_token, token_ids
 
-register_cpu_ci(est_time=85, suite="per-commit-cpu")
+register_cpu_ci(est_time=95, suite="per-commit-cpu")
 
 QWEN, NEMO, FALCON = "tiny-qwen3-next", "tiny-nemotron-h", "tiny-falcon-h1"
 # (preset, strategy, overlap, page size, chunked prefill size or None)
@@ -29,6 +29,9 @@ CONFIGS = [
     (NEMO, "extra_buffer", True, 1, None),
     # Falcon-H1: every layer both kinds (KV and state cached together), chunked prefill under overlap.
     (FALCON, "extra_buffer_lazy", True, 16, 128),
+    # LFM2: short convs (the state is the conv window), no_buffer and extra_buffer.
+    ("tiny-lfm2", "extra_buffer", True, 1, 128),
+    ("tiny-lfm2", "no_buffer", False, 1, 64),
 ]
 # On a GPU also the other architectures (their layers run the same kernels as the two above).
 GPU_CONFIGS = CONFIGS + [

@@ -52,7 +52,7 @@ class HybridArchConfig(ABC):
     architectures: ClassVar[tuple[str, ...]]
     # The config's `model_type`s it serves (the fallback where `architectures` names none of ours).
     model_types: ClassVar[tuple[str, ...]]
-    # "gdn" (Gated DeltaNet) or "mamba2": which linear-attention backend runs the linear layers.
+    # "gdn" (Gated DeltaNet), "mamba2" or "short_conv" (LFM2): which backend runs the linear layers.
     linear_kind: ClassVar[str]
     # Whether the linear backend writes track snapshots (required by the extra-buffer strategies).
     supports_extra_buffer: ClassVar[bool] = True

@@ -23,6 +23,7 @@ from sglang.srt.layers.attention.fla_float32 import use_ieee_float32_dots
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
+from sglang.srt.layers.attention.mamba.short_conv_backend import ShortConvAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.logits_processor import LogitsProcessor, TopLogprobs
 from sglang.srt.layers.sampler import Sampler
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LINEAR_BACKENDS = {"gdn": GDNAttnBackend, "mamba2": Mamba2AttnBackend}
+LINEAR_BACKENDS = {"gdn": GDNAttnBackend, "mamba2": Mamba2AttnBackend, "short_conv": ShortConvAttnBackend}
 
 
 @dataclass

@@ -117,6 +117,9 @@ class MambaAttnBackendBase:
         # returns states every `varlen_chunk` tokens, a divisor of the kernel state chunk.
         self.varlen_impl: Any = None
         self.varlen_chunk = kernel_state_chunk
+        # SiLU after the conv (GDN's, Mamba2's; the C++ and Triton convs fuse it). False: the torch
+        # conv alone serves (the short-conv backend).
+        self.conv_silu = True
 
     # ---- metadata ---------------------------------------------------------------------------------
 
@@ -220,7 +223,7 @@ class MambaAttnBackendBase:
         slot and, if tracked, the track slot. Returns silu(conv) [E, C] float32."""
         conv, _ = self.mamba_pool.layer_cache(layer_id)
         state = conv[seq.slot]
-        out, window = causal_conv1d_extend(x, state, weight, bias)
+        out, window = causal_conv1d_extend(x, state, weight, bias, self.conv_silu)
         width = self.conv_kernel - 1
         for t in seq.tracks:
             conv[t.slot] = window[t.offset : t.offset + width].t()
@@ -314,7 +317,7 @@ class MambaAttnBackendBase:
             return self.cpu_ops.causal_conv1d_update(
                 x.float().contiguous(), conv, slots, weight.float().contiguous(), b
             )
-        out, new_state = causal_conv1d_update(x, conv.index_select(0, slots), weight, bias)
+        out, new_state = causal_conv1d_update(x, conv.index_select(0, slots), weight, bias, self.conv_silu)
         conv.index_copy_(0, slots, new_state.to(conv.dtype))
         return out
 

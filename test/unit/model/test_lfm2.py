@@ -1,0 +1,72 @@
+"""LFM2 (`Lfm2ForCausalLM`): short-conv layers, whose state is their conv window alone, and attention
+with q/k norms. The runner's logprobs equal transformers' (float32, teacher-forced) through chunked
+prefills, decodes and batched extends over cached prefixes; the pool's conv rows, snapshots included,
+are transformers' conv states; the MLP width is derived as transformers derives it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from sglang.srt.models.lfm2 import ffn_dim
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import (
+    batched_extends_with_prefixes,
+    decode_steps,
+    make_runner,
+    max_abs,
+    pool_state,
+    prefill,
+    random_ids,
+)
+from sglang.test.runner_driver import Extend, RunnerDriver
+
+register_cpu_ci(est_time=4, suite="per-commit-cpu")
+
+PRESET = "tiny-lfm2"
+# As test_logprobs_vs_oracle: float32 against float32 differs only in summation order (measured ~6e-6
+# in logprob here); a conv with an activation, a dropped bias or a stale window moves logprobs by 0.05+.
+TOL = 1e-4
+
+
+def test_chunked_prefill_and_decode_match_the_oracle(oracles):
+    driver = RunnerDriver(make_runner(PRESET, page_size=16))
+    req = driver.new_request()
+    lps = prefill(driver, req, random_ids(150, seed=170), cuts=[1, 2, 64, 100])  # chunks shorter than K-1
+    lps += decode_steps(driver, [req], 16)[0]
+    assert (
+        max_abs(lps, oracles[PRESET].token_logprobs(req.token_ids + [req.next_token], start=1).tolist()) < TOL
+    )
+
+
+def test_batched_extends_with_prefixes_match_the_oracle(oracles):
+    driver = RunnerDriver(make_runner(PRESET))
+    reqs, lps = batched_extends_with_prefixes(driver, [0, 1, 64], [70, 1, 45], decode=5, seed=180)
+    for req, got in zip(reqs, lps, strict=True):
+        ref = oracles[PRESET].token_logprobs(req.token_ids + [req.next_token], start=1).tolist()
+        assert max_abs(got, ref) < TOL
+
+
+def test_the_pool_holds_the_conv_windows_snapshots_included(oracles):
+    """The running slot after a prefill and a snapshot at the kernel chunk inside it are transformers'
+    conv states (the last K-1 conv inputs) at those positions."""
+    runner = make_runner(PRESET)
+    driver = RunnerDriver(runner)
+    req = driver.new_request()
+    prompt = random_ids(100, seed=190)
+    driver.extend([Extend(req, prompt, track_seqlen=64)])
+    oracle = oracles[PRESET]
+    for slot, length in ((req.mamba_pool_idx, 100), (req.track_slot, 64)):
+        got, want = pool_state(runner, slot), oracle.states_after(prompt, length)
+        assert sorted(got) == [0, 1, 3]
+        for layer, state in got.items():
+            # A copy of projected inputs (~1e-7 round-off); another position's window errs by O(1).
+            assert max_abs(state.conv, want[layer].conv) < 1e-5 * want[layer].conv.abs().max().item()
+
+
+def test_mlp_width_is_derived_as_transformers_derives_it():
+    cfg = dict(intermediate_size=12288, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0)
+    assert ffn_dim(SimpleNamespace(**cfg, block_multiple_of=256)) == 8192
+    assert ffn_dim(SimpleNamespace(**cfg, block_multiple_of=1000)) == 9000  # rounded up to the multiple
+    assert (
+        ffn_dim(SimpleNamespace(**{**cfg, "block_auto_adjust_ff_dim": False}, block_multiple_of=256)) == 12288
+    )
