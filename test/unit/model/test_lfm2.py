@@ -70,3 +70,19 @@ def test_mlp_width_is_derived_as_transformers_derives_it():
     assert (
         ffn_dim(SimpleNamespace(**{**cfg, "block_auto_adjust_ff_dim": False}, block_multiple_of=256)) == 12288
     )
+
+
+def test_layer_kinds_are_read_as_transformers_reads_them():
+    from sglang.srt.configs import hybrid_arch_config
+
+    def kinds(**kw):
+        cfg = SimpleNamespace(architectures=["Lfm2ForCausalLM"], num_hidden_layers=3, **kw)
+        return hybrid_arch_config(cfg).layer_types
+
+    assert kinds(layer_types=["conv", "full_attention", "conv"]) == ["linear_attention", "full_attention"] + [
+        "linear_attention"
+    ]
+    assert kinds(layer_types=None, full_attn_idxs=[2]) == ["linear_attention"] * 2 + ["full_attention"]
+    assert kinds(layer_types=None, full_attn_idxs=None) == ["full_attention"] * 3  # transformers' default
+    cfg = dict(intermediate_size=12288, block_auto_adjust_ff_dim=True, block_multiple_of=256)
+    assert ffn_dim(SimpleNamespace(**cfg, block_ffn_dim_multiplier=None)) == 8192  # no rounding up

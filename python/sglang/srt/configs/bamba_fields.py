@@ -25,11 +25,6 @@ class BambaFieldsArchConfig(HybridArchConfig):
         return float(limit[0]), float(limit[1])
 
     @property
-    def head_dim(self) -> int:
-        cfg = self.hf_config
-        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-    @property
     def mamba_intermediate_size(self) -> int:
         cfg = self.hf_config
         return int(cfg.mamba_expand * cfg.hidden_size)

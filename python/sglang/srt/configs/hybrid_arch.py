@@ -123,7 +123,8 @@ class HybridArchConfig(ABC):
 
     @property
     def head_dim(self) -> int:
-        return self.hf_config.head_dim
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     @property
     def vocab_size(self) -> int:

@@ -21,15 +21,11 @@ class Lfm2ArchConfig(HybridArchConfig):
     def layer_types(self) -> list[str]:
         cfg = self.hf_config
         types = getattr(cfg, "layer_types", None)
-        if not types:
-            attention = set(cfg.full_attn_idxs or [])
-            types = ["full_attention" if i in attention else "conv" for i in range(cfg.num_hidden_layers)]
-        return ["linear_attention" if t == "conv" else t for t in types]
-
-    @property
-    def head_dim(self) -> int:
-        cfg = self.hf_config
-        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if not types:  # as transformers: every layer attention unless `full_attn_idxs` says which
+            n = cfg.num_hidden_layers
+            attention = set(range(n) if cfg.full_attn_idxs is None else cfg.full_attn_idxs)
+            types = ["full_attention" if i in attention else "conv" for i in range(n)]
+        return ["linear_attention" if t == "conv" else "full_attention" for t in types]
 
     @property
     def kernel_state_chunk(self) -> int:
@@ -37,14 +33,16 @@ class Lfm2ArchConfig(HybridArchConfig):
 
     @property
     def state_shape(self) -> Mamba2StateShape:
-        """The conv window (hidden_size channels); the SSM part is a 1-element row nothing reads, so
-        that every pool operation (copies, snapshots, transfers) stays the Mamba2 one."""
+        """The conv window (hidden_size channels); the SSM part is a row nothing reads, so that every pool
+        operation (copies, snapshots, transfers) stays the Mamba2 one. 8 elements, not 1: the state
+        copier moves rows in the widest word that divides every row (8 float32 or bfloat16 elements are
+        a multiple of 16 bytes; a 1-element row would cut the conv rows' copies to 4- or 2-byte words)."""
         cfg = self.hf_config
         return Mamba2StateShape.create(
             intermediate_size=cfg.hidden_size,
             n_groups=0,
             num_heads=1,
             head_dim=1,
-            state_size=1,
+            state_size=8,
             conv_kernel=cfg.conv_L_cache,
         )

@@ -1,5 +1,6 @@
-"""Llama-style full attention: q/k/v projections, rotary positions (or none), GQA and `o_proj`, at a
-given scale. Granite-4.0-H's (its `attention_multiplier`, rotary or `nope`) and Falcon-H1's."""
+"""Llama-style full attention: q/k/v projections, optional per-head q/k RMSNorms, rotary positions (or
+none), GQA and `o_proj`, at a given scale. Granite-4.0-H's (its `attention_multiplier`, rotary or
+`nope`), Falcon-H1's, Bamba's and LFM2's (q/k norms)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -25,23 +27,29 @@ class LlamaStyleAttention(nn.Module):
         scale: float,
         rope_parameters: dict[str, Any] | None,
         bias: bool = False,
+        qk_norm_eps: float | None = None,
     ):
-        """`rope_parameters` None: no positions."""
+        """`rope_parameters` None: no positions. `qk_norm_eps`: RMSNorm each head of q and k (before
+        the rotation) with this eps; None: no q/k norms."""
         super().__init__()
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.rotary_emb = get_rope(head_dim, rope_parameters) if rope_parameters is not None else None
         self.attn = RadixAttention(num_heads, head_dim, scale, num_kv_heads, layer_id)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        t = hidden.shape[0]
         q, k = self.q_proj(hidden), self.k_proj(hidden)
+        if self.q_norm is not None:
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         if self.rotary_emb is not None:
-            t = hidden.shape[0]
             q, k = self.rotary_emb(
                 positions, q.view(t, self.num_heads, -1), k.view(t, self.num_kv_heads, -1), fb.rope_cache
             )
-            q, k = q.reshape(t, -1), k.reshape(t, -1)
-        return self.o_proj(self.attn(q, k, self.v_proj(hidden), fb))
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(hidden), fb))

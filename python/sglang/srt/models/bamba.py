@@ -7,24 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from sglang.srt.configs.bamba import BambaArchConfig
 from sglang.srt.layers.llama_attention import LlamaStyleAttention
 from sglang.srt.layers.mamba2_mixer import Mamba2Mixer
 from sglang.srt.layers.mlp import GatedMLP
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
 from sglang.srt.models.hybrid_decoder_layer import HybridDecoderLayer, HybridStack
-
-_RENAMES = (
-    (".mamba.", ".mixer."),
-    (".self_attn.", ".mixer."),
-    (".feed_forward.", ".mlp."),
-    (".pre_ff_layernorm.", ".post_attention_layernorm."),
-    ("model.final_layernorm.", "model.norm."),
-)
 
 
 def _layer(config: Any, layer_id: int, arch: BambaArchConfig) -> HybridDecoderLayer:
@@ -46,17 +36,16 @@ def _layer(config: Any, layer_id: int, arch: BambaArchConfig) -> HybridDecoderLa
 class BambaForCausalLM(HybridCausalLM):
     backbone_attr = "model"
     fp32_param_suffixes = ("A_log", "dt_bias", ".D")
+    checkpoint_renames = (
+        (".mamba.", ".mixer."),
+        (".self_attn.", ".mixer."),
+        (".feed_forward.", ".mlp."),
+        (".pre_ff_layernorm.", ".post_attention_layernorm."),
+        ("model.final_layernorm.", "model.norm."),
+    )
 
     def __init__(self, config: Any):
         arch = BambaArchConfig(config)
         layers = [_layer(config, i, arch) for i in range(config.num_hidden_layers)]
         model = HybridStack(config.vocab_size, layers, config.hidden_size, config.rms_norm_eps)
         super().__init__(config, model, model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, fb)
-
-    def checkpoint_name(self, name: str) -> str:
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name

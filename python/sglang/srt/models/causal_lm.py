@@ -19,6 +19,8 @@ class HybridCausalLM(nn.Module):
     fp32_param_suffixes: tuple[str, ...] = ()
     # Checkpoint prefixes that have no module here (multi-token prediction heads).
     skip_prefixes: tuple[str, ...] = ("mtp.",)
+    # (checkpoint name piece, ours), each replaced at its first occurrence by `checkpoint_name`.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, config: Any, backbone: nn.Module, embedding: nn.Module):
         super().__init__()
@@ -28,8 +30,14 @@ class HybridCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = embedding.weight
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor:
+        """Final hidden states [T, hidden]; the logits processor applies `lm_head` where needed."""
+        return getattr(self, self.backbone_attr)(input_ids, positions, fb)
+
     def checkpoint_name(self, name: str) -> str:
-        """The parameter a checkpoint tensor loads into (a model maps the names that differ)."""
+        """The parameter a checkpoint tensor loads into (`checkpoint_renames`; a model may map more)."""
+        for old, new in self.checkpoint_renames:
+            name = name.replace(old, new, 1)
         return name
 
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -103,10 +103,6 @@ class FalconH1ForCausalLM(HybridCausalLM):
         self.scales = _folded_scales(config, FalconH1ArchConfig(config))
         self.lm_head_multiplier = float(config.lm_head_multiplier)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Final hidden states [T, hidden], already times `lm_head_multiplier` (folded into the norm)."""
-        return self.model(input_ids, positions, fb)
-
     def checkpoint_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if name.endswith("mamba.mup_vector"):
             return []  # the multipliers it holds come from the config (`folded_scale`)

@@ -24,7 +24,6 @@ from sglang.srt.layers.mamba2_mixer import Mamba2Mixer
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.moe.router import softmax_topk
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
 from sglang.srt.models.hybrid_decoder_layer import HybridDecoderLayer, HybridStack
 
@@ -92,6 +91,7 @@ def _layer(config: Any, layer_id: int, arch: GraniteMoeHybridArchConfig) -> Hybr
 class GraniteMoeHybridForCausalLM(HybridCausalLM):
     backbone_attr = "model"
     fp32_param_suffixes = ("A_log", "dt_bias", ".D")
+    checkpoint_renames = _RENAMES
 
     def __init__(self, config: Any):
         arch = GraniteMoeHybridArchConfig(config)
@@ -107,13 +107,8 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM):
         self.residual_multiplier = float(config.residual_multiplier)
         self.logits_scaling = float(config.logits_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Final hidden states [T, hidden], already divided by `logits_scaling` (folded into the norm)."""
-        return self.model(input_ids, positions, fb)
-
     def checkpoint_name(self, name: str) -> str:
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
+        name = super().checkpoint_name(name)
         if ".shared_mlp.output_linear." in name:
             name = name.replace(".shared_mlp.output_linear.", self._shared_mlp_prefix(name) + "down_proj.")
         return name

@@ -1,7 +1,7 @@
-"""`HybridDecoderLayer`: the pre-norm layer Granite-4.0-H and Bamba share, `x + mixer(norm(x))` with a
-Mamba2 mixer or a Llama-style attention, then `x + mlp(norm(x))` with a gated MLP or a MoE. Parameter
-names inside it are generic (`mixer`, `mlp`, `input_layernorm`, `post_attention_layernorm`); a model maps
-its checkpoint's names onto them."""
+"""`HybridDecoderLayer`: the pre-norm layer Granite-4.0-H, Bamba and LFM2 share, `x + mixer(norm(x))`
+with a linear mixer (Mamba2's, LFM2's short conv) or a Llama-style attention, then `x + mlp(norm(x))`
+with a gated MLP or a MoE. Parameter names inside it are generic (`mixer`, `mlp`, `input_layernorm`,
+`post_attention_layernorm`); a model maps its checkpoint's names onto them (`checkpoint_renames`)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(
-        self, mixer: Mamba2Mixer | LlamaStyleAttention, mlp: nn.Module, hidden_size: int, eps: float
-    ):
-        """`mlp`: a GatedMLP, or a MoE module with `fused_block(norm)` (its CPU decode block)."""
+    def __init__(self, mixer: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
+        """`mixer`: a `LlamaStyleAttention`, or a linear mixer taking (hidden, batch). `mlp`: a GatedMLP,
+        or a MoE module with `fused_block(norm)` (its CPU decode block)."""
         super().__init__()
-        self.is_linear = isinstance(mixer, Mamba2Mixer)
+        self.is_linear = not isinstance(mixer, LlamaStyleAttention)
         self.mixer = mixer
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps=eps)
@@ -33,10 +32,12 @@ class HybridDecoderLayer(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         norm, post = self.input_layernorm, self.post_attention_layernorm
-        if self.is_linear:
+        if isinstance(self.mixer, Mamba2Mixer):
             self.mixer_block = Mamba2Block.build(norm, self.mixer)
-        else:
-            self.mixer_block = AttentionBlock.build(norm, self.mixer, rope=self.mixer.rotary_emb)
+        elif not self.is_linear:
+            m = self.mixer
+            qk_norms = (m.q_norm, m.k_norm) if m.q_norm is not None else None
+            self.mixer_block = AttentionBlock.build(norm, m, qk_norms, m.rotary_emb)
         fused_block = getattr(self.mlp, "fused_block", None)
         self.mlp_block = fused_block(post) if fused_block is not None else MLPBlock.build(post, self.mlp)
 

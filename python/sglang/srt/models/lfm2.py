@@ -1,9 +1,10 @@
-"""LFM2 (`Lfm2ForCausalLM`): each layer is `x + op(operator_norm(x))`, with `op` a short conv or full
-attention (q/k RMSNorm per head, rotary), then `x + SwiGLU(ffn_norm(x))`; the final norm is named
-`embedding_norm`. The short conv: `B, C, x = in_proj(h)`, `y = C * conv(B * x)` (a depthwise causal
-conv without activation, its window the layer's state: `short_conv_backend.py`), `out_proj(y)`.
-Parameter names follow the checkpoint but for the attention's `out_proj` / `q_layernorm` / `k_layernorm`
-and the MLP's `w1` / `w3` / `w2` (`o_proj`, `q_norm`, `k_norm`, `gate_proj`, `up_proj`, `down_proj` here)."""
+"""LFM2 (`Lfm2ForCausalLM`): `HybridDecoderLayer`s, each a short conv or full attention (q/k RMSNorm
+per head, rotary), then a SwiGLU MLP. The short conv: `B, C, x = in_proj(h)`, `y = C * conv(B * x)` (a
+depthwise causal conv without activation, its window the layer's state: `short_conv_backend.py`),
+`out_proj(y)`. The checkpoint's `conv` / `self_attn`, `operator_norm`, `ffn_norm`, `feed_forward`
+(`w1`, `w3`, `w2`), the attention's `out_proj` / `q_layernorm` / `k_layernorm` and the final
+`embedding_norm` are the layer's `mixer`, `input_layernorm`, `post_attention_layernorm`, `mlp`
+(`gate_proj`, `up_proj`, `down_proj`), `o_proj` / `q_norm` / `k_norm` and the stack's `norm`."""
 
 from __future__ import annotations
 
@@ -13,23 +14,11 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.lfm2 import Lfm2ArchConfig
-from sglang.srt.layers.decode_blocks import AttentionBlock, MLPBlock
-from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.llama_attention import LlamaStyleAttention
 from sglang.srt.layers.mlp import GatedMLP
-from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.layers.rotary_embedding import get_rope
-from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
-
-_RENAMES = (
-    (".self_attn.out_proj.", ".self_attn.o_proj."),
-    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
-    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
-    (".feed_forward.w1.", ".feed_forward.gate_proj."),
-    (".feed_forward.w3.", ".feed_forward.up_proj."),
-    (".feed_forward.w2.", ".feed_forward.down_proj."),
-)
+from sglang.srt.models.hybrid_decoder_layer import HybridDecoderLayer, HybridStack
 
 
 def ffn_dim(config: Any) -> int:
@@ -59,91 +48,37 @@ class Lfm2ShortConv(nn.Module):
         return self.out_proj((C.float() * conv).to(hidden.dtype))
 
 
-class Lfm2Attention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, head_dim: int):
-        super().__init__()
-        h, d = config.hidden_size, head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            d,
-        )
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, eps=config.norm_eps)
-        self.k_norm = RMSNorm(d, eps=config.norm_eps)
-        self.rotary_emb = get_rope(d, getattr(config, "rope_parameters", None) or {})
-        self.attn = RadixAttention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        t = hidden.shape[0]
-        q = self.q_norm(self.q_proj(hidden).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k, fb.rope_cache)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(hidden), fb))
-
-
-class Lfm2DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, arch: Lfm2ArchConfig):
-        super().__init__()
-        self.is_linear = arch.layer_types[layer_id] == "linear_attention"
-        if self.is_linear:
-            self.conv = Lfm2ShortConv(config, layer_id)
-        else:
-            self.self_attn = Lfm2Attention(config, layer_id, arch.head_dim)
-        self.feed_forward = GatedMLP(config.hidden_size, ffn_dim(config), "silu")
-        self.operator_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.ffn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        # The attention half and the MLP half as one C++ call each (CPU; set at load).
-        self.mixer_block: AttentionBlock | None = None
-        self.mlp_block: MLPBlock | None = None
-
-    def process_weights_after_loading(self) -> None:
-        if not self.is_linear:
-            a = self.self_attn
-            self.mixer_block = AttentionBlock.build(self.operator_norm, a, (a.q_norm, a.k_norm), a.rotary_emb)
-        self.mlp_block = MLPBlock.build(self.ffn_norm, self.feed_forward)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        fused = self.mixer_block(hidden, fb) if self.mixer_block is not None else None
-        if fused is None:
-            x = self.operator_norm(hidden)
-            fused = hidden + (self.conv(x, fb) if self.is_linear else self.self_attn(positions, x, fb))
-        hidden = fused
-        fused = self.mlp_block(hidden) if self.mlp_block is not None else None
-        return fused if fused is not None else hidden + self.feed_forward(self.ffn_norm(hidden))
-
-
-class Lfm2Model(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        arch = Lfm2ArchConfig(config)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Lfm2DecoderLayer(config, i, arch) for i in range(config.num_hidden_layers)
-        )
-        self.embedding_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)  # the final norm
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(positions, hidden, fb)
-        return self.embedding_norm(hidden)
+def _layer(config: Any, layer_id: int, arch: Lfm2ArchConfig) -> HybridDecoderLayer:
+    h, eps = config.hidden_size, config.norm_eps
+    if arch.layer_types[layer_id] == "linear_attention":
+        mixer: nn.Module = Lfm2ShortConv(config, layer_id)
+    else:
+        d = arch.head_dim
+        mixer = LlamaStyleAttention(
+            h, config.num_attention_heads, config.num_key_value_heads, d, layer_id, scale=d**-0.5,
+            rope_parameters=getattr(config, "rope_parameters", None) or {}, qk_norm_eps=eps,
+        )  # fmt: skip
+    return HybridDecoderLayer(mixer, GatedMLP(h, ffn_dim(config), "silu"), h, eps)
 
 
 class Lfm2ForCausalLM(HybridCausalLM):
     backbone_attr = "model"
+    checkpoint_renames = (
+        (".self_attn.out_proj.", ".mixer.o_proj."),
+        (".self_attn.q_layernorm.", ".mixer.q_norm."),
+        (".self_attn.k_layernorm.", ".mixer.k_norm."),
+        (".self_attn.", ".mixer."),
+        (".conv.", ".mixer."),  # the first one: the layer's; `conv.conv` is the mixer's conv
+        (".operator_norm.", ".input_layernorm."),
+        (".ffn_norm.", ".post_attention_layernorm."),
+        (".feed_forward.w1.", ".mlp.gate_proj."),
+        (".feed_forward.w3.", ".mlp.up_proj."),
+        (".feed_forward.w2.", ".mlp.down_proj."),
+        ("model.embedding_norm.", "model.norm."),
+    )
 
     def __init__(self, config: Any):
-        model = Lfm2Model(config)
+        arch = Lfm2ArchConfig(config)
+        layers = [_layer(config, i, arch) for i in range(config.num_hidden_layers)]
+        model = HybridStack(config.vocab_size, layers, config.hidden_size, config.norm_eps)
         super().__init__(config, model, model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, fb)
-
-    def checkpoint_name(self, name: str) -> str:
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name

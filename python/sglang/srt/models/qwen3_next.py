@@ -247,19 +247,12 @@ class Qwen3NextForCausalLM(HybridCausalLM):
     backbone_attr = "model"
     fp32_param_suffixes = ("A_log", "dt_bias")
     gdn_cls = Qwen3NextGatedDeltaNet  # the linear layers' class (Qwen3.5's loads other projections)
+    checkpoint_renames = ((".experts.gate_up_proj", ".experts.w13"), (".experts.down_proj", ".experts.w2"))
 
     def __init__(self, config: Any):
         model = Qwen3NextModel(config, self.gdn_cls)
         super().__init__(config, model, model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Final hidden states [T, hidden]; the logits processor applies `lm_head` where needed."""
-        return self.model(input_ids, positions, fb)
-
-    def checkpoint_name(self, name: str) -> str:
-        return name.replace(".experts.gate_up_proj", ".experts.w13").replace(
-            ".experts.down_proj", ".experts.w2"
-        )
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:

@@ -99,27 +99,28 @@ CPU_RECURRENT_MAX_HEAD_DIM = 64
 
 
 class MambaAttnBackendBase:
-    def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int, decode_choice: Any):
-        """`decode_choice`: the layer kind's decode-step env var (auto, torch or triton)."""
+    def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int, decode_choice: Any, conv_silu: bool = True):
+        """`decode_choice`: the layer kind's decode-step env var (auto, torch or triton); None: the torch
+        step. `conv_silu`: SiLU after the conv (GDN's, Mamba2's: the C++ and Triton convs fuse it);
+        False (a short conv): the torch conv and state I/O alone serve."""
         self.mamba_pool = mamba_pool
         self.kernel_state_chunk = kernel_state_chunk
         self.conv_kernel = mamba_pool.cache_params.shape.conv_kernel
+        self.conv_silu = conv_silu
         self.meta = LinearMetadata()
         # The sgl-kernel C++ ops on CPU (None: the torch path).
-        self.cpu_ops = cpu_linear_ops(mamba_pool.conv_state.device)
+        self.cpu_ops = cpu_linear_ops(mamba_pool.conv_state.device) if conv_silu else None
         # Decode step: the Triton kernels in place on the pool (CUDA), the C++ ops (CPU, unless the
         # layer's choice names torch or triton), or the torch step.
-        self.decode_in_place = decode_uses_triton(mamba_pool.ssm_state.device, decode_choice)
+        fused = conv_silu and decode_choice is not None
+        self.decode_in_place = fused and decode_uses_triton(mamba_pool.ssm_state.device, decode_choice)
         self.decode_cpp = (
-            self.cpu_ops is not None and decode_choice.get() == "auto" and not self.decode_in_place
+            fused and self.cpu_ops is not None and decode_choice.get() == "auto" and not self.decode_in_place
         )
         # The extend over the packed batch (the layer kind's contract), or None: per request; it
         # returns states every `varlen_chunk` tokens, a divisor of the kernel state chunk.
         self.varlen_impl: Any = None
         self.varlen_chunk = kernel_state_chunk
-        # SiLU after the conv (GDN's, Mamba2's; the C++ and Triton convs fuse it). False: the torch
-        # conv alone serves (the short-conv backend).
-        self.conv_silu = True
 
     # ---- metadata ---------------------------------------------------------------------------------
 
@@ -220,7 +221,7 @@ class MambaAttnBackendBase:
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """Causal conv of one request's extend inputs x [E, C] over its conv state; updates the running
-        slot and, if tracked, the track slot. Returns silu(conv) [E, C] float32."""
+        slot and, if tracked, the track slot. Returns silu(conv) [E, C] float32 (the conv: `conv_silu` off)."""
         conv, _ = self.mamba_pool.layer_cache(layer_id)
         state = conv[seq.slot]
         out, window = causal_conv1d_extend(x, state, weight, bias, self.conv_silu)
@@ -237,6 +238,7 @@ class MambaAttnBackendBase:
         self, layer_id: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """`conv_extend` for every request of the batch in one C++ call (`uses_cpu_extend`)."""
+        assert self.conv_silu, "the C++ conv applies SiLU"
         conv, _ = self.mamba_pool.layer_cache(layer_id)
         b = None if bias is None else bias.float().contiguous()
         return self.cpu_ops.causal_conv1d_extend(
@@ -251,6 +253,7 @@ class MambaAttnBackendBase:
         runs per request)."""
         if self.meta.triton_extend is None:
             return None
+        assert self.conv_silu, "the Triton conv applies SiLU"
         from sglang.srt.layers.attention.mamba.decode_triton import causal_conv1d_extend_batch
 
         cu, slots, snaps, max_len = self.meta.triton_extend
@@ -304,7 +307,8 @@ class MambaAttnBackendBase:
     def conv_decode(
         self, layer_id: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """One token per request, x [bs, C]; updates the running slots. Returns silu(conv) float32.
+        """One token per request, x [bs, C]; updates the running slots. Returns silu(conv) float32 (the
+        conv alone with `conv_silu` off: then only the torch step serves).
         (`index_select` / `index_copy_`: ~3x faster than advanced indexing on CPU.)"""
         conv, _ = self.mamba_pool.layer_cache(layer_id)
         slots = self.meta.slots

@@ -6,7 +6,7 @@ It shares the Mamba2/GDN backends' metadata, state I/O and snapshots (`MambaAttn
 extend's snapshots are slices of the conv window, a decode step's track copies run as theirs. Every
 position has a state, so any kernel state chunk serves; the adapter names 64, as GDN's. The C++ and
 Triton convs fuse Mamba2's SiLU, so the torch conv runs on every device (gather, conv, scatter: a GPU
-kernel of its own is future work). The pool's SSM part is a 1-element row per layer nothing reads.
+kernel of its own is future work). The pool's SSM part is a small row per layer nothing reads.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sglang.srt.environ import envs
 from sglang.srt.layers.attention.mamba.mamba_backend_base import MambaAttnBackendBase
 from sglang.srt.mem_cache.memory_pool import MambaPool
 
@@ -25,9 +24,7 @@ if TYPE_CHECKING:
 
 class ShortConvAttnBackend(MambaAttnBackendBase):
     def __init__(self, mamba_pool: MambaPool, kernel_state_chunk: int):
-        super().__init__(mamba_pool, kernel_state_chunk, envs.SGLANG_MAMBA2_DECODE_BACKEND)
-        self.conv_silu = False
-        self.cpu_ops, self.decode_in_place, self.decode_cpp = None, False, False
+        super().__init__(mamba_pool, kernel_state_chunk, decode_choice=None, conv_silu=False)
 
     def forward(self, layer: Any, fb: ForwardBatch, bx: torch.Tensor) -> torch.Tensor:
         weight = layer.conv.weight.view(layer.conv.weight.shape[0], -1)
