@@ -6,6 +6,7 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -133,3 +134,39 @@ def checkpoint_variant(src: str, edit: dict, dst: Path) -> str:
     cfg = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, **edit}))
     return str(dst)
+
+
+def chunked_prefill_and_decode_error(
+    path: str, oracle, *, prompt_len: int, cuts: Sequence[int], decode: int, seed: int, page_size: int = 16
+) -> float:
+    """Max |logprob - oracle| over a random prompt prefilled in chunks cut at `cuts`, then `decode`
+    greedy steps (teacher-forced scoring of the tokens the runner produced)."""
+    driver = RunnerDriver(make_runner(path, page_size=page_size))
+    req = driver.new_request()
+    lps = prefill(driver, req, random_ids(prompt_len, seed=seed), cuts=cuts)
+    lps += decode_steps(driver, [req], decode)[0]
+    return max_abs(lps, oracle.token_logprobs(req.token_ids + [req.next_token], start=1).tolist())
+
+
+def batched_extends_error(
+    path: str, oracle, *, prefixes: Sequence[int], extends: Sequence[int], seed: int, decode: int = 5
+) -> float:
+    """Max |logprob - oracle| over `batched_extends_with_prefixes` on a fresh runner (page size 1)."""
+    driver = RunnerDriver(make_runner(path))
+    reqs, lps = batched_extends_with_prefixes(driver, prefixes, extends, decode=decode, seed=seed)
+    return max(
+        max_abs(got, oracle.token_logprobs(req.token_ids + [req.next_token], start=1).tolist())
+        for req, got in zip(reqs, lps, strict=True)
+    )
+
+
+def variants_with_oracles(src: str, variants: dict[str, dict], make_dir) -> dict[str, tuple[str, Any]]:
+    """name -> (`checkpoint_variant` of `src` with that config edit, its transformers oracle);
+    `make_dir(name)` gives a fresh folder (pytest's `tmp_path_factory.mktemp`)."""
+    from sglang.test.reference import ReferenceModel
+
+    out = {}
+    for name, edit in variants.items():
+        folder = checkpoint_variant(src, edit, make_dir(name) / "ckpt")
+        out[name] = (folder, ReferenceModel(folder))
+    return out

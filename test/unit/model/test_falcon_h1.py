@@ -11,15 +11,14 @@ from sglang.srt.layers.layernorm import GroupedGatedRMSNorm
 from sglang.srt.layers.mamba2_mixer import SiluGate
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import (
-    batched_extends_with_prefixes,
-    checkpoint_variant,
-    decode_steps,
+    batched_extends_error,
+    chunked_prefill_and_decode_error,
     make_runner,
-    max_abs,
     pool_state,
     prefill,
     random_ids,
     state_errors,
+    variants_with_oracles,
 )
 from sglang.test.reference import ReferenceModel
 from sglang.test.runner_driver import RunnerDriver
@@ -40,29 +39,22 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def variants(preset_paths, tmp_path_factory) -> dict[str, tuple[str, ReferenceModel]]:
     """variant -> (checkpoint folder, its oracle)."""
-    out = {}
-    for name, edit in VARIANTS.items():
-        folder = checkpoint_variant(preset_paths[PRESET], edit, tmp_path_factory.mktemp(name) / "ckpt")
-        out[name] = (folder, ReferenceModel(folder))
-    return out
+    return variants_with_oracles(preset_paths[PRESET], VARIANTS, tmp_path_factory.mktemp)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_chunked_prefill_and_decode_match_the_oracle(variant, variants):
-    path, oracle = variants[variant]
-    driver = RunnerDriver(make_runner(path, page_size=16))
-    req = driver.new_request()
-    lps = prefill(driver, req, random_ids(150, seed=120), cuts=[7, 32, 100])
-    lps += decode_steps(driver, [req], 16)[0]
-    assert max_abs(lps, oracle.token_logprobs(req.token_ids + [req.next_token], start=1).tolist()) < TOL
+    err = chunked_prefill_and_decode_error(
+        *variants[variant], prompt_len=150, cuts=[7, 32, 100], decode=16, seed=120
+    )
+    assert err < TOL
 
 
 def test_batched_extends_with_prefixes_match_the_oracle(variants):
-    path, oracle = variants["norm-then-gate"]
-    driver = RunnerDriver(make_runner(path))
-    reqs, lps = batched_extends_with_prefixes(driver, [0, 20, 64], [70, 1, 45], decode=5, seed=130)
-    for req, got in zip(reqs, lps, strict=True):
-        assert max_abs(got, oracle.token_logprobs(req.token_ids + [req.next_token], start=1).tolist()) < TOL
+    err = batched_extends_error(
+        *variants["norm-then-gate"], prefixes=[0, 20, 64], extends=[70, 1, 45], seed=130
+    )
+    assert err < TOL
 
 
 def test_every_layer_has_both_pools(variants):

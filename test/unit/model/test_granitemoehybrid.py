@@ -15,16 +15,12 @@ from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.models.granitemoehybrid import GraniteMoeHybridMoE
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import (
-    batched_extends_with_prefixes,
-    checkpoint_variant,
-    decode_steps,
+    batched_extends_error,
+    chunked_prefill_and_decode_error,
     make_runner,
-    max_abs,
-    prefill,
-    random_ids,
+    variants_with_oracles,
 )
 from sglang.test.reference import ReferenceModel
-from sglang.test.runner_driver import RunnerDriver
 
 register_cpu_ci(est_time=10, suite="per-commit-cpu")
 
@@ -42,31 +38,23 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def variants(preset_paths, tmp_path_factory) -> dict[str, tuple[str, ReferenceModel]]:
     """variant -> (checkpoint folder, its oracle)."""
-    out = {}
-    for name, edit in VARIANTS.items():
-        folder = checkpoint_variant(preset_paths[PRESET], edit, tmp_path_factory.mktemp(name) / "ckpt")
-        out[name] = (folder, ReferenceModel(folder))
-    return out
+    return variants_with_oracles(preset_paths[PRESET], VARIANTS, tmp_path_factory.mktemp)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_chunked_prefill_and_decode_match_the_oracle(variant, variants):
-    path, oracle = variants[variant]
-    driver = RunnerDriver(make_runner(path, page_size=16))
-    req = driver.new_request()
     # Chunks off the Mamba2 chunk (32) grid, then decode steps.
-    lps = prefill(driver, req, random_ids(150, seed=100), cuts=[7, 32, 100])
-    lps += decode_steps(driver, [req], 16)[0]
-    assert max_abs(lps, oracle.token_logprobs(req.token_ids + [req.next_token], start=1).tolist()) < TOL
+    err = chunked_prefill_and_decode_error(
+        *variants[variant], prompt_len=150, cuts=[7, 32, 100], decode=16, seed=100
+    )
+    assert err < TOL
 
 
 @pytest.mark.parametrize("variant", ["rope-moe", "nope"])
 def test_batched_extends_with_prefixes_match_the_oracle(variant, variants):
-    path, oracle = variants[variant]
-    driver = RunnerDriver(make_runner(path))
-    reqs, lps = batched_extends_with_prefixes(driver, [0, 20, 64], [70, 1, 45], decode=5, seed=110)
-    for req, got in zip(reqs, lps, strict=True):
-        assert max_abs(got, oracle.token_logprobs(req.token_ids + [req.next_token], start=1).tolist()) < TOL
+    assert (
+        batched_extends_error(*variants[variant], prefixes=[0, 20, 64], extends=[70, 1, 45], seed=110) < TOL
+    )
 
 
 def test_layers_are_built_as_the_config_says(variants):

@@ -10,12 +10,11 @@ from types import SimpleNamespace
 from sglang.srt.models.lfm2 import ffn_dim
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import (
-    batched_extends_with_prefixes,
-    decode_steps,
+    batched_extends_error,
+    chunked_prefill_and_decode_error,
     make_runner,
     max_abs,
     pool_state,
-    prefill,
     random_ids,
 )
 from sglang.test.runner_driver import Extend, RunnerDriver
@@ -29,21 +28,18 @@ TOL = 1e-4
 
 
 def test_chunked_prefill_and_decode_match_the_oracle(oracles):
-    driver = RunnerDriver(make_runner(PRESET, page_size=16))
-    req = driver.new_request()
-    lps = prefill(driver, req, random_ids(150, seed=170), cuts=[1, 2, 64, 100])  # chunks shorter than K-1
-    lps += decode_steps(driver, [req], 16)[0]
-    assert (
-        max_abs(lps, oracles[PRESET].token_logprobs(req.token_ids + [req.next_token], start=1).tolist()) < TOL
+    # Chunks shorter than the conv window (K-1 = 2) too.
+    err = chunked_prefill_and_decode_error(
+        PRESET, oracles[PRESET], prompt_len=150, cuts=[1, 2, 64, 100], decode=16, seed=170
     )
+    assert err < TOL
 
 
 def test_batched_extends_with_prefixes_match_the_oracle(oracles):
-    driver = RunnerDriver(make_runner(PRESET))
-    reqs, lps = batched_extends_with_prefixes(driver, [0, 1, 64], [70, 1, 45], decode=5, seed=180)
-    for req, got in zip(reqs, lps, strict=True):
-        ref = oracles[PRESET].token_logprobs(req.token_ids + [req.next_token], start=1).tolist()
-        assert max_abs(got, ref) < TOL
+    assert (
+        batched_extends_error(PRESET, oracles[PRESET], prefixes=[0, 1, 64], extends=[70, 1, 45], seed=180)
+        < TOL
+    )
 
 
 def test_the_pool_holds_the_conv_windows_snapshots_included(oracles):

@@ -21,10 +21,10 @@ from sglang.srt.models.qwen3_next import Qwen3NextSparseMoeBlock
 from sglang.srt.server_args import ServerArgs
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import (
-    batched_extends_with_prefixes,
+    batched_extends_error,
+    chunked_prefill_and_decode_error,
     decode_steps,
     make_runner,
-    max_abs,
     prefill,
     random_ids,
 )
@@ -40,23 +40,19 @@ TOL = 1e-4
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_chunked_prefill_and_decode_match_the_oracle(preset, oracles):
-    driver = RunnerDriver(make_runner(preset, page_size=16))
-    req = driver.new_request()
-    prompt = random_ids(200, seed=70)
     # Chunks that start off the kernel's 64-token grid, then decode across a full-attention page.
-    lps = prefill(driver, req, prompt, cuts=[7, 64, 150])
-    lps += decode_steps(driver, [req], 20)[0]
-    ref = oracles[preset].token_logprobs(req.token_ids + [req.next_token], start=1).tolist()
-    assert max_abs(lps, ref) < TOL
+    err = chunked_prefill_and_decode_error(
+        preset, oracles[preset], prompt_len=200, cuts=[7, 64, 150], decode=20, seed=70
+    )
+    assert err < TOL
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_batched_extends_with_prefixes_match_the_oracle(preset, oracles):
-    driver = RunnerDriver(make_runner(preset))
-    reqs, lps = batched_extends_with_prefixes(driver, [0, 30, 70], [90, 1, 66], decode=5, seed=80)
-    for req, got in zip(reqs, lps, strict=True):
-        ref = oracles[preset].token_logprobs(req.token_ids + [req.next_token], start=1).tolist()
-        assert max_abs(got, ref) < TOL
+    assert (
+        batched_extends_error(preset, oracles[preset], prefixes=[0, 30, 70], extends=[90, 1, 66], seed=80)
+        < TOL
+    )
 
 
 @pytest.mark.parametrize("preset", PRESETS)
