@@ -374,7 +374,8 @@ class ServerArgs:
             default=default("model_path"),
             help="An HF-format checkpoint folder, or a built-in preset: tiny-qwen3-next-demo (the default: a "
             "small trained model that writes Python), tiny-qwen3-next, tiny-nemotron-h, tiny-qwen3.5, "
-            "tiny-qwen3.5-moe, tiny-granite-4.0-h, tiny-falcon-h1, tiny-bamba, tiny-lfm2 (random test fixtures).",
+            "tiny-qwen3.5-moe, tiny-granite-4.0-h, tiny-falcon-h1, tiny-bamba, tiny-lfm2, tiny-lfm2-moe "
+            "(random test fixtures).",
         )
         g.add_argument("--tokenizer-path", default=None)
         g.add_argument("--served-model-name", default=None)

@@ -39,6 +39,7 @@ WEIGHT_SCALES = {
     "falcon_h1": (0.1, 1.5),
     "bamba": (0.1, 3.0),
     "lfm2": (0.1, 3.0),
+    "lfm2_moe": (0.1, 3.0),
 }
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -47,6 +48,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "granitemoehybrid", "falcon_h1", "bamba", "lfm2")
+ARCHS += ("lfm2_moe",)
 
 
 def tiny_config(arch: str):
@@ -126,6 +128,21 @@ def tiny_config(arch: str):
             block_multiple_of=32,
             conv_L_cache=3,
             conv_bias=True,
+        )
+    if arch == "lfm2_moe":
+        from transformers import Lfm2MoeConfig
+
+        return Lfm2MoeConfig(
+            **common,
+            num_hidden_layers=4,
+            layer_types=["conv", "conv", "full_attention", "conv"],
+            num_dense_layers=1,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            routed_scaling_factor=1.5,
+            conv_L_cache=3,
         )
     if arch == "bamba":
         from transformers import BambaConfig
@@ -242,6 +259,9 @@ def _condition_weights(model: torch.nn.Module, arch: str, gen: torch.Generator) 
     incremental path disagree with its full forward.
     """
     model.lm_head.weight.mul_(WEIGHT_SCALES[arch][1])
+    for name, buf in model.named_buffers():
+        if name.endswith("expert_bias"):  # a persistent buffer at zero: a runtime ignoring it would pass
+            buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
     for name, p in model.named_parameters():
         if p.ndim == 1 and not name.endswith(("A_log", "dt_bias")):
             p.add_(0.1 * torch.randn(p.shape, generator=gen))

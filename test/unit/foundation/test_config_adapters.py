@@ -34,6 +34,7 @@ EXPECTED = {
     "tiny-bamba": ([1, 3], [0, 2], (192, 3), (8, 16, 16), 32, 2 * (192 * 3 * 4 + 8 * 16 * 16 * 4)),
     # LFM2: the conv window of the hidden size (kernel 3); an 8-element SSM row nothing reads.
     "tiny-lfm2": ([2], [0, 1, 3], (64, 2), (1, 1, 8), 64, 3 * (64 * 2 * 4 + 8 * 4)),
+    "tiny-lfm2-moe": ([2], [0, 1, 3], (64, 2), (1, 1, 8), 64, 3 * (64 * 2 * 4 + 8 * 4)),
 }
 
 

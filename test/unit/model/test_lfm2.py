@@ -1,4 +1,4 @@
-"""LFM2 (`Lfm2ForCausalLM`): short-conv layers, whose state is their conv window alone, and attention
+"""LFM2 (`Lfm2ForCausalLM`) and LFM2-MoE: short-conv layers, whose state is their conv window alone, and attention
 with q/k norms. The runner's logprobs equal transformers' (float32, teacher-forced) through chunked
 prefills, decodes and batched extends over cached prefixes; the pool's conv rows, snapshots included,
 are transformers' conv states; the MLP width is derived as transformers derives it."""
@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sglang.srt.models.lfm2 import ffn_dim
+import pytest
+
+from sglang.srt.layers.mlp import GatedMLP
+from sglang.srt.models.lfm2 import Lfm2MoeBlock, ffn_dim
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import (
     batched_extends_error,
@@ -27,19 +30,29 @@ PRESET = "tiny-lfm2"
 TOL = 1e-4
 
 
-def test_chunked_prefill_and_decode_match_the_oracle(oracles):
+@pytest.mark.parametrize("preset", [PRESET, "tiny-lfm2-moe"])
+def test_chunked_prefill_and_decode_match_the_oracle(preset, oracles):
     # Chunks shorter than the conv window (K-1 = 2) too.
     err = chunked_prefill_and_decode_error(
-        PRESET, oracles[PRESET], prompt_len=150, cuts=[1, 2, 64, 100], decode=16, seed=170
+        preset, oracles[preset], prompt_len=150, cuts=[1, 2, 64, 100], decode=16, seed=170
     )
     assert err < TOL
 
 
-def test_batched_extends_with_prefixes_match_the_oracle(oracles):
-    assert (
-        batched_extends_error(PRESET, oracles[PRESET], prefixes=[0, 1, 64], extends=[70, 1, 45], seed=180)
-        < TOL
-    )
+@pytest.mark.parametrize("preset", [PRESET, "tiny-lfm2-moe"])
+def test_batched_extends_with_prefixes_match_the_oracle(preset, oracles):
+    err = batched_extends_error(preset, oracles[preset], prefixes=[0, 1, 64], extends=[70, 1, 45], seed=180)
+    assert err < TOL
+
+
+def test_lfm2_moe_layers():
+    """LFM2-MoE: dense MLPs (their width as given) for the first `num_dense_layers`, then MoEs routed
+    by the checkpoint's expert bias; the published per-expert `w1` / `w3` / `w2` tensors load."""
+    layers = make_runner("tiny-lfm2-moe").model.model.layers
+    assert type(layers[0].mlp) is GatedMLP and layers[0].mlp.gate_proj.out_features == 96
+    moe = [layer.mlp for layer in layers[1:]]
+    assert all(isinstance(m, Lfm2MoeBlock) for m in moe)
+    assert all(m.expert_bias.abs().sum() > 0 and m.experts.w13.shape == (8, 64, 64) for m in moe)
 
 
 def test_the_pool_holds_the_conv_windows_snapshots_included(oracles):

@@ -1,6 +1,7 @@
-"""LFM2 (`Lfm2ForCausalLM`): short-conv layers (a gated depthwise conv whose state is its last K-1
-inputs: `conv_L_cache - 1` columns) and full attention at the config's `layer_types` ("conv" /
-"full_attention"), each followed by a SwiGLU MLP."""
+"""LFM2 (`Lfm2ForCausalLM`) and LFM2-MoE (`Lfm2MoeForCausalLM`): short-conv layers (a gated depthwise
+conv whose state is its last K-1 inputs: `conv_L_cache - 1` columns) and full attention at the config's
+`layer_types` ("conv" / "full_attention"), each followed by a SwiGLU MLP (LFM2-MoE: after its first
+`num_dense_layers`, a MoE)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ SHORT_CONV_STATE_CHUNK = 64
 
 @register_hybrid_arch
 class Lfm2ArchConfig(HybridArchConfig):
-    architectures = ("Lfm2ForCausalLM",)
-    model_types = ("lfm2",)
+    architectures = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+    model_types = ("lfm2", "lfm2_moe")
     linear_kind = "short_conv"
 
     @property

@@ -1,6 +1,6 @@
 """Built-in tiny presets: `tiny-qwen3-next-demo` (the default model), `tiny-qwen3-next`,
 `tiny-nemotron-h`, `tiny-qwen3.5`, `tiny-qwen3.5-moe`, `tiny-granite-4.0-h`, `tiny-falcon-h1`,
-`tiny-bamba` and `tiny-lfm2`.
+`tiny-bamba`, `tiny-lfm2` and `tiny-lfm2-moe`.
 
 Wherever a model path is accepted, a preset name resolves to a checkpoint folder. The demo model is
 trained (`sglang.tools.train_tiny_model`) and ships with the package. The random presets are the
@@ -28,6 +28,7 @@ PRESETS = {
     "tiny-falcon-h1": "falcon_h1",
     "tiny-bamba": "bamba",
     "tiny-lfm2": "lfm2",
+    "tiny-lfm2-moe": "lfm2_moe",
 }
 # Trained checkpoints that ship with the package (name -> folder).
 SHIPPED = {"tiny-qwen3-next-demo": Path(__file__).parents[2] / "tools" / "data" / "tiny-qwen3-next-demo"}

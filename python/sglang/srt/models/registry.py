@@ -16,6 +16,7 @@ _MODELS = {
     "NemotronHForCausalLM": ("sglang.srt.models.nemotron_h", "NemotronHForCausalLM"),
     "BambaForCausalLM": ("sglang.srt.models.bamba", "BambaForCausalLM"),
     "Lfm2ForCausalLM": ("sglang.srt.models.lfm2", "Lfm2ForCausalLM"),
+    "Lfm2MoeForCausalLM": ("sglang.srt.models.lfm2", "Lfm2ForCausalLM"),
     "FalconH1ForCausalLM": ("sglang.srt.models.falcon_h1", "FalconH1ForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("sglang.srt.models.granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "Qwen3_5ForCausalLM": ("sglang.srt.models.qwen3_5", "Qwen3_5ForCausalLM"),
