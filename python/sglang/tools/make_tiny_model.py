@@ -116,17 +116,16 @@ def tiny_config(arch: str):
             num_experts_per_tok=2,
             **bamba_mamba,
         )
+    lfm2 = dict(num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3)
     if arch == "lfm2":
         from transformers import Lfm2Config
 
         # A bias in the short conv (LFM2 releases have none) so that a runtime that drops it differs.
         return Lfm2Config(
             **common,
-            num_hidden_layers=4,
-            layer_types=["conv", "conv", "full_attention", "conv"],
+            **lfm2,
             intermediate_size=192,  # auto-adjusted to 2/3 and a multiple of 32: 128
             block_multiple_of=32,
-            conv_L_cache=3,
             conv_bias=True,
         )
     if arch == "lfm2_moe":
@@ -134,15 +133,13 @@ def tiny_config(arch: str):
 
         return Lfm2MoeConfig(
             **common,
-            num_hidden_layers=4,
-            layer_types=["conv", "conv", "full_attention", "conv"],
+            **lfm2,
             num_dense_layers=1,
             intermediate_size=96,
             moe_intermediate_size=32,
             num_experts=8,
             num_experts_per_tok=2,
             routed_scaling_factor=1.5,
-            conv_L_cache=3,
         )
     if arch == "bamba":
         from transformers import BambaConfig

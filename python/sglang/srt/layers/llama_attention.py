@@ -24,13 +24,13 @@ class LlamaStyleAttention(nn.Module):
         head_dim: int,
         layer_id: int,
         *,
-        scale: float,
+        scale: float | None = None,
         rope_parameters: dict[str, Any] | None,
         bias: bool = False,
         qk_norm_eps: float | None = None,
     ):
-        """`rope_parameters` None: no positions. `qk_norm_eps`: RMSNorm each head of q and k (before
-        the rotation) with this eps; None: no q/k norms."""
+        """`scale` None: 1/sqrt(head_dim). `rope_parameters` None: no positions. `qk_norm_eps`: RMSNorm
+        each head of q and k (before the rotation) with this eps; None: no q/k norms."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
@@ -40,6 +40,7 @@ class LlamaStyleAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.rotary_emb = get_rope(head_dim, rope_parameters) if rope_parameters is not None else None
+        scale = head_dim**-0.5 if scale is None else scale
         self.attn = RadixAttention(num_heads, head_dim, scale, num_kv_heads, layer_id)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

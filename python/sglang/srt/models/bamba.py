@@ -27,7 +27,7 @@ def _layer(config: Any, layer_id: int, arch: BambaArchConfig) -> HybridDecoderLa
         rope.setdefault("partial_rotary_factor", 0.5)  # transformers' fixed value for Bamba
         mixer = LlamaStyleAttention(
             hidden, config.num_attention_heads, config.num_key_value_heads, d, layer_id,
-            scale=d**-0.5, rope_parameters=rope, bias=getattr(config, "attention_bias", False),
+            rope_parameters=rope, bias=getattr(config, "attention_bias", False),
         )  # fmt: skip
     mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False))
     return HybridDecoderLayer(mixer, mlp, hidden, config.rms_norm_eps)

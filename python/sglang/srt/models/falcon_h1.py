@@ -52,7 +52,7 @@ class FalconH1DecoderLayer(nn.Module):
         d = arch.head_dim
         self.self_attn = LlamaStyleAttention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, d, layer_id,
-            scale=d**-0.5, rope_parameters=getattr(config, "rope_parameters", None) or {},
+            rope_parameters=getattr(config, "rope_parameters", None) or {},
             bias=getattr(config, "attention_bias", False),
         )  # fmt: skip
         self.feed_forward = GatedMLP(

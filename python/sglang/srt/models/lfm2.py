@@ -91,7 +91,7 @@ def _layer(config: Any, layer_id: int, arch: Lfm2ArchConfig) -> HybridDecoderLay
     else:
         d = arch.head_dim
         mixer = LlamaStyleAttention(
-            h, config.num_attention_heads, config.num_key_value_heads, d, layer_id, scale=d**-0.5,
+            h, config.num_attention_heads, config.num_key_value_heads, d, layer_id,
             rope_parameters=getattr(config, "rope_parameters", None) or {}, qk_norm_eps=eps,
         )  # fmt: skip
     if getattr(config, "num_experts", None) is None:  # LFM2
