@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sglang.srt.configs.presets import is_preset
+from sglang.srt.entrypoints.openai.reasoning_parser import FORMATS as REASONING_FORMATS
+from sglang.srt.entrypoints.openai.tool_call_parser import PARSERS as TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -47,6 +49,10 @@ def check_basic_flags(args: ServerArgs) -> None:
     _choice("--disaggregation-mode", args.disaggregation_mode, DISAGGREGATION_MODES)
     if args.mamba_ssm_dtype is not None:
         _choice("--mamba-ssm-dtype", args.mamba_ssm_dtype, ["float32", "bfloat16", "float16"])
+    if args.reasoning_parser is not None:
+        _choice("--reasoning-parser", args.reasoning_parser, sorted(REASONING_FORMATS))
+    if args.tool_call_parser is not None:
+        _choice("--tool-call-parser", args.tool_call_parser, sorted(TOOL_CALL_PARSERS))
     if not 0 < args.port < 65536:
         raise ServerArgsError(f"--port must be between 1 and 65535, got {args.port}.")
     _positive("--page-size", args.page_size)

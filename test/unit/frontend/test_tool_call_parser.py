@@ -297,9 +297,13 @@ def test_the_chat_route_types_qwen3_coder_calls_by_the_requests_schema():
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}
 
 
-def test_an_unknown_parser_name_is_refused():
-    with pytest.raises(ValueError, match="--tool-call-parser"):
-        _serving("llama3")
+@pytest.mark.parametrize("flag", ["tool_call_parser", "reasoning_parser"])
+def test_an_unknown_parser_name_is_refused(flag):
+    """Also where ServerArgs is built in code (not through argparse's choices): at startup, by name."""
+    from sglang.srt.server_args import ServerArgs, ServerArgsError
+
+    with pytest.raises(ServerArgsError, match=f"--{flag.replace('_', '-')} must be one of"):
+        ServerArgs(**{flag: "llama3"})
 
 
 def test_tool_choice_none_and_no_parser_leave_the_text():

@@ -70,9 +70,8 @@ def chosen_logprobs(logprobs: torch.Tensor, token_ids: list) -> list[TopLogprobs
     # Padded to one width with each row's first id (dropped again below).
     index = [list(token_ids[i]) + [token_ids[i][0]] * (width - len(token_ids[i])) for i in rows]
     device = logprobs.device
-    # (Gathered in place when every row asks: a copy of the rows is [rows, vocab].)
-    source = logprobs if len(rows) == len(token_ids) else logprobs[torch.tensor(rows, device=device)]
-    wanted = source.gather(1, torch.tensor(index, device=device))
+    # [rows, width] straight from the log_softmax (no copy of whole [rows, vocab] rows).
+    wanted = logprobs[torch.tensor(rows, device=device)[:, None], torch.tensor(index, device=device)]
     for j, values in enumerate(wanted.tolist()):
         ids = list(token_ids[rows[j]])
         out[rows[j]] = (values[: len(ids)], ids)

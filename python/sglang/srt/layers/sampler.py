@@ -183,8 +183,9 @@ class Sampler:
             logits = logits.float()
         ops = cpu_sampling_ops(logits.device) if logits.dtype == torch.float32 else None
         nums = top_logprobs_nums or []
+        wants_top = return_logprob and any(n > 0 for n in nums)
         # Top logprobs and chosen ids' logprobs read the whole log_softmax.
-        whole_lp = return_logprob and (any(n > 0 for n in nums) or token_ids_logprobs is not None)
+        whole_lp = wants_top or (return_logprob and token_ids_logprobs is not None)
         # The op also writes the drawn ids' logprobs (top logprobs need the whole log_softmax anyway).
         op_logprobs = return_logprob and not whole_lp and ops is not None
         logprobs = None
@@ -222,7 +223,7 @@ class Sampler:
         elif return_logprob:
             lp = scaled_log_softmax(logits, info.temperatures)
             out.next_token_logprobs = lp.gather(1, ids[:, None])[:, 0]
-            if any(n > 0 for n in nums):
+            if wants_top:
                 out.next_token_top_logprobs = top_logprobs(lp, nums)
             if token_ids_logprobs is not None:
                 out.next_token_ids_logprobs = chosen_logprobs(lp, token_ids_logprobs)

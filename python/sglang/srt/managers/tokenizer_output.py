@@ -24,6 +24,7 @@ from typing import Any
 
 from sglang.srt.managers.io_struct import BatchStrOut
 from sglang.srt.managers.request_validation import NormalizedRequest
+from sglang.srt.utils.text_markers import partial_marker_len
 
 TokenTexts = Callable[[list[int]], list[str]]
 
@@ -103,7 +104,7 @@ class ReqState:
             return text[: min(cuts)]
         if self.finished:
             return text
-        return text[: len(text) - _stop_prefix_len(text, stops)]
+        return text[: len(text) - partial_marker_len(text, stops)]
 
     # ---- streaming bookkeeping ---------------------------------------------------------------------
 
@@ -152,14 +153,3 @@ def _with_text(entries: list[tuple[Any, int]], token_texts: TokenTexts | None) -
         return []
     texts = token_texts([tid for _, tid in entries]) if token_texts else [None] * len(entries)
     return [[lp, tid, t] for (lp, tid), t in zip(entries, texts, strict=True)]
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best

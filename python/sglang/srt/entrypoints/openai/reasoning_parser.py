@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sglang.srt.utils.text_markers import partial_marker_len
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -101,14 +103,3 @@ class ReasoningParser:
         r1, c1 = self.feed(text)
         r2, c2 = self.finish()
         return (r1 + r2 if self.saw_reasoning else None), c1 + c2
-
-
-def partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
-    """The length of the longest end of `text` that begins one of `markers` (and is not all of it)."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if marker.startswith(text[-n:]):
-                best = n
-                break
-    return best

@@ -18,12 +18,16 @@ from sglang.srt.entrypoints.openai.protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from sglang.srt.entrypoints.openai.reasoning_parser import FORMATS, ReasoningParser, prompt_opens_reasoning
+from sglang.srt.entrypoints.openai.reasoning_parser import (
+    FORMATS,
+    THINK_START,
+    ReasoningParser,
+    prompt_opens_reasoning,
+)
 from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     finish_reason,
 )
-from sglang.srt.entrypoints.openai.tool_call_parser import PARSERS as TOOL_CALL_PARSERS
 from sglang.srt.entrypoints.openai.tool_call_parser import ToolCallParser
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
@@ -112,10 +116,6 @@ class OpenAIServingChat(OpenAIServingBase):
         super().__init__(tokenizer_manager, model_name)
         self.sampling_defaults = dict(sampling_defaults or {})
         self.reasoning_format = FORMATS[reasoning_parser] if reasoning_parser else None
-        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"--tool-call-parser must be one of {sorted(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}."
-            )
         self.tool_call_parser = tool_call_parser
 
     async def apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
@@ -148,17 +148,21 @@ class OpenAIServingChat(OpenAIServingBase):
             )
         except Exception as e:  # a template may refuse a role order or a role (jinja raise_exception)
             raise RequestError(f"The chat template rejected the messages: {e}", "messages") from None
-        if self.reasoning_format is not None:
-            # Only the template's own tail counts (a message may mention <think>).
-            try:
-                base = tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=False, **tools, **variables
-                )
-            except Exception:  # noqa: BLE001 - a template that needs the generation prompt: all of it
-                base = ""
-            tail = prompt[len(base) :] if prompt.startswith(base) else prompt
-            req._prompt_opens_reasoning = prompt_opens_reasoning(tail + prefix)
+        fmt = self.reasoning_format
+        if fmt is not None:
             req._continues_message = bool(prefix.strip())
+            # Only the template's own tail counts (a message may mention <think>). It takes a second
+            # rendering, needless where the answer is not split, starts in the reasoning anyway, or
+            # no think tag is anywhere.
+            if req.separate_reasoning and not fmt.always_reasoning and THINK_START in prompt + prefix:
+                try:
+                    base = tokenizer.apply_chat_template(
+                        messages, tokenize=False, add_generation_prompt=False, **tools, **variables
+                    )
+                except Exception:  # noqa: BLE001 - a template that needs the generation prompt: all of it
+                    base = ""
+                tail = prompt[len(base) :] if prompt.startswith(base) else prompt
+                req._prompt_opens_reasoning = prompt_opens_reasoning(tail + prefix)
         return await self.tm.encode(prompt + prefix, "messages", add_special_tokens=False)
 
     async def to_generate_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
@@ -289,9 +293,7 @@ class OpenAIServingChat(OpenAIServingBase):
             reasoning, delta = self._split_reasoning(req, index, delta, reason is not None, progress)
         if self._parses_tools(req):
             delta, calls = self._split_tool_calls(req, index, delta, reason is not None, progress)
-            if calls:
-                progress[("called", index)] = True
-            if reason == "stop" and progress.get(("called", index)):
+            if reason == "stop" and progress[("tools", index)].num_calls:
                 reason = "tool_calls"
         if not (delta or reasoning or calls or reason or (logprobs and logprobs.content)):
             return None

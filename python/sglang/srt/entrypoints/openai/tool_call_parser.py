@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from sglang.srt.entrypoints.openai.reasoning_parser import partial_marker_len
+from sglang.srt.utils.text_markers import partial_marker_len
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 # --tool-call-parser name -> the block format it parses.
@@ -77,15 +77,11 @@ class ToolCallParser:
             block = self._buf[: end + len(CALL_END)]
             self._buf = self._buf[end + len(CALL_END) :]
             body = block[len(CALL_START) : -len(CALL_END)]
-            found = _xml_calls(body) if self.xml else _json_call(body)
-            try:
-                if found is None or not all(self._known(name) for name, _ in found):
-                    raise ValueError("not a call")
-                arguments = [self._arguments(name, args) for name, args in found]
-            except (ValueError, RecursionError):  # RecursionError: nested past the stack
+            arguments = self._block_calls(body)
+            if arguments is None:
                 content.append(self._text(block))
                 continue
-            calls += [self._call(name, args) for (name, _), args in zip(found, arguments, strict=True)]
+            calls += [self._call(name, args) for name, args in arguments]
             self._after_call = True
         return "".join(content), calls
 
@@ -104,6 +100,16 @@ class ToolCallParser:
     def parse(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         content, calls = self.feed(text)
         return content + self.finish(), calls
+
+    def _block_calls(self, body: str) -> list[tuple[str, str]] | None:
+        """[(name, JSON arguments)] of a block's calls, or None where the block is not calls."""
+        found = _xml_calls(body) if self.xml else _json_call(body)
+        if found is None or not all(self._known(name) for name, _ in found):
+            return None
+        try:
+            return [(name, self._arguments(name, args)) for name, args in found]
+        except (ValueError, RecursionError):  # not JSON (inf), or nested past the stack
+            return None
 
     def _known(self, name: Any) -> bool:
         return isinstance(name, str) and bool(name) and (self.tools is None or name in self.tools)
