@@ -31,10 +31,13 @@ from sglang.srt.server_args_checks import (
     KV_CACHE_DTYPE_CHOICES,
     LOG_LEVELS,
     MAMBA_SCHEDULER_STRATEGY_CHOICES,
+    NGRAM_MATCH_TYPES,
     SCHEDULE_POLICIES,
+    SPECULATIVE_ALGORITHMS,
     ServerArgsError,
     check_basic_flags,
     check_model,
+    check_speculative_track_interval,
     check_tokenizer,
 )
 
@@ -131,6 +134,19 @@ class ServerArgs:
     disaggregation_decode_extra_slots: int | None = None
     disaggregation_ib_device: str | None = None
 
+    # Speculative decoding (`speculative/`): NGRAM drafts, verified by the model in one forward.
+    speculative_algorithm: str | None = None
+    # Tokens per request in a verify forward: its newest token and up to this many minus one drafts.
+    # None: --speculative-ngram-max-match-window-size, as upstream.
+    speculative_num_draft_tokens: int | None = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 10_000_000
+
     # Filled by __post_init__: why `auto` resolved as it did (logged, shown in /get_server_info).
     mamba_strategy_reason: str = field(default="", repr=False)
 
@@ -148,6 +164,7 @@ class ServerArgs:
         check_tokenizer(self)
         self._handle_attention_backend()
         self._handle_pd_disaggregation()
+        self._handle_speculative()
         self._handle_mamba_strategy()
         # Resolved once; components read it, not the flags (`mem_cache/mamba_strategy.py`).
         self.mamba_strategy = MambaStrategy.resolve(
@@ -157,6 +174,7 @@ class ServerArgs:
             cache_chunk_size=self.mamba_cache_chunk_size,
         )
         self._handle_chunk_aligned_sizes(self._handle_gpu_memory_settings())
+        check_speculative_track_interval(self)
 
     def public_dict(self) -> dict:
         """Every field, with secrets redacted: what /get_server_info returns and what a log may show."""
@@ -269,6 +287,17 @@ class ServerArgs:
                 self.mamba_scheduler_strategy,
             )
             self.mamba_scheduler_strategy = "no_buffer"
+
+    def _handle_speculative(self) -> None:
+        """NGRAM verifies on the scheduler's host results, so it runs without the overlap schedule (as
+        upstream's); its draft count defaults to the longest match window."""
+        if self.speculative_algorithm is None:
+            return
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = self.speculative_ngram_max_match_window_size
+        if self.enable_overlap_schedule:
+            logger.info("--speculative-algorithm NGRAM runs without the overlap schedule.")
+            self.disable_overlap_schedule = True
 
     def _handle_mamba_strategy(self) -> None:
         arch = self.model_config.arch
@@ -564,6 +593,36 @@ class ServerArgs:
         )
         g.add_argument("--disaggregation-decode-extra-slots", type=int, default=None)
         g.add_argument("--disaggregation-ib-device", default=None)
+
+        g = parser.add_argument_group(
+            "speculative decoding",
+            "NGRAM: drafts from an n-gram cache of every prompt and output seen, verified by the model in "
+            "one forward per step; greedy and seeded outputs are the same tokens as without it. Runs without "
+            "the overlap schedule; a step where a running request uses a logit penalty decodes plainly.",
+        )
+        g.add_argument("--speculative-algorithm", default=None, choices=SPECULATIVE_ALGORITHMS)
+        g.add_argument(
+            "--speculative-num-draft-tokens",
+            type=int,
+            default=None,
+            help="Tokens per request in a verify forward (its newest token and up to this many minus one "
+            "drafts); default --speculative-ngram-max-match-window-size.",
+        )
+        for name in ("min-match-window-size", "max-match-window-size", "branch-length", "capacity"):
+            field_name = "speculative_ngram_" + name.replace("-", "_")
+            g.add_argument(f"--speculative-ngram-{name}", type=int, default=default(field_name))
+        for name in ("min-bfs-breadth", "max-bfs-breadth"):
+            g.add_argument(
+                f"--speculative-ngram-{name}",
+                type=int,
+                default=default("speculative_ngram_" + name.replace("-", "_")),
+                help="Accepted for compatibility; drafts are one chain (breadth 1).",
+            )
+        g.add_argument(
+            "--speculative-ngram-match-type",
+            default=default("speculative_ngram_match_type"),
+            choices=NGRAM_MATCH_TYPES,
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:

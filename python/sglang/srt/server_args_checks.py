@@ -24,6 +24,10 @@ ATTENTION_BACKEND_CHOICES = ["torch_native", "triton"]
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 SCHEDULE_POLICIES = ["fcfs", "lpm"]
+# Upstream's algorithms; NGRAM runs here, the others need a draft model or MTP weights
+# (`check_speculative_flags`).
+SPECULATIVE_ALGORITHMS = ["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"]
+NGRAM_MATCH_TYPES = ["BFS", "PROB"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -89,10 +93,60 @@ def check_basic_flags(args: ServerArgs) -> None:
         raise ServerArgsError(
             f"--tp-size {args.tp_size} is not supported yet; this runtime runs --tp-size 1."
         )
+    check_speculative_flags(args)
     if args.disaggregation_decode_extra_slots is not None and args.disaggregation_decode_extra_slots < 0:
         raise ServerArgsError(
             "--disaggregation-decode-extra-slots must be 0 or more, "
             f"got {args.disaggregation_decode_extra_slots}."
+        )
+
+
+def check_speculative_flags(args: ServerArgs) -> None:
+    algo = args.speculative_algorithm
+    if algo is None:
+        return
+    _choice("--speculative-algorithm", algo, SPECULATIVE_ALGORITHMS)
+    if algo != "NGRAM":
+        raise ServerArgsError(
+            f"--speculative-algorithm {algo} needs a draft model or the checkpoint's MTP layers, which this "
+            "runtime does not run; use --speculative-algorithm NGRAM (drafts from an n-gram cache)."
+        )
+    _choice("--speculative-ngram-match-type", args.speculative_ngram_match_type, NGRAM_MATCH_TYPES)
+    if args.speculative_ngram_match_type != "BFS":
+        raise ServerArgsError(
+            "--speculative-ngram-match-type PROB is not supported: drafts are one chain, the most recent "
+            "continuation of the longest matching suffix (BFS)."
+        )
+    for flag, value in [
+        ("--speculative-num-draft-tokens", args.speculative_num_draft_tokens),
+        ("--speculative-ngram-min-match-window-size", args.speculative_ngram_min_match_window_size),
+        ("--speculative-ngram-max-match-window-size", args.speculative_ngram_max_match_window_size),
+        ("--speculative-ngram-min-bfs-breadth", args.speculative_ngram_min_bfs_breadth),
+        ("--speculative-ngram-max-bfs-breadth", args.speculative_ngram_max_bfs_breadth),
+        ("--speculative-ngram-branch-length", args.speculative_ngram_branch_length),
+        ("--speculative-ngram-capacity", args.speculative_ngram_capacity),
+    ]:
+        if value is not None:
+            _positive(flag, value)
+    lo, hi = args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size
+    if lo > hi:
+        raise ServerArgsError(
+            f"--speculative-ngram-min-match-window-size {lo} exceeds "
+            f"--speculative-ngram-max-match-window-size {hi}."
+        )
+
+
+def check_speculative_track_interval(args: ServerArgs) -> None:
+    """A verify adds at most --speculative-num-draft-tokens tokens, so with an interval at least that
+    long it crosses at most one track boundary (upstream's rule)."""
+    n = args.speculative_num_draft_tokens
+    if args.speculative_algorithm is None or not args.enable_mamba_extra_buffer():
+        return
+    if args.mamba_track_interval < n:
+        raise ServerArgsError(
+            f"--mamba-track-interval {args.mamba_track_interval} must be at least "
+            f"--speculative-num-draft-tokens {n} with --mamba-scheduler-strategy "
+            f"{args.mamba_scheduler_strategy}."
         )
 
 

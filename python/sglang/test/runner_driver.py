@@ -222,6 +222,39 @@ class RunnerDriver:
             req.kv_slots = req.kv_slots + [slot]
         return fb
 
+    def verify(
+        self, reqs: Sequence[DriverRequest], drafts: Sequence[Sequence[int]], return_logprob: bool = True
+    ) -> GenerationBatchResult:
+        """A speculative verify of each request's last sampled token and its `drafts`: a token sampled
+        at every position (result rows in the batch's token order), the state after each position in
+        the pool's verify rows, the running slots untouched. The tokens are booked to the requests as
+        if every draft were accepted; `next_token` becomes the last position's sampled token."""
+        counts = [1 + len(d) for d in drafts]
+        tokens = [[r.next_token, *d] for r, d in zip(reqs, drafts, strict=True)]
+        assert all(t[0] is not None for t in tokens), "a request has no sampled token to feed"
+        new_slots = [self._alloc_kv(r, n) for r, n in zip(reqs, counts, strict=True)]
+        fb = ForwardBatch.create(
+            ForwardMode.TARGET_VERIFY,
+            input_ids=[t for ts in tokens for t in ts],
+            req_pool_indices=[r.req_pool_idx for r in reqs],
+            seq_lens=[r.seq_len + n for r, n in zip(reqs, counts, strict=True)],
+            out_cache_loc=[s for slots in new_slots for s in slots],
+            mamba_pool_indices=[r.mamba_pool_idx for r in reqs],
+            extend_prefix_lens=[r.seq_len for r in reqs],
+            sampling_info=self._sampling(reqs).repeat_rows(counts),
+            return_logprob_mask=[return_logprob] * sum(counts),
+            top_logprobs_nums=[0] * sum(counts),
+        )
+        result = self.runner.forward_batch_generation(fb)
+        sampled = result.next_token_ids.tolist()
+        end = 0
+        for req, ts, slots in zip(reqs, tokens, new_slots, strict=True):
+            end += len(ts)
+            req.token_ids = req.token_ids + ts
+            req.kv_slots = req.kv_slots + slots
+            req.next_token = sampled[end - 1]
+        return result
+
 
 def _track_slot(item: Extend) -> int:
     return item.track_slot if item.track_slot is not None else item.req.track_slot

@@ -285,6 +285,37 @@ def test_the_cuda_default_kernels_are_device_clean(preset, dtype, monkeypatch):
     assert copier.devices and set(copier.devices) == {"meta"}
 
 
+@pytest.mark.parametrize("cuda_kernels", [False, True])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_speculative_verify_is_device_clean(preset, cuda_kernels, monkeypatch):
+    """A verify batch (drafts of different counts, seeded sampling beside greedy, logprobs): its step
+    index tensors travel in the batch's one copy, every position's state goes to the verify rows on the
+    device, and nothing is read back; with the kernels CUDA runs by default, the decode steps are the
+    Triton ones in place on the verify rows."""
+    launches = RecordedLaunches()
+    flags = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    if cuda_kernels:
+        for module, name, value in launches.patches():
+            monkeypatch.setattr(module, name, value)
+        for var, value in CUDA_DEFAULT_ENV.items():
+            monkeypatch.setenv(var, value)
+        flags["attention_backend"] = "triton"
+    with DeviceAudit() as audit:
+        runner, _ = _meta_runner(preset, audit, **flags)
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request(), driver.new_request(temperature=0.7, seed=5), driver.new_request()]
+        driver.extend([Extend(r, [4] * (20 + i)) for i, r in enumerate(reqs)], return_logprob=False)
+        audit.reset()
+        for r in reqs:
+            r.next_token = 7  # (the meta device samples no real token)
+        driver.verify(reqs, [[5, 6, 7], [8], []])
+        _check_forward(audit, d2h=0)
+    if cuda_kernels:
+        step = "_gdn_decode_kernel" if "qwen" in preset else "_mamba2_decode_kernel"
+        assert {step, "_extend_kernel"} <= {name for name, _ in launches.calls}
+        assert all(devices == {"meta"} for _, devices in launches.calls), launches.calls
+
+
 def test_the_fla_extend_takes_its_chunk_layout_from_the_batch(monkeypatch):
     """tiny-qwen3-next's extend through the FLA glue, as CUDA runs it (FLA's wrappers stood in for on
     the meta device, `sglang/test/fake_fla.py`): FLA's chunk layout travels in the batch's one copy

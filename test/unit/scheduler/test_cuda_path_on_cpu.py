@@ -12,7 +12,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.device_audit import CUDA_DEFAULT_ENV
 from sglang.test.scheduler_harness import ORACLE_TOL, SchedulerHarness, token_ids
 
-register_cpu_ci(est_time=80, suite="per-commit-cpu")
+register_cpu_ci(est_time=100, suite="per-commit-cpu")
 
 
 # Falcon-H1: its Mamba2 output norm gates after the grouped norm (the norm kernel's other mode).
@@ -40,6 +40,34 @@ def test_cuda_default_kernels_serve_the_oracles_logprobs(preset, oracles, monkey
         out2 = h.generate(turn2, max_new_tokens=4)
         h.check_oracle(oracles[preset], turn2, out2, ORACLE_TOL)
         assert out2.cached_tokens > 0
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_cuda_default_kernels_serve_speculative_verifies(preset, oracles, monkeypatch):
+    """NGRAM verifies through the same kernels: Triton attention's extend over the cached prefix, and
+    the decode-step kernels in place on the pool's verify rows, position by position."""
+    for name, value in CUDA_DEFAULT_ENV.items():
+        monkeypatch.setenv(name, value)
+    h = SchedulerHarness(
+        preset, attention_backend="triton", mamba_scheduler_strategy="extra_buffer", page_size=16,
+        speculative_algorithm="NGRAM", speculative_num_draft_tokens=4, mamba_track_interval=64,
+    )  # fmt: skip
+    assert h.sched.model_runner.attn_backend.linear_attn_backend.decode_in_place
+    try:
+        # The same prompt twice (the second run's drafts are the first's tokens), then a turn that hits
+        # the state a verify left at the track boundary (64) its output crossed.
+        prompt = token_ids(50, seed=1)
+        first = h.generate(prompt, max_new_tokens=20)
+        again = h.generate(prompt, max_new_tokens=20)
+        assert again.output_ids == first.output_ids and h.sched.spec.stats["accepted_tokens"] >= 9
+        h.check_oracle(oracles[preset], prompt, again, ORACLE_TOL)
+        turn2 = prompt + first.output_ids + token_ids(5, seed=2)
+        out2 = h.generate(turn2, max_new_tokens=4)
+        h.check_oracle(oracles[preset], turn2, out2, ORACLE_TOL)
+        assert out2.cached_tokens >= 64
         h.flush_and_check_empty()
     finally:
         h.shutdown()

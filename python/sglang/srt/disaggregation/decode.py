@@ -54,6 +54,7 @@ class HybridMambaDecodeReqToTokenPool(HybridReqToTokenPool):
         cache_params: Mamba2CacheParams,
         strategy: MambaStrategy,
         device: str = "cpu",
+        verify_shape: tuple[int, int] = (0, 0),
     ):
         strategy = dataclasses.replace(strategy, lazy=False)
         self.pre_alloc_size = pre_alloc_size
@@ -71,7 +72,9 @@ class HybridMambaDecodeReqToTokenPool(HybridReqToTokenPool):
                     self.slots_per_req,
                 )  # fmt: skip
         self.mamba_spec_state_size = size + pre_alloc_size
-        super().__init__(size + pre_alloc_size, mamba_size, max_context_len, cache_params, strategy, device)
+        super().__init__(
+            size + pre_alloc_size, mamba_size, max_context_len, cache_params, strategy, device, verify_shape
+        )
 
 
 class DecodeTransferQueue:

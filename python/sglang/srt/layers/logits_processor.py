@@ -1,7 +1,8 @@
 """Logits only where they are needed, and input-token logprobs.
 
 Rows computed: the last token of every request (its logits pick the next token) and, for requests
-that return logprobs in an extend, the rows their input logprobs need.
+that return logprobs in an extend, the rows their input logprobs need; every token of a speculative
+verify.
 
 Input logprobs (extend, request i with return_logprob_mask[i], start = extend_logprob_start_lens_cpu[i],
 E = its extend length): one value per extend offset j with start < j < E, the logprob of input token j
@@ -82,7 +83,8 @@ class LogitsProcessor:
     def __call__(
         self, hidden: torch.Tensor, lm_head: torch.nn.Module, fb: ForwardBatch
     ) -> LogitsProcessorOutput:
-        if not fb.forward_mode.is_extend():
+        if not fb.forward_mode.is_extend() or fb.forward_mode.is_target_verify():
+            # (A verify samples at every position.)
             return LogitsProcessorOutput(next_token_logits=lm_head(hidden))
         starts, lens = fb.extend_start_loc_cpu, fb.extend_seq_lens_cpu
         if not fb.return_logprob:

@@ -471,6 +471,7 @@ class ScheduleBatch:
         self.has_placeholders = False
         self.any_stream = True  # some request streams (decode batches know; others assume so)
         self.cached_tokens = 0  # an extend's prompt tokens the radix tree gave (the batch log's)
+        self.spec_info = None  # a speculative verify's drafts (`speculative/ngram_worker.py`)
 
     @property
     def batch_size(self) -> int:

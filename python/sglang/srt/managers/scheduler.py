@@ -123,6 +123,13 @@ class Scheduler(SchedulerIOMixin):
             counters=self.counters,
             stream_interval=server_args.stream_interval,
         )
+        self.spec = None  # --speculative-algorithm NGRAM: builds verify batches and commits their results
+        if server_args.speculative_algorithm is not None:
+            from sglang.srt.speculative.ngram_worker import NgramWorker
+
+            self.spec = NgramWorker(self)
+            self.batch_stats.spec_stats = self.spec.stats
+            self.result_processor.process_verify = self.spec.process_batch_result_verify
         if self.disaggregation_mode == "prefill":
             from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 
@@ -237,6 +244,8 @@ class Scheduler(SchedulerIOMixin):
             self.waiting_queue = [r for r in self.waiting_queue if r not in taken]
 
     def get_new_batch_decode(self) -> ScheduleBatch | None:
+        if self.spec is not None and (batch := self.spec.get_new_batch_verify()) is not None:
+            return batch
         reqs = self.decode_set.select(self.running)
         # One more KV slot each; while the pool (after evicting the tree) cannot give that, retract the
         # newest request.
@@ -312,10 +321,13 @@ class Scheduler(SchedulerIOMixin):
     # ---- running batches ---------------------------------------------------------------------------
 
     def launch(self, batch: ScheduleBatch) -> None:
+        copies = batch.state_copies
+        if self.spec is not None:
+            copies = self.spec.take_state_copies() + copies  # the last verify's commits run first
         item = LaunchedBatch(
             batch.forward_batch,
             future_slots=batch.future_slots,
-            state_copies=batch.state_copies,
+            state_copies=copies,
             has_placeholders=batch.has_placeholders,
             batch_id=batch.batch_id,
         )
@@ -372,7 +384,7 @@ class Scheduler(SchedulerIOMixin):
         if batch is not None:
             self.launch(batch)
             times.launch += clock() - built
-            if batch.forward_mode.is_decode():
+            if batch.forward_mode.is_decode() or batch.forward_mode.is_target_verify():
                 times.decode_batches += 1
             else:
                 times.prefill_batches += 1
@@ -406,6 +418,8 @@ class Scheduler(SchedulerIOMixin):
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
         self.reqs_by_rid.pop(req.rid, None)
+        if self.spec is not None:
+            self.spec.forget(req)
         if req.penalty_slot is not None:
             # Batches in flight may still count into it: its next owner's first batch zeroes it after them.
             self.penalty_slots.free(req.penalty_slot)

@@ -3,7 +3,9 @@
 Allocate, evict, retry lives here and nowhere else: `evict_from_tree_cache` makes room by evicting
 unlocked tree entries in LRU order, but only when that can make enough room (a failed attempt keeps
 the cache); `alloc_for_extend` and `alloc_for_decode` take everything an extend or a decode step needs,
-or nothing; `alloc_mamba_slot` takes one slot, evicting one checkpoint if the pool is dry.
+or nothing; `alloc_mamba_slot` takes one slot, evicting one checkpoint if the pool is dry;
+`alloc_for_verify` and `release_verify_tail` take a speculative verify's slots and give back those of
+the rejected drafts.
 `release_kv_cache` gives everything back.
 """
 
@@ -107,6 +109,42 @@ def alloc_for_decode(
         slots.append(kv[-1])
         lens.append(len(kv))
     return slots, lens
+
+
+def alloc_for_verify(
+    tree_cache: BasePrefixCache,
+    token_allocator: PagedTokenAllocator,
+    reqs: list[Req],
+    counts: list[int],
+    kv_log: DecodeKVLog,
+) -> tuple[list[int], list[int]] | None:
+    """`counts[i]` more KV slots for request i (a speculative verify of its newest token and drafts), or
+    nothing (None). Returns the new slots in request order and each request's KV length before them."""
+    kv_log.clear()  # the decode steps' pending slots go to the lists first
+    lens = [len(r.kv_indices) for r in reqs]
+    need = sum(token_allocator.needed_pages(n, n + c) for n, c in zip(lens, counts, strict=True))
+    if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=need):
+        return None
+    slots: list[int] = []
+    for req, n, c in zip(reqs, lens, counts, strict=True):
+        kv = req.kv_indices
+        new = token_allocator.alloc_extend(n, n + c, kv[-1] if n else 0)
+        assert new is not None, "the pages of this verify were made free above"
+        kv += new
+        slots += new
+    return slots, lens
+
+
+def release_verify_tail(token_allocator: PagedTokenAllocator, req: Req, keep: int) -> None:
+    """After a verify, `req` keeps the KV of its first `keep` positions: the pages of the others that
+    hold none of those go back (slots past `keep` in its last page are reused by its next step)."""
+    kv = req.kv_indices
+    if len(kv) <= keep:
+        return
+    page = token_allocator.page_size
+    last_page = kv[keep - 1] // page
+    token_allocator.free([s for s in kv[keep:] if s // page != last_page])
+    req.kv_indices = kv[:keep]
 
 
 def alloc_mamba_slot(

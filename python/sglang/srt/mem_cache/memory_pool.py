@@ -123,18 +123,29 @@ class MambaPool:
 
     `clear_slots`, `copy_from` and `track_copy` move all layers and both state kinds of many slots in one
     launch (`mem_cache/state_copy`: the semantics, -1 skipping, the implementation per device); they must
-    run on the forward stream."""
+    run on the forward stream.
 
-    def __init__(self, size: int, cache_params: Mamba2CacheParams, device: str = "cpu"):
+    Speculative decoding adds verify rows past the slots, `verify_shape = (batch rows, tokens per row)`:
+    a verify forward leaves the state after position t of batch row b in `verify_row(b, t)`, and the
+    scheduler copies the accepted one into the running slot (`speculative/ngram_worker.py`). No allocator
+    hands them out."""
+
+    def __init__(
+        self,
+        size: int,
+        cache_params: Mamba2CacheParams,
+        device: str = "cpu",
+        verify_shape: tuple[int, int] = (0, 0),
+    ):
         self.size = size
         self.cache_params = cache_params
         self.device = device
+        self.verify_shape = verify_shape
+        rows = size + 1 + verify_shape[0] * verify_shape[1]
         num_layers = len(cache_params.layers)
         shape, dtype = cache_params.shape, cache_params.dtype
-        self.conv_state = torch.zeros(num_layers, size + 1, *shape.conv, dtype=dtype.conv, device=device)
-        self.ssm_state = torch.zeros(
-            num_layers, size + 1, *shape.temporal, dtype=dtype.temporal, device=device
-        )
+        self.conv_state = torch.zeros(num_layers, rows, *shape.conv, dtype=dtype.conv, device=device)
+        self.ssm_state = torch.zeros(num_layers, rows, *shape.temporal, dtype=dtype.temporal, device=device)
         self.mamba_map = {layer_id: i for i, layer_id in enumerate(cache_params.layers)}
         self.state_copier = StateCopier([self.conv_state, self.ssm_state])
 
@@ -142,6 +153,12 @@ class MambaPool:
         """(conv, ssm) views of one layer: `[size + 1, *shape]`."""
         i = self.mamba_map[layer_id]
         return self.conv_state[i], self.ssm_state[i]
+
+    def verify_row(self, row: int, step: int) -> int:
+        """Where a verify forward leaves batch row `row`'s state after its token `step`."""
+        rows, width = self.verify_shape
+        assert 0 <= row < rows and 0 <= step < width, f"no verify row ({row}, {step}) in {self.verify_shape}"
+        return self.size + 1 + row * width + step
 
     def clear_slots(self, slots: Sequence[int] | torch.Tensor) -> None:
         self.state_copier.clear(slots)
@@ -179,9 +196,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
         cache_params: Mamba2CacheParams,
         strategy: MambaStrategy,
         device: str = "cpu",
+        verify_shape: tuple[int, int] = (0, 0),
     ):
         super().__init__(size, max_context_len, device)
-        self.mamba_pool = MambaPool(mamba_size, cache_params, device)
+        self.mamba_pool = MambaPool(mamba_size, cache_params, device, verify_shape)
         self.mamba_allocator = MambaSlotAllocator(mamba_size)
         self.strategy = strategy
 

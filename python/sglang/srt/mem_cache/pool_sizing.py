@@ -95,10 +95,23 @@ def compute_pool_sizes(
             f"--max-total-tokens {tokens} is smaller than the two pages of {page} token(s) one request needs."
         )
     tokens = tokens // page * page
+    # The verify rows of speculative decoding (`MambaPool.verify_shape`: a slot's bytes per draft position
+    # of each running request) come out of a derived state budget; a size given by flag is the cache's.
+    verify_rows = 0
+    if server_args.speculative_algorithm is not None and server_args.max_mamba_cache_size is None:
+        verify_rows = server_args.speculative_num_draft_tokens
     # The derived cap leaves the tree its headroom (`MambaStrategy.tree_headroom`); a cap given by flag
     # may take it all.
-    derived = min(slots // strategy.slots_per_running_req, tokens // 2, MAX_RUNNING_REQUESTS_CAP)
+    per_running = strategy.slots_per_running_req + verify_rows
+    derived = min(slots // per_running, tokens // 2, MAX_RUNNING_REQUESTS_CAP)
     running = server_args.max_running_requests or max(1, derived)
+    slots -= running * verify_rows
+    if slots < resident:
+        raise ServerArgsError(
+            f"--speculative-num-draft-tokens {verify_rows} for {running} running requests leaves "
+            f"{max(slots, 0)} mamba slots in the state budget; lower --max-running-requests or raise "
+            "--mem-fraction-static."
+        )
     if server_args.max_running_requests and running > slots // resident:
         logger.warning(
             "--max-running-requests %d exceeds what %d mamba slots hold at %d per request; "

@@ -36,9 +36,16 @@ class ForwardMode(IntEnum):
     EXTEND = auto()
     DECODE = auto()
     IDLE = auto()
+    # Speculative verify (`speculative/ngram_worker.py`): an extend of each request's newest token and its
+    # drafts, with logits and a sampled token at every position; linear layers keep the state after
+    # each position in the pool's verify rows (`MambaPool.verify_row`) and leave the running slots alone.
+    TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
-        return self == ForwardMode.EXTEND
+        return self in (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
@@ -111,6 +118,17 @@ class SamplingBatchInfo:
         return cls.create([0.0] * bs)
 
     TENSOR_FIELDS = ("temperatures", "top_ps", "top_ks", "min_ps", "seed_bits", "has_seed")
+
+    def repeat_rows(self, counts: Sequence[int]) -> SamplingBatchInfo:
+        """Row i `counts[i]` times in a row (a verify samples every position of a request alike); the
+        host tensors must not have moved yet."""
+        index = host_int64([i for i, n in enumerate(counts) for _ in range(n)])
+        taken = {
+            name: t.index_select(0, index)
+            for name in self.TENSOR_FIELDS
+            if (t := getattr(self, name)) is not None
+        }
+        return dataclasses.replace(self, **taken)
 
 
 def _sort_width(top_ps: list[float], top_ks: list[int]) -> int:

@@ -103,6 +103,10 @@ class ModelRunner:
     def _init_pools(self, context_len: int) -> None:
         args, sizes = self.server_args, self.pool_sizes
         cache_params = self.arch.mamba2_cache_params(self.dtype, args.mamba_ssm_dtype)
+        # Speculative verify rows: one per position of each row of the largest verify batch.
+        verify_shape = (sizes.max_running_requests, args.speculative_num_draft_tokens or 0)
+        if args.speculative_algorithm is None:
+            verify_shape = (0, 0)
         if args.disaggregation_mode == "decode":
             # Rows (and slots) for transfers in flight beyond the running cap (upstream PR #22462).
             extra = args.disaggregation_decode_extra_slots
@@ -114,6 +118,7 @@ class ModelRunner:
                 cache_params=cache_params,
                 strategy=args.mamba_strategy,
                 device=self.device,
+                verify_shape=verify_shape,
             )
             self.pool_sizes = dataclasses.replace(
                 sizes, max_mamba_cache_size=self.req_to_token_pool.mamba_pool.size
@@ -126,6 +131,7 @@ class ModelRunner:
                 cache_params=cache_params,
                 strategy=args.mamba_strategy,
                 device=self.device,
+                verify_shape=verify_shape,
             )
         self.token_to_kv_pool = MHATokenToKVPool(
             size=sizes.max_total_tokens,
@@ -161,10 +167,13 @@ class ModelRunner:
             next_logits = logits.next_token_logits
             if fb.penalties is not None:
                 next_logits = self.penalizer.apply(next_logits, fb.penalties)
+            # Each sampled token's sequence index (what seeded sampling hashes): the batch's lengths, or
+            # for a verify (a token per position) one past each position.
+            seq_index = fb.positions + 1 if fb.forward_mode.is_target_verify() else fb.seq_lens
             sample = self.sampler(
                 next_logits,
                 fb.sampling_info,
-                fb.seq_lens,
+                seq_index,
                 return_logprob=fb.return_logprob,
                 top_logprobs_nums=fb.top_logprobs_nums,
                 token_ids_logprobs=fb.token_ids_logprobs,

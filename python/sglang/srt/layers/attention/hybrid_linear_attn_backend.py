@@ -74,4 +74,6 @@ class HybridLinearAttnBackend:
     def forward_linear(self, layer: Any, fb: ForwardBatch, *inputs: torch.Tensor) -> torch.Tensor:
         """A linear-attention layer's state-touching part (see the GDN / Mamba2 backends for inputs)."""
         assert layer.layer_id not in self.full_attn_layers, f"layer {layer.layer_id} is full attention"
+        if fb.forward_mode.is_target_verify():
+            return self.linear_attn_backend.forward_verify(layer, fb, *inputs)
         return self.linear_attn_backend.forward(layer, fb, *inputs)

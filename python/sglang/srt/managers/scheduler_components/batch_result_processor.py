@@ -59,9 +59,13 @@ class BatchResultProcessor:
         # Finished requests whose release waits for a batch in flight (`release_finished`): they still
         # hold their KV and slots.
         self.deferred_releases: list[Req] = []
+        # Speculative decoding: commits a verify batch's result (`speculative/ngram_worker.py`).
+        self.process_verify: Callable[[ScheduleBatch, HostBatchResult], None] | None = None
 
     def process_batch_result(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
-        if batch.forward_mode.is_decode():
+        if batch.forward_mode.is_target_verify():
+            self.process_verify(batch, result)
+        elif batch.forward_mode.is_decode():
             self.process_batch_result_decode(batch, result)
         else:
             self.process_batch_result_prefill(batch, result)

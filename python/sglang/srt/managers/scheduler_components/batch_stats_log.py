@@ -44,13 +44,32 @@ class BatchStatsLog:
         self._decodes = 0  # decode batches of the window
         self._generated = 0  # their tokens
         self._since: float | None = None  # the window's opening launch; None: the next decode opens one
+        # Speculative decoding: the worker's totals (`NgramWorker.stats`), and their values when the
+        # window opened; a verify's tokens beyond one per request are added as they are committed.
+        self.spec_stats: dict[str, int] | None = None
+        self._spec_since = (0, 0)
 
     def reset(self) -> None:
         """The scheduler is idle: the next decode batch opens a new window."""
         self._decodes, self._generated, self._since = 0, 0, None
 
+    def add_generated(self, tokens: int) -> None:
+        """Tokens a batch of the window committed beyond the one per request counted at its launch."""
+        if self._since is not None:
+            self._generated += tokens
+
+    def _accept_len(self) -> str:
+        """", accept len: x" (tokens committed per request and verify since the window opened), or ""."""
+        stats = self.spec_stats
+        if stats is None:
+            return ""
+        steps, tokens = stats["verify_steps"], stats["committed_tokens"]
+        d_steps, d_tokens = steps - self._spec_since[0], tokens - self._spec_since[1]
+        self._spec_since = (steps, tokens)
+        return f", accept len: {d_tokens / d_steps:.2f}" if d_steps else ""
+
     def on_launch(self, batch: ScheduleBatch, running: int, queued: int) -> None:
-        if batch.forward_mode.is_decode():
+        if batch.forward_mode.is_decode() or batch.forward_mode.is_target_verify():
             now = time.monotonic()
             if self._since is None:
                 self._since = now  # its tokens come after the window opens: not counted
@@ -66,8 +85,9 @@ class BatchStatsLog:
                 graph = 0 < batch.batch_size <= self.cuda_graph_max_bs
                 logger.info(
                     "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, mamba usage: %.2f, "
-                    "cuda graph: %s, gen throughput (token/s): %.2f, #queue-req: %d",
+                    "cuda graph: %s, gen throughput (token/s): %.2f, #queue-req: %d%s",
                     batch.batch_size, used, token_usage, mamba_usage, graph, throughput, queued,
+                    self._accept_len(),
                 )  # fmt: skip
         elif batch.forward_mode.is_extend() and logger.isEnabledFor(logging.INFO):
             _, token_usage, mamba_usage = self.usage()

@@ -241,6 +241,7 @@ class SchedulerIOMixin:
             "loop_times": self.loop_times.report(self.worker.busy_seconds),
             "disaggregation_mode": self.disaggregation_mode,
             "disaggregation": self.disagg.state() if self.disagg is not None else None,
+            **(self.spec.internal_state() if self.spec is not None else {}),
         }
 
     # ---- process loop ------------------------------------------------------------------------------

@@ -13,6 +13,12 @@ chunk size) is not the cache chunk C = max(chunk, page size): with GDN and C = 1
 Decode: after the last layer updated the running slots, masked rows copy them (every layer, conv and
 SSM, one fused launch: `track_decode_states`) into their track slots: the state after seq_len tokens.
 
+Speculative verify (`ForwardMode.TARGET_VERIFY`): each request's newest token and its drafts run as a
+sequence of decode steps, position by position (`forward_verify`): step t copies the state before it
+(the running slot at t = 0, else the verify row of t - 1) into the verify row of t and updates that in
+place with the layer's own decode step, so every position's state is kept and the running slot is
+untouched; the scheduler copies the accepted position's state into it afterwards.
+
 Every extend starts from the state in its running slot, a request with no prefix too: the scheduler
 gives a fresh slot a deferred clear (`mamba_clear_indices`), so zero state is the pool's job, and the
 kernels read initial states uniformly by slot (what batched GPU kernels need).
@@ -23,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +39,7 @@ from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_extend
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.srt.layers.gpu_ops import triton_chosen
 from sglang.srt.mem_cache.memory_pool import MambaPool
-from sglang.srt.model_executor.forward_batch_info import host_int64
+from sglang.srt.model_executor.forward_batch_info import ForwardMode, host_int64
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -73,6 +80,22 @@ class LinearMetadata:
     triton_extend: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], int] | None = None
     # Extend through a packed-batch kernel (`varlen_impl`).
     varlen: VarlenExtend | None = None
+    # Speculative verify: one step per position (`forward_verify`).
+    verify: list[VerifyStep] | None = None
+
+
+@dataclass
+class VerifyStep:
+    """Position t of a verify forward: the packed indices of the tokens at t (of the requests that have
+    one), the slots their states before it are read from, and the verify rows their states after it go to."""
+
+    tokens: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+# What a linear backend's `forward` reads of a batch to run one decode step (`forward_verify`).
+_DECODE_STEP = SimpleNamespace(forward_mode=ForwardMode.DECODE)
 
 
 @dataclass
@@ -125,7 +148,12 @@ class MambaAttnBackendBase:
     # ---- metadata ---------------------------------------------------------------------------------
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        if fb.forward_mode.is_extend():
+        if fb.forward_mode.is_target_verify():
+            device = self.mamba_pool.conv_state.device
+            moved = _moved(_verify_keys(fb), fb.aux_tensors, lambda: self._verify_host(fb), device)
+            steps = [VerifyStep(*moved[i : i + 3]) for i in range(0, len(moved), 3)]
+            self.meta = LinearMetadata(slots=fb.mamba_pool_indices, verify=steps)
+        elif fb.forward_mode.is_extend():
             seqs = self._extend_seqs(fb)
             cpu_extend = _cpu_extend_args(seqs) if self.cpu_ops is not None else None
             device, aux = self.mamba_pool.conv_state.device, fb.aux_tensors
@@ -147,6 +175,10 @@ class MambaAttnBackendBase:
         """Before the batch moves to the device (`ModelRunner.move_batch`): an extend's index tensors
         for the Triton conv and the packed kernels go into `fb.aux_tensors`, so they reach the device
         in the batch's one copy (`init_forward_metadata` then takes them from there)."""
+        if fb.forward_mode.is_target_verify():
+            if self.mamba_pool.conv_state.device.type != "cpu":
+                fb.aux_tensors.update(zip(_verify_keys(fb), self._verify_host(fb), strict=True))
+            return
         if not fb.forward_mode.is_extend() or not (self.decode_in_place or self.varlen_impl):
             return
         seqs = self._extend_seqs(fb)
@@ -154,6 +186,39 @@ class MambaAttnBackendBase:
             fb.aux_tensors.update(zip(_TRITON_KEYS, _triton_extend_host(seqs), strict=True))
         if self.varlen_impl:
             fb.aux_tensors.update(zip(_VARLEN_KEYS, _varlen_host(seqs, self.varlen_chunk), strict=True))
+
+    def _verify_host(self, fb: ForwardBatch) -> list[torch.Tensor]:
+        """`VerifyStep`s' tensors on the host, three per position."""
+        pool, lens, starts = self.mamba_pool, fb.extend_seq_lens_cpu, fb.extend_start_loc_cpu
+        slots = fb.mamba_pool_indices_cpu
+        out = []
+        for t in range(max(lens, default=0)):
+            rows = [b for b, n in enumerate(lens) if n > t]
+            src = [slots[b] if t == 0 else pool.verify_row(b, t - 1) for b in rows]
+            out += [
+                host_int64([starts[b] + t for b in rows]),
+                host_int64(src),
+                host_int64([pool.verify_row(b, t) for b in rows]),
+            ]
+        return out
+
+    def forward_verify(self, layer: Any, fb: ForwardBatch, *inputs: torch.Tensor) -> torch.Tensor:
+        """A verify forward of one layer (module docstring): the layer's decode step once per position,
+        on the verify rows. `inputs` are the layer's per-token inputs to `forward`, packed as the batch."""
+        conv, ssm = self.mamba_pool.layer_cache(layer.layer_id)
+        meta, out = self.meta, None
+        try:
+            for step in meta.verify:
+                conv.index_copy_(0, step.dst, conv.index_select(0, step.src))
+                ssm.index_copy_(0, step.dst, ssm.index_select(0, step.src))
+                self.meta = LinearMetadata(slots=step.dst)
+                o = self.forward(layer, _DECODE_STEP, *(x.index_select(0, step.tokens) for x in inputs))
+                if out is None:
+                    out = o.new_empty((inputs[0].shape[0], *o.shape[1:]))
+                out.index_copy_(0, step.tokens, o)
+        finally:
+            self.meta = meta
+        return out
 
     def _tracked_rows(self, fb: ForwardBatch) -> list[int]:
         mask = fb.mamba_track_mask_cpu
@@ -376,6 +441,12 @@ _VARLEN_KEYS = tuple(
     f"linear.varlen.{name}"
     for name in ("cu", "chunk_rows", "chunk_slots", "final_rows", "final_slots", "chunk_indices", "chunk_offsets")
 )
+
+
+def _verify_keys(fb: ForwardBatch) -> tuple[str, ...]:
+    """`ForwardBatch.aux_tensors` names of a verify's step tensors (`_verify_host`'s order)."""
+    width = max(fb.extend_seq_lens_cpu, default=0)
+    return tuple(f"linear.verify.{t}.{name}" for t in range(width) for name in ("tokens", "src", "dst"))
 
 
 def _moved(keys: tuple[str, ...], aux: dict[str, torch.Tensor], host: Any, device: torch.device) -> list:

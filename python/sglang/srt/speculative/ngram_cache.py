@@ -1,0 +1,59 @@
+"""`NgramCache`: the draft source of `--speculative-algorithm NGRAM`, one table shared by all requests.
+
+Every position of every sequence seen (prompts when admitted, outputs as they are committed) is
+indexed under the n-grams that end there, one key per window size w in [min_window, max_window]; the
+key maps to where the text continues after that occurrence. A draft for a request is the continuation
+of the most recent occurrence of its longest suffix that has one: the text that followed the same
+words last time, in this request or in any other (upstream's BFS match with breadth 1: one chain).
+
+A position is indexed only once a token follows it, so a request's own newest suffix never matches
+itself. Values point into the sequence lists (`(tokens, start)`) instead of copying continuations:
+one insert per new token and window, whatever the draft length. The table keeps the `capacity`
+most recently written keys; a sequence list lives while a key points into it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class NgramCache:
+    def __init__(self, min_window: int, max_window: int, branch_length: int, capacity: int):
+        assert 1 <= min_window <= max_window and branch_length >= 1 and capacity >= 1
+        self.min_window = min_window
+        self.max_window = max_window
+        self.branch_length = branch_length  # the longest continuation a draft takes
+        self.capacity = capacity
+        self._table: OrderedDict[tuple[int, ...], tuple[list[int], int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def index(self, tokens: list[int], start: int) -> None:
+        """Index the positions of `tokens` (a list that only grows: it is kept and read later) from
+        `start` on that a token now follows: call it after appending, with `start` the length before
+        (0 for a new sequence)."""
+        table, lo, hi = self._table, self.min_window, self.max_window
+        for end in range(max(start - 1, 0), len(tokens) - 1):
+            # The n-grams ending at position `end`; their text continues at end + 1.
+            for w in range(lo, min(hi, end + 1) + 1):
+                key = tuple(tokens[end + 1 - w : end + 1])
+                if key in table:
+                    table.move_to_end(key)
+                table[key] = (tokens, end + 1)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
+
+    def draft(self, tokens: list[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens that may follow `tokens` (fewer where no indexed text continues
+        that far; none where no suffix of `tokens` was seen)."""
+        n = min(max_tokens, self.branch_length)
+        if n <= 0:
+            return []
+        table = self._table
+        for w in range(min(self.max_window, len(tokens)), self.min_window - 1, -1):
+            hit = table.get(tuple(tokens[-w:]))
+            if hit is not None:
+                seq, at = hit
+                return seq[at : at + n]
+        return []

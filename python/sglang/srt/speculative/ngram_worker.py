@@ -1,0 +1,238 @@
+"""NGRAM speculative decoding on the scheduler (`--speculative-algorithm NGRAM`): drafts from the
+`NgramCache`, the verify batch, and what its result commits.
+
+A verify step takes every decoding request: its newest token and up to D - 1 drafts (D =
+--speculative-num-draft-tokens; fewer where its output or context budget ends first) run as one extend,
+`ForwardMode.TARGET_VERIFY`, that samples a token at every position with the request's own sampling
+options. The token s_t sampled at position t is the one plain decoding would sample after the drafts
+before t: the same logits, and seeded sampling hashes the same sequence index (greedy takes the same
+argmax). Request i accepts drafts while d_(t+1) == s_t; with a accepted it commits s_0..s_a, cut where
+it finishes, and keeps the KV of its newest token and the accepted drafts; the rest goes back.
+
+Recurrent state: the forward leaves the state after each position in the pool's verify rows and the
+running slot as it was (`MambaPool.verify_row`). The commit queues copies on the forward stream, run
+before the next batch (`take_state_copies`): the state after the last committed token into the running
+slot, and, where the committed tokens reach a track boundary, the state there into the track slot the
+build chose (`MambaTracker.decode_track`). Whatever reads those slots runs later on the same stream, so a
+finished request hands its running slot to the tree at once.
+
+A step where no request has a draft, where a request's logits take penalties (their token counts would
+have to follow the drafts), or where the KV pool cannot hold the drafts, decodes plainly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.scheduler_components.decode_set import select_decode_reqs
+from sglang.srt.mem_cache.common import alloc_for_verify, release_verify_tail
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.speculative.ngram_cache import NgramCache
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.model_executor.forward_worker import HostBatchResult
+
+
+@dataclass
+class NgramVerifyInput:
+    """A verify batch's drafts, per request: the drafts, the KV length before the verify (its newest
+    token sits there), and the track slot of a boundary the verify may reach (-1: none)."""
+
+    drafts: list[list[int]]
+    prefix_lens: list[int]
+    track_slots: list[int]
+
+
+class NgramWorker:
+    def __init__(self, sched: Scheduler):
+        args = sched.server_args
+        self.sched = sched
+        self.width = args.speculative_num_draft_tokens
+        self.cache = NgramCache(
+            args.speculative_ngram_min_match_window_size,
+            args.speculative_ngram_max_match_window_size,
+            args.speculative_ngram_branch_length,
+            args.speculative_ngram_capacity,
+        )
+        # Each running request's tokens (prompt and outputs), as the cache indexes them.
+        self._histories: dict[Req, list[int]] = {}
+        self._state_copies: list[tuple[int, int]] = []
+        # Totals since start: verify steps (one per request and verify), drafts proposed and accepted,
+        # tokens committed (what /metrics and the decode log read).
+        self.stats = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "committed_tokens": 0}
+
+    # ---- drafts ------------------------------------------------------------------------------------
+
+    def _history(self, req: Req) -> list[int]:
+        """`req`'s tokens, indexed: brought up to date with what it committed since (plain decode
+        steps commit too)."""
+        tokens = self._histories.get(req)
+        if tokens is None:
+            tokens = self._histories[req] = list(req.origin_input_ids)
+            self.cache.index(tokens, 0)
+        n, out = len(tokens), req.output_ids
+        done = n - len(req.origin_input_ids)  # outputs already in `tokens`
+        if done < len(out):
+            tokens += out[done:]
+            self.cache.index(tokens, n)
+        return tokens
+
+    def forget(self, req: Req) -> None:
+        """`req` left the scheduler (its indexed text stays in the cache)."""
+        self._histories.pop(req, None)
+
+    # ---- build -------------------------------------------------------------------------------------
+
+    def get_new_batch_verify(self) -> ScheduleBatch | None:
+        sched = self.sched
+        reqs = select_decode_reqs(sched.running, sched.context_len, sched.disaggregation_mode == "prefill")
+        if not reqs or any(r.penalized for r in reqs):
+            return None
+        drafts = []
+        for r in reqs:
+            budget = min(
+                self.width - 1,
+                r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
+                sched.context_len - r.kv_len - 1,
+            )
+            drafts.append(self.cache.draft(self._history(r), budget) if budget > 0 else [])
+        if not any(drafts):
+            return None
+        counts = [1 + len(d) for d in drafts]
+        allocated = alloc_for_verify(sched.tree_cache, sched.token_allocator, reqs, counts, sched.kv_log)
+        if allocated is None:
+            return None
+        out_cache_loc, prefix_lens = allocated
+        # The decode set's certificates count one token per step: the requests qualify anew.
+        for r in reqs:
+            r.decode_until = -1
+        sched.decode_set.clear()
+        batch = ScheduleBatch(reqs, ForwardMode.TARGET_VERIFY, sched._next_batch_id())
+        self._prepare(batch, drafts, counts, out_cache_loc, prefix_lens)
+        return batch
+
+    def _prepare(
+        self,
+        batch: ScheduleBatch,
+        drafts: list[list[int]],
+        counts: list[int],
+        out_cache_loc: list[int],
+        prefix_lens: list[int],
+    ) -> None:
+        sched, reqs = self.sched, batch.reqs
+        tracker, interval = sched.tracker, sched.tracker.interval
+        input_ids, writes, track_slots = [], [], []
+        for i, (req, draft, p) in enumerate(zip(reqs, drafts, prefix_lens, strict=True)):
+            input_ids.append(req.output_ids[-1])
+            input_ids += draft
+            if req.req_to_token_dirty_from is not None:
+                writes += ScheduleBatch._dirty_row_writes(req, p)
+            # The first track boundary among the lengths this verify may reach, p + 1 .. p + count
+            # (at most one: --mamba-track-interval >= D).
+            boundary = (p // interval + 1) * interval
+            track = tracker.decode_track(req, boundary) if boundary <= p + counts[i] else None
+            if track is not None:
+                batch.pending_tracks[i] = (track[1], boundary)
+            track_slots.append(-1 if track is None else track[0])
+        batch.sample_rows = [True] * len(reqs)
+        batch.completes_prefill = [False] * len(reqs)
+        batch.spec_info = NgramVerifyInput(drafts, prefix_lens, track_slots)
+        sched.inflight.add(batch)
+        batch.future_slots = None  # no overlap: nothing names these tokens before they are processed
+        rows = sched.rows_cache.get(reqs)
+        batch.any_stream = rows.any_stream
+
+        def per_token(values):
+            return [v for v, n in zip(values, counts, strict=True) for _ in range(n)]
+
+        ids = rows.token_ids_logprobs
+        batch.forward_batch = ForwardBatch.create(
+            ForwardMode.TARGET_VERIFY,
+            input_ids=input_ids,
+            req_pool_indices=rows.req_pool_indices,
+            seq_lens=[p + n for p, n in zip(prefix_lens, counts, strict=True)],
+            out_cache_loc=out_cache_loc,
+            mamba_pool_indices=rows.mamba_pool_indices,
+            extend_prefix_lens=prefix_lens,
+            req_to_token_writes=writes,
+            sampling_info=rows.sampling_info.repeat_rows(counts),
+            return_logprob_mask=per_token(rows.return_logprob_mask),
+            top_logprobs_nums=per_token(rows.top_logprobs_nums),
+            token_ids_logprobs=None if ids is None else per_token(ids),
+            host_tensors=rows.host_tensors,
+        )
+        batch.state_copies = sched.tree_cache.take_pending_state_copies()
+
+    def internal_state(self) -> dict:
+        """For /get_server_info: upstream's `avg_spec_accept_length` (tokens committed per request and
+        verify since start) and the totals behind it."""
+        steps = self.stats["verify_steps"]
+        avg = self.stats["committed_tokens"] / steps if steps else 0.0
+        return {"avg_spec_accept_length": avg, "speculative": dict(self.stats)}
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The verify commits' state copies, for the next batch to run first (module docstring)."""
+        out, self._state_copies = self._state_copies, []
+        return out
+
+    # ---- commit ------------------------------------------------------------------------------------
+
+    def process_batch_result_verify(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
+        rp, sched = self.sched.result_processor, self.sched
+        pool = sched.req_to_token_pool.mamba_pool
+        # Tokens committed here are outside the decode token log's count of steps: it forgets its run
+        # (appending what it holds) and starts anew after the next plain steps.
+        rp.token_log.clear()
+        spec: NgramVerifyInput = batch.spec_info
+        check_finished, logprobs = rp.finisher.check_finished, result.next_token_logprobs is not None
+        sampled_all = result.next_token_ids
+        touched: list[Req] = []
+        start = committed_total = accepted_total = 0
+        for i, req in enumerate(batch.reqs):
+            drafts, p = spec.drafts[i], spec.prefix_lens[i]
+            at, start = start, start + 1 + len(drafts)
+            if req.finished_reason is not None:
+                rp._release_landed(req)
+                continue
+            sampled = sampled_all[at:start]
+            accepted = 0
+            while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+                accepted += 1
+            out = req.output_ids
+            committed = 0
+            for t in range(accepted + 1):
+                token = sampled[t]
+                out.append(token)
+                committed += 1
+                if logprobs and req.return_logprob:
+                    rp._append_output_logprobs(req, result, at + t, token)
+                if len(out) >= req.finish_check_len or token in req.finish_token_ids:
+                    check_finished(req)
+                    if req.finished_reason is not None:
+                        break
+            committed_total += committed
+            accepted_total += committed - 1
+            # The request keeps the KV of p + committed positions; its state after them is the verify row
+            # of its last committed token, and a track boundary they reach takes the state there.
+            release_verify_tail(sched.token_allocator, req, p + committed)
+            self._state_copies.append((pool.verify_row(i, committed - 1), req.mamba_pool_idx))
+            pending = batch.pending_tracks.get(i)
+            if pending is not None and pending[1] <= p + committed:
+                self._state_copies.append((pool.verify_row(i, pending[1] - p - 1), spec.track_slots[i]))
+            else:
+                pending = None
+            if pending is not None or req.finished_reason is not None:
+                rp._handle_finish_state_updated_req(req, pending)
+            if req.stream or req.finished_reason is not None:
+                touched.append(req)
+        rp.counters["num_generation_tokens_total"] += committed_total
+        sched.batch_stats.add_generated(committed_total - len(batch.reqs))
+        stats = self.stats
+        stats["verify_steps"] += len(batch.reqs)
+        stats["draft_tokens"] += sum(map(len, spec.drafts))
+        stats["accepted_tokens"] += accepted_total
+        stats["committed_tokens"] += committed_total
+        rp.stream_output(touched)

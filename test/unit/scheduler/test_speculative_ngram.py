@@ -1,0 +1,238 @@
+"""`--speculative-algorithm NGRAM` against plain decoding of the same requests: the same tokens (greedy
+and seeded sampling), logprobs, top logprobs and cache hits, per architecture x strategy x page size,
+with drafts accepted, cut by a finish, and refused (penalties); under KV pressure (retractions); and the
+flags' checks. Integrity is checked after every phase and nothing is held after a flush.
+
+Why equal: a verify samples position t from the logits plain decoding computes after the same tokens,
+with the same seed hash (module docstring of speculative/ngram_worker.py), and keeps the state of the
+last committed position, which a later turn then hits."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.scheduler_harness import (
+    ORACLE_TOL,
+    Output,
+    SchedulerHarness,
+    churn_harness,
+    run_churn,
+    token_ids,
+)
+
+register_cpu_ci(est_time=60, suite="per-commit-cpu")
+
+QWEN, NEMO = "tiny-qwen3-next", "tiny-nemotron-h"
+SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
+# (preset, strategy, page size): GDN, Mamba2, short conv and parallel hybrid layers; every strategy.
+CONFIGS = [
+    (QWEN, "extra_buffer", 1),
+    (QWEN, "no_buffer", 1),
+    (NEMO, "extra_buffer_lazy", 16),
+    (NEMO, "extra_buffer", 128),
+    ("tiny-lfm2", "extra_buffer", 16),
+    ("tiny-falcon-h1", "extra_buffer_lazy", 1),
+]
+# Greedy, seeded top-p sampling, and greedy with top logprobs and chosen ids' logprobs.
+SAMPLING = [
+    {},
+    {"temperature": 0.8, "top_p": 0.9, "sampling_seed": 11},
+    {"top_logprobs_num": 3, "token_ids_logprob": [5, 17]},
+    {"temperature": 1.3, "top_k": 20, "sampling_seed": 3},
+]
+
+
+def _harness(preset: str, strategy: str, page: int, spec: bool, **kw) -> SchedulerHarness:
+    args = dict(
+        mamba_scheduler_strategy=strategy,
+        page_size=page,
+        disable_overlap_schedule=True,
+        mamba_track_interval=128,  # decode snapshots inside the outputs below
+        chunked_prefill_size=256,
+    )
+    args.update(kw)
+    return SchedulerHarness(preset, **args, **(SPEC if spec else {}))
+
+
+def _turns(h: SchedulerHarness) -> list[list[Output]]:
+    """Turn 1: four requests; turn 2: the same prompts (drafts from turn 1's outputs); turn 3: each
+    prompt with its turn-1 output and five more tokens (hits what the decode steps left in the tree)."""
+    prompts = [token_ids(40 + 17 * k, seed=k) for k in range(4)]
+    turns = []
+    for turn in range(3):
+        rids = []
+        for k, prompt in enumerate(prompts):
+            if turn == 2:
+                prompt = prompt + turns[0][k].output_ids + token_ids(5, seed=50 + k)
+            rids.append(h.submit(prompt, max_new_tokens=70 - 8 * k if turn < 2 else 30, **SAMPLING[k]))
+        h.run()
+        h.sched.check_integrity()
+        turns.append([h.outputs[r] for r in rids])
+    return turns
+
+
+def _assert_same(plain: Output, spec: Output, what: str) -> None:
+    assert spec.output_ids == plain.output_ids, what
+    assert spec.finished_reason == plain.finished_reason, what
+    assert spec.cached_tokens == plain.cached_tokens, what
+    # Both sides match the oracle to ~1e-5 (measured: <= 7e-6 apart); a wrong state costs > 0.5.
+    for a, b in zip(plain.logprobs, spec.logprobs, strict=True):
+        assert abs(a - b) <= ORACLE_TOL, what
+    for a, b in zip(
+        plain.top_logprobs + plain.token_ids_logprobs, spec.top_logprobs + spec.token_ids_logprobs, strict=True
+    ):
+        assert [i for _, i in a] == [i for _, i in b], what
+        assert max(abs(x - y) for (x, _), (y, _) in zip(a, b, strict=True)) <= ORACLE_TOL, what
+
+
+@pytest.mark.parametrize("preset,strategy,page", CONFIGS)
+def test_same_outputs_and_hits_as_plain_decoding(preset, strategy, page):
+    results = {}
+    for spec in (False, True):
+        h = _harness(preset, strategy, page, spec)
+        try:
+            results[spec] = _turns(h)
+            if spec:
+                stats = h.sched.spec.stats
+                # Turn 2's greedy requests repeat turn 1: most of their drafts are accepted (measured:
+                # ~320 of ~960 tokens committed come from accepted drafts).
+                assert stats["accepted_tokens"] >= 100, stats
+                assert stats["committed_tokens"] > stats["verify_steps"], stats
+            h.flush_and_check_empty()
+        finally:
+            h.shutdown()
+    for turn, (plain, spec) in enumerate(zip(results[False], results[True], strict=True)):
+        for k, (a, b) in enumerate(zip(plain, spec, strict=True)):
+            _assert_same(a, b, f"turn {turn + 1}, request {k}")
+    # Turn 3 hits past a turn-1 prompt (no_buffer: the final states; extra buffer: a decode snapshot),
+    # so it continues from a state a verify left.
+    assert any(o.cached_tokens > 40 + 17 * k for k, o in enumerate(results[True][2]))
+
+
+def test_finish_inside_accepted_drafts_keeps_the_finishing_state():
+    """A stop token in the middle of a run of accepted drafts: the tokens after it are dropped, the KV and
+    the running state end at it, and the next turn, which hits that final state, continues exactly."""
+    outs = {}
+    for spec in (False, True):
+        h = _harness(QWEN, "extra_buffer", 1, spec)
+        try:
+            prompt = token_ids(50, seed=7)
+            first = h.generate(prompt, 40)
+            k = next(i for i in range(8, 40) if first.output_ids[i] not in first.output_ids[:i])
+            stop = h.generate(prompt, 40, stop_token_ids=[first.output_ids[k]])
+            assert stop.output_ids == first.output_ids[: k + 1]
+            follow = h.generate(prompt + stop.output_ids + token_ids(3, seed=8), 20)
+            h.sched.check_integrity()
+            if spec:
+                assert h.sched.spec.stats["accepted_tokens"] > k // 2  # the stop came inside accepted runs
+            outs[spec] = (stop, follow)
+            h.flush_and_check_empty()
+        finally:
+            h.shutdown()
+    for a, b in zip(outs[False], outs[True], strict=True):
+        _assert_same(a, b, "stop / follow-up")
+    # The follow-up hits the whole finished request (its last token has no KV yet): its final state.
+    assert outs[True][1].cached_tokens == 50 + len(outs[True][0].output_ids) - 1
+
+
+def test_a_penalized_request_makes_its_steps_decode_plainly():
+    h = _harness(QWEN, "extra_buffer", 1, True)
+    try:
+        prompt = token_ids(30, seed=3)
+        h.generate(prompt, 40)
+        before = dict(h.sched.spec.stats)
+        rids = [h.submit(prompt, 40), h.submit(prompt, 60, frequency_penalty=0.5)]
+        h.run()
+        assert h.sched.spec.stats == before  # every step had the penalized request: no verify
+        plain = h.generate(prompt, 40)
+        assert h.outputs[rids[0]].output_ids == plain.output_ids
+        assert h.sched.spec.stats["verify_steps"] > before["verify_steps"]  # alone, it drafts again
+        h.sched.check_integrity()
+    finally:
+        h.shutdown()
+
+
+def test_kv_pressure_retracts_and_outputs_stay_the_same():
+    outs = {}
+    for spec in (False, True):
+        h = churn_harness(False, **(SPEC if spec else {}))
+        try:
+            rids = run_churn(h, abort_at=10_000)  # no abort: every request's output is compared
+            assert h.sched.counters["num_retractions_total"] > 0
+            h.sched.check_integrity()
+            outs[spec] = [h.outputs[r].output_ids for r in rids]
+            h.flush_and_check_empty()
+        finally:
+            h.shutdown()
+    assert outs[True] == outs[False]
+
+
+def test_flags():
+    args = ServerArgs(model_path=QWEN, speculative_algorithm="NGRAM")
+    assert args.speculative_num_draft_tokens == args.speculative_ngram_max_match_window_size == 12
+    assert not args.enable_overlap_schedule  # verify results are read on the host before the next build
+    assert args.mamba_scheduler_strategy == "extra_buffer"  # auto without overlap
+    bad = {
+        "--speculative-algorithm EAGLE needs a draft model": dict(speculative_algorithm="EAGLE"),
+        "--speculative-ngram-match-type PROB": dict(speculative_ngram_match_type="PROB"),
+        "--speculative-ngram-min-match-window-size 5 exceeds": dict(
+            speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=4
+        ),
+        "--speculative-num-draft-tokens must be a positive": dict(speculative_num_draft_tokens=0),
+        "--mamba-track-interval 64 must be at least --speculative-num-draft-tokens 65": dict(
+            speculative_num_draft_tokens=65, mamba_track_interval=64
+        ),
+    }
+    for message, flags in bad.items():
+        flags.setdefault("speculative_algorithm", "NGRAM")
+        with pytest.raises(ServerArgsError, match=message):
+            ServerArgs(model_path=QWEN, **flags)
+
+
+def test_verify_rows_come_out_of_a_derived_state_budget():
+    """Without --max-mamba-cache-size the verify rows (D per running request) are paid from the state
+    budget: the running cap shrinks so that the slots left still hold every running request (at the
+    default 2% of a 1 GiB host this once left no slots and refused to start)."""
+    from sglang.srt.mem_cache.pool_sizing import CPU_DEFAULT_MEM_FRACTION, compute_pool_sizes
+
+    spec, plain = ServerArgs(model_path=QWEN, **SPEC), ServerArgs(model_path=QWEN)
+    arch, memory = plain.model_config.arch, 1 << 30
+    a, b = (compute_pool_sizes(args, arch, 0, device_memory=memory) for args in (spec, plain))
+    rows = a.max_running_requests * SPEC["speculative_num_draft_tokens"]
+    assert a.max_total_tokens == b.max_total_tokens
+    assert a.max_mamba_cache_size + rows <= b.max_mamba_cache_size
+    assert a.max_mamba_cache_size >= a.max_running_requests * spec.mamba_strategy.slots_per_running_req
+    used = (a.max_mamba_cache_size + rows) * a.mamba_bytes_per_slot + a.max_total_tokens * a.kv_bytes_per_token
+    assert used <= memory * CPU_DEFAULT_MEM_FRACTION
+
+
+def test_steps_without_logprobs_finish_on_time():
+    """Without logprobs, plain steps between verifies log their tokens instead of committing them
+    (`DecodeTokenLog`) while it counts that no request can finish; a verify commits tokens outside those
+    counts, so it must end the log's run, or a request runs past its max_new_tokens unchecked (and then
+    never finishes). 2-grams and longer only: drafts are rare in the first round (plain steps, logged)
+    and every step of the second has them (it repeats the first). The logs' invariants hold after
+    every step."""
+    outs = {}
+    for spec in (False, True):
+        h = _harness(QWEN, "extra_buffer", 1, spec, speculative_ngram_min_match_window_size=2)
+        try:
+            prompts = [token_ids(30 + 9 * k, seed=20 + k) for k in range(3)]
+            for _ in range(2):
+                rids = [h.submit(p, 40 + 5 * k, return_logprob=False) for k, p in enumerate(prompts)]
+                while h.sched.step():
+                    h.sched.result_processor.token_log.check()
+                    h.sched.kv_log.check()
+                h.collect()
+                h.sched.check_integrity()
+            outs[spec] = [h.outputs[r] for r in rids]
+            if spec:
+                assert h.sched.spec.stats["accepted_tokens"] > 0
+                assert h.sched.result_processor.token_log.steps_logged > 0  # the log ran between verifies
+        finally:
+            h.shutdown()
+    for k, (a, b) in enumerate(zip(outs[False], outs[True], strict=True)):
+        assert len(b.output_ids) == 40 + 5 * k and b.finished_reason["type"] == "length"
+        assert b.output_ids == a.output_ids
