@@ -616,7 +616,7 @@ class ServerArgs:
                 f"--speculative-ngram-{name}",
                 type=int,
                 default=default("speculative_ngram_" + name.replace("-", "_")),
-                help="Accepted for compatibility; drafts are one chain (breadth 1).",
+                help="Accepted for compatibility; no effect (drafts are one chain: breadth 1).",
             )
         g.add_argument(
             "--speculative-ngram-match-type",

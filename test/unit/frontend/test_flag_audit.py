@@ -34,7 +34,13 @@ REFUSED = {
     "disaggregation_transfer_backend": "nixl",
 }
 # Accepted for compatibility and logged as having no effect.
-NO_EFFECT = {"trust_remote_code": True, "enable_torch_compile": True, "torch_compile_max_bs": 16}
+NO_EFFECT = {
+    "trust_remote_code": True,
+    "enable_torch_compile": True,
+    "torch_compile_max_bs": 16,
+    "speculative_ngram_min_bfs_breadth": 2,
+    "speculative_ngram_max_bfs_breadth": 4,
+}
 # Read through a value ServerArgs derives from them rather than by their own name.
 DERIVED = {
     "context_length": "context_len",

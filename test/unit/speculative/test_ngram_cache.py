@@ -67,12 +67,11 @@ def test_incremental_indexing_matches_indexing_at_once():
         assert whole.draft(suffix, 6) == steps.draft(suffix, 6), probe
 
 
-def test_capacity_keeps_the_most_recently_written_keys():
-    c = cache(lo=1, hi=1, capacity=3)
-    c.index([1, 2, 3, 4, 5], 0)  # keys (1,) (2,) (3,) (4,): the oldest, (1,), is dropped
+def test_capacity_drops_the_keys_written_first():
+    c = cache(lo=1, hi=1, capacity=4)
+    c.index([1, 2, 3, 4, 5], 0)  # keys 1, 2, 3, 4: at capacity
+    assert len(c) == 4 and c.draft([1], 1) == [2]
+    c.index([6, 7], 0)  # key 6 makes 5: the table keeps the newest three quarters (3 keys)
     assert len(c) == 3
-    assert c.draft([1], 2) == []
-    assert c.draft([2], 2) == [3, 4]
-    c.index([2, 9], 0)  # rewriting (2,) makes it the newest; (3,) is now the oldest and goes
-    c.index([6, 1], 0)
-    assert c.draft([2], 1) == [9] and c.draft([3], 1) == [] and c.draft([6], 1) == [1]
+    assert c.draft([1], 1) == c.draft([2], 1) == []
+    assert c.draft([3], 1) == [4] and c.draft([6], 1) == [7]
