@@ -57,10 +57,12 @@ def test_cuda_default_kernels_serve_speculative_verifies(preset, oracles, monkey
     )  # fmt: skip
     assert h.sched.model_runner.attn_backend.linear_attn_backend.decode_in_place
     try:
-        # The same prompt twice (the second run's drafts are the first's tokens), then a turn that hits
-        # the state a verify left at the track boundary (64) its output crossed.
+        # The same prompt twice (the second run's drafts are the first's tokens; the prefix cache emptied
+        # between), then a turn that hits the state the second run's verifies left at the track boundary
+        # (64) its output crossed.
         prompt = token_ids(50, seed=1)
         first = h.generate(prompt, max_new_tokens=20)
+        assert h.sched.flush_cache()[0]
         again = h.generate(prompt, max_new_tokens=20)
         assert again.output_ids == first.output_ids and h.sched.spec.stats["accepted_tokens"] >= 9
         h.check_oracle(oracles[preset], prompt, again, ORACLE_TOL)

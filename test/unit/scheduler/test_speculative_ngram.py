@@ -13,6 +13,8 @@ import pytest
 
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import make_runner, pool_state
+from sglang.test.runner_driver import Extend, RunnerDriver
 from sglang.test.scheduler_harness import (
     ORACLE_TOL,
     Output,
@@ -57,8 +59,9 @@ def _harness(preset: str, strategy: str, page: int, spec: bool, **kw) -> Schedul
 
 
 def _turns(h: SchedulerHarness) -> list[list[Output]]:
-    """Turn 1: four requests; turn 2: the same prompts (drafts from turn 1's outputs); turn 3: each
-    prompt with its turn-1 output and five more tokens (hits what the decode steps left in the tree)."""
+    """Turn 1: four requests; turn 2: the same prompts (drafts from turn 1's outputs), the prefix cache
+    emptied before; turn 3: each prompt with its turn-1 output (the same as turn 2's) and five more tokens,
+    hitting what turn 2's steps left in the tree: with NGRAM, mostly verifies."""
     prompts = [token_ids(40 + 17 * k, seed=k) for k in range(4)]
     turns = []
     for turn in range(3):
@@ -70,6 +73,8 @@ def _turns(h: SchedulerHarness) -> list[list[Output]]:
         h.run()
         h.sched.check_integrity()
         turns.append([h.outputs[r] for r in rids])
+        if turn == 0:
+            assert h.sched.flush_cache()[0]
     return turns
 
 
@@ -206,6 +211,12 @@ def test_verify_rows_come_out_of_a_derived_state_budget():
     assert a.max_mamba_cache_size >= a.max_running_requests * spec.mamba_strategy.slots_per_running_req
     used = (a.max_mamba_cache_size + rows) * a.mamba_bytes_per_slot + a.max_total_tokens * a.kv_bytes_per_token
     assert used <= memory * CPU_DEFAULT_MEM_FRACTION
+    # Slots given, tokens derived: the rows of as many requests as the slots hold are paid first.
+    given = ServerArgs(model_path=QWEN, **SPEC, max_mamba_cache_size=a.max_mamba_cache_size)
+    c = compute_pool_sizes(given, arch, 0, device_memory=memory)
+    rows = c.max_running_requests * SPEC["speculative_num_draft_tokens"]
+    used = (c.max_mamba_cache_size + rows) * c.mamba_bytes_per_slot + c.max_total_tokens * c.kv_bytes_per_token
+    assert c.max_mamba_cache_size == a.max_mamba_cache_size and used <= memory * CPU_DEFAULT_MEM_FRACTION
 
 
 def test_steps_without_logprobs_finish_on_time():
@@ -236,3 +247,56 @@ def test_steps_without_logprobs_finish_on_time():
     for k, (a, b) in enumerate(zip(outs[False], outs[True], strict=True)):
         assert len(b.output_ids) == 40 + 5 * k and b.finished_reason["type"] == "length"
         assert b.output_ids == a.output_ids
+
+
+def test_a_processed_verify_leaves_the_running_slot_current():
+    """Between steps a running slot holds the state after the request's KV, as after plain decode steps:
+    the commit's copies run before the scheduler does anything else (a PD decode server may hand a slot
+    given back to a transfer, which writes it from outside the forward stream). Checked against an
+    independent runner's prefill of the same tokens, after every verify of a request whose drafts are
+    accepted, with the radix cache off (as on a PD decode server)."""
+    h = _harness(QWEN, "no_buffer", 1, True, disable_radix_cache=True)
+    ref = RunnerDriver(make_runner(QWEN))
+    try:
+        prompt = token_ids(40, seed=4)
+        h.generate(prompt, 30)
+        rid = h.submit(prompt, 30)  # drafts from the first run: accepted
+        checked, verifies = 0, 0
+        while h.sched.step():
+            req = h.sched.reqs_by_rid.get(rid)
+            now = h.sched.spec.stats["verify_steps"]
+            if req is None or now == verifies:
+                continue
+            verifies = now
+            r = ref.new_request()
+            ref.extend([Extend(r, req.all_ids[: req.kv_len])], return_logprob=False)
+            want, got = pool_state(ref.runner, r.mamba_pool_idx), pool_state(h.sched.model_runner, req.mamba_pool_idx)
+            for layer, state in want.items():
+                for w, g in ((state.conv, got[layer].conv), (state.ssm, got[layer].ssm)):
+                    # Prefill (chunked form) against decode steps: ~1e-6 apart (measured); the state
+                    # before the verify is off by whole tokens.
+                    assert (g - w).abs().max().item() <= 1e-4 * max(w.abs().max().item(), 1.0)
+            ref.free(r)
+            checked += 1
+        assert checked >= 3
+    finally:
+        h.shutdown()
+
+
+def test_more_running_requests_than_verify_rows_decode_plainly():
+    """The verify rows are sized by the running cap; should more requests run (a PD decode server admits
+    transfers beside a chunked prefill), the step decodes plainly instead of writing past them."""
+    h = _harness(QWEN, "extra_buffer", 1, True, max_running_requests=3)
+    try:
+        prompt = token_ids(30, seed=6)
+        first = h.generate(prompt, 20)
+        pool = h.sched.req_to_token_pool.mamba_pool
+        pool.verify_shape = (2, pool.verify_shape[1])  # rows for two of the three that run at once
+        rids = [h.submit(prompt, 20) for _ in range(3)]
+        before = h.sched.spec.stats["verify_steps"]
+        h.run()
+        assert h.sched.spec.stats["verify_steps"] == before
+        assert all(h.outputs[r].output_ids == first.output_ids for r in rids)
+        h.sched.check_integrity()
+    finally:
+        h.shutdown()

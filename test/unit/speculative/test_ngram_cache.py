@@ -61,17 +61,19 @@ def test_incremental_indexing_matches_indexing_at_once():
         grown += seq[i : i + n]
         steps.index(grown, start)
         i += n
-    assert list(whole._table) == list(steps._table)  # same keys, in the same recency order
+    assert (list(whole._old), list(whole._new)) == (list(steps._old), list(steps._new))  # in the same order
     for probe in range(50):
         suffix = seq[rng.randrange(len(seq)) :][:4] or [0]
         assert whole.draft(suffix, 6) == steps.draft(suffix, 6), probe
 
 
-def test_capacity_drops_the_keys_written_first():
-    c = cache(lo=1, hi=1, capacity=4)
-    c.index([1, 2, 3, 4, 5], 0)  # keys 1, 2, 3, 4: at capacity
-    assert len(c) == 4 and c.draft([1], 1) == [2]
-    c.index([6, 7], 0)  # key 6 makes 5: the table keeps the newest three quarters (3 keys)
-    assert len(c) == 3
+def test_capacity_drops_the_older_generation():
+    c = cache(lo=1, hi=1, capacity=4)  # two generations of two keys
+    c.index([1, 2, 3], 0)  # keys 1, 2: the generation is full and becomes the older one
+    assert len(c) == 2 and c.draft([1], 1) == [2]
+    c.index([4, 5, 6], 0)  # keys 4, 5 fill the next: keys 1 and 2 go
+    assert len(c) == 2
     assert c.draft([1], 1) == c.draft([2], 1) == []
-    assert c.draft([3], 1) == [4] and c.draft([6], 1) == [7]
+    assert c.draft([4], 1) == [5] and c.draft([5], 1) == [6]
+    c.index([7, 8], 0)  # key 7 starts a new generation beside 4 and 5
+    assert len(c) == 3 and c.draft([4], 1) == [5] and c.draft([7], 1) == [8]

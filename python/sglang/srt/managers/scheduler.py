@@ -127,6 +127,7 @@ class Scheduler(SchedulerIOMixin):
         if server_args.speculative_algorithm is not None:
             from sglang.srt.speculative.ngram_worker import NgramWorker
 
+            assert not self.enable_overlap, "a verify's result is committed before the next batch is built"
             self.spec = NgramWorker(self)
             self.batch_stats.spec_stats = self.spec.stats
             self.result_processor.process_verify = self.spec.process_batch_result_verify
@@ -321,13 +322,10 @@ class Scheduler(SchedulerIOMixin):
     # ---- running batches ---------------------------------------------------------------------------
 
     def launch(self, batch: ScheduleBatch) -> None:
-        copies = batch.state_copies
-        if self.spec is not None:
-            copies = self.spec.take_state_copies() + copies  # the last verify's commits run first
         item = LaunchedBatch(
             batch.forward_batch,
             future_slots=batch.future_slots,
-            state_copies=copies,
+            state_copies=batch.state_copies,
             has_placeholders=batch.has_placeholders,
             batch_id=batch.batch_id,
         )

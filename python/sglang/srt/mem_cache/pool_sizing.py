@@ -67,6 +67,9 @@ def compute_pool_sizes(
     strategy = server_args.mamba_strategy
     resident = strategy.resident_slots_per_req
     slots, tokens = server_args.max_mamba_cache_size, server_args.max_total_tokens
+    # Speculative decoding's verify rows (`MambaPool.verify_shape`): a slot's bytes per draft position of
+    # each running request, paid from the budget wherever a size is derived from it.
+    draft = server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else 0
 
     if slots is None or tokens is None:
         rest, fraction = cache_budget_bytes(
@@ -81,6 +84,12 @@ def compute_pool_sizes(
         if slots is None:
             state_budget = rest - tokens * per_token if tokens is not None else int(rest * r / (1 + r))
             slots = state_budget // per_slot
+        elif draft:
+            # Slots given, tokens derived: the rows of as many running requests as the slots hold first.
+            cap = server_args.max_running_requests or min(
+                slots // strategy.slots_per_running_req, MAX_RUNNING_REQUESTS_CAP
+            )
+            rest -= cap * draft * per_slot
         if tokens is None:
             tokens = (rest - slots * per_slot) // max(per_token, 1)
 
@@ -95,11 +104,8 @@ def compute_pool_sizes(
             f"--max-total-tokens {tokens} is smaller than the two pages of {page} token(s) one request needs."
         )
     tokens = tokens // page * page
-    # The verify rows of speculative decoding (`MambaPool.verify_shape`: a slot's bytes per draft position
-    # of each running request) come out of a derived state budget; a size given by flag is the cache's.
-    verify_rows = 0
-    if server_args.speculative_algorithm is not None and server_args.max_mamba_cache_size is None:
-        verify_rows = server_args.speculative_num_draft_tokens
+    # Derived slots pay for the verify rows (a size given by flag is the cache's own).
+    verify_rows = draft if server_args.max_mamba_cache_size is None else 0
     # The derived cap leaves the tree its headroom (`MambaStrategy.tree_headroom`); a cap given by flag
     # may take it all.
     per_running = strategy.slots_per_running_req + verify_rows
@@ -112,6 +118,11 @@ def compute_pool_sizes(
             f"{max(slots, 0)} mamba slots in the state budget; lower --max-running-requests or raise "
             "--mem-fraction-static."
         )
+    if draft and server_args.max_mamba_cache_size is not None and server_args.max_total_tokens is not None:
+        logger.info(
+            "--speculative-num-draft-tokens %d: %d verify rows (%.1f MiB) beside the given pool sizes.",
+            draft, running * draft, running * draft * per_slot / 2**20,
+        )  # fmt: skip
     if server_args.max_running_requests and running > slots // resident:
         logger.warning(
             "--max-running-requests %d exceeds what %d mamba slots hold at %d per request; "

@@ -269,6 +269,24 @@ class ForwardWorker:
         self._tasks.put((self._run_batch, item, fut))
         return fut
 
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Mamba state copies `(src, dst)` as a task of their own on the forward stream, after every batch
+        launched so far and before any later one (inline: done on return). For what the scheduler
+        settles between batches (a speculative verify's accepted states): a slot's state is then final
+        before anything outside the stream, such as a PD transfer into a slot given back, can touch it."""
+        if not copies:
+            return
+        src, dst = (list(c) for c in zip(*copies, strict=True))
+        pool = self.model_runner.req_to_token_pool.mamba_pool
+
+        def run(_) -> None:
+            pool.copy_from(src, dst)
+
+        if self.inline:
+            run(None)
+        else:
+            self._tasks.put((run, None, Future()))
+
     def shutdown(self) -> None:
         if self._thread is not None:
             self._tasks.put(None)

@@ -89,6 +89,13 @@ class ModelRunner:
             self.arch.architecture, self.dtype, weight_bytes / 2**20, self.pool_sizes.max_total_tokens,
             self.kv_cache_dtype, self.pool_sizes.max_mamba_cache_size, self.pool_sizes.req_pool_size,
         )  # fmt: skip
+        rows, width = self.mamba_pool.verify_shape
+        if rows:
+            logger.info(
+                "Speculative verify rows: %d requests x %d positions (%.1f MB of state; the running cap "
+                "leaves room for them).",
+                rows, width, rows * width * self.pool_sizes.mamba_bytes_per_slot / 2**20,
+            )  # fmt: skip
 
     def _full_attn_backend(self) -> TorchNativeAttnBackend | TritonAttnBackend:
         args = self.server_args

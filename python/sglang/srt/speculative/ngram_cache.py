@@ -1,8 +1,8 @@
 """`NgramCache`: the draft source of `--speculative-algorithm NGRAM`, one table shared by all requests.
 
-Every position of every sequence seen (prompts when admitted, outputs as they are committed) is
-indexed under the n-grams that end there, one key per window size w in [min_window, max_window]; the
-key maps to where the text continues after that occurrence. A draft for a request is the continuation
+Every position of every sequence seen (a prompt at its request's first decode step, outputs as they are
+committed) is indexed under the n-grams that end there, one key per window size w in [min_window,
+max_window]; the key maps to where the text continues after that occurrence. A draft for a request is the continuation
 of the most recent occurrence of its longest suffix that has one: the text that followed the same
 words last time, in this request or in any other (upstream's BFS match with breadth 1: one chain).
 
@@ -11,13 +11,13 @@ itself. Values point into the sequence lists (`(tokens, start)`) instead of copy
 one insert per new token and window, whatever the draft length. Keys are 61-bit hashes of the n-grams
 (built backwards from the n-gram's last token, one multiply-add per window: ~3x cheaper than tuple keys,
 which matters for long prompts on the scheduler thread); two n-grams sharing a hash only cost a draft
-that verification rejects. The table holds at most `capacity` keys: past that, the quarter written
-first goes (a sequence list lives while a key points into it).
+that verification rejects. At most `capacity` keys, in two generations of half that each: when the
+newer fills up it becomes the older and the older one is dropped whole (no per-key eviction work on the
+scheduler thread; a sequence list lives while a key points into it). A key costs ~70 bytes: upstream's
+default capacity, 10M keys, is ~0.7 GB of host memory once that much text was served.
 """
 
 from __future__ import annotations
-
-import itertools
 
 _MASK = (1 << 61) - 1
 _MUL = 1_000_003
@@ -30,16 +30,18 @@ class NgramCache:
         self.max_window = max_window
         self.branch_length = branch_length  # the longest continuation a draft takes
         self.capacity = capacity
-        self._table: dict[int, tuple[list[int], int]] = {}
+        self._generation = max(capacity // 2, 1)
+        self._new: dict[int, tuple[list[int], int]] = {}
+        self._old: dict[int, tuple[list[int], int]] = {}
 
     def __len__(self) -> int:
-        return len(self._table)
+        return len(self._new) + len(self._old)
 
     def index(self, tokens: list[int], start: int) -> None:
         """Index the positions of `tokens` (a list that only grows: it is kept and read later) from
         `start` on that a token now follows: call it after appending, with `start` the length before
         (0 for a new sequence)."""
-        table, lo, hi = self._table, self.min_window, self.max_window
+        table, lo, hi = self._new, self.min_window, self.max_window
         for end in range(max(start - 1, 0), len(tokens) - 1):
             # The n-grams ending at position `end`; their text continues at end + 1.
             value, h = (tokens, end + 1), 0
@@ -47,9 +49,9 @@ class NgramCache:
                 h = (h * _MUL + tokens[end + 1 - w] + 1) & _MASK
                 if w >= lo:
                     table[h] = value
-        if len(table) > self.capacity:
-            keep = self.capacity * 3 // 4
-            self._table = dict(itertools.islice(table.items(), len(table) - keep, None))
+            if len(table) >= self._generation:
+                self._old, self._new = table, {}
+                table = self._new
 
     def draft(self, tokens: list[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens that may follow `tokens` (fewer where no indexed text continues
@@ -61,9 +63,9 @@ class NgramCache:
         for w in range(1, min(self.max_window, len(tokens)) + 1):
             h = (h * _MUL + tokens[-w] + 1) & _MASK
             keys.append(h)
-        table = self._table
+        new, old = self._new, self._old
         for w in range(len(keys), self.min_window - 1, -1):
-            hit = table.get(keys[w - 1])
+            hit = new.get(keys[w - 1]) or old.get(keys[w - 1])
             if hit is not None:
                 seq, at = hit
                 return seq[at : at + n]

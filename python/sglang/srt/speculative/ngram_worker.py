@@ -10,11 +10,12 @@ argmax). Request i accepts drafts while d_(t+1) == s_t; with a accepted it commi
 it finishes, and keeps the KV of its newest token and the accepted drafts; the rest goes back.
 
 Recurrent state: the forward leaves the state after each position in the pool's verify rows and the
-running slot as it was (`MambaPool.verify_row`). The commit queues copies on the forward stream, run
-before the next batch (`take_state_copies`): the state after the last committed token into the running
-slot, and, where the committed tokens reach a track boundary, the state there into the track slot the
-build chose (`MambaTracker.decode_track`). Whatever reads those slots runs later on the same stream, so a
-finished request hands its running slot to the tree at once.
+running slot as it was (`MambaPool.verify_row`). The commit copies, as a task on the forward stream
+(`ForwardWorker.copy_states`), the state after the last committed token into the running slot and,
+where the committed tokens reach a track boundary, the state there into the track slot the build chose
+(`MambaTracker.decode_track`); then the slots are as after plain decode steps before the scheduler does
+anything else (a finished request hands its running slot to the tree at once: the copy into it is
+queued first on the stream, and the rows it reads are not written before the next verify).
 
 A step where no request has a draft, where a request's logits take penalties (their token counts would
 have to follow the drafts), or where the KV pool cannot hold the drafts, decodes plainly.
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
 @dataclass
 class NgramVerifyInput:
     """A verify batch's drafts, per request: the drafts, the KV length before the verify (its newest
-    token sits there), and the track slot of a boundary the verify may reach (-1: none)."""
+    token sits there), and the track slot of a boundary the verify may reach (-1: none; without the
+    overlap schedule a request's one track slot, whose snapshot is overwritten only if it is reached)."""
 
     drafts: list[list[int]]
     prefix_lens: list[int]
@@ -59,7 +61,6 @@ class NgramWorker:
         )
         # Each running request's tokens (prompt and outputs), as the cache indexes them.
         self._histories: dict[Req, list[int]] = {}
-        self._state_copies: list[tuple[int, int]] = []
         # Totals since start: verify steps (one per request and verify), drafts proposed and accepted,
         # tokens committed (what /metrics and the decode log read).
         self.stats = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "committed_tokens": 0}
@@ -89,8 +90,9 @@ class NgramWorker:
     def get_new_batch_verify(self) -> ScheduleBatch | None:
         sched = self.sched
         reqs = select_decode_reqs(sched.running, sched.context_len, sched.disaggregation_mode == "prefill")
-        if not reqs or any(r.penalized for r in reqs):
-            return None
+        rows = sched.req_to_token_pool.mamba_pool.verify_shape[0]
+        if not reqs or len(reqs) > rows or any(r.penalized for r in reqs):
+            return None  # (the running cap bounds a decode set: more rows than verify rows never come)
         drafts = []
         for r in reqs:
             budget = min(
@@ -173,11 +175,6 @@ class NgramWorker:
         avg = self.stats["committed_tokens"] / steps if steps else 0.0
         return {"avg_spec_accept_length": avg, "speculative": dict(self.stats)}
 
-    def take_state_copies(self) -> list[tuple[int, int]]:
-        """The verify commits' state copies, for the next batch to run first (module docstring)."""
-        out, self._state_copies = self._state_copies, []
-        return out
-
     # ---- commit ------------------------------------------------------------------------------------
 
     def process_batch_result_verify(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
@@ -190,6 +187,7 @@ class NgramWorker:
         check_finished, logprobs = rp.finisher.check_finished, result.next_token_logprobs is not None
         sampled_all = result.next_token_ids
         touched: list[Req] = []
+        copies: list[tuple[int, int]] = []  # (verify row, slot): the states the commit keeps
         start = committed_total = accepted_total = 0
         for i, req in enumerate(batch.reqs):
             drafts, p = spec.drafts[i], spec.prefix_lens[i]
@@ -218,12 +216,12 @@ class NgramWorker:
             # The request keeps the KV of p + committed positions; its state after them is the verify row
             # of its last committed token, and a track boundary they reach takes the state there.
             release_verify_tail(sched.token_allocator, req, p + committed)
-            self._state_copies.append((pool.verify_row(i, committed - 1), req.mamba_pool_idx))
+            copies.append((pool.verify_row(i, committed - 1), req.mamba_pool_idx))
             pending = batch.pending_tracks.get(i)
             if pending is not None and pending[1] <= p + committed:
-                self._state_copies.append((pool.verify_row(i, pending[1] - p - 1), spec.track_slots[i]))
+                copies.append((pool.verify_row(i, pending[1] - p - 1), spec.track_slots[i]))
             else:
-                pending = None
+                pending = None  # not reached: nothing was written, the newest snapshot stands
             if pending is not None or req.finished_reason is not None:
                 rp._handle_finish_state_updated_req(req, pending)
             if req.stream or req.finished_reason is not None:
@@ -235,4 +233,7 @@ class NgramWorker:
         stats["draft_tokens"] += sum(map(len, spec.drafts))
         stats["accepted_tokens"] += accepted_total
         stats["committed_tokens"] += committed_total
+        # The states go where they belong now, on the forward stream, not with the next batch: a slot given
+        # back (a finished request's, with the radix cache off) may be written by a PD transfer before then.
+        sched.worker.copy_states(copies)
         rp.stream_output(touched)
