@@ -1,8 +1,8 @@
 """NGRAM speculative decoding served end to end (`--speculative-algorithm NGRAM`), for Gated DeltaNet and
 Mamba2: the kits' oracle match, exact prefix hits (prefill, seeded decode, track boundary) and branching,
 with verify steps doing the decoding; and a repeated prompt, whose drafts are the first run's tokens,
-comes back unchanged while /get_server_info shows the accepted drafts (upstream's
-`avg_spec_accept_length`).
+comes back unchanged while /get_server_info and /metrics show the accepted drafts (upstream's
+`avg_spec_accept_length` and `sglang:spec_accept_length`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from sglang.test.test_utils import ServerTestCase
 
 register_cpu_ci(est_time=40, suite="per-commit-cpu")
 
-NGRAM = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
+NGRAM = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--enable-metrics"]
 
 
 class _Ngram(KLDivergenceMixin, PrefixCacheBranchingMixin, ReferenceMatchMixin):
@@ -29,6 +29,9 @@ class _Ngram(KLDivergenceMixin, PrefixCacheBranchingMixin, ReferenceMatchMixin):
         state = self.get("/get_server_info").json()["internal_states"][0]
         # The second run commits up to 8 tokens per verify: the average over both runs is well above 1.
         self.assertGreater(state["avg_spec_accept_length"], 1.5, state["speculative"])
+        gauge = [x for x in self.get("/metrics").text.splitlines() if x.startswith("sglang:spec_accept_length{")]
+        self.assertEqual(len(gauge), 1, gauge)
+        self.assertGreater(float(gauge[0].rsplit(" ", 1)[1]), 1.5)
 
 
 class TestQwen3NextNgram(_Ngram, ServerTestCase):

@@ -9,7 +9,11 @@ last committed position, which a later turn then hits."""
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
+import torch
 
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
@@ -300,3 +304,40 @@ def test_more_running_requests_than_verify_rows_decode_plainly():
         h.sched.check_integrity()
     finally:
         h.shutdown()
+
+
+def test_the_decode_log_line_shows_the_accept_length(caplog):
+    h = _harness(QWEN, "extra_buffer", 1, True, decode_log_interval=1)
+    try:
+        prompt = token_ids(30, seed=9)
+        h.generate(prompt, 30)
+        with caplog.at_level(logging.INFO, logger="sglang.srt.managers.scheduler"):
+            h.generate(prompt, 30)  # drafts from the first run: several tokens per verify
+        found = (re.search(r"accept len: ([0-9.]+)", r.getMessage()) for r in caplog.records)
+        lens = [float(m.group(1)) for m in found if m]
+        assert lens and max(lens) > 1.5, [r.getMessage() for r in caplog.records]
+    finally:
+        h.shutdown()
+
+
+# On CUDA: Triton attention's extend over the cached prefix and the Triton decode steps on the verify rows,
+# against plain decoding with its CUDA graphs. Float32 dots are IEEE there (test_strategy_matrix.py's
+# GPU_ORACLE_TOL: 7.7e-6 measured against the oracle on an H200); 1e-3 is 100x below a wrong state.
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("preset,strategy,page", [(QWEN, "extra_buffer", 16), (NEMO, "extra_buffer", 1)])
+def test_gpu_same_outputs_and_hits_as_plain_decoding(preset, strategy, page):
+    results = {}
+    for spec in (False, True):
+        h = _harness(preset, strategy, page, spec, device="cuda", dtype="float32")
+        try:
+            results[spec] = _turns(h)
+            if spec:
+                assert h.sched.spec.stats["accepted_tokens"] >= 100, h.sched.spec.stats
+            h.flush_and_check_empty()
+        finally:
+            h.shutdown()
+    for turn, (plain, spec) in enumerate(zip(results[False], results[True], strict=True)):
+        for k, (a, b) in enumerate(zip(plain, spec, strict=True)):
+            assert b.output_ids == a.output_ids and b.cached_tokens == a.cached_tokens, (turn, k)
+            assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0) <= 1e-3

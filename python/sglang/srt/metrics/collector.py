@@ -4,7 +4,7 @@ Three sources: the TokenizerManager reports each request's first token and finis
 histograms, `on_first_token` / `on_finish`); the HTTP request guard reports the status of every
 response (`on_http_response`; 499 for a client that went away before its answer, as nginx counts it);
 and the scheduler's internal state, fetched when /metrics is scraped, gives the live gauges (requests,
-token pool, mamba slots, lazy allocation failures).
+token pool, mamba slots, lazy allocation failures, speculative decoding's accept length).
 """
 
 from __future__ import annotations
@@ -64,6 +64,13 @@ class SchedulerStateCollector(Collector):
         for attempt, value in s["lazy_alloc_failures"].items():
             g.add_metric([self.model_name, attempt], value)
         yield g
+        if "avg_spec_accept_length" in s:  # --speculative-algorithm
+            yield _gauge(
+                "sglang:spec_accept_length",
+                "Tokens committed per request and speculative verify, since start.",
+                s["avg_spec_accept_length"],
+                self.model_name,
+            )
 
 
 class MetricsCollector:
