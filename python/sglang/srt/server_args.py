@@ -598,7 +598,7 @@ class ServerArgs:
             "speculative decoding",
             "NGRAM: drafts from an n-gram cache of every prompt and output seen, verified by the model in "
             "one forward per step; greedy and seeded outputs are the same tokens as without it. Runs without "
-            "the overlap schedule; a step where a running request uses a logit penalty decodes plainly.",
+            "the overlap schedule; a request with a logit penalty gets no drafts.",
         )
         g.add_argument("--speculative-algorithm", default=None, choices=SPECULATIVE_ALGORITHMS)
         g.add_argument(

@@ -146,21 +146,33 @@ def test_finish_inside_accepted_drafts_keeps_the_finishing_state():
     assert outs[True][1].cached_tokens == 50 + len(outs[True][0].output_ids) - 1
 
 
-def test_a_penalized_request_makes_its_steps_decode_plainly():
-    h = _harness(QWEN, "extra_buffer", 1, True)
-    try:
-        prompt = token_ids(30, seed=3)
-        h.generate(prompt, 40)
-        before = dict(h.sched.spec.stats)
-        rids = [h.submit(prompt, 40), h.submit(prompt, 60, frequency_penalty=0.5)]
-        h.run()
-        assert h.sched.spec.stats == before  # every step had the penalized request: no verify
-        plain = h.generate(prompt, 40)
-        assert h.outputs[rids[0]].output_ids == plain.output_ids
-        assert h.sched.spec.stats["verify_steps"] > before["verify_steps"]  # alone, it drafts again
-        h.sched.check_integrity()
-    finally:
-        h.shutdown()
+def test_a_penalized_request_verifies_its_newest_token_alone():
+    """Penalties read a request's counts so far, so a penalized request gets no drafts: its one position
+    is penalized (counts, a ban under min_new_tokens, a bias) as in a decode step, beside requests whose
+    drafts are accepted. Every output is the same as plain decoding's."""
+    outs = {}
+    for spec in (False, True):
+        h = _harness(QWEN, "extra_buffer", 1, spec)
+        try:
+            prompt = token_ids(30, seed=3)
+            first = h.generate(prompt, 40)
+            rids = [
+                h.submit(prompt, 40),
+                h.submit(prompt, 40, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2),
+                h.submit(prompt, 30, min_new_tokens=20, stop_token_ids=first.output_ids[5:6],
+                         logit_bias={str(first.output_ids[3]): -5.0}),
+            ]  # fmt: skip
+            h.run()
+            h.sched.check_integrity()
+            outs[spec] = [h.outputs[r] for r in rids]
+            if spec:
+                stats = h.sched.spec.stats
+                assert stats["accepted_tokens"] >= 30, stats  # the plain request's drafts
+        finally:
+            h.shutdown()
+    for k, (a, b) in enumerate(zip(outs[False], outs[True], strict=True)):
+        _assert_same(a, b, f"request {k}")
+    assert outs[True][1].output_ids != outs[True][0].output_ids  # the penalties changed the text
 
 
 def test_kv_pressure_retracts_and_outputs_stay_the_same():

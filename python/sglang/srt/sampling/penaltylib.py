@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,6 +114,16 @@ class PenaltyBatchInfo:
         "rows", "slots", "frequency", "presence", "repetition", "count_rows", "count_slots", "clear_slots",
         "init_slots", "init_ids", "ban_rows", "ban_ids", "bias_rows", "bias_ids", "bias_values",
     )  # fmt: skip
+    ROW_FIELDS = ("rows", "count_rows", "ban_rows", "bias_rows")  # batch rows (the logits' rows)
+
+    def at_logit_rows(self, logit_rows: Sequence[int]) -> PenaltyBatchInfo:
+        """The same penalties where request i's logits are row `logit_rows[i]` (a speculative verify,
+        whose penalized requests each have one position); host tensors, before the batch moves."""
+        where = host_int64(logit_rows)
+        moved = {
+            name: where.index_select(0, t) for name in self.ROW_FIELDS if (t := getattr(self, name)) is not None
+        }
+        return replace(self, **moved)
 
     @classmethod
     def build(

@@ -17,12 +17,14 @@ where the committed tokens reach a track boundary, the state there into the trac
 anything else (a finished request hands its running slot to the tree at once: the copy into it is
 queued first on the stream, and the rows it reads are not written before the next verify).
 
-A step where no request has a draft, where a request's logits take penalties (their token counts would
-have to follow the drafts), or where the KV pool cannot hold the drafts, decodes plainly.
+A request whose logits take penalties gets no drafts (its token counts would have to follow them): its one
+position is penalized as in a decode step. A step where no request has a draft, or where the KV pool
+cannot hold the drafts, decodes plainly.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,7 @@ from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.scheduler_components.decode_set import select_decode_reqs
 from sglang.srt.mem_cache.common import alloc_for_verify, release_verify_tail
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.sampling.penaltylib import PenaltyBatchInfo
 from sglang.srt.speculative.ngram_cache import NgramCache
 
 if TYPE_CHECKING:
@@ -91,11 +94,12 @@ class NgramWorker:
         sched = self.sched
         reqs = select_decode_reqs(sched.running, sched.context_len, sched.disaggregation_mode == "prefill")
         rows = sched.req_to_token_pool.mamba_pool.verify_shape[0]
-        if not reqs or len(reqs) > rows or any(r.penalized for r in reqs):
+        if not reqs or len(reqs) > rows:
             return None  # (the running cap bounds a decode set: more rows than verify rows never come)
         drafts = []
         for r in reqs:
-            budget = min(
+            # A penalized request verifies its newest token alone: its penalties read its counts so far.
+            budget = 0 if r.penalized else min(
                 self.width - 1,
                 r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
                 sched.context_len - r.kv_len - 1,
@@ -166,6 +170,11 @@ class NgramWorker:
             token_ids_logprobs=None if ids is None else per_token(ids),
             host_tensors=rows.host_tensors,
         )
+        if any(r.penalized for r in reqs):
+            first = list(itertools.accumulate(counts, initial=0))[:-1]  # each request's first logits row
+            fb = batch.forward_batch
+            info = PenaltyBatchInfo.build(reqs, fb.seq_lens_cpu, batch.sample_rows, sched.penalty_slots)
+            fb.penalties = info.at_logit_rows(first)
         batch.state_copies = sched.tree_cache.take_pending_state_copies()
 
     def internal_state(self) -> dict:
