@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -62,6 +64,20 @@ def _harness(preset: str, strategy: str, page: int, spec: bool, **kw) -> Schedul
     return SchedulerHarness(preset, **args, **(SPEC if spec else {}))
 
 
+def _plain_and_ngram(body: Callable[[SchedulerHarness, bool], Any], *config, **kw) -> dict[bool, Any]:
+    """`body(h, spec)` on a plain harness and on an NGRAM one (`_harness(*config, spec, **kw)`), in turn;
+    their results by `spec`."""
+    preset, strategy, page = config or (QWEN, "extra_buffer", 1)
+    out = {}
+    for spec in (False, True):
+        h = _harness(preset, strategy, page, spec, **kw)
+        try:
+            out[spec] = body(h, spec)
+        finally:
+            h.shutdown()
+    return out
+
+
 def _turns(h: SchedulerHarness) -> list[list[Output]]:
     """Turn 1: four requests; turn 2: the same prompts (drafts from turn 1's outputs), the prefix cache
     emptied before; turn 3: each prompt with its turn-1 output (the same as turn 2's) and five more tokens,
@@ -98,20 +114,18 @@ def _assert_same(plain: Output, spec: Output, what: str) -> None:
 
 @pytest.mark.parametrize("preset,strategy,page", CONFIGS)
 def test_same_outputs_and_hits_as_plain_decoding(preset, strategy, page):
-    results = {}
-    for spec in (False, True):
-        h = _harness(preset, strategy, page, spec)
-        try:
-            results[spec] = _turns(h)
-            if spec:
-                stats = h.sched.spec.stats
-                # Turn 2's greedy requests repeat turn 1: most of their drafts are accepted (measured:
-                # ~320 of ~960 tokens committed come from accepted drafts).
-                assert stats["accepted_tokens"] >= 100, stats
-                assert stats["committed_tokens"] > stats["verify_steps"], stats
-            h.flush_and_check_empty()
-        finally:
-            h.shutdown()
+    def body(h: SchedulerHarness, spec: bool) -> list[list[Output]]:
+        turns = _turns(h)
+        if spec:
+            stats = h.sched.spec.stats
+            # Turn 2's greedy requests repeat turn 1: most of their drafts are accepted (measured:
+            # ~320 of ~960 tokens committed come from accepted drafts).
+            assert stats["accepted_tokens"] >= 100, stats
+            assert stats["committed_tokens"] > stats["verify_steps"], stats
+        h.flush_and_check_empty()
+        return turns
+
+    results = _plain_and_ngram(body, preset, strategy, page)
     for turn, (plain, spec) in enumerate(zip(results[False], results[True], strict=True)):
         for k, (a, b) in enumerate(zip(plain, spec, strict=True)):
             _assert_same(a, b, f"turn {turn + 1}, request {k}")
@@ -123,23 +137,21 @@ def test_same_outputs_and_hits_as_plain_decoding(preset, strategy, page):
 def test_finish_inside_accepted_drafts_keeps_the_finishing_state():
     """A stop token in the middle of a run of accepted drafts: the tokens after it are dropped, the KV and
     the running state end at it, and the next turn, which hits that final state, continues exactly."""
-    outs = {}
-    for spec in (False, True):
-        h = _harness(QWEN, "extra_buffer", 1, spec)
-        try:
-            prompt = token_ids(50, seed=7)
-            first = h.generate(prompt, 40)
-            k = next(i for i in range(8, 40) if first.output_ids[i] not in first.output_ids[:i])
-            stop = h.generate(prompt, 40, stop_token_ids=[first.output_ids[k]])
-            assert stop.output_ids == first.output_ids[: k + 1]
-            follow = h.generate(prompt + stop.output_ids + token_ids(3, seed=8), 20)
-            h.sched.check_integrity()
-            if spec:
-                assert h.sched.spec.stats["accepted_tokens"] > k // 2  # the stop came inside accepted runs
-            outs[spec] = (stop, follow)
-            h.flush_and_check_empty()
-        finally:
-            h.shutdown()
+
+    def body(h: SchedulerHarness, spec: bool) -> tuple[Output, Output]:
+        prompt = token_ids(50, seed=7)
+        first = h.generate(prompt, 40)
+        k = next(i for i in range(8, 40) if first.output_ids[i] not in first.output_ids[:i])
+        stop = h.generate(prompt, 40, stop_token_ids=[first.output_ids[k]])
+        assert stop.output_ids == first.output_ids[: k + 1]
+        follow = h.generate(prompt + stop.output_ids + token_ids(3, seed=8), 20)
+        h.sched.check_integrity()
+        if spec:
+            assert h.sched.spec.stats["accepted_tokens"] > k // 2  # the stop came inside accepted runs
+        h.flush_and_check_empty()
+        return stop, follow
+
+    outs = _plain_and_ngram(body)
     for a, b in zip(outs[False], outs[True], strict=True):
         _assert_same(a, b, "stop / follow-up")
     # The follow-up hits the whole finished request (its last token has no KV yet): its final state.
@@ -150,26 +162,23 @@ def test_a_penalized_request_verifies_its_newest_token_alone():
     """Penalties read a request's counts so far, so a penalized request gets no drafts: its one position
     is penalized (counts, a ban under min_new_tokens, a bias) as in a decode step, beside requests whose
     drafts are accepted. Every output is the same as plain decoding's."""
-    outs = {}
-    for spec in (False, True):
-        h = _harness(QWEN, "extra_buffer", 1, spec)
-        try:
-            prompt = token_ids(30, seed=3)
-            first = h.generate(prompt, 40)
-            rids = [
-                h.submit(prompt, 40),
-                h.submit(prompt, 40, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2),
-                h.submit(prompt, 30, min_new_tokens=20, stop_token_ids=first.output_ids[5:6],
-                         logit_bias={str(first.output_ids[3]): -5.0}),
-            ]  # fmt: skip
-            h.run()
-            h.sched.check_integrity()
-            outs[spec] = [h.outputs[r] for r in rids]
-            if spec:
-                stats = h.sched.spec.stats
-                assert stats["accepted_tokens"] >= 30, stats  # the plain request's drafts
-        finally:
-            h.shutdown()
+
+    def body(h: SchedulerHarness, spec: bool) -> list[Output]:
+        prompt = token_ids(30, seed=3)
+        first = h.generate(prompt, 40)
+        rids = [
+            h.submit(prompt, 40),
+            h.submit(prompt, 40, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2),
+            h.submit(prompt, 30, min_new_tokens=20, stop_token_ids=first.output_ids[5:6],
+                     logit_bias={str(first.output_ids[3]): -5.0}),
+        ]  # fmt: skip
+        h.run()
+        h.sched.check_integrity()
+        if spec:
+            assert h.sched.spec.stats["accepted_tokens"] >= 30, h.sched.spec.stats  # the plain request's
+        return [h.outputs[r] for r in rids]
+
+    outs = _plain_and_ngram(body)
     for k, (a, b) in enumerate(zip(outs[False], outs[True], strict=True)):
         _assert_same(a, b, f"request {k}")
     assert outs[True][1].output_ids != outs[True][0].output_ids  # the penalties changed the text
@@ -242,24 +251,22 @@ def test_steps_without_logprobs_finish_on_time():
     never finishes). 2-grams and longer only: drafts are rare in the first round (plain steps, logged)
     and every step of the second has them (it repeats the first). The logs' invariants hold after
     every step."""
-    outs = {}
-    for spec in (False, True):
-        h = _harness(QWEN, "extra_buffer", 1, spec, speculative_ngram_min_match_window_size=2)
-        try:
-            prompts = [token_ids(30 + 9 * k, seed=20 + k) for k in range(3)]
-            for _ in range(2):
-                rids = [h.submit(p, 40 + 5 * k, return_logprob=False) for k, p in enumerate(prompts)]
-                while h.sched.step():
-                    h.sched.result_processor.token_log.check()
-                    h.sched.kv_log.check()
-                h.collect()
-                h.sched.check_integrity()
-            outs[spec] = [h.outputs[r] for r in rids]
-            if spec:
-                assert h.sched.spec.stats["accepted_tokens"] > 0
-                assert h.sched.result_processor.token_log.steps_logged > 0  # the log ran between verifies
-        finally:
-            h.shutdown()
+
+    def body(h: SchedulerHarness, spec: bool) -> list[Output]:
+        prompts = [token_ids(30 + 9 * k, seed=20 + k) for k in range(3)]
+        for _ in range(2):
+            rids = [h.submit(p, 40 + 5 * k, return_logprob=False) for k, p in enumerate(prompts)]
+            while h.sched.step():
+                h.sched.result_processor.token_log.check()
+                h.sched.kv_log.check()
+            h.collect()
+            h.sched.check_integrity()
+        if spec:
+            assert h.sched.spec.stats["accepted_tokens"] > 0
+            assert h.sched.result_processor.token_log.steps_logged > 0  # the log ran between verifies
+        return [h.outputs[r] for r in rids]
+
+    outs = _plain_and_ngram(body, speculative_ngram_min_match_window_size=2)
     for k, (a, b) in enumerate(zip(outs[False], outs[True], strict=True)):
         assert len(b.output_ids) == 40 + 5 * k and b.finished_reason["type"] == "length"
         assert b.output_ids == a.output_ids
@@ -339,16 +346,15 @@ def test_the_decode_log_line_shows_the_accept_length(caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("preset,strategy,page", [(QWEN, "extra_buffer", 16), (NEMO, "extra_buffer", 1)])
 def test_gpu_same_outputs_and_hits_as_plain_decoding(preset, strategy, page):
-    results = {}
-    for spec in (False, True):
-        h = _harness(preset, strategy, page, spec, device="cuda", dtype="float32")
-        try:
-            results[spec] = _turns(h)
-            if spec:
-                assert h.sched.spec.stats["accepted_tokens"] >= 100, h.sched.spec.stats
-            h.flush_and_check_empty()
-        finally:
-            h.shutdown()
+
+    def body(h: SchedulerHarness, spec: bool) -> list[list[Output]]:
+        turns = _turns(h)
+        if spec:
+            assert h.sched.spec.stats["accepted_tokens"] >= 100, h.sched.spec.stats
+        h.flush_and_check_empty()
+        return turns
+
+    results = _plain_and_ngram(body, preset, strategy, page, device="cuda", dtype="float32")
     for turn, (plain, spec) in enumerate(zip(results[False], results[True], strict=True)):
         for k, (a, b) in enumerate(zip(plain, spec, strict=True)):
             assert b.output_ids == a.output_ids and b.cached_tokens == a.cached_tokens, (turn, k)
