@@ -3,7 +3,8 @@ server and a decode server (real processes, loopback, Mooncake's TCP transfer en
 
 The prefill servers keep a radix cache with an extra-buffer strategy (Qwen3-Next: extra_buffer_lazy,
 page size 16 against 1 on the decode side, so KV moves across page sizes; Nemotron-H: extra_buffer with
-chunked prefill). The single server the answers are compared with is the prefill server itself, asked
+chunked prefill). Qwen3-Next's decode server decodes by NGRAM speculative verifies: its outputs too must
+equal the single server's, from the transferred state on. The single server the answers are compared with is the prefill server itself, asked
 without bootstrap fields (then it serves requests whole). After every test both servers are idle with
 nothing held by requests (and, as everywhere in the suite, the scheduler's full integrity walk runs when
 it goes idle: SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE).
@@ -37,7 +38,10 @@ FAIL_PREFIX = "fail-transfer-"
 WAITING_TIMEOUT_S = 8
 BOOTSTRAP_TIMEOUT_S = 12
 PRESETS = {
-    "tiny-qwen3-next": (["--page-size", "16"], ["--page-size", "1"]),
+    "tiny-qwen3-next": (
+        ["--page-size", "16"],
+        ["--page-size", "1", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"],
+    ),
     "tiny-nemotron-h": (["--mamba-scheduler-strategy", "extra_buffer", "--chunked-prefill-size", "128"], []),
 }
 # The decode server asks for fewer mamba slots than its request rows need: it raises the size and logs it.
@@ -164,6 +168,9 @@ def test_a_repeated_prompt_hits_the_prefill_cache_and_still_matches(pd):
     again = post(pd["router"].base_url + "/generate", body).json()
     assert again["meta_info"]["cached_tokens"] > 0  # the prefill server's radix cache served it
     assert_same_generation(again, first)
+    decode = internal_state(pd["decode"])
+    if "speculative" in decode:  # Qwen3-Next's decode server: the repeat drafted the first run's tokens
+        assert decode["speculative"]["accepted_tokens"] > 0, decode["speculative"]
 
 
 def test_openai_chat_and_completions_through_the_router(pd):
