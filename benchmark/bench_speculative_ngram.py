@@ -31,6 +31,7 @@ from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.ngram_cache import NgramCache
 
 MODEL = "tiny-qwen3-next-demo"
 BIG = "/tmp/sglang-bench-147m"  # `--model-path 147m`: benchmark/gpu/bench_engine_vs_hf.py's checkpoint
@@ -114,7 +115,8 @@ def main() -> None:
         for name, sched in scheds.items():
             sched.flush_cache()
             if name == "ngram":  # a fresh n-gram cache per repetition: drafts come only from it
-                sched.spec.cache._table.clear()
+                c = sched.spec.cache
+                sched.spec.cache = NgramCache(c.min_window, c.max_window, c.branch_length, c.capacity)
             code, outs[name] = run(sched, prompts, args.output_len, f"c{rep}")
             again, _ = run(sched, prompts, args.output_len, f"r{rep}")
             speeds["code"][name].append(tokens / code)

@@ -118,7 +118,7 @@ def test_compiles_for_sm90(state, fused_out):
 
     signature = {
         "x_ptr": "*fp32", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*bf16", "dt_bias_ptr": "*bf16",
-        "state_ptr": f"*{state}", "slot_ptr": "*i64", "out_ptr": "*fp32",
+        "state_ptr": f"*{state}", "slot_ptr": "*i64", "src_ptr": "*i64", "out_ptr": "*fp32",
         **{name: "i64" for name in ("x_stride", "ab_stride", "slot_stride")},
         **{name: "constexpr" for name in ("NUM_HEADS", "KEY_HEADS", "K", "V", "BK", "BV", "FUSED_OUT")},
     }  # fmt: skip
@@ -159,3 +159,21 @@ def test_engine_decodes_through_the_kernel_as_through_the_torch_step(interpret):
     # the tiny net over 6 steps; a wrong state update moves logprobs by O(1).
     torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(snap_a, snap_b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_step_reads_src_slots_and_writes_the_slots(interpret):
+    """A speculative verify's positions (`src_slots`): each row's state is read from its source slot,
+    which stays as it was, and the updated state goes to its own slot: the twin's state and output."""
+    from sglang.srt.layers.attention.linear.gdn_decode_triton import gdn_decode_inplace
+
+    layer = _layer(2, 4, 16, 8, seed=6)
+    x, a, b = _inputs(3, layer, seed=7)
+    pool = torch.randn(12, 4, 8, 16, generator=torch.Generator().manual_seed(8))
+    before = pool.clone()
+    src, dst = torch.tensor([3, 9, 4]), torch.tensor([10, 2, 6])
+    want_out, want_state = _twin(x, a, b, layer, pool[src])
+    out = gdn_decode_inplace(x, a, b, layer.A_log, layer.dt_bias, pool, dst, 2, 16, src_slots=src)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[dst], want_state, rtol=1e-5, atol=1e-5)
+    rest = [s for s in range(12) if s not in dst.tolist()]
+    assert torch.equal(pool[rest], before[rest]), "the sources or another slot were written"

@@ -120,7 +120,7 @@ def test_compiles_for_sm90(state, act):
     from sglang.test.sm90 import compile_sm90_in_registers
 
     conv_sig = {
-        "x_ptr": f"*{act}", "state_ptr": f"*{state}", "slot_ptr": "*i64", "w_ptr": f"*{act}",
+        "x_ptr": f"*{act}", "state_ptr": f"*{state}", "slot_ptr": "*i64", "src_ptr": "*i64", "w_ptr": f"*{act}",
         "bias_ptr": f"*{act}", "out_ptr": "*fp32", "slot_stride": "i64",
         **{k: "constexpr" for k in ("CHANNELS", "KEEP", "BKEEP", "BC", "HAS_BIAS")},
     }  # fmt: skip
@@ -135,7 +135,7 @@ def test_compiles_for_sm90(state, act):
         compile_sm90_in_registers(mod._conv_update_kernel, conv_sig, consts)
     ssm_sig = {
         **{k: "*fp32" for k in ("xbc_ptr", "dt_ptr", "a_ptr", "d_ptr")},
-        "state_ptr": f"*{state}", "slot_ptr": "*i64", "y_ptr": "*fp32", "slot_stride": "i64",
+        "state_ptr": f"*{state}", "slot_ptr": "*i64", "src_ptr": "*i64", "y_ptr": "*fp32", "slot_stride": "i64",
         **{k: "constexpr" for k in ("HEADS", "P", "N", "GROUPS", "BP", "BN")},
     }  # fmt: skip
     consts = {"HEADS": 128, "P": 64, "N": 128, "GROUPS": 8, "BP": mod.head_block(64, 128), "BN": 128}
@@ -237,3 +237,36 @@ def test_conv_extend_batch_matches_torch(interpret, width, channels, dtype):
             )
     rest = [s for s in range(NUM_SLOTS) if s not in written]
     assert torch.equal(pool[rest], before[rest])
+
+
+def test_steps_read_src_slots_and_write_the_slots(interpret):
+    """A speculative verify's positions (`src_slots`): each row's state is read from its source slot,
+    which stays as it was, and the updated state goes to its own slot: the twin's state and output."""
+    from sglang.srt.layers.attention.mamba.decode_triton import (
+        causal_conv1d_update_inplace,
+        mamba2_decode_inplace,
+    )
+
+    g = torch.Generator().manual_seed(5)
+    src, dst = torch.tensor([3, 9, 4]), torch.tensor([10, 2, 6])
+    heads, head_dim, groups, n, channels = 4, 8, 2, 16, 24
+    conv = torch.randn(NUM_SLOTS, channels, 3, generator=g)
+    ssm = 0.3 * torch.randn(NUM_SLOTS, heads, head_dim, n, generator=g)
+    before_conv, before_ssm = conv.clone(), ssm.clone()
+    x, weight, bias = torch.randn(3, channels, generator=g), torch.randn(channels, 4, generator=g), None
+    want_out, want_window = causal_conv1d_update(x, conv[src], weight, bias)
+    out = causal_conv1d_update_inplace(x, conv, dst, weight, bias, src_slots=src)
+    torch.testing.assert_close(out, want_out, **TOL[torch.float32])
+    torch.testing.assert_close(conv[dst], want_window, **TOL[torch.float32])
+    xbc = torch.randn(3, heads * head_dim + 2 * groups * n, generator=g)
+    dt = torch.rand(3, heads, generator=g) * 0.1 + 0.001
+    A, D = -torch.rand(heads, generator=g) - 0.5, torch.randn(heads, generator=g)
+    xs, B, C = xbc.split([heads * head_dim, groups * n, groups * n], dim=-1)
+    B = B.reshape(3, groups, n).repeat_interleave(heads // groups, dim=1)
+    C = C.reshape(3, groups, n).repeat_interleave(heads // groups, dim=1)
+    want_y, want_state = selective_state_update(ssm[src], xs.reshape(3, heads, head_dim), dt, A, B, C, D)
+    y = mamba2_decode_inplace(xbc, dt, A, D, ssm, dst, heads, head_dim, groups, n, src_slots=src)
+    torch.testing.assert_close(y, want_y, **TOL[torch.float32])
+    torch.testing.assert_close(ssm[dst], want_state, **TOL[torch.float32])
+    rest = [s for s in range(NUM_SLOTS) if s not in dst.tolist()]
+    assert torch.equal(conv[rest], before_conv[rest]) and torch.equal(ssm[rest], before_ssm[rest])

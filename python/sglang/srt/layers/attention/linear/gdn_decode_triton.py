@@ -34,6 +34,7 @@ def _gdn_decode_kernel(
     dt_bias_ptr,
     state_ptr,
     slot_ptr,
+    src_ptr,
     out_ptr,
     x_stride,
     ab_stride,
@@ -50,6 +51,7 @@ def _gdn_decode_kernel(
     h = tl.program_id(1)
     vb = tl.program_id(2)
     slot = tl.load(slot_ptr + b).to(tl.int64)
+    src = tl.load(src_ptr + b).to(tl.int64)
     row = b.to(tl.int64) * x_stride
     kh = h // (NUM_HEADS // KEY_HEADS)  # consecutive value heads share a key head
     offs_k = tl.arange(0, BK)
@@ -59,7 +61,7 @@ def _gdn_decode_kernel(
     tile = offs_v[:, None] * K + offs_k[None, :]
     m2 = mv[:, None] & mk[None, :]
     base = state_ptr + slot * slot_stride + h * (V * K)
-    s = tl.load(base + tile, mask=m2, other=0.0).to(tl.float32)
+    s = tl.load(state_ptr + src * slot_stride + h * (V * K) + tile, mask=m2, other=0.0).to(tl.float32)
     # x = [q (KEY_HEADS x K) | k (KEY_HEADS x K) | v (NUM_HEADS x V)]; l2norm as the torch form's, eps 1e-6.
     q = tl.load(x_ptr + row + kh * K + offs_k, mask=mk, other=0.0).to(tl.float32)
     k = tl.load(x_ptr + row + (KEY_HEADS + kh) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -118,11 +120,14 @@ def gdn_decode_inplace(
     slots: torch.Tensor,
     key_heads: int,
     key_dim: int,
+    src_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [bs, 2 * key_heads * key_dim + H * V], the conv output (rows contiguous); a, b [bs, H] the raw
     gate projections (rows may be strided, the same stride for both); a_log, dt_bias [H]; `ssm` is one
     layer of the pool, [slots, H, V, K] (any float dtype, rows contiguous); `slots` [bs] int64 on the
-    same device. Updates the states of `slots` in place and returns the output [bs, H, V] float32."""
+    same device. Updates the states of `slots` in place and returns the output [bs, H, V] float32; with
+    `src_slots` ([bs], rows distinct from every slot written) it reads the states there instead, which
+    stay as they are (a speculative verify's positions, each from the one before)."""
     bs = x.shape[0]
     heads, value_dim = ssm.shape[1], ssm.shape[2]
     assert ssm.shape[3] == key_dim and ssm[0].is_contiguous(), "pool layout [H, V, K]"
@@ -137,7 +142,8 @@ def gdn_decode_inplace(
     bv = block_v(value_dim, key_dim)
     grid = (bs, heads, triton.cdiv(value_dim, bv))
     jit_for_env(_gdn_decode_kernel)[grid](
-        x, a, b, a_log, dt_bias, ssm, slots.contiguous(), out, x.stride(0), a.stride(0), ssm.stride(0),
+        x, a, b, a_log, dt_bias, ssm, slots.contiguous(), (slots if src_slots is None else src_slots).contiguous(),
+        out, x.stride(0), a.stride(0), ssm.stride(0),
         NUM_HEADS=heads, KEY_HEADS=key_heads, K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=bv,
         FUSED_OUT=FUSED_OUT, num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -26,6 +26,7 @@ def _conv_update_kernel(
     x_ptr,
     state_ptr,
     slot_ptr,
+    src_ptr,
     w_ptr,
     bias_ptr,
     out_ptr,
@@ -43,9 +44,10 @@ def _conv_update_kernel(
     mj = offs_j < KEEP
     slot = tl.load(slot_ptr + b).to(tl.int64)
     base = state_ptr + slot * slot_stride
+    src = state_ptr + tl.load(src_ptr + b).to(tl.int64) * slot_stride  # `base` itself, but in a verify
     tile = offs_c[:, None] * KEEP + offs_j[None, :]
     m2 = mc[:, None] & mj[None, :]
-    state = tl.load(base + tile, mask=m2, other=0.0).to(tl.float32)
+    state = tl.load(src + tile, mask=m2, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs_c[:, None] * (KEEP + 1) + offs_j[None, :], mask=m2, other=0.0).to(tl.float32)
     w_last = tl.load(w_ptr + offs_c * (KEEP + 1) + KEEP, mask=mc, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + b * CHANNELS + offs_c, mask=mc, other=0.0).to(tl.float32)
@@ -54,7 +56,7 @@ def _conv_update_kernel(
         acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)
     tl.store(out_ptr + b * CHANNELS + offs_c, acc / (1.0 + tl.exp(-acc)), mask=mc)
     # The window moves one input on: column j takes column j + 1, the last one the new input.
-    shifted = tl.load(base + tile + 1, mask=mc[:, None] & (offs_j[None, :] < KEEP - 1), other=0.0)
+    shifted = tl.load(src + tile + 1, mask=mc[:, None] & (offs_j[None, :] < KEEP - 1), other=0.0)
     new = tl.where(offs_j[None, :] == KEEP - 1, x[:, None].to(shifted.dtype), shifted)
     tl.store(base + tile, new.to(state_ptr.dtype.element_ty), mask=m2)
 
@@ -66,6 +68,7 @@ def _mamba2_decode_kernel(
     d_ptr,
     state_ptr,
     slot_ptr,
+    src_ptr,
     y_ptr,
     slot_stride,
     HEADS: tl.constexpr,
@@ -91,9 +94,10 @@ def _mamba2_decode_kernel(
     decay = tl.exp(dt * tl.load(a_ptr + h).to(tl.float32))
     slot = tl.load(slot_ptr + b).to(tl.int64)
     base = state_ptr + slot * slot_stride + h * (P * N)
+    src = state_ptr + tl.load(src_ptr + b).to(tl.int64) * slot_stride + h * (P * N)
     tile = offs_p[:, None] * N + offs_n[None, :]
     m2 = mp[:, None] & mn[None, :]
-    s = tl.load(base + tile, mask=m2, other=0.0).to(tl.float32)
+    s = tl.load(src + tile, mask=m2, other=0.0).to(tl.float32)
     s = s * decay + (dt * x)[:, None] * B[None, :]
     y = tl.reduce(s * C[None, :], 1, add) + tl.load(d_ptr + h).to(tl.float32) * x
     tl.store(y_ptr + bh * P + offs_p, y, mask=mp)
@@ -111,10 +115,12 @@ def causal_conv1d_update_inplace(
     slots: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    src_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [bs, C]; `conv_state` is one layer of the pool, [slots, C, K-1] (any float dtype, rows
     contiguous); weight [C, K]; `slots` [bs] int64 on the same device. Shifts the states of `slots` in
-    place and returns silu(conv) [bs, C] float32."""
+    place and returns silu(conv) [bs, C] float32; with `src_slots` (rows distinct from every slot
+    written) the windows are read there and left as they are (a speculative verify)."""
     bs, channels = x.shape
     keep = weight.shape[1] - 1
     assert conv_state.shape[1:] == (channels, keep) and conv_state[0].is_contiguous(), "layout [C, K-1]"
@@ -126,6 +132,7 @@ def causal_conv1d_update_inplace(
         x.contiguous(),
         conv_state,
         slots.contiguous(),
+        (slots if src_slots is None else src_slots).contiguous(),
         weight.contiguous(),
         bias if bias is not None else weight,  # unread without a bias
         out,
@@ -161,10 +168,12 @@ def mamba2_decode_inplace(
     head_dim: int,
     groups: int,
     state_size: int,
+    src_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """xbc [bs, H*P + 2*G*N] (the conv output: x | B | C), dt [bs, H] (softplus'd and clamped), A, D
     [H]; `ssm` is one layer of the pool, [slots, H, P, N]. Updates the states of `slots` in place and
-    returns y [bs, H, P] float32 (D skip included)."""
+    returns y [bs, H, P] float32 (D skip included); with `src_slots` (rows distinct from every slot
+    written) the states are read there and left as they are (a speculative verify)."""
     bs = xbc.shape[0]
     assert xbc.shape[1] == heads * head_dim + 2 * groups * state_size and heads % groups == 0
     assert ssm.shape[1:] == (heads, head_dim, state_size) and ssm[0].is_contiguous(), "layout [H, P, N]"
@@ -179,6 +188,7 @@ def mamba2_decode_inplace(
         D.contiguous(),
         ssm,
         slots.contiguous(),
+        (slots if src_slots is None else src_slots).contiguous(),
         y,
         ssm.stride(0),
         HEADS=heads,

@@ -13,6 +13,7 @@ depend on which path produced it. Returns y [T, H, P] in float32 (D skip include
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,9 +55,12 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
         if fb.forward_mode.is_decode():
             xbc = self.conv_decode(lid, xBC, weight, layer.conv1d.bias)
             if self.decode_in_place or self.decode_cpp:
-                # The Triton kernel (CUDA) and the C++ op (CPU) take the same arguments.
+                # The Triton kernel (CUDA) and the C++ op (CPU) take the same arguments (and the Triton
+                # one a verify step's source slots).
                 if self.decode_in_place:
-                    from sglang.srt.layers.attention.mamba.decode_triton import mamba2_decode_inplace as step
+                    from sglang.srt.layers.attention.mamba.decode_triton import mamba2_decode_inplace
+
+                    step = functools.partial(mamba2_decode_inplace, src_slots=self.meta.src_slots)
                 else:
                     step = self.cpu_ops.mamba2_decode
                 return step(

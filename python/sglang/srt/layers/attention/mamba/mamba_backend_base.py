@@ -70,6 +70,8 @@ class ExtendSeq:
 @dataclass
 class LinearMetadata:
     slots: torch.Tensor | None = None  # [bs] running slots
+    # A verify step with the Triton steps: the slots the states are read from (`slots`: written).
+    src_slots: torch.Tensor | None = None
     extend: list[ExtendSeq] | None = None
     # Decode: (running slots, track slots, track mask), all [bs]; None when no row tracks.
     track_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -80,16 +82,20 @@ class LinearMetadata:
     triton_extend: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], int] | None = None
     # Extend through a packed-batch kernel (`varlen_impl`).
     varlen: VarlenExtend | None = None
-    # Speculative verify: one step per position (`forward_verify`).
+    # Speculative verify: one step per position (`forward_verify`), and the batch's tokens in position
+    # order (all requests' first tokens, then their second ones, ...: each step's inputs are a slice).
     verify: list[VerifyStep] | None = None
+    verify_order: torch.Tensor | None = None
 
 
 @dataclass
 class VerifyStep:
-    """Position t of a verify forward: the packed indices of the tokens at t (of the requests that have
-    one), the slots their states before it are read from, and the verify rows their states after it go to."""
+    """Position t of a verify forward: its tokens' rows [lo, hi) of the position-ordered batch (of the
+    requests that have a token at t), the slots their states before it are read from, and the verify
+    rows their states after it go to."""
 
-    tokens: torch.Tensor
+    lo: int
+    hi: int
     src: torch.Tensor
     dst: torch.Tensor
 
@@ -151,8 +157,12 @@ class MambaAttnBackendBase:
         if fb.forward_mode.is_target_verify():
             device = self.mamba_pool.conv_state.device
             moved = _moved(_verify_keys(fb), fb.aux_tensors, lambda: self._verify_host(fb), device)
-            steps = [VerifyStep(*moved[i : i + 3]) for i in range(0, len(moved), 3)]
-            self.meta = LinearMetadata(slots=fb.mamba_pool_indices, verify=steps)
+            bounds = list(itertools.accumulate(_verify_widths(fb), initial=0))
+            steps = [
+                VerifyStep(lo, hi, *moved[1 + 2 * t : 3 + 2 * t])
+                for t, (lo, hi) in enumerate(itertools.pairwise(bounds))
+            ]
+            self.meta = LinearMetadata(slots=fb.mamba_pool_indices, verify=steps, verify_order=moved[0])
         elif fb.forward_mode.is_extend():
             seqs = self._extend_seqs(fb)
             cpu_extend = _cpu_extend_args(seqs) if self.cpu_ops is not None else None
@@ -188,37 +198,41 @@ class MambaAttnBackendBase:
             fb.aux_tensors.update(zip(_VARLEN_KEYS, _varlen_host(seqs, self.varlen_chunk), strict=True))
 
     def _verify_host(self, fb: ForwardBatch) -> list[torch.Tensor]:
-        """`VerifyStep`s' tensors on the host, three per position."""
+        """A verify's tensors on the host: the position order of its tokens, then each position's (src,
+        dst) slots."""
         pool, lens, starts = self.mamba_pool, fb.extend_seq_lens_cpu, fb.extend_start_loc_cpu
         slots = fb.mamba_pool_indices_cpu
-        out = []
+        order, steps = [], []
         for t in range(max(lens, default=0)):
             rows = [b for b, n in enumerate(lens) if n > t]
+            order += [starts[b] + t for b in rows]
             src = [slots[b] if t == 0 else pool.verify_row(b, t - 1) for b in rows]
-            out += [
-                host_int64([starts[b] + t for b in rows]),
-                host_int64(src),
-                host_int64([pool.verify_row(b, t) for b in rows]),
-            ]
-        return out
+            steps += [host_int64(src), host_int64([pool.verify_row(b, t) for b in rows])]
+        return [host_int64(order), *steps]
 
     def forward_verify(self, layer: Any, fb: ForwardBatch, *inputs: torch.Tensor) -> torch.Tensor:
         """A verify forward of one layer (module docstring): the layer's decode step once per position,
-        on the verify rows. `inputs` are the layer's per-token inputs to `forward`, packed as the batch."""
+        on the verify rows. `inputs` are the layer's per-token inputs to `forward`, packed as the batch.
+        The Triton steps read each position's state from the row before and write its own (no copy);
+        the others update in place, so the row before is copied first."""
         conv, ssm = self.mamba_pool.layer_cache(layer.layer_id)
-        meta, out = self.meta, None
+        meta = self.meta
+        order = meta.verify_order
+        xs = [x.index_select(0, order) for x in inputs]  # position order: each step's inputs are a slice
+        outs = []
         try:
             for step in meta.verify:
-                conv.index_copy_(0, step.dst, conv.index_select(0, step.src))
-                ssm.index_copy_(0, step.dst, ssm.index_select(0, step.src))
-                self.meta = LinearMetadata(slots=step.dst)
-                o = self.forward(layer, _DECODE_STEP, *(x.index_select(0, step.tokens) for x in inputs))
-                if out is None:
-                    out = o.new_empty((inputs[0].shape[0], *o.shape[1:]))
-                out.index_copy_(0, step.tokens, o)
+                if self.decode_in_place:
+                    self.meta = LinearMetadata(slots=step.dst, src_slots=step.src)
+                else:
+                    conv.index_copy_(0, step.dst, conv.index_select(0, step.src))
+                    ssm.index_copy_(0, step.dst, ssm.index_select(0, step.src))
+                    self.meta = LinearMetadata(slots=step.dst)
+                outs.append(self.forward(layer, _DECODE_STEP, *(x[step.lo : step.hi] for x in xs)))
         finally:
             self.meta = meta
-        return out
+        ordered = torch.cat(outs)
+        return torch.empty_like(ordered).index_copy_(0, order, ordered)
 
     def _tracked_rows(self, fb: ForwardBatch) -> list[int]:
         mask = fb.mamba_track_mask_cpu
@@ -380,7 +394,7 @@ class MambaAttnBackendBase:
         if self.decode_in_place:
             from sglang.srt.layers.attention.mamba.decode_triton import causal_conv1d_update_inplace
 
-            return causal_conv1d_update_inplace(x, conv, slots, weight, bias)
+            return causal_conv1d_update_inplace(x, conv, slots, weight, bias, src_slots=self.meta.src_slots)
         if self.decode_cpp:
             b = None if bias is None else bias.float().contiguous()
             return self.cpu_ops.causal_conv1d_update(
@@ -443,10 +457,17 @@ _VARLEN_KEYS = tuple(
 )
 
 
+def _verify_widths(fb: ForwardBatch) -> list[int]:
+    """How many requests of a verify have a token at each position."""
+    lens = fb.extend_seq_lens_cpu
+    return [sum(n > t for n in lens) for t in range(max(lens, default=0))]
+
+
 def _verify_keys(fb: ForwardBatch) -> tuple[str, ...]:
-    """`ForwardBatch.aux_tensors` names of a verify's step tensors (`_verify_host`'s order)."""
+    """`ForwardBatch.aux_tensors` names of a verify's tensors (`_verify_host`'s order)."""
     width = max(fb.extend_seq_lens_cpu, default=0)
-    return tuple(f"linear.verify.{t}.{name}" for t in range(width) for name in ("tokens", "src", "dst"))
+    steps = (f"linear.verify.{t}.{name}" for t in range(width) for name in ("src", "dst"))
+    return ("linear.verify.order", *steps)
 
 
 def _moved(keys: tuple[str, ...], aux: dict[str, torch.Tensor], host: Any, device: torch.device) -> list:
