@@ -184,6 +184,26 @@ def test_a_penalized_request_verifies_its_newest_token_alone():
     assert outs[True][1].output_ids != outs[True][0].output_ids  # the penalties changed the text
 
 
+def test_a_request_drafts_again_once_its_penalties_are_spent():
+    """min_new_tokens alone: while it holds, the request's stop ids are banned and it gets no drafts (here
+    it has none to ban, `ignore_eos` without stop ids: the batch's penalty info is empty); after it, the
+    request drafts like any other. The same tokens as plain decoding."""
+
+    def body(h: SchedulerHarness, spec: bool) -> list[Output]:
+        prompt = token_ids(30, seed=12)
+        h.generate(prompt, 30)
+        before = dict(h.sched.spec.stats) if spec else None
+        rid = h.submit(prompt, 30, min_new_tokens=6)
+        h.run()
+        h.sched.check_integrity()
+        if spec:  # its drafts from the first run were accepted after its sixth token
+            assert h.sched.spec.stats["accepted_tokens"] > before["accepted_tokens"]
+        return h.outputs[rid]
+
+    outs = _plain_and_ngram(body)
+    _assert_same(outs[False], outs[True], "min_new_tokens")
+
+
 def test_kv_pressure_retracts_and_outputs_stay_the_same():
     outs = {}
     for spec in (False, True):

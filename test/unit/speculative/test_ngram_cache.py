@@ -71,8 +71,8 @@ def test_capacity_drops_the_older_generation():
     c = cache(lo=1, hi=1, capacity=4)  # two generations of two keys
     c.index([1, 2, 3], 0)  # keys 1, 2: the generation is full and becomes the older one
     assert len(c) == 2 and c.draft([1], 1) == [2]
-    c.index([4, 5, 6], 0)  # keys 4, 5 fill the next: keys 1 and 2 go
-    assert len(c) == 2
+    c.index([4, 5, 6], 0)  # keys 4, 5 fill the next: keys 1 and 2 go (freed within the call that adds more)
+    assert len(c) == 2 and not c._dropped
     assert c.draft([1], 1) == c.draft([2], 1) == []
     assert c.draft([4], 1) == [5] and c.draft([5], 1) == [6]
     c.index([7, 8], 0)  # key 7 starts a new generation beside 4 and 5

@@ -86,10 +86,16 @@ def compute_pool_sizes(
             slots = state_budget // per_slot
         elif draft:
             # Slots given, tokens derived: the rows of as many running requests as the slots hold first.
-            cap = server_args.max_running_requests or min(
-                slots // strategy.slots_per_running_req, MAX_RUNNING_REQUESTS_CAP
+            cap = server_args.max_running_requests or max(
+                1, min(slots // strategy.slots_per_running_req, MAX_RUNNING_REQUESTS_CAP)
             )
             rest -= cap * draft * per_slot
+            if rest <= slots * per_slot:
+                raise ServerArgsError(
+                    f"--speculative-num-draft-tokens {draft}: the verify rows of {cap} running requests "
+                    "and the given mamba slots leave no memory for KV tokens; lower it, or "
+                    "--max-mamba-cache-size, or raise --mem-fraction-static."
+                )
         if tokens is None:
             tokens = (rest - slots * per_slot) // max(per_token, 1)
 

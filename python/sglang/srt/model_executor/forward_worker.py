@@ -271,9 +271,10 @@ class ForwardWorker:
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Mamba state copies `(src, dst)` as a task of their own on the forward stream, after every batch
-        launched so far and before any later one (inline: done on return). For what the scheduler
-        settles between batches (a speculative verify's accepted states): a slot's state is then final
-        before anything outside the stream, such as a PD transfer into a slot given back, can touch it."""
+        launched so far and before any later one; returns once the task ran (on CUDA: once the copies
+        are queued on the stream), and raises what it raised. For what the scheduler settles between
+        batches (a speculative verify's accepted states): the slots hold those states before anything
+        outside the stream may touch them (a PD transfer into a slot given back: CPU only)."""
         if not copies:
             return
         src, dst = (list(c) for c in zip(*copies, strict=True))
@@ -284,8 +285,10 @@ class ForwardWorker:
 
         if self.inline:
             run(None)
-        else:
-            self._tasks.put((run, None, Future()))
+            return
+        done: Future = Future()
+        self._tasks.put((run, None, done))
+        done.result()  # (the stream is idle between a verify and the next batch: no wait behind a forward)
 
     def shutdown(self) -> None:
         if self._thread is not None:

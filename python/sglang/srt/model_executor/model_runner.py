@@ -92,9 +92,10 @@ class ModelRunner:
         rows, width = self.mamba_pool.verify_shape
         if rows:
             logger.info(
-                "Speculative verify rows: %d requests x %d positions (%.1f MB of state; the running cap "
-                "leaves room for them).",
+                "Speculative verify rows: %d requests x %d positions (%.1f MB of state, beside the %d "
+                "mamba slots).",
                 rows, width, rows * width * self.pool_sizes.mamba_bytes_per_slot / 2**20,
+                self.pool_sizes.max_mamba_cache_size,
             )  # fmt: skip
 
     def _full_attn_backend(self) -> TorchNativeAttnBackend | TritonAttnBackend:

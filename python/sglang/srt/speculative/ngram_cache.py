@@ -11,10 +11,12 @@ itself. Values point into the sequence lists (`(tokens, start)`) instead of copy
 one insert per new token and window, whatever the draft length. Keys are 61-bit hashes of the n-grams
 (built backwards from the n-gram's last token, one multiply-add per window: ~3x cheaper than tuple keys,
 which matters for long prompts on the scheduler thread); two n-grams sharing a hash only cost a draft
-that verification rejects. At most `capacity` keys, in two generations of half that each: when the
-newer fills up it becomes the older and the older one is dropped whole (no per-key eviction work on the
-scheduler thread; a sequence list lives while a key points into it). A key costs ~70 bytes: upstream's
-default capacity, 10M keys, is ~0.7 GB of host memory once that much text was served.
+that verification rejects. About `capacity` keys, in two generations of half that each (a key in both
+counts twice): when the newer fills up it becomes the older, and the older one leaves the lookups at
+once and is freed a few keys per later `index` call (twice as many as that call adds), so that no call
+frees millions of keys on the scheduler thread. A sequence list lives while a key points into it. A key
+costs ~70 bytes: upstream's default capacity, 10M keys, is ~0.7 GB of host memory once that much text
+was served.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class NgramCache:
         self._generation = max(capacity // 2, 1)
         self._new: dict[int, tuple[list[int], int]] = {}
         self._old: dict[int, tuple[list[int], int]] = {}
+        self._dropped: dict[int, tuple[list[int], int]] = {}  # the generation before, being freed
 
     def __len__(self) -> int:
         return len(self._new) + len(self._old)
@@ -50,8 +53,11 @@ class NgramCache:
                 if w >= lo:
                     table[h] = value
             if len(table) >= self._generation:
-                self._old, self._new = table, {}
+                self._dropped, self._old, self._new = self._old, table, {}
                 table = self._new
+        dropped = self._dropped
+        for _ in range(min(len(dropped), 2 * (len(tokens) - start) * (hi - lo + 1))):
+            dropped.popitem()
 
     def draft(self, tokens: list[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens that may follow `tokens` (fewer where no indexed text continues

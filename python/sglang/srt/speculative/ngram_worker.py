@@ -17,8 +17,8 @@ where the committed tokens reach a track boundary, the state there into the trac
 anything else (a finished request hands its running slot to the tree at once: the copy into it is
 queued first on the stream, and the rows it reads are not written before the next verify).
 
-A request whose logits take penalties gets no drafts (its token counts would have to follow them): its one
-position is penalized as in a decode step. A step where no request has a draft, or where the KV pool
+A request whose logits take a penalty at its next position (`penalized_now`) gets no drafts (its token
+counts would have to follow them): its one position is penalized as in a decode step. A step where no request has a draft, or where the KV pool
 cannot hold the drafts, decodes plainly.
 """
 
@@ -32,7 +32,7 @@ from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.scheduler_components.decode_set import select_decode_reqs
 from sglang.srt.mem_cache.common import alloc_for_verify, release_verify_tail
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from sglang.srt.sampling.penaltylib import PenaltyBatchInfo
+from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, counts_tokens
 from sglang.srt.speculative.ngram_cache import NgramCache
 
 if TYPE_CHECKING:
@@ -51,6 +51,15 @@ class NgramVerifyInput:
     track_slots: list[int]
 
 
+def penalized_now(req: Req) -> bool:
+    """Whether `req`'s logits take a penalty at its next position: counts (they would have to follow the
+    drafts), a bias, or a ban of its stop ids while it is under min_new_tokens."""
+    sp = req.sampling_params
+    return req.penalized and (
+        counts_tokens(sp) or bool(sp.logit_bias) or sp.min_new_tokens > len(req.output_ids)
+    )
+
+
 class NgramWorker:
     def __init__(self, sched: Scheduler):
         args = sched.server_args
@@ -64,8 +73,8 @@ class NgramWorker:
         )
         # Each running request's tokens (prompt and outputs), as the cache indexes them.
         self._histories: dict[Req, list[int]] = {}
-        # Totals since start: verify steps (one per request and verify), drafts proposed and accepted,
-        # tokens committed (what /metrics and the decode log read).
+        # Totals since start over the requests that had drafts: verify steps (one per such request and
+        # verify), drafts proposed and accepted, tokens committed (what /metrics and the decode log read).
         self.stats = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "committed_tokens": 0}
 
     # ---- drafts ------------------------------------------------------------------------------------
@@ -98,8 +107,8 @@ class NgramWorker:
             return None  # (the running cap bounds a decode set: more rows than verify rows never come)
         drafts = []
         for r in reqs:
-            # A penalized request verifies its newest token alone: its penalties read its counts so far.
-            budget = 0 if r.penalized else min(
+            # A request whose logits take penalties at this step verifies its newest token alone.
+            budget = 0 if penalized_now(r) else min(
                 self.width - 1,
                 r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
                 sched.context_len - r.kv_len - 1,
@@ -174,12 +183,13 @@ class NgramWorker:
             first = list(itertools.accumulate(counts, initial=0))[:-1]  # each request's first logits row
             fb = batch.forward_batch
             info = PenaltyBatchInfo.build(reqs, fb.seq_lens_cpu, batch.sample_rows, sched.penalty_slots)
-            fb.penalties = info.at_logit_rows(first)
+            if info is not None:  # (None: every penalty is spent, e.g. a min_new_tokens reached)
+                fb.penalties = info.at_logit_rows(first)
         batch.state_copies = sched.tree_cache.take_pending_state_copies()
 
     def internal_state(self) -> dict:
         """For /get_server_info: upstream's `avg_spec_accept_length` (tokens committed per request and
-        verify since start) and the totals behind it."""
+        verify since start, over the requests that had drafts) and the totals behind it."""
         steps = self.stats["verify_steps"]
         avg = self.stats["committed_tokens"] / steps if steps else 0.0
         return {"avg_spec_accept_length": avg, "speculative": dict(self.stats)}
@@ -197,7 +207,8 @@ class NgramWorker:
         sampled_all = result.next_token_ids
         touched: list[Req] = []
         copies: list[tuple[int, int]] = []  # (verify row, slot): the states the commit keeps
-        start = committed_total = accepted_total = 0
+        settled: list[tuple[Req, tuple[int, int] | None]] = []  # to release or commit a snapshot for
+        start = committed_total = accepted_total = drafted_rows = drafted_committed = 0
         for i, req in enumerate(batch.reqs):
             drafts, p = spec.drafts[i], spec.prefix_lens[i]
             at, start = start, start + 1 + len(drafts)
@@ -222,6 +233,9 @@ class NgramWorker:
                         break
             committed_total += committed
             accepted_total += committed - 1
+            if drafts:
+                drafted_rows += 1
+                drafted_committed += committed
             # The request keeps the KV of p + committed positions; its state after them is the verify row
             # of its last committed token, and a track boundary they reach takes the state there.
             release_verify_tail(sched.token_allocator, req, p + committed)
@@ -232,17 +246,20 @@ class NgramWorker:
             else:
                 pending = None  # not reached: nothing was written, the newest snapshot stands
             if pending is not None or req.finished_reason is not None:
-                rp._handle_finish_state_updated_req(req, pending)
+                settled.append((req, pending))
             if req.stream or req.finished_reason is not None:
                 touched.append(req)
+        # The states go where they belong now, before any slot is given back or handed over: with the radix
+        # cache off a finished request's running slot returns to the free list, and a PD transfer may write
+        # it before the next batch (`copy_states` returns once the copies are on the forward stream).
+        sched.worker.copy_states(copies)
+        for req, pending in settled:
+            rp._handle_finish_state_updated_req(req, pending)
         rp.counters["num_generation_tokens_total"] += committed_total
         sched.batch_stats.add_generated(committed_total - len(batch.reqs))
         stats = self.stats
-        stats["verify_steps"] += len(batch.reqs)
+        stats["verify_steps"] += drafted_rows  # (a row without drafts verifies nothing)
         stats["draft_tokens"] += sum(map(len, spec.drafts))
         stats["accepted_tokens"] += accepted_total
-        stats["committed_tokens"] += committed_total
-        # The states go where they belong now, on the forward stream, not with the next batch: a slot given
-        # back (a finished request's, with the radix cache off) may be written by a PD transfer before then.
-        sched.worker.copy_states(copies)
+        stats["committed_tokens"] += drafted_committed
         rp.stream_output(touched)

@@ -14,10 +14,11 @@ Decode: after the last layer updated the running slots, masked rows copy them (e
 SSM, one fused launch: `track_decode_states`) into their track slots: the state after seq_len tokens.
 
 Speculative verify (`ForwardMode.TARGET_VERIFY`): each request's newest token and its drafts run as a
-sequence of decode steps, position by position (`forward_verify`): step t copies the state before it
-(the running slot at t = 0, else the verify row of t - 1) into the verify row of t and updates that in
-place with the layer's own decode step, so every position's state is kept and the running slot is
-untouched; the scheduler copies the accepted position's state into it afterwards.
+sequence of decode steps, position by position (`forward_verify`): step t reads the state before it
+(the running slot at t = 0, else the verify row of t - 1) and leaves the state after it in the verify row
+of t (the Triton steps read one row and write the other; the in-place ones update a copy), so every
+position's state is kept and the running slot is untouched; the scheduler copies the accepted
+position's state into it afterwards.
 
 Every extend starts from the state in its running slot, a request with no prefix too: the scheduler
 gives a fresh slot a deferred clear (`mamba_clear_indices`), so zero state is the pool's job, and the
