@@ -204,6 +204,24 @@ def test_a_request_drafts_again_once_its_penalties_are_spent():
     _assert_same(outs[False], outs[True], "min_new_tokens")
 
 
+def test_a_request_whose_drafts_are_rejected_drafts_less_often():
+    """Drafts that are always wrong (a token the model does not produce here): after k rejected verifies
+    in a row the request drafts again only 2^k tokens later, so 64 tokens take ~6 verifies, not 63, and
+    the other steps decode plainly; the tokens are plain decoding's."""
+
+    def body(h: SchedulerHarness, spec: bool) -> Output:
+        if spec:
+            h.sched.spec.cache.draft = lambda tokens, n: [1] * min(n, 3)  # <|im_start|>: never sampled here
+        out = h.generate(token_ids(30, seed=13), 64)
+        if spec:
+            stats = h.sched.spec.stats
+            assert stats["accepted_tokens"] == 0 and 4 <= stats["verify_steps"] <= 8, stats
+        return out
+
+    outs = _plain_and_ngram(body)
+    _assert_same(outs[False], outs[True], "rejected drafts")
+
+
 def test_kv_pressure_retracts_and_outputs_stay_the_same():
     outs = {}
     for spec in (False, True):

@@ -18,8 +18,9 @@ anything else (a finished request hands its running slot to the tree at once: th
 queued first on the stream, and the rows it reads are not written before the next verify).
 
 A request whose logits take a penalty at its next position (`penalized_now`) gets no drafts (its token
-counts would have to follow them): its one position is penalized as in a decode step. A step where no request has a draft, or where the KV pool
-cannot hold the drafts, decodes plainly.
+counts would have to follow them): its one position is penalized as in a decode step. A request whose
+drafts keep being rejected drafts less often (`_backoff`). A step where no request has a draft, or where
+the KV pool cannot hold the drafts, decodes plainly.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class NgramVerifyInput:
     track_slots: list[int]
 
 
+MAX_BACKOFF = 64  # the most output tokens a request whose drafts keep being rejected goes without drafting
+
+
 def penalized_now(req: Req) -> bool:
     """Whether `req`'s logits take a penalty at its next position: counts (they would have to follow the
     drafts), a bias, or a ban of its stop ids while it is under min_new_tokens."""
@@ -73,6 +77,11 @@ class NgramWorker:
         )
         # Each running request's tokens (prompt and outputs), as the cache indexes them.
         self._histories: dict[Req, list[int]] = {}
+        # Back-off of a request whose drafts keep being rejected: after k verifies in a row that accepted
+        # none of its drafts, it drafts again only BACKOFF(k) = min(2^k, 64) tokens later, so its steps
+        # decode plainly (cheaper than a verify) where n-grams do not predict its text; an accepted
+        # draft ends it. (misses in a row, output length from which it drafts again) per request.
+        self._backoff: dict[Req, tuple[int, int]] = {}
         # Totals since start over the requests that had drafts: verify steps (one per such request and
         # verify), drafts proposed and accepted, tokens committed (what /metrics and the decode log read).
         self.stats = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "committed_tokens": 0}
@@ -96,6 +105,7 @@ class NgramWorker:
     def forget(self, req: Req) -> None:
         """`req` left the scheduler (its indexed text stays in the cache)."""
         self._histories.pop(req, None)
+        self._backoff.pop(req, None)
 
     # ---- build -------------------------------------------------------------------------------------
 
@@ -113,7 +123,11 @@ class NgramWorker:
                 r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
                 sched.context_len - r.kv_len - 1,
             )
-            drafts.append(self.cache.draft(self._history(r), budget) if budget > 0 else [])
+            tokens = self._history(r)
+            backoff = self._backoff.get(r)
+            if backoff is not None and len(r.output_ids) < backoff[1]:
+                budget = 0
+            drafts.append(self.cache.draft(tokens, budget) if budget > 0 else [])
         if not any(drafts):
             return None
         counts = [1 + len(d) for d in drafts]
@@ -236,6 +250,11 @@ class NgramWorker:
             if drafts:
                 drafted_rows += 1
                 drafted_committed += committed
+                if accepted:
+                    self._backoff.pop(req, None)
+                else:
+                    misses = self._backoff.get(req, (0, 0))[0] + 1
+                    self._backoff[req] = (misses, len(out) + min(2**misses, MAX_BACKOFF))
             # The request keeps the KV of p + committed positions; its state after them is the verify row
             # of its last committed token, and a track boundary they reach takes the state there.
             release_verify_tail(sched.token_allocator, req, p + committed)
