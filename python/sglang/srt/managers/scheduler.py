@@ -245,9 +245,9 @@ class Scheduler(SchedulerIOMixin):
             self.waiting_queue = [r for r in self.waiting_queue if r not in taken]
 
     def get_new_batch_decode(self) -> ScheduleBatch | None:
-        if self.spec is not None and (batch := self.spec.get_new_batch_verify()) is not None:
-            return batch
         reqs = self.decode_set.select(self.running)
+        if self.spec is not None and reqs and (batch := self.spec.get_new_batch_verify(reqs)) is not None:
+            return batch
         # One more KV slot each; while the pool (after evicting the tree) cannot give that, retract the
         # newest request.
         allocated = None

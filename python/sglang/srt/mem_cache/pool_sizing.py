@@ -124,11 +124,6 @@ def compute_pool_sizes(
             f"{max(slots, 0)} mamba slots in the state budget; lower --max-running-requests or raise "
             "--mem-fraction-static."
         )
-    if draft and server_args.max_mamba_cache_size is not None and server_args.max_total_tokens is not None:
-        logger.info(
-            "--speculative-num-draft-tokens %d: %d verify rows (%.1f MiB) beside the given pool sizes.",
-            draft, running * draft, running * draft * per_slot / 2**20,
-        )  # fmt: skip
     if server_args.max_running_requests and running > slots // resident:
         logger.warning(
             "--max-running-requests %d exceeds what %d mamba slots hold at %d per request; "

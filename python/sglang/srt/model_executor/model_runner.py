@@ -112,9 +112,9 @@ class ModelRunner:
         args, sizes = self.server_args, self.pool_sizes
         cache_params = self.arch.mamba2_cache_params(self.dtype, args.mamba_ssm_dtype)
         # Speculative verify rows: one per position of each row of the largest verify batch.
-        verify_shape = (sizes.max_running_requests, args.speculative_num_draft_tokens or 0)
-        if args.speculative_algorithm is None:
-            verify_shape = (0, 0)
+        verify_shape = (0, 0)
+        if args.speculative_algorithm is not None:
+            verify_shape = (sizes.max_running_requests, args.speculative_num_draft_tokens)
         if args.disaggregation_mode == "decode":
             # Rows (and slots) for transfers in flight beyond the running cap (upstream PR #22462).
             extra = args.disaggregation_decode_extra_slots

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.scheduler_components.decode_set import select_decode_reqs
 from sglang.srt.mem_cache.common import alloc_for_verify, release_verify_tail
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, counts_tokens
@@ -102,6 +101,21 @@ class NgramWorker:
             self.cache.index(tokens, n)
         return tokens
 
+    def _draft(self, req: Req) -> list[int]:
+        """`req`'s drafts: none while its logits take a penalty or it backs off, else as many as its
+        output and context budgets leave, up to D - 1. Its text is indexed either way (other requests
+        draft from it)."""
+        tokens = self._history(req)
+        backoff = self._backoff.get(req)
+        if penalized_now(req) or (backoff is not None and len(req.output_ids) < backoff[1]):
+            return []
+        budget = min(
+            self.width - 1,
+            req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
+            self.sched.context_len - req.kv_len - 1,
+        )
+        return self.cache.draft(tokens, budget) if budget > 0 else []
+
     def forget(self, req: Req) -> None:
         """`req` left the scheduler (its indexed text stays in the cache)."""
         self._histories.pop(req, None)
@@ -109,25 +123,12 @@ class NgramWorker:
 
     # ---- build -------------------------------------------------------------------------------------
 
-    def get_new_batch_verify(self) -> ScheduleBatch | None:
+    def get_new_batch_verify(self, reqs: list[Req]) -> ScheduleBatch | None:
+        """A verify batch of the decode set `reqs`, or None (the caller decodes them plainly)."""
         sched = self.sched
-        reqs = select_decode_reqs(sched.running, sched.context_len, sched.disaggregation_mode == "prefill")
-        rows = sched.req_to_token_pool.mamba_pool.verify_shape[0]
-        if not reqs or len(reqs) > rows:
-            return None  # (the running cap bounds a decode set: more rows than verify rows never come)
-        drafts = []
-        for r in reqs:
-            # A request whose logits take penalties at this step verifies its newest token alone.
-            budget = 0 if penalized_now(r) else min(
-                self.width - 1,
-                r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
-                sched.context_len - r.kv_len - 1,
-            )
-            tokens = self._history(r)
-            backoff = self._backoff.get(r)
-            if backoff is not None and len(r.output_ids) < backoff[1]:
-                budget = 0
-            drafts.append(self.cache.draft(tokens, budget) if budget > 0 else [])
+        if len(reqs) > sched.req_to_token_pool.mamba_pool.verify_shape[0]:
+            return None  # more than the running cap (a PD decode server's transfers beside a chunked prefill)
+        drafts = [self._draft(r) for r in reqs]
         if not any(drafts):
             return None
         counts = [1 + len(d) for d in drafts]
