@@ -5,7 +5,8 @@
 # one at a time. Logs come back under $OUT (default /tmp/gpu-out): summary.txt, tests-GROUP.log, bench.log.
 #   bash benchmark/gpu/run_gpu_checks.sh tests                # the GPU tests, ~5 min
 #   bash benchmark/gpu/run_gpu_checks.sh engine_vs_hf decode_step kernels state_copy sampler   # ~9 min
-#   (engine_profile: bench_engine_vs_hf's graphs run under cProfile, the top host functions of every thread)
+#   (engine_profile: bench_engine_vs_hf's graphs run under cProfile, the top host functions of every thread;
+#   ngram: bench_speculative_ngram.py on the 147M checkpoint, 64 requests, NGRAM against plain decoding)
 # A device call runs 10 minutes at most and a session has 15 minutes of device time, starts included: pick.
 # Measured on an H200 (2026-11-26), a fresh machine: building the sgl-kernel CPU ops 58 s; flash-linear-
 # attention autotunes each kernel at its first shapes (FLA_CACHE_RESULTS keeps the results on that machine
@@ -96,6 +97,7 @@ bench 150 decode_step python3 benchmark/gpu/bench_decode_step.py
 bench 270 engine_vs_hf python3 benchmark/gpu/bench_engine_vs_hf.py --reps 2 --batch-log
 bench 150 kernels python3 benchmark/gpu/bench_kernels.py --reps 10 --kernels --sweep
 bench 150 engine_profile python3 benchmark/gpu/bench_engine_vs_hf.py --reps 1 --host-profile
+bench 150 ngram python3 benchmark/bench_speculative_ngram.py --model-path 147m --prompts 64 --reps 2
 bench 45 state_copy python3 benchmark/bench_state_copy.py --device cuda --seconds 0.1
 bench 40 sampler python3 benchmark/bench_sampler.py --device cuda --reps 5
 if [ -f "$OUT/bench.log" ]; then grep '^{\|^|' "$OUT/bench.log" >> "$OUT/summary.txt"; fi
