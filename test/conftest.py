@@ -31,9 +31,12 @@ def preset_paths() -> dict[str, str]:
 
 class _Oracles(dict):
     def __missing__(self, name: str):
-        from sglang.test.reference import ReferenceModel
+        from sglang.test.reference import OracleMismatch, ReferenceModel
 
-        self[name] = ReferenceModel(name)
+        try:
+            self[name] = ReferenceModel(name)
+        except OracleMismatch as e:  # an older transformers (the GPU machine's 5.17): no oracle here
+            pytest.skip(str(e))
         return self[name]
 
 

@@ -80,6 +80,29 @@ def _recompute_rotary_buffers(model: torch.nn.Module) -> None:
                 module.original_inv_freq.copy_(inv_freq)
 
 
+class OracleMismatch(RuntimeError):
+    """The installed transformers implements this model differently from the model's definition (the
+    reference implementations and the engine): the oracle would be wrong, not the engine."""
+
+
+def ungrouped_gated_norms(model: torch.nn.Module) -> list[str]:
+    """The Mamba2 gated RMSNorms that normalise the whole inner width at once where the config splits it
+    into `mamba_n_groups` groups. The model's definition (mamba_ssm's `RMSNormGated`, vLLM's and SGLang's
+    mixers, the engine) normalises each group's `intermediate / n_groups` channels on their own;
+    transformers 5.17 and 5.18 do so for Nemotron-H and Falcon-H1 but not for Granite-4.0-H or Bamba
+    (their norms have no `group_size`; 5.24's have). With one group both are the same."""
+    config = model.config
+    groups = getattr(config, "mamba_n_groups", None) or getattr(config, "n_groups", None) or 1
+    if groups <= 1:
+        return []
+    grouped = ("group_size", "n_groups")
+    return [
+        name
+        for name, m in model.named_modules()
+        if type(m).__name__.endswith("RMSNormGated") and not any(hasattr(m, a) for a in grouped)
+    ]
+
+
 class ReferenceModel:
     def __init__(self, model_path: str):
         from transformers import AutoModelForCausalLM
@@ -102,6 +125,15 @@ class ReferenceModel:
                 "installed: older versions run their GPU kernels on the oracle's CPU tensors."
             )
         _ORACLE_MODULES_SWAPPED.update(swapped)
+        ungrouped = ungrouped_gated_norms(self.model)
+        if ungrouped:
+            import transformers
+
+            raise OracleMismatch(
+                f"transformers {transformers.__version__} normalises {type(self.model).__name__}'s gated "
+                f"RMSNorm ({ungrouped[0]}) over all its groups at once; the model "
+                "normalises each group (transformers 5.24 does): this oracle would be wrong."
+            )
 
     # ---- scoring ---------------------------------------------------------------------------------
 

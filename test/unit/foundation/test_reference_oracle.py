@@ -156,3 +156,32 @@ def test_the_oracle_is_exact_after_a_meta_device_audit(name):
             want = 1.0 / params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
             torch.testing.assert_close(module.inv_freq, want, rtol=1e-6, atol=0)
             assert torch.equal(module.inv_freq, module.original_inv_freq)
+
+
+def test_an_oracle_whose_gated_norm_ignores_the_groups_is_refused():
+    """transformers 5.17 (the GPU machine's) normalises Granite-4.0-H's and Bamba's gated RMSNorm over the
+    whole inner width; the model normalises each of `mamba_n_groups` groups (5.24 does). Its oracle then
+    differed from the engine by 0.37 in logprob on tiny-granite-4.0-h (H200, 2026-11-28; the same on CPU
+    with 5.17 installed): such norms are found, and only where there are several groups."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from sglang.test.reference import ungrouped_gated_norms
+
+    class OldRMSNormGated(nn.Module):  # 5.17's form: no group size
+        pass
+
+    class NewRMSNormGated(nn.Module):  # 5.24's form
+        group_size = 64
+
+    def model(norm: type, groups: int) -> nn.Module:
+        m = nn.Module()
+        m.mixer = nn.Module()
+        m.mixer.norm = norm()
+        m.config = SimpleNamespace(mamba_n_groups=groups)
+        return m
+
+    assert ungrouped_gated_norms(model(OldRMSNormGated, 2)) == ["mixer.norm"]
+    assert ungrouped_gated_norms(model(NewRMSNormGated, 2)) == []
+    assert ungrouped_gated_norms(model(OldRMSNormGated, 1)) == []
