@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.speculative.ngram_worker import EAGER_VERIFY_WARNING
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, pool_state
 from sglang.test.runner_driver import Extend, RunnerDriver
@@ -383,7 +384,7 @@ def test_the_decode_log_line_shows_the_accept_length(caplog):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("preset,strategy,page", [(QWEN, "extra_buffer", 16), (NEMO, "extra_buffer", 1)])
-def test_gpu_same_outputs_and_hits_as_plain_decoding(preset, strategy, page):
+def test_gpu_same_outputs_and_hits_as_plain_decoding(preset, strategy, page, caplog):
 
     def body(h: SchedulerHarness, spec: bool) -> list[list[Output]]:
         turns = _turns(h)
@@ -392,7 +393,9 @@ def test_gpu_same_outputs_and_hits_as_plain_decoding(preset, strategy, page):
         h.flush_and_check_empty()
         return turns
 
-    results = _plain_and_ngram(body, preset, strategy, page, device="cuda", dtype="float32")
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.speculative.ngram_worker"):
+        results = _plain_and_ngram(body, preset, strategy, page, device="cuda", dtype="float32")
+    assert EAGER_VERIFY_WARNING in caplog.messages  # decode steps replay graphs, verifies run eagerly
     for turn, (plain, spec) in enumerate(zip(results[False], results[True], strict=True)):
         for k, (a, b) in enumerate(zip(plain, spec, strict=True)):
             assert b.output_ids == a.output_ids and b.cached_tokens == a.cached_tokens, (turn, k)

@@ -26,6 +26,7 @@ the KV pool cannot hold the drafts, decodes plainly.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,16 @@ from sglang.srt.speculative.ngram_cache import NgramCache
 if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.model_executor.forward_worker import HostBatchResult
+
+logger = logging.getLogger(__name__)
+
+# What a user enabling NGRAM where decode steps replay CUDA graphs should know (benchmark/gpu/README.md,
+# fifth session: the 147M Qwen3-Next, bfloat16, 64 requests, H200).
+EAGER_VERIFY_WARNING = (
+    "NGRAM verify batches run without CUDA graphs while plain decode steps replay theirs: on an H200 a "
+    "147M model served 0.17-0.21x of plain decoding's throughput with it (3.4 tokens per verify). It can "
+    "pay where a decode step is bound by reading large weights; measure before serving with it."
+)
 
 
 @dataclass
@@ -84,6 +95,8 @@ class NgramWorker:
         # Totals since start over the requests that had drafts: verify steps (one per such request and
         # verify), drafts proposed and accepted, tokens committed (what /metrics and the decode log read).
         self.stats = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "committed_tokens": 0}
+        if args.cuda_graph_enabled:
+            logger.warning(EAGER_VERIFY_WARNING)
 
     # ---- drafts ------------------------------------------------------------------------------------
 
