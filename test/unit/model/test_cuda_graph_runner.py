@@ -135,7 +135,7 @@ def test_a_bucket_that_cannot_be_captured_is_left_to_the_next_one(interpret, mon
         if graphs:
             with caplog.at_level("WARNING"):
                 runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4, 8], use_graphs=True)
-            assert runner.graph_runner.bs_list == [1, 2, 8] and sorted(runner.graph_runner.graphs) == [
+            assert runner.graph_runner.bs_list == [1, 2, 8] and sorted(runner.graph_runner.decode.graphs) == [
                 1,
                 2,
                 8,
@@ -193,7 +193,7 @@ def test_gpu_graphs_on_and_off_give_the_same_greedy_tokens(preset):
         runner = make_runner(preset, device="cuda", dtype="float32", disable_cuda_graph=disable)
         assert (runner.graph_runner is None) == disable
         if not disable:
-            assert runner.graph_runner.use_graphs and runner.graph_runner.graphs
+            assert runner.graph_runner.use_graphs and runner.graph_runner.decode.graphs
         runs.append(_serve(runner, 5, steps=8, track_step=3))
     (tok_g, lp_g, snap_g, _), (tok_e, lp_e, snap_e, _) = runs
     assert tok_g == tok_e

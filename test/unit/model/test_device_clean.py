@@ -310,6 +310,23 @@ def test_a_speculative_verify_is_device_clean(preset, cuda_kernels, monkeypatch)
             r.next_token = 7  # (the meta device samples no real token)
         driver.verify(reqs, [[5, 6, 7], [8], []])
         _check_forward(audit, d2h=0)
+        if cuda_kernels:
+            # A verify a CUDA graph serves (4 positions each; 3 requests, padded to the bucket of 4): the
+            # capture reads no host value and copies in only the steps' constant indices (before the
+            # graph is recorded, at warm-up); a replay moves the batch in its one copy.
+            from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+            graphs = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False, verify_width=4)
+            runner.graph_runner = graphs
+            assert graphs.verify_max_bs() == 4
+            audit.reset()
+            for r in reqs:
+                r.next_token = 7
+            replayed, replay = [], graphs.replay
+            graphs.replay = lambda fb: replayed.append(fb.forward_mode.name) or replay(fb)
+            driver.verify(reqs, [[5, 6, 7], [8, 9, 10], [1, 2, 3]], return_logprob=False, graph_shaped=True)
+            _check_forward(audit, d2h=0)
+            assert replayed == ["TARGET_VERIFY"]
     if cuda_kernels:
         step = "_gdn_decode_kernel" if "qwen" in preset else "_mamba2_decode_kernel"
         assert {step, "_extend_kernel"} <= {name for name, _ in launches.calls}

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang.srt.server_args import ServerArgs, ServerArgsError
-from sglang.srt.speculative.ngram_worker import EAGER_VERIFY_WARNING
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, pool_state
 from sglang.test.runner_driver import Extend, RunnerDriver
@@ -133,6 +133,51 @@ def test_same_outputs_and_hits_as_plain_decoding(preset, strategy, page):
     # Turn 3 hits past a turn-1 prompt (no_buffer: the final states; extra buffer: a decode snapshot),
     # so it continues from a state a verify left.
     assert any(o.cached_tokens > 40 + 17 * k for k, o in enumerate(results[True][2]))
+
+
+@pytest.mark.parametrize("preset", [QWEN, NEMO])
+def test_graph_shaped_verifies_give_the_same_outputs(preset, monkeypatch):
+    """Where a CUDA graph serves verifies, every request runs --speculative-num-draft-tokens positions
+    (its drafts, then filler never accepted) in a batch of fixed shape whose metadata comes from device
+    tensors alone. On CPU the graph runner runs its captured bodies eagerly (`use_graphs=False`; a body
+    that read a host list would fail its capture) with the Triton attention interpreted: three
+    requests (bucket 4: one padded request), one penalized, one with top logprobs, every verify through
+    the runner, and the same outputs and hits as plain decoding."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    width = SPEC["speculative_num_draft_tokens"]
+    replays: list[tuple[str, int]] = []
+
+    def body(h: SchedulerHarness, spec: bool) -> list[Output]:
+        if spec:
+            runner = h.sched.model_runner
+            graphs = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False, verify_width=width)
+            runner.graph_runner = graphs
+            assert graphs.verify_max_bs() == 4
+            replay = graphs.replay
+            graphs.replay = lambda fb: replays.append((fb.forward_mode.name, fb.batch_size)) or replay(fb)
+        prompt = token_ids(40, seed=3)
+        first = h.generate(prompt, 30)
+        assert h.sched.flush_cache()[0]
+        rids = [
+            h.submit(prompt, 30),
+            h.submit(prompt, 24, frequency_penalty=0.5),
+            h.submit(prompt + first.output_ids[:4], 20, top_logprobs_num=2),
+        ]
+        h.run()
+        h.sched.check_integrity()
+        outs = [first] + [h.outputs[r] for r in rids]
+        turn2 = prompt + first.output_ids + token_ids(3, seed=4)  # hits what a verify left
+        outs.append(h.generate(turn2, 6))
+        h.flush_and_check_empty()
+        return outs
+
+    config = (preset, "extra_buffer", 16)
+    outs = _plain_and_ngram(body, *config, attention_backend="triton", mamba_track_interval=64)
+    for k, (a, b) in enumerate(zip(outs[False], outs[True], strict=True)):
+        _assert_same(a, b, f"request {k}")
+    assert outs[True][-1].cached_tokens >= 64  # the decode snapshot at 64
+    verifies = [bs for mode, bs in replays if mode == "TARGET_VERIFY"]
+    assert 3 in verifies and len(verifies) >= 8, replays  # the three requests' steps, padded to 4
 
 
 def test_finish_inside_accepted_drafts_keeps_the_finishing_state():
@@ -384,18 +429,25 @@ def test_the_decode_log_line_shows_the_accept_length(caplog):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("preset,strategy,page", [(QWEN, "extra_buffer", 16), (NEMO, "extra_buffer", 1)])
-def test_gpu_same_outputs_and_hits_as_plain_decoding(preset, strategy, page, caplog):
+def test_gpu_same_outputs_and_hits_as_plain_decoding(preset, strategy, page):
+    """On CUDA, float32, with CUDA graphs: decode steps and verifies replay captured graphs (verifies of
+    --speculative-num-draft-tokens positions per request), and the outputs are plain decoding's."""
+    verifies: list[int] = []
 
     def body(h: SchedulerHarness, spec: bool) -> list[list[Output]]:
+        if spec:
+            graphs = h.sched.model_runner.graph_runner
+            assert graphs.use_graphs and graphs.verify_max_bs() >= 4, "verify graphs were captured"
+            replay = graphs.replay
+            graphs.replay = lambda fb: fb.forward_mode.is_target_verify() and verifies.append(1) or replay(fb)
         turns = _turns(h)
         if spec:
             assert h.sched.spec.stats["accepted_tokens"] >= 100, h.sched.spec.stats
         h.flush_and_check_empty()
         return turns
 
-    with caplog.at_level(logging.WARNING, logger="sglang.srt.speculative.ngram_worker"):
-        results = _plain_and_ngram(body, preset, strategy, page, device="cuda", dtype="float32")
-    assert EAGER_VERIFY_WARNING in caplog.messages  # decode steps replay graphs, verifies run eagerly
+    results = _plain_and_ngram(body, preset, strategy, page, device="cuda", dtype="float32")
+    assert len(verifies) >= 20  # every verify step of the four requests replayed a graph
     for turn, (plain, spec) in enumerate(zip(results[False], results[True], strict=True)):
         for k, (a, b) in enumerate(zip(plain, spec, strict=True)):
             assert b.output_ids == a.output_ids and b.cached_tokens == a.cached_tokens, (turn, k)

@@ -8,6 +8,13 @@ the bucket with the dummy request row 0, KV slot 0 (page 0), mamba slot 0 and le
 the padded rows' writes. The logits, the decode's track copies and sampling run eagerly after the
 replay, on the real batch.
 
+With NGRAM speculative decoding (`verify_width` W > 0) the runner also captures verify forwards
+(`ForwardMode.TARGET_VERIFY`) per bucket: every request runs exactly W positions (its newest token, its
+drafts, filler after them: `NgramWorker` pads a verify to W where a graph serves it), so a bucket's
+shape is fixed: bucket x W tokens, each request's W in a row. Padded requests run W positions of the
+dummy row, KV slot 0 and mamba slot 0 (their verify rows are the bucket's spare ones). The logits and
+sampling of every position run eagerly after the replay.
+
 A graph replays device work only: anything the body decided on the host at capture would be frozen
 into it. So the batch a graph is captured with carries no host values (`_NO_HOST_VALUES` in place of
 every `*_cpu` list): code that reads one raises `GraphUnsafeError` at capture. This is also what the CPU
@@ -72,7 +79,8 @@ def capture_bs_list(args: ServerArgs, max_running_requests: int) -> list[int]:
 
 @dataclass
 class _StaticInputs:
-    """The device buffers every graph reads, sized for the largest bucket."""
+    """The device buffers every graph of one kind reads, sized for the largest bucket: `width` tokens
+    per request (1: decode; W: a verify of W positions per request)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -80,26 +88,33 @@ class _StaticInputs:
     seq_lens: torch.Tensor
     out_cache_loc: torch.Tensor
     mamba_pool_indices: torch.Tensor
-    # Row i holds PADDING[i]'s value (contiguous: `_foreach_copy_`'s one-launch path on CUDA needs dense
-    # tensors); `load`'s target and source slices per (batch size, bucket).
+    # Row i holds PADDING[i]'s value, over the widest field (contiguous: `_foreach_copy_`'s one-launch
+    # path on CUDA needs dense tensors); `load`'s target and source slices per (batch size, bucket).
     pad_values: torch.Tensor
+    width: int = 1
+    # A verify's extend lengths: W for every request (never loaded: every batch it serves has them).
+    extend_seq_lens: torch.Tensor | None = None
     load_plans: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(
         default_factory=dict
     )
 
     @classmethod
-    def allocate(cls, max_bs: int, device: torch.device) -> _StaticInputs:
-        def zeros():
-            return torch.zeros(max_bs, dtype=torch.int64, device=device)
+    def allocate(cls, max_bs: int, device: torch.device, width: int = 1) -> _StaticInputs:
+        def zeros(per_request: int):
+            return torch.zeros(max_bs * per_request, dtype=torch.int64, device=device)
 
-        pad_values = torch.empty(len(cls.PADDING), max_bs, dtype=torch.int64, device=device)
-        for row, (_, pad) in zip(pad_values, cls.PADDING, strict=True):
-            row.fill_(pad)  # filled on the device: no host copy at startup
-        inputs = cls(zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), pad_values)
-        inputs.seq_lens.fill_(1)
+        pad_values = torch.empty(len(cls.PADDING), max_bs * width, dtype=torch.int64, device=device)
+        for row, (name, pad) in zip(pad_values, cls.PADDING, strict=True):
+            row.fill_(width if name == "seq_lens" else pad)  # on the device: no host copy at startup
+        sizes = [width if name in cls.PER_TOKEN else 1 for name, _ in cls.PADDING]
+        inputs = cls(*(zeros(n) for n in sizes), pad_values, width)
+        inputs.seq_lens.fill_(width)
+        if width > 1:
+            inputs.extend_seq_lens = torch.full((max_bs,), width, dtype=torch.int64, device=device)
         return inputs
 
-    # (field, value of a padded row): the dummy request row, KV slot and mamba slot are all 0.
+    # (field, value of a padded row): the dummy request row, KV slot and mamba slot are all 0; a padded
+    # request's length is its tokens' count (`width`), so a verify's prefix is empty.
     PADDING = (
         ("input_ids", 0),
         ("positions", 0),
@@ -108,6 +123,10 @@ class _StaticInputs:
         ("out_cache_loc", 0),
         ("mamba_pool_indices", 0),
     )
+    PER_TOKEN = frozenset(("input_ids", "positions", "out_cache_loc"))
+
+    def _rows(self, name: str, bs: int) -> int:
+        return bs * self.width if name in self.PER_TOKEN else bs
 
     def load(self, fb: ForwardBatch, bucket: int) -> None:
         """The batch's rows, then padding up to the bucket: one `_foreach_copy_` (one launch on CUDA, for
@@ -116,67 +135,105 @@ class _StaticInputs:
         bs = fb.batch_size
         plan = self.load_plans.get((bs, bucket))
         if plan is None:
-            rows = [getattr(self, name)[:bs] for name, _ in self.PADDING]
-            pads = [getattr(self, name)[bs:bucket] for name, _ in self.PADDING] if bucket > bs else []
-            sources = [self.pad_values[i, : bucket - bs] for i in range(len(pads))]
+            names = [name for name, _ in self.PADDING]
+            rows = [getattr(self, n)[: self._rows(n, bs)] for n in names]
+            pads, sources = [], []
+            if bucket > bs:
+                for i, n in enumerate(names):
+                    lo, hi = self._rows(n, bs), self._rows(n, bucket)
+                    pads.append(getattr(self, n)[lo:hi])
+                    sources.append(self.pad_values[i, : hi - lo])
             plan = self.load_plans[(bs, bucket)] = (rows + pads, sources)
         targets, pad_sources = plan
         sources = [getattr(fb, name) for name, _ in self.PADDING] + pad_sources
         torch._foreach_copy_(targets, sources, non_blocking=True)
 
     def batch(self, bs: int) -> ForwardBatch:
-        """The decode batch a graph of `bs` rows is captured with: views of the buffers, no host lists."""
-        views = {name: getattr(self, name)[:bs] for name, _ in self.PADDING}
-        return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
+        """The batch a graph of `bs` requests is captured with: views of the buffers, no host lists."""
+        views = {name: getattr(self, name)[: self._rows(name, bs)] for name, _ in self.PADDING}
+        rows = bs * self.width
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE if self.width == 1 else ForwardMode.TARGET_VERIFY,
             batch_size=bs,
             req_pool_indices_cpu=_NO_HOST_VALUES,
             seq_lens_cpu=_NO_HOST_VALUES,
             mamba_pool_indices_cpu=_NO_HOST_VALUES,
-            sampling_info=SamplingBatchInfo.greedy(bs),
-            return_logprob_mask=[False] * bs,
-            top_logprobs_nums=[0] * bs,
+            sampling_info=SamplingBatchInfo.greedy(rows),
+            return_logprob_mask=[False] * rows,
+            top_logprobs_nums=[0] * rows,
             **views,
         )
+        if self.width > 1:
+            fb.extend_prefix_lens_cpu = fb.extend_seq_lens_cpu = fb.extend_start_loc_cpu = _NO_HOST_VALUES
+            fb.extend_seq_lens = self.extend_seq_lens[:bs]
+            fb.verify_width = self.width
+        return fb
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: ModelRunner, bs_list: list[int], use_graphs: bool = True):
-        """Captures a graph per size in `bs_list` (largest first, one memory pool); `use_graphs=False`
-        runs the same body eagerly at every replay (CPU tests)."""
+    def __init__(
+        self, model_runner: ModelRunner, bs_list: list[int], use_graphs: bool = True, verify_width: int = 0
+    ):
+        """Captures a graph per size in `bs_list` (largest first, one memory pool), and with
+        `verify_width` W a verify graph of W positions per request for every size up to the pool's
+        verify rows; `use_graphs=False` runs the same bodies eagerly at every replay (CPU tests)."""
         self.model_runner = model_runner
         self.use_graphs = use_graphs
         self.device = torch.device(model_runner.device)
-        self.static = _StaticInputs.allocate(max(bs_list), self.device)
-        self.batches = {bs: self.static.batch(bs) for bs in bs_list}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._capture(sorted(bs_list, reverse=True))
-        self.bs_list = sorted(self.outputs)
-        if use_graphs:
-            logger.info("CUDA graphs captured for decode batch sizes %s.", self.bs_list)
+        self.verify_width = verify_width
+        self.kinds: dict[ForwardMode, _GraphSet] = {
+            ForwardMode.DECODE: _GraphSet(_StaticInputs.allocate(max(bs_list), self.device), bs_list)
+        }
+        if verify_width:
+            verify_bs = [bs for bs in bs_list if bs <= model_runner.mamba_pool.verify_shape[0]]
+            if verify_bs:
+                static = _StaticInputs.allocate(max(verify_bs), self.device, verify_width)
+                self.kinds[ForwardMode.TARGET_VERIFY] = _GraphSet(static, verify_bs)
+        pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        for mode, graphs in self.kinds.items():
+            self._capture(graphs, sorted(graphs.batches, reverse=True), pool)
+            if use_graphs:
+                what = "decode" if mode == ForwardMode.DECODE else f"verify ({verify_width} positions each)"
+                logger.info("CUDA graphs captured for %s batch sizes %s.", what, graphs.bs_list)
+
+    @property
+    def decode(self) -> _GraphSet:
+        return self.kinds[ForwardMode.DECODE]
+
+    @property
+    def bs_list(self) -> list[int]:
+        """The captured decode batch sizes."""
+        return self.decode.bs_list
 
     @property
     def max_bs(self) -> int:
-        return self.bs_list[-1] if self.bs_list else 0
+        return self.decode.max_bs
+
+    def verify_max_bs(self) -> int:
+        """The largest verify batch a graph serves (0: none)."""
+        graphs = self.kinds.get(ForwardMode.TARGET_VERIFY)
+        return graphs.max_bs if graphs is not None else 0
 
     def can_run(self, fb: ForwardBatch) -> bool:
+        if fb.forward_mode.is_target_verify():
+            return 0 < fb.batch_size <= self.verify_max_bs() and fb.verify_width == self.verify_width
         return fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.max_bs
 
     def bucket(self, bs: int) -> int:
-        return self.bs_list[bisect.bisect_left(self.bs_list, bs)]
+        return self.decode.bucket(bs)
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        """The decode's final hidden states [bs, H]: the batch loaded into the static buffers, padded to
-        its bucket, and the bucket's graph replayed."""
-        bucket = self.bucket(fb.batch_size)
-        self.static.load(fb, bucket)
+        """The forward's final hidden states, a row per token: the batch loaded into the static buffers,
+        padded to its bucket, and the bucket's graph replayed."""
+        graphs = self.kinds[fb.forward_mode]
+        bucket = graphs.bucket(fb.batch_size)
+        graphs.static.load(fb, bucket)
         if self.use_graphs:
-            self.graphs[bucket].replay()
-            hidden = self.outputs[bucket]
+            graphs.graphs[bucket].replay()
+            hidden = graphs.outputs[bucket]
         else:
-            hidden = self._body(self.batches[bucket])
-        return hidden[: fb.batch_size]
+            hidden = self._body(graphs.batches[bucket])
+        return hidden[: fb.batch_size * graphs.static.width]
 
     def _body(self, fb: ForwardBatch) -> torch.Tensor:
         runner = self.model_runner
@@ -186,24 +243,24 @@ class CudaGraphRunner:
         runner.attn_backend.init_forward_metadata(fb)
         return runner.model(fb.input_ids, fb.positions, fb)
 
-    def _capture(self, sizes: list[int]) -> None:
-        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+    def _capture(self, graphs: _GraphSet, sizes: list[int], pool) -> None:
         with torch.inference_mode():
             for bs in sizes:
-                fb = self.batches[bs]
-                self.static.load(fb, bs)  # every row padding: a valid batch of dummy rows
+                fb = graphs.batches[bs]
+                graphs.static.load(fb, bs)  # every row padding: a valid batch of dummy rows
                 if not self.use_graphs:
-                    self.outputs[bs] = self._body(fb)
+                    graphs.outputs[bs] = self._body(fb)
                     continue
                 try:
-                    self.graphs[bs], self.outputs[bs] = self._capture_one(fb, pool)
+                    graphs.graphs[bs], graphs.outputs[bs] = self._capture_one(fb, pool)
                 except GraphUnsafeError:
                     raise
                 except Exception as e:  # noqa: BLE001 - a bucket that cannot be captured is left out
-                    logger.warning("Decode batch size %d cannot be captured in a CUDA graph (%s); its batches "
+                    logger.warning("%s batch size %d cannot be captured in a CUDA graph (%s); its batches "
                                    "replay the next larger captured size, or run eagerly above the largest.",
-                                   bs, e)  # fmt: skip
-                    self.graphs.pop(bs, None)
+                                   fb.forward_mode.name, bs, e)  # fmt: skip
+                    graphs.graphs.pop(bs, None)
+        graphs.bs_list = sorted(graphs.outputs)
 
     def _capture_one(self, fb: ForwardBatch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
@@ -218,3 +275,26 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=pool):
             out = self._body(fb)
         return graph, out
+
+
+@dataclass
+class _GraphSet:
+    """One kind's graphs (decode, or verify): its static inputs, the batch each size is captured with,
+    and per captured size the graph and its output."""
+
+    static: _StaticInputs
+    sizes: list[int]
+    batches: dict[int, ForwardBatch] = field(default_factory=dict)
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    bs_list: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.batches = {bs: self.static.batch(bs) for bs in self.sizes}
+
+    @property
+    def max_bs(self) -> int:
+        return self.bs_list[-1] if self.bs_list else 0
+
+    def bucket(self, bs: int) -> int:
+        return self.bs_list[bisect.bisect_left(self.bs_list, bs)]

@@ -288,6 +288,9 @@ class ForwardBatch:
     extend_last_loc: torch.Tensor | None = None  # [bs] offset of each request's last new token
     # (request row, first position, KV slots): rewrites of req_to_token before the new tokens' entries.
     req_to_token_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    # A verify whose requests all run this many positions (the shape a CUDA graph serves, from the
+    # device tensors alone: `cuda_graph_runner.py`); 0: its widths are read from the host lists.
+    verify_width: int = 0
 
     # State capture.
     mamba_track_indices: torch.Tensor | None = None

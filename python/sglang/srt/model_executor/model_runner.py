@@ -81,9 +81,9 @@ class ModelRunner:
         self.penalizer = Penalizer()
         self.graph_runner: CudaGraphRunner | None = None
         if server_args.cuda_graph_enabled:
-            self.graph_runner = CudaGraphRunner(
-                self, capture_bs_list(server_args, self.pool_sizes.max_running_requests)
-            )
+            sizes = capture_bs_list(server_args, self.pool_sizes.max_running_requests)
+            # NGRAM: its verify batches too, at --speculative-num-draft-tokens positions per request.
+            self.graph_runner = CudaGraphRunner(self, sizes, verify_width=self.mamba_pool.verify_shape[1])
         logger.info(
             "Model %s loaded (%s, %.1f MB of weights); pools: %d KV tokens (%s), %d mamba slots, %d request rows.",
             self.arch.architecture, self.dtype, weight_bytes / 2**20, self.pool_sizes.max_total_tokens,
@@ -164,8 +164,9 @@ class ModelRunner:
             self._rewrite_req_to_token(fb)
             if self.graph_runner is not None and self.graph_runner.can_run(fb):
                 hidden = self.graph_runner.replay(fb)
-                # The real batch's metadata, for what runs after the layers (a decode's track copies).
-                self.attn_backend.init_forward_metadata(fb)
+                if fb.forward_mode.is_decode():
+                    # The real batch's metadata, for what runs after the layers (its track copies).
+                    self.attn_backend.init_forward_metadata(fb)
             else:
                 self.write_new_token_slots(fb)
                 self.attn_backend.init_forward_metadata(fb)

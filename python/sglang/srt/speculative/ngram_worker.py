@@ -17,6 +17,10 @@ where the committed tokens reach a track boundary, the state there into the trac
 anything else (a finished request hands its running slot to the tree at once: the copy into it is
 queued first on the stream, and the rows it reads are not written before the next verify).
 
+Where a CUDA graph serves the verify (`_graph_width`: CUDA graphs on, the batch within the captured
+sizes), every request runs the graph's D positions: its drafts, then its newest token again as filler,
+whose samples are never accepted; the track boundary and the commit count its real drafts only.
+
 A request whose logits take a penalty at its next position (`penalized_now`) gets no drafts (its token
 counts would have to follow them): its one position is penalized as in a decode step. A request whose
 drafts keep being rejected drafts less often (`_backoff`). A step where no request has a draft, or where
@@ -42,11 +46,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# What a user enabling NGRAM where decode steps replay CUDA graphs should know (benchmark/gpu/README.md,
-# fifth session: the 147M Qwen3-Next, bfloat16, 64 requests, H200).
+# What a user should know where decode steps replay CUDA graphs and no verify graph could be captured
+# (benchmark/gpu/README.md, fifth session, before verify graphs: the 147M Qwen3-Next, bfloat16, 64
+# requests, H200).
 EAGER_VERIFY_WARNING = (
-    "NGRAM verify batches run without CUDA graphs while plain decode steps replay theirs: on an H200 a "
-    "147M model served 0.17-0.21x of plain decoding's throughput with it (3.4 tokens per verify). It can "
+    "NGRAM verify batches run without CUDA graphs (none could be captured) while plain decode steps "
+    "replay theirs: on an H200 a 147M model served 0.17-0.21x of plain decoding's throughput so. It can "
     "pay where a decode step is bound by reading large weights; measure before serving with it."
 )
 
@@ -54,12 +59,15 @@ EAGER_VERIFY_WARNING = (
 @dataclass
 class NgramVerifyInput:
     """A verify batch's drafts, per request: the drafts, the KV length before the verify (its newest
-    token sits there), and the track slot of a boundary the verify may reach (-1: none; without the
-    overlap schedule a request's one track slot, whose snapshot is overwritten only if it is reached)."""
+    token sits there), the track slot of a boundary the verify may reach (-1: none; without the
+    overlap schedule a request's one track slot, whose snapshot is overwritten only if it is reached),
+    and the positions it runs (1 + its drafts, or the batch's fixed width where a CUDA graph serves the
+    verify: filler after the drafts, whose samples are never accepted)."""
 
     drafts: list[list[int]]
     prefix_lens: list[int]
     track_slots: list[int]
+    widths: list[int]
 
 
 MAX_BACKOFF = 64  # the most output tokens a request whose drafts keep being rejected goes without drafting
@@ -95,7 +103,8 @@ class NgramWorker:
         # Totals since start over the requests that had drafts: verify steps (one per such request and
         # verify), drafts proposed and accepted, tokens committed (what /metrics and the decode log read).
         self.stats = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "committed_tokens": 0}
-        if args.cuda_graph_enabled:
+        graphs = sched.model_runner.graph_runner
+        if graphs is not None and not graphs.verify_max_bs():
             logger.warning(EAGER_VERIFY_WARNING)
 
     # ---- drafts ------------------------------------------------------------------------------------
@@ -145,7 +154,15 @@ class NgramWorker:
         if not any(drafts):
             return None
         counts = [1 + len(d) for d in drafts]
-        allocated = alloc_for_verify(sched.tree_cache, sched.token_allocator, reqs, counts, sched.kv_log)
+        allocated = None
+        width = self._graph_width(reqs)
+        if width:  # a CUDA graph's shape: every request runs `width` positions
+            allocated = alloc_for_verify(
+                sched.tree_cache, sched.token_allocator, reqs, [width] * len(reqs), sched.kv_log
+            )
+            width = width if allocated is not None else 0
+        if allocated is None:
+            allocated = alloc_for_verify(sched.tree_cache, sched.token_allocator, reqs, counts, sched.kv_log)
         if allocated is None:
             return None
         out_cache_loc, prefix_lens = allocated
@@ -154,8 +171,17 @@ class NgramWorker:
             r.decode_until = -1
         sched.decode_set.clear()
         batch = ScheduleBatch(reqs, ForwardMode.TARGET_VERIFY, sched._next_batch_id())
-        self._prepare(batch, drafts, counts, out_cache_loc, prefix_lens)
+        self._prepare(batch, drafts, counts, out_cache_loc, prefix_lens, width)
         return batch
+
+    def _graph_width(self, reqs: list[Req]) -> int:
+        """The positions per request of a verify of `reqs` that a captured CUDA graph serves, or 0 (none
+        serves it, or a request's context cannot hold that many: the verify runs eagerly, unpadded)."""
+        graphs = self.sched.model_runner.graph_runner
+        if graphs is None or not 0 < len(reqs) <= graphs.verify_max_bs():
+            return 0
+        width = graphs.verify_width
+        return width if all(r.kv_len + width <= self.sched.context_len for r in reqs) else 0
 
     def _prepare(
         self,
@@ -164,13 +190,18 @@ class NgramWorker:
         counts: list[int],
         out_cache_loc: list[int],
         prefix_lens: list[int],
+        width: int = 0,
     ) -> None:
+        """`counts`: each request's newest token and drafts; `width` (> 0) pads every request to that
+        many positions with its newest token (a CUDA graph's shape)."""
         sched, reqs = self.sched, batch.reqs
         tracker, interval = sched.tracker, sched.tracker.interval
         input_ids, writes, track_slots = [], [], []
+        widths = [width] * len(reqs) if width else counts
         for i, (req, draft, p) in enumerate(zip(reqs, drafts, prefix_lens, strict=True)):
             input_ids.append(req.output_ids[-1])
             input_ids += draft
+            input_ids += [req.output_ids[-1]] * (widths[i] - counts[i])
             if req.req_to_token_dirty_from is not None:
                 writes += ScheduleBatch._dirty_row_writes(req, p)
             # The first track boundary among the lengths this verify may reach, p + 1 .. p + count
@@ -182,37 +213,39 @@ class NgramWorker:
             track_slots.append(-1 if track is None else track[0])
         batch.sample_rows = [True] * len(reqs)
         batch.completes_prefill = [False] * len(reqs)
-        batch.spec_info = NgramVerifyInput(drafts, prefix_lens, track_slots)
+        batch.spec_info = NgramVerifyInput(drafts, prefix_lens, track_slots, widths)
         sched.inflight.add(batch)
         batch.future_slots = None  # no overlap: nothing names these tokens before they are processed
         rows = sched.rows_cache.get(reqs)
         batch.any_stream = rows.any_stream
 
         def per_token(values):
-            return [v for v, n in zip(values, counts, strict=True) for _ in range(n)]
+            return [v for v, n in zip(values, widths, strict=True) for _ in range(n)]
 
         ids = rows.token_ids_logprobs
         batch.forward_batch = ForwardBatch.create(
             ForwardMode.TARGET_VERIFY,
             input_ids=input_ids,
             req_pool_indices=rows.req_pool_indices,
-            seq_lens=[p + n for p, n in zip(prefix_lens, counts, strict=True)],
+            seq_lens=[p + n for p, n in zip(prefix_lens, widths, strict=True)],
             out_cache_loc=out_cache_loc,
             mamba_pool_indices=rows.mamba_pool_indices,
             extend_prefix_lens=prefix_lens,
             req_to_token_writes=writes,
-            sampling_info=rows.sampling_info.repeat_rows(counts),
+            sampling_info=rows.sampling_info.repeat_rows(widths),
             return_logprob_mask=per_token(rows.return_logprob_mask),
             top_logprobs_nums=per_token(rows.top_logprobs_nums),
             token_ids_logprobs=None if ids is None else per_token(ids),
             host_tensors=rows.host_tensors,
         )
+        batch.forward_batch.verify_width = width
         if any(r.penalized for r in reqs):
-            first = list(itertools.accumulate(counts, initial=0))[:-1]  # each request's first logits row
-            fb = batch.forward_batch
-            info = PenaltyBatchInfo.build(reqs, fb.seq_lens_cpu, batch.sample_rows, sched.penalty_slots)
+            first = list(itertools.accumulate(widths, initial=0))[:-1]  # each request's first logits row
+            # The penalties apply at each request's first position, as in a decode step of its newest token.
+            first_lens = [p + 1 for p in prefix_lens]
+            info = PenaltyBatchInfo.build(reqs, first_lens, batch.sample_rows, sched.penalty_slots)
             if info is not None:  # (None: every penalty is spent, e.g. a min_new_tokens reached)
-                fb.penalties = info.at_logit_rows(first)
+                batch.forward_batch.penalties = info.at_logit_rows(first)
         batch.state_copies = sched.tree_cache.take_pending_state_copies()
 
     def internal_state(self) -> dict:
@@ -239,7 +272,7 @@ class NgramWorker:
         start = committed_total = accepted_total = drafted_rows = drafted_committed = 0
         for i, req in enumerate(batch.reqs):
             drafts, p = spec.drafts[i], spec.prefix_lens[i]
-            at, start = start, start + 1 + len(drafts)
+            at, start = start, start + spec.widths[i]
             if req.finished_reason is not None:
                 rp._release_landed(req)
                 continue

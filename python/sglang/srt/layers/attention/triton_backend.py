@@ -6,7 +6,8 @@ then read every key through `req_to_token`, so any page size works and a cached 
 never gathered. Decode is split over the key range (`--triton-attention-num-kv-splits`, upstream's flag
 and default) and reads all lengths on the device: nothing per batch is decided on the host, so a decode
 is CUDA-graph safe. An extend's per-batch metadata is the new tokens' start offsets (one cumsum on the
-device) and the longest extend (a host int, for the grid).
+device) and the longest extend (a host int, for the grid; a verify of fixed width gives it without a
+host list, so its graph is CUDA-graph safe too).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class TritonAttnBackend:
         if fb.forward_mode.is_extend():
             lens = fb.extend_seq_lens
             self.extend_start_loc = torch.cumsum(lens, 0) - lens
-            self.max_extend_len = max(fb.extend_seq_lens_cpu, default=0)
+            # (a graph-shaped verify: its width, with no host list read)
+            self.max_extend_len = fb.verify_width or max(fb.extend_seq_lens_cpu, default=0)
         else:
             self.extend_start_loc, self.max_extend_len = None, 0
 

@@ -138,6 +138,8 @@ class MambaAttnBackendBase:
         self.conv_kernel = mamba_pool.cache_params.shape.conv_kernel
         self.conv_silu = conv_silu
         self.meta = LinearMetadata()
+        # `_verify_uniform`'s tensors by (batch size, width).
+        self._uniform_verify: dict[tuple[int, int], tuple[torch.Tensor, list[VerifyStep]]] = {}
         # The sgl-kernel C++ ops on CPU (None: the torch path).
         self.cpu_ops = cpu_linear_ops(mamba_pool.conv_state.device) if conv_silu else None
         # Decode step: the Triton kernels in place on the pool (CUDA), the C++ ops (CPU, unless the
@@ -155,7 +157,13 @@ class MambaAttnBackendBase:
     # ---- metadata ---------------------------------------------------------------------------------
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        if fb.forward_mode.is_target_verify():
+        if fb.forward_mode.is_target_verify() and fb.verify_width:
+            order, steps = self._verify_uniform(fb.batch_size, fb.verify_width)
+            first = VerifyStep(0, fb.batch_size, fb.mamba_pool_indices, steps[0].dst)  # the running slots
+            self.meta = LinearMetadata(
+                slots=fb.mamba_pool_indices, verify=[first, *steps[1:]], verify_order=order
+            )
+        elif fb.forward_mode.is_target_verify():
             device = self.mamba_pool.conv_state.device
             moved = _moved(_verify_keys(fb), fb.aux_tensors, lambda: self._verify_host(fb), device)
             bounds = list(itertools.accumulate(_verify_widths(fb), initial=0))
@@ -187,7 +195,7 @@ class MambaAttnBackendBase:
         for the Triton conv and the packed kernels go into `fb.aux_tensors`, so they reach the device
         in the batch's one copy (`init_forward_metadata` then takes them from there)."""
         if fb.forward_mode.is_target_verify():
-            if self.mamba_pool.conv_state.device.type != "cpu":
+            if self.mamba_pool.conv_state.device.type != "cpu" and not fb.verify_width:
                 fb.aux_tensors.update(zip(_verify_keys(fb), self._verify_host(fb), strict=True))
             return
         if not fb.forward_mode.is_extend() or not (self.decode_in_place or self.varlen_impl):
@@ -210,6 +218,25 @@ class MambaAttnBackendBase:
             src = [slots[b] if t == 0 else pool.verify_row(b, t - 1) for b in rows]
             steps += [host_int64(src), host_int64([pool.verify_row(b, t) for b in rows])]
         return [host_int64(order), *steps]
+
+    def _verify_uniform(self, bs: int, width: int) -> tuple[torch.Tensor, list[VerifyStep]]:
+        """A verify of `bs` requests with `width` positions each: its position order and steps, built once
+        per shape on the device and kept (a CUDA graph's capture reads them; a replay of the same shape
+        finds them unchanged). Step 0's sources are the batch's running slots (the caller's)."""
+        key = (bs, width)
+        cached = self._uniform_verify.get(key)
+        if cached is None:
+            pool, device = self.mamba_pool, self.mamba_pool.conv_state.device
+
+            def tensor(values: list[int]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.int64, device=device)
+
+            order = tensor([b * width + t for t in range(width) for b in range(bs)])
+            dst = [tensor([pool.verify_row(b, t) for b in range(bs)]) for t in range(width)]
+            # (step 0's sources are the running slots: a placeholder here)
+            steps = [VerifyStep(t * bs, (t + 1) * bs, dst[max(t - 1, 0)], dst[t]) for t in range(width)]
+            cached = self._uniform_verify[key] = (order, steps)
+        return cached
 
     def forward_verify(self, layer: Any, fb: ForwardBatch, *inputs: torch.Tensor) -> torch.Tensor:
         """A verify forward of one layer (module docstring): the layer's decode step once per position,
