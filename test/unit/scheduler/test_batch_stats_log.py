@@ -76,3 +76,25 @@ def test_idle_time_does_not_count_in_the_throughput(caplog, monkeypatch):
 def test_the_interval_must_be_positive():
     with pytest.raises(ServerArgsError, match="--decode-log-interval"):
         ServerArgs(model_path="tiny-qwen3-next", decode_log_interval=0)
+
+
+def test_the_cuda_graph_field_says_whether_a_graph_serves_the_batch(caplog):
+    """`cuda graph` asks the graph runner about the batch itself: a verify that runs eagerly (not of the
+    verify graphs' width) says False though a decode graph of its size exists."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    sched = SchedulerHarness("tiny-qwen3-next").sched
+    log = BatchStatsLog(
+        1, sched.token_allocator, sched.req_to_token_pool.mamba_allocator, sched.tree_cache,
+        graph_check=lambda fb: fb.verify_width == 6,  # a runner whose verify graphs are 6 wide
+    )  # fmt: skip
+    graphs = []
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for width in (0, 6, 0):  # the first launch opens the window
+            fb = SimpleNamespace(verify_width=width)
+            batch = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=3, forward_batch=fb)
+            log.on_launch(batch, running=3, queued=0)
+        graphs = re.findall(r"cuda graph: (\w+)", caplog.text)
+    assert graphs == ["True", "False"]

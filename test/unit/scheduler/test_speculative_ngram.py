@@ -153,6 +153,8 @@ def test_graph_shaped_verifies_give_the_same_outputs(preset, monkeypatch):
             graphs = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False, verify_width=width)
             runner.graph_runner = graphs
             assert graphs.verify_max_bs() == 4
+            # One position per request is a decode: no verify graph (nor verify) at that width.
+            assert CudaGraphRunner(runner, [1], use_graphs=False, verify_width=1).verify_max_bs() == 0
             replay = graphs.replay
             graphs.replay = lambda fb: replays.append((fb.forward_mode.name, fb.batch_size)) or replay(fb)
         prompt = token_ids(40, seed=3)
@@ -178,6 +180,39 @@ def test_graph_shaped_verifies_give_the_same_outputs(preset, monkeypatch):
     assert outs[True][-1].cached_tokens >= 64  # the decode snapshot at 64
     verifies = [bs for mode, bs in replays if mode == "TARGET_VERIFY"]
     assert 3 in verifies and len(verifies) >= 8, replays  # the three requests' steps, padded to 4
+
+
+def test_a_verify_is_graph_shaped_only_where_a_graph_and_the_free_pages_serve_it():
+    """The filler's KV is given back at the commit, so padding a verify to the graphs' width must not evict
+    cached prefixes: it pads only where the free pages hold every request's `width` positions, within its
+    context and the captured sizes; else the verify runs eagerly, unpadded."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
+    from sglang.srt.speculative.ngram_worker import NgramWorker
+
+    allocator = PagedTokenAllocator(64, page_size=4)  # 16 pages
+    graphs = SimpleNamespace(verify_width=6, verify_max_bs=lambda: 4)
+    sched = SimpleNamespace(
+        model_runner=SimpleNamespace(graph_runner=graphs), token_allocator=allocator, context_len=100,
+        kv_log=SimpleNamespace(clear=lambda: None),
+    )  # fmt: skip
+    worker = SimpleNamespace(sched=sched)
+    reqs = [SimpleNamespace(kv_len=n) for n in (10, 21, 40)]  # 6 positions take 1, 1 and 2 more pages
+
+    def width(reqs) -> int:
+        return NgramWorker._graph_width(worker, reqs)
+
+    assert width(reqs) == 6
+    allocator.alloc_pages(12)  # 4 pages left: just enough
+    assert width(reqs) == 6
+    allocator.alloc_pages(1)  # 3 left: the eager verify's own pages may still fit, evicting nothing
+    assert width(reqs) == 0
+    assert width(reqs[:2]) == 6
+    assert width([SimpleNamespace(kv_len=95)]) == 0  # past its context
+    assert width(reqs * 2) == 0  # more requests than the largest verify graph
+    sched.model_runner.graph_runner = None
+    assert width(reqs[:1]) == 0
 
 
 def test_finish_inside_accepted_drafts_keeps_the_finishing_state():

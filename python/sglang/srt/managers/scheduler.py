@@ -105,7 +105,7 @@ class Scheduler(SchedulerIOMixin):
             self.token_allocator,
             self.req_to_token_pool.mamba_allocator,
             self.tree_cache,
-            cuda_graph_max_bs=graphs.max_bs if graphs is not None and graphs.use_graphs else 0,
+            graph_check=graphs.can_run if graphs is not None and graphs.use_graphs else None,
         )
         self.disaggregation_mode = server_args.disaggregation_mode
         self.decode_set = DecodeSetCache(

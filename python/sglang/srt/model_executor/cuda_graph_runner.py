@@ -184,7 +184,7 @@ class CudaGraphRunner:
         self.kinds: dict[ForwardMode, _GraphSet] = {
             ForwardMode.DECODE: _GraphSet(_StaticInputs.allocate(max(bs_list), self.device), bs_list)
         }
-        if verify_width:
+        if verify_width > 1:  # (one position per request is a decode: no verify is ever built)
             verify_bs = [bs for bs in bs_list if bs <= model_runner.mamba_pool.verify_shape[0]]
             if verify_bs:
                 static = _StaticInputs.allocate(max(verify_bs), self.device, verify_width)

@@ -154,15 +154,11 @@ class NgramWorker:
         if not any(drafts):
             return None
         counts = [1 + len(d) for d in drafts]
-        allocated = None
         width = self._graph_width(reqs)
-        if width:  # a CUDA graph's shape: every request runs `width` positions
-            allocated = alloc_for_verify(
-                sched.tree_cache, sched.token_allocator, reqs, [width] * len(reqs), sched.kv_log
-            )
-            width = width if allocated is not None else 0
-        if allocated is None:
-            allocated = alloc_for_verify(sched.tree_cache, sched.token_allocator, reqs, counts, sched.kv_log)
+        # A CUDA graph's shape (every request runs `width` positions) where the free pages hold it: the
+        # filler's KV is given back at the commit, so it never evicts cached prefixes.
+        sized = [width] * len(reqs) if width else counts
+        allocated = alloc_for_verify(sched.tree_cache, sched.token_allocator, reqs, sized, sched.kv_log)
         if allocated is None:
             return None
         out_cache_loc, prefix_lens = allocated
@@ -176,12 +172,18 @@ class NgramWorker:
 
     def _graph_width(self, reqs: list[Req]) -> int:
         """The positions per request of a verify of `reqs` that a captured CUDA graph serves, or 0 (none
-        serves it, or a request's context cannot hold that many: the verify runs eagerly, unpadded)."""
-        graphs = self.sched.model_runner.graph_runner
+        serves it, a request's context cannot hold that many, or the free KV pages cannot without
+        evicting: the verify runs eagerly, unpadded)."""
+        sched = self.sched
+        graphs = sched.model_runner.graph_runner
         if graphs is None or not 0 < len(reqs) <= graphs.verify_max_bs():
             return 0
-        width = graphs.verify_width
-        return width if all(r.kv_len + width <= self.sched.context_len for r in reqs) else 0
+        width, allocator = graphs.verify_width, sched.token_allocator
+        sched.kv_log.clear()  # the decode steps' pending slots go to the requests' lists first
+        if any(r.kv_len + width > sched.context_len for r in reqs):
+            return 0
+        pages = sum(allocator.needed_pages(r.kv_len, r.kv_len + width) for r in reqs)
+        return width if pages <= allocator.free_pages() else 0
 
     def _prepare(
         self,

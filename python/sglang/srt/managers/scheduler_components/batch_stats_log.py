@@ -8,16 +8,17 @@ and one every `--decode-log-interval` decode batches,
 
 The throughput is the tokens of the decode batches launched since the previous decode line, over the
 time between that line's batch and this one's; a window opens at the first decode batch after the
-scheduler was idle (`reset`), so idle time never counts. `cuda graph`: the batch fits the decode
-graphs the model runner captured. Usage counts what requests and the tree's locked nodes hold, not what the radix tree
-keeps and could evict (as upstream counts it); `#token` is that many KV slots. With the scheduler's
-logger above INFO nothing is computed.
+scheduler was idle (`reset`), so idle time never counts. `cuda graph`: a graph the model runner
+captured serves the batch (a decode, or a verify of the graphs' width). Usage counts what requests
+and the tree's locked nodes hold, not what the radix tree keeps and could evict (as upstream counts
+it); `#token` is that many KV slots. With the scheduler's logger above INFO nothing is computed.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
     from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger("sglang.srt.managers.scheduler")
 
@@ -36,11 +38,12 @@ class BatchStatsLog:
         tokens: PagedTokenAllocator,
         mamba: MambaSlotAllocator,
         tree: BasePrefixCache,
-        cuda_graph_max_bs: int,
+        graph_check: Callable[[ForwardBatch], bool] | None = None,
     ):
+        """`graph_check(fb)`: whether a captured CUDA graph serves the forward batch (None: no graphs)."""
         self.interval = interval
         self.tokens, self.mamba, self.tree = tokens, mamba, tree
-        self.cuda_graph_max_bs = cuda_graph_max_bs
+        self.graph_check = graph_check
         self._decodes = 0  # decode batches of the window
         self._generated = 0  # their tokens
         self._since: float | None = None  # the window's opening launch; None: the next decode opens one
@@ -82,7 +85,7 @@ class BatchStatsLog:
             self._decodes, self._generated, self._since = 0, 0, now
             if logger.isEnabledFor(logging.INFO):
                 used, token_usage, mamba_usage = self.usage()
-                graph = 0 < batch.batch_size <= self.cuda_graph_max_bs
+                graph = self.graph_check is not None and self.graph_check(batch.forward_batch)
                 logger.info(
                     "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, mamba usage: %.2f, "
                     "cuda graph: %s, gen throughput (token/s): %.2f, #queue-req: %d%s",
