@@ -32,6 +32,16 @@ class _Ngram(KLDivergenceMixin, PrefixCacheBranchingMixin, ReferenceMatchMixin):
         gauge = [x for x in self.get("/metrics").text.splitlines() if x.startswith("sglang:spec_accept_length{")]
         self.assertEqual(len(gauge), 1, gauge)
         self.assertGreater(float(gauge[0].rsplit(" ", 1)[1]), 1.5)
+        # Upstream's per-request fields: the second run's 63 tokens after its first came in fewer forwards.
+        meta = again.raw["meta_info"]
+        verifies, accepted = meta["spec_verify_ct"], meta["spec_num_correct_drafts"]
+        self.assertEqual(verifies + accepted, 63)  # each forward: one token plus the drafts it accepted
+        self.assertGreater(accepted, 20, meta)
+        self.assertEqual(sum(meta["spec_accept_histogram"]), verifies)
+        self.assertEqual(sum(k * n for k, n in enumerate(meta["spec_accept_histogram"])), accepted)
+        self.assertAlmostEqual(meta["spec_accept_length"], 64 / verifies)
+        self.assertLessEqual(accepted, meta["spec_num_proposed_drafts"])
+        self.assertAlmostEqual(meta["spec_accept_rate"], accepted / meta["spec_num_proposed_drafts"])
 
 
 class TestQwen3NextNgram(_Ngram, ServerTestCase):

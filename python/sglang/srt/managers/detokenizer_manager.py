@@ -95,6 +95,7 @@ class DetokenizerManager:
             input_top_logprobs=out.input_top_logprobs,
             output_token_ids_logprobs=out.output_token_ids_logprobs,
             input_token_ids_logprobs=out.input_token_ids_logprobs,
+            spec_counts=out.spec_counts,
         )
 
 

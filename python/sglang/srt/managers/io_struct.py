@@ -188,6 +188,8 @@ class BatchTokenIDOut:
     input_token_ids_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
     skip_special_tokens: list[bool] = field(default_factory=list)
     no_stop_trim: list[bool] = field(default_factory=list)  # keep a matched stop token's text
+    # With speculative decoding, each request's `Req.spec_counts` so far (empty list: not enabled).
+    spec_counts: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> BatchTokenIDOut:
@@ -212,6 +214,7 @@ class BatchStrOut:
     input_top_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
     output_token_ids_logprobs: list[list[list[LogprobEntry]] | None] = field(default_factory=list)
     input_token_ids_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
+    spec_counts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

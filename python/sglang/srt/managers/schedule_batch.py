@@ -134,6 +134,7 @@ class Req:
         "sampling_row",
         "penalized",
         "penalty_slot",
+        "spec_counts",
     )
 
     def __init__(
@@ -208,6 +209,9 @@ class Req:
         self.input_token_ids_logprobs: list[list[tuple[float, int]] | None] = []
         self.send_offset = 0
         self.input_logprobs_sent = False
+        # Speculative decoding (`NgramWorker`): [drafts proposed, drafts accepted, then verifies that
+        # accepted k drafts at index k + 1 for k >= 1]; None until its first verify.
+        self.spec_counts: list[int] | None = None
         # What a batch reads of this request's sampling options (`_make_sampling_row`).
         self.sampling_row: tuple | None = None
         # Logit penalties (sampling/penaltylib.py): whether any applies, and the request's row of the

@@ -5,7 +5,8 @@ Deltas from the detokenizer are appended; replies are cumulative (SGLang's nativ
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "e2e_latency", and with return_logprob:
      "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
-     and with token_ids_logprob "input_token_ids_logprobs", "output_token_ids_logprobs"}}
+     and with token_ids_logprob "input_token_ids_logprobs", "output_token_ids_logprobs", and with
+     --speculative-algorithm upstream's "spec_*" fields (`spec_meta_info`)}}
 
 Logprob entries are `[logprob, token_id, text_or_None]` (text with return_text_in_logprobs); top
 logprobs are such lists per position.
@@ -56,6 +57,7 @@ class ReqState:
         self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
         self.output_token_ids_logprobs: list[list[tuple[float, int]]] = []
         self.input_token_ids_logprobs: list[list[tuple[float, int]] | None] = []
+        self.spec_counts: list[int] | None = None  # with speculative decoding: `Req.spec_counts`
         self.got_message = False
         self._sent: tuple[int, int, bool] | None = None
 
@@ -76,6 +78,7 @@ class ReqState:
         self.prompt_tokens = out.prompt_tokens[i]
         self.completion_tokens = out.completion_tokens[i]
         self.cached_tokens = out.cached_tokens[i]
+        self.spec_counts = _entry(out.spec_counts, i)
         if self.req.return_logprob:
             self.output_token_logprobs.extend(_entry(out.output_token_logprobs, i) or [])
             self.output_top_logprobs.extend(_entry(out.output_top_logprobs, i) or [])
@@ -128,6 +131,8 @@ class ReqState:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": (self.finish_time or time.time()) - self.created_time,
         }
+        if self.spec_counts is not None:
+            meta.update(spec_meta_info(self.spec_counts, self.completion_tokens))
         if self.req.return_logprob:
             texts = token_texts if self.item.return_text_in_logprobs else None
             meta["input_token_logprobs"] = _with_text(self.input_token_logprobs, texts)
@@ -142,6 +147,35 @@ class ReqState:
                     _with_text(p, texts) for p in self.output_token_ids_logprobs
                 ]
         return {"text": self.visible_text(), "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def spec_meta_info(counts: list[int], completion_tokens: int) -> dict[str, Any]:
+    """Upstream's speculative fields of a request's meta_info, from `Req.spec_counts` ([drafts proposed,
+    drafts accepted, then the verifies that accepted k >= 1 drafts at index k + 1]); none before its
+    second token.
+    Every forward after a request's first token commits one token plus the drafts it accepted, so
+    `spec_verify_ct`, its forwards after the first token (verifies, and decode steps where no request
+    had a draft, which upstream's NGRAM verifies too), is `completion_tokens - 1 - accepted`;
+    `spec_accept_length` is `completion_tokens / spec_verify_ct` (the model's own token included, as
+    upstream counts it); `spec_accept_rate` is accepted over proposed drafts (the drafts proposed, not
+    `spec_verify_ct * (D - 1)`: NGRAM proposes fewer where its cache has less);
+    `spec_accept_histogram[k]`: the forwards that accepted k drafts."""
+    proposed, accepted = counts[0], counts[1]
+    verify_ct = completion_tokens - 1 - accepted
+    if verify_ct <= 0:
+        return {}
+    histogram = [0, *counts[2:]]
+    histogram[0] = verify_ct - sum(histogram)
+    return {
+        "spec_verify_ct": verify_ct,
+        "spec_accept_length": completion_tokens / verify_ct,
+        "spec_accept_rate": accepted / proposed if proposed else 0.0,
+        "spec_num_correct_drafts": accepted,
+        "spec_num_proposed_drafts": proposed,
+        "spec_accepted_drafts": accepted,  # upstream's older names, which it still sends
+        "spec_proposed_drafts": proposed,
+        "spec_accept_histogram": histogram,
+    }
 
 
 def _entry(values: list[Any], i: int) -> Any:

@@ -296,6 +296,14 @@ class NgramWorker:
                         break
             committed_total += committed
             accepted_total += committed - 1
+            counts = req.spec_counts
+            if counts is None:
+                counts = req.spec_counts = [0, 0]
+            counts[0] += len(drafts)
+            if committed > 1:  # (a verify that accepted none counts as any decode step: see meta_info)
+                counts[1] += committed - 1
+                counts.extend([0] * (committed + 1 - len(counts)))
+                counts[committed] += 1  # (k accepted drafts at index k + 1)
             if drafts:
                 drafted_rows += 1
                 drafted_committed += committed

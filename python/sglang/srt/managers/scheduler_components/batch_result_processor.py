@@ -260,8 +260,7 @@ class BatchResultProcessor:
         if out.rids:
             self.output_sink(out)
 
-    @staticmethod
-    def _append(out: BatchTokenIDOut, req: Req) -> None:
+    def _append(self, out: BatchTokenIDOut, req: Req) -> None:
         start = req.send_offset
         out.rids.append(req.rid)
         out.finished_reasons.append(req.finished_reason)
@@ -282,5 +281,7 @@ class BatchResultProcessor:
         out.input_token_ids_logprobs.append(req.input_token_ids_logprobs if first and ids else None)
         out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
         out.no_stop_trim.append(req.sampling_params.no_stop_trim)
+        if self.process_verify is not None:  # speculative decoding: the request's counts
+            out.spec_counts.append(list(req.spec_counts or (0, 0)))
         req.input_logprobs_sent = req.input_logprobs_sent or bool(first)
         req.send_offset = len(req.output_ids)
