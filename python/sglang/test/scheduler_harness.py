@@ -105,6 +105,7 @@ class SchedulerHarness:
         stream: bool = False,
         top_logprobs_num: int = 0,
         token_ids_logprob: list[int] | None = None,
+        extra_key: str | None = None,
         **sampling: Any,
     ) -> str:
         rid = f"req-{next(self._ids)}"
@@ -121,6 +122,7 @@ class SchedulerHarness:
                 top_logprobs_num=top_logprobs_num,
                 token_ids_logprob=token_ids_logprob,
                 stream=stream,
+                extra_key=extra_key,
             )
         )
         self.outputs[rid] = Output(rid)

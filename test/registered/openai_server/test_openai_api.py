@@ -140,6 +140,17 @@ class TestOpenAIServer(ServerTestCase):
         cached = second.usage.prompt_tokens_details.cached_tokens
         self.assertGreater(cached, 0)
         self.assertLessEqual(cached, 200)
+        # Upstream's cache namespaces: another tenant's salt (or key) hits nothing of this prefix; its own
+        # does, once it has run.
+        def cached_for(**extra) -> int:
+            out = self.client.completions.create(
+                model=self.model, prompt=ids + [7, 8], max_tokens=2, temperature=0, extra_body=extra
+            )
+            return out.usage.prompt_tokens_details.cached_tokens
+
+        self.assertEqual(cached_for(cache_salt="tenant-b"), 0)
+        self.assertEqual(cached_for(cache_salt="tenant-b", extra_key="x"), 0)
+        self.assertGreater(cached_for(cache_salt="tenant-b"), 0)
 
     def test_n_and_stop(self) -> None:
         out = self.chat(max_tokens=4, n=2, temperature=0)

@@ -55,7 +55,6 @@ def test_unset_upstream_fields_and_router_fields_are_accepted():
         ("return_hidden_states", "true"),
         ("return_hidden_states", "0"),
         ("max_thinking_tokens", "0"),
-        ("cache_salt", '"tenant-a"'),
         ("background", "true"),
         ("session_params", '{"id": "s"}'),
     ],

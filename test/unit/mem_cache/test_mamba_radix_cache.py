@@ -14,22 +14,28 @@ from sglang.test.mem_cache_sim import MemCacheSim, tag
 register_cpu_ci(est_time=3, suite="per-commit-cpu")
 
 
-def _insert(sim: MemCacheSim, key: list[int], prev: int = 0, tree_values: list[int] | None = None) -> tuple:
+def _insert(
+    sim: MemCacheSim,
+    key: list[int],
+    prev: int = 0,
+    tree_values: list[int] | None = None,
+    ns: str | None = None,
+) -> tuple:
     """Insert `key` with fresh KV (tree-owned values for the first `prev` positions) and a fresh
-    checkpoint tagged with `key`; returns (InsertResult, checkpoint slot)."""
+    checkpoint tagged with `key`, in prefix-cache namespace `ns`; returns (InsertResult, checkpoint slot)."""
     fresh = sim.kv.alloc_extend(prev, len(key), (tree_values or [0])[-1] if prev else 0)
     for i, s in enumerate(fresh):
         sim.kv_tags[s] = tag(key[: prev + i + 1])
     slot = sim.pool.mamba_allocator.alloc(1)[0]
     sim.write_state(slot, key)
-    res = sim.tree.insert(key, (tree_values or [])[:prev] + fresh, slot, prev)
+    res = sim.tree.insert(key, (tree_values or [])[:prev] + fresh, slot, prev, ns)
     if res.mamba_exist:
         sim.pool.mamba_allocator.free([slot])
     return res, slot
 
 
-def _match_len(sim: MemCacheSim, key: list[int]) -> int:
-    m = sim.tree.match_prefix(key)
+def _match_len(sim: MemCacheSim, key: list[int], ns: str | None = None) -> int:
+    m = sim.tree.match_prefix(key, namespace=ns)
     sim.assert_match_tags(key, m.device_indices, m.last_device_node)
     return len(m.device_indices)
 
@@ -59,6 +65,26 @@ def test_upstream_scenario_insert_split_evict():
     assert _match_len(sim, [1, 2, 3, 4, 5, 6, 7]) == 7, "the deeper checkpoint still works through tombstones"
     assert sim.tree.evict(mamba_num=1).num_mamba_evicted == 1
     assert sim.tree.total_size() == 0, "the last leaf went, and every tombstone ancestor with it"
+    sim.check()
+
+
+def test_namespaces_share_no_prefix():
+    """Upstream's `extra_key` / `cache_salt`: a sequence is matched only among those of its namespace
+    (None: the shared one); splits stay inside a namespace, and eviction empties them all alike."""
+    sim = MemCacheSim(chunk=2, extra_buffer=False)
+    _insert(sim, [1, 2, 3, 4])
+    _insert(sim, [1, 2, 3, 4, 5, 6], ns="a")
+    _insert(sim, [1, 2, 9, 9], ns="a")  # splits a's node after [1, 2]
+    _insert(sim, [1, 2, 3, 4], ns="b")
+    sim.check()  # (child keys carry the namespace; a node's children are in its namespace)
+    assert _match_len(sim, [1, 2, 3, 4, 5, 6]) == 4
+    assert _match_len(sim, [1, 2, 3, 4, 5, 6], "a") == 6
+    assert _match_len(sim, [1, 2, 9, 9], "a") == 4 and _match_len(sim, [1, 2, 9, 9]) == 0
+    assert _match_len(sim, [1, 2, 3, 4, 5, 6], "b") == 4
+    assert _match_len(sim, [1, 2, 3, 4], "c") == 0
+    assert len(sim.tree.root.children) == 3  # one entry per namespace for the same first token
+    while sim.tree.total_size():
+        assert sim.tree.evict(num_tokens=1).num_tokens_evicted > 0
     sim.check()
 
 

@@ -77,8 +77,6 @@ UNSUPPORTED = {
     "return_prompt_token_ids": "prompt token ids in the reply",
     "require_reasoning": "reasoning control",
     "max_thinking_tokens": "reasoning control",
-    "extra_key": "cache namespaces",
-    "cache_salt": "cache namespaces",
     "multi_item_delimiter_indices": "multi-item scoring",
     "background": "background requests",
 }

@@ -51,6 +51,10 @@ class GenerateReqInput:
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
+    # Prefix-cache namespaces (upstream's): a request reuses only cached prefixes of requests with the
+    # same `cache_salt + extra_key` (one string for every prompt, or one per prompt).
+    extra_key: str | list[str] | None = None
+    cache_salt: str | list[str] | None = None
 
 
 @dataclass
@@ -65,6 +69,7 @@ class TokenizedGenerateReqInput:
     token_ids_logprob: list[int] | None = None
     stream: bool = False
     bootstrap: BootstrapInfo | None = None
+    extra_key: str | None = None  # the prefix-cache namespace (cache_salt + extra_key); None: the shared one
 
 
 @dataclass

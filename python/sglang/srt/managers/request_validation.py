@@ -241,6 +241,7 @@ def build_requests(
         name: _per_item(getattr(obj, name), size, name, prompts.is_batch)
         for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
         + BOOTSTRAP_FIELDS
+        + NAMESPACE_FIELDS
     }
     token_ids_lists = _token_ids_logprob(obj.token_ids_logprob, size, prompts.is_batch, limits.vocab_size)
     if not isinstance(obj.return_text_in_logprobs, bool):
@@ -273,6 +274,7 @@ def build_requests(
         base = rid or uuid.uuid4().hex
         n = params.n
         bootstrap = bootstrap_info(*(per_item[name][i] for name in BOOTSTRAP_FIELDS))
+        extra_key = cache_namespace(*(per_item[name][i] for name in NAMESPACE_FIELDS))
         for j in range(n):
             # Each sample is its own request; seeded samples get distinct seeds, else n copies of one
             # seeded request would all return the same text.
@@ -291,6 +293,7 @@ def build_requests(
                 token_ids_logprob=None if token_ids is None else list(token_ids),
                 stream=obj.stream,
                 bootstrap=sample_bootstrap(bootstrap, j, n),
+                extra_key=extra_key,
             )
             out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs))
     rids = [r.req.rid for r in out]
@@ -338,11 +341,27 @@ def _token_ids_logprob(value: Any, size: int, is_batch: bool, vocab_size: int) -
     return lists
 
 
+NAMESPACE_FIELDS = ("cache_salt", "extra_key")  # in upstream's order of concatenation
+
+
+def cache_namespace(cache_salt: Any, extra_key: Any) -> str | None:
+    """A request's prefix-cache namespace, as upstream computes it: `cache_salt + extra_key` (each a
+    string; empty or null leaves it out); None: the namespace of requests that name none."""
+    parts = []
+    for name, value in zip(NAMESPACE_FIELDS, (cache_salt, extra_key), strict=True):
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise RequestError(f"{name} must be a string.", name, "invalid_type")
+        parts.append(value)
+    return "".join(parts) or None
+
+
 def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:
     """A batch field is either one value for all items or a list with one value per item."""
     defaults = {"sampling_params": None, "rid": None, "return_logprob": False}
     defaults |= {"logprob_start_len": -1, "top_logprobs_num": 0}
-    defaults |= dict.fromkeys(BOOTSTRAP_FIELDS)
+    defaults |= dict.fromkeys(BOOTSTRAP_FIELDS + NAMESPACE_FIELDS)
     if value is None:
         value = defaults[name]
     if is_batch and isinstance(value, list):

@@ -135,6 +135,7 @@ class Req:
         "penalized",
         "penalty_slot",
         "spec_counts",
+        "extra_key",
     )
 
     def __init__(
@@ -188,6 +189,9 @@ class Req:
         self.req_to_token_dirty_from: int | None = None
         self.cached_tokens = 0
         self.admitted_once = False
+        # The prefix-cache namespace (upstream's `cache_salt + extra_key`): the radix tree matches and
+        # inserts this request's tokens among those of its namespace only; None: the shared one.
+        self.extra_key: str | None = None
 
         # Mamba state
         self.mamba_pool_idx: int | None = None

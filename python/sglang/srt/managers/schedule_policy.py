@@ -42,7 +42,10 @@ class SchedulePolicy:
         if self.policy == "fcfs" or len(waiting_queue) > LPM_QUEUE_LIMIT:
             return waiting_queue
         tree = self.tree_cache
-        hit = {id(r): len(tree.match_prefix(r.all_ids[: r.seqlen - 1]).device_indices) for r in waiting_queue}
+        hit = {
+            id(r): len(tree.match_prefix(r.all_ids[: r.seqlen - 1], namespace=r.extra_key).device_indices)
+            for r in waiting_queue
+        }
         return sorted(waiting_queue, key=lambda r: -hit[id(r)])
 
 

@@ -54,11 +54,14 @@ class BasePrefixCache(ABC):
     page_size: int
 
     @abstractmethod
-    def match_prefix(self, key: list[int], cow_mamba: bool = False, req: Req | None = None) -> MatchResult:
+    def match_prefix(
+        self, key: list[int], cow_mamba: bool = False, req: Req | None = None, namespace: str | None = None
+    ) -> MatchResult:
         """Longest usable cached prefix of `key`. With `req`, the matched node is locked for it
         (`req.last_node`). With `cow_mamba` and a checkpoint hit, `req` gets a running slot (allocated
         here, evicting a checkpoint if needed) and `mamba_cow_src_index`; the copy itself is deferred
-        to the forward stream."""
+        to the forward stream. The match is among the sequences of `req.extra_key`'s prefix-cache
+        namespace (without `req`: of `namespace`)."""
 
     @abstractmethod
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:

@@ -28,7 +28,9 @@ class ChunkCache(BasePrefixCache):
     def supports_mamba(self) -> bool:
         return False
 
-    def match_prefix(self, key: list[int], cow_mamba: bool = False, req: Req | None = None) -> MatchResult:
+    def match_prefix(
+        self, key: list[int], cow_mamba: bool = False, req: Req | None = None, namespace: str | None = None
+    ) -> MatchResult:
         return MatchResult([], None)
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:

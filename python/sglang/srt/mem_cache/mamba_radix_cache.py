@@ -59,9 +59,13 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
 
     # ---- match -------------------------------------------------------------------------------------
 
-    def match_prefix(self, key: list[int], cow_mamba: bool = False, req: Req | None = None) -> MatchResult:
+    def match_prefix(
+        self, key: list[int], cow_mamba: bool = False, req: Req | None = None, namespace: str | None = None
+    ) -> MatchResult:
+        """`namespace`: where no `req` is given, the prefix-cache namespace to match in (else the
+        request's `extra_key`)."""
         key = key[: self._page_aligned(len(key))]
-        path, matched = self._walk(key)
+        path, matched = self._walk(key, req.extra_key if req is not None else namespace)
         node = path[-1][0] if path else self.root
         best_node, best_len = self.root, 0
         for child, start in path:
@@ -127,7 +131,12 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
     # ---- insert ------------------------------------------------------------------------------------
 
     def insert(
-        self, key: list[int], value: list[int], mamba_value: int, prev_prefix_len: int = 0
+        self,
+        key: list[int],
+        value: list[int],
+        mamba_value: int,
+        prev_prefix_len: int = 0,
+        namespace: str | None = None,
     ) -> InsertResult:
         """Insert `key` -> KV `value` with a checkpoint `mamba_value` after its last token. KV that the tree
         already holds at positions >= prev_prefix_len is freed (the caller's duplicates). If the end node
@@ -135,7 +144,7 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         assert len(key) == len(value) and len(key) % self.page_size == 0
         if not key:
             return InsertResult(0, True)
-        path, i = self._walk(key)
+        path, i = self._walk(key, namespace)
         node = path[-1][0] if path else self.root
         duplicates: list[int] = []
         tree_indices: list[int] = []
@@ -150,7 +159,7 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         if duplicates:
             self.token_allocator.free(duplicates)
         if i < len(key):
-            node = self._add_leaf(node, key[i:], value[i:], mamba_value)
+            node = self._add_leaf(node, key[i:], value[i:], mamba_value, namespace)
             self.full_lru.touch_path(node, self.root)
             return InsertResult(i, False, node, tree_indices)
         self.full_lru.touch_path(node, self.root)
@@ -160,9 +169,11 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         self._set_checkpoint(node, mamba_value)
         return InsertResult(i, False, node, tree_indices)
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], value: list[int], mamba_value: int) -> TreeNode:
-        node = TreeNode(key, value, parent)
-        parent.children[self._child_key(node.key)] = node
+    def _add_leaf(
+        self, parent: TreeNode, key: list[int], value: list[int], mamba_value: int, namespace: str | None
+    ) -> TreeNode:
+        node = TreeNode(key, value, parent, namespace)
+        parent.children[self._child_key(node.key, 0, namespace)] = node
         self.full_lru.insert_mru(node)
         self.full_evictable_size_ += len(value)
         self._set_checkpoint(node, mamba_value)
@@ -192,7 +203,7 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         next turn of a conversation hits all of it, where upstream recomputes the tail since the last track
         boundary (up to `--mamba-track-interval` tokens, the whole answer when it is shorter)."""
         pool = self.req_to_token_pool
-        ids, kv_len = req.all_ids, len(req.kv_indices)
+        ids, kv_len, ns = req.all_ids, len(req.kv_indices), req.extra_key
         own_from = req.cache_protected_len  # the request's own KV starts here
         keep_idx = None
         track_len = req.mamba_last_track_seqlen if self.enable_mamba_extra_buffer else None
@@ -201,11 +212,11 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
             keep_idx = pool.get_mamba_ping_pong_keep_idx(req)
             slot = req.mamba_ping_pong_track_buffer[keep_idx]
             assert slot != -1, f"{req} has no snapshot for position {track_len}"
-            if self.insert(ids[:track_len], req.kv_indices[:track_len], slot, own_from).mamba_exist:
+            if self.insert(ids[:track_len], req.kv_indices[:track_len], slot, own_from, ns).mamba_exist:
                 keep_idx = None
             own_from = track_len
         if is_insert and own_from < kv_len and req.num_inflight == 0 and self._final_state_insertable(req):
-            res = self.insert(ids[:kv_len], req.kv_indices[:kv_len], req.mamba_pool_idx, own_from)
+            res = self.insert(ids[:kv_len], req.kv_indices[:kv_len], req.mamba_pool_idx, own_from, ns)
             if not res.mamba_exist:
                 pool.donate_running_slot(req)
             own_from = kv_len
@@ -245,7 +256,7 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         """Insert the request's prefix up to `pos` with the checkpoint `slot` (filled from `copy_from` on
         the forward stream, if given); the request then protects that prefix through the tree."""
         protected = req.cache_protected_len
-        res = self.insert(req.all_ids[:pos], req.kv_indices[:pos], slot, protected)
+        res = self.insert(req.all_ids[:pos], req.kv_indices[:pos], slot, protected, req.extra_key)
         if res.mamba_exist:
             self.mamba_allocator.free([slot])
         elif copy_from is not None:
@@ -370,7 +381,7 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
             freed += len(node.value)
             self.full_evictable_size_ -= len(node.value)
             self.full_lru.remove(node)
-            del parent.children[self._child_key(node.key)]
+            del parent.children[self._child_key(node.key, 0, node.namespace)]
             if evicted is not None:
                 del evicted[node.id]
             node = parent

@@ -32,10 +32,20 @@ class TreeNode:
         "mamba_value",
         "full_lock_ref",
         "mamba_lock_ref",
+        "namespace",
     )
 
-    def __init__(self, key: Iterable[int] = (), value: Iterable[int] = (), parent: TreeNode | None = None):
+    def __init__(
+        self,
+        key: Iterable[int] = (),
+        value: Iterable[int] = (),
+        parent: TreeNode | None = None,
+        namespace: str | None = None,
+    ):
         self.id = next(_ids)
+        # The prefix-cache namespace of every sequence through this node (`Req.extra_key`): a node's
+        # key in its parent's children carries it, so a walk in one namespace never enters another's.
+        self.namespace = namespace
         self.children: dict = {}
         self.parent = parent
         self.key = array("q", key)
@@ -171,8 +181,9 @@ class MambaTree:
 
     # ---- keys --------------------------------------------------------------------------------------
 
-    def _child_key(self, key: list[int], start: int = 0):
-        return key[start] if self.page_size == 1 else tuple(key[start : start + self.page_size])
+    def _child_key(self, key: list[int], start: int = 0, namespace: str | None = None):
+        page = key[start] if self.page_size == 1 else tuple(key[start : start + self.page_size])
+        return page if namespace is None else (namespace, page)
 
     def _match_len(self, node_key: list[int], key: list[int], start: int) -> int:
         """Common prefix of node_key and key[start:], in whole pages."""
@@ -182,10 +193,10 @@ class MambaTree:
     def _page_aligned(self, n: int) -> int:
         return n - n % self.page_size
 
-    def _walk(self, key: list[int]) -> tuple[list[tuple[TreeNode, int]], int]:
-        """The one tree walk of match and insert: descend along `key` (page-aligned), splitting a node
-        that matches only in part. Returns the path's nodes below the root, each with the key offset
-        it starts at, and the matched length."""
+    def _walk(self, key: list[int], namespace: str | None = None) -> tuple[list[tuple[TreeNode, int]], int]:
+        """The one tree walk of match and insert: descend along `key` (page-aligned) in `namespace`,
+        splitting a node that matches only in part. Returns the path's nodes below the root, each with
+        the key offset it starts at, and the matched length."""
         # Node keys are int64 arrays: the key as one too makes each block compare a memcmp (a list slice
         # never equals an array slice; ~13 ns per token for the conversion, against ~40 per token
         # compared element by element).
@@ -193,7 +204,7 @@ class MambaTree:
         node, matched = self.root, 0
         path: list[tuple[TreeNode, int]] = []
         while matched < len(key):
-            child = node.children.get(self._child_key(key, matched))
+            child = node.children.get(self._child_key(key, matched, namespace))
             n = 0 if child is None else self._match_len(child.key, key, matched)
             if n == 0:
                 break
@@ -206,12 +217,12 @@ class MambaTree:
     def _split_node(self, child: TreeNode, n: int) -> TreeNode:
         """Split `child` after n tokens; the new parent is a tombstone (a state cannot be split) and
         inherits the full locks of the path through it."""
-        parent = child.parent
-        new = TreeNode(child.key[:n], child.value[:n], parent)
+        parent, ns = child.parent, child.namespace
+        new = TreeNode(child.key[:n], child.value[:n], parent, ns)
         new.full_lock_ref = child.full_lock_ref
         child.key, child.value, child.parent = child.key[n:], child.value[n:], new
-        new.children[self._child_key(child.key)] = child
-        parent.children[self._child_key(new.key)] = new
+        new.children[self._child_key(child.key, 0, ns)] = child
+        parent.children[self._child_key(new.key, 0, ns)] = new
         self.full_lru.insert_before(new, child)
         return new
 
@@ -302,7 +313,8 @@ class MambaTree:
         mamba = [0, 0]
         for n in non_root:
             assert n.key and len(n.key) == len(n.value) and len(n.key) % self.page_size == 0
-            assert n.parent.children.get(self._child_key(n.key)) is n
+            assert n.parent.children.get(self._child_key(n.key, 0, n.namespace)) is n
+            assert n.parent is root or n.parent.namespace == n.namespace, f"{n} left its namespace"
             assert not (n.is_leaf and n.mamba_value is None), f"tombstone leaf {n}"
             direct = n.full_lock_ref - sum(c.full_lock_ref for c in n.children.values())
             assert direct >= 0, f"{n} has fewer full locks than its children"

@@ -72,12 +72,18 @@ class _SamplingFields(_Request):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = Field(None, ge=0)
+    # Prefix-cache namespaces (upstream's; `cache_salt` is vLLM's name): see GenerateReqInput.
+    cache_salt: str | None = None
+    extra_key: str | None = None
 
-    def bootstrap_fields(self) -> dict[str, Any]:
+    def passthrough_fields(self) -> dict[str, Any]:
+        """The GenerateReqInput fields passed as they are: PD's bootstrap and the cache namespace."""
         return {
             "bootstrap_host": self.bootstrap_host,
             "bootstrap_port": self.bootstrap_port,
             "bootstrap_room": self.bootstrap_room,
+            "cache_salt": self.cache_salt,
+            "extra_key": self.extra_key,
         }
 
     @field_validator("top_k")

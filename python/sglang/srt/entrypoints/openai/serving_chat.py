@@ -185,7 +185,7 @@ class OpenAIServingChat(OpenAIServingBase):
             top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True,
             stream=req.stream,
-            **req.bootstrap_fields(),
+            **req.passthrough_fields(),
         )
 
     def _reasoning_parser(self, req: ChatCompletionRequest) -> ReasoningParser | None:

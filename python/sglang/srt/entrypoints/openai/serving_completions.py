@@ -60,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             top_logprobs_num=req.logprobs or 0,
             return_text_in_logprobs=True,
             stream=req.stream,
-            **req.bootstrap_fields(),
+            **req.passthrough_fields(),
         )
 
     def make_choice(self, req: CompletionRequest, index: int, out: dict) -> CompletionChoice:

@@ -158,6 +158,7 @@ class SchedulerIOMixin:
             stream=recv.stream,
         )
         req.bootstrap = recv.bootstrap
+        req.extra_key = recv.extra_key
         req.inflight = self.inflight
         self.counters["num_requests_total"] += 1
         error = self._validate(req)
