@@ -34,6 +34,29 @@ def test_a_request_hits_only_its_own_namespace(preset, oracles):
     h.shutdown()
 
 
+def test_ngram_drafts_come_only_from_the_same_namespace():
+    """NGRAM's n-gram table is shared, its keys seeded by the namespace: a tenant's drafts never continue
+    another tenant's text (whose acceptance the spec_* fields would show)."""
+    h = SchedulerHarness(
+        "tiny-qwen3-next", speculative_algorithm="NGRAM", speculative_num_draft_tokens=6,
+        disable_overlap_schedule=True,
+    )  # fmt: skip
+    stats = h.sched.spec.stats
+    prompt = token_ids(30, seed=7)
+    tenant_a, tenant_b = _namespaces(extra_key="tenant-a")[0], _namespaces(extra_key="tenant-b")[0]
+    first = h.generate(prompt, 40, extra_key=tenant_a)
+    assert h.sched.flush_cache()[0]
+    before = stats["accepted_tokens"]
+    other = h.generate(prompt, 40, extra_key=tenant_b)
+    assert stats["accepted_tokens"] - before <= 2  # (its own text may repeat itself by chance)
+    assert h.sched.flush_cache()[0]
+    before = stats["accepted_tokens"]
+    again = h.generate(prompt, 40, extra_key=tenant_a)
+    assert stats["accepted_tokens"] - before >= 20  # drafts from tenant-a's first run
+    assert first.output_ids == other.output_ids == again.output_ids
+    h.shutdown()
+
+
 def _namespaces(**fields) -> list[str | None]:
     obj = GenerateReqInput(input_ids=fields.pop("input_ids", [1, 2, 3]), **fields)
     prompts = parse_prompts(obj)
@@ -42,13 +65,17 @@ def _namespaces(**fields) -> list[str | None]:
 
 
 def test_the_namespace_is_the_salt_then_the_key_per_prompt():
+    """As upstream, `cache_salt + extra_key`; kept as a 128-bit digest, whatever their length."""
     assert _namespaces() == [None]
-    assert _namespaces(extra_key="k") == ["k"]
-    assert _namespaces(cache_salt="s", extra_key="k") == ["sk"]  # upstream's order
+    (k,) = _namespaces(extra_key="k")
+    assert len(k) == 32 and _namespaces(cache_salt="k") == [k]
+    salted = _namespaces(cache_salt="s", extra_key="k")
+    assert salted == _namespaces(extra_key="sk") != _namespaces(extra_key="ks")
     assert _namespaces(cache_salt="", extra_key=None) == [None]
+    assert len(_namespaces(cache_salt="x" * 100_000)[0]) == 32
     batch = dict(input_ids=[[1, 2], [3, 4]])
-    assert _namespaces(**batch, extra_key=["a", None]) == ["a", None]
-    assert _namespaces(**batch, cache_salt="s") == ["s", "s"]
+    assert _namespaces(**batch, extra_key=["a", None]) == [_namespaces(extra_key="a")[0], None]
+    assert len(set(_namespaces(**batch, cache_salt="s"))) == 1
     for name, value in (("extra_key", 5), ("cache_salt", ["x"])):
         with pytest.raises(RequestError) as e:
             _namespaces(**{name: value})

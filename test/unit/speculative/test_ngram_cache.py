@@ -77,3 +77,16 @@ def test_capacity_drops_the_older_generation():
     assert c.draft([4], 1) == [5] and c.draft([5], 1) == [6]
     c.index([7, 8], 0)  # key 7 starts a new generation beside 4 and 5
     assert len(c) == 3 and c.draft([4], 1) == [5] and c.draft([7], 1) == [8]
+
+
+def test_a_seed_keeps_its_text_to_itself():
+    """Cache namespaces (`namespace_seed`): text indexed under one seed is drafted from under that seed
+    only."""
+    from sglang.srt.speculative.ngram_cache import namespace_seed
+
+    c = cache()
+    a, b = namespace_seed("0" * 31 + "1"), namespace_seed("f" * 32)
+    assert namespace_seed(None) == 0 and len({0, a, b}) == 3
+    c.index([1, 2, 3, 4, 5, 6], 0, a)
+    assert c.draft([9, 2, 3], 3, a) == [4, 5, 6]
+    assert c.draft([9, 2, 3], 3, b) == [] and c.draft([9, 2, 3], 3) == []

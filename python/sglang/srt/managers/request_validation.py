@@ -11,6 +11,7 @@ Three steps, so that the caller can tokenize in between without blocking (`Token
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
@@ -345,8 +346,9 @@ NAMESPACE_FIELDS = ("cache_salt", "extra_key")  # in upstream's order of concate
 
 
 def cache_namespace(cache_salt: Any, extra_key: Any) -> str | None:
-    """A request's prefix-cache namespace, as upstream computes it: `cache_salt + extra_key` (each a
-    string; empty or null leaves it out); None: the namespace of requests that name none."""
+    """A request's prefix-cache namespace: upstream's `cache_salt + extra_key` (each a string; empty or
+    null leaves it out) as a 128-bit digest (32 hex digits), so a long salt costs the tree and the
+    n-gram table no more than a short one; None: the namespace of requests that name none."""
     parts = []
     for name, value in zip(NAMESPACE_FIELDS, (cache_salt, extra_key), strict=True):
         if value is None or value == "":
@@ -354,7 +356,9 @@ def cache_namespace(cache_salt: Any, extra_key: Any) -> str | None:
         if not isinstance(value, str):
             raise RequestError(f"{name} must be a string.", name, "invalid_type")
         parts.append(value)
-    return "".join(parts) or None
+    if not parts:
+        return None
+    return hashlib.blake2b("".join(parts).encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:

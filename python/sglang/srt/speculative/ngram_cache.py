@@ -1,4 +1,5 @@
-"""`NgramCache`: the draft source of `--speculative-algorithm NGRAM`, one table shared by all requests.
+"""`NgramCache`: the draft source of `--speculative-algorithm NGRAM`, one table shared by all requests
+(keys seeded by their cache namespace, `namespace_seed`: a tenant's drafts never come from another's).
 
 Every position of every sequence seen (a prompt at its request's first decode step, outputs as they are
 committed) is indexed under the n-grams that end there, one key per window size w in [min_window,
@@ -25,6 +26,12 @@ _MASK = (1 << 61) - 1
 _MUL = 1_000_003
 
 
+def namespace_seed(namespace: str | None) -> int:
+    """The key seed of a cache namespace (`Req.extra_key`, a hex digest): its requests draft only from
+    text of the same namespace, as their prefix-cache hits come only from it; 0 for the shared one."""
+    return 0 if namespace is None else int(namespace[:15], 16) or 1
+
+
 class NgramCache:
     def __init__(self, min_window: int, max_window: int, branch_length: int, capacity: int):
         assert 1 <= min_window <= max_window and branch_length >= 1 and capacity >= 1
@@ -40,14 +47,15 @@ class NgramCache:
     def __len__(self) -> int:
         return len(self._new) + len(self._old)
 
-    def index(self, tokens: list[int], start: int) -> None:
+    def index(self, tokens: list[int], start: int, seed: int = 0) -> None:
         """Index the positions of `tokens` (a list that only grows: it is kept and read later) from
         `start` on that a token now follows: call it after appending, with `start` the length before
-        (0 for a new sequence)."""
+        (0 for a new sequence). `seed` starts every key's hash: drafts with another seed never find
+        these (a cache namespace's, `namespace_seed`)."""
         table, lo, hi = self._new, self.min_window, self.max_window
         for end in range(max(start - 1, 0), len(tokens) - 1):
             # The n-grams ending at position `end`; their text continues at end + 1.
-            value, h = (tokens, end + 1), 0
+            value, h = (tokens, end + 1), seed
             for w in range(1, min(hi, end + 1) + 1):
                 h = (h * _MUL + tokens[end + 1 - w] + 1) & _MASK
                 if w >= lo:
@@ -59,13 +67,13 @@ class NgramCache:
         for _ in range(min(len(dropped), 2 * (len(tokens) - start) * (hi - lo + 1))):
             dropped.popitem()
 
-    def draft(self, tokens: list[int], max_tokens: int) -> list[int]:
+    def draft(self, tokens: list[int], max_tokens: int, seed: int = 0) -> list[int]:
         """Up to `max_tokens` tokens that may follow `tokens` (fewer where no indexed text continues
-        that far; none where no suffix of `tokens` was seen)."""
+        that far; none where no suffix of `tokens` was seen with the same `seed`)."""
         n = min(max_tokens, self.branch_length)
         if n <= 0:
             return []
-        keys, h = [], 0
+        keys, h = [], seed
         for w in range(1, min(self.max_window, len(tokens)) + 1):
             h = (h * _MUL + tokens[-w] + 1) & _MASK
             keys.append(h)

@@ -38,7 +38,7 @@ from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.common import alloc_for_verify, release_verify_tail
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, counts_tokens
-from sglang.srt.speculative.ngram_cache import NgramCache
+from sglang.srt.speculative.ngram_cache import NgramCache, namespace_seed
 
 if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
@@ -115,12 +115,12 @@ class NgramWorker:
         tokens = self._histories.get(req)
         if tokens is None:
             tokens = self._histories[req] = list(req.origin_input_ids)
-            self.cache.index(tokens, 0)
+            self.cache.index(tokens, 0, namespace_seed(req.extra_key))
         n, out = len(tokens), req.output_ids
         done = n - len(req.origin_input_ids)  # outputs already in `tokens`
         if done < len(out):
             tokens += out[done:]
-            self.cache.index(tokens, n)
+            self.cache.index(tokens, n, namespace_seed(req.extra_key))
         return tokens
 
     def _draft(self, req: Req) -> list[int]:
@@ -136,7 +136,7 @@ class NgramWorker:
             req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
             self.sched.context_len - req.kv_len - 1,
         )
-        return self.cache.draft(tokens, budget) if budget > 0 else []
+        return self.cache.draft(tokens, budget, namespace_seed(req.extra_key)) if budget > 0 else []
 
     def forget(self, req: Req) -> None:
         """`req` left the scheduler (its indexed text stays in the cache)."""
