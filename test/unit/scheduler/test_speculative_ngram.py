@@ -194,9 +194,8 @@ def test_a_verify_is_graph_shaped_only_where_a_graph_and_the_free_pages_serve_it
     allocator = PagedTokenAllocator(64, page_size=4)  # 16 pages
     graphs = SimpleNamespace(verify_width=6, verify_max_bs=lambda: 4)
     sched = SimpleNamespace(
-        model_runner=SimpleNamespace(graph_runner=graphs), token_allocator=allocator, context_len=100,
-        kv_log=SimpleNamespace(clear=lambda: None),
-    )  # fmt: skip
+        model_runner=SimpleNamespace(graph_runner=graphs), token_allocator=allocator, context_len=100
+    )
     worker = SimpleNamespace(sched=sched)
     reqs = [SimpleNamespace(kv_len=n) for n in (10, 21, 40)]  # 6 positions take 1, 1 and 2 more pages
 

@@ -13,7 +13,7 @@ register_cpu_ci(est_time=1, suite="per-commit-cpu")
 
 def test_fields_follow_from_the_counts():
     # 20 tokens: the first, then 9 forwards: 3 accepted 2 drafts, 1 accepted 4, 5 accepted none.
-    counts = [30, 10, 0, 3, 0, 1]  # proposed, accepted, then k accepted at index k + 1
+    counts = [30, 0, 3, 0, 1]  # proposed, then at index k the verifies that accepted k
     meta = spec_meta_info(counts, completion_tokens=20)
     assert meta["spec_verify_ct"] == 9  # 20 - 1 - 10
     assert meta["spec_accept_histogram"] == [5, 0, 3, 0, 1]
@@ -26,11 +26,11 @@ def test_fields_follow_from_the_counts():
 
 
 def test_a_request_that_never_verified_reports_its_decode_steps():
-    meta = spec_meta_info([0, 0], completion_tokens=5)  # four plain decode steps, no draft ever
+    meta = spec_meta_info([0], completion_tokens=5)  # four plain decode steps, no draft ever
     assert meta["spec_verify_ct"] == 4 and meta["spec_accept_histogram"] == [4]
     assert meta["spec_accept_rate"] == 0.0 and meta["spec_accept_length"] == 5 / 4
 
 
 def test_nothing_before_the_second_token():
-    assert spec_meta_info([0, 0], completion_tokens=1) == {}
-    assert spec_meta_info([0, 0], completion_tokens=0) == {}
+    assert spec_meta_info([0], completion_tokens=1) == {}
+    assert spec_meta_info([0], completion_tokens=0) == {}

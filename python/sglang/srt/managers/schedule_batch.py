@@ -213,8 +213,8 @@ class Req:
         self.input_token_ids_logprobs: list[list[tuple[float, int]] | None] = []
         self.send_offset = 0
         self.input_logprobs_sent = False
-        # Speculative decoding (`NgramWorker`): [drafts proposed, drafts accepted, then verifies that
-        # accepted k drafts at index k + 1 for k >= 1]; None until its first verify.
+        # Speculative decoding (`NgramWorker`): [drafts proposed, then at index k >= 1 the verifies that
+        # accepted k drafts]; None until its first verify.
         self.spec_counts: list[int] | None = None
         # What a batch reads of this request's sampling options (`_make_sampling_row`).
         self.sampling_row: tuple | None = None

@@ -151,8 +151,7 @@ class ReqState:
 
 def spec_meta_info(counts: list[int], completion_tokens: int) -> dict[str, Any]:
     """Upstream's speculative fields of a request's meta_info, from `Req.spec_counts` ([drafts proposed,
-    drafts accepted, then the verifies that accepted k >= 1 drafts at index k + 1]); none before its
-    second token.
+    then at index k >= 1 the verifies that accepted k drafts]); none before its second token.
     Every forward after a request's first token commits one token plus the drafts it accepted, so
     `spec_verify_ct`, its forwards after the first token (verifies, and decode steps where no request
     had a draft, which upstream's NGRAM verifies too), is `completion_tokens - 1 - accepted`;
@@ -160,11 +159,11 @@ def spec_meta_info(counts: list[int], completion_tokens: int) -> dict[str, Any]:
     upstream counts it); `spec_accept_rate` is accepted over proposed drafts (the drafts proposed, not
     `spec_verify_ct * (D - 1)`: NGRAM proposes fewer where its cache has less);
     `spec_accept_histogram[k]`: the forwards that accepted k drafts."""
-    proposed, accepted = counts[0], counts[1]
+    proposed, histogram = counts[0], [0, *counts[1:]]
+    accepted = sum(k * n for k, n in enumerate(histogram))
     verify_ct = completion_tokens - 1 - accepted
     if verify_ct <= 0:
         return {}
-    histogram = [0, *counts[2:]]
     histogram[0] = verify_ct - sum(histogram)
     return {
         "spec_verify_ct": verify_ct,

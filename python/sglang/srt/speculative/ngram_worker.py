@@ -179,7 +179,6 @@ class NgramWorker:
         if graphs is None or not 0 < len(reqs) <= graphs.verify_max_bs():
             return 0
         width, allocator = graphs.verify_width, sched.token_allocator
-        sched.kv_log.clear()  # the decode steps' pending slots go to the requests' lists first
         if any(r.kv_len + width > sched.context_len for r in reqs):
             return 0
         pages = sum(allocator.needed_pages(r.kv_len, r.kv_len + width) for r in reqs)
@@ -298,12 +297,11 @@ class NgramWorker:
             accepted_total += committed - 1
             counts = req.spec_counts
             if counts is None:
-                counts = req.spec_counts = [0, 0]
+                counts = req.spec_counts = [0]
             counts[0] += len(drafts)
             if committed > 1:  # (a verify that accepted none counts as any decode step: see meta_info)
-                counts[1] += committed - 1
-                counts.extend([0] * (committed + 1 - len(counts)))
-                counts[committed] += 1  # (k accepted drafts at index k + 1)
+                counts.extend([0] * (committed - len(counts)))
+                counts[committed - 1] += 1
             if drafts:
                 drafted_rows += 1
                 drafted_committed += committed

@@ -282,6 +282,6 @@ class BatchResultProcessor:
         out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
         out.no_stop_trim.append(req.sampling_params.no_stop_trim)
         if self.process_verify is not None:  # speculative decoding: the request's counts
-            out.spec_counts.append(list(req.spec_counts or (0, 0)))
+            out.spec_counts.append(list(req.spec_counts or (0,)))
         req.input_logprobs_sent = req.input_logprobs_sent or bool(first)
         req.send_offset = len(req.output_ids)
