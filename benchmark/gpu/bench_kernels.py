@@ -1,5 +1,8 @@
 """The project's GPU kernels against the torch path and FLA's public calls, one layer at the shapes of the
-real models, all timed round-robin in one run (CUDA events, medians):
+real models, all timed round-robin in one run (medians). `ms` is each case's device time, from its first
+kernel's start to its last kernel's end, as a CUDA graph replays it (the host enqueues the call while the
+GPU spins; `Timings`); `ms_with_launch` adds the host's launch cost, as an eager call pays it. Up to the
+fifth GPU session the rows had the latter only: a batch-1 decode, ~1 us of traffic, measured ~0.12 ms.
 
     python benchmark/gpu/bench_kernels.py                   # on the GPU machine, ~1 min
     TRITON_INTERPRET=1 python benchmark/gpu/bench_kernels.py --device cpu --tiny   # a CPU check of the script
@@ -34,6 +37,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -48,24 +52,73 @@ def peak_bandwidth(device: str) -> float | None:
     return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
 
 
-def _timer(device: str) -> Callable[[Callable], float]:
-    def run(fn: Callable) -> float:
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+class Timings(NamedTuple):
+    """Median seconds per case: `device`, the GPU's time from the call's first kernel to its last end (a
+    CUDA graph's replay; decode runs so when served); `with_launch`, that plus the host's launch cost
+    (an eager call, as prefill runs). On CPU both are the call's wall time. `host_bound`: the cases
+    whose host time outlasted the GPU's sleep in most repetitions (their device time has host gaps)."""
+
+    device: dict[str, float]
+    with_launch: dict[str, float]
+    host_bound: list[str]
+
+
+def _sleep_cycles_per_second() -> float:
+    """The rate of `torch.cuda._sleep`'s spin (SM clock cycles), measured once."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm-up: the clock rises under load
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / (start.elapsed_time(end) / 1e3)
+
+
+def _timer(device: str) -> Callable[[Callable], tuple[float, float, bool]]:
+    """(device seconds, seconds with the launch, host-bound) of one call of a case.
+
+    With one pair of events around a call, the host's work before the first kernel starts (Python, the
+    Triton launcher, tensor allocations) is timed as if it were the GPU's: in the fifth GPU session
+    a batch-1 GDN decode of 4 MB of states, ~1 us of traffic, measured 0.122 ms, and that cost sat in
+    every row (batch 256: 0.401 ms). For the device time the GPU first spins (`torch.cuda._sleep`)
+    for twice the host time the case's previous call took (at least 1 ms): the host enqueues the
+    call's kernels meanwhile, and the start event fires right before them."""
+    if device != "cuda":
+
+        def wall(fn: Callable) -> tuple[float, float, bool]:
+            t = time.perf_counter()
             fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
+            t = time.perf_counter() - t
+            return t, t, False
+
+        return wall
+    rate = _sleep_cycles_per_second()
+    host_seconds: dict[int, float] = {}
+
+    def run(fn: Callable) -> tuple[float, float, bool]:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        sleep = max(1e-3, 2 * host_seconds.get(id(fn), 0.0))
+        torch.cuda._sleep(int(sleep * rate))
+        events[0].record()
         t = time.perf_counter()
         fn()
-        return time.perf_counter() - t
+        host = time.perf_counter() - t
+        events[1].record()
+        events[1].synchronize()
+        events[2].record()
+        t = time.perf_counter()
+        fn()
+        host_seconds[id(fn)] = max(host, time.perf_counter() - t)
+        events[3].record()
+        events[3].synchronize()
+        device_s, launch_s = (events[i].elapsed_time(events[i + 1]) / 1e3 for i in (0, 2))
+        return device_s, launch_s, host > sleep
 
     return run
 
 
-def round_robin(cases: dict[str, Callable], device: str, reps: int) -> dict[str, float]:
-    """Median seconds per case, the cases interleaved (after one warm-up each), in a fresh order each
+def round_robin(cases: dict[str, Callable], device: str, reps: int) -> Timings:
+    """Each case timed `reps` times, the cases interleaved (after one warm-up each), in a fresh order each
     repetition (seeded), so that no case always runs right after the same one. (On an H200 the case
     that always ran after the torch path's 40 ms measured 1.37 ms, where FLA's public call running the
     same kernels took 1.17 ms; whether the order was the cause is not established.)"""
@@ -73,12 +126,14 @@ def round_robin(cases: dict[str, Callable], device: str, reps: int) -> dict[str,
     for fn in cases.values():
         fn()
     order, shuffle = list(cases), random.Random(0).shuffle
-    times: dict[str, list[float]] = {name: [] for name in cases}
+    times: dict[str, list[tuple[float, float, bool]]] = {name: [] for name in cases}
     for _ in range(reps):
         shuffle(order)
         for name in order:
             times[name].append(timer(cases[name]))
-    return {name: statistics.median(t) for name, t in times.items()}
+    median = lambda i: {name: statistics.median(t[i] for t in ts) for name, ts in times.items()}  # noqa: E731
+    host_bound = [name for name, ts in times.items() if 2 * sum(t[2] for t in ts) > len(ts)]
+    return Timings(median(0), median(1), host_bound)
 
 
 def _fla_available() -> bool:
@@ -138,8 +193,7 @@ def gdn_prefill(device: str, tiny: bool, reps: int, kernels: bool = False) -> di
             q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=h0,
             output_final_state=True, cu_seqlens=cu, state_v_first=True,
         )  # fmt: skip
-    times = round_robin(cases, device, reps)
-    row = {"kernel": f"GDN prefill {n} x {length}, heads {hk}/{hv}, dim {d}", "ms": _ms(times)}
+    row = _row(f"GDN prefill {n} x {length}, heads {hk}/{hv}, dim {d}", round_robin(cases, device, reps))
     if "FLA public chunk_gated_delta_rule" in cases:
         # FLA's public call may dispatch to FlashQLA (a fused TileLang kernel) where `flash_qla` is
         # installed (and the call qualifies: sm_90+, bf16, dims 128); to its four Triton steps, which
@@ -211,8 +265,8 @@ def _gdn_decode_row(device: str, bs: int, hv: int, d: int, reps: int, ours_only:
 
         cases["FLA fused recurrent (gather/scatter)"] = fla_step
     times = round_robin(cases, device, reps)
-    row = {"kernel": f"GDN decode bs {bs}, {hv} heads, dim {d}", "ms": _ms(times)}
-    _bandwidth(row, device, 2 * bs * hv * d * d * 4, times["ours (Triton, in place)"])
+    row = _row(f"GDN decode bs {bs}, {hv} heads, dim {d}", times)
+    _bandwidth(row, device, 2 * bs * hv * d * d * 4, times.device["ours (Triton, in place)"])
     return row
 
 
@@ -288,8 +342,8 @@ def _mamba2_decode_row(
     if ours_only:
         del cases["torch step (gather/scatter)"]
     times = round_robin(cases, device, reps)
-    row = {"kernel": f"Mamba2 decode bs {bs}, {h} heads x {p}, state {n}", "ms": _ms(times)}
-    _bandwidth(row, device, 2 * bs * h * p * n * 4, times["ours (Triton, in place)"])
+    row = _row(f"Mamba2 decode bs {bs}, {h} heads x {p}, state {n}", times)
+    _bandwidth(row, device, 2 * bs * h * p * n * 4, times.device["ours (Triton, in place)"])
     return row
 
 
@@ -316,15 +370,22 @@ def attention_decode(device: str, tiny: bool, reps: int) -> dict:
     cases = {"ours (Triton paged, 8 splits)": lambda: decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, lens, d**-0.5),
              "gather + torch SDPA": sdpa}  # fmt: skip
     times = round_robin(cases, device, reps)
-    row = {"kernel": f"attention decode bs {bs} x {ctx} keys, heads {hq}/{hk}, dim {d}", "ms": _ms(times)}
-    _bandwidth(
-        row, device, 2 * bs * ctx * hk * d * k_buf.element_size(), times["ours (Triton paged, 8 splits)"]
-    )
+    row = _row(f"attention decode bs {bs} x {ctx} keys, heads {hq}/{hk}, dim {d}", times)
+    nbytes = 2 * bs * ctx * hk * d * k_buf.element_size()
+    _bandwidth(row, device, nbytes, times.device["ours (Triton paged, 8 splits)"])
     return row
 
 
 def _ms(times: dict[str, float]) -> dict[str, float]:
     return {name: round(t * 1e3, 4) for name, t in times.items()}
+
+
+def _row(kernel: str, times: Timings) -> dict:
+    """A row: `ms`, each case's device time; `ms_with_launch`, with the host's launch cost (`Timings`)."""
+    row = {"kernel": kernel, "ms": _ms(times.device), "ms_with_launch": _ms(times.with_launch)}
+    if times.host_bound:
+        row["host_bound"] = times.host_bound
+    return row
 
 
 def _bandwidth(row: dict, device: str, nbytes: int, seconds: float) -> None:

@@ -10,7 +10,11 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
+
+import pytest
+import torch
 
 from sglang.test.ci_register import register_cpu_ci
 
@@ -56,6 +60,7 @@ def test_bench_kernels_prints_every_kernel_row():
         ["attention", "decode"],
     ]  # fmt: skip
     assert all(all(ms > 0 for ms in r["ms"].values()) for r in rows)
+    assert all(r["ms_with_launch"].keys() == r["ms"].keys() for r in rows)
     gdn = [r["config"] for r in sweep if r["kernel"].startswith("GDN")]
     mamba2 = [r["config"] for r in sweep if r["kernel"].startswith("Mamba2")]
     assert len(gdn) == 2 * len(mamba2) > 0 and {c["fused_out"] for c in gdn} == {False, True}
@@ -66,15 +71,12 @@ def test_bench_kernels_prints_every_kernel_row():
 def test_bench_kernels_changes_the_order_of_its_cases():
     """The round robin runs its cases in a fresh order each repetition: no case runs after the same
     one every time, and each gets one warm-up and `reps` timed calls."""
-    sys.path.insert(0, str(GPU_BENCH))
-    try:
-        from bench_kernels import round_robin
-    finally:
-        sys.path.remove(str(GPU_BENCH))
+    round_robin = _bench_kernels().round_robin
     calls: list[str] = []
     cases = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
     times = round_robin(cases, "cpu", reps=8)
-    assert set(times) == set("abcd") and all(t >= 0 for t in times.values())
+    assert set(times.device) == set(times.with_launch) == set("abcd")
+    assert all(t >= 0 for t in times.device.values()) and times.host_bound == []
     warm, timed = calls[:4], calls[4:]
     assert warm == list("abcd") and sorted(timed) == sorted("abcd" * 8)
     reps = [timed[i : i + 4] for i in range(0, 32, 4)]
@@ -82,6 +84,33 @@ def test_bench_kernels_changes_the_order_of_its_cases():
     for name in "abcd":
         before = {rep[rep.index(name) - 1] for rep in reps if rep.index(name) > 0}
         assert len(before) > 1, (name, reps)
+
+
+def _bench_kernels():
+    sys.path.insert(0, str(GPU_BENCH))
+    try:
+        import bench_kernels
+    finally:
+        sys.path.remove(str(GPU_BENCH))
+    return bench_kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_kernels_device_time_leaves_out_the_host():
+    """A call whose host work (3 ms here; the Triton launcher's ~0.1 ms in the real rows) precedes its
+    kernel: the device time is the kernel's alone, the time with the launch holds the host's too."""
+    x = torch.zeros(1 << 20, device="cuda")
+
+    def slow_host() -> None:
+        time.sleep(0.003)
+        x.add_(1)
+
+    times = _bench_kernels().round_robin({"slow host": slow_host}, "cuda", reps=3)
+    assert times.with_launch["slow host"] >= 0.003
+    assert times.device["slow host"] < 0.001  # a 4 MB add: microseconds on any GPU
+    # The first repetition sleeps 1 ms, short of the 3 ms; the others twice the host time seen.
+    assert times.host_bound == []
 
 
 def _seed(path: Path, files: dict[str, str]) -> Path:
