@@ -28,6 +28,7 @@ from sglang.srt.server_args_checks import (
     DEVICE_CHOICES,
     DISAGGREGATION_MODES,
     DTYPE_CHOICES,
+    GRAMMAR_BACKEND_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
     LOG_LEVELS,
     MAMBA_SCHEDULER_STRATEGY_CHOICES,
@@ -89,6 +90,10 @@ class ServerArgs:
     reasoning_parser: str | None = None
     # Chat answers' tool calls into `tool_calls` (entrypoints/openai/tool_call_parser.py).
     tool_call_parser: str | None = None
+    # Constrained decoding (sglang/srt/constrained/): json_schema, regex, ebnf and structural_tag requests.
+    grammar_backend: str = "xgrammar"
+    constrained_json_whitespace_pattern: str | None = None
+    constrained_json_disable_any_whitespace: bool = False
 
     # Memory and scheduling
     mem_fraction_static: float | None = None
@@ -479,6 +484,25 @@ class ServerArgs:
             help="Parse a chat answer's tool calls (<tool_call>...</tool_call>) into tool_calls (upstream's "
             "flag): qwen25 (alias qwen) for Qwen2.5 / Qwen3 / Qwen3-Next's JSON calls, qwen3_coder for "
             "Qwen3-Coder / Qwen3.5's XML calls.",
+        )
+        g.add_argument(
+            "--grammar-backend",
+            default=default("grammar_backend"),
+            choices=GRAMMAR_BACKEND_CHOICES,
+            help="Constrained decoding of json_schema / regex / ebnf / structural_tag requests (and the "
+            "OpenAI response_format): xgrammar, or none (such requests are refused with 400). Upstream's "
+            "outlines and llguidance are not installed here: the server refuses to start with them.",
+        )
+        g.add_argument(
+            "--constrained-json-whitespace-pattern",
+            default=None,
+            help="Accepted for compatibility; no effect (upstream reads it for outlines only).",
+        )
+        g.add_argument(
+            "--constrained-json-disable-any-whitespace",
+            action="store_true",
+            help="A json_schema's output has no free whitespace between its tokens (xgrammar's "
+            "any_whitespace=False: one space after ':' and ',' only).",
         )
 
         g = parser.add_argument_group("memory and scheduling")

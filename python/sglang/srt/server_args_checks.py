@@ -21,6 +21,8 @@ KV_CACHE_DTYPE_CHOICES = ["auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "f
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]
 # None: triton on CUDA, torch_native on CPU (`ServerArgs._handle_attention_backend`).
 ATTENTION_BACKEND_CHOICES = ["torch_native", "triton"]
+# Upstream's choices; outlines and llguidance are refused (`check_basic_flags`).
+GRAMMAR_BACKEND_CHOICES = ["xgrammar", "outlines", "llguidance", "none"]
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 SCHEDULE_POLICIES = ["fcfs", "lpm"]
@@ -57,6 +59,12 @@ def check_basic_flags(args: ServerArgs) -> None:
         _choice("--reasoning-parser", args.reasoning_parser, sorted(REASONING_FORMATS))
     if args.tool_call_parser is not None:
         _choice("--tool-call-parser", args.tool_call_parser, sorted(TOOL_CALL_PARSERS))
+    _choice("--grammar-backend", args.grammar_backend, GRAMMAR_BACKEND_CHOICES)
+    if args.grammar_backend in ("outlines", "llguidance"):
+        raise ServerArgsError(
+            f"--grammar-backend {args.grammar_backend} is not supported (only xgrammar is installed with "
+            "this server); use xgrammar, or none to refuse constrained requests."
+        )
     if not 0 < args.port < 65536:
         raise ServerArgsError(f"--port must be between 1 and 65535, got {args.port}.")
     _positive("--page-size", args.page_size)

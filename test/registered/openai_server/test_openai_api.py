@@ -32,7 +32,7 @@ def sse_events(resp: requests.Response) -> list:
 class TestOpenAIServer(ServerTestCase):
     server_args = [
         "--mamba-scheduler-strategy", "extra_buffer_lazy", "--enable-metrics", "--reasoning-parser", "qwen3",
-        "--tool-call-parser", "qwen25",
+        "--tool-call-parser", "qwen25", "--constrained-json-disable-any-whitespace",
     ]  # fmt: skip
     api_key = "sk-test-key"
 
@@ -319,9 +319,46 @@ class TestOpenAIServer(ServerTestCase):
     def test_chat_errors_keep_their_words(self) -> None:
         r = self.post(
             "/v1/chat/completions",
-            {"model": self.model, "messages": MESSAGES, "response_format": {"type": "json_object"}},
+            {"model": self.model, "messages": MESSAGES, "response_format": {"type": "yaml"}},
         )
         self.assertEqual(r.status_code, 400)
         err = r.json()["error"]
         self.assertEqual(err["param"], "response_format")
-        self.assertIn("only the 'text' response format is supported", err["message"])
+        self.assertIn("response_format type 'yaml' is not one of", err["message"])
+
+    def test_structured_outputs_on_every_route(self) -> None:
+        """A JSON schema (OpenAI's response_format), a regex and an EBNF grammar hold the output to their
+        language on the chat, completions and native routes, streamed or not; a bad one is a 400. (The
+        server runs with --constrained-json-disable-any-whitespace: with free whitespace the demo model
+        writes newlines after the first key until max_tokens, which the schema allows.)"""
+        schema = {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Lyon"]}, "sure": {"type": "boolean"}},
+            "required": ["city", "sure"],
+            "additionalProperties": False,
+        }
+        rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+        chat = self.chat(max_tokens=64, temperature=0, response_format=rf)
+        self.assertEqual(chat.choices[0].finish_reason, "stop")
+        answer = orjson.loads(chat.choices[0].message.content)
+        self.assertIn(answer["city"], ("Paris", "Lyon"))
+        self.assertIsInstance(answer["sure"], bool)
+        streamed = self.chat(max_tokens=64, temperature=0, response_format=rf, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        self.assertEqual(text, chat.choices[0].message.content)
+        comp = self.client.completions.create(
+            model=self.model, prompt="def f(x):", max_tokens=16, temperature=0, extra_body={"regex": "yes|no"}
+        )
+        self.assertIn(comp.choices[0].text, ("yes", "no"))
+        self.assertEqual(comp.choices[0].finish_reason, "stop")
+        body = {"text": "x = ", "sampling_params": {"max_new_tokens": 8, "ebnf": 'root ::= [0-9] [0-9]'}}
+        out = self.post("/generate", body).json()
+        self.assertRegex(out["text"], r"^[0-9]{2}$")
+        self.assertEqual(out["meta_info"]["finish_reason"]["type"], "stop")
+        for route, bad, param in [
+            ("/generate", {"text": "x", "sampling_params": {"regex": "("}}, "sampling_params.regex"),
+            ("/v1/completions", {"model": self.model, "prompt": "x", "ebnf": "root ::= y"}, "ebnf"),
+        ]:
+            r = self.post(route, bad)
+            self.assertEqual(r.status_code, 400, r.text)
+            self.assertEqual(r.json()["error"]["param"], param)

@@ -32,12 +32,14 @@ REFUSED = {
     "skip_tokenizer_init": True,
     "tp_size": 2,
     "disaggregation_transfer_backend": "nixl",
+    "grammar_backend": "outlines",
 }
 # Accepted for compatibility and logged as having no effect.
 NO_EFFECT = {
     "trust_remote_code": True,
     "enable_torch_compile": True,
     "torch_compile_max_bs": 16,
+    "constrained_json_whitespace_pattern": r"[\n\t ]*",
     "speculative_ngram_min_bfs_breadth": 2,
     "speculative_ngram_max_bfs_breadth": 4,
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import orjson
@@ -219,19 +220,57 @@ def test_sampling_defaults_model_takes_the_checkpoints_generation_config(tmp_pat
     assert prepare_server_args(["--sampling-defaults", "openai"]).sampling_defaults == "openai"
 
 
-@pytest.mark.parametrize("name, value", [("regex", "[0-9]+"), ("json_schema", "{}"), ("ebnf", "root ::= x")])
-def test_upstream_extras_this_server_lacks_are_refused_not_ignored(name, value):
-    for model in (CompletionRequest, None):
-        body = {"prompt": "x"} if model else {"messages": [{"role": "user", "content": "x"}]}
-        if model is None:
-            from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest as model
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    "extra, grammar",
+    [
+        ({"regex": "[0-9]+"}, ("regex", "[0-9]+")),
+        ({"ebnf": 'root ::= "x"'}, ("ebnf", 'root ::= "x"')),
+        ({"json_schema": SCHEMA}, ("json_schema", json.dumps(SCHEMA))),  # an object becomes its text
+        ({"json_schema": '{"type": "string"}'}, ("json_schema", '{"type": "string"}')),
+        ({"response_format": {"type": "json_object"}}, ("json_schema", '{"type": "object"}')),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}},
+            ("json_schema", json.dumps(SCHEMA)),
+        ),
+        ({"response_format": {"type": "text"}}, None),
+        ({"regex": None, "response_format": None}, None),  # what clients send for "unset"
+    ],
+)
+def test_grammar_fields_reach_the_sampling_params(extra, grammar):
+    """Upstream's mapping: response_format json_object is any JSON object, json_schema its schema; the
+    regex / ebnf / json_schema extensions as they are. Completions and chat alike."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    for model, body in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, CHAT)):
+        params = parse_model(model, orjson.dumps({**body, **extra})).sampling_params()
+        got = [(k, params[k]) for k in ("json_schema", "regex", "ebnf", "structural_tag") if k in params]
+        assert got == ([grammar] if grammar else [])
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        ({"regex": "("}, "regex", "regex is not valid: Regex parsing error"),
+        ({"ebnf": "root ::= x"}, "ebnf", 'Rule "x" is not defined'),
+        ({"json_schema": "{bad"}, "json_schema", "not JSON"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf", "cannot be set together with regex"),
+        ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex", "with response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not one of"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "schema"),
+        ({"regex": 5}, "regex", "string"),
+    ],
+)
+def test_bad_grammar_fields_are_a_400_naming_the_field(extra, param, words):
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    for model, body in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, CHAT)):
         with pytest.raises(RequestError) as e:
-            parse_model(model, orjson.dumps({**body, name: value}))
-        assert (e.value.param, e.value.code) == (
-            name,
-            "unsupported_parameter",
-        ) and "not supported" in e.value.message
-        parse_model(model, orjson.dumps({**body, name: None}))  # what clients send for "unset" passes
+            parse_model(model, orjson.dumps({**body, **extra}))
+        assert e.value.param == param and words in e.value.message, e.value.message
 
 
 def test_penalties_logit_bias_and_no_stop_trim_reach_the_sampling_params():

@@ -56,6 +56,8 @@ NO_EFFECT_FLAGS = {
     "measured 72 us against 67 us eager for one MoE block at these model sizes, and 56 us with "
     "cpp_wrapper after 4-8 s of compile per block: benchmark/README.md)",
     "torch_compile_max_bs": "torch.compile is not used (see --enable-torch-compile)",
+    "constrained_json_whitespace_pattern": "upstream reads it for the outlines grammar backend only; "
+    "xgrammar's JSON whitespace is set by --constrained-json-disable-any-whitespace",
     "speculative_ngram_min_bfs_breadth": "NGRAM drafts are one chain (breadth 1): the most recent "
     "continuation of the longest matching suffix",
     "speculative_ngram_max_bfs_breadth": "NGRAM drafts are one chain (breadth 1): the most recent "

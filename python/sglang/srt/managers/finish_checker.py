@@ -1,6 +1,7 @@
-"""When a request is finished: its length limit, a stop token id or end-of-sequence id, a stop string or
-stop regex in the output's tail, or the context length. The tokenizer the stop strings need and the
-end-of-sequence ids (model config, generation config, tokenizer) are gathered here, once."""
+"""When a request is finished: its length limit, its grammar complete, a stop token id or end-of-sequence
+id, a stop string or stop regex in the output's tail, or the context length. The tokenizer the stop
+strings need and the end-of-sequence ids (model config, generation config, tokenizer) are gathered
+here, once. A request's grammar follows its output here: each check first feeds it the new tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import regex
 
+from sglang.srt.constrained.xgrammar_backend import GrammarRejectedToken
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 if TYPE_CHECKING:
@@ -65,12 +67,28 @@ class FinishChecker:
         """Set `req.finished_reason` if its newest output token ends it."""
         if req.finish_token_ids is None:
             self.set_quick_check(req)
+        grammar = req.grammar
+        if grammar is not None:
+            try:
+                grammar.catch_up(req.output_ids)
+            except GrammarRejectedToken as e:
+                req.finished_reason = {
+                    "type": "abort",
+                    "status_code": 500,
+                    "message": f"The request's grammar does not allow the {e} it was given.",
+                }
+                return
         sp = req.sampling_params
         n = len(req.output_ids)
         if n >= sp.max_new_tokens:
             req.finished_reason = {"type": "length", "length": sp.max_new_tokens}
             return
         token = req.output_ids[-1]
+        if grammar is not None and grammar.terminated:
+            # The grammar is complete (on an end-of-sequence id, or on its last token where it ends
+            # without one): upstream's "matched token" finish.
+            req.finished_reason = {"type": "stop", "matched": token}
+            return
         if n > sp.min_new_tokens:
             if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
                 req.finished_reason = {"type": "stop", "matched": token}
@@ -102,8 +120,9 @@ class FinishChecker:
         if not sp.ignore_eos:
             ids |= self.eos_token_ids
         req.finish_token_ids = frozenset(ids)
-        if sp.stop or sp.stop_regex:
-            req.finish_check_len = 0  # the output's text is searched after every token
+        if sp.stop or sp.stop_regex or req.grammar is not None:
+            # The output's text is searched, or its grammar advanced, after every token.
+            req.finish_check_len = 0
         else:
             req.finish_check_len = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
 

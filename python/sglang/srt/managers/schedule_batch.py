@@ -32,11 +32,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from sglang.srt.constrained.vocab_mask import VocabMaskInfo
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, SamplingBatchInfo, host_int64
 from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, PenaltySlots, is_penalized
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from sglang.srt.constrained.xgrammar_backend import RequestGrammar
     from sglang.srt.managers.io_struct import BootstrapInfo
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -136,6 +138,7 @@ class Req:
         "penalty_slot",
         "spec_counts",
         "extra_key",
+        "grammar",
     )
 
     def __init__(
@@ -222,6 +225,9 @@ class Req:
         # output token counts (the scheduler's `PenaltySlots`; kept across retraction).
         self.penalized = is_penalized(self.sampling_params)
         self.penalty_slot: int | None = None
+        # Constrained decoding: the matcher of its grammar (`constrained/xgrammar_backend.py`), set once
+        # the scheduler compiled it.
+        self.grammar: RequestGrammar | None = None
 
     # ---- derived -----------------------------------------------------------------------------------
 
@@ -342,6 +348,7 @@ class DecodeRows:
     token_ids_logprobs: list[tuple[int, ...] | None] | None  # None: no request asks
     any_stream: bool  # some request streams its output
     any_penalized: bool  # some request's logits take penalties (sampling/penaltylib.py)
+    any_grammar: bool  # some request has a grammar (constrained/vocab_mask.py)
 
     @classmethod
     def of(cls, reqs: list[Req], uniform_infos: dict | None = None) -> DecodeRows:
@@ -383,6 +390,7 @@ class DecodeRows:
             token_ids_logprobs=token_ids,
             any_stream=any_stream,
             any_penalized=any_penalized,
+            any_grammar=any(r.grammar is not None for r in reqs),
         )
 
 
@@ -549,6 +557,8 @@ class ScheduleBatch:
             self.forward_batch.penalties = PenaltyBatchInfo.build(
                 self.reqs, seq_lens, self.sample_rows, penalty_slots
             )
+        if any(r.grammar is not None for r in self.reqs):
+            self.forward_batch.vocab_mask = VocabMaskInfo.build(self.reqs, self.sample_rows)
 
     @staticmethod
     def _input_logprob_plan(req: Req, p: int, end: int) -> tuple[int, int | None, bool]:
@@ -622,6 +632,8 @@ class ScheduleBatch:
             self.forward_batch.penalties = PenaltyBatchInfo.build(
                 reqs, seq_lens, self.sample_rows, penalty_slots
             )
+        if rows.any_grammar:
+            self.forward_batch.vocab_mask = VocabMaskInfo.build(reqs, self.sample_rows)
         self.state_copies = tree_cache.take_pending_state_copies()
 
     def set_mamba_track_indices_from_reqs(self, tracker: SnapshotTracker, seq_lens: list[int]) -> dict:

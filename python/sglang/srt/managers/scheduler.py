@@ -4,6 +4,8 @@ forward stream (`ForwardWorker`).
 
 Overlap loop (default): launch batch N on the forward stream, then process the result of N-1, so the
 scheduler's work hides behind the forward. Without overlap each batch is processed right after it ran.
+While a request with a grammar is live, every batch in flight is processed before the next is built
+(its mask needs the tokens they sampled): the forward then overlaps nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
+from sglang.srt.constrained.xgrammar_backend import create_grammar_backend
 from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import PortArgs
@@ -26,6 +29,7 @@ from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, S
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
 from sglang.srt.managers.scheduler_components.batch_stats_log import BatchStatsLog
 from sglang.srt.managers.scheduler_components.decode_set import DecodeSetCache
+from sglang.srt.managers.scheduler_components.grammar_queue import GrammarQueue
 from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
 from sglang.srt.managers.scheduler_components.loop_times import LoopTimes, clock
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
@@ -45,6 +49,9 @@ from sglang.srt.utils.host_profile import host_profile
 logger = logging.getLogger(__name__)
 
 __all__ = ["Scheduler", "SchedulerWatchdogError", "run_scheduler_process"]
+
+# How long a step with nothing else to do waits for a grammar being compiled.
+GRAMMAR_POLL_S = 0.002
 
 
 class SchedulerWatchdogError(RuntimeError):
@@ -114,6 +121,9 @@ class Scheduler(SchedulerIOMixin):
         self.disagg = None  # the PD queue of this side (prefill or decode), if any
         self.init_io()
         self.finisher = FinishChecker.from_server_args(server_args)
+        vocab_size, eos = server_args.model_config.vocab_size, self.finisher.eos_token_ids
+        backend, why_none = create_grammar_backend(server_args, self.finisher.tokenizer, vocab_size, eos)
+        self.grammar_queue = GrammarQueue(backend, self.admit_request, self.refuse_request, why_none)
         self.result_processor = BatchResultProcessor(
             self.tree_cache,
             self.tracker,
@@ -376,6 +386,16 @@ class Scheduler(SchedulerIOMixin):
         but the batch just launched). Returns False when there was nothing to do."""
         disagg_did = self.disagg.poll() if self.disagg is not None else False
         times, start = self.loop_times, clock()
+        grammars = self.grammar_queue
+        # With nothing else to do, wait a little for a grammar being compiled rather than spin.
+        quiet = not (self.running or self.waiting_queue or self.in_flight or self.chunked_req)
+        compiled = grammars.poll(GRAMMAR_POLL_S if quiet else 0.0)
+        processed = False
+        if grammars.live and self.enable_overlap and self.in_flight:
+            # A grammar's mask needs every token its request sampled: no batch in flight may hold one.
+            processed = True
+            while self.in_flight:
+                self.process_oldest()
         batch = self.get_next_batch_to_run()
         built = clock()
         times.build += built - start
@@ -387,10 +407,10 @@ class Scheduler(SchedulerIOMixin):
             else:
                 times.prefill_batches += 1
         keep = 1 if batch is not None and self.enable_overlap else 0
-        processed = len(self.in_flight) > keep
+        processed |= len(self.in_flight) > keep
         while len(self.in_flight) > keep:
             self.process_oldest()
-        if batch is None and not processed and not disagg_did:
+        if batch is None and not processed and not disagg_did and not compiled and not grammars:
             # Nothing launched and nothing in flight: idle (processing may have made room, so a step
             # that processed results is never idle).
             self.on_idle()
@@ -415,6 +435,7 @@ class Scheduler(SchedulerIOMixin):
             self.chunked_req = None
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
+        self.grammar_queue.discard(req)
         self.reqs_by_rid.pop(req.rid, None)
         if self.spec is not None:
             self.spec.forget(req)
@@ -460,6 +481,7 @@ class Scheduler(SchedulerIOMixin):
             not self.in_flight
             and not self.running
             and not self.waiting_queue
+            and not self.grammar_queue
             and self.chunked_req is None
             and not (self.disagg is not None and self.disagg.busy())
         )
@@ -478,6 +500,8 @@ class Scheduler(SchedulerIOMixin):
         while self.in_flight:
             self.process_oldest()
         self.worker.shutdown()
+        if self.grammar_queue.backend is not None:
+            self.grammar_queue.backend.shutdown()
         if self.disagg is not None:
             self.disagg.shutdown()
 

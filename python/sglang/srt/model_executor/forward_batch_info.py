@@ -325,6 +325,8 @@ class ForwardBatch:
 
     # Logit penalties of the batch's penalized requests (`sampling/penaltylib.py`); None: none.
     penalties: Any = None
+    # Grammar masks of the batch's constrained requests (`constrained/vocab_mask.py`); None: none.
+    vocab_mask: Any = None
 
     # Backends' index tensors built on the host before the batch moves (`prepare_host_metadata`), by
     # name: `to_device` moves them with the batch's own. `moved`: `ModelRunner.move_batch` ran.
@@ -367,8 +369,9 @@ class ForwardBatch:
         info = self.sampling_info = dataclasses.replace(self.sampling_info)
         owners = [(self, name) for name in self.TENSOR_FIELDS]
         owners += [(info, name) for name in SamplingBatchInfo.TENSOR_FIELDS]
-        if self.penalties is not None:
-            owners += [(self.penalties, name) for name in self.penalties.TENSOR_FIELDS]
+        for extra in (self.penalties, self.vocab_mask):
+            if extra is not None:
+                owners += [(extra, name) for name in extra.TENSOR_FIELDS]
         tensors = [getattr(obj, name) for obj, name in owners]
         aux = list(self.aux_tensors)
         tensors += [self.aux_tensors[name] for name in aux]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang.srt.constrained.vocab_mask import apply_vocab_mask
 from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool, default_decode_extra_slots
 from sglang.srt.layers.attention.fla_float32 import use_ieee_float32_dots
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
@@ -176,6 +177,8 @@ class ModelRunner:
             next_logits = logits.next_token_logits
             if fb.penalties is not None:
                 next_logits = self.penalizer.apply(next_logits, fb.penalties)
+            if fb.vocab_mask is not None:
+                next_logits = apply_vocab_mask(next_logits, fb.vocab_mask)
             # Each sampled token's sequence index (what seeded sampling hashes): the batch's lengths, or
             # for a verify (a token per position) one past each position.
             seq_index = fb.positions + 1 if fb.forward_mode.is_target_verify() else fb.seq_lens

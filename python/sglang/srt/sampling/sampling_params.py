@@ -7,6 +7,8 @@ from typing import Any
 
 import regex
 
+from sglang.srt.constrained.grammar_spec import check_grammar_fields
+
 MAX_N = 64
 # A temperature below this samples greedily, as upstream (`_SAMPLING_EPS`): dividing logits by it would
 # overflow float32.
@@ -46,6 +48,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # Constrained decoding (`sglang/srt/constrained/`): at most one, each a string (a JSON schema as text).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -121,6 +128,7 @@ class SamplingParams:
                 raise SamplingParamsError(
                     f"stop_regex {pattern!r} is not a valid regular expression: {e}."
                 ) from None
+        check_grammar_fields(self, SamplingParamsError)
         if not isinstance(self.stop_token_ids, list):
             raise SamplingParamsError("stop_token_ids must be a list of token ids.")
         for t in self.stop_token_ids:

@@ -22,7 +22,8 @@ sizes), every request runs the graph's D positions: its drafts, then its newest 
 whose samples are never accepted; the track boundary and the commit count its real drafts only.
 
 A request whose logits take a penalty at its next position (`penalized_now`) gets no drafts (its token
-counts would have to follow them): its one position is penalized as in a decode step. A request whose
+counts would have to follow them): its one position is penalized as in a decode step; so does a request
+with a grammar (its mask would have to follow them), its one position masked. A request whose
 drafts keep being rejected drafts less often (`_backoff`). A step where no request has a draft, or where
 the KV pool cannot hold the drafts, decodes plainly.
 """
@@ -34,6 +35,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sglang.srt.constrained.vocab_mask import VocabMaskInfo
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.common import alloc_for_verify, release_verify_tail
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -129,7 +131,9 @@ class NgramWorker:
         draft from it)."""
         tokens = self._history(req)
         backoff = self._backoff.get(req)
-        if penalized_now(req) or (backoff is not None and len(req.output_ids) < backoff[1]):
+        if penalized_now(req) or req.grammar is not None:
+            return []  # (a grammar's mask would have to follow the drafts)
+        if backoff is not None and len(req.output_ids) < backoff[1]:
             return []
         budget = min(
             self.width - 1,
@@ -240,13 +244,17 @@ class NgramWorker:
             host_tensors=rows.host_tensors,
         )
         batch.forward_batch.verify_width = width
+        first = list(itertools.accumulate(widths, initial=0))[:-1]  # each request's first logits row
         if any(r.penalized for r in reqs):
-            first = list(itertools.accumulate(widths, initial=0))[:-1]  # each request's first logits row
             # The penalties apply at each request's first position, as in a decode step of its newest token.
             first_lens = [p + 1 for p in prefix_lens]
             info = PenaltyBatchInfo.build(reqs, first_lens, batch.sample_rows, sched.penalty_slots)
             if info is not None:  # (None: every penalty is spent, e.g. a min_new_tokens reached)
                 batch.forward_batch.penalties = info.at_logit_rows(first)
+        if any(r.grammar is not None for r in reqs):
+            # So does a grammar's mask (its request has no drafts: one real position).
+            mask = VocabMaskInfo.build(reqs, batch.sample_rows)
+            batch.forward_batch.vocab_mask = mask.at_logit_rows(first)
         batch.state_copies = sched.tree_cache.take_pending_state_copies()
 
     def internal_state(self) -> dict:

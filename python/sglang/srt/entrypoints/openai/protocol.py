@@ -8,6 +8,7 @@ Unknown fields are ignored, as OpenAI clients send vendor extensions.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -23,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from sglang.srt.entrypoints.generate_body import is_empty
+from sglang.srt.constrained.grammar_spec import parse_error
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.sampling.sampling_params import MAX_N
 
@@ -64,10 +65,11 @@ class _SamplingFields(_Request):
     min_tokens: int | None = Field(None, ge=0)
     user: str | None = None
     rid: str | None = None
-    # Upstream extensions this server lacks: refused when set (`_refuse_unsupported`), never ignored.
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
+    # Constrained decoding (upstream's extensions beside OpenAI's response_format): at most one of them.
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     # Prefill/decode disaggregation: added by sglang-router's PD mode (see GenerateReqInput).
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
@@ -101,13 +103,30 @@ class _SamplingFields(_Request):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    # The grammar the request's fields ask for: (sampling_params field, text), set by `_grammar`.
+    _grammar: tuple[str, str] | None = PrivateAttr(default=None)
+
     @model_validator(mode="after")
-    def _refuse_unsupported(self) -> _SamplingFields:
-        for name, feature in _UNSUPPORTED_EXTRAS.items():
-            if not is_empty(getattr(self, name)):
-                raise _field_error(
-                    name, f"{name} is not supported: this server has no {feature}", "unsupported_parameter"
-                )
+    def _grammar_fields(self) -> _SamplingFields:
+        """At most one grammar (response_format, regex, ebnf, json_schema), and one that parses: a 400
+        naming the field it came from."""
+        extras = [(name, getattr(self, name)) for name in ("regex", "ebnf", "json_schema")]
+        asked = [(name, v) for name, v in extras if v is not None]
+        if self.response_format is not None:
+            grammar = grammar_of_response_format(self.response_format)
+            if grammar is not None:
+                asked.insert(0, ("response_format", grammar))
+        if len(asked) > 1:
+            raise _field_error(asked[1][0], f"{asked[1][0]} cannot be set together with {asked[0][0]}")
+        if asked:
+            name, value = asked[0]
+            kind, text = value if name == "response_format" else (name, value)
+            if not isinstance(text, str):
+                text = json.dumps(text)
+            error = parse_error(kind, text)
+            if error is not None:
+                raise _field_error(name, f"{name} is not valid: {error}")
+            self._grammar = kind, text
         return self
 
     def sampling_params(self) -> dict[str, Any]:
@@ -132,6 +151,8 @@ class _SamplingFields(_Request):
             "no_stop_trim": self.no_stop_trim,
             "skip_special_tokens": self.skip_special_tokens,
         }
+        if self._grammar is not None:
+            d[self._grammar[0]] = self._grammar[1]
         return {k: v for k, v in d.items() if v is not None}
 
     @property
@@ -139,13 +160,28 @@ class _SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-# Fields of upstream's OpenAI requests for features this server lacks. Upstream acts on them, so
-# ignoring them would answer something else than asked (an unconstrained text for a `regex`).
-_UNSUPPORTED_EXTRAS = {
-    "regex": "constrained decoding",
-    "json_schema": "constrained decoding",
-    "ebnf": "constrained decoding",
-}
+def grammar_of_response_format(rf: dict[str, Any]) -> tuple[str, Any] | None:
+    """The grammar (sampling_params field, value) an OpenAI `response_format` asks for, as upstream maps
+    it: json_schema -> its `json_schema.schema`, json_object -> any JSON object, structural_tag -> the
+    tag itself; text (or no type) -> None."""
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return "json_schema", '{"type": "object"}'
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict | bool):
+            message = "a json_schema response_format needs json_schema.schema, a JSON schema object"
+            raise _field_error("response_format", message)
+        return "json_schema", schema
+    if kind == "structural_tag":
+        return "structural_tag", rf
+    raise _field_error(
+        "response_format",
+        f"response_format type {kind!r} is not one of text, json_object, json_schema, structural_tag",
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -253,7 +289,6 @@ class ChatCompletionRequest(_SamplingFields):
     # answer's calls come back parsed. "required" and a named function need constrained decoding.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # Upstream's extensions: extra variables for the chat template (e.g. `enable_thinking`), and
     # continuing the last message when it is the assistant's (its text is the answer's beginning).
     chat_template_kwargs: dict[str, Any] | None = None
@@ -278,8 +313,6 @@ class ChatCompletionRequest(_SamplingFields):
                 "lacks; send 'auto' or 'none'",
                 "unsupported_parameter",
             )
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise _field_error("response_format", "only the 'text' response format is supported")
         # OpenAI's newer name wins over the older one, as upstream (`max_completion_tokens or max_tokens`).
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens

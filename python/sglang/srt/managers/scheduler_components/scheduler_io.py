@@ -172,11 +172,22 @@ class SchedulerIOMixin:
         if req.penalized:
             self.finisher.set_quick_check(req)  # its stop ids, which min_new_tokens bans until then
         self.reqs_by_rid[req.rid] = req
+        if not self.grammar_queue.add(req):  # (one with a grammar comes back once it is compiled)
+            self.admit_request(req)
+        return req
+
+    def admit_request(self, req: Req) -> None:
+        """Queue a request that is ready to be scheduled."""
+        if req.grammar is not None:
+            self.finisher.set_quick_check(req)  # its grammar follows every token
         if req.bootstrap is not None and self.disaggregation_mode == "decode":
             self.disagg.add(req)  # its prompt's KV and state come from the prefill server
         else:
             self.waiting_queue.append(req)
-        return req
+
+    def refuse_request(self, req: Req, message: str, param: str) -> None:
+        """End a queued request with a 400 naming the request field `param`."""
+        self.abort_with_status([req], message, 400, param)
 
     def _validate(self, req: Req) -> str | None:
         n = len(req.origin_input_ids)
@@ -192,13 +203,17 @@ class SchedulerIOMixin:
         targets = list(self.reqs_by_rid.values()) if abort_all else [self.reqs_by_rid.get(rid)]
         self.abort_with_status([r for r in targets if r is not None and not r.finished], message)
 
-    def abort_with_status(self, reqs: list[Req], message: str, status_code: int | None = None) -> None:
+    def abort_with_status(
+        self, reqs: list[Req], message: str, status_code: int | None = None, param: str | None = None
+    ) -> None:
         """Finish `reqs` as aborted by the server, releasing what they hold; with `status_code` the client
-        gets that HTTP status."""
+        gets that HTTP status (and with `param` an error naming that request field)."""
         for req in reqs:
             req.finished_reason = {"type": "abort", "message": message}
             if status_code is not None:
                 req.finished_reason["status_code"] = status_code
+            if param is not None:
+                req.finished_reason["param"] = param
             if req.bootstrap is not None and self.disagg is not None and self.disagg.defer_release(req):
                 continue  # a transfer still uses what it holds; released when the transfer ends
             self.result_processor.release_finished(req)
@@ -218,6 +233,7 @@ class SchedulerIOMixin:
         return {
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
             "num_waiting_reqs": len(self.waiting_queue),
+            "num_grammar_queue_reqs": len(self.grammar_queue),
             "mamba_scheduler_strategy": self.server_args.mamba_scheduler_strategy,
             "mamba_strategy_reason": self.server_args.mamba_strategy_reason,
             "resident_slots_per_req": self.pool_sizes.resident_slots_per_req,

@@ -1,0 +1,123 @@
+"""`--grammar-backend xgrammar`: the scheduler compiles each request's grammar against the model's vocabulary
+and keeps one matcher per request.
+
+`GrammarBackend.submit` compiles on a thread of its own (xgrammar's compiler releases the GIL), so a
+large schema does not stall the batches running meanwhile; compiled grammars are cached by xgrammar
+(the same schema twice compiles once). `RequestGrammar` follows the request's output: `catch_up`
+feeds the matcher the output tokens it has not seen (each exactly once, whoever calls first: the
+finish check after a step, or the mask of the next batch), `fill` writes the tokens allowed next as
+a row of bits (`vocab_mask.py`).
+
+The matcher's stop tokens are the model's end-of-sequence ids (config, generation config, tokenizer):
+a grammar completes on one of them, as the request does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from sglang.srt.constrained.grammar_spec import structural_tag_grammar
+
+logger = logging.getLogger(__name__)
+
+# upstream's key for "any JSON value" (its tool-call and json_object paths send it as json_schema)
+ANY_JSON = "$$ANY$$"
+
+
+class GrammarRejectedToken(RuntimeError):
+    """A sampled token that the grammar does not allow (the mask should have made it impossible)."""
+
+
+class RequestGrammar:
+    """One request's matcher and how many of its output tokens it has accepted."""
+
+    __slots__ = ("matcher", "vocab_size", "accepted", "terminated")
+
+    def __init__(self, matcher: Any, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size  # the logits' width, which the masks cover
+        self.accepted = 0
+        self.terminated = False
+
+    def catch_up(self, output_ids: list[int]) -> None:
+        """Accept the output tokens after the last accepted one; raises GrammarRejectedToken."""
+        matcher = self.matcher
+        for token in output_ids[self.accepted :]:
+            if self.terminated or not matcher.accept_token(token):
+                raise GrammarRejectedToken(f"token {token} at output position {self.accepted}")
+            self.accepted += 1
+            self.terminated = matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class GrammarBackend:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        any_whitespace: bool = True,
+        compile_threads: int = 1,
+    ):
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None
+        )
+        # The compiler's own threads (the mask cache of one grammar); `compile_threads` grammars at once.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.any_whitespace = any_whitespace
+        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
+
+    def submit(self, kind: str, text: str) -> Future:
+        """The compiled grammar of (`kind`, `text`), compiled on the backend's thread."""
+        return self._pool.submit(self.compile, kind, text)
+
+    def compile(self, kind: str, text: str) -> Any:
+        compiler = self.compiler
+        if kind == "json_schema":
+            if text == ANY_JSON:
+                return compiler.compile_builtin_json_grammar()
+            return compiler.compile_json_schema(json.loads(text), any_whitespace=self.any_whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        if kind == "ebnf":
+            return compiler.compile_grammar(text)
+        return structural_tag_grammar(text, compiler)
+
+    def matcher(self, compiled: Any) -> RequestGrammar:
+        import xgrammar as xgr
+
+        return RequestGrammar(xgr.GrammarMatcher(compiled), self.vocab_size)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def create_grammar_backend(
+    server_args: Any, tokenizer: Any, vocab_size: int, eos_ids: set[int]
+) -> tuple[GrammarBackend | None, str]:
+    """The backend `--grammar-backend` names, or None and why there is none (what a request with a
+    grammar is told)."""
+    if server_args.grammar_backend == "none":
+        return None, "this server runs without constrained decoding (--grammar-backend none)"
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        logger.warning("xgrammar is not installed: requests with a grammar get a 400 (pip install xgrammar).")
+        return None, "xgrammar is not installed on this server (pip install xgrammar)"
+    backend = GrammarBackend(
+        tokenizer,
+        vocab_size,
+        list(eos_ids),
+        any_whitespace=not server_args.constrained_json_disable_any_whitespace,
+    )
+    return backend, ""

@@ -1,0 +1,94 @@
+"""`GrammarQueue`: requests whose grammar is being compiled (upstream's `grammar_queue`).
+
+A request with a json_schema, regex, ebnf or structural_tag arrives here, not in the waiting queue: its
+grammar compiles on the backend's thread while the scheduler goes on with the others. Each step
+(`poll`) moves the requests whose grammar is ready, in arrival order, to where they would have gone
+(`on_ready`: the waiting queue, or a PD decode server's transfer queue), with their matcher; a grammar
+that does not compile ends its request with a 400 naming the field. Without a backend
+(`--grammar-backend none`, or xgrammar not installed) such a request ends with a 400 at once.
+
+`live` counts the requests with a grammar that the scheduler holds (queued here or past it): while
+there is one, the overlap schedule processes every batch in flight before it builds the next (a mask
+needs the tokens the last batch sampled), see `Scheduler.step`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import TYPE_CHECKING
+
+from sglang.srt.constrained.grammar_spec import error_text, grammar_key
+
+if TYPE_CHECKING:
+    from sglang.srt.constrained.xgrammar_backend import GrammarBackend
+    from sglang.srt.managers.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarQueue:
+    def __init__(
+        self,
+        backend: GrammarBackend | None,
+        on_ready: Callable[[Req], None],
+        on_error: Callable[[Req, str, str], None],
+        disabled_reason: str = "",
+    ):
+        self.backend = backend
+        self.disabled_reason = disabled_reason  # why there is no backend
+        self.on_ready = on_ready
+        self.on_error = on_error  # (request, message, field): ends it with a 400
+        self.queue: list[tuple[Req, Future]] = []
+        self.live = 0
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def add(self, req: Req) -> bool:
+        """Take `req` if it has a grammar (True); else leave it to the caller (False)."""
+        key = grammar_key(req.sampling_params)
+        if key is None:
+            return False
+        if self.backend is None:
+            message = f"{key[0]} needs constrained decoding, and {self.disabled_reason}; leave it out."
+            self.on_error(req, message, key[0])
+            return True
+        self.queue.append((req, self.backend.submit(*key)))
+        self.live += 1
+        return True
+
+    def poll(self, block_s: float = 0.0) -> bool:
+        """Move the requests whose grammar is done (waiting up to `block_s` for the first); True if any
+        left the queue."""
+        if not self.queue:
+            return False
+        if block_s > 0 and not self.queue[0][1].done():
+            wait([self.queue[0][1]], timeout=block_s, return_when=FIRST_COMPLETED)
+        moved = False
+        while self.queue and self.queue[0][1].done():  # arrival order: the head first
+            req, fut = self.queue.pop(0)
+            moved = True
+            try:
+                compiled = fut.result()
+            except Exception as e:  # noqa: BLE001  (xgrammar's errors are RuntimeError, ValueError, ...)
+                self.live -= 1
+                kind = grammar_key(req.sampling_params)[0]
+                self.on_error(req, f"{kind} could not be compiled: {error_text(e)}.", kind)
+                continue
+            req.grammar = self.backend.matcher(compiled)
+            self.on_ready(req)
+        return moved
+
+    def discard(self, req: Req) -> None:
+        """`req` left the scheduler (finished, aborted)."""
+        for i, (queued, fut) in enumerate(self.queue):
+            if queued is req:
+                fut.cancel()
+                del self.queue[i]
+                self.live -= 1
+                return
+        if req.grammar is not None:
+            self.live -= 1
+            req.grammar = None
