@@ -355,6 +355,16 @@ class TestOpenAIServer(ServerTestCase):
         out = self.post("/generate", body).json()
         self.assertRegex(out["text"], r"^[0-9]{2}$")
         self.assertEqual(out["meta_info"]["finish_reason"]["type"], "stop")
+        # A forced tool call (a named function: exactly one call, its parameters by their schema).
+        params = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+        params["additionalProperties"] = False
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        chat = self.chat(max_tokens=64, temperature=0, tools=tools, tool_choice=named)
+        (call,) = chat.choices[0].message.tool_calls
+        self.assertEqual(chat.choices[0].finish_reason, "tool_calls")
+        self.assertEqual(call.function.name, "get_weather")
+        self.assertIn(orjson.loads(call.function.arguments)["unit"], ("c", "f"))
         for route, bad, param in [
             ("/generate", {"text": "x", "sampling_params": {"regex": "("}}, "sampling_params.regex"),
             ("/v1/completions", {"model": self.model, "prompt": "x", "ebnf": "root ::= y"}, "ebnf"),

@@ -333,11 +333,68 @@ def test_a_conversation_with_calls_and_answers_reaches_the_template():
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-@pytest.mark.parametrize("tools", [TOOLS, None])
-def test_forcing_a_call_needs_constrained_decoding(choice, tools):
+TWO_TOOLS = TOOLS + [{"type": "function", "function": {"name": "get_time"}}]
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_a_forced_call_is_a_json_schema_of_calls():
+    """Upstream's constraint: "required" is an array of at least one call of any tool, a named function
+    exactly one call of it (a tool without parameters takes an empty object)."""
+    for choice, want in [("required", TWO_TOOLS), (NAMED, TWO_TOOLS[1:])]:
+        params = _request(_serving(None), tools=TWO_TOOLS, tool_choice=choice).sampling_params()
+        schema = json.loads(params["json_schema"])
+        items = schema["items"]["anyOf"] if choice == "required" else [schema["items"]]
+        assert schema["type"] == "array" and schema["minItems"] == 1 and schema.get("maxItems") == (
+            None if choice == "required" else 1
+        )
+        names = [i["properties"]["name"]["enum"] for i in items]
+        assert names == [[t["function"]["name"]] for t in want]
+        assert items[-1]["properties"]["parameters"] == (
+            {"type": "object", "properties": {}} if want[-1] is TWO_TOOLS[1] else {"type": "object"}
+        )
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"tool_choice": "required", "tools": None}, "has no tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope', which is not one"),
+        ({"tool_choice": {"type": "function", "function": "get_weather"}}, "a named tool_choice is"),
+        ({"tool_choice": "required", "regex": "a"}, "together with regex"),
+    ],
+)
+def test_a_forced_call_that_cannot_be_made_is_a_400(body, words):
     with pytest.raises(RequestError) as e:
         parse_model(ChatCompletionRequest, orjson.dumps(
-            {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice}
+            {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, **body}
         ))  # fmt: skip
-    assert e.value.param == "tool_choice" and "constrained decoding" in e.value.message
+    assert e.value.param == "tool_choice" and words in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("parser", ["qwen25", None])
+def test_a_forced_answer_comes_back_as_its_calls_whole_and_streamed(parser):
+    """With or without --tool-call-parser (upstream reads the array itself); a reasoning parser does not
+    take the answer for reasoning; an answer cut off by max_tokens stays content, with `length`."""
+    serving = OpenAIServingChat(_serving().tm, "m", reasoning_parser="deepseek-r1", tool_call_parser=parser)
+    req = _request(serving, tools=TWO_TOOLS, tool_choice="required")
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+    text += '{"name": "get_time", "parameters": {}}]'
+    choice = serving.make_choice(req, 0, {"text": text, "meta_info": _meta(True)})
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [c["function"] for c in choice.message.tool_calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"name": "get_time", "arguments": "{}"},
+    ]
+    assert all("index" not in c for c in choice.message.tool_calls)
+    progress: dict = {}
+    chunks = []
+    for k, piece in enumerate([text[:15], text[15:60], text[60:], ""]):
+        chunks += serving.stream_choices(req, 0, piece, _meta(k == 3), progress)
+    streamed = [c for ch in chunks for c in ch.delta.tool_calls or []]
+    assert [c["function"] for c in streamed] == [c["function"] for c in choice.message.tool_calls]
+    assert [c["index"] for c in streamed] == [0, 1] and not any(ch.delta.content for ch in chunks)
+    assert chunks[-1].finish_reason == "tool_calls"
+    cut = {"text": text[:30], "meta_info": {"finish_reason": {"type": "length", "length": 9}}}
+    choice = serving.make_choice(req, 0, cut)
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content == text[:30]

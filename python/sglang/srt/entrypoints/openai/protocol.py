@@ -286,7 +286,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Function calling, as upstream: the tools go to the chat template, and with --tool-call-parser the
-    # answer's calls come back parsed. "required" and a named function need constrained decoding.
+    # answer's calls come back parsed. "required" and a named function constrain the answer to a JSON
+    # array of calls (`forced_tool_schema`), which comes back as the calls.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     # Upstream's extensions: extra variables for the chat template (e.g. `enable_thinking`), and
@@ -306,17 +307,53 @@ class ChatCompletionRequest(_SamplingFields):
     def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise _field_error("top_logprobs", "top_logprobs needs logprobs set to true")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise _field_error(
-                "tool_choice",
-                "tool_choice 'required' or a named function needs constrained decoding, which this server "
-                "lacks; send 'auto' or 'none'",
-                "unsupported_parameter",
-            )
+        if self.forces_tool_calls:
+            if self._grammar is not None:
+                message = f"tool_choice cannot force a call together with {self._grammar[0]}"
+                raise _field_error("tool_choice", message)
+            self._grammar = "json_schema", json.dumps(forced_tool_schema(self.tools or [], self.tool_choice))
         # OpenAI's newer name wins over the older one, as upstream (`max_completion_tokens or max_tokens`).
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """tool_choice "required" or a named function: the answer is calls only."""
+        return self.tool_choice not in (None, "none", "auto")
+
+
+def forced_tool_schema(tools: list[Tool], choice: str | dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of the answer a forcing tool_choice allows, upstream's: an array of calls
+    {"name": ..., "parameters": {...}}, at least one of any tool for "required", exactly one of the
+    named tool for {"type": "function", "function": {"name": ...}}."""
+
+    def call(tool: Tool) -> dict[str, Any]:
+        parameters = tool.function.parameters or {"type": "object", "properties": {}}
+        return {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool.function.name]},
+                "parameters": parameters,
+            },
+            "required": ["name", "parameters"],
+        }
+
+    if not tools:
+        raise _field_error("tool_choice", "tool_choice forces a call, and the request has no tools")
+    if choice == "required":
+        return {"type": "array", "minItems": 1, "items": {"anyOf": [call(t) for t in tools]}}
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type", "function") != "function" or not isinstance(name, str):
+        message = 'a named tool_choice is {"type": "function", "function": {"name": ...}}'
+        raise _field_error("tool_choice", message)
+    tool = next((t for t in tools if t.function.name == name), None)
+    if tool is None:
+        message = f"tool_choice names {name!r}, which is not one of the request's tools"
+        raise _field_error("tool_choice", message)
+    return {"type": "array", "minItems": 1, "maxItems": 1, "items": call(tool)}
 
 
 class _FieldError(ValueError):

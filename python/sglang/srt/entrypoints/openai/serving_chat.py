@@ -28,7 +28,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
     finish_reason,
 )
-from sglang.srt.entrypoints.openai.tool_call_parser import ToolCallParser
+from sglang.srt.entrypoints.openai.tool_call_parser import ToolCallParser, tool_call
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
 
@@ -76,6 +76,22 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
         if isinstance(parsed, dict):
             call["function"]["arguments"] = parsed
     return call
+
+
+def forced_tool_calls(text: str) -> list[dict[str, Any]] | None:
+    """The calls of an answer a forcing tool_choice constrained (`forced_tool_schema`: a JSON array of
+    {"name", "parameters"}), in the shape of the parser's calls; None if the text is not such an array
+    (cut off by max_tokens)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not all(isinstance(i, dict) and "name" in i for i in items):
+        return None
+    return [
+        tool_call(k, item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
+        for k, item in enumerate(items)
+    ]
 
 
 def _template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -189,7 +205,8 @@ class OpenAIServingChat(OpenAIServingBase):
         )
 
     def _reasoning_parser(self, req: ChatCompletionRequest) -> ReasoningParser | None:
-        if self.reasoning_format is None or not req.separate_reasoning:
+        # (A forced call leaves the answer no room for reasoning: its grammar starts at the first token.)
+        if self.reasoning_format is None or not req.separate_reasoning or req.forces_tool_calls:
             return None
         return ReasoningParser(self.reasoning_format, req._prompt_opens_reasoning, req._continues_message)
 
@@ -200,7 +217,14 @@ class OpenAIServingChat(OpenAIServingBase):
         if parser is not None:
             reasoning, content = parser.parse(out["text"])
             message = AssistantMessage(content=content or None, reasoning_content=reasoning or None)
-        if self._parses_tools(req):
+        if req.forces_tool_calls:
+            calls = forced_tool_calls(out["text"])
+            if calls is not None:
+                for call in calls:
+                    del call["index"]  # (a streaming field)
+                message.content, message.tool_calls = None, calls
+                reason = "tool_calls" if reason == "stop" else reason
+        elif self._parses_tools(req):
             content, calls = self._tool_call_parser(req).parse(message.content or "")
             if calls:
                 for call in calls:
@@ -289,9 +313,18 @@ class OpenAIServingChat(OpenAIServingBase):
             progress[index] = progress.get(index, 0) + len(logprobs.content)
         reason, matched = finish_reason(meta)
         reasoning, calls = "", []
-        if self.reasoning_format is not None and req.separate_reasoning:
+        if req.forces_tool_calls:
+            # The calls go out once the answer (a JSON array) is complete; a cut-off one as content.
+            held = progress[("forced", index)] = progress.get(("forced", index), "") + delta
+            delta = ""
+            if reason is not None:
+                calls = forced_tool_calls(held)
+                delta = held if calls is None else ""
+                reason = "tool_calls" if reason == "stop" and calls else reason
+                calls = calls or []
+        elif self.reasoning_format is not None and req.separate_reasoning:
             reasoning, delta = self._split_reasoning(req, index, delta, reason is not None, progress)
-        if self._parses_tools(req):
+        if self._parses_tools(req) and not req.forces_tool_calls:
             delta, calls = self._split_tool_calls(req, index, delta, reason is not None, progress)
             if reason == "stop" and progress[("tools", index)].num_calls:
                 reason = "tool_calls"

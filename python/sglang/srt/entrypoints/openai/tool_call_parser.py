@@ -126,14 +126,19 @@ class ToolCallParser:
         return json.dumps(args, ensure_ascii=False, allow_nan=False)  # 1e400 parses as inf: not JSON
 
     def _call(self, name: str, arguments: str) -> dict[str, Any]:
-        call = {
-            "index": self.num_calls,
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": name, "arguments": arguments},
-        }
+        call = tool_call(self.num_calls, name, arguments)
         self.num_calls += 1
         return call
+
+
+def tool_call(index: int, name: str, arguments: str) -> dict[str, Any]:
+    """A call as the chat reply carries it (`index`: its place in the answer, for streaming)."""
+    return {
+        "index": index,
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def _json_call(body: str) -> list[tuple[str, Any]] | None:
