@@ -161,6 +161,19 @@ def test_generate_through_the_router_matches_a_single_server(pd):
     assert state["transfers"] >= 8 and state["failed_transfers"] == 0 and state["bytes"] > 0
 
 
+def test_a_grammar_holds_on_both_halves(pd):
+    """A regex request: the prefill server samples the first token under the grammar, the decode server
+    feeds it to a matcher of its own and masks the rest; the same tokens as one server."""
+    for ids in prompts(3, base=5):
+        body = generate_body(ids, max_new_tokens=24)
+        body["sampling_params"]["regex"] = "[a-z]{3,12}( [a-z]{3,12})?"
+        want = post(pd["prefill"].base_url + "/generate", body).json()
+        r = post(pd["router"].base_url + "/generate", body)
+        assert r.status_code == 200, r.text
+        assert_same_generation(r.json(), want)
+        assert r.json()["meta_info"]["finish_reason"]["type"] == "stop", "the grammar completed"
+
+
 def test_a_repeated_prompt_hits_the_prefill_cache_and_still_matches(pd):
     ids = prompts(1, base=11)[0] + list(range(3, 200))
     body = generate_body(ids, logprob_start_len=-1)  # input logprobs from 0 would recompute the prompt

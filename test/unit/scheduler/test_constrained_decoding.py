@@ -149,7 +149,11 @@ def test_grammar_requests_survive_retraction(oracles):
         prompt = token_ids(10 + 9 * k, seed=k)
         kw = {"regex": long_regex} if k % 2 == 0 else {}
         reqs.append((prompt, kw, h.submit(prompt, max_new_tokens=70 + 5 * k, ignore_eos=False, **kw)))
-    h.run()
+    grammars = h.sched.grammar_queue
+    while h.sched.step():
+        grammars.check(h.sched.live_requests())  # queued + holding a matcher, at every step
+        assert grammars.live <= 5
+    h.collect()
     assert h.sched.counters["num_retractions_total"] > 0
     for prompt, kw, rid in reqs:
         out = h.outputs[rid]

@@ -474,6 +474,7 @@ class Scheduler(SchedulerIOMixin):
         self.kv_log.check()
         self.result_processor.token_log.check()
         self.penalty_slots.check(self.live_requests())
+        self.grammar_queue.check(self.live_requests())
         check_integrity(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
 
     def is_idle(self) -> bool:

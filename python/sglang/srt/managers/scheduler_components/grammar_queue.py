@@ -15,7 +15,7 @@ needs the tokens the last batch sampled), see `Scheduler.step`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
@@ -92,3 +92,9 @@ class GrammarQueue:
         if req.grammar is not None:
             self.live -= 1
             req.grammar = None
+
+    def check(self, holders: Sequence[Req]) -> None:
+        """`live` counts the queued requests and the scheduler's requests that hold a matcher."""
+        held = sum(r.grammar is not None for r in holders)
+        queued = len(self.queue)
+        assert self.live == queued + held, f"grammar live {self.live}, queued {queued}, held {held}"
