@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a session lent the GPU test machine runs there, in device `run` calls (carry `.whl`, made by
-# `../shared/gpu/fetch-offline-wheels.sh fla-core==0.6.0` beforehand): the wheels, the GPU tests (marked
+# `../shared/gpu/fetch-offline-wheels.sh fla-core==0.6.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2`
+# beforehand): the wheels, the GPU tests (marked
 # `gpu`, in five groups at once: the tests use small fixed pools, so they share the GPU), then the benchmarks
 # one at a time. Logs come back under $OUT (default /tmp/gpu-out): summary.txt, tests-GROUP.log, bench.log.
 #   bash benchmark/gpu/run_gpu_checks.sh tests                # the GPU tests, ~5 min
