@@ -143,6 +143,26 @@ def test_logit_penalties_run_on_the_device():
         assert runner.penalizer.counts.shape[0] >= 4
 
 
+def test_grammar_masks_run_on_the_device():
+    """A batch with grammar masks (constrained decoding): the bits travel in the batch's one copy, are
+    unpacked and applied on the device, and nothing is read back."""
+    from sglang.srt.constrained.vocab_mask import VocabMaskInfo
+    from sglang.srt.model_executor.forward_batch_info import host_int64
+
+    with DeviceAudit() as audit:
+        runner, _ = _meta_runner(PRESETS[0], audit)
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request(), driver.new_request(temperature=0.8, seed=1), driver.new_request()]
+        driver.extend([Extend(r, [4] * 20) for r in reqs], return_logprob=False)
+        audit.reset()
+        words = -(-runner.arch.vocab_size // 32)
+        fb = driver.decode_batch(reqs, return_logprob=True)
+        fb.vocab_mask = VocabMaskInfo(host_int64([2, 0]), torch.full((2, words), 5, dtype=torch.int32))
+        runner.forward_batch_generation(fb)
+        assert fb.vocab_mask.bitmask.is_meta and fb.vocab_mask.rows.is_meta
+        _check_forward(audit, d2h=0)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_overlap_placeholders_resolve_on_the_device(preset):
     """The forward worker's future-token map lives on the device: the batch that samples into future

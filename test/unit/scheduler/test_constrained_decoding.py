@@ -65,7 +65,7 @@ def compile_for_oracle(compiler: xgr.GrammarCompiler, kind: str, text: str):
     return structural_tag_grammar(text, compiler)
 
 
-def check_grammar_oracle(oracle, compiled, prompt: list[int], out) -> None:
+def check_grammar_oracle(oracle, compiled, prompt: list[int], out, tol: float = ORACLE_TOL) -> None:
     """Greedy output under a grammar against the oracle (see the module docstring)."""
     n = len(prompt)
     logits = oracle.logits(prompt + out.output_ids)[n - 1 : n - 1 + len(out.output_ids)]
@@ -76,8 +76,8 @@ def check_grammar_oracle(oracle, compiled, prompt: list[int], out) -> None:
         row = logits[t : t + 1].clone()
         xgr.apply_token_bitmask_inplace(row, bitmask)
         lp = row[0].log_softmax(-1)
-        assert lp[token] >= lp.max() - ORACLE_TOL, f"{out.rid} step {t}: {token} is not the masked argmax"
-        assert abs(out.logprobs[t] - lp[token].item()) < ORACLE_TOL, f"{out.rid} step {t}: logprob"
+        assert lp[token] >= lp.max() - tol, f"{out.rid} step {t}: {token} is not the masked argmax"
+        assert abs(out.logprobs[t] - lp[token].item()) < tol, f"{out.rid} step {t}: logprob"
         assert matcher.accept_token(token), f"{out.rid} step {t}: the grammar does not allow {token}"
     if out.finished_reason["type"] == "stop":
         assert matcher.is_terminated(), f"{out.rid} stopped before its grammar completed"
@@ -89,6 +89,21 @@ def check_grammar_oracle(oracle, compiled, prompt: list[int], out) -> None:
 @pytest.mark.parametrize("overlap", [True, False])
 def test_every_grammar_kind_against_the_oracle(oracles, preset, overlap):
     h = SchedulerHarness(preset, disable_overlap_schedule=not overlap, chunked_prefill_size=64)
+    _every_grammar_kind(h, oracles[preset], preset, ORACLE_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("preset", [QWEN, NEMOTRON])
+def test_gpu_every_grammar_kind_against_the_oracle(oracles, preset):
+    """On CUDA, float32, decode steps replaying CUDA graphs: the masks move with the batch and apply to
+    the logits the graph wrote (the tolerance: test_strategy_matrix.GPU_ORACLE_TOL's reasons)."""
+    h = SchedulerHarness(preset, chunked_prefill_size=64, device="cuda", dtype="float32")
+    assert h.sched.model_runner.graph_runner.use_graphs
+    _every_grammar_kind(h, oracles[preset], preset, 1e-3)
+
+
+def _every_grammar_kind(h: SchedulerHarness, oracle, preset: str, tol: float) -> None:
     compiler = oracle_compiler(h)
     # One batch: a request per grammar kind, two plain ones, a prompt longer than a chunk (its first
     # chunk samples nothing), greedy.
@@ -104,14 +119,14 @@ def test_every_grammar_kind_against_the_oracle(oracles, preset, overlap):
     tokenizer = h.sched.finisher.tokenizer
     for kind, text, prompt, rid in reqs:
         out = h.outputs[rid]
-        check_grammar_oracle(oracles[preset], compile_for_oracle(compiler, kind, text), prompt, out)
+        check_grammar_oracle(oracle, compile_for_oracle(compiler, kind, text), prompt, out, tol)
         if kind == "regex" and out.finished_reason["type"] == "stop":
             body = tokenizer.decode(out.output_ids[:-1])  # the grammar completes on the eos id
             assert regex.fullmatch(REGEX, body), body
     for k in (0, 2):  # the regex and ebnf languages are finite
         assert h.outputs[reqs[k][3]].finished_reason["type"] == "stop"
     for (prompt, _), rid in zip(plain, plain_rids, strict=True):
-        assert h.outputs[rid].output_ids == oracles[preset].greedy(prompt, 12)
+        assert h.outputs[rid].output_ids == oracle.greedy(prompt, 12)
     assert h.sched.grammar_queue.live == 0 and not h.sched.grammar_queue
     h.sched.check_integrity()
     h.flush_and_check_empty()
