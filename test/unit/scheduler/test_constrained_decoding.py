@@ -9,6 +9,7 @@ grammar compiles leave nothing behind."""
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import Future
 
 import pytest
@@ -210,6 +211,22 @@ def test_ngram_verifies_beside_a_grammar_request(oracles):
         h.run()
         h.sched.check_integrity()
         h.shutdown()
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, sampling_seed=4)])
+def test_a_grammar_that_must_end_wins_over_min_new_tokens(sampling):
+    """min_new_tokens bans the end-of-sequence ids while the grammar allows nothing else: the grammar's
+    tokens are taken (equally likely: the preset's end-of-sequence ids, each log(1/2)), never NaN or a
+    token it refuses."""
+    h = SchedulerHarness(QWEN)
+    eos = sorted(h.sched.finisher.eos_token_ids)
+    prompt = token_ids(10, seed=1)
+    out = h.generate(prompt, max_new_tokens=8, regex="ab", min_new_tokens=6, ignore_eos=False, **sampling)
+    assert out.finished_reason == {"type": "stop", "matched": out.output_ids[-1]}
+    assert out.output_ids[-1] in eos
+    assert all(lp == lp for lp in out.logprobs)  # (NaN != NaN)
+    assert out.logprobs[-1] == pytest.approx(-math.log(len(eos)))
+    h.shutdown()
 
 
 def test_refusals_name_the_field_and_leave_nothing_behind():

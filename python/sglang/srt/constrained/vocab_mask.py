@@ -62,7 +62,13 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_vocab_mask(logits: torch.Tensor, info: VocabMaskInfo) -> torch.Tensor:
-    """`logits` [bs, vocab] with each masked row's banned tokens at -inf, in place."""
+    """`logits` [bs, vocab] with each masked row's banned tokens at -inf, in place. Where the penalties
+    had already banned every token the grammar allows (min_new_tokens banning the end-of-sequence id a
+    complete grammar needs), the grammar wins: its tokens become equally likely (a sampler given only
+    -inf would return NaN logprobs and a token the grammar refuses). No host sync: a `where` on the
+    device."""
     allowed = allowed_tokens(info.bitmask, logits.shape[1])
-    logits[info.rows] = logits[info.rows].masked_fill(~allowed, float("-inf"))
+    masked = logits[info.rows].masked_fill(~allowed, float("-inf"))
+    dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
+    logits[info.rows] = torch.where(dead & allowed, torch.zeros_like(masked), masked)
     return logits
