@@ -191,6 +191,10 @@ class Envs:
     SGLANG_TEST_SKIP_CACHE_HIT_ASSERT = EnvBool(False, "Kits do not require every prompt to hit.")
     SGLANG_TEST_FORWARD_DELAY_MS = EnvFloat(0.0, "Sleep this long in the forward worker before each batch.")
 
+    # Constrained decoding (upstream's name; seconds): a grammar still compiling after this long ends its
+    # request with a 400 (its compile thread finishes it and is free again then).
+    SGLANG_GRAMMAR_TIMEOUT = EnvFloat(300.0, "Abort a request whose grammar compiles longer than this.")
+
     # Request deadlines (upstream names; seconds, 0 or less = off): a request still waiting, or still
     # running after its first forward, past its limit is aborted with HTTP 503.
     SGLANG_REQ_WAITING_TIMEOUT = EnvFloat(-1.0, "Abort requests that waited this long for admission.")

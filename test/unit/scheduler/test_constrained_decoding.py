@@ -258,6 +258,41 @@ def test_refusals_name_the_field_and_leave_nothing_behind():
     h.shutdown()
 
 
+def test_a_slow_grammar_holds_up_no_other_and_times_out(monkeypatch):
+    """A grammar that never finishes compiling: a later request's grammar passes it, and it ends with a
+    400 once SGLANG_GRAMMAR_TIMEOUT is past; nothing is left behind."""
+    h = SchedulerHarness(QWEN)
+    backend = h.sched.grammar_queue.backend
+    pending: Future = Future()
+    submit = backend.submit
+    backend.submit = lambda kind, text: pending if text == "slow+" else submit(kind, text)
+    slow = h.submit(token_ids(10, seed=1), regex="slow+")
+    fast = h.submit(token_ids(10, seed=2), max_new_tokens=6, regex="[a-z]+")
+    for _ in range(200):
+        h.sched.step()
+        h.collect()
+        if h.outputs[fast].finished_reason is not None:
+            break
+    assert h.outputs[fast].finished_reason is not None and h.outputs[slow].finished_reason is None
+    monkeypatch.setenv("SGLANG_GRAMMAR_TIMEOUT", "0")
+    h.run()
+    reason = h.outputs[slow].finished_reason
+    assert (reason["status_code"], reason["param"]) == (400, "regex")
+    assert "SGLANG_GRAMMAR_TIMEOUT" in reason["message"]
+    assert h.sched.grammar_queue.live == 0 and pending.cancelled()
+    h.flush_and_check_empty()
+    h.shutdown()
+
+
+def test_any_json_value():
+    """Upstream's json_schema "$$ANY$$": any JSON value."""
+    h = SchedulerHarness(QWEN)
+    out = h.generate(token_ids(10, seed=3), max_new_tokens=30, json_schema="$$ANY$$", ignore_eos=False)
+    matcher = xgr.GrammarMatcher(oracle_compiler(h).compile_builtin_json_grammar())
+    assert all(matcher.accept_token(t) for t in out.output_ids)
+    h.shutdown()
+
+
 def test_abort_while_the_grammar_compiles():
     h = SchedulerHarness(QWEN)
     pending: Future = Future()

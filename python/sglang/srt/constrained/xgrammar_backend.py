@@ -1,12 +1,12 @@
 """`--grammar-backend xgrammar`: the scheduler compiles each request's grammar against the model's vocabulary
 and keeps one matcher per request.
 
-`GrammarBackend.submit` compiles on a thread of its own (xgrammar's compiler releases the GIL), so a
-large schema does not stall the batches running meanwhile; compiled grammars are cached by xgrammar
-(the same schema twice compiles once). `RequestGrammar` follows the request's output: `catch_up`
-feeds the matcher the output tokens it has not seen (each exactly once, whoever calls first: the
-finish check after a step, or the mask of the next batch), `fill` writes the tokens allowed next as
-a row of bits (`vocab_mask.py`).
+`GrammarBackend.submit` parses and compiles on threads of its own (xgrammar's compiler releases the
+GIL), so a large schema does not stall the batches running meanwhile; compiled grammars are cached by
+xgrammar (the same schema twice compiles once; the cache is bounded). `RequestGrammar` follows the
+request's output: `catch_up` feeds the matcher the output tokens it has not seen (each exactly once,
+whoever calls first: the finish check after a step, or the mask of the next batch), `fill` writes the
+tokens allowed next as a row of bits (`vocab_mask.py`).
 
 The matcher's stop tokens are the model's end-of-sequence ids (config, generation config, tokenizer):
 a grammar completes on one of them, as the request does.
@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from sglang.srt.constrained.grammar_spec import structural_tag_grammar
+from sglang.srt.constrained.grammar_spec import ANY_JSON, structural_tag_grammar
 
 logger = logging.getLogger(__name__)
 
-# upstream's key for "any JSON value" (its tool-call and json_object paths send it as json_schema)
-ANY_JSON = "$$ANY$$"
+# xgrammar's cache of compiled grammars (by kind and text): bounded, as every distinct schema a client
+# sends would otherwise stay for the life of the process.
+COMPILE_CACHE_BYTES = 512 << 20
 
 
 class GrammarRejectedToken(RuntimeError):
@@ -64,7 +65,7 @@ class GrammarBackend:
         vocab_size: int,
         stop_token_ids: list[int],
         any_whitespace: bool = True,
-        compile_threads: int = 1,
+        compile_threads: int = 2,
     ):
         import xgrammar as xgr
 
@@ -72,8 +73,9 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None
         )
-        # The compiler's own threads (the mask cache of one grammar); `compile_threads` grammars at once.
-        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        # The compiler's own threads (the mask cache of one grammar); `compile_threads` grammars at once,
+        # so that one slow grammar does not hold up every other.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=COMPILE_CACHE_BYTES)
         self.any_whitespace = any_whitespace
         self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
 

@@ -85,8 +85,7 @@ class FinishChecker:
             return
         token = req.output_ids[-1]
         if grammar is not None and grammar.terminated:
-            # The grammar is complete (on an end-of-sequence id, or on its last token where it ends
-            # without one): upstream's "matched token" finish.
+            # The grammar is complete (on an end-of-sequence id): upstream's "matched token" finish.
             req.finished_reason = {"type": "stop", "matched": token}
             return
         if n > sp.min_new_tokens:

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from sglang.srt.constrained.grammar_spec import parse_error
+from sglang.srt.constrained.grammar_spec import ANY_JSON
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.sampling.sampling_params import MAX_N
 
@@ -103,13 +103,19 @@ class _SamplingFields(_Request):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    # The grammar the request's fields ask for: (sampling_params field, text), set by `_grammar`.
+    # The grammar the request's fields ask for: (sampling_params field, text), and the field of this API
+    # it came from (what an error about it names: `grammar_origin`).
     _grammar: tuple[str, str] | None = PrivateAttr(default=None)
+    _grammar_origin: str | None = PrivateAttr(default=None)
+
+    @property
+    def grammar_origin(self) -> str | None:
+        return self._grammar_origin
 
     @model_validator(mode="after")
     def _grammar_fields(self) -> _SamplingFields:
-        """At most one grammar (response_format, regex, ebnf, json_schema), and one that parses: a 400
-        naming the field it came from."""
+        """At most one grammar (response_format, regex, ebnf, json_schema): a 400 naming the field. The
+        scheduler parses and compiles it (`constrained/grammar_spec.py` says why not here)."""
         extras = [(name, getattr(self, name)) for name in ("regex", "ebnf", "json_schema")]
         asked = [(name, v) for name, v in extras if v is not None]
         if self.response_format is not None:
@@ -123,10 +129,12 @@ class _SamplingFields(_Request):
             kind, text = value if name == "response_format" else (name, value)
             if not isinstance(text, str):
                 text = json.dumps(text)
-            error = parse_error(kind, text)
-            if error is not None:
-                raise _field_error(name, f"{name} is not valid: {error}")
-            self._grammar = kind, text
+            elif kind in ("json_schema", "structural_tag") and text != ANY_JSON:
+                try:
+                    json.loads(text)
+                except ValueError as e:
+                    raise _field_error(name, f"{name} is not valid: not JSON ({e})") from None
+            self._grammar, self._grammar_origin = (kind, text), name
         return self
 
     def sampling_params(self) -> dict[str, Any]:
@@ -312,6 +320,7 @@ class ChatCompletionRequest(_SamplingFields):
                 message = f"tool_choice cannot force a call together with {self._grammar[0]}"
                 raise _field_error("tool_choice", message)
             self._grammar = "json_schema", json.dumps(forced_tool_schema(self.tools or [], self.tool_choice))
+            self._grammar_origin = "tools"  # (what fails to compile is a tool's parameters schema)
         # OpenAI's newer name wins over the older one, as upstream (`max_completion_tokens or max_tokens`).
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens

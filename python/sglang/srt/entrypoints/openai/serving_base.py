@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from sglang.srt.constrained.grammar_spec import GRAMMAR_FIELDS
 from sglang.srt.entrypoints.http_guard import CLIENT_CLOSED
 from sglang.srt.entrypoints.openai.protocol import UsageInfo, request_error_from_validation
 from sglang.srt.managers.io_struct import GenerateReqInput
@@ -155,7 +156,7 @@ class OpenAIServingBase:
         except RequestError as e:
             return error_response(self.rename(e))
         except ServerAbortError as e:
-            return server_abort_response(e)
+            return server_abort_response(self.rename_abort(req, e))
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:
@@ -178,6 +179,15 @@ class OpenAIServingBase:
             word = re.escape(native.removeprefix("sampling_params."))
             message = re.sub(rf"\b{word}\b", public, message)
         return RequestError(message, new, err.code)
+
+    @staticmethod
+    def rename_abort(req: Any, e: ServerAbortError) -> ServerAbortError:
+        """A grammar the scheduler could not compile, named by the field of this API it came from
+        (`response_format`, `tools`, `regex`, ...): the scheduler knows the native field only."""
+        origin = getattr(req, "grammar_origin", None)
+        if origin is None or e.param not in GRAMMAR_FIELDS or e.param == origin:
+            return e
+        return ServerAbortError(e.status_code, f"{origin}: {e.message}", origin)
 
     async def to_generate_input(self, req: Any) -> GenerateReqInput:
         raise NotImplementedError

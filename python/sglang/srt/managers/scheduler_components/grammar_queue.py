@@ -1,10 +1,11 @@
 """`GrammarQueue`: requests whose grammar is being compiled (upstream's `grammar_queue`).
 
 A request with a json_schema, regex, ebnf or structural_tag arrives here, not in the waiting queue: its
-grammar compiles on the backend's thread while the scheduler goes on with the others. Each step
-(`poll`) moves the requests whose grammar is ready, in arrival order, to where they would have gone
-(`on_ready`: the waiting queue, or a PD decode server's transfer queue), with their matcher; a grammar
-that does not compile ends its request with a 400 naming the field. Without a backend
+grammar compiles on the backend's threads while the scheduler goes on with the others. Each step
+(`poll`) moves the requests whose grammar is ready (in arrival order among them: a slow grammar holds
+up no other) to where they would have gone (`on_ready`: the waiting queue, or a PD decode server's
+transfer queue), with their matcher; a grammar that does not parse or compile, or compiles past
+SGLANG_GRAMMAR_TIMEOUT, ends its request with a 400 naming the field. Without a backend
 (`--grammar-backend none`, or xgrammar not installed) such a request ends with a 400 at once.
 
 `live` counts the requests with a grammar that the scheduler holds (queued here or past it): while
@@ -15,11 +16,13 @@ needs the tokens the last batch sampled), see `Scheduler.step`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
 from sglang.srt.constrained.grammar_spec import error_text, grammar_key
+from sglang.srt.environ import envs
 
 if TYPE_CHECKING:
     from sglang.srt.constrained.xgrammar_backend import GrammarBackend
@@ -40,7 +43,7 @@ class GrammarQueue:
         self.disabled_reason = disabled_reason  # why there is no backend
         self.on_ready = on_ready
         self.on_error = on_error  # (request, message, field): ends it with a 400
-        self.queue: list[tuple[Req, Future]] = []
+        self.queue: list[tuple[Req, Future, float]] = []  # (request, compile, when it was queued)
         self.live = 0
 
     def __len__(self) -> int:
@@ -55,35 +58,49 @@ class GrammarQueue:
             message = f"{key[0]} needs constrained decoding, and {self.disabled_reason}; leave it out."
             self.on_error(req, message, key[0])
             return True
-        self.queue.append((req, self.backend.submit(*key)))
+        self.queue.append((req, self.backend.submit(*key), time.monotonic()))
         self.live += 1
         return True
 
     def poll(self, block_s: float = 0.0) -> bool:
-        """Move the requests whose grammar is done (waiting up to `block_s` for the first); True if any
-        left the queue."""
+        """Move the requests whose grammar is done (in arrival order among them; waiting up to `block_s`
+        for one if none is), and end those whose grammar compiles past SGLANG_GRAMMAR_TIMEOUT; True if
+        any left the queue."""
         if not self.queue:
             return False
-        if block_s > 0 and not self.queue[0][1].done():
-            wait([self.queue[0][1]], timeout=block_s, return_when=FIRST_COMPLETED)
-        moved = False
-        while self.queue and self.queue[0][1].done():  # arrival order: the head first
-            req, fut = self.queue.pop(0)
-            moved = True
-            try:
-                compiled = fut.result()
-            except Exception as e:  # noqa: BLE001  (xgrammar's errors are RuntimeError, ValueError, ...)
-                self.live -= 1
-                kind = grammar_key(req.sampling_params)[0]
-                self.on_error(req, f"{kind} could not be compiled: {error_text(e)}.", kind)
-                continue
-            req.grammar = self.backend.matcher(compiled)
-            self.on_ready(req)
-        return moved
+        if block_s > 0 and not any(fut.done() for _, fut, _ in self.queue):
+            wait([fut for _, fut, _ in self.queue], timeout=block_s, return_when=FIRST_COMPLETED)
+        now, timeout = time.monotonic(), envs.SGLANG_GRAMMAR_TIMEOUT.get()
+        out = [e for e in self.queue if e[1].done() or now - e[2] > timeout]
+        if not out:
+            return False
+        # Off the queue before the callbacks: ending a request discards it (`discard`), and must not
+        # find it here.
+        self.queue = [e for e in self.queue if not (e[1].done() or now - e[2] > timeout)]
+        for req, fut, _ in out:
+            kind = grammar_key(req.sampling_params)[0]
+            if not fut.done():
+                fut.cancel()  # (a compile already running finishes on its thread, for nobody)
+                message = f"{kind} took more than SGLANG_GRAMMAR_TIMEOUT ({timeout:g} s) to compile."
+                self._end(req, message, kind)
+            elif fut.exception() is not None:
+                self._end(req, f"{kind} could not be compiled: {error_text(fut.exception())}.", kind)
+            else:
+                req.grammar = self.backend.matcher(fut.result())
+                self.on_ready(req)
+        return True
+
+    def _end(self, req: Req, message: str, kind: str) -> None:
+        self.live -= 1
+        self.on_error(req, message, kind)
+
+    @property
+    def requests(self) -> list[Req]:
+        return [req for req, _, _ in self.queue]
 
     def discard(self, req: Req) -> None:
         """`req` left the scheduler (finished, aborted)."""
-        for i, (queued, fut) in enumerate(self.queue):
+        for i, (queued, fut, _) in enumerate(self.queue):
             if queued is req:
                 fut.cancel()
                 del self.queue[i]

@@ -221,7 +221,10 @@ class SchedulerIOMixin:
 
     def _request_views(self) -> tuple[list[Req], list[Req], dict[str, Req]]:
         running = list(self.running) + ([self.chunked_req] if self.chunked_req is not None else [])
-        return self.waiting_queue, running, self.reqs_by_rid
+        waiting = self.waiting_queue
+        if self.grammar_queue:
+            waiting = waiting + self.grammar_queue.requests  # (one whose grammar compiles waits too)
+        return waiting, running, self.reqs_by_rid
 
     # ---- state -------------------------------------------------------------------------------------
 
