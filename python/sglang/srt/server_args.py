@@ -92,6 +92,8 @@ class ServerArgs:
     tool_call_parser: str | None = None
     # Constrained decoding (sglang/srt/constrained/): json_schema, regex, ebnf and structural_tag requests.
     grammar_backend: str = "xgrammar"
+    # Requests may ask for their positions' final hidden states (return_hidden_states).
+    enable_return_hidden_states: bool = False
     constrained_json_whitespace_pattern: str | None = None
     constrained_json_disable_any_whitespace: bool = False
 
@@ -484,6 +486,13 @@ class ServerArgs:
             help="Parse a chat answer's tool calls (<tool_call>...</tool_call>) into tool_calls (upstream's "
             "flag): qwen25 (alias qwen) for Qwen2.5 / Qwen3 / Qwen3-Next's JSON calls, qwen3_coder for "
             "Qwen3-Coder / Qwen3.5's XML calls.",
+        )
+        g.add_argument(
+            "--enable-return-hidden-states",
+            action="store_true",
+            help="Let requests ask for the final hidden states (the lm_head's input) of their positions "
+            "(return_hidden_states); off, such a request is a 400. A request that asks recomputes its "
+            "prompt rather than reuse the prefix cache.",
         )
         g.add_argument(
             "--grammar-backend",

@@ -143,6 +143,18 @@ class ReferenceModel:
         x = torch.tensor([list(ids)], dtype=torch.long)
         return self.model(x, position_ids=torch.arange(len(ids))[None]).logits[0].float()
 
+    @torch.no_grad()
+    def final_hidden_states(self, ids: Sequence[int]) -> torch.Tensor:
+        """[len(ids), hidden]: the lm_head's input at every position of one full forward."""
+        seen: list[torch.Tensor] = []
+        head = self.model.get_output_embeddings()
+        hook = head.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+        try:
+            self.logits(ids)
+        finally:
+            hook.remove()
+        return seen[0][0].float()
+
     def logprobs(self, ids: Sequence[int]) -> torch.Tensor:
         return self.logits(ids).log_softmax(-1)
 

@@ -33,6 +33,7 @@ class Output:
     prompt_tokens: int = 0
     finished_reason: dict | None = None
     messages: int = 0
+    hidden_states: list[list[float]] = field(default_factory=list)  # with return_hidden_states
 
 
 def token_ids(n: int, seed: int) -> list[int]:
@@ -106,6 +107,7 @@ class SchedulerHarness:
         top_logprobs_num: int = 0,
         token_ids_logprob: list[int] | None = None,
         extra_key: str | None = None,
+        return_hidden_states: bool = False,
         **sampling: Any,
     ) -> str:
         rid = f"req-{next(self._ids)}"
@@ -123,6 +125,7 @@ class SchedulerHarness:
                 token_ids_logprob=token_ids_logprob,
                 stream=stream,
                 extra_key=extra_key,
+                return_hidden_states=return_hidden_states,
             )
         )
         self.outputs[rid] = Output(rid)
@@ -156,6 +159,7 @@ class SchedulerHarness:
                 out.cached_tokens = msg.cached_tokens[i]
                 out.prompt_tokens = msg.prompt_tokens[i]
                 out.finished_reason = msg.finished_reasons[i]
+                out.hidden_states += msg.output_hidden_states[i] or []
         box.clear()
 
     # ---- checks ------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class TestOpenAIServer(ServerTestCase):
     server_args = [
         "--mamba-scheduler-strategy", "extra_buffer_lazy", "--enable-metrics", "--reasoning-parser", "qwen3",
         "--tool-call-parser", "qwen25", "--constrained-json-disable-any-whitespace",
+        "--enable-return-hidden-states",
     ]  # fmt: skip
     api_key = "sk-test-key"
 
@@ -315,6 +316,28 @@ class TestOpenAIServer(ServerTestCase):
         )
         self.assertEqual(chat.choices[0].finish_reason, "stop")
         self.assertEqual(chat.choices[0].matched_stop, "[A-Za-z0-9]")
+
+    def test_hidden_states_on_the_native_and_openai_routes(self) -> None:
+        """Upstream's shapes: meta_info.hidden_states is the prompt's [prompt, hidden] then one [hidden]
+        per output token fed back; an OpenAI choice carries the last position's."""
+        params = {"max_new_tokens": 5, "ignore_eos": True, "temperature": 0}
+        body = {"input_ids": [5, 6, 7, 8], "sampling_params": params}
+        meta = self.post("/generate", {**body, "return_hidden_states": True}).json()["meta_info"]
+        prompt, *steps = meta["hidden_states"]
+        width = len(prompt[0])
+        self.assertEqual((len(prompt), len(steps)), (4, 4))
+        self.assertTrue(all(len(row) == width for row in prompt + steps))
+        self.assertNotIn("hidden_states", self.post("/generate", body).json()["meta_info"])
+        extra = {"return_hidden_states": True, "ignore_eos": True}
+        comp = self.client.completions.create(
+            model=self.model, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, extra_body=extra
+        )
+        self.assertEqual(comp.choices[0].model_extra["hidden_states"], steps[-1])
+        chunks = list(self.client.completions.create(
+            model=self.model, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, extra_body=extra, stream=True
+        ))  # fmt: skip
+        last = [c.choices[0].model_extra.get("hidden_states") for c in chunks if c.choices]
+        self.assertEqual(last[-1], steps[-1])
 
     def test_chat_errors_keep_their_words(self) -> None:
         r = self.post(

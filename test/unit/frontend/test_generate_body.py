@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sglang.srt.entrypoints.generate_body import IGNORED, IMPLEMENTED, UNSUPPORTED, parse_generate_body
+from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
 from sglang.test.ci_register import register_cpu_ci
 
@@ -52,8 +53,7 @@ def test_unset_upstream_fields_and_router_fields_are_accepted():
     [
         ("lora_path", '"my-adapter"'),
         ("image_data", '"x.png"'),
-        ("return_hidden_states", "true"),
-        ("return_hidden_states", "0"),
+        ("return_entropy", "true"),
         ("max_thinking_tokens", "0"),
         ("background", "true"),
         ("session_params", '{"id": "s"}'),
@@ -64,3 +64,41 @@ def test_a_feature_this_server_lacks_is_refused_naming_the_field(field, value):
         parse_generate_body(f'{{"text": "hi", "{field}": {value}}}'.encode())
     assert e.value.param == field
     assert e.value.message.startswith(f"{field} is not supported")
+
+
+@pytest.mark.parametrize(
+    "flags, value, words",
+    [
+        ({}, True, "--enable-return-hidden-states"),
+        (
+            {"enable_return_hidden_states": True, "disaggregation_mode": "decode"},
+            True,
+            "--disaggregation-mode",
+        ),
+        ({"enable_return_hidden_states": True}, 1, "must be a boolean"),
+        ({"enable_return_hidden_states": True}, [True, "yes"], "must be a boolean"),
+    ],
+)
+def test_return_hidden_states_needs_the_flag_and_a_boolean(flags, value, words):
+    """Upstream's rule: without --enable-return-hidden-states a request asking is a 400 naming the field;
+    a PD server refuses it too (the prompt's rows would stay on the prefill server)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.request_validation import (
+        RequestLimits,
+        build_requests,
+        hidden_states_refused,
+        parse_prompts,
+    )  # fmt: skip
+
+    args = SimpleNamespace(**{"enable_return_hidden_states": False, "disaggregation_mode": "null", **flags})
+    limits = RequestLimits(64, 63, 512, hidden_states_refused(args))
+    obj = GenerateReqInput(input_ids=[[5, 6], [7, 8]], return_hidden_states=value)
+    with pytest.raises(RequestError) as e:
+        build_requests(obj, parse_prompts(obj), [], limits)
+    assert e.value.param == "return_hidden_states" and words in e.value.message, e.value.message
+    ok = SimpleNamespace(enable_return_hidden_states=True, disaggregation_mode="null")
+    obj = GenerateReqInput(input_ids=[[5, 6], [7, 8]], return_hidden_states=[True, False])
+    limits = RequestLimits(64, 63, 512, hidden_states_refused(ok))
+    reqs, _ = build_requests(obj, parse_prompts(obj), [], limits)
+    assert [r.req.return_hidden_states for r in reqs] == [True, False]

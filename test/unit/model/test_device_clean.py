@@ -213,7 +213,8 @@ def test_placeholders_resolve_in_one_gather():
             ids = torch.tensor(sampled[: fb.batch_size])
             return SimpleNamespace(next_token_ids=ids, next_token_logprobs=None, next_token_top_logprobs=None,
                                    input_token_logprobs=None, input_top_logprobs=None,
-                                   next_token_ids_logprobs=None, input_token_ids_logprobs=None)  # fmt: skip
+                                   next_token_ids_logprobs=None, input_token_ids_logprobs=None,
+                                   hidden_states=None)  # fmt: skip
 
     class Ops(TorchDispatchMode):
         names: list[str] = []

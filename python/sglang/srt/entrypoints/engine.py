@@ -82,9 +82,14 @@ class Engine:
         rid: str | list[str] | None = None,
         return_text_in_logprobs: bool = False,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
+        return_hidden_states: bool | list[bool] = False,
+        extra_key: str | list[str] | None = None,
+        cache_salt: str | list[str] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of
-        cumulative chunks. Bad input raises RequestError (naming the field) at the call."""
+        cumulative chunks. Bad input raises RequestError (naming the field) at the call. As upstream's:
+        `return_hidden_states` (with enable_return_hidden_states), and the cache namespace of
+        `extra_key` / `cache_salt` (docs/server.md)."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
         if not stream:
             return self._run(_first(self.tokenizer_manager.generate_request(obj)))
@@ -121,6 +126,9 @@ class Engine:
         rid: str | list[str] | None = None,
         return_text_in_logprobs: bool = False,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
+        return_hidden_states: bool | list[bool] = False,
+        extra_key: str | list[str] | None = None,
+        cache_salt: str | list[str] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As `generate`, from any event loop; with stream=True, await it for an async iterator."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
@@ -218,6 +226,9 @@ def _make_obj(
     rid: Any,
     return_text_in_logprobs: bool,
     token_ids_logprob: Any = None,
+    return_hidden_states: Any = False,
+    extra_key: Any = None,
+    cache_salt: Any = None,
 ) -> GenerateReqInput:
     return GenerateReqInput(
         text=prompt,
@@ -230,4 +241,7 @@ def _make_obj(
         return_text_in_logprobs=return_text_in_logprobs,
         token_ids_logprob=token_ids_logprob,
         stream=stream,
+        return_hidden_states=return_hidden_states,
+        extra_key=extra_key,
+        cache_salt=cache_salt,
     )

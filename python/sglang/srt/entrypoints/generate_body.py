@@ -69,7 +69,6 @@ UNSUPPORTED = {
     "return_sampling_mask": "sampling masks",
     "return_flat_raw_top_logprobs": "flat top logprobs",
     "return_flat_raw_top_logprobs_b64": "flat top logprobs",
-    "return_hidden_states": "hidden states",
     "return_routed_experts": "routed experts",
     "return_indexer_topk": "indexer top-k",
     "return_entropy": "entropy",

@@ -36,6 +36,9 @@ class LogitsProcessorOutput:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[TopLogprobs]] | None = None
     input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
+    # With `fb.return_hidden_states_mask`: per request, the hidden states (the lm_head's input) of the
+    # positions it ran, a list of floats each (None for a request that does not return them).
+    hidden_states: list[list[list[float]] | None] | None = None
 
 
 def scaled_log_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -79,8 +82,37 @@ def chosen_logprobs(logprobs: torch.Tensor, token_ids: list) -> list[TopLogprobs
     return out
 
 
+def hidden_state_rows(hidden: torch.Tensor, fb: ForwardBatch) -> list[list[list[float]] | None]:
+    """Per request of `fb.return_hidden_states_mask`, the rows of `hidden` of the positions it ran: every
+    extend position, a decode's one, a verify's first (such a request has no drafts); one gather and
+    one copy to the host (in float32), None for the others."""
+    mask = fb.return_hidden_states_mask
+    if fb.forward_mode.is_decode():
+        spans = [(i, 1) for i in range(fb.batch_size)]
+    elif fb.forward_mode.is_target_verify():
+        spans = [(s, 1) for s in fb.extend_start_loc_cpu]
+    else:
+        spans = list(zip(fb.extend_start_loc_cpu, fb.extend_seq_lens_cpu, strict=True))
+    rows = [r for (s, n), wanted in zip(spans, mask, strict=True) if wanted for r in range(s, s + n)]
+    values = hidden[torch.tensor(rows, dtype=torch.int64).to(hidden.device)].float().tolist()
+    out: list[list[list[float]] | None] = []
+    at = 0
+    for (_, n), wanted in zip(spans, mask, strict=True):
+        out.append(values[at : at + n] if wanted else None)
+        at += n if wanted else 0
+    return out
+
+
 class LogitsProcessor:
     def __call__(
+        self, hidden: torch.Tensor, lm_head: torch.nn.Module, fb: ForwardBatch
+    ) -> LogitsProcessorOutput:
+        out = self._logits(hidden, lm_head, fb)
+        if fb.return_hidden_states_mask is not None:
+            out.hidden_states = hidden_state_rows(hidden, fb)
+        return out
+
+    def _logits(
         self, hidden: torch.Tensor, lm_head: torch.nn.Module, fb: ForwardBatch
     ) -> LogitsProcessorOutput:
         if not fb.forward_mode.is_extend() or fb.forward_mode.is_target_verify():

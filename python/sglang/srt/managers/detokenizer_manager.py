@@ -96,6 +96,7 @@ class DetokenizerManager:
             output_token_ids_logprobs=out.output_token_ids_logprobs,
             input_token_ids_logprobs=out.input_token_ids_logprobs,
             spec_counts=out.spec_counts,
+            output_hidden_states=out.output_hidden_states,
         )
 
 

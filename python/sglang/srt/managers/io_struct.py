@@ -55,6 +55,9 @@ class GenerateReqInput:
     # same `cache_salt + extra_key` (one string for every prompt, or one per prompt).
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
+    # The final hidden states (the lm_head's input) of every position, in meta_info["hidden_states"]
+    # (upstream's; the server needs --enable-return-hidden-states).
+    return_hidden_states: bool | list[bool] = False
 
 
 @dataclass
@@ -70,6 +73,7 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     bootstrap: BootstrapInfo | None = None
     extra_key: str | None = None  # the prefix-cache namespace (cache_salt + extra_key); None: the shared one
+    return_hidden_states: bool = False
 
 
 @dataclass
@@ -195,6 +199,9 @@ class BatchTokenIDOut:
     no_stop_trim: list[bool] = field(default_factory=list)  # keep a matched stop token's text
     # With speculative decoding, each request's `Req.spec_counts` so far (empty list: not enabled).
     spec_counts: list[list[int]] = field(default_factory=list)
+    # With return_hidden_states: the hidden states of the positions since the previous message (one
+    # list of floats each), else None.
+    output_hidden_states: list[list[list[float]] | None] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> BatchTokenIDOut:
@@ -220,6 +227,7 @@ class BatchStrOut:
     output_token_ids_logprobs: list[list[list[LogprobEntry]] | None] = field(default_factory=list)
     input_token_ids_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
     spec_counts: list[list[int]] = field(default_factory=list)
+    output_hidden_states: list[list[list[float]] | None] = field(default_factory=list)
 
 
 @dataclass

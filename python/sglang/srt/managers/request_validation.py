@@ -40,6 +40,9 @@ class RequestLimits:
     context_len: int
     max_req_input_len: int
     vocab_size: int
+    # --enable-return-hidden-states (and no PD disaggregation: the prompt's states would stay on the
+    # prefill server): None, or why a request cannot have them.
+    hidden_states_refused: str | None = None
 
 
 @dataclass
@@ -62,6 +65,18 @@ class NormalizedRequest:
     req: TokenizedGenerateReqInput
     index: int
     return_text_in_logprobs: bool
+
+
+def hidden_states_refused(server_args: Any) -> str | None:
+    """Why this server refuses return_hidden_states, or None (upstream's flag)."""
+    if not server_args.enable_return_hidden_states:
+        return "return_hidden_states needs the server started with --enable-return-hidden-states."
+    if server_args.disaggregation_mode != "null":
+        return (
+            "return_hidden_states is not supported with --disaggregation-mode (the prompt's hidden states "
+            "would stay on the prefill server)."
+        )
+    return None
 
 
 def sampling_params_from_dict(
@@ -205,6 +220,11 @@ def _raw_n(params: Any) -> int:
 
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+# A value each, or a list of one per prompt.
+PER_ITEM_FIELDS = (
+    "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+    "return_hidden_states",
+)  # fmt: skip
 
 
 def bootstrap_info(host: Any, port: Any, room: Any) -> BootstrapInfo | None:
@@ -240,7 +260,7 @@ def build_requests(
         )
     per_item = {
         name: _per_item(getattr(obj, name), size, name, prompts.is_batch)
-        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
+        for name in PER_ITEM_FIELDS
         + BOOTSTRAP_FIELDS
         + NAMESPACE_FIELDS
     }
@@ -269,6 +289,12 @@ def build_requests(
         if top > limits.vocab_size:
             raise RequestError(f"top_logprobs_num must be at most {limits.vocab_size}.", "top_logprobs_num")
         token_ids = token_ids_lists[i]
+        hidden = per_item["return_hidden_states"][i]
+        if not isinstance(hidden, bool):
+            message = "return_hidden_states must be a boolean."
+            raise RequestError(message, "return_hidden_states", "invalid_type")
+        if hidden and limits.hidden_states_refused is not None:
+            raise RequestError(limits.hidden_states_refused, "return_hidden_states")
         rid = per_item["rid"][i]
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise RequestError("rid must be a non-empty string.", "rid", "invalid_type")
@@ -295,6 +321,7 @@ def build_requests(
                 stream=obj.stream,
                 bootstrap=sample_bootstrap(bootstrap, j, n),
                 extra_key=extra_key,
+                return_hidden_states=hidden,
             )
             out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs))
     rids = [r.req.rid for r in out]

@@ -139,6 +139,9 @@ class Req:
         "spec_counts",
         "extra_key",
         "grammar",
+        "return_hidden_states",
+        "hidden_states",
+        "hidden_states_sent",
     )
 
     def __init__(
@@ -228,6 +231,12 @@ class Req:
         # Constrained decoding: the matcher of its grammar (`constrained/xgrammar_backend.py`), set once
         # the scheduler compiled it.
         self.grammar: RequestGrammar | None = None
+        # return_hidden_states: the final hidden state of each position from 0 on, as computed (a
+        # retracted request recomputes none it has: admission matches its prefix up to there), and how
+        # many were sent.
+        self.return_hidden_states = False
+        self.hidden_states: list[list[float]] = []
+        self.hidden_states_sent = 0
 
     # ---- derived -----------------------------------------------------------------------------------
 
@@ -349,6 +358,7 @@ class DecodeRows:
     any_stream: bool  # some request streams its output
     any_penalized: bool  # some request's logits take penalties (sampling/penaltylib.py)
     any_grammar: bool  # some request has a grammar (constrained/vocab_mask.py)
+    hidden_states_mask: list[bool] | None  # `hidden_states_mask`
 
     @classmethod
     def of(cls, reqs: list[Req], uniform_infos: dict | None = None) -> DecodeRows:
@@ -391,6 +401,7 @@ class DecodeRows:
             any_stream=any_stream,
             any_penalized=any_penalized,
             any_grammar=any(r.grammar is not None for r in reqs),
+            hidden_states_mask=hidden_states_mask(reqs),
         )
 
 
@@ -417,6 +428,12 @@ class DecodeRowsCache:
 
     def clear(self) -> None:
         self._reqs, self._rows = [], None
+
+
+def hidden_states_mask(reqs: Sequence[Req]) -> list[bool] | None:
+    """Which requests return their hidden states (`ForwardBatch.return_hidden_states_mask`); None: none."""
+    mask = [r.return_hidden_states for r in reqs]
+    return mask if any(mask) else None
 
 
 def sampling_rows(reqs: list[Req]) -> list[tuple]:
@@ -559,6 +576,7 @@ class ScheduleBatch:
             )
         if any(r.grammar is not None for r in self.reqs):
             self.forward_batch.vocab_mask = VocabMaskInfo.build(self.reqs, self.sample_rows)
+        self.forward_batch.return_hidden_states_mask = hidden_states_mask(self.reqs)
 
     @staticmethod
     def _input_logprob_plan(req: Req, p: int, end: int) -> tuple[int, int | None, bool]:
@@ -634,6 +652,7 @@ class ScheduleBatch:
             )
         if rows.any_grammar:
             self.forward_batch.vocab_mask = VocabMaskInfo.build(reqs, self.sample_rows)
+        self.forward_batch.return_hidden_states_mask = rows.hidden_states_mask
         self.state_copies = tree_cache.take_pending_state_copies()
 
     def set_mamba_track_indices_from_reqs(self, tracker: SnapshotTracker, seq_lens: list[int]) -> dict:

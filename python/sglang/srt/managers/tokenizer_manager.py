@@ -48,6 +48,7 @@ from sglang.srt.managers.request_validation import (
     RequestLimits,
     build_requests,
     check_input_len,
+    hidden_states_refused,
     max_samples_per_request,
     parse_prompts,
 )
@@ -100,6 +101,7 @@ class TokenizerManager:
             context_len=model_info["context_len"],
             max_req_input_len=model_info["max_req_input_len"],
             vocab_size=model_info["vocab_size"],
+            hidden_states_refused=hidden_states_refused(server_args),
         )
         self.max_samples_per_request = max_samples_per_request(
             server_args.max_samples_per_request, model_info["max_running_requests"]

@@ -58,6 +58,7 @@ class ReqState:
         self.output_token_ids_logprobs: list[list[tuple[float, int]]] = []
         self.input_token_ids_logprobs: list[list[tuple[float, int]] | None] = []
         self.spec_counts: list[int] | None = None  # with speculative decoding: `Req.spec_counts`
+        self.hidden_states: list[list[float]] = []  # with return_hidden_states: one per position
         self.got_message = False
         self._sent: tuple[int, int, bool] | None = None
 
@@ -79,6 +80,7 @@ class ReqState:
         self.completion_tokens = out.completion_tokens[i]
         self.cached_tokens = out.cached_tokens[i]
         self.spec_counts = _entry(out.spec_counts, i)
+        self.hidden_states.extend(_entry(out.output_hidden_states, i) or [])
         if self.req.return_logprob:
             self.output_token_logprobs.extend(_entry(out.output_token_logprobs, i) or [])
             self.output_top_logprobs.extend(_entry(out.output_top_logprobs, i) or [])
@@ -133,6 +135,12 @@ class ReqState:
         }
         if self.spec_counts is not None:
             meta.update(spec_meta_info(self.spec_counts, self.completion_tokens))
+        if self.req.return_hidden_states:
+            # Upstream's shape: the prompt's positions as one [prompt, hidden] list, then one [hidden]
+            # per generated token fed back (the last token is never fed: one fewer than the outputs).
+            n = self.prompt_tokens
+            states = self.hidden_states
+            meta["hidden_states"] = ([states[:n]] if states else []) + states[n:]
         if self.req.return_logprob:
             texts = token_texts if self.item.return_text_in_logprobs else None
             meta["input_token_logprobs"] = _with_text(self.input_token_logprobs, texts)

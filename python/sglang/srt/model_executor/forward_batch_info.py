@@ -317,6 +317,8 @@ class ForwardBatch:
     # None for the batch when no request wants any.
     token_ids_logprobs: list[Sequence[int] | None] | None = None
     extend_logprob_start_lens_cpu: list[int] = field(default_factory=list)
+    # Per request, whether it returns its positions' hidden states (`LogitsProcessor`); None: none does.
+    return_hidden_states_mask: list[bool] | None = None
     extend_logprob_next_ids_cpu: list[int | None] | None = None
 
     # Overlap: where each request's sampled token goes in the forward worker's `token_lookup` (future

@@ -62,6 +62,7 @@ class HostBatchResult:
     input_top_logprobs: list[list[TopLogprobs]] | None = None
     next_token_ids_logprobs: list[TopLogprobs | None] | None = None
     input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
+    hidden_states: list[list[list[float]] | None] | None = None  # `LogitsProcessorOutput.hidden_states`
 
     def wait(self, timeout: float | None = None) -> HostBatchResult:
         """Already on the host (the same call as `PendingResult.wait`)."""
@@ -81,6 +82,7 @@ class PendingResult:
     input_top_logprobs: list[list[TopLogprobs]] | None
     next_token_ids_logprobs: list[TopLogprobs | None] | None = None
     input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
+    hidden_states: list[list[list[float]] | None] | None = None
     copied: Future | None = None  # done when the copy is (`CopyWaiter.watch`); None: already on the host
 
     def wait(self, timeout: float | None = None) -> HostBatchResult:
@@ -100,6 +102,7 @@ class PendingResult:
             input_top_logprobs=self.input_top_logprobs,
             next_token_ids_logprobs=self.next_token_ids_logprobs,
             input_token_ids_logprobs=self.input_token_ids_logprobs,
+            hidden_states=self.hidden_states,
         )
 
 
@@ -362,6 +365,7 @@ class ForwardWorker:
                 input_top_logprobs=result.input_top_logprobs,
                 next_token_ids_logprobs=result.next_token_ids_logprobs,
                 input_token_ids_logprobs=result.input_token_ids_logprobs,
+                hidden_states=result.hidden_states,
             )
         packed, event = results_to_host(result.next_token_ids, lp)
         copied = None if event is None else self.copy_waiter.watch(event)
@@ -373,5 +377,6 @@ class ForwardWorker:
             input_top_logprobs=result.input_top_logprobs,
             next_token_ids_logprobs=result.next_token_ids_logprobs,
             input_token_ids_logprobs=result.input_token_ids_logprobs,
+            hidden_states=result.hidden_states,
             copied=copied,
         )

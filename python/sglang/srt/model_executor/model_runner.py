@@ -56,6 +56,7 @@ class GenerationBatchResult:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[TopLogprobs]] | None = None
     input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
+    hidden_states: list[list[list[float]] | None] | None = None  # `LogitsProcessorOutput.hidden_states`
 
 
 class ModelRunner:
@@ -200,6 +201,7 @@ class ModelRunner:
             input_token_logprobs=logits.input_token_logprobs,
             input_top_logprobs=logits.input_top_logprobs,
             input_token_ids_logprobs=logits.input_token_ids_logprobs,
+            hidden_states=logits.hidden_states,
         )
 
     def move_batch(self, fb: ForwardBatch) -> None:

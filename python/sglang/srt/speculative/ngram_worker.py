@@ -131,8 +131,9 @@ class NgramWorker:
         draft from it)."""
         tokens = self._history(req)
         backoff = self._backoff.get(req)
-        if penalized_now(req) or req.grammar is not None:
-            return []  # (a grammar's mask would have to follow the drafts)
+        if penalized_now(req) or req.grammar is not None or req.return_hidden_states:
+            # (a grammar's mask would have to follow the drafts; hidden states are taken at one position)
+            return []
         if backoff is not None and len(req.output_ids) < backoff[1]:
             return []
         budget = min(
@@ -244,6 +245,7 @@ class NgramWorker:
             host_tensors=rows.host_tensors,
         )
         batch.forward_batch.verify_width = width
+        batch.forward_batch.return_hidden_states_mask = rows.hidden_states_mask  # (at first positions)
         first = list(itertools.accumulate(widths, initial=0))[:-1]  # each request's first logits row
         if any(r.penalized for r in reqs):
             # The penalties apply at each request's first position, as in a decode step of its newest token.
@@ -290,6 +292,8 @@ class NgramWorker:
             while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
                 accepted += 1
             out = req.output_ids
+            if result.hidden_states is not None and result.hidden_states[i] is not None:
+                req.hidden_states += result.hidden_states[i]  # (no drafts: its first position only)
             committed = 0
             for t in range(accepted + 1):
                 token = sampled[t]

@@ -77,10 +77,14 @@ class _SamplingFields(_Request):
     # Prefix-cache namespaces (upstream's; `cache_salt` is vLLM's name): see GenerateReqInput.
     cache_salt: str | None = None
     extra_key: str | None = None
+    # Upstream's: the choice's `hidden_states` is the last position's (--enable-return-hidden-states).
+    return_hidden_states: bool = False
 
     def passthrough_fields(self) -> dict[str, Any]:
-        """The GenerateReqInput fields passed as they are: PD's bootstrap and the cache namespace."""
+        """The GenerateReqInput fields passed as they are: PD's bootstrap, the cache namespace, and
+        return_hidden_states."""
         return {
+            "return_hidden_states": self.return_hidden_states,
             "bootstrap_host": self.bootstrap_host,
             "bootstrap_port": self.bootstrap_port,
             "bootstrap_room": self.bootstrap_room,

@@ -181,6 +181,15 @@ class OpenAIServingBase:
         return RequestError(message, new, err.code)
 
     @staticmethod
+    def hidden_states_field(req: Any, meta: dict) -> dict[str, Any]:
+        """A choice's `hidden_states` where the request asked (upstream's: the last position's, [] with
+        only the prompt's), as an extra field; else nothing."""
+        if not getattr(req, "return_hidden_states", False):
+            return {}
+        states = meta.get("hidden_states") or []
+        return {"hidden_states": states[-1] if len(states) > 1 else []}
+
+    @staticmethod
     def rename_abort(req: Any, e: ServerAbortError) -> ServerAbortError:
         """A grammar the scheduler could not compile, named by the field of this API it came from
         (`response_format`, `tools`, `regex`, ...): the scheduler knows the native field only."""

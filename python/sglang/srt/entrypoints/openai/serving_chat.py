@@ -237,6 +237,7 @@ class OpenAIServingChat(OpenAIServingBase):
             logprobs=chat_logprobs(out["meta_info"], 0) if req.logprobs else None,
             finish_reason=reason,
             matched_stop=matched,
+            **self.hidden_states_field(req, out["meta_info"]),
         )
 
     def opening_choice(self, index: int) -> ChatStreamChoice:
@@ -256,6 +257,7 @@ class OpenAIServingChat(OpenAIServingBase):
             delta=DeltaMessage(),
             finish_reason=choice.finish_reason,
             matched_stop=choice.matched_stop,
+            **self.hidden_states_field(req, meta),
         )
         d = choice.delta
         if d.content is None and d.reasoning_content is None and d.tool_calls is None and not (

@@ -69,8 +69,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
         if req.logprobs is not None:
             logprobs, _ = completion_logprobs(out["meta_info"], 0, 0, req.logprobs > 0)
         return CompletionChoice(
-            index=index, text=out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched
-        )
+            index=index, text=out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched,
+            **self.hidden_states_field(req, out["meta_info"]),
+        )  # fmt: skip
 
     def stream_choice(
         self, req: CompletionRequest, index: int, delta: str, meta: dict, progress: dict
@@ -83,6 +84,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         reason, matched = finish_reason(meta)
         if not (delta or reason or (logprobs and logprobs.tokens)):
             return None
+        hidden = self.hidden_states_field(req, meta) if reason is not None else {}
         return CompletionChoice(
-            index=index, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
+            index=index, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched, **hidden
         )

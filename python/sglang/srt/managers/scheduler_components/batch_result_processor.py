@@ -74,6 +74,7 @@ class BatchResultProcessor:
         # This runs for every request of every batch: the batch's lists and the checks that do not
         # change between rows are read once.
         input_logprobs = result.input_token_logprobs is not None
+        hidden = result.hidden_states
         sample_rows, completes_prefill = batch.sample_rows, batch.completes_prefill
         handoff, check_finished = self.prefill_handoff, self.finisher.check_finished
         touched: list[Req] = []
@@ -85,6 +86,8 @@ class BatchResultProcessor:
                 continue
             if input_logprobs:
                 self._add_input_logprobs(req, batch, result, i)
+            if hidden is not None and hidden[i] is not None:
+                add_hidden_states(req, hidden[i], batch.forward_batch.extend_prefix_lens_cpu[i])
             if sampled:
                 self._commit_token(req, result, i)
                 generated += 1
@@ -109,7 +112,13 @@ class BatchResultProcessor:
         shorter still (`_commit_decode_tokens`), and while no request can finish on a step its tokens
         are only logged (`DecodeTokenLog`)."""
         log = self.token_log
-        short = result.next_token_logprobs is None and not batch.pending_tracks and not batch.any_stream
+        hidden = result.hidden_states
+        short = (
+            result.next_token_logprobs is None
+            and not batch.pending_tracks
+            and not batch.any_stream
+            and hidden is None
+        )
         if short and log.log(batch.reqs, result.next_token_ids):
             self.counters["num_generation_tokens_total"] += len(batch.reqs)
             return
@@ -130,6 +139,8 @@ class BatchResultProcessor:
             out.append(token)
             if logprobs and req.return_logprob:
                 self._append_output_logprobs(req, result, i, token)
+            if hidden is not None and hidden[i] is not None:
+                req.hidden_states += hidden[i]  # (its input token's position: the next after those it has)
             if len(out) >= req.finish_check_len or token in req.finish_token_ids:
                 check_finished(req)
             # Only the rows with a snapshot to commit, or that finished, have more to do.
@@ -279,9 +290,22 @@ class BatchResultProcessor:
         ids = lp and req.token_ids_logprob
         out.output_token_ids_logprobs.append(req.output_token_ids_logprobs[start:] if ids else None)
         out.input_token_ids_logprobs.append(req.input_token_ids_logprobs if first and ids else None)
+        if req.return_hidden_states:
+            out.output_hidden_states.append(req.hidden_states[req.hidden_states_sent :])
+            req.hidden_states_sent = len(req.hidden_states)
+        else:
+            out.output_hidden_states.append(None)
         out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
         out.no_stop_trim.append(req.sampling_params.no_stop_trim)
         if self.process_verify is not None:  # speculative decoding: the request's counts
             out.spec_counts.append(list(req.spec_counts or (0,)))
         req.input_logprobs_sent = req.input_logprobs_sent or bool(first)
         req.send_offset = len(req.output_ids)
+
+
+def add_hidden_states(req: Req, rows: list[list[float]], start: int) -> None:
+    """`rows`: the hidden states of `req`'s positions from `start` on (an extend); those it has already
+    (a retracted request's, computed again where its prefix match fell short) are skipped."""
+    have = len(req.hidden_states)
+    assert start <= have, f"{req}: hidden states from {start}, but it has {have} (a gap)"
+    req.hidden_states += rows[have - start :]

@@ -159,6 +159,7 @@ class SchedulerIOMixin:
         )
         req.bootstrap = recv.bootstrap
         req.extra_key = recv.extra_key
+        req.return_hidden_states = recv.return_hidden_states
         req.inflight = self.inflight
         self.counters["num_requests_total"] += 1
         error = self._validate(req)
