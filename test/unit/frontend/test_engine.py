@@ -160,6 +160,13 @@ def test_real_scheduler_through_the_engine(tmp_path):
         assert out["meta_info"]["completion_tokens"] == 6
         chunks = list(eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, stream=True))
         assert chunks[-1]["output_ids"] == out["output_ids"], "greedy output is deterministic"
+        # Cache namespaces and hidden states, as upstream's Engine.generate takes them.
+        prompt = list(range(100, 300))
+        outs = [eng.generate(input_ids=prompt, sampling_params=GREEDY, extra_key=key) for key in "aba"]
+        cached = [o["meta_info"]["cached_tokens"] for o in outs]
+        assert cached[0] == 0 and cached[1] == 0 and cached[2] > 0, cached
+        with pytest.raises(RequestError, match="--enable-return-hidden-states"):
+            eng.generate(input_ids=prompt, sampling_params=GREEDY, return_hidden_states=True)
         it = eng.generate(
             input_ids=[5, 6], sampling_params={"max_new_tokens": 3000, "ignore_eos": True}, stream=True
         )
