@@ -57,6 +57,24 @@ def test_hidden_states_against_the_oracle(oracles, preset, overlap):
     h.shutdown()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("preset", [QWEN, NEMOTRON])
+def test_gpu_hidden_states_from_graph_replays(oracles, preset):
+    """On CUDA, float32: decode rows come from CUDA graph replays (padded batches); 1e-3 as the other
+    float32 GPU checks (test_strategy_matrix.GPU_ORACLE_TOL says why)."""
+    h = SchedulerHarness(preset, enable_return_hidden_states=True, device="cuda", dtype="float32")
+    assert h.sched.model_runner.graph_runner.use_graphs
+    prompts = [token_ids(40 + 9 * k, seed=k) for k in range(3)]
+    rids = [h.submit(p, max_new_tokens=8, return_hidden_states=k != 1) for k, p in enumerate(prompts)]
+    h.run()
+    for k in (0, 2):
+        out = h.outputs[rids[k]]
+        want = oracles[preset].final_hidden_states(prompts[k] + out.output_ids[:-1])
+        assert (torch.tensor(out.hidden_states) - want).abs().max().item() <= 1e-3
+    h.shutdown()
+
+
 def test_hidden_states_survive_retraction(oracles):
     """A pool too small for the outputs: retracted requests prefill their tokens again (from where the
     prefix matched, at most the positions they have rows for) and add each row once."""
