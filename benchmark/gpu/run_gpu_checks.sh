@@ -2,7 +2,7 @@
 # What a session lent the GPU test machine runs there, in device `run` calls (carry `.whl`, made by
 # `../shared/gpu/fetch-offline-wheels.sh fla-core==0.6.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2`
 # beforehand): the wheels, the GPU tests (marked
-# `gpu`, in five groups at once: the tests use small fixed pools, so they share the GPU), then the benchmarks
+# `gpu`, in seven groups at once: the tests use small fixed pools, so they share the GPU), then the benchmarks
 # one at a time. Logs come back under $OUT (default /tmp/gpu-out): summary.txt, tests-GROUP.log, bench.log.
 #   bash benchmark/gpu/run_gpu_checks.sh tests                # the GPU tests, ~5 min
 #   bash benchmark/gpu/run_gpu_checks.sh engine_vs_hf decode_step kernels state_copy sampler   # ~9 min
@@ -78,9 +78,10 @@ elif [[ $steps == *" tests "* ]]; then
   group matrix-qwen test/unit/scheduler/test_strategy_matrix.py -k qwen &
   group matrix-nemo test/unit/scheduler/test_strategy_matrix.py -k nemotron &
   group model test/unit/model/test_cuda_graph_runner.py test/unit/model/test_kv_cache_dtype.py \
-    test/unit/model/test_device_clean.py test/unit/scheduler/test_speculative_ngram.py \
-    test/registered/bench/test_gpu_bench_scripts.py test/unit/scheduler/test_constrained_decoding.py \
-    test/unit/scheduler/test_hidden_states.py &
+    test/unit/model/test_device_clean.py test/unit/scheduler/test_speculative_ngram.py &
+  # Request features on CUDA (grammar masks, hidden states from graph replays) and the kernel timer.
+  group features test/unit/scheduler/test_constrained_decoding.py test/unit/scheduler/test_hidden_states.py \
+    test/registered/bench/test_gpu_bench_scripts.py &
   # The engine again with the Triton state-copy kernels forced (auto picks the CUDA op, built above).
   SGLANG_MAMBA_STATE_COPY_BACKEND=triton group copy-triton test/unit/scheduler/test_strategy_matrix.py \
     test/unit/model/test_cuda_graph_runner.py &
