@@ -58,7 +58,11 @@ CASES = [
     (CHAT, chat(stream="maybe"), "stream"),  # ("yes" is true in pydantic's lax mode, as upstream)
     (CHAT, chat(stop=[""]), "stop"),
     (CHAT, chat(seed=-1), "seed"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), "tool_choice"),
+    (
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"function": {"name": "g"}}),
+        "tool_choice",
+    ),
     (CHAT, chat(tools=[{"type": "function", "function": {}}]), "tools[0].function.name"),
     (CHAT, chat(frequency_penalty=2.5), "frequency_penalty"),
     (CHAT, chat(repetition_penalty=0), "repetition_penalty"),
