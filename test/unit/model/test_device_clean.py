@@ -112,6 +112,16 @@ def test_forwards_are_device_clean(preset):
     assert copier.devices and set(copier.devices) == {"meta"}, "state-copy ids must live on the device"
 
 
+def _three_decoding_requests(audit: DeviceAudit) -> tuple[ModelRunner, RunnerDriver, list]:
+    """A meta runner with three requests prefilled (greedy, seeded, greedy), the audit reset."""
+    runner, _ = _meta_runner(PRESETS[0], audit)
+    driver = RunnerDriver(runner)
+    reqs = [driver.new_request(), driver.new_request(temperature=0.8, seed=1), driver.new_request()]
+    driver.extend([Extend(r, [4] * 20) for r in reqs], return_logprob=False)
+    audit.reset()
+    return runner, driver, reqs
+
+
 def test_logit_penalties_run_on_the_device():
     """A batch with every kind of penalty (counts with a fresh row, a ban, a bias): its penalty tensors
     travel in the batch's one copy, the counts live on the device, and nothing is read back."""
@@ -129,11 +139,7 @@ def test_logit_penalties_run_on_the_device():
         )  # fmt: skip
 
     with DeviceAudit() as audit:
-        runner, _ = _meta_runner(PRESETS[0], audit)
-        driver = RunnerDriver(runner)
-        reqs = [driver.new_request(), driver.new_request(temperature=0.8, seed=1), driver.new_request()]
-        driver.extend([Extend(r, [4] * 20) for r in reqs], return_logprob=False)
-        audit.reset()
+        runner, driver, reqs = _three_decoding_requests(audit)
         for _ in range(2):
             fb = driver.decode_batch(reqs, return_logprob=True)
             fb.penalties = info()
@@ -150,11 +156,7 @@ def test_grammar_masks_run_on_the_device():
     from sglang.srt.model_executor.forward_batch_info import host_int64
 
     with DeviceAudit() as audit:
-        runner, _ = _meta_runner(PRESETS[0], audit)
-        driver = RunnerDriver(runner)
-        reqs = [driver.new_request(), driver.new_request(temperature=0.8, seed=1), driver.new_request()]
-        driver.extend([Extend(r, [4] * 20) for r in reqs], return_logprob=False)
-        audit.reset()
+        runner, driver, reqs = _three_decoding_requests(audit)
         words = -(-runner.arch.vocab_size // 32)
         fb = driver.decode_batch(reqs, return_logprob=True)
         fb.vocab_mask = VocabMaskInfo(host_int64([2, 0]), torch.full((2, words), 5, dtype=torch.int32))
