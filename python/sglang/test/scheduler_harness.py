@@ -159,7 +159,8 @@ class SchedulerHarness:
                 out.cached_tokens = msg.cached_tokens[i]
                 out.prompt_tokens = msg.prompt_tokens[i]
                 out.finished_reason = msg.finished_reasons[i]
-                out.hidden_states += msg.output_hidden_states[i] or []
+                rows = msg.output_hidden_states[i]
+                out.hidden_states += [] if rows is None else rows.tolist()
         box.clear()
 
     # ---- checks ------------------------------------------------------------------------------------

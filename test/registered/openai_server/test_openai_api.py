@@ -336,8 +336,16 @@ class TestOpenAIServer(ServerTestCase):
         chunks = list(self.client.completions.create(
             model=self.model, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, extra_body=extra, stream=True
         ))  # fmt: skip
-        last = [c.choices[0].model_extra.get("hidden_states") for c in chunks if c.choices]
-        self.assertEqual(last[-1], steps[-1])
+        # As upstream: one more chunk after the finishing one, with the hidden states and no reason.
+        finishing, after = [c.choices[0] for c in chunks if c.choices][-2:]
+        self.assertEqual((finishing.finish_reason, after.finish_reason), ("length", None))
+        self.assertEqual(after.model_extra["hidden_states"], steps[-1])
+        chat = list(self.client.chat.completions.create(
+            model=self.model, messages=MESSAGES, max_tokens=3, temperature=0, extra_body=extra, stream=True
+        ))  # fmt: skip
+        finishing, after = [c.choices[0] for c in chat if c.choices][-2:]
+        self.assertEqual((finishing.finish_reason, after.finish_reason), ("length", None))
+        self.assertEqual(len(after.delta.model_extra["hidden_states"]), width)
 
     def test_chat_errors_keep_their_words(self) -> None:
         r = self.post(

@@ -98,7 +98,8 @@ def test_return_hidden_states_needs_the_flag_and_a_boolean(flags, value, words):
         build_requests(obj, parse_prompts(obj), [], limits)
     assert e.value.param == "return_hidden_states" and words in e.value.message, e.value.message
     ok = SimpleNamespace(enable_return_hidden_states=True, disaggregation_mode="null")
-    obj = GenerateReqInput(input_ids=[[5, 6], [7, 8]], return_hidden_states=[True, False])
     limits = RequestLimits(64, 63, 512, hidden_states_refused(ok))
-    reqs, _ = build_requests(obj, parse_prompts(obj), [], limits)
-    assert [r.req.return_hidden_states for r in reqs] == [True, False]
+    for value in ([True, False], [True, None]):  # (null: the default, as for every per-prompt field)
+        obj = GenerateReqInput(input_ids=[[5, 6], [7, 8]], return_hidden_states=value)
+        reqs, _ = build_requests(obj, parse_prompts(obj), [], limits)
+        assert [r.req.return_hidden_states for r in reqs] == [True, False]

@@ -36,9 +36,22 @@ class LogitsProcessorOutput:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[TopLogprobs]] | None = None
     input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
-    # With `fb.return_hidden_states_mask`: per request, the hidden states (the lm_head's input) of the
-    # positions it ran, a list of floats each (None for a request that does not return them).
-    hidden_states: list[list[list[float]] | None] | None = None
+    # With `fb.return_hidden_states_mask`: the hidden states (the lm_head's input) of the positions the
+    # requests that return them ran (`HiddenRows`).
+    hidden_states: HiddenRows | None = None
+
+
+@dataclass
+class HiddenRows:
+    """`rows` [R, hidden] float32, on the model's device until the result's copy to the host; `spans[i]`,
+    request i's (first row, count) in it, or None for a request that does not return them."""
+
+    rows: torch.Tensor
+    spans: list[tuple[int, int] | None]
+
+    def per_request(self) -> list[torch.Tensor | None]:
+        """Each request's rows (views of `rows`), or None."""
+        return [None if s is None else self.rows[s[0] : s[0] + s[1]] for s in self.spans]
 
 
 def scaled_log_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -82,10 +95,10 @@ def chosen_logprobs(logprobs: torch.Tensor, token_ids: list) -> list[TopLogprobs
     return out
 
 
-def hidden_state_rows(hidden: torch.Tensor, fb: ForwardBatch) -> list[list[list[float]] | None]:
-    """Per request of `fb.return_hidden_states_mask`, the rows of `hidden` of the positions it ran: every
-    extend position, a decode's one, a verify's first (such a request has no drafts); one gather and
-    one copy to the host (in float32), None for the others."""
+def hidden_state_rows(hidden: torch.Tensor, fb: ForwardBatch) -> HiddenRows:
+    """The rows of `hidden` of the positions each request of `fb.return_hidden_states_mask` ran: every
+    extend position, a decode's one, a verify's first (such a request has no drafts); one gather, in
+    float32, left on the device (the worker copies it with the step's results)."""
     mask = fb.return_hidden_states_mask
     if fb.forward_mode.is_decode():
         spans = [(i, 1) for i in range(fb.batch_size)]
@@ -94,13 +107,13 @@ def hidden_state_rows(hidden: torch.Tensor, fb: ForwardBatch) -> list[list[list[
     else:
         spans = list(zip(fb.extend_start_loc_cpu, fb.extend_seq_lens_cpu, strict=True))
     rows = [r for (s, n), wanted in zip(spans, mask, strict=True) if wanted for r in range(s, s + n)]
-    values = hidden[torch.tensor(rows, dtype=torch.int64).to(hidden.device)].float().tolist()
-    out: list[list[list[float]] | None] = []
+    values = hidden[torch.tensor(rows, dtype=torch.int64).to(hidden.device)].float()
+    out: list[tuple[int, int] | None] = []
     at = 0
     for (_, n), wanted in zip(spans, mask, strict=True):
-        out.append(values[at : at + n] if wanted else None)
+        out.append((at, n) if wanted else None)
         at += n if wanted else 0
-    return out
+    return HiddenRows(values, out)
 
 
 class LogitsProcessor:

@@ -199,9 +199,9 @@ class BatchTokenIDOut:
     no_stop_trim: list[bool] = field(default_factory=list)  # keep a matched stop token's text
     # With speculative decoding, each request's `Req.spec_counts` so far (empty list: not enabled).
     spec_counts: list[list[int]] = field(default_factory=list)
-    # With return_hidden_states: the hidden states of the positions since the previous message (one
-    # list of floats each), else None.
-    output_hidden_states: list[list[list[float]] | None] = field(default_factory=list)
+    # With return_hidden_states: the hidden states of the positions since the previous message, a
+    # float32 tensor [positions, hidden] (None: not asked for).
+    output_hidden_states: list[Any] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> BatchTokenIDOut:
@@ -227,7 +227,7 @@ class BatchStrOut:
     output_token_ids_logprobs: list[list[list[LogprobEntry]] | None] = field(default_factory=list)
     input_token_ids_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
     spec_counts: list[list[int]] = field(default_factory=list)
-    output_hidden_states: list[list[list[float]] | None] = field(default_factory=list)
+    output_hidden_states: list[Any] = field(default_factory=list)
 
 
 @dataclass

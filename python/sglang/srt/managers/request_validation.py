@@ -391,7 +391,7 @@ def cache_namespace(cache_salt: Any, extra_key: Any) -> str | None:
 def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:
     """A batch field is either one value for all items or a list with one value per item."""
     defaults = {"sampling_params": None, "rid": None, "return_logprob": False}
-    defaults |= {"logprob_start_len": -1, "top_logprobs_num": 0}
+    defaults |= {"logprob_start_len": -1, "top_logprobs_num": 0, "return_hidden_states": False}
     defaults |= dict.fromkeys(BOOTSTRAP_FIELDS + NAMESPACE_FIELDS)
     if value is None:
         value = defaults[name]

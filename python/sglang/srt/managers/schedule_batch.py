@@ -140,8 +140,8 @@ class Req:
         "extra_key",
         "grammar",
         "return_hidden_states",
-        "hidden_states",
-        "hidden_states_sent",
+        "hidden_count",
+        "hidden_unsent",
     )
 
     def __init__(
@@ -231,12 +231,12 @@ class Req:
         # Constrained decoding: the matcher of its grammar (`constrained/xgrammar_backend.py`), set once
         # the scheduler compiled it.
         self.grammar: RequestGrammar | None = None
-        # return_hidden_states: the final hidden state of each position from 0 on, as computed (a
-        # retracted request recomputes none it has: admission matches its prefix up to there), and how
-        # many were sent.
+        # return_hidden_states: how many positions' final hidden states it has, from 0 on (a retracted
+        # request recomputes none of them: admission matches its prefix up to there), and the rows not
+        # sent yet (tensors [n, hidden] on the host; the scheduler keeps none after sending them).
         self.return_hidden_states = False
-        self.hidden_states: list[list[float]] = []
-        self.hidden_states_sent = 0
+        self.hidden_count = 0
+        self.hidden_unsent: list[torch.Tensor] = []
 
     # ---- derived -----------------------------------------------------------------------------------
 

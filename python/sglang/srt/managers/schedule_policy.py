@@ -152,7 +152,7 @@ class PrefillAdder:
         if req.wants_input_logprobs():
             n = min(n, max(req.logprob_start_len - 1, 0))
         if req.return_hidden_states:  # the positions whose hidden states it does not have run again
-            n = min(n, len(req.hidden_states))
+            n = min(n, req.hidden_count)
         return req.fill_ids[:n]
 
     def _chunk_end(self, p: int, total: int, continuing: bool = False) -> int | None:

@@ -80,7 +80,9 @@ class ReqState:
         self.completion_tokens = out.completion_tokens[i]
         self.cached_tokens = out.cached_tokens[i]
         self.spec_counts = _entry(out.spec_counts, i)
-        self.hidden_states.extend(_entry(out.output_hidden_states, i) or [])
+        rows = _entry(out.output_hidden_states, i)
+        if rows is not None:
+            self.hidden_states.extend(rows.tolist())  # (each row made a list once, here)
         if self.req.return_logprob:
             self.output_token_logprobs.extend(_entry(out.output_token_logprobs, i) or [])
             self.output_top_logprobs.extend(_entry(out.output_top_logprobs, i) or [])

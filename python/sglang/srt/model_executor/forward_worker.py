@@ -37,12 +37,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.layers.logits_processor import HiddenRows
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, host_int64
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class HostBatchResult:
     input_top_logprobs: list[list[TopLogprobs]] | None = None
     next_token_ids_logprobs: list[TopLogprobs | None] | None = None
     input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
-    hidden_states: list[list[list[float]] | None] | None = None  # `LogitsProcessorOutput.hidden_states`
+    # return_hidden_states: per request its rows [n, hidden] (float32, on the host) or None.
+    hidden_states: list[torch.Tensor | None] | None = None
 
     def wait(self, timeout: float | None = None) -> HostBatchResult:
         """Already on the host (the same call as `PendingResult.wait`)."""
@@ -82,7 +84,7 @@ class PendingResult:
     input_top_logprobs: list[list[TopLogprobs]] | None
     next_token_ids_logprobs: list[TopLogprobs | None] | None = None
     input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
-    hidden_states: list[list[list[float]] | None] | None = None
+    hidden_states: HiddenRows | None = None  # its rows copied to the host with the results
     copied: Future | None = None  # done when the copy is (`CopyWaiter.watch`); None: already on the host
 
     def wait(self, timeout: float | None = None) -> HostBatchResult:
@@ -102,7 +104,7 @@ class PendingResult:
             input_top_logprobs=self.input_top_logprobs,
             next_token_ids_logprobs=self.next_token_ids_logprobs,
             input_token_ids_logprobs=self.input_token_ids_logprobs,
-            hidden_states=self.hidden_states,
+            hidden_states=None if self.hidden_states is None else self.hidden_states.per_request(),
         )
 
 
@@ -161,6 +163,14 @@ class CopyWaiter:
                 fut.set_exception(e)
             else:
                 fut.set_result(None)
+
+
+def rows_to_host(rows: torch.Tensor) -> torch.Tensor:
+    """A copy of device `rows` started into pinned host memory, on the current stream (done by the time
+    an event recorded after it is)."""
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.device.type == "cuda")
+    host.copy_(rows, non_blocking=True)
+    return host
 
 
 def results_to_host(ids: torch.Tensor, logprobs: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
@@ -365,8 +375,11 @@ class ForwardWorker:
                 input_top_logprobs=result.input_top_logprobs,
                 next_token_ids_logprobs=result.next_token_ids_logprobs,
                 input_token_ids_logprobs=result.input_token_ids_logprobs,
-                hidden_states=result.hidden_states,
+                hidden_states=None if result.hidden_states is None else result.hidden_states.per_request(),
             )
+        hidden = result.hidden_states
+        if hidden is not None:  # (queued before the results' copy: its event covers this one too)
+            hidden = replace(hidden, rows=rows_to_host(hidden.rows))
         packed, event = results_to_host(result.next_token_ids, lp)
         copied = None if event is None else self.copy_waiter.watch(event)
         return PendingResult(
@@ -377,6 +390,6 @@ class ForwardWorker:
             input_top_logprobs=result.input_top_logprobs,
             next_token_ids_logprobs=result.next_token_ids_logprobs,
             input_token_ids_logprobs=result.input_token_ids_logprobs,
-            hidden_states=result.hidden_states,
+            hidden_states=hidden,
             copied=copied,
         )

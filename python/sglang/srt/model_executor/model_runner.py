@@ -26,7 +26,7 @@ from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
 from sglang.srt.layers.attention.mamba.short_conv_backend import ShortConvAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglang.srt.layers.logits_processor import LogitsProcessor, TopLogprobs
+from sglang.srt.layers.logits_processor import HiddenRows, LogitsProcessor, TopLogprobs
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
 from sglang.srt.mem_cache.pool_sizing import PoolSizes, compute_pool_sizes
@@ -56,7 +56,7 @@ class GenerationBatchResult:
     input_token_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[TopLogprobs]] | None = None
     input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
-    hidden_states: list[list[list[float]] | None] | None = None  # `LogitsProcessorOutput.hidden_states`
+    hidden_states: HiddenRows | None = None  # `LogitsProcessorOutput.hidden_states`
 
 
 class ModelRunner:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from sglang.srt.constrained.vocab_mask import VocabMaskInfo
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.scheduler_components.batch_result_processor import add_hidden_states
 from sglang.srt.mem_cache.common import alloc_for_verify, release_verify_tail
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, counts_tokens
@@ -293,7 +294,8 @@ class NgramWorker:
                 accepted += 1
             out = req.output_ids
             if result.hidden_states is not None and result.hidden_states[i] is not None:
-                req.hidden_states += result.hidden_states[i]  # (no drafts: its first position only)
+                # (no drafts: its first position only)
+                add_hidden_states(req, result.hidden_states[i], req.hidden_count)
             committed = 0
             for t in range(accepted + 1):
                 token = sampled[t]

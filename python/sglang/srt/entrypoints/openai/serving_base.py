@@ -223,7 +223,19 @@ class OpenAIServingBase:
     def stream_choices(self, req: Any, index: int, delta: str, meta: dict, progress: dict) -> list[BaseModel]:
         """The events' choices for one chunk of the output (`stream_choice`'s, by default)."""
         choice = self.stream_choice(req, index, delta, meta, progress)
-        return [] if choice is None else [choice]
+        choices = [] if choice is None else [choice]
+        return choices + self.hidden_states_choices(req, index, meta, choices)
+
+    def hidden_states_choices(self, req: Any, index: int, meta: dict, choices: list) -> list[BaseModel]:
+        """Upstream's: after a choice's finishing chunk, one more with its `hidden_states` (no finish
+        reason), where the request asked."""
+        if not choices or choices[-1].finish_reason is None:
+            return []
+        field = self.hidden_states_field(req, meta)
+        return [self.hidden_states_choice(index, field["hidden_states"])] if field else []
+
+    def hidden_states_choice(self, index: int, states: list) -> BaseModel:
+        raise NotImplementedError
 
     def response_model_name(self, req: Any) -> str:
         """The `model` of a reply: the request's, as upstream echoes it, else the served model's name."""

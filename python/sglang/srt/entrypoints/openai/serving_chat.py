@@ -252,12 +252,19 @@ class OpenAIServingChat(OpenAIServingBase):
         choice = self.stream_choice(req, index, delta, meta, progress)
         if choice is None or choice.finish_reason is None:
             return [] if choice is None else [choice]
+        finishing = self._finishing_choices(choice)
+        return finishing + self.hidden_states_choices(req, index, meta, finishing)
+
+    def hidden_states_choice(self, index: int, states: list) -> ChatStreamChoice:
+        return ChatStreamChoice(index=index, delta=DeltaMessage(hidden_states=states))
+
+    def _finishing_choices(self, choice: ChatStreamChoice) -> list[ChatStreamChoice]:
+        index = choice.index
         ending = ChatStreamChoice(
             index=index,
             delta=DeltaMessage(),
             finish_reason=choice.finish_reason,
             matched_stop=choice.matched_stop,
-            **self.hidden_states_field(req, meta),
         )
         d = choice.delta
         if d.content is None and d.reasoning_content is None and d.tool_calls is None and not (

@@ -84,7 +84,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
         reason, matched = finish_reason(meta)
         if not (delta or reason or (logprobs and logprobs.tokens)):
             return None
-        hidden = self.hidden_states_field(req, meta) if reason is not None else {}
         return CompletionChoice(
-            index=index, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched, **hidden
+            index=index, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
         )
+
+    def hidden_states_choice(self, index: int, states: list) -> CompletionChoice:
+        return CompletionChoice(index=index, text="", hidden_states=states)

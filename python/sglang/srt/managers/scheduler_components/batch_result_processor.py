@@ -19,6 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import BatchTokenIDOut
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -140,7 +142,7 @@ class BatchResultProcessor:
             if logprobs and req.return_logprob:
                 self._append_output_logprobs(req, result, i, token)
             if hidden is not None and hidden[i] is not None:
-                req.hidden_states += hidden[i]  # (its input token's position: the next after those it has)
+                add_hidden_states(req, hidden[i], req.hidden_count)  # (its input token's position)
             if len(out) >= req.finish_check_len or token in req.finish_token_ids:
                 check_finished(req)
             # Only the rows with a snapshot to commit, or that finished, have more to do.
@@ -291,8 +293,8 @@ class BatchResultProcessor:
         out.output_token_ids_logprobs.append(req.output_token_ids_logprobs[start:] if ids else None)
         out.input_token_ids_logprobs.append(req.input_token_ids_logprobs if first and ids else None)
         if req.return_hidden_states:
-            out.output_hidden_states.append(req.hidden_states[req.hidden_states_sent :])
-            req.hidden_states_sent = len(req.hidden_states)
+            unsent, req.hidden_unsent = req.hidden_unsent, []
+            out.output_hidden_states.append(torch.cat(unsent) if unsent else None)
         else:
             out.output_hidden_states.append(None)
         out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
@@ -303,9 +305,12 @@ class BatchResultProcessor:
         req.send_offset = len(req.output_ids)
 
 
-def add_hidden_states(req: Req, rows: list[list[float]], start: int) -> None:
-    """`rows`: the hidden states of `req`'s positions from `start` on (an extend); those it has already
-    (a retracted request's, computed again where its prefix match fell short) are skipped."""
-    have = len(req.hidden_states)
+def add_hidden_states(req: Req, rows: torch.Tensor, start: int) -> None:
+    """`rows`: the hidden states of `req`'s positions from `start` on; those it has already (a retracted
+    request's, computed again where its prefix match fell short) are skipped."""
+    have = req.hidden_count
     assert start <= have, f"{req}: hidden states from {start}, but it has {have} (a gap)"
-    req.hidden_states += rows[have - start :]
+    new = rows[have - start :]
+    if len(new):
+        req.hidden_unsent.append(new)
+        req.hidden_count += len(new)
