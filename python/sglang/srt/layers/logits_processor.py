@@ -54,6 +54,12 @@ class HiddenRows:
         return [None if s is None else self.rows[s[0] : s[0] + s[1]] for s in self.spans]
 
 
+def rows_as_lists(rows: torch.Tensor) -> list[list[float]]:
+    """Host rows as JSON's lists (the HTTP process makes each once; a host tensor: no device sync)."""
+    assert rows.device.type == "cpu", "rows come to the host with the step's results"
+    return rows.tolist()
+
+
 def scaled_log_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits / T) per row; T <= 0 (greedy) leaves the row unscaled."""
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))

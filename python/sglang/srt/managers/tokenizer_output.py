@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sglang.srt.layers.logits_processor import rows_as_lists
 from sglang.srt.managers.io_struct import BatchStrOut
 from sglang.srt.managers.request_validation import NormalizedRequest
 from sglang.srt.utils.text_markers import partial_marker_len
@@ -82,7 +83,7 @@ class ReqState:
         self.spec_counts = _entry(out.spec_counts, i)
         rows = _entry(out.output_hidden_states, i)
         if rows is not None:
-            self.hidden_states.extend(rows.tolist())  # (each row made a list once, here)
+            self.hidden_states.extend(rows_as_lists(rows))  # (each row made a list once, here)
         if self.req.return_logprob:
             self.output_token_logprobs.extend(_entry(out.output_token_logprobs, i) or [])
             self.output_top_logprobs.extend(_entry(out.output_top_logprobs, i) or [])
