@@ -43,3 +43,25 @@ def test_lpm_serves_the_cached_prefix_first(oracles):
     assert sum(c >= 192 for c in fcfs) <= 2, fcfs
     # lpm: after the first request of each group, every request hits its prefix's checkpoint.
     assert sum(c >= 192 for c in lpm) >= 9, lpm
+
+
+def test_lpm_ranks_a_request_by_the_prefix_it_would_take():
+    """A request that returns hidden states (or input logprobs from 0) takes none of its cached prefix:
+    lpm ranks it behind a request whose shorter prefix it would use."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    h = SchedulerHarness(PRESET, schedule_policy="lpm", enable_return_hidden_states=True)
+    try:
+        long_prefix, short_prefix = token_ids(200, seed=1), token_ids(80, seed=2)
+        for p in (long_prefix, short_prefix):
+            h.generate(p, max_new_tokens=1)
+        plain = Req("plain", short_prefix + token_ids(5, seed=3))
+        hidden = Req("hidden", long_prefix + token_ids(5, seed=4))
+        hidden.return_hidden_states = True
+        ids = long_prefix + token_ids(5, seed=5)
+        logprobs = Req("logprobs", ids, return_logprob=True, logprob_start_len=0)
+        assert h.sched.policy.calc_priority([hidden, logprobs, plain]) == [plain, hidden, logprobs]
+        hidden.return_hidden_states = False  # then its long prefix ranks first
+        assert h.sched.policy.calc_priority([plain, hidden])[0] is hidden
+    finally:
+        h.shutdown()

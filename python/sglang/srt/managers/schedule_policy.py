@@ -29,6 +29,17 @@ logger = logging.getLogger(__name__)
 LPM_QUEUE_LIMIT = 128
 
 
+def cacheable_len(req: Req, n: int) -> int:
+    """How much of its first `n` tokens `req` may take from the prefix cache: input logprobs from
+    position s need the logits at s - 1, so the match stops before it; a request returning hidden
+    states computes again every position it has none for."""
+    if req.wants_input_logprobs():
+        n = min(n, max(req.logprob_start_len - 1, 0))
+    if req.return_hidden_states:
+        n = min(n, req.hidden_count)
+    return n
+
+
 class SchedulePolicy:
     """`--schedule-policy`: the order in which one admission pass considers the waiting requests.
     fcfs: arrival. lpm: longest cached prefix first (ties in arrival order), so requests that share what
@@ -42,11 +53,13 @@ class SchedulePolicy:
         if self.policy == "fcfs" or len(waiting_queue) > LPM_QUEUE_LIMIT:
             return waiting_queue
         tree = self.tree_cache
-        hit = {
-            id(r): len(tree.match_prefix(r.all_ids[: r.seqlen - 1], namespace=r.extra_key).device_indices)
-            for r in waiting_queue
-        }
-        return sorted(waiting_queue, key=lambda r: -hit[id(r)])
+
+        def hit(r: Req) -> int:  # (the prefix its admission would match)
+            key = r.all_ids[: cacheable_len(r, r.seqlen - 1)]
+            return len(tree.match_prefix(key, namespace=r.extra_key).device_indices)
+
+        hits = {id(r): hit(r) for r in waiting_queue}
+        return sorted(waiting_queue, key=lambda r: -hits[id(r)])
 
 
 @dataclass(frozen=True)
@@ -146,14 +159,8 @@ class PrefillAdder:
 
     @staticmethod
     def _match_key(req: Req) -> list[int]:
-        # At least one token is recomputed (its logits pick the next token); input logprobs from
-        # position s need the logits at s - 1, so the match stops before it.
-        n = len(req.fill_ids) - 1
-        if req.wants_input_logprobs():
-            n = min(n, max(req.logprob_start_len - 1, 0))
-        if req.return_hidden_states:  # the positions whose hidden states it does not have run again
-            n = min(n, req.hidden_count)
-        return req.fill_ids[:n]
+        # At least one token is recomputed (its logits pick the next token).
+        return req.fill_ids[: cacheable_len(req, len(req.fill_ids) - 1)]
 
     def _chunk_end(self, p: int, total: int, continuing: bool = False) -> int | None:
         """End of this extend: all of it if it fits the token budget, else a chunk of a multiple of the
