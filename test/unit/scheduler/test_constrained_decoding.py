@@ -284,6 +284,28 @@ def test_a_slow_grammar_holds_up_no_other_and_times_out(monkeypatch):
     h.shutdown()
 
 
+def test_a_compiling_grammar_costs_the_others_no_overlap():
+    """While a grammar compiles, plain requests decode with the overlap schedule (batch N + 1 launched
+    before N is processed); once a request with a matcher runs, each batch is processed first."""
+    h = SchedulerHarness(QWEN)
+    pending: Future = Future()
+    h.sched.grammar_queue.backend.submit = lambda kind, text: pending
+    h.sched.record_events = True
+    waiting = h.submit(token_ids(10, seed=1), regex="a+")
+    h.submit(token_ids(10, seed=2), max_new_tokens=12)
+    for _ in range(8):
+        h.sched.step()
+    events = h.sched.events
+    overlapped = any(
+        kind == "launch" and ("process", n - 1) in events[k + 1 :] for k, (kind, n) in enumerate(events)
+    )
+    assert overlapped, events
+    h.sched.abort_request(waiting)
+    h.run()
+    h.flush_and_check_empty()
+    h.shutdown()
+
+
 def test_any_json_value():
     """Upstream's json_schema "$$ANY$$": any JSON value."""
     h = SchedulerHarness(QWEN)

@@ -391,8 +391,9 @@ class Scheduler(SchedulerIOMixin):
         quiet = not (self.running or self.waiting_queue or self.in_flight or self.chunked_req)
         compiled = grammars.poll(GRAMMAR_POLL_S if quiet else 0.0)
         processed = False
-        if grammars.live and self.enable_overlap and self.in_flight:
+        if grammars.live > len(grammars) and self.enable_overlap and self.in_flight:
             # A grammar's mask needs every token its request sampled: no batch in flight may hold one.
+            # (Only requests past the queue hold a matcher; one whose grammar compiles is in no batch.)
             processed = True
             while self.in_flight:
                 self.process_oldest()

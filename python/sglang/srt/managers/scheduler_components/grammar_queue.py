@@ -9,8 +9,9 @@ SGLANG_GRAMMAR_TIMEOUT, ends its request with a 400 naming the field. Without a 
 (`--grammar-backend none`, or xgrammar not installed) such a request ends with a 400 at once.
 
 `live` counts the requests with a grammar that the scheduler holds (queued here or past it): while
-there is one, the overlap schedule processes every batch in flight before it builds the next (a mask
-needs the tokens the last batch sampled), see `Scheduler.step`.
+one past the queue runs, the overlap schedule processes every batch in flight before it builds the
+next (a mask needs the tokens the last batch sampled), see `Scheduler.step`; a grammar still compiling
+costs the others no overlap.
 """
 
 from __future__ import annotations
