@@ -47,11 +47,21 @@ def check_grammar_fields(sp: SamplingParams, error: type[Exception]) -> None:
             f"{given[1]} cannot be set together with {given[0]}: a request has at most one of "
             f"{', '.join(GRAMMAR_FIELDS)}."
         )
-    if given and given[0] in ("json_schema", "structural_tag") and getattr(sp, given[0]) != ANY_JSON:
-        try:
-            json.loads(getattr(sp, given[0]))
-        except ValueError as e:
-            raise error(f"{given[0]} is not valid: not JSON ({e}).") from None
+    if given:
+        message = json_error(given[0], getattr(sp, given[0]))
+        if message is not None:
+            raise error(f"{message}.")
+
+
+def json_error(kind: str, text: str) -> str | None:
+    """Why a `kind` grammar's text is not the JSON it must be (a JSON schema or structural tag), or None."""
+    if kind not in ("json_schema", "structural_tag") or text == ANY_JSON:
+        return None
+    try:
+        json.loads(text)
+    except ValueError as e:
+        return f"{kind} is not valid: not JSON ({e})"
+    return None
 
 
 def error_text(e: BaseException) -> str:

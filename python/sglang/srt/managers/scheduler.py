@@ -4,8 +4,8 @@ forward stream (`ForwardWorker`).
 
 Overlap loop (default): launch batch N on the forward stream, then process the result of N-1, so the
 scheduler's work hides behind the forward. Without overlap each batch is processed right after it ran.
-While a request with a grammar is live, every batch in flight is processed before the next is built
-(its mask needs the tokens they sampled): the forward then overlaps nothing.
+While a request holding a grammar's matcher runs, every batch in flight is processed before the next
+is built (its mask needs the tokens they sampled): the forward then overlaps nothing.
 """
 
 from __future__ import annotations
@@ -387,13 +387,14 @@ class Scheduler(SchedulerIOMixin):
         disagg_did = self.disagg.poll() if self.disagg is not None else False
         times, start = self.loop_times, clock()
         grammars = self.grammar_queue
-        # With nothing else to do, wait a little for a grammar being compiled rather than spin.
-        quiet = not (self.running or self.waiting_queue or self.in_flight or self.chunked_req)
-        compiled = grammars.poll(GRAMMAR_POLL_S if quiet else 0.0)
+        compiled = False
+        if grammars:
+            # With nothing else to do, wait a little for a grammar being compiled rather than spin.
+            quiet = not (self.running or self.waiting_queue or self.in_flight or self.chunked_req)
+            compiled = grammars.poll(GRAMMAR_POLL_S if quiet else 0.0)
         processed = False
-        if grammars.live > len(grammars) and self.enable_overlap and self.in_flight:
+        if grammars.held and self.enable_overlap and self.in_flight:
             # A grammar's mask needs every token its request sampled: no batch in flight may hold one.
-            # (Only requests past the queue hold a matcher; one whose grammar compiles is in no batch.)
             processed = True
             while self.in_flight:
                 self.process_oldest()

@@ -5,8 +5,9 @@ Deltas from the detokenizer are appended; replies are cumulative (SGLang's nativ
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "e2e_latency", and with return_logprob:
      "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
-     and with token_ids_logprob "input_token_ids_logprobs", "output_token_ids_logprobs", and with
-     --speculative-algorithm upstream's "spec_*" fields (`spec_meta_info`)}}
+     and with token_ids_logprob "input_token_ids_logprobs", "output_token_ids_logprobs", with
+     --speculative-algorithm upstream's "spec_*" fields (`spec_meta_info`), and with
+     return_hidden_states "hidden_states"}}
 
 Logprob entries are `[logprob, token_id, text_or_None]` (text with return_text_in_logprobs); top
 logprobs are such lists per position.

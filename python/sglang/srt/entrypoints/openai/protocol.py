@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from sglang.srt.constrained.grammar_spec import ANY_JSON
+from sglang.srt.constrained.grammar_spec import json_error
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.sampling.sampling_params import MAX_N
 
@@ -133,11 +133,8 @@ class _SamplingFields(_Request):
             kind, text = value if name == "response_format" else (name, value)
             if not isinstance(text, str):
                 text = json.dumps(text)
-            elif kind in ("json_schema", "structural_tag") and text != ANY_JSON:
-                try:
-                    json.loads(text)
-                except ValueError as e:
-                    raise _field_error(name, f"{name} is not valid: not JSON ({e})") from None
+            elif (message := json_error(kind, text)) is not None:
+                raise _field_error(name, message)
             self._grammar, self._grammar_origin = (kind, text), name
         return self
 

@@ -8,15 +8,13 @@ transfer queue), with their matcher; a grammar that does not parse or compile, o
 SGLANG_GRAMMAR_TIMEOUT, ends its request with a 400 naming the field. Without a backend
 (`--grammar-backend none`, or xgrammar not installed) such a request ends with a 400 at once.
 
-`live` counts the requests with a grammar that the scheduler holds (queued here or past it): while
-one past the queue runs, the overlap schedule processes every batch in flight before it builds the
-next (a mask needs the tokens the last batch sampled), see `Scheduler.step`; a grammar still compiling
-costs the others no overlap.
+`held` counts the scheduler's requests that hold a matcher (past the queue): while there is one, the
+overlap schedule processes every batch in flight before it builds the next (a mask needs the tokens
+the last batch sampled), see `Scheduler.step`; a grammar still compiling costs the others no overlap.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -28,8 +26,6 @@ from sglang.srt.environ import envs
 if TYPE_CHECKING:
     from sglang.srt.constrained.xgrammar_backend import GrammarBackend
     from sglang.srt.managers.schedule_batch import Req
-
-logger = logging.getLogger(__name__)
 
 
 class GrammarQueue:
@@ -45,7 +41,12 @@ class GrammarQueue:
         self.on_ready = on_ready
         self.on_error = on_error  # (request, message, field): ends it with a 400
         self.queue: list[tuple[Req, Future, float]] = []  # (request, compile, when it was queued)
-        self.live = 0
+        self.held = 0  # requests holding a matcher
+
+    @property
+    def live(self) -> int:
+        """The requests with a grammar: queued, or holding a matcher."""
+        return len(self.queue) + self.held
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -60,7 +61,6 @@ class GrammarQueue:
             self.on_error(req, message, key[0])
             return True
         self.queue.append((req, self.backend.submit(*key), time.monotonic()))
-        self.live += 1
         return True
 
     def poll(self, block_s: float = 0.0) -> bool:
@@ -83,17 +83,14 @@ class GrammarQueue:
             if not fut.done():
                 fut.cancel()  # (a compile already running finishes on its thread, for nobody)
                 message = f"{kind} took more than SGLANG_GRAMMAR_TIMEOUT ({timeout:g} s) to compile."
-                self._end(req, message, kind)
+                self.on_error(req, message, kind)
             elif fut.exception() is not None:
-                self._end(req, f"{kind} could not be compiled: {error_text(fut.exception())}.", kind)
+                self.on_error(req, f"{kind} could not be compiled: {error_text(fut.exception())}.", kind)
             else:
                 req.grammar = self.backend.matcher(fut.result())
+                self.held += 1
                 self.on_ready(req)
         return True
-
-    def _end(self, req: Req, message: str, kind: str) -> None:
-        self.live -= 1
-        self.on_error(req, message, kind)
 
     @property
     def requests(self) -> list[Req]:
@@ -105,14 +102,12 @@ class GrammarQueue:
             if queued is req:
                 fut.cancel()
                 del self.queue[i]
-                self.live -= 1
                 return
         if req.grammar is not None:
-            self.live -= 1
+            self.held -= 1
             req.grammar = None
 
     def check(self, holders: Sequence[Req]) -> None:
-        """`live` counts the queued requests and the scheduler's requests that hold a matcher."""
+        """`held` counts the scheduler's requests that hold a matcher."""
         held = sum(r.grammar is not None for r in holders)
-        queued = len(self.queue)
-        assert self.live == queued + held, f"grammar live {self.live}, queued {queued}, held {held}"
+        assert self.held == held, f"grammar matchers counted {self.held}, held {held}"
