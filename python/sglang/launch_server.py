@@ -147,8 +147,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def load_server_tokenizer(server_args: ServerArgs) -> Any:
-    """The TokenizerManager's tokenizer, loaded before the subprocesses (which load it too) start."""
+    """The TokenizerManager's tokenizer, loaded before the subprocesses (which load it too) start; None
+    with --skip-tokenizer-init."""
     from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+    if server_args.skip_tokenizer_init:
+        return None
 
     try:
         return get_tokenizer(server_args.tokenizer_path)

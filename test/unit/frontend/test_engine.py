@@ -178,6 +178,23 @@ def test_real_scheduler_through_the_engine(tmp_path):
     assert any(name == "event_loop" for _, _, name in pstats.Stats(str(profile)).stats)
 
 
+def test_skip_tokenizer_init_serves_ids_without_text():
+    # The fake scheduler's tokens, through the real detokenizer process with no tokenizer loaded.
+    entry = fake_scheduler.run_scheduler_process
+    with sglang.Engine(scheduler_entry=entry, model_path="tiny-qwen3-next", skip_tokenizer_init=True) as eng:
+        assert eng.tokenizer_manager.tokenizer is None
+        out = eng.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, return_logprob=True)
+        expected, prev = [], 7
+        for pos in range(3, 9):
+            prev = fake_scheduler.fake_token(prev, pos, 0, 512)
+            expected.append(prev)
+        assert set(out) == {"output_ids", "meta_info"} and out["output_ids"] == expected
+        assert [e[2] for e in out["meta_info"]["output_token_logprobs"]] == [None] * 6
+        with pytest.raises(RequestError, match="cannot accept text prompts") as e:
+            eng.generate("Hello", GREEDY)
+        assert e.value.param == "text"
+
+
 def test_engine_refuses_a_transfer_backend_like_the_server():
     with pytest.raises(ServerStartupError, match="--disaggregation-transfer-backend nixl: this server moves"):
         sglang.Engine(

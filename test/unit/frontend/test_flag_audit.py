@@ -29,7 +29,6 @@ PACKAGE = Path(sglang.__file__).parent
 
 # Refused at startup (ServerArgsError or ServerStartupError): a value that asks for the missing feature.
 REFUSED = {
-    "skip_tokenizer_init": True,
     "tp_size": 2,
     "disaggregation_transfer_backend": "nixl",
     "grammar_backend": "outlines",

@@ -111,6 +111,8 @@ def create_grammar_backend(
     grammar is told)."""
     if server_args.grammar_backend == "none":
         return None, "this server runs without constrained decoding (--grammar-backend none)"
+    if tokenizer is None:
+        return None, "this server holds no tokenizer to match a grammar with (--skip-tokenizer-init)"
     try:
         import xgrammar  # noqa: F401
     except ImportError:

@@ -79,13 +79,6 @@ def check_flag_support(server_args: Any) -> None:
             f"--disaggregation-mode {server_args.disaggregation_mode} with --device {server_args.device}: "
             "KV and state transfer from GPU memory is not supported yet; use --device cpu."
         )
-    if server_args.skip_tokenizer_init:
-        # Upstream's flag serves without any tokenizer; this server tokenizes prompts, matches stop
-        # strings and detokenizes outputs itself.
-        raise ServerStartupError(
-            "--skip-tokenizer-init is not supported: this server needs the tokenizer for prompts, stop "
-            "strings and output text (send input_ids to skip prompt tokenization)."
-        )
 
 
 def log_no_effect_flags(server_args: Any) -> None:

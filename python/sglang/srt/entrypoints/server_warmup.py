@@ -20,6 +20,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 logger = logging.getLogger(__name__)
 
 WARMUP_TEXT = "The capital city of France is"
+WARMUP_IDS = (10, 11, 12, 13, 14, 15)
 WARMUP_NEW_TOKENS = 8
 # As upstream's warm-up request: long enough for a first forward that compiles and autotunes kernels,
 # finite where --watchdog-timeout is off and a forward hangs.
@@ -29,7 +30,10 @@ WARMUP_TIMEOUT_S = 600.0
 async def run_server_warmup(tm: Any, context_len: int) -> str | None:
     """Run the warm-up request on the TokenizerManager `tm`: None when it finished, else why not, in one
     sentence (the server then shuts down, as upstream's does when its warm-up fails)."""
-    ids = tm.tokenizer.encode(WARMUP_TEXT, add_special_tokens=False)[: max(1, context_len - 1)] or [1]
+    if tm.tokenizer is not None:
+        ids = tm.tokenizer.encode(WARMUP_TEXT, add_special_tokens=False)[: max(1, context_len - 1)] or [1]
+    else:  # --skip-tokenizer-init: ids, as upstream's warm-up sends then
+        ids = [i % tm.limits.vocab_size for i in WARMUP_IDS][: max(1, context_len - 1)]
     new_tokens = max(1, min(WARMUP_NEW_TOKENS, context_len - len(ids)))
     obj = GenerateReqInput(
         input_ids=ids,

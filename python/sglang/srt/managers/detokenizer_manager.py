@@ -60,27 +60,12 @@ class IncrementalDetokenizer:
 
 class DetokenizerManager:
     def __init__(self, tokenizer: Any):
+        """`tokenizer` None (--skip-tokenizer-init): the ids pass through with no text."""
         self.tokenizer = tokenizer
         self.states: dict[str, IncrementalDetokenizer] = {}
 
     def handle_batch_token_id_out(self, out: BatchTokenIDOut) -> BatchStrOut:
-        texts = []
-        for i, rid in enumerate(out.rids):
-            finished = out.finished_reasons[i] is not None
-            skip = out.skip_special_tokens[i] if i < len(out.skip_special_tokens) else True
-            keep_stop = i < len(out.no_stop_trim) and out.no_stop_trim[i]
-            drop_stop = not keep_stop and _drops_stop_token(out.finished_reasons[i])
-            state = self.states.get(rid)
-            if state is None:
-                state = self.states[rid] = IncrementalDetokenizer(self.tokenizer, skip)
-            try:
-                texts.append(state.push(out.output_ids[i], finished, drop_stop))
-            except Exception:
-                # A request must still get its (final) message; losing some text beats hanging it.
-                logger.exception("Failed to detokenize request %s", rid)
-                texts.append("")
-            if finished:
-                del self.states[rid]
+        texts = self._texts(out) if self.tokenizer is not None else [""] * len(out.rids)
         return BatchStrOut(
             rids=out.rids,
             finished_reasons=out.finished_reasons,
@@ -99,6 +84,26 @@ class DetokenizerManager:
             output_hidden_states=out.output_hidden_states,
         )
 
+    def _texts(self, out: BatchTokenIDOut) -> list[str]:
+        texts = []
+        for i, rid in enumerate(out.rids):
+            finished = out.finished_reasons[i] is not None
+            skip = out.skip_special_tokens[i] if i < len(out.skip_special_tokens) else True
+            keep_stop = i < len(out.no_stop_trim) and out.no_stop_trim[i]
+            drop_stop = not keep_stop and _drops_stop_token(out.finished_reasons[i])
+            state = self.states.get(rid)
+            if state is None:
+                state = self.states[rid] = IncrementalDetokenizer(self.tokenizer, skip)
+            try:
+                texts.append(state.push(out.output_ids[i], finished, drop_stop))
+            except Exception:
+                # A request must still get its (final) message; losing some text beats hanging it.
+                logger.exception("Failed to detokenize request %s", rid)
+                texts.append("")
+            if finished:
+                del self.states[rid]
+        return texts
+
 
 def _drops_stop_token(reason: dict | None) -> bool:
     """A request stopped by a stop token id: that token is not part of the text (SGLang trims it unless
@@ -112,7 +117,8 @@ def run_detokenizer_process(server_args: Any, port_args: PortArgs, pipe_writer: 
         level=server_args.log_level.upper(), format="[%(asctime)s detokenizer] %(levelname)s %(message)s"
     )
     try:
-        manager = DetokenizerManager(get_tokenizer(server_args.tokenizer_path))
+        skip = server_args.skip_tokenizer_init
+        manager = DetokenizerManager(None if skip else get_tokenizer(server_args.tokenizer_path))
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         send = ctx.socket(zmq.PUSH)

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sglang.srt.constrained.grammar_spec import GRAMMAR_FIELDS
 from sglang.srt.managers.io_struct import BootstrapInfo, GenerateReqInput, TokenizedGenerateReqInput
 from sglang.srt.managers.text_encoder import Encoded, encode_texts
 from sglang.srt.sampling.sampling_params import MAX_N, SamplingParams, SamplingParamsError
@@ -43,6 +44,37 @@ class RequestLimits:
     # --enable-return-hidden-states (and no PD disaggregation: the prompt's states would stay on the
     # prefill server): None, or why a request cannot have them.
     hidden_states_refused: str | None = None
+    # --skip-tokenizer-init: the server holds no tokenizer, so whatever needs one is refused by name.
+    without_tokenizer: bool = False
+
+
+# Upstream's words for a text prompt sent to a server without a tokenizer.
+TEXT_WITHOUT_TOKENIZER = (
+    "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide "
+    "input_ids or re-initialize the engine with skip_tokenizer_init=False."
+)
+
+
+def check_tokenizer_free(params: SamplingParams, return_text_in_logprobs: bool) -> None:
+    """Under --skip-tokenizer-init, refuse (naming the field) what needs the tokenizer: stop strings and
+    regexes are searched in the output's text, a grammar's tokens are matched by their text, and
+    return_text_in_logprobs decodes ids. Stop token ids, min_new_tokens and the rest still work (the
+    end-of-sequence ids come from the model's configs)."""
+    fields = [name for name in ("stop", "stop_regex") if getattr(params, name)]
+    fields += [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
+    if fields:
+        name = fields[0]
+        raise RequestError(
+            f"{name} is unavailable when skip_tokenizer_init=True: the server holds no tokenizer to "
+            "match it against the output's text (stop on token ids with stop_token_ids).",
+            "sampling_params." + name,
+        )
+    if return_text_in_logprobs:
+        raise RequestError(
+            "return_text_in_logprobs is unavailable when skip_tokenizer_init=True: the server holds no "
+            "tokenizer to decode the token ids.",
+            "return_text_in_logprobs",
+        )
 
 
 @dataclass
@@ -283,6 +315,8 @@ def build_requests(
         else:
             ids = check_input_ids(ids, limits, "input_ids")
         params = sampling_params_from_dict(per_item["sampling_params"][i], len(ids), limits)
+        if limits.without_tokenizer:
+            check_tokenizer_free(params, obj.return_text_in_logprobs)
         start = per_item["logprob_start_len"][i]
         top = per_item["top_logprobs_num"][i]
         check_logprob_args(per_item["return_logprob"][i], start, top, len(ids))

@@ -2,9 +2,10 @@
 
 It tokenizes and validates requests (`request_validation`), sends them to the scheduler, receives the
 detokenizer's `BatchStrOut` deltas in a background task, accumulates each request's state and hands
-outputs to the caller, in SGLang's native format (`{"text", "output_ids", "meta_info"}`). A caller that
-goes away (cancellation, a closed stream, a disconnected HTTP client) aborts its requests; a request the
-server ends (a deadline) raises `ServerAbortError` with the HTTP status for the client. Long texts are
+outputs to the caller, in SGLang's native format (`{"text", "output_ids", "meta_info"}`; without
+"text" under --skip-tokenizer-init, where prompts must be input_ids). A caller that goes away
+(cancellation, a closed stream, a disconnected HTTP client) aborts its requests; a request the server
+ends (a deadline) raises `ServerAbortError` with the HTTP status for the client. Long texts are
 tokenized off the loop (`TextEncoder`). Control RPCs (flush cache, internal state, pause and continue)
 go to the scheduler, whose replies come back on the same socket.
 
@@ -43,6 +44,7 @@ from sglang.srt.managers.io_struct import (
     SchedulerHeartbeat,
 )
 from sglang.srt.managers.request_validation import (
+    TEXT_WITHOUT_TOKENIZER,
     NormalizedRequest,
     RequestError,
     RequestLimits,
@@ -95,13 +97,19 @@ class TokenizerManager:
         # them. `backend_failure` says why the child processes cannot serve (one has exited), or None.
         self.health = BackendHealth(server_args.watchdog_seconds, backend_failure or (lambda: None))
         self.port_args = port_args
-        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(server_args.tokenizer_path)
-        self.encoder = TextEncoder(self.tokenizer, server_args.tokenizer_path)
+        # --skip-tokenizer-init (upstream's): no tokenizer at all; prompts come as input_ids, and
+        # replies carry output_ids without "text".
+        self.tokenizer: Any = None
+        self.encoder: TextEncoder | None = None
+        if not server_args.skip_tokenizer_init:
+            self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(server_args.tokenizer_path)
+            self.encoder = TextEncoder(self.tokenizer, server_args.tokenizer_path)
         self.limits = RequestLimits(
             context_len=model_info["context_len"],
             max_req_input_len=model_info["max_req_input_len"],
             vocab_size=model_info["vocab_size"],
             hidden_states_refused=hidden_states_refused(server_args),
+            without_tokenizer=self.encoder is None,
         )
         self.max_samples_per_request = max_samples_per_request(
             server_args.max_samples_per_request, model_info["max_running_requests"]
@@ -139,7 +147,8 @@ class TokenizerManager:
         self._watch_task = asyncio.create_task(self.health.watch())
 
     async def close(self) -> None:
-        self.encoder.close()
+        if self.encoder is not None:
+            self.encoder.close()
         if self._watch_task is not None:
             self._watch_task.cancel()
             self._watch_task = None
@@ -155,6 +164,8 @@ class TokenizerManager:
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of `text`, tokenized off the loop when long; RequestError naming `param` when it is
         longer than the context."""
+        if self.encoder is None:
+            raise RequestError(TEXT_WITHOUT_TOKENIZER, param)
         enc = await self.encoder.encode(text, self.limits.context_len, add_special_tokens)
         if enc.ids is None:
             check_input_len(enc.num_tokens, self.limits, param, enc.at_least)  # raises: too long
@@ -163,7 +174,12 @@ class TokenizerManager:
 
     async def normalize(self, obj: GenerateReqInput) -> tuple[list[NormalizedRequest], bool]:
         prompts = parse_prompts(obj, self.max_samples_per_request)
-        encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len)
+        if self.encoder is None:
+            if prompts.texts:
+                raise RequestError(TEXT_WITHOUT_TOKENIZER, "text")
+            encoded = []
+        else:
+            encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len)
         items, is_list = build_requests(obj, prompts, encoded, self.limits)
         for item in items:
             if item.req.rid in self.rid_to_state:
@@ -253,7 +269,10 @@ class TokenizerManager:
             await self._wait_event(event, request)
 
     def make_output(self, state: ReqState) -> dict[str, Any]:
-        return state.to_dict(self.token_texts)
+        out = state.to_dict(self.token_texts)
+        if self.tokenizer is None:
+            del out["text"]  # upstream's reply without a tokenizer: output_ids and meta_info
+        return out
 
     def token_texts(self, ids: list[int]) -> list[str]:
         missing = [t for t in set(ids) if t not in self._token_text]

@@ -144,6 +144,8 @@ class OpenAIServingBase:
         self.model_name = model_name
 
     async def handle(self, request: Request) -> Response:
+        if self.tm.tokenizer is None:
+            return error_response(self.tokenizer_needed(request.url.path))
         try:
             req = parse_model(self.request_model, await request.body())
             obj = await self.to_generate_input(req)
@@ -168,6 +170,16 @@ class OpenAIServingBase:
             return json_response(self.build_response(req, obj, first))
         except Exception as e:
             return internal_error_response(e)
+
+    def tokenizer_needed(self, route: str) -> RequestError:
+        """The refusal of every request to an OpenAI route under --skip-tokenizer-init: its prompts and
+        replies are text (upstream fails them with a 500 or 400 of its own)."""
+        prompt = self.param_names.get("input_ids", "prompt")
+        return RequestError(
+            f"{route} needs a tokenizer for its {prompt} and text replies, and this server was started "
+            "with --skip-tokenizer-init; send token ids to /generate (input_ids) instead.",
+            prompt,
+        )
 
     def rename(self, err: RequestError) -> RequestError:
         """A native validation error in this API's words: its field, and the native field names in its
