@@ -68,6 +68,7 @@ class ServerArgs:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     random_seed: int | None = None
+    weight_version: str = "default"
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -426,9 +427,16 @@ class ServerArgs:
         g.add_argument(
             "--skip-tokenizer-init",
             action="store_true",
-            help="Not supported: the server refuses to start with it (it tokenizes and detokenizes itself).",
+            help="Serve without a tokenizer (none is loaded, and the model folder needs none): prompts are "
+            "input_ids, replies carry output_ids without text; what needs a tokenizer is refused with 400.",
         )
         g.add_argument("--random-seed", type=int, default=None)
+        g.add_argument(
+            "--weight-version",
+            default=default("weight_version"),
+            help="The label of the weights served, in every reply's meta_info.weight_version; "
+            "/update_weights_from_disk and /update_weight_version change it.",
+        )
 
         g = parser.add_argument_group("HTTP server")
         g.add_argument("--host", default=default("host"))

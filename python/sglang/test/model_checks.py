@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.models.loader import checkpoint_files
 from sglang.srt.server_args import ServerArgs
 from sglang.test.reference import LinearState
 from sglang.test.runner_driver import DriverRequest, Extend, RunnerDriver
@@ -133,6 +134,20 @@ def checkpoint_variant(src: str, edit: dict, dst: Path) -> str:
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, **edit}))
+    return str(dst)
+
+
+def noisy_checkpoint(src: str, dst: Path, seed: int = 7, scale: float = 0.05) -> str:
+    """A copy of the checkpoint folder `src` at `dst` with seeded noise on every weight: the same network
+    with other outputs (a checkpoint to update the weights to)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for path in checkpoint_files(dst):
+        weights = load_file(str(path))
+        gen = torch.Generator().manual_seed(seed)
+        noisy = {k: t + scale * torch.randn(t.shape, generator=gen, dtype=t.dtype) for k, t in weights.items()}
+        save_file(noisy, str(path), metadata={"format": "pt"})
     return str(dst)
 
 

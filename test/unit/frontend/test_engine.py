@@ -167,6 +167,16 @@ def test_real_scheduler_through_the_engine(tmp_path):
         assert cached[0] == 0 and cached[1] == 0 and cached[2] > 0, cached
         with pytest.raises(RequestError, match="--enable-return-hidden-states"):
             eng.generate(input_ids=prompt, sampling_params=GREEDY, return_hidden_states=True)
+        # Upstream's refit call (the same weights here: the outputs stay, the label and the cache change).
+        assert eng.update_weights_from_disk("tiny-qwen3-next", weight_version="v2") == (
+            True, "Succeeded to update model weights.", 0
+        )  # fmt: skip
+        again = eng.generate(input_ids=prompt, sampling_params=GREEDY, extra_key="a")
+        assert again["output_ids"] == outs[2]["output_ids"] and again["meta_info"]["cached_tokens"] == 0
+        assert again["meta_info"]["weight_version"] == "v2"
+        with pytest.raises(RequestError, match="flush_cache must be a bool") as e:
+            eng.update_weights_from_disk("tiny-qwen3-next", flush_cache="no")
+        assert e.value.param == "flush_cache"
         it = eng.generate(
             input_ids=[5, 6], sampling_params={"max_new_tokens": 3000, "ignore_eos": True}, stream=True
         )

@@ -22,6 +22,7 @@ from sglang.srt.entrypoints.process_launcher import SchedulerEntry, launch_subpr
 from sglang.srt.managers.io_struct import FlushCacheReqOutput, GenerateReqInput
 from sglang.srt.managers.request_validation import max_samples_per_request
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.managers.weight_update_request import parse_update_weights_from_disk
 from sglang.srt.server_args import ServerArgs
 from sglang.version import __version__
 
@@ -164,6 +165,14 @@ class Engine:
     def flush_cache(self) -> FlushCacheReqOutput:
         """Empty the prefix cache; fails (success=False) while requests are running."""
         return self._run(self.tokenizer_manager.flush_cache())
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None, **kwargs: Any):
+        """Serve the checkpoint at `model_path` (the same network, new weights): (success, message,
+        num_paused_requests), as upstream's. `kwargs`: the other fields of /update_weights_from_disk
+        (flush_cache, abort_all_requests, weight_version, is_async, keep_pause); a wrong one raises
+        RequestError naming it."""
+        obj = parse_update_weights_from_disk({"model_path": model_path, "load_format": load_format, **kwargs})
+        return self._run(self.tokenizer_manager.update_weights_from_disk(obj))
 
     def get_internal_state(self) -> dict[str, Any]:
         return self._run(self.tokenizer_manager.get_internal_state())

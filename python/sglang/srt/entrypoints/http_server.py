@@ -40,6 +40,10 @@ from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import ClientDisconnected, ServerAbortError, TokenizerManager
+from sglang.srt.managers.weight_update_request import (
+    parse_update_weight_version,
+    parse_update_weights_from_disk,
+)
 from sglang.srt.metrics.collector import MetricsCollector
 from sglang.srt.sampling.model_defaults import model_sampling_defaults
 
@@ -154,6 +158,7 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
                 "vocab_size": model_info["vocab_size"],
                 "context_length": model_info["context_len"],
                 "max_req_input_len": model_info["max_req_input_len"],
+                "weight_version": server_args.weight_version,
             }
         )
 
@@ -215,6 +220,35 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
             return error_response(RequestError('Send {"rid": "<request id>"} or {"abort_all": true}.', "rid"))
         tm.abort_request(rid or "", abort_all)
         return Response(status_code=200)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        # As upstream: 200 with success true, else 400 with success false and why.
+        try:
+            obj = parse_update_weights_from_disk(_json_object(await request.body()))
+            success, message, paused = await tm.update_weights_from_disk(obj, request)
+        except RequestError as e:
+            return error_response(e)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as e:
+            return internal_error_response(e)
+        body = {"success": success, "message": message, "num_paused_requests": paused}
+        return json_response(body, 200 if success else 400)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> Response:
+        try:
+            version, abort = parse_update_weight_version(_json_object(await request.body()))
+        except RequestError as e:
+            return error_response(e)
+        tm.update_weight_version(version, abort)
+        message = f"Weight version updated to {version}."
+        return json_response({"success": True, "message": message, "new_version": version})
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        return json_response({"weight_version": server_args.weight_version})
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:

@@ -121,6 +121,36 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class UpdateWeightFromDiskReqInput:
+    """Upstream's /update_weights_from_disk body (`weight_update_request.parse_update_weights_from_disk`
+    checks it): serve the checkpoint at `model_path` (the same network, new weights). `flush_cache`: the
+    prefix cache (KV and recurrent states the old weights computed) is emptied with the swap;
+    `abort_all_requests`: abort everything first; `is_async`: do not wait for running requests (the
+    default waits for them and holds new ones); `keep_pause`: stay paused after it (new requests wait
+    for /continue_generation); `weight_version`: the label replies carry from then on. The scheduler
+    reads `model_path` and `flush_cache`. `load_format` (safetensors), `recapture_cuda_graph` (graphs
+    are always captured again), `torch_empty_cache` (always done) and `token_step` change nothing."""
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+
+
+@dataclass
+class UpdateWeightFromDiskReqOutput:
+    success: bool
+    message: str = ""
+    num_paused_requests: int = 0
+
+
+@dataclass
 class GetInternalStateReq:
     pass
 

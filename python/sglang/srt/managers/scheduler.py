@@ -23,7 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from sglang.srt.constrained.xgrammar_backend import create_grammar_backend
 from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
-from sglang.srt.managers.io_struct import PortArgs
+from sglang.srt.managers.io_struct import PortArgs, UpdateWeightFromDiskReqOutput
 from sglang.srt.managers.schedule_batch import DecodeRowsCache, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
@@ -34,6 +34,7 @@ from sglang.srt.managers.scheduler_components.inflight_batches import InflightBa
 from sglang.srt.managers.scheduler_components.loop_times import LoopTimes, clock
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
+from sglang.srt.managers.scheduler_components.weight_update import WeightUpdate
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import alloc_for_decode, release_kv_cache
@@ -124,6 +125,7 @@ class Scheduler(SchedulerIOMixin):
         vocab_size, eos = server_args.model_config.vocab_size, self.finisher.eos_token_ids
         backend, why_none = create_grammar_backend(server_args, self.finisher.tokenizer, vocab_size, eos)
         self.grammar_queue = GrammarQueue(backend, self.admit_request, self.refuse_request, why_none)
+        self.weight_update = WeightUpdate(self.model_runner.load_like_current)
         self.result_processor = BatchResultProcessor(
             self.tree_cache,
             self.tracker,
@@ -492,16 +494,53 @@ class Scheduler(SchedulerIOMixin):
     def flush_cache(self) -> tuple[bool, str]:
         if not self.is_idle():
             return False, "The cache was not flushed: requests are still running or waiting."
+        self._empty_tree()
+        return True, ""
+
+    def _empty_tree(self) -> None:
+        """Evict every cached prefix (KV and states) and reset the tree; no request may hold any of it."""
         self.tree_cache.evict(
             num_tokens=self.token_allocator.size, mamba_num=self.req_to_token_pool.mamba_allocator.size
         )
         self.tree_cache.reset()
         self.check_pools()
-        return True, ""
+
+    def finish_weight_update(self) -> None:
+        """Swap in the model a /update_weights_from_disk loaded (`WeightUpdate`), once it has, between
+        two steps; then empty the prefix cache, whose KV and states the old weights computed (unless
+        the request said flush_cache false). Requests that hold such state (paused in place, or still
+        running) make a flushing update fail, with the old weights kept: they would go on from it."""
+        done = self.weight_update.poll()
+        if done is None:
+            return
+        req, model, error = done
+        if model is not None and req.flush_cache:
+            while self.in_flight:
+                self.process_oldest()
+            pd_busy = self.disagg is not None and self.disagg.busy()
+            if self.running or self.chunked_req is not None or pd_busy:
+                error = (
+                    f"The weights were not updated: {len(self.running)} request(s) hold KV and state the "
+                    "current weights computed (pause with mode retract or abort first, or send "
+                    "flush_cache false)."
+                )
+        if error:
+            self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, error))
+            return
+        while self.in_flight:
+            self.process_oldest()
+        self.model_runner.swap_model(model)
+        if req.flush_cache:
+            self._empty_tree()
+        paused = len(self.waiting_queue) + len(self.running) if self.generation_pause.paused else 0
+        logger.info("Serving the weights of %s.", req.model_path)
+        message = "Succeeded to update model weights."
+        self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(True, message, paused))
 
     def shutdown(self) -> None:
         while self.in_flight:
             self.process_oldest()
+        self.weight_update.shutdown()
         self.worker.shutdown()
         if self.grammar_queue.backend is not None:
             self.grammar_queue.backend.shutdown()

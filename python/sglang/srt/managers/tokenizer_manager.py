@@ -42,6 +42,8 @@ from sglang.srt.managers.io_struct import (
     PauseGenerationReqOutput,
     PortArgs,
     SchedulerHeartbeat,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
 )
 from sglang.srt.managers.request_validation import (
     TEXT_WITHOUT_TOKENIZER,
@@ -124,6 +126,8 @@ class TokenizerManager:
         self.observer: Any = None
         self._token_text: dict[int, str] = {}
         self._control_waiters: dict[type, asyncio.Future] = {}
+        self._weight_update_lock = asyncio.Lock()
+        self._requests_done = asyncio.Event()  # set when the last running request has ended
         self._control_locks: dict[type, asyncio.Lock] = {}
         self._recv_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
@@ -225,6 +229,8 @@ class TokenizerManager:
                     if self.observer is not None and state.log_metrics:
                         self.observer.on_abort(state)
                 self.rid_to_state.pop(state.rid, None)
+            if not self.rid_to_state:
+                self._requests_done.set()  # (a weight update waits for this)
 
     async def _wait_event(
         self, event: asyncio.Event, request: DisconnectCheck | None, clear: bool = True
@@ -270,6 +276,7 @@ class TokenizerManager:
 
     def make_output(self, state: ReqState) -> dict[str, Any]:
         out = state.to_dict(self.token_texts)
+        out["meta_info"]["weight_version"] = self.server_args.weight_version
         if self.tokenizer is None:
             del out["text"]  # upstream's reply without a tokenizer: output_ids and meta_info
         return out
@@ -368,19 +375,69 @@ class TokenizerManager:
         finally:
             self._unpaused.set()
 
-    async def _control(self, req: Any, reply_type: type, timeout: float) -> Any:
+    # ---- weights (upstream's RL refit routes) -------------------------------------------------------
+
+    async def update_weights_from_disk(
+        self, obj: UpdateWeightFromDiskReqInput, request: DisconnectCheck | None = None
+    ) -> tuple[bool, str, int]:
+        """Serve the checkpoint at `obj.model_path`: (success, message, requests paused meanwhile).
+
+        As upstream: unless the server is paused or `is_async`, new requests wait while the requests
+        already running finish (with the old weights), then the scheduler swaps the weights (loading
+        them on a thread of its own) and empties the prefix cache; the waiting requests then run with
+        the new ones. With `abort_all_requests` everything running is aborted first. A failed update
+        leaves the old weights serving. One update at a time."""
+        async with self._weight_update_lock:
+            if obj.abort_all_requests:
+                self.abort_request(abort_all=True)
+            hold = self._unpaused.is_set() and not obj.is_async
+            success = False
+            if hold:
+                self._unpaused.clear()
+            try:
+                if hold:
+                    while self.rid_to_state:
+                        await self._wait_event(self._requests_done, request)
+                out = await self._control(obj, UpdateWeightFromDiskReqOutput, None)
+                success = out.success
+            finally:
+                if hold and not (success and obj.keep_pause):
+                    self._unpaused.set()
+            if success:
+                self.server_args.model_path = obj.model_path
+                if obj.weight_version is not None:
+                    self.server_args.weight_version = obj.weight_version
+            return out.success, out.message, out.num_paused_requests
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
+        """Upstream's /update_weight_version: the label replies carry from now on (running requests are
+        aborted first unless told not to)."""
+        if abort_all_requests:
+            self.abort_request(abort_all=True)
+        self.server_args.weight_version = new_version
+
+    async def _control(self, req: Any, reply_type: type, timeout: float | None) -> Any:
+        """Send a control request and wait for its reply: TimeoutError after `timeout` (None: no limit),
+        BackendDeadError when the backend dies or stalls meanwhile."""
         # One RPC of a kind at a time: replies carry no id, so a reply belongs to the one waiter.
         lock = self._control_locks.setdefault(reply_type, asyncio.Lock())
         async with lock:
             fut = asyncio.get_running_loop().create_future()
             self._control_waiters[reply_type] = fut
             self._send.send_pyobj(req)
+            deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                return await asyncio.wait_for(fut, timeout)
-            except asyncio.TimeoutError:
-                raise TimeoutError(
-                    f"The scheduler did not answer {type(req).__name__} in {timeout:.0f} s."
-                ) from None
+                while True:
+                    left = DISCONNECT_POLL_S if deadline is None else deadline - time.monotonic()
+                    if left <= 0:
+                        name = type(req).__name__
+                        raise TimeoutError(f"The scheduler did not answer {name} in {timeout:.0f} s.")
+                    try:
+                        return await asyncio.wait_for(asyncio.shield(fut), min(left, DISCONNECT_POLL_S))
+                    except asyncio.TimeoutError:
+                        error = self.health.error()
+                        if error is not None:
+                            raise BackendDeadError(error) from None
             finally:
                 self._control_waiters.pop(reply_type, None)
 

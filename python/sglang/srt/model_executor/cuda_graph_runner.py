@@ -189,12 +189,27 @@ class CudaGraphRunner:
             if verify_bs:
                 static = _StaticInputs.allocate(max(verify_bs), self.device, verify_width)
                 self.kinds[ForwardMode.TARGET_VERIFY] = _GraphSet(static, verify_bs)
-        pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self._capture_all()
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         for mode, graphs in self.kinds.items():
             self._capture(graphs, sorted(graphs.batches, reverse=True), pool)
-            if use_graphs:
-                what = "decode" if mode == ForwardMode.DECODE else f"verify ({verify_width} positions each)"
+            if self.use_graphs:
+                width = self.verify_width
+                what = "decode" if mode == ForwardMode.DECODE else f"verify ({width} positions each)"
                 logger.info("CUDA graphs captured for %s batch sizes %s.", what, graphs.bs_list)
+
+    def recapture(self) -> None:
+        """Capture every graph again, of the model runner's model as it is now (its weights were replaced:
+        the old graphs read the old tensors). The old graphs and their memory pool are freed first."""
+        for graphs in self.kinds.values():
+            graphs.graphs.clear()
+            graphs.outputs.clear()
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        self._capture_all()
 
     @property
     def decode(self) -> _GraphSet:

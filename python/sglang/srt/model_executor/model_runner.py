@@ -17,7 +17,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from sglang.srt.configs.hybrid_arch import hybrid_arch_config
+from sglang.srt.configs.model_config import load_hf_config
+from sglang.srt.configs.presets import resolve_model_path
 from sglang.srt.constrained.vocab_mask import apply_vocab_mask
 from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool, default_decode_extra_slots
 from sglang.srt.layers.attention.fla_float32 import use_ieee_float32_dots
@@ -40,6 +44,22 @@ if TYPE_CHECKING:
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
 logger = logging.getLogger(__name__)
+
+# What the pools, backends and graphs were sized by: a new checkpoint must agree on all of it.
+POOL_SHAPE_FIELDS = (
+    "architecture", "layer types", "kernel state chunk", "recurrent state shapes",
+    "KV heads", "head size", "vocabulary size",
+)  # fmt: skip
+
+
+def _pool_shape(arch, runner: ModelRunner) -> tuple:
+    args = runner.server_args
+    return (
+        arch.architecture, list(arch.layer_types), arch.kernel_state_chunk,
+        arch.mamba2_cache_params(runner.dtype, args.mamba_ssm_dtype),
+        arch.num_key_value_heads, arch.head_dim, arch.vocab_size,
+    )  # fmt: skip
+
 
 LINEAR_BACKENDS = {"gdn": GDNAttnBackend, "mamba2": Mamba2AttnBackend, "short_conv": ShortConvAttnBackend}
 
@@ -156,6 +176,36 @@ class ModelRunner:
     @property
     def mamba_pool(self) -> MambaPool:
         return self.req_to_token_pool.mamba_pool
+
+    # ---- weight updates (/update_weights_from_disk) --------------------------------------------------
+
+    def load_like_current(self, path: str) -> nn.Module:
+        """The model of the checkpoint at `path`, built as the serving one was (its device and dtype, the
+        same loading and post-processing), for `swap_model`. ValueError, in one sentence, where it is not
+        the same network in shape: the pools, backends and graphs are sized for the serving one. Safe on
+        any thread: it reads the serving model's shapes only."""
+        path = resolve_model_path(path)
+        hf_config = load_hf_config(path)
+        arch = hybrid_arch_config(hf_config)
+        got, want = _pool_shape(arch, self), _pool_shape(self.arch, self)
+        for name, new, old in zip(POOL_SHAPE_FIELDS, got, want, strict=True):
+            if new != old:
+                raise ValueError(f"its {name} is {new!r}, the serving model's {old!r}")
+        model = load_model(hf_config, path, self.dtype, self.device)
+        shapes = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+        for name, param in self.model.named_parameters():
+            if shapes.pop(name, None) != (tuple(param.shape), param.dtype):
+                raise ValueError(f"its parameter {name} differs from the serving model's in shape or dtype")
+        if shapes:
+            raise ValueError(f"it has a parameter the serving model lacks: {next(iter(shapes))}")
+        return model
+
+    def swap_model(self, model: nn.Module) -> None:
+        """Serve `model` (from `load_like_current`) from the next forward on; nothing may be in flight.
+        CUDA graphs hold the old weights' addresses, so they are captured again."""
+        self.model = model
+        if self.graph_runner is not None:
+            self.graph_runner.recapture()
 
     def forward_batch_generation(self, fb: ForwardBatch) -> GenerationBatchResult:
         with torch.inference_mode():

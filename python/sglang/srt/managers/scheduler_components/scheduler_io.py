@@ -25,6 +25,8 @@ from sglang.srt.managers.io_struct import (
     PortArgs,
     SchedulerHeartbeat,
     TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
 )
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.scheduler_components.loop_times import clock
@@ -133,6 +135,10 @@ class SchedulerIOMixin:
             elif isinstance(obj, FlushCacheReqInput):
                 ok, msg = self.flush_cache()
                 self.send_to_tokenizer(FlushCacheReqOutput(ok, msg))
+            elif isinstance(obj, UpdateWeightFromDiskReqInput):
+                refused = self.weight_update.start(obj)
+                if refused is not None:
+                    self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, refused))
             elif isinstance(obj, GetInternalStateReq):
                 self.send_to_tokenizer(GetInternalStateReqOutput(self.get_internal_state()))
             elif isinstance(obj, PauseGenerationReqInput):
@@ -277,6 +283,8 @@ class SchedulerIOMixin:
             msgs = self.recv_requests(0 if busy else IDLE_POLL_MS)
             received = clock()
             self.process_input_requests(msgs)
+            if self.weight_update.pending is not None:
+                self.finish_weight_update()
             times.idle += received - start
             times.intake += clock() - received
             now = time.monotonic()

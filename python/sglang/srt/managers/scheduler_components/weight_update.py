@@ -1,0 +1,56 @@
+"""`WeightUpdate`: /update_weights_from_disk on the scheduler's side.
+
+The new checkpoint loads on a thread of its own (`ModelRunner.load_like_current`: minutes for a large
+model), while the scheduler's loop goes on: it keeps sending heartbeats (the watchdog stays quiet), and
+any request still running decodes with the current weights meanwhile. The loop polls (`poll`); once
+the model is loaded, the scheduler swaps it in between two steps (`Scheduler.finish_weight_update`),
+with nothing in flight. One update at a time; a second one is refused while the first loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+logger = logging.getLogger(__name__)
+
+
+class WeightUpdate:
+    def __init__(self, load: Callable[[str], Any]):
+        self.load = load
+        self._pool: ThreadPoolExecutor | None = None
+        self.pending: tuple[UpdateWeightFromDiskReqInput, Future, float] | None = None
+
+    def start(self, req: UpdateWeightFromDiskReqInput) -> str | None:
+        """Start loading `req.model_path`; None, or why it cannot start."""
+        if self.pending is not None:
+            return f"Another weight update (from {self.pending[0].model_path}) is still loading."
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-update")
+        logger.info("Loading new weights from %s.", req.model_path)
+        self.pending = (req, self._pool.submit(self.load, req.model_path), time.monotonic())
+        return None
+
+    def poll(self) -> tuple[UpdateWeightFromDiskReqInput, Any, str] | None:
+        """(the request, the loaded model or None, why not) once the load has ended; None before."""
+        if self.pending is None or not self.pending[1].done():
+            return None
+        req, future, started = self.pending
+        self.pending = None
+        try:
+            model = future.result()
+        except Exception as e:  # noqa: BLE001 - any failure is the checkpoint's, told to the client
+            reason = str(e).strip().rstrip(".") or type(e).__name__
+            logger.warning("The weights at %s were not loaded: %s.", req.model_path, reason)
+            return req, None, f"The weights at {req.model_path} cannot be served: {reason}."
+        logger.info("New weights loaded from %s in %.2f s.", req.model_path, time.monotonic() - started)
+        return req, model, ""
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,216 @@
+"""Upstream's RL refit routes on a real server: /update_weights_from_disk, /update_weight_version and
+/get_weight_version, with meta_info.weight_version in every reply.
+
+Two checkpoints of one network: A (the preset) and B (A's weights plus seeded noise), each with its
+transformers oracle. Greedy outputs match A's oracle before an update and B's after; the prefix cache
+(KV and recurrent states A computed) is emptied with the swap; a request running when the update comes
+finishes with A while new requests wait for B; after a retract pause, a paused request continues on B
+from where it was; an in-place pause refuses a flushing update; a bad update is refused with the old
+weights still serving. Each step of the model takes 20 ms or more, so long requests run for a while.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import orjson
+import requests
+
+from sglang.srt.configs.presets import resolve_model_path
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import noisy_checkpoint
+from sglang.test.reference import ReferenceModel
+from sglang.test.test_utils import ServerTestCase
+
+register_cpu_ci(est_time=45, suite="per-commit-cpu")
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+LONG_PROMPT = list(range(20, 60))
+CACHED_PROMPT = list(range(100, 250))  # past the first cache chunk (64 tokens): a snapshot is kept
+NEW_TOKENS = 8
+LONG_TOKENS = 40
+
+
+class StreamReader(threading.Thread):
+    def __init__(self, base_url: str, body: dict):
+        super().__init__(daemon=True)
+        self.base_url, self.body = base_url, {**body, "stream": True}
+        self.events: list[dict] = []
+        self.done_at: float | None = None
+
+    def run(self) -> None:
+        with requests.post(self.base_url + "/generate", json=self.body, stream=True, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    self.events.append(orjson.loads(line[6:]))
+        self.done_at = time.monotonic()
+
+    def wait_events(self, n: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.events) < n:
+            assert time.monotonic() < deadline, f"only {len(self.events)} events"
+            time.sleep(0.01)
+
+
+class Call(threading.Thread):
+    """A POST in the background, keeping its reply and when it came."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.reply: requests.Response | None = None
+        self.done_at: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        self.reply = requests.post(self.url, json=self.body, timeout=120)
+        self.done_at = time.monotonic()
+
+
+class TestUpdateWeights(ServerTestCase):
+    server_args = ["--mamba-scheduler-strategy", "extra_buffer_lazy", "--weight-version", "base"]
+    env = {"SGLANG_TEST_FORWARD_DELAY_MS": "20"}
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.path_a = resolve_model_path(cls.model)
+        cls.path_b = noisy_checkpoint(cls.path_a, Path(cls.tmp.name) / "b")
+        cls.oracle_a, cls.oracle_b = ReferenceModel(cls.path_a), ReferenceModel(cls.path_b)
+        assert cls.oracle_a.greedy(PROMPT, NEW_TOKENS) != cls.oracle_b.greedy(PROMPT, NEW_TOKENS)
+        super().setUpClass()
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        super().tearDownClass()
+        cls.tmp.cleanup()
+
+    def setUp(self) -> None:
+        self.wait_idle()
+
+    def tearDown(self) -> None:
+        self.post("/continue_generation", {})
+        r = self.update(self.path_a, weight_version="base")  # the next test starts on A
+        self.assertEqual(r.status_code, 200, r.text)
+        state = self.wait_idle()
+        self.assertEqual(state["mamba_usage"]["held_by_requests"], 0)
+
+    def update(self, path: str, **fields) -> requests.Response:
+        return self.post("/update_weights_from_disk", {"model_path": path, **fields})
+
+    def greedy(self, ids: list[int], n: int = NEW_TOKENS) -> dict:
+        body = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+        return self.generate(input_ids=ids, sampling_params=body)
+
+    def long_stream(self) -> StreamReader:
+        body = {"max_new_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True}
+        reader = StreamReader(self.base_url, {"input_ids": LONG_PROMPT, "sampling_params": body})
+        reader.start()
+        return reader
+
+    def test_an_update_swaps_the_weights_flushes_the_cache_and_labels_replies(self) -> None:
+        out = self.greedy(CACHED_PROMPT)
+        self.assertEqual(out["output_ids"], self.oracle_a.greedy(CACHED_PROMPT, NEW_TOKENS))
+        self.assertEqual(out["meta_info"]["weight_version"], "base")
+        self.assertGreater(self.greedy(CACHED_PROMPT)["meta_info"]["cached_tokens"], 0)
+
+        r = self.update(self.path_b, weight_version="step-1")
+        self.assertEqual(r.status_code, 200, r.text)
+        self.assertEqual(r.json(), {"success": True, "message": "Succeeded to update model weights.",
+                                    "num_paused_requests": 0})  # fmt: skip
+        self.assertEqual(self.get("/get_weight_version").json(), {"weight_version": "step-1"})
+        info = self.get("/get_model_info").json()
+        self.assertEqual((info["model_path"], info["weight_version"]), (self.path_b, "step-1"))
+
+        out = self.greedy(CACHED_PROMPT)
+        self.assertEqual(out["output_ids"], self.oracle_b.greedy(CACHED_PROMPT, NEW_TOKENS))
+        self.assertEqual(out["meta_info"]["cached_tokens"], 0)  # A's prefix and states are gone
+        self.assertEqual(out["meta_info"]["weight_version"], "step-1")
+
+    def test_running_requests_finish_on_the_old_weights_while_new_ones_wait(self) -> None:
+        running = self.long_stream()
+        running.wait_events(2)
+        update = Call(self.base_url + "/update_weights_from_disk", {"model_path": self.path_b})
+        time.sleep(0.2)  # the update holds new requests from here on
+        waiting = Call(self.base_url + "/generate", {
+            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        })  # fmt: skip
+        for t in (update, waiting):
+            t.join(60)
+        running.join(60)
+        self.assertEqual(update.reply.status_code, 200, update.reply.text)
+        self.assertLess(running.done_at, update.done_at)
+        self.assertEqual(running.events[-1]["output_ids"], self.oracle_a.greedy(LONG_PROMPT, LONG_TOKENS))
+        self.assertEqual(waiting.reply.json()["output_ids"], self.oracle_b.greedy(PROMPT, NEW_TOKENS))
+
+    def test_after_a_retract_pause_a_request_continues_on_the_new_weights(self) -> None:
+        running = self.long_stream()
+        running.wait_events(3)
+        self.assertEqual(self.post("/pause_generation", {"mode": "retract"}).status_code, 200)
+        seen = len(running.events[-1]["output_ids"])
+        r = self.update(self.path_b)
+        self.assertEqual(r.status_code, 200, r.text)
+        self.assertEqual(r.json()["num_paused_requests"], 1)
+        self.assertEqual(self.post("/continue_generation", {}).status_code, 200)
+        running.join(60)
+        ids = running.events[-1]["output_ids"]
+        self.assertEqual(len(ids), LONG_TOKENS)
+        # A's tokens up to where it was retracted, then B's greedy continuation of them (greedy decoding
+        # is consistent with its prefix, so the first token that differs from A's may be taken as that
+        # point even where B's first token agrees with A's).
+        old = self.oracle_a.greedy(LONG_PROMPT, LONG_TOKENS)
+        k = next((i for i, (a, b) in enumerate(zip(ids, old, strict=True)) if a != b), LONG_TOKENS)
+        self.assertGreaterEqual(k, seen)
+        self.assertLess(k, LONG_TOKENS, "B's tokens differ from A's somewhere")
+        self.assertEqual(ids[k:], self.oracle_b.greedy(LONG_PROMPT + ids[:k], LONG_TOKENS - k))
+
+    def test_an_in_place_pause_refuses_a_flushing_update(self) -> None:
+        running = self.long_stream()
+        running.wait_events(2)
+        self.assertEqual(self.post("/pause_generation", {"mode": "in_place"}).status_code, 200)
+        r = self.update(self.path_b)
+        self.assertEqual(r.status_code, 400, r.text)
+        self.assertFalse(r.json()["success"])
+        self.assertIn("1 request(s) hold KV and state", r.json()["message"])
+        r = self.update(self.path_b, flush_cache=False, keep_pause=True)  # its state stays, B goes on
+        self.assertEqual(r.status_code, 200, r.text)
+        self.assertEqual(self.post("/continue_generation", {}).status_code, 200)
+        running.join(60)
+        self.assertEqual(len(running.events[-1]["output_ids"]), LONG_TOKENS)
+        self.wait_idle()
+        self.flush_cache()
+        self.assertEqual(self.greedy(PROMPT)["output_ids"], self.oracle_b.greedy(PROMPT, NEW_TOKENS))
+
+    def test_a_bad_update_is_refused_and_the_old_weights_keep_serving(self) -> None:
+        for body, param in [
+            ({}, "model_path"),
+            ({"model_path": self.path_b, "load_format": "pt"}, "load_format"),
+            ({"model_path": self.path_b, "flush_cache": "yes"}, "flush_cache"),
+            ({"model_path": self.path_b, "token_step": 1.5}, "token_step"),
+        ]:
+            r = self.post("/update_weights_from_disk", body)
+            self.assertEqual(r.status_code, 400, r.text)
+            self.assertEqual(r.json()["error"]["param"], param)
+        other = resolve_model_path("tiny-nemotron-h")
+        for path, words in [
+            (str(Path(self.tmp.name) / "missing"), "no config.json"),
+            (other, "its architecture is 'NemotronHForCausalLM'"),
+        ]:
+            r = self.update(path, weight_version="never")
+            self.assertEqual(r.status_code, 400, r.text)
+            self.assertFalse(r.json()["success"])
+            self.assertIn(words, r.json()["message"])
+        out = self.greedy(PROMPT)
+        self.assertEqual(out["output_ids"], self.oracle_a.greedy(PROMPT, NEW_TOKENS))
+        self.assertEqual(out["meta_info"]["weight_version"], "base")
+
+    def test_update_weight_version_relabels_replies(self) -> None:
+        r = self.post("/update_weight_version", {"new_version": "v9", "abort_all_requests": False})
+        self.assertEqual(r.json(), {"success": True, "message": "Weight version updated to v9.", "new_version": "v9"})
+        self.assertEqual(self.greedy(PROMPT)["meta_info"]["weight_version"], "v9")
+        r = self.post("/update_weight_version", {"new_version": ""})
+        self.assertEqual(r.status_code, 400)
+        self.assertEqual(r.json()["error"]["param"], "new_version")

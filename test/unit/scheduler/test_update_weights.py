@@ -1,0 +1,110 @@
+"""The scheduler's side of /update_weights_from_disk (`WeightUpdate`, `Scheduler.finish_weight_update`,
+`ModelRunner.load_like_current` / `swap_model`): the checkpoint loads on a thread while the loop goes on,
+then the model is swapped between two steps and the prefix cache emptied. Outputs match the new
+checkpoint's oracle, through the graph runner's bodies too (and on CUDA through graphs captured again);
+a failed or a second concurrent update leaves the old weights serving."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput, UpdateWeightFromDiskReqOutput
+from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import noisy_checkpoint
+from sglang.test.reference import ReferenceModel
+from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+
+register_cpu_ci(est_time=15, suite="per-commit-cpu")
+
+QWEN, NEMOTRON = "tiny-qwen3-next", "tiny-nemotron-h"
+# float32 on CUDA: as the other GPU oracle checks (test_strategy_matrix.GPU_ORACLE_TOL says why).
+GPU_TOL = 1e-3
+
+
+def send_update(h: SchedulerHarness, path: str, **fields) -> None:
+    h.sched.process_input_requests([UpdateWeightFromDiskReqInput(path, **fields)])
+
+
+def wait_reply(h: SchedulerHarness, timeout: float = 60) -> UpdateWeightFromDiskReqOutput:
+    """What the scheduler's loop does while an update loads: poll it each iteration."""
+    deadline = time.monotonic() + timeout
+    while not h.sched.tokenizer_outbox:
+        assert time.monotonic() < deadline, "no reply to the weight update"
+        h.sched.finish_weight_update()
+        time.sleep(0.01)
+    (reply,) = h.sched.tokenizer_outbox
+    h.sched.tokenizer_outbox.clear()
+    return reply
+
+
+@pytest.fixture(scope="module")
+def checkpoint_b(preset_paths, tmp_path_factory):
+    path = noisy_checkpoint(preset_paths[QWEN], tmp_path_factory.mktemp("weights") / "b")
+    return path, ReferenceModel(path)
+
+
+def test_the_swap_serves_the_new_weights_through_the_graph_bodies(oracles, checkpoint_b, preset_paths):
+    path_b, oracle_b = checkpoint_b
+    h = SchedulerHarness(QWEN)
+    runner = h.sched.model_runner
+    # The CUDA-graph runner's CPU form: its bodies run eagerly at each replay (here, every decode).
+    runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False)
+    prompts = [token_ids(70 + 11 * k, seed=k) for k in range(3)]
+    for p in prompts:
+        h.check_oracle(oracles[QWEN], p, h.generate(p, 6))
+    captured = dict(runner.graph_runner.decode.outputs)
+    send_update(h, path_b)
+    reply = wait_reply(h)
+    assert (reply.success, reply.num_paused_requests) == (True, 0), reply.message
+    recaptured = runner.graph_runner.decode.outputs
+    assert set(recaptured) == set(captured) and all(recaptured[b] is not captured[b] for b in captured)
+    rids = [h.submit(p, 6) for p in prompts]
+    h.run()
+    for p, rid in zip(prompts, rids, strict=True):
+        out = h.outputs[rid]
+        assert out.cached_tokens == 0  # the old weights' prefixes are gone
+        h.check_oracle(oracle_b, p, out)
+    h.sched.check_integrity()
+    h.shutdown()
+
+
+def test_a_failed_or_second_update_keeps_the_weights_serving(oracles, checkpoint_b, preset_paths):
+    path_b, _ = checkpoint_b
+    h = SchedulerHarness(QWEN)
+    model = h.sched.model_runner.model
+    send_update(h, preset_paths[NEMOTRON])
+    reply = wait_reply(h)
+    assert not reply.success and "its architecture is 'NemotronHForCausalLM'" in reply.message
+    send_update(h, path_b)
+    send_update(h, path_b)  # while the first loads
+    refused = h.sched.tokenizer_outbox.pop()
+    assert not refused.success and "still loading" in refused.message
+    assert wait_reply(h).success
+    send_update(h, preset_paths[QWEN])  # back
+    assert wait_reply(h).success and h.sched.model_runner.model is not model
+    prompt = token_ids(50, seed=5)
+    h.check_oracle(oracles[QWEN], prompt, h.generate(prompt, 6))
+    h.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graphs_are_captured_again_with_the_new_weights(oracles, checkpoint_b):
+    """The graphs hold the old weights' addresses: replays after the swap must run the new ones."""
+    path_b, oracle_b = checkpoint_b
+    h = SchedulerHarness(QWEN, device="cuda", dtype="float32")
+    assert h.sched.model_runner.graph_runner.use_graphs
+    prompts = [token_ids(40 + 9 * k, seed=k) for k in range(3)]
+    for p in prompts:
+        h.check_oracle(oracles[QWEN], p, h.generate(p, 8), tol=GPU_TOL)
+    send_update(h, path_b)
+    assert wait_reply(h).success
+    rids = [h.submit(p, 8) for p in prompts]
+    h.run()
+    for p, rid in zip(prompts, rids, strict=True):
+        h.check_oracle(oracle_b, p, h.outputs[rid], tol=GPU_TOL)
+    h.shutdown()
