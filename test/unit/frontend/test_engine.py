@@ -151,6 +151,18 @@ def test_dead_scheduler_fails_requests_and_shutdown_is_idempotent():
         eng.generate("x")
 
 
+def test_a_control_call_fails_at_once_when_the_scheduler_is_gone():
+    eng = sglang.Engine(scheduler_entry=fake_scheduler.run_scheduler_process, model_path="tiny-qwen3-next")
+    scheduler = eng._launched.processes[0]
+    scheduler.kill()
+    scheduler.join(5)
+    start = time.monotonic()
+    with pytest.raises(BackendDeadError):
+        eng.flush_cache()  # (its reply would never come: it waited out the 30 s control timeout)
+    assert time.monotonic() - start < 5
+    eng.shutdown()
+
+
 def test_real_scheduler_through_the_engine(tmp_path):
     # Also under SGLANG_CPROFILE_DIR: the scheduler process writes its profile when the engine stops it.
     with envs.SGLANG_CPROFILE_DIR.override(str(tmp_path)):
