@@ -95,6 +95,8 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     # Requests may ask for their positions' final hidden states (return_hidden_states).
     enable_return_hidden_states: bool = False
+    # Requests may carry a custom logit processor (sampling/custom_logit_processor.py): its code runs here.
+    enable_custom_logit_processor: bool = False
     constrained_json_whitespace_pattern: str | None = None
     constrained_json_disable_any_whitespace: bool = False
 
@@ -501,6 +503,13 @@ class ServerArgs:
             help="Let requests ask for the final hidden states (the lm_head's input) of their positions "
             "(return_hidden_states); off, such a request is a 400. A request that asks recomputes its "
             "prompt rather than reuse the prefix cache.",
+        )
+        g.add_argument(
+            "--enable-custom-logit-processor",
+            action="store_true",
+            help="Let requests carry a custom logit processor (custom_logit_processor, made by "
+            "CustomLogitProcessor.to_str()); the scheduler runs its code, so enable it only for trusted "
+            "clients. Off, such a request is a 400.",
         )
         g.add_argument(
             "--grammar-backend",

@@ -108,6 +108,7 @@ class SchedulerHarness:
         token_ids_logprob: list[int] | None = None,
         extra_key: str | None = None,
         return_hidden_states: bool = False,
+        custom_logit_processor: str | None = None,
         **sampling: Any,
     ) -> str:
         rid = f"req-{next(self._ids)}"
@@ -126,6 +127,7 @@ class SchedulerHarness:
                 stream=stream,
                 extra_key=extra_key,
                 return_hidden_states=return_hidden_states,
+                custom_logit_processor=custom_logit_processor,
             )
         )
         self.outputs[rid] = Output(rid)

@@ -135,9 +135,8 @@ class TestUpdateWeights(ServerTestCase):
         running.wait_events(2)
         update = Call(self.base_url + "/update_weights_from_disk", {"model_path": self.path_b})
         time.sleep(0.2)  # the update holds new requests from here on
-        waiting = Call(self.base_url + "/generate", {
-            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-        })  # fmt: skip
+        greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        waiting = Call(self.base_url + "/generate", {"input_ids": PROMPT, "sampling_params": greedy})
         for t in (update, waiting):
             t.join(60)
         running.join(60)
@@ -209,7 +208,8 @@ class TestUpdateWeights(ServerTestCase):
 
     def test_update_weight_version_relabels_replies(self) -> None:
         r = self.post("/update_weight_version", {"new_version": "v9", "abort_all_requests": False})
-        self.assertEqual(r.json(), {"success": True, "message": "Weight version updated to v9.", "new_version": "v9"})
+        want = {"success": True, "message": "Weight version updated to v9.", "new_version": "v9"}
+        self.assertEqual(r.json(), want)
         self.assertEqual(self.greedy(PROMPT)["meta_info"]["weight_version"], "v9")
         r = self.post("/update_weight_version", {"new_version": ""})
         self.assertEqual(r.status_code, 400)

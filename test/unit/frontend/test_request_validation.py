@@ -81,6 +81,8 @@ def norm(tokenizer, **kw):
             "sampling_params.stop_regex",
             "non-empty",
         ),
+        # Upstream's words, where the server runs without --enable-custom-logit-processor.
+        ({"input_ids": [5], "custom_logit_processor": "{}"}, "custom_logit_processor", "not configured"),
     ],
 )
 def test_bad_requests_name_the_field(tokenizer, kw, param, words):
@@ -284,3 +286,22 @@ def test_a_dead_tokenizer_worker_is_a_backend_error_not_a_500(tokenizer):
     with pytest.raises(BackendDeadError, match="tokenizer worker"):
         asyncio.run(enc.encode_many(["x" * 20_000], 4096))
     assert enc._pool is None, "the next long text starts a fresh worker"
+
+
+@pytest.mark.parametrize(
+    "kw, param, words",
+    [
+        ({"custom_logit_processor": 5}, "custom_logit_processor", "to_str()"),
+        ({"custom_logit_processor": ["{}", "{}"]}, "custom_logit_processor", "single value"),
+        ({"sampling_params": {"custom_params": [1]}}, "sampling_params.custom_params", "object"),
+    ],
+)
+def test_custom_logit_processor_fields_are_checked(tokenizer, kw, param, words):
+    limits = RequestLimits(64, 63, 512, custom_logit_processor_enabled=True)
+    with pytest.raises(RequestError) as e:
+        normalize_generate_request(GenerateReqInput(input_ids=[5], **kw), tokenizer, limits)
+    assert e.value.param == param and words in e.value.message
+    items, _ = normalize_generate_request(
+        GenerateReqInput(input_ids=[[5], [6]], custom_logit_processor=["{}", None]), tokenizer, limits
+    )
+    assert [i.req.custom_logit_processor for i in items] == ["{}", None]

@@ -64,7 +64,6 @@ UNSUPPORTED = {
     "session_params": "sessions",
     "lora_path": "LoRA adapters",
     "lora_id": "LoRA adapters",
-    "custom_logit_processor": "custom logit processors",
     "positional_embed_overrides": "embedding overrides",
     "return_sampling_mask": "sampling masks",
     "return_flat_raw_top_logprobs": "flat top logprobs",

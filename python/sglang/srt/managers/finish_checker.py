@@ -67,6 +67,14 @@ class FinishChecker:
         """Set `req.finished_reason` if its newest output token ends it."""
         if req.finish_token_ids is None:
             self.set_quick_check(req)
+        if req.custom_logit_error is not None:
+            req.finished_reason = {
+                "type": "abort",
+                "status_code": 400,
+                "message": req.custom_logit_error,
+                "param": "custom_logit_processor",
+            }
+            return
         grammar = req.grammar
         if grammar is not None:
             try:
@@ -119,8 +127,9 @@ class FinishChecker:
         if not sp.ignore_eos:
             ids |= self.eos_token_ids
         req.finish_token_ids = frozenset(ids)
-        if sp.stop or sp.stop_regex or req.grammar is not None:
-            # The output's text is searched, or its grammar advanced, after every token.
+        if sp.stop or sp.stop_regex or req.grammar is not None or req.custom_logit_processor is not None:
+            # The output's text is searched, or its grammar advanced, or its processor's failure
+            # looked for, after every token.
             req.finish_check_len = 0
         else:
             req.finish_check_len = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))

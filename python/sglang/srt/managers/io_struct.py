@@ -58,6 +58,9 @@ class GenerateReqInput:
     # The final hidden states (the lm_head's input) of every position, in meta_info["hidden_states"]
     # (upstream's; the server needs --enable-return-hidden-states).
     return_hidden_states: bool | list[bool] = False
+    # `CustomLogitProcessor.to_str()` of the processor to run on this request's logits (one for every
+    # prompt, or one per prompt); the server needs --enable-custom-logit-processor.
+    custom_logit_processor: str | list[str | None] | None = None
 
 
 @dataclass
@@ -74,6 +77,7 @@ class TokenizedGenerateReqInput:
     bootstrap: BootstrapInfo | None = None
     extra_key: str | None = None  # the prefix-cache namespace (cache_salt + extra_key); None: the shared one
     return_hidden_states: bool = False
+    custom_logit_processor: str | None = None
 
 
 @dataclass

@@ -46,6 +46,7 @@ class RequestLimits:
     hidden_states_refused: str | None = None
     # --skip-tokenizer-init: the server holds no tokenizer, so whatever needs one is refused by name.
     without_tokenizer: bool = False
+    custom_logit_processor_enabled: bool = False  # --enable-custom-logit-processor
 
 
 # Upstream's words for a text prompt sent to a server without a tokenizer.
@@ -109,6 +110,21 @@ def hidden_states_refused(server_args: Any) -> str | None:
             "would stay on the prefill server)."
         )
     return None
+
+
+def check_custom_logit_processor(value: Any, limits: RequestLimits) -> str | None:
+    """A request's `custom_logit_processor` (the scheduler loads it: its code runs there only)."""
+    if value is None or value == "":
+        return None
+    if not limits.custom_logit_processor_enabled:
+        # Upstream's words.
+        message = "The server is not configured to enable custom logit processor."
+        message += " Start it with --enable-custom-logit-processor."
+        raise RequestError(message, "custom_logit_processor")
+    if not isinstance(value, str):
+        message = "custom_logit_processor must be the string CustomLogitProcessor.to_str() makes."
+        raise RequestError(message, "custom_logit_processor", "invalid_type")
+    return value
 
 
 def sampling_params_from_dict(
@@ -255,7 +271,7 @@ BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # A value each, or a list of one per prompt.
 PER_ITEM_FIELDS = (
     "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_hidden_states",
+    "return_hidden_states", "custom_logit_processor",
 )  # fmt: skip
 
 
@@ -329,6 +345,7 @@ def build_requests(
             raise RequestError(message, "return_hidden_states", "invalid_type")
         if hidden and limits.hidden_states_refused is not None:
             raise RequestError(limits.hidden_states_refused, "return_hidden_states")
+        processor = check_custom_logit_processor(per_item["custom_logit_processor"][i], limits)
         rid = per_item["rid"][i]
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise RequestError("rid must be a non-empty string.", "rid", "invalid_type")
@@ -356,6 +373,7 @@ def build_requests(
                 bootstrap=sample_bootstrap(bootstrap, j, n),
                 extra_key=extra_key,
                 return_hidden_states=hidden,
+                custom_logit_processor=processor,
             )
             out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs))
     rids = [r.req.rid for r in out]
@@ -426,6 +444,7 @@ def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:
     """A batch field is either one value for all items or a list with one value per item."""
     defaults = {"sampling_params": None, "rid": None, "return_logprob": False}
     defaults |= {"logprob_start_len": -1, "top_logprobs_num": 0, "return_hidden_states": False}
+    defaults |= {"custom_logit_processor": None}
     defaults |= dict.fromkeys(BOOTSTRAP_FIELDS + NAMESPACE_FIELDS)
     if value is None:
         value = defaults[name]

@@ -34,6 +34,7 @@ import torch
 
 from sglang.srt.constrained.vocab_mask import VocabMaskInfo
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, SamplingBatchInfo, host_int64
+from sglang.srt.sampling.custom_logit_processor import CustomLogitInfo, CustomLogitProcessor
 from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, PenaltySlots, is_penalized
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -140,6 +141,8 @@ class Req:
         "extra_key",
         "grammar",
         "return_hidden_states",
+        "custom_logit_processor",
+        "custom_logit_error",
         "hidden_count",
         "hidden_unsent",
     )
@@ -235,6 +238,10 @@ class Req:
         # request recomputes none of them: admission matches its prefix up to there), and the rows not
         # sent yet (tensors [n, hidden] on the host; the scheduler keeps none after sending them).
         self.return_hidden_states = False
+        # --enable-custom-logit-processor: the processor its logits go through (sampling/
+        # custom_logit_processor.py), and why it failed if it raised (the finish check ends it then).
+        self.custom_logit_processor: CustomLogitProcessor | None = None
+        self.custom_logit_error: str | None = None
         self.hidden_count = 0
         self.hidden_unsent: list[torch.Tensor] = []
 
@@ -358,6 +365,7 @@ class DecodeRows:
     any_stream: bool  # some request streams its output
     any_penalized: bool  # some request's logits take penalties (sampling/penaltylib.py)
     any_grammar: bool  # some request has a grammar (constrained/vocab_mask.py)
+    any_custom_logit: bool  # some request has a custom logit processor
     hidden_states_mask: list[bool] | None  # `hidden_states_mask`
 
     @classmethod
@@ -401,6 +409,7 @@ class DecodeRows:
             any_stream=any_stream,
             any_penalized=any_penalized,
             any_grammar=any(r.grammar is not None for r in reqs),
+            any_custom_logit=any(r.custom_logit_processor is not None for r in reqs),
             hidden_states_mask=hidden_states_mask(reqs),
         )
 
@@ -576,6 +585,7 @@ class ScheduleBatch:
             )
         if any(r.grammar is not None for r in self.reqs):
             self.forward_batch.vocab_mask = VocabMaskInfo.build(self.reqs, self.sample_rows)
+        self.forward_batch.custom_logit = CustomLogitInfo.build(self.reqs, self.sample_rows)
         self.forward_batch.return_hidden_states_mask = hidden_states_mask(self.reqs)
 
     @staticmethod
@@ -652,6 +662,8 @@ class ScheduleBatch:
             )
         if rows.any_grammar:
             self.forward_batch.vocab_mask = VocabMaskInfo.build(reqs, self.sample_rows)
+        if rows.any_custom_logit:
+            self.forward_batch.custom_logit = CustomLogitInfo.build(reqs, self.sample_rows)
         self.forward_batch.return_hidden_states_mask = rows.hidden_states_mask
         self.state_copies = tree_cache.take_pending_state_copies()
 

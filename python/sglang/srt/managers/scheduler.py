@@ -4,8 +4,9 @@ forward stream (`ForwardWorker`).
 
 Overlap loop (default): launch batch N on the forward stream, then process the result of N-1, so the
 scheduler's work hides behind the forward. Without overlap each batch is processed right after it ran.
-While a request holding a grammar's matcher runs, every batch in flight is processed before the next
-is built (its mask needs the tokens they sampled): the forward then overlaps nothing.
+While a request holding a grammar's matcher or a custom logit processor runs, every batch in flight is
+processed before the next is built (its mask, or its processor, needs the tokens they sampled): the
+forward then overlaps nothing.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class Scheduler(SchedulerIOMixin):
         backend, why_none = create_grammar_backend(server_args, self.finisher.tokenizer, vocab_size, eos)
         self.grammar_queue = GrammarQueue(backend, self.admit_request, self.refuse_request, why_none)
         self.weight_update = WeightUpdate(self.model_runner.load_like_current)
+        self.custom_logit_reqs = 0  # requests with a custom logit processor
         self.result_processor = BatchResultProcessor(
             self.tree_cache,
             self.tracker,
@@ -375,6 +377,10 @@ class Scheduler(SchedulerIOMixin):
         except (FutureTimeoutError, TimeoutError):
             raise SchedulerWatchdogError(self.stuck_forward_message(batch)) from None
         landed = clock()
+        processors = batch.forward_batch.custom_logit
+        if processors is not None and processors.errors:
+            for req in batch.reqs:  # (its finish check ends it)
+                req.custom_logit_error = processors.errors.get(req.rid, req.custom_logit_error)
         self.inflight.landed(batch, result.next_token_ids)
         self.result_processor.process_batch_result(batch, result)
         times.wait += landed - start
@@ -395,8 +401,9 @@ class Scheduler(SchedulerIOMixin):
             quiet = not (self.running or self.waiting_queue or self.in_flight or self.chunked_req)
             compiled = grammars.poll(GRAMMAR_POLL_S if quiet else 0.0)
         processed = False
-        if grammars.held and self.enable_overlap and self.in_flight:
-            # A grammar's mask needs every token its request sampled: no batch in flight may hold one.
+        if (grammars.held or self.custom_logit_reqs) and self.enable_overlap and self.in_flight:
+            # A grammar's mask needs every token its request sampled, and a custom logit processor may
+            # read them (its "__req__"): no batch in flight may hold one.
             processed = True
             while self.in_flight:
                 self.process_oldest()
@@ -440,6 +447,9 @@ class Scheduler(SchedulerIOMixin):
         if req in self.waiting_queue:
             self.waiting_queue.remove(req)
         self.grammar_queue.discard(req)
+        if req.custom_logit_processor is not None:
+            self.custom_logit_reqs -= 1
+            req.custom_logit_processor = None
         self.reqs_by_rid.pop(req.rid, None)
         if self.spec is not None:
             self.spec.forget(req)
@@ -479,6 +489,8 @@ class Scheduler(SchedulerIOMixin):
         self.result_processor.token_log.check()
         self.penalty_slots.check(self.live_requests())
         self.grammar_queue.check(self.live_requests())
+        with_processor = sum(r.custom_logit_processor is not None for r in self.reqs_by_rid.values())
+        assert self.custom_logit_reqs == with_processor, (self.custom_logit_reqs, with_processor)
         check_integrity(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
 
     def is_idle(self) -> bool:

@@ -111,6 +111,7 @@ class TokenizerManager:
             max_req_input_len=model_info["max_req_input_len"],
             vocab_size=model_info["vocab_size"],
             hidden_states_refused=hidden_states_refused(server_args),
+            custom_logit_processor_enabled=server_args.enable_custom_logit_processor,
             without_tokenizer=self.encoder is None,
         )
         self.max_samples_per_request = max_samples_per_request(

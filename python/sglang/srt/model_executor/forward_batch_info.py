@@ -329,6 +329,8 @@ class ForwardBatch:
     penalties: Any = None
     # Grammar masks of the batch's constrained requests (`constrained/vocab_mask.py`); None: none.
     vocab_mask: Any = None
+    # Custom logit processors of the batch's requests (`sampling/custom_logit_processor.py`); None: none.
+    custom_logit: Any = None
 
     # Backends' index tensors built on the host before the batch moves (`prepare_host_metadata`), by
     # name: `to_device` moves them with the batch's own. `moved`: `ModelRunner.move_batch` ran.
@@ -371,7 +373,7 @@ class ForwardBatch:
         info = self.sampling_info = dataclasses.replace(self.sampling_info)
         owners = [(self, name) for name in self.TENSOR_FIELDS]
         owners += [(info, name) for name in SamplingBatchInfo.TENSOR_FIELDS]
-        for extra in (self.penalties, self.vocab_mask):
+        for extra in (self.penalties, self.vocab_mask, self.custom_logit):
             if extra is not None:
                 owners += [(extra, name) for name in extra.TENSOR_FIELDS]
         tensors = [getattr(obj, name) for obj, name in owners]

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.pool_sizing import PoolSizes, compute_pool_sizes
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, capture_bs_list
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.registry import load_model
+from sglang.srt.sampling.custom_logit_processor import apply_custom_logit_processors
 from sglang.srt.sampling.penaltylib import Penalizer
 from sglang.srt.server_args import ServerArgs
 
@@ -230,6 +231,8 @@ class ModelRunner:
                 next_logits = self.penalizer.apply(next_logits, fb.penalties)
             if fb.vocab_mask is not None:
                 next_logits = apply_vocab_mask(next_logits, fb.vocab_mask)
+            if fb.custom_logit is not None:
+                next_logits = apply_custom_logit_processors(next_logits, fb.custom_logit)
             # Each sampled token's sequence index (what seeded sampling hashes): the batch's lengths, or
             # for a verify (a token per position) one past each position.
             seq_index = fb.positions + 1 if fb.forward_mode.is_target_verify() else fb.seq_lens

@@ -53,6 +53,8 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # The request's settings for its custom logit processor (`custom_logit_processor.py`), as upstream.
+    custom_params: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -112,6 +114,9 @@ class SamplingParams:
         if not 0 < self.repetition_penalty <= 2:
             raise SamplingParamsError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
         self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            message = "custom_params must be an object (the custom logit processor's settings)."
+            raise SamplingParamsError(message)
         for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(f"{name} must be a boolean.")

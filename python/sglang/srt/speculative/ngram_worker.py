@@ -23,7 +23,8 @@ whose samples are never accepted; the track boundary and the commit count its re
 
 A request whose logits take a penalty at its next position (`penalized_now`) gets no drafts (its token
 counts would have to follow them): its one position is penalized as in a decode step; so does a request
-with a grammar (its mask would have to follow them), its one position masked. A request whose
+with a grammar (its mask would have to follow them), its one position masked, and one with a custom
+logit processor (which sees the request's outputs). A request whose
 drafts keep being rejected drafts less often (`_backoff`). A step where no request has a draft, or where
 the KV pool cannot hold the drafts, decodes plainly.
 """
@@ -40,6 +41,7 @@ from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.scheduler_components.batch_result_processor import add_hidden_states
 from sglang.srt.mem_cache.common import alloc_for_verify, release_verify_tail
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.sampling.custom_logit_processor import CustomLogitInfo
 from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, counts_tokens
 from sglang.srt.speculative.ngram_cache import NgramCache, namespace_seed
 
@@ -135,6 +137,8 @@ class NgramWorker:
         if penalized_now(req) or req.grammar is not None or req.return_hidden_states:
             # (a grammar's mask would have to follow the drafts; hidden states are taken at one position)
             return []
+        if req.custom_logit_processor is not None:
+            return []  # (its processor sees the request's outputs: they would have to include the drafts)
         if backoff is not None and len(req.output_ids) < backoff[1]:
             return []
         budget = min(
@@ -258,6 +262,9 @@ class NgramWorker:
             # So does a grammar's mask (its request has no drafts: one real position).
             mask = VocabMaskInfo.build(reqs, batch.sample_rows)
             batch.forward_batch.vocab_mask = mask.at_logit_rows(first)
+        if any(r.custom_logit_processor is not None for r in reqs):  # (no drafts there either)
+            processors = CustomLogitInfo.build(reqs, batch.sample_rows)
+            batch.forward_batch.custom_logit = processors.at_logit_rows(first)
         batch.state_copies = sched.tree_cache.take_pending_state_copies()
 
     def internal_state(self) -> dict:

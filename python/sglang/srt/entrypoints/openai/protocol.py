@@ -79,12 +79,16 @@ class _SamplingFields(_Request):
     extra_key: str | None = None
     # Upstream's: the choice's `hidden_states` is the last position's (--enable-return-hidden-states).
     return_hidden_states: bool = False
+    # Upstream's: CustomLogitProcessor.to_str() and its settings (--enable-custom-logit-processor).
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
 
     def passthrough_fields(self) -> dict[str, Any]:
-        """The GenerateReqInput fields passed as they are: PD's bootstrap, the cache namespace, and
-        return_hidden_states."""
+        """The GenerateReqInput fields passed as they are: PD's bootstrap, the cache namespace,
+        return_hidden_states and custom_logit_processor."""
         return {
             "return_hidden_states": self.return_hidden_states,
+            "custom_logit_processor": self.custom_logit_processor,
             "bootstrap_host": self.bootstrap_host,
             "bootstrap_port": self.bootstrap_port,
             "bootstrap_room": self.bootstrap_room,
@@ -159,6 +163,7 @@ class _SamplingFields(_Request):
             "ignore_eos": self.ignore_eos,
             "no_stop_trim": self.no_stop_trim,
             "skip_special_tokens": self.skip_special_tokens,
+            "custom_params": self.custom_params,
         }
         if self._grammar is not None:
             d[self._grammar[0]] = self._grammar[1]

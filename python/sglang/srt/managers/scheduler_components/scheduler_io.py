@@ -31,6 +31,7 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.scheduler_components.loop_times import clock
 from sglang.srt.managers.scheduler_components.request_control import GenerationPause, RequestDeadlines
+from sglang.srt.sampling.custom_logit_processor import load_processor
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,13 @@ class SchedulerIOMixin:
         if req.penalized:
             self.finisher.set_quick_check(req)  # its stop ids, which min_new_tokens bans until then
         self.reqs_by_rid[req.rid] = req
+        if recv.custom_logit_processor is not None:
+            try:
+                req.custom_logit_processor = load_processor(recv.custom_logit_processor)
+            except ValueError as e:
+                self.refuse_request(req, str(e), "custom_logit_processor")
+                return req
+            self.custom_logit_reqs += 1
         if not self.grammar_queue.add(req):  # (one with a grammar comes back once it is compiled)
             self.admit_request(req)
         return req

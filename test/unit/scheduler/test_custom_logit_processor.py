@@ -1,0 +1,126 @@
+"""Custom logit processors (upstream's `custom_logit_processor` + `sampling_params.custom_params`) in the
+scheduler: a processor's rows sample what it leaves them, after it saw its request's outputs so far
+("__req__", with the overlap schedule too); the other requests of the batch are untouched (the
+oracle's outputs); NGRAM gives such a request no drafts; a processor that raises ends its requests with
+a 400 and nothing leaks; a payload that does not load is a 400 naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.sampling.custom_logit_processor import (
+    CustomLogitProcessor,
+    DisallowedTokensLogitsProcessor,
+    load_processor,
+)
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+
+register_cpu_ci(est_time=20, suite="per-commit-cpu")
+
+QWEN = "tiny-qwen3-next"
+
+
+def force(logits: torch.Tensor, row: int, token: int) -> None:
+    logits[row] = float("-inf")
+    logits[row, token] = 0.0
+
+
+class SwitchAfter(CustomLogitProcessor):
+    """Token `a` while the request has fewer than `k` outputs, then `b`: what a thinking budget does,
+    counting the request's own outputs."""
+
+    def __call__(self, logits, custom_param_list=None):
+        for row, p in enumerate(custom_param_list):
+            force(logits, row, p["a"] if len(p["__req__"].output_ids) < p["k"] else p["b"])
+        return logits
+
+
+class Fails(CustomLogitProcessor):
+    def __call__(self, logits, custom_param_list=None):
+        if any(len(p["__req__"].output_ids) >= 3 for p in custom_param_list):
+            raise RuntimeError("budget table missing")
+        return logits
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_processors_see_their_outputs_and_leave_the_others_alone(oracles, overlap):
+    h = SchedulerHarness(QWEN, disable_overlap_schedule=not overlap, enable_custom_logit_processor=True)
+    switch = SwitchAfter.to_str()
+    plain_prompts = [token_ids(30 + 7 * k, seed=k) for k in range(3)]
+    plain = [h.submit(p, max_new_tokens=12) for p in plain_prompts]
+    forced = [
+        h.submit(token_ids(25, seed=10 + k), max_new_tokens=12, custom_logit_processor=switch,
+                 custom_params={"a": 7 + k, "b": 100 + k, "k": 4 + k})
+        for k in range(2)
+    ]  # fmt: skip
+    banned = h.generate(  # upstream's built-in, by its name: the oracle's greedy tokens are banned
+        plain_prompts[0], max_new_tokens=12, custom_logit_processor=DisallowedTokensLogitsProcessor.to_str(),
+        custom_params={"token_ids": sorted(set(oracles[QWEN].greedy(plain_prompts[0], 12)))},
+    )  # fmt: skip
+    for k, rid in enumerate(forced):
+        out = h.outputs[rid]
+        assert out.output_ids == [7 + k] * (4 + k) + [100 + k] * (8 - k)
+        assert out.logprobs == [0.0] * 12  # (the sampled token holds all the mass it left)
+    for p, rid in zip(plain_prompts, plain, strict=True):
+        h.check_oracle(oracles[QWEN], p, h.outputs[rid])
+    assert not set(banned.output_ids) & set(oracles[QWEN].greedy(plain_prompts[0], 12))
+    assert h.sched.custom_logit_reqs == 0
+    h.sched.check_integrity()
+    h.shutdown()
+
+
+def test_a_failing_processor_ends_its_requests_with_a_400_only(oracles):
+    h = SchedulerHarness(QWEN, enable_custom_logit_processor=True)
+    other = token_ids(40, seed=2)
+    rids = [h.submit(token_ids(20, seed=1), max_new_tokens=10, custom_logit_processor=Fails.to_str())]
+    rids.append(h.submit(other, max_new_tokens=10))
+    rids.append(h.submit(other, max_new_tokens=10, custom_logit_processor='{"callable": "00ff"}'))
+    rids.append(h.submit(other, max_new_tokens=10, custom_logit_processor="not json"))
+    h.run()
+    failed, ok, bad_pickle, bad_json = (h.outputs[r] for r in rids)
+    assert failed.finished_reason["status_code"] == 400
+    assert failed.finished_reason["param"] == "custom_logit_processor"
+    assert "RuntimeError: budget table missing" in failed.finished_reason["message"]
+    assert len(failed.output_ids) == 4  # three by the processor, the fourth sampled as it raised
+    h.check_oracle(oracles[QWEN], other, ok)
+    assert "cannot be loaded" in bad_pickle.finished_reason["message"]
+    assert "CustomLogitProcessor.to_str()" in bad_json.finished_reason["message"]
+    assert all(o.finished_reason["param"] == "custom_logit_processor" for o in (bad_pickle, bad_json))
+    h.sched.check_integrity()
+    h.flush_and_check_empty()
+    h.shutdown()
+
+
+def test_ngram_gives_a_request_with_a_processor_no_drafts(oracles):
+    prompt = token_ids(40, seed=3)
+    spec = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
+    h = SchedulerHarness(QWEN, enable_custom_logit_processor=True, **spec)
+    h.generate(prompt, max_new_tokens=40)  # its text is what the next requests draft from
+    before = h.sched.spec.stats["verify_steps"]
+    drafting = h.submit(prompt, max_new_tokens=40)
+    params = {"a": 11, "b": 12, "k": 5}
+    switch = SwitchAfter.to_str()
+    forced = h.submit(prompt, max_new_tokens=30, custom_logit_processor=switch, custom_params=params)
+    h.run()
+    assert h.sched.spec.stats["verify_steps"] - before >= 3, "the pair verified together"
+    assert h.outputs[forced].output_ids == [11] * 5 + [12] * 25
+    h.check_oracle(oracles[QWEN], prompt, h.outputs[drafting])
+    req = h.sched.spec  # the rule itself
+    h.submit(prompt, max_new_tokens=40, custom_logit_processor=switch, custom_params=params)
+    h.sched.step()
+    queued = h.sched.running[0] if h.sched.running else h.sched.waiting_queue[0]
+    assert req._draft(queued) == []
+    queued.custom_logit_processor, saved = None, queued.custom_logit_processor
+    assert req._draft(queued), "its text is in the cache"
+    queued.custom_logit_processor = saved
+    h.run()
+    h.sched.check_integrity()
+    h.shutdown()
+
+
+def test_a_payload_loads_once_per_text():
+    text = SwitchAfter.to_str()
+    assert load_processor(text) is load_processor(text)
+    assert isinstance(CustomLogitProcessor.from_str(text), SwitchAfter)
