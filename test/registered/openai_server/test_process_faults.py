@@ -4,7 +4,7 @@ ends the server with status 1 after in-flight requests got HTTP 503 (no hanging,
 - SIGKILL of the server process: the scheduler, the detokenizer (which had output in flight) and the
   tokenizer worker (started by a long prompt) are gone within a few seconds.
 - A SIGSTOPped scheduler with --watchdog-timeout 3: /health turns 503 after the timeout (never before),
-  the waiting request gets 503, the server exits with status 1 and leaves no process behind.
+  the waiting request and a waiting /flush_cache get 503, the server exits with status 1 and leaves no process behind.
 - A forward slower than --watchdog-timeout: the scheduler reports it with its batch and exits, the
   waiting request gets 503 and the server exits with status 1.
 """
@@ -149,6 +149,9 @@ def test_a_stopped_scheduler_makes_the_server_unhealthy_then_exit(servers):
         {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8}},
         reply,
     )
+    # A control call waiting on the scheduler fails with it too: 503, not a 500 (or its 30 s timeout).
+    flushed: dict = {}
+    flusher = post_in_thread(server.base_url + "/flush_cache", {}, flushed)
     health = []  # (seconds since SIGSTOP, status or None when refused)
     while server.proc.poll() is None and time.monotonic() - stopped_at < EXIT_TIMEOUT_S:
         try:
@@ -165,6 +168,8 @@ def test_a_stopped_scheduler_makes_the_server_unhealthy_then_exit(servers):
     assert all(s != 200 for _, s in health[first_bad:]), health
     waiter.join(10)
     assert reply.get("status") == 503, reply
+    flusher.join(10)
+    assert flushed.get("status") == 503 and flushed["body"]["error"]["code"] == "backend_dead", flushed
     assert "The scheduler has not answered for" in reply["body"]["error"]["message"], reply
     log = server.log_text()
     assert re.search(

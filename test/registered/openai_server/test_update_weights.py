@@ -134,7 +134,7 @@ class TestUpdateWeights(ServerTestCase):
         running = self.long_stream()
         running.wait_events(2)
         update = Call(self.base_url + "/update_weights_from_disk", {"model_path": self.path_b})
-        time.sleep(0.2)  # the update holds new requests from here on
+        time.sleep(0.4)  # the update holds new requests from here on (the running one has 0.7 s or more)
         greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
         waiting = Call(self.base_url + "/generate", {"input_ids": PROMPT, "sampling_params": greedy})
         for t in (update, waiting):
@@ -165,6 +165,21 @@ class TestUpdateWeights(ServerTestCase):
         self.assertGreaterEqual(k, seen)
         self.assertLess(k, LONG_TOKENS, "B's tokens differ from A's somewhere")
         self.assertEqual(ids[k:], self.oracle_b.greedy(LONG_PROMPT + ids[:k], LONG_TOKENS - k))
+
+    def test_a_pause_while_the_update_waits_lets_it_go_at_once(self) -> None:
+        running = self.long_stream()
+        running.wait_events(2)
+        update = Call(self.base_url + "/update_weights_from_disk", {"model_path": self.path_b})
+        time.sleep(0.3)
+        self.assertIsNone(update.reply, "it waits for the running request")
+        self.assertEqual(self.post("/pause_generation", {"mode": "retract"}).status_code, 200)
+        update.join(60)
+        self.assertEqual(update.reply.status_code, 200, update.reply.text)
+        self.assertEqual(update.reply.json()["num_paused_requests"], 1)
+        self.assertIsNone(running.done_at, "the update did not wait for the paused request")
+        self.assertEqual(self.post("/continue_generation", {}).status_code, 200)
+        running.join(60)
+        self.assertEqual(len(running.events[-1]["output_ids"]), LONG_TOKENS)
 
     def test_an_in_place_pause_refuses_a_flushing_update(self) -> None:
         running = self.long_stream()

@@ -189,6 +189,8 @@ def test_real_scheduler_through_the_engine(tmp_path):
         with pytest.raises(RequestError, match="flush_cache must be a bool") as e:
             eng.update_weights_from_disk("tiny-qwen3-next", flush_cache="no")
         assert e.value.param == "flush_cache"
+        with pytest.raises(TypeError, match="flush_cahce"):
+            eng.update_weights_from_disk("tiny-qwen3-next", flush_cahce=False)
         it = eng.generate(
             input_ids=[5, 6], sampling_params={"max_new_tokens": 3000, "ignore_eos": True}, stream=True
         )

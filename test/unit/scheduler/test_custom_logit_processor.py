@@ -44,6 +44,19 @@ class Fails(CustomLogitProcessor):
         return logits
 
 
+class NeedsArgs(CustomLogitProcessor):
+    def __init__(self, table):
+        self.table = table
+
+    def __call__(self, logits, custom_param_list=None):
+        return logits
+
+
+class WrongShape(CustomLogitProcessor):
+    def __call__(self, logits, custom_param_list=None):
+        return logits[:, :5]
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_processors_see_their_outputs_and_leave_the_others_alone(oracles, overlap):
     h = SchedulerHarness(QWEN, disable_overlap_schedule=not overlap, enable_custom_logit_processor=True)
@@ -74,20 +87,31 @@ def test_processors_see_their_outputs_and_leave_the_others_alone(oracles, overla
 def test_a_failing_processor_ends_its_requests_with_a_400_only(oracles):
     h = SchedulerHarness(QWEN, enable_custom_logit_processor=True)
     other = token_ids(40, seed=2)
-    rids = [h.submit(token_ids(20, seed=1), max_new_tokens=10, custom_logit_processor=Fails.to_str())]
+    fails = Fails.to_str()
+    rids = [h.submit(token_ids(20, seed=1), max_new_tokens=10, custom_logit_processor=fails)]
+    # Penalized (its finish check would otherwise wait for max_new_tokens): it fails at the same token.
+    rids.append(h.submit(token_ids(20, seed=1), max_new_tokens=10, custom_logit_processor=fails,
+                         frequency_penalty=0.5))  # fmt: skip
     rids.append(h.submit(other, max_new_tokens=10))
-    rids.append(h.submit(other, max_new_tokens=10, custom_logit_processor='{"callable": "00ff"}'))
-    rids.append(h.submit(other, max_new_tokens=10, custom_logit_processor="not json"))
+    rids.append(h.submit(other, max_new_tokens=10, custom_logit_processor=WrongShape.to_str()))
+    bad = ['{"callable": "00ff"}', "not json", CustomLogitProcessor.to_str(), NeedsArgs.to_str()]
+    rids += [h.submit(other, max_new_tokens=10, custom_logit_processor=text) for text in bad]
     h.run()
-    failed, ok, bad_pickle, bad_json = (h.outputs[r] for r in rids)
-    assert failed.finished_reason["status_code"] == 400
-    assert failed.finished_reason["param"] == "custom_logit_processor"
-    assert "RuntimeError: budget table missing" in failed.finished_reason["message"]
-    assert len(failed.output_ids) == 4  # three by the processor, the fourth sampled as it raised
+    failed, penalized, ok, wrong, bad_pickle, bad_json, abstract, needs_args = (h.outputs[r] for r in rids)
+    for out in (failed, penalized):
+        assert out.finished_reason["status_code"] == 400
+        assert out.finished_reason["param"] == "custom_logit_processor"
+        assert "RuntimeError: budget table missing" in out.finished_reason["message"]
+        assert len(out.output_ids) == 4  # three by the processor, the fourth sampled as it raised
     h.check_oracle(oracles[QWEN], other, ok)
-    assert "cannot be loaded" in bad_pickle.finished_reason["message"]
+    assert "returned (1, 5) for logits of shape (1, " in wrong.finished_reason["message"]
+    assert len(wrong.output_ids) == 1
+    for out in (bad_pickle, abstract, needs_args):
+        assert "cannot be loaded" in out.finished_reason["message"]
+    assert "abstract" in abstract.finished_reason["message"]
     assert "CustomLogitProcessor.to_str()" in bad_json.finished_reason["message"]
-    assert all(o.finished_reason["param"] == "custom_logit_processor" for o in (bad_pickle, bad_json))
+    for out in (bad_pickle, bad_json, abstract, needs_args):
+        assert (out.finished_reason["param"], out.finished_reason["status_code"]) == ("custom_logit_processor", 400)
     h.sched.check_integrity()
     h.flush_and_check_empty()
     h.shutdown()

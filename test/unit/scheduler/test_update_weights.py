@@ -14,7 +14,7 @@ import torch
 from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput, UpdateWeightFromDiskReqOutput
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.model_checks import noisy_checkpoint
+from sglang.test.model_checks import noisy_checkpoint, pool_state
 from sglang.test.reference import ReferenceModel
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
 
@@ -88,6 +88,29 @@ def test_a_failed_or_second_update_keeps_the_weights_serving(oracles, checkpoint
     assert wait_reply(h).success and h.sched.model_runner.model is not model
     prompt = token_ids(50, seed=5)
     h.check_oracle(oracles[QWEN], prompt, h.generate(prompt, 6))
+    h.shutdown()
+
+
+def test_capturing_again_leaves_a_running_requests_state_alone():
+    """A swap with flush_cache false while a request runs (paused in place): the graphs are captured
+    again on the dummy rows, not on what the last replay left in the static buffers (that request's
+    row and slots), which would advance its state."""
+    h = SchedulerHarness(QWEN)
+    runner = h.sched.model_runner
+    runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False)
+    rid = h.submit(token_ids(30, seed=4), max_new_tokens=50)
+    for _ in range(6):  # its prefill, then decodes replayed through the graph runner's bodies
+        h.sched.step()
+    while h.sched.in_flight:
+        h.sched.process_oldest()
+    req = h.sched.reqs_by_rid[rid]
+    assert len(req.output_ids) >= 3 and req in h.sched.running
+    before = pool_state(runner, req.mamba_pool_idx)
+    runner.graph_runner.recapture()
+    after = pool_state(runner, req.mamba_pool_idx)
+    assert all(torch.equal(before[k].ssm, after[k].ssm) and torch.equal(before[k].conv, after[k].conv) for k in before)
+    h.run()
+    h.check_oracle(ReferenceModel(QWEN), token_ids(30, seed=4), h.outputs[rid])
     h.shutdown()
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 from sglang.srt.entrypoints.process_launcher import SchedulerEntry, launch_subprocesses
-from sglang.srt.managers.io_struct import FlushCacheReqOutput, GenerateReqInput
+from sglang.srt.managers.io_struct import FlushCacheReqOutput, GenerateReqInput, UpdateWeightFromDiskReqInput
 from sglang.srt.managers.request_validation import max_samples_per_request
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.managers.weight_update_request import parse_update_weights_from_disk
@@ -169,8 +170,12 @@ class Engine:
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None, **kwargs: Any):
         """Serve the checkpoint at `model_path` (the same network, new weights): (success, message,
         num_paused_requests), as upstream's. `kwargs`: the other fields of /update_weights_from_disk
-        (flush_cache, abort_all_requests, weight_version, is_async, keep_pause); a wrong one raises
-        RequestError naming it."""
+        (flush_cache, abort_all_requests, weight_version, is_async, keep_pause); a wrong value raises
+        RequestError naming it, an unknown name TypeError."""
+        known = {f.name for f in dataclasses.fields(UpdateWeightFromDiskReqInput)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"update_weights_from_disk() got an unexpected keyword argument {unknown[0]!r}")
         obj = parse_update_weights_from_disk({"model_path": model_path, "load_format": load_format, **kwargs})
         return self._run(self.tokenizer_manager.update_weights_from_disk(obj))
 

@@ -39,7 +39,12 @@ from sglang.srt.entrypoints.server_warmup import run_server_warmup
 from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
-from sglang.srt.managers.tokenizer_manager import ClientDisconnected, ServerAbortError, TokenizerManager
+from sglang.srt.managers.tokenizer_manager import (
+    BackendDeadError,
+    ClientDisconnected,
+    ServerAbortError,
+    TokenizerManager,
+)
 from sglang.srt.managers.weight_update_request import (
     parse_update_weight_version,
     parse_update_weights_from_disk,
@@ -167,16 +172,16 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
     async def get_server_info() -> Response:
         try:
             state = await tm.get_internal_state()
-        except TimeoutError as e:
-            return json_response(error_body(str(e), kind="server_error", code="timeout"), 503)
+        except (TimeoutError, BackendDeadError) as e:
+            return _control_failed(e)
         return json_response(build_server_info(server_args, model_info, state))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         try:
             out = await tm.flush_cache()
-        except TimeoutError as e:
-            return json_response(error_body(str(e), kind="server_error", code="timeout"), 503)
+        except (TimeoutError, BackendDeadError) as e:
+            return _control_failed(e)
         if out.success:
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse(
@@ -195,16 +200,16 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
             return error_response(RequestError(message, "mode"))
         try:
             await tm.pause_generation(mode)
-        except TimeoutError as e:
-            return json_response(error_body(str(e), kind="server_error", code="timeout"), 503)
+        except (TimeoutError, BackendDeadError) as e:
+            return _control_failed(e)
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation")
     async def continue_generation() -> Response:
         try:
             await tm.continue_generation()
-        except TimeoutError as e:
-            return json_response(error_body(str(e), kind="server_error", code="timeout"), 503)
+        except (TimeoutError, BackendDeadError) as e:
+            return _control_failed(e)
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.post("/abort_request")
@@ -287,8 +292,8 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         async def get_metrics() -> Response:
             try:
                 state = await tm.get_internal_state(timeout=5.0)
-            except TimeoutError:
-                state = None  # serve the request-side metrics even when the scheduler is busy
+            except (TimeoutError, BackendDeadError):
+                state = None  # serve the request-side metrics even when the scheduler is busy or gone
             return Response(metrics.render(state), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return RequestGuard(
@@ -297,6 +302,12 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         read_timeout=envs.SGLANG_HTTP_READ_TIMEOUT.get(),
         on_response=metrics.on_http_response if metrics is not None else None,
     )
+
+
+def _control_failed(e: Exception) -> Response:
+    """503 for a control call the scheduler did not answer (in time, or at all: it is gone)."""
+    code = "backend_dead" if isinstance(e, BackendDeadError) else "timeout"
+    return json_response(error_body(str(e), kind="server_error", code=code), 503)
 
 
 def _json_object(body: bytes) -> Any:

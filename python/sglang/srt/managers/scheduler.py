@@ -552,7 +552,6 @@ class Scheduler(SchedulerIOMixin):
     def shutdown(self) -> None:
         while self.in_flight:
             self.process_oldest()
-        self.weight_update.shutdown()
         self.worker.shutdown()
         if self.grammar_queue.backend is not None:
             self.grammar_queue.backend.shutdown()

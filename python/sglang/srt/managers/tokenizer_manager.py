@@ -128,7 +128,9 @@ class TokenizerManager:
         self._token_text: dict[int, str] = {}
         self._control_waiters: dict[type, asyncio.Future] = {}
         self._weight_update_lock = asyncio.Lock()
-        self._requests_done = asyncio.Event()  # set when the last running request has ended
+        # Cleared while a weight update waits for the running requests: new ones wait (as paused).
+        self._no_update_hold = asyncio.Event()
+        self._no_update_hold.set()
         self._control_locks: dict[type, asyncio.Lock] = {}
         self._recv_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
@@ -199,8 +201,10 @@ class TokenizerManager:
         request has several outputs). Raises RequestError before anything is sent, ServerAbortError
         when the server ends a request."""
         items, is_list = await self.normalize(obj)
-        if not self._unpaused.is_set():
-            await self._wait_event(self._unpaused, request, clear=False)
+        # Held while paused, and while a weight update waits for the running requests to finish.
+        while not (self._unpaused.is_set() and self._no_update_hold.is_set()):
+            held = self._unpaused if not self._unpaused.is_set() else self._no_update_hold
+            await self._wait_event(held, request, clear=False)
         error = self.health.error()
         if error is not None:
             raise BackendDeadError(error)
@@ -230,8 +234,6 @@ class TokenizerManager:
                     if self.observer is not None and state.log_metrics:
                         self.observer.on_abort(state)
                 self.rid_to_state.pop(state.rid, None)
-            if not self.rid_to_state:
-                self._requests_done.set()  # (a weight update waits for this)
 
     async def _wait_event(
         self, event: asyncio.Event, request: DisconnectCheck | None, clear: bool = True
@@ -392,23 +394,39 @@ class TokenizerManager:
             if obj.abort_all_requests:
                 self.abort_request(abort_all=True)
             hold = self._unpaused.is_set() and not obj.is_async
-            success = False
             if hold:
-                self._unpaused.clear()
+                self._no_update_hold.clear()
             try:
                 if hold:
-                    while self.rid_to_state:
-                        await self._wait_event(self._requests_done, request)
+                    # Until every running request has finished, or a pause (of any mode) comes first.
+                    await self._wait_until(
+                        lambda: not self._unpaused.is_set()
+                        or all(s.finished for s in self.rid_to_state.values()),
+                        request,
+                    )
                 out = await self._control(obj, UpdateWeightFromDiskReqOutput, None)
-                success = out.success
             finally:
-                if hold and not (success and obj.keep_pause):
-                    self._unpaused.set()
-            if success:
+                self._no_update_hold.set()
+            if out.success:
                 self.server_args.model_path = obj.model_path
                 if obj.weight_version is not None:
                     self.server_args.weight_version = obj.weight_version
+                if obj.keep_pause:
+                    self._unpaused.clear()  # (as an "abort" pause: /continue_generation ends it)
             return out.success, out.message, out.num_paused_requests
+
+    async def _wait_until(self, done: Callable[[], bool], request: DisconnectCheck | None) -> None:
+        """Poll `done` every 20 ms; ClientDisconnected or BackendDeadError as `_wait_event` raises them."""
+        last_check = time.monotonic()
+        while not done():
+            await asyncio.sleep(0.02)
+            error = self.health.error()
+            if error is not None:
+                raise BackendDeadError(error)
+            if request is not None and time.monotonic() - last_check >= DISCONNECT_POLL_S:
+                last_check = time.monotonic()
+                if await request.is_disconnected():
+                    raise ClientDisconnected()
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
         """Upstream's /update_weight_version: the label replies carry from now on (running requests are

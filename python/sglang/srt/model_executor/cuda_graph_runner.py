@@ -125,6 +125,13 @@ class _StaticInputs:
     )
     PER_TOKEN = frozenset(("input_ids", "positions", "out_cache_loc"))
 
+    def reset(self) -> None:
+        """Every row back to padding (as `allocate` made them): a capture's body then runs on the dummy
+        rows and slots only, never on what the last real batch left in the buffers."""
+        for i, (name, _) in enumerate(self.PADDING):
+            buf = getattr(self, name)
+            buf.copy_(self.pad_values[i, : buf.numel()])
+
     def _rows(self, name: str, bs: int) -> int:
         return bs * self.width if name in self.PER_TOKEN else bs
 
@@ -206,6 +213,7 @@ class CudaGraphRunner:
         for graphs in self.kinds.values():
             graphs.graphs.clear()
             graphs.outputs.clear()
+            graphs.static.reset()  # (they hold the last replayed batch's rows: live requests' slots)
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

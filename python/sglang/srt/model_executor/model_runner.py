@@ -199,6 +199,8 @@ class ModelRunner:
                 raise ValueError(f"its parameter {name} differs from the serving model's in shape or dtype")
         if shapes:
             raise ValueError(f"it has a parameter the serving model lacks: {next(iter(shapes))}")
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)  # its weights written before any forward reads them
         return model
 
     def swap_model(self, model: nn.Module) -> None:

@@ -77,10 +77,10 @@ def load_processor(payload: str) -> CustomLogitProcessor:
 
     try:
         obj = dill.loads(blob)
-    except Exception as e:  # noqa: BLE001 - whatever unpickling raises is the payload's fault
+        if isinstance(obj, type) and issubclass(obj, CustomLogitProcessor):
+            obj = obj()  # (an abstract class, or one whose constructor takes arguments, raises here)
+    except Exception as e:  # noqa: BLE001 - whatever loading raises is the payload's fault
         raise ValueError(f"custom_logit_processor cannot be loaded ({type(e).__name__}: {e}).") from None
-    if isinstance(obj, type) and issubclass(obj, CustomLogitProcessor):
-        obj = obj()
     if not callable(obj):
         raise ValueError(f"custom_logit_processor holds a {type(obj).__name__}, not a logit processor.")
     return obj
@@ -145,9 +145,8 @@ def apply_custom_logit_processors(logits: torch.Tensor, info: CustomLogitInfo) -
             if not isinstance(out, torch.Tensor) or out.shape != sub.shape:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(f"it returned {got} for logits of shape {tuple(sub.shape)}")
+            logits.index_copy_(0, rows, out.to(logits.device, logits.dtype))
         except Exception as e:  # noqa: BLE001 - the client's code: its requests fail, nothing else
             message = f"The custom_logit_processor failed: {type(e).__name__}: {e}."
             info.errors.update(dict.fromkeys(rids, message))
-            continue
-        logits.index_copy_(0, rows, out.to(logits.dtype))
     return logits

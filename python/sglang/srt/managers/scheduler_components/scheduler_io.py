@@ -177,8 +177,6 @@ class SchedulerIOMixin:
                 self.disagg.on_released(req)
             return req
         self.counters["num_prompt_tokens_total"] += len(req.origin_input_ids)
-        if req.penalized:
-            self.finisher.set_quick_check(req)  # its stop ids, which min_new_tokens bans until then
         self.reqs_by_rid[req.rid] = req
         if recv.custom_logit_processor is not None:
             try:
@@ -187,6 +185,8 @@ class SchedulerIOMixin:
                 self.refuse_request(req, str(e), "custom_logit_processor")
                 return req
             self.custom_logit_reqs += 1
+        if req.penalized:  # (after the processor: with one, the quick check checks every token)
+            self.finisher.set_quick_check(req)  # its stop ids, which min_new_tokens bans until then
         if not self.grammar_queue.add(req):  # (one with a grammar comes back once it is compiled)
             self.admit_request(req)
         return req

@@ -10,9 +10,10 @@ with nothing in flight. One update at a time; a second one is refused while the 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
@@ -23,17 +24,24 @@ logger = logging.getLogger(__name__)
 class WeightUpdate:
     def __init__(self, load: Callable[[str], Any]):
         self.load = load
-        self._pool: ThreadPoolExecutor | None = None
         self.pending: tuple[UpdateWeightFromDiskReqInput, Future, float] | None = None
 
     def start(self, req: UpdateWeightFromDiskReqInput) -> str | None:
         """Start loading `req.model_path`; None, or why it cannot start."""
         if self.pending is not None:
             return f"Another weight update (from {self.pending[0].model_path}) is still loading."
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-update")
         logger.info("Loading new weights from %s.", req.model_path)
-        self.pending = (req, self._pool.submit(self.load, req.model_path), time.monotonic())
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.load(req.model_path))
+            except BaseException as e:  # noqa: BLE001 - handed to the loop, which reports it
+                future.set_exception(e)
+
+        # A daemon thread: a scheduler that stops mid-load exits without waiting for the load.
+        threading.Thread(target=run, name="weight-update", daemon=True).start()
+        self.pending = (req, future, time.monotonic())
         return None
 
     def poll(self) -> tuple[UpdateWeightFromDiskReqInput, Any, str] | None:
@@ -50,7 +58,3 @@ class WeightUpdate:
             return req, None, f"The weights at {req.model_path} cannot be served: {reason}."
         logger.info("New weights loaded from %s in %.2f s.", req.model_path, time.monotonic() - started)
         return req, model, ""
-
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
