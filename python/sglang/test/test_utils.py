@@ -121,20 +121,34 @@ class ServerTestCase(unittest.TestCase):
     api_key: str | None = None
 
     @classmethod
+    def prepare(cls, folder: Path) -> None:
+        """Before the server starts: make what the class needs in `folder` (`cls.workdir`, a temporary
+        folder that lives as long as the class), e.g. a checkpoint to serve as `cls.model`."""
+
+    @classmethod
     def setUpClass(cls) -> None:
-        cls.server = ServerProcess(
-            ["--model-path", cls.model, *cls.server_args], cls.env, api_key=cls.api_key
-        )
+        cls._workdir = tempfile.TemporaryDirectory()
+        cls.workdir = Path(cls._workdir.name)
+        try:
+            cls.prepare(cls.workdir)
+            cls.server = ServerProcess(
+                ["--model-path", cls.model, *cls.server_args], cls.env, api_key=cls.api_key
+            )
+        except BaseException:
+            cls._workdir.cleanup()
+            raise
         try:
             cls.server.wait_ready()
         except BaseException:
             cls.server.stop()
+            cls._workdir.cleanup()
             raise
         cls.base_url = cls.server.base_url
 
     @classmethod
     def tearDownClass(cls) -> None:
         cls.server.stop()
+        cls._workdir.cleanup()
 
     # ---- HTTP helpers --------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ regexes, grammars, return_text_in_logprobs, the OpenAI routes), and leaves nothi
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 import orjson
@@ -42,17 +41,10 @@ class TestSkipTokenizerInit(ServerTestCase):
     server_args = ["--skip-tokenizer-init", "--mamba-scheduler-strategy", "extra_buffer_lazy"]
 
     @classmethod
-    def setUpClass(cls) -> None:
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.model = tokenizer_free_copy("tiny-qwen3-next", Path(cls.tmp.name) / "model")
+    def prepare(cls, folder: Path) -> None:
+        cls.model = tokenizer_free_copy("tiny-qwen3-next", folder / "model")
         assert not any((Path(cls.model) / name).exists() for name in TOKENIZER_FILES)
         cls.oracle = ReferenceModel(cls.model)
-        super().setUpClass()
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        super().tearDownClass()
-        cls.tmp.cleanup()
 
     def setUp(self) -> None:
         self.wait_idle()

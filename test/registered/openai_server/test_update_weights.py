@@ -11,7 +11,6 @@ weights still serving. Each step of the model takes 20 ms or more, so long reque
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -75,18 +74,11 @@ class TestUpdateWeights(ServerTestCase):
     env = {"SGLANG_TEST_FORWARD_DELAY_MS": "20"}
 
     @classmethod
-    def setUpClass(cls) -> None:
-        cls.tmp = tempfile.TemporaryDirectory()
+    def prepare(cls, folder: Path) -> None:
         cls.path_a = resolve_model_path(cls.model)
-        cls.path_b = noisy_checkpoint(cls.path_a, Path(cls.tmp.name) / "b")
+        cls.path_b = noisy_checkpoint(cls.path_a, folder / "b")
         cls.oracle_a, cls.oracle_b = ReferenceModel(cls.path_a), ReferenceModel(cls.path_b)
         assert cls.oracle_a.greedy(PROMPT, NEW_TOKENS) != cls.oracle_b.greedy(PROMPT, NEW_TOKENS)
-        super().setUpClass()
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        super().tearDownClass()
-        cls.tmp.cleanup()
 
     def setUp(self) -> None:
         self.wait_idle()
@@ -210,7 +202,7 @@ class TestUpdateWeights(ServerTestCase):
             self.assertEqual(r.json()["error"]["param"], param)
         other = resolve_model_path("tiny-nemotron-h")
         for path, words in [
-            (str(Path(self.tmp.name) / "missing"), "no config.json"),
+            (str(self.workdir / "missing"), "no config.json"),
             (other, "its architecture is 'NemotronHForCausalLM'"),
         ]:
             r = self.update(path, weight_version="never")
