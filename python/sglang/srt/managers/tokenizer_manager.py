@@ -388,8 +388,9 @@ class TokenizerManager:
         As upstream: unless the server is paused or `is_async`, new requests wait while the requests
         already running finish (with the old weights), then the scheduler swaps the weights (loading
         them on a thread of its own) and empties the prefix cache; the waiting requests then run with
-        the new ones. With `abort_all_requests` everything running is aborted first. A failed update
-        leaves the old weights serving. One update at a time."""
+        the new ones; a pause that comes meanwhile ends the wait. With `abort_all_requests` everything
+        running is aborted first; with `keep_pause` the server is paused after a successful update. A
+        failed update leaves the old weights serving. One update at a time."""
         async with self._weight_update_lock:
             if obj.abort_all_requests:
                 self.abort_request(abort_all=True)
