@@ -12,6 +12,7 @@ import torch
 from sglang.srt.sampling.custom_logit_processor import (
     CustomLogitProcessor,
     DisallowedTokensLogitsProcessor,
+    ThinkingBudgetLogitProcessor,
     load_processor,
 )
 from sglang.test.ci_register import register_cpu_ci
@@ -140,6 +141,48 @@ def test_ngram_gives_a_request_with_a_processor_no_drafts(oracles):
     assert req._draft(queued), "its text is in the cache"
     queued.custom_logit_processor = saved
     h.run()
+    h.sched.check_integrity()
+    h.shutdown()
+
+
+class TinyThinkingBudget(ThinkingBudgetLogitProcessor):
+    """Upstream's thinking budget with ids the tiny vocabulary has."""
+
+    THINKING_START_TOKEN_ID, THINKING_END_TOKEN_ID, NEW_LINE_TOKEN_ID = 7, 8, 9
+
+
+def budgeted_greedy(oracle, prompt: list[int], budget: int, n: int) -> list[int]:
+    """The oracle's greedy tokens with the budget's rule applied token by token (written out here from
+    the rule: past `budget` tokens of an open section, a newline unless the last token is one, then the
+    end token)."""
+    ids: list[int] = list(prompt)
+    for _ in range(n):
+        starts = [i for i, t in enumerate(ids) if t == 7]
+        start = starts[-1] if starts and 8 not in ids[starts[-1] :] else -1
+        if start >= 0 and len(ids) - start - 1 >= budget:
+            ids.append(8 if ids[-1] == 9 else 9)
+        else:
+            ids += oracle.greedy(ids, 1)
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_thinking_budget_closes_the_section_then_lets_the_model_answer(oracles, overlap):
+    h = SchedulerHarness(QWEN, disable_overlap_schedule=not overlap, enable_custom_logit_processor=True)
+    payload = TinyThinkingBudget.to_str()
+    prompts = [[t for t in token_ids(24, seed=20 + k) if t not in (7, 8, 9)] + [7] for k in range(3)]
+    budgets = [0, 5, None]  # None: no budget, the processor leaves the request alone
+    rids = [
+        h.submit(p, max_new_tokens=14, custom_logit_processor=payload,
+                 custom_params={} if b is None else {"thinking_budget": b})
+        for p, b in zip(prompts, budgets, strict=True)
+    ]  # fmt: skip
+    h.run()
+    for p, b, rid in zip(prompts, budgets, rids, strict=True):
+        want = oracles[QWEN].greedy(p, 14) if b is None else budgeted_greedy(oracles[QWEN], p, b, 14)
+        assert h.outputs[rid].output_ids == want
+    assert h.outputs[rids[0]].output_ids[:2] == [9, 8]  # budget 0: the section closes at once
+    assert h.outputs[rids[1]].output_ids[5:7] == [9, 8]  # (the model had not closed it by itself)
     h.sched.check_integrity()
     h.shutdown()
 

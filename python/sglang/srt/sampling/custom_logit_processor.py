@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -59,6 +60,67 @@ class DisallowedTokensLogitsProcessor(CustomLogitProcessor):
             if ids:
                 logits[row, ids] = float("-inf")
         return logits
+
+
+class ThinkingBudgetLogitProcessor(CustomLogitProcessor):
+    """Upstream's thinking budget: custom_params["thinking_budget"] (an integer >= 0) caps the tokens
+    of the open thinking section (after the model's thinking-start token, in the prompt or the output,
+    with no thinking-end token after it). Once it holds that many, the next tokens are forced: a
+    newline (unless the last token is one), then the thinking-end token; after it the model answers
+    freely. A subclass names its model's token ids. Each request's tokens are scanned once, as they
+    come (a step costs the new tokens, not the whole output)."""
+
+    THINKING_START_TOKEN_ID: int
+    THINKING_END_TOKEN_ID: int
+    NEW_LINE_TOKEN_ID: int
+    # Requests whose scan is kept (the least recently seen beyond this are forgotten, and rescanned
+    # should they come back).
+    MAX_TRACKED = 4096
+
+    def __call__(self, logits: torch.Tensor, custom_param_list: Params | None = None) -> torch.Tensor:
+        for row, params in enumerate(custom_param_list or []):
+            budget = params.get("thinking_budget")
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                continue
+            req = params["__req__"]
+            prompt, outputs = req.origin_input_ids, req.output_ids
+            start = self._open_section(req.rid, id(req), prompt, outputs)
+            total = len(prompt) + len(outputs)
+            if start < 0 or total - start - 1 < budget:
+                continue
+            last = outputs[-1] if outputs else prompt[-1]
+            forced = self.THINKING_END_TOKEN_ID if last == self.NEW_LINE_TOKEN_ID else self.NEW_LINE_TOKEN_ID
+            logits[row] = float("-inf")
+            logits[row, forced] = 0.0
+        return logits
+
+    def _open_section(self, rid: str, key: int, prompt: list[int], outputs: list[int]) -> int:
+        """Where the thinking section open after `prompt + outputs` starts (its start token's index), or
+        -1; continuing the request's last scan."""
+        # (rid, id of the request) -> (tokens scanned, where the open section starts or -1); made here,
+        # so that a subclass with an __init__ of its own needs no call to this one's.
+        scans: OrderedDict[tuple[str, int], tuple[int, int]]
+        scans = self.__dict__.setdefault("_scans", OrderedDict())
+        scanned, start = scans.pop((rid, key), (0, -1))
+        n = len(prompt)
+        for i in range(scanned, n + len(outputs)):
+            token = prompt[i] if i < n else outputs[i - n]
+            if token == self.THINKING_START_TOKEN_ID:
+                start = i
+            elif token == self.THINKING_END_TOKEN_ID:
+                start = -1
+        scans[(rid, key)] = (n + len(outputs), start)
+        if len(scans) > self.MAX_TRACKED:
+            scans.popitem(last=False)
+        return start
+
+
+class Qwen3ThinkingBudgetLogitProcessor(ThinkingBudgetLogitProcessor):
+    """Qwen3's and Qwen3-Next's tokenizer: <think> 151667, </think> 151668, a newline 198."""
+
+    THINKING_START_TOKEN_ID = 151667
+    THINKING_END_TOKEN_ID = 151668
+    NEW_LINE_TOKEN_ID = 198
 
 
 @lru_cache(maxsize=64)
