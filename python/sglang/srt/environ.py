@@ -194,6 +194,9 @@ class Envs:
     # Constrained decoding (upstream's name; seconds): a grammar still compiling after this long ends its
     # request with a 400 (its compile thread finishes it and is free again then).
     SGLANG_GRAMMAR_TIMEOUT = EnvFloat(300.0, "Abort a request whose grammar compiles longer than this.")
+    # Custom logit processors (upstream's name): with a secret set, `CustomLogitProcessor.to_str()` signs
+    # its payload (HMAC-SHA256) and the scheduler loads only payloads signed with the same secret.
+    SGLANG_LOGIT_PROCESSOR_SECRET = EnvStr("", "Sign and require signed custom logit processor payloads.")
 
     # Request deadlines (upstream names; seconds, 0 or less = off): a request still waiting, or still
     # running after its first forward, past its limit is aborted with HTTP 503.

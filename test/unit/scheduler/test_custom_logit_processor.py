@@ -6,9 +6,12 @@ a 400 and nothing leaks; a payload that does not load is a 400 naming the field.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from sglang.srt.environ import envs
 from sglang.srt.sampling.custom_logit_processor import (
     CustomLogitProcessor,
     DisallowedTokensLogitsProcessor,
@@ -112,7 +115,8 @@ def test_a_failing_processor_ends_its_requests_with_a_400_only(oracles):
     assert "abstract" in abstract.finished_reason["message"]
     assert "CustomLogitProcessor.to_str()" in bad_json.finished_reason["message"]
     for out in (bad_pickle, bad_json, abstract, needs_args):
-        assert (out.finished_reason["param"], out.finished_reason["status_code"]) == ("custom_logit_processor", 400)
+        reason = out.finished_reason
+        assert (reason["param"], reason["status_code"]) == ("custom_logit_processor", 400)
     h.sched.check_integrity()
     h.flush_and_check_empty()
     h.shutdown()
@@ -191,3 +195,25 @@ def test_a_payload_loads_once_per_text():
     text = SwitchAfter.to_str()
     assert load_processor(text) is load_processor(text)
     assert isinstance(CustomLogitProcessor.from_str(text), SwitchAfter)
+
+
+def test_with_a_secret_only_payloads_signed_with_it_load():
+    load_processor.cache_clear()  # (payloads loaded above were not checked against any secret)
+    unsigned = SwitchAfter.to_str()
+    try:
+        with envs.SGLANG_LOGIT_PROCESSOR_SECRET.override("s3cret"):
+            signed = SwitchAfter.to_str()
+            assert isinstance(load_processor(signed), SwitchAfter)
+            forged = json.loads(signed)
+            # Another class under the old signature:
+            forged["callable"] = json.loads(NeedsArgs.to_str())["callable"]
+            # A payload that would fail to unpickle says "not signed": it is checked before dill runs.
+            for payload in (unsigned, json.dumps(forged), '{"callable": "00ff"}'):
+                with pytest.raises(ValueError, match="not signed with this server's SGLANG_LOGIT_PROCESSOR"):
+                    load_processor(payload)
+        with envs.SGLANG_LOGIT_PROCESSOR_SECRET.override("another"):
+            load_processor.cache_clear()
+            with pytest.raises(ValueError, match="not signed"):
+                load_processor(signed)
+    finally:
+        load_processor.cache_clear()

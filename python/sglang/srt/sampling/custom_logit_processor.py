@@ -13,6 +13,8 @@ others in the batch are not touched.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang.srt.environ import envs
 from sglang.srt.model_executor.forward_batch_info import host_int64
 
 if TYPE_CHECKING:
@@ -41,10 +44,16 @@ class CustomLogitProcessor(ABC):
 
     @classmethod
     def to_str(cls) -> str:
-        """The request's `custom_logit_processor`: the class, serialized by dill, as upstream's JSON."""
+        """The request's `custom_logit_processor`: the class, serialized by dill, as upstream's JSON;
+        signed where SGLANG_LOGIT_PROCESSOR_SECRET is set (as the server that checks it must be)."""
         import dill
 
-        return json.dumps({"callable": dill.dumps(cls).hex()})
+        blob = dill.dumps(cls)
+        data = {"callable": blob.hex()}
+        secret = envs.SGLANG_LOGIT_PROCESSOR_SECRET.get()
+        if secret:
+            data["signature"] = _signature(secret, blob)
+        return json.dumps(data)
 
     @classmethod
     def from_str(cls, json_str: str) -> CustomLogitProcessor:
@@ -123,6 +132,10 @@ class Qwen3ThinkingBudgetLogitProcessor(ThinkingBudgetLogitProcessor):
     NEW_LINE_TOKEN_ID = 198
 
 
+def _signature(secret: str, blob: bytes) -> str:
+    return hmac.new(secret.encode(), blob, hashlib.sha256).hexdigest()
+
+
 @lru_cache(maxsize=64)
 def load_processor(payload: str) -> CustomLogitProcessor:
     """An instance of the class a request's `custom_logit_processor` carries (one per payload: a
@@ -135,6 +148,13 @@ def load_processor(payload: str) -> CustomLogitProcessor:
             'custom_logit_processor must be the JSON that CustomLogitProcessor.to_str() makes ({"callable": '
             "hex})."
         ) from None
+    secret = envs.SGLANG_LOGIT_PROCESSOR_SECRET.get()
+    if secret and not hmac.compare_digest(str(data.get("signature", "")), _signature(secret, blob)):
+        # Checked before anything is unpickled: an unsigned payload's code never runs.
+        raise ValueError(
+            "custom_logit_processor is not signed with this server's SGLANG_LOGIT_PROCESSOR_SECRET (make it "
+            "with CustomLogitProcessor.to_str() where the same secret is set)."
+        )
     import dill
 
     try:
