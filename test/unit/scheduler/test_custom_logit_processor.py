@@ -7,6 +7,7 @@ a 400 and nothing leaks; a payload that does not load is a 400 naming the field.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -191,6 +192,27 @@ def test_a_thinking_budget_closes_the_section_then_lets_the_model_answer(oracles
     h.shutdown()
 
 
+def test_the_budget_scan_follows_each_request_as_it_grows():
+    """Step by step against the rule on the whole sequence: sections closed earlier in the prompt (a
+    previous turn), sections opened and closed in the output, a scan kept per request object."""
+    proc, gen = TinyThinkingBudget(), torch.Generator().manual_seed(0)
+    for trial in range(30):
+        size = int(torch.randint(1, 12, (1,), generator=gen))
+        prompt = torch.randint(5, 12, (size,), generator=gen).tolist()
+        req = SimpleNamespace(rid="same-rid", origin_input_ids=prompt, output_ids=[], custom_logit_state=None)
+        budget = trial % 4
+        for _ in range(25):
+            logits = torch.zeros(1, 16)
+            proc(logits, [{"thinking_budget": budget, "__req__": req}])
+            ids = prompt + req.output_ids
+            starts = [i for i, t in enumerate(ids) if t == 7]
+            open_at = starts[-1] if starts and 8 not in ids[starts[-1] :] else -1
+            forced = open_at >= 0 and len(ids) - open_at - 1 >= budget
+            assert bool((logits == float("-inf")).any()) == forced, (prompt, req.output_ids, budget)
+            token = int(logits.argmax()) if forced else int(torch.randint(5, 12, (1,), generator=gen))
+            req.output_ids.append(token)
+
+
 def test_a_payload_loads_once_per_text():
     text = SwitchAfter.to_str()
     assert load_processor(text) is load_processor(text)
@@ -198,22 +220,25 @@ def test_a_payload_loads_once_per_text():
 
 
 def test_with_a_secret_only_payloads_signed_with_it_load():
-    load_processor.cache_clear()  # (payloads loaded above were not checked against any secret)
     unsigned = SwitchAfter.to_str()
-    try:
-        with envs.SGLANG_LOGIT_PROCESSOR_SECRET.override("s3cret"):
-            signed = SwitchAfter.to_str()
-            assert isinstance(load_processor(signed), SwitchAfter)
-            forged = json.loads(signed)
-            # Another class under the old signature:
-            forged["callable"] = json.loads(NeedsArgs.to_str())["callable"]
-            # A payload that would fail to unpickle says "not signed": it is checked before dill runs.
-            for payload in (unsigned, json.dumps(forged), '{"callable": "00ff"}'):
-                with pytest.raises(ValueError, match="not signed with this server's SGLANG_LOGIT_PROCESSOR"):
-                    load_processor(payload)
-        with envs.SGLANG_LOGIT_PROCESSOR_SECRET.override("another"):
-            load_processor.cache_clear()
-            with pytest.raises(ValueError, match="not signed"):
-                load_processor(signed)
-    finally:
-        load_processor.cache_clear()
+    assert isinstance(load_processor(unsigned), SwitchAfter)  # (loaded without a secret: cached so)
+    with envs.SGLANG_LOGIT_PROCESSOR_SECRET.override("s3cret"):
+        signed = SwitchAfter.to_str()
+        assert isinstance(load_processor(signed), SwitchAfter)
+        forged = json.loads(signed)
+        # Another class under the old signature:
+        forged["callable"] = json.loads(NeedsArgs.to_str())["callable"]
+        odd = json.loads(signed) | {"signature": "\u00e9"}  # (str comparison raises TypeError on these)
+        # A payload that would fail to unpickle says "not signed": it is checked before dill runs.
+        for payload in (unsigned, json.dumps(forged), json.dumps(odd), '{"callable": "00ff"}'):
+            with pytest.raises(ValueError, match="not signed with this server's SGLANG_LOGIT_PROCESSOR"):
+                load_processor(payload)
+    with envs.SGLANG_LOGIT_PROCESSOR_SECRET.override("another"):
+        with pytest.raises(ValueError, match="not signed"):
+            load_processor(signed)
+
+
+@pytest.mark.parametrize("payload", ["[" * 200_000, "[1, 2]", '{"callable": 5}', "null"])
+def test_any_payload_is_a_value_error(payload):
+    with pytest.raises(ValueError, match="must be the JSON that CustomLogitProcessor.to_str"):
+        load_processor(payload)

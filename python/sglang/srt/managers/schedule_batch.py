@@ -143,6 +143,7 @@ class Req:
         "return_hidden_states",
         "custom_logit_processor",
         "custom_logit_error",
+        "custom_logit_state",
         "hidden_count",
         "hidden_unsent",
     )
@@ -242,6 +243,7 @@ class Req:
         # custom_logit_processor.py), and why it failed if it raised (the finish check ends it then).
         self.custom_logit_processor: CustomLogitProcessor | None = None
         self.custom_logit_error: str | None = None
+        self.custom_logit_state: Any = None  # the processor's own, kept across steps (e.g. a scan)
         self.hidden_count = 0
         self.hidden_unsent: list[torch.Tensor] = []
 

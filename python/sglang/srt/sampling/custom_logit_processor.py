@@ -17,7 +17,6 @@ import hashlib
 import hmac
 import json
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -77,14 +76,12 @@ class ThinkingBudgetLogitProcessor(CustomLogitProcessor):
     with no thinking-end token after it). Once it holds that many, the next tokens are forced: a
     newline (unless the last token is one), then the thinking-end token; after it the model answers
     freely. A subclass names its model's token ids. Each request's tokens are scanned once, as they
-    come (a step costs the new tokens, not the whole output)."""
+    come (a step costs the new tokens, not the whole output): the scan is kept on the request
+    (`Req.custom_logit_state`)."""
 
     THINKING_START_TOKEN_ID: int
     THINKING_END_TOKEN_ID: int
     NEW_LINE_TOKEN_ID: int
-    # Requests whose scan is kept (the least recently seen beyond this are forgotten, and rescanned
-    # should they come back).
-    MAX_TRACKED = 4096
 
     def __call__(self, logits: torch.Tensor, custom_param_list: Params | None = None) -> torch.Tensor:
         for row, params in enumerate(custom_param_list or []):
@@ -93,7 +90,7 @@ class ThinkingBudgetLogitProcessor(CustomLogitProcessor):
                 continue
             req = params["__req__"]
             prompt, outputs = req.origin_input_ids, req.output_ids
-            start = self._open_section(req.rid, id(req), prompt, outputs)
+            start = self._open_section(req, prompt, outputs)
             total = len(prompt) + len(outputs)
             if start < 0 or total - start - 1 < budget:
                 continue
@@ -103,24 +100,21 @@ class ThinkingBudgetLogitProcessor(CustomLogitProcessor):
             logits[row, forced] = 0.0
         return logits
 
-    def _open_section(self, rid: str, key: int, prompt: list[int], outputs: list[int]) -> int:
+    def _open_section(self, req: Any, prompt: list[int], outputs: list[int]) -> int:
         """Where the thinking section open after `prompt + outputs` starts (its start token's index), or
-        -1; continuing the request's last scan."""
-        # (rid, id of the request) -> (tokens scanned, where the open section starts or -1); made here,
-        # so that a subclass with an __init__ of its own needs no call to this one's.
-        scans: OrderedDict[tuple[str, int], tuple[int, int]]
-        scans = self.__dict__.setdefault("_scans", OrderedDict())
-        scanned, start = scans.pop((rid, key), (0, -1))
+        -1; continuing the request's last scan ((tokens scanned, that index) in its state)."""
+        state = req.custom_logit_state
+        total = len(prompt) + len(outputs)
+        valid = isinstance(state, tuple) and len(state) == 2 and state[0] <= total
+        scanned, start = state if valid else (0, -1)
         n = len(prompt)
-        for i in range(scanned, n + len(outputs)):
+        for i in range(scanned, total):
             token = prompt[i] if i < n else outputs[i - n]
             if token == self.THINKING_START_TOKEN_ID:
                 start = i
             elif token == self.THINKING_END_TOKEN_ID:
                 start = -1
-        scans[(rid, key)] = (n + len(outputs), start)
-        if len(scans) > self.MAX_TRACKED:
-            scans.popitem(last=False)
+        req.custom_logit_state = (total, start)
         return start
 
 
@@ -136,20 +130,28 @@ def _signature(secret: str, blob: bytes) -> str:
     return hmac.new(secret.encode(), blob, hashlib.sha256).hexdigest()
 
 
-@lru_cache(maxsize=64)
 def load_processor(payload: str) -> CustomLogitProcessor:
-    """An instance of the class a request's `custom_logit_processor` carries (one per payload: a
-    processor is shared by the requests that send the same class). ValueError saying why not."""
+    """An instance of the class a request's `custom_logit_processor` carries (one per payload and
+    secret: a processor is shared by the requests that send the same class). ValueError saying why
+    not, whatever the payload holds."""
+    return _load(payload, envs.SGLANG_LOGIT_PROCESSOR_SECRET.get())
+
+
+@lru_cache(maxsize=64)
+def _load(payload: str, secret: str) -> CustomLogitProcessor:
     try:
         data = json.loads(payload)
         blob = bytes.fromhex(data["callable"])
-    except (ValueError, TypeError, KeyError):
+        signature = data.get("signature")
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         raise ValueError(
             'custom_logit_processor must be the JSON that CustomLogitProcessor.to_str() makes ({"callable": '
             "hex})."
         ) from None
-    secret = envs.SGLANG_LOGIT_PROCESSOR_SECRET.get()
-    if secret and not hmac.compare_digest(str(data.get("signature", "")), _signature(secret, blob)):
+    signed = isinstance(signature, str) and hmac.compare_digest(
+        signature.encode("utf-8", "replace"), _signature(secret, blob).encode()
+    )
+    if secret and not signed:
         # Checked before anything is unpickled: an unsigned payload's code never runs.
         raise ValueError(
             "custom_logit_processor is not signed with this server's SGLANG_LOGIT_PROCESSOR_SECRET (make it "
