@@ -18,6 +18,9 @@ import torch
 import xgrammar as xgr
 
 from sglang.srt.constrained.grammar_spec import structural_tag_grammar
+from sglang.srt.managers.io_struct import BootstrapInfo
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import ORACLE_TOL, SchedulerHarness, churn_harness, token_ids
 
@@ -347,3 +350,24 @@ def test_vocab_mask_unpacks_like_xgrammar():
     xgr.apply_token_bitmask_inplace(theirs, full, indices=rows.tolist())
     assert torch.equal(ours, theirs)
     assert torch.isinf(ours[rows]).any() and torch.equal(ours[[1, 3]], logits[[1, 3]])
+
+
+def test_a_first_token_from_a_prefill_server_the_grammar_refuses_names_the_flags():
+    """A PD pair started with different grammar flags: the decode server's matcher refuses the token the
+    prefill server sampled, and the error says what to make equal (else a bare 500)."""
+    h = SchedulerHarness(QWEN)
+    compiled = oracle_compiler(h).compile_regex("[a-z]+")
+    eos = min(h.sched.finisher.eos_token_ids)  # (the regex needs a letter first)
+    messages = []
+    for bootstrap in (None, BootstrapInfo("10.0.0.1", 8998, "7")):
+        req = Req(f"r{len(messages)}", [5, 6, 7], SamplingParams(max_new_tokens=8))
+        req.bootstrap = bootstrap
+        req.grammar = h.sched.grammar_queue.backend.matcher(compiled)
+        req.output_ids.append(eos)
+        h.sched.finisher.check_finished(req)
+        assert req.finished_reason["status_code"] == 500
+        messages.append(req.finished_reason["message"])
+    assert "does not allow the token" in messages[0] and "prefill server" not in messages[0]
+    assert "The prefill server sampled it" in messages[1]
+    assert "--constrained-json-disable-any-whitespace" in messages[1]
+    h.shutdown()

@@ -80,11 +80,14 @@ class FinishChecker:
             try:
                 grammar.catch_up(req.output_ids)
             except GrammarRejectedToken as e:
-                req.finished_reason = {
-                    "type": "abort",
-                    "status_code": 500,
-                    "message": f"The request's grammar does not allow the {e} it was given.",
-                }
+                message = f"The request's grammar does not allow the {e} it was given."
+                if req.bootstrap is not None and grammar.accepted == 0:
+                    # A PD decode server's first token is the prefill server's, sampled under its flags.
+                    message += (
+                        " The prefill server sampled it: start both servers of the pair with the same "
+                        "--grammar-backend and --constrained-json-disable-any-whitespace."
+                    )
+                req.finished_reason = {"type": "abort", "status_code": 500, "message": message}
                 return
         sp = req.sampling_params
         n = len(req.output_ids)
