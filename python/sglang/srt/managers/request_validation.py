@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sglang.srt.constrained.grammar_spec import GRAMMAR_FIELDS
+from sglang.srt.constrained.grammar_spec import grammar_key
 from sglang.srt.managers.io_struct import BootstrapInfo, GenerateReqInput, TokenizedGenerateReqInput
 from sglang.srt.managers.text_encoder import Encoded, encode_texts
 from sglang.srt.sampling.sampling_params import MAX_N, SamplingParams, SamplingParamsError
@@ -62,7 +62,8 @@ def check_tokenizer_free(params: SamplingParams, return_text_in_logprobs: bool) 
     return_text_in_logprobs decodes ids. Stop token ids, min_new_tokens and the rest still work (the
     end-of-sequence ids come from the model's configs)."""
     fields = [name for name in ("stop", "stop_regex") if getattr(params, name)]
-    fields += [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
+    grammar = grammar_key(params)
+    fields += [grammar[0]] if grammar is not None else []
     if fields:
         name = fields[0]
         raise RequestError(

@@ -526,9 +526,9 @@ class Scheduler(SchedulerIOMixin):
         if done is None:
             return
         req, model, error = done
+        while model is not None and self.in_flight:
+            self.process_oldest()
         if model is not None and req.flush_cache:
-            while self.in_flight:
-                self.process_oldest()
             pd_busy = self.disagg is not None and self.disagg.busy()
             if self.running or self.chunked_req is not None or pd_busy:
                 error = (
@@ -539,8 +539,6 @@ class Scheduler(SchedulerIOMixin):
         if error:
             self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, error))
             return
-        while self.in_flight:
-            self.process_oldest()
         self.model_runner.swap_model(model)
         if req.flush_cache:
             self._empty_tree()

@@ -356,13 +356,8 @@ class TokenizerManager:
                 return
             # One abort suffices: it follows every request already sent on the same ordered socket.
             self.abort_request(abort_all=True)
-            deadline = time.monotonic() + timeout
-            while any(not s.finished for s in self.rid_to_state.values()):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"Requests were still running {timeout:.0f} s after they were aborted."
-                    )
-                await asyncio.sleep(0.05)
+            if not await self._wait_until(self._all_finished, None, timeout):
+                raise TimeoutError(f"Requests were still running {timeout:.0f} s after they were aborted.")
         except BaseException:
             if not was_paused:
                 self._unpaused.set()
@@ -400,11 +395,8 @@ class TokenizerManager:
             try:
                 if hold:
                     # Until every running request has finished, or a pause (of any mode) comes first.
-                    await self._wait_until(
-                        lambda: not self._unpaused.is_set()
-                        or all(s.finished for s in self.rid_to_state.values()),
-                        request,
-                    )
+                    paused_or_done = lambda: not self._unpaused.is_set() or self._all_finished()  # noqa: E731
+                    await self._wait_until(paused_or_done, request)
                 out = await self._control(obj, UpdateWeightFromDiskReqOutput, None)
             finally:
                 self._no_update_hold.set()
@@ -416,10 +408,19 @@ class TokenizerManager:
                     self._unpaused.clear()  # (as an "abort" pause: /continue_generation ends it)
             return out.success, out.message, out.num_paused_requests
 
-    async def _wait_until(self, done: Callable[[], bool], request: DisconnectCheck | None) -> None:
-        """Poll `done` every 20 ms; ClientDisconnected or BackendDeadError as `_wait_event` raises them."""
+    def _all_finished(self) -> bool:
+        return all(s.finished for s in self.rid_to_state.values())
+
+    async def _wait_until(
+        self, done: Callable[[], bool], request: DisconnectCheck | None, timeout: float | None = None
+    ) -> bool:
+        """Poll `done` every 20 ms: True once it holds, False after `timeout` seconds (None: no limit);
+        ClientDisconnected or BackendDeadError as `_wait_event` raises them."""
         last_check = time.monotonic()
+        deadline = None if timeout is None else last_check + timeout
         while not done():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
             await asyncio.sleep(0.02)
             error = self.health.error()
             if error is not None:
@@ -428,6 +429,7 @@ class TokenizerManager:
                 last_check = time.monotonic()
                 if await request.is_disconnected():
                     raise ClientDisconnected()
+        return True
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
         """Upstream's /update_weight_version: the label replies carry from now on (running requests are

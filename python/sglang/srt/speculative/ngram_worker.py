@@ -134,11 +134,15 @@ class NgramWorker:
         draft from it)."""
         tokens = self._history(req)
         backoff = self._backoff.get(req)
-        if penalized_now(req) or req.grammar is not None or req.return_hidden_states:
-            # (a grammar's mask would have to follow the drafts; hidden states are taken at one position)
+        if (
+            penalized_now(req)
+            or req.grammar is not None
+            or req.return_hidden_states
+            or req.custom_logit_processor is not None
+        ):
+            # (a grammar's mask would have to follow the drafts, as would the outputs a custom logit
+            # processor sees; hidden states are taken at one position)
             return []
-        if req.custom_logit_processor is not None:
-            return []  # (its processor sees the request's outputs: they would have to include the drafts)
         if backoff is not None and len(req.output_ids) < backoff[1]:
             return []
         budget = min(
