@@ -1,5 +1,5 @@
-"""Upstream's RL refit routes on a real server: /update_weights_from_disk, /update_weight_version and
-/get_weight_version, with meta_info.weight_version in every reply.
+"""Upstream's RL refit routes on a real server: /update_weights_from_disk, /update_weights_from_tensor,
+/update_weight_version and /get_weight_version, with meta_info.weight_version in every reply.
 
 Two checkpoints of one network: A (the preset) and B (A's weights plus seeded noise), each with its
 transformers oracle. Greedy outputs match A's oracle before an update and B's after; the prefix cache
@@ -11,14 +11,21 @@ weights still serving. Each step of the model takes 20 ms or more, so long reque
 
 from __future__ import annotations
 
+import base64
+import os
+import pickle
 import threading
 import time
 from pathlib import Path
 
 import orjson
 import requests
+import torch
+from safetensors.torch import load_file
 
 from sglang.srt.configs.presets import resolve_model_path
+from sglang.srt.models.loader import checkpoint_files
+from sglang.srt.utils import MultiprocessingSerializer
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import noisy_checkpoint
 from sglang.test.reference import ReferenceModel
@@ -67,6 +74,11 @@ class Call(threading.Thread):
     def run(self) -> None:
         self.reply = requests.post(self.url, json=self.body, timeout=120)
         self.done_at = time.monotonic()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
 
 
 class TestUpdateWeights(ServerTestCase):
@@ -212,6 +224,50 @@ class TestUpdateWeights(ServerTestCase):
         out = self.greedy(PROMPT)
         self.assertEqual(out["output_ids"], self.oracle_a.greedy(PROMPT, NEW_TOKENS))
         self.assertEqual(out["meta_info"]["weight_version"], "base")
+
+    def test_update_weights_from_tensor_writes_them_in_place(self) -> None:
+        """Upstream's /update_weights_from_tensor from another process: the tensors by value (a file
+        descriptor reaches only a process the sender started), base64 in JSON, in two buckets."""
+        tensors = {}
+        for f in checkpoint_files(self.path_b):
+            tensors.update(load_file(str(f)))
+        names = sorted(tensors)
+        self.greedy(CACHED_PROMPT)
+        for part, version in [(names[::2], None), (names[1::2], "step-2")]:
+            payload = base64.b64encode(pickle.dumps([(n, tensors[n]) for n in part])).decode()
+            r = self.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload],
+                                                          "weight_version": version})  # fmt: skip
+            self.assertEqual(r.status_code, 200, r.text)
+            want = f"Succeeded to update {len(part)} weight tensor(s) in place."
+            self.assertEqual(r.json(), {"success": True, "message": want})
+        out = self.greedy(CACHED_PROMPT)
+        self.assertEqual(out["output_ids"], self.oracle_b.greedy(CACHED_PROMPT, NEW_TOKENS))
+        self.assertEqual(out["meta_info"]["cached_tokens"], 0)
+        self.assertEqual(out["meta_info"]["weight_version"], "step-2")
+
+    def test_a_bad_tensor_update_is_refused_and_the_old_weights_keep_serving(self) -> None:
+        good = base64.b64encode(pickle.dumps([("model.norm.weight", torch.zeros(3))])).decode()
+        for body, param in [
+            ({}, "serialized_named_tensors"),
+            ({"serialized_named_tensors": [b"x".hex(), 3]}, "serialized_named_tensors"),
+            ({"serialized_named_tensors": [good], "load_format": "flattened_bucket"}, "load_format"),
+            ({"serialized_named_tensors": [good], "flush_cache": "yes"}, "flush_cache"),
+        ]:
+            r = self.post("/update_weights_from_tensor", body)
+            self.assertEqual(r.status_code, 400, r.text)
+            self.assertEqual(r.json()["error"]["param"], param)
+        zeros = [("model.norm.weight", torch.zeros(16))]
+        by_handle = MultiprocessingSerializer.serialize(zeros, output_str=True)
+        for payload, words in [
+            (good, "model.norm.weight has shape (3,)"),
+            (by_handle, "file descriptors"),
+            (base64.b64encode(pickle.dumps([("w", _Evil())])).decode(), "posix.system"),
+        ]:
+            r = self.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+            self.assertEqual(r.status_code, 400, r.text)
+            self.assertFalse(r.json()["success"])
+            self.assertIn(words, r.json()["message"])
+        self.assertEqual(self.greedy(PROMPT)["output_ids"], self.oracle_a.greedy(PROMPT, NEW_TOKENS))
 
     def test_update_weight_version_relabels_replies(self) -> None:
         r = self.post("/update_weight_version", {"new_version": "v9", "abort_all_requests": False})

@@ -9,14 +9,18 @@ import pstats
 import time
 
 import pytest
+from safetensors.torch import load_file
 
 import sglang
+from sglang.srt.configs.presets import resolve_model_path
 from sglang.srt.entrypoints.process_launcher import ServerStartupError
 from sglang.srt.environ import envs
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError
 from sglang.test import fake_scheduler
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import noisy_checkpoint
+from sglang.test.reference import ReferenceModel
 
 register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
@@ -191,6 +195,22 @@ def test_real_scheduler_through_the_engine(tmp_path):
         assert e.value.param == "flush_cache"
         with pytest.raises(TypeError, match="flush_cahce"):
             eng.update_weights_from_disk("tiny-qwen3-next", flush_cahce=False)
+        # Upstream's in-place refit: B's tensors reach the spawned scheduler by file descriptor; then A's.
+        path_b = noisy_checkpoint(resolve_model_path("tiny-qwen3-next"), tmp_path / "b")
+        tensors_b = load_file(f"{path_b}/model.safetensors")
+        tensors_a = load_file(f"{resolve_model_path('tiny-qwen3-next')}/model.safetensors")
+        assert eng.update_weights_from_tensor(list(tensors_b.items())) == (
+            True, f"Succeeded to update {len(tensors_b)} weight tensor(s) in place."
+        )  # fmt: skip
+        on_b = eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+        assert on_b == ReferenceModel(path_b).greedy(prompt, GREEDY["max_new_tokens"])
+        assert eng.update_weights_from_tensor(list(tensors_a.items()), flush_cache=True)[0]
+        assert eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == outs[2]["output_ids"]
+        with pytest.raises(RequestError, match="load_format") as e:
+            eng.update_weights_from_tensor([], load_format="flattened_bucket")
+        assert e.value.param == "load_format"
+        with pytest.raises(TypeError, match=r"named_tensors\[0\]"):
+            eng.update_weights_from_tensor([("model.norm.weight", [1.0])])
         it = eng.generate(
             input_ids=[5, 6], sampling_params={"max_new_tokens": 3000, "ignore_eos": True}, stream=True
         )

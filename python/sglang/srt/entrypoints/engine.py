@@ -20,10 +20,15 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 from sglang.srt.entrypoints.process_launcher import SchedulerEntry, launch_subprocesses
-from sglang.srt.managers.io_struct import FlushCacheReqOutput, GenerateReqInput, UpdateWeightFromDiskReqInput
+from sglang.srt.managers.io_struct import (
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
+)
 from sglang.srt.managers.request_validation import max_samples_per_request
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
-from sglang.srt.managers.weight_update_request import parse_update_weights_from_disk
+from sglang.srt.managers.weight_update_request import check_tensor_load_format, parse_update_weights_from_disk
 from sglang.srt.server_args import ServerArgs
 from sglang.version import __version__
 
@@ -178,6 +183,29 @@ class Engine:
             raise TypeError(f"update_weights_from_disk() got an unexpected keyword argument {unknown[0]!r}")
         obj = parse_update_weights_from_disk({"model_path": model_path, "load_format": load_format, **kwargs})
         return self._run(self.tokenizer_manager.update_weights_from_disk(obj))
+
+    def update_weights_from_tensor(
+        self, named_tensors: list[tuple[str, Any]], load_format: str | None = None, flush_cache: bool = True
+    ) -> tuple[bool, str]:
+        """Upstream's: write new values into some or all weights, in place; (success, message).
+        `named_tensors`: (checkpoint name, tensor) pairs, on any device: they reach the scheduler by
+        handle (shared memory, CUDA IPC), not by copy (a CPU tensor's storage moves to shared memory, as
+        with torch.multiprocessing). `load_format` "direct": this server's parameter names and layout.
+        New requests wait while the running ones finish; the prefix cache is then emptied unless
+        `flush_cache` is false."""
+        import torch
+
+        from sglang.srt.utils.multiprocessing_serializer import MultiprocessingSerializer
+
+        named = list(named_tensors)
+        for i, pair in enumerate(named):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)
+                    and isinstance(pair[1], torch.Tensor)):  # fmt: skip
+                raise TypeError(f"named_tensors[{i}] is not a (name, tensor) pair")
+        check_tensor_load_format(load_format)
+        payload = MultiprocessingSerializer.serialize(named)
+        obj = UpdateWeightsFromTensorReqInput([payload], load_format=load_format, flush_cache=flush_cache)
+        return self._run(self.tokenizer_manager.update_weights_from_tensor(obj))
 
     def get_internal_state(self) -> dict[str, Any]:
         return self._run(self.tokenizer_manager.get_internal_state())

@@ -48,6 +48,7 @@ from sglang.srt.managers.tokenizer_manager import (
 from sglang.srt.managers.weight_update_request import (
     parse_update_weight_version,
     parse_update_weights_from_disk,
+    parse_update_weights_from_tensor,
 )
 from sglang.srt.metrics.collector import MetricsCollector
 from sglang.srt.sampling.model_defaults import model_sampling_defaults
@@ -240,6 +241,20 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
             return internal_error_response(e)
         body = {"success": success, "message": message, "num_paused_requests": paused}
         return json_response(body, 200 if success else 400)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> Response:
+        # As upstream: 200 with success true, else 400 with success false and why.
+        try:
+            obj = parse_update_weights_from_tensor(_json_object(await request.body()))
+            success, message = await tm.update_weights_from_tensor(obj, request)
+        except RequestError as e:
+            return error_response(e)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as e:
+            return internal_error_response(e)
+        return json_response({"success": success, "message": message}, 200 if success else 400)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:

@@ -155,6 +155,30 @@ class UpdateWeightFromDiskReqOutput:
 
 
 @dataclass
+class UpdateWeightsFromTensorReqInput:
+    """Upstream's /update_weights_from_tensor body: new values for some or all weights, in place.
+    `serialized_named_tensors`: one payload per tensor-parallel rank (one here), each a list of
+    (checkpoint name, tensor) as `MultiprocessingSerializer.serialize` writes it (base64 over HTTP);
+    `load_format`: None (checkpoint names, loaded as the checkpoint is) or "direct" (this server's
+    parameter names and layout). `flush_cache`, `abort_all_requests` and `weight_version` as for
+    /update_weights_from_disk. `trusted` is ours: false for a payload from HTTP, which may then not
+    name file descriptors (`MultiprocessingSerializer.deserialize`)."""
+
+    serialized_named_tensors: list[str | bytes]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    trusted: bool = True
+
+
+@dataclass
+class UpdateWeightsFromTensorReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
 class GetInternalStateReq:
     pass
 

@@ -24,7 +24,12 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from sglang.srt.constrained.xgrammar_backend import create_grammar_backend
 from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
-from sglang.srt.managers.io_struct import PortArgs, UpdateWeightFromDiskReqOutput
+from sglang.srt.managers.io_struct import (
+    PortArgs,
+    UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
+)
 from sglang.srt.managers.schedule_batch import DecodeRowsCache, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
@@ -35,7 +40,7 @@ from sglang.srt.managers.scheduler_components.inflight_batches import InflightBa
 from sglang.srt.managers.scheduler_components.loop_times import LoopTimes, clock
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
-from sglang.srt.managers.scheduler_components.weight_update import WeightUpdate
+from sglang.srt.managers.scheduler_components.weight_update import WeightUpdate, named_tensors_of
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import alloc_for_decode, release_kv_cache
@@ -526,16 +531,8 @@ class Scheduler(SchedulerIOMixin):
         if done is None:
             return
         req, model, error = done
-        while model is not None and self.in_flight:
-            self.process_oldest()
-        if model is not None and req.flush_cache:
-            pd_busy = self.disagg is not None and self.disagg.busy()
-            if self.running or self.chunked_req is not None or pd_busy:
-                error = (
-                    f"The weights were not updated: {len(self.running)} request(s) hold KV and state the "
-                    "current weights computed (pause with mode retract or abort first, or send "
-                    "flush_cache false)."
-                )
+        if model is not None:
+            error = self._weights_held(req.flush_cache)
         if error:
             self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, error))
             return
@@ -546,6 +543,44 @@ class Scheduler(SchedulerIOMixin):
         logger.info("Serving the weights of %s.", req.model_path)
         message = "Succeeded to update model weights."
         self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(True, message, paused))
+
+    def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReqInput) -> None:
+        """/update_weights_from_tensor: write the payload's tensors into the weights in place, between
+        two steps, then empty the prefix cache (as `finish_weight_update`, whose refusals it shares).
+        A payload that does not unpickle, or a tensor that does not fit, changes no weight."""
+        error = self._weights_held(req.flush_cache)
+        if error is None:
+            try:
+                named = named_tensors_of(req.serialized_named_tensors[0], req.trusted)
+                ignored = self.model_runner.update_weights_from_tensor(named, req.load_format)
+            except ValueError as e:
+                error = f"The weights were not updated: {str(e).strip().rstrip('.')}."
+        if error is not None:
+            self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(False, error))
+            return
+        if req.flush_cache:
+            self._empty_tree()
+        message = f"Succeeded to update {len(named) - len(ignored)} weight tensor(s) in place."
+        if ignored:
+            shown = ", ".join(ignored[:5]) + (" ..." if len(ignored) > 5 else "")
+            message += f" The model has no parameter for {len(ignored)} of them, ignored: {shown}."
+            logger.warning("A weight update ignored %d tensor(s) with no parameter: %s", len(ignored), shown)
+        self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(True, message))
+
+    def _weights_held(self, flush_cache: bool) -> str | None:
+        """Why the weights may not change now, or None: first the batches in flight finish (they read the
+        weights); then requests that hold KV and state the current weights computed (running, or paused
+        in place) refuse a flushing update, which would leave them going on from it."""
+        while self.in_flight:
+            self.process_oldest()
+        pd_busy = self.disagg is not None and self.disagg.busy()
+        if flush_cache and (self.running or self.chunked_req is not None or pd_busy):
+            return (
+                f"The weights were not updated: {len(self.running)} request(s) hold KV and state the "
+                "current weights computed (pause with mode retract or abort first, or send "
+                "flush_cache false)."
+            )
+        return None
 
     def shutdown(self) -> None:
         while self.in_flight:

@@ -44,6 +44,8 @@ from sglang.srt.managers.io_struct import (
     SchedulerHeartbeat,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
 )
 from sglang.srt.managers.request_validation import (
     TEXT_WITHOUT_TOKENIZER,
@@ -386,10 +388,25 @@ class TokenizerManager:
         the new ones; a pause that comes meanwhile ends the wait. With `abort_all_requests` everything
         running is aborted first; with `keep_pause` the server is paused after a successful update. A
         failed update leaves the old weights serving. One update at a time."""
+        out = await self._update_weights(obj, UpdateWeightFromDiskReqOutput, request)
+        if out.success:
+            self.server_args.model_path = obj.model_path
+        return out.success, out.message, out.num_paused_requests
+
+    async def update_weights_from_tensor(
+        self, obj: UpdateWeightsFromTensorReqInput, request: DisconnectCheck | None = None
+    ) -> tuple[bool, str]:
+        """New values for some or all weights, written in place (`Scheduler.update_weights_from_tensor`):
+        (success, message). New requests wait while the running ones finish, as for
+        `update_weights_from_disk` (upstream holds its writer lock likewise)."""
+        out = await self._update_weights(obj, UpdateWeightsFromTensorReqOutput, request)
+        return out.success, out.message
+
+    async def _update_weights(self, obj: Any, reply_type: type, request: DisconnectCheck | None) -> Any:
         async with self._weight_update_lock:
             if obj.abort_all_requests:
                 self.abort_request(abort_all=True)
-            hold = self._unpaused.is_set() and not obj.is_async
+            hold = self._unpaused.is_set() and not getattr(obj, "is_async", False)
             if hold:
                 self._no_update_hold.clear()
             try:
@@ -397,16 +414,15 @@ class TokenizerManager:
                     # Until every running request has finished, or a pause (of any mode) comes first.
                     paused_or_done = lambda: not self._unpaused.is_set() or self._all_finished()  # noqa: E731
                     await self._wait_until(paused_or_done, request)
-                out = await self._control(obj, UpdateWeightFromDiskReqOutput, None)
+                out = await self._control(obj, reply_type, None)
             finally:
                 self._no_update_hold.set()
             if out.success:
-                self.server_args.model_path = obj.model_path
                 if obj.weight_version is not None:
                     self.server_args.weight_version = obj.weight_version
-                if obj.keep_pause:
+                if getattr(obj, "keep_pause", False):
                     self._unpaused.clear()  # (as an "abort" pause: /continue_generation ends it)
-            return out.success, out.message, out.num_paused_requests
+            return out
 
     def _all_finished(self) -> bool:
         return all(s.finished for s in self.rid_to_state.values())

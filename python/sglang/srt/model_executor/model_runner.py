@@ -210,6 +210,37 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.recapture()
 
+    def update_weights_from_tensor(
+        self, named_tensors: list[tuple[str, torch.Tensor]], load_format: str | None = None
+    ) -> list[str]:
+        """Write new values into the serving model's weights, in place (/update_weights_from_tensor):
+        checkpoint names loaded as the checkpoint is (`load_weights(update=True)`), or with "direct" this
+        model's own parameter names and layout. Returns the names no parameter took. ValueError where a
+        tensor does not fit, with no weight changed. Nothing may be in flight; CUDA graphs keep working,
+        as every parameter keeps its memory."""
+        on_cuda = torch.device(self.device).type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(self.device)  # no forward on another stream still reads them
+        if load_format == "direct":
+            params = dict(self.model.named_parameters())
+            unknown = [name for name, _ in named_tensors if name not in params]
+            for name, tensor in named_tensors:
+                param = params.get(name)
+                if param is not None and not tensor.is_floating_point():
+                    raise ValueError(f"tensor {name} is {tensor.dtype}, not a floating-point weight")
+                if param is not None and tuple(param.shape) != tuple(tensor.shape):
+                    shapes = f"{tuple(tensor.shape)}; the parameter's is {tuple(param.shape)}"
+                    raise ValueError(f"tensor {name} has shape {shapes}")
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    if name in params:
+                        params[name].data.copy_(tensor)
+        else:
+            unknown = self.model.load_weights(named_tensors, update=True)
+        if on_cuda:
+            torch.cuda.synchronize(self.device)  # written before the next forward reads them
+        return unknown
+
     def forward_batch_generation(self, fb: ForwardBatch) -> GenerationBatchResult:
         with torch.inference_mode():
             if fb.forward_mode.is_idle() or fb.batch_size == 0:

@@ -55,8 +55,10 @@ class HybridCausalLM(nn.Module):
         of rows of a parameter that fuses several (a model maps the names it stacks)."""
         return None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self, skip_prefixes=self.skip_prefixes)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], update: bool = False) -> list[str]:
+        """Load checkpoint-named tensors: all of them, or with `update` any subset into the serving model
+        (`WeightLoader`: all or nothing). Returns the names of tensors no parameter took."""
+        loader = WeightLoader(self, skip_prefixes=self.skip_prefixes, update=update)
         for name, tensor in weights:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
@@ -66,10 +68,17 @@ class HybridCausalLM(nn.Module):
                     piece = _fold(piece, scale)
                 rows = self.checkpoint_rows(target)
                 if rows is None:
-                    loader.load(target, piece)
+                    loader.load(target, self.served_form(target, piece))
                 else:
                     loader.load_rows(rows[0], rows[1], target, piece)
         loader.finish()
+        return loader.unused
+
+    def served_form(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's `tensor` for parameter `name` as the serving model holds it: the same, unless
+        `process_weights_after_loading` changed the parameter's layout (then a weight update's tensor
+        must change alike)."""
+        return tensor
 
 
 def _fold(tensor: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:

@@ -51,9 +51,15 @@ def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class WeightLoader:
-    """Copies named tensors into a model's parameters and checks that all of them were provided."""
+    """Copies named tensors into a model's parameters and checks that all of them were provided.
 
-    def __init__(self, model: nn.Module, skip_prefixes: Iterable[str] = ()):
+    With `update` (a weight update of a serving model: `/update_weights_from_tensor`), any subset may
+    come, and nothing is copied until `finish`: a tensor that does not fit refuses the whole update
+    with the weights untouched."""
+
+    def __init__(self, model: nn.Module, skip_prefixes: Iterable[str] = (), update: bool = False):
+        self.update = update
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, source), in update mode
         self.params = dict(model.named_parameters())
         self.experts = {name: m for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
         self.skip_prefixes = tuple(skip_prefixes)
@@ -71,7 +77,7 @@ class WeightLoader:
             _check_unquantized(name, tensor)
         if match and match["module"] in self.experts:
             expert, shard = int(match["expert"]), match["shard"]
-            self.experts[match["module"]].load_expert_weight(expert, shard, tensor)
+            self._copy(self.experts[match["module"]].expert_weight_rows(expert, shard, tensor), tensor)
             self.expert_pieces[match["module"]].add((expert, shard))
             return
         param = self.params.get(name)
@@ -82,7 +88,7 @@ class WeightLoader:
             raise ValueError(
                 f"Checkpoint tensor {name} has shape {tuple(tensor.shape)}; the model expects {tuple(param.shape)}."
             )
-        param.data.copy_(tensor)
+        self._copy(param.data, tensor)
         self.loaded.add(name)
 
     def load_rows(self, name: str, start: int, source: str, tensor: torch.Tensor) -> None:
@@ -98,8 +104,14 @@ class WeightLoader:
                 f"Checkpoint tensor {source} has shape {tuple(tensor.shape)}; the model expects rows "
                 f"[{start}, {stop}) of {name}, shape {tuple(param.shape)}."
             )
-        param.data[start:stop].copy_(tensor)
+        self._copy(param.data[start:stop], tensor)
         self.row_blocks.setdefault(name, []).append((start, stop, source))
+
+    def _copy(self, target: torch.Tensor, tensor: torch.Tensor) -> None:
+        if self.update:
+            self.copies.append((target, tensor))
+        else:
+            target.copy_(tensor)
 
     def _check_row_blocks(self) -> None:
         """A stacked parameter is loaded when its blocks tile its rows exactly once."""
@@ -117,6 +129,9 @@ class WeightLoader:
                 self.loaded.add(name)
 
     def finish(self) -> None:
+        if self.update:
+            self._finish_update()
+            return
         self._check_row_blocks()
         for name, module in self.experts.items():
             shards = ("gate", "up", "down") if module.gated else ("up", "down")
@@ -132,6 +147,15 @@ class WeightLoader:
                 len(self.unused),
                 self.unused[0],
             )
+
+
+    def _finish_update(self) -> None:
+        """Copy an update's tensors, every one of which fitted (`load` raised otherwise). Those no
+        parameter takes stay in `unused`, for the reply to name (upstream ignores them silently)."""
+        with torch.no_grad():
+            for target, tensor in self.copies:
+                target.copy_(tensor)
+        self.copies.clear()
 
 
 def _check_unquantized(name: str, tensor: torch.Tensor) -> None:

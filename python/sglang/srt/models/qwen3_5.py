@@ -22,6 +22,8 @@ _LANGUAGE_MODEL = "model.language_model."
 
 
 class Qwen3_5GatedDeltaNet(Qwen3NextGatedDeltaNet):
+    checkpoint_per_key_head = False
+
     def __init__(self, config: Any, layer_id: int):
         super().__init__(config, layer_id)
         self.projections_grouped = True  # loaded piece by piece over all heads: [q | k | v | z], [b | a]

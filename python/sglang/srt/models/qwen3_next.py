@@ -30,6 +30,9 @@ def group_rows_by_piece(weight: torch.Tensor, heads: int, sizes: list[int]) -> t
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
+    # The checkpoint stores the input projections per key head (regrouped after loading); Qwen3.5's not.
+    checkpoint_per_key_head = True
+
     def __init__(self, config: Any, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
@@ -67,6 +70,13 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         for proj, sizes in self.projection_pieces().items():
             proj.weight.data = group_rows_by_piece(proj.weight.data, self.num_k_heads, sizes)
         self.projections_grouped = True
+
+    def served_projection(self, proj: nn.Linear, weight: torch.Tensor) -> torch.Tensor:
+        """A checkpoint `weight` of the input projection `proj` in the rows' order it is served in
+        (regrouped, once the projections are: a weight update's)."""
+        if not (self.projections_grouped and self.checkpoint_per_key_head):
+            return weight
+        return group_rows_by_piece(weight, self.num_k_heads, self.projection_pieces()[proj])
 
     def projection_pieces(self) -> dict[nn.Linear, list[int]]:
         """Each input projection with the sizes of its pieces within one key head's rows."""
@@ -253,6 +263,16 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         model = Qwen3NextModel(config, self.gdn_cls)
         super().__init__(config, model, model.embed_tokens)
 
+    def served_form(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        module, _, attr = name.rpartition(".")  # `attr` is "weight"; `module` a projection or not
+        layer, _, proj = module.rpartition(".")
+        if proj in ("in_proj_qkvz", "in_proj_ba") and layer.endswith(".linear_attn"):
+            try:
+                mixer = self.get_submodule(layer)
+            except AttributeError:  # no such layer: the loader names the tensor as unused
+                return tensor
+            return mixer.served_projection(getattr(mixer, proj), tensor)
+        return tensor
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:

@@ -68,7 +68,7 @@ class RoutedExperts(nn.Module):
         self.triton = False  # the Triton bookkeeping around the grouped GEMMs (CUDA; set at load)
         # Set by fuse_shared_expert: (the shared expert, its gate) and the op's arguments for them.
         self.fused_shared: tuple[nn.Module, nn.Linear | None] | None = None
-        self.fused_shared_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.fused_shared_args: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13t, w2t)
 
     def process_weights_after_loading(self) -> None:
         """On CPU, where the C++ op serves this layer, store w13 / w2 transposed (contiguous [E, H, R] and
@@ -117,12 +117,16 @@ class RoutedExperts(nn.Module):
             mlp.down_proj.weight.data = w2t.t()
         else:
             w13t, w2t = self.fused_shared_args[:2]
-        gate_vec = None if gate is None else gate.weight.data.float().reshape(-1).contiguous()
         self.fused_shared = (mlp, gate)
-        self.fused_shared_args = (w13t, w2t, gate_vec)
+        self.fused_shared_args = (w13t, w2t)
 
     def load_expert_weight(self, expert: int, shard: str, weight: torch.Tensor) -> None:
         """One expert's `gate_proj` / `up_proj` / `down_proj` weight as HF checkpoints store it."""
+        self.expert_weight_rows(expert, shard, weight).copy_(weight)
+
+    def expert_weight_rows(self, expert: int, shard: str, weight: torch.Tensor) -> torch.Tensor:
+        """The view of w13 / w2 that one expert's checkpoint `weight` of `shard` loads into; ValueError
+        where `weight` does not fit it."""
         inter = self.intermediate_size
         if shard == "down":
             target = self.w2.data[expert]
@@ -138,7 +142,7 @@ class RoutedExperts(nn.Module):
             raise ValueError(
                 f"Expert {expert} {shard}_proj has shape {tuple(weight.shape)}, expected {tuple(target.shape)}."
             )
-        target.copy_(weight)
+        return target
 
     def forward(
         self,
@@ -178,7 +182,13 @@ class RoutedExperts(nn.Module):
         """The C++ op's arguments after x, weights and ids: the stored-transposed experts, their kind, and
         the shared expert's weights where `fused`."""
         head = (self.w13.transpose(1, 2), self.w2.transpose(1, 2), self.gated, self.act_code)
-        return head + (self.fused_shared_args if fused else ())
+        if not fused:
+            return head
+        # The gate as the op reads it, from the parameter as it is now (an in-place weight update changes
+        # it): a view of a float32 gate, a float32 copy of another.
+        gate = self.fused_shared[1]
+        gate_vec = None if gate is None else gate.weight.float().reshape(-1).contiguous()
+        return head + (*self.fused_shared_args, gate_vec)
 
     def _add_shared(
         self, out: torch.Tensor, x: torch.Tensor, shared_expert: nn.Module | None, shared_gate: nn.Linear | None

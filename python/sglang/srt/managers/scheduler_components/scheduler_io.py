@@ -27,6 +27,7 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromTensorReqInput,
 )
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.scheduler_components.loop_times import clock
@@ -140,6 +141,8 @@ class SchedulerIOMixin:
                 refused = self.weight_update.start(obj)
                 if refused is not None:
                     self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, refused))
+            elif isinstance(obj, UpdateWeightsFromTensorReqInput):
+                self.update_weights_from_tensor(obj)
             elif isinstance(obj, GetInternalStateReq):
                 self.send_to_tokenizer(GetInternalStateReqOutput(self.get_internal_state()))
             elif isinstance(obj, PauseGenerationReqInput):

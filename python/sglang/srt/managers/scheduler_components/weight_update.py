@@ -1,4 +1,5 @@
-"""`WeightUpdate`: /update_weights_from_disk on the scheduler's side.
+"""`WeightUpdate`: /update_weights_from_disk on the scheduler's side; `named_tensors_of`, the payload of
+/update_weights_from_tensor.
 
 The new checkpoint loads on a thread of its own (`ModelRunner.load_like_current`: minutes for a large
 model), while the scheduler's loop goes on: it keeps sending heartbeats (the watchdog stays quiet), and
@@ -16,7 +17,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
 from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+from sglang.srt.utils.multiprocessing_serializer import MultiprocessingSerializer
 
 logger = logging.getLogger(__name__)
 
@@ -58,3 +62,16 @@ class WeightUpdate:
             return req, None, f"The weights at {req.model_path} cannot be served: {reason}."
         logger.info("New weights loaded from %s in %.2f s.", req.model_path, time.monotonic() - started)
         return req, model, ""
+
+
+def named_tensors_of(payload: bytes | str, trusted: bool) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a /update_weights_from_tensor payload (a list or tuple of them, as
+    upstream's clients send); ValueError, in one sentence, where it is something else."""
+    named = MultiprocessingSerializer.deserialize(payload, trusted)
+    if not isinstance(named, (list, tuple)):
+        raise ValueError(f"the payload is a {type(named).__name__}, not a list of (name, tensor) pairs")
+    for i, pair in enumerate(named):
+        ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)
+        if not (ok and isinstance(pair[1], torch.Tensor)):
+            raise ValueError(f"item {i} of the payload is not a (name, tensor) pair")
+    return [(name, tensor) for name, tensor in named]

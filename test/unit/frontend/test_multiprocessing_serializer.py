@@ -1,0 +1,91 @@
+"""`MultiprocessingSerializer` (upstream's name, importable from `sglang.srt.utils`): tensors travel by
+value or by shared-memory file name from any process, and the allowlist refuses a payload that names
+anything but tensors and their parts, before calling it. (By file descriptor, to a process the sender
+started: `test_engine.test_real_scheduler_through_the_engine`.)"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.utils.multiprocessing_serializer import UnsafePayloadError
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=8, suite="per-commit-cpu")
+
+
+def named() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 4, generator=g)
+    return [
+        ("a.weight", base),
+        ("b.weight", base[1:, 2:]),  # a strided view
+        ("c.bias", torch.randn(5, generator=g).to(torch.bfloat16)),
+        ("d.weight", torch.nn.Parameter(torch.ones(3), requires_grad=False)),
+    ]
+
+
+def same(a, b) -> bool:
+    return [n for n, _ in a] == [n for n, _ in b] and all(
+        x.dtype == y.dtype and torch.equal(x, y) for (_, x), (_, y) in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("form", ["plain", "plain-protocol-2", "base64", "file_system"])
+def test_forms_any_process_can_send(form, monkeypatch):
+    tensors = named()
+    if form == "file_system":
+        old = torch.multiprocessing.get_sharing_strategy()
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        try:
+            payload = MultiprocessingSerializer.serialize(tensors, output_str=True)
+        finally:
+            torch.multiprocessing.set_sharing_strategy(old)
+    elif form == "base64":
+        import base64
+
+        payload = base64.b64encode(pickle.dumps(tensors)).decode()
+    else:
+        payload = pickle.dumps(tensors, protocol=2 if form == "plain-protocol-2" else pickle.HIGHEST_PROTOCOL)
+    assert same(MultiprocessingSerializer.deserialize(payload, trusted=False), tensors)
+
+
+class _Reduce:
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
+def test_the_allowlist_refuses_before_calling(tmp_path):
+    marker = tmp_path / "ran"
+    for payload, words in [
+        (pickle.dumps([("w", _Reduce(os.system, f"touch {marker}"))]), "posix.system"),
+        (pickle.dumps(_Reduce(open, str(marker), "w")), "io.open"),
+        (pickle.dumps([("w", _Reduce(torch.load, "x"))]), "torch.serialization.load"),
+        (MultiprocessingSerializer.serialize(named()), "file descriptors"),  # untrusted below
+    ]:
+        with pytest.raises(UnsafePayloadError, match=words.replace(".", r"\.")):
+            MultiprocessingSerializer.deserialize(payload, trusted=False)
+    assert not marker.exists()
+
+
+def test_a_plain_pickles_storage_loads_without_unrestricted_unpickling():
+    """A plain pickle's storages are a nested torch.save; it loads with weights_only, so one that holds
+    a callable is refused too."""
+    inner = pickle.dumps(_Reduce(os.getpid))
+    evil = pickle.dumps(_Reduce(torch.storage._load_from_bytes, inner))
+    with pytest.raises(ValueError, match="does not unpickle"):
+        MultiprocessingSerializer.deserialize(evil, trusted=False)
+
+
+def test_malformed_payloads_are_one_value_error():
+    malformed = [("%%%", "not valid base64"), (b"\x80\x05junk", "does not unpickle"), (b"", "does not")]
+    for payload, words in malformed:
+        with pytest.raises(ValueError, match=words):
+            MultiprocessingSerializer.deserialize(payload)

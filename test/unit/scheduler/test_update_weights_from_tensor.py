@@ -1,0 +1,123 @@
+"""The scheduler's side of /update_weights_from_tensor (`Scheduler.update_weights_from_tensor`): the
+payload unpickles through `MultiprocessingSerializer`'s allowlist, the tensors are written into the
+weights in place between two steps, and the prefix cache is emptied. Outputs then match the new
+checkpoint's oracle, through the graph runner's bodies too (and on CUDA through the graphs captured at
+start: the parameters keep their memory). A refused update (requests holding state, a payload that is
+not tensors, a tensor that does not fit) leaves the old weights serving."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput, UpdateWeightsFromTensorReqOutput
+from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+from sglang.srt.models.loader import checkpoint_files
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import noisy_checkpoint
+from sglang.test.reference import ReferenceModel
+from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+
+register_cpu_ci(est_time=10, suite="per-commit-cpu")
+
+QWEN = "tiny-qwen3-next"
+GPU_TOL = 1e-3  # float32 on CUDA, as test_update_weights.GPU_TOL
+
+
+@pytest.fixture(scope="module")
+def checkpoint_b(preset_paths, tmp_path_factory):
+    path = noisy_checkpoint(preset_paths[QWEN], tmp_path_factory.mktemp("weights") / "b")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(path):
+        tensors.update(load_file(str(f)))
+    return tensors, ReferenceModel(path)
+
+
+def update(h: SchedulerHarness, payload: bytes | str, **fields) -> UpdateWeightsFromTensorReqOutput:
+    h.sched.process_input_requests([UpdateWeightsFromTensorReqInput([payload], **fields)])
+    (reply,) = h.sched.tokenizer_outbox
+    h.sched.tokenizer_outbox.clear()
+    return reply
+
+
+def test_an_update_serves_the_new_weights_through_the_graph_bodies(oracles, checkpoint_b):
+    tensors, oracle_b = checkpoint_b
+    h = SchedulerHarness(QWEN)
+    runner = h.sched.model_runner
+    runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False)
+    prompts = [token_ids(70 + 11 * k, seed=k) for k in range(3)]
+    for p in prompts:
+        h.check_oracle(oracles[QWEN], p, h.generate(p, 6))
+    captured = dict(runner.graph_runner.decode.outputs)
+    names = sorted(tensors)
+    # Two updates (a trainer sends its weights in buckets), the second by value as an HTTP client would.
+    first = update(h, MultiprocessingSerializer.serialize([(n, tensors[n]) for n in names[::2]]))
+    assert first.success, first.message
+    second = update(h, pickle.dumps([(n, tensors[n]) for n in names[1::2]]), trusted=False)
+    message = f"Succeeded to update {len(names[1::2])} weight tensor(s) in place."
+    assert (second.success, second.message) == (True, message)
+    assert runner.graph_runner.decode.outputs == captured  # nothing captured again: same memory
+    rids = [h.submit(p, 6) for p in prompts]
+    h.run()
+    for p, rid in zip(prompts, rids, strict=True):
+        assert h.outputs[rid].cached_tokens == 0  # the old weights' prefixes are gone
+        h.check_oracle(oracle_b, p, h.outputs[rid])
+    h.sched.check_integrity()
+    h.shutdown()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_refused_updates_keep_the_old_weights_serving(oracles, checkpoint_b):
+    tensors, _ = checkpoint_b
+    h = SchedulerHarness(QWEN)
+    good = list(tensors.items())
+    bad_shape = [*good, ("model.norm.weight", torch.zeros(3))]
+    for payload, trusted, words in [
+        (pickle.dumps([("model.norm.weight", _Evil())]), True, "names posix.system"),
+        (MultiprocessingSerializer.serialize(good), False, "file descriptors"),
+        (pickle.dumps({"model.norm.weight": torch.zeros(3)}), True, "not a list of (name, tensor) pairs"),
+        (pickle.dumps([("model.norm.weight", [1.0])]), True, "item 0 of the payload"),
+        (pickle.dumps(bad_shape), True, "model.norm.weight has shape (3,)"),
+        ("not base64!", False, "not valid base64"),
+    ]:
+        reply = update(h, payload, trusted=trusted)
+        assert not reply.success and words in reply.message, reply.message
+    # A request running with its state: a flushing update would strand it.
+    rid = h.submit(token_ids(30, seed=4), max_new_tokens=30)
+    h.sched.step()
+    reply = update(h, pickle.dumps(good))
+    assert not reply.success and "hold KV and state" in reply.message
+    h.run()
+    h.check_oracle(oracles[QWEN], token_ids(30, seed=4), h.outputs[rid])
+    prompt = token_ids(50, seed=5)
+    h.check_oracle(oracles[QWEN], prompt, h.generate(prompt, 6))
+    h.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graph_replays_read_the_weights_written_in_place(oracles, checkpoint_b):
+    """Tensors written into the parameters the captured graphs read: replays compute with them. (Host
+    tensors: a CUDA tensor's IPC handle cannot be opened by the process that made it.)"""
+    tensors, oracle_b = checkpoint_b
+    h = SchedulerHarness(QWEN, device="cuda", dtype="float32")
+    assert h.sched.model_runner.graph_runner.use_graphs
+    prompts = [token_ids(40 + 9 * k, seed=k) for k in range(3)]
+    for p in prompts:
+        h.check_oracle(oracles[QWEN], p, h.generate(p, 8), tol=GPU_TOL)
+    reply = update(h, MultiprocessingSerializer.serialize(list(tensors.items())))
+    assert reply.success, reply.message
+    rids = [h.submit(p, 8) for p in prompts]
+    h.run()
+    for p, rid in zip(prompts, rids, strict=True):
+        h.check_oracle(oracle_b, p, h.outputs[rid], tol=GPU_TOL)
+    h.shutdown()
