@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from sglang.srt.configs.presets import resolve_model_path
 from sglang.srt.models.loader import checkpoint_files
 from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import noisy_checkpoint
 from sglang.test.reference import ReferenceModel
@@ -233,10 +234,16 @@ class TestUpdateWeights(ServerTestCase):
             tensors.update(load_file(str(f)))
         names = sorted(tensors)
         self.greedy(CACHED_PROMPT)
-        for part, version in [(names[::2], None), (names[1::2], "step-2")]:
-            payload = base64.b64encode(pickle.dumps([(n, tensors[n]) for n in part])).decode()
-            r = self.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload],
-                                                          "weight_version": version})  # fmt: skip
+        buckets = [(names[::2], None, None), (names[1::2], "step-2", "flattened_bucket")]
+        for part, version, load_format in buckets:
+            named = [(n, tensors[n]) for n in part]
+            if load_format == "flattened_bucket":  # upstream's FlattenedTensorBucket, one tensor for all
+                bucket = FlattenedTensorBucket(named_tensors=named)
+                named = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+            payload = base64.b64encode(pickle.dumps(named)).decode()
+            body = {"serialized_named_tensors": [payload], "weight_version": version}
+            body["load_format"] = load_format
+            r = self.post("/update_weights_from_tensor", body)
             self.assertEqual(r.status_code, 200, r.text)
             want = f"Succeeded to update {len(part)} weight tensor(s) in place."
             self.assertEqual(r.json(), {"success": True, "message": want})
@@ -250,7 +257,7 @@ class TestUpdateWeights(ServerTestCase):
         for body, param in [
             ({}, "serialized_named_tensors"),
             ({"serialized_named_tensors": [b"x".hex(), 3]}, "serialized_named_tensors"),
-            ({"serialized_named_tensors": [good], "load_format": "flattened_bucket"}, "load_format"),
+            ({"serialized_named_tensors": [good], "load_format": "pt"}, "load_format"),
             ({"serialized_named_tensors": [good], "flush_cache": "yes"}, "flush_cache"),
         ]:
             r = self.post("/update_weights_from_tensor", body)

@@ -17,6 +17,8 @@ from sglang.srt.entrypoints.process_launcher import ServerStartupError
 from sglang.srt.environ import envs
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 from sglang.test import fake_scheduler
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import noisy_checkpoint
@@ -204,13 +206,18 @@ def test_real_scheduler_through_the_engine(tmp_path):
         )  # fmt: skip
         on_b = eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
         assert on_b == ReferenceModel(path_b).greedy(prompt, GREEDY["max_new_tokens"])
-        assert eng.update_weights_from_tensor(list(tensors_a.items()), flush_cache=True)[0]
+        bucket = FlattenedTensorBucket(named_tensors=list(tensors_a.items()))
+        flat = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+        payload = MultiprocessingSerializer.serialize(flat, output_str=True)
+        assert eng.update_weights_from_tensor([payload], load_format="flattened_bucket")[0]
         assert eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == outs[2]["output_ids"]
         with pytest.raises(RequestError, match="load_format") as e:
-            eng.update_weights_from_tensor([], load_format="flattened_bucket")
+            eng.update_weights_from_tensor([], load_format="pt")
         assert e.value.param == "load_format"
         with pytest.raises(TypeError, match=r"named_tensors\[0\]"):
             eng.update_weights_from_tensor([("model.norm.weight", [1.0])])
+        with pytest.raises(TypeError, match="serialized payloads"):
+            eng.update_weights_from_tensor(list(tensors_a.items()), load_format="flattened_bucket")
         it = eng.generate(
             input_ids=[5, 6], sampling_params={"max_new_tokens": 3000, "ignore_eos": True}, stream=True
         )

@@ -18,6 +18,7 @@ from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput, Updat
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang.srt.models.loader import checkpoint_files
 from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import noisy_checkpoint
 from sglang.test.reference import ReferenceModel
@@ -55,12 +56,17 @@ def test_an_update_serves_the_new_weights_through_the_graph_bodies(oracles, chec
         h.check_oracle(oracles[QWEN], p, h.generate(p, 6))
     captured = dict(runner.graph_runner.decode.outputs)
     names = sorted(tensors)
-    # Two updates (a trainer sends its weights in buckets), the second by value as an HTTP client would.
-    first = update(h, MultiprocessingSerializer.serialize([(n, tensors[n]) for n in names[::2]]))
+    # Three updates (a trainer sends its weights in buckets): by handle; by value, as an HTTP client
+    # would; one FlattenedTensorBucket (upstream's flattened_bucket format).
+    first = update(h, MultiprocessingSerializer.serialize([(n, tensors[n]) for n in names[::3]]))
     assert first.success, first.message
-    second = update(h, pickle.dumps([(n, tensors[n]) for n in names[1::2]]), trusted=False)
-    message = f"Succeeded to update {len(names[1::2])} weight tensor(s) in place."
+    second = update(h, pickle.dumps([(n, tensors[n]) for n in names[1::3]]), trusted=False)
+    message = f"Succeeded to update {len(names[1::3])} weight tensor(s) in place."
     assert (second.success, second.message) == (True, message)
+    bucket = FlattenedTensorBucket(named_tensors=[(n, tensors[n]) for n in names[2::3]])
+    flat = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    third = update(h, MultiprocessingSerializer.serialize(flat, True), load_format="flattened_bucket")
+    assert third.success, third.message
     assert runner.graph_runner.decode.outputs == captured  # nothing captured again: same memory
     rids = [h.submit(p, 6) for p in prompts]
     h.run()
@@ -90,6 +96,14 @@ def test_refused_updates_keep_the_old_weights_serving(oracles, checkpoint_b):
         ("not base64!", False, "not valid base64"),
     ]:
         reply = update(h, payload, trusted=trusted)
+        assert not reply.success and words in reply.message, reply.message
+    for payload, words in [
+        (pickle.dumps(good), '{"flattened_tensor": ..., "metadata": [...]}'),
+        (pickle.dumps({"flattened_tensor": torch.zeros(4, dtype=torch.uint8), "metadata": [
+            FlattenedTensorMetadata("model.norm.weight", torch.Size([16]), torch.float32, 0, 64, 16)]}),
+         "does not match bytes [0, 64) of a 4-byte tensor"),
+    ]:  # fmt: skip
+        reply = update(h, payload, load_format="flattened_bucket")
         assert not reply.success and words in reply.message, reply.message
     # A request running with its state: a flushing update would strand it.
     rid = h.submit(token_ids(30, seed=4), max_new_tokens=30)

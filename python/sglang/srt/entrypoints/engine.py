@@ -190,21 +190,28 @@ class Engine:
         """Upstream's: write new values into some or all weights, in place; (success, message).
         `named_tensors`: (checkpoint name, tensor) pairs, on any device: they reach the scheduler by
         handle (shared memory, CUDA IPC), not by copy (a CPU tensor's storage moves to shared memory, as
-        with torch.multiprocessing). `load_format` "direct": this server's parameter names and layout.
+        with torch.multiprocessing). `load_format` "direct": this server's parameter names and layout;
+        "flattened_bucket": `named_tensors` are payloads serialized already, each a
+        FlattenedTensorBucket's dict (`sglang.srt.weight_sync.tensor_bucket`), as upstream takes them.
         New requests wait while the running ones finish; the prefix cache is then emptied unless
         `flush_cache` is false."""
         import torch
 
         from sglang.srt.utils.multiprocessing_serializer import MultiprocessingSerializer
 
-        named = list(named_tensors)
-        for i, pair in enumerate(named):
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)
-                    and isinstance(pair[1], torch.Tensor)):  # fmt: skip
-                raise TypeError(f"named_tensors[{i}] is not a (name, tensor) pair")
         check_tensor_load_format(load_format)
-        payload = MultiprocessingSerializer.serialize(named)
-        obj = UpdateWeightsFromTensorReqInput([payload], load_format=load_format, flush_cache=flush_cache)
+        named = list(named_tensors)
+        if load_format == "flattened_bucket":  # as upstream: the payloads, serialized already (one per rank)
+            if not named or not all(isinstance(p, (str, bytes)) for p in named):
+                raise TypeError("with load_format 'flattened_bucket', named_tensors are serialized payloads")
+            payloads = named
+        else:
+            for i, pair in enumerate(named):
+                if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)
+                        and isinstance(pair[1], torch.Tensor)):  # fmt: skip
+                    raise TypeError(f"named_tensors[{i}] is not a (name, tensor) pair")
+            payloads = [MultiprocessingSerializer.serialize(named)]
+        obj = UpdateWeightsFromTensorReqInput(payloads, load_format=load_format, flush_cache=flush_cache)
         return self._run(self.tokenizer_manager.update_weights_from_tensor(obj))
 
     def get_internal_state(self) -> dict[str, Any]:

@@ -551,7 +551,7 @@ class Scheduler(SchedulerIOMixin):
         error = self._weights_held(req.flush_cache)
         if error is None:
             try:
-                named = named_tensors_of(req.serialized_named_tensors[0], req.trusted)
+                named = named_tensors_of(req.serialized_named_tensors[0], req.trusted, req.load_format)
                 ignored = self.model_runner.update_weights_from_tensor(named, req.load_format)
             except ValueError as e:
                 error = f"The weights were not updated: {str(e).strip().rstrip('.')}."

@@ -12,8 +12,9 @@ from sglang.srt.managers.request_validation import RequestError
 
 # Checkpoint formats this server reads (upstream's "auto" picks safetensors for these checkpoints).
 LOAD_FORMATS = (None, "auto", "safetensors")
-# /update_weights_from_tensor's: checkpoint names, or this server's parameter names ("direct").
-TENSOR_LOAD_FORMATS = (None, "direct")
+# /update_weights_from_tensor's: (name, tensor) pairs with checkpoint names, the same as one
+# FlattenedTensorBucket ("flattened_bucket"), or pairs with this server's parameter names ("direct").
+TENSOR_LOAD_FORMATS = (None, "flattened_bucket", "direct")
 
 
 def parse_update_weights_from_disk(body: Any) -> UpdateWeightFromDiskReqInput:
@@ -53,8 +54,8 @@ def parse_update_weights_from_tensor(body: Any) -> UpdateWeightsFromTensorReqInp
 def check_tensor_load_format(load_format: Any) -> None:
     if load_format not in TENSOR_LOAD_FORMATS:
         raise RequestError(
-            f"load_format {load_format!r} is not supported: send null (checkpoint names) or \"direct\" "
-            "(this server's parameter names).",
+            f"load_format {load_format!r} is not supported: send null or \"flattened_bucket\" (checkpoint "
+            "names) or \"direct\" (this server's parameter names).",
             "load_format",
         )
 

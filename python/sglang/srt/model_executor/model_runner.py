@@ -214,7 +214,8 @@ class ModelRunner:
         self, named_tensors: list[tuple[str, torch.Tensor]], load_format: str | None = None
     ) -> list[str]:
         """Write new values into the serving model's weights, in place (/update_weights_from_tensor):
-        checkpoint names loaded as the checkpoint is (`load_weights(update=True)`), or with "direct" this
+        checkpoint names loaded as the checkpoint is (`load_weights(update=True)`; load_format None or
+        "flattened_bucket", whose bucket the scheduler has taken apart already), or with "direct" this
         model's own parameter names and layout. Returns the names no parameter took. ValueError where a
         tensor does not fit, with no weight changed. Nothing may be in flight; CUDA graphs keep working,
         as every parameter keeps its memory."""

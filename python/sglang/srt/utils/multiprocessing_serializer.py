@@ -7,11 +7,12 @@ tensors (by value) load too: the way to send CPU tensors from a process that doe
 the server (a file descriptor reaches only a process started by the sender, such as an `Engine`'s
 scheduler).
 
-`deserialize` unpickles through an allowlist: tensors, storages, shapes, dtypes and torch's rebuild
-functions, nothing else. A body that names any other callable is refused before it is called, so a
-client cannot run code on the server by sending weights (upstream unpickles them as they come).
-`trusted=False` (the HTTP route's) also refuses file descriptors: one can only come from a parent
-process, and following one means connecting to an address the payload names.
+`deserialize` unpickles through an allowlist: tensors, storages, shapes, dtypes, torch's rebuild
+functions (and `monkey_patch_torch_reductions`' one) and a tensor bucket's metadata, nothing else. A
+body that names any other callable is refused before it is called, so a client cannot run code on the
+server by sending weights (upstream unpickles them as they come). `trusted=False` (the HTTP route's)
+also refuses file descriptors: one can only come from a parent process, and following one means
+connecting to an address the payload names.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ _ALLOWED = {
     ("torch.nn.parameter", "Parameter"),
     ("collections", "OrderedDict"),  # a plain pickle's (empty) backward hooks
     ("_codecs", "encode"),  # how pickle protocol 2 writes bytes
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_by_uuid"),  # after monkey_patch_torch_reductions
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),  # the flattened_bucket format
 }
 _FILE_DESCRIPTORS = {(_REDUCTIONS, "rebuild_storage_fd"), ("multiprocessing.resource_sharer", "DupFd")}
 

@@ -21,6 +21,7 @@ import torch
 
 from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 from sglang.srt.utils.multiprocessing_serializer import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,14 @@ class WeightUpdate:
         return req, model, ""
 
 
-def named_tensors_of(payload: bytes | str, trusted: bool) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs of a /update_weights_from_tensor payload (a list or tuple of them, as
-    upstream's clients send); ValueError, in one sentence, where it is something else."""
+def named_tensors_of(
+    payload: bytes | str, trusted: bool, load_format: str | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a /update_weights_from_tensor payload: a list or tuple of them, or for
+    "flattened_bucket" a FlattenedTensorBucket's dict; ValueError, in one sentence, where it is not."""
     named = MultiprocessingSerializer.deserialize(payload, trusted)
+    if load_format == "flattened_bucket":
+        return FlattenedTensorBucket.from_payload(named).reconstruct_tensors()
     if not isinstance(named, (list, tuple)):
         raise ValueError(f"the payload is a {type(named).__name__}, not a list of (name, tensor) pairs")
     for i, pair in enumerate(named):
