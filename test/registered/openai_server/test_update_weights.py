@@ -1,5 +1,7 @@
 """Upstream's RL refit routes on a real server: /update_weights_from_disk, /update_weights_from_tensor,
-/update_weight_version and /get_weight_version, with meta_info.weight_version in every reply.
+the weight-update group's (/init_weights_update_group, /update_weights_from_distributed,
+/destroy_weights_update_group), /update_weight_version and /get_weight_version, with
+meta_info.weight_version in every reply.
 
 Two checkpoints of one network: A (the preset) and B (A's weights plus seeded noise), each with its
 transformers oracle. Greedy outputs match A's oracle before an update and B's after; the prefix cache
@@ -30,7 +32,8 @@ from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import noisy_checkpoint
 from sglang.test.reference import ReferenceModel
-from sglang.test.test_utils import ServerTestCase
+from sglang.test.test_utils import ServerTestCase, find_free_port
+from sglang.test.weight_broadcaster import Broadcaster
 
 register_cpu_ci(est_time=45, suite="per-commit-cpu")
 
@@ -275,6 +278,57 @@ class TestUpdateWeights(ServerTestCase):
             self.assertFalse(r.json()["success"])
             self.assertIn(words, r.json()["message"])
         self.assertEqual(self.greedy(PROMPT)["output_ids"], self.oracle_a.greedy(PROMPT, NEW_TOKENS))
+
+    def test_weights_broadcast_over_a_weight_update_group(self) -> None:
+        """Upstream's /init_weights_update_group, /update_weights_from_distributed and
+        /destroy_weights_update_group, with a trainer (rank 0 of a gloo group) in a process of its own."""
+        port = find_free_port()
+        join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+        for fields, param in [
+            ({"rank_offset": 0}, "rank_offset"),
+            ({"master_port": 0}, "master_port"),
+            ({"backend": "mpi"}, "backend"),
+            ({"world_size": "2"}, "world_size"),
+        ]:
+            r = self.post("/init_weights_update_group", {**join, **fields})
+            self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, param), r.text)
+        r = self.post("/init_weights_update_group", join)  # nccl, upstream's default
+        self.assertEqual(r.status_code, 400, r.text)
+        self.assertIn("backend gloo", r.json()["message"])
+        trainer = Broadcaster(port)
+        try:
+            r = self.post("/init_weights_update_group", {**join, "backend": "gloo"})
+            self.assertEqual(r.json(), {"success": True, "message": "Succeeded to join."})
+            self.assertEqual(trainer.wait(), "joined")
+            tensors = {}
+            for f in checkpoint_files(self.path_b):
+                tensors.update(load_file(str(f)))
+            names = sorted(tensors)
+            body = {"names": names, "dtypes": [str(tensors[n].dtype) for n in names],
+                    "shapes": [list(tensors[n].shape) for n in names]}  # fmt: skip
+            for fields, param in [
+                ({"names": []}, "names"),
+                ({"dtypes": ["int8"] * len(names)}, "dtypes"),
+                ({"shapes": body["shapes"][1:]}, "shapes"),
+                ({"load_format": "direct"}, "load_format"),
+            ]:
+                r = self.post("/update_weights_from_distributed", {**body, **fields})
+                self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, param), r.text)
+            trainer.broadcast([(n, tensors[n]) for n in names])
+            r = self.post("/update_weights_from_distributed", {**body, "weight_version": "step-3"})
+            want = f"Succeeded to update {len(names)} weight tensor(s) in place."
+            self.assertEqual((r.status_code, r.json()), (200, {"success": True, "message": want}))
+            self.assertEqual(trainer.wait(), "sent")
+            out = self.greedy(PROMPT)
+            self.assertEqual(out["output_ids"], self.oracle_b.greedy(PROMPT, NEW_TOKENS))
+            self.assertEqual(out["meta_info"]["weight_version"], "step-3")
+            r = self.post("/destroy_weights_update_group", {})
+            self.assertEqual((r.status_code, r.json()["success"]), (200, True))
+            r = self.post("/destroy_weights_update_group", {"group_name": "weight_update_group"})
+            self.assertEqual(r.status_code, 400)
+            self.assertIn("no weight-update group", r.json()["message"])
+        finally:
+            trainer.close()
 
     def test_update_weight_version_relabels_replies(self) -> None:
         r = self.post("/update_weight_version", {"new_version": "v9", "abort_all_requests": False})

@@ -23,6 +23,8 @@ from sglang.test import fake_scheduler
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import noisy_checkpoint
 from sglang.test.reference import ReferenceModel
+from sglang.test.test_utils import find_free_port
+from sglang.test.weight_broadcaster import Broadcaster
 
 register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
@@ -218,6 +220,21 @@ def test_real_scheduler_through_the_engine(tmp_path):
             eng.update_weights_from_tensor([("model.norm.weight", [1.0])])
         with pytest.raises(TypeError, match="serialized payloads"):
             eng.update_weights_from_tensor(list(tensors_a.items()), load_format="flattened_bucket")
+        # Upstream's weight-update group: B's weights broadcast by a trainer, then A's.
+        port = find_free_port()
+        trainer = Broadcaster(port)
+        try:
+            joined = eng.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo")
+            assert joined == (True, "Succeeded to join.")
+            for tensors, want in [(tensors_b, on_b), (tensors_a, outs[2]["output_ids"])]:
+                trainer.broadcast(list(tensors.items()))
+                dtypes = [t.dtype for t in tensors.values()]  # torch dtypes, as upstream's Engine takes them
+                shapes = [t.shape for t in tensors.values()]
+                assert eng.update_weights_from_distributed(list(tensors), dtypes, shapes)[0]
+                assert eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == want
+            assert eng.destroy_weights_update_group()[0]
+        finally:
+            trainer.close()
         it = eng.generate(
             input_ids=[5, 6], sampling_params={"max_new_tokens": 3000, "ignore_eos": True}, stream=True
         )

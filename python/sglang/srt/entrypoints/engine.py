@@ -28,7 +28,13 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.request_validation import max_samples_per_request
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
-from sglang.srt.managers.weight_update_request import check_tensor_load_format, parse_update_weights_from_disk
+from sglang.srt.managers.weight_update_request import (
+    check_tensor_load_format,
+    parse_destroy_weights_update_group,
+    parse_init_weights_update_group,
+    parse_update_weights_from_disk,
+    parse_update_weights_from_distributed,
+)
 from sglang.srt.server_args import ServerArgs
 from sglang.version import __version__
 
@@ -213,6 +219,44 @@ class Engine:
             payloads = [MultiprocessingSerializer.serialize(named)]
         obj = UpdateWeightsFromTensorReqInput(payloads, load_format=load_format, flush_cache=flush_cache)
         return self._run(self.tokenizer_manager.update_weights_from_tensor(obj))
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> tuple[bool, str]:
+        """Upstream's: join a trainer's process group (the trainer is rank 0, this server `rank_offset`),
+        over which `update_weights_from_distributed` receives weights; (success, message). Waits while
+        the trainer joins (`sglang.srt.utils.init_custom_process_group` on its side)."""
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
+        obj = parse_init_weights_update_group(body)
+        return self._run(self.tokenizer_manager.init_weights_update_group(obj))
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[Any],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> tuple[bool, str]:
+        """Upstream's: receive one tensor per checkpoint name from the trainer's broadcast (rank 0 of
+        `group_name`, in this order; `dtypes` as torch dtypes or their names) and write them into the
+        weights in place; (success, message)."""
+        body = {"names": list(names), "dtypes": [str(d) for d in dtypes], "shapes": [list(s) for s in shapes]}
+        body.update(group_name=group_name, flush_cache=flush_cache, weight_version=weight_version)
+        obj = parse_update_weights_from_distributed(body)
+        return self._run(self.tokenizer_manager.update_weights_from_distributed(obj))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        obj = parse_destroy_weights_update_group({"group_name": group_name})
+        return self._run(self.tokenizer_manager.destroy_weights_update_group(obj))
 
     def get_internal_state(self) -> dict[str, Any]:
         return self._run(self.tokenizer_manager.get_internal_state())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,8 +47,11 @@ from sglang.srt.managers.tokenizer_manager import (
     TokenizerManager,
 )
 from sglang.srt.managers.weight_update_request import (
+    parse_destroy_weights_update_group,
+    parse_init_weights_update_group,
     parse_update_weight_version,
     parse_update_weights_from_disk,
+    parse_update_weights_from_distributed,
     parse_update_weights_from_tensor,
 )
 from sglang.srt.metrics.collector import MetricsCollector
@@ -242,19 +246,41 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         body = {"success": success, "message": message, "num_paused_requests": paused}
         return json_response(body, 200 if success else 400)
 
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request) -> Response:
-        # As upstream: 200 with success true, else 400 with success false and why.
-        try:
-            obj = parse_update_weights_from_tensor(_json_object(await request.body()))
-            success, message = await tm.update_weights_from_tensor(obj, request)
-        except RequestError as e:
-            return error_response(e)
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED)
-        except Exception as e:
-            return internal_error_response(e)
-        return json_response({"success": success, "message": message}, 200 if success else 400)
+    def weights_route(path: str, parse: Callable[[Any], Any], call: Callable[..., Any]) -> None:
+        """A weight route whose reply is upstream's {"success", "message"}: 200, or 400 and why."""
+
+        async def handle(request: Request) -> Response:
+            try:
+                obj = parse(_json_object(await request.body()))
+                success, message = await call(obj, request)
+            except RequestError as e:
+                return error_response(e)
+            except ClientDisconnected:
+                return Response(status_code=CLIENT_CLOSED)
+            except Exception as e:
+                return internal_error_response(e)
+            return json_response({"success": success, "message": message}, 200 if success else 400)
+
+        app.post(path)(handle)
+
+    weights_route(
+        "/update_weights_from_tensor", parse_update_weights_from_tensor, tm.update_weights_from_tensor
+    )
+    weights_route(
+        "/init_weights_update_group",
+        parse_init_weights_update_group,
+        lambda obj, request: tm.init_weights_update_group(obj),
+    )
+    weights_route(
+        "/update_weights_from_distributed",
+        parse_update_weights_from_distributed,
+        tm.update_weights_from_distributed,
+    )
+    weights_route(
+        "/destroy_weights_update_group",
+        parse_destroy_weights_update_group,
+        lambda obj, request: tm.destroy_weights_update_group(obj),
+    )
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:

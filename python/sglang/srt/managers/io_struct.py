@@ -179,6 +179,60 @@ class UpdateWeightsFromTensorReqOutput:
 
 
 @dataclass
+class InitWeightsUpdateGroupReqInput:
+    """Upstream's /init_weights_update_group body: join the process group `group_name` (`world_size`
+    processes, rendezvous at `master_address:master_port`; the trainer is rank 0, this server rank
+    `rank_offset`) over which /update_weights_from_distributed receives weights."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass
+class InitWeightsUpdateGroupReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqInput:
+    """Upstream's /update_weights_from_distributed body: rank 0 of `group_name` broadcasts one tensor per
+    name (checkpoint names, `dtypes` as torch names, `shapes`), in this order; they are written into
+    the weights in place. `flush_cache`, `abort_all_requests` and `weight_version` as for the other
+    weight updates; `load_format` None."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqInput:
+    group_name: str = "weight_update_group"
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
 class GetInternalStateReq:
     pass
 

@@ -25,8 +25,11 @@ from sglang.srt.constrained.xgrammar_backend import create_grammar_backend
 from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import (
+    InitWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqOutput,
     PortArgs,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqOutput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromTensorReqOutput,
 )
@@ -41,6 +44,7 @@ from sglang.srt.managers.scheduler_components.loop_times import LoopTimes, clock
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
 from sglang.srt.managers.scheduler_components.weight_update import WeightUpdate, named_tensors_of
+from sglang.srt.managers.scheduler_components.weights_update_group import WeightsUpdateGroups
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import alloc_for_decode, release_kv_cache
@@ -132,6 +136,7 @@ class Scheduler(SchedulerIOMixin):
         backend, why_none = create_grammar_backend(server_args, self.finisher.tokenizer, vocab_size, eos)
         self.grammar_queue = GrammarQueue(backend, self.admit_request, self.refuse_request, why_none)
         self.weight_update = WeightUpdate(self.model_runner.load_like_current)
+        self.weights_groups = WeightsUpdateGroups(self.model_runner.device)
         self.custom_logit_reqs = 0  # requests with a custom logit processor
         self.result_processor = BatchResultProcessor(
             self.tree_cache,
@@ -545,27 +550,51 @@ class Scheduler(SchedulerIOMixin):
         self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(True, message, paused))
 
     def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReqInput) -> None:
-        """/update_weights_from_tensor: write the payload's tensors into the weights in place, between
-        two steps, then empty the prefix cache (as `finish_weight_update`, whose refusals it shares).
-        A payload that does not unpickle, or a tensor that does not fit, changes no weight."""
-        error = self._weights_held(req.flush_cache)
-        if error is None:
-            try:
-                named = named_tensors_of(req.serialized_named_tensors[0], req.trusted, req.load_format)
-                ignored = self.model_runner.update_weights_from_tensor(named, req.load_format)
-            except ValueError as e:
-                error = f"The weights were not updated: {str(e).strip().rstrip('.')}."
-        if error is not None:
-            self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(False, error))
+        """/update_weights_from_tensor: the payload's tensors (`named_tensors_of`), written in place."""
+        try:
+            named = named_tensors_of(req.serialized_named_tensors[0], req.trusted, req.load_format)
+        except ValueError as e:
+            self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(False, _not_updated(e)))
             return
-        if req.flush_cache:
+        success, message = self.write_weights(named, req.load_format, req.flush_cache)
+        self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(success, message))
+
+    def finish_weights_group_op(self) -> None:
+        """Reply to a weight-update group operation (`WeightsUpdateGroups`) once it has ended: a group
+        joined, or weights received, which are then written in place between two steps."""
+        done = self.weights_groups.poll()
+        if done is None:
+            return
+        req, named, error = done
+        if isinstance(req, InitWeightsUpdateGroupReqInput):
+            message = f"The weight-update group was not joined: {error}." if error else "Succeeded to join."
+            self.send_to_tokenizer(InitWeightsUpdateGroupReqOutput(not error, message))
+            return
+        if error:
+            success, message = False, _not_updated(error)
+        else:
+            success, message = self.write_weights(named, None, req.flush_cache)
+        self.send_to_tokenizer(UpdateWeightsFromDistributedReqOutput(success, message))
+
+    def write_weights(self, named: list, load_format: str | None, flush_cache: bool) -> tuple[bool, str]:
+        """Write (name, tensor) pairs into the weights in place (`ModelRunner.update_weights_from_tensor`:
+        all or none) between two steps, then empty the prefix cache (as `finish_weight_update`, whose
+        refusals it shares): (success, message)."""
+        error = self._weights_held(flush_cache)
+        if error is not None:
+            return False, error
+        try:
+            ignored = self.model_runner.update_weights_from_tensor(named, load_format)
+        except ValueError as e:
+            return False, _not_updated(e)
+        if flush_cache:
             self._empty_tree()
         message = f"Succeeded to update {len(named) - len(ignored)} weight tensor(s) in place."
         if ignored:
             shown = ", ".join(ignored[:5]) + (" ..." if len(ignored) > 5 else "")
             message += f" The model has no parameter for {len(ignored)} of them, ignored: {shown}."
             logger.warning("A weight update ignored %d tensor(s) with no parameter: %s", len(ignored), shown)
-        self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(True, message))
+        return True, message
 
     def _weights_held(self, flush_cache: bool) -> str | None:
         """Why the weights may not change now, or None: first the batches in flight finish (they read the
@@ -590,6 +619,10 @@ class Scheduler(SchedulerIOMixin):
             self.grammar_queue.backend.shutdown()
         if self.disagg is not None:
             self.disagg.shutdown()
+
+
+def _not_updated(why: object) -> str:
+    return f"The weights were not updated: {str(why).strip().rstrip('.')}."
 
 
 def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None:

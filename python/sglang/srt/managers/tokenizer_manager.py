@@ -33,17 +33,23 @@ from sglang.srt.managers.io_struct import (
     BatchTokenizedGenerateReqInput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
+    DestroyWeightsUpdateGroupReqInput,
+    DestroyWeightsUpdateGroupReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    InitWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PortArgs,
     SchedulerHeartbeat,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromDistributedReqOutput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromTensorReqOutput,
 )
@@ -400,6 +406,24 @@ class TokenizerManager:
         (success, message). New requests wait while the running ones finish, as for
         `update_weights_from_disk` (upstream holds its writer lock likewise)."""
         out = await self._update_weights(obj, UpdateWeightsFromTensorReqOutput, request)
+        return out.success, out.message
+
+    async def init_weights_update_group(self, obj: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
+        """Join a trainer's weight-update group (`WeightsUpdateGroups`): waits while the trainer joins,
+        up to the group's timeout."""
+        out = await self._control(obj, InitWeightsUpdateGroupReqOutput, None)
+        return out.success, out.message
+
+    async def update_weights_from_distributed(
+        self, obj: UpdateWeightsFromDistributedReqInput, request: DisconnectCheck | None = None
+    ) -> tuple[bool, str]:
+        """Weights broadcast by the trainer over a weight-update group, written in place; new requests
+        wait while the running ones finish, as for the other weight updates."""
+        out = await self._update_weights(obj, UpdateWeightsFromDistributedReqOutput, request)
+        return out.success, out.message
+
+    async def destroy_weights_update_group(self, obj: DestroyWeightsUpdateGroupReqInput) -> tuple[bool, str]:
+        out = await self._control(obj, DestroyWeightsUpdateGroupReqOutput, CONTROL_TIMEOUT_S)
         return out.success, out.message
 
     async def _update_weights(self, obj: Any, reply_type: type, request: DisconnectCheck | None) -> Any:

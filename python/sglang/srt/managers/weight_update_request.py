@@ -1,5 +1,6 @@
 """The bodies of upstream's weight-update routes, checked: /update_weights_from_disk,
-/update_weights_from_tensor and /update_weight_version. A wrong field is a RequestError (HTTP 400)
+/update_weights_from_tensor, /init_weights_update_group, /update_weights_from_distributed,
+/destroy_weights_update_group and /update_weight_version. A wrong field is a RequestError (HTTP 400)
 naming it; unknown keys are ignored, as upstream ignores them."""
 
 from __future__ import annotations
@@ -7,7 +8,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput
+from sglang.srt.managers.io_struct import (
+    DestroyWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
+)
 from sglang.srt.managers.request_validation import RequestError
 
 # Checkpoint formats this server reads (upstream's "auto" picks safetensors for these checkpoints).
@@ -60,6 +67,76 @@ def check_tensor_load_format(load_format: Any) -> None:
         )
 
 
+# Process-group backends a weight-update group may use (gloo on a CPU, nccl between GPUs).
+GROUP_BACKENDS = ("nccl", "gloo")
+# The dtypes a broadcast weight may have, by torch's names ("torch.bfloat16" as well).
+WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def parse_init_weights_update_group(body: Any) -> InitWeightsUpdateGroupReqInput:
+    if not isinstance(body, dict):
+        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    address = body.get("master_address")
+    if not isinstance(address, str) or not address:
+        raise RequestError("master_address must be the trainer's host name or address.", "master_address")
+    values: dict[str, Any] = {"master_address": address}
+    for name in ("master_port", "rank_offset", "world_size"):
+        value = body.get(name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RequestError(f"{name} must be an integer.", name, "invalid_type")
+        values[name] = value
+    values.update(_optional_fields(body, InitWeightsUpdateGroupReqInput, set(values)))
+    obj = InitWeightsUpdateGroupReqInput(**values)
+    if not 0 < obj.master_port < 65536:
+        raise RequestError("master_port must be a port number (1-65535).", "master_port")
+    # The trainer is rank 0 and broadcasts; this server (one rank: no tensor parallelism) takes another.
+    if not 0 < obj.rank_offset < obj.world_size:
+        raise RequestError(
+            f"rank_offset must be this server's rank in the group: 1 to world_size - 1 (rank 0 is the "
+            f"trainer's); got {obj.rank_offset} with world_size {obj.world_size}.",
+            "rank_offset",
+        )
+    if obj.backend not in GROUP_BACKENDS:
+        raise RequestError(f"backend must be one of {', '.join(GROUP_BACKENDS)}.", "backend")
+    if not obj.group_name:
+        raise RequestError("group_name must be a non-empty string.", "group_name")
+    return obj
+
+
+def parse_update_weights_from_distributed(body: Any) -> UpdateWeightsFromDistributedReqInput:
+    if not isinstance(body, dict):
+        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise RequestError("names must be a non-empty list of weight names.", "names", "invalid_type")
+    if not isinstance(dtypes, list) or len(dtypes) != len(names):
+        raise RequestError("dtypes must be a list with a dtype for each name.", "dtypes", "invalid_type")
+    dtypes = [d.removeprefix("torch.") if isinstance(d, str) else d for d in dtypes]
+    if not all(d in WEIGHT_DTYPES for d in dtypes):
+        raise RequestError(f"Each of dtypes must be one of {', '.join(WEIGHT_DTYPES)}.", "dtypes")
+    ok = isinstance(shapes, list) and len(shapes) == len(names)
+    ok = ok and all(isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s) for s in shapes)
+    if not ok:
+        raise RequestError("shapes must be a list with a shape (a list of sizes) for each name.", "shapes")
+    skip = {"names", "dtypes", "shapes"}
+    values = _optional_fields(body, UpdateWeightsFromDistributedReqInput, skip)
+    if values.get("load_format") is not None:
+        message = "load_format must be null: the weights come by their checkpoint names."
+        raise RequestError(message, "load_format")
+    return UpdateWeightsFromDistributedReqInput(names, dtypes, shapes, **values)
+
+
+def parse_destroy_weights_update_group(body: Any) -> DestroyWeightsUpdateGroupReqInput:
+    if not isinstance(body, dict):
+        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    values = _optional_fields(body, DestroyWeightsUpdateGroupReqInput, set())
+    return DestroyWeightsUpdateGroupReqInput(**values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _optional_fields(body: dict, cls: type, skip: set[str]) -> dict[str, Any]:
     """The fields of `cls` other than `skip` that `body` sets (null: the default), each of its default's
     type (str where the default is None); RequestError naming the first that is not."""
@@ -69,7 +146,7 @@ def _optional_fields(body: dict, cls: type, skip: set[str]) -> dict[str, Any]:
             continue
         value = body[f.name]
         kind = type(f.default) if f.default is not None else str
-        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        if kind is int and not _is_int(value):
             raise RequestError(f"{f.name} must be an integer.", f.name, "invalid_type")
         if kind is not int and not isinstance(value, kind):
             raise RequestError(f"{f.name} must be a {kind.__name__}.", f.name, "invalid_type")

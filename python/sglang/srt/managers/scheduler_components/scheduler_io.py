@@ -16,10 +16,14 @@ from sglang.srt.managers.io_struct import (
     BatchTokenizedGenerateReqInput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
+    DestroyWeightsUpdateGroupReqInput,
+    DestroyWeightsUpdateGroupReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    InitWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PortArgs,
@@ -27,6 +31,8 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromDistributedReqOutput,
     UpdateWeightsFromTensorReqInput,
 )
 from sglang.srt.managers.schedule_batch import Req
@@ -143,6 +149,18 @@ class SchedulerIOMixin:
                     self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, refused))
             elif isinstance(obj, UpdateWeightsFromTensorReqInput):
                 self.update_weights_from_tensor(obj)
+            elif isinstance(obj, InitWeightsUpdateGroupReqInput):
+                refused = self.weights_groups.start_init(obj)
+                if refused is not None:
+                    self.send_to_tokenizer(InitWeightsUpdateGroupReqOutput(False, refused))
+            elif isinstance(obj, UpdateWeightsFromDistributedReqInput):
+                refused = self.weights_groups.start_receive(obj)
+                if refused is not None:
+                    self.send_to_tokenizer(UpdateWeightsFromDistributedReqOutput(False, refused))
+            elif isinstance(obj, DestroyWeightsUpdateGroupReqInput):
+                refused = self.weights_groups.destroy(obj.group_name)
+                message = refused or f"Left the weight-update group {obj.group_name!r}."
+                self.send_to_tokenizer(DestroyWeightsUpdateGroupReqOutput(refused is None, message))
             elif isinstance(obj, GetInternalStateReq):
                 self.send_to_tokenizer(GetInternalStateReqOutput(self.get_internal_state()))
             elif isinstance(obj, PauseGenerationReqInput):
@@ -296,6 +314,8 @@ class SchedulerIOMixin:
             self.process_input_requests(msgs)
             if self.weight_update.pending is not None:
                 self.finish_weight_update()
+            if self.weights_groups.pending is not None:
+                self.finish_weights_group_op()
             times.idle += received - start
             times.intake += clock() - received
             now = time.monotonic()

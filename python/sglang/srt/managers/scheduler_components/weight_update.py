@@ -26,6 +26,21 @@ from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 logger = logging.getLogger(__name__)
 
 
+def in_background(work: Callable[[], Any], name: str) -> Future:
+    """`work()` on a daemon thread (a scheduler that stops meanwhile exits without waiting for it); its
+    result or exception in the future, for the loop to poll."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as e:  # noqa: BLE001 - handed to the loop, which reports it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 class WeightUpdate:
     def __init__(self, load: Callable[[str], Any]):
         self.load = load
@@ -36,16 +51,7 @@ class WeightUpdate:
         if self.pending is not None:
             return f"Another weight update (from {self.pending[0].model_path}) is still loading."
         logger.info("Loading new weights from %s.", req.model_path)
-        future: Future = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(self.load(req.model_path))
-            except BaseException as e:  # noqa: BLE001 - handed to the loop, which reports it
-                future.set_exception(e)
-
-        # A daemon thread: a scheduler that stops mid-load exits without waiting for the load.
-        threading.Thread(target=run, name="weight-update", daemon=True).start()
+        future = in_background(lambda: self.load(req.model_path), "weight-update")
         self.pending = (req, future, time.monotonic())
         return None
 

@@ -1,0 +1,109 @@
+"""The scheduler's side of upstream's weight-update groups (`WeightsUpdateGroups`): it joins a trainer's
+gloo group on a thread (the trainer, rank 0, in a process of its own), receives the broadcast weights
+on a thread while the loop goes on, and writes them in place between two steps; outputs then match the
+new checkpoint's oracle and the prefix cache is emptied. Operations that cannot work are refused with
+why, and leaving the group frees its name."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from safetensors.torch import load_file
+
+from sglang.srt.managers.io_struct import (
+    DestroyWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqInput,
+    UpdateWeightsFromDistributedReqInput,
+)
+from sglang.srt.models.loader import checkpoint_files
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import noisy_checkpoint
+from sglang.test.reference import ReferenceModel
+from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+from sglang.test.test_utils import find_free_port
+from sglang.test.weight_broadcaster import Broadcaster
+
+register_cpu_ci(est_time=15, suite="per-commit-cpu")
+
+QWEN = "tiny-qwen3-next"
+
+
+def reply_to(h: SchedulerHarness, msg, timeout: float = 60):
+    """Send `msg`; what the scheduler answers, polling as its loop does."""
+    h.sched.process_input_requests([msg])
+    deadline = time.monotonic() + timeout
+    while not h.sched.tokenizer_outbox:
+        assert time.monotonic() < deadline, "no reply"
+        h.sched.finish_weights_group_op()
+        time.sleep(0.01)
+    (reply,) = h.sched.tokenizer_outbox
+    h.sched.tokenizer_outbox.clear()
+    return reply
+
+
+def test_weights_broadcast_by_a_trainer_are_served(oracles, preset_paths, tmp_path):
+    path_b = noisy_checkpoint(preset_paths[QWEN], tmp_path / "b")
+    tensors = {}
+    for f in checkpoint_files(path_b):
+        tensors.update(load_file(str(f)))
+    names = sorted(tensors)
+    h = SchedulerHarness(QWEN)
+    prompt = token_ids(80, seed=3)
+    h.check_oracle(oracles[QWEN], prompt, h.generate(prompt, 6))
+
+    port = find_free_port()
+    init = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 2, backend="nccl")
+    assert "backend gloo" in reply_to(h, init).message  # no GPU here
+    trainer = Broadcaster(port)
+    try:
+        init.backend = "gloo"
+        reply = reply_to(h, init)
+        assert reply.success, reply.message
+        assert trainer.wait() == "joined"
+        assert "exists already" in reply_to(h, init).message
+        unknown = UpdateWeightsFromDistributedReqInput(["model.norm.weight"], ["float32"], [[16]], "x")
+        assert "no weight-update group 'x'" in reply_to(h, unknown).message
+
+        # Two updates (buckets), each while the trainer broadcasts; the loop runs meanwhile.
+        for part in (names[::2], names[1::2]):
+            named = [(n, tensors[n]) for n in part]
+            trainer.broadcast(named)
+            dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
+            req = UpdateWeightsFromDistributedReqInput(part, dtypes, [list(t.shape) for _, t in named])
+            reply = reply_to(h, req)
+            message = f"Succeeded to update {len(part)} weight tensor(s) in place."
+            assert (reply.success, reply.message) == (True, message)
+            assert trainer.wait() == "sent"
+        out = h.generate(prompt, 6)
+        assert out.cached_tokens == 0
+        h.check_oracle(ReferenceModel(path_b), prompt, out)
+
+        # A tensor that does not fit: received (the trainer is not left hanging), then refused whole.
+        trainer.broadcast([("model.norm.weight", tensors["model.layers.0.input_layernorm.weight"][:3])])
+        bad = UpdateWeightsFromDistributedReqInput(["model.norm.weight"], ["float32"], [[3]])
+        reply = reply_to(h, bad)
+        assert not reply.success and "has shape (3,)" in reply.message
+        assert trainer.wait() == "sent"
+        h.check_oracle(ReferenceModel(path_b), prompt, h.generate(prompt, 6))
+
+        leave = DestroyWeightsUpdateGroupReqInput()
+        assert reply_to(h, leave).success
+        assert "no weight-update group" in reply_to(h, leave).message
+    finally:
+        trainer.close()
+        for group in list(h.sched.weights_groups.groups):
+            h.sched.weights_groups.destroy(group)
+    h.shutdown()
+
+
+def test_a_trainer_that_never_comes_fails_the_join():
+    """The rendezvous waits for the trainer up to the group's timeout, then the join fails with why,
+    and the name stays free."""
+    h = SchedulerHarness(QWEN)
+    groups = h.sched.weights_groups
+    groups.timeout = timedelta(seconds=2)
+    reply = reply_to(h, InitWeightsUpdateGroupReqInput("127.0.0.1", find_free_port(), 1, 2, backend="gloo"))
+    assert not reply.success and reply.message.startswith("The weight-update group was not joined:")
+    assert groups.groups == {} and groups.pending is None
+    h.shutdown()
