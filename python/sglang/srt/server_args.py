@@ -69,6 +69,10 @@ class ServerArgs:
     skip_tokenizer_init: bool = False
     random_seed: int | None = None
     weight_version: str = "default"
+    # /release_memory_occupation frees the weights', pools' and graphs' memory (model_executor/
+    # memory_occupation.py); the weights' values survive it only with the CPU backup.
+    enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -438,6 +442,19 @@ class ServerArgs:
             default=default("weight_version"),
             help="The label of the weights served, in every reply's meta_info.weight_version; "
             "/update_weights_from_disk and /update_weight_version change it.",
+        )
+        g.add_argument(
+            "--enable-memory-saver",
+            action="store_true",
+            help="Let /release_memory_occupation free the memory of the weights, the KV and state pools and "
+            "the CUDA graphs (for a trainer on the same GPU) until /resume_memory_occupation; off, those "
+            "calls keep the memory, as upstream's do without this flag.",
+        )
+        g.add_argument(
+            "--enable-weights-cpu-backup",
+            action="store_true",
+            help="Keep a host copy of the weights while /release_memory_occupation has freed them, and put "
+            "it back on resume; off, resumed weights hold no values until a weight update writes them.",
         )
 
         g = parser.add_argument_group("HTTP server")

@@ -87,6 +87,7 @@ class _Evil:
 
 class TestUpdateWeights(ServerTestCase):
     server_args = ["--mamba-scheduler-strategy", "extra_buffer_lazy", "--weight-version", "base"]
+    server_args += ["--enable-memory-saver"]
     env = {"SGLANG_TEST_FORWARD_DELAY_MS": "20"}
 
     @classmethod
@@ -329,6 +330,43 @@ class TestUpdateWeights(ServerTestCase):
             self.assertIn("no weight-update group", r.json()["message"])
         finally:
             trainer.close()
+
+    def test_memory_released_around_a_weight_update(self) -> None:
+        """Upstream's colocated RL loop: release everything, (train), resume the weights, write them with
+        /update_weights_from_tensor, resume the cache; a request sent meanwhile waits, then runs."""
+        running = self.long_stream()
+        running.wait_events(2)
+        r = self.post("/release_memory_occupation", {})
+        self.assertEqual(r.status_code, 400, r.text)
+        self.assertIn("1 request(s) are running or waiting", r.json()["message"])
+        running.join(60)
+        r = self.post("/release_memory_occupation", {"tags": ["weights", "nothing"]})
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "tags"))
+
+        r = self.post("/release_memory_occupation", {})
+        want = "Released the memory of weights, kv_cache, cuda_graph."
+        self.assertEqual((r.status_code, r.json()), (200, {"success": True, "message": want}))
+        state = self.get("/get_server_info").json()["internal_states"][0]
+        self.assertEqual(state["memory_released"], ["cuda_graph", "kv_cache", "weights"])
+        greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        waiting = Call(self.base_url + "/generate", {"input_ids": PROMPT, "sampling_params": greedy})
+        r = self.post("/resume_memory_occupation", {"tags": ["weights"]})
+        self.assertEqual(r.json()["message"], "Resumed weights; cuda_graph, kv_cache still released.")
+        tensors = {}
+        for f in checkpoint_files(self.path_a):
+            tensors.update(load_file(str(f)))
+        names = sorted(tensors)
+        for part in (names[::2], names[1::2]):  # (each body within --max-request-body-size)
+            payload = base64.b64encode(pickle.dumps([(n, tensors[n]) for n in part])).decode()
+            r = self.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+            self.assertEqual(r.status_code, 200, r.text)
+        time.sleep(0.3)
+        self.assertIsNone(waiting.reply, "it waits while the cache is released")
+        r = requests.get(self.base_url + "/resume_memory_occupation", timeout=60)  # GET, no body: all
+        want = "Resumed weights, kv_cache, cuda_graph."
+        self.assertEqual((r.status_code, r.json()["message"]), (200, want))
+        waiting.join(60)
+        self.assertEqual(waiting.reply.json()["output_ids"], self.oracle_a.greedy(PROMPT, NEW_TOKENS))
 
     def test_update_weight_version_relabels_replies(self) -> None:
         r = self.post("/update_weight_version", {"new_version": "v9", "abort_all_requests": False})

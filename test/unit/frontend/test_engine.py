@@ -235,6 +235,13 @@ def test_real_scheduler_through_the_engine(tmp_path):
             assert eng.destroy_weights_update_group()[0]
         finally:
             trainer.close()
+        # Without --enable-memory-saver the memory stays, as upstream's does; the calls succeed.
+        assert eng.release_memory_occupation(["kv_cache"]) == (
+            True, "Nothing was released: start the server with --enable-memory-saver."
+        )  # fmt: skip
+        assert eng.resume_memory_occupation()[0]
+        with pytest.raises(RequestError, match="tags"):
+            eng.release_memory_occupation(["kv"])
         it = eng.generate(
             input_ids=[5, 6], sampling_params={"max_new_tokens": 3000, "ignore_eos": True}, stream=True
         )

@@ -23,6 +23,8 @@ from sglang.srt.entrypoints.process_launcher import SchedulerEntry, launch_subpr
 from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GenerateReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
 )
@@ -32,6 +34,7 @@ from sglang.srt.managers.weight_update_request import (
     check_tensor_load_format,
     parse_destroy_weights_update_group,
     parse_init_weights_update_group,
+    parse_memory_occupation,
     parse_update_weights_from_disk,
     parse_update_weights_from_distributed,
 )
@@ -257,6 +260,17 @@ class Engine:
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
         obj = parse_destroy_weights_update_group({"group_name": group_name})
         return self._run(self.tokenizer_manager.destroy_weights_update_group(obj))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        """Upstream's: free the memory of `tags` ("weights", "kv_cache", "cuda_graph"; None: all) with
+        nothing running, until `resume_memory_occupation` (needs --enable-memory-saver); (success,
+        message). Requests sent meanwhile wait."""
+        obj = parse_memory_occupation({"tags": tags}, ReleaseMemoryOccupationReqInput)
+        return self._run(self.tokenizer_manager.release_memory_occupation(obj))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        obj = parse_memory_occupation({"tags": tags}, ResumeMemoryOccupationReqInput)
+        return self._run(self.tokenizer_manager.resume_memory_occupation(obj))
 
     def get_internal_state(self) -> dict[str, Any]:
         return self._run(self.tokenizer_manager.get_internal_state())

@@ -38,7 +38,11 @@ from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.entrypoints.server_warmup import run_server_warmup
 from sglang.srt.environ import envs
-from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.io_struct import (
+    GenerateReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
+)
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import (
     BackendDeadError,
@@ -49,6 +53,7 @@ from sglang.srt.managers.tokenizer_manager import (
 from sglang.srt.managers.weight_update_request import (
     parse_destroy_weights_update_group,
     parse_init_weights_update_group,
+    parse_memory_occupation,
     parse_update_weight_version,
     parse_update_weights_from_disk,
     parse_update_weights_from_distributed,
@@ -246,7 +251,9 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         body = {"success": success, "message": message, "num_paused_requests": paused}
         return json_response(body, 200 if success else 400)
 
-    def weights_route(path: str, parse: Callable[[Any], Any], call: Callable[..., Any]) -> None:
+    def weights_route(
+        path: str, parse: Callable[[Any], Any], call: Callable[..., Any], methods: tuple[str, ...] = ("POST",)
+    ) -> None:
         """A weight route whose reply is upstream's {"success", "message"}: 200, or 400 and why."""
 
         async def handle(request: Request) -> Response:
@@ -261,7 +268,7 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
                 return internal_error_response(e)
             return json_response({"success": success, "message": message}, 200 if success else 400)
 
-        app.post(path)(handle)
+        app.api_route(path, methods=list(methods))(handle)
 
     weights_route(
         "/update_weights_from_tensor", parse_update_weights_from_tensor, tm.update_weights_from_tensor
@@ -281,6 +288,17 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         parse_destroy_weights_update_group,
         lambda obj, request: tm.destroy_weights_update_group(obj),
     )
+    # As upstream: GET or POST, the body optional (no tags: all of them).
+    for path, cls, call in [
+        ("/release_memory_occupation", ReleaseMemoryOccupationReqInput, tm.release_memory_occupation),
+        ("/resume_memory_occupation", ResumeMemoryOccupationReqInput, tm.resume_memory_occupation),
+    ]:
+        weights_route(
+            path,
+            lambda body, cls=cls: parse_memory_occupation(body, cls),
+            lambda obj, request, call=call: call(obj),
+            ("GET", "POST"),
+        )
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:

@@ -233,6 +233,33 @@ class DestroyWeightsUpdateGroupReqOutput:
 
 
 @dataclass
+class ReleaseMemoryOccupationReqInput:
+    """Upstream's /release_memory_occupation body: free the memory of `tags` ("weights", "kv_cache",
+    "cuda_graph"; None or empty: all) until /resume_memory_occupation (`MemoryOccupation`)."""
+
+    tags: list[str] | None = None
+
+
+@dataclass
+class ReleaseMemoryOccupationReqOutput:
+    success: bool
+    message: str = ""
+    released: list[str] = field(default_factory=list)  # the tags released after it
+
+
+@dataclass
+class ResumeMemoryOccupationReqInput:
+    tags: list[str] | None = None
+
+
+@dataclass
+class ResumeMemoryOccupationReqOutput:
+    success: bool
+    message: str = ""
+    released: list[str] = field(default_factory=list)
+
+
+@dataclass
 class GetInternalStateReq:
     pass
 

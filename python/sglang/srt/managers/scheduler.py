@@ -28,6 +28,10 @@ from sglang.srt.managers.io_struct import (
     InitWeightsUpdateGroupReqInput,
     InitWeightsUpdateGroupReqOutput,
     PortArgs,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromDistributedReqOutput,
     UpdateWeightsFromTensorReqInput,
@@ -53,6 +57,7 @@ from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
+from sglang.srt.model_executor.memory_occupation import KV_CACHE, WEIGHTS
 from sglang.srt.sampling.penaltylib import PenaltySlots
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.srt.utils.host_profile import host_profile
@@ -596,12 +601,49 @@ class Scheduler(SchedulerIOMixin):
             logger.warning("A weight update ignored %d tensor(s) with no parameter: %s", len(ignored), shown)
         return True, message
 
+    def release_memory_occupation(self, req: ReleaseMemoryOccupationReqInput) -> None:
+        """Free the memory of `req.tags` (`MemoryOccupation`), with no request running or waiting (as
+        upstream asserts); the prefix cache is emptied with the pools, and new requests wait until
+        everything is resumed (the tokenizer manager holds them; one that slipped through waits here).
+        Without --enable-memory-saver the memory stays, as upstream's does without it."""
+        while self.in_flight:
+            self.process_oldest()
+        error, pd_busy = None, self.disagg is not None and self.disagg.busy()
+        if self.running or self.waiting_queue or self.chunked_req is not None or pd_busy:
+            n = len(self.running) + len(self.waiting_queue)
+            error = f"Nothing was released: {n} request(s) are running or waiting (abort them first)."
+        elif KV_CACHE in req.tags and self.disagg is not None:
+            error = "Nothing was released: with --disaggregation-mode the transfer engine holds the KV cache."
+        if error is not None:
+            self.send_to_tokenizer(ReleaseMemoryOccupationReqOutput(False, error))
+            return
+        if KV_CACHE in req.tags:
+            self._empty_tree()
+        if not self.server_args.enable_memory_saver:
+            message = "Nothing was released: start the server with --enable-memory-saver."
+        else:
+            self.model_runner.memory_occupation.release(req.tags)
+            message = f"Released the memory of {', '.join(req.tags)}."
+        logger.info(message)
+        released = sorted(self.model_runner.memory_occupation.released)
+        self.send_to_tokenizer(ReleaseMemoryOccupationReqOutput(True, message, released))
+
+    def resume_memory_occupation(self, req: ResumeMemoryOccupationReqInput) -> None:
+        memory = self.model_runner.memory_occupation
+        memory.resume(req.tags)
+        left = sorted(memory.released)
+        message = f"Resumed {', '.join(req.tags)}" + (f"; {', '.join(left)} still released." if left else ".")
+        logger.info(message)
+        self.send_to_tokenizer(ResumeMemoryOccupationReqOutput(True, message, left))
+
     def _weights_held(self, flush_cache: bool) -> str | None:
         """Why the weights may not change now, or None: first the batches in flight finish (they read the
         weights); then requests that hold KV and state the current weights computed (running, or paused
         in place) refuse a flushing update, which would leave them going on from it."""
         while self.in_flight:
             self.process_oldest()
+        if WEIGHTS in self.model_runner.memory_occupation.released:
+            return "The weights were not updated: their memory is released (resume the weights first)."
         pd_busy = self.disagg is not None and self.disagg.busy()
         if flush_cache and (self.running or self.chunked_req is not None or pd_busy):
             return (

@@ -45,6 +45,10 @@ from sglang.srt.managers.io_struct import (
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PortArgs,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
     SchedulerHeartbeat,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
@@ -129,6 +133,9 @@ class TokenizerManager:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._scheduler_paused = False  # a "retract" or "in_place" pause reached the scheduler
+        # Cleared while /release_memory_occupation has memory released: new requests wait for the resume.
+        self._memory_resumed = asyncio.Event()
+        self._memory_resumed.set()
         self.rid_to_state: dict[str, ReqState] = {}
         # Optional observer (the metrics collector): on_first_token, on_finish, and on_abort for a
         # request whose caller went away before it finished.
@@ -209,9 +216,11 @@ class TokenizerManager:
         request has several outputs). Raises RequestError before anything is sent, ServerAbortError
         when the server ends a request."""
         items, is_list = await self.normalize(obj)
-        # Held while paused, and while a weight update waits for the running requests to finish.
-        while not (self._unpaused.is_set() and self._no_update_hold.is_set()):
-            held = self._unpaused if not self._unpaused.is_set() else self._no_update_hold
+        # Held while paused, while a weight update waits for the running requests to finish, and while
+        # memory is released (the model cannot run).
+        gates = (self._unpaused, self._no_update_hold, self._memory_resumed)
+        while not all(g.is_set() for g in gates):
+            held = next(g for g in gates if not g.is_set())
             await self._wait_event(held, request, clear=False)
         error = self.health.error()
         if error is not None:
@@ -426,11 +435,32 @@ class TokenizerManager:
         out = await self._control(obj, DestroyWeightsUpdateGroupReqOutput, CONTROL_TIMEOUT_S)
         return out.success, out.message
 
+    async def release_memory_occupation(self, obj: ReleaseMemoryOccupationReqInput) -> tuple[bool, str]:
+        """Free the memory of `obj.tags` (nothing may be running); new requests wait until it is all
+        resumed. No time limit: a host copy of large weights takes a while."""
+        out = await self._control(obj, ReleaseMemoryOccupationReqOutput, None)
+        self._gate_on_released(out.released)
+        return out.success, out.message
+
+    async def resume_memory_occupation(self, obj: ResumeMemoryOccupationReqInput) -> tuple[bool, str]:
+        out = await self._control(obj, ResumeMemoryOccupationReqOutput, None)
+        self._gate_on_released(out.released)
+        return out.success, out.message
+
+    def _gate_on_released(self, released: list[str]) -> None:
+        if released:
+            self._memory_resumed.clear()
+        else:
+            self._memory_resumed.set()
+
     async def _update_weights(self, obj: Any, reply_type: type, request: DisconnectCheck | None) -> Any:
         async with self._weight_update_lock:
             if obj.abort_all_requests:
                 self.abort_request(abort_all=True)
-            hold = self._unpaused.is_set() and not getattr(obj, "is_async", False)
+            # (Nothing runs while memory is released: a request that reached the scheduler just before
+            # waits there, and must not hold the update the resume waits for.)
+            hold = self._unpaused.is_set() and self._memory_resumed.is_set()
+            hold = hold and not getattr(obj, "is_async", False)
             if hold:
                 self._no_update_hold.clear()
             try:

@@ -1,7 +1,8 @@
 """The bodies of upstream's weight-update routes, checked: /update_weights_from_disk,
 /update_weights_from_tensor, /init_weights_update_group, /update_weights_from_distributed,
-/destroy_weights_update_group and /update_weight_version. A wrong field is a RequestError (HTTP 400)
-naming it; unknown keys are ignored, as upstream ignores them."""
+/destroy_weights_update_group, /update_weight_version, /release_memory_occupation and
+/resume_memory_occupation. A wrong field is a RequestError (HTTP 400) naming it; unknown keys are
+ignored, as upstream ignores them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
 )
 from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.model_executor.memory_occupation import TAGS as MEMORY_TAGS
 
 # Checkpoint formats this server reads (upstream's "auto" picks safetensors for these checkpoints).
 LOAD_FORMATS = (None, "auto", "safetensors")
@@ -131,6 +133,17 @@ def parse_destroy_weights_update_group(body: Any) -> DestroyWeightsUpdateGroupRe
         raise RequestError("The body must be a JSON object.", None, "invalid_type")
     values = _optional_fields(body, DestroyWeightsUpdateGroupReqInput, set())
     return DestroyWeightsUpdateGroupReqInput(**values)
+
+
+def parse_memory_occupation(body: Any, cls: type) -> Any:
+    """A /release_memory_occupation or /resume_memory_occupation body (`cls`): `tags`, a list of
+    MEMORY_TAGS (absent, null or empty: all of them)."""
+    if not isinstance(body, dict):
+        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    tags = body.get("tags")
+    if tags is not None and (not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags)):
+        raise RequestError(f"tags must be a list of {', '.join(MEMORY_TAGS)} (or null: all).", "tags")
+    return cls(list(dict.fromkeys(tags)) if tags else list(MEMORY_TAGS))
 
 
 def _is_int(value: Any) -> bool:

@@ -210,6 +210,12 @@ class CudaGraphRunner:
     def recapture(self) -> None:
         """Capture every graph again, of the model runner's model as it is now (its weights were replaced:
         the old graphs read the old tensors). The old graphs and their memory pool are freed first."""
+        self.release()
+        self._capture_all()
+
+    def release(self) -> None:
+        """Free every graph and its memory pool (/release_memory_occupation; `recapture` makes them again:
+        the scheduler runs no batch until then)."""
         for graphs in self.kinds.values():
             graphs.graphs.clear()
             graphs.outputs.clear()
@@ -217,7 +223,6 @@ class CudaGraphRunner:
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-        self._capture_all()
 
     @property
     def decode(self) -> _GraphSet:

@@ -36,6 +36,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MH
 from sglang.srt.mem_cache.pool_sizing import PoolSizes, compute_pool_sizes
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, capture_bs_list
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.memory_occupation import MemoryOccupation
 from sglang.srt.models.registry import load_model
 from sglang.srt.sampling.custom_logit_processor import apply_custom_logit_processors
 from sglang.srt.sampling.penaltylib import Penalizer
@@ -107,6 +108,8 @@ class ModelRunner:
             sizes = capture_bs_list(server_args, self.pool_sizes.max_running_requests)
             # NGRAM: its verify batches too, at --speculative-num-draft-tokens positions per request.
             self.graph_runner = CudaGraphRunner(self, sizes, verify_width=self.mamba_pool.verify_shape[1])
+        # /release_memory_occupation and /resume_memory_occupation.
+        self.memory_occupation = MemoryOccupation(self, server_args.enable_weights_cpu_backup)
         logger.info(
             "Model %s loaded (%s, %.1f MB of weights); pools: %d KV tokens (%s), %d mamba slots, %d request rows.",
             self.arch.architecture, self.dtype, weight_bytes / 2**20, self.pool_sizes.max_total_tokens,

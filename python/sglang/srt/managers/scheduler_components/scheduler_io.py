@@ -27,6 +27,8 @@ from sglang.srt.managers.io_struct import (
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PortArgs,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     SchedulerHeartbeat,
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
@@ -161,6 +163,10 @@ class SchedulerIOMixin:
                 refused = self.weights_groups.destroy(obj.group_name)
                 message = refused or f"Left the weight-update group {obj.group_name!r}."
                 self.send_to_tokenizer(DestroyWeightsUpdateGroupReqOutput(refused is None, message))
+            elif isinstance(obj, ReleaseMemoryOccupationReqInput):
+                self.release_memory_occupation(obj)
+            elif isinstance(obj, ResumeMemoryOccupationReqInput):
+                self.resume_memory_occupation(obj)
             elif isinstance(obj, GetInternalStateReq):
                 self.send_to_tokenizer(GetInternalStateReqOutput(self.get_internal_state()))
             elif isinstance(obj, PauseGenerationReqInput):
@@ -293,6 +299,7 @@ class SchedulerIOMixin:
                 "reserved_by_group": alloc.group_size(),
             },
             "lazy_alloc_failures": dict(self.tracker.lazy_alloc_failures),
+            "memory_released": sorted(self.model_runner.memory_occupation.released),
             "counters": dict(self.counters),
             "loop_times": self.loop_times.report(self.worker.busy_seconds),
             "disaggregation_mode": self.disaggregation_mode,
@@ -323,6 +330,7 @@ class SchedulerIOMixin:
                 last_beat = now
                 self.send_to_tokenizer(SchedulerHeartbeat())
             busy = False
-            if not self.generation_pause.paused:
+            # (While memory is released, the model and its pools cannot run: new requests wait.)
+            if not self.generation_pause.paused and not self.model_runner.memory_occupation.released:
                 self.request_deadlines.check()
                 busy = self.step()

@@ -129,6 +129,12 @@ class StateCopier:
     def impl(self) -> str:
         return self._impl.name
 
+    def rebind(self) -> None:
+        """Build the tables again from the tensors' addresses as they are now: their storages were freed
+        and given back elsewhere (/resume_memory_occupation), and the tables hold raw addresses."""
+        self.layout = describe(self.tensors)
+        self._impl = select_impl(self.tensors, self.impl)
+
     def copy(self, src: Ids, dst: Ids) -> None:
         if len(src) != len(dst):
             raise ValueError(f"copy: {len(src)} sources for {len(dst)} destinations.")

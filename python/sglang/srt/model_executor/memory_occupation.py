@@ -1,0 +1,121 @@
+"""`MemoryOccupation`: upstream's /release_memory_occupation and /resume_memory_occupation for one
+model runner, by tag: "weights", "kv_cache" (the KV, state and request-to-token pools) and "cuda_graph".
+
+Releasing a tag empties the storages of its tensors in place (`UntypedStorage.resize_(0)`, the memory
+back to the allocator and, on CUDA, to the driver); resuming gives every storage its size back. Every
+tensor that views a storage (a parameter, the decode blocks' references, a transposed layout) keeps
+viewing it, but the memory's address changes: what holds raw addresses is rebuilt (the state copier's
+tables at once; the CUDA graphs once nothing is released any more), and a PD server, whose transfer
+engine registered the pools' addresses, may not release the pools. The pools come back zeroed, as they were made; the weights come
+back with their values only with `--enable-weights-cpu-backup` (otherwise a weight update writes them,
+as an RL loop does between the two calls). Upstream does the same with torch_memory_saver, which keeps
+the addresses; here no library is needed, and the graphs pay one capture.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
+TAGS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
+
+
+class MemoryOccupation:
+    def __init__(self, runner: ModelRunner, cpu_backup: bool):
+        self.runner = runner
+        self.cpu_backup = cpu_backup
+        self.released: set[str] = set()
+        # tag -> the storages released and their sizes in bytes; weights' host copies, by storage.
+        self._storages: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}
+        self._backup: list[torch.Tensor] = []
+        self._graphs_stale = False
+
+    def release(self, tags: list[str]) -> None:
+        """Free the memory of `tags` (those not released already); nothing may run meanwhile."""
+        self._sync()
+        for tag in tags:
+            if tag in self.released:
+                continue
+            if tag == CUDA_GRAPH:
+                if self.runner.graph_runner is not None:
+                    self.runner.graph_runner.release()
+            else:
+                storages = _unique_storages(self._tensors(tag))
+                if tag == WEIGHTS and self.cpu_backup:
+                    self._backup = [_bytes_of(s).cpu().clone() for s, _ in storages]
+                for storage, _ in storages:
+                    storage.resize_(0)
+                self._storages[tag] = storages
+            self.released.add(tag)
+            self._graphs_stale = True
+        self._sync()
+        if torch.device(self.runner.device).type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self, tags: list[str]) -> None:
+        """Give `tags` their memory back (pools zeroed, weights from the host copy where kept); once
+        nothing is released, capture the CUDA graphs again."""
+        for tag in tags:
+            if tag not in self.released:
+                continue
+            if tag != CUDA_GRAPH:
+                storages = self._storages.pop(tag)
+                for storage, nbytes in storages:
+                    storage.resize_(nbytes)
+                if tag == KV_CACHE:
+                    for storage, _ in storages:
+                        _bytes_of(storage).zero_()
+                    self.runner.mamba_pool.state_copier.rebind()  # its tables hold the old addresses
+                elif self._backup:
+                    for (storage, _), host in zip(storages, self._backup, strict=True):
+                        _bytes_of(storage).copy_(host)
+                    self._backup = []
+            self.released.discard(tag)
+        if not self.released and self._graphs_stale:
+            self._graphs_stale = False
+            if self.runner.graph_runner is not None:
+                self.runner.graph_runner.recapture()
+        self._sync()
+
+    def _tensors(self, tag: str) -> list[torch.Tensor]:
+        runner = self.runner
+        if tag == WEIGHTS:
+            return list(runner.model.parameters())
+        pools = (runner.req_to_token_pool, runner.mamba_pool, runner.token_to_kv_pool)
+        return [t for pool in pools for t in _device_tensors(pool)]
+
+    def _sync(self) -> None:
+        if torch.device(self.runner.device).type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
+
+def _device_tensors(obj: object) -> list[torch.Tensor]:
+    """The tensors a pool holds as attributes, alone or in lists (its buffers, not views of them)."""
+    out = []
+    for value in vars(obj).values():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        out += [t for t in items if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _unique_storages(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:
+    """Each storage behind `tensors` once (views and tied weights share one), with its size in bytes."""
+    seen: dict[int, tuple[torch.UntypedStorage, int]] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage._cdata not in seen:
+            seen[storage._cdata] = (storage, storage.nbytes())
+    return list(seen.values())
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

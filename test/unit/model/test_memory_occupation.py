@@ -1,0 +1,87 @@
+"""`MemoryOccupation` (/release_memory_occupation, /resume_memory_occupation): releasing a tag empties
+the storages of its tensors (the weights, every pool's buffers, the graphs) and resuming gives them back;
+the model then computes exactly what it did, with the weights written again by an update (an RL loop's
+order: resume the weights, update them, resume the cache) or put back from the host copy."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+
+from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+from sglang.srt.model_executor.memory_occupation import TAGS
+from sglang.srt.models.loader import checkpoint_files
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import decode_steps, make_runner, prefill, random_ids
+from sglang.test.runner_driver import RunnerDriver
+
+register_cpu_ci(est_time=6, suite="per-commit-cpu")
+
+
+def run(runner, prompt: list[int]) -> list[float]:
+    """A prefill, then decode steps (through the graph runner's bodies where it has one)."""
+    driver = RunnerDriver(runner)
+    req = driver.new_request()
+    lps = prefill(driver, req, prompt)
+    return lps + decode_steps(driver, [req], 4)[0]
+
+
+def memory_bytes(runner) -> dict[str, int]:
+    pools = (runner.req_to_token_pool.req_to_token, runner.mamba_pool.conv_state, runner.mamba_pool.ssm_state,
+             *runner.token_to_kv_pool.k_buffer, *runner.token_to_kv_pool.v_buffer)  # fmt: skip
+    return {
+        "weights": sum(p.untyped_storage().nbytes() for p in runner.model.parameters()),
+        "kv_cache": sum(t.untyped_storage().nbytes() for t in pools),
+    }
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_released_and_resumed_with_the_weights_written_again(preset, preset_paths):
+    prompt = random_ids(40, seed=9)
+    runner = make_runner(preset)
+    runner.graph_runner = CudaGraphRunner(runner, [1, 2], use_graphs=False)
+    before = run(runner, prompt)
+    held = memory_bytes(runner)
+    runner.memory_occupation.release(list(TAGS))
+    assert memory_bytes(runner) == {"weights": 0, "kv_cache": 0}
+    assert runner.graph_runner.decode.outputs == {}
+    runner.memory_occupation.resume(["weights"])
+    assert memory_bytes(runner)["weights"] == held["weights"]
+    tensors = {}
+    for f in checkpoint_files(preset_paths[preset]):
+        tensors.update(load_file(str(f)))
+    assert runner.update_weights_from_tensor(list(tensors.items())) == []
+    assert runner.graph_runner.decode.outputs == {}  # not captured while the cache is released
+    runner.memory_occupation.resume(["kv_cache"])
+    assert memory_bytes(runner) == held
+    pool = runner.mamba_pool
+    assert not pool.conv_state.any() and not pool.ssm_state.any()  # zeroed, as made
+    assert runner.graph_runner.decode.outputs == {}
+    runner.memory_occupation.resume(["cuda_graph"])
+    assert runner.graph_runner.decode.outputs  # captured again, now that nothing is released
+    assert run(runner, prompt) == before  # bit for bit
+
+
+def test_the_host_copy_brings_the_weights_back():
+    prompt = random_ids(40, seed=10)
+    runner = make_runner("tiny-qwen3-next", enable_weights_cpu_backup=True)
+    before = run(runner, prompt)
+    runner.memory_occupation.release(["weights"])
+    assert memory_bytes(runner)["weights"] == 0
+    runner.memory_occupation.release(["weights"])  # again: nothing more to do
+    runner.memory_occupation.resume(["weights", "weights"])
+    assert run(runner, prompt) == before
+    assert runner.memory_occupation.released == set()
+
+
+def test_state_copies_reach_the_resumed_pools():
+    """The state copier's tables hold raw addresses: after the pools come back elsewhere, a slot copy
+    must land in them (with the old tables it wrote to freed memory and left the pool as it was)."""
+    runner = make_runner("tiny-nemotron-h")
+    pool = runner.mamba_pool
+    runner.memory_occupation.release(["kv_cache"])
+    runner.memory_occupation.resume(["kv_cache"])
+    pool.conv_state[:, 1].fill_(3.0)
+    pool.ssm_state[:, 1].fill_(4.0)
+    pool.copy_from([1], [2])
+    assert (pool.conv_state[:, 2] == 3.0).all() and (pool.ssm_state[:, 2] == 4.0).all()
