@@ -4,6 +4,7 @@ accumulated output, and check it against the transformers oracle (teacher-forced
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +137,22 @@ class SchedulerHarness:
     def run(self) -> None:
         self.sched.run_until_idle()
         self.collect()
+
+    def control_reply(self, msg: Any | None = None, timeout: float = 60) -> Any:
+        """Send the control message `msg` (None: none, a reply is due already) and return the scheduler's
+        one reply, polling what its loop polls each iteration (a weight update loading, a weight-update
+        group operation) until it comes."""
+        if msg is not None:
+            self.sched.process_input_requests([msg])
+        deadline = time.monotonic() + timeout
+        while not self.sched.tokenizer_outbox:
+            assert time.monotonic() < deadline, "no reply from the scheduler"
+            self.sched.finish_weight_update()
+            self.sched.finish_weights_group_op()
+            time.sleep(0.01)
+        (reply,) = self.sched.tokenizer_outbox
+        self.sched.tokenizer_outbox.clear()
+        return reply
 
     def generate(self, ids: list[int], max_new_tokens: int = 8, **kw: Any) -> Output:
         rid = self.submit(ids, max_new_tokens, **kw)

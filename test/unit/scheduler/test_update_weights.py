@@ -6,8 +6,6 @@ a failed or a second concurrent update leaves the old weights serving."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -29,16 +27,9 @@ def send_update(h: SchedulerHarness, path: str, **fields) -> None:
     h.sched.process_input_requests([UpdateWeightFromDiskReqInput(path, **fields)])
 
 
-def wait_reply(h: SchedulerHarness, timeout: float = 60) -> UpdateWeightFromDiskReqOutput:
+def wait_reply(h: SchedulerHarness) -> UpdateWeightFromDiskReqOutput:
     """What the scheduler's loop does while an update loads: poll it each iteration."""
-    deadline = time.monotonic() + timeout
-    while not h.sched.tokenizer_outbox:
-        assert time.monotonic() < deadline, "no reply to the weight update"
-        h.sched.finish_weight_update()
-        time.sleep(0.01)
-    (reply,) = h.sched.tokenizer_outbox
-    h.sched.tokenizer_outbox.clear()
-    return reply
+    return h.control_reply()
 
 
 @pytest.fixture(scope="module")

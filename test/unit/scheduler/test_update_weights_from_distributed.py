@@ -6,7 +6,6 @@ why, and leaving the group frees its name."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 from safetensors.torch import load_file
@@ -29,19 +28,6 @@ register_cpu_ci(est_time=15, suite="per-commit-cpu")
 QWEN = "tiny-qwen3-next"
 
 
-def reply_to(h: SchedulerHarness, msg, timeout: float = 60):
-    """Send `msg`; what the scheduler answers, polling as its loop does."""
-    h.sched.process_input_requests([msg])
-    deadline = time.monotonic() + timeout
-    while not h.sched.tokenizer_outbox:
-        assert time.monotonic() < deadline, "no reply"
-        h.sched.finish_weights_group_op()
-        time.sleep(0.01)
-    (reply,) = h.sched.tokenizer_outbox
-    h.sched.tokenizer_outbox.clear()
-    return reply
-
-
 def test_weights_broadcast_by_a_trainer_are_served(oracles, preset_paths, tmp_path):
     path_b = noisy_checkpoint(preset_paths[QWEN], tmp_path / "b")
     tensors = {}
@@ -54,16 +40,16 @@ def test_weights_broadcast_by_a_trainer_are_served(oracles, preset_paths, tmp_pa
 
     port = find_free_port()
     init = InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 2, backend="nccl")
-    assert "backend gloo" in reply_to(h, init).message  # no GPU here
+    assert "backend gloo" in h.control_reply(init).message  # no GPU here
     trainer = Broadcaster(port)
     try:
         init.backend = "gloo"
-        reply = reply_to(h, init)
+        reply = h.control_reply(init)
         assert reply.success, reply.message
         assert trainer.wait() == "joined"
-        assert "exists already" in reply_to(h, init).message
+        assert "exists already" in h.control_reply(init).message
         unknown = UpdateWeightsFromDistributedReqInput(["model.norm.weight"], ["float32"], [[16]], "x")
-        assert "no weight-update group 'x'" in reply_to(h, unknown).message
+        assert "no weight-update group 'x'" in h.control_reply(unknown).message
 
         # Two updates (buckets), each while the trainer broadcasts; the loop runs meanwhile.
         for part in (names[::2], names[1::2]):
@@ -71,7 +57,7 @@ def test_weights_broadcast_by_a_trainer_are_served(oracles, preset_paths, tmp_pa
             trainer.broadcast(named)
             dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
             req = UpdateWeightsFromDistributedReqInput(part, dtypes, [list(t.shape) for _, t in named])
-            reply = reply_to(h, req)
+            reply = h.control_reply(req)
             message = f"Succeeded to update {len(part)} weight tensor(s) in place."
             assert (reply.success, reply.message) == (True, message)
             assert trainer.wait() == "sent"
@@ -82,14 +68,14 @@ def test_weights_broadcast_by_a_trainer_are_served(oracles, preset_paths, tmp_pa
         # A tensor that does not fit: received (the trainer is not left hanging), then refused whole.
         trainer.broadcast([("model.norm.weight", tensors["model.layers.0.input_layernorm.weight"][:3])])
         bad = UpdateWeightsFromDistributedReqInput(["model.norm.weight"], ["float32"], [[3]])
-        reply = reply_to(h, bad)
+        reply = h.control_reply(bad)
         assert not reply.success and "has shape (3,)" in reply.message
         assert trainer.wait() == "sent"
         h.check_oracle(ReferenceModel(path_b), prompt, h.generate(prompt, 6))
 
         leave = DestroyWeightsUpdateGroupReqInput()
-        assert reply_to(h, leave).success
-        assert "no weight-update group" in reply_to(h, leave).message
+        assert h.control_reply(leave).success
+        assert "no weight-update group" in h.control_reply(leave).message
     finally:
         trainer.close()
         for group in list(h.sched.weights_groups.groups):
@@ -103,7 +89,7 @@ def test_a_trainer_that_never_comes_fails_the_join():
     h = SchedulerHarness(QWEN)
     groups = h.sched.weights_groups
     groups.timeout = timedelta(seconds=2)
-    reply = reply_to(h, InitWeightsUpdateGroupReqInput("127.0.0.1", find_free_port(), 1, 2, backend="gloo"))
+    reply = h.control_reply(InitWeightsUpdateGroupReqInput("127.0.0.1", find_free_port(), 1, 2, backend="gloo"))
     assert not reply.success and reply.message.startswith("The weight-update group was not joined:")
     assert groups.groups == {} and groups.pending is None
     h.shutdown()

@@ -40,10 +40,7 @@ def checkpoint_b(preset_paths, tmp_path_factory):
 
 
 def update(h: SchedulerHarness, payload: bytes | str, **fields) -> UpdateWeightsFromTensorReqOutput:
-    h.sched.process_input_requests([UpdateWeightsFromTensorReqInput([payload], **fields)])
-    (reply,) = h.sched.tokenizer_outbox
-    h.sched.tokenizer_outbox.clear()
-    return reply
+    return h.control_reply(UpdateWeightsFromTensorReqInput([payload], **fields))
 
 
 def test_an_update_serves_the_new_weights_through_the_graph_bodies(oracles, checkpoint_b):

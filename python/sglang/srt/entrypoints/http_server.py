@@ -236,39 +236,36 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         tm.abort_request(rid or "", abort_all)
         return Response(status_code=200)
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> Response:
-        # As upstream: 200 with success true, else 400 with success false and why.
-        try:
-            obj = parse_update_weights_from_disk(_json_object(await request.body()))
-            success, message, paused = await tm.update_weights_from_disk(obj, request)
-        except RequestError as e:
-            return error_response(e)
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED)
-        except Exception as e:
-            return internal_error_response(e)
-        body = {"success": success, "message": message, "num_paused_requests": paused}
-        return json_response(body, 200 if success else 400)
-
     def weights_route(
-        path: str, parse: Callable[[Any], Any], call: Callable[..., Any], methods: tuple[str, ...] = ("POST",)
+        path: str,
+        parse: Callable[[Any], Any],
+        call: Callable[..., Any],
+        methods: tuple[str, ...] = ("POST",),
+        fields: tuple[str, ...] = ("success", "message"),
     ) -> None:
-        """A weight route whose reply is upstream's {"success", "message"}: 200, or 400 and why."""
+        """A weight route whose reply is upstream's: `call`'s result as `fields` ({"success", "message"}
+        and maybe more), 200 on success, else 400 and why."""
 
         async def handle(request: Request) -> Response:
             try:
                 obj = parse(_json_object(await request.body()))
-                success, message = await call(obj, request)
+                body = dict(zip(fields, await call(obj, request), strict=True))
             except RequestError as e:
                 return error_response(e)
             except ClientDisconnected:
                 return Response(status_code=CLIENT_CLOSED)
             except Exception as e:
                 return internal_error_response(e)
-            return json_response({"success": success, "message": message}, 200 if success else 400)
+            return json_response(body, 200 if body["success"] else 400)
 
         app.api_route(path, methods=list(methods))(handle)
+
+    weights_route(
+        "/update_weights_from_disk",
+        parse_update_weights_from_disk,
+        tm.update_weights_from_disk,
+        fields=("success", "message", "num_paused_requests"),
+    )
 
     weights_route(
         "/update_weights_from_tensor", parse_update_weights_from_tensor, tm.update_weights_from_tensor
