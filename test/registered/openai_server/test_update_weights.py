@@ -271,7 +271,7 @@ class TestUpdateWeights(ServerTestCase):
         by_handle = MultiprocessingSerializer.serialize(zeros, output_str=True)
         for payload, words in [
             (good, "model.norm.weight has shape (3,)"),
-            (by_handle, "file descriptors"),
+            (by_handle, "shared memory of the sender"),
             (base64.b64encode(pickle.dumps([("w", _Evil())])).decode(), "posix.system"),
         ]:
             r = self.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})

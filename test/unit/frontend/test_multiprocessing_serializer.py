@@ -35,23 +35,31 @@ def same(a, b) -> bool:
     )
 
 
-@pytest.mark.parametrize("form", ["plain", "plain-protocol-2", "base64", "file_system"])
-def test_forms_any_process_can_send(form, monkeypatch):
-    tensors = named()
-    if form == "file_system":
-        old = torch.multiprocessing.get_sharing_strategy()
-        torch.multiprocessing.set_sharing_strategy("file_system")
-        try:
-            payload = MultiprocessingSerializer.serialize(tensors, output_str=True)
-        finally:
-            torch.multiprocessing.set_sharing_strategy(old)
-    elif form == "base64":
+@pytest.mark.parametrize("form", ["plain", "plain-protocol-2", "base64"])
+def test_forms_any_process_can_send(form):
+    tensors = [*named(), ("e.empty", torch.empty(0))]
+    if form == "base64":
         import base64
 
         payload = base64.b64encode(pickle.dumps(tensors)).decode()
     else:
         payload = pickle.dumps(tensors, protocol=2 if form == "plain-protocol-2" else pickle.HIGHEST_PROTOCOL)
     assert same(MultiprocessingSerializer.deserialize(payload, trusted=False), tensors)
+
+
+def test_shared_files_only_from_a_trusted_sender():
+    """A file under /dev/shm (torch's file_system strategy) is opened, grown and unlinked by torch: an
+    HTTP client could name any file there. The Engine's payloads are trusted."""
+    old = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        tensors = named()
+        payload = MultiprocessingSerializer.serialize(tensors)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(old)
+    with pytest.raises(UnsafePayloadError, match="by value"):
+        MultiprocessingSerializer.deserialize(payload, trusted=False)
+    assert same(MultiprocessingSerializer.deserialize(payload), tensors)
 
 
 class _Reduce:
@@ -68,11 +76,31 @@ def test_the_allowlist_refuses_before_calling(tmp_path):
         (pickle.dumps([("w", _Reduce(os.system, f"touch {marker}"))]), "posix.system"),
         (pickle.dumps(_Reduce(open, str(marker), "w")), "io.open"),
         (pickle.dumps([("w", _Reduce(torch.load, "x"))]), "torch.serialization.load"),
-        (MultiprocessingSerializer.serialize(named()), "file descriptors"),  # untrusted below
+        (MultiprocessingSerializer.serialize(named()), "shared memory of the sender"),  # untrusted below
     ]:
         with pytest.raises(UnsafePayloadError, match=words.replace(".", r"\.")):
             MultiprocessingSerializer.deserialize(payload, trusted=False)
     assert not marker.exists()
+
+
+def test_an_untrusted_cuda_tensor_names_only_torchs_reference_counters():
+    """torch decrements an int64 in the reference-counter file a CUDA tensor names, at the offset it
+    names, when the tensor is freed: checked before anything is opened."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    def payload(handle: bytes, offset: int) -> bytes:
+        args = (torch.Tensor, (2,), (1,), 0, torch.UntypedStorage, torch.float32, 0, b"ipc", 8, 0, False,
+                handle, offset, b"event", False)  # fmt: skip
+        return pickle.dumps([("w", _Reduce(rebuild_cuda_tensor, *args))])
+
+    for handle, offset, words in [
+        (b"/review_probe", 0, "not torch's"),
+        (b"/torch_1_2/../x", 0, "not torch's"),
+        (b"/torch_12_3", 10**6, "out of range"),
+        (b"/torch_12_3", -8, "out of range"),
+    ]:
+        with pytest.raises(UnsafePayloadError, match=words):
+            MultiprocessingSerializer.deserialize(payload(handle, offset), trusted=False)
 
 
 def test_a_plain_pickles_storage_loads_without_unrestricted_unpickling():

@@ -82,6 +82,22 @@ def test_the_uuid_patch_names_gpus_by_uuid(fake_gpus):
         patch_torch.device_index("GPU-cccc")
 
 
+def test_the_uuid_patch_sends_a_cuda_tensor_with_its_gpus_uuid(fake_gpus, monkeypatch):
+    """The sending side, with torch's reduction faked for a CUDA tensor on GPU 1 (no GPU here): the
+    rebuild named is the patch's, with the GPU's UUID where torch puts the index; the receiving side maps
+    it back to the local index."""
+    args = tuple(range(15))[:6] + (1,) + tuple(range(7, 15))
+    torch_reduce = lambda t: (reductions.rebuild_cuda_tensor, args)  # noqa: E731
+    monkeypatch.setattr(reductions, "_reduce_tensor_original", torch_reduce, raising=False)
+    rebuild, sent = patch_torch._reduce_tensor_by_uuid(SimpleNamespace(is_cuda=True))
+    assert rebuild is patch_torch._rebuild_cuda_tensor_by_uuid and sent[6] == "GPU-bbbb"
+    assert sent[:6] == args[:6] and sent[7:] == args[7:]
+    got = []
+    monkeypatch.setattr(reductions, "_rebuild_cuda_tensor_original", lambda *a: got.append(a), raising=False)
+    rebuild(*sent)
+    assert got == [args]
+
+
 def test_the_uuid_patch_leaves_host_tensors_alone_and_is_idempotent(monkeypatch):
     for name in ("reduce_tensor", "rebuild_cuda_tensor"):
         monkeypatch.setattr(reductions, name, getattr(reductions, name))

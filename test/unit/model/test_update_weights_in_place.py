@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from sglang.srt.models.loader import checkpoint_files
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.model_checks import make_runner, noisy_checkpoint, prefill, random_ids
+from sglang.test.model_checks import decode_steps, make_runner, noisy_checkpoint, prefill, random_ids
 from sglang.test.runner_driver import RunnerDriver
 
 register_cpu_ci(est_time=20, suite="per-commit-cpu")
@@ -39,8 +39,10 @@ def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def logprobs(runner, prompt: list[int]) -> list[float]:
+    """A prefill, then decode steps (where the CPU decode blocks run: they hold the weights too)."""
     driver = RunnerDriver(runner)
-    return prefill(driver, driver.new_request(), prompt)
+    req = driver.new_request()
+    return prefill(driver, req, prompt) + decode_steps(driver, [req], 3)[0]
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +89,25 @@ def test_a_tensor_that_does_not_fit_changes_no_weight(checkpoints_b):
         [*new.items(), ("backbone.layers.1.mixer.experts.0.up_proj.weight", torch.zeros(2, 2))],
         [*new.items(), (bad, torch.zeros_like(new[bad], dtype=torch.int8))],  # quantized
     ]
+    no_expert = "backbone.layers.1.mixer.experts.99.up_proj.weight"  # the layer has fewer
+    payloads.append([*new.items(), (no_expert, torch.zeros(2, 2))])
     for named in payloads:
         with pytest.raises(ValueError):
             runner.update_weights_from_tensor(named)
     with pytest.raises(ValueError, match="shape"):
         runner.update_weights_from_tensor([(bad, torch.zeros(3))], "direct")
+    with pytest.raises(ValueError, match="float8_e4m3fn"):  # a floating dtype, but packed
+        runner.update_weights_from_tensor([(bad, new[bad].to(torch.float8_e4m3fn))], "direct")
     after = dict(runner.model.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_qwen3_next_projection_of_another_shape_is_refused_by_name():
+    """The projections are regrouped for serving: one of a wrong shape is named, not a reshape error."""
+    runner = make_runner("tiny-qwen3-next")
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    with pytest.raises(ValueError, match=f"{name} has shape"):
+        runner.update_weights_from_tensor([(name, torch.zeros(3, 5))])
 
 
 def test_names_no_parameter_takes_are_returned_and_the_rest_loads(checkpoints_b):

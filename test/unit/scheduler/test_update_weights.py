@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput, UpdateWeightFromDiskReqOutput
+from sglang.srt.managers.io_struct import (
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+)
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import noisy_checkpoint, pool_state
@@ -102,6 +107,25 @@ def test_capturing_again_leaves_a_running_requests_state_alone():
     assert all(torch.equal(before[k].ssm, after[k].ssm) and torch.equal(before[k].conv, after[k].conv) for k in before)
     h.run()
     h.check_oracle(ReferenceModel(QWEN), token_ids(30, seed=4), h.outputs[rid])
+    h.shutdown()
+
+
+def test_a_disk_update_waits_for_released_memory(checkpoint_b):
+    """The new model's graphs would be captured on freed pools: refused until everything is resumed.
+    Tags None is all of them, as upstream's clients send it."""
+    path_b, _ = checkpoint_b
+    h = SchedulerHarness(QWEN, enable_memory_saver=True)
+    reply = h.control_reply(ReleaseMemoryOccupationReqInput(None))
+    assert reply.success and reply.released == ["cuda_graph", "kv_cache", "weights"], reply
+    reply = h.control_reply(ResumeMemoryOccupationReqInput(["weights"]))
+    assert reply.released == ["cuda_graph", "kv_cache"]
+    send_update(h, path_b)
+    reply = wait_reply(h)
+    assert not reply.success and "memory is released" in reply.message
+    reply = h.control_reply(ResumeMemoryOccupationReqInput(None))
+    assert reply.success and reply.released == []
+    send_update(h, path_b)
+    assert wait_reply(h).success
     h.shutdown()
 
 

@@ -86,7 +86,7 @@ def test_refused_updates_keep_the_old_weights_serving(oracles, checkpoint_b):
     bad_shape = [*good, ("model.norm.weight", torch.zeros(3))]
     for payload, trusted, words in [
         (pickle.dumps([("model.norm.weight", _Evil())]), True, "names posix.system"),
-        (MultiprocessingSerializer.serialize(good), False, "file descriptors"),
+        (MultiprocessingSerializer.serialize(good), False, "shared memory of the sender"),
         (pickle.dumps({"model.norm.weight": torch.zeros(3)}), True, "not a list of (name, tensor) pairs"),
         (pickle.dumps([("model.norm.weight", [1.0])]), True, "item 0 of the payload"),
         (pickle.dumps(bad_shape), True, "model.norm.weight has shape (3,)"),
@@ -111,6 +111,17 @@ def test_refused_updates_keep_the_old_weights_serving(oracles, checkpoint_b):
     h.check_oracle(oracles[QWEN], token_ids(30, seed=4), h.outputs[rid])
     prompt = token_ids(50, seed=5)
     h.check_oracle(oracles[QWEN], prompt, h.generate(prompt, 6))
+    h.shutdown()
+
+
+def test_a_tensor_that_fails_in_a_models_mapping_is_refused_not_a_crash(oracles):
+    """Granite splits its shared MLP's input rows: a 0-d tensor there fails in torch (RuntimeError), and
+    the scheduler answers with why instead of dying."""
+    h = SchedulerHarness("tiny-granite-4.0-h")
+    reply = update(h, pickle.dumps([("model.layers.0.shared_mlp.input_linear.weight", torch.tensor(1.0))]))
+    assert not reply.success and "chunk expects" in reply.message, reply.message
+    prompt = token_ids(30, seed=8)
+    h.check_oracle(oracles["tiny-granite-4.0-h"], prompt, h.generate(prompt, 6))
     h.shutdown()
 
 

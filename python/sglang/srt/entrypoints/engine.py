@@ -204,8 +204,7 @@ class Engine:
         FlattenedTensorBucket's dict (`sglang.srt.weight_sync.tensor_bucket`), as upstream takes them.
         New requests wait while the running ones finish; the prefix cache is then emptied unless
         `flush_cache` is false."""
-        import torch
-
+        from sglang.srt.managers.scheduler_components.weight_update import first_non_pair
         from sglang.srt.utils.multiprocessing_serializer import MultiprocessingSerializer
 
         check_tensor_load_format(load_format)
@@ -215,10 +214,9 @@ class Engine:
                 raise TypeError("with load_format 'flattened_bucket', named_tensors are serialized payloads")
             payloads = named
         else:
-            for i, pair in enumerate(named):
-                if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)
-                        and isinstance(pair[1], torch.Tensor)):  # fmt: skip
-                    raise TypeError(f"named_tensors[{i}] is not a (name, tensor) pair")
+            bad = first_non_pair(named)
+            if bad is not None:
+                raise TypeError(f"named_tensors[{bad}] is not a (name, tensor) pair")
             payloads = [MultiprocessingSerializer.serialize(named)]
         obj = UpdateWeightsFromTensorReqInput(payloads, load_format=load_format, flush_cache=flush_cache)
         return self._run(self.tokenizer_manager.update_weights_from_tensor(obj))

@@ -254,6 +254,8 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
                 return error_response(e)
             except ClientDisconnected:
                 return Response(status_code=CLIENT_CLOSED)
+            except (TimeoutError, BackendDeadError) as e:
+                return _control_failed(e)
             except Exception as e:
                 return internal_error_response(e)
             return json_response(body, 200 if body["success"] else 400)
@@ -270,32 +272,21 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
     weights_route(
         "/update_weights_from_tensor", parse_update_weights_from_tensor, tm.update_weights_from_tensor
     )
-    weights_route(
-        "/init_weights_update_group",
-        parse_init_weights_update_group,
-        lambda obj, request: tm.init_weights_update_group(obj),
-    )
+    weights_route("/init_weights_update_group", parse_init_weights_update_group, tm.init_weights_update_group)
     weights_route(
         "/update_weights_from_distributed",
         parse_update_weights_from_distributed,
         tm.update_weights_from_distributed,
     )
     weights_route(
-        "/destroy_weights_update_group",
-        parse_destroy_weights_update_group,
-        lambda obj, request: tm.destroy_weights_update_group(obj),
+        "/destroy_weights_update_group", parse_destroy_weights_update_group, tm.destroy_weights_update_group
     )
     # As upstream: GET or POST, the body optional (no tags: all of them).
     for path, cls, call in [
         ("/release_memory_occupation", ReleaseMemoryOccupationReqInput, tm.release_memory_occupation),
         ("/resume_memory_occupation", ResumeMemoryOccupationReqInput, tm.resume_memory_occupation),
     ]:
-        weights_route(
-            path,
-            lambda body, cls=cls: parse_memory_occupation(body, cls),
-            lambda obj, request, call=call: call(obj),
-            ("GET", "POST"),
-        )
+        weights_route(path, lambda body, cls=cls: parse_memory_occupation(body, cls), call, ("GET", "POST"))
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:

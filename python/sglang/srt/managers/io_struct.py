@@ -252,11 +252,8 @@ class ResumeMemoryOccupationReqInput:
     tags: list[str] | None = None
 
 
-@dataclass
-class ResumeMemoryOccupationReqOutput:
-    success: bool
-    message: str = ""
-    released: list[str] = field(default_factory=list)
+class ResumeMemoryOccupationReqOutput(ReleaseMemoryOccupationReqOutput):
+    """The same fields (a type of its own: replies are matched to their waiter by type)."""
 
 
 @dataclass

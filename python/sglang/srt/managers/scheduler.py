@@ -58,6 +58,7 @@ from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
 from sglang.srt.model_executor.memory_occupation import KV_CACHE, WEIGHTS
+from sglang.srt.model_executor.memory_occupation import TAGS as MEMORY_TAGS
 from sglang.srt.sampling.penaltylib import PenaltySlots
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.srt.utils.host_profile import host_profile
@@ -541,7 +542,10 @@ class Scheduler(SchedulerIOMixin):
         if done is None:
             return
         req, model, error = done
-        if model is not None:
+        if model is not None and self.model_runner.memory_occupation.released:
+            # (the new model's graphs would be captured on freed pools)
+            error = "The weights were not updated: memory is released (/resume_memory_occupation first)."
+        elif model is not None:
             error = self._weights_held(req.flush_cache)
         if error:
             self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, error))
@@ -558,7 +562,7 @@ class Scheduler(SchedulerIOMixin):
         """/update_weights_from_tensor: the payload's tensors (`named_tensors_of`), written in place."""
         try:
             named = named_tensors_of(req.serialized_named_tensors[0], req.trusted, req.load_format)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - any malformed payload is the client's, told to it
             self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(False, _not_updated(e)))
             return
         success, message = self.write_weights(named, req.load_format, req.flush_cache)
@@ -590,7 +594,7 @@ class Scheduler(SchedulerIOMixin):
             return False, error
         try:
             ignored = self.model_runner.update_weights_from_tensor(named, load_format)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - a tensor that does not fit, however it fails; none written
             return False, _not_updated(e)
         if flush_cache:
             self._empty_tree()
@@ -606,52 +610,64 @@ class Scheduler(SchedulerIOMixin):
         upstream asserts); the prefix cache is emptied with the pools, and new requests wait until
         everything is resumed (the tokenizer manager holds them; one that slipped through waits here).
         Without --enable-memory-saver the memory stays, as upstream's does without it."""
-        while self.in_flight:
-            self.process_oldest()
-        error, pd_busy = None, self.disagg is not None and self.disagg.busy()
-        if self.running or self.waiting_queue or self.chunked_req is not None or pd_busy:
-            n = len(self.running) + len(self.waiting_queue)
+        tags = req.tags or list(MEMORY_TAGS)  # (upstream's clients send None for all)
+        error = None
+        if self._holding_requests(waiting=True):
+            n = len(self.running) + len(self.waiting_queue) + (self.chunked_req is not None)
             error = f"Nothing was released: {n} request(s) are running or waiting (abort them first)."
-        elif KV_CACHE in req.tags and self.disagg is not None:
+        elif KV_CACHE in tags and self.disagg is not None:
             error = "Nothing was released: with --disaggregation-mode the transfer engine holds the KV cache."
-        if error is not None:
-            self.send_to_tokenizer(ReleaseMemoryOccupationReqOutput(False, error))
-            return
-        if KV_CACHE in req.tags:
+        memory = self.model_runner.memory_occupation
+        if error is None and KV_CACHE in tags:
             self._empty_tree()
-        if not self.server_args.enable_memory_saver:
+        if error is None and not self.server_args.enable_memory_saver:
             message = "Nothing was released: start the server with --enable-memory-saver."
-        else:
-            self.model_runner.memory_occupation.release(req.tags)
-            message = f"Released the memory of {', '.join(req.tags)}."
-        logger.info(message)
-        released = sorted(self.model_runner.memory_occupation.released)
-        self.send_to_tokenizer(ReleaseMemoryOccupationReqOutput(True, message, released))
+        elif error is None:
+            try:
+                memory.release(tags)
+                message = f"Released the memory of {', '.join(tags)}."
+            except Exception as e:  # noqa: BLE001 - no host memory for the copy, say
+                now = ", ".join(sorted(memory.released)) or "nothing"
+                error = f"Releasing stopped: {str(e).strip() or type(e).__name__} (released now: {now})."
+        logger.info(error or message)
+        reply = ReleaseMemoryOccupationReqOutput(error is None, error or message, sorted(memory.released))
+        self.send_to_tokenizer(reply)
 
     def resume_memory_occupation(self, req: ResumeMemoryOccupationReqInput) -> None:
-        memory = self.model_runner.memory_occupation
-        memory.resume(req.tags)
-        left = sorted(memory.released)
-        message = f"Resumed {', '.join(req.tags)}" + (f"; {', '.join(left)} still released." if left else ".")
+        memory, tags = self.model_runner.memory_occupation, req.tags or list(MEMORY_TAGS)
+        try:
+            memory.resume(tags)
+            left = sorted(memory.released)
+            message = f"Resumed {', '.join(tags)}" + (f"; {', '.join(left)} still released." if left else ".")
+            success = True
+        except Exception as e:  # noqa: BLE001 - out of memory (the trainer still holds it): still released
+            success, message = False, f"Not resumed: {str(e).strip() or type(e).__name__}"
         logger.info(message)
-        self.send_to_tokenizer(ResumeMemoryOccupationReqOutput(True, message, left))
+        self.send_to_tokenizer(ResumeMemoryOccupationReqOutput(success, message, sorted(memory.released)))
 
     def _weights_held(self, flush_cache: bool) -> str | None:
         """Why the weights may not change now, or None: first the batches in flight finish (they read the
         weights); then requests that hold KV and state the current weights computed (running, or paused
         in place) refuse a flushing update, which would leave them going on from it."""
-        while self.in_flight:
-            self.process_oldest()
+        held = self._holding_requests(waiting=False)  # (first the batches in flight: they read the weights)
         if WEIGHTS in self.model_runner.memory_occupation.released:
             return "The weights were not updated: their memory is released (resume the weights first)."
-        pd_busy = self.disagg is not None and self.disagg.busy()
-        if flush_cache and (self.running or self.chunked_req is not None or pd_busy):
+        if flush_cache and held:
+            n = len(self.running) + (self.chunked_req is not None)
             return (
-                f"The weights were not updated: {len(self.running)} request(s) hold KV and state the "
-                "current weights computed (pause with mode retract or abort first, or send "
-                "flush_cache false)."
+                f"The weights were not updated: {n or 'PD'} request(s) hold KV and state the current "
+                "weights computed (pause with mode retract or abort first, or send flush_cache false)."
             )
         return None
+
+    def _holding_requests(self, waiting: bool) -> bool:
+        """Whether requests hold KV and state (running, a chunked prefill, a PD transfer; with `waiting`,
+        queued ones too), once the batches in flight have finished."""
+        while self.in_flight:
+            self.process_oldest()
+        pd_busy = self.disagg is not None and self.disagg.busy()
+        queued = waiting and bool(self.waiting_queue)
+        return bool(self.running or self.chunked_req is not None or pd_busy or queued)
 
     def shutdown(self) -> None:
         while self.in_flight:

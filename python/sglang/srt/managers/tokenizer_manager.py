@@ -417,7 +417,9 @@ class TokenizerManager:
         out = await self._update_weights(obj, UpdateWeightsFromTensorReqOutput, request)
         return out.success, out.message
 
-    async def init_weights_update_group(self, obj: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
+    async def init_weights_update_group(
+        self, obj: InitWeightsUpdateGroupReqInput, request: DisconnectCheck | None = None
+    ) -> tuple[bool, str]:
         """Join a trainer's weight-update group (`WeightsUpdateGroups`): waits while the trainer joins,
         up to the group's timeout."""
         out = await self._control(obj, InitWeightsUpdateGroupReqOutput, None)
@@ -431,27 +433,35 @@ class TokenizerManager:
         out = await self._update_weights(obj, UpdateWeightsFromDistributedReqOutput, request)
         return out.success, out.message
 
-    async def destroy_weights_update_group(self, obj: DestroyWeightsUpdateGroupReqInput) -> tuple[bool, str]:
+    async def destroy_weights_update_group(
+        self, obj: DestroyWeightsUpdateGroupReqInput, request: DisconnectCheck | None = None
+    ) -> tuple[bool, str]:
         out = await self._control(obj, DestroyWeightsUpdateGroupReqOutput, CONTROL_TIMEOUT_S)
         return out.success, out.message
 
-    async def release_memory_occupation(self, obj: ReleaseMemoryOccupationReqInput) -> tuple[bool, str]:
-        """Free the memory of `obj.tags` (nothing may be running); new requests wait until it is all
-        resumed. No time limit: a host copy of large weights takes a while."""
-        out = await self._control(obj, ReleaseMemoryOccupationReqOutput, None)
-        self._gate_on_released(out.released)
-        return out.success, out.message
+    async def release_memory_occupation(
+        self, obj: ReleaseMemoryOccupationReqInput, request: DisconnectCheck | None = None
+    ) -> tuple[bool, str]:
+        """Free the memory of `obj.tags` (no request may run or wait); new requests wait until it is
+        all resumed: held from before the release is sent, so none slips into a scheduler that cannot
+        run it. No time limit: a host copy of large weights takes a while."""
+        self._memory_resumed.clear()
+        return await self._memory_occupation(obj, ReleaseMemoryOccupationReqOutput)
 
-    async def resume_memory_occupation(self, obj: ResumeMemoryOccupationReqInput) -> tuple[bool, str]:
-        out = await self._control(obj, ResumeMemoryOccupationReqOutput, None)
-        self._gate_on_released(out.released)
-        return out.success, out.message
+    async def resume_memory_occupation(
+        self, obj: ResumeMemoryOccupationReqInput, request: DisconnectCheck | None = None
+    ) -> tuple[bool, str]:
+        return await self._memory_occupation(obj, ResumeMemoryOccupationReqOutput)
 
-    def _gate_on_released(self, released: list[str]) -> None:
-        if released:
-            self._memory_resumed.clear()
-        else:
-            self._memory_resumed.set()
+    async def _memory_occupation(self, obj: Any, reply_type: type) -> tuple[bool, str]:
+        out = None
+        try:
+            out = await self._control(obj, reply_type, None)
+        finally:
+            # Requests go through again once the scheduler says nothing is released (or cannot say).
+            if out is None or not out.released:
+                self._memory_resumed.set()
+        return out.success, out.message
 
     async def _update_weights(self, obj: Any, reply_type: type, request: DisconnectCheck | None) -> Any:
         async with self._weight_update_lock:

@@ -27,8 +27,7 @@ TENSOR_LOAD_FORMATS = (None, "flattened_bucket", "direct")
 
 
 def parse_update_weights_from_disk(body: Any) -> UpdateWeightFromDiskReqInput:
-    if not isinstance(body, dict):
-        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    _check_object(body)
     path = body.get("model_path")
     if not isinstance(path, str) or not path:
         raise RequestError("model_path must be the checkpoint folder to load.", "model_path", "invalid_type")
@@ -44,8 +43,7 @@ def parse_update_weights_from_disk(body: Any) -> UpdateWeightFromDiskReqInput:
 
 def parse_update_weights_from_tensor(body: Any) -> UpdateWeightsFromTensorReqInput:
     """An HTTP body: the payloads are base64 text, and may not name file descriptors (`trusted`)."""
-    if not isinstance(body, dict):
-        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    _check_object(body)
     payloads = body.get("serialized_named_tensors")
     if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) and p for p in payloads):
         raise RequestError(
@@ -76,8 +74,7 @@ WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def parse_init_weights_update_group(body: Any) -> InitWeightsUpdateGroupReqInput:
-    if not isinstance(body, dict):
-        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    _check_object(body)
     address = body.get("master_address")
     if not isinstance(address, str) or not address:
         raise RequestError("master_address must be the trainer's host name or address.", "master_address")
@@ -106,8 +103,7 @@ def parse_init_weights_update_group(body: Any) -> InitWeightsUpdateGroupReqInput
 
 
 def parse_update_weights_from_distributed(body: Any) -> UpdateWeightsFromDistributedReqInput:
-    if not isinstance(body, dict):
-        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    _check_object(body)
     names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
         raise RequestError("names must be a non-empty list of weight names.", "names", "invalid_type")
@@ -129,8 +125,7 @@ def parse_update_weights_from_distributed(body: Any) -> UpdateWeightsFromDistrib
 
 
 def parse_destroy_weights_update_group(body: Any) -> DestroyWeightsUpdateGroupReqInput:
-    if not isinstance(body, dict):
-        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    _check_object(body)
     values = _optional_fields(body, DestroyWeightsUpdateGroupReqInput, set())
     return DestroyWeightsUpdateGroupReqInput(**values)
 
@@ -138,12 +133,16 @@ def parse_destroy_weights_update_group(body: Any) -> DestroyWeightsUpdateGroupRe
 def parse_memory_occupation(body: Any, cls: type) -> Any:
     """A /release_memory_occupation or /resume_memory_occupation body (`cls`): `tags`, a list of
     MEMORY_TAGS (absent, null or empty: all of them)."""
-    if not isinstance(body, dict):
-        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    _check_object(body)
     tags = body.get("tags")
     if tags is not None and (not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags)):
         raise RequestError(f"tags must be a list of {', '.join(MEMORY_TAGS)} (or null: all).", "tags")
     return cls(list(dict.fromkeys(tags)) if tags else list(MEMORY_TAGS))
+
+
+def _check_object(body: Any) -> None:
+    if not isinstance(body, dict):
+        raise RequestError("The body must be a JSON object.", None, "invalid_type")
 
 
 def _is_int(value: Any) -> bool:
@@ -169,8 +168,7 @@ def _optional_fields(body: dict, cls: type, skip: set[str]) -> dict[str, Any]:
 
 def parse_update_weight_version(body: Any) -> tuple[str, bool]:
     """(new_version, abort_all_requests: default true, as upstream's)."""
-    if not isinstance(body, dict):
-        raise RequestError("The body must be a JSON object.", None, "invalid_type")
+    _check_object(body)
     version = body.get("new_version")
     if not isinstance(version, str) or not version:
         raise RequestError("new_version must be a non-empty string.", "new_version", "invalid_type")

@@ -49,8 +49,8 @@ class MemoryOccupation:
                     self.runner.graph_runner.release()
             else:
                 storages = _unique_storages(self._tensors(tag))
-                if tag == WEIGHTS and self.cpu_backup:
-                    self._backup = [_bytes_of(s).cpu().clone() for s, _ in storages]
+                if tag == WEIGHTS and self.cpu_backup:  # (before anything is freed: it may not fit)
+                    self._backup = [_host_copy(_bytes_of(s)) for s, _ in storages]
                 for storage, _ in storages:
                     storage.resize_(0)
                 self._storages[tag] = storages
@@ -67,9 +67,15 @@ class MemoryOccupation:
             if tag not in self.released:
                 continue
             if tag != CUDA_GRAPH:
-                storages = self._storages.pop(tag)
-                for storage, nbytes in storages:
-                    storage.resize_(nbytes)
+                storages = self._storages[tag]
+                try:
+                    for storage, nbytes in storages:
+                        storage.resize_(nbytes)
+                except Exception:
+                    for storage, _ in storages:  # all or none: the tag stays released
+                        storage.resize_(0)
+                    raise
+                del self._storages[tag]
                 if tag == KV_CACHE:
                     for storage, _ in storages:
                         _bytes_of(storage).zero_()
@@ -80,9 +86,9 @@ class MemoryOccupation:
                     self._backup = []
             self.released.discard(tag)
         if not self.released and self._graphs_stale:
-            self._graphs_stale = False
             if self.runner.graph_runner is not None:
                 self.runner.graph_runner.recapture()
+            self._graphs_stale = False
         self._sync()
 
     def _tensors(self, tag: str) -> list[torch.Tensor]:
@@ -114,6 +120,13 @@ def _unique_storages(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedSto
         if storage.nbytes() and storage._cdata not in seen:
             seen[storage._cdata] = (storage, storage.nbytes())
     return list(seen.values())
+
+
+def _host_copy(data: torch.Tensor) -> torch.Tensor:
+    """A copy of `data` in host memory (pinned when it comes from a GPU), made once."""
+    if data.device.type == "cpu":
+        return data.clone()
+    return torch.empty(data.shape, dtype=data.dtype, pin_memory=True).copy_(data)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

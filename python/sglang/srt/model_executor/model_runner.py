@@ -54,6 +54,10 @@ POOL_SHAPE_FIELDS = (
 )  # fmt: skip
 
 
+# What a weight update's tensor may be (a quantized or packed one would load as wrong numbers).
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _pool_shape(arch, runner: ModelRunner) -> tuple:
     args = runner.server_args
     return (
@@ -230,8 +234,8 @@ class ModelRunner:
             unknown = [name for name, _ in named_tensors if name not in params]
             for name, tensor in named_tensors:
                 param = params.get(name)
-                if param is not None and not tensor.is_floating_point():
-                    raise ValueError(f"tensor {name} is {tensor.dtype}, not a floating-point weight")
+                if param is not None and tensor.dtype not in WEIGHT_DTYPES:
+                    raise ValueError(f"tensor {name} is {tensor.dtype}, not a float16/32/64 or bfloat16 one")
                 if param is not None and tuple(param.shape) != tuple(tensor.shape):
                     shapes = f"{tuple(tensor.shape)}; the parameter's is {tuple(param.shape)}"
                     raise ValueError(f"tensor {name} has shape {shapes}")

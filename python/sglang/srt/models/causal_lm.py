@@ -57,10 +57,14 @@ class HybridCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], update: bool = False) -> list[str]:
         """Load checkpoint-named tensors: all of them, or with `update` any subset into the serving model
-        (`WeightLoader`: all or nothing). Returns the names of tensors no parameter took."""
+        (`WeightLoader`: all or nothing). Returns the names of tensors no parameter took (with `update`,
+        also those it skips: multi-token prediction heads, a tied LM head)."""
         loader = WeightLoader(self, skip_prefixes=self.skip_prefixes, update=update)
+        skipped = []  # (an update's names the model does not serve, told to its client)
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
+            if tied_head or name.startswith(self.skip_prefixes):
+                skipped.append(name)
                 continue
             for target, piece in self.checkpoint_tensors(name, tensor):
                 scale = self.folded_scale(target)
@@ -72,7 +76,7 @@ class HybridCausalLM(nn.Module):
                 else:
                     loader.load_rows(rows[0], rows[1], target, piece)
         loader.finish()
-        return loader.unused
+        return loader.unused + skipped if update else loader.unused
 
     def served_form(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The checkpoint's `tensor` for parameter `name` as the serving model holds it: the same, unless

@@ -74,8 +74,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
     def served_projection(self, proj: nn.Linear, weight: torch.Tensor) -> torch.Tensor:
         """A checkpoint `weight` of the input projection `proj` in the rows' order it is served in
         (regrouped, once the projections are: a weight update's)."""
-        if not (self.projections_grouped and self.checkpoint_per_key_head):
-            return weight
+        served_differently = self.projections_grouped and self.checkpoint_per_key_head
+        if not served_differently or weight.shape != proj.weight.shape:
+            return weight  # (one of another shape: the loader refuses it, naming it)
         return group_rows_by_piece(weight, self.num_k_heads, self.projection_pieces()[proj])
 
     def projection_pieces(self) -> dict[nn.Linear, list[int]]:

@@ -11,8 +11,9 @@ scheduler).
 functions (and `monkey_patch_torch_reductions`' one) and a tensor bucket's metadata, nothing else. A
 body that names any other callable is refused before it is called, so a client cannot run code on the
 server by sending weights (upstream unpickles them as they come). `trusted=False` (the HTTP route's)
-also refuses file descriptors: one can only come from a parent process, and following one means
-connecting to an address the payload names.
+also refuses shared memory the payload names (a file descriptor, whose following means connecting to an
+address the payload names; a file under /dev/shm, which torch would open, grow and delete), and a CUDA
+tensor's reference counter anywhere but in one of torch's counter files.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import base64
 import binascii
 import io
 import pickle
+import re
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -33,13 +35,12 @@ class UnsafePayloadError(ValueError):
 
 
 _REDUCTIONS = "torch.multiprocessing.reductions"
+_PATCH = "sglang.srt.utils.patch_torch"
 _ALLOWED = {
     (_REDUCTIONS, "rebuild_tensor"),
     (_REDUCTIONS, "rebuild_typed_storage"),
     (_REDUCTIONS, "rebuild_typed_storage_child"),
-    (_REDUCTIONS, "rebuild_storage_filename"),
     (_REDUCTIONS, "rebuild_storage_empty"),
-    (_REDUCTIONS, "rebuild_cuda_tensor"),
     ("torch._utils", "_rebuild_tensor_v2"),
     ("torch._utils", "_rebuild_parameter"),
     ("torch", "Size"),
@@ -49,10 +50,22 @@ _ALLOWED = {
     ("torch.nn.parameter", "Parameter"),
     ("collections", "OrderedDict"),  # a plain pickle's (empty) backward hooks
     ("_codecs", "encode"),  # how pickle protocol 2 writes bytes
-    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_by_uuid"),  # after monkey_patch_torch_reductions
+    ("__builtin__", "bytes"),  # and empty ones
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),  # the flattened_bucket format
 }
-_FILE_DESCRIPTORS = {(_REDUCTIONS, "rebuild_storage_fd"), ("multiprocessing.resource_sharer", "DupFd")}
+# CUDA tensors by IPC handle: torch's rebuild, and monkey_patch_torch_reductions' (ours, upstream's name).
+_CUDA = {(_REDUCTIONS, "rebuild_cuda_tensor"), (_PATCH, "_rebuild_cuda_tensor_by_uuid"),
+         (_PATCH, "_rebuild_cuda_tensor_modified")}  # fmt: skip
+# Shared memory the payload names (a file descriptor, a file under /dev/shm): only from a trusted sender.
+_SHARED_FILES = {
+    (_REDUCTIONS, "rebuild_storage_fd"),
+    ("multiprocessing.resource_sharer", "DupFd"),
+    (_REDUCTIONS, "rebuild_storage_filename"),
+}
+# A CUDA tensor's reference counter lives in a shared file torch names /torch_<numbers> and sizes for
+# this many counters; an untrusted payload may name no other file, nor an offset past it.
+_REF_COUNTER_NAME = re.compile(rb"/torch_[0-9_]+")
+_REF_COUNTERS = 10000
 
 
 def _load_storage_bytes(data: bytes) -> Any:
@@ -66,18 +79,42 @@ class _TensorUnpickler(pickle.Unpickler):
         self.trusted = trusted
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch.storage", "_load_from_bytes"):
+        key = (module, name)
+        if key == ("torch.storage", "_load_from_bytes"):
             return _load_storage_bytes
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if (module, name) in _ALLOWED or (self.trusted and (module, name) in _FILE_DESCRIPTORS):
+        if key in _CUDA:
+            return _rebuild_cuda_tensor if self.trusted else _rebuild_cuda_tensor_checked
+        if key == ("__builtin__", "bytes"):
+            return bytes
+        if key in _ALLOWED or (self.trusted and key in _SHARED_FILES):
             return super().find_class(module, name)
-        if (module, name) in _FILE_DESCRIPTORS:
+        if key in _SHARED_FILES:
             raise UnsafePayloadError(
-                "the tensors travel as file descriptors, which reach only a process the sender started: send "
-                "them by value (pickle.dumps), as CUDA tensors, or under torch's file_system sharing strategy"
+                "the tensors travel as shared memory of the sender's, which the server opens only for a "
+                "process that started it (an Engine's): over HTTP send them by value (pickle.dumps) or as "
+                "CUDA tensors"
             )
         raise UnsafePayloadError(f"it names {module}.{name}, which is not part of a tensor")
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """A CUDA tensor from its IPC handle, on the GPU the sender named by index or by UUID."""
+    from sglang.srt.utils.patch_torch import _rebuild_cuda_tensor_by_uuid
+
+    return _rebuild_cuda_tensor_by_uuid(*args)
+
+
+def _rebuild_cuda_tensor_checked(*args: Any) -> torch.Tensor:
+    """`_rebuild_cuda_tensor` for an untrusted payload: its reference counter must be one of torch's
+    files at an offset within it (torch decrements the counter there when the tensor is freed)."""
+    handle, offset = (args[11], args[12]) if len(args) == 15 else (None, None)
+    if not (isinstance(handle, bytes) and _REF_COUNTER_NAME.fullmatch(handle)):
+        raise UnsafePayloadError("its CUDA tensor names a reference counter that is not torch's")
+    if not (isinstance(offset, int) and 0 <= offset < _REF_COUNTERS):
+        raise UnsafePayloadError("its CUDA tensor's reference counter offset is out of range")
+    return _rebuild_cuda_tensor(*args)
 
 
 class MultiprocessingSerializer:

@@ -29,8 +29,9 @@ def monkey_patch_torch_reductions() -> None:
 
 
 def _reduce_tensor_by_uuid(tensor: torch.Tensor) -> tuple[Callable, tuple]:
+    # (torch's reduce_tensor names the module's rebuild_cuda_tensor, which the patch made ours)
     rebuild, args = reductions._reduce_tensor_original(tensor)
-    if rebuild is reductions._rebuild_cuda_tensor_original:
+    if tensor.is_cuda:
         return _rebuild_cuda_tensor_by_uuid, _with_device(args, device_uuid(args[_DEVICE_ARG]))
     return rebuild, args
 
@@ -39,6 +40,10 @@ def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
     """A CUDA tensor from its IPC handle, on the local GPU whose UUID (or index) the sender gave."""
     rebuild = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
     return rebuild(*_with_device(args, device_index(args[_DEVICE_ARG])))
+
+
+# Upstream's name for it, which payloads from upstream's patch carry.
+_rebuild_cuda_tensor_modified = _rebuild_cuda_tensor_by_uuid
 
 
 def device_uuid(index: int) -> str:

@@ -128,10 +128,13 @@ class RoutedExperts(nn.Module):
         """The view of w13 / w2 that one expert's checkpoint `weight` of `shard` loads into; ValueError
         where `weight` does not fit it."""
         inter = self.intermediate_size
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"Expert {expert} does not exist: the layer has {self.num_experts}.")
         if shard == "down":
             target = self.w2.data[expert]
         elif shard == "gate":
-            assert self.gated, "plain experts have no gate_proj"
+            if not self.gated:
+                raise ValueError("Plain experts have no gate_proj.")
             target = self.w13.data[expert, :inter]
         elif shard == "up":
             target = self.w13.data[expert, inter:] if self.gated else self.w13.data[expert]

@@ -81,8 +81,16 @@ def named_tensors_of(
         return FlattenedTensorBucket.from_payload(named).reconstruct_tensors()
     if not isinstance(named, (list, tuple)):
         raise ValueError(f"the payload is a {type(named).__name__}, not a list of (name, tensor) pairs")
-    for i, pair in enumerate(named):
+    bad = first_non_pair(named)
+    if bad is not None:
+        raise ValueError(f"item {bad} of the payload is not a (name, tensor) pair")
+    return [(name, tensor) for name, tensor in named]
+
+
+def first_non_pair(items: list | tuple) -> int | None:
+    """The index of the first item that is not a (name, tensor) pair, or None."""
+    for i, pair in enumerate(items):
         ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)
         if not (ok and isinstance(pair[1], torch.Tensor)):
-            raise ValueError(f"item {i} of the payload is not a (name, tensor) pair")
-    return [(name, tensor) for name, tensor in named]
+            return i
+    return None

@@ -63,13 +63,20 @@ class WeightsUpdateGroups:
         group = self.groups.get(req.group_name)
         if group is None:
             return f"There is no weight-update group {req.group_name!r}: /init_weights_update_group first."
+        # (torch dtypes or their names, "torch." or not: upstream's clients send each)
+        dtypes = [getattr(torch, str(d).removeprefix("torch."), None) for d in req.dtypes]
+        if not all(isinstance(d, torch.dtype) for d in dtypes):
+            return f"dtypes must name torch dtypes; got {req.dtypes!r}."
 
         def receive() -> list[tuple[str, torch.Tensor]]:
             named = []
-            for name, dtype, shape in zip(req.names, req.dtypes, req.shapes, strict=True):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            for name, dtype, shape in zip(req.names, dtypes, req.shapes, strict=True):
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(tensor, src=0, group=group)  # in the trainer's order
                 named.append((name, tensor))
+            if self.device.type == "cuda":
+                # NCCL only queues the broadcasts: wait for them here, not in the scheduler's loop.
+                torch.cuda.current_stream(self.device).synchronize()
             return named
 
         self._run(req, receive)
