@@ -24,19 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from sglang.srt.constrained.xgrammar_backend import create_grammar_backend
 from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
-from sglang.srt.managers.io_struct import (
-    InitWeightsUpdateGroupReqInput,
-    InitWeightsUpdateGroupReqOutput,
-    PortArgs,
-    ReleaseMemoryOccupationReqInput,
-    ReleaseMemoryOccupationReqOutput,
-    ResumeMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqOutput,
-    UpdateWeightFromDiskReqOutput,
-    UpdateWeightsFromDistributedReqOutput,
-    UpdateWeightsFromTensorReqInput,
-    UpdateWeightsFromTensorReqOutput,
-)
+from sglang.srt.managers.io_struct import PortArgs
 from sglang.srt.managers.schedule_batch import DecodeRowsCache, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
@@ -47,7 +35,10 @@ from sglang.srt.managers.scheduler_components.inflight_batches import InflightBa
 from sglang.srt.managers.scheduler_components.loop_times import LoopTimes, clock
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
-from sglang.srt.managers.scheduler_components.weight_update import WeightUpdate, named_tensors_of
+from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import (
+    SchedulerUpdateWeightsMixin,
+)
+from sglang.srt.managers.scheduler_components.weight_update import WeightUpdate
 from sglang.srt.managers.scheduler_components.weights_update_group import WeightsUpdateGroups
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
@@ -57,8 +48,6 @@ from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
-from sglang.srt.model_executor.memory_occupation import KV_CACHE, WEIGHTS
-from sglang.srt.model_executor.memory_occupation import TAGS as MEMORY_TAGS
 from sglang.srt.sampling.penaltylib import PenaltySlots
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.srt.utils.host_profile import host_profile
@@ -75,7 +64,7 @@ class SchedulerWatchdogError(RuntimeError):
     """A forward did not finish within --watchdog-timeout: the forward stream is stuck."""
 
 
-class Scheduler(SchedulerIOMixin):
+class Scheduler(SchedulerIOMixin, SchedulerUpdateWeightsMixin):
     def __init__(self, server_args: ServerArgs, model_runner=None):
         from sglang.srt.model_executor.model_runner import ModelRunner
 
@@ -533,142 +522,6 @@ class Scheduler(SchedulerIOMixin):
         self.tree_cache.reset()
         self.check_pools()
 
-    def finish_weight_update(self) -> None:
-        """Swap in the model a /update_weights_from_disk loaded (`WeightUpdate`), once it has, between
-        two steps; then empty the prefix cache, whose KV and states the old weights computed (unless
-        the request said flush_cache false). Requests that hold such state (paused in place, or still
-        running) make a flushing update fail, with the old weights kept: they would go on from it."""
-        done = self.weight_update.poll()
-        if done is None:
-            return
-        req, model, error = done
-        if model is not None and self.model_runner.memory_occupation.released:
-            # (the new model's graphs would be captured on freed pools)
-            error = "The weights were not updated: memory is released (/resume_memory_occupation first)."
-        elif model is not None:
-            error = self._weights_held(req.flush_cache)
-        if error:
-            self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, error))
-            return
-        self.model_runner.swap_model(model)
-        if req.flush_cache:
-            self._empty_tree()
-        paused = len(self.waiting_queue) + len(self.running) if self.generation_pause.paused else 0
-        logger.info("Serving the weights of %s.", req.model_path)
-        message = "Succeeded to update model weights."
-        self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(True, message, paused))
-
-    def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReqInput) -> None:
-        """/update_weights_from_tensor: the payload's tensors (`named_tensors_of`), written in place."""
-        try:
-            named = named_tensors_of(req.serialized_named_tensors[0], req.trusted, req.load_format)
-        except Exception as e:  # noqa: BLE001 - any malformed payload is the client's, told to it
-            self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(False, _not_updated(e)))
-            return
-        success, message = self.write_weights(named, req.load_format, req.flush_cache)
-        self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(success, message))
-
-    def finish_weights_group_op(self) -> None:
-        """Reply to a weight-update group operation (`WeightsUpdateGroups`) once it has ended: a group
-        joined, or weights received, which are then written in place between two steps."""
-        done = self.weights_groups.poll()
-        if done is None:
-            return
-        req, named, error = done
-        if isinstance(req, InitWeightsUpdateGroupReqInput):
-            message = f"The weight-update group was not joined: {error}." if error else "Succeeded to join."
-            self.send_to_tokenizer(InitWeightsUpdateGroupReqOutput(not error, message))
-            return
-        if error:
-            success, message = False, _not_updated(error)
-        else:
-            success, message = self.write_weights(named, None, req.flush_cache)
-        self.send_to_tokenizer(UpdateWeightsFromDistributedReqOutput(success, message))
-
-    def write_weights(self, named: list, load_format: str | None, flush_cache: bool) -> tuple[bool, str]:
-        """Write (name, tensor) pairs into the weights in place (`ModelRunner.update_weights_from_tensor`:
-        all or none) between two steps, then empty the prefix cache (as `finish_weight_update`, whose
-        refusals it shares): (success, message)."""
-        error = self._weights_held(flush_cache)
-        if error is not None:
-            return False, error
-        try:
-            ignored = self.model_runner.update_weights_from_tensor(named, load_format)
-        except Exception as e:  # noqa: BLE001 - a tensor that does not fit, however it fails; none written
-            return False, _not_updated(e)
-        if flush_cache:
-            self._empty_tree()
-        message = f"Succeeded to update {len(named) - len(ignored)} weight tensor(s) in place."
-        if ignored:
-            shown = ", ".join(ignored[:5]) + (" ..." if len(ignored) > 5 else "")
-            message += f" The model has no parameter for {len(ignored)} of them, ignored: {shown}."
-            logger.warning("A weight update ignored %d tensor(s) with no parameter: %s", len(ignored), shown)
-        return True, message
-
-    def release_memory_occupation(self, req: ReleaseMemoryOccupationReqInput) -> None:
-        """Free the memory of `req.tags` (`MemoryOccupation`), with no request running or waiting (as
-        upstream asserts); the prefix cache is emptied with the pools, and new requests wait until
-        everything is resumed (the tokenizer manager holds them; one that slipped through waits here).
-        Without --enable-memory-saver the memory stays, as upstream's does without it."""
-        tags = req.tags or list(MEMORY_TAGS)  # (upstream's clients send None for all)
-        error = None
-        if self._holding_requests(waiting=True):
-            n = len(self.running) + len(self.waiting_queue) + (self.chunked_req is not None)
-            error = f"Nothing was released: {n} request(s) are running or waiting (abort them first)."
-        elif KV_CACHE in tags and self.disagg is not None:
-            error = "Nothing was released: with --disaggregation-mode the transfer engine holds the KV cache."
-        memory = self.model_runner.memory_occupation
-        if error is None and KV_CACHE in tags:
-            self._empty_tree()
-        if error is None and not self.server_args.enable_memory_saver:
-            message = "Nothing was released: start the server with --enable-memory-saver."
-        elif error is None:
-            try:
-                memory.release(tags)
-                message = f"Released the memory of {', '.join(tags)}."
-            except Exception as e:  # noqa: BLE001 - no host memory for the copy, say
-                now = ", ".join(sorted(memory.released)) or "nothing"
-                error = f"Releasing stopped: {str(e).strip() or type(e).__name__} (released now: {now})."
-        logger.info(error or message)
-        reply = ReleaseMemoryOccupationReqOutput(error is None, error or message, sorted(memory.released))
-        self.send_to_tokenizer(reply)
-
-    def resume_memory_occupation(self, req: ResumeMemoryOccupationReqInput) -> None:
-        memory, tags = self.model_runner.memory_occupation, req.tags or list(MEMORY_TAGS)
-        try:
-            memory.resume(tags)
-            left = sorted(memory.released)
-            message = f"Resumed {', '.join(tags)}" + (f"; {', '.join(left)} still released." if left else ".")
-            success = True
-        except Exception as e:  # noqa: BLE001 - out of memory (the trainer still holds it): still released
-            success, message = False, f"Not resumed: {str(e).strip() or type(e).__name__}"
-        logger.info(message)
-        self.send_to_tokenizer(ResumeMemoryOccupationReqOutput(success, message, sorted(memory.released)))
-
-    def _weights_held(self, flush_cache: bool) -> str | None:
-        """Why the weights may not change now, or None: first the batches in flight finish (they read the
-        weights); then requests that hold KV and state the current weights computed (running, or paused
-        in place) refuse a flushing update, which would leave them going on from it."""
-        held = self._holding_requests(waiting=False)  # (first the batches in flight: they read the weights)
-        if WEIGHTS in self.model_runner.memory_occupation.released:
-            return "The weights were not updated: their memory is released (resume the weights first)."
-        if flush_cache and held:
-            n = len(self.running) + (self.chunked_req is not None)
-            return (
-                f"The weights were not updated: {n or 'PD'} request(s) hold KV and state the current "
-                "weights computed (pause with mode retract or abort first, or send flush_cache false)."
-            )
-        return None
-
-    def _holding_requests(self, waiting: bool) -> bool:
-        """Whether requests hold KV and state (running, a chunked prefill, a PD transfer; with `waiting`,
-        queued ones too), once the batches in flight have finished."""
-        while self.in_flight:
-            self.process_oldest()
-        pd_busy = self.disagg is not None and self.disagg.busy()
-        queued = waiting and bool(self.waiting_queue)
-        return bool(self.running or self.chunked_req is not None or pd_busy or queued)
-
     def shutdown(self) -> None:
         while self.in_flight:
             self.process_oldest()
@@ -677,10 +530,6 @@ class Scheduler(SchedulerIOMixin):
             self.grammar_queue.backend.shutdown()
         if self.disagg is not None:
             self.disagg.shutdown()
-
-
-def _not_updated(why: object) -> str:
-    return f"The weights were not updated: {str(why).strip().rstrip('.')}."
 
 
 def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None:
