@@ -255,6 +255,12 @@ class TestUpdateWeights(ServerTestCase):
         self.assertEqual(out["output_ids"], self.oracle_b.greedy(CACHED_PROMPT, NEW_TOKENS))
         self.assertEqual(out["meta_info"]["cached_tokens"], 0)
         self.assertEqual(out["meta_info"]["weight_version"], "step-2")
+        # Upstream's /get_weights_by_name reads them back (the norm is served as the checkpoint has it).
+        r = self.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 5})
+        self.assertEqual(r.json(), tensors["model.norm.weight"][:5].float().tolist())
+        r = self.post("/get_weights_by_name", {"name": "model.norm.weights"})
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "name"))
+        self.assertIn("close: model.norm.weight", r.json()["error"]["message"])
 
     def test_a_bad_tensor_update_is_refused_and_the_old_weights_keep_serving(self) -> None:
         good = base64.b64encode(pickle.dumps([("model.norm.weight", torch.zeros(3))])).decode()

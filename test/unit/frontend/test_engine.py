@@ -235,6 +235,7 @@ def test_real_scheduler_through_the_engine(tmp_path):
             assert eng.destroy_weights_update_group()[0]
         finally:
             trainer.close()
+        assert eng.get_weights_by_name("model.norm.weight", 2) == tensors_a["model.norm.weight"][:2].tolist()
         # Without --enable-memory-saver the memory stays, as upstream's does; the calls succeed.
         assert eng.release_memory_occupation(["kv_cache"]) == (
             True, "Nothing was released: start the server with --enable-memory-saver."

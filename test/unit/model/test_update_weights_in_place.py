@@ -102,6 +102,22 @@ def test_a_tensor_that_does_not_fit_changes_no_weight(checkpoints_b):
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+def test_get_weights_by_name_reads_what_direct_writes():
+    """/get_weights_by_name: the first rows of a parameter in this server's names and layout, as
+    load_format "direct" takes them back."""
+    runner = make_runner("tiny-qwen3-next")
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"  # regrouped for serving
+    param = dict(runner.model.named_parameters())[name]
+    assert runner.get_weights_by_name(name, 3) == param[:3].tolist()
+    assert len(runner.get_weights_by_name(name)) == min(100, param.shape[0])
+    new = [[0.25] * param.shape[1]] * param.shape[0]
+    runner.update_weights_from_tensor([(name, torch.tensor(new))], "direct")
+    assert runner.get_weights_by_name(name, 2) == new[:2]
+    checkpoint_piece = "model.layers.0.linear_attn.in_proj_qkv.weight"  # Qwen3.5's name, not a parameter
+    with pytest.raises(ValueError, match=r"no parameter .*in_proj_qkv\.weight' \(close: .*in_proj_qkvz"):
+        runner.get_weights_by_name(checkpoint_piece)
+
+
 def test_a_qwen3_next_projection_of_another_shape_is_refused_by_name():
     """The projections are regrouped for serving: one of a wrong shape is named, not a reshape error."""
     runner = make_runner("tiny-qwen3-next")

@@ -33,6 +33,7 @@ from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.managers.weight_update_request import (
     check_tensor_load_format,
     parse_destroy_weights_update_group,
+    parse_get_weights_by_name,
     parse_init_weights_update_group,
     parse_memory_occupation,
     parse_update_weights_from_disk,
@@ -258,6 +259,12 @@ class Engine:
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
         obj = parse_destroy_weights_update_group({"group_name": group_name})
         return self._run(self.tokenizer_manager.destroy_weights_update_group(obj))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """Upstream's: the first `truncate_size` rows of parameter `name` (this server's names and
+        layout, as `named_parameters` gives them), as float lists; RequestError for a name it lacks."""
+        obj = parse_get_weights_by_name({"name": name, "truncate_size": truncate_size})
+        return self._run(self.tokenizer_manager.get_weights_by_name(obj))
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
         """Upstream's: free the memory of `tags` ("weights", "kv_cache", "cuda_graph"; None: all) with

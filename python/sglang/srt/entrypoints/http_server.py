@@ -52,6 +52,7 @@ from sglang.srt.managers.tokenizer_manager import (
 )
 from sglang.srt.managers.weight_update_request import (
     parse_destroy_weights_update_group,
+    parse_get_weights_by_name,
     parse_init_weights_update_group,
     parse_memory_occupation,
     parse_update_weight_version,
@@ -287,6 +288,17 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         ("/resume_memory_occupation", ResumeMemoryOccupationReqInput, tm.resume_memory_occupation),
     ]:
         weights_route(path, lambda body, cls=cls: parse_memory_occupation(body, cls), call, ("GET", "POST"))
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> Response:
+        # As upstream: the parameter's first rows as a bare JSON list.
+        try:
+            obj = parse_get_weights_by_name(_json_object(await request.body()))
+            return json_response(await tm.get_weights_by_name(obj, request))
+        except RequestError as e:
+            return error_response(e)
+        except (TimeoutError, BackendDeadError) as e:
+            return _control_failed(e)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:

@@ -257,6 +257,21 @@ class ResumeMemoryOccupationReqOutput(ReleaseMemoryOccupationReqOutput):
 
 
 @dataclass
+class GetWeightsByNameReqInput:
+    """Upstream's /get_weights_by_name body: the first `truncate_size` rows of parameter `name` (this
+    server's names and layout, as load_format "direct" takes them)."""
+
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass
+class GetWeightsByNameReqOutput:
+    parameter: list | None  # None: `message` says why
+    message: str = ""
+
+
+@dataclass
 class GetInternalStateReq:
     pass
 

@@ -40,6 +40,8 @@ from sglang.srt.managers.io_struct import (
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
     InitWeightsUpdateGroupReqOutput,
     PauseGenerationReqInput,
@@ -438,6 +440,16 @@ class TokenizerManager:
     ) -> tuple[bool, str]:
         out = await self._control(obj, DestroyWeightsUpdateGroupReqOutput, CONTROL_TIMEOUT_S)
         return out.success, out.message
+
+    async def get_weights_by_name(
+        self, obj: GetWeightsByNameReqInput, request: DisconnectCheck | None = None
+    ) -> list:
+        """Upstream's: the parameter's first rows (nested float lists). RequestError naming `name` where
+        the model has no such parameter (upstream answers None and a bare 400)."""
+        out = await self._control(obj, GetWeightsByNameReqOutput, CONTROL_TIMEOUT_S)
+        if out.parameter is None:
+            raise RequestError(out.message, "name")
+        return out.parameter
 
     async def release_memory_occupation(
         self, obj: ReleaseMemoryOccupationReqInput, request: DisconnectCheck | None = None

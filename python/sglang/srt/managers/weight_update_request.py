@@ -1,7 +1,7 @@
 """The bodies of upstream's weight-update routes, checked: /update_weights_from_disk,
 /update_weights_from_tensor, /init_weights_update_group, /update_weights_from_distributed,
-/destroy_weights_update_group, /update_weight_version, /release_memory_occupation and
-/resume_memory_occupation. A wrong field is a RequestError (HTTP 400) naming it; unknown keys are
+/destroy_weights_update_group, /update_weight_version, /get_weights_by_name,
+/release_memory_occupation and /resume_memory_occupation. A wrong field is a RequestError (HTTP 400) naming it; unknown keys are
 ignored, as upstream ignores them."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 from sglang.srt.managers.io_struct import (
     DestroyWeightsUpdateGroupReqInput,
+    GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
@@ -138,6 +139,17 @@ def parse_memory_occupation(body: Any, cls: type) -> Any:
     if tags is not None and (not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags)):
         raise RequestError(f"tags must be a list of {', '.join(MEMORY_TAGS)} (or null: all).", "tags")
     return cls(list(dict.fromkeys(tags)) if tags else list(MEMORY_TAGS))
+
+
+def parse_get_weights_by_name(body: Any) -> GetWeightsByNameReqInput:
+    _check_object(body)
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError("name must be a parameter's name.", "name", "invalid_type")
+    values = _optional_fields(body, GetWeightsByNameReqInput, {"name"})
+    if values.get("truncate_size", 1) < 0:
+        raise RequestError("truncate_size must be 0 or more.", "truncate_size")
+    return GetWeightsByNameReqInput(name, **values)
 
 
 def _check_object(body: Any) -> None:

@@ -12,6 +12,7 @@ It keeps no state between calls other than the pools (and the graphs' buffers).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -248,6 +249,19 @@ class ModelRunner:
         if on_cuda:
             torch.cuda.synchronize(self.device)  # written before the next forward reads them
         return unknown
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` rows of parameter `name` as float lists (/get_weights_by_name: this
+        model's names and layout, those of `named_parameters` and load_format "direct"); ValueError for
+        a name it lacks (naming close ones) or released weights."""
+        params = dict(self.model.named_parameters())
+        if name not in params:
+            close = difflib.get_close_matches(name, list(params), n=3, cutoff=0.6)
+            hint = f" (close: {', '.join(close)})" if close else ""
+            raise ValueError(f"The model has no parameter {name!r}{hint}.")
+        if "weights" in self.memory_occupation.released:
+            raise ValueError("The weights' memory is released (/resume_memory_occupation first).")
+        return params[name][:truncate_size].float().cpu().tolist()
 
     def forward_batch_generation(self, fb: ForwardBatch) -> GenerationBatchResult:
         with torch.inference_mode():

@@ -22,6 +22,7 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
     InitWeightsUpdateGroupReqOutput,
     PauseGenerationReqInput,
@@ -163,6 +164,8 @@ class SchedulerIOMixin:
                 refused = self.weights_groups.destroy(obj.group_name)
                 message = refused or f"Left the weight-update group {obj.group_name!r}."
                 self.send_to_tokenizer(DestroyWeightsUpdateGroupReqOutput(refused is None, message))
+            elif isinstance(obj, GetWeightsByNameReqInput):
+                self.get_weights_by_name(obj)
             elif isinstance(obj, ReleaseMemoryOccupationReqInput):
                 self.release_memory_occupation(obj)
             elif isinstance(obj, ResumeMemoryOccupationReqInput):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 
 from sglang.srt.managers.io_struct import (
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
     InitWeightsUpdateGroupReqOutput,
     ReleaseMemoryOccupationReqInput,
@@ -140,6 +142,14 @@ class SchedulerUpdateWeightsMixin:
             success, message = False, f"Not resumed: {str(e).strip() or type(e).__name__}"
         logger.info(message)
         self.send_to_tokenizer(ResumeMemoryOccupationReqOutput(success, message, sorted(memory.released)))
+
+    def get_weights_by_name(self, req: GetWeightsByNameReqInput) -> None:
+        try:
+            values = self.model_runner.get_weights_by_name(req.name, req.truncate_size)
+            reply = GetWeightsByNameReqOutput(values)
+        except ValueError as e:
+            reply = GetWeightsByNameReqOutput(None, str(e))
+        self.send_to_tokenizer(reply)
 
     def _weights_held(self, flush_cache: bool) -> str | None:
         """Why the weights may not change now, or None: first the batches in flight finish (they read the
