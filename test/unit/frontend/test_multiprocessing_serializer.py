@@ -103,6 +103,33 @@ def test_an_untrusted_cuda_tensor_names_only_torchs_reference_counters():
             MultiprocessingSerializer.deserialize(payload(handle, offset), trusted=False)
 
 
+def test_a_cuda_tensor_as_torch_pickles_it_passes_the_allowlist():
+    """The arguments torch's reduce_tensor gives a CUDA tensor (its storage class is TypedStorage), with a
+    reference counter of torch's naming: nothing refuses them, in either mode; the rebuild itself then
+    needs CUDA (here it fails as any malformed payload does, not as an unsafe one)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = (torch.Tensor, (2,), (1,), 0, torch.storage.TypedStorage, torch.float32, 0, b"ipc", 8, 0, False,
+            b"/torch_12_345_6", 16, b"event", False)  # fmt: skip
+    payload = pickle.dumps([("w", _Reduce(rebuild_cuda_tensor, *args))])
+    for trusted in (True, False):
+        with pytest.raises(ValueError) as e:
+            MultiprocessingSerializer.deserialize(payload, trusted=trusted)
+        assert not isinstance(e.value, UnsafePayloadError), e.value
+    bad_class = (torch.Size, *args[1:])
+    with pytest.raises(UnsafePayloadError, match="not torch's"):
+        MultiprocessingSerializer.deserialize(pickle.dumps(_Reduce(rebuild_cuda_tensor, *bad_class)), False)
+
+
+def test_protocol_2_bytes_cannot_allocate():
+    """Protocol 2 writes b"" as `bytes()`; `bytes(2**30)` from a payload must not allocate (and zero) a
+    gigabyte: a few more and the scheduler is out of memory."""
+    assert MultiprocessingSerializer.deserialize(pickle.dumps(b"", protocol=2), trusted=False) == b""
+    huge = b"\x80\x02c__builtin__\nbytes\n\x8a\x05\x00\x00\x00\x40\x00\x85R."  # bytes(2**30)
+    with pytest.raises(ValueError, match="does not unpickle"):
+        MultiprocessingSerializer.deserialize(huge, trusted=False)
+
+
 def test_a_plain_pickles_storage_loads_without_unrestricted_unpickling():
     """A plain pickle's storages are a nested torch.save; it loads with weights_only, so one that holds
     a callable is refused too."""

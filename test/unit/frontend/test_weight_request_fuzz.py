@@ -62,8 +62,7 @@ def fields_of(route: str) -> list[str]:
     cls = ROUTES[route][2]
     if cls is None:  # /update_weight_version's body has no class
         return ["new_version", "abort_all_requests"]
-    names = [f.name for f in dataclasses.fields(cls)]
-    return [n for n in names if n != "trusted"]
+    return [f.name for f in dataclasses.fields(cls)]  # `trusted` too: a body may not set it
 
 
 def replaced_fields(route: str):
@@ -85,7 +84,21 @@ def test_any_weight_route_body_is_a_request_or_a_named_400(case, not_an_object):
     parse, valid, _ = ROUTES[route]
     body = [fields] if not_an_object and fields else {**valid, **fields}
     try:
-        parse(body)
+        obj = parse(body)
     except RequestError as e:
         assert e.message
         assert e.param is None or e.param in body, (route, e.param, e.message)
+        return
+    # What an accepted body promises the scheduler.
+    if route == "tensor":
+        assert obj.trusted is False and obj.load_format in w.TENSOR_LOAD_FORMATS
+    elif route == "distributed":
+        assert len(obj.names) == len(obj.dtypes) == len(obj.shapes)
+        assert set(obj.dtypes) <= set(w.WEIGHT_DTYPES)
+        assert all(isinstance(d, int) and d >= 0 for s in obj.shapes for d in s)
+    elif route == "init":
+        assert 0 < obj.rank_offset < obj.world_size and obj.backend in w.GROUP_BACKENDS
+    elif route == "release":
+        assert obj.tags and set(obj.tags) <= set(w.MEMORY_TAGS)
+    elif route == "get":
+        assert isinstance(obj.truncate_size, int) and obj.truncate_size >= 0

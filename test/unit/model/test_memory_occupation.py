@@ -111,3 +111,43 @@ def test_gpu_memory_goes_back_to_the_driver_and_graphs_replay_after_resume(prese
     # The same kernels on the same values; a kernel that accumulates with atomics may round otherwise,
     # far below 1e-4 in a float32 logprob.
     assert max(abs(a - b) for a, b in zip(run(runner, prompt), before, strict=True)) < 1e-4
+
+
+def test_a_resume_that_runs_out_of_memory_leaves_the_tag_released(monkeypatch):
+    """All or none: the storages given back before the failure are emptied again, and a later resume
+    works."""
+    runner = make_runner("tiny-nemotron-h")
+    runner.memory_occupation.release(["kv_cache"])
+    real, calls = torch.UntypedStorage.resize_, []
+
+    def resize(storage, nbytes):
+        calls.append(nbytes)
+        if nbytes and len([n for n in calls if n]) == 3:
+            raise RuntimeError("out of memory")
+        return real(storage, nbytes)
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", resize)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.memory_occupation.resume(["kv_cache"])
+    monkeypatch.undo()
+    assert runner.memory_occupation.released == {"kv_cache"} and memory_bytes(runner)["kv_cache"] == 0
+    runner.memory_occupation.resume(["kv_cache"])
+    assert memory_bytes(runner)["kv_cache"] > 0 and not runner.memory_occupation.released
+
+
+def test_a_failed_capture_leaves_the_graphs_released(monkeypatch):
+    runner = make_runner("tiny-qwen3-next")
+    graphs = runner.graph_runner = CudaGraphRunner(runner, [1, 2], use_graphs=False)
+    runner.memory_occupation.release(["weights"])
+
+    def no_memory():
+        graphs.decode.outputs[1] = "half captured"
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(graphs, "_capture_all", no_memory)
+    with pytest.raises(RuntimeError):
+        runner.memory_occupation.resume(["weights"])
+    assert runner.memory_occupation.released == {"cuda_graph"} and graphs.decode.outputs == {}
+    monkeypatch.undo()
+    runner.memory_occupation.resume(["cuda_graph"])
+    assert graphs.decode.outputs and not runner.memory_occupation.released

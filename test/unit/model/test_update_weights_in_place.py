@@ -118,6 +118,20 @@ def test_get_weights_by_name_reads_what_direct_writes():
         runner.get_weights_by_name(checkpoint_piece)
 
 
+def test_get_weights_by_name_answers_a_bounded_number_of_values(monkeypatch):
+    """A stacked experts tensor is [E, rows, hidden]: 100 "rows" are 100 experts; past the cap the call
+    is refused with how many it would be, not answered with a list that stalls the scheduler."""
+    from sglang.srt.model_executor import model_runner
+
+    runner = make_runner("tiny-qwen3-next")
+    name = next(n for n, _ in runner.model.named_parameters() if n.endswith("experts.w13"))
+    monkeypatch.setattr(model_runner, "MAX_WEIGHT_VALUES", 1000)
+    with pytest.raises(ValueError, match="values; at most 1000 per call"):
+        runner.get_weights_by_name(name)
+    norm = runner.get_weights_by_name("model.norm.weight")
+    assert runner.get_weights_by_name("model.norm.weight", 1) == norm[:1]
+
+
 def test_a_qwen3_next_projection_of_another_shape_is_refused_by_name():
     """The projections are regrouped for serving: one of a wrong shape is named, not a reshape error."""
     runner = make_runner("tiny-qwen3-next")

@@ -110,9 +110,10 @@ def test_capturing_again_leaves_a_running_requests_state_alone():
     h.shutdown()
 
 
-def test_a_disk_update_waits_for_released_memory(checkpoint_b):
-    """The new model's graphs would be captured on freed pools: refused until everything is resumed.
-    Tags None is all of them, as upstream's clients send it."""
+def test_a_disk_update_is_refused_while_memory_is_released(checkpoint_b):
+    """A second model would load into memory the trainer holds, and its graphs be captured on freed
+    pools: refused at once until everything is resumed. Tags None is all of them, as upstream's clients
+    send it."""
     path_b, _ = checkpoint_b
     h = SchedulerHarness(QWEN, enable_memory_saver=True)
     reply = h.control_reply(ReleaseMemoryOccupationReqInput(None))

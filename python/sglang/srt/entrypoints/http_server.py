@@ -299,6 +299,8 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
             return error_response(e)
         except (TimeoutError, BackendDeadError) as e:
             return _control_failed(e)
+        except Exception as e:
+            return internal_error_response(e)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:

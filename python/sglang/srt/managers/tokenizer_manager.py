@@ -138,6 +138,7 @@ class TokenizerManager:
         # Cleared while /release_memory_occupation has memory released: new requests wait for the resume.
         self._memory_resumed = asyncio.Event()
         self._memory_resumed.set()
+        self._memory_lock = asyncio.Lock()
         self.rid_to_state: dict[str, ReqState] = {}
         # Optional observer (the metrics collector): on_first_token, on_finish, and on_abort for a
         # request whose caller went away before it finished.
@@ -446,7 +447,8 @@ class TokenizerManager:
     ) -> list:
         """Upstream's: the parameter's first rows (nested float lists). RequestError naming `name` where
         the model has no such parameter (upstream answers None and a bare 400)."""
-        out = await self._control(obj, GetWeightsByNameReqOutput, CONTROL_TIMEOUT_S)
+        # No time limit: a reply that came after its waiter gave up would answer the next call.
+        out = await self._control(obj, GetWeightsByNameReqOutput, None)
         if out.parameter is None:
             raise RequestError(out.message, "name")
         return out.parameter
@@ -457,7 +459,6 @@ class TokenizerManager:
         """Free the memory of `obj.tags` (no request may run or wait); new requests wait until it is
         all resumed: held from before the release is sent, so none slips into a scheduler that cannot
         run it. No time limit: a host copy of large weights takes a while."""
-        self._memory_resumed.clear()
         return await self._memory_occupation(obj, ReleaseMemoryOccupationReqOutput)
 
     async def resume_memory_occupation(
@@ -466,13 +467,20 @@ class TokenizerManager:
         return await self._memory_occupation(obj, ResumeMemoryOccupationReqOutput)
 
     async def _memory_occupation(self, obj: Any, reply_type: type) -> tuple[bool, str]:
-        out = None
-        try:
-            out = await self._control(obj, reply_type, None)
-        finally:
-            # Requests go through again once the scheduler says nothing is released (or cannot say).
-            if out is None or not out.released:
-                self._memory_resumed.set()
+        """One release or resume at a time; the gate follows what the scheduler says is released after
+        each (closed from before a release is sent, so no request slips into a scheduler that cannot
+        run it; open again if the scheduler cannot say)."""
+        async with self._memory_lock:
+            if isinstance(obj, ReleaseMemoryOccupationReqInput):
+                self._memory_resumed.clear()
+            out = None
+            try:
+                out = await self._control(obj, reply_type, None)
+            finally:
+                if out is not None and out.released:
+                    self._memory_resumed.clear()
+                else:
+                    self._memory_resumed.set()
         return out.success, out.message
 
     async def _update_weights(self, obj: Any, reply_type: type, request: DisconnectCheck | None) -> Any:

@@ -87,7 +87,12 @@ class MemoryOccupation:
             self.released.discard(tag)
         if not self.released and self._graphs_stale:
             if self.runner.graph_runner is not None:
-                self.runner.graph_runner.recapture()
+                try:
+                    self.runner.graph_runner.recapture()
+                except Exception:
+                    self.runner.graph_runner.release()  # no half-captured graphs: they stay released
+                    self.released.add(CUDA_GRAPH)
+                    raise
             self._graphs_stale = False
         self._sync()
 
@@ -123,10 +128,9 @@ def _unique_storages(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedSto
 
 
 def _host_copy(data: torch.Tensor) -> torch.Tensor:
-    """A copy of `data` in host memory (pinned when it comes from a GPU), made once."""
-    if data.device.type == "cpu":
-        return data.clone()
-    return torch.empty(data.shape, dtype=data.dtype, pin_memory=True).copy_(data)
+    """A copy of `data` in host memory, made once. Pageable, not pinned: torch's pinned-memory cache would
+    keep the blocks (rounded up to powers of two) from the trainer after the resume."""
+    return torch.empty(data.shape, dtype=data.dtype, device="cpu").copy_(data)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

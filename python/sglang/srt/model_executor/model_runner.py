@@ -55,6 +55,8 @@ POOL_SHAPE_FIELDS = (
 )  # fmt: skip
 
 
+# The most values /get_weights_by_name answers at once (a JSON list of ~80 MB).
+MAX_WEIGHT_VALUES = 1 << 22
 # What a weight update's tensor may be (a quantized or packed one would load as wrong numbers).
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -261,7 +263,13 @@ class ModelRunner:
             raise ValueError(f"The model has no parameter {name!r}{hint}.")
         if "weights" in self.memory_occupation.released:
             raise ValueError("The weights' memory is released (/resume_memory_occupation first).")
-        return params[name][:truncate_size].float().cpu().tolist()
+        rows = params[name].detach()[:truncate_size]
+        if rows.numel() > MAX_WEIGHT_VALUES:
+            raise ValueError(
+                f"{truncate_size} rows of {name} are {rows.numel()} values; at most {MAX_WEIGHT_VALUES} per "
+                "call (ask for fewer rows)."
+            )
+        return rows.to("cpu").float().tolist()
 
     def forward_batch_generation(self, fb: ForwardBatch) -> GenerationBatchResult:
         with torch.inference_mode():

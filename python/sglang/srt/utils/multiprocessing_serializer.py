@@ -47,6 +47,7 @@ _ALLOWED = {
     ("torch", "Tensor"),
     ("torch", "device"),
     ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),  # the storage class torch's CUDA reduction names
     ("torch.nn.parameter", "Parameter"),
     ("collections", "OrderedDict"),  # a plain pickle's (empty) backward hooks
     ("_codecs", "encode"),  # how pickle protocol 2 writes bytes
@@ -66,6 +67,8 @@ _SHARED_FILES = {
 # this many counters; an untrusted payload may name no other file, nor an offset past it.
 _REF_COUNTER_NAME = re.compile(rb"/torch_[0-9_]+")
 _REF_COUNTERS = 10000
+_TENSOR_CLASSES = (torch.Tensor, torch.nn.Parameter)
+_STORAGE_CLASSES = (torch.storage.TypedStorage, torch.UntypedStorage)
 
 
 def _load_storage_bytes(data: bytes) -> Any:
@@ -87,7 +90,7 @@ class _TensorUnpickler(pickle.Unpickler):
         if key in _CUDA:
             return _rebuild_cuda_tensor if self.trusted else _rebuild_cuda_tensor_checked
         if key == ("__builtin__", "bytes"):
-            return bytes
+            return _empty_bytes
         if key in _ALLOWED or (self.trusted and key in _SHARED_FILES):
             return super().find_class(module, name)
         if key in _SHARED_FILES:
@@ -97,6 +100,11 @@ class _TensorUnpickler(pickle.Unpickler):
                 "CUDA tensors"
             )
         raise UnsafePayloadError(f"it names {module}.{name}, which is not part of a tensor")
+
+
+def _empty_bytes() -> bytes:
+    """How protocol 2 writes b"" (`bytes()`); a payload may not make it allocate (`bytes(n)`)."""
+    return b""
 
 
 def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
@@ -109,7 +117,9 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
 def _rebuild_cuda_tensor_checked(*args: Any) -> torch.Tensor:
     """`_rebuild_cuda_tensor` for an untrusted payload: its reference counter must be one of torch's
     files at an offset within it (torch decrements the counter there when the tensor is freed)."""
-    handle, offset = (args[11], args[12]) if len(args) == 15 else (None, None)
+    if len(args) != 15 or args[0] not in _TENSOR_CLASSES or args[4] not in _STORAGE_CLASSES:
+        raise UnsafePayloadError("its CUDA tensor is not torch's (tensor class, storage class, arguments)")
+    handle, offset = args[11], args[12]
     if not (isinstance(handle, bytes) and _REF_COUNTER_NAME.fullmatch(handle)):
         raise UnsafePayloadError("its CUDA tensor names a reference counter that is not torch's")
     if not (isinstance(offset, int) and 0 <= offset < _REF_COUNTERS):

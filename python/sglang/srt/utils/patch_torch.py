@@ -29,9 +29,11 @@ def monkey_patch_torch_reductions() -> None:
 
 
 def _reduce_tensor_by_uuid(tensor: torch.Tensor) -> tuple[Callable, tuple]:
-    # (torch's reduce_tensor names the module's rebuild_cuda_tensor, which the patch made ours)
+    # (torch's reduce_tensor names the module's rebuild_cuda_tensor, which the patch made ours; a sparse
+    # CUDA tensor is rebuilt otherwise, with no device among its arguments)
     rebuild, args = reductions._reduce_tensor_original(tensor)
-    if tensor.is_cuda:
+    torch_rebuild = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
+    if rebuild in (_rebuild_cuda_tensor_by_uuid, torch_rebuild):
         return _rebuild_cuda_tensor_by_uuid, _with_device(args, device_uuid(args[_DEVICE_ARG]))
     return rebuild, args
 

@@ -41,6 +41,7 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.scheduler_components.loop_times import clock
 from sglang.srt.managers.scheduler_components.request_control import GenerationPause, RequestDeadlines
+from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import MEMORY_RELEASED
 from sglang.srt.sampling.custom_logit_processor import load_processor
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,9 @@ class SchedulerIOMixin:
                 ok, msg = self.flush_cache()
                 self.send_to_tokenizer(FlushCacheReqOutput(ok, msg))
             elif isinstance(obj, UpdateWeightFromDiskReqInput):
-                refused = self.weight_update.start(obj)
+                # (while memory is released a second model would load into what the trainer holds)
+                released = self.model_runner.memory_occupation.released
+                refused = MEMORY_RELEASED if released else self.weight_update.start(obj)
                 if refused is not None:
                     self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, refused))
             elif isinstance(obj, UpdateWeightsFromTensorReqInput):

@@ -29,6 +29,8 @@ from sglang.srt.model_executor.memory_occupation import TAGS as MEMORY_TAGS
 
 logger = logging.getLogger(__name__)
 
+MEMORY_RELEASED = "The weights were not updated: memory is released (/resume_memory_occupation first)."
+
 
 class SchedulerUpdateWeightsMixin:
     def finish_weight_update(self) -> None:
@@ -41,8 +43,8 @@ class SchedulerUpdateWeightsMixin:
             return
         req, model, error = done
         if model is not None and self.model_runner.memory_occupation.released:
-            # (the new model's graphs would be captured on freed pools)
-            error = "The weights were not updated: memory is released (/resume_memory_occupation first)."
+            # (released while it loaded: the new model's graphs would be captured on freed pools)
+            error = MEMORY_RELEASED
         elif model is not None:
             error = self._weights_held(req.flush_cache)
         if error:
@@ -147,8 +149,8 @@ class SchedulerUpdateWeightsMixin:
         try:
             values = self.model_runner.get_weights_by_name(req.name, req.truncate_size)
             reply = GetWeightsByNameReqOutput(values)
-        except ValueError as e:
-            reply = GetWeightsByNameReqOutput(None, str(e))
+        except Exception as e:  # noqa: BLE001 - a name it lacks, too many values, no memory: told
+            reply = GetWeightsByNameReqOutput(None, str(e).strip() or type(e).__name__)
         self.send_to_tokenizer(reply)
 
     def _weights_held(self, flush_cache: bool) -> str | None:
