@@ -138,6 +138,15 @@ class SchedulerHarness:
         self.sched.run_until_idle()
         self.collect()
 
+    def use_graph_bodies(self, sizes: list[int]) -> Any:
+        """Serve decodes through the CUDA-graph runner's CPU form (its bodies run eagerly at each replay)
+        at batch sizes `sizes`; the runner."""
+        from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+        runner = self.sched.model_runner
+        runner.graph_runner = CudaGraphRunner(runner, sizes, use_graphs=False)
+        return runner.graph_runner
+
     def control_reply(self, msg: Any | None = None, timeout: float = 60) -> Any:
         """Send the control message `msg` (None: none, a reply is due already) and return the scheduler's
         one reply, polling what its loop polls each iteration (a weight update loading, a weight-update

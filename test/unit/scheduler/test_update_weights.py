@@ -15,7 +15,6 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
 )
-from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import noisy_checkpoint, pool_state
 from sglang.test.reference import ReferenceModel
@@ -47,8 +46,7 @@ def test_the_swap_serves_the_new_weights_through_the_graph_bodies(oracles, check
     path_b, oracle_b = checkpoint_b
     h = SchedulerHarness(QWEN)
     runner = h.sched.model_runner
-    # The CUDA-graph runner's CPU form: its bodies run eagerly at each replay (here, every decode).
-    runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False)
+    h.use_graph_bodies([1, 2, 4])
     prompts = [token_ids(70 + 11 * k, seed=k) for k in range(3)]
     for p in prompts:
         h.check_oracle(oracles[QWEN], p, h.generate(p, 6))
@@ -93,7 +91,7 @@ def test_capturing_again_leaves_a_running_requests_state_alone():
     row and slots), which would advance its state."""
     h = SchedulerHarness(QWEN)
     runner = h.sched.model_runner
-    runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False)
+    h.use_graph_bodies([1, 2, 4])
     rid = h.submit(token_ids(30, seed=4), max_new_tokens=50)
     for _ in range(6):  # its prefill, then decodes replayed through the graph runner's bodies
         h.sched.step()

@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput, UpdateWeightsFromTensorReqOutput
-from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang.srt.models.loader import checkpoint_files
 from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
@@ -47,7 +46,7 @@ def test_an_update_serves_the_new_weights_through_the_graph_bodies(oracles, chec
     tensors, oracle_b = checkpoint_b
     h = SchedulerHarness(QWEN)
     runner = h.sched.model_runner
-    runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False)
+    h.use_graph_bodies([1, 2, 4])
     prompts = [token_ids(70 + 11 * k, seed=k) for k in range(3)]
     for p in prompts:
         h.check_oracle(oracles[QWEN], p, h.generate(p, 6))

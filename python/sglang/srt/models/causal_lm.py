@@ -59,7 +59,7 @@ class HybridCausalLM(nn.Module):
         """Load checkpoint-named tensors: all of them, or with `update` any subset into the serving model
         (`WeightLoader`: all or nothing). Returns the names of tensors no parameter took (with `update`,
         also those it skips: multi-token prediction heads, a tied LM head)."""
-        loader = WeightLoader(self, skip_prefixes=self.skip_prefixes, update=update)
+        loader = WeightLoader(self, update=update)
         skipped = []  # (an update's names the model does not serve, told to its client)
         for name, tensor in weights:
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings

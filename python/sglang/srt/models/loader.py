@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -57,21 +57,17 @@ class WeightLoader:
     come, and nothing is copied until `finish`: a tensor that does not fit refuses the whole update
     with the weights untouched."""
 
-    def __init__(self, model: nn.Module, skip_prefixes: Iterable[str] = (), update: bool = False):
+    def __init__(self, model: nn.Module, update: bool = False):
         self.update = update
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, source), in update mode
         self.params = dict(model.named_parameters())
         self.experts = {name: m for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
-        self.skip_prefixes = tuple(skip_prefixes)
         self.loaded: set[str] = set()
         self.expert_pieces: dict[str, set[tuple[int, str]]] = {name: set() for name in self.experts}
         self.row_blocks: dict[str, list[tuple[int, int, str]]] = {}  # param -> (start, stop, source)
         self.unused: list[str] = []
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
-        if self.skip_prefixes and name.startswith(self.skip_prefixes):
-            return
-
         match = _EXPERT_KEY.match(name)
         if (match and match["module"] in self.experts) or name in self.params:
             _check_unquantized(name, tensor)
