@@ -5,8 +5,15 @@ started: `test_engine.test_real_scheduler_through_the_engine`.)"""
 
 from __future__ import annotations
 
+import base64
+import codecs
+import io
 import os
 import pickle
+import time
+import tracemalloc
+import zipfile
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -39,8 +46,6 @@ def same(a, b) -> bool:
 def test_forms_any_process_can_send(form):
     tensors = [*named(), ("e.empty", torch.empty(0))]
     if form == "base64":
-        import base64
-
         payload = base64.b64encode(pickle.dumps(tensors)).decode()
     else:
         payload = pickle.dumps(tensors, protocol=2 if form == "plain-protocol-2" else pickle.HIGHEST_PROTOCOL)
@@ -131,11 +136,11 @@ def test_protocol_2_bytes_cannot_allocate():
 
 
 def test_a_plain_pickles_storage_loads_without_unrestricted_unpickling():
-    """A plain pickle's storages are a nested torch.save; it loads with weights_only, so one that holds
+    """A plain pickle's storages are a nested torch.save, read by the serializer itself: one that holds
     a callable is refused too."""
     inner = pickle.dumps(_Reduce(os.getpid))
     evil = pickle.dumps(_Reduce(torch.storage._load_from_bytes, inner))
-    with pytest.raises(ValueError, match="does not unpickle"):
+    with pytest.raises(UnsafePayloadError, match=r"posix\.getpid"):
         MultiprocessingSerializer.deserialize(evil, trusted=False)
 
 
@@ -144,3 +149,110 @@ def test_malformed_payloads_are_one_value_error():
     for payload, words in malformed:
         with pytest.raises(ValueError, match=words):
             MultiprocessingSerializer.deserialize(payload)
+
+
+# ---- amplification: nothing a payload asks for may take more memory than the payload ----------------
+
+
+def hex_chain(k: int, seed: int = 1024) -> bytes:
+    """The review's payload: `_codecs.encode(..., "hex")` chained k times doubles `seed` bytes k times."""
+    enc, s = b"c_codecs\nencode\n", lambda b: b"X" + len(b).to_bytes(4, "little") + b
+    prog = enc * (k + 1) + s(b"A" * seed) + s(b"latin1") + b"\x86R" + (s(b"hex") + b"\x86R") * k
+    return b"\x80\x02" + prog + b"."
+
+
+def storage_blob(t: torch.Tensor) -> bytes:
+    """torch.save's bytes of a tensor's storage, as a plain pickle of the tensor holds them."""
+    return t._typed_storage().__reduce__()[1][0]
+
+
+def refused_with_peak(payload: bytes) -> tuple[str, int, float]:
+    """The refusal's message, the Python heap's peak while deserializing, and the time it took."""
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(UnsafePayloadError) as e:
+            MultiprocessingSerializer.deserialize(payload, trusted=False)
+        return str(e.value), tracemalloc.get_traced_memory()[1], time.perf_counter() - start
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_hex_chain_is_refused_at_once_with_bounded_memory():
+    """bomb(16) is 1.1 KB and today makes 64 MiB (bomb(21), 2 KB, took the scheduler to 3.9 GB); only
+    encode(str, "latin1") is allowed, so the chain stops at its second call."""
+    payload = hex_chain(16)
+    message, peak, _ = refused_with_peak(payload)
+    assert "_codecs.encode" in message
+    # 1 MiB: the unpickler's own objects are a few KB; a single doubling past the seed is already 4 KB,
+    # and the 16th is 64 MiB.
+    assert peak < 1 << 20, peak
+
+
+def test_the_scheduler_is_held_at_most_briefly_by_the_worst_payload():
+    """The bystander's bound: deserializing runs on the scheduler thread, so its time is every other
+    request's stall. A payload at the HTTP body limit (1.25 MiB) that reuses a 600 KB string with every
+    call it can fit (each a few bytes, each asking for 600 KB) is refused within the budget."""
+    text = "A" * 600_000
+    payload = pickle.dumps([_Reduce(codecs.encode, text, "latin1") for _ in range(30_000)], protocol=2)
+    assert len(payload) < 1_300_000  # the string is memoized: sent once, encoded by each call
+    message, peak, took = refused_with_peak(payload)
+    assert "more than the payload's own" in message
+    # One encode (600 KB) fits in the payload's length; today's code made 18 GB. 0.5 s: generous for a
+    # shared 2-core machine, where the refusal takes a few ms; the review's victim waited 11.8 s.
+    assert peak < 8 << 20 and took < 0.5, (peak, took)
+
+
+def test_a_memoized_storage_is_not_loaded_again_and_again():
+    """A storage blob is sent once and referenced by 200 loads: each load would copy it (13 MB from a
+    66 KB payload); over one payload storages add up to at most its length."""
+    blob = storage_blob(torch.zeros(16384))
+    loads = [_Reduce(torch.storage._load_from_bytes, blob) for _ in range(200)]
+    with pytest.raises(UnsafePayloadError, match="storages add up to more bytes"):
+        MultiprocessingSerializer.deserialize(pickle.dumps(loads), trusted=False)
+
+
+def test_a_storage_is_read_only_as_large_as_it_is_sent():
+    """torch.load allocates the element count a storage declares; here the count must match the bytes
+    that follow it, checked before any allocation."""
+    blob = storage_blob(torch.zeros(4))
+    declared = blob.index(b"K\x04N")  # BININT1 4 (the element count in the persistent id), then None
+    count = len(blob) - 16 - 8  # the int64 count before the 16 bytes of data
+    huge = (
+        blob[:declared] + b"J\x00\x00\x00\x10N" + blob[declared + 3 : count] + (1 << 28).to_bytes(8, "little")
+    )
+    huge += blob[-16:]  # 2**28 floats declared twice, 4 sent
+    with pytest.raises(UnsafePayloadError, match="declares 1073741824 bytes and holds 16"):
+        MultiprocessingSerializer.deserialize(
+            pickle.dumps(_Reduce(torch.storage._load_from_bytes, huge)), False
+        )
+
+
+def test_a_zip_archive_storage_is_refused():
+    """torch.load also takes a zip archive, whose deflated records inflate ~1000:1 (4 MiB of zeros from
+    a few KB here); torch's storage pickles never hold one."""
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1 << 20), buf)
+    deflated = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(deflated, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
+    assert len(deflated.getvalue()) < 64 << 10
+    payload = pickle.dumps(_Reduce(torch.storage._load_from_bytes, deflated.getvalue()))
+    with pytest.raises(UnsafePayloadError, match="zip archive"):
+        MultiprocessingSerializer.deserialize(payload, trusted=False)
+
+
+def test_a_tensor_may_not_reach_past_its_storage():
+    """torch grows a storage to fit the view rebuilt on it: a 4-element storage with size (2**20,) would
+    become 4 MiB (2**32 elements, 16 GiB)."""
+    small = torch.zeros(4)._typed_storage()  # (as a tensor pickles its storage)
+    for size, stride in [((1 << 20,), (1,)), ((2, 3), (3, 1)), ((4,), (-1,))]:
+        payload = pickle.dumps(
+            _Reduce(torch._utils._rebuild_tensor_v2, small, 0, size, stride, False, OrderedDict())
+        )
+        with pytest.raises(UnsafePayloadError, match="tensor"):
+            MultiprocessingSerializer.deserialize(payload, trusted=False)
+    fits = pickle.dumps(_Reduce(torch._utils._rebuild_tensor_v2, small, 1, (3,), (1,), False, OrderedDict()))
+    assert MultiprocessingSerializer.deserialize(fits, trusted=False).shape == (3,)
+    assert MultiprocessingSerializer.deserialize(base64.b64encode(fits).decode(), trusted=False).numel() == 3

@@ -14,6 +14,13 @@ server by sending weights (upstream unpickles them as they come). `trusted=False
 also refuses shared memory the payload names (a file descriptor, whose following means connecting to an
 address the payload names; a file under /dev/shm, which torch would open, grow and delete), and a CUDA
 tensor's reference counter anywhere but in one of torch's counter files.
+
+Nothing a payload asks for may take more memory than the payload itself: `_codecs.encode` is allowed only
+as pickle protocol 2 writes bytes (a str and "latin1"; "hex" doubles a value per call, and chained calls
+took a 2 KB body to gigabytes), a plain pickle's storages are read here rather than by `torch.load` (which
+allocates whatever size a storage declares, and inflates a zip archive's compressed records ~1000:1), and
+a tensor may not reach past its storage (torch would grow the storage to fit). Over one payload the
+encoded bytes, and the storage bytes, each add up to at most the payload's length.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import binascii
 import io
 import pickle
 import re
+import struct
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -37,11 +46,9 @@ class UnsafePayloadError(ValueError):
 _REDUCTIONS = "torch.multiprocessing.reductions"
 _PATCH = "sglang.srt.utils.patch_torch"
 _ALLOWED = {
-    (_REDUCTIONS, "rebuild_tensor"),
     (_REDUCTIONS, "rebuild_typed_storage"),
     (_REDUCTIONS, "rebuild_typed_storage_child"),
     (_REDUCTIONS, "rebuild_storage_empty"),
-    ("torch._utils", "_rebuild_tensor_v2"),
     ("torch._utils", "_rebuild_parameter"),
     ("torch", "Size"),
     ("torch", "Tensor"),
@@ -50,8 +57,6 @@ _ALLOWED = {
     ("torch.storage", "TypedStorage"),  # the storage class torch's CUDA reduction names
     ("torch.nn.parameter", "Parameter"),
     ("collections", "OrderedDict"),  # a plain pickle's (empty) backward hooks
-    ("_codecs", "encode"),  # how pickle protocol 2 writes bytes
-    ("__builtin__", "bytes"),  # and empty ones
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),  # the flattened_bucket format
 }
 # CUDA tensors by IPC handle: torch's rebuild, and monkey_patch_torch_reductions' (ours, upstream's name).
@@ -71,20 +76,22 @@ _TENSOR_CLASSES = (torch.Tensor, torch.nn.Parameter)
 _STORAGE_CLASSES = (torch.storage.TypedStorage, torch.UntypedStorage)
 
 
-def _load_storage_bytes(data: bytes) -> Any:
-    """`torch.storage._load_from_bytes` (a plain pickle's storages) without its unrestricted unpickling."""
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
 class _TensorUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, trusted: bool):
+    def __init__(self, file: io.BytesIO, trusted: bool, size: int):
         super().__init__(file)
         self.trusted = trusted
+        self.size = size
+        self.encoded_left = size  # bytes `_codecs.encode` may still make
+        self.storage_left = size  # bytes storages read from the payload may still take
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
         if key == ("torch.storage", "_load_from_bytes"):
-            return _load_storage_bytes
+            return self._storage_from_bytes
+        if key == ("_codecs", "encode"):
+            return self._latin1_bytes
+        if key in _REBUILDS:
+            return _REBUILDS[key]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if key in _CUDA:
@@ -100,6 +107,125 @@ class _TensorUnpickler(pickle.Unpickler):
                 "CUDA tensors"
             )
         raise UnsafePayloadError(f"it names {module}.{name}, which is not part of a tensor")
+
+    def _latin1_bytes(self, text: Any, encoding: Any = None) -> bytes:
+        """`_codecs.encode` in the one shape protocol 2 writes bytes in: `encode(str, "latin1")`."""
+        if not isinstance(text, str) or encoding != "latin1":
+            raise UnsafePayloadError(
+                'it calls _codecs.encode other than as pickle writes bytes (with a str and "latin1")'
+            )
+        self.encoded_left -= len(text)
+        if self.encoded_left < 0:
+            raise UnsafePayloadError(f"its bytes add up to more than the payload's own {self.size}")
+        return text.encode("latin1")
+
+    def _storage_from_bytes(self, data: Any) -> torch.storage.TypedStorage:
+        if not isinstance(data, bytes):
+            raise UnsafePayloadError("its storage is not bytes")
+        return _read_legacy_storage(data, self._take_storage_bytes)
+
+    def _take_storage_bytes(self, nbytes: int) -> None:
+        # A memoized storage blob can be loaded again and again by reference: each load counts.
+        self.storage_left -= nbytes
+        if self.storage_left < 0:
+            raise UnsafePayloadError(f"its storages add up to more bytes than the payload's own {self.size}")
+
+
+# torch.save's legacy format, the one `Storage.__reduce__` writes: five pickles (magic number, format
+# version, system info, the storage as a persistent id, its key), then the storage's element count (int64)
+# and bytes. torch writes nothing else into `_load_from_bytes`; in particular never a zip archive.
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_VERSION = 1001
+_NOT_TORCHS = "its storage is not one torch.save wrote"
+
+
+class _StorageRef:
+    def __init__(self, pid: Any):
+        if not (
+            isinstance(pid, tuple)
+            and len(pid) == 6
+            and pid[0] == "storage"
+            and isinstance(pid[1], torch.dtype)
+            and isinstance(pid[2], str)
+            and isinstance(pid[3], str)
+            and isinstance(pid[4], int)
+            and pid[4] >= 0
+            and pid[5] is None  # (torch writes no views)
+        ):
+            raise UnsafePayloadError(_NOT_TORCHS)
+        _, self.dtype, self.key, self.location, self.numel, _ = pid
+
+
+class _StorageHeader(pickle.Unpickler):
+    """The legacy format's pickles: plain values, a storage class (read as its dtype) and one storage."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name.endswith("Storage"):
+            try:
+                return torch.serialization.StorageType(name).dtype
+            except KeyError:
+                pass
+        raise UnsafePayloadError(f"its storage names {module}.{name}, which is not a storage class")
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        return _StorageRef(pid)
+
+
+def _read_legacy_storage(data: bytes, take: Callable[[int], None]) -> torch.storage.TypedStorage:
+    """The storage `torch.storage._load_from_bytes` would load, its size checked against `data` (and
+    `take`n) before anything is allocated."""
+    if data[:2] == b"PK":
+        raise UnsafePayloadError(f"{_NOT_TORCHS} (a zip archive, whose records torch would inflate)")
+    f = io.BytesIO(data)
+    magic, version, info, ref, keys = (_StorageHeader(f).load() for _ in range(5))
+    little = isinstance(info, dict) and info.get("little_endian") is True
+    if (magic, version) != (_LEGACY_MAGIC, _LEGACY_VERSION) or not little or not isinstance(ref, _StorageRef):
+        raise UnsafePayloadError(_NOT_TORCHS)
+    nbytes = ref.numel * torch._utils._element_size(ref.dtype)
+    count = f.read(8)
+    if keys != [ref.key] or len(count) != 8 or struct.unpack("<q", count)[0] != ref.numel:
+        raise UnsafePayloadError(_NOT_TORCHS)
+    if nbytes != len(data) - f.tell():
+        raise UnsafePayloadError(f"its storage declares {nbytes} bytes and holds {len(data) - f.tell()}")
+    take(nbytes)
+    raw = f.read()
+    untyped = torch.UntypedStorage.from_buffer(raw, dtype=torch.uint8) if raw else torch.UntypedStorage()
+    untyped = torch.serialization.default_restore_location(untyped, ref.location)
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=ref.dtype, _internal=True)
+
+
+def _check_extent(storage: Any, offset: Any, size: Any, stride: Any) -> None:
+    """A tensor's elements must lie in its storage: torch grows a storage to fit a larger view, so a
+    4-byte storage with size (2**32,) would allocate 16 GiB."""
+    if not isinstance(storage, torch.storage.TypedStorage):
+        raise UnsafePayloadError("its tensor's storage is not a storage")
+    ints = (offset, *size, *stride)
+    if not all(isinstance(v, int) and v >= 0 for v in ints) or len(size) != len(stride):
+        raise UnsafePayloadError("its tensor's offset, size and stride are not non-negative integers")
+    end = 0 if 0 in size else offset + 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+    elements = storage._size()  # (size() warns that TypedStorage is deprecated)
+    if end > elements:
+        raise UnsafePayloadError(f"its tensor reaches element {end} of a storage of {elements}")
+
+
+def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> torch.Tensor:
+    _check_extent(storage, offset, size, stride)
+    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, *rest)
+
+
+def _rebuild_shared_tensor(cls: Any, storage: Any, metadata: Any) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_tensor
+
+    if not (isinstance(metadata, tuple) and len(metadata) == 4):
+        raise UnsafePayloadError("its tensor's metadata is not torch's")
+    _check_extent(storage, *metadata[:3])
+    return rebuild_tensor(cls, storage, metadata)
+
+
+_REBUILDS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    (_REDUCTIONS, "rebuild_tensor"): _rebuild_shared_tensor,
+}
 
 
 def _empty_bytes() -> bytes:
@@ -146,7 +272,7 @@ class MultiprocessingSerializer:
             except (binascii.Error, ValueError):
                 raise ValueError("it is not valid base64") from None
         try:
-            return _TensorUnpickler(io.BytesIO(data), trusted).load()
+            return _TensorUnpickler(io.BytesIO(data), trusted, len(data)).load()
         except UnsafePayloadError:
             raise
         except Exception as e:  # noqa: BLE001 - any malformed payload is one error for the client
