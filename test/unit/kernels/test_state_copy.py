@@ -150,7 +150,7 @@ def test_is_built_means_a_cached_build_stamped_with_what_it_would_be_built_from(
     monkeypatch.setattr(sgl_kernel, "_missing_prerequisite", lambda kind: None)  # as where nvcc exists
     with envs.SGLANG_CACHE_DIR.override(str(tmp_path)):
         assert not sgl_kernel.is_built("cuda")
-        out = sgl_kernel.build_dir() / "cuda"
+        out = sgl_kernel.build_folder("cuda")
         out.mkdir(parents=True)
         (out / "sgl_kernel_cuda.so").write_bytes(b"")
         assert not sgl_kernel.is_built("cuda"), "a build without a stamp (from before stamps) may be stale"

@@ -1,16 +1,24 @@
 """sgl-kernel (`sgl-kernel/csrc/`), the project's native ops, as torch extensions: one C++/OpenMP extension
 for CPU tensors (the state-copy ops and the linear-attention ops, `torch.ops.sgl_kernel.*`) and one CUDA
 extension (the state-copy ops). One extension per device: a CPU source that fails to compile takes every
-CPU op with it (each caller then runs its torch path). Both are built with `torch.utils.cpp_extension` on first use and cached under
-`$SGLANG_CACHE_DIR/sgl-kernel/` (default `~/.cache/sglang/sgl-kernel/`); later processes load the cached
-build, and an edited source is rebuilt. `make run` / `make test` build the CPU one at install time:
+CPU op with it (each caller then runs its torch path). Both are built with `torch.utils.cpp_extension` on first
+use and cached by content under `$SGLANG_CACHE_DIR/sgl-kernel/torch-VERSION/KIND/KEY/` (default
+`~/.cache/sglang/...`), KEY being `build_key` (the sources, headers, flags and targets). `make run` / `make test`
+build the CPU one at install time:
 
     python -m sglang.srt.utils.sgl_kernel [--cuda]
 
+Keyed by content, identical sources in any checkout or virtual environment share one build: the sources are
+copied into the build folder and compiled from there (torch's loader rebuilds whenever the sources' path
+differs, so two checkouts built from their own paths rebuilt each other's build in turn), and a finished build
+is loaded straight from its folder without asking torch's loader again. Different sources build in different
+folders, so a build never waits behind another checkout's.
+
 A build that fails (no compiler, no nvcc, a CPU-only torch for CUDA) is reported once per process and
 the caller falls back to its torch implementation; `load_extension` never raises. Processes build or
-load one at a time (an flock per build folder); a build that was killed midway is taken up by the next
-process (`_builder_lock`), not waited for forever.
+load one folder at a time (an flock per build folder); a build that was killed midway is taken up by the
+next process (`_builder_lock`), not waited for forever. Only the newest `KEEP_BUILDS` folders of a kind are
+kept.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -36,11 +45,23 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parents[4] / "sgl-kernel" / "csrc"
 SOURCES = {
-    "cpu": ["state_copy_cpu.cpp", "linear_attn_cpu.cpp", "attention_cpu.cpp", "moe_cpu.cpp", "moe_routing_cpu.cpp", "norm_cpu.cpp", "rope_cpu.cpp", "sampling_cpu.cpp", "decode_blocks_cpu.cpp"],
+    "cpu": [
+        "state_copy_cpu.cpp",
+        "linear_attn_cpu.cpp",
+        "attention_cpu.cpp",
+        "moe_cpu.cpp",
+        "moe_routing_cpu.cpp",
+        "norm_cpu.cpp",
+        "rope_cpu.cpp",
+        "sampling_cpu.cpp",
+        "decode_blocks_cpu.cpp",
+    ],
     "cuda": ["state_copy_cuda_binding.cpp", "state_copy_cuda.cu"],
 }
 HEADERS = ["state_copy.h", "state_copy_binding.h", "cpu_math.h"]
-STAMP = "build.stamp"  # beside a build: `build_key` of what it was built from (`is_built`)
+STAMP = "build.stamp"  # beside a finished build: its whole `build_key` (`is_built`)
+KEY_CHARS = 16  # of `build_key` in a build folder's name
+KEEP_BUILDS = 4  # build folders kept per kind: other checkouts' builds survive a few edits here
 
 _loaded: dict[str, tuple[ModuleType | None, str]] = {}
 
@@ -48,6 +69,11 @@ _loaded: dict[str, tuple[ModuleType | None, str]] = {}
 def build_dir() -> Path:
     root = envs.SGLANG_CACHE_DIR.get() or os.path.join(Path.home(), ".cache", "sglang")
     return Path(root) / "sgl-kernel" / f"torch-{torch.__version__}"
+
+
+def build_folder(kind: str) -> Path:
+    """Where the build of `kind` from the sources as they are now lives (keyed by content, not path)."""
+    return build_dir() / kind / build_key(kind)[:KEY_CHARS]
 
 
 def _missing_prerequisite(kind: str) -> str | None:
@@ -106,19 +132,55 @@ def _build(kind: str, verbose: bool) -> ModuleType:
 
     _ensure_ninja_on_path()
 
-    out = build_dir() / kind
+    key = build_key(kind)
+    out = build_folder(kind)
     out.mkdir(parents=True, exist_ok=True)
     with _builder_lock(out):
+        if _stamped(out, kind, key):
+            return _load_built(kind, out)
+        src = out / "src"
+        src.mkdir(exist_ok=True)
+        for name in SOURCES[kind] + HEADERS:
+            shutil.copyfile(SOURCE_DIR / name, src / name)
         module = load(
             name=f"sgl_kernel_{kind}",
-            sources=[str(SOURCE_DIR / f) for f in SOURCES[kind]],
-            extra_include_paths=[str(SOURCE_DIR)],
+            sources=[str(src / f) for f in SOURCES[kind]],
+            extra_include_paths=[str(src)],
             build_directory=str(out),
             verbose=verbose,
             **_flags(kind),
         )
-        (out / STAMP).write_text(build_key(kind))
-        return module
+        (out / STAMP).write_text(key)
+    _prune(out.parent)
+    return module
+
+
+def _stamped(out: Path, kind: str, key: str) -> bool:
+    try:
+        return (out / f"sgl_kernel_{kind}.so").is_file() and (out / STAMP).read_text() == key
+    except OSError:
+        return False
+
+
+def _load_built(kind: str, out: Path) -> ModuleType:
+    """Imports a finished build's library as torch's loader would, without its rebuild check."""
+    name = f"sgl_kernel_{kind}"
+    spec = importlib.util.spec_from_file_location(name, out / f"{name}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _prune(kind_dir: Path) -> None:
+    """Removes all but the newest `KEEP_BUILDS` build folders; one whose flock is held (in use) stays."""
+    folders = sorted((p for p in kind_dir.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for old in folders[:-KEEP_BUILDS]:
+        with contextlib.suppress(OSError), open(old / "build.flock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -142,13 +204,9 @@ def is_built(kind: str) -> bool:
     `_build`): loading it then compiles nothing. Selections that must not pay a first build use it."""
     if kind in _loaded:
         return _loaded[kind][0] is not None
-    out = build_dir() / kind
-    if not (out / f"sgl_kernel_{kind}.so").is_file() or _missing_prerequisite(kind) is not None:
+    if _missing_prerequisite(kind) is not None:
         return False
-    try:
-        return (out / STAMP).read_text() == build_key(kind)
-    except OSError:
-        return False
+    return _stamped(build_folder(kind), kind, build_key(kind))
 
 
 def load_extension(kind: str, verbose: bool = False) -> tuple[ModuleType | None, str]:
@@ -186,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         # A failure has been logged as a warning by load_extension; the install goes on without the op.
         if load_extension(kind, verbose=args.verbose)[0] is not None:
             took = time.time() - start
-            print(f"sgl-kernel {kind} ops ready in {took:.1f} s ({build_dir() / kind})")
+            print(f"sgl-kernel {kind} ops ready in {took:.1f} s ({build_folder(kind)})")
     return 0
 
 
