@@ -88,6 +88,10 @@ class ServerArgs:
     max_request_body_size: int | None = None
     # None: a quarter of the max running requests, at least 64 (`request_validation`).
     max_samples_per_request: int | None = None
+    # vLLM's --max-logprobs: most top_logprobs_num / token_ids_logprob ids per position (`logprob_limits`).
+    max_logprobs: int = 20
+    # Most logprob entries one request may ask for, over its samples (`logprob_limits`).
+    max_logprob_entries_per_request: int = 1 << 18
     # Where a chat request's unset sampling fields come from: "model" (the checkpoint's
     # generation_config.json, upstream's default) or "openai" (the API's own defaults).
     sampling_defaults: str = "model"
@@ -489,6 +493,21 @@ class ServerArgs:
             default=None,
             help="Most sequences one request may start (prompts x n); default: a quarter of the max running "
             "requests, at least 64.",
+        )
+        g.add_argument(
+            "--max-logprobs",
+            type=int,
+            default=default("max_logprobs"),
+            help="Most top logprobs (top_logprobs_num, OpenAI's top_logprobs / logprobs) and most "
+            "token_ids_logprob ids a request may ask for at one position (vLLM's flag); more gets 400.",
+        )
+        g.add_argument(
+            "--max-logprob-entries-per-request",
+            type=int,
+            default=default("max_logprob_entries_per_request"),
+            help="Most logprob entries one request may ask for, summed over its samples: input positions "
+            "from logprob_start_len x (1 + top logprobs + token_ids_logprob ids), plus max_new_tokens x "
+            "(top logprobs + ids); more gets 400.",
         )
         g.add_argument(
             "--sampling-defaults",

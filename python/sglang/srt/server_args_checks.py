@@ -79,6 +79,8 @@ def check_basic_flags(args: ServerArgs) -> None:
         ("--context-length", args.context_length),
         ("--max-request-body-size", args.max_request_body_size),
         ("--max-samples-per-request", args.max_samples_per_request),
+        ("--max-logprobs", args.max_logprobs),
+        ("--max-logprob-entries-per-request", args.max_logprob_entries_per_request),
         ("--cuda-graph-max-bs", args.cuda_graph_max_bs),
         *[("--cuda-graph-bs", bs) for bs in args.cuda_graph_bs or []],
     ]:

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
+
+import orjson
 
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.test_utils import ServerTestCase
 
-register_cpu_ci(est_time=18, suite="per-commit-cpu")
+register_cpu_ci(est_time=28, suite="per-commit-cpu")
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -102,9 +106,26 @@ CASES = [
         {"input_ids": [[5, 6]] * 64, "sampling_params": {"n": 64, "max_new_tokens": 1}},
         "sampling_params.n",
     ),
+    # Logprob amplification (issue 51, finding 4): the review's 4,000 ids with the vocabulary as top
+    # logprobs from position 0; more ids than --max-logprobs; four samples of top 20 over 4,000 positions.
+    (GEN, {"input_ids": [5] * 4000, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2048},
+     "top_logprobs_num"),
+    (GEN, {"input_ids": [5], "return_logprob": True, "token_ids_logprob": list(range(21))}, "token_ids_logprob"),
+    (GEN, {"input_ids": [5] * 4000, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 20,
+           "sampling_params": {"n": 4, "max_new_tokens": 1}}, "logprob_start_len"),
+    (COMP, {"prompt": [5], "logprobs": 5, "n": 64, "max_tokens": 1000}, "logprobs"),
     ("/pause_generation", {"mode": "sideways"}, "mode"),
     ("/abort_request", {"nothing": 1}, "rid"),
 ]
+
+
+def entries_of(positions: list) -> list:
+    """A meta_info list's [logprob, id, text] entries in order (top lists' positions flattened, the
+    null of a position without any skipped)."""
+    out = []
+    for p in positions:
+        out.extend(p if p and isinstance(p[0], list) else [p] if p else [])
+    return out
 
 
 class TestMalformedRequests(ServerTestCase):
@@ -216,3 +237,72 @@ class TestMalformedRequests(ServerTestCase):
         self.assertEqual(r.status_code, 400, r.text[:200])
         self.assertEqual(r.json()["error"]["code"], "context_length_exceeded")
         self.assert_idle_accounting()
+
+    def test_a_maximal_logprob_request_beside_a_bystander(self) -> None:
+        """The largest request --max-logprob-entries-per-request admits here (three samples of top 20 over
+        4,000 input positions: 252,060 entries, a ~10 MB reply) while another client generates."""
+        big = {"input_ids": [5 + i % 400 for i in range(4000)], "return_logprob": True, "logprob_start_len": 0,
+               "top_logprobs_num": 20, "return_text_in_logprobs": True,
+               "sampling_params": {"n": 3, "max_new_tokens": 1}}  # fmt: skip
+        small = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+        self.generate(**small)  # (warm)
+        result: dict = {}
+
+        def attack() -> None:
+            r = self.post(GEN, big)
+            result["status"], result["outs"] = r.status_code, r.json() if r.status_code == 200 else r.text
+
+        thread = threading.Thread(target=attack)
+        thread.start()
+        latencies = []
+        while thread.is_alive() or not latencies:
+            start = time.perf_counter()
+            self.generate(**small)
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.1)
+        thread.join()
+        self.assertEqual(result["status"], 200, result["outs"])
+        tops = [out["meta_info"]["input_top_logprobs"] for out in result["outs"]]
+        self.assertEqual([len(t) for t in tops], [4000] * 3)
+        self.assertEqual(len(tops[0][1]), 20)
+        # Measured on a loaded 2-core host: the bystander's 8 tokens took 1.2-3.3 s beside this request
+        # (0.3 s beside the same prompts without logprobs; 0.04-0.08 s alone); the review's request, which
+        # any client could send before the bounds, held it 46 s. 6 s leaves room for a slower host.
+        self.assertLess(max(latencies), 6.0, latencies)
+        self.assert_idle_accounting()
+
+    def test_a_logprob_stream_is_linear_and_its_deltas_are_the_reply(self) -> None:
+        """A 40-token stream with top 5 logprobs over a 500-token prompt: each chunk carries its new
+        logprobs only (input ones once), so the bytes streamed stay near the reply's."""
+        body = {"input_ids": [5 + i % 300 for i in range(500)], "return_logprob": True, "logprob_start_len": 0,
+                "top_logprobs_num": 5, "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+        whole = self.post(GEN, body)
+        self.assertEqual(whole.status_code, 200, whole.text)
+        reply = whole.json()
+        with self.post(GEN, {**body, "stream": True}, stream=True) as r:
+            raw = r.content
+        chunks = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+        self.assertGreater(len(chunks), 10)  # (one per token or so: else the stream shows nothing)
+        # The chunks' own text, ids and counts (~0.3 KB each) come on top of the reply's lists, which
+        # are sent once: 1.5x leaves room for them (the cumulative chunks were ~30x the reply here).
+        self.assertLess(len(raw), 1.5 * len(whole.content), (len(raw), len(whole.content)))
+        self.assertEqual(chunks[-1]["output_ids"], reply["output_ids"])
+        for name in ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"):
+            joined = [entry for chunk in chunks for entry in chunk["meta_info"][name]]
+            want = reply["meta_info"][name]
+            self.assertEqual(len(joined), len(want), name)
+            for got, exp in zip(entries_of(joined), entries_of(want), strict=True):
+                self.assertEqual(got[1], exp[1], name)
+                if exp[0] is not None:
+                    self.assertAlmostEqual(got[0], exp[0], places=4, msg=name)
+        # The OpenAI stream (per-token logprobs, as OpenAI streams them) still agrees with its reply.
+        comp = {"model": "m", "prompt": body["input_ids"][:50], "max_tokens": 6, "temperature": 0, "logprobs": 3,
+                "ignore_eos": True}  # fmt: skip
+        full = self.post(COMP, comp).json()["choices"][0]["logprobs"]
+        with self.post(COMP, {**comp, "stream": True}, stream=True) as r:
+            events = [orjson.loads(x[6:]) for x in r.content.split(b"\n") if x.startswith(b"data: {")]
+        streamed = [lp for e in events for c in e["choices"] if c.get("logprobs") for lp in c["logprobs"]["token_logprobs"]]
+        self.assertEqual(len(streamed), len(full["token_logprobs"]))
+        for got, exp in zip(streamed, full["token_logprobs"], strict=True):
+            self.assertAlmostEqual(got, exp, places=4)
+

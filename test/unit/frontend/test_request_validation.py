@@ -132,7 +132,7 @@ def test_single_prompt_is_not_a_list(tokenizer):
         ({"token_ids_logprob": [[1], [2]]}, "integer token ids"),  # one prompt: one list of ids
         ({"input_ids": [[5], [6]], "token_ids_logprob": [[1], [2], [3]]}, "3 lists for a batch of 2"),
         ({"input_ids": [[5], [6]], "token_ids_logprob": [[1], []]}, "non-empty lists"),
-        ({"token_ids_logprob": [1] * 513}, "at most 512"),
+        ({"token_ids_logprob": [1] * 21}, "at most 20 ids (--max-logprobs)"),
     ],
 )
 def test_token_ids_logprob_is_checked(tokenizer, kw, words):

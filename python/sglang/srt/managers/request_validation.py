@@ -18,6 +18,13 @@ from typing import Any
 
 from sglang.srt.constrained.grammar_spec import grammar_key
 from sglang.srt.managers.io_struct import BootstrapInfo, GenerateReqInput, TokenizedGenerateReqInput
+from sglang.srt.managers.logprob_limits import (
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    DEFAULT_MAX_LOGPROBS,
+    LogprobLimitError,
+    check_logprob_entries,
+    check_logprobs_per_position,
+)
 from sglang.srt.managers.text_encoder import Encoded, encode_texts
 from sglang.srt.sampling.sampling_params import MAX_N, SamplingParams, SamplingParamsError
 
@@ -47,6 +54,8 @@ class RequestLimits:
     # --skip-tokenizer-init: the server holds no tokenizer, so whatever needs one is refused by name.
     without_tokenizer: bool = False
     custom_logit_processor_enabled: bool = False  # --enable-custom-logit-processor
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs (`logprob_limits`)
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # --max-logprob-entries-per-request
 
 
 # Upstream's words for a text prompt sent to a server without a tokenizer.
@@ -309,11 +318,9 @@ def build_requests(
         )
     per_item = {
         name: _per_item(getattr(obj, name), size, name, prompts.is_batch)
-        for name in PER_ITEM_FIELDS
-        + BOOTSTRAP_FIELDS
-        + NAMESPACE_FIELDS
+        for name in PER_ITEM_FIELDS + BOOTSTRAP_FIELDS + NAMESPACE_FIELDS
     }
-    token_ids_lists = _token_ids_logprob(obj.token_ids_logprob, size, prompts.is_batch, limits.vocab_size)
+    token_ids_lists = _token_ids_logprob(obj.token_ids_logprob, size, prompts.is_batch, limits)
     if not isinstance(obj.return_text_in_logprobs, bool):
         raise RequestError(
             "return_text_in_logprobs must be a boolean.", "return_text_in_logprobs", "invalid_type"
@@ -337,8 +344,9 @@ def build_requests(
         start = per_item["logprob_start_len"][i]
         top = per_item["top_logprobs_num"][i]
         check_logprob_args(per_item["return_logprob"][i], start, top, len(ids))
-        if top > limits.vocab_size:
-            raise RequestError(f"top_logprobs_num must be at most {limits.vocab_size}.", "top_logprobs_num")
+        _check_limit(
+            check_logprobs_per_position, top, limits.max_logprobs, limits.vocab_size, "top_logprobs_num"
+        )
         token_ids = token_ids_lists[i]
         hidden = per_item["return_hidden_states"][i]
         if not isinstance(hidden, bool):
@@ -380,7 +388,16 @@ def build_requests(
     rids = [r.req.rid for r in out]
     if len(set(rids)) != len(rids):
         raise RequestError("rid values must be unique within a request.", "rid")
+    _check_limit(check_logprob_entries, [r.req for r in out], limits.max_logprob_entries)
     return out, prompts.is_batch or len(out) > 1
+
+
+def _check_limit(check: Any, *args: Any) -> None:
+    """A `logprob_limits` check, its refusal as a RequestError (400) naming the field."""
+    try:
+        check(*args)
+    except LogprobLimitError as e:
+        raise RequestError(e.message, e.param) from None
 
 
 def normalize_generate_request(
@@ -393,10 +410,13 @@ def normalize_generate_request(
     return build_requests(obj, prompts, encoded, limits)
 
 
-def _token_ids_logprob(value: Any, size: int, is_batch: bool, vocab_size: int) -> list[list[int] | None]:
+def _token_ids_logprob(
+    value: Any, size: int, is_batch: bool, limits: RequestLimits
+) -> list[list[int] | None]:
     """`token_ids_logprob` per prompt: one list of token ids for all, or (a batch) one list (or null)
-    per prompt, as upstream; each id in the vocabulary."""
+    per prompt, as upstream; each id in the vocabulary, at most --max-logprobs of them."""
     name = "token_ids_logprob"
+    vocab_size = limits.vocab_size
     if value is None:
         return [None] * size
     if not isinstance(value, list) or not value:
@@ -412,8 +432,8 @@ def _token_ids_logprob(value: Any, size: int, is_batch: bool, vocab_size: int) -
             continue
         if not isinstance(ids, list) or not ids:
             raise RequestError(f"{name} must hold non-empty lists of token ids.", name, "invalid_type")
-        if len(ids) > vocab_size:  # as top_logprobs_num: its cost grows with positions x ids
-            raise RequestError(f"{name} may name at most {vocab_size} ids, got {len(ids)}.", name)
+        # As top_logprobs_num: its cost grows with positions x ids.
+        _check_limit(check_logprobs_per_position, len(ids), limits.max_logprobs, vocab_size, name)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise RequestError(f"{name} must hold integer token ids, got {t!r}.", name, "invalid_type")

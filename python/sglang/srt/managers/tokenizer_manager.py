@@ -127,6 +127,8 @@ class TokenizerManager:
             hidden_states_refused=hidden_states_refused(server_args),
             custom_logit_processor_enabled=server_args.enable_custom_logit_processor,
             without_tokenizer=self.encoder is None,
+            max_logprobs=server_args.max_logprobs,
+            max_logprob_entries=server_args.max_logprob_entries_per_request,
         )
         self.max_samples_per_request = max_samples_per_request(
             server_args.max_samples_per_request, model_info["max_running_requests"]
@@ -245,7 +247,7 @@ class TokenizerManager:
                 await self._wait_all(states, yield_event, request)
                 for state in states:
                     _raise_if_server_abort(state)
-                outs = [self.make_output(s) for s in states]
+                outs = [await self.make_output(s) for s in states]
                 yield outs if is_list else outs[0]
         finally:
             for state in states:
@@ -285,7 +287,7 @@ class TokenizerManager:
             for state in states:
                 _raise_if_server_abort(state)
                 if state.has_unsent_update():
-                    chunk = self.make_output(state)
+                    chunk = await self.make_output(state)
                     state.mark_sent()
                     if with_index:
                         chunk["index"] = state.index
@@ -297,8 +299,8 @@ class TokenizerManager:
                 return
             await self._wait_event(event, request)
 
-    def make_output(self, state: ReqState) -> dict[str, Any]:
-        out = state.to_dict(self.token_texts)
+    async def make_output(self, state: ReqState) -> dict[str, Any]:
+        out = await state.reply(self.token_texts)
         out["meta_info"]["weight_version"] = self.server_args.weight_version
         if self.tokenizer is None:
             del out["text"]  # upstream's reply without a tokenizer: output_ids and meta_info

@@ -1,6 +1,6 @@
 """`ReqState`: what the TokenizerManager accumulates for one request, and the reply built from it.
 
-Deltas from the detokenizer are appended; replies are cumulative (SGLang's native format):
+Deltas from the detokenizer are appended; a reply (SGLang's native format) is:
 
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "e2e_latency", and with return_logprob:
@@ -12,6 +12,13 @@ Deltas from the detokenizer are appended; replies are cumulative (SGLang's nativ
 Logprob entries are `[logprob, token_id, text_or_None]` (text with return_text_in_logprobs); top
 logprobs are such lists per position.
 
+Streams: "text" and "output_ids" are cumulative in every chunk, as upstream streams them; the lists of
+logprobs and "hidden_states" hold only what is new since the previous chunk, so the input logprobs and
+the prompt's hidden states come once, in the first chunk that has them (an empty list after), and each
+chunk carries its own output positions. Concatenated over the chunks, each list is the non-streamed
+reply's. (Upstream re-sends every list whole in every chunk, quadratic in the output: 4 MB of logprobs
+became 92.5 MB streamed.) `StreamMerger` rebuilds the whole lists for a reader that wants them.
+
 Stop strings: the scheduler finishes a request on the step whose text completes a stop string, and
 the text is cut where the string starts. While a request streams, text that may be the beginning of
 a stop string is held back, so a streamed prefix is never taken back.
@@ -20,9 +27,11 @@ a stop string is held back, so a streamed prefix is never taken back.
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from sglang.srt.layers.logits_processor import rows_as_lists
 from sglang.srt.managers.io_struct import BatchStrOut
@@ -30,6 +39,16 @@ from sglang.srt.managers.request_validation import NormalizedRequest
 from sglang.srt.utils.text_markers import partial_marker_len
 
 TokenTexts = Callable[[list[int]], list[str]]
+
+# The lists of logprobs a reply carries (with return_logprob; the token_ids ones with token_ids_logprob).
+LOGPROB_LISTS = (
+    "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
+    "input_token_ids_logprobs", "output_token_ids_logprobs",
+)  # fmt: skip
+# A reply with more entries than this is built on a worker thread: building one costs ~2 us of Python
+# an entry, so up to this many keep the event loop's other clients waiting under ~10 ms, while a
+# thread hop (~0.1 ms) would dominate the small replies of every step of every stream.
+OFF_LOOP_ENTRIES = 4096
 
 
 class ReqState:
@@ -63,6 +82,9 @@ class ReqState:
         self.hidden_states: list[list[float]] = []  # with return_hidden_states: one per position
         self.got_message = False
         self._sent: tuple[int, int, bool] | None = None
+        self._built: tuple[int, int, bool] | None = None  # the marker of the chunk built last
+        # Streams: how much of each list of logprobs (and of hidden_states) earlier chunks carried.
+        self._streamed: dict[str, int] = dict.fromkeys((*LOGPROB_LISTS, "hidden_states"), 0)
 
     @property
     def finished(self) -> bool:
@@ -124,11 +146,28 @@ class ReqState:
         return self.got_message and self._marker() != self._sent
 
     def mark_sent(self) -> None:
-        self._sent = self._marker()
+        """The chunk built last was sent; what arrived while it was built is still to send."""
+        self._sent = self._built if self._built is not None else self._marker()
 
     # ---- reply -------------------------------------------------------------------------------------
 
     def to_dict(self, token_texts: TokenTexts) -> dict[str, Any]:
+        """The reply: whole, or for a stream the next chunk (see the module's docstring)."""
+        return self._build(self._take(), token_texts)
+
+    async def reply(self, token_texts: TokenTexts) -> dict[str, Any]:
+        """`to_dict`, built on a worker thread when it is large, so that the event loop keeps serving
+        the other clients meanwhile. What to include is decided here, on the loop, so messages that
+        arrive while it is built go to the next chunk whole."""
+        taken = self._take()
+        if taken.entries > OFF_LOOP_ENTRIES:
+            return await asyncio.to_thread(_without_gc, self._build, taken, token_texts)
+        return self._build(taken, token_texts)
+
+    def _take(self) -> _Taken:
+        """What the next reply holds, as it is now: the text, ids and counts, and a range of each list
+        (for a stream, from where the previous chunk ended; the lists only grow)."""
+        self._built = self._marker()
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": self.finished_reason,
@@ -139,26 +178,102 @@ class ReqState:
         }
         if self.spec_counts is not None:
             meta.update(spec_meta_info(self.spec_counts, self.completion_tokens))
+        ranges: dict[str, tuple[int, int]] = {}
+        entries = 0
+        for name in (*LOGPROB_LISTS, "hidden_states"):
+            values = getattr(self, name)
+            start = self._streamed[name] if self.req.stream else 0
+            end = len(values)
+            if name == "hidden_states" and end < self.prompt_tokens:
+                end = start  # the prompt's rows go out together, as the first element
+            if self.req.stream:
+                self._streamed[name] = end
+            ranges[name] = (start, end)
+            entries += (end - start) * (_width(values[start]) if end > start else 0)
+        reply = {"text": self.visible_text(), "output_ids": list(self.output_ids), "meta_info": meta}
+        return _Taken(reply, ranges, entries)
+
+    def _build(self, taken: _Taken, token_texts: TokenTexts) -> dict[str, Any]:
+        """`taken`'s reply with its lists (reads only what `_take` fixed: safe on another thread)."""
+        meta = taken.reply["meta_info"]
         if self.req.return_hidden_states:
             # Upstream's shape: the prompt's positions as one [prompt, hidden] list, then one [hidden]
             # per generated token fed back (the last token is never fed: one fewer than the outputs).
             n = self.prompt_tokens
+            start, end = taken.ranges["hidden_states"]
             states = self.hidden_states
-            meta["hidden_states"] = ([states[:n]] if states else []) + states[n:]
+            prompt = [states[:n]] if start == 0 < end else []
+            meta["hidden_states"] = prompt + states[max(start, n) : end]
         if self.req.return_logprob:
             texts = token_texts if self.item.return_text_in_logprobs else None
-            meta["input_token_logprobs"] = _with_text(self.input_token_logprobs, texts)
-            meta["output_token_logprobs"] = _with_text(self.output_token_logprobs, texts)
-            meta["input_top_logprobs"] = [_with_text(p, texts) if p else p for p in self.input_top_logprobs]
-            meta["output_top_logprobs"] = [_with_text(p, texts) if p else p for p in self.output_top_logprobs]
-            if self.req.token_ids_logprob:
-                meta["input_token_ids_logprobs"] = [
-                    _with_text(p, texts) if p else p for p in self.input_token_ids_logprobs
-                ]
-                meta["output_token_ids_logprobs"] = [
-                    _with_text(p, texts) for p in self.output_token_ids_logprobs
-                ]
-        return {"text": self.visible_text(), "output_ids": list(self.output_ids), "meta_info": meta}
+
+            def part(name: str) -> list[Any]:
+                start, end = taken.ranges[name]
+                return getattr(self, name)[start:end]
+
+            meta["input_token_logprobs"] = _with_text(part("input_token_logprobs"), texts)
+            meta["output_token_logprobs"] = _with_text(part("output_token_logprobs"), texts)
+            for name in LOGPROB_LISTS[2:] if self.req.token_ids_logprob else LOGPROB_LISTS[2:4]:
+                meta[name] = [_with_text(p, texts) if p else p for p in part(name)]
+        return taken.reply
+
+
+_gc_lock = threading.Lock()
+_gc_builds = 0  # large replies being built; the collector is off while there is one
+_gc_was_enabled = True
+
+
+def _without_gc(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) with Python's cyclic collector off. A large reply adds millions of lists (in no
+    cycle: reference counting frees them), and the full collections they set off hold the GIL ~0.2 s
+    each wherever they run, so the loop stalled anyway: beside the largest reply the bound allows, the
+    loop stalled 0.29 s with the collector on and 0.014 s with it off (and the build took a third)."""
+    global _gc_builds, _gc_was_enabled
+    with _gc_lock:
+        _gc_builds += 1
+        if _gc_builds == 1:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+    try:
+        return fn(*args)
+    finally:
+        with _gc_lock:
+            _gc_builds -= 1
+            if _gc_builds == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+class _Taken(NamedTuple):
+    reply: dict[str, Any]  # text, output_ids and meta_info's counts
+    ranges: dict[str, tuple[int, int]]  # list name -> [start, end) of it in this reply
+    entries: int  # about how many values the reply's lists hold
+
+
+def _width(first: Any) -> int:
+    """The values per position of a list whose first position is `first` (a logprob entry, a position's
+    top entries, or a hidden state)."""
+    if isinstance(first, tuple):  # (logprob, token id)
+        return 1
+    return max(len(first or ()), 1)
+
+
+class StreamMerger:
+    """Whole lists from a stream's chunks (see the module's docstring), for readers that want them (the
+    OpenAI routes slice their new part off the whole lists): `merge(meta)` extends the lists kept so
+    far with a chunk's and returns the chunk's meta_info with them in their place (the merger's own
+    lists, which the next merge extends: read them before it)."""
+
+    def __init__(self) -> None:
+        self._lists: dict[str, list[Any]] = {}
+
+    def merge(self, meta: dict[str, Any]) -> dict[str, Any]:
+        merged = dict(meta)
+        for name in (*LOGPROB_LISTS, "hidden_states"):
+            if name in meta:
+                kept = self._lists.setdefault(name, [])
+                kept.extend(meta[name])
+                merged[name] = kept
+        return merged
 
 
 def spec_meta_info(counts: list[int], completion_tokens: int) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from sglang.srt.managers.tokenizer_manager import (
     ServerAbortError,
     TokenizerManager,
 )
+from sglang.srt.managers.tokenizer_output import StreamMerger
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +273,8 @@ class OpenAIServingBase:
         sent_text: dict[int, int] = {}
         progress: dict[int, Any] = {}
         last: dict[int, dict] = {}
+        # Chunks carry only their new logprobs and hidden states; the choices read whole lists.
+        merged: dict[int, StreamMerger] = {}
 
         def event(choices: list[BaseModel], **extra: Any) -> bytes:
             return sse(self.stream_response_model(id=stream_id, model=model, choices=choices, **extra))
@@ -286,7 +289,8 @@ class OpenAIServingBase:
                     yield event([opening])
             delta = chunk["text"][sent_text[i] :]
             sent_text[i] = len(chunk["text"])
-            for choice in self.stream_choices(req, i, delta, chunk["meta_info"], progress):
+            meta = merged.setdefault(i, StreamMerger()).merge(chunk["meta_info"])
+            for choice in self.stream_choices(req, i, delta, meta, progress):
                 yield event([choice])
             last[i] = chunk
             chunk = await anext(gen, None)
