@@ -194,6 +194,15 @@ class Envs:
     # Constrained decoding (upstream's name; seconds): a grammar still compiling after this long ends its
     # request with a 400 (its compile thread finishes it and is free again then).
     SGLANG_GRAMMAR_TIMEOUT = EnvFloat(300.0, "Abort a request whose grammar compiles longer than this.")
+    # Seconds of the scheduler thread a request's grammar accept, mask fill and stop_regex search may take
+    # for one token, and all requests' together per step (constrained/output_check_budget.py has the
+    # rule): over them the costliest requests end with a 400. Sane checks take microseconds.
+    SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ = EnvFloat(
+        0.05, "A request whose grammar and stop_regex checks take longer for one token ends with a 400."
+    )
+    SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP = EnvFloat(
+        0.2, "All requests' grammar and stop_regex checks per step: over it the costliest ones end."
+    )
     # Custom logit processors (upstream's name): with a secret set, `CustomLogitProcessor.to_str()` signs
     # its payload (HMAC-SHA256) and the scheduler loads only payloads signed with the same secret.
     SGLANG_LOGIT_PROCESSOR_SECRET = EnvStr("", "Sign and require signed custom logit processor payloads.")

@@ -78,7 +78,7 @@ def test_a_stop_regex_that_backtracks_without_bound_ends_its_request_in_time():
     budget is shared: many such patterns take it once. A sane pattern still stops the request."""
     import time
 
-    from sglang.srt.managers.finish_checker import STOP_REGEX_BUDGET_S
+    from sglang.srt.environ import envs
 
     checker = FinishChecker(set(EOS), 1000, tokenizer=_Tail())
     reasons = {}
@@ -88,7 +88,7 @@ def test_a_stop_regex_that_backtracks_without_bound_ends_its_request_in_time():
         start = time.monotonic()
         checker.check_finished(req)
         # (CPU time of the process bounds it; this test's process has no other busy thread.)
-        assert time.monotonic() - start < 3 * STOP_REGEX_BUDGET_S + 0.5
+        assert time.monotonic() - start < 3 * envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ.get() + 0.5
         reasons[patterns[0]] = req.finished_reason
     assert reasons["a{3}b$"] == {"type": "stop", "matched": "a{3}b$"}
     cut = reasons["(a|aa)+$"]

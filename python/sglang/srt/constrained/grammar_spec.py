@@ -1,10 +1,17 @@
 """A request's grammar fields, as upstream's sampling parameters name them: `json_schema`, `regex`, `ebnf`
 and `structural_tag` (at most one per request). Where the request comes in only the cheap checks run
-(a string; one of them; a JSON schema or structural tag that is JSON): a 400 naming the field. The
-grammar itself is parsed and compiled by the scheduler on a thread of its own (`xgrammar_backend.py`):
-xgrammar's parse alone grows faster than linearly with some patterns (1.3 s for a 60-byte schema with
-`[a-z]{1,6000}`), which would stall every client of the HTTP process, and a grammar it refuses ends
-its request with a 400 naming the field all the same."""
+(a string; one of them; a JSON schema or structural tag that is JSON, within the bounds below): a 400
+naming the field. The grammar itself is parsed and compiled by the scheduler on a thread of its own
+(`xgrammar_backend.py`): xgrammar's parse alone grows faster than linearly with some patterns (1.3 s
+for a 60-byte schema with `[a-z]{1,6000}`), which would stall every client of the HTTP process, and a
+grammar it refuses ends its request with a 400 naming the field all the same.
+
+The bounds keep a compile from holding one of the scheduler's few compile threads for long (xgrammar
+cannot stop one midway). Its time grows fast with a schema's nesting (arrays nested 64 deep: 24 ms;
+200: 0.37 s; 600: 35 s, measured on the tiny vocabulary) and with a schema pattern's counted repeats
+(`[a-z]{1,1000}`: 47 ms; 2,000: 0.25 s; 6,000: 3.9 s). Real schemas stay far inside them: OpenAI's
+structured outputs allow 10 levels of nesting, which a JSON schema writes in about 20-30 levels of
+JSON (an object's field sits two levels below it, anyOf adds a list), under MAX_SCHEMA_DEPTH's 64."""
 
 from __future__ import annotations
 
@@ -12,10 +19,15 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
+from sglang.srt.constrained.stop_regex import pattern_bound_error
+
 if TYPE_CHECKING:
     from sglang.srt.sampling.sampling_params import SamplingParams
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+MAX_GRAMMAR_CHARS = 128 * 1024  # a grammar field's text (a body may hold 1.25 MB)
+MAX_SCHEMA_DEPTH = 64  # JSON objects and arrays nested in a json_schema or structural_tag
+MAX_SCHEMA_PATTERN_UNROLLED = 1000  # a schema pattern's counted repeats, multiplied (stop_regex.py)
 # upstream's json_schema for "any JSON value" (its tool-call and json_object paths send it)
 ANY_JSON = "$$ANY$$"
 
@@ -54,13 +66,45 @@ def check_grammar_fields(sp: SamplingParams, error: type[Exception]) -> None:
 
 
 def json_error(kind: str, text: str) -> str | None:
-    """Why a `kind` grammar's text is not the JSON it must be (a JSON schema or structural tag), or None."""
+    """Why a `kind` grammar's text is not what the compiler takes (too large; for a JSON schema or
+    structural tag, not JSON, nested too deep or a pattern repeated too long), or None."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        return f"{kind} has {len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,} are allowed"
     if kind not in ("json_schema", "structural_tag") or text == ANY_JSON:
         return None
     try:
-        json.loads(text)
+        value = json.loads(text)
     except ValueError as e:
         return f"{kind} is not valid: not JSON ({e})"
+    except RecursionError:
+        return (
+            f"{kind} nests more than {MAX_SCHEMA_DEPTH} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed"
+        )
+    return _schema_bound_error(kind, value)
+
+
+def _schema_bound_error(kind: str, value: Any) -> str | None:
+    """Why a parsed schema or structural tag is nested too deep or has a pattern that repeats too long."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"{kind} nests more than {MAX_SCHEMA_DEPTH} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed"
+        if isinstance(node, dict):
+            patterns = (
+                list(node.get("patternProperties") or {})
+                if isinstance(node.get("patternProperties"), dict)
+                else []
+            )
+            if isinstance(node.get("pattern"), str):
+                patterns.append(node["pattern"])
+            for pattern in patterns:
+                why = pattern_bound_error(pattern, MAX_SCHEMA_PATTERN_UNROLLED)
+                if why is not None:
+                    return f"{kind} has a pattern {pattern[:60]!r} that {why}"
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, dict | list))
     return None
 
 

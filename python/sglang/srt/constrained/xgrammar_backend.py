@@ -2,7 +2,8 @@
 and keeps one matcher per request.
 
 `GrammarBackend.submit` parses and compiles on threads of its own (xgrammar's compiler releases the
-GIL), so a large schema does not stall the batches running meanwhile; compiled grammars are cached by
+GIL; `compile_pool.py`: one that times out gives its place up), so a large schema does not stall the
+batches running meanwhile; compiled grammars are cached by
 xgrammar (the same schema twice compiles once; the cache is bounded). `RequestGrammar` follows the
 request's output: `catch_up` feeds the matcher the output tokens it has not seen (each exactly once,
 whoever calls first: the finish check after a step, or the mask of the next batch), `fill` writes the
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import json
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from sglang.srt.constrained.compile_pool import CompilePool
 from sglang.srt.constrained.grammar_spec import ANY_JSON, structural_tag_grammar
+from sglang.srt.constrained.output_check_budget import clock
 
 logger = logging.getLogger(__name__)
 
@@ -35,27 +38,44 @@ class GrammarRejectedToken(RuntimeError):
 
 
 class RequestGrammar:
-    """One request's matcher and how many of its output tokens it has accepted."""
+    """One request's matcher, how many of its output tokens it has accepted, and the scheduler thread's
+    time its accepts and fills took since the finish check last took it (`take_spent`)."""
 
-    __slots__ = ("matcher", "vocab_size", "accepted", "terminated")
+    __slots__ = ("matcher", "vocab_size", "accepted", "terminated", "spent", "stopped")
 
     def __init__(self, matcher: Any, vocab_size: int):
         self.matcher = matcher
         self.vocab_size = vocab_size  # the logits' width, which the masks cover
         self.accepted = 0
         self.terminated = False
+        self.spent = 0.0
+        # Ended for its cost (`OutputCheckBudget`) at its next finish check: it fills no mask meanwhile.
+        self.stopped = False
 
     def catch_up(self, output_ids: list[int]) -> None:
         """Accept the output tokens after the last accepted one; raises GrammarRejectedToken."""
-        matcher = self.matcher
-        for token in output_ids[self.accepted :]:
-            if self.terminated or not matcher.accept_token(token):
-                raise GrammarRejectedToken(f"token {token} at output position {self.accepted}")
-            self.accepted += 1
-            self.terminated = matcher.is_terminated()
+        if self.stopped or self.accepted >= len(output_ids):
+            return
+        matcher, start = self.matcher, clock()
+        try:
+            for token in output_ids[self.accepted :]:
+                if self.terminated or not matcher.accept_token(token):
+                    raise GrammarRejectedToken(f"token {token} at output position {self.accepted}")
+                self.accepted += 1
+                self.terminated = matcher.is_terminated()
+        finally:
+            self.spent += clock() - start
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.stopped:
+            return  # (the row allows every token: the request ends at its check, whatever it samples)
+        start = clock()
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.spent += clock() - start
+
+    def take_spent(self) -> float:
+        spent, self.spent = self.spent, 0.0
+        return spent
 
 
 class GrammarBackend:
@@ -77,11 +97,17 @@ class GrammarBackend:
         # so that one slow grammar does not hold up every other.
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=COMPILE_CACHE_BYTES)
         self.any_whitespace = any_whitespace
-        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
+        self.pool = CompilePool(compile_threads)
 
     def submit(self, kind: str, text: str) -> Future:
         """The compiled grammar of (`kind`, `text`), compiled on the backend's thread."""
-        return self._pool.submit(self.compile, kind, text)
+        return self.pool.submit(self.compile, kind, text)
+
+    def abandon(self, fut: Future) -> None:
+        """Nobody waits for `fut` any more (its request timed out or left): a queued compile is dropped,
+        a running one gives its place in the pool up."""
+        if not fut.cancel():
+            self.pool.abandon(fut)
 
     def compile(self, kind: str, text: str) -> Any:
         compiler = self.compiler
@@ -101,7 +127,7 @@ class GrammarBackend:
         return RequestGrammar(xgr.GrammarMatcher(compiled), self.vocab_size)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 
 def create_grammar_backend(

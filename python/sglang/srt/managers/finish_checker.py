@@ -1,17 +1,21 @@
 """When a request is finished: its length limit, its grammar complete, a stop token id or end-of-sequence
 id, a stop string or stop regex in the output's tail, or the context length. The tokenizer the stop
 strings need and the end-of-sequence ids (model config, generation config, tokenizer) are gathered
-here, once. A request's grammar follows its output here: each check first feeds it the new tokens."""
+here, once. A request's grammar follows its output here: each check first feeds it the new tokens.
+
+What a request's grammar (its accepts and mask fills since the last check) and its stop regexes cost
+the scheduler thread is charged here, once per check, to the output checks' budget
+(`constrained/output_check_budget.py`), which ends a request over it with a 400 naming the field."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import regex
-
+from sglang.srt.constrained.grammar_spec import grammar_key
+from sglang.srt.constrained.output_check_budget import OutputCheckBudget, clock
+from sglang.srt.constrained.stop_regex import compiled
 from sglang.srt.constrained.xgrammar_backend import GrammarRejectedToken
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -21,21 +25,26 @@ if TYPE_CHECKING:
 
 # Output tokens decoded to look for a stop regex: a regex has no length to size the window by.
 STOP_REGEX_TAIL_TOKENS = 64
-# What a request's stop regexes may take, together, to search that tail at one step. The search runs
-# on the scheduler thread: a pattern that backtracks exponentially (`(a|aa)+$` on "aaa...b") would
-# stop every request for hours; one that runs out of this budget ends its request with a 400 naming
-# stop_regex. The `regex` module counts its timeout in the process's CPU time (C `clock()`, every
-# thread's), so other busy threads spend the budget too: it is generous, as a sane pattern takes
-# ~5 us over the tail (measured on the CPU VM), 20,000 times less.
-STOP_REGEX_BUDGET_S = 0.1
 
 
 class StopRegexTimeout(Exception):
     """A stop regex ran out of its time on the output's tail."""
 
-    def __init__(self, pattern: str):
+    def __init__(self, pattern: str, limit: float):
         super().__init__(pattern)
         self.pattern = pattern
+        self.limit = limit
+
+
+class _Work:
+    """One check's output rules: the time it may take and what they took."""
+
+    __slots__ = ("allowance", "grammar_s", "regex_s", "field")
+
+    def __init__(self, allowance: float, field: str):
+        self.allowance = allowance
+        self.grammar_s = self.regex_s = 0.0
+        self.field = field  # the grammar's field, or stop_regex once it costs more
 
 
 class FinishChecker:
@@ -43,6 +52,7 @@ class FinishChecker:
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
         self.tokenizer = tokenizer
+        self.budget = OutputCheckBudget()
 
     @classmethod
     def from_server_args(cls, server_args: ServerArgs) -> FinishChecker:
@@ -67,13 +77,29 @@ class FinishChecker:
         """Set `req.finished_reason` if its newest output token ends it."""
         if req.finish_token_ids is None:
             self.set_quick_check(req)
+        if req.grammar is None and not req.sampling_params.stop_regex:
+            self._check(req, None)
+            return
+        budget = self.budget
+        why = budget.ended(req)
+        if why is not None:
+            req.finished_reason = _bad_request(budget.over_load_message(why), why)
+            return
+        key = grammar_key(req.sampling_params)
+        field = "stop_regex" if req.grammar is None else key[0] if key is not None else "grammar"
+        work = _Work(budget.allowance(req), field)
+        self._check(req, work)
+        if req.finished_reason is not None:
+            budget.forget(req)
+            return
+        budget.charge(req, work.grammar_s + work.regex_s, work.field)
+        why = budget.ended(req)
+        if why is not None:
+            req.finished_reason = _bad_request(budget.over_load_message(why), why)
+
+    def _check(self, req: Req, work: _Work | None) -> None:
         if req.custom_logit_error is not None:
-            req.finished_reason = {
-                "type": "abort",
-                "status_code": 400,
-                "message": req.custom_logit_error,
-                "param": "custom_logit_processor",
-            }
+            req.finished_reason = _bad_request(req.custom_logit_error, "custom_logit_processor")
             return
         grammar = req.grammar
         if grammar is not None:
@@ -88,6 +114,11 @@ class FinishChecker:
                         "--grammar-backend and --constrained-json-disable-any-whitespace."
                     )
                 req.finished_reason = {"type": "abort", "status_code": 500, "message": message}
+                return
+            work.grammar_s = grammar.take_spent()
+            if work.grammar_s > work.allowance:
+                message = self.budget.over_allowance_message(work.field, work.grammar_s, work.allowance)
+                req.finished_reason = _bad_request(message, work.field)
                 return
         sp = req.sampling_params
         n = len(req.output_ids)
@@ -105,15 +136,15 @@ class FinishChecker:
                 return
             if sp.stop or sp.stop_regex:
                 try:
-                    matched = self.match_stop_string(req)
+                    matched = self.match_stop_string(req, work)
                 except StopRegexTimeout as e:
-                    req.finished_reason = {
-                        "type": "abort",
-                        "status_code": 400,
-                        "param": "stop_regex",
-                        "message": f"stop_regex {e.pattern!r} took more than {STOP_REGEX_BUDGET_S * 1e3:g} "
-                        "ms to search the output; use a pattern that does not backtrack without bound.",
-                    }
+                    message = (
+                        f"stop_regex {e.pattern!r} took more than the {e.limit * 1e3:.0f} ms a request's "
+                        "checks may take for one token (SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, within "
+                        "SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP for all requests) to search the output; use a "
+                        "pattern that does not backtrack without bound."
+                    )
+                    req.finished_reason = _bad_request(message, "stop_regex")
                     return
                 if matched is not None:
                     req.finished_reason = {"type": "stop", "matched": matched}
@@ -137,9 +168,10 @@ class FinishChecker:
         else:
             req.finish_check_len = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
 
-    def match_stop_string(self, req: Req) -> str | None:
+    def match_stop_string(self, req: Req, work: _Work | None = None) -> str | None:
         """The stop string in the output's tail, else the stop regex (its pattern, as upstream reports
-        it) that matches there, else None. Raises StopRegexTimeout for a regex out of time."""
+        it) that matches there, else None. The regexes' search takes what is left of `work`'s allowance
+        (raises StopRegexTimeout beyond it) and adds its time to `work`."""
         if self.tokenizer is None:
             return None
         sp = req.sampling_params
@@ -149,23 +181,39 @@ class FinishChecker:
         tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
         matched = next((s for s in sp.stop if s in tail), None)
         if matched is None and sp.stop_regex:
-            matched = _first_match(sp.stop_regex, tail)
+            allowance = self.budget.allowance(req) if work is None else work.allowance
+            for pattern in sp.stop_regex:
+                compiled(pattern)  # (once per process, bounded by stop_regex.MAX_CHARS: not the search's)
+            start = clock()
+            try:
+                matched = _first_match(sp.stop_regex, tail, allowance - (work.grammar_s if work else 0.0))
+            finally:
+                if work is not None:
+                    work.regex_s = clock() - start
+                    if work.regex_s > work.grammar_s:
+                        work.field = "stop_regex"
         return matched
 
 
-def _first_match(patterns: list[str], text: str) -> str | None:
-    """The first pattern found in `text`, within one budget of process CPU time for them all."""
-    deadline = time.process_time() + STOP_REGEX_BUDGET_S
+def _first_match(patterns: list[str], text: str, limit: float) -> str | None:
+    """The first pattern found in `text`, within `limit` seconds for them all (the `regex` module's
+    timeout counts the process's CPU time, every thread's: with other threads busy it cuts a search
+    sooner)."""
+    deadline = clock() + limit
     for pattern in patterns:
-        left = deadline - time.process_time()
+        left = deadline - clock()
         try:
             if left <= 0:
                 raise TimeoutError
-            if regex.search(pattern, text, timeout=left) is not None:
+            if compiled(pattern).search(text, timeout=left) is not None:
                 return pattern
         except TimeoutError:
-            raise StopRegexTimeout(pattern) from None
+            raise StopRegexTimeout(pattern, limit) from None
     return None
+
+
+def _bad_request(message: str, param: str) -> dict[str, Any]:
+    return {"type": "abort", "status_code": 400, "message": message, "param": param}
 
 
 def _generation_config_eos(model_path: str) -> Any:

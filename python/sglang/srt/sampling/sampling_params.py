@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import regex
-
 from sglang.srt.constrained.grammar_spec import check_grammar_fields
+from sglang.srt.constrained.stop_regex import check_stop_regex
 
 MAX_N = 64
 # A temperature below this samples greedily, as upstream (`_SAMPLING_EPS`): dividing logits by it would
@@ -122,17 +121,7 @@ class SamplingParams:
                 raise SamplingParamsError(f"{name} must be a boolean.")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise SamplingParamsError("stop must be a non-empty string or a list of non-empty strings.")
-        if not isinstance(self.stop_regex, list) or not all(
-            isinstance(s, str) and s for s in self.stop_regex
-        ):
-            raise SamplingParamsError("stop_regex must be a non-empty string or a list of non-empty strings.")
-        for pattern in self.stop_regex:
-            try:
-                regex.compile(pattern)  # the engine that searches it (managers/finish_checker.py)
-            except regex.error as e:
-                raise SamplingParamsError(
-                    f"stop_regex {pattern!r} is not a valid regular expression: {e}."
-                ) from None
+        check_stop_regex(self.stop_regex, SamplingParamsError)  # its bounds, and that `regex` compiles it
         check_grammar_fields(self, SamplingParamsError)
         if not isinstance(self.stop_token_ids, list):
             raise SamplingParamsError("stop_token_ids must be a list of token ids.")

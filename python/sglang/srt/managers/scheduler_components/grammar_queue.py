@@ -5,7 +5,8 @@ grammar compiles on the backend's threads while the scheduler goes on with the o
 (`poll`) moves the requests whose grammar is ready (in arrival order among them: a slow grammar holds
 up no other) to where they would have gone (`on_ready`: the waiting queue, or a PD decode server's
 transfer queue), with their matcher; a grammar that does not parse or compile, or compiles past
-SGLANG_GRAMMAR_TIMEOUT, ends its request with a 400 naming the field. Without a backend
+SGLANG_GRAMMAR_TIMEOUT, ends its request with a 400 naming the field (a compile still running then
+gives its place in the backend's pool up, `constrained/compile_pool.py`). Without a backend
 (`--grammar-backend none`, or xgrammar not installed) such a request ends with a 400 at once.
 
 `held` counts the scheduler's requests that hold a matcher (past the queue): while there is one, the
@@ -81,7 +82,7 @@ class GrammarQueue:
         for req, fut, _ in out:
             kind = grammar_key(req.sampling_params)[0]
             if not fut.done():
-                fut.cancel()  # (a compile already running finishes on its thread, for nobody)
+                self.backend.abandon(fut)  # (one already running finishes on its thread, for nobody)
                 message = f"{kind} took more than SGLANG_GRAMMAR_TIMEOUT ({timeout:g} s) to compile."
                 self.on_error(req, message, kind)
             elif fut.exception() is not None:
@@ -100,7 +101,7 @@ class GrammarQueue:
         """`req` left the scheduler (finished, aborted)."""
         for i, (queued, fut, _) in enumerate(self.queue):
             if queued is req:
-                fut.cancel()
+                self.backend.abandon(fut)
                 del self.queue[i]
                 return
         if req.grammar is not None:

@@ -1,0 +1,114 @@
+"""`OutputCheckBudget`: what the per-token checks of requests' outputs may cost the scheduler thread. Those
+checks are a grammar's token accept and mask fill (xgrammar) and a stop_regex search of the output's
+tail: they run on the scheduler thread between two forwards, so what they take, every running request
+waits for. The rule, all of it here:
+
+- One request's checks for one token (its mask fill, its accept, its stop_regex search) may take at most
+  its *allowance*: SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, and no more than what the step's budget
+  (SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP) leaves beside the other requests' latest costs, though always
+  a fair share of it (the step's budget over the requests with checks).
+- The *load* is the sum of every live request's latest per-token cost: what one step of them all
+  costs (a step gives each running request one token; NGRAM's verify up to its draft width). When a
+  request's cost takes the load over the step's budget, the costliest requests are ended until it
+  fits: cheap requests are never ended for costly ones.
+- A request over its allowance, or ended for the load, ends with a 400 naming the field that cost it
+  the most (`ebnf`, `json_schema`, `regex`, `structural_tag` or `stop_regex`); one ended for the load
+  ends at its next check, and its grammar fills no more masks meanwhile.
+
+A stop_regex search is cut at the request's allowance (the `regex` module's timeout); xgrammar's calls
+cannot be interrupted, so a grammar's cost is measured after each call: a grammar whose cost grows
+token by token (an ambiguous EBNF) overruns its allowance by at most one call before it ends. Costs are
+wall time, what the other requests wait: xgrammar's fill works on threads of its own too (the calling
+thread's CPU time showed an eighth of a slow fill's).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from sglang.srt.environ import envs
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+clock = time.perf_counter
+
+
+class OutputCheckBudget:
+    def __init__(self, per_request_s: float | None = None, per_step_s: float | None = None):
+        self.per_request_s = (
+            envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ.get() if per_request_s is None else per_request_s
+        )
+        self.per_step_s = envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP.get() if per_step_s is None else per_step_s
+        # Each live request's latest per-token cost and the field that cost the most (identity keys).
+        self._cost: dict[Req, tuple[float, str]] = {}
+        self._load = 0.0
+        self._ended: dict[Req, str] = {}  # request -> why: ended for the load, at its next check
+        self._pruned_at = 0  # entries after the last pruning
+
+    @property
+    def load(self) -> float:
+        return self._load
+
+    def allowance(self, req: Req) -> float:
+        """What `req`'s checks for its next token may take."""
+        n = len(self._cost) + (req not in self._cost)
+        others = self._load - self._cost.get(req, (0.0, ""))[0]
+        step = self.per_step_s
+        return min(self.per_request_s, max(step - others, step / n))
+
+    def ended(self, req: Req) -> str | None:
+        """Why `req` was ended for the load (it is forgotten), or None."""
+        return self._ended.pop(req, None)
+
+    def charge(self, req: Req, cost: float, field: str) -> None:
+        """`req`'s checks for one token took `cost` seconds, `field` the costliest part. If that takes
+        the load over the step's budget, the costliest requests (maybe `req`) are ended."""
+        self._load += cost - self._cost.get(req, (0.0, ""))[0]
+        self._cost[req] = (cost, field)
+        if len(self._cost) + len(self._ended) > 2 * self._pruned_at + 64:
+            self._prune()
+        if self._load <= self.per_step_s:
+            return
+        self._prune()
+        for victim, (spent, why) in sorted(self._cost.items(), key=lambda e: e[1][0], reverse=True):
+            if self._load <= self.per_step_s:
+                break
+            self._load -= spent
+            del self._cost[victim]
+            self._ended[victim] = why
+            if victim.grammar is not None:
+                victim.grammar.stopped = True  # no more mask fills: it ends at its next check
+
+    def forget(self, req: Req) -> None:
+        """`req` finished: it costs nothing any more."""
+        entry = self._cost.pop(req, None)
+        if entry is not None:
+            self._load -= entry[0]
+        self._ended.pop(req, None)
+
+    def _prune(self) -> None:
+        """Forget requests that ended elsewhere (aborted, refused) since their last check."""
+        self._cost = {r: c for r, c in self._cost.items() if r.finished_reason is None}
+        self._ended = {r: f for r, f in self._ended.items() if r.finished_reason is None}
+        self._load = sum(c for c, _ in self._cost.values())  # (also drops the float sums' drift)
+        self._pruned_at = len(self._cost) + len(self._ended)
+
+    def over_load_message(self, field: str) -> str:
+        return (
+            f"{field} was among the costliest checks when the requests' grammar and stop_regex work took "
+            f"more than the scheduler's {self.per_step_s * 1e3:g} ms per step "
+            f"(SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP); use a simpler {_what(field)}."
+        )
+
+    def over_allowance_message(self, field: str, cost: float, allowance: float) -> str:
+        return (
+            f"{field} took {cost * 1e3:.0f} ms of the scheduler's time for one token, more than the "
+            f"{allowance * 1e3:.0f} ms a request may take (SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, within "
+            f"SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP for all requests); use a simpler {_what(field)}."
+        )
+
+
+def _what(field: str) -> str:
+    return "pattern" if field in ("stop_regex", "regex") else "grammar"
