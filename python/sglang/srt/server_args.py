@@ -78,6 +78,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = field(default=None, metadata=SECRET)
+    # The management routes' key (utils/auth.py): with it, those routes refuse the user key.
+    admin_api_key: str | None = field(default=None, metadata=SECRET)
     enable_metrics: bool = False
     log_level: str = "info"
     log_requests: bool = False
@@ -465,6 +467,13 @@ class ServerArgs:
         g.add_argument("--host", default=default("host"))
         g.add_argument("--port", type=int, default=default("port"))
         g.add_argument("--api-key", default=None, help="Bearer token checked on every route but /health.")
+        g.add_argument(
+            "--admin-api-key",
+            default=None,
+            help="Bearer token of the management routes (weight updates and reads, memory release and "
+            "resume, pause and continue, abort, flush, weight version; upstream's): set, they refuse "
+            "--api-key and take this one only; unset, they take --api-key as every route does.",
+        )
         g.add_argument("--enable-metrics", action="store_true")
         g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
         g.add_argument("--log-requests", action="store_true")

@@ -67,6 +67,8 @@ def check_basic_flags(args: ServerArgs) -> None:
         )
     if not 0 < args.port < 65536:
         raise ServerArgsError(f"--port must be between 1 and 65535, got {args.port}.")
+    if args.admin_api_key and args.admin_api_key == args.api_key:
+        raise ServerArgsError("--admin-api-key must differ from --api-key (else every user is an admin).")
     _positive("--page-size", args.page_size)
     _positive("--max-prefill-tokens", args.max_prefill_tokens)
     _positive("--stream-interval", args.stream_interval)

@@ -18,6 +18,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from sglang.srt.configs.presets import is_preset
 from sglang.srt.entrypoints.engine import build_server_info
 from sglang.srt.entrypoints.generate_body import parse_generate_body
 from sglang.srt.entrypoints.http_guard import RequestGuard
@@ -62,6 +63,7 @@ from sglang.srt.managers.weight_update_request import (
 )
 from sglang.srt.metrics.collector import MetricsCollector
 from sglang.srt.sampling.model_defaults import model_sampling_defaults
+from sglang.srt.utils.auth import ApiKeyMiddleware, AuthLevel, auth_level
 
 logger = logging.getLogger(__name__)
 
@@ -124,17 +126,14 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    if server_args.api_key:
-        expected = f"Bearer {server_args.api_key}"
-
-        @app.middleware("http")
-        async def check_api_key(request: Request, call_next: Any) -> Response:
-            if request.url.path != "/health" and request.headers.get("authorization") != expected:
-                body = error_body(
-                    "Invalid or missing API key (Authorization: Bearer ...).", code="invalid_api_key"
-                )
-                return json_response(body, 401)
-            return await call_next(request)
+    if server_args.api_key or server_args.admin_api_key:
+        app.add_middleware(
+            ApiKeyMiddleware,
+            routes=app.router.routes,
+            api_key=server_args.api_key,
+            admin_api_key=server_args.admin_api_key,
+        )
+    admin = auth_level(AuthLevel.ADMIN_OPTIONAL)
 
     @app.get("/health")
     async def health() -> Response:
@@ -188,6 +187,7 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         return json_response(build_server_info(server_args, model_info, state))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @admin
     async def flush_cache() -> Response:
         try:
             out = await tm.flush_cache()
@@ -200,6 +200,7 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         )
 
     @app.post("/pause_generation")
+    @admin
     async def pause_generation(request: Request) -> Response:
         try:
             data = _json_object(await request.body())
@@ -216,6 +217,7 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation")
+    @admin
     async def continue_generation() -> Response:
         try:
             await tm.continue_generation()
@@ -224,6 +226,7 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.post("/abort_request")
+    @admin
     async def abort_request(request: Request) -> Response:
         try:
             data = _json_object(await request.body())
@@ -244,8 +247,8 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         methods: tuple[str, ...] = ("POST",),
         fields: tuple[str, ...] = ("success", "message"),
     ) -> None:
-        """A weight route whose reply is upstream's: `call`'s result as `fields` ({"success", "message"}
-        and maybe more), 200 on success, else 400 and why."""
+        """A weight route (an admin one) whose reply is upstream's: `call`'s result as `fields`
+        ({"success", "message"} and maybe more), 200 on success, else 400 and why."""
 
         async def handle(request: Request) -> Response:
             try:
@@ -261,11 +264,11 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
                 return internal_error_response(e)
             return json_response(body, 200 if body["success"] else 400)
 
-        app.api_route(path, methods=list(methods))(handle)
+        app.api_route(path, methods=list(methods))(admin(handle))
 
     weights_route(
         "/update_weights_from_disk",
-        parse_update_weights_from_disk,
+        _parse_disk_update_of_a_folder,
         tm.update_weights_from_disk,
         fields=("success", "message", "num_paused_requests"),
     )
@@ -290,6 +293,7 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         weights_route(path, lambda body, cls=cls: parse_memory_occupation(body, cls), call, ("GET", "POST"))
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    @admin
     async def get_weights_by_name(request: Request) -> Response:
         # As upstream: the parameter's first rows as a bare JSON list.
         try:
@@ -303,6 +307,7 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
             return internal_error_response(e)
 
     @app.post("/update_weight_version")
+    @admin
     async def update_weight_version(request: Request) -> Response:
         try:
             version, abort = parse_update_weight_version(_json_object(await request.body()))
@@ -363,6 +368,19 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         read_timeout=envs.SGLANG_HTTP_READ_TIMEOUT.get(),
         on_response=metrics.on_http_response if metrics is not None else None,
     )
+
+
+def _parse_disk_update_of_a_folder(body: Any) -> Any:
+    """Over HTTP a disk update loads a folder only: a preset name would make the scheduler generate that
+    preset into the cache (minutes of CPU, files written) before refusing it."""
+    obj = parse_update_weights_from_disk(body)
+    if is_preset(obj.model_path):
+        raise RequestError(
+            f"model_path {obj.model_path!r} names a built-in preset, not a checkpoint folder: over HTTP "
+            "/update_weights_from_disk loads folders only (give the folder's path).",
+            "model_path",
+        )
+    return obj
 
 
 def _control_failed(e: Exception) -> Response:

@@ -207,11 +207,7 @@ class TokenizerManager:
             encoded = []
         else:
             encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len)
-        items, is_list = build_requests(obj, prompts, encoded, self.limits)
-        for item in items:
-            if item.req.rid in self.rid_to_state:
-                raise RequestError(f"A request with rid {item.req.rid!r} is already running.", "rid")
-        return items, is_list
+        return build_requests(obj, prompts, encoded, self.limits)
 
     async def generate_request(
         self, obj: GenerateReqInput, request: DisconnectCheck | None = None
@@ -230,6 +226,11 @@ class TokenizerManager:
         error = self.health.error()
         if error is not None:
             raise BackendDeadError(error)
+        # Checked here, after the gates and with no await before the registration below: two requests
+        # with one rid that both waited at a gate must not both pass.
+        for item in items:
+            if item.req.rid in self.rid_to_state:
+                raise RequestError(f"A request with rid {item.req.rid!r} is already running.", "rid")
         yield_event = asyncio.Event()
         states: list[ReqState] = []
         try:
@@ -426,7 +427,11 @@ class TokenizerManager:
         self, obj: InitWeightsUpdateGroupReqInput, request: DisconnectCheck | None = None
     ) -> tuple[bool, str]:
         """Join a trainer's weight-update group (`WeightsUpdateGroups`): waits while the trainer joins,
-        up to the group's timeout."""
+        up to the group's timeout (30 min by default). A second call meanwhile is answered at once rather
+        than queued behind the first for as long."""
+        joining = self._control_locks.get(InitWeightsUpdateGroupReqOutput)
+        if joining is not None and joining.locked():
+            return False, "A weight-update group is being joined already; call again once that call answers."
         out = await self._control(obj, InitWeightsUpdateGroupReqOutput, None)
         return out.success, out.message
 

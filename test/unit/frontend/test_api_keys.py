@@ -1,0 +1,179 @@
+"""--api-key and --admin-api-key (upstream's levels, `utils/auth.py`) on the real app, in process: the
+management routes are ADMIN_OPTIONAL and every other route NORMAL; with only --api-key every route
+takes it as before; with --admin-api-key the management routes refuse the user key and take the admin
+key; keys are compared whole, in constant time, whatever bytes a header holds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from sglang.srt.entrypoints.http_server import create_app
+from sglang.srt.managers.io_struct import PortArgs
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=4, suite="per-commit-cpu")
+
+MODEL_INFO = {"context_len": 4096, "max_req_input_len": 4095, "vocab_size": 512, "max_running_requests": 8}
+USER, ADMIN = "user-key", "admin-key"
+ADMIN_ROUTES = {
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/update_weights_from_distributed",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/get_weights_by_name",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/pause_generation",
+    "/continue_generation",
+    "/abort_request",
+    "/flush_cache",
+    "/update_weight_version",
+}
+NORMAL_ROUTES = {
+    "/generate": "POST",
+    "/v1/models": "GET",
+    "/get_model_info": "GET",
+    "/v1/completions": "POST",
+}
+
+
+async def unanswered(req, reply_type, timeout):
+    raise TimeoutError("The scheduler did not answer.")  # a route that got past the keys answers 503
+
+
+def build(api_key: str | None, admin_api_key: str | None):
+    args = ServerArgs(model_path="tiny-qwen3-next", api_key=api_key, admin_api_key=admin_api_key)
+    tm = TokenizerManager(args, PortArgs.init_new(), MODEL_INFO)
+    tm._control = unanswered
+    return create_app(args, tm, MODEL_INFO), tm
+
+
+@pytest.fixture(scope="module")
+def apps():
+    built = {config: build(*config) for config in [(USER, None), (USER, ADMIN), (None, ADMIN)]}
+    yield {config: app for config, (app, _) in built.items()}
+    for _, tm in built.values():
+        tm.encoder.close()
+
+
+def call(app, method: str, path: str, key: str | bytes | None) -> int:
+    """The status of `method path` with `Authorization: Bearer key` (none for None), an empty JSON body."""
+    return request(app, method, path, key)[0]
+
+
+def request(app, method: str, path: str, key: str | bytes | None, body: bytes = b"{}") -> tuple[int, bytes]:
+    """The status and body of the reply to `method path` with `body` and `Authorization: Bearer key`."""
+    headers = [(b"content-type", b"application/json")]
+    if key is not None:
+        headers.append((b"authorization", b"Bearer " + (key if isinstance(key, bytes) else key.encode())))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_the_management_routes_are_admin_and_no_other(apps):
+    app = apps[(USER, None)].app  # (inside the request guard)
+    levels = {}
+    for route in app.router.routes:
+        level = getattr(route.endpoint, "_auth_level", AuthLevel.NORMAL)
+        levels.setdefault(route.path, set()).add(level)
+    admin = {path for path, marks in levels.items() if AuthLevel.ADMIN_OPTIONAL in marks}
+    assert admin == ADMIN_ROUTES
+    assert all(marks == {AuthLevel.NORMAL} for path, marks in levels.items() if path not in admin)
+
+
+def methods(path: str) -> str:
+    return NORMAL_ROUTES.get(path, "POST")
+
+
+@pytest.mark.parametrize("path", sorted(ADMIN_ROUTES))
+def test_admin_routes_take_the_user_key_only_without_an_admin_key(apps, path):
+    only_user, both, only_admin = apps[(USER, None)], apps[(USER, ADMIN)], apps[(None, ADMIN)]
+    assert call(only_user, "POST", path, None) == 401
+    assert call(only_user, "POST", path, USER) not in (401, 403), "as before: the user key opens it"
+    for app in (both, only_admin):
+        assert call(app, "POST", path, None) == 401
+        assert call(app, "POST", path, USER) == 401, "an admin key is set: the user key is refused"
+        assert call(app, "POST", path, ADMIN) not in (401, 403)
+        assert call(app, "GET", path, USER) == 401, "the wrong method is no way around the key"
+
+
+@pytest.mark.parametrize("path", sorted(NORMAL_ROUTES))
+def test_normal_routes_take_the_user_key(apps, path):
+    method = methods(path)
+    for config in [(USER, None), (USER, ADMIN)]:
+        app = apps[config]
+        assert call(app, method, path, None) == 401
+        assert call(app, method, path, USER) not in (401, 403)
+        assert call(app, method, path, ADMIN + "x") == 401
+    # With both keys each opens its own routes (upstream's rule); with the admin key only they are open.
+    assert call(apps[(USER, ADMIN)], method, path, ADMIN) == 401
+    assert call(apps[(None, ADMIN)], method, path, None) not in (401, 403)
+
+
+def test_health_is_open_and_a_refusal_names_the_admin_flag(apps):
+    app = apps[(USER, ADMIN)]
+    # /health answers without a key under every configuration (503 here: no scheduler ever answered).
+    assert call(app, "GET", "/health", None) in (200, 503)
+    status, reply = request(app, "POST", "/flush_cache", USER)
+    error = orjson.loads(reply)["error"]
+    assert status == 401 and error["code"] == "invalid_api_key" and "--admin-api-key" in error["message"]
+
+
+def test_keys_are_compared_whole_and_as_bytes():
+    for header in [
+        b"Bearer admin-ke",
+        b"Bearer admin-key ",
+        b"Basic admin-key",
+        b"admin-key",
+        b"Bearer \xff\xfe",
+    ]:
+        assert decide_request_auth(AuthLevel.ADMIN_OPTIONAL, header, USER, ADMIN) == 401, header
+    assert decide_request_auth(AuthLevel.ADMIN_OPTIONAL, b"bearer admin-key", USER, ADMIN) is None
+    assert decide_request_auth(AuthLevel.ADMIN_OPTIONAL, None, None, None) is None, "no keys: open"
+
+
+def test_admin_force_needs_an_admin_key_configured():
+    """Upstream's third level, for routes that must never open to the user key: 403 without an admin key
+    on the server, 401 without it in the request."""
+    assert decide_request_auth(AuthLevel.ADMIN_FORCE, b"Bearer user-key", USER, None) == 403
+    assert decide_request_auth(AuthLevel.ADMIN_FORCE, None, None, None) == 403
+    assert decide_request_auth(AuthLevel.ADMIN_FORCE, b"Bearer user-key", USER, ADMIN) == 401
+    assert decide_request_auth(AuthLevel.ADMIN_FORCE, b"Bearer admin-key", USER, ADMIN) is None
+
+
+def test_the_two_keys_must_differ():
+    with pytest.raises(ServerArgsError, match="--admin-api-key must differ from --api-key"):
+        ServerArgs(model_path="tiny-qwen3-next", api_key="k", admin_api_key="k")
+    assert "admin-key" not in repr(ServerArgs(model_path="tiny-qwen3-next", admin_api_key="admin-key"))
+
+
+def test_a_preset_name_is_no_folder_to_load_from_disk(apps):
+    """A preset name made the scheduler generate that preset into its cache (minutes of CPU, files
+    written) before refusing it; it is refused before anything reaches the scheduler."""
+    app = apps[(USER, None)]
+    for name in ["tiny-nemotron-h", "tiny-qwen3-next-demo"]:
+        status, reply = request(
+            app, "POST", "/update_weights_from_disk", USER, orjson.dumps({"model_path": name})
+        )
+        error = orjson.loads(reply)["error"]
+        assert status == 400, error
+        assert error["param"] == "model_path" and "preset" in error["message"]
