@@ -98,6 +98,33 @@ CASES = [
     (GEN, {"text": "a", "image_data": "x.png"}, "image_data"),
     (GEN, {"text": "a", "lora_path": "my-adapter"}, "lora_path"),
     (GEN, {"text": "a", "sampling_params": {"stop_regex": "(a"}}, "sampling_params.stop_regex"),
+    # The security review's rows 6 and 8 (issue 51): 5,000 nested groups (a RecursionError, a 500), a
+    # 689 KB pattern (compiled 10.8 s on the event loop), a repeat that unrolled to 4 GB, a json_schema
+    # nested 600 deep (held a compile thread 35-39 s).
+    (
+        GEN,
+        {"text": "a", "sampling_params": {"stop_regex": "(" * 5000 + "a" + ")" * 5000}},
+        "sampling_params.stop_regex",
+    ),
+    (
+        COMP,
+        {"prompt": "x", "stop_regex": ["(" * 90 + "a" + ")" * 90] * 2 + ["(" * 1000 + ")" * 1000]},
+        "stop_regex",
+    ),
+    (
+        GEN,
+        {"text": "a", "sampling_params": {"stop_regex": "|".join(f"x{i}" for i in range(100_000))}},
+        "sampling_params.stop_regex",
+    ),
+    (GEN, {"text": "a", "sampling_params": {"stop_regex": "a{4294967294}"}}, "sampling_params.stop_regex"),
+    (
+        GEN,
+        {
+            "text": "a",
+            "sampling_params": {"json_schema": '{"type": "array", "items": ' * 600 + "{}" + "}" * 600},
+        },
+        "sampling_params.json_schema",
+    ),
     (GEN, {"text": "a", "sampling_params": {"logit_bias": {"-3": 1}}}, "sampling_params.logit_bias"),
     (GEN, {"input_ids": [5], "return_logprob": True, "token_ids_logprob": [5, -1]}, "token_ids_logprob"),
     # 64 prompts x n=64 would start 4096 sequences at once.
@@ -216,6 +243,28 @@ class TestMalformedRequests(ServerTestCase):
         k = next(i for i in range(1, 6) if ids[i] not in ids[:i] and plain[i + 1] != plain[i])
         self.assertEqual(text(6, stop_token_ids=[ids[k]]), plain[k])
         self.assertEqual(text(6, stop_token_ids=[ids[k]], no_stop_trim=True), plain[k + 1])
+
+    def test_an_ambiguous_ebnf_gets_a_400_naming_ebnf(self) -> None:
+        """The security review's row 3: an ambiguous grammar fed long space tokens, whose accept and mask
+        fill grow to seconds a token (the server stalled, then its watchdog shut it down), ends once one
+        token's checks are over SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ (a bystander's delay is measured in
+        test/unit/scheduler/test_output_check_budget.py)."""
+        from sglang.srt.configs.presets import resolve_model_path
+        from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+        tok = get_tokenizer(resolve_model_path(self.model))
+        spaces = [i for i in range(2048) if tok.decode([i]) and not tok.decode([i]).strip(" ")]
+        space = max(spaces, key=lambda i: len(tok.decode([i])))
+        params = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0, "logit_bias": {str(space): 100}}
+        ebnf = 'root ::= s\ns ::= s s | s s s | " " | ""'
+        start = time.monotonic()
+        r = self.post(GEN, {"text": "x", "sampling_params": {**params, "ebnf": ebnf}})
+        self.assertEqual(r.status_code, 400, r.text[:300])
+        self.assertEqual(r.json()["error"]["param"], "ebnf")
+        self.assertIn("SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ", r.json()["error"]["message"])
+        # (about 10 tokens of growing cost at the 50 ms default; without the budget, minutes)
+        self.assertLess(time.monotonic() - start, 20)
+        self.assert_idle_accounting()
 
     def test_a_body_over_the_limit_gets_413_before_it_is_sent(self) -> None:
         limit = self.get("/get_server_info").json()["max_request_body_size"]
