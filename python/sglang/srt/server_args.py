@@ -41,6 +41,7 @@ from sglang.srt.server_args_checks import (
     check_speculative_track_interval,
     check_tokenizer,
 )
+from sglang.srt.server_args_upstream import add_upstream_cli_args, check_upstream_args
 
 logger = logging.getLogger(__name__)
 
@@ -734,7 +735,10 @@ class ServerArgs:
 def prepare_server_args(argv: list[str]) -> ServerArgs:
     parser = argparse.ArgumentParser(prog="python -m sglang.launch_server")
     ServerArgs.add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(argv))
+    add_upstream_cli_args(parser)
+    args = parser.parse_args(argv)
+    check_upstream_args(args)
+    return ServerArgs.from_cli_args(args)
 
 
 def _auto_device() -> str:

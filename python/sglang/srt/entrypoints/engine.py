@@ -40,6 +40,7 @@ from sglang.srt.managers.weight_update_request import (
     parse_update_weights_from_distributed,
 )
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args_upstream import upstream_engine_kwargs
 from sglang.version import __version__
 
 
@@ -61,9 +62,10 @@ def build_server_info(server_args: ServerArgs, model_info: dict[str, Any], state
 
 class Engine:
     def __init__(self, *, scheduler_entry: SchedulerEntry | None = None, **kwargs: Any):
-        """`kwargs` are ServerArgs fields (`model_path=...`, `mamba_scheduler_strategy=...`); a bad one
-        raises ServerArgsError, a failed start ServerStartupError."""
-        self.server_args = ServerArgs(**kwargs)
+        """`kwargs` are ServerArgs fields (`model_path=...`, `mamba_scheduler_strategy=...`) or upstream's
+        keywords (`upstream_engine_kwargs`); a bad one raises ServerArgsError, a failed start
+        ServerStartupError."""
+        self.server_args = ServerArgs(**upstream_engine_kwargs(kwargs))
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._launched = launch_subprocesses(self.server_args, scheduler_entry)
