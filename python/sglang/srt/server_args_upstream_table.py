@@ -340,7 +340,12 @@ ACCEPTED: list[Accepted] = [
         )
         for part in ("", "-decode", "-prefill", "-verify")
     ),
-    Accepted("--sampling-backend=", "sampling runs in torch", {"pytorch": {}}, instead="kernels"),
+    Accepted(
+        "--sampling-backend=",
+        "sampling runs in torch and this server's own ops, not FlashInfer",
+        {"pytorch": {}},
+        instead="kernels",
+    ),
     *(
         Accepted(
             f"--{name}=",
