@@ -196,7 +196,8 @@ class Envs:
     SGLANG_GRAMMAR_TIMEOUT = EnvFloat(300.0, "Abort a request whose grammar compiles longer than this.")
     # Seconds of the scheduler thread a request's grammar accept, mask fill and stop_regex search may take
     # for one token, and all requests' together per step (constrained/output_check_budget.py has the
-    # rule): over them the costliest requests end with a 400. Sane checks take microseconds.
+    # rule): over them the costliest requests end with a 400 (0 or less: no limit). Sane checks take
+    # microseconds.
     SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ = EnvFloat(
         0.05, "A request whose grammar and stop_regex checks take longer for one token ends with a 400."
     )

@@ -10,8 +10,10 @@ ambiguous grammar 5 s, the held compile pool never let the victim through)."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -104,6 +106,12 @@ def test_the_budget_ends_the_costliest_and_spares_the_cheap():
     # The two costly ones fill 0.08 s of the step: the cheap one may take its fair share, a third.
     assert budget.allowance(cheap) == pytest.approx(0.1 / 3)
     assert OutputCheckBudget(per_request_s=0.05, per_step_s=0.1).allowance(cheap) == 0.05  # the cap
+    assert OutputCheckBudget(per_request_s=0, per_step_s=0).allowance(cheap) == math.inf  # (0: off)
+    # A request with a grammar ended for the load fills no more masks before its check ends it.
+    grammar_req = Req("g", [5], SamplingParams(ebnf='root ::= "a"'))
+    grammar_req.grammar = SimpleNamespace(stopped=False)
+    budget.charge(grammar_req, 0.09, "ebnf")
+    assert grammar_req.grammar.stopped and budget.ended(grammar_req) == "ebnf"
     # Requests that ended elsewhere (aborted) stop counting once pruned.
     for r in costly:
         r.finished_reason = {"type": "abort"}

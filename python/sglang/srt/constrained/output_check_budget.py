@@ -24,6 +24,7 @@ thread's CPU time showed an eighth of a slow fill's).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -37,10 +38,13 @@ clock = time.perf_counter
 
 class OutputCheckBudget:
     def __init__(self, per_request_s: float | None = None, per_step_s: float | None = None):
-        self.per_request_s = (
-            envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ.get() if per_request_s is None else per_request_s
-        )
-        self.per_step_s = envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP.get() if per_step_s is None else per_step_s
+        if per_request_s is None:
+            per_request_s = envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ.get()
+        if per_step_s is None:
+            per_step_s = envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP.get()
+        # (0 or less: no limit, as the request deadlines)
+        self.per_request_s = per_request_s if per_request_s > 0 else math.inf
+        self.per_step_s = per_step_s if per_step_s > 0 else math.inf
         # Each live request's latest per-token cost and the field that cost the most (identity keys).
         self._cost: dict[Req, tuple[float, str]] = {}
         self._load = 0.0

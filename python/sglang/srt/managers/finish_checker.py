@@ -10,6 +10,7 @@ the scheduler thread is charged here, once per check, to the output checks' budg
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -205,7 +206,7 @@ def _first_match(patterns: list[str], text: str, limit: float) -> str | None:
         try:
             if left <= 0:
                 raise TimeoutError
-            if compiled(pattern).search(text, timeout=left) is not None:
+            if compiled(pattern).search(text, timeout=None if left == math.inf else left) is not None:
                 return pattern
         except TimeoutError:
             raise StopRegexTimeout(pattern, limit) from None
