@@ -255,7 +255,8 @@ def test_every_refused_flag_names_itself():
             assert message.startswith(f"{name} is not supported by this server: "), message
             assert message.endswith(".") and message.count(". ") == 0, f"not one sentence: {message}"
             checked += 1
-    assert checked > 350, checked  # the table's size today: a sweep that skips everything proves nothing
+    # 423 today; flags implemented later leave the sweep, but one that checks nothing proves nothing.
+    assert checked > 200, checked
 
 
 def test_every_accepted_flag_parses_and_other_values_are_refused():
