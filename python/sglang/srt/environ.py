@@ -160,6 +160,9 @@ class Envs:
     # CPU sampling of float32 logits (with or without top-k / top-p / min-p cuts): auto = one sgl-kernel
     # C++ call where built, else the torch ops (`layers/sampler.py`).
     SGLANG_CPU_SAMPLING_BACKEND = EnvStr("auto", "CPU sampling: auto, torch or cpp.")
+    # Input logprobs: the logits and log_softmax of this many positions at a time (upstream's name and
+    # default; upstream chunks only with SGLANG_ENABLE_LOGITS_PROCESSER_CHUNK, here always).
+    SGLANG_LOGITS_PROCESSER_CHUNK_SIZE = EnvInt(2048, "Input logprobs: positions whose logits exist at once.")
     # CPU decode: each decoder block (its norm, mixer or MoE and residual add) as one sgl-kernel call
     # (`layers/decode_blocks.py`) where every part of it would run its own C++ op; 0 calls the parts one
     # by one (the same arithmetic, for debugging and A/B runs).

@@ -293,3 +293,54 @@ def test_a_maximal_reply_does_not_stall_the_event_loop(tokenizer):
     # 0.03-0.045 s beside a 0.13-0.17 s build. The bound, 0.15 s and at most half the build, leaves 3x
     # for a slower host and fails in both earlier ways.
     assert stall < min(0.15, build / 2), (stall, build)
+
+
+def test_input_logprobs_are_computed_a_chunk_of_positions_at_a_time(monkeypatch):
+    """The [positions, vocab] logits of input logprobs exist SGLANG_LOGITS_PROCESSER_CHUNK_SIZE positions
+    at a time (a prefill chunk of 8,192 positions at a 151,936-token vocabulary took ~12 GB at once), and
+    the values do not depend on the chunk size."""
+    from types import SimpleNamespace
+
+    from sglang.srt.environ import envs
+    from sglang.srt.layers import logits_processor as lp_mod
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    torch.manual_seed(0)
+    lens, starts = [30, 20], [0, 5]  # two prompts in one extend; input logprobs from 0 and from 5
+    hidden = torch.randn(sum(lens), 16)
+    lm_head = torch.nn.Linear(16, 64, bias=False)
+    fb = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND, batch_size=2, return_logprob=True, return_logprob_mask=[True, True],
+        extend_start_loc_cpu=[0, 30], extend_seq_lens_cpu=lens, extend_last_loc=torch.tensor([29, 49]),
+        extend_logprob_start_lens_cpu=starts, extend_logprob_next_ids_cpu=None, num_tokens=sum(lens),
+        input_ids=torch.randint(0, 64, (sum(lens),)), top_logprobs_nums=[3, 0], token_ids_logprobs=[[1, 2], None],
+        sampling_info=SimpleNamespace(temperatures=torch.tensor([0.0, 0.7])), return_hidden_states_mask=None,
+    )  # fmt: skip
+    widest = []
+    real = lp_mod.scaled_log_softmax
+    monkeypatch.setattr(lp_mod, "scaled_log_softmax", lambda x, t: widest.append(x.shape[0]) or real(x, t))
+
+    def run(chunk: int):
+        widest.clear()
+        with envs.SGLANG_LOGITS_PROCESSER_CHUNK_SIZE.override(chunk):
+            out = lp_mod.LogitsProcessor()(hidden, lm_head, fb)
+        return out, max(widest)
+
+    whole, rows = run(2048)
+    chunked, chunk_rows = run(4)
+    assert (rows, chunk_rows) == (29 + 14, 4)
+    assert torch.equal(whole.next_token_logits, chunked.next_token_logits)
+    for name, counts in (
+        ("input_token_logprobs", [29, 14]),
+        ("input_top_logprobs", [29, 0]),
+        ("input_token_ids_logprobs", [29, 0]),
+    ):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert [len(x) for x in a] == [len(x) for x in b] == counts, name
+        # The same rows through a smaller matmul: equal up to float32 rounding.
+        assert torch.allclose(_values(a), _values(b), atol=1e-5), name
+
+
+def _values(per_request: list) -> torch.Tensor:
+    """Every logprob of a LogitsProcessorOutput list (a position holds one, or (values, ids))."""
+    return torch.tensor([v for r in per_request for p in r for v in (p[0] if isinstance(p, tuple) else [p])])

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang.srt.environ import envs
 from sglang.srt.model_executor.forward_batch_info import move_to_device
 
 if TYPE_CHECKING:
@@ -161,28 +162,43 @@ class LogitsProcessor:
         rows_t, target_t, next_t = move_to_device(
             [torch.tensor(v, dtype=torch.int64) for v in (rows, target_at, next_vals)], hidden.device
         )
-        logits = lm_head(hidden[torch.cat([fb.extend_last_loc, rows_t])])
         bs = fb.batch_size
         out = LogitsProcessorOutput(
-            next_token_logits=logits[:bs], input_token_logprobs=[[] for _ in range(bs)]
+            next_token_logits=lm_head(hidden[fb.extend_last_loc]),
+            input_token_logprobs=[[] for _ in range(bs)],
         )
         if not sum(counts):
             return out
-        lp = scaled_log_softmax(logits[bs:], torch.cat(temps))
-        # One copy to the host for all requests (and one per kind of top logprobs), then sliced.
+        temps_t = torch.cat(temps)
         targets = torch.cat([fb.input_ids, next_t])[target_t]
-        values = lp.gather(1, targets[:, None])[:, 0].tolist()
         top_n = fb.top_logprobs_nums
         most = max((n for n, c in zip(top_n, counts, strict=True) if c > 0), default=0)
-        if most > 0:
-            out.input_top_logprobs = [[] for _ in range(bs)]
-            top_v, top_i = (t.tolist() for t in lp.topk(most, dim=-1))
         wants_ids = fb.token_ids_logprobs
         if wants_ids is not None:
             # Each position of request i wants the same ids: its rows of lp, gathered at them.
-            out.input_token_ids_logprobs = [[] for _ in range(bs)]
             per_row = [ids for ids, c in zip(wants_ids, counts, strict=True) for _ in range(c)]
-            chosen = chosen_logprobs(lp, per_row)
+        # The rows' [rows, vocab] logits and log_softmax exist one chunk of rows at a time (upstream's
+        # chunk size): a prefill chunk of 8,192 positions at Qwen3-Next's vocabulary would otherwise
+        # take ~12 GB at once. One copy to the host per chunk and kind of values.
+        values: list[float] = []
+        top_v: list[list[float]] = []
+        top_i: list[list[int]] = []
+        chosen: list[TopLogprobs | None] = []
+        step = max(envs.SGLANG_LOGITS_PROCESSER_CHUNK_SIZE.get(), 1)
+        for lo in range(0, len(rows), step):
+            hi = min(lo + step, len(rows))
+            lp = scaled_log_softmax(lm_head(hidden[rows_t[lo:hi]]), temps_t[lo:hi])
+            values += lp.gather(1, targets[lo:hi, None])[:, 0].tolist()
+            if most > 0:
+                chunk_v, chunk_i = lp.topk(most, dim=-1)
+                top_v += chunk_v.tolist()
+                top_i += chunk_i.tolist()
+            if wants_ids is not None:
+                chosen += chosen_logprobs(lp, per_row[lo:hi])
+        if most > 0:
+            out.input_top_logprobs = [[] for _ in range(bs)]
+        if wants_ids is not None:
+            out.input_token_ids_logprobs = [[] for _ in range(bs)]
         offset = 0
         for i, count in enumerate(counts):
             out.input_token_logprobs[i] = values[offset : offset + count]
