@@ -10,7 +10,9 @@ waits for. The rule, all of it here:
 - The *load* is the sum of every live request's latest per-token cost: what one step of them all
   costs (a step gives each running request one token; NGRAM's verify up to its draft width). When a
   request's cost takes the load over the step's budget, the costliest requests are ended until it
-  fits: cheap requests are never ended for costly ones.
+  fits: cheap requests are never ended for costly ones. Requests that start together are known to the
+  load only once checked, each after at least its fair share: a step where n start at once may spend
+  up to 1 + ln(n) budgets, once.
 - A request over its allowance, or ended for the load, ends with a 400 naming the field that cost it
   the most (`ebnf`, `json_schema`, `regex`, `structural_tag` or `stop_regex`); one ended for the load
   ends at its next check, and its grammar fills no more masks meanwhile.
