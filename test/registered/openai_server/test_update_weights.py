@@ -9,6 +9,8 @@ transformers oracle. Greedy outputs match A's oracle before an update and B's af
 finishes with A while new requests wait for B; after a retract pause, a paused request continues on B
 from where it was; an in-place pause refuses a flushing update; a bad update is refused with the old
 weights still serving. Each step of the model takes 20 ms or more, so long requests run for a while.
+The server runs with --admin-api-key only, as an RL trainer's may: the management routes take that key,
+generation is open.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ LONG_PROMPT = list(range(20, 60))
 CACHED_PROMPT = list(range(100, 250))  # past the first cache chunk (64 tokens): a snapshot is kept
 NEW_TOKENS = 8
 LONG_TOKENS = 40
+ADMIN_KEY = "sk-admin-test"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 class StreamReader(threading.Thread):
@@ -76,7 +80,7 @@ class Call(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        self.reply = requests.post(self.url, json=self.body, timeout=120)
+        self.reply = requests.post(self.url, json=self.body, headers=ADMIN, timeout=120)
         self.done_at = time.monotonic()
 
 
@@ -87,8 +91,12 @@ class _Evil:
 
 class TestUpdateWeights(ServerTestCase):
     server_args = ["--mamba-scheduler-strategy", "extra_buffer_lazy", "--weight-version", "base"]
-    server_args += ["--enable-memory-saver"]
+    server_args += ["--enable-memory-saver", "--admin-api-key", ADMIN_KEY]
     env = {"SGLANG_TEST_FORWARD_DELAY_MS": "20"}
+
+    @classmethod
+    def headers(cls) -> dict[str, str]:
+        return ADMIN
 
     @classmethod
     def prepare(cls, folder: Path) -> None:
@@ -119,6 +127,29 @@ class TestUpdateWeights(ServerTestCase):
         reader = StreamReader(self.base_url, {"input_ids": LONG_PROMPT, "sampling_params": body})
         reader.start()
         return reader
+
+    def test_management_routes_take_the_admin_key_and_generation_is_open(self) -> None:
+        for path in [
+            "/update_weights_from_disk",
+            "/pause_generation",
+            "/flush_cache",
+            "/get_weights_by_name",
+        ]:
+            r = requests.post(self.base_url + path, json={}, timeout=30)
+            self.assertEqual((r.status_code, r.json()["error"]["code"]), (401, "invalid_api_key"), path)
+        self.assertEqual(
+            requests.post(self.base_url + "/flush_cache", headers=ADMIN, timeout=30).status_code, 200
+        )
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        self.assertEqual(requests.post(self.base_url + "/generate", json=body, timeout=60).status_code, 200)
+
+    def test_a_preset_name_is_refused_before_anything_is_generated(self) -> None:
+        """It made the scheduler generate the preset into its cache (minutes of CPU) before refusing it."""
+        start = time.monotonic()
+        r = self.update("tiny-nemotron-h")
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "model_path"), r.text)
+        self.assertIn("preset", r.json()["error"]["message"])
+        self.assertLess(time.monotonic() - start, 2.0)  # a parse error; generating took minutes
 
     def test_an_update_swaps_the_weights_flushes_the_cache_and_labels_replies(self) -> None:
         out = self.greedy(CACHED_PROMPT)
@@ -368,7 +399,9 @@ class TestUpdateWeights(ServerTestCase):
             self.assertEqual(r.status_code, 200, r.text)
         time.sleep(0.3)
         self.assertIsNone(waiting.reply, "it waits while the cache is released")
-        r = requests.get(self.base_url + "/resume_memory_occupation", timeout=60)  # GET, no body: all
+        r = requests.get(
+            self.base_url + "/resume_memory_occupation", headers=ADMIN, timeout=60
+        )  # no body: all
         want = "Resumed weights, kv_cache, cuda_graph."
         self.assertEqual((r.status_code, r.json()["message"]), (200, want))
         waiting.join(60)
