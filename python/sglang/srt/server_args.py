@@ -108,6 +108,8 @@ class ServerArgs:
     enable_return_hidden_states: bool = False
     # Requests may carry a custom logit processor (sampling/custom_logit_processor.py): its code runs here.
     enable_custom_logit_processor: bool = False
+    # Unsigned ones (no SGLANG_LOGIT_PROCESSOR_SECRET) from beyond this machine: refused at start unless set.
+    allow_unsigned_custom_logit_processor: bool = False
     constrained_json_whitespace_pattern: str | None = None
     constrained_json_disable_any_whitespace: bool = False
 
@@ -555,7 +557,15 @@ class ServerArgs:
             action="store_true",
             help="Let requests carry a custom logit processor (custom_logit_processor, made by "
             "CustomLogitProcessor.to_str()); the scheduler runs its code, so enable it only for trusted "
-            "clients. Off, such a request is a 400.",
+            "clients, or set SGLANG_LOGIT_PROCESSOR_SECRET (then only processors signed with it load). "
+            "Without the secret the start warns, and is refused on a --host other than loopback unless "
+            "--allow-unsigned-custom-logit-processor. Off, such a request is a 400.",
+        )
+        g.add_argument(
+            "--allow-unsigned-custom-logit-processor",
+            action="store_true",
+            help="Serve --enable-custom-logit-processor without SGLANG_LOGIT_PROCESSOR_SECRET on a --host "
+            "other than loopback: every client that reaches the port can then run code in the server.",
         )
         g.add_argument(
             "--grammar-backend",

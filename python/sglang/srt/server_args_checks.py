@@ -4,12 +4,14 @@ stays in `ServerArgs`.)"""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sglang.srt.configs.presets import is_preset
 from sglang.srt.entrypoints.openai.reasoning_parser import FORMATS as REASONING_FORMATS
 from sglang.srt.entrypoints.openai.tool_call_parser import PARSERS as TOOL_CALL_PARSERS
+from sglang.srt.environ import envs
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -69,6 +71,7 @@ def check_basic_flags(args: ServerArgs) -> None:
         raise ServerArgsError(f"--port must be between 1 and 65535, got {args.port}.")
     if args.admin_api_key and args.admin_api_key == args.api_key:
         raise ServerArgsError("--admin-api-key must differ from --api-key (else every user is an admin).")
+    check_custom_logit_processor_exposure(args)
     _positive("--page-size", args.page_size)
     _positive("--max-prefill-tokens", args.max_prefill_tokens)
     _positive("--stream-interval", args.stream_interval)
@@ -195,6 +198,28 @@ def check_tokenizer(args: ServerArgs) -> None:
         raise ServerArgsError(
             f"{flag} {args.tokenizer_path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})."
         )
+
+
+def check_custom_logit_processor_exposure(args: ServerArgs) -> None:
+    """An unsigned custom logit processor is code the scheduler runs: from this machine only, unless the
+    operator says otherwise."""
+    if not args.enable_custom_logit_processor or envs.SGLANG_LOGIT_PROCESSOR_SECRET.get():
+        return
+    if not args.allow_unsigned_custom_logit_processor and not _is_loopback(args.host):
+        raise ServerArgsError(
+            f"--enable-custom-logit-processor on --host {args.host} runs code any client sends: set "
+            "SGLANG_LOGIT_PROCESSOR_SECRET (clients sign with it), serve on a loopback --host, or pass "
+            "--allow-unsigned-custom-logit-processor."
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name, which may resolve to any interface
 
 
 def _choice(flag: str, value: str, choices: list[str]) -> None:

@@ -32,6 +32,7 @@ def client_processor() -> str:
 
 class TestCustomLogitProcessor(ServerTestCase):
     server_args = ["--enable-custom-logit-processor"]
+    env = {"SGLANG_LOGIT_PROCESSOR_SECRET": ""}  # unsigned processors, whatever the environment says
 
     def test_a_client_class_steers_its_requests_only(self) -> None:
         payload = client_processor()
@@ -58,3 +59,9 @@ class TestCustomLogitProcessor(ServerTestCase):
         r = self.post("/generate", {"input_ids": [5, 6], "custom_logit_processor": '{"callable": "zz"}'})
         self.assertEqual(r.status_code, 400, r.text)
         self.assertEqual(r.json()["error"]["param"], "custom_logit_processor")
+
+    def test_the_start_warns_that_unsigned_processors_run_any_clients_code(self) -> None:
+        # Started without SGLANG_LOGIT_PROCESSOR_SECRET, on loopback (another --host is refused at start).
+        self.assertIn(
+            "--enable-custom-logit-processor without SGLANG_LOGIT_PROCESSOR_SECRET", self.server.log_text()
+        )

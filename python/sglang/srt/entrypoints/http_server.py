@@ -111,6 +111,14 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         tm, model_name, sampling_defaults, server_args.reasoning_parser, server_args.tool_call_parser
     )
     completions = OpenAIServingCompletion(tm, model_name)
+    if server_args.enable_custom_logit_processor and not envs.SGLANG_LOGIT_PROCESSOR_SECRET.get():
+        logger.warning(
+            "--enable-custom-logit-processor without SGLANG_LOGIT_PROCESSOR_SECRET: every client that "
+            "reaches %s:%d can run code in this server (a processor is unpickled code); set the secret "
+            "to load only processors signed with it.",
+            server_args.host,
+            server_args.port,
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
