@@ -4,6 +4,7 @@ upstream's /generate accepts are accepted here too."""
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 import threading
@@ -143,6 +144,8 @@ CASES = [
     (COMP, {"prompt": [5], "logprobs": 5, "n": 64, "max_tokens": 1000}, "logprobs"),
     ("/pause_generation", {"mode": "sideways"}, "mode"),
     ("/abort_request", {"nothing": 1}, "rid"),
+    # A preset name made the scheduler generate that preset into its cache before refusing it (finding 10).
+    ("/update_weights_from_disk", {"model_path": "tiny-nemotron-h"}, "model_path"),
 ]
 
 
@@ -286,6 +289,51 @@ class TestMalformedRequests(ServerTestCase):
         self.assertEqual(r.status_code, 400, r.text[:200])
         self.assertEqual(r.json()["error"]["code"], "context_length_exceeded")
         self.assert_idle_accounting()
+
+    def test_a_duplicate_rid_across_a_pause_gives_one_400_and_one_answer(self) -> None:
+        """Both requests waited at the pause past the rid's first look: one was aborted, the other hung
+        until its client gave up (issue 51, finding 10)."""
+        self.assertEqual(self.post("/pause_generation", {"mode": "abort"}).status_code, 200)
+        params = {"max_new_tokens": 4, "ignore_eos": True}
+        body = {"input_ids": [5, 6, 7], "rid": "victim-1", "sampling_params": params}
+        replies: list = []
+
+        def send() -> None:
+            replies.append(self.post(GEN, body, timeout=30))
+
+        threads = [threading.Thread(target=send) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # both wait at the pause
+        self.assertEqual(self.post("/continue_generation", {}).status_code, 200)
+        start = time.monotonic()
+        for t in threads:
+            t.join(30)
+        took = time.monotonic() - start
+        self.assertEqual(sorted(r.status_code for r in replies), [200, 400], [r.text for r in replies])
+        refused = next(r for r in replies if r.status_code == 400).json()["error"]
+        self.assertEqual(refused["param"], "rid")
+        answer = next(r for r in replies if r.status_code == 200).json()
+        self.assertEqual(answer["meta_info"]["completion_tokens"], 4)
+        self.assertLess(took, 5.0)  # 4 tokens take well under a second here; the other used to hang
+        self.assert_idle_accounting()
+
+    def test_an_amplifying_tensor_payload_is_refused_at_once(self) -> None:
+        """The review's 2,179-byte /update_weights_from_tensor body (_codecs.encode "hex" chained 21 times)
+        took the scheduler to 3.9 GB and held a bystander 11.8 s (issue 51, finding 6)."""
+        enc, s = b"c_codecs\nencode\n", lambda b: b"X" + len(b).to_bytes(4, "little") + b
+        prog = enc * 22 + s(b"A" * 1024) + s(b"latin1") + b"\x86R" + (s(b"hex") + b"\x86R") * 21
+        payload = base64.b64encode(b"\x80\x02" + prog + b".").decode()
+        start = time.monotonic()
+        r = self.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+        took = time.monotonic() - start
+        self.assertEqual(r.status_code, 400, r.text)
+        self.assertIn("_codecs.encode", r.json()["message"])
+        # The refusal is a few ms of unpickling; 2 s leaves room for the update's hold and a loaded host.
+        self.assertLess(took, 2.0)
+        start = time.monotonic()
+        self.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+        self.assertLess(time.monotonic() - start, 2.0)  # a bystander right after: served as usual
 
     def test_a_maximal_logprob_request_beside_a_bystander(self) -> None:
         """The largest request --max-logprob-entries-per-request admits here (three samples of top 20 over
