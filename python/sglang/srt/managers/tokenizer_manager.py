@@ -6,8 +6,9 @@ outputs to the caller, in SGLang's native format (`{"text", "output_ids", "meta_
 "text" under --skip-tokenizer-init, where prompts must be input_ids). A caller that goes away
 (cancellation, a closed stream, a disconnected HTTP client) aborts its requests; a request the server
 ends (a deadline) raises `ServerAbortError` with the HTTP status for the client. Long texts are
-tokenized off the loop (`TextEncoder`). Control RPCs (flush cache, internal state, pause and continue)
-go to the scheduler, whose replies come back on the same socket.
+tokenized off the loop (`TextEncoder`). Control RPCs (flush cache, internal state, pause and continue;
+the weight and memory calls of `TokenizerCommunicatorMixin`) go to the scheduler, whose replies come
+back on the same socket.
 
 A child process that has exited, or a scheduler silent for longer than --watchdog-timeout
 (`BackendHealth`), fails waiting requests with `BackendDeadError` (HTTP 503).
@@ -33,31 +34,15 @@ from sglang.srt.managers.io_struct import (
     BatchTokenizedGenerateReqInput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
-    DestroyWeightsUpdateGroupReqInput,
-    DestroyWeightsUpdateGroupReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
-    GetWeightsByNameReqInput,
-    GetWeightsByNameReqOutput,
-    InitWeightsUpdateGroupReqInput,
-    InitWeightsUpdateGroupReqOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PortArgs,
-    ReleaseMemoryOccupationReqInput,
-    ReleaseMemoryOccupationReqOutput,
-    ResumeMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqOutput,
     SchedulerHeartbeat,
-    UpdateWeightFromDiskReqInput,
-    UpdateWeightFromDiskReqOutput,
-    UpdateWeightsFromDistributedReqInput,
-    UpdateWeightsFromDistributedReqOutput,
-    UpdateWeightsFromTensorReqInput,
-    UpdateWeightsFromTensorReqOutput,
 )
 from sglang.srt.managers.request_validation import (
     TEXT_WITHOUT_TOKENIZER,
@@ -71,6 +56,7 @@ from sglang.srt.managers.request_validation import (
     parse_prompts,
 )
 from sglang.srt.managers.text_encoder import TextEncoder
+from sglang.srt.managers.tokenizer_communicator_mixin import CONTROL_TIMEOUT_S, TokenizerCommunicatorMixin
 from sglang.srt.managers.tokenizer_output import ReqState
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -78,7 +64,6 @@ logger = logging.getLogger(__name__)
 
 # How often a waiting request checks whether its HTTP client is still there.
 DISCONNECT_POLL_S = 1.0
-CONTROL_TIMEOUT_S = 30.0
 
 
 class ClientDisconnected(Exception):
@@ -99,7 +84,7 @@ class DisconnectCheck(Protocol):
     async def is_disconnected(self) -> bool: ...
 
 
-class TokenizerManager:
+class TokenizerManager(TokenizerCommunicatorMixin):
     def __init__(
         self,
         server_args: Any,
@@ -396,125 +381,6 @@ class TokenizerManager:
         finally:
             self._unpaused.set()
 
-    # ---- weights (upstream's RL refit routes) -------------------------------------------------------
-
-    async def update_weights_from_disk(
-        self, obj: UpdateWeightFromDiskReqInput, request: DisconnectCheck | None = None
-    ) -> tuple[bool, str, int]:
-        """Serve the checkpoint at `obj.model_path`: (success, message, requests paused meanwhile).
-
-        As upstream: unless the server is paused or `is_async`, new requests wait while the requests
-        already running finish (with the old weights), then the scheduler swaps the weights (loading
-        them on a thread of its own) and empties the prefix cache; the waiting requests then run with
-        the new ones; a pause that comes meanwhile ends the wait. With `abort_all_requests` everything
-        running is aborted first; with `keep_pause` the server is paused after a successful update. A
-        failed update leaves the old weights serving. One update at a time."""
-        out = await self._update_weights(obj, UpdateWeightFromDiskReqOutput, request)
-        if out.success:
-            self.server_args.model_path = obj.model_path
-        return out.success, out.message, out.num_paused_requests
-
-    async def update_weights_from_tensor(
-        self, obj: UpdateWeightsFromTensorReqInput, request: DisconnectCheck | None = None
-    ) -> tuple[bool, str]:
-        """New values for some or all weights, written in place (`Scheduler.update_weights_from_tensor`):
-        (success, message). New requests wait while the running ones finish, as for
-        `update_weights_from_disk` (upstream holds its writer lock likewise)."""
-        out = await self._update_weights(obj, UpdateWeightsFromTensorReqOutput, request)
-        return out.success, out.message
-
-    async def init_weights_update_group(
-        self, obj: InitWeightsUpdateGroupReqInput, request: DisconnectCheck | None = None
-    ) -> tuple[bool, str]:
-        """Join a trainer's weight-update group (`WeightsUpdateGroups`): waits while the trainer joins,
-        up to the group's timeout (30 min by default). A second call meanwhile is answered at once rather
-        than queued behind the first for as long."""
-        joining = self._control_locks.get(InitWeightsUpdateGroupReqOutput)
-        if joining is not None and joining.locked():
-            return False, "A weight-update group is being joined already; call again once that call answers."
-        out = await self._control(obj, InitWeightsUpdateGroupReqOutput, None)
-        return out.success, out.message
-
-    async def update_weights_from_distributed(
-        self, obj: UpdateWeightsFromDistributedReqInput, request: DisconnectCheck | None = None
-    ) -> tuple[bool, str]:
-        """Weights broadcast by the trainer over a weight-update group, written in place; new requests
-        wait while the running ones finish, as for the other weight updates."""
-        out = await self._update_weights(obj, UpdateWeightsFromDistributedReqOutput, request)
-        return out.success, out.message
-
-    async def destroy_weights_update_group(
-        self, obj: DestroyWeightsUpdateGroupReqInput, request: DisconnectCheck | None = None
-    ) -> tuple[bool, str]:
-        out = await self._control(obj, DestroyWeightsUpdateGroupReqOutput, CONTROL_TIMEOUT_S)
-        return out.success, out.message
-
-    async def get_weights_by_name(
-        self, obj: GetWeightsByNameReqInput, request: DisconnectCheck | None = None
-    ) -> list:
-        """Upstream's: the parameter's first rows (nested float lists). RequestError naming `name` where
-        the model has no such parameter (upstream answers None and a bare 400)."""
-        # No time limit: a reply that came after its waiter gave up would answer the next call.
-        out = await self._control(obj, GetWeightsByNameReqOutput, None)
-        if out.parameter is None:
-            raise RequestError(out.message, "name")
-        return out.parameter
-
-    async def release_memory_occupation(
-        self, obj: ReleaseMemoryOccupationReqInput, request: DisconnectCheck | None = None
-    ) -> tuple[bool, str]:
-        """Free the memory of `obj.tags` (no request may run or wait); new requests wait until it is
-        all resumed: held from before the release is sent, so none slips into a scheduler that cannot
-        run it. No time limit: a host copy of large weights takes a while."""
-        return await self._memory_occupation(obj, ReleaseMemoryOccupationReqOutput)
-
-    async def resume_memory_occupation(
-        self, obj: ResumeMemoryOccupationReqInput, request: DisconnectCheck | None = None
-    ) -> tuple[bool, str]:
-        return await self._memory_occupation(obj, ResumeMemoryOccupationReqOutput)
-
-    async def _memory_occupation(self, obj: Any, reply_type: type) -> tuple[bool, str]:
-        """One release or resume at a time; the gate follows what the scheduler says is released after
-        each (closed from before a release is sent, so no request slips into a scheduler that cannot
-        run it; open again if the scheduler cannot say)."""
-        async with self._memory_lock:
-            if isinstance(obj, ReleaseMemoryOccupationReqInput):
-                self._memory_resumed.clear()
-            out = None
-            try:
-                out = await self._control(obj, reply_type, None)
-            finally:
-                if out is not None and out.released:
-                    self._memory_resumed.clear()
-                else:
-                    self._memory_resumed.set()
-        return out.success, out.message
-
-    async def _update_weights(self, obj: Any, reply_type: type, request: DisconnectCheck | None) -> Any:
-        async with self._weight_update_lock:
-            if obj.abort_all_requests:
-                self.abort_request(abort_all=True)
-            # (Nothing runs while memory is released: a request that reached the scheduler just before
-            # waits there, and must not hold the update the resume waits for.)
-            hold = self._unpaused.is_set() and self._memory_resumed.is_set()
-            hold = hold and not getattr(obj, "is_async", False)
-            if hold:
-                self._no_update_hold.clear()
-            try:
-                if hold:
-                    # Until every running request has finished, or a pause (of any mode) comes first.
-                    paused_or_done = lambda: not self._unpaused.is_set() or self._all_finished()  # noqa: E731
-                    await self._wait_until(paused_or_done, request)
-                out = await self._control(obj, reply_type, None)
-            finally:
-                self._no_update_hold.set()
-            if out.success:
-                if obj.weight_version is not None:
-                    self.server_args.weight_version = obj.weight_version
-                if getattr(obj, "keep_pause", False):
-                    self._unpaused.clear()  # (as an "abort" pause: /continue_generation ends it)
-            return out
-
     def _all_finished(self) -> bool:
         return all(s.finished for s in self.rid_to_state.values())
 
@@ -537,13 +403,6 @@ class TokenizerManager:
                 if await request.is_disconnected():
                     raise ClientDisconnected()
         return True
-
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
-        """Upstream's /update_weight_version: the label replies carry from now on (running requests are
-        aborted first unless told not to)."""
-        if abort_all_requests:
-            self.abort_request(abort_all=True)
-        self.server_args.weight_version = new_version
 
     async def _control(self, req: Any, reply_type: type, timeout: float | None) -> Any:
         """Send a control request and wait for its reply: TimeoutError after `timeout` (None: no limit),
