@@ -1,11 +1,15 @@
 """The output checks' budget (sglang/srt/constrained/output_check_budget.py) and the bounds on what a
-request's grammar and stop_regex may ask (stop_regex.py, grammar_spec.py, compile_pool.py), each
-attack of the security review (issue 51: its rows 3, 5, 6 and 8) beside a bystander whose latency is
-measured against a control run of the same shape with cheap checks.
+request's grammar and stop_regex may ask (stop_regex.py, grammar_spec.py, compile_pool.py): each
+attack of the security review (issue 51: its rows 3, 5, 6 and 8) beside a bystander.
 
-Wall-clock bounds: this runs on a shared 2-core machine, so each bound leaves 0.5-1 s of slack, and each
-attack is sized to cost well past it without the fix (measured: the 16 stop regexes added 2.4 s, the
-ambiguous grammar 5 s, the held compile pool never let the victim through)."""
+The bystander measure is the scheduler's time in checks at each step, taken directly (`CheckTimer`):
+what every running request waits for besides the forward. (A bystander's end-to-end latency was
+measured too, 0.94 s beside the 16 stop regexes against 0.79 s beside 16 cheap ones, 0.12 s against
+0.10 s beside the ambiguous grammar, but other processes on this shared 2-core machine sway it by
+seconds, so it is not asserted.) Wall-clock bounds get 0.1 s of slack for a descheduled moment; each
+attack costs well past them without the fix (measured: 0.68 s of checks in one step for the 16 stop
+regexes, seconds a step for the ambiguous grammar; the held compile pool never let the victim
+through)."""
 
 from __future__ import annotations
 
@@ -122,31 +126,20 @@ def test_the_budget_ends_the_costliest_and_spares_the_cheap():
 
 def test_stop_regexes_share_one_budget_per_step(monkeypatch):
     """Row 5: 16 requests whose stop_regex costs up to 15 ms a check (each under the old 100 ms limit per
-    check) beside a plain bystander. Each step's checks take at most the step's budget (the first,
-    where 16 newcomers each get a fair share before they are cut, ln(16) + 1 budgets), so the
-    bystander's 30 tokens take at most that more than beside 16 cheap patterns; the costly requests
-    end with a 400 naming stop_regex."""
+    check) beside a plain bystander: each step's checks take at most the step's budget (the first,
+    where 16 newcomers each get a fair share before they are cut, ln(16) + 1 budgets), and the costly
+    requests end with a 400 naming stop_regex."""
     h, timer = budget_harness(monkeypatch)
     space = spaces_token(h)
-
-    def bystander(pattern: str) -> tuple[float, list[float], list[str]]:
-        attackers = [
-            h.submit(
-                token_ids(8, seed=k), max_new_tokens=30, stop_regex=pattern, logit_bias={str(space): 100}
-            )
-            for k in range(16)
-        ]
-        rid = h.submit(token_ids(8, seed=99), max_new_tokens=30)
-        seconds, steps = run_timed(h, rid, timer)
-        h.run()
-        return seconds, steps, attackers
-
-    control, _, _ = bystander("zzz")
-    attacked, steps, attackers = bystander(SLOW_STOP)
-    slack = 0.05  # a descheduled moment on the shared machine
+    attackers = [
+        h.submit(token_ids(8, seed=k), max_new_tokens=30, stop_regex=SLOW_STOP, logit_bias={str(space): 100})
+        for k in range(16)
+    ]
+    _, steps = run_timed(h, h.submit(token_ids(8, seed=99), max_new_tokens=30), timer)
+    h.run()
+    slack = 0.1  # a descheduled moment on the shared machine
     assert max(steps) <= 4 * PER_STEP_S + slack, steps
     assert sum(steps) <= len(steps) * PER_STEP_S + 4 * PER_STEP_S + slack, steps
-    assert attacked - control <= len(steps) * PER_STEP_S + 4 * PER_STEP_S + 0.5, (attacked, control)
     reasons = [h.outputs[r].finished_reason for r in attackers]
     cut = [r for r in reasons if r["type"] == "abort"]
     assert len(cut) >= 14 and all(r["status_code"] == 400 and r["param"] == "stop_regex" for r in cut)
@@ -159,29 +152,22 @@ def test_stop_regexes_share_one_budget_per_step(monkeypatch):
 def test_an_ambiguous_ebnf_ends_with_a_400_instead_of_stalling_everyone(monkeypatch):
     """Row 3: the review's 60-byte ambiguous grammar, its matcher fed 5-space tokens: each accept and
     fill costs more than the one before (tens of ms by the 8th token, seconds by the 30th). The request
-    ends with a 400 naming ebnf once one token's work is over its allowance; no step's checks took more
-    than that overrun, and the bystander is delayed by no more than the steps before it."""
+    ends with a 400 naming ebnf once one token's work is over its allowance: beside it a bystander's
+    steps spent at most that overrun in checks, and all of them together little more."""
     h, timer = budget_harness(monkeypatch)
     space = spaces_token(h)
-
-    def bystander(ebnf: str | None) -> tuple[float, list[float], str]:
-        grammar = {"ebnf": ebnf} if ebnf else {}
-        other = h.submit(token_ids(8, seed=1), max_new_tokens=24, logit_bias={str(space): 100}, **grammar)
-        rid = h.submit(token_ids(8, seed=99), max_new_tokens=24)
-        seconds, steps = run_timed(h, rid, timer)
-        h.run()
-        return seconds, steps, other
-
-    control, _, _ = bystander(None)
-    attacked, steps, rid = bystander(AMBIGUOUS)
+    rid = h.submit(token_ids(8, seed=1), max_new_tokens=24, logit_bias={str(space): 100}, ebnf=AMBIGUOUS)
+    _, steps = run_timed(h, h.submit(token_ids(8, seed=99), max_new_tokens=24), timer)
+    h.run()
     reason = h.outputs[rid].finished_reason
     assert (reason["type"], reason["status_code"], reason["param"]) == ("abort", 400, "ebnf"), reason
     assert "ebnf took" in reason["message"] and "SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ" in reason["message"]
     assert len(h.outputs[rid].output_ids) < 24
-    # Its cost grows at most ~4x a token (measured: 2-3x): the step that cuts it is the costliest.
-    slack = 0.05  # a descheduled moment on the shared machine
+    # Its cost grows at most ~4x a token (measured: 2-3x): the step that cuts it is the costliest, and
+    # the steps before it spend under twice the allowance together.
+    slack = 0.1  # a descheduled moment on the shared machine
     assert max(steps) <= 4 * PER_REQ_S + slack, steps
-    assert attacked - control <= sum(steps) + 0.5, (attacked, control)
+    assert sum(steps) <= 6 * PER_REQ_S + slack, steps
     assert h.sched.grammar_queue.held == 0
     h.flush_and_check_empty()
     h.shutdown()
@@ -246,8 +232,9 @@ def test_schema_bounds_give_a_400_before_compiling():
 
 def test_a_timed_out_compile_gives_its_place_in_the_pool_up(monkeypatch):
     """Row 8: two grammars whose compiles never end hold both compile threads; once they time out
-    (SGLANG_GRAMMAR_TIMEOUT) their places are free for a victim's grammar while they still run, and
-    the victim is served within the timeout plus a second."""
+    (SGLANG_GRAMMAR_TIMEOUT) their places are free for a victim's grammar, sent half a timeout later,
+    while they still run: the victim is served before its own timeout (on the previous code it waited
+    behind them and timed out itself)."""
     h = SchedulerHarness(QWEN)
     backend = h.sched.grammar_queue.backend
     release = threading.Event()
@@ -259,15 +246,16 @@ def test_a_timed_out_compile_gives_its_place_in_the_pool_up(monkeypatch):
         return compile_(kind, text)
 
     backend.compile = compile_slowly
-    monkeypatch.setenv("SGLANG_GRAMMAR_TIMEOUT", "0.3")
+    monkeypatch.setenv("SGLANG_GRAMMAR_TIMEOUT", "1")
     slow = [h.submit(token_ids(8, seed=k), regex=f"slow{k}") for k in range(2)]
-    for _ in range(3):
-        h.sched.step()  # both compiles start
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.5:
+        h.sched.step()  # both compiles start, and hold the pool
+    assert backend.pool.counts == (0, 2, 0)
     victim = h.submit(token_ids(8, seed=9), max_new_tokens=4, regex="[a-z]+")
     try:
-        seconds, _ = run_timed(h, victim, limit_s=5)
+        run_timed(h, victim, limit_s=5)
         assert h.outputs[victim].finished_reason["type"] != "abort", h.outputs[victim].finished_reason
-        assert seconds < 0.3 + 1.0
         for rid in slow:
             reason = h.outputs[rid].finished_reason
             assert (reason["status_code"], reason["param"]) == (400, "regex")
