@@ -227,6 +227,15 @@ class Envs:
     SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER = EnvOptStr(
         None, "Prefill side: the transfer of each request whose rid starts with this fails (fault injection)."
     )
+    # The secret both PD servers sign their control messages with (HMAC-SHA256); without it a server
+    # on a non-loopback --host refuses to start unless told its network is isolated.
+    SGLANG_DISAGGREGATION_SECRET = EnvStr("", "Sign PD control messages and drop unsigned ones (both servers).")
+    SGLANG_DISAGGREGATION_ALLOW_UNAUTHENTICATED = EnvBool(
+        False, "Start a PD server on a non-loopback --host without SGLANG_DISAGGREGATION_SECRET."
+    )
+    SGLANG_DISAGGREGATION_MAX_UNMATCHED_ROOMS = EnvInt(
+        1024, "Prefill side: destinations held at once for requests this server has not received yet."
+    )
 
     # HTTP: a client gets this long to send a request head or the next piece of a body.
     SGLANG_HTTP_READ_TIMEOUT = EnvFloat(

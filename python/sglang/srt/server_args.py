@@ -156,6 +156,9 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998
     disaggregation_decode_extra_slots: int | None = None
     disaggregation_ib_device: str | None = None
+    # Decode side: the prefill servers (host[:port] or IP network) a request's bootstrap_host may name;
+    # None: loopback only.
+    disaggregation_prefill_allowlist: list[str] | None = None
 
     # Speculative decoding (`speculative/`): NGRAM drafts, verified by the model in one forward.
     speculative_algorithm: str | None = None
@@ -699,6 +702,15 @@ class ServerArgs:
         )
         g.add_argument("--disaggregation-decode-extra-slots", type=int, default=None)
         g.add_argument("--disaggregation-ib-device", default=None)
+        g.add_argument(
+            "--disaggregation-prefill-allowlist",
+            nargs="+",
+            default=None,
+            metavar="HOST[:PORT]",
+            help="Decode side: the prefill servers a request's bootstrap_host may name (host, host:port, "
+            "[IPv6]:port or an IP network such as 10.0.0.0/24, space- or comma-separated; hosts as the "
+            "router's prefill URLs write them). Others are refused with a 400. Default: loopback only.",
+        )
 
         g = parser.add_argument_group(
             "speculative decoding",

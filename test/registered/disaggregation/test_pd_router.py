@@ -13,6 +13,7 @@ it goes idle: SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +23,12 @@ import pytest
 import requests
 import zmq
 
+from sglang.srt.disaggregation.auth import sign, verify
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.router_process import start_pd, stop_all
 from sglang.test.test_utils import ServerProcess
 
-register_cpu_ci(est_time=170, suite="per-commit-cpu")
+register_cpu_ci(est_time=185, suite="per-commit-cpu")
 
 # Greedy tokens equal; logprobs within 1e-4: the two paths run the same kernels on the same weights,
 # but the decode side reads its prompt KV from another page layout (summation order in attention may
@@ -37,6 +39,8 @@ FAIL_PREFIX = "fail-transfer-"
 # the decode side knows is given up by the decode side first).
 WAITING_TIMEOUT_S = 8
 BOOTSTRAP_TIMEOUT_S = 12
+# Both servers sign their PD messages (docs/disaggregation.md, "Network and trust").
+SECRET = "pd-router-test-secret"
 PRESETS = {
     "tiny-qwen3-next": (
         ["--page-size", "16"],
@@ -66,8 +70,12 @@ def pd(request, preset_paths):
         prefill_env={
             "SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER": FAIL_PREFIX,
             "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
+            "SGLANG_DISAGGREGATION_SECRET": SECRET,
         },
-        decode_env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)},
+        decode_env={
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
+            "SGLANG_DISAGGREGATION_SECRET": SECRET,
+        },
     )
     try:
         yield {"prefill": prefill, "decode": decode, "router": router, "bootstrap_port": bootstrap_port,
@@ -352,24 +360,108 @@ def test_a_batch_needs_one_room_per_prompt(pd):
     assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_room", r.text
 
 
+def signed(msg: dict | bytes) -> bytes:
+    return sign(SECRET.encode(), msg if isinstance(msg, bytes) else orjson.dumps(msg))
+
+
 def test_malformed_messages_to_the_bootstrap_port_are_answered_or_dropped(pd):
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{pd['bootstrap_port']}")
+    dropped = internal_state(pd["prefill"])["disaggregation"]["dropped_messages"]
     try:
-        push.send(b"not json")
-        push.send(orjson.dumps({"no": "type"}))
         bad = {"type": "dst", "room": "777", "notify": f"tcp://127.0.0.1:{port}", "session": "x",
                "layout": {"kv_ptrs": "oops"}, "kv": [1, "two"], "slot": 1}  # fmt: skip
-        push.send(orjson.dumps(bad))
+        push.send(orjson.dumps(bad))  # unsigned: dropped, not even answered
+        push.send(signed(b"not json"))
+        push.send(signed({"no": "type"}))
+        push.send(signed(bad))
         assert pull.poll(10_000), "no answer to a malformed destination"
-        answer = orjson.loads(pull.recv())
+        answer = orjson.loads(verify(SECRET.encode(), pull.recv()))  # the answer is signed too
         assert answer["room"] == "777" and answer["ok"] is False and "malformed" in answer["error"]
+        assert not pull.poll(500), "the unsigned destination was answered"
+        assert internal_state(pd["prefill"])["disaggregation"]["dropped_messages"] == dropped + 3
     finally:
         push.close(0)
         pull.close(0)
         ctx.term()
     assert requests.get(pd["prefill"].base_url + "/health", timeout=5).status_code == 200
     assert post(pd["router"].base_url + "/generate", generate_body(prompts(1)[0], 2)).status_code == 200
+
+
+def bystander_latencies(pd: dict, seconds: float, at_least: int = 1) -> list[float]:
+    """A client of the router sending a short request after another for `seconds` (and `at_least`)."""
+    out: list[float] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline or len(out) < at_least:
+        start = time.monotonic()
+        assert post(pd["router"].base_url + "/generate", generate_body(prompts(1)[0], 4)).status_code == 200
+        out.append(time.monotonic() - start)
+    return out
+
+
+def test_a_client_named_prefill_server_is_refused_and_a_silent_one_holds_nothing(pd):
+    """Review rows 2 and 13. (1) A client names a prefill server outside the allowlist: 400 naming
+    bootstrap_host at once. (2) The review's listener on loopback (which the default allowlist admits)
+    gets a hello and nothing else (no slot ids, no pool addresses, no session); its forged "done" is
+    dropped; and when 20 such clients with 3,000-token prompts leave after 2 s, nothing is held (it held
+    60,000 KV tokens up to 600 s). A client of the router beside it is not slowed past a bound."""
+    baseline = max(bystander_latencies(pd, 1.0, at_least=3))
+    ids = [220] * 3000
+    r = post(pd["decode"].base_url + "/generate", generate_body(ids, 4, bootstrap_host="192.0.2.1",
+             bootstrap_port=pd["bootstrap_port"], bootstrap_room=555100))  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_host", r.text
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+
+    def leaving_client(i: int) -> None:
+        body = generate_body(
+            ids, 48, bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=555200 + i
+        )
+        with pytest.raises(requests.Timeout):
+            post(pd["decode"].base_url + "/generate", body, timeout=2)
+
+    try:
+        with ThreadPoolExecutor(21) as pool:
+            clients = [pool.submit(leaving_client, i) for i in range(20)]
+            beside = pool.submit(bystander_latencies, pd, 3.0)
+            received = []
+            while pull.poll(1500):
+                received.append(orjson.loads(verify(SECRET.encode(), pull.recv())))
+            push.connect(received[0]["notify"])
+            for i in range(20):  # the review's forged answers, for the rooms the clients chose
+                push.send(
+                    orjson.dumps({"type": "done", "room": str(555200 + i), "ok": True, "output_ids": [220]})
+                )
+            for c in clients:
+                c.result()
+            latencies = beside.result()
+        assert received and {m["type"] for m in received} == {"hello"}, received
+        assert not any(k in m for m in received for k in ("kv", "slot", "layout", "session"))
+        # Nothing held once the clients left: well under the waiting timeout, let alone 600 s.
+        assert_quiescent(pd["decode"], "decode", timeout=WAITING_TIMEOUT_S / 2)
+        # The attack costs the decode scheduler a hello per second per listener and a list scan per
+        # request. Before, its 60,000 held KV tokens could stall a bystander's reservation for up to
+        # 600 s; twice the worst baseline plus 2 s is slack for a loaded shared 2-core CI machine
+        # (measured there: baseline 1.19-1.26 s, worst beside the attack 1.85-3.64 s).
+        assert max(latencies) < 2 * baseline + 2.0, (baseline, latencies)
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+
+
+def test_server_info_does_not_publish_the_transfer_session(pd):
+    """Review row 1: /get_server_info named each server's Mooncake session (host and RPC port), all a
+    peer needs to read and write the pools. The start log names it, and where Mooncake listens."""
+    for name in ("prefill", "decode"):
+        log = pd[name].log_text()
+        session = re.search(r"Mooncake transfer engine up: session (\S+),", log).group(1)
+        info = requests.get(pd[name].base_url + "/get_server_info", timeout=10).text
+        assert session not in info and '"session"' not in info
+        assert "isolated network" in log and ":" + session.rsplit(":", 1)[1] in log

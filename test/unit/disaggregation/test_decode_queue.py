@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist
 from sglang.srt.disaggregation.decode import DecodeTransferQueue
 from sglang.srt.disaggregation.transfer import PoolLayout
 from sglang.srt.managers.io_struct import BootstrapInfo
@@ -32,6 +33,8 @@ def make_queue(sched) -> DecodeTransferQueue:
     q.engine = SimpleNamespace(session_id="decode:1")
     q.channel = RecordingChannel()
     q.notify_url = "tcp://127.0.0.1:1"
+    q.allowlist = PrefillAllowlist.parse(None)
+    q.peers = PeerVerifier(False, q.channel.send, q.notify_url)
     q.prealloc, q.reserved, q.ready = [], [], []
     q.transfers, q.zombies, q.dst_sent = {}, {}, set()
     q.timeout = 300.0
@@ -65,7 +68,9 @@ def test_a_request_refused_before_its_destination_went_out_cancels_its_room():
     r = req("b")
     r.finished_reason = {"type": "abort", "message": "refused"}
     q.on_released(r)
-    assert q.channel.sent == [("tcp://127.0.0.1:8998", {"type": "cancel", "room": "b", "notify": q.notify_url})]
+    assert q.channel.sent == [
+        ("tcp://127.0.0.1:8998", {"type": "cancel", "room": "b", "notify": q.notify_url})
+    ]
     # Once the destination went out, the prefill server answers by itself: no cancel.
     q.channel.sent.clear()
     q.dst_sent.add("b")

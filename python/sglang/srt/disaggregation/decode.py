@@ -24,8 +24,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
+from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
 from sglang.srt.disaggregation.channel import Channel, reachable_host, tcp_url
-from sglang.srt.disaggregation.transfer import open_transfer_engine
+from sglang.srt.disaggregation.transfer import clear_destination, open_transfer_engine
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import alloc_for_extend
 from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
@@ -81,9 +82,15 @@ class DecodeTransferQueue:
     def __init__(self, sched: Scheduler):
         args = sched.server_args
         self.sched = sched
+        check_at_start(args)
         self.layout, self.engine = open_transfer_engine(sched)
-        self.channel = Channel(args.host, None)
+        self.allowlist = PrefillAllowlist.parse(args.disaggregation_prefill_allowlist)
+        # An answer carries the first token's logprobs: at most a top list and a chosen-ids list of the
+        # vocabulary, ~32 bytes an entry in JSON; the rest is well under 64 KB.
+        max_message = 64 * 1024 + 2 * 32 * args.model_config.vocab_size
+        self.channel = Channel(args.host, None, secret(), max_message)
         self.notify_url = tcp_url(reachable_host(args.host), self.channel.port)
+        self.peers = PeerVerifier(self.channel.secret is not None, self.channel.send, self.notify_url)
         self.prealloc: list[Req] = []  # waiting for destinations
         # Reserved, the destination not sent yet: (request, id of the newest batch launched at reservation).
         self.reserved: list[tuple[Req, int]] = []
@@ -100,6 +107,14 @@ class DecodeTransferQueue:
         if req.bootstrap.port is None:
             message = "bootstrap_port is null: give the router the prefill server's bootstrap port (--prefill URL PORT)."
             self.sched.abort_with_status([req], message, 400)
+            return
+        host, port = req.bootstrap.host, req.bootstrap.port
+        if not self.allowlist.allows(host, port):
+            message = (
+                f"bootstrap_host {host!r} (bootstrap_port {port}) is not a prefill server this decode server "
+                f"works with: --disaggregation-prefill-allowlist is {self.allowlist.text}."
+            )
+            self.sched.abort_with_status([req], message, 400, "bootstrap_host")
             return
         if req.bootstrap.room in self._rooms_in_use():
             self.sched.abort_with_status(
@@ -153,6 +168,8 @@ class DecodeTransferQueue:
                     logger.warning(
                         "Disaggregation: a malformed answer for room %r was dropped (%s).", msg["room"], e
                     )
+            elif msg["type"] == "hello":
+                did = self.peers.on_hello(msg) or did
         did = self._expire() or did
         did = self._preallocate() or did
         did = self._send_destinations() or did
@@ -165,14 +182,27 @@ class DecodeTransferQueue:
         return {r.bootstrap.room for r in reqs} | set(self.transfers) | set(self.zombies)
 
     def _send(self, req: Req, msg: dict[str, Any]) -> bool:
-        return self.channel.send(tcp_url(req.bootstrap.host, req.bootstrap.port), msg)
+        if not self.allowlist.allows(req.bootstrap.host, req.bootstrap.port):
+            return False  # a refused request's cancel: nothing to tell a host this server never contacted
+        if msg["type"] == "cancel" and not self.peers.verified(self._url(req)):
+            return False  # it never got a destination from here: nothing to cancel
+        return self.channel.send(self._url(req), msg)
+
+    @staticmethod
+    def _url(req: Req) -> str:
+        return tcp_url(req.bootstrap.host, req.bootstrap.port)
 
     def _preallocate(self) -> bool:
-        """Reserve destinations in arrival order."""
+        """Reserve destinations in arrival order, for requests whose prefill server proved itself (the
+        others wait holding nothing, without holding up the rest)."""
         sched = self.sched
         did = False
-        while self.prealloc:
-            req = self.prealloc[0]
+        waiting: list[Req] = []
+        blocked = False  # one waits for memory: the later ones wait behind it
+        for req in self.prealloc:
+            if not self.peers.ready(self._url(req)) or blocked:
+                waiting.append(req)
+                continue
             # One page per request that will decode before this one, so the running batch is not starved.
             reserve = len(sched.running) + len(self.ready) + len(self.transfers) + len(self.reserved) + 1
             n = len(req.origin_input_ids)
@@ -185,12 +215,14 @@ class DecodeTransferQueue:
                 n,
                 reserve_pages=reserve,
             ):
-                break
-            self.prealloc.pop(0)
+                blocked = True
+                waiting.append(req)
+                continue
             did = True
-            req.mamba_needs_clear = False  # the transfer writes the whole state
+            req.mamba_needs_clear = False  # cleared as its destination goes out; the transfer writes it
             req.mark_req_to_token_dirty(0)
             self.reserved.append((req, sched.num_batches))
+        self.prealloc = waiting
         return did
 
     def _send_destinations(self) -> bool:
@@ -204,8 +236,10 @@ class DecodeTransferQueue:
             req, _ = self.reserved.pop(0)
             did = True
             key = req.bootstrap.room
+            # No batch writes these slots any more, and the transfer may only come after this.
+            clear_destination(self.layout, req.kv_indices, req.mamba_pool_idx)
             sent = self._send(req, {
-                "type": "dst", "room": key, "rid": req.rid, "notify": self.notify_url,
+                "type": "dst", "room": key, "notify": self.notify_url,
                 "session": self.engine.session_id, "layout": self.layout.to_dict(),
                 "kv": req.kv_indices, "slot": req.mamba_pool_idx,
             })  # fmt: skip
@@ -272,6 +306,14 @@ class DecodeTransferQueue:
     def _expire(self) -> bool:
         now = time.monotonic()
         did = False
+        for req in [r for r in self.prealloc if now - r.created_time > self.timeout]:
+            if not self.peers.ready(self._url(req)):
+                did = True
+                message = (
+                    f"the prefill server at {self._url(req)} did not answer within {self.timeout:g} s "
+                    "(is it up, with the same SGLANG_DISAGGREGATION_SECRET?)"
+                )
+                self.sched.abort_with_status([req], message, 503)
         for key, (req, since) in list(self.transfers.items()):
             if now - since > self.timeout:
                 did = True
@@ -293,7 +335,7 @@ class DecodeTransferQueue:
             "transfer_queue": len(self.transfers),
             "ready": len(self.ready),
             "aborted_holding": len(self.zombies),
-            "session": self.engine.session_id,
+            "dropped_messages": self.channel.dropped,
             **self.stats,
         }
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sglang.srt.disaggregation.auth import check_at_start, hello_answer, secret
 from sglang.srt.disaggregation.channel import Channel
 from sglang.srt.disaggregation.transfer import (
     PoolLayout,
@@ -48,8 +50,19 @@ class PrefillBootstrapQueue:
     def __init__(self, sched: Scheduler):
         args = sched.server_args
         self.sched = sched
+        check_at_start(args)
         self.layout, self.engine = open_transfer_engine(sched)
-        self.channel = Channel(args.host, args.disaggregation_bootstrap_port)
+        self.context_len = sched.context_len
+        # A destination names one token slot per prompt position: at most 11 bytes each in JSON, and the
+        # rest (pool layout, URLs) is a few KB.
+        max_message = 64 * 1024 + 12 * self.context_len
+        self.channel = Channel(args.host, args.disaggregation_bootstrap_port, secret(), max_message)
+        self.host = args.host
+        # Destinations held for requests not received here yet (the decode server reserved first): at
+        # most this many, naming at most 4x this server's KV pool in token slots (8 bytes each: at most
+        # 32 bytes per token of the pool, which itself holds KB per token).
+        self.max_unmatched = envs.SGLANG_DISAGGREGATION_MAX_UNMATCHED_ROOMS.get()
+        self.max_unmatched_tokens = 4 * sched.token_allocator.size
         self.rooms: dict[str, _Room] = {}
         # Rooms whose request ended here without a transfer: a destination that comes later is answered
         # with an error at once (the decode server frees it).
@@ -120,6 +133,8 @@ class PrefillBootstrapQueue:
                 self._on_dst(msg)
             elif msg["type"] == "cancel":
                 self._on_cancel(msg)
+            elif msg["type"] == "hello" and (answer := hello_answer(msg, self.host, self.channel.port)):
+                self.channel.send(msg["notify"], answer)
         for key, room in list(self.rooms.items()):
             if room.future is not None and room.future.done():
                 did = True
@@ -130,7 +145,7 @@ class PrefillBootstrapQueue:
 
     def _on_dst(self, msg: dict[str, Any]) -> None:
         key = str(msg["room"])
-        problem = _malformed_dst(msg)
+        problem = _malformed_dst(msg, self.context_len)
         if problem is not None:
             logger.warning("Disaggregation: a malformed destination for room %s: %s.", key, problem)
             self._notify_failed(msg, f"a malformed destination ({problem})")
@@ -138,12 +153,34 @@ class PrefillBootstrapQueue:
         if key in self.ended:
             self._notify_failed(msg, f"the prefill request ended: {self.ended.pop(key)[1]}")
             return
+        if key not in self.rooms:
+            problem = self._unmatched_full(len(msg["kv"]))
+            if problem is not None:
+                logger.warning("Disaggregation: the destination for room %s was refused: %s.", key, problem)
+                self._notify_failed(msg, problem)
+                return
         room = self.rooms.setdefault(key, _Room())
         if room.dst is not None:
             self._notify_failed(msg, f"room {key} already has a destination")
             return
+        msg["kv"] = array("q", msg["kv"])  # 8 bytes a slot while it waits, not a list's ~36
         room.dst = msg
         self._maybe_start(key, room)
+
+    def _unmatched_full(self, tokens: int) -> str | None:
+        waiting = [r.dst for r in self.rooms.values() if r.req is None and r.dst is not None]
+        if len(waiting) >= self.max_unmatched:
+            return (
+                f"this prefill server already holds {len(waiting)} destinations for requests it has not "
+                "received (SGLANG_DISAGGREGATION_MAX_UNMATCHED_ROOMS)"
+            )
+        held = sum(len(d["kv"]) for d in waiting)
+        if held + tokens > self.max_unmatched_tokens:
+            return (
+                f"this prefill server already holds destinations of {held} token slots for requests it "
+                f"has not received (at most {self.max_unmatched_tokens}, 4x its KV pool)"
+            )
+        return None
 
     def _on_cancel(self, msg: dict[str, Any]) -> None:
         key = str(msg["room"])
@@ -262,7 +299,7 @@ class PrefillBootstrapQueue:
                 1 for r in self.rooms.values() if r.req is not None and r.future is None
             ),
             "transferring": sum(1 for r in self.rooms.values() if r.future is not None),
-            "session": self.engine.session_id,
+            "dropped_messages": self.channel.dropped,
             **self.stats,
         }
 
@@ -271,16 +308,18 @@ class PrefillBootstrapQueue:
         self.channel.close()
 
 
-def _malformed_dst(msg: dict[str, Any]) -> str | None:
+def _malformed_dst(msg: dict[str, Any], context_len: int) -> str | None:
     """What is wrong with a destination from the network, or None."""
 
     def is_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63  # (an address or a slot id)
 
     if not isinstance(msg.get("notify"), str) or not isinstance(msg.get("session"), str):
         return "notify and session must be strings"
     if not is_int(msg.get("slot")) or not isinstance(msg.get("kv"), list) or not all(map(is_int, msg["kv"])):
         return "slot and kv must be slot ids"
+    if len(msg["kv"]) > context_len:
+        return f"kv names {len(msg['kv'])} token slots, more than the context length {context_len}"
     layout = msg.get("layout")
     try:
         PoolLayout.from_dict(layout)

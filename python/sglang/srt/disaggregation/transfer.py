@@ -14,7 +14,10 @@ batch and, from ~2,100 on, keeps the link to that peer broken (reference/distrib
 
 from __future__ import annotations
 
+import ctypes
+import ipaddress
 import logging
+import os
 from dataclasses import asdict, dataclass
 
 from sglang.srt.disaggregation.channel import reachable_host
@@ -124,6 +127,21 @@ def transfer_descriptors(
     return out
 
 
+def clear_destination(layout: PoolLayout, tokens: list[int], slot: int) -> None:
+    """Zero what a transfer into (`tokens`, `slot`) of this server's pools writes: the KV rows of those
+    token slots in every full-attention layer and the running slot's conv and SSM rows. Reserved slots
+    hold the previous tenant's KV and state; a request whose transfer never really came (a peer that
+    answers "done" without writing) must decode from zeros, never from those. CPU pools only (PD runs
+    on `--device cpu`), so the addresses are host memory."""
+    per_token = layout.kv_bytes_per_token
+    runs = token_runs(tokens, tokens)
+    for ptr in layout.kv_ptrs:
+        for start, _, n in runs:
+            ctypes.memset(ptr + start * per_token, 0, n * per_token)
+    for ptr, size in zip(layout.state_ptrs, layout.state_slot_bytes, strict=True):
+        ctypes.memset(ptr + slot * size, 0, size)
+
+
 def open_transfer_engine(sched) -> tuple[PoolLayout, MooncakeTransferEngine]:
     """The layout of a scheduler's pools and the transfer engine they are registered with (the flags were
     checked at startup: `check_flag_support`)."""
@@ -131,6 +149,35 @@ def open_transfer_engine(sched) -> tuple[PoolLayout, MooncakeTransferEngine]:
     layout = PoolLayout.of(sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool)
     host = reachable_host(args.host)
     return layout, MooncakeTransferEngine(host, args.disaggregation_ib_device, layout.regions())
+
+
+def listening_sockets() -> set[str]:
+    """This process's listening TCP sockets as "address:port" (Linux; empty elsewhere)."""
+    try:
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        out = set()
+        for table, v6 in (("/proc/self/net/tcp", False), ("/proc/self/net/tcp6", True)):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    cols = line.split()
+                    if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                        continue
+                    hex_addr, hex_port = cols[1].split(":")
+                    raw = bytes.fromhex(hex_addr)
+                    # /proc writes each 32-bit word in host (little-endian) order.
+                    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                    addr = ipaddress.ip_address(raw)
+                    out.add(f"[{addr}]:{int(hex_port, 16)}" if v6 else f"{addr}:{int(hex_port, 16)}")
+        return out
+    except OSError:
+        return set()
 
 
 class MooncakeTransferEngine:
@@ -147,9 +194,21 @@ class MooncakeTransferEngine:
             ) from None
         self.engine = TransferEngine()
         protocol = "rdma" if ib_device else "tcp"
+        before = listening_sockets()
         rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, ib_device or "")
         if rc != 0:
             raise RuntimeError(f"Mooncake did not start on {hostname} over {protocol} (code {rc}).")
+        # Mooncake (0.3.13) binds its handshake RPC port and its TCP data port to every interface, whatever
+        # address it is given, and authenticates no peer: say where, so they can be firewalled.
+        self.listening = sorted(listening_sockets() - before)
+        wide = [a for a in self.listening if a.rsplit(":", 1)[0] in ("0.0.0.0", "[::]")]
+        if wide:
+            logger.warning(
+                "Mooncake's transfer engine listens on %s (all interfaces, whatever --host says) and "
+                "lets any peer that reaches it read and write the registered KV and state pools: keep "
+                "these ports on an isolated network (docs/disaggregation.md).",
+                ", ".join(wide),
+            )
         self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
         regions = [(p, n) for p, n in regions if n > 0]
         if regions:

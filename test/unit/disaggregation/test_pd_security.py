@@ -1,0 +1,488 @@
+"""The review's PD reproductions (security review rows 1, 2, 12, 13), without servers: the decode side
+hands out no previous tenant's KV or state and sends destinations only to listed prefill servers, PD
+messages are signed, the bootstrap port bounds what strangers can make it hold, and /get_server_info
+publishes no transfer-engine session."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+import orjson
+import pytest
+import torch
+import zmq
+
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+from sglang.srt.disaggregation import channel as channel_mod
+from sglang.srt.disaggregation import decode as decode_mod
+from sglang.srt.disaggregation.auth import (
+    PeerVerifier,
+    PrefillAllowlist,
+    hello_answer,
+    security_problem,
+    sign,
+)
+from sglang.srt.disaggregation.channel import Channel, tcp_url
+from sglang.srt.disaggregation.decode import DecodeTransferQueue
+from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, _Room
+from sglang.srt.disaggregation.transfer import PoolLayout
+from sglang.srt.environ import envs
+from sglang.srt.managers.io_struct import BootstrapInfo
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=12, suite="per-commit-cpu")
+
+SECRET = b"a secret both servers share"
+
+
+class Aborts:
+    """The scheduler's abort_with_status, recorded."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, int | None, str | None]] = []
+
+    def __call__(self, reqs, message, status_code=None, param=None):
+        for r in reqs:
+            r.finished_reason = {"type": "abort", "message": message}
+            self.calls.append((r.rid, message, status_code, param))
+
+
+class RecordingChannel:
+    def __init__(self):
+        self.sent: list[tuple[str, dict]] = []
+        self.dropped = 0
+
+    def send(self, url: str, msg: dict) -> bool:
+        self.sent.append((url, msg))
+        return True
+
+
+def decode_queue(sched) -> DecodeTransferQueue:
+    """A decode server's PD queue without a transfer engine; the channel records what it would send."""
+    q = DecodeTransferQueue.__new__(DecodeTransferQueue)
+    q.sched = sched
+    q.layout = PoolLayout([], [], 0, [], [], [])
+    q.engine = SimpleNamespace(session_id="127.0.0.1:16610")
+    q.channel = RecordingChannel()
+    q.notify_url = "tcp://127.0.0.1:1"
+    q.allowlist = PrefillAllowlist.parse(None)
+    q.peers = PeerVerifier(False, q.channel.send, q.notify_url)
+    q.prealloc, q.reserved, q.ready = [], [], []
+    q.transfers, q.zombies, q.dst_sent = {}, {}, set()
+    q.timeout = 300.0
+    q.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "seconds": 0.0}
+    return q
+
+
+def pools(tokens: int, slots: int) -> tuple[MHATokenToKVPool, MambaPool]:
+    """Pools full of random values: the previous tenants' KV and state."""
+    kv = MHATokenToKVPool(tokens, 1, torch.float32, head_num=2, head_dim=4, layer_ids=[0, 3])
+    params = Mamba2CacheParams(
+        shape=Mamba2StateShape(conv=(6, 3), temporal=(2, 4, 4), conv_kernel=4),
+        dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32),
+        layers=(1, 2, 4),
+    )
+    mamba = MambaPool(slots, params)
+    gen = torch.Generator().manual_seed(0)
+    for buf in kv.k_buffer + kv.v_buffer + [mamba.conv_state, mamba.ssm_state]:
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+    return kv, mamba
+
+
+def decode_req(room: str, host: str = "127.0.0.1", port: int = 8998) -> Req:
+    r = Req(f"rid-{room}", [5, 6, 7])
+    r.bootstrap = BootstrapInfo(host, port, room)
+    return r
+
+
+# ---- row 2: the previous tenant's KV and state ---------------------------------------------------------
+
+
+def test_reserved_kv_rows_and_mamba_slot_are_zeroed_before_the_destination_goes_out():
+    """A client that names its own prefill server and answers "done" itself decodes from whatever its
+    reserved slots hold: they must hold zeros, not the previous tenant's KV and recurrent state."""
+    kv, mamba = pools(64, 6)
+    before = [b.clone() for b in kv.k_buffer + kv.v_buffer + [mamba.conv_state, mamba.ssm_state]]
+    sched = SimpleNamespace(processed_batch_id=3, num_batches=3)
+    q = decode_queue(sched)
+    q.layout = PoolLayout.of(kv, mamba)
+    r = decode_req("a")
+    tokens, slot = [9, 10, 11, 40, 2], 4  # two runs and a stray slot
+    r.kv_indices, r.mamba_pool_idx = tokens, slot
+    q.reserved.append((r, 3))
+    assert q._send_destinations()
+    [(_, msg)] = q.channel.sent
+    assert msg["kv"] == tokens and msg["slot"] == slot
+    untouched = [t for t in range(kv.k_buffer[0].shape[0]) if t not in tokens]
+    for old, new in zip(before[:-2], kv.k_buffer + kv.v_buffer, strict=True):
+        assert (new[tokens] == 0).all()
+        assert torch.equal(new[untouched], old[untouched])  # only the reserved rows
+    for old, new in zip(before[-2:], [mamba.conv_state, mamba.ssm_state], strict=True):
+        assert (new[:, slot] == 0).all()
+        others = [s for s in range(new.shape[1]) if s != slot]
+        assert torch.equal(new[:, others], old[:, others])
+
+
+# ---- row 2 and 13: prefill servers the decode server works with -------------------------------------
+
+
+def test_a_client_named_prefill_server_is_refused_and_nothing_is_sent_to_it():
+    """The review's client named its own bootstrap_host and got the pool's addresses; 20 such requests to
+    a silent host held 60,000 KV tokens up to 600 s. Now: a 400 naming bootstrap_host at once, nothing
+    reserved, nothing sent there (not even the cancel of the refused request)."""
+    aborts = Aborts()
+    q = decode_queue(SimpleNamespace(processed_batch_id=0, num_batches=0, abort_with_status=aborts))
+    refused = [decode_req(f"r{i}", host="192.0.2.7", port=5555) for i in range(20)]
+    for r in refused:
+        q.add(r)
+        q.on_released(r)
+    assert q.prealloc == [] and q.channel.sent == []
+    assert len(aborts.calls) == 20
+    _, message, status, param = aborts.calls[0]
+    assert (status, param) == (400, "bootstrap_host") and "192.0.2.7" in message
+    listed = decode_req("ok")
+    q.add(listed)
+    assert q.prealloc == [listed]
+
+
+def test_a_listener_a_client_named_gets_a_hello_and_its_request_holds_nothing(monkeypatch):
+    """With the secret set, a loopback listener (allowed by default) that cannot sign gets a hello and
+    never a destination: its request reserves nothing, so when its client leaves nothing is held (the
+    review's 20 requests held 60,000 KV tokens up to 600 s), and it does not hold up a request behind it
+    whose prefill server proved itself."""
+    reserved: list[str] = []
+
+    def fake_alloc(tree, req_pool, allocator, req, start, n, reserve_pages):
+        reserved.append(req.rid)
+        req.kv_indices, req.mamba_pool_idx = list(range(n)), 1
+        return True
+
+    monkeypatch.setattr(decode_mod, "alloc_for_extend", fake_alloc)
+    aborts = Aborts()
+    sched = SimpleNamespace(processed_batch_id=5, num_batches=5, running=[], abort_with_status=aborts,
+                            tree_cache=None, req_to_token_pool=None, token_allocator=None)  # fmt: skip
+    q = decode_queue(sched)
+    q.peers = PeerVerifier(True, q.channel.send, q.notify_url)
+    stranger, honest = decode_req("s", port=5555), decode_req("h", port=8998)
+    q.add(stranger)
+    q.add(honest)
+    q._preallocate()
+    q._send_destinations()
+    hellos = {url: m for url, m in q.channel.sent if m["type"] == "hello"}
+    assert set(hellos) == {"tcp://127.0.0.1:5555", "tcp://127.0.0.1:8998"}
+    assert reserved == [] and all(m["type"] == "hello" for _, m in q.channel.sent)
+    # The prefill server answers (a wrong nonce first: as a listener passing hellos on would); the
+    # listener cannot (the message would need the secret).
+    assert not q.peers.on_hello({"type": "hello", "room": "", "to": "tcp://127.0.0.1:8998", "nonce": "00"})
+    assert q.peers.on_hello({**hellos["tcp://127.0.0.1:8998"], "notify": None})
+    q._preallocate()
+    q._send_destinations()
+    assert reserved == ["rid-h"] and q.prealloc == [stranger]
+    [(url, msg)] = [(u, m) for u, m in q.channel.sent if m["type"] == "dst"]
+    assert url == "tcp://127.0.0.1:8998" and msg["room"] == "h"
+    # The stranger's client leaves: nothing was reserved, so nothing is held.
+    assert not q.defer_release(stranger)
+    assert q.prealloc == [] and "s" not in q.transfers and q.zombies == {}
+    # One that stays is given up after the waiting timeout with a 503 naming the prefill server.
+    late = decode_req("late", port=5556)
+    q.add(late)
+    late.created_time -= q.timeout + 1
+    q._expire()
+    assert aborts.calls[-1][0] == "rid-late" and aborts.calls[-1][2] == 503
+    assert "tcp://127.0.0.1:5556 did not answer" in aborts.calls[-1][1]
+
+
+@pytest.mark.parametrize(
+    "to, own_host, answered",
+    [
+        ("tcp://127.0.0.1:8998", "127.0.0.1", True),
+        ("tcp://127.0.0.1:5555", "127.0.0.1", False),  # a listener on 5555 passed its hello on
+        ("tcp://127.0.0.2:8998", "127.0.0.1", False),  # ... from another loopback address
+        ("tcp://10.0.0.1:8998", "0.0.0.0", True),
+        ("tcp://prefill-0.svc:8998", "10.0.0.1", True),  # a name: the port decides
+        ("tcp://[::1]:8998", "::1", True),
+        ("udp://127.0.0.1:8998", "127.0.0.1", False),
+    ],
+)
+def test_a_prefill_server_answers_only_hellos_addressed_to_it(to, own_host, answered):
+    msg = {"type": "hello", "room": "", "nonce": "ab", "to": to, "notify": "tcp://127.0.0.1:1"}
+    answer = hello_answer(msg, own_host, 8998)
+    assert (answer is not None) is answered
+    if answered:
+        assert answer == {"type": "hello", "room": "", "nonce": "ab", "to": to}
+
+
+@pytest.mark.parametrize(
+    "entries, host, port, allowed",
+    [
+        (None, "127.0.0.1", 8998, True),
+        (None, "127.3.4.5", 1, True),
+        (None, "localhost", 1, True),
+        (None, "::1", 1, True),
+        (None, "10.0.0.1", 8998, False),
+        (None, "evil.example", 8998, False),
+        (["10.0.0.1:8998"], "10.0.0.1", 8998, True),
+        (["10.0.0.1:8998"], "10.0.0.1", 8999, False),
+        (["10.0.0.1:8998"], "127.0.0.1", 8998, False),  # a list replaces the loopback default
+        (["10.0.1.0/24,prefill-0.svc:8998"], "10.0.1.200", 4, True),
+        (["10.0.1.0/24", "prefill-0.svc:8998"], "Prefill-0.svc", 8998, True),
+        (["[fd00::1]:8998"], "fd00::1", 8998, True),
+        (["[fd00::1]:8998"], "[fd00::1]", 8997, False),
+    ],
+)
+def test_prefill_allowlist(entries, host, port, allowed):
+    assert PrefillAllowlist.parse(entries).allows(host, port) is allowed
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.1:http", "10.0.0.1:70000", "[fd00::1", "a b", "host:1:2:x"])
+def test_a_malformed_allowlist_entry_stops_the_start(bad):
+    with pytest.raises(ValueError, match="--disaggregation-prefill-allowlist"):
+        PrefillAllowlist.parse([bad])
+
+
+def test_a_reachable_pd_server_needs_the_secret_or_an_isolated_network():
+    args = SimpleNamespace(
+        disaggregation_mode="decode", host="0.0.0.0", disaggregation_prefill_allowlist=None
+    )
+    with envs.SGLANG_DISAGGREGATION_SECRET.override(None):
+        assert "SGLANG_DISAGGREGATION_SECRET" in security_problem(args)
+        with envs.SGLANG_DISAGGREGATION_ALLOW_UNAUTHENTICATED.override(True):
+            assert security_problem(args) is None
+        assert security_problem(SimpleNamespace(**{**vars(args), "host": "127.0.0.1"})) is None
+        bad_list = SimpleNamespace(
+            **{**vars(args), "host": "::1", "disaggregation_prefill_allowlist": ["x:y"]}
+        )
+        assert "--disaggregation-prefill-allowlist" in security_problem(bad_list)
+    with envs.SGLANG_DISAGGREGATION_SECRET.override("s"):
+        assert security_problem(args) is None
+
+
+# ---- row 2 and 12: signed messages, bounded messages ------------------------------------------------
+
+
+@pytest.fixture
+def channel():
+    ch = Channel("127.0.0.1", None, SECRET, max_message_bytes=64 * 1024)
+    yield ch
+    ch.close()
+
+
+def pusher(ctx: zmq.Context, port: int) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(tcp_url("127.0.0.1", port))
+    return sock
+
+
+def drain(ch: Channel, want: int, timeout: float = 5.0) -> list[dict]:
+    got: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        ch.pull.poll(50)
+        got += ch.recv_all()
+    return got
+
+
+def test_only_messages_signed_with_the_shared_secret_are_taken(channel):
+    """The review's forged "done" (and a stranger's "cancel" or "dst") is unsigned: dropped."""
+    ctx = zmq.Context()
+    push = pusher(ctx, channel.port)
+    done = orjson.dumps({"type": "done", "room": "7", "ok": True, "output_ids": [220]})
+    try:
+        push.send(done)  # unsigned, as in the review
+        push.send(sign(b"another secret", done))
+        push.send(sign(SECRET, done)[:-1] + b"]")  # tampered after signing
+        push.send(sign(SECRET, orjson.dumps({"type": "cancel", "room": "8"})))
+        [msg] = drain(channel, 1)
+        assert msg == {"type": "cancel", "room": "8"}
+        time.sleep(0.2)
+        assert channel.recv_all() == [] and channel.dropped == 3
+    finally:
+        push.close()
+        ctx.term()
+    # Two channels with the same secret talk.
+    sender = Channel("127.0.0.1", None, SECRET, 64 * 1024)
+    try:
+        assert sender.send(tcp_url("127.0.0.1", channel.port), {"type": "done", "room": "9", "ok": False})
+        assert drain(channel, 1) == [{"type": "done", "room": "9", "ok": False}]
+    finally:
+        sender.close()
+
+
+def test_a_flood_is_taken_a_bounded_number_of_messages_per_step(channel):
+    ctx = zmq.Context()
+    push = pusher(ctx, channel.port)
+    try:
+        for _ in range(3 * channel_mod.MAX_MESSAGES_PER_POLL):
+            push.send(b"x" * 100)
+        deadline = time.monotonic() + 5
+        seen = 0
+        while seen < 3 * channel_mod.MAX_MESSAGES_PER_POLL and time.monotonic() < deadline:
+            channel.pull.poll(50)
+            before = channel.dropped
+            assert channel.recv_all() == []
+            assert channel.dropped - before <= channel_mod.MAX_MESSAGES_PER_POLL
+            seen = channel.dropped
+        assert seen == 3 * channel_mod.MAX_MESSAGES_PER_POLL
+    finally:
+        push.close()
+        ctx.term()
+
+
+# ---- row 12: the bootstrap port --------------------------------------------------------------------
+
+
+def prefill_queue(max_unmatched: int = 1024, pool_tokens: int = 4096, secret: bytes | None = None):
+    """A prefill server's PD queue on loopback with a real channel; no transfer engine, no scheduler."""
+    q = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
+    q.sched = SimpleNamespace(abort_with_status=Aborts())
+    q.context_len = 4096
+    q.channel = Channel("127.0.0.1", None, secret, 64 * 1024 + 12 * q.context_len)
+    q.host = "127.0.0.1"
+    q.layout = PoolLayout([], [], 0, [], [], [])
+    q.rooms, q.ended = {}, {}
+    q.timeout = 300.0
+    q.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "seconds": 0.0}
+    q.max_unmatched = max_unmatched
+    q.max_unmatched_tokens = 4 * pool_tokens
+    return q
+
+
+def dst(room: str, notify: str, kv: list[int]) -> dict:
+    layout = PoolLayout([1], [8], 8, [], [], []).to_dict()
+    return {
+        "type": "dst",
+        "room": room,
+        "notify": notify,
+        "session": "x",
+        "layout": layout,
+        "kv": kv,
+        "slot": 0,
+    }
+
+
+def poll_until_quiet(q: PrefillBootstrapQueue, quiet_s: float = 0.5, timeout: float = 30.0) -> float:
+    """Poll as the scheduler does until no message came for `quiet_s`; the slowest poll's seconds."""
+    slowest, last = 0.0, time.monotonic()
+    deadline = last + timeout
+    while time.monotonic() - last < quiet_s and time.monotonic() < deadline:
+        q.channel.pull.poll(20)
+        start = time.perf_counter()
+        if q.poll():
+            last = time.monotonic()
+        slowest = max(slowest, time.perf_counter() - start)
+    return slowest
+
+
+def test_oversized_destinations_from_strangers_hold_nothing():
+    """Review row 12: 40 "dst" messages with 1M-slot lists held 2.4 GB for 300 s. A destination names
+    at most one slot per position of the context: these are refused by the socket unread."""
+    q = prefill_queue()
+    ctx = zmq.Context()
+    push = pusher(ctx, q.channel.port)
+    big = orjson.dumps(dst("bogus", "tcp://127.0.0.1:9", list(range(1_000_000))))
+    try:
+        for i in range(40):
+            push.send(big.replace(b'"bogus"', f'"bogus{i}"'.encode()))
+        slowest = poll_until_quiet(q)
+        assert q.rooms == {}
+        # The scheduler's step beside the flood: each poll stays far under a decode step (the bound: 256
+        # messages a poll; 0.5 s leaves room for a loaded 2-core CI machine).
+        assert slowest < 0.5, slowest
+    finally:
+        push.close()
+        ctx.term()
+        q.channel.close()
+
+
+def test_destinations_without_their_request_are_bounded_and_answered():
+    """Rooms held for requests not received here are bounded in number and in slots; the one past the
+    bound gets an error answer at once, so its decode server frees what it reserved."""
+    q = prefill_queue(max_unmatched=8, pool_tokens=100)
+    ctx = zmq.Context()
+    answers = ctx.socket(zmq.PULL)
+    port = answers.bind_to_random_port("tcp://127.0.0.1")
+    notify = tcp_url("127.0.0.1", port)
+    push = pusher(ctx, q.channel.port)
+    try:
+        for i in range(20):
+            push.send(orjson.dumps(dst(f"r{i}", notify, list(range(10)))))
+        poll_until_quiet(q)
+        assert len(q.rooms) == 8
+        refused = [orjson.loads(answers.recv()) for _ in range(12)]
+        assert all(
+            a["ok"] is False and "SGLANG_DISAGGREGATION_MAX_UNMATCHED_ROOMS" in a["error"] for a in refused
+        )
+        # The slot bound: 4 x 100 pool tokens, 80 held.
+        q.max_unmatched = 1024
+        push.send(orjson.dumps(dst("big", notify, list(range(400)))))
+        poll_until_quiet(q)
+        answer = orjson.loads(answers.recv())
+        assert answer["room"] == "big" and "4x its KV pool" in answer["error"]
+        assert len(q.rooms) == 8
+        # A slot id past 64-bit signed (JSON allows it) is malformed, not an OverflowError in the scheduler.
+        push.send(orjson.dumps(dst("huge", notify, [2**63 + 1])))
+        poll_until_quiet(q)
+        answer = orjson.loads(answers.recv())
+        assert answer["room"] == "huge" and "malformed" in answer["error"]
+    finally:
+        push.close()
+        answers.close()
+        ctx.term()
+        q.channel.close()
+
+
+def test_a_strangers_cancel_is_dropped_when_the_secret_is_set():
+    """Review row 12: "cancel" for any room ended that room's request. Unsigned, it is dropped."""
+    q = prefill_queue(secret=SECRET)
+    ctx = zmq.Context()
+    push = pusher(ctx, q.channel.port)
+    try:
+        q.rooms["victim"] = _Room(req=SimpleNamespace(rid="victim"))
+        push.send(orjson.dumps({"type": "cancel", "room": "victim", "notify": "tcp://127.0.0.1:9"}))
+        poll_until_quiet(q)
+        assert "victim" in q.rooms and q.sched.abort_with_status.calls == [] and q.channel.dropped == 1
+        push.send(
+            sign(SECRET, orjson.dumps({"type": "cancel", "room": "victim", "notify": "tcp://127.0.0.1:9"}))
+        )
+        poll_until_quiet(q)
+        assert "victim" not in q.rooms and q.sched.abort_with_status.calls[0][0] == "victim"
+    finally:
+        push.close()
+        ctx.term()
+        q.channel.close()
+
+
+# ---- row 1: the transfer engine's session ---------------------------------------------------------
+
+
+def test_server_info_publishes_no_transfer_session():
+    """Review row 1: /get_server_info's disaggregation state named the Mooncake session (host:RPC port),
+    which is all a peer needs to read and write the pools."""
+    q = prefill_queue()
+    q.engine = SimpleNamespace(session_id="127.0.0.1:16609")
+    try:
+        state = q.state()
+    finally:
+        q.channel.close()
+    d = decode_queue(SimpleNamespace())
+    for s in (state, d.state()):
+        assert "session" not in s and "16609" not in str(s) and "16610" not in str(s)
+
+
+def test_the_transfer_engine_says_where_it_listens(caplog):
+    """Mooncake binds to every interface whatever --host says: the start log names those ports."""
+    pytest.importorskip("mooncake.engine")
+    from sglang.srt.disaggregation.transfer import MooncakeTransferEngine
+
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.disaggregation.transfer"):
+        engine = MooncakeTransferEngine("127.0.0.1", None, [])
+    port = engine.session_id.rsplit(":", 1)[1]
+    assert any(a.endswith(":" + port) for a in engine.listening)
+    wide = [a for a in engine.listening if a.startswith(("0.0.0.0:", "[::]:"))]
+    for address in wide:
+        assert address in caplog.text and "isolated network" in caplog.text
