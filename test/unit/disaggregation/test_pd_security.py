@@ -436,6 +436,23 @@ def test_destinations_without_their_request_are_bounded_and_answered():
         q.channel.close()
 
 
+def test_rooms_remembered_as_ended_are_bounded():
+    """A cancel may name any room, and an ended room is remembered (for its late other half) until the
+    bootstrap timeout: a stream of cancels for made-up rooms keeps at most 4x the unmatched bound."""
+    q = prefill_queue(max_unmatched=16)
+    ctx = zmq.Context()
+    push = pusher(ctx, q.channel.port)
+    try:
+        for i in range(1000):
+            push.send(orjson.dumps({"type": "cancel", "room": f"made-up-{i}", "notify": "tcp://127.0.0.1:9"}))
+        poll_until_quiet(q)
+        assert len(q.ended) == 64 and "made-up-999" in q.ended
+    finally:
+        push.close()
+        ctx.term()
+        q.channel.close()
+
+
 def test_a_strangers_cancel_is_dropped_when_the_secret_is_set():
     """Review row 12: "cancel" for any room ended that room's request. Unsigned, it is dropped."""
     q = prefill_queue(secret=SECRET)

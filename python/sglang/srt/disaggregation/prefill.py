@@ -115,7 +115,7 @@ class PrefillBootstrapQueue:
             if room.dst is not None:
                 self._notify_failed(room.dst, f"the prefill request ended: {req.finished_reason['message']}")
                 return
-        self.ended[key] = (time.monotonic(), req.finished_reason["message"])
+        self._end(key, time.monotonic(), req.finished_reason["message"])
 
     def busy(self) -> bool:
         return any(r.req is not None for r in self.rooms.values())
@@ -188,7 +188,7 @@ class PrefillBootstrapQueue:
         if room is not None and room.future is not None:
             return  # the transfer's own answer frees the decode side
         # A prefilled request of this room that comes later is ended at once.
-        self.ended[key] = (time.monotonic(), "the decode server gave the request up")
+        self._end(key, time.monotonic(), "the decode server gave the request up")
         if room is None:
             return
         del self.rooms[key]
@@ -271,7 +271,7 @@ class PrefillBootstrapQueue:
                 del self.rooms[key]
                 if room.dst is not None:
                     self._notify_failed(room.dst, "the prefill server never got this request")
-                    self.ended[key] = (now, "the destination waited too long for this request")
+                    self._end(key, now, "the destination waited too long for this request")
                 if room.req is not None:
                     message = f"no decode server sent a destination for room {key} within {self.timeout:g} s"
                     self._abort(room.req, message, 503)
@@ -279,6 +279,14 @@ class PrefillBootstrapQueue:
             if now - since > self.timeout:
                 del self.ended[key]
         return did
+
+    def _end(self, key: str, now: float, why: str) -> None:
+        """Remember a room that ended here, for its other half; the oldest are forgotten past a bound (a
+        cancel may name any room: then a late half waits for its timeout instead of ending at once)."""
+        self.ended.pop(key, None)
+        self.ended[key] = (now, why)
+        while len(self.ended) > 4 * self.max_unmatched:
+            self.ended.pop(next(iter(self.ended)))
 
     def _abort(self, req: Req, message: str, status_code: int) -> None:
         self.sched.abort_with_status([req], message, status_code)
