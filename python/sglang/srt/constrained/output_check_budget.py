@@ -13,9 +13,13 @@ waits for. The rule, all of it here:
   fits: cheap requests are never ended for costly ones. Requests that start together are known to the
   load only once checked, each after at least its fair share: a step where n start at once may spend
   up to 1 + ln(n) budgets, once.
-- A request over its allowance, or ended for the load, ends with a 400 naming the field that cost it
-  the most (`ebnf`, `json_schema`, `regex`, `structural_tag` or `stop_regex`); one ended for the load
-  ends at its next check, and its grammar fills no more masks meanwhile.
+- A request over its allowance for two tokens in a row (or for one token by more than `SPIKE` times),
+  or ended for the load, ends with a 400 naming the field that cost it the most (`ebnf`, `json_schema`,
+  `regex`, `structural_tag` or `stop_regex`); one ended for the load ends at its next check, and its
+  grammar fills no more masks meanwhile. One token's overrun alone may be the machine's (the thread
+  descheduled in the middle of a sub-millisecond call on a loaded host), and must not end a request.
+  (The load counts each request's latest cost as it is: a lagging one would let costs that grow token
+  by token take steps over the budget.)
 
 A stop_regex search is cut at the request's allowance (the `regex` module's timeout); xgrammar's calls
 cannot be interrupted, so a grammar's cost is measured after each call: a grammar whose cost grows
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
 clock = time.perf_counter
+# One token's checks over this many allowances end a request at once (no second token is waited for).
+SPIKE = 10
 
 
 class OutputCheckBudget:
@@ -49,6 +55,7 @@ class OutputCheckBudget:
         self.per_step_s = per_step_s if per_step_s > 0 else math.inf
         # Each live request's latest per-token cost and the field that cost the most (identity keys).
         self._cost: dict[Req, tuple[float, str]] = {}
+        self._over: set[Req] = set()  # requests whose latest token's checks went over their allowance
         self._load = 0.0
         self._ended: dict[Req, str] = {}  # request -> why: ended for the load, at its next check
         self._pruned_at = 0  # entries after the last pruning
@@ -68,9 +75,20 @@ class OutputCheckBudget:
         """Why `req` was ended for the load (it is forgotten), or None."""
         return self._ended.pop(req, None)
 
-    def charge(self, req: Req, cost: float, field: str) -> None:
-        """`req`'s checks for one token took `cost` seconds, `field` the costliest part. If that takes
-        the load over the step's budget, the costliest requests (maybe `req`) are ended."""
+    def over_allowance(self, req: Req, cost: float, allowance: float) -> bool:
+        """Whether `req` ends for a token's checks that took `cost` seconds past its `allowance`: the
+        second token in a row over it, or one over it `SPIKE` times. Else the overrun is remembered."""
+        if cost > SPIKE * allowance or req in self._over:
+            return True
+        self._over.add(req)
+        return False
+
+    def charge(self, req: Req, cost: float, field: str, over: bool = False) -> None:
+        """`req`'s checks for one token took `cost` seconds, `field` the costliest part, `over` its
+        allowance or not. If that takes the load over the step's budget, the costliest requests (maybe
+        `req`) are ended."""
+        if not over:
+            self._over.discard(req)
         self._load += cost - self._cost.get(req, (0.0, ""))[0]
         self._cost[req] = (cost, field)
         if len(self._cost) + len(self._ended) > 2 * self._pruned_at + 64:
@@ -93,11 +111,13 @@ class OutputCheckBudget:
         if entry is not None:
             self._load -= entry[0]
         self._ended.pop(req, None)
+        self._over.discard(req)
 
     def _prune(self) -> None:
         """Forget requests that ended elsewhere (aborted, refused) since their last check."""
         self._cost = {r: c for r, c in self._cost.items() if r.finished_reason is None}
         self._ended = {r: f for r, f in self._ended.items() if r.finished_reason is None}
+        self._over = {r for r in self._over if r.finished_reason is None}
         self._load = sum(c for c, _ in self._cost.values())  # (also drops the float sums' drift)
         self._pruned_at = len(self._cost) + len(self._ended)
 

@@ -40,12 +40,13 @@ class StopRegexTimeout(Exception):
 class _Work:
     """One check's output rules: the time it may take and what they took."""
 
-    __slots__ = ("allowance", "grammar_s", "regex_s", "field")
+    __slots__ = ("allowance", "grammar_s", "regex_s", "field", "over")
 
     def __init__(self, allowance: float, field: str):
         self.allowance = allowance
         self.grammar_s = self.regex_s = 0.0
         self.field = field  # the grammar's field, or stop_regex once it costs more
+        self.over = False  # went over the allowance (`OutputCheckBudget.over_allowance`)
 
 
 class FinishChecker:
@@ -93,7 +94,7 @@ class FinishChecker:
         if req.finished_reason is not None:
             budget.forget(req)
             return
-        budget.charge(req, work.grammar_s + work.regex_s, work.field)
+        budget.charge(req, work.grammar_s + work.regex_s, work.field, work.over)
         why = budget.ended(req)
         if why is not None:
             req.finished_reason = _bad_request(budget.over_load_message(why), why)
@@ -117,7 +118,8 @@ class FinishChecker:
                 req.finished_reason = {"type": "abort", "status_code": 500, "message": message}
                 return
             work.grammar_s = grammar.take_spent()
-            if work.grammar_s > work.allowance:
+            work.over = work.grammar_s > work.allowance
+            if work.over and self.budget.over_allowance(req, work.grammar_s, work.allowance):
                 message = self.budget.over_allowance_message(work.field, work.grammar_s, work.allowance)
                 req.finished_reason = _bad_request(message, work.field)
                 return
@@ -139,14 +141,18 @@ class FinishChecker:
                 try:
                     matched = self.match_stop_string(req, work)
                 except StopRegexTimeout as e:
-                    message = (
-                        f"stop_regex {e.pattern!r} took more than the {e.limit * 1e3:.0f} ms a request's "
-                        "checks may take for one token (SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, within "
-                        "SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP for all requests) to search the output; use a "
-                        "pattern that does not backtrack without bound."
-                    )
-                    req.finished_reason = _bad_request(message, "stop_regex")
-                    return
+                    work.over = True
+                    if not self.budget.over_allowance(req, e.limit, e.limit):
+                        matched = None  # (searched again, over the same tail and more, at the next token)
+                    else:
+                        message = (
+                            f"stop_regex {e.pattern!r} took more than the {e.limit * 1e3:.0f} ms a request's "
+                            "checks may take for one token (SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, within "
+                            "SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP for all requests) to search the output; use a "
+                            "pattern that does not backtrack without bound."
+                        )
+                        req.finished_reason = _bad_request(message, "stop_regex")
+                        return
                 if matched is not None:
                     req.finished_reason = {"type": "stop", "matched": matched}
                     return
