@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING
 
 from sglang.srt.constrained.vocab_mask import VocabMaskInfo
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.scheduler_components.batch_result_processor import add_hidden_states
 from sglang.srt.mem_cache.common import alloc_for_verify, release_verify_tail
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.custom_logit_processor import CustomLogitInfo
@@ -287,8 +286,7 @@ class NgramWorker:
         # (appending what it holds) and starts anew after the next plain steps.
         rp.token_log.clear()
         spec: NgramVerifyInput = batch.spec_info
-        check_finished, logprobs = rp.finisher.check_finished, result.next_token_logprobs is not None
-        sampled_all = result.next_token_ids
+        sampled_all, hidden = result.next_token_ids, result.hidden_states
         touched: list[Req] = []
         copies: list[tuple[int, int]] = []  # (verify row, slot): the states the commit keeps
         settled: list[tuple[Req, tuple[int, int] | None]] = []  # to release or commit a snapshot for
@@ -297,27 +295,19 @@ class NgramWorker:
             drafts, p = spec.drafts[i], spec.prefix_lens[i]
             at, start = start, start + spec.widths[i]
             if req.finished_reason is not None:
-                rp._release_landed(req)
+                rp.release_landed(req)
                 continue
             sampled = sampled_all[at:start]
             accepted = 0
             while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
                 accepted += 1
-            out = req.output_ids
-            if result.hidden_states is not None and result.hidden_states[i] is not None:
-                # (no drafts: its first position only)
-                add_hidden_states(req, result.hidden_states[i], req.hidden_count)
+            # (hidden states: a request that returns them has no drafts, so its first position only)
             committed = 0
             for t in range(accepted + 1):
-                token = sampled[t]
-                out.append(token)
                 committed += 1
-                if logprobs and req.return_logprob:
-                    rp._append_output_logprobs(req, result, at + t, token)
-                if len(out) >= req.finish_check_len or token in req.finish_token_ids:
-                    check_finished(req)
-                    if req.finished_reason is not None:
-                        break
+                row_hidden = hidden[i] if hidden is not None and t == 0 else None
+                if rp.commit(req, sampled[t], result, at + t, row_hidden):
+                    break
             committed_total += committed
             accepted_total += committed - 1
             counts = req.spec_counts
@@ -334,7 +324,7 @@ class NgramWorker:
                     self._backoff.pop(req, None)
                 else:
                     misses = self._backoff.get(req, (0, 0))[0] + 1
-                    self._backoff[req] = (misses, len(out) + min(2**misses, MAX_BACKOFF))
+                    self._backoff[req] = (misses, len(req.output_ids) + min(2**misses, MAX_BACKOFF))
             # The request keeps the KV of p + committed positions; its state after them is the verify row
             # of its last committed token, and a track boundary they reach takes the state there.
             release_verify_tail(sched.token_allocator, req, p + committed)
@@ -353,7 +343,7 @@ class NgramWorker:
         # it before the next batch (`copy_states` returns once the copies are on the forward stream).
         sched.worker.copy_states(copies)
         for req, pending in settled:
-            rp._handle_finish_state_updated_req(req, pending)
+            rp.settle(req, pending)
         rp.counters["num_generation_tokens_total"] += committed_total
         sched.batch_stats.add_generated(committed_total - len(batch.reqs))
         stats = self.stats

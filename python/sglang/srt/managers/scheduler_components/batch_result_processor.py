@@ -1,7 +1,7 @@
 """Processing a batch's results on the scheduler: commit sampled tokens and logprobs, decide finishes,
 commit decode snapshots, release finished requests, and stream deltas out.
 
-Order per request (`_handle_finish_state_updated_req`): the finish state is updated first, then
+Order per request (`commit`, then `settle`): the finish state is updated first, then
 `_mamba_prefix_cache_update` commits a snapshot the batch wrote, then a finished request is released
 with `release_kv_cache(req, tree, is_insert=...)` (is_insert false for an abort), so a request that
 finishes on a track boundary inserts the state of that very step.
@@ -78,29 +78,31 @@ class BatchResultProcessor:
         input_logprobs = result.input_token_logprobs is not None
         hidden = result.hidden_states
         sample_rows, completes_prefill = batch.sample_rows, batch.completes_prefill
-        handoff, check_finished = self.prefill_handoff, self.finisher.check_finished
+        handoff, next_ids = self.prefill_handoff, result.next_token_ids
         touched: list[Req] = []
         generated = 0
         for i, req in enumerate(batch.reqs):
             sampled = sample_rows[i]
             if req.finished_reason is not None:
-                self._release_landed(req)
+                self.release_landed(req)
                 continue
             if input_logprobs:
                 self._add_input_logprobs(req, batch, result, i)
             if hidden is not None and hidden[i] is not None:
                 add_hidden_states(req, hidden[i], batch.forward_batch.extend_prefix_lens_cpu[i])
-            if sampled:
-                self._commit_token(req, result, i)
-                generated += 1
             completes = completes_prefill[i]
-            if completes and req.bootstrap is not None and handoff is not None:
-                handoff(req)  # the decode server checks the first token's finish
+            # The decode server checks a handed-over request's first token.
+            handing_off = completes and req.bootstrap is not None and handoff is not None
+            if sampled or (completes and not handing_off):
+                # (A prefill that completes without sampling, its max_new_tokens reached, is checked.)
+                token = next_ids[i] if sampled else None
+                self.commit(req, token, result, i, check="none" if handing_off else "full")
+                generated += sampled
+            if handing_off:
+                handoff(req)
                 continue
-            if sampled or completes:
-                check_finished(req)
             if req.finished_reason is not None:  # (extends write no decode snapshots to commit)
-                self._handle_finish_state_updated_req(req, None)
+                self.settle(req, None)
             if req.stream or req.finished_reason is not None:
                 touched.append(req)  # what stream_output may send
         self.counters["num_generation_tokens_total"] += generated
@@ -128,28 +130,20 @@ class BatchResultProcessor:
         if short:
             self._commit_decode_tokens(batch, result)
             return
-        pending = batch.pending_tracks
-        check_finished, logprobs = self.finisher.check_finished, result.next_token_logprobs is not None
+        pending, commit = batch.pending_tracks, self.commit
         touched: list[Req] = []
         skipped = finished = 0
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if req.finished_reason is not None:
                 skipped += 1
-                self._release_landed(req)
+                self.release_landed(req)
                 continue
-            out = req._output_ids  # the log was flushed above
-            out.append(token)
-            if logprobs and req.return_logprob:
-                self._append_output_logprobs(req, result, i, token)
-            if hidden is not None and hidden[i] is not None:
-                add_hidden_states(req, hidden[i], req.hidden_count)  # (its input token's position)
-            if len(out) >= req.finish_check_len or token in req.finish_token_ids:
-                check_finished(req)
+            commit(req, token, result, i, None if hidden is None else hidden[i])
             # Only the rows with a snapshot to commit, or that finished, have more to do.
             if pending and i in pending:
-                self._handle_finish_state_updated_req(req, pending[i])
+                self.settle(req, pending[i])
             elif req.finished_reason is not None:
-                self._handle_finish_state_updated_req(req, None)
+                self.settle(req, None)
             if req.stream or req.finished_reason is not None:
                 touched.append(req)  # what stream_output may send
                 finished += req.finished_reason is not None
@@ -160,31 +154,55 @@ class BatchResultProcessor:
     def _commit_decode_tokens(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
         """The decode loop for a batch without logprobs, snapshots to commit or streaming requests:
         commit each token, and only a request that finishes on it has more to do (release, send)."""
-        check_finished = self.finisher.check_finished
+        commit = self.commit
         finished: list[Req] = []
         skipped = 0
         for req, token in zip(batch.reqs, result.next_token_ids, strict=True):
             if req.finished_reason is not None:
                 skipped += 1
-                self._release_landed(req)
+                self.release_landed(req)
                 continue
-            out = req._output_ids  # the caller flushed the log
-            out.append(token)
-            if len(out) >= req.finish_check_len or token in req.finish_token_ids:
-                check_finished(req)
-                if req.finished_reason is not None:
-                    self._handle_finish_state_updated_req(req, None)
-                    finished.append(req)
+            if commit(req, token):
+                self.settle(req, None)
+                finished.append(req)
         self.counters["num_generation_tokens_total"] += len(batch.reqs) - skipped
         self.token_log.after_step(batch.reqs, clean=not skipped and not finished)
         if finished:
             self.stream_output(finished)
 
-    def _commit_token(self, req: Req, result: HostBatchResult, i: int) -> None:
-        token = result.next_token_ids[i]
-        req.output_ids.append(token)
-        if req.return_logprob and result.next_token_logprobs is not None:
-            self._append_output_logprobs(req, result, i, token)
+    def commit(
+        self,
+        req: Req,
+        token: int | None,
+        result: HostBatchResult | None = None,
+        row: int = 0,
+        hidden: torch.Tensor | None = None,
+        check: str = "quick",
+    ) -> bool:
+        """Commit `token`, sampled for `req` at `result`'s logits row `row`: the one place a sampled
+        token joins `req.output_ids`, with its logprobs (as the request asks), the hidden state of its
+        input position (`hidden`, decode and verify rows), and the finish check. `check`: "quick" runs
+        `check_finished` only where the quick check (`FinishChecker.set_quick_check`) says the token
+        may end the request (decode and verify: the prefill's full check set it), "full" always (a
+        prefill's first token; a prefill that completes without sampling, `token` None, is checked
+        too), "none" never (a PD prefill server's hand-off: the decode server checks it). Returns
+        whether `req` finished. What follows a finish or a snapshot (`settle`) is the caller's: a
+        verify copies the states first."""
+        if hidden is not None:
+            add_hidden_states(req, hidden, req.hidden_count)  # (its input token's position)
+        if token is not None:
+            req.output_ids.append(token)
+            if req.return_logprob and result is not None and result.next_token_logprobs is not None:
+                self._append_output_logprobs(req, result, row, token)
+            if (
+                check == "quick"
+                and len(req.output_ids) < req.finish_check_len
+                and token not in req.finish_token_ids
+            ):
+                return False
+        if check != "none":
+            self.finisher.check_finished(req)
+        return req.finished_reason is not None
 
     @staticmethod
     def _append_output_logprobs(req: Req, result: HostBatchResult, i: int, token: int) -> None:
@@ -198,7 +216,11 @@ class BatchResultProcessor:
 
     # ---- finish ------------------------------------------------------------------------------------
 
-    def _handle_finish_state_updated_req(self, req: Req, pending: tuple[int, int] | None) -> None:
+    def settle(self, req: Req, pending: tuple[int, int] | None) -> None:
+        """After `commit`: commit the decode snapshot the batch wrote for `req` (`pending`: its track
+        entry and sequence length), then release `req` if it finished, in that order, so a request that
+        finishes on a track boundary inserts the state of that very step (upstream's
+        `_handle_finish_state_updated_req`)."""
         if pending is not None:
             self._mamba_prefix_cache_update(req, *pending)
         if req.finished:
@@ -222,7 +244,7 @@ class BatchResultProcessor:
             release_kv_cache(req, self.tree_cache, is_insert=is_insert)
         self.on_release(req)
 
-    def _release_landed(self, req: Req) -> None:
+    def release_landed(self, req: Req) -> None:
         """A deferred release (`release_finished`), once no batch in flight contains the request."""
         if req.release_deferred and req.num_inflight == 0:
             req.release_deferred = False
