@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from sglang.srt.constrained.vocab_mask import VocabMaskInfo
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, SamplingBatchInfo, host_int64
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, SamplingBatchInfo
 from sglang.srt.sampling.custom_logit_processor import CustomLogitInfo, CustomLogitProcessor
 from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, PenaltySlots, is_penalized
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.utils.host_tensors import host_int64
 
 if TYPE_CHECKING:
     from sglang.srt.constrained.xgrammar_backend import RequestGrammar

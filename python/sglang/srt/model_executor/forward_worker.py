@@ -44,7 +44,8 @@ import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.layers.logits_processor import HiddenRows
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, host_int64
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.utils.host_tensors import host_int64
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.model_executor.forward_batch_info import host_int64
+from sglang.srt.utils.host_tensors import host_int64
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req

@@ -173,7 +173,7 @@ class StateCopier:
 
     def _host_ids(self, *lists: Sequence[int]) -> list[torch.Tensor]:
         """Host id lists on the pool's device in one copy (pinned and non-blocking on CUDA)."""
-        from sglang.srt.model_executor.forward_batch_info import move_to_device
+        from sglang.srt.utils.host_tensors import move_to_device
 
         return move_to_device([torch.tensor(list(ids), dtype=torch.int64) for ids in lists], self.device)
 
