@@ -20,9 +20,9 @@ from sglang.srt.configs.gpu_memory_defaults import (
     mem_fraction_static_default,
 )
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.entrypoints.openai.reasoning_parser import FORMATS as REASONING_FORMATS
-from sglang.srt.entrypoints.openai.tool_call_parser import PARSERS as TOOL_CALL_PARSERS
+from sglang.srt.function_call.function_call_parser import PARSERS as TOOL_CALL_PARSERS
 from sglang.srt.mem_cache.mamba_strategy import EXTRA_BUFFER_STRATEGIES, MambaStrategy
+from sglang.srt.parser.reasoning_parser import FORMATS as REASONING_FORMATS
 from sglang.srt.server_args_checks import (
     ATTENTION_BACKEND_CHOICES,
     DEVICE_CHOICES,
@@ -98,9 +98,9 @@ class ServerArgs:
     # Where a chat request's unset sampling fields come from: "model" (the checkpoint's
     # generation_config.json, upstream's default) or "openai" (the API's own defaults).
     sampling_defaults: str = "model"
-    # Chat answers' reasoning into `reasoning_content` (entrypoints/openai/reasoning_parser.py).
+    # Chat answers' reasoning into `reasoning_content` (parser/reasoning_parser.py).
     reasoning_parser: str | None = None
-    # Chat answers' tool calls into `tool_calls` (entrypoints/openai/tool_call_parser.py).
+    # Chat answers' tool calls into `tool_calls` (function_call/function_call_parser.py).
     tool_call_parser: str | None = None
     # Constrained decoding (sglang/srt/constrained/): json_schema, regex, ebnf and structural_tag requests.
     grammar_backend: str = "xgrammar"

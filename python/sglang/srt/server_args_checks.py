@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sglang.srt.configs.presets import is_preset
-from sglang.srt.entrypoints.openai.reasoning_parser import FORMATS as REASONING_FORMATS
-from sglang.srt.entrypoints.openai.tool_call_parser import PARSERS as TOOL_CALL_PARSERS
 from sglang.srt.environ import envs
+from sglang.srt.function_call.function_call_parser import PARSERS as TOOL_CALL_PARSERS
+from sglang.srt.parser.reasoning_parser import FORMATS as REASONING_FORMATS
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
-from sglang.srt.entrypoints.openai.reasoning_parser import FORMATS, ReasoningParser, prompt_opens_reasoning
 from sglang.srt.entrypoints.openai.serving_base import parse_model
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglang.srt.parser.reasoning_parser import FORMATS, ReasoningParser, prompt_opens_reasoning
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sglang.srt.entrypoints.openai.serving_base import parse_model
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
-from sglang.srt.entrypoints.openai.tool_call_parser import ToolCallParser
+from sglang.srt.function_call.function_call_parser import ToolCallParser
 from sglang.srt.managers.request_validation import RequestError
 from sglang.test.ci_register import register_cpu_ci
 

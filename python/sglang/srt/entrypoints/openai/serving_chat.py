@@ -18,19 +18,19 @@ from sglang.srt.entrypoints.openai.protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from sglang.srt.entrypoints.openai.reasoning_parser import (
+from sglang.srt.entrypoints.openai.serving_base import (
+    OpenAIServingBase,
+    finish_reason,
+)
+from sglang.srt.function_call.function_call_parser import ToolCallParser, tool_call
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.parser.reasoning_parser import (
     FORMATS,
     THINK_START,
     ReasoningParser,
     prompt_opens_reasoning,
 )
-from sglang.srt.entrypoints.openai.serving_base import (
-    OpenAIServingBase,
-    finish_reason,
-)
-from sglang.srt.entrypoints.openai.tool_call_parser import ToolCallParser, tool_call
-from sglang.srt.managers.io_struct import GenerateReqInput
-from sglang.srt.managers.request_validation import RequestError
 
 
 def chat_logprobs(meta: dict, start: int) -> ChoiceLogprobs:

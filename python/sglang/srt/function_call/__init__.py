@@ -1,0 +1,1 @@
+"""`--tool-call-parser`'s parsers, at upstream's module path."""

@@ -1,0 +1,1 @@
+"""Chat-answer parsers the server options name (`--reasoning-parser`), at upstream's module paths."""
