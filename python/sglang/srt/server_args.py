@@ -391,9 +391,10 @@ class ServerArgs:
         return defaults.chunked_prefill_size
 
     def _handle_chunk_aligned_sizes(self, default_chunked_prefill_size: int) -> None:
-        """Prefill chunks and the decode track interval of the extra-buffer modes must be multiples of the
-        cache chunk C: a prompt's chunks then keep the snapshot lattice of its first extend, and decode
-        snapshots sit on multiples of C (see mamba_tracking)."""
+        """Prefill chunks of the extra-buffer modes must be multiples of the cache chunk C: a prompt's
+        chunks then keep the snapshot lattice of its first extend. Their decode track interval must be a
+        multiple of the page size (upstream's rule), so that a decode snapshot ends on a page; it need not
+        be one of C, since an extend from any hit snapshots on its own lattice (see mamba_tracking)."""
         c = self.mamba_cache_chunk_size
         aligned = self.enable_mamba_extra_buffer()
         if self.chunked_prefill_size == 0:
@@ -407,10 +408,10 @@ class ServerArgs:
             )
         if self.mamba_track_interval is None:
             self.mamba_track_interval = -(-DEFAULT_TRACK_INTERVAL // c) * c
-        elif aligned and self.mamba_track_interval % c:
+        elif aligned and self.mamba_track_interval % self.page_size:
             raise ServerArgsError(
-                f"--mamba-track-interval {self.mamba_track_interval} must be a multiple of the mamba cache "
-                f"chunk size {c} with --mamba-scheduler-strategy {self.mamba_scheduler_strategy}."
+                f"--mamba-track-interval {self.mamba_track_interval} must be a multiple of --page-size "
+                f"{self.page_size} with --mamba-scheduler-strategy {self.mamba_scheduler_strategy}."
             )
 
     # ---- argparse --------------------------------------------------------------------------------

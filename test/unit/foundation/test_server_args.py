@@ -148,14 +148,18 @@ def test_defaults_are_aligned_to_the_cache_chunk():
         ServerArgs(mamba_scheduler_strategy="no_buffer", chunked_prefill_size=100).chunked_prefill_size == 100
     )
     assert ServerArgs(disable_radix_cache=True, mamba_track_interval=100).mamba_track_interval == 100
+    # Upstream's Qwen3-Next tests track every 2 tokens with extra_buffer: any multiple of the page size.
+    for strategy in ("extra_buffer", "extra_buffer_lazy"):
+        assert ServerArgs(mamba_scheduler_strategy=strategy, mamba_track_interval=2).mamba_track_interval == 2
+    assert ServerArgs(page_size=16, mamba_track_interval=48).mamba_track_interval == 48
 
 
 REFUSED = [
     ({"mamba_scheduler_strategy": "no_buffer", "page_size": 16}, "no_buffer needs --page-size 1"),
     ({"mamba_scheduler_strategy": "extra_buffer", "chunked_prefill_size": 100}, "--chunked-prefill-size 100 must be a multiple of the mamba cache chunk size 64"),
-    ({"mamba_scheduler_strategy": "extra_buffer_lazy", "mamba_track_interval": 100}, "--mamba-track-interval 100 must be a multiple of the mamba cache chunk size 64"),
+    ({"mamba_scheduler_strategy": "extra_buffer_lazy", "page_size": 16, "mamba_track_interval": 100}, "--mamba-track-interval 100 must be a multiple of --page-size 16"),
     ({"model_path": "tiny-nemotron-h", "chunked_prefill_size": 48}, "--chunked-prefill-size 48 must be a multiple of the mamba cache chunk size 32"),
-    ({"page_size": 128, "mamba_track_interval": 64}, "--mamba-track-interval 64 must be a multiple of the mamba cache chunk size 128"),
+    ({"page_size": 128, "mamba_track_interval": 64}, "--mamba-track-interval 64 must be a multiple of --page-size 128"),
     ({"page_size": 48}, "--page-size 48 and the model's state chunk 64"),
     ({"page_size": 0}, "--page-size must be a positive integer"),
     ({"port": 0}, "--port must be between 1 and 65535"),

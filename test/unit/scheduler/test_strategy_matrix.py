@@ -14,7 +14,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import ORACLE_TOL, SchedulerHarness, prompt_with_unique_token, token_ids
 
-register_cpu_ci(est_time=95, suite="per-commit-cpu")
+register_cpu_ci(est_time=120, suite="per-commit-cpu")
 
 QWEN, NEMO, FALCON = "tiny-qwen3-next", "tiny-nemotron-h", "tiny-falcon-h1"
 # (preset, strategy, overlap, page size, chunked prefill size or None)
@@ -92,14 +92,28 @@ def _harness(preset, strategy, overlap, page, chunk, **kwargs) -> SchedulerHarne
         disable_overlap_schedule=not overlap,
         page_size=page,
         chunked_prefill_size=chunk if chunk else -1,
-        mamba_track_interval=c,  # the smallest legal interval: decode snapshots every chunk
-        **kwargs,
+        **{"mamba_track_interval": c, **kwargs},  # by default decode snapshots every chunk
     )
 
 
 @pytest.mark.parametrize("preset,strategy,overlap,page,chunk", CONFIGS, ids=lambda v: str(v))
 def test_workloads_match_oracle_and_cache_rules(preset, strategy, overlap, page, chunk, oracles):
     _run_workloads(_harness(preset, strategy, overlap, page, chunk), oracles[preset], ORACLE_TOL)
+
+
+# Decode snapshots off the cache chunk's lattice (upstream's Qwen3-Next tests track every 2 tokens): a hit
+# on one starts an extend at an unaligned position, which then snapshots on its own lattice.
+SMALL_INTERVALS = [
+    (QWEN, "extra_buffer", True, 1, None, 2),
+    (NEMO, "extra_buffer_lazy", True, 1, 64, 6),
+    (QWEN, "extra_buffer_lazy", False, 16, 128, 48),
+]
+
+
+@pytest.mark.parametrize("preset,strategy,overlap,page,chunk,interval", SMALL_INTERVALS, ids=lambda v: str(v))
+def test_track_intervals_off_the_chunk_lattice(preset, strategy, overlap, page, chunk, interval, oracles):
+    h = _harness(preset, strategy, overlap, page, chunk, mamba_track_interval=interval)
+    _run_workloads(h, oracles[preset], ORACLE_TOL)
 
 
 # On CUDA in float32 every dot is IEEE: the Triton attention's and decode kernels' by their own choice,

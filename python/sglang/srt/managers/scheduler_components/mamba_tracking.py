@@ -4,7 +4,8 @@ An extend snapshots only on its lattice, P + k * C for an extend starting at P (
 the kernel has an intermediate state. P is a checkpoint, a chunk boundary or 0, so it is a multiple of C
 unless the request's hit is a finished request's final state (`MambaRadixCache.cache_finished_req`),
 which sits at that request's last position; chunks of the same prompt keep its lattice. Decode snapshots
-sit at multiples of the track interval I (a multiple of C).
+sit at multiples of the track interval I (a multiple of the page size, not necessarily of C: a hit on one
+starts an extend off the lattice, as a finished request's final state does).
 
 Prefill (scheduled and committed at once, when the batch is prepared): the primary snapshot goes to
 the last lattice position inside the extend, into entry `mamba_next_track_idx` (with two entries it swaps
