@@ -43,10 +43,9 @@ class TestClientDisconnect(ServerTestCase):
     env = {"SGLANG_TEST_FORWARD_DELAY_MS": str(STEP_MS), "SGLANG_HTTP_READ_TIMEOUT": str(READ_TIMEOUT_S)}
 
     def metric(self, name: str, labels: str = "") -> float:
-        for line in self.get("/metrics").text.splitlines():
-            if line.startswith(name + "{") and labels in line:
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        """The sum over the series of `name` whose labels contain `labels` (one per endpoint and method)."""
+        lines = self.get("/metrics").text.splitlines()
+        return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name + "{") and labels in x)
 
     def responses(self, status: int) -> float:
         return self.metric("sglang:http_responses_total", f'status_code="{status}"')

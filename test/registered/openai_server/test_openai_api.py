@@ -6,10 +6,12 @@ from __future__ import annotations
 import re
 import threading
 import time
+from typing import Any
 
 import openai
 import orjson
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.kits.common import prompt_ids
@@ -18,6 +20,33 @@ from sglang.test.test_utils import ServerTestCase
 register_cpu_ci(est_time=30, suite="per-commit-cpu")
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# Upstream's families (as prometheus_client's parser names them: counters without _total) and types.
+UPSTREAM_TYPES = {
+    "sglang:num_running_reqs": "gauge", "sglang:num_used_tokens": "gauge", "sglang:token_usage": "gauge",
+    "sglang:gen_throughput": "gauge", "sglang:num_queue_reqs": "gauge", "sglang:num_grammar_queue_reqs": "gauge",
+    "sglang:cache_hit_rate": "gauge", "sglang:prompt_tokens": "counter", "sglang:generation_tokens": "counter",
+    "sglang:cached_tokens": "counter", "sglang:num_requests": "counter",
+    "sglang:time_to_first_token_seconds": "histogram", "sglang:inter_token_latency_seconds": "histogram",
+    "sglang:e2e_request_latency_seconds": "histogram", "sglang:queue_time_seconds": "histogram",
+    "sglang:http_requests_active": "gauge", "sglang:weight_memory_usage_gb": "gauge",
+    "sglang:kv_cache_memory_usage_gb": "gauge", "sglang:startup_time_seconds": "gauge",
+    "sglang:scheduler_idle_seconds": "counter", "sglang:scheduler_process_cpu_seconds": "counter",
+    "sglang:realtime_tokens": "counter", "sglang:process_cpu_seconds": "counter",
+}  # fmt: skip
+
+
+def metric_value(families: dict[str, Any], sample: str, missing: float | None = None, **labels: str) -> float:
+    """The one sample named `sample` whose labels include `labels` (`missing` when there is none)."""
+    name = sample.removesuffix("_total").removesuffix("_count").removesuffix("_sum")
+    found = [
+        s.value
+        for s in (families[name].samples if name in families else [])
+        if s.name == sample and labels.items() <= s.labels.items()
+    ]
+    if not found and missing is not None:
+        return missing
+    assert len(found) == 1, (sample, labels, found)
+    return found[0]
 
 
 def sse_events(resp: requests.Response) -> list:
@@ -141,6 +170,7 @@ class TestOpenAIServer(ServerTestCase):
         cached = second.usage.prompt_tokens_details.cached_tokens
         self.assertGreater(cached, 0)
         self.assertLessEqual(cached, 200)
+
         # Upstream's cache namespaces: another tenant's salt (or key) hits nothing of this prefix; its own
         # does, once it has run.
         def cached_for(**extra) -> int:
@@ -266,10 +296,75 @@ class TestOpenAIServer(ServerTestCase):
             "sglang:cache_hit_rate",
             "sglang:mamba_usage",
             "sglang:mamba_lazy_alloc_failures_total",
-            'sglang:http_responses_total{model_name="tiny-qwen3-next",status_code="200"}',
         ):
             self.assertIn(name, metrics)
+        responses = {f.name: f for f in text_string_to_metric_families(metrics)}["sglang:http_responses"]
+        ok = [s for s in responses.samples if s.labels["status_code"] == "200" and s.labels["model_name"] == self.model]
+        self.assertTrue(ok, responses.samples)
         self.assert_idle_accounting()
+
+    def scrape(self) -> dict[str, Any]:
+        return {f.name: f for f in text_string_to_metric_families(self.get("/metrics").text)}
+
+    def test_metrics_upstream_families(self) -> None:
+        # Upstream's families (issue 60, item 3) on this server, read with prometheus_client's parser:
+        # each present with upstream's type, and the request counts moved by exactly this traffic
+        # (the class's tests run one at a time; /health_generate is not counted).
+        before = self.scrape()
+        # The same 300-token prompt k times: the later prefills hit the cache (a 40-token one left no
+        # mamba state to reuse); 47 decode steps each close a --decode-log-interval window.
+        prompt, k, n = prompt_ids(300, seed=60), 3, 48
+        for _ in range(k):
+            body = {
+                "input_ids": prompt,
+                "stream": True,
+                "sampling_params": {"max_new_tokens": n, "ignore_eos": True},
+            }
+            self.assertEqual(sse_events(self.post("/generate", body, stream=True))[-1], "[DONE]")
+        after = self.scrape()
+
+        def delta(sample: str, **labels: str) -> float:
+            return metric_value(after, sample, **labels) - metric_value(before, sample, **labels, missing=0.0)
+
+        model = {"model_name": self.model}
+        self.assertEqual(delta("sglang:num_requests_total", **model), k)
+        self.assertEqual(delta("sglang:generation_tokens_total", **model), k * n)
+        self.assertEqual(delta("sglang:prompt_tokens_total", **model), k * len(prompt))
+        self.assertGreater(delta("sglang:cached_tokens_total", cache_source="device"), 0)
+        self.assertEqual(delta("sglang:time_to_first_token_seconds_count", **model), k)
+        # One token a message (--stream-interval 1): every token after each request's first.
+        self.assertEqual(delta("sglang:inter_token_latency_seconds_count", **model), k * (n - 1))
+        self.assertEqual(delta("sglang:e2e_request_latency_seconds_count", **model), k)
+        self.assertEqual(delta("sglang:queue_time_seconds_count", **model), k)
+        self.assertEqual(delta("sglang:realtime_tokens_total", mode="decode"), k * (n - 1))
+        self.assertEqual(delta("sglang:http_requests_total", endpoint="/generate", method="POST"), k)
+        # The scrape itself is the one request in flight.
+        self.assertEqual(
+            metric_value(after, "sglang:http_requests_active", endpoint="/metrics", method="GET"), 1
+        )
+        for sample, labels in [
+            ("sglang:gen_throughput", model),
+            ("sglang:cache_hit_rate", model),
+            ("sglang:max_total_num_tokens", model),
+            ("sglang:inter_token_latency_seconds_sum", model),
+            ("sglang:queue_time_seconds_sum", model),
+            ("sglang:weight_memory_usage_gb", model),
+            ("sglang:kv_cache_memory_usage_gb", model),
+            ("sglang:startup_time_seconds", {"phase": "load_weight"}),
+            ("sglang:startup_time_seconds", {"phase": "kv_cache_allocation"}),
+            ("sglang:startup_time_seconds", {"phase": "scheduler_e2e"}),
+            ("sglang:scheduler_idle_seconds_total", model),
+            ("sglang:scheduler_process_cpu_seconds_total", model),
+            ("sglang:process_cpu_seconds_total", {"component": "tokenizer"}),
+            ("sglang:realtime_tokens_total", {"mode": "prefill_compute"}),
+            ("sglang:realtime_tokens_total", {"mode": "prefill_cache"}),
+        ]:
+            self.assertGreater(metric_value(after, sample, **labels), 0, (sample, labels))
+        for name, kind in UPSTREAM_TYPES.items():
+            self.assertEqual(after[name].type, kind, name)
+        for gauge in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:num_grammar_queue_reqs"):
+            self.assertEqual(metric_value(after, gauge, **model), 0)  # idle again
+        self.assertEqual(metric_value(after, "sglang:num_used_tokens", **model), 0)
 
     def test_api_key_is_never_echoed(self) -> None:
         info = self.get("/get_server_info")

@@ -1,5 +1,5 @@
 """What the HTTP server does before a route sees a request: body size and read deadlines, clients that
-go away, and the status of every response (for metrics).
+go away, and each request's route, method and status (for metrics: `HttpObserver`).
 
 `RequestGuard` (ASGI middleware) reads each request body itself, so that
   - a body larger than the limit is refused with 413 before it is read whole (at once when its
@@ -16,15 +16,29 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
+from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 CLIENT_CLOSED = 499
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
+# The endpoint label of a path no route serves: a client's paths would otherwise each add a series.
+UNMATCHED = "unmatched"
+
+
+class HttpObserver(Protocol):
+    """Told of each HTTP request as it starts and as it ends (with its status), by route template (a
+    path no route matches is `UNMATCHED`)."""
+
+    def on_http_request(self, endpoint: str, method: str) -> None: ...
+
+    def on_http_response(self, endpoint: str, method: str, status_code: int) -> None: ...
+
+    def on_http_done(self, endpoint: str, method: str) -> None: ...
 
 
 class RequestGuard:
@@ -34,19 +48,32 @@ class RequestGuard:
         max_body_bytes: int,
         read_timeout: float,
         on_response: Callable[[int], None] | None = None,
+        observer: HttpObserver | None = None,
     ):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.read_timeout = read_timeout
         self.on_response = on_response
+        self.observer = observer
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.observer is None:
+            await self._guard(scope, receive, send, None)
+            return
+        route = (_endpoint(self.app, scope), scope["method"])
+        self.observer.on_http_request(*route)
+        try:
+            await self._guard(scope, receive, send, route)
+        finally:
+            self.observer.on_http_done(*route)
+
+    async def _guard(self, scope: Scope, receive: Any, send: Any, route: tuple[str, str] | None) -> None:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            await self._refuse(send, 413, self._too_large(f"{declared} bytes"), "request_too_large")
+            await self._refuse(send, 413, self._too_large(f"{declared} bytes"), "request_too_large", route)
             return
         chunks: list[bytes] = []
         size = 0
@@ -55,15 +82,16 @@ class RequestGuard:
                 message = await asyncio.wait_for(receive(), self.read_timeout)
             except asyncio.TimeoutError:
                 text = f"The request body was not received within {self.read_timeout:g} s."
-                await self._refuse(send, 408, text, "request_timeout")
+                await self._refuse(send, 408, text, "request_timeout", route)
                 return
             if message["type"] == "http.disconnect":
-                self._record(CLIENT_CLOSED)
+                self._record(CLIENT_CLOSED, route)
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._refuse(send, 413, self._too_large(f"more than {size} bytes"), "request_too_large")
+                text = self._too_large(f"more than {size} bytes")
+                await self._refuse(send, 413, text, "request_too_large", route)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -83,7 +111,7 @@ class RequestGuard:
         try:
             await self.app(scope, replay, send_and_record)
         finally:
-            self._record(status[0] if status else CLIENT_CLOSED)
+            self._record(status[0] if status else CLIENT_CLOSED, route)
 
     def _too_large(self, size: str) -> str:
         return (
@@ -91,7 +119,9 @@ class RequestGuard:
             "(--max-request-body-size)."
         )
 
-    async def _refuse(self, send: Any, status: int, message: str, code: str) -> None:
+    async def _refuse(
+        self, send: Any, status: int, message: str, code: str, route: tuple[str, str] | None
+    ) -> None:
         body = orjson.dumps(
             {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
         )
@@ -103,11 +133,23 @@ class RequestGuard:
         ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
-        self._record(status)
+        self._record(status, route)
 
-    def _record(self, status: int) -> None:
+    def _record(self, status: int, route: tuple[str, str] | None) -> None:
         if self.on_response is not None:
             self.on_response(status)
+        if self.observer is not None and route is not None:
+            self.observer.on_http_response(*route, status)
+
+
+def _endpoint(app: Any, scope: Scope) -> str:
+    """The template of the route that serves the path (upstream's endpoint label), or UNMATCHED. A
+    route that has the path for another method counts: the 405 is that route's."""
+    for route in getattr(app, "routes", ()):
+        match, _ = route.matches(scope)
+        if match != Match.NONE:
+            return getattr(route, "path", UNMATCHED)
+    return UNMATCHED
 
 
 def _content_length(scope: Scope) -> int | None:

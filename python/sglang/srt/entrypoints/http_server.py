@@ -374,7 +374,7 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         app,
         max_body_bytes=server_args.request_body_limit,
         read_timeout=envs.SGLANG_HTTP_READ_TIMEOUT.get(),
-        on_response=metrics.on_http_response if metrics is not None else None,
+        observer=metrics,
     )
 
 

@@ -127,8 +127,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         self._memory_resumed.set()
         self._memory_lock = asyncio.Lock()
         self.rid_to_state: dict[str, ReqState] = {}
-        # Optional observer (the metrics collector): on_first_token, on_finish, and on_abort for a
-        # request whose caller went away before it finished.
+        # Optional observer (the metrics collector): on_first_token, on_tokens (those after the first
+        # message's), on_finish, and on_abort for a request whose caller went away before it finished.
         self.observer: Any = None
         self._token_text: dict[int, str] = {}
         self._control_waiters: dict[type, asyncio.Future] = {}
@@ -338,6 +338,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             if self.observer is not None and state.log_metrics:
                 if first:
                     self.observer.on_first_token(state)
+                elif out.output_ids[i]:
+                    self.observer.on_tokens(state, len(out.output_ids[i]))
                 if state.finished:
                     self.observer.on_finish(state)
             state.event.set()

@@ -63,6 +63,7 @@ class ReqState:
         self.created_time = created_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.last_token_time: float | None = None  # the metrics' inter-token latency (streamed requests)
         # Shared by all states of one generate call: set when any of them changes.
         self.event = event
 

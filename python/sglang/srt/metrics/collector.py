@@ -1,76 +1,47 @@
-"""Prometheus metrics of the server (`--enable-metrics`, served at /metrics), with SGLang's names.
+"""Prometheus metrics of the server (`--enable-metrics`, served at /metrics), with upstream SGLang's names,
+types, label names and units (docs/server.md, "Metrics", lists them and the ones left out).
 
-Three sources: the TokenizerManager reports each request's first token and finish (counters and latency
-histograms, `on_first_token` / `on_finish`); the HTTP request guard reports the status of every
-response (`on_http_response`; 499 for a client that went away before its answer, as nginx counts it);
-and the scheduler's internal state, fetched when /metrics is scraped, gives the live gauges (requests,
-token pool, mamba slots, lazy allocation failures, speculative decoding's accept length).
+Three sources:
+- the TokenizerManager reports each request's first tokens, later tokens and finish (`on_first_token`,
+  `on_tokens`, `on_finish`, `on_abort`): the request counters and the latency histograms. Only a
+  streamed request hears of its tokens as they come, so time to first token and inter-token latency
+  are observed for streamed requests (a request that is not streamed gets one message at its end);
+- the HTTP request guard (`HttpObserver`) reports each request's route and method as it starts and
+  ends and its status (499 for a client that went away before its answer, as nginx counts it);
+- the scheduler's internal state, fetched when /metrics is scraped, gives its gauges, counters and
+  the queue-time histogram (`scheduler_collector.py`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sglang.srt.metrics.scheduler_collector import SchedulerStateCollector
+
+# This server's buckets for time to first token and request latency (since before upstream's names
+# were adopted): they start at 10 ms, where upstream's start at 0.1 s, below which small models' times
+# on one machine fall.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-
-
-class SchedulerStateCollector(Collector):
-    """Gauges from the latest scheduler snapshot (nothing before the first scrape)."""
-
-    def __init__(self, model_name: str):
-        self.model_name = model_name
-        self.state: dict[str, Any] | None = None
-
-    def collect(self) -> Iterator[Metric]:
-        s = self.state
-        if s is None:
-            return
-        labels = ["model_name"]
-        yield _gauge("sglang:num_running_reqs", "Requests running.", s["num_running_reqs"], self.model_name)
-        yield _gauge("sglang:num_queue_reqs", "Requests waiting.", s["num_waiting_reqs"], self.model_name)
-        tok = s["token_usage"]
-        used = tok["total"] - tok["free"]
-        yield _gauge(
-            "sglang:token_usage",
-            "Fraction of KV token slots in use.",
-            used / max(tok["total"], 1),
-            self.model_name,
-        )
-        mamba = s["mamba_usage"]
-        used = mamba["total"] - mamba["free"]
-        yield _gauge(
-            "sglang:mamba_usage",
-            "Fraction of mamba state slots in use.",
-            used / max(mamba["total"], 1),
-            self.model_name,
-        )
-        for pool, usage in (("token", tok), ("mamba", mamba)):
-            g = GaugeMetricFamily(
-                f"sglang:{pool}_slots", f"{pool} pool slots by owner.", labels=[*labels, "owner"]
-            )
-            for owner in ("free", "held_by_requests", "held_by_tree"):
-                g.add_metric([self.model_name, owner], usage[owner])
-            yield g
-        g = CounterMetricFamily(
-            "sglang:mamba_lazy_alloc_failures",
-            "extra_buffer_lazy track-slot allocations that failed, by attempt.",
-            labels=[*labels, "attempt"],
-        )
-        for attempt, value in s["lazy_alloc_failures"].items():
-            g.add_metric([self.model_name, attempt], value)
-        yield g
-        if "avg_spec_accept_length" in s:  # --speculative-algorithm
-            yield _gauge(
-                "sglang:spec_accept_length",
-                "Tokens committed per request and speculative verify, since start.",
-                s["avg_spec_accept_length"],
-                self.model_name,
-            )
+# Upstream's inter-token latency buckets (seconds).
+ITL_BUCKETS = (
+    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080, 0.100,
+    0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000,
+)  # fmt: skip
+# The prefix cache here is the one on the model's device (upstream also has host and storage tiers).
+CACHE_SOURCE = "device"
 
 
 class MetricsCollector:
@@ -83,45 +54,77 @@ class MetricsCollector:
         def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, labels, registry=self.registry).labels(model_name)
 
-        self.num_requests = counter("sglang:num_requests", "Requests finished.")
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.num_requests = counter("sglang:num_requests_total", "Number of requests processed.")
         self.num_aborted = counter(
-            "sglang:num_aborted_requests",
+            "sglang:num_aborted_requests_total",
             "Requests aborted (by /abort_request or by a client that went away).",
         )
-        self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens.")
-        self.cached_tokens = counter("sglang:cached_tokens", "Prompt tokens served from the prefix cache.")
-        self.http_responses = Counter(
-            "sglang:http_responses",
-            "HTTP responses by status code (499: the client went away first).",
-            [*labels, "status_code"],
+        self.prompt_tokens = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "sglang:generation_tokens_total", "Number of generation tokens processed."
+        )
+        self.cached_tokens = Counter(
+            "sglang:cached_tokens_total",
+            "Number of cached prompt tokens by source (device: the radix cache of the model's device).",
+            [*labels, "cache_source"],
+            registry=self.registry,
+        ).labels(model_name, CACHE_SOURCE)
+        self.http_requests = Counter(
+            "sglang:http_requests_total",
+            "Total number of HTTP requests by endpoint and method.",
+            ["endpoint", "method"],
             registry=self.registry,
         )
-        self.ttft = Histogram(
+        self.http_responses = Counter(
+            "sglang:http_responses_total",
+            "HTTP responses by endpoint, method and status code (499: the client went away first).",
+            [*labels, "status_code", "endpoint", "method"],
+            registry=self.registry,
+        )
+        self.http_active = Gauge(
+            "sglang:http_requests_active",
+            "Number of currently active HTTP requests.",
+            ["endpoint", "method"],
+            registry=self.registry,
+        )
+        self.ttft = histogram(
             "sglang:time_to_first_token_seconds",
-            "Time to first token.",
-            labels,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.e2e = Histogram(
+            "Histogram of time to first token in seconds (streamed requests).",
+            LATENCY_BUCKETS,
+        )
+        self.itl = histogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds (streamed requests).",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
             "sglang:e2e_request_latency_seconds",
-            "Request latency.",
-            labels,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self._prompt = 0
-        self._cached = 0
+            "Histogram of end-to-end request latency in seconds.",
+            LATENCY_BUCKETS,
+        )
         self.scheduler = SchedulerStateCollector(model_name)
         self.registry.register(self.scheduler)
-        self.registry.register(_HitRate(self))
+        self.registry.register(_ProcessCpu(self.scheduler))
+
+    # ---- requests (TokenizerManager) ---------------------------------------------------------------
 
     def on_first_token(self, state: Any) -> None:
         self.ttft.observe(state.first_token_time - state.created_time)
+        state.last_token_time = state.first_token_time
 
-    def on_http_response(self, status_code: int) -> None:
-        self.http_responses.labels(self.model_name, str(status_code)).inc()
+    def on_tokens(self, state: Any, num_new_tokens: int) -> None:
+        """`num_new_tokens` arrived after the first: each counts once in the inter-token latency, at the
+        interval since the previous arrival shared among them (upstream's observation)."""
+        if state.last_token_time is None or num_new_tokens <= 0:
+            return  # not streamed: no arrival times
+        now = time.time()
+        interval = now - state.last_token_time
+        state.last_token_time = now
+        for _ in range(num_new_tokens):  # (a few at most: tokens of one step, or one verify's)
+            self.itl.observe(interval / num_new_tokens)
 
     def on_abort(self, state: Any) -> None:
         self.num_aborted.inc()
@@ -133,9 +136,19 @@ class MetricsCollector:
         self.prompt_tokens.inc(state.prompt_tokens)
         self.generation_tokens.inc(state.completion_tokens)
         self.cached_tokens.inc(state.cached_tokens)
-        self._prompt += state.prompt_tokens
-        self._cached += state.cached_tokens
         self.e2e.observe(state.finish_time - state.created_time)
+
+    # ---- HTTP (RequestGuard's HttpObserver) --------------------------------------------------------
+
+    def on_http_request(self, endpoint: str, method: str) -> None:
+        self.http_requests.labels(endpoint, method).inc()
+        self.http_active.labels(endpoint, method).inc()
+
+    def on_http_response(self, endpoint: str, method: str, status_code: int) -> None:
+        self.http_responses.labels(self.model_name, str(status_code), endpoint, method).inc()
+
+    def on_http_done(self, endpoint: str, method: str) -> None:
+        self.http_active.labels(endpoint, method).dec()
 
     def render(self, scheduler_state: dict[str, Any] | None) -> bytes:
         if scheduler_state is not None:
@@ -143,21 +156,19 @@ class MetricsCollector:
         return generate_latest(self.registry)
 
 
-class _HitRate(Collector):
-    def __init__(self, owner: MetricsCollector):
-        self.owner = owner
+class _ProcessCpu(Collector):
+    """Upstream's sglang:process_cpu_seconds_total by component: this process (the tokenizer manager's
+    and the HTTP server's) and, from its latest snapshot, the scheduler's."""
+
+    def __init__(self, scheduler: SchedulerStateCollector):
+        self.scheduler = scheduler
 
     def collect(self) -> Iterator[Metric]:
-        rate = self.owner._cached / self.owner._prompt if self.owner._prompt else 0.0
-        yield _gauge(
-            "sglang:cache_hit_rate",
-            "Prompt tokens served from the cache / prompt tokens.",
-            rate,
-            self.owner.model_name,
+        c = CounterMetricFamily(
+            "sglang:process_cpu_seconds", "CPU seconds of the server's processes.", labels=["component"]
         )
-
-
-def _gauge(name: str, doc: str, value: float, model_name: str) -> GaugeMetricFamily:
-    g = GaugeMetricFamily(name, doc, labels=["model_name"])
-    g.add_metric([model_name], value)
-    return g
+        c.add_metric(["tokenizer"], time.process_time())
+        state = self.scheduler.state
+        if state is not None and "process_cpu_seconds" in state:
+            c.add_metric(["scheduler"], state["process_cpu_seconds"])
+        yield c

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -96,10 +97,18 @@ class ModelRunner:
         self.device = server_args.device
         self.dtype = model_config.torch_dtype
         self.kv_cache_dtype = model_config.kv_cache_torch_dtype
+        # For /metrics (sglang:startup_time_seconds by phase, the memory gauges): read, never acted on.
+        self.started_at = time.monotonic()
         self.model = load_model(model_config.hf_config, model_config.path, self.dtype, self.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        loaded = time.monotonic()
         self.pool_sizes = pool_sizes or compute_pool_sizes(server_args, self.arch, weight_bytes)
         self._init_pools(model_config.context_len)
+        self.startup_times = {
+            "load_weight": loaded - self.started_at,
+            "kv_cache_allocation": time.monotonic() - loaded,
+        }
+        self.memory_bytes = {"weights": weight_bytes, "kv_cache": self._pool_bytes()}
         full = self._full_attn_backend()
         if torch.device(self.device).type == "cuda" and self.dtype == torch.float32:
             use_ieee_float32_dots()  # before any FLA kernel compiles: see layers/attention/fla_float32.py
@@ -114,7 +123,9 @@ class ModelRunner:
         if server_args.cuda_graph_enabled:
             sizes = capture_bs_list(server_args, self.pool_sizes.max_running_requests)
             # NGRAM: its verify batches too, at --speculative-num-draft-tokens positions per request.
+            captured = time.monotonic()
             self.graph_runner = CudaGraphRunner(self, sizes, verify_width=self.mamba_pool.verify_shape[1])
+            self.startup_times["cuda_graph"] = time.monotonic() - captured
         # /release_memory_occupation and /resume_memory_occupation.
         self.memory_occupation = MemoryOccupation(self, server_args.enable_weights_cpu_backup)
         logger.info(
@@ -183,6 +194,13 @@ class ModelRunner:
             layer_ids=self.arch.full_attention_layer_ids,
             device=self.device,
         )
+
+    def _pool_bytes(self) -> int:
+        """Bytes of the KV pool and the mamba state pool (its verify rows included)."""
+        kv = self.token_to_kv_pool
+        mamba = self.mamba_pool
+        tensors = [*kv.k_buffer, *kv.v_buffer, mamba.conv_state, mamba.ssm_state]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def mamba_pool(self) -> MambaPool:

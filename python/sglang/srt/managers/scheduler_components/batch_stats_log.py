@@ -11,7 +11,13 @@ time between that line's batch and this one's; a window opens at the first decod
 scheduler was idle (`reset`), so idle time never counts. `cuda graph`: a graph the model runner
 captured serves the batch (a decode, or a verify of the graphs' width). Usage counts what requests
 and the tree's locked nodes hold, not what the radix tree keeps and could evict (as upstream counts
-it); `#token` is that many KV slots. With the scheduler's logger above INFO nothing is computed.
+it); `#token` is that many KV slots. With the scheduler's logger above INFO no line is formatted.
+
+It also keeps what /metrics reads of the batches (`metrics_state`, in upstream's metric names): the
+last window's throughput (sglang:gen_throughput), the last prefill batch's cache hit rate, the tokens
+prefilled, taken from the cache and decoded (sglang:realtime_tokens_total), and each request's queue
+time, from its arrival at the scheduler to the launch of its first prefill chunk
+(sglang:queue_time_seconds).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from sglang.srt.metrics.histogram import QUEUE_TIME_BUCKETS, PlainHistogram
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -51,13 +59,19 @@ class BatchStatsLog:
         # window opened; a verify's tokens beyond one per request are added as they are committed.
         self.spec_stats: dict[str, int] | None = None
         self._spec_since = (0, 0)
+        # /metrics: kept while the scheduler idles (upstream's gauges keep their last value too).
+        self.gen_throughput = 0.0
+        self.cache_hit_rate = 0.0
+        self.realtime_tokens = {"prefill_compute": 0, "prefill_cache": 0, "decode": 0}
+        self.queue_time = PlainHistogram(QUEUE_TIME_BUCKETS)
 
     def reset(self) -> None:
         """The scheduler is idle: the next decode batch opens a new window."""
         self._decodes, self._generated, self._since = 0, 0, None
 
     def add_generated(self, tokens: int) -> None:
-        """Tokens a batch of the window committed beyond the one per request counted at its launch."""
+        """Tokens a batch committed beyond the one per request counted at its launch."""
+        self.realtime_tokens["decode"] += tokens
         if self._since is not None:
             self._generated += tokens
 
@@ -73,6 +87,7 @@ class BatchStatsLog:
 
     def on_launch(self, batch: ScheduleBatch, running: int, queued: int) -> None:
         if batch.forward_mode.is_decode() or batch.forward_mode.is_target_verify():
+            self.realtime_tokens["decode"] += batch.batch_size
             now = time.monotonic()
             if self._since is None:
                 self._since = now  # its tokens come after the window opens: not counted
@@ -82,6 +97,7 @@ class BatchStatsLog:
             if self._decodes < self.interval:
                 return
             throughput = self._generated / max(now - self._since, 1e-9)
+            self.gen_throughput = throughput
             self._decodes, self._generated, self._since = 0, 0, now
             if logger.isEnabledFor(logging.INFO):
                 used, token_usage, mamba_usage = self.usage()
@@ -92,7 +108,10 @@ class BatchStatsLog:
                     batch.batch_size, used, token_usage, mamba_usage, graph, throughput, queued,
                     self._accept_len(),
                 )  # fmt: skip
-        elif batch.forward_mode.is_extend() and logger.isEnabledFor(logging.INFO):
+        elif batch.forward_mode.is_extend():
+            self._on_prefill(batch)
+            if not logger.isEnabledFor(logging.INFO):
+                return
             _, token_usage, mamba_usage = self.usage()
             logger.info(
                 "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
@@ -100,6 +119,29 @@ class BatchStatsLog:
                 batch.batch_size, batch.forward_batch.num_tokens, batch.cached_tokens, token_usage,
                 mamba_usage, running, queued,
             )  # fmt: skip
+
+    def _on_prefill(self, batch: ScheduleBatch) -> None:
+        fb = batch.forward_batch
+        computed, cached = fb.num_tokens, batch.cached_tokens
+        self.realtime_tokens["prefill_compute"] += computed
+        self.realtime_tokens["prefill_cache"] += cached
+        self.cache_hit_rate = cached / (computed + cached) if computed + cached else 0.0
+        now = time.monotonic()
+        for req, prefix in zip(batch.reqs, fb.extend_prefix_lens_cpu, strict=True):
+            # Its first chunk: a later chunk starts past the prefix its admission matched, and a
+            # retracted request's fill_ids carry its outputs.
+            if prefix == req.cached_tokens and len(req.fill_ids) == len(req.origin_input_ids):
+                self.queue_time.observe(now - req.created_time)
+
+    def metrics_state(self) -> dict[str, Any]:
+        used, _, _ = self.usage()
+        return {
+            "num_used_tokens": used,
+            "gen_throughput": self.gen_throughput,
+            "cache_hit_rate": self.cache_hit_rate,
+            "realtime_tokens": dict(self.realtime_tokens),
+            "queue_time": self.queue_time.snapshot(),
+        }
 
     def usage(self) -> tuple[int, float, float]:
         """(KV slots in use, their share of the pool, the share of mamba slots in use), the tree's

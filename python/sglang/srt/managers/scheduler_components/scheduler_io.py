@@ -76,6 +76,10 @@ class SchedulerIOMixin:
         to_detok.connect(port_args.detokenizer_ipc_name)
         to_tok.connect(port_args.tokenizer_ipc_name)
         self._sockets = (recv, to_detok, to_tok)
+        # /metrics' sglang:startup_time_seconds{phase="scheduler_e2e"}: from the model runner's start to
+        # here, where the scheduler can take requests (the process's imports before are not counted).
+        started = getattr(self.model_runner, "started_at", None)
+        self.startup_e2e = None if started is None else time.monotonic() - started
         # A PD server's loop also wakes for the other server's messages (built once: the idle loop polls
         # every IDLE_POLL_MS).
         if self.disagg is not None:
@@ -311,7 +315,17 @@ class SchedulerIOMixin:
             "disaggregation_mode": self.disaggregation_mode,
             "disaggregation": self.disagg.state() if self.disagg is not None else None,
             **(self.spec.internal_state() if self.spec is not None else {}),
+            **self.batch_stats.metrics_state(),
+            "process_cpu_seconds": time.process_time(),
+            "startup_times": self._startup_times(),
+            "memory_bytes": dict(getattr(self.model_runner, "memory_bytes", {})),
         }
+
+    def _startup_times(self) -> dict[str, float]:
+        times = dict(getattr(self.model_runner, "startup_times", {}))
+        if getattr(self, "startup_e2e", None) is not None:
+            times["scheduler_e2e"] = self.startup_e2e
+        return times
 
     # ---- process loop ------------------------------------------------------------------------------
 
