@@ -615,8 +615,9 @@ class ServerArgs:
             default=default("kv_cache_dtype"),
             choices=KV_CACHE_DTYPE_CHOICES,
             help="The full-attention layers' KV cache dtype: auto (the model's), bf16 / bfloat16, fp8_e4m3 or "
-            "fp8_e5m2 (stored unscaled, as upstream without k_scale / v_scale). Attention reads the stored "
-            "values converted (docs/server.md). fp4_e2m1 is not supported.",
+            "fp8_e5m2 (stored as x / scale with the checkpoint's per-layer k_scale / v_scale, 1.0 with a "
+            "warning where it has none, as upstream). Attention reads the stored values converted "
+            "(docs/server.md). fp4_e2m1 is not supported.",
         )
         g.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
         g.add_argument("--disable-radix-cache", action="store_true")

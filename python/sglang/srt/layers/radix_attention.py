@@ -20,6 +20,10 @@ class RadixAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+        # The checkpoint's per-layer float8 KV cache scales (upstream's names; None where it has none):
+        # a float8 pool stores K / k_scale and V / v_scale (`MHATokenToKVPool.layer_scales`).
+        self.k_scale: float | None = None
+        self.v_scale: float | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch

@@ -21,9 +21,13 @@ from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
 from sglang.srt.mem_cache.state_copy import StateCopier
 
 if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
+
+# The --kv-cache-dtype value of each float8 pool dtype (for its messages).
+FLOAT8_FLAG_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 class ReqToTokenPool:
@@ -91,6 +95,7 @@ class MHATokenToKVPool:
         rows = (size // page_size + 1) * page_size
         self.k_buffer = [torch.zeros(rows, head_num, head_dim, dtype=dtype, device=device) for _ in layer_ids]
         self.v_buffer = [torch.zeros(rows, head_num, head_dim, dtype=dtype, device=device) for _ in layer_ids]
+        self._warned_unscaled = False
 
     def _index(self, layer_id: int) -> int:
         try:
@@ -102,10 +107,41 @@ class MHATokenToKVPool:
         i = self._index(layer_id)
         return self.k_buffer[i], self.v_buffer[i]
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores `k` and `v` at `loc`, converted to the pool's dtype (`--kv-cache-dtype`; float8 unscaled,
-        e4m3fn saturating at +-448 as torch converts)."""
+    def layer_scales(self, layer: RadixAttention) -> tuple[float, float]:
+        """(k_scale, v_scale) of a layer: a float8 pool stores K / k_scale and V / v_scale and attention
+        reads them back multiplied (the backends fold k_scale into the softmax scale and v_scale into the
+        output). The checkpoint's per-layer scales where it has them (upstream's `k_scale` / `v_scale`),
+        else 1.0 with one warning, as upstream; 1.0 for any other pool dtype, which stores values as
+        they are."""
+        if self.dtype.itemsize != 1:
+            return 1.0, 1.0
+        k_scale, v_scale = layer.k_scale, layer.v_scale
+        if (k_scale is None or v_scale is None) and not self._warned_unscaled:
+            self._warned_unscaled = True
+            logger.warning(
+                "--kv-cache-dtype %s: the checkpoint has no k_scale / v_scale for layer %d (and maybe others); "
+                "their K and V are stored with scale 1.0, so values beyond the float8 range saturate and "
+                "small ones lose precision.",
+                FLOAT8_FLAG_NAMES.get(self.dtype, self.dtype), layer.layer_id,
+            )  # fmt: skip
+        return (1.0 if k_scale is None else k_scale), (1.0 if v_scale is None else v_scale)
+
+    def set_kv_buffer(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        """Stores `k / k_scale` and `v / v_scale` at `loc`, converted to the pool's dtype
+        (`--kv-cache-dtype`; float8 e4m3fn saturates at +-448 as torch converts; `layer_scales`)."""
         i = self._index(layer_id)
+        if k_scale != 1.0:
+            k = k.float() / k_scale
+        if v_scale != 1.0:
+            v = v.float() / v_scale
         for buf, new in ((self.k_buffer[i], k.to(self.dtype)), (self.v_buffer[i], v.to(self.dtype))):
             # float8 through a byte view, as upstream does (index_put has no float8 form everywhere)
             if self.dtype.itemsize == 1:

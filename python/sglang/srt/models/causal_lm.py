@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang.srt.layers.attention.kv_scales import KVScaleLoader
 from sglang.srt.models.loader import WeightLoader
 
 
@@ -60,11 +61,14 @@ class HybridCausalLM(nn.Module):
         (`WeightLoader`: all or nothing). Returns the names of tensors no parameter took (with `update`,
         also those it skips: multi-token prediction heads, a tied LM head)."""
         loader = WeightLoader(self, update=update)
+        kv_scales = KVScaleLoader(self)  # float8 KV cache scales go to their attention layers
         skipped = []  # (an update's names the model does not serve, told to its client)
         for name, tensor in weights:
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
             if tied_head or name.startswith(self.skip_prefixes):
                 skipped.append(name)
+                continue
+            if kv_scales.take(self.checkpoint_name(name), tensor):
                 continue
             for target, piece in self.checkpoint_tensors(name, tensor):
                 scale = self.folded_scale(target)

@@ -96,8 +96,14 @@ class TorchNativeAttnBackend:
         hq, hk, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         num_tokens = q.shape[0]
         q = q.view(num_tokens, hq, d)
-        self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, hk, d), v.view(-1, hk, d))
+        k_scale, v_scale = self.kv_pool.layer_scales(layer)
+        self.kv_pool.set_kv_buffer(
+            layer.layer_id, fb.out_cache_loc, k.view(-1, hk, d), v.view(-1, hk, d), k_scale, v_scale
+        )
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)
+        # Scaled float8 K and V are read as stored x scale: k_scale folds into the softmax scale, v_scale
+        # into the output (both exact: scores and outputs are linear in K and V).
+        scaling = layer.scaling * k_scale
         out_dtype, q = q.dtype, q.to(_compute_dtype(q.dtype, k_buf.dtype))
         if fb.forward_mode.is_decode() and self.cpu_ops is not None:
             out = self.cpu_ops.decode_attention(
@@ -107,23 +113,25 @@ class TorchNativeAttnBackend:
                 self.req_to_token,
                 fb.req_pool_indices,
                 fb.seq_lens,
-                layer.scaling,
+                scaling,
             )
         elif fb.forward_mode.is_decode():
-            out = self._decode(q, k_buf, v_buf, layer)
+            out = self._decode(q, k_buf, v_buf, scaling)
         else:
             out = torch.empty_like(q, dtype=out_dtype)
             for seq in self.meta.extend:
                 qs = slice(seq.q_start, seq.q_start + seq.q_len)
                 kv = seq.kv_indices
                 out[qs] = self._extend_one(
-                    q[qs], _gather(k_buf, kv, q.dtype), _gather(v_buf, kv, q.dtype), seq, layer
+                    q[qs], _gather(k_buf, kv, q.dtype), _gather(v_buf, kv, q.dtype), seq, scaling
                 )
+        if v_scale != 1.0:
+            out = out * v_scale
         return out.to(out_dtype).view(num_tokens, hq * d)
 
     @staticmethod
     def _extend_one(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: _ExtendSeq, layer: RadixAttention
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: _ExtendSeq, scaling: float
     ) -> torch.Tensor:
         """q [E, Hq, D] against k, v [S, Hk, D] of the whole sequence (prefix + extend), through torch's
         fused SDPA (the flash kernel on CPU: no float [E, S] score matrix). Without a prefix the mask is
@@ -135,8 +143,8 @@ class TorchNativeAttnBackend:
         # 4-D inputs: with 3-D ones torch takes the unfused math path.
         q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if p and e >= SPLIT_PREFIX_MIN_TOKENS and q.device.type == "cpu" and _CPU_FLASH is not None:
-            out_p, lse_p = _CPU_FLASH(q4, k4[:, :, :p], v4[:, :, :p], 0.0, False, scale=layer.scaling)
-            out_n, lse_n = _CPU_FLASH(q4, k4[:, :, p:], v4[:, :, p:], 0.0, True, scale=layer.scaling)
+            out_p, lse_p = _CPU_FLASH(q4, k4[:, :, :p], v4[:, :, :p], 0.0, False, scale=scaling)
+            out_n, lse_n = _CPU_FLASH(q4, k4[:, :, p:], v4[:, :, p:], 0.0, True, scale=scaling)
             top = torch.maximum(lse_p, lse_n)
             w_p, w_n = (lse_p - top).exp_().unsqueeze(-1), (lse_n - top).exp_().unsqueeze(-1)
             return ((out_p * w_p + out_n * w_n) / (w_p + w_n)).to(q.dtype)[0].transpose(0, 1)
@@ -144,13 +152,11 @@ class TorchNativeAttnBackend:
         if p:
             mask = torch.ones(e, k.shape[0], dtype=torch.bool, device=q.device).tril(p)
         out = F.scaled_dot_product_attention(
-            q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=True
+            q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
         )
         return out[0].transpose(0, 1)
 
-    def _decode(
-        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: RadixAttention
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, scaling: float) -> torch.Tensor:
         """q [bs, Hq, D]; every request attends to its own slot row, gathered padded to the longest
         (`index_select` gathers ~3x faster than advanced indexing on CPU) and masked past its length,
         in one fused SDPA call for the batch (large float32 GQA groups: `GROUPED_DECODE_MIN_WORK`)."""
@@ -162,7 +168,7 @@ class TorchNativeAttnBackend:
         v = _gather(v_buf, flat, q.dtype).view(bs, length, hk, d).transpose(1, 2)
         group = hq // hk
         if group * d >= GROUPED_DECODE_MIN_WORK and q.dtype == torch.float32:
-            scores = torch.matmul(q.view(bs, hk, group, d), k.transpose(-1, -2)) * layer.scaling
+            scores = torch.matmul(q.view(bs, hk, group, d), k.transpose(-1, -2)) * scaling
             probs = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
             return torch.matmul(probs, v).view(bs, hq, d)
         out = F.scaled_dot_product_attention(
@@ -170,7 +176,7 @@ class TorchNativeAttnBackend:
             k,
             v,
             attn_mask=mask[:, None, None, :],
-            scale=layer.scaling,
+            scale=scaling,
             enable_gqa=True,
         )
         return out[:, :, 0]

@@ -54,8 +54,14 @@ class TritonAttnBackend:
     ) -> torch.Tensor:
         hq, hk, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         num_tokens = q.shape[0]
-        self.kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, hk, d), v.view(-1, hk, d))
+        k_scale, v_scale = self.kv_pool.layer_scales(layer)
+        self.kv_pool.set_kv_buffer(
+            layer.layer_id, fb.out_cache_loc, k.view(-1, hk, d), v.view(-1, hk, d), k_scale, v_scale
+        )
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer.layer_id)
+        # Scaled float8 K and V: k_scale folds into the softmax scale, v_scale into the output (as the
+        # torch-native backend does), so the kernels read the stored values unchanged.
+        scaling = layer.scaling * k_scale
         q = q.reshape(num_tokens, hq, d)
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -63,11 +69,13 @@ class TritonAttnBackend:
         if fb.forward_mode.is_decode():
             decode_attention_fwd(
                 q, k_buf, v_buf, out, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                layer.scaling, self.num_kv_splits,
+                scaling, self.num_kv_splits,
             )  # fmt: skip
         else:
             extend_attention_fwd(
                 q, k_buf, v_buf, out, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                fb.extend_seq_lens, self.extend_start_loc, self.max_extend_len, layer.scaling,
+                fb.extend_seq_lens, self.extend_start_loc, self.max_extend_len, scaling,
             )  # fmt: skip
+        if v_scale != 1.0:
+            out.mul_(v_scale)
         return out.view(num_tokens, hq * d)

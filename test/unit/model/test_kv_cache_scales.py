@@ -1,0 +1,121 @@
+"""`--kv-cache-dtype fp8_e4m3` with the checkpoint's per-layer `k_scale` / `v_scale` (upstream's names):
+K and V are stored as x / scale in float8 and read back as stored x scale; without them the scale is
+1.0 and one warning names the flag.
+
+The checkpoints are the tiny presets with every full-attention layer's keys and values GROW times larger
+and the network unchanged: queries and o_proj are GROW times smaller (Qwen3-Next: its q_norm / k_norm
+effective weights, v_proj, o_proj; Nemotron-H: q/k/v/o_proj), as a checkpoint calibrated for scales
+may have them. At scale 1.0 the keys and values are far past float8 e4m3's +-448 and saturate; with
+scales of GROW they are stored as the presets' own values are. The reference is the same checkpoint with
+a float32 KV pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang.srt.configs.presets import resolve_model_path
+from sglang.srt.models.loader import checkpoint_files
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import make_runner, prefill, random_ids
+from sglang.test.runner_driver import RunnerDriver
+
+register_cpu_ci(est_time=15, suite="per-commit-cpu")
+
+GROW = 1000.0
+# Where each preset's scales sit: beside the attention (Qwen3-Next) and on the projections (Nemotron-H,
+# ModelOpt's layout), two of the placements upstream reads.
+PRESETS = {
+    "tiny-qwen3-next": ("self_attn", "model.layers.{i}.self_attn.{kind}"),
+    "tiny-nemotron-h": ("mixer", "backbone.layers.{i}.mixer.{proj}.{kind}"),
+}
+# (tensor name suffix, factor): Qwen3-Next normalises q and k after their projections, and its norms
+# multiply by 1 + weight.
+EDITS = {
+    "tiny-qwen3-next": {
+        "q_norm.weight": 1 / GROW,
+        "k_norm.weight": GROW,
+        "v_proj.weight": GROW,
+        "o_proj.weight": 1 / GROW,
+    },
+    "tiny-nemotron-h": {
+        "q_proj.weight": 1 / GROW,
+        "k_proj.weight": GROW,
+        "v_proj.weight": GROW,
+        "o_proj.weight": 1 / GROW,
+    },
+}
+# Measured (a 200-token prompt in three chunks), mean |logprob - float32 KV|: with the scales 8.7e-3
+# (qwen3-next) and 1.2e-2 (nemotron-h), the presets' own float8 error (`test_kv_cache_dtype.py`: <= 1.3e-2);
+# without them 0.15 and 0.44 (17x and 37x). Bounds: test_kv_cache_dtype.py's float8 mean bound for the
+# scaled run, and the unscaled run at least 5x worse.
+SCALED_MEAN_MAX = 4e-2
+UNSCALED_RATIO_MIN = 5.0
+
+
+def _grown_checkpoint(preset: str, dst: Path, with_scales: bool) -> str:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(resolve_model_path(preset), dst)
+    attn, template = PRESETS[preset]
+    for path in checkpoint_files(dst):
+        weights = load_file(str(path))
+        layers = set()
+        for name in list(weights):
+            factor = next(
+                (f for suffix, f in EDITS[preset].items() if name.endswith(f".{attn}.{suffix}")), None
+            )
+            if factor is None:
+                continue
+            w = weights[name].float()
+            new = factor * (1.0 + w) - 1.0 if name.endswith("norm.weight") else factor * w
+            weights[name] = new.to(weights[name].dtype)
+            layers.add(int(name.split(".layers.")[1].split(".")[0]))
+        for i in sorted(layers) if with_scales else []:
+            for kind, proj in (("k_scale", "k_proj"), ("v_scale", "v_proj")):
+                weights[template.format(i=i, kind=kind, proj=proj)] = torch.tensor(GROW, dtype=torch.float32)
+        save_file(weights, str(path), metadata={"format": "pt"})
+    return str(dst)
+
+
+def _logprobs(path: str, kv: str) -> torch.Tensor:
+    driver = RunnerDriver(make_runner(path, kv_cache_dtype=kv, dtype="float32"))
+    return torch.tensor(prefill(driver, driver.new_request(), random_ids(200, seed=50), cuts=[64, 150])[:-1])
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_scales_bring_fp8_kv_back_to_the_float32_kv_logprobs(preset, tmp_path, caplog):
+    scaled = _grown_checkpoint(preset, tmp_path / "scaled", with_scales=True)
+    unscaled = _grown_checkpoint(preset, tmp_path / "unscaled", with_scales=False)
+    want = _logprobs(scaled, "auto")
+    runner = make_runner(scaled, kv_cache_dtype="fp8_e4m3", dtype="float32")
+    radix = [m for m in runner.model.modules() if type(m).__name__ == "RadixAttention"]
+    assert radix and all(m.k_scale == m.v_scale == pytest.approx(GROW) for m in radix)
+
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.mem_cache.memory_pool"):
+        err_scaled = (_logprobs(scaled, "fp8_e4m3") - want).abs().mean().item()
+        assert not [r for r in caplog.records if "k_scale" in r.getMessage()]
+        err_unscaled = (_logprobs(unscaled, "fp8_e4m3") - want).abs().mean().item()
+    warnings = [r.getMessage() for r in caplog.records if "k_scale" in r.getMessage()]
+    assert len(warnings) == 1 and "--kv-cache-dtype fp8_e4m3" in warnings[0]
+    print(f"{preset}: mean error with scales {err_scaled:.2e}, without {err_unscaled:.2e}")
+    assert err_scaled < SCALED_MEAN_MAX
+    assert err_unscaled > UNSCALED_RATIO_MIN * err_scaled
+
+
+def test_a_per_channel_scale_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _grown_checkpoint("tiny-qwen3-next", tmp_path / "ckpt", with_scales=True)
+    (file,) = checkpoint_files(path)
+    weights = load_file(str(file))
+    name = next(n for n in weights if n.endswith("k_scale"))
+    weights[name] = torch.full((4,), GROW)
+    save_file(weights, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="one k_scale per layer"):
+        make_runner(path, kv_cache_dtype="fp8_e4m3", dtype="float32")
