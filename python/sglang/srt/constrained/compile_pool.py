@@ -2,8 +2,8 @@
 time in submission order.
 
 xgrammar cannot stop a compile midway, and a process of its own per compile would cost more than the
-compile (a compiled grammar crosses processes only as JSON: a depth-64 array schema that compiles in
-24 ms serializes in 0.6 s to 7 MB). So a compile the scheduler gives up on (`abandon`, past
+compile (a compiled grammar crosses processes only as JSON, whose serialization takes many times the
+compile and megabytes; timings: benchmark/README.md). So a compile the scheduler gives up on (`abandon`, past
 SGLANG_GRAMMAR_TIMEOUT) stops counting against the pool: the next grammar starts at once on a thread
 of its own, while the abandoned compile runs to its end for nobody. At most `max_abandoned` run so at
 a time (each holds a CPU core); beyond that a timed-out compile keeps its place until it ends. The

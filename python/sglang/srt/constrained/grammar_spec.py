@@ -2,14 +2,13 @@
 and `structural_tag` (at most one per request). Where the request comes in only the cheap checks run
 (a string; one of them; a JSON schema or structural tag that is JSON, within the bounds below): a 400
 naming the field. The grammar itself is parsed and compiled by the scheduler on a thread of its own
-(`xgrammar_backend.py`): xgrammar's parse alone grows faster than linearly with some patterns (1.3 s
-for a 60-byte schema with `[a-z]{1,6000}`), which would stall every client of the HTTP process, and a
+(`xgrammar_backend.py`): xgrammar's parse alone grows faster than linearly with some patterns (a
+60-byte schema can take seconds), which would stall every client of the HTTP process, and a
 grammar it refuses ends its request with a 400 naming the field all the same.
 
 The bounds keep a compile from holding one of the scheduler's few compile threads for long (xgrammar
-cannot stop one midway). Its time grows fast with a schema's nesting (arrays nested 64 deep: 24 ms;
-200: 0.37 s; 600: 35 s, measured on the tiny vocabulary) and with a schema pattern's counted repeats
-(`[a-z]{1,1000}`: 47 ms; 2,000: 0.25 s; 6,000: 3.9 s). Real schemas stay far inside them: OpenAI's
+cannot stop one midway). Its time grows faster than linearly with a schema's nesting and with a schema
+pattern's counted repeats (timings: benchmark/README.md). Real schemas stay far inside them: OpenAI's
 structured outputs allow 10 levels of nesting, which a JSON schema writes in about 20-30 levels of
 JSON (an object's field sits two levels below it, anyOf adds a list), under MAX_SCHEMA_DEPTH's 64."""
 

@@ -5,12 +5,13 @@ the output checks' budget, `output_check_budget.py`).
 Upstream searches with Python's `re`, lookarounds and backreferences included; the `regex` module keeps
 those semantics (RE2, linear-time, has neither). What `regex` costs is bounded here instead:
 
-- at most MAX_PATTERNS patterns of MAX_CHARS characters together: compiling is ~4 us a character
-  (its parser is Python), so the worst pattern under the cap stalls the HTTP event loop that checks it
-  for milliseconds (measured in test/unit/scheduler/test_output_check_budget.py);
-- `regex` unrolls a counted repeat (`a{1000000}` is a million-character literal, 0.5 s and 270 MB;
-  `a{4294967294}` exhausts memory): the characters a pattern would unroll to, repeat counts multiplied
-  through nested groups, are at most MAX_UNROLLED;
+- at most MAX_PATTERNS patterns of MAX_CHARS characters together: compiling takes time in proportion
+  to the characters (its parser is Python), so the worst pattern under the cap stalls the HTTP event
+  loop that checks it for milliseconds (test/unit/scheduler/test_output_check_budget.py bounds it;
+  timings: benchmark/README.md);
+- `regex` unrolls a counted repeat (`a{1000000}` is a million-character literal, slow to compile and
+  large; `a{4294967294}` exhausts memory): the characters a pattern would unroll to, repeat counts
+  multiplied through nested groups, are at most MAX_UNROLLED;
 - groups nest at most MAX_NESTING deep (its parser recurses on them: 5,000 raised RecursionError).
 
 Each bound and every pattern `regex` refuses is a 400 naming stop_regex.

@@ -3,7 +3,7 @@
 A block is `hidden + f(norm(hidden))`: each half of a Qwen3-Next layer (`GdnBlock` or `AttentionBlock`,
 then `MoEBlock` or `MLPBlock`), each Nemotron-H block (`Mamba2Block`, `AttentionBlock`, `MoEBlock`,
 `MLPBlock`). Called one by one from Python, a block's parts are ~15-25 torch and sgl-kernel calls; at the
-tiny presets' decode sizes each costs 10-30 us in place, several times its own work. The C++ op makes
+tiny presets' decode sizes each call's overhead is several times its own work. The C++ op makes
 the same calls on the same tensors (so the result is the one-by-one path's bit for bit) without the
 Python between them.
 

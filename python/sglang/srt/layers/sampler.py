@@ -11,8 +11,8 @@ sampler's generator on the device (seeded by --random-seed) at every step (one d
 sampled batch, so what an unseeded request gets depends on its batch).
 
 One uniform per row, not one per vocab entry: the Gumbel-max rule this replaced hashed and took two
-logarithms of every logit, ~20 passes over [batch, vocab] (11-14 ms at 256 x 2,048 on one CPU thread,
-more than the tiny model's whole decode forward; 64-67 ms for 16 rows of a 152k vocab).
+logarithms of every logit, ~20 passes over [batch, vocab], which took longer than the tiny model's
+whole decode forward on CPU (timings: benchmark/README.md).
 
 On CPU sampling is one sgl-kernel call (`sample_logits`, `SGLANG_CPU_SAMPLING_BACKEND`): the same rule
 with its sums taken in blocks of 64 ids and the cut found among the weights of at least 2^-10 (then
@@ -75,8 +75,8 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 
 # Top-p alone (no top-k) needs each row's probabilities in order only down to its cut, which usually lies
 # among the few most likely tokens: on a CPU the cut is first looked for among this many (a partial sort,
-# 30x faster than sorting 152k ids), and the whole vocabulary is sorted only when some row's cut is not
-# among them. (On a GPU the sort is fast, and the check would be a host sync.)
+# far faster than sorting a large vocabulary), and the whole vocabulary is sorted only when some row's
+# cut is not among them. (On a GPU the sort is fast, and the check would be a host sync.)
 TOP_P_HEAD = 256
 
 
@@ -204,8 +204,8 @@ class Sampler:
                 logprobs,
             )
         elif info.is_all_greedy:
-            # max's indices are argmax's (the first maximum, NaN included), at about half of argmax's
-            # time on CPU (16 x 512 logits: 6.6 against 13 us).
+            # max's indices are argmax's (the first maximum, NaN included), in less time than argmax on
+            # CPU (timings: benchmark/README.md).
             ids = logits.max(dim=-1).indices
         else:
             # Every row is sampled and greedy rows (T <= 0) then take the argmax, so no host decision

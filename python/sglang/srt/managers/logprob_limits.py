@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_LOGPROBS = 20
 # 2**18 entries: top 20 over a 13,000-token prompt, or top 5 at every position of 8 samples of 6,500
-# tokens. Each entry costs the HTTP process ~3 us of CPU to take in, build and encode (about 0.8 s at
-# the bound on a loaded 2-core host, most of it off the event loop) and ~40 bytes of JSON (10 MB),
-# so a request at the bound delays others by a fraction of a second; the review's 8.2M entries took 48 s.
+# tokens. Each entry costs the HTTP process CPU time to take in, build and encode (most of it off the
+# event loop) and ~40 bytes of JSON (10 MB), so a request at the bound delays others by a fraction of
+# a second, where the review's 8.2M entries took most of a minute (timings: benchmark/README.md).
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18
 
 

@@ -45,9 +45,9 @@ LOGPROB_LISTS = (
     "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
     "input_token_ids_logprobs", "output_token_ids_logprobs",
 )  # fmt: skip
-# A reply with more entries than this is built on a worker thread: building one costs ~2 us of Python
-# an entry, so up to this many keep the event loop's other clients waiting under ~10 ms, while a
-# thread hop (~0.1 ms) would dominate the small replies of every step of every stream.
+# A reply with more entries than this is built on a worker thread: building costs Python time per
+# entry, so up to this many keep the event loop's other clients waiting only briefly, while a thread
+# hop would dominate the small replies of every step of every stream (timings: benchmark/README.md).
 OFF_LOOP_ENTRIES = 4096
 
 
@@ -226,9 +226,9 @@ _gc_was_enabled = True
 
 def _without_gc(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args) with Python's cyclic collector off. A large reply adds millions of lists (in no
-    cycle: reference counting frees them), and the full collections they set off hold the GIL ~0.2 s
-    each wherever they run, so the loop stalled anyway: beside the largest reply the bound allows, the
-    loop stalled 0.29 s with the collector on and 0.014 s with it off (and the build took a third)."""
+    cycle: reference counting frees them), and the full collections they set off hold the GIL for a
+    long time wherever they run, so the loop stalled anyway; beside the largest reply the bound allows
+    it stalls far less with the collector off, and the build is faster (timings: benchmark/README.md)."""
     global _gc_builds, _gc_was_enabled
     with _gc_lock:
         _gc_builds += 1

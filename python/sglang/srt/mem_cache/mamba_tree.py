@@ -4,7 +4,7 @@ A node holds a run of tokens (`key`), their KV slots (`value`), and optionally a
 (`mamba_value`: the slot holding the recurrent state exactly after the node's last token). A node
 without a checkpoint is a tombstone. Keys and values are `array('q')`: compact, and invisible to Python's
 cyclic garbage collector, which otherwise walks every slot id of a large tree on each full collection
-(140 ms for 8.6k nodes of 300 tokens, measured).
+(a long pause for a tree of thousands of nodes; timings: benchmark/README.md).
 
 Invariants (checked by `MambaTree.sanity_check`):
   1. mamba_lock_ref > 0 implies full_lock_ref > 0; a full lock covers the whole path to the root, a
@@ -141,8 +141,8 @@ class LRUList:
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int, limit: int) -> int:
     """How many of a[:limit] equal b[start:start + limit], counted from the front. Blocks are compared
-    as slices (one C call each: a memcmp for two int64 arrays, as `_walk` passes; element by element in
-    Python a 2,000-token key took ~80 us): a block that matches doubles the next one, one that does not
+    as slices (one C call each: a memcmp for two int64 arrays, as `_walk` passes, where element by
+    element in Python a long key is slow): a block that matches doubles the next one, one that does not
     is halved, and blocks of 16 or fewer tokens are compared one by one. Slices of different types
     never compare equal, so mixed inputs stay correct, element by element."""
     n, block = 0, 64

@@ -103,7 +103,7 @@ class SamplingBatchInfo:
         seeded = seeds.count(None) < bs
         # Packed arrays the tensors share (`host_float32`, `host_int64`), and C-level max/min over the
         # lists: a decode batch of new requests builds this for every request at that step, and
-        # `torch.tensor` on a list costs ~3x more (130 -> 41 us at 256 requests).
+        # `torch.tensor` on a list costs several times more (timings: benchmark/README.md).
         return cls(
             temperatures=host_float32(temperatures),
             top_ps=host_float32(top_ps),
@@ -342,7 +342,7 @@ class ForwardBatch:
         else:
             prefix, ext = [], []
             # Not `seq_lens_tensor - 1`: one arithmetic op on the scheduler thread right after a forward
-            # costs more than the list (measured 12 vs 7 us at 256 requests).
+            # costs more than the list (timings: benchmark/README.md).
             positions = host_int64([n - 1 for n in seq_lens])
         assert len(input_ids) == len(out_cache_loc) == positions.numel()
         mask = list(return_logprob_mask) if return_logprob_mask is not None else [False] * bs

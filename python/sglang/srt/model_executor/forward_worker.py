@@ -16,8 +16,8 @@ On CPU the forward stream runs on the scheduler thread by default (`inline`): `l
 at once and returns a done future, so the FIFO order holds trivially and every overlap code path
 (placeholders, future slots, processing N after launching N+1) runs unchanged. A thread of its own buys
 nothing there (the forward's many small torch ops hold the GIL between them, so the scheduler's Python
-runs between them, not beside them) and costs a wake-up on another core per batch: a 16-request decode
-on the 2-core VM took 0.25 ms longer per step (`SGLANG_CPU_FORWARD_THREAD` keeps the thread; the
+runs between them, not beside them) and costs a wake-up on another core per batch, which made every
+decode step longer (timings: benchmark/README.md; `SGLANG_CPU_FORWARD_THREAD` keeps the thread; the
 overlap-race tests use it to hold the stream).
 
 Results: on CPU the worker returns them as host values (`HostBatchResult`). On a device the sampled
@@ -119,8 +119,9 @@ class CopyWaiter:
     scheduler thread instead took the GIL at every poll from the forward thread, launching the next
     batch meanwhile (it gives the GIL up at each torch op). `benchmark/bench_result_wait.py` on the CPU
     VM, the GIL's part alone (its stand-in event sleeps, where CUDA's spins): beside busy cores a thread
-    of torch ops took 1.31-1.32x its time alone with a 50-us poller and 1.11x with this waiter; with
-    idle cores both cost 1.09-1.15x, so on a GPU machine's many cores the gain may be small."""
+    of torch ops slowed down less beside this waiter than beside a poller; with idle cores both cost
+    about the same, so on a GPU machine's many cores the gain may be small (timings: benchmark/README.md,
+    "Waiting for a result copy")."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         """`device`: the CUDA device whose events it waits for (made current on its thread)."""

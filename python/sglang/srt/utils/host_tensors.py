@@ -13,8 +13,8 @@ import torch
 
 def host_int64(values: Sequence[int]) -> torch.Tensor:
     """An int64 host tensor of `values`, packed by `struct` into a buffer the tensor then shares: every
-    batch makes several, and for 256 ints this is ~1.8x faster than through an `array` (which converts
-    int by int) and ~6x faster than `torch.tensor` on the list; 2.7x faster than `array` at 4,096."""
+    batch makes several, and this is faster than through an `array` (which converts int by int) and
+    several times faster than `torch.tensor` on the list (timings: benchmark/README.md)."""
     return _packed(values, "q", torch.int64)
 
 

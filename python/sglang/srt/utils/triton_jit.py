@@ -33,7 +33,7 @@ maximum = JITFunction(_maximum_fn)
 
 # Under the interpreter a kernel sees triton.language's own combine functions instead, which the
 # interpreter recognises by identity and reduces with numpy; any other combine function it calls once
-# per element (~50x slower). Only their identity matters there: they are never called.
+# per element (far slower). Only their identity matters there: they are never called.
 _INTERPRETED_COMBINES = {
     "add": getattr(tl.standard, "_sum_combine", add),
     "maximum": getattr(tl.standard, "_elementwise_max", maximum),

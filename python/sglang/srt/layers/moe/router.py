@@ -10,9 +10,8 @@ from typing import Any
 import torch
 
 # The C++ top-k runs on one thread and scans the experts once per pick, so it serves decode-size batches
-# of small layers only: at 8 experts it measured 3 vs 10 us at 16 tokens and 0.34 vs 0.80 ms at 4,096 (one
-# thread); at 512 experts, top-10, torch's ops were faster already at 16 tokens (0.07 vs 0.11 ms) and 2.6x
-# faster at 4,096.
+# of small layers only: it beat torch's ops at 8 experts, while at 512 experts, top-10, torch's ops were
+# faster already at 16 tokens (timings: benchmark/README.md).
 CPU_ROUTING_MAX_TOKENS = 256
 CPU_ROUTING_MAX_EXPERTS = 64
 

@@ -5,8 +5,8 @@ placeholder (SGLang's future map) that names its newest token while that token i
 A request's in-flight state is read from here instead of being counted on the request: every decode
 step puts every running request into a batch and takes it out when the result is processed, and
 counters on each request, written at both ends, were a whole pass over the requests' objects per step
-(~0.2 us per request, about a tenth of the scheduler's host time per decode step at 256 running
-requests). The questions are asked rarely (a request that finishes, is retracted or first qualifies
+(a sizeable share of the scheduler's host time per decode step with hundreds running; timings:
+benchmark/README.md). The questions are asked rarely (a request that finishes, is retracted or first qualifies
 for decode, and the decode build when the batch differs from the newest one in flight) and are
 answered from the few batches in flight (at most two under overlap).
 

@@ -18,8 +18,8 @@ CPU tensors, `triton` and `cuda` = sgl-kernel CUDA for GPU tensors):
 Which implementation runs: `SGLANG_MAMBA_STATE_COPY_BACKEND` (`auto` by default; `torch`, `cpp`,
 `triton`, `cuda` force one and raise if it cannot run on the pool's device). `auto` picks the fastest
 that runs, per device. CPU: cpp, else torch. CUDA: cuda where its build is cached (`python -m
-sglang.srt.utils.sgl_kernel --cuda` makes it: measured on an H200, 0.93-0.99x of a plain copy's
-bandwidth against Triton's 0.88-0.94x, and a 1-slot copy in 23 us against 64 us), else triton, else
+sglang.srt.utils.sgl_kernel --cuda` makes it: the fastest on an H200, nearer a plain copy's bandwidth
+than Triton's and much faster for a 1-slot copy: benchmark/gpu/README.md), else triton, else
 cuda (built on first use, ~1 minute), else torch. A kernel that cannot be built or imported is reported
 by one warning and the next one is used.
 """

@@ -55,9 +55,8 @@ def chunk_gdn_varlen_fla(
     `kernel_state_v_first` False (the default) runs FLA's kernels in their own [K, V] state layout: the
     initial states go in transposed (one copy) and the states come back as transposed views, so the
     contract's [V, K] holds either way. True runs them in the pool's [V, K] layout. On an H200 at
-    Qwen3-Next-80B's shapes (8 x 2,048 tokens, 16 key / 32 value heads) the state pass took 221 us
-    (plus 27 us for the transpose) in [K, V] against 285 us in [V, K], and the call 1.11 against 1.37
-    ms (benchmark/gpu/README.md, fourth session)."""
+    Qwen3-Next-80B's shapes the state pass and the whole call were faster in [K, V], the transpose
+    included (benchmark/gpu/README.md, fourth session)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra

@@ -416,7 +416,7 @@ class MambaAttnBackendBase:
     ) -> torch.Tensor:
         """One token per request, x [bs, C]; updates the running slots. Returns silu(conv) float32 (the
         conv alone with `conv_silu` off: then only the torch step serves).
-        (`index_select` / `index_copy_`: ~3x faster than advanced indexing on CPU.)"""
+        (`index_select` / `index_copy_`: faster than advanced indexing on CPU; benchmark/README.md.)"""
         conv, _ = self.mamba_pool.layer_cache(layer_id)
         slots = self.meta.slots
         if self.decode_in_place:
