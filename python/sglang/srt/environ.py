@@ -243,7 +243,7 @@ class Envs:
     )
 
     # Checks
-    # Off in production (the walk over every page and node costs ~0.2-0.5 s with large pools); the test
+    # Off in production (the walk over every page and node is long with large pools); the test
     # suite turns it on (test/conftest.py). Without it, going idle runs the O(1) count check.
     SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE = EnvBool(
         False, "Run the full check_integrity() walk when the scheduler goes idle."

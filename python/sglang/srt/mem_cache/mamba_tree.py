@@ -198,8 +198,8 @@ class MambaTree:
         splitting a node that matches only in part. Returns the path's nodes below the root, each with
         the key offset it starts at, and the matched length."""
         # Node keys are int64 arrays: the key as one too makes each block compare a memcmp (a list slice
-        # never equals an array slice; ~13 ns per token for the conversion, against ~40 per token
-        # compared element by element).
+        # never equals an array slice; the conversion costs less per token than comparing element by
+        # element: benchmark/README.md).
         key = key if isinstance(key, array) else array("q", key)
         node, matched = self.root, 0
         path: list[tuple[TreeNode, int]] = []

@@ -137,7 +137,7 @@ class _StaticInputs:
 
     def load(self, fb: ForwardBatch, bucket: int) -> None:
         """The batch's rows, then padding up to the bucket: one `_foreach_copy_` (one launch on CUDA, for
-        what was a copy and a fill per field; 5x less host time on the CPU VM), with the buffers' slices
+        what was a copy and a fill per field, and far less host time on CPU), with the buffers' slices
         and the padding's source slices kept per (batch size, bucket)."""
         bs = fb.batch_size
         plan = self.load_plans.get((bs, bucket))

@@ -76,9 +76,9 @@ def move_to_device(tensors: Sequence[torch.Tensor | None], device: torch.device)
 
 def pack_bytes(tensors: Sequence[torch.Tensor | None], pin: bool = False) -> tuple[torch.Tensor, list[int]]:
     """The bytes of `tensors` (host tensors: `torch.cat` does not mix devices) back to back in one uint8
-    host buffer, each padded to `_ALIGN`, by one `torch.cat` (one call for the batch's ~20 tensors: the
-    packing takes 2.3x less host time than a copy per tensor on the CPU VM, and `move_to_device` as a
-    whole 2.6-3x less), and the pieces' sizes for `unpack_bytes`."""
+    host buffer, each padded to `_ALIGN`, by one `torch.cat` (one call for the batch's ~20 tensors,
+    which takes less host time than a copy per tensor, and so does `move_to_device` as a whole;
+    timings: benchmark/README.md), and the pieces' sizes for `unpack_bytes`."""
     parts: list[torch.Tensor] = []
     for t in tensors:
         if t is not None:

@@ -99,8 +99,8 @@ def _gdn_decode_kernel(
 TILE_FLOATS = 4096
 NUM_WARPS = 4
 # The output from the decayed tile (`FUSED_OUT` above), for `bench_kernels.py --sweep` to time against
-# the output from the updated tile; on an H200 the kernel reached 58-65 % of the HBM peak at batch 256
-# either way of tiling (benchmark/gpu/README.md), where issue 13 asks 70 %. Not yet timed on a GPU.
+# the output from the updated tile; on an H200 the kernel's share of the HBM peak at batch 256 was
+# about the same either way of tiling (benchmark/gpu/README.md). Not yet timed on a GPU.
 FUSED_OUT = False
 
 
