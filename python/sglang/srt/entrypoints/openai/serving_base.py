@@ -1,7 +1,6 @@
-"""What the OpenAI-compatible and native routes share: error bodies, SSE framing, the request flow.
+"""What the OpenAI-compatible and native routes share: SSE framing and the request flow.
 
-Errors a client causes are HTTP 400 with OpenAI's body:
-    {"error": {"message": str, "type": "invalid_request_error", "param": str | None, "code": str}}
+Errors are raised and answered by `http_errors` (its bodies are also a stream's error events).
 Streams are Server-Sent Events: `data: <json>\\n\\n` per chunk, then `data: [DONE]\\n\\n`.
 """
 
@@ -18,7 +17,12 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from sglang.srt.constrained.grammar_spec import GRAMMAR_FIELDS
-from sglang.srt.entrypoints.http_guard import CLIENT_CLOSED
+from sglang.srt.entrypoints.http_errors import (
+    backend_dead_body,
+    internal_error_body,
+    json_response,
+    server_abort_body,
+)
 from sglang.srt.entrypoints.openai.protocol import UsageInfo, request_error_from_validation
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
@@ -33,47 +37,6 @@ from sglang.srt.managers.tokenizer_output import StreamMerger
 logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-def error_body(
-    message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
-) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def json_response(content: Any, status_code: int = 200) -> Response:
-    if isinstance(content, BaseModel):
-        content = content.model_dump()
-    return Response(orjson.dumps(content), status_code=status_code, media_type="application/json")
-
-
-def error_response(err: RequestError, status_code: int = 400) -> Response:
-    return json_response(error_body(err.message, err.param, err.code), status_code)
-
-
-def server_abort_body(e: ServerAbortError) -> dict:
-    # Upstream answers these (deadlines) with the HTTP status as `code`, e.g. 503. One that names a
-    # field of the request (a stop_regex out of time) is the client's error.
-    if e.param is not None:
-        return error_body(e.message, e.param, code=e.status_code)
-    return error_body(e.message, kind="server_error", code=e.status_code)
-
-
-def server_abort_response(e: ServerAbortError) -> Response:
-    return json_response(server_abort_body(e), e.status_code)
-
-
-def backend_dead_body(e: BackendDeadError) -> dict:
-    return error_body(str(e), kind="server_error", code="backend_dead")
-
-
-def internal_error_response(e: BaseException) -> Response:
-    if isinstance(e, BackendDeadError):
-        return json_response(backend_dead_body(e), 503)
-    logger.exception("Request failed", exc_info=e)
-    return json_response(
-        error_body(f"Internal server error: {e}", kind="server_error", code="internal_error"), 500
-    )
 
 
 def sse(obj: Any) -> bytes:
@@ -122,7 +85,7 @@ async def sse_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield sse(backend_dead_body(e))
     except Exception as e:
         logger.exception("Streaming failed")
-        yield sse(error_body(f"Internal server error: {e}", kind="server_error", code="internal_error"))
+        yield sse(internal_error_body(e))
     yield SSE_DONE
 
 
@@ -145,32 +108,21 @@ class OpenAIServingBase:
         self.model_name = model_name
 
     async def handle(self, request: Request) -> Response:
+        """The route's reply; errors are raised in this API's field names (`http_errors` answers them)."""
         if self.tm.tokenizer is None:
-            return error_response(self.tokenizer_needed(request.url.path))
-        try:
-            req = parse_model(self.request_model, await request.body())
-            obj = await self.to_generate_input(req)
-        except RequestError as e:
-            return error_response(e)  # raised here, errors already use this API's field names
-        except Exception as e:
-            return internal_error_response(e)
+            raise self.tokenizer_needed(request.url.path)
+        req = parse_model(self.request_model, await request.body())
+        obj = await self.to_generate_input(req)
         try:
             first, gen = await start_generation(self.tm, obj, request)
         except RequestError as e:
-            return error_response(self.rename(e))
+            raise self.rename(e) from None
         except ServerAbortError as e:
-            return server_abort_response(self.rename_abort(req, e))
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED)
-        except Exception as e:
-            return internal_error_response(e)
+            raise self.rename_abort(req, e) from None
         if getattr(req, "stream", False):
             return SSEResponse(sse_stream(self.stream_events(req, obj, first, gen)))
         await gen.aclose()
-        try:
-            return json_response(self.build_response(req, obj, first))
-        except Exception as e:
-            return internal_error_response(e)
+        return json_response(self.build_response(req, obj, first))
 
     def tokenizer_needed(self, route: str) -> RequestError:
         """The refusal of every request to an OpenAI route under --skip-tokenizer-init: its prompts and

@@ -1,0 +1,57 @@
+"""The control routes (admin ones, `utils/auth.py`): flush the cache, pause and continue generation,
+abort requests."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from sglang.srt.entrypoints.http_context import Server
+from sglang.srt.entrypoints.http_errors import ErrorMappingRoute, json_object, json_response
+from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.utils.auth import AuthLevel, auth_level
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+router = APIRouter(route_class=ErrorMappingRoute)
+admin = auth_level(AuthLevel.ADMIN_OPTIONAL)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+@admin
+async def flush_cache(s: Server) -> Response:
+    out = await s.tm.flush_cache()
+    if out.success:
+        return PlainTextResponse("Cache flushed.\n")
+    return PlainTextResponse(f"{out.message or 'The cache was not flushed: requests are running.'}\n", 400)
+
+
+@router.post("/pause_generation")
+@admin
+async def pause_generation(request: Request, s: Server) -> Response:
+    data = json_object(await request.body())
+    mode = data.get("mode", "abort") if isinstance(data, dict) else None
+    if mode not in PAUSE_MODES:
+        raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}.", "mode")
+    await s.tm.pause_generation(mode)
+    return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+@admin
+async def continue_generation(s: Server) -> Response:
+    await s.tm.continue_generation()
+    return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+@router.post("/abort_request")
+@admin
+async def abort_request(request: Request, s: Server) -> Response:
+    data = json_object(await request.body())
+    rid, abort_all = (
+        (data.get("rid"), data.get("abort_all", False)) if isinstance(data, dict) else (None, None)
+    )
+    if not isinstance(abort_all, bool) or (not abort_all and (not isinstance(rid, str) or not rid)):
+        raise RequestError('Send {"rid": "<request id>"} or {"abort_all": true}.', "rid")
+    s.tm.abort_request(rid or "", abort_all)
+    return Response(status_code=200)

@@ -1,0 +1,30 @@
+"""The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from sglang.srt.entrypoints.http_context import Server
+from sglang.srt.entrypoints.http_errors import ErrorMappingRoute, json_response
+from sglang.srt.entrypoints.openai.protocol import ModelCard, ModelList
+
+router = APIRouter(route_class=ErrorMappingRoute)
+
+
+@router.get("/v1/models")
+async def models(s: Server) -> Response:
+    card = ModelCard(
+        id=s.model_name, root=s.server_args.model_path, max_model_len=s.model_info["context_len"]
+    )
+    return json_response(ModelList(data=[card]))
+
+
+@router.post("/v1/completions")
+async def v1_completions(request: Request, s: Server) -> Response:
+    return await s.completions.handle(request)
+
+
+@router.post("/v1/chat/completions")
+async def v1_chat_completions(request: Request, s: Server) -> Response:
+    return await s.chat.handle(request)
