@@ -123,7 +123,7 @@ class MetricsCollector:
         now = time.time()
         interval = now - state.last_token_time
         state.last_token_time = now
-        for _ in range(num_new_tokens):  # (a few at most: tokens of one step, or one verify's)
+        for _ in range(num_new_tokens):  # one per token the message carries
             self.itl.observe(interval / num_new_tokens)
 
     def on_abort(self, state: Any) -> None:
