@@ -20,16 +20,21 @@ from typing import Any
 SM90_MAX_SHARED = 232448
 
 
-def compile_sm90(fn: Callable, signature: dict[str, str], constexprs: dict[str, Any], **options: Any):
+def compile_sm90(
+    fn: Callable, signature: dict[str, str], constexprs: dict[str, Any], divisible: tuple[str, ...] = (), **options: Any
+):
     """`fn` (a kernel's Python function, as `jit_for_env` takes it) compiled for sm_90 with `options`
     (num_warps, num_stages) as it is launched; pointer arguments 16-byte aligned, as Triton specialises
-    them at launch on a GPU. Checks the shared memory; returns Triton's compiled kernel."""
+    them at launch on a GPU, and so the integer arguments named in `divisible` (multiples of 16 at the
+    shapes checked, as Triton specialises them: without it a GEMM's rows are not known to be aligned,
+    its loads are not vectorised and it spills). Checks the shared memory; returns Triton's compiled
+    kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    pointers = [i for i, kind in enumerate(signature.values()) if kind.startswith("*")]
+    pointers = [i for i, (name, kind) in enumerate(signature.items()) if kind.startswith("*") or name in divisible]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
     src = ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None)
@@ -58,9 +63,11 @@ def resource_usage(compiled) -> dict[str, int]:
     return {key: int(value) for key, value in re.findall(r"(\w+):(\d+)", line.split("Resource usage:")[-1])}
 
 
-def compile_sm90_in_registers(fn: Callable, signature: dict, constexprs: dict, **options: Any):
+def compile_sm90_in_registers(
+    fn: Callable, signature: dict, constexprs: dict, divisible: tuple[str, ...] = (), **options: Any
+):
     """`compile_sm90`, and no spill to local memory (`STACK` 0)."""
-    compiled = compile_sm90(fn, signature, constexprs, **options)
+    compiled = compile_sm90(fn, signature, constexprs, divisible, **options)
     usage = resource_usage(compiled)
     assert usage["STACK"] == 0, f"{fn.__name__} {constexprs} {options} spills: {usage}"
     return compiled

@@ -1,0 +1,267 @@
+"""Block-wise FP8 (e4m3) compute on CUDA, as the published FP8 checkpoints define it (`quant_method: fp8`,
+`weight_block_size: [128, 128]`, `activation_scheme: dynamic`): a weight [N, K] in float8_e4m3fn with one
+float32 `weight_scale_inv` per 128 x 128 block ([ceil(N/128), ceil(K/128)], the factor that dequantizes it:
+w = w_fp8 * scale), and activations quantized at run time per token and per 128-column group with
+scale = amax / 448 (448: e4m3fn's largest finite value).
+
+- `per_token_group_quant_fp8(x)`: x [..., K] -> (x_fp8, scales [..., ceil(K/128)] float32). One launch,
+  one program per (row, group). Values are rounded to e4m3 in float32 arithmetic before
+  the cast, so the kernel equals torch's round-to-nearest-even cast bit for bit, compiled or interpreted
+  (Triton's interpreter converts float32 to fp8 approximately: ~2 % of values one step off otherwise).
+- `w8a8_block_fp8_matmul(a, weight, weight_scale_inv)`: a [..., K] in bf16/fp16/fp32 (quantized with the
+  function above: one launch more) or already float8_e4m3fn with its `a_scale`; FP8 tensor-core dots
+  (`tl.dot` on fp8 operands: mma on sm_89, wgmma on sm_90), float32 accumulate, each K-block's product
+  scaled by its a group scale x b block scale in the main loop, output in `output_dtype`. Edges (M, N or
+  K not multiples of the tile) are masked: out-of-range a columns and b rows load as zeros.
+
+Activations are quantized by a separate launch, not inside the GEMM: inside, every N-tile program would
+quantize the same a tile again (N / BLOCK_N times over) on the CUDA cores, whose throughput is ~1/30 of
+the FP8 tensor cores'; the separate pass reads a once (2 bytes per element) and writes 1 byte, ~5 % of
+a prefill GEMM at the 80B's widest projection, and lets the MoE quantize each token once for its top-k
+experts (`fused_moe_fp8_triton.py`).
+
+The `_torch` twins give the same semantics in torch (dequantize, then matmul in float32): the CPU path
+and the tests' reference. On CPU tensors the kernels run only under `TRITON_INTERPRET=1` (tests);
+elsewhere off CUDA the public functions take their twins.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# Upstream's floor on a group's amax: an all-zero group gets a tiny scale, not a division by zero.
+AMAX_EPS = 1e-10
+BLOCK = 128  # the checkpoints' weight_block_size, and the activations' group
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# Tiles by shape class, the first whose `max_m` holds M (autotune-free: a server must not time configs at
+# its first request, nor a CUDA graph capture). Chosen, not yet measured (no GPU was lent when written):
+# BLOCK_K = 128 is the scale block, so each K step takes one a scale per row and one b scale per column
+# block; decode (M <= 16) reads the weights once and is bandwidth-bound, so a 16-row tile (mma's
+# smallest useful M) and 64-column tiles give N / 64 programs to stream the weight (32 at N = 2,048);
+# prefill takes 128 x 128 tiles with 8 warps (two wgmma warp groups), 3 stages of 32 KiB of fp8 operands
+# in shared memory; between them 64-row tiles. GROUP_M orders the programs so that consecutive ones share
+# a tiles in L2. Each config compiles for sm_90 without spilling (test_fp8_gemm_triton.py checks every
+# row); `benchmark/gpu/bench_fp8_gemm.py --sweep` times every row at every shape on a GPU, which is how
+# this table should be revised.
+GEMM_CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
+    (16, GemmConfig(16, 64, 128, 1, 4, 4)),
+    (64, GemmConfig(64, 64, 128, 4, 4, 4)),
+    (256, GemmConfig(64, 128, 128, 8, 4, 4)),
+    (1 << 62, GemmConfig(128, 128, 128, 8, 8, 3)),
+)
+
+
+def gemm_config(m: int) -> GemmConfig:
+    return next(cfg for max_m, cfg in GEMM_CONFIGS if m <= max_m)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_serves(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for tensors on `t`'s device: CUDA, or CPU under the interpreter."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and _interpreting())
+
+
+# --------------------------------------------------------------------------------------------- torch twins
+
+
+def per_token_group_quant_fp8_torch(
+    x: torch.Tensor, group_size: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch twin of `per_token_group_quant_fp8` (the same bits)."""
+    k = x.shape[-1]
+    groups = -(-k // group_size)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).unflatten(-1, (groups, group_size))
+    scale = xf.abs().amax(-1).clamp(min=AMAX_EPS) / FP8_MAX
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.flatten(-2)[..., :k].contiguous(), scale
+
+
+def dequantize_block_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, block_size=(BLOCK, BLOCK)
+) -> torch.Tensor:
+    """weight [..., N, K] fp8 with scale [..., ceil(N/bn), ceil(K/bk)] -> float32 [..., N, K]."""
+    bn, bk = block_size
+    n, k = weight.shape[-2:]
+    full = scale.repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
+    return weight.float() * full
+
+
+def w8a8_block_fp8_matmul_torch(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block_size=(BLOCK, BLOCK),
+    output_dtype: torch.dtype = torch.bfloat16,
+    a_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch twin of `w8a8_block_fp8_matmul`: a quantized as the kernel quantizes it (or given in fp8
+    with `a_scale`), both operands dequantized, one float32 matmul."""
+    if a.dtype != FP8_DTYPE:
+        a, a_scale = per_token_group_quant_fp8_torch(a, block_size[1])
+    a_deq = dequantize_block_fp8(a, a_scale, (1, block_size[1]))
+    w_deq = dequantize_block_fp8(weight, weight_scale_inv, block_size)
+    return (a_deq @ w_deq.t()).to(output_dtype)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+# Imported after the twins so that a CPU install without triton still has them.
+try:
+    import triton
+    import triton.language as tl
+
+    from sglang.srt.utils.triton_jit import jit_for_env, maximum
+
+    _MAX, _EPS = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_EPS)
+except ImportError:  # pragma: no cover - the twins serve
+    triton = None
+
+
+# e4m3 rounding in float32 (the quantization kernel's last step): adding 1.5 * 2^(e + 20) to |y| (e its
+# float32 exponent, at least -6, where e4m3's subnormals begin) puts its e4m3 step, 2^(e - 3), at float32's
+# last bit, so the add rounds there, to nearest with ties to even; the cast to fp8 after it is exact.
+def _quant_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, GROUPS, GROUP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    mask = cols < K
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.reduce(tl.abs(x), 0, maximum), _EPS)
+    scale = tl.div_rn(amax, _MAX)
+    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -_MAX), _MAX)
+    e = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6) + 20
+    magic = (e << 23).to(tl.float32, bitcast=True) * 1.5
+    r = (tl.abs(y) + magic) - magic
+    r = tl.where(y < 0, -r, r)
+    tl.store(q_ptr + row * q_stride + cols, r.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * GROUPS + g, scale)
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (bf16 / fp16 / fp32) -> (x_fp8 [..., K] float8_e4m3fn, scales [..., ceil(K/group_size)]
+    float32): per row and per `group_size` columns, scale = max(amax, 1e-10) / 448 and
+    x_fp8 = round(x / scale) (nearest, ties to even; upstream's dynamic activation scheme)."""
+    if triton is None or not triton_serves(x):
+        return per_token_group_quant_fp8_torch(x, group_size)
+    assert group_size & (group_size - 1) == 0, "group_size must be a power of two"
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    groups = triton.cdiv(k, group_size)
+    q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(rows.shape[0], groups, dtype=torch.float32, device=x.device)
+    if rows.numel():
+        jit_for_env(_quant_kernel)[(rows.shape[0], groups)](
+            rows, q, s, k, rows.stride(0), q.stride(0), groups, GROUP=group_size
+        )
+    return q.view(x.shape), s.view(*x.shape[:-1], groups)
+
+
+def _gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
+    M, N, K, a_stride, c_stride, AS_COLS, BS_COLS,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """c[M, N] = (a * as) @ (b * bs)^T: a [M, K] fp8 with as [M, AS_COLS]; b [N, K] fp8 with
+    bs [ceil(N / SCALE_N), BS_COLS]; the K step's scales come from column k0 // SCALE_K."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mm, mn = rm < M, rn < N
+    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
+    a_ptrs = a_ptr + rm64[:, None] * a_stride + rk[None, :]
+    b_ptrs = b_ptr + rn64[None, :] * K + rk[:, None]
+    as_ptrs = as_ptr + rm64 * AS_COLS
+    bs_ptrs = bs_ptr + (rn // SCALE_N) * BS_COLS
+    acc = (rm[:, None] * 0 + rn[None, :] * 0).to(tl.float32)  # zeros (triton_jit says why not tl.zeros)
+    for k0 in range(0, K, BLOCK_K):
+        mk = rk < K - k0
+        a = tl.load(a_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + k0 // SCALE_K, mask=mm, other=0.0)
+        b_s = tl.load(bs_ptrs + k0 // SCALE_K, mask=mn, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rm64[:, None] * c_stride + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+def check_block_operands(weight: torch.Tensor, scale: torch.Tensor, block_size) -> None:
+    """The weight and its block scales fit each other (a wrong scale grid would read out of bounds)."""
+    bn, bk = block_size
+    n, k = weight.shape[-2:]
+    want = (*weight.shape[:-2], -(-n // bn), -(-k // bk))
+    assert weight.dtype == FP8_DTYPE, f"weight must be float8_e4m3fn, got {weight.dtype}"
+    assert tuple(scale.shape) == want, f"weight_scale_inv has shape {tuple(scale.shape)}, expected {want}"
+    assert scale.dtype == torch.float32 and scale.is_contiguous() and weight.is_contiguous()
+
+
+def w8a8_block_fp8_matmul(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block_size=(BLOCK, BLOCK),
+    output_dtype: torch.dtype = torch.bfloat16,
+    a_scale: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """a [..., K] (bf16 / fp16 / fp32, quantized per token and per block_size[1] columns here; or
+    float8_e4m3fn with `a_scale` [..., ceil(K / block_size[1])]) times weight [N, K] float8_e4m3fn with
+    `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] float32 -> [..., N] in `output_dtype`. `config`: the tile
+    (default: `gemm_config(M)`; the benchmark's sweep passes others)."""
+    bn, bk = block_size
+    check_block_operands(weight, weight_scale_inv, block_size)
+    if triton is None or not triton_serves(a):
+        return w8a8_block_fp8_matmul_torch(a, weight, weight_scale_inv, block_size, output_dtype, a_scale)
+    n, k = weight.shape
+    assert a.shape[-1] == k, f"a has {a.shape[-1]} columns, the weight {k}"
+    if a.dtype != FP8_DTYPE:
+        a, a_scale = per_token_group_quant_fp8(a, bk)
+    lead = a.shape[:-1]
+    a2 = a.reshape(-1, k)
+    if a2.stride(-1) != 1:
+        a2 = a2.contiguous()
+    a_s = a_scale.reshape(-1, a_scale.shape[-1]).float().contiguous()
+    assert a_s.shape == (a2.shape[0], -(-k // bk)), f"a_scale has shape {tuple(a_scale.shape)}"
+    m = a2.shape[0]
+    cfg = config or gemm_config(m)
+    assert bk % cfg.block_k == 0 and (cfg.block_n <= bn or cfg.block_n % bn == 0)
+    out = torch.empty(m, n, dtype=output_dtype, device=a.device)
+    if m:
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        jit_for_env(_gemm_kernel)[grid](
+            a2, a_s, weight, weight_scale_inv, out, m, n, k, a2.stride(0), out.stride(0),
+            a_s.shape[1], weight_scale_inv.shape[1], SCALE_N=bn, SCALE_K=bk,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out.view(*lead, n)

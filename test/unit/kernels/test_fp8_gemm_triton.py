@@ -1,0 +1,184 @@
+"""The block-FP8 kernels (layers/quantization/fp8_kernel.py): the activation quantization and the block
+GEMM under `TRITON_INTERPRET=1` against their torch twins on tiny shapes with partial blocks, the twin
+against a float64 dequantize-and-matmul, and every tile of the config table compiled for sm_90 without
+spills."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.layers.quantization import fp8_kernel as fk
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.sm90 import compile_sm90_in_registers
+
+register_cpu_ci(est_time=14, suite="per-commit-cpu")
+
+SHAPES = [(64, 64), (200, 200), (256, 128), (128, 256)]  # (N, K): whole and partial 128-blocks
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight as the checkpoints store it: fp8 values over e4m3's range, one positive scale per block."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(fk.FP8_DTYPE)
+    scale = torch.rand(-(-n // 128), -(-k // 128), generator=g) * 1e-3 + 1e-4
+    return w, scale
+
+
+def _activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """Columns of very different magnitudes (as real activations have), so the groups' scales differ."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)
+
+
+def _abs_product(a_deq: torch.Tensor, w_deq: torch.Tensor) -> torch.Tensor:
+    return a_deq.abs().double() @ w_deq.abs().double().t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_equals_the_twin_bit_for_bit(kernel_device, dtype):
+    """The same fp8 bits and scales as torch's cast (to nearest, ties to even): a partial last group, an
+    all-zero group, rows strided in memory, and a group whose amax is 448 (scale 1) holding exact ties."""
+    x = _activations(6, 200, seed=1)
+    x[2, 128:] = 0
+    # Scale 1: 1.0625 lies halfway between e4m3's 1.0 and 1.125 (to even: 1.0), 1.1875 between 1.125 and
+    # 1.25 (to 1.25), 3.5 * 2^-9 between the subnormals 3 and 4 * 2^-9 (to 4 * 2^-9).
+    x[3, :128] = 0.0
+    x[3, :4] = torch.tensor([448.0, 1.0625, -1.1875, 3.5 * 2**-9])
+    wide = torch.zeros(6, 256, dtype=dtype)
+    wide[:, :200] = x.to(dtype)
+    x = wide.to(kernel_device)[:, :200]  # a row stride of 256
+    q, s = fk.per_token_group_quant_fp8(x)
+    q_want, s_want = fk.per_token_group_quant_fp8_torch(x)
+    assert q.dtype == fk.FP8_DTYPE and s.dtype == torch.float32 and s.shape == (6, 2)
+    assert torch.equal(s, s_want)
+    assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+    assert q[3, :4].float().tolist() == [448.0, 1.0, -1.25, 4 * 2**-9]
+    # The published "dynamic" scheme: scale = amax / 448 per row and 128 columns (an all-zero group: 1e-10).
+    amax = torch.nn.functional.pad(x.float().abs(), (0, 56)).view(6, 2, 128).amax(-1)
+    torch.testing.assert_close(s, amax.clamp(min=1e-10) / 448, rtol=0, atol=0)
+    assert q[2, 128:].float().abs().sum() == 0
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_gemm_equals_the_twin(kernel_device, m, n, k):
+    """The kernel against the twin on the same activations (quantized by the kernel path and by the twin
+    bit for bit, checked above), float32 output: the same products summed in another order (per 128
+    block, scales applied per block, where the twin scales first and sums once), so the difference is
+    float32 rounding of sums of at most 256 terms: under 2^-16 of the sum of the terms' magnitudes."""
+    a = _activations(m, k, seed=m + n).to(kernel_device)
+    w, scale = (t.to(kernel_device) for t in _weight(n, k, seed=k))
+    got = fk.w8a8_block_fp8_matmul(a, w, scale, output_dtype=torch.float32)
+    want = fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    aq, a_s = fk.per_token_group_quant_fp8_torch(a)
+    magnitude = _abs_product(fk.dequantize_block_fp8(aq, a_s, (1, 128)), fk.dequantize_block_fp8(w, scale))
+    assert ((got.double() - want.double()).abs() <= 2**-16 * magnitude + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemm_from_prequantized_inputs_and_half_outputs(kernel_device, dtype):
+    """Activations given in fp8 with their scales (what a fused producer hands over), leading batch dims,
+    and bf16 / fp16 output: the twin's float32 result within one step of `dtype` (2^-7 / 2^-10 relative:
+    compiled, the cast rounds to nearest, half a step; the interpreter truncates, up to a whole one) plus
+    the float32 summation difference above."""
+    a = _activations(10, 200, seed=3).to(dtype).to(kernel_device)
+    w, scale = (t.to(kernel_device) for t in _weight(192, 200, seed=4))
+    aq, a_s = fk.per_token_group_quant_fp8(a)
+    got = fk.w8a8_block_fp8_matmul(
+        aq.view(2, 5, 200), w, scale, output_dtype=dtype, a_scale=a_s.view(2, 5, 2)
+    )
+    want = fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32)
+    assert got.shape == (2, 5, 192) and got.dtype == dtype
+    rel = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    err = (got.reshape(10, 192).double() - want.double()).abs()
+    assert (err <= rel * want.double().abs() + 2**-15 * want.double().abs().max()).all()
+
+
+def test_every_table_config_masks_its_edges(interpret):
+    """Each tile of the table on the same partial-block shape (M 33, N 200, K 200): equal results."""
+    a = _activations(33, 200, seed=5)
+    w, scale = _weight(200, 200, seed=6)
+    aq, a_s = fk.per_token_group_quant_fp8(a)
+    want = fk.w8a8_block_fp8_matmul_torch(aq, w, scale, output_dtype=torch.float32, a_scale=a_s)
+    magnitude = _abs_product(fk.dequantize_block_fp8(aq, a_s, (1, 128)), fk.dequantize_block_fp8(w, scale))
+    for _, cfg in fk.GEMM_CONFIGS:
+        got = fk.w8a8_block_fp8_matmul(aq, w, scale, output_dtype=torch.float32, a_scale=a_s, config=cfg)
+        assert ((got.double() - want.double()).abs() <= 2**-16 * magnitude).all(), cfg
+
+
+def test_the_config_table_covers_every_m():
+    assert fk.gemm_config(1).block_m == 16 and fk.gemm_config(8192).block_m == 128
+    rows = [cfg for _, cfg in fk.GEMM_CONFIGS]
+    assert [fk.gemm_config(m) for m in (16, 17, 64, 65, 256, 257)] == [rows[i] for i in (0, 1, 1, 2, 2, 3)]
+
+
+@pytest.mark.parametrize("n,k", [(200, 200), (256, 384)])
+def test_the_twin_against_a_float64_reference(n, k):
+    """The twin (activations quantized, weights dequantized, float32 matmul) against float64 of the
+    unquantized activations times the dequantized weight: e4m3 keeps 3 mantissa bits, so rounding a
+    value moves it by at most 2^-4 of itself (normal range) or half its group's subnormal step
+    (2^-10 x scale); the bound is that, summed over each output's terms, plus float32's rounding."""
+    a = _activations(9, k, seed=7)
+    w, scale = _weight(n, k, seed=8)
+    w_deq = fk.dequantize_block_fp8(w, scale).double()
+    got = fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32).double()
+    ref = a.double() @ w_deq.t()
+    _, a_s = fk.per_token_group_quant_fp8_torch(a)
+    subnormal_step = (a_s.double() * 2**-10).repeat_interleave(128, -1)[:, :k]
+    bound = (2**-4 * a.double().abs() + subnormal_step) @ w_deq.abs().t() + 2**-20 * _abs_product(a, w_deq)
+    err = (got - ref).abs()
+    assert (err <= bound).all()
+    # And the bound is not vacuous: the quantization's error is of its order, not far below it.
+    assert err.max() > 0.05 * bound.max()
+
+
+def test_off_cuda_without_the_interpreter_the_twins_serve(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    a = _activations(3, 128, seed=9)
+    w, scale = _weight(64, 128, seed=10)
+    got = fk.w8a8_block_fp8_matmul(a, w, scale, output_dtype=torch.float32)
+    assert torch.equal(got, fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32))
+
+
+def test_a_wrong_scale_grid_is_refused():
+    w, scale = _weight(200, 200, seed=11)
+    with pytest.raises(AssertionError, match="weight_scale_inv has shape"):
+        fk.w8a8_block_fp8_matmul(torch.randn(2, 200), w, scale[:1])
+
+
+GEMM_SIGNATURE = {
+    "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16",
+    **{name: "i32" for name in ("M", "N", "K", "a_stride", "c_stride", "AS_COLS", "BS_COLS")},
+    **{name: "constexpr" for name in ("SCALE_N", "SCALE_K", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cfg", [cfg for _, cfg in fk.GEMM_CONFIGS], ids=lambda c: f"{c.block_m}x{c.block_n}")
+def test_gemm_compiles_for_sm90(cfg):
+    """Every tile of the table compiles for an H100/H200 (FP8 dots), fits its shared memory and keeps
+    its values in registers, with the launch's warps and stages; N, K and the row strides as at the 80B's
+    shapes, multiples of 16 (Triton specialises them so at launch)."""
+    constexprs = dict(SCALE_N=128, SCALE_K=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)  # fmt: skip
+    compiled = compile_sm90_in_registers(
+        fk._gemm_kernel, GEMM_SIGNATURE, constexprs, ("N", "K", "a_stride", "c_stride"),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    # Pipelined: num_stages - 1 tiles of both fp8 operands in flight in shared memory (one without the
+    # alignment: the loads then go element by element through registers, and spill).
+    assert compiled.metadata.shared >= (cfg.num_stages - 1) * (cfg.block_m + cfg.block_n) * cfg.block_k
+    ptx = compiled.asm["ptx"]
+    assert "e4m3" in ptx  # the dots run on fp8 operands (mma / wgmma .e4m3), not on upcast copies
+
+
+def test_quant_compiles_for_sm90():
+    signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                 **{name: "i32" for name in ("K", "x_stride", "q_stride", "GROUPS")}, "GROUP": "constexpr"}  # fmt: skip
+    compile_sm90_in_registers(fk._quant_kernel, signature, dict(GROUP=128))
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
