@@ -21,6 +21,7 @@ from sglang.srt.configs.gpu_memory_defaults import (
 )
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.function_call.function_call_parser import PARSERS as TOOL_CALL_PARSERS
+from sglang.srt.layers.quantization import check_quantization_flag, set_online_quantization
 from sglang.srt.mem_cache.mamba_strategy import EXTRA_BUFFER_STRATEGIES, MambaStrategy
 from sglang.srt.parser.reasoning_parser import FORMATS as REASONING_FORMATS
 from sglang.srt.server_args_checks import (
@@ -124,6 +125,8 @@ class ServerArgs:
     page_size: int = 1
     # "auto": the model's dtype; see KV_CACHE_DTYPE_CHOICES.
     kv_cache_dtype: str = "auto"
+    # "fp8": an unquantized checkpoint's linears quantized block-wise at load (layers/quantization).
+    quantization: str | None = None
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
@@ -178,6 +181,8 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         check_basic_flags(self)
+        if check_quantization_flag(self.quantization):
+            raise ServerArgsError(check_quantization_flag(self.quantization))
         if self.device == "auto":
             self.device = _auto_device()
         if self.random_seed is None:
@@ -218,7 +223,10 @@ class ServerArgs:
 
     @cached_property
     def model_config(self) -> ModelConfig:
-        return ModelConfig(self.model_path, self.context_length, self.dtype, self.device, self.kv_cache_dtype)
+        config = ModelConfig(self.model_path, self.context_length, self.dtype, self.device, self.kv_cache_dtype)
+        if self.quantization is not None:
+            set_online_quantization(config.hf_config, self.quantization)
+        return config
 
     @property
     def mamba_radix_cache_strategy(self) -> str:
@@ -618,6 +626,13 @@ class ServerArgs:
             "fp8_e5m2 (stored as x / scale with the checkpoint's per-layer k_scale / v_scale, 1.0 with a "
             "warning where it has none, as upstream). Attention reads the stored values converted "
             "(docs/server.md). fp4_e2m1 is not supported.",
+        )
+        g.add_argument(
+            "--quantization",
+            default=None,
+            help="fp8: quantize an unquantized checkpoint's linear weights to block-wise FP8 as they load "
+            "([128, 128] blocks, e4m3, as the published FP8 checkpoints; on CPU they serve dequantized). "
+            "FP8 checkpoints need no flag. Other methods are refused.",
         )
         g.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
         g.add_argument("--disable-radix-cache", action="store_true")

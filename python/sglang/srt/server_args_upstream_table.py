@@ -18,8 +18,8 @@ THEMES: dict[str, str] = {
     "serving is issue 54); leave it out",
     "moe": "expert parallelism, expert load balancing and other MoE kernels are not built (issues 54 and "
     "55); the MoE layers run this server's own fused kernels, so leave it out",
-    "quant": "quantized weights are not supported yet (issue 53 adds block-wise FP8); serve a bfloat16 "
-    "checkpoint, and use --kv-cache-dtype for an FP8 KV cache",
+    "quant": "only block-wise FP8 weights are served (FP8 checkpoints as published, or --quantization fp8 "
+    "at load); use --kv-cache-dtype for an FP8 KV cache",
     "lora": "LoRA adapters are not supported; serve a checkpoint with the adapter merged into its weights",
     "hicache": "host-memory and external KV-cache tiers are not built yet (issue 58 adds a host tier); size "
     "the device caches with --mem-fraction-static and --max-mamba-cache-size",

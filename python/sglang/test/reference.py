@@ -103,6 +103,46 @@ def ungrouped_gated_norms(model: torch.nn.Module) -> list[str]:
     ]
 
 
+def dequantized_checkpoint(path: str) -> str:
+    """A block-FP8 checkpoint's weights dequantized (float32, without its quantization_config), in a
+    folder beside it made once, for the oracle: transformers runs FP8 checkpoints on a GPU only. Any
+    other checkpoint: `path` itself."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from sglang.srt.layers.quantization.fp8 import Fp8Config, fp8_checkpoint_stream
+    from sglang.srt.models.loader import iter_checkpoint
+
+    src = Path(path)
+    cfg = json.loads((src / "config.json").read_text())
+    if "quantization_config" not in cfg:
+        return path
+    target = src.parent / f"{src.name}-dequantized"
+    if (target / "model.safetensors").is_file():
+        return str(target)
+    quant = Fp8Config.from_quantization_config(cfg.pop("quantization_config"))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{src.name}-", dir=src.parent))
+    try:
+        for item in src.iterdir():
+            if item.is_file() and not item.name.endswith(".safetensors") and item.name != "config.json":
+                shutil.copy(item, tmp / item.name)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        tensors = {k: v.contiguous() for k, v in fp8_checkpoint_stream(iter_checkpoint(src), quant)}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            tmp.rename(target)
+        except OSError:  # another process made it first
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
 class ReferenceModel:
     def __init__(self, model_path: str):
         from transformers import AutoModelForCausalLM
@@ -111,8 +151,9 @@ class ReferenceModel:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         self.path = resolve_model_path(model_path)
+        source = dequantized_checkpoint(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.path, dtype=torch.float32, local_files_only=True
+            source, dtype=torch.float32, local_files_only=True
         ).eval()
         self.config = self.model.config
         self.arch = hybrid_arch_config(self.config)

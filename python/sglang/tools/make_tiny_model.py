@@ -1,6 +1,6 @@
 """Write a tiny, random-weight, real-format Hugging Face checkpoint of a hybrid architecture.
 
-    python -m sglang.tools.make_tiny_model --arch qwen3_next --out DIR [--seed 0]
+    python -m sglang.tools.make_tiny_model --arch qwen3_next --out DIR [--seed 0] [--quantize fp8-block]
 
 The model is built with transformers' own classes from a fixed seed, so the same seed gives
 bit-identical files. It is small (a 128-token forward takes milliseconds on a CPU) but complete:
@@ -280,8 +280,11 @@ def _condition_weights(model: torch.nn.Module, arch: str, gen: torch.Generator) 
             module.A_log.copy_(_log_uniform(heads, 0.5, 4.0, gen))
 
 
-def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None) -> Path:
-    """`overrides`: config fields set on the preset's config (a test's variant: another MoE, say)."""
+def make_tiny_model(
+    arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None, quantize: str | None = None
+) -> Path:
+    """`overrides`: config fields set on the preset's config (a test's variant: another MoE, say).
+    `quantize` "fp8-block": written in the published block-FP8 format (`quantize_fp8.py`)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out)
@@ -305,6 +308,12 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, overrides: dict |
         out
     )
     build_tokenizer().save_pretrained(out)
+    if quantize == "fp8-block":
+        from sglang.tools.quantize_fp8 import quantize_checkpoint
+
+        quantize_checkpoint(out)
+    elif quantize is not None:
+        raise ValueError(f"--quantize must be fp8-block, got {quantize!r}.")
     return out
 
 
@@ -313,8 +322,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", required=True, choices=ARCHS)
     parser.add_argument("--out", required=True, help="Folder to write the checkpoint into.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quantize", choices=["fp8-block"], help="Write it as the published block-FP8 checkpoints are."
+    )
     args = parser.parse_args(argv)
-    path = make_tiny_model(args.arch, args.out, args.seed)
+    path = make_tiny_model(args.arch, args.out, args.seed, quantize=args.quantize)
     print(f"Wrote a tiny {args.arch} checkpoint to {path}")
 
 

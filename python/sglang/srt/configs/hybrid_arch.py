@@ -18,6 +18,7 @@ from sglang.srt.configs.mamba_utils import (
     Mamba2StateShape,
     resolve_state_dtypes,
 )
+from sglang.srt.layers.quantization import quant_config_of
 
 _REGISTRY: dict[str, type[HybridArchConfig]] = {}
 
@@ -63,14 +64,9 @@ class HybridArchConfig(ABC):
         self.top_config = hf_config
         text = getattr(hf_config, "get_text_config", None)
         self.hf_config = text() if text is not None else hf_config
-        quant = _field(hf_config, self.hf_config, "quantization_config")
-        if quant:
-            get = quant.get if isinstance(quant, dict) else lambda key, default: getattr(quant, key, default)
-            method = get("quant_method", "?")
-            raise ValueError(
-                f"its weights are quantized (quantization_config: {method}); this runtime serves unquantized "
-                "checkpoints (bfloat16, float16 or float32 weights)."
-            )
+        # Block-wise FP8 loads (dequantized on CPU, FP8 linears on CUDA); any other format is refused
+        # here, in one sentence naming it, before anything is built.
+        self.quant_config = quant_config_of(hf_config)
 
     @property
     def architecture(self) -> str:

@@ -1,6 +1,7 @@
 """Built-in tiny presets: `tiny-qwen3-next-demo` (the default model), `tiny-qwen3-next`,
 `tiny-nemotron-h`, `tiny-qwen3.5`, `tiny-qwen3.5-moe`, `tiny-granite-4.0-h`, `tiny-falcon-h1`,
-`tiny-bamba`, `tiny-lfm2` and `tiny-lfm2-moe`.
+`tiny-bamba`, `tiny-lfm2` and `tiny-lfm2-moe`, and each of the random ones in block-FP8 as
+`<name>-fp8` (`tiny-qwen3-next-fp8`, `tiny-nemotron-h-fp8`, ...: the published FP8 format).
 
 Wherever a model path is accepted, a preset name resolves to a checkpoint folder. The demo model is
 trained (`sglang.tools.train_tiny_model`) and ships with the package. The random presets are the
@@ -30,6 +31,9 @@ PRESETS = {
     "tiny-lfm2": "lfm2",
     "tiny-lfm2-moe": "lfm2_moe",
 }
+# The same presets in the published block-FP8 format (`sglang.tools.quantize_fp8`): hidden 64 and the
+# like are smaller than a 128 block, so every scale covers a partial block.
+FP8_PRESETS = {f"{name}-fp8": arch for name, arch in PRESETS.items()}
 # Trained checkpoints that ship with the package (name -> folder).
 SHIPPED = {"tiny-qwen3-next-demo": Path(__file__).parents[2] / "tools" / "data" / "tiny-qwen3-next-demo"}
 PRESET_SEED = 0
@@ -40,13 +44,17 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _recipe_digest() -> str:
+def _recipe_digest(quantized: bool = False) -> str:
     import transformers
 
-    from sglang.tools import make_tiny_model
+    from sglang.srt.layers.quantization import fp8
+    from sglang.tools import make_tiny_model, quantize_fp8
 
     h = hashlib.sha256()
     h.update(Path(make_tiny_model.__file__).read_bytes())
+    if quantized:
+        h.update(Path(quantize_fp8.__file__).read_bytes())
+        h.update(Path(fp8.__file__).read_bytes())
     h.update(make_tiny_model.CORPUS.read_bytes())
     h.update(transformers.__version__.encode())
     h.update(str(PRESET_SEED).encode())
@@ -54,7 +62,7 @@ def _recipe_digest() -> str:
 
 
 def is_preset(model_path: str) -> bool:
-    return model_path in PRESETS or model_path in SHIPPED
+    return model_path in PRESETS or model_path in FP8_PRESETS or model_path in SHIPPED
 
 
 def resolve_model_path(model_path: str) -> str:
@@ -64,7 +72,8 @@ def resolve_model_path(model_path: str) -> str:
         return str(SHIPPED[model_path])
     if not is_preset(model_path):
         return model_path
-    target = cache_dir() / "presets" / f"{model_path}-{_recipe_digest()}"
+    quantized = model_path in FP8_PRESETS
+    target = cache_dir() / "presets" / f"{model_path}-{_recipe_digest(quantized)}"
     if (target / "model.safetensors").is_file():
         return str(target)
     from sglang.tools.make_tiny_model import make_tiny_model
@@ -74,7 +83,8 @@ def resolve_model_path(model_path: str) -> str:
     # and a test, say) never see a half-written checkpoint.
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_path}-", dir=target.parent))
     try:
-        make_tiny_model(PRESETS[model_path], tmp, seed=PRESET_SEED)
+        arch = FP8_PRESETS[model_path] if quantized else PRESETS[model_path]
+        make_tiny_model(arch, tmp, seed=PRESET_SEED, quantize="fp8-block" if quantized else None)
         try:
             tmp.rename(target)
         except OSError:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.attention.kv_scales import KVScaleLoader
+from sglang.srt.layers.quantization.fp8 import Fp8Config, fp8_checkpoint_stream
 from sglang.srt.models.loader import WeightLoader
 
 
@@ -22,6 +23,11 @@ class HybridCausalLM(nn.Module):
     skip_prefixes: tuple[str, ...] = ("mtp.",)
     # (checkpoint name piece, ours), each replaced at its first occurrence by `checkpoint_name`.
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # Linears (name suffixes) that stay dense under FP8: their rows are regrouped or assembled after
+    # loading, which block scales cannot follow.
+    fp8_dense_modules: tuple[str, ...] = ()
+    # The weight format (`load_model` sets it from the config): None, or block-wise FP8.
+    quant_config: Fp8Config | None = None
 
     def __init__(self, config: Any, backbone: nn.Module, embedding: nn.Module):
         super().__init__()
@@ -63,6 +69,8 @@ class HybridCausalLM(nn.Module):
         loader = WeightLoader(self, update=update)
         kv_scales = KVScaleLoader(self)  # float8 KV cache scales go to their attention layers
         skipped = []  # (an update's names the model does not serve, told to its client)
+        if self.quant_config is not None:
+            weights = fp8_checkpoint_stream(weights, self.quant_config)
         for name, tensor in weights:
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
             if tied_head or name.startswith(self.skip_prefixes):

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from sglang.srt.layers.moe.experts import RoutedExperts
+from sglang.srt.layers.quantization.fp8 import SCALE_SUFFIX, Fp8BlockLinear
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class WeightLoader:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, source), in update mode
         self.params = dict(model.named_parameters())
         self.experts = {name: m for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
+        # FP8 linears (CUDA) by their weight's name: a dense tensor for one is quantized into its weight
+        # and scales (FP8 checkpoint tensors arrive dequantized: `fp8_checkpoint_stream`).
+        self.fp8 = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
         self.loaded: set[str] = set()
         self.expert_pieces: dict[str, set[tuple[int, str]]] = {name: set() for name in self.experts}
         self.row_blocks: dict[str, list[tuple[int, int, str]]] = {}  # param -> (start, stop, source)
@@ -84,6 +88,12 @@ class WeightLoader:
             raise ValueError(
                 f"Checkpoint tensor {name} has shape {tuple(tensor.shape)}; the model expects {tuple(param.shape)}."
             )
+        fp8 = self.fp8.get(name)
+        if fp8 is not None:
+            weight, scale = fp8.quantized(tensor.to(param.device))
+            self._copy(fp8.weight_scale_inv.data, scale)
+            self.loaded.add(name + SCALE_SUFFIX)
+            tensor = weight
         self._copy(param.data, tensor)
         self.loaded.add(name)
 
@@ -94,6 +104,8 @@ class WeightLoader:
             self.unused.append(source)
             return
         _check_unquantized(source, tensor)
+        if name in self.fp8:
+            raise ValueError(f"{name} is an FP8 linear; its rows cannot load piece by piece ({source}).")
         stop = start + tensor.shape[0]
         if tuple(param.shape[1:]) != tuple(tensor.shape[1:]) or stop > param.shape[0]:
             raise ValueError(
@@ -155,9 +167,10 @@ class WeightLoader:
 
 
 def _check_unquantized(name: str, tensor: torch.Tensor) -> None:
-    """A quantized checkpoint's packed integers or float8 values would load as wrong numbers."""
+    """A quantized checkpoint's packed integers or float8 values would load as wrong numbers (block-FP8
+    ones arrive here dequantized, where the config says the checkpoint is FP8)."""
     if not tensor.is_floating_point() or tensor.element_size() < 2:
         raise ValueError(
-            f"Checkpoint tensor {name} is {tensor.dtype}: quantized weights are not supported (serve an "
-            "unquantized checkpoint)."
+            f"Checkpoint tensor {name} is {tensor.dtype}: quantized weights are not supported without a "
+            "quantization_config naming them (block-wise FP8: quant_method fp8, weight_block_size)."
         )

@@ -259,6 +259,7 @@ class Qwen3NextForCausalLM(HybridCausalLM):
     fp32_param_suffixes = ("A_log", "dt_bias")
     gdn_cls = Qwen3NextGatedDeltaNet  # the linear layers' class (Qwen3.5's loads other projections)
     checkpoint_renames = ((".experts.gate_up_proj", ".experts.w13"), (".experts.down_proj", ".experts.w2"))
+    fp8_dense_modules = ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba")
 
     def __init__(self, config: Any):
         model = Qwen3NextModel(config, self.gdn_cls)

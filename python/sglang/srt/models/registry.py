@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang.srt.layers.quantization import quant_config_of
+from sglang.srt.layers.quantization.fp8 import FP8_DTYPE, SCALE_SUFFIX, swap_fp8_linears
 from sglang.srt.models.loader import iter_checkpoint
 
 # architecture name -> (module, class); imported on first use.
@@ -43,8 +45,16 @@ def load_model(hf_config: Any, path: str, dtype: torch.dtype, device: str | torc
     The model is built on the meta device and each parameter is then allocated once, in its serving
     dtype on `device`, for the checkpoint to fill: no random initialisation and no float32 copy first
     (an 80B model in bfloat16 never needs twice its memory on the host)."""
+    quant = quant_config_of(hf_config)
     with torch.device("meta"):
         model = get_model_class(hf_config)(hf_config)
+        if quant is not None and torch.device(device).type == "cuda":
+            # FP8 linears on CUDA (the block GEMM); on CPU the weights load dequantized (`fp8.py`).
+            ignored = {
+                model.checkpoint_name(m + ".weight").removesuffix(".weight") for m in quant.ignored_layers
+            }
+            swap_fp8_linears(model, quant, model.fp8_dense_modules, ignored)
+    model.quant_config = quant
     materialize(model, dtype, torch.device(device))
     model.load_weights(iter_checkpoint(path))
     # Children first: a module's own step may read what its children's made (a decoder layer's fused
@@ -68,6 +78,8 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
             if id(param) not in made:
                 full = f"{prefix}.{name}" if prefix else name
                 dt = torch.float32 if keep_fp32 and full.endswith(keep_fp32) else dtype
+                if param.dtype == FP8_DTYPE or full.endswith(SCALE_SUFFIX):
+                    dt = param.dtype  # an FP8 linear's weight and its float32 block scales
                 made[id(param)] = nn.Parameter(
                     torch.empty(param.shape, dtype=dt, device=device), requires_grad=False
                 )
