@@ -93,11 +93,18 @@ class TestGenerationControl(ServerTestCase):
         for name, r in waiting.items():
             self.assertEqual(r.status_code, 503, name)
             self.assertEqual(r.json()["error"]["message"], "Request waiting timeout reached.", name)
+            # Upstream's fields at the top level, as its waiting-timeout kit counts errors (issue 60, item 5).
+            top = r.json()
+            self.assertEqual(
+                (top["object"], top["code"], top["message"]),
+                ("error", 503, "Request waiting timeout reached."),
+            )
         running.join(30)
         self.assertEqual(running.status, 200)
         last = running.events[-1][1]
         self.assertEqual(last["error"]["message"], "Request running timeout reached.")
         self.assertEqual(last["error"]["code"], 503)
+        self.assertEqual((last["object"], last["code"]), ("error", 503))  # a stream's error event too
         self.assertLess(running.events[-2][1]["meta_info"]["completion_tokens"], 3000)
         self.assert_idle_accounting()
 

@@ -170,10 +170,14 @@ class TestMalformedRequests(ServerTestCase):
                 else:
                     r = self.post(route, body)
                 self.assertEqual(r.status_code, 400, r.text[:300])
-                err = r.json()["error"]
+                body = r.json()
+                err = body["error"]
                 self.assertEqual(err["type"], "invalid_request_error")
                 self.assertEqual(err["param"], param, err)
                 self.assertTrue(err["message"].endswith("."), err)
+                # Upstream's ErrorResponse at the top level (issue 60, item 5): `code` is the status.
+                self.assertEqual((body["object"], body["code"], body["param"]), ("error", 400, param), body)
+                self.assertEqual((body["message"], body["type"]), (err["message"], err["type"]), body)
                 if param is not None:
                     # The message names the field (its last part, as "max_tokens" or "role").
                     self.assertIn(param.split(".")[-1].split("[")[0], err["message"], err)

@@ -9,6 +9,13 @@ Routes raise; the app's exception handlers (`install_error_handlers`) answer:
 Anything else is a server error (500, logged with its traceback): `ErrorMappingRoute` answers it, since
 Starlette's catch-all handler re-raises after answering (uvicorn would log the error twice, and an app
 called in process would raise).
+
+A body (`error_body`; a stream's error event too) carries upstream SGLang's `ErrorResponse` fields at
+the top level, `code` being the HTTP status, and OpenAI's error object beside them, whose `code` says
+what went wrong (the `openai` client reads `body["error"]` when there is one):
+    {"object": "error", "message": str, "type": str, "param": str | None, "code": int,
+     "error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}
+`type` is OpenAI's: "invalid_request_error" for the client's errors, "server_error" for the server's.
 """
 
 from __future__ import annotations
@@ -33,9 +40,21 @@ logger = logging.getLogger(__name__)
 
 
 def error_body(
-    message: str, param: str | None = None, code: Any = None, kind: str = "invalid_request_error"
+    message: str,
+    param: str | None = None,
+    code: Any = None,
+    kind: str = "invalid_request_error",
+    status: int = 400,
 ) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """An error reply's body (see the module's docstring): `status` is the HTTP status it goes with."""
+    return {
+        "object": "error",
+        "message": message,
+        "type": kind,
+        "param": param,
+        "code": status,
+        "error": {"message": message, "type": kind, "param": param, "code": code},
+    }
 
 
 def json_response(content: Any, status_code: int = 200) -> Response:
@@ -45,23 +64,23 @@ def json_response(content: Any, status_code: int = 200) -> Response:
 
 
 def error_response(err: RequestError, status_code: int = 400) -> Response:
-    return json_response(error_body(err.message, err.param, err.code), status_code)
+    return json_response(error_body(err.message, err.param, err.code, status=status_code), status_code)
 
 
 def server_abort_body(e: ServerAbortError) -> dict:
     # Upstream answers these (deadlines) with the HTTP status as `code`, e.g. 503. One that names a
     # field of the request (a stop_regex out of time) is the client's error.
     if e.param is not None:
-        return error_body(e.message, e.param, code=e.status_code)
-    return error_body(e.message, kind="server_error", code=e.status_code)
+        return error_body(e.message, e.param, code=e.status_code, status=e.status_code)
+    return error_body(e.message, kind="server_error", code=e.status_code, status=e.status_code)
 
 
 def backend_dead_body(e: BackendDeadError) -> dict:
-    return error_body(str(e), kind="server_error", code="backend_dead")
+    return error_body(str(e), kind="server_error", code="backend_dead", status=503)
 
 
 def internal_error_body(e: BaseException) -> dict:
-    return error_body(f"Internal server error: {e}", kind="server_error", code="internal_error")
+    return error_body(f"Internal server error: {e}", kind="server_error", code="internal_error", status=500)
 
 
 def internal_error_response(e: BaseException) -> Response:
@@ -93,11 +112,20 @@ async def _backend_dead(request: Request, e: BackendDeadError) -> Response:
 
 async def _control_timeout(request: Request, e: TimeoutError) -> Response:
     """A control call the scheduler did not answer in time (the generation path waits without one)."""
-    return json_response(error_body(str(e), kind="server_error", code="timeout"), 503)
+    return json_response(error_body(str(e), kind="server_error", code="timeout", status=503), 503)
 
 
 async def _client_closed(request: Request, e: ClientDisconnected) -> Response:
     return Response(status_code=CLIENT_CLOSED)
+
+
+async def _http_exception(request: Request, e: HTTPException) -> Response:
+    """Starlette's own (a path no route serves, a method a route does not take), in the same shape."""
+    kind = "server_error" if e.status_code >= 500 else "invalid_request_error"
+    message = f"{e.detail}." if not str(e.detail).endswith(".") else str(e.detail)
+    response = json_response(error_body(message, kind=kind, status=e.status_code), e.status_code)
+    response.headers.update(e.headers or {})
+    return response
 
 
 Handler = Callable[[Request, Any], Coroutine[Any, Any, Response]]
@@ -108,10 +136,11 @@ HANDLERS: dict[type[Exception], Handler] = {
     BackendDeadError: _backend_dead,
     TimeoutError: _control_timeout,
     ClientDisconnected: _client_closed,
+    HTTPException: _http_exception,
 }
 
 # Raised past a route to a handler: the project's errors and FastAPI's own.
-_PASSED_ON = (*HANDLERS, HTTPException, RequestValidationError)
+_PASSED_ON = (*HANDLERS, RequestValidationError)
 
 
 def install_error_handlers(app: FastAPI) -> None:
