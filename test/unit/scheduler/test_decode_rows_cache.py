@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from sglang.srt.managers.schedule_batch import DecodeRows, DecodeRowsCache, Req
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.scheduler_components.decode_rows import DecodeRows, DecodeRowsCache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams

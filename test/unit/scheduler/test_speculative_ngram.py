@@ -193,10 +193,8 @@ def test_a_verify_is_graph_shaped_only_where_a_graph_and_the_free_pages_serve_it
 
     allocator = PagedTokenAllocator(64, page_size=4)  # 16 pages
     graphs = SimpleNamespace(verify_width=6, verify_max_bs=lambda: 4)
-    sched = SimpleNamespace(
-        model_runner=SimpleNamespace(graph_runner=graphs), token_allocator=allocator, context_len=100
-    )
-    worker = SimpleNamespace(sched=sched)
+    deps = SimpleNamespace(graph_runner=lambda: graphs, token_allocator=allocator, context_len=100)
+    worker = SimpleNamespace(deps=deps)
     reqs = [SimpleNamespace(kv_len=n) for n in (10, 21, 40)]  # 6 positions take 1, 1 and 2 more pages
 
     def width(reqs) -> int:
@@ -210,7 +208,7 @@ def test_a_verify_is_graph_shaped_only_where_a_graph_and_the_free_pages_serve_it
     assert width(reqs[:2]) == 6
     assert width([SimpleNamespace(kv_len=95)]) == 0  # past its context
     assert width(reqs * 2) == 0  # more requests than the largest verify graph
-    sched.model_runner.graph_runner = None
+    deps.graph_runner = lambda: None
     assert width(reqs[:1]) == 0
 
 

@@ -25,10 +25,11 @@ from sglang.srt.constrained.xgrammar_backend import create_grammar_backend
 from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import PortArgs
-from sglang.srt.managers.schedule_batch import DecodeRowsCache, Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
 from sglang.srt.managers.scheduler_components.batch_stats_log import BatchStatsLog
+from sglang.srt.managers.scheduler_components.decode_rows import DecodeRowsCache
 from sglang.srt.managers.scheduler_components.decode_set import DecodeSetCache
 from sglang.srt.managers.scheduler_components.grammar_queue import GrammarQueue
 from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
@@ -144,10 +145,27 @@ class Scheduler(SchedulerIOMixin, SchedulerUpdateWeightsMixin):
         )
         self.spec = None  # --speculative-algorithm NGRAM: builds verify batches and commits their results
         if server_args.speculative_algorithm is not None:
-            from sglang.srt.speculative.ngram_worker import NgramWorker
+            from sglang.srt.speculative.ngram_worker import NgramWorker, VerifyCollaborators
 
             assert not self.enable_overlap, "a verify's result is committed before the next batch is built"
-            self.spec = NgramWorker(self)
+            deps = VerifyCollaborators(
+                context_len=self.context_len,
+                graph_runner=lambda: getattr(self.model_runner, "graph_runner", None),
+                req_to_token_pool=self.req_to_token_pool,
+                token_allocator=self.token_allocator,
+                tree_cache=self.tree_cache,
+                tracker=self.tracker,
+                inflight=self.inflight,
+                penalty_slots=self.penalty_slots,
+                result_processor=self.result_processor,
+                decode_set=self.decode_set,
+                rows_cache=self.rows_cache,
+                kv_log=self.kv_log,
+                next_batch_id=self._next_batch_id,
+                copy_states=self.worker.copy_states,
+                add_generated=self.batch_stats.add_generated,
+            )
+            self.spec = NgramWorker(server_args, deps)
             self.batch_stats.spec_stats = self.spec.stats
             self.result_processor.process_verify = self.spec.process_batch_result_verify
         if self.disaggregation_mode == "prefill":

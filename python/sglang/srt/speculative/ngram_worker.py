@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.constrained.vocab_mask import VocabMaskInfo
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -45,8 +46,18 @@ from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, counts_tokens
 from sglang.srt.speculative.ngram_cache import NgramCache, namespace_seed
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
+    from sglang.srt.managers.scheduler_components.decode_rows import DecodeRowsCache
+    from sglang.srt.managers.scheduler_components.decode_set import DecodeSetCache
+    from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
+    from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
+    from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglang.srt.mem_cache.decode_kv_log import DecodeKVLog
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
     from sglang.srt.model_executor.forward_worker import HostBatchResult
+    from sglang.srt.sampling.penaltylib import PenaltySlots
+    from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +85,30 @@ class NgramVerifyInput:
     widths: list[int]
 
 
+@dataclass(frozen=True)
+class VerifyCollaborators:
+    """What the verify reads and changes of the scheduler, each given explicitly (the worker holds no
+    `Scheduler`): the pools and allocators its batches take KV from, the decode fast path's caches a
+    verify resets, the result processor its commit goes through, and the few scheduler calls it makes."""
+
+    context_len: int
+    # The model runner's `CudaGraphRunner`, or None, as it is now (tests install one after the start).
+    graph_runner: Callable[[], Any]
+    req_to_token_pool: HybridReqToTokenPool
+    token_allocator: PagedTokenAllocator
+    tree_cache: BasePrefixCache
+    tracker: MambaTracker
+    inflight: InflightBatches
+    penalty_slots: PenaltySlots
+    result_processor: BatchResultProcessor
+    decode_set: DecodeSetCache
+    rows_cache: DecodeRowsCache
+    kv_log: DecodeKVLog
+    next_batch_id: Callable[[], int]
+    copy_states: Callable[[list[tuple[int, int]]], None]  # the forward stream's state copies
+    add_generated: Callable[[int], None]  # the decode log's count of tokens beyond one per step
+
+
 MAX_BACKOFF = 64  # the most output tokens a request whose drafts keep being rejected goes without drafting
 
 
@@ -87,9 +122,8 @@ def penalized_now(req: Req) -> bool:
 
 
 class NgramWorker:
-    def __init__(self, sched: Scheduler):
-        args = sched.server_args
-        self.sched = sched
+    def __init__(self, args: ServerArgs, deps: VerifyCollaborators):
+        self.deps = deps
         self.width = args.speculative_num_draft_tokens
         self.cache = NgramCache(
             args.speculative_ngram_min_match_window_size,
@@ -107,7 +141,7 @@ class NgramWorker:
         # Totals since start over the requests that had drafts: verify steps (one per such request and
         # verify), drafts proposed and accepted, tokens committed (what /metrics and the decode log read).
         self.stats = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "committed_tokens": 0}
-        graphs = sched.model_runner.graph_runner
+        graphs = deps.graph_runner()
         if graphs is not None and not graphs.verify_max_bs():
             logger.warning(EAGER_VERIFY_WARNING)
 
@@ -147,7 +181,7 @@ class NgramWorker:
         budget = min(
             self.width - 1,
             req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
-            self.sched.context_len - req.kv_len - 1,
+            self.deps.context_len - req.kv_len - 1,
         )
         return self.cache.draft(tokens, budget, namespace_seed(req.extra_key)) if budget > 0 else []
 
@@ -160,8 +194,8 @@ class NgramWorker:
 
     def get_new_batch_verify(self, reqs: list[Req]) -> ScheduleBatch | None:
         """A verify batch of the decode set `reqs`, or None (the caller decodes them plainly)."""
-        sched = self.sched
-        if len(reqs) > sched.req_to_token_pool.mamba_pool.verify_shape[0]:
+        deps = self.deps
+        if len(reqs) > deps.req_to_token_pool.mamba_pool.verify_shape[0]:
             return None  # more than the running cap (a PD decode server's transfers beside a chunked prefill)
         drafts = [self._draft(r) for r in reqs]
         if not any(drafts):
@@ -171,15 +205,15 @@ class NgramWorker:
         # A CUDA graph's shape (every request runs `width` positions) where the free pages hold it: the
         # filler's KV is given back at the commit, so it never evicts cached prefixes.
         sized = [width] * len(reqs) if width else counts
-        allocated = alloc_for_verify(sched.tree_cache, sched.token_allocator, reqs, sized, sched.kv_log)
+        allocated = alloc_for_verify(deps.tree_cache, deps.token_allocator, reqs, sized, deps.kv_log)
         if allocated is None:
             return None
         out_cache_loc, prefix_lens = allocated
         # The decode set's certificates count one token per step: the requests qualify anew.
         for r in reqs:
             r.decode_until = -1
-        sched.decode_set.clear()
-        batch = ScheduleBatch(reqs, ForwardMode.TARGET_VERIFY, sched._next_batch_id())
+        deps.decode_set.clear()
+        batch = ScheduleBatch(reqs, ForwardMode.TARGET_VERIFY, deps.next_batch_id())
         self._prepare(batch, drafts, counts, out_cache_loc, prefix_lens, width)
         return batch
 
@@ -187,12 +221,12 @@ class NgramWorker:
         """The positions per request of a verify of `reqs` that a captured CUDA graph serves, or 0 (none
         serves it, a request's context cannot hold that many, or the free KV pages cannot without
         evicting: the verify runs eagerly, unpadded)."""
-        sched = self.sched
-        graphs = sched.model_runner.graph_runner
+        deps = self.deps
+        graphs = deps.graph_runner()
         if graphs is None or not 0 < len(reqs) <= graphs.verify_max_bs():
             return 0
-        width, allocator = graphs.verify_width, sched.token_allocator
-        if any(r.kv_len + width > sched.context_len for r in reqs):
+        width, allocator = graphs.verify_width, deps.token_allocator
+        if any(r.kv_len + width > deps.context_len for r in reqs):
             return 0
         pages = sum(allocator.needed_pages(r.kv_len, r.kv_len + width) for r in reqs)
         return width if pages <= allocator.free_pages() else 0
@@ -208,8 +242,8 @@ class NgramWorker:
     ) -> None:
         """`counts`: each request's newest token and drafts; `width` (> 0) pads every request to that
         many positions with its newest token (a CUDA graph's shape)."""
-        sched, reqs = self.sched, batch.reqs
-        tracker, interval = sched.tracker, sched.tracker.interval
+        deps, reqs = self.deps, batch.reqs
+        tracker, interval = deps.tracker, deps.tracker.interval
         input_ids, writes, track_slots = [], [], []
         widths = [width] * len(reqs) if width else counts
         for i, (req, draft, p) in enumerate(zip(reqs, drafts, prefix_lens, strict=True)):
@@ -228,9 +262,9 @@ class NgramWorker:
         batch.sample_rows = [True] * len(reqs)
         batch.completes_prefill = [False] * len(reqs)
         batch.spec_info = NgramVerifyInput(drafts, prefix_lens, track_slots, widths)
-        sched.inflight.add(batch)
+        deps.inflight.add(batch)
         batch.future_slots = None  # no overlap: nothing names these tokens before they are processed
-        rows = sched.rows_cache.get(reqs)
+        rows = deps.rows_cache.get(reqs)
         batch.any_stream = rows.any_stream
 
         def per_token(values):
@@ -258,7 +292,7 @@ class NgramWorker:
         if any(r.penalized for r in reqs):
             # The penalties apply at each request's first position, as in a decode step of its newest token.
             first_lens = [p + 1 for p in prefix_lens]
-            info = PenaltyBatchInfo.build(reqs, first_lens, batch.sample_rows, sched.penalty_slots)
+            info = PenaltyBatchInfo.build(reqs, first_lens, batch.sample_rows, deps.penalty_slots)
             if info is not None:  # (None: every penalty is spent, e.g. a min_new_tokens reached)
                 batch.forward_batch.penalties = info.at_logit_rows(first)
         if any(r.grammar is not None for r in reqs):
@@ -268,7 +302,7 @@ class NgramWorker:
         if any(r.custom_logit_processor is not None for r in reqs):  # (no drafts there either)
             processors = CustomLogitInfo.build(reqs, batch.sample_rows)
             batch.forward_batch.custom_logit = processors.at_logit_rows(first)
-        batch.state_copies = sched.tree_cache.take_pending_state_copies()
+        batch.state_copies = deps.tree_cache.take_pending_state_copies()
 
     def internal_state(self) -> dict:
         """For /get_server_info: upstream's `avg_spec_accept_length` (tokens committed per request and
@@ -280,8 +314,8 @@ class NgramWorker:
     # ---- commit ------------------------------------------------------------------------------------
 
     def process_batch_result_verify(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
-        rp, sched = self.sched.result_processor, self.sched
-        pool = sched.req_to_token_pool.mamba_pool
+        deps = self.deps
+        rp, pool = deps.result_processor, deps.req_to_token_pool.mamba_pool
         # Tokens committed here are outside the decode token log's count of steps: it forgets its run
         # (appending what it holds) and starts anew after the next plain steps.
         rp.token_log.clear()
@@ -327,7 +361,7 @@ class NgramWorker:
                     self._backoff[req] = (misses, len(req.output_ids) + min(2**misses, MAX_BACKOFF))
             # The request keeps the KV of p + committed positions; its state after them is the verify row
             # of its last committed token, and a track boundary they reach takes the state there.
-            release_verify_tail(sched.token_allocator, req, p + committed)
+            release_verify_tail(deps.token_allocator, req, p + committed)
             copies.append((pool.verify_row(i, committed - 1), req.mamba_pool_idx))
             pending = batch.pending_tracks.get(i)
             if pending is not None and pending[1] <= p + committed:
@@ -341,11 +375,11 @@ class NgramWorker:
         # The states go where they belong now, before any slot is given back or handed over: with the radix
         # cache off a finished request's running slot returns to the free list, and a PD transfer may write
         # it before the next batch (`copy_states` returns once the copies are on the forward stream).
-        sched.worker.copy_states(copies)
+        deps.copy_states(copies)
         for req, pending in settled:
             rp.settle(req, pending)
         rp.counters["num_generation_tokens_total"] += committed_total
-        sched.batch_stats.add_generated(committed_total - len(batch.reqs))
+        deps.add_generated(committed_total - len(batch.reqs))
         stats = self.stats
         stats["verify_steps"] += drafted_rows  # (a row without drafts verifies nothing)
         stats["draft_tokens"] += sum(map(len, spec.drafts))
