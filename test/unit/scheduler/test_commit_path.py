@@ -17,12 +17,8 @@ register_cpu_ci(est_time=1, suite="per-commit-cpu")
 SRT = Path(__file__).resolve().parents[3] / "python" / "sglang" / "srt"
 NAMES = {"output_ids", "_output_ids"}
 COMMIT = "managers/scheduler_components/batch_result_processor.py:BatchResultProcessor.commit"
-# Left as they are, each with why:
 ALLOWED = {
     COMMIT,
-    # The PD decode server receives the prefill server's first token over the transfer channel; the
-    # module is being changed by the PD security work (issue 51), so it is not routed through commit yet.
-    "disaggregation/decode.py:DecodeTransferQueue._on_done",
 }
 
 

@@ -33,8 +33,8 @@ from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 if TYPE_CHECKING:
+    from sglang.srt.disaggregation.scheduler_view import DisaggScheduler
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class HybridMambaDecodeReqToTokenPool(HybridReqToTokenPool):
 
 
 class DecodeTransferQueue:
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: DisaggScheduler):
         args = sched.server_args
         self.sched = sched
         check_at_start(args)
@@ -269,7 +269,9 @@ class DecodeTransferQueue:
         self.stats["transfers"] += 1
         self.stats["bytes"] += int(msg.get("bytes", 0))
         self.stats["seconds"] += float(msg.get("seconds", 0.0))
-        req.output_ids += outputs
+        processor = self.sched.result_processor
+        for token in outputs:  # the prefill server's first token, checked below with its logprobs
+            processor.commit(req, token, check="none")
         req.cached_tokens = int(msg.get("cached_tokens", 0))
         self.sched.counters["num_generation_tokens_total"] += len(outputs)
         if req.return_logprob:
@@ -285,10 +287,9 @@ class DecodeTransferQueue:
                     [(_logprob(lp), int(t)) for lp, t in chosen]
                     for chosen in msg.get("output_token_ids_logprobs", [])
                 ]
-        self.sched.finisher.check_finished(req)
-        if req.finished:
-            self.sched.result_processor.release_finished(req)
-            self.sched.result_processor.send_finished([req])
+        if processor.commit(req, None, check="full"):
+            processor.release_finished(req)
+            processor.send_finished([req])
         else:
             self.ready.append(req)
 

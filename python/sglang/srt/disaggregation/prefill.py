@@ -32,8 +32,8 @@ from sglang.srt.disaggregation.transfer import (
 from sglang.srt.environ import envs
 
 if TYPE_CHECKING:
+    from sglang.srt.disaggregation.scheduler_view import DisaggScheduler
     from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class _Room:
 
 
 class PrefillBootstrapQueue:
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: DisaggScheduler):
         args = sched.server_args
         self.sched = sched
         check_at_start(args)
