@@ -96,6 +96,10 @@ def test_the_stream_pairs_weights_with_scales_in_any_order():
         assert torch.equal(got["a.weight"], want) and torch.equal(got["n.weight"], torch.ones(3))
     with pytest.raises(ValueError, match="a.weight has no matching scale"):
         list(fp8_checkpoint_stream([("a.weight", q)], cfg))
+    # The seam for layers that keep FP8 themselves: their pairs pass as they are.
+    pairs = [("a.weight_scale_inv", s), ("a.weight", q)]
+    kept = list(fp8_checkpoint_stream(pairs, cfg, lambda n: n == "a.weight"))
+    assert [n for n, _ in kept] == ["a.weight", "a.weight_scale_inv"] and kept[0][1].dtype == FP8_DTYPE
 
 
 def test_fp8_linear_forward_is_the_dequantized_weight_times_the_input():

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,13 +172,18 @@ def dequantize_block_fp8(
 
 
 def fp8_checkpoint_stream(
-    weights: Iterable[tuple[str, torch.Tensor]], config: Fp8Config
+    weights: Iterable[tuple[str, torch.Tensor]],
+    config: Fp8Config,
+    keep_fp8: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each FP8 `X.weight` and its `X.weight_scale_inv` given as one float32
     `X.weight` (dequantized), in whatever order they come; others unchanged. An online config
     (`--quantization fp8`) passes each quantizable tensor through the FP8 grid instead, so the values
     served are those an FP8 checkpoint of it would hold. ValueError where a weight and its scale do not
-    pair up."""
+    pair up.
+
+    `keep_fp8(name)`: the seam for layers that store FP8 themselves (the FP8 experts on CUDA): a pair whose
+    weight name it accepts is given as it is, the weight and then its scale, both checkpoint-named."""
     pending: dict[str, torch.Tensor] = {}  # a weight waiting for its scale, or a scale for its weight
     for name, tensor in weights:
         if name.endswith(".weight" + SCALE_SUFFIX):
@@ -200,6 +205,10 @@ def fp8_checkpoint_stream(
             raise ValueError(
                 f"Checkpoint tensor {base} is {weight.dtype}, yet it has a {base}{SCALE_SUFFIX}."
             )
+        if keep_fp8 is not None and keep_fp8(base):
+            yield base, weight
+            yield base + SCALE_SUFFIX, scale
+            continue
         yield base, dequantize_block_fp8(weight, scale, config.weight_block_size)
     if pending:
         name = sorted(pending)[0]
