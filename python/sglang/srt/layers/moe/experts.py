@@ -79,6 +79,8 @@ class RoutedExperts(nn.Module):
             "sglang.srt.layers.moe.dispatch_triton", "sglang.srt.layers.moe.routing_triton",
             "sglang.srt.layers.moe.elementwise_triton",
         )  # fmt: skip
+        if self.fp8:
+            return  # the C++ op takes float weights
         ops = cpu_moe_ops(self.w13.device)
         weights_per_expert = self.w13.shape[1] * self.w13.shape[2] + self.w2.shape[1] * self.w2.shape[2]
         if ops is None or self.act_code is None or weights_per_expert > CPU_OP_MAX_EXPERT_WEIGHTS:
@@ -157,6 +159,8 @@ class RoutedExperts(nn.Module):
     ) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32, plus the
         layer's `shared_expert(x)` where given (times sigmoid(`shared_gate`(x)) where given)."""
+        if self.fp8:
+            return self._add_shared(self._routed_fp8(x, weights, ids), x, shared_expert, shared_gate)
         if self.cpu_op_serves(ids.numel()):
             fused = self.cpu_op_fuses_shared(x.shape[0], shared_expert, shared_gate)
             w13t, w2t, gated, act, *shared = self.cpu_op_args(fused)
@@ -166,6 +170,28 @@ class RoutedExperts(nn.Module):
             out = out.to(x.dtype)
             return out if fused else self._add_shared(out, x, shared_expert, shared_gate)
         return self._add_shared(self._routed(x, weights, ids), x, shared_expert, shared_gate)
+
+    @property
+    def fp8(self) -> bool:
+        """Experts stored in block FP8 (float8_e4m3fn weights with `w13_weight_scale_inv` and
+        `w2_weight_scale_inv`, upstream's names, set by the loader): decided by the weights' dtype alone."""
+        return self.w13.dtype == torch.float8_e4m3fn
+
+    def _routed_fp8(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The FP8 experts: the Triton kernels where the Triton path serves (CUDA), else their torch twin
+        (`fused_moe_fp8_triton.py`; imported here: a CPU install may lack triton)."""
+        scales = (getattr(self, "w13_weight_scale_inv", None), getattr(self, "w2_weight_scale_inv", None))
+        if scales[0] is None or scales[1] is None:
+            raise ValueError("FP8 experts need w13_weight_scale_inv and w2_weight_scale_inv (block scales).")
+        block = tuple(getattr(self, "weight_block_size", None) or (128, 128))
+        args = (x, self.w13, scales[0], self.w2, scales[1], weights, ids, self._activate, block)
+        if self.triton:
+            from sglang.srt.layers.moe.fused_moe_fp8_triton import fused_experts_fp8
+
+            return fused_experts_fp8(*args)
+        from sglang.srt.layers.moe.fused_moe_fp8_triton import fused_experts_fp8_torch
+
+        return fused_experts_fp8_torch(*args)
 
     def cpu_op_serves(self, assignments: int) -> bool:
         """Whether the C++ op runs a batch of this many (token, expert) assignments."""

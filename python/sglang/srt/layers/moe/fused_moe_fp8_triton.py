@@ -1,0 +1,239 @@
+"""The routed experts in block-wise FP8 on CUDA: w13 [E, N13, H] and w2 [E, H, I] in float8_e4m3fn with
+their block scales [E, ceil(N/128), ceil(K/128)] float32 (`w13_weight_scale_inv`, `w2_weight_scale_inv`
+on `RoutedExperts`, upstream's names), activations quantized per token and per 128-column group as in
+`layers/quantization/fp8_kernel.py`.
+
+One layer's forward, a fixed number of launches and no host read (a CUDA graph can capture it):
+1. the assignments sorted by expert (`dispatch_triton.moe_align` at decode sizes, torch's stable sort
+   above them): the token of each sorted row and `offs`, the cumulative rows per expert;
+2. x quantized once per token (not once per assignment: the w13 GEMM gathers its rows by token);
+3. `moe_gemm_fp8` for w13, over tiles of BLOCK_M sorted rows of one expert each: the tile count is
+   bounded without reading the counts (sum over experts of ceil(c_e / BLOCK_M) <= ceil(T k / BLOCK_M) +
+   min(E, T k)), so the grid has that many and the surplus programs return at once; each program finds
+   its expert among the cumulative tile counts (`tile_end`, a few torch ops on the device);
+4. the activation (the layer's own, `silu_mul`'s kernel for gated silu), quantized again;
+5. `moe_gemm_fp8` for w2 over the same tiles, the rows in sorted order;
+6. the top-k rows of each token combined in float32 with their routing weights.
+
+`fused_experts_fp8_torch` is the twin: the same quantizations, each expert's weights dequantized and its
+rows multiplied in float32, the intermediate rounded to the activation dtype where the kernels round it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from sglang.srt.layers.quantization.fp8_kernel import (
+    BLOCK,
+    FP8_DTYPE,
+    check_block_operands,
+    dequantize_block_fp8,
+    per_token_group_quant_fp8,
+    per_token_group_quant_fp8_torch,
+)
+
+try:  # the twin serves a CPU install without triton
+    import triton
+    import triton.language as tl
+
+    from sglang.srt.utils.triton_jit import add, jit_for_env
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+class MoeGemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Tiles by the mean rows per expert (T k / E), the first whose bound holds it; autotune-free, chosen and
+# not yet measured (no GPU when written). Decode at the 80B's shapes (512 experts, top 10) has 1.25 rows
+# per expert at batch 64 and 5 at 256: a tile of 16 rows (mma's smallest useful M) wastes the least, and
+# the work is reading each touched expert's weights once, so 64-column tiles give more programs to
+# stream them. Prefill (8,192 tokens: 160 rows per expert) takes upstream's default for block FP8,
+# 64 x 128 x 128 with 4 warps and 3 stages; between them 32-row tiles. BLOCK_K is the scale block.
+# Each row compiles for sm_90 without spilling (test_fused_moe_fp8_triton.py); `bench_fp8_gemm.py
+# --sweep` times every row on a GPU.
+MOE_GEMM_CONFIGS: tuple[tuple[float, MoeGemmConfig], ...] = (
+    (4.0, MoeGemmConfig(16, 64, 128, 4, 4)),
+    (32.0, MoeGemmConfig(32, 128, 128, 4, 4)),
+    (float("inf"), MoeGemmConfig(64, 128, 128, 4, 3)),
+)
+
+
+def moe_gemm_config(assignments: int, num_experts: int) -> MoeGemmConfig:
+    mean_rows = assignments / max(num_experts, 1)
+    return next(cfg for bound, cfg in MOE_GEMM_CONFIGS if mean_rows <= bound)
+
+
+def _moe_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, token_ptr, offs_ptr, tile_end_ptr,
+    N, K, a_stride, AS_COLS, BS_COLS, b_expert_stride, bs_expert_stride,
+    E: tl.constexpr, E_POW2: tl.constexpr, GATHER: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """c[r] = (a[row r] * as) @ (b[e] * bs[e])^T for the sorted rows r of expert e, one BLOCK_M tile of
+    one expert per program along axis 0; a's row is token_ptr[r] where GATHER, else r."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    ev = tl.arange(0, E_POW2)
+    ends = tl.load(tile_end_ptr + ev, mask=ev < E, other=2147483647)
+    e = tl.reduce((ends <= pid_t).to(tl.int32), 0, add)
+    if e >= E:
+        return
+    tiles_before = tl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
+    row_start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    row_end = tl.load(offs_ptr + e)
+    rows = row_start + (pid_t - tiles_before) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mm = rows < row_end
+    rows64 = rows.to(tl.int64)
+    if GATHER:
+        src = tl.load(token_ptr + rows64, mask=mm, other=0).to(tl.int64)
+    else:
+        src = rows64
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mn = rn < N
+    e64 = e.to(tl.int64)
+    a_ptrs = a_ptr + src[:, None] * a_stride + rk[None, :]
+    b_ptrs = b_ptr + e64 * b_expert_stride + rn.to(tl.int64)[None, :] * K + rk[:, None]
+    as_ptrs = as_ptr + src * AS_COLS
+    bs_ptrs = bs_ptr + e64 * bs_expert_stride + (rn // SCALE_N) * BS_COLS
+    acc = (rows[:, None] * 0 + rn[None, :] * 0).to(tl.float32)  # zeros (triton_jit says why not tl.zeros)
+    for k0 in range(0, K, BLOCK_K):
+        mk = rk < K - k0
+        a = tl.load(a_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + k0 // SCALE_K, mask=mm, other=0.0)
+        b_s = tl.load(bs_ptrs + k0 // SCALE_K, mask=mn, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rows64[:, None] * N + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+def tile_map(offs: torch.Tensor, block_m: int) -> torch.Tensor:
+    """offs [E] int32 (cumulative rows per expert) -> the cumulative count of BLOCK_M tiles per expert."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.cumsum((counts + block_m - 1) // block_m, 0).to(torch.int32)
+
+
+def moe_gemm_fp8(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    rows: int,
+    token_of: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: MoeGemmConfig,
+    tile_end: torch.Tensor | None = None,
+    block_size=(BLOCK, BLOCK),
+) -> torch.Tensor:
+    """The grouped GEMM over `rows` sorted rows: row r of expert e (offs[e-1] <= r < offs[e]) is
+    a[token_of[r]] (a [T, K] fp8, `a_scale` [T, ceil(K/bk)]) where `token_of` is given, else a[r];
+    weight [E, N, K] fp8 with `weight_scale_inv` [E, ceil(N/bn), ceil(K/bk)]. Returns [rows, N]."""
+    check_block_operands(weight, weight_scale_inv, block_size)
+    num_experts, n, k = weight.shape
+    assert a.dtype == FP8_DTYPE and a.shape[-1] == k and a.stride(-1) == 1
+    a_scale = a_scale.contiguous()
+    out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
+    if rows == 0:
+        return out
+    if tile_end is None:
+        tile_end = tile_map(offs, config.block_m)
+    tiles = triton.cdiv(rows, config.block_m) + min(num_experts, rows)
+    grid = (tiles, triton.cdiv(n, config.block_n))
+    jit_for_env(_moe_gemm_kernel)[grid](
+        a, a_scale, weight, weight_scale_inv, out, token_of if token_of is not None else offs, offs, tile_end,
+        n, k, a.stride(0), a_scale.shape[1], weight_scale_inv.shape[2], weight.stride(0),
+        weight_scale_inv.stride(0), E=num_experts, E_POW2=triton.next_power_of_2(num_experts),
+        GATHER=token_of is not None, SCALE_N=block_size[0], SCALE_K=block_size[1],
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def fused_experts_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    activate: Callable[[torch.Tensor], torch.Tensor],
+    block_size=(BLOCK, BLOCK),
+    config: MoeGemmConfig | None = None,
+) -> torch.Tensor:
+    """x [T, H] (bf16 / fp16 / fp32), routing `weights` and expert `ids` [T, k] -> [T, H] in x's dtype:
+    sum over k of weight * w2 @ activate(w13 @ x), every GEMM in block FP8 (see the module docstring).
+    `activate` maps w13's output [R, N13] to w2's input [R, I]."""
+    from sglang.srt.layers.moe import dispatch_triton
+    from sglang.srt.layers.moe.experts import ALIGN_MAX_ASSIGNMENTS
+
+    num_tokens, top_k = ids.shape
+    num_experts = w13.shape[0]
+    rows = ids.numel()
+    cfg = config or moe_gemm_config(rows, num_experts)
+    inv = order = None
+    if rows <= ALIGN_MAX_ASSIGNMENTS:
+        token_of, inv, offs = dispatch_triton.moe_align(ids, num_experts)
+    else:
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // top_k
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+    tile_end = tile_map(offs, cfg.block_m)
+    xq, xs = per_token_group_quant_fp8(x, block_size[1])
+    h = moe_gemm_fp8(xq, xs, w13, w13_scale, offs, rows, token_of, x.dtype, cfg, tile_end, block_size)
+    aq, as_ = per_token_group_quant_fp8(activate(h).contiguous(), block_size[1])
+    y = moe_gemm_fp8(aq, as_, w2, w2_scale, offs, rows, None, x.dtype, cfg, tile_end, block_size)
+    if inv is not None:
+        return dispatch_triton.moe_combine(y, inv, weights, x.dtype)
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, token_of, y.float() * weights.reshape(-1)[order, None])
+    return out.to(x.dtype)
+
+
+def fused_experts_fp8_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    activate: Callable[[torch.Tensor], torch.Tensor],
+    block_size=(BLOCK, BLOCK),
+) -> torch.Tensor:
+    """The twin of `fused_experts_fp8`: per expert, its rows' quantized activations and its dequantized
+    weights multiplied in float32 (one host read of the counts; CPU and tests)."""
+    check_block_operands(w13, w13_scale, block_size)
+    check_block_operands(w2, w2_scale, block_size)
+    gk = block_size[1]
+    xq, xs = per_token_group_quant_fp8_torch(x, gk)
+    x_deq = dequantize_block_fp8(xq, xs, (1, gk))
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    for expert in torch.unique(flat).tolist():
+        pos = (flat == expert).nonzero().squeeze(1)
+        tokens = pos // top_k
+        h = (x_deq[tokens] @ dequantize_block_fp8(w13[expert], w13_scale[expert], block_size).t()).to(x.dtype)
+        aq, as_ = per_token_group_quant_fp8_torch(activate(h), gk)
+        a_deq = dequantize_block_fp8(aq, as_, (1, gk))
+        y = (a_deq @ dequantize_block_fp8(w2[expert], w2_scale[expert], block_size).t()).to(x.dtype)
+        out.index_add_(0, tokens, y.float() * weights.reshape(-1)[pos, None].float())
+    return out.to(x.dtype)
