@@ -7,6 +7,10 @@ the fraction of the device's memory that weights and caches may hold together. O
 after the weights are loaded: free memory minus the (1 - fraction) of the total that stays free for
 activations. On CPU it is the fraction of RAM minus the weights (default 2%: the tiny presets need
 little, and tests start many engines).
+
+Weights larger than the fraction of the device are refused before they load (`check_weights_fit`, from
+the config's bytes: `weight_bytes.py`), and `plan_memory` gives the whole plan for a device of a given
+size without the device or the weights (docs/state_management.md, "Memory planning").
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang.srt.configs.hybrid_arch import HybridArchConfig
+from sglang.srt.mem_cache.weight_bytes import weight_bytes_from_config
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 
 logger = logging.getLogger(__name__)
@@ -42,20 +47,84 @@ class PoolSizes:
     def req_pool_size(self) -> int:
         return self.max_running_requests
 
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.max_total_tokens * self.kv_bytes_per_token
+
+    @property
+    def mamba_pool_bytes(self) -> int:
+        """The state pool's slots (speculative verify rows come on top: `ModelRunner`'s log)."""
+        return self.max_mamba_cache_size * self.mamba_bytes_per_slot
+
 
 def cache_budget_bytes(
     device: str, fraction: float | None, weight_bytes: int, device_memory: int | None = None
 ) -> tuple[int, float]:
     """Bytes the KV and state pools may take, and the fraction used (module docstring). `device_memory`
-    overrides the host RAM size on CPU (tests)."""
-    if device == "cuda":
-        fraction = fraction or GPU_DEFAULT_MEM_FRACTION
+    plans for a device of that many bytes instead of measuring this one (`plan_memory`; the host RAM on
+    CPU)."""
+    fraction = fraction or (GPU_DEFAULT_MEM_FRACTION if device == "cuda" else CPU_DEFAULT_MEM_FRACTION)
+    if device == "cuda" and device_memory is None:
         free, total = torch.cuda.mem_get_info()  # the weights are already resident
         return int(free - total * (1 - fraction)), fraction
-    fraction = fraction or CPU_DEFAULT_MEM_FRACTION
     if device_memory is None:
         device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(device_memory * fraction) - weight_bytes, fraction
+
+
+def check_weights_fit(server_args: ServerArgs, weight_bytes: int, device_memory: int) -> None:
+    """Refuses, in one sentence and before anything loads, weights larger than what
+    `--mem-fraction-static` gives weights and caches together on a device of `device_memory` bytes."""
+    fraction = server_args.mem_fraction_static or (
+        GPU_DEFAULT_MEM_FRACTION if server_args.device == "cuda" else CPU_DEFAULT_MEM_FRACTION
+    )
+    budget = device_memory * fraction
+    if weight_bytes >= budget:
+        raise ServerArgsError(
+            f"The weights of {server_args.model_path} take {weight_bytes / 1e9:.1f} GB, more than the "
+            f"{budget / 1e9:.1f} GB that --mem-fraction-static {fraction} of this device's "
+            f"{device_memory / 1e9:.1f} GB holds for weights and caches: serve its FP8 checkpoint (or "
+            "--quantization fp8), or split it over GPUs with --tp-size (tensor parallelism is not built "
+            "here yet)."
+        )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the server does with a device's memory: the weights, then the pools (`plan_memory`)."""
+
+    device_memory: int
+    mem_fraction_static: float
+    weight_bytes: int
+    sizes: PoolSizes
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes left for the KV and state pools after the weights."""
+        return int(self.device_memory * self.mem_fraction_static) - self.weight_bytes
+
+    def describe(self) -> str:
+        s = self.sizes
+        return (
+            f"weights {self.weight_bytes / 1e9:.1f} GB, KV pool {s.kv_pool_bytes / 1e9:.1f} GB "
+            f"({s.max_total_tokens} tokens), state pool {s.mamba_pool_bytes / 1e9:.1f} GB "
+            f"({s.max_mamba_cache_size} slots) of {self.device_memory / 1e9:.1f} GB at "
+            f"--mem-fraction-static {self.mem_fraction_static}"
+        )
+
+
+def plan_memory(server_args: ServerArgs, device_memory: int, weight_bytes: int | None = None) -> MemoryPlan:
+    """The memory plan for `server_args`' model on a device of `device_memory` bytes, from the config
+    alone (`weight_bytes_from_config` unless given): ServerArgsError where the weights do not fit."""
+    config = server_args.model_config
+    if weight_bytes is None:
+        weight_bytes = weight_bytes_from_config(
+            config.hf_config, config.torch_dtype, server_args.device
+        ).total
+    check_weights_fit(server_args, weight_bytes, device_memory)
+    _, fraction = cache_budget_bytes(server_args.device, server_args.mem_fraction_static, 0, device_memory)
+    sizes = compute_pool_sizes(server_args, config.arch, weight_bytes, device_memory)
+    return MemoryPlan(device_memory, fraction, weight_bytes, sizes)
 
 
 def compute_pool_sizes(

@@ -35,7 +35,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.logits_processor import HiddenRows, LogitsProcessor, TopLogprobs
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
-from sglang.srt.mem_cache.pool_sizing import PoolSizes, compute_pool_sizes
+from sglang.srt.mem_cache.pool_sizing import PoolSizes, check_weights_fit, compute_pool_sizes
+from sglang.srt.mem_cache.weight_bytes import weight_bytes_from_config
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, capture_bs_list
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.memory_occupation import MemoryOccupation
@@ -99,6 +100,11 @@ class ModelRunner:
         self.kv_cache_dtype = model_config.kv_cache_torch_dtype
         # For /metrics (sglang:startup_time_seconds by phase, the memory gauges): read, never acted on.
         self.started_at = time.monotonic()
+        if torch.device(self.device).type == "cuda":
+            # Weights the memory budget cannot hold are refused before any loads (they failed later, or
+            # ran the device out of memory): their bytes from the config (`mem_cache/weight_bytes.py`).
+            planned = weight_bytes_from_config(model_config.hf_config, self.dtype, self.device).total
+            check_weights_fit(server_args, planned, torch.cuda.mem_get_info(self.device)[1])
         self.model = load_model(model_config.hf_config, model_config.path, self.dtype, self.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         loaded = time.monotonic()
@@ -109,6 +115,10 @@ class ModelRunner:
             "kv_cache_allocation": time.monotonic() - loaded,
         }
         self.memory_bytes = {"weights": weight_bytes, "kv_cache": self._pool_bytes()}
+        # Each pool apart, for /get_server_info and the start log.
+        kv, mamba = self.token_to_kv_pool, self.mamba_pool
+        self.memory_bytes["kv_pool"] = sum(t.numel() * t.element_size() for t in [*kv.k_buffer, *kv.v_buffer])
+        self.memory_bytes["state_pool"] = sum(t.numel() * t.element_size() for t in [mamba.conv_state, mamba.ssm_state])
         full = self._full_attn_backend()
         if torch.device(self.device).type == "cuda" and self.dtype == torch.float32:
             use_ieee_float32_dots()  # before any FLA kernel compiles: see layers/attention/fla_float32.py
@@ -129,9 +139,11 @@ class ModelRunner:
         # /release_memory_occupation and /resume_memory_occupation.
         self.memory_occupation = MemoryOccupation(self, server_args.enable_weights_cpu_backup)
         logger.info(
-            "Model %s loaded (%s, %.1f MB of weights); pools: %d KV tokens (%s), %d mamba slots, %d request rows.",
+            "Model %s loaded (%s, %.1f MB of weights); pools: %d KV tokens (%s, %.1f MB), %d mamba slots "
+            "(%.1f MB), %d request rows.",
             self.arch.architecture, self.dtype, weight_bytes / 2**20, self.pool_sizes.max_total_tokens,
-            self.kv_cache_dtype, self.pool_sizes.max_mamba_cache_size, self.pool_sizes.req_pool_size,
+            self.kv_cache_dtype, self.memory_bytes["kv_pool"] / 2**20, self.pool_sizes.max_mamba_cache_size,
+            self.memory_bytes["state_pool"] / 2**20, self.pool_sizes.req_pool_size,
         )  # fmt: skip
         rows, width = self.mamba_pool.verify_shape
         if rows:
