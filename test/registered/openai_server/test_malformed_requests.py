@@ -15,7 +15,7 @@ import orjson
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.test_utils import ServerTestCase
 
-register_cpu_ci(est_time=28, suite="per-commit-cpu")
+register_cpu_ci(est_time=30, suite="per-commit-cpu")
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -128,12 +128,17 @@ CASES = [
     ),
     (GEN, {"text": "a", "sampling_params": {"logit_bias": {"-3": 1}}}, "sampling_params.logit_bias"),
     (GEN, {"input_ids": [5], "return_logprob": True, "token_ids_logprob": [5, -1]}, "token_ids_logprob"),
-    # 64 prompts x n=64 would start 4096 sequences at once.
+    # 65 prompts x n=64 would start 4,160 sequences at once, 4,097 prompts 4,097: past
+    # --max-samples-per-request's default (4,096 here), named by what to lower (issue 60, item 7).
     (
         GEN,
-        {"input_ids": [[5, 6]] * 64, "sampling_params": {"n": 64, "max_new_tokens": 1}},
+        {"input_ids": [[5, 6]] * 65, "sampling_params": {"n": 64, "max_new_tokens": 1}},
         "sampling_params.n",
     ),
+    (GEN, {"input_ids": [[5]] * 4097, "sampling_params": {"max_new_tokens": 1}}, "input_ids"),
+    # A stop token id below 0 (one beyond the vocabulary is accepted: issue 60, item 6).
+    (GEN, {"text": "a", "sampling_params": {"stop_token_ids": [7, -1]}}, "sampling_params.stop_token_ids"),
+    (CHAT, chat(stop_token_ids=[-3]), "stop_token_ids"),
     # Logprob amplification (issue 51, finding 4): the review's 4,000 ids with the vocabulary as top
     # logprobs from position 0; more ids than --max-logprobs; four samples of top 20 over 4,000 positions.
     (GEN, {"input_ids": [5] * 4000, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2048},
@@ -159,7 +164,8 @@ def entries_of(positions: list) -> list:
 
 
 class TestMalformedRequests(ServerTestCase):
-    server_args = ["--mamba-scheduler-strategy", "extra_buffer_lazy"]
+    # 256 running requests, as a GPU server may run: the fan-out bound was a quarter of them (64).
+    server_args = ["--mamba-scheduler-strategy", "extra_buffer_lazy", "--max-running-requests", "256"]
 
     def test_malformed_requests_get_400_naming_the_field(self) -> None:
         self.assertGreaterEqual(len({json.dumps(c[1], default=str) for c in CASES}), 25)
@@ -236,6 +242,51 @@ class TestMalformedRequests(ServerTestCase):
         self.assertEqual(len(inputs), 3)
         plain = self.generate(input_ids=[5, 6, 7], sampling_params=greedy, return_logprob=True)["meta_info"]
         self.assertNotIn("output_token_ids_logprobs", plain)
+
+    def test_stop_token_ids_outside_the_vocabulary_change_nothing(self) -> None:
+        """Upstream accepts them (they can never be sampled) and its JSON-constrained kit sends one; they
+        were a 400 here (issue 60, item 6). With min_new_tokens the request's stop ids are banned from the
+        logits, where such an id would index past the vocabulary."""
+        vocab = self.get("/get_server_info").json()["vocab_size"]
+        greedy = {"max_new_tokens": 6, "min_new_tokens": 3, "temperature": 0}
+        plain = self.generate(input_ids=[5, 6, 7], sampling_params=greedy)
+        out = self.generate(input_ids=[5, 6, 7], sampling_params={**greedy, "stop_token_ids": [vocab, 10**12]})
+        self.assertEqual(out["output_ids"], plain["output_ids"])
+        body = chat(max_tokens=5, temperature=0, min_tokens=2)
+        replies = [self.post(CHAT, {**body, **extra}) for extra in ({}, {"stop_token_ids": [vocab + 5]})]
+        self.assertEqual([r.status_code for r in replies], [200, 200], replies[1].text)
+        contents = [r.json()["choices"][0]["message"]["content"] for r in replies]
+        self.assertEqual(contents[1], contents[0])
+        self.assert_idle_accounting()
+
+    def test_a_batch_of_400_prompts_beside_a_bystander(self) -> None:
+        """Upstream's radix-cache kit posts one /generate with 400 prompts; past the old fan-out bound
+        (max(64, max running / 4)) it was a 400 (issue 60, item 7)."""
+        batch = {"input_ids": [[5 + i % 300, 6 + i % 7] for i in range(400)],
+                 "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}  # fmt: skip
+        small = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        result: dict = {}
+
+        def send() -> None:
+            r = self.post(GEN, batch)
+            result["status"], result["outs"] = r.status_code, r.json() if r.status_code == 200 else r.text
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        latencies = []
+        while thread.is_alive() or not latencies:
+            start = time.perf_counter()
+            self.generate(**small)
+            latencies.append(time.perf_counter() - start)
+        thread.join()
+        self.assertEqual(result["status"], 200, result["outs"])
+        self.assertEqual(len(result["outs"]), 400)
+        self.assertTrue(all(o["meta_info"]["completion_tokens"] == 2 for o in result["outs"]))
+        # Measured on a loaded 2-core host: the batch took 0.1-0.3 s and the bystander's 4 tokens at most
+        # 0.3 s beside it (4,096 prompts: 2.3-2.9 s, and 2.0-3.3 s queued behind them); 3 s leaves room
+        # for a slower host.
+        self.assertLess(max(latencies), 3.0, latencies)
+        self.assert_idle_accounting()
 
     def test_no_stop_trim_keeps_the_stop_tokens_text(self) -> None:
         greedy = {"temperature": 0, "ignore_eos": True, "skip_special_tokens": False}

@@ -8,8 +8,8 @@ import pytest
 
 from sglang.srt.managers import text_encoder
 from sglang.srt.managers.io_struct import BatchStrOut, GenerateReqInput
+from sglang.srt.managers.request_sampling import DEFAULT_MAX_NEW_TOKENS
 from sglang.srt.managers.request_validation import (
-    DEFAULT_MAX_NEW_TOKENS,
     RequestError,
     RequestLimits,
     max_samples_per_request,
@@ -22,6 +22,7 @@ from sglang.test.ci_register import register_cpu_ci
 register_cpu_ci(est_time=3, suite="per-commit-cpu")
 
 LIMITS = RequestLimits(context_len=64, max_req_input_len=63, vocab_size=512)
+WIDE = RequestLimits(context_len=4096, max_req_input_len=4095, vocab_size=512)
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +60,19 @@ def norm(tokenizer, **kw):
         ({"input_ids": [5], "sampling_params": {"n": 65}}, "sampling_params.n", "at most"),
         ({"input_ids": [5], "sampling_params": {"bogus": 1}}, "sampling_params.bogus", "not a supported"),
         (
-            {"input_ids": [5], "sampling_params": {"stop_token_ids": [600]}},
+            {"input_ids": [5], "sampling_params": {"stop_token_ids": [7, -1]}},
             "sampling_params.stop_token_ids",
-            "vocabulary",
+            "at least 0",
+        ),
+        (
+            {"input_ids": [5], "sampling_params": {"stop_token_ids": [7, "8"]}},
+            "sampling_params.stop_token_ids",
+            "integer",
+        ),
+        (
+            {"input_ids": [5], "sampling_params": {"stop_token_ids": 7}},
+            "sampling_params.stop_token_ids",
+            "list",
         ),
         ({"input_ids": [5], "sampling_params": [1]}, "sampling_params", "object"),
         ({"input_ids": [5, 6], "logprob_start_len": 2}, "logprob_start_len", "position"),
@@ -211,19 +222,102 @@ def test_stream_markers_report_only_changes(tokenizer):
     assert state.has_unsent_update(), "the finish itself is an update"
 
 
-def test_one_request_may_not_fan_out_past_the_cap(tokenizer):
-    big = GenerateReqInput(input_ids=[[5]] * 64, sampling_params={"n": 64})
+def test_a_batch_of_upstream_size_is_admitted(tokenizer):
+    """Upstream's radix-cache kit posts 401 prompts in one /generate (issue 60, item 7); the default
+    bound was max(64, max running / 4), 64 on a server running 256 requests at once."""
+    bound = max_samples_per_request(None, 256)
+    assert bound == 4096
+    assert max_samples_per_request(None, 8000) == 8000, "a full batch of running requests"
+    assert max_samples_per_request(5, 8000) == 5
+    batch = GenerateReqInput(
+        input_ids=[[5 + i % 400, 6] for i in range(401)], sampling_params={"max_new_tokens": 2}
+    )
+    items, _ = normalize_generate_request(batch, tokenizer, WIDE, max_samples=bound)
+    assert len(items) == 401 and items[400].req.input_ids == [5, 6]
+
+
+@pytest.mark.parametrize(
+    "kw, param, shape",
+    [
+        ({"input_ids": [[5]] * 4097}, "input_ids", "4097 sequences (4097 prompts in input_ids)"),
+        ({"text": ["a"] * 4097}, "text", "4097 sequences (4097 prompts in text)"),
+        ({"input_ids": [[5]] * 65, "sampling_params": {"n": 64}}, "sampling_params.n", "4160 sequences (65 prompts with n = 64)"),
+        ({"input_ids": [[5]] * 4096, "sampling_params": [{"n": 2}] + [{}] * 4095}, "sampling_params.n", "4097 sequences"),
+    ],
+)  # fmt: skip
+def test_a_request_past_the_bound_names_what_to_lower(tokenizer, kw, param, shape):
     with pytest.raises(RequestError) as e:
-        normalize_generate_request(big, tokenizer, LIMITS, max_samples=1024)
-    assert e.value.param == "sampling_params.n"
-    assert "4096 sequences (64 prompts with n = 64)" in e.value.message
-    assert "--max-samples-per-request" in e.value.message
-    ok = GenerateReqInput(input_ids=[[5]] * 16, sampling_params={"n": 64})
-    items, _ = normalize_generate_request(ok, tokenizer, LIMITS, max_samples=1024)
-    assert len(items) == 1024
-    assert max_samples_per_request(None, 4096) == 1024
-    assert max_samples_per_request(None, 8) == 64, "one prompt may always ask for the largest n"
-    assert max_samples_per_request(5, 4096) == 5
+        normalize_generate_request(GenerateReqInput(**kw), tokenizer, WIDE, max_samples=4096)
+    assert e.value.param == param
+    assert (
+        shape in e.value.message and "at most 4096 per request (--max-samples-per-request)" in e.value.message
+    )
+
+
+def test_logprob_entries_are_bounded_over_the_whole_batch(tokenizer):
+    """--max-logprob-entries-per-request counts every sample of a batch: 300 prompts of 40 positions
+    with top 20 from position 0 (860 entries each, 258,000 in all) fit the default 262,144; 400 do not,
+    though each alone is far below it."""
+    one = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 20}
+    params = {"max_new_tokens": 1}
+    for prompts, fits in ((1, True), (300, True), (400, False)):
+        obj = GenerateReqInput(
+            input_ids=[[5 + k % 7] * 40 for k in range(prompts)], sampling_params=params, **one
+        )
+        if fits:
+            assert len(normalize_generate_request(obj, tokenizer, WIDE, max_samples=4096)[0]) == prompts
+            continue
+        with pytest.raises(RequestError) as e:
+            normalize_generate_request(obj, tokenizer, WIDE, max_samples=4096)
+        assert e.value.param == "logprob_start_len" and "344000 logprob entries" in e.value.message
+
+
+def test_params_sent_once_for_a_batch_are_checked_once(tokenizer, monkeypatch):
+    """A batch's shared sampling_params were parsed and checked for every prompt: a 107 KB json_schema
+    for 4,096 prompts held the HTTP event loop 225 s. Each distinct object is checked once now; each
+    prompt still gets its own max_new_tokens and each sample its own params."""
+    import json
+    import time
+
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    calls = []
+    verify = SamplingParams.verify
+    monkeypatch.setattr(SamplingParams, "verify", lambda self, *a: calls.append(1) or verify(self, *a))
+    props = {f"k{i}": {"type": "string", "pattern": "[a-z]{1,5}"} for i in range(2000)}
+    schema = json.dumps({"type": "object", "properties": props})
+    shared = {"json_schema": schema, "stop": ["x"]}
+    obj = GenerateReqInput(input_ids=[[5] * (1 + k % 50) for k in range(4096)], sampling_params=shared)
+    start = time.perf_counter()
+    items, _ = normalize_generate_request(obj, tokenizer, WIDE, max_samples=4096)
+    took = time.perf_counter() - start
+    assert len(calls) == 2, "from_dict's own check and the one against the vocabulary, once"
+    # Measured 0.14-0.35 s on a loaded 2-core host (~50 us a prompt, most of it building the requests);
+    # 3 s leaves room for a slower one and is ~1/75 of the 225 s it took.
+    assert took < 3.0, took
+    assert [i.req.sampling_params.max_new_tokens for i in items[:3]] == [128, 128, 128]
+    short = normalize_generate_request(
+        GenerateReqInput(input_ids=[[5] * 60, [5] * 10], sampling_params=shared), tokenizer, LIMITS
+    )[0]
+    assert [i.req.sampling_params.max_new_tokens for i in short] == [4, 54], "each prompt's own room"
+    a, b = (i.req.sampling_params for i in short)
+    assert a is not b and a.stop is not b.stop and a.json_schema == schema
+    calls.clear()
+    normalize_generate_request(
+        GenerateReqInput(input_ids=[[5], [6]], sampling_params=[{}, {}]), tokenizer, LIMITS
+    )
+    assert len(calls) == 4, "one object per prompt: each checked"
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_accepted(tokenizer):
+    """Upstream accepts them (an id that can never be sampled never stops anything) and its
+    JSON-constrained kit sends one; they were a 400 here (issue 60, item 6). They are dropped, so that
+    min_new_tokens' ban of the stop ids never indexes the vocabulary's logits with one."""
+    params = {"stop_token_ids": [7, 512, 10**12], "min_new_tokens": 1, "n": 2}
+    items, _ = norm(tokenizer, input_ids=[[5], [6]], sampling_params=params)
+    assert [i.req.sampling_params.stop_token_ids for i in items] == [[7]] * 4
+    (item,), _ = norm(tokenizer, input_ids=[5], sampling_params={"stop_token_ids": [600]})
+    assert item.req.sampling_params.stop_token_ids == []
 
 
 def test_stop_regex_reaches_every_sample(tokenizer):

@@ -37,7 +37,7 @@ def test_server_info_reports_the_resolved_cache_chunk_and_limits():
     assert auto["mamba_scheduler_strategy"] == "extra_buffer_lazy", "auto is shown resolved"
     assert auto["mamba_cache_chunk_size"] == 64
     assert auto["max_request_body_size"] == (1 << 20) + 64 * 4096
-    assert auto["max_samples_per_request"] == 100  # a quarter of 400 running requests
+    assert auto["max_samples_per_request"] == 4096  # (400 running requests: the default, 4,096)
 
 
 def test_request_limits_are_flags():

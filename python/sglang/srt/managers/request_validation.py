@@ -25,22 +25,16 @@ from sglang.srt.managers.logprob_limits import (
     check_logprob_entries,
     check_logprobs_per_position,
 )
+from sglang.srt.managers.request_error import RequestError
+from sglang.srt.managers.request_sampling import PromptSamplingParams
 from sglang.srt.managers.text_encoder import Encoded, encode_texts
-from sglang.srt.sampling.sampling_params import MAX_N, SamplingParams, SamplingParamsError
+from sglang.srt.sampling.sampling_params import SamplingParams
 
-# Without an explicit max_new_tokens, a request generates at most this many tokens (SGLang's default),
-# fewer if the context ends first.
-DEFAULT_MAX_NEW_TOKENS = 128
-
-
-class RequestError(ValueError):
-    """A request a client got wrong: becomes HTTP 400 with `param` naming the field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+# --max-samples-per-request's default (the max running requests when more): measured on a loaded 2-core
+# host, the HTTP process checks, sends and answers a batch at ~0.1 ms per sample, so a request at the bound
+# holds its event loop up to ~0.65 s (docs/server.md, "Limits"); upstream's own batches (its radix-cache kit's 401 prompts, the offline
+# throughput bench's 1,000) fit.
+DEFAULT_MAX_SAMPLES = 4096
 
 
 @dataclass(frozen=True)
@@ -137,41 +131,6 @@ def check_custom_logit_processor(value: Any, limits: RequestLimits) -> str | Non
     return value
 
 
-def sampling_params_from_dict(
-    d: dict[str, Any] | None, input_len: int, limits: RequestLimits, param_prefix: str = "sampling_params."
-) -> SamplingParams:
-    if d is not None and not isinstance(d, dict):
-        raise RequestError("sampling_params must be an object.", "sampling_params", "invalid_type")
-    # Clients (SGLang's own included) send null for "unset".
-    d = {k: v for k, v in (d or {}).items() if v is not None}
-    explicit_max = "max_new_tokens" in d
-    try:
-        params = SamplingParams.from_dict(d)
-        params.verify(limits.vocab_size)
-    except SamplingParamsError as e:
-        raise RequestError(str(e), param_prefix + _param_of(str(e))) from None
-    except TypeError as e:  # e.g. a list where a number belongs, caught by the dataclass constructor
-        raise RequestError(f"Invalid sampling_params: {e}.", "sampling_params", "invalid_type") from None
-    room = limits.context_len - input_len
-    if explicit_max and params.max_new_tokens > room:
-        raise RequestError(
-            f"max_new_tokens {params.max_new_tokens} plus the {input_len} input tokens exceeds the "
-            f"model's context length of {limits.context_len} tokens (at most {room} new tokens fit).",
-            param_prefix + "max_new_tokens",
-            "context_length_exceeded",
-        )
-    if not explicit_max:
-        params.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, room)
-        params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
-    return params
-
-
-def _param_of(message: str) -> str:
-    """SamplingParamsError messages start with the field name (see sampling_params.verify)."""
-    first = message.split()[0] if message else ""
-    return first.removeprefix("sampling_params.").rstrip(".,:")
-
-
 def check_input_ids(ids: Any, limits: RequestLimits, param: str) -> list[int]:
     if not isinstance(ids, list):
         raise RequestError(f"{param} must be a list of token ids.", param, "invalid_type")
@@ -246,30 +205,37 @@ def parse_prompts(obj: GenerateReqInput, max_samples: int | None = None) -> Prom
         is_batch = bool(ids) and all(isinstance(x, list) for x in ids)
         prompts = Prompts([], ids if is_batch else [ids], is_batch)
     if max_samples is not None:
-        check_fanout(obj.sampling_params, len(prompts), max_samples)
+        field = "text" if obj.text is not None else "input_ids"
+        check_fanout(obj.sampling_params, len(prompts), max_samples, field)
     return prompts
 
 
 def max_samples_per_request(configured: int | None, max_running_requests: int) -> int:
-    """--max-samples-per-request, else a quarter of the running slots (so that one request cannot take
-    the whole server), but at least MAX_N: one prompt may always ask for the largest n."""
-    return configured or max(MAX_N, max_running_requests // 4)
+    """--max-samples-per-request, else DEFAULT_MAX_SAMPLES or, on a server that runs more at once, a full
+    batch of running requests."""
+    return configured or max(DEFAULT_MAX_SAMPLES, max_running_requests)
 
 
-def check_fanout(sampling_params: Any, num_prompts: int, max_samples: int) -> None:
-    """One request may start at most `max_samples` sequences (prompts times n), so that no single
-    client takes the whole server. Counted before anything is tokenized."""
+def check_fanout(sampling_params: Any, num_prompts: int, max_samples: int, field: str = "input_ids") -> None:
+    """One request may start at most `max_samples` sequences (prompts times n): what checking, sending
+    and answering it costs the HTTP process grows with them. Counted before anything is tokenized; n's
+    own cap (MAX_N) is checked with the other sampling params."""
     per_item = sampling_params if isinstance(sampling_params, list) else [sampling_params] * num_prompts
     ns = [_raw_n(p) for p in per_item[:num_prompts]]
     total = sum(ns) + max(0, num_prompts - len(ns))
-    if total > max_samples:
-        n = max(ns, default=1)
+    if total <= max_samples:
+        return
+    n = max(ns, default=1)
+    if n == 1:
+        shape, param, fix = f"{num_prompts} prompts in {field}", field, "send the prompts in several requests"
+    else:
         shape = f"{num_prompts} prompts with n = {n}" if num_prompts > 1 else f"n = {n}"
-        raise RequestError(
-            f"This request would start {total} sequences ({shape}); the server starts at most {max_samples} "
-            "per request (--max-samples-per-request).",
-            "sampling_params.n",
-        )
+        param, fix = "sampling_params.n", "ask for fewer samples or send fewer prompts per request"
+    raise RequestError(
+        f"This request would start {total} sequences ({shape}); the server starts at most {max_samples} "
+        f"per request (--max-samples-per-request): {fix}.",
+        param,
+    )
 
 
 def _raw_n(params: Any) -> int:
@@ -330,6 +296,9 @@ def build_requests(
 
     out: list[NormalizedRequest] = []
     texts = iter(zip(prompts.texts, encoded, strict=True))
+    # A value sent once for all prompts is checked once (the sampling params' grammar, the salt's digest).
+    sampling = PromptSamplingParams(limits)
+    namespaces: dict[tuple[int, int], str | None] = {}
     for i, ids in enumerate(prompts.ids):
         text = None
         if ids is None:
@@ -338,7 +307,7 @@ def build_requests(
             ids = enc.ids
         else:
             ids = check_input_ids(ids, limits, "input_ids")
-        params = sampling_params_from_dict(per_item["sampling_params"][i], len(ids), limits)
+        params, max_new, min_new = sampling.for_prompt(per_item["sampling_params"][i], len(ids))
         if limits.without_tokenizer:
             check_tokenizer_free(params, obj.return_text_in_logprobs)
         start = per_item["logprob_start_len"][i]
@@ -361,14 +330,19 @@ def build_requests(
         base = rid or uuid.uuid4().hex
         n = params.n
         bootstrap = bootstrap_info(*(per_item[name][i] for name in BOOTSTRAP_FIELDS))
-        extra_key = cache_namespace(*(per_item[name][i] for name in NAMESPACE_FIELDS))
+        salt_and_key = [per_item[name][i] for name in NAMESPACE_FIELDS]
+        key = (id(salt_and_key[0]), id(salt_and_key[1]))
+        if key not in namespaces:
+            namespaces[key] = cache_namespace(*salt_and_key)
+        extra_key = namespaces[key]
         for j in range(n):
             # Each sample is its own request; seeded samples get distinct seeds, else n copies of one
             # seeded request would all return the same text.
             seed = params.sampling_seed + j if params.sampling_seed is not None else None
             sample_params = replace(
-                params, n=1, sampling_seed=seed, stop=list(params.stop), stop_regex=list(params.stop_regex)
-            )
+                params, n=1, sampling_seed=seed, max_new_tokens=max_new, min_new_tokens=min_new,
+                stop=list(params.stop), stop_regex=list(params.stop_regex),
+            )  # fmt: skip
             req = TokenizedGenerateReqInput(
                 rid=base if n == 1 else f"{base}-{j}",
                 input_text=text,
@@ -427,7 +401,7 @@ def _token_ids_logprob(
         lists = value
     else:
         lists = [value] * size
-    for ids in lists:
+    for ids in {id(x): x for x in lists}.values():  # (one list for all prompts is checked once)
         if ids is None:
             continue
         if not isinstance(ids, list) or not ids:

@@ -127,10 +127,11 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids must be a list of token ids.")
         for t in self.stop_token_ids:
             _int("stop_token_ids", t, low=0)
-            if vocab_size is not None and t >= vocab_size:
-                raise SamplingParamsError(
-                    f"stop_token_ids contains {t}, outside the vocabulary of {vocab_size}."
-                )
+        if vocab_size is not None:
+            # An id beyond the vocabulary is never sampled, so it never stops anything: accepted, as
+            # upstream (its JSON-constrained kit sends one), and dropped here, so that no vocabulary-sized
+            # tensor downstream (min_new_tokens' ban of the stop ids) is indexed with it.
+            self.stop_token_ids = [t for t in self.stop_token_ids if t < vocab_size]
 
     @property
     def is_greedy(self) -> bool:
