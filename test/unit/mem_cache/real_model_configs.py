@@ -104,7 +104,10 @@ QWEN3_NEXT_80B_A3B_INSTRUCT["full_attention_interval"] = 4
 # (multimodal: the language model under text_config, which this server serves); the vision tower's
 # fields are the published 27B's (depth 27, hidden 1152, 16 heads, out_hidden_size 5120) and are not
 # loaded here. mrope_section [11, 11, 10] and the 4-wide conv are the Qwen3.5 family's; the text config's
-# max_position_embeddings is the family's 262,144.
+# max_position_embeddings is the family's 262,144. Cross-check: a write-up of Qwen3.6-27B (the same
+# architecture and model_type, eadst.com/blog/325) reads from its config.json 64 layers, 48 linear and 16
+# full attention, 262,144 positions, rope_theta 10,000,000, and from its safetensors index 55.56 GB of
+# bf16 weights with the vision tower and the MTP head (the planner counts 53.8 GB: the language model).
 QWEN3_5_27B = {
     "architectures": ["Qwen3_5ForConditionalGeneration"],
     "model_type": "qwen3_5",
