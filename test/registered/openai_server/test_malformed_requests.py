@@ -151,6 +151,10 @@ CASES = [
     ("/abort_request", {"nothing": 1}, "rid"),
     # A preset name made the scheduler generate that preset into its cache before refusing it (finding 10).
     ("/update_weights_from_disk", {"model_path": "tiny-nemotron-h"}, "model_path"),
+    # upstream's /tokenize and /detokenize (issue 60, item 4)
+    ("/tokenize", {"prompt": 12}, "prompt"),
+    ("/v1/tokenize", {"model": "m"}, "prompt"),
+    ("/detokenize", {"tokens": [[5], [6, -1]]}, "tokens[1]"),
 ]
 
 
@@ -301,6 +305,27 @@ class TestMalformedRequests(ServerTestCase):
         k = next(i for i in range(1, 6) if ids[i] not in ids[:i] and plain[i + 1] != plain[i])
         self.assertEqual(text(6, stop_token_ids=[ids[k]]), plain[k])
         self.assertEqual(text(6, stop_token_ids=[ids[k]], no_stop_trim=True), plain[k + 1])
+
+    def test_tokenize_and_detokenize_as_upstream(self) -> None:
+        """upstream's /tokenize and /detokenize (issue 60, item 4): the ids /generate takes for the same
+        text, its context length as max_model_len, and the text back."""
+        text = "Hello world, how are you?"
+        r = self.post("/tokenize", {"model": "m", "prompt": text})
+        self.assertEqual(r.status_code, 200, r.text)
+        out = r.json()
+        self.assertEqual(set(out), {"tokens", "count", "max_model_len"})
+        self.assertEqual(out["count"], len(out["tokens"]))
+        self.assertEqual(out["max_model_len"], self.get("/get_model_info").json()["context_length"])
+        gen = self.generate(
+            text=text, sampling_params={"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0
+        )
+        self.assertEqual([e[1] for e in gen["meta_info"]["input_token_logprobs"]], out["tokens"])
+        both = self.post("/v1/tokenize", {"prompt": [text, "bye"]}).json()
+        self.assertEqual(both["tokens"][0], out["tokens"])
+        self.assertEqual(both["count"], [len(t) for t in both["tokens"]])
+        back = self.post("/detokenize", {"tokens": both["tokens"]})
+        self.assertEqual(back.status_code, 200, back.text)
+        self.assertEqual(back.json(), {"text": [text, "bye"]})
 
     def test_an_ambiguous_ebnf_gets_a_400_naming_ebnf(self) -> None:
         """The security review's row 3: an ambiguous grammar fed long space tokens, whose accept and mask

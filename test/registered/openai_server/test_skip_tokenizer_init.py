@@ -4,7 +4,8 @@ tokenizer files at all, prompts as input_ids, replies as output_ids without "tex
 Greedy outputs match the transformers oracle token for token; logprobs come without text; streaming
 and batches work; stop token ids (and the config's end-of-sequence ids) end a request; everything that
 needs a tokenizer is a 400 naming its field (text prompts with upstream's message, stop strings, stop
-regexes, grammars, return_text_in_logprobs, the OpenAI routes), and leaves nothing held.
+regexes, grammars, return_text_in_logprobs, the OpenAI routes, /tokenize and /detokenize), and leaves
+nothing held.
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ class TestSkipTokenizerInit(ServerTestCase):
         for route, body, param in [
             ("/v1/chat/completions", chat, "messages"),
             ("/v1/completions", {"model": "m", "prompt": [5, 6, 7]}, "prompt"),
+            # upstream's /tokenize and /detokenize (issue 60, item 4): a tokenizer is what they do
+            ("/tokenize", {"prompt": "hi"}, "prompt"),
+            ("/detokenize", {"tokens": [5, 6, 7]}, "tokens"),
         ]:
             r = self.post(route, body)
             self.assertEqual(r.status_code, 400, r.text)

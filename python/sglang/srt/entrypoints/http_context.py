@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.metrics.collector import MetricsCollector
 
@@ -24,6 +25,7 @@ class ServerContext:
     model_info: dict[str, Any]
     chat: OpenAIServingChat
     completions: OpenAIServingCompletion
+    tokenize: OpenAIServingTokenize
     metrics: MetricsCollector | None
 
     @property

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+"""The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, and upstream's
+/tokenize and /detokenize (also as /v1/tokenize and /v1/detokenize, as upstream serves them)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,15 @@ async def v1_completions(request: Request, s: Server) -> Response:
 @router.post("/v1/chat/completions")
 async def v1_chat_completions(request: Request, s: Server) -> Response:
     return await s.chat.handle(request)
+
+
+@router.post("/v1/tokenize")
+@router.post("/tokenize")
+async def tokenize(request: Request, s: Server) -> Response:
+    return json_response(await s.tokenize.tokenize(await request.body(), request.url.path))
+
+
+@router.post("/v1/detokenize")
+@router.post("/detokenize")
+async def detokenize(request: Request, s: Server) -> Response:
+    return json_response(await s.tokenize.detokenize(await request.body(), request.url.path))

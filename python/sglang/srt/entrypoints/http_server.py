@@ -29,6 +29,7 @@ from sglang.srt.entrypoints.http_errors import install_error_handlers
 from sglang.srt.entrypoints.http_guard import RequestGuard
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
 from sglang.srt.entrypoints.server_warmup import run_server_warmup
 from sglang.srt.environ import envs
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
@@ -101,7 +102,8 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         await tm.close()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.server = ServerContext(server_args, tm, model_info, chat, completions, metrics)
+    tokenize = OpenAIServingTokenize(tm, model_info["context_len"], model_info["vocab_size"])
+    app.state.server = ServerContext(server_args, tm, model_info, chat, completions, tokenize, metrics)
     install_error_handlers(app)
     routers = [
         m.router for m in (http_routes_native, http_routes_openai, http_routes_weights, http_routes_control)
