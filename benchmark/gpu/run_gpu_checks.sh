@@ -7,7 +7,9 @@
 #   bash benchmark/gpu/run_gpu_checks.sh tests                # the GPU tests, ~5 min
 #   bash benchmark/gpu/run_gpu_checks.sh engine_vs_hf decode_step kernels state_copy sampler   # ~9 min
 #   (engine_profile: bench_engine_vs_hf's graphs run under cProfile, the top host functions of every thread;
-#   ngram: bench_speculative_ngram.py on the 147M checkpoint, 64 requests, NGRAM against plain decoding)
+#   ngram: bench_speculative_ngram.py on the 147M checkpoint, 64 requests, NGRAM against plain decoding;
+#   fp8_gemm: bench_fp8_gemm.py, the block-FP8 GEMM and FP8 experts at the 80B's shapes against bf16, with
+#   the sweep of their tile tables; their GPU tests run in the `kernels` group)
 # A device call runs 10 minutes at most and a session has 15 minutes of device time, starts included: pick.
 # Measured on an H200 (2026-11-26), a fresh machine: building the sgl-kernel CPU ops 58 s; flash-linear-
 # attention autotunes each kernel at its first shapes (FLA_CACHE_RESULTS keeps the results on that machine
@@ -107,4 +109,5 @@ bench 150 engine_profile python3 benchmark/gpu/bench_engine_vs_hf.py --reps 1 --
 bench 150 ngram python3 benchmark/bench_speculative_ngram.py --model-path 147m --prompts 64 --reps 2
 bench 45 state_copy python3 benchmark/bench_state_copy.py --device cuda --seconds 0.1
 bench 40 sampler python3 benchmark/bench_sampler.py --device cuda --reps 5
+bench 180 fp8_gemm python3 benchmark/gpu/bench_fp8_gemm.py --reps 10 --sweep
 if [ -f "$OUT/bench.log" ]; then grep '^{\|^|' "$OUT/bench.log" >> "$OUT/summary.txt"; fi

@@ -12,7 +12,7 @@ from sglang.srt.layers.quantization import fp8_kernel as fk
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.sm90 import compile_sm90_in_registers
 
-register_cpu_ci(est_time=14, suite="per-commit-cpu")
+register_cpu_ci(est_time=22, suite="per-commit-cpu")
 
 SHAPES = [(64, 64), (200, 200), (256, 128), (128, 256)]  # (N, K): whole and partial 128-blocks
 
@@ -182,3 +182,54 @@ def test_quant_compiles_for_sm90():
 @pytest.fixture
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# Qwen3-Next-80B's dense projections (N, K): GDN in_proj_qkvz and in_proj_ba, GDN / attention out_proj,
+# attention q (gated) and k / v, the shared expert; Nemotron-H-8B's 4,096-wide layers.
+REAL_SHAPES = [(12288, 2048), (64, 2048), (2048, 4096), (8192, 2048), (512, 2048), (1024, 2048), (4096, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", REAL_SHAPES)
+@pytest.mark.parametrize("m", [1, 64, 256, 8192])
+def test_gpu_gemm_at_real_shapes(m, n, k):
+    """Compiled on the GPU, bfloat16 in and out, against the twin's float32 result: one bf16 rounding of
+    the output (half a step, 2^-9 relative) plus float32's summation difference (under 2^-14 of the terms'
+    magnitudes at K 4,096); the quantization is the twin's bit for bit (IEEE division and rounding)."""
+    torch.manual_seed(m + n + k)
+    a = (torch.randn(m, k, device="cuda") * torch.logspace(-2, 1, k, device="cuda")).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(fk.FP8_DTYPE)
+    scale = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3 + 1e-4
+    got = fk.w8a8_block_fp8_matmul(a, w, scale, output_dtype=torch.bfloat16)
+    q, s = fk.per_token_group_quant_fp8(a)
+    q_want, s_want = fk.per_token_group_quant_fp8_torch(a)
+    assert torch.equal(s, s_want) and torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+    want = fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32).double()
+    magnitude = _abs_product(fk.dequantize_block_fp8(q, s, (1, 128)), fk.dequantize_block_fp8(w, scale))
+    assert ((got.double() - want).abs() <= 2**-9 * want.abs() + 2**-14 * magnitude).all()
+
+
+def test_the_benchmark_script_runs_its_cpu_check():
+    """benchmark/gpu/bench_fp8_gemm.py (run on a GPU only when one is lent) keeps working: its CPU check
+    prints the dense and MoE rows, each case timed, the sweep's tiles among them."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "benchmark" / "gpu" / "bench_fp8_gemm.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--reps", "1", "--sweep"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["kernel"] for r in rows] == ["dense tiny", "dense tiny", "moe experts"]
+    assert all(ms > 0 for r in rows for ms in r["ms"].values())
+    assert {"fp8", "fp8+quant", "bf16"} <= set(rows[0]["ms"]) and len(rows[0]["ms"]) == 3 + len(
+        fk.GEMM_CONFIGS
+    )
+    assert {"fp8", "bf16"} <= set(rows[2]["ms"]) and len(rows[2]["ms"]) > 2

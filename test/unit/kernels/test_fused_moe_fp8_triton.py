@@ -167,3 +167,33 @@ def test_moe_gemm_compiles_for_sm90(cfg, gather):
 @pytest.fixture
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 64, 256, 1024])
+def test_gpu_experts_at_the_80b_shapes(tokens):
+    """Qwen3-Next-80B's experts (512, top 10, hidden 2,048, width 512) compiled on the GPU in bfloat16
+    against the twin. h is rounded to bf16 in both, from float32 sums taken in other orders, so an
+    element can land one bf16 step (2^-8) apart and its e4m3 rounding one step apart (2^-3 of one of 512
+    terms) before the output's own bf16 rounding (2^-8): 2^-6 of the outputs' scale holds a few such
+    and is far below a wrong expert, row or scale (O(1))."""
+    e, hidden, inter, top_k = 512, 2048, 512, 10
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    w13 = (torch.randn(e, 2 * inter, hidden, device="cuda", generator=g, dtype=torch.bfloat16) * 64).to(
+        fk.FP8_DTYPE
+    )
+    w2 = (torch.randn(e, hidden, inter, device="cuda", generator=g, dtype=torch.bfloat16) * 64).to(
+        fk.FP8_DTYPE
+    )
+    s13 = (torch.rand(e, 2 * inter // 128, hidden // 128, device="cuda", generator=g) + 0.5) / (
+        64 * hidden**0.5
+    )
+    s2 = (torch.rand(e, hidden // 128, inter // 128, device="cuda", generator=g) + 0.5) / (64 * inter**0.5)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.rand(tokens, e, device="cuda", generator=g).topk(top_k, dim=1).indices
+    weights = torch.rand(tokens, top_k, device="cuda", generator=g)
+    got = mf.fused_experts_fp8(x, w13, s13, w2, s2, weights, ids, _silu_mul)
+    want = mf.fused_experts_fp8_torch(x, w13, s13, w2, s2, weights, ids, _silu_mul)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * scale)
