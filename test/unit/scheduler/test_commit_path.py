@@ -2,8 +2,8 @@
 sampled token to a request's `output_ids` (prefill, decode and the speculative verify all call it), so a
 feature that changes what committing a token means (logprobs, hidden states, the finish check) changes
 one function. The scan reads the syntax tree: `.output_ids.append/extend/insert(...)`,
-`.output_ids += ...` and `.output_ids[...] = ...` count, on `output_ids` or `_output_ids` (an
-append through a local alias of the list is not seen: commit itself appends through the attribute)."""
+`.output_ids += ...` and `.output_ids[...] = ...` count, on `output_ids` or `_output_ids`, directly or
+through a local name bound to the list in the same function (`out = req.output_ids; out.append(t)`)."""
 
 from __future__ import annotations
 
@@ -35,18 +35,28 @@ def _is_ids(node: ast.AST) -> bool:
 def appenders(source: str, where: str) -> set[str]:
     """`where:Class.function` for each function in `source` that adds to an `output_ids` list."""
     found: set[str] = set()
+    # Local names bound to a request's list (`out = req.output_ids`), per function: appends through them
+    # count as appends to the list.
+    aliases: dict[str, set[str]] = {}
+
+    def is_list(node: ast.AST, scope: list[str]) -> bool:
+        alias = isinstance(node, ast.Name) and node.id in aliases.get(".".join(scope), set())
+        return _is_ids(node) or alias
 
     def visit(node: ast.AST, scope: list[str]) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             scope = scope + [node.name]
+        if isinstance(node, ast.Assign) and _is_ids(node.value):
+            names = {t.id for t in node.targets if isinstance(t, ast.Name)}
+            aliases.setdefault(".".join(scope), set()).update(names)
         hit = (
             (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
                 and node.func.attr in ("append", "extend", "insert")
-                and _is_ids(node.func.value)
+                and is_list(node.func.value, scope)
             )
-            or (isinstance(node, ast.AugAssign) and _is_ids(node.target))
+            or (isinstance(node, ast.AugAssign) and is_list(node.target, scope))
             or (
                 isinstance(node, ast.Assign)
                 and any(isinstance(t, ast.Subscript) and _is_ids(t.value) for t in node.targets)
@@ -77,5 +87,9 @@ class Helper:
     def c(self, req): req.output_ids += [1]
     def d(self, req): req.output_ids[len(req.output_ids):] = [1]
     def e(self, req): n = len(req.output_ids)
+    def f(self, req):
+        out = req._output_ids
+        out.append(1)
+    def g(self, out): out.append(1)
 """
-    assert appenders(source, "x.py") == {f"x.py:Helper.{f}" for f in "abcd"}
+    assert appenders(source, "x.py") == {f"x.py:Helper.{f}" for f in "abcdf"}

@@ -191,14 +191,13 @@ class BatchResultProcessor:
         if hidden is not None:
             add_hidden_states(req, hidden, req.hidden_count)  # (its input token's position)
         if token is not None:
-            req.output_ids.append(token)
-            if req.return_logprob and result is not None and result.next_token_logprobs is not None:
+            # (Every running request at every decode step that is not only logged comes here: the list
+            # is read once.)
+            out = req.output_ids
+            out.append(token)
+            if result is not None and req.return_logprob and result.next_token_logprobs is not None:
                 self._append_output_logprobs(req, result, row, token)
-            if (
-                check == "quick"
-                and len(req.output_ids) < req.finish_check_len
-                and token not in req.finish_token_ids
-            ):
+            if check == "quick" and len(out) < req.finish_check_len and token not in req.finish_token_ids:
                 return False
         if check != "none":
             self.finisher.check_finished(req)
