@@ -193,6 +193,12 @@ class Envs:
     )
     SGLANG_TEST_SKIP_CACHE_HIT_ASSERT = EnvBool(False, "Kits do not require every prompt to hit.")
     SGLANG_TEST_FORWARD_DELAY_MS = EnvFloat(0.0, "Sleep this long in the forward worker before each batch.")
+    # The decode fast path off (`DecodeFastPath`: the decode set's certificates, the rows cache, the KV and
+    # token logs): every decode step selects, builds and commits in full, so the tests can check that
+    # the fast path changes no output (test/unit/scheduler/test_decode_fast_path_off.py).
+    SGLANG_TEST_DISABLE_DECODE_FAST_PATH = EnvBool(
+        False, "Run every decode step without the decode fast path's caches and logs."
+    )
 
     # Constrained decoding (upstream's name; seconds): a grammar still compiling after this long ends its
     # request with a 400 (its compile thread finishes it and is free again then).

@@ -16,7 +16,7 @@ register_cpu_ci(est_time=8, suite="per-commit-cpu")
 
 def _counting(monkeypatch) -> dict[str, int]:
     calls = {"check_integrity": 0, "check_accounting": 0}
-    from sglang.srt.managers import scheduler as sched_mod
+    from sglang.srt.managers.scheduler_components import scheduler_lifecycle as sched_mod
 
     for name in calls:
         real = getattr(integrity, name)

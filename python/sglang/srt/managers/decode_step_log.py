@@ -27,7 +27,8 @@ class DecodeStepLog:
     MAX_PENDING = 64  # steps kept before everything is appended (64 x 256 values: ~130 KB of lists)
     SCANS = 16  # places found by scanning the decode set before a map of it is built
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled  # False: nothing is ever pending (`DecodeFastPath`)
         # Per step recorded and not yet appended to every request, the value of each of `_reqs` (what
         # the request's list property looks at first).
         self.pending: list[Sequence[int]] = []

@@ -29,13 +29,13 @@ from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AdmissionBudget, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
 from sglang.srt.managers.scheduler_components.batch_stats_log import BatchStatsLog
-from sglang.srt.managers.scheduler_components.decode_rows import DecodeRowsCache
-from sglang.srt.managers.scheduler_components.decode_set import DecodeSetCache
+from sglang.srt.managers.scheduler_components.decode_fast_path import DecodeFastPath
 from sglang.srt.managers.scheduler_components.grammar_queue import GrammarQueue
 from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
 from sglang.srt.managers.scheduler_components.loop_times import LoopTimes, clock
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
+from sglang.srt.managers.scheduler_components.scheduler_lifecycle import SchedulerLifecycleMixin
 from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import (
     SchedulerUpdateWeightsMixin,
 )
@@ -43,9 +43,7 @@ from sglang.srt.managers.scheduler_components.weight_update import WeightUpdate
 from sglang.srt.managers.scheduler_components.weights_update_group import WeightsUpdateGroups
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
-from sglang.srt.mem_cache.common import alloc_for_decode, release_kv_cache
-from sglang.srt.mem_cache.decode_kv_log import DecodeKVLog
-from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
+from sglang.srt.mem_cache.common import alloc_for_decode
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
@@ -65,7 +63,7 @@ class SchedulerWatchdogError(RuntimeError):
     """A forward did not finish within --watchdog-timeout: the forward stream is stuck."""
 
 
-class Scheduler(SchedulerIOMixin, SchedulerUpdateWeightsMixin):
+class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeightsMixin):
     def __init__(self, server_args: ServerArgs, model_runner=None):
         from sglang.srt.model_executor.model_runner import ModelRunner
 
@@ -103,8 +101,6 @@ class Scheduler(SchedulerIOMixin, SchedulerUpdateWeightsMixin):
         self.worker = ForwardWorker(self.model_runner, future_size)
         self.loop_times = LoopTimes()
         self.inflight = InflightBatches(self.worker.future_size)  # built and not yet processed
-        self.rows_cache = DecodeRowsCache(self.req_to_token_pool)
-        self.kv_log = DecodeKVLog()  # decode slots not yet in the requests' kv_indices
         self.penalty_slots = PenaltySlots()  # rows of the model runner's output token counts
         self.counters = {
             "num_requests_total": 0,
@@ -122,9 +118,12 @@ class Scheduler(SchedulerIOMixin, SchedulerUpdateWeightsMixin):
             graph_check=graphs.can_run if graphs is not None and graphs.use_graphs else None,
         )
         self.disaggregation_mode = server_args.disaggregation_mode
-        self.decode_set = DecodeSetCache(
-            self.context_len, prefill_server=self.disaggregation_mode == "prefill"
+        # The decode steady state's caches and logs (`DecodeFastPath`), and its parts by name.
+        self.fast_path = DecodeFastPath(
+            self.req_to_token_pool, self.context_len, prefill_server=self.disaggregation_mode == "prefill"
         )
+        self.decode_set, self.rows_cache = self.fast_path.decode_set, self.fast_path.rows_cache
+        self.kv_log = self.fast_path.kv_log  # decode slots not yet in the requests' kv_indices
         self.disagg = None  # the PD queue of this side (prefill or decode), if any
         self.init_io()
         self.finisher = FinishChecker.from_server_args(server_args)
@@ -142,6 +141,7 @@ class Scheduler(SchedulerIOMixin, SchedulerUpdateWeightsMixin):
             on_release=self.remove_request,
             counters=self.counters,
             stream_interval=server_args.stream_interval,
+            token_log=self.fast_path.token_log,
         )
         self.spec = None  # --speculative-algorithm NGRAM: builds verify batches and commits their results
         if server_args.speculative_algorithm is not None:
@@ -311,46 +311,7 @@ class Scheduler(SchedulerIOMixin, SchedulerUpdateWeightsMixin):
     def _forget_decode_set(self) -> None:
         """No decode batch this step: the caches of the last decode set let its requests go (their
         pending KV slots appended)."""
-        self.decode_set.clear()
-        self.rows_cache.clear()
-        self.kv_log.clear()
-
-    def _retract_or_abort(self, victim: Req) -> None:
-        if len(self.running) == 1 and self.chunked_req is None:
-            # Alone and still out of pages: prefilling it again would not fit either.
-            message = (
-                f"The request needs more than the {self.token_allocator.size} tokens the KV cache holds."
-            )
-            self.abort_with_status([victim], message)
-        else:
-            self.retract(victim)
-
-    def retract(self, req: Req) -> None:
-        """Give back everything `req` holds and queue it again; it prefills its tokens anew later."""
-        logger.info("Retracting %s: the KV pool is full.", req)
-        self.result_processor.token_log.clear()  # its tokens so far go to its list, nothing later
-        release_kv_cache(req, self.tree_cache, is_insert=False)
-        self.running.remove(req)
-        # It may be back at the same place before the next decode build (a pause that retracts
-        # everyone, then its new prefill): the same running list would not show it.
-        self.decode_set.clear()
-        req.reset_for_retract()
-        self.waiting_queue.insert(0, req)
-        self.counters["num_retractions_total"] += 1
-
-    def retract_all(self) -> None:
-        """Finish the batches in flight, then send every running request back to the waiting queue
-        (/pause_generation with mode "retract"): their KV and state slots are free afterwards. PD
-        requests between their two servers (waiting for or in a transfer) keep theirs."""
-        while self.in_flight:
-            self.process_oldest()
-        if self.chunked_req is not None:
-            # Between two prefill chunks a request holds KV and slots as a running one does.
-            self.running.append(self.chunked_req)
-            self.chunked_req = None
-        # retract() queues at the front, so going backwards keeps the running order.
-        for req in reversed(list(self.running)):
-            self.retract(req)
+        self.fast_path.clear()
 
     def _next_batch_id(self) -> int:
         self.num_batches += 1
@@ -457,97 +418,6 @@ class Scheduler(SchedulerIOMixin, SchedulerUpdateWeightsMixin):
             if not self.step():
                 return
         raise RuntimeError("The scheduler did not go idle.")
-
-    # ---- lifecycle ---------------------------------------------------------------------------------
-
-    def remove_request(self, req: Req) -> None:
-        if req.bootstrap is not None and self.disagg is not None:
-            self.disagg.on_released(req)
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked_req is req:
-            self.chunked_req = None
-        if req in self.waiting_queue:
-            self.waiting_queue.remove(req)
-        self.grammar_queue.discard(req)
-        if req.custom_logit_processor is not None:
-            self.custom_logit_reqs -= 1
-            req.custom_logit_processor = None
-        self.reqs_by_rid.pop(req.rid, None)
-        if self.spec is not None:
-            self.spec.forget(req)
-        if req.penalty_slot is not None:
-            # Batches in flight may still count into it: its next owner's first batch zeroes it after them.
-            self.penalty_slots.free(req.penalty_slot)
-            req.penalty_slot = None
-
-    def live_requests(self) -> list[Req]:
-        """Every request that holds KV or slots: those the scheduler knows, and finished ones whose release
-        waits for a batch in flight."""
-        return list(self.reqs_by_rid.values()) + self.result_processor.deferred_releases
-
-    def on_idle(self) -> None:
-        """Check the pools once per idle period (nothing changes while idle): by counts in production,
-        the full walk with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE (on in the test suite)."""
-        if self.idle_checked:
-            return
-        self.idle_checked = True
-        self.batch_stats.reset()
-        self.check_pools()
-
-    def check_pools(self) -> None:
-        """The check of an idle scheduler: the full walk under SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE,
-        else the count identity (the walk costs ~0.25 s with default pools)."""
-        if self.check_integrity_when_idle:
-            self.check_integrity()
-        else:
-            check_accounting(
-                self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests()
-            )
-
-    def check_integrity(self) -> None:
-        assert not self.in_flight, "check_integrity needs the forward stream drained"
-        assert not self.inflight, "every batch built was launched and processed"
-        self.kv_log.check()
-        self.result_processor.token_log.check()
-        self.penalty_slots.check(self.live_requests())
-        self.grammar_queue.check(self.live_requests())
-        with_processor = sum(r.custom_logit_processor is not None for r in self.reqs_by_rid.values())
-        assert self.custom_logit_reqs == with_processor, (self.custom_logit_reqs, with_processor)
-        check_integrity(self.tree_cache, self.req_to_token_pool, self.token_allocator, self.live_requests())
-
-    def is_idle(self) -> bool:
-        return (
-            not self.in_flight
-            and not self.running
-            and not self.waiting_queue
-            and not self.grammar_queue
-            and self.chunked_req is None
-            and not (self.disagg is not None and self.disagg.busy())
-        )
-
-    def flush_cache(self) -> tuple[bool, str]:
-        if not self.is_idle():
-            return False, "The cache was not flushed: requests are still running or waiting."
-        self._empty_tree()
-        return True, ""
-
-    def _empty_tree(self) -> None:
-        """Evict every cached prefix (KV and states) and reset the tree; no request may hold any of it."""
-        self.tree_cache.evict(
-            num_tokens=self.token_allocator.size, mamba_num=self.req_to_token_pool.mamba_allocator.size
-        )
-        self.tree_cache.reset()
-        self.check_pools()
-
-    def shutdown(self) -> None:
-        while self.in_flight:
-            self.process_oldest()
-        self.worker.shutdown()
-        if self.grammar_queue.backend is not None:
-            self.grammar_queue.backend.shutdown()
-        if self.disagg is not None:
-            self.disagg.shutdown()
 
 
 def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None:

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 class DecodeKVLog(DecodeStepLog):
     LIST_ATTR = "_kv_indices"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, enabled: bool = True) -> None:
+        super().__init__(enabled)
         self._lens: list[int] = []  # each of `_reqs`' KV length after the newest step
 
     def record(self, reqs: list[Req], slots: list[int]) -> list[int]:
@@ -35,7 +35,7 @@ class DecodeKVLog(DecodeStepLog):
         step of a decode set appends at once (one pass over the requests, as every step did before the
         log); the next steps of the same set (a list comparison each) are logged."""
         assert len(slots) == len(reqs), "a step's slots are one per request of the decode set"
-        if reqs != self._reqs:
+        if reqs != self._reqs or not self.enabled:
             self.clear()
             self._reqs = list(reqs)
             lens = self._lens = []

@@ -89,14 +89,17 @@ class DecodeRowsCache:
     (the request pool's `slot_epoch`): building them costs ~0.2 us per request per step. The rows are
     shared by the batches that get them; each batch copies what it may change (`prepare_for_decode`)."""
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool):
+    def __init__(self, req_to_token_pool: ReqToTokenPool, enabled: bool = True):
         self.pool = req_to_token_pool
+        self.enabled = enabled  # False: every decode batch reads its rows anew
         self._reqs: list[Req] = []
         self._epoch = -1
         self._rows: DecodeRows | None = None
         self._uniform_infos: dict = {}  # see `DecodeRows.of`
 
     def get(self, reqs: list[Req]) -> DecodeRows:
+        if not self.enabled:
+            return DecodeRows.of(reqs)
         epoch = self.pool.slot_epoch
         # List equality: one C loop over the request objects (compared by identity).
         if self._rows is None or epoch != self._epoch or reqs != self._reqs:

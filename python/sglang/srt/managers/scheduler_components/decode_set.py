@@ -54,9 +54,10 @@ class DecodeSetCache:
     While the running list is the very one of the previous build (same requests, same order) and no
     certificate has run out, the selection is the previous one: one list comparison per steady step."""
 
-    def __init__(self, context_len: int, prefill_server: bool):
+    def __init__(self, context_len: int, prefill_server: bool, enabled: bool = True):
         self.context_len = context_len
         self.prefill_server = prefill_server
+        self.enabled = enabled  # False: every build reads every request (`select_decode_reqs`)
         self.builds = 0  # decode builds so far: the clock of `decode_until`
         self._running: list[Req] = []
         self._reqs: list[Req] = []
@@ -66,6 +67,8 @@ class DecodeSetCache:
         """The requests of this decode build (a list of the caller's own)."""
         now = self.builds
         self.builds += 1
+        if not self.enabled:
+            return select_decode_reqs(running, self.context_len, self.prefill_server)
         if self._reqs and now < self._min_until and running == self._running:
             return list(self._reqs)
         qualifies = self._qualifies

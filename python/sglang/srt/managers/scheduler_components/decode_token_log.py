@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 class DecodeTokenLog(DecodeStepLog):
     LIST_ATTR = "_output_ids"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, enabled: bool = True) -> None:
+        super().__init__(enabled)
         self._steps = 0  # steps of the set since the log started it
         self._slack = 0  # a step numbered this (or later) may reach some request's finish check length
         self._stop_ids: frozenset[int] = frozenset()
@@ -41,7 +41,12 @@ class DecodeTokenLog(DecodeStepLog):
     def log(self, reqs: list[Req], tokens: Sequence[int]) -> bool:
         """Log this step's tokens for `reqs` (True) if no request can finish on them; else False: the
         caller commits them one by one and then calls `after_step`."""
-        if self._steps + 1 >= self._slack or reqs != self._reqs or not self._stop_ids.isdisjoint(tokens):
+        if (
+            self._steps + 1 >= self._slack
+            or reqs != self._reqs
+            or not self._stop_ids.isdisjoint(tokens)
+            or not self.enabled
+        ):
             return False
         if len(self.pending) >= self.MAX_PENDING:
             self.flush()
