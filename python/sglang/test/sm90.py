@@ -34,8 +34,8 @@ def compile_sm90(
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    pointers = [i for i, (name, kind) in enumerate(signature.items()) if kind.startswith("*") or name in divisible]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
+    aligned = [i for i, (name, kind) in enumerate(signature.items()) if kind.startswith("*") or name in divisible]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = ASTSource(fn=JITFunction(fn), signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or None)
     assert ".target sm_90" in compiled.asm["ptx"]

@@ -171,6 +171,8 @@ def test_gemm_compiles_for_sm90(cfg):
     assert compiled.metadata.shared >= (cfg.num_stages - 1) * (cfg.block_m + cfg.block_n) * cfg.block_k
     ptx = compiled.asm["ptx"]
     assert "e4m3" in ptx  # the dots run on fp8 operands (mma / wgmma .e4m3), not on upcast copies
+    # Hopper's warp-group MMA from shared memory where the tile has the rows for it (64 per warp group).
+    assert ("wgmma" in ptx) == (cfg.block_m >= 64)
 
 
 def test_quant_compiles_for_sm90():

@@ -160,7 +160,9 @@ def test_moe_gemm_compiles_for_sm90(cfg, gather):
         mf._moe_gemm_kernel, MOE_SIGNATURE, constexprs, ("N", "K", "a_stride", "b_expert_stride"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    assert "e4m3" in compiled.asm["ptx"]
+    ptx = compiled.asm["ptx"]
+    assert "e4m3" in ptx
+    assert ("wgmma" in ptx) == (cfg.block_m >= 64)  # Hopper's warp-group MMA where the tile has 64 rows
     assert compiled.metadata.shared >= (cfg.num_stages - 1) * (cfg.block_m + cfg.block_n) * cfg.block_k
 
 

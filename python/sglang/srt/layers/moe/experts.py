@@ -17,7 +17,9 @@ Qwen3-Next's routing on its Triton kernel). On CPU, decode-size batches take the
 (`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
 parameters stored transposed (`process_weights_after_loading`). The layer's shared expert (and its sigmoid
 gate, Qwen3-Next) is added here too: where the C++ op serves the layer, it runs inside the same call
-(`fuse_shared_expert`)."""
+(`fuse_shared_expert`). Experts whose weights are float8_e4m3fn (block FP8, with `w13_weight_scale_inv` /
+`w2_weight_scale_inv`) take `fused_moe_fp8_triton.py` instead: its Triton kernels where the Triton path
+serves (CUDA), its torch twin elsewhere; the weights' dtype alone decides."""
 
 from __future__ import annotations
 
