@@ -15,6 +15,14 @@ from sglang.test.sm90 import compile_sm90_in_registers
 register_cpu_ci(est_time=22, suite="per-commit-cpu")
 
 SHAPES = [(64, 64), (200, 200), (256, 128), (128, 256)]  # (N, K): whole and partial 128-blocks
+# How far the kernel's sums may be from the twin's, as a fraction of the sum of the terms' magnitudes.
+# Interpreted (numpy float32 dots): float32 rounding of sums of at most 384 terms in another order (per
+# 128-block, scaled per block, where the twin scales first and sums once), under 2^-16. Compiled on
+# Hopper: the FP8 tensor cores keep fewer bits while accumulating inside one dot (DeepSeek-V3 reports
+# ~14 on the H800); the kernel promotes each 128-long block's dot to float32 (where it applies the
+# scales), so the error stays near 2^-13 per block: 2^-10 leaves margin. A wrong block scale, row or
+# masked edge is O(1) of it.
+SUM_TOL = {"cpu": 2**-16, "cuda": 2**-10}
 
 
 def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +72,7 @@ def test_quant_equals_the_twin_bit_for_bit(kernel_device, dtype):
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_gemm_equals_the_twin(kernel_device, m, n, k):
     """The kernel against the twin on the same activations (quantized by the kernel path and by the twin
-    bit for bit, checked above), float32 output: the same products summed in another order (per 128
-    block, scales applied per block, where the twin scales first and sums once), so the difference is
-    float32 rounding of sums of at most 256 terms: under 2^-16 of the sum of the terms' magnitudes."""
+    bit for bit, checked above), float32 output: the same products summed differently (`SUM_TOL`)."""
     a = _activations(m, k, seed=m + n).to(kernel_device)
     w, scale = (t.to(kernel_device) for t in _weight(n, k, seed=k))
     got = fk.w8a8_block_fp8_matmul(a, w, scale, output_dtype=torch.float32)
@@ -74,7 +80,7 @@ def test_gemm_equals_the_twin(kernel_device, m, n, k):
     assert got.shape == (m, n) and got.dtype == torch.float32
     aq, a_s = fk.per_token_group_quant_fp8_torch(a)
     magnitude = _abs_product(fk.dequantize_block_fp8(aq, a_s, (1, 128)), fk.dequantize_block_fp8(w, scale))
-    assert ((got.double() - want.double()).abs() <= 2**-16 * magnitude + 1e-30).all()
+    assert ((got.double() - want.double()).abs() <= SUM_TOL[kernel_device] * magnitude).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -82,7 +88,7 @@ def test_gemm_from_prequantized_inputs_and_half_outputs(kernel_device, dtype):
     """Activations given in fp8 with their scales (what a fused producer hands over), leading batch dims,
     and bf16 / fp16 output: the twin's float32 result within one step of `dtype` (2^-7 / 2^-10 relative:
     compiled, the cast rounds to nearest, half a step; the interpreter truncates, up to a whole one) plus
-    the float32 summation difference above."""
+    the summation difference (`SUM_TOL`)."""
     a = _activations(10, 200, seed=3).to(dtype).to(kernel_device)
     w, scale = (t.to(kernel_device) for t in _weight(192, 200, seed=4))
     aq, a_s = fk.per_token_group_quant_fp8(a)
@@ -93,7 +99,8 @@ def test_gemm_from_prequantized_inputs_and_half_outputs(kernel_device, dtype):
     assert got.shape == (2, 5, 192) and got.dtype == dtype
     rel = 2**-7 if dtype == torch.bfloat16 else 2**-10
     err = (got.reshape(10, 192).double() - want.double()).abs()
-    assert (err <= rel * want.double().abs() + 2**-15 * want.double().abs().max()).all()
+    magnitude = _abs_product(fk.dequantize_block_fp8(aq, a_s, (1, 128)), fk.dequantize_block_fp8(w, scale))
+    assert (err <= rel * want.double().abs() + SUM_TOL[kernel_device] * magnitude).all()
 
 
 def test_every_table_config_masks_its_edges(interpret):
@@ -105,7 +112,7 @@ def test_every_table_config_masks_its_edges(interpret):
     magnitude = _abs_product(fk.dequantize_block_fp8(aq, a_s, (1, 128)), fk.dequantize_block_fp8(w, scale))
     for _, cfg in fk.GEMM_CONFIGS:
         got = fk.w8a8_block_fp8_matmul(aq, w, scale, output_dtype=torch.float32, a_scale=a_s, config=cfg)
-        assert ((got.double() - want.double()).abs() <= 2**-16 * magnitude).all(), cfg
+        assert ((got.double() - want.double()).abs() <= SUM_TOL["cpu"] * magnitude).all(), cfg
 
 
 def test_the_config_table_covers_every_m():
@@ -197,8 +204,8 @@ REAL_SHAPES = [(12288, 2048), (64, 2048), (2048, 4096), (8192, 2048), (512, 2048
 @pytest.mark.parametrize("m", [1, 64, 256, 8192])
 def test_gpu_gemm_at_real_shapes(m, n, k):
     """Compiled on the GPU, bfloat16 in and out, against the twin's float32 result: one bf16 rounding of
-    the output (half a step, 2^-9 relative) plus float32's summation difference (under 2^-14 of the terms'
-    magnitudes at K 4,096); the quantization is the twin's bit for bit (IEEE division and rounding)."""
+    the output (half a step, 2^-9 relative) plus the summation difference on Hopper (`SUM_TOL`); the
+    quantization is the twin's bit for bit (IEEE division and rounding)."""
     torch.manual_seed(m + n + k)
     a = (torch.randn(m, k, device="cuda") * torch.logspace(-2, 1, k, device="cuda")).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(fk.FP8_DTYPE)
@@ -209,7 +216,7 @@ def test_gpu_gemm_at_real_shapes(m, n, k):
     assert torch.equal(s, s_want) and torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
     want = fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32).double()
     magnitude = _abs_product(fk.dequantize_block_fp8(q, s, (1, 128)), fk.dequantize_block_fp8(w, scale))
-    assert ((got.double() - want).abs() <= 2**-9 * want.abs() + 2**-14 * magnitude).all()
+    assert ((got.double() - want).abs() <= 2**-9 * want.abs() + SUM_TOL["cuda"] * magnitude).all()
 
 
 def test_the_benchmark_script_runs_its_cpu_check():

@@ -47,10 +47,13 @@ CASES = [(1, 2, 4, 64, 64), (5, 3, 8, 200, 100), (33, 2, 6, 128, 256)]
 @pytest.mark.parametrize("tokens,top_k,e,hidden,inter", CASES)
 def test_kernels_equal_the_twin(kernel_device, tokens, top_k, e, hidden, inter):
     """float32 activations, quantized by both paths to the same fp8 bits (the kernel's quantization is
-    the twin's bit for bit), so the outputs differ by float32 rounding of the sums (per block here, once
-    there; the combine in another order): ~1e-6 relative. The bound, 2^-12 of the outputs' O(1) scale,
-    leaves room for h's float32 rounding to move one activation across an e4m3 rounding boundary (one
-    e4m3 step, 2^-3 of one term of I), and is far below a wrong expert, row, block scale or weight."""
+    the twin's bit for bit), so the outputs differ by the rounding of the sums (per block here, once
+    there; the combine in another order): ~1e-6 relative interpreted. The bound, 2^-12 of the outputs'
+    O(1) scale, leaves room for h's rounding to move one activation across an e4m3 rounding boundary
+    (one e4m3 step, 2^-3 of one term of I), and is far below a wrong expert, row, block scale or weight.
+    Compiled on Hopper, 2^-8: its FP8 tensor cores accumulate with fewer bits inside each 128-long dot
+    (test_fp8_gemm_triton.SUM_TOL: up to 2^-10 of the terms' magnitudes, which exceed the outputs by
+    about sqrt(K))."""
     w13, s13, w2, s2 = (t.to(kernel_device) for t in _experts(e, hidden, inter, seed=tokens))
     weights, ids = (t.to(kernel_device) for t in _routing(tokens, top_k, e, seed=tokens))
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(kernel_device)
@@ -58,7 +61,8 @@ def test_kernels_equal_the_twin(kernel_device, tokens, top_k, e, hidden, inter):
     want = mf.fused_experts_fp8_torch(x, w13, s13, w2, s2, weights, ids, _silu_mul)
     assert got.shape == x.shape and got.dtype == x.dtype
     assert want.abs().max() > 0.1  # outputs of O(1): the bound below is relative to them
-    torch.testing.assert_close(got, want, rtol=2**-12, atol=2**-12 * want.abs().max().item())
+    tol = 2**-12 if kernel_device == "cpu" else 2**-8
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
 def test_prefill_sized_batches_take_the_sort_and_agree(interpret, monkeypatch):
