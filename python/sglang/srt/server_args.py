@@ -28,6 +28,7 @@ from sglang.srt.server_args_checks import (
     ATTENTION_BACKEND_CHOICES,
     DEVICE_CHOICES,
     DISAGGREGATION_MODES,
+    DTYPE_ALIASES,
     DTYPE_CHOICES,
     GRAMMAR_BACKEND_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
@@ -41,6 +42,7 @@ from sglang.srt.server_args_checks import (
     check_model,
     check_speculative_track_interval,
     check_tokenizer,
+    resolve_auto_parsers,
 )
 from sglang.srt.server_args_upstream import add_upstream_cli_args, check_upstream_args
 
@@ -180,6 +182,7 @@ class ServerArgs:
     mamba_strategy_reason: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         check_basic_flags(self)
         if check_quantization_flag(self.quantization):
             raise ServerArgsError(check_quantization_flag(self.quantization))
@@ -193,6 +196,7 @@ class ServerArgs:
             self.served_model_name = self.model_path
         check_model(self)
         check_tokenizer(self)
+        resolve_auto_parsers(self)
         self._handle_attention_backend()
         self._handle_pd_disaggregation()
         self._handle_speculative()
@@ -444,7 +448,9 @@ class ServerArgs:
         g.add_argument("--tokenizer-path", default=None)
         g.add_argument("--served-model-name", default=None)
         g.add_argument("--context-length", type=int, default=None)
-        g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+        # The flags below list their values in --help; a value upstream takes and this server lacks is
+        # refused by `check_basic_flags` in a sentence saying why, not by argparse.
+        g.add_argument("--dtype", default="auto", metavar=_listed(DTYPE_CHOICES + list(DTYPE_ALIASES)))
         g.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
         g.add_argument(
             "--trust-remote-code",
@@ -544,18 +550,18 @@ class ServerArgs:
         g.add_argument(
             "--reasoning-parser",
             default=None,
-            choices=sorted(REASONING_FORMATS),
+            metavar=_listed(["auto", *sorted(REASONING_FORMATS)]),
             help="Split a chat answer's reasoning (<think> ... </think>) into reasoning_content, whole or as "
             "it streams (upstream's flag: qwen3 for Qwen3 / Qwen3-Next / Qwen3.5, nemotron_3 (alias nano_v3) "
-            "for Nemotron 3, qwen3-thinking for thinking-only checkpoints, deepseek-r1).",
+            "for Nemotron 3, qwen3-thinking for thinking-only checkpoints, deepseek-r1; auto: the model's).",
         )
         g.add_argument(
             "--tool-call-parser",
             default=None,
-            choices=sorted(TOOL_CALL_PARSERS),
+            metavar=_listed(["auto", *sorted(TOOL_CALL_PARSERS)]),
             help="Parse a chat answer's tool calls (<tool_call>...</tool_call>) into tool_calls (upstream's "
             "flag): qwen25 (alias qwen) for Qwen2.5 / Qwen3 / Qwen3-Next's JSON calls, qwen3_coder for "
-            "Qwen3-Coder / Qwen3.5's XML calls.",
+            "Qwen3-Coder / Qwen3.5's XML calls; auto: the model's.",
         )
         g.add_argument(
             "--enable-return-hidden-states",
@@ -621,11 +627,11 @@ class ServerArgs:
         g.add_argument(
             "--kv-cache-dtype",
             default=default("kv_cache_dtype"),
-            choices=KV_CACHE_DTYPE_CHOICES,
+            metavar=_listed(KV_CACHE_DTYPE_CHOICES),
             help="The full-attention layers' KV cache dtype: auto (the model's), bf16 / bfloat16, fp8_e4m3 or "
             "fp8_e5m2 (stored as x / scale with the checkpoint's per-layer k_scale / v_scale, 1.0 with a "
             "warning where it has none, as upstream). Attention reads the stored values converted "
-            "(docs/server.md). fp4_e2m1 is not supported.",
+            "(docs/server.md). Upstream's FP4 and MXFP8 formats are not supported.",
         )
         g.add_argument(
             "--quantization",
@@ -634,7 +640,13 @@ class ServerArgs:
             "([128, 128] blocks, e4m3, as the published FP8 checkpoints; on CPU they serve dequantized). "
             "FP8 checkpoints need no flag. Other methods are refused.",
         )
-        g.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
+        g.add_argument(
+            "--schedule-policy",
+            default="fcfs",
+            metavar=_listed(SCHEDULE_POLICIES),
+            help="The waiting requests' order: fcfs (arrival), lpm (longest cached prefix first), random, or "
+            "lof (largest max_new_tokens first), as upstream.",
+        )
         g.add_argument("--disable-radix-cache", action="store_true")
         g.add_argument("--disable-overlap-schedule", action="store_true")
         g.add_argument("--stream-interval", type=int, default=default("stream_interval"))
@@ -651,7 +663,7 @@ class ServerArgs:
         g.add_argument(
             "--attention-backend",
             default=None,
-            choices=ATTENTION_BACKEND_CHOICES,
+            metavar=_listed(ATTENTION_BACKEND_CHOICES),
             help="Full-attention kernels: triton (the default on CUDA) or torch_native (torch SDPA, the "
             "default on CPU).",
         )
@@ -778,6 +790,10 @@ def prepare_server_args(argv: list[str]) -> ServerArgs:
     args = parser.parse_args(argv)
     check_upstream_args(args)
     return ServerArgs.from_cli_args(args)
+
+
+def _listed(values: list[str]) -> str:
+    return "{" + ",".join(values) + "}"
 
 
 def _auto_device() -> str:

@@ -5,6 +5,7 @@ stays in `ServerArgs`.)"""
 from __future__ import annotations
 
 import ipaddress
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,18 +17,49 @@ from sglang.srt.parser.reasoning_parser import FORMATS as REASONING_FORMATS
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
 
+logger = logging.getLogger(__name__)
+
 MAMBA_SCHEDULER_STRATEGY_CHOICES = ["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"]
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
-# Upstream's choices; fp4_e2m1 is refused (`check_basic_flags`).
-KV_CACHE_DTYPE_CHOICES = ["auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "fp4_e2m1"]
+# Upstream's other names of two of them (`ServerArgs.__post_init__` resolves them).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+KV_CACHE_DTYPE_CHOICES = ["auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]
 # None: triton on CUDA, torch_native on CPU (`ServerArgs._handle_attention_backend`).
 ATTENTION_BACKEND_CHOICES = ["torch_native", "triton"]
+# The values of these flags upstream takes (sglang 0.5.23, and main's newer ones) that this server does
+# not: each is refused in one sentence saying why and what to use (`check_upstream_values`), where
+# argparse's choices stopped the start with "invalid choice" (exit 2).
+UPSTREAM_KV_CACHE_DTYPES = {
+    "fp4_e2m1": "block-scaled MXFP4",
+    "mxfp8": "block-scaled MXFP8",
+    "nvfp4": "NVFP4 (FP4 E2M1 with FP8 block scales)",
+    "fp4_mx_block16": "FP4 E2M1 with 16-value MX blocks",
+}
+UPSTREAM_ATTENTION_BACKENDS = (
+    "flex_attention dsa nsa qsa dsv4 compressed cutlass_mla fa3 fa4 flashinfer flashmla trtllm_mla cutedsl_mla "
+    "tokenspeed_mla trtllm_mha dual_chunk_flash_attn hpc_ops minicpm_flashattn minicpm_flashinfer aiter wave "
+    "intel_amx ascend intel_xpu mlu"
+).split()
+UPSTREAM_SCHEDULE_POLICIES = {
+    "dfs-weight": "it orders by the radix tree's depth-first weights, which this scheduler does not keep",
+    "priority": "requests carry no priority here (upstream's --enable-priority-scheduling is refused too)",
+    "routing-key": "requests carry no routing key here",
+    "hrrn": "it is not implemented here",
+    "shortest-prefill-first": "it is not implemented here",
+}
+# What `--reasoning-parser auto` / `--tool-call-parser auto` resolve to (upstream detects them from the
+# chat template), by the checkpoint's architecture: the parsers this server has for the models it serves.
+AUTO_PARSERS: dict[str, dict[str, str]] = {
+    "Qwen3NextForCausalLM": {"--reasoning-parser": "qwen3", "--tool-call-parser": "qwen25"},
+    "Qwen3_5ForConditionalGeneration": {"--reasoning-parser": "qwen3", "--tool-call-parser": "qwen3_coder"},
+    "NemotronHForCausalLM": {"--reasoning-parser": "nemotron_3"},
+}
 # Upstream's choices; outlines and llguidance are refused (`check_basic_flags`).
 GRAMMAR_BACKEND_CHOICES = ["xgrammar", "outlines", "llguidance", "none"]
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
-SCHEDULE_POLICIES = ["fcfs", "lpm"]
+SCHEDULE_POLICIES = ["fcfs", "lpm", "random", "lof"]
 # Upstream's algorithms; NGRAM runs here, the others need a draft model or MTP weights
 # (`check_speculative_flags`).
 SPECULATIVE_ALGORITHMS = ["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"]
@@ -41,12 +73,8 @@ class ServerArgsError(ValueError):
 
 def check_basic_flags(args: ServerArgs) -> None:
     _choice("--dtype", args.dtype, DTYPE_CHOICES)
+    check_upstream_values(args)
     _choice("--kv-cache-dtype", args.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
-    if args.kv_cache_dtype == "fp4_e2m1":
-        raise ServerArgsError(
-            "--kv-cache-dtype fp4_e2m1 is not supported (its block-scaled MXFP4 format needs kernels this "
-            "runtime does not have); use fp8_e4m3, fp8_e5m2 or bf16."
-        )
     _choice("--device", args.device, DEVICE_CHOICES)
     if args.attention_backend is not None:
         _choice("--attention-backend", args.attention_backend, ATTENTION_BACKEND_CHOICES)
@@ -58,9 +86,9 @@ def check_basic_flags(args: ServerArgs) -> None:
     if args.mamba_ssm_dtype is not None:
         _choice("--mamba-ssm-dtype", args.mamba_ssm_dtype, ["float32", "bfloat16", "float16"])
     if args.reasoning_parser is not None:
-        _choice("--reasoning-parser", args.reasoning_parser, sorted(REASONING_FORMATS))
+        _choice("--reasoning-parser", args.reasoning_parser, ["auto", *sorted(REASONING_FORMATS)])
     if args.tool_call_parser is not None:
-        _choice("--tool-call-parser", args.tool_call_parser, sorted(TOOL_CALL_PARSERS))
+        _choice("--tool-call-parser", args.tool_call_parser, ["auto", *sorted(TOOL_CALL_PARSERS)])
     _choice("--grammar-backend", args.grammar_backend, GRAMMAR_BACKEND_CHOICES)
     if args.grammar_backend in ("outlines", "llguidance"):
         raise ServerArgsError(
@@ -114,6 +142,50 @@ def check_basic_flags(args: ServerArgs) -> None:
             "--disaggregation-decode-extra-slots must be 0 or more, "
             f"got {args.disaggregation_decode_extra_slots}."
         )
+
+
+def check_upstream_values(args: ServerArgs) -> None:
+    """Upstream's values of --kv-cache-dtype, --attention-backend and --schedule-policy that this server
+    lacks, refused in one sentence naming the flag."""
+    kv = args.kv_cache_dtype
+    if kv in UPSTREAM_KV_CACHE_DTYPES:
+        raise ServerArgsError(
+            f"--kv-cache-dtype {kv} is not supported by this server: its {UPSTREAM_KV_CACHE_DTYPES[kv]} "
+            "format needs kernels this runtime does not have; use fp8_e4m3, fp8_e5m2 or bf16."
+        )
+    if args.attention_backend in UPSTREAM_ATTENTION_BACKENDS:
+        raise ServerArgsError(
+            f"--attention-backend {args.attention_backend} is not supported by this server: full attention "
+            "runs on its own triton kernels (CUDA) or torch_native (torch SDPA), and the linear-attention "
+            "layers on their own kernels; use triton or torch_native, or leave it out."
+        )
+    policy = args.schedule_policy
+    if policy in UPSTREAM_SCHEDULE_POLICIES:
+        raise ServerArgsError(
+            f"--schedule-policy {policy} is not supported by this server: {UPSTREAM_SCHEDULE_POLICIES[policy]}; "
+            f"use {', '.join(SCHEDULE_POLICIES[:-1])} or {SCHEDULE_POLICIES[-1]}."
+        )
+
+
+def resolve_auto_parsers(args: ServerArgs) -> None:
+    """--reasoning-parser auto / --tool-call-parser auto: the model's parser (AUTO_PARSERS), or one
+    sentence naming the flag where this server knows none for it."""
+    for flag, field in (
+        ("--reasoning-parser", "reasoning_parser"),
+        ("--tool-call-parser", "tool_call_parser"),
+    ):
+        if getattr(args, field) != "auto":
+            continue
+        arch = args.model_config.arch.architecture
+        name = AUTO_PARSERS.get(arch, {}).get(flag)
+        if name is None:
+            choices = sorted(REASONING_FORMATS if field == "reasoning_parser" else TOOL_CALL_PARSERS)
+            raise ServerArgsError(
+                f"{flag} auto knows no parser for {arch} here; give one of {', '.join(choices)}, or leave "
+                "the flag out."
+            )
+        logger.info("%s auto: %s (%s)", flag, name, arch)
+        setattr(args, field, name)
 
 
 def check_speculative_flags(args: ServerArgs) -> None:

@@ -183,7 +183,8 @@ REFUSED = [
     ({"disaggregation_decode_extra_slots": -1}, "--disaggregation-decode-extra-slots must be 0 or more"),
     ({"model_path": "/nonexistent/model"}, "--model-path '/nonexistent/model' cannot be served"),
     ({"device": "cuda"}, "--device cuda was given, but no CUDA device is available"),
-    ({"attention_backend": "flashinfer"}, "--attention-backend must be one of torch_native, triton"),
+    ({"attention_backend": "flashinfer"}, "--attention-backend flashinfer is not supported by this server"),
+    ({"attention_backend": "sdpa"}, "--attention-backend must be one of torch_native, triton"),
     ({"triton_attention_num_kv_splits": 0}, "--triton-attention-num-kv-splits must be a positive integer"),
 ]  # fmt: skip
 

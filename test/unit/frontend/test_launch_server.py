@@ -17,7 +17,7 @@ import pytest
 
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=40, suite="per-commit-cpu")
+register_cpu_ci(est_time=44, suite="per-commit-cpu")
 
 
 def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -34,6 +34,8 @@ def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     "args, code, words",
     [
         (["--page-size", "0"], 2, "--page-size must be a positive integer"),
+        # upstream's value, no longer argparse's "invalid choice" (issue 60)
+        (["--kv-cache-dtype", "mxfp8"], 2, "--kv-cache-dtype mxfp8 is not supported by this server"),
         (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"], 1,
          "--disaggregation-transfer-backend nixl: this server moves KV and state with mooncake only"),
         (["--tokenizer-path", "/nonexistent/tok"], 2, "--tokenizer-path '/nonexistent/tok' is not a folder"),

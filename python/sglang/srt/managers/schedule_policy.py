@@ -14,6 +14,7 @@ A request that does not fit waits in the queue; nothing asserts on a full pool.
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 
 from sglang.srt.managers.schedule_batch import Req
@@ -43,13 +44,19 @@ def cacheable_len(req: Req, n: int) -> int:
 class SchedulePolicy:
     """`--schedule-policy`: the order in which one admission pass considers the waiting requests.
     fcfs: arrival. lpm: longest cached prefix first (ties in arrival order), so requests that share what
-    the cache holds run while it still holds it."""
+    the cache holds run while it still holds it. Upstream's random (a fresh shuffle each pass) and lof
+    (longest output first: the largest max_new_tokens, ties in arrival order) order with no regard to
+    waiting time: a request can wait as long as others keep coming ahead of it."""
 
     def __init__(self, policy: str, tree_cache: BasePrefixCache):
         self.policy = policy
         self.tree_cache = tree_cache
 
     def calc_priority(self, waiting_queue: list[Req]) -> list[Req]:
+        if self.policy == "random":
+            return random.sample(waiting_queue, len(waiting_queue))
+        if self.policy == "lof":
+            return sorted(waiting_queue, key=lambda r: -r.sampling_params.max_new_tokens)
         if self.policy == "fcfs" or len(waiting_queue) > LPM_QUEUE_LIMIT:
             return waiting_queue
         tree = self.tree_cache
