@@ -92,7 +92,7 @@ class ServerArgs:
     skip_server_warmup: bool = False
     # None: derived from the context length (`request_body_limit`).
     max_request_body_size: int | None = None
-    # None: a quarter of the max running requests, at least 64 (`request_validation`).
+    # None: 4,096, or the max running requests where more (`request_validation`).
     max_samples_per_request: int | None = None
     # vLLM's --max-logprobs: most top_logprobs_num / token_ids_logprob ids per position (`logprob_limits`).
     max_logprobs: int = 20
@@ -521,8 +521,8 @@ class ServerArgs:
             "--max-samples-per-request",
             type=int,
             default=None,
-            help="Most sequences one request may start (prompts x n); default: a quarter of the max running "
-            "requests, at least 64.",
+            help="Most sequences one request may start (prompts x n; n itself is at most 64); default: 4096, or "
+            "the max running requests where more.",
         )
         g.add_argument(
             "--max-logprobs",
