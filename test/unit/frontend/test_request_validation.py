@@ -19,7 +19,7 @@ from sglang.srt.managers.tokenizer_output import ReqState
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="per-commit-cpu")
+register_cpu_ci(est_time=5, suite="per-commit-cpu")
 
 LIMITS = RequestLimits(context_len=64, max_req_input_len=63, vocab_size=512)
 WIDE = RequestLimits(context_len=4096, max_req_input_len=4095, vocab_size=512)
