@@ -96,7 +96,7 @@ def moe_rows(device: str, tiny: bool, reps: int, sweep: bool) -> list[dict]:
     from sglang.srt.layers.moe.experts import RoutedExperts
     from sglang.srt.layers.quantization import fp8_kernel as fk
 
-    e, hidden, inter, top_k = (8, 256, 128, 2) if tiny else (512, 2048, 512, 10)
+    e, hidden, inter, top_k = (4, 128, 64, 2) if tiny else (512, 2048, 512, 10)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     layers = {}
     for kind in ("fp8", "bf16"):
@@ -112,7 +112,7 @@ def moe_rows(device: str, tiny: bool, reps: int, sweep: bool) -> list[dict]:
     for layer in layers.values():
         layer.process_weights_after_loading()
     rows = []
-    for tokens in (3,) if tiny else (1, 64, 256, PREFILL_M):
+    for tokens in (2,) if tiny else (1, 64, 256, PREFILL_M):
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)
         ids = torch.rand(tokens, e, device=device).topk(top_k, dim=1).indices
         weights = torch.rand(tokens, top_k, device=device)
@@ -140,14 +140,14 @@ def moe_rows(device: str, tiny: bool, reps: int, sweep: bool) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (implied on CPU)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="every tile of the config tables")
     parser.add_argument("--only", choices=("dense", "moe"), default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tiny = args.tiny or args.device == "cpu"
     torch.manual_seed(0)
     if args.only != "moe":
