@@ -191,9 +191,12 @@ class BatchResultProcessor:
         if hidden is not None:
             add_hidden_states(req, hidden, req.hidden_count)  # (its input token's position)
         if token is not None:
-            # (Every running request at every decode step that is not only logged comes here: the list
-            # is read once.)
-            out = req.output_ids
+            # Every running request at every decode step that is not only logged comes here: this is
+            # `Req.output_ids`'s read inlined (its call cost a tenth of a churning step's processing).
+            log = req.token_log
+            if log is not None and log.pending:
+                log.append_pending(req)
+            out = req._output_ids
             out.append(token)
             if result is not None and req.return_logprob and result.next_token_logprobs is not None:
                 self._append_output_logprobs(req, result, row, token)
