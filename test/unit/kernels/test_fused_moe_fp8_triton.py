@@ -128,6 +128,17 @@ def test_the_experts_pick_fp8_by_their_weights_dtype(interpret, monkeypatch):
     assert not RoutedExperts(4, 128, 64, "silu", gated=True).fp8
 
 
+@pytest.mark.parametrize("e", [1, 5, 64, 200, 512])
+def test_tile_map_equals_its_twin(kernel_device, e):
+    """The cumulative tiles per expert over one chunk, several chunks and a partial last one, with empty
+    experts and experts of exactly one tile, at each tile height of the table."""
+    g = torch.Generator().manual_seed(e)
+    counts = torch.randint(0, 40, (e,), generator=g) * (torch.rand(e, generator=g) < 0.7)
+    offs = torch.cumsum(counts, 0).to(torch.int32).to(kernel_device)
+    for cfg in {cfg for _, cfg in mf.MOE_GEMM_CONFIGS}:
+        assert torch.equal(mf.tile_map(offs, cfg.block_m), mf.tile_map_torch(offs, cfg.block_m))
+
+
 def test_an_empty_batch(interpret):
     w13, s13, w2, s2 = _experts(4, 64, 64, seed=11)
     out = mf.fused_experts_fp8(
@@ -168,6 +179,17 @@ def test_moe_gemm_compiles_for_sm90(cfg, gather):
     assert "e4m3" in ptx
     assert ("wgmma" in ptx) == (cfg.block_m >= 64)  # Hopper's warp-group MMA where the tile has 64 rows
     assert compiled.metadata.shared >= (cfg.num_stages - 1) * (cfg.block_m + cfg.block_n) * cfg.block_k
+
+
+def test_tile_map_compiles_for_sm90():
+    signature = {
+        "offs_ptr": "*i32",
+        "tile_end_ptr": "*i32",
+        "E": "i32",
+        "BLOCK_M": "constexpr",
+        "BE": "constexpr",
+    }
+    compile_sm90_in_registers(mf._tile_map_kernel, signature, dict(BLOCK_M=16, BE=mf._TILE_MAP_BE))
 
 
 @pytest.fixture

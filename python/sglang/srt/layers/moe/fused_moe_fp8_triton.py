@@ -10,7 +10,7 @@ One layer's forward, a fixed number of launches and no host read (a CUDA graph c
 3. `moe_gemm_fp8` for w13, over tiles of BLOCK_M sorted rows of one expert each: the tile count is
    bounded without reading the counts (sum over experts of ceil(c_e / BLOCK_M) <= ceil(T k / BLOCK_M) +
    min(E, T k)), so the grid has that many and the surplus programs return at once; each program finds
-   its expert among the cumulative tile counts (`tile_end`, a few torch ops on the device);
+   its expert among the cumulative tile counts (`tile_end`, one small launch: `tile_map`);
 4. the activation (the layer's own, `silu_mul`'s kernel for gated silu), quantized again;
 5. `moe_gemm_fp8` for w2 over the same tiles, the rows in sorted order;
 6. the top-k rows of each token combined in float32 with their routing weights.
@@ -119,8 +119,37 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
 
+def _tile_map_kernel(offs_ptr, tile_end_ptr, E, BLOCK_M: tl.constexpr, BE: tl.constexpr):
+    """One program: tile_end[e] = sum over experts j <= e of ceil(rows_j / BLOCK_M), BE experts at a time
+    (each chunk's inclusive sums by a BE x BE triangle, a running total across chunks)."""
+    i = tl.arange(0, BE)
+    carry = tl.program_id(0) * 0
+    for e0 in range(0, E, BE):
+        ev = e0 + i
+        m = ev < E
+        end = tl.load(offs_ptr + ev, mask=m, other=0)
+        start = tl.load(offs_ptr + ev - 1, mask=m & (ev > 0), other=0)
+        tiles = (end - start + BLOCK_M - 1) // BLOCK_M
+        inclusive = tl.reduce(tl.where(i[None, :] <= i[:, None], tiles[None, :], 0), 1, add)
+        tl.store(tile_end_ptr + ev, carry + inclusive, mask=m)
+        carry += tl.reduce(tiles, 0, add)
+
+
+# Experts per chunk of `_tile_map_kernel`: a 64 x 64 int32 triangle per step, 8 steps at 512 experts.
+_TILE_MAP_BE = 64
+
+
 def tile_map(offs: torch.Tensor, block_m: int) -> torch.Tensor:
-    """offs [E] int32 (cumulative rows per expert) -> the cumulative count of BLOCK_M tiles per expert."""
+    """offs [E] int32 (cumulative rows per expert) -> the cumulative count of BLOCK_M tiles per expert
+    [E] int32: one launch (torch takes five: a diff, an add, a division, a cumsum, a cast)."""
+    tile_end = torch.empty_like(offs)
+    be = min(_TILE_MAP_BE, triton.next_power_of_2(offs.numel()))
+    jit_for_env(_tile_map_kernel)[(1,)](offs, tile_end, offs.numel(), BLOCK_M=block_m, BE=be)
+    return tile_end
+
+
+def tile_map_torch(offs: torch.Tensor, block_m: int) -> torch.Tensor:
+    """The twin of `tile_map`."""
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     return torch.cumsum((counts + block_m - 1) // block_m, 0).to(torch.int32)
 
