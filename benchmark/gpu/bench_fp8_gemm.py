@@ -121,7 +121,7 @@ def moe_rows(device: str, tiny: bool, reps: int, sweep: bool) -> list[dict]:
             args = (x, fp8.w13, fp8.w13_weight_scale_inv, fp8.w2, fp8.w2_weight_scale_inv, weights, ids)
             for _, cfg in mf.MOE_GEMM_CONFIGS:
                 cases[f"fp8 {cfg.block_m}x{cfg.block_n}"] = partial(
-                    mf.fused_experts_fp8, *args, fp8._activate, config=cfg
+                    mf.fused_experts_fp8, *args, fp8._activate, config=cfg, silu_and_mul=True
                 )
         times = round_robin(cases, device, reps)
         touched = torch.unique(ids).numel()

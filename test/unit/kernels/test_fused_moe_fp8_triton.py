@@ -44,8 +44,9 @@ def _routing(tokens: int, top_k: int, e: int, seed: int) -> tuple[torch.Tensor, 
 CASES = [(1, 2, 4, 64, 64), (5, 3, 8, 200, 100), (33, 2, 6, 128, 256)]
 
 
+@pytest.mark.parametrize("silu_and_mul", [False, True], ids=["activate", "fused-silu"])
 @pytest.mark.parametrize("tokens,top_k,e,hidden,inter", CASES)
-def test_kernels_equal_the_twin(kernel_device, tokens, top_k, e, hidden, inter):
+def test_kernels_equal_the_twin(kernel_device, tokens, top_k, e, hidden, inter, silu_and_mul):
     """float32 activations, quantized by both paths to the same fp8 bits (the kernel's quantization is
     the twin's bit for bit), so the outputs differ by the rounding of the sums (per block here, once
     there; the combine in another order): ~1e-6 relative interpreted. The bound, 2^-12 of the outputs'
@@ -57,7 +58,7 @@ def test_kernels_equal_the_twin(kernel_device, tokens, top_k, e, hidden, inter):
     w13, s13, w2, s2 = (t.to(kernel_device) for t in _experts(e, hidden, inter, seed=tokens))
     weights, ids = (t.to(kernel_device) for t in _routing(tokens, top_k, e, seed=tokens))
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(kernel_device)
-    got = mf.fused_experts_fp8(x, w13, s13, w2, s2, weights, ids, _silu_mul)
+    got = mf.fused_experts_fp8(x, w13, s13, w2, s2, weights, ids, _silu_mul, silu_and_mul=silu_and_mul)
     want = mf.fused_experts_fp8_torch(x, w13, s13, w2, s2, weights, ids, _silu_mul)
     assert got.shape == x.shape and got.dtype == x.dtype
     assert want.abs().max() > 0.1  # outputs of O(1): the bound below is relative to them
@@ -108,7 +109,8 @@ def test_the_experts_pick_fp8_by_their_weights_dtype(interpret, monkeypatch):
     calls = []
     for name in ("fused_experts_fp8", "fused_experts_fp8_torch"):
         real = getattr(mf, name)
-        monkeypatch.setattr(mf, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+        spy = lambda *a, _real=real, _name=name, **kw: calls.append((_name, kw)) or _real(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(mf, name, spy)
     w13, s13, w2, s2 = _experts(4, 128, 64, seed=8)
     weights, ids = _routing(5, 2, 4, seed=9)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(10))
@@ -121,7 +123,8 @@ def test_the_experts_pick_fp8_by_their_weights_dtype(interpret, monkeypatch):
             layer.process_weights_after_loading()
         assert layer.fp8 and layer.cpu_ops is None  # the C++ op takes float weights only
         outs[backend] = layer(x, weights, ids)
-    assert calls == ["fused_experts_fp8", "fused_experts_fp8_torch"]
+    # Gated silu experts: the activation computed inside the second quantization's launch.
+    assert calls == [("fused_experts_fp8", {"silu_and_mul": True}), ("fused_experts_fp8_torch", {})]
     torch.testing.assert_close(
         outs["triton"], outs["torch"], rtol=2**-12, atol=2**-12 * outs["torch"].abs().max().item()
     )

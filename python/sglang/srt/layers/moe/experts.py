@@ -190,7 +190,7 @@ class RoutedExperts(nn.Module):
         if self.triton:
             from sglang.srt.layers.moe.fused_moe_fp8_triton import fused_experts_fp8
 
-            return fused_experts_fp8(*args)
+            return fused_experts_fp8(*args, silu_and_mul=self.gated and self.act is F.silu)
         from sglang.srt.layers.moe.fused_moe_fp8_triton import fused_experts_fp8_torch
 
         return fused_experts_fp8_torch(*args)

@@ -11,7 +11,7 @@ One layer's forward, a fixed number of launches and no host read (a CUDA graph c
    bounded without reading the counts (sum over experts of ceil(c_e / BLOCK_M) <= ceil(T k / BLOCK_M) +
    min(E, T k)), so the grid has that many and the surplus programs return at once; each program finds
    its expert among the cumulative tile counts (`tile_end`, one small launch: `tile_map`);
-4. the activation (the layer's own, `silu_mul`'s kernel for gated silu), quantized again;
+4. the activation, quantized again (gated silu: in the quantization's own launch);
 5. `moe_gemm_fp8` for w2 over the same tiles, the rows in sorted order;
 6. the top-k rows of each token combined in float32 with their routing weights.
 
@@ -203,10 +203,13 @@ def fused_experts_fp8(
     activate: Callable[[torch.Tensor], torch.Tensor],
     block_size=(BLOCK, BLOCK),
     config: MoeGemmConfig | None = None,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
     """x [T, H] (bf16 / fp16 / fp32), routing `weights` and expert `ids` [T, k] -> [T, H] in x's dtype:
     sum over k of weight * w2 @ activate(w13 @ x), every GEMM in block FP8 (see the module docstring).
-    `activate` maps w13's output [R, N13] to w2's input [R, I]."""
+    `activate` maps w13's output [R, N13] to w2's input [R, I]; `silu_and_mul` says it is silu(gate) * up
+    of w13's halves, which the second quantization then computes itself (one launch, no [R, I] in
+    memory)."""
     from sglang.srt.layers.moe import dispatch_triton
     from sglang.srt.layers.moe.experts import ALIGN_MAX_ASSIGNMENTS
 
@@ -227,7 +230,10 @@ def fused_experts_fp8(
     tile_end = tile_map(offs, cfg.block_m)
     xq, xs = per_token_group_quant_fp8(x, block_size[1])
     h = moe_gemm_fp8(xq, xs, w13, w13_scale, offs, rows, token_of, x.dtype, cfg, tile_end, block_size)
-    aq, as_ = per_token_group_quant_fp8(activate(h).contiguous(), block_size[1])
+    if silu_and_mul:
+        aq, as_ = per_token_group_quant_fp8(h, block_size[1], fuse_silu_and_mul=True)
+    else:
+        aq, as_ = per_token_group_quant_fp8(activate(h).contiguous(), block_size[1])
     y = moe_gemm_fp8(aq, as_, w2, w2_scale, offs, rows, None, x.dtype, cfg, tile_end, block_size)
     if inv is not None:
         return dispatch_triton.moe_combine(y, inv, weights, x.dtype)

@@ -86,9 +86,13 @@ def triton_serves(t: torch.Tensor) -> bool:
 
 
 def per_token_group_quant_fp8_torch(
-    x: torch.Tensor, group_size: int = BLOCK
+    x: torch.Tensor, group_size: int = BLOCK, fuse_silu_and_mul: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch twin of `per_token_group_quant_fp8` (the same bits)."""
+    """The torch twin of `per_token_group_quant_fp8` (the same bits; with `fuse_silu_and_mul`, up to the
+    GPU's exp, which may round silu one ulp apart from torch's)."""
+    if fuse_silu_and_mul:
+        gate, up = x.chunk(2, -1)
+        x = torch.nn.functional.silu(gate) * up
     k = x.shape[-1]
     groups = -(-k // group_size)
     xf = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).unflatten(-1, (groups, group_size))
@@ -141,12 +145,21 @@ except ImportError:  # pragma: no cover - the twins serve
 # e4m3 rounding in float32 (the quantization kernel's last step): adding 1.5 * 2^(e + 20) to |y| (e its
 # float32 exponent, at least -6, where e4m3's subnormals begin) puts its e4m3 step, 2^(e - 3), at float32's
 # last bit, so the add rounds there, to nearest with ties to even; the cast to fp8 after it is exact.
-def _quant_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, GROUPS, GROUP: tl.constexpr):
+def _quant_kernel(
+    x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, GROUPS, GROUP: tl.constexpr, SILU_MUL: tl.constexpr
+):  # fmt: skip
+    """One (row, group): x's K columns quantized, or with SILU_MUL silu(x[:K]) * x[K:2K], rounded to x's
+    dtype after the silu and after the product as torch rounds them (elementwise_triton.silu_mul's
+    arithmetic)."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
     mask = cols < K
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        act = x_ptr.dtype.element_ty
+        up = tl.load(x_ptr + row * x_stride + K + cols, mask=mask, other=0.0).to(tl.float32)
+        x = ((x / (1.0 + tl.exp(-x))).to(act).to(tl.float32) * up).to(act).to(tl.float32)
     amax = tl.maximum(tl.reduce(tl.abs(x), 0, maximum), _EPS)
     scale = tl.div_rn(amax, _MAX)
     y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -_MAX), _MAX)
@@ -158,25 +171,29 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, GROUPS, GROUP: tl.
     tl.store(s_ptr + row * GROUPS + g, scale)
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int = BLOCK, fuse_silu_and_mul: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (bf16 / fp16 / fp32) -> (x_fp8 [..., K] float8_e4m3fn, scales [..., ceil(K/group_size)]
     float32): per row and per `group_size` columns, scale = max(amax, 1e-10) / 448 and
-    x_fp8 = round(x / scale) (nearest, ties to even; upstream's dynamic activation scheme)."""
+    x_fp8 = round(x / scale) (nearest, ties to even; upstream's dynamic activation scheme).
+    `fuse_silu_and_mul` (upstream's flag): x [..., 2K] holds gate | up, and silu(gate) * up is quantized,
+    in the same launch (the gated experts' activation, without its [..., K] intermediate in memory)."""
     if triton is None or not triton_serves(x):
-        return per_token_group_quant_fp8_torch(x, group_size)
+        return per_token_group_quant_fp8_torch(x, group_size, fuse_silu_and_mul)
     assert group_size & (group_size - 1) == 0, "group_size must be a power of two"
-    k = x.shape[-1]
-    rows = x.reshape(-1, k)
+    k = x.shape[-1] // 2 if fuse_silu_and_mul else x.shape[-1]
+    rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     groups = triton.cdiv(k, group_size)
-    q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty(rows.shape[0], k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(rows.shape[0], groups, dtype=torch.float32, device=x.device)
     if rows.numel():
         jit_for_env(_quant_kernel)[(rows.shape[0], groups)](
-            rows, q, s, k, rows.stride(0), q.stride(0), groups, GROUP=group_size
+            rows, q, s, k, rows.stride(0), q.stride(0), groups, GROUP=group_size, SILU_MUL=fuse_silu_and_mul
         )
-    return q.view(x.shape), s.view(*x.shape[:-1], groups)
+    return q.view(*x.shape[:-1], k), s.view(*x.shape[:-1], groups)
 
 
 def _gemm_kernel(
