@@ -130,6 +130,19 @@ def test_every_table_config_masks_its_edges(interpret):
         assert ((got.double() - want.double()).abs() <= SUM_TOL["cpu"] * magnitude).all(), cfg
 
 
+def test_grouped_program_order_covers_every_tile(interpret):
+    """GROUP_M > 1 with more row tiles than a group and a last group cut short (M 150 in 16-row tiles:
+    groups of 4, 4 and 2 tiles): every output tile written once, as the twin's."""
+    a = _activations(150, 128, seed=13)
+    w, scale = _weight(200, 128, seed=14)
+    cfg = fk.GemmConfig(16, 64, 128, 4, 4, 2)
+    got = fk.w8a8_block_fp8_matmul(a, w, scale, output_dtype=torch.float32, config=cfg)
+    want = fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32)
+    aq, a_s = fk.per_token_group_quant_fp8_torch(a)
+    magnitude = _abs_product(fk.dequantize_block_fp8(aq, a_s, (1, 128)), fk.dequantize_block_fp8(w, scale))
+    assert ((got.double() - want.double()).abs() <= SUM_TOL["cpu"] * magnitude).all()
+
+
 def test_the_config_table_covers_every_m():
     assert fk.gemm_config(1).block_m == 16 and fk.gemm_config(8192).block_m == 128
     rows = [cfg for _, cfg in fk.GEMM_CONFIGS]
