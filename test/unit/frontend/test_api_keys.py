@@ -68,9 +68,12 @@ def call(app, method: str, path: str, key: str | bytes | None) -> int:
     return request(app, method, path, key)[0]
 
 
-def request(app, method: str, path: str, key: str | bytes | None, body: bytes = b"{}") -> tuple[int, bytes]:
-    """The status and body of the reply to `method path` with `body` and `Authorization: Bearer key`."""
-    headers = [(b"content-type", b"application/json")]
+def request(
+    app, method: str, path: str, key: str | bytes | None, body: bytes = b"{}", reads: list | None = None
+) -> tuple[int, bytes]:
+    """The status and body of the reply to `method path` with `body` and `Authorization: Bearer key`;
+    `reads` collects each message the app receives."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if key is not None:
         headers.append((b"authorization", b"Bearer " + (key if isinstance(key, bytes) else key.encode())))
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
@@ -79,7 +82,10 @@ def request(app, method: str, path: str, key: str | bytes | None, body: bytes = 
     sent = []
 
     async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
+        message = {"type": "http.request", "body": body, "more_body": False}
+        if reads is not None:
+            reads.append(message)
+        return message
 
     async def send(message):
         sent.append(message)
@@ -134,8 +140,24 @@ def test_health_is_open_and_a_refusal_names_the_admin_flag(apps):
     # /health answers without a key under every configuration (503 here: no scheduler ever answered).
     assert call(app, "GET", "/health", None) in (200, 503)
     status, reply = request(app, "POST", "/flush_cache", USER)
-    error = orjson.loads(reply)["error"]
+    body = orjson.loads(reply)
+    error = body["error"]
     assert status == 401 and error["code"] == "invalid_api_key" and "--admin-api-key" in error["message"]
+    # Upstream's ErrorResponse fields beside OpenAI's object, as every other error reply has them.
+    assert (body["object"], body["code"], body["message"]) == ("error", 401, error["message"])
+
+
+def test_a_request_without_the_key_is_refused_before_its_body_is_read(apps):
+    """An unauthenticated client cannot make the server buffer a body-limit's worth of bytes (it did: the
+    request guard read the whole body before the key was checked); one with the key has its body read."""
+    app = apps[(USER, ADMIN)]
+    body = b'{"text": "' + b"x" * 100_000 + b'"}'
+    for path, key in [("/generate", None), ("/generate", ADMIN), ("/update_weights_from_disk", USER)]:
+        reads = []
+        assert request(app, "POST", path, key, body, reads)[0] == 401
+        assert reads == [], f"{path}: the body was read before the 401"
+    reads = []
+    assert request(app, "POST", "/generate", USER, body, reads)[0] not in (401, 403) and reads
 
 
 def test_keys_are_compared_whole_and_as_bytes():

@@ -10,12 +10,9 @@ Anything else is a server error (500, logged with its traceback): `ErrorMappingR
 Starlette's catch-all handler re-raises after answering (uvicorn would log the error twice, and an app
 called in process would raise).
 
-A body (`error_body`; a stream's error event too) carries upstream SGLang's `ErrorResponse` fields at
-the top level, `code` being the HTTP status, and OpenAI's error object beside them, whose `code` says
-what went wrong (the `openai` client reads `body["error"]` when there is one):
-    {"object": "error", "message": str, "type": str, "param": str | None, "code": int,
-     "error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}
-`type` is OpenAI's: "invalid_request_error" for the client's errors, "server_error" for the server's.
+A body (`utils.error_body.error_body`; a stream's error event too) carries upstream SGLang's
+`ErrorResponse` fields at the top level, `code` being the HTTP status, and OpenAI's error object beside
+them.
 """
 
 from __future__ import annotations
@@ -35,26 +32,9 @@ from starlette.exceptions import HTTPException
 from sglang.srt.entrypoints.http_guard import CLIENT_CLOSED
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
+from sglang.srt.utils.error_body import error_body
 
 logger = logging.getLogger(__name__)
-
-
-def error_body(
-    message: str,
-    param: str | None = None,
-    code: Any = None,
-    kind: str = "invalid_request_error",
-    status: int = 400,
-) -> dict:
-    """An error reply's body (see the module's docstring): `status` is the HTTP status it goes with."""
-    return {
-        "object": "error",
-        "message": message,
-        "type": kind,
-        "param": param,
-        "code": status,
-        "error": {"message": message, "type": kind, "param": param, "code": code},
-    }
 
 
 def json_response(content: Any, status_code: int = 200) -> Response:

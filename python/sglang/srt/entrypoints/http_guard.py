@@ -2,6 +2,8 @@
 go away, and each request's route, method and status (for metrics: `HttpObserver`).
 
 `RequestGuard` (ASGI middleware) reads each request body itself, so that
+  - a request without the API key its route asks for (`authorize`: utils.auth.ApiKeyCheck) gets its 401
+    before any of its body is read;
   - a body larger than the limit is refused with 413 before it is read whole (at once when its
     Content-Length says so, else as soon as the bytes read pass the limit);
   - a client that stalls mid-body longer than the read timeout gets 408 and its connection closes;
@@ -21,6 +23,8 @@ from typing import Any, Protocol
 import orjson
 from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from sglang.srt.utils.error_body import error_body
 
 CLIENT_CLOSED = 499
 
@@ -49,8 +53,10 @@ class RequestGuard:
         read_timeout: float,
         on_response: Callable[[int], None] | None = None,
         observer: HttpObserver | None = None,
+        authorize: Callable[[Scope], tuple[int, str, str] | None] | None = None,
     ):
         self.app = app
+        self.authorize = authorize  # None, or (status, message, code) to refuse with
         self.max_body_bytes = max_body_bytes
         self.read_timeout = read_timeout
         self.on_response = on_response
@@ -71,6 +77,10 @@ class RequestGuard:
             self.observer.on_http_done(*route)
 
     async def _guard(self, scope: Scope, receive: Any, send: Any, route: tuple[str, str] | None) -> None:
+        refusal = self.authorize(scope) if self.authorize is not None else None
+        if refusal is not None:
+            await self._refuse(send, *refusal, route)
+            return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
             await self._refuse(send, 413, self._too_large(f"{declared} bytes"), "request_too_large", route)
@@ -122,9 +132,7 @@ class RequestGuard:
     async def _refuse(
         self, send: Any, status: int, message: str, code: str, route: tuple[str, str] | None
     ) -> None:
-        body = orjson.dumps(
-            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-        )
+        body = orjson.dumps(error_body(message, code=code, status=status))
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -6,8 +6,8 @@ kind: native (`http_routes_native`), OpenAI (`http_routes_openai`), weights (`ht
 control (`http_routes_control`); they share a `ServerContext` (`http_context`). Routes raise, and the
 exception handlers of `http_errors` answer: bad input is HTTP 400 naming the field, and no request can
 stop the server (failures are caught per request). Bodies are read, size-checked and timed by
-`http_guard.RequestGuard` before a route sees them; API keys are checked per route level by
-`utils.auth.ApiKeyMiddleware`.
+`http_guard.RequestGuard` before a route sees them, after it has checked the API key the route's level
+asks for (`utils.auth.ApiKeyCheck`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from sglang.srt.environ import envs
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.metrics.collector import MetricsCollector
 from sglang.srt.sampling.model_defaults import model_sampling_defaults
-from sglang.srt.utils.auth import ApiKeyMiddleware
+from sglang.srt.utils.auth import ApiKeyCheck
 
 logger = logging.getLogger(__name__)
 
@@ -114,17 +114,13 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         # The routes themselves, not FastAPI's wrapper of an included router: the API-key middleware
         # and the request guard look a path's route up in app.routes (its level, its template).
         app.router.routes.extend(router.routes)
+    authorize = None
     if server_args.api_key or server_args.admin_api_key:
-        app.add_middleware(
-            ApiKeyMiddleware,
-            routes=app.router.routes,
-            api_key=server_args.api_key,
-            admin_api_key=server_args.admin_api_key,
-        )
-
+        authorize = ApiKeyCheck(app.router.routes, server_args.api_key, server_args.admin_api_key).refusal
     return RequestGuard(
         app,
         max_body_bytes=server_args.request_body_limit,
         read_timeout=envs.SGLANG_HTTP_READ_TIMEOUT.get(),
         observer=metrics,
+        authorize=authorize,
     )

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any, TypeVar
 
-import orjson
 from starlette.routing import Match
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -77,27 +76,27 @@ def route_level(routes: Iterable[Any], scope: dict[str, Any]) -> AuthLevel:
     return level
 
 
-class ApiKeyMiddleware:
-    """ASGI middleware (not Starlette's BaseHTTPMiddleware, which hides client disconnects from
-    streaming routes) refusing a request that lacks the key its route's level asks for."""
+class ApiKeyCheck:
+    """Who may call what (`decide_request_auth` per route level), asked by the request guard before it
+    reads a body: a client without the key gets its 401 at once, whatever body it announced or sends (a
+    body limit's worth of it was read before)."""
 
-    def __init__(self, app: Any, routes: list[Any], api_key: str | None, admin_api_key: str | None):
-        self.app = app
+    def __init__(self, routes: list[Any], api_key: str | None, admin_api_key: str | None):
         self.routes = routes  # the router's list: routes added later are seen too
         self.api_key = api_key
         self.admin_api_key = admin_api_key
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
+    def refusal(self, scope: dict[str, Any]) -> tuple[int, str, str] | None:
+        """None where the request may go on, else (status, message, OpenAI's error code)."""
+        if scope["path"] in OPEN_PATHS:
+            return None
         authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         level = route_level(self.routes, scope)
         status = decide_request_auth(level, authorization, self.api_key, self.admin_api_key)
         if status is None:
-            await self.app(scope, receive, send)
-            return
-        await _refuse(send, status, _refusal_message(status, level, self.admin_api_key))
+            return None
+        code = "forbidden" if status == 403 else "invalid_api_key"
+        return status, _refusal_message(status, level, self.admin_api_key), code
 
 
 def _refusal_message(status: int, level: AuthLevel, admin_api_key: str | None) -> str:
@@ -106,13 +105,3 @@ def _refusal_message(status: int, level: AuthLevel, admin_api_key: str | None) -
     if level is not AuthLevel.NORMAL and admin_api_key:
         return "This route needs the admin API key (--admin-api-key) as Authorization: Bearer ...."
     return "Invalid or missing API key (Authorization: Bearer ...)."
-
-
-async def _refuse(send: Any, status: int, message: str) -> None:
-    code = "forbidden" if status == 403 else "invalid_api_key"
-    body = orjson.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    )
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
