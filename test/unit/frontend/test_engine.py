@@ -76,6 +76,13 @@ def test_generate_batch_and_n(engine):
     assert len(outs) == 3 and len({o["meta_info"]["id"] for o in outs}) == 3
 
 
+def test_a_batch_larger_than_the_http_bound_is_taken(engine):
+    """The HTTP server bounds a request's sequences (--max-samples-per-request, 4,096 by default); the
+    Engine, as upstream's, takes a batch of any size unless the flag is given."""
+    outs = engine.generate(input_ids=[[5, 6]] * 4100, sampling_params={"max_new_tokens": 1})
+    assert len(outs) == 4100 and all(len(o["output_ids"]) == 1 for o in outs)
+
+
 def test_stream_is_cumulative_and_matches_non_stream(engine):
     full = engine.generate(input_ids=[9, 10], sampling_params=GREEDY)
     chunks = list(engine.generate(input_ids=[9, 10], sampling_params=GREEDY, stream=True))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import sys
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
@@ -82,6 +83,10 @@ class Engine:
                 self._launched.model_info,
                 self._launched.failure,
             )
+            if self.server_args.max_samples_per_request is None:
+                # The bound keeps one HTTP client from holding the event loop others share; an Engine's
+                # caller is its only client, and upstream's Engine takes a batch of any size.
+                self.tokenizer_manager.max_samples_per_request = sys.maxsize
             self._run(self.tokenizer_manager.start())
         except BaseException:
             self.shutdown()
