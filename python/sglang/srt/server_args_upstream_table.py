@@ -44,8 +44,8 @@ THEMES: dict[str, str] = {
     "--max-running-requests, --chunked-prefill-size, --max-prefill-tokens and --mamba-scheduler-strategy "
     "(docs/server.md)",
     "serving": "the HTTP front end has no such option (docs/server.md lists its flags); leave it out",
-    "observability": "this observability option is not built (item 3 of issue 60 adds upstream's metric "
-    "names); use --enable-metrics (/metrics), --log-level, --log-requests and --decode-log-interval",
+    "observability": "this observability option is not built; use --enable-metrics (/metrics, with "
+    "upstream's metric names: docs/server.md), --log-level, --log-requests and --decode-log-interval",
     "pd": "this part of prefill/decode disaggregation is not built (issue 56); docs/disaggregation.md lists "
     "the disaggregation flags that work",
     "features": "this feature is not available in this server; leave it out (docs/server.md lists what "
