@@ -1,4 +1,5 @@
-"""OpenAI-compatible request and response models (pydantic), with OpenAI's field names.
+"""OpenAI-compatible request and response models (pydantic), with OpenAI's field names (the responses'
+are defined in `protocol_responses.py` and importable from here, upstream's path).
 
 Requests are validated straight from the JSON body in pydantic's lax mode, as upstream's models are (what
 upstream takes, we take: `5.0` or `"5"` for an integer, `true` for a count of 1; `5.5` or `"five"` is
@@ -9,7 +10,6 @@ Unknown fields are ignored, as OpenAI clients send vendor extensions.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Literal
 
 from pydantic import (
@@ -20,11 +20,28 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
 from sglang.srt.constrained.grammar_spec import json_error
+from sglang.srt.entrypoints.openai.protocol_responses import (  # noqa: F401 - upstream's import path
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.sampling.sampling_params import MAX_N
 
@@ -416,126 +433,3 @@ def _loc_to_param(loc: list[Any]) -> str:
         else:
             out += f".{part}" if out else str(part)
     return out or "body"
-
-
-# ---- responses -------------------------------------------------------------------------------------
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class PromptTokensDetails(_Response):
-    cached_tokens: int = 0
-
-
-class UsageInfo(_Response):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(_Response):
-    content: list[ChatTokenLogprob]
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: str = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class AssistantMessage(_Response):
-    role: str = "assistant"
-    content: str | None = None
-    reasoning_content: str | None = None  # with --reasoning-parser, as upstream
-    tool_calls: list[dict[str, Any]] | None = None  # with --tool-call-parser
-
-
-class ChatChoice(_Response):
-    index: int
-    message: AssistantMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: str = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(_Response):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # a call whole, when its block closes
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        # OpenAI's deltas carry only what changed: no `"role": null` after the first chunk.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatStreamChoice(_Response):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-
-
-class ChatCompletionStreamResponse(_Response):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "sglang"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(_Response):
-    object: str = "list"
-    data: list[ModelCard]
