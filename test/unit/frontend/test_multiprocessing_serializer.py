@@ -14,6 +14,7 @@ import time
 import tracemalloc
 import zipfile
 from collections import OrderedDict
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
@@ -256,3 +257,152 @@ def test_a_tensor_may_not_reach_past_its_storage():
     fits = pickle.dumps(_Reduce(torch._utils._rebuild_tensor_v2, small, 1, (3,), (1,), False, OrderedDict()))
     assert MultiprocessingSerializer.deserialize(fits, trusted=False).shape == (3,)
     assert MultiprocessingSerializer.deserialize(base64.b64encode(fits).decode(), trusted=False).numel() == 3
+
+
+# ---- the classes are names, BUILD is refused, and what the load returns is bounded ------------------
+
+
+def rss_mib(field: str = "VmRSS") -> int:
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1]) >> 10
+
+
+def peak_growth_and_time(fn) -> tuple[int, float]:
+    """The process's peak RSS above its RSS before `fn` (MiB: torch allocates outside tracemalloc's
+    sight), and the seconds `fn` took: deserializing runs on the scheduler thread, so that time is the
+    stall every other request sees."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak, to the current RSS
+    before = rss_mib()
+    start = time.perf_counter()
+    fn()
+    return rss_mib("VmHWM") - before, time.perf_counter() - start
+
+
+class _ReduceWithState(_Reduce):
+    def __init__(self, fn, args, state):
+        super().__init__(fn, *args)
+        self.state = state
+
+    def __reduce__(self):
+        return (self.fn, self.args, self.state)
+
+
+def refused_untrusted(payload: bytes, words: str) -> None:
+    with pytest.raises(UnsafePayloadError, match=words):
+        MultiprocessingSerializer.deserialize(payload, trusted=False)
+
+
+def test_the_tensor_and_storage_classes_cannot_be_called():
+    """The review's payloads: `torch.Tensor(2**28)` (31 bytes) and `UntypedStorage(2**30)` (48 bytes)
+    each allocated 1 GiB. The classes reach a payload as names for the rebuild functions only."""
+    payloads = [
+        pickle.dumps(_Reduce(torch.Tensor, 1 << 28), protocol=2),
+        pickle.dumps(_Reduce(torch.storage.UntypedStorage, 1 << 30), protocol=2),
+        pickle.dumps(_Reduce(torch.storage.TypedStorage, 1 << 28), protocol=2),
+        pickle.dumps(_Reduce(torch.nn.Parameter, _Reduce(torch.Tensor, 1 << 28))),
+    ]
+    for payload in payloads:
+        assert len(payload) < 100
+        growth, took = peak_growth_and_time(lambda p=payload: refused_untrusted(p, "may only name"))
+        # 64 MiB: the refusal allocates nothing of its own (the unpickler's objects are a few KB); the
+        # payloads asked for 1 GiB each. 0.5 s: as the hex chain's bound above (measured: under 1 ms).
+        assert growth < 64 and took < 0.5, (payload, growth, took)
+
+
+def test_build_on_a_tensor_or_on_what_the_payload_names_is_refused():
+    """BUILD calls `Tensor.__setstate__((storage, 0, Size([2**26]), (1,)))`, whose `set_` grew a
+    4-byte storage to 256 MiB past the extent check (492 bytes); BUILD on a class or function the
+    payload names would set its attributes in the server for good."""
+    from sglang.srt.weight_sync import tensor_bucket
+
+    storage = torch.zeros(1)._typed_storage()
+    grown = _ReduceWithState(
+        torch._utils._rebuild_tensor_v2,
+        (storage, 0, (1,), (1,), False, OrderedDict()),
+        (storage, 0, torch.Size([1 << 26]), (1,)),
+    )
+    refused_untrusted(pickle.dumps([("w", grown)], protocol=2), "BUILD")
+    # torch's multiprocessing pickle of an empty tensor (an empty storage, its class named), then BUILD
+    # on that tensor, and on a storage.
+    from torch.multiprocessing.reductions import rebuild_storage_empty
+
+    fn, args = reduce_of(torch.empty(0))
+    for obj in (
+        _ReduceWithState(fn, args, ({},)),
+        _ReduceWithState(rebuild_storage_empty, (torch.UntypedStorage,), {"nbytes": 1}),
+    ):
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump([("w", obj)])
+        refused_untrusted(buf.getvalue(), "BUILD")
+    # b"...N}<name><value>s\x86b": BUILD (None, {name: value}), a slot state, which pickle sets with setattr.
+    cls = b"\x80\x02csglang.srt.weight_sync.tensor_bucket\nFlattenedTensorMetadata\n"
+    fn = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n"
+    for head, name in [(cls, b"numel"), (fn, b"__defaults__")]:
+        payload = head + b"N}X" + len(name).to_bytes(4, "little") + name + b"K\x01\x85s\x86b."
+        with pytest.raises(ValueError):
+            MultiprocessingSerializer.deserialize(payload, trusted=False)
+    assert "numel" not in vars(tensor_bucket.FlattenedTensorMetadata)
+
+
+def reduce_of(tensor: torch.Tensor) -> tuple:
+    """torch's multiprocessing reduction of a CPU tensor: (rebuild_tensor, (class, storage, metadata))."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(tensor)
+
+
+def test_what_the_load_returns_holds_at_most_the_payloads_bytes(monkeypatch):
+    """Whatever grows a storage after its tensor was checked (`set_`, which BUILD reached), the storages
+    the load returns are counted: here a rebuild made to grow each storage to 1 MiB stands in for the
+    next such hole."""
+    from sglang.srt.utils import multiprocessing_serializer as ms
+
+    def growing(storage, offset, size, stride, *rest):
+        t = torch._utils._rebuild_tensor(storage, offset, size, stride)
+        torch.Tensor.untyped_storage(t).resize_(1 << 20)
+        return t
+
+    tensors = [("w", torch.zeros(4)), ("v", torch.zeros(2))]
+    payload = pickle.dumps(tensors)
+    assert same(MultiprocessingSerializer.deserialize(payload, trusted=False), tensors)
+    monkeypatch.setattr(ms.torch._utils, "_rebuild_tensor_v2", growing)
+    with pytest.raises(
+        UnsafePayloadError, match=f"hold 2097152 bytes, more than the payload's own {len(payload)}"
+    ):
+        MultiprocessingSerializer.deserialize(payload, trusted=False)
+    assert len(MultiprocessingSerializer.deserialize(payload, trusted=True)) == 2  # trusted: not counted
+
+
+def test_an_untrusted_cuda_tensor_lies_within_the_storage_its_handle_names():
+    """Without a handle torch makes an empty CUDA storage and grows it to the tensor's size: 4 GiB of the
+    GPU from a 200-byte payload. Refused before anything is rebuilt (here without a GPU too)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    def payload(size, handle, nbytes, stride=(1,), offset=0):
+        args = (torch.Tensor, size, stride, offset, torch.storage.TypedStorage, torch.float32, 0, handle, nbytes,
+                0, False, b"/torch_12_345_6", 16, b"event", False)  # fmt: skip
+        return pickle.dumps([("w", _Reduce(rebuild_cuda_tensor, *args))])
+
+    for size, handle, nbytes, words in [
+        ((1 << 30,), None, 0, "reaches byte 4294967296 of a storage of 0"),
+        ((1 << 30,), b"ipc", 0, "of a storage of 0"),
+        ((3,), b"ipc", 8, "reaches byte 12 of a storage of 8"),
+        ((2,), b"ipc", -8, "byte count"),
+    ]:
+        refused_untrusted(payload(size, handle, nbytes), words)
+    with pytest.raises(ValueError) as e:  # fits: refused only for want of CUDA here
+        MultiprocessingSerializer.deserialize(payload((2,), b"ipc", 8), trusted=False)
+    assert not isinstance(e.value, UnsafePayloadError) or torch.cuda.is_available(), e.value
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+def test_the_tensors_come_back_as_torch_made_them(trusted):
+    """The BUILD guards are the load's: the tensors returned pickle, copy and take state as any other."""
+    tensors = named()
+    payload = pickle.dumps(tensors) if not trusted else MultiprocessingSerializer.serialize(tensors)
+    back = MultiprocessingSerializer.deserialize(payload, trusted=trusted)
+    assert same(back, tensors)
+    for _, t in back:
+        assert "__setstate__" not in vars(t)
+        assert "__setstate__" not in vars(torch.Tensor.untyped_storage(t))
+    assert same(pickle.loads(pickle.dumps(back)), tensors)

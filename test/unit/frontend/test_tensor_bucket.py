@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -115,3 +116,68 @@ def test_the_uuid_patch_leaves_host_tensors_alone_and_is_idempotent(monkeypatch)
         reductions.init_reductions()  # ForkingPickler's registrations back to torch's own
         if hasattr(reductions, "_sglang_uuid_patched"):
             del reductions._sglang_uuid_patched
+
+
+def peak_rss_growth_mib(fn) -> int:
+    """The process's peak RSS above its RSS before `fn` (torch allocates outside tracemalloc's sight)."""
+    status = lambda field: int(  # noqa: E731
+        next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1]
+    )
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak, to the current RSS
+    before = status("VmRSS")
+    fn()
+    return (status("VmHWM") - before) >> 10
+
+
+def test_overlapping_entries_are_refused_before_anything_is_copied():
+    """An entry at an odd byte is copied (a view cannot reinterpret it): 1,000 entries over the same
+    64 KiB of a by-value bucket made 64 MiB; a bucket's entries are disjoint, in any order."""
+    flat = torch.zeros(1 << 16, dtype=torch.uint8)
+    k = ((1 << 16) - 2) // 2
+    entry = FlattenedTensorMetadata("w", torch.Size([k]), torch.float16, 1, 1 + 2 * k, k)
+    wire = pickle.dumps({"flattened_tensor": flat, "metadata": [entry] * 1000})
+
+    def refuse():
+        with pytest.raises(ValueError, match="entries for w and w overlap"):
+            FlattenedTensorBucket.from_payload(MultiprocessingSerializer.deserialize(wire, trusted=False))
+
+    # 16 MiB: the refusal copies nothing (the payload itself is 70 KB); the copies were 64 MiB.
+    assert peak_rss_growth_mib(refuse) < 16
+    tensors = named()
+    bucket = FlattenedTensorBucket(named_tensors=tensors)
+    shuffled = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()[::-1]}
+    out = FlattenedTensorBucket.from_payload(shuffled).reconstruct_tensors()
+    assert {n: t.shape for n, t in out} == {n: t.shape for n, t in tensors}
+
+
+def test_the_reviews_bucket_is_refused_with_bounded_memory():
+    """The review's flattened_bucket: a storage of the class called with a size, four unaligned entries
+    over it (668 bytes made 1 GiB of RSS; here at 32 MiB a storage)."""
+    from torch.multiprocessing import reductions as red
+
+    from sglang.srt.managers.scheduler_components.weight_update import named_tensors_of
+
+    class R:
+        def __init__(self, f, *args):
+            self.f, self.args = f, args
+
+        def __reduce__(self):
+            return (self.f, self.args)
+
+    n = 32 << 20
+    typed = R(red.rebuild_typed_storage, R(torch.storage.UntypedStorage, n), torch.uint8)
+    flat = R(torch._utils._rebuild_tensor_v2, typed, 0, (n,), (1,), False, OrderedDict())
+    k = (n - 2) // 2
+    meta = [
+        FlattenedTensorMetadata(f"w{i}", torch.Size([k]), torch.float16, 1, 1 + 2 * k, k) for i in range(4)
+    ]
+    payload = pickle.dumps({"flattened_tensor": flat, "metadata": meta}, protocol=2)
+    assert len(payload) < 1000
+
+    def refuse():
+        with pytest.raises(ValueError, match="UntypedStorage, which a payload may only name"):
+            named_tensors_of(payload, False, "flattened_bucket")
+
+    # 16 MiB: nothing is allocated for the payload; the review's took 4 x 256 MiB.
+    assert peak_rss_growth_mib(refuse) < 16

@@ -28,6 +28,16 @@ class FlattenedTensorMetadata:
     end_idx: int
     numel: int
 
+    def __setstate__(self, state: Any) -> None:
+        """Pickle's BUILD: this entry's fields, nothing else. (A payload may BUILD whatever it names,
+        this class included, which would set the server's own class attributes.)"""
+        if not (isinstance(state, dict) and state.keys() == _FIELDS):
+            raise ValueError("a FlattenedTensorMetadata's state is its fields")
+        self.__dict__.update(state)
+
+
+_FIELDS = {"name", "shape", "dtype", "start_idx", "end_idx", "numel"}
+
 
 class FlattenedTensorBucket:
     supports_multi_dtypes = True  # (upstream's marker: tensors of several dtypes share a bucket)
@@ -77,7 +87,9 @@ class FlattenedTensorBucket:
     @classmethod
     def from_payload(cls, payload: Any) -> FlattenedTensorBucket:
         """The bucket of a received `{"flattened_tensor", "metadata"}`; ValueError, in one sentence, where
-        the payload is not one or an entry does not lie within the bytes it names."""
+        the payload is not one, an entry does not lie within the bytes it names, or two entries overlap
+        (a bucket's tensors are disjoint: overlapping entries, each unaligned and so copied by
+        `reconstruct_tensors`, would copy the bytes once per entry)."""
         if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
             raise ValueError('a flattened_bucket payload is {"flattened_tensor": ..., "metadata": [...]}')
         flat, metadata = payload["flattened_tensor"], payload["metadata"]
@@ -94,6 +106,12 @@ class FlattenedTensorBucket:
                 raise ValueError(
                     f"its metadata for {m.name} ({m.dtype}, shape {tuple(m.shape)}) does not match bytes "
                     f"[{m.start_idx}, {m.end_idx}) of a {flat.numel()}-byte tensor"
+                )
+        spans = sorted((m.start_idx, m.end_idx, m.name) for m in metadata if m.end_idx > m.start_idx)
+        for (_, end, name), (start, _, other) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise ValueError(
+                    f"its metadata entries for {name} and {other} overlap (a bucket's are disjoint)"
                 )
         return cls(flattened_tensor=flat, metadata=metadata)
 
