@@ -98,6 +98,8 @@ class ServerArgs:
     max_logprobs: int = 20
     # Most logprob entries one request may ask for, over its samples (`logprob_limits`).
     max_logprob_entries_per_request: int = 1 << 18
+    # Most hidden-state floats one request may ask for (return_hidden_states), over its samples.
+    max_hidden_state_floats_per_request: int = 1 << 22
     # Where a chat request's unset sampling fields come from: "model" (the checkpoint's
     # generation_config.json, upstream's default) or "openai" (the API's own defaults).
     sampling_defaults: str = "model"
@@ -538,6 +540,13 @@ class ServerArgs:
             help="Most logprob entries one request may ask for, summed over its samples: input positions "
             "from logprob_start_len x (1 + top logprobs + token_ids_logprob ids), plus max_new_tokens x "
             "(top logprobs + ids); more gets 400.",
+        )
+        g.add_argument(
+            "--max-hidden-state-floats-per-request",
+            type=int,
+            default=default("max_hidden_state_floats_per_request"),
+            help="Most hidden-state floats one request may ask for with return_hidden_states, summed over "
+            "its samples: (input positions + max_new_tokens) x the model's hidden size; more gets 400.",
         )
         g.add_argument(
             "--sampling-defaults",

@@ -114,6 +114,7 @@ def check_basic_flags(args: ServerArgs) -> None:
         ("--max-samples-per-request", args.max_samples_per_request),
         ("--max-logprobs", args.max_logprobs),
         ("--max-logprob-entries-per-request", args.max_logprob_entries_per_request),
+        ("--max-hidden-state-floats-per-request", args.max_hidden_state_floats_per_request),
         ("--cuda-graph-max-bs", args.cuda_graph_max_bs),
         *[("--cuda-graph-bs", bs) for bs in args.cuda_graph_bs or []],
     ]:

@@ -1,4 +1,4 @@
-"""How many logprobs one request may ask for.
+"""How many logprobs, and hidden-state floats, one request may ask for.
 
 A reply's logprobs are one entry per input position from `logprob_start_len` (plus `top_logprobs_num`
 and the `token_ids_logprob` ids at each of them), and `top_logprobs_num` plus those ids at each output
@@ -11,6 +11,13 @@ position, for every sample of the request. Nothing else in a request costs so mu
 - `--max-logprob-entries-per-request`: the entries above, summed over a request's samples (prompts x n)
   (the output positions' own logprob is not counted: one per generated token, it is as big as the
   output ids a reply carries anyway).
+
+`return_hidden_states` (with --enable-return-hidden-states) is the same kind of cost: a hidden state
+(the model's hidden size in floats) per input position and per output token, for every sample; the
+review's 262,142 ids with n = 8 at Qwen3-Next's 2,048 were 4.3 G floats in one reply. It has its own
+bound, `--max-hidden-state-floats-per-request`, in floats: the logprob budget in those units (2**18
+floats) would admit 128 positions at that hidden size, where a float costs the HTTP process less than
+an entry (each position's row becomes a list in one call).
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ DEFAULT_MAX_LOGPROBS = 20
 # event loop) and ~40 bytes of JSON (10 MB), so a request at the bound delays others by a fraction of
 # a second, where the review's 8.2M entries took most of a minute (timings: benchmark/README.md).
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18
+# 2**22 floats (16 MiB as float32): 2,048 positions at Qwen3-Next's hidden size of 2,048, over a
+# request's samples. The HTTP process makes each message's rows lists on its event loop (~30 ns a
+# float) and the reply's ~80 MB of JSON off it, so a reply at the bound stalls other clients ~0.13 s
+# (measured on a loaded 2-core host: test_logprob_bounds.py).
+DEFAULT_MAX_HIDDEN_STATE_FLOATS = 1 << 22
 
 
 class LogprobLimitError(ValueError):
@@ -77,4 +89,24 @@ def check_logprob_entries(reqs: Sequence[TokenizedGenerateReqInput], bound: int)
         f"(--max-logprob-entries-per-request): raise logprob_start_len, or ask for fewer top logprobs, ids, "
         f"tokens or samples.",
         param,
+    )
+
+
+def check_hidden_state_floats(
+    reqs: Sequence[TokenizedGenerateReqInput], hidden_size: int, bound: int
+) -> None:
+    """The hidden-state floats all samples of one request ask for (input positions and up to
+    max_new_tokens outputs, each `hidden_size` floats), against `bound`."""
+    positions = sum(
+        len(r.input_ids) + r.sampling_params.max_new_tokens for r in reqs if r.return_hidden_states
+    )
+    total = positions * hidden_size
+    if total <= bound:
+        return
+    raise LogprobLimitError(
+        f"This request asks for {total} hidden-state floats over its {len(reqs)} samples ({positions} input "
+        f"and output positions x the hidden size {hidden_size}); the server returns at most {bound} per "
+        f"request (--max-hidden-state-floats-per-request): ask for return_hidden_states with a shorter "
+        f"input, fewer tokens or fewer samples.",
+        "return_hidden_states",
     )

@@ -19,9 +19,11 @@ from typing import Any
 from sglang.srt.constrained.grammar_spec import grammar_key
 from sglang.srt.managers.io_struct import BootstrapInfo, GenerateReqInput, TokenizedGenerateReqInput
 from sglang.srt.managers.logprob_limits import (
+    DEFAULT_MAX_HIDDEN_STATE_FLOATS,
     DEFAULT_MAX_LOGPROB_ENTRIES,
     DEFAULT_MAX_LOGPROBS,
     LogprobLimitError,
+    check_hidden_state_floats,
     check_logprob_entries,
     check_logprobs_per_position,
 )
@@ -50,6 +52,8 @@ class RequestLimits:
     custom_logit_processor_enabled: bool = False  # --enable-custom-logit-processor
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs (`logprob_limits`)
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # --max-logprob-entries-per-request
+    hidden_size: int = 0  # the floats of one position's hidden state (return_hidden_states)
+    max_hidden_state_floats: int = DEFAULT_MAX_HIDDEN_STATE_FLOATS  # --max-hidden-state-floats-per-request
 
 
 # Upstream's words for a text prompt sent to a server without a tokenizer.
@@ -363,6 +367,7 @@ def build_requests(
     if len(set(rids)) != len(rids):
         raise RequestError("rid values must be unique within a request.", "rid")
     _check_limit(check_logprob_entries, [r.req for r in out], limits.max_logprob_entries)
+    _check_limit(check_hidden_state_floats, [r.req for r in out], limits.hidden_size, limits.max_hidden_state_floats)
     return out, prompts.is_batch or len(out) > 1
 
 

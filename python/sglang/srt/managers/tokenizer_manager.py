@@ -114,6 +114,10 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             without_tokenizer=self.encoder is None,
             max_logprobs=server_args.max_logprobs,
             max_logprob_entries=server_args.max_logprob_entries_per_request,
+            hidden_size=server_args.model_config.arch.hf_config.hidden_size
+            if server_args.enable_return_hidden_states
+            else 0,
+            max_hidden_state_floats=server_args.max_hidden_state_floats_per_request,
         )
         self.max_samples_per_request = max_samples_per_request(
             server_args.max_samples_per_request, model_info["max_running_requests"]
