@@ -155,6 +155,10 @@ class Envs:
     # (layers/moe/routing_triton.py) and the token bookkeeping around the grouped GEMMs in three
     # (layers/moe/dispatch_triton.py).
     SGLANG_GPU_MOE_BACKEND = EnvStr("auto", "GPU MoE routing and dispatch: auto, torch or triton.")
+    # Routed experts of a block-FP8 checkpoint (or --quantization fp8): auto = kept FP8 on CUDA (1 byte a
+    # weight, `fused_moe_fp8_triton.py`), dequantized at load elsewhere; fp8 keeps them FP8 on any device
+    # (on CPU the kernels' torch twin runs them: tests); dequantize dequantizes them everywhere.
+    SGLANG_FP8_EXPERTS = EnvStr("auto", "Block-FP8 routed experts: auto, fp8 or dequantize.")
     # CPU rotary embedding of float32 q/k: auto = one sgl-kernel C++ call where built, else the torch ops.
     SGLANG_CPU_ROPE_BACKEND = EnvStr("auto", "CPU rotary embedding: auto, torch or cpp.")
     # CPU sampling of float32 logits (with or without top-k / top-p / min-p cuts): auto = one sgl-kernel

@@ -99,7 +99,7 @@ def test_the_stream_pairs_weights_with_scales_in_any_order():
     # The seam for layers that keep FP8 themselves: their pairs pass as they are.
     pairs = [("a.weight_scale_inv", s), ("a.weight", q)]
     kept = list(fp8_checkpoint_stream(pairs, cfg, lambda n: n == "a.weight"))
-    assert [n for n, _ in kept] == ["a.weight", "a.weight_scale_inv"] and kept[0][1].dtype == FP8_DTYPE
+    assert [n for n, _ in kept] == ["a.weight"] and kept[0][1].weight is q and kept[0][1].scale_inv is s
 
 
 def test_fp8_linear_forward_is_the_dequantized_weight_times_the_input():

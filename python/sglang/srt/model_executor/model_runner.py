@@ -33,6 +33,7 @@ from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
 from sglang.srt.layers.attention.mamba.short_conv_backend import ShortConvAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.logits_processor import HiddenRows, LogitsProcessor, TopLogprobs
+from sglang.srt.layers.quantization.fp8 import FP8_DTYPE
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
 from sglang.srt.mem_cache.pool_sizing import PoolSizes, check_weights_fit, compute_pool_sizes
@@ -269,6 +270,13 @@ class ModelRunner:
                 param = params.get(name)
                 if param is not None and tensor.dtype not in WEIGHT_DTYPES:
                     raise ValueError(f"tensor {name} is {tensor.dtype}, not a float16/32/64 or bfloat16 one")
+                if param is not None and param.dtype == FP8_DTYPE:
+                    # copy_ would cast the values to float8 and leave the block scales as they were.
+                    raise ValueError(
+                        f"parameter {name} holds block-FP8 weights with their scales, which load_format "
+                        '"direct" cannot write; send the checkpoint\'s names (no load_format), which are '
+                        "quantized as they load"
+                    )
                 if param is not None and tuple(param.shape) != tuple(tensor.shape):
                     shapes = f"{tuple(tensor.shape)}; the parameter's is {tuple(param.shape)}"
                     raise ValueError(f"tensor {name} has shape {shapes}")

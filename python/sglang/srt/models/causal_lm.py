@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.attention.kv_scales import KVScaleLoader
-from sglang.srt.layers.quantization.fp8 import Fp8Config, fp8_checkpoint_stream
+from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8Weight, fp8_checkpoint_stream
 from sglang.srt.models.loader import WeightLoader
 
 
@@ -70,11 +70,17 @@ class HybridCausalLM(nn.Module):
         kv_scales = KVScaleLoader(self)  # float8 KV cache scales go to their attention layers
         skipped = []  # (an update's names the model does not serve, told to its client)
         if self.quant_config is not None:
-            weights = fp8_checkpoint_stream(weights, self.quant_config)
+            # FP8 experts take their pairs as they are (`Fp8Weight`); everything else arrives dequantized.
+            keep = lambda n: loader.keeps_fp8(self.checkpoint_name(n))  # noqa: E731
+            weights = fp8_checkpoint_stream(weights, self.quant_config, keep if loader.fp8_experts else None)
         for name, tensor in weights:
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
             if tied_head or name.startswith(self.skip_prefixes):
                 skipped.append(name)
+                continue
+            if isinstance(tensor, Fp8Weight):
+                target = self.checkpoint_name(name)
+                loader.load(target, tensor.scaled(self.folded_scale(target)))
                 continue
             if kv_scales.take(self.checkpoint_name(name), tensor):
                 continue

@@ -2,7 +2,8 @@
 listed by `model.safetensors.index.json`.
 
 Names are the checkpoint's own. Per-expert weights (`...experts.E.{gate,up,down}_proj.weight`) go into
-the stacked expert tensors; a tensor the model stacks into a fused parameter (Qwen3.5's split input
+the stacked expert tensors (FP8 experts, `fp8_experts.py`: a checkpoint's FP8 weight with its scales as
+one `Fp8Weight`, copied as it is; a dense one quantized); a tensor the model stacks into a fused parameter (Qwen3.5's split input
 projections) goes into its block of rows (`load_rows`); every other tensor must match a parameter by
 name and shape. A parameter the checkpoint does not provide, wholly, is an error (a silently random
 weight would serve garbage).
@@ -21,7 +22,8 @@ from safetensors import safe_open
 from torch import nn
 
 from sglang.srt.layers.moe.experts import RoutedExperts
-from sglang.srt.layers.quantization.fp8 import SCALE_SUFFIX, Fp8BlockLinear
+from sglang.srt.layers.quantization.fp8 import SCALE_SUFFIX, Fp8BlockLinear, Fp8Weight
+from sglang.srt.layers.quantization.fp8_experts import SCALE_NAME, Fp8ExpertPieces
 
 logger = logging.getLogger(__name__)
 
@@ -66,20 +68,46 @@ class WeightLoader:
         # FP8 linears (CUDA) by their weight's name: a dense tensor for one is quantized into its weight
         # and scales (FP8 checkpoint tensors arrive dequantized: `fp8_checkpoint_stream`).
         self.fp8 = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
+        # FP8 experts by module name, and their stacked parameters (w13, w2) by name.
+        self.fp8_experts = {n: Fp8ExpertPieces(m, n) for n, m in self.experts.items() if m.fp8}
+        self.fp8_stacked = {f"{n}.{a}": (p, a) for n, p in self.fp8_experts.items() for a in ("w13", "w2")}
         self.loaded: set[str] = set()
         self.expert_pieces: dict[str, set[tuple[int, str]]] = {name: set() for name in self.experts}
         self.row_blocks: dict[str, list[tuple[int, int, str]]] = {}  # param -> (start, stop, source)
         self.unused: list[str] = []
 
-    def load(self, name: str, tensor: torch.Tensor) -> None:
+    def keeps_fp8(self, name: str) -> bool:
+        """Whether the parameter or expert weight `name` (our name) takes a checkpoint's FP8 weight and
+        scales as they are (`fp8_checkpoint_stream`'s `keep_fp8`)."""
         match = _EXPERT_KEY.match(name)
-        if (match and match["module"] in self.experts) or name in self.params:
+        return match["module"] in self.fp8_experts if match else name in self.fp8_stacked
+
+    def load(self, name: str, tensor: torch.Tensor | Fp8Weight) -> None:
+        match = _EXPERT_KEY.match(name)
+        module = match["module"] if match and match["module"] in self.experts else None
+        fp8_piece = isinstance(tensor, Fp8Weight)
+        if not fp8_piece and (module is not None or name in self.params):
             _check_unquantized(name, tensor)
-        if match and match["module"] in self.experts:
+        if module is not None:
             expert, shard = int(match["expert"]), match["shard"]
-            self._copy(self.experts[match["module"]].expert_weight_rows(expert, shard, tensor), tensor)
-            self.expert_pieces[match["module"]].add((expert, shard))
+            pieces = self.fp8_experts.get(module)
+            if pieces is not None:
+                piece = tensor if fp8_piece else pieces.quantized(tensor.to(pieces.experts.w13.device))
+                for target, source in pieces.copies(expert, shard, piece):
+                    self._copy(target, source)
+            else:
+                self._copy(self.experts[module].expert_weight_rows(expert, shard, tensor), tensor)
+            self.expert_pieces[module].add((expert, shard))
             return
+        if name in self.fp8_stacked:
+            pieces, attr = self.fp8_stacked[name]
+            piece = tensor if fp8_piece else pieces.quantized(tensor.to(pieces.experts.w13.device))
+            for target, source in pieces.whole(attr, piece):
+                self._copy(target, source)
+            self.loaded |= {name, name + SCALE_NAME}
+            return
+        if fp8_piece:
+            raise ValueError(f"Checkpoint tensor {name} came in FP8 for a parameter that is not.")
         param = self.params.get(name)
         if param is None:
             self.unused.append(name)
@@ -145,6 +173,8 @@ class WeightLoader:
             shards = ("gate", "up", "down") if module.gated else ("up", "down")
             if len(self.expert_pieces[name]) == module.num_experts * len(shards):
                 self.loaded |= {f"{name}.w13", f"{name}.w2"}
+                if module.fp8:
+                    self.loaded |= {f"{name}.w13{SCALE_NAME}", f"{name}.w2{SCALE_NAME}"}
         missing = sorted(set(self.params) - self.loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -156,10 +186,13 @@ class WeightLoader:
                 self.unused[0],
             )
 
-
     def _finish_update(self) -> None:
         """Copy an update's tensors, every one of which fitted (`load` raised otherwise). Those no
         parameter takes stay in `unused`, for the reply to name (upstream ignores them silently)."""
+        for pieces in self.fp8_experts.values():
+            why = pieces.unpaired()
+            if why is not None:
+                raise ValueError(why)
         with torch.no_grad():
             for target, tensor in self.copies:
                 target.copy_(tensor)

@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.quantization import quant_config_of
-from sglang.srt.layers.quantization.fp8 import FP8_DTYPE, SCALE_SUFFIX, swap_fp8_linears
+from sglang.srt.layers.quantization.fp8 import (
+    FP8_DTYPE,
+    SCALE_SUFFIX,
+    Fp8Layout,
+    fp8_layout,
+    swap_fp8_linears,
+)
+from sglang.srt.layers.quantization.fp8_experts import swap_fp8_experts
 from sglang.srt.models.loader import iter_checkpoint
 
 # architecture name -> (module, class); imported on first use.
@@ -39,22 +46,15 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
     )
 
 
-def load_model(hf_config: Any, path: str, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+def load_model(
+    hf_config: Any, path: str, dtype: torch.dtype, device: str | torch.device, fp8: Fp8Layout | None = None
+) -> nn.Module:
     """Build the model for `hf_config` in `dtype` on `device` and load the checkpoint at `path`.
 
     The model is built on the meta device and each parameter is then allocated once, in its serving
     dtype on `device`, for the checkpoint to fill: no random initialisation and no float32 copy first
     (an 80B model in bfloat16 never needs twice its memory on the host)."""
-    quant = quant_config_of(hf_config)
-    with torch.device("meta"):
-        model = get_model_class(hf_config)(hf_config)
-        if quant is not None and torch.device(device).type == "cuda":
-            # FP8 linears on CUDA (the block GEMM); on CPU the weights load dequantized (`fp8.py`).
-            ignored = {
-                model.checkpoint_name(m + ".weight").removesuffix(".weight") for m in quant.ignored_layers
-            }
-            swap_fp8_linears(model, quant, model.fp8_dense_modules, ignored)
-    model.quant_config = quant
+    model = build_meta_model(hf_config, device, fp8)
     materialize(model, dtype, torch.device(device))
     model.load_weights(iter_checkpoint(path))
     # Children first: a module's own step may read what its children's made (a decoder layer's fused
@@ -65,21 +65,41 @@ def load_model(hf_config: Any, path: str, dtype: torch.dtype, device: str | torc
     return model.eval().requires_grad_(False)
 
 
+def build_meta_model(hf_config: Any, device: str | torch.device, fp8: Fp8Layout | None = None) -> nn.Module:
+    """The model for `hf_config` on the meta device, laid out as it serves on `device`: an FP8
+    checkpoint's layout is the device's (`fp8_layout`: FP8 linears on CUDA, FP8 experts where
+    SGLANG_FP8_EXPERTS says; what stays dense loads dequantized), unless `fp8` says otherwise (tests:
+    CUDA's on the CPU). The memory planner counts this model's parameters (`weight_bytes.py`)."""
+    quant = quant_config_of(hf_config)
+    layout = fp8_layout(quant, device) if fp8 is None or quant is None else fp8
+    with torch.device("meta"):
+        model = get_model_class(hf_config)(hf_config)
+        if layout is not None:
+            ignored = fp8_ignored_modules(model, quant)
+            if layout.linears:
+                swap_fp8_linears(model, quant, model.fp8_dense_modules, ignored)
+            if layout.experts:
+                swap_fp8_experts(model, quant, ignored)
+    model.quant_config = quant
+    return model
+
+
+def fp8_ignored_modules(model: nn.Module, quant: Any) -> set[str]:
+    """The checkpoint's unquantized modules (`modules_to_not_convert`) in the model's names."""
+    return {model.checkpoint_name(m + ".weight").removesuffix(".weight") for m in quant.ignored_layers}
+
+
 def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Replace every meta parameter by an uninitialised one in `dtype` (float32 for the model's
     `fp32_param_suffixes`) on `device`, keeping tied parameters tied; buffers (computed at construction,
     on the host) are copied to `device` as they are."""
-    keep_fp32 = getattr(model, "fp32_param_suffixes", ())
     made: dict[int, nn.Parameter] = {}
     for prefix, module in model.named_modules():
         for name, param in list(module._parameters.items()):
             if param is None:
                 continue
             if id(param) not in made:
-                full = f"{prefix}.{name}" if prefix else name
-                dt = torch.float32 if keep_fp32 and full.endswith(keep_fp32) else dtype
-                if param.dtype == FP8_DTYPE or full.endswith(SCALE_SUFFIX):
-                    dt = param.dtype  # an FP8 linear's weight and its float32 block scales
+                dt = served_dtype(model, f"{prefix}.{name}" if prefix else name, param, dtype)
                 made[id(param)] = nn.Parameter(
                     torch.empty(param.shape, dtype=dt, device=device), requires_grad=False
                 )
@@ -92,3 +112,12 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
                     f"Buffer {prefix}.{name} was built on the meta device; build it on the host."
                 )
             module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device).copy_(buf)
+
+
+def served_dtype(model: nn.Module, name: str, param: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter `name` is served in: `dtype`, float32 for the model's `fp32_param_suffixes`,
+    its own for FP8 weights and their float32 block scales."""
+    if param.dtype == FP8_DTYPE or name.endswith(SCALE_SUFFIX):
+        return param.dtype
+    keep_fp32 = tuple(getattr(model, "fp32_param_suffixes", ()))
+    return torch.float32 if keep_fp32 and name.endswith(keep_fp32) else dtype

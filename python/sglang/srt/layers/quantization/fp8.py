@@ -18,8 +18,10 @@ Where the weights are computed with:
   instructions), so one would dequantize too.
 - CUDA: the quantizable `nn.Linear`s become `Fp8BlockLinear`s before loading (`swap_fp8_linears`),
   holding FP8 weights and their scales; their forward calls `fp8_kernel.w8a8_block_fp8_matmul` where
-  that module imports, else dequantizes and multiplies. MoE experts are dequantized into their
-  bf16 stacked weights on every device for now (the FP8 experts' seam: `RoutedExperts`).
+  that module imports, else dequantizes and multiplies. The routed experts stay FP8 as published
+  (`fp8_experts.py`: w13 / w2 float8_e4m3fn with their block scales, run by
+  `fused_moe_fp8_triton.py`); `SGLANG_FP8_EXPERTS` chooses their layout on any device
+  (`fp8_layout`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,47 @@ _KEEP = re.compile(
     r"(^|\.)(lm_head|embed_tokens|embeddings?|[\w]*norm[\w]*|conv1d|conv|in_proj_ba|in_proj_a|in_proj_b"
     r"|shared_expert_gate|gate|router\.layer|router)$"
 )
+
+
+class Fp8Weight(NamedTuple):
+    """A checkpoint's FP8 weight with its block scales, as a layer that stores FP8 loads it."""
+
+    weight: torch.Tensor  # float8_e4m3fn [..., out, in]
+    scale_inv: torch.Tensor  # float32 [..., ceil(out / b0), ceil(in / b1)]
+
+    def scaled(self, factor: float | torch.Tensor | None) -> Fp8Weight:
+        """The weight times `factor` (a model's folded multiplier): a number folds into every block's
+        scale; a per-row tensor cannot (rows share a scale), ValueError."""
+        if factor is None:
+            return self
+        if isinstance(factor, torch.Tensor) and factor.numel() != 1:
+            raise ValueError("A per-row multiplier cannot fold into FP8 block scales.")
+        return Fp8Weight(self.weight, self.scale_inv * float(factor))
+
+
+@dataclass(frozen=True)
+class Fp8Layout:
+    """Which modules hold FP8 on a device: the quantizable linears (`Fp8BlockLinear`, CUDA) and the
+    routed experts (`fp8_experts.py`)."""
+
+    linears: bool
+    experts: bool
+
+
+def fp8_layout(config: Fp8Config | None, device: str | torch.device) -> Fp8Layout | None:
+    """The FP8 layout of a model loaded with `config` on `device`, or None (no FP8 anywhere). Experts:
+    `SGLANG_FP8_EXPERTS` auto = FP8 on CUDA, dequantized elsewhere (the CPU's C++ op takes float
+    weights); fp8 = FP8 on any device (on CPU the experts run `fused_experts_fp8_torch`: tests);
+    dequantize = dequantized everywhere."""
+    from sglang.srt.environ import envs
+
+    if config is None:
+        return None
+    cuda = torch.device(device).type == "cuda"
+    choice = envs.SGLANG_FP8_EXPERTS.get().strip().lower()
+    if choice not in ("auto", "fp8", "dequantize"):
+        raise ValueError(f"SGLANG_FP8_EXPERTS must be auto, fp8 or dequantize, got {choice!r}.")
+    return Fp8Layout(linears=cuda, experts=choice == "fp8" or (choice == "auto" and cuda))
 
 
 class Fp8ConfigError(ValueError):
@@ -175,15 +218,16 @@ def fp8_checkpoint_stream(
     weights: Iterable[tuple[str, torch.Tensor]],
     config: Fp8Config,
     keep_fp8: Callable[[str], bool] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
     """The checkpoint's tensors with each FP8 `X.weight` and its `X.weight_scale_inv` given as one float32
     `X.weight` (dequantized), in whatever order they come; others unchanged. An online config
     (`--quantization fp8`) passes each quantizable tensor through the FP8 grid instead, so the values
     served are those an FP8 checkpoint of it would hold. ValueError where a weight and its scale do not
     pair up.
 
-    `keep_fp8(name)`: the seam for layers that store FP8 themselves (the FP8 experts on CUDA): a pair whose
-    weight name it accepts is given as it is, the weight and then its scale, both checkpoint-named."""
+    `keep_fp8(name)`: the seam for layers that store FP8 themselves (the FP8 experts): a pair whose
+    weight name it accepts is given as it is, as one `Fp8Weight` under the weight's name; online, such a
+    tensor is given quantized the same way."""
     pending: dict[str, torch.Tensor] = {}  # a weight waiting for its scale, or a scale for its weight
     for name, tensor in weights:
         if name.endswith(".weight" + SCALE_SUFFIX):
@@ -193,6 +237,9 @@ def fp8_checkpoint_stream(
         else:
             if not config.is_checkpoint_fp8_serialized and quantizable_by_default(name, tensor):
                 q, s = quantize_block_fp8(tensor, config.weight_block_size)
+                if keep_fp8 is not None and keep_fp8(name):
+                    yield name, Fp8Weight(q, s)
+                    continue
                 tensor = dequantize_block_fp8(q, s, config.weight_block_size)
             yield name, tensor
             continue
@@ -206,8 +253,7 @@ def fp8_checkpoint_stream(
                 f"Checkpoint tensor {base} is {weight.dtype}, yet it has a {base}{SCALE_SUFFIX}."
             )
         if keep_fp8 is not None and keep_fp8(base):
-            yield base, weight
-            yield base + SCALE_SUFFIX, scale
+            yield base, Fp8Weight(weight, scale)
             continue
         yield base, dequantize_block_fp8(weight, scale, config.weight_block_size)
     if pending:
