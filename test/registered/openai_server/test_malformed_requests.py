@@ -415,6 +415,24 @@ class TestMalformedRequests(ServerTestCase):
         self.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
         self.assertLess(time.monotonic() - start, 2.0)  # a bystander right after: served as usual
 
+    def test_a_tensor_class_called_with_a_size_is_refused_at_once(self) -> None:
+        """The review's second round: `torch.Tensor(2**28)` (31 bytes) and `UntypedStorage(2**30)` (48,
+        the start of its 668-byte flattened_bucket) each allocated 1 GiB in the scheduler."""
+        for payload, load_format in [
+            (b"\x80\x02ctorch\nTensor\nJ\x00\x00\x00\x10\x85R.", None),
+            (b"\x80\x02ctorch.storage\nUntypedStorage\nJ\x00\x00\x00\x40\x85R.", "flattened_bucket"),
+        ]:
+            body = {"serialized_named_tensors": [base64.b64encode(payload).decode()], "load_format": load_format}
+            start = time.monotonic()
+            r = self.post("/update_weights_from_tensor", body)
+            took = time.monotonic() - start
+            self.assertEqual(r.status_code, 400, r.text)
+            self.assertIn("which a payload may only name", r.json()["message"])
+            self.assertLess(took, 2.0)  # as above: the refusal itself is under a millisecond
+        start = time.monotonic()
+        self.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+        self.assertLess(time.monotonic() - start, 2.0)  # a bystander right after: served as usual
+
     def test_a_maximal_logprob_request_beside_a_bystander(self) -> None:
         """The largest request --max-logprob-entries-per-request admits here (three samples of top 20 over
         4,000 input positions: 252,060 entries, a ~10 MB reply) while another client generates."""
