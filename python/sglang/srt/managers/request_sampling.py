@@ -15,7 +15,7 @@ from sglang.srt.managers.request_error import RequestError
 from sglang.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.request_validation import RequestLimits
+    from sglang.srt.managers.request_limits import RequestLimits
 
 # Without an explicit max_new_tokens, a request generates at most this many tokens (SGLang's default),
 # fewer if the context ends first.

@@ -19,15 +19,13 @@ from typing import Any
 from sglang.srt.constrained.grammar_spec import grammar_key
 from sglang.srt.managers.io_struct import BootstrapInfo, GenerateReqInput, TokenizedGenerateReqInput
 from sglang.srt.managers.logprob_limits import (
-    DEFAULT_MAX_HIDDEN_STATE_FLOATS,
-    DEFAULT_MAX_LOGPROB_ENTRIES,
-    DEFAULT_MAX_LOGPROBS,
     LogprobLimitError,
     check_hidden_state_floats,
     check_logprob_entries,
     check_logprobs_per_position,
 )
 from sglang.srt.managers.request_error import RequestError
+from sglang.srt.managers.request_limits import RequestLimits
 from sglang.srt.managers.request_sampling import PromptSamplingParams
 from sglang.srt.managers.text_encoder import Encoded, encode_texts
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -37,23 +35,6 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 # holds its event loop up to ~0.65 s (docs/server.md, "Limits"); upstream's own batches (its radix-cache kit's 401 prompts, the offline
 # throughput bench's 1,000) fit.
 DEFAULT_MAX_SAMPLES = 4096
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    context_len: int
-    max_req_input_len: int
-    vocab_size: int
-    # --enable-return-hidden-states (and no PD disaggregation: the prompt's states would stay on the
-    # prefill server): None, or why a request cannot have them.
-    hidden_states_refused: str | None = None
-    # --skip-tokenizer-init: the server holds no tokenizer, so whatever needs one is refused by name.
-    without_tokenizer: bool = False
-    custom_logit_processor_enabled: bool = False  # --enable-custom-logit-processor
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs (`logprob_limits`)
-    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # --max-logprob-entries-per-request
-    hidden_size: int = 0  # the floats of one position's hidden state (return_hidden_states)
-    max_hidden_state_floats: int = DEFAULT_MAX_HIDDEN_STATE_FLOATS  # --max-hidden-state-floats-per-request
 
 
 # Upstream's words for a text prompt sent to a server without a tokenizer.

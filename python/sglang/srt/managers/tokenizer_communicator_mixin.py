@@ -5,7 +5,7 @@ and goes to the scheduler as a control call (`TokenizerManager._control`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sglang.srt.managers.io_struct import (
     DestroyWeightsUpdateGroupReqInput,
@@ -27,10 +27,13 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.request_validation import RequestError
 
-if TYPE_CHECKING:
-    from sglang.srt.managers.tokenizer_manager import DisconnectCheck
-
 CONTROL_TIMEOUT_S = 30.0
+
+
+class DisconnectCheck(Protocol):
+    """What a call can ask of the HTTP request it serves (a Starlette `Request`)."""
+
+    async def is_disconnected(self) -> bool: ...
 
 
 class TokenizerCommunicatorMixin:

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -56,7 +56,11 @@ from sglang.srt.managers.request_validation import (
     parse_prompts,
 )
 from sglang.srt.managers.text_encoder import TextEncoder
-from sglang.srt.managers.tokenizer_communicator_mixin import CONTROL_TIMEOUT_S, TokenizerCommunicatorMixin
+from sglang.srt.managers.tokenizer_communicator_mixin import (
+    CONTROL_TIMEOUT_S,
+    DisconnectCheck,
+    TokenizerCommunicatorMixin,
+)
 from sglang.srt.managers.tokenizer_output import ReqState
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -78,10 +82,6 @@ class ServerAbortError(Exception):
         self.status_code = status_code
         self.message = message
         self.param = param  # the request's field at fault, for a 4xx
-
-
-class DisconnectCheck(Protocol):
-    async def is_disconnected(self) -> bool: ...
 
 
 class TokenizerManager(TokenizerCommunicatorMixin):

@@ -1,0 +1,30 @@
+"""`RequestLimits`: what the server bounds a request by (its model's sizes and the flags), as the request
+checks (`request_validation`, `request_sampling`, `logprob_limits`) read them. Its own module, below those
+that read it, so that they import it without importing each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang.srt.managers.logprob_limits import (
+    DEFAULT_MAX_HIDDEN_STATE_FLOATS,
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    DEFAULT_MAX_LOGPROBS,
+)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    context_len: int
+    max_req_input_len: int
+    vocab_size: int
+    # --enable-return-hidden-states (and no PD disaggregation: the prompt's states would stay on the
+    # prefill server): None, or why a request cannot have them.
+    hidden_states_refused: str | None = None
+    # --skip-tokenizer-init: the server holds no tokenizer, so whatever needs one is refused by name.
+    without_tokenizer: bool = False
+    custom_logit_processor_enabled: bool = False  # --enable-custom-logit-processor
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs (`logprob_limits`)
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # --max-logprob-entries-per-request
+    hidden_size: int = 0  # the floats of one position's hidden state (return_hidden_states)
+    max_hidden_state_floats: int = DEFAULT_MAX_HIDDEN_STATE_FLOATS  # --max-hidden-state-floats-per-request
