@@ -12,12 +12,8 @@ import pytest
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.server_args import (
-    MAMBA_SCHEDULER_STRATEGY_CHOICES,
-    ServerArgs,
-    ServerArgsError,
-    prepare_server_args,
-)
+from sglang.srt.server_args import ServerArgs, ServerArgsError, prepare_server_args
+from sglang.srt.server_args_checks import MAMBA_SCHEDULER_STRATEGY_CHOICES
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="per-commit-cpu")
