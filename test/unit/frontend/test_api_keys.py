@@ -5,21 +5,17 @@ key; keys are compared whole, in constant time, whatever bytes a header holds.""
 
 from __future__ import annotations
 
-import asyncio
-
 import orjson
 import pytest
 
-from sglang.srt.entrypoints.http_server import create_app
-from sglang.srt.managers.io_struct import PortArgs
-from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+from sglang.test.app_harness import build_app
+from sglang.test.app_harness import request as harness_request
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
-MODEL_INFO = {"context_len": 4096, "max_req_input_len": 4095, "vocab_size": 512, "max_running_requests": 8}
 USER, ADMIN = "user-key", "admin-key"
 ADMIN_ROUTES = {
     "/update_weights_from_disk",
@@ -44,15 +40,9 @@ NORMAL_ROUTES = {
 }
 
 
-async def unanswered(req, reply_type, timeout):
-    raise TimeoutError("The scheduler did not answer.")  # a route that got past the keys answers 503
-
-
 def build(api_key: str | None, admin_api_key: str | None):
-    args = ServerArgs(model_path="tiny-qwen3-next", api_key=api_key, admin_api_key=admin_api_key)
-    tm = TokenizerManager(args, PortArgs.init_new(), MODEL_INFO)
-    tm._control = unanswered
-    return create_app(args, tm, MODEL_INFO), tm
+    # a route that got past the keys answers 503: no scheduler answers its control request
+    return build_app(api_key=api_key, admin_api_key=admin_api_key, control_unanswered=True)
 
 
 @pytest.fixture(scope="module")
@@ -73,26 +63,10 @@ def request(
 ) -> tuple[int, bytes]:
     """The status and body of the reply to `method path` with `body` and `Authorization: Bearer key`;
     `reads` collects each message the app receives."""
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-length", str(len(body)).encode())]
     if key is not None:
         headers.append((b"authorization", b"Bearer " + (key if isinstance(key, bytes) else key.encode())))
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
-    sent = []
-
-    async def receive():
-        message = {"type": "http.request", "body": body, "more_body": False}
-        if reads is not None:
-            reads.append(message)
-        return message
-
-    async def send(message):
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return harness_request(app, method, path, body, headers, reads)
 
 
 def test_the_management_routes_are_admin_and_no_other(apps):

@@ -13,49 +13,19 @@ import orjson
 import pytest
 
 from sglang.srt.entrypoints.http_errors import error_body
-from sglang.srt.entrypoints.http_server import create_app
 from sglang.srt.entrypoints.openai.serving_base import sse_stream
-from sglang.srt.managers.io_struct import PortArgs
-from sglang.srt.managers.tokenizer_manager import ServerAbortError, TokenizerManager
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.managers.tokenizer_manager import ServerAbortError
+from sglang.test.app_harness import request_json, served_app
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
-MODEL_INFO = {"context_len": 4096, "max_req_input_len": 4095, "vocab_size": 512, "max_running_requests": 8}
-
-
-async def unanswered(req, reply_type, timeout):
-    raise TimeoutError("The scheduler did not answer.")
-
 
 @pytest.fixture(scope="module")
 def served():
-    args = ServerArgs(model_path="tiny-qwen3-next")
-    tm = TokenizerManager(args, PortArgs.init_new(), MODEL_INFO)
-    tm._control = unanswered  # control routes answer 503 (no scheduler here)
-    yield create_app(args, tm, MODEL_INFO), tm
-    tm.encoder.close()
-
-
-def call(app, method: str, path: str, body: bytes = b"{}") -> tuple[int, dict]:
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}  # fmt: skip
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    return status, orjson.loads(
-        b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    )
+    # control routes answer 503 (no scheduler here)
+    with served_app(control_unanswered=True) as (app, tm):
+        yield app, tm
 
 
 def assert_upstream_shape(status: int, body: dict, param: str | None, kind: str) -> None:
@@ -70,29 +40,29 @@ def assert_upstream_shape(status: int, body: dict, param: str | None, kind: str)
 
 def test_request_errors_on_generate_and_the_openai_routes(served):
     app, _ = served
-    status, body = call(app, "POST", "/generate", b"{not json}")
+    status, body = request_json(app, "POST", "/generate", b"{not json}")
     assert status == 400
     assert_upstream_shape(status, body, None, "invalid_request_error")
     assert body["error"]["code"] == "invalid_json"  # OpenAI's code stays a string in the nested object
-    status, body = call(app, "POST", "/generate", orjson.dumps({"input_ids": [1, -5]}))
+    status, body = request_json(app, "POST", "/generate", orjson.dumps({"input_ids": [1, -5]}))
     assert status == 400
     assert_upstream_shape(status, body, "input_ids", "invalid_request_error")
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
-    status, body = call(app, "POST", "/v1/chat/completions", orjson.dumps(chat))
+    status, body = request_json(app, "POST", "/v1/chat/completions", orjson.dumps(chat))
     assert status == 400
     assert_upstream_shape(status, body, "max_tokens", "invalid_request_error")
-    status, body = call(app, "POST", "/v1/completions", orjson.dumps({"model": "m"}))
+    status, body = request_json(app, "POST", "/v1/completions", orjson.dumps({"model": "m"}))
     assert status == 400
     assert_upstream_shape(status, body, "prompt", "invalid_request_error")
 
 
 def test_server_errors_carry_their_status(served, monkeypatch):
     app, tm = served
-    status, body = call(app, "POST", "/flush_cache")  # the scheduler did not answer
+    status, body = request_json(app, "POST", "/flush_cache")  # the scheduler did not answer
     assert status == 503
     assert_upstream_shape(status, body, None, "server_error")
     assert body["error"]["code"] == "timeout"
-    status, body = call(app, "GET", "/no_such_route")
+    status, body = request_json(app, "GET", "/no_such_route")
     assert status == 404 and body["object"] == "error" and body["code"] == 404, body
 
     def failing(error: Exception):
@@ -106,11 +76,11 @@ def test_server_errors_carry_their_status(served, monkeypatch):
     monkeypatch.setattr(
         tm, "generate_request", failing(ServerAbortError(503, "Request waiting timeout reached."))
     )
-    status, body = call(app, "POST", "/generate", orjson.dumps({"input_ids": [1, 2]}))
+    status, body = request_json(app, "POST", "/generate", orjson.dumps({"input_ids": [1, 2]}))
     assert status == 503
     assert_upstream_shape(status, body, None, "server_error")
     monkeypatch.setattr(tm, "generate_request", failing(RuntimeError("boom")))
-    status, body = call(app, "POST", "/generate", orjson.dumps({"input_ids": [1, 2]}))
+    status, body = request_json(app, "POST", "/generate", orjson.dumps({"input_ids": [1, 2]}))
     assert status == 500 and body["code"] == 500 and body["error"]["code"] == "internal_error", body
 
 

@@ -23,6 +23,7 @@ from sglang.srt.managers.logprob_limits import DEFAULT_MAX_HIDDEN_STATE_FLOATS, 
 from sglang.srt.managers.request_validation import RequestError, RequestLimits, normalize_generate_request
 from sglang.srt.managers.tokenizer_output import LOGPROB_LISTS, ReqState, StreamMerger
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+from sglang.test.app_harness import LoopBystander, request_json, served_app
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=12, suite="per-commit-cpu")
@@ -267,26 +268,12 @@ def test_a_maximal_reply_does_not_stall_the_event_loop(tokenizer):
     texts = {i: f"tok{i}" for i in range(2048)}
 
     async def main() -> tuple[float, float]:
-        gaps: list[float] = []
-        done = asyncio.Event()
-
-        async def bystander() -> None:
-            last = time.perf_counter()
-            while not done.is_set():
-                await asyncio.sleep(0.001)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.ensure_future(bystander())
-        await asyncio.sleep(0.01)
-        start = time.perf_counter()
-        reply = await state.reply(lambda ids: [texts[i] for i in ids])
-        build = time.perf_counter() - start
-        done.set()
-        await ticker
+        async with LoopBystander() as bystander:
+            start = time.perf_counter()
+            reply = await state.reply(lambda ids: [texts[i] for i in ids])
+            build = time.perf_counter() - start
         assert len(reply["meta_info"]["input_top_logprobs"]) == prompt
-        return max(gaps), build
+        return bystander.worst, build
 
     stall, build = asyncio.run(main())
     # Measured on a loaded 2-core host: built on the loop, the stall was the whole build (0.8 s); on a
@@ -385,41 +372,12 @@ def test_the_reviews_hidden_states_request_is_refused_naming_the_field(tokenizer
 def hidden_states_app():
     """The real app in process (no scheduler: only refusals can be asked of it), hidden states on with
     a bound of 100 positions at the tiny model's hidden size."""
-    from sglang.srt.entrypoints.http_server import create_app
-    from sglang.srt.managers.io_struct import PortArgs
-    from sglang.srt.managers.tokenizer_manager import TokenizerManager
     from sglang.srt.server_args import ServerArgs
 
     hidden = ServerArgs(model_path="tiny-qwen3-next").model_config.arch.hf_config.hidden_size
-    args = ServerArgs(
-        model_path="tiny-qwen3-next",
-        enable_return_hidden_states=True,
-        max_hidden_state_floats_per_request=100 * hidden,
-    )
-    info = {"context_len": 4096, "max_req_input_len": 4095, "vocab_size": 512, "max_running_requests": 8}
-    tm = TokenizerManager(args, PortArgs.init_new(), info)
-    yield create_app(args, tm, info), tm, hidden
-    tm.encoder.close()
-
-
-def post(app, path: str, body: dict) -> tuple[int, dict]:
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}  # fmt: skip
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": orjson.dumps(body), "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    return status, orjson.loads(
-        b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    )
+    bound = 100 * hidden
+    with served_app(enable_return_hidden_states=True, max_hidden_state_floats_per_request=bound) as (app, tm):
+        yield app, tm, hidden
 
 
 def test_every_route_reaches_the_hidden_state_bound(hidden_states_app):
@@ -459,7 +417,7 @@ def test_every_route_reaches_the_hidden_state_bound(hidden_states_app):
             },
         ),
     ]:
-        status, reply = post(app, path, body)
+        status, reply = request_json(app, "POST", path, body)
         assert status == 400 and reply["param"] == "return_hidden_states", (path, status, reply)
         assert (
             f"at most {100 * hidden} per request (--max-hidden-state-floats-per-request)" in reply["message"]
@@ -489,26 +447,12 @@ def test_a_reply_at_the_hidden_state_bound_stalls_others_briefly(tokenizer):
                    output_hidden_states=rows)  # fmt: skip
 
     async def main() -> float:
-        gaps: list[float] = []
-        finished = asyncio.Event()
-
-        async def bystander() -> None:
-            last = time.perf_counter()
-            while not finished.is_set():
-                await asyncio.sleep(0.001)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.ensure_future(bystander())
-        await asyncio.sleep(0.01)
-        state.apply(done, 0)
-        await asyncio.sleep(0)
-        reply = await state.reply(lambda ids: [str(i) for i in ids])
-        finished.set()
-        await ticker
+        async with LoopBystander() as bystander:
+            state.apply(done, 0)
+            await asyncio.sleep(0)
+            reply = await state.reply(lambda ids: [str(i) for i in ids])
         assert len(reply["meta_info"]["hidden_states"][0]) == prompt
-        return max(gaps)
+        return bystander.worst
 
     # Measured 0.10-0.13 s on a loaded 2-core host (the rows' lists made on the loop); 0.4 s leaves 3x
     # for a slower host. The review's request (4.3 G floats, 1,000x this) is refused above.

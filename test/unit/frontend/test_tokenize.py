@@ -11,53 +11,22 @@ import time
 import orjson
 import pytest
 
-from sglang.srt.entrypoints.http_server import create_app
-from sglang.srt.managers.io_struct import PortArgs
-from sglang.srt.managers.tokenizer_manager import TokenizerManager
-from sglang.srt.server_args import ServerArgs
+from sglang.test.app_harness import LoopBystander, asgi_json, build_app, request_json, served_app
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=6, suite="per-commit-cpu")
 
-MODEL_INFO = {"context_len": 4096, "max_req_input_len": 4095, "vocab_size": 512, "max_running_requests": 8}
 TEXTS = ["Hello world, this is a test.", "héllo 日本語 🙂", ""]
-
-
-def build(**kw):
-    args = ServerArgs(model_path="tiny-qwen3-next", **kw)
-    tm = TokenizerManager(args, PortArgs.init_new(), MODEL_INFO)
-    return create_app(args, tm, MODEL_INFO), tm
 
 
 @pytest.fixture(scope="module")
 def served():
-    app, tm = build(max_request_body_size=16 << 20)
-    yield app, tm
-    tm.encoder.close()
-
-
-async def acall(app, path: str, body: bytes) -> tuple[int, dict]:
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}  # fmt: skip
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    await app(scope, receive, send)
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    return status, orjson.loads(
-        b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    )
+    with served_app(max_request_body_size=16 << 20) as pair:
+        yield pair
 
 
 def call(app, path: str, body) -> tuple[int, dict]:
-    return asyncio.run(acall(app, path, body if isinstance(body, bytes) else orjson.dumps(body)))
+    return request_json(app, "POST", path, body)
 
 
 def test_tokenize_gives_the_tokenizers_ids_in_upstreams_shape(served):
@@ -122,7 +91,7 @@ def test_bad_input_is_a_400_naming_the_field(served, path, body, param):
 
 
 def test_without_a_tokenizer_both_say_one_is_needed():
-    app, _ = build(skip_tokenizer_init=True)
+    app, _ = build_app(skip_tokenizer_init=True)
     for path, body, param in [
         ("/tokenize", {"prompt": "hi"}, "prompt"),
         ("/detokenize", {"tokens": [1]}, "tokens"),
@@ -133,7 +102,7 @@ def test_without_a_tokenizer_both_say_one_is_needed():
 
 
 def test_the_body_limit_bounds_the_input():
-    app, tm = build(max_request_body_size=1000)
+    app, tm = build_app(max_request_body_size=1000)
     try:
         status, out = call(app, "/tokenize", {"prompt": "x" * 2000})
         assert status == 413 and "--max-request-body-size" in out["error"]["message"], out
@@ -153,23 +122,9 @@ def test_a_large_detokenize_leaves_the_loop_free(served):
     inline = time.perf_counter() - start
 
     async def scenario() -> tuple[int, float]:
-        gaps = [0.0]
-        done = asyncio.Event()
-
-        async def ticker() -> None:
-            last = time.perf_counter()
-            while not done.is_set():
-                await asyncio.sleep(0.001)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-
-        task = asyncio.create_task(ticker())
-        await asyncio.sleep(0.01)
-        status, _ = await acall(app, "/detokenize", body)
-        done.set()
-        await task
-        return status, max(gaps)
+        async with LoopBystander() as bystander:
+            status, _ = await asgi_json(app, "POST", "/detokenize", body)
+        return status, bystander.worst
 
     status, worst = asyncio.run(scenario())
     assert status == 200
