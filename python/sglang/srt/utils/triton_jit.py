@@ -50,6 +50,12 @@ def jit_for_env(fn: Callable):
         if interpret:
             scope = {**fn.__globals__}
             scope.update({k: v for k, v in _INTERPRETED_COMBINES.items() if scope.get(k) is globals()[k]})
+            # A jitted helper the kernel calls (jitted at import, for the compiler) runs interpreted too:
+            # the interpreter refuses to call a compiler's JITFunction.
+            scope.update({
+                k: jit_for_env(scope[k].fn) for k in fn.__code__.co_names
+                if isinstance(scope.get(k), JITFunction) and k not in _INTERPRETED_COMBINES
+            })  # fmt: skip
             fn = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
         _jitted[key] = triton.jit(fn)
     return _jitted[key]

@@ -39,6 +39,7 @@ try:  # the twin serves a CPU install without triton
     import triton
     import triton.language as tl
 
+    from sglang.srt.layers.quantization.fp8_kernel import block_scaled_dot
     from sglang.srt.utils.triton_jit import add, jit_for_env
 except ImportError:  # pragma: no cover
     triton = None
@@ -106,15 +107,7 @@ def _moe_gemm_kernel(
     as_ptrs = as_ptr + src * AS_COLS
     bs_ptrs = bs_ptr + e64 * bs_expert_stride + (rn // SCALE_N) * BS_COLS
     acc = (rows[:, None] * 0 + rn[None, :] * 0).to(tl.float32)  # zeros (triton_jit says why not tl.zeros)
-    for k0 in range(0, K, BLOCK_K):
-        mk = rk < K - k0
-        a = tl.load(a_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
-        a_s = tl.load(as_ptrs + k0 // SCALE_K, mask=mm, other=0.0)
-        b_s = tl.load(bs_ptrs + k0 // SCALE_K, mask=mn, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    acc = block_scaled_dot(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, mm, mn, K, SCALE_K, BLOCK_K)
     c_ptrs = c_ptr + rows64[:, None] * N + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 

@@ -134,6 +134,7 @@ def w8a8_block_fp8_matmul_torch(
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.jit import JITFunction
 
     from sglang.srt.utils.triton_jit import jit_for_env, maximum
 
@@ -196,6 +197,33 @@ def per_token_group_quant_fp8(
     return q.view(*x.shape[:-1], k), s.view(*x.shape[:-1], groups)
 
 
+def _block_scaled_dot(
+    acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, mm, mn, K, SCALE_K: tl.constexpr, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """The block-FP8 GEMMs' main loop (the dense and the grouped MoE kernel's): acc [BLOCK_M, BLOCK_N]
+    float32 plus, for each BLOCK_K step of K, the fp8 dot of the a tile (rows masked by mm, at a_ptrs:
+    [BLOCK_M, BLOCK_K]) and the b tile (columns masked by mn, at b_ptrs: [BLOCK_K, BLOCK_N]) scaled by the
+    step's a row scales (as_ptrs + k0 // SCALE_K) and b column scales (bs_ptrs + k0 // SCALE_K), before
+    it is added: each K-block's product in float32 (the module docstring says why). Columns of K past its
+    end load as zeros."""
+    rk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        mk = rk < K - k0
+        a = tl.load(a_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + k0 // SCALE_K, mask=mm, other=0.0)
+        b_s = tl.load(bs_ptrs + k0 // SCALE_K, mask=mn, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    return acc
+
+
+# Jitted at import, as a kernel's callee must be (jit_for_env hands kernels run by the interpreter its
+# interpreted form).
+block_scaled_dot = JITFunction(_block_scaled_dot) if triton is not None else None
+
+
 def _gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
     M, N, K, a_stride, c_stride, AS_COLS, BS_COLS,
@@ -222,15 +250,7 @@ def _gemm_kernel(
     as_ptrs = as_ptr + rm64 * AS_COLS
     bs_ptrs = bs_ptr + (rn // SCALE_N) * BS_COLS
     acc = (rm[:, None] * 0 + rn[None, :] * 0).to(tl.float32)  # zeros (triton_jit says why not tl.zeros)
-    for k0 in range(0, K, BLOCK_K):
-        mk = rk < K - k0
-        a = tl.load(a_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
-        a_s = tl.load(as_ptrs + k0 // SCALE_K, mask=mm, other=0.0)
-        b_s = tl.load(bs_ptrs + k0 // SCALE_K, mask=mn, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    acc = block_scaled_dot(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, mm, mn, K, SCALE_K, BLOCK_K)
     c_ptrs = c_ptr + rm64[:, None] * c_stride + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
