@@ -263,16 +263,14 @@ class TestMalformedRequests(ServerTestCase):
         self.assertEqual(contents[1], contents[0])
         self.assert_idle_accounting()
 
-    def test_a_batch_of_400_prompts_beside_a_bystander(self) -> None:
-        """Upstream's radix-cache kit posts one /generate with 400 prompts; past the old fan-out bound
-        (max(64, max running / 4)) it was a 400 (issue 60, item 7)."""
-        batch = {"input_ids": [[5 + i % 300, 6 + i % 7] for i in range(400)],
-                 "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}  # fmt: skip
-        small = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    def beside_a_bystander(self, body: dict, small: dict, pause: float = 0.0) -> tuple[dict, list[float]]:
+        """POSTs `body` to /generate on a thread while `small` is generated again and again beside it (`pause`
+        s between), until that reply is in: its {"status", "outs"} (the JSON when 200, else the text) and
+        the bystander's latencies in s, at least one."""
         result: dict = {}
 
         def send() -> None:
-            r = self.post(GEN, batch)
+            r = self.post(GEN, body)
             result["status"], result["outs"] = r.status_code, r.json() if r.status_code == 200 else r.text
 
         thread = threading.Thread(target=send)
@@ -282,7 +280,18 @@ class TestMalformedRequests(ServerTestCase):
             start = time.perf_counter()
             self.generate(**small)
             latencies.append(time.perf_counter() - start)
+            if pause:
+                time.sleep(pause)
         thread.join()
+        return result, latencies
+
+    def test_a_batch_of_400_prompts_beside_a_bystander(self) -> None:
+        """Upstream's radix-cache kit posts one /generate with 400 prompts; past the old fan-out bound
+        (max(64, max running / 4)) it was a 400 (issue 60, item 7)."""
+        batch = {"input_ids": [[5 + i % 300, 6 + i % 7] for i in range(400)],
+                 "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}  # fmt: skip
+        small = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        result, latencies = self.beside_a_bystander(batch, small)
         self.assertEqual(result["status"], 200, result["outs"])
         self.assertEqual(len(result["outs"]), 400)
         self.assertTrue(all(o["meta_info"]["completion_tokens"] == 2 for o in result["outs"]))
@@ -441,21 +450,7 @@ class TestMalformedRequests(ServerTestCase):
                "sampling_params": {"n": 3, "max_new_tokens": 1}}  # fmt: skip
         small = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
         self.generate(**small)  # (warm)
-        result: dict = {}
-
-        def attack() -> None:
-            r = self.post(GEN, big)
-            result["status"], result["outs"] = r.status_code, r.json() if r.status_code == 200 else r.text
-
-        thread = threading.Thread(target=attack)
-        thread.start()
-        latencies = []
-        while thread.is_alive() or not latencies:
-            start = time.perf_counter()
-            self.generate(**small)
-            latencies.append(time.perf_counter() - start)
-            time.sleep(0.1)
-        thread.join()
+        result, latencies = self.beside_a_bystander(big, small, pause=0.1)
         self.assertEqual(result["status"], 200, result["outs"])
         tops = [out["meta_info"]["input_top_logprobs"] for out in result["outs"]]
         self.assertEqual([len(t) for t in tops], [4000] * 3)
