@@ -84,16 +84,9 @@ async def asgi_request(
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
-def request(
-    app: Any,
-    method: str,
-    path: str,
-    body: bytes = b"{}",
-    headers: Headers = (),
-    reads: list | None = None,
-) -> tuple[int, bytes]:
-    """asgi_request on a loop of its own."""
-    return asyncio.run(asgi_request(app, method, path, body, headers, reads))
+def request(*args: Any, **kwargs: Any) -> tuple[int, bytes]:
+    """asgi_request (its arguments, its reply) on a loop of its own."""
+    return asyncio.run(asgi_request(*args, **kwargs))
 
 
 async def asgi_json(app: Any, method: str, path: str, body: Any = b"{}") -> tuple[int, Any]:
