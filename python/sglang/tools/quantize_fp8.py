@@ -42,14 +42,17 @@ def quantize_checkpoint(
     if out != src:
         shutil.copytree(src, out, dirs_exist_ok=True)
     tensors = load_file(str(src / WEIGHTS))
-    written, kept = {}, set()
+    written, kept, quantized = {}, set(), set()
     for name in sorted(tensors):
         tensor = tensors[name]
+        module = name.removesuffix(".weight").removesuffix(".bias")
         if quantizable_by_default(name, tensor):
             written[name], written[name + SCALE_SUFFIX] = quantize_block_fp8(tensor, block)
+            quantized.add(module)
         else:
             written[name] = tensor.contiguous()
-            kept.add(name.removesuffix(".weight").removesuffix(".bias"))
+            kept.add(module)
+    kept -= quantized  # a quantized linear's bias stays as it is; the module is quantized all the same
     save_file(written, str(out / WEIGHTS), metadata={"format": "pt"})
     config_path = out / "config.json"
     cfg = json.loads(config_path.read_text())

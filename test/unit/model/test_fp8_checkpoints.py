@@ -186,6 +186,47 @@ def test_fp8_presets_are_written_as_the_published_checkpoints():
         assert names - {n for n in names if n.endswith("_scale_inv")} == set(b.keys())
 
 
+@pytest.mark.parametrize("preset", sorted(FP8_PRESETS))
+def test_modules_kept_unquantized_hold_no_fp8_weight(preset):
+    """modules_to_not_convert names exactly the modules left as they are: a quantized linear with a bias
+    was listed too (its bias is kept), so on CUDA it stayed a dense nn.Linear (tiny-lfm2-fp8's convs)."""
+    path = Path(resolve_model_path(preset))
+    kept = set(
+        json.loads((path / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    )
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        fp8 = {n.removesuffix(".weight") for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3"}
+    assert fp8 and not kept & fp8, sorted(kept & fp8)
+
+
+def test_a_module_listed_as_a_parent_keeps_its_children_dense():
+    """modules_to_not_convert may name a whole block: every linear under it stays dense (it was matched by
+    exact name only, so its children became FP8 and their bf16 tensors were quantized at load), and the
+    experts under a listed MoE block stay dense too."""
+    from sglang.srt.layers.moe.experts import RoutedExperts
+    from sglang.srt.layers.quantization import quant_config_of
+    from sglang.srt.layers.quantization.fp8 import Fp8BlockLinear, Fp8Layout
+    from sglang.srt.models.registry import build_meta_model
+
+    cfg = load_hf_config(resolve_model_path("tiny-qwen3-next-fp8"))
+    quant = dict(cfg.quantization_config)
+    quant["modules_to_not_convert"] = [
+        *quant["modules_to_not_convert"],
+        "model.layers.3.self_attn",
+        "model.layers.0.mlp",
+    ]
+    cfg.quantization_config = quant
+    model = build_meta_model(cfg, "cpu", Fp8Layout(True, True))
+    layer3, layer0 = model.model.layers[3], model.model.layers[0]
+    assert quant_config_of(cfg).is_ignored("model.layers.3.self_attn.o_proj")
+    assert not any(isinstance(m, Fp8BlockLinear) for m in layer3.self_attn.modules())
+    assert not any(isinstance(m, Fp8BlockLinear) for m in layer0.mlp.modules())
+    experts = [m for m in layer0.mlp.modules() if isinstance(m, RoutedExperts)]
+    assert experts and all(e.w13.dtype != FP8_DTYPE for e in experts)
+    # (and the rest as the checkpoint has it: another layer's attention and experts are FP8)
+    assert any(isinstance(m, Fp8BlockLinear) for m in model.model.layers[1].modules())
+
+
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 

@@ -345,13 +345,19 @@ class SwapReport:
     kept: list[str] = field(default_factory=list)
 
 
+def under_any(name: str, modules: Iterable[str]) -> bool:
+    """Whether module `name` is one of `modules` or under one of them (a checkpoint may keep a whole
+    attention or MLP block unquantized by naming it)."""
+    return any(name == m or name.startswith(m + ".") for m in modules)
+
+
 def swap_fp8_linears(
     model: nn.Module, config: Fp8Config, dense_modules: Iterable[str] = (), skip: Iterable[str] = ()
 ) -> SwapReport:
     """Before loading: replace each `nn.Linear` of `model` that the FP8 checkpoint quantizes by an
     `Fp8BlockLinear` of the same shape (on the linear's device, meta included). Kept as they are: the
-    modules `quantizable_by_default` keeps (lm_head, routers, gates, ...), the names in `skip` (our module
-    names of the checkpoint's ignored list), and those whose name ends with one of `dense_modules` (a
+    modules `quantizable_by_default` keeps (lm_head, routers, gates, ...), the modules in or under `skip`
+    (our module names of the checkpoint's ignored list), and those whose name ends with one of `dense_modules` (a
     model's linears whose rows are regrouped or assembled after loading). The loader quantizes whatever
     dense tensor arrives for an FP8 linear, and FP8 checkpoint tensors arrive dequantized, so folded
     multipliers and split tensors land as anywhere else."""
@@ -360,7 +366,7 @@ def swap_fp8_linears(
         if type(module) is not nn.Linear:
             continue
         keep = (
-            name in skip
+            under_any(name, skip)
             or (dense and name.endswith(dense))
             or not quantizable_by_default(name + ".weight", module.weight)
         )

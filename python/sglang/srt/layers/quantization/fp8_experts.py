@@ -32,6 +32,7 @@ from sglang.srt.layers.quantization.fp8 import (
     Fp8Weight,
     dequantize_block_fp8,
     quantize_block_fp8,
+    under_any,
 )
 
 logger = logging.getLogger(__name__)
@@ -41,11 +42,12 @@ SCALE_NAME = "_weight_scale_inv"  # w13 -> w13_weight_scale_inv (upstream's name
 
 def swap_fp8_experts(model: nn.Module, config: Fp8Config, skip: set[str] = frozenset()) -> list[str]:
     """Before loading (on any device, meta included): the routed experts of `model` hold FP8 weights
-    and their block scales, except those under a module in `skip` (the checkpoint's unquantized ones, in
-    our names). Returns the experts' module names made FP8."""
+    and their block scales, except those in, under or above a module in `skip` (the checkpoint's
+    unquantized ones, in our names: a listed expert keeps the stacked experts dense). Returns the experts' module names made FP8."""
     made = []
     for name, module in model.named_modules():
-        if isinstance(module, RoutedExperts) and not any(s == name or s.startswith(name + ".") for s in skip):
+        listed = under_any(name, skip) or any(s.startswith(name + ".") for s in skip)
+        if isinstance(module, RoutedExperts) and not listed:
             make_fp8_experts(module, config.weight_block_size)
             made.append(name)
     return made
