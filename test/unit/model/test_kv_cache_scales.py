@@ -130,3 +130,42 @@ def test_a_per_channel_scale_is_refused(tmp_path):
     save_file(weights, str(file), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="one k_scale per layer"):
         make_runner(path, kv_cache_dtype="fp8_e4m3", dtype="float32")
+
+
+def test_a_refused_weight_update_leaves_the_kv_scales_as_they_were():
+    """A weight update is all or nothing: a k_scale sent beside a tensor that does not fit was set at once,
+    so the refused update still changed it; an accepted one sets it."""
+    from sglang.srt.configs.model_config import load_hf_config
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.models.registry import load_model
+
+    path = resolve_model_path("tiny-qwen3-next")
+    model = load_model(load_hf_config(path), path, torch.float32, "cpu")
+    name, attn = next((n, m) for n, m in model.named_modules() if isinstance(m, RadixAttention))
+    owner = name.rpartition(".")[0]
+    before = attn.k_scale
+    with pytest.raises(ValueError):
+        model.load_weights([(owner + ".k_scale", torch.tensor(1000.0)), (owner + ".o_proj.weight", torch.zeros(3, 3))], update=True)  # fmt: skip
+    assert attn.k_scale == before
+    model.load_weights([(owner + ".k_scale", torch.tensor(1000.0))], update=True)
+    assert attn.k_scale == 1000.0
+
+
+def test_graphs_are_captured_again_when_an_update_changes_a_kv_scale():
+    """The float8 KV scales are numbers a captured CUDA graph holds (folded into the softmax scale), not
+    parameters whose memory an in-place update writes: an update that changes one captures the graphs
+    again; one that changes only parameters does not (checked with a stand-in graph runner on CPU)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    runner = make_runner("tiny-qwen3-next")
+    recaptured = []
+    runner.graph_runner = SimpleNamespace(recapture=lambda: recaptured.append(1))
+    name = next(n for n, m in runner.model.named_modules() if isinstance(m, RadixAttention))
+    owner = name.rpartition(".")[0]
+    weight = dict(runner.model.named_parameters())[owner + ".o_proj.weight"].detach().clone()
+    runner.update_weights_from_tensor([(owner + ".o_proj.weight", weight)])
+    assert recaptured == []
+    runner.update_weights_from_tensor([(owner + ".k_scale", torch.tensor(0.5))])
+    assert recaptured == [1]

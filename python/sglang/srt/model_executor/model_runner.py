@@ -34,6 +34,7 @@ from sglang.srt.layers.attention.mamba.short_conv_backend import ShortConvAttnBa
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.logits_processor import HiddenRows, LogitsProcessor, TopLogprobs
 from sglang.srt.layers.quantization.fp8 import FP8_DTYPE
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
 from sglang.srt.mem_cache.pool_sizing import PoolSizes, check_weights_fit, compute_pool_sizes
@@ -259,7 +260,7 @@ class ModelRunner:
         "flattened_bucket", whose bucket the scheduler has taken apart already), or with "direct" this
         model's own parameter names and layout. Returns the names no parameter took. ValueError where a
         tensor does not fit, with no weight changed. Nothing may be in flight; CUDA graphs keep working,
-        as every parameter keeps its memory."""
+        as every parameter keeps its memory (they are captured again where a float8 KV scale changed)."""
         on_cuda = torch.device(self.device).type == "cuda"
         if on_cuda:
             torch.cuda.synchronize(self.device)  # no forward on another stream still reads them
@@ -285,10 +286,17 @@ class ModelRunner:
                     if name in params:
                         params[name].data.copy_(tensor)
         else:
+            scales = self._kv_scales()
             unknown = self.model.load_weights(named_tensors, update=True)
+            if self.graph_runner is not None and self._kv_scales() != scales:
+                # The float8 KV scales are numbers the captured graphs hold, not parameters.
+                self.graph_runner.recapture()
         if on_cuda:
             torch.cuda.synchronize(self.device)  # written before the next forward reads them
         return unknown
+
+    def _kv_scales(self) -> list[tuple[float | None, float | None]]:
+        return [(m.k_scale, m.v_scale) for m in self.model.modules() if isinstance(m, RadixAttention)]
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of parameter `name` as float lists (/get_weights_by_name: this

@@ -94,6 +94,7 @@ class HybridCausalLM(nn.Module):
                 else:
                     loader.load_rows(rows[0], rows[1], target, piece)
         loader.finish()
+        kv_scales.apply()
         return loader.unused + skipped if update else loader.unused
 
     def served_form(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -24,14 +24,16 @@ class KVScaleLoader:
 
     def __init__(self, model: nn.Module):
         self.targets: dict[str, RadixAttention] = {}
+        self.pending: list[tuple[RadixAttention, str, float]] = []  # set by `apply`, after the weights
         for name, module in model.named_modules():
             if isinstance(module, RadixAttention):
                 owner = name.rpartition(".")[0]
                 self.targets.update({owner + place: module for place in _PLACES})
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
-        """Sets the scale `name` names and returns True; False for any other tensor. ValueError for a
-        scale that is not one positive finite number (per-channel scales are not served)."""
+        """Takes the scale `name` names (set by `apply`) and returns True; False for any other tensor.
+        ValueError for a scale that is not one positive finite number (per-channel scales are not
+        served)."""
         owner, _, kind = name.rpartition(".")
         if kind not in KV_SCALE_NAMES or owner not in self.targets:
             return False
@@ -44,5 +46,12 @@ class KVScaleLoader:
             raise ValueError(
                 f"Checkpoint tensor {name} is {value}; a KV cache scale must be positive and finite."
             )
-        setattr(self.targets[owner], kind, value)
+        self.pending.append((self.targets[owner], kind, value))
         return True
+
+    def apply(self) -> None:
+        """Sets the scales taken: once the weights loaded with them are all written (a weight update is all
+        or nothing, and a refused one changed a scale it had taken)."""
+        for layer, kind, value in self.pending:
+            setattr(layer, kind, value)
+        self.pending.clear()
