@@ -48,13 +48,16 @@ class SchedulePolicy:
     (longest output first: the largest max_new_tokens, ties in arrival order) order with no regard to
     waiting time: a request can wait as long as others keep coming ahead of it."""
 
-    def __init__(self, policy: str, tree_cache: BasePrefixCache):
+    def __init__(self, policy: str, tree_cache: BasePrefixCache, seed: int | None = None):
         self.policy = policy
         self.tree_cache = tree_cache
+        # random's shuffles follow --random-seed: a run repeats, and (tensor parallelism) every rank that
+        # schedules the same queue orders it alike.
+        self.rng = random.Random(seed)
 
     def calc_priority(self, waiting_queue: list[Req]) -> list[Req]:
         if self.policy == "random":
-            return random.sample(waiting_queue, len(waiting_queue))
+            return self.rng.sample(waiting_queue, len(waiting_queue))
         if self.policy == "lof":
             return sorted(waiting_queue, key=lambda r: -r.sampling_params.max_new_tokens)
         if self.policy == "fcfs" or len(waiting_queue) > LPM_QUEUE_LIMIT:

@@ -76,7 +76,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         cache_cls = ChunkCache if server_args.disable_radix_cache else MambaRadixCache
         self.tree_cache = cache_cls(self.req_to_token_pool, self.token_allocator, server_args.page_size)
         self.tracker = MambaTracker(self.req_to_token_pool, self.tree_cache, server_args.mamba_track_interval)
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.max_running_requests = sizes.max_running_requests
         self.context_len = server_args.model_config.context_len
         self.max_req_input_len = min(self.context_len - 1, sizes.max_total_tokens - 1)
