@@ -361,7 +361,7 @@ def test_a_batch_needs_one_room_per_prompt(pd):
 
 
 def signed(msg: dict | bytes) -> bytes:
-    return sign(SECRET.encode(), msg if isinstance(msg, bytes) else orjson.dumps(msg))
+    return sign(SECRET.encode(), msg if isinstance(msg, bytes) else orjson.dumps(msg), "decode")
 
 
 def test_malformed_messages_to_the_bootstrap_port_are_answered_or_dropped(pd):
@@ -379,7 +379,7 @@ def test_malformed_messages_to_the_bootstrap_port_are_answered_or_dropped(pd):
         push.send(signed({"no": "type"}))
         push.send(signed(bad))
         assert pull.poll(10_000), "no answer to a malformed destination"
-        answer = orjson.loads(verify(SECRET.encode(), pull.recv()))  # the answer is signed too
+        answer = orjson.loads(verify(SECRET.encode(), pull.recv(), "prefill"))  # the answer is signed too
         assert answer["room"] == "777" and answer["ok"] is False and "malformed" in answer["error"]
         assert not pull.poll(500), "the unsigned destination was answered"
         assert internal_state(pd["prefill"])["disaggregation"]["dropped_messages"] == dropped + 3
@@ -432,7 +432,7 @@ def test_a_client_named_prefill_server_is_refused_and_a_silent_one_holds_nothing
             beside = pool.submit(bystander_latencies, pd, 3.0)
             received = []
             while pull.poll(1500):
-                received.append(orjson.loads(verify(SECRET.encode(), pull.recv())))
+                received.append(orjson.loads(verify(SECRET.encode(), pull.recv(), "decode")))
             push.connect(received[0]["notify"])
             for i in range(20):  # the review's forged answers, for the rooms the clients chose
                 push.send(

@@ -18,13 +18,14 @@ from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, 
 from sglang.srt.disaggregation import channel as channel_mod
 from sglang.srt.disaggregation import decode as decode_mod
 from sglang.srt.disaggregation.auth import (
+    BootstrapIdentity,
     PeerVerifier,
     PrefillAllowlist,
-    hello_answer,
     security_problem,
     sign,
+    verify,
 )
-from sglang.srt.disaggregation.channel import Channel, tcp_url
+from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
 from sglang.srt.disaggregation.decode import DecodeTransferQueue
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, _Room
 from sglang.srt.disaggregation.transfer import PoolLayout
@@ -34,7 +35,7 @@ from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=12, suite="per-commit-cpu")
+register_cpu_ci(est_time=14, suite="per-commit-cpu")
 
 SECRET = b"a secret both servers share"
 
@@ -177,8 +178,9 @@ def test_a_listener_a_client_named_gets_a_hello_and_its_request_holds_nothing(mo
     assert reserved == [] and all(m["type"] == "hello" for _, m in q.channel.sent)
     # The prefill server answers (a wrong nonce first: as a listener passing hellos on would); the
     # listener cannot (the message would need the secret).
-    assert not q.peers.on_hello({"type": "hello", "room": "", "to": "tcp://127.0.0.1:8998", "nonce": "00"})
-    assert q.peers.on_hello({**hellos["tcp://127.0.0.1:8998"], "notify": None})
+    ack = {"type": "hello_ack", "room": "", "to": "tcp://127.0.0.1:8998"}
+    assert not q.peers.on_hello_ack({**ack, "nonce": "00"})
+    assert q.peers.on_hello_ack({**ack, "nonce": hellos["tcp://127.0.0.1:8998"]["nonce"]})
     q._preallocate()
     q._send_destinations()
     assert reserved == ["rid-h"] and q.prealloc == [stranger]
@@ -196,24 +198,125 @@ def test_a_listener_a_client_named_gets_a_hello_and_its_request_holds_nothing(mo
     assert "tcp://127.0.0.1:5556 did not answer" in aborts.calls[-1][1]
 
 
+# ---- the hello: reflected, relayed --------------------------------------------------------------------
+
+
+def test_a_reflected_hello_verifies_nothing():
+    """Review (issue 51): a listener a client named sent the decode server's own signed hello back to its
+    notify port; it was taken as the prefill server's answer (the same key and domain both ways, the
+    answer being the hello less "notify"), so the listener was counted as a proven prefill server and
+    got destinations. Now the hello is signed as decode -> prefill and the decode server takes only
+    prefill -> decode, and only a "hello_ack" proves anything."""
+    decode = Channel("127.0.0.1", None, SECRET, 1 << 20, "decode")
+    notify = tcp_url("127.0.0.1", decode.port)
+    peers = PeerVerifier(True, decode.send, notify)
+    ctx = zmq.Context()
+    listener = ctx.socket(zmq.PULL)
+    listener.setsockopt(zmq.LINGER, 0)
+    attacker = tcp_url("127.0.0.1", listener.bind_to_random_port("tcp://127.0.0.1"))
+    push = pusher(ctx, decode.port)
+    try:
+        assert not peers.ready(attacker)
+        assert listener.poll(5000)
+        frame = listener.recv()
+        push.send(frame)  # reflected, unchanged
+        deadline = time.monotonic() + 5
+        while decode.dropped == 0 and time.monotonic() < deadline:
+            decode.pull.poll(50)
+            assert decode.recv_all() == []
+        assert decode.dropped == 1
+        # Even its body, taken as a message, proves nothing: it is a hello, not an acknowledgement.
+        hello = orjson.loads(verify(SECRET, frame, "decode"))
+        assert not peers.on_hello_ack(hello) and not peers.verified(attacker)
+    finally:
+        push.close()
+        listener.close()
+        ctx.term()
+        decode.close()
+
+
+def test_each_side_takes_only_the_other_sides_messages():
+    """Every message's signature covers its direction (a label signed before the body) and its type (in
+    the signed body): a message is taken only by the other side, and one kind cannot pass for another."""
+    decode_msgs = [dst("1", "tcp://127.0.0.1:9", [1]), {"type": "cancel", "room": "1", "notify": "x"},
+                   {"type": "hello", "room": "", "nonce": "n", "to": "tcp://127.0.0.1:1", "notify": "x"}]  # fmt: skip
+    prefill_msgs = [{"type": "done", "room": "1", "ok": False, "error": "e"},
+                    {"type": "hello_ack", "room": "", "nonce": "n", "to": "tcp://127.0.0.1:1"}]  # fmt: skip
+    for sender, msgs in (("decode", decode_msgs), ("prefill", prefill_msgs)):
+        other = "prefill" if sender == "decode" else "decode"
+        for msg in msgs:
+            frame = sign(SECRET, orjson.dumps(msg), sender)
+            assert orjson.loads(verify(SECRET, frame, sender)) == msg
+            assert verify(SECRET, frame, other) is None, (sender, msg["type"])
+    # The body is read in place (no copy of a large message): the view is into the frame.
+    frame = sign(SECRET, orjson.dumps(prefill_msgs[1]), "prefill")
+    assert verify(SECRET, frame, "prefill").obj is frame
+    # The hello turned into an acknowledgement under the hello's own signature: refused.
+    body = orjson.dumps(decode_msgs[2])
+    forged = sign(SECRET, body, "decode")[:32] + body.replace(b'"hello"', b'"hello_ack"')
+    assert verify(SECRET, forged, "decode") is None and verify(SECRET, forged, "prefill") is None
+
+
+def test_a_prefill_server_acknowledges_the_decode_servers_hello_over_the_wire():
+    """The honest path end to end: a decode server's hello to a prefill server's bootstrap port is
+    acknowledged, and the acknowledgement verifies that prefill server (and no other URL)."""
+    q = prefill_queue(secret=SECRET)
+    decode = Channel("127.0.0.1", None, SECRET, 1 << 20, "decode")
+    peers = PeerVerifier(True, decode.send, tcp_url("127.0.0.1", decode.port))
+    prefill_url = tcp_url("127.0.0.1", q.channel.port)
+    try:
+        assert not peers.ready(prefill_url)
+        poll_until_quiet(q, quiet_s=0.3)
+        [ack] = drain(decode, 1)
+        assert ack["type"] == "hello_ack" and ack["to"] == prefill_url
+        assert peers.on_hello_ack(ack) and peers.verified(prefill_url)
+    finally:
+        decode.close()
+        q.channel.close()
+
+
+OWN = reachable_host("0.0.0.0")  # this machine's address on its outgoing interface
+
+
 @pytest.mark.parametrize(
-    "to, own_host, answered",
+    "to, own_host, peer, answered",
     [
-        ("tcp://127.0.0.1:8998", "127.0.0.1", True),
-        ("tcp://127.0.0.1:5555", "127.0.0.1", False),  # a listener on 5555 passed its hello on
-        ("tcp://127.0.0.2:8998", "127.0.0.1", False),  # ... from another loopback address
-        ("tcp://10.0.0.1:8998", "0.0.0.0", True),
-        ("tcp://prefill-0.svc:8998", "10.0.0.1", True),  # a name: the port decides
-        ("tcp://[::1]:8998", "::1", True),
-        ("udp://127.0.0.1:8998", "127.0.0.1", False),
+        ("tcp://127.0.0.1:8998", "127.0.0.1", "127.0.0.1", True),
+        ("tcp://127.0.0.1:5555", "127.0.0.1", "127.0.0.1", False),  # a listener on 5555 passed it on
+        ("tcp://127.0.0.2:8998", "127.0.0.1", "127.0.0.1", False),  # ... from another loopback address
+        # The review's relay: a listener at 198.51.100.66:8998 (inside a decode allowlist's network)
+        # passes the hello on to the real prefill server, whose --host is a wildcard or a name.
+        ("tcp://198.51.100.66:8998", "0.0.0.0", "198.51.100.66", False),
+        ("tcp://198.51.100.66:8998", "localhost", "198.51.100.66", False),
+        ("tcp://198.51.100.66:8998", "::", "198.51.100.66", False),
+        # A listener on the decode server's loopback passes it on to a prefill server elsewhere.
+        ("tcp://127.0.0.1:8998", "0.0.0.0", "198.51.100.7", False),
+        ("tcp://0.0.0.0:8998", "0.0.0.0", "127.0.0.1", False),
+        ("tcp://127.0.0.1:8998", "0.0.0.0", "127.0.0.1", True),
+        ("tcp://{own}:8998", "0.0.0.0", "198.51.100.7", True),  # this machine's own address
+        ("tcp://{own}:8998", "::", "198.51.100.7", True),
+        ("tcp://[::1]:8998", "::1", "::1", True),
+        ("tcp://localhost:8998", "127.0.0.1", "127.0.0.1", True),  # a name: looked up on a thread
+        ("tcp://localhost:8998", "127.0.0.1", "198.51.100.7", False),
+        ("udp://127.0.0.1:8998", "127.0.0.1", "127.0.0.1", False),
     ],
 )
-def test_a_prefill_server_answers_only_hellos_addressed_to_it(to, own_host, answered):
-    msg = {"type": "hello", "room": "", "nonce": "ab", "to": to, "notify": "tcp://127.0.0.1:1"}
-    answer = hello_answer(msg, own_host, 8998)
+def test_a_prefill_server_acknowledges_only_hellos_addressed_to_it(to, own_host, peer, answered):
+    if "{own}" in to and OWN == "127.0.0.1":
+        pytest.skip("this machine has no address but loopback")
+    to = to.format(own=OWN)
+    identity = BootstrapIdentity(own_host, 8998)
+    msg = {"type": "hello", "room": "", "nonce": "ab", "to": to, "notify": "tcp://127.0.0.1:1", "peer": peer}
+    answer = identity.hello_answer(msg)
+    if "localhost" in to:  # a name: looked up on a thread, acknowledged at the decode server's next hello
+        lookup = identity._names["localhost"]
+        deadline = time.monotonic() + 5
+        while lookup.addresses is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        answer = identity.hello_answer(msg)
     assert (answer is not None) is answered
     if answered:
-        assert answer == {"type": "hello", "room": "", "nonce": "ab", "to": to}
+        assert answer == {"type": "hello_ack", "room": "", "nonce": "ab", "to": to}
 
 
 @pytest.mark.parametrize(
@@ -266,7 +369,7 @@ def test_a_reachable_pd_server_needs_the_secret_or_an_isolated_network():
 
 @pytest.fixture
 def channel():
-    ch = Channel("127.0.0.1", None, SECRET, max_message_bytes=64 * 1024)
+    ch = Channel("127.0.0.1", None, SECRET, 64 * 1024, "prefill")
     yield ch
     ch.close()
 
@@ -294,21 +397,21 @@ def test_only_messages_signed_with_the_shared_secret_are_taken(channel):
     done = orjson.dumps({"type": "done", "room": "7", "ok": True, "output_ids": [220]})
     try:
         push.send(done)  # unsigned, as in the review
-        push.send(sign(b"another secret", done))
-        push.send(sign(SECRET, done)[:-1] + b"]")  # tampered after signing
-        push.send(sign(SECRET, orjson.dumps({"type": "cancel", "room": "8"})))
+        push.send(sign(b"another secret", done, "decode"))
+        push.send(sign(SECRET, done, "decode")[:-1] + b"]")  # tampered after signing
+        push.send(sign(SECRET, orjson.dumps({"type": "cancel", "room": "8"}), "decode"))
         [msg] = drain(channel, 1)
-        assert msg == {"type": "cancel", "room": "8"}
+        assert msg == {"type": "cancel", "room": "8", "peer": "127.0.0.1"}
         time.sleep(0.2)
         assert channel.recv_all() == [] and channel.dropped == 3
     finally:
         push.close()
         ctx.term()
     # Two channels with the same secret talk.
-    sender = Channel("127.0.0.1", None, SECRET, 64 * 1024)
+    sender = Channel("127.0.0.1", None, SECRET, 64 * 1024, "decode")
     try:
-        assert sender.send(tcp_url("127.0.0.1", channel.port), {"type": "done", "room": "9", "ok": False})
-        assert drain(channel, 1) == [{"type": "done", "room": "9", "ok": False}]
+        assert sender.send(tcp_url("127.0.0.1", channel.port), {"type": "cancel", "room": "9"})
+        assert drain(channel, 1) == [{"type": "cancel", "room": "9", "peer": "127.0.0.1"}]
     finally:
         sender.close()
 
@@ -333,6 +436,133 @@ def test_a_flood_is_taken_a_bounded_number_of_messages_per_step(channel):
         ctx.term()
 
 
+# ---- a junk flood (issue 51 review): what one scheduler step spends on it -------------------------------
+
+VOCAB = 151_936  # Qwen3-Next's
+# The review's junk: just under the decode side's former bound (64 KiB + 64 bytes per vocabulary entry),
+# 9.8 MB a message, each copied and signed whole before being dropped, up to 256 a step (2.5 s for 64).
+REVIEW_JUNK_BYTES = 64 * 1024 + 2 * 32 * VOCAB - 1
+# A step's poll may spend at most this long on a flood. It takes at most MAX_BYTES_PER_POLL (1 MiB) plus
+# one message, each byte signed or parsed once: ~4.2 MB at the most below (a 262,144-token prefill
+# server's destination bound), ~3 ms measured on a loaded 2-core machine; 0.1 s leaves 30x for a slower
+# CI machine, and is what a decode step may lose without a bystander noticing; the review's 64 messages
+# took 1.7-2.5 s in one poll.
+FLOOD_POLL_BOUND_S = 0.1
+
+
+def real_decode_queue(monkeypatch, secret: str | None) -> DecodeTransferQueue:
+    """A decode server's PD queue built by its own constructor (its channel sized as a server sizes it),
+    without a transfer engine or a scheduler."""
+    monkeypatch.setattr(
+        decode_mod,
+        "open_transfer_engine",
+        lambda sched: (PoolLayout([], [], 0, [], [], []), SimpleNamespace(session_id="x")),
+    )
+    args = SimpleNamespace(disaggregation_mode="decode", host="127.0.0.1", disaggregation_prefill_allowlist=None,
+                           max_logprobs=20, model_config=SimpleNamespace(vocab_size=VOCAB))  # fmt: skip
+    sched = SimpleNamespace(server_args=args, running=[], processed_batch_id=0, num_batches=0)
+    with envs.SGLANG_DISAGGREGATION_SECRET.override(secret):
+        return DecodeTransferQueue(sched)
+
+
+def flood(port: int, messages: list[bytes]) -> tuple[zmq.Context, list[zmq.Socket]]:
+    """Each message from its own socket (one the receiver drops for its size takes only its own
+    connection), reconnecting at once."""
+    ctx = zmq.Context()
+    socks = []
+    for m in messages:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 1)
+        sock.connect(tcp_url("127.0.0.1", port))
+        sock.send(m, copy=False)
+        socks.append(sock)
+    return ctx, socks
+
+
+def polls_under_flood(poll, ch: Channel, want: int, timeout: float = 30.0) -> list[tuple[int, float]]:
+    """Poll as the scheduler does until `want` messages were dropped: each poll's (dropped, seconds)."""
+    out = []
+    deadline = time.monotonic() + timeout
+    while ch.dropped < want and time.monotonic() < deadline:
+        ch.pull.poll(50)
+        before, start = ch.dropped, time.perf_counter()
+        poll()
+        if ch.dropped > before:
+            out.append((ch.dropped - before, time.perf_counter() - start))
+    return out
+
+
+@pytest.mark.parametrize("secret", ["a secret", None])
+def test_a_junk_flood_delays_a_decode_step_by_a_bounded_time(monkeypatch, secret):
+    """The review's flood at a decode server's notify port, with and without the secret: its 9.8 MB
+    messages are refused by the socket unread (an answer carries one position's logprobs, at most
+    --max-logprobs of each kind: 66 KB at the default 20, not 2 x 32 B x the vocabulary), and junk of
+    the new bound is taken at most 1 MiB (plus one message) per step, so the scheduler's poll stays
+    under FLOOD_POLL_BOUND_S."""
+    q = real_decode_queue(monkeypatch, secret)
+    bound = q.channel.pull.getsockopt(zmq.MAXMSGSIZE)
+    fitting = 64
+    ctx, socks = flood(
+        q.channel.port, [b"\0" * REVIEW_JUNK_BYTES] * 8 + [b"{" + b"\0" * (bound - 2)] * fitting
+    )
+    try:
+        time.sleep(0.3)  # queued: a poll may find them all
+        polls = polls_under_flood(q.poll, q.channel, fitting)
+        assert q.channel.dropped == fitting  # the review's messages never reached the scheduler
+        per_poll = channel_mod.MAX_BYTES_PER_POLL // (bound - 1) + 1
+        assert max(n for n, _ in polls) <= per_poll, polls
+        slowest = max(t for _, t in polls)
+        print(f"decode, secret={secret is not None}: {len(polls)} polls, slowest {slowest * 1e3:.2f} ms")
+        assert slowest < FLOOD_POLL_BOUND_S, polls
+        assert bound == answer_max_bytes(20) < 70_000
+    finally:
+        for sock in socks:
+            sock.close()
+        ctx.term()
+        q.shutdown()
+
+
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_a_junk_flood_delays_a_prefill_step_by_a_bounded_time(secret):
+    """The same at a prefill server with a 262,144-token context, whose destinations may be 3.2 MB: one
+    such message per poll, not 256."""
+    q = prefill_queue(secret=secret)
+    q.channel.close()
+    q.context_len = 262_144
+    bound = 64 * 1024 + 12 * q.context_len
+    q.channel = Channel("127.0.0.1", None, secret, bound, "prefill")
+    n = 12
+    ctx, socks = flood(q.channel.port, [b"{" + b"\0" * (bound - 2)] * n)
+    try:
+        time.sleep(0.3)
+        polls = polls_under_flood(q.poll, q.channel, n)
+        assert q.channel.dropped == n and max(k for k, _ in polls) == 1, polls
+        slowest = max(t for _, t in polls)
+        print(f"prefill, secret={secret is not None}: {len(polls)} polls, slowest {slowest * 1e3:.2f} ms")
+        assert slowest < FLOOD_POLL_BOUND_S, polls
+    finally:
+        for sock in socks:
+            sock.close()
+        ctx.term()
+        q.channel.close()
+
+
+def test_the_largest_answer_fits_the_decode_sides_bound():
+    """What a "done" can carry at --max-logprobs N (the first token's top list and chosen ids, N each, at
+    their longest in JSON; the longest error the prefill server sends) fits answer_max_bytes(N)."""
+    lp, token = -2.2250738585072014e-308, 2**31 - 1  # the longest float repr, a 10-digit id
+    for n in (1, 20, 1000):
+        ok = {"type": "done", "room": str(2**63 - 1), "ok": True, "output_ids": [token],
+              "output_token_logprobs": [[lp, token]], "output_top_logprobs": [[[lp, token]] * n],
+              "output_token_ids_logprobs": [[[lp, token]] * n], "cached_tokens": 2**40,
+              "bytes": 2**50, "seconds": lp}  # fmt: skip
+        assert len(sign(SECRET, orjson.dumps(ok), "prefill")) <= answer_max_bytes(n)
+    failed = {"type": "done", "room": str(2**63 - 1), "ok": False,
+              "error": "\x01" * channel_mod.MAX_ERROR_CHARS}  # fmt: skip
+    assert len(sign(SECRET, orjson.dumps(failed), "prefill")) <= answer_max_bytes(1)
+
+
 # ---- row 12: the bootstrap port --------------------------------------------------------------------
 
 
@@ -341,8 +571,8 @@ def prefill_queue(max_unmatched: int = 1024, pool_tokens: int = 4096, secret: by
     q = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
     q.sched = SimpleNamespace(abort_with_status=Aborts())
     q.context_len = 4096
-    q.channel = Channel("127.0.0.1", None, secret, 64 * 1024 + 12 * q.context_len)
-    q.host = "127.0.0.1"
+    q.channel = Channel("127.0.0.1", None, secret, 64 * 1024 + 12 * q.context_len, "prefill")
+    q.identity = BootstrapIdentity("127.0.0.1", q.channel.port)
     q.layout = PoolLayout([], [], 0, [], [], [])
     q.rooms, q.ended = {}, {}
     q.timeout = 300.0
@@ -464,7 +694,11 @@ def test_a_strangers_cancel_is_dropped_when_the_secret_is_set():
         poll_until_quiet(q)
         assert "victim" in q.rooms and q.sched.abort_with_status.calls == [] and q.channel.dropped == 1
         push.send(
-            sign(SECRET, orjson.dumps({"type": "cancel", "room": "victim", "notify": "tcp://127.0.0.1:9"}))
+            sign(
+                SECRET,
+                orjson.dumps({"type": "cancel", "room": "victim", "notify": "tcp://127.0.0.1:9"}),
+                "decode",
+            )
         )
         poll_until_quiet(q)
         assert "victim" not in q.rooms and q.sched.abort_with_status.calls[0][0] == "victim"

@@ -6,10 +6,16 @@ secret can end a room (`cancel`), answer a transfer (`done`) or make a server se
 choosing (a destination's `notify`). Without it the servers take anyone's messages, so they must listen
 on loopback only (or be told the network is isolated: `SGLANG_DISAGGREGATION_ALLOW_UNAUTHENTICATED`).
 
+Each direction signs under its own label (decode -> prefill, prefill -> decode) and a server takes only
+the other direction's messages, so a message sent back to the server that signed it is dropped; the type
+is in the signed body, so no message passes for another kind.
+
 A decode server sends its pools' addresses and slot ids to the prefill server a request names
 (`bootstrap_host`), so it accepts only the prefill servers of `--disaggregation-prefill-allowlist`
-(default: loopback), and, with the secret set, only once that server has answered a signed "hello"
-(`PeerVerifier`): a listener a client named never gets more than the hello.
+(default: loopback), and, with the secret set, only once that server has acknowledged a signed "hello"
+(`PeerVerifier`) with a "hello_ack". A prefill server acknowledges only hellos addressed to itself
+(`BootstrapIdentity`), so a listener a client named never gets more than the hello, whether it sends the
+hello back or passes it on to a real prefill server.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import ipaddress
 import logging
 import re
 import secrets
+import socket
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgsError
@@ -32,11 +40,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+Role = Literal["decode", "prefill"]
+
 MAC_BYTES = hashlib.sha256().digest_size
-# Separates these signatures from any other use of the same secret (a logit-processor secret, say).
-_DOMAIN = b"sglang-disaggregation-v1\0"
+# Signed before each body: separates these signatures from any other use of the secret (a logit-processor
+# secret, say) and the two directions from each other.
+_DOMAINS: dict[str, bytes] = {
+    "decode": b"sglang-disaggregation-v2\0decode->prefill\0",
+    "prefill": b"sglang-disaggregation-v2\0prefill->decode\0",
+}
+PEER_ROLE: dict[str, Role] = {"decode": "prefill", "prefill": "decode"}
 _HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+_Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 def secret() -> bytes | None:
@@ -44,16 +60,24 @@ def secret() -> bytes | None:
     return value.encode() if value else None
 
 
-def sign(key: bytes, body: bytes) -> bytes:
-    """The frame on the wire: the signature, then the body."""
-    return hmac.new(key, _DOMAIN + body, hashlib.sha256).digest() + body
+def _mac(key: bytes, sender: Role, body: bytes | memoryview) -> bytes:
+    mac = hmac.new(key, _DOMAINS[sender], "sha256")
+    mac.update(body)  # a view: the body is never copied
+    return mac.digest()
 
 
-def verify(key: bytes, frame: bytes) -> bytes | None:
-    """The body of a frame signed with `key`, or None."""
-    mac, body = frame[:MAC_BYTES], frame[MAC_BYTES:]
-    want = hmac.new(key, _DOMAIN + body, hashlib.sha256).digest()
-    return body if len(mac) == MAC_BYTES and hmac.compare_digest(mac, want) else None
+def sign(key: bytes, body: bytes, sender: Role) -> bytes:
+    """The frame on the wire: the signature (as `sender`'s direction), then the body."""
+    return _mac(key, sender, body) + body
+
+
+def verify(key: bytes, frame: bytes | memoryview, sender: Role) -> memoryview | None:
+    """The body of a frame that `sender`'s side signed with `key` (a view into `frame`), or None."""
+    view = memoryview(frame)
+    if len(view) < MAC_BYTES:
+        return None
+    body = view[MAC_BYTES:]
+    return body if hmac.compare_digest(view[:MAC_BYTES], _mac(key, sender, body)) else None
 
 
 def is_loopback(host: str) -> bool:
@@ -154,11 +178,12 @@ def _parse_entry(item: str) -> tuple[str | _Network, int | None]:
 
 
 class PeerVerifier:
-    """Decode side, with the secret set: a prefill server proves it holds the secret (it answers a signed
-    "hello" with its nonce, signed) before this server reserves anything for a request that names it.
-    A listener a client named gets a hello and nothing else (no slot ids, no pool addresses), and its
-    request holds nothing while it waits, so a client that leaves frees nothing late. Without the secret
-    anyone could answer, so every peer counts as verified (loopback only, or an isolated network)."""
+    """Decode side, with the secret set: a prefill server proves it holds the secret (it acknowledges a
+    signed "hello" with its nonce, signed the other way) before this server reserves anything for a
+    request that names it. A listener a client named gets a hello and nothing else (no slot ids, no pool
+    addresses), and its request holds nothing while it waits, so a client that leaves frees nothing
+    late. Without the secret anyone could answer, so every peer counts as verified (loopback only, or an
+    isolated network)."""
 
     RETRY_S = 1.0  # a prefill server still starting gets a hello again this often
     MAX_PEERS = 1024  # verified and challenged URLs kept (URLs come from clients: keep a bound)
@@ -187,9 +212,12 @@ class PeerVerifier:
             )
         return False
 
-    def on_hello(self, msg: dict) -> bool:
-        """A prefill server's answer; True if it verified a peer."""
+    def on_hello_ack(self, msg: dict) -> bool:
+        """A prefill server's acknowledgement; True if it verified a peer. It must name the URL this
+        server addressed with that nonce: the prefill server checked that the URL is its own."""
         url, nonce = msg.get("to"), msg.get("nonce")
+        if msg.get("type") != "hello_ack":
+            return False
         entry = self.challenges.get(url) if isinstance(url, str) else None
         if entry is None or not isinstance(nonce, str) or not hmac.compare_digest(entry[0], nonce):
             return False
@@ -198,28 +226,100 @@ class PeerVerifier:
         return True
 
 
-def hello_answer(msg: dict, host: str, port: int) -> dict | None:
-    """Prefill side: the answer to a decode server's hello, or None when it was addressed to another
-    server: a listener a client named could otherwise pass its hello on to this server and be verified
-    by this server's answer. `host` and `port` are this server's --host and bootstrap port; where the
-    hello's address or --host is a name (this server does not know its names), the port decides."""
-    to, notify, nonce = msg.get("to"), msg.get("notify"), msg.get("nonce")
-    if not all(isinstance(v, str) for v in (to, notify, nonce)) or not to.startswith("tcp://"):
-        return None
-    to_host, _, to_port = to[len("tcp://") :].rpartition(":")
-    if to_port != str(port):
-        return None
-    to_ip, own = _ip(to_host), _ip(host)
-    if to_ip is not None and own is not None and not own.is_unspecified and own != to_ip:
-        return None
-    return {"type": "hello", "room": "", "nonce": nonce, "to": to}
+class BootstrapIdentity:
+    """Prefill side: which hellos this server acknowledges. Only those addressed to itself: its bootstrap
+    port, and a host that is one of its own addresses (--host when it is one; with a wildcard --host,
+    any address of this machine; with a name, what it resolves to), or a name that resolves to one (on
+    a thread: the hello is acknowledged when the decode server sends it again). A loopback address is
+    this server only for a hello that came over loopback. So a listener a client named that passes its
+    hello on (or a process on the decode server's machine posing as a loopback prefill server) is not
+    acknowledged, whatever --host is."""
+
+    MAX_NAMES = 256  # names looked up and kept (they come from signed hellos, but keep a bound)
+
+    def __init__(self, host: str, port: int):
+        self.port = port
+        own = _ip(host)
+        self.wildcard = own is not None and own.is_unspecified
+        self.dual_stack = self.wildcard and own.version == 6
+        if own is not None:
+            self.addresses = {own}
+        else:  # a name: ZMQ bound to what it resolves to
+            self.addresses = set(_resolve(host))
+        self._names: dict[str, _Lookup] = {}
+
+    def hello_answer(self, msg: dict) -> dict | None:
+        """The acknowledgement of a decode server's hello, or None (not addressed to this server, not
+        known yet, or malformed). `msg["peer"]` is the sender's address as the socket saw it."""
+        to, notify, nonce, peer = msg.get("to"), msg.get("notify"), msg.get("nonce"), msg.get("peer")
+        if not all(isinstance(v, str) for v in (to, notify, nonce)) or not to.startswith("tcp://"):
+            return None
+        to_host, _, to_port = to[len("tcp://") :].rpartition(":")
+        if to_port != str(self.port):
+            return None
+        to_ip = _ip(to_host)
+        if to_ip is not None:
+            candidates = [to_ip]
+        else:
+            candidates = self._lookup(to_host.lower())
+        from_loopback = isinstance(peer, str) and (address := _ip(peer)) is not None and address.is_loopback
+        if not any(self._is_own(a, from_loopback) for a in candidates or ()):
+            return None
+        return {"type": "hello_ack", "room": "", "nonce": nonce, "to": to}
+
+    def _is_own(self, address: _Address, from_loopback: bool) -> bool:
+        if address.is_unspecified or address.is_multicast:
+            return False
+        if address.is_loopback and not from_loopback:
+            return False  # the decode server's own loopback: a process on its machine, not this server
+        if not self.wildcard:
+            return address in self.addresses
+        # 0.0.0.0 takes IPv4 only; :: (ZMQ_IPV6) takes both.
+        return (address.version == 4 or self.dual_stack) and _is_local(address)
+
+    def _lookup(self, name: str) -> list[_Address] | None:
+        entry = self._names.get(name)
+        if entry is None:
+            entry = _Lookup()
+            _bounded_put(self._names, name, entry, self.MAX_NAMES)
+            threading.Thread(target=entry.run, args=(name,), daemon=True, name="pd-resolve").start()
+        return entry.addresses
 
 
-def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+class _Lookup:
+    addresses: list[_Address] | None = None  # None until resolved
+
+    def run(self, name: str) -> None:
+        self.addresses = _resolve(name)
+
+
+def _resolve(name: str) -> list[_Address]:
     try:
-        return ipaddress.ip_address(host.strip("[]"))
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return []
+    return [a for info in infos if (a := _ip(str(info[4][0]).split("%")[0])) is not None]
+
+
+def _is_local(address: _Address) -> bool:
+    """Whether `address` belongs to this machine: only then can a socket bind to it."""
+    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((str(address), 0))
+            return True
+        except OSError:
+            return False
+
+
+def _ip(host: str) -> _Address | None:
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return None
+    # A dual-stack socket reports an IPv4 peer as ::ffff:a.b.c.d.
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped if mapped is not None else address
 
 
 def _bounded_put(d: dict, key: str, value: object, limit: int) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
 from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
-from sglang.srt.disaggregation.channel import Channel, reachable_host, tcp_url
+from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
 from sglang.srt.disaggregation.transfer import clear_destination, open_transfer_engine
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import alloc_for_extend
@@ -85,10 +85,8 @@ class DecodeTransferQueue:
         check_at_start(args)
         self.layout, self.engine = open_transfer_engine(sched)
         self.allowlist = PrefillAllowlist.parse(args.disaggregation_prefill_allowlist)
-        # An answer carries the first token's logprobs: at most a top list and a chosen-ids list of the
-        # vocabulary, ~32 bytes an entry in JSON; the rest is well under 64 KB.
-        max_message = 64 * 1024 + 2 * 32 * args.model_config.vocab_size
-        self.channel = Channel(args.host, None, secret(), max_message)
+        max_message = answer_max_bytes(args.max_logprobs)
+        self.channel = Channel(args.host, None, secret(), max_message, "decode")
         self.notify_url = tcp_url(reachable_host(args.host), self.channel.port)
         self.peers = PeerVerifier(self.channel.secret is not None, self.channel.send, self.notify_url)
         self.prealloc: list[Req] = []  # waiting for destinations
@@ -168,8 +166,8 @@ class DecodeTransferQueue:
                     logger.warning(
                         "Disaggregation: a malformed answer for room %r was dropped (%s).", msg["room"], e
                     )
-            elif msg["type"] == "hello":
-                did = self.peers.on_hello(msg) or did
+            elif msg["type"] == "hello_ack":
+                did = self.peers.on_hello_ack(msg) or did
         did = self._expire() or did
         did = self._preallocate() or did
         did = self._send_destinations() or did

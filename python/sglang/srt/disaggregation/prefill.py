@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sglang.srt.disaggregation.auth import check_at_start, hello_answer, secret
-from sglang.srt.disaggregation.channel import Channel
+from sglang.srt.disaggregation.auth import BootstrapIdentity, check_at_start, secret
+from sglang.srt.disaggregation.channel import MAX_ERROR_CHARS, Channel
 from sglang.srt.disaggregation.transfer import (
     PoolLayout,
     TransferError,
@@ -56,8 +56,10 @@ class PrefillBootstrapQueue:
         # A destination names one token slot per prompt position: at most 11 bytes each in JSON, and the
         # rest (pool layout, URLs) is a few KB.
         max_message = 64 * 1024 + 12 * self.context_len
-        self.channel = Channel(args.host, args.disaggregation_bootstrap_port, secret(), max_message)
-        self.host = args.host
+        self.channel = Channel(
+            args.host, args.disaggregation_bootstrap_port, secret(), max_message, "prefill"
+        )
+        self.identity = BootstrapIdentity(args.host, self.channel.port)
         # Destinations held for requests not received here yet (the decode server reserved first): at
         # most this many, naming at most 4x this server's KV pool in token slots (8 bytes each: at most
         # 32 bytes per token of the pool, which itself holds KB per token).
@@ -133,7 +135,7 @@ class PrefillBootstrapQueue:
                 self._on_dst(msg)
             elif msg["type"] == "cancel":
                 self._on_cancel(msg)
-            elif msg["type"] == "hello" and (answer := hello_answer(msg, self.host, self.channel.port)):
+            elif msg["type"] == "hello" and (answer := self.identity.hello_answer(msg)):
                 self.channel.send(msg["notify"], answer)
         for key, room in list(self.rooms.items()):
             if room.future is not None and room.future.done():
@@ -294,7 +296,8 @@ class PrefillBootstrapQueue:
     def _notify_failed(self, dst: dict[str, Any], error: str) -> None:
         if isinstance(dst.get("notify"), str):
             self.channel.send(
-                dst["notify"], {"type": "done", "room": str(dst["room"]), "ok": False, "error": error}
+                dst["notify"],
+                {"type": "done", "room": str(dst["room"]), "ok": False, "error": error[:MAX_ERROR_CHARS]},
             )
 
     def state(self) -> dict[str, Any]:
