@@ -110,8 +110,9 @@ class Engine:
         extra_key: str | list[str] | None = None,
         cache_salt: str | list[str] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
-        """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of
-        cumulative chunks. Bad input raises RequestError (naming the field) at the call. As upstream's:
+        """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of chunks
+        (text and output_ids cumulative; logprob lists and hidden states only what is new, the input
+        ones once: docs/server.md). Bad input raises RequestError (naming the field) at the call. As upstream's:
         `return_hidden_states` (with enable_return_hidden_states), and the cache namespace of
         `extra_key` / `cache_salt` (docs/server.md)."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
