@@ -7,38 +7,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist
-from sglang.srt.disaggregation.decode import DecodeTransferQueue
-from sglang.srt.disaggregation.transfer import PoolLayout
 from sglang.srt.managers.io_struct import BootstrapInfo
 from sglang.srt.managers.schedule_batch import Req
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.pd_fakes import decode_queue
 
 register_cpu_ci(est_time=2, suite="per-commit-cpu")
-
-
-class RecordingChannel:
-    def __init__(self):
-        self.sent: list[tuple[str, dict]] = []
-
-    def send(self, url: str, msg: dict) -> bool:
-        self.sent.append((url, msg))
-        return True
-
-
-def make_queue(sched) -> DecodeTransferQueue:
-    q = DecodeTransferQueue.__new__(DecodeTransferQueue)
-    q.sched = sched
-    q.layout = PoolLayout([], [], 0, [], [], [])
-    q.engine = SimpleNamespace(session_id="decode:1")
-    q.channel = RecordingChannel()
-    q.notify_url = "tcp://127.0.0.1:1"
-    q.allowlist = PrefillAllowlist.parse(None)
-    q.peers = PeerVerifier(False, q.channel.send, q.notify_url)
-    q.prealloc, q.reserved, q.ready = [], [], []
-    q.transfers, q.zombies, q.dst_sent = {}, {}, set()
-    q.timeout = 300.0
-    return q
 
 
 def req(room: str) -> Req:
@@ -50,7 +24,7 @@ def req(room: str) -> Req:
 
 def test_a_destination_waits_for_the_batches_launched_before_its_reservation():
     sched = SimpleNamespace(processed_batch_id=6, num_batches=7)
-    q = make_queue(sched)
+    q = decode_queue(sched)
     a = req("a")
     q.reserved.append((a, sched.num_batches))  # reserved while batch 7 is in flight
     assert not q._send_destinations()
@@ -64,7 +38,7 @@ def test_a_destination_waits_for_the_batches_launched_before_its_reservation():
 
 
 def test_a_request_refused_before_its_destination_went_out_cancels_its_room():
-    q = make_queue(SimpleNamespace(processed_batch_id=0, num_batches=0))
+    q = decode_queue(SimpleNamespace(processed_batch_id=0, num_batches=0))
     r = req("b")
     r.finished_reason = {"type": "abort", "message": "refused"}
     q.on_released(r)

@@ -34,6 +34,7 @@ from sglang.srt.managers.io_struct import BootstrapInfo
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.pd_fakes import decode_queue
 
 register_cpu_ci(est_time=14, suite="per-commit-cpu")
 
@@ -50,33 +51,6 @@ class Aborts:
         for r in reqs:
             r.finished_reason = {"type": "abort", "message": message}
             self.calls.append((r.rid, message, status_code, param))
-
-
-class RecordingChannel:
-    def __init__(self):
-        self.sent: list[tuple[str, dict]] = []
-        self.dropped = 0
-
-    def send(self, url: str, msg: dict) -> bool:
-        self.sent.append((url, msg))
-        return True
-
-
-def decode_queue(sched) -> DecodeTransferQueue:
-    """A decode server's PD queue without a transfer engine; the channel records what it would send."""
-    q = DecodeTransferQueue.__new__(DecodeTransferQueue)
-    q.sched = sched
-    q.layout = PoolLayout([], [], 0, [], [], [])
-    q.engine = SimpleNamespace(session_id="127.0.0.1:16610")
-    q.channel = RecordingChannel()
-    q.notify_url = "tcp://127.0.0.1:1"
-    q.allowlist = PrefillAllowlist.parse(None)
-    q.peers = PeerVerifier(False, q.channel.send, q.notify_url)
-    q.prealloc, q.reserved, q.ready = [], [], []
-    q.transfers, q.zombies, q.dst_sent = {}, {}, set()
-    q.timeout = 300.0
-    q.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "seconds": 0.0}
-    return q
 
 
 def pools(tokens: int, slots: int) -> tuple[MHATokenToKVPool, MambaPool]:

@@ -1,0 +1,38 @@
+"""Stand-ins for PD disaggregation unit tests: a decode server's PD queue with no transfer engine, whose
+channel records what it would send instead of sending it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist
+from sglang.srt.disaggregation.decode import DecodeTransferQueue
+from sglang.srt.disaggregation.transfer import PoolLayout
+
+
+class RecordingChannel:
+    def __init__(self):
+        self.sent: list[tuple[str, dict]] = []
+        self.dropped = 0
+
+    def send(self, url: str, msg: dict) -> bool:
+        self.sent.append((url, msg))
+        return True
+
+
+def decode_queue(sched: Any) -> DecodeTransferQueue:
+    """A decode server's PD queue over `sched` (a stand-in scheduler), without a transfer engine."""
+    q = DecodeTransferQueue.__new__(DecodeTransferQueue)
+    q.sched = sched
+    q.layout = PoolLayout([], [], 0, [], [], [])
+    q.engine = SimpleNamespace(session_id="127.0.0.1:16610")
+    q.channel = RecordingChannel()
+    q.notify_url = "tcp://127.0.0.1:1"
+    q.allowlist = PrefillAllowlist.parse(None)
+    q.peers = PeerVerifier(False, q.channel.send, q.notify_url)
+    q.prealloc, q.reserved, q.ready = [], [], []
+    q.transfers, q.zombies, q.dst_sent = {}, {}, set()
+    q.timeout = 300.0
+    q.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "seconds": 0.0}
+    return q
