@@ -174,8 +174,9 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         check_basic_flags(self)
-        if check_quantization_flag(self.quantization):
-            raise ServerArgsError(check_quantization_flag(self.quantization))
+        refused = check_quantization_flag(self.quantization)
+        if refused:
+            raise ServerArgsError(refused)
         if self.device == "auto":
             self.device = _auto_device()
         if self.random_seed is None:

@@ -8,17 +8,12 @@ import logging
 
 import pytest
 
-from sglang.srt.entrypoints.http_server import create_app
 from sglang.srt.environ import envs
-from sglang.srt.managers.io_struct import PortArgs
-from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.test.app_harness import served_app
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=3, suite="per-commit-cpu")
-
-MODEL_INFO = {"context_len": 4096, "max_req_input_len": 4095, "vocab_size": 512, "max_running_requests": 8}
-
 
 def args(**kw) -> ServerArgs:
     return ServerArgs(model_path="tiny-qwen3-next", enable_custom_logit_processor=True, **kw)
@@ -47,13 +42,9 @@ def test_loopback_hosts_need_no_opt_in(host):
 def test_the_start_warns_without_the_secret(caplog):
     def warnings_at_start(secret: str) -> list[str]:
         caplog.clear()
-        server_args = args()
-        tm = TokenizerManager(server_args, PortArgs.init_new(), MODEL_INFO)
-        try:
-            with envs.SGLANG_LOGIT_PROCESSOR_SECRET.override(secret), caplog.at_level(logging.WARNING):
-                create_app(server_args, tm, MODEL_INFO)
-        finally:
-            tm.encoder.close()
+        with envs.SGLANG_LOGIT_PROCESSOR_SECRET.override(secret), caplog.at_level(logging.WARNING):
+            with served_app(enable_custom_logit_processor=True):
+                pass
         return [r.getMessage() for r in caplog.records if "SGLANG_LOGIT_PROCESSOR_SECRET" in r.getMessage()]
 
     unsigned = warnings_at_start("")

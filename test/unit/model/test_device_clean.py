@@ -125,8 +125,8 @@ def _three_decoding_requests(audit: DeviceAudit) -> tuple[ModelRunner, RunnerDri
 def test_logit_penalties_run_on_the_device():
     """A batch with every kind of penalty (counts with a fresh row, a ban, a bias): its penalty tensors
     travel in the batch's one copy, the counts live on the device, and nothing is read back."""
-    from sglang.srt.model_executor.forward_batch_info import host_float32, host_int64
     from sglang.srt.sampling.penaltylib import PenaltyBatchInfo
+    from sglang.srt.utils.host_tensors import host_float32, host_int64
 
     def info() -> PenaltyBatchInfo:
         ints, floats = host_int64, host_float32
@@ -153,7 +153,7 @@ def test_grammar_masks_run_on_the_device():
     """A batch with grammar masks (constrained decoding): the bits travel in the batch's one copy, are
     unpacked and applied on the device, and nothing is read back."""
     from sglang.srt.constrained.vocab_mask import VocabMaskInfo
-    from sglang.srt.model_executor.forward_batch_info import host_int64
+    from sglang.srt.utils.host_tensors import host_int64
 
     with DeviceAudit() as audit:
         runner, driver, reqs = _three_decoding_requests(audit)

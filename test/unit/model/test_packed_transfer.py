@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang.srt.model_executor.forward_batch_info import move_to_device, pack_bytes, unpack_bytes
+from sglang.srt.utils.host_tensors import move_to_device, pack_bytes, unpack_bytes
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
@@ -58,7 +58,7 @@ def test_host_floats_beyond_float32_become_inf_at_any_length():
     """`host_float32` packs 16 or more values with `struct`, which refuses a float beyond float32's range
     (it crashed the scheduler on a batch of 16 requests with temperature 1e39, a value upstream accepts);
     they become inf, as in `array` (below 16) and in torch."""
-    from sglang.srt.model_executor.forward_batch_info import host_float32
+    from sglang.srt.utils.host_tensors import host_float32
 
     for n in (3, 16, 40):
         values = [0.5] * (n - 1) + [1e39]

@@ -29,13 +29,11 @@ from typing import Any
 
 import torch
 
-from sglang.srt.utils.host_tensors import (  # noqa: F401 - re-exported: the layers' and tests' import
+from sglang.srt.utils.host_tensors import (
     host_bool,
     host_float32,
     host_int64,
     move_to_device,
-    pack_bytes,
-    unpack_bytes,
 )
 
 

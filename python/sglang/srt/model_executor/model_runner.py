@@ -116,11 +116,17 @@ class ModelRunner:
             "load_weight": loaded - self.started_at,
             "kv_cache_allocation": time.monotonic() - loaded,
         }
-        self.memory_bytes = {"weights": weight_bytes, "kv_cache": self._pool_bytes()}
-        # Each pool apart, for /get_server_info and the start log.
+        # Each pool apart (the mamba pool's verify rows included) and together, for /get_server_info,
+        # /metrics and the start log.
         kv, mamba = self.token_to_kv_pool, self.mamba_pool
-        self.memory_bytes["kv_pool"] = sum(t.numel() * t.element_size() for t in [*kv.k_buffer, *kv.v_buffer])
-        self.memory_bytes["state_pool"] = sum(t.numel() * t.element_size() for t in [mamba.conv_state, mamba.ssm_state])
+        kv_pool = sum(t.numel() * t.element_size() for t in [*kv.k_buffer, *kv.v_buffer])
+        state_pool = sum(t.numel() * t.element_size() for t in [mamba.conv_state, mamba.ssm_state])
+        self.memory_bytes = {
+            "weights": weight_bytes,
+            "kv_cache": kv_pool + state_pool,
+            "kv_pool": kv_pool,
+            "state_pool": state_pool,
+        }
         full = self._full_attn_backend()
         if torch.device(self.device).type == "cuda" and self.dtype == torch.float32:
             use_ieee_float32_dots()  # before any FLA kernel compiles: see layers/attention/fla_float32.py
@@ -208,13 +214,6 @@ class ModelRunner:
             layer_ids=self.arch.full_attention_layer_ids,
             device=self.device,
         )
-
-    def _pool_bytes(self) -> int:
-        """Bytes of the KV pool and the mamba state pool (its verify rows included)."""
-        kv = self.token_to_kv_pool
-        mamba = self.mamba_pool
-        tensors = [*kv.k_buffer, *kv.v_buffer, mamba.conv_state, mamba.ssm_state]
-        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def mamba_pool(self) -> MambaPool:

@@ -17,7 +17,7 @@ import itertools
 
 import torch
 
-from sglang.srt.model_executor.forward_batch_info import host_int64, move_to_device
+from sglang.srt.utils.host_tensors import host_int64, move_to_device
 
 
 def chunk_offsets(cu_seqlens: list[int], chunk: int) -> list[int]:

@@ -28,6 +28,7 @@ from torch import nn
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.quantization.fp8 import (
     FP8_DTYPE,
+    SCALE_SUFFIX,
     Fp8Config,
     Fp8Weight,
     dequantize_block_fp8,
@@ -37,7 +38,7 @@ from sglang.srt.layers.quantization.fp8 import (
 
 logger = logging.getLogger(__name__)
 
-SCALE_NAME = "_weight_scale_inv"  # w13 -> w13_weight_scale_inv (upstream's names)
+SCALE_NAME = "_weight" + SCALE_SUFFIX  # w13 -> w13_weight_scale_inv (upstream's names)
 
 
 def swap_fp8_experts(model: nn.Module, config: Fp8Config, skip: set[str] = frozenset()) -> list[str]:

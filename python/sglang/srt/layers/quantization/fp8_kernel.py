@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+from sglang.srt.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, dequantize_block_fp8
+
 # Upstream's floor on a group's amax: an all-zero group gets a tiny scale, not a division by zero.
 AMAX_EPS = 1e-10
 BLOCK = 128  # the checkpoints' weight_block_size, and the activations' group
@@ -99,16 +99,6 @@ def per_token_group_quant_fp8_torch(
     scale = xf.abs().amax(-1).clamp(min=AMAX_EPS) / FP8_MAX
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.flatten(-2)[..., :k].contiguous(), scale
-
-
-def dequantize_block_fp8(
-    weight: torch.Tensor, scale: torch.Tensor, block_size=(BLOCK, BLOCK)
-) -> torch.Tensor:
-    """weight [..., N, K] fp8 with scale [..., ceil(N/bn), ceil(K/bk)] -> float32 [..., N, K]."""
-    bn, bk = block_size
-    n, k = weight.shape[-2:]
-    full = scale.repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
-    return weight.float() * full
 
 
 def w8a8_block_fp8_matmul_torch(

@@ -55,7 +55,8 @@ from sglang.srt.layers.attention.mamba.mamba_batch_metadata import (
 )
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.srt.mem_cache.memory_pool import MambaPool
-from sglang.srt.model_executor.forward_batch_info import ForwardMode, host_int64
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.utils.host_tensors import host_int64
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch

@@ -12,7 +12,7 @@ import torch
 
 from sglang.srt.layers.attention.fla_chunks import chunk_layout_host, chunk_offsets
 from sglang.srt.layers.gpu_ops import triton_chosen
-from sglang.srt.model_executor.forward_batch_info import host_int64
+from sglang.srt.utils.host_tensors import host_int64, move_to_device
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -149,8 +149,6 @@ def verify_keys(fb: ForwardBatch) -> tuple[str, ...]:
 def moved_args(keys: tuple[str, ...], aux: dict[str, torch.Tensor], host: Any, device: torch.device) -> list:
     """The tensors `keys` as moved with the batch, or (not prepared, or prepared after the batch moved)
     `host()` moved in a copy of their own."""
-    from sglang.srt.model_executor.forward_batch_info import move_to_device
-
     if keys[0] in aux and aux[keys[0]].device == device:
         return [aux[k] for k in keys]
     return move_to_device(host(), device)
