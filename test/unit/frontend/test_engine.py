@@ -81,6 +81,7 @@ def test_a_batch_larger_than_the_http_bound_is_taken(engine):
     Engine, as upstream's, takes a batch of any size unless the flag is given."""
     outs = engine.generate(input_ids=[[5, 6]] * 4100, sampling_params={"max_new_tokens": 1})
     assert len(outs) == 4100 and all(len(o["output_ids"]) == 1 for o in outs)
+    assert engine.get_server_info()["max_samples_per_request"] is None  # (what it reports: no bound)
 
 
 def test_stream_is_cumulative_and_matches_non_stream(engine):

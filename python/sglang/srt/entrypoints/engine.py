@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import sys
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
@@ -45,17 +44,23 @@ from sglang.srt.server_args_upstream import upstream_engine_kwargs
 from sglang.version import __version__
 
 
-def build_server_info(server_args: ServerArgs, model_info: dict[str, Any], state: dict[str, Any]) -> dict:
+def build_server_info(
+    server_args: ServerArgs, model_info: dict[str, Any], state: dict[str, Any], tm: Any = None
+) -> dict:
     """The /get_server_info body: every server arg (secrets redacted) and the resolved values derived
-    from them, the scheduler's limits and its live state."""
+    from them, the scheduler's limits and its live state. `tm`: the tokenizer manager whose limits it
+    reports (its fan-out bound: None, no bound, in an Engine); without one, the flags' values."""
     info = server_args.public_dict()
     info["mamba_radix_cache_strategy"] = server_args.mamba_radix_cache_strategy
     info["mamba_cache_chunk_size"] = server_args.mamba_cache_chunk_size
     info["max_request_body_size"] = server_args.request_body_limit
     info.update(model_info)
-    info["max_samples_per_request"] = max_samples_per_request(
-        server_args.max_samples_per_request, model_info["max_running_requests"]
-    )
+    if tm is not None:
+        info["max_samples_per_request"] = tm.max_samples_per_request
+    else:
+        info["max_samples_per_request"] = max_samples_per_request(
+            server_args.max_samples_per_request, model_info["max_running_requests"]
+        )
     info["internal_states"] = [state]
     info["version"] = __version__
     return info
@@ -86,7 +91,7 @@ class Engine:
             if self.server_args.max_samples_per_request is None:
                 # The bound keeps one HTTP client from holding the event loop others share; an Engine's
                 # caller is its only client, and upstream's Engine takes a batch of any size.
-                self.tokenizer_manager.max_samples_per_request = sys.maxsize
+                self.tokenizer_manager.max_samples_per_request = None
             self._run(self.tokenizer_manager.start())
         except BaseException:
             self.shutdown()
@@ -291,7 +296,7 @@ class Engine:
     def get_server_info(self) -> dict[str, Any]:
         """Server args, the scheduler's limits, and its live pool and slot statistics."""
         state = self.get_internal_state()
-        return build_server_info(self.server_args, self._launched.model_info, state)
+        return build_server_info(self.server_args, self._launched.model_info, state, self.tokenizer_manager)
 
     def shutdown(self) -> None:
         """Stop the subprocesses and the loop thread. Idempotent; also runs at interpreter exit."""

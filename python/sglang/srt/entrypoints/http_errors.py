@@ -43,10 +43,6 @@ def json_response(content: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(content), status_code=status_code, media_type="application/json")
 
 
-def error_response(err: RequestError, status_code: int = 400) -> Response:
-    return json_response(error_body(err.message, err.param, err.code, status=status_code), status_code)
-
-
 def server_abort_body(e: ServerAbortError) -> dict:
     # Upstream answers these (deadlines) with the HTTP status as `code`, e.g. 503. One that names a
     # field of the request (a stop_regex out of time) is the client's error.
@@ -64,8 +60,7 @@ def internal_error_body(e: BaseException) -> dict:
 
 
 def internal_error_response(e: BaseException) -> Response:
-    if isinstance(e, BackendDeadError):
-        return json_response(backend_dead_body(e), 503)
+    """A 500 for an error no handler maps (`ErrorMappingRoute` passes the mapped ones on)."""
     logger.exception("Request failed", exc_info=e)
     return json_response(internal_error_body(e), 500)
 
@@ -79,7 +74,7 @@ def json_object(body: bytes) -> Any:
 
 
 async def _request_error(request: Request, e: RequestError) -> Response:
-    return error_response(e)
+    return json_response(error_body(e.message, e.param, e.code), 400)
 
 
 async def _server_abort(request: Request, e: ServerAbortError) -> Response:

@@ -76,7 +76,7 @@ async def get_model_info(s: Server) -> Response:
 @router.get("/server_info")
 async def get_server_info(s: Server) -> Response:
     state = await s.tm.get_internal_state()
-    return json_response(build_server_info(s.server_args, s.model_info, state))
+    return json_response(build_server_info(s.server_args, s.model_info, state, s.tm))
 
 
 @router.api_route("/generate", methods=["POST", "PUT"])

@@ -178,7 +178,8 @@ class FinishChecker:
     def match_stop_string(self, req: Req, work: _Work | None = None) -> str | None:
         """The stop string in the output's tail, else the stop regex (its pattern, as upstream reports
         it) that matches there, else None. The regexes' search takes what is left of `work`'s allowance
-        (raises StopRegexTimeout beyond it) and adds its time to `work`."""
+        (raises StopRegexTimeout beyond it) and adds its time to `work` (a request with stop regexes is
+        always checked with one: `check_finished`)."""
         if self.tokenizer is None:
             return None
         sp = req.sampling_params
@@ -188,17 +189,15 @@ class FinishChecker:
         tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
         matched = next((s for s in sp.stop if s in tail), None)
         if matched is None and sp.stop_regex:
-            allowance = self.budget.allowance(req) if work is None else work.allowance
             for pattern in sp.stop_regex:
                 compiled(pattern)  # (once per process, bounded by stop_regex.MAX_CHARS: not the search's)
             start = clock()
             try:
-                matched = _first_match(sp.stop_regex, tail, allowance - (work.grammar_s if work else 0.0))
+                matched = _first_match(sp.stop_regex, tail, work.allowance - work.grammar_s)
             finally:
-                if work is not None:
-                    work.regex_s = clock() - start
-                    if work.regex_s > work.grammar_s:
-                        work.field = "stop_regex"
+                work.regex_s = clock() - start
+                if work.regex_s > work.grammar_s:
+                    work.field = "stop_regex"
         return matched
 
 

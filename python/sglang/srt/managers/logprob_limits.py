@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from sglang.srt.managers.request_error import RequestError
+
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 
@@ -41,15 +43,6 @@ DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 18
 DEFAULT_MAX_HIDDEN_STATE_FLOATS = 1 << 22
 
 
-class LogprobLimitError(ValueError):
-    """A request asks for more logprobs than the server returns; `param` names the field to lower."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
 def check_logprobs_per_position(count: int, cap: int, vocab_size: int, param: str) -> None:
     """`top_logprobs_num`, or the number of `token_ids_logprob` ids, against --max-logprobs."""
     most = min(cap, vocab_size)
@@ -59,7 +52,7 @@ def check_logprobs_per_position(count: int, cap: int, vocab_size: int, param: st
             "top_logprobs_num must be at most" if param == "top_logprobs_num" else f"{param} may name at most"
         )
         unit = "" if param == "top_logprobs_num" else " ids"
-        raise LogprobLimitError(f"{what} {most}{unit}{flag}, got {count}.", param)
+        raise RequestError(f"{what} {most}{unit}{flag}, got {count}.", param)
 
 
 def check_logprob_entries(reqs: Sequence[TokenizedGenerateReqInput], bound: int) -> None:
@@ -82,7 +75,7 @@ def check_logprob_entries(reqs: Sequence[TokenizedGenerateReqInput], bound: int)
     else:
         top = any(r.return_logprob and r.top_logprobs_num for r in reqs)
         param = "top_logprobs_num" if top else "token_ids_logprob"
-    raise LogprobLimitError(
+    raise RequestError(
         f"This request asks for {total} logprob entries over its {len(reqs)} samples ({at_input} at input "
         f"positions from logprob_start_len, {at_output} top_logprobs_num and token_ids_logprob entries at up "
         f"to max_new_tokens output positions); the server returns at most {bound} per request "
@@ -103,7 +96,7 @@ def check_hidden_state_floats(
     total = positions * hidden_size
     if total <= bound:
         return
-    raise LogprobLimitError(
+    raise RequestError(
         f"This request asks for {total} hidden-state floats over its {len(reqs)} samples ({positions} input "
         f"and output positions x the hidden size {hidden_size}); the server returns at most {bound} per "
         f"request (--max-hidden-state-floats-per-request): ask for return_hidden_states with a shorter "

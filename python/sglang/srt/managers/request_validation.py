@@ -19,7 +19,6 @@ from typing import Any
 from sglang.srt.constrained.grammar_spec import grammar_key
 from sglang.srt.managers.io_struct import BootstrapInfo, GenerateReqInput, TokenizedGenerateReqInput
 from sglang.srt.managers.logprob_limits import (
-    LogprobLimitError,
     check_hidden_state_floats,
     check_logprob_entries,
     check_logprobs_per_position,
@@ -298,9 +297,7 @@ def build_requests(
         start = per_item["logprob_start_len"][i]
         top = per_item["top_logprobs_num"][i]
         check_logprob_args(per_item["return_logprob"][i], start, top, len(ids))
-        _check_limit(
-            check_logprobs_per_position, top, limits.max_logprobs, limits.vocab_size, "top_logprobs_num"
-        )
+        check_logprobs_per_position(top, limits.max_logprobs, limits.vocab_size, "top_logprobs_num")
         token_ids = token_ids_lists[i]
         hidden = per_item["return_hidden_states"][i]
         if not isinstance(hidden, bool):
@@ -347,17 +344,10 @@ def build_requests(
     rids = [r.req.rid for r in out]
     if len(set(rids)) != len(rids):
         raise RequestError("rid values must be unique within a request.", "rid")
-    _check_limit(check_logprob_entries, [r.req for r in out], limits.max_logprob_entries)
-    _check_limit(check_hidden_state_floats, [r.req for r in out], limits.hidden_size, limits.max_hidden_state_floats)
+    reqs = [r.req for r in out]
+    check_logprob_entries(reqs, limits.max_logprob_entries)
+    check_hidden_state_floats(reqs, limits.hidden_size, limits.max_hidden_state_floats)
     return out, prompts.is_batch or len(out) > 1
-
-
-def _check_limit(check: Any, *args: Any) -> None:
-    """A `logprob_limits` check, its refusal as a RequestError (400) naming the field."""
-    try:
-        check(*args)
-    except LogprobLimitError as e:
-        raise RequestError(e.message, e.param) from None
 
 
 def normalize_generate_request(
@@ -393,7 +383,7 @@ def _token_ids_logprob(
         if not isinstance(ids, list) or not ids:
             raise RequestError(f"{name} must hold non-empty lists of token ids.", name, "invalid_type")
         # As top_logprobs_num: its cost grows with positions x ids.
-        _check_limit(check_logprobs_per_position, len(ids), limits.max_logprobs, vocab_size, name)
+        check_logprobs_per_position(len(ids), limits.max_logprobs, vocab_size, name)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise RequestError(f"{name} must hold integer token ids, got {t!r}.", name, "invalid_type")

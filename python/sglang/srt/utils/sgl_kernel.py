@@ -59,6 +59,7 @@ SOURCES = {
     "cuda": ["state_copy_cuda_binding.cpp", "state_copy_cuda.cu"],
 }
 HEADERS = ["state_copy.h", "state_copy_binding.h", "cpu_math.h"]
+FLOCK = "build.flock"  # held while a process builds or loads in a build folder
 STAMP = "build.stamp"  # beside a finished build: its whole `build_key` (`is_built`)
 KEY_CHARS = 16  # of `build_key` in a build folder's name
 KEEP_BUILDS = 4  # build folders kept per kind: other checkouts' builds survive a few edits here
@@ -71,9 +72,10 @@ def build_dir() -> Path:
     return Path(root) / "sgl-kernel" / f"torch-{torch.__version__}"
 
 
-def build_folder(kind: str) -> Path:
-    """Where the build of `kind` from the sources as they are now lives (keyed by content, not path)."""
-    return build_dir() / kind / build_key(kind)[:KEY_CHARS]
+def build_folder(kind: str, key: str | None = None) -> Path:
+    """Where the build of `kind` from the sources as they are now (their `build_key`, computed unless
+    given) lives: keyed by content, not path."""
+    return build_dir() / kind / (key or build_key(kind))[:KEY_CHARS]
 
 
 def _missing_prerequisite(kind: str) -> str | None:
@@ -133,7 +135,7 @@ def _build(kind: str, verbose: bool) -> ModuleType:
     _ensure_ninja_on_path()
 
     key = build_key(kind)
-    out = build_folder(kind)
+    out = build_folder(kind, key)
     out.mkdir(parents=True, exist_ok=True)
     with _builder_lock(out):
         if _stamped(out, kind, key):
@@ -175,7 +177,7 @@ def _prune(kind_dir: Path) -> None:
     """Removes all but the newest `KEEP_BUILDS` build folders; one whose flock is held (in use) stays."""
     folders = sorted((p for p in kind_dir.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
     for old in folders[:-KEEP_BUILDS]:
-        with contextlib.suppress(OSError), open(old / "build.flock", "a") as f:
+        with contextlib.suppress(OSError), open(old / FLOCK, "a") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -190,7 +192,7 @@ def _builder_lock(out: Path):
     does not go away with a killed build, and every later load then waits forever: a server stopped
     during its first build would never start again. Under the flock, a `lock` file can only be such a
     leftover, and is removed. Closing the file releases the flock."""
-    with open(out / "build.flock", "a") as f:
+    with open(out / FLOCK, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         stale = out / "lock"
         if stale.exists():
@@ -206,7 +208,8 @@ def is_built(kind: str) -> bool:
         return _loaded[kind][0] is not None
     if _missing_prerequisite(kind) is not None:
         return False
-    return _stamped(build_folder(kind), kind, build_key(kind))
+    key = build_key(kind)
+    return _stamped(build_folder(kind, key), kind, key)
 
 
 def load_extension(kind: str, verbose: bool = False) -> tuple[ModuleType | None, str]:
