@@ -38,6 +38,8 @@ def launch_server(server_args: ServerArgs) -> int:
     failure is one sentence, and nothing is left running), then serve HTTP until interrupted (status 0)
     or until the backend fails (status 1); the subprocesses stop with it."""
     check_flag_support(server_args)  # before anything else fails for a flag that is refused anyway
+    if server_args.node_rank > 0:
+        return serve_other_node(server_args)
     sock = bind_socket(server_args.host, server_args.port)
     try:
         starting = start_subprocesses(server_args)
@@ -55,6 +57,25 @@ def launch_server(server_args: ServerArgs) -> int:
         sock.close()
         raise
     return _serve(server_args, sock, tokenizer, launched)
+
+
+def serve_other_node(server_args: ServerArgs) -> int:
+    """--node-rank above 0: this node's tensor-parallel ranks only (node 0 serves HTTP and talks to them
+    through its rank 0). Runs until one of them exits (status 1: a rank of another node is gone, or
+    this one), or until interrupted (status 0); the ranks stop with it."""
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    launched = start_subprocesses(server_args).wait_ready()
+    logger.info(
+        "Node %d of %d: its %d rank(s) are ready; node 0 serves HTTP.",
+        server_args.node_rank, server_args.nnodes, server_args.tp_size_per_node,
+    )  # fmt: skip
+    try:
+        while (failure := launched.failure()) is None:
+            time.sleep(0.5)
+    finally:
+        launched.shutdown()
+    logger.error("%s Node %d stops.", failure, server_args.node_rank)
+    return 1
 
 
 def _import_http_stack() -> None:

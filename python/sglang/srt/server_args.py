@@ -32,6 +32,7 @@ from sglang.srt.server_args_checks import (
     resolve_auto_parsers,
 )
 from sglang.srt.server_args_cli import add_cli_args
+from sglang.srt.server_args_parallel import check_parallel_flags
 from sglang.srt.server_args_upstream import add_upstream_cli_args, check_upstream_args
 
 logger = logging.getLogger(__name__)
@@ -123,8 +124,18 @@ class ServerArgs:
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     stream_interval: int = 1
-    tp_size: int = 1
     watchdog_timeout: float = 300.0
+
+    # Parallelism (`server_args_parallel.py`, docs/parallelism.md)
+    tp_size: int = 1
+    ep_size: int = 1
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: int | None = None
+    enable_dp_attention: bool = False
 
     # Kernels. None: triton on CUDA, torch_native on CPU.
     attention_backend: str | None = None
@@ -174,6 +185,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         check_basic_flags(self)
+        check_parallel_flags(self)
         refused = check_quantization_flag(self.quantization)
         if refused:
             raise ServerArgsError(refused)
@@ -264,6 +276,11 @@ class ServerArgs:
     def watchdog_seconds(self) -> float | None:
         """--watchdog-timeout as the scheduler and the health check use it: None when off (0 or less)."""
         return self.watchdog_timeout if self.watchdog_timeout and self.watchdog_timeout > 0 else None
+
+    @property
+    def tp_size_per_node(self) -> int:
+        """Tensor-parallel ranks (scheduler processes) each node runs."""
+        return self.tp_size // self.nnodes
 
     @property
     def chunked_prefill_enabled(self) -> bool:

@@ -133,10 +133,6 @@ def check_basic_flags(args: ServerArgs) -> None:
         raise ServerArgsError(
             f"--mamba-full-memory-ratio must be positive, got {args.mamba_full_memory_ratio}."
         )
-    if args.tp_size != 1:
-        raise ServerArgsError(
-            f"--tp-size {args.tp_size} is not supported yet; this runtime runs --tp-size 1."
-        )
     check_speculative_flags(args)
     if args.disaggregation_decode_extra_slots is not None and args.disaggregation_decode_extra_slots < 0:
         raise ServerArgsError(

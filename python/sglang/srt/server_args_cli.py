@@ -24,6 +24,7 @@ from sglang.srt.server_args_checks import (
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
 )
+from sglang.srt.server_args_parallel import add_parallel_cli_args
 
 
 def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> None:
@@ -255,7 +256,6 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--disable-overlap-schedule", action="store_true")
     g.add_argument("--stream-interval", type=int, default=default("stream_interval"))
-    g.add_argument("--tp-size", "--tp", type=int, default=1)
     g.add_argument(
         "--watchdog-timeout",
         type=float,
@@ -263,6 +263,8 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
         help="Seconds a forward may take, and the scheduler may stay silent, before the stall is "
         "reported and the server exits with status 1; 0 or less: off.",
     )
+
+    add_parallel_cli_args(parser, default)
 
     g = parser.add_argument_group("kernels")
     g.add_argument(

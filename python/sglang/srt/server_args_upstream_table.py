@@ -12,12 +12,12 @@ from dataclasses import dataclass
 # ---- refused, by theme: "<flag> is not supported by this server: <reason>." -----------------------
 
 THEMES: dict[str, str] = {
-    "parallel": "multi-GPU and multi-node parallelism is not built yet (issue 54), and this server runs one "
-    "GPU per process; run one server per GPU, behind sglang-router for more throughput",
-    "comm": "it tunes communication between GPUs, and one GPU per process has none to tune (multi-GPU "
-    "serving is issue 54); leave it out",
-    "moe": "expert parallelism, expert load balancing and other MoE kernels are not built (issues 54 and "
-    "55); the MoE layers run this server's own fused kernels, so leave it out",
+    "parallel": "this kind of parallelism is not built (tensor, expert and data parallelism are: --tp-size, "
+    "--ep-size, --dp-size, with --nnodes for more nodes; docs/parallelism.md); leave it out",
+    "comm": "it tunes a communication path between GPUs that this server does not have (its ranks talk "
+    "through torch.distributed's NCCL or gloo collectives); leave it out",
+    "moe": "expert load balancing, all-to-all backends and other MoE kernels are not built (issue 55); --ep-size "
+    "distributes the experts and the MoE layers run this server's own fused kernels, so leave it out",
     "quant": "only block-wise FP8 weights are served (FP8 checkpoints as published, or --quantization fp8 "
     "at load); use --kv-cache-dtype for an FP8 KV cache",
     "lora": "LoRA adapters are not supported; serve a checkpoint with the adapter merged into its weights",
@@ -57,12 +57,12 @@ THEMES: dict[str, str] = {
 REFUSED: dict[str, str] = {
     "parallel": """
         --dcp-size|--decode-context-parallel-size= --pp-max-micro-batch-size= --pp-async-batch-depth=
-        --load-balance-method= --dcp-comm-backend= --dcp-replicate-q-proj --enable-prefill-cp --cp-strategy=
+        --dcp-comm-backend= --dcp-replicate-q-proj --enable-prefill-cp --cp-strategy=
         --enable-dsa-cache-layer-split --enable-cp-decode-attn-tp --enable-kv-cache-sharding
         --enable-dp-attention-local-control-broadcast --enable-dp-lm-head --enable-tp-lm-head-all-to-all
         --enable-attn-tp-input-scattered --enable-shared-experts-attn-tp --shared-experts-tp-size=
         --enable-dense-mlp-attn-tp --enable-layernorm-sp --enable-megamoe-for-layernorm-sp --moe-dense-tp-size=
-        --enable-dp-attention --gated-launch-port=
+        --gated-launch-port=
     """,
     "comm": """
         --enable-nccl-nvls --enable-symm-mem --enable-mscclpp --enable-torch-symm-mem --pre-warm-nccl
@@ -257,9 +257,9 @@ class Accepted:
 
 
 _ONE = {"1": {}}
-_GPU = "choose the GPU with CUDA_VISIBLE_DEVICES (the server runs on the first GPU it shows)"
-_SIZE_ONE = "1 is this server's one GPU per process"
-_NO_COMM = "it turns off a communication path between GPUs, and one GPU per process has none"
+_GPU = "choose the GPUs with CUDA_VISIBLE_DEVICES (rank i of a node runs on the i-th GPU it shows)"
+_SIZE_ONE = "1 is the only size this kind of parallelism has here"
+_NO_COMM = "it turns off a communication path this server does not have (its ranks use torch.distributed's collectives)"
 
 ACCEPTED: list[Accepted] = [
     Accepted(
@@ -267,28 +267,21 @@ ACCEPTED: list[Accepted] = [
     ),
     Accepted(
         "--base-gpu-id=",
-        "the server runs on the first GPU CUDA_VISIBLE_DEVICES shows",
+        "rank i of a node runs on the i-th GPU CUDA_VISIBLE_DEVICES shows",
         {"0": {}},
         "int",
         _GPU,
     ),
-    Accepted("--gpu-id-step=", "one GPU per process: there is no second GPU id", _ONE, "int", _GPU),
-    Accepted("--nnodes=", "one node", _ONE, "int", "parallel"),
-    Accepted("--node-rank=", "one node, rank 0", {"0": {}}, "int", "parallel"),
-    Accepted("--dp-size|--data-parallel-size=", _SIZE_ONE, _ONE, "int", "parallel"),
-    Accepted("--ep-size|--expert-parallel-size|--ep=", _SIZE_ONE, _ONE, "int", "parallel"),
+    Accepted("--gpu-id-step=", "rank i of a node runs on GPU i", _ONE, "int", _GPU),
     Accepted("--pp-size|--pipeline-parallel-size=", _SIZE_ONE, _ONE, "int", "parallel"),
     Accepted("--attn-dp-size|--attention-data-parallel-size=", _SIZE_ONE, _ONE, "int", "parallel"),
     Accepted("--attn-cp-size|--attention-context-parallel-size=", _SIZE_ONE, _ONE, "int", "parallel"),
     Accepted("--moe-dp-size|--moe-data-parallel-size=", _SIZE_ONE, _ONE, "int", "parallel"),
     Accepted("--dwdp-size=", _SIZE_ONE, _ONE, "int", "parallel"),
     Accepted(
-        "--dist-init-addr|--nccl-init-addr=",
-        "one process per server forms no torch.distributed group, so the address is never used (more than "
-        "one node is refused with --nnodes)",
+        "--nccl-port=",
+        "the ranks of one node meet on a free local port the server picks (--dist-init-addr sets one)",
     ),
-    Accepted("--nccl-port=", "one process per server forms no NCCL group, so the port is never used"),
-    Accepted("--dist-timeout=", "one process per server forms no torch.distributed group to time out"),
     Accepted(
         "--tokenizer-worker-num=",
         "one tokenizer process, as upstream's default",
@@ -388,7 +381,7 @@ ACCEPTED: list[Accepted] = [
     Accepted("--disable-aiter-allreduce-fusion-in-decode", _NO_COMM),
     Accepted("--disable-flashinfer-cutlass-moe-fp4-allgather", _NO_COMM),
     Accepted("--disable-attn-tp-gather", _NO_COMM),
-    Accepted("--enable-p2p-check", "one GPU per process: there is no peer-to-peer access to check"),
+    Accepted("--enable-p2p-check", "NCCL checks peer-to-peer access itself"),
     Accepted("--disable-flashinfer-autotune", "FlashInfer is not used, so nothing is autotuned by it"),
     Accepted("--disable-outlines-disk-cache", "outlines is not used (--grammar-backend xgrammar)"),
     Accepted("--disable-fast-image-processor", "no image processor is loaded (text-only serving)"),

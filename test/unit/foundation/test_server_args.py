@@ -161,7 +161,7 @@ REFUSED = [
     ({"port": 0}, "--port must be between 1 and 65535"),
     ({"context_length": 100000}, "--context-length 100000 exceeds the model's max_position_embeddings"),
     ({"context_length": 0}, "--context-length must be a positive integer"),
-    ({"tp_size": 2}, "--tp-size 2 is not supported"),
+    ({"tp_size": 0}, "--tp-size must be a positive integer"),
     ({"mem_fraction_static": 1.5}, "--mem-fraction-static must be between 0 and 1"),
     ({"max_running_requests": 0}, "--max-running-requests must be a positive integer"),
     ({"max_total_tokens": -3}, "--max-total-tokens must be a positive integer"),

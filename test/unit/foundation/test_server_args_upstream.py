@@ -279,7 +279,7 @@ def test_every_accepted_flag_parses_and_other_values_are_refused():
 @pytest.mark.parametrize(
     "argv, outcome",
     [
-        (["--dp-size", "2"], "refused"),
+        (["--dp-size", "2"], {"dp_size": 2}),
         (["--ep-size", "2"], "refused"),
         (["--enable-hierarchical-cache"], "refused"),
         (["--quantization", "awq"], "refused"),  # (fp8 is implemented: test_fp8_checkpoints.py)
@@ -288,9 +288,10 @@ def test_every_accepted_flag_parses_and_other_values_are_refused():
         (["--base-gpu-id", "0"], {}),
         (["--json-model-override-args", "{}"], {}),
         (["--enable-cache-report"], {}),
-        (["--nnodes", "2"], "refused"),
+        (["--nnodes", "2"], "refused"),  # (without --dist-init-addr)
         (["--node-rank", "0"], {}),
-        (["--dist-init-addr", "127.0.0.1:5000"], {}),
+        (["--dist-init-addr", "127.0.0.1:5000"], {"dist_init_addr": "127.0.0.1:5000"}),
+        (["--pp-size", "2"], "refused"),
         (["--enable-lora"], "refused"),
         (["--tokenizer-worker-num", "2"], "refused"),
         (["--model-loader-extra-config", "{}"], {}),
@@ -324,20 +325,20 @@ def test_upstream_names_of_our_flags_set_our_fields():
 def test_a_flag_implemented_later_is_not_shadowed_by_the_table():
     """Whoever implements an upstream flag adds it to the parser; the table's entry steps aside and its
     other names become aliases of the new flag."""
-    parser = _parser(own=["--dp-size"])
-    namespace = parser.parse_args(["--data-parallel-size", "4"] + PRESET)
+    parser = _parser(own=["--pp-size"])
+    namespace = parser.parse_args(["--pipeline-parallel-size", "4"] + PRESET)
     check_upstream_args(namespace)
-    assert namespace.dp_size == 4
-    namespace = parser.parse_args(["--dp-size", "2"] + PRESET)
+    assert namespace.pp_size == 4
+    namespace = parser.parse_args(["--pp-size", "2"] + PRESET)
     check_upstream_args(namespace)
-    assert namespace.dp_size == 2
+    assert namespace.pp_size == 2
 
 
 def test_engine_takes_upstream_keywords_through_the_same_table():
     kwargs = upstream_engine_kwargs(
         {
             "model_path": "tiny-qwen3-next",
-            "dp_size": 1,
+            "pp_size": 1,
             "enable_cache_report": True,
             "enable_lora": False,
             "json_model_override_args": {},
@@ -350,8 +351,8 @@ def test_engine_takes_upstream_keywords_through_the_same_table():
         "cuda_graph_max_bs": 8,
         "mamba_scheduler_strategy": "no_buffer",
     }
-    with pytest.raises(ServerArgsError, match="^--dp-size 2 is not supported by this server: "):
-        upstream_engine_kwargs({"dp_size": 2})
+    with pytest.raises(ServerArgsError, match="^--pp-size 2 is not supported by this server: "):
+        upstream_engine_kwargs({"pp_size": 2})
     with pytest.raises(ServerArgsError, match="^--lora-paths is not supported by this server: "):
         upstream_engine_kwargs({"lora_paths": ["adapter"]})
     # A name upstream does not have either is left to ServerArgs (a TypeError, as before).

@@ -29,7 +29,7 @@ PACKAGE = Path(sglang.__file__).parent
 
 # Refused at startup (ServerArgsError or ServerStartupError): a value that asks for the missing feature.
 REFUSED = {
-    "tp_size": 2,
+    "enable_dp_attention": True,
     "disaggregation_transfer_backend": "nixl",
     "grammar_backend": "outlines",
 }

@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
-from sglang.srt.entrypoints.process_launcher import SchedulerEntry, launch_subprocesses
+from sglang.srt.entrypoints.process_launcher import SchedulerEntry, ServerStartupError, launch_subprocesses
 from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -72,6 +72,11 @@ class Engine:
         keywords (`upstream_engine_kwargs`); a bad one raises ServerArgsError, a failed start
         ServerStartupError."""
         self.server_args = ServerArgs(**upstream_engine_kwargs(kwargs))
+        if self.server_args.node_rank > 0:
+            raise ServerStartupError(
+                f"--node-rank {self.server_args.node_rank}: an Engine runs on node 0; start the other "
+                "nodes' ranks with python -m sglang.launch_server and the same --nnodes and --dist-init-addr."
+            )
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._launched = launch_subprocesses(self.server_args, scheduler_entry)

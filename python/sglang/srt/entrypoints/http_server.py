@@ -62,6 +62,12 @@ def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, A
         cap,
         model_info["context_len"],
     )
+    for i, mem in enumerate(state.get("memory_bytes_by_rank") or []):
+        if len(state["memory_bytes_by_rank"]) > 1 and mem:
+            logger.info(
+                "Rank %d memory: weights %.1f MB, KV pool %.1f MB, state pool %.1f MB.",
+                i, mem["weights"] / 2**20, mem["kv_pool"] / 2**20, mem["state_pool"] / 2**20,
+            )  # fmt: skip
 
 
 def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any]) -> RequestGuard:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -26,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang.srt.entrypoints.parallel_layout import plan_schedulers
+from sglang.srt.managers.data_parallel_controller import run_data_parallel_controller_process
 from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
 from sglang.srt.managers.io_struct import PortArgs
 from sglang.srt.utils.child_process import exit_with_parent
@@ -79,6 +82,11 @@ def check_flag_support(server_args: Any) -> None:
             f"--disaggregation-mode {server_args.disaggregation_mode} with --device {server_args.device}: "
             "KV and state transfer from GPU memory is not supported yet; use --device cpu."
         )
+    if server_args.disaggregation_mode != "null" and server_args.tp_size > 1:
+        raise ServerStartupError(
+            f"--disaggregation-mode {server_args.disaggregation_mode} with --tp-size {server_args.tp_size}: "
+            "prefill/decode disaggregation moves one rank's KV and state, so it runs with --tp-size 1 only."
+        )
 
 
 def log_no_effect_flags(server_args: Any) -> None:
@@ -101,6 +109,7 @@ class LaunchedProcesses:
     port_args: PortArgs
     model_info: dict[str, Any]
     processes: list[mp.process.BaseProcess] = field(default_factory=list)
+    extra_ipc_names: list[str] = field(default_factory=list)  # the data-parallel controller's
 
     def failure(self) -> str | None:
         """Why the children cannot serve (one of them has exited), or None while all of them run."""
@@ -130,6 +139,7 @@ class LaunchedProcesses:
             self.port_args.tokenizer_ipc_name,
             self.port_args.scheduler_input_ipc_name,
             self.port_args.detokenizer_ipc_name,
+            *self.extra_ipc_names,
         ):
             try:
                 os.unlink(name.removeprefix("ipc://"))
@@ -161,17 +171,33 @@ class StartingProcesses:
     readers: list[tuple[str, mp.process.BaseProcess, Any]]
 
     def wait_ready(self, timeout: float = 600.0) -> LaunchedProcesses:
-        """Both children's ready handshakes, then the launched processes with the scheduler's model info.
-        Raises ServerStartupError (children already stopped) otherwise."""
+        """Every child's ready handshake, then the launched processes with the (first) scheduler's model
+        info. Raises ServerStartupError (children already stopped) at the first child that fails."""
         launched = self.launched
         try:
-            for name, proc, reader in self.readers:
-                msg = _wait_ready(name, proc, reader, timeout)
-                if name == "scheduler":
-                    missing = [k for k in MODEL_INFO_KEYS if k not in msg]
-                    if missing:
-                        raise ServerStartupError(f"The scheduler's ready message lacks {', '.join(missing)}.")
-                    launched.model_info = {k: v for k, v in msg.items() if k != "status"}
+            pending = list(self.readers)
+            source = self.readers[0][0]  # TP rank 0 (of DP rank 0) on node 0: the model info
+            deadline = time.monotonic() + timeout
+            while pending:
+                for item in pending[:]:
+                    name, proc, reader = item
+                    msg = _poll_ready(name, proc, reader)
+                    if msg is None:
+                        continue
+                    pending.remove(item)
+                    if name == source:
+                        missing = [k for k in MODEL_INFO_KEYS if k not in msg]
+                        if missing:
+                            raise ServerStartupError(
+                                f"The scheduler's ready message lacks {', '.join(missing)}."
+                            )
+                        launched.model_info = {k: v for k, v in msg.items() if k != "status"}
+                if pending and time.monotonic() > deadline:
+                    raise ServerStartupError(
+                        f"The {pending[0][0]} process was not ready within {timeout:.0f} s."
+                    )
+                if pending:
+                    mp.connection.wait([r for _, _, r in pending], timeout=0.2)
         except BaseException:
             launched.shutdown()
             raise
@@ -191,18 +217,29 @@ def start_subprocesses(server_args: Any, scheduler_entry: SchedulerEntry | None 
     log_no_effect_flags(server_args)
     entry = scheduler_entry or default_scheduler_entry()
     port_args = PortArgs.init_new()
+    specs, controller = plan_schedulers(server_args, port_args)
     ctx = mp.get_context("spawn")
     starting = StartingProcesses(LaunchedProcesses(port_args, {}), [])
     # The kernel's parent-death signal follows the starting thread: ask for it only when that thread
     # lives as long as this process (an Engine may be created on a short-lived thread).
     pdeathsig = threading.current_thread() is threading.main_thread()
+    children: list[tuple[str, Callable, tuple]] = [
+        (spec.name, entry, (spec.port_args,) if spec.rank is None else (spec.port_args, spec.rank))
+        for spec in specs
+    ]
+    if server_args.node_rank == 0:  # (another node runs its schedulers only: `serve_other_node`)
+        children.append(("detokenizer", run_detokenizer_process, (port_args,)))
+    if controller is not None:
+        starting.launched.extra_ipc_names = controller.ipc_names
+        args = (port_args, controller.replica_inputs, controller.reply_ipc)
+        children.append(("data-parallel controller", run_data_parallel_controller_process, args))
     try:
-        for name, target in (("scheduler", entry), ("detokenizer", run_detokenizer_process)):
+        for name, target, args in children:
             reader, writer = ctx.Pipe(duplex=False)
+            # The pipe's writer goes third, where every entry takes it (after server_args, port_args).
+            child_args = (server_args, args[0], writer, *args[1:])
             proc = ctx.Process(
-                target=child_main,
-                args=(name, target, pdeathsig, server_args, port_args, writer),
-                name=f"sglang-{name}",
+                target=child_main, args=(name, target, pdeathsig, *child_args), name=f"sglang-{name}"
             )
             proc.start()
             writer.close()  # the child holds its own copy; EOF on the reader then means the child is gone
@@ -227,24 +264,24 @@ def _continue(proc: mp.process.BaseProcess) -> None:
         pass
 
 
-def _wait_ready(name: str, proc: mp.process.BaseProcess, reader: Any, timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if reader.poll(0.2):
-            try:
-                msg = reader.recv()
-            except EOFError:
-                proc.join(2.0)
-                raise ServerStartupError(
-                    f"The {name} process exited (code {proc.exitcode}) before it was ready; see its log above."
-                ) from None
-            if msg.get("status") == "ready":
-                return msg
-            if msg.get("flag_error"):
-                raise ServerStartupError(msg["message"])  # one sentence that names the flag
-            raise ServerStartupError(f"The {name} process failed to start: {msg.get('message', msg)}")
-        if not proc.is_alive() and not reader.poll(0):
+def _poll_ready(name: str, proc: mp.process.BaseProcess, reader: Any) -> dict[str, Any] | None:
+    """The child's ready message if it has sent one; None while it starts; ServerStartupError (one
+    sentence) if it failed or exited."""
+    if reader.poll(0):
+        try:
+            msg = reader.recv()
+        except EOFError:
+            proc.join(2.0)
             raise ServerStartupError(
                 f"The {name} process exited (code {proc.exitcode}) before it was ready; see its log above."
-            )
-    raise ServerStartupError(f"The {name} process was not ready within {timeout:.0f} s.")
+            ) from None
+        if msg.get("status") == "ready":
+            return msg
+        if msg.get("flag_error"):
+            raise ServerStartupError(msg["message"])  # one sentence that names the flag (or the rank)
+        raise ServerStartupError(f"The {name} process failed to start: {msg.get('message', msg)}")
+    if not proc.is_alive() and not reader.poll(0):
+        raise ServerStartupError(
+            f"The {name} process exited (code {proc.exitcode}) before it was ready; see its log above."
+        )
+    return None

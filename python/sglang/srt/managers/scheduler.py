@@ -39,6 +39,11 @@ from sglang.srt.managers.scheduler_components.scheduler_lifecycle import Schedul
 from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import (
     SchedulerUpdateWeightsMixin,
 )
+from sglang.srt.managers.scheduler_components.tp_broadcast import (
+    ParallelGroupError,
+    ParallelRank,
+    join_parallel_group,
+)
 from sglang.srt.managers.scheduler_components.weight_update import WeightUpdate
 from sglang.srt.managers.scheduler_components.weights_update_group import WeightsUpdateGroups
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
@@ -380,7 +385,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         times, start = self.loop_times, clock()
         grammars = self.grammar_queue
         compiled = False
-        if grammars:
+        if grammars and self.tp is None:  # (with TP, rank 0's tick decides: `apply_tick`)
             # With nothing else to do, wait a little for a grammar being compiled rather than spin.
             quiet = not (self.running or self.waiting_queue or self.in_flight or self.chunked_req)
             compiled = grammars.poll(GRAMMAR_POLL_S if quiet else 0.0)
@@ -420,16 +425,23 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         raise RuntimeError("The scheduler did not go idle.")
 
 
-def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None:
-    """Entry point of the scheduler process: load the model, report readiness, serve forever."""
+def run_scheduler_process(
+    server_args, port_args: PortArgs, pipe_writer, rank: ParallelRank | None = None
+) -> None:
+    """Entry point of the scheduler process: load the model, report readiness, serve forever. `rank`:
+    this process's place in a tensor- or data-parallel layout (`tp_broadcast.ParallelRank`); only TP
+    rank 0 binds the sockets, and it is ready once every rank of its group is."""
     from sglang.srt.utils.process import configure_subprocess
 
-    configure_subprocess(server_args, "scheduler")
+    configure_subprocess(server_args, "scheduler" if rank is None else f"scheduler {rank.describe()}")
     try:
+        tp = join_parallel_group(rank) if rank is not None and rank.tp_size > 1 else None
         sched = Scheduler(server_args)
-        sched.connect(port_args)
-    except ServerArgsError as e:
-        # A flag that cannot work: the parent prints this one sentence, which names the flag.
+        sched.init_parallel(tp, rank.dp_rank if rank is not None else None)
+        if tp is None or tp.is_first:
+            sched.connect(port_args)
+    except (ServerArgsError, ParallelGroupError) as e:
+        # A flag that cannot work, or ranks that cannot meet: the parent prints this one sentence.
         pipe_writer.send({"status": "error", "message": str(e), "flag_error": True})
         sys.exit(1)
     except Exception as e:  # noqa: BLE001 - the parent shows it as one startup error
@@ -451,6 +463,7 @@ def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None
             "max_mamba_cache_size": sched.pool_sizes.max_mamba_cache_size,
             "resident_slots_per_req": sched.pool_sizes.resident_slots_per_req,
             "mamba_scheduler_strategy": server_args.mamba_scheduler_strategy,
+            "memory_bytes_by_rank": sched.memory_bytes_by_rank,
         }
     )
     if sched.worker.inline and sched.watchdog_timeout is not None:
@@ -458,16 +471,16 @@ def run_scheduler_process(server_args, port_args: PortArgs, pipe_writer) -> None
     try:
         with host_profile("scheduler"):
             sched.event_loop()
-    except SchedulerWatchdogError as e:
-        _exit_stuck(str(e))
+    except (SchedulerWatchdogError, ParallelGroupError) as e:
+        _exit_stuck(str(e), prefix="Watchdog: " if isinstance(e, SchedulerWatchdogError) else "")
     finally:
         sched.shutdown()
 
 
-def _exit_stuck(message: str) -> None:
-    """The forward stream is stuck: nothing can be shut down cleanly. Exit non-zero at once; the server
-    sees its scheduler gone and stops."""
-    logger.error("Watchdog: %s The scheduler exits.", message)
+def _exit_stuck(message: str, prefix: str = "Watchdog: ") -> None:
+    """The forward stream is stuck, or a TP rank is gone: nothing can be shut down cleanly. Exit non-zero
+    at once; the server sees its scheduler gone and stops."""
+    logger.error("%s%s The scheduler exits.", prefix, message)
     logging.shutdown()
     os._exit(1)
 

@@ -72,17 +72,29 @@ class GrammarQueue:
             return False
         if block_s > 0 and not any(fut.done() for _, fut, _ in self.queue):
             wait([fut for _, fut, _ in self.queue], timeout=block_s, return_when=FIRST_COMPLETED)
+        return self.apply(self.settled())
+
+    def settled(self) -> list[tuple[str, bool]]:
+        """(rid, timed out) of the queued requests whose compile has ended or run past the timeout, in
+        queue order: what `apply` acts on (tensor parallelism: rank 0 decides, every rank applies)."""
         now, timeout = time.monotonic(), envs.SGLANG_GRAMMAR_TIMEOUT.get()
-        out = [e for e in self.queue if e[1].done() or now - e[2] > timeout]
-        if not out:
+        return [(req.rid, not fut.done()) for req, fut, t in self.queue if fut.done() or now - t > timeout]
+
+    def apply(self, decisions: list[tuple[str, bool]]) -> bool:
+        """Take the `decisions`' requests off the queue: a timed-out one ends with a 400, the others get
+        their matcher (waiting for a compile that has not ended here yet: on another rank it has)."""
+        if not decisions:
             return False
+        timed_out = dict(decisions)
+        out = [e for e in self.queue if e[0].rid in timed_out]
         # Off the queue before the callbacks: ending a request discards it (`discard`), and must not
         # find it here.
-        self.queue = [e for e in self.queue if not (e[1].done() or now - e[2] > timeout)]
+        self.queue = [e for e in self.queue if e[0].rid not in timed_out]
         for req, fut, _ in out:
             kind = grammar_key(req.sampling_params)[0]
-            if not fut.done():
+            if timed_out[req.rid]:
                 self.backend.abandon(fut)  # (one already running finishes on its thread, for nobody)
+                timeout = envs.SGLANG_GRAMMAR_TIMEOUT.get()
                 message = f"{kind} took more than SGLANG_GRAMMAR_TIMEOUT ({timeout:g} s) to compile."
                 self.on_error(req, message, kind)
             elif fut.exception() is not None:

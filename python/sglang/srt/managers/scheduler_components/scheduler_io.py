@@ -42,11 +42,16 @@ from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.scheduler_components.loop_times import clock
 from sglang.srt.managers.scheduler_components.request_control import GenerationPause, RequestDeadlines
 from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import MEMORY_RELEASED
+from sglang.srt.managers.scheduler_components.tp_broadcast import Tick, TpBroadcast
 from sglang.srt.sampling.custom_logit_processor import load_processor
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+TP_WEIGHTS_GROUP = (
+    "A weight-update group cannot be joined with --tp-size above 1 yet; update the weights from disk or "
+    "from tensors instead."
+)
 # While a KV transfer runs on its thread, the loop looks for its end this often.
 DISAGG_TRANSFER_POLL_MS = 1
 
@@ -59,6 +64,12 @@ class SchedulerIOMixin:
         self.tokenizer_outbox: list[Any] = []
         self._sockets = None
         self._pd_poller = None
+        self.tp: TpBroadcast | None = None  # tensor parallelism: rank 0's decisions reach every rank
+        self._muted = False  # a TP rank other than 0: it sends nothing
+        self._tick_aborts: list[tuple[list[str], str, int]] = []
+        self.dp_rank: int | None = None  # data parallelism: this replica's rank (its load goes out)
+        self.memory_bytes_by_rank: list[dict[str, int]] = []
+        self._reported_load = -1
         self.request_deadlines = RequestDeadlines(self._request_views, self.abort_with_status)
         self.generation_pause = GenerationPause(self.retract_all)
 
@@ -87,15 +98,41 @@ class SchedulerIOMixin:
             self._pd_poller.register(recv, zmq.POLLIN)
             self._pd_poller.register(self.disagg.channel.pull, zmq.POLLIN)
 
+    def init_parallel(self, tp: TpBroadcast | None, dp_rank: int | None) -> None:
+        """This scheduler's place among ranks: `tp` for one rank of a tensor-parallel group
+        (`tp_broadcast.py`: rank 0 decides, the other ranks apply its decisions and send nothing; their
+        pools must be sized alike), `dp_rank` for a data-parallel replica. Gathers each rank's memory on
+        rank 0, which is also where every rank of the group is ready."""
+        self.dp_rank = dp_rank
+        memory = dict(getattr(self.model_runner, "memory_bytes", {}))
+        self.memory_bytes_by_rank = [memory]
+        if tp is None:
+            return
+        tp.agree(self.pool_sizes, "pool sizes")
+        self.memory_bytes_by_rank = tp.gather(memory)
+        self.tp = tp
+        if tp.is_first:
+            self.request_deadlines.abort = self._record_deadline_abort
+        else:
+            self._muted = True
+            self.request_deadlines.enabled = False
+
+    def _record_deadline_abort(self, reqs: list[Req], message: str, status: int) -> None:
+        self._tick_aborts.append(([r.rid for r in reqs], message, status))
+
     # ---- sending -----------------------------------------------------------------------------------
 
     def send_to_detokenizer(self, obj: Any) -> None:
+        if self._muted:
+            return
         if self._sockets is None:
             self.detokenizer_outbox.append(obj)
         else:
             self._send(self._sockets[1], obj)
 
     def send_to_tokenizer(self, obj: Any) -> None:
+        if self._muted:
+            return
         if self._sockets is None:
             self.tokenizer_outbox.append(obj)
         else:
@@ -160,7 +197,7 @@ class SchedulerIOMixin:
             elif isinstance(obj, UpdateWeightsFromTensorReqInput):
                 self.update_weights_from_tensor(obj)
             elif isinstance(obj, InitWeightsUpdateGroupReqInput):
-                refused = self.weights_groups.start_init(obj)
+                refused = TP_WEIGHTS_GROUP if self.tp is not None else self.weights_groups.start_init(obj)
                 if refused is not None:
                     self.send_to_tokenizer(InitWeightsUpdateGroupReqOutput(False, refused))
             elif isinstance(obj, UpdateWeightsFromDistributedReqInput):
@@ -319,6 +356,9 @@ class SchedulerIOMixin:
             "process_cpu_seconds": time.process_time(),
             "startup_times": self._startup_times(),
             "memory_bytes": dict(getattr(self.model_runner, "memory_bytes", {})),
+            # Each TP rank's weights, KV pool and state pool (rank 0's alone without TP).
+            "memory_bytes_by_rank": self.memory_bytes_by_rank
+            or [dict(getattr(self.model_runner, "memory_bytes", {}))],
         }
 
     def _startup_times(self) -> dict[str, float]:
@@ -336,11 +376,16 @@ class SchedulerIOMixin:
         busy = False
         while True:
             times, start = self.loop_times, clock()
-            msgs = self.recv_requests(0 if busy else IDLE_POLL_MS)
-            received = clock()
-            self.process_input_requests(msgs)
-            if self.weight_update.pending is not None:
-                self.finish_weight_update()
+            if self.tp is None:
+                msgs = self.recv_requests(0 if busy else IDLE_POLL_MS)
+                received = clock()
+                self.process_input_requests(msgs)
+                if self.weight_update.pending is not None:
+                    self.finish_weight_update()
+            else:
+                tick = self.tp.exchange(self._make_tick(busy) if self.tp.is_first else None)
+                received = clock()
+                self.apply_tick(tick)
             if self.weights_groups.pending is not None:
                 self.finish_weights_group_op()
             times.idle += received - start
@@ -351,6 +396,50 @@ class SchedulerIOMixin:
                 self.send_to_tokenizer(SchedulerHeartbeat())
             busy = False
             # (While memory is released, the model and its pools cannot run: new requests wait.)
-            if not self.generation_pause.paused and not self.model_runner.memory_occupation.released:
-                self.request_deadlines.check()
+            if self._may_run():
+                if self.tp is None:
+                    self.request_deadlines.check()
                 busy = self.step()
+            if self.dp_rank is not None:
+                self._report_load()
+
+    def _may_run(self) -> bool:
+        return not self.generation_pause.paused and not self.model_runner.memory_occupation.released
+
+    # ---- tensor and data parallelism -------------------------------------------------------------
+
+    def _make_tick(self, busy: bool) -> Tick:
+        """Rank 0: the new messages and this iteration's decisions that depend on time."""
+        msgs = self.recv_requests(0 if busy else IDLE_POLL_MS)
+        if self._may_run():
+            self.request_deadlines.check()  # (into `_tick_aborts`)
+        aborts, self._tick_aborts = self._tick_aborts, []
+        pending = self.weight_update.pending
+        return Tick(
+            grammars=self.grammar_queue.settled() if self.grammar_queue else [],
+            deadline_aborts=aborts,
+            weights_loaded=pending is not None and pending[1].done(),
+            messages=msgs,
+        )
+
+    def apply_tick(self, tick: Tick) -> None:
+        """Every rank, rank 0 too: the same decisions in the same order."""
+        self.grammar_queue.apply(tick.grammars)
+        for rids, message, status in tick.deadline_aborts:
+            self.abort_with_status(
+                [self.reqs_by_rid[r] for r in rids if r in self.reqs_by_rid], message, status
+            )
+        if tick.weights_loaded and self.weight_update.pending is not None:
+            self.weight_update.pending[1].exception()  # (waits for this rank's load to end too)
+            self.finish_weight_update()
+        self.process_input_requests(tick.messages)
+
+    def _report_load(self) -> None:
+        """A data-parallel replica tells the controller how many requests it holds, when that changes
+        (--load-balance-method shortest_queue)."""
+        from sglang.srt.managers.data_parallel_controller import ReplicaLoad
+
+        load = len(self.reqs_by_rid)
+        if load != self._reported_load:
+            self._reported_load = load
+            self.send_to_tokenizer(ReplicaLoad(self.dp_rank, load))

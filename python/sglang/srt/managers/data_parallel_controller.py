@@ -1,0 +1,158 @@
+"""`DataParallelController` (upstream's name): --dp-size replicas of the model behind one tokenizer.
+
+Its own process, between the TokenizerManager and the replicas' schedulers (each replica a TP group
+whose rank 0 it talks to):
+
+    TokenizerManager --ZMQ--> controller --ZMQ--> replica d's scheduler --+--> DetokenizerManager
+            ^                    ^                                        |
+            +---- replies -------+------ control replies, heartbeats -----+
+
+A generate request goes to one replica (--load-balance-method: round_robin, or shortest_queue: the
+replica holding the fewest unfinished requests, from the `ReplicaLoad` each reports when its count
+changes, plus what was sent since). An abort goes to every replica (the one that does not hold the rid
+ignores it). Any other message is a control call: every replica gets it, and their replies become one
+(`merge_replies`: success only if every replica succeeded; internal state per replica). Outputs go
+from each replica to the detokenizer directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from sglang.srt.managers.io_struct import (
+    BatchTokenizedGenerateReqInput,
+    GetInternalStateReqOutput,
+    PortArgs,
+    SchedulerHeartbeat,
+    TokenizedGenerateReqInput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaLoad:
+    """A replica's scheduler to the controller: how many requests it holds now."""
+
+    dp_rank: int
+    num_reqs: int
+
+
+class LoadBalancer:
+    """Which replica takes the next request."""
+
+    def __init__(self, dp_size: int, method: str):
+        self.dp_size = dp_size
+        self.method = "round_robin" if method == "auto" else method
+        self.next = 0
+        self.load = [0] * dp_size  # the replica's last report plus what was sent to it since
+
+    def pick(self) -> int:
+        if self.method == "shortest_queue":
+            d = min(range(self.dp_size), key=lambda i: (self.load[i], (i - self.next) % self.dp_size))
+        else:
+            d = self.next
+        self.next = (d + 1) % self.dp_size
+        self.load[d] += 1
+        return d
+
+    def report(self, load: ReplicaLoad) -> None:
+        self.load[load.dp_rank] = load.num_reqs
+
+
+def merge_replies(replies: list[Any]) -> Any:
+    """One reply from every replica's reply to the same control call."""
+    first = replies[0]
+    if isinstance(first, GetInternalStateReqOutput):
+        state = dict(first.internal_state)
+        states = [r.internal_state for r in replies]
+        for key in ("num_running_reqs", "num_waiting_reqs", "num_grammar_queue_reqs"):
+            state[key] = sum(s.get(key, 0) for s in states)
+        counters = first.internal_state.get("counters", {})
+        state["counters"] = {k: sum(s["counters"].get(k, 0) for s in states) for k in counters}
+        state["memory_bytes_by_rank"] = [m for s in states for m in s.get("memory_bytes_by_rank", [])]
+        state["data_parallel_states"] = states
+        return GetInternalStateReqOutput(state)
+    if dataclasses.is_dataclass(first) and hasattr(first, "success"):
+        failed = [r for r in replies if not r.success]
+        if failed:
+            return failed[0]
+    return first
+
+
+class DataParallelController:
+    def __init__(self, server_args: Any, port_args: PortArgs, replica_inputs: list[str], reply_ipc: str):
+        import zmq
+
+        self.ctx = zmq.Context(2)
+        self.from_tokenizer = self._socket(zmq.PULL, bind=port_args.scheduler_input_ipc_name)
+        self.from_replicas = self._socket(zmq.PULL, bind=reply_ipc)
+        self.to_tokenizer = self._socket(zmq.PUSH, connect=port_args.tokenizer_ipc_name)
+        self.to_replicas = [self._socket(zmq.PUSH, connect=name) for name in replica_inputs]
+        self.balancer = LoadBalancer(len(replica_inputs), server_args.load_balance_method)
+        # Replies of control calls by type, until every replica has answered.
+        self.replies: dict[type, list[Any]] = defaultdict(list)
+        self.poller = zmq.Poller()
+        self.poller.register(self.from_tokenizer, zmq.POLLIN)
+        self.poller.register(self.from_replicas, zmq.POLLIN)
+
+    def _socket(self, kind: int, bind: str | None = None, connect: str | None = None) -> Any:
+        import zmq
+
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if bind is not None:
+            sock.bind(bind)
+        else:
+            sock.connect(connect)
+        return sock
+
+    def dispatch(self, obj: Any) -> None:
+        if isinstance(obj, TokenizedGenerateReqInput):
+            self.to_replicas[self.balancer.pick()].send_pyobj(obj)
+        elif isinstance(obj, BatchTokenizedGenerateReqInput):
+            for item in obj.batch:
+                self.dispatch(item)
+        else:  # aborts and control calls: every replica
+            for sock in self.to_replicas:
+                sock.send_pyobj(obj)
+
+    def collect(self, obj: Any) -> None:
+        if isinstance(obj, ReplicaLoad):
+            self.balancer.report(obj)
+        elif isinstance(obj, SchedulerHeartbeat):
+            self.to_tokenizer.send_pyobj(obj)
+        else:
+            waiting = self.replies[type(obj)]
+            waiting.append(obj)
+            if len(waiting) == len(self.to_replicas):
+                self.to_tokenizer.send_pyobj(merge_replies(waiting))
+                del self.replies[type(obj)]
+
+    def event_loop(self) -> None:
+        while True:
+            ready = dict(self.poller.poll())
+            if self.from_tokenizer in ready:
+                self.dispatch(self.from_tokenizer.recv_pyobj())
+            if self.from_replicas in ready:
+                self.collect(self.from_replicas.recv_pyobj())
+
+
+def run_data_parallel_controller_process(
+    server_args: Any, port_args: PortArgs, pipe_writer: Any, replica_inputs: list[str], reply_ipc: str
+) -> None:
+    from sglang.srt.utils.process import configure_logging
+
+    configure_logging(server_args.log_level, "data-parallel controller")
+    controller = DataParallelController(server_args, port_args, replica_inputs, reply_ipc)
+    pipe_writer.send({"status": "ready"})
+    logger.info(
+        "Dispatching to %d replicas (--load-balance-method %s).",
+        len(replica_inputs),
+        controller.balancer.method,
+    )
+    controller.event_loop()

@@ -1,0 +1,177 @@
+"""Tensor parallelism on the scheduler's side: every rank runs the same scheduler and makes the same
+decisions, so that radix trees, slot allocators and batches stay identical without further messages.
+
+Only TP rank 0 talks to the tokenizer and the detokenizer. Each loop iteration it takes the new messages
+and every decision that depends on time rather than on messages (grammars whose compile has ended,
+requests past their deadlines, a weight load that has finished) and broadcasts them as one `Tick` over a
+gloo group of its own (the model's collectives run on other groups, on the forward stream, so the two
+never interleave); every rank then applies the same tick in the same order. Rank 0's sends are the only
+ones; the other ranks' are dropped.
+
+A rank that dies makes the next broadcast fail on the others; each rank also writes a heartbeat key into
+torch.distributed's store, so the rank that notices names the one that stopped (`RankWatch`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+logger = logging.getLogger("sglang.srt.managers.scheduler")
+
+# Start-up wait for the other ranks when --dist-timeout is not given (a model load on the slowest rank).
+DEFAULT_DIST_TIMEOUT_S = 300
+HEARTBEAT_S = 1.0
+# A rank whose heartbeat key is older than this is named as gone.
+STALE_S = 5.0
+
+
+class ParallelGroupError(RuntimeError):
+    """The ranks could not meet, or one of them is gone; the message says which, in one sentence."""
+
+
+@dataclass(frozen=True)
+class ParallelRank:
+    """Where one scheduler process sits: its TP rank among `tp_size`, its data-parallel replica (None
+    without --dp-size), and how the ranks of its replica meet."""
+
+    tp_rank: int
+    tp_size: int
+    ep_size: int
+    dp_rank: int | None
+    init_method: str
+    backend: str
+    timeout_s: int
+    gpu_id: int = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.tp_rank == 0
+
+    def describe(self) -> str:
+        dp = f"DP rank {self.dp_rank}, " if self.dp_rank is not None else ""
+        return f"{dp}TP rank {self.tp_rank}"
+
+
+@dataclass
+class Tick:
+    """What rank 0 decided this iteration; every rank applies it in field order."""
+
+    grammars: list[tuple[str, bool]] = field(default_factory=list)  # (rid, timed out)
+    deadline_aborts: list[tuple[list[str], str, int]] = field(default_factory=list)  # (rids, message, status)
+    weights_loaded: bool = False
+    messages: list[Any] = field(default_factory=list)
+
+
+def join_parallel_group(rank: ParallelRank) -> TpBroadcast:
+    """Join the TP (and EP) groups before the model is built (its layers read them), and form the
+    scheduler's own broadcast group. ParallelGroupError, naming the address, when the ranks cannot meet
+    within the timeout."""
+    import torch
+    import torch.distributed as dist
+
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+
+    if rank.backend == "nccl":
+        torch.cuda.set_device(rank.gpu_id)
+    timeout = timedelta(seconds=rank.timeout_s)
+    world = rank.tp_size
+    try:
+        init_distributed_environment(rank.backend, world, rank.tp_rank, rank.init_method, timeout)
+        initialize_model_parallel(rank.tp_size, rank.ep_size)
+        group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - a rendezvous failure, told as one sentence
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ParallelGroupError(
+            f"{rank.describe()} could not meet the other {world - 1} rank(s) at --dist-init-addr "
+            f"{rank.init_method.removeprefix('tcp://')} within --dist-timeout {rank.timeout_s} s ({reason})."
+        ) from None
+    watch = RankWatch(dist.distributed_c10d._get_default_store(), rank.tp_rank, world)
+    return TpBroadcast(rank, group, watch)
+
+
+class RankWatch:
+    """Heartbeat keys in the process group's store: each rank writes its own every HEARTBEAT_S, so that
+    a rank that sees the group fail can say which rank stopped."""
+
+    def __init__(self, store: Any, rank: int, world: int):
+        self.store, self.rank, self.world = store, rank, world
+        self._beat()
+        threading.Thread(target=self._run, name="sglang-rank-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        self.store.set(f"sglang/alive/{self.rank}", repr(time.time()))
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - the store's host (rank 0) is gone: nothing left to tell
+                return
+
+    def gone(self) -> list[int]:
+        """The ranks whose heartbeat is stale or missing (waits one staleness period to be sure)."""
+        time.sleep(STALE_S)
+        now, out = time.time(), []
+        for r in range(self.world):
+            try:
+                last = float(self.store.get(f"sglang/alive/{r}").decode())
+            except Exception:  # noqa: BLE001 - the store itself is gone with rank 0
+                return [0] if self.rank != 0 else []
+            if now - last > STALE_S:
+                out.append(r)
+        return out
+
+
+class TpBroadcast:
+    def __init__(self, rank: ParallelRank, group: Any, watch: RankWatch):
+        self.rank = rank
+        self.group = group
+        self.watch = watch
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank.is_first
+
+    def exchange(self, tick: Tick | None) -> Tick:
+        """Rank 0 gives its tick; every rank gets it. ParallelGroupError naming the rank gone."""
+        import torch.distributed as dist
+
+        box = [tick]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except Exception as e:  # noqa: BLE001 - a peer is gone: find which, then end this rank
+            raise ParallelGroupError(self._gone_message(e)) from None
+        return box[0]
+
+    def _gone_message(self, error: Exception) -> str:
+        gone = [r for r in self.watch.gone() if r != self.rank.tp_rank]
+        dp = f" of DP rank {self.rank.dp_rank}" if self.rank.dp_rank is not None else ""
+        who = f"TP rank {', '.join(map(str, gone))}{dp}" if gone else f"a TP rank{dp}"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"{who} stopped answering ({reason}); {self.rank.describe()} ends the server."
+
+    def agree(self, value: Any, what: str) -> None:
+        """Every rank must have computed the same `value` (pool sizes): ParallelGroupError otherwise."""
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.rank.tp_size
+        dist.all_gather_object(values, value, group=self.group)
+        if any(v != values[0] for v in values):
+            raise ParallelGroupError(
+                f"The TP ranks computed different {what} ({values}); give --max-total-tokens and "
+                "--max-mamba-cache-size so that every rank sizes its pools alike."
+            )
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's `value`, on rank 0 (None elsewhere)."""
+        import torch.distributed as dist
+
+        values: list[Any] | None = [None] * self.rank.tp_size if self.is_first else None
+        dist.gather_object(value, values, dst=0, group=self.group)
+        return values
