@@ -34,6 +34,7 @@ from sglang.srt.server_args_checks import (
 from sglang.srt.server_args_cli import add_cli_args
 from sglang.srt.server_args_parallel import check_parallel_flags
 from sglang.srt.server_args_upstream import add_upstream_cli_args, check_upstream_args
+from sglang.srt.speculative.draft_layers import DEFAULT_MTP_STEPS, MTP_ALGORITHMS
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +167,14 @@ class ServerArgs:
     # None: loopback only.
     disaggregation_prefill_allowlist: list[str] | None = None
 
-    # Speculative decoding (`speculative/`): NGRAM drafts, verified by the model in one forward.
+    # Speculative decoding (`speculative/`): NGRAM drafts, or EAGLE / NEXTN drafts of the checkpoint's
+    # MTP layers, verified by the model in one forward.
     speculative_algorithm: str | None = None
+    # EAGLE / NEXTN: draft steps per verify (None: DEFAULT_MTP_STEPS), drafts per step (None: 1), the
+    # draft's weights (None: the model's own MTP layers).
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_draft_model_path: str | None = None
     # Tokens per request in a verify forward: its newest token and up to this many minus one drafts.
     # None: --speculative-ngram-max-match-window-size, as upstream.
     speculative_num_draft_tokens: int | None = None
@@ -339,10 +346,21 @@ class ServerArgs:
         upstream's); its draft count defaults to the longest match window."""
         if self.speculative_algorithm is None:
             return
+        if self.speculative_algorithm in MTP_ALGORITHMS:
+            # One chain of drafts (topk 1): the newest token and one per draft step.
+            if self.speculative_num_steps is None:
+                self.speculative_num_steps = DEFAULT_MTP_STEPS
+            if self.speculative_eagle_topk is None:
+                self.speculative_eagle_topk = 1
+            if self.speculative_num_draft_tokens is None:
+                self.speculative_num_draft_tokens = self.speculative_num_steps + 1
+            if self.speculative_draft_model_path is None:
+                self.speculative_draft_model_path = self.model_path
         if self.speculative_num_draft_tokens is None:
             self.speculative_num_draft_tokens = self.speculative_ngram_max_match_window_size
         if self.enable_overlap_schedule:
-            logger.info("--speculative-algorithm NGRAM runs without the overlap schedule.")
+            algo = self.speculative_algorithm
+            logger.info("--speculative-algorithm %s runs without the overlap schedule.", algo)
             self.disable_overlap_schedule = True
 
     def _handle_mamba_strategy(self) -> None:

@@ -13,6 +13,12 @@ from sglang.srt.configs.presets import is_preset
 from sglang.srt.environ import envs
 from sglang.srt.function_call.function_call_parser import PARSERS as TOOL_CALL_PARSERS
 from sglang.srt.parser.reasoning_parser import FORMATS as REASONING_FORMATS
+from sglang.srt.speculative.draft_layers import (
+    DEFAULT_MTP_STEPS,
+    MTP_ALGORITHMS,
+    MTP_ARCHITECTURES,
+    num_mtp_layers,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -60,8 +66,8 @@ GRAMMAR_BACKEND_CHOICES = ["xgrammar", "outlines", "llguidance", "none"]
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 SCHEDULE_POLICIES = ["fcfs", "lpm", "random", "lof"]
-# Upstream's algorithms; NGRAM runs here, the others need a draft model or MTP weights
-# (`check_speculative_flags`).
+# Upstream's algorithms; NGRAM, and EAGLE / NEXTN from the checkpoint's MTP layers, run here; EAGLE3 and
+# STANDALONE need a separate draft model (`check_speculative_flags`).
 SPECULATIVE_ALGORITHMS = ["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"]
 NGRAM_MATCH_TYPES = ["BFS", "PROB"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -190,10 +196,13 @@ def check_speculative_flags(args: ServerArgs) -> None:
     if algo is None:
         return
     _choice("--speculative-algorithm", algo, SPECULATIVE_ALGORITHMS)
+    if algo in MTP_ALGORITHMS:
+        check_mtp_flags(args)
+        return
     if algo != "NGRAM":
         raise ServerArgsError(
-            f"--speculative-algorithm {algo} needs a draft model or the checkpoint's MTP layers, which this "
-            "runtime does not run; use --speculative-algorithm NGRAM (drafts from an n-gram cache)."
+            f"--speculative-algorithm {algo} needs a separate draft model, which this runtime does not run; "
+            "use NEXTN (the checkpoint's own MTP layers) or NGRAM (drafts from an n-gram cache)."
         )
     _choice("--speculative-ngram-match-type", args.speculative_ngram_match_type, NGRAM_MATCH_TYPES)
     if args.speculative_ngram_match_type != "BFS":
@@ -217,6 +226,47 @@ def check_speculative_flags(args: ServerArgs) -> None:
         raise ServerArgsError(
             f"--speculative-ngram-min-match-window-size {lo} exceeds "
             f"--speculative-ngram-max-match-window-size {hi}."
+        )
+
+
+def check_mtp_flags(args: ServerArgs) -> None:
+    """EAGLE / NEXTN: one chain of drafts from the checkpoint's own MTP layers (`speculative/`); the
+    defaults are filled in later (`ServerArgs._handle_speculative`)."""
+    algo, topk = args.speculative_algorithm, args.speculative_eagle_topk
+    steps = DEFAULT_MTP_STEPS if args.speculative_num_steps is None else args.speculative_num_steps
+    _positive("--speculative-num-steps", steps)
+    if topk not in (None, 1):
+        raise ServerArgsError(
+            f"--speculative-eagle-topk {topk} is not supported: drafts are one chain (topk 1), the only tree "
+            "whose recurrent state per position the verify keeps exact."
+        )
+    if args.speculative_num_draft_tokens not in (None, steps + 1):
+        raise ServerArgsError(
+            f"--speculative-num-draft-tokens {args.speculative_num_draft_tokens} must be "
+            f"--speculative-num-steps + 1 = {steps + 1} with --speculative-eagle-topk 1."
+        )
+    if args.speculative_draft_model_path not in (None, args.model_path):
+        raise ServerArgsError(
+            f"--speculative-draft-model-path {args.speculative_draft_model_path} is not supported: "
+            f"--speculative-algorithm {algo} drafts with the MTP layers of --model-path itself."
+        )
+    if args.disaggregation_mode != "null":
+        raise ServerArgsError(
+            f"--speculative-algorithm {algo} is not supported with --disaggregation-mode "
+            f"{args.disaggregation_mode}: the decode side would lack the prompt's draft-layer KV."
+        )
+    if args.tp_size > 1:
+        raise ServerArgsError(
+            f"--speculative-algorithm {algo} is not supported with --tp-size {args.tp_size} yet: the draft "
+            "layer is not split across ranks; use --tp-size 1 or --speculative-algorithm NGRAM."
+        )
+    hf_config = args.model_config.hf_config
+    archs = getattr(hf_config, "architectures", None) or []
+    if not set(archs) & set(MTP_ARCHITECTURES) or num_mtp_layers(hf_config) < 1:
+        raise ServerArgsError(
+            f"--speculative-algorithm {algo} drafts with the checkpoint's MTP layers, and {args.model_path} "
+            "has none (its config states no num_nextn_predict_layers / mtp_num_hidden_layers, or its "
+            "architecture has no MTP layer here); use --speculative-algorithm NGRAM."
         )
 
 

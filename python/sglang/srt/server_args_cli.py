@@ -354,11 +354,30 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
     )
     g.add_argument("--speculative-algorithm", default=None, choices=SPECULATIVE_ALGORITHMS)
     g.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=None,
+        help="EAGLE / NEXTN: draft steps of the MTP layer per verify (default 3).",
+    )
+    g.add_argument(
+        "--speculative-eagle-topk",
+        type=int,
+        default=None,
+        help="EAGLE / NEXTN: drafts per step; only 1 (one chain) is supported.",
+    )
+    g.add_argument(
+        "--speculative-draft-model-path",
+        "--speculative-draft-model",
+        default=None,
+        help="EAGLE / NEXTN: the draft's weights; only the model itself (its MTP layers), the default.",
+    )
+    g.add_argument(
         "--speculative-num-draft-tokens",
         type=int,
         default=None,
         help="Tokens per request in a verify forward (its newest token and up to this many minus one "
-        "drafts); default --speculative-ngram-max-match-window-size.",
+        "drafts); default --speculative-ngram-max-match-window-size (NGRAM), --speculative-num-steps + 1 "
+        "(EAGLE / NEXTN).",
     )
     for name in ("min-match-window-size", "max-match-window-size", "branch-length", "capacity"):
         field_name = "speculative_ngram_" + name.replace("-", "_")

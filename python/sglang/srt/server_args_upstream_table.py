@@ -23,8 +23,8 @@ THEMES: dict[str, str] = {
     "lora": "LoRA adapters are not supported; serve a checkpoint with the adapter merged into its weights",
     "hicache": "host-memory and external KV-cache tiers are not built yet (issue 58 adds a host tier); size "
     "the device caches with --mem-fraction-static and --max-mamba-cache-size",
-    "spec": "only --speculative-algorithm NGRAM is built here (EAGLE and NEXTN with draft layers are issue "
-    "57); use NGRAM with its --speculative-ngram-* flags, or leave speculative decoding off",
+    "spec": "speculative decoding here is NGRAM, or EAGLE / NEXTN from the checkpoint's own MTP layers "
+    "(one chain of drafts); leave it out",
     "ngram": "this server's NGRAM drafter has no such setting; tune it with "
     "--speculative-ngram-min-match-window-size, --speculative-ngram-max-match-window-size, "
     "--speculative-ngram-branch-length and --speculative-ngram-capacity",
@@ -109,8 +109,7 @@ REFUSED: dict[str, str] = {
         --enable-unified-memory --enable-session-radix-cache --disaggregation-decode-enable-offload-kvcache
     """,
     "spec": """
-        --speculative-draft-model-path|--speculative-draft-model= --speculative-draft-model-revision=
-        --speculative-draft-load-format= --speculative-num-steps= --speculative-eagle-topk=
+        --speculative-draft-model-revision= --speculative-draft-load-format=
         --speculative-dflash-block-size= --speculative-domino-candidate-pool-size= --speculative-dspark-block-size=
         --speculative-dspark-sps-table-path= --speculative-dspark-confidence-sts-path=
         --speculative-dspark-align-verify-tokens-to-graph-tier --speculative-accept-threshold-single=

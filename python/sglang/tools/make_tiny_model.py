@@ -280,6 +280,39 @@ def _condition_weights(model: torch.nn.Module, arch: str, gen: torch.Generator) 
             module.A_log.copy_(_log_uniform(heads, 0.5, 4.0, gen))
 
 
+# Architectures whose checkpoints publish an MTP layer, with the config field that counts them.
+MTP_ARCHS = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5": "mtp_num_hidden_layers"}
+MTP_ARCHS["qwen3_5_moe"] = "mtp_num_hidden_layers"
+
+
+@torch.no_grad()
+def mtp_tensors(config, gen: torch.Generator, std: float) -> dict[str, torch.Tensor]:
+    """Random `mtp.*` tensors in the published layout for `config` (names: `qwen3_next_mtp.py`): matrices
+    N(0, std), norm weights (1 + w form) small offsets from 0, so a runtime that drops one differs."""
+    from sglang.srt.models.qwen3_next_mtp import Qwen3NextMTP
+
+    with torch.device("meta"):
+        module = Qwen3NextMTP(config)
+    renames = ((".experts.w13", ".experts.gate_up_proj"), (".experts.w2", ".experts.down_proj"))
+    out = {}
+    for name, param in module.named_parameters():
+        scale = 0.1 if param.ndim == 1 else std
+        for ours, theirs in renames:
+            name = name.replace(ours, theirs)
+        out["mtp." + name] = scale * torch.randn(param.shape, generator=gen)
+    return out
+
+
+def add_random_mtp(folder: Path, config, seed: int, std: float) -> None:
+    """Write random MTP tensors into `folder`'s model.safetensors beside the base model's (unchanged)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors.update(mtp_tensors(config, torch.Generator().manual_seed(seed), std))
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def make_tiny_model(
     arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None, quantize: str | None = None
 ) -> Path:
@@ -302,6 +335,10 @@ def make_tiny_model(
     if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         # transformers writes only layer_types; SGLang-style loaders also read the interval.
         cfg["full_attention_interval"] = 4
+    if arch in MTP_ARCHS and quantize is None:
+        # The published MTP layer (`models/qwen3_next_mtp.py`), which transformers has no class for.
+        cfg[MTP_ARCHS[arch]] = 1
+        add_random_mtp(out, model.config, seed + 2, WEIGHT_SCALES[arch][0])
     config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
     GenerationConfig(eos_token_id=[IM_END_ID, PAD_ID], pad_token_id=PAD_ID, do_sample=False).save_pretrained(

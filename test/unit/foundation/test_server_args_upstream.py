@@ -283,8 +283,7 @@ def test_every_accepted_flag_parses_and_other_values_are_refused():
         (["--ep-size", "2"], "refused"),
         (["--enable-hierarchical-cache"], "refused"),
         (["--quantization", "awq"], "refused"),  # (fp8 is implemented: test_fp8_checkpoints.py)
-        (["--speculative-num-steps", "3"], "refused"),
-        (["--speculative-eagle-topk", "1"], "refused"),
+        (["--speculative-draft-load-format", "auto"], "refused"),
         (["--base-gpu-id", "0"], {}),
         (["--json-model-override-args", "{}"], {}),
         (["--enable-cache-report"], {}),

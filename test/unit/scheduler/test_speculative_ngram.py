@@ -322,7 +322,7 @@ def test_flags():
     assert not args.enable_overlap_schedule  # verify results are read on the host before the next build
     assert args.mamba_scheduler_strategy == "extra_buffer"  # auto without overlap
     bad = {
-        "--speculative-algorithm EAGLE needs a draft model": dict(speculative_algorithm="EAGLE"),
+        "--speculative-algorithm EAGLE3 needs a separate draft model": dict(speculative_algorithm="EAGLE3"),
         "--speculative-ngram-match-type PROB": dict(speculative_ngram_match_type="PROB"),
         "--speculative-ngram-min-match-window-size 5 exceeds": dict(
             speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=4

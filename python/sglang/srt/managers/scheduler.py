@@ -148,9 +148,10 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
             stream_interval=server_args.stream_interval,
             token_log=self.fast_path.token_log,
         )
-        self.spec = None  # --speculative-algorithm NGRAM: builds verify batches and commits their results
+        self.spec = None  # --speculative-algorithm: builds verify batches and commits their results
         if server_args.speculative_algorithm is not None:
-            from sglang.srt.speculative.ngram_worker import NgramWorker, VerifyCollaborators
+            from sglang.srt.speculative.ngram_worker import VerifyCollaborators
+            from sglang.srt.speculative.spec_worker import create_spec_worker
 
             assert not self.enable_overlap, "a verify's result is committed before the next batch is built"
             deps = VerifyCollaborators(
@@ -170,7 +171,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
                 copy_states=self.worker.copy_states,
                 add_generated=self.batch_stats.add_generated,
             )
-            self.spec = NgramWorker(server_args, deps)
+            self.spec = create_spec_worker(server_args, deps, self.model_runner, self.worker.call)
             self.batch_stats.spec_stats = self.spec.stats
             self.result_processor.process_verify = self.spec.process_batch_result_verify
         if self.disaggregation_mode == "prefill":
@@ -325,6 +326,8 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
     # ---- running batches ---------------------------------------------------------------------------
 
     def launch(self, batch: ScheduleBatch) -> None:
+        if self.spec is not None:
+            self.spec.attach(batch)  # EAGLE / NEXTN: the draft layer runs after every target forward
         item = LaunchedBatch(
             batch.forward_batch,
             future_slots=batch.future_slots,

@@ -233,6 +233,8 @@ class ForwardBatch:
     vocab_mask: Any = None
     # Custom logit processors of the batch's requests (`sampling/custom_logit_processor.py`); None: none.
     custom_logit: Any = None
+    # EAGLE / NEXTN: what runs after sampling (`speculative/mtp_draft.MtpHook`); None: nothing.
+    spec: Any = None
 
     # Backends' index tensors built on the host before the batch moves (`prepare_host_metadata`), by
     # name: `to_device` moves them with the batch's own. `moved`: `ModelRunner.move_batch` ran.

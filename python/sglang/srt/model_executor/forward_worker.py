@@ -305,6 +305,15 @@ class ForwardWorker:
         self._tasks.put((run, None, done))
         done.result()  # (the stream is idle between a verify and the next batch: no wait behind a forward)
 
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` as a task on the forward stream, after every batch launched so far; returns its result
+        (EAGLE / NEXTN's draft steps, whose drafts the verify batch is built from)."""
+        if self.inline:
+            return fn()
+        done: Future = Future()
+        self._tasks.put((lambda _: fn(), None, done))
+        return done.result()
+
     def shutdown(self) -> None:
         if self._thread is not None:
             self._tasks.put(None)

@@ -46,6 +46,7 @@ from sglang.srt.models.registry import load_model
 from sglang.srt.sampling.custom_logit_processor import apply_custom_logit_processors
 from sglang.srt.sampling.penaltylib import Penalizer
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.draft_layers import draft_kv_layer_ids
 
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -211,7 +212,8 @@ class ModelRunner:
             dtype=self.kv_cache_dtype,
             head_num=self.arch.num_key_value_heads,
             head_dim=self.arch.head_dim,
-            layer_ids=self.arch.full_attention_layer_ids,
+            # EAGLE / NEXTN: the MTP layer's attention too, in the same slots (`speculative/mtp_draft.py`).
+            layer_ids=[*self.arch.full_attention_layer_ids, *draft_kv_layer_ids(args)],
             device=self.device,
         )
 
@@ -352,6 +354,8 @@ class ModelRunner:
                 top_logprobs_nums=fb.top_logprobs_nums,
                 token_ids_logprobs=fb.token_ids_logprobs,
             )
+            if fb.spec is not None:  # EAGLE / NEXTN: rejection sampling, then the draft layer's KV
+                sample = fb.spec.after_sampling(fb, hidden, next_logits, sample)
             if fb.penalties is not None:
                 self.penalizer.cumulate(fb.penalties, sample.next_token_ids)
         return GenerationBatchResult(

@@ -185,6 +185,9 @@ class NgramWorker:
         )
         return self.cache.draft(tokens, budget, namespace_seed(req.extra_key)) if budget > 0 else []
 
+    def attach(self, batch: ScheduleBatch) -> None:
+        """Work on the forward stream beside a launched batch: none (NGRAM drafts on the host)."""
+
     def forget(self, req: Req) -> None:
         """`req` left the scheduler (its indexed text stays in the cache)."""
         self._histories.pop(req, None)

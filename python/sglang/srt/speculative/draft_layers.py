@@ -1,0 +1,41 @@
+"""Which checkpoints carry draft layers for EAGLE / NEXTN, and where their KV lives (read by the server
+options' checks and the model runner's KV pool, before any model code loads)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
+
+MTP_ALGORITHMS = ("EAGLE", "NEXTN")
+DEFAULT_MTP_STEPS = 3  # --speculative-num-steps when not given
+# Architectures whose MTP layer this server runs (`models/qwen3_next_mtp.py`).
+MTP_ARCHITECTURES = (
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+
+
+def num_mtp_layers(hf_config: Any) -> int:
+    """The MTP layers the config says the checkpoint has: `num_nextn_predict_layers` (Qwen3-Next) or
+    `mtp_num_hidden_layers` (Qwen3.5, in `text_config`); 0 where it states none."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    for field in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        value = getattr(text, field, None)
+        if value:
+            return int(value)
+    return 0
+
+
+def draft_kv_layer_ids(args: ServerArgs) -> list[int]:
+    """The KV pool's layers beyond the model's full-attention ones: the MTP layer's attention at id
+    `num_hidden_layers` with EAGLE / NEXTN, else none."""
+    if args.speculative_algorithm not in MTP_ALGORITHMS:
+        return []
+    hf_config = args.model_config.hf_config
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return [text.num_hidden_layers]

@@ -1,0 +1,275 @@
+"""The MTP draft on the forward stream (`--speculative-algorithm EAGLE` / `NEXTN`): what runs beside the
+target model's forwards. The scheduler side is `eagle_worker.py`.
+
+After every target forward that commits tokens (a prefill chunk, a decode step, a verify), `MtpHook`
+runs the MTP layer over the same positions, each with the token that follows it (the next prompt token,
+or the token the forward sampled there), which writes the draft layer's KV at those positions (layer id
+`num_hidden_layers` of the KV pool, in the request's own slots) and leaves, per request row, the first
+draft d_1 (from the last committed position), the MTP output g there and, for a sampling request, the
+distribution q_1 d_1 was drawn from (`DraftStash`). A verify's hook first applies rejection sampling to
+the drafted positions (below), then finds on the device how many drafts each request accepted, so the
+MTP rows past them only write KV slots the commit gives back.
+
+`MtpDraftRunner.draft_steps` runs steps 2..k before a verify: the MTP layer at positions P, P + 1, ...
+(P: the request's newest token), from (d_(j-1), g) of the step before, in the KV slots the verify has
+allocated for those positions.
+
+Rejection sampling (a sampling request's drafted positions, as upstream): draft d drawn from q is kept
+with probability min(1, p(d) / q(d)), where p is the target's distribution with the request's options
+(temperature, top-k, top-p, min-p: `truncated_probs`, the sampler's); else the position takes a token
+drawn from norm(max(p - q, 0)), which is never d. The position's token is then d exactly when it is
+accepted, so the scheduler's commit (accept while the token equals the next draft, as NGRAM's) commits
+what rejection sampling decides; the position after the last draft keeps the sampler's own draw from p.
+Greedy requests take the target's argmax at every position, as plain decoding does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang.srt.layers.logits_processor import scaled_log_softmax
+from sglang.srt.layers.sampler import SampleOutput, inverse_cdf_sample, truncated_probs
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
+from sglang.srt.models.loader import iter_checkpoint
+from sglang.srt.models.qwen3_next_mtp import load_mtp
+from sglang.srt.utils.host_tensors import host_int64
+
+
+class MtpAttnBackend:
+    """The batch backend the MTP layer sees: its own full-attention backend (own per-batch metadata) over
+    the target's request table and KV pool."""
+
+    def __init__(self, full_attn_backend: Any):
+        self.full_attn_backend = full_attn_backend
+
+    def forward(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+        return self.full_attn_backend.forward(q, k, v, layer, fb)
+
+
+def draft_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """The distribution a row samples from with its options (greedy rows: any; they take the argmax)."""
+    temps = torch.where(info.temperatures > 0, info.temperatures, 1.0)
+    if info.needs_truncation:
+        return truncated_probs(logits, temps, info.top_ps, info.top_ks, info.min_ps, info.sort_width)
+    return torch.softmax(logits / temps[:, None], dim=-1)
+
+
+@dataclass
+class DraftStash:
+    """Per request row (`req_pool_idx`): the next draft d_1, the MTP output g it came from, and q_1
+    (allocated when a sampling request first drafts)."""
+
+    tokens: torch.Tensor  # [rows] int64
+    hidden: torch.Tensor  # [rows, hidden]
+    probs: torch.Tensor | None = None  # [rows, vocab] float32
+
+
+class MtpDraftRunner:
+    def __init__(self, model_runner: Any):
+        self.runner = model_runner
+        target = model_runner.model
+        args = model_runner.server_args
+        self.mtp = load_mtp(target, iter_checkpoint(args.model_config.path))
+        self.embed = target.model.embed_tokens
+        self.lm_head = target.lm_head
+        self.attn = MtpAttnBackend(model_runner._full_attn_backend())
+        rows = model_runner.req_to_token_pool.req_to_token.shape[0]
+        device, hidden = target.lm_head.weight.device, target.config.hidden_size
+        self.stash = DraftStash(
+            torch.zeros(rows, dtype=torch.int64, device=device),
+            torch.zeros(rows, hidden, dtype=target.lm_head.weight.dtype, device=device),
+        )
+        self.vocab = target.lm_head.weight.shape[0]
+        self.generator = torch.Generator(device=device).manual_seed(args.random_seed + 1)
+
+    # ---- the MTP layer ----------------------------------------------------------------------------
+
+    def _run(self, fb: ForwardBatch, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over `fb`'s positions (its own attention metadata), `tokens` the next tokens."""
+        target_backend, fb.attn_backend = fb.attn_backend, self.attn
+        try:
+            self.attn.full_attn_backend.init_forward_metadata(fb)
+            return self.mtp(self.embed(tokens), fb.positions, hidden.to(self.stash.hidden.dtype), fb)
+        finally:
+            fb.attn_backend = target_backend
+
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(g, self.lm_head.weight).float()
+
+    def _sample(
+        self, logits: torch.Tensor, info: SamplingBatchInfo
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(draft ids, their distributions or None where every row is greedy)."""
+        greedy = logits.max(dim=-1).indices
+        if info.is_all_greedy:
+            return greedy, None
+        probs = draft_probs(logits, info)
+        u = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
+        return torch.where(info.temperatures > 0, inverse_cdf_sample(probs, u), greedy), probs
+
+    def _stash(self, rows: torch.Tensor, g: torch.Tensor, info: SamplingBatchInfo) -> None:
+        tokens, probs = self._sample(self._logits(g), info)
+        self.stash.tokens[rows] = tokens
+        self.stash.hidden[rows] = g
+        if probs is not None:
+            if self.stash.probs is None:
+                self.stash.probs = torch.zeros(len(self.stash.tokens), self.vocab, device=g.device)
+            self.stash.probs[rows] = probs
+
+    # ---- before a verify: draft steps 2..k ---------------------------------------------------------
+
+    def draft_steps(self, plan: DraftPlan) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Each planned request's k drafts (host lists) and, where some request samples, their
+        distributions [bs, k, vocab] on the device. Runs on the forward stream."""
+        runner, stash = self.runner, self.stash
+        with torch.inference_mode():
+            rows = host_int64(plan.rows).to(stash.tokens.device)
+            info = plan.sampling_info
+            tokens, g = stash.tokens[rows], stash.hidden[rows]
+            drafts = [tokens]
+            probs = None
+            if not info.is_all_greedy:
+                # (a sampling request's d_1 was drawn by a hook, which stored its q_1)
+                assert stash.probs is not None, "a sampling request drafts without its first distribution"
+                probs = [stash.probs[rows]]
+            for j in range(plan.steps - 1):
+                fb = ForwardBatch.create(
+                    ForwardMode.DECODE,
+                    input_ids=[0] * len(plan.rows),
+                    req_pool_indices=plan.rows,
+                    seq_lens=[p + j + 1 for p in plan.prefix_lens],
+                    out_cache_loc=[slots[j] for slots in plan.slots],
+                    mamba_pool_indices=[0] * len(plan.rows),
+                    req_to_token_writes=plan.writes if j == 0 else (),
+                    sampling_info=info,
+                )
+                fb.to_device(runner.device)
+                fb.input_ids = tokens
+                runner._rewrite_req_to_token(fb)
+                runner.write_new_token_slots(fb)
+                g = self._run(fb, tokens, g)
+                tokens, step_probs = self._sample(self._logits(g), fb.sampling_info)
+                drafts.append(tokens)
+                if probs is not None:
+                    probs.append(step_probs)
+            host = torch.stack(drafts, dim=1).tolist()
+            return host, None if probs is None else torch.stack(probs, dim=1)
+
+
+@dataclass
+class DraftPlan:
+    """The draft steps of a verify, per drafting request: its row, KV length P (its newest token's
+    position), the verify's KV slots of positions P.., and the request table rewrites the verify makes."""
+
+    rows: list[int]
+    prefix_lens: list[int]
+    slots: list[list[int]]
+    writes: list[tuple[int, int, Any]]
+    sampling_info: SamplingBatchInfo
+    steps: int
+
+
+@dataclass
+class MtpHook:
+    """`ForwardBatch.spec` of a target forward: after sampling (`ModelRunner.forward_batch_generation`),
+    rejection sampling for a verify's drafted positions and the MTP layer over the forward's positions.
+
+    `next_ids`: per token of the batch the token after it where the host knows it (prompt), -1 where it is
+    the request's sampled token (extend; a decode and a verify use their own sampled tokens). A verify
+    carries its widths, each request's drafts count and the drafts' distributions."""
+
+    runner: MtpDraftRunner
+    next_ids: list[int] | None = None
+    completes: list[bool] | None = None  # extend: the rows whose request's last position ran
+    widths: list[int] | None = None  # verify: positions per request
+    num_drafts: list[int] | None = None  # verify: drafts per request (0 or k)
+    draft_probs: torch.Tensor | None = None  # verify: [drafting requests, k, vocab]
+
+    def after_sampling(
+        self, fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor, sample: SampleOutput
+    ) -> SampleOutput:
+        mode = fb.forward_mode
+        if mode.is_target_verify():
+            return self._verify(fb, hidden, logits, sample)
+        ids = sample.next_token_ids
+        if mode.is_decode():
+            g = self.runner._run(fb, ids, hidden)
+            self.runner._stash(fb.req_pool_indices, g, fb.sampling_info)
+            return sample
+        # An extend: the next tokens, the request's sampled one after its last position.
+        known = host_int64(self.next_ids).to(ids.device)
+        owner = torch.repeat_interleave(torch.arange(fb.batch_size, device=ids.device), fb.extend_seq_lens)
+        g = self.runner._run(fb, torch.where(known >= 0, known, ids[owner]), hidden)
+        done = [i for i, c in enumerate(self.completes) if c]
+        if done:
+            at = host_int64(done).to(ids.device)
+            info = _rows(fb.sampling_info, done)
+            self.runner._stash(fb.req_pool_indices[at], g[fb.extend_last_loc[at]], info)
+        return sample
+
+    def _verify(
+        self, fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor, sample: SampleOutput
+    ) -> SampleOutput:
+        device = logits.device
+        info = fb.sampling_info  # (one row per position)
+        starts = [0]
+        for w in self.widths[:-1]:
+            starts.append(starts[-1] + w)
+        drafted = [i for i, n in enumerate(self.num_drafts) if n]
+        k = max(self.num_drafts, default=0)
+        ids = sample.next_token_ids
+        if drafted and not info.is_all_greedy:
+            ids = self._reject(fb, logits, ids, [starts[i] for i in drafted], k)
+            sample.next_token_ids = ids
+            if sample.next_token_logprobs is not None:
+                lp = scaled_log_softmax(logits.float(), info.temperatures)
+                sample.next_token_logprobs = lp.gather(1, ids[:, None])[:, 0]
+        # Drafts accepted per request: leading positions whose token is the next input (a draft).
+        accepted = torch.zeros(len(self.widths), dtype=torch.int64, device=device)
+        if drafted:
+            grid = host_int64([starts[i] + t for i in drafted for t in range(k)]).to(device).view(-1, k)
+            match = (ids[grid] == fb.input_ids[grid + 1]).long()
+            accepted[host_int64(drafted).to(device)] = match.cumprod(dim=1).sum(dim=1)
+        g = self.runner._run(fb, ids, hidden)
+        last = host_int64(starts).to(device) + accepted
+        self.runner._stash(fb.req_pool_indices, g[last], _rows(info, starts))
+        return sample
+
+    def _reject(self, fb: ForwardBatch, logits: torch.Tensor, ids: torch.Tensor, starts: list[int], k: int):
+        """The drafted positions' tokens under rejection sampling (module docstring)."""
+        device = logits.device
+        rows = host_int64([s + t for s in starts for t in range(k)]).to(device)
+        info = _rows_tensor(fb.sampling_info, rows)
+        p = draft_probs(logits.float()[rows], info)
+        q = self.draft_probs.reshape(len(rows), -1)
+        drafts = fb.input_ids[rows + 1]
+        gen = self.runner.generator
+        u = torch.rand(len(rows), generator=gen, device=device)
+        p_d, q_d = p.gather(1, drafts[:, None])[:, 0], q.gather(1, drafts[:, None])[:, 0]
+        keep = u * q_d <= p_d
+        residual = (p - q).clamp_(min=0)
+        empty = residual.sum(dim=-1, keepdim=True) <= 0
+        residual = torch.where(empty, p, residual)
+        resampled = inverse_cdf_sample(residual, torch.rand(len(rows), generator=gen, device=device))
+        chosen = torch.where(keep, drafts, resampled)
+        sampling = info.temperatures > 0
+        out = ids.clone()
+        out[rows] = torch.where(sampling, chosen, ids[rows])
+        return out
+
+
+def _rows(info: SamplingBatchInfo, rows: list[int]) -> SamplingBatchInfo:
+    """`info`'s rows `rows` (host lists; a device info is indexed on its device)."""
+    return _rows_tensor(info, host_int64(rows).to(info.temperatures.device))
+
+
+def _rows_tensor(info: SamplingBatchInfo, rows: torch.Tensor) -> SamplingBatchInfo:
+    taken = {
+        name: t.index_select(0, rows)
+        for name in SamplingBatchInfo.TENSOR_FIELDS
+        if (t := getattr(info, name)) is not None
+    }
+    return SamplingBatchInfo(**{**info.__dict__, **taken})

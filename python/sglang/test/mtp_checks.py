@@ -1,0 +1,86 @@
+"""Checks of EAGLE / NEXTN speculative decoding against plain decoding (`test/unit/speculative/
+test_speculative_mtp*.py`): two turns of the same prompts (the second hits the first's prefixes) on a
+plain scheduler and on a NEXTN one whose drafts are the plain run's own continuation (`teacher_drafts`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sglang.srt.speculative.mtp_draft import MtpDraftRunner
+from sglang.test.scheduler_harness import SchedulerHarness
+
+QWEN = "tiny-qwen3-next"
+NEXTN = dict(speculative_algorithm="NEXTN")
+
+
+@contextmanager
+def teacher_drafts(
+    monkeypatch, h: SchedulerHarness, truth: dict[tuple[int, ...], list[int]]
+) -> Iterator[None]:
+    """Drafts = the plain run's continuation of each request (by prompt), every third chain with its last
+    draft spoiled; their distributions stay the MTP layer's (greedy requests never read them)."""
+    original = MtpDraftRunner.draft_steps
+    calls = [0]
+
+    def drafts(self, plan):
+        chains, probs = original(self, plan)
+        by_row = {r.req_pool_idx: r for r in h.sched.running}
+        for n, (row, p) in enumerate(zip(plan.rows, plan.prefix_lens, strict=True)):
+            seq = truth[tuple(by_row[row].origin_input_ids)]
+            chain = seq[p + 1 : p + 1 + plan.steps]
+            calls[0] += 1
+            if calls[0] % 3 == 0:
+                chain[-1] = (chain[-1] + 1) % 500 + 3
+            chains[n] = chain
+        return chains, probs
+
+    monkeypatch.setattr(MtpDraftRunner, "draft_steps", drafts)
+    yield
+
+
+def two_turns(h: SchedulerHarness, prompts: list[list[int]], new: int) -> list[list]:
+    """Turn 1: every prompt; turn 2: the same prompts again (prefix hits on turn 1's cache)."""
+    turns = []
+    for _ in range(2):
+        rids = [h.submit(p, max_new_tokens=new + 5 * k, return_logprob=False) for k, p in enumerate(prompts)]
+        h.run()
+        h.sched.check_integrity()
+        turns.append([h.outputs[r] for r in rids])
+    return turns
+
+
+def plain_then_spec(monkeypatch, preset: str, strategy: str, prompts, new: int, **kw):
+    args = dict(
+        mamba_scheduler_strategy=strategy,
+        disable_overlap_schedule=True,
+        chunked_prefill_size=64,  # the prompts below are chunked
+        mamba_track_interval=64,
+    )
+    args.update(kw)
+    h = SchedulerHarness(preset, **args)
+    try:
+        plain = two_turns(h, prompts, new)
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+    truth = {tuple(p): p + o.output_ids for p, o in zip(prompts, plain[0], strict=True)}
+    h = SchedulerHarness(preset, **args, **NEXTN)
+    try:
+        with teacher_drafts(monkeypatch, h, truth):
+            spec = two_turns(h, prompts, new)
+        stats = dict(h.sched.spec.stats)
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+    return plain, spec, stats
+
+
+def assert_same(plain, spec, stats) -> None:
+    for turn, (a_turn, b_turn) in enumerate(zip(plain, spec, strict=True)):
+        for k, (a, b) in enumerate(zip(a_turn, b_turn, strict=True)):
+            assert b.output_ids == a.output_ids, f"turn {turn + 1}, request {k}"
+            assert b.cached_tokens == a.cached_tokens, f"turn {turn + 1}, request {k}"
+    assert any(o.cached_tokens > 0 for o in spec[1]), "turn 2 hits turn 1's prefixes"
+    # Teacher drafts: two chains in three are right, so most drafts are accepted.
+    assert stats["accepted_tokens"] > stats["verify_steps"], stats

@@ -1,0 +1,93 @@
+"""`--speculative-algorithm NEXTN` / `EAGLE` (the checkpoint's MTP layer drafts, `speculative/`) against
+plain decoding: greedy outputs are the same tokens with chunked prefill and prefix hits; sampled
+positions follow the target's distribution under rejection sampling; the refusals.
+
+The tiny presets' MTP layers are random, so their drafts are rarely accepted; `_teacher_drafts` replaces
+the drafts by the plain run's own continuation (one in three chains spoiled at its last draft) so that
+verifies accept 0..k drafts and the accepted positions' states, KV and MTP KV are exercised. Why equal:
+each committed token is the target's argmax after the same tokens (`ngram_worker.py`), and the MTP layer
+only decides what is proposed.
+
+Nightly (suite nightly-cpu, `python -m pytest -q test/unit/speculative/test_speculative_mtp_nightly.py`):
+Qwen3.5 and Qwen3.5-MoE, every strategy, retractions under KV pressure."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.speculative.mtp_draft import MtpHook
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, plain_then_spec
+from sglang.test.scheduler_harness import token_ids
+
+register_cpu_ci(est_time=30, suite="per-commit-cpu")
+
+
+def test_greedy_same_as_plain_decoding_with_chunks_and_hits(monkeypatch):
+    prompts = [token_ids(90 + 37 * k, seed=k) for k in range(3)]
+    assert_same(*plain_then_spec(monkeypatch, QWEN, "extra_buffer", prompts, 24))
+
+
+def test_rejection_sampling_follows_the_target_distribution():
+    """One drafted position per row, N rows with the same target p and draft q over 6 tokens; the drafts
+    drawn from q. The committed token of a row is its draft if kept, else a resample: its frequencies
+    must follow p, not q (chi-square, 5 degrees of freedom: 20.5 is the 0.999 quantile, so a correct rule
+    fails once in a thousand seeds and this fixed seed passes; committing q's draft unconditionally
+    gives a statistic in the thousands), and the acceptance rate is sum(min(p, q))."""
+    n, vocab = 40_000, 6
+    p = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.07, 0.03])
+    q = torch.tensor([0.10, 0.30, 0.05, 0.35, 0.15, 0.05])
+    gen = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen)
+    # Each request: its newest token (id 0) then its draft; logits rows 2i (the drafted position) and
+    # 2i + 1 (the bonus position, left to the sampler).
+    input_ids = torch.stack([torch.zeros(n, dtype=torch.int64), drafts], dim=1).reshape(-1)
+    logits = p.log().repeat(2 * n, 1)
+    fb = SimpleNamespace(input_ids=input_ids, sampling_info=SamplingBatchInfo.create([1.0] * (2 * n)))
+    hook = MtpHook(SimpleNamespace(generator=gen), draft_probs=q.repeat(n, 1, 1))
+    ids = torch.full((2 * n,), -1, dtype=torch.int64)
+    out = hook._reject(fb, logits, ids, starts=list(range(0, 2 * n, 2)), k=1)
+    committed = out[0::2]
+    assert (out[1::2] == -1).all()  # the bonus positions are the sampler's
+    counts = torch.bincount(committed, minlength=vocab).double()
+    expected = p.double() * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (chi2, counts.tolist())
+    rate = float((committed == drafts).double().mean())
+    assert abs(rate - float(torch.minimum(p, q).sum())) < 0.01, rate  # (std ~0.0025 at n = 40,000)
+
+
+def test_flags_and_refusals():
+    args = ServerArgs(model_path=QWEN, **NEXTN)
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (
+        3,
+        1,
+        4,
+    )
+    assert args.speculative_draft_model_path == QWEN and not args.enable_overlap_schedule
+    assert (
+        ServerArgs(
+            model_path=QWEN, speculative_algorithm="EAGLE", speculative_num_steps=2
+        ).speculative_num_draft_tokens
+        == 3
+    )
+    bad = {
+        "--speculative-eagle-topk 4 is not supported: drafts are one chain": dict(speculative_eagle_topk=4),
+        r"--speculative-num-draft-tokens 6 must be --speculative-num-steps \+ 1 = 4": dict(
+            speculative_num_draft_tokens=6
+        ),
+        "--speculative-num-steps must be a positive": dict(speculative_num_steps=0),
+        "--speculative-draft-model-path other is not supported": dict(speculative_draft_model_path="other"),
+        "tiny-nemotron-h has none": dict(model_path="tiny-nemotron-h"),
+        "tiny-qwen3-next-fp8 has none": dict(model_path="tiny-qwen3-next-fp8"),
+        "--speculative-algorithm EAGLE3 needs a separate draft model": dict(speculative_algorithm="EAGLE3"),
+    }
+    for message, flags in bad.items():
+        flags = {"model_path": QWEN, **NEXTN, **flags}
+        with pytest.raises(ServerArgsError, match=message):
+            ServerArgs(**flags)

@@ -1,0 +1,42 @@
+"""Nightly (suite nightly-cpu) cases of `test_speculative_mtp.py`: greedy NEXTN outputs equal plain
+decoding's on Qwen3.5 and Qwen3.5-MoE and with every strategy, and under KV pressure (retractions).
+Run: `python -m pytest -q test/unit/speculative/test_speculative_mtp_nightly.py`."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, plain_then_spec
+from sglang.test.scheduler_harness import churn_harness, run_churn, token_ids
+
+register_cpu_ci(est_time=150, suite="nightly-cpu")
+
+
+@pytest.mark.parametrize(
+    "preset,strategy",
+    [
+        (QWEN, "no_buffer"),
+        (QWEN, "extra_buffer_lazy"),
+        ("tiny-qwen3.5", "extra_buffer"),
+        ("tiny-qwen3.5-moe", "no_buffer"),
+    ],
+)
+def test_greedy_same_as_plain_decoding(monkeypatch, preset, strategy):
+    prompts = [token_ids(70 + 29 * k, seed=10 + k) for k in range(3)]
+    assert_same(*plain_then_spec(monkeypatch, preset, strategy, prompts, 30))
+
+
+def test_retractions_keep_outputs():
+    outs = {}
+    for spec in (False, True):
+        h = churn_harness(False, **(NEXTN if spec else {}))
+        try:
+            rids = run_churn(h, abort_at=10_000)
+            assert h.sched.counters["num_retractions_total"] > 0
+            h.sched.check_integrity()
+            outs[spec] = [h.outputs[r].output_ids for r in rids]
+            h.flush_and_check_empty()
+        finally:
+            h.shutdown()
+    assert outs[True] == outs[False]
