@@ -108,7 +108,11 @@ class SchedulerIOMixin:
         self.memory_bytes_by_rank = [memory]
         if tp is None:
             return
-        tp.agree(self.pool_sizes, "pool sizes")
+        tp.agree(
+            self.pool_sizes,
+            "pool sizes",
+            "; give --max-total-tokens and --max-mamba-cache-size so that every rank sizes its pools alike",
+        )
         self.memory_bytes_by_rank = tp.gather(memory)
         self.tp = tp
         if tp.is_first:
@@ -433,6 +437,18 @@ class SchedulerIOMixin:
             self.weight_update.pending[1].exception()  # (waits for this rank's load to end too)
             self.finish_weight_update()
         self.process_input_requests(tick.messages)
+
+    def rank_digest(self) -> tuple:
+        """What every TP rank must agree on whenever it goes idle: batches built and the pools' counts."""
+        tree = self.tree_cache
+        return (
+            self.num_batches,
+            self.token_allocator.available_size(),
+            self.req_to_token_pool.mamba_allocator.free_list_size(),
+            tree.total_size(),
+            tree.mamba_total_size(),
+            tuple(sorted(self.counters.items())),
+        )
 
     def _report_load(self) -> None:
         """A data-parallel replica tells the controller how many requests it holds, when that changes

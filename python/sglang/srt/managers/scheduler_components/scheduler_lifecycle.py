@@ -93,6 +93,8 @@ class SchedulerLifecycleMixin:
         self.idle_checked = True
         self.batch_stats.reset()
         self.check_pools()
+        if self.tp is not None and self.check_integrity_when_idle:
+            self.tp.agree(self.rank_digest(), "scheduler states")  # (the ranks decide alike: tp_broadcast)
 
     def check_pools(self) -> None:
         """The check of an idle scheduler: the full walk under SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE,

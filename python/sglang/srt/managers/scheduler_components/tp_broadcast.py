@@ -156,17 +156,15 @@ class TpBroadcast:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return f"{who} stopped answering ({reason}); {self.rank.describe()} ends the server."
 
-    def agree(self, value: Any, what: str) -> None:
-        """Every rank must have computed the same `value` (pool sizes): ParallelGroupError otherwise."""
+    def agree(self, value: Any, what: str, hint: str = "") -> None:
+        """Every rank must have the same `value` (pool sizes; with the strict idle check, the scheduler's
+        counts): ParallelGroupError otherwise."""
         import torch.distributed as dist
 
         values: list[Any] = [None] * self.rank.tp_size
         dist.all_gather_object(values, value, group=self.group)
         if any(v != values[0] for v in values):
-            raise ParallelGroupError(
-                f"The TP ranks computed different {what} ({values}); give --max-total-tokens and "
-                "--max-mamba-cache-size so that every rank sizes its pools alike."
-            )
+            raise ParallelGroupError(f"The TP ranks have different {what} ({values}){hint}.")
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's `value`, on rank 0 (None elsewhere)."""

@@ -1,0 +1,66 @@
+"""An Engine with --tp-size 2 on CPU (two gloo ranks, one scheduler process each) serves the same greedy
+tokens as one rank: the transformers oracle's, with the engine's logprobs within 1e-4 of the oracle's
+on its own tokens (float32; the ranks' reductions may add in another order than one rank's, which moves
+a logprob by ~1e-6 at this size). In the same run a prompt longer than --chunked-prefill-size (chunked
+prefill on both ranks in step) and a second prompt that extends the first (a prefix hit: every rank's
+radix tree must hold the same checkpoint), and /get_server_info lists both ranks' memory. A rank that
+decided otherwise than rank 0 would take another batch or slot; the strict idle check compares the ranks'
+pool counts each time they go idle."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=40, suite="per-commit-cpu")
+
+MODEL = "tiny-qwen3-next"
+# float32 on both sides; see the module docstring.
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import sglang
+
+    eng = sglang.Engine(
+        model_path=MODEL, tp_size=2, chunked_prefill_size=64, random_seed=7, log_level="warning"
+    )
+    yield eng
+    eng.shutdown()
+
+
+def _check_against_oracle(oracle, ids: list[int], out: dict) -> None:
+    tokens = out["output_ids"]
+    assert tokens == oracle.greedy(ids, len(tokens))
+    got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    want = oracle.token_logprobs(ids + tokens, start=len(ids)).tolist()
+    assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < LOGPROB_TOL
+
+
+def test_tp2_serves_one_rank_tokens_with_a_chunked_prefill_and_a_prefix_hit(engine, oracles):
+    oracle = oracles[MODEL]
+    params = {"max_new_tokens": 8, "temperature": 0}
+    long_ids = [(7 * i + 3) % 400 + 5 for i in range(150)]  # > 64: three chunks
+    first = engine.generate(input_ids=long_ids, sampling_params=params, return_logprob=True)
+    _check_against_oracle(oracle, long_ids, first)
+    longer = long_ids + first["output_ids"] + [11, 12, 13]
+    second = engine.generate(input_ids=longer, sampling_params=params, return_logprob=True)
+    assert second["meta_info"]["cached_tokens"] >= 128, second["meta_info"]
+    _check_against_oracle(oracle, longer, second)
+    batch = engine.generate(
+        input_ids=[[5, 6, 7, 8] * 5, [9, 10, 11] * 9], sampling_params=params, return_logprob=True
+    )
+    for ids, out in zip([[5, 6, 7, 8] * 5, [9, 10, 11] * 9], batch, strict=True):
+        _check_against_oracle(oracle, ids, out)
+
+
+def test_server_info_lists_each_rank_memory(engine):
+    info = engine.get_server_info()
+    assert info["tp_size"] == 2
+    ranks = info["internal_states"][0]["memory_bytes_by_rank"]
+    assert len(ranks) == 2
+    for mem in ranks:
+        assert mem["weights"] > 0 and mem["kv_pool"] > 0 and mem["state_pool"] > 0
+    assert engine.flush_cache().success
