@@ -346,9 +346,8 @@ def test_swapped_fp8_linears_load_the_checkpoint_as_cuda_would():
         report = swap_fp8_linears(model, Fp8Config.from_quantization_config(cfg.quantization_config),
                                   model.fp8_dense_modules)  # fmt: skip
     assert "model.layers.3.self_attn.o_proj" in report.swapped
-    assert {"lm_head", "model.layers.0.mlp.gate", "model.layers.0.linear_attn.in_proj_qkvz"} <= set(
-        report.kept
-    )
+    assert {"model.layers.0.mlp.gate", "model.layers.0.linear_attn.in_proj_qkvz"} <= set(report.kept)
+    assert type(model.lm_head).__name__ == "ParallelLMHead"  # (not a linear: never FP8)
     from sglang.srt.models.loader import iter_checkpoint
     from sglang.srt.models.registry import materialize
 

@@ -18,6 +18,7 @@ from sglang.srt.configs.mamba_utils import (
     Mamba2StateShape,
     resolve_state_dtypes,
 )
+from sglang.srt.distributed import get_tensor_model_parallel_world_size
 from sglang.srt.layers.quantization import quant_config_of
 
 _REGISTRY: dict[str, type[HybridArchConfig]] = {}
@@ -118,6 +119,12 @@ class HybridArchConfig(ABC):
         return self.hf_config.num_key_value_heads
 
     @property
+    def kv_heads_per_rank(self) -> int:
+        """Key/value heads one TP rank's KV pool holds: its share, or one (replicated) where the TP size
+        exceeds their count (`parallel_attention_heads`)."""
+        return parallel_attention_heads(self.num_attention_heads, self.num_key_value_heads)[1]
+
+    @property
     def head_dim(self) -> int:
         cfg = self.hf_config
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -131,8 +138,8 @@ class HybridArchConfig(ABC):
         return self.hf_config.max_position_embeddings
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
-        """Bytes of K and V of one token over all full-attention layers."""
-        per_layer = 2 * self.num_key_value_heads * self.head_dim * kv_dtype.itemsize
+        """Bytes of K and V of one token over all full-attention layers (on one TP rank)."""
+        per_layer = 2 * self.kv_heads_per_rank * self.head_dim * kv_dtype.itemsize
         return per_layer * len(self.full_attention_layer_ids)
 
     def mamba2_cache_params(
@@ -148,6 +155,20 @@ class HybridArchConfig(ABC):
         self, model_dtype: torch.dtype = torch.float32, ssm_dtype_flag: str | None = None
     ) -> int:
         return self.mamba2_cache_params(model_dtype, ssm_dtype_flag).mamba_cache_per_req
+
+
+def parallel_attention_heads(num_heads: int, num_kv_heads: int, tp: int | None = None) -> tuple[int, int]:
+    """(query heads, key/value heads) of one rank at TP size `tp` (default: this process's group): the
+    query heads split; the key/value heads split where there are at least `tp`, else each is held by
+    tp / num_kv_heads ranks. ValueError naming --tp-size where neither divides."""
+    tp = get_tensor_model_parallel_world_size() if tp is None else tp
+    if num_heads % tp:
+        raise ValueError(f"--tp-size {tp} does not divide the model's {num_heads} attention heads.")
+    if num_kv_heads % tp if num_kv_heads >= tp else tp % num_kv_heads:
+        raise ValueError(
+            f"--tp-size {tp} and the model's {num_kv_heads} key/value heads: neither divides the other."
+        )
+    return num_heads // tp, max(1, num_kv_heads // tp)
 
 
 def _field(first: Any, second: Any, name: str) -> Any:

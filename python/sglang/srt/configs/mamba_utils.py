@@ -6,6 +6,12 @@ Pool layout (per linear layer, per slot):
 For Mamba2 `head_dim` is the head's channel count and `state_size` is N. For Gated DeltaNet the
 upstream convention is used: heads = value heads, head_dim = value head dim, state = key head dim,
 so one head's state S maps a key to a value (v ~ S k).
+
+Under tensor parallelism each rank's pool holds its own heads only: `create` divides the heads and the
+conv channels by the TP size (the conv state is q | k | v, or x | B | C, each sub-block split on its own,
+so its per-rank size is the sum of the sub-blocks' parts). Groups (Gated DeltaNet's key heads, Mamba2's
+B / C groups) split where the TP size divides their count, else every rank holds them all (upstream pads
+Mamba2 groups up to the TP size instead; replicating holds the same values without the padding).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang.srt.distributed import get_tensor_model_parallel_world_size
 from sglang.srt.environ import envs
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -47,11 +54,20 @@ class Mamba2StateShape:
         head_dim: int,
         state_size: int,
         conv_kernel: int,
+        tp_world_size: int | None = None,
     ) -> Mamba2StateShape:
-        conv_dim = intermediate_size + 2 * n_groups * state_size
+        """One rank's shapes at `tp_world_size` (default: this process's TP group's size)."""
+        tp = get_tensor_model_parallel_world_size() if tp_world_size is None else tp_world_size
+        if num_heads % tp or intermediate_size % tp:
+            raise ValueError(
+                f"The linear layers' {num_heads} heads ({intermediate_size} channels) do not split over "
+                f"--tp-size {tp}."
+            )
+        groups = n_groups // tp if n_groups % tp == 0 else n_groups
+        conv_dim = intermediate_size // tp + 2 * groups * state_size
         return cls(
             conv=(conv_dim, conv_kernel - 1),
-            temporal=(num_heads, head_dim, state_size),
+            temporal=(num_heads // tp, head_dim, state_size),
             conv_kernel=conv_kernel,
         )
 

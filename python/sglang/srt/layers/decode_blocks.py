@@ -12,7 +12,8 @@ Each block is built after the weights are loaded, only where every part of it ru
 kernel, the layer's shared expert fused into the experts' op); per batch it returns None where a part
 would not (an extend for the mixers and attention, more tokens than the MoE op's limits, a float8 KV
 pool, another attention backend), and the model then calls its modules as before.
-`SGLANG_CPU_DECODE_BLOCKS=0` turns the blocks off.
+`SGLANG_CPU_DECODE_BLOCKS=0` turns the blocks off; under tensor parallelism they are off (a block's
+output needs the TP all-reduce before its residual add).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from sglang.srt.distributed import get_tensor_model_parallel_world_size
 from sglang.srt.environ import envs
 from sglang.srt.layers.activation import get_act_fn
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -54,6 +56,8 @@ def _blocks_on(*parts: nn.Module | None) -> bool:
     present = [p for p in parts if p is not None]
     if any(p.cpu_ops is None or getattr(p, "triton", False) for p in present):
         return False
+    if get_tensor_model_parallel_world_size() > 1:
+        return False  # a block adds its residual in C++, where a rank's partial sum is not yet reduced
     return envs.SGLANG_CPU_DECODE_BLOCKS.get()
 
 

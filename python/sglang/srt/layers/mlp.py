@@ -1,5 +1,8 @@
 """Dense MLPs: gated (`down(act(gate(x)) * up(x))`, Qwen3-Next) and plain (`down(act(up(x)))`,
-Nemotron-H with relu2). Parameter names follow the HF checkpoints."""
+Nemotron-H with relu2). Parameter names follow the HF checkpoints.
+
+Tensor parallel: gate / up column-parallel, down row-parallel (one all-reduce, or none with
+`reduce_results=False`: a MoE's shared expert, summed with the routed experts' part once)."""
 
 from __future__ import annotations
 
@@ -7,14 +10,25 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.activation import get_act_fn
+from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str = "silu",
+        bias: bool = False,
+        reduce_results: bool = True,
+    ):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        what = "the MLP's intermediate size"
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, what=what)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, what=what)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, reduce_results=reduce_results, what=what
+        )
         self.act = get_act_fn(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -22,10 +36,20 @@ class GatedMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "relu2", bias: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str = "relu2",
+        bias: bool = False,
+        reduce_results: bool = True,
+    ):
         super().__init__()
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        what = "the MLP's intermediate size"
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, what=what)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, reduce_results=reduce_results, what=what
+        )
         self.act = get_act_fn(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

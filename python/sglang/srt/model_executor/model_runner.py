@@ -32,6 +32,7 @@ from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
 from sglang.srt.layers.attention.mamba.short_conv_backend import ShortConvAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.linear import gather_weight
 from sglang.srt.layers.logits_processor import HiddenRows, LogitsProcessor, TopLogprobs
 from sglang.srt.layers.quantization.fp8 import FP8_DTYPE
 from sglang.srt.layers.radix_attention import RadixAttention
@@ -210,7 +211,7 @@ class ModelRunner:
             size=sizes.max_total_tokens,
             page_size=args.page_size,
             dtype=self.kv_cache_dtype,
-            head_num=self.arch.num_key_value_heads,
+            head_num=self.arch.kv_heads_per_rank,
             head_dim=self.arch.head_dim,
             # EAGLE / NEXTN: the MTP layer's attention too, in the same slots (`speculative/mtp_draft.py`).
             layer_ids=[*self.arch.full_attention_layer_ids, *draft_kv_layer_ids(args)],
@@ -310,7 +311,8 @@ class ModelRunner:
             raise ValueError(f"The model has no parameter {name!r}{hint}.")
         if "weights" in self.memory_occupation.released:
             raise ValueError("The weights' memory is released (/resume_memory_occupation first).")
-        rows = params[name].detach()[:truncate_size]
+        # Under tensor parallelism the whole tensor, gathered from every rank (each rank runs this call).
+        rows = gather_weight(params[name], params[name].detach())[:truncate_size]
         if rows.numel() > MAX_WEIGHT_VALUES:
             raise ValueError(
                 f"{truncate_size} rows of {name} are {rows.numel()} values; at most {MAX_WEIGHT_VALUES} per "

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.attention.kv_scales import KVScaleLoader
+from sglang.srt.layers.linear import DimShard
 from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8Weight, fp8_checkpoint_stream
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 from sglang.srt.models.loader import WeightLoader
 
 
@@ -33,7 +35,7 @@ class HybridCausalLM(nn.Module):
         super().__init__()
         self.config = config
         setattr(self, self.backbone_attr, backbone)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = embedding.weight
 
@@ -57,16 +59,18 @@ class HybridCausalLM(nn.Module):
         Granite's, Falcon-H1's; a tensor scales each output row), or None."""
         return None
 
-    def checkpoint_rows(self, name: str) -> tuple[str, int] | None:
+    def checkpoint_rows(self, name: str) -> tuple[str, int] | tuple[str, int, DimShard] | None:
         """(parameter, first row) where the checkpoint tensor `name` (after `checkpoint_name`) is a block
-        of rows of a parameter that fuses several (a model maps the names it stacks)."""
+        of rows of a parameter that fuses several (a model maps the names it stacks); under tensor
+        parallelism also the block's split (this rank's rows of it go to the first row of this rank's
+        parameter named)."""
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], update: bool = False) -> list[str]:
         """Load checkpoint-named tensors: all of them, or with `update` any subset into the serving model
         (`WeightLoader`: all or nothing). Returns the names of tensors no parameter took (with `update`,
         also those it skips: multi-token prediction heads, a tied LM head)."""
-        loader = WeightLoader(self, update=update)
+        loader = WeightLoader(self, update=update, form=self.served_form)
         kv_scales = KVScaleLoader(self)  # float8 KV cache scales go to their attention layers
         skipped = []  # (an update's names the model does not serve, told to its client)
         if self.quant_config is not None:
@@ -90,17 +94,17 @@ class HybridCausalLM(nn.Module):
                     piece = _fold(piece, scale)
                 rows = self.checkpoint_rows(target)
                 if rows is None:
-                    loader.load(target, self.served_form(target, piece))
+                    loader.load(target, piece)
                 else:
-                    loader.load_rows(rows[0], rows[1], target, piece)
+                    loader.load_rows(*rows[:2], target, piece, *rows[2:])
         loader.finish()
         kv_scales.apply()
         return loader.unused + skipped if update else loader.unused
 
     def served_form(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The checkpoint's `tensor` for parameter `name` as the serving model holds it: the same, unless
-        `process_weights_after_loading` changed the parameter's layout (then a weight update's tensor
-        must change alike)."""
+        """The checkpoint's (whole) `tensor` for parameter `name` in the layout the serving model holds
+        it in: the same, unless `process_weights_after_loading` changed the parameter's layout (then a
+        weight update's tensor must change alike). The loader then takes this rank's part of it."""
         return tensor
 
 

@@ -7,6 +7,12 @@ one `Fp8Weight`, copied as it is; a dense one quantized); a tensor the model sta
 projections) goes into its block of rows (`load_rows`); every other tensor must match a parameter by
 name and shape. A parameter the checkpoint does not provide, wholly, is an error (a silently random
 weight would serve garbage).
+
+Tensor parallelism: every tensor arrives whole (as the checkpoint, or a weight update, has it) and is
+checked against the checkpoint's shape (`linear.full_shape`); a sharded parameter then takes this rank's
+part (`linear.shard_weight`, by the rule it carries) after the model's `served_form`. Experts take
+their rank's experts and their intermediate block (`RoutedExperts.expert_weight_rows`); row blocks of a
+fused parameter take the part `checkpoint_rows` names.
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from sglang.srt.layers.linear import DimShard, full_shape, shard_tensor, shard_weight
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.quantization.fp8 import SCALE_SUFFIX, Fp8BlockLinear, Fp8Weight
 from sglang.srt.layers.quantization.fp8_experts import SCALE_NAME, Fp8ExpertPieces
@@ -60,8 +67,16 @@ class WeightLoader:
     come, and nothing is copied until `finish`: a tensor that does not fit refuses the whole update
     with the weights untouched."""
 
-    def __init__(self, model: nn.Module, update: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        update: bool = False,
+        form: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    ):
+        """`form(name, tensor)`: a checkpoint tensor in the layout parameter `name` is served in (the
+        model's `served_form`), before this rank's part of it is taken."""
         self.update = update
+        self.form = form or (lambda name, tensor: tensor)
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, source), in update mode
         self.params = dict(model.named_parameters())
         self.experts = {name: m for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
@@ -96,7 +111,9 @@ class WeightLoader:
                 for target, source in pieces.copies(expert, shard, piece):
                     self._copy(target, source)
             else:
-                self._copy(self.experts[module].expert_weight_rows(expert, shard, tensor), tensor)
+                target, part = self.experts[module].local_expert_weight(expert, shard, tensor)
+                if target is not None:  # (another expert-parallel rank's expert: not held here)
+                    self._copy(target, part)
             self.expert_pieces[module].add((expert, shard))
             return
         if name in self.fp8_stacked:
@@ -112,10 +129,11 @@ class WeightLoader:
         if param is None:
             self.unused.append(name)
             return
-        if tuple(param.shape) != tuple(tensor.shape):
+        if full_shape(param) != tuple(tensor.shape):
             raise ValueError(
-                f"Checkpoint tensor {name} has shape {tuple(tensor.shape)}; the model expects {tuple(param.shape)}."
+                f"Checkpoint tensor {name} has shape {tuple(tensor.shape)}; the model expects {full_shape(param)}."
             )
+        tensor = shard_weight(param, self.form(name, tensor))
         fp8 = self.fp8.get(name)
         if fp8 is not None:
             weight, scale = fp8.quantized(tensor.to(param.device))
@@ -125,13 +143,22 @@ class WeightLoader:
         self._copy(param.data, tensor)
         self.loaded.add(name)
 
-    def load_rows(self, name: str, start: int, source: str, tensor: torch.Tensor) -> None:
-        """Copy `tensor` (checkpoint name `source`) into rows [start, start + len) of parameter `name`."""
+    def load_rows(
+        self, name: str, start: int, source: str, tensor: torch.Tensor, shard: DimShard | None = None
+    ) -> None:
+        """Copy `tensor` (checkpoint name `source`) into rows [start, start + len) of parameter `name`;
+        with `shard`, this rank's part of it (`start` is then a row of this rank's parameter)."""
         param = self.params.get(name)
         if param is None:
             self.unused.append(source)
             return
         _check_unquantized(source, tensor)
+        if shard is not None:
+            if tensor.shape[0] != shard.full_size:
+                raise ValueError(
+                    f"Checkpoint tensor {source} has {tensor.shape[0]} rows; the model expects {shard.full_size}."
+                )
+            tensor = shard_tensor(tensor, (shard,))
         if name in self.fp8:
             raise ValueError(f"{name} is an FP8 linear; its rows cannot load piece by piece ({source}).")
         stop = start + tensor.shape[0]
@@ -171,7 +198,7 @@ class WeightLoader:
         self._check_row_blocks()
         for name, module in self.experts.items():
             shards = ("gate", "up", "down") if module.gated else ("up", "down")
-            if len(self.expert_pieces[name]) == module.num_experts * len(shards):
+            if len(self.expert_pieces[name]) == module.global_num_experts * len(shards):
                 self.loaded |= {f"{name}.w13", f"{name}.w2"}
                 if module.fp8:
                     self.loaded |= {f"{name}.w13{SCALE_NAME}", f"{name}.w2{SCALE_NAME}"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from sglang.srt.layers.linear import DimShard, column_shard
 from sglang.srt.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextGatedDeltaNet
 
 _SPLIT_PROJECTION = re.compile(
@@ -28,14 +29,16 @@ class Qwen3_5GatedDeltaNet(Qwen3NextGatedDeltaNet):
         super().__init__(config, layer_id)
         self.projections_grouped = True  # loaded piece by piece over all heads: [q | k | v | z], [b | a]
 
-    def piece_rows(self) -> dict[str, tuple[str, int]]:
-        """Checkpoint projection piece -> (fused projection, its first row there)."""
-        qkv_dim = 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+    def piece_rows(self) -> dict[str, tuple[str, int, DimShard]]:
+        """Checkpoint projection piece -> (fused projection, its first row in this rank's, the piece's
+        split: q | k | v each by heads, z / b / a by value heads)."""
+        kd, vd, hv = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim, self.num_v_heads
+        full_kd, full_vd, full_hv = self.qkvz_sizes()[1:3] + self.ba_sizes()[:1]
         return {
-            "qkv": ("in_proj_qkvz", 0),
-            "z": ("in_proj_qkvz", qkv_dim),
-            "b": ("in_proj_ba", 0),
-            "a": ("in_proj_ba", self.num_v_heads),
+            "qkv": ("in_proj_qkvz", 0, column_shard(0, [full_kd, full_kd, full_vd])),
+            "z": ("in_proj_qkvz", 2 * kd + vd, column_shard(0, [full_vd])),
+            "b": ("in_proj_ba", 0, column_shard(0, [full_hv])),
+            "a": ("in_proj_ba", hv, column_shard(0, [full_hv])),
         }
 
 
@@ -44,7 +47,7 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
     gdn_cls = Qwen3_5GatedDeltaNet
 
-    def checkpoint_rows(self, name: str) -> tuple[str, int] | None:
+    def checkpoint_rows(self, name: str) -> tuple[str, int, DimShard] | None:
         match = _SPLIT_PROJECTION.match(name)
         try:
             layer = self.get_submodule(match["layer"]) if match else None
@@ -52,8 +55,8 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
             layer = None
         if layer is None:
             return None
-        fused, start = layer.piece_rows()[match["piece"]]
-        return f"{match['layer']}.{fused}.weight", start
+        fused, start, shard = layer.piece_rows()[match["piece"]]
+        return f"{match['layer']}.{fused}.weight", start, shard
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):

@@ -9,9 +9,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang.srt.configs.hybrid_arch import parallel_attention_heads
+from sglang.srt.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.srt.layers.decode_blocks import AttentionBlock, GdnBlock, MLPBlock, MoEBlock
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
+from sglang.srt.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    column_shard,
+    full_shape,
+    set_weight_shards,
+)
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.moe.router import softmax_topk
@@ -30,32 +40,68 @@ def group_rows_by_piece(weight: torch.Tensor, heads: int, sizes: list[int]) -> t
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
+    """Tensor parallel: each rank holds num_k_heads / tp key heads with their value heads (the key heads
+    must split: --tp-size divides linear_num_key_heads). Its input projections' rows, its conv's channels
+    (q | k | v, each sub-block split on its own, as its conv state) and its A_log / dt_bias are its heads';
+    out_proj is row-parallel; the gated norm is per head. Head counts below are this rank's."""
+
     # The checkpoint stores the input projections per key head (regrouped after loading); Qwen3.5's not.
     checkpoint_per_key_head = True
 
     def __init__(self, config: Any, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
+        tp = get_tensor_model_parallel_world_size()
+        self.total_k_heads = config.linear_num_key_heads
+        if self.total_k_heads % tp:
+            raise ValueError(
+                f"--tp-size {tp} does not divide the model's {self.total_k_heads} linear-attention key heads "
+                "(linear_num_key_heads), which tensor parallelism splits."
+            )
+        self.num_k_heads = self.total_k_heads // tp
+        self.num_v_heads = config.linear_num_value_heads // tp
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
-        key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
-        conv_dim = 2 * key_dim + value_dim
+        key_dim = config.linear_num_key_heads * self.head_k_dim
+        value_dim = config.linear_num_value_heads * self.head_v_dim
         hidden = config.hidden_size
+        conv_shard = column_shard(0, [key_dim, key_dim, value_dim])
+        conv_dim = conv_shard.local_size
         self.conv1d = nn.Conv1d(
             conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False
         )
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * key_dim + 2 * value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        set_weight_shards(self.conv1d.weight, conv_shard)
+        # Split by key heads, in the checkpoint's layout (per key head, or Qwen3.5's by piece).
+        self.in_proj_qkvz = ColumnParallelLinear(
+            hidden, 2 * key_dim + 2 * value_dim, output_sizes=self.qkvz_sizes()
+        )
+        self.in_proj_ba = ColumnParallelLinear(
+            hidden, 2 * config.linear_num_value_heads, output_sizes=self.ba_sizes()
+        )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        for param in (self.dt_bias, self.A_log):
+            set_weight_shards(param, column_shard(0, [config.linear_num_value_heads]))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
-        self.out_proj = nn.Linear(value_dim, hidden, bias=False)
+        self.out_proj = RowParallelLinear(value_dim, hidden)
 
         # The checkpoint lays the projections out per key head; `process_weights_after_loading` regroups them.
         self.projections_grouped = False
         self.cpu_ops = None
+
+    def qkvz_sizes(self, grouped: bool | None = None) -> list[int]:
+        """The pieces of in_proj_qkvz's full rows that split apart: one block (per key head: a rank's
+        key heads are consecutive rows) or [q | k | v | z] over all heads (grouped)."""
+        tp = get_tensor_model_parallel_world_size()
+        hk, hv = self.num_k_heads * tp, self.num_v_heads * tp
+        kd, vd = hk * self.head_k_dim, hv * self.head_v_dim
+        grouped = not self.checkpoint_per_key_head if grouped is None else grouped
+        return [kd, kd, vd, vd] if grouped else [2 * kd + 2 * vd]
+
+    def ba_sizes(self, grouped: bool | None = None) -> list[int]:
+        hv = self.num_v_heads * get_tensor_model_parallel_world_size()
+        grouped = not self.checkpoint_per_key_head if grouped is None else grouped
+        return [hv, hv] if grouped else [2 * hv]
 
     def process_weights_after_loading(self) -> None:
         """Reorder the rows of the input projections from the checkpoint's per-key-head layout, [q | k | v of
@@ -69,15 +115,18 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             return
         for proj, sizes in self.projection_pieces().items():
             proj.weight.data = group_rows_by_piece(proj.weight.data, self.num_k_heads, sizes)
+        # This rank's rows are its heads' in the grouped layout now: so the rule says (gathers, updates).
+        set_weight_shards(self.in_proj_qkvz.weight, column_shard(0, self.qkvz_sizes(grouped=True)))
+        set_weight_shards(self.in_proj_ba.weight, column_shard(0, self.ba_sizes(grouped=True)))
         self.projections_grouped = True
 
     def served_projection(self, proj: nn.Linear, weight: torch.Tensor) -> torch.Tensor:
-        """A checkpoint `weight` of the input projection `proj` in the rows' order it is served in
-        (regrouped, once the projections are: a weight update's)."""
+        """A (whole) checkpoint `weight` of the input projection `proj` in the rows' order it is served in
+        (regrouped over all heads, once the projections are: a weight update's)."""
         served_differently = self.projections_grouped and self.checkpoint_per_key_head
-        if not served_differently or weight.shape != proj.weight.shape:
+        if not served_differently or tuple(weight.shape) != full_shape(proj.weight):
             return weight  # (one of another shape: the loader refuses it, naming it)
-        return group_rows_by_piece(weight, self.num_k_heads, self.projection_pieces()[proj])
+        return group_rows_by_piece(weight, self.total_k_heads, self.projection_pieces()[proj])
 
     def projection_pieces(self) -> dict[nn.Linear, list[int]]:
         """Each input projection with the sizes of its pieces within one key head's rows."""
@@ -106,16 +155,21 @@ class Qwen3NextGatedDeltaNet(nn.Module):
 
 
 class Qwen3NextAttention(nn.Module):
+    """Tensor parallel: query heads split (q_proj column-parallel, o_proj row-parallel); key/value heads
+    split, or replicated where --tp-size exceeds their count. Head counts below are this rank's."""
+
     def __init__(self, config: Any, layer_id: int):
         super().__init__()
         hidden, bias = config.hidden_size, config.attention_bias
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = parallel_attention_heads(heads, kv_heads)
+        self.head_dim = getattr(config, "head_dim", None) or hidden // heads
         d = self.head_dim
-        self.q_proj = nn.Linear(hidden, self.num_heads * d * 2, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
+        kv_parts = min(kv_heads, get_tensor_model_parallel_world_size())
+        self.q_proj = ColumnParallelLinear(hidden, heads * d * 2, bias=bias)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * d, bias=bias, parts=kv_parts)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * d, bias=bias, parts=kv_parts)
+        self.o_proj = RowParallelLinear(heads * d, hidden, bias=bias)
         self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, offset_one=True)
         self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, offset_one=True)
         self.rotary_emb = get_rope(d, _rope_parameters(config))
@@ -139,12 +193,15 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         # Qwen3.5-MoE's config has no such field: its router always renormalises the top k.
         self.norm_topk_prob = getattr(config, "norm_topk_prob", True)
-        self.gate = nn.Linear(hidden, config.num_experts, bias=False)
+        self.gate = ReplicatedLinear(hidden, config.num_experts, bias=False)
         self.experts = RoutedExperts(
             config.num_experts, hidden, config.moe_intermediate_size, config.hidden_act, True
         )
-        self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        # Its part is summed with the experts' by the block's one all-reduce (tensor parallel).
+        self.shared_expert = GatedMLP(
+            hidden, config.shared_expert_intermediate_size, config.hidden_act, reduce_results=False
+        )
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
         self.routing_ops = None  # the C++ top-k where the C++ op serves the experts (set at load)
 
     def process_weights_after_loading(self) -> None:
@@ -163,7 +220,9 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         weights, ids = softmax_topk(
             self.gate(x), self.top_k, self.norm_topk_prob, self.routing_ops, self.experts.triton
         )
-        return self.experts(x, weights, ids, self.shared_expert, self.shared_expert_gate)
+        return tensor_model_parallel_all_reduce(
+            self.experts(x, weights, ids, self.shared_expert, self.shared_expert_gate)
+        )
 
 
 def is_sparse_layer(config: Any, layer_id: int) -> bool:

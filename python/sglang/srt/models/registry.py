@@ -103,6 +103,8 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
                 made[id(param)] = nn.Parameter(
                     torch.empty(param.shape, dtype=dt, device=device), requires_grad=False
                 )
+                if hasattr(param, "tp_shards"):  # this rank's part of the checkpoint's (`linear.py`)
+                    made[id(param)].tp_shards = param.tp_shards
             module._parameters[name] = made[id(param)]
         for name, buf in list(module._buffers.items()):
             if buf is None:

@@ -27,10 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.distributed import (
+    get_moe_expert_parallel_rank,
+    get_moe_expert_parallel_world_size,
+    get_tensor_model_parallel_world_size,
+)
 from sglang.srt.environ import envs
 from sglang.srt.layers.activation import get_act_fn
 from sglang.srt.layers.cpu_ops import cpu_moe_ops
 from sglang.srt.layers.gpu_ops import triton_chosen
+from sglang.srt.layers.linear import DimShard, set_weight_shards, shard_tensor
 from sglang.srt.layers.mlp import GatedMLP
 
 EXPERT_SHARDS = ("gate", "up", "down")
@@ -56,14 +62,43 @@ ALIGN_MAX_ASSIGNMENTS = 4096
 
 
 class RoutedExperts(nn.Module):
+    """Tensor and expert parallelism: the layer's `num_experts` experts are spread over the EP group's
+    ranks (`--ep-size`: each holds num_experts / ep whole experts, `num_experts` here is that count), and
+    each expert's intermediate dimension over the tp / ep ranks that hold the same experts. A rank's
+    output is its part of the sum, which the MoE block all-reduces over the TP group once, with the shared
+    expert's part (also split by its intermediate dimension). Every rank already holds every token (the
+    attention before it is tensor-parallel, not data-parallel), so dispatch is local: assignments to
+    other ranks' experts get weight 0 here (`_local_assignments`), and the block's one all-reduce is the
+    combine; no all-to-all or all-gather runs."""
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, gated: bool):
         super().__init__()
-        self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
+        tp, ep = get_tensor_model_parallel_world_size(), get_moe_expert_parallel_world_size()
+        if num_experts % ep:
+            raise ValueError(f"--ep-size {ep} does not divide the model's {num_experts} experts.")
+        self.global_num_experts = num_experts
+        self.num_experts = num_experts // ep
+        self.expert_offset = get_moe_expert_parallel_rank() * self.num_experts
+        # Experts over the EP group (rank r of the TP group is rank r % ep of its EP group), the
+        # intermediate dimension over the tp / ep ranks holding the same experts.
+        experts = DimShard(0, (num_experts,), ep, tuple(r % ep for r in range(tp)))
+        inter = [intermediate_size] * (2 if gated else 1)
+        moe_tp = tp // ep
+        if intermediate_size % moe_tp:
+            raise ValueError(
+                f"The experts' intermediate size {intermediate_size} does not split over --tp-size {tp} / "
+                f"--ep-size {ep} ranks."
+            )
+        rows, cols = (DimShard(d, tuple(p), moe_tp, tuple(r // ep for r in range(tp))) for d, p in
+                      ((1, inter), (2, inter[:1])))  # fmt: skip
+        self.inter_shard = rows
+        self.intermediate_size = intermediate_size // moe_tp
         self.gated = gated
-        rows = 2 * intermediate_size if gated else intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        rows_local = 2 * self.intermediate_size if gated else self.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, rows_local, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden_size, self.intermediate_size))
+        set_weight_shards(self.w13, experts, rows)
+        set_weight_shards(self.w2, experts, cols)
         self.act = get_act_fn(act)
         self.act_code = CPU_OP_ACTIVATIONS.get(act)
         self.cpu_ops = None  # set by process_weights_after_loading where the C++ op serves this layer
@@ -128,6 +163,28 @@ class RoutedExperts(nn.Module):
         """One expert's `gate_proj` / `up_proj` / `down_proj` weight as HF checkpoints store it."""
         self.expert_weight_rows(expert, shard, weight).copy_(weight)
 
+    def local_expert_weight(
+        self, expert: int, shard: str, weight: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the view of w13 / w2 it loads into, this rank's part of it) for the checkpoint's `weight` of
+        global expert `expert`'s `shard`; (None, weight) for an expert another EP rank holds."""
+        if not 0 <= expert < self.global_num_experts:
+            raise ValueError(f"Expert {expert} does not exist: the layer has {self.global_num_experts}.")
+        local = expert - self.expert_offset
+        if not 0 <= local < self.num_experts:
+            return None, weight
+        if self.inter_shard.parts > 1:
+            dim = 1 if shard == "down" else 0
+            full = self.inter_shard.pieces[0]
+            if weight.dim() != 2 or weight.shape[dim] != full:
+                raise ValueError(
+                    f"Expert {expert} {shard}_proj has shape {tuple(weight.shape)}; its intermediate "
+                    f"dimension should be {full}."
+                )
+            single = DimShard(dim, (full,), self.inter_shard.parts, self.inter_shard.part_of_rank)
+            weight = shard_tensor(weight, (single,))
+        return self.expert_weight_rows(local, shard, weight), weight
+
     def expert_weight_rows(self, expert: int, shard: str, weight: torch.Tensor) -> torch.Tensor:
         """The view of w13 / w2 that one expert's checkpoint `weight` of `shard` loads into; ValueError
         where `weight` does not fit it."""
@@ -160,7 +217,10 @@ class RoutedExperts(nn.Module):
         shared_gate: nn.Linear | None = None,
     ) -> torch.Tensor:
         """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32, plus the
-        layer's `shared_expert(x)` where given (times sigmoid(`shared_gate`(x)) where given)."""
+        layer's `shared_expert(x)` where given (times sigmoid(`shared_gate`(x)) where given). `ids` are
+        global expert ids; under tensor / expert parallelism the result is this rank's part of the sum."""
+        if self.num_experts != self.global_num_experts:
+            weights, ids = self._local_assignments(weights, ids)
         if self.fp8:
             return self._add_shared(self._routed_fp8(x, weights, ids), x, shared_expert, shared_gate)
         if self.cpu_op_serves(ids.numel()):
@@ -172,6 +232,16 @@ class RoutedExperts(nn.Module):
             out = out.to(x.dtype)
             return out if fused else self._add_shared(out, x, shared_expert, shared_gate)
         return self._add_shared(self._routed(x, weights, ids), x, shared_expert, shared_gate)
+
+    def _local_assignments(
+        self, weights: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Assignments to this rank's experts as local ids; the others weigh 0 (on a local id, so every
+        path runs unchanged and no shape depends on the routing: what a CUDA graph needs). The masked
+        assignments still cost their GEMM rows (each rank runs T x k rows of its own experts)."""
+        local = ids - self.expert_offset
+        mine = (local >= 0) & (local < self.num_experts)
+        return weights * mine, torch.where(mine, local, local.remainder(self.num_experts))
 
     @property
     def fp8(self) -> bool:

@@ -7,7 +7,8 @@ at run time ("dynamic"); there is no activation scale in the checkpoint.
 Partial blocks (upstream's rule): a dimension that does not divide by the block has ceil(n / block)
 scales, the last one covering the remaining n % block rows or columns. Upstream refuses a
 tensor-parallel shard whose size does not divide by the block (its kernels index scales by whole
-blocks); an unsharded tensor of any size is fine, as here (no tensor parallelism yet).
+blocks); so does this server (`shard_fp8_like`: a rank's part of every piece must be whole blocks; the
+weight and its scales then split together). An unsharded tensor of any size is fine.
 
 Where the weights are computed with:
 - CPU: every FP8 tensor is dequantized as it loads, into the model's own parameters in the serving
@@ -30,12 +31,15 @@ import logging
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sglang.srt.distributed import tensor_model_parallel_all_reduce
+from sglang.srt.layers.linear import set_weight_shards, weight_shards
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +288,8 @@ class Fp8BlockLinear(nn.Module):
         self.weight_scale_inv = nn.Parameter(torch.ones(scales, dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._kernel = None  # fp8_kernel.w8a8_block_fp8_matmul, looked up at load
+        # Tensor parallel, where it replaces a row-parallel linear: the partial products' all-reduce.
+        self.reduce_results = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, block: tuple[int, int] = DEFAULT_BLOCK) -> Fp8BlockLinear:
@@ -319,11 +325,36 @@ class Fp8BlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None and x.is_cuda:
             out = self._kernel(x, self.weight, self.weight_scale_inv, list(self.block), x.dtype)
-            return out if self.bias is None else out + self.bias
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        else:
+            out = F.linear(x, self.dequantized_weight(x.dtype))
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out)
+        return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={list(self.block)}"
+
+
+def shard_fp8_like(fp8: Fp8BlockLinear, linear: nn.Linear, name: str) -> None:
+    """Give `fp8` the tensor-parallel split of the `linear` it replaces: its weight's, and its scales'
+    the same in blocks, which needs every rank's part of every piece to be whole blocks (a scale covers
+    one block of one rank). ValueError naming --tp-size where a part is not."""
+    shards = weight_shards(linear.weight)
+    if not shards:
+        return
+    scale_shards = []
+    for s in shards:
+        block = fp8.block[s.dim]
+        sizes = [*s.pieces[:-1], s.pieces[-1] + s.pad]
+        if any(size // s.parts % block for size in sizes):
+            raise ValueError(
+                f"{name}: each rank's part of its FP8 weight ({sizes[0] // s.parts} of {sizes[0]}) is not "
+                f"a whole number of {block}-wide scale blocks at --tp-size {len(s.part_of_rank)}."
+            )
+        scale_shards.append(replace(s, pieces=tuple(p // block for p in s.pieces), pad=s.pad // block))
+    set_weight_shards(fp8.weight, *shards)
+    set_weight_shards(fp8.weight_scale_inv, *scale_shards)
+    fp8.reduce_results = bool(getattr(linear, "reduce_results", False)) and any(s.dim == 1 for s in shards)
 
 
 def fp8_block_kernel(device: torch.device):
@@ -363,7 +394,7 @@ def swap_fp8_linears(
     multipliers and split tensors land as anywhere else."""
     report, skip, dense = SwapReport(), set(skip), tuple(dense_modules)
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear:
+        if not isinstance(module, nn.Linear):
             continue
         keep = (
             under_any(name, skip)
@@ -378,6 +409,7 @@ def swap_fp8_linears(
             fp8 = Fp8BlockLinear(
                 module.in_features, module.out_features, module.bias is not None, config.weight_block_size
             )
+        shard_fp8_like(fp8, module, name)
         setattr(model.get_submodule(parent) if parent else model, attr, fp8)
         report.swapped.append(name)
     return report

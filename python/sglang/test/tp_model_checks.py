@@ -1,0 +1,106 @@
+"""The model side of tensor / expert parallelism, run on each rank by `sglang.test.multi_rank.run_ranks`
+(importable by name, as spawn needs). One spawn checks many models: each case builds a `ModelRunner`
+on the rank's part of the model and runs a chunked prefill and greedy decode steps.
+
+`run_cases(rank, world_size, init_method, cases)` -> per case a dict: the request's tokens (prompt,
+sampled) and their logprobs, the MambaPool's conv / SSM shapes, the KV pool's heads, and the full tensors
+`get_weights_by_name` gathers for a few sharded parameters. `run_cases(0, 1, None, cases)` is TP 1, in
+process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang.srt import distributed as ps
+
+# Parameters whose gathered values are compared with TP 1's: split by heads (attention, GDN), by q | k | v
+# sub-blocks (conv), by value heads, row-parallel, the vocabulary, stacked experts.
+GATHERED = (
+    "model.layers.0.linear_attn.in_proj_qkvz.weight",
+    "model.layers.0.linear_attn.in_proj_ba.weight",
+    "model.layers.0.linear_attn.conv1d.weight",
+    "model.layers.0.linear_attn.A_log",
+    "model.layers.0.linear_attn.out_proj.weight",
+    "model.layers.3.self_attn.q_proj.weight",
+    "model.layers.3.self_attn.k_proj.weight",
+    "model.layers.3.self_attn.o_proj.weight",
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    preset: str
+    tp: int
+    ep: int = 1
+    prompt_len: int = 150
+    cuts: tuple[int, ...] = (64,)
+    steps: int = 6
+    server_args: dict[str, Any] = field(default_factory=dict)
+
+
+def _one_case(case: Case) -> dict[str, Any]:
+    from sglang.test.model_checks import decode_steps, make_runner, prefill, random_ids
+    from sglang.test.runner_driver import RunnerDriver
+
+    ps.initialize_model_parallel(case.tp, case.ep)
+    runner = make_runner(case.preset, dtype="float32", **case.server_args)
+    driver = RunnerDriver(runner)
+    req = driver.new_request()
+    prompt = random_ids(case.prompt_len, seed=11)
+    lps = prefill(driver, req, prompt, cuts=case.cuts)
+    lps += decode_steps(driver, [req], case.steps)[0]
+    params = dict(runner.model.named_parameters())
+    gathered = {n: runner.get_weights_by_name(n, 10**6) for n in GATHERED if n in params}
+    pool = runner.mamba_pool
+    return {
+        "ids": list(req.token_ids) + [req.next_token],
+        "prompt_len": len(prompt),
+        "logprobs": lps,
+        "conv": tuple(pool.conv_state.shape),
+        "ssm": tuple(pool.ssm_state.shape),
+        "kv_heads": runner.token_to_kv_pool.k_buffer[0].shape[1],
+        "gathered": gathered,
+    }
+
+
+def run_cases(
+    rank: int, world_size: int, init_method: str | None, cases: list[Case], keep: bool = False
+) -> list[dict[str, Any]]:
+    """Each case's results; `keep`: leave the groups up (the caller destroys them)."""
+    if world_size > 1:
+        ps.init_distributed_environment("gloo", world_size, rank, init_method)
+    try:
+        return [_one_case(c) for c in cases]
+    finally:
+        if not keep:
+            ps.destroy_model_parallel()
+
+
+def fp8_refusal() -> str:
+    """The refusal of the CUDA FP8 layout for a checkpoint whose shards are not whole 128-blocks (the tiny
+    presets' hidden size 64), at this process's TP size; "" if it builds."""
+    from sglang.srt.configs.model_config import load_hf_config
+    from sglang.srt.configs.presets import resolve_model_path
+    from sglang.srt.layers.quantization.fp8 import Fp8Layout
+    from sglang.srt.models.registry import build_meta_model
+
+    try:
+        build_meta_model(
+            load_hf_config(resolve_model_path("tiny-qwen3.5-fp8")), "cpu", Fp8Layout(True, False)
+        )
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def run_session(rank: int, world_size: int, init_method: str, cases: list[Case]) -> dict[str, Any]:
+    """`run_cases`, then `fp8_refusal` at the last case's sizes, in one spawn."""
+    out = {"cases": run_cases(rank, world_size, init_method, cases, keep=True)}
+    try:
+        out["fp8"] = fp8_refusal()
+    finally:
+        ps.destroy_model_parallel()
+    return out
