@@ -115,12 +115,14 @@ class LaunchedProcesses:
         """Why the children cannot serve (one of them has exited), or None while all of them run."""
         if not self.processes:
             return "The scheduler and detokenizer processes have been stopped."
-        for proc in self.processes:
-            if not proc.is_alive():
-                name, code = proc.name.removeprefix("sglang-"), proc.exitcode
-                how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
-                return f"The {name} process has exited ({how})."
-        return None
+        dead = [proc for proc in self.processes if not proc.is_alive()]
+        if not dead:
+            return None
+        # A rank killed by a signal takes the others down with it (their collectives fail): name it.
+        proc = min(dead, key=lambda p: p.exitcode is None or p.exitcode >= 0)
+        name, code = proc.name.removeprefix("sglang-"), proc.exitcode
+        how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
+        return f"The {name} process has exited ({how})."
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the children (terminate, then kill) and remove the IPC files. Idempotent."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
 import threading
 import time
@@ -39,6 +38,11 @@ from sglang.srt.managers.scheduler_components.scheduler_lifecycle import Schedul
 from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import (
     SchedulerUpdateWeightsMixin,
 )
+from sglang.srt.managers.scheduler_components.scheduler_watchdog import (
+    SchedulerWatchdogError,
+    exit_now,
+    watch_inline_forward,
+)
 from sglang.srt.managers.scheduler_components.tp_broadcast import (
     ParallelGroupError,
     ParallelRank,
@@ -62,10 +66,6 @@ __all__ = ["Scheduler", "SchedulerWatchdogError", "run_scheduler_process"]
 
 # How long a step with nothing else to do waits for a grammar being compiled.
 GRAMMAR_POLL_S = 0.002
-
-
-class SchedulerWatchdogError(RuntimeError):
-    """A forward did not finish within --watchdog-timeout: the forward stream is stuck."""
 
 
 class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeightsMixin):
@@ -475,26 +475,11 @@ def run_scheduler_process(
         with host_profile("scheduler"):
             sched.event_loop()
     except (SchedulerWatchdogError, ParallelGroupError) as e:
-        _exit_stuck(str(e), prefix="Watchdog: " if isinstance(e, SchedulerWatchdogError) else "")
+        exit_now(str(e), prefix="Watchdog: " if isinstance(e, SchedulerWatchdogError) else "")
+    except Exception as e:
+        # A model collective that failed: a TP rank is gone (named, if the heartbeats say which).
+        if sched.tp is not None and (gone := sched.tp.gone_message(e)) is not None:
+            exit_now(gone, prefix="")
+        raise
     finally:
         sched.shutdown()
-
-
-def _exit_stuck(message: str, prefix: str = "Watchdog: ") -> None:
-    """The forward stream is stuck, or a TP rank is gone: nothing can be shut down cleanly. Exit non-zero
-    at once; the server sees its scheduler gone and stops."""
-    logger.error("%s%s The scheduler exits.", prefix, message)
-    logging.shutdown()
-    os._exit(1)
-
-
-def watch_inline_forward(sched: Scheduler) -> None:
-    """The watchdog of a forward stream on the scheduler thread (the CPU default): a forward running
-    past --watchdog-timeout ends the process with the batch named, as the wait on a forward thread
-    does. Checks four times per timeout (at most once a second)."""
-    timeout = sched.watchdog_timeout
-    while True:
-        time.sleep(min(timeout / 4, 1.0))
-        running = sched.running_inline
-        if running is not None and time.monotonic() - running[1] > timeout:
-            _exit_stuck(sched.stuck_forward_message(running[0]))

@@ -146,15 +146,19 @@ class TpBroadcast:
         try:
             dist.broadcast_object_list(box, src=0, group=self.group)
         except Exception as e:  # noqa: BLE001 - a peer is gone: find which, then end this rank
-            raise ParallelGroupError(self._gone_message(e)) from None
+            raise ParallelGroupError(self.gone_message(e) or self._sentence("a TP rank", e)) from None
         return box[0]
 
-    def _gone_message(self, error: Exception) -> str:
+    def gone_message(self, error: Exception) -> str | None:
+        """After a collective failed with `error`: the sentence naming the ranks whose heartbeat
+        stopped, or None if every rank still beats (the failure is not a lost rank)."""
         gone = [r for r in self.watch.gone() if r != self.rank.tp_rank]
+        return self._sentence(f"TP rank {', '.join(map(str, gone))}", error) if gone else None
+
+    def _sentence(self, who: str, error: Exception) -> str:
         dp = f" of DP rank {self.rank.dp_rank}" if self.rank.dp_rank is not None else ""
-        who = f"TP rank {', '.join(map(str, gone))}{dp}" if gone else f"a TP rank{dp}"
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return f"{who} stopped answering ({reason}); {self.rank.describe()} ends the server."
+        return f"{who}{dp} stopped answering ({reason}); {self.rank.describe()} ends the server."
 
     def agree(self, value: Any, what: str, hint: str = "") -> None:
         """Every rank must have the same `value` (pool sizes; with the strict idle check, the scheduler's

@@ -1,0 +1,35 @@
+"""The scheduler process's last resorts: a forward that runs past --watchdog-timeout, and a TP rank that is
+gone. Neither leaves anything to shut down cleanly, so the process logs one sentence and exits non-zero at
+once; the server sees its scheduler gone and stops. (Kept out of `scheduler.py`, whose process entry uses
+them.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+logger = logging.getLogger("sglang.srt.managers.scheduler")  # the scheduler's log, as its other parts
+
+
+class SchedulerWatchdogError(RuntimeError):
+    """A forward did not finish within --watchdog-timeout: the forward stream is stuck."""
+
+
+def exit_now(message: str, prefix: str = "Watchdog: ") -> None:
+    logger.error("%s%s The scheduler exits.", prefix, message)
+    logging.shutdown()
+    os._exit(1)
+
+
+def watch_inline_forward(sched: Any) -> None:
+    """The watchdog of a forward stream on the scheduler thread (the CPU default): a forward running
+    past --watchdog-timeout ends the process with the batch named, as the wait on a forward thread
+    does. Checks four times per timeout (at most once a second)."""
+    timeout = sched.watchdog_timeout
+    while True:
+        time.sleep(min(timeout / 4, 1.0))
+        running = sched.running_inline
+        if running is not None and time.monotonic() - running[1] > timeout:
+            exit_now(sched.stuck_forward_message(running[0]))
