@@ -9,6 +9,7 @@ process."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,14 +40,25 @@ class Case:
     cuts: tuple[int, ...] = (64,)
     steps: int = 6
     server_args: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # set while the model loads and runs
 
 
 def _one_case(case: Case) -> dict[str, Any]:
-    from sglang.test.model_checks import decode_steps, make_runner, prefill, random_ids
-    from sglang.test.runner_driver import RunnerDriver
+    from sglang.test.model_checks import make_runner
 
     ps.initialize_model_parallel(case.tp, case.ep)
-    runner = make_runner(case.preset, dtype="float32", **case.server_args)
+    os.environ.update(case.env)
+    try:
+        return _run(case, make_runner(case.preset, dtype="float32", **case.server_args))
+    finally:
+        for key in case.env:
+            os.environ.pop(key, None)
+
+
+def _run(case: Case, runner) -> dict[str, Any]:
+    from sglang.test.model_checks import decode_steps, prefill, random_ids
+    from sglang.test.runner_driver import RunnerDriver
+
     driver = RunnerDriver(runner)
     req = driver.new_request()
     prompt = random_ids(case.prompt_len, seed=11)
@@ -79,18 +91,18 @@ def run_cases(
             ps.destroy_model_parallel()
 
 
-def fp8_refusal() -> str:
-    """The refusal of the CUDA FP8 layout for a checkpoint whose shards are not whole 128-blocks (the tiny
-    presets' hidden size 64), at this process's TP size; "" if it builds."""
+def fp8_refusal(preset: str = "tiny-qwen3.5-fp8", linears: bool = True) -> str:
+    """The refusal of the CUDA FP8 layout (FP8 linears, or with `linears` False FP8 experts) for a
+    checkpoint whose shards are not whole 128-blocks (the tiny presets' hidden size 64, experts' 32), at
+    this process's TP / EP sizes; "" if it builds."""
     from sglang.srt.configs.model_config import load_hf_config
     from sglang.srt.configs.presets import resolve_model_path
     from sglang.srt.layers.quantization.fp8 import Fp8Layout
     from sglang.srt.models.registry import build_meta_model
 
+    config = load_hf_config(resolve_model_path(preset))
     try:
-        build_meta_model(
-            load_hf_config(resolve_model_path("tiny-qwen3.5-fp8")), "cpu", Fp8Layout(True, False)
-        )
+        build_meta_model(config, "cpu", Fp8Layout(linears=linears, experts=not linears))
     except ValueError as e:
         return str(e)
     return ""
@@ -100,7 +112,9 @@ def run_session(rank: int, world_size: int, init_method: str, cases: list[Case])
     """`run_cases`, then `fp8_refusal` at the last case's sizes, in one spawn."""
     out = {"cases": run_cases(rank, world_size, init_method, cases, keep=True)}
     try:
+        ps.initialize_model_parallel(world_size, 1)
         out["fp8"] = fp8_refusal()
+        out["fp8_experts"] = fp8_refusal("tiny-qwen3.5-moe-fp8", linears=False)
     finally:
         ps.destroy_model_parallel()
     return out

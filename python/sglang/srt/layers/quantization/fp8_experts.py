@@ -15,16 +15,30 @@ experts are not gated, Granite's are stored stacked); the tiny presets' I = 32 d
 
 A dense tensor arriving for FP8 experts (`--quantization fp8`, a weight update by checkpoint names) is
 quantized the same way as it loads.
+
+Tensor / expert parallelism: a rank takes its experts' pieces (`--ep-size`) and, where the experts'
+intermediate dimension is split too (tp / ep > 1 ranks per expert), its block of each piece with the
+scales of those blocks: every rank's part must then be whole 128-blocks (I / (tp / ep) a multiple of the
+block), else the model is refused in one sentence naming --tp-size, as upstream refuses it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from sglang.srt.layers.linear import (
+    DimShard,
+    full_shape,
+    set_weight_shards,
+    shard_tensor,
+    shard_weight,
+    weight_shards,
+)
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.quantization.fp8 import (
     FP8_DTYPE,
@@ -56,14 +70,31 @@ def swap_fp8_experts(model: nn.Module, config: Fp8Config, skip: set[str] = froze
 
 def make_fp8_experts(experts: RoutedExperts, block: tuple[int, int]) -> None:
     b0, b1 = block
+    inter = experts.inter_shard
+    if inter.parts > 1 and (experts.intermediate_size % b0 or experts.intermediate_size % b1):
+        raise ValueError(
+            f"Each rank's part of the FP8 experts' intermediate size ({experts.intermediate_size} of "
+            f"{inter.pieces[0]}) is not a whole number of {b0}-wide scale blocks at --tp-size "
+            f"{len(inter.part_of_rank)} (--ep-size {experts.global_num_experts // experts.num_experts}); "
+            "use a --tp-size / --ep-size ratio that leaves whole blocks."
+        )
     for attr in ("w13", "w2"):
         param = getattr(experts, attr)
         num, rows, cols = param.shape
         with torch.device(param.device):
-            weight = torch.empty(param.shape, dtype=FP8_DTYPE)
+            weight = nn.Parameter(torch.empty(param.shape, dtype=FP8_DTYPE), requires_grad=False)
             scale = torch.ones(num, math.ceil(rows / b0), math.ceil(cols / b1), dtype=torch.float32)
-        setattr(experts, attr, nn.Parameter(weight, requires_grad=False))
-        setattr(experts, attr + SCALE_NAME, nn.Parameter(scale, requires_grad=False))
+            scale = nn.Parameter(scale, requires_grad=False)
+        shards = weight_shards(param)
+        set_weight_shards(weight, *shards)
+        # The scales split as the weight, in blocks (whole ones: checked above).
+        blocks = {1: b0, 2: b1}
+        set_weight_shards(
+            scale,
+            *(replace(d, pieces=tuple(p // blocks.get(d.dim, 1) for p in d.pieces)) for d in shards),
+        )
+        setattr(experts, attr, weight)
+        setattr(experts, attr + SCALE_NAME, scale)
     experts.weight_block_size = tuple(block)
 
 
@@ -82,9 +113,18 @@ class Fp8ExpertPieces:
         return Fp8Weight(*quantize_block_fp8(tensor, self.block))
 
     def copies(self, expert: int, shard: str, piece: Fp8Weight) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One expert's checkpoint weight of `shard` (gate, up or down) with its scales."""
+        """One (global) expert's checkpoint weight of `shard` (gate, up or down) with its scales: this
+        rank's part of them, none for another EP rank's expert."""
         ex = self.experts
-        target = ex.expert_weight_rows(expert, shard, piece.weight)
+        target, weight = ex.local_expert_weight(expert, shard, piece.weight)
+        if target is None:
+            return []
+        expert -= ex.expert_offset
+        if weight is not piece.weight:  # the intermediate dimension split: the same blocks' scales
+            inter = ex.inter_shard
+            dim = 1 if shard == "down" else 0
+            blocks = DimShard(dim, (inter.pieces[0] // self.block[dim],), inter.parts, inter.part_of_rank)
+            piece = Fp8Weight(weight, shard_tensor(piece.scale_inv, (blocks,)))
         if shard == "down":
             return self._pair(target, ex.w2_weight_scale_inv.data[expert], piece, shard)
         if not ex.gated:
@@ -103,12 +143,15 @@ class Fp8ExpertPieces:
     def whole(self, attr: str, piece: Fp8Weight) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A stacked checkpoint tensor for all experts' `attr` (w13 or w2) with its scales."""
         param = getattr(self.experts, attr)
-        if tuple(piece.weight.shape) != tuple(param.shape):
+        scale = getattr(self.experts, attr + SCALE_NAME)
+        if tuple(piece.weight.shape) != full_shape(param):
             raise ValueError(
                 f"Checkpoint tensor for {self.name}.{attr} has shape {tuple(piece.weight.shape)}; the model "
-                f"expects {tuple(param.shape)}."
+                f"expects {full_shape(param)}."
             )
-        return self._pair(param.data, getattr(self.experts, attr + SCALE_NAME).data, piece, attr)
+        if tuple(piece.scale_inv.shape) == full_shape(scale):
+            piece = Fp8Weight(shard_weight(param, piece.weight), shard_weight(scale, piece.scale_inv))
+        return self._pair(param.data, scale.data, piece, attr)
 
     def unpaired(self) -> str | None:
         """Why an update cannot be written, where it gave half of a straddling gate / up pair."""
