@@ -10,6 +10,7 @@ from sglang.srt.entrypoints.parallel_layout import plan_schedulers
 from sglang.srt.managers.data_parallel_controller import LoadBalancer, ReplicaLoad, merge_replies
 from sglang.srt.managers.io_struct import FlushCacheReqOutput, GetInternalStateReqOutput, PortArgs
 from sglang.srt.server_args import ServerArgs, ServerArgsError, prepare_server_args
+from sglang.srt.utils.process import available_cores
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
@@ -85,6 +86,8 @@ def test_node_one_of_two_runs_the_second_half_of_the_ranks():
     assert {s.rank.init_method for s in specs} == {"tcp://[::1]:6000"}
     assert [s.name for s in specs] == ["scheduler (TP rank 2)", "scheduler (TP rank 3)"]
     assert all(s.rank.backend == "gloo" and s.rank.timeout_s == 300 for s in specs)
+    # The node's two ranks share its cores, one core left to the tokenizer and detokenizer.
+    assert {s.rank.torch_threads for s in specs} == {max(1, (available_cores() - 1) // 2)}
 
 
 def test_data_parallel_replicas_each_form_their_own_group_behind_the_controller():

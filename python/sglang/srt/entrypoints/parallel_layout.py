@@ -19,6 +19,7 @@ from typing import Any
 from sglang.srt.managers.io_struct import PortArgs
 from sglang.srt.managers.scheduler_components.tp_broadcast import DEFAULT_DIST_TIMEOUT_S, ParallelRank
 from sglang.srt.server_args_parallel import split_init_addr
+from sglang.srt.utils.process import available_cores
 
 
 @dataclass
@@ -58,6 +59,8 @@ def plan_schedulers(
         ]
     per_node = server_args.tp_size_per_node
     first = server_args.node_rank * per_node
+    # On CPU the node's ranks share its cores (one left to the tokenizer and detokenizer, as with one rank).
+    threads = max(1, (available_cores() - 1) // (per_node * dp)) if server_args.device == "cpu" else None
     specs = []
     for d in range(dp):
         init_method = _init_method(server_args.dist_init_addr, d) if tp > 1 else ""
@@ -71,6 +74,7 @@ def plan_schedulers(
                 backend="nccl" if server_args.device == "cuda" else "gloo",
                 timeout_s=server_args.dist_timeout or DEFAULT_DIST_TIMEOUT_S,
                 gpu_id=d * per_node + local,
+                torch_threads=threads,
             )
             specs.append(SchedulerSpec(f"scheduler ({rank.describe()})", rank, replica_ports[d]))
     return specs, controller

@@ -437,6 +437,8 @@ def run_scheduler_process(
     from sglang.srt.utils.process import configure_subprocess
 
     configure_subprocess(server_args, "scheduler" if rank is None else f"scheduler {rank.describe()}")
+    if rank is not None:
+        rank.share_cores()
     try:
         tp = join_parallel_group(rank) if rank is not None and rank.tp_size > 1 else None
         sched = Scheduler(server_args)

@@ -47,10 +47,18 @@ class ParallelRank:
     backend: str
     timeout_s: int
     gpu_id: int = 0
+    # CPU: this rank's share of the cores (the node's ranks split them); None on a GPU.
+    torch_threads: int | None = None
 
     @property
     def is_first(self) -> bool:
         return self.tp_rank == 0
+
+    def share_cores(self) -> None:
+        if self.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
 
     def describe(self) -> str:
         dp = f"DP rank {self.dp_rank}, " if self.dp_rank is not None else ""
