@@ -41,18 +41,18 @@ CONFIGS = {
 }
 
 
-def _server_args(tmp_path: Path, model: str, device_memory: int) -> ServerArgs:
+def _server_args(tmp_path: Path, model: str, device_memory: int, **flags) -> ServerArgs:
     """ServerArgs for `model` on CUDA as the server makes them on a GPU of `device_memory` bytes (its
     defaults by the GPU's memory), on this machine without one."""
     folder = tmp_path / model
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(CONFIGS[model]))
     with (
         mock.patch.object(torch.cuda, "is_available", return_value=True),
         mock.patch("sglang.srt.server_args.gpu_memory_mib", return_value=device_memory // 2**20),
     ):
         return ServerArgs(
-            model_path=str(folder), tokenizer_path=resolve_model_path("tiny-qwen3-next"), device="cuda"
+            model_path=str(folder), tokenizer_path=resolve_model_path("tiny-qwen3-next"), device="cuda", **flags
         )
 
 
@@ -79,6 +79,27 @@ def test_the_bf16_80b_is_refused_before_loading(tmp_path, device_memory):
     assert "--tp-size" in sentence and "FP8" in sentence and sentence.count(". ") == 0
     weights = weight_bytes_from_config(args.model_config.hf_config, torch.bfloat16).total
     assert 155e9 < weights < 165e9  # ~80B parameters at 2 bytes
+
+
+def test_the_bf16_80b_plans_one_rank_at_tp_2_4_8(tmp_path):
+    """Tensor parallel, each number is one rank's: the bf16 80B's weights split but for the few replicated
+    parts (norms, the MoE routers and shared-expert gates, attention key/value heads beyond their 2), the
+    state per slot by tp (16 key / 32 value heads split), the KV per token by min(tp, 2) (2 KV heads, then
+    replicated). Refused on one H100, it fits from TP 4 (~40 GB a rank)."""
+    one = plan_memory(_server_args(tmp_path, "Qwen3-Next-80B-A3B-Instruct", H200, tp_size=1), 10**13)
+    for tp in (2, 4, 8):
+        args = _server_args(tmp_path, "Qwen3-Next-80B-A3B-Instruct", H100, tp_size=tp)
+        if tp == 2:
+            with pytest.raises(ServerArgsError, match="one rank's part at --tp-size 2"):
+                plan_memory(args, H100)
+            continue
+        plan = plan_memory(args, H100)
+        print(f"Qwen3-Next-80B-A3B-Instruct, one rank of --tp-size {tp} on an H100:", plan.describe())
+        # On every rank whole: the 48 routers (512 x 2048 bf16, 0.1 GB), the replicated KV heads and norms.
+        assert one.weight_bytes / tp < plan.weight_bytes < one.weight_bytes / tp + 0.2e9
+        assert plan.sizes.mamba_bytes_per_slot * tp == one.sizes.mamba_bytes_per_slot
+        assert plan.sizes.kv_bytes_per_token * min(tp, 2) == one.sizes.kv_bytes_per_token
+        assert plan.cache_bytes >= 20e9
 
 
 def test_the_fp8_80b_is_refused_on_one_h100(tmp_path):

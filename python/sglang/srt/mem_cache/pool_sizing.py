@@ -11,6 +11,10 @@ little, and tests start many engines).
 Weights larger than the fraction of the device are refused before they load (`check_weights_fit`, from
 the config's bytes: `weight_bytes.py`), and `plan_memory` gives the whole plan for a device of a given
 size without the device or the weights (docs/state_management.md, "Memory planning").
+
+Tensor parallelism: every number is one rank's, on its own device: its weights, its KV heads (replicated
+where --tp-size exceeds the model's key/value heads) and its share of the recurrent heads per slot. Every
+rank sizes alike (a rank's weights differ from another's by the vocabulary's padding at most).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang.srt.configs.hybrid_arch import HybridArchConfig
-from sglang.srt.mem_cache.weight_bytes import weight_bytes_from_config
+from sglang.srt.mem_cache.weight_bytes import planned_parallel, weight_bytes_from_config
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 
 logger = logging.getLogger(__name__)
@@ -83,10 +87,14 @@ def check_weights_fit(server_args: ServerArgs, weight_bytes: int, device_memory:
         raise ServerArgsError(
             f"The weights of {server_args.model_path} take {weight_bytes / 1e9:.1f} GB, more than the "
             f"{budget / 1e9:.1f} GB that --mem-fraction-static {fraction} of this device's "
-            f"{device_memory / 1e9:.1f} GB holds for weights and caches: serve its FP8 checkpoint (or "
-            "--quantization fp8), or split it over GPUs with --tp-size (tensor parallelism is not built "
-            "here yet)."
+            f"{device_memory / 1e9:.1f} GB holds for weights and caches{_per_rank(server_args)}: serve "
+            "its FP8 checkpoint (or --quantization fp8), or split it over more GPUs with --tp-size."
         )
+
+
+def _per_rank(server_args: ServerArgs) -> str:
+    tp = server_args.tp_size
+    return f" (one rank's part at --tp-size {tp})" if tp > 1 else ""
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,7 @@ class MemoryPlan:
     mem_fraction_static: float
     weight_bytes: int
     sizes: PoolSizes
+    tp_size: int = 1  # every number is one rank's, on its own device
 
     @property
     def cache_bytes(self) -> int:
@@ -110,6 +119,7 @@ class MemoryPlan:
             f"({s.max_total_tokens} tokens), state pool {s.mamba_pool_bytes / 1e9:.1f} GB "
             f"({s.max_mamba_cache_size} slots) of {self.device_memory / 1e9:.1f} GB at "
             f"--mem-fraction-static {self.mem_fraction_static}"
+            + (f", per rank at --tp-size {self.tp_size}" if self.tp_size > 1 else "")
         )
 
 
@@ -117,14 +127,18 @@ def plan_memory(server_args: ServerArgs, device_memory: int, weight_bytes: int |
     """The memory plan for `server_args`' model on a device of `device_memory` bytes, from the config
     alone (`weight_bytes_from_config` unless given): ServerArgsError where the weights do not fit."""
     config = server_args.model_config
-    if weight_bytes is None:
-        weight_bytes = weight_bytes_from_config(
-            config.hf_config, config.torch_dtype, server_args.device
-        ).total
-    check_weights_fit(server_args, weight_bytes, device_memory)
-    _, fraction = cache_budget_bytes(server_args.device, server_args.mem_fraction_static, 0, device_memory)
-    sizes = compute_pool_sizes(server_args, config.arch, weight_bytes, device_memory)
-    return MemoryPlan(device_memory, fraction, weight_bytes, sizes)
+    tp, ep = server_args.tp_size, server_args.ep_size
+    with planned_parallel(tp, ep):  # one rank's weights and pools (module docstring)
+        if weight_bytes is None:
+            weight_bytes = weight_bytes_from_config(
+                config.hf_config, config.torch_dtype, server_args.device
+            ).total
+        check_weights_fit(server_args, weight_bytes, device_memory)
+        _, fraction = cache_budget_bytes(
+            server_args.device, server_args.mem_fraction_static, 0, device_memory
+        )
+        sizes = compute_pool_sizes(server_args, config.arch, weight_bytes, device_memory)
+    return MemoryPlan(device_memory, fraction, weight_bytes, sizes, tp)
 
 
 def compute_pool_sizes(

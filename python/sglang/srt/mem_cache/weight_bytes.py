@@ -10,15 +10,23 @@ block has its own), the serving dtype for what stays dense (the modules the chec
 unquantized, what the published FP8 checkpoints never quantize, a model's `fp8_dense_modules`, and on
 CPU the dequantized linears), float32 for the model's `fp32_param_suffixes`. So the count is the bytes
 of the tensors the loaded model holds.
+
+Tensor / expert parallelism: the count is one rank's (TP rank 0's, which holds at least every other's:
+only the vocabulary's padding differs). Inside a rank its groups say the sizes; a process that joined no
+group plans for `tp_size` / `ep_size` under `planned_parallel`, which makes the layers see rank 0 of
+groups of those sizes while nothing but shapes is computed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from sglang.srt.distributed import parallel_state
 from sglang.srt.layers.quantization.fp8 import FP8_DTYPE, SCALE_SUFFIX
 from sglang.srt.models.registry import build_meta_model, served_dtype
 
@@ -30,9 +38,30 @@ class WeightBytes:
     dense_params: int  # weights held in the serving dtype (or float32)
 
 
-def weight_bytes_from_config(hf_config: Any, dtype: torch.dtype, device: str = "cuda") -> WeightBytes:
-    """What the weights of the model `hf_config` describes take on `device` (module docstring)."""
-    model = build_meta_model(hf_config, device)
+@contextmanager
+def planned_parallel(tp_size: int = 1, ep_size: int = 1) -> Iterator[None]:
+    """Shapes as TP rank 0 of `tp_size` ranks (EP `ep_size`) sees them, in a process that joined no group
+    (the planner's; inside a rank, and at one rank, the real groups answer). No collective may run:
+    the stand-in groups have no process group behind them."""
+    if (tp_size == 1 and ep_size == 1) or parallel_state.model_parallel_is_initialized():
+        yield
+        return
+    single = parallel_state.GroupCoordinator(ranks=[0], rank_in_group=0)
+    parallel_state._TP = parallel_state.GroupCoordinator(list(range(tp_size)), 0)
+    parallel_state._EP = parallel_state.GroupCoordinator(list(range(ep_size)), 0) if ep_size > 1 else single
+    try:
+        yield
+    finally:
+        parallel_state._TP = parallel_state._EP = None
+
+
+def weight_bytes_from_config(
+    hf_config: Any, dtype: torch.dtype, device: str = "cuda", tp_size: int = 1, ep_size: int = 1
+) -> WeightBytes:
+    """What the weights of the model `hf_config` describes take on `device`, on one rank of `tp_size`
+    (`ep_size`) where the process joined no group (module docstring)."""
+    with planned_parallel(tp_size, ep_size):
+        model = build_meta_model(hf_config, device)
     total = fp8 = dense = 0
     for name, param in model.named_parameters():
         total += param.numel() * served_dtype(model, name, param, dtype).itemsize

@@ -26,6 +26,7 @@ from sglang.srt.configs.model_config import load_hf_config
 from sglang.srt.configs.presets import resolve_model_path
 from sglang.srt.constrained.vocab_mask import apply_vocab_mask
 from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool, default_decode_extra_slots
+from sglang.srt.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from sglang.srt.layers.attention.fla_float32 import use_ieee_float32_dots
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
@@ -74,6 +75,12 @@ def _pool_shape(arch, runner: ModelRunner) -> tuple:
         arch.mamba2_cache_params(runner.dtype, args.mamba_ssm_dtype),
         arch.num_key_value_heads, arch.head_dim, arch.vocab_size,
     )  # fmt: skip
+
+
+def _rank_note() -> str:
+    """Which tensor-parallel rank's numbers the start log gives (each rank holds its own part)."""
+    tp = get_tensor_model_parallel_world_size()
+    return f" on TP rank {get_tensor_model_parallel_rank()} of {tp}" if tp > 1 else ""
 
 
 LINEAR_BACKENDS = {"gdn": GDNAttnBackend, "mamba2": Mamba2AttnBackend, "short_conv": ShortConvAttnBackend}
@@ -149,9 +156,10 @@ class ModelRunner:
         # /release_memory_occupation and /resume_memory_occupation.
         self.memory_occupation = MemoryOccupation(self, server_args.enable_weights_cpu_backup)
         logger.info(
-            "Model %s loaded (%s, %.1f MB of weights); pools: %d KV tokens (%s, %.1f MB), %d mamba slots "
+            "Model %s loaded (%s, %.1f MB of weights%s); pools: %d KV tokens (%s, %.1f MB), %d mamba slots "
             "(%.1f MB), %d request rows.",
-            self.arch.architecture, self.dtype, weight_bytes / 2**20, self.pool_sizes.max_total_tokens,
+            self.arch.architecture, self.dtype, weight_bytes / 2**20, _rank_note(),
+            self.pool_sizes.max_total_tokens,
             self.kv_cache_dtype, self.memory_bytes["kv_pool"] / 2**20, self.pool_sizes.max_mamba_cache_size,
             self.memory_bytes["state_pool"] / 2**20, self.pool_sizes.req_pool_size,
         )  # fmt: skip
