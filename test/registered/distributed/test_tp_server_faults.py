@@ -3,6 +3,7 @@
 - Two "nodes" on one machine (--nnodes 2 --node-rank 0/1 --dist-init-addr 127.0.0.1:PORT, two launchers)
   serve a request with node 0's HTTP server; killing node 1 ends node 0's server with a sentence naming
   TP rank 1, and leaves no process of either node.
+- Nodes started with different flags are refused at start, naming the flag.
 - A killed TP rank of one node ends the server (status 1) with a sentence naming it, and no orphan.
 - A wrong --dist-init-addr (nobody listens there) fails within --dist-timeout plus the start-up, with one
   sentence naming the flag.
@@ -106,6 +107,21 @@ def test_two_nodes_on_localhost_serve_and_a_lost_node_ends_the_server(started):
     log = node0.log_text()
     assert re.search(r"TP rank 1 stopped answering \(.*\); TP rank 0 ends the server", log), log[-3000:]
     assert not wait_gone(procs), "processes left behind"
+
+
+def test_nodes_started_with_other_flags_are_refused_naming_the_flag():
+    addr = f"127.0.0.1:{find_free_port()}"
+    common = [sys.executable, "-m", "sglang.launch_server", *MODEL, "--tp-size", "2", "--nnodes", "2",
+              "--dist-init-addr", addr, "--dist-timeout", "120", "--port", str(find_free_port())]  # fmt: skip
+    node1 = subprocess.Popen(
+        [*common, "--node-rank", "1", "--max-total-tokens", "5000"], stderr=subprocess.PIPE, text=True
+    )
+    node0 = subprocess.run([*common, "--node-rank", "0"], capture_output=True, text=True, timeout=300)
+    _, node1_err = node1.communicate(timeout=120)
+    sentence = "error: --max-total-tokens is 5000 on TP rank 1 but None on TP rank 0; start every node with the same flags."
+    for code, err in [(node0.returncode, node0.stderr), (node1.returncode, node1_err)]:
+        assert code == 1, err[-3000:]
+        assert [line for line in err.splitlines() if line.startswith("error: ")] == [sentence], err[-3000:]
 
 
 def test_a_killed_rank_ends_the_server_with_a_sentence_naming_it(started):

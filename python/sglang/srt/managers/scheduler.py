@@ -440,7 +440,7 @@ def run_scheduler_process(
     if rank is not None:
         rank.share_cores()
     try:
-        tp = join_parallel_group(rank) if rank is not None and rank.tp_size > 1 else None
+        tp = join_parallel_group(rank, server_args) if rank is not None and rank.tp_size > 1 else None
         sched = Scheduler(server_args)
         sched.init_parallel(tp, rank.dp_rank if rank is not None else None)
         if tp is None or tp.is_first:

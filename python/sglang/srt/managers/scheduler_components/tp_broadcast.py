@@ -75,10 +75,11 @@ class Tick:
     messages: list[Any] = field(default_factory=list)
 
 
-def join_parallel_group(rank: ParallelRank) -> TpBroadcast:
+def join_parallel_group(rank: ParallelRank, server_args: Any) -> TpBroadcast:
     """Join the TP (and EP) groups before the model is built (its layers read them), and form the
     scheduler's own broadcast group. ParallelGroupError, naming the address, when the ranks cannot meet
-    within the timeout."""
+    within the timeout, or naming the flag, when another node was started with other flags. Every rank
+    takes rank 0's --random-seed (a node that was given none drew its own), so that all sample alike."""
     import torch
     import torch.distributed as dist
 
@@ -99,7 +100,14 @@ def join_parallel_group(rank: ParallelRank) -> TpBroadcast:
             f"{rank.init_method.removeprefix('tcp://')} within --dist-timeout {rank.timeout_s} s ({reason})."
         ) from None
     watch = RankWatch(dist.distributed_c10d._get_default_store(), rank.tp_rank, world)
-    return TpBroadcast(rank, group, watch)
+    tp = TpBroadcast(rank, group, watch)
+    server_args.random_seed = tp.from_first(server_args.random_seed)
+    tp.check_same_flags(server_args)
+    return tp
+
+
+# Flags that may differ between the nodes of one server (each node's own, or taken from rank 0).
+NODE_LOCAL_FLAGS = {"node_rank", "host", "port", "random_seed", "log_level", "log_requests"}
 
 
 class RankWatch:
@@ -156,6 +164,30 @@ class TpBroadcast:
         except Exception as e:  # noqa: BLE001 - a peer is gone: find which, then end this rank
             raise ParallelGroupError(self.gone_message(e) or self._sentence("a TP rank", e)) from None
         return box[0]
+
+    def from_first(self, value: Any) -> Any:
+        """Rank 0's `value`, on every rank."""
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def check_same_flags(self, server_args: Any) -> None:
+        """Every node must run the same flags (but its own NODE_LOCAL_FLAGS): ParallelGroupError naming
+        the first that differs from rank 0's."""
+        import torch.distributed as dist
+
+        mine = {k: v for k, v in server_args.public_dict().items() if k not in NODE_LOCAL_FLAGS}
+        everyone: list[Any] = [None] * self.rank.tp_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for r, flags in enumerate(everyone):
+            for name, value in flags.items():
+                if value != everyone[0].get(name):
+                    raise ParallelGroupError(
+                        f"--{name.replace('_', '-')} is {value!r} on TP rank {r} but {everyone[0].get(name)!r} "
+                        "on TP rank 0; start every node with the same flags."
+                    )
 
     def gone_message(self, error: Exception) -> str | None:
         """After a collective failed with `error`: the sentence naming the ranks whose heartbeat
