@@ -10,6 +10,7 @@ from typing import Any
 
 from sglang.srt.configs.hybrid_arch import HybridArchConfig
 from sglang.srt.configs.mamba_utils import Mamba2StateShape
+from sglang.srt.layers.attention.mamba.mamba2_shards import Mamba2Shards
 
 
 class BambaFieldsArchConfig(HybridArchConfig):
@@ -40,15 +41,12 @@ class BambaFieldsArchConfig(HybridArchConfig):
 
     @property
     def state_shape(self) -> Mamba2StateShape:
+        """This TP rank's (`Mamba2Shards`)."""
         cfg = self.hf_config
-        return Mamba2StateShape.create(
-            intermediate_size=cfg.mamba_n_heads * self.mamba_head_dim,
-            n_groups=cfg.mamba_n_groups,
-            num_heads=cfg.mamba_n_heads,
-            head_dim=self.mamba_head_dim,
-            state_size=cfg.mamba_d_state,
-            conv_kernel=cfg.mamba_d_conv,
+        shards = Mamba2Shards.for_this_rank(
+            cfg.mamba_n_heads, self.mamba_head_dim, cfg.mamba_n_groups, cfg.mamba_d_state
         )
+        return shards.state_shape(cfg.mamba_d_conv)
 
     def mamba_mixer_args(self) -> dict[str, Any]:
         """The `Mamba2Mixer` keyword arguments these fields give (a model adds its norm and biases)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from sglang.srt.configs.hybrid_arch import HybridArchConfig, register_hybrid_arch
 from sglang.srt.configs.mamba_utils import Mamba2StateShape
+from sglang.srt.distributed import get_tensor_model_parallel_world_size
 
 # Every position has a conv state, so any chunk serves; GDN's keeps the cache lattice of the tests.
 SHORT_CONV_STATE_CHUNK = 64
@@ -37,13 +38,18 @@ class Lfm2ArchConfig(HybridArchConfig):
         """The conv window (hidden_size channels); the SSM part is a row nothing reads, so that every pool
         operation (copies, snapshots, transfers) stays the Mamba2 one. 8 elements, not 1: the state
         copier moves rows in the widest word that divides every row (8 float32 or bfloat16 elements are
-        a multiple of 16 bytes; a 1-element row would cut the conv rows' copies to 4- or 2-byte words)."""
+        a multiple of 16 bytes; a 1-element row would cut the conv rows' copies to 4- or 2-byte words).
+        Under tensor parallelism a rank holds its block of the channels (`Lfm2ShortConv`)."""
         cfg = self.hf_config
+        tp = get_tensor_model_parallel_world_size()
+        if cfg.hidden_size % tp:
+            raise ValueError(f"--tp-size {tp} does not divide LFM2's {cfg.hidden_size} short-conv channels.")
         return Mamba2StateShape.create(
-            intermediate_size=cfg.hidden_size,
+            intermediate_size=cfg.hidden_size // tp,
             n_groups=0,
             num_heads=1,
             head_dim=1,
             state_size=8,
             conv_kernel=cfg.conv_L_cache,
+            tp_world_size=1,  # the sizes above are this rank's already
         )

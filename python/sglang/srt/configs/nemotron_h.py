@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sglang.srt.configs.hybrid_arch import HybridArchConfig, register_hybrid_arch
 from sglang.srt.configs.mamba_utils import Mamba2StateShape
+from sglang.srt.layers.attention.mamba.mamba2_shards import Mamba2Shards
 
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
@@ -37,15 +38,12 @@ class NemotronHArchConfig(HybridArchConfig):
 
     @property
     def state_shape(self) -> Mamba2StateShape:
+        """This TP rank's (`Mamba2Shards`)."""
         cfg = self.hf_config
-        return Mamba2StateShape.create(
-            intermediate_size=cfg.mamba_num_heads * cfg.mamba_head_dim,
-            n_groups=cfg.n_groups,
-            num_heads=cfg.mamba_num_heads,
-            head_dim=cfg.mamba_head_dim,
-            state_size=cfg.ssm_state_size,
-            conv_kernel=cfg.conv_kernel,
+        shards = Mamba2Shards.for_this_rank(
+            cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
         )
+        return shards.state_shape(cfg.conv_kernel)
 
     @property
     def config_ssm_dtype(self) -> str | None:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.distributed import tensor_model_parallel_all_reduce
 from sglang.srt.environ import envs
 from sglang.srt.layers.cpu_ops import cpu_norm_ops
 from sglang.srt.layers.gpu_ops import triton_chosen
@@ -138,3 +139,36 @@ class GroupedGatedRMSNorm(_DeviceNorm):
         shape = y.shape
         y = _rms(y.view(*shape[:-1], -1, self.group_size), self.eps).view(shape)
         return self.weight * y.to(dtype)
+
+
+class SplitGroupGatedRMSNorm(nn.Module):
+    """`GroupedGatedRMSNorm` on one tensor-parallel rank whose channels are part of a norm group that
+    spans several ranks (a Mamba2 mixer with fewer groups than ranks: `Mamba2Shards`). The group's
+    sum of squares is the sum of every rank's partial sum: each rank puts its own into its group's
+    column of a [T, num_groups] tensor, one all-reduce adds them up, so the norm is the unsplit one
+    (float32 sums, added in another order). The torch ops only: the C++ and Triton kernels normalise
+    within one process."""
+
+    cpu_ops = None  # no whole-block C++ call takes it (`decode_blocks.py`)
+    triton = False
+
+    def __init__(
+        self, local_size: int, group_size: int, num_groups: int, group: int, eps: float, gate_first: bool
+    ):
+        """`local_size` channels of norm group `group` (of `num_groups`, each `group_size` wide)."""
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local_size))
+        self.group_size, self.num_groups, self.group = group_size, num_groups, group
+        self.eps = eps
+        self.gate_first = gate_first
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = x.float() * F.silu(gate.float()) if self.gate_first else x.float()
+        sums = y.new_zeros(y.shape[0], self.num_groups)
+        sums[:, self.group] = y.pow(2).sum(-1)
+        total = tensor_model_parallel_all_reduce(sums)[:, self.group : self.group + 1]
+        y = y * torch.rsqrt(total / self.group_size + self.eps)
+        if self.gate_first:
+            return self.weight * y.to(dtype)
+        return (self.weight.float() * y * F.silu(gate.float())).to(dtype)

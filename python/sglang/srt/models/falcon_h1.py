@@ -21,9 +21,9 @@ from torch import nn
 
 from sglang.srt.configs.falcon_h1 import FalconH1ArchConfig
 from sglang.srt.layers.decode_blocks import MLPBlock
-from sglang.srt.layers.layernorm import GroupedGatedRMSNorm, RMSNorm
+from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.llama_attention import LlamaStyleAttention
-from sglang.srt.layers.mamba2_mixer import Mamba2Mixer, SiluGate
+from sglang.srt.layers.mamba2_mixer import Mamba2Mixer
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -35,13 +35,11 @@ _LAYER_PARAM = re.compile(r"^model\.layers\.\d+\.(?P<param>[\w.]+)$")
 class FalconH1DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, arch: FalconH1ArchConfig):
         super().__init__()
-        intermediate = config.mamba_n_heads * arch.mamba_head_dim
         eps = config.rms_norm_eps
         if not config.mamba_rms_norm:
-            norm: nn.Module = SiluGate()
+            norm = "none"
         else:
-            group = intermediate // config.mamba_n_groups
-            norm = GroupedGatedRMSNorm(intermediate, group, eps, gate_first=not config.mamba_norm_before_gate)
+            norm = "gate_after" if config.mamba_norm_before_gate else "gate_first"
         self.mamba = Mamba2Mixer(
             arch.linear_layer_ids[layer_id],
             config.hidden_size,

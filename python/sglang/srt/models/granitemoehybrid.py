@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.granitemoehybrid import GraniteMoeHybridArchConfig
+from sglang.srt.distributed import tensor_model_parallel_all_reduce
 from sglang.srt.layers.decode_blocks import MoEBlock
 from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.llama_attention import LlamaStyleAttention
 from sglang.srt.layers.mamba2_mixer import Mamba2Mixer
 from sglang.srt.layers.mlp import GatedMLP
@@ -43,15 +45,17 @@ _BRANCH_ENDS += (".mlp.experts.w2", ".down_proj.weight")
 
 class GraniteMoeHybridMoE(nn.Module):
     """Softmax over the top k router logits (= softmax over all, renormalised over the top k), the
-    routed experts, plus the shared MLP (run inside the experts' C++ op where that applies)."""
+    routed experts, plus the shared MLP (run inside the experts' C++ op where that applies). Tensor
+    parallel: the router replicated, the experts and the shared MLP split by their intermediate
+    dimension, their partial sums all-reduced once."""
 
     def __init__(self, config: Any):
         super().__init__()
         hidden, act = config.hidden_size, config.hidden_act
         self.top_k = config.num_experts_per_tok
-        self.gate = nn.Linear(hidden, config.num_local_experts, bias=False)
+        self.gate = ReplicatedLinear(hidden, config.num_local_experts, bias=False)
         self.experts = RoutedExperts(config.num_local_experts, hidden, config.intermediate_size, act, True)
-        self.shared_mlp = GatedMLP(hidden, config.shared_intermediate_size, act)
+        self.shared_mlp = GatedMLP(hidden, config.shared_intermediate_size, act, reduce_results=False)
         self.routing_ops = None  # the C++ top-k where the C++ op serves the experts (set at load)
 
     def process_weights_after_loading(self) -> None:
@@ -67,7 +71,7 @@ class GraniteMoeHybridMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = softmax_topk(self.gate(x), self.top_k, True, self.routing_ops, self.experts.triton)
-        return self.experts(x, weights, ids, self.shared_mlp, None)
+        return tensor_model_parallel_all_reduce(self.experts(x, weights, ids, self.shared_mlp, None))
 
 
 def _layer(config: Any, layer_id: int, arch: GraniteMoeHybridArchConfig) -> HybridDecoderLayer:

@@ -16,6 +16,14 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.lfm2 import Lfm2ArchConfig
+from sglang.srt.distributed import tensor_model_parallel_all_reduce
+from sglang.srt.layers.linear import (
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    column_shard,
+    set_weight_shards,
+)
 from sglang.srt.layers.llama_attention import LlamaStyleAttention
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -38,13 +46,22 @@ def ffn_dim(config: Any) -> int:
 
 
 class Lfm2ShortConv(nn.Module):
+    """Tensor parallel: the channels split over the ranks (each of in_proj's B | C | x pieces on its own,
+    the conv's channels and state alike), out_proj row-parallel."""
+
     def __init__(self, config: Any, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         h, bias = config.hidden_size, config.conv_bias
-        self.conv = nn.Conv1d(h, h, config.conv_L_cache, groups=h, bias=bias)
-        self.in_proj = nn.Linear(h, 3 * h, bias=bias)
-        self.out_proj = nn.Linear(h, h, bias=bias)
+        what = "LFM2's short-conv channels (hidden_size)"
+        self.in_proj = MergedColumnParallelLinear(h, [h, h, h], bias=bias, what=what)
+        local = self.in_proj.out_features // 3
+        self.conv = nn.Conv1d(local, local, config.conv_L_cache, groups=local, bias=bias)
+        channels = column_shard(0, [h], what=what)
+        set_weight_shards(self.conv.weight, channels)
+        if self.conv.bias is not None:
+            set_weight_shards(self.conv.bias, channels)
+        self.out_proj = RowParallelLinear(h, h, bias=bias, what=what)
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         B, C, x = self.in_proj(hidden).chunk(3, dim=-1)
@@ -58,7 +75,7 @@ class Lfm2MoeBlock(nn.Module):
         h, n = config.hidden_size, config.num_experts
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.scaling = float(config.routed_scaling_factor)
-        self.gate = nn.Linear(h, n, bias=False)
+        self.gate = ReplicatedLinear(h, n, bias=False)  # tensor parallel: experts split, router not
         if config.use_expert_bias:
             self.expert_bias = nn.Parameter(torch.zeros(n))
         else:  # built on the host: the model is built under the meta device
@@ -81,7 +98,7 @@ class Lfm2MoeBlock(nn.Module):
         weights, ids = grouped_sigmoid_topk(
             self.gate(x), self.top_k, self.expert_bias, 1, 1, self.renormalize, self.scaling, self.routing_ops
         )
-        return self.experts(x, weights, ids)
+        return tensor_model_parallel_all_reduce(self.experts(x, weights, ids))
 
 
 def _layer(config: Any, layer_id: int, arch: Lfm2ArchConfig) -> HybridDecoderLayer:

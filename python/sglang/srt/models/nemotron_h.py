@@ -11,8 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.configs.nemotron_h import NemotronHArchConfig
+from sglang.srt.distributed import tensor_model_parallel_all_reduce
 from sglang.srt.layers.decode_blocks import AttentionBlock, Mamba2Block, MLPBlock, MoEBlock
 from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import ReplicatedLinear
+from sglang.srt.layers.llama_attention import set_attention_projections
 from sglang.srt.layers.mamba2_mixer import Mamba2Mixer
 from sglang.srt.layers.mlp import PlainMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
@@ -43,14 +46,12 @@ class NemotronHMamba2Mixer(Mamba2Mixer):
 class NemotronHAttention(nn.Module):
     def __init__(self, config: Any, layer_id: int):
         super().__init__()
-        hidden = config.hidden_size
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        d = getattr(config, "head_dim", None) or hidden // self.num_heads
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        d = getattr(config, "head_dim", None) or hidden // heads
         bias = getattr(config, "attention_bias", False)
-        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
+        self.num_heads, self.num_kv_heads = set_attention_projections(
+            self, hidden, heads, config.num_key_value_heads, d, bias
+        )
         self.attn = RadixAttention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id)
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -92,7 +93,11 @@ class NemotronHTopkRouter(nn.Module):
 class NemotronHMoE(nn.Module):
     """Routed experts plus a shared expert. With `moe_latent_size` (Nemotron 3 Super's LatentMoE) the
     routed experts run in a smaller latent space: `fc2_latent_proj(experts(fc1_latent_proj(x)))`, routed
-    on x itself; the shared expert stays on x."""
+    on x itself; the shared expert stays on x.
+
+    Tensor parallel: the router and the latent projections are replicated, the experts and the shared
+    expert split by their intermediate dimension; each rank's partial sum (routed, in latent space taken
+    through fc2's weight, plus shared) is all-reduced once, fc2's bias added after."""
 
     def __init__(self, config: Any):
         super().__init__()
@@ -102,9 +107,11 @@ class NemotronHMoE(nn.Module):
         self.experts = RoutedExperts(
             config.n_routed_experts, latent or hidden, config.moe_intermediate_size, act, False
         )
-        self.shared_experts = PlainMLP(hidden, config.moe_shared_expert_intermediate_size, act, bias)
-        self.fc1_latent_proj = nn.Linear(hidden, latent, bias=bias) if latent else None
-        self.fc2_latent_proj = nn.Linear(latent, hidden, bias=bias) if latent else None
+        self.shared_experts = PlainMLP(
+            hidden, config.moe_shared_expert_intermediate_size, act, bias, reduce_results=False
+        )
+        self.fc1_latent_proj = ReplicatedLinear(hidden, latent, bias=bias) if latent else None
+        self.fc2_latent_proj = ReplicatedLinear(latent, hidden, bias=bias) if latent else None
 
     def process_weights_after_loading(self) -> None:
         self.experts.process_weights_after_loading()
@@ -125,9 +132,11 @@ class NemotronHMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.fc1_latent_proj is None:
-            return self.experts(x, weights, ids, self.shared_experts)
-        routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
-        return routed + self.shared_experts(x)
+            return tensor_model_parallel_all_reduce(self.experts(x, weights, ids, self.shared_experts))
+        fc2 = self.fc2_latent_proj
+        routed = F.linear(self.experts(self.fc1_latent_proj(x), weights, ids), fc2.weight)
+        out = tensor_model_parallel_all_reduce(routed + self.shared_experts(x))
+        return out if fc2.bias is None else out + fc2.bias
 
 
 class NemotronHBlock(nn.Module):
