@@ -118,3 +118,34 @@ def run_session(rank: int, world_size: int, init_method: str, cases: list[Case])
     finally:
         ps.destroy_model_parallel()
     return out
+
+
+def count_decode_collectives(
+    rank: int, world_size: int, init_method: str, preset: str, batch: int, ep: int = 1
+) -> dict[str, list[int]]:
+    """The tensors one decode step of `batch` requests sends through the TP group, counted at the group's
+    all_reduce / all_gather: per kind, each call's bytes (the tensor this rank puts in)."""
+    from sglang.test.model_checks import make_runner, random_ids
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    ps.init_distributed_environment("gloo", world_size, rank, init_method)
+    ps.initialize_model_parallel(world_size, ep)
+    try:
+        runner = make_runner(preset, dtype="float32")
+        driver = RunnerDriver(runner)
+        reqs = [driver.new_request() for _ in range(batch)]
+        driver.extend([Extend(r, random_ids(20 + i, seed=i)) for i, r in enumerate(reqs)])
+        group = ps.get_tp_group()
+        seen: dict[str, list[int]] = {"all_reduce": [], "all_gather": []}
+        for kind in seen:
+            real = getattr(group, kind)
+
+            def counted(x, *args, _real=real, _kind=kind, **kw):
+                seen[_kind].append(x.numel() * x.element_size())
+                return _real(x, *args, **kw)
+
+            setattr(group, kind, counted)
+        driver.decode(reqs)
+        return seen
+    finally:
+        ps.destroy_model_parallel()
