@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from sglang.srt import distributed as ps
 
 # Parameters whose gathered values are compared with TP 1's: split by heads (attention, GDN), by q | k | v
@@ -41,6 +43,8 @@ class Case:
     steps: int = 6
     server_args: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # set while the model loads and runs
+    # Checkpoint names to update in place after the decode (`_update`).
+    update: tuple[str, ...] = ()
 
 
 def _one_case(case: Case) -> dict[str, Any]:
@@ -67,8 +71,11 @@ def _run(case: Case, runner) -> dict[str, Any]:
     params = dict(runner.model.named_parameters())
     gathered = {n: runner.get_weights_by_name(n, 10**6) for n in GATHERED if n in params}
     pool = runner.mamba_pool
+    ids = list(req.token_ids) + [req.next_token]
+    updated = _update(runner, driver, req, case.update) if case.update else {}
     return {
-        "ids": list(req.token_ids) + [req.next_token],
+        "updated": updated,
+        "ids": ids,
         "prompt_len": len(prompt),
         "logprobs": lps,
         "conv": tuple(pool.conv_state.shape),
@@ -76,6 +83,32 @@ def _run(case: Case, runner) -> dict[str, Any]:
         "kv_heads": runner.token_to_kv_pool.k_buffer[0].shape[1],
         "gathered": gathered,
     }
+
+
+def _update(runner, driver, req, names: tuple[str, ...]) -> dict[str, Any]:
+    """`update_weights_from_tensor` with whole, seeded random tensors for the checkpoint names `names`
+    (each rank takes its part), then the updated parameters gathered whole and 3 more decode steps'
+    logprobs."""
+    from sglang.srt.layers.linear import full_shape
+    from sglang.test.model_checks import decode_steps
+
+    params = dict(runner.model.named_parameters())
+    gen = torch.Generator().manual_seed(5)
+    tensors = []
+    for name in names:
+        target = runner.model.checkpoint_name(name)
+        shape = full_shape(params[target]) if target in params else _expert_shape(runner, name)
+        tensors.append((name, 0.05 * torch.randn(shape, generator=gen)))
+    assert runner.update_weights_from_tensor(tensors) == []
+    gathered = {n: runner.get_weights_by_name(n, 10**6) for n, _ in tensors if n in params}
+    return {"gathered": gathered, "logprobs": decode_steps(driver, [req], 3)[0]}
+
+
+def _expert_shape(runner, name: str) -> tuple[int, int]:
+    """One expert's checkpoint weight shape (`...experts.E.{gate,up,down}_proj.weight`)."""
+    module = runner.model.get_submodule(name.split(".experts.")[0] + ".experts")
+    inter, hidden = module.inter_shard.pieces[0], module.w13.shape[2]
+    return (hidden, inter) if ".down_proj." in name else (inter, hidden)
 
 
 def run_cases(
