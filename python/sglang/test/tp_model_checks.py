@@ -182,3 +182,49 @@ def count_decode_collectives(
         return seen
     finally:
         ps.destroy_model_parallel()
+
+
+def run_prefix_cases(
+    rank: int, world_size: int, init_method: str | None, cases: list[Case]
+) -> list[dict[str, Any]]:
+    """Per case: a donor prefilled in chunks with a snapshot at 64 tokens, a second request starting from
+    that snapshot (the deferred COW) with a prefix hit on the donor's KV, then batched decode steps of
+    both. Returns each request's tokens (prompt, sampled) and logprobs, and the pools' shapes."""
+    from sglang.test.model_checks import decode_steps, make_runner, random_ids
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    if world_size > 1:
+        ps.init_distributed_environment("gloo", world_size, rank, init_method)
+    out = []
+    try:
+        for case in cases:
+            ps.initialize_model_parallel(case.tp, case.ep)
+            driver = RunnerDriver(make_runner(case.preset, dtype="float32", **case.server_args))
+            prompt = random_ids(case.prompt_len, seed=21)
+            donor, fresh = driver.new_request(), driver.new_request()
+            lps = {}
+            first = driver.extend([Extend(donor, prompt[:64], track_seqlen=64, next_token=prompt[64])])
+            rest = driver.extend([Extend(donor, prompt[64:])])
+            lps[0] = (
+                first.input_token_logprobs[0]
+                + rest.input_token_logprobs[0]
+                + [float(rest.next_token_logprobs[0])]
+            )
+            hit = driver.extend(
+                [Extend(fresh, prompt[64:100], prefix_from=(donor, 64), cow_src=donor.track_slot)]
+            )
+            lps[1] = hit.input_token_logprobs[0] + [float(hit.next_token_logprobs[0])]
+            for i, steps in enumerate(decode_steps(driver, [donor, fresh], case.steps)):
+                lps[i] += steps
+            pool = driver.runner.mamba_pool
+            out.append(
+                {
+                    "ids": [list(r.token_ids) + [r.next_token] for r in (donor, fresh)],
+                    "logprobs": [lps[0], lps[1]],
+                    "conv": tuple(pool.conv_state.shape),
+                    "ssm": tuple(pool.ssm_state.shape),
+                }
+            )
+        return out
+    finally:
+        ps.destroy_model_parallel()
