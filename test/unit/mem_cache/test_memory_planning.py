@@ -102,6 +102,18 @@ def test_the_bf16_80b_plans_one_rank_at_tp_2_4_8(tmp_path):
         assert plan.cache_bytes >= 20e9
 
 
+def test_the_fp8_80b_splits_its_blocks_at_tp_4_and_is_refused_at_tp_8(tmp_path):
+    """The CUDA FP8 layout splits weights and 128 x 128 scales together, which needs whole blocks on every
+    rank: at TP 4 every split piece is (20.4 GB a rank, fitting an H100); at TP 8 the shared experts'
+    512-wide intermediate dimension leaves 64 rows a rank and the model is refused, naming --tp-size."""
+    plan = plan_memory(_server_args(tmp_path, "Qwen3-Next-80B-A3B-Instruct-FP8", H100, tp_size=4), H100)
+    print("Qwen3-Next-80B-A3B-Instruct-FP8, one rank of --tp-size 4 on an H100:", plan.describe())
+    assert 19.5e9 < plan.weight_bytes < 21.5e9
+    args = _server_args(tmp_path, "Qwen3-Next-80B-A3B-Instruct-FP8", H100, tp_size=8)
+    with pytest.raises(ValueError, match=r"shared_expert.* \(64 of 512\) .* --tp-size 8"):
+        plan_memory(args, H100)
+
+
 def test_the_fp8_80b_is_refused_on_one_h100(tmp_path):
     """~80 GB of FP8 weights exceed what an H100's default fraction (~0.87 of 79.2 GiB) holds."""
     args = _server_args(tmp_path, "Qwen3-Next-80B-A3B-Instruct-FP8", H100)
