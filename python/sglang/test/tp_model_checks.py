@@ -148,6 +148,9 @@ def run_session(rank: int, world_size: int, init_method: str, cases: list[Case])
         ps.initialize_model_parallel(world_size, 1)
         out["fp8"] = fp8_refusal()
         out["fp8_experts"] = fp8_refusal("tiny-qwen3.5-moe-fp8", linears=False)
+        from sglang.srt.model_executor.model_runner import _collectives_capturable
+
+        out["graphs"] = _collectives_capturable()
     finally:
         ps.destroy_model_parallel()
     return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sglang.srt.configs.hybrid_arch import hybrid_arch_config
@@ -26,7 +27,11 @@ from sglang.srt.configs.model_config import load_hf_config
 from sglang.srt.configs.presets import resolve_model_path
 from sglang.srt.constrained.vocab_mask import apply_vocab_mask
 from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool, default_decode_extra_slots
-from sglang.srt.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from sglang.srt.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+)
 from sglang.srt.layers.attention.fla_float32 import use_ieee_float32_dots
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
@@ -75,6 +80,17 @@ def _pool_shape(arch, runner: ModelRunner) -> tuple:
         arch.mamba2_cache_params(runner.dtype, args.mamba_ssm_dtype),
         arch.num_key_value_heads, arch.head_dim, arch.vocab_size,
     )  # fmt: skip
+
+
+def _collectives_capturable() -> bool:
+    """Whether a CUDA graph can hold the TP group's collectives: NCCL's can (the all-reduces are captured
+    with the layers), gloo's cannot (it copies through the host: several ranks on one GPU, which checks
+    function, not speed). Says so in the log where it turns the graphs off."""
+    group = get_tp_group()
+    if group.world_size == 1 or dist.get_backend(group.device_group) == "nccl":
+        return True
+    logger.warning("CUDA graphs are off: the TP group runs on gloo, whose collectives a graph cannot hold.")
+    return False
 
 
 def _rank_note() -> str:
@@ -147,7 +163,7 @@ class ModelRunner:
         self.sampler = Sampler(server_args.random_seed)
         self.penalizer = Penalizer()
         self.graph_runner: CudaGraphRunner | None = None
-        if server_args.cuda_graph_enabled:
+        if server_args.cuda_graph_enabled and _collectives_capturable():
             sizes = capture_bs_list(server_args, self.pool_sizes.max_running_requests)
             # NGRAM: its verify batches too, at --speculative-num-draft-tokens positions per request.
             captured = time.monotonic()
