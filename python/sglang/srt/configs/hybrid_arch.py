@@ -162,6 +162,8 @@ def parallel_attention_heads(num_heads: int, num_kv_heads: int, tp: int | None =
     query heads split; the key/value heads split where there are at least `tp`, else each is held by
     tp / num_kv_heads ranks. ValueError naming --tp-size where neither divides."""
     tp = get_tensor_model_parallel_world_size() if tp is None else tp
+    if tp == 1:
+        return num_heads, num_kv_heads
     if num_heads % tp:
         raise ValueError(f"--tp-size {tp} does not divide the model's {num_heads} attention heads.")
     if num_kv_heads % tp if num_kv_heads >= tp else tp % num_kv_heads:

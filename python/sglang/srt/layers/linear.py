@@ -3,7 +3,7 @@
 Layers (all `nn.Linear` subclasses, so at TP 1 they are plain linears: same parameters, same forward,
 what the FP8 swap, the CPU decode blocks and weight updates already handle):
 - `ColumnParallelLinear(input, output)`: each rank holds a block of the output rows; its output is this
-  rank's slice (`gather_output=True`: all-gathered). `output_sizes=[a, b, ...]`: the rows are pieces
+  rank's slice. `output_sizes=[a, b, ...]`: the rows are pieces
   (a fused projection, a conv over q | k | v) and each piece is split on its own, so a rank holds the
   same part of every piece, in piece order. `parts` < tp: each part is held by tp / parts ranks
   (attention key/value heads replicated where tp exceeds their count).
@@ -11,7 +11,7 @@ what the FP8 swap, the CPU decode blocks and weight updates already handle):
 - `RowParallelLinear(input, output)`: each rank holds a block of the input columns and takes the
   matching slice of the activations; the partial products are summed over the TP group (all-reduce)
   unless `reduce_results=False` (a caller that sums several of them once, a MoE block). The bias is
-  added once, after the sum.
+  added once: after the sum, or without it on rank 0 only (so the caller's sum holds it once).
 - `ReplicatedLinear`: every rank holds the whole weight (routers, small gates).
 
 The sharding rule (what the loader uses; the Mamba2 models use it too). A sharded parameter carries
@@ -168,7 +168,6 @@ class ColumnParallelLinear(nn.Linear):
         output_size: int,
         bias: bool = False,
         *,
-        gather_output: bool = False,
         output_sizes: list[int] | None = None,
         parts: int | None = None,
         what: str = "a column-parallel linear",
@@ -177,18 +176,10 @@ class ColumnParallelLinear(nn.Linear):
         assert sum(pieces) == output_size, (pieces, output_size)
         shard = column_shard(0, pieces, parts, what)
         super().__init__(input_size, shard.local_size, bias=bias)
-        self.gather_output = gather_output
         self.output_sizes = pieces
         set_weight_shards(self.weight, shard)
         if self.bias is not None:
             set_weight_shards(self.bias, shard)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        if self.gather_output and weight_shards(self.weight):
-            # Back into the full layout (pieces in order), as every rank's parts are.
-            y = gather_weight(self.weight, y.transpose(0, -1)).transpose(0, -1)
-        return y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -214,6 +205,8 @@ class RowParallelLinear(nn.Linear):
         self.reduce_results = reduce_results
         set_weight_shards(self.weight, shard)
         self.tp_size = get_tensor_model_parallel_world_size()
+        # Unreduced, the caller sums the ranks' outputs: rank 0's alone carries the bias.
+        self.adds_bias = reduce_results or get_tensor_model_parallel_rank() == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -221,4 +214,4 @@ class RowParallelLinear(nn.Linear):
         y = F.linear(x, self.weight)
         if self.reduce_results:
             y = get_tp_group().all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None or not self.adds_bias else y + self.bias
