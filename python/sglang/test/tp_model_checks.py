@@ -73,7 +73,9 @@ def _run(case: Case, runner) -> dict[str, Any]:
     pool = runner.mamba_pool
     ids = list(req.token_ids) + [req.next_token]
     updated = _update(runner, driver, req, case.update) if case.update else {}
+    experts = params.get("model.layers.0.mlp.experts.w13")
     return {
+        "w13": tuple(experts.shape) if experts is not None else None,
         "updated": updated,
         "ids": ids,
         "prompt_len": len(prompt),

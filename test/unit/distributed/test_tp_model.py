@@ -100,6 +100,10 @@ def test_tp2_equals_tp1_and_the_oracle(i, tp1, tp2, oracles):
     assert ranks[0]["conv"] == (conv[0], conv[1], conv[2] // 2, conv[3])
     assert ranks[0]["ssm"] == (ssm[0], ssm[1], ssm[2] // 2, *ssm[3:])
     assert ranks[0]["kv_heads"] == want["kv_heads"] // 2
+    if want["w13"] is not None:  # EP 2: half the experts, whole; EP 1: every expert, half its rows
+        experts, rows, hidden = want["w13"]
+        ep = CASES[i].ep
+        assert ranks[0]["w13"] == (experts // ep, rows // (2 // ep), hidden)
     for name, full in want["gathered"].items():
         for got in ranks:
             assert got["gathered"][name] == full, name
@@ -122,6 +126,13 @@ def test_refusals_in_one_sentence_and_no_cuda_graphs_over_gloo(session, monkeypa
         ValueError, match="--tp-size 4 does not divide the model's 2 linear-attention key heads"
     ):
         qwen3_next.Qwen3NextGatedDeltaNet(config, 0)
+    # --ep-size must divide the experts (here 6 over 4 EP ranks).
+    import sglang.srt.layers.moe.experts as experts
+
+    monkeypatch.setattr(experts, "get_moe_expert_parallel_world_size", lambda: 4)
+    monkeypatch.setattr(experts, "get_tensor_model_parallel_world_size", lambda: 4)
+    with pytest.raises(ValueError, match="--ep-size 4 does not divide the model's 6 experts"):
+        experts.RoutedExperts(6, 64, 32, "silu", True)
     # At TP 2 a rank's part of a 128-row FP8 projection is 64 rows: half a scale block.
     assert "--tp-size 2" in session[0]["fp8"] and "128-wide scale blocks" in session[0]["fp8"]
     # CUDA graphs cannot hold gloo's collectives (several ranks on one GPU): the runner turns them off.

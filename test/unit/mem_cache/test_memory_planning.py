@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.weight_bytes import weight_bytes_from_config
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=8, suite="per-commit-cpu")
+register_cpu_ci(est_time=12, suite="per-commit-cpu")
 
 # The test data, beside this file (tests are not a package here).
 _REAL = runpy.run_path(str(Path(__file__).with_name("real_model_configs.py")))
