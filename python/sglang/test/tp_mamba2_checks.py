@@ -17,9 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang.srt import distributed as ps
+from sglang.srt.layers.linear import RowParallelLinear, shard_weight, weight_shards
 from sglang.test.model_checks import batched_extends_with_prefixes, make_runner
 from sglang.test.runner_driver import RunnerDriver
 
+UNREDUCED = "unreduced row-parallel"
 PRESETS = (
     "tiny-nemotron-h",
     "tiny-granite-4.0-h",
@@ -47,14 +49,34 @@ def run_preset(path: str) -> dict[str, Any]:
     }
 
 
-def run_presets(rank: int, world_size: int, init_method: str, paths: dict[str, str]) -> dict[str, dict]:
-    """`run_preset` for every (name -> folder) of `paths` at TP `world_size` (gloo)."""
+def run_presets(rank: int, world_size: int, init_method: str, paths: dict[str, str]) -> dict[str, Any]:
+    """`run_preset` for every (name -> folder) of `paths` at TP `world_size` (gloo), and under
+    UNREDUCED the summed output of an unreduced row-parallel linear with a bias (`unreduced_row_parallel`)."""
     ps.init_distributed_environment("gloo", world_size, rank, init_method)
     ps.initialize_model_parallel(world_size, 1)
     try:
-        return {name: run_preset(path) for name, path in paths.items()}
+        out: dict[str, Any] = {name: run_preset(path) for name, path in paths.items()}
+        out[UNREDUCED] = unreduced_row_parallel()
+        return out
     finally:
         ps.destroy_model_parallel()
+
+
+def unreduced_row_parallel() -> list[list[float]]:
+    """`RowParallelLinear(reduce_results=False)` with a bias (a MoE block's shared expert, summed with the
+    routed experts' part by one all-reduce): every rank's output summed, for `unreduced_row_parallel_want`."""
+    weight, bias, x = unreduced_row_parallel_inputs()
+    linear = RowParallelLinear(16, 4, bias=True, reduce_results=False)
+    linear.weight.data.copy_(shard_weight(linear.weight, weight))
+    linear.bias.data.copy_(bias)
+    (cols,) = weight_shards(linear.weight)  # the input columns this rank holds
+    # A list: a tensor would cross to the parent through shared memory this exiting rank holds.
+    return ps.tensor_model_parallel_all_reduce(linear(x[:, cols.positions(cols.part)])).tolist()
+
+
+def unreduced_row_parallel_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(4, 16, generator=g), torch.randn(4, generator=g), torch.randn(3, 16, generator=g)
 
 
 def expected_rank_state(name: str, conv: tuple, ssm: tuple, tp: int) -> tuple[tuple, tuple]:

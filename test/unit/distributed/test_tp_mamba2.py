@@ -12,6 +12,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from sglang.srt.layers.attention.mamba.mamba2_shards import Mamba2Shards
 from sglang.test.ci_register import register_cpu_ci
@@ -20,10 +21,12 @@ from sglang.test.multi_rank import run_ranks
 from sglang.test.reference import ReferenceModel
 from sglang.test.tp_mamba2_checks import (
     PRESETS,
+    UNREDUCED,
     expected_rank_state,
     one_group_bamba,
     run_preset,
     run_presets,
+    unreduced_row_parallel_inputs,
 )
 
 register_cpu_ci(est_time=25, suite="per-commit-cpu")
@@ -77,6 +80,14 @@ def test_each_rank_holds_its_part_of_the_state(name, runs):
     for got in ranks:
         assert (got[name]["conv"], got[name]["ssm"]) == want
         assert got[name]["kv_heads"] == tp1[name]["kv_heads"] // 2
+
+
+def test_an_unreduced_row_parallel_linear_adds_its_bias_once(runs):
+    """A MoE block sums its shared expert's unreduced `down_proj` with the routed experts' part in one
+    all-reduce: the bias must come from one rank only (every rank added it before: twice at TP 2)."""
+    weight, bias, x = unreduced_row_parallel_inputs()
+    for got in runs[2]:
+        torch.testing.assert_close(torch.tensor(got[UNREDUCED]), x @ weight.t() + bias)
 
 
 def test_replicated_groups_go_with_the_heads_that_read_them():
