@@ -1,9 +1,10 @@
 """The decode fast path (`DecodeFastPath`: the decode set's certificates, the rows cache, the KV and token
 logs) changes no output: with SGLANG_TEST_DISABLE_DECODE_FAST_PATH a churning workload (finishes by
 length, stop ids and context length, an abort, retractions), with and without overlap, serves exactly
-what it serves with the fast path on, while nothing is ever pending in the logs; and the scheduler test
-files that exercise request semantics and overlap pass with the fast path off too (a subprocess, so the
-switch holds for every scheduler those files build)."""
+what it serves with the fast path on, while nothing is ever pending in the logs; and representative
+scheduler tests of each boundary where the decode lists are read pass with the fast path off too (a
+subprocess, so the switch holds for every scheduler they build). The nightly-cpu file
+test_scheduler_fast_path_off_nightly.py runs every scheduler file that way."""
 
 from __future__ import annotations
 
@@ -18,12 +19,21 @@ from sglang.srt.environ import envs
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import churn_harness, token_ids
 
-register_cpu_ci(est_time=35, suite="per-commit-cpu")
+register_cpu_ci(est_time=47, suite="per-commit-cpu")
 
 HERE = Path(__file__).resolve().parent
-# Scheduler-level files whose assertions hold either way (the fast path's own tests, which count its
-# logged steps, are not among them); the server tests are not run twice (CI time).
-FILES_RUN_BOTH_WAYS = ["test_request_semantics.py"]
+# Scheduler-level tests whose assertions hold either way (the fast path's own tests, which count its
+# logged steps, are not among them), a cheap one per boundary where the decode lists are read: request
+# semantics (streaming, aborts, retraction, a prefix cache hit, stop strings), overlap, a lazy decode
+# snapshot taken by the tree, the PD decode side, speculative verifies between logged steps. The server
+# tests are not run twice (CI time).
+FILES_RUN_BOTH_WAYS = [
+    "test_request_semantics.py",
+    "test_overlap.py::test_scheduler_runs_ahead_of_a_held_forward_stream[True]",
+    "test_prompt_checkpoints.py::test_prompt_checkpoint_survives_a_decode_boundary[extra_buffer_lazy]",
+    "test_speculative_ngram.py::test_steps_without_logprobs_finish_on_time",
+    "../disaggregation/test_decode_queue.py",
+]
 
 
 def _churn(overlap: bool, steps_pending: list[int]) -> tuple[list, int]:

@@ -22,9 +22,12 @@ def _checked(h: SchedulerHarness) -> dict[str, int]:
     cache, seen = h.sched.decode_set, {"builds": 0, "rows": 0, "reused": 0, "full_reads": 0}
     select, qualifies = cache.select, cache._qualifies
 
-    def checked_select(running):
+    def checked_select(running, before_read=None):
         before = cache._reqs
-        got = select(running)
+        got = select(running, before_read)
+        # The fresh pass reads the lists: the steps the decode logs hold go in first (the selection
+        # above flushed only if it read them; the next build's still finds the step processed since).
+        h.sched.fast_path.flush()
         fresh = select_decode_reqs(running, cache.context_len, cache.prefill_server)
         assert [r.rid for r in got] == [r.rid for r in fresh]
         seen["builds"] += 1

@@ -1,7 +1,8 @@
 """`DecodeTokenLog`: decode steps on which no request can finish only log their tokens. Serving with the
 log gives exactly the outputs of committing every token at once, through finishes by length, stop token
-and context length, an abort and retractions, with and without overlap; a request's `output_ids` read
-while steps are pending holds every token; steps that could end a request are committed one by one."""
+and context length, an abort and retractions, with and without overlap; a request's `output_ids` lacks
+the pending steps until a boundary commits them; steps that could end a request are committed one by
+one."""
 
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ def test_churn_serves_the_same_outputs_with_and_without_the_log(overlap, monkeyp
         h.shutdown()
 
 
-def test_output_ids_read_between_logged_steps_hold_every_token():
+def test_the_lists_wait_for_a_boundary_between_logged_steps():
+    """`output_ids` is a plain list: between logged steps it lacks their tokens (nothing reads it), the
+    invariants count them, and a boundary (here the integrity check) commits them; a request that leaves
+    the running set without its boundary's flush fails the integrity check's guard."""
     h = SchedulerHarness("tiny-qwen3-next", disable_overlap_schedule=True)
     try:
         rids = [h.submit(token_ids(12, seed=k), max_new_tokens=90, return_logprob=False) for k in range(3)]
@@ -55,13 +59,20 @@ def test_output_ids_read_between_logged_steps_hold_every_token():
             steps += 1
         reqs = list(sched.running)
         # One token from the prefill, then one per decode step.
-        assert all(len(r._output_ids) < steps for r in reqs)
-        sched.check_integrity()  # the log's invariant holds with steps pending (its reads append them)
-        assert [len(r.output_ids) for r in reqs] == [steps] * 3
-        reqs[1]._output_ids.append(5)  # a token from outside the set's steps breaks the invariant
+        assert all(len(r.output_ids) == steps - 10 for r in reqs)
+        sched.fast_path.check(sched.running)  # the lengths add up with the steps pending
+        sched.check_integrity()
+        assert not log.pending and [len(r.output_ids) for r in reqs] == [steps] * 3
+        while len(log.pending) < 3:
+            assert sched.step()
+        reqs[1].output_ids.append(5)  # a token from outside the set's steps breaks the invariant
         with pytest.raises(AssertionError, match="decode output lengths"):
             log.check()
-        reqs[1]._output_ids.pop()
+        reqs[1].output_ids.pop()
+        sched.running.remove(reqs[2])  # gone without the flush its way out does
+        with pytest.raises(AssertionError, match="no longer running"):
+            sched.fast_path.check(sched.running)
+        sched.running.append(reqs[2])
         # 90 tokens: past MAX_PENDING (64) logged steps, then the length finish at the slack's end.
         sched.run_until_idle()
         h.collect()

@@ -34,8 +34,18 @@ def _fresh(sched, reqs: list[Req]) -> tuple[list[int], list[int], list[int]]:
             if sampled:
                 refs[req] = -(slot + 1)
                 tokens[req] = tokens.get(req, 0) + 1
-    ids = [refs[r] if r in refs else r.output_ids[-1] for r in reqs]
+    ids = [refs[r] if r in refs else _newest_output(sched, r) for r in reqs]
     return ids, [batches.get(r, 0) for r in reqs], [tokens.get(r, 0) for r in reqs]
+
+
+def _newest_output(sched, req: Req) -> int:
+    """`req`'s newest token: its list's last, or the newest step the decode token log holds for it (the
+    list lacks those until a boundary commits them)."""
+    log = sched.fast_path.token_log
+    place = next((i for i, r in enumerate(log._reqs) if r is req), None)
+    if place is not None and log.lacking()[place]:
+        return log.pending[-1][place]
+    return req.output_ids[-1]
 
 
 def _checked(h: SchedulerHarness) -> dict[str, int]:
@@ -43,11 +53,19 @@ def _checked(h: SchedulerHarness) -> dict[str, int]:
     builds by the path that answered them."""
     sched, seen = h.sched, {"builds": 0, "overlap_steady": 0, "landed": 0, "placeholders": 0}
     inflight = sched.inflight
-    decode_input_ids = inflight.decode_input_ids
+    decode_input_ids, steady_decode_input_ids = inflight.decode_input_ids, inflight.steady_decode_input_ids
+
+    def checked_steady(reqs):
+        landed = inflight._landed
+        out = steady_decode_input_ids(reqs)
+        return out if out is None else check(reqs, out, landed)
 
     def checked(reqs):
         landed = inflight._landed
-        ids, has_placeholders = decode_input_ids(reqs)
+        return check(reqs, decode_input_ids(reqs), landed)
+
+    def check(reqs, out, landed):
+        ids, has_placeholders = out
         want, batches, tokens = _fresh(sched, reqs)
         assert list(ids) == want
         assert has_placeholders == (min(want) < 0)
@@ -59,7 +77,7 @@ def _checked(h: SchedulerHarness) -> dict[str, int]:
         seen["placeholders"] += has_placeholders
         return ids, has_placeholders
 
-    inflight.decode_input_ids = checked
+    inflight.decode_input_ids, inflight.steady_decode_input_ids = checked, checked_steady
     return seen
 
 

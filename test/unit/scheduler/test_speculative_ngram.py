@@ -380,7 +380,8 @@ def test_steps_without_logprobs_finish_on_time():
             h.sched.check_integrity()
         if spec:
             assert h.sched.spec.stats["accepted_tokens"] > 0
-            assert h.sched.result_processor.token_log.steps_logged > 0  # the log ran between verifies
+            # The log ran between verifies (unless the decode fast path is off: the nightly run).
+            assert h.sched.result_processor.token_log.steps_logged > 0 or not h.sched.fast_path.enabled
         return [h.outputs[r] for r in rids]
 
     outs = _plain_and_ngram(body, speculative_ngram_min_match_window_size=2)

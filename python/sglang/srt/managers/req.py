@@ -47,32 +47,13 @@ class InflightCounts(Protocol):
     def inflight_tokens(self, req: Req) -> int: ...
 
 
-class DecodeKVLedger(Protocol):
-    """What a request asks of the scheduler's `DecodeKVLog` (mem_cache/decode_kv_log.py)."""
-
-    pending: list  # the steps not yet appended: a request with a log looks here first
-
-    def append_pending(self, req: Req) -> None: ...
-
-    def replaced(self, req: Req, kv_indices: list[int]) -> None: ...
-
-
-class DecodeTokenLedger(Protocol):
-    """What a request asks of the scheduler's `DecodeTokenLog` (scheduler_components/decode_token_log.py)."""
-
-    pending: list  # the steps not yet appended: a request with a log looks here first
-
-    def append_pending(self, req: Req) -> None: ...
-
-
 class Req:
     # Slots, not a __dict__: the scheduler touches a few of these per request at every step, and a
     # compact object keeps them in fewer cache lines (the forward runs on the same core on CPU).
     __slots__ = (
         "rid",
         "origin_input_ids",
-        "_output_ids",
-        "token_log",
+        "output_ids",
         "sampling_params",
         "return_logprob",
         "logprob_start_len",
@@ -89,8 +70,7 @@ class Req:
         "decode_until",
         "release_deferred",
         "req_pool_idx",
-        "_kv_indices",
-        "kv_log",
+        "kv_indices",
         "cache_protected_len",
         "last_node",
         "req_to_token_dirty_from",
@@ -140,10 +120,10 @@ class Req:
     ):
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
-        self._output_ids: list[int] = []  # `output_ids`
-        # The scheduler's `DecodeTokenLog` once the request decodes: its newest tokens may be there, not
-        # yet in `_output_ids`. None: everything is in the list.
-        self.token_log: DecodeTokenLedger | None = None
+        # The tokens sampled so far. Only `BatchResultProcessor`'s commit path appends to it; while the
+        # request decodes, the newest steps' tokens may wait in the scheduler's `DecodeFastPath`, which
+        # appends them at every boundary where the list is read (scheduler_components/decode_fast_path.py).
+        self.output_ids: list[int] = []
         self.sampling_params = sampling_params or SamplingParams()
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
@@ -169,10 +149,9 @@ class Req:
 
         # KV and radix cache
         self.req_pool_idx: int | None = None
-        self._kv_indices: list[int] = []  # `kv_indices`
-        # The scheduler's `DecodeKVLog` once the request decodes: its newest decode slots may be there,
-        # not yet in `_kv_indices`. None: everything is in the list.
-        self.kv_log: DecodeKVLedger | None = None
+        # The KV slot of each position scheduled so far (as `output_ids`: the newest decode steps' slots
+        # may wait in the `DecodeFastPath` until a boundary that reads the list).
+        self.kv_indices: list[int] = []
         self.cache_protected_len = 0
         self.last_node: Any = None
         self.req_to_token_dirty_from: int | None = None
@@ -235,40 +214,6 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
-
-    @property
-    def output_ids(self) -> list[int]:
-        """The tokens sampled so far (the newest decode steps' appended first from the scheduler's
-        `DecodeTokenLog`, where they wait while no request of the decode set can finish)."""
-        log = self.token_log
-        if log is not None and log.pending:
-            log.append_pending(self)
-        return self._output_ids
-
-    @output_ids.setter
-    def output_ids(self, value: list[int]) -> None:
-        log = self.token_log
-        if log is not None and log.pending:
-            log.append_pending(self)  # so that they are not appended to the new list later
-        self._output_ids = value
-
-    @property
-    def kv_indices(self) -> list[int]:
-        """The KV slot of each position scheduled so far (the decode steps' newest ones appended first
-        from the scheduler's `DecodeKVLog`, where they wait while the decode set is unchanged)."""
-        log = self.kv_log
-        if log is not None and log.pending:
-            log.append_pending(self)
-        return self._kv_indices
-
-    @kv_indices.setter
-    def kv_indices(self, value: list[int]) -> None:
-        log = self.kv_log
-        if log is not None:
-            if log.pending:
-                log.append_pending(self)  # so that they are not appended to the new list later
-            log.replaced(self, value)
-        self._kv_indices = value
 
     @property
     def kv_len(self) -> int:

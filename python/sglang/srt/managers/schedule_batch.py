@@ -24,7 +24,7 @@ from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, PenaltySlots
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
-__all__ = ["Req", "ScheduleBatch", "SnapshotTracker", "InflightLedger"]
+__all__ = ["Req", "ScheduleBatch", "SnapshotTracker", "InflightLedger", "DecodeShortcuts"]
 
 
 class SnapshotTracker(Protocol):
@@ -43,11 +43,22 @@ class InflightLedger(Protocol):
 
     def add(self, batch: ScheduleBatch) -> None: ...
 
+    def steady_decode_input_ids(self, reqs: list[Req]) -> tuple[Sequence[int], bool] | None: ...
+
     def decode_input_ids(self, reqs: list[Req]) -> tuple[Sequence[int], bool]: ...
 
     def num_inflight(self, req: Req) -> int: ...
 
     def inflight_tokens(self, req: Req) -> int: ...
+
+
+class DecodeShortcuts(Protocol):
+    """What a decode build asks of the scheduler's `DecodeFastPath` (structural, as above): its rows
+    cache, and `flush` before the build reads the requests' lists."""
+
+    rows_cache: DecodeRowsCache
+
+    def flush(self) -> None: ...
 
 
 class ScheduleBatch:
@@ -182,23 +193,32 @@ class ScheduleBatch:
         tracker: SnapshotTracker,
         tree_cache: BasePrefixCache,
         inflight: InflightLedger,
-        rows_cache: DecodeRowsCache | None = None,
+        fast_path: DecodeShortcuts | None = None,
         penalty_slots: PenaltySlots | None = None,
     ) -> None:
         """One token per request at position kv_len - 1; its KV slot, `out_cache_loc[i]`, and its KV
         length, `seq_lens[i]`, come from `alloc_for_decode`. (This runs for every running request at
-        every step: each pass over the requests' objects costs ~0.1-0.2 us per request.)"""
+        every step: each pass over the requests' objects costs ~0.1-0.2 us per request.) `fast_path`: the
+        scheduler's decode shortcuts, flushed here before the requests' lists are read (not in the
+        steady step), and its rows cache."""
         reqs, n = self.reqs, len(self.reqs)
-        input_ids, self.has_placeholders = inflight.decode_input_ids(reqs)
+        ids = inflight.steady_decode_input_ids(reqs)
+        if ids is None:
+            if fast_path is not None:
+                fast_path.flush()  # the newest tokens are read from the requests' output_ids
+            ids = inflight.decode_input_ids(reqs)
+        input_ids, self.has_placeholders = ids
         writes = []
-        for req in reqs:
+        for row, req in enumerate(reqs):
             if req.req_to_token_dirty_from is not None:
-                writes += self._dirty_row_writes(req, len(req.kv_indices) - 1)
+                if fast_path is not None:
+                    fast_path.flush()  # the rewrite reads the list
+                writes += self._dirty_row_writes(req, seq_lens[row] - 1)
         self.sample_rows = [True] * n
         self.completes_prefill = [False] * n
         track = self.set_mamba_track_indices_from_reqs(tracker, seq_lens)
         inflight.add(self)
-        rows = rows_cache.get(reqs) if rows_cache is not None else DecodeRows.of(reqs)
+        rows = fast_path.rows_cache.get(reqs) if fast_path is not None else DecodeRows.of(reqs)
         self.any_stream = rows.any_stream
         self.forward_batch = ForwardBatch.create(
             self.forward_mode,

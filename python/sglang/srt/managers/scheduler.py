@@ -146,7 +146,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
             on_release=self.remove_request,
             counters=self.counters,
             stream_interval=server_args.stream_interval,
-            token_log=self.fast_path.token_log,
+            fast_path=self.fast_path,
         )
         self.spec = None  # --speculative-algorithm: builds verify batches and commits their results
         if server_args.speculative_algorithm is not None:
@@ -288,9 +288,11 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
             self.waiting_queue = [r for r in self.waiting_queue if r not in taken]
 
     def get_new_batch_decode(self) -> ScheduleBatch | None:
-        reqs = self.decode_set.select(self.running)
-        if self.spec is not None and reqs and (batch := self.spec.get_new_batch_verify(reqs)) is not None:
-            return batch
+        reqs = self.fast_path.select(self.running)
+        if self.spec is not None and reqs:
+            self.fast_path.flush()  # the drafts read the requests' outputs
+            if (batch := self.spec.get_new_batch_verify(reqs)) is not None:
+                return batch
         # One more KV slot each; while the pool (after evicting the tree) cannot give that, retract the
         # newest request.
         allocated = None
@@ -310,7 +312,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
             return None
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, self._next_batch_id())
         batch.prepare_for_decode(
-            *allocated, self.tracker, self.tree_cache, self.inflight, self.rows_cache, self.penalty_slots
+            *allocated, self.tracker, self.tree_cache, self.inflight, self.fast_path, self.penalty_slots
         )
         return batch
 

@@ -1,13 +1,13 @@
 """`DecodeKVLog`: the KV slots that decode steps give an unchanged list of requests, kept per step and
-appended to each request's `kv_indices` only when something reads that list (`DecodeStepLog`, whose
+appended to each request's `kv_indices` at the next boundary that reads the lists (`DecodeStepLog`, whose
 module says why: at 256 requests the per-request append was a quarter of a steady step's host time).
 While the decode set is unchanged each request's KV length follows from the previous step's (+1 each).
 
-Nothing reads a request's list in a steady step; what does (a finish, a retraction, a snapshot insert at a
-track boundary, a dirty-row rewrite, the integrity checks) goes through `Req.kv_indices`, which first
-appends the steps pending for that request. The whole log is appended when the decode set changes (the
-new set's first step is appended at once, in the pass that reads the lengths), and every `MAX_PENDING`
-steps, which bounds its memory.
+Nothing reads a request's list in a steady step. What does (a finish's release, a retraction, a dirty-row
+rewrite, a speculative verify's allocation, the integrity check) comes after the scheduler's
+`DecodeFastPath.flush`; a decode set that changes appends everything first (`clear`; the new set's first
+step is appended at once, in the pass that reads the lengths), and so does every `MAX_PENDING`-th step,
+which bounds the log's memory.
 
 Used for page size 1 only (`alloc_for_decode`): with larger pages a step's slot depends on each request's
 last slot, which a snapshot insert may have replaced in its list.
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 
 
 class DecodeKVLog(DecodeStepLog):
-    LIST_ATTR = "_kv_indices"
-
     def __init__(self, enabled: bool = True) -> None:
         super().__init__(enabled)
         self._lens: list[int] = []  # each of `_reqs`' KV length after the newest step
@@ -40,31 +38,31 @@ class DecodeKVLog(DecodeStepLog):
             self._reqs = list(reqs)
             lens = self._lens = []
             for r, slot in zip(reqs, slots, strict=True):
-                if r.kv_log is not self:
-                    r.kv_log = self
-                kv = r._kv_indices  # nothing is pending here after the clear
+                kv = r.kv_indices  # nothing is pending here after the clear
                 kv.append(slot)
                 lens.append(len(kv))
             return lens
         if len(self.pending) >= self.MAX_PENDING:
             self.flush()
         self.pending.append(slots)
-        self._lens = [n + 1 for n in self._lens]
+        self._lens = [n + 1 for n in self._lens]  # (a new list: a step's batch holds the old one)
         return self._lens
 
-    def replaced(self, req: Req, kv_indices: list[int]) -> None:
-        """`req`'s list was replaced (after `append_pending`): its length in the set follows the new one."""
-        i = self._place(req)
-        if i is not None:
-            self._lens = list(self._lens)  # a step's batch may hold the old list
-            self._lens[i] = len(kv_indices)
+    def flush(self, req: Req | None = None) -> None:
+        """Append the pending steps' slots to the requests' lists (`req`'s alone, if given: a snapshot
+        insert of one request while the others go on)."""
+        for r, slots in self.take(req):
+            r.kv_indices.extend(slots)
 
     def clear(self) -> None:
-        super().clear()
+        """`flush`, and forget the decode set (the next step starts a new one)."""
+        self.flush()
+        self.forget()
         self._lens = []
 
     def check(self) -> None:
-        """The lengths the next step continues from are the lists' (the log's invariant: nothing
-        changes the length of a list in the decode set but a step or a replacement through the setter)."""
-        actual = [len(r.kv_indices) for r in self._reqs]
+        """The lengths the next step continues from are the lists' with the pending steps (the log's
+        invariant: nothing changes the length of a list in the decode set but a step, unless the set is
+        forgotten first, as a release or a retraction does)."""
+        actual = [len(r.kv_indices) + n for r, n in zip(self._reqs, self.lacking(), strict=True)]
         assert actual == self._lens, f"decode KV lengths {self._lens} differ from the lists' {actual}"

@@ -17,22 +17,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.io_struct import BatchTokenIDOut
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.scheduler_components.decode_token_log import DecodeTokenLog
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.common import release_kv_cache
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler_components.decode_token_log import DecodeTokenLog
     from sglang.srt.model_executor.forward_worker import HostBatchResult
 
 logger = logging.getLogger(__name__)
+
+
+class DecodeLogs(Protocol):
+    """What the result processor asks of the scheduler's `DecodeFastPath` (structural: that module
+    imports `commit_logged` from here)."""
+
+    token_log: DecodeTokenLog
+
+    def flush(self, req: Req | None = None) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 class BatchResultProcessor:
@@ -45,7 +56,7 @@ class BatchResultProcessor:
         on_release: Callable[[Req], None],
         counters: dict[str, int],
         stream_interval: int,
-        token_log: DecodeTokenLog | None = None,
+        fast_path: DecodeLogs,
     ):
         self.tree_cache = tree_cache
         self.tracker = tracker
@@ -54,8 +65,10 @@ class BatchResultProcessor:
         self.on_release = on_release  # the scheduler forgets a released request
         self.counters = counters
         self.stream_interval = stream_interval
-        # Decode steps' tokens not yet in the requests' output_ids (`decode_token_log.py`).
-        self.token_log = token_log if token_log is not None else DecodeTokenLog()
+        # The scheduler's decode shortcuts: its logs hold decode steps not yet in the requests' lists
+        # (`decode_fast_path.py`), and its token log, steps whose tokens only wait to be committed.
+        self.fast_path = fast_path
+        self.token_log = fast_path.token_log
         # PD prefill server: takes a disaggregated request once its prompt is done (it decodes elsewhere).
         self.prefill_handoff: Callable[[Req], None] | None = None
         # Finished requests whose release waits for a batch in flight (`release_finished`): they still
@@ -126,7 +139,7 @@ class BatchResultProcessor:
         if short and log.log(batch.reqs, result.next_token_ids):
             self.counters["num_generation_tokens_total"] += len(batch.reqs)
             return
-        log.flush()  # the loops below read the lists themselves
+        commit_logged(log)  # the loops below read the lists themselves
         if short:
             self._commit_decode_tokens(batch, result)
             return
@@ -180,7 +193,8 @@ class BatchResultProcessor:
         check: str = "quick",
     ) -> bool:
         """Commit `token`, sampled for `req` at `result`'s logits row `row`: the one place a sampled
-        token joins `req.output_ids`, with its logprobs (as the request asks), the hidden state of its
+        token joins `req.output_ids` (but for the steps the decode token log held, `commit_logged`;
+        the caller commits those first), with its logprobs (as the request asks), the hidden state of its
         input position (`hidden`, decode and verify rows), and the finish check. `check`: "quick" runs
         `check_finished` only where the quick check (`FinishChecker.set_quick_check`) says the token
         may end the request (decode and verify: the prefill's full check set it), "full" always (a
@@ -191,12 +205,7 @@ class BatchResultProcessor:
         if hidden is not None:
             add_hidden_states(req, hidden, req.hidden_count)  # (its input token's position)
         if token is not None:
-            # Every running request at every decode step that is not only logged comes here: this is
-            # `Req.output_ids`'s read inlined (its call cost a tenth of a churning step's processing).
-            log = req.token_log
-            if log is not None and log.pending:
-                log.append_pending(req)
-            out = req._output_ids
+            out = req.output_ids
             out.append(token)
             if result is not None and req.return_logprob and result.next_token_logprobs is not None:
                 self._append_output_logprobs(req, result, row, token)
@@ -224,6 +233,7 @@ class BatchResultProcessor:
         finishes on a track boundary inserts the state of that very step (upstream's
         `_handle_finish_state_updated_req`)."""
         if pending is not None:
+            self.fast_path.flush(req)  # the tree may take its prefix with the snapshot
             self._mamba_prefix_cache_update(req, *pending)
         if req.finished:
             self.release_finished(req)
@@ -237,7 +247,9 @@ class BatchResultProcessor:
         flight still contains (it finished on the token that batch feeds it, under overlap) leaves the
         scheduler now but gives its KV and slots back when that batch is processed, if the tree then
         takes its final state (`defers_finished_release`): the batch writes that token's KV and state."""
-        self.token_log.clear()  # the decode set changes (and an abort must not get a logged token)
+        # The release reads its lists and the client is sent them; the decode set changes (and a batch in
+        # flight must not log a token for an aborted request).
+        self.fast_path.clear()
         is_insert = not (req.finished_reason and req.finished_reason.get("type") == "abort")
         if is_insert and req.num_inflight > 0 and self.tree_cache.defers_finished_release(req):
             req.release_deferred = True
@@ -281,6 +293,7 @@ class BatchResultProcessor:
         """Send each request's new tokens: streaming requests every --stream-interval tokens, all of
         them when they finish."""
         interval = self.stream_interval
+        commit_logged(self.token_log)  # what is sent is each request's output_ids
         out = BatchTokenIDOut.empty()
         for req in reqs:
             new = len(req.output_ids) - req.send_offset
@@ -291,6 +304,7 @@ class BatchResultProcessor:
             self.output_sink(out)
 
     def send_finished(self, reqs: list[Req]) -> None:
+        commit_logged(self.token_log)  # (an abort outside a step; a release flushed already)
         out = BatchTokenIDOut.empty()
         for req in reqs:
             self._append(out, req)
@@ -327,6 +341,15 @@ class BatchResultProcessor:
             out.spec_counts.append(list(req.spec_counts or (0,)))
         req.input_logprobs_sent = req.input_logprobs_sent or bool(first)
         req.send_offset = len(req.output_ids)
+
+
+def commit_logged(log: DecodeTokenLog, req: Req | None = None) -> None:
+    """Commit the decode steps `log` holds (for `req` alone, if given): each request's tokens of them join
+    its `output_ids` (the one other place, beside `BatchResultProcessor.commit`, where that list grows).
+    The log took only steps whose tokens end no request and that want no logprobs, hidden states,
+    snapshot or stream: appending them is all that committing them means."""
+    for r, tokens in log.take(req):
+        r.output_ids.extend(tokens)
 
 
 def add_hidden_states(req: Req, rows: torch.Tensor, start: int) -> None:

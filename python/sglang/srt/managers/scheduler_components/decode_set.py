@@ -8,6 +8,7 @@ prefill server hands a disaggregated request over after its prompt and never dec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from operator import attrgetter
 
 from sglang.srt.managers.schedule_batch import Req
@@ -63,14 +64,17 @@ class DecodeSetCache:
         self._reqs: list[Req] = []
         self._min_until = 0
 
-    def select(self, running: list[Req]) -> list[Req]:
-        """The requests of this decode build (a list of the caller's own)."""
+    def select(self, running: list[Req], before_read: Callable[[], None] | None = None) -> list[Req]:
+        """The requests of this decode build (a list of the caller's own). `before_read` runs before a
+        selection that reads the requests' lists (`DecodeFastPath.flush`: the steps they lack go in)."""
         now = self.builds
         self.builds += 1
+        if self.enabled and self._reqs and now < self._min_until and running == self._running:
+            return list(self._reqs)
+        if before_read is not None:
+            before_read()
         if not self.enabled:
             return select_decode_reqs(running, self.context_len, self.prefill_server)
-        if self._reqs and now < self._min_until and running == self._running:
-            return list(self._reqs)
         qualifies = self._qualifies
         reqs = [
             r for r in running if (r.decode_until > now and r.finished_reason is None) or qualifies(r, now)

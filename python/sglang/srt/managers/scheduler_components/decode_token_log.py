@@ -1,18 +1,23 @@
-"""`DecodeTokenLog`: the tokens of decode steps that can end no request, kept per step and appended to
-each request's `output_ids` only when something reads that list (`DecodeStepLog` says why).
+"""`DecodeTokenLog`: the tokens of decode steps that can end no request, kept per step and committed to
+each request's `output_ids` at the next boundary that reads the lists (`DecodeStepLog` says why). The
+log only holds them: committing them is the commit path's (`batch_result_processor.commit_logged`, which
+`DecodeFastPath.flush` and the decode result loop call), so that `output_ids` grows in one module.
 
 A step's tokens are logged instead of committed one by one (`log`) when all of these hold:
 - the batch is the decode set the log was started for (the same requests in the same order);
 - no request can reach the output length at which its finish check runs (`Req.finish_check_len`): the
   smallest distance to it, taken when the log started, stays above the steps since (`_slack`);
 - no token of the step is a stop or end-of-sequence id of any request of the set (`_stop_ids`, their
-  union; one C-level `isdisjoint`).
+  union; one C-level `isdisjoint`);
+- fewer than `MAX_PENDING` steps wait (the bound on the log's memory: the step is committed one by one
+  after the pending ones).
 Then no request can finish on the step: its tokens need no other bookkeeping.
 
-The caller commits every other step one by one and tells the log (`after_step`): a step in which a
-request of the batch finished or was already gone forgets the set; the same batch twice in a row starts
-logging it. Whatever ends a request outside a step (an abort, a PD hand-off, a retraction) forgets the
-set too (`clear`), so a request that is gone never gets a logged token.
+The caller commits every other step one by one (after committing the pending ones) and tells the log
+(`after_step`): a step in which a request of the batch finished or was already gone forgets the set; the
+same batch twice in a row starts logging it. Whatever ends a request outside a step (an abort, a PD
+hand-off, a retraction) forgets the set too (`DecodeFastPath.clear`), so a request that is gone never
+gets a logged token.
 """
 
 from __future__ import annotations
@@ -27,8 +32,6 @@ if TYPE_CHECKING:
 
 
 class DecodeTokenLog(DecodeStepLog):
-    LIST_ATTR = "_output_ids"
-
     def __init__(self, enabled: bool = True) -> None:
         super().__init__(enabled)
         self._steps = 0  # steps of the set since the log started it
@@ -40,16 +43,15 @@ class DecodeTokenLog(DecodeStepLog):
 
     def log(self, reqs: list[Req], tokens: Sequence[int]) -> bool:
         """Log this step's tokens for `reqs` (True) if no request can finish on them; else False: the
-        caller commits them one by one and then calls `after_step`."""
+        caller commits the pending steps, then this one token by token, and then calls `after_step`."""
         if (
             self._steps + 1 >= self._slack
             or reqs != self._reqs
             or not self._stop_ids.isdisjoint(tokens)
+            or len(self.pending) >= self.MAX_PENDING
             or not self.enabled
         ):
             return False
-        if len(self.pending) >= self.MAX_PENDING:
-            self.flush()
         self.pending.append(tokens)
         self._steps += 1
         self.steps_logged += 1
@@ -71,11 +73,9 @@ class DecodeTokenLog(DecodeStepLog):
         self.clear()
         stop_ids, base, slack = set(), [], []
         for r in reqs:
-            if r.token_log is not self:
-                r.token_log = self
             if r.finish_token_ids is None:
                 return  # no quick check yet: every step checks it
-            n = len(r._output_ids)  # nothing is pending after the clear
+            n = len(r.output_ids)
             base.append(n)
             slack.append(r.finish_check_len - n)
             stop_ids |= r.finish_token_ids
@@ -85,10 +85,12 @@ class DecodeTokenLog(DecodeStepLog):
     def check(self) -> None:
         """The log's invariant: nothing but the set's steps (logged or committed) added tokens to its
         requests since it started the set (the slack counts on it)."""
-        actual = [len(r.output_ids) for r in self._reqs]
+        actual = [len(r.output_ids) + n for r, n in zip(self._reqs, self.lacking(), strict=True)]
         expected = [n + self._steps for n in self._base]
         assert actual == expected, f"decode output lengths {actual} differ from the log's {expected}"
 
     def clear(self) -> None:
-        super().clear()
+        """Forget the decode set. Its pending steps must have been committed (`commit_logged`): the log
+        cannot commit them itself."""
+        self.forget()
         self._steps, self._slack, self._previous, self._base = 0, 0, None, []

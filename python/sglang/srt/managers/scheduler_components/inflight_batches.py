@@ -95,27 +95,37 @@ class InflightBatches:
             n += row is not None and e.batch.sample_rows[row]
         return n
 
-    def decode_input_ids(self, reqs: list[Req]) -> tuple[Sequence[int], bool]:
-        """Each request's newest token, the input of its decode step: the placeholder of the newest
-        batch in flight that samples it, else its newest output token. Returns (ids, whether any is a
-        placeholder). Call it before `add` of the batch being built."""
+    def steady_decode_input_ids(self, reqs: list[Req]) -> tuple[Sequence[int], bool] | None:
+        """`decode_input_ids` in the steady decode step, which reads no request: the previous decode of
+        the same requests, in the same order, was the newest batch. None otherwise (the caller makes
+        the requests' `output_ids` current first, then asks `decode_input_ids`)."""
         entries = self._entries
         if not entries:
             landed = self._landed
             if landed is not None and landed[0] == reqs:
-                # The steady decode step without overlap: its tokens are the previous step's.
+                # Without overlap: its tokens are the previous step's.
                 return landed[1], False
-            return [r.output_ids[-1] for r in reqs], False
+            return None
         newest = entries[-1].batch
         if newest.reqs == reqs and all(newest.sample_rows):
-            # The steady decode step under overlap: the previous decode of the same requests, in
-            # the same order, is in flight, and newer than any other batch.
+            # Under overlap: the previous decode is in flight, and newer than any other batch.
             return placeholders(newest.future_slots), True
+        return None
+
+    def decode_input_ids(self, reqs: list[Req]) -> tuple[Sequence[int], bool]:
+        """Each request's newest token, the input of its decode step: the placeholder of the newest
+        batch in flight that samples it, else its newest output token. Returns (ids, whether any is a
+        placeholder). Call it before `add` of the batch being built."""
+        steady = self.steady_decode_input_ids(reqs)
+        if steady is not None:
+            return steady
         refs: dict[Req, int] = {}
-        for e in entries:  # oldest first: a newer batch's placeholder replaces an older one's
+        for e in self._entries:  # oldest first: a newer batch's placeholder replaces an older one's
             batch = e.batch
             for req, slot, sampled in zip(batch.reqs, batch.future_slots, batch.sample_rows, strict=True):
                 if sampled:
                     refs[req] = ~slot
+        if not refs:
+            return [r.output_ids[-1] for r in reqs], False
         ids = [refs[r] if r in refs else r.output_ids[-1] for r in reqs]
         return ids, min(ids) < 0  # placeholders are negative, tokens are not

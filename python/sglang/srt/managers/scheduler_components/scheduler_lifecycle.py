@@ -109,7 +109,8 @@ class SchedulerLifecycleMixin:
     def check_integrity(self) -> None:
         assert not self.in_flight, "check_integrity needs the forward stream drained"
         assert not self.inflight, "every batch built was launched and processed"
-        self.fast_path.check()
+        self.fast_path.check(self.running)
+        self.fast_path.flush()  # the walk reads every request's lists
         self.penalty_slots.check(self.live_requests())
         self.grammar_queue.check(self.live_requests())
         with_processor = sum(r.custom_logit_processor is not None for r in self.reqs_by_rid.values())
