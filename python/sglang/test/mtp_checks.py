@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from sglang.srt.configs.presets import resolve_model_path
 from sglang.srt.speculative.mtp_draft import MtpDraftRunner
 from sglang.test.scheduler_harness import SchedulerHarness
 
 QWEN = "tiny-qwen3-next"
+DEMO = "tiny-qwen3-next-demo"
 NEXTN = dict(speculative_algorithm="NEXTN")
 
 
@@ -84,3 +86,28 @@ def assert_same(plain, spec, stats) -> None:
     assert any(o.cached_tokens > 0 for o in spec[1]), "turn 2 hits turn 1's prefixes"
     # Teacher drafts: two chains in three are right, so most drafts are accepted.
     assert stats["accepted_tokens"] > stats["verify_steps"], stats
+
+
+def held_out_prompts(n: int, length: int) -> list[list[int]]:
+    """`n` prompts of `length` demo-model tokens spread over the held-out modules' source (never trained on)."""
+    from transformers import AutoTokenizer
+
+    from sglang.tools.train_tiny_model import corpus_files, read
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(DEMO))
+    ids = tokenizer("".join(read(corpus_files()[1])))["input_ids"]
+    step = (len(ids) - length) // n
+    return [ids[i * step : i * step + length] for i in range(n)]
+
+
+def demo_outputs(prompts: list[list[int]], **spec) -> tuple[list[list[int]], dict | None]:
+    """The demo model's greedy 48 tokens for each prompt, and the speculative totals (with `spec`)."""
+    h = SchedulerHarness(DEMO, disable_overlap_schedule=True, **spec)
+    try:
+        rids = [h.submit(p, max_new_tokens=48, return_logprob=False) for p in prompts]
+        h.run()
+        stats = dict(h.sched.spec.stats) if spec else None
+        h.flush_and_check_empty()
+        return [h.outputs[r].output_ids for r in rids], stats
+    finally:
+        h.shutdown()

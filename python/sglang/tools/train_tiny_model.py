@@ -3,6 +3,9 @@ attention + MoE, transformers' own classes) that writes readable Python, trained
 
     python -m sglang.tools.train_tiny_model --out python/sglang/tools/data/tiny-qwen3-next-demo
 
+then trains its MTP layer (the NEXTN draft, `train_mtp.py`) with the base frozen; `--mtp-only` trains
+just that layer on a trained checkpoint, leaving its base tensors as they are.
+
 The text is the Python standard library's own modules (`*.py` under `sysconfig`'s stdlib folder, without
 test suites, installed packages and the files a build writes for one installation):
 it is on every machine that runs this project, it is real, varied, well-formed text in one language,
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 
 from sglang.tools.make_tiny_model import IM_END_ID, MAX_POSITIONS, PAD_ID, build_tokenizer
+from sglang.tools.train_mtp import MTP_DEFAULTS, MTP_SEQ_LEN, train_mtp
 
 # Modules present in every Python from 3.10 on, never trained on.
 HELD_OUT = ("textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "colorsys.py", "shlex.py")
@@ -125,6 +129,7 @@ def train(
     seed: int,
     max_files: int | None = None,
     command: str = "",
+    mtp_args: dict | None = None,
 ) -> dict:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -199,7 +204,34 @@ def train(
         "held_out_perplexity": round(math.exp(held), 2),
         "minutes": round((time.monotonic() - start) / 60, 1),  # the whole run: tokenizer, training, eval
     }
+    report["mtp"] = train_mtp(out, train_ids, held_ids, MTP_SEQ_LEN, **_mtp_args(mtp_args), seed=seed)
+    (out / "model.safetensors").chmod(0o644)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _mtp_args(given: dict | None) -> dict:
+    args = {**MTP_DEFAULTS, **(given or {})}
+    keys = ("steps", "batch_size", "lr", "windows")
+    return {key: args[f"mtp_{key}"] for key in keys}
+
+
+def train_mtp_only(out: Path, seed: int, mtp_args: dict | None = None, command: str = "") -> dict:
+    """Train the MTP layer of the trained checkpoint in `out` on the same text (its own tokenizer),
+    and add it to `out`'s training.json."""
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(2)
+    train_files, held_files = corpus_files()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    train_ids = token_stream(tokenizer, read(train_files))
+    held_ids = token_stream(tokenizer, read(held_files))
+    entry = train_mtp(out, train_ids, held_ids, MTP_SEQ_LEN, **_mtp_args(mtp_args), seed=seed)
+    entry["command"] = command
+    path = out / "training.json"
+    report = json.loads(path.read_text())
+    report["mtp"] = entry
+    path.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
@@ -208,12 +240,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="Folder to write the checkpoint into.")
     for name, value in DEFAULTS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    for name, value in MTP_DEFAULTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument(
         "--max-files", type=int, default=None, help="Train on the first N files only (tests)."
     )
+    parser.add_argument(
+        "--mtp-only", action="store_true", help="Train only the MTP layer of the checkpoint at --out."
+    )
     args = parser.parse_args(argv)
     command = "python -m sglang.tools.train_tiny_model " + " ".join(sys.argv[1:] if argv is None else argv)
-    report = train(Path(args.out), args.steps, args.batch_size, args.lr, args.seed, args.max_files, command)
+    mtp_args = {name: getattr(args, name) for name in MTP_DEFAULTS}
+    if args.mtp_only:
+        mtp = train_mtp_only(Path(args.out), args.seed, mtp_args, command)["mtp"]
+        print(
+            f"Trained the MTP layer ({mtp['parameters']:,} parameters) in {mtp['minutes']} min: held-out "
+            f"next-next-token loss {mtp['held_out_loss_next_next_token']}; wrote {args.out}"
+        )
+        return
+    report = train(
+        Path(args.out), args.steps, args.batch_size, args.lr, args.seed, args.max_files, command, mtp_args
+    )
     print(
         f"Trained {report['parameters']:,} parameters on {report['train_tokens']:,} tokens in "
         f"{report['minutes']} min: held-out loss {report['held_out_loss']} nats/token "

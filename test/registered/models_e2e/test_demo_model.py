@@ -106,7 +106,8 @@ def test_the_training_command_is_deterministic_and_its_checkpoint_serves(tmp_pat
 
     def run(out: Path) -> dict[str, str]:
         cmd = [sys.executable, "-m", "sglang.tools.train_tiny_model", "--out", str(out), "--steps", "3",
-               "--batch-size", "2", "--max-files", "20"]  # fmt: skip
+               "--batch-size", "2", "--max-files", "20", "--mtp-steps", "2", "--mtp-batch-size", "2",
+               "--mtp-windows", "4"]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "training: 100%" in proc.stderr  # the progress bar
@@ -119,6 +120,7 @@ def test_the_training_command_is_deterministic_and_its_checkpoint_serves(tmp_pat
     assert run(first) == run(second)
     report = json.loads((first / "training.json").read_text())
     assert report["steps"] == 3 and report["train_files"] == 20 and report["held_out_loss"] > 0
+    assert report["mtp"]["steps"] == 2 and report["mtp"]["held_out_loss_next_next_token"] > 0
     engine = sglang.Engine(model_path=str(first))
     try:
         assert len(engine.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0})["output_ids"]) == 4

@@ -25,7 +25,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, plain_then_spec
 from sglang.test.scheduler_harness import token_ids
 
-register_cpu_ci(est_time=30, suite="per-commit-cpu")
+register_cpu_ci(est_time=22, suite="per-commit-cpu")
 
 
 def test_greedy_same_as_plain_decoding_with_chunks_and_hits(monkeypatch):
@@ -91,3 +91,66 @@ def test_flags_and_refusals():
         flags = {"model_path": QWEN, **NEXTN, **flags}
         with pytest.raises(ServerArgsError, match=message):
             ServerArgs(**flags)
+
+
+def test_first_drafts_match_a_transformers_built_mtp_layer(monkeypatch):
+    """The engine's first k drafts for a prompt (its MTP layer, KV and hidden-state feeding) against the
+    published layout built from transformers' own Qwen3-Next layers (`sglang.tools.train_mtp`), loaded
+    with the checkpoint's `mtp.*` tensors, over the whole sequence at once: step j at position L + j - 2
+    sees the canonical rows (x_(t+1), h_t) before L and the draft rows after. Greedy on the random preset
+    (head gain 5: top logits far apart), so the argmaxes are the same tokens."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from sglang.srt.configs.presets import resolve_model_path
+    from sglang.srt.speculative.mtp_draft import MtpDraftRunner
+    from sglang.test.scheduler_harness import SchedulerHarness
+    from sglang.tools.train_mtp import TrainableMTP
+
+    seen = []
+    original = MtpDraftRunner.draft_steps
+
+    def record(self, plan):
+        chains, probs = original(self, plan)
+        seen.append((plan.prefix_lens[0], chains[0]))
+        return chains, probs
+
+    monkeypatch.setattr(MtpDraftRunner, "draft_steps", record)
+    prompt = token_ids(75, seed=3)
+    h = SchedulerHarness(QWEN, disable_overlap_schedule=True, **NEXTN)
+    try:
+        rid = h.submit(prompt, max_new_tokens=6, return_logprob=False)
+        h.run()
+        first = h.outputs[rid].output_ids[0]
+    finally:
+        h.shutdown()
+    p, drafts = seen[0]
+    assert p == len(prompt)
+
+    path = resolve_model_path(QWEN)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    mtp = TrainableMTP(base).eval()
+    tensors = load_file(f"{path}/model.safetensors")
+    mtp.load_state_dict({k.removeprefix("mtp."): v for k, v in tensors.items() if k.startswith("mtp.")})
+    seq = prompt + [first]
+    with torch.no_grad():
+        hidden = base.model(input_ids=torch.tensor([prompt])).last_hidden_state[0]
+        next_ids, rows = list(seq[1:]), [hidden[t] for t in range(len(prompt))]
+        want = []
+        for _ in range(len(drafts)):
+            logits, g = _reference_step(mtp, base, next_ids, rows)
+            want.append(int(logits.argmax()))
+            next_ids.append(want[-1])
+            rows.append(g)
+    assert drafts == want
+
+
+def _reference_step(mtp, base, next_ids: list[int], rows: list[torch.Tensor]):
+    """The reference layer over all rows; the last row's logits and output g."""
+    captured = {}
+    handle = mtp.norm.register_forward_hook(lambda m, i, o: captured.update(g=o[0, -1]))
+    try:
+        logits = mtp(base, torch.tensor([next_ids]), torch.stack(rows)[None])
+    finally:
+        handle.remove()
+    return logits[0, -1], captured["g"]

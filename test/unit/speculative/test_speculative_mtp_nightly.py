@@ -1,5 +1,6 @@
 """Nightly (suite nightly-cpu) cases of `test_speculative_mtp.py`: greedy NEXTN outputs equal plain
-decoding's on Qwen3.5 and Qwen3.5-MoE and with every strategy, and under KV pressure (retractions).
+decoding's on Qwen3.5 and Qwen3.5-MoE, with every strategy, under KV pressure (retractions) and with
+the demo model's trained drafts.
 Run: `python -m pytest -q test/unit/speculative/test_speculative_mtp_nightly.py`."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, plain_then_spec
+from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, demo_outputs, held_out_prompts, plain_then_spec
 from sglang.test.scheduler_harness import churn_harness, run_churn, token_ids
 
 register_cpu_ci(est_time=150, suite="nightly-cpu")
@@ -40,3 +41,11 @@ def test_retractions_keep_outputs():
         finally:
             h.shutdown()
     assert outs[True] == outs[False]
+
+
+def test_demo_outputs_with_its_trained_drafts_are_plain_decodings():
+    """The drafts the trained MTP layer proposes (no teacher), accepted or not, change no token."""
+    prompts = held_out_prompts(4, 96)
+    spec_out, stats = demo_outputs(prompts, speculative_algorithm="NEXTN", speculative_num_steps=3)
+    assert stats["accepted_tokens"] > 0
+    assert spec_out == demo_outputs(prompts)[0]
