@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,20 @@ def run_preset(path: str) -> dict[str, Any]:
         "conv": tuple(pool.conv_state.shape[2:]),
         "ssm": tuple(pool.ssm_state.shape[2:]),
         "kv_heads": runner.token_to_kv_pool.k_buffer[0].shape[1],
+        "all_reduces_per_decode": count_all_reduces(lambda: driver.decode(reqs)),
     }
+
+
+def count_all_reduces(step: Callable[[], Any]) -> int:
+    """How many all-reduces over the TP group `step` runs."""
+    group, calls = ps.get_tp_group(), []
+    reduce = group.all_reduce
+    group.all_reduce = lambda x: calls.append(x.shape) or reduce(x)
+    try:
+        step()
+    finally:
+        del group.all_reduce  # the class's method again
+    return len(calls)
 
 
 def run_presets(rank: int, world_size: int, init_method: str, paths: dict[str, str]) -> dict[str, Any]:

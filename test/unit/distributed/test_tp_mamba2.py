@@ -82,6 +82,26 @@ def test_each_rank_holds_its_part_of_the_state(name, runs):
         assert got[name]["kv_heads"] == tp1[name]["kv_heads"] // 2
 
 
+# All-reduces per decode step at TP 2: the embedding's, one per block (a mixer's out_proj / o_proj, an
+# MLP's down_proj, a MoE's routed and shared experts together), Falcon-H1's two mixers of a layer sharing
+# one; with one Bamba group over both ranks each Mamba2 layer's norm adds one (2 of its 4 layers).
+ALL_REDUCES = {
+    "tiny-nemotron-h": 1 + 6,
+    "tiny-granite-4.0-h": 1 + 4 * 2,
+    "tiny-falcon-h1": 1 + 3 * 2,
+    "tiny-bamba": 1 + 4 * 2,
+    "tiny-lfm2": 1 + 4 * 2,
+    "tiny-lfm2-moe": 1 + 4 * 2,
+    ONE_GROUP: 1 + 4 * 2 + 2,
+}
+
+
+@pytest.mark.parametrize("name", [*PRESETS, ONE_GROUP])
+def test_each_block_all_reduces_once(name, runs):
+    for got in runs[2]:
+        assert got[name]["all_reduces_per_decode"] == ALL_REDUCES[name]
+
+
 def test_an_unreduced_row_parallel_linear_adds_its_bias_once(runs):
     """A MoE block sums its shared expert's unreduced `down_proj` with the routed experts' part in one
     all-reduce: the bias must come from one rank only (every rank added it before: twice at TP 2)."""

@@ -31,13 +31,15 @@ class LlamaStyleAttention(nn.Module):
         rope_parameters: dict[str, Any] | None,
         bias: bool = False,
         qk_norm_eps: float | None = None,
+        reduce_results: bool = True,
     ):
         """`scale` None: 1/sqrt(head_dim). `rope_parameters` None: no positions. `qk_norm_eps`: RMSNorm
-        each head of q and k (before the rotation) with this eps; None: no q/k norms."""
+        each head of q and k (before the rotation) with this eps; None: no q/k norms. `reduce_results` False:
+        the output is this rank's part of the sum (the caller reduces)."""
         super().__init__()
         self.head_dim = head_dim
         self.num_heads, self.num_kv_heads = set_attention_projections(
-            self, hidden_size, num_heads, num_kv_heads, head_dim, bias
+            self, hidden_size, num_heads, num_kv_heads, head_dim, bias, reduce_results
         )
         self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
@@ -59,7 +61,13 @@ class LlamaStyleAttention(nn.Module):
 
 
 def set_attention_projections(
-    module: nn.Module, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool
+    module: nn.Module,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    bias: bool,
+    reduce_results: bool = True,
 ) -> tuple[int, int]:
     """Give `module` its `q_proj`, `k_proj`, `v_proj` and `o_proj` for this TP rank: the query heads split,
     the key/value heads split or, where the TP size exceeds their count, each held by tp / num_kv_heads
@@ -74,5 +82,7 @@ def set_attention_projections(
             hidden_size, num_kv_heads * head_dim, bias, parts=kv_parts, what="the key/value heads"
         )
         setattr(module, name, proj)
-    module.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias, what="the attention heads")
+    module.o_proj = RowParallelLinear(
+        num_heads * head_dim, hidden_size, bias, reduce_results=reduce_results, what="the attention heads"
+    )
     return heads, kv_heads

@@ -33,12 +33,14 @@ class Mamba2Mixer(nn.Module):
         time_step_min: float,
         norm: str = "gate_first",
         out_proj_bias: bool | None = None,
+        reduce_results: bool = True,
     ):
         """Sizes are the whole mixer's; the module holds this TP rank's part (`Mamba2Shards`), and its
         `num_heads`, `n_groups`, `intermediate_size` and `conv_dim` are the local ones the backend reads.
         `norm`: the output norm over groups of `num_heads * head_dim / n_groups` channels, "gate_first"
         (Nemotron-H's) or "gate_after" (Falcon-H1's `mamba_norm_before_gate`), or "none" (the gate
-        alone). `out_proj_bias`: default `proj_bias` (Falcon-H1 names its own)."""
+        alone). `out_proj_bias`: default `proj_bias` (Falcon-H1 names its own). `reduce_results` False:
+        the output is this rank's part of the sum (Falcon-H1 adds it to its attention's and reduces once)."""
         super().__init__()
         self.layer_id = layer_id
         self.shards = shards = Mamba2Shards.for_this_rank(num_heads, head_dim, n_groups, state_size)
@@ -70,7 +72,9 @@ class Mamba2Mixer(nn.Module):
             if param is not None:
                 set_weight_shards(param, rows)
         out_bias = proj_bias if out_proj_bias is None else out_proj_bias
-        self.out_proj = RowParallelLinear(shards.intermediate, hidden_size, bias=out_bias)
+        self.out_proj = RowParallelLinear(
+            shards.intermediate, hidden_size, bias=out_bias, reduce_results=reduce_results
+        )
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         gate, xBC, dt = self.in_proj(hidden).split(

@@ -8,6 +8,9 @@ q/k/v, `key_multiplier` into k, `attention_out_multiplier` into `o_proj`; `mlp_m
 `gate_proj` and `down_proj`; `lm_head_multiplier` into the final norm's weight (the LM head may be tied
 to the embedding). The embedding multiplier scales the lookup.
 
+Tensor parallel: the Mamba2 mixer's and the attention's row-parallel outputs are summed before one
+all-reduce (transformers adds them before the residual too).
+
 The attention of layer i has pool id i, its Mamba2 mixer id `num_hidden_layers + i` (`configs/falcon_h1.py`).
 """
 
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.falcon_h1 import FalconH1ArchConfig
+from sglang.srt.distributed import tensor_model_parallel_all_reduce
 from sglang.srt.layers.decode_blocks import MLPBlock
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.llama_attention import LlamaStyleAttention
@@ -46,12 +50,13 @@ class FalconH1DecoderLayer(nn.Module):
             **arch.mamba_mixer_args(),
             norm=norm,
             out_proj_bias=config.projectors_bias,
+            reduce_results=False,
         )
         d = arch.head_dim
         self.self_attn = LlamaStyleAttention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, d, layer_id,
             rope_parameters=getattr(config, "rope_parameters", None) or {},
-            bias=getattr(config, "attention_bias", False),
+            bias=getattr(config, "attention_bias", False), reduce_results=False,
         )  # fmt: skip
         self.feed_forward = GatedMLP(
             config.hidden_size,
@@ -68,7 +73,9 @@ class FalconH1DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x = self.input_layernorm(hidden)
-        hidden = hidden + self.mamba(x, fb) + self.self_attn(positions, x, fb)
+        # Tensor parallel: the two mixers' partial sums added first, then one all-reduce for both.
+        mixed = self.mamba(x, fb) + self.self_attn(positions, x, fb)
+        hidden = hidden + tensor_model_parallel_all_reduce(mixed)
         fused = self.mlp_block(hidden) if self.mlp_block is not None else None
         return fused if fused is not None else hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
 
