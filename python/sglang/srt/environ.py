@@ -182,15 +182,15 @@ class Envs:
     SGLANG_TEST_CPU_OPS_BASELINE = EnvBool(False, "Run the CPU ops' baseline twins, not the AVX2 ones.")
 
     # Fault injection for extra_buffer_lazy: 1 = the first allocation try at a decode track boundary
-    # fails (evict-and-retry then runs for real); 2 = the retry fails as well.
-    SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL = EnvInt(0, "Lazy track-slot allocation failure injection (0/1/2).")
+    # fails (evict-and-retry then runs for real); 2 = the retry fails as well (the snapshot is skipped).
+    SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL = EnvInt(0, "Lazy snapshot-slot allocation failure injection (0/1/2).")
     # Negative controls: switch a cache path off so that the test of that path must fail.
     SGLANG_TEST_SKIP_DEFERRED_COW = EnvBool(
         False, "Do not copy the checkpoint into the running slot on a hit."
     )
     SGLANG_TEST_SKIP_DEFERRED_CLEAR = EnvBool(False, "Do not zero a fresh running slot before its extend.")
-    SGLANG_TEST_IGNORE_MAMBA_LAZY_IS_INSERT = EnvBool(
-        False, "Insert a lazy request's snapshot at finish even when it may be unsafe."
+    SGLANG_TEST_SKIP_LAZY_SNAPSHOT_WRITE = EnvBool(
+        False, "extra_buffer_lazy: hand decode snapshot slots to the tree without writing the state into them."
     )
     SGLANG_TEST_COW_ON_SCHEDULER_THREAD = EnvBool(
         False, "Run deferred clear/copy on the scheduler thread instead of the forward stream."

@@ -372,7 +372,7 @@ class ServerArgs:
             elif not arch.supports_extra_buffer:
                 strategy, reason = "no_buffer", f"{arch.architecture} does not write track snapshots"
             elif self.enable_overlap_schedule:
-                strategy, reason = "extra_buffer_lazy", "overlap is on: one resident track slot per request"
+                strategy, reason = "extra_buffer_lazy", "overlap is on: one slot per running request"
             else:
                 strategy, reason = "extra_buffer", "overlap is off: one track slot per request"
             self.mamba_strategy_reason = f"auto chose {strategy}: {reason}"
@@ -392,11 +392,6 @@ class ServerArgs:
             if not arch.supports_extra_buffer:
                 raise ServerArgsError(
                     f"--mamba-scheduler-strategy {strategy} is not supported by {arch.architecture}."
-                )
-            if strategy == "extra_buffer_lazy" and not self.enable_overlap_schedule:
-                logger.info(
-                    "extra_buffer_lazy without the overlap schedule has no window to protect: "
-                    "it runs like extra_buffer with one track slot per request."
                 )
 
     def _handle_gpu_memory_settings(self) -> int:

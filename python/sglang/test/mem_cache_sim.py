@@ -133,11 +133,24 @@ class MemCacheSim:
             self.track(req, track_at)
         return True
 
-    def track(self, req: Req, seqlen: int) -> None:
-        buf = req.mamba_ping_pong_track_buffer
-        self.write_state(buf[req.mamba_next_track_idx], req.all_ids[:seqlen])
-        req.mamba_last_track_seqlen = seqlen
-        self.pool.advance_track_entry(req, req.mamba_next_track_idx)
+    def track(self, req: Req, seqlen: int, commit: bool = False) -> bool:
+        """Snapshot the state after `seqlen` tokens: into the next track entry, or under lazy into a
+        borrowed slot (False: none could be had, the snapshot is skipped), which `commit` hands to the
+        tree at once, as a processed decode step does (else `cache_unfinished` or `finish` does)."""
+        if not self.pool.strategy.lazy:
+            buf = req.mamba_ping_pong_track_buffer
+            self.write_state(buf[req.mamba_next_track_idx], req.all_ids[:seqlen])
+            req.mamba_last_track_seqlen = seqlen
+            self.pool.advance_track_entry(req, req.mamba_next_track_idx)
+            return True
+        slot = self.tree.alloc_mamba_slot()
+        if slot is None:
+            return False
+        self.write_state(slot, req.all_ids[:seqlen])
+        self.pool.add_extra_snapshot(req, slot, seqlen)
+        if commit:
+            self.tree.cache_snapshot(req, seqlen, self.pool.pop_extra_snapshot(req, seqlen))
+        return True
 
     def finish(self, req: Req, is_insert: bool = True) -> None:
         self.tree.cache_finished_req(req, is_insert)

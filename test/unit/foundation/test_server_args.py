@@ -86,7 +86,7 @@ def test_defaults_match_sglang():
     assert args.mamba_track_interval == 256 and args.device == "cpu" and args.dtype == "auto"
     assert args.kv_cache_dtype == "auto" and args.model_config.kv_cache_torch_dtype == torch.float32
     assert args.disaggregation_mode == "null" and not args.enable_metrics
-    assert args.enable_overlap_schedule and args.mamba_strategy.track_entries == 2
+    assert args.enable_overlap_schedule and args.mamba_strategy.lazy
 
 
 def test_radix_cache_strategy_is_the_same_flag():
@@ -113,8 +113,8 @@ def test_auto_strategy_resolution(kwargs, expected, overlap):
 
 def test_strategy_resolves_once_into_the_slot_rules():
     lazy = ServerArgs(mamba_scheduler_strategy="extra_buffer_lazy").mamba_strategy
-    assert (lazy.extra_buffer, lazy.lazy, lazy.track_entries) == (True, True, 2)
-    assert (lazy.resident_slots_per_req, lazy.max_slots_per_req) == (2, 3)
+    assert (lazy.extra_buffer, lazy.lazy, lazy.track_entries) == (True, True, 0)
+    assert (lazy.resident_slots_per_req, lazy.max_slots_per_req) == (1, 2)
     eb = ServerArgs(mamba_scheduler_strategy="extra_buffer").mamba_strategy
     assert (eb.extra_buffer, eb.lazy, eb.resident_slots_per_req) == (True, False, 3)
     no_radix = ServerArgs(mamba_scheduler_strategy="extra_buffer", disable_radix_cache=True)
@@ -124,13 +124,11 @@ def test_strategy_resolves_once_into_the_slot_rules():
     assert ServerArgs(page_size=128).mamba_strategy.cache_chunk_size == 128
 
 
-def test_lazy_without_overlap_is_allowed_and_logged(caplog):
-    with caplog.at_level(logging.INFO):
-        args = ServerArgs(mamba_scheduler_strategy="extra_buffer_lazy", disable_overlap_schedule=True)
+def test_lazy_without_overlap_holds_one_slot_too():
+    args = ServerArgs(mamba_scheduler_strategy="extra_buffer_lazy", disable_overlap_schedule=True)
     strategy = args.mamba_strategy
-    assert strategy.extra_buffer and not strategy.lazy and strategy.track_entries == 1
-    assert strategy.resident_slots_per_req == 2
-    assert "runs like extra_buffer with one track slot" in caplog.text
+    assert strategy.extra_buffer and strategy.lazy and strategy.track_entries == 0
+    assert strategy.resident_slots_per_req == 1
 
 
 def test_defaults_are_aligned_to_the_cache_chunk():

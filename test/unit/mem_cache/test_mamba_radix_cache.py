@@ -104,7 +104,9 @@ def _locked_head_tree(locked: int, free: int) -> tuple[MemCacheSim, list, list[i
     """`locked` checkpoints held as by requests (the least recently used: where running requests'
     nodes gather), then `free` unlocked ones, some inner nodes and some leaves; returns the locked
     nodes and the free slots in LRU order."""
-    sim = MemCacheSim(chunk=2, extra_buffer=False, mamba_slots=locked + free + 4, kv_tokens=8 * (locked + free))
+    sim = MemCacheSim(
+        chunk=2, extra_buffer=False, mamba_slots=locked + free + 4, kv_tokens=8 * (locked + free)
+    )
     held = []
     for i in range(locked):
         res, _ = _insert(sim, [100 + i, 1])
@@ -478,4 +480,39 @@ def test_cow_degrades_to_no_hit_when_no_slot_can_be_had():
     m = sim.match(b)
     assert len(m.device_indices) == 0 and b.mamba_pool_idx is None and b.mamba_cow_src_index is None
     sim.tree.release_match(b)
+    sim.check()
+
+
+def test_lazy_snapshot_goes_to_the_tree_and_its_checkpoint_stays_evictable():
+    """extra_buffer_lazy: a decode snapshot borrowed at a boundary goes to the tree at once; the request
+    then protects its KV up to there without pinning the checkpoint (a KV-only lock), so the pool can
+    take that slot back while the request runs: the node becomes a tombstone leaf that the lock keeps,
+    and the request's release deletes it (its KV, never matched by state, is freed)."""
+    sim = MemCacheSim(chunk=4, lazy=True)
+    ids = list(range(1, 30))
+    r = sim.new_req(ids)
+    sim.admit(r)
+    sim.extend(r, 29)
+    r.output_ids += [40, 41, 42]
+    sim.extend(r, 3)
+    assert sim.pool.mamba_slots_of(r) == [r.mamba_pool_idx], "a lazy request holds its running slot only"
+    assert sim.track(r, 32, commit=True)
+    node = r.last_node
+    assert (
+        r.cache_protected_len == 32
+        and node.path_len() == 32
+        and sim.pool.mamba_slots_of(r) == [r.mamba_pool_idx]
+    )
+    assert node.mamba_lock_ref == 0 and not sim.tree.pins_checkpoint(r) and node.full_lock_ref == 1
+    assert sim.state_tag(sim.tree.match_prefix(ids + [40, 41, 42, 7]).last_device_node.mamba_value) == tag(
+        (ids + [40, 41, 42])[:32]
+    )
+    sim.check()
+    assert sim.tree.mamba_evictable_size() == 1 and sim.tree.evict_mamba(1) == 1
+    assert node.mamba_value is None and node.is_leaf and r.last_node is node, "a tombstone the lock keeps"
+    assert sim.tree.total_size() == 32, "its KV stays protected"
+    sim.check()
+    sim.finish(r, is_insert=False)
+    assert sim.tree.total_size() == 0 and sim.kv.free_pages() == sim.kv.num_pages
+    assert sim.pool.mamba_allocator.available_size() == sim.pool.mamba_allocator.size
     sim.check()

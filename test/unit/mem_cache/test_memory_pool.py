@@ -1,4 +1,4 @@
-"""Pools: state moves over all layers, request slots (lazy set/donate/free), decode-side sizing,
+"""Pools: state moves over all layers, request slots (lazy borrowed snapshots, free), decode-side sizing,
 KV layer mapping and pool sizing."""
 
 from __future__ import annotations
@@ -73,27 +73,23 @@ def test_alloc_is_all_or_nothing():
     assert pool.strategy.resident_slots_per_req == 3
 
 
-def test_lazy_slots_set_donate_exchange_and_free():
+def test_lazy_holds_the_running_slot_and_borrowed_snapshots_only():
     pool = _pool("extra_buffer_lazy")
     r = Req("a", [1, 2])
     pool.alloc([r])
-    assert r.mamba_ping_pong_track_buffer[1] == -1 and r.mamba_ping_pong_track_buffer[0] > 0
-    assert pool.mamba_allocator.available_size() == 10 and pool.strategy.resident_slots_per_req == 2
-    assert pool.get_mamba_ping_pong_keep_idx(r) == 0
-    # A decode boundary borrows a second slot and writes into it.
-    extra = pool.mamba_allocator.alloc(1)[0]
-    pool.set_mamba_ping_pong_slot(r, 1, extra)
-    r.mamba_next_track_idx = 1
-    assert pool.get_mamba_ping_pong_keep_idx(r) == 1
-    # After the step the older entry goes back: one track slot again.
-    pool.donate_mamba_ping_pong_slot(r, pool.get_mamba_ping_pong_other_idx(r.mamba_next_track_idx))
-    assert r.mamba_ping_pong_track_buffer == [-1, extra] and pool.mamba_allocator.available_size() == 10
-    new = pool.mamba_allocator.alloc(1)[0]
-    handed = pool.exchange_mamba_ping_pong_slot(r, 1, new)
-    assert handed == extra and r.mamba_ping_pong_track_buffer == [-1, new]
-    pool.free_mamba_cache(r)  # skips the -1 entry
+    assert r.mamba_ping_pong_track_buffer is None and pool.mamba_slots_of(r) == [r.mamba_pool_idx]
+    assert pool.mamba_allocator.available_size() == 11 and pool.strategy.resident_slots_per_req == 1
+    # A snapshot borrows a slot until the tree takes it (by position).
+    a, b = pool.mamba_allocator.alloc(2)
+    pool.add_extra_snapshot(r, a, 64)
+    pool.add_extra_snapshot(r, b, 128)
+    assert pool.extra_snapshot_at(r, 128) == b and pool.extra_snapshot_at(r, 96) is None
+    assert sorted(pool.mamba_slots_of(r)) == sorted([r.mamba_pool_idx, a, b])
+    assert pool.pop_extra_snapshot(r, 64) == a and pool.pop_extra_snapshot(r, 64) is None
+    assert pool.mamba_slots_of(r) == [r.mamba_pool_idx, b]
+    pool.free_mamba_cache(r)  # the running slot and the snapshot still borrowed
     assert pool.mamba_allocator.available_size() == 12 - 1, "the handed-over slot is the caller's now"
-    assert r.mamba_pool_idx is None and r.mamba_ping_pong_track_buffer is None and r.mamba_next_track_idx == 0
+    assert r.mamba_pool_idx is None and not r.mamba_extra_snapshots
 
 
 def test_normal_extra_buffer_keep_index_and_free_with_keep():
@@ -118,7 +114,7 @@ def test_decode_side_sizing(extra_buffer, overlap, given, caplog):
     with caplog.at_level(logging.WARNING):
         strategy = _strategy("extra_buffer_lazy" if extra_buffer else "no_buffer", overlap)
         pool = HybridMambaDecodeReqToTokenPool(size, pre, given, 64, SYNTHETIC_PARAMS, strategy)
-    per_req = 1 + ((2 if overlap else 1) if extra_buffer else 0)
+    per_req = 2 if extra_buffer else 1  # lazy: the running slot and a borrowed snapshot slot
     need = (size + pre) * per_req
     assert pool.slots_per_req == per_req and pool.max_slots_needed == need
     assert pool.mamba_allocator.size == (need if given is None else max(given, need))
@@ -146,8 +142,8 @@ def test_pool_sizing_from_flags_and_from_a_budget():
     arch = args.model_config.arch
     sizes = compute_pool_sizes(args, arch, weight_bytes=0)
     assert (sizes.max_mamba_cache_size, sizes.max_total_tokens) == (40, 1000)
-    # extra_buffer_lazy: 2 resident slots and 2 of tree headroom per running request (upstream's ratio 4).
-    assert sizes.resident_slots_per_req == 2 and sizes.max_running_requests == 10
+    # extra_buffer_lazy: 1 resident slot and 2 of tree headroom per running request (upstream's ratio 3).
+    assert sizes.resident_slots_per_req == 1 and sizes.max_running_requests == 13
     assert sizes.mamba_bytes_per_slot == arch.mamba_cache_per_req()
 
     budget = ServerArgs(mamba_full_memory_ratio=1.0, mem_fraction_static=0.5)
@@ -181,10 +177,11 @@ def test_the_derived_running_cap_leaves_the_tree_headroom(flags, running):
 
 
 def test_pool_sizing_refuses_too_small_pools():
-    with pytest.raises(ServerArgsError, match="--max-mamba-cache-size 1 is smaller than the 2 slot"):
-        compute_pool_sizes(
-            ServerArgs(max_mamba_cache_size=1, max_total_tokens=100), ServerArgs().model_config.arch, 0
-        )
+    args = ServerArgs(max_mamba_cache_size=2, max_total_tokens=100, mamba_scheduler_strategy="extra_buffer")
+    with pytest.raises(ServerArgsError, match="--max-mamba-cache-size 2 is smaller than the 3 slot"):
+        compute_pool_sizes(args, args.model_config.arch, 0)
+    lazy = ServerArgs(max_mamba_cache_size=1, max_total_tokens=100)  # one slot runs a request
+    assert compute_pool_sizes(lazy, lazy.model_config.arch, 0).max_running_requests == 1
     with pytest.raises(ServerArgsError, match="--max-total-tokens 1 is smaller"):
         compute_pool_sizes(
             ServerArgs(max_mamba_cache_size=10, max_total_tokens=1), ServerArgs().model_config.arch, 0

@@ -1,7 +1,7 @@
 """Property tests: random sequences of cache operations keep every invariant.
 
-Operations: admit (match with COW), extend with snapshots, decode, cache_unfinished (hand a snapshot to
-the tree), finish (insert or not), match-and-release, direct lock/unlock of a cached prefix, evict_full,
+Operations: admit (match with COW), extend with snapshots, decode (extra_buffer_lazy: its snapshot handed
+to the tree at once, or left borrowed), cache_unfinished (hand a snapshot to the tree), finish (insert or not), match-and-release, direct lock/unlock of a cached prefix, evict_full,
 evict_mamba, grouped admission. After every step: the accounting identity for KV pages, mamba slots and
 request rows, tree sanity, every live request's KV tagged with its own prefix. Every match is checked
 against a reference set of checkpointed prefixes (the match must reach exactly the deepest one) and
@@ -115,9 +115,9 @@ class CacheMachine(RuleBasedStateMachine):
         if not self.sim.extend(req, n, track_at=track):
             self._finish(req, insert=False)
 
-    @rule(data=st.data(), token=st.integers(1, 3))
+    @rule(data=st.data(), token=st.integers(1, 3), commit=st.booleans())
     @precondition(lambda self: self.running)
-    def decode(self, data, token):
+    def decode(self, data, token, commit):
         req = data.draw(st.sampled_from(self.running))
         if len(req.kv_indices) < req.seqlen:
             return
@@ -127,7 +127,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         pos = len(req.kv_indices)
         if self.sim.pool.strategy.extra_buffer and pos % self.sim.tree.cache_chunk_size == 0:
-            self.sim.track(req, pos)
+            self.sim.track(req, pos, commit=commit)
 
     @rule(data=st.data())
     @precondition(lambda self: self.running)

@@ -80,7 +80,7 @@ def _run_round(h: SchedulerHarness, rng: random.Random, prefixes: list[list[int]
 
 @pytest.mark.parametrize("preset,strategy,page,chunk,fail_mode,overlap", CONFIGS, ids=lambda v: str(v))
 def test_random_workload_on_small_pools(preset, strategy, page, chunk, fail_mode, overlap, oracles):
-    resident = {"no_buffer": 1, "extra_buffer": 3 if overlap else 2, "extra_buffer_lazy": 2}[strategy]
+    resident = {"no_buffer": 1, "extra_buffer": 3 if overlap else 2, "extra_buffer_lazy": 1}[strategy]
     c = max({QWEN: 64, NEMO: 32}[preset], page)
     h = SchedulerHarness(
         preset,

@@ -12,13 +12,12 @@ answers (or twice the waiting timeout passes). Requests without a room are serve
 `HybridMambaDecodeReqToTokenPool` (upstream PR #22462): the decode server pre-allocates destinations
 (request row and running slot) for transfers in flight beyond the running cap, `pre_alloc_size` extra
 rows. Its mamba pool holds what all those rows can: `(size + pre_alloc_size) * max_slots_per_req`, raised
-above a smaller `--max-mamba-cache-size` with a warning that names both numbers. Lazy track slots are
-off on the decode side (every entry is held).
+above a smaller `--max-mamba-cache-size` with a warning that names both numbers (a lazy request's
+borrowed snapshot slot included).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -57,7 +56,6 @@ class HybridMambaDecodeReqToTokenPool(HybridReqToTokenPool):
         device: str = "cpu",
         verify_shape: tuple[int, int] = (0, 0),
     ):
-        strategy = dataclasses.replace(strategy, lazy=False)
         self.pre_alloc_size = pre_alloc_size
         self.slots_per_req = strategy.max_slots_per_req
         self.max_slots_needed = (size + pre_alloc_size) * self.slots_per_req

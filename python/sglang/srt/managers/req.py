@@ -14,9 +14,8 @@ Mamba fields (upstream names):
   mamba_branching_seqlen        chunk-aligned end of a KV match deeper than its checkpoint
   mamba_cow_src_index           checkpoint slot to copy into the running slot (deferred to the forward)
   mamba_needs_clear             the running slot is fresh and must be zeroed (deferred to the forward)
-  mamba_lazy_is_insert          lazy mode: false while the newest snapshot may be unsafe to insert
-  mamba_extra_snapshots         (slot, position) of prefill snapshots beyond the primary one, in slots
-                                borrowed for them until the tree takes them over
+  mamba_extra_snapshots         (slot, position) of snapshots in slots borrowed for them until the tree
+                                takes them over (prefill ones beyond the primary; under lazy, all)
 
 Overlap: a request's newest sampled token may still be in flight (`inflight_tokens` > 0); a decode
 batch then names it by a placeholder (-(future slot + 1)) that the forward stream resolves. What is in
@@ -83,7 +82,6 @@ class Req:
         "mamba_branching_seqlen",
         "mamba_cow_src_index",
         "mamba_needs_clear",
-        "mamba_lazy_is_insert",
         "mamba_extra_snapshots",
         "output_token_logprobs",
         "output_top_logprobs",
@@ -169,7 +167,6 @@ class Req:
         self.mamba_branching_seqlen: int | None = None
         self.mamba_cow_src_index: int | None = None
         self.mamba_needs_clear = False
-        self.mamba_lazy_is_insert = True
         self.mamba_extra_snapshots: list[tuple[int, int]] = []
 
         # Outputs and what has been sent
@@ -269,7 +266,6 @@ class Req:
         self.mamba_branching_seqlen = None
         self.mamba_cow_src_index = None
         self.mamba_needs_clear = False
-        self.mamba_lazy_is_insert = True
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

@@ -5,8 +5,9 @@ Safety rules:
   (`inc_lock_ref`). `match_prefix(..., req=req)` locks it for the request (`req.last_node`) before it
   returns, so the eviction that admission runs to make room cannot free it; a request that matched but
   is not admitted releases what the match gave it, lock included (`release_match`).
-- A request holds at most one lock, on `req.last_node`, and only on a node that carries a checkpoint
-  (or the root).
+- A request holds at most one lock, on `req.last_node`, taken on a node that carries a checkpoint (or the
+  root). It always protects the KV up to there; a match's lock also pins the checkpoint, while the lock
+  an `extra_buffer_lazy` request holds on its newest snapshot does not (`MambaRadixCache.pins_checkpoint`).
 - Every slot or page handed to the cache belongs to it afterwards; the cache frees what it does not keep.
 """
 
@@ -70,6 +71,11 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """Insert the prefix of a request that continues (chunked prefill); it keeps running."""
+
+    def cache_snapshot(self, req: Req, pos: int, slot: int) -> None:
+        """Insert a continuing request's prefix up to `pos` with the recurrent-state snapshot in `slot` (a
+        borrowed slot the tree takes over); only a tree that caches recurrent state is asked."""
+        raise NotImplementedError(f"{type(self).__name__} caches no recurrent-state snapshots.")
 
     @abstractmethod
     def release_match(self, req: Req) -> None:

@@ -105,11 +105,16 @@ def check_integrity(
     if sanity is None:
         return
     sanity()
-    locks = Counter(id(r.last_node) for r in reqs if r.last_node is not None and r.last_node is not tree.root)
+    holders = [r for r in reqs if r.last_node is not None and r.last_node is not tree.root]
+    locks = Counter(id(r.last_node) for r in holders)
+    pins = Counter(id(r.last_node) for r in holders if tree.pins_checkpoint(r))
+    assert set(tree.kv_only_locks) <= {id(r) for r in holders}, "a KV-only lock held by no live request"
     for node in tree.nodes():
         if node is tree.root:
             continue
-        assert node.mamba_lock_ref == locks.get(id(node), 0), f"{node}: lock count != requests holding it"
+        assert node.mamba_lock_ref == pins.get(id(node), 0), f"{node}: mamba locks != requests pinning it"
+        direct = node.full_lock_ref - sum(c.full_lock_ref for c in node.children.values())
+        assert direct == locks.get(id(node), 0), f"{node}: direct locks != requests holding it"
     for r in reqs:
         if r.last_node is None:
             assert r.cache_protected_len == 0, f"{r} protects KV without a tree lock"

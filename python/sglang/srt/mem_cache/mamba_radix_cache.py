@@ -20,7 +20,6 @@ import logging
 import operator
 from typing import TYPE_CHECKING
 
-from sglang.srt.environ import envs
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, EvictResult, InsertResult, MatchResult
 from sglang.srt.mem_cache.common import alloc_mamba_slot
@@ -49,6 +48,9 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         self.page_size = page_size
         self.cache_chunk_size = strategy.cache_chunk_size
         self.enable_mamba_extra_buffer = strategy.extra_buffer
+        # extra_buffer_lazy: a request holds its newest snapshot by a KV-only lock (mamba_tree.py), so
+        # the tree may evict that checkpoint while the request runs; its running slot is all it holds.
+        self.kv_only_snapshot_locks = strategy.lazy
         # (src, dst) state copies the forward stream must run before any later batch reads dst.
         self.pending_state_copies: list[tuple[int, int]] = []
         self.reset()
@@ -196,19 +198,18 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         return self.enable_mamba_extra_buffer and self._final_state_insertable(req)
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
-        """With an extra buffer, the request's newest track snapshot goes in with its KV up to there (the
-        keep entry, donated), as upstream does; under lazy only if no in-flight boundary may have
-        overwritten it (`mamba_lazy_is_insert`). Then, where the running state is settled (always under
-        `no_buffer`), the whole KV goes in with the running slot as the final checkpoint (donated): the
-        next turn of a conversation hits all of it, where upstream recomputes the tail since the last track
-        boundary (up to `--mamba-track-interval` tokens, the whole answer when it is shorter)."""
+        """With a track buffer (`extra_buffer`), the request's newest track snapshot goes in with its KV up
+        to there (the keep entry, donated), as upstream does; under lazy the tree has it already
+        (`cache_snapshot`). Then, where the running state is settled (always under `no_buffer`), the whole
+        KV goes in with the running slot as the final checkpoint (donated): the next turn of a conversation
+        hits all of it, where upstream recomputes the tail since the last track boundary (up to
+        `--mamba-track-interval` tokens, the whole answer when it is shorter)."""
         pool = self.req_to_token_pool
         ids, kv_len, ns = req.all_ids, len(req.kv_indices), req.extra_key
         own_from = req.cache_protected_len  # the request's own KV starts here
         keep_idx = None
         track_len = req.mamba_last_track_seqlen if self.enable_mamba_extra_buffer else None
-        track_safe = req.mamba_lazy_is_insert or envs.SGLANG_TEST_IGNORE_MAMBA_LAZY_IS_INSERT.get()
-        if is_insert and track_safe and track_len is not None and own_from < track_len <= kv_len:
+        if is_insert and track_len is not None and own_from < track_len <= kv_len:
             keep_idx = pool.get_mamba_ping_pong_keep_idx(req)
             slot = req.mamba_ping_pong_track_buffer[keep_idx]
             assert slot != -1, f"{req} has no snapshot for position {track_len}"
@@ -252,6 +253,15 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         for pos, slot, copy_from in sorted(donations, key=lambda d: d[0]):
             self._donate_snapshot(req, pos, slot, copy_from)
 
+    def cache_snapshot(self, req: Req, pos: int, slot: int) -> None:
+        """Hand the tree a continuing request's snapshot at `pos` (a decode one under lazy, its result
+        processed: the tokens before `pos` are known). The tree owns `slot` from here; the request protects
+        its KV up to `pos` through the tree (a snapshot at or before what it protects already is freed)."""
+        if pos <= req.cache_protected_len:
+            self.mamba_allocator.free([slot])
+            return
+        self._donate_snapshot(req, pos, slot, None)
+
     def _donate_snapshot(self, req: Req, pos: int, slot: int, copy_from: int | None) -> None:
         """Insert the request's prefix up to `pos` with the checkpoint `slot` (filled from `copy_from` on
         the forward stream, if given); the request then protects that prefix through the tree."""
@@ -269,7 +279,10 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
             req.kv_indices[protected : protected + len(res.tree_indices)] = res.tree_indices
             req.mark_req_to_token_dirty(protected)
         self._release_lock(req)
-        self.inc_lock_ref(node)
+        pin = not self.kv_only_snapshot_locks
+        self.inc_lock_ref(node, pin_checkpoint=pin)
+        if not pin:
+            self.kv_only_locks[id(req)] = node
         req.last_node = node
         req.cache_protected_len = pos
 
@@ -277,10 +290,19 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         out, self.pending_state_copies = self.pending_state_copies, []
         return out
 
+    def pins_checkpoint(self, req: Req) -> bool:
+        """Whether `req`'s lock holds its node's checkpoint too (else it holds the KV only)."""
+        return id(req) not in self.kv_only_locks
+
     def _release_lock(self, req: Req) -> None:
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-            req.last_node = None
+        node = req.last_node
+        if node is None:
+            return
+        kv_only = self.kv_only_locks.pop(id(req), None) is not None
+        self.dec_lock_ref(node, pin_checkpoint=not kv_only)
+        req.last_node = None
+        if kv_only and node.mamba_value is None and node.is_leaf and node.full_lock_ref == 0:
+            self._evict_leaf(node)  # a tombstone leaf (its checkpoint evicted) that nobody holds now
 
     # ---- eviction ----------------------------------------------------------------------------------
 
@@ -331,8 +353,9 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         return node.is_leaf and node.full_lock_ref == 0 and node is not self.root
 
     def evict_mamba(self, num: int) -> int:
-        """Free `num` unlocked checkpoints in LRU order: an inner node becomes a tombstone (its KV stays
-        usable as a path), a leaf is evicted whole."""
+        """Free `num` unpinned checkpoints in LRU order: an inner node becomes a tombstone (its KV stays
+        usable as a path), a leaf is evicted whole (or becomes a tombstone while a KV-only lock holds
+        it)."""
         freed = 0
         # One pass over the LRU for the whole call, not one from its start per checkpoint (the locked
         # nodes of running requests gather there): freeing a checkpoint changes no other node's lock
@@ -349,10 +372,9 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
             if node.mamba_lock_ref:
                 passed.append(node)
                 continue
-            if node.is_leaf:
-                assert node.full_lock_ref == 0
+            if node.is_leaf and node.full_lock_ref == 0:
                 self._evict_leaf(node)
-            else:
+            else:  # an inner node, or a leaf that a request holds by a KV-only lock: a tombstone now
                 self._drop_checkpoint(node)
             freed += 1
         for node in passed:

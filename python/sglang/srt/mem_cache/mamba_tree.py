@@ -6,17 +6,27 @@ without a checkpoint is a tombstone. Keys and values are `array('q')`: compact, 
 cyclic garbage collector, which otherwise walks every slot id of a large tree on each full collection
 (a long pause for a tree of thousands of nodes; timings: benchmark/README.md).
 
+Locks. A request's lock always covers its KV: a full lock on every node of the path to the root. A
+pinning lock (`inc_lock_ref(node)`, what a match takes) also holds the node's checkpoint (mamba lock),
+which then cannot be evicted; a KV-only lock (`pin_checkpoint=False`, what an `extra_buffer_lazy` request
+takes on its newest snapshot) leaves the checkpoint evictable, so a running request's snapshots cost it
+no slot. Evicting the checkpoint of a node held by a KV-only lock leaves a tombstone there (its KV stays
+protected), deleted when the lock goes.
+
 Invariants (checked by `MambaTree.sanity_check`):
   1. mamba_lock_ref > 0 implies full_lock_ref > 0; a full lock covers the whole path to the root, a
      mamba lock only its node.
-  2. A leaf is never a tombstone (tombstone leaves are deleted eagerly).
+  2. A leaf is never a tombstone unless a KV-only lock holds it (tombstone leaves are deleted eagerly).
   3. The full LRU holds every non-root node; the mamba LRU holds exactly the nodes with a checkpoint.
+  4. The locks held directly on a node (its full locks minus its children's) are its mamba locks plus
+     its KV-only locks (`kv_only_locks`, by holder).
 """
 
 from __future__ import annotations
 
 import itertools
 from array import array
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 _ids = itertools.count()
@@ -178,6 +188,8 @@ class MambaTree:
         self.full_protected_size_ = 0
         self.mamba_evictable_size_ = 0
         self.mamba_protected_size_ = 0
+        # The node each KV-only lock holds, by its holder's id (a request's `id()`).
+        self.kv_only_locks: dict[int, TreeNode] = {}
 
     # ---- keys --------------------------------------------------------------------------------------
 
@@ -228,14 +240,15 @@ class MambaTree:
 
     # ---- locks -------------------------------------------------------------------------------------
 
-    def inc_lock_ref(self, node: TreeNode) -> None:
+    def inc_lock_ref(self, node: TreeNode, pin_checkpoint: bool = True) -> None:
         if node is self.root:
             return
         assert node.mamba_value is not None, "requests lock only nodes with a checkpoint"
-        if node.mamba_lock_ref == 0:
-            self.mamba_evictable_size_ -= 1
-            self.mamba_protected_size_ += 1
-        node.mamba_lock_ref += 1
+        if pin_checkpoint:
+            if node.mamba_lock_ref == 0:
+                self.mamba_evictable_size_ -= 1
+                self.mamba_protected_size_ += 1
+            node.mamba_lock_ref += 1
         while node is not self.root:
             if node.full_lock_ref == 0:
                 self.full_evictable_size_ -= len(node.value)
@@ -243,14 +256,15 @@ class MambaTree:
             node.full_lock_ref += 1
             node = node.parent
 
-    def dec_lock_ref(self, node: TreeNode) -> None:
+    def dec_lock_ref(self, node: TreeNode, pin_checkpoint: bool = True) -> None:
         if node is self.root:
             return
-        assert node.mamba_lock_ref > 0
-        node.mamba_lock_ref -= 1
-        if node.mamba_lock_ref == 0:
-            self.mamba_evictable_size_ += 1
-            self.mamba_protected_size_ -= 1
+        if pin_checkpoint:
+            assert node.mamba_lock_ref > 0
+            node.mamba_lock_ref -= 1
+            if node.mamba_lock_ref == 0:
+                self.mamba_evictable_size_ += 1
+                self.mamba_protected_size_ -= 1
         while node is not self.root:
             assert node.full_lock_ref > 0
             node.full_lock_ref -= 1
@@ -311,17 +325,19 @@ class MambaTree:
         assert root.mamba_value is None and root.full_lock_ref == 1
         full = [0, 0]  # evictable, protected
         mamba = [0, 0]
+        kv_only = Counter(n.id for n in self.kv_only_locks.values())
         for n in non_root:
             assert n.key and len(n.key) == len(n.value) and len(n.key) % self.page_size == 0
             assert n.parent.children.get(self._child_key(n.key, 0, n.namespace)) is n
             assert n.parent is root or n.parent.namespace == n.namespace, f"{n} left its namespace"
-            assert not (n.is_leaf and n.mamba_value is None), f"tombstone leaf {n}"
+            held = kv_only.get(n.id, 0)
+            assert not (n.is_leaf and n.mamba_value is None and not held), f"tombstone leaf {n}"
             direct = n.full_lock_ref - sum(c.full_lock_ref for c in n.children.values())
             assert direct >= 0, f"{n} has fewer full locks than its children"
+            assert n.mamba_lock_ref + held == direct, f"{n}: mamba + KV-only locks != direct locks"
             if n.mamba_value is None:
-                assert direct == 0 and n.mamba_lock_ref == 0, f"locked tombstone {n}"
+                assert n.mamba_lock_ref == 0, f"pinned tombstone {n}"
             else:
-                assert n.mamba_lock_ref == direct, f"{n}: mamba locks != direct locks"
                 mamba[n.mamba_lock_ref > 0] += 1
             full[n.full_lock_ref > 0] += len(n.value)
         assert full == [self.full_evictable_size_, self.full_protected_size_]

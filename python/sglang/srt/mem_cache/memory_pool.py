@@ -218,12 +218,11 @@ class MambaPool:
 
 
 class HybridReqToTokenPool(ReqToTokenPool):
-    """Request rows plus each request's mamba slots: a running slot, and with an extra-buffer strategy a
-    ping-pong track buffer of `strategy.track_entries` entries. The request object is authoritative for
-    its slots, and every write to its slot fields goes through a method here: one owner.
-
-    Lazy mode keeps one track slot resident: entry `mamba_next_track_idx` holds it, the other entry is
-    -1 until a decode track boundary borrows a second slot."""
+    """Request rows plus each request's mamba slots: a running slot, with `extra_buffer` a ping-pong
+    track buffer of `strategy.track_entries` entries, and snapshot slots borrowed until the tree takes
+    them (`mamba_extra_snapshots`: every snapshot under `extra_buffer_lazy`, which keeps no track
+    buffer). The request object is authoritative for its slots, and every write to its slot fields
+    goes through a method here: one owner."""
 
     def __init__(
         self,
@@ -264,9 +263,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
         for r in reqs:
             if r.mamba_pool_idx is None:
                 self.set_running_slot(r, next(it), needs_clear=True)
-            if self.strategy.extra_buffer and r.mamba_ping_pong_track_buffer is None:
-                track = [next(it) for _ in range(self.strategy.resident_track_slots)]
-                r.mamba_ping_pong_track_buffer = track + [-1] * (self.strategy.track_entries - len(track))
+            if self.strategy.track_entries and r.mamba_ping_pong_track_buffer is None:
+                r.mamba_ping_pong_track_buffer = [next(it) for _ in range(self.strategy.track_entries)]
                 r.mamba_next_track_idx = 0
         return rows
 
@@ -294,12 +292,11 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     def free_mamba_cache(self, req: Req, mamba_ping_pong_track_buffer_to_keep: int | None = None) -> None:
         """Free the running slot, borrowed snapshot slots and the track slots except entry
-        `..._to_keep` (now owned by the tree); -1 entries are skipped. The request's mamba fields are
-        cleared."""
+        `..._to_keep` (now owned by the tree). The request's mamba fields are cleared."""
         out = [] if req.mamba_pool_idx is None else [req.mamba_pool_idx]
         buf = req.mamba_ping_pong_track_buffer
         if buf is not None:
-            out += [s for i, s in enumerate(buf) if s != -1 and i != mamba_ping_pong_track_buffer_to_keep]
+            out += [s for i, s in enumerate(buf) if i != mamba_ping_pong_track_buffer_to_keep]
         out += [slot for slot, _ in self.take_extra_snapshots(req)]
         self.mamba_allocator.free(out)
         req.mamba_pool_idx = None
@@ -311,8 +308,22 @@ class HybridReqToTokenPool(ReqToTokenPool):
     # ---- snapshot slots ---------------------------------------------------------------------------
 
     def add_extra_snapshot(self, req: Req, slot: int, position: int) -> None:
-        """A slot borrowed for a prefill snapshot beyond the primary one, held until the tree takes it."""
+        """A slot borrowed for a snapshot (a prefill one beyond the primary, or any under lazy), held
+        until the tree takes it."""
         req.mamba_extra_snapshots.append((slot, position))
+
+    def pop_extra_snapshot(self, req: Req, position: int) -> int | None:
+        """Hand over the borrowed snapshot at `position` (the caller owns its slot now); None if `req`
+        holds none there (it was released since the snapshot was scheduled)."""
+        for i, (slot, pos) in enumerate(req.mamba_extra_snapshots):
+            if pos == position:
+                del req.mamba_extra_snapshots[i]
+                return slot
+        return None
+
+    def extra_snapshot_at(self, req: Req, position: int) -> int | None:
+        """The slot `req` borrowed for a snapshot at `position` and still holds, if any."""
+        return next((slot for slot, pos in req.mamba_extra_snapshots if pos == position), None)
 
     def take_extra_snapshots(self, req: Req) -> list[tuple[int, int]]:
         """Hand over the borrowed snapshots, (slot, position); the caller owns their slots now."""
@@ -328,24 +339,12 @@ class HybridReqToTokenPool(ReqToTokenPool):
         return self.strategy.keep_entry(req.mamba_next_track_idx)
 
     def advance_track_entry(self, req: Req, written: int) -> None:
-        """A snapshot into entry `written` was scheduled (normal mode) or committed (lazy): normal mode
-        writes the next one into the other entry; lazy keeps `written` as its one resident slot."""
-        req.mamba_next_track_idx = written if self.strategy.lazy else self.strategy.other_entry(written)
-
-    def set_mamba_ping_pong_slot(self, req: Req, idx: int, slot: int) -> None:
-        req.mamba_ping_pong_track_buffer[idx] = slot
-
-    def donate_mamba_ping_pong_slot(self, req: Req, idx: int) -> None:
-        """Return entry `idx`'s slot to the pool and mark the entry -1 (lazy: back to one slot)."""
-        slot = req.mamba_ping_pong_track_buffer[idx]
-        assert slot != -1, "donating an empty track entry"
-        self.mamba_allocator.free([slot])
-        req.mamba_ping_pong_track_buffer[idx] = -1
+        """A snapshot into entry `written` was scheduled: the next one goes into the other entry."""
+        req.mamba_next_track_idx = self.strategy.other_entry(written)
 
     def exchange_mamba_ping_pong_slot(self, req: Req, idx: int, new_slot: int) -> int:
         """Hand entry `idx`'s snapshot slot over (to the tree) and put `new_slot` in its place."""
         old = req.mamba_ping_pong_track_buffer[idx]
-        assert old != -1, "handing over an empty track entry"
         req.mamba_ping_pong_track_buffer[idx] = new_slot
         return old
 
@@ -356,7 +355,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         """Every mamba slot `req` holds: running slot, track slots, borrowed snapshot slots, and a COW
         destination is the running slot itself."""
         out = [] if req.mamba_pool_idx is None else [req.mamba_pool_idx]
-        out += [s for s in (req.mamba_ping_pong_track_buffer or ()) if s != -1]
+        out += req.mamba_ping_pong_track_buffer or ()
         out += [slot for slot, _ in req.mamba_extra_snapshots]
         return out
 

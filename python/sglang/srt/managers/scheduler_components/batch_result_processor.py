@@ -239,8 +239,7 @@ class BatchResultProcessor:
             self.release_finished(req)
 
     def _mamba_prefix_cache_update(self, req: Req, entry: int, seq_len: int) -> None:
-        if req.mamba_ping_pong_track_buffer is not None:
-            self.tracker.commit_decode_track(req, entry, seq_len)
+        self.tracker.commit_decode_track(req, entry, seq_len)
 
     def release_finished(self, req: Req) -> None:
         """Give back what a finished request holds and drop it from the scheduler. One that a batch in

@@ -21,11 +21,14 @@ Decode (scheduled when prepared, committed when its result is processed): a boun
 the next entry; on commit `mamba_last_track_seqlen` advances and (two entries) the index swaps. Until
 then the keep entry still holds the previous snapshot, so a request released meanwhile inserts that.
 
-extra_buffer_lazy keeps one track slot resident. At a boundary the second entry borrows a slot (first
-try; if the pool is dry, evict one checkpoint and retry) and the snapshot goes there; on commit the
-older entry is returned (`donate_mamba_ping_pong_slot`) and the new one becomes `mamba_next_track_idx`.
-When no second slot can be had the snapshot overwrites the only slot: the request may then not insert
-it (`mamba_lazy_is_insert = False`) until a later boundary gets its second slot.
+extra_buffer_lazy keeps no track slot: a running request holds its running slot only. Every snapshot
+goes into a slot borrowed for it (first try; if the pool is dry, evict one checkpoint and retry; if that
+fails too the snapshot is skipped and the request runs on) and is handed to the tree: the prefill ones
+with the extra snapshots above (all of them are "extra" here), a decode one when its result is processed
+(`commit_decode_track`, after which the request protects its KV up to there through the tree). A decode
+snapshot that was scheduled but whose result finds the request released (finished in flight, aborted,
+retracted) was freed with the request's slots; one a speculative verify did not reach stays borrowed
+and is written by the step that reaches its position.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class MambaTracker:
     def prefill_track(self, req: Req, prefix_len: int, end: int) -> list[tuple[int, int]]:
         """(slot, position) of each snapshot this extend writes, shallowest first; the last one is the
         primary (the keep entry of the track buffer, committed on the request), the others sit in
-        borrowed slots listed in `req.mamba_extra_snapshots`."""
+        borrowed slots listed in `req.mamba_extra_snapshots` (under lazy all of them do)."""
         if not self.enabled:
             return []
         c = self.chunk
@@ -82,15 +85,19 @@ class MambaTracker:
         assert all((p - prefix_len) % c == 0 for p in extra), (
             f"{req}: snapshot {extra} off the lattice of {prefix_len}"
         )
-        for pos in sorted(p for p in extra if prefix_len < p < primary):
+        borrowed = sorted(p for p in extra if prefix_len < p < primary)
+        if self.lazy:
+            borrowed.append(primary)  # no track buffer: the primary is borrowed too
+        for pos in borrowed:
             slot, _ = alloc_mamba_slot(self.tree, self.pool.mamba_allocator)
             if slot is None:
                 continue
             self.pool.add_extra_snapshot(req, slot, pos)
             out.append((slot, pos))
+        if self.lazy:
+            return out
         entry = req.mamba_next_track_idx
         slot = req.mamba_ping_pong_track_buffer[entry]
-        assert slot != -1
         self.pool.advance_track_entry(req, entry)
         req.mamba_last_track_seqlen = primary
         out.append((slot, primary))
@@ -110,42 +117,38 @@ class MambaTracker:
         return [i for i, n in enumerate(seq_lens) if n % interval == 0]
 
     def decode_track(self, req: Req, seq_len: int) -> tuple[int, int] | None:
-        """(track slot, entry) for a decode step whose state after `seq_len` tokens is a snapshot."""
+        """(slot, entry) for a decode step whose state after `seq_len` tokens is a snapshot: the track
+        entry it writes, or under lazy a borrowed slot (entry -1); None: no snapshot this step (lazy:
+        no slot could be had, or fault injection said so)."""
         if not self.is_boundary(seq_len):
             return None
-        entry = self.mamba_lazy_prealloc_at_boundary(req) if self.lazy else req.mamba_next_track_idx
-        return req.mamba_ping_pong_track_buffer[entry], entry
-
-    def mamba_lazy_prealloc_at_boundary(self, req: Req) -> int:
-        """The entry this boundary writes: the other entry with a borrowed slot, or (no slot to be had)
-        the resident one, which makes the request's newest snapshot unsafe to insert for now."""
+        if not self.lazy:
+            entry = req.mamba_next_track_idx
+            return req.mamba_ping_pong_track_buffer[entry], entry
         pool = self.pool
-        other = pool.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
-        if req.mamba_ping_pong_track_buffer[other] != -1:
-            return other
+        slot = pool.extra_snapshot_at(req, seq_len)  # a verify that did not reach it borrowed it
+        if slot is not None:
+            return slot, -1
         slot, failed = alloc_mamba_slot(
             self.tree, pool.mamba_allocator, failing_tries=envs.SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL.get()
         )
         self.lazy_alloc_failures["first_try"] += failed >= 1
         self.lazy_alloc_failures["retry"] += failed >= 2
         if slot is None:
-            req.mamba_lazy_is_insert = False
-            return req.mamba_next_track_idx
-        pool.set_mamba_ping_pong_slot(req, other, slot)
-        return other
+            return None
+        pool.add_extra_snapshot(req, slot, seq_len)
+        if envs.SGLANG_TEST_SKIP_LAZY_SNAPSHOT_WRITE.get():
+            return 0, -1  # (negative control: the step writes the dummy slot, the tree gets `slot` as it is)
+        return slot, -1
 
     def commit_decode_track(self, req: Req, entry: int, seq_len: int) -> None:
-        """`_mamba_check_track_boundary` on the processed result: the snapshot of `entry` is now the
-        request's newest; lazy mode then gives the older slot back (`mamba_lazy_post_decode_at_boundary`)."""
-        req.mamba_last_track_seqlen = seq_len
+        """`_mamba_check_track_boundary` on the processed result: the snapshot the step wrote is now
+        the request's newest (in its track entry), or under lazy goes to the tree. Nothing to do for a
+        request released since the step was scheduled (its slots went back with it)."""
         if self.lazy:
-            self.mamba_lazy_post_decode_at_boundary(req, entry)
-        else:
+            slot = self.pool.pop_extra_snapshot(req, seq_len)
+            if slot is not None:
+                self.tree.cache_snapshot(req, seq_len, slot)
+        elif req.mamba_ping_pong_track_buffer is not None:
+            req.mamba_last_track_seqlen = seq_len
             self.pool.advance_track_entry(req, entry)
-
-    def mamba_lazy_post_decode_at_boundary(self, req: Req, entry: int) -> None:
-        if entry == req.mamba_next_track_idx:
-            return  # written into the only slot: stays non-insertable until a boundary gets its second slot
-        self.pool.donate_mamba_ping_pong_slot(req, req.mamba_next_track_idx)
-        self.pool.advance_track_entry(req, entry)
-        req.mamba_lazy_is_insert = True
