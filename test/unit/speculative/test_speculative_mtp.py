@@ -87,6 +87,13 @@ def test_flags_and_refusals():
         "tiny-qwen3-next-fp8 has none": dict(model_path="tiny-qwen3-next-fp8"),
         "--speculative-algorithm EAGLE3 needs a separate draft model": dict(speculative_algorithm="EAGLE3"),
     }
+    # The MTP layer's KV is one more layer of the pool (tiny-qwen3-next has one full-attention layer): the
+    # planner counts it.
+    from sglang.srt.mem_cache.pool_sizing import compute_pool_sizes
+
+    plain, nextn = (ServerArgs(model_path=QWEN, **kw) for kw in ({}, NEXTN))
+    per_token = [compute_pool_sizes(a, a.model_config.arch, 0).kv_bytes_per_token for a in (plain, nextn)]
+    assert per_token[1] == 2 * per_token[0]
     for message, flags in bad.items():
         flags = {"model_path": QWEN, **NEXTN, **flags}
         with pytest.raises(ServerArgsError, match=message):

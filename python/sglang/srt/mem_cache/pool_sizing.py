@@ -28,6 +28,7 @@ import torch
 from sglang.srt.configs.hybrid_arch import HybridArchConfig
 from sglang.srt.mem_cache.weight_bytes import planned_parallel, weight_bytes_from_config
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.speculative.draft_layers import draft_kv_layer_ids
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,9 @@ def compute_pool_sizes(
     dtype = server_args.model_config.torch_dtype
     per_slot = arch.mamba_cache_per_req(dtype, server_args.mamba_ssm_dtype)
     per_token = arch.kv_bytes_per_token(server_args.model_config.kv_cache_torch_dtype)
+    # EAGLE / NEXTN: the MTP layer's K and V, one more layer of the pool in the same slots.
+    layers = len(arch.full_attention_layer_ids)
+    per_token = per_token * (layers + len(draft_kv_layer_ids(server_args))) // layers
     strategy = server_args.mamba_strategy
     resident = strategy.resident_slots_per_req
     slots, tokens = server_args.max_mamba_cache_size, server_args.max_total_tokens
