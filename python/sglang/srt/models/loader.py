@@ -153,10 +153,11 @@ class WeightLoader:
             self.unused.append(source)
             return
         _check_unquantized(source, tensor)
-        if shard is not None:
+        if shard is not None and shard.parts > 1:
             if tensor.shape[0] != shard.full_size:
                 raise ValueError(
-                    f"Checkpoint tensor {source} has {tensor.shape[0]} rows; the model expects {shard.full_size}."
+                    f"Checkpoint tensor {source} has shape {tuple(tensor.shape)}; the model expects "
+                    f"{shard.full_size} rows."
                 )
             tensor = shard_tensor(tensor, (shard,))
         if name in self.fp8:
