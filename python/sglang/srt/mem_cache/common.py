@@ -85,8 +85,9 @@ def alloc_for_decode(
     Returns the new slots in request order (the step's `out_cache_loc`) and each request's KV length
     after it (the step's `seq_lens`). The fresh pages are taken in one allocation, in request order
     (what `alloc_extend` per request gives). This runs for every running request at every decode step:
-    with page size 1 the slots go to `kv_log` (appended to the requests' lists when read) and the
-    lengths follow from the previous step's, so a steady step touches no request."""
+    with page size 1 the slots go to `kv_log` (appended to the requests' lists at the next boundary
+    that reads them, `DecodeFastPath.flush`) and the lengths follow from the previous step's, so a
+    steady step touches no request."""
     page = token_allocator.page_size
     if page == 1:  # every request opens a page: its slot is the page
         if not evict_from_tree_cache(tree_cache, token_allocator, num_pages=len(reqs)):
