@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from sglang.srt import distributed as ps
 from sglang.srt.layers.linear import RowParallelLinear, shard_weight, weight_shards
+from sglang.srt.layers.mamba2_mixer import Mamba2Mixer
+from sglang.srt.models.lfm2 import Lfm2ShortConv
 from sglang.test.model_checks import batched_extends_with_prefixes, make_runner
 from sglang.test.runner_driver import RunnerDriver
 
@@ -48,7 +50,18 @@ def run_preset(path: str) -> dict[str, Any]:
         "ssm": tuple(pool.ssm_state.shape[2:]),
         "kv_heads": runner.token_to_kv_pool.k_buffer[0].shape[1],
         "all_reduces_per_decode": count_all_reduces(lambda: driver.decode(reqs)),
+        "first_mixer_weights": first_mixer_weights(runner),
     }
+
+
+def first_mixer_weights(runner: Any) -> dict[str, list]:
+    """The first recurrent mixer's parameters as /get_weights_by_name gives them (whole, gathered from
+    every rank's rows: a collective each)."""
+    prefix, mixer = next(
+        (n, m) for n, m in runner.model.named_modules() if isinstance(m, Mamba2Mixer | Lfm2ShortConv)
+    )
+    names = [f"{prefix}.{name}" for name, _ in mixer.named_parameters()]
+    return {name: runner.get_weights_by_name(name, truncate_size=1 << 20) for name in names}
 
 
 def count_all_reduces(step: Callable[[], Any]) -> int:

@@ -102,6 +102,15 @@ def test_each_block_all_reduces_once(name, runs):
         assert got[name]["all_reduces_per_decode"] == ALL_REDUCES[name]
 
 
+@pytest.mark.parametrize("name", [*PRESETS, ONE_GROUP])
+def test_get_weights_by_name_gathers_the_whole_tensors(name, runs):
+    """A Mamba2 mixer's (or LFM2 short conv's) parameters, each rank's rows of every piece gathered back
+    into the checkpoint's layout (replicated groups written once), equal TP 1's."""
+    tp1, _, ranks = runs
+    want = tp1[name]["first_mixer_weights"]
+    assert want and all(got[name]["first_mixer_weights"] == want for got in ranks)
+
+
 def test_an_unreduced_row_parallel_linear_adds_its_bias_once(runs):
     """A MoE block sums its shared expert's unreduced `down_proj` with the routed experts' part in one
     all-reduce: the bias must come from one rank only (every rank added it before: twice at TP 2)."""

@@ -2,7 +2,8 @@
 cores, ~2 min; by hand `python -m pytest test/unit/distributed/test_tp_mamba2_tp4.py`). Every preset's two
 Mamba2 groups are then replicated, each on the two ranks whose heads read it, and each output-norm group
 spans those two ranks; the key/value heads (2) are replicated too. Both checks of `test_tp_mamba2.py`
-(tokens equal TP 1's, logprobs the oracle's; each rank's state its part) at TP 4, and TP 3 refused with a
+(tokens equal TP 1's, logprobs the oracle's; each rank's state its part; all-reduces per step; the
+gathered weights) at TP 4, and TP 3 refused with a
 sentence naming --tp-size (the tiny presets' 8 Mamba2 and 4 attention heads do not split three ways)."""
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from sglang.test.tp_mamba2_checks import (
 register_cpu_ci(est_time=120, suite="nightly-cpu")
 
 TOL = 1e-4  # as test_tp_mamba2.py: float32, only the order of sums changes
+# As test_tp_mamba2.py's, plus one per Mamba2 layer: each output-norm group spans two ranks here.
+ALL_REDUCES = {
+    "tiny-nemotron-h": 1 + 6 + 3,
+    "tiny-granite-4.0-h": 1 + 4 * 2 + 3,
+    "tiny-falcon-h1": 1 + 3 * 2 + 3,
+    "tiny-bamba": 1 + 4 * 2 + 2,
+    "tiny-lfm2": 1 + 4 * 2,
+    "tiny-lfm2-moe": 1 + 4 * 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +54,8 @@ def test_tp4_matches_tp1_and_the_oracle(name, runs, preset_paths):
             assert max_abs(lps, w) < TOL, rank
         assert (got["conv"], got["ssm"]) == expected_rank_state(name, tp1[name]["conv"], tp1[name]["ssm"], 4)
         assert got["kv_heads"] == 1  # 2 key/value heads over 4 ranks: one each, replicated
+        assert got["all_reduces_per_decode"] == ALL_REDUCES[name]
+        assert got["first_mixer_weights"] == tp1[name]["first_mixer_weights"]
 
 
 def test_tp3_is_refused(preset_paths):

@@ -13,6 +13,24 @@ from sglang.srt.configs.mamba_utils import Mamba2StateShape
 from sglang.srt.layers.attention.mamba.mamba2_shards import Mamba2Shards
 
 
+def mamba2_rank_state_shape(
+    num_heads: int, head_dim: int, n_groups: int, state_size: int, conv_kernel: int
+) -> Mamba2StateShape:
+    """The recurrent state of a Mamba2 layer this TP rank's pool holds (`Mamba2Shards`): its heads' SSM
+    states; conv rows [its x | its groups' B | its groups' C] (one group per rank where the groups are
+    replicated, not all of them)."""
+    shards = Mamba2Shards.for_this_rank(num_heads, head_dim, n_groups, state_size)
+    return Mamba2StateShape.create(
+        intermediate_size=shards.local_intermediate,
+        n_groups=shards.local_groups,
+        num_heads=shards.local_heads,
+        head_dim=head_dim,
+        state_size=state_size,
+        conv_kernel=conv_kernel,
+        tp_world_size=1,  # the sizes above are this rank's already
+    )
+
+
 class BambaFieldsArchConfig(HybridArchConfig):
     def __init__(self, hf_config: Any):
         super().__init__(hf_config)
@@ -41,12 +59,11 @@ class BambaFieldsArchConfig(HybridArchConfig):
 
     @property
     def state_shape(self) -> Mamba2StateShape:
-        """This TP rank's (`Mamba2Shards`)."""
+        """This TP rank's (`mamba2_rank_state_shape`)."""
         cfg = self.hf_config
-        shards = Mamba2Shards.for_this_rank(
-            cfg.mamba_n_heads, self.mamba_head_dim, cfg.mamba_n_groups, cfg.mamba_d_state
+        return mamba2_rank_state_shape(
+            cfg.mamba_n_heads, self.mamba_head_dim, cfg.mamba_n_groups, cfg.mamba_d_state, cfg.mamba_d_conv
         )
-        return shards.state_shape(cfg.mamba_d_conv)
 
     def mamba_mixer_args(self) -> dict[str, Any]:
         """The `Mamba2Mixer` keyword arguments these fields give (a model adds its norm and biases)."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from sglang.srt.configs.bamba_fields import mamba2_rank_state_shape
 from sglang.srt.configs.hybrid_arch import HybridArchConfig, register_hybrid_arch
 from sglang.srt.configs.mamba_utils import Mamba2StateShape
-from sglang.srt.layers.attention.mamba.mamba2_shards import Mamba2Shards
 
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
@@ -38,12 +38,11 @@ class NemotronHArchConfig(HybridArchConfig):
 
     @property
     def state_shape(self) -> Mamba2StateShape:
-        """This TP rank's (`Mamba2Shards`)."""
+        """This TP rank's (`mamba2_rank_state_shape`)."""
         cfg = self.hf_config
-        shards = Mamba2Shards.for_this_rank(
-            cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
+        return mamba2_rank_state_shape(
+            cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size, cfg.conv_kernel
         )
-        return shards.state_shape(cfg.conv_kernel)
 
     @property
     def config_ssm_dtype(self) -> str | None:

@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sglang.srt.configs.mamba_utils import Mamba2StateShape
 from sglang.srt.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from sglang.srt.layers.linear import DimShard
 
@@ -108,19 +107,6 @@ class Mamba2Shards:
     def channel_spans(self) -> list[Span]:
         """The rank's channels of the gated output (the norm's weight; out_proj's input columns)."""
         return [self._heads(0, self.head_dim)]
-
-    def state_shape(self, conv_kernel: int) -> Mamba2StateShape:
-        """The recurrent state this rank's pool holds per layer: conv rows [local x | local B | local C],
-        the local heads' SSM states."""
-        return Mamba2StateShape.create(
-            intermediate_size=self.local_intermediate,
-            n_groups=self.local_groups,
-            num_heads=self.local_heads,
-            head_dim=self.head_dim,
-            state_size=self.state_size,
-            conv_kernel=conv_kernel,
-            tp_world_size=1,  # the sizes above are this rank's already
-        )
 
     def dim_shard(self, spans_of: str) -> SpanShard:
         """The loader's rule (`linear.DimShard`) for dimension 0 of a tensor split by `spans_of` (the name
