@@ -25,6 +25,7 @@ from sglang.test.model_checks import batched_extends_with_prefixes, make_runner
 from sglang.test.runner_driver import RunnerDriver
 
 UNREDUCED = "unreduced row-parallel"
+MOE_PRESETS = ("tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-lfm2-moe")
 PRESETS = (
     "tiny-nemotron-h",
     "tiny-granite-4.0-h",
@@ -76,11 +77,14 @@ def count_all_reduces(step: Callable[[], Any]) -> int:
     return len(calls)
 
 
-def run_presets(rank: int, world_size: int, init_method: str, paths: dict[str, str]) -> dict[str, Any]:
-    """`run_preset` for every (name -> folder) of `paths` at TP `world_size` (gloo), and under
-    UNREDUCED the summed output of an unreduced row-parallel linear with a bias (`unreduced_row_parallel`)."""
+def run_presets(
+    rank: int, world_size: int, init_method: str, paths: dict[str, str], ep_size: int = 1
+) -> dict[str, Any]:
+    """`run_preset` for every (name -> folder) of `paths` at TP `world_size` (gloo; EP `ep_size`), and
+    under UNREDUCED the summed output of an unreduced row-parallel linear with a bias
+    (`unreduced_row_parallel`)."""
     ps.init_distributed_environment("gloo", world_size, rank, init_method)
-    ps.initialize_model_parallel(world_size, 1)
+    ps.initialize_model_parallel(world_size, ep_size)
     try:
         out: dict[str, Any] = {name: run_preset(path) for name, path in paths.items()}
         out[UNREDUCED] = unreduced_row_parallel()
