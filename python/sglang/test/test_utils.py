@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -65,7 +66,10 @@ class ServerProcess:
         self.port = port or find_free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        argv = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        # SGLANG_TEST_SERVER_ARGS: flags every test server gets too (the nightly run of the server tests
+        # with --tp-size 2: test/registered/distributed/test_e2e_tp2_nightly.py).
+        extra = shlex.split(os.environ.get("SGLANG_TEST_SERVER_ARGS", ""))
+        argv = [*args, *extra, "--host", "127.0.0.1", "--port", str(self.port)]
         if api_key:
             argv += ["--api-key", api_key]
         cmd = [sys.executable, "-m", "sglang.launch_server", *argv]

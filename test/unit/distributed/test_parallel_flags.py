@@ -141,3 +141,18 @@ def test_an_engine_on_another_node_is_refused():
 
     with pytest.raises(ServerStartupError, match=r"^--node-rank 1: an Engine runs on node 0"):
         Engine(model_path="tiny-qwen3-next", tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1")
+
+
+def test_a_node_with_fewer_gpus_than_ranks_is_refused_naming_the_rank(monkeypatch):
+    import torch
+
+    from sglang.srt.managers.scheduler_components.tp_broadcast import ParallelGroupError, ParallelRank
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    rank = ParallelRank(
+        tp_rank=1, tp_size=2, ep_size=1, dp_rank=None, init_method="", backend="nccl", timeout_s=1, gpu_id=1
+    )
+    with pytest.raises(
+        ParallelGroupError, match=r"^TP rank 1 needs GPU 1 of this node, which shows 1 \(CUDA_VISIBLE"
+    ):
+        rank.place()

@@ -439,9 +439,9 @@ def run_scheduler_process(
     from sglang.srt.utils.process import configure_subprocess
 
     configure_subprocess(server_args, "scheduler" if rank is None else f"scheduler {rank.describe()}")
-    if rank is not None:
-        rank.share_cores()
     try:
+        if rank is not None:
+            rank.place()
         tp = join_parallel_group(rank, server_args) if rank is not None and rank.tp_size > 1 else None
         sched = Scheduler(server_args)
         sched.init_parallel(tp, rank.dp_rank if rank is not None else None)

@@ -54,11 +54,21 @@ class ParallelRank:
     def is_first(self) -> bool:
         return self.tp_rank == 0
 
-    def share_cores(self) -> None:
-        if self.torch_threads is not None:
-            import torch
+    def place(self) -> None:
+        """Put this process on its share of the node: its GPU (NCCL), or its share of the cores (CPU).
+        ParallelGroupError when the node shows fewer GPUs than it runs ranks."""
+        import torch
 
+        if self.torch_threads is not None:
             torch.set_num_threads(self.torch_threads)
+        if self.backend == "nccl":
+            count = torch.cuda.device_count()
+            if self.gpu_id >= count:
+                raise ParallelGroupError(
+                    f"{self.describe()} needs GPU {self.gpu_id} of this node, which shows {count} "
+                    "(CUDA_VISIBLE_DEVICES); each node runs --tp-size / --nnodes x --dp-size ranks, one GPU each."
+                )
+            torch.cuda.set_device(self.gpu_id)
 
     def describe(self) -> str:
         dp = f"DP rank {self.dp_rank}, " if self.dp_rank is not None else ""
@@ -80,13 +90,10 @@ def join_parallel_group(rank: ParallelRank, server_args: Any) -> TpBroadcast:
     scheduler's own broadcast group. ParallelGroupError, naming the address, when the ranks cannot meet
     within the timeout, or naming the flag, when another node was started with other flags. Every rank
     takes rank 0's --random-seed (a node that was given none drew its own), so that all sample alike."""
-    import torch
     import torch.distributed as dist
 
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
 
-    if rank.backend == "nccl":
-        torch.cuda.set_device(rank.gpu_id)
     timeout = timedelta(seconds=rank.timeout_s)
     world = rank.tp_size
     try:
