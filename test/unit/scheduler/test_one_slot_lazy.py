@@ -14,7 +14,7 @@ from sglang.srt.mem_cache.integrity import check_integrity
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import ORACLE_TOL, SchedulerHarness, token_ids
 
-register_cpu_ci(est_time=12, suite="per-commit-cpu")
+register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
 QWEN = "tiny-qwen3-next"
 C = 64  # Qwen3-Next's cache chunk at page size 1, and the track interval here
@@ -68,7 +68,7 @@ def test_hit_on_a_decode_snapshot_while_its_request_decodes(skip_write, oracles)
 
 @pytest.mark.parametrize("fail_mode", [0, 2])
 def test_one_slot_per_running_request_under_pool_pressure(fail_mode, oracles):
-    """Eight requests over two shared prefixes, 6 slots for up to 5 running, boundaries every 64 tokens:
+    """Six requests over two shared prefixes, 5 slots for up to 4 running, boundaries every 64 tokens:
     after every scheduler step (a batch in flight under overlap) every slot and KV page is in exactly
     one place, and no running request holds more than its running slot plus one borrowed snapshot.
     With every allocation at a boundary failing (fail_mode 2) the snapshots are skipped and every
@@ -77,8 +77,8 @@ def test_one_slot_per_running_request_under_pool_pressure(fail_mode, oracles):
         QWEN,
         mamba_scheduler_strategy="extra_buffer_lazy",
         mamba_track_interval=C,
-        max_mamba_cache_size=6,
-        max_running_requests=5,
+        max_mamba_cache_size=5,
+        max_running_requests=4,
         max_total_tokens=4096,
     )
     oracle = oracles[QWEN]
@@ -86,11 +86,12 @@ def test_one_slot_per_running_request_under_pool_pressure(fail_mode, oracles):
     jobs = []
     try:
         with envs.SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL.override(fail_mode):
-            for k in range(8):
-                prompt = prefixes[k % 2][: 60 + 10 * k] + token_ids(5, seed=630 + k)
-                jobs.append((h.submit(prompt, max_new_tokens=20 + 7 * k), prompt))
+            for k in range(6):
+                prompt = prefixes[k % 2][: 60 + 12 * k] + token_ids(5, seed=630 + k)
+                jobs.append((h.submit(prompt, max_new_tokens=14 + 6 * k), prompt))
             sched, most = h.sched, 0
             while sched.step():
+                sched.fast_path.flush()  # the walk reads every request's lists
                 live = sched.live_requests()
                 check_integrity(sched.tree_cache, sched.req_to_token_pool, sched.token_allocator, live)
                 running = [r for r in sched.running if not r.finished]
