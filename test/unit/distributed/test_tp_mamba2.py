@@ -8,6 +8,7 @@ their logprobs match the transformers oracle's, and each rank's state pool holds
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -137,3 +138,17 @@ def test_replicated_groups_go_with_the_heads_that_read_them():
 def test_a_tp_size_the_heads_or_groups_do_not_split_under_is_refused(heads, groups, tp, refusal):
     with pytest.raises(ValueError, match=re.escape(refusal)):
         Mamba2Shards(heads, 16, groups, 16, tp, 0).check()
+
+
+def test_fp8_scale_blocks_follow_the_rows_or_are_refused():
+    """An FP8 in_proj's 128x128 scales split with its rows (`fp8.shard_fp8_like` divides the rule's sizes by
+    the block): Nemotron-H 8B's layout at TP 2 puts each rank's z, x, B, C on whole blocks but its 64 dt
+    rows not, which is refused with --tp-size named; with 256 heads the dt rows are whole blocks too."""
+    nano = Mamba2Shards(128, 64, 8, 128, 2, 0).dim_shard("in_proj_spans")
+    scales = dataclasses.replace(nano, pieces=(nano.full_size // 128,))
+    with pytest.raises(ValueError, match="--tp-size 2"):
+        scales.positions(1)
+    wide = Mamba2Shards(256, 64, 8, 128, 2, 1).dim_shard("in_proj_spans")
+    blocks = dataclasses.replace(wide, pieces=(wide.full_size // 128,)).positions(1)
+    rows = wide.positions(1)
+    assert torch.equal(blocks, rows[::128] // 128) and blocks.numel() * 128 == rows.numel()

@@ -113,20 +113,38 @@ class Mamba2Shards:
         of one of the span methods above), every rank's spans written out."""
         ranks = [replace(self, tp_rank=r) for r in range(self.tp_size)]
         spans = tuple(tuple(getattr(s, spans_of)()) for s in ranks)
-        full = getattr(replace(self, tp_size=1, tp_rank=0), spans_of)()
-        return SpanShard(0, (sum(n for _, n in full),), self.tp_size, tuple(range(self.tp_size)), 0, spans)
+        full = sum(n for _, n in getattr(replace(self, tp_size=1, tp_rank=0), spans_of)())
+        return SpanShard(0, (full,), self.tp_size, tuple(range(self.tp_size)), 0, spans, full)
 
 
 @dataclass(frozen=True)
 class SpanShard(DimShard):
     """A `DimShard` whose parts are given as rows of the full tensor per rank (`Mamba2Shards`): pieces
-    split by different rules (heads and groups) or held by several ranks (replicated groups)."""
+    split by different rules (heads and groups) or held by several ranks (replicated groups).
+
+    The spans count in `rows`; the same rule with a full size of `rows / block` (what an FP8 linear's
+    scales get: `fp8.shard_fp8_like` replaces `pieces`) is the spans in blocks, which needs every span
+    to be whole blocks (else ValueError naming --tp-size)."""
 
     spans_of_part: tuple[tuple[Span, ...], ...] = ()
+    rows: int = 0
+
+    def _spans(self, part: int) -> tuple[Span, ...]:
+        spans, size = self.spans_of_part[part], self.full_size + self.pad
+        if size == self.rows:
+            return spans
+        block, rest = divmod(self.rows, size)
+        bad = next(((a, n) for a, n in spans if rest or a % block or n % block), None)
+        if bad is not None:
+            raise ValueError(
+                f"A Mamba2 projection's rows [{bad[0]}, {bad[0] + bad[1]}) on one rank are not whole "
+                f"{block}-row FP8 scale blocks at --tp-size {len(self.part_of_rank)}."
+            )
+        return tuple((a // block, n // block) for a, n in spans)
 
     @property
     def local_size(self) -> int:
-        return sum(n for _, n in self.spans_of_part[0])
+        return sum(n for _, n in self._spans(0))
 
     def positions(self, part: int) -> torch.Tensor:
-        return torch.cat([torch.arange(start, start + n) for start, n in self.spans_of_part[part]])
+        return torch.cat([torch.arange(start, start + n) for start, n in self._spans(part)])
