@@ -102,6 +102,10 @@ def _update(runner, driver, req, names: tuple[str, ...]) -> dict[str, Any]:
         shape = full_shape(params[target]) if target in params else _expert_shape(runner, name)
         tensors.append((name, 0.05 * torch.randn(shape, generator=gen)))
     assert runner.update_weights_from_tensor(tensors) == []
+    # load_format "direct": this model's names and layout, whole (what get_weights_by_name gives back).
+    direct = "model.layers.3.self_attn.q_proj.weight"
+    tensors.append((direct, 0.05 * torch.randn(full_shape(params[direct]), generator=gen)))
+    assert runner.update_weights_from_tensor(tensors[-1:], load_format="direct") == []
     gathered = {n: runner.get_weights_by_name(n, 10**6) for n, _ in tensors if n in params}
     return {"gathered": gathered, "logprobs": decode_steps(driver, [req], 3)[0]}
 

@@ -29,7 +29,7 @@ ORACLE_TOL = 1e-4
 # ~1e-3 (measured 1.3e-3 against TP 1); their oracle error is another test's (test_fp8_experts.py).
 FP8_TP_TOL = 1e-2
 # Updated in place (each rank slicing its part of the whole tensor): a per-key-head projection (regrouped
-# as it loads), a row-parallel one, one expert's intermediate block.
+# as it loads), a row-parallel one, one expert's intermediate block; then q_proj by load_format "direct".
 UPDATE = (
     "model.layers.0.linear_attn.in_proj_qkvz.weight",
     "model.layers.3.self_attn.o_proj.weight",

@@ -38,7 +38,7 @@ from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
 from sglang.srt.layers.attention.mamba.short_conv_backend import ShortConvAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglang.srt.layers.linear import gather_weight
+from sglang.srt.layers.linear import full_shape, gather_weight, shard_weight
 from sglang.srt.layers.logits_processor import HiddenRows, LogitsProcessor, TopLogprobs
 from sglang.srt.layers.quantization.fp8 import FP8_DTYPE
 from sglang.srt.layers.radix_attention import RadixAttention
@@ -304,13 +304,14 @@ class ModelRunner:
                         '"direct" cannot write; send the checkpoint\'s names (no load_format), which are '
                         "quantized as they load"
                     )
-                if param is not None and tuple(param.shape) != tuple(tensor.shape):
-                    shapes = f"{tuple(tensor.shape)}; the parameter's is {tuple(param.shape)}"
+                # Whole, as get_weights_by_name gives it: under tensor parallelism each rank takes its part.
+                if param is not None and full_shape(param) != tuple(tensor.shape):
+                    shapes = f"{tuple(tensor.shape)}; the parameter's is {full_shape(param)}"
                     raise ValueError(f"tensor {name} has shape {shapes}")
             with torch.no_grad():
                 for name, tensor in named_tensors:
                     if name in params:
-                        params[name].data.copy_(tensor)
+                        params[name].data.copy_(shard_weight(params[name], tensor))
         else:
             scales = self._kv_scales()
             unknown = self.model.load_weights(named_tensors, update=True)
