@@ -3,11 +3,14 @@ tokens as one rank: the transformers oracle's, with the engine's logprobs within
 on its own tokens (float32; the ranks' reductions may add in another order than one rank's, which moves
 a logprob by ~1e-6 at this size). In the same run a prompt longer than --chunked-prefill-size (chunked
 prefill on both ranks in step) and a second prompt that extends the first (a prefix hit: every rank's
-radix tree must hold the same checkpoint), and /get_server_info lists both ranks' memory. A rank that
+radix tree must hold the same checkpoint), a regex request (its grammar compiles on each rank's own
+thread: rank 0 says when it is done), and /get_server_info lists both ranks' memory. A rank that
 decided otherwise than rank 0 would take another batch or slot; the strict idle check compares the ranks'
 pool counts each time they go idle."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -54,6 +57,12 @@ def test_tp2_serves_one_rank_tokens_with_a_chunked_prefill_and_a_prefix_hit(engi
     )
     for ids, out in zip([[5, 6, 7, 8] * 5, [9, 10, 11] * 9], batch, strict=True):
         _check_against_oracle(oracle, ids, out)
+
+
+def test_a_grammar_request_compiles_while_the_ranks_wait_for_rank_0(engine):
+    """Its compile ends at a time of its own on each rank: rank 0 decides when it is done (the tick)."""
+    out = engine.generate("Digits:", {"max_new_tokens": 16, "temperature": 0, "regex": "(yes|no) [0-9]{3}"})
+    assert re.fullmatch(r"(yes|no) [0-9]{3}", out["text"]), out["text"]
 
 
 def test_server_info_lists_each_rank_memory(engine):

@@ -48,6 +48,8 @@ from sglang.srt.sampling.custom_logit_processor import load_processor
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+# Tensor parallelism, while only grammars compile: how long rank 0 waits for a message per iteration.
+GRAMMAR_WAIT_MS = 2
 TP_WEIGHTS_GROUP = (
     "A weight-update group cannot be joined with --tp-size above 1 yet; update the weights from disk or "
     "from tensors instead."
@@ -414,7 +416,11 @@ class SchedulerIOMixin:
 
     def _make_tick(self, busy: bool) -> Tick:
         """Rank 0: the new messages and this iteration's decisions that depend on time."""
-        msgs = self.recv_requests(0 if busy else IDLE_POLL_MS)
+        # Only grammars compiling: wait a little for one (or a message) rather than spin the ranks.
+        only_grammars = self.grammar_queue and not (
+            self.running or self.waiting_queue or self.in_flight or self.chunked_req
+        )
+        msgs = self.recv_requests(GRAMMAR_WAIT_MS if only_grammars else 0 if busy else IDLE_POLL_MS)
         if self._may_run():
             self.request_deadlines.check()  # (into `_tick_aborts`)
         aborts, self._tick_aborts = self._tick_aborts, []
