@@ -1,11 +1,11 @@
 """Tensor parallelism of the Mamba2 family and LFM2 at TP 4 (nightly-cpu: four gloo ranks on this machine's
 cores, ~3 min; by hand `python -m pytest test/unit/distributed/test_tp_mamba2_tp4.py`). Every preset's two
 Mamba2 groups are then replicated, each on the two ranks whose heads read it, and each output-norm group
-spans those two ranks; the key/value heads (2) are replicated too. Both checks of `test_tp_mamba2.py`
-(tokens equal TP 1's, logprobs the oracle's; each rank's state its part; all-reduces per step; the
-gathered weights) at TP 4, and TP 3 refused with a
-sentence naming --tp-size (the tiny presets' 8 Mamba2 and 4 attention heads do not split three ways);
-TP 2 x EP 2 on the MoE presets (Nemotron-H, Granite-4.0-H, LFM2-MoE)."""
+spans those two ranks; the key/value heads (2) are replicated too. The checks of `test_tp_mamba2.py` at
+TP 4 (tokens equal TP 1's, logprobs the oracle's; each rank's state its part; all-reduces per step; the
+gathered weights); TP 3 refused with a sentence naming --tp-size (the tiny presets' 8 Mamba2 and 4
+attention heads do not split three ways); TP 2 x EP 2 on the MoE presets (Nemotron-H, Granite-4.0-H,
+LFM2-MoE)."""
 
 from __future__ import annotations
 
