@@ -53,7 +53,7 @@ def _one_case(case: Case) -> dict[str, Any]:
     ps.initialize_model_parallel(case.tp, case.ep)
     os.environ.update(case.env)
     try:
-        return _run(case, make_runner(case.preset, dtype="float32", **case.server_args))
+        return _run(case, make_runner(case.preset, **{"dtype": "float32", **case.server_args}))
     finally:
         for key in case.env:
             os.environ.pop(key, None)
