@@ -1,7 +1,9 @@
 """Run a function on N gloo ranks (spawned processes on this machine) and collect what each returns:
 the CPU test bed of tensor and expert parallelism. `fn(rank, world_size, init_method, *args)` must be
 importable by name (defined in a module, not in a test file: spawn pickles it by its qualified name).
-A rank that raises or dies fails the call at once with its message, never a wait for the timeout."""
+A rank that raises or dies fails the call at once with its message, never a wait for the timeout.
+Return plain Python values (`.tolist()`, floats), never tensors: a tensor crosses the queue through shared
+memory that its rank releases on exit, and the parent then waits on it until the timeout."""
 
 from __future__ import annotations
 
