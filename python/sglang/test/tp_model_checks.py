@@ -208,7 +208,9 @@ def run_prefix_cases(
     try:
         for case in cases:
             ps.initialize_model_parallel(case.tp, case.ep)
-            driver = RunnerDriver(make_runner(case.preset, dtype="float32", **case.server_args))
+            # extra_buffer: the donor holds a track slot for the snapshot (lazy holds none until a boundary).
+            args = {"dtype": "float32", "mamba_scheduler_strategy": "extra_buffer", **case.server_args}
+            driver = RunnerDriver(make_runner(case.preset, **args))
             prompt = random_ids(case.prompt_len, seed=21)
             donor, fresh = driver.new_request(), driver.new_request()
             lps = {}

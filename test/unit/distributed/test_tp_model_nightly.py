@@ -27,7 +27,7 @@ TP2 = [
     for p in PRESETS
     for ep in ((1, 2) if p != "tiny-qwen3.5" else (1,))
     for page in (1, 16)
-]
+] + [Case("tiny-qwen3.5-moe", 2, 2, prompt_len=600, steps=2)]  # > 1,024 assignments: the per-expert loop
 # The variant's sizes: 4 key / 8 value linear-attention heads (both split 4 ways).
 WIDE_GDN = {"linear_num_key_heads": 4, "linear_num_value_heads": 8}
 

@@ -236,12 +236,14 @@ class RoutedExperts(nn.Module):
     def _local_assignments(
         self, weights: torch.Tensor, ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Assignments to this rank's experts as local ids; the others weigh 0 (on a local id, so every
-        path runs unchanged and no shape depends on the routing: what a CUDA graph needs). The masked
-        assignments still cost their GEMM rows (each rank runs T x k rows of its own experts)."""
+        """Assignments to this rank's experts as local ids; the others weigh 0 on local expert 0 (a real
+        id, so every path runs unchanged and no shape depends on the routing: what a CUDA graph needs).
+        The masked assignments still cost their GEMM rows (each rank runs T x k rows), but all on one
+        expert, so a decode step reads the weights of its real experts and of expert 0 only (spread over
+        the local experts they would read up to k more)."""
         local = ids - self.expert_offset
         mine = (local >= 0) & (local < self.num_experts)
-        return weights * mine, torch.where(mine, local, local.remainder(self.num_experts))
+        return weights * mine, torch.where(mine, local, 0)
 
     @property
     def fp8(self) -> bool:
