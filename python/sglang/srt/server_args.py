@@ -162,6 +162,9 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
     disaggregation_decode_extra_slots: int | None = None
+    # Decode side: keep finished requests' KV and state in a radix cache and tell the prefill server how
+    # much of a prompt it holds, so only the rest moves (upstream's flag; off by default, as upstream).
+    disaggregation_decode_enable_radix_cache: bool = False
     disaggregation_ib_device: str | None = None
     # Decode side: the prefill servers (host[:port] or IP network) a request's bootstrap_host may name;
     # None: loopback only.
@@ -325,8 +328,9 @@ class ServerArgs:
                 )
 
     def _handle_pd_disaggregation(self) -> None:
-        """The decode server of PD disaggregation has no prefix cache yet (upstream PR #22462)."""
-        if self.disaggregation_mode != "decode":
+        """The decode server of PD disaggregation keeps no prefix cache unless
+        --disaggregation-decode-enable-radix-cache (as upstream)."""
+        if self.disaggregation_mode != "decode" or self.disaggregation_decode_enable_radix_cache:
             return
         if not self.disable_radix_cache:
             logger.warning(

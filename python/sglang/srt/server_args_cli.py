@@ -335,6 +335,12 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
         "--disaggregation-bootstrap-port", type=int, default=default("disaggregation_bootstrap_port")
     )
     g.add_argument("--disaggregation-decode-extra-slots", type=int, default=None)
+    g.add_argument(
+        "--disaggregation-decode-enable-radix-cache",
+        action="store_true",
+        help="Decode side: keep finished requests' KV and state in a radix cache; the prefill server then "
+        "transfers only the part of a prompt the decode server does not hold.",
+    )
     g.add_argument("--disaggregation-ib-device", default=None)
     g.add_argument(
         "--disaggregation-prefill-allowlist",

@@ -211,7 +211,7 @@ REFUSED: dict[str, str] = {
     """,
     "pd": """
         --disaggregation-decode-allocation-policy= --disaggregation-enable-kv-checksum
-        --disaggregation-decode-enable-radix-cache --disaggregation-decode-retraction-backup=
+        --disaggregation-decode-retraction-backup=
         --num-reserved-decode-tokens= --disaggregation-decode-polling-interval= --enable-pd-role-switch
         --optimistic-prefill-attempts= --enable-pdmux --pdmux-config-path= --sm-group-num=
         --disaggregation-decode-host-receive-threshold=
