@@ -18,7 +18,7 @@ from sglang.test.multi_rank import run_ranks
 from sglang.test.reference import ReferenceModel
 from sglang.test.tp_model_checks import Case, run_cases, run_prefix_cases
 
-register_cpu_ci(est_time=240, suite="nightly-cpu")
+register_cpu_ci(est_time=300, suite="nightly-cpu")
 
 TOL = 1e-4  # float32: another order of the same sums (test_tp_model.py)
 PRESETS = ("tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe")
