@@ -1,0 +1,123 @@
+"""NEXTN (the demo model's own MTP layer drafts) against plain decoding on CPU, same requests, in one run:
+
+    .venv/bin/python benchmark/bench_speculative_mtp.py                    # ~2-4 min on 2 busy cores
+    .venv/bin/python benchmark/bench_speculative_mtp.py --steps 2 --reps 1
+
+Two schedulers in this process (plain, and --speculative-algorithm NEXTN with --speculative-num-steps
+k), the same greedy requests: held-out Python (modules the demo model never trained on, `HELD_OUT` of
+`sglang.tools.train_tiny_model`), `--input-len` tokens of prompt, `--output-len` new tokens each, at batch
+1 (one request at a time) and batch 8 (eight at once). Each is timed per repetition (caches flushed
+before), plain and NEXTN alternating; `nextn_over_plain` is the median of per-repetition ratios of
+output tokens per second; `accept_length` is NEXTN's tokens committed per request and verify;
+`same_greedy_tokens` whether every request's tokens are the same on both sides. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+
+MODEL = "tiny-qwen3-next-demo"
+
+
+def held_out_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """`n` prompts of `length` tokens spread over the held-out modules' source."""
+    from sglang.tools.train_tiny_model import corpus_files, read
+
+    ids = tokenizer("".join(read(corpus_files()[1])))["input_ids"]
+    step = (len(ids) - length) // n
+    return [ids[i * step : i * step + length] for i in range(n)]
+
+
+def run(sched: Scheduler, prompts: list[list[int]], out_len: int, tag: str) -> tuple[float, list[list[int]]]:
+    outputs: dict[str, list[int]] = {}
+    for k, ids in enumerate(prompts):
+        params = SamplingParams.from_dict({"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})
+        sched.add_request(
+            TokenizedGenerateReqInput(
+                rid=f"{tag}-{k}", input_text=None, input_ids=ids, sampling_params=params
+            )
+        )
+        outputs[f"{tag}-{k}"] = []
+    start = time.perf_counter()
+    sched.run_until_idle()
+    seconds = time.perf_counter() - start
+    for msg in sched.detokenizer_outbox:
+        for rid, ids in zip(msg.rids, msg.output_ids, strict=True):
+            outputs[rid] += ids
+    sched.detokenizer_outbox.clear()
+    return seconds, [outputs[f"{tag}-{k}"] for k in range(len(prompts))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path", default=MODEL)
+    parser.add_argument("--steps", type=int, default=3, help="--speculative-num-steps (drafts per verify)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    from sglang.srt.configs.presets import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_path))
+    prompts = held_out_prompts(tokenizer, args.prompts, args.input_len)
+    base = dict(
+        model_path=args.model_path, disable_overlap_schedule=True, random_seed=0, mamba_track_interval=256,
+        max_total_tokens=32768, max_mamba_cache_size=256,
+    )  # fmt: skip
+    scheds = {
+        "plain": Scheduler(ServerArgs(**base)),
+        "nextn": Scheduler(
+            ServerArgs(**base, speculative_algorithm="NEXTN", speculative_num_steps=args.steps)
+        ),
+    }
+    report: dict = {"torch_threads": torch.get_num_threads(), **vars(args)}
+    for sched in scheds.values():
+        run(sched, prompts[:2], 8, "warmup")
+    same = True
+    for batch in (1, 8):
+        speeds: dict[str, list[float]] = {"plain": [], "nextn": []}
+        ratios: list[float] = []
+        before = dict(scheds["nextn"].spec.stats)
+        for rep in range(args.reps):
+            outs: dict[str, list[list[int]]] = {}
+            for name, sched in scheds.items():
+                sched.flush_cache()
+                seconds, outs[name] = 0.0, []
+                for i in range(0, len(prompts), batch):
+                    s, o = run(sched, prompts[i : i + batch], args.output_len, f"b{batch}r{rep}i{i}")
+                    seconds += s
+                    outs[name] += o
+                speeds[name].append(len(prompts) * args.output_len / seconds)
+            same = same and outs["plain"] == outs["nextn"]
+            ratios.append(speeds["nextn"][-1] / speeds["plain"][-1])
+        after = scheds["nextn"].spec.stats
+        verifies = after["verify_steps"] - before["verify_steps"]
+        report[f"batch_{batch}"] = {
+            "plain_tok_s": round(statistics.median(speeds["plain"]), 1),
+            "nextn_tok_s": round(statistics.median(speeds["nextn"]), 1),
+            "nextn_over_plain": round(statistics.median(ratios), 3),
+            "accept_length": round(
+                (after["committed_tokens"] - before["committed_tokens"]) / max(verifies, 1), 3
+            ),
+        }
+    report["same_greedy_tokens"] = same
+    print(json.dumps(report, indent=1))
+    for sched in scheds.values():
+        sched.shutdown()
+
+
+if __name__ == "__main__":
+    main()
