@@ -28,7 +28,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.router_process import start_pd, stop_all
 from sglang.test.test_utils import ServerProcess
 
-register_cpu_ci(est_time=185, suite="per-commit-cpu")
+register_cpu_ci(est_time=195, suite="per-commit-cpu")
 
 # Greedy tokens equal; logprobs within 1e-4: the two paths run the same kernels on the same weights,
 # but the decode side reads its prompt KV from another page layout (summation order in attention may
@@ -46,7 +46,12 @@ PRESETS = {
         ["--page-size", "16"],
         ["--page-size", "1", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"],
     ),
-    "tiny-nemotron-h": (["--mamba-scheduler-strategy", "extra_buffer", "--chunked-prefill-size", "128"], []),
+    # Nemotron-H's decode server keeps its own radix cache (no_buffer): a conversation's next turn moves
+    # only the KV of what the decode server does not hold.
+    "tiny-nemotron-h": (
+        ["--mamba-scheduler-strategy", "extra_buffer", "--chunked-prefill-size", "128"],
+        ["--disaggregation-decode-enable-radix-cache", "--mamba-scheduler-strategy", "no_buffer"],
+    ),
 }
 # The decode server asks for fewer mamba slots than its request rows need: it raises the size and logs it.
 DECODE_SIZING = [
@@ -247,6 +252,44 @@ def test_sixteen_concurrent_requests(pd):
     for r, w in zip(got, want, strict=True):
         assert r.status_code == 200, r.text
         assert_same_generation(r.json(), w)
+
+
+def conversation_turns(
+    pd: dict, first: list[int], new: list[list[int]], max_new_tokens: int = 8
+) -> list[int]:
+    """Run a conversation through the router, each turn's prompt the previous prompt, its answer and the
+    turn's new tokens; every answer equals the single server's. Returns the KV tokens each turn's
+    transfer moved, checking its bytes: that KV and one request's state, nothing more."""
+    moved = []
+    ids = first
+    for turn in [[], *new]:
+        ids = ids + turn
+        want = post(pd["prefill"].base_url + "/generate", generate_body(ids, max_new_tokens)).json()
+        before = internal_state(pd["prefill"])["disaggregation"]
+        r = post(pd["router"].base_url + "/generate", generate_body(ids, max_new_tokens))
+        assert r.status_code == 200, r.text
+        assert_same_generation(r.json(), want)
+        after = internal_state(pd["prefill"])["disaggregation"]
+        tokens = after["kv_tokens"] - before["kv_tokens"]
+        assert after["transfers"] - before["transfers"] == 1
+        assert after["bytes"] - before["bytes"] == tokens * after["kv_bytes_per_token"] + after["state_bytes"]
+        moved.append(tokens)
+        ids = ids + r.json()["output_ids"]
+    return moved
+
+
+def test_a_conversations_next_turn_transfers_only_what_the_decode_cache_lacks(pd):
+    first = [(5 * j + 1) % 400 + 3 for j in range(40)]
+    new = [[(3 * j + 7) % 400 + 3 for j in range(n)] for n in (20, 9)]
+    moved = conversation_turns(pd, first, new)
+    decode = internal_state(pd["decode"])
+    if not decode["disaggregation"]["decode_radix_cache"]:
+        assert moved == [40, 40 + 8 + 20, 40 + 8 + 20 + 8 + 9]  # the whole prompt, every turn
+        return
+    # Turn 1's KV stays in the decode tree up to its last output token, whose KV was never computed
+    # (page size 1): the next turn moves that token's KV and the new tokens', and one state.
+    assert moved == [40, 1 + 20, 1 + 9]
+    assert decode["token_usage"]["held_by_tree"] >= 40 + 8 + 20 + 8 + 9 - 1
 
 
 def test_decode_pool_sizing_is_raised_and_logged(pd):

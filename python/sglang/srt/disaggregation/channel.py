@@ -3,13 +3,14 @@ machines). The bytes of KV and state never go this way; they go through the tran
 
     decode -> prefill (to tcp://bootstrap_host:bootstrap_port)
         {"type": "dst", "room", "notify": decode's URL, "session": its transfer-engine session,
-         "layout": PoolLayout, "kv": [token slot per prompt position], "slot": running slot}
+         "layout": PoolLayout, "prefix": prompt positions its radix cache holds (0 without one),
+         "kv": [token slot per prompt position from prefix on], "slot": running slot}
         {"type": "cancel", "room", "notify"}     the decode side gave the request up
         {"type": "hello", "room": "", "nonce", "to": the URL it was sent to, "notify"}   (with the secret:
             before the first destination to a prefill server, which must acknowledge it, `auth.PeerVerifier`)
     prefill -> decode (to "notify")
         {"type": "done", "room", "ok": true, "output_ids", "output_token_logprobs",
-         "output_top_logprobs", "output_token_ids_logprobs", "cached_tokens", "bytes", "seconds"}
+         "output_top_logprobs", "output_token_ids_logprobs", "cached_tokens", "bytes", "kv_tokens", "seconds"}
         {"type": "done", "room", "ok": false, "error": str}
         {"type": "hello_ack", "room": "", "nonce", "to"}   the answer to a hello addressed to this server
 

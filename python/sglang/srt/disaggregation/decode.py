@@ -88,14 +88,18 @@ class DecodeTransferQueue:
         self.notify_url = tcp_url(reachable_host(args.host), self.channel.port)
         self.peers = PeerVerifier(self.channel.secret is not None, self.channel.send, self.notify_url)
         self.prealloc: list[Req] = []  # waiting for destinations
-        # Reserved, the destination not sent yet: (request, id of the newest batch launched at reservation).
-        self.reserved: list[tuple[Req, int]] = []
+        # --disaggregation-decode-enable-radix-cache: a prompt's prefix held by this server's tree is not
+        # transferred again (the prefill server is told its length with the destination).
+        self.radix = args.disaggregation_decode_enable_radix_cache and sched.tree_cache.supports_mamba()
+        # Reserved, the destination not sent yet: (request, id of the newest batch launched at
+        # reservation, length of the prompt's prefix this server's tree holds).
+        self.reserved: list[tuple[Req, int, int]] = []
         self.transfers: dict[str, tuple[Req, float]] = {}  # destination sent: (request, since)
         self.ready: list[Req] = []  # transferred, waiting for a place in the running batch
         self.zombies: dict[str, tuple[Req, float]] = {}  # aborted while a transfer may still write
         self.dst_sent: set[str] = set()  # rooms whose prefill server was asked (it answers, or got a cancel)
         self.timeout = envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
-        self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "seconds": 0.0}
+        self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "kv_tokens": 0, "seconds": 0.0}
 
     # ---- the scheduler's hooks ----------------------------------------------------------------------
 
@@ -130,7 +134,7 @@ class DecodeTransferQueue:
             self._send(req, {"type": "cancel", "room": key, "notify": self.notify_url})
             return True
         self.prealloc = [r for r in self.prealloc if r is not req]
-        self.reserved = [(r, w) for r, w in self.reserved if r is not req]
+        self.reserved = [e for e in self.reserved if e[0] is not req]
         self.ready = [r for r in self.ready if r is not req]
         return False
 
@@ -174,7 +178,7 @@ class DecodeTransferQueue:
     # ---- queues --------------------------------------------------------------------------------------
 
     def _rooms_in_use(self) -> set[str]:
-        reqs = self.prealloc + [r for r, _ in self.reserved] + self.ready
+        reqs = self.prealloc + [e[0] for e in self.reserved] + self.ready
         return {r.bootstrap.room for r in reqs} | set(self.transfers) | set(self.zombies)
 
     def _send(self, req: Req, msg: dict[str, Any]) -> bool:
@@ -202,24 +206,42 @@ class DecodeTransferQueue:
             # One page per request that will decode before this one, so the running batch is not starved.
             reserve = len(sched.running) + len(self.ready) + len(self.transfers) + len(self.reserved) + 1
             n = len(req.origin_input_ids)
+            p = self._match_prefix(req)
             if not alloc_for_extend(
                 sched.tree_cache,
                 sched.req_to_token_pool,
                 sched.token_allocator,
                 req,
-                0,
+                p,
                 n,
                 reserve_pages=reserve,
             ):
+                req.kv_indices = []
+                sched.tree_cache.release_match(req)
                 blocked = True
                 waiting.append(req)
                 continue
             did = True
             req.mamba_needs_clear = False  # cleared as its destination goes out; the transfer writes it
+            req.cache_protected_len = p  # the tree's KV: its release keeps it, the transfer skips it
             req.mark_req_to_token_dirty(0)
-            self.reserved.append((req, sched.num_batches))
+            self.reserved.append((req, sched.num_batches, p))
         self.prealloc = waiting
         return did
+
+    def _match_prefix(self, req: Req) -> int:
+        """With the decode radix cache: the prompt's prefix this server's tree holds, locked for `req`
+        (`req.last_node`) and its KV slots in `req.kv_indices`; else 0. The match stops one token short of
+        the prompt, so the transfer always carries the last token's KV. The checkpoint at the match is not
+        copied (no COW): the running slot receives the state at the prompt's end from the prefill server,
+        under every strategy."""
+        req.kv_indices = []
+        if not self.radix:
+            return 0
+        match = self.sched.tree_cache.match_prefix(req.origin_input_ids[:-1], req=req)
+        req.mamba_branching_seqlen = None  # no extend runs here: nothing is tracked from the match
+        req.kv_indices = list(match.device_indices)
+        return len(req.kv_indices)
 
     def _send_destinations(self) -> bool:
         """Send the destinations whose slots no batch in flight can still write. A slot freed when a
@@ -229,15 +251,16 @@ class DecodeTransferQueue:
         processed = self.sched.processed_batch_id
         did = False
         while self.reserved and self.reserved[0][1] <= processed:
-            req, _ = self.reserved.pop(0)
+            req, _, prefix = self.reserved.pop(0)
             did = True
             key = req.bootstrap.room
-            # No batch writes these slots any more, and the transfer may only come after this.
-            clear_destination(self.layout, req.kv_indices, req.mamba_pool_idx)
+            # No batch writes these slots any more, and the transfer may only come after this. The
+            # prefix's KV is the tree's (shared, never written by the transfer).
+            clear_destination(self.layout, req.kv_indices[prefix:], req.mamba_pool_idx)
             sent = self._send(req, {
                 "type": "dst", "room": key, "notify": self.notify_url,
                 "session": self.engine.session_id, "layout": self.layout.to_dict(),
-                "kv": req.kv_indices, "slot": req.mamba_pool_idx,
+                "prefix": prefix, "kv": req.kv_indices[prefix:], "slot": req.mamba_pool_idx,
             })  # fmt: skip
             if not sent:  # nothing can write into it: release at once
                 self.sched.abort_with_status([req], "The prefill server does not take messages.", 503)
@@ -264,6 +287,7 @@ class DecodeTransferQueue:
             return
         self.stats["transfers"] += 1
         self.stats["bytes"] += int(msg.get("bytes", 0))
+        self.stats["kv_tokens"] += int(msg.get("kv_tokens", 0))
         self.stats["seconds"] += float(msg.get("seconds", 0.0))
         processor = self.sched.result_processor
         for token in outputs:  # the prefill server's first token, checked below with its logprobs
@@ -333,6 +357,8 @@ class DecodeTransferQueue:
             "ready": len(self.ready),
             "aborted_holding": len(self.zombies),
             "dropped_messages": self.channel.dropped,
+            "decode_radix_cache": self.radix,
+            **self.layout.sizes(),
             **self.stats,
         }
 

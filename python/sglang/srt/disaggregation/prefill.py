@@ -44,6 +44,7 @@ class _Room:
     req: Req | None = None  # prefilled, waiting for its destination or being transferred
     dst: dict[str, Any] | None = None  # the decode server's destination
     future: Future | None = None  # the transfer
+    kv_tokens: int = 0  # prompt positions whose KV the transfer moves
 
 
 class PrefillBootstrapQueue:
@@ -71,7 +72,7 @@ class PrefillBootstrapQueue:
         self.ended: dict[str, tuple[float, str]] = {}
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
         self.timeout = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
-        self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "seconds": 0.0}
+        self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "kv_tokens": 0, "seconds": 0.0}
         logger.info("Prefill server: bootstrap on port %d, transfers by %s.", self.channel.port,
                     args.disaggregation_transfer_backend)  # fmt: skip
 
@@ -204,18 +205,26 @@ class PrefillBootstrapQueue:
         if req is None or dst is None or room.future is not None:
             return
         n = len(req.origin_input_ids)
+        # The prompt's prefix the decode server's radix cache holds already: its KV does not move.
+        prefix = dst.get("prefix", 0)
         layout = PoolLayout.from_dict(dst["layout"])
         problem = self.layout.mismatch(layout)
-        if problem is None and len(dst["kv"]) != n:
-            problem = f"the decode server reserved {len(dst['kv'])} KV slots for a {n}-token prompt"
+        if problem is None and not prefix < n:
+            problem = f"the decode server holds {prefix} tokens of a {n}-token prompt (at most {n - 1})"
+        elif problem is None and len(dst["kv"]) != n - prefix:
+            problem = (
+                f"the decode server reserved {len(dst['kv'])} KV slots for the {n - prefix} tokens of a "
+                f"{n}-token prompt past its {prefix} cached ones"
+            )
         if problem is not None:
             del self.rooms[key]
             self._notify_failed(dst, f"the transfer cannot be made: {problem}")
             self._abort(req, f"KV transfer to the decode server failed: {problem}", 500)
             return
         descriptors = transfer_descriptors(
-            self.layout, layout, req.kv_indices[:n], dst["kv"], req.mamba_pool_idx, dst["slot"]
+            self.layout, layout, req.kv_indices[prefix:n], dst["kv"], req.mamba_pool_idx, dst["slot"]
         )
+        room.kv_tokens = n - prefix
         fail_prefix = envs.SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER.get()
         inject = fail_prefix is not None and req.rid.startswith(fail_prefix)
         room.future = self.executor.submit(self._transfer, dst["session"], descriptors, inject)
@@ -246,6 +255,7 @@ class PrefillBootstrapQueue:
             return
         self.stats["transfers"] += 1
         self.stats["bytes"] += nbytes
+        self.stats["kv_tokens"] += room.kv_tokens
         self.stats["seconds"] += seconds
         self.channel.send(dst["notify"], {
             "type": "done", "room": key, "ok": True,
@@ -254,7 +264,7 @@ class PrefillBootstrapQueue:
             "output_top_logprobs": req.output_top_logprobs,
             "output_token_ids_logprobs": req.output_token_ids_logprobs,
             "cached_tokens": req.cached_tokens,
-            "bytes": nbytes, "seconds": seconds,
+            "bytes": nbytes, "kv_tokens": room.kv_tokens, "seconds": seconds,
         })  # fmt: skip
         processor = self.sched.result_processor
         if not req.finished:
@@ -311,6 +321,7 @@ class PrefillBootstrapQueue:
             ),
             "transferring": sum(1 for r in self.rooms.values() if r.future is not None),
             "dropped_messages": self.channel.dropped,
+            **self.layout.sizes(),
             **self.stats,
         }
 
@@ -329,6 +340,8 @@ def _malformed_dst(msg: dict[str, Any], context_len: int) -> str | None:
         return "notify and session must be strings"
     if not is_int(msg.get("slot")) or not isinstance(msg.get("kv"), list) or not all(map(is_int, msg["kv"])):
         return "slot and kv must be slot ids"
+    if not is_int(msg.get("prefix", 0)):
+        return "prefix must be a token count"
     if len(msg["kv"]) > context_len:
         return f"kv names {len(msg['kv'])} token slots, more than the context length {context_len}"
     layout = msg.get("layout")

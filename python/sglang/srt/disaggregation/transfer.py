@@ -71,6 +71,14 @@ class PoolLayout:
         """(address, bytes) of every buffer, to register with the transfer engine."""
         return list(zip(self.kv_ptrs + self.state_ptrs, self.kv_nbytes + self.state_nbytes, strict=True))
 
+    def sizes(self) -> dict[str, int]:
+        """What one prompt position's KV (every layer's K and V) and one request's state (every linear
+        layer's conv and SSM rows) weigh in a transfer."""
+        return {
+            "kv_bytes_per_token": self.kv_bytes_per_token * len(self.kv_ptrs),
+            "state_bytes": sum(self.state_slot_bytes),
+        }
+
     def to_dict(self) -> dict:
         return asdict(self)
 
