@@ -25,15 +25,18 @@ import zmq
 
 from sglang.srt.disaggregation.auth import sign, verify
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.pd_conversation import (
+    assert_same_generation,
+    conversation_turns,
+    generate_body,
+    internal_state,
+    post,
+)
 from sglang.test.router_process import start_pd, stop_all
 from sglang.test.test_utils import ServerProcess
 
 register_cpu_ci(est_time=195, suite="per-commit-cpu")
 
-# Greedy tokens equal; logprobs within 1e-4: the two paths run the same kernels on the same weights,
-# but the decode side reads its prompt KV from another page layout (summation order in attention may
-# differ by float32 rounding, ~1e-6), far below the 1e-4 the issue sets.
-LOGPROB_TOL = 1e-4
 FAIL_PREFIX = "fail-transfer-"
 # Decode side's waiting timeout, and the prefill side's bootstrap timeout (longer, so that a room only
 # the decode side knows is given up by the decode side first).
@@ -98,10 +101,6 @@ def nothing_held_afterwards(request):
             assert_quiescent(pd[name], name)
 
 
-def internal_state(server: ServerProcess) -> dict:
-    return requests.get(server.base_url + "/get_server_info", timeout=10).json()["internal_states"][0]
-
-
 def assert_quiescent(server: ServerProcess, name: str, timeout: float = 15) -> None:
     """No request runs, waits or holds a KV slot or a mamba slot; the PD queues are empty."""
     deadline = time.monotonic() + timeout
@@ -130,38 +129,10 @@ QUEUE_KEYS = (
 )
 
 
-def post(url: str, body: dict, timeout: float = 60) -> requests.Response:
-    return requests.post(url, json=body, timeout=timeout)
-
-
 def prompts(n: int, base: int = 0) -> list[list[int]]:
     # Lengths across page, chunk and kernel-chunk boundaries (16, 64, 128): 5 .. 300 tokens.
     lengths = [5, 16, 17, 63, 64, 65, 129, 300]
     return [[(7 * i + 3 * j + base) % 500 + 3 for j in range(lengths[i % len(lengths)])] for i in range(n)]
-
-
-def generate_body(ids: list[int], max_new_tokens: int = 12, **extra) -> dict:
-    return {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-        **extra,
-    }
-
-
-def assert_same_generation(got: dict, want: dict) -> None:
-    assert got["output_ids"] == want["output_ids"]
-    g, w = got["meta_info"], want["meta_info"]
-    assert [t for _, t, _ in g["output_token_logprobs"]] == want["output_ids"]
-    for (lg, _, _), (lw, _, _) in zip(g["output_token_logprobs"], w["output_token_logprobs"], strict=True):
-        assert abs(lg - lw) <= LOGPROB_TOL
-    # The router merges the prefill's input logprobs with the decode's (none).
-    gi, wi = g["input_token_logprobs"], w["input_token_logprobs"]
-    assert [t for _, t, _ in gi] == [t for _, t, _ in wi]
-    for (lg, _, _), (lw, _, _) in zip(gi, wi, strict=True):
-        assert (lg is None and lw is None) or abs(lg - lw) <= LOGPROB_TOL
-    assert g["prompt_tokens"] == w["prompt_tokens"] and g["completion_tokens"] == w["completion_tokens"]
 
 
 def test_generate_through_the_router_matches_a_single_server(pd):
@@ -252,30 +223,6 @@ def test_sixteen_concurrent_requests(pd):
     for r, w in zip(got, want, strict=True):
         assert r.status_code == 200, r.text
         assert_same_generation(r.json(), w)
-
-
-def conversation_turns(
-    pd: dict, first: list[int], new: list[list[int]], max_new_tokens: int = 8
-) -> list[int]:
-    """Run a conversation through the router, each turn's prompt the previous prompt, its answer and the
-    turn's new tokens; every answer equals the single server's. Returns the KV tokens each turn's
-    transfer moved, checking its bytes: that KV and one request's state, nothing more."""
-    moved = []
-    ids = first
-    for turn in [[], *new]:
-        ids = ids + turn
-        want = post(pd["prefill"].base_url + "/generate", generate_body(ids, max_new_tokens)).json()
-        before = internal_state(pd["prefill"])["disaggregation"]
-        r = post(pd["router"].base_url + "/generate", generate_body(ids, max_new_tokens))
-        assert r.status_code == 200, r.text
-        assert_same_generation(r.json(), want)
-        after = internal_state(pd["prefill"])["disaggregation"]
-        tokens = after["kv_tokens"] - before["kv_tokens"]
-        assert after["transfers"] - before["transfers"] == 1
-        assert after["bytes"] - before["bytes"] == tokens * after["kv_bytes_per_token"] + after["state_bytes"]
-        moved.append(tokens)
-        ids = ids + r.json()["output_ids"]
-    return moved
 
 
 def test_a_conversations_next_turn_transfers_only_what_the_decode_cache_lacks(pd):
