@@ -1,6 +1,7 @@
 """Built-in tiny presets: `tiny-qwen3-next-demo` (the default model), `tiny-qwen3-next`,
 `tiny-nemotron-h`, `tiny-qwen3.5`, `tiny-qwen3.5-moe`, `tiny-granite-4.0-h`, `tiny-falcon-h1`,
-`tiny-bamba`, `tiny-lfm2` and `tiny-lfm2-moe`, and each of the random ones in block-FP8 as
+`tiny-bamba`, `tiny-lfm2` and `tiny-lfm2-moe`, the vision-language `tiny-qwen3.5-vl` and
+`tiny-qwen3.5-moe-vl` (the published multimodal layout, with an image processor), and each of the random ones in block-FP8 as
 `<name>-fp8` (`tiny-qwen3-next-fp8`, `tiny-nemotron-h-fp8`, ...: the published FP8 format).
 
 Wherever a model path is accepted, a preset name resolves to a checkpoint folder. The demo model is
@@ -34,6 +35,8 @@ PRESETS = {
 # The same presets in the published block-FP8 format (`sglang.tools.quantize_fp8`): hidden 64 and the
 # like are smaller than a 128 block, so every scale covers a partial block.
 FP8_PRESETS = {f"{name}-fp8": arch for name, arch in PRESETS.items()}
+# Vision-language presets in the published multimodal layout (`sglang.tools.make_tiny_vl_model`).
+VL_PRESETS = {"tiny-qwen3.5-vl": "qwen3_5", "tiny-qwen3.5-moe-vl": "qwen3_5_moe"}
 # Trained checkpoints that ship with the package (name -> folder).
 SHIPPED = {"tiny-qwen3-next-demo": Path(__file__).parents[2] / "tools" / "data" / "tiny-qwen3-next-demo"}
 PRESET_SEED = 0
@@ -44,14 +47,16 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _recipe_digest(quantized: bool = False) -> str:
+def _recipe_digest(quantized: bool = False, vision: bool = False) -> str:
     import transformers
 
     from sglang.srt.layers.quantization import fp8
-    from sglang.tools import make_tiny_model, quantize_fp8
+    from sglang.tools import make_tiny_model, make_tiny_vl_model, quantize_fp8
 
     h = hashlib.sha256()
     h.update(Path(make_tiny_model.__file__).read_bytes())
+    if vision:
+        h.update(Path(make_tiny_vl_model.__file__).read_bytes())
     if quantized:
         h.update(Path(quantize_fp8.__file__).read_bytes())
         h.update(Path(fp8.__file__).read_bytes())
@@ -62,7 +67,12 @@ def _recipe_digest(quantized: bool = False) -> str:
 
 
 def is_preset(model_path: str) -> bool:
-    return model_path in PRESETS or model_path in FP8_PRESETS or model_path in SHIPPED
+    return (
+        model_path in PRESETS
+        or model_path in FP8_PRESETS
+        or model_path in VL_PRESETS
+        or model_path in SHIPPED
+    )
 
 
 def resolve_model_path(model_path: str) -> str:
@@ -73,7 +83,7 @@ def resolve_model_path(model_path: str) -> str:
     if not is_preset(model_path):
         return model_path
     quantized = model_path in FP8_PRESETS
-    target = cache_dir() / "presets" / f"{model_path}-{_recipe_digest(quantized)}"
+    target = cache_dir() / "presets" / f"{model_path}-{_recipe_digest(quantized, model_path in VL_PRESETS)}"
     if (target / "model.safetensors").is_file():
         return str(target)
     from sglang.tools.make_tiny_model import make_tiny_model
@@ -83,8 +93,13 @@ def resolve_model_path(model_path: str) -> str:
     # and a test, say) never see a half-written checkpoint.
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_path}-", dir=target.parent))
     try:
-        arch = FP8_PRESETS[model_path] if quantized else PRESETS[model_path]
-        make_tiny_model(arch, tmp, seed=PRESET_SEED, quantize="fp8-block" if quantized else None)
+        if model_path in VL_PRESETS:
+            from sglang.tools.make_tiny_vl_model import make_tiny_vl_model
+
+            make_tiny_vl_model(VL_PRESETS[model_path], tmp, seed=PRESET_SEED)
+        else:
+            arch = FP8_PRESETS[model_path] if quantized else PRESETS[model_path]
+            make_tiny_model(arch, tmp, seed=PRESET_SEED, quantize="fp8-block" if quantized else None)
         try:
             tmp.rename(target)
         except OSError:
