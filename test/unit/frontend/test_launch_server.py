@@ -37,7 +37,7 @@ def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         # upstream's value, no longer argparse's "invalid choice" (issue 60)
         (["--kv-cache-dtype", "mxfp8"], 2, "--kv-cache-dtype mxfp8 is not supported by this server"),
         (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"], 1,
-         "--disaggregation-transfer-backend nixl: this server moves KV and state with mooncake only"),
+         "--disaggregation-transfer-backend nixl: NIXL is not installed here"),
         (["--tokenizer-path", "/nonexistent/tok"], 2, "--tokenizer-path '/nonexistent/tok' is not a folder"),
         (["--max-mamba-cache-size", "1"], 1, "--max-mamba-cache-size 1 is smaller than the 2 slot(s)"),
     ],

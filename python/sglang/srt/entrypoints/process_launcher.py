@@ -16,6 +16,7 @@ so that the server and the Engine treat them alike.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -71,6 +72,11 @@ NO_EFFECT_FLAGS = {
 def check_flag_support(server_args: Any) -> None:
     """Refuse what this runtime cannot honour: ServerStartupError with one sentence naming the flag."""
     backend = server_args.disaggregation_transfer_backend
+    if backend == "nixl" and importlib.util.find_spec("nixl") is None:
+        raise ServerStartupError(
+            "--disaggregation-transfer-backend nixl: NIXL is not installed here (its Python package nixl "
+            "does not import); use --disaggregation-transfer-backend mooncake."
+        )
     if backend not in TRANSFER_BACKENDS:
         raise ServerStartupError(
             f"--disaggregation-transfer-backend {backend}: this server moves KV and state with mooncake "
