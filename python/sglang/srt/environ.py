@@ -234,6 +234,9 @@ class Envs:
     SGLANG_DISAGGREGATION_WAITING_TIMEOUT = EnvFloat(
         300.0, "Decode side: abort a request whose prefill server transferred nothing in this time."
     )
+    SGLANG_DISAGGREGATION_STAGING = EnvBool(
+        False, "Both PD servers: stage KV and state through host buffers (tests the staged path on CPU)."
+    )
     SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER = EnvOptStr(
         None, "Prefill side: the transfer of each request whose rid starts with this fails (fault injection)."
     )

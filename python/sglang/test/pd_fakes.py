@@ -34,5 +34,7 @@ def decode_queue(sched: Any) -> DecodeTransferQueue:
     q.prealloc, q.reserved, q.ready = [], [], []
     q.transfers, q.zombies, q.dst_sent = {}, {}, set()
     q.timeout = 300.0
-    q.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "seconds": 0.0}
+    q.radix = False
+    q.staging, q.device_packer, q.staged = None, None, {}
+    q.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "kv_tokens": 0, "seconds": 0.0}
     return q

@@ -67,6 +67,12 @@ DECODE_SIZING = [
 ]
 
 
+# Qwen3-Next's pair stages KV and state through host staging buffers (the path of CUDA pools with a
+# host-only transfer engine, disaggregation/staging.py, here on CPU tensors); Nemotron-H's registers its
+# CPU pools as they are.
+STAGED = {"tiny-qwen3-next": {"SGLANG_DISAGGREGATION_STAGING": "1"}, "tiny-nemotron-h": {}}
+
+
 @pytest.fixture(scope="module", params=list(PRESETS))
 def pd(request, preset_paths):
     path = preset_paths[request.param]
@@ -79,10 +85,12 @@ def pd(request, preset_paths):
             "SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER": FAIL_PREFIX,
             "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
             "SGLANG_DISAGGREGATION_SECRET": SECRET,
+            **STAGED[request.param],
         },
         decode_env={
             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
             "SGLANG_DISAGGREGATION_SECRET": SECRET,
+            **STAGED[request.param],
         },
     )
     try:
@@ -237,6 +245,12 @@ def test_a_conversations_next_turn_transfers_only_what_the_decode_cache_lacks(pd
     # (page size 1): the next turn moves that token's KV and the new tokens', and one state.
     assert moved == [40, 1 + 20, 1 + 9]
     assert decode["token_usage"]["held_by_tree"] >= 40 + 8 + 20 + 8 + 9 - 1
+
+
+def test_the_transfer_path_is_logged(pd):
+    staged = "KV and state transfer path: through a" in pd["decode"].log_text()
+    assert staged == ("KV and state transfer path: through a" in pd["prefill"].log_text())
+    assert staged != ("KV and state transfer path: host memory pools" in pd["decode"].log_text())
 
 
 def test_decode_pool_sizing_is_raised_and_logged(pd):

@@ -26,7 +26,7 @@ def test_a_destination_waits_for_the_batches_launched_before_its_reservation():
     sched = SimpleNamespace(processed_batch_id=6, num_batches=7)
     q = decode_queue(sched)
     a = req("a")
-    q.reserved.append((a, sched.num_batches))  # reserved while batch 7 is in flight
+    q.reserved.append((a, sched.num_batches, 0))  # reserved while batch 7 is in flight
     assert not q._send_destinations()
     assert q.channel.sent == [] and q.transfers == {}
     sched.processed_batch_id = 7

@@ -88,7 +88,7 @@ def test_reserved_kv_rows_and_mamba_slot_are_zeroed_before_the_destination_goes_
     r = decode_req("a")
     tokens, slot = [9, 10, 11, 40, 2], 4  # two runs and a stray slot
     r.kv_indices, r.mamba_pool_idx = tokens, slot
-    q.reserved.append((r, 3))
+    q.reserved.append((r, 3, 0))
     assert q._send_destinations()
     [(_, msg)] = q.channel.sent
     assert msg["kv"] == tokens and msg["slot"] == slot
@@ -430,10 +430,11 @@ def real_decode_queue(monkeypatch, secret: str | None) -> DecodeTransferQueue:
     monkeypatch.setattr(
         decode_mod,
         "open_transfer_engine",
-        lambda sched: (PoolLayout([], [], 0, [], [], []), SimpleNamespace(session_id="x")),
+        lambda sched, staged: (PoolLayout([], [], 0, [], [], []), SimpleNamespace(session_id="x"), None),
     )
     args = SimpleNamespace(disaggregation_mode="decode", host="127.0.0.1", disaggregation_prefill_allowlist=None,
-                           max_logprobs=20, model_config=SimpleNamespace(vocab_size=VOCAB))  # fmt: skip
+                           max_logprobs=20, model_config=SimpleNamespace(vocab_size=VOCAB), device="cpu",
+                           disaggregation_decode_enable_radix_cache=False)  # fmt: skip
     sched = SimpleNamespace(server_args=args, running=[], processed_batch_id=0, num_batches=0)
     with envs.SGLANG_DISAGGREGATION_SECRET.override(secret):
         return DecodeTransferQueue(sched)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
 from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
 from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
+from sglang.srt.disaggregation.staging import StatePacker
 from sglang.srt.disaggregation.transfer import clear_destination, open_transfer_engine
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import alloc_for_extend
@@ -36,6 +37,10 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
+
+# Staged path (docs/disaggregation.md): the decode server's staging buffer holds this many prompts of
+# the context length in flight; more wait for room, as for KV slots.
+STAGED_PROMPTS = 4
 
 
 def default_decode_extra_slots(max_running_requests: int) -> int:
@@ -81,7 +86,15 @@ class DecodeTransferQueue:
         args = sched.server_args
         self.sched = sched
         check_at_start(args)
-        self.layout, self.engine = open_transfer_engine(sched)
+        # Staged path: a staging buffer for a few prompts of the context length in flight at once.
+        self.layout, self.engine, self.staging = open_transfer_engine(sched, STAGED_PROMPTS)
+        # Device pools registered directly are zeroed by tensor ops (no host address to memset).
+        self.device_packer = None
+        if self.staging is None and args.device != "cpu":
+            self.device_packer = StatePacker.of(
+                sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool, args.device
+            )
+        self.staged: dict[str, tuple[Req, int, int]] = {}  # room -> (request, staging range, prefix)
         self.allowlist = PrefillAllowlist.parse(args.disaggregation_prefill_allowlist)
         max_message = answer_max_bytes(args.max_logprobs)
         self.channel = Channel(args.host, None, secret(), max_message, "decode")
@@ -141,6 +154,10 @@ class DecodeTransferQueue:
     def on_released(self, req: Req) -> None:
         """A request with a room ended here before its prefill server was asked for the transfer (refused,
         aborted while waiting): tell that server, which otherwise holds its half until its timeout."""
+        entry = self.staged.get(req.bootstrap.room)
+        if entry is not None and entry[0] is req:  # nothing writes its staging range any more
+            del self.staged[req.bootstrap.room]
+            self.staging.ranges.free(entry[1])
         if req.bootstrap.port is None:
             return
         if (req.finished_reason or {}).get("type") != "abort":
@@ -207,7 +224,10 @@ class DecodeTransferQueue:
             reserve = len(sched.running) + len(self.ready) + len(self.transfers) + len(self.reserved) + 1
             n = len(req.origin_input_ids)
             p = self._match_prefix(req)
-            if not alloc_for_extend(
+            start = None
+            if self.staging is not None:
+                start = self.staging.ranges.alloc(self.staging.packer.packed_bytes(n - p))
+            if (self.staging is not None and start is None) or not alloc_for_extend(
                 sched.tree_cache,
                 sched.req_to_token_pool,
                 sched.token_allocator,
@@ -218,6 +238,8 @@ class DecodeTransferQueue:
             ):
                 req.kv_indices = []
                 sched.tree_cache.release_match(req)
+                if start is not None:
+                    self.staging.ranges.free(start)
                 blocked = True
                 waiting.append(req)
                 continue
@@ -226,6 +248,8 @@ class DecodeTransferQueue:
             req.cache_protected_len = p  # the tree's KV: its release keeps it, the transfer skips it
             req.mark_req_to_token_dirty(0)
             self.reserved.append((req, sched.num_batches, p))
+            if start is not None:
+                self.staged[req.bootstrap.room] = (req, start, p)
         self.prealloc = waiting
         return did
 
@@ -256,12 +280,20 @@ class DecodeTransferQueue:
             key = req.bootstrap.room
             # No batch writes these slots any more, and the transfer may only come after this. The
             # prefix's KV is the tree's (shared, never written by the transfer).
-            clear_destination(self.layout, req.kv_indices[prefix:], req.mamba_pool_idx)
-            sent = self._send(req, {
+            msg = {
                 "type": "dst", "room": key, "notify": self.notify_url,
                 "session": self.engine.session_id, "layout": self.layout.to_dict(),
                 "prefix": prefix, "kv": req.kv_indices[prefix:], "slot": req.mamba_pool_idx,
-            })  # fmt: skip
+            }  # fmt: skip
+            if key in self.staged:  # the unpack writes every row: its range is what must hold zeros
+                start = self.staged[key][1]
+                self.staging.buffer[start : start + self.staging.packer.packed_bytes(len(msg["kv"]))].zero_()
+                msg["staging"] = self.staging.address(start)
+            elif self.device_packer is not None:
+                self.device_packer.clear(req.kv_indices[prefix:], req.mamba_pool_idx)
+            else:
+                clear_destination(self.layout, req.kv_indices[prefix:], req.mamba_pool_idx)
+            sent = self._send(req, msg)
             if not sent:  # nothing can write into it: release at once
                 self.sched.abort_with_status([req], "The prefill server does not take messages.", 503)
                 continue
@@ -285,6 +317,13 @@ class DecodeTransferQueue:
             error = msg.get("error") or "no first token came with the state"
             self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
             return
+        if key in self.staged:  # from the staging range into the pools, before anything reads them
+            _, start, prefix = self.staged.pop(key)
+            n = len(req.origin_input_ids)
+            self.staging.packer.unpack(
+                self.staging.buffer[start:], req.kv_indices[prefix:n], req.mamba_pool_idx
+            )
+            self.staging.ranges.free(start)
         self.stats["transfers"] += 1
         self.stats["bytes"] += int(msg.get("bytes", 0))
         self.stats["kv_tokens"] += int(msg.get("kv_tokens", 0))

@@ -52,7 +52,8 @@ class PrefillBootstrapQueue:
         args = sched.server_args
         self.sched = sched
         check_at_start(args)
-        self.layout, self.engine = open_transfer_engine(sched)
+        # Transfers run one at a time (one worker thread): a staging buffer holds one prompt.
+        self.layout, self.engine, self.staging = open_transfer_engine(sched, 1)
         self.context_len = sched.context_len
         # A destination names one token slot per prompt position: at most 11 bytes each in JSON, and the
         # rest (pool layout, URLs) is a few KB.
@@ -211,6 +212,11 @@ class PrefillBootstrapQueue:
         problem = self.layout.mismatch(layout)
         if problem is None and not prefix < n:
             problem = f"the decode server holds {prefix} tokens of a {n}-token prompt (at most {n - 1})"
+        elif problem is None and ("staging" in dst) != (self.staging is not None):
+            problem = (
+                "one server stages KV and state through host memory and the other does not (both need "
+                "the same SGLANG_DISAGGREGATION_STAGING, and CUDA pools with a host-only engine stage)"
+            )
         elif problem is None and len(dst["kv"]) != n - prefix:
             problem = (
                 f"the decode server reserved {len(dst['kv'])} KV slots for the {n - prefix} tokens of a "
@@ -221,12 +227,16 @@ class PrefillBootstrapQueue:
             self._notify_failed(dst, f"the transfer cannot be made: {problem}")
             self._abort(req, f"KV transfer to the decode server failed: {problem}", 500)
             return
-        descriptors = transfer_descriptors(
-            self.layout, layout, req.kv_indices[prefix:n], dst["kv"], req.mamba_pool_idx, dst["slot"]
-        )
         room.kv_tokens = n - prefix
         fail_prefix = envs.SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER.get()
         inject = fail_prefix is not None and req.rid.startswith(fail_prefix)
+        if self.staging is not None:
+            args = (dst["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, dst["staging"], inject)
+            room.future = self.executor.submit(self._transfer_staged, *args)
+            return
+        descriptors = transfer_descriptors(
+            self.layout, layout, req.kv_indices[prefix:n], dst["kv"], req.mamba_pool_idx, dst["slot"]
+        )
         room.future = self.executor.submit(self._transfer, dst["session"], descriptors, inject)
 
     def _transfer(
@@ -238,6 +248,18 @@ class PrefillBootstrapQueue:
         start = time.perf_counter()
         self.engine.write(session, descriptors)
         return sum(n for _, _, n in descriptors), time.perf_counter() - start
+
+    def _transfer_staged(
+        self, session: str, tokens: list[int], slot: int, dst_address: int, inject: bool
+    ) -> tuple[int, float]:
+        """On the transfer thread: pack the rows into the staging buffer (one copy), write it to the
+        decode server's staging range as one block."""
+        if inject:
+            raise TransferError("transfer failure injected by SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER")
+        start = time.perf_counter()
+        n = self.staging.packer.pack(tokens, slot, self.staging.buffer)
+        self.engine.write(session, [(self.staging.address(0), dst_address, n)])
+        return n, time.perf_counter() - start
 
     def _complete(self, key: str, room: _Room) -> None:
         del self.rooms[key]
@@ -340,8 +362,8 @@ def _malformed_dst(msg: dict[str, Any], context_len: int) -> str | None:
         return "notify and session must be strings"
     if not is_int(msg.get("slot")) or not isinstance(msg.get("kv"), list) or not all(map(is_int, msg["kv"])):
         return "slot and kv must be slot ids"
-    if not is_int(msg.get("prefix", 0)):
-        return "prefix must be a token count"
+    if not is_int(msg.get("prefix", 0)) or not is_int(msg.get("staging", 0)):
+        return "prefix must be a token count and staging an address"
     if len(msg["kv"]) > context_len:
         return f"kv names {len(msg['kv'])} token slots, more than the context length {context_len}"
     layout = msg.get("layout")

@@ -15,7 +15,15 @@ what `SGLANG_DISAGGREGATION_STAGING=1` runs on CPU pools to exercise the staged 
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+
 import torch
+
+from sglang.srt.environ import envs
+
+logger = logging.getLogger(__name__)
 
 
 class StatePacker:
@@ -29,6 +37,22 @@ class StatePacker:
         self.kv_row_bytes = [b[0].nbytes for b in kv]
         self.state_bytes = [b[0].nbytes for b in states]
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @classmethod
+    def of(cls, token_to_kv_pool, mamba_pool, device: str) -> StatePacker:
+        kv = [
+            b for pair in zip(token_to_kv_pool.k_buffer, token_to_kv_pool.v_buffer, strict=True) for b in pair
+        ]
+        states = [layer for buf in (mamba_pool.conv_state, mamba_pool.ssm_state) for layer in buf]
+        return cls(kv, states, device)
+
+    def clear(self, tokens: list[int], slot: int) -> None:
+        """Zero the rows of `tokens` and of `slot` (device memory: no host address to memset)."""
+        idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        for buf in self.kv:
+            buf.index_fill_(0, idx, 0)
+        for buf in self.states:
+            buf[slot].zero_()
 
     def packed_bytes(self, num_tokens: int) -> int:
         return num_tokens * sum(self.kv_row_bytes) + sum(self.state_bytes)
@@ -48,7 +72,7 @@ class StatePacker:
 
     def unpack(self, src: torch.Tensor, tokens: list[int], slot: int) -> None:
         """Scatter a block `pack` wrote (host uint8 tensor) into the rows of `tokens` and `slot`. On CUDA
-        the current stream waits for the copy stream, so later forwards read the rows written."""
+        it waits for the copy stream once (the host range is free for the next transfer after it)."""
         n = self.packed_bytes(len(tokens))
         with _on(self.stream):
             block = src[:n].to(self.device, non_blocking=self.stream is not None)
@@ -63,7 +87,8 @@ class StatePacker:
                 buf[slot].copy_(block[at : at + size].view(buf.dtype).view(buf.shape[1:]))
                 at += size
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            # The host range is reused by the next transfer once this returns: the copy must be done.
+            self.stream.synchronize()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -114,3 +139,41 @@ class ByteRanges:
 
     def free(self, start: int) -> None:
         del self.used[start]
+
+
+def mooncake_moves_gpu_memory() -> bool:
+    """Whether the installed Mooncake is its CUDA build (`mooncake-transfer-engine`), which registers
+    and moves device memory; the `-non-cuda` build moves host memory only."""
+    try:
+        importlib.metadata.version("mooncake-transfer-engine")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def transfer_path(device: str) -> str:
+    """How this server's pools are transferred: "host" (CPU pools, registered as they are), "gpu" (CUDA
+    pools registered directly: the engine's CUDA build) or "staged" (through host staging buffers: CUDA
+    pools with a host-only engine, or SGLANG_DISAGGREGATION_STAGING=1)."""
+    if envs.SGLANG_DISAGGREGATION_STAGING.get():
+        return "staged"
+    if device == "cpu":
+        return "host"
+    return "gpu" if mooncake_moves_gpu_memory() else "staged"
+
+
+@dataclass
+class Staging:
+    """A server's staging buffer (registered with the transfer engine instead of its pools) and the
+    packing of its pools' rows."""
+
+    packer: StatePacker
+    buffer: torch.Tensor
+    ranges: ByteRanges
+
+    @classmethod
+    def create(cls, packer: StatePacker, nbytes: int) -> Staging:
+        return cls(packer, host_buffer(nbytes, pin=packer.device.type == "cuda"), ByteRanges(nbytes))
+
+    def address(self, start: int) -> int:
+        return self.buffer.data_ptr() + start

@@ -21,6 +21,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from sglang.srt.disaggregation.channel import reachable_host
+from sglang.srt.disaggregation.staging import Staging, StatePacker, transfer_path
 from sglang.srt.server_args import ServerArgsError
 
 logger = logging.getLogger(__name__)
@@ -150,13 +151,35 @@ def clear_destination(layout: PoolLayout, tokens: list[int], slot: int) -> None:
         ctypes.memset(ptr + slot * size, 0, size)
 
 
-def open_transfer_engine(sched) -> tuple[PoolLayout, MooncakeTransferEngine]:
-    """The layout of a scheduler's pools and the transfer engine they are registered with (the flags were
-    checked at startup: `check_flag_support`)."""
+def open_transfer_engine(
+    sched, staging_requests: int
+) -> tuple[PoolLayout, MooncakeTransferEngine, Staging | None]:
+    """The layout of a scheduler's pools, the transfer engine, and on the staged path the staging buffer
+    it registers instead of the pools (room for `staging_requests` prompts of the context length); the
+    flags were checked at startup (`check_flag_support`). Logs which path is in use."""
     args = sched.server_args
-    layout = PoolLayout.of(sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool)
+    kv_pool, mamba_pool = sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool
+    layout = PoolLayout.of(kv_pool, mamba_pool)
+    path = transfer_path(args.device)
+    packer = StatePacker.of(kv_pool, mamba_pool, args.device)
+    staging = None
+    regions = layout.regions()
+    if path == "staged":
+        staging = Staging.create(packer, staging_requests * packer.packed_bytes(sched.context_len))
+        regions = [(staging.buffer.data_ptr(), staging.buffer.nbytes)]
+    logger.info(
+        "KV and state transfer path: %s.",
+        {
+            "host": "host memory pools, registered as they are",
+            "gpu": "device pools registered with Mooncake's CUDA build",
+            "staged": f"through a {staging.buffer.nbytes / 2**20:.1f} MiB host staging buffer "
+            f"({'pinned, one copy per request on a copy stream' if packer.device.type == 'cuda' else 'CPU'})"
+            if staging is not None
+            else "",
+        }[path],
+    )
     host = reachable_host(args.host)
-    return layout, MooncakeTransferEngine(host, args.disaggregation_ib_device, layout.regions())
+    return layout, MooncakeTransferEngine(host, args.disaggregation_ib_device, regions), staging
 
 
 def listening_sockets() -> set[str]:

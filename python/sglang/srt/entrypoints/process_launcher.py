@@ -82,11 +82,12 @@ def check_flag_support(server_args: Any) -> None:
             f"--disaggregation-transfer-backend {backend}: this server moves KV and state with mooncake "
             "only; use --disaggregation-transfer-backend mooncake."
         )
-    if server_args.disaggregation_mode != "null" and server_args.device != "cpu":
-        # The engine installed (mooncake-transfer-engine-non-cuda) moves host memory only.
+    if server_args.disaggregation_mode != "null" and server_args.device not in ("cpu", "cuda"):
+        # CPU pools are registered as they are; CUDA pools directly (Mooncake's CUDA build) or through
+        # pinned host staging buffers (disaggregation/staging.py).
         raise ServerStartupError(
             f"--disaggregation-mode {server_args.disaggregation_mode} with --device {server_args.device}: "
-            "KV and state transfer from GPU memory is not supported yet; use --device cpu."
+            "KV and state transfer is built for --device cpu and cuda only."
         )
     if server_args.disaggregation_mode != "null" and server_args.tp_size > 1:
         raise ServerStartupError(
