@@ -57,6 +57,9 @@ def tiny_vl_config(arch: str):
 
     text = base.tiny_config(arch)
     text.vocab_size = VL_VOCAB_SIZE
+    # Half the head rotates (8 of 16 channels: 4 frequencies), so that the temporal, height and width
+    # axes each turn at least one frequency ([2, 1, 1] interleaved: t, h, w, t).
+    text.rope_parameters = dict(text.rope_parameters, partial_rotary_factor=0.5, mrope_section=[2, 1, 1])
     vision = dict(
         depth=2,
         hidden_size=32,

@@ -119,6 +119,7 @@ class Engine:
         return_hidden_states: bool | list[bool] = False,
         extra_key: str | list[str] | None = None,
         cache_salt: str | list[str] | None = None,
+        image_data: Any = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of chunks
         (text and output_ids cumulative; logprob lists and hidden states only what is new, the input
@@ -236,7 +237,9 @@ class Engine:
             bad = first_non_pair(named)
             if bad is not None:
                 raise TypeError(f"named_tensors[{bad}] is not a (name, tensor) pair")
-            payloads = [MultiprocessingSerializer.serialize(named)]
+            # As upstream, one payload per TP rank (and here per replica): a payload's handles open once.
+            ranks = self.server_args.tp_size * self.server_args.dp_size
+            payloads = [MultiprocessingSerializer.serialize(named) for _ in range(ranks)]
         obj = UpdateWeightsFromTensorReqInput(payloads, load_format=load_format, flush_cache=flush_cache)
         return self._run(self.tokenizer_manager.update_weights_from_tensor(obj))
 
@@ -359,6 +362,7 @@ def _make_obj(
     return_hidden_states: Any = False,
     extra_key: Any = None,
     cache_salt: Any = None,
+    image_data: Any = None,
 ) -> GenerateReqInput:
     return GenerateReqInput(
         text=prompt,
@@ -374,4 +378,5 @@ def _make_obj(
         return_hidden_states=return_hidden_states,
         extra_key=extra_key,
         cache_salt=cache_salt,
+        image_data=image_data,
     )

@@ -45,8 +45,7 @@ IGNORED = frozenset(
 
 UNSUPPORTED = {
     "input_embeds": "input embeddings",
-    "image_data": "multimodal input",
-    "video_data": "multimodal input",
+    "video_data": "video input (images are served: image_data)",
     "audio_data": "multimodal input",
     "mm_hashes": "multimodal input",
     "mm_content_hashes": "multimodal input",

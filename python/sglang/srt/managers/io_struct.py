@@ -61,6 +61,9 @@ class GenerateReqInput:
     # `CustomLogitProcessor.to_str()` of the processor to run on this request's logits (one for every
     # prompt, or one per prompt); the server needs --enable-custom-logit-processor.
     custom_logit_processor: str | list[str | None] | None = None
+    # Images (upstream's): one item or a list per prompt, each a file path, base64 or a data URI; the
+    # prompt has one <|vision_start|><|image_pad|><|vision_end|> per image (docs/multimodal.md).
+    image_data: Any = None
 
 
 @dataclass
@@ -78,6 +81,7 @@ class TokenizedGenerateReqInput:
     extra_key: str | None = None  # the prefix-cache namespace (cache_salt + extra_key); None: the shared one
     return_hidden_states: bool = False
     custom_logit_processor: str | None = None
+    mm_inputs: Any = None  # the request's images (`multimodal.inputs.MultimodalInputs`), or None
 
 
 @dataclass

@@ -52,6 +52,7 @@ class Req:
     __slots__ = (
         "rid",
         "origin_input_ids",
+        "multimodal_inputs",
         "output_ids",
         "sampling_params",
         "return_logprob",
@@ -118,6 +119,7 @@ class Req:
     ):
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
+        self.multimodal_inputs: Any = None  # its images (`multimodal.inputs.MultimodalInputs`), or None
         # The tokens sampled so far. Only `BatchResultProcessor`'s commit path appends to it; while the
         # request decodes, the newest steps' tokens may wait in the scheduler's `DecodeFastPath`, which
         # appends them at every boundary where the list is read (scheduler_components/decode_fast_path.py).

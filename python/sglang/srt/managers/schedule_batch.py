@@ -157,6 +157,8 @@ class ScheduleBatch:
             self.forward_batch.vocab_mask = VocabMaskInfo.build(self.reqs, self.sample_rows)
         self.forward_batch.custom_logit = CustomLogitInfo.build(self.reqs, self.sample_rows)
         self.forward_batch.return_hidden_states_mask = hidden_states_mask(self.reqs)
+        if any(r.multimodal_inputs is not None for r in self.reqs):
+            self.forward_batch.mm_inputs = [r.multimodal_inputs for r in self.reqs]
 
     @staticmethod
     def _input_logprob_plan(req: Req, p: int, end: int) -> tuple[int, int | None, bool]:

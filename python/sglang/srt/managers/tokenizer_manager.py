@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from sglang.srt.configs.presets import resolve_model_path
 from sglang.srt.managers.backend_health import BackendDeadError, BackendHealth
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -62,6 +63,7 @@ from sglang.srt.managers.tokenizer_communicator_mixin import (
     TokenizerCommunicatorMixin,
 )
 from sglang.srt.managers.tokenizer_output import ReqState
+from sglang.srt.multimodal.processor import ImageInputProcessor, attach_images
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -119,6 +121,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             else 0,
             max_hidden_state_floats=server_args.max_hidden_state_floats_per_request,
         )
+        # The model's image processor (None: a text-only model).
+        self.image_processor = ImageInputProcessor.create(resolve_model_path(server_args.model_path))
         self.max_samples_per_request = max_samples_per_request(
             server_args.max_samples_per_request, model_info["max_running_requests"]
         )
@@ -196,7 +200,10 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             encoded = []
         else:
             encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len)
-        return build_requests(obj, prompts, encoded, self.limits)
+        items, is_list = build_requests(obj, prompts, encoded, self.limits)
+        if obj.image_data is not None and obj.image_data != []:
+            await attach_images(self.image_processor, items, obj.image_data, self.limits)
+        return items, is_list
 
     async def generate_request(
         self, obj: GenerateReqInput, request: DisconnectCheck | None = None

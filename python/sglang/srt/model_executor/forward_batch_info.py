@@ -235,6 +235,8 @@ class ForwardBatch:
     custom_logit: Any = None
     # EAGLE / NEXTN: what runs after sampling (`speculative/mtp_draft.MtpHook`); None: nothing.
     spec: Any = None
+    # Extend only: per request its images (`multimodal.inputs.MultimodalInputs`) or None; None: none has.
+    mm_inputs: list[Any] | None = None
 
     # Backends' index tensors built on the host before the batch moves (`prepare_host_metadata`), by
     # name: `to_device` moves them with the batch's own. `moved`: `ModelRunner.move_batch` ran.

@@ -4,8 +4,9 @@ heads (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). They load as row b
 fused projections, which are then already in the grouped layout its forward slices (nothing to regroup).
 
 The published checkpoints are multimodal (`Qwen3_5[Moe]ForConditionalGeneration`): the language model's
-weights under `model.language_model.`, the vision tower's under `model.visual.` (not loaded: text only).
-Text positions are the same on mRoPE's three axes, where mRoPE is the plain rotary embedding.
+weights under `model.language_model.`, the vision tower's under `model.visual.` (`qwen3_5_vision.py`;
+the serving side of images: `multimodal_forward.py`). Text positions are the same on mRoPE's three
+axes, where mRoPE is the plain rotary embedding.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
+
 from sglang.srt.layers.linear import DimShard, column_shard
+from sglang.srt.models.multimodal_forward import MRotaryEmbedding, MultimodalForward
+from sglang.srt.models.qwen3_5_vision import Qwen3_5VisionModel
 from sglang.srt.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextGatedDeltaNet
 
 _SPLIT_PROJECTION = re.compile(
@@ -60,9 +65,9 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The multimodal checkpoint's language model (text in, text out)."""
-
-    skip_prefixes = ("mtp.", "model.visual.")
+    """The multimodal checkpoint: the language model, and the vision tower whose image tokens replace
+    the prompt's image placeholders (`MultimodalForward`). The tower is replicated on every rank
+    under tensor parallelism."""
 
     def __init__(self, config: Any):
         # Whether the LM head is the embedding is the multimodal config's to say, as transformers reads
@@ -70,8 +75,19 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         text = config.get_text_config()
         text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
         super().__init__(text)
+        self.visual = Qwen3_5VisionModel(config.vision_config)
+        section = (getattr(text, "rope_parameters", None) or {}).get("mrope_section")
+        for module in self.modules():
+            if section and hasattr(module, "rotary_emb"):
+                module.rotary_emb = MRotaryEmbedding(module.rotary_emb, section)
+        self.mm = MultimodalForward(self.model, self.visual, text.vocab_size, config.image_token_id)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor:
+        return self.mm(input_ids, positions, fb)
 
     def checkpoint_name(self, name: str) -> str:
         if name.startswith(_LANGUAGE_MODEL):
             name = "model." + name.removeprefix(_LANGUAGE_MODEL)
+        elif name.startswith("model.visual."):
+            name = name.removeprefix("model.")
         return super().checkpoint_name(name)

@@ -139,6 +139,10 @@ class SchedulerIOMixin:
     def send_to_tokenizer(self, obj: Any) -> None:
         if self._muted:
             return
+        if self.dp_rank is not None:  # (to the data-parallel controller, which needs to know whose it is)
+            from sglang.srt.managers.data_parallel_controller import FromReplica
+
+            obj = FromReplica(self.dp_rank, obj)
         if self._sockets is None:
             self.tokenizer_outbox.append(obj)
         else:
@@ -247,6 +251,7 @@ class SchedulerIOMixin:
         req.bootstrap = recv.bootstrap
         req.extra_key = recv.extra_key
         req.return_hidden_states = recv.return_hidden_states
+        req.multimodal_inputs = recv.mm_inputs
         req.inflight = self.inflight
         self.counters["num_requests_total"] += 1
         error = self._validate(req)

@@ -1,0 +1,81 @@
+"""What a request with images carries from the tokenizer manager to the model: the processed pixels,
+where each image's tokens sit in the prompt, and the prompt's multimodal rotary positions.
+
+Each image's tokens stand in the prompt as a pseudo token id derived from the image's content
+(`pad_value`, upstream's name), not the checkpoint's `<|image_pad|>` id: the prefix cache keys on the
+ids, so a cached prefix is reused only by a request whose images are the same, with every strategy.
+Pad values lie above the vocabulary; the model embeds the images at those positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+# Pad values are vocab_size + [0, 2**30): a collision between two different images is a 2**-30 event.
+PAD_VALUE_RANGE = 1 << 30
+
+
+def pad_value(pixels: torch.Tensor, grid_thw: list[int], vocab_size: int) -> int:
+    """The pseudo token id of an image: a hash of its processed pixels and grid."""
+    h = hashlib.sha256(pixels.contiguous().numpy().tobytes())
+    h.update(repr(grid_thw).encode())
+    return vocab_size + int.from_bytes(h.digest()[:8], "little") % PAD_VALUE_RANGE
+
+
+@dataclass
+class MultimodalInputs:
+    """One request's images. `pixel_values` [patches, C*T*P*P] of all its images in order,
+    `image_grid_thw` [images][3]; `image_offsets[i]` = (first prompt position of image i's tokens,
+    their number). `mrope_positions` [3, prompt length]: the prompt's (t, h, w) rotary positions;
+    past the prompt, position j is j + `mrope_position_delta` on all three axes."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: list[list[int]]
+    image_offsets: list[tuple[int, int]]
+    pad_values: list[int]
+    mrope_positions: torch.Tensor
+    mrope_position_delta: int
+    # The vision tower's output for all the images [tokens, hidden], computed at the request's first
+    # prefill chunk that reaches an image and kept for its later chunks (set by the model).
+    embeddings: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(n for _, n in self.image_offsets)
+
+    def positions(self, start: int, stop: int) -> torch.Tensor:
+        """[3, stop - start] rotary positions of the request's tokens [start, stop)."""
+        n = self.mrope_positions.shape[1]
+        inside = self.mrope_positions[:, min(start, n) : min(stop, n)]
+        past = torch.arange(max(start, n), max(stop, n), dtype=torch.int64) + self.mrope_position_delta
+        return torch.cat([inside, past.expand(3, -1)], dim=1)
+
+    def image_tokens_before(self, pos: int) -> int:
+        """How many image tokens sit at prompt positions < pos."""
+        return sum(min(max(pos - start, 0), n) for start, n in self.image_offsets)
+
+
+def mrope_positions(
+    num_tokens: int, image_offsets: list[tuple[int, int]], grids: list[list[int]], merge: int
+):
+    """The prompt's [3, num_tokens] positions and the delta past it, as transformers' `get_rope_index`
+    for Qwen3.5 images: text advances one position per token on all axes; an image's tokens take
+    (start, start + row, start + column) over its merged grid, and the text after it resumes at
+    start + max(rows, columns)."""
+    parts, pos, prev = [], 0, 0
+    for (start, n), (t, h, w) in zip(image_offsets, grids, strict=True):
+        text = start - prev
+        parts.append((torch.arange(text, dtype=torch.int64) + pos).expand(3, -1))
+        pos += text
+        rows, cols = h // merge, w // merge
+        assert t * rows * cols == n, (t, rows, cols, n)
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(rows), torch.arange(cols), indexing="ij")
+        parts.append(torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]).to(torch.int64) + pos)
+        pos += max(rows, cols)
+        prev = start + n
+    parts.append((torch.arange(num_tokens - prev, dtype=torch.int64) + pos).expand(3, -1))
+    positions = torch.cat(parts, dim=1).contiguous()
+    return positions, int(positions.max()) + 1 - num_tokens if num_tokens else 0

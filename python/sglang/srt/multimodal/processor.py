@@ -1,0 +1,151 @@
+"""Images of a request, from `image_data` (one item or a list: a file path, base64 bytes, or a
+`data:image/...;base64,` URI) to the request's prompt ids and `MultimodalInputs`, with the model's own
+image processor from transformers (`AutoImageProcessor`, the checkpoint's `preprocessor_config.json`).
+
+Runs off the event loop (the tokenizer manager's executor): decoding and resizing take milliseconds
+to seconds. Each image's header is read before its pixels, so an image over `MAX_IMAGE_PIXELS` is
+refused without being decoded; remote URLs are refused (this server fetches nothing).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from typing import Any
+
+import torch
+
+from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.multimodal.inputs import MultimodalInputs, mrope_positions, pad_value
+
+FIELD = "image_data"
+# The largest image decoded, in pixels (width x height): beyond it the decode alone takes seconds and
+# gigabytes, whatever the processor then resizes it to.
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+def _image_bytes(item: Any, where: str) -> bytes:
+    if isinstance(item, bytes):
+        return item
+    if not isinstance(item, str) or not item:
+        raise RequestError(f"{where} must be a file path, base64 or a data URI string.", FIELD)
+    if item.startswith(("http://", "https://")):
+        raise RequestError(
+            f"{where} is a URL; this server does not fetch remote images: send the image as base64 or a data URI.",
+            FIELD,
+        )
+    if item.startswith("data:"):
+        header, _, item = item.partition(",")
+        if ";base64" not in header:
+            raise RequestError(f"{where} is a data URI that is not base64.", FIELD)
+    elif os.path.isfile(item):
+        with open(item, "rb") as f:
+            return f.read()
+    try:
+        return base64.b64decode(item, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"{where} is neither an existing file, base64 nor a data URI.", FIELD) from None
+
+
+def load_image(item: Any, where: str):
+    """A decoded RGB PIL image, or a RequestError naming `where`."""
+    from PIL import Image
+
+    data = _image_bytes(item, where)
+    # This server's bound replaces PIL's (whose error on opening hides the size): checked below.
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        with Image.open(io.BytesIO(data)) as probe:  # reads the header only
+            width, height = probe.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise RequestError(
+                    f"{where} is {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} this server decodes.",
+                    FIELD,
+                )
+            return probe.convert("RGB")
+    except RequestError:
+        raise
+    except Exception as e:  # PIL raises many types for corrupt or unknown data
+        raise RequestError(f"{where} could not be decoded as an image ({type(e).__name__}).", FIELD) from None
+
+
+class ImageInputProcessor:
+    """The image side of a vision-language model: its image processor and the ids it needs."""
+
+    def __init__(self, model_path: str, hf_config: Any):
+        from transformers import AutoImageProcessor
+
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path)
+        self.image_token_id = hf_config.image_token_id
+        self.merge = hf_config.vision_config.spatial_merge_size
+        self.vocab_size = hf_config.get_text_config().vocab_size
+
+    @classmethod
+    def create(cls, model_path: str) -> ImageInputProcessor | None:
+        """None for a model without a vision tower (its config.json has no `vision_config`)."""
+        import json
+
+        from transformers import AutoConfig
+
+        config_file = os.path.join(model_path, "config.json")
+        if not os.path.isfile(config_file):
+            return None
+        with open(config_file) as f:
+            if "vision_config" not in json.load(f):
+                return None
+        hf_config = AutoConfig.from_pretrained(model_path)
+        return cls(model_path, hf_config) if hasattr(hf_config, "image_token_id") else None
+
+    def process(self, input_ids: list[int], image_data: Any) -> tuple[list[int], MultimodalInputs]:
+        """The prompt with each image's placeholder token expanded to its image tokens (as pad values),
+        and the request's `MultimodalInputs`."""
+        items = image_data if isinstance(image_data, list) else [image_data]
+        images = [load_image(item, f"{FIELD}[{i}]") for i, item in enumerate(items)]
+        at = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
+        if len(at) != len(images):
+            raise RequestError(
+                f"The prompt has {len(at)} image placeholders (<|vision_start|><|image_pad|><|vision_end|>) "
+                f"for {len(images)} images in {FIELD}; give one per image.",
+                FIELD,
+            )
+        try:
+            out = self.image_processor(images=images, return_tensors="pt")
+        except ValueError as e:  # e.g. an aspect ratio the processor cannot resize
+            raise RequestError(f"{FIELD}: the image processor refused an image ({e}).", FIELD) from None
+        pixels, grids = out["pixel_values"], out["image_grid_thw"].tolist()
+        sizes = [t * h * w for t, h, w in grids]
+        ids, offsets, pads, prev = [], [], [], 0
+        for i, (place, chunk) in enumerate(zip(at, torch.split(pixels, sizes), strict=True)):
+            n = sizes[i] // self.merge**2
+            pads.append(pad_value(chunk, grids[i], self.vocab_size))
+            ids += input_ids[prev:place]
+            offsets.append((len(ids), n))
+            ids += [pads[-1]] * n
+            prev = place + 1
+        ids += input_ids[prev:]
+        positions, delta = mrope_positions(len(ids), offsets, grids, self.merge)
+        return ids, MultimodalInputs(pixels, grids, offsets, pads, positions, delta)
+
+
+async def attach_images(
+    processor: ImageInputProcessor | None, items: list[Any], image_data: Any, limits: Any
+) -> None:
+    """Expand the prompt of `items` (the `NormalizedRequest`s of one /generate call: one prompt, any
+    number of samples) with their images, processed off the event loop."""
+    import asyncio
+
+    from sglang.srt.managers.request_validation import check_input_len
+
+    if processor is None:
+        raise RequestError(f"{FIELD} was given, but this model takes no images.", FIELD)
+    prompts = {tuple(item.req.input_ids) for item in items}
+    if len(prompts) != 1:
+        raise RequestError(f"{FIELD} goes with one prompt; send prompts with images one per request.", FIELD)
+    loop = asyncio.get_running_loop()
+    ids, mm = await loop.run_in_executor(None, processor.process, list(items[0].req.input_ids), image_data)
+    check_input_len(len(ids), limits, FIELD)
+    for item in items:
+        item.req.input_ids = ids
+        item.req.mm_inputs = mm

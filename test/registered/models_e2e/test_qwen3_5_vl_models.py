@@ -1,0 +1,25 @@
+"""Images on the Qwen3.5 vision-language preset through the engine (issue 59): teacher-forced
+logprobs of prompts with one and with two images, and the decode after them, equal transformers'
+(float32); the prefix cache reuses a prompt's images only for the same images; bad images are refused
+naming `image_data`; a text-only prompt on the VL model is unchanged. The checks live in
+`sglang.test.vl_checks`; the MoE preset runs them in test_qwen3_5_vl_models_nightly.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.vl_checks import (  # noqa: F401  (collected here, on this module's `setup`)
+    start,
+    test_bad_images_refused,
+    test_logprobs_match_oracle,
+    test_prefix_cache_keyed_by_image,
+    test_text_only_prompt_unchanged,
+)
+
+register_cpu_ci(est_time=20, suite="per-commit-cpu")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    yield from start("tiny-qwen3.5-vl")
