@@ -75,6 +75,9 @@ def test_split_projections_fill_the_fused_ones(preset, preset_paths):
     assert linear == 3
 
 
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=8, out_hidden_size=64)
+
+
 def _multimodal_layout(src: Path, dst: Path, moe: bool, tied: bool = False) -> Path:
     """The text checkpoint `src` rewritten as the published multimodal one: config under `text_config`,
     the language model under `model.language_model.`, plus a vision tower and an MTP head to skip.
@@ -90,6 +93,7 @@ def _multimodal_layout(src: Path, dst: Path, moe: bool, tied: bool = False) -> P
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
         "model_type": kind,
         "text_config": {**text, "model_type": f"{kind}_text"},
+        "vision_config": VISION,
         "tie_word_embeddings": tied,
     }
     (dst / "config.json").write_text(json.dumps(config))
@@ -97,7 +101,13 @@ def _multimodal_layout(src: Path, dst: Path, moe: bool, tied: bool = False) -> P
     for name, t in load_file(src / "model.safetensors").items():
         tensors[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
     g = torch.Generator().manual_seed(0)
-    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(24, 8, generator=g)
+    # A whole (tiny) vision tower: the model loads it (models/qwen3_5_vision.py).
+    from transformers import Qwen3_5VisionConfig
+
+    from sglang.srt.models.qwen3_5_vision import Qwen3_5VisionModel
+
+    tower = Qwen3_5VisionModel(Qwen3_5VisionConfig(**VISION))
+    tensors |= {f"model.visual.{k}": torch.randn(v.shape, generator=g) for k, v in tower.state_dict().items()}
     tensors["mtp.fc.weight"] = torch.randn(64, 128, generator=g)
     if tied:
         del tensors["lm_head.weight"]
