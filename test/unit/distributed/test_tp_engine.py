@@ -16,7 +16,7 @@ import pytest
 
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=40, suite="per-commit-cpu")
+register_cpu_ci(est_time=60, suite="per-commit-cpu")
 
 MODEL = "tiny-qwen3-next"
 # float32 on both sides; see the module docstring.
@@ -73,3 +73,20 @@ def test_server_info_lists_each_rank_memory(engine):
     for mem in ranks:
         assert mem["weights"] > 0 and mem["kv_pool"] > 0 and mem["state_pool"] > 0
     assert engine.flush_cache().success
+
+
+def test_a_tensor_update_reaches_every_rank(engine):
+    """Engine.update_weights_from_tensor gives each TP rank its own payload (a CPU tensor's shared-memory
+    handle opens once: with one payload only the first rank to open it wrote), so the gathered tensor is
+    the new one on both ranks' halves. The old weights are written back for the tests after this one."""
+    import torch
+
+    name = "model.layers.0.linear_attn.out_proj.weight"  # row-parallel: each rank holds half the columns
+    old = torch.tensor(engine.get_weights_by_name(name, 10**6))
+    new = old * 0.5 + 0.01
+    success, message = engine.update_weights_from_tensor([(name, new)], load_format="direct")
+    try:
+        assert success, message
+        assert torch.equal(torch.tensor(engine.get_weights_by_name(name, 10**6)), new)
+    finally:
+        assert engine.update_weights_from_tensor([(name, old)], load_format="direct")[0]

@@ -11,7 +11,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, demo_outputs, held_out_prompts, plain_then_spec
 from sglang.test.scheduler_harness import churn_harness, run_churn, token_ids
 
-register_cpu_ci(est_time=150, suite="nightly-cpu")
+register_cpu_ci(est_time=200, suite="nightly-cpu")
 
 
 @pytest.mark.parametrize(

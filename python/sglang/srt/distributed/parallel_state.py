@@ -95,19 +95,23 @@ def init_distributed_environment(
     )
 
 
-def _new_group(ranks: list[int], backend: str) -> GroupCoordinator:
-    """Every process must call this with the same `ranks` (torch.distributed's rule for new_group)."""
-    device_group = dist.new_group(ranks, backend=backend)
-    cpu_group = device_group if backend == "gloo" else dist.new_group(ranks, backend="gloo")
+def _new_group(ranks: list[int], backend: str, timeout: timedelta | None) -> GroupCoordinator:
+    """Every process must call this with the same `ranks` (torch.distributed's rule for new_group).
+    `timeout` bounds each of the group's collectives (None: torch's default, 30 minutes)."""
+    device_group = dist.new_group(ranks, backend=backend, timeout=timeout)
+    cpu_group = device_group if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
     me = dist.get_rank()
     return GroupCoordinator(ranks, ranks.index(me) if me in ranks else -1, device_group, cpu_group)
 
 
 def initialize_model_parallel(
-    tensor_model_parallel_size: int = 1, expert_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    timeout: timedelta | None = None,
 ) -> None:
     """Form the TP group (all ranks) and the EP groups (consecutive blocks of `expert_model_parallel_size`
-    ranks inside it). The default group must already exist when either size is above 1."""
+    ranks inside it), each collective of theirs bounded by `timeout` (--dist-timeout). The default group
+    must already exist when either size is above 1."""
     global _TP, _EP
     tp, ep = tensor_model_parallel_size, expert_model_parallel_size
     if tp == 1:
@@ -116,8 +120,9 @@ def initialize_model_parallel(
     assert dist.is_initialized() and dist.get_world_size() == tp, "init_distributed_environment first"
     assert tp % ep == 0, f"ep_size {ep} must divide tp_size {tp}"
     backend = dist.get_backend()
-    _TP = _new_group(list(range(tp)), backend)
-    groups = [_new_group(list(range(s, s + ep)), backend) for s in range(0, tp, ep)] if ep > 1 else []
+    _TP = _new_group(list(range(tp)), backend, timeout)
+    blocks = range(0, tp, ep) if ep > 1 else []
+    groups = [_new_group(list(range(s, s + ep)), backend, timeout) for s in blocks]
     _EP = next((g for g in groups if g.rank_in_group >= 0), _SINGLE)
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,7 +40,7 @@ from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
 from sglang.srt.layers.attention.mamba.short_conv_backend import ShortConvAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from sglang.srt.layers.linear import full_shape, gather_weight, shard_weight
+from sglang.srt.layers.linear import full_shape, gather_weight, shard_weight, weight_shards
 from sglang.srt.layers.logits_processor import HiddenRows, LogitsProcessor, TopLogprobs
 from sglang.srt.layers.quantization.fp8 import FP8_DTYPE
 from sglang.srt.layers.radix_attention import RadixAttention
@@ -279,13 +281,17 @@ class ModelRunner:
             self.graph_runner.recapture()
 
     def update_weights_from_tensor(
-        self, named_tensors: list[tuple[str, torch.Tensor]], load_format: str | None = None
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        load_format: str | None = None,
+        before_copy: Callable[[], None] | None = None,
     ) -> list[str]:
         """Write new values into the serving model's weights, in place (/update_weights_from_tensor):
         checkpoint names loaded as the checkpoint is (`load_weights(update=True)`; load_format None or
         "flattened_bucket", whose bucket the scheduler has taken apart already), or with "direct" this
         model's own parameter names and layout. Returns the names no parameter took. ValueError where a
-        tensor does not fit, with no weight changed. Nothing may be in flight; CUDA graphs keep working,
+        tensor does not fit, with no weight changed; `before_copy()` runs once every tensor has fitted
+        and may raise to change none (the TP ranks' agreement). Nothing may be in flight; CUDA graphs keep working,
         as every parameter keeps its memory (they are captured again where a float8 KV scale changed)."""
         on_cuda = torch.device(self.device).type == "cuda"
         if on_cuda:
@@ -308,13 +314,15 @@ class ModelRunner:
                 if param is not None and full_shape(param) != tuple(tensor.shape):
                     shapes = f"{tuple(tensor.shape)}; the parameter's is {full_shape(param)}"
                     raise ValueError(f"tensor {name} has shape {shapes}")
+            if before_copy is not None:
+                before_copy()
             with torch.no_grad():
                 for name, tensor in named_tensors:
                     if name in params:
                         params[name].data.copy_(shard_weight(params[name], tensor))
         else:
             scales = self._kv_scales()
-            unknown = self.model.load_weights(named_tensors, update=True)
+            unknown = self.model.load_weights(named_tensors, update=True, before_copy=before_copy)
             if self.graph_runner is not None and self._kv_scales() != scales:
                 # The float8 KV scales are numbers the captured graphs hold, not parameters.
                 self.graph_runner.recapture()
@@ -336,14 +344,20 @@ class ModelRunner:
             raise ValueError(f"The model has no parameter {name!r}{hint}.")
         if "weights" in self.memory_occupation.released:
             raise ValueError("The weights' memory is released (/resume_memory_occupation first).")
-        # Under tensor parallelism the whole tensor, gathered from every rank (each rank runs this call).
-        rows = gather_weight(params[name], params[name].detach())[:truncate_size]
-        if rows.numel() > MAX_WEIGHT_VALUES:
+        # Checked on the whole tensor's shape, before any collective: every rank refuses alike.
+        param, shape = params[name], full_shape(params[name])
+        values = min(truncate_size, shape[0]) * math.prod(shape[1:]) if shape else 1
+        if values > MAX_WEIGHT_VALUES:
             raise ValueError(
-                f"{truncate_size} rows of {name} are {rows.numel()} values; at most {MAX_WEIGHT_VALUES} per "
+                f"{truncate_size} rows of {name} are {values} values; at most {MAX_WEIGHT_VALUES} per "
                 "call (ask for fewer rows)."
             )
-        return rows.to("cpu").float().tolist()
+        # Under tensor parallelism the whole tensor, gathered from every rank (each rank runs this call);
+        # where rows are not split, only the rows asked for are gathered.
+        local = param.detach()
+        if shape and not any(s.dim == 0 for s in weight_shards(param)):
+            local = local[:truncate_size]
+        return gather_weight(param, local)[:truncate_size].to("cpu").float().tolist()
 
     def forward_batch_generation(self, fb: ForwardBatch) -> GenerationBatchResult:
         with torch.inference_mode():

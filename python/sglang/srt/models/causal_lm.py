@@ -4,7 +4,7 @@ so, and weight loading through `WeightLoader`; a model adds only its forward and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -66,11 +66,16 @@ class HybridCausalLM(nn.Module):
         parameter named)."""
         return None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], update: bool = False) -> list[str]:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        update: bool = False,
+        before_copy: Callable[[], None] | None = None,
+    ) -> list[str]:
         """Load checkpoint-named tensors: all of them, or with `update` any subset into the serving model
-        (`WeightLoader`: all or nothing). Returns the names of tensors no parameter took (with `update`,
-        also those it skips: multi-token prediction heads, a tied LM head)."""
-        loader = WeightLoader(self, update=update, form=self.served_form)
+        (`WeightLoader`: all or nothing; `before_copy` as its). Returns the names of tensors no parameter
+        took (with `update`, also those it skips: multi-token prediction heads, a tied LM head)."""
+        loader = WeightLoader(self, update=update, form=self.served_form, before_copy=before_copy)
         kv_scales = KVScaleLoader(self)  # float8 KV cache scales go to their attention layers
         skipped = []  # (an update's names the model does not serve, told to its client)
         if self.quant_config is not None:

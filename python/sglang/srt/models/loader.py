@@ -72,10 +72,14 @@ class WeightLoader:
         model: nn.Module,
         update: bool = False,
         form: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+        before_copy: Callable[[], None] | None = None,
     ):
         """`form(name, tensor)`: a checkpoint tensor in the layout parameter `name` is served in (the
-        model's `served_form`), before this rank's part of it is taken."""
+        model's `served_form`), before this rank's part of it is taken. `before_copy()`, in update
+        mode, once every tensor has fitted: it raises to copy nothing (under tensor parallelism, where
+        another rank's tensors did not fit)."""
         self.update = update
+        self.before_copy = before_copy
         self.form = form or (lambda name, tensor: tensor)
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, source), in update mode
         self.params = dict(model.named_parameters())
@@ -221,6 +225,8 @@ class WeightLoader:
             why = pieces.unpaired()
             if why is not None:
                 raise ValueError(why)
+        if self.before_copy is not None:
+            self.before_copy()
         with torch.no_grad():
             for target, tensor in self.copies:
                 target.copy_(tensor)

@@ -23,7 +23,7 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromTensorReqOutput,
 )
-from sglang.srt.managers.scheduler_components.weight_update import named_tensors_of
+from sglang.srt.managers.scheduler_components.weight_update import RankVote, named_tensors_of, payload_of_rank
 from sglang.srt.model_executor.memory_occupation import KV_CACHE, WEIGHTS
 from sglang.srt.model_executor.memory_occupation import TAGS as MEMORY_TAGS
 
@@ -47,6 +47,7 @@ class SchedulerUpdateWeightsMixin:
             error = MEMORY_RELEASED
         elif model is not None:
             error = self._weights_held(req.flush_cache)
+        error = self._agree(error or None)  # (a rank whose load failed: every rank keeps the old model)
         if error:
             self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, error))
             return
@@ -59,13 +60,18 @@ class SchedulerUpdateWeightsMixin:
         self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(True, message, paused))
 
     def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReqInput) -> None:
-        """/update_weights_from_tensor: the payload's tensors (`named_tensors_of`), written in place."""
+        """/update_weights_from_tensor: this rank's payload's tensors (`payload_of_rank`,
+        `named_tensors_of`), written in place on every rank or on none (`RankVote`)."""
+        vote = RankVote(self._agree)
         try:
-            named = named_tensors_of(req.serialized_named_tensors[0], req.trusted, req.load_format)
+            rank, size = (self.tp.rank.tp_rank, self.tp.rank.tp_size) if self.tp is not None else (0, 1)
+            payload = payload_of_rank(req.serialized_named_tensors, rank, size, self.dp_rank, req.trusted)
+            named = named_tensors_of(payload, req.trusted, req.load_format)
         except Exception as e:  # noqa: BLE001 - any malformed payload is the client's, told to it
-            self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(False, _not_updated(e)))
+            message = vote.outcome(_not_updated(e))
+            self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(False, message))
             return
-        success, message = self.write_weights(named, req.load_format, req.flush_cache)
+        success, message = self.write_weights(named, req.load_format, req.flush_cache, vote)
         self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(success, message))
 
     def finish_weights_group_op(self) -> None:
@@ -82,20 +88,22 @@ class SchedulerUpdateWeightsMixin:
         if error:
             success, message = False, _not_updated(error)
         else:
-            success, message = self.write_weights(named, None, req.flush_cache)
+            success, message = self.write_weights(named, None, req.flush_cache, RankVote(self._agree))
         self.send_to_tokenizer(UpdateWeightsFromDistributedReqOutput(success, message))
 
-    def write_weights(self, named: list, load_format: str | None, flush_cache: bool) -> tuple[bool, str]:
+    def write_weights(
+        self, named: list, load_format: str | None, flush_cache: bool, vote: RankVote
+    ) -> tuple[bool, str]:
         """Write (name, tensor) pairs into the weights in place (`ModelRunner.update_weights_from_tensor`:
-        all or none) between two steps, then empty the prefix cache (as `finish_weight_update`, whose
-        refusals it shares): (success, message)."""
+        all or none, on every rank or none: `vote`) between two steps, then empty the prefix cache (as
+        `finish_weight_update`, whose refusals it shares): (success, message)."""
         error = self._weights_held(flush_cache)
         if error is not None:
-            return False, error
+            return False, vote.outcome(error)
         try:
-            ignored = self.model_runner.update_weights_from_tensor(named, load_format)
+            ignored = self.model_runner.update_weights_from_tensor(named, load_format, vote.before_copy)
         except Exception as e:  # noqa: BLE001 - a tensor that does not fit, however it fails; none written
-            return False, _not_updated(e)
+            return False, vote.outcome(_not_updated(e))
         if flush_cache:
             self._empty_tree()
         message = f"Succeeded to update {len(named) - len(ignored)} weight tensor(s) in place."
@@ -123,35 +131,53 @@ class SchedulerUpdateWeightsMixin:
         if error is None and not self.server_args.enable_memory_saver:
             message = "Nothing was released: start the server with --enable-memory-saver."
         elif error is None:
+            before = set(memory.released)
             try:
                 memory.release(tags)
                 message = f"Released the memory of {', '.join(tags)}."
             except Exception as e:  # noqa: BLE001 - no host memory for the copy, say
                 now = ", ".join(sorted(memory.released)) or "nothing"
                 error = f"Releasing stopped: {str(e).strip() or type(e).__name__} (released now: {now})."
+            error = self._agree(error)
+            if error is not None and memory.released - before:
+                # (another rank failed: this one takes back what it released, so all ranks run alike)
+                memory.resume(sorted(memory.released - before))
         logger.info(error or message)
         reply = ReleaseMemoryOccupationReqOutput(error is None, error or message, sorted(memory.released))
         self.send_to_tokenizer(reply)
 
     def resume_memory_occupation(self, req: ResumeMemoryOccupationReqInput) -> None:
         memory, tags = self.model_runner.memory_occupation, req.tags or list(MEMORY_TAGS)
+        before = set(memory.released)
+        error = None
         try:
             memory.resume(tags)
-            left = sorted(memory.released)
-            message = f"Resumed {', '.join(tags)}" + (f"; {', '.join(left)} still released." if left else ".")
-            success = True
         except Exception as e:  # noqa: BLE001 - out of memory (the trainer still holds it): still released
-            success, message = False, f"Not resumed: {str(e).strip() or type(e).__name__}"
+            error = f"Not resumed: {str(e).strip() or type(e).__name__}"
+        error = self._agree(error)
+        if error is not None and before - memory.released:
+            memory.release(sorted(before - memory.released))  # (another rank failed: released on all)
+        left = sorted(memory.released)
+        message = f"Resumed {', '.join(tags)}" + (f"; {', '.join(left)} still released." if left else ".")
+        success, message = error is None, error or message
         logger.info(message)
         self.send_to_tokenizer(ResumeMemoryOccupationReqOutput(success, message, sorted(memory.released)))
 
     def get_weights_by_name(self, req: GetWeightsByNameReqInput) -> None:
+        """Under TP the parameter is gathered from every rank (a collective on the model's group), so
+        the batches in flight finish first: their forwards' collectives must not interleave with it."""
+        while self.in_flight:
+            self.process_oldest()
         try:
             values = self.model_runner.get_weights_by_name(req.name, req.truncate_size)
             reply = GetWeightsByNameReqOutput(values)
         except Exception as e:  # noqa: BLE001 - a name it lacks, too many values, no memory: told
             reply = GetWeightsByNameReqOutput(None, str(e).strip() or type(e).__name__)
         self.send_to_tokenizer(reply)
+
+    def _agree(self, error: str | None) -> str | None:
+        """Every rank's outcome of a call that may fail on some ranks only (`TpBroadcast.agree_outcome`)."""
+        return error if self.tp is None else self.tp.agree_outcome(error)
 
     def _weights_held(self, flush_cache: bool) -> str | None:
         """Why the weights may not change now, or None: first the batches in flight finish (they read the

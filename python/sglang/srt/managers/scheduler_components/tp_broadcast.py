@@ -98,7 +98,7 @@ def join_parallel_group(rank: ParallelRank, server_args: Any) -> TpBroadcast:
     world = rank.tp_size
     try:
         init_distributed_environment(rank.backend, world, rank.tp_rank, rank.init_method, timeout)
-        initialize_model_parallel(rank.tp_size, rank.ep_size)
+        initialize_model_parallel(rank.tp_size, rank.ep_size, timeout=timeout)
         group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
     except Exception as e:  # noqa: BLE001 - a rendezvous failure, told as one sentence
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -216,6 +216,23 @@ class TpBroadcast:
         dist.all_gather_object(values, value, group=self.group)
         if any(v != values[0] for v in values):
             raise ParallelGroupError(f"The TP ranks have different {what} ({values}){hint}.")
+
+    def agree_outcome(self, error: str | None) -> str | None:
+        """The outcome every rank takes of a call that may fail on some ranks only (a weight load from
+        disk, a tensor update, a memory release): None where every rank succeeded, else why not (the
+        first failing rank's reason, naming it unless every rank failed alike), so that all ranks apply
+        or roll back together and their states stay the same."""
+        import torch.distributed as dist
+
+        errors: list[Any] = [None] * self.rank.tp_size
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if not failed:
+            return None
+        if len(failed) == len(errors) and all(e == failed[0][1] for _, e in failed):
+            return failed[0][1]
+        r, why = failed[0]
+        return f"{why} (on TP rank {r}; every rank keeps what it had)"
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's `value`, on rank 0 (None elsewhere)."""

@@ -94,3 +94,46 @@ def first_non_pair(items: list | tuple) -> int | None:
         if not (ok and isinstance(pair[1], torch.Tensor)):
             return i
     return None
+
+
+def payload_of_rank(payloads: list, tp_rank: int, tp_size: int, dp_rank: int | None, trusted: bool) -> Any:
+    """The payload this rank decodes (upstream's rule: one per TP rank, rank r reading item r). A
+    payload of handles (shared memory, CUDA IPC) opens once, so ranks must not share one; with --dp-size
+    the Engine gives one per rank of every replica (replica d's rank r reading item d * tp_size + r). A
+    single HTTP payload (`trusted` false) holds plain bytes, which every rank may read. ValueError, in
+    one sentence, for another count."""
+    n, replica = len(payloads), dp_rank or 0
+    if n == tp_size:
+        return payloads[tp_rank]
+    if n == 1 and not trusted:
+        return payloads[0]
+    if n > replica * tp_size + tp_rank and n % tp_size == 0:
+        return payloads[replica * tp_size + tp_rank]
+    raise ValueError(
+        f"serialized_named_tensors has {n} payload(s); with --tp-size {tp_size} give one per TP rank "
+        f"(rank r reads item r)"
+    )
+
+
+class RankVote:
+    """The ranks' one agreement on a weight write's outcome (`TpBroadcast.agree_outcome`, or the
+    identity at one rank): cast `before_copy` once every tensor has fitted (it raises where another rank
+    failed, so no rank copies anything), or `outcome` with a rank's own failure before that point."""
+
+    def __init__(self, agree: Callable[[str | None], str | None]):
+        self.agree = agree
+        self.cast = False
+        self.result: str | None = None
+
+    def before_copy(self) -> None:
+        self.cast = True
+        self.result = self.agree(None)
+        if self.result:
+            raise ValueError(self.result)
+
+    def outcome(self, error: str | None) -> str | None:
+        """The agreed error (None: every rank wrote); votes `error` unless this rank has voted."""
+        if not self.cast:
+            self.cast = True
+            return self.agree(error)
+        return self.result or error

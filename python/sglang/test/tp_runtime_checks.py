@@ -1,0 +1,41 @@
+"""Rank functions for test/unit/distributed/test_tp_runtime.py (spawned by `multi_rank.run_ranks`, so
+importable by name): the scheduler's agreement on an outcome, and --dist-timeout on the model's groups."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+# The model groups' timeout here, and how long rank 1 stays away from a collective rank 0 entered.
+GROUP_TIMEOUT_S = 1
+AWAY_S = 4
+
+
+def agreement_and_timeout(rank: int, world_size: int, init_method: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.managers.scheduler_components.tp_broadcast import ParallelRank, TpBroadcast
+
+    # (the default group waits longer: only the model groups are given the short timeout)
+    ps.init_distributed_environment("gloo", world_size, rank, init_method, timedelta(seconds=120))
+    ps.initialize_model_parallel(world_size, 1, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    where = ParallelRank(rank, world_size, 1, None, init_method, "gloo", 120)
+    tp = TpBroadcast(where, dist.new_group(list(range(world_size)), backend="gloo"), watch=None)
+    out: dict[str, Any] = {
+        "none": tp.agree_outcome(None),
+        "one": tp.agree_outcome("disk full" if rank == 1 else None),
+        "all": tp.agree_outcome("bad name"),
+    }
+    if rank == 0:  # rank 1 never joins this all-reduce: the TP group's timeout must end it
+        start = time.monotonic()
+        try:
+            ps.get_tp_group().all_reduce(torch.ones(1))
+            out["failed_after_s"] = None
+        except Exception:  # noqa: BLE001 - gloo's timeout error, whatever its type
+            out["failed_after_s"] = time.monotonic() - start
+    else:
+        time.sleep(AWAY_S)
+    return out

@@ -1,0 +1,163 @@
+"""The scheduler's side of tensor parallelism, where the ranks' outcomes may differ (review findings 1-3,
+8, 10 of issue 54's TP work):
+
+- two gloo ranks agree on an outcome (`TpBroadcast.agree_outcome`: None where every rank succeeded, else
+  the failing rank's reason naming it), and --dist-timeout bounds the model groups' collectives (a rank
+  left alone in an all-reduce fails after the timeout, not after torch's 30 minutes);
+- with a stand-in for the other rank's vote: a tensor update copies nothing when another rank failed,
+  a disk update keeps the old model, a memory release / resume is taken back on this rank;
+- each rank reads its own payload (one per TP rank, as upstream), and another count is refused in one
+  sentence;
+- /get_weights_by_name finishes the batches in flight before its gather, refuses too many values before
+  any collective, and gathers only the rows asked for where rows are not split."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from sglang.srt.managers.io_struct import (
+    GetWeightsByNameReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
+    UpdateWeightFromDiskReqInput,
+)
+from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import (
+    SchedulerUpdateWeightsMixin,
+)
+from sglang.srt.managers.scheduler_components.weight_update import RankVote, payload_of_rank
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.multi_rank import run_ranks
+from sglang.test.tp_runtime_checks import AWAY_S, GROUP_TIMEOUT_S, agreement_and_timeout
+
+register_cpu_ci(est_time=12, suite="per-commit-cpu")
+
+OTHER_RANK = "The weights were not updated: out of memory (on TP rank 1; every rank keeps what it had)"
+
+
+def test_two_ranks_agree_and_the_model_groups_time_out():
+    r0, r1 = run_ranks(agreement_and_timeout, 2)
+    for r in (r0, r1):
+        assert r["none"] is None
+        assert r["one"] == "disk full (on TP rank 1; every rank keeps what it had)"
+        assert r["all"] == "bad name"  # (every rank failed alike: the reason as one rank gives it)
+    # gloo raises once the group's timeout has passed; rank 1 only comes back after AWAY_S.
+    assert r0["failed_after_s"] is not None and GROUP_TIMEOUT_S * 0.5 < r0["failed_after_s"] < AWAY_S - 0.5
+
+
+class _Memory:
+    def __init__(self):
+        self.released: set[str] = set()
+
+    def release(self, tags):
+        self.released |= set(tags)
+
+    def resume(self, tags):
+        self.released -= set(tags)
+
+
+class _Runner:
+    def __init__(self):
+        self.memory_occupation = _Memory()
+        self.copied = None
+        self.swapped = None
+
+    def update_weights_from_tensor(self, named, load_format, before_copy):
+        before_copy()
+        self.copied = named
+        return []
+
+    def swap_model(self, model):
+        self.swapped = model
+
+
+class _Scheduler(SchedulerUpdateWeightsMixin):
+    """Rank 0 of two, the other rank's outcome `other` (None: it succeeded)."""
+
+    def __init__(self, other: str | None):
+        self.tp = SimpleNamespace(
+            rank=SimpleNamespace(tp_rank=0, tp_size=2), agree_outcome=lambda mine: mine or other
+        )
+        self.dp_rank = None
+        self.in_flight, self.running, self.waiting_queue = [], [], []
+        self.chunked_req, self.disagg = None, None
+        self.server_args = SimpleNamespace(enable_memory_saver=True)
+        self.generation_pause = SimpleNamespace(paused=False)
+        self.model_runner = _Runner()
+        self.sent, self.emptied = [], 0
+
+    def send_to_tokenizer(self, out):
+        self.sent.append(out)
+
+    def _empty_tree(self):
+        self.emptied += 1
+
+
+def test_a_tensor_update_copies_nothing_where_another_rank_failed():
+    sched = _Scheduler(OTHER_RANK)
+    named = [("w", torch.ones(2))]
+    assert sched.write_weights(named, "direct", True, RankVote(sched._agree)) == (False, OTHER_RANK)
+    assert sched.model_runner.copied is None and sched.emptied == 0
+    ok = _Scheduler(None)
+    assert ok.write_weights(named, "direct", True, RankVote(ok._agree))[0]
+    assert ok.model_runner.copied == named and ok.emptied == 1
+
+
+def test_a_disk_update_keeps_the_old_model_where_another_rank_failed():
+    sched = _Scheduler("The weights at /x cannot be served: no such file.")
+    req = UpdateWeightFromDiskReqInput(model_path="/x")
+    sched.weight_update = SimpleNamespace(poll=lambda: (req, "new model", ""))
+    sched.finish_weight_update()
+    assert sched.model_runner.swapped is None and sched.emptied == 0
+    assert not sched.sent[0].success and "no such file" in sched.sent[0].message
+
+
+def test_memory_release_and_resume_are_taken_back_where_another_rank_failed():
+    sched = _Scheduler("Releasing stopped: no host memory (released now: nothing).")
+    sched.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=["weights"]))
+    assert sched.model_runner.memory_occupation.released == set()  # (as on the rank that failed)
+    assert not sched.sent[-1].success
+    sched = _Scheduler("Not resumed: out of memory")
+    sched.model_runner.memory_occupation.released = {"weights", "kv_cache"}
+    sched.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=["weights"]))
+    assert sched.model_runner.memory_occupation.released == {"weights", "kv_cache"}
+    assert not sched.sent[-1].success
+
+
+def test_each_rank_reads_its_own_payload():
+    assert payload_of_rank(["a", "b"], 1, 2, None, True) == "b"
+    assert payload_of_rank(["a", "b", "c", "d"], 1, 2, 1, True) == "d"  # (replica 1's rank 1)
+    assert payload_of_rank(["a"], 1, 2, None, False) == "a"  # (plain bytes from HTTP: any rank reads them)
+    with pytest.raises(ValueError, match=r"has 1 payload\(s\); with --tp-size 2 give one per TP rank"):
+        payload_of_rank(["a"], 1, 2, None, True)  # (handles open once: rank 0's would be spent)
+
+
+def test_get_weights_by_name_finishes_the_batches_in_flight_first():
+    sched = _Scheduler(None)
+    sched.in_flight = [1, 2]
+    sched.process_oldest = lambda: sched.in_flight.pop(0)
+
+    def get(name, truncate_size):
+        assert not sched.in_flight, "gathered with a forward in flight"
+        return [[1.0]]
+
+    sched.model_runner.get_weights_by_name = get
+    sched.get_weights_by_name(GetWeightsByNameReqInput(name="w", truncate_size=1))
+    assert sched.sent[-1].parameter == [[1.0]]
+
+
+def test_get_weights_by_name_checks_the_size_before_the_gather(monkeypatch):
+    from sglang.srt.model_executor import model_runner as mr
+
+    gathered = []
+    monkeypatch.setattr(mr, "gather_weight", lambda param, local: gathered.append(local.shape) or local)
+    runner = SimpleNamespace(model=nn.Linear(8, 6), memory_occupation=_Memory())
+    assert len(mr.ModelRunner.get_weights_by_name(runner, "weight", 2)) == 2
+    assert gathered == [torch.Size([2, 8])]  # (rows not split: only those asked for)
+    monkeypatch.setattr(mr, "MAX_WEIGHT_VALUES", 10)
+    with pytest.raises(ValueError, match="at most 10 per call"):
+        mr.ModelRunner.get_weights_by_name(runner, "weight", 2)
+    assert len(gathered) == 1  # (refused before any collective, as on every rank)
