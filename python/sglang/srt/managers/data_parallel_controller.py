@@ -13,6 +13,13 @@ changes, plus what was sent since). An abort goes to every replica (the one that
 ignores it). Any other message is a control call: every replica gets it, and their replies become one
 (`merge_replies`: success only if every replica succeeded; internal state per replica). Outputs go
 from each replica to the detokenizer directly.
+
+What a replica sends the controller comes as `FromReplica`, naming the replica: a reply is matched to
+its call by type and by its place among that replica's replies of the type (a replica answers one kind
+of call in order), so a reply that comes after the tokenizer gave up on its call (a replica slower than
+CONTROL_TIMEOUT_S) is dropped, never merged into the next call's. A heartbeat goes on to the tokenizer
+once every replica has sent one since the last it forwarded, so one stalled replica is noticed
+(backend_health) even while the others beat.
 """
 
 from __future__ import annotations
@@ -32,6 +39,20 @@ from sglang.srt.managers.io_struct import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FromReplica:
+    """A message of replica `dp_rank`'s scheduler to the controller (a reply, a heartbeat, its load)."""
+
+    dp_rank: int
+    obj: Any
+
+
+def reply_type_name(call: Any) -> str:
+    """The name of the reply type a control call is answered with (io_struct's names: FlushCacheReqInput
+    -> FlushCacheReqOutput, GetInternalStateReq -> GetInternalStateReqOutput)."""
+    return type(call).__name__.removesuffix("Input") + "Output"
 
 
 @dataclass
@@ -84,6 +105,46 @@ def merge_replies(replies: list[Any]) -> Any:
     return first
 
 
+class ReplyMatcher:
+    """What goes on to the tokenizer from the replicas' replies and heartbeats (see the module's
+    docstring): `sent` counts a control call, `received` takes a replica's message and returns what to
+    forward, if anything."""
+
+    def __init__(self, dp_size: int):
+        self.dp_size = dp_size
+        # Control calls sent, by the name of their reply type; each replica's replies seen, by that name;
+        # the replies of one call ((name, the call's index among that name's)), until every replica's.
+        self.calls: dict[str, int] = defaultdict(int)
+        self.answered: dict[str, list[int]] = defaultdict(lambda: [0] * dp_size)
+        self.replies: dict[tuple[str, int], dict[int, Any]] = defaultdict(dict)
+        self.beaten: set[int] = set()  # replicas that sent a heartbeat since the last one forwarded
+
+    def sent(self, call: Any) -> None:
+        self.calls[reply_type_name(call)] += 1
+
+    def received(self, msg: FromReplica) -> Any:
+        d, obj, n = msg.dp_rank, msg.obj, self.dp_size
+        if isinstance(obj, SchedulerHeartbeat):
+            self.beaten.add(d)
+            if len(self.beaten) < n:
+                return None
+            self.beaten.clear()
+            return obj
+        name = type(obj).__name__
+        index = self.answered[name][d]
+        self.answered[name][d] += 1
+        replies = self.replies[(name, index)]
+        replies[d] = obj
+        if len(replies) < n:
+            return None
+        for key in [k for k in self.replies if k[0] == name and k[1] <= index]:
+            del self.replies[key]  # (this call's, and older ones some replica never answered)
+        if index != self.calls[name] - 1:  # (the tokenizer gave up on it and sent a newer one of its kind)
+            logger.warning("Dropped the replicas' late replies to an earlier %s call.", name)
+            return None
+        return merge_replies([replies[r] for r in range(n)])
+
+
 class DataParallelController:
     def __init__(self, server_args: Any, port_args: PortArgs, replica_inputs: list[str], reply_ipc: str):
         import zmq
@@ -94,8 +155,7 @@ class DataParallelController:
         self.to_tokenizer = self._socket(zmq.PUSH, connect=port_args.tokenizer_ipc_name)
         self.to_replicas = [self._socket(zmq.PUSH, connect=name) for name in replica_inputs]
         self.balancer = LoadBalancer(len(replica_inputs), server_args.load_balance_method)
-        # Replies of control calls by type, until every replica has answered.
-        self.replies: dict[type, list[Any]] = defaultdict(list)
+        self.matcher = ReplyMatcher(len(replica_inputs))
         self.poller = zmq.Poller()
         self.poller.register(self.from_tokenizer, zmq.POLLIN)
         self.poller.register(self.from_replicas, zmq.POLLIN)
@@ -118,20 +178,17 @@ class DataParallelController:
             for item in obj.batch:
                 self.dispatch(item)
         else:  # aborts and control calls: every replica
+            self.matcher.sent(obj)
             for sock in self.to_replicas:
                 sock.send_pyobj(obj)
 
-    def collect(self, obj: Any) -> None:
-        if isinstance(obj, ReplicaLoad):
-            self.balancer.report(obj)
-        elif isinstance(obj, SchedulerHeartbeat):
-            self.to_tokenizer.send_pyobj(obj)
-        else:
-            waiting = self.replies[type(obj)]
-            waiting.append(obj)
-            if len(waiting) == len(self.to_replicas):
-                self.to_tokenizer.send_pyobj(merge_replies(waiting))
-                del self.replies[type(obj)]
+    def collect(self, msg: FromReplica) -> None:
+        if isinstance(msg.obj, ReplicaLoad):
+            self.balancer.report(msg.obj)
+            return
+        out = self.matcher.received(msg)
+        if out is not None:
+            self.to_tokenizer.send_pyobj(out)
 
     def event_loop(self) -> None:
         while True:
