@@ -1,7 +1,8 @@
 """Slots per running request under a small mamba pool (issue 61), CPU, in-process scheduler:
 --requests requests sharing a --prefix-token prefix (plus 16 tokens of their own), --new-tokens output
 tokens each, at --max-mamba-cache-size --slots and a running cap (--max-running-requests) as large as
-the queue, so the pool alone bounds how many run at once. Reports, per strategy:
+the queue, so the pool alone bounds how many run at once (--max-running-requests 0: the cap derived
+from the pool, which leaves the tree its headroom). Reports, per strategy:
 
 - peak running: the most requests running at once;
 - slots per running request: mamba slots held by requests over running requests, averaged over the
@@ -13,6 +14,7 @@ the queue, so the pool alone bounds how many run at once. Reports, per strategy:
 
     python benchmark/bench_slots_per_request.py [--slots 64] [--requests 128] [--prefix 512]
                                                [--new-tokens 256] [--mamba-track-interval 256]
+                                               [--max-running-requests N]
                                                [--strategies extra_buffer_lazy ...]
 """
 
@@ -27,14 +29,21 @@ from sglang.test.scheduler_harness import SchedulerHarness, token_ids
 
 
 def run(
-    strategy: str, slots: int, requests: int, prefix: int, new_tokens: int, overlap: bool, interval: int
+    strategy: str,
+    slots: int,
+    requests: int,
+    prefix: int,
+    new_tokens: int,
+    overlap: bool,
+    interval: int,
+    max_running: int | None,
 ) -> dict:
     h = SchedulerHarness(
         "tiny-qwen3-next",
         mamba_scheduler_strategy=strategy,
         disable_overlap_schedule=not overlap,
         max_mamba_cache_size=slots,
-        max_running_requests=requests,
+        max_running_requests=requests if max_running is None else max_running or None,
         max_total_tokens=requests * (prefix + 16 + new_tokens) + 4096,
         mamba_track_interval=interval,
     )
@@ -81,13 +90,15 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--strategies", nargs="+", default=["extra_buffer_lazy", "extra_buffer", "no_buffer"])
     p.add_argument("--mamba-track-interval", type=int, default=256)
+    p.add_argument(
+        "--max-running-requests", type=int, default=None, help="default: --requests; 0: the derived cap"
+    )
     p.add_argument("--disable-overlap-schedule", action="store_true")
     a = p.parse_args()
     for s in a.strategies:
         overlap = not a.disable_overlap_schedule
-        print(
-            json.dumps(run(s, a.slots, a.requests, a.prefix, a.new_tokens, overlap, a.mamba_track_interval))
-        )
+        args = (a.slots, a.requests, a.prefix, a.new_tokens, overlap, a.mamba_track_interval)
+        print(json.dumps(run(s, *args, a.max_running_requests)))
 
 
 if __name__ == "__main__":
