@@ -1,0 +1,94 @@
+"""The prefill side of the decode radix cache (issue 56): a destination that says the decode server holds
+the prompt's first `prefix` positions gets a transfer of the rest of the KV and the one state, nothing
+more; a destination whose prefix or slots do not fit the prompt, or whose staging does not match this
+server's path, is answered with an error and moves nothing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, _malformed_dst, _Room
+from sglang.srt.disaggregation.transfer import PoolLayout
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=2, suite="per-commit-cpu")
+
+# One attention layer's K and V (8 bytes a token), one state tensor (16 bytes a slot).
+LAYOUT = PoolLayout([1000, 2000], [800, 800], 8, [5000], [160], [16])
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, **kw):
+        self.calls.append(args)
+
+    def submit(self, fn, *args):
+        self.calls.append((fn.__name__, *args))
+        return SimpleNamespace(done=lambda: False)
+
+
+def queue() -> PrefillBootstrapQueue:
+    q = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
+    q.sched = SimpleNamespace(abort_with_status=Recorder())
+    q.layout, q.staging = LAYOUT, None
+    q.rooms, q.ended = {}, {}
+    q.executor = Recorder()
+    q.channel = SimpleNamespace(send=Recorder())
+    q.context_len = 4096
+    return q
+
+
+def start(q: PrefillBootstrapQueue, prefix: int, kv: list[int], **extra) -> _Room:
+    req = SimpleNamespace(origin_input_ids=list(range(10)), kv_indices=list(range(30, 40)), mamba_pool_idx=3,
+                          rid="r", finished=False)  # fmt: skip
+    dst = {"type": "dst", "room": "7", "notify": "tcp://127.0.0.1:1", "session": "s",
+           "layout": LAYOUT.to_dict(), "prefix": prefix, "kv": kv, "slot": 2, **extra}  # fmt: skip
+    room = _Room(req=req, dst=dst)
+    q.rooms["7"] = room
+    q._maybe_start("7", room)
+    return room
+
+
+def test_only_the_positions_past_the_prefix_and_one_state_move():
+    q = queue()
+    room = start(q, 6, [50, 51, 52, 53])
+    [(name, session, descriptors, inject)] = q.executor.calls
+    assert name == "_transfer" and session == "s" and not inject
+    assert room.kv_tokens == 4
+    # K and V: prompt positions 6..9 (slots 36..39) into 50..53, one run each; then the state slot 3 -> 2.
+    assert descriptors == [
+        (1000 + 36 * 8, 1000 + 50 * 8, 4 * 8),
+        (2000 + 36 * 8, 2000 + 50 * 8, 4 * 8),
+        (5000 + 3 * 16, 5000 + 2 * 16, 16),
+    ]
+
+
+def failed(q: PrefillBootstrapQueue) -> str:
+    assert q.executor.calls == [] and "7" not in q.rooms
+    [(_, answer)] = q.channel.send.calls
+    assert answer["ok"] is False
+    return answer["error"]
+
+
+def test_a_prefix_or_slot_list_that_does_not_fit_the_prompt_is_an_error():
+    q = queue()
+    start(q, 10, [])
+    assert "holds 10 tokens of a 10-token prompt (at most 9)" in failed(q)
+    q = queue()
+    start(q, 6, [50, 51, 52])
+    assert "reserved 3 KV slots for the 4 tokens of a 10-token prompt past its 6 cached ones" in failed(q)
+
+
+def test_a_staging_mismatch_is_an_error():
+    q = queue()
+    start(q, 0, list(range(10)), staging=4096)
+    assert "one server stages KV and state through host memory and the other does not" in failed(q)
+
+
+def test_a_malformed_prefix_or_staging_is_refused():
+    base = {"notify": "n", "session": "s", "layout": LAYOUT.to_dict(), "kv": [1], "slot": 0}
+    assert _malformed_dst(base, 4096) is None
+    for bad in ({"prefix": -1}, {"prefix": "3"}, {"prefix": True}, {"staging": -5}, {"staging": 1.5}):
+        assert _malformed_dst({**base, **bad}, 4096) == "prefix must be a token count and staging an address"
