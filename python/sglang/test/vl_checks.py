@@ -164,3 +164,31 @@ def test_bad_images_refused(setup, data, words):
     with pytest.raises(RequestError) as err:
         engine.generate(prompt="See " + PLACEHOLDER, image_data=data, sampling_params=GREEDY)
     assert err.value.param == "image_data" and words in err.value.message
+
+
+def test_chat_image_url_parts(setup):
+    """OpenAI `image_url` content parts: the chat template puts the placeholders, the images follow
+    in order, and the answer equals /generate's on the same templated prompt."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+    from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    engine, _ = setup
+    images = [b64_png(random_image(20, 64, 64)), b64_png(random_image(21, 32, 64))]
+    content = [
+        {"type": "text", "text": "Compare "},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{images[0]}"}},
+    ]
+    content += [{"type": "text", "text": " with "}, {"type": "image_url", "image_url": {"url": images[1]}}]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0)
+    chat = OpenAIServingChat(engine.tokenizer_manager, "m")
+    obj = engine._run(chat.to_generate_input(req))
+    assert obj.image_data == [content[1]["image_url"]["url"], images[1]]
+    via_chat = engine._run(_first_reply(engine.tokenizer_manager.generate_request(obj)))
+    prompt = f"<|im_start|>user\nCompare {PLACEHOLDER} with {PLACEHOLDER}<|im_end|>\n<|im_start|>assistant\n"
+    direct = engine.generate(prompt=prompt, image_data=images, sampling_params=GREEDY)
+    assert via_chat["output_ids"] == direct["output_ids"]
+
+
+async def _first_reply(agen):
+    async for item in agen:
+        return item

@@ -122,7 +122,9 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             max_hidden_state_floats=server_args.max_hidden_state_floats_per_request,
         )
         # The model's image processor (None: a text-only model).
-        self.image_processor = ImageInputProcessor.create(resolve_model_path(server_args.model_path))
+        self.image_processor = ImageInputProcessor.create(
+            resolve_model_path(server_args.model_path), server_args
+        )
         self.max_samples_per_request = max_samples_per_request(
             server_args.max_samples_per_request, model_info["max_running_requests"]
         )

@@ -82,8 +82,11 @@ class ImageInputProcessor:
         self.merge = hf_config.vision_config.spatial_merge_size
         self.vocab_size = hf_config.get_text_config().vocab_size
 
+    # Why this server refuses images although its model takes them (None: it serves them).
+    refusal: str | None = None
+
     @classmethod
-    def create(cls, model_path: str) -> ImageInputProcessor | None:
+    def create(cls, model_path: str, server_args: Any = None) -> ImageInputProcessor | None:
         """None for a model without a vision tower (its config.json has no `vision_config`)."""
         import json
 
@@ -96,7 +99,13 @@ class ImageInputProcessor:
             if "vision_config" not in json.load(f):
                 return None
         hf_config = AutoConfig.from_pretrained(model_path)
-        return cls(model_path, hf_config) if hasattr(hf_config, "image_token_id") else None
+        if not hasattr(hf_config, "image_token_id"):
+            return None
+        processor = cls(model_path, hf_config)
+        if getattr(server_args, "disaggregation_mode", "null") != "null":
+            # The decode server never runs the prompt, so it would lack the request's rotary delta.
+            processor.refusal = f"{FIELD} is not served with --disaggregation-mode (issue 59)."
+        return processor
 
     def process(self, input_ids: list[int], image_data: Any) -> tuple[list[int], MultimodalInputs]:
         """The prompt with each image's placeholder token expanded to its image tokens (as pad values),
@@ -140,6 +149,8 @@ async def attach_images(
 
     if processor is None:
         raise RequestError(f"{FIELD} was given, but this model takes no images.", FIELD)
+    if processor.refusal is not None:
+        raise RequestError(processor.refusal, FIELD)
     prompts = {tuple(item.req.input_ids) for item in items}
     if len(prompts) != 1:
         raise RequestError(f"{FIELD} goes with one prompt; send prompts with images one per request.", FIELD)

@@ -249,9 +249,15 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
+class ImageUrl(_Request):
+    url: str  # a data URI or base64 (remote URLs are refused: multimodal/processor.py)
+    detail: str | None = None
+
+
 class ContentPart(_Request):
-    type: Literal["text"]
-    text: str
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class FunctionCall(_Request):
@@ -293,8 +299,19 @@ class ChatMessage(_Request):
         if isinstance(v, list):
             for i, part in enumerate(v):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(f"content part {i} has type {kind!r}; only 'text' parts are supported")
+                if kind not in ("text", "image_url"):
+                    raise ValueError(
+                        f"content part {i} has type {kind!r}; only 'text' and 'image_url' parts are supported"
+                    )
+                value = part.get(kind)
+                if kind == "text" and not isinstance(value, str):
+                    raise ValueError(f"content part {i} of type 'text' needs a string 'text'")
+                if kind == "image_url" and not (
+                    isinstance(value, dict) and isinstance(value.get("url"), str)
+                ):
+                    raise ValueError(
+                        f"content part {i} of type 'image_url' needs 'image_url': {{'url': ...}}"
+                    )
         return v
 
     @field_validator("content", mode="after")
@@ -307,8 +324,14 @@ class ChatMessage(_Request):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if p.type == "text")
         return self.content or ""
+
+    def image_urls(self) -> list[str]:
+        """The message's images, in order (`image_data` items)."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if p.type == "image_url"]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -348,7 +371,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
-
 
     @property
     def forces_tool_calls(self) -> bool:

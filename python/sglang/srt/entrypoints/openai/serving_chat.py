@@ -56,6 +56,8 @@ def chat_logprobs(meta: dict, start: int) -> ChoiceLogprobs:
 def _template_message(m: Any) -> dict[str, Any]:
     """A message as chat templates read it (OpenAI's shape: an assistant's calls, a tool's call id)."""
     message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.image_urls():  # the parts as they are: the template puts its image placeholder at each image
+        message["content"] = [p.model_dump(exclude_none=True) for p in m.content]
     if m.tool_calls:
         # Arguments as a mapping: some templates (Qwen2.5's) `tojson` them, which would quote a string.
         message["tool_calls"] = [_template_call(c.model_dump(exclude_none=True)) for c in m.tool_calls]
@@ -201,6 +203,7 @@ class OpenAIServingChat(OpenAIServingBase):
             top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True,
             stream=req.stream,
+            image_data=[url for m in req.messages for url in m.image_urls()] or None,
             **req.passthrough_fields(),
         )
 
@@ -267,8 +270,11 @@ class OpenAIServingChat(OpenAIServingBase):
             matched_stop=choice.matched_stop,
         )
         d = choice.delta
-        if d.content is None and d.reasoning_content is None and d.tool_calls is None and not (
-            choice.logprobs and choice.logprobs.content
+        if (
+            d.content is None
+            and d.reasoning_content is None
+            and d.tool_calls is None
+            and not (choice.logprobs and choice.logprobs.content)
         ):
             return [ending]
         choice.finish_reason = choice.matched_stop = None
