@@ -8,7 +8,8 @@ stable argsort, gathers, a histogram, a cumsum, casts, a zero fill and an `index
   (expert, index) order: O((T k)^2) compares, which at decode sizes is far less than a launch costs.
 - `moe_combine`: each token's output, the weighted sum of its k rows of the experts' output, summed in
   float32 in pick order and rounded once to the activation dtype (torch's form sums the same products
-  with an `index_add_`).
+  with an `index_add_`). Rows of weight 0 add nothing whatever they hold (under expert parallelism, other ranks'
+  assignments: id `num_experts`, sorted last, outside every group of `offs`, never computed).
 
 On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, for tests.
 """
@@ -61,7 +62,9 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     inv = torch.empty(n, dtype=torch.int64, device=ids.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     if n:
-        jit_for_env(_align_kernel)[(triton.cdiv(n, _BI),)](flat, token_of, inv, n, TOP_K=ids.shape[1], BI=_BI, BJ=_BJ)
+        jit_for_env(_align_kernel)[(triton.cdiv(n, _BI),)](
+            flat, token_of, inv, n, TOP_K=ids.shape[1], BI=_BI, BJ=_BJ
+        )
     be = min(_BE, triton.next_power_of_2(num_experts))
     jit_for_env(_offsets_kernel)[(triton.cdiv(num_experts, be),)](flat, offs, n, E=num_experts, BE=be, BJ=_BJ)
     return token_of, inv, offs
@@ -75,11 +78,15 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.c
     for j in tl.static_range(TOP_K):
         row = tl.load(inv_ptr + t * TOP_K + j)
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-        acc += tl.load(y_ptr + row * H + h, mask=mh, other=0.0).to(tl.float32) * w
+        # A weight-0 row adds nothing, whatever it holds: other EP ranks' rows are never computed.
+        y = tl.load(y_ptr + row * H + h, mask=mh, other=0.0).to(tl.float32)
+        acc += tl.where(w != 0.0, y * w, 0.0)
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mh)
 
 
-def moe_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def moe_combine(
+    y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """y [T k, H] the experts' output in sorted order, inv [T k] (from `moe_align`), weights [T, k] ->
     [T, H] in `dtype`: each token's weighted sum of its rows."""
     t, top_k = weights.shape

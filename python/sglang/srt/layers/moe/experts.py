@@ -68,8 +68,9 @@ class RoutedExperts(nn.Module):
     output is its part of the sum, which the MoE block all-reduces over the TP group once, with the shared
     expert's part (also split by its intermediate dimension). Every rank already holds every token (the
     attention before it is tensor-parallel, not data-parallel), so dispatch is local: assignments to
-    other ranks' experts get weight 0 here (`_local_assignments`), and the block's one all-reduce is the
-    combine; no all-to-all or all-gather runs."""
+    other ranks' experts get the id `num_experts`, one past the local experts, and weight 0
+    (`_local_assignments`); every path sorts them last and computes no GEMM row for them, and the block's
+    one all-reduce is the combine; no all-to-all or all-gather runs."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, gated: bool):
         super().__init__()
@@ -219,15 +220,25 @@ class RoutedExperts(nn.Module):
         """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32, plus the
         layer's `shared_expert(x)` where given (times sigmoid(`shared_gate`(x)) where given). `ids` are
         global expert ids; under tensor / expert parallelism the result is this rank's part of the sum."""
-        if self.num_experts != self.global_num_experts:
+        masked = self.num_experts != self.global_num_experts
+        if masked:
             weights, ids = self._local_assignments(weights, ids)
         if self.fp8:
             return self._add_shared(self._routed_fp8(x, weights, ids), x, shared_expert, shared_gate)
+        if masked and self.cpu_op_serves(ids.numel()):
+            return self._add_shared(self._cpu_op_local(x, weights, ids), x, shared_expert, shared_gate)
         if self.cpu_op_serves(ids.numel()):
             fused = self.cpu_op_fuses_shared(x.shape[0], shared_expert, shared_gate)
             w13t, w2t, gated, act, *shared = self.cpu_op_args(fused)
             out = self.cpu_ops.moe_experts(
-                x.float().contiguous(), w13t, w2t, weights.float().contiguous(), ids.contiguous(), gated, act, *shared
+                x.float().contiguous(),
+                w13t,
+                w2t,
+                weights.float().contiguous(),
+                ids.contiguous(),
+                gated,
+                act,
+                *shared,
             )
             out = out.to(x.dtype)
             return out if fused else self._add_shared(out, x, shared_expert, shared_gate)
@@ -236,14 +247,29 @@ class RoutedExperts(nn.Module):
     def _local_assignments(
         self, weights: torch.Tensor, ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Assignments to this rank's experts as local ids; the others weigh 0 on local expert 0 (a real
-        id, so every path runs unchanged and no shape depends on the routing: what a CUDA graph needs).
-        The masked assignments still cost their GEMM rows (each rank runs T x k rows), but all on one
-        expert, so a decode step reads the weights of its real experts and of expert 0 only (spread over
-        the local experts they would read up to k more)."""
+        """Assignments to this rank's experts as local ids; the others get id `num_experts` (one past the
+        local experts) and weight 0. No shape depends on the routing (what a CUDA graph needs): the sorts
+        put those assignments last, the group offsets count the local experts only, so the grouped GEMMs
+        (and the per-expert loop) compute no row for them; each rank computes the rows routed to its
+        experts, about T k / ep."""
         local = ids - self.expert_offset
         mine = (local >= 0) & (local < self.num_experts)
-        return weights * mine, torch.where(mine, local, 0)
+        return weights * mine, torch.where(mine, local, self.num_experts)
+
+    def _cpu_op_local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The C++ op (which refuses ids outside its experts) on this rank's assignments only, one per
+        row (CPU: reading which they are costs no sync); their outputs summed per token in float32."""
+        keep = (ids < self.num_experts).reshape(-1).nonzero().squeeze(1)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        if keep.numel():
+            tokens = keep // ids.shape[1]
+            w13t, w2t, gated, act = self.cpu_op_args(False)
+            rows = self.cpu_ops.moe_experts(
+                x[tokens].float().contiguous(), w13t, w2t, weights.reshape(-1)[keep, None].float().contiguous(),
+                ids.reshape(-1)[keep, None].contiguous(), gated, act,
+            )  # fmt: skip
+            out.index_add_(0, tokens, rows.float())
+        return out.to(x.dtype)
 
     @property
     def fp8(self) -> bool:
@@ -294,7 +320,11 @@ class RoutedExperts(nn.Module):
         return head + (*self.fused_shared_args, gate_vec)
 
     def _add_shared(
-        self, out: torch.Tensor, x: torch.Tensor, shared_expert: nn.Module | None, shared_gate: nn.Linear | None
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        shared_expert: nn.Module | None,
+        shared_gate: nn.Linear | None,
     ) -> torch.Tensor:
         if shared_expert is None:
             return out
@@ -333,13 +363,19 @@ class RoutedExperts(nn.Module):
         top_k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts_t = torch.bincount(flat, minlength=self.num_experts)
+        # Other EP ranks' assignments (id num_experts) sort last and are cut off here: no row computes them.
+        counts_t = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
         counts = counts_t.tolist()
+        assignments = sum(counts)
+        order = order[:assignments]
         token_of = order // top_k
         weight_of = weights.reshape(-1)[order]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        assignments, most = flat.numel(), max(counts)
-        if assignments <= BATCHED_MAX_ASSIGNMENTS and self.num_experts * most <= PADDING_LIMIT * assignments:
+        most = max(counts)
+        if (
+            0 < assignments <= BATCHED_MAX_ASSIGNMENTS
+            and self.num_experts * most <= PADDING_LIMIT * assignments
+        ):
             y = self._batched(x, flat[order], token_of, counts_t, most)
             out.index_add_(0, token_of, y.float() * weight_of[:, None])
             return out.to(x.dtype)
@@ -370,10 +406,14 @@ class RoutedExperts(nn.Module):
             flat = ids.reshape(-1)
             order = torch.argsort(flat, stable=True)
             expert_of, token_of = flat[order], order // top_k
-            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+            # One more bucket for other EP ranks' assignments (id num_experts), left out of the offsets.
+            counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x.device)
             counts.index_add_(0, flat, torch.ones_like(flat))
+            counts = counts[: self.num_experts]
             offs = torch.cumsum(counts, 0).to(torch.int32) if use_grouped else None
         if use_grouped:
+            # Rows past offs[-1] (other EP ranks' assignments) belong to no group: the GEMMs leave them
+            # uncomputed (unwritten memory), and the combine below ignores them.
             h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs)
             y = torch._grouped_mm(self._activate(h), self.w2.transpose(1, 2), offs=offs)
         else:
@@ -382,7 +422,7 @@ class RoutedExperts(nn.Module):
         if kernels is not None:
             return kernels.moe_combine(y, inv, weights, x.dtype)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, token_of, y.float() * weights.reshape(-1)[order, None])
+        out.index_add_(0, token_of, weighted_rows(y, weights.reshape(-1)[order]))
         return out.to(x.dtype)
 
     def grouped_mm_applies(self, x: torch.Tensor) -> bool:
@@ -416,10 +456,21 @@ class RoutedExperts(nn.Module):
         most: int,
     ) -> torch.Tensor:
         """Every expert at once: the sorted assignments (expert `expert_of[i]`, token `token_of[i]`) fill
-        rows of a zero-padded [E, most, H] block. Returns each sorted assignment's output, [T*k, H]."""
+        rows of a zero-padded [E, most, H] block. Returns each sorted assignment's output, [T*k, H]; those
+        of other EP ranks (expert E, sorted last) go to a spare slot that is not computed and read back as
+        a computed row, which their weight 0 cancels."""
+        e = self.num_experts
         first_row = torch.cumsum(counts, 0) - counts
-        row = torch.arange(expert_of.numel(), device=x.device) - first_row[expert_of]
-        block = x.new_zeros(self.num_experts, most, x.shape[1])
-        block[expert_of, row] = x[token_of]
-        y = self._mlp(block, self.w13.transpose(1, 2), self.w2.transpose(1, 2))
-        return y[expert_of, row]
+        mine = expert_of < e
+        local = torch.where(mine, expert_of, 0)
+        row = torch.where(mine, torch.arange(expert_of.numel(), device=x.device) - first_row[local], 0)
+        block = x.new_zeros(e + 1, most, x.shape[1])
+        block[torch.where(mine, expert_of, e), row] = x[token_of]
+        y = self._mlp(block[:e], self.w13.transpose(1, 2), self.w2.transpose(1, 2))
+        return y[local, row]
+
+
+def weighted_rows(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each row of the experts' output times its routing weight, in float32; rows of weight 0 give 0
+    whatever they hold (other EP ranks' rows, which the grouped GEMMs leave unwritten)."""
+    return torch.where(weight[:, None] != 0, y.float() * weight[:, None], 0.0)

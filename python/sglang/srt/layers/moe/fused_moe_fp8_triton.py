@@ -5,7 +5,8 @@ on `RoutedExperts`, upstream's names), activations quantized per token and per 1
 
 One layer's forward, a fixed number of launches and no host read (a CUDA graph can capture it):
 1. the assignments sorted by expert (`dispatch_triton.moe_align` at decode sizes, torch's stable sort
-   above them): the token of each sorted row and `offs`, the cumulative rows per expert;
+   above them): the token of each sorted row and `offs`, the cumulative rows per expert (other EP
+   ranks' assignments, id E, sort last, outside `offs`: no tile computes them);
 2. x quantized once per token (not once per assignment: the w13 GEMM gathers its rows by token);
 3. `moe_gemm_fp8` for w13, over tiles of BLOCK_M sorted rows of one expert each: the tile count is
    bounded without reading the counts (sum over experts of ceil(c_e / BLOCK_M) <= ceil(T k / BLOCK_M) +
@@ -162,7 +163,8 @@ def moe_gemm_fp8(
 ) -> torch.Tensor:
     """The grouped GEMM over `rows` sorted rows: row r of expert e (offs[e-1] <= r < offs[e]) is
     a[token_of[r]] (a [T, K] fp8, `a_scale` [T, ceil(K/bk)]) where `token_of` is given, else a[r];
-    weight [E, N, K] fp8 with `weight_scale_inv` [E, ceil(N/bn), ceil(K/bk)]. Returns [rows, N]."""
+    weight [E, N, K] fp8 with `weight_scale_inv` [E, ceil(N/bn), ceil(K/bk)]. Returns [rows, N]; rows
+    past offs[-1] (other EP ranks' assignments) belong to no expert and are left unwritten."""
     check_block_operands(weight, weight_scale_inv, block_size)
     num_experts, n, k = weight.shape
     assert a.dtype == FP8_DTYPE and a.shape[-1] == k and a.stride(-1) == 1
@@ -204,7 +206,7 @@ def fused_experts_fp8(
     of w13's halves, which the second quantization then computes itself (one launch, no [R, I] in
     memory)."""
     from sglang.srt.layers.moe import dispatch_triton
-    from sglang.srt.layers.moe.experts import ALIGN_MAX_ASSIGNMENTS
+    from sglang.srt.layers.moe.experts import ALIGN_MAX_ASSIGNMENTS, weighted_rows
 
     num_tokens, top_k = ids.shape
     num_experts = w13.shape[0]
@@ -217,9 +219,10 @@ def fused_experts_fp8(
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // top_k
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+        # Other EP ranks' assignments (id num_experts, sorted last) in a bucket the offsets leave out.
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
     tile_end = tile_map(offs, cfg.block_m)
     xq, xs = per_token_group_quant_fp8(x, block_size[1])
     h = moe_gemm_fp8(xq, xs, w13, w13_scale, offs, rows, token_of, x.dtype, cfg, tile_end, block_size)
@@ -231,7 +234,7 @@ def fused_experts_fp8(
     if inv is not None:
         return dispatch_triton.moe_combine(y, inv, weights, x.dtype)
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, y.float() * weights.reshape(-1)[order, None])
+    out.index_add_(0, token_of, weighted_rows(y, weights.reshape(-1)[order]))
     return out.to(x.dtype)
 
 
@@ -257,6 +260,8 @@ def fused_experts_fp8_torch(
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
     for expert in torch.unique(flat).tolist():
+        if expert >= w13.shape[0]:
+            continue  # another EP rank's assignments (`RoutedExperts._local_assignments`)
         pos = (flat == expert).nonzero().squeeze(1)
         tokens = pos // top_k
         h = (x_deq[tokens] @ dequantize_block_fp8(w13[expert], w13_scale[expert], block_size).t()).to(x.dtype)
