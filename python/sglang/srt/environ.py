@@ -262,6 +262,10 @@ class Envs:
         False, "Run the full check_integrity() walk when the scheduler goes idle."
     )
 
+    # Tensor parallelism: the ranks take one sampled token per row (upstream's name; on by itself where a
+    # grammar or a custom logit processor acts, as those run on each rank's own).
+    SYNC_TOKEN_IDS_ACROSS_TP = EnvBool(False, "TP ranks all-reduce each step's sampled tokens (MIN).")
+
     def all(self) -> list[EnvVar]:
         return [v for v in vars(type(self)).values() if isinstance(v, EnvVar)]
 

@@ -1,5 +1,6 @@
 """Rank functions for test/unit/distributed/test_tp_runtime.py (spawned by `multi_rank.run_ranks`, so
-importable by name): the scheduler's agreement on an outcome, and --dist-timeout on the model's groups."""
+importable by name): the scheduler's agreement on an outcome, the ranks' agreement on sampled tokens,
+and --dist-timeout on the model's groups (last: it leaves the TP group broken)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ GROUP_TIMEOUT_S = 1
 AWAY_S = 4
 
 
-def agreement_and_timeout(rank: int, world_size: int, init_method: str) -> dict[str, Any]:
+def runtime_checks(rank: int, world_size: int, init_method: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -28,6 +29,7 @@ def agreement_and_timeout(rank: int, world_size: int, init_method: str) -> dict[
         "none": tp.agree_outcome(None),
         "one": tp.agree_outcome("disk full" if rank == 1 else None),
         "all": tp.agree_outcome("bad name"),
+        "tokens": _sampled_tokens(rank),
     }
     if rank == 0:  # rank 1 never joins this all-reduce: the TP group's timeout must end it
         start = time.monotonic()
@@ -38,4 +40,31 @@ def agreement_and_timeout(rank: int, world_size: int, init_method: str) -> dict[
             out["failed_after_s"] = time.monotonic() - start
     else:
         time.sleep(AWAY_S)
+    return out
+
+
+def _sampled_tokens(rank: int) -> dict[str, Any]:
+    """Rank r sampled [5, 7 + r]: untouched without a grammar; rank 0's smaller id on every rank with
+    one; an error naming row 1 on every rank under the strict check."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang.srt.model_executor.model_runner import agree_on_tokens
+
+    os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "0"
+    ids = torch.tensor([5, 7 + rank])
+    plain = SimpleNamespace(vocab_mask=None, custom_logit=None)
+    grammar = SimpleNamespace(vocab_mask=torch.ones(2, 1), custom_logit=None)
+    out: dict[str, Any] = {
+        "plain": agree_on_tokens(ids, plain).tolist(),
+        "grammar": agree_on_tokens(ids, grammar).tolist(),
+    }
+    os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"
+    try:
+        agree_on_tokens(ids, plain)
+        out["strict"] = None
+    except RuntimeError as e:
+        out["strict"] = str(e)
     return out

@@ -9,7 +9,9 @@
 - each rank reads its own payload (one per TP rank, as upstream), and another count is refused in one
   sentence;
 - /get_weights_by_name finishes the batches in flight before its gather, refuses too many values before
-  any collective, and gathers only the rows asked for where rows are not split."""
+  any collective, and gathers only the rows asked for where rows are not split;
+- the ranks take one sampled token per row where a grammar acts (rank 0's differing from rank 1's
+  would stop them in step), and the strict check (the test suite) names a row where they differ."""
 
 from __future__ import annotations
 
@@ -31,21 +33,34 @@ from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin imp
 from sglang.srt.managers.scheduler_components.weight_update import RankVote, payload_of_rank
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.multi_rank import run_ranks
-from sglang.test.tp_runtime_checks import AWAY_S, GROUP_TIMEOUT_S, agreement_and_timeout
+from sglang.test.tp_runtime_checks import AWAY_S, GROUP_TIMEOUT_S, runtime_checks
 
-register_cpu_ci(est_time=12, suite="per-commit-cpu")
+register_cpu_ci(est_time=15, suite="per-commit-cpu")
 
 OTHER_RANK = "The weights were not updated: out of memory (on TP rank 1; every rank keeps what it had)"
 
 
-def test_two_ranks_agree_and_the_model_groups_time_out():
-    r0, r1 = run_ranks(agreement_and_timeout, 2)
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(runtime_checks, 2)  # (one spawn of two ranks for the two tests below)
+
+
+def test_two_ranks_agree_and_the_model_groups_time_out(ranks):
+    r0, r1 = ranks
     for r in (r0, r1):
         assert r["none"] is None
         assert r["one"] == "disk full (on TP rank 1; every rank keeps what it had)"
         assert r["all"] == "bad name"  # (every rank failed alike: the reason as one rank gives it)
     # gloo raises once the group's timeout has passed; rank 1 only comes back after AWAY_S.
     assert r0["failed_after_s"] is not None and GROUP_TIMEOUT_S * 0.5 < r0["failed_after_s"] < AWAY_S - 0.5
+
+
+def test_the_ranks_agree_on_the_sampled_tokens(ranks):
+    tokens = [r["tokens"] for r in ranks]
+    assert [t["plain"] for t in tokens] == [[5, 7], [5, 8]]  # (no grammar: each rank's own, no collective)
+    for t in tokens:
+        assert t["grammar"] == [5, 7]
+        assert t["strict"] == "The TP ranks sampled different tokens in row 1: 7 and 8."
 
 
 class _Memory:

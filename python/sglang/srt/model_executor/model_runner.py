@@ -34,6 +34,7 @@ from sglang.srt.distributed import (
     get_tensor_model_parallel_world_size,
     get_tp_group,
 )
+from sglang.srt.environ import envs
 from sglang.srt.layers.attention.fla_float32 import use_ieee_float32_dots
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
@@ -117,6 +118,28 @@ class GenerationBatchResult:
     input_top_logprobs: list[list[TopLogprobs]] | None = None
     input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
     hidden_states: HiddenRows | None = None  # `LogitsProcessorOutput.hidden_states`
+
+
+def agree_on_tokens(ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """Under TP every rank samples the same token from the same logits (seeded), but a grammar's mask
+    and a custom logit processor run on each rank's own, and a rank that took another token would stop
+    the ranks in step. Where those act, or with SYNC_TOKEN_IDS_ACROSS_TP, every rank takes the smallest
+    id any rank sampled (upstream's all-reduce MIN); with the strict check (the tests) the ranks compare
+    their ids every step and all stop, naming the row, where they differ."""
+    tp = get_tp_group()
+    strict = envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get()
+    sync = envs.SYNC_TOKEN_IDS_ACROSS_TP.get() or fb.vocab_mask is not None or fb.custom_logit is not None
+    if tp.world_size == 1 or not (sync or strict) or ids.numel() == 0:
+        return ids
+    bounds = torch.stack([ids, -ids])  # (one all-reduce MIN gives every row's smallest and largest id)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MIN, group=tp.device_group)
+    low, high = bounds[0], -bounds[1]
+    if strict and not torch.equal(low, high):
+        row = int((low != high).nonzero()[0, 0])
+        raise RuntimeError(
+            f"The TP ranks sampled different tokens in row {row}: {int(low[row])} and {int(high[row])}."
+        )
+    return low if sync else ids
 
 
 class ModelRunner:
@@ -397,6 +420,7 @@ class ModelRunner:
             )
             if fb.spec is not None:  # EAGLE / NEXTN: rejection sampling, then the draft layer's KV
                 sample = fb.spec.after_sampling(fb, hidden, next_logits, sample)
+            sample.next_token_ids = agree_on_tokens(sample.next_token_ids, fb)
             if fb.penalties is not None:
                 self.penalizer.cumulate(fb.penalties, sample.next_token_ids)
         return GenerationBatchResult(
