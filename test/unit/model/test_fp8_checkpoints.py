@@ -183,7 +183,10 @@ def test_fp8_presets_are_written_as_the_published_checkpoints():
             "lm_head.weight",
         ):
             assert name + "_scale_inv" not in names and torch.equal(f.get_tensor(name), b.get_tensor(name))
-        assert names - {n for n in names if n.endswith("_scale_inv")} == set(b.keys())
+        # The FP8 presets are written without the MTP layer (NEXTN on a quantized checkpoint is refused:
+        # test_speculative_mtp), so every other tensor of the bf16 preset is there, and no more.
+        base_names = {n for n in b.keys() if not n.startswith("mtp.")}
+        assert names - {n for n in names if n.endswith("_scale_inv")} == base_names
 
 
 @pytest.mark.parametrize("preset", sorted(FP8_PRESETS))
