@@ -141,14 +141,28 @@ def test_a_tp_size_the_heads_or_groups_do_not_split_under_is_refused(heads, grou
 
 
 def test_fp8_scale_blocks_follow_the_rows_or_are_refused():
-    """An FP8 in_proj's 128x128 scales split with its rows (`fp8.shard_fp8_like` divides the rule's sizes by
-    the block): Nemotron-H 8B's layout at TP 2 puts each rank's z, x, B, C on whole blocks but its 64 dt
+    """An FP8 in_proj's 128x128 scales split with its rows (`fp8.shard_fp8_like` gives them the rule in
+    blocks): Nemotron-H 8B's layout at TP 2 puts each rank's z, x, B, C on whole blocks but its 64 dt
     rows not, which is refused with --tp-size named; with 256 heads the dt rows are whole blocks too."""
     nano = Mamba2Shards(128, 64, 8, 128, 2, 0).dim_shard("in_proj_spans")
-    scales = dataclasses.replace(nano, pieces=(nano.full_size // 128,))
     with pytest.raises(ValueError, match="--tp-size 2"):
-        scales.positions(1)
+        nano.in_blocks(128).positions(1)
     wide = Mamba2Shards(256, 64, 8, 128, 2, 1).dim_shard("in_proj_spans")
-    blocks = dataclasses.replace(wide, pieces=(wide.full_size // 128,)).positions(1)
+    blocks = wide.in_blocks(128).positions(1)
     rows = wide.positions(1)
     assert torch.equal(blocks, rows[::128] // 128) and blocks.numel() * 128 == rows.numel()
+
+
+def test_fp8_scale_blocks_are_the_configs_not_inferred():
+    """200 rows, ranks holding 100 each, 128-row blocks (2 scale rows): the block size was inferred as
+    rows / scale rows = 100, which made each rank's 100 rows one whole 'block' and gave rank 1 scale row
+    1, though its rows 100-127 lie in block 0. With the config's block the split is refused."""
+    rule = dataclasses.replace(
+        Mamba2Shards(8, 16, 2, 16, 2, 0).dim_shard("conv_spans"),
+        pieces=(200,),
+        spans_of_part=(((0, 100),), ((100, 100),)),
+    )
+    scales = dataclasses.replace(rule.in_blocks(128), pieces=(2,))  # ceil(200 / 128) scale rows
+    with pytest.raises(ValueError, match="whole 128-row FP8 scale blocks at --tp-size 2"):
+        scales.positions(1)
+    assert rule.in_blocks(50).positions(1).tolist() == [2, 3]  # a block that fits: rows 100-199

@@ -27,7 +27,7 @@ over to the real parameters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,11 @@ class DimShard:
     @property
     def local_size(self) -> int:
         return (self.full_size + self.pad) // self.parts
+
+    def in_blocks(self, block: int) -> DimShard:
+        """The same rule over `block`-row scale blocks (an FP8 weight's scales; whole blocks checked by
+        the caller)."""
+        return replace(self, pieces=tuple(p // block for p in self.pieces), pad=self.pad // block)
 
     def positions(self, part: int) -> torch.Tensor:
         """Indices into the (padded) full dimension that part `part` holds, in its local order."""

@@ -31,7 +31,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -351,7 +351,7 @@ def shard_fp8_like(fp8: Fp8BlockLinear, linear: nn.Linear, name: str) -> None:
                 f"{name}: each rank's part of its FP8 weight ({sizes[0] // s.parts} of {sizes[0]}) is not "
                 f"a whole number of {block}-wide scale blocks at --tp-size {len(s.part_of_rank)}."
             )
-        scale_shards.append(replace(s, pieces=tuple(p // block for p in s.pieces), pad=s.pad // block))
+        scale_shards.append(s.in_blocks(block))
     set_weight_shards(fp8.weight, *shards)
     set_weight_shards(fp8.weight_scale_inv, *scale_shards)
     fp8.reduce_results = bool(getattr(linear, "reduce_results", False)) and any(s.dim == 1 for s in shards)

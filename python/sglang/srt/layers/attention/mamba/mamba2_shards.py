@@ -114,7 +114,7 @@ class Mamba2Shards:
         ranks = [replace(self, tp_rank=r) for r in range(self.tp_size)]
         spans = tuple(tuple(getattr(s, spans_of)()) for s in ranks)
         full = sum(n for _, n in getattr(replace(self, tp_size=1, tp_rank=0), spans_of)())
-        return SpanShard(0, (full,), self.tp_size, tuple(range(self.tp_size)), 0, spans, full)
+        return SpanShard(0, (full,), self.tp_size, tuple(range(self.tp_size)), 0, spans)
 
 
 @dataclass(frozen=True)
@@ -122,19 +122,21 @@ class SpanShard(DimShard):
     """A `DimShard` whose parts are given as rows of the full tensor per rank (`Mamba2Shards`): pieces
     split by different rules (heads and groups) or held by several ranks (replicated groups).
 
-    The spans count in `rows`; the same rule with a full size of `rows / block` (what an FP8 linear's
-    scales get: `fp8.shard_fp8_like` replaces `pieces`) is the spans in blocks, which needs every span
-    to be whole blocks (else ValueError naming --tp-size)."""
+    The spans count in rows; `in_blocks(block)` (what an FP8 linear's scales get from
+    `fp8.shard_fp8_like`, `block` the quantization config's weight_block_size) is the same rule over
+    scale blocks, which needs every span to be whole blocks (else ValueError naming --tp-size)."""
 
     spans_of_part: tuple[tuple[Span, ...], ...] = ()
-    rows: int = 0
+    block: int = 1  # rows per entry: 1 for the weight, the scale block for its scales
+
+    def in_blocks(self, block: int) -> SpanShard:
+        return replace(super().in_blocks(block), block=block)
 
     def _spans(self, part: int) -> tuple[Span, ...]:
-        spans, size = self.spans_of_part[part], self.full_size + self.pad
-        if size == self.rows:
+        spans, block = self.spans_of_part[part], self.block
+        if block == 1:
             return spans
-        block, rest = divmod(self.rows, size)
-        bad = next(((a, n) for a, n in spans if rest or a % block or n % block), None)
+        bad = next(((a, n) for a, n in spans if a % block or n % block), None)
         if bad is not None:
             raise ValueError(
                 f"A Mamba2 projection's rows [{bad[0]}, {bad[0] + bad[1]}) on one rank are not whole "
