@@ -119,6 +119,11 @@ def test_a_tensor_update_copies_nothing_where_another_rank_failed():
     ok = _Scheduler(None)
     assert ok.write_weights(named, "direct", True, RankVote(ok._agree))[0]
     assert ok.model_runner.copied == named and ok.emptied == 1
+    # A write that copied nothing (no tensor for this rank's model) still votes, once: no rank waits alone.
+    quiet = _Scheduler(OTHER_RANK)
+    quiet.model_runner.update_weights_from_tensor = lambda named, load_format, before_copy: []
+    assert quiet.write_weights(named, "direct", True, RankVote(quiet._agree)) == (False, OTHER_RANK)
+    assert quiet.emptied == 0
 
 
 def test_a_disk_update_keeps_the_old_model_where_another_rank_failed():

@@ -104,6 +104,9 @@ class SchedulerUpdateWeightsMixin:
             ignored = self.model_runner.update_weights_from_tensor(named, load_format, vote.before_copy)
         except Exception as e:  # noqa: BLE001 - a tensor that does not fit, however it fails; none written
             return False, vote.outcome(_not_updated(e))
+        error = vote.outcome(None)  # (votes here where the write copied nothing: every rank votes once)
+        if error is not None:
+            return False, error
         if flush_cache:
             self._empty_tree()
         message = f"Succeeded to update {len(named) - len(ignored)} weight tensor(s) in place."
