@@ -93,7 +93,6 @@ def test_one_slot_per_running_request_under_pool_pressure(fail_mode, oracles):
             while sched.step():
                 sched.fast_path.flush()  # the walk reads every request's lists
                 live = sched.live_requests()
-                sched.fast_path.flush()  # the walk reads the requests' lists (a boundary of their own)
                 check_integrity(sched.tree_cache, sched.req_to_token_pool, sched.token_allocator, live)
                 running = [r for r in sched.running if not r.finished]
                 most = max([most] + [len(sched.req_to_token_pool.mamba_slots_of(r)) for r in running])
