@@ -61,6 +61,26 @@ def test_combine_matches_the_index_add_form(kernel_device, dtype):
     torch.testing.assert_close(got.float(), want.to(dtype).float(), **tol)
 
 
+def test_other_ep_ranks_rows_are_sorted_last_and_ignored(interpret):
+    """Under expert parallelism the assignments of another rank's experts carry id E (one past the
+    local experts, `RoutedExperts._local_assignments`) and weight 0: align sorts them last and leaves
+    them out of offs, and combine ignores their rows, which the grouped GEMMs never write (NaN here)."""
+    tokens, top_k, experts, hidden = 5, 3, 4, 8
+    ids = torch.tensor([[0, 4, 2], [4, 4, 1], [3, 0, 4], [4, 4, 4], [1, 2, 3]])
+    token_of, inv, offs = dt.moe_align(ids, experts)
+    local = int((ids < experts).sum())
+    assert offs.tolist()[-1] == local and sorted(inv[(ids >= experts).reshape(-1)].tolist())[0] == local
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(tokens * top_k, hidden, generator=g)
+    y[local:] = float("nan")
+    weights = torch.rand(tokens, top_k, generator=g) * (ids < experts)
+    got = dt.moe_combine(y, inv, weights, torch.float32)
+    want = torch.zeros(tokens, hidden)
+    order = torch.argsort(ids.reshape(-1), stable=True)[:local]
+    want.index_add_(0, order // top_k, y[:local] * weights.reshape(-1)[order, None])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # float32 sums in another order
+
+
 def test_compiles_for_sm90():
     """Qwen3-Next-80B (512 experts, top 10, hidden 2,048, bfloat16): the three kernels compile for an H100
     from this CPU machine, at the tiles `moe_align` launches, without spilling to local memory."""
