@@ -134,6 +134,7 @@ QUEUE_KEYS = (
     "transfer_queue",
     "ready",
     "aborted_holding",
+    "staging_ranges",  # the staged pair's ranges of the decode staging buffer, freed with their requests
 )
 
 

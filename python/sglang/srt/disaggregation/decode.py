@@ -395,6 +395,7 @@ class DecodeTransferQueue:
             "transfer_queue": len(self.transfers),
             "ready": len(self.ready),
             "aborted_holding": len(self.zombies),
+            "staging_ranges": len(self.staging.ranges.used) if self.staging is not None else 0,
             "dropped_messages": self.channel.dropped,
             "decode_radix_cache": self.radix,
             **self.layout.sizes(),
