@@ -157,11 +157,17 @@ def test_prefix_cache_keyed_by_image(setup):
         (png_header(100_000, 100_000), "over the"),
         (b64_png(random_image(0, 2, 600)), "refused an image"),
         ("http://127.0.0.1:9/x.png", "does not fetch"),
+        ("/dev/zero", "neither an existing file"),
+        ("BIG_FILE", "is a file over"),
     ],
-    ids=["corrupt", "huge", "aspect", "url"],
+    ids=["corrupt", "huge", "aspect", "url", "device", "big-file"],
 )
-def test_bad_images_refused(setup, data, words):
+def test_bad_images_refused(setup, data, words, tmp_path):
     engine, _ = setup
+    if data == "BIG_FILE":  # a sparse file: no disk written
+        data = str(tmp_path / "big.png")
+        with open(data, "wb") as f:
+            f.truncate(100 << 20)
     with pytest.raises(RequestError) as err:
         engine.generate(prompt="See " + PLACEHOLDER, image_data=data, sampling_params=GREEDY)
     assert err.value.param == "image_data" and words in err.value.message
@@ -193,3 +199,17 @@ def test_chat_image_url_parts(setup):
 async def _first_reply(agen):
     async for item in agen:
         return item
+
+
+def test_image_forms_agree(setup, tmp_path):
+    """A file path, base64 and a data URI of one image give the same answer."""
+    engine, _ = setup
+    image = random_image(30, 48, 48)
+    path = tmp_path / "im.png"
+    image.save(path)
+    encoded = b64_png(image)
+    outs = [
+        engine.generate(prompt="See " + PLACEHOLDER, image_data=item, sampling_params=GREEDY)["output_ids"]
+        for item in (str(path), encoded, "data:image/png;base64," + encoded)
+    ]
+    assert outs[0] == outs[1] == outs[2]

@@ -13,6 +13,7 @@ from sglang.test.vl_checks import (  # noqa: F401  (collected here, on this modu
     start,
     test_bad_images_refused,
     test_chat_image_url_parts,
+    test_image_forms_agree,
     test_logprobs_match_oracle,
     test_prefix_cache_keyed_by_image,
     test_text_only_prompt_unchanged,

@@ -24,6 +24,8 @@ FIELD = "image_data"
 # The largest image decoded, in pixels (width x height): beyond it the decode alone takes seconds and
 # gigabytes, whatever the processor then resizes it to.
 MAX_IMAGE_PIXELS = 8192 * 8192
+# The largest image file read from a path (base64 items are bounded by the request body's limit).
+MAX_IMAGE_FILE_BYTES = 64 << 20
 
 
 def _image_bytes(item: Any, where: str) -> bytes:
@@ -40,9 +42,11 @@ def _image_bytes(item: Any, where: str) -> bytes:
         header, _, item = item.partition(",")
         if ";base64" not in header:
             raise RequestError(f"{where} is a data URI that is not base64.", FIELD)
-    elif os.path.isfile(item):
+    elif os.path.isfile(item):  # a regular file: not a device or a pipe that never ends
+        if os.path.getsize(item) > MAX_IMAGE_FILE_BYTES:
+            raise RequestError(f"{where} is a file over {MAX_IMAGE_FILE_BYTES} bytes.", FIELD)
         with open(item, "rb") as f:
-            return f.read()
+            return f.read(MAX_IMAGE_FILE_BYTES + 1)
     try:
         return base64.b64decode(item, validate=True)
     except (binascii.Error, ValueError):
