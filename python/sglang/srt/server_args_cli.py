@@ -327,7 +327,7 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
 
     g = parser.add_argument_group(
         "prefill/decode disaggregation",
-        "Not available yet: the server refuses to start with any of these set to other than its default.",
+        "A prefill and a decode server behind sglang-router's PD mode: docs/disaggregation.md.",
     )
     g.add_argument("--disaggregation-mode", default="null", choices=DISAGGREGATION_MODES)
     g.add_argument("--disaggregation-transfer-backend", default=default("disaggregation_transfer_backend"))
