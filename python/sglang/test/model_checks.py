@@ -146,7 +146,9 @@ def noisy_checkpoint(src: str, dst: Path, seed: int = 7, scale: float = 0.05) ->
     for path in checkpoint_files(dst):
         weights = load_file(str(path))
         gen = torch.Generator().manual_seed(seed)
-        noisy = {k: t + scale * torch.randn(t.shape, generator=gen, dtype=t.dtype) for k, t in weights.items()}
+        noisy = {
+            k: t + scale * torch.randn(t.shape, generator=gen, dtype=t.dtype) for k, t in weights.items()
+        }
         save_file(noisy, str(path), metadata={"format": "pt"})
     return str(dst)
 
@@ -184,4 +186,18 @@ def variants_with_oracles(src: str, variants: dict[str, dict], make_dir) -> dict
     for name, edit in variants.items():
         folder = checkpoint_variant(src, edit, make_dir(name) / "ckpt")
         out[name] = (folder, ReferenceModel(folder))
+    return out
+
+
+def served_tensors(path: str) -> dict:
+    """Every tensor of the checkpoint folder `path` that a server without speculative decoding serves:
+    all but the MTP layer's (`mtp.*`, loaded only with --speculative-algorithm NEXTN; an update that
+    sends them gets their names back as not taken)."""
+    from safetensors.torch import load_file
+
+    from sglang.srt.models.loader import checkpoint_files
+
+    out = {}
+    for f in checkpoint_files(path):
+        out.update({n: t for n, t in load_file(str(f)).items() if not n.startswith("mtp.")})
     return out

@@ -25,14 +25,12 @@ from pathlib import Path
 import orjson
 import requests
 import torch
-from safetensors.torch import load_file
 
 from sglang.srt.configs.presets import resolve_model_path
-from sglang.srt.models.loader import checkpoint_files
 from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.model_checks import noisy_checkpoint
+from sglang.test.model_checks import noisy_checkpoint, served_tensors
 from sglang.test.reference import ReferenceModel
 from sglang.test.test_utils import ServerTestCase, find_free_port
 from sglang.test.weight_broadcaster import Broadcaster
@@ -264,9 +262,7 @@ class TestUpdateWeights(ServerTestCase):
     def test_update_weights_from_tensor_writes_them_in_place(self) -> None:
         """Upstream's /update_weights_from_tensor from another process: the tensors by value (a file
         descriptor reaches only a process the sender started), base64 in JSON, in two buckets."""
-        tensors = {}
-        for f in checkpoint_files(self.path_b):
-            tensors.update(load_file(str(f)))
+        tensors = served_tensors(self.path_b)
         names = sorted(tensors)
         self.greedy(CACHED_PROMPT)
         buckets = [(names[::2], None, None), (names[1::2], "step-2", "flattened_bucket")]
@@ -338,9 +334,7 @@ class TestUpdateWeights(ServerTestCase):
             r = self.post("/init_weights_update_group", {**join, "backend": "gloo"})
             self.assertEqual(r.json(), {"success": True, "message": "Succeeded to join."})
             self.assertEqual(trainer.wait(), "joined")
-            tensors = {}
-            for f in checkpoint_files(self.path_b):
-                tensors.update(load_file(str(f)))
+            tensors = served_tensors(self.path_b)
             names = sorted(tensors)
             body = {"names": names, "dtypes": [str(tensors[n].dtype) for n in names],
                     "shapes": [list(tensors[n].shape) for n in names]}  # fmt: skip
@@ -389,9 +383,7 @@ class TestUpdateWeights(ServerTestCase):
         waiting = Call(self.base_url + "/generate", {"input_ids": PROMPT, "sampling_params": greedy})
         r = self.post("/resume_memory_occupation", {"tags": ["weights"]})
         self.assertEqual(r.json()["message"], "Resumed weights; cuda_graph, kv_cache still released.")
-        tensors = {}
-        for f in checkpoint_files(self.path_a):
-            tensors.update(load_file(str(f)))
+        tensors = served_tensors(self.path_a)
         names = sorted(tensors)
         for part in (names[::2], names[1::2]):  # (each body within --max-request-body-size)
             payload = base64.b64encode(pickle.dumps([(n, tensors[n]) for n in part])).decode()

@@ -9,7 +9,6 @@ import pstats
 import time
 
 import pytest
-from safetensors.torch import load_file
 
 import sglang
 from sglang.srt.configs.presets import resolve_model_path
@@ -21,7 +20,7 @@ from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 from sglang.test import fake_scheduler
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.model_checks import noisy_checkpoint
+from sglang.test.model_checks import noisy_checkpoint, served_tensors
 from sglang.test.reference import ReferenceModel
 from sglang.test.test_utils import find_free_port
 from sglang.test.weight_broadcaster import Broadcaster
@@ -209,8 +208,8 @@ def test_real_scheduler_through_the_engine(tmp_path):
             eng.update_weights_from_disk("tiny-qwen3-next", flush_cahce=False)
         # Upstream's in-place refit: B's tensors reach the spawned scheduler by file descriptor; then A's.
         path_b = noisy_checkpoint(resolve_model_path("tiny-qwen3-next"), tmp_path / "b")
-        tensors_b = load_file(f"{path_b}/model.safetensors")
-        tensors_a = load_file(f"{resolve_model_path('tiny-qwen3-next')}/model.safetensors")
+        tensors_b = served_tensors(path_b)
+        tensors_a = served_tensors(resolve_model_path("tiny-qwen3-next"))
         assert eng.update_weights_from_tensor(list(tensors_b.items())) == (
             True, f"Succeeded to update {len(tensors_b)} weight tensor(s) in place."
         )  # fmt: skip

@@ -74,7 +74,7 @@ def _grown_checkpoint(preset: str, dst: Path, with_scales: bool) -> str:
             factor = next(
                 (f for suffix, f in EDITS[preset].items() if name.endswith(f".{attn}.{suffix}")), None
             )
-            if factor is None:
+            if factor is None or name.startswith("mtp."):  # (the MTP layer is not served here)
                 continue
             w = weights[name].float()
             new = factor * (1.0 + w) - 1.0 if name.endswith("norm.weight") else factor * w

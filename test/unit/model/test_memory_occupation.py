@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang.srt.model_executor.memory_occupation import TAGS
-from sglang.srt.models.loader import checkpoint_files
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.model_checks import decode_steps, make_runner, prefill, random_ids
+from sglang.test.model_checks import decode_steps, make_runner, prefill, random_ids, served_tensors
 from sglang.test.runner_driver import RunnerDriver
 
 register_cpu_ci(est_time=6, suite="per-commit-cpu")
@@ -48,9 +46,7 @@ def test_released_and_resumed_with_the_weights_written_again(preset, preset_path
     assert runner.graph_runner.decode.outputs == {}
     runner.memory_occupation.resume(["weights"])
     assert memory_bytes(runner)["weights"] == held["weights"]
-    tensors = {}
-    for f in checkpoint_files(preset_paths[preset]):
-        tensors.update(load_file(str(f)))
+    tensors = served_tensors(preset_paths[preset])
     assert runner.update_weights_from_tensor(list(tensors.items())) == []
     assert runner.graph_runner.decode.outputs == {}  # not captured while the cache is released
     runner.memory_occupation.resume(["kv_cache"])
@@ -106,9 +102,7 @@ def test_gpu_memory_goes_back_to_the_driver_and_graphs_replay_after_resume(prese
     # weights and pools have segments of their own.
     assert torch.cuda.memory_reserved() < reserved
     runner.memory_occupation.resume(["weights"])
-    tensors = {}
-    for f in checkpoint_files(preset_paths["tiny-qwen3-next"]):
-        tensors.update(load_file(str(f)))
+    tensors = served_tensors(preset_paths["tiny-qwen3-next"])
     runner.update_weights_from_tensor(list(tensors.items()))
     runner.memory_occupation.resume(["kv_cache", "cuda_graph"])
     assert runner.graph_runner.decode.graphs

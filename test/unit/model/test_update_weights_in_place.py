@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from sglang.srt.models.loader import checkpoint_files
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.model_checks import decode_steps, make_runner, noisy_checkpoint, prefill, random_ids
+from sglang.test.model_checks import (
+    decode_steps,
+    make_runner,
+    noisy_checkpoint,
+    prefill,
+    random_ids,
+    served_tensors,
+)
 from sglang.test.runner_driver import RunnerDriver
 
 register_cpu_ci(est_time=20, suite="per-commit-cpu")
@@ -32,10 +37,7 @@ PRESETS = [
 
 
 def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in checkpoint_files(path):
-        out.update(load_file(str(f)))
-    return out
+    return served_tensors(path)  # (the MTP layer's tensors are not served without NEXTN)
 
 
 def logprobs(runner, prompt: list[int]) -> list[float]:

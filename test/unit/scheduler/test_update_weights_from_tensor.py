@@ -12,14 +12,12 @@ import pickle
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput, UpdateWeightsFromTensorReqOutput
-from sglang.srt.models.loader import checkpoint_files
 from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.model_checks import noisy_checkpoint
+from sglang.test.model_checks import noisy_checkpoint, served_tensors
 from sglang.test.reference import ReferenceModel
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
 
@@ -32,10 +30,7 @@ GPU_TOL = 1e-3  # float32 on CUDA, as test_update_weights.GPU_TOL
 @pytest.fixture(scope="module")
 def checkpoint_b(preset_paths, tmp_path_factory):
     path = noisy_checkpoint(preset_paths[QWEN], tmp_path_factory.mktemp("weights") / "b")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in checkpoint_files(path):
-        tensors.update(load_file(str(f)))
-    return tensors, ReferenceModel(path)
+    return served_tensors(path), ReferenceModel(path)
 
 
 def update(h: SchedulerHarness, payload: bytes | str, **fields) -> UpdateWeightsFromTensorReqOutput:
