@@ -1,6 +1,6 @@
 """test_qwen3_5_vl_models.py's checks on the Qwen3.5-MoE vision-language preset, and the image-keyed
-prefix cache under every --mamba-scheduler-strategy on the dense one (nightly: four engine starts,
-122 s here on the loaded 2 cores). Run:
+prefix cache under every --mamba-scheduler-strategy and two images at --tp-size 2 on the dense one
+(nightly: five engine starts, ~3 min here on the loaded 2 cores). Run:
     .venv/bin/python -m pytest -q test/registered/models_e2e/test_qwen3_5_vl_models_nightly.py"""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sglang.test.vl_checks import (  # noqa: F401  (collected here, on this modu
     test_text_only_prompt_unchanged,
 )
 
-register_cpu_ci(est_time=120, suite="nightly-cpu")
+register_cpu_ci(est_time=180, suite="nightly-cpu")
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +59,29 @@ def test_prefix_cache_keyed_by_image_under_every_strategy(strategy):
         )
     finally:
         engine.shutdown()
+
+
+def test_two_images_at_tp2():
+    """At --tp-size 2 (the vision tower replicated on both ranks) the two-image prompt's logprobs equal
+    the oracle's as at TP 1 (4.8e-6 measured)."""
+    import sglang
+    from sglang.srt.configs.presets import resolve_model_path
+    from sglang.test.vl_checks import PLACEHOLDER, VLOracle, b64_png, random_image
+
+    images = [random_image(0, 64, 64), random_image(1, 48, 96)]
+    prompt = "Look at " + " and ".join([PLACEHOLDER] * 2) + " then say"
+    engine = sglang.Engine(model_path="tiny-qwen3.5-vl", tp_size=2)
+    try:
+        out = engine.generate(
+            prompt=prompt,
+            image_data=[b64_png(im) for im in images],
+            sampling_params={"max_new_tokens": 4, "temperature": 0},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+    finally:
+        engine.shutdown()
+    meta = out["meta_info"]
+    got = [x[0] for x in meta["input_token_logprobs"]][1:] + [x[0] for x in meta["output_token_logprobs"]]
+    want = VLOracle(resolve_model_path("tiny-qwen3.5-vl")).logprobs(prompt, images, out["output_ids"])
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
