@@ -61,10 +61,13 @@ def test_the_pool_holds_the_conv_windows_snapshots_included(oracles):
     runner = make_runner(PRESET)
     driver = RunnerDriver(runner)
     req = driver.new_request()
+    # The default strategy (extra_buffer_lazy) keeps no track slot: the snapshot goes into a slot
+    # borrowed from the pool, as the scheduler's tracker does.
+    [snap] = driver.alloc_mamba_slots(1)
     prompt = random_ids(100, seed=190)
-    driver.extend([Extend(req, prompt, track_seqlen=64)])
+    driver.extend([Extend(req, prompt, track_seqlen=64, track_slot=snap)])
     oracle = oracles[PRESET]
-    for slot, length in ((req.mamba_pool_idx, 100), (req.track_slot, 64)):
+    for slot, length in ((req.mamba_pool_idx, 100), (snap, 64)):
         got, want = pool_state(runner, slot), oracle.states_after(prompt, length)
         assert sorted(got) == [0, 1, 3]
         for layer, state in got.items():
