@@ -11,10 +11,14 @@ import pytest
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
 
-register_cpu_ci(est_time=25, suite="per-commit-cpu")
+register_cpu_ci(est_time=30, suite="per-commit-cpu")
 
 PRESET = "tiny-qwen3-next"  # cache chunk 64
 STRATEGIES = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
+
+# Slots a running request holds between boundaries (MambaStrategy.resident_slots_per_req, overlap
+# on): since b07989c a lazy request holds only its running slot.
+RESIDENT = {"no_buffer": 1, "extra_buffer": 3, "extra_buffer_lazy": 1}
 
 
 def _drive_until(h: SchedulerHarness, rid: str, steps: int = 4) -> None:
@@ -28,12 +32,12 @@ def _drive_until(h: SchedulerHarness, rid: str, steps: int = 4) -> None:
 def test_slot_pressure_keeps_the_matched_checkpoint(strategy, oracles):
     """Mamba pool of 4 slots: prompt A is cached, a long request holds its resident slots, then
     A + 64 tokens arrives. Its COW slot takes the last free slot; the track slots it still needs may
-    not be found by evicting A's checkpoint, the very source of its copy."""
-    resident = {"no_buffer": 1, "extra_buffer": 3, "extra_buffer_lazy": 2}[strategy]
+    not be found by evicting A's checkpoint, the very source of its copy (lazy, which has no track
+    slots: nor may the slots its prefill snapshots borrow)."""
     h = SchedulerHarness(
         PRESET,
         mamba_scheduler_strategy=strategy,
-        max_mamba_cache_size=resident + 2,
+        max_mamba_cache_size=RESIDENT[strategy] + 2,
         max_total_tokens=4096,
         max_running_requests=4,
     )
@@ -83,11 +87,17 @@ def test_kv_pressure_keeps_the_matched_prefix(strategy, oracles):
         h.shutdown()
 
 
-def test_a_hit_that_cannot_fit_alone_is_admitted_cold(oracles):
-    """Two slots, lazy (two resident per request): a hit would need the checkpoint, a COW slot and a
-    track slot. With nothing else running, waiting cannot help: the request runs without its hit."""
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+def test_a_hit_that_cannot_fit_alone_is_admitted_cold(strategy, oracles):
+    """A pool of exactly one request's resident slots: a hit would need the checkpoint besides them
+    (extra_buffer: a COW slot and two track slots; lazy: a COW slot). With nothing else running,
+    waiting cannot help: the request runs without its hit. (Before b07989c lazy held two slots per
+    request and this ran lazy at two slots; at two it now fits, so the premise needs one.)"""
     h = SchedulerHarness(
-        PRESET, mamba_scheduler_strategy="extra_buffer_lazy", max_mamba_cache_size=2, max_running_requests=1
+        PRESET,
+        mamba_scheduler_strategy=strategy,
+        max_mamba_cache_size=RESIDENT[strategy],
+        max_running_requests=1,
     )
     try:
         a = token_ids(130, seed=7)
