@@ -32,8 +32,8 @@ def _drive_until(h: SchedulerHarness, rid: str, steps: int = 4) -> None:
 def test_slot_pressure_keeps_the_matched_checkpoint(strategy, oracles):
     """Mamba pool of 4 slots: prompt A is cached, a long request holds its resident slots, then
     A + 64 tokens arrives. Its COW slot takes the last free slot; the track slots it still needs may
-    not be found by evicting A's checkpoint, the very source of its copy (lazy, which has no track
-    slots: nor may the slots its prefill snapshots borrow)."""
+    not be found by evicting A's checkpoint, the very source of its copy. (Lazy has no track slots:
+    its pool of 3 is full once the COW is taken, measured, and the hit must still hold.)"""
     h = SchedulerHarness(
         PRESET,
         mamba_scheduler_strategy=strategy,
