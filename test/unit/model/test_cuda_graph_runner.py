@@ -37,14 +37,20 @@ def _serve(runner, n_reqs: int, steps: int, track_step: int):
     driver = RunnerDriver(runner)
     reqs = [driver.new_request() for _ in range(n_reqs)]
     driver.extend([Extend(r, random_ids(11 + 5 * i, seed=i)) for i, r in enumerate(reqs)])
+    # The snapshot's slot: the request's own track slot under extra_buffer; under extra_buffer_lazy
+    # (the default) a request has none and the tracker borrows one from the pool.
+    if reqs[1].mamba_ping_pong_track_buffer:
+        snap = reqs[1].track_slot
+    else:
+        [snap] = driver.alloc_mamba_slots(1)
     tokens, logprobs = [], []
     for step in range(steps):
-        track = {reqs[1]: reqs[1].track_slot} if step == track_step else None
+        track = {reqs[1]: snap} if step == track_step else None
         res = driver.decode(reqs, track=track)
         tokens.append(res.next_token_ids.tolist())
         logprobs += res.next_token_logprobs.tolist()
     pool = runner.mamba_pool
-    snapshot = pool.ssm_state[:, reqs[1].track_slot].clone()
+    snapshot = pool.ssm_state[:, snap].clone()
     # Every slot but the dummy 0, and every KV slot but the dummy page: a padded row writes nowhere else.
     page = runner.server_args.page_size
     kv = [runner.token_to_kv_pool.get_kv_buffer(i)[0][page:] for i in runner.arch.full_attention_layer_ids]

@@ -81,12 +81,13 @@ def test_resume_from_checkpoint_needs_the_copy(oracles):
     for skip in (False, True):
         driver = RunnerDriver(make_runner(preset))
         donor = driver.new_request()
-        driver.extend([Extend(donor, prompt[:128], track_seqlen=128)])
+        # The default strategy (extra_buffer_lazy) keeps no track slot: the checkpoint is a slot
+        # borrowed from the pool, as the scheduler's tracker takes one.
+        [checkpoint] = driver.alloc_mamba_slots(1)
+        driver.extend([Extend(donor, prompt[:128], track_seqlen=128, track_slot=checkpoint)])
         fresh = driver.new_request()
         with envs.SGLANG_TEST_SKIP_DEFERRED_COW.override(skip):
-            res = driver.extend(
-                [Extend(fresh, prompt[128:], prefix_from=(donor, 128), cow_src=donor.track_slot)]
-            )
+            res = driver.extend([Extend(fresh, prompt[128:], prefix_from=(donor, 128), cow_src=checkpoint)])
         errors[skip] = max_abs(res.input_token_logprobs[0], expected)
     assert errors[False] < 1e-4
     # Without the copy the request starts from a cleared slot: measured error ~3.

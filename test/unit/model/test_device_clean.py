@@ -541,13 +541,17 @@ def test_gpu_forwards_wait_for_the_device_nowhere(preset):
 
     def one_round():
         a, b = driver.new_request(), driver.new_request(temperature=0.7, top_k=5, seed=3)
+        # The default strategy (extra_buffer_lazy) keeps no track slot: snapshots go into a slot
+        # borrowed from the pool, as the scheduler's tracker takes one.
+        [snap] = driver.alloc_mamba_slots(1)
         driver.extend(
-            [Extend(a, list(range(3, 3 + 2 * chunk + 5)), track_seqlen=chunk), Extend(b, [5] * 40)],
+            [Extend(a, list(range(3, 3 + 2 * chunk + 5)), track_seqlen=chunk, track_slot=snap),
+             Extend(b, [5] * 40)],
             return_logprob=False, forward=counted,
         )  # fmt: skip
         c = driver.new_request()
         driver.extend(
-            [Extend(c, [7] * 9, prefix_from=(a, 2 * chunk), cow_src=a.track_slot)],
+            [Extend(c, [7] * 9, prefix_from=(a, 2 * chunk), cow_src=snap)],
             return_logprob=False, forward=counted,
         )  # fmt: skip
         track = {a: driver.alloc_mamba_slots(1)[0]}
