@@ -48,8 +48,11 @@ class DriverRequest:
 
     @property
     def track_slot(self) -> int:
-        """The request's (first) track slot, with an extra-buffer strategy."""
-        assert self.mamba_ping_pong_track_buffer, "this request has no track slot"
+        """The request's (first) track slot, under `extra_buffer` (`extra_buffer_lazy`, the default,
+        keeps none: snapshot into a slot from `RunnerDriver.alloc_mamba_slots`, as its tracker does)."""
+        assert self.mamba_ping_pong_track_buffer, (
+            "this request has no track slot (extra_buffer_lazy keeps none: pass Extend.track_slot)"
+        )
         return self.mamba_ping_pong_track_buffer[0]
 
 
