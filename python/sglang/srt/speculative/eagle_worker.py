@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.mem_cache.common import alloc_for_verify
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.mtp_draft import DraftPlan, MtpDraftRunner, MtpHook
 from sglang.srt.speculative.ngram_worker import NgramWorker, VerifyCollaborators, penalized_now
@@ -98,15 +97,10 @@ class EagleWorker(NgramWorker):
         if not any(drafting):
             return None
         counts = [self.width if d else 1 for d in drafting]
-        width = self._graph_width(reqs)
-        sized = [width] * len(reqs) if width else counts
-        allocated = alloc_for_verify(deps.tree_cache, deps.token_allocator, reqs, sized, deps.kv_log)
+        allocated = self._allocate_verify(reqs, counts)
         if allocated is None:
             return None
-        out_cache_loc, prefix_lens = allocated
-        for r in reqs:
-            r.decode_until = -1
-        deps.decode_set.clear()
+        out_cache_loc, prefix_lens, width = allocated
         rows = deps.rows_cache.get(reqs)
         picked = [i for i, d in enumerate(drafting) if d]
         plan = DraftPlan(

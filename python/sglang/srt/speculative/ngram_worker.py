@@ -204,6 +204,18 @@ class NgramWorker:
         if not any(drafts):
             return None
         counts = [1 + len(d) for d in drafts]
+        allocated = self._allocate_verify(reqs, counts)
+        if allocated is None:
+            return None
+        out_cache_loc, prefix_lens, width = allocated
+        batch = ScheduleBatch(reqs, ForwardMode.TARGET_VERIFY, deps.next_batch_id())
+        self._prepare(batch, drafts, counts, out_cache_loc, prefix_lens, width)
+        return batch
+
+    def _allocate_verify(self, reqs: list[Req], counts: list[int]) -> tuple[Any, list[int], int] | None:
+        """The verify's KV slots for `counts` positions per request (out_cache_loc, prefix_lens, and the
+        graph width or 0), or None where the pool cannot hold them; the requests leave the decode set."""
+        deps = self.deps
         width = self._graph_width(reqs)
         # A CUDA graph's shape (every request runs `width` positions) where the free pages hold it: the
         # filler's KV is given back at the commit, so it never evicts cached prefixes.
@@ -211,14 +223,11 @@ class NgramWorker:
         allocated = alloc_for_verify(deps.tree_cache, deps.token_allocator, reqs, sized, deps.kv_log)
         if allocated is None:
             return None
-        out_cache_loc, prefix_lens = allocated
         # The decode set's certificates count one token per step: the requests qualify anew.
         for r in reqs:
             r.decode_until = -1
         deps.decode_set.clear()
-        batch = ScheduleBatch(reqs, ForwardMode.TARGET_VERIFY, deps.next_batch_id())
-        self._prepare(batch, drafts, counts, out_cache_loc, prefix_lens, width)
-        return batch
+        return *allocated, width
 
     def _graph_width(self, reqs: list[Req]) -> int:
         """The positions per request of a verify of `reqs` that a captured CUDA graph serves, or 0 (none
