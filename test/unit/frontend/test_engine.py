@@ -279,7 +279,7 @@ def test_skip_tokenizer_init_serves_ids_without_text():
 
 
 def test_engine_refuses_a_transfer_backend_like_the_server():
-    with pytest.raises(ServerStartupError, match="--disaggregation-transfer-backend nixl: this server moves"):
+    with pytest.raises(ServerStartupError, match="--disaggregation-transfer-backend nixl: NIXL is not installed here"):
         sglang.Engine(
             scheduler_entry=fake_scheduler.run_scheduler_process,
             disaggregation_mode="prefill",

@@ -39,7 +39,9 @@ def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"], 1,
          "--disaggregation-transfer-backend nixl: NIXL is not installed here"),
         (["--tokenizer-path", "/nonexistent/tok"], 2, "--tokenizer-path '/nonexistent/tok' is not a folder"),
-        (["--max-mamba-cache-size", "1"], 1, "--max-mamba-cache-size 1 is smaller than the 2 slot(s)"),
+        # (extra_buffer: a running slot and its two track slots; extra_buffer_lazy runs in one since issue 61)
+        (["--mamba-scheduler-strategy", "extra_buffer", "--max-mamba-cache-size", "2"], 1,
+         "--max-mamba-cache-size 2 is smaller than the 3 slot(s)"),
     ],
 )
 def test_refusals_are_one_sentence(args, code, words):
