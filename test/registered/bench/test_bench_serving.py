@@ -113,9 +113,10 @@ class TestBenchServing(ServerTestCase):
         # Sampled while the run goes on (4 Hz), so a short run may see nothing running.
         self.assertLessEqual(r["peak_running_requests"], 1)
         if r["mean_slots_per_running_req"] is not None:
-            # lazy: a running slot and one track slot, a second track slot only at a decode track
-            # boundary (272 + 4 tokens cross none with the default interval, but a sample could).
-            self.assertTrue(2.0 <= r["mean_slots_per_running_req"] <= 3.0, r)
+            # lazy holds one slot per running request since b07989c (the snapshot is copied out of
+            # the running slot at a boundary); a sample taken while a boundary copy is in flight
+            # could see a second, never more.
+            self.assertTrue(1.0 <= r["mean_slots_per_running_req"] <= 2.0, r)
 
     def test_sharegpt_reads_a_local_file(self) -> None:
         conv = [
