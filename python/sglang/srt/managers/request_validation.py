@@ -86,6 +86,7 @@ class NormalizedRequest:
     req: TokenizedGenerateReqInput
     index: int
     return_text_in_logprobs: bool
+    prompt: int = 0  # which prompt of the call it samples (its images are that prompt's)
 
 
 def hidden_states_refused(server_args: Any) -> str | None:
@@ -340,7 +341,7 @@ def build_requests(
                 return_hidden_states=hidden,
                 custom_logit_processor=processor,
             )
-            out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs))
+            out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs, i))
     rids = [r.req.rid for r in out]
     if len(set(rids)) != len(rids):
         raise RequestError("rid values must be unique within a request.", "rid")
