@@ -102,6 +102,31 @@ def test_flags_and_refusals():
             ServerArgs(**flags)
 
 
+def test_the_planner_counts_the_mtp_layers_weights():
+    """With NEXTN the MTP layer loads beside the model, so the weights the memory plan holds back are the
+    model's and the layer's, byte for byte as they load; without NEXTN the model's alone. (Before, the
+    plan left the layer out: on a GPU the pools took its bytes, 3.3 GB for Qwen3-Next-80B in bf16.)"""
+    from sglang.srt.mem_cache.weight_bytes import weight_bytes_from_config
+    from sglang.srt.models.registry import load_model
+    from sglang.srt.speculative.draft_layers import load_draft_layers
+
+    def param_bytes(module):
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    for dtype in ("float32", "bfloat16"):
+        plain, nextn = (ServerArgs(model_path=QWEN, dtype=dtype, **kw) for kw in ({}, NEXTN))
+        config = nextn.model_config
+        model = load_model(config.hf_config, config.path, config.torch_dtype, "cpu")
+        draft = load_draft_layers(nextn, model)
+        assert load_draft_layers(plain, model) is None
+        planned = [
+            weight_bytes_from_config(config.hf_config, config.torch_dtype, "cpu", draft_layers=d).total
+            for d in (False, True)
+        ]
+        assert planned == [param_bytes(model), param_bytes(model) + param_bytes(draft)], dtype
+        assert param_bytes(draft) > 0.2 * param_bytes(model)  # (one decoder layer of tiny-qwen3-next's 4)
+
+
 def test_first_drafts_match_a_transformers_built_mtp_layer(monkeypatch):
     """The engine's first k drafts for a prompt (its MTP layer, KV and hidden-state feeding) against the
     published layout built from transformers' own Qwen3-Next layers (`sglang.tools.train_mtp`), loaded
@@ -131,6 +156,13 @@ def test_first_drafts_match_a_transformers_built_mtp_layer(monkeypatch):
         rid = h.submit(prompt, max_new_tokens=6, return_logprob=False)
         h.run()
         first = h.outputs[rid].output_ids[0]
+        # The pools were sized after the weights of the model and of its MTP layer (loaded beside it).
+        runner = h.sched.model_runner
+        loaded = sum(p.numel() * p.element_size() for p in runner.draft_model.parameters())
+        assert runner.draft_model is h.sched.spec.draft.mtp and loaded > 0
+        assert runner.memory_bytes["weights"] == loaded + sum(
+            p.numel() * p.element_size() for p in runner.model.parameters()
+        )
     finally:
         h.shutdown()
     p, drafts = seen[0]

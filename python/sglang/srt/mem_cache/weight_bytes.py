@@ -9,7 +9,8 @@ it (`registry.served_dtype`): 1 byte per FP8 weight plus a float32 scale per 128
 block has its own), the serving dtype for what stays dense (the modules the checkpoint keeps
 unquantized, what the published FP8 checkpoints never quantize, a model's `fp8_dense_modules`, and on
 CPU the dequantized linears), float32 for the model's `fp32_param_suffixes`. So the count is the bytes
-of the tensors the loaded model holds.
+of the tensors the loaded model holds. With EAGLE / NEXTN the checkpoint's MTP layer, which loads
+beside the model, is counted too (`draft_layers`).
 
 Tensor / expert parallelism: the count is one rank's (TP rank 0's, which holds at least every other's:
 only the vocabulary's padding differs). Inside a rank its groups say the sizes; a process that joined no
@@ -29,6 +30,7 @@ import torch
 from sglang.srt.distributed import parallel_state
 from sglang.srt.layers.quantization.fp8 import FP8_DTYPE, SCALE_SUFFIX
 from sglang.srt.models.registry import build_meta_model, served_dtype
+from sglang.srt.speculative.draft_layers import build_meta_draft_layers
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,20 @@ def planned_parallel(tp_size: int = 1, ep_size: int = 1) -> Iterator[None]:
 
 
 def weight_bytes_from_config(
-    hf_config: Any, dtype: torch.dtype, device: str = "cuda", tp_size: int = 1, ep_size: int = 1
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: str = "cuda",
+    tp_size: int = 1,
+    ep_size: int = 1,
+    draft_layers: bool = False,
 ) -> WeightBytes:
     """What the weights of the model `hf_config` describes take on `device`, on one rank of `tp_size`
-    (`ep_size`) where the process joined no group (module docstring)."""
+    (`ep_size`) where the process joined no group (module docstring). `draft_layers`: with the MTP
+    layer EAGLE / NEXTN loads beside the model (`speculative/draft_layers.py`), all of it in `dtype`
+    (`load_mtp` casts it so; quantized checkpoints are refused with these algorithms)."""
     with planned_parallel(tp_size, ep_size):
         model = build_meta_model(hf_config, device)
+        draft = build_meta_draft_layers(model) if draft_layers else None
     total = fp8 = dense = 0
     for name, param in model.named_parameters():
         total += param.numel() * served_dtype(model, name, param, dtype).itemsize
@@ -69,4 +79,7 @@ def weight_bytes_from_config(
             fp8 += param.numel()
         elif not name.endswith(SCALE_SUFFIX):
             dense += param.numel()
+    for param in draft.parameters() if draft is not None else ():
+        total += param.numel() * dtype.itemsize
+        dense += param.numel()
     return WeightBytes(total, fp8, dense)

@@ -56,7 +56,7 @@ from sglang.srt.models.registry import load_model
 from sglang.srt.sampling.custom_logit_processor import apply_custom_logit_processors
 from sglang.srt.sampling.penaltylib import Penalizer
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.speculative.draft_layers import draft_kv_layer_ids
+from sglang.srt.speculative.draft_layers import draft_kv_layer_ids, load_draft_layers
 
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -155,10 +155,20 @@ class ModelRunner:
         if torch.device(self.device).type == "cuda":
             # Weights the memory budget cannot hold are refused before any loads (they failed later, or
             # ran the device out of memory): their bytes from the config (`mem_cache/weight_bytes.py`).
-            planned = weight_bytes_from_config(model_config.hf_config, self.dtype, self.device).total
+            draft = bool(draft_kv_layer_ids(server_args))
+            planned = weight_bytes_from_config(
+                model_config.hf_config, self.dtype, self.device, draft_layers=draft
+            ).total
             check_weights_fit(server_args, planned, torch.cuda.mem_get_info(self.device)[1])
         self.model = load_model(model_config.hf_config, model_config.path, self.dtype, self.device)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # EAGLE / NEXTN: the checkpoint's MTP layer, loaded before the pools are sized from what is left.
+        self.draft_model = load_draft_layers(server_args, self.model)
+        weight_bytes = sum(
+            p.numel() * p.element_size()
+            for m in (self.model, self.draft_model)
+            if m is not None
+            for p in m.parameters()
+        )
         loaded = time.monotonic()
         self.pool_sizes = pool_sizes or compute_pool_sizes(server_args, self.arch, weight_bytes)
         self._init_pools(model_config.context_len)

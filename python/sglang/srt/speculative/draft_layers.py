@@ -39,3 +39,26 @@ def draft_kv_layer_ids(args: ServerArgs) -> list[int]:
     hf_config = args.model_config.hf_config
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     return [text.num_hidden_layers]
+
+
+def load_draft_layers(args: ServerArgs, target: Any) -> Any | None:
+    """The MTP module EAGLE / NEXTN drafts with (`models/qwen3_next_mtp.py`), loaded from the checkpoint
+    onto `target`'s device and dtype; None without them. The model runner loads it beside the target,
+    before the pools are sized, so that the memory budget is what is left after both."""
+    if args.speculative_algorithm not in MTP_ALGORITHMS:
+        return None
+    from sglang.srt.models.loader import iter_checkpoint
+    from sglang.srt.models.qwen3_next_mtp import load_mtp
+
+    return load_mtp(target, iter_checkpoint(args.model_config.path))
+
+
+def build_meta_draft_layers(target: Any) -> Any:
+    """The MTP module of `target` (a model on the meta device) on the meta device, as `load_mtp` builds
+    it: the memory planner counts its parameters (`mem_cache/weight_bytes.py`)."""
+    import torch
+
+    from sglang.srt.models.qwen3_next_mtp import Qwen3NextMTP
+
+    with torch.device("meta"):
+        return Qwen3NextMTP(target.config)

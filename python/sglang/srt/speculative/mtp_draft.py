@@ -33,8 +33,6 @@ import torch
 from sglang.srt.layers.logits_processor import scaled_log_softmax
 from sglang.srt.layers.sampler import SampleOutput, inverse_cdf_sample, truncated_probs
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
-from sglang.srt.models.loader import iter_checkpoint
-from sglang.srt.models.qwen3_next_mtp import load_mtp
 from sglang.srt.utils.host_tensors import host_int64
 
 
@@ -72,7 +70,7 @@ class MtpDraftRunner:
         self.runner = model_runner
         target = model_runner.model
         args = model_runner.server_args
-        self.mtp = load_mtp(target, iter_checkpoint(args.model_config.path))
+        self.mtp = model_runner.draft_model  # (loaded with the target: `draft_layers.load_draft_layers`)
         self.embed = target.model.embed_tokens
         self.lm_head = target.lm_head
         self.attn = MtpAttnBackend(model_runner._full_attn_backend())
