@@ -1,0 +1,31 @@
+"""Pool sizes under tensor parallelism agree across the ranks (issue 54): on GPUs the free memory each
+rank finds can differ (another process's allocations, the driver's), and each rank sizing its pools from
+its own would give the ranks different pools, so that their schedulers (which must decide alike) diverge
+or the start-up check refuses the server. Each rank's plan is reduced with MIN over the TP group before
+the pools are allocated.
+
+Two gloo ranks whose memory budget differs (injected: 2.0 GiB and 1.5 GiB of "device memory" at
+--mem-fraction-static 0.02, no size flag given) plan different pools alone and build the same ones, the
+smallest of each number."""
+
+from __future__ import annotations
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.multi_rank import run_ranks
+from sglang.test.tp_pool_checks import FIELDS, pools_with_memory
+
+register_cpu_ci(est_time=8, suite="per-commit-cpu")
+
+GIB = 1 << 30
+
+
+def test_ranks_with_different_free_memory_build_the_smallest_pools():
+    r0, r1 = run_ranks(pools_with_memory, 2, "tiny-qwen3-next", [2 * GIB, 3 * GIB // 2])
+    # Alone, the rank with less memory plans fewer KV tokens and mamba slots (the premise).
+    assert r1["planned"]["max_total_tokens"] < r0["planned"]["max_total_tokens"]
+    assert r1["planned"]["max_mamba_cache_size"] < r0["planned"]["max_mamba_cache_size"]
+    smallest = {f: min(r0["planned"][f], r1["planned"][f]) for f in FIELDS}
+    for r in (r0, r1):
+        assert r["taken"] == smallest
+        assert r["kv_tokens"] == smallest["max_total_tokens"]
+        assert r["mamba_slots"] == smallest["max_mamba_cache_size"]
