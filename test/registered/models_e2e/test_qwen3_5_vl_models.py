@@ -9,6 +9,10 @@ from __future__ import annotations
 import pytest
 
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.vl_batch_checks import (  # noqa: F401
+    test_batch_image_data_refused,
+    test_batch_prompts_with_their_own_images,
+)
 from sglang.test.vl_checks import (  # noqa: F401  (collected here, on this module's `setup`)
     start,
     test_bad_images_refused,

@@ -204,7 +204,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len)
         items, is_list = build_requests(obj, prompts, encoded, self.limits)
         if obj.image_data is not None and obj.image_data != []:
-            await attach_images(self.image_processor, items, obj.image_data, self.limits)
+            await attach_images(self.image_processor, items, obj.image_data, self.limits, prompts.is_batch)
         return items, is_list
 
     async def generate_request(

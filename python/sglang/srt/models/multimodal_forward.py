@@ -1,6 +1,6 @@
-"""The language model's forward with images: multimodal rotary positions (Qwen2-VL's mRoPE, interleaved
+"""The language model's forward with images and video frames: multimodal rotary positions (Qwen2-VL's mRoPE, interleaved
 as Qwen3.5's) and the vision tower's tokens in place of the prompt's image pad values
-(`multimodal/inputs.py`).
+(`multimodal/inputs.py`; a video is its frames, each placed as an image).
 
 A prefill chunk of a request with images runs on [3, T] positions (`MultimodalInputs.positions`) and
 embeds the chunk's share of its images' tokens (the tower runs once per request, at the first chunk
@@ -96,30 +96,33 @@ class MultimodalForward:
     def _embed(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any, mm: list[Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        is_image = input_ids >= self.vocab_size
-        hidden = self.backbone.embed_tokens(input_ids.masked_fill(is_image, 0))
-        rows, images = [], []
+        is_mm = input_ids >= self.vocab_size
+        hidden = self.backbone.embed_tokens(input_ids.masked_fill(is_mm, 0))
+        rows, items, tokens = [], [], {}
         for i, m in enumerate(mm):
             start, p, n = fb.extend_start_loc_cpu[i], fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
             if m is None:
                 rows.append(positions[start : start + n].expand(3, -1))
                 continue
+            tokens.update(zip(m.pad_values, m.token_ids, strict=True))
             rows.append(m.positions(p, p + n).to(positions.device))
-            first, last = m.image_tokens_before(p), m.image_tokens_before(p + n)
+            first, last = m.tokens_before(p), m.tokens_before(p + n)
             if last > first:
                 if m.embeddings is None:
-                    grid = torch.tensor(m.image_grid_thw, dtype=torch.int64)
+                    grid = torch.tensor(m.grid_thw, dtype=torch.int64)
                     with torch.no_grad():
                         m.embeddings = self.visual(m.pixel_values, grid)
-                images.append(m.embeddings[first:last])
-        if images:
-            hidden[is_image] = torch.cat(images).to(hidden.dtype)
-        # The logits processor scores input tokens by these ids: an image position's is the checkpoint's
-        # image token, as the oracle sees it.
-        fb.input_ids = input_ids.masked_fill(is_image, self.image_token_id)
+                items.append(m.embeddings[first:last])
+        if items:
+            hidden[is_mm] = torch.cat(items).to(hidden.dtype)
+        # The logits processor scores input tokens by these ids: an image (video) position's is the
+        # checkpoint's image (video) token, as the oracle sees it.
+        shown = input_ids.clone()
+        for pad, token in tokens.items():
+            shown[input_ids == pad] = token
+        fb.input_ids = shown
         if fb.extend_logprob_next_ids_cpu is not None:
             fb.extend_logprob_next_ids_cpu = [
-                self.image_token_id if t is not None and t >= self.vocab_size else t
-                for t in fb.extend_logprob_next_ids_cpu
+                tokens.get(t, t) if t is not None else None for t in fb.extend_logprob_next_ids_cpu
             ]
         return hidden, torch.cat(rows, dim=1)

@@ -18,33 +18,38 @@ import torch
 PAD_VALUE_RANGE = 1 << 30
 
 
-def pad_value(pixels: torch.Tensor, grid_thw: list[int], vocab_size: int) -> int:
-    """The pseudo token id of an image: a hash of its processed pixels and grid."""
+def pad_value(pixels: torch.Tensor, grid_thw: list[int], vocab_size: int, token_id: int = 0) -> int:
+    """The pseudo token id of an image or video frame: a hash of its processed pixels, grid and
+    checkpoint token (an image and a video frame of the same pixels are different prompts)."""
     h = hashlib.sha256(pixels.contiguous().numpy().tobytes())
-    h.update(repr(grid_thw).encode())
+    h.update(repr((grid_thw, token_id)).encode())
     return vocab_size + int.from_bytes(h.digest()[:8], "little") % PAD_VALUE_RANGE
 
 
 @dataclass
 class MultimodalInputs:
-    """One request's images. `pixel_values` [patches, C*T*P*P] of all its images in order,
-    `image_grid_thw` [images][3]; `image_offsets[i]` = (first prompt position of image i's tokens,
-    their number). `mrope_positions` [3, prompt length]: the prompt's (t, h, w) rotary positions;
-    past the prompt, position j is j + `mrope_position_delta` on all three axes."""
+    """One request's images and video frames ("items", in prompt order; a video is one item per
+    temporal patch of frames, each item a (1, h, w) grid, as transformers' `get_rope_index` splits it).
+    `pixel_values` [patches, C*T*P*P] of all its items in order, `grid_thw` [items][3];
+    `offsets[i]` = (first prompt position of item i's tokens, their number); `token_ids[i]` the
+    checkpoint's token for item i (`<|image_pad|>` or `<|video_pad|>`). `mrope_positions` [3, prompt
+    length]: the prompt's (t, h, w) rotary positions; past the prompt, position j is
+    j + `mrope_position_delta` on all three axes."""
 
     pixel_values: torch.Tensor
-    image_grid_thw: list[list[int]]
-    image_offsets: list[tuple[int, int]]
+    grid_thw: list[list[int]]
+    offsets: list[tuple[int, int]]
     pad_values: list[int]
+    token_ids: list[int]
     mrope_positions: torch.Tensor
     mrope_position_delta: int
-    # The vision tower's output for all the images [tokens, hidden], computed at the request's first
-    # prefill chunk that reaches an image and kept for its later chunks (set by the model).
+    # The vision tower's output for all the items [tokens, hidden], computed at the request's first
+    # prefill chunk that reaches one and kept for its later chunks (set by the model).
     embeddings: torch.Tensor | None = field(default=None, repr=False)
 
     @property
-    def num_image_tokens(self) -> int:
-        return sum(n for _, n in self.image_offsets)
+    def num_mm_tokens(self) -> int:
+        return sum(n for _, n in self.offsets)
 
     def positions(self, start: int, stop: int) -> torch.Tensor:
         """[3, stop - start] rotary positions of the request's tokens [start, stop)."""
@@ -53,9 +58,15 @@ class MultimodalInputs:
         past = torch.arange(max(start, n), max(stop, n), dtype=torch.int64) + self.mrope_position_delta
         return torch.cat([inside, past.expand(3, -1)], dim=1)
 
-    def image_tokens_before(self, pos: int) -> int:
-        """How many image tokens sit at prompt positions < pos."""
-        return sum(min(max(pos - start, 0), n) for start, n in self.image_offsets)
+    def tokens_before(self, pos: int) -> int:
+        """How many image and video tokens sit at prompt positions < pos."""
+        return sum(min(max(pos - start, 0), n) for start, n in self.offsets)
+
+    def shown_ids(self, ids: list[int]) -> list[int]:
+        """`ids` (the request's) with each pad value replaced by its item's checkpoint token, as a client
+        sees its prompt (and as transformers' processor writes it)."""
+        tokens = dict(zip(self.pad_values, self.token_ids, strict=True))
+        return [tokens.get(t, t) for t in ids]
 
 
 def mrope_positions(

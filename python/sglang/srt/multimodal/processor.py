@@ -54,16 +54,18 @@ class ImageInputProcessor:
             processor.refusal = f"{FIELD} is not served with --disaggregation-mode (issue 59)."
         return processor
 
-    def process(self, input_ids: list[int], image_data: Any) -> tuple[list[int], MultimodalInputs]:
+    def process(
+        self, input_ids: list[int], image_data: Any, where: str = FIELD
+    ) -> tuple[list[int], MultimodalInputs]:
         """The prompt with each image's placeholder token expanded to its image tokens (as pad values),
-        and the request's `MultimodalInputs`."""
+        and the request's `MultimodalInputs`. `where` names the prompt's images in errors."""
         items = image_data if isinstance(image_data, list) else [image_data]
-        images = [load_image(item, f"{FIELD}[{i}]") for i, item in enumerate(items)]
+        images = [load_image(item, f"{where}[{i}]") for i, item in enumerate(items)]
         at = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
         if len(at) != len(images):
             raise RequestError(
                 f"The prompt has {len(at)} image placeholders (<|vision_start|><|image_pad|><|vision_end|>) "
-                f"for {len(images)} images in {FIELD}; give one per image.",
+                f"for {len(images)} images in {where}; give one per image.",
                 FIELD,
             )
         try:
@@ -75,21 +77,40 @@ class ImageInputProcessor:
         ids, offsets, pads, prev = [], [], [], 0
         for i, (place, chunk) in enumerate(zip(at, torch.split(pixels, sizes), strict=True)):
             n = sizes[i] // self.merge**2
-            pads.append(pad_value(chunk, grids[i], self.vocab_size))
+            pads.append(pad_value(chunk, grids[i], self.vocab_size, self.image_token_id))
             ids += input_ids[prev:place]
             offsets.append((len(ids), n))
             ids += [pads[-1]] * n
             prev = place + 1
         ids += input_ids[prev:]
         positions, delta = mrope_positions(len(ids), offsets, grids, self.merge)
-        return ids, MultimodalInputs(pixels, grids, offsets, pads, positions, delta)
+        tokens = [self.image_token_id] * len(pads)
+        return ids, MultimodalInputs(pixels, grids, offsets, pads, tokens, positions, delta)
+
+
+def images_per_prompt(image_data: Any, num_prompts: int, is_batch: bool) -> list[Any]:
+    """`image_data` split by prompt, as upstream takes it: for one prompt, one item or a list of its
+    images; for a batch, one item (every prompt gets it) or a list with one entry per prompt, each a
+    list of that prompt's images, one image, or None / [] (no image)."""
+    if not is_batch:
+        return [image_data]
+    if not isinstance(image_data, list):
+        return [[image_data]] * num_prompts
+    if len(image_data) != num_prompts:
+        raise RequestError(
+            f"{FIELD} in a batch of {num_prompts} prompts needs one entry per prompt (a list of its "
+            f"images, or null), got {len(image_data)}.",
+            FIELD,
+        )
+    return [None if entry is None or entry == [] else entry for entry in image_data]
 
 
 async def attach_images(
-    processor: ImageInputProcessor | None, items: list[Any], image_data: Any, limits: Any
+    processor: ImageInputProcessor | None, items: list[Any], image_data: Any, limits: Any, is_batch: bool
 ) -> None:
-    """Expand the prompt of `items` (the `NormalizedRequest`s of one /generate call: one prompt, any
-    number of samples) with their images, processed off the event loop."""
+    """Expand the prompts of `items` (the `NormalizedRequest`s of one /generate call: each sample of
+    each prompt) with their prompt's images, processed off the event loop. The samples of one prompt
+    share its processed images."""
     import asyncio
 
     from sglang.srt.managers.request_validation import check_input_len
@@ -98,12 +119,19 @@ async def attach_images(
         raise RequestError(f"{FIELD} was given, but this model takes no images.", FIELD)
     if processor.refusal is not None:
         raise RequestError(processor.refusal, FIELD)
-    prompts = {tuple(item.req.input_ids) for item in items}
-    if len(prompts) != 1:
-        raise RequestError(f"{FIELD} goes with one prompt; send prompts with images one per request.", FIELD)
-    loop = asyncio.get_running_loop()
-    ids, mm = await loop.run_in_executor(None, processor.process, list(items[0].req.input_ids), image_data)
-    check_input_len(len(ids), limits, FIELD)
+    num_prompts = max(item.prompt for item in items) + 1
+    per_prompt = images_per_prompt(image_data, num_prompts, is_batch)
+    first = {}  # prompt -> its first sample
     for item in items:
-        item.req.input_ids = ids
-        item.req.mm_inputs = mm
+        first.setdefault(item.prompt, item)
+    todo = [(p, list(first[p].req.input_ids), data) for p, data in enumerate(per_prompt) if data is not None]
+
+    def run() -> dict[int, tuple[list[int], MultimodalInputs]]:
+        return {p: processor.process(ids, data, f"{FIELD}[{p}]" if is_batch else FIELD) for p, ids, data in todo}
+
+    done = await asyncio.get_running_loop().run_in_executor(None, run)
+    for ids, _ in done.values():
+        check_input_len(len(ids), limits, FIELD)
+    for item in items:
+        if item.prompt in done:
+            item.req.input_ids, item.req.mm_inputs = done[item.prompt]

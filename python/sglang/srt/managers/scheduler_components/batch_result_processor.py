@@ -272,13 +272,18 @@ class BatchResultProcessor:
             return
         chosen = result.input_token_ids_logprobs[i] if result.input_token_ids_logprobs else None
         if batch.prepend_none[i]:
-            req.input_token_logprobs.append((None, req.origin_input_ids[0]))
+            first_id = req.origin_input_ids[0]
+            if req.multimodal_inputs is not None:
+                first_id = req.multimodal_inputs.shown_ids([first_id])[0]
+            req.input_token_logprobs.append((None, first_id))
             if req.top_logprobs_num:
                 req.input_top_logprobs.append(None)
             if req.token_ids_logprob:
                 req.input_token_ids_logprobs.append(None)
         first = len(req.input_token_logprobs) + max(req.logprob_start_len, 0)
         ids = req.origin_input_ids[first : first + len(values)]
+        if req.multimodal_inputs is not None:  # the checkpoint's image / video token, not the pad value
+            ids = req.multimodal_inputs.shown_ids(ids)
         req.input_token_logprobs += list(zip(values, ids, strict=True))
         tops = result.input_top_logprobs[i] if result.input_top_logprobs else None
         if req.top_logprobs_num and tops:
