@@ -25,7 +25,9 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, plain_then_spec
 from sglang.test.scheduler_harness import token_ids
 
-register_cpu_ci(est_time=22, suite="per-commit-cpu")
+register_cpu_ci(est_time=26, suite="per-commit-cpu")
+
+NEXTN_STEPS = 3  # --speculative-num-steps' default
 
 
 def test_greedy_same_as_plain_decoding_with_chunks_and_hits(monkeypatch):
@@ -125,6 +127,44 @@ def test_the_planner_counts_the_mtp_layers_weights():
         ]
         assert planned == [param_bytes(model), param_bytes(model) + param_bytes(draft)], dtype
         assert param_bytes(draft) > 0.2 * param_bytes(model)  # (one decoder layer of tiny-qwen3-next's 4)
+
+
+def test_sampling_drafts_keep_no_distribution_between_verifies(monkeypatch):
+    """Sampling requests draft (rejection sampling reads q_1..q_k over the vocabulary), yet between
+    forwards the draft keeps one hidden-size row per request row and nothing vocabulary-wide: q_1 is drawn
+    in the draft steps from that row, and the distributions a verify carries are its drafting requests'
+    k rows. (Before, a [request rows, vocab] float32 table stayed allocated once a request sampled: 311
+    MB at 512 rows of a 152k vocabulary.)"""
+    from sglang.srt.speculative.mtp_draft import MtpDraftRunner
+    from sglang.test.scheduler_harness import SchedulerHarness
+
+    shapes = []
+    original = MtpDraftRunner.draft_steps
+
+    def record(self, plan):
+        chains, probs = original(self, plan)
+        shapes.append((len(plan.rows), tuple(probs.shape)))
+        assert torch.allclose(probs.sum(dim=-1), torch.ones(()), atol=1e-4)  # (float32 sums over 1k)
+        first = torch.tensor([c[0] for c in chains])
+        assert (probs[:, 0].gather(1, first[:, None]) > 0).all()  # d_1 was drawn from q_1
+        return chains, probs
+
+    monkeypatch.setattr(MtpDraftRunner, "draft_steps", record)
+    h = SchedulerHarness(QWEN, disable_overlap_schedule=True, **NEXTN)
+    try:
+        for k in range(2):
+            h.submit(token_ids(40 + 9 * k, seed=k), max_new_tokens=10, temperature=1.0, return_logprob=False)
+        h.run()
+        draft = h.sched.spec.draft
+        vocab = draft.lm_head.weight.shape[0]
+        rows = h.sched.model_runner.req_to_token_pool.req_to_token.shape[0]
+        kept = [t for t in vars(draft.stash).values() if isinstance(t, torch.Tensor)]
+        assert [tuple(t.shape) for t in kept] == [(rows, draft.lm_head.weight.shape[1])]
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+    steps = NEXTN_STEPS
+    assert shapes and all(shape == (n, steps, vocab) for n, shape in shapes), shapes
 
 
 def test_first_drafts_match_a_transformers_built_mtp_layer(monkeypatch):

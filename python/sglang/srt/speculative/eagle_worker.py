@@ -8,8 +8,9 @@ and the state copies) with drafts from the MTP layer instead of an n-gram cache:
 1. The verify's KV slots are allocated first (k + 1 = --speculative-num-draft-tokens positions per
    drafting request), so that the draft steps can write the MTP layer's KV into those of positions
    P .. P + k - 2 (P: the request's newest token).
-2. `MtpDraftRunner.draft_steps` runs on the forward stream: draft d_1 is the one the previous forward left
-   (`mtp_draft.DraftStash`), steps 2..k run the MTP layer; the drafts come back to the host.
+2. `MtpDraftRunner.draft_steps` runs on the forward stream: draft d_1 is drawn from the MTP output the
+   previous forward left (`mtp_draft.DraftStash`), steps 2..k run the MTP layer; the drafts come back to
+   the host.
 3. The verify batch is built as NGRAM's, with `MtpHook` on it: rejection sampling for sampling requests,
    and the MTP layer over the verify's positions with the tokens the verify committed, which leaves the
    next step's d_1. Every other target forward (prefill chunks, plain decode steps) gets the hook too

@@ -4,15 +4,18 @@ target model's forwards. The scheduler side is `eagle_worker.py`.
 After every target forward that commits tokens (a prefill chunk, a decode step, a verify), `MtpHook`
 runs the MTP layer over the same positions, each with the token that follows it (the next prompt token,
 or the token the forward sampled there), which writes the draft layer's KV at those positions (layer id
-`num_hidden_layers` of the KV pool, in the request's own slots) and leaves, per request row, the first
-draft d_1 (from the last committed position), the MTP output g there and, for a sampling request, the
-distribution q_1 d_1 was drawn from (`DraftStash`). A verify's hook first applies rejection sampling to
-the drafted positions (below), then finds on the device how many drafts each request accepted, so the
-MTP rows past them only write KV slots the commit gives back.
+`num_hidden_layers` of the KV pool, in the request's own slots) and leaves, per request row, the MTP
+output g at the last committed position (`DraftStash`: one hidden-size row per request row, all that is
+kept between forwards). A verify's hook first applies rejection sampling to the drafted positions
+(below), then finds on the device how many drafts each request accepted, so the MTP rows past them only
+write KV slots the commit gives back.
 
-`MtpDraftRunner.draft_steps` runs steps 2..k before a verify: the MTP layer at positions P, P + 1, ...
-(P: the request's newest token), from (d_(j-1), g) of the step before, in the KV slots the verify has
-allocated for those positions.
+`MtpDraftRunner.draft_steps` runs before a verify, for the drafting requests only: d_1 is drawn from
+q_1 = lm_head(g) (with the request's sampling options), then steps 2..k run the MTP layer at positions
+P, P + 1, ... (P: the request's newest token), from (d_(j-1), g) of the step before, in the KV slots the
+verify has allocated for those positions. The distributions q_1..q_k of a verify's sampling requests
+live from the draft steps to that verify's rejection sampling ([drafting requests, k, vocab] float32,
+as the verify's own logits [positions, vocab]: activations, not a pool); none is kept between verifies.
 
 Rejection sampling (a sampling request's drafted positions, as upstream): draft d drawn from q is kept
 with probability min(1, p(d) / q(d)), where p is the target's distribution with the request's options
@@ -57,12 +60,10 @@ def draft_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
 
 @dataclass
 class DraftStash:
-    """Per request row (`req_pool_idx`): the next draft d_1, the MTP output g it came from, and q_1
-    (allocated when a sampling request first drafts)."""
+    """Per request row (`req_pool_idx`): the MTP output g at its last committed position, which the
+    first draft and its distribution come from (`draft_steps`)."""
 
-    tokens: torch.Tensor  # [rows] int64
     hidden: torch.Tensor  # [rows, hidden]
-    probs: torch.Tensor | None = None  # [rows, vocab] float32
 
 
 class MtpDraftRunner:
@@ -76,11 +77,7 @@ class MtpDraftRunner:
         self.attn = MtpAttnBackend(model_runner._full_attn_backend())
         rows = model_runner.req_to_token_pool.req_to_token.shape[0]
         device, hidden = target.lm_head.weight.device, target.config.hidden_size
-        self.stash = DraftStash(
-            torch.zeros(rows, dtype=torch.int64, device=device),
-            torch.zeros(rows, hidden, dtype=target.lm_head.weight.dtype, device=device),
-        )
-        self.vocab = target.lm_head.weight.shape[0]
+        self.stash = DraftStash(torch.zeros(rows, hidden, dtype=target.lm_head.weight.dtype, device=device))
         self.generator = torch.Generator(device=device).manual_seed(args.random_seed + 1)
 
     # ---- the MTP layer ----------------------------------------------------------------------------
@@ -108,31 +105,22 @@ class MtpDraftRunner:
         u = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
         return torch.where(info.temperatures > 0, inverse_cdf_sample(probs, u), greedy), probs
 
-    def _stash(self, rows: torch.Tensor, g: torch.Tensor, info: SamplingBatchInfo) -> None:
-        tokens, probs = self._sample(self._logits(g), info)
-        self.stash.tokens[rows] = tokens
+    def _stash(self, rows: torch.Tensor, g: torch.Tensor) -> None:
         self.stash.hidden[rows] = g
-        if probs is not None:
-            if self.stash.probs is None:
-                self.stash.probs = torch.zeros(len(self.stash.tokens), self.vocab, device=g.device)
-            self.stash.probs[rows] = probs
 
-    # ---- before a verify: draft steps 2..k ---------------------------------------------------------
+    # ---- before a verify: the k drafts ------------------------------------------------------------
 
     def draft_steps(self, plan: DraftPlan) -> tuple[list[list[int]], torch.Tensor | None]:
         """Each planned request's k drafts (host lists) and, where some request samples, their
         distributions [bs, k, vocab] on the device. Runs on the forward stream."""
         runner, stash = self.runner, self.stash
         with torch.inference_mode():
-            rows = host_int64(plan.rows).to(stash.tokens.device)
+            rows = host_int64(plan.rows).to(stash.hidden.device)
             info = plan.sampling_info
-            tokens, g = stash.tokens[rows], stash.hidden[rows]
+            g = stash.hidden[rows]
+            tokens, first_probs = self._sample(self._logits(g), _on_device(info, g.device))
             drafts = [tokens]
-            probs = None
-            if not info.is_all_greedy:
-                # (a sampling request's d_1 was drawn by a hook, which stored its q_1)
-                assert stash.probs is not None, "a sampling request drafts without its first distribution"
-                probs = [stash.probs[rows]]
+            probs = None if first_probs is None else [first_probs]
             for j in range(plan.steps - 1):
                 fb = ForwardBatch.create(
                     ForwardMode.DECODE,
@@ -194,8 +182,7 @@ class MtpHook:
             return self._verify(fb, hidden, logits, sample)
         ids = sample.next_token_ids
         if mode.is_decode():
-            g = self.runner._run(fb, ids, hidden)
-            self.runner._stash(fb.req_pool_indices, g, fb.sampling_info)
+            self.runner._stash(fb.req_pool_indices, self.runner._run(fb, ids, hidden))
             return sample
         # An extend: the next tokens, the request's sampled one after its last position.
         known = host_int64(self.next_ids).to(ids.device)
@@ -204,8 +191,7 @@ class MtpHook:
         done = [i for i, c in enumerate(self.completes) if c]
         if done:
             at = host_int64(done).to(ids.device)
-            info = _rows(fb.sampling_info, done)
-            self.runner._stash(fb.req_pool_indices[at], g[fb.extend_last_loc[at]], info)
+            self.runner._stash(fb.req_pool_indices[at], g[fb.extend_last_loc[at]])
         return sample
 
     def _verify(
@@ -233,7 +219,7 @@ class MtpHook:
             accepted[host_int64(drafted).to(device)] = match.cumprod(dim=1).sum(dim=1)
         g = self.runner._run(fb, ids, hidden)
         last = host_int64(starts).to(device) + accepted
-        self.runner._stash(fb.req_pool_indices, g[last], _rows(info, starts))
+        self.runner._stash(fb.req_pool_indices, g[last])
         return sample
 
     def _reject(self, fb: ForwardBatch, logits: torch.Tensor, ids: torch.Tensor, starts: list[int], k: int):
@@ -259,9 +245,13 @@ class MtpHook:
         return out
 
 
-def _rows(info: SamplingBatchInfo, rows: list[int]) -> SamplingBatchInfo:
-    """`info`'s rows `rows` (host lists; a device info is indexed on its device)."""
-    return _rows_tensor(info, host_int64(rows).to(info.temperatures.device))
+def _on_device(info: SamplingBatchInfo, device: torch.device) -> SamplingBatchInfo:
+    moved = {
+        name: t.to(device, non_blocking=True)
+        for name in SamplingBatchInfo.TENSOR_FIELDS
+        if (t := getattr(info, name)) is not None
+    }
+    return SamplingBatchInfo(**{**info.__dict__, **moved})
 
 
 def _rows_tensor(info: SamplingBatchInfo, rows: torch.Tensor) -> SamplingBatchInfo:
