@@ -108,6 +108,7 @@ def test_the_planner_counts_the_mtp_layers_weights():
     """With NEXTN the MTP layer loads beside the model, so the weights the memory plan holds back are the
     model's and the layer's, byte for byte as they load; without NEXTN the model's alone. (Before, the
     plan left the layer out: on a GPU the pools took its bytes, 3.3 GB for Qwen3-Next-80B in bf16.)"""
+    from sglang.srt.mem_cache.pool_sizing import plan_memory
     from sglang.srt.mem_cache.weight_bytes import weight_bytes_from_config
     from sglang.srt.models.registry import load_model
     from sglang.srt.speculative.draft_layers import load_draft_layers
@@ -126,6 +127,8 @@ def test_the_planner_counts_the_mtp_layers_weights():
             for d in (False, True)
         ]
         assert planned == [param_bytes(model), param_bytes(model) + param_bytes(draft)], dtype
+        # The whole plan for a device (`plan_memory`, from the config alone) holds the same bytes back.
+        assert [plan_memory(a, 10**10).weight_bytes for a in (plain, nextn)] == planned, dtype
         assert param_bytes(draft) > 0.2 * param_bytes(model)  # (one decoder layer of tiny-qwen3-next's 4)
 
 

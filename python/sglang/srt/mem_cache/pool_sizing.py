@@ -137,7 +137,10 @@ def plan_memory(server_args: ServerArgs, device_memory: int, weight_bytes: int |
     with planned_parallel(tp, ep):  # one rank's weights and pools (module docstring)
         if weight_bytes is None:
             weight_bytes = weight_bytes_from_config(
-                config.hf_config, config.torch_dtype, server_args.device
+                config.hf_config,
+                config.torch_dtype,
+                server_args.device,
+                draft_layers=bool(draft_kv_layer_ids(server_args)),  # EAGLE / NEXTN's MTP layer loads too
             ).total
         check_weights_fit(server_args, weight_bytes, device_memory)
         _, fraction = cache_budget_bytes(
