@@ -32,6 +32,7 @@ from sglang.srt.server_args_checks import (
     resolve_auto_parsers,
 )
 from sglang.srt.server_args_cli import add_cli_args
+from sglang.srt.server_args_hicache import HiCacheArgs, check_hicache_flags
 from sglang.srt.server_args_parallel import check_parallel_flags
 from sglang.srt.server_args_upstream import add_upstream_cli_args, check_upstream_args
 from sglang.srt.speculative.draft_layers import DEFAULT_MTP_STEPS, MTP_ALGORITHMS
@@ -51,7 +52,7 @@ BODY_BYTES_BASE = 1 << 20
 
 
 @dataclass
-class ServerArgs:
+class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_hicache.py)
     # Model and tokenizer
     model_path: str = DEFAULT_MODEL
     tokenizer_path: str | None = None
@@ -214,6 +215,7 @@ class ServerArgs:
         self._handle_pd_disaggregation()
         self._handle_speculative()
         self._handle_mamba_strategy()
+        check_hicache_flags(self)
         # Resolved once; components read it, not the flags (`mem_cache/mamba_strategy.py`).
         self.mamba_strategy = MambaStrategy.resolve(
             self.mamba_scheduler_strategy,

@@ -24,6 +24,7 @@ from sglang.srt.server_args_checks import (
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
 )
+from sglang.srt.server_args_hicache import add_hicache_cli_args
 from sglang.srt.server_args_parallel import add_parallel_cli_args
 
 
@@ -324,6 +325,7 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
         choices=MAMBA_SCHEDULER_STRATEGY_CHOICES,
     )
     g.add_argument("--mamba-track-interval", type=int, default=None)
+    add_hicache_cli_args(parser)
 
     g = parser.add_argument_group(
         "prefill/decode disaggregation",

@@ -281,7 +281,12 @@ def test_every_accepted_flag_parses_and_other_values_are_refused():
     [
         (["--dp-size", "2"], {"dp_size": 2}),
         (["--ep-size", "2"], "refused"),
-        (["--enable-hierarchical-cache"], "refused"),
+        (["--enable-hierarchical-cache"], {"enable_hierarchical_cache": True}),  # (issue 58)
+        (
+            ["--enable-hicache", "--hicache-ratio", "3"],
+            {"enable_hierarchical_cache": True, "hicache_ratio": 3.0},
+        ),
+        (["--hicache-storage-backend", "mooncake"], "refused"),
         (["--quantization", "awq"], "refused"),  # (fp8 is implemented: test_fp8_checkpoints.py)
         (["--speculative-draft-load-format", "auto"], "refused"),
         (["--base-gpu-id", "0"], {}),

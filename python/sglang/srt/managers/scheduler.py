@@ -48,12 +48,11 @@ from sglang.srt.managers.scheduler_components.tp_broadcast import (
     ParallelRank,
     join_parallel_group,
 )
+from sglang.srt.managers.scheduler_components.tree_cache_factory import attach_tree_cache, create_tree_cache
 from sglang.srt.managers.scheduler_components.weight_update import WeightUpdate
 from sglang.srt.managers.scheduler_components.weights_update_group import WeightsUpdateGroups
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
-from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import alloc_for_decode
-from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
 from sglang.srt.sampling.penaltylib import PenaltySlots
@@ -78,8 +77,9 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         self.pool_sizes = sizes
         self.req_to_token_pool = self.model_runner.req_to_token_pool
         self.token_allocator = PagedTokenAllocator(sizes.max_total_tokens, server_args.page_size)
-        cache_cls = ChunkCache if server_args.disable_radix_cache else MambaRadixCache
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.token_allocator, server_args.page_size)
+        self.tree_cache = create_tree_cache(
+            server_args, self.model_runner, self.req_to_token_pool, self.token_allocator
+        )
         self.tracker = MambaTracker(self.req_to_token_pool, self.tree_cache, server_args.mamba_track_interval)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.max_running_requests = sizes.max_running_requests
@@ -104,6 +104,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
 
         future_size = 8 * self.max_running_requests + 64
         self.worker = ForwardWorker(self.model_runner, future_size)
+        attach_tree_cache(self.tree_cache, self.worker)
         self.loop_times = LoopTimes()
         self.inflight = InflightBatches(self.worker.future_size)  # built and not yet processed
         self.penalty_slots = PenaltySlots()  # rows of the model runner's output token counts

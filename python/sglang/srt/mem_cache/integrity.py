@@ -4,7 +4,8 @@ the property tests):
     free + held by requests + reserved by an open group + held by the tree == total
 
 for KV pages and mamba slots, with no page or slot in two places, plus the request rows and the tree's
-own invariants. Every holder is counted: running slots, track slots, COW destinations of waiting
+own invariants; with a host tier, the same for its KV pages and state slots (free + host tree == total).
+Every holder is counted: running slots, track slots, COW destinations of waiting
 requests, an open allocation group, tree nodes.
 """
 
@@ -48,6 +49,9 @@ def check_accounting(
     assert rows == req_to_token_pool.size, (
         f"Request rows leaked: {rows} of {req_to_token_pool.size} accounted"
     )
+    host_counts = getattr(tree, "host_counts", None)
+    if host_counts is not None:  # the host tier (hiradix_cache.py): free + held by the host tree == total
+        assert host_counts() == (0, 0), f"Host tier leaked (pages, slots off by): {host_counts()}"
 
 
 def _partition(what: str, total: set[int], holders: dict[str, list[int]]) -> None:
@@ -105,6 +109,9 @@ def check_integrity(
     if sanity is None:
         return
     sanity()
+    check_host = getattr(tree, "check_host_integrity", None)
+    if check_host is not None:
+        check_host()
     holders = [r for r in reqs if r.last_node is not None and r.last_node is not tree.root]
     locks = Counter(id(r.last_node) for r in holders)
     pins = Counter(id(r.last_node) for r in holders if tree.pins_checkpoint(r))

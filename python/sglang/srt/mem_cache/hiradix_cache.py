@@ -1,0 +1,287 @@
+"""`HiMambaRadixCache`: the radix cache with a host-memory tier (`--enable-hierarchical-cache`, upstream's
+HiCache for hybrid models).
+
+Two trees over the same token space: the device tree (this class, a `MambaRadixCache`: its nodes hold
+device KV slots and device checkpoints) and the host tree (`host_tree`, a `MambaRadixCache` over the host
+pools' allocators). A prefix with a checkpoint is resident on the device, on host, or both: a device
+checkpoint node whose path and checkpoint the host tree holds too is "both" (`residency`). Each tree keeps
+its own LRU, locks and accounting identity; the host tree's is checked with the device's
+(`check_host_integrity`, called by `integrity.check_integrity`).
+
+Backups (device -> host) by `--hicache-write-policy`:
+- `write_through`: every checkpoint the device tree takes is backed up (with its path's KV) as soon as
+  the batch that writes it has run;
+- `write_through_selective`: a checkpoint is backed up once it has been hit `SELECTIVE_THRESHOLD` times
+  (upstream's rule: write through only what is reused);
+- `write_back`: a checkpoint is backed up when the device tree evicts it.
+Under every policy a checkpoint whose backup is due but not yet recorded is backed up when evicted. A
+backup that finds no room on host after host eviction (LRU, never a node being loaded) is skipped.
+
+Loads (host -> device): a match for a request (admission) whose deepest host checkpoint lies deeper than
+the device's allocates device KV pages for the part of the path the device lacks and one slot, records
+the copies, and inserts that path into the device tree with the slot as its checkpoint; the match then
+hits it as any device checkpoint. A node's state is loaded with its KV in the same sealed batch of
+copies, never apart. Copies run on the forward stream before the batch (`HiCacheController`).
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
+from sglang.srt.mem_cache.base_prefix_cache import MatchResult
+from sglang.srt.mem_cache.common import alloc_mamba_slot, evict_from_tree_cache
+from sglang.srt.mem_cache.hicache_controller import HiCacheController, HiCacheCopies
+from sglang.srt.mem_cache.host_pool import HostPools
+from sglang.srt.mem_cache.integrity import _partition
+from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+from sglang.srt.mem_cache.mamba_tree import MambaTree, TreeNode
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MHATokenToKVPool
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+SELECTIVE_THRESHOLD = 2
+
+
+def path_values(node: TreeNode) -> list[int]:
+    parts = []
+    while node is not None:
+        parts.append(node.value)
+        node = node.parent
+    out: list[int] = []
+    for part in reversed(parts):
+        out.extend(part)
+    return out
+
+
+def hold_path(tree: MambaTree, node: TreeNode, delta: int) -> None:
+    """Protect (delta 1) or release (-1) the KV of `node`'s path against eviction for the span of one
+    operation, whatever the node holds (a tombstone too); the tree's own counters move as for a lock."""
+    while node is not tree.root:
+        before = node.full_lock_ref
+        node.full_lock_ref += delta
+        if (before == 0) != (node.full_lock_ref == 0):
+            sign = 1 if before == 0 else -1
+            tree.full_evictable_size_ -= sign * len(node.value)
+            tree.full_protected_size_ += sign * len(node.value)
+        node = node.parent
+
+
+def prune_tombstone_leaf(tree: MambaRadixCache, node: TreeNode) -> None:
+    if node is not tree.root and node.is_leaf and node.mamba_value is None and node.full_lock_ref == 0:
+        tree._evict_leaf(node)
+
+
+class HiMambaRadixCache(MambaRadixCache):
+    def __init__(
+        self,
+        req_to_token_pool: HybridReqToTokenPool,
+        token_allocator: PagedTokenAllocator,
+        page_size: int,
+        kv_pool: MHATokenToKVPool,
+        write_policy: str = "write_through",
+        ratio: float = 2.0,
+        size_gb: int = 0,
+        io_backend: str = "kernel",
+    ):
+        assert write_policy in WRITE_POLICIES, write_policy
+        self.write_policy = write_policy
+        self.host = HostPools(kv_pool, req_to_token_pool.mamba_pool, ratio, size_gb)
+        self.controller = HiCacheController(self.host, io_backend)
+        owner = SimpleNamespace(
+            strategy=SimpleNamespace(
+                extra_buffer=True, cache_chunk_size=req_to_token_pool.strategy.cache_chunk_size, lazy=False
+            ),
+            mamba_allocator=self.host.slot_allocator,
+        )
+        self.host_tree = MambaRadixCache(owner, self.host.token_allocator, page_size)
+        self.stamps: dict[int, int] = {}  # device checkpoint node id -> epoch its checkpoint was set
+        self.due: dict[int, TreeNode] = {}  # checkpoints whose backup is due
+        self.hits: dict[int, int] = {}  # write_through_selective: hits per checkpoint node
+        self._loading = False
+        super().__init__(req_to_token_pool, token_allocator, page_size)
+
+    def reset(self) -> None:
+        super().reset()
+        self.host_tree.reset()
+        self.host.clear()
+        self.controller.clear()
+        self.stamps, self.due, self.hits = {}, {}, {}
+
+    # ---- residency -----------------------------------------------------------------------------------
+
+    def _host_end(self, key: list[int], namespace: str | None) -> TreeNode | None:
+        """The host node holding a checkpoint exactly at the end of `key`, if any."""
+        path, matched = self.host_tree._walk(key, namespace)
+        if not path or matched != len(key) or path[-1][0].mamba_value is None:
+            return None
+        return path[-1][0]
+
+    def residency(self, node: TreeNode) -> str:
+        """'both' when the host tier holds this device checkpoint's path and state too, else 'device'
+        (prefixes only on host are the host tree's: `host_tree`)."""
+        return "both" if self._host_end(node.path_key(), node.namespace) is not None else "device"
+
+    # ---- backups -------------------------------------------------------------------------------------
+
+    def _set_checkpoint(self, node: TreeNode, slot: int) -> None:
+        super()._set_checkpoint(node, slot)
+        self.stamps[node.id] = self.controller.epoch
+        if self.write_policy == "write_through" and not self._loading:
+            self.due[node.id] = node
+
+    def _drop_checkpoint(self, node: TreeNode) -> None:
+        due = node.id in self.due or self.write_policy == "write_back"
+        if due and self.stamps[node.id] < self.controller.epoch:
+            self._backup(node)
+        elif due:
+            self.controller.stats["backups_skipped_unwritten"] += 1
+        self.stamps.pop(node.id, None)
+        self.due.pop(node.id, None)
+        self.hits.pop(node.id, None)
+        super()._drop_checkpoint(node)
+
+    def _backup(self, node: TreeNode) -> bool:
+        """Record the copy of `node`'s path KV (what the host lacks of it) and checkpoint to host and
+        insert them into the host tree; False if the host tier has no room even after evicting."""
+        key, ns = node.path_key(), node.namespace
+        host_tree, page = self.host_tree, self.page_size
+        path, matched = host_tree._walk(key, ns)
+        end = path[-1][0] if path else host_tree.root
+        if matched == len(key) and end.mamba_value is not None:
+            host_tree.mamba_lru.touch(end)
+            return True
+        host_alloc, slots = self.host.token_allocator, self.host.slot_allocator
+        hold_path(host_tree, end, 1)
+        room = evict_from_tree_cache(host_tree, host_alloc, (len(key) - matched) // page, slots, 1)
+        hold_path(host_tree, end, -1)
+        if not room:
+            prune_tombstone_leaf(host_tree, end)
+            self.controller.stats["backups_no_room"] += 1
+            return False
+        pages = host_alloc.alloc_pages((len(key) - matched) // page)
+        host_slot = slots.alloc(1)[0]
+        new_kv = [p * page + i for p in pages for i in range(page)]
+        host_kv = (path_values(end) if end is not host_tree.root else []) + new_kv
+        res = host_tree.insert(key, host_kv, host_slot, matched, ns)
+        assert not res.mamba_exist
+        self.controller.backup(path_values(node)[matched:], new_kv, node.mamba_value, host_slot)
+        return True
+
+    def take_pending_state_copies(self) -> HiCacheCopies:
+        """Once per batch, at its preparation: record the backups that are due and written, then seal
+        every copy recorded so far into this batch (with the tree's own state copies)."""
+        epoch = self.controller.epoch
+        for node_id, node in list(self.due.items()):
+            if self.stamps[node_id] < epoch:
+                del self.due[node_id]
+                self._backup(node)
+        return self.controller.seal(super().take_pending_state_copies())
+
+    def before_batch(self, item) -> None:  # noqa: ANN001 - a LaunchedBatch (forward worker hook)
+        """On the forward stream, before the batch: its sealed copies."""
+        if isinstance(item.state_copies, HiCacheCopies):
+            self.controller.run(item.state_copies)
+
+    # ---- loads ---------------------------------------------------------------------------------------
+
+    def match_prefix(
+        self, key: list[int], cow_mamba: bool = False, req: Req | None = None, namespace: str | None = None
+    ) -> MatchResult:
+        if req is not None:
+            self._load_from_host(key, req.extra_key)
+        res = super().match_prefix(key, cow_mamba, req, namespace)
+        node = res.last_device_node
+        if req is not None and self.write_policy == "write_through_selective" and node is not self.root:
+            self.hits[node.id] = self.hits.get(node.id, 0) + 1
+            if self.hits[node.id] >= SELECTIVE_THRESHOLD:
+                self.due[node.id] = node
+        return res
+
+    def _load_from_host(self, key: list[int], ns: str | None) -> None:
+        key = key[: self._page_aligned(len(key))]
+        host_tree = self.host_tree
+        if not host_tree.root.children:
+            return
+        key = key if isinstance(key, array) else array("q", key)
+        hpath, _ = host_tree._walk(key, ns)
+        src, depth = None, 0
+        for child, start in hpath:
+            if child.mamba_value is not None:
+                src, depth = child, start + len(child.key)
+        if src is None:
+            return
+        full_path, _ = self._walk(key, ns)
+        if any(n.mamba_value is not None and s + len(n.key) >= depth for n, s in full_path):
+            return  # the device holds a checkpoint as deep already
+        dpath, dev_matched = self._walk(key[:depth], ns)
+        host_tree.inc_lock_ref(src)
+        dev_end = dpath[-1][0] if dpath else self.root
+        hold_path(self, dev_end, 1)
+        need = (depth - dev_matched) // self.page_size
+        room = evict_from_tree_cache(self, self.token_allocator, need)
+        slot = alloc_mamba_slot(self, self.mamba_allocator)[0] if room else None
+        hold_path(self, dev_end, -1)
+        if slot is None:
+            host_tree.dec_lock_ref(src)
+            prune_tombstone_leaf(self, dev_end)
+            self.controller.stats["loads_no_room"] += 1
+            return
+        page = self.page_size
+        new_kv = [p * page + i for p in self.token_allocator.alloc_pages(need) for i in range(page)]
+        dev_kv = (path_values(dev_end) if dev_end is not self.root else []) + new_kv
+        self._loading = True
+        try:
+            res = self.insert(key[:depth], dev_kv, slot, dev_matched, ns)
+        finally:
+            self._loading = False
+        assert not res.mamba_exist
+        host_kv = path_values(src)
+        self.controller.load(host_kv[dev_matched:depth], new_kv, src.mamba_value, slot)
+        host_tree.mamba_lru.touch(src)
+        host_tree.dec_lock_ref(src)
+        self.controller.stats["host_hit_tokens"] += depth
+
+    # ---- accounting ----------------------------------------------------------------------------------
+
+    def check_host_integrity(self) -> None:
+        """The host tier's identity (free + held by the host tree == total, for host KV pages and state
+        slots, none held twice), the host tree's invariants, no host lock left, and the device-side
+        bookkeeping naming only live device checkpoints."""
+        host_tree, host = self.host_tree, self.host
+        host_tree.sanity_check()
+        alloc, slots = host.token_allocator, host.slot_allocator
+        _partition(
+            "host KV page",
+            set(range(1, alloc.num_pages + 1)),
+            {
+                "free": list(alloc._free_pages),
+                "tree": sorted({t // alloc.page_size for t in host_tree.held_kv_slots()}),
+            },
+        )
+        _partition(
+            "host state slot",
+            set(range(1, slots.size + 1)),
+            {"free": list(slots._free), "tree": host_tree.held_mamba_slots()},
+        )
+        assert all(n.full_lock_ref == 0 for n in host_tree.nodes() if n is not host_tree.root), (
+            "host lock left"
+        )
+        live = {n.id for n in self.nodes() if n.mamba_value is not None}
+        assert set(self.stamps) == live, "stamps must name exactly the device checkpoints"
+        assert set(self.due) <= live and set(self.hits) <= live
+
+    def host_counts(self) -> tuple[int, int]:
+        """(host KV pages, host slots) accounted by counts: free + held by the host tree - total (0, 0)."""
+        alloc, slots, t = self.host.token_allocator, self.host.slot_allocator, self.host_tree
+        return (
+            alloc.free_pages() + t.total_size() // alloc.page_size - alloc.num_pages,
+            slots.free_list_size() + t.mamba_total_size() - slots.size,
+        )

@@ -1,0 +1,111 @@
+"""`HostPools`: the host-memory tier of the hierarchical cache (`--enable-hierarchical-cache`): KV pages of
+the full-attention layers and recurrent-state snapshots, in CPU tensors laid out as the device pools are
+(pinned when the device pools are on CUDA, so copies to and from them can run asynchronously), with their
+own allocators (host ints, as on the device).
+
+Sizes: `--hicache-size` GB (when > 0), split between KV and states in the device pools' byte ratio; else
+`--hicache-ratio` times the device pools (tokens and slots). Upstream's rule holds: the host tier is at
+least as large as the device pools (write-through keeps what the device holds on host too).
+
+The copies (`backup_*`: device -> host, `load_*`: host -> device) read and write the pools' tensors: they
+run on the forward stream only (`HiCacheController` queues them), never on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
+from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
+
+GB = 1 << 30
+
+
+class HostPoolSizeError(ValueError):
+    """The host tier the flags ask for is smaller than the device pools (a startup error)."""
+
+
+def _bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class HostPools:
+    def __init__(self, kv_pool: MHATokenToKVPool, mamba_pool: MambaPool, ratio: float, size_gb: int):
+        self.kv_pool, self.mamba_pool = kv_pool, mamba_pool
+        page = kv_pool.page_size
+        dev_tokens, dev_slots = kv_pool.size, mamba_pool.size
+        kv_bytes = _bytes([*kv_pool.k_buffer, *kv_pool.v_buffer]) / max(1, dev_tokens)  # per token
+        state_bytes = _bytes([mamba_pool.conv_state[:, :1], mamba_pool.ssm_state[:, :1]])  # per slot
+        if size_gb > 0:
+            budget = size_gb * GB
+            dev_total = kv_bytes * dev_tokens + state_bytes * dev_slots
+            share = budget / dev_total
+            tokens, slots = int(dev_tokens * share), int(dev_slots * share)
+            asked = f"--hicache-size {size_gb}"
+        else:
+            tokens, slots = int(dev_tokens * ratio), int(dev_slots * ratio)
+            asked = f"--hicache-ratio {ratio:g}"
+        tokens -= tokens % page
+        if tokens < dev_tokens or slots < dev_slots:
+            raise HostPoolSizeError(
+                f"{asked} gives a host tier of {tokens} KV tokens and {slots} state slots, smaller than the "
+                f"device pools ({dev_tokens} tokens, {dev_slots} slots): the host tier must hold at least "
+                "what the device does; raise it."
+            )
+        self.page_size = page
+        self.token_allocator = PagedTokenAllocator(tokens, page)
+        self.slot_allocator = MambaSlotAllocator(slots)
+        pin = kv_pool.k_buffer[0].device.type == "cuda" if kv_pool.k_buffer else False
+
+        def like(t: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = rows
+            return torch.zeros(shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+
+        rows = (tokens // page + 1) * page  # page 0 is a dummy, as on the device
+        self.k_buffer = [like(t, rows, 0) for t in kv_pool.k_buffer]
+        self.v_buffer = [like(t, rows, 0) for t in kv_pool.v_buffer]
+        self.conv_state = like(mamba_pool.conv_state, slots + 1, 1)
+        self.ssm_state = like(mamba_pool.ssm_state, slots + 1, 1)
+        self.nbytes = _bytes([*self.k_buffer, *self.v_buffer, self.conv_state, self.ssm_state])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_allocator.size
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_allocator.size
+
+    def clear(self) -> None:
+        self.token_allocator.clear()
+        self.slot_allocator.clear()
+
+    # ---- copies (forward stream only) ---------------------------------------------------------------
+
+    def backup_kv(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        for src_k, src_v, dst_k, dst_v in zip(
+            self.kv_pool.k_buffer, self.kv_pool.v_buffer, self.k_buffer, self.v_buffer, strict=True
+        ):
+            dst_k[host_slots] = src_k[device_slots].to("cpu")
+            dst_v[host_slots] = src_v[device_slots].to("cpu")
+
+    def load_kv(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        for src_k, src_v, dst_k, dst_v in zip(
+            self.k_buffer, self.v_buffer, self.kv_pool.k_buffer, self.kv_pool.v_buffer, strict=True
+        ):
+            dst_k[device_slots] = src_k[host_slots].to(dst_k.device)
+            dst_v[device_slots] = src_v[host_slots].to(dst_v.device)
+
+    def backup_states(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        mp = self.mamba_pool
+        self.conv_state[:, host_slots] = mp.conv_state[:, device_slots].to("cpu")
+        self.ssm_state[:, host_slots] = mp.ssm_state[:, device_slots].to("cpu")
+
+    def load_states(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        mp = self.mamba_pool
+        mp.conv_state[:, device_slots] = self.conv_state[:, host_slots].to(mp.conv_state.device)
+        mp.ssm_state[:, device_slots] = self.ssm_state[:, host_slots].to(mp.ssm_state.device)

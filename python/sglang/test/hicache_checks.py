@@ -1,0 +1,108 @@
+"""Checks of the hierarchical cache's host tier, shared by test_hicache.py (per commit) and
+test_hicache_nightly.py: a conversation evicted from the device and hit again from host, and a random
+workload under device and host pressure with the integrity check after every step."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+
+
+def hicache_harness(preset: str, strategy: str, policy: str, **kw: Any) -> SchedulerHarness:
+    args = dict(
+        mamba_scheduler_strategy=strategy,
+        max_mamba_cache_size=6,
+        max_total_tokens=2048,
+        max_running_requests=2,
+        enable_hierarchical_cache=True,
+        hicache_write_policy=policy,
+        hicache_ratio=8,
+    )
+    args.update(kw)
+    return SchedulerHarness(preset, **args)
+
+
+def evicted_conversation_hits_host(oracles, preset: str, strategy: str, policy: str, **kw: Any) -> dict:
+    """Turn 1 of conversation A; (write_through_selective: A's prefix is hit twice more, its policy's
+    threshold); 8 other conversations push A's checkpoints off the device (6 slots); turn 2 of A
+    (turn 1 + its answer + 20 new tokens) must hit from host. Checks the oracle (raises on a mismatch)
+    and the integrity after every request; returns what the caller asserts."""
+    h = hicache_harness(preset, strategy, policy, **kw)
+    try:
+        tree = h.sched.tree_cache
+        a = token_ids(200, seed=1)
+        first = h.generate(a, max_new_tokens=4)
+        turn1 = a + first.output_ids
+        if policy == "write_through_selective":
+            for i in range(2):
+                h.generate(turn1 + token_ids(8, seed=50 + i), max_new_tokens=1)
+        for i in range(8):
+            h.generate(token_ids(300, seed=10 + i), max_new_tokens=4)
+            h.sched.check_integrity()
+        device_len = tree.match_prefix(turn1).last_device_node
+        evicted = device_len is tree.root or device_len.path_len() < len(turn1) - 1
+        prompt = turn1 + token_ids(20, seed=99)
+        before = dict(tree.controller.stats)
+        second = h.generate(prompt, max_new_tokens=6)
+        h.sched.check_integrity()
+        err = h.check_oracle(oracles[preset], prompt, second)
+        loaded = tree.controller.stats["load_states"] - before.get("load_states", 0)
+        h.flush_and_check_empty()
+        return {
+            "cached": second.cached_tokens,
+            "first_turn_len": len(turn1),
+            "loaded_states": loaded,
+            "evicted_from_device": evicted,
+            "oracle_err": err,
+        }
+    finally:
+        h.shutdown()
+
+
+def random_pressure_workload(
+    oracles, preset: str, strategy: str, policy: str, seed: int, requests: int = 24, **kw: Any
+) -> dict:
+    """Requests drawn from 6 conversations (continuations, repeats, new ones) on pools far smaller than
+    the workload, the host tier only twice the device: device and host evictions both run. After every
+    scheduler step: the host tier's identity and tree invariants, and whenever nothing is in flight (every
+    step without overlap) the full walk of both tiers (`check_integrity`). Every request
+    matches the oracle."""
+    rng = random.Random(seed)
+    kw.setdefault("hicache_ratio", 2)
+    h = hicache_harness(preset, strategy, policy, **kw)
+    sched, tree = h.sched, h.sched.tree_cache
+    try:
+        convs: list[list[int]] = [token_ids(rng.randint(60, 260), seed=1000 + i) for i in range(6)]
+        jobs = []
+        for _ in range(requests):
+            c = rng.randrange(len(convs))
+            prompt = convs[c] + token_ids(rng.randint(1, 40), seed=rng.randrange(10**6))
+            jobs.append((h.submit(prompt, max_new_tokens=rng.randint(1, 12)), prompt, c))
+            for _ in range(rng.randint(1, 4)):
+                sched.step()
+                _check_step(sched, tree)
+            h.collect()
+            for rid, p, ci in jobs:
+                out = h.outputs[rid]
+                if out.finished_reason is not None and len(p + out.output_ids) > len(convs[ci]):
+                    convs[ci] = p + out.output_ids  # the conversation goes on from its latest turn
+        while sched.step():
+            _check_step(sched, tree)
+        h.collect()
+        sched.check_integrity()
+        for rid, prompt, _ in jobs:
+            h.check_oracle(oracles[preset], prompt, h.outputs[rid])
+        stats = dict(tree.controller.stats)
+        stats["cached_tokens"] = sum(h.outputs[rid].cached_tokens for rid, _, _ in jobs)
+        h.flush_and_check_empty()
+        return stats
+    finally:
+        h.shutdown()
+
+
+def _check_step(sched, tree) -> None:
+    tree.check_host_integrity()
+    if not sched.in_flight:
+        sched.check_integrity()

@@ -1,0 +1,93 @@
+"""The hierarchical cache's host tier (`--enable-hierarchical-cache`, mem_cache/hiradix_cache.py): a
+conversation whose checkpoint the device tree evicted is loaded back from host on its next turn and
+gives the oracle's logprobs; without the load's state copy it does not (negative control); the flags'
+refusals. The all-strategies / all-policies sweep and the random pressure workload are nightly
+(test_hicache_nightly.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.mem_cache.host_pool import HostPools
+from sglang.srt.server_args import ServerArgsError, prepare_server_args
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.hicache_checks import evicted_conversation_hits_host
+from sglang.test.scheduler_harness import ORACLE_TOL
+
+register_cpu_ci(est_time=20, suite="per-commit-cpu")
+
+PRESET = ["--model-path", "tiny-qwen3-next"]
+
+
+def test_a_conversation_evicted_to_host_hits_it_and_matches_the_oracle(oracles):
+    """Device pool of 6 slots, 8 other conversations in between: the first one's checkpoints leave the
+    device; its next turn loads them from host (cached tokens = the whole first turn but its last
+    token) and its logprobs equal the transformers oracle's within 1e-4 (float32; measured ~2e-6, the
+    same as a cold prefill's own error)."""
+    r = evicted_conversation_hits_host(oracles, "tiny-qwen3-next", "extra_buffer_lazy", "write_through")
+    assert r["cached"] == r["first_turn_len"] - 1
+    assert r["loaded_states"] == 1 and r["evicted_from_device"]
+    assert r["oracle_err"] <= ORACLE_TOL
+
+
+def test_without_the_state_load_the_hit_is_wrong(oracles, monkeypatch):
+    """Negative control: the load copies the KV but not the state snapshot; the hit then resumes from a
+    stale slot and the logprobs leave the oracle by far more than the tolerance."""
+    monkeypatch.setattr(HostPools, "load_states", lambda self, host_slots, device_slots: None)
+    with pytest.raises(AssertionError, match="dlogprob"):
+        evicted_conversation_hits_host(oracles, "tiny-qwen3-next", "extra_buffer_lazy", "write_through")
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (
+            ["--enable-hierarchical-cache", "--disable-radix-cache"],
+            "^--enable-hierarchical-cache needs the radix",
+        ),
+        (["--hicache-storage-backend", "file"], "^--hicache-storage-backend file is not supported"),
+        (["--hicache-storage-backend", "mooncake"], "^--hicache-storage-backend mooncake is not supported"),
+        (["--hicache-write-policy", "write_around"], "^--hicache-write-policy must be one of"),
+        (["--hicache-io-backend", "mmap"], "^--hicache-io-backend must be one of"),
+        (["--hicache-ratio", "0.5"], "^--hicache-ratio must be at least 1"),
+        (["--hicache-size", "-1"], "^--hicache-size must be"),
+        (
+            ["--enable-hierarchical-cache", "--speculative-algorithm", "NGRAM"],
+            "^--enable-hierarchical-cache is not",
+        ),
+    ],
+)
+def test_bad_flags_are_refused_in_one_sentence(argv, words):
+    with pytest.raises(ServerArgsError, match=words):
+        prepare_server_args(argv + PRESET)
+
+
+def test_flags_take_upstream_names_and_defaults():
+    args = prepare_server_args(PRESET)
+    assert (args.enable_hierarchical_cache, args.hicache_ratio, args.hicache_size) == (False, 2.0, 0)
+    assert (args.hicache_write_policy, args.hicache_io_backend, args.hicache_storage_backend) == (
+        "write_through",
+        "kernel",
+        None,
+    )
+    args = prepare_server_args(PRESET + ["--enable-hicache", "--hicache-write-policy", "write_back"])
+    assert args.enable_hierarchical_cache and args.hicache_write_policy == "write_back"
+
+
+def test_a_host_tier_smaller_than_the_device_is_a_startup_error():
+    """--hicache-size too small for the device pools: one sentence naming the flag (upstream's rule: the
+    host tier holds at least what the device does)."""
+
+    class Pool:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    kv = Pool(size=1 << 20, page_size=1, k_buffer=[torch.zeros(1 << 20, 64, 64, device="meta")], v_buffer=[])
+    mp = Pool(
+        size=64,
+        conv_state=torch.zeros(1, 65, 4, device="meta"),
+        ssm_state=torch.zeros(1, 65, 4, device="meta"),
+    )
+    with pytest.raises(ValueError, match="^--hicache-size 1 gives a host tier of"):
+        HostPools(kv, mp, ratio=2.0, size_gb=1)
