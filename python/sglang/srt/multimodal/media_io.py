@@ -1,19 +1,34 @@
-"""Reading a request's media items (`image_data`: a file path, base64 bytes, or a
-`data:image/...;base64,` URI) into bytes and decoded images, each within this server's bounds.
+"""Reading a request's media items (`image_data`: an http(s) URL, a file path or `file://` URI, base64
+bytes, or a `data:image/...;base64,` URI) into bytes and decoded images, each within this server's bounds.
 
-Each image's header is read before its pixels, so an image over `MAX_IMAGE_PIXELS` is refused without
-being decoded; remote URLs are refused (this server fetches nothing).
+Who may name what (`MediaPolicy`, from the media flags in `server_args_media.py`):
+- the number of items is checked first, before any is read (--limit-mm-data-per-request);
+- a file path is read for an in-process caller (`Engine.generate`: `trusted`) wherever it is; for an HTTP
+  client only when it resolves (symlinks followed) inside --allowed-local-media-path, and the refusal of
+  any other path says the same whether the file exists or not;
+- a URL is fetched by `media_fetch` (off the event loop, in this reader's own fetch threads, so URLs that
+  never answer cannot hold the threads that decode other requests' images), for every caller alike.
+
+`MediaReader.read` turns every item into bytes before the image processor sees it; `load_image` then
+reads each image's header before its pixels, so an image over `MAX_IMAGE_PIXELS` is refused undecoded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
 import os
+import stat
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.multimodal.media_fetch import FetchPolicy, fetch_url, is_url
 
 FIELD = "image_data"
 # The largest image decoded, in pixels (width x height): beyond it the decode alone takes seconds and
@@ -21,38 +36,184 @@ FIELD = "image_data"
 MAX_IMAGE_PIXELS = 8192 * 8192
 # The largest image file read from a path (base64 items are bounded by the request body's limit).
 MAX_IMAGE_FILE_BYTES = 64 << 20
+# Longest string tried as a file path (Linux's PATH_MAX): a base64 image is not resolved as one.
+MAX_PATH_CHARS = 4096
+# URL fetches running at once, over all requests; a fetch holds its thread until its deadline at most.
+FETCH_THREADS = 16
+# The modality of each media field, as --limit-mm-data-per-request names them.
+MODALITY = {"image_data": "image", "video_data": "video", "audio_data": "audio"}
 
 
-def _image_bytes(item: Any, where: str) -> bytes:
-    if isinstance(item, bytes):
-        return item
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What a request's media items may make this server read (docs/multimodal.md)."""
+
+    # HTTP clients may name files inside this directory (a realpath); None: no file.
+    allowed_local_media_path: str | None = None
+    # Most items per prompt of a request, by modality (--limit-mm-data-per-request).
+    limit_per_request: dict[str, int] = field(default_factory=lambda: {"image": 32})
+    # How URLs are fetched; None: they are refused (--disable-media-url-fetch).
+    fetch: FetchPolicy | None = field(default_factory=FetchPolicy)
+
+    @classmethod
+    def from_server_args(cls, args: Any) -> MediaPolicy:
+        fetch = None
+        if not args.disable_media_url_fetch:
+            mb = args.media_url_max_file_size_mb
+            fetch = FetchPolicy(frozenset(args.allowed_media_domains or ()), mb << 20 if mb else None)
+        return cls(args.allowed_local_media_path, dict(args.limit_mm_data_per_request), fetch)
+
+
+class MediaReader:
+    """Reads requests' media items into bytes under one `MediaPolicy`, off the event loop."""
+
+    def __init__(self, policy: MediaPolicy):
+        self.policy = policy
+        self._fetch_threads = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="media-fetch")
+
+    def close(self) -> None:
+        self._fetch_threads.shutdown(wait=False, cancel_futures=True)
+
+    async def read(self, data: Any, param: str, is_batch: bool, trusted: bool) -> Any:
+        """`data` (one item, a list, or for a batch one entry per prompt) with every item as bytes.
+        RequestError naming `param` for too many items (before any is read) or an item it may not read."""
+        self.check_count(data, param, is_batch)
+        fetch = self.policy.fetch
+        deadline = time.monotonic() + (fetch.timeout_s if fetch is not None else 0.0)
+        loop = asyncio.get_running_loop()
+
+        async def one(item: Any, where: str) -> Any:
+            if isinstance(item, bytes) or item is None:
+                return item
+            if is_url(item):
+                if fetch is None:
+                    raise RequestError(
+                        f"{where} is a URL, and this server fetches none (--disable-media-url-fetch): "
+                        "send the image as base64 or a data URI.",
+                        param,
+                    )
+                return await loop.run_in_executor(
+                    self._fetch_threads, fetch_url, item, where, param, fetch, deadline
+                )
+            return await loop.run_in_executor(None, read_local, item, where, param, self.policy, trusted)
+
+        async def walk(node: Any, where: str, depth: int) -> Any:
+            if isinstance(node, list) and depth < 2:
+                return list(await _gather(walk(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node)))
+            return await one(node, where)
+
+        return await walk(data, param, 0 if is_batch else 1)
+
+    def check_count(self, data: Any, param: str, is_batch: bool) -> None:
+        """Refuse a prompt with more items than --limit-mm-data-per-request allows."""
+        modality = MODALITY.get(param, param)
+        limit = self.policy.limit_per_request.get(modality)
+        if limit is None:
+            return
+        entries = data if is_batch and isinstance(data, list) else [data]
+        for p, entry in enumerate(entries):
+            n = len(entry) if isinstance(entry, list) else int(entry is not None)
+            if n > limit:
+                which = f"{param}[{p}]" if is_batch else param
+                raise RequestError(
+                    f"{which} has {n} {modality} items; this server takes at most {limit} per request "
+                    "(--limit-mm-data-per-request).",
+                    param,
+                )
+
+
+async def _gather(coros) -> list[Any]:
+    """The results in order; the first failure cancels the rest (so queued fetches never start)."""
+    tasks = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coros]
+    except BaseExceptionGroup as eg:  # noqa: F821 (a builtin since Python 3.11)
+        raise eg.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+def read_local(item: Any, where: str, param: str, policy: MediaPolicy, trusted: bool) -> bytes:
+    """The bytes of a file path, `file://` URI, base64 string or base64 data URI (not a URL)."""
     if not isinstance(item, str) or not item:
-        raise RequestError(f"{where} must be a file path, base64 or a data URI string.", FIELD)
-    if item.startswith(("http://", "https://")):
+        raise RequestError(f"{where} must be a URL, a file path, base64 or a data URI string.", param)
+    if item.startswith("data:"):
+        header, _, payload = item.partition(",")
+        if ";base64" not in header:
+            raise RequestError(f"{where} is a data URI that is not base64.", param)
+        return _b64(payload, where, param, "a data URI whose payload is not base64")
+    if item.startswith("file://"):
+        path = urllib.parse.unquote(urllib.parse.urlsplit(item).path)
+        data = _allowed_file(path, where, param, policy, trusted)
+        if data is None:
+            raise RequestError(_not_readable(where, policy, trusted), param)
+        return data
+    data = _allowed_file(item, where, param, policy, trusted)
+    if data is not None:
+        return data
+    return _b64(item, where, param, None, _not_readable(where, policy, trusted))
+
+
+def _b64(text: str, where: str, param: str, what: str | None, message: str | None = None) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(message or f"{where} is {what}.", param) from None
+
+
+def _not_readable(where: str, policy: MediaPolicy, trusted: bool) -> str:
+    """The refusal of a string that is no readable item: the same whether a file of that name exists
+    (for an HTTP client) or not, so that it cannot probe the server's files."""
+    if trusted:
+        return f"{where} is neither an existing file, base64, a data URI nor an http(s) URL."
+    if policy.allowed_local_media_path is None:
+        return (
+            f"{where} is not base64, a data URI or an http(s) URL (HTTP requests may name no local file: "
+            "this server sets no --allowed-local-media-path)."
+        )
+    return f"{where} is not base64, a data URI, an http(s) URL, nor a file inside --allowed-local-media-path."
+
+
+def _allowed_file(path: str, where: str, param: str, policy: MediaPolicy, trusted: bool) -> bytes | None:
+    """The file's bytes if this caller may read `path` and it is a regular file; else None."""
+    if len(path) > MAX_PATH_CHARS or "\0" in path:
+        return None
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO must not block the open
+    if not trusted:
+        root = policy.allowed_local_media_path
+        if root is None:
+            return None
+        path = os.path.realpath(path)
+        if os.path.commonpath([path, root]) != root:
+            return None
+        flags |= getattr(os, "O_NOFOLLOW", 0)  # a link swapped in after the realpath is not followed
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a device or a pipe could never end
+            return None
+        if st.st_size > MAX_IMAGE_FILE_BYTES:
+            raise RequestError(f"{where} is a file over {MAX_IMAGE_FILE_BYTES} bytes.", param)
+        data = f.read(MAX_IMAGE_FILE_BYTES + 1)
+    if len(data) > MAX_IMAGE_FILE_BYTES:  # grew since the fstat
+        raise RequestError(f"{where} is a file over {MAX_IMAGE_FILE_BYTES} bytes.", param)
+    return data
+
+
+def load_image(item: Any, where: str):
+    """A decoded RGB PIL image, or a RequestError naming `where`. `item` is bytes (`MediaReader.read`
+    made it so) or a base64 / data-URI string; a path or URL is not read here."""
+    from PIL import Image
+
+    if is_url(item):
         raise RequestError(
             f"{where} is a URL; this server does not fetch remote images: send the image as base64 or a data URI.",
             FIELD,
         )
-    if item.startswith("data:"):
-        header, _, item = item.partition(",")
-        if ";base64" not in header:
-            raise RequestError(f"{where} is a data URI that is not base64.", FIELD)
-    elif os.path.isfile(item):  # a regular file: not a device or a pipe that never ends
-        if os.path.getsize(item) > MAX_IMAGE_FILE_BYTES:
-            raise RequestError(f"{where} is a file over {MAX_IMAGE_FILE_BYTES} bytes.", FIELD)
-        with open(item, "rb") as f:
-            return f.read(MAX_IMAGE_FILE_BYTES + 1)
-    try:
-        return base64.b64decode(item, validate=True)
-    except (binascii.Error, ValueError):
-        raise RequestError(f"{where} is neither an existing file, base64 nor a data URI.", FIELD) from None
-
-
-def load_image(item: Any, where: str):
-    """A decoded RGB PIL image, or a RequestError naming `where`."""
-    from PIL import Image
-
-    data = _image_bytes(item, where)
+    data = item if isinstance(item, bytes) else read_local(item, where, FIELD, MediaPolicy(), trusted=True)
     # This server's bound replaces PIL's (whose error on opening hides the size): checked below.
     Image.MAX_IMAGE_PIXELS = None
     try:

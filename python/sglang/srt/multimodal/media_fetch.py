@@ -1,0 +1,209 @@
+"""Fetching an http(s) media URL of a request, within bounds a client cannot stretch:
+- one deadline for the whole fetch (name resolution aside: the system resolver's own timeouts), set
+  when the request arrived and covering the wait for a fetch thread, every redirect, the headers and
+  the body; when it passes, the connection is shut down under the reading thread, whatever the server
+  trickles;
+- a byte limit checked against Content-Length and while streaming: the body is read in pieces and the
+  fetch ends as soon as it holds one byte over the limit;
+- at most `max_redirects` redirects, each destination checked as the first URL;
+- SSRF: without --allowed-media-domains, a host is fetched only when every address it resolves to is
+  public (not loopback, private, link-local, CGNAT, multicast or reserved); with it, only the hosts it
+  names, at whatever address. The connection goes to the address checked (a DNS answer that changes
+  between the check and the connect is not used), without proxies, and https verifies the certificate
+  for the host name.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+
+from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.server_args_media import normalize_host
+
+REDIRECTS = (301, 302, 303, 307, 308)
+READ_BYTES = 64 << 10
+
+
+def default_timeout_s() -> float:
+    """Upstream SGLang's REQUEST_TIMEOUT environment variable (seconds) names the fetch's time; here it
+    is the deadline of all of a request's URLs (upstream: each socket read). Default 10 s."""
+    import os
+
+    raw = os.environ.get("REQUEST_TIMEOUT")
+    try:
+        value = float(raw) if raw else 10.0
+    except ValueError:
+        raise ValueError(
+            f"Environment variable REQUEST_TIMEOUT={raw!r} is not a number of seconds."
+        ) from None
+    if value <= 0:
+        raise ValueError(f"Environment variable REQUEST_TIMEOUT={raw!r} must be positive.")
+    return value
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    # Exact host names URLs may name (`normalize_host` form); empty: any host with public addresses.
+    allowed_domains: frozenset[str] = frozenset()
+    # Most bytes one URL may send; None: no limit (--media-url-max-file-size-mb 0).
+    max_bytes: int | None = 64 << 20
+    timeout_s: float = field(default_factory=default_timeout_s)
+    max_redirects: int = 5
+
+
+def is_url(item: object) -> bool:
+    return isinstance(item, str) and item[:8].lower().startswith(("http://", "https://"))
+
+
+def fetch_url(url: str, where: str, param: str, policy: FetchPolicy, deadline: float) -> bytes:
+    """The body of `url` (200 after at most `max_redirects` redirects), or a RequestError naming `param`."""
+    for _ in range(policy.max_redirects + 1):
+        if time.monotonic() >= deadline:
+            raise _timeout(where, param, policy)
+        parts, host, port, address = _destination(url, where, param, policy)
+        status, location, body = _get(parts, host, port, address, where, param, policy, deadline)
+        if status == 200:
+            return body
+        if status not in REDIRECTS:
+            raise RequestError(f"{where}: the URL answered HTTP {status}.", param)
+        if not location:
+            raise RequestError(f"{where}: the URL answered HTTP {status} without a Location.", param)
+        url = urllib.parse.urljoin(url, location)
+    raise RequestError(f"{where}: the URL redirected more than {policy.max_redirects} times.", param)
+
+
+def _destination(url: str, where: str, param: str, policy: FetchPolicy):
+    """The URL's parts, host, port and the checked address to connect to."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise RequestError(f"{where}: only http(s) URLs with a host are fetched.", param)
+    if parts.username is not None or parts.password is not None:
+        raise RequestError(f"{where}: a URL with credentials (user@host) is not fetched.", param)
+    try:
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError:
+        raise RequestError(f"{where}: the URL's port is not valid.", param) from None
+    host = normalize_host(parts.hostname)
+    named = host in policy.allowed_domains
+    if policy.allowed_domains and not named:
+        raise RequestError(f"{where}: the host {host} is not in --allowed-media-domains.", param)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        raise RequestError(f"{where}: the host {host} could not be resolved.", param) from None
+    addresses = [info[4][0] for info in infos]
+    if not named:
+        for a in addresses:
+            ip = ipaddress.ip_address(a.split("%")[0])
+            ip = getattr(ip, "ipv4_mapped", None) or ip
+            if not ip.is_global:
+                raise RequestError(
+                    f"{where}: the host {host} has a non-public address; this server fetches from such "
+                    "hosts only when --allowed-media-domains names them.",
+                    param,
+                )
+    return parts, host, port, addresses[0]
+
+
+class _Connection(http.client.HTTPConnection):
+    """HTTP to a checked address, with a duplicate of the socket that another thread can shut down."""
+
+    def __init__(self, host: str, port: int, address: str, timeout: float):
+        super().__init__(host, port, timeout=timeout)
+        self.address = address
+        self.handle: socket.socket | None = None
+        self.lock = threading.Lock()
+
+    def _open(self) -> socket.socket:
+        sock = socket.create_connection((self.address, self.port), self.timeout)
+        with self.lock:
+            self.handle = sock.dup()
+        return sock
+
+    def connect(self) -> None:
+        self.sock = self._open()
+
+    def cut(self) -> None:
+        """Shut the connection down: the reading thread's next or current read ends."""
+        with self.lock:
+            if self.handle is not None:
+                try:
+                    self.handle.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def release(self) -> None:
+        """Close the connection and the duplicate (`close` alone keeps the duplicate: http.client
+        calls it when a response will end the connection, while that response is still read)."""
+        self.close()
+        with self.lock:
+            if self.handle is not None:
+                self.handle.close()
+                self.handle = None
+
+
+class _TLSConnection(_Connection):
+    default_port = 443
+
+    def connect(self) -> None:
+        context = ssl.create_default_context()
+        self.sock = context.wrap_socket(self._open(), server_hostname=self.host)
+
+
+def _get(parts, host, port, address, where, param, policy, deadline):
+    """(status, Location, body) of one GET; the body only for a 200."""
+    remaining = deadline - time.monotonic()
+    kind = _TLSConnection if parts.scheme.lower() == "https" else _Connection
+    conn = kind(host, port, address, max(remaining, 0.001))
+    timer = threading.Timer(remaining, conn.cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request("GET", target, headers={"Accept": "image/*", "Accept-Encoding": "identity"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return resp.status, resp.getheader("Location"), b""
+        limit = policy.max_bytes
+        declared = resp.getheader("Content-Length", "")
+        if limit is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_big(where, param, limit)
+        body = bytearray()
+        while True:
+            piece = resp.read(READ_BYTES if limit is None else min(READ_BYTES, limit + 1 - len(body)))
+            if not piece:
+                break
+            body += piece
+            if limit is not None and len(body) > limit:
+                raise _too_big(where, param, limit)
+        if time.monotonic() >= deadline:  # the cut may end a read as a clean end of the body
+            raise _timeout(where, param, policy)
+        return 200, None, bytes(body)
+    except RequestError:
+        raise
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        if time.monotonic() >= deadline:
+            raise _timeout(where, param, policy) from None
+        raise RequestError(f"{where}: fetching the URL failed ({type(e).__name__}).", param) from None
+    finally:
+        timer.cancel()
+        conn.release()
+
+
+def _timeout(where: str, param: str, policy: FetchPolicy) -> RequestError:
+    return RequestError(
+        f"{where}: the URL did not answer in full within {policy.timeout_s:g} s (REQUEST_TIMEOUT).", param
+    )
+
+
+def _too_big(where: str, param: str, limit: int) -> RequestError:
+    return RequestError(
+        f"{where}: the URL sends more than {limit} bytes (--media-url-max-file-size-mb).", param
+    )

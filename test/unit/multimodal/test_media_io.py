@@ -1,0 +1,263 @@
+"""What a request's image_data may make the server read (multimodal/media_io.py, media_fetch.py): local
+files only for in-process callers or inside --allowed-local-media-path (with a refusal that does not tell
+whether a file exists), the item count checked before any is read, and URLs fetched from a local HTTP
+server (started here, on 127.0.0.1) within a total deadline, a streamed byte limit, bounded redirects and
+the host rules; a URL that never answers holds one fetch thread until its deadline and no other request's
+reading waits for it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from sglang.srt.managers.request_error import RequestError
+from sglang.srt.multimodal.media_fetch import FetchPolicy, fetch_url
+from sglang.srt.multimodal.media_io import MediaPolicy, MediaReader, load_image
+from sglang.srt.server_args_checks import ServerArgsError
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=8, suite="per-commit-cpu")
+
+# Every fetch here has this deadline; a fetch that ends long after it (SLACK) is a failure. The slack
+# covers a thread start and a loaded 2-core CI machine; the never-answering server would hold a
+# fetch without a deadline for as long as the test runs.
+DEADLINE_S = 1.0
+SLACK_S = 2.0
+
+
+def png_bytes(width: int = 8, height: int = 8) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 200, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PNG = png_bytes()
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *_):
+        pass
+
+    def do_GET(self):
+        path = self.path
+        if path == "/png":
+            self._send(200, PNG, "image/png")
+        elif path == "/never":  # accepts the connection, never answers
+            self.server.stop.wait(30)
+        elif path == "/trickle":  # headers, then a byte every 0.2 s forever (no Content-Length)
+            self.send_response(200)
+            self.end_headers()
+            while not self.server.stop.wait(0.2):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+        elif path == "/huge":  # an unbounded body without a Content-Length
+            self.send_response(200)
+            self.end_headers()
+            chunk = b"\0" * (64 << 10)
+            try:
+                while not self.server.stop.is_set():
+                    self.wfile.write(chunk)
+                    self.server.sent += len(chunk)
+            except OSError:
+                pass
+        elif path == "/declared-huge":
+            self.send_response(200)
+            self.send_header("Content-Length", str(1 << 40))
+            self.end_headers()
+        elif path == "/loop":
+            self._redirect("/loop")
+        elif path == "/to-png":
+            self._redirect("/png")
+        elif path == "/to-localhost":
+            self._redirect(f"http://localhost:{self.server.server_port}/png")
+        else:
+            self._send(404, b"no", "text/plain")
+
+    def _send(self, code, body, kind):
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _redirect(self, where):
+        self.send_response(302)
+        self.send_header("Location", where)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@pytest.fixture(scope="module")
+def origin():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    server.stop = threading.Event()
+    server.sent = 0
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, f"http://127.0.0.1:{server.server_port}"
+    server.stop.set()
+    server.shutdown()
+    server.server_close()
+
+
+LOCAL = FetchPolicy(frozenset({"127.0.0.1"}), max_bytes=1 << 20, timeout_s=DEADLINE_S)
+
+
+def fetch(url: str, policy: FetchPolicy = LOCAL) -> tuple[bytes | RequestError, float]:
+    start = time.monotonic()
+    try:
+        out = fetch_url(url, "image_data[0]", "image_data", policy, start + policy.timeout_s)
+    except RequestError as e:
+        out = e
+    return out, time.monotonic() - start
+
+
+def test_a_png_url_is_fetched_and_decodes(origin):
+    _, base = origin
+    for path in ("/png", "/to-png"):  # directly and through one redirect
+        body, took = fetch(base + path)
+        assert body == PNG and took < DEADLINE_S
+    assert load_image(body, "image_data[0]").size == (8, 8)
+
+
+@pytest.mark.parametrize(
+    "path, words",
+    [
+        ("/never", "did not answer in full within 1 s"),
+        ("/trickle", "did not answer in full within 1 s"),
+        ("/huge", "more than 1048576 bytes"),
+        ("/declared-huge", "more than 1048576 bytes"),
+        ("/loop", "redirected more than 5 times"),
+        ("/missing", "answered HTTP 404"),
+    ],
+)
+def test_bad_urls_are_refused_in_bounded_time(origin, path, words):
+    server, base = origin
+    before = server.sent
+    err, took = fetch(base + path)
+    assert isinstance(err, RequestError) and err.param == "image_data" and words in err.message, err
+    assert took < DEADLINE_S + SLACK_S, took
+    if path == "/huge":
+        # The fetch stops at the limit: the server got ahead by at most the socket buffers (a few MiB
+        # here), not by the seconds of streaming a deadline would have allowed (>100 MiB at loopback speed).
+        assert took < DEADLINE_S
+        assert server.sent - before < 16 << 20
+
+
+def test_host_rules(origin):
+    server, base = origin
+    port = server.server_port
+    anywhere = FetchPolicy(frozenset(), max_bytes=1 << 20, timeout_s=DEADLINE_S)
+    # No allowlist: a loopback (non-public) host is not fetched, by IP or by name.
+    for url in (f"{base}/png", f"http://localhost:{port}/png", "http://169.254.169.254/latest/meta-data"):
+        err, _ = fetch(url, anywhere)
+        assert isinstance(err, RequestError) and "non-public address" in err.message
+    # An allowlist admits exactly its names: localhost is another name, also after a redirect.
+    for url in (f"http://localhost:{port}/png", f"{base}/to-localhost"):
+        err, _ = fetch(url)
+        assert isinstance(err, RequestError) and "not in --allowed-media-domains" in err.message
+    for url, words in [
+        (f"http://user@127.0.0.1:{port}/png", "credentials"),
+        ("ftp://127.0.0.1/x.png", "only http(s)"),
+    ]:
+        err, _ = fetch(url)
+        assert isinstance(err, RequestError) and words in err.message
+
+
+def test_allowlist_flag_is_checked_at_start():
+    from sglang.srt.server_args_media import normalize_host
+
+    assert normalize_host("Example.COM.") == "example.com"
+    assert normalize_host("[::1]") == "::1"
+    for bad in ("https://a.example", "a.example:443", "a.example/x", ""):
+        with pytest.raises(ServerArgsError):
+            normalize_host(bad, "--allowed-media-domains")
+
+
+def read(reader: MediaReader, data, trusted: bool, is_batch: bool = False):
+    return asyncio.run(reader.read(data, "image_data", is_batch, trusted))
+
+
+def refusal(reader: MediaReader, data, trusted: bool, is_batch: bool = False) -> str:
+    with pytest.raises(RequestError) as err:
+        read(reader, data, trusted, is_batch)
+    assert err.value.param == "image_data"
+    return err.value.message
+
+
+def test_local_files_follow_the_caller(tmp_path):
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "in.png").write_bytes(PNG)
+    (tmp_path / "secret.png").write_bytes(PNG)
+    os.symlink(tmp_path / "secret.png", allowed / "link.png")  # a link out of the directory
+    inside, outside = str(allowed / "in.png"), str(tmp_path / "secret.png")
+
+    closed = MediaReader(MediaPolicy())
+    assert read(closed, [inside, outside], trusted=True) == [PNG, PNG]  # Engine.generate: any file
+    # HTTP without --allowed-local-media-path: no file, and the same words for one that does not exist.
+    words = refusal(closed, outside, trusted=False)
+    assert "sets no --allowed-local-media-path" in words
+    assert refusal(closed, outside + ".missing", trusted=False) == words
+    assert refusal(closed, "file://" + outside, trusted=False) == words
+
+    opened = MediaReader(MediaPolicy(allowed_local_media_path=os.path.realpath(allowed)))
+    assert read(opened, [inside, "file://" + inside], trusted=False) == [PNG, PNG]
+    words = refusal(opened, outside, trusted=False)
+    assert "nor a file inside --allowed-local-media-path" in words
+    for other in (str(allowed / "link.png"), str(allowed / ".." / "secret.png"), outside + ".missing"):
+        assert refusal(opened, other, trusted=False) == words
+    # base64 and data URIs are read for every caller; a FIFO is never opened for reading.
+    b64 = base64.b64encode(PNG).decode()
+    assert read(closed, [b64, "data:image/png;base64," + b64], trusted=False) == [PNG, PNG]
+    os.mkfifo(allowed / "fifo")
+    assert "neither an existing file" in refusal(closed, str(allowed / "fifo"), trusted=True)
+
+
+def test_item_count_is_checked_before_any_item_is_read(origin):
+    _, base = origin
+    reader = MediaReader(MediaPolicy(limit_per_request={"image": 2}, fetch=LOCAL))
+    start = time.monotonic()
+    # Three never-answering URLs: refused at once by their count, none fetched.
+    words = refusal(reader, [base + "/never"] * 3, trusted=True)
+    assert "has 3 image items; this server takes at most 2" in words
+    assert time.monotonic() - start < 0.5
+    # A batch counts per prompt: two prompts of two images pass, a prompt of three does not.
+    assert read(reader, [[base + "/png"] * 2, [PNG, PNG]], trusted=False, is_batch=True) == [[PNG] * 2] * 2
+    assert "image_data[1] has 3" in refusal(reader, [[PNG], [PNG] * 3], trusted=False, is_batch=True)
+
+
+def test_a_never_answering_url_holds_one_fetch_thread_until_its_deadline(origin):
+    """While requests wait on URLs that never answer, another request's base64 image and another
+    fetch of a good URL are read at once; the stalled requests end at their deadline."""
+    _, base = origin
+    reader = MediaReader(MediaPolicy(fetch=LOCAL))
+    b64 = base64.b64encode(PNG).decode()
+
+    async def scenario():
+        stalled = [
+            asyncio.create_task(reader.read(base + "/never", "image_data", False, False)) for _ in range(4)
+        ]
+        await asyncio.sleep(0.1)
+        start = time.monotonic()
+        assert await reader.read([b64, base + "/png"], "image_data", False, False) == [PNG, PNG]
+        quick = time.monotonic() - start
+        results = await asyncio.gather(*stalled, return_exceptions=True)
+        return quick, results, time.monotonic() - start
+
+    quick, results, total = asyncio.run(scenario())
+    # 0.5 s: well under the 1 s deadline the stalled fetches wait for; measured ~5 ms.
+    assert quick < 0.5, quick
+    assert all(isinstance(r, RequestError) and "did not answer" in r.message for r in results)
+    assert total < DEADLINE_S + SLACK_S
+    reader.close()
