@@ -16,7 +16,9 @@ def expanded_ids(oracle, prompt: str, images: list) -> list[int]:
     image_token = oracle.model.config.image_token_id
     counts = []
     if images:
-        counts = (oracle.processor(images=images, return_tensors="pt")["image_grid_thw"].prod(-1) // 4).tolist()
+        counts = (
+            oracle.processor(images=images, return_tensors="pt")["image_grid_thw"].prod(-1) // 4
+        ).tolist()
     ids: list[int] = []
     for t in oracle.tokenizer.encode(prompt):
         ids += [t] * counts.pop(0) if t == image_token else [t]

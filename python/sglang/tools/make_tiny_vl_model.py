@@ -1,7 +1,8 @@
 """Tiny, random-weight Qwen3.5 vision-language checkpoints in the published layout
 (`Qwen3_5[Moe]ForConditionalGeneration`: `model.language_model.*`, `model.visual.*`, `lm_head.*`), built
 with transformers' own classes from a fixed seed, with the processor files the published checkpoints
-ship (`preprocessor_config.json` for the image processor, a tokenizer that has the vision tokens).
+ship (`preprocessor_config.json` for the image processor, `video_preprocessor_config.json` for the video
+processor, a tokenizer that has the vision tokens).
 
     python -m sglang.tools.make_tiny_vl_model --arch qwen3_5 --out DIR [--seed 0]
 
@@ -26,8 +27,10 @@ PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 8, 2, 2
 # The image processor's pixel bounds: at least a 32x32 image (one merged token per 2x2 patches), at
 # most 128x128 (64 image tokens), so a large image is resized down, never rejected by the processor.
 MIN_PIXELS, MAX_PIXELS = 32 * 32, 128 * 128
-# The published chat template's image placeholder: a content part {"type": "image"} becomes
-# <|vision_start|><|image_pad|><|vision_end|>, and the processor repeats the pad per image token.
+# The published chat template's placeholders: a content part {"type": "image"} becomes
+# <|vision_start|><|image_pad|><|vision_end|> (the processor repeats the pad per image token), a part
+# {"type": "video"} <|vision_start|><|video_pad|><|vision_end|> (the processor writes each pair of
+# frames there: its timestamp and tokens).
 VL_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -35,11 +38,16 @@ VL_CHAT_TEMPLATE = (
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}"
     "{% elif part['type'] in ('image', 'image_url') %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] in ('video', 'video_url') %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{% endif %}{% endfor %}{% endif %}"
     "{{ '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# The video processor's pixel bounds over all of a video's frames (transformers' Qwen3VLVideoProcessor
+# `size`): 4 frames of 32x32 at least, 8 frames of 64x64 at most, so a few-frame video of 64x64 frames
+# keeps its size (16 tokens per pair of frames).
+VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 4 * 32 * 32, 8 * 64 * 64
 ARCHS = ("qwen3_5", "qwen3_5_moe")
 
 
@@ -96,6 +104,30 @@ def image_processor():
     )
 
 
+def video_processor_config() -> dict:
+    """`video_preprocessor_config.json` as transformers' Qwen3VLVideoProcessor saves it (written as JSON:
+    the processor class needs torchvision, which this project does not install)."""
+    return {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "merge_size": MERGE_SIZE,
+        "size": {"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "do_sample_frames": True,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 768,
+    }
+
+
 @torch.no_grad()
 def make_tiny_vl_model(arch: str, out: str | Path, seed: int = 0) -> Path:
     from transformers import AutoModelForImageTextToText, GenerationConfig
@@ -116,6 +148,7 @@ def make_tiny_vl_model(arch: str, out: str | Path, seed: int = 0) -> Path:
     ).save_pretrained(out)
     build_vl_tokenizer().save_pretrained(out)
     image_processor().save_pretrained(out)
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video_processor_config(), indent=2) + "\n")
     return out
 
 

@@ -52,7 +52,7 @@ def test_unset_upstream_fields_and_router_fields_are_accepted():
     "field, value",
     [
         ("lora_path", '"my-adapter"'),
-        ("video_data", '"x.mp4"'),
+        ("audio_data", '"x.wav"'),
         ("return_entropy", "true"),
         ("max_thinking_tokens", "0"),
         ("background", "true"),

@@ -120,6 +120,7 @@ class Engine:
         extra_key: str | list[str] | None = None,
         cache_salt: str | list[str] | None = None,
         image_data: Any = None,
+        video_data: Any = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of chunks
         (text and output_ids cumulative; logprob lists and hidden states only what is new, the input
@@ -363,6 +364,7 @@ def _make_obj(
     extra_key: Any = None,
     cache_salt: Any = None,
     image_data: Any = None,
+    video_data: Any = None,
 ) -> GenerateReqInput:
     return GenerateReqInput(
         text=prompt,
@@ -379,4 +381,5 @@ def _make_obj(
         extra_key=extra_key,
         cache_salt=cache_salt,
         image_data=image_data,
+        video_data=video_data,
     )

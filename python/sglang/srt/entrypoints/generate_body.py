@@ -45,7 +45,6 @@ IGNORED = frozenset(
 
 UNSUPPORTED = {
     "input_embeds": "input embeddings",
-    "video_data": "video input (images are served: image_data)",
     "audio_data": "multimodal input",
     "mm_hashes": "multimodal input",
     "mm_content_hashes": "multimodal input",

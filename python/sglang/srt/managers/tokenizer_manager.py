@@ -63,7 +63,7 @@ from sglang.srt.managers.tokenizer_communicator_mixin import (
     TokenizerCommunicatorMixin,
 )
 from sglang.srt.managers.tokenizer_output import ReqState
-from sglang.srt.multimodal.processor import ImageInputProcessor, attach_images
+from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -203,8 +203,9 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         else:
             encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len)
         items, is_list = build_requests(obj, prompts, encoded, self.limits)
-        if obj.image_data is not None and obj.image_data != []:
-            await attach_images(self.image_processor, items, obj.image_data, self.limits, prompts.is_batch)
+        await attach_media(
+            self.image_processor, items, obj.image_data, obj.video_data, self.limits, prompts.is_batch
+        )
         return items, is_list
 
     async def generate_request(

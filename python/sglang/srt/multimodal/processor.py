@@ -1,6 +1,7 @@
-"""Images of a request, from `image_data` (one item or a list: a file path, base64 bytes, or a
-`data:image/...;base64,` URI) to the request's prompt ids and `MultimodalInputs`, with the model's own
-image processor from transformers (`AutoImageProcessor`, the checkpoint's `preprocessor_config.json`).
+"""Images and videos of a request, from `image_data` (one item or a list: a file path, base64 bytes, or a
+`data:image/...;base64,` URI) and `video_data` (`multimodal/video.py`) to the request's prompt ids and
+`MultimodalInputs`, with the model's own image processor from transformers (`AutoImageProcessor`, the
+checkpoint's `preprocessor_config.json`) and its video processor settings.
 
 Runs off the event loop (the tokenizer manager's executor): decoding and resizing take milliseconds
 to seconds. Reading and decoding each item, within this server's bounds, is `media_io`'s.
@@ -14,20 +15,35 @@ from typing import Any
 import torch
 
 from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.multimodal import video as videos
 from sglang.srt.multimodal.inputs import MultimodalInputs, mrope_positions, pad_value
 from sglang.srt.multimodal.media_io import FIELD, load_image
 
 
 class ImageInputProcessor:
-    """The image side of a vision-language model: its image processor and the ids it needs."""
+    """The vision side of a vision-language model: its image processor, video settings and the ids it
+    needs."""
 
     def __init__(self, model_path: str, hf_config: Any):
-        from transformers import AutoImageProcessor
+        from transformers import AutoImageProcessor, AutoTokenizer
 
         self.image_processor = AutoImageProcessor.from_pretrained(model_path)
         self.image_token_id = hf_config.image_token_id
         self.merge = hf_config.vision_config.spatial_merge_size
         self.vocab_size = hf_config.get_text_config().vocab_size
+        self.video = videos.VideoConfig.load(model_path)
+        self.video_refusal = None
+        if self.video is None:
+            self.video_refusal = (
+                f"{videos.FIELD} is not served for this checkpoint: it ships no video processor "
+                "(video_preprocessor_config.json)."
+            )
+        else:
+            self.video_token_id = hf_config.video_token_id
+            self.frame_open = [hf_config.vision_start_token_id]
+            self.frame_close = [hf_config.vision_end_token_id]
+            # Frame timestamps (`<1.5 seconds>`) are text between special tokens: tokenized alone.
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     # Why this server refuses images although its model takes them (None: it serves them).
     refusal: str | None = None
@@ -51,87 +67,148 @@ class ImageInputProcessor:
         processor = cls(model_path, hf_config)
         if getattr(server_args, "disaggregation_mode", "null") != "null":
             # The decode server never runs the prompt, so it would lack the request's rotary delta.
-            processor.refusal = f"{FIELD} is not served with --disaggregation-mode (issue 59)."
+            processor.refusal = (
+                "image_data and video_data are not served with --disaggregation-mode (issue 59)."
+            )
         return processor
 
     def process(
-        self, input_ids: list[int], image_data: Any, where: str = FIELD
+        self, input_ids: list[int], image_data: Any, video_data: Any = None, where: tuple[str, str] = ("", "")
     ) -> tuple[list[int], MultimodalInputs]:
         """The prompt with each image's placeholder token expanded to its image tokens (as pad values),
-        and the request's `MultimodalInputs`. `where` names the prompt's images in errors."""
-        items = image_data if isinstance(image_data, list) else [image_data]
-        images = [load_image(item, f"{where}[{i}]") for i, item in enumerate(items)]
-        at = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
-        if len(at) != len(images):
-            raise RequestError(
-                f"The prompt has {len(at)} image placeholders (<|vision_start|><|image_pad|><|vision_end|>) "
-                f"for {len(images)} images in {where}; give one per image.",
-                FIELD,
-            )
-        try:
-            out = self.image_processor(images=images, return_tensors="pt")
-        except ValueError as e:  # e.g. an aspect ratio the processor cannot resize
-            raise RequestError(f"{FIELD}: the image processor refused an image ({e}).", FIELD) from None
-        pixels, grids = out["pixel_values"], out["image_grid_thw"].tolist()
-        sizes = [t * h * w for t, h, w in grids]
-        ids, offsets, pads, prev = [], [], [], 0
-        for i, (place, chunk) in enumerate(zip(at, torch.split(pixels, sizes), strict=True)):
-            n = sizes[i] // self.merge**2
-            pads.append(pad_value(chunk, grids[i], self.vocab_size, self.image_token_id))
+        each video's to its frames (per pair of frames: the timestamp, <|vision_start|>, the tokens,
+        <|vision_end|>, as transformers' Qwen3VLProcessor writes it), and the request's
+        `MultimodalInputs`. `where` names the prompt's images and videos in errors."""
+        image_where, video_where = where[0] or FIELD, where[1] or videos.FIELD
+        # Each placeholder's expansion: [(ids before, pixels, grid, checkpoint token, ids after)].
+        expand: dict[int, list[tuple[list[int], torch.Tensor, list[int], int, list[int]]]] = {}
+        if image_data is not None:
+            items = image_data if isinstance(image_data, list) else [image_data]
+            at = self._placeholders(input_ids, self.image_token_id, len(items), "image", image_where)
+            images = [load_image(item, f"{image_where}[{i}]") for i, item in enumerate(items)]
+            try:
+                out = self.image_processor(images=images, return_tensors="pt")
+            except ValueError as e:  # e.g. an aspect ratio the processor cannot resize
+                raise RequestError(
+                    f"{image_where}: the image processor refused an image ({e}).", FIELD
+                ) from None
+            grids = out["image_grid_thw"].tolist()
+            chunks = torch.split(out["pixel_values"], [t * h * w for t, h, w in grids])
+            for place, chunk, grid in zip(at, chunks, grids, strict=True):
+                expand[place] = [([], chunk, grid, self.image_token_id, [])]
+        if video_data is not None:
+            items = video_data if isinstance(video_data, list) else [video_data]
+            at = self._placeholders(input_ids, self.video_token_id, len(items), "video", video_where)
+            for k, (place, item) in enumerate(zip(at, items, strict=True)):
+                expand[place] = self._video_frames(item, f"{video_where}[{k}]")
+        ids, pixels, grids, offsets, pads, tokens, prev = [], [], [], [], [], [], 0
+        for place in sorted(expand):
             ids += input_ids[prev:place]
-            offsets.append((len(ids), n))
-            ids += [pads[-1]] * n
+            for before, chunk, grid, token, after in expand[place]:
+                ids += before
+                n = grid[0] * grid[1] * grid[2] // self.merge**2
+                pads.append(pad_value(chunk, grid, self.vocab_size, token))
+                offsets.append((len(ids), n))
+                ids += [pads[-1]] * n
+                ids += after
+                pixels.append(chunk)
+                grids.append(grid)
+                tokens.append(token)
             prev = place + 1
         ids += input_ids[prev:]
         positions, delta = mrope_positions(len(ids), offsets, grids, self.merge)
-        tokens = [self.image_token_id] * len(pads)
-        return ids, MultimodalInputs(pixels, grids, offsets, pads, tokens, positions, delta)
+        return ids, MultimodalInputs(torch.cat(pixels), grids, offsets, pads, tokens, positions, delta)
+
+    @staticmethod
+    def _placeholders(input_ids: list[int], token: int, count: int, kind: str, where: str) -> list[int]:
+        at = [i for i, t in enumerate(input_ids) if t == token]
+        if len(at) != count:
+            field = where.split("[")[0]
+            raise RequestError(
+                f"The prompt has {len(at)} {kind} placeholders (<|vision_start|><|{kind}_pad|><|vision_end|>) "
+                f"for {count} {kind}s in {where}; give one per {kind}.",
+                field,
+            )
+        return at
+
+    def _video_frames(
+        self, item: Any, where: str
+    ) -> list[tuple[list[int], torch.Tensor, list[int], int, list[int]]]:
+        """A video's expansion: per pair of frames, its timestamp and frame tokens (a (1, h, w) grid, as
+        transformers' get_rope_index splits a video)."""
+        assert self.video is not None
+        video = videos.load_video(item, where, self.video)
+        patches, (t, h, w) = videos.video_patches(video, self.video, where)
+        stamps = video.timestamps(self.video.temporal_patch_size)
+        out = []
+        for k, chunk in enumerate(patches.split(h * w)):
+            stamp = self.tokenizer.encode(f"<{stamps[k]:.1f} seconds>", add_special_tokens=False)
+            out.append((stamp + self.frame_open, chunk, [1, h, w], self.video_token_id, self.frame_close))
+        assert len(out) == t
+        return out
 
 
-def images_per_prompt(image_data: Any, num_prompts: int, is_batch: bool) -> list[Any]:
-    """`image_data` split by prompt, as upstream takes it: for one prompt, one item or a list of its
-    images; for a batch, one item (every prompt gets it) or a list with one entry per prompt, each a
-    list of that prompt's images, one image, or None / [] (no image)."""
+def per_prompt(data: Any, num_prompts: int, is_batch: bool, field: str) -> list[Any]:
+    """`image_data` or `video_data` split by prompt, as upstream takes them: for one prompt, one item or a
+    list of its items; for a batch, one item (every prompt gets it) or a list with one entry per prompt,
+    each what one prompt takes (a list of its items, one item) or None / [] (none). A video item is a
+    video file or a list of frames, so one prompt's single video of frames is `[[frame, ...]]`."""
     if not is_batch:
-        return [image_data]
-    if not isinstance(image_data, list):
-        return [[image_data]] * num_prompts
-    if len(image_data) != num_prompts:
+        return [None if data == [] else data]
+    if not isinstance(data, list):
+        return [data] * num_prompts
+    if len(data) != num_prompts:
         raise RequestError(
-            f"{FIELD} in a batch of {num_prompts} prompts needs one entry per prompt (a list of its "
-            f"images, or null), got {len(image_data)}.",
-            FIELD,
+            f"{field} in a batch of {num_prompts} prompts needs one entry per prompt (a list of its "
+            f"items, or null), got {len(data)}.",
+            field,
         )
-    return [None if entry is None or entry == [] else entry for entry in image_data]
+    return [None if entry is None or entry == [] else entry for entry in data]
 
 
-async def attach_images(
-    processor: ImageInputProcessor | None, items: list[Any], image_data: Any, limits: Any, is_batch: bool
+async def attach_media(
+    processor: ImageInputProcessor | None,
+    items: list[Any],
+    image_data: Any,
+    video_data: Any,
+    limits: Any,
+    is_batch: bool,
 ) -> None:
     """Expand the prompts of `items` (the `NormalizedRequest`s of one /generate call: each sample of
-    each prompt) with their prompt's images, processed off the event loop. The samples of one prompt
-    share its processed images."""
+    each prompt) with their prompt's images and videos, processed off the event loop. The samples of
+    one prompt share its processed media."""
     import asyncio
 
     from sglang.srt.managers.request_validation import check_input_len
 
+    given = [f for f, d in ((FIELD, image_data), (videos.FIELD, video_data)) if d is not None and d != []]
+    if not given:
+        return
     if processor is None:
-        raise RequestError(f"{FIELD} was given, but this model takes no images.", FIELD)
+        raise RequestError(f"{given[0]} was given, but this model takes no images or videos.", given[0])
     if processor.refusal is not None:
-        raise RequestError(processor.refusal, FIELD)
+        raise RequestError(processor.refusal, given[0])
+    if video_data is not None and video_data != [] and processor.video_refusal is not None:
+        raise RequestError(processor.video_refusal, videos.FIELD)
     num_prompts = max(item.prompt for item in items) + 1
-    per_prompt = images_per_prompt(image_data, num_prompts, is_batch)
+    images = per_prompt(image_data, num_prompts, is_batch, FIELD)
+    clips = per_prompt(video_data, num_prompts, is_batch, videos.FIELD)
     first = {}  # prompt -> its first sample
     for item in items:
         first.setdefault(item.prompt, item)
-    todo = [(p, list(first[p].req.input_ids), data) for p, data in enumerate(per_prompt) if data is not None]
+    todo = [
+        (p, list(first[p].req.input_ids), im, vid)
+        for p, (im, vid) in enumerate(zip(images, clips, strict=True))
+        if im is not None or vid is not None
+    ]
 
     def run() -> dict[int, tuple[list[int], MultimodalInputs]]:
-        return {p: processor.process(ids, data, f"{FIELD}[{p}]" if is_batch else FIELD) for p, ids, data in todo}
+        where = lambda p: (f"{FIELD}[{p}]", f"{videos.FIELD}[{p}]") if is_batch else ("", "")  # noqa: E731
+        return {p: processor.process(ids, im, vid, where(p)) for p, ids, im, vid in todo}
 
     done = await asyncio.get_running_loop().run_in_executor(None, run)
     for ids, _ in done.values():
-        check_input_len(len(ids), limits, FIELD)
+        check_input_len(len(ids), limits, given[0])
     for item in items:
         if item.prompt in done:
             item.req.input_ids, item.req.mm_inputs = done[item.prompt]

@@ -255,9 +255,10 @@ class ImageUrl(_Request):
 
 
 class ContentPart(_Request):
-    type: Literal["text", "image_url"]
+    type: Literal["text", "image_url", "video_url"]
     text: str | None = None
     image_url: ImageUrl | None = None
+    video_url: ImageUrl | None = None  # {"url": a video file as base64 / data URI}: a video_data item
 
 
 class FunctionCall(_Request):
@@ -299,19 +300,18 @@ class ChatMessage(_Request):
         if isinstance(v, list):
             for i, part in enumerate(v):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in ("text", "image_url"):
+                if kind not in ("text", "image_url", "video_url"):
                     raise ValueError(
-                        f"content part {i} has type {kind!r}; only 'text' and 'image_url' parts are supported"
+                        f"content part {i} has type {kind!r}; only 'text', 'image_url' and 'video_url' parts "
+                        "are supported"
                     )
                 value = part.get(kind)
                 if kind == "text" and not isinstance(value, str):
                     raise ValueError(f"content part {i} of type 'text' needs a string 'text'")
-                if kind == "image_url" and not (
+                if kind in ("image_url", "video_url") and not (
                     isinstance(value, dict) and isinstance(value.get("url"), str)
                 ):
-                    raise ValueError(
-                        f"content part {i} of type 'image_url' needs 'image_url': {{'url': ...}}"
-                    )
+                    raise ValueError(f"content part {i} of type '{kind}' needs '{kind}': {{'url': ...}}")
         return v
 
     @field_validator("content", mode="after")
@@ -332,6 +332,12 @@ class ChatMessage(_Request):
         if not isinstance(self.content, list):
             return []
         return [p.image_url.url for p in self.content if p.type == "image_url"]
+
+    def video_urls(self) -> list[str]:
+        """The message's videos, in order (`video_data` items)."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.video_url.url for p in self.content if p.type == "video_url"]
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -56,8 +56,11 @@ def chat_logprobs(meta: dict, start: int) -> ChoiceLogprobs:
 def _template_message(m: Any) -> dict[str, Any]:
     """A message as chat templates read it (OpenAI's shape: an assistant's calls, a tool's call id)."""
     message: dict[str, Any] = {"role": m.role, "content": m.text()}
-    if m.image_urls():  # the parts as they are: the template puts its image placeholder at each image
-        message["content"] = [p.model_dump(exclude_none=True) for p in m.content]
+    if m.image_urls() or m.video_urls():  # the parts: the template puts a placeholder at each image / video
+        # A video part reaches the template as {"type": "video"}, the form Qwen-VL templates test for.
+        message["content"] = [
+            {"type": "video"} if p.type == "video_url" else p.model_dump(exclude_none=True) for p in m.content
+        ]
     if m.tool_calls:
         # Arguments as a mapping: some templates (Qwen2.5's) `tojson` them, which would quote a string.
         message["tool_calls"] = [_template_call(c.model_dump(exclude_none=True)) for c in m.tool_calls]
@@ -204,6 +207,7 @@ class OpenAIServingChat(OpenAIServingBase):
             return_text_in_logprobs=True,
             stream=req.stream,
             image_data=[url for m in req.messages for url in m.image_urls()] or None,
+            video_data=[url for m in req.messages for url in m.video_urls()] or None,
             **req.passthrough_fields(),
         )
 

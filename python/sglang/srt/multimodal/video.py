@@ -1,0 +1,203 @@
+"""Videos of a request (`video_data`), as Qwen3-VL / Qwen3.5's processor takes them: a video is either a
+list of frames (each an `image_data`-style item, read by `media_io`) or a video file (mp4, webm, ...: its
+bytes as base64, a data URI or a file path as `media_io` reads them) decoded with PyAV.
+
+A file is sampled as transformers' `Qwen3VLVideoProcessor.sample_frames` does (`fps` frames a second,
+at least `min_frames`, at most `max_frames`), a list of frames is taken whole (transformers samples no
+image list); each pair of frames (`temporal_patch_size`) becomes one grid of the vision tower, announced
+in the prompt by its timestamp (`<1.5 seconds>`, the mean of its frames' times) as transformers'
+`Qwen3VLProcessor` writes it. Frames are resized together (transformers' `smart_resize` over all
+frames), rescaled, normalized and cut into patches in the Qwen2-VL layout.
+
+Bounds, each a 400 naming `video_data`: `MAX_VIDEO_FRAMES` frames taken, `MAX_DECODED_PIXELS` pixels
+decoded from a file (its frames before sampling, so a long or large video is refused before it is
+decoded), `media_io.MAX_IMAGE_PIXELS` a frame.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang.srt.managers.request_error import RequestError
+from sglang.srt.multimodal import media_io
+
+FIELD = "video_data"
+# The most frames a video may give the model (after sampling): each pair is a grid of image tokens.
+MAX_VIDEO_FRAMES = 256
+# The most pixels (width x height x frames) decoded from one video file: ~1,000 frames at 1080p, a few
+# seconds of decoding.
+MAX_DECODED_PIXELS = 1 << 31
+# transformers' frame rate for frames given without one (Qwen3VLProcessor: "Defaulting to `fps=24`").
+DEFAULT_FPS = 24.0
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    """The checkpoint's video processor settings (`video_preprocessor_config.json`), with transformers'
+    `Qwen3VLVideoProcessor` defaults for what it leaves out."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    fps: float
+    min_frames: int
+    max_frames: int
+
+    @classmethod
+    def load(cls, model_path: str) -> VideoConfig | None:
+        """None when the checkpoint ships no video processor config."""
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor as D
+
+        path = os.path.join(model_path, "video_preprocessor_config.json")
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            c = json.load(f)
+        size = c.get("size") or D.size
+        return cls(
+            patch_size=c.get("patch_size", D.patch_size),
+            temporal_patch_size=c.get("temporal_patch_size", D.temporal_patch_size),
+            merge_size=c.get("merge_size", D.merge_size),
+            min_pixels=size["shortest_edge"],
+            max_pixels=size["longest_edge"],
+            mean=tuple(c.get("image_mean", D.image_mean)),
+            std=tuple(c.get("image_std", D.image_std)),
+            fps=float(c.get("fps") or D.fps),
+            min_frames=c.get("min_frames", D.min_frames),
+            max_frames=c.get("max_frames", D.max_frames),
+        )
+
+
+@dataclass
+class Video:
+    """A video's frames (RGB PIL images of one size) and each frame's index in the source at `fps`."""
+
+    frames: list[Any]
+    indices: list[int]
+    fps: float
+
+    def timestamps(self, temporal_patch_size: int) -> list[float]:
+        """The time of each grid (pair of frames), as Qwen3VLProcessor computes it: the frames' indices
+        padded with the last to a whole pair, over fps, averaged per pair."""
+        idx = list(self.indices)
+        idx += [idx[-1]] * (-len(idx) % temporal_patch_size)
+        t = [i / self.fps for i in idx]
+        return [(t[i] + t[i + temporal_patch_size - 1]) / 2 for i in range(0, len(t), temporal_patch_size)]
+
+
+def _as_video_error(e: RequestError) -> RequestError:
+    return RequestError(e.message, FIELD)
+
+
+def _item_bytes(item: Any, where: str) -> bytes:
+    """A video file's bytes, read by media_io's rules for media items (what a request may make the
+    server read is media_io's)."""
+    if isinstance(item, bytes):
+        return item
+    try:
+        read_local = getattr(media_io, "read_local", None)
+        if read_local is not None:  # media_io's reader of base64 / data URIs (paths read before)
+            return read_local(item, where, FIELD, media_io.MediaPolicy(), trusted=False)
+        return media_io._image_bytes(item, where)
+    except RequestError as e:
+        raise _as_video_error(e) from None
+
+
+def load_video(item: Any, where: str, config: VideoConfig) -> Video:
+    """A `video_data` item (a list of frames, or a video file) as frames; RequestError naming `where`."""
+    if isinstance(item, list):
+        if not item:
+            raise RequestError(f"{where} is an empty list of frames.", FIELD)
+        if len(item) > MAX_VIDEO_FRAMES:
+            raise RequestError(f"{where} has {len(item)} frames, over the {MAX_VIDEO_FRAMES} taken.", FIELD)
+        try:
+            frames = [media_io.load_image(f, f"{where}[{i}]") for i, f in enumerate(item)]
+        except RequestError as e:
+            raise _as_video_error(e) from None
+        return Video(frames, list(range(len(frames))), DEFAULT_FPS)
+    return _decode(_item_bytes(item, where), where, config)
+
+
+def _decode(data: bytes, where: str, config: VideoConfig) -> Video:
+    import av
+    from PIL import Image
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise RequestError(f"{where} has no video stream.", FIELD)
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > media_io.MAX_IMAGE_PIXELS:
+                raise RequestError(
+                    f"{where} has {width}x{height} frames, over the bound of this server.", FIELD
+                )
+            total = stream.frames or sum(1 for p in container.demux(stream) if p.size)
+            if total * width * height > MAX_DECODED_PIXELS:
+                raise RequestError(
+                    f"{where} has {total} frames of {width}x{height}, over the {MAX_DECODED_PIXELS} pixels "
+                    "this server decodes from a video.",
+                    FIELD,
+                )
+            fps = float(stream.average_rate or 0) or DEFAULT_FPS
+            if total < 1:
+                raise RequestError(f"{where} holds no frame.", FIELD)
+            indices = _sample(total, fps, config)
+            wanted, frames = set(indices), []
+            container.seek(0)
+            for i, frame in enumerate(container.decode(video=0)):
+                if i > indices[-1]:
+                    break
+                if i in wanted:
+                    frames.append(Image.fromarray(frame.to_ndarray(format="rgb24")))
+    except RequestError:
+        raise
+    except Exception as e:  # PyAV raises its own errors (and ValueError) for data it cannot decode
+        raise RequestError(f"{where} could not be decoded as a video ({type(e).__name__}).", FIELD) from None
+    if len(frames) != len(indices):  # the stream declared more frames than it holds
+        indices = indices[: len(frames)]
+    if not frames:
+        raise RequestError(f"{where} holds no decodable frame.", FIELD)
+    return Video(frames, indices, fps)
+
+
+def _sample(total: int, fps: float, config: VideoConfig) -> list[int]:
+    """Qwen3VLVideoProcessor.sample_frames: `config.fps` frames a second, within [min_frames,
+    max_frames] and the frames there are (and this server's MAX_VIDEO_FRAMES)."""
+    n = int(total / fps * config.fps)
+    n = min(max(n, config.min_frames), config.max_frames, total, MAX_VIDEO_FRAMES)
+    return np.linspace(0, total - 1, n).round().astype(int).tolist()
+
+
+def video_patches(video: Video, config: VideoConfig, where: str) -> tuple[torch.Tensor, list[int]]:
+    """The video's patches [t * h * w, C * T * P * P] (grid after grid, each in merge-block order) and its
+    grid [t, h, w], as Qwen3VLVideoProcessor makes them."""
+    from PIL import Image
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    width, height = video.frames[0].size
+    if any(f.size != (width, height) for f in video.frames):
+        raise RequestError(f"{where}: the frames of a video must all have one size.", FIELD)
+    p, tp, m = config.patch_size, config.temporal_patch_size, config.merge_size
+    try:  # over the frames given, before the last is repeated to a whole pair (as transformers resizes)
+        h, w = smart_resize(len(video.frames), height, width, tp, p * m, config.min_pixels, config.max_pixels)
+    except ValueError as e:  # too few frames, or an aspect ratio the processor cannot resize
+        raise RequestError(f"{where}: the video processor refused it ({e}).", FIELD) from None
+    frames = video.frames + [video.frames[-1]] * (-len(video.frames) % tp)
+    pixels = np.stack([np.asarray(f.resize((w, h), Image.BICUBIC), dtype=np.float32) for f in frames])
+    pixels = (pixels / 255.0 - np.array(config.mean, np.float32)) / np.array(config.std, np.float32)
+    x = torch.from_numpy(pixels).permute(0, 3, 1, 2)  # [frames, C, H, W]
+    gt, gh, gw, c = len(frames) // tp, h // p, w // p, x.shape[1]
+    x = x.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gt * gh * gw, c * tp * p * p).contiguous(), [gt, gh, gw]
