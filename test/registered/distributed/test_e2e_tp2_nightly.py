@@ -8,9 +8,10 @@ malformed requests, client disconnects, Qwen3-Next's model checks) once more wit
         --ignore test/registered/openai_server/test_process_faults.py -k "not weight_update_group and not memory_released_around"
 
 Left out, with why: test_process_faults.py finds the scheduler's pid by the name a one-rank server logs
-(test_tp_server_faults.py covers a TP server's faults); the weight-update-group tests join a trainer's
-group, which a TP server refuses in one sentence (TP_WEIGHTS_GROUP); test_memory_released_around_a_weight_update
-fails at --tp-size 1 too on this tree (its tensor payload, 1,366,442 bytes, is over the 1,310,720-byte
+(test_tp_server_faults.py covers a TP server's faults); the weight-update-group tests build a trainer's
+group of world size 2 (one server rank), where a TP-2 server joins with both its ranks
+(test/unit/distributed/test_tp_weights_group_nightly.py runs that);
+test_memory_released_around_a_weight_update fails at --tp-size 1 too on this tree (its tensor payload, 1,366,442 bytes, is over the 1,310,720-byte
 body limit) and leaves the server's memory released, which fails the tests after it."""
 
 from __future__ import annotations

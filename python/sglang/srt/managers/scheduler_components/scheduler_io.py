@@ -50,10 +50,6 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 # Tensor parallelism, while only grammars compile: how long rank 0 waits for a message per iteration.
 GRAMMAR_WAIT_MS = 2
-TP_WEIGHTS_GROUP = (
-    "A weight-update group cannot be joined with --tp-size above 1 yet; update the weights from disk or "
-    "from tensors instead."
-)
 # While a KV transfer runs on its thread, the loop looks for its end this often.
 DISAGG_TRANSFER_POLL_MS = 1
 
@@ -207,7 +203,8 @@ class SchedulerIOMixin:
             elif isinstance(obj, UpdateWeightsFromTensorReqInput):
                 self.update_weights_from_tensor(obj)
             elif isinstance(obj, InitWeightsUpdateGroupReqInput):
-                refused = TP_WEIGHTS_GROUP if self.tp is not None else self.weights_groups.start_init(obj)
+                tp_rank = self.tp.rank.tp_rank if self.tp is not None else 0  # (upstream: rank_offset + tp_rank)
+                refused = self.weights_groups.start_init(obj, tp_rank)
                 if refused is not None:
                     self.send_to_tokenizer(InitWeightsUpdateGroupReqOutput(False, refused))
             elif isinstance(obj, UpdateWeightsFromDistributedReqInput):

@@ -77,16 +77,19 @@ class SchedulerUpdateWeightsMixin:
     def finish_weights_group_op(self) -> None:
         """Reply to a weight-update group operation (`WeightsUpdateGroups`) once it has ended: a group
         joined, or weights received, which are then written in place between two steps."""
-        done = self.weights_groups.poll()
+        done = self.weights_groups.poll(None if self.tp is None else self.tp.all_true)
         if done is None:
             return
         req, named, error = done
         if isinstance(req, InitWeightsUpdateGroupReqInput):
+            error = self._agree(error or None)  # (under TP: every rank joined, or none stays in the group)
+            if error and req.group_name in self.weights_groups.groups:
+                self.weights_groups.destroy(req.group_name)
             message = f"The weight-update group was not joined: {error}." if error else "Succeeded to join."
             self.send_to_tokenizer(InitWeightsUpdateGroupReqOutput(not error, message))
             return
-        if error:
-            success, message = False, _not_updated(error)
+        if error:  # (this rank's vote: the others vote in `write_weights`)
+            success, message = False, RankVote(self._agree).outcome(_not_updated(error))
         else:
             success, message = self.write_weights(named, None, req.flush_cache, RankVote(self._agree))
         self.send_to_tokenizer(UpdateWeightsFromDistributedReqOutput(success, message))

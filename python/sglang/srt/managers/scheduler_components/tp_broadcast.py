@@ -234,6 +234,14 @@ class TpBroadcast:
         r, why = failed[0]
         return f"{why} (on TP rank {r}; every rank keeps what it had)"
 
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (an operation that ended on each rank at its own time)."""
+        import torch.distributed as dist
+
+        flags: list[Any] = [None] * self.rank.tp_size
+        dist.all_gather_object(flags, bool(flag), group=self.group)
+        return all(flags)
+
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's `value`, on rank 0 (None elsewhere)."""
         import torch.distributed as dist

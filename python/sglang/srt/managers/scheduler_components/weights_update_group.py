@@ -6,6 +6,11 @@ name over it, and the scheduler writes them into the weights in place between tw
 (`Scheduler.finish_weights_group_op`); /destroy_weights_update_group leaves it. Joining and receiving
 wait for the trainer to take part, so each runs on a thread of its own while the loop goes on (its
 heartbeats keep the watchdog quiet); the loop polls for the end. One such operation at a time.
+
+Under --tp-size N, as upstream, every TP rank joins the group, as rank `rank_offset + tp_rank` (the
+trainer's group has world size 1 + N), receives every broadcast tensor whole and writes its own shard of
+it; an operation ends on all ranks in the same loop iteration, once it has ended on every rank (`poll`'s
+`ended_everywhere`), and the ranks agree on its outcome (the scheduler's `_agree`).
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ class WeightsUpdateGroups:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.pending: tuple[Any, Future] | None = None
 
-    def start_init(self, req: InitWeightsUpdateGroupReqInput) -> str | None:
-        """Start joining the group; None, or why it cannot start."""
+    def start_init(self, req: InitWeightsUpdateGroupReqInput, tp_rank: int = 0) -> str | None:
+        """Start joining the group as rank `rank_offset + tp_rank`; None, or why it cannot start."""
         busy = self._busy()
         if busy is not None:
             return busy
@@ -43,12 +48,13 @@ class WeightsUpdateGroups:
         if req.backend == "nccl" and self.device.type != "cuda":
             return "backend nccl needs the server on a GPU: a server on a CPU joins with backend gloo."
         url = f"tcp://{req.master_address}:{req.master_port}"
+        rank = req.rank_offset + tp_rank
         logger.info("Joining weight-update group %r at %s as rank %d of %d.", req.group_name, url,
-                    req.rank_offset, req.world_size)  # fmt: skip
+                    rank, req.world_size)  # fmt: skip
 
         def join() -> None:
             self.groups[req.group_name] = init_custom_process_group(
-                req.backend, url, self.timeout, req.world_size, req.rank_offset, group_name=req.group_name
+                req.backend, url, self.timeout, req.world_size, rank, group_name=req.group_name
             )
 
         self._run(req, join)
@@ -92,9 +98,14 @@ class WeightsUpdateGroups:
         dist.destroy_process_group(group)
         return None
 
-    def poll(self) -> tuple[Any, Any, str] | None:
-        """(the request, what it gave, why it failed or "") once the operation has ended; None before."""
-        if self.pending is None or not self.pending[1].done():
+    def poll(self, ended_everywhere: Callable[[bool], bool] | None = None) -> tuple[Any, Any, str] | None:
+        """(the request, what it gave, why it failed or "") once the operation has ended; None before.
+        Under TP `ended_everywhere` (a collective every rank calls alike) says whether it has ended on
+        every rank."""
+        if self.pending is None:
+            return None
+        ended = self.pending[1].done()
+        if not (ended if ended_everywhere is None else ended_everywhere(ended)):
             return None
         req, future = self.pending
         self.pending = None
