@@ -247,3 +247,20 @@ def test_bad_videos_refused(setup, video_data, words):
     with pytest.raises(RequestError) as err:
         engine.generate(prompt="Watch " + VIDEO, video_data=video_data, sampling_params=GREEDY)
     assert err.value.param == "video_data" and words in err.value.message
+
+
+def test_video_pixel_bound(setup, monkeypatch):
+    """Over video.MAX_DECODED_PIXELS (lowered here to 3 frames of 64x64): a file is refused before its
+    frames are decoded, a list of frames after its first; both 400s naming video_data."""
+    from sglang.srt.multimodal import video
+
+    engine, _ = setup
+    monkeypatch.setattr(video, "MAX_DECODED_PIXELS", 3 * 64 * 64)
+    frames = frames_of(9, 4)
+    for data in ([base64.b64encode(mp4_bytes(frames, fps=4)).decode()], [[b64_png(f) for f in frames]]):
+        with pytest.raises(RequestError) as err:
+            engine.generate(prompt="Watch " + VIDEO, video_data=data, sampling_params=GREEDY)
+        assert (
+            err.value.param == "video_data"
+            and "4 frames of 64x64, over the 12288 pixels" in err.value.message
+        )

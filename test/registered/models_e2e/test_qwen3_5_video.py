@@ -19,6 +19,7 @@ from sglang.test.vl_video_checks import (  # noqa: F401
     test_prefix_cache_keyed_by_video,
     test_video_file_matches_oracle_and_chat,
     test_video_frames_with_an_image_match_oracle,
+    test_video_pixel_bound,
     video_oracle,
 )
 

@@ -138,7 +138,7 @@ class ImageInputProcessor:
         transformers' get_rope_index splits a video)."""
         assert self.video is not None
         video = videos.load_video(item, where, self.video)
-        patches, (t, h, w) = videos.video_patches(video, self.video, where)
+        patches, (t, h, w) = videos.video_patches(video, self.video)
         stamps = video.timestamps(self.video.temporal_patch_size)
         out = []
         for k, chunk in enumerate(patches.split(h * w)):

@@ -10,8 +10,9 @@ in the prompt by its timestamp (`<1.5 seconds>`, the mean of its frames' times) 
 frames), rescaled, normalized and cut into patches in the Qwen2-VL layout.
 
 Bounds, each a 400 naming `video_data`: `MAX_VIDEO_FRAMES` frames taken, `MAX_DECODED_PIXELS` pixels
-decoded from a file (its frames before sampling, so a long or large video is refused before it is
-decoded), `media_io.MAX_IMAGE_PIXELS` a frame.
+decoded (a file's frames before sampling, so a long or large video is refused before it is decoded; a
+list's frames, known from its first), `media_io.MAX_IMAGE_PIXELS` a frame. Each frame is resized as it
+is decoded, so the full-size frames are never all held.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class VideoConfig:
 
 @dataclass
 class Video:
-    """A video's frames (RGB PIL images of one size) and each frame's index in the source at `fps`."""
+    """A video's frames (RGB PIL images, resized to the size the processor gives the whole video) and
+    each frame's index in the source at `fps`."""
 
     frames: list[Any]
     indices: list[int]
@@ -116,17 +118,46 @@ def _item_bytes(item: Any, where: str) -> bytes:
 
 def load_video(item: Any, where: str, config: VideoConfig) -> Video:
     """A `video_data` item (a list of frames, or a video file) as frames; RequestError naming `where`."""
+    from PIL import Image
+
     if isinstance(item, list):
         if not item:
             raise RequestError(f"{where} is an empty list of frames.", FIELD)
         if len(item) > MAX_VIDEO_FRAMES:
             raise RequestError(f"{where} has {len(item)} frames, over the {MAX_VIDEO_FRAMES} taken.", FIELD)
         try:
-            frames = [media_io.load_image(f, f"{where}[{i}]") for i, f in enumerate(item)]
+            first = media_io.load_image(item[0], f"{where}[0]")
+            width, height = first.size
+            if len(item) * width * height > MAX_DECODED_PIXELS:
+                raise RequestError(
+                    f"{where} has {len(item)} frames of {width}x{height}, over the {MAX_DECODED_PIXELS} "
+                    "pixels this server takes in a video.",
+                    FIELD,
+                )
+            size = _target_size(len(item), width, height, config, where)
+            frames = [first.resize(size, Image.BICUBIC)]  # each frame resized as it comes: a bounded memory
+            for i, f in enumerate(item[1:], 1):
+                frame = media_io.load_image(f, f"{where}[{i}]")
+                if frame.size != (width, height):
+                    raise RequestError(f"{where}: the frames of a video must all have one size.", FIELD)
+                frames.append(frame.resize(size, Image.BICUBIC))
         except RequestError as e:
             raise _as_video_error(e) from None
         return Video(frames, list(range(len(frames))), DEFAULT_FPS)
     return _decode(_item_bytes(item, where), where, config)
+
+
+def _target_size(frames: int, width: int, height: int, config: VideoConfig, where: str) -> tuple[int, int]:
+    """The (width, height) every frame is resized to: transformers' smart_resize over the frames given
+    (before the last is repeated to a whole pair, as transformers resizes), within the config's pixels."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    p, tp, m = config.patch_size, config.temporal_patch_size, config.merge_size
+    try:
+        h, w = smart_resize(frames, height, width, tp, p * m, config.min_pixels, config.max_pixels)
+    except ValueError as e:  # too few frames, or an aspect ratio the processor cannot resize
+        raise RequestError(f"{where}: the video processor refused it ({e}).", FIELD) from None
+    return w, h
 
 
 def _decode(data: bytes, where: str, config: VideoConfig) -> Video:
@@ -154,18 +185,21 @@ def _decode(data: bytes, where: str, config: VideoConfig) -> Video:
             if total < 1:
                 raise RequestError(f"{where} holds no frame.", FIELD)
             indices = _sample(total, fps, config)
+            size = _target_size(len(indices), width, height, config, where)
             wanted, frames = set(indices), []
             container.seek(0)
             for i, frame in enumerate(container.decode(video=0)):
                 if i > indices[-1]:
                     break
-                if i in wanted:
-                    frames.append(Image.fromarray(frame.to_ndarray(format="rgb24")))
+                if i in wanted:  # resized as it comes: the full-size frames are never all held
+                    frames.append(
+                        Image.fromarray(frame.to_ndarray(format="rgb24")).resize(size, Image.BICUBIC)
+                    )
     except RequestError:
         raise
     except Exception as e:  # PyAV raises its own errors (and ValueError) for data it cannot decode
         raise RequestError(f"{where} could not be decoded as a video ({type(e).__name__}).", FIELD) from None
-    if len(frames) != len(indices):  # the stream declared more frames than it holds
+    if len(frames) != len(indices):  # the stream declared more frames than it holds (sized for those)
         indices = indices[: len(frames)]
     if not frames:
         raise RequestError(f"{where} holds no decodable frame.", FIELD)
@@ -180,22 +214,13 @@ def _sample(total: int, fps: float, config: VideoConfig) -> list[int]:
     return np.linspace(0, total - 1, n).round().astype(int).tolist()
 
 
-def video_patches(video: Video, config: VideoConfig, where: str) -> tuple[torch.Tensor, list[int]]:
+def video_patches(video: Video, config: VideoConfig) -> tuple[torch.Tensor, list[int]]:
     """The video's patches [t * h * w, C * T * P * P] (grid after grid, each in merge-block order) and its
-    grid [t, h, w], as Qwen3VLVideoProcessor makes them."""
-    from PIL import Image
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
-
-    width, height = video.frames[0].size
-    if any(f.size != (width, height) for f in video.frames):
-        raise RequestError(f"{where}: the frames of a video must all have one size.", FIELD)
+    grid [t, h, w], as Qwen3VLVideoProcessor makes them from its resized frames."""
     p, tp, m = config.patch_size, config.temporal_patch_size, config.merge_size
-    try:  # over the frames given, before the last is repeated to a whole pair (as transformers resizes)
-        h, w = smart_resize(len(video.frames), height, width, tp, p * m, config.min_pixels, config.max_pixels)
-    except ValueError as e:  # too few frames, or an aspect ratio the processor cannot resize
-        raise RequestError(f"{where}: the video processor refused it ({e}).", FIELD) from None
+    w, h = video.frames[0].size
     frames = video.frames + [video.frames[-1]] * (-len(video.frames) % tp)
-    pixels = np.stack([np.asarray(f.resize((w, h), Image.BICUBIC), dtype=np.float32) for f in frames])
+    pixels = np.stack([np.asarray(f, dtype=np.float32) for f in frames])
     pixels = (pixels / 255.0 - np.array(config.mean, np.float32)) / np.array(config.std, np.float32)
     x = torch.from_numpy(pixels).permute(0, 3, 1, 2)  # [frames, C, H, W]
     gt, gh, gw, c = len(frames) // tp, h // p, w // p, x.shape[1]
