@@ -64,8 +64,8 @@ class GenerateReqInput:
     # Images (upstream's): one item or a list per prompt, each a file path, base64 or a data URI; the
     # prompt has one <|vision_start|><|image_pad|><|vision_end|> per image (docs/multimodal.md).
     image_data: Any = None
-    # Videos (upstream's): one video or a list per prompt, each a video file (path, base64, data URI) or
-    # a list of frames (each as an image_data item); docs/multimodal.md.
+    # Videos (upstream's): one video or a list per prompt, each a video file (base64, data URI) or a
+    # list of frames (each as an image_data item); docs/multimodal.md.
     video_data: Any = None
 
 

@@ -1,6 +1,6 @@
 """Videos of a request (`video_data`), as Qwen3-VL / Qwen3.5's processor takes them: a video is either a
 list of frames (each an `image_data`-style item, read by `media_io`) or a video file (mp4, webm, ...: its
-bytes as base64, a data URI or a file path as `media_io` reads them) decoded with PyAV.
+bytes, as base64 or a data URI) decoded with PyAV.
 
 A file is sampled as transformers' `Qwen3VLVideoProcessor.sample_frames` does (`fps` frames a second,
 at least `min_frames`, at most `max_frames`), a list of frames is taken whole (transformers samples no
@@ -103,15 +103,13 @@ def _as_video_error(e: RequestError) -> RequestError:
 
 
 def _item_bytes(item: Any, where: str) -> bytes:
-    """A video file's bytes, read by media_io's rules for media items (what a request may make the
-    server read is media_io's)."""
+    """A video file's bytes: bytes as they are (what `media_io.MediaReader` reads), base64 or a data URI
+    by media_io's reader. A file path or URL is not read here: whether a request may name one is
+    media_io's policy, applied where it reads the request's items."""
     if isinstance(item, bytes):
         return item
     try:
-        read_local = getattr(media_io, "read_local", None)
-        if read_local is not None:  # media_io's reader of base64 / data URIs (paths read before)
-            return read_local(item, where, FIELD, media_io.MediaPolicy(), trusted=False)
-        return media_io._image_bytes(item, where)
+        return media_io.read_local(item, where, FIELD, media_io.MediaPolicy(), trusted=False)
     except RequestError as e:
         raise _as_video_error(e) from None
 
