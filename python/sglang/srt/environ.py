@@ -237,6 +237,14 @@ class Envs:
     SGLANG_DISAGGREGATION_STAGING = EnvBool(
         False, "Both PD servers: stage KV and state through host buffers (tests the staged path on CPU)."
     )
+    # The staged path's buffers (upstream's names; MiB, fractions allowed): the most one request moves
+    # through a staging range at once (the prefill server's whole buffer), and the decode server's buffer.
+    SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB = EnvFloat(
+        256.0, "Both PD servers: the staging chunk, the prefill server's staging buffer (MiB)."
+    )
+    SGLANG_DISAGG_STAGING_POOL_SIZE_MB = EnvFloat(
+        1024.0, "Decode side: the staging buffer shared by the transfers in flight (MiB)."
+    )
     SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER = EnvOptStr(
         None, "Prefill side: the transfer of each request whose rid starts with this fails (fault injection)."
     )

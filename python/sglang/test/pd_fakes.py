@@ -36,5 +36,6 @@ def decode_queue(sched: Any) -> DecodeTransferQueue:
     q.timeout = 300.0
     q.radix = False
     q.staging, q.device_packer, q.staged = None, None, {}
-    q.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "kv_tokens": 0, "seconds": 0.0}
+    q.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "kv_tokens": 0, "seconds": 0.0,
+               "staged_chunks": 0}  # fmt: skip
     return q

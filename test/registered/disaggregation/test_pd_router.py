@@ -69,8 +69,18 @@ DECODE_SIZING = [
 
 # Qwen3-Next's pair stages KV and state through host staging buffers (the path of CUDA pools with a
 # host-only transfer engine, disaggregation/staging.py, here on CPU tensors); Nemotron-H's registers its
-# CPU pools as they are.
-STAGED = {"tiny-qwen3-next": {"SGLANG_DISAGGREGATION_STAGING": "1"}, "tiny-nemotron-h": {}}
+# CPU pools as they are. The staging chunk (20,971 bytes) holds 81 positions of its KV (256 bytes each)
+# or its state (16,896 bytes), and both only up to 15 positions: every prompt of 16 positions or more
+# moves in several chunks, and the decode server's buffer (52,428 bytes) holds two full ranges at once.
+STAGING_CHUNK_MIB, STAGING_POOL_MIB = 0.02, 0.05
+STAGED = {
+    "tiny-qwen3-next": {
+        "SGLANG_DISAGGREGATION_STAGING": "1",
+        "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB": str(STAGING_CHUNK_MIB),
+        "SGLANG_DISAGG_STAGING_POOL_SIZE_MB": str(STAGING_POOL_MIB),
+    },
+    "tiny-nemotron-h": {},
+}
 
 
 @pytest.fixture(scope="module", params=list(PRESETS))
@@ -145,6 +155,7 @@ def prompts(n: int, base: int = 0) -> list[list[int]]:
 
 
 def test_generate_through_the_router_matches_a_single_server(pd):
+    chunks_before = internal_state(pd["decode"])["disaggregation"]["staged_chunks"]
     for ids in prompts(8):
         want = post(pd["prefill"].base_url + "/generate", generate_body(ids)).json()
         r = post(pd["router"].base_url + "/generate", generate_body(ids))
@@ -152,6 +163,13 @@ def test_generate_through_the_router_matches_a_single_server(pd):
         assert_same_generation(r.json(), want)
     state = internal_state(pd["decode"])["disaggregation"]
     assert state["transfers"] >= 8 and state["failed_transfers"] == 0 and state["bytes"] > 0
+    if state["staging_buffer_bytes"]:  # the staged pair: its fixed buffer, and prompts moved in chunks
+        assert state["staging_buffer_bytes"] == int(STAGING_POOL_MIB * 2**20)
+        assert state["staging_chunk_bytes"] == int(STAGING_CHUNK_MIB * 2**20)
+        # Chunks per prompt: 5 positions and the state fit one; 16, 17, 63, 64 and 65 positions fit one
+        # chunk but not beside the state, which goes alone in a second; 129 take 81 + 48, then the state;
+        # 300 take 81 + 81 + 81 + 57, then the state.
+        assert state["staged_chunks"] - chunks_before == 1 + 5 * 2 + 3 + 5, state
 
 
 def test_a_grammar_holds_on_both_halves(pd):

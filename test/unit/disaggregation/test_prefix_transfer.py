@@ -90,5 +90,8 @@ def test_a_staging_mismatch_is_an_error():
 def test_a_malformed_prefix_or_staging_is_refused():
     base = {"notify": "n", "session": "s", "layout": LAYOUT.to_dict(), "kv": [1], "slot": 0}
     assert _malformed_dst(base, 4096) is None
-    for bad in ({"prefix": -1}, {"prefix": "3"}, {"prefix": True}, {"staging": -5}, {"staging": 1.5}):
-        assert _malformed_dst({**base, **bad}, 4096) == "prefix must be a token count and staging an address"
+    bads = ({"prefix": -1}, {"prefix": "3"}, {"prefix": True}, {"staging": -5}, {"staging": 1.5}, {"staging_bytes": "9"})
+    for bad in bads:
+        assert _malformed_dst({**base, **bad}, 4096) == (
+            "prefix must be a token count, staging an address and staging_bytes a size"
+        )

@@ -5,11 +5,27 @@ else; the staging buffer's ranges never overlap."""
 
 from __future__ import annotations
 
+import ctypes
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
+import pytest
 import torch
 
-from sglang.srt.disaggregation.staging import ByteRanges, StatePacker, host_buffer
+from sglang.srt.disaggregation.staging import (
+    ByteRanges,
+    ChunkLink,
+    StagedRange,
+    Staging,
+    StatePacker,
+    chunk_plan,
+    host_buffer,
+    staging_sizes,
+)
+from sglang.srt.environ import envs
+from sglang.srt.server_args import ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="per-commit-cpu")
@@ -66,3 +82,113 @@ def test_byte_ranges_never_overlap_and_reuse_freed_room():
         assert 0 <= start and start + n <= 1000
         assert all(start + n <= a or a + m <= start for a, m in held.items())
         held[start] = n
+
+
+def test_chunk_plans_cover_the_positions_in_order_within_the_range_and_the_state_once_last():
+    for n in (1, 2, 7, 50):
+        for token_bytes, state_bytes in ((8, 0), (8, 20), (8, 64), (0, 16)):
+            for cap in range(max(token_bytes, state_bytes, 1), 120, 7):
+                plan = chunk_plan(n, token_bytes, state_bytes, cap)
+                assert [a for a, _, _ in plan] == [0] + [b for _, b, _ in plan[:-1]]
+                assert plan[-1][1] == n and [s for _, _, s in plan] == [False] * (len(plan) - 1) + [True]
+                assert all((b - a) * token_bytes + (state_bytes if s else 0) <= cap for a, b, s in plan)
+                assert all(a < b for a, b, s in plan if not s)
+                # As few chunks as whole positions allow: each full one but the last holds cap // token_bytes.
+                if token_bytes:
+                    assert all(b - a == cap // token_bytes for a, b, _ in plan[:-2])
+    with pytest.raises(ValueError, match="holds neither a position"):
+        chunk_plan(4, 8, 20, 19)
+
+
+def staged_pair(chunk_bytes: int):
+    """A prefill side's staging (its buffer one chunk) and a decode side's (a pool of two chunks), over
+    the pools of `pools`; a request of 13 positions whose KV and state are far larger than a chunk."""
+    src_kv, src_states = pools(0, fill=True)
+    dst_kv, dst_states = pools(1, fill=False)
+    prefill = Staging.create(StatePacker(src_kv, src_states, "cpu"), chunk_bytes, chunk_bytes)
+    decode = Staging.create(StatePacker(dst_kv, dst_states, "cpu"), 2 * chunk_bytes, chunk_bytes)
+    src_tokens = [9, 10, 11, 12, 40, 41, 3, 60, 61, 62, 63, 20, 21]
+    req = SimpleNamespace(origin_input_ids=list(range(15)), mamba_pool_idx=5,
+                          kv_indices=[0, 1] + [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 50, 51, 52])  # fmt: skip
+    length = decode.range_bytes(len(src_tokens))
+    entry = StagedRange(req, decode.ranges.alloc(length), length, prefix=2)
+    return prefill, decode, src_tokens, entry, (src_kv, src_states, dst_kv, dst_states)
+
+
+def memmove(session: str, descriptors: list[tuple[int, int, int]]) -> None:
+    """A transfer engine within one process: each descriptor one copy."""
+    for src, dst, n in descriptors:
+        ctypes.memmove(dst, src, n)
+
+
+def test_a_request_larger_than_the_staging_range_moves_in_chunks_through_fixed_buffers():
+    # pools(): 128 bytes of KV a position (two layers' K and V, 32 bytes each) and a 124-byte state. A
+    # 300-byte chunk holds 2 positions: 13 positions move in 7 chunks, the state with the last.
+    chunk = 300
+    prefill, decode, src_tokens, entry, (src_kv, src_states, dst_kv, dst_states) = staged_pair(chunk)
+    sizes = (prefill.buffer.nbytes, decode.buffer.nbytes)
+    assert entry.length == chunk and decode.packer.packed_bytes(13) > 4 * chunk
+    link = ChunkLink()
+    dst = (decode.address(entry.start), entry.length)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(prefill.send, memmove, "s", src_tokens, 4, dst, link, 10.0)
+        chunks = 0
+        while not future.done():  # the scheduler threads of both servers: announce, unpack, acknowledge
+            for c in link.drain():
+                assert decode.receive(entry, c) is None
+                chunks += 1
+                link.ack(c)
+            time.sleep(0.001)
+        nbytes, last = future.result()
+    assert decode.receive(entry, last) is None and entry.complete()
+    assert chunks + 1 == 7 and last == [12, 13, True]
+    assert nbytes == decode.packer.packed_bytes(13)
+    assert (prefill.buffer.nbytes, decode.buffer.nbytes) == sizes  # never grown
+    for s, d in zip(src_kv, dst_kv, strict=True):
+        assert torch.equal(d[entry.tokens()], s[src_tokens])
+        assert not d[[t for t in range(64) if t not in entry.tokens()]].any()
+    for s, d in zip(src_states, dst_states, strict=True):
+        assert torch.equal(d[5], s[4]) and not d[[0, 1, 2, 3, 4]].any()
+
+
+def test_chunks_out_of_order_or_past_the_range_are_refused_and_a_cancel_stops_the_sender():
+    prefill, decode, src_tokens, entry, _ = staged_pair(300)
+    for bad in ([1, 3, False], [0, 5, False], [0, 13, True], [0, 2], "x", [0, 0, False], [0, True, False]):
+        assert "not the next part of the prompt's 13 positions" in decode.receive(entry, bad)
+    assert decode.receive(entry, [0, 2, False]) is None
+    assert "(2 received)" in decode.receive(entry, [0, 2, False])  # a repeat
+    link = ChunkLink()
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(prefill.send, memmove, "s", src_tokens, 4, (decode.address(0), 300), link, 10.0)
+        while not link.drain():
+            time.sleep(0.001)
+        link.cancel()  # the decode server gave the request up while the first chunk waited for its ack
+        with pytest.raises(RuntimeError, match="cancelled by the decode server"):
+            future.result(timeout=5)
+    with pytest.raises(RuntimeError, match="did not acknowledge a staged chunk within 0.05 s"):
+        prefill.send(memmove, "s", src_tokens, 4, (decode.address(0), 300), ChunkLink(), 0.05)
+
+
+def test_staging_sizes_are_bounded_and_a_chunk_below_one_position_and_the_state_is_refused():
+    packer = StatePacker(*pools(0, fill=False), "cpu")
+    least = packer.packed_bytes(1)
+    mib = 1 << 20
+    with envs.SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB.override(0.25), envs.SGLANG_DISAGG_STAGING_POOL_SIZE_MB.override(1):
+        # A chunk is never larger than a whole prompt; the decode pool never larger than a chunk per row.
+        assert staging_sizes("prefill", packer, 4096, 8) == (mib // 4, mib // 4)
+        assert staging_sizes("decode", packer, 4096, 8) == (mib, mib // 4)
+        assert staging_sizes("decode", packer, 4096, 2) == (mib // 2, mib // 4)
+        assert staging_sizes("prefill", packer, 10, 8) == (packer.packed_bytes(10),) * 2
+    with envs.SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB.override((least - 1) / mib):
+        with pytest.raises(ServerArgsError, match="SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB=.* is below one prompt"):
+            staging_sizes("prefill", packer, 4096, 8)
+    with envs.SGLANG_DISAGG_STAGING_POOL_SIZE_MB.override(0.125):
+        with pytest.raises(ServerArgsError, match="SGLANG_DISAGG_STAGING_POOL_SIZE_MB=0.125 is below one"):
+            staging_sizes("decode", packer, 4096, 8)
+
+
+def test_aligned_byte_ranges_start_on_the_alignment():
+    ranges = ByteRanges(1024, align=256)
+    assert [ranges.alloc(n) for n in (1, 300, 200, 10)] == [0, 256, 768, None]
+    ranges.free(256)
+    assert ranges.alloc(512) == 256

@@ -13,6 +13,10 @@ machines). The bytes of KV and state never go this way; they go through the tran
          "output_top_logprobs", "output_token_ids_logprobs", "cached_tokens", "bytes", "kv_tokens", "seconds"}
         {"type": "done", "room", "ok": false, "error": str}
         {"type": "hello_ack", "room": "", "nonce", "to"}   the answer to a hello addressed to this server
+    staged path (`staging.py`): "dst" also names "staging" (its range's address) and "staging_bytes";
+    prefill -> decode {"type": "chunk", "room", "chunk": [start, end, with state]} for each chunk but
+    the last (which comes with "done", as "chunk"); decode -> prefill {"type": "chunk_ack", "room",
+    "chunk"} once it is unpacked
 
 Every "dst" gets exactly one "done" (ok or not) from a prefill server that is alive; a decode server
 that gets none within SGLANG_DISAGGREGATION_WAITING_TIMEOUT gives the request up.

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
 from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
 from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
-from sglang.srt.disaggregation.staging import StatePacker
+from sglang.srt.disaggregation.staging import StagedRange, StatePacker
 from sglang.srt.disaggregation.transfer import clear_destination, open_transfer_engine
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import alloc_for_extend
@@ -37,10 +37,6 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
-
-# Staged path (docs/disaggregation.md): the decode server's staging buffer holds this many prompts of
-# the context length in flight; more wait for room, as for KV slots.
-STAGED_PROMPTS = 4
 
 
 def default_decode_extra_slots(max_running_requests: int) -> int:
@@ -86,15 +82,15 @@ class DecodeTransferQueue:
         args = sched.server_args
         self.sched = sched
         check_at_start(args)
-        # Staged path: a staging buffer for a few prompts of the context length in flight at once.
-        self.layout, self.engine, self.staging = open_transfer_engine(sched, STAGED_PROMPTS)
+        # Staged path: a staging buffer of fixed size, a range of at most one chunk per transfer in flight.
+        self.layout, self.engine, self.staging = open_transfer_engine(sched, "decode")
         # Device pools registered directly are zeroed by tensor ops (no host address to memset).
         self.device_packer = None
         if self.staging is None and args.device != "cpu":
             self.device_packer = StatePacker.of(
                 sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool, args.device
             )
-        self.staged: dict[str, tuple[Req, int, int]] = {}  # room -> (request, staging range, prefix)
+        self.staged: dict[str, StagedRange] = {}  # room -> its request's staging range
         self.allowlist = PrefillAllowlist.parse(args.disaggregation_prefill_allowlist)
         max_message = answer_max_bytes(args.max_logprobs)
         self.channel = Channel(args.host, None, secret(), max_message, "decode")
@@ -112,7 +108,8 @@ class DecodeTransferQueue:
         self.zombies: dict[str, tuple[Req, float]] = {}  # aborted while a transfer may still write
         self.dst_sent: set[str] = set()  # rooms whose prefill server was asked (it answers, or got a cancel)
         self.timeout = envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
-        self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "kv_tokens": 0, "seconds": 0.0}
+        self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "kv_tokens": 0, "seconds": 0.0,
+                      "staged_chunks": 0}  # fmt: skip
 
     # ---- the scheduler's hooks ----------------------------------------------------------------------
 
@@ -155,9 +152,9 @@ class DecodeTransferQueue:
         """A request with a room ended here before its prefill server was asked for the transfer (refused,
         aborted while waiting): tell that server, which otherwise holds its half until its timeout."""
         entry = self.staged.get(req.bootstrap.room)
-        if entry is not None and entry[0] is req:  # nothing writes its staging range any more
+        if entry is not None and entry.req is req:  # nothing writes its staging range any more
             del self.staged[req.bootstrap.room]
-            self.staging.ranges.free(entry[1])
+            self.staging.ranges.free(entry.start)
         if req.bootstrap.port is None:
             return
         if (req.finished_reason or {}).get("type") != "abort":
@@ -185,6 +182,9 @@ class DecodeTransferQueue:
                     logger.warning(
                         "Disaggregation: a malformed answer for room %r was dropped (%s).", msg["room"], e
                     )
+            elif msg["type"] == "chunk":
+                did = True
+                self._on_chunk(msg)
             elif msg["type"] == "hello_ack":
                 did = self.peers.on_hello_ack(msg) or did
         did = self._expire() or did
@@ -226,7 +226,7 @@ class DecodeTransferQueue:
             p = self._match_prefix(req)
             start = None
             if self.staging is not None:
-                start = self.staging.ranges.alloc(self.staging.packer.packed_bytes(n - p))
+                start = self.staging.ranges.alloc(self.staging.range_bytes(n - p))
             if (self.staging is not None and start is None) or not alloc_for_extend(
                 sched.tree_cache,
                 sched.req_to_token_pool,
@@ -249,7 +249,7 @@ class DecodeTransferQueue:
             req.mark_req_to_token_dirty(0)
             self.reserved.append((req, sched.num_batches, p))
             if start is not None:
-                self.staged[req.bootstrap.room] = (req, start, p)
+                self.staged[req.bootstrap.room] = StagedRange(req, start, self.staging.range_bytes(n - p), p)
         self.prealloc = waiting
         return did
 
@@ -285,10 +285,11 @@ class DecodeTransferQueue:
                 "session": self.engine.session_id, "layout": self.layout.to_dict(),
                 "prefix": prefix, "kv": req.kv_indices[prefix:], "slot": req.mamba_pool_idx,
             }  # fmt: skip
-            if key in self.staged:  # the unpack writes every row: its range is what must hold zeros
-                start = self.staged[key][1]
-                self.staging.buffer[start : start + self.staging.packer.packed_bytes(len(msg["kv"]))].zero_()
-                msg["staging"] = self.staging.address(start)
+            if key in self.staged:  # the unpack writes every row: its range is what must hold zeros (a
+                # later chunk's unpack may read the one before it: the same request's rows, never another's)
+                entry = self.staged[key]
+                self.staging.buffer[entry.start : entry.start + entry.length].zero_()
+                msg["staging"], msg["staging_bytes"] = self.staging.address(entry.start), entry.length
             elif self.device_packer is not None:
                 self.device_packer.clear(req.kv_indices[prefix:], req.mamba_pool_idx)
             else:
@@ -317,13 +318,18 @@ class DecodeTransferQueue:
             error = msg.get("error") or "no first token came with the state"
             self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
             return
-        if key in self.staged:  # from the staging range into the pools, before anything reads them
-            _, start, prefix = self.staged.pop(key)
-            n = len(req.origin_input_ids)
-            self.staging.packer.unpack(
-                self.staging.buffer[start:], req.kv_indices[prefix:n], req.mamba_pool_idx
-            )
-            self.staging.ranges.free(start)
+        if key in self.staged:  # the last chunk, from the staging range into the pools, before any read
+            entry = self.staged[key]
+            error = self.staging.receive(entry, msg.get("chunk"))
+            if error is None and not entry.complete():
+                error = f"the staged transfer ended after {entry.received} positions (state: {entry.state})"
+            if error is not None:  # its range is freed with the request
+                self.stats["failed_transfers"] += 1
+                self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
+                return
+            del self.staged[key]
+            self.staging.ranges.free(entry.start)
+            self.stats["staged_chunks"] += 1
         self.stats["transfers"] += 1
         self.stats["bytes"] += int(msg.get("bytes", 0))
         self.stats["kv_tokens"] += int(msg.get("kv_tokens", 0))
@@ -351,6 +357,21 @@ class DecodeTransferQueue:
             processor.send_finished([req])
         else:
             self.ready.append(req)
+
+    def _on_chunk(self, msg: dict[str, Any]) -> None:
+        """A staged chunk the prefill server wrote into a request's range: unpack it, then acknowledge
+        (the prefill server writes the next one into the same range)."""
+        key = str(msg["room"])
+        entry = self.staged.get(key)
+        if key not in self.transfers or entry is None:
+            return  # given up (its prefill server was sent a cancel) or never staged here
+        error = self.staging.receive(entry, msg.get("chunk"))
+        if error is not None:  # held until the prefill server answers the cancel this sends
+            self.sched.abort_with_status([entry.req], f"KV transfer from the prefill server failed: {error}", 500)
+            return
+        self.stats["staged_chunks"] += 1
+        self.transfers[key] = (entry.req, time.monotonic())  # the waiting timeout counts from the last chunk
+        self._send(entry.req, {"type": "chunk_ack", "room": key, "chunk": msg["chunk"]})
 
     def _admit_ready(self) -> bool:
         sched = self.sched
@@ -396,6 +417,8 @@ class DecodeTransferQueue:
             "ready": len(self.ready),
             "aborted_holding": len(self.zombies),
             "staging_ranges": len(self.staging.ranges.used) if self.staging is not None else 0,
+            "staging_buffer_bytes": self.staging.buffer.nbytes if self.staging is not None else 0,
+            "staging_chunk_bytes": self.staging.chunk_bytes if self.staging is not None else 0,
             "dropped_messages": self.channel.dropped,
             "decode_radix_cache": self.radix,
             **self.layout.sizes(),

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.disaggregation.auth import BootstrapIdentity, check_at_start, secret
 from sglang.srt.disaggregation.channel import MAX_ERROR_CHARS, Channel
+from sglang.srt.disaggregation.staging import ChunkLink
 from sglang.srt.disaggregation.transfer import (
     PoolLayout,
     TransferError,
@@ -45,6 +46,7 @@ class _Room:
     dst: dict[str, Any] | None = None  # the decode server's destination
     future: Future | None = None  # the transfer
     kv_tokens: int = 0  # prompt positions whose KV the transfer moves
+    link: ChunkLink | None = None  # a staged transfer's chunks in flight
 
 
 class PrefillBootstrapQueue:
@@ -52,8 +54,8 @@ class PrefillBootstrapQueue:
         args = sched.server_args
         self.sched = sched
         check_at_start(args)
-        # Transfers run one at a time (one worker thread): a staging buffer holds one prompt.
-        self.layout, self.engine, self.staging = open_transfer_engine(sched, 1)
+        # Transfers run one at a time (one worker thread): the staging buffer holds one chunk.
+        self.layout, self.engine, self.staging = open_transfer_engine(sched, "prefill")
         self.context_len = sched.context_len
         # A destination names one token slot per prompt position: at most 11 bytes each in JSON, and the
         # rest (pool layout, URLs) is a few KB.
@@ -139,7 +141,12 @@ class PrefillBootstrapQueue:
                 self._on_cancel(msg)
             elif msg["type"] == "hello" and (answer := self.identity.hello_answer(msg)):
                 self.channel.send(msg["notify"], answer)
+            elif msg["type"] == "chunk_ack" and (room := self.rooms.get(str(msg["room"]))) and room.link:
+                room.link.ack(msg.get("chunk"))
         for key, room in list(self.rooms.items()):
+            for chunk in room.link.drain() if room.link is not None else ():  # a staged chunk was written
+                did = True
+                self.channel.send(room.dst["notify"], {"type": "chunk", "room": key, "chunk": chunk})
             if room.future is not None and room.future.done():
                 did = True
                 self._complete(key, room)
@@ -190,6 +197,8 @@ class PrefillBootstrapQueue:
         key = str(msg["room"])
         room = self.rooms.get(key)
         if room is not None and room.future is not None:
+            if room.link is not None:  # a staged transfer stops at its next chunk
+                room.link.cancel()
             return  # the transfer's own answer frees the decode side
         # A prefilled request of this room that comes later is ended at once.
         self._end(key, time.monotonic(), "the decode server gave the request up")
@@ -231,7 +240,9 @@ class PrefillBootstrapQueue:
         fail_prefix = envs.SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER.get()
         inject = fail_prefix is not None and req.rid.startswith(fail_prefix)
         if self.staging is not None:
-            args = (dst["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, dst["staging"], inject)
+            room.link = ChunkLink()
+            target = (dst["staging"], dst.get("staging_bytes", 0))
+            args = (dst["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, target, room.link, inject)
             room.future = self.executor.submit(self._transfer_staged, *args)
             return
         descriptors = transfer_descriptors(
@@ -250,22 +261,22 @@ class PrefillBootstrapQueue:
         return sum(n for _, _, n in descriptors), time.perf_counter() - start
 
     def _transfer_staged(
-        self, session: str, tokens: list[int], slot: int, dst_address: int, inject: bool
-    ) -> tuple[int, float]:
-        """On the transfer thread: pack the rows into the staging buffer (one copy), write it to the
-        decode server's staging range as one block."""
+        self, session: str, tokens: list[int], slot: int, dst: tuple[int, int], link: ChunkLink, inject: bool
+    ) -> tuple[int, float, list]:
+        """On the transfer thread: the rows through the staging buffers, chunk by chunk (`Staging.send`);
+        the last chunk goes with the answer."""
         if inject:
             raise TransferError("transfer failure injected by SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER")
         start = time.perf_counter()
-        n = self.staging.packer.pack(tokens, slot, self.staging.buffer)
-        self.engine.write(session, [(self.staging.address(0), dst_address, n)])
-        return n, time.perf_counter() - start
+        # An acknowledgement is one round trip and an unpack away; a decode server that sends none is gone.
+        n, last = self.staging.send(self.engine.write, session, tokens, slot, dst, link, min(self.timeout, 60))
+        return n, time.perf_counter() - start, last
 
     def _complete(self, key: str, room: _Room) -> None:
         del self.rooms[key]
         req, dst = room.req, room.dst
         try:
-            nbytes, seconds = room.future.result()
+            nbytes, seconds, *last_chunk = room.future.result()
         except Exception as e:  # noqa: BLE001 - any failure ends this request on both sides
             self.stats["failed_transfers"] += 1
             logger.warning("KV transfer of room %s (%s) failed: %s", key, req, e)
@@ -287,6 +298,7 @@ class PrefillBootstrapQueue:
             "output_token_ids_logprobs": req.output_token_ids_logprobs,
             "cached_tokens": req.cached_tokens,
             "bytes": nbytes, "kv_tokens": room.kv_tokens, "seconds": seconds,
+            **({"chunk": last_chunk[0]} if last_chunk else {}),
         })  # fmt: skip
         processor = self.sched.result_processor
         if not req.finished:
@@ -362,8 +374,8 @@ def _malformed_dst(msg: dict[str, Any], context_len: int) -> str | None:
         return "notify and session must be strings"
     if not is_int(msg.get("slot")) or not isinstance(msg.get("kv"), list) or not all(map(is_int, msg["kv"])):
         return "slot and kv must be slot ids"
-    if not is_int(msg.get("prefix", 0)) or not is_int(msg.get("staging", 0)):
-        return "prefix must be a token count and staging an address"
+    if not all(is_int(msg.get(k, 0)) for k in ("prefix", "staging", "staging_bytes")):
+        return "prefix must be a token count, staging an address and staging_bytes a size"
     if len(msg["kv"]) > context_len:
         return f"kv names {len(msg['kv'])} token slots, more than the context length {context_len}"
     layout = msg.get("layout")

@@ -9,6 +9,14 @@ one `cat`) and copies the block to the host in ONE copy on a copy stream, then w
 once: no host sync per layer. Unpacking copies the block to the device in one copy and scatters it
 (`index_copy_` per buffer) on the copy stream; the forward stream waits for its event before reading.
 
+A request whose KV and state exceed a staging range moves in chunks (`chunk_plan`): the prefill server
+packs the next chunk's positions into its buffer (one copy), writes it to the decode server's range,
+and tells it (a "chunk" message); the decode server unpacks it into its pools and acknowledges, and
+the next chunk follows. The last chunk (and the state, with it when it fits) comes with the "done"
+answer. So both buffers have fixed sizes (`staging_sizes`, upstream's environment variables
+SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB and SGLANG_DISAGG_STAGING_POOL_SIZE_MB), whatever the context
+length.
+
 The same code runs on CPU tensors (no streams, nothing pinned): that is how the packing is tested, and
 what `SGLANG_DISAGGREGATION_STAGING=1` runs on CPU pools to exercise the staged protocol end to end.
 """
@@ -17,11 +25,17 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.server_args import ServerArgsError
 
 logger = logging.getLogger(__name__)
 
@@ -54,26 +68,28 @@ class StatePacker:
         for buf in self.states:
             buf[slot].zero_()
 
-    def packed_bytes(self, num_tokens: int) -> int:
-        return num_tokens * sum(self.kv_row_bytes) + sum(self.state_bytes)
+    def packed_bytes(self, num_tokens: int, state: bool = True) -> int:
+        return num_tokens * sum(self.kv_row_bytes) + (sum(self.state_bytes) if state else 0)
 
-    def pack(self, tokens: list[int], slot: int, out: torch.Tensor) -> int:
-        """Write the rows of `tokens` and of `slot` into the host uint8 tensor `out`; returns the bytes
-        written. Blocks until the bytes are on the host (one wait per request)."""
-        n = self.packed_bytes(len(tokens))
+    def pack(self, tokens: list[int], slot: int | None, out: torch.Tensor) -> int:
+        """Write the rows of `tokens` and of `slot` (None: no state) into the host uint8 tensor `out`;
+        returns the bytes written. Blocks until the bytes are on the host (one wait per chunk)."""
+        n = self.packed_bytes(len(tokens), slot is not None)
         with _on(self.stream):
             idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             parts = [_bytes(b.index_select(0, idx)) for b in self.kv]
-            parts += [_bytes(b[slot : slot + 1]) for b in self.states]
+            if slot is not None:
+                parts += [_bytes(b[slot : slot + 1]) for b in self.states]
             out[:n].copy_(torch.cat(parts) if parts else out[:0], non_blocking=self.stream is not None)
         if self.stream is not None:
             self.stream.synchronize()
         return n
 
-    def unpack(self, src: torch.Tensor, tokens: list[int], slot: int) -> None:
-        """Scatter a block `pack` wrote (host uint8 tensor) into the rows of `tokens` and `slot`. On CUDA
-        it waits for the copy stream once (the host range is free for the next transfer after it)."""
-        n = self.packed_bytes(len(tokens))
+    def unpack(self, src: torch.Tensor, tokens: list[int], slot: int | None) -> None:
+        """Scatter a block `pack` wrote (host uint8 tensor) into the rows of `tokens` and `slot` (None: the
+        block has no state). On CUDA it waits for the copy stream once (the host range is free for the
+        next chunk after it)."""
+        n = self.packed_bytes(len(tokens), slot is not None)
         with _on(self.stream):
             block = src[:n].to(self.device, non_blocking=self.stream is not None)
             idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
@@ -84,6 +100,8 @@ class StatePacker:
                 buf.index_copy_(0, idx, rows)
                 at += size
             for buf, size in zip(self.states, self.state_bytes, strict=True):
+                if slot is None:
+                    break
                 buf[slot].copy_(block[at : at + size].view(buf.dtype).view(buf.shape[1:]))
                 at += size
         if self.stream is not None:
@@ -120,12 +138,14 @@ class ByteRanges:
     """First-fit ranges of a staging buffer, one per request in flight (the decode side reserves one
     with each destination; a request waits for room as it waits for KV slots)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, align: int = 1):
         self.size = size
+        self.align = align
         self.used: dict[int, int] = {}  # start -> length
 
     def alloc(self, n: int) -> int | None:
         n = max(n, 1)  # (two empty ranges must not share a start)
+        n = -(-n // self.align) * self.align  # every start aligned
         at = 0
         for start in sorted(self.used):
             if start - at >= n:
@@ -162,18 +182,177 @@ def transfer_path(device: str) -> str:
     return "gpu" if mooncake_moves_gpu_memory() else "staged"
 
 
+MIB = 1 << 20
+
+
+def staging_sizes(side: str, packer: StatePacker, context_len: int, request_rows: int) -> tuple[int, int]:
+    """(buffer bytes, chunk bytes) of a server's staging buffer. The chunk (the most one request moves
+    through a staging range at once) is SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB; the prefill server's buffer
+    is one chunk (its transfers run one at a time), the decode server's SGLANG_DISAGG_STAGING_POOL_SIZE_MB
+    (a range per request in flight). Neither is larger than it can ever use: a whole prompt of the
+    context length per chunk, a chunk per request row on the decode side."""
+    chunk_env = envs.SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB
+    pool_env = envs.SGLANG_DISAGG_STAGING_POOL_SIZE_MB
+    least = packer.packed_bytes(1)  # one position's KV and the state: a chunk holds at least either
+    chunk = int(chunk_env.get() * MIB)
+    if chunk < least:
+        raise ServerArgsError(
+            f"SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB={chunk_env.get():g} is below one prompt position's KV and "
+            f"one request's state ({least / MIB:.3f} MiB), the least a staging chunk must hold."
+        )
+    chunk = min(chunk, packer.packed_bytes(context_len))
+    if side == "prefill":
+        return chunk, chunk
+    pool = int(pool_env.get() * MIB)
+    if pool < chunk:
+        raise ServerArgsError(
+            f"SGLANG_DISAGG_STAGING_POOL_SIZE_MB={pool_env.get():g} is below one staging chunk "
+            f"({chunk / MIB:.3f} MiB, SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB or a whole prompt)."
+        )
+    return min(pool, request_rows * chunk), chunk
+
+
+def chunk_plan(num_tokens: int, token_bytes: int, state_bytes: int, cap: int) -> list[tuple[int, int, bool]]:
+    """How `num_tokens` positions of KV (`token_bytes` each) and one state move through a staging range
+    of `cap` bytes: (first position, end, whether the state comes with it) per chunk, in order. A chunk
+    holds as many whole positions as fit; the state rides with the last one where it fits, else alone
+    after it."""
+    if cap < max(token_bytes, state_bytes, 1):
+        raise ValueError(f"a staging range of {cap} bytes holds neither a position ({token_bytes} bytes) nor "
+                         f"the state ({state_bytes} bytes)")  # fmt: skip
+    per = cap // token_bytes if token_bytes else max(num_tokens, 1)
+    chunks = [(a, min(a + per, num_tokens), False) for a in range(0, num_tokens, per)]
+    if chunks and (chunks[-1][1] - chunks[-1][0]) * token_bytes + state_bytes <= cap:
+        chunks[-1] = (chunks[-1][0], chunks[-1][1], True)
+    else:
+        chunks.append((num_tokens, num_tokens, True))
+    return chunks
+
+
+@dataclass
+class StagedRange:
+    """The decode side's range of its staging buffer for one request, and what has arrived in it: the
+    prompt's positions past `prefix` are received in order, the state once, last."""
+
+    req: Any
+    start: int
+    length: int
+    prefix: int
+    received: int = 0  # positions past the prefix unpacked so far
+    state: bool = False
+
+    def tokens(self) -> list[int]:
+        return self.req.kv_indices[self.prefix : len(self.req.origin_input_ids)]
+
+    def complete(self) -> bool:
+        return self.state and self.received == len(self.req.origin_input_ids) - self.prefix
+
+
+class ChunkLink:
+    """One staged transfer's link between the prefill server's transfer thread and its scheduler thread
+    (which owns the sockets): the thread posts each chunk it wrote for the scheduler to announce, and
+    waits for the decode server's acknowledgement, which the scheduler passes on, or for a cancel."""
+
+    def __init__(self):
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.acks: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+
+    def drain(self) -> list[list]:
+        out = []
+        while True:
+            try:
+                out.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def ack(self, chunk: Any) -> None:
+        self.acks.put(chunk)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self.acks.put(None)
+
+    def wait_ack(self, chunk: list, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.cancelled.is_set():
+            try:
+                got = self.acks.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                raise RuntimeError(f"the decode server did not acknowledge a staged chunk within {timeout:g} s") from None
+            if got == chunk:
+                return
+        raise RuntimeError("cancelled by the decode server")
+
+
 @dataclass
 class Staging:
-    """A server's staging buffer (registered with the transfer engine instead of its pools) and the
-    packing of its pools' rows."""
+    """A server's staging buffer (registered with the transfer engine instead of its pools), the packing
+    of its pools' rows, and the chunk: the most one request moves through a range at once."""
 
     packer: StatePacker
     buffer: torch.Tensor
     ranges: ByteRanges
+    chunk_bytes: int
 
     @classmethod
-    def create(cls, packer: StatePacker, nbytes: int) -> Staging:
-        return cls(packer, host_buffer(nbytes, pin=packer.device.type == "cuda"), ByteRanges(nbytes))
+    def create(cls, packer: StatePacker, nbytes: int, chunk_bytes: int) -> Staging:
+        buffer = host_buffer(nbytes, pin=packer.device.type == "cuda")
+        # Ranges start on 256 bytes: a block's rows are viewed as their dtype in place (CPU) and DMA likes
+        # aligned host addresses.
+        return cls(packer, buffer, ByteRanges(nbytes, align=256), chunk_bytes)
 
     def address(self, start: int) -> int:
         return self.buffer.data_ptr() + start
+
+    def range_bytes(self, num_tokens: int) -> int:
+        """Decode side: the range a request of `num_tokens` positions to receive gets."""
+        return min(self.packer.packed_bytes(num_tokens), self.chunk_bytes)
+
+    def send(
+        self,
+        write: Callable[[str, list[tuple[int, int, int]]], None],
+        session: str,
+        tokens: list[int],
+        slot: int,
+        dst: tuple[int, int],
+        link: ChunkLink,
+        ack_timeout: float,
+    ) -> tuple[int, list]:
+        """Prefill side, on the transfer thread: move the rows of `tokens` and `slot` into the decode
+        server's range `dst` (address, bytes) chunk by chunk, each packed in one copy and written as one
+        block, the next only after the decode server acknowledged the last. The final chunk is not
+        acknowledged: it goes with the "done" answer. Returns the bytes moved and that chunk."""
+        packer = self.packer
+        plan = chunk_plan(len(tokens), sum(packer.kv_row_bytes), sum(packer.state_bytes),
+                          min(dst[1], self.buffer.nbytes))  # fmt: skip
+        total = 0
+        for i, (a, b, state) in enumerate(plan):
+            n = packer.pack(tokens[a:b], slot if state else None, self.buffer)
+            write(session, [(self.address(0), dst[0], n)])
+            total += n
+            if i == len(plan) - 1:
+                return total, [a, b, state]
+            link.outbox.put([a, b, state])
+            link.wait_ack([a, b, state], ack_timeout)
+        raise AssertionError("a chunk plan is never empty")
+
+    def receive(self, entry: StagedRange, chunk: Any) -> str | None:
+        """Decode side: unpack a chunk the prefill server wrote into `entry`'s range (`chunk`: [start,
+        end, with state] from its message: the next positions in order, within the prompt and the range);
+        why it is refused, or None."""
+        tokens = entry.tokens()
+        ok = isinstance(chunk, list) and len(chunk) == 3 and isinstance(chunk[2], bool)
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in chunk[:2])
+        if ok:
+            a, b, state = chunk
+            ok = a == entry.received and a <= b <= len(tokens) and (a < b or state) and not entry.state
+            ok = ok and (not state or b == len(tokens))
+            ok = ok and self.packer.packed_bytes(b - a, state) <= entry.length
+        if not ok:
+            return (f"a staged chunk {str(chunk)[:64]} that is not the next part of the prompt's "
+                    f"{len(tokens)} positions ({entry.received} received) within its {entry.length}-byte range")  # fmt: skip
+        req = entry.req
+        self.packer.unpack(self.buffer[entry.start :], tokens[a:b], req.mamba_pool_idx if state else None)
+        entry.received, entry.state = b, state
+        return None

@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from sglang.srt.disaggregation.channel import reachable_host
-from sglang.srt.disaggregation.staging import Staging, StatePacker, transfer_path
+from sglang.srt.disaggregation.staging import Staging, StatePacker, staging_sizes, transfer_path
 from sglang.srt.server_args import ServerArgsError
 
 logger = logging.getLogger(__name__)
@@ -152,11 +152,11 @@ def clear_destination(layout: PoolLayout, tokens: list[int], slot: int) -> None:
 
 
 def open_transfer_engine(
-    sched, staging_requests: int
+    sched, side: str
 ) -> tuple[PoolLayout, MooncakeTransferEngine, Staging | None]:
     """The layout of a scheduler's pools, the transfer engine, and on the staged path the staging buffer
-    it registers instead of the pools (room for `staging_requests` prompts of the context length); the
-    flags were checked at startup (`check_flag_support`). Logs which path is in use."""
+    it registers instead of the pools (`staging_sizes` for `side`, "prefill" or "decode"); the flags
+    were checked at startup (`check_flag_support`). Logs which path is in use."""
     args = sched.server_args
     kv_pool, mamba_pool = sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool
     layout = PoolLayout.of(kv_pool, mamba_pool)
@@ -165,15 +165,17 @@ def open_transfer_engine(
     staging = None
     regions = layout.regions()
     if path == "staged":
-        staging = Staging.create(packer, staging_requests * packer.packed_bytes(sched.context_len))
+        nbytes, chunk = staging_sizes(side, packer, sched.context_len, sched.req_to_token_pool.size)
+        staging = Staging.create(packer, nbytes, chunk)
         regions = [(staging.buffer.data_ptr(), staging.buffer.nbytes)]
     logger.info(
         "KV and state transfer path: %s.",
         {
             "host": "host memory pools, registered as they are",
             "gpu": "device pools registered with Mooncake's CUDA build",
-            "staged": f"through a {staging.buffer.nbytes / 2**20:.1f} MiB host staging buffer "
-            f"({'pinned, one copy per request on a copy stream' if packer.device.type == 'cuda' else 'CPU'})"
+            "staged": f"through a {staging.buffer.nbytes / 2**20:.1f} MiB host staging buffer in chunks of "
+            f"at most {staging.chunk_bytes / 2**20:.1f} MiB "
+            f"({'pinned, one copy per chunk on a copy stream' if packer.device.type == 'cuda' else 'CPU'})"
             if staging is not None
             else "",
         }[path],
