@@ -55,11 +55,10 @@ class MultimodalForward:
     """Runs `backbone` (embed_tokens, layers, norm) with images; not a module, so the model's
     parameters stay where the checkpoint names them."""
 
-    def __init__(self, backbone: nn.Module, visual: nn.Module, vocab_size: int, image_token_id: int):
+    def __init__(self, backbone: nn.Module, visual: nn.Module, vocab_size: int):
         self.backbone = backbone
         self.visual = visual
         self.vocab_size = vocab_size
-        self.image_token_id = image_token_id
         self.deltas: torch.Tensor | None = None  # [request rows] mrope_position_delta per row
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor:

@@ -80,7 +80,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         for module in self.modules():
             if section and hasattr(module, "rotary_emb"):
                 module.rotary_emb = MRotaryEmbedding(module.rotary_emb, section)
-        self.mm = MultimodalForward(self.model, self.visual, text.vocab_size, config.image_token_id)
+        self.mm = MultimodalForward(self.model, self.visual, text.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor:
         return self.mm(input_ids, positions, fb)

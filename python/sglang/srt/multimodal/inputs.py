@@ -1,10 +1,12 @@
-"""What a request with images carries from the tokenizer manager to the model: the processed pixels,
-where each image's tokens sit in the prompt, and the prompt's multimodal rotary positions.
+"""What a request with images or videos carries from the tokenizer manager to the model: the processed
+pixels, where each image's (each video frame pair's) tokens sit in the prompt, and the prompt's
+multimodal rotary positions.
 
-Each image's tokens stand in the prompt as a pseudo token id derived from the image's content
-(`pad_value`, upstream's name), not the checkpoint's `<|image_pad|>` id: the prefix cache keys on the
-ids, so a cached prefix is reused only by a request whose images are the same, with every strategy.
-Pad values lie above the vocabulary; the model embeds the images at those positions.
+Each item's tokens stand in the prompt as a pseudo token id derived from its content (`pad_value`,
+upstream's name), not the checkpoint's `<|image_pad|>` / `<|video_pad|>` id: the prefix cache keys on the
+ids, so a cached prefix is reused only by a request whose images and videos are the same, with every
+strategy. Pad values lie above the vocabulary; the model embeds the items at those positions, and the
+ids a reply shows are the checkpoint's tokens again (`MultimodalInputs.shown_ids`).
 """
 
 from __future__ import annotations
@@ -47,10 +49,6 @@ class MultimodalInputs:
     # prefill chunk that reaches one and kept for its later chunks (set by the model).
     embeddings: torch.Tensor | None = field(default=None, repr=False)
 
-    @property
-    def num_mm_tokens(self) -> int:
-        return sum(n for _, n in self.offsets)
-
     def positions(self, start: int, stop: int) -> torch.Tensor:
         """[3, stop - start] rotary positions of the request's tokens [start, stop)."""
         n = self.mrope_positions.shape[1]
@@ -70,14 +68,14 @@ class MultimodalInputs:
 
 
 def mrope_positions(
-    num_tokens: int, image_offsets: list[tuple[int, int]], grids: list[list[int]], merge: int
+    num_tokens: int, offsets: list[tuple[int, int]], grids: list[list[int]], merge: int
 ):
     """The prompt's [3, num_tokens] positions and the delta past it, as transformers' `get_rope_index`
-    for Qwen3.5 images: text advances one position per token on all axes; an image's tokens take
-    (start, start + row, start + column) over its merged grid, and the text after it resumes at
-    start + max(rows, columns)."""
+    for Qwen3.5 images and video frame pairs (grids (1, h, w): transformers splits a video so): text
+    advances one position per token on all axes; an item's tokens take (start, start + row,
+    start + column) over its merged grid, and the text after it resumes at start + max(rows, columns)."""
     parts, pos, prev = [], 0, 0
-    for (start, n), (t, h, w) in zip(image_offsets, grids, strict=True):
+    for (start, n), (t, h, w) in zip(offsets, grids, strict=True):
         text = start - prev
         parts.append((torch.arange(text, dtype=torch.int64) + pos).expand(3, -1))
         pos += text
