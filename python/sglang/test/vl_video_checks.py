@@ -264,3 +264,33 @@ def test_video_pixel_bound(setup, monkeypatch):
             err.value.param == "video_data"
             and "4 frames of 64x64, over the 12288 pixels" in err.value.message
         )
+
+
+def test_batch_prompts_with_their_own_videos(setup):
+    """A batch of three prompts, `video_data` one entry per prompt (a video of frames, another video, none)
+    beside `image_data` (none, none, an image): each prompt answers as it does sent alone."""
+    engine, _ = setup
+    videos = [[b64_png(f) for f in frames_of(11, 4)], [b64_png(f) for f in frames_of(12, 3)]]
+    image = b64_png(random_image(13, 64, 64))
+    prompts = ["Watch " + VIDEO + " now", "Watch " + VIDEO + " now", "See " + PLACEHOLDER + " now"]
+    outs = engine.generate(
+        prompt=prompts,
+        video_data=[[videos[0]], [videos[1]], None],
+        image_data=[None, None, [image]],
+        sampling_params=GREEDY,
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    alone = [
+        engine.generate(prompt=p, video_data=v, image_data=i, sampling_params=GREEDY, return_logprob=True,
+                        logprob_start_len=0)
+        for p, v, i in zip(prompts, [[videos[0]], [videos[1]], None], [None, None, [image]], strict=True)
+    ]  # fmt: skip
+    for out, one in zip(outs, alone, strict=True):
+        got, want = (
+            [x[0] for x in o["meta_info"]["input_token_logprobs"][1:]]
+            + [x[0] for x in o["meta_info"]["output_token_logprobs"]]
+            for o in (out, one)
+        )
+        assert out["output_ids"] == one["output_ids"] and max_abs(got, want) < TOL
+    assert outs[0]["meta_info"]["input_token_logprobs"] != outs[1]["meta_info"]["input_token_logprobs"]
