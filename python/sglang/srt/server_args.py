@@ -33,6 +33,7 @@ from sglang.srt.server_args_checks import (
 )
 from sglang.srt.server_args_cli import add_cli_args
 from sglang.srt.server_args_hicache import HiCacheArgs, check_hicache_flags
+from sglang.srt.server_args_media import check_media_flags
 from sglang.srt.server_args_parallel import check_parallel_flags
 from sglang.srt.server_args_upstream import add_upstream_cli_args, check_upstream_args
 from sglang.srt.speculative.draft_layers import DEFAULT_MTP_STEPS, MTP_ALGORITHMS
@@ -171,6 +172,14 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
     # None: loopback only.
     disaggregation_prefill_allowlist: list[str] | None = None
 
+    # Media (`server_args_media.py`, docs/multimodal.md): what image_data may make the server read.
+    allowed_local_media_path: str | None = None
+    # None: DEFAULT_MAX_IMAGES_PER_REQUEST images (resolved to a dict by `check_media_flags`).
+    limit_mm_data_per_request: dict | None = None
+    allowed_media_domains: list[str] | None = None
+    media_url_max_file_size_mb: int = 64
+    disable_media_url_fetch: bool = False
+
     # Speculative decoding (`speculative/`): NGRAM drafts, or EAGLE / NEXTN drafts of the checkpoint's
     # MTP layers, verified by the model in one forward.
     speculative_algorithm: str | None = None
@@ -197,6 +206,7 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         check_basic_flags(self)
         check_parallel_flags(self)
+        check_media_flags(self)
         refused = check_quantization_flag(self.quantization)
         if refused:
             raise ServerArgsError(refused)

@@ -131,8 +131,8 @@ REFUSED: dict[str, str] = {
     "mm": """
         --enable-multimodal --mm-attention-backend= --enable-broadcast-mm-inputs-process --enable-prefix-mm-cache
         --mm-enable-dp-encoder --mm-process-config= --mm-processor-worker-num= --mm-io-worker-num=
-        --allowed-media-domains+ --media-url-max-file-size-mb= --mm-preprocess-cache-size-mb=
-        --trust-mm-content-hashes --limit-mm-data-per-request= --enable-mm-global-cache --image-processor-backend=
+        --mm-preprocess-cache-size-mb= --trust-mm-content-hashes --enable-mm-global-cache
+        --image-processor-backend=
         --mm-global-cache-backend= --mm-feature-transport= --encoder-only --language-only --encoder-transfer-backend=
         --encoder-urls+ --encoder-bootstrap-port= --encoder-register-urls+ --enable-adaptive-dispatch-to-encoder
         --enable-encoder-swa-bounded-replay --enable-precise-embedding-interpolation --asr-max-buffer-seconds=

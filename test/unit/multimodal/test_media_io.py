@@ -189,10 +189,22 @@ def read(reader: MediaReader, data, trusted: bool, is_batch: bool = False):
 
 
 def refusal(reader: MediaReader, data, trusted: bool, is_batch: bool = False) -> str:
-    with pytest.raises(RequestError) as err:
-        read(reader, data, trusted, is_batch)
-    assert err.value.param == "image_data"
-    return err.value.message
+    """The refusal of `data`: raised by the reader (count, URLs), or kept in the item's place for the
+    processor to raise when it reads the item (local items)."""
+
+    def first_error(node):
+        if isinstance(node, list):
+            return next((e for e in map(first_error, node) if e is not None), None)
+        return node if isinstance(node, RequestError) else None
+
+    try:
+        err = first_error(read(reader, data, trusted, is_batch))
+    except RequestError as e:
+        err = e
+    assert isinstance(err, RequestError) and err.param == "image_data", err
+    with pytest.raises(RequestError):  # where the processor reads the item
+        load_image(err, "image_data")
+    return err.message
 
 
 def test_local_files_follow_the_caller(tmp_path):

@@ -129,8 +129,8 @@ class Engine:
         `extra_key` / `cache_salt` (docs/server.md)."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
         if not stream:
-            return self._run(_first(self.tokenizer_manager.generate_request(obj)))
-        agen = self.tokenizer_manager.generate_request(obj)
+            return self._run(_first(self.tokenizer_manager.generate_request(obj, trusted=True)))
+        agen = self.tokenizer_manager.generate_request(obj, trusted=True)
         try:
             first = self._run(agen.__anext__())
         except StopAsyncIteration:
@@ -170,8 +170,8 @@ class Engine:
         """As `generate`, from any event loop; with stream=True, await it for an async iterator."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
         if not stream:
-            return await self._await(_first(self.tokenizer_manager.generate_request(obj)))
-        agen = self.tokenizer_manager.generate_request(obj)
+            return await self._await(_first(self.tokenizer_manager.generate_request(obj, trusted=True)))
+        agen = self.tokenizer_manager.generate_request(obj, trusted=True)
         try:
             first = await self._await(agen.__anext__())
         except StopAsyncIteration:

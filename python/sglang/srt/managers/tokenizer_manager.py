@@ -63,7 +63,8 @@ from sglang.srt.managers.tokenizer_communicator_mixin import (
     TokenizerCommunicatorMixin,
 )
 from sglang.srt.managers.tokenizer_output import ReqState
-from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media
+from sglang.srt.multimodal.media_io import MediaPolicy, MediaReader
+from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media, per_prompt
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         self.image_processor = ImageInputProcessor.create(
             resolve_model_path(server_args.model_path), server_args
         )
+        # What requests' media items may make this server read (multimodal/media_io.py).
+        self.media = MediaReader(MediaPolicy.from_server_args(server_args))
         self.max_samples_per_request = max_samples_per_request(
             server_args.max_samples_per_request, model_info["max_running_requests"]
         )
@@ -171,6 +174,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
     async def close(self) -> None:
         if self.encoder is not None:
             self.encoder.close()
+        self.media.close()
         if self._watch_task is not None:
             self._watch_task.cancel()
             self._watch_task = None
@@ -194,7 +198,9 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         assert enc.ids is not None
         return enc.ids
 
-    async def normalize(self, obj: GenerateReqInput) -> tuple[list[NormalizedRequest], bool]:
+    async def normalize(
+        self, obj: GenerateReqInput, trusted: bool = False
+    ) -> tuple[list[NormalizedRequest], bool]:
         prompts = parse_prompts(obj, self.max_samples_per_request)
         if self.encoder is None:
             if prompts.texts:
@@ -203,19 +209,27 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         else:
             encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len)
         items, is_list = build_requests(obj, prompts, encoded, self.limits)
-        await attach_media(
-            self.image_processor, items, obj.image_data, obj.video_data, self.limits, prompts.is_batch
-        )
+        media = {"image_data": obj.image_data, "video_data": obj.video_data}
+        p = self.image_processor
+        if p is not None and p.refusal is None:
+            # Every media item as bytes, within the media flags' bounds, before the processor sees it
+            # (the batch's shape first: nothing is read for a request refused anyway).
+            num_prompts = max(item.prompt for item in items) + 1
+            for field in ("image_data", "video_data") if p.video_refusal is None else ("image_data",):
+                per_prompt(media[field], num_prompts, prompts.is_batch, field)
+                media[field] = await self.media.read(media[field], field, prompts.is_batch, trusted)
+        await attach_media(p, items, media["image_data"], media["video_data"], self.limits, prompts.is_batch)
         return items, is_list
 
     async def generate_request(
-        self, obj: GenerateReqInput, request: DisconnectCheck | None = None
+        self, obj: GenerateReqInput, request: DisconnectCheck | None = None, trusted: bool = False
     ) -> AsyncIterator[Any]:
         """Yield the reply: once (a dict, or a list for batches and n > 1) without streaming; with
         streaming, chunks as tokens arrive (cumulative text, as SGLang streams; "index" set when the
         request has several outputs). Raises RequestError before anything is sent, ServerAbortError
-        when the server ends a request."""
-        items, is_list = await self.normalize(obj)
+        when the server ends a request. `trusted`: an in-process caller (Engine), whose media items
+        may name any local file; HTTP routes leave it False (docs/multimodal.md)."""
+        items, is_list = await self.normalize(obj, trusted)
         # Held while paused, while a weight update waits for the running requests to finish, and while
         # memory is released (the model cannot run).
         gates = (self._unpaused, self._no_update_hold, self._memory_resumed)

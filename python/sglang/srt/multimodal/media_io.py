@@ -76,7 +76,9 @@ class MediaReader:
 
     async def read(self, data: Any, param: str, is_batch: bool, trusted: bool) -> Any:
         """`data` (one item, a list, or for a batch one entry per prompt) with every item as bytes.
-        RequestError naming `param` for too many items (before any is read) or an item it may not read."""
+        RequestError naming `param` for too many items (before any is read) or a URL it may not fetch;
+        a local item it may not read stays as its RequestError, raised where the processor reads it
+        (`read_local`), so that the processor's checks of the prompt (its placeholders) come first."""
         self.check_count(data, param, is_batch)
         fetch = self.policy.fetch
         deadline = time.monotonic() + (fetch.timeout_s if fetch is not None else 0.0)
@@ -95,14 +97,15 @@ class MediaReader:
                 return await loop.run_in_executor(
                     self._fetch_threads, fetch_url, item, where, param, fetch, deadline
                 )
-            return await loop.run_in_executor(None, read_local, item, where, param, self.policy, trusted)
+            return await loop.run_in_executor(None, _read_or_error, item, where, param, self.policy, trusted)
 
         async def walk(node: Any, where: str, depth: int) -> Any:
-            if isinstance(node, list) and depth < 2:
+            # Lists nest three deep at most: a batch's prompts, a prompt's items, a video's frames.
+            if isinstance(node, list) and depth < 3:
                 return list(await _gather(walk(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node)))
             return await one(node, where)
 
-        return await walk(data, param, 0 if is_batch else 1)
+        return await walk(data, param, 0)
 
     def check_count(self, data: Any, param: str, is_batch: bool) -> None:
         """Refuse a prompt with more items than --limit-mm-data-per-request allows."""
@@ -133,8 +136,18 @@ async def _gather(coros) -> list[Any]:
     return [t.result() for t in tasks]
 
 
+def _read_or_error(item: Any, where: str, param: str, policy: MediaPolicy, trusted: bool) -> Any:
+    try:
+        return read_local(item, where, param, policy, trusted)
+    except RequestError as e:
+        return e
+
+
 def read_local(item: Any, where: str, param: str, policy: MediaPolicy, trusted: bool) -> bytes:
-    """The bytes of a file path, `file://` URI, base64 string or base64 data URI (not a URL)."""
+    """The bytes of a file path, `file://` URI, base64 string or base64 data URI (not a URL); an item
+    `MediaReader.read` could not read is its RequestError, raised here."""
+    if isinstance(item, RequestError):
+        raise item
     if not isinstance(item, str) or not item:
         raise RequestError(f"{where} must be a URL, a file path, base64 or a data URI string.", param)
     if item.startswith("data:"):
@@ -208,12 +221,9 @@ def load_image(item: Any, where: str):
     made it so) or a base64 / data-URI string; a path or URL is not read here."""
     from PIL import Image
 
-    if is_url(item):
-        raise RequestError(
-            f"{where} is a URL; this server does not fetch remote images: send the image as base64 or a data URI.",
-            FIELD,
-        )
-    data = item if isinstance(item, bytes) else read_local(item, where, FIELD, MediaPolicy(), trusted=True)
+    if is_url(item):  # `MediaReader.read` fetches URLs; one here came past it
+        raise RequestError(f"{where} is a URL, which this reader does not fetch.", FIELD)
+    data = item if isinstance(item, bytes) else read_local(item, where, FIELD, MediaPolicy(), trusted=False)
     # This server's bound replaces PIL's (whose error on opening hides the size): checked below.
     Image.MAX_IMAGE_PIXELS = None
     try:

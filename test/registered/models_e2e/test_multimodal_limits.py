@@ -1,0 +1,189 @@
+"""image_data over HTTP on tiny-qwen3.5-vl (issue 59, security): a server started with
+--allowed-local-media-path, --allowed-media-domains 127.0.0.1 and --limit-mm-data-per-request, and an
+image origin on 127.0.0.1 started here. A file inside the allowed directory is read, any other path is a
+400 that reads the same whether the file exists; a sixth image is refused before any is read; a PNG URL
+gives the answer its base64 gives (on /generate and as a chat image_url part); a URL that never answers
+is a 400 within its deadline; and a bystander's text requests finish within a bound while another
+client sends never-answering URLs and the largest image the server decodes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import requests
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.test_utils import ServerProcess
+from sglang.test.vl_checks import PLACEHOLDER, random_image
+
+register_cpu_ci(est_time=60, suite="nightly-cpu")
+
+# The fetch deadline the server runs with (REQUEST_TIMEOUT, seconds).
+DEADLINE_S = 2.0
+# Above a refusal's deadline: the HTTP round trip, the thread start, a loaded 2-core CI machine.
+SLACK_S = 3.0
+GREEDY = {"max_new_tokens": 4, "temperature": 0}
+PROMPT = "See " + PLACEHOLDER
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+IMAGE = png(random_image(5, 40, 40))
+
+
+class Origin(BaseHTTPRequestHandler):
+    def log_message(self, *_):
+        pass
+
+    def do_GET(self):
+        if self.path == "/never":
+            self.server.stop.wait(60)
+            return
+        body = IMAGE if self.path == "/im.png" else self.server.big if self.path == "/big.png" else None
+        if body is None:
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("media")
+    allowed = root / "allowed"
+    allowed.mkdir()
+    (allowed / "im.png").write_bytes(IMAGE)
+    (root / "private.png").write_bytes(IMAGE)
+    origin = ThreadingHTTPServer(("127.0.0.1", 0), Origin)
+    origin.daemon_threads = True
+    origin.stop = threading.Event()
+    # The largest image the server decodes (8192 x 8192, one colour: a small PNG, 192 MiB decoded).
+    origin.big = png(Image.new("RGB", (8192, 8192), (200, 20, 20)))
+    threading.Thread(target=origin.serve_forever, daemon=True).start()
+    server = ServerProcess(
+        [
+            "--model-path", "tiny-qwen3.5-vl",
+            "--allowed-local-media-path", str(allowed),
+            "--allowed-media-domains", "127.0.0.1",
+            "--limit-mm-data-per-request", '{"image": 5}',
+        ],
+        env={"REQUEST_TIMEOUT": str(DEADLINE_S)},
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        yield server.base_url, f"http://127.0.0.1:{origin.server_port}", allowed, root
+    finally:
+        server.stop()
+        origin.stop.set()
+        origin.shutdown()
+        origin.server_close()
+
+
+def generate(base: str, image_data, timeout: float = 120) -> requests.Response:
+    body = {
+        "text": PROMPT * (len(image_data) if isinstance(image_data, list) else 1),
+        "image_data": image_data,
+    }
+    return requests.post(base + "/generate", json={**body, "sampling_params": GREEDY}, timeout=timeout)
+
+
+def refused(resp: requests.Response) -> str:
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "image_data", error
+    return error["message"]
+
+
+def test_local_files_only_inside_the_allowed_directory(setup):
+    base, _, allowed, root = setup
+    b64 = base64.b64encode(IMAGE).decode()
+    want = generate(base, b64).json()["output_ids"]
+    assert generate(base, str(allowed / "im.png")).json()["output_ids"] == want
+    words = refused(generate(base, str(root / "private.png")))
+    assert "--allowed-local-media-path" in words
+    for other in (str(root / "missing.png"), str(allowed / ".." / "private.png"), "/etc/passwd"):
+        assert refused(generate(base, other)) == words  # nothing tells whether the file exists
+
+
+def test_too_many_images_are_refused_before_any_is_read(setup):
+    base, origin, _, _ = setup
+    start = time.monotonic()
+    words = refused(generate(base, [origin + "/never"] * 6))
+    assert "has 6 image items" in words and "at most 5" in words
+    assert time.monotonic() - start < DEADLINE_S  # no never-answering URL was waited on
+
+
+def test_urls_fetched_and_bounded(setup):
+    base, origin, _, _ = setup
+    b64 = base64.b64encode(IMAGE).decode()
+    want = generate(base, b64).json()["output_ids"]
+    assert generate(base, origin + "/im.png").json()["output_ids"] == want
+    chat = requests.post(
+        base + "/v1/chat/completions",
+        json={
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": origin + "/im.png"}}]}
+            ],
+            "max_tokens": 2,
+        },
+        timeout=120,
+    )
+    assert chat.status_code == 200, chat.text
+    start = time.monotonic()
+    assert "did not answer" in refused(generate(base, origin + "/never"))
+    assert time.monotonic() - start < DEADLINE_S + SLACK_S
+    assert "not in --allowed-media-domains" in refused(
+        generate(base, origin.replace("127.0.0.1", "localhost"))
+    )
+
+
+def test_bystander_text_requests_finish_while_another_client_sends_pathological_images(setup):
+    """Client A keeps 8 requests in flight: never-answering URLs and the 8192 x 8192 image. Client B's
+    short text requests each finish within BOUND_S. The bound: a text request alone takes ~0.1 s here;
+    B may wait behind one prefill of A's largest image (its tokens are capped by the checkpoint's
+    max_pixels) and its decode on the loaded 2-core machine, never behind a fetch (own threads, own
+    deadline) or a decode of A's (the tokenizer's thread pool, not the scheduler's)."""
+    base, origin, _, _ = setup
+    BOUND_S = 10.0
+    stop = threading.Event()
+
+    def client_a(i: int) -> int:
+        n = 0
+        while not stop.is_set():
+            item = origin + ("/big.png" if i % 4 == 0 else "/never")
+            generate(base, item, timeout=60)
+            n += 1
+        return n
+
+    with ThreadPoolExecutor(8) as pool:
+        attackers = [pool.submit(client_a, i) for i in range(8)]
+        time.sleep(1.0)
+        worst = 0.0
+        try:
+            for _ in range(5):
+                start = time.monotonic()
+                r = requests.post(
+                    base + "/generate", json={"text": "Hello", "sampling_params": GREEDY}, timeout=60
+                )
+                worst = max(worst, time.monotonic() - start)
+                assert r.status_code == 200, r.text
+        finally:
+            stop.set()
+        sent = sum(f.result() for f in attackers)
+    assert sent >= 8  # client A's requests were running the whole time
+    assert worst < BOUND_S, worst
