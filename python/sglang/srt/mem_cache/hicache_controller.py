@@ -8,8 +8,10 @@ order they were recorded, ahead of the batch's own state copies, COW and clears.
 stream is the whole synchronisation story, as for every other state move (docs/state_management.md):
 - a load runs before the batch whose request hit it reads the pages or COWs the snapshot;
 - a backup of a device page or slot that the tree gives up runs before any later batch writes it;
-- a backup reads a snapshot only once the batch that writes it has run (the tree records a backup only
-  for a checkpoint stamped with an earlier `epoch`, the number of batches sealed so far).
+- a backup reads a snapshot only once the batch that writes it has run: checkpoints reach the tree after
+  the copies of the batch writing them were sealed (or once it was processed); one filled by a state
+  copy not yet sealed (`no_buffer`) is stamped with the `epoch` (batches sealed so far) and backed up
+  only from the next one on.
 
 On CUDA the copies run on a copy stream of their own, ordered after the forward stream's work so far, and
 the forward stream waits for them before the batch: a batch waits for its own loads (and the backups

@@ -106,6 +106,7 @@ class HiMambaRadixCache(MambaRadixCache):
         self.due: dict[int, TreeNode] = {}  # checkpoints whose backup is due
         self.hits: dict[int, int] = {}  # write_through_selective: hits per checkpoint node
         self._loading = False
+        self._filled_by_pending_copy = False
         super().__init__(req_to_token_pool, token_allocator, page_size)
 
     def reset(self) -> None:
@@ -133,9 +134,20 @@ class HiMambaRadixCache(MambaRadixCache):
 
     def _set_checkpoint(self, node: TreeNode, slot: int) -> None:
         super()._set_checkpoint(node, slot)
-        self.stamps[node.id] = self.controller.epoch
+        # A checkpoint reaches the tree written by a batch already launched or by the one being prepared
+        # (whose copies are sealed already): a backup recorded now runs after it. Only a `no_buffer`
+        # snapshot is filled by a state copy still to be sealed, which runs after the host copies of
+        # its batch: its backup waits for the next batch (`epoch` stamp).
+        self.stamps[node.id] = self.controller.epoch if self._filled_by_pending_copy else -1
         if self.write_policy == "write_through" and not self._loading:
             self.due[node.id] = node
+
+    def _donate_snapshot(self, req: Req, pos: int, slot: int, copy_from: int | None) -> None:
+        self._filled_by_pending_copy = copy_from is not None
+        try:
+            super()._donate_snapshot(req, pos, slot, copy_from)
+        finally:
+            self._filled_by_pending_copy = False
 
     def _drop_checkpoint(self, node: TreeNode) -> None:
         due = node.id in self.due or self.write_policy == "write_back"

@@ -1,0 +1,69 @@
+"""The host tier (`--enable-hierarchical-cache`) across the matrix: both presets, every
+`--mamba-scheduler-strategy`, every write policy, chunked prefill and larger pages: a conversation
+evicted from the device and hit again from host gives the transformers oracle's logprobs. And a seeded
+random workload under device and host pressure (retractions included) with the host tier's integrity
+after every step and the full walk whenever nothing is in flight."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.hicache_checks import evicted_conversation_hits_host, random_pressure_workload
+from sglang.test.scheduler_harness import ORACLE_TOL
+
+register_cpu_ci(est_time=420, suite="nightly-cpu")
+
+PRESETS = ["tiny-qwen3-next", "tiny-nemotron-h"]
+STRATEGIES = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
+POLICIES = ["write_through", "write_back", "write_through_selective"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_conversation_evicted_to_host_hits_it(preset, strategy, policy, oracles):
+    """Tolerance 1e-4 (float32; a hit from host measures ~2e-6, a cold prefill's own error)."""
+    r = evicted_conversation_hits_host(oracles, preset, strategy, policy)
+    assert r["evicted_from_device"], "the workload must push the conversation off the device"
+    assert r["loaded_states"] == 1
+    assert r["cached"] == r["first_turn_len"] - 1, r
+    assert r["oracle_err"] <= ORACLE_TOL
+
+
+@pytest.mark.parametrize(
+    "strategy, kw",
+    [
+        ("extra_buffer", dict(chunked_prefill_size=64)),
+        ("extra_buffer_lazy", dict(chunked_prefill_size=64)),
+        ("no_buffer", dict(chunked_prefill_size=64)),
+        ("extra_buffer_lazy", dict(page_size=16)),
+        ("extra_buffer", dict(page_size=64, disable_overlap_schedule=True)),
+    ],
+)
+def test_chunked_prefill_and_pages(strategy, kw, oracles):
+    """The hit lands on a chunk or page boundary: cached tokens are the first turn's, page-aligned."""
+    r = evicted_conversation_hits_host(oracles, "tiny-qwen3-next", strategy, "write_through", **kw)
+    page = kw.get("page_size", 1)
+    assert r["loaded_states"] == 1 and r["evicted_from_device"]
+    assert r["cached"] > 0 and r["cached"] % page == 0, r
+    assert r["oracle_err"] <= ORACLE_TOL
+
+
+@pytest.mark.parametrize(
+    "preset, strategy, policy, kw",
+    [
+        ("tiny-qwen3-next", "extra_buffer_lazy", "write_through", {}),
+        ("tiny-qwen3-next", "extra_buffer", "write_back", dict(disable_overlap_schedule=True)),
+        ("tiny-qwen3-next", "no_buffer", "write_through_selective", {}),
+        ("tiny-nemotron-h", "extra_buffer_lazy", "write_back", dict(chunked_prefill_size=128)),
+        ("tiny-nemotron-h", "extra_buffer", "write_through", dict(disable_overlap_schedule=True)),
+        # A KV pool of 640 tokens for 2 running requests of up to ~400: decode retracts.
+        ("tiny-qwen3-next", "extra_buffer_lazy", "write_through", dict(max_total_tokens=640)),
+    ],
+)
+def test_random_workload_under_device_and_host_pressure(preset, strategy, policy, kw, oracles):
+    stats = random_pressure_workload(oracles, preset, strategy, policy, seed=7, **kw)
+    assert stats.get("backup_states", 0) > 0, stats
+    if policy != "write_through_selective":
+        assert stats.get("load_states", 0) > 0, stats
