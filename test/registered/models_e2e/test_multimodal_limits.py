@@ -154,10 +154,12 @@ def test_urls_fetched_and_bounded(setup):
 
 def test_bystander_text_requests_finish_while_another_client_sends_pathological_images(setup):
     """Client A keeps 8 requests in flight: never-answering URLs and the 8192 x 8192 image. Client B's
-    short text requests each finish within BOUND_S. The bound: a text request alone takes ~0.1 s here;
-    B may wait behind one prefill of A's largest image (its tokens are capped by the checkpoint's
-    max_pixels) and its decode on the loaded 2-core machine, never behind a fetch (own threads, own
-    deadline) or a decode of A's (the tokenizer's thread pool, not the scheduler's)."""
+    short text requests each finish within BOUND_S. The bound: a text request alone took 0.8-1.0 s on
+    the loaded 2-core machine (measured here, after a warm-up) and 2.2-3.5 s with client A (three runs);
+    B may wait behind the prefill of A's largest images (their tokens capped by the checkpoint's
+    max_pixels) and share the cores with their decoding, never behind a fetch (own threads, own
+    deadline). Without those bounds B would wait for A's 2 s fetch deadlines in series or for
+    unbounded fetches: far over 10 s."""
     base, origin, _, _ = setup
     BOUND_S = 10.0
     stop = threading.Event()
@@ -170,6 +172,11 @@ def test_bystander_text_requests_finish_while_another_client_sends_pathological_
             n += 1
         return n
 
+    alone = 0.0
+    for i in range(4):  # the first is a warm-up
+        start = time.monotonic()
+        requests.post(base + "/generate", json={"text": "Hello", "sampling_params": GREEDY}, timeout=60)
+        alone = max(alone, time.monotonic() - start) if i else 0.0
     with ThreadPoolExecutor(8) as pool:
         attackers = [pool.submit(client_a, i) for i in range(8)]
         time.sleep(1.0)
@@ -185,5 +192,6 @@ def test_bystander_text_requests_finish_while_another_client_sends_pathological_
         finally:
             stop.set()
         sent = sum(f.result() for f in attackers)
+    print(f"bystander: worst {worst:.2f} s over 5 text requests (alone {alone:.2f} s); A sent {sent} requests")
     assert sent >= 8  # client A's requests were running the whole time
     assert worst < BOUND_S, worst
