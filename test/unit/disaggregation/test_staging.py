@@ -28,7 +28,7 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=2, suite="per-commit-cpu")
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
 
 
 def pools(seed: int, fill: bool):

@@ -131,8 +131,9 @@ def test_a_refused_transfer_backend_fails_the_command_line_in_one_sentence():
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        "error: --disaggregation-transfer-backend nixl: NIXL is not installed here (its Python package nixl "
-        "does not import); use --disaggregation-transfer-backend mooncake."
+        "error: --disaggregation-transfer-backend nixl: NIXL is not installed here (none of its Python "
+        "packages nixl, nixl_cu12, nixl_cu13 imports): pip install 'sglang[nixl]' (nixl-cu12), or use "
+        "--disaggregation-transfer-backend mooncake."
     ], proc.stderr
     assert "Traceback" not in proc.stderr
 

@@ -171,15 +171,16 @@ def mooncake_moves_gpu_memory() -> bool:
         return False
 
 
-def transfer_path(device: str) -> str:
+def transfer_path(device: str, backend: str = "mooncake") -> str:
     """How this server's pools are transferred: "host" (CPU pools, registered as they are), "gpu" (CUDA
-    pools registered directly: the engine's CUDA build) or "staged" (through host staging buffers: CUDA
-    pools with a host-only engine, or SGLANG_DISAGGREGATION_STAGING=1)."""
+    pools registered directly: Mooncake's CUDA build) or "staged" (through host staging buffers: CUDA
+    pools with a host-only Mooncake or with NIXL, whose device memory path is not verified here, or
+    SGLANG_DISAGGREGATION_STAGING=1)."""
     if envs.SGLANG_DISAGGREGATION_STAGING.get():
         return "staged"
     if device == "cpu":
         return "host"
-    return "gpu" if mooncake_moves_gpu_memory() else "staged"
+    return "gpu" if backend == "mooncake" and mooncake_moves_gpu_memory() else "staged"
 
 
 MIB = 1 << 20

@@ -10,6 +10,8 @@ The bytes move through Mooncake's transfer engine (`mooncake-transfer-engine-non
 P2PHANDSHAKE: no metadata service), as upstream SGLang does. A batch holds at most
 `MAX_DESCRIPTORS_PER_BATCH` descriptors per peer: above 2,048 Mooncake's TCP transport rejects the
 batch and, from ~2,100 on, keeps the link to that peer broken (reference/distributed.md, section 1.6).
+With `--disaggregation-transfer-backend nixl` they move through NIXL instead (`nixl_backend.py`, the
+same `session_id` and `write`).
 """
 
 from __future__ import annotations
@@ -151,16 +153,15 @@ def clear_destination(layout: PoolLayout, tokens: list[int], slot: int) -> None:
         ctypes.memset(ptr + slot * size, 0, size)
 
 
-def open_transfer_engine(
-    sched, side: str
-) -> tuple[PoolLayout, MooncakeTransferEngine, Staging | None]:
+def open_transfer_engine(sched, side: str) -> tuple[PoolLayout, MooncakeTransferEngine, Staging | None]:
     """The layout of a scheduler's pools, the transfer engine, and on the staged path the staging buffer
     it registers instead of the pools (`staging_sizes` for `side`, "prefill" or "decode"); the flags
     were checked at startup (`check_flag_support`). Logs which path is in use."""
     args = sched.server_args
     kv_pool, mamba_pool = sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool
     layout = PoolLayout.of(kv_pool, mamba_pool)
-    path = transfer_path(args.device)
+    backend = args.disaggregation_transfer_backend
+    path = transfer_path(args.device, backend)
     packer = StatePacker.of(kv_pool, mamba_pool, args.device)
     staging = None
     regions = layout.regions()
@@ -181,6 +182,10 @@ def open_transfer_engine(
         }[path],
     )
     host = reachable_host(args.host)
+    if backend == "nixl":
+        from sglang.srt.disaggregation.nixl_backend import NixlTransferEngine
+
+        return layout, NixlTransferEngine(host, regions, progress=side == "decode"), staging
     return layout, MooncakeTransferEngine(host, args.disaggregation_ib_device, regions), staging
 
 

@@ -51,7 +51,7 @@ class ServerStartupError(RuntimeError):
 
 
 # Transfer engines this server moves KV and state with (--disaggregation-transfer-backend).
-TRANSFER_BACKENDS = ("mooncake",)
+TRANSFER_BACKENDS = ("mooncake", "nixl")
 # Accepted so that upstream command lines run unchanged; each is logged once at startup with the reason.
 NO_EFFECT_FLAGS = {
     "trust_remote_code": "models run on this runtime's own implementations and tokenizers load from "
@@ -72,15 +72,16 @@ NO_EFFECT_FLAGS = {
 def check_flag_support(server_args: Any) -> None:
     """Refuse what this runtime cannot honour: ServerStartupError with one sentence naming the flag."""
     backend = server_args.disaggregation_transfer_backend
-    if backend == "nixl" and importlib.util.find_spec("nixl") is None:
+    if backend == "nixl" and not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")):
         raise ServerStartupError(
-            "--disaggregation-transfer-backend nixl: NIXL is not installed here (its Python package nixl "
-            "does not import); use --disaggregation-transfer-backend mooncake."
+            "--disaggregation-transfer-backend nixl: NIXL is not installed here (none of its Python packages "
+            "nixl, nixl_cu12, nixl_cu13 imports): pip install 'sglang[nixl]' (nixl-cu12), or use "
+            "--disaggregation-transfer-backend mooncake."
         )
     if backend not in TRANSFER_BACKENDS:
         raise ServerStartupError(
             f"--disaggregation-transfer-backend {backend}: this server moves KV and state with mooncake "
-            "only; use --disaggregation-transfer-backend mooncake."
+            "or nixl only; use --disaggregation-transfer-backend mooncake."
         )
     if server_args.disaggregation_mode != "null" and server_args.device not in ("cpu", "cuda"):
         # CPU pools are registered as they are; CUDA pools directly (Mooncake's CUDA build) or through

@@ -1,0 +1,45 @@
+"""`--disaggregation-transfer-backend nixl` (disaggregation/nixl_backend.py): two NIXL agents in one
+process, the receiving one with its progress thread as a decode server runs it, write scattered blocks
+of host memory into each other's registered buffers over UCX, byte for byte and nothing else; a session
+id that is not an agent's metadata is a transfer error. Runs where NIXL imports (`pip install
+'sglang[nixl]'`); skipped elsewhere. The PD pair behind the router on NIXL: test_pd_nixl.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.disaggregation.nixl_backend import nixl_module
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=4, suite="per-commit-cpu")
+
+pytestmark = pytest.mark.skipif(
+    nixl_module() is None, reason="NIXL is not installed (pip install 'sglang[nixl]', nixl-cu12)"
+)
+
+
+def test_writes_land_in_the_peers_registered_memory_and_nowhere_else():
+    from sglang.srt.disaggregation.nixl_backend import NixlTransferEngine
+    from sglang.srt.disaggregation.transfer import TransferError
+
+    src = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)  # 4 MiB of distinct bytes
+    dst = torch.zeros(4 << 20, dtype=torch.uint8)
+    prefill = NixlTransferEngine("127.0.0.1", [(src.data_ptr(), src.nbytes)], progress=False)
+    decode = NixlTransferEngine("127.0.0.1", [(dst.data_ptr(), dst.nbytes)], progress=True)
+    try:
+        # Scattered blocks, out of order, one of them 2 MiB: (source offset, destination offset, bytes).
+        blocks = [(0, 4096, 100), (8192, 0, 64), (1 << 20, 2 << 20, 2 << 20), (300, 5000, 1)]
+        prefill.write(decode.session_id, [(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in blocks])
+        want = torch.zeros_like(dst)
+        for s, d, n in blocks:
+            want[d : d + n] = src[s : s + n]
+        assert torch.equal(dst, want)
+        # Again through the same peer (its agent was added once).
+        prefill.write(decode.session_id, [(src.data_ptr() + 7, dst.data_ptr() + 9, 3)])
+        assert torch.equal(dst[9:12], src[7:10]) and len(prefill.remote) == 1
+        with pytest.raises(TransferError, match="not a NIXL agent's metadata"):
+            prefill.write("not base64!", [(src.data_ptr(), dst.data_ptr(), 1)])
+    finally:
+        prefill.close()
+        decode.close()
