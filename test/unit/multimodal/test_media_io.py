@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from sglang.srt.managers.request_error import RequestError
-from sglang.srt.multimodal.media_fetch import FetchPolicy, fetch_url
+from sglang.srt.multimodal.media_fetch import ByteBudget, FetchPolicy, fetch_url
 from sglang.srt.multimodal.media_io import MediaPolicy, MediaReader, load_image
 from sglang.srt.server_args_checks import ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
@@ -152,6 +152,16 @@ def test_bad_urls_are_refused_in_bounded_time(origin, path, words):
         # here), not by the seconds of streaming a deadline would have allowed (>100 MiB at loopback speed).
         assert took < DEADLINE_S
         assert server.sent - before < 16 << 20
+
+
+def test_a_requests_urls_share_one_byte_budget(origin):
+    """Each URL under its own limit, together over the request's budget: the second is refused."""
+    _, base = origin
+    budget = ByteBudget(len(PNG) + 10)
+    start = time.monotonic()
+    assert fetch_url(base + "/png", "image_data[0]", "image_data", LOCAL, start + 1, budget) == PNG
+    with pytest.raises(RequestError, match="send more than .* bytes together"):
+        fetch_url(base + "/png", "image_data[1]", "image_data", LOCAL, start + 1, budget)
 
 
 def test_host_rules(origin):

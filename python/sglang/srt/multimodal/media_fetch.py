@@ -29,6 +29,23 @@ from sglang.srt.server_args_media import normalize_host
 
 REDIRECTS = (301, 302, 303, 307, 308)
 READ_BYTES = 64 << 10
+# The most bytes all of one request's URLs may send together: without it, 32 images of 64 MiB each
+# (the defaults) would let one request hold 2 GiB. 256 MiB: 32 images of 8 MiB, four of the largest.
+MAX_BYTES_PER_REQUEST = 256 << 20
+
+
+class ByteBudget:
+    """The bytes one request's fetches may still receive (shared by its fetch threads)."""
+
+    def __init__(self, limit: int = MAX_BYTES_PER_REQUEST):
+        self.left = limit
+        self.limit = limit
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            self.left -= n
+            return self.left >= 0
 
 
 def default_timeout_s() -> float:
@@ -62,13 +79,17 @@ def is_url(item: object) -> bool:
     return isinstance(item, str) and item[:8].lower().startswith(("http://", "https://"))
 
 
-def fetch_url(url: str, where: str, param: str, policy: FetchPolicy, deadline: float) -> bytes:
-    """The body of `url` (200 after at most `max_redirects` redirects), or a RequestError naming `param`."""
+def fetch_url(
+    url: str, where: str, param: str, policy: FetchPolicy, deadline: float, budget: ByteBudget | None = None
+) -> bytes:
+    """The body of `url` (200 after at most `max_redirects` redirects), or a RequestError naming `param`.
+    `budget`: the request's bytes, shared with its other fetches."""
+    budget = budget or ByteBudget()
     for _ in range(policy.max_redirects + 1):
         if time.monotonic() >= deadline:
             raise _timeout(where, param, policy)
         parts, host, port, address = _destination(url, where, param, policy)
-        status, location, body = _get(parts, host, port, address, where, param, policy, deadline)
+        status, location, body = _get(parts, host, port, address, where, param, policy, deadline, budget)
         if status == 200:
             return body
         if status not in REDIRECTS:
@@ -157,7 +178,7 @@ class _TLSConnection(_Connection):
         self.sock = context.wrap_socket(self._open(), server_hostname=self.host)
 
 
-def _get(parts, host, port, address, where, param, policy, deadline):
+def _get(parts, host, port, address, where, param, policy, deadline, budget):
     """(status, Location, body) of one GET; the body only for a 200."""
     remaining = deadline - time.monotonic()
     kind = _TLSConnection if parts.scheme.lower() == "https" else _Connection
@@ -183,6 +204,10 @@ def _get(parts, host, port, address, where, param, policy, deadline):
             body += piece
             if limit is not None and len(body) > limit:
                 raise _too_big(where, param, limit)
+            if not budget.take(len(piece)):
+                raise RequestError(
+                    f"{where}: the request's URLs send more than {budget.limit} bytes together.", param
+                )
         if time.monotonic() >= deadline:  # the cut may end a read as a clean end of the body
             raise _timeout(where, param, policy)
         return 200, None, bytes(body)

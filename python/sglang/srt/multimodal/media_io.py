@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.srt.managers.request_validation import RequestError
-from sglang.srt.multimodal.media_fetch import FetchPolicy, fetch_url, is_url
+from sglang.srt.multimodal.media_fetch import ByteBudget, FetchPolicy, fetch_url, is_url
+from sglang.srt.server_args_media import DEFAULT_MAX_IMAGES_PER_REQUEST
 
 FIELD = "image_data"
 # The largest image decoded, in pixels (width x height): beyond it the decode alone takes seconds and
@@ -51,7 +52,9 @@ class MediaPolicy:
     # HTTP clients may name files inside this directory (a realpath); None: no file.
     allowed_local_media_path: str | None = None
     # Most items per prompt of a request, by modality (--limit-mm-data-per-request).
-    limit_per_request: dict[str, int] = field(default_factory=lambda: {"image": 32})
+    limit_per_request: dict[str, int] = field(
+        default_factory=lambda: {"image": DEFAULT_MAX_IMAGES_PER_REQUEST}
+    )
     # How URLs are fetched; None: they are refused (--disable-media-url-fetch).
     fetch: FetchPolicy | None = field(default_factory=FetchPolicy)
 
@@ -82,6 +85,7 @@ class MediaReader:
         self.check_count(data, param, is_batch)
         fetch = self.policy.fetch
         deadline = time.monotonic() + (fetch.timeout_s if fetch is not None else 0.0)
+        budget = ByteBudget()
         loop = asyncio.get_running_loop()
 
         async def one(item: Any, where: str) -> Any:
@@ -95,7 +99,7 @@ class MediaReader:
                         param,
                     )
                 return await loop.run_in_executor(
-                    self._fetch_threads, fetch_url, item, where, param, fetch, deadline
+                    self._fetch_threads, fetch_url, item, where, param, fetch, deadline, budget
                 )
             return await loop.run_in_executor(None, _read_or_error, item, where, param, self.policy, trusted)
 
