@@ -29,6 +29,7 @@ from sglang.srt.server_args_checks import (
     check_model,
     check_speculative_track_interval,
     check_tokenizer,
+    pd_decode_track_interval,
     resolve_auto_parsers,
 )
 from sglang.srt.server_args_cli import add_cli_args
@@ -456,7 +457,7 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
                 f"chunk size {c} with --mamba-scheduler-strategy {self.mamba_scheduler_strategy}."
             )
         if self.mamba_track_interval is None:
-            self.mamba_track_interval = -(-DEFAULT_TRACK_INTERVAL // c) * c
+            self.mamba_track_interval = pd_decode_track_interval(self) or -(-DEFAULT_TRACK_INTERVAL // c) * c
         elif aligned and self.mamba_track_interval % self.page_size:
             raise ServerArgsError(
                 f"--mamba-track-interval {self.mamba_track_interval} must be a multiple of --page-size "

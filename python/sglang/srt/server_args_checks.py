@@ -275,6 +275,22 @@ def check_mtp_flags(args: ServerArgs) -> None:
         )
 
 
+def pd_decode_track_interval(args: ServerArgs) -> int | None:
+    """The default --mamba-track-interval of a PD decode server with its radix cache under extra_buffer
+    and pages above 1: one page (or the fewest pages a verify's drafts need). It never has the state at
+    a page boundary inside a prompt (the prefill server computed it), so it snapshots at every page it
+    decodes across, into its track slots, and a finished turn that does not end on a page leaves its
+    last page boundary in the tree. Not under lazy, where every snapshot would be a tree checkpoint of
+    its own (docs/disaggregation.md). None: the usual default."""
+    page = args.page_size
+    if args.disaggregation_mode != "decode" or page == 1 or not args.enable_mamba_extra_buffer():
+        return None
+    if args.mamba_strategy.lazy:
+        return None
+    n = max(page, args.speculative_num_draft_tokens or 1) if args.speculative_algorithm else page
+    return -(-n // page) * page
+
+
 def check_speculative_track_interval(args: ServerArgs) -> None:
     """A verify adds at most --speculative-num-draft-tokens tokens, so with an interval at least that
     long it crosses at most one track boundary (upstream's rule)."""

@@ -11,7 +11,7 @@ from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, _malformed_
 from sglang.srt.disaggregation.transfer import PoolLayout
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=2, suite="per-commit-cpu")
+register_cpu_ci(est_time=5, suite="per-commit-cpu")
 
 # One attention layer's K and V (8 bytes a token), one state tensor (16 bytes a slot).
 LAYOUT = PoolLayout([1000, 2000], [800, 800], 8, [5000], [160], [16])
@@ -95,3 +95,22 @@ def test_a_malformed_prefix_or_staging_is_refused():
         assert _malformed_dst({**base, **bad}, 4096) == (
             "prefix must be a token count, staging an address and staging_bytes a size"
         )
+
+
+def test_a_paged_decode_server_under_extra_buffer_snapshots_every_page_by_default():
+    """Its finished turns keep their last page boundary (docs/disaggregation.md; end to end in
+    test_pd_decode_cache_strategies.py): the default --mamba-track-interval is the page size there, and
+    only there."""
+    from sglang.srt.server_args import prepare_server_args
+
+    def interval(*argv: str) -> int:
+        return prepare_server_args(list(argv)).mamba_track_interval
+
+    decode = ["--disaggregation-mode", "decode", "--disaggregation-decode-enable-radix-cache", "--page-size", "16"]
+    assert interval(*decode, "--mamba-scheduler-strategy", "extra_buffer") == 16
+    assert interval(*decode, "--mamba-scheduler-strategy", "extra_buffer", "--mamba-track-interval", "64") == 64
+    usual = interval("--page-size", "16", "--mamba-scheduler-strategy", "extra_buffer")
+    assert usual >= 256 and usual % 16 == 0
+    assert interval(*decode, "--mamba-scheduler-strategy", "extra_buffer_lazy") == usual
+    decode[-1] = "1"
+    assert interval(*decode, "--mamba-scheduler-strategy", "extra_buffer") == usual
