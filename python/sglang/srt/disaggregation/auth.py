@@ -222,8 +222,12 @@ class PeerVerifier:
         if entry is None or not isinstance(nonce, str) or not hmac.compare_digest(entry[0], nonce):
             return False
         del self.challenges[url]
-        _bounded_put(self.proven, url, None, self.MAX_PEERS)
+        self.mark_proven(url)
         return True
+
+    def mark_proven(self, url: str) -> None:
+        """`url` proved itself (to TP rank 0, which alone sends hellos: the other ranks learn it so)."""
+        _bounded_put(self.proven, url, None, self.MAX_PEERS)
 
 
 class BootstrapIdentity:

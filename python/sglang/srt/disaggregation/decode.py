@@ -9,6 +9,8 @@ committed and the request joins the running batch, decoding with the overlap sch
 request aborted while a transfer may still write into what it holds keeps it until the prefill server
 answers (or twice the waiting timeout passes). Requests without a room are served whole.
 
+Under --tp-size N every rank runs this queue alike, each receiving its own shard (`pd_ranks.py`).
+
 `HybridMambaDecodeReqToTokenPool` (upstream PR #22462): the decode server pre-allocates destinations
 (request row and running slot) for transfers in flight beyond the running cap, `pre_alloc_size` extra
 rows. Its mamba pool holds what all those rows can: `(size + pre_alloc_size) * max_slots_per_req`, raised
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
 from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
 from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
+from sglang.srt.disaggregation.pd_ranks import SINGLE, PdRanks, destination_ranks
 from sglang.srt.disaggregation.staging import StagedRange, StatePacker
 from sglang.srt.disaggregation.transfer import clear_destination, open_transfer_engine
 from sglang.srt.environ import envs
@@ -78,12 +81,22 @@ class HybridMambaDecodeReqToTokenPool(HybridReqToTokenPool):
 
 
 class DecodeTransferQueue:
+    # Under TP (`pd_ranks.py`): this server's ranks, rank 0's clock as of the last poll, every rank's
+    # session and layout, rank 0's clock when each room came, the rooms rank 0 could not send to.
+    ranks: PdRanks = SINGLE
+    now: float = 0.0
+    rank_targets: tuple = ()
+    added_at: dict[str, float] = {}  # (read here; `__init__` gives each queue its own)
+    unsent: tuple = ()
+
     def __init__(self, sched: DisaggScheduler):
         args = sched.server_args
         self.sched = sched
         check_at_start(args)
+        self.ranks = PdRanks.of_server(args)
         # Staged path: a staging buffer of fixed size, a range of at most one chunk per transfer in flight.
         self.layout, self.engine, self.staging = open_transfer_engine(sched, "decode")
+        self.ranks.check_transfer_path(self.staging is not None, "decode")
         # Device pools registered directly are zeroed by tensor ops (no host address to memset).
         self.device_packer = None
         if self.staging is None and args.device != "cpu":
@@ -92,10 +105,17 @@ class DecodeTransferQueue:
             )
         self.staged: dict[str, StagedRange] = {}  # room -> its request's staging range
         self.allowlist = PrefillAllowlist.parse(args.disaggregation_prefill_allowlist)
+        # Every rank's session and layout (rank 0 names them all in each destination).
+        mine = {"session": self.engine.session_id, "layout": self.layout.to_dict()}
+        self.rank_targets = self.ranks.all_gather(mine)
         max_message = answer_max_bytes(args.max_logprobs)
-        self.channel = Channel(args.host, None, secret(), max_message, "decode")
-        self.notify_url = tcp_url(reachable_host(args.host), self.channel.port)
-        self.peers = PeerVerifier(self.channel.secret is not None, self.channel.send, self.notify_url)
+        self.channel, self.notify_url = None, ""  # (TP rank 0's only)
+        if self.ranks.is_first:
+            self.channel = Channel(args.host, None, secret(), max_message, "decode")
+            self.notify_url = tcp_url(reachable_host(args.host), self.channel.port)
+        self.peers = PeerVerifier(bool(secret()), self._channel_send, self.notify_url)
+        self.added_at: dict[str, float] = {}
+        self.unsent: list[str] = []
         self.prealloc: list[Req] = []  # waiting for destinations
         # --disaggregation-decode-enable-radix-cache: a prompt's prefix held by this server's tree is not
         # transferred again (the prefill server is told its length with the destination).
@@ -110,6 +130,14 @@ class DecodeTransferQueue:
         self.timeout = envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
         self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "kv_tokens": 0, "seconds": 0.0,
                       "staged_chunks": 0}  # fmt: skip
+
+    def _clock(self) -> float:
+        """Now, as every rank sees it: rank 0's clock as of the last poll under TP."""
+        return time.monotonic() if self.ranks.tp_size == 1 else self.now
+
+    def _channel_send(self, url: str, msg: dict[str, Any]) -> bool:
+        """Rank 0 sends; the other ranks' sends are dropped (as if sent)."""
+        return self.channel.send(url, msg) if self.ranks.is_first else True
 
     # ---- the scheduler's hooks ----------------------------------------------------------------------
 
@@ -132,6 +160,8 @@ class DecodeTransferQueue:
             )
             return
         req.fill_ids = list(req.origin_input_ids)
+        if self.ranks.tp_size > 1:
+            self.added_at[req.bootstrap.room] = self._clock()
         self.prealloc.append(req)
 
     def defer_release(self, req: Req) -> bool:
@@ -140,7 +170,7 @@ class DecodeTransferQueue:
         key = req.bootstrap.room
         if key in self.transfers and self.transfers[key][0] is req:
             del self.transfers[key]
-            self.zombies[key] = (req, time.monotonic() + 2 * self.timeout)
+            self.zombies[key] = (req, self._clock() + 2 * self.timeout)
             self._send(req, {"type": "cancel", "room": key, "notify": self.notify_url})
             return True
         self.prealloc = [r for r in self.prealloc if r is not req]
@@ -155,6 +185,8 @@ class DecodeTransferQueue:
         if entry is not None and entry.req is req:  # nothing writes its staging range any more
             del self.staged[req.bootstrap.room]
             self.staging.ranges.free(entry.start)
+        if self.ranks.tp_size > 1:
+            self.added_at.pop(req.bootstrap.room, None)
         if req.bootstrap.port is None:
             return
         if (req.finished_reason or {}).get("type") != "abort":
@@ -172,10 +204,25 @@ class DecodeTransferQueue:
         return False  # transfers run on the prefill server; their answers wake the loop
 
     def poll(self) -> bool:
-        did = False
-        for msg in self.channel.recv_all():
+        """Under TP every rank takes rank 0's messages (its checks of hello acknowledgements come as
+        "proven" URLs), its clock and the destinations it could not send (`PdRanks.exchange`), so
+        that every rank decides alike."""
+        first = None
+        if self.ranks.is_first:
+            msgs = []
+            for msg in self.channel.recv_all():
+                if msg["type"] in ("done", "chunk"):
+                    msgs.append(msg)
+                elif msg["type"] == "hello_ack" and self.peers.on_hello_ack(msg):
+                    msgs.append({"type": "proven", "room": "", "url": msg["to"]})
+            first = (msgs, time.monotonic(), list(self.unsent))
+            self.unsent = []
+        (msgs, self.now, unsent), _ = self.ranks.exchange(first, {})
+        did = bool(msgs or unsent)
+        for key in unsent:
+            self._drop_unsent(key)
+        for msg in msgs:
             if msg["type"] == "done":
-                did = True
                 try:
                     self._on_done(msg)
                 except (KeyError, TypeError, ValueError) as e:
@@ -183,10 +230,9 @@ class DecodeTransferQueue:
                         "Disaggregation: a malformed answer for room %r was dropped (%s).", msg["room"], e
                     )
             elif msg["type"] == "chunk":
-                did = True
                 self._on_chunk(msg)
-            elif msg["type"] == "hello_ack":
-                did = self.peers.on_hello_ack(msg) or did
+            else:
+                self.peers.mark_proven(msg["url"])
         did = self._expire() or did
         did = self._preallocate() or did
         did = self._send_destinations() or did
@@ -203,7 +249,7 @@ class DecodeTransferQueue:
             return False  # a refused request's cancel: nothing to tell a host this server never contacted
         if msg["type"] == "cancel" and not self.peers.verified(self._url(req)):
             return False  # it never got a destination from here: nothing to cancel
-        return self.channel.send(self._url(req), msg)
+        return self._channel_send(self._url(req), msg)
 
     @staticmethod
     def _url(req: Req) -> str:
@@ -273,10 +319,9 @@ class DecodeTransferQueue:
         the forward stream orders that against later forwards, but not against the prefill server's
         transfer, which must wait until every batch launched before the reservation is processed."""
         processed = self.sched.processed_batch_id
-        did = False
+        outgoing: list[tuple[Req, dict[str, Any]]] = []
         while self.reserved and self.reserved[0][1] <= processed:
             req, _, prefix = self.reserved.pop(0)
-            did = True
             key = req.bootstrap.room
             # No batch writes these slots any more, and the transfer may only come after this. The
             # prefix's KV is the tree's (shared, never written by the transfer).
@@ -284,6 +329,7 @@ class DecodeTransferQueue:
                 "type": "dst", "room": key, "notify": self.notify_url,
                 "session": self.engine.session_id, "layout": self.layout.to_dict(),
                 "prefix": prefix, "kv": req.kv_indices[prefix:], "slot": req.mamba_pool_idx,
+                **destination_ranks(self.rank_targets),
             }  # fmt: skip
             if key in self.staged:  # the unpack writes every row: its range is what must hold zeros (a
                 # later chunk's unpack may read the one before it: the same request's rows, never another's)
@@ -294,13 +340,29 @@ class DecodeTransferQueue:
                 self.device_packer.clear(req.kv_indices[prefix:], req.mamba_pool_idx)
             else:
                 clear_destination(self.layout, req.kv_indices[prefix:], req.mamba_pool_idx)
+            outgoing.append((req, msg))
+        if outgoing:
+            self.ranks.barrier()  # (under TP: every rank's destination is cleared before any is asked)
+        for req, msg in outgoing:
+            key = msg["room"]
             sent = self._send(req, msg)
-            if not sent:  # nothing can write into it: release at once
+            if not sent and self.ranks.tp_size == 1:  # nothing can write into it: release at once
                 self.sched.abort_with_status([req], "The prefill server does not take messages.", 503)
                 continue
+            if not sent:  # (rank 0 alone knows: every rank releases it at the next poll)
+                self.unsent.append(key)
             self.dst_sent.add(key)
-            self.transfers[key] = (req, time.monotonic())
-        return did
+            self.transfers[key] = (req, self._clock())
+        return bool(outgoing)
+
+    def _drop_unsent(self, key: str) -> None:
+        """Under TP, a destination rank 0 could not send: nothing can write into it, release it."""
+        self.dst_sent.discard(key)
+        if key in self.zombies:  # (aborted meanwhile)
+            self.sched.result_processor.release_finished(self.zombies.pop(key)[0])
+        elif key in self.transfers:
+            req, _ = self.transfers.pop(key)
+            self.sched.abort_with_status([req], "The prefill server does not take messages.", 503)
 
     def _on_done(self, msg: dict[str, Any]) -> None:
         key = str(msg["room"])
@@ -370,7 +432,7 @@ class DecodeTransferQueue:
             self.sched.abort_with_status([entry.req], f"KV transfer from the prefill server failed: {error}", 500)
             return
         self.stats["staged_chunks"] += 1
-        self.transfers[key] = (entry.req, time.monotonic())  # the waiting timeout counts from the last chunk
+        self.transfers[key] = (entry.req, self._clock())  # the waiting timeout counts from the last chunk
         self._send(entry.req, {"type": "chunk_ack", "room": key, "chunk": msg["chunk"]})
 
     def _admit_ready(self) -> bool:
@@ -385,9 +447,10 @@ class DecodeTransferQueue:
         return bool(admitted)
 
     def _expire(self) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         did = False
-        for req in [r for r in self.prealloc if now - r.created_time > self.timeout]:
+        came = self.added_at.get  # (under TP on rank 0's clock: every rank's own would differ)
+        for req in [r for r in self.prealloc if now - came(r.bootstrap.room, r.created_time) > self.timeout]:
             if not self.peers.ready(self._url(req)):
                 did = True
                 message = (
@@ -412,6 +475,7 @@ class DecodeTransferQueue:
         """For /get_server_info: the queues and the transfers so far (bytes, seconds on the transfer
         engine)."""
         return {
+            "tp_size": self.ranks.tp_size,
             "prealloc_queue": len(self.prealloc) + len(self.reserved),
             "transfer_queue": len(self.transfers),
             "ready": len(self.ready),
@@ -419,14 +483,15 @@ class DecodeTransferQueue:
             "staging_ranges": len(self.staging.ranges.used) if self.staging is not None else 0,
             "staging_buffer_bytes": self.staging.buffer.nbytes if self.staging is not None else 0,
             "staging_chunk_bytes": self.staging.chunk_bytes if self.staging is not None else 0,
-            "dropped_messages": self.channel.dropped,
+            "dropped_messages": self.channel.dropped if self.channel is not None else 0,
             "decode_radix_cache": self.radix,
             **self.layout.sizes(),
             **self.stats,
         }
 
     def shutdown(self) -> None:
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
 
 
 def _logprob(value: Any) -> float:

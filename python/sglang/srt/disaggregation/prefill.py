@@ -10,6 +10,9 @@ the router merges) goes to the router. Requests without a room are served whole,
 
 While a transfer reads a request's KV and state, what it holds is not freed, even if it is aborted:
 the release waits for the transfer to end.
+
+Under --tp-size N every rank runs this queue alike and writes its own shard into the decode server's
+rank of the same index; rank 0 alone has the bootstrap port and sends (`pd_ranks.py`).
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.disaggregation.auth import BootstrapIdentity, check_at_start, secret
 from sglang.srt.disaggregation.channel import MAX_ERROR_CHARS, Channel
+from sglang.srt.disaggregation.pd_ranks import SINGLE, Outcome, PdRanks, check_targets, shard_descriptors
 from sglang.srt.disaggregation.staging import ChunkLink
 from sglang.srt.disaggregation.transfer import (
     PoolLayout,
     TransferError,
     open_transfer_engine,
-    transfer_descriptors,
 )
 from sglang.srt.environ import envs
 
@@ -41,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Room:
-    since: float = field(default_factory=time.monotonic)
+    since: float = field(default_factory=time.monotonic)  # (under TP, rank 0's clock: `_clock`)
     req: Req | None = None  # prefilled, waiting for its destination or being transferred
     dst: dict[str, Any] | None = None  # the decode server's destination
     future: Future | None = None  # the transfer
@@ -50,20 +53,32 @@ class _Room:
 
 
 class PrefillBootstrapQueue:
+    # Under TP (`pd_ranks.py`): this server's ranks, rank 0's clock as of the last poll, and every rank's
+    # pool layout (one rank: its own, `_layouts`).
+    ranks: PdRanks = SINGLE
+    now: float = 0.0
+    layouts: tuple = ()
+
     def __init__(self, sched: DisaggScheduler):
         args = sched.server_args
         self.sched = sched
         check_at_start(args)
+        self.ranks = PdRanks.of_server(args)
         # Transfers run one at a time (one worker thread): the staging buffer holds one chunk.
         self.layout, self.engine, self.staging = open_transfer_engine(sched, "prefill")
+        self.ranks.check_transfer_path(self.staging is not None, "prefill")
+        # Every rank's layout on every rank, so that each checks a destination alike.
+        self.layouts = [PoolLayout.from_dict(d) for d in self.ranks.all_gather(self.layout.to_dict())]
         self.context_len = sched.context_len
         # A destination names one token slot per prompt position: at most 11 bytes each in JSON, and the
-        # rest (pool layout, URLs) is a few KB.
-        max_message = 64 * 1024 + 12 * self.context_len
-        self.channel = Channel(
-            args.host, args.disaggregation_bootstrap_port, secret(), max_message, "prefill"
-        )
-        self.identity = BootstrapIdentity(args.host, self.channel.port)
+        # rest (pool layouts, one per decode rank, and URLs) a few KB per rank.
+        max_message = 64 * 1024 * max(8, 2 * self.ranks.tp_size) + 12 * self.context_len
+        self.channel, self.identity = None, None  # (TP rank 0's only)
+        if self.ranks.is_first:
+            self.channel = Channel(
+                args.host, args.disaggregation_bootstrap_port, secret(), max_message, "prefill"
+            )
+            self.identity = BootstrapIdentity(args.host, self.channel.port)
         # Destinations held for requests not received here yet (the decode server reserved first): at
         # most this many, naming at most 4x this server's KV pool in token slots (8 bytes each: at most
         # 32 bytes per token of the pool, which itself holds KB per token).
@@ -76,8 +91,20 @@ class PrefillBootstrapQueue:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
         self.timeout = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
         self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "kv_tokens": 0, "seconds": 0.0}
-        logger.info("Prefill server: bootstrap on port %d, transfers by %s.", self.channel.port,
-                    args.disaggregation_transfer_backend)  # fmt: skip
+        if self.channel is not None:
+            logger.info("Prefill server: bootstrap on port %d, transfers by %s.", self.channel.port,
+                        args.disaggregation_transfer_backend)  # fmt: skip
+
+    def _clock(self) -> float:
+        """Now, as every rank sees it: rank 0's clock as of the last poll under TP."""
+        return time.monotonic() if self.ranks.tp_size == 1 else self.now
+
+    def _send(self, url: str, msg: dict[str, Any]) -> None:
+        if self.ranks.is_first:
+            self.channel.send(url, msg)
+
+    def _layouts(self) -> list[PoolLayout]:
+        return list(self.layouts) or [self.layout]
 
     # ---- the scheduler's hooks ----------------------------------------------------------------------
 
@@ -89,7 +116,7 @@ class PrefillBootstrapQueue:
         if key in self.ended:
             self._abort(req, f"the decode server gave room {key} up", 503)
             return
-        room = self.rooms.setdefault(key, _Room())
+        room = self.rooms.setdefault(key, _Room(self._clock()))
         if room.req is not None:
             self._abort(req, f"bootstrap_room {key} is already in use on this prefill server", 400)
             return
@@ -121,7 +148,7 @@ class PrefillBootstrapQueue:
             if room.dst is not None:
                 self._notify_failed(room.dst, f"the prefill request ended: {req.finished_reason['message']}")
                 return
-        self._end(key, time.monotonic(), req.finished_reason["message"])
+        self._end(key, self._clock(), req.finished_reason["message"])
 
     def busy(self) -> bool:
         return any(r.req is not None for r in self.rooms.values())
@@ -131,25 +158,43 @@ class PrefillBootstrapQueue:
 
     def poll(self) -> bool:
         """Take the decode servers' messages, start the transfers that can start, finish those that
-        ended, and give up rooms past the bootstrap timeout. True if anything happened."""
-        did = False
-        for msg in self.channel.recv_all():
+        ended, and give up rooms past the bootstrap timeout. True if anything happened. Under TP every
+        rank takes rank 0's messages and clock, and a transfer ends once every rank's has
+        (`PdRanks.exchange`), so that every rank decides alike."""
+        first = None
+        if self.ranks.is_first:
+            msgs, other = [], False
+            for msg in self.channel.recv_all():
+                if msg["type"] == "hello":  # (rank 0's alone: its answer changes nothing here)
+                    other = True
+                    if answer := self.identity.hello_answer(msg):
+                        self.channel.send(msg["notify"], answer)
+                elif msg["type"] in ("dst", "cancel", "chunk_ack"):
+                    msgs.append(msg)
+                else:
+                    other = True  # (taken and ignored)
+            first = (msgs, time.monotonic(), other)
+        ended = {
+            key: _outcome(room.future)
+            for key, room in self.rooms.items()
+            if room.future is not None and room.future.done()
+        }
+        (msgs, self.now, did), ended = self.ranks.exchange(first, ended)
+        for msg in msgs:
             did = True
             if msg["type"] == "dst":
                 self._on_dst(msg)
             elif msg["type"] == "cancel":
                 self._on_cancel(msg)
-            elif msg["type"] == "hello" and (answer := self.identity.hello_answer(msg)):
-                self.channel.send(msg["notify"], answer)
-            elif msg["type"] == "chunk_ack" and (room := self.rooms.get(str(msg["room"]))) and room.link:
+            elif (room := self.rooms.get(str(msg["room"]))) and room.link:  # (staged: one rank only)
                 room.link.ack(msg.get("chunk"))
         for key, room in list(self.rooms.items()):
             for chunk in room.link.drain() if room.link is not None else ():  # a staged chunk was written
                 did = True
-                self.channel.send(room.dst["notify"], {"type": "chunk", "room": key, "chunk": chunk})
-            if room.future is not None and room.future.done():
-                did = True
-                self._complete(key, room)
+                self._send(room.dst["notify"], {"type": "chunk", "room": key, "chunk": chunk})
+        for key, outcome in ended.items():
+            did = True
+            self._complete(key, self.rooms[key], outcome)
         return self._expire() or did
 
     # ---- rooms ---------------------------------------------------------------------------------------
@@ -170,7 +215,7 @@ class PrefillBootstrapQueue:
                 logger.warning("Disaggregation: the destination for room %s was refused: %s.", key, problem)
                 self._notify_failed(msg, problem)
                 return
-        room = self.rooms.setdefault(key, _Room())
+        room = self.rooms.setdefault(key, _Room(self._clock()))
         if room.dst is not None:
             self._notify_failed(msg, f"room {key} already has a destination")
             return
@@ -201,7 +246,7 @@ class PrefillBootstrapQueue:
                 room.link.cancel()
             return  # the transfer's own answer frees the decode side
         # A prefilled request of this room that comes later is ended at once.
-        self._end(key, time.monotonic(), "the decode server gave the request up")
+        self._end(key, self._clock(), "the decode server gave the request up")
         if room is None:
             return
         del self.rooms[key]
@@ -217,8 +262,7 @@ class PrefillBootstrapQueue:
         n = len(req.origin_input_ids)
         # The prompt's prefix the decode server's radix cache holds already: its KV does not move.
         prefix = dst.get("prefix", 0)
-        layout = PoolLayout.from_dict(dst["layout"])
-        problem = self.layout.mismatch(layout)
+        problem = check_targets(self._layouts(), dst)  # (every rank checks every pair: all decide alike)
         if problem is None and not prefix < n:
             problem = f"the decode server holds {prefix} tokens of a {n}-token prompt (at most {n - 1})"
         elif problem is None and ("staging" in dst) != (self.staging is not None):
@@ -239,16 +283,17 @@ class PrefillBootstrapQueue:
         room.kv_tokens = n - prefix
         fail_prefix = envs.SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER.get()
         inject = fail_prefix is not None and req.rid.startswith(fail_prefix)
-        if self.staging is not None:
+        if self.staging is not None:  # (one rank: refused at start above one)
             room.link = ChunkLink()
             target = (dst["staging"], dst.get("staging_bytes", 0))
             args = (dst["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, target, room.link, inject)
             room.future = self.executor.submit(self._transfer_staged, *args)
             return
-        descriptors = transfer_descriptors(
-            self.layout, layout, req.kv_indices[prefix:n], dst["kv"], req.mamba_pool_idx, dst["slot"]
+        # This rank's shard into the decode rank of the same index.
+        session, descriptors = shard_descriptors(
+            self.layout, dst, self.ranks.tp_rank, req.kv_indices[prefix:n], req.mamba_pool_idx
         )
-        room.future = self.executor.submit(self._transfer, dst["session"], descriptors, inject)
+        room.future = self.executor.submit(self._transfer, session, descriptors, inject)
 
     def _transfer(
         self, session: str, descriptors: list[tuple[int, int, int]], inject: bool
@@ -272,12 +317,12 @@ class PrefillBootstrapQueue:
         n, last = self.staging.send(self.engine.write, session, tokens, slot, dst, link, min(self.timeout, 60))
         return n, time.perf_counter() - start, last
 
-    def _complete(self, key: str, room: _Room) -> None:
+    def _complete(self, key: str, room: _Room, outcome: Outcome) -> None:
+        """The transfer of `key` ended on every rank with `outcome` (`PdRanks.exchange`)."""
         del self.rooms[key]
         req, dst = room.req, room.dst
-        try:
-            nbytes, seconds, *last_chunk = room.future.result()
-        except Exception as e:  # noqa: BLE001 - any failure ends this request on both sides
+        e, nbytes, seconds, last_chunk = outcome
+        if e is not None:  # any failure (on any rank) ends this request on both sides
             self.stats["failed_transfers"] += 1
             logger.warning("KV transfer of room %s (%s) failed: %s", key, req, e)
             self._notify_failed(dst, f"KV transfer failed: {e}")
@@ -290,7 +335,7 @@ class PrefillBootstrapQueue:
         self.stats["bytes"] += nbytes
         self.stats["kv_tokens"] += room.kv_tokens
         self.stats["seconds"] += seconds
-        self.channel.send(dst["notify"], {
+        self._send(dst["notify"], {
             "type": "done", "room": key, "ok": True,
             "output_ids": req.output_ids,
             "output_token_logprobs": req.output_token_logprobs,
@@ -309,7 +354,7 @@ class PrefillBootstrapQueue:
             processor.release_finished(req)
 
     def _expire(self) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         did = False
         for key, room in list(self.rooms.items()):
             if room.future is None and now - room.since > self.timeout:
@@ -339,7 +384,7 @@ class PrefillBootstrapQueue:
 
     def _notify_failed(self, dst: dict[str, Any], error: str) -> None:
         if isinstance(dst.get("notify"), str):
-            self.channel.send(
+            self._send(
                 dst["notify"],
                 {"type": "done", "room": str(dst["room"]), "ok": False, "error": error[:MAX_ERROR_CHARS]},
             )
@@ -348,20 +393,32 @@ class PrefillBootstrapQueue:
         """For /get_server_info: the queues and the transfers so far (bytes, seconds on the transfer
         engine)."""
         return {
-            "bootstrap_port": self.channel.port,
+            "bootstrap_port": self.channel.port if self.channel is not None else None,
             "rooms": len(self.rooms),
             "waiting_for_destination": sum(
                 1 for r in self.rooms.values() if r.req is not None and r.future is None
             ),
             "transferring": sum(1 for r in self.rooms.values() if r.future is not None),
-            "dropped_messages": self.channel.dropped,
-            **self.layout.sizes(),
+            "dropped_messages": self.channel.dropped if self.channel is not None else 0,
+            # Under TP what one request's transfer weighs on every rank together.
+            "tp_size": self.ranks.tp_size,
+            **{k: sum(layout.sizes()[k] for layout in self._layouts()) for k in self.layout.sizes()},
             **self.stats,
         }
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True)
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
+
+
+def _outcome(future: Future) -> Outcome:
+    """A transfer's outcome on this rank (its future has ended)."""
+    try:
+        nbytes, seconds, *last_chunk = future.result()
+    except Exception as e:  # noqa: BLE001 - any failure ends the request: told, not raised
+        return str(e), 0, 0.0, []
+    return None, nbytes, seconds, last_chunk
 
 
 def _malformed_dst(msg: dict[str, Any], context_len: int) -> str | None:
@@ -378,7 +435,23 @@ def _malformed_dst(msg: dict[str, Any], context_len: int) -> str | None:
         return "prefix must be a token count, staging an address and staging_bytes a size"
     if len(msg["kv"]) > context_len:
         return f"kv names {len(msg['kv'])} token slots, more than the context length {context_len}"
-    layout = msg.get("layout")
+    ranks = msg.get("ranks", [msg])  # (a decode server above one TP rank: each rank's session and layout)
+    if not isinstance(ranks, list) or not 0 < len(ranks) <= MAX_TP_RANKS:
+        return f"ranks must list between 1 and {MAX_TP_RANKS} decode ranks"
+    for target in ranks:
+        if not isinstance(target, dict) or not isinstance(target.get("session"), str):
+            return "each rank's session must be a string"
+        problem = _malformed_layout(target.get("layout"), is_int)
+        if problem is not None:
+            return problem
+    return None
+
+
+# The most TP ranks a destination may name (a bound on what it makes this server hold and check).
+MAX_TP_RANKS = 64
+
+
+def _malformed_layout(layout: Any, is_int) -> str | None:
     try:
         PoolLayout.from_dict(layout)
     except TypeError:

@@ -1,0 +1,154 @@
+"""Prefill/decode disaggregation under tensor parallelism (`--tp-size N` on both servers).
+
+Every TP rank of a PD server runs the same PD queue and makes the same decisions, as every rank runs the
+same scheduler (`managers/scheduler_components/tp_broadcast.py`), so that slots, rooms and requests stay
+identical on every rank without further messages:
+
+- only TP rank 0 has the PD channel (the bootstrap port on the prefill side, the answer socket on the
+  decode side). Once per poll it hands every rank the messages it took (after those it deals with alone:
+  a prefill server's answers to hellos, a decode server's checks of hello acknowledgements, which reach
+  the other ranks as "proven" URLs) and its clock, so that every decision that depends on time (the
+  bootstrap and waiting timeouts) reads rank 0's clock (`PdRanks.exchange`);
+- each rank moves its own shard: prefill rank i writes its KV heads and its recurrent heads' state into
+  decode rank i's pools, registered with rank i's own transfer engine. The decode server's destination
+  carries every rank's transfer-engine session and pool layout (`"ranks"`), and both servers must run the
+  same --tp-size (`tp_size_mismatch`): a rank's heads are the same heads on both sides only then;
+- a transfer ends when every prefill rank's write has ended: each poll gathers which of its own ended and
+  how (`exchange`'s `ended`), and a room ends, with the first failing rank's error, in the poll where every
+  rank has it. Only rank 0 sends; the other ranks' sends are dropped.
+
+The staged path (`staging.py`: chunks acknowledged one by one) runs at one rank only, refused at start
+above (`check_transfer_path`).
+
+At one rank (`SINGLE`) every collective is the identity, so the PD queues have one code path.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sglang.srt.disaggregation.transfer import Descriptor, PoolLayout, transfer_descriptors
+from sglang.srt.server_args import ServerArgsError
+
+# A transfer's outcome on one rank: (error or None, bytes moved, seconds on the transfer engine, what
+# else its write returned: the staged path's last chunk, at one rank).
+Outcome = tuple[str | None, int, float, Any]
+
+
+class PdRanks:
+    """A PD server's TP ranks, as its PD queue sees them: this rank, their count, and a gloo group of
+    the queue's own (its collectives never interleave with the scheduler's or the model's)."""
+
+    def __init__(self, tp_size: int = 1, tp_rank: int = 0, group: Any = None):
+        self.tp_size, self.tp_rank, self.group = tp_size, tp_rank, group
+
+    @classmethod
+    def of_server(cls, server_args: Any) -> PdRanks:
+        """This process's place in its TP group (joined before the scheduler is built); at --tp-size 1
+        the single rank. Every rank of the group must call this, in the same order (a new group)."""
+        from sglang.srt.distributed import get_tp_group
+
+        tp = get_tp_group()
+        if tp.world_size == 1:
+            return SINGLE
+        import torch.distributed as dist
+
+        from sglang.srt.managers.scheduler_components.tp_broadcast import DEFAULT_DIST_TIMEOUT_S
+
+        timeout = timedelta(seconds=server_args.dist_timeout or DEFAULT_DIST_TIMEOUT_S)
+        group = dist.new_group(tp.ranks, backend="gloo", timeout=timeout)
+        return cls(tp.world_size, tp.rank_in_group, group)
+
+    @property
+    def is_first(self) -> bool:
+        return self.tp_rank == 0
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if self.tp_size == 1:
+            return [value]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def exchange(self, first: Any, ended: dict[str, Outcome]) -> tuple[Any, dict[str, Outcome]]:
+        """Rank 0's `first` (None on the other ranks), and the rooms whose transfer has ended on every
+        rank, in rank 0's order, each with its outcome: the first failing rank's error (naming the rank
+        above one rank), the bytes every rank moved, the longest rank's seconds and rank 0's extra."""
+        everyone = self.all_gather((first, ended))
+        outcomes: dict[str, Outcome] = {}
+        for key in everyone[0][1]:
+            if not all(key in e for _, e in everyone):
+                continue  # another rank's write still runs: a later poll ends it
+            mine = [e[key] for _, e in everyone]
+            failed = [(r, o[0]) for r, o in enumerate(mine) if o[0]]
+            error = None
+            if failed:
+                error = failed[0][1] if self.tp_size == 1 else f"{failed[0][1]} (on TP rank {failed[0][0]})"
+            outcomes[key] = (error, sum(o[1] for o in mine), max(o[2] for o in mine), mine[0][3])
+        return everyone[0][0], outcomes
+
+    def check_transfer_path(self, staged: bool, mode: str) -> None:
+        """ServerArgsError, in one sentence naming --tp-size, for the staged path above one rank (its
+        chunks and their acknowledgements are one rank's)."""
+        if staged and self.tp_size > 1:
+            raise ServerArgsError(
+                f"--disaggregation-mode {mode} with --tp-size {self.tp_size}: KV and state staged through "
+                "host buffers (CUDA pools the transfer engine cannot register, or "
+                "SGLANG_DISAGGREGATION_STAGING=1) run with --tp-size 1 only."
+            )
+
+    def barrier(self) -> None:
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+
+SINGLE = PdRanks()
+
+
+def rank_targets(dst: dict[str, Any]) -> list[dict[str, Any]]:
+    """Where each decode rank receives: its transfer-engine session, pool layout and (staged path) staging
+    address; one entry (the destination itself) from a decode server at --tp-size 1."""
+    return dst["ranks"] if "ranks" in dst else [dst]
+
+
+def check_targets(layouts: list[PoolLayout], dst: dict[str, Any]) -> str | None:
+    """Why a destination cannot take the shards of a prefill server whose ranks' pools are `layouts`
+    (every rank checks every pair, so that all decide alike), or None. Both servers need the same
+    --tp-size: rank i's KV and state heads are rank i's on both sides only then."""
+    targets = rank_targets(dst)
+    if len(targets) != len(layouts):
+        return (
+            f"the decode server runs --tp-size {len(targets)} and this prefill server --tp-size "
+            f"{len(layouts)}; prefill/decode disaggregation needs the same --tp-size on both servers"
+        )
+    for r, (mine, target) in enumerate(zip(layouts, targets, strict=True)):
+        problem = mine.mismatch(PoolLayout.from_dict(target["layout"]))
+        if problem is not None:
+            return problem if len(layouts) == 1 else f"{problem} (TP rank {r})"
+    return None
+
+
+def shard_descriptors(
+    layout: PoolLayout, dst: dict[str, Any], tp_rank: int, src_tokens: list[int], src_slot: int
+) -> tuple[str, list[Descriptor]]:
+    """Prefill rank `tp_rank`'s write of one request (its pools are `layout`): the session of the decode
+    rank of the same index, and the copies of its own KV heads' rows of `src_tokens` and its own
+    recurrent heads' state of `src_slot` into that rank's pools (`dst["kv"]`, `dst["slot"]`: the same
+    slot ids on every rank, which decide alike)."""
+    target = rank_targets(dst)[tp_rank]
+    theirs = PoolLayout.from_dict(target["layout"])
+    descriptors = transfer_descriptors(layout, theirs, src_tokens, dst["kv"], src_slot, dst["slot"])
+    return target["session"], descriptors
+
+
+def destination_ranks(targets: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a decode server at --tp-size above 1 adds to a destination: every rank's session and pool
+    layout (`targets`, gathered at start), rank i's at index i; nothing at one rank (the destination's
+    own session and layout are rank 0's)."""
+    return {"ranks": targets} if len(targets) > 1 else {}

@@ -1,0 +1,146 @@
+"""Prefill/decode disaggregation under tensor parallelism, without servers (`disaggregation/pd_ranks.py`):
+
+- the per-rank transfer plan: prefill rank i writes exactly its own pools' rows (its KV heads of the
+  request's tokens, its recurrent heads' state of the running slot) into decode rank i's pools, through
+  decode rank i's session, and nothing into another rank's;
+- a destination from a decode server at another --tp-size, or whose rank i has another layout, is
+  refused in one sentence naming --tp-size (or the rank);
+- a transfer ends when every rank's write has ended, with the first failing rank's error naming it, the
+  bytes of every rank and the longest rank's seconds; rank 0's messages and clock reach every rank."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+from sglang.srt.disaggregation.pd_ranks import (
+    PdRanks,
+    check_targets,
+    destination_ranks,
+    shard_descriptors,
+)
+from sglang.srt.disaggregation.prefill import _malformed_dst
+from sglang.srt.disaggregation.transfer import PoolLayout
+from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+TP = 2
+
+
+def rank_pools(rank: int, fill: bool):
+    """One rank's pools at TP 2: its KV head (one of two) and its half of the recurrent heads."""
+    kv = MHATokenToKVPool(64, 1, torch.float32, head_num=1, head_dim=4, layer_ids=[0, 3])
+    params = Mamba2CacheParams(
+        shape=Mamba2StateShape(conv=(6, 3), temporal=(1, 4, 4), conv_kernel=4),
+        dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32),
+        layers=(1, 2),
+    )
+    mp = MambaPool(8, params)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for buf in kv.k_buffer + kv.v_buffer + [mp.conv_state, mp.ssm_state]:
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype) if fill else torch.zeros_like(buf))
+    return kv, mp
+
+
+def rows(kv, mp, tokens, slot):
+    out = [torch.cat([b[t] for t in tokens]) for b in kv.k_buffer + kv.v_buffer]
+    return out + [mp.conv_state[:, slot].clone(), mp.ssm_state[:, slot].clone()]
+
+
+def test_each_prefill_rank_writes_its_shard_into_the_same_decode_rank_only():
+    prefill = [rank_pools(r, fill=True) for r in range(TP)]
+    decode = [rank_pools(r, fill=False) for r in range(TP)]
+    layouts = [PoolLayout.of(*p) for p in prefill]
+    targets = [{"session": f"decode-rank-{r}", "layout": PoolLayout.of(*d).to_dict()}
+               for r, d in enumerate(decode)]  # fmt: skip
+    src_tokens, dst_tokens, src_slot, dst_slot = [5, 6, 7, 20], [40, 41, 42, 9], 3, 6
+    dst = {"session": "decode-rank-0", "layout": targets[0]["layout"], "kv": dst_tokens, "slot": dst_slot,
+           **destination_ranks(targets)}  # fmt: skip
+    assert check_targets(layouts, dst) is None
+    for r in range(TP):
+        session, descriptors = shard_descriptors(layouts[r], dst, r, src_tokens, src_slot)
+        assert session == f"decode-rank-{r}"
+        before_other = [b.clone() for b in rows(*decode[1 - r], dst_tokens, dst_slot)]
+        for src, to, n in descriptors:
+            ctypes.memmove(to, src, n)
+        got, want = rows(*decode[r], dst_tokens, dst_slot), rows(*prefill[r], src_tokens, src_slot)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        for got, want in zip(rows(*decode[1 - r], dst_tokens, dst_slot), before_other, strict=True):
+            assert torch.equal(got, want)  # (rank r's write touched no other rank's pools)
+    # The two ranks' shards differ, so a swap would have been caught.
+    first, second = rows(*decode[0], dst_tokens, dst_slot), rows(*decode[1], dst_tokens, dst_slot)
+    assert not torch.equal(first[0], second[0])
+
+
+def test_another_tp_size_or_layout_is_refused_naming_it():
+    prefill = [PoolLayout.of(*rank_pools(r, fill=False)) for r in range(TP)]
+    one = {"session": "s", "layout": prefill[0].to_dict(), "kv": [1], "slot": 0}
+    problem = check_targets(prefill, one)
+    assert problem == (
+        "the decode server runs --tp-size 1 and this prefill server --tp-size 2; prefill/decode "
+        "disaggregation needs the same --tp-size on both servers"
+    )
+    assert "--tp-size 2 and this prefill server --tp-size 1" in check_targets(
+        prefill[:1], {**one, **destination_ranks([{"session": "a", "layout": prefill[0].to_dict()}] * 2)}
+    )
+    other = {**prefill[1].to_dict(), "kv_dtype": "torch.bfloat16"}
+    targets = [{"session": "a", "layout": prefill[0].to_dict()}, {"session": "b", "layout": other}]
+    problem = check_targets(prefill, {**one, **destination_ranks(targets)})
+    assert problem.endswith("--kv-cache-dtype) (TP rank 1)"), problem
+
+
+def test_a_malformed_rank_entry_is_refused():
+    layout = PoolLayout([], [], 0, [], [], []).to_dict()
+    base = {"notify": "tcp://x:1", "session": "s", "layout": layout, "kv": [1], "slot": 0}
+    assert _malformed_dst({**base, "ranks": [{"session": "a", "layout": layout}] * 2}, 100) is None
+    assert _malformed_dst({**base, "ranks": [{"session": 1, "layout": layout}]}, 100) is not None
+    bad_layout = [{"session": "a", "layout": {"kv_ptrs": "x"}}]
+    assert _malformed_dst({**base, "ranks": bad_layout}, 100) is not None
+    assert _malformed_dst({**base, "ranks": []}, 100) is not None
+    assert _malformed_dst({**base, "ranks": "ab"}, 100) is not None
+
+
+class _Gathered(PdRanks):
+    """Two ranks whose all-gather returns what each gave (as gloo would)."""
+
+    def __init__(self, everyone):
+        super().__init__(len(everyone), 0)
+        self.everyone = everyone
+
+    def all_gather(self, value):
+        return [value, *self.everyone[1:]]
+
+
+def test_a_transfer_ends_when_every_rank_has_ended_with_the_first_failure():
+    rank1 = (None, {"a": (None, 100, 0.5, None), "b": ("Mooncake write failed (code -1)", 0, 0.1, None)})
+    ranks = _Gathered([None, rank1])
+    first = (["msg"], 12.5)
+    mine = {"a": (None, 100, 0.2, None), "b": (None, 80, 0.3, None), "c": (None, 10, 0.1, None)}
+    got_first, ended = ranks.exchange(first, mine)
+    assert got_first == first
+    assert ended == {  # "c": rank 1's write still runs
+        "a": (None, 200, 0.5, None),
+        "b": ("Mooncake write failed (code -1) (on TP rank 1)", 80, 0.3, None),
+    }
+    # One rank: its own outcome as it is.
+    single = PdRanks()
+    assert single.exchange(first, mine) == (first, mine)
+
+
+
+def test_the_staged_path_is_refused_above_one_rank_in_one_sentence():
+    import pytest
+
+    from sglang.srt.server_args import ServerArgsError
+
+    PdRanks(2, 0).check_transfer_path(False, "prefill")  # host pools: each rank moves its own shard
+    PdRanks().check_transfer_path(True, "decode")  # one rank: staged
+    with pytest.raises(ServerArgsError) as e:
+        PdRanks(2, 1).check_transfer_path(True, "decode")
+    message = str(e.value)
+    assert message.startswith("--disaggregation-mode decode with --tp-size 2: KV and state staged"), message
+    assert message.endswith("run with --tp-size 1 only.") and ". " not in message
