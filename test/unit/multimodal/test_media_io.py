@@ -160,7 +160,7 @@ def test_a_requests_urls_share_one_byte_budget(origin):
     budget = ByteBudget(len(PNG) + 10)
     start = time.monotonic()
     assert fetch_url(base + "/png", "image_data[0]", "image_data", LOCAL, start + 1, budget) == PNG
-    with pytest.raises(RequestError, match="send more than .* bytes together"):
+    with pytest.raises(RequestError, match="files and URLs hold over"):
         fetch_url(base + "/png", "image_data[1]", "image_data", LOCAL, start + 1, budget)
 
 
@@ -244,6 +244,17 @@ def test_local_files_follow_the_caller(tmp_path):
     assert read(closed, [b64, "data:image/png;base64," + b64], trusted=False) == [PNG, PNG]
     os.mkfifo(allowed / "fifo")
     assert "neither an existing file" in refusal(closed, str(allowed / "fifo"), trusted=True)
+
+
+def test_an_http_clients_files_count_against_the_requests_bytes(tmp_path, monkeypatch):
+    from sglang.srt.multimodal import media_fetch
+
+    monkeypatch.setattr(media_fetch, "MAX_BYTES_PER_REQUEST", 2 * len(PNG) + 1)
+    (tmp_path / "in.png").write_bytes(PNG)
+    reader = MediaReader(MediaPolicy(allowed_local_media_path=os.path.realpath(tmp_path)))
+    three = [str(tmp_path / "in.png")] * 3
+    assert "files and URLs hold over" in refusal(reader, three, trusted=False)
+    assert read(reader, three, trusted=True) == [PNG] * 3  # Engine.generate's files are its own business
 
 
 def test_item_count_is_checked_before_any_item_is_read(origin):

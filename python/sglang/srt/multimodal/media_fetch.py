@@ -29,17 +29,18 @@ from sglang.srt.server_args_media import normalize_host
 
 REDIRECTS = (301, 302, 303, 307, 308)
 READ_BYTES = 64 << 10
-# The most bytes all of one request's URLs may send together: without it, 32 images of 64 MiB each
-# (the defaults) would let one request hold 2 GiB. 256 MiB: 32 images of 8 MiB, four of the largest.
+# The most bytes all of one request's URLs (and an HTTP client's files) may hold together: without it,
+# 32 images of 64 MiB each (the defaults) would let one request hold 2 GiB; nor would a video's list of
+# frames, read before its frame count is checked, be bounded. 256 MiB: 32 images of 8 MiB.
 MAX_BYTES_PER_REQUEST = 256 << 20
 
 
 class ByteBudget:
-    """The bytes one request's fetches may still receive (shared by its fetch threads)."""
+    """The bytes one request's reads may still take (shared by its reading threads)."""
 
-    def __init__(self, limit: int = MAX_BYTES_PER_REQUEST):
-        self.left = limit
-        self.limit = limit
+    def __init__(self, limit: int | None = None):
+        self.limit = MAX_BYTES_PER_REQUEST if limit is None else limit
+        self.left = self.limit
         self._lock = threading.Lock()
 
     def take(self, n: int) -> bool:
@@ -206,7 +207,7 @@ def _get(parts, host, port, address, where, param, policy, deadline, budget):
                 raise _too_big(where, param, limit)
             if not budget.take(len(piece)):
                 raise RequestError(
-                    f"{where}: the request's URLs send more than {budget.limit} bytes together.", param
+                    f"{where}: the request's files and URLs hold over {budget.limit} bytes.", param
                 )
         if time.monotonic() >= deadline:  # the cut may end a read as a clean end of the body
             raise _timeout(where, param, policy)

@@ -101,7 +101,11 @@ class MediaReader:
                 return await loop.run_in_executor(
                     self._fetch_threads, fetch_url, item, where, param, fetch, deadline, budget
                 )
-            return await loop.run_in_executor(None, _read_or_error, item, where, param, self.policy, trusted)
+            # An HTTP client's files count against the request's bytes as its URLs do.
+            files_budget = None if trusted else budget
+            return await loop.run_in_executor(
+                None, _read_or_error, item, where, param, self.policy, trusted, files_budget
+            )
 
         async def walk(node: Any, where: str, depth: int) -> Any:
             # Lists nest three deep at most: a batch's prompts, a prompt's items, a video's frames.
@@ -140,16 +144,21 @@ async def _gather(coros) -> list[Any]:
     return [t.result() for t in tasks]
 
 
-def _read_or_error(item: Any, where: str, param: str, policy: MediaPolicy, trusted: bool) -> Any:
+def _read_or_error(
+    item: Any, where: str, param: str, policy: MediaPolicy, trusted: bool, budget: ByteBudget | None
+) -> Any:
     try:
-        return read_local(item, where, param, policy, trusted)
+        return read_local(item, where, param, policy, trusted, budget)
     except RequestError as e:
         return e
 
 
-def read_local(item: Any, where: str, param: str, policy: MediaPolicy, trusted: bool) -> bytes:
+def read_local(
+    item: Any, where: str, param: str, policy: MediaPolicy, trusted: bool, budget: ByteBudget | None = None
+) -> bytes:
     """The bytes of a file path, `file://` URI, base64 string or base64 data URI (not a URL); an item
-    `MediaReader.read` could not read is its RequestError, raised here."""
+    `MediaReader.read` could not read is its RequestError, raised here. A file read is charged to
+    `budget` (the request's bytes) when one is given."""
     if isinstance(item, RequestError):
         raise item
     if not isinstance(item, str) or not item:
@@ -161,11 +170,11 @@ def read_local(item: Any, where: str, param: str, policy: MediaPolicy, trusted: 
         return _b64(payload, where, param, "a data URI whose payload is not base64")
     if item.startswith("file://"):
         path = urllib.parse.unquote(urllib.parse.urlsplit(item).path)
-        data = _allowed_file(path, where, param, policy, trusted)
+        data = _allowed_file(path, where, param, policy, trusted, budget)
         if data is None:
             raise RequestError(_not_readable(where, policy, trusted), param)
         return data
-    data = _allowed_file(item, where, param, policy, trusted)
+    data = _allowed_file(item, where, param, policy, trusted, budget)
     if data is not None:
         return data
     return _b64(item, where, param, None, _not_readable(where, policy, trusted))
@@ -191,7 +200,9 @@ def _not_readable(where: str, policy: MediaPolicy, trusted: bool) -> str:
     return f"{where} is not base64, a data URI, an http(s) URL, nor a file inside --allowed-local-media-path."
 
 
-def _allowed_file(path: str, where: str, param: str, policy: MediaPolicy, trusted: bool) -> bytes | None:
+def _allowed_file(
+    path: str, where: str, param: str, policy: MediaPolicy, trusted: bool, budget: ByteBudget | None
+) -> bytes | None:
     """The file's bytes if this caller may read `path` and it is a regular file; else None."""
     if len(path) > MAX_PATH_CHARS or "\0" in path:
         return None
@@ -214,6 +225,10 @@ def _allowed_file(path: str, where: str, param: str, policy: MediaPolicy, truste
             return None
         if st.st_size > MAX_IMAGE_FILE_BYTES:
             raise RequestError(f"{where} is a file over {MAX_IMAGE_FILE_BYTES} bytes.", param)
+        if budget is not None and not budget.take(st.st_size):
+            raise RequestError(
+                f"{where}: the request's files and URLs hold over {budget.limit} bytes.", param
+            )
         data = f.read(MAX_IMAGE_FILE_BYTES + 1)
     if len(data) > MAX_IMAGE_FILE_BYTES:  # grew since the fstat
         raise RequestError(f"{where} is a file over {MAX_IMAGE_FILE_BYTES} bytes.", param)
