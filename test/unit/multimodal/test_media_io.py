@@ -184,6 +184,41 @@ def test_host_rules(origin):
         assert isinstance(err, RequestError) and words in err.message
 
 
+def test_media_flags_are_checked_at_start(tmp_path):
+    from types import SimpleNamespace
+
+    from sglang.srt.server_args_media import check_media_flags
+
+    def args(**kw):
+        base = dict(
+            allowed_local_media_path=None,
+            limit_mm_data_per_request=None,
+            allowed_media_domains=None,
+            media_url_max_file_size_mb=64,
+        )
+        return SimpleNamespace(**{**base, **kw})
+
+    ok = args(limit_mm_data_per_request={"video": 1}, allowed_media_domains=["B.example", "a.example."])
+    check_media_flags(ok)
+    assert ok.limit_mm_data_per_request == {"image": 32, "video": 1}
+    assert ok.allowed_media_domains == ["a.example", "b.example"]
+    for bad, flag in [
+        (dict(limit_mm_data_per_request={"img": 1}), "--limit-mm-data-per-request"),
+        (dict(limit_mm_data_per_request={"image": -1}), "--limit-mm-data-per-request"),
+        (dict(allowed_local_media_path=str(tmp_path / "missing")), "--allowed-local-media-path"),
+        (dict(media_url_max_file_size_mb=-1), "--media-url-max-file-size-mb"),
+        (dict(allowed_media_domains=["https://a.example"]), "--allowed-media-domains"),
+    ]:
+        with pytest.raises(ServerArgsError, match=flag):
+            check_media_flags(args(**bad))
+
+
+def test_url_fetching_can_be_refused_entirely(origin):
+    _, base = origin
+    reader = MediaReader(MediaPolicy(fetch=None))
+    assert "--disable-media-url-fetch" in refusal(reader, base + "/png", trusted=True)
+
+
 def test_allowlist_flag_is_checked_at_start():
     from sglang.srt.server_args_media import normalize_host
 
