@@ -61,11 +61,12 @@ class GenerateReqInput:
     # `CustomLogitProcessor.to_str()` of the processor to run on this request's logits (one for every
     # prompt, or one per prompt); the server needs --enable-custom-logit-processor.
     custom_logit_processor: str | list[str | None] | None = None
-    # Images (upstream's): one item or a list per prompt, each a file path, base64 or a data URI; the
-    # prompt has one <|vision_start|><|image_pad|><|vision_end|> per image (docs/multimodal.md).
+    # Images (upstream's): one item or a list per prompt, each an http(s) URL, a file path (over HTTP
+    # only inside --allowed-local-media-path), base64 or a data URI; the prompt has one
+    # <|vision_start|><|image_pad|><|vision_end|> per image (docs/multimodal.md).
     image_data: Any = None
-    # Videos (upstream's): one video or a list per prompt, each a video file (base64, data URI) or a
-    # list of frames (each as an image_data item); docs/multimodal.md.
+    # Videos (upstream's): one video or a list per prompt, each a video file (as an image_data item) or
+    # a list of frames (each as an image_data item); docs/multimodal.md.
     video_data: Any = None
 
 
