@@ -1,0 +1,151 @@
+"""Prefill/decode disaggregation with --tp-size 2 on both servers (issue 54): the real `sglang-router` in
+PD mode in front of a prefill server and a decode server of two gloo ranks each (real processes,
+loopback, Mooncake's TCP transfer engine, each rank its own engine and pools), against a single server
+at --tp-size 1, on Qwen3-Next (Gated DeltaNet) and Nemotron-H (Mamba2).
+
+Each prefill rank holds its own KV heads and its own linear-attention heads' state and writes them into
+the decode rank of the same index (`disaggregation/pd_ranks.py`); the decode server's ranks then decode
+on their own heads. Greedy tokens equal the TP-1 server's, logprobs within 1e-4: float32 on both sides;
+TP 2 sums a row-parallel layer's two halves where TP 1 sums the whole row (another order of the same
+float32 additions, ~1e-6 at these sizes: test_tp_engine.py measures it), and the decode side reads its
+prompt KV from another page layout (pd_conversation.LOGPROB_TOL). Both servers sign their PD messages, so
+the decode server's hello reaches only the prefill server's rank 0, whose proof every decode rank learns.
+After every test both servers are idle with nothing held by requests, and their ranks agreed on their
+scheduler states each time they went idle (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE, as in the suite).
+
+    .venv/bin/python -m pytest -q test/registered/disaggregation/test_pd_tp_nightly.py
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.pd_conversation import (
+    assert_same_generation,
+    conversation_turns,
+    generate_body,
+    internal_state,
+    post,
+)
+from sglang.test.router_process import start_pd, stop_all
+from sglang.test.test_utils import ServerProcess
+
+register_cpu_ci(est_time=240, suite="nightly-cpu")
+
+FAIL_PREFIX = "fail-transfer-"
+SECRET = "pd-tp-test-secret"
+TP = ["--tp-size", "2"]
+# (prefill flags, decode flags): Qwen3-Next moves KV across page sizes (16 -> 1); Nemotron-H's prefill
+# server chunks its prompts and keeps extra-buffer checkpoints, its decode server a radix cache of its own.
+PRESETS = {
+    "tiny-qwen3-next": (["--page-size", "16"], ["--page-size", "1"]),
+    "tiny-nemotron-h": (
+        ["--mamba-scheduler-strategy", "extra_buffer", "--chunked-prefill-size", "128"],
+        ["--disaggregation-decode-enable-radix-cache", "--mamba-scheduler-strategy", "no_buffer"],
+    ),
+}
+SIZING = ["--max-running-requests", "8", "--max-total-tokens", "8192", "--max-mamba-cache-size", "48"]
+
+
+@pytest.fixture(scope="module", params=list(PRESETS))
+def pd(request, preset_paths):
+    path = preset_paths[request.param]
+    prefill_args, decode_args = PRESETS[request.param]
+    single = ServerProcess(["--model-path", path, *SIZING])
+    prefill = decode = router = None
+    try:
+        prefill, decode, router, _ = start_pd(
+            path,
+            [*TP, *SIZING, *prefill_args],
+            [*TP, *SIZING, *decode_args],
+            prefill_env={"SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER": FAIL_PREFIX,
+                         "SGLANG_DISAGGREGATION_SECRET": SECRET},  # fmt: skip
+            decode_env={"SGLANG_DISAGGREGATION_SECRET": SECRET},
+        )
+        single.wait_ready()
+        yield {"prefill": prefill, "decode": decode, "router": router, "single": single, "model": path}
+    finally:
+        stop_all(router, decode, prefill, single)
+
+
+@pytest.fixture(autouse=True)
+def nothing_held_afterwards(request):
+    yield
+    if "pd" in request.fixturenames:
+        pd = request.getfixturevalue("pd")
+        for name in ("prefill", "decode"):
+            assert_quiescent(pd[name], name)
+
+
+QUEUE_KEYS = ("rooms", "waiting_for_destination", "transferring", "prealloc_queue", "transfer_queue",
+              "ready", "aborted_holding")  # fmt: skip
+
+
+def assert_quiescent(server: ServerProcess, name: str, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = internal_state(server)
+        queues = {k: v for k, v in (state["disaggregation"] or {}).items() if k in QUEUE_KEYS}
+        held = (
+            state["num_running_reqs"], state["num_waiting_reqs"],
+            state["token_usage"]["held_by_requests"], state["mamba_usage"]["held_by_requests"],
+        )  # fmt: skip
+        if held == (0, 0, 0, 0) and not any(queues.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} server still holds something: {held}, {queues}")
+        time.sleep(0.2)
+
+
+def prompts(n: int, base: int = 0) -> list[list[int]]:
+    # Lengths across page, chunk and kernel-chunk boundaries (16, 64, 128): 5 .. 300 tokens.
+    lengths = [5, 16, 17, 63, 64, 65, 129, 300]
+    return [[(7 * i + 3 * j + base) % 500 + 3 for j in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+def test_tp2_pair_matches_a_tp1_server(pd):
+    before = internal_state(pd["prefill"])["disaggregation"]
+    assert before["tp_size"] == 2
+    for ids in prompts(8):
+        want = post(pd["single"].base_url + "/generate", generate_body(ids)).json()
+        r = post(pd["router"].base_url + "/generate", generate_body(ids))
+        assert r.status_code == 200, r.text
+        assert_same_generation(r.json(), want)
+    after = internal_state(pd["prefill"])["disaggregation"]
+    tokens = after["kv_tokens"] - before["kv_tokens"]
+    assert after["transfers"] - before["transfers"] == 8 and after["failed_transfers"] == 0
+    # Both ranks' shards moved: the sizes are the two ranks' together (each rank half the heads).
+    assert after["bytes"] - before["bytes"] == tokens * after["kv_bytes_per_token"] + 8 * after["state_bytes"]
+    decode = internal_state(pd["decode"])["disaggregation"]
+    assert decode["transfers"] >= 8 and decode["failed_transfers"] == 0
+
+
+def test_concurrent_requests_match_a_tp1_server(pd):
+    bodies = [generate_body(ids, max_new_tokens=10) for ids in prompts(6, base=17)]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda b: post(pd["router"].base_url + "/generate", b, timeout=180), bodies))
+    for body, r in zip(bodies, got, strict=True):
+        assert r.status_code == 200, r.text
+        assert_same_generation(r.json(), post(pd["single"].base_url + "/generate", body).json())
+
+
+def test_a_conversation_moves_what_the_decode_side_lacks(pd):
+    """Each turn's answer equals the prefill server's own (asked without bootstrap fields); with the
+    decode radix cache (Nemotron-H) a later turn moves only the KV past what the decode ranks hold."""
+    base = prompts(1, base=23)[0] + list(range(3, 90))
+    moved = conversation_turns(pd, base, [[7, 8, 9], [10, 11, 12, 13]])
+    if "nemotron" in pd["model"]:
+        assert moved[1] < len(base) and moved[2] < len(base), moved
+
+
+def test_a_failed_transfer_is_an_error_on_every_rank(pd):
+    body = generate_body(prompts(1)[0], rid=FAIL_PREFIX + "1")
+    r = post(pd["router"].base_url + "/generate", body, timeout=120)
+    assert r.status_code >= 500, r.text
+    assert "injected" in r.text and "(on TP rank 0)" in r.text, r.text
+    assert internal_state(pd["prefill"])["disaggregation"]["failed_transfers"] >= 1
+    assert internal_state(pd["decode"])["disaggregation"]["failed_transfers"] >= 1
