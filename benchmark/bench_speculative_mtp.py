@@ -10,6 +10,13 @@ k), the same greedy requests: held-out Python (modules the demo model never trai
 before), plain and NEXTN alternating; `nextn_over_plain` is the median of per-repetition ratios of
 output tokens per second; `accept_length` is NEXTN's tokens committed per request and verify;
 `same_greedy_tokens` whether every request's tokens are the same on both sides. Prints one JSON object.
+
+`--prefix-hit-len L` (a multiple of --mamba-track-interval, which it sets to L) measures instead the MTP
+layer's acceptance after prefix hits that end where the request leaves the cached sequence: each prompt
+B is first served cold, one at a time (caches flushed); then, after a flush, a request A = B[:L] + another
+prompt's tokens runs first, so that B hits L cached tokens whose last position's MTP KV was written with
+A's token at L, not B's (issue 57: the MTP KV at a hit's last position is the earlier request's), and B
+runs again. `accept_length` of both, the hits' cached tokens and whether B's tokens are the same.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ def held_out_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     return [ids[i * step : i * step + length] for i in range(n)]
 
 
-def run(sched: Scheduler, prompts: list[list[int]], out_len: int, tag: str) -> tuple[float, list[list[int]]]:
+def run(
+    sched: Scheduler, prompts: list[list[int]], out_len: int, tag: str, cached: list[int] | None = None
+) -> tuple[float, list[list[int]]]:
     outputs: dict[str, list[int]] = {}
     for k, ids in enumerate(prompts):
         params = SamplingParams.from_dict({"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})
@@ -52,10 +61,39 @@ def run(sched: Scheduler, prompts: list[list[int]], out_len: int, tag: str) -> t
     sched.run_until_idle()
     seconds = time.perf_counter() - start
     for msg in sched.detokenizer_outbox:
-        for rid, ids in zip(msg.rids, msg.output_ids, strict=True):
+        for rid, ids, hit, done in zip(
+            msg.rids, msg.output_ids, msg.cached_tokens, msg.finished_reasons, strict=True
+        ):
             outputs[rid] += ids
+            if cached is not None and done is not None:
+                cached.append(hit)
     sched.detokenizer_outbox.clear()
     return seconds, [outputs[f"{tag}-{k}"] for k in range(len(prompts))]
+
+
+def prefix_hit_acceptance(sched: Scheduler, prompts: list[list[int]], hit_len: int, out_len: int) -> dict:
+    """NEXTN's accept length on prompts served cold and after a hit of `hit_len` tokens whose next token
+    differs (module docstring)."""
+    report, outs = {}, {}
+    for case in ("cold", "stale_hit"):
+        sched.flush_cache()
+        if case == "stale_hit":
+            n = len(prompts)
+            firsts = [b[:hit_len] + prompts[(i + 1) % n][hit_len : hit_len + 32] for i, b in enumerate(prompts)]
+            run(sched, firsts, 1, "first")
+        before, cached = dict(sched.spec.stats), []
+        outs[case] = [run(sched, [b], out_len, f"{case}{i}", cached)[1][0] for i, b in enumerate(prompts)]
+        after = sched.spec.stats
+        report[case] = {
+            "accept_length": round(
+                (after["committed_tokens"] - before["committed_tokens"])
+                / max(after["verify_steps"] - before["verify_steps"], 1),
+                4,
+            ),
+            "cached_tokens": cached,
+        }
+    report["same_greedy_tokens"] = outs["cold"] == outs["stale_hit"]
+    return report
 
 
 def main() -> None:
@@ -66,6 +104,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prefix-hit-len", type=int, default=0, help="measure stale prefix hits instead")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -77,6 +116,13 @@ def main() -> None:
         model_path=args.model_path, disable_overlap_schedule=True, random_seed=0, mamba_track_interval=256,
         max_total_tokens=32768, max_mamba_cache_size=256,
     )  # fmt: skip
+    if args.prefix_hit_len:
+        base["mamba_track_interval"] = args.prefix_hit_len
+        sched = Scheduler(ServerArgs(**base, speculative_algorithm="NEXTN", speculative_num_steps=args.steps))
+        report = {**vars(args), **prefix_hit_acceptance(sched, prompts, args.prefix_hit_len, args.output_len)}
+        print(json.dumps(report, indent=1))
+        sched.shutdown()
+        return
     scheds = {
         "plain": Scheduler(ServerArgs(**base)),
         "nextn": Scheduler(
