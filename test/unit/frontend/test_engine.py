@@ -278,7 +278,11 @@ def test_skip_tokenizer_init_serves_ids_without_text():
         assert e.value.param == "text"
 
 
-def test_engine_refuses_a_transfer_backend_like_the_server():
+def test_engine_refuses_a_transfer_backend_like_the_server(monkeypatch):
+    # NIXL is a test dependency: hide it to see the refusal a machine without it gets.
+    from sglang.srt.disaggregation import nixl_backend
+
+    monkeypatch.setattr(nixl_backend, "nixl_module", lambda: None)
     with pytest.raises(ServerStartupError, match="--disaggregation-transfer-backend nixl: NIXL is not installed here"):
         sglang.Engine(
             scheduler_entry=fake_scheduler.run_scheduler_process,

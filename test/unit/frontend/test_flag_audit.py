@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 import sglang
-from sglang.srt.disaggregation.nixl_backend import nixl_module
 from sglang.srt.entrypoints import process_launcher
 from sglang.srt.entrypoints.process_launcher import (
     ServerStartupError,
@@ -119,25 +118,6 @@ def test_a_flag_without_effect_is_logged_once_with_the_reason(caplog):
     flags = ["--" + name.replace("_", "-") for name in NO_EFFECT]
     assert [m.split(" has no effect: ")[0] for m in messages] == flags
     assert all(m.endswith(".") for m in messages)
-
-
-@pytest.mark.skipif(nixl_module() is not None, reason="NIXL is installed here: the flag is not refused")
-def test_a_refused_transfer_backend_fails_the_command_line_in_one_sentence():
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--disaggregation-mode", "prefill",
-         "--disaggregation-transfer-backend", "nixl"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 1, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [
-        "error: --disaggregation-transfer-backend nixl: NIXL is not installed here (none of its Python "
-        "packages nixl, nixl_cu12, nixl_cu13 imports): pip install 'sglang[nixl]' (nixl-cu12), or use "
-        "--disaggregation-transfer-backend mooncake."
-    ], proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 def test_disaggregation_on_a_gpu_starts_and_other_devices_are_refused_in_one_sentence():

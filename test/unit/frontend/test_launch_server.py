@@ -36,8 +36,8 @@ def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         (["--page-size", "0"], 2, "--page-size must be a positive integer"),
         # upstream's value, no longer argparse's "invalid choice" (issue 60)
         (["--kv-cache-dtype", "mxfp8"], 2, "--kv-cache-dtype mxfp8 is not supported by this server"),
-        (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"], 1,
-         "--disaggregation-transfer-backend nixl: NIXL is not installed here"),
+        (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "ascend"], 1,
+         "--disaggregation-transfer-backend ascend: this server moves KV and state with mooncake or nixl only"),
         (["--tokenizer-path", "/nonexistent/tok"], 2, "--tokenizer-path '/nonexistent/tok' is not a folder"),
         # (extra_buffer: a running slot and its two track slots; extra_buffer_lazy runs in one since issue 61)
         (["--mamba-scheduler-strategy", "extra_buffer", "--max-mamba-cache-size", "2"], 1,

@@ -16,7 +16,6 @@ so that the server and the Engine treat them alike.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -71,8 +70,10 @@ NO_EFFECT_FLAGS = {
 
 def check_flag_support(server_args: Any) -> None:
     """Refuse what this runtime cannot honour: ServerStartupError with one sentence naming the flag."""
+    from sglang.srt.disaggregation import nixl_backend
+
     backend = server_args.disaggregation_transfer_backend
-    if backend == "nixl" and not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")):
+    if backend == "nixl" and nixl_backend.nixl_module() is None:
         raise ServerStartupError(
             "--disaggregation-transfer-backend nixl: NIXL is not installed here (none of its Python packages "
             "nixl, nixl_cu12, nixl_cu13 imports): pip install 'sglang[nixl]' (nixl-cu12), or use "
