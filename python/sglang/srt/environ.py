@@ -106,6 +106,9 @@ class Envs:
     # Paths
     SGLANG_CACHE_DIR = EnvOptStr(None, "Where tiny presets are generated (default ~/.cache/sglang).")
     SGLANG_CPROFILE_DIR = EnvOptStr(None, "Write a cProfile of the scheduler process here (utils/host_profile.py).")
+    SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR = EnvStr(
+        "/tmp/hicache", "The disk tier of --hicache-storage-backend file (mem_cache/disk_tier.py)."
+    )
 
     # Mamba state dtypes (upstream names). --mamba-ssm-dtype writes SGLANG_MAMBA_SSM_DTYPE.
     SGLANG_MAMBA_CONV_DTYPE = EnvOptStr(None, "Conv state dtype; default: the model dtype.")

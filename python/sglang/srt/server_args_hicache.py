@@ -16,7 +16,7 @@ HICACHE_WRITE_POLICIES = ["write_through", "write_back", "write_through_selectiv
 # Upstream's I/O backends; here both copy through `HiCacheController` (plain copies on CPU, a copy stream
 # on CUDA).
 HICACHE_IO_BACKENDS = ["kernel", "direct"]
-# Upstream's storage backends (a third tier beyond host memory); none is built here.
+# Upstream's storage backends (a third tier beyond host memory); only file is built here.
 HICACHE_STORAGE_BACKENDS = ["file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic", "eic"]
 
 
@@ -63,7 +63,8 @@ def add_hicache_cli_args(parser: argparse.ArgumentParser) -> None:
         "--hicache-storage-backend",
         default=None,
         metavar="|".join(HICACHE_STORAGE_BACKENDS),
-        help="Refused: no storage tier beyond host memory is built.",
+        help="file: a third tier on disk under $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR (default /tmp/hicache); "
+        "the others are refused.",
     )
 
 
@@ -78,11 +79,13 @@ def check_hicache_flags(args: ServerArgs) -> None:
         raise ServerArgsError(
             f"--hicache-io-backend must be one of {', '.join(HICACHE_IO_BACKENDS)}, got {args.hicache_io_backend}."
         )
-    if args.hicache_storage_backend is not None:
+    if args.hicache_storage_backend not in (None, "file"):
         raise ServerArgsError(
-            f"--hicache-storage-backend {args.hicache_storage_backend} is not supported by this server: no "
-            "storage tier beyond host memory is built (issue 58); leave it out."
+            f"--hicache-storage-backend {args.hicache_storage_backend} is not supported by this server: only "
+            "file (a disk tier under $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR) is built; use it or leave it out."
         )
+    if args.hicache_storage_backend is not None and not args.enable_hierarchical_cache:
+        raise ServerArgsError("--hicache-storage-backend needs --enable-hierarchical-cache.")
     if args.hicache_size < 0:
         raise ServerArgsError(
             f"--hicache-size must be 0 (use --hicache-ratio) or more, got {args.hicache_size}."

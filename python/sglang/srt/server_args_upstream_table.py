@@ -21,9 +21,10 @@ THEMES: dict[str, str] = {
     "quant": "only block-wise FP8 weights are served (FP8 checkpoints as published, or --quantization fp8 "
     "at load); use --kv-cache-dtype for an FP8 KV cache",
     "lora": "LoRA adapters are not supported; serve a checkpoint with the adapter merged into its weights",
-    "hicache": "only the host-memory tier of the hierarchical cache is built (--enable-hierarchical-cache, "
-    "--hicache-ratio, --hicache-size, --hicache-write-policy: docs/state_management.md); no external "
-    "KV-cache tier or other cache layout, so leave it out",
+    "hicache": "of the hierarchical cache, the host-memory tier and the file storage backend are built "
+    "(--enable-hierarchical-cache, --hicache-ratio, --hicache-size, --hicache-write-policy, "
+    "--hicache-storage-backend file: docs/state_management.md); no external KV-cache tier or other cache "
+    "layout, so leave it out",
     "spec": "speculative decoding here is NGRAM, or EAGLE / NEXTN from the checkpoint's own MTP layers "
     "(one chain of drafts); leave it out",
     "ngram": "this server's NGRAM drafter has no such setting; tune it with "

@@ -106,3 +106,33 @@ def _check_step(sched, tree) -> None:
     tree.check_host_integrity()
     if not sched.in_flight:
         sched.check_integrity()
+
+
+def disk_tier_survives_restart(oracles, preset: str, storage_dir: str) -> dict:
+    """`--hicache-storage-backend file`: server 1 serves turn 1 of a conversation (its checkpoints go to
+    host and disk), then one more request (whose batch runs the disk writes recorded with turn 1) and
+    stops. Server 2, started on the same folder with empty device and host tiers, serves turn 2: the
+    hit comes from disk. Checks the oracle (raises on a mismatch); returns what the caller asserts."""
+    from sglang.srt.environ import envs
+
+    with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(storage_dir):
+        h = hicache_harness(preset, "extra_buffer_lazy", "write_through", hicache_storage_backend="file")
+        try:
+            a = token_ids(200, seed=1)
+            turn1 = a + h.generate(a, max_new_tokens=4).output_ids
+            h.generate(token_ids(30, seed=5), max_new_tokens=1)
+            writes = h.sched.tree_cache.controller.stats["disk_writes"]
+        finally:
+            h.shutdown()
+        h = hicache_harness(preset, "extra_buffer_lazy", "write_through", hicache_storage_backend="file")
+        try:
+            prompt = turn1 + token_ids(20, seed=99)
+            out = h.generate(prompt, max_new_tokens=6)
+            h.sched.check_integrity()
+            err = h.check_oracle(oracles[preset], prompt, out)
+            stats = dict(h.sched.tree_cache.controller.stats)
+            h.flush_and_check_empty()
+        finally:
+            h.shutdown()
+    return {"writes": writes, "reads": stats.get("disk_reads", 0), "cached": out.cached_tokens,
+            "first_turn_len": len(turn1), "oracle_err": err}  # fmt: skip

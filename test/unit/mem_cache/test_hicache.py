@@ -46,7 +46,10 @@ def test_without_the_state_load_the_hit_is_wrong(oracles, monkeypatch):
             ["--enable-hierarchical-cache", "--disable-radix-cache"],
             "^--enable-hierarchical-cache needs the radix",
         ),
-        (["--hicache-storage-backend", "file"], "^--hicache-storage-backend file is not supported"),
+        (
+            ["--hicache-storage-backend", "file"],
+            "^--hicache-storage-backend needs --enable-hierarchical-cache",
+        ),
         (["--hicache-storage-backend", "mooncake"], "^--hicache-storage-backend mooncake is not supported"),
         (["--hicache-write-policy", "write_around"], "^--hicache-write-policy must be one of"),
         (["--hicache-io-backend", "mmap"], "^--hicache-io-backend must be one of"),

@@ -2,14 +2,20 @@
 `--mamba-scheduler-strategy`, every write policy, chunked prefill and larger pages: a conversation
 evicted from the device and hit again from host gives the transformers oracle's logprobs. And a seeded
 random workload under device and host pressure (retractions included) with the host tier's integrity
-after every step and the full walk whenever nothing is in flight."""
+after every step and the full walk whenever nothing is in flight. The `file` storage backend's disk tier
+survives a restart of the server."""
 
 from __future__ import annotations
 
 import pytest
 
+from sglang.srt.mem_cache.disk_tier import FileStorage
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.hicache_checks import evicted_conversation_hits_host, random_pressure_workload
+from sglang.test.hicache_checks import (
+    disk_tier_survives_restart,
+    evicted_conversation_hits_host,
+    random_pressure_workload,
+)
 from sglang.test.scheduler_harness import ORACLE_TOL
 
 register_cpu_ci(est_time=420, suite="nightly-cpu")
@@ -67,3 +73,20 @@ def test_random_workload_under_device_and_host_pressure(preset, strategy, policy
     assert stats.get("backup_states", 0) > 0, stats
     if policy != "write_through_selective":
         assert stats.get("load_states", 0) > 0, stats
+
+
+def test_the_disk_tier_survives_a_restart(oracles, tmp_path):
+    """A second server on the same folder hits the first one's conversation from disk (cached tokens =
+    the whole first turn but its last token) and matches the oracle within 1e-4."""
+    r = disk_tier_survives_restart(oracles, "tiny-qwen3-next", str(tmp_path))
+    assert r["writes"] >= 1 and r["reads"] == 1, r
+    assert r["cached"] == r["first_turn_len"] - 1, r
+    assert r["oracle_err"] <= ORACLE_TOL
+
+
+def test_without_the_disk_read_the_hit_is_wrong(oracles, tmp_path, monkeypatch):
+    """Negative control: the disk entry's tensors are not read into host memory; the second server's hit
+    then loads stale host pages and state, and the logprobs leave the oracle."""
+    monkeypatch.setattr(FileStorage, "read", lambda self, name, start, host_kv, slot: None)
+    with pytest.raises(AssertionError, match="dlogprob"):
+        disk_tier_survives_restart(oracles, "tiny-qwen3-next", str(tmp_path))

@@ -22,6 +22,7 @@ path is written but untested here (no GPU in CI).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ class HiCacheCopies(list):
     """What a batch carries as its `state_copies`: empty for the forward worker itself (the tree cache's
     state copies ride in `state_copies` here and run after the host copies, in `HiCacheController.run`)."""
 
-    def __init__(self, state_copies: list[tuple[int, int]], host_copies: list[HostCopy]):
+    def __init__(self, state_copies: list[tuple[int, int]], host_copies: list):
         super().__init__()
         self.state_copies = state_copies
         self.host_copies = host_copies
@@ -55,7 +56,7 @@ class HiCacheController:
     def __init__(self, host: HostPools, io_backend: str = "kernel"):
         self.host = host
         self.io_backend = io_backend
-        self.recorded: list[HostCopy] = []
+        self.recorded: list[HostCopy | Callable[[], None]] = []
         self.epoch = 0  # batches sealed so far
         self.stats: Counter = Counter()
         device = host.mamba_pool.conv_state.device
@@ -71,6 +72,12 @@ class HiCacheController:
         self.recorded.append(HostCopy(False, device_kv, host_kv, device_slot, host_slot))
         self.stats["load_tokens"] += len(device_kv)
         self.stats["load_states"] += 1
+
+    def record(self, op: Callable[[], None], stat: str) -> None:
+        """Any other operation on the host tier's tensors (the disk tier's writes and reads), run on the
+        forward stream in order with the copies."""
+        self.recorded.append(op)
+        self.stats[stat] += 1
 
     def seal(self, state_copies: list[tuple[int, int]]) -> HiCacheCopies:
         out, self.recorded = HiCacheCopies(state_copies, self.recorded), []
@@ -96,14 +103,18 @@ class HiCacheController:
             src, dst = zip(*copies.state_copies, strict=True)
             self.host.mamba_pool.copy_from(list(src), list(dst))
 
-    def _run(self, ops: list[HostCopy]) -> None:
+    def _run(self, ops: list[HostCopy | Callable[[], None]]) -> None:
         """In recorded order; consecutive copies of one direction run as one gather per tensor, unless
         a destination repeats (a page or slot given up and handed out again in between: the later copy
         must win)."""
         i = 0
         while i < len(ops):
+            if not isinstance(ops[i], HostCopy):
+                ops[i]()
+                i += 1
+                continue
             j, kv_dst, slot_dst = i, set(), set()
-            while j < len(ops) and ops[j].to_host == ops[i].to_host:
+            while j < len(ops) and isinstance(ops[j], HostCopy) and ops[j].to_host == ops[i].to_host:
                 op = ops[j]
                 kv = op.host_kv if op.to_host else op.device_kv
                 slot = op.host_slot if op.to_host else op.device_slot

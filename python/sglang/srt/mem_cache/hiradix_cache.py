@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import logging
 from array import array
+from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.common import alloc_mamba_slot, evict_from_tree_cache
+from sglang.srt.mem_cache.disk_tier import FileStorage
 from sglang.srt.mem_cache.hicache_controller import HiCacheController, HiCacheCopies
 from sglang.srt.mem_cache.host_pool import HostPools
 from sglang.srt.mem_cache.integrity import _partition
@@ -90,7 +92,9 @@ class HiMambaRadixCache(MambaRadixCache):
         ratio: float = 2.0,
         size_gb: int = 0,
         io_backend: str = "kernel",
+        storage: tuple[str, str] | None = None,
     ):
+        """`storage`: (folder, fingerprint) of the `file` backend's disk tier (`disk_tier.py`), if any."""
         assert write_policy in WRITE_POLICIES, write_policy
         self.write_policy = write_policy
         self.host = HostPools(kv_pool, req_to_token_pool.mamba_pool, ratio, size_gb)
@@ -102,6 +106,7 @@ class HiMambaRadixCache(MambaRadixCache):
             mamba_allocator=self.host.slot_allocator,
         )
         self.host_tree = MambaRadixCache(owner, self.host.token_allocator, page_size)
+        self.storage = None if storage is None else FileStorage(storage[0], self.host, storage[1])
         self.stamps: dict[int, int] = {}  # device checkpoint node id -> epoch its checkpoint was set
         self.due: dict[int, TreeNode] = {}  # checkpoints whose backup is due
         self.hits: dict[int, int] = {}  # write_through_selective: hits per checkpoint node
@@ -185,6 +190,12 @@ class HiMambaRadixCache(MambaRadixCache):
         res = host_tree.insert(key, host_kv, host_slot, matched, ns)
         assert not res.mamba_exist
         self.controller.backup(path_values(node)[matched:], new_kv, node.mamba_value, host_slot)
+        if self.storage is not None:
+            name = self.storage.name_of(key, ns)
+            if name not in self.storage.index:
+                self.storage.index[name] = len(key)
+                write = partial(self.storage.write, name, list(key), ns, host_kv, host_slot)
+                self.controller.record(write, "disk_writes")
         return True
 
     def take_pending_state_copies(self) -> HiCacheCopies:
@@ -217,22 +228,54 @@ class HiMambaRadixCache(MambaRadixCache):
                 self.due[node.id] = node
         return res
 
+    def _deepest_checkpoint(self, tree: MambaTree, key: array, ns: str | None) -> tuple[TreeNode | None, int]:
+        path, _ = tree._walk(key, ns)
+        best, depth = None, 0
+        for child, start in path:
+            if child.mamba_value is not None:
+                best, depth = child, start + len(child.key)
+        return best, depth
+
+    def _load_from_disk(self, key: array, ns: str | None) -> None:
+        """A disk entry deeper than anything the host and device trees hold along `key` goes into the host
+        tree (its KV the host lacks and its state read from disk on the forward stream)."""
+        depth, name = self.storage.deepest(key, ns)
+        if depth == 0:
+            return
+        if self._deepest_checkpoint(self.host_tree, key, ns)[1] >= depth:
+            return
+        if self._deepest_checkpoint(self, key, ns)[1] >= depth:
+            return
+        host_tree, page = self.host_tree, self.page_size
+        path, matched = host_tree._walk(key[:depth], ns)
+        end = path[-1][0] if path else host_tree.root
+        host_alloc, slots = self.host.token_allocator, self.host.slot_allocator
+        hold_path(host_tree, end, 1)
+        room = evict_from_tree_cache(host_tree, host_alloc, (depth - matched) // page, slots, 1)
+        hold_path(host_tree, end, -1)
+        if not room:
+            prune_tombstone_leaf(host_tree, end)
+            return
+        new_kv = [
+            p * page + i for p in host_alloc.alloc_pages((depth - matched) // page) for i in range(page)
+        ]
+        host_slot = slots.alloc(1)[0]
+        host_kv = (path_values(end) if end is not host_tree.root else []) + new_kv
+        assert not host_tree.insert(key[:depth], host_kv, host_slot, matched, ns).mamba_exist
+        self.controller.record(partial(self.storage.read, name, matched, new_kv, host_slot), "disk_reads")
+
     def _load_from_host(self, key: list[int], ns: str | None) -> None:
         key = key[: self._page_aligned(len(key))]
+        if self.storage is not None and key:
+            key = key if isinstance(key, array) else array("q", key)
+            self._load_from_disk(key, ns)
         host_tree = self.host_tree
         if not host_tree.root.children:
             return
         key = key if isinstance(key, array) else array("q", key)
-        hpath, _ = host_tree._walk(key, ns)
-        src, depth = None, 0
-        for child, start in hpath:
-            if child.mamba_value is not None:
-                src, depth = child, start + len(child.key)
-        if src is None:
-            return
-        full_path, _ = self._walk(key, ns)
-        if any(n.mamba_value is not None and s + len(n.key) >= depth for n, s in full_path):
-            return  # the device holds a checkpoint as deep already
+        src, depth = self._deepest_checkpoint(host_tree, key, ns)
+        if src is None or self._deepest_checkpoint(self, key, ns)[1] >= depth:
+            return  # nothing on host, or the device holds a checkpoint as deep already
         dpath, dev_matched = self._walk(key[:depth], ns)
         host_tree.inc_lock_ref(src)
         dev_end = dpath[-1][0] if dpath else self.root

@@ -4,6 +4,7 @@ the forward worker's before-batch hook."""
 
 from __future__ import annotations
 
+from sglang.srt.environ import envs
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
@@ -35,9 +36,20 @@ def create_tree_cache(
             ratio=args.hicache_ratio,
             size_gb=args.hicache_size,
             io_backend=args.hicache_io_backend,
+            storage=_file_storage(args),
         )
     except HostPoolSizeError as e:
         raise ServerArgsError(str(e)) from None
+
+
+def _file_storage(args: ServerArgs) -> tuple[str, str] | None:
+    """The `file` backend's folder and what its entries must match (model, page size, dtypes)."""
+    if args.hicache_storage_backend != "file":
+        return None
+    fingerprint = "|".join(
+        map(str, (args.model_path, args.page_size, args.kv_cache_dtype, args.dtype, args.mamba_ssm_dtype))
+    )
+    return envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.get(), fingerprint
 
 
 def attach_tree_cache(tree_cache: BasePrefixCache, worker) -> None:
