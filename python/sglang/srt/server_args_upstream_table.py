@@ -30,8 +30,9 @@ THEMES: dict[str, str] = {
     "ngram": "this server's NGRAM drafter has no such setting; tune it with "
     "--speculative-ngram-min-match-window-size, --speculative-ngram-max-match-window-size, "
     "--speculative-ngram-branch-length and --speculative-ngram-capacity",
-    "mm": "images, video and audio are not supported yet (issue 59 adds Qwen3.5 vision); send text or "
-    "token-id prompts",
+    "mm": "images and video are served on Qwen3.5 vision-language checkpoints with this server's own "
+    "processing, which has no such setting (docs/multimodal.md; audio and separate encoder servers are "
+    "not built); leave it out",
     "hardware": "only NVIDIA CUDA GPUs and the CPU are supported (no AMD ROCm, Ascend NPU, Intel XPU, Apple "
     "MLX or Ray backend); choose between them with --device",
     "kernels": "this server has one kernel implementation per layer type (Triton on CUDA, torch or C++ on "
@@ -130,7 +131,7 @@ REFUSED: dict[str, str] = {
         --speculative-ngram-external-sam-budget= --speculative-ngram-external-corpus-max-tokens=
     """,
     "mm": """
-        --enable-multimodal --mm-attention-backend= --enable-broadcast-mm-inputs-process --enable-prefix-mm-cache
+        --mm-attention-backend= --enable-broadcast-mm-inputs-process --enable-prefix-mm-cache
         --mm-enable-dp-encoder --mm-process-config= --mm-processor-worker-num= --mm-io-worker-num=
         --mm-preprocess-cache-size-mb= --trust-mm-content-hashes --enable-mm-global-cache
         --image-processor-backend=
@@ -263,6 +264,10 @@ _SIZE_ONE = "1 is the only size this kind of parallelism has here"
 _NO_COMM = "it turns off a communication path this server does not have (its ranks use torch.distributed's collectives)"
 
 ACCEPTED: list[Accepted] = [
+    Accepted(
+        "--enable-multimodal",
+        "a checkpoint with a vision tower (Qwen3.5's) takes images and video already (docs/multimodal.md)",
+    ),
     Accepted(
         "--enable-cache-report", "every reply's usage carries prompt_tokens_details.cached_tokens already"
     ),
