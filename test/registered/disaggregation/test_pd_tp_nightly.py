@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation with --tp-size 2 on both servers (issue 54): the real `sglang-router` in
 PD mode in front of a prefill server and a decode server of two gloo ranks each (real processes,
 loopback, Mooncake's TCP transfer engine, each rank its own engine and pools), against a single server
-at --tp-size 1, on Qwen3-Next (Gated DeltaNet) and Nemotron-H (Mamba2).
+at --tp-size 1, on Qwen3-Next (Gated DeltaNet) and Nemotron-H (Mamba2), and on Qwen3-Next through the
+staged path (each rank's host staging buffers, in chunks).
 
 Each prefill rank holds its own KV heads and its own linear-attention heads' state and writes them into
 the decode rank of the same index (`disaggregation/pd_ranks.py`); the decode server's ranks then decode
@@ -34,27 +35,39 @@ from sglang.test.pd_conversation import (
 from sglang.test.router_process import start_pd, stop_all
 from sglang.test.test_utils import ServerProcess
 
-register_cpu_ci(est_time=240, suite="nightly-cpu")
+register_cpu_ci(est_time=360, suite="nightly-cpu")
 
 FAIL_PREFIX = "fail-transfer-"
 SECRET = "pd-tp-test-secret"
 TP = ["--tp-size", "2"]
-# (prefill flags, decode flags): Qwen3-Next moves KV across page sizes (16 -> 1); Nemotron-H's prefill
-# server chunks its prompts and keeps extra-buffer checkpoints, its decode server a radix cache of its own.
-PRESETS = {
-    "tiny-qwen3-next": (["--page-size", "16"], ["--page-size", "1"]),
-    "tiny-nemotron-h": (
+# (preset, prefill flags, decode flags, both servers' environment): Qwen3-Next moves KV across page
+# sizes (16 -> 1); Nemotron-H's prefill server chunks its prompts and keeps extra-buffer checkpoints, its
+# decode server a radix cache of its own; the staged Qwen3-Next pair moves each rank's shard through its
+# host staging buffers in chunks of 10 KiB (a rank's KV is 64 bytes a position and its state ~8.5 KB, so
+# prompts of ~30 positions or more move in two chunks or more, each acknowledged before the next).
+PAIRS = {
+    "qwen3-next": ("tiny-qwen3-next", ["--page-size", "16"], ["--page-size", "1"], {}),
+    "nemotron-h": (
+        "tiny-nemotron-h",
         ["--mamba-scheduler-strategy", "extra_buffer", "--chunked-prefill-size", "128"],
         ["--disaggregation-decode-enable-radix-cache", "--mamba-scheduler-strategy", "no_buffer"],
+        {},
+    ),
+    "qwen3-next-staged": (
+        "tiny-qwen3-next",
+        [],
+        [],
+        {"SGLANG_DISAGGREGATION_STAGING": "1", "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB": "0.01",
+         "SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "0.05"},  # fmt: skip
     ),
 }
 SIZING = ["--max-running-requests", "8", "--max-total-tokens", "8192", "--max-mamba-cache-size", "48"]
 
 
-@pytest.fixture(scope="module", params=list(PRESETS))
+@pytest.fixture(scope="module", params=list(PAIRS))
 def pd(request, preset_paths):
-    path = preset_paths[request.param]
-    prefill_args, decode_args = PRESETS[request.param]
+    preset, prefill_args, decode_args, env = PAIRS[request.param]
+    path = preset_paths[preset]
     single = ServerProcess(["--model-path", path, *SIZING])
     prefill = decode = router = None
     try:
@@ -63,11 +76,12 @@ def pd(request, preset_paths):
             [*TP, *SIZING, *prefill_args],
             [*TP, *SIZING, *decode_args],
             prefill_env={"SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER": FAIL_PREFIX,
-                         "SGLANG_DISAGGREGATION_SECRET": SECRET},  # fmt: skip
-            decode_env={"SGLANG_DISAGGREGATION_SECRET": SECRET},
+                         "SGLANG_DISAGGREGATION_SECRET": SECRET, **env},  # fmt: skip
+            decode_env={"SGLANG_DISAGGREGATION_SECRET": SECRET, **env},
         )
         single.wait_ready()
-        yield {"prefill": prefill, "decode": decode, "router": router, "single": single, "model": path}
+        yield {"prefill": prefill, "decode": decode, "router": router, "single": single, "model": path,
+               "staged": bool(env)}  # fmt: skip
     finally:
         stop_all(router, decode, prefill, single)
 
@@ -82,7 +96,7 @@ def nothing_held_afterwards(request):
 
 
 QUEUE_KEYS = ("rooms", "waiting_for_destination", "transferring", "prealloc_queue", "transfer_queue",
-              "ready", "aborted_holding")  # fmt: skip
+              "ready", "aborted_holding", "staging_ranges")  # fmt: skip
 
 
 def assert_quiescent(server: ServerProcess, name: str, timeout: float = 15) -> None:
@@ -122,6 +136,8 @@ def test_tp2_pair_matches_a_tp1_server(pd):
     assert after["bytes"] - before["bytes"] == tokens * after["kv_bytes_per_token"] + 8 * after["state_bytes"]
     decode = internal_state(pd["decode"])["disaggregation"]
     assert decode["transfers"] >= 8 and decode["failed_transfers"] == 0
+    if pd["staged"]:  # the longer prompts moved in several chunks (each a chunk on both ranks)
+        assert decode["staged_chunks"] > decode["transfers"], decode
 
 
 def test_concurrent_requests_match_a_tp1_server(pd):

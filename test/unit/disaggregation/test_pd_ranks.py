@@ -132,15 +132,14 @@ def test_a_transfer_ends_when_every_rank_has_ended_with_the_first_failure():
 
 
 
-def test_the_staged_path_is_refused_above_one_rank_in_one_sentence():
-    import pytest
 
-    from sglang.srt.server_args import ServerArgsError
-
-    PdRanks(2, 0).check_transfer_path(False, "prefill")  # host pools: each rank moves its own shard
-    PdRanks().check_transfer_path(True, "decode")  # one rank: staged
-    with pytest.raises(ServerArgsError) as e:
-        PdRanks(2, 1).check_transfer_path(True, "decode")
-    message = str(e.value)
-    assert message.startswith("--disaggregation-mode decode with --tp-size 2: KV and state staged"), message
-    assert message.endswith("run with --tp-size 1 only.") and ". " not in message
+def test_staged_destinations_name_each_rank_range_and_chunks_wait_for_every_rank():
+    targets = [{"session": f"s{r}", "layout": {"r": r}, "staging": 1000 * (r + 1)} for r in range(TP)]
+    ranks = destination_ranks(targets, staged=(256, 4096))["ranks"]
+    assert [(e["session"], e["staging"], e["staging_bytes"]) for e in ranks] == [
+        ("s0", 1256, 4096), ("s1", 2256, 4096)
+    ]  # fmt: skip
+    assert "staging" not in destination_ranks(targets)["ranks"][0]
+    assert destination_ranks(targets[:1], staged=(256, 4096)) == {}  # (one rank: the top-level fields)
+    # A chunk is announced once every rank's thread has written it.
+    assert _Gathered([None, {"a": 1, "b": 3}]).written_everywhere({"a": 2, "b": 3}) == {"a": 1, "b": 3}

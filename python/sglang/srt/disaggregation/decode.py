@@ -96,7 +96,6 @@ class DecodeTransferQueue:
         self.ranks = PdRanks.of_server(args)
         # Staged path: a staging buffer of fixed size, a range of at most one chunk per transfer in flight.
         self.layout, self.engine, self.staging = open_transfer_engine(sched, "decode")
-        self.ranks.check_transfer_path(self.staging is not None, "decode")
         # Device pools registered directly are zeroed by tensor ops (no host address to memset).
         self.device_packer = None
         if self.staging is None and args.device != "cpu":
@@ -106,16 +105,15 @@ class DecodeTransferQueue:
         self.staged: dict[str, StagedRange] = {}  # room -> its request's staging range
         self.allowlist = PrefillAllowlist.parse(args.disaggregation_prefill_allowlist)
         # Every rank's session and layout (rank 0 names them all in each destination).
-        mine = {"session": self.engine.session_id, "layout": self.layout.to_dict()}
+        staging = self.staging.address(0) if self.staging is not None else None
+        mine = {"session": self.engine.session_id, "layout": self.layout.to_dict(), "staging": staging}
         self.rank_targets = self.ranks.all_gather(mine)
-        max_message = answer_max_bytes(args.max_logprobs)
         self.channel, self.notify_url = None, ""  # (TP rank 0's only)
         if self.ranks.is_first:
-            self.channel = Channel(args.host, None, secret(), max_message, "decode")
+            self.channel = Channel(args.host, None, secret(), answer_max_bytes(args.max_logprobs), "decode")
             self.notify_url = tcp_url(reachable_host(args.host), self.channel.port)
         self.peers = PeerVerifier(bool(secret()), self._channel_send, self.notify_url)
-        self.added_at: dict[str, float] = {}
-        self.unsent: list[str] = []
+        self.added_at, self.unsent = {}, []
         self.prealloc: list[Req] = []  # waiting for destinations
         # --disaggregation-decode-enable-radix-cache: a prompt's prefix held by this server's tree is not
         # transferred again (the prefill server is told its length with the destination).
@@ -130,10 +128,6 @@ class DecodeTransferQueue:
         self.timeout = envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
         self.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "kv_tokens": 0, "seconds": 0.0,
                       "staged_chunks": 0}  # fmt: skip
-
-    def _clock(self) -> float:
-        """Now, as every rank sees it: rank 0's clock as of the last poll under TP."""
-        return time.monotonic() if self.ranks.tp_size == 1 else self.now
 
     def _channel_send(self, url: str, msg: dict[str, Any]) -> bool:
         """Rank 0 sends; the other ranks' sends are dropped (as if sent)."""
@@ -161,7 +155,7 @@ class DecodeTransferQueue:
             return
         req.fill_ids = list(req.origin_input_ids)
         if self.ranks.tp_size > 1:
-            self.added_at[req.bootstrap.room] = self._clock()
+            self.added_at[req.bootstrap.room] = self.ranks.clock(self.now)
         self.prealloc.append(req)
 
     def defer_release(self, req: Req) -> bool:
@@ -170,7 +164,7 @@ class DecodeTransferQueue:
         key = req.bootstrap.room
         if key in self.transfers and self.transfers[key][0] is req:
             del self.transfers[key]
-            self.zombies[key] = (req, self._clock() + 2 * self.timeout)
+            self.zombies[key] = (req, self.ranks.clock(self.now) + 2 * self.timeout)
             self._send(req, {"type": "cancel", "room": key, "notify": self.notify_url})
             return True
         self.prealloc = [r for r in self.prealloc if r is not req]
@@ -221,6 +215,7 @@ class DecodeTransferQueue:
         did = bool(msgs or unsent)
         for key in unsent:
             self._drop_unsent(key)
+        acks: list[tuple[Req, dict[str, Any]]] = []
         for msg in msgs:
             if msg["type"] == "done":
                 try:
@@ -230,9 +225,13 @@ class DecodeTransferQueue:
                         "Disaggregation: a malformed answer for room %r was dropped (%s).", msg["room"], e
                     )
             elif msg["type"] == "chunk":
-                self._on_chunk(msg)
+                self._on_chunk(msg, acks)
             else:
                 self.peers.mark_proven(msg["url"])
+        if acks:  # (every rank has unpacked its chunk before a prefill rank may write the next)
+            self.ranks.barrier()
+        for req, ack in acks:
+            self._send(req, ack)
         did = self._expire() or did
         did = self._preallocate() or did
         did = self._send_destinations() or did
@@ -329,18 +328,19 @@ class DecodeTransferQueue:
                 "type": "dst", "room": key, "notify": self.notify_url,
                 "session": self.engine.session_id, "layout": self.layout.to_dict(),
                 "prefix": prefix, "kv": req.kv_indices[prefix:], "slot": req.mamba_pool_idx,
-                **destination_ranks(self.rank_targets),
             }  # fmt: skip
+            staged = None
             if key in self.staged:  # the unpack writes every row: its range is what must hold zeros (a
                 # later chunk's unpack may read the one before it: the same request's rows, never another's)
                 entry = self.staged[key]
                 self.staging.buffer[entry.start : entry.start + entry.length].zero_()
                 msg["staging"], msg["staging_bytes"] = self.staging.address(entry.start), entry.length
+                staged = (entry.start, entry.length)
             elif self.device_packer is not None:
                 self.device_packer.clear(req.kv_indices[prefix:], req.mamba_pool_idx)
             else:
                 clear_destination(self.layout, req.kv_indices[prefix:], req.mamba_pool_idx)
-            outgoing.append((req, msg))
+            outgoing.append((req, msg | destination_ranks(self.rank_targets, staged)))
         if outgoing:
             self.ranks.barrier()  # (under TP: every rank's destination is cleared before any is asked)
         for req, msg in outgoing:
@@ -352,7 +352,7 @@ class DecodeTransferQueue:
             if not sent:  # (rank 0 alone knows: every rank releases it at the next poll)
                 self.unsent.append(key)
             self.dst_sent.add(key)
-            self.transfers[key] = (req, self._clock())
+            self.transfers[key] = (req, self.ranks.clock(self.now))
         return bool(outgoing)
 
     def _drop_unsent(self, key: str) -> None:
@@ -420,9 +420,9 @@ class DecodeTransferQueue:
         else:
             self.ready.append(req)
 
-    def _on_chunk(self, msg: dict[str, Any]) -> None:
+    def _on_chunk(self, msg: dict[str, Any], acks: list) -> None:
         """A staged chunk the prefill server wrote into a request's range: unpack it, then acknowledge
-        (the prefill server writes the next one into the same range)."""
+        (into `acks`: the prefill server writes the next one into the same range)."""
         key = str(msg["room"])
         entry = self.staged.get(key)
         if key not in self.transfers or entry is None:
@@ -432,8 +432,8 @@ class DecodeTransferQueue:
             self.sched.abort_with_status([entry.req], f"KV transfer from the prefill server failed: {error}", 500)
             return
         self.stats["staged_chunks"] += 1
-        self.transfers[key] = (entry.req, self._clock())  # the waiting timeout counts from the last chunk
-        self._send(entry.req, {"type": "chunk_ack", "room": key, "chunk": msg["chunk"]})
+        self.transfers[key] = (entry.req, self.ranks.clock(self.now))  # (the waiting timeout restarts)
+        acks.append((entry.req, {"type": "chunk_ack", "room": key, "chunk": msg["chunk"]}))
 
     def _admit_ready(self) -> bool:
         sched = self.sched
@@ -447,7 +447,7 @@ class DecodeTransferQueue:
         return bool(admitted)
 
     def _expire(self) -> bool:
-        now = self._clock()
+        now = self.ranks.clock(self.now)
         did = False
         came = self.added_at.get  # (under TP on rank 0's clock: every rank's own would differ)
         for req in [r for r in self.prealloc if now - came(r.bootstrap.room, r.created_time) > self.timeout]:

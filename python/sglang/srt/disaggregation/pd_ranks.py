@@ -17,19 +17,22 @@ identical on every rank without further messages:
   how (`exchange`'s `ended`), and a room ends, with the first failing rank's error, in the poll where every
   rank has it. Only rank 0 sends; the other ranks' sends are dropped.
 
-The staged path (`staging.py`: chunks acknowledged one by one) runs at one rank only, refused at start
-above (`check_transfer_path`).
+On the staged path (`staging.py`) each rank's transfer thread moves its shard in the same chunks (the
+same positions: every rank's rows of a position weigh alike) through its own staging buffer into decode
+rank i's range (the destination names each rank's range address); prefill rank 0 announces a chunk once
+every rank has written it (`written_everywhere`), the decode ranks all unpack it before rank 0
+acknowledges it, and every prefill rank's thread takes the acknowledgement.
 
 At one rank (`SINGLE`) every collective is the identity, so the PD queues have one code path.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
 from sglang.srt.disaggregation.transfer import Descriptor, PoolLayout, transfer_descriptors
-from sglang.srt.server_args import ServerArgsError
 
 # A transfer's outcome on one rank: (error or None, bytes moved, seconds on the transfer engine, what
 # else its write returned: the staged path's last chunk, at one rank).
@@ -64,6 +67,11 @@ class PdRanks:
     def is_first(self) -> bool:
         return self.tp_rank == 0
 
+    def clock(self, now: float) -> float:
+        """Now, as every rank sees it: this process's clock at one rank, else `now`, rank 0's clock as of
+        the last `exchange` (every rank's own would differ)."""
+        return time.monotonic() if self.tp_size == 1 else now
+
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's `value`, in rank order, on every rank."""
         if self.tp_size == 1:
@@ -91,15 +99,10 @@ class PdRanks:
             outcomes[key] = (error, sum(o[1] for o in mine), max(o[2] for o in mine), mine[0][3])
         return everyone[0][0], outcomes
 
-    def check_transfer_path(self, staged: bool, mode: str) -> None:
-        """ServerArgsError, in one sentence naming --tp-size, for the staged path above one rank (its
-        chunks and their acknowledgements are one rank's)."""
-        if staged and self.tp_size > 1:
-            raise ServerArgsError(
-                f"--disaggregation-mode {mode} with --tp-size {self.tp_size}: KV and state staged through "
-                "host buffers (CUDA pools the transfer engine cannot register, or "
-                "SGLANG_DISAGGREGATION_STAGING=1) run with --tp-size 1 only."
-            )
+    def written_everywhere(self, written: dict[str, int]) -> dict[str, int]:
+        """Staged path: per room, how many chunks every rank has written (the fewest any rank has)."""
+        everyone = self.all_gather(written)
+        return {key: min(w.get(key, 0) for w in everyone) for key in written}
 
     def barrier(self) -> None:
         if self.tp_size > 1:
@@ -147,8 +150,17 @@ def shard_descriptors(
     return target["session"], descriptors
 
 
-def destination_ranks(targets: list[dict[str, Any]]) -> dict[str, Any]:
+def destination_ranks(
+    targets: list[dict[str, Any]], staged: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """What a decode server at --tp-size above 1 adds to a destination: every rank's session and pool
-    layout (`targets`, gathered at start), rank i's at index i; nothing at one rank (the destination's
-    own session and layout are rank 0's)."""
-    return {"ranks": targets} if len(targets) > 1 else {}
+    layout (`targets`, gathered at start), rank i's at index i, and on the staged path (`staged`: the
+    range's start and bytes, the same on every rank) each rank's range address from its buffer's
+    ("staging" in `targets`); nothing at one rank (the destination's own fields are rank 0's)."""
+    if len(targets) <= 1:
+        return {}
+    ranks = [{"session": t["session"], "layout": t["layout"]} for t in targets]
+    if staged is not None:
+        for entry, t in zip(ranks, targets, strict=True):
+            entry["staging"], entry["staging_bytes"] = t["staging"] + staged[0], staged[1]
+    return {"ranks": ranks}

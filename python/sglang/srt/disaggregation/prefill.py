@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.disaggregation.auth import BootstrapIdentity, check_at_start, secret
 from sglang.srt.disaggregation.channel import MAX_ERROR_CHARS, Channel
-from sglang.srt.disaggregation.pd_ranks import SINGLE, Outcome, PdRanks, check_targets, shard_descriptors
+from sglang.srt.disaggregation.pd_ranks import (
+    SINGLE,
+    Outcome,
+    PdRanks,
+    check_targets,
+    rank_targets,
+    shard_descriptors,
+)
 from sglang.srt.disaggregation.staging import ChunkLink
 from sglang.srt.disaggregation.transfer import (
     PoolLayout,
@@ -44,12 +51,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Room:
-    since: float = field(default_factory=time.monotonic)  # (under TP, rank 0's clock: `_clock`)
+    since: float = field(default_factory=time.monotonic)  # (under TP, rank 0's clock: `PdRanks.clock`)
     req: Req | None = None  # prefilled, waiting for its destination or being transferred
     dst: dict[str, Any] | None = None  # the decode server's destination
     future: Future | None = None  # the transfer
     kv_tokens: int = 0  # prompt positions whose KV the transfer moves
     link: ChunkLink | None = None  # a staged transfer's chunks in flight
+    written: list = field(default_factory=list)  # the chunks this rank's thread wrote (staged)
+    announced: int = 0  # of which the decode server was told (once every rank had written them)
 
 
 class PrefillBootstrapQueue:
@@ -66,7 +75,6 @@ class PrefillBootstrapQueue:
         self.ranks = PdRanks.of_server(args)
         # Transfers run one at a time (one worker thread): the staging buffer holds one chunk.
         self.layout, self.engine, self.staging = open_transfer_engine(sched, "prefill")
-        self.ranks.check_transfer_path(self.staging is not None, "prefill")
         # Every rank's layout on every rank, so that each checks a destination alike.
         self.layouts = [PoolLayout.from_dict(d) for d in self.ranks.all_gather(self.layout.to_dict())]
         self.context_len = sched.context_len
@@ -95,10 +103,6 @@ class PrefillBootstrapQueue:
             logger.info("Prefill server: bootstrap on port %d, transfers by %s.", self.channel.port,
                         args.disaggregation_transfer_backend)  # fmt: skip
 
-    def _clock(self) -> float:
-        """Now, as every rank sees it: rank 0's clock as of the last poll under TP."""
-        return time.monotonic() if self.ranks.tp_size == 1 else self.now
-
     def _send(self, url: str, msg: dict[str, Any]) -> None:
         if self.ranks.is_first:
             self.channel.send(url, msg)
@@ -116,7 +120,7 @@ class PrefillBootstrapQueue:
         if key in self.ended:
             self._abort(req, f"the decode server gave room {key} up", 503)
             return
-        room = self.rooms.setdefault(key, _Room(self._clock()))
+        room = self.rooms.setdefault(key, _Room(self.ranks.clock(self.now)))
         if room.req is not None:
             self._abort(req, f"bootstrap_room {key} is already in use on this prefill server", 400)
             return
@@ -148,7 +152,7 @@ class PrefillBootstrapQueue:
             if room.dst is not None:
                 self._notify_failed(room.dst, f"the prefill request ended: {req.finished_reason['message']}")
                 return
-        self._end(key, self._clock(), req.finished_reason["message"])
+        self._end(key, self.ranks.clock(self.now), req.finished_reason["message"])
 
     def busy(self) -> bool:
         return any(r.req is not None for r in self.rooms.values())
@@ -179,6 +183,8 @@ class PrefillBootstrapQueue:
             for key, room in self.rooms.items()
             if room.future is not None and room.future.done()
         }
+        for room in self.rooms.values():  # (the chunks this rank's thread wrote; the last rides with done)
+            room.written += room.link.drain() if room.link is not None else []
         (msgs, self.now, did), ended = self.ranks.exchange(first, ended)
         for msg in msgs:
             did = True
@@ -186,12 +192,15 @@ class PrefillBootstrapQueue:
                 self._on_dst(msg)
             elif msg["type"] == "cancel":
                 self._on_cancel(msg)
-            elif (room := self.rooms.get(str(msg["room"]))) and room.link:  # (staged: one rank only)
+            elif (room := self.rooms.get(str(msg["room"]))) and room.link:  # (every rank's thread)
                 room.link.ack(msg.get("chunk"))
-        for key, room in list(self.rooms.items()):
-            for chunk in room.link.drain() if room.link is not None else ():  # a staged chunk was written
+        staged = {key: len(room.written) for key, room in self.rooms.items() if room.link is not None}
+        for key, count in (self.ranks.written_everywhere(staged) if staged else {}).items():
+            room = self.rooms[key]
+            for chunk in room.written[room.announced : count]:  # written by every rank: announced once
                 did = True
                 self._send(room.dst["notify"], {"type": "chunk", "room": key, "chunk": chunk})
+            room.announced = max(room.announced, count)
         for key, outcome in ended.items():
             did = True
             self._complete(key, self.rooms[key], outcome)
@@ -215,7 +224,7 @@ class PrefillBootstrapQueue:
                 logger.warning("Disaggregation: the destination for room %s was refused: %s.", key, problem)
                 self._notify_failed(msg, problem)
                 return
-        room = self.rooms.setdefault(key, _Room(self._clock()))
+        room = self.rooms.setdefault(key, _Room(self.ranks.clock(self.now)))
         if room.dst is not None:
             self._notify_failed(msg, f"room {key} already has a destination")
             return
@@ -246,7 +255,7 @@ class PrefillBootstrapQueue:
                 room.link.cancel()
             return  # the transfer's own answer frees the decode side
         # A prefilled request of this room that comes later is ended at once.
-        self._end(key, self._clock(), "the decode server gave the request up")
+        self._end(key, self.ranks.clock(self.now), "the decode server gave the request up")
         if room is None:
             return
         del self.rooms[key]
@@ -283,10 +292,11 @@ class PrefillBootstrapQueue:
         room.kv_tokens = n - prefix
         fail_prefix = envs.SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER.get()
         inject = fail_prefix is not None and req.rid.startswith(fail_prefix)
-        if self.staging is not None:  # (one rank: refused at start above one)
+        if self.staging is not None:  # (this rank's range of the decode rank of the same index)
             room.link = ChunkLink()
-            target = (dst["staging"], dst.get("staging_bytes", 0))
-            args = (dst["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, target, room.link, inject)
+            mine = rank_targets(dst)[self.ranks.tp_rank]
+            target = (mine["staging"], mine.get("staging_bytes", 0))
+            args = (mine["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, target, room.link, inject)
             room.future = self.executor.submit(self._transfer_staged, *args)
             return
         # This rank's shard into the decode rank of the same index.
@@ -354,7 +364,7 @@ class PrefillBootstrapQueue:
             processor.release_finished(req)
 
     def _expire(self) -> bool:
-        now = self._clock()
+        now = self.ranks.clock(self.now)
         did = False
         for key, room in list(self.rooms.items()):
             if room.future is None and now - room.since > self.timeout:
@@ -441,6 +451,8 @@ def _malformed_dst(msg: dict[str, Any], context_len: int) -> str | None:
     for target in ranks:
         if not isinstance(target, dict) or not isinstance(target.get("session"), str):
             return "each rank's session must be a string"
+        if not all(is_int(target.get(k, 0)) for k in ("staging", "staging_bytes")):
+            return "each rank's staging must be an address and staging_bytes a size"
         problem = _malformed_layout(target.get("layout"), is_int)
         if problem is not None:
             return problem
