@@ -12,7 +12,7 @@ identical on every rank without further messages:
 - each rank moves its own shard: prefill rank i writes its KV heads and its recurrent heads' state into
   decode rank i's pools, registered with rank i's own transfer engine. The decode server's destination
   carries every rank's transfer-engine session and pool layout (`"ranks"`), and both servers must run the
-  same --tp-size (`tp_size_mismatch`): a rank's heads are the same heads on both sides only then;
+  same --tp-size (`check_targets`): a rank's heads are the same heads on both sides only then;
 - a transfer ends when every prefill rank's write has ended: each poll gathers which of its own ended and
   how (`exchange`'s `ended`), and a room ends, with the first failing rank's error, in the poll where every
   rank has it. Only rank 0 sends; the other ranks' sends are dropped.
@@ -35,7 +35,7 @@ from typing import Any
 from sglang.srt.disaggregation.transfer import Descriptor, PoolLayout, transfer_descriptors
 
 # A transfer's outcome on one rank: (error or None, bytes moved, seconds on the transfer engine, what
-# else its write returned: the staged path's last chunk, at one rank).
+# else its write returned: the staged path's last chunk, the same on every rank).
 Outcome = tuple[str | None, int, float, Any]
 
 
