@@ -6,7 +6,9 @@
 - a destination from a decode server at another --tp-size, or whose rank i has another layout, is
   refused in one sentence naming --tp-size (or the rank);
 - a transfer ends when every rank's write has ended, with the first failing rank's error naming it, the
-  bytes of every rank and the longest rank's seconds; rank 0's messages and clock reach every rank."""
+  bytes of every rank and the longest rank's seconds; rank 0's messages and clock reach every rank;
+- staged: each rank's range address in the destination, a chunk announced once every rank wrote it;
+- decode ranks release a destination rank 0 could not send together, at the next poll."""
 
 from __future__ import annotations
 
@@ -143,3 +145,56 @@ def test_staged_destinations_name_each_rank_range_and_chunks_wait_for_every_rank
     assert destination_ranks(targets[:1], staged=(256, 4096)) == {}  # (one rank: the top-level fields)
     # A chunk is announced once every rank's thread has written it.
     assert _Gathered([None, {"a": 1, "b": 3}]).written_everywhere({"a": 2, "b": 3}) == {"a": 1, "b": 3}
+
+
+class _Lockstep(PdRanks):
+    """Rank `tp_rank` of two whose exchange hands every rank what rank 0 gave (`shared`), as gloo would
+    when the two poll in turn (rank 0 first)."""
+
+    def __init__(self, tp_rank: int, shared: dict):
+        super().__init__(2, tp_rank)
+        self.shared = shared
+
+    def exchange(self, first, ended):
+        if self.is_first:
+            self.shared["first"] = first
+        return self.shared["first"], {}
+
+    def barrier(self):
+        pass
+
+
+def test_decode_ranks_drop_a_destination_rank_0_could_not_send_in_the_same_poll():
+    """Only rank 0 sends; when its send fails (the prefill server takes no messages), every rank releases
+    the request at the next poll, none before (a rank that released alone would reuse its slots)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import BootstrapInfo
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.test.pd_fakes import decode_queue
+
+    shared, queues, aborted = {}, [], [[], []]
+    for rank in range(TP):
+        sched = SimpleNamespace(processed_batch_id=1, num_batches=1, running=[], max_running_requests=4,
+                                abort_with_status=lambda reqs, msg, status, param=None, r=rank:
+                                aborted[r].append((reqs[0].bootstrap.room, msg, status)))  # fmt: skip
+        q = decode_queue(sched)
+        q.ranks, q.added_at, q.unsent = _Lockstep(rank, shared), {}, []
+        q.rank_targets = [{"session": f"s{r}", "layout": {}, "staging": None} for r in range(TP)]
+        q.channel.send = (lambda url, msg: False) if rank == 0 else None  # (rank 1 has no channel to use)
+        q.channel.recv_all = list
+        if rank:
+            q.channel = None
+        r = Req("rid-a", [5, 6, 7])
+        r.bootstrap = BootstrapInfo("127.0.0.1", 8998, "a")
+        r.kv_indices, r.mamba_pool_idx = [10, 11, 12], 3
+        q.reserved.append((r, 1, 0))
+        queues.append(q)
+    for q in queues:
+        assert q._send_destinations()
+        assert "a" in q.transfers  # (rank 1 cannot know yet: the send was rank 0's)
+    assert queues[0].unsent == ["a"] and queues[1].unsent == []
+    for q in queues:
+        q.poll()
+    assert aborted == [[("a", "The prefill server does not take messages.", 503)]] * 2
+    assert all(not q.transfers and "a" not in q.dst_sent for q in queues)
