@@ -16,8 +16,9 @@ Tensor parallelism: every number is one rank's, on its own device: its weights, 
 where --tp-size exceeds the model's key/value heads) and its share of the recurrent heads per slot. Every
 rank sizes alike (a rank's weights differ from another's by the vocabulary's padding at most), but the
 memory a rank finds free may not be alike (on GPUs another process's allocations, or the driver's): so
-the sizes each rank plans are reduced with MIN over its TP group before any pool is allocated
-(`agree_across_ranks`), and every rank schedules from the same pools. Each data-parallel replica is its own
+the budget each rank finds is reduced with MIN over its TP group before the sizes are derived from it
+(`smallest_across_ranks`), so that every rank derives the same sizes or the same refusal, and the sizes
+too before any pool is allocated (`agree_across_ranks`), and every rank schedules from the same pools. Each data-parallel replica is its own
 TP group and sizes its own pools.
 """
 
@@ -150,6 +151,21 @@ def plan_memory(server_args: ServerArgs, device_memory: int, weight_bytes: int |
     return MemoryPlan(device_memory, fraction, weight_bytes, sizes, tp)
 
 
+def smallest_across_ranks(value: int) -> int:
+    """The smallest `value` any rank of this process's TP group has (the identity at one rank and under
+    the planner's stand-in groups)."""
+    import torch.distributed as dist
+
+    from sglang.srt.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1 or group.cpu_group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return int(t.item())
+
+
 def agree_across_ranks(sizes: PoolSizes) -> PoolSizes:
     """The sizes every rank of this process's TP group can hold: each planned number (KV tokens, mamba
     slots, running requests) the smallest any rank planned (one all-reduce MIN over the group's CPU
@@ -196,6 +212,10 @@ def compute_pool_sizes(
         rest, fraction = cache_budget_bytes(
             server_args.device, server_args.mem_fraction_static, weight_bytes, device_memory
         )
+        # Under TP the budget of the rank with the least: every rank then derives the same sizes, and a
+        # refusal below is every rank's (one rank refusing alone would leave the others waiting in the
+        # reduction at the end until --dist-timeout).
+        rest = smallest_across_ranks(rest)
         if rest <= 0:
             raise ServerArgsError(
                 f"--mem-fraction-static {fraction} leaves no memory for the caches after the weights "
