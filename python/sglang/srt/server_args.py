@@ -175,7 +175,7 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
 
     # Media (`server_args_media.py`, docs/multimodal.md): what image_data may make the server read.
     allowed_local_media_path: str | None = None
-    # None: DEFAULT_MAX_IMAGES_PER_REQUEST images (resolved to a dict by `check_media_flags`).
+    # None: server_args_media.DEFAULT_MEDIA_LIMITS (resolved to a dict by `check_media_flags`).
     limit_mm_data_per_request: dict | None = None
     allowed_media_domains: list[str] | None = None
     media_url_max_file_size_mb: int = 64

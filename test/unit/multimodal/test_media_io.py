@@ -329,3 +329,99 @@ def test_a_never_answering_url_holds_one_fetch_thread_until_its_deadline(origin)
     assert all(isinstance(r, RequestError) and "did not answer" in r.message for r in results)
     assert total < DEADLINE_S + SLACK_S
     reader.close()
+
+
+def test_nested_lists_are_refused_and_counted_by_their_items():
+    """A list nested deeper than the field's shape is refused before anything is read (it was counted
+    as one item while all its leaves were read); videos count once each, whatever their frames."""
+    reader = MediaReader(MediaPolicy(limit_per_request={"image": 2, "video": 2}))
+    assert "image_data nests lists deeper" in refusal(reader, [[PNG] * 3], trusted=True)
+    assert "image_data[0] nests lists deeper" in refusal(reader, [[[PNG] * 3]], trusted=True, is_batch=True)
+    videos = asyncio.run(reader.read([[PNG] * 5, PNG], "video_data", False, True))  # frames, a file
+    assert videos == [[PNG] * 5, PNG]
+    with pytest.raises(RequestError, match="video_data nests lists deeper"):
+        asyncio.run(reader.read([[[PNG] * 5]], "video_data", False, True))
+    # Videos have a default limit (2 a prompt) as images do (32).
+    assert MediaPolicy().limit_per_request == {"image": 32, "video": 2}
+    with pytest.raises(RequestError, match="has 3 video items; this server takes at most 2"):
+        asyncio.run(MediaReader(MediaPolicy()).read([PNG] * 3, "video_data", False, True))
+
+
+def test_a_requests_fields_share_one_byte_budget(tmp_path, monkeypatch):
+    from sglang.srt.multimodal import media_fetch
+    from sglang.srt.multimodal.media_io import RequestReads
+
+    monkeypatch.setattr(media_fetch, "MAX_BYTES_PER_REQUEST", 2 * len(PNG) + 1)
+    (tmp_path / "in.png").write_bytes(PNG)
+    reader = MediaReader(MediaPolicy(allowed_local_media_path=os.path.realpath(tmp_path)))
+    two = [str(tmp_path / "in.png")] * 2
+
+    async def both(shared):
+        images = await reader.read(two, "image_data", False, False, shared)
+        return images + await reader.read(two, "video_data", False, False, shared)
+
+    assert asyncio.run(both(None)) == [PNG] * 4  # each field alone is within the budget
+    out = asyncio.run(both(RequestReads()))
+    assert isinstance(out[2], RequestError) and "files and URLs hold over" in out[2].message
+
+
+def test_a_requests_pixels_are_bounded_over_its_images_and_videos():
+    from sglang.srt.multimodal import video
+    from sglang.srt.multimodal.media_io import PixelBudget
+
+    config = video.VideoConfig(16, 2, 2, 64, 1 << 20, (0.5,) * 3, (0.5,) * 3, 2.0, 4, 768)
+    pixels = PixelBudget(8 * 8 * 5)  # five 8x8 frames
+    load_image(PNG, "image_data[0]", pixels)
+    load_image(PNG, "image_data[1]", pixels)
+    video.load_video([PNG] * 3, "video_data[0]", config, pixels)
+    with pytest.raises(RequestError, match="decode to over 320 pixels together"):
+        load_image(PNG, "image_data[2]", pixels)
+
+
+def test_one_request_holds_at_most_its_share_of_the_fetch_threads(origin):
+    """A request of 20 never-answering URLs (under the 32 images a prompt may carry) holds 4 of the 16
+    fetch threads: another request's URL is fetched at once, not after the first one's deadline."""
+    _, base = origin
+    reader = MediaReader(MediaPolicy(fetch=LOCAL))
+
+    async def scenario():
+        stalled = asyncio.create_task(reader.read([base + "/never"] * 20, "image_data", False, False))
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        assert await reader.read(base + "/png", "image_data", False, False) == PNG
+        quick = time.monotonic() - start
+        with pytest.raises(RequestError, match="did not answer"):
+            await stalled
+        return quick
+
+    # 0.5 s: half the 1 s deadline the first request's fetches wait for (without the per-request cap,
+    # the second fetch waits for a thread past that deadline).
+    assert asyncio.run(scenario()) < 0.5
+    reader.close()
+
+
+def test_an_empty_list_in_a_batch_means_no_media():
+    from sglang.srt.multimodal.processor import per_prompt
+
+    assert per_prompt([], 3, True, "image_data") == [None] * 3
+    assert per_prompt([], 1, False, "image_data") == [None]
+
+
+def test_malformed_urls_are_a_request_error():
+    for url in ("http://[::1/x", "http://[zzz]/x", "http://\u2100.com/"):
+        out, _ = fetch(url, FetchPolicy())
+        assert isinstance(out, RequestError) and "the URL is not valid" in out.message, (url, out)
+
+
+def test_ipv6_forms_of_private_ipv4_and_multicast_are_not_public():
+    import ipaddress
+
+    from sglang.srt.multimodal.media_fetch import is_public
+
+    private = ["::7f00:1", "::ffff:127.0.0.1", "64:ff9b::7f00:1", "64:ff9b::a00:1", "2002:7f00:1::", "::1",
+               "224.0.0.1", "ff0e::1", "127.0.0.1", "10.0.0.1"]  # fmt: skip
+    assert [a for a in private if is_public(ipaddress.ip_address(a))] == []
+    for a in ("8.8.8.8", "2001:4860:4860::8888", "64:ff9b::808:808", "::ffff:8.8.8.8"):
+        assert is_public(ipaddress.ip_address(a)), a
+    out, _ = fetch("http://[::7f00:1]:9/", FetchPolicy())  # refused before any connection
+    assert isinstance(out, RequestError) and "non-public address" in out.message

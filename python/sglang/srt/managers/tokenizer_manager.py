@@ -63,7 +63,7 @@ from sglang.srt.managers.tokenizer_communicator_mixin import (
     TokenizerCommunicatorMixin,
 )
 from sglang.srt.managers.tokenizer_output import ReqState
-from sglang.srt.multimodal.media_io import MediaPolicy, MediaReader
+from sglang.srt.multimodal.media_io import MediaPolicy, MediaReader, RequestReads
 from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media, per_prompt
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -215,9 +215,10 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             # Every media item as bytes, within the media flags' bounds, before the processor sees it
             # (the batch's shape first: nothing is read for a request refused anyway).
             num_prompts = max(item.prompt for item in items) + 1
+            shared = RequestReads()  # the request's bytes and fetch slots, over both fields
             for field in ("image_data", "video_data") if p.video_refusal is None else ("image_data",):
                 per_prompt(media[field], num_prompts, prompts.is_batch, field)
-                media[field] = await self.media.read(media[field], field, prompts.is_batch, trusted)
+                media[field] = await self.media.read(media[field], field, prompts.is_batch, trusted, shared)
         await attach_media(p, items, media["image_data"], media["video_data"], self.limits, prompts.is_batch)
         return items, is_list
 

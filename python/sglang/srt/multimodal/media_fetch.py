@@ -7,7 +7,8 @@
   fetch ends as soon as it holds one byte over the limit;
 - at most `max_redirects` redirects, each destination checked as the first URL;
 - SSRF: without --allowed-media-domains, a host is fetched only when every address it resolves to is
-  public (not loopback, private, link-local, CGNAT, multicast or reserved); with it, only the hosts it
+  public (not loopback, private, link-local, CGNAT, multicast or reserved, nor an IPv6 address that
+  embeds such an IPv4 one: mapped, compatible, NAT64, 6to4); with it, only the hosts it
   names, at whatever address. The connection goes to the address checked (a DNS answer that changes
   between the check and the connect is not used), without proxies, and https verifies the certificate
   for the host name.
@@ -103,8 +104,13 @@ def fetch_url(
 
 def _destination(url: str, where: str, param: str, policy: FetchPolicy):
     """The URL's parts, host, port and the checked address to connect to."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        hostname = parts.hostname
+        host = normalize_host(hostname) if hostname else None
+    except ValueError:  # e.g. `http://[::1/x`, `http://[zzz]/`, `http://\u2100.com/` (NFKC has a "/")
+        raise RequestError(f"{where}: the URL is not valid.", param) from None
+    if parts.scheme.lower() not in ("http", "https") or not host:
         raise RequestError(f"{where}: only http(s) URLs with a host are fetched.", param)
     if parts.username is not None or parts.password is not None:
         raise RequestError(f"{where}: a URL with credentials (user@host) is not fetched.", param)
@@ -112,7 +118,6 @@ def _destination(url: str, where: str, param: str, policy: FetchPolicy):
         port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
     except ValueError:
         raise RequestError(f"{where}: the URL's port is not valid.", param) from None
-    host = normalize_host(parts.hostname)
     named = host in policy.allowed_domains
     if policy.allowed_domains and not named:
         raise RequestError(f"{where}: the host {host} is not in --allowed-media-domains.", param)
@@ -123,15 +128,31 @@ def _destination(url: str, where: str, param: str, policy: FetchPolicy):
     addresses = [info[4][0] for info in infos]
     if not named:
         for a in addresses:
-            ip = ipaddress.ip_address(a.split("%")[0])
-            ip = getattr(ip, "ipv4_mapped", None) or ip
-            if not ip.is_global:
+            if not is_public(ipaddress.ip_address(a.split("%")[0])):
                 raise RequestError(
                     f"{where}: the host {host} has a non-public address; this server fetches from such "
                     "hosts only when --allowed-media-domains names them.",
                     param,
                 )
     return parts, host, port, addresses[0]
+
+
+# IPv6 ranges that carry an IPv4 address in their low 32 bits (NAT64, IPv4-compatible) or, for 6to4,
+# in bits 16-48: Python's is_global judges the IPv6 address alone (::7f00:1 is "global").
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_COMPAT = ipaddress.ip_network("::/96")
+
+
+def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether `ip`, and any IPv4 address it embeds (mapped, compatible, NAT64, 6to4), is a public
+    unicast address (multicast is not: Python counts some of it as global)."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = ip.ipv4_mapped or ip.sixtofour
+        if embedded is None and (ip in _NAT64 or ip in _COMPAT):
+            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if embedded is not None and not is_public(embedded):
+            return False
+    return ip.is_global and not ip.is_multicast
 
 
 class _Connection(http.client.HTTPConnection):

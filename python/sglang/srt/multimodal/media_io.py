@@ -29,7 +29,7 @@ from typing import Any
 
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.multimodal.media_fetch import ByteBudget, FetchPolicy, fetch_url, is_url
-from sglang.srt.server_args_media import DEFAULT_MAX_IMAGES_PER_REQUEST
+from sglang.srt.server_args_media import DEFAULT_MEDIA_LIMITS, MODALITY
 
 FIELD = "image_data"
 # The largest image decoded, in pixels (width x height): beyond it the decode alone takes seconds and
@@ -41,8 +41,30 @@ MAX_IMAGE_FILE_BYTES = 64 << 20
 MAX_PATH_CHARS = 4096
 # URL fetches running at once, over all requests; a fetch holds its thread until its deadline at most.
 FETCH_THREADS = 16
-# The modality of each media field, as --limit-mm-data-per-request names them.
-MODALITY = {"image_data": "image", "video_data": "video", "audio_data": "audio"}
+# URL fetches of one request running at once: a request of many never-answering URLs holds at most
+# these of the FETCH_THREADS (several such requests at once still can hold them all: docs/multimodal.md).
+FETCHES_PER_REQUEST = 4
+# The most pixels decoded for one request, over all its prompts' images and video frames: 32 images
+# of MAX_IMAGE_PIXELS, or one video's bound (video.MAX_DECODED_PIXELS).
+MAX_DECODED_PIXELS_PER_REQUEST = 1 << 31
+# How deep each field's lists nest for one prompt: a list of images; a list of videos, each a file or
+# a list of frames. A batch adds one level (one entry per prompt).
+DEPTH = {"image_data": 1, "video_data": 2}
+
+
+class PixelBudget(ByteBudget):
+    """The pixels one request's images and videos may still decode (`take(n)` False once over)."""
+
+    def __init__(self, limit: int | None = None):
+        super().__init__(MAX_DECODED_PIXELS_PER_REQUEST if limit is None else limit)
+
+
+class RequestReads:
+    """What all of one request's reads share: its bytes and its URL fetches running at once."""
+
+    def __init__(self):
+        self.budget = ByteBudget()
+        self.fetches = asyncio.Semaphore(FETCHES_PER_REQUEST)
 
 
 @dataclass(frozen=True)
@@ -53,7 +75,7 @@ class MediaPolicy:
     allowed_local_media_path: str | None = None
     # Most items per prompt of a request, by modality (--limit-mm-data-per-request).
     limit_per_request: dict[str, int] = field(
-        default_factory=lambda: {"image": DEFAULT_MAX_IMAGES_PER_REQUEST}
+        default_factory=lambda: dict(DEFAULT_MEDIA_LIMITS)
     )
     # How URLs are fetched; None: they are refused (--disable-media-url-fetch).
     fetch: FetchPolicy | None = field(default_factory=FetchPolicy)
@@ -77,15 +99,20 @@ class MediaReader:
     def close(self) -> None:
         self._fetch_threads.shutdown(wait=False, cancel_futures=True)
 
-    async def read(self, data: Any, param: str, is_batch: bool, trusted: bool) -> Any:
+    async def read(
+        self, data: Any, param: str, is_batch: bool, trusted: bool, shared: RequestReads | None = None
+    ) -> Any:
         """`data` (one item, a list, or for a batch one entry per prompt) with every item as bytes.
-        RequestError naming `param` for too many items (before any is read) or a URL it may not fetch;
+        `shared`: the request's bytes and fetch slots, shared by the reads of its fields (default: this
+        read's own). RequestError naming `param` for lists nested deeper than the field allows or too
+        many items (before any is read) or a URL it may not fetch;
         a local item it may not read stays as its RequestError, raised where the processor reads it
         (`read_local`), so that the processor's checks of the prompt (its placeholders) come first."""
         self.check_count(data, param, is_batch)
         fetch = self.policy.fetch
         deadline = time.monotonic() + (fetch.timeout_s if fetch is not None else 0.0)
-        budget = ByteBudget()
+        shared = shared or RequestReads()
+        budget = shared.budget
         loop = asyncio.get_running_loop()
 
         async def one(item: Any, where: str) -> Any:
@@ -98,9 +125,10 @@ class MediaReader:
                         "send the image as base64 or a data URI.",
                         param,
                     )
-                return await loop.run_in_executor(
-                    self._fetch_threads, fetch_url, item, where, param, fetch, deadline, budget
-                )
+                async with shared.fetches:
+                    return await loop.run_in_executor(
+                        self._fetch_threads, fetch_url, item, where, param, fetch, deadline, budget
+                    )
             # An HTTP client's files count against the request's bytes as its URLs do.
             files_budget = None if trusted else budget
             return await loop.run_in_executor(
@@ -108,29 +136,40 @@ class MediaReader:
             )
 
         async def walk(node: Any, where: str, depth: int) -> Any:
-            # Lists nest three deep at most: a batch's prompts, a prompt's items, a video's frames.
-            if isinstance(node, list) and depth < 3:
+            # check_count refused lists deeper than the field's shape: a batch's prompts, a prompt's
+            # items, a video's frames.
+            if isinstance(node, list):
                 return list(await _gather(walk(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node)))
             return await one(node, where)
 
         return await walk(data, param, 0)
 
     def check_count(self, data: Any, param: str, is_batch: bool) -> None:
-        """Refuse a prompt with more items than --limit-mm-data-per-request allows."""
+        """Refuse lists nested deeper than the field's shape, and a prompt with more items than
+        --limit-mm-data-per-request allows (a video counts once, whether a file or a list of frames)."""
         modality = MODALITY.get(param, param)
-        limit = self.policy.limit_per_request.get(modality)
-        if limit is None:
-            return
+        depth = DEPTH.get(param, 1)
         entries = data if is_batch and isinstance(data, list) else [data]
         for p, entry in enumerate(entries):
+            which = f"{param}[{p}]" if is_batch else param
+            if _depth(entry) > depth:
+                shape = "a list of items" if depth == 1 else "a list of videos, each a file or a list of frames"
+                raise RequestError(f"{which} nests lists deeper than {shape}.", param)
             n = len(entry) if isinstance(entry, list) else int(entry is not None)
-            if n > limit:
-                which = f"{param}[{p}]" if is_batch else param
+            limit = self.policy.limit_per_request.get(modality)
+            if limit is not None and n > limit:
                 raise RequestError(
-                    f"{which} has {n} {modality} items; this server takes at most {limit} per request "
+                    f"{which} has {n} {modality} items; this server takes at most {limit} per prompt "
                     "(--limit-mm-data-per-request).",
                     param,
                 )
+
+
+def _depth(node: Any) -> int:
+    """How deep lists nest in `node` (0: not a list)."""
+    if not isinstance(node, list):
+        return 0
+    return 1 + max((_depth(v) for v in node), default=0)
 
 
 async def _gather(coros) -> list[Any]:
@@ -235,9 +274,10 @@ def _allowed_file(
     return data
 
 
-def load_image(item: Any, where: str):
+def load_image(item: Any, where: str, pixels: PixelBudget | None = None):
     """A decoded RGB PIL image, or a RequestError naming `where`. `item` is bytes (`MediaReader.read`
-    made it so) or a base64 / data-URI string; a path or URL is not read here."""
+    made it so) or a base64 / data-URI string; a path or URL is not read here. Its pixels are charged
+    to `pixels` (the request's) before it is decoded."""
     from PIL import Image
 
     if is_url(item):  # `MediaReader.read` fetches URLs; one here came past it
@@ -253,8 +293,17 @@ def load_image(item: Any, where: str):
                     f"{where} is {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} this server decodes.",
                     FIELD,
                 )
+            charge(pixels, width * height, where, FIELD)
             return probe.convert("RGB")
     except RequestError:
         raise
     except Exception as e:  # PIL raises many types for corrupt or unknown data
         raise RequestError(f"{where} could not be decoded as an image ({type(e).__name__}).", FIELD) from None
+
+
+def charge(pixels: PixelBudget | None, n: int, where: str, param: str) -> None:
+    """Take `n` decoded pixels from the request's budget; RequestError naming `param` once it is spent."""
+    if pixels is not None and not pixels.take(n):
+        raise RequestError(
+            f"{where}: the request's images and videos decode to over {pixels.limit} pixels together.", param
+        )

@@ -17,7 +17,7 @@ import torch
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.multimodal import video as videos
 from sglang.srt.multimodal.inputs import MultimodalInputs, mrope_positions, pad_value
-from sglang.srt.multimodal.media_io import FIELD, load_image
+from sglang.srt.multimodal.media_io import FIELD, PixelBudget, load_image
 
 
 class ImageInputProcessor:
@@ -73,19 +73,25 @@ class ImageInputProcessor:
         return processor
 
     def process(
-        self, input_ids: list[int], image_data: Any, video_data: Any = None, where: tuple[str, str] = ("", "")
+        self,
+        input_ids: list[int],
+        image_data: Any,
+        video_data: Any = None,
+        where: tuple[str, str] = ("", ""),
+        pixels: PixelBudget | None = None,
     ) -> tuple[list[int], MultimodalInputs]:
         """The prompt with each image's placeholder token expanded to its image tokens (as pad values),
         each video's to its frames (per pair of frames: the timestamp, <|vision_start|>, the tokens,
         <|vision_end|>, as transformers' Qwen3VLProcessor writes it), and the request's
-        `MultimodalInputs`. `where` names the prompt's images and videos in errors."""
+        `MultimodalInputs`. `where` names the prompt's images and videos in errors; their decoded pixels
+        are charged to `pixels` (the request's, over all its prompts)."""
         image_where, video_where = where[0] or FIELD, where[1] or videos.FIELD
         # Each placeholder's expansion: [(ids before, pixels, grid, checkpoint token, ids after)].
         expand: dict[int, list[tuple[list[int], torch.Tensor, list[int], int, list[int]]]] = {}
         if image_data is not None:
             items = image_data if isinstance(image_data, list) else [image_data]
             at = self._placeholders(input_ids, self.image_token_id, len(items), "image", image_where)
-            images = [load_image(item, f"{image_where}[{i}]") for i, item in enumerate(items)]
+            images = [load_image(item, f"{image_where}[{i}]", pixels) for i, item in enumerate(items)]
             try:
                 out = self.image_processor(images=images, return_tensors="pt")
             except ValueError as e:  # e.g. an aspect ratio the processor cannot resize
@@ -100,7 +106,7 @@ class ImageInputProcessor:
             items = video_data if isinstance(video_data, list) else [video_data]
             at = self._placeholders(input_ids, self.video_token_id, len(items), "video", video_where)
             for k, (place, item) in enumerate(zip(at, items, strict=True)):
-                expand[place] = self._video_frames(item, f"{video_where}[{k}]")
+                expand[place] = self._video_frames(item, f"{video_where}[{k}]", pixels)
         ids, pixels, grids, offsets, pads, tokens, prev = [], [], [], [], [], [], 0
         for place in sorted(expand):
             ids += input_ids[prev:place]
@@ -132,12 +138,12 @@ class ImageInputProcessor:
         return at
 
     def _video_frames(
-        self, item: Any, where: str
+        self, item: Any, where: str, pixels: PixelBudget | None
     ) -> list[tuple[list[int], torch.Tensor, list[int], int, list[int]]]:
         """A video's expansion: per pair of frames, its timestamp and frame tokens (a (1, h, w) grid, as
         transformers' get_rope_index splits a video)."""
         assert self.video is not None
-        video = videos.load_video(item, where, self.video)
+        video = videos.load_video(item, where, self.video, pixels)
         patches, (t, h, w) = videos.video_patches(video, self.video)
         stamps = video.timestamps(self.video.temporal_patch_size)
         out = []
@@ -153,8 +159,10 @@ def per_prompt(data: Any, num_prompts: int, is_batch: bool, field: str) -> list[
     list of its items; for a batch, one item (every prompt gets it) or a list with one entry per prompt,
     each what one prompt takes (a list of its items, one item) or None / [] (none). A video item is a
     video file or a list of frames, so one prompt's single video of frames is `[[frame, ...]]`."""
+    if data is None or data == []:
+        return [None] * (num_prompts if is_batch else 1)
     if not is_batch:
-        return [None if data == [] else data]
+        return [data]
     if not isinstance(data, list):
         return [data] * num_prompts
     if len(data) != num_prompts:
@@ -204,11 +212,12 @@ async def attach_media(
 
     def run() -> dict[int, tuple[list[int], MultimodalInputs]]:
         where = lambda p: (f"{FIELD}[{p}]", f"{videos.FIELD}[{p}]") if is_batch else ("", "")  # noqa: E731
-        return {p: processor.process(ids, im, vid, where(p)) for p, ids, im, vid in todo}
+        pixels = PixelBudget()  # one for the request: its prompts' images and videos together
+        return {p: processor.process(ids, im, vid, where(p), pixels) for p, ids, im, vid in todo}
 
     done = await asyncio.get_running_loop().run_in_executor(None, run)
-    for ids, _ in done.values():
-        check_input_len(len(ids), limits, given[0])
+    for p, _, _, vid in todo:  # the field named: the prompt's videos if it has any (the larger part)
+        check_input_len(len(done[p][0]), limits, FIELD if vid is None else videos.FIELD)
     for item in items:
         if item.prompt in done:
             item.req.input_ids, item.req.mm_inputs = done[item.prompt]

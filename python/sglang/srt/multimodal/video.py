@@ -11,8 +11,11 @@ frames), rescaled, normalized and cut into patches in the Qwen2-VL layout.
 
 Bounds, each a 400 naming `video_data`: `MAX_VIDEO_FRAMES` frames taken, `MAX_DECODED_PIXELS` pixels
 decoded (a file's frames before sampling, so a long or large video is refused before it is decoded; a
-list's frames, known from its first), `media_io.MAX_IMAGE_PIXELS` a frame. Each frame is resized as it
-is decoded, so the full-size frames are never all held.
+list's frames, known from its first; a file's frames are also charged as they decode, and a frame of
+another size than the stream declared is refused), `media_io.MAX_IMAGE_PIXELS` a frame. Each frame is
+resized as it is decoded, so the full-size frames are never all held. A file is read only as one of the
+self-contained `CONTAINERS`, with no protocol: FFmpeg demuxers that name other files or sockets (concat,
+SDP, HLS, DASH) are refused, with one message whatever they name.
 """
 
 from __future__ import annotations
@@ -114,8 +117,9 @@ def _item_bytes(item: Any, where: str) -> bytes:
         raise _as_video_error(e) from None
 
 
-def load_video(item: Any, where: str, config: VideoConfig) -> Video:
-    """A `video_data` item (a list of frames, or a video file) as frames; RequestError naming `where`."""
+def load_video(item: Any, where: str, config: VideoConfig, pixels: media_io.PixelBudget | None = None) -> Video:
+    """A `video_data` item (a list of frames, or a video file) as frames; RequestError naming `where`.
+    Each frame decoded is charged to `pixels` (the request's images and videos together)."""
     from PIL import Image
 
     if isinstance(item, list):
@@ -124,7 +128,7 @@ def load_video(item: Any, where: str, config: VideoConfig) -> Video:
         if len(item) > MAX_VIDEO_FRAMES:
             raise RequestError(f"{where} has {len(item)} frames, over the {MAX_VIDEO_FRAMES} taken.", FIELD)
         try:
-            first = media_io.load_image(item[0], f"{where}[0]")
+            first = media_io.load_image(item[0], f"{where}[0]", pixels)
             width, height = first.size
             if len(item) * width * height > MAX_DECODED_PIXELS:
                 raise RequestError(
@@ -135,14 +139,14 @@ def load_video(item: Any, where: str, config: VideoConfig) -> Video:
             size = _target_size(len(item), width, height, config, where)
             frames = [first.resize(size, Image.BICUBIC)]  # each frame resized as it comes: a bounded memory
             for i, f in enumerate(item[1:], 1):
-                frame = media_io.load_image(f, f"{where}[{i}]")
+                frame = media_io.load_image(f, f"{where}[{i}]", pixels)
                 if frame.size != (width, height):
                     raise RequestError(f"{where}: the frames of a video must all have one size.", FIELD)
                 frames.append(frame.resize(size, Image.BICUBIC))
         except RequestError as e:
             raise _as_video_error(e) from None
         return Video(frames, list(range(len(frames))), DEFAULT_FPS)
-    return _decode(_item_bytes(item, where), where, config)
+    return _decode(_item_bytes(item, where), where, config, pixels)
 
 
 def _target_size(frames: int, width: int, height: int, config: VideoConfig, where: str) -> tuple[int, int]:
@@ -158,16 +162,31 @@ def _target_size(frames: int, width: int, height: int, config: VideoConfig, wher
     return w, h
 
 
-def _decode(data: bytes, where: str, config: VideoConfig) -> Video:
+# The containers a video file may be (FFmpeg's demuxer names): self-contained formats. Others FFmpeg
+# probes would read more than the bytes given: the concat demuxer opens local files, SDP / HLS / DASH
+# open files and sockets (also refused by the empty protocol whitelist below).
+CONTAINERS = frozenset({"mov", "mp4", "matroska", "webm", "avi"})
+# Every refusal of bytes that do not decode says this, whatever FFmpeg raised: an exception's type
+# could tell whether a file the bytes name exists.
+_UNDECODABLE = "could not be decoded as a video (an mp4, mov, mkv, webm or avi file)"
+
+
+def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.PixelBudget | None) -> Video:
     import av
     from PIL import Image
 
     try:
-        with av.open(io.BytesIO(data)) as container:
+        # No protocol: a demuxer that would open a file or a socket named in the bytes fails instead.
+        with av.open(io.BytesIO(data), options={"protocol_whitelist": "none"}) as container:
+            if not CONTAINERS & set(container.format.name.split(",")):
+                raise RequestError(f"{where} {_UNDECODABLE}.", FIELD)
             if not container.streams.video:
                 raise RequestError(f"{where} has no video stream.", FIELD)
             stream = container.streams.video[0]
+            stream.codec_context.thread_count = 1  # one core a video: a request cannot take them all
             width, height = stream.codec_context.width, stream.codec_context.height
+            if width < 1 or height < 1:
+                raise RequestError(f"{where} declares no frame size.", FIELD)
             if width * height > media_io.MAX_IMAGE_PIXELS:
                 raise RequestError(
                     f"{where} has {width}x{height} frames, over the bound of this server.", FIELD
@@ -184,19 +203,35 @@ def _decode(data: bytes, where: str, config: VideoConfig) -> Video:
                 raise RequestError(f"{where} holds no frame.", FIELD)
             indices = _sample(total, fps, config)
             size = _target_size(len(indices), width, height, config, where)
-            wanted, frames = set(indices), []
+            wanted, frames, decoded = set(indices), [], 0
             container.seek(0)
             for i, frame in enumerate(container.decode(video=0)):
                 if i > indices[-1]:
                     break
+                # The bounds above used the declared size: a stream may change it mid-way (H.264 can),
+                # so each frame is held to it and charged as decoded.
+                if (frame.width, frame.height) != (width, height):
+                    raise RequestError(
+                        f"{where} changes its frame size mid-stream ({width}x{height} to "
+                        f"{frame.width}x{frame.height}); this server takes videos of one frame size.",
+                        FIELD,
+                    )
+                decoded += width * height
+                if decoded > MAX_DECODED_PIXELS:
+                    raise RequestError(
+                        f"{where} decodes to over the {MAX_DECODED_PIXELS} pixels this server decodes from "
+                        "a video.",
+                        FIELD,
+                    )
+                media_io.charge(pixels, width * height, where, FIELD)
                 if i in wanted:  # resized as it comes: the full-size frames are never all held
                     frames.append(
                         Image.fromarray(frame.to_ndarray(format="rgb24")).resize(size, Image.BICUBIC)
                     )
     except RequestError:
         raise
-    except Exception as e:  # PyAV raises its own errors (and ValueError) for data it cannot decode
-        raise RequestError(f"{where} could not be decoded as a video ({type(e).__name__}).", FIELD) from None
+    except Exception:  # PyAV raises its own errors (and ValueError) for data it cannot decode
+        raise RequestError(f"{where} {_UNDECODABLE}.", FIELD) from None
     if len(frames) != len(indices):  # the stream declared more frames than it holds (sized for those)
         indices = indices[: len(frames)]
     if not frames:

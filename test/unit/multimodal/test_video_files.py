@@ -1,0 +1,92 @@
+"""A video file of a request (multimodal/video.py) is decoded only as a self-contained container, and its
+decoded pixels are bounded by the frames it really holds, not by what its header declares:
+- FFmpeg's concat demuxer (text naming local files) and SDP (text naming a socket) are refused at once,
+  with one message whether the named file exists or not (without the fix: the server's file decoded,
+  the refusal naming FileNotFoundError where it is missing, the SDP socket waited on ~20 s);
+- an H.264 stream that changes its frame size mid-stream is refused (without the fix: accepted, its
+  large frames decoded past the bound computed from the first frame's size).
+Test videos are made here with PyAV, a few frames of at most 64x64."""
+
+from __future__ import annotations
+
+import base64
+import fractions
+import io
+import time
+
+import numpy as np
+import pytest
+
+from sglang.srt.managers.request_error import RequestError
+from sglang.srt.multimodal import video
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+CONFIG = video.VideoConfig(16, 2, 2, 64, 1 << 20, (0.5,) * 3, (0.5,) * 3, 2.0, 4, 768)
+# A refusal that opens nothing is milliseconds; 2 s leaves a loaded 2-core CI machine room and is far
+# under the SDP socket's ~20 s wait the fix removes.
+FAST_S = 2.0
+
+
+def h264(width: int, height: int, frames: int, container: str = "h264") -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        s = out.add_stream("libx264", rate=24)
+        s.width, s.height, s.pix_fmt = width, height, "yuv420p"
+        s.options = {"preset": "ultrafast", "tune": "zerolatency"}
+        for i in range(frames):
+            a = np.full((height, width, 3), i * 40 % 255, np.uint8)
+            out.mux(s.encode(av.VideoFrame.from_ndarray(a, format="rgb24")))
+        out.mux(s.encode())
+    return buf.getvalue()
+
+
+def refused(data: bytes) -> tuple[str, float]:
+    start = time.monotonic()
+    with pytest.raises(RequestError) as e:
+        video.load_video(data, "video_data[0]", CONFIG)
+    return e.value.message, time.monotonic() - start
+
+
+def test_a_plain_mp4_and_mkv_decode():
+    for container in ("mp4", "matroska"):
+        v = video.load_video(h264(32, 32, 6, container), "video_data[0]", CONFIG)
+        assert len(v.frames) == 4 and v.frames[0].size == (32, 32), container
+
+
+def test_containers_naming_files_or_sockets_are_refused_alike_and_fast(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "secret.mp4").write_bytes(h264(32, 32, 6, "mp4"))
+    (tmp_path / "dir").mkdir()
+    messages = set()
+    for name in ("secret.mp4", "missing.mp4", "dir"):
+        text = f"ffconcat version 1.0\nfile {name}\n".encode()
+        for item in (text, "data:video/mp4;base64," + base64.b64encode(text).decode()):
+            message, took = refused(item)
+            assert took < FAST_S, (name, took)
+            messages.add(message)
+    # One message whether the file exists, is missing or is a directory: no probe of the server's files.
+    assert len(messages) == 1, messages
+    assert "could not be decoded as a video" in messages.pop()
+    sdp = b"v=0\no=- 0 0 IN IP4 127.0.0.1\ns=x\nc=IN IP4 127.0.0.1\nt=0 0\nm=video 45678 RTP/AVP 96\n"
+    sdp += b"a=rtpmap:96 H264/90000\n"
+    message, took = refused(sdp)
+    assert took < FAST_S and "could not be decoded as a video" in message, (message, took)
+
+
+def test_a_frame_size_change_mid_stream_is_refused():
+    import av
+
+    raw = h264(16, 16, 4) + h264(64, 64, 4)  # two H.264 streams back to back: the size changes at frame 4
+    src = av.open(io.BytesIO(raw))
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as out:  # mkv: no frame count in the header
+        dst = out.add_stream_from_template(src.streams.video[0])
+        for i, p in enumerate(q for q in src.demux(video=0) if q.size):
+            p.stream, p.pts, p.dts, p.time_base = dst, i, i, fractions.Fraction(1, 24)
+            out.mux(p)
+    message, _ = refused(buf.getvalue())
+    assert "changes its frame size mid-stream (16x16 to 64x64)" in message, message
