@@ -4,7 +4,8 @@ decoded pixels are bounded by the frames it really holds, not by what its header
   with one message whether the named file exists or not (without the fix: the server's file decoded,
   the refusal naming FileNotFoundError where it is missing, the SDP socket waited on ~20 s);
 - an H.264 stream that changes its frame size mid-stream is refused (without the fix: accepted, its
-  large frames decoded past the bound computed from the first frame's size).
+  large frames decoded past the bound computed from the first frame's size);
+- one request's images and video frames share one decoded-pixel budget.
 Test videos are made here with PyAV, a few frames of at most 64x64."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 from sglang.srt.managers.request_error import RequestError
 from sglang.srt.multimodal import video
+from sglang.srt.multimodal.media_io import PixelBudget, load_image
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=3, suite="per-commit-cpu")
@@ -41,6 +43,14 @@ def h264(width: int, height: int, frames: int, container: str = "h264") -> bytes
             a = np.full((height, width, 3), i * 40 % 255, np.uint8)
             out.mux(s.encode(av.VideoFrame.from_ndarray(a, format="rgb24")))
         out.mux(s.encode())
+    return buf.getvalue()
+
+
+def png_bytes() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (10, 200, 30)).save(buf, format="PNG")
     return buf.getvalue()
 
 
@@ -90,3 +100,17 @@ def test_a_frame_size_change_mid_stream_is_refused():
             out.mux(p)
     message, _ = refused(buf.getvalue())
     assert "changes its frame size mid-stream (16x16 to 64x64)" in message, message
+
+
+def test_a_requests_pixels_are_bounded_over_its_images_and_videos():
+    """One budget for a request's images and video frames (each video alone had its own bound)."""
+    png = png_bytes()
+    pixels = PixelBudget(8 * 8 * 5)  # five 8x8 frames
+    load_image(png, "image_data[0]", pixels)
+    load_image(png, "image_data[1]", pixels)
+    video.load_video([png] * 3, "video_data[0]", CONFIG, pixels)
+    with pytest.raises(RequestError, match="decode to over 320 pixels together"):
+        load_image(png, "image_data[2]", pixels)
+    # A file's frames are charged as they decode: 6 frames of 32x32 (4 sampled) against room for 3.
+    with pytest.raises(RequestError, match="decode to over 3072 pixels together"):
+        video.load_video(h264(32, 32, 6, "mp4"), "video_data[0]", CONFIG, PixelBudget(32 * 32 * 3))
