@@ -412,3 +412,26 @@ def test_ipv6_forms_of_private_ipv4_and_multicast_are_not_public():
         assert is_public(ipaddress.ip_address(a)), a
     out, _ = fetch("http://[::7f00:1]:9/", FetchPolicy())  # refused before any connection
     assert isinstance(out, RequestError) and "non-public address" in out.message
+
+
+def test_a_directory_swapped_for_a_link_after_the_check_leads_nowhere(tmp_path, monkeypatch):
+    """O_NOFOLLOW guards only a path's last component: a directory inside the allowed one replaced by a
+    link to outside between the realpath check and the open is caught by where the opened file is."""
+    import pathlib
+
+    from sglang.srt.multimodal import media_io
+
+    real = pathlib.Path(os.path.realpath(tmp_path))  # the check below compares real paths
+    allowed, outside = real / "allowed", real / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(PNG)
+    (allowed / "sub").symlink_to(outside, target_is_directory=True)
+    # The race, made certain: the check sees the path as it was (a real directory inside).
+    monkeypatch.setattr(media_io.os.path, "realpath", lambda p: p)
+    reader = MediaReader(MediaPolicy(allowed_local_media_path=str(allowed)))
+    (allowed / "in.png").write_bytes(PNG)
+    assert read(reader, str(allowed / "in.png"), trusted=False) == PNG  # a file inside still reads
+    assert "nor a file inside --allowed-local-media-path" in refusal(
+        reader, str(allowed / "sub" / "secret.png"), trusted=False
+    )

@@ -251,7 +251,7 @@ def _allowed_file(
         if root is None:
             return None
         path = os.path.realpath(path)
-        if os.path.commonpath([path, root]) != root:
+        if not _inside(path, root):
             return None
         flags |= getattr(os, "O_NOFOLLOW", 0)  # a link swapped in after the realpath is not followed
     try:
@@ -259,6 +259,10 @@ def _allowed_file(
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:
+        # O_NOFOLLOW guards the last component only: a directory above it swapped for a link after the
+        # realpath would lead out of the root. The file opened is where its descriptor says it is.
+        if not trusted and not _inside(_opened_path(fd, path), policy.allowed_local_media_path):
+            return None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # a device or a pipe could never end
             return None
@@ -272,6 +276,18 @@ def _allowed_file(
     if len(data) > MAX_IMAGE_FILE_BYTES:  # grew since the fstat
         raise RequestError(f"{where} is a file over {MAX_IMAGE_FILE_BYTES} bytes.", param)
     return data
+
+
+def _opened_path(fd: int, path: str) -> str:
+    """The real path of the file open as `fd` (Linux's /proc; elsewhere the path resolved again)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+
+
+def _inside(path: str, root: str | None) -> bool:
+    return root is not None and os.path.commonpath([path, root]) == root
 
 
 def load_image(item: Any, where: str, pixels: PixelBudget | None = None):
