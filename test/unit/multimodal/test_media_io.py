@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import os
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +24,7 @@ from sglang.srt.multimodal.media_io import MediaPolicy, MediaReader, load_image
 from sglang.srt.server_args_checks import ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=9, suite="per-commit-cpu")
+register_cpu_ci(est_time=10, suite="per-commit-cpu")
 
 # Every fetch here has this deadline; a fetch that ends long after it (SLACK) is a failure. The slack
 # covers a thread start and a loaded 2-core CI machine; the never-answering server would hold a
@@ -435,3 +436,18 @@ def test_a_directory_swapped_for_a_link_after_the_check_leads_nowhere(tmp_path, 
     assert "nor a file inside --allowed-local-media-path" in refusal(
         reader, str(allowed / "sub" / "secret.png"), trusted=False
     )
+
+
+def test_name_resolution_is_within_the_deadline(monkeypatch):
+    from sglang.srt.multimodal import media_fetch
+
+    real = socket.getaddrinfo
+
+    def slow(*args, **kw):  # a resolver that answers after 3 s (the fetch's deadline is 1 s)
+        time.sleep(3)
+        return real("127.0.0.1", 9, type=socket.SOCK_STREAM)
+
+    monkeypatch.setattr(media_fetch.socket, "getaddrinfo", slow)
+    out, took = fetch("http://slow.example/x", FetchPolicy(timeout_s=DEADLINE_S))
+    assert isinstance(out, RequestError) and "did not answer" in out.message, out
+    assert took < DEADLINE_S + 0.5, took  # 0.5 s: a thread start on a loaded machine; without: 3 s

@@ -1,7 +1,7 @@
 """Fetching an http(s) media URL of a request, within bounds a client cannot stretch:
-- one deadline for the whole fetch (name resolution aside: the system resolver's own timeouts), set
-  when the request arrived and covering the wait for a fetch thread, every redirect, the headers and
-  the body; when it passes, the connection is shut down under the reading thread, whatever the server
+- one deadline for the whole fetch, set when the request's reading started and covering the wait for a
+  fetch thread, name resolution (a resolver slower than the deadline is left running in a thread of its
+  own, until the system resolver's timeouts), every redirect, the headers and the body; when it passes, the connection is shut down under the reading thread, whatever the server
   trickles;
 - a byte limit checked against Content-Length and while streaming: the body is read in pieces and the
   fetch ends as soon as it holds one byte over the limit;
@@ -90,7 +90,7 @@ def fetch_url(
     for _ in range(policy.max_redirects + 1):
         if time.monotonic() >= deadline:
             raise _timeout(where, param, policy)
-        parts, host, port, address = _destination(url, where, param, policy)
+        parts, host, port, address = _destination(url, where, param, policy, deadline)
         status, location, body = _get(parts, host, port, address, where, param, policy, deadline, budget)
         if status == 200:
             return body
@@ -102,7 +102,7 @@ def fetch_url(
     raise RequestError(f"{where}: the URL redirected more than {policy.max_redirects} times.", param)
 
 
-def _destination(url: str, where: str, param: str, policy: FetchPolicy):
+def _destination(url: str, where: str, param: str, policy: FetchPolicy, deadline: float):
     """The URL's parts, host, port and the checked address to connect to."""
     try:
         parts = urllib.parse.urlsplit(url)
@@ -121,11 +121,7 @@ def _destination(url: str, where: str, param: str, policy: FetchPolicy):
     named = host in policy.allowed_domains
     if policy.allowed_domains and not named:
         raise RequestError(f"{where}: the host {host} is not in --allowed-media-domains.", param)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        raise RequestError(f"{where}: the host {host} could not be resolved.", param) from None
-    addresses = [info[4][0] for info in infos]
+    addresses = [info[4][0] for info in _resolve(host, port, where, param, policy, deadline)]
     if not named:
         for a in addresses:
             if not is_public(ipaddress.ip_address(a.split("%")[0])):
@@ -153,6 +149,27 @@ def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         if embedded is not None and not is_public(embedded):
             return False
     return ip.is_global and not ip.is_multicast
+
+
+def _resolve(host: str, port: int, where: str, param: str, policy: FetchPolicy, deadline: float) -> list:
+    """getaddrinfo within the fetch's deadline: it runs in a thread of its own, left to the system
+    resolver's timeouts if the deadline passes first (the fetch thread is free at the deadline)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            out["infos"] = None
+
+    thread = threading.Thread(target=run, name="media-resolve", daemon=True)
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), 0.0))
+    if "infos" not in out:
+        raise _timeout(where, param, policy)
+    if not out["infos"]:
+        raise RequestError(f"{where}: the host {host} could not be resolved.", param)
+    return out["infos"]
 
 
 class _Connection(http.client.HTTPConnection):
