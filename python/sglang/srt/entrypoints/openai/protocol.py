@@ -258,7 +258,8 @@ class ContentPart(_Request):
     type: Literal["text", "image_url", "video_url"]
     text: str | None = None
     image_url: ImageUrl | None = None
-    video_url: ImageUrl | None = None  # {"url": a video file as base64 / data URI}: a video_data item
+    # {"url": a video file as a data URI, base64 or an http(s) URL}: one video_data item
+    video_url: ImageUrl | None = None
 
 
 class FunctionCall(_Request):
