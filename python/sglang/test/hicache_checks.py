@@ -62,7 +62,13 @@ def evicted_conversation_hits_host(oracles, preset: str, strategy: str, policy: 
 
 
 def random_pressure_workload(
-    oracles, preset: str, strategy: str, policy: str, seed: int, requests: int = 24, **kw: Any
+    oracles,
+    preset: str,
+    strategy: str,
+    policy: str,
+    seed: int,
+    requests: int = 24,
+    **kw: Any,
 ) -> dict:
     """Requests drawn from 6 conversations (continuations, repeats, new ones) on pools far smaller than
     the workload, the host tier only twice the device: device and host evictions both run. After every
@@ -98,6 +104,40 @@ def random_pressure_workload(
         stats["cached_tokens"] = sum(h.outputs[rid].cached_tokens for rid, _, _ in jobs)
         h.flush_and_check_empty()
         return stats
+    finally:
+        h.shutdown()
+
+
+def retraction_with_host_hits(oracles, preset: str, strategy: str) -> dict:
+    """Six conversations served one by one (their checkpoints go to host), then their next turns all at
+    once with long outputs on a KV pool of 700 tokens: decode retracts requests that hit from host, and
+    they prefill again (hitting again). Host integrity after every step, the full walk at the end, and
+    every request matches the oracle."""
+    h = hicache_harness(preset, strategy, "write_through", max_total_tokens=700, max_running_requests=6,
+                        max_mamba_cache_size=16)  # fmt: skip
+    sched, tree = h.sched, h.sched.tree_cache
+    try:
+        convs = []
+        for c in range(6):
+            a = token_ids(150, seed=300 + c)
+            convs.append(a + h.generate(a, max_new_tokens=1).output_ids)
+        jobs = []
+        for c, conv in enumerate(convs):
+            prompt = conv + token_ids(10, seed=400 + c)
+            jobs.append((h.submit(prompt, max_new_tokens=60), prompt))
+        while sched.step():
+            _check_step(sched, tree)
+        h.collect()
+        sched.check_integrity()
+        for rid, prompt in jobs:
+            h.check_oracle(oracles[preset], prompt, h.outputs[rid])
+        out = {
+            "retractions": sched.counters["num_retractions_total"],
+            "loads": tree.controller.stats["load_states"],
+            "cached": sum(h.outputs[rid].cached_tokens for rid, _ in jobs),
+        }
+        h.flush_and_check_empty()
+        return out
     finally:
         h.shutdown()
 

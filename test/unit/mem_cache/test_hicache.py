@@ -15,7 +15,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.hicache_checks import evicted_conversation_hits_host
 from sglang.test.scheduler_harness import ORACLE_TOL
 
-register_cpu_ci(est_time=20, suite="per-commit-cpu")
+register_cpu_ci(est_time=10, suite="per-commit-cpu")
 
 PRESET = ["--model-path", "tiny-qwen3-next"]
 

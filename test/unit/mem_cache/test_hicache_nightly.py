@@ -15,10 +15,11 @@ from sglang.test.hicache_checks import (
     disk_tier_survives_restart,
     evicted_conversation_hits_host,
     random_pressure_workload,
+    retraction_with_host_hits,
 )
 from sglang.test.scheduler_harness import ORACLE_TOL
 
-register_cpu_ci(est_time=420, suite="nightly-cpu")
+register_cpu_ci(est_time=90, suite="nightly-cpu")
 
 PRESETS = ["tiny-qwen3-next", "tiny-nemotron-h"]
 STRATEGIES = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
@@ -64,8 +65,6 @@ def test_chunked_prefill_and_pages(strategy, kw, oracles):
         ("tiny-qwen3-next", "no_buffer", "write_through_selective", {}),
         ("tiny-nemotron-h", "extra_buffer_lazy", "write_back", dict(chunked_prefill_size=128)),
         ("tiny-nemotron-h", "extra_buffer", "write_through", dict(disable_overlap_schedule=True)),
-        # A KV pool of 640 tokens for 2 running requests of up to ~400: decode retracts.
-        ("tiny-qwen3-next", "extra_buffer_lazy", "write_through", dict(max_total_tokens=640)),
     ],
 )
 def test_random_workload_under_device_and_host_pressure(preset, strategy, policy, kw, oracles):
@@ -90,3 +89,9 @@ def test_without_the_disk_read_the_hit_is_wrong(oracles, tmp_path, monkeypatch):
     monkeypatch.setattr(FileStorage, "read", lambda self, name, start, host_kv, slot: None)
     with pytest.raises(AssertionError, match="dlogprob"):
         disk_tier_survives_restart(oracles, "tiny-qwen3-next", str(tmp_path))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_retracted_requests_that_hit_from_host(strategy, oracles):
+    r = retraction_with_host_hits(oracles, "tiny-qwen3-next", strategy)
+    assert r["retractions"] > 0 and r["loads"] > 0, r
