@@ -95,3 +95,14 @@ def test_without_the_disk_read_the_hit_is_wrong(oracles, tmp_path, monkeypatch):
 def test_retracted_requests_that_hit_from_host(strategy, oracles):
     r = retraction_with_host_hits(oracles, "tiny-qwen3-next", strategy)
     assert r["retractions"] > 0 and r["loads"] > 0, r
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+def test_with_the_forward_stream_on_a_thread(strategy, oracles, monkeypatch):
+    """The copies run on the forward worker's thread (SGLANG_CPU_FORWARD_THREAD), while the scheduler
+    builds the next batch: a host hit and a random workload still match the oracle."""
+    monkeypatch.setenv("SGLANG_CPU_FORWARD_THREAD", "1")
+    r = evicted_conversation_hits_host(oracles, "tiny-qwen3-next", strategy, "write_back")
+    assert r["loaded_states"] == 1 and r["oracle_err"] <= ORACLE_TOL
+    stats = random_pressure_workload(oracles, "tiny-nemotron-h", strategy, "write_through", seed=3)
+    assert stats.get("load_states", 0) > 0, stats
