@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang.srt.disaggregation.decode import default_decode_extra_slots
+from sglang.srt.disaggregation.decode_pool import default_decode_extra_slots
 from sglang.srt.mem_cache.pool_sizing import plan_memory
 from sglang.test.ci_register import register_cpu_ci
 

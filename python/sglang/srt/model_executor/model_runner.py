@@ -28,7 +28,7 @@ from sglang.srt.configs.hybrid_arch import hybrid_arch_config
 from sglang.srt.configs.model_config import load_hf_config
 from sglang.srt.configs.presets import resolve_model_path
 from sglang.srt.constrained.vocab_mask import apply_vocab_mask
-from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool, default_decode_extra_slots
+from sglang.srt.disaggregation.decode_pool import HybridMambaDecodeReqToTokenPool, default_decode_extra_slots
 from sglang.srt.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
