@@ -338,6 +338,10 @@ def test_nested_lists_are_refused_and_counted_by_their_items():
     reader = MediaReader(MediaPolicy(limit_per_request={"image": 2, "video": 2}))
     assert "image_data nests lists deeper" in refusal(reader, [[PNG] * 3], trusted=True)
     assert "image_data[0] nests lists deeper" in refusal(reader, [[[PNG] * 3]], trusted=True, is_batch=True)
+    deep = PNG
+    for _ in range(5000):  # deeper than Python's recursion limit: refused, not a RecursionError
+        deep = [deep]
+    assert "image_data nests lists deeper" in refusal(reader, deep, trusted=True)
     videos = asyncio.run(reader.read([[PNG] * 5, PNG], "video_data", False, True))  # frames, a file
     assert videos == [[PNG] * 5, PNG]
     with pytest.raises(RequestError, match="video_data nests lists deeper"):

@@ -152,7 +152,7 @@ class MediaReader:
         entries = data if is_batch and isinstance(data, list) else [data]
         for p, entry in enumerate(entries):
             which = f"{param}[{p}]" if is_batch else param
-            if _depth(entry) > depth:
+            if _nests_deeper(entry, depth):
                 shape = "a list of items" if depth == 1 else "a list of videos, each a file or a list of frames"
                 raise RequestError(f"{which} nests lists deeper than {shape}.", param)
             n = len(entry) if isinstance(entry, list) else int(entry is not None)
@@ -165,11 +165,11 @@ class MediaReader:
                 )
 
 
-def _depth(node: Any) -> int:
-    """How deep lists nest in `node` (0: not a list)."""
+def _nests_deeper(node: Any, depth: int) -> bool:
+    """Whether lists nest in `node` more than `depth` levels (looked at no deeper than that)."""
     if not isinstance(node, list):
-        return 0
-    return 1 + max((_depth(v) for v in node), default=0)
+        return False
+    return depth == 0 or any(_nests_deeper(v, depth - 1) for v in node)
 
 
 async def _gather(coros) -> list[Any]:
