@@ -35,22 +35,27 @@ def test_greedy_same_as_plain_decoding_with_chunks_and_hits(monkeypatch):
     assert_same(*plain_then_spec(monkeypatch, QWEN, "extra_buffer", prompts, 24))
 
 
-def test_rejection_sampling_follows_the_target_distribution():
+@pytest.mark.parametrize("top_k", [-1, 3])
+def test_rejection_sampling_follows_the_target_distribution(top_k):
     """One drafted position per row, N rows with the same target p and draft q over 6 tokens; the drafts
     drawn from q. The committed token of a row is its draft if kept, else a resample: its frequencies
     must follow p, not q (chi-square, 5 degrees of freedom: 20.5 is the 0.999 quantile, so a correct rule
     fails once in a thousand seeds and this fixed seed passes; committing q's draft unconditionally
-    gives a statistic in the thousands), and the acceptance rate is sum(min(p, q))."""
+    gives a statistic in the thousands), and the acceptance rate is sum(min(p, q)). With top_k = 3 the
+    target is p's three most likely tokens renormalised (before, the truncated p was compared with q
+    unnormalised, summing to 0.8: a statistic of 777)."""
     n, vocab = 40_000, 6
-    p = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.07, 0.03])
+    full = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.07, 0.03])
+    p = full if top_k < 0 else torch.cat([full[:top_k], torch.zeros(vocab - top_k)]) / full[:top_k].sum()
     q = torch.tensor([0.10, 0.30, 0.05, 0.35, 0.15, 0.05])
     gen = torch.Generator().manual_seed(0)
     drafts = torch.multinomial(q, n, replacement=True, generator=gen)
     # Each request: its newest token (id 0) then its draft; logits rows 2i (the drafted position) and
     # 2i + 1 (the bonus position, left to the sampler).
     input_ids = torch.stack([torch.zeros(n, dtype=torch.int64), drafts], dim=1).reshape(-1)
-    logits = p.log().repeat(2 * n, 1)
-    fb = SimpleNamespace(input_ids=input_ids, sampling_info=SamplingBatchInfo.create([1.0] * (2 * n)))
+    logits = full.log().repeat(2 * n, 1)
+    info = SamplingBatchInfo.create([1.0] * (2 * n), top_ks=[top_k] * (2 * n))
+    fb = SimpleNamespace(input_ids=input_ids, sampling_info=info)
     hook = MtpHook(SimpleNamespace(generator=gen), draft_probs=q.repeat(n, 1, 1))
     ids = torch.full((2 * n,), -1, dtype=torch.int64)
     out = hook._reject(fb, logits, ids, starts=list(range(0, 2 * n, 2)), k=1)
@@ -58,8 +63,10 @@ def test_rejection_sampling_follows_the_target_distribution():
     assert (out[1::2] == -1).all()  # the bonus positions are the sampler's
     counts = torch.bincount(committed, minlength=vocab).double()
     expected = p.double() * n
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 20.5, (chi2, counts.tolist())
+    support = expected > 0
+    assert (counts[~support] == 0).all(), counts.tolist()  # nothing outside the top k
+    chi2 = float(((counts - expected)[support] ** 2 / expected[support]).sum())
+    assert chi2 < 20.5, (chi2, counts.tolist())  # (fewer degrees of freedom with top k: stricter)
     rate = float((committed == drafts).double().mean())
     assert abs(rate - float(torch.minimum(p, q).sum())) < 0.01, rate  # (std ~0.0025 at n = 40,000)
 
@@ -132,6 +139,41 @@ def test_the_planner_counts_the_mtp_layers_weights():
         assert param_bytes(draft) > 0.2 * param_bytes(model)  # (one decoder layer of tiny-qwen3-next's 4)
 
 
+def test_the_mtp_layer_loads_reading_its_own_tensors_only(monkeypatch):
+    """Loading the draft layer reads the checkpoint's `mtp.*` tensors and no other (before, it read the
+    whole checkpoint again: 173 tensors for 19 on tiny-qwen3-next, ~160 GB for 3.3 GB on the 80B)."""
+    from sglang.srt.models import loader
+    from sglang.srt.models.registry import load_model
+    from sglang.srt.speculative.draft_layers import load_draft_layers
+
+    args = ServerArgs(model_path=QWEN, **NEXTN)
+    config = args.model_config
+    model = load_model(config.hf_config, config.path, config.torch_dtype, "cpu")
+    read, opened = [], loader.safe_open
+
+    class Counting:
+        def __init__(self, *a, **kw):
+            self.f = opened(*a, **kw)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(loader, "safe_open", Counting)
+    assert load_draft_layers(args, model) is not None
+    assert read and all(name.startswith("mtp.") for name in read), read
+
+
 def test_sampling_drafts_keep_no_distribution_between_verifies(monkeypatch):
     """Sampling requests draft (rejection sampling reads q_1..q_k over the vocabulary), yet between
     forwards the draft keeps one hidden-size row per request row and nothing vocabulary-wide: q_1 is drawn
@@ -149,6 +191,8 @@ def test_sampling_drafts_keep_no_distribution_between_verifies(monkeypatch):
         shapes.append((len(plan.rows), tuple(probs.shape)))
         assert torch.allclose(probs.sum(dim=-1), torch.ones(()), atol=1e-4)  # (float32 sums over 1k)
         first = torch.tensor([c[0] for c in chains])
+        # top_k=2 leaves q_1 two tokens of the vocabulary: a d_1 drawn from anything else lands outside.
+        assert ((probs[:, 0] > 0).sum(dim=-1) <= 2).all()
         assert (probs[:, 0].gather(1, first[:, None]) > 0).all()  # d_1 was drawn from q_1
         return chains, probs
 
@@ -156,7 +200,7 @@ def test_sampling_drafts_keep_no_distribution_between_verifies(monkeypatch):
     h = SchedulerHarness(QWEN, disable_overlap_schedule=True, **NEXTN)
     try:
         for k in range(2):
-            h.submit(token_ids(40 + 9 * k, seed=k), max_new_tokens=10, temperature=1.0, return_logprob=False)
+            h.submit(token_ids(40 + 9 * k, seed=k), max_new_tokens=10, temperature=1.0, top_k=2, return_logprob=False)
         h.run()
         draft = h.sched.spec.draft
         vocab = draft.lm_head.weight.shape[0]

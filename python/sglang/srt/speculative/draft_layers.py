@@ -48,9 +48,9 @@ def load_draft_layers(args: ServerArgs, target: Any) -> Any | None:
     if args.speculative_algorithm not in MTP_ALGORITHMS:
         return None
     from sglang.srt.models.loader import iter_checkpoint
-    from sglang.srt.models.qwen3_next_mtp import load_mtp
+    from sglang.srt.models.qwen3_next_mtp import PREFIX, load_mtp
 
-    return load_mtp(target, iter_checkpoint(args.model_config.path))
+    return load_mtp(target, iter_checkpoint(args.model_config.path, prefix=PREFIX))
 
 
 def build_meta_draft_layers(target: Any) -> Any:

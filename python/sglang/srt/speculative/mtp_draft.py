@@ -51,10 +51,13 @@ class MtpAttnBackend:
 
 
 def draft_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """The distribution a row samples from with its options (greedy rows: any; they take the argmax)."""
+    """The distribution a row samples from with its options (greedy rows: any; they take the argmax),
+    normalised: rejection sampling compares p and q token by token, so a truncated row (which the
+    sampler leaves unnormalised) is divided by what it kept."""
     temps = torch.where(info.temperatures > 0, info.temperatures, 1.0)
     if info.needs_truncation:
-        return truncated_probs(logits, temps, info.top_ps, info.top_ks, info.min_ps, info.sort_width)
+        kept = truncated_probs(logits, temps, info.top_ps, info.top_ks, info.min_ps, info.sort_width)
+        return kept / kept.sum(dim=-1, keepdim=True)
     return torch.softmax(logits / temps[:, None], dim=-1)
 
 
