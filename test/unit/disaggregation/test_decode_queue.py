@@ -50,3 +50,23 @@ def test_a_request_refused_before_its_destination_went_out_cancels_its_room():
     q.dst_sent.add("b")
     q.on_released(r)
     assert q.channel.sent == []
+
+
+def test_a_malformed_done_answer_aborts_its_request_instead_of_orphaning_it():
+    """Review finding 1: a "done" whose fields do not parse left its request in no queue, never released
+    (its slots and staging range leaked, its client waited forever). Every field is read before anything
+    is committed; a malformed answer fails the request with a 500, whose release frees what it holds."""
+    aborted = []
+    sched = SimpleNamespace(abort_with_status=lambda reqs, msg, code, *a: aborted.append((reqs, msg, code)),
+                            counters={"num_generation_tokens_total": 0})  # fmt: skip
+    q = decode_queue(sched)
+    for room, bad in [("a", {"output_ids": ["not-a-token"]}), ("b", {"output_ids": [1], "bytes": "x"}),
+                      ("c", {"output_ids": [1], "output_token_logprobs": [[0.5]]})]:  # fmt: skip
+        r = req(room)
+        r.sampling_params.max_new_tokens = 8
+        r.return_logprob = True
+        q.transfers[room] = (r, 0.0)
+        q._on_done({"type": "done", "room": room, "ok": True, **bad})
+        assert aborted[-1][0] == [r] and aborted[-1][2] == 500 and "malformed answer" in aborted[-1][1]
+        assert r.output_ids == [] and room not in q.transfers
+    assert q.stats["failed_transfers"] == 3 and q.stats["transfers"] == 0

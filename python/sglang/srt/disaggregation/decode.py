@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
 from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
-# (test_memory_pool imports the decode request pool from here)
-from sglang.srt.disaggregation.decode_pool import HybridMambaDecodeReqToTokenPool  # noqa: F401
+from sglang.srt.disaggregation.decode_pool import HybridMambaDecodeReqToTokenPool  # noqa: F401 (re-export)
 from sglang.srt.disaggregation.pd_ranks import SINGLE, PdRanks, destination_ranks
 from sglang.srt.disaggregation.staging import StagedRange, StatePacker
 from sglang.srt.disaggregation.transfer import clear_destination, open_transfer_engine
@@ -329,10 +328,13 @@ class DecodeTransferQueue:
         if entry is None:
             return  # a room this server gave up already
         req = entry[0]
-        outputs = [int(t) for t in msg.get("output_ids", [])] if msg.get("ok") else []
-        if not msg.get("ok") or (not outputs and req.sampling_params.max_new_tokens > 0):
-            self.stats["failed_transfers"] += 1
+        try:  # (all of it before anything is committed: a malformed answer fails its request whole)
+            answer = _read_done(msg) if msg.get("ok") else None
             error = msg.get("error") or "no first token came with the state"
+        except (KeyError, TypeError, ValueError) as e:
+            answer, error = None, f"a malformed answer ({str(e)[:200]})"
+        if answer is None or (not answer["output_ids"] and req.sampling_params.max_new_tokens > 0):
+            self.stats["failed_transfers"] += 1
             self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
             return
         if key in self.staged:  # the last chunk, from the staging range into the pools, before any read
@@ -348,27 +350,19 @@ class DecodeTransferQueue:
             self.staging.ranges.free(entry.start)
             self.stats["staged_chunks"] += 1
         self.stats["transfers"] += 1
-        self.stats["bytes"] += int(msg.get("bytes", 0))
-        self.stats["kv_tokens"] += int(msg.get("kv_tokens", 0))
-        self.stats["seconds"] += float(msg.get("seconds", 0.0))
+        for k in ("bytes", "kv_tokens", "seconds"):
+            self.stats[k] += answer[k]
         processor = self.sched.result_processor
-        for token in outputs:  # the prefill server's first token, checked below with its logprobs
+        for token in answer["output_ids"]:  # the prefill server's first token (checked below)
             processor.commit(req, token, check="none")
-        req.cached_tokens = int(msg.get("cached_tokens", 0))
-        self.sched.counters["num_generation_tokens_total"] += len(outputs)
+        req.cached_tokens = answer["cached_tokens"]
+        self.sched.counters["num_generation_tokens_total"] += len(answer["output_ids"])
         if req.return_logprob:
-            req.output_token_logprobs += [
-                (_logprob(lp), int(t)) for lp, t in msg.get("output_token_logprobs", [])
-            ]
+            req.output_token_logprobs += answer["output_token_logprobs"]
             if req.top_logprobs_num:
-                req.output_top_logprobs += [
-                    [(_logprob(lp), int(t)) for lp, t in top] for top in msg.get("output_top_logprobs", [])
-                ]
+                req.output_top_logprobs += answer["output_top_logprobs"]
             if req.token_ids_logprob:
-                req.output_token_ids_logprobs += [
-                    [(_logprob(lp), int(t)) for lp, t in chosen]
-                    for chosen in msg.get("output_token_ids_logprobs", [])
-                ]
+                req.output_token_ids_logprobs += answer["output_token_ids_logprobs"]
         if processor.commit(req, None, check="full"):
             processor.release_finished(req)
             processor.send_finished([req])
@@ -447,6 +441,25 @@ class DecodeTransferQueue:
     def shutdown(self) -> None:
         if self.channel is not None:
             self.channel.close()
+
+
+def _read_done(msg: dict[str, Any]) -> dict[str, Any]:
+    """A successful "done" answer's fields, typed; raises KeyError, TypeError or ValueError if any is
+    malformed."""
+
+    def pairs(v: Any) -> list[tuple[float, int]]:
+        return [(_logprob(lp), int(t)) for lp, t in v]
+
+    return {
+        "output_ids": [int(t) for t in msg.get("output_ids", [])],
+        "output_token_logprobs": pairs(msg.get("output_token_logprobs", [])),
+        "output_top_logprobs": [pairs(top) for top in msg.get("output_top_logprobs", [])],
+        "output_token_ids_logprobs": [pairs(c) for c in msg.get("output_token_ids_logprobs", [])],
+        "cached_tokens": int(msg.get("cached_tokens", 0)),
+        "bytes": int(msg.get("bytes", 0)),
+        "kv_tokens": int(msg.get("kv_tokens", 0)),
+        "seconds": float(msg.get("seconds", 0.0)),
+    }
 
 
 def _logprob(value: Any) -> float:
