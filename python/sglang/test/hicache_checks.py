@@ -49,12 +49,15 @@ def evicted_conversation_hits_host(oracles, preset: str, strategy: str, policy: 
         h.sched.check_integrity()
         err = h.check_oracle(oracles[preset], prompt, second)
         loaded = tree.controller.stats["load_states"] - before.get("load_states", 0)
+        node = tree.match_prefix(turn1).last_device_node  # the checkpoint loaded back, or a deeper one
+        residency = None if node is tree.root else tree.residency(node)
         h.flush_and_check_empty()
         return {
             "cached": second.cached_tokens,
             "first_turn_len": len(turn1),
             "loaded_states": loaded,
             "evicted_from_device": evicted,
+            "residency_after_hit": residency,
             "oracle_err": err,
         }
     finally:

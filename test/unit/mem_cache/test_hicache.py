@@ -28,6 +28,7 @@ def test_a_conversation_evicted_to_host_hits_it_and_matches_the_oracle(oracles):
     r = evicted_conversation_hits_host(oracles, "tiny-qwen3-next", "extra_buffer_lazy", "write_through")
     assert r["cached"] == r["first_turn_len"] - 1
     assert r["loaded_states"] == 1 and r["evicted_from_device"]
+    assert r["residency_after_hit"] == "both", r  # loaded back to the device, still on host
     assert r["oracle_err"] <= ORACLE_TOL
 
 
