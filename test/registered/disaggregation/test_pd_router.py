@@ -69,9 +69,10 @@ DECODE_SIZING = [
 
 # Qwen3-Next's pair stages KV and state through host staging buffers (the path of CUDA pools with a
 # host-only transfer engine, disaggregation/staging.py, here on CPU tensors); Nemotron-H's registers its
-# CPU pools as they are. The staging chunk (20,971 bytes) holds 81 positions of its KV (256 bytes each)
-# or its state (16,896 bytes), and both only up to 15 positions: every prompt of 16 positions or more
-# moves in several chunks, and the decode server's buffer (52,428 bytes) holds two full ranges at once.
+# CPU pools as they are. The staging chunk (0.02 MiB in whole 256-byte units: 20,736 bytes) holds 81
+# positions of its KV (256 bytes each) or its state (16,896 bytes), and both only up to 15 positions:
+# every prompt of 16 positions or more moves in several chunks, and the decode server's buffer (0.05 MiB
+# in whole chunks: 41,472 bytes) holds two full ranges at once.
 STAGING_CHUNK_MIB, STAGING_POOL_MIB = 0.02, 0.05
 STAGED = {
     "tiny-qwen3-next": {
@@ -164,8 +165,10 @@ def test_generate_through_the_router_matches_a_single_server(pd):
     state = internal_state(pd["decode"])["disaggregation"]
     assert state["transfers"] >= 8 and state["failed_transfers"] == 0 and state["bytes"] > 0
     if state["staging_buffer_bytes"]:  # the staged pair: its fixed buffer, and prompts moved in chunks
-        assert state["staging_buffer_bytes"] == int(STAGING_POOL_MIB * 2**20)
-        assert state["staging_chunk_bytes"] == int(STAGING_CHUNK_MIB * 2**20)
+        # (in whole 256-byte units, the buffer in whole chunks: staging_sizes)
+        chunk = int(STAGING_CHUNK_MIB * 2**20) // 256 * 256
+        assert state["staging_chunk_bytes"] == chunk
+        assert state["staging_buffer_bytes"] == int(STAGING_POOL_MIB * 2**20) // chunk * chunk
         # Chunks per prompt: 5 positions and the state fit one; 16, 17, 63, 64 and 65 positions fit one
         # chunk but not beside the state, which goes alone in a second; 129 take 81 + 48, then the state;
         # 300 take 81 + 81 + 81 + 57, then the state.

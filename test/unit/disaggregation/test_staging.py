@@ -178,7 +178,7 @@ def test_staging_sizes_are_bounded_and_a_chunk_below_one_position_and_the_state_
         assert staging_sizes("prefill", packer, 4096, 8) == (mib // 4, mib // 4)
         assert staging_sizes("decode", packer, 4096, 8) == (mib, mib // 4)
         assert staging_sizes("decode", packer, 4096, 2) == (mib // 2, mib // 4)
-        assert staging_sizes("prefill", packer, 10, 8) == (packer.packed_bytes(10),) * 2
+        assert staging_sizes("prefill", packer, 10, 8) == (-(-packer.packed_bytes(10) // 256) * 256,) * 2
     with envs.SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB.override((least - 1) / mib):
         with pytest.raises(ServerArgsError, match="SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB=.* is below one prompt"):
             staging_sizes("prefill", packer, 4096, 8)
@@ -192,3 +192,38 @@ def test_aligned_byte_ranges_start_on_the_alignment():
     assert [ranges.alloc(n) for n in (1, 300, 200, 10)] == [0, 256, 768, None]
     ranges.free(256)
     assert ranges.alloc(512) == 256
+
+
+@pytest.mark.parametrize("chunk_mb, pool_mb, context_len, rows", [(0.02, 0.02, 4096, 8), (256, 1024, 4095, 3)])
+def test_every_request_row_gets_a_range_of_a_decode_buffer_sized_by_staging_sizes(
+    chunk_mb, pool_mb, context_len, rows
+):
+    """Review finding 2: ranges start on 256 bytes, but the chunk was not a multiple of 256: with a
+    fractional MiB (0.02: 20971 bytes) no range of a whole chunk ever fitted the buffer, and with a chunk
+    capped at a whole prompt (524284 bytes) only 2 of 3 rows' ranges fitted; the request waited forever
+    and every later one behind it. Chunks and buffers now come in whole 256-byte units and whole chunks."""
+    packer = StatePacker(*pools(0, fill=False), "cpu")
+    chunk_env, pool_env = envs.SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB, envs.SGLANG_DISAGG_STAGING_POOL_SIZE_MB
+    with chunk_env.override(chunk_mb), pool_env.override(pool_mb):
+        nbytes, chunk = staging_sizes("decode", packer, context_len, rows)
+    assert chunk % 256 == 0 and nbytes % chunk == 0
+    st = Staging.create(packer, nbytes, chunk)
+    starts = [st.ranges.alloc(st.range_bytes(context_len)) for _ in range(nbytes // chunk)]
+    assert None not in starts and len(starts) == min(rows, int(pool_mb * (1 << 20)) // chunk)
+
+
+def test_unpack_views_parts_of_mixed_dtypes_whatever_their_offsets():
+    """Review finding 7: parts follow each other unpadded, so a float32 SSM state after a bf16 conv state
+    of odd size started at an offset that is not a multiple of 4, and the view of its bytes raised (a
+    RuntimeError the scheduler did not catch)."""
+    kv = [torch.arange(32, dtype=torch.bfloat16).view(16, 2) for _ in range(2)]
+    states = [torch.randn(4, 3, 5).to(torch.bfloat16), torch.randn(4, 2, 4)]
+    src = StatePacker(kv, states, "cpu")
+    buf = host_buffer(4096, pin=False)
+    src.pack([1, 2], 1, buf)
+    dst_kv, dst_states = [torch.zeros_like(b) for b in kv], [torch.zeros_like(b) for b in states]
+    StatePacker(dst_kv, dst_states, "cpu").unpack(buf, [3, 4], 2)
+    for s, d in zip(kv, dst_kv, strict=True):
+        assert torch.equal(d[[3, 4]], s[[1, 2]])
+    for s, d in zip(states, dst_states, strict=True):
+        assert torch.equal(d[2], s[1])

@@ -96,17 +96,26 @@ class StatePacker:
             at = 0
             for buf, row in zip(self.kv, self.kv_row_bytes, strict=True):
                 size = row * len(tokens)
-                rows = block[at : at + size].view(buf.dtype).view(len(tokens), *buf.shape[1:])
+                rows = _as(block[at : at + size], buf.dtype).view(len(tokens), *buf.shape[1:])
                 buf.index_copy_(0, idx, rows)
                 at += size
             for buf, size in zip(self.states, self.state_bytes, strict=True):
                 if slot is None:
                     break
-                buf[slot].copy_(block[at : at + size].view(buf.dtype).view(buf.shape[1:]))
+                buf[slot].copy_(_as(block[at : at + size], buf.dtype).view(buf.shape[1:]))
                 at += size
         if self.stream is not None:
             # The host range is reused by the next transfer once this returns: the copy must be done.
             self.stream.synchronize()
+
+
+def _as(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A packed part's bytes as `dtype`. Parts follow each other unpadded, so one after a part of another
+    dtype may start off its element size (a bf16 conv state of odd size, then a float32 SSM state), where
+    a view is refused: such a part is copied to a fresh (aligned) tensor first."""
+    if part.storage_offset() % dtype.itemsize:
+        part = part.clone()
+    return part.view(dtype)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -184,6 +193,17 @@ def transfer_path(device: str, backend: str = "mooncake") -> str:
 
 
 MIB = 1 << 20
+# Staging ranges start on this many bytes (rows are viewed as their dtype in place on CPU, and DMA likes
+# aligned host addresses); chunks and the decode buffer are sized in multiples of it.
+ALIGN = 256
+
+
+def _round_down(n: int) -> int:
+    return n // ALIGN * ALIGN
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def staging_sizes(side: str, packer: StatePacker, context_len: int, request_rows: int) -> tuple[int, int]:
@@ -194,23 +214,26 @@ def staging_sizes(side: str, packer: StatePacker, context_len: int, request_rows
     context length per chunk, a chunk per request row on the decode side."""
     chunk_env = envs.SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB
     pool_env = envs.SGLANG_DISAGG_STAGING_POOL_SIZE_MB
-    least = packer.packed_bytes(1)  # one position's KV and the state: a chunk holds at least either
-    chunk = int(chunk_env.get() * MIB)
+    # One position's KV and the state (a chunk holds at least either), in whole ALIGN-byte units: the
+    # chunk is a multiple of ALIGN, so that a range of at most a chunk, rounded up to ALIGN, still fits it.
+    least = _round_up(packer.packed_bytes(1))
+    chunk = _round_down(int(chunk_env.get() * MIB))
     if chunk < least:
         raise ServerArgsError(
             f"SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB={chunk_env.get():g} is below one prompt position's KV and "
-            f"one request's state ({least / MIB:.3f} MiB), the least a staging chunk must hold."
+            f"one request's state ({least / MIB:.4f} MiB, aligned), the least a staging chunk must hold."
         )
-    chunk = min(chunk, packer.packed_bytes(context_len))
+    chunk = min(chunk, _round_up(packer.packed_bytes(context_len)))
     if side == "prefill":
         return chunk, chunk
     pool = int(pool_env.get() * MIB)
     if pool < chunk:
         raise ServerArgsError(
             f"SGLANG_DISAGG_STAGING_POOL_SIZE_MB={pool_env.get():g} is below one staging chunk "
-            f"({chunk / MIB:.3f} MiB, SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB or a whole prompt)."
+            f"({chunk / MIB:.4f} MiB, SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB or a whole prompt)."
         )
-    return min(pool, request_rows * chunk), chunk
+    # Whole chunks: a range never exceeds one, so with every range freed the next request always fits.
+    return min(pool // chunk, request_rows) * chunk, chunk
 
 
 def chunk_plan(num_tokens: int, token_bytes: int, state_bytes: int, cap: int) -> list[tuple[int, int, bool]]:
@@ -299,9 +322,7 @@ class Staging:
     @classmethod
     def create(cls, packer: StatePacker, nbytes: int, chunk_bytes: int) -> Staging:
         buffer = host_buffer(nbytes, pin=packer.device.type == "cuda")
-        # Ranges start on 256 bytes: a block's rows are viewed as their dtype in place (CPU) and DMA likes
-        # aligned host addresses.
-        return cls(packer, buffer, ByteRanges(nbytes, align=256), chunk_bytes)
+        return cls(packer, buffer, ByteRanges(nbytes, align=ALIGN), chunk_bytes)
 
     def address(self, start: int) -> int:
         return self.buffer.data_ptr() + start
