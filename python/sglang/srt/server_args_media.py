@@ -1,7 +1,7 @@
 """The media flags (docs/multimodal.md, "Limits and errors"): which local files and remote URLs a request's
-`image_data` / `video_data` may make the server read, and how many items a prompt may carry. Their command line and
-their checks, each refusal one sentence naming the flag; the rules themselves are `multimodal/media_io.py`
-and `multimodal/media_fetch.py`.
+`image_data` / `video_data` may make the server read, and how many items a prompt may carry. Their
+command line and their checks, each refusal one sentence naming the flag; the rules themselves are
+`multimodal/media_io.py` and `multimodal/media_fetch.py`.
 
 Names: upstream SGLang's `--allowed-media-domains`, `--media-url-max-file-size-mb` and
 `--limit-mm-data-per-request` (its JSON format); vLLM's `--allowed-local-media-path` (upstream SGLang has
@@ -36,7 +36,8 @@ DEFAULT_MEDIA_LIMITS = {"image": 32, "video": 2}
 
 def add_media_cli_args(parser: argparse.ArgumentParser, default: Any) -> None:
     g = parser.add_argument_group(
-        "media", "What image_data and video_data may make the server read (docs/multimodal.md, 'Limits and errors')."
+        "media",
+        "What image_data and video_data may make the server read (docs/multimodal.md, 'Limits and errors').",
     )
     g.add_argument(
         "--allowed-local-media-path",
@@ -51,7 +52,8 @@ def add_media_cli_args(parser: argparse.ArgumentParser, default: Any) -> None:
         default=default("limit_mm_data_per_request"),
         metavar="JSON",
         help="Most media items per prompt, by modality, e.g. '{\"image\": 8, \"video\": 1}'; refused "
-        f"before any is read. Default: {json.dumps(DEFAULT_MEDIA_LIMITS)} (a key given replaces its default).",
+        f"before any is read. Default: {json.dumps(DEFAULT_MEDIA_LIMITS)} (a key given replaces its "
+        "default).",
     )
     g.add_argument(
         "--allowed-media-domains",

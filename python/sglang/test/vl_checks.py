@@ -155,7 +155,7 @@ def test_prefix_cache_keyed_by_image(setup):
     [
         ("bm90IGFuIGltYWdl", "could not be decoded"),
         (png_header(100_000, 100_000), "over the"),
-        (b64_png(random_image(0, 2, 600)), "refused an image"),
+        (b64_png(random_image(0, 2, 600)), "image processor refused it"),
         ("http://127.0.0.1:9/x.png", "non-public address"),
         ("/dev/zero", "neither an existing file"),
         ("BIG_FILE", "is a file over"),

@@ -23,7 +23,7 @@ from sglang.srt.multimodal import video
 from sglang.srt.multimodal.media_io import PixelBudget, load_image
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="per-commit-cpu")
+register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
 CONFIG = video.VideoConfig(16, 2, 2, 64, 1 << 20, (0.5,) * 3, (0.5,) * 3, 2.0, 4, 768)
 # A refusal that opens nothing is milliseconds; 2 s leaves a loaded 2-core CI machine room and is far
@@ -114,3 +114,35 @@ def test_a_requests_pixels_are_bounded_over_its_images_and_videos():
     # A file's frames are charged as they decode: 6 frames of 32x32 (4 sampled) against room for 3.
     with pytest.raises(RequestError, match="decode to over 3072 pixels together"):
         video.load_video(h264(32, 32, 6, "mp4"), "video_data[0]", CONFIG, PixelBudget(32 * 32 * 3))
+
+
+def test_images_are_processed_one_at_a_time_and_a_shared_item_once():
+    """The processor decodes, processes and drops one image at a time (all of a prompt's 32 images
+    decoded at once held ~6 GiB); a batch's single shared item is processed once, not per prompt."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media
+
+    calls = []
+
+    def image_processor(images, return_tensors):
+        calls.append(len(images))
+        n = len(images)
+        return {"pixel_values": torch.rand(4 * n, 8), "image_grid_thw": torch.tensor([[1, 2, 2]] * n)}
+
+    p = object.__new__(ImageInputProcessor)
+    p.image_processor, p.image_token_id, p.merge, p.vocab_size = image_processor, 7, 2, 100
+    p.video, p.video_refusal = None, "no video"
+    limits = SimpleNamespace(context_len=1000, max_req_input_len=1000)
+    items = [SimpleNamespace(prompt=i, req=SimpleNamespace(input_ids=[1, 7, 2])) for i in range(3)]
+    png = png_bytes()
+    asyncio.run(attach_media(p, items, png, None, limits, is_batch=True))
+    assert calls == [1]  # one item for the 3 prompts
+    assert all(len(it.req.input_ids) == 3 and it.req.mm_inputs is not None for it in items)
+    calls.clear()
+    one = [SimpleNamespace(prompt=0, req=SimpleNamespace(input_ids=[1, 7, 7, 7, 2]))]
+    asyncio.run(attach_media(p, one, [png_bytes(), png_bytes(), png_bytes()], None, limits, is_batch=False))
+    assert calls == [1, 1, 1]

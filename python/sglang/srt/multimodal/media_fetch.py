@@ -1,8 +1,8 @@
 """Fetching an http(s) media URL of a request, within bounds a client cannot stretch:
 - one deadline for the whole fetch, set when the request's reading started and covering the wait for a
   fetch thread, name resolution (a resolver slower than the deadline is left running in a thread of its
-  own, until the system resolver's timeouts), every redirect, the headers and the body; when it passes, the connection is shut down under the reading thread, whatever the server
-  trickles;
+  own, until the system resolver's timeouts), every redirect, the headers and the body; when it
+  passes, the connection is shut down under the reading thread, whatever the server trickles;
 - a byte limit checked against Content-Length and while streaming: the body is read in pieces and the
   fetch ends as soon as it holds one byte over the limit;
 - at most `max_redirects` redirects, each destination checked as the first URL;

@@ -153,7 +153,9 @@ class MediaReader:
         for p, entry in enumerate(entries):
             which = f"{param}[{p}]" if is_batch else param
             if _nests_deeper(entry, depth):
-                shape = "a list of items" if depth == 1 else "a list of videos, each a file or a list of frames"
+                shape = "a list of items"
+                if depth == 2:
+                    shape = "a list of videos, each a file or a list of frames"
                 raise RequestError(f"{which} nests lists deeper than {shape}.", param)
             n = len(entry) if isinstance(entry, list) else int(entry is not None)
             limit = self.policy.limit_per_request.get(modality)

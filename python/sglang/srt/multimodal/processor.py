@@ -79,34 +79,34 @@ class ImageInputProcessor:
         video_data: Any = None,
         where: tuple[str, str] = ("", ""),
         pixels: PixelBudget | None = None,
+        done: dict[int, Any] | None = None,
     ) -> tuple[list[int], MultimodalInputs]:
         """The prompt with each image's placeholder token expanded to its image tokens (as pad values),
         each video's to its frames (per pair of frames: the timestamp, <|vision_start|>, the tokens,
         <|vision_end|>, as transformers' Qwen3VLProcessor writes it), and the request's
         `MultimodalInputs`. `where` names the prompt's images and videos in errors; their decoded pixels
-        are charged to `pixels` (the request's, over all its prompts)."""
+        are charged to `pixels` (the request's, over all its prompts). Each image is decoded, processed
+        and dropped before the next (one decoded image held at a time); `done` (the request's, by the
+        item's id) keeps what an item gave, so an item shared by a batch's prompts is processed once."""
+        done = {} if done is None else done
         image_where, video_where = where[0] or FIELD, where[1] or videos.FIELD
         # Each placeholder's expansion: [(ids before, pixels, grid, checkpoint token, ids after)].
         expand: dict[int, list[tuple[list[int], torch.Tensor, list[int], int, list[int]]]] = {}
         if image_data is not None:
             items = image_data if isinstance(image_data, list) else [image_data]
             at = self._placeholders(input_ids, self.image_token_id, len(items), "image", image_where)
-            images = [load_image(item, f"{image_where}[{i}]", pixels) for i, item in enumerate(items)]
-            try:
-                out = self.image_processor(images=images, return_tensors="pt")
-            except ValueError as e:  # e.g. an aspect ratio the processor cannot resize
-                raise RequestError(
-                    f"{image_where}: the image processor refused an image ({e}).", FIELD
-                ) from None
-            grids = out["image_grid_thw"].tolist()
-            chunks = torch.split(out["pixel_values"], [t * h * w for t, h, w in grids])
-            for place, chunk, grid in zip(at, chunks, grids, strict=True):
+            for i, (place, item) in enumerate(zip(at, items, strict=True)):
+                if id(item) not in done:
+                    done[id(item)] = self._image(item, f"{image_where}[{i}]", pixels)
+                chunk, grid = done[id(item)]
                 expand[place] = [([], chunk, grid, self.image_token_id, [])]
         if video_data is not None:
             items = video_data if isinstance(video_data, list) else [video_data]
             at = self._placeholders(input_ids, self.video_token_id, len(items), "video", video_where)
             for k, (place, item) in enumerate(zip(at, items, strict=True)):
-                expand[place] = self._video_frames(item, f"{video_where}[{k}]", pixels)
+                if id(item) not in done:
+                    done[id(item)] = self._video_frames(item, f"{video_where}[{k}]", pixels)
+                expand[place] = done[id(item)]
         ids, pixels, grids, offsets, pads, tokens, prev = [], [], [], [], [], [], 0
         for place in sorted(expand):
             ids += input_ids[prev:place]
@@ -124,6 +124,15 @@ class ImageInputProcessor:
         ids += input_ids[prev:]
         positions, delta = mrope_positions(len(ids), offsets, grids, self.merge)
         return ids, MultimodalInputs(torch.cat(pixels), grids, offsets, pads, tokens, positions, delta)
+
+    def _image(self, item: Any, where: str, pixels: PixelBudget | None) -> tuple[torch.Tensor, list[int]]:
+        """One image's patches and grid (the processor treats each image of a list alone)."""
+        image = load_image(item, where, pixels)
+        try:
+            out = self.image_processor(images=[image], return_tensors="pt")
+        except ValueError as e:  # e.g. an aspect ratio the processor cannot resize
+            raise RequestError(f"{where}: the image processor refused it ({e}).", FIELD) from None
+        return out["pixel_values"], out["image_grid_thw"][0].tolist()
 
     @staticmethod
     def _placeholders(input_ids: list[int], token: int, count: int, kind: str, where: str) -> list[int]:
@@ -213,7 +222,8 @@ async def attach_media(
     def run() -> dict[int, tuple[list[int], MultimodalInputs]]:
         where = lambda p: (f"{FIELD}[{p}]", f"{videos.FIELD}[{p}]") if is_batch else ("", "")  # noqa: E731
         pixels = PixelBudget()  # one for the request: its prompts' images and videos together
-        return {p: processor.process(ids, im, vid, where(p), pixels) for p, ids, im, vid in todo}
+        done: dict[int, Any] = {}  # an item shared by the batch's prompts: processed once
+        return {p: processor.process(ids, im, vid, where(p), pixels, done) for p, ids, im, vid in todo}
 
     done = await asyncio.get_running_loop().run_in_executor(None, run)
     for p, _, _, vid in todo:  # the field named: the prompt's videos if it has any (the larger part)

@@ -117,7 +117,9 @@ def _item_bytes(item: Any, where: str) -> bytes:
         raise _as_video_error(e) from None
 
 
-def load_video(item: Any, where: str, config: VideoConfig, pixels: media_io.PixelBudget | None = None) -> Video:
+def load_video(
+    item: Any, where: str, config: VideoConfig, pixels: media_io.PixelBudget | None = None
+) -> Video:
     """A `video_data` item (a list of frames, or a video file) as frames; RequestError naming `where`.
     Each frame decoded is charged to `pixels` (the request's images and videos together)."""
     from PIL import Image
