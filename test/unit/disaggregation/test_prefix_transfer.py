@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, _malformed_dst, _Room
-from sglang.srt.disaggregation.transfer import PoolLayout
+from sglang.srt.disaggregation.transfer import PoolLayout, TransferError
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="per-commit-cpu")
@@ -54,8 +56,8 @@ def start(q: PrefillBootstrapQueue, prefix: int, kv: list[int], **extra) -> _Roo
 def test_only_the_positions_past_the_prefix_and_one_state_move():
     q = queue()
     room = start(q, 6, [50, 51, 52, 53])
-    [(name, session, descriptors, inject)] = q.executor.calls
-    assert name == "_transfer" and session == "s" and not inject
+    [(name, session, descriptors, inject, cancelled)] = q.executor.calls
+    assert name == "_transfer" and session == "s" and not inject and not cancelled.is_set()
     assert room.kv_tokens == 4
     # K and V: prompt positions 6..9 (slots 36..39) into 50..53, one run each; then the state slot 3 -> 2.
     assert descriptors == [
@@ -114,3 +116,17 @@ def test_a_paged_decode_server_under_extra_buffer_snapshots_every_page_by_defaul
     assert interval(*decode, "--mamba-scheduler-strategy", "extra_buffer_lazy") == usual
     decode[-1] = "1"
     assert interval(*decode, "--mamba-scheduler-strategy", "extra_buffer") == usual
+
+
+def test_a_transfer_cancelled_before_it_begins_writes_nothing():
+    """Review (a): a transfer queued behind another (one transfer thread) and cancelled by the decode
+    server meanwhile wrote into a destination the decode side may have reused since."""
+    q = queue()
+    start(q, 6, [50, 51, 52, 53])
+    [(_, session, descriptors, inject, cancelled)] = q.executor.calls
+    q._on_cancel({"type": "cancel", "room": "7"})
+    assert cancelled.is_set()
+    q.engine = SimpleNamespace(write=Recorder())
+    with pytest.raises(TransferError, match="cancelled by the decode server"):
+        q._transfer(session, descriptors, inject, cancelled)
+    assert q.engine.write.calls == []

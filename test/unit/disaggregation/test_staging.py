@@ -165,8 +165,28 @@ def test_chunks_out_of_order_or_past_the_range_are_refused_and_a_cancel_stops_th
         link.cancel()  # the decode server gave the request up while the first chunk waited for its ack
         with pytest.raises(RuntimeError, match="cancelled by the decode server"):
             future.result(timeout=5)
-    with pytest.raises(RuntimeError, match="did not acknowledge a staged chunk within 0.05 s"):
-        prefill.send(memmove, "s", src_tokens, 4, (decode.address(0), 300), ChunkLink(), 0.05)
+    writes = []
+    link = ChunkLink()
+    link.cancel()  # cancelled while it waited behind another transfer: nothing is written (review (a))
+    with pytest.raises(RuntimeError, match="cancelled by the decode server"):
+        prefill.send(lambda *a: writes.append(a), "s", src_tokens, 4, (decode.address(0), 300), link, 10.0)
+    assert writes == []
+
+
+def test_the_wait_for_an_acknowledgement_counts_only_while_the_scheduler_polls():
+    """Review finding 4: a pause of the prefill server (its scheduler does not poll) made every staged
+    transfer in flight fail once the wall clock passed the acknowledgement's deadline."""
+    prefill, decode, src_tokens, _, _ = staged_pair(300)
+    link = ChunkLink()
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(prefill.send, memmove, "s", src_tokens, 4, (decode.address(0), 300), link, 0.05)
+        time.sleep(0.3)  # paused: no polls, six times the limit passes
+        assert not future.done()
+        while not future.done():  # polling again: the limit runs out
+            link.heartbeat()
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="did not acknowledge a staged chunk within 0.05 s"):
+            future.result()
 
 
 def test_staging_sizes_are_bounded_and_a_chunk_below_one_position_and_the_state_is_refused():

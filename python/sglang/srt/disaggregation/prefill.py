@@ -18,6 +18,7 @@ rank of the same index; rank 0 alone has the bootstrap port and sends (`pd_ranks
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,6 +58,7 @@ class _Room:
     future: Future | None = None  # the transfer
     kv_tokens: int = 0  # prompt positions whose KV the transfer moves
     link: ChunkLink | None = None  # a staged transfer's chunks in flight
+    cancelled: threading.Event = field(default_factory=threading.Event)  # (a direct transfer not begun)
     written: list = field(default_factory=list)  # the chunks this rank's thread wrote (staged)
     announced: int = 0  # of which the decode server was told (once every rank had written them)
 
@@ -184,7 +186,9 @@ class PrefillBootstrapQueue:
             if room.future is not None and room.future.done()
         }
         for room in self.rooms.values():  # (the chunks this rank's thread wrote; the last rides with done)
-            room.written += room.link.drain() if room.link is not None else []
+            if room.link is not None:
+                room.written += room.link.drain()
+                room.link.heartbeat()  # (not paused: the wait for an acknowledgement counts)
         (msgs, self.now, did), ended = self.ranks.exchange(first, ended)
         for msg in msgs:
             did = True
@@ -251,6 +255,7 @@ class PrefillBootstrapQueue:
         key = str(msg["room"])
         room = self.rooms.get(key)
         if room is not None and room.future is not None:
+            room.cancelled.set()  # a transfer not begun yet writes nothing
             if room.link is not None:  # a staged transfer stops at its next chunk
                 room.link.cancel()
             return  # the transfer's own answer frees the decode side
@@ -303,12 +308,15 @@ class PrefillBootstrapQueue:
         session, descriptors = shard_descriptors(
             self.layout, dst, self.ranks.tp_rank, req.kv_indices[prefix:n], req.mamba_pool_idx
         )
-        room.future = self.executor.submit(self._transfer, session, descriptors, inject)
+        room.future = self.executor.submit(self._transfer, session, descriptors, inject, room.cancelled)
 
     def _transfer(
-        self, session: str, descriptors: list[tuple[int, int, int]], inject: bool
+        self, session: str, descriptors: list[tuple[int, int, int]], inject: bool, cancelled: threading.Event
     ) -> tuple[int, float]:
-        """On the transfer thread."""
+        """On the transfer thread (cancelled while it waited behind another: nothing is written, the
+        decode side may have reused the destination)."""
+        if cancelled.is_set():
+            raise TransferError("cancelled by the decode server")
         if inject:
             raise TransferError("transfer failure injected by SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER")
         start = time.perf_counter()

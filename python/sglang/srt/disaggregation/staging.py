@@ -272,15 +272,23 @@ class StagedRange:
         return self.state and self.received == len(self.req.origin_input_ids) - self.prefix
 
 
+# How often a staged transfer's thread looks at its scheduler's polls while it waits for an acknowledgement.
+ACK_POLL_S = 0.05
+
+
 class ChunkLink:
     """One staged transfer's link between the prefill server's transfer thread and its scheduler thread
     (which owns the sockets): the thread posts each chunk it wrote for the scheduler to announce, and
-    waits for the decode server's acknowledgement, which the scheduler passes on, or for a cancel."""
+    waits for the decode server's acknowledgement, which the scheduler passes on, or for a cancel. The
+    scheduler's polls beat (`heartbeat`): the wait for an acknowledgement counts only the time while they
+    do, so that a pause of this server (no polls: e.g. `/pause_generation` for a weight sync) fails no
+    transfer in flight."""
 
     def __init__(self):
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.acks: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled = threading.Event()
+        self.beat = float("-inf")  # the scheduler's last poll (its clock)
 
     def drain(self) -> list[list]:
         out = []
@@ -290,6 +298,9 @@ class ChunkLink:
             except queue.Empty:
                 return out
 
+    def heartbeat(self) -> None:
+        self.beat = time.monotonic()
+
     def ack(self, chunk: Any) -> None:
         self.acks.put(chunk)
 
@@ -298,14 +309,22 @@ class ChunkLink:
         self.acks.put(None)
 
     def wait_ack(self, chunk: list, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        waited, since = 0.0, time.monotonic()
         while not self.cancelled.is_set():
             try:
-                got = self.acks.get(timeout=max(deadline - time.monotonic(), 0))
+                got = self.acks.get(timeout=ACK_POLL_S)
             except queue.Empty:
-                raise RuntimeError(f"the decode server did not acknowledge a staged chunk within {timeout:g} s") from None
+                got = None
+            now = time.monotonic()
+            if self.beat >= since:  # the scheduler polled meanwhile: this server is not paused
+                waited += now - since
+            since = now
             if got == chunk:
                 return
+            if waited > timeout and not self.cancelled.is_set():
+                raise RuntimeError(
+                    f"the decode server did not acknowledge a staged chunk within {timeout:g} s"
+                )
         raise RuntimeError("cancelled by the decode server")
 
 
@@ -350,6 +369,8 @@ class Staging:
                           min(dst[1], self.buffer.nbytes))  # fmt: skip
         total = 0
         for i, (a, b, state) in enumerate(plan):
+            if link.cancelled.is_set():  # (before each write: the decode side may reuse the range)
+                raise RuntimeError("cancelled by the decode server")
             n = packer.pack(tokens[a:b], slot if state else None, self.buffer)
             write(session, [(self.address(0), dst[0], n)])
             total += n
