@@ -20,6 +20,9 @@ class RecordingChannel:
         self.sent.append((url, msg))
         return True
 
+    def close(self) -> None:
+        self.closed = True
+
 
 def decode_queue(sched: Any) -> DecodeTransferQueue:
     """A decode server's PD queue over `sched` (a stand-in scheduler), without a transfer engine."""

@@ -43,3 +43,57 @@ def test_writes_land_in_the_peers_registered_memory_and_nowhere_else():
     finally:
         prefill.close()
         decode.close()
+
+
+class StuckAgent:
+    """A NIXL agent whose writes never end until told, and whose release of a running one raises."""
+
+    def __init__(self):
+        self.state, self.released = "PROC", []
+
+    def get_xfer_descs(self, descs, kind):
+        return descs
+
+    def initialize_xfer(self, *args):
+        return object()
+
+    def transfer(self, handle):
+        return self.state
+
+    def check_xfer_state(self, handle):
+        return self.state
+
+    def release_xfer_handle(self, handle):
+        if self.state == "PROC":
+            raise RuntimeError("NIXL_IN_PROG")
+        self.released.append(handle)
+
+
+def test_a_write_past_its_deadline_raises_a_transfer_error_and_keeps_its_handle(monkeypatch):
+    """Review (b): the release of a write still running raised inside `finally`, replacing the
+    TransferError (the prefill side then failed with NIXL's message) and dropping the handle."""
+    from sglang.srt.disaggregation import nixl_backend
+    from sglang.srt.disaggregation.transfer import TransferError
+
+    monkeypatch.setattr(nixl_backend, "WRITE_TIMEOUT_S", 0.0)
+    engine = nixl_backend.NixlTransferEngine.__new__(nixl_backend.NixlTransferEngine)
+    engine.agent, engine.remote, engine.active = StuckAgent(), {"s": "peer"}, []
+    with pytest.raises(TransferError, match="not done in 0 s"):
+        engine.write("s", [(1, 2, 3)])
+    [handle] = engine.active
+    engine.agent.state = "DONE"  # it ended later: released before the next write
+    engine.write("s", [(1, 2, 3)])
+    assert engine.active == [] and engine.agent.released[0] is handle and len(engine.agent.released) == 2
+
+
+def test_the_pd_queues_close_their_transfer_engine_at_shutdown():
+    """Review (c): nothing closed a NIXL engine, so the decode server's progress thread never stopped."""
+    from types import SimpleNamespace
+
+    from sglang.test.pd_fakes import decode_queue
+
+    closed = []
+    q = decode_queue(SimpleNamespace())
+    q.engine = SimpleNamespace(close=lambda: closed.append(True))
+    q.shutdown()
+    assert closed == [True] and q.channel.closed

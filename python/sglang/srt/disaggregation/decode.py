@@ -441,6 +441,8 @@ class DecodeTransferQueue:
     def shutdown(self) -> None:
         if self.channel is not None:
             self.channel.close()
+        if hasattr(self.engine, "close"):  # (NIXL: its progress thread stops)
+            self.engine.close()
 
 
 def _read_done(msg: dict[str, Any]) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class NixlTransferEngine:
             self.agent.register_memory([(p, n, 0, "") for p, n in regions], "DRAM")
         self.session_id = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self.remote: dict[str, str] = {}  # session id -> agent name, least recently used first
+        self.active: list = []  # handles of writes given up while still running (released once ended)
         self._stop = threading.Event()
         self._thread = None
         if progress:
@@ -103,10 +104,12 @@ class NixlTransferEngine:
         transfer; returns when it is done."""
         if not descriptors:
             return
+        self._reap()
         peer = self._peer(session_id)
         local = self.agent.get_xfer_descs([(s, n, 0) for s, _, n in descriptors], "DRAM")
         remote = self.agent.get_xfer_descs([(d, n, 0) for _, d, n in descriptors], "DRAM")
         handle = self.agent.initialize_xfer("WRITE", local, remote, peer)
+        state = "PROC"
         try:
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + WRITE_TIMEOUT_S
@@ -118,8 +121,31 @@ class NixlTransferEngine:
                 state = self.agent.check_xfer_state(handle)
             if state == "ERR":
                 raise TransferError(f"NIXL write of {len(descriptors)} blocks to {peer} failed.")
-        finally:
+        finally:  # (releasing a running write may raise, which would replace the error being raised)
+            if state in ("DONE", "ERR"):
+                self._release(handle)
+            else:
+                self.active.append(handle)
+
+    def _reap(self) -> None:
+        """Release the handles of writes given up earlier that have ended since."""
+        running = []
+        for handle in self.active:
+            try:
+                ended = self.agent.check_xfer_state(handle) != "PROC"
+            except Exception:  # noqa: BLE001 - a handle NIXL no longer knows: nothing to wait for
+                ended = True
+            if ended:
+                self._release(handle)
+            else:
+                running.append(handle)
+        self.active = running
+
+    def _release(self, handle) -> None:
+        try:
             self.agent.release_xfer_handle(handle)
+        except Exception as e:  # noqa: BLE001 - a leaked handle, not a failed request
+            logger.warning("NIXL: a transfer handle could not be released (%s).", e)
 
     def close(self) -> None:
         self._stop.set()

@@ -428,6 +428,8 @@ class PrefillBootstrapQueue:
         self.executor.shutdown(wait=True)
         if self.channel is not None:
             self.channel.close()
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
 
 def _outcome(future: Future) -> Outcome:
