@@ -52,6 +52,12 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path
         if path == "/png":
             self._send(200, PNG, "image/png")
+        elif path == "/watch":  # never answers; records when the client closes the connection
+            self.connection.recv(1)
+            self.server.closed.append(time.monotonic())
+        elif path == "/slow-404":
+            time.sleep(0.3)
+            self._send(404, b"no", "text/plain")
         elif path == "/never":  # accepts the connection, never answers
             self.server.stop.wait(30)
         elif path == "/trickle":  # headers, then a byte every 0.2 s forever (no Content-Length)
@@ -103,6 +109,7 @@ def origin():
     server.daemon_threads = True
     server.stop = threading.Event()
     server.sent = 0
+    server.closed = []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server, f"http://127.0.0.1:{server.server_port}"
@@ -455,3 +462,19 @@ def test_name_resolution_is_within_the_deadline(monkeypatch):
     out, took = fetch("http://slow.example/x", FetchPolicy(timeout_s=DEADLINE_S))
     assert isinstance(out, RequestError) and "did not answer" in out.message, out
     assert took < DEADLINE_S + 0.5, took  # 0.5 s: a thread start on a loaded machine; without: 3 s
+
+
+def test_a_refused_requests_running_fetches_end_at_once(origin):
+    """Two fetches hang on a server; a third URL of the request is refused (a 404 after 0.3 s): the
+    hanging connections are closed then, not at their 5 s deadline, freeing their fetch threads."""
+    server, base = origin
+    reader = MediaReader(MediaPolicy(fetch=FetchPolicy(frozenset({"127.0.0.1"}), timeout_s=5.0)))
+    server.closed.clear()
+    start = time.monotonic()
+    words = refusal(reader, [base + "/watch", base + "/watch", base + "/slow-404"], trusted=False)
+    assert "HTTP 404" in words
+    while len(server.closed) < 2 and time.monotonic() - start < 6:
+        time.sleep(0.02)
+    # 1.5 s: the 0.3 s refusal plus a loaded machine's slack, far under the 5 s deadline.
+    assert len(server.closed) == 2 and max(server.closed) - start < 1.5, [t - start for t in server.closed]
+    reader.close()

@@ -50,6 +50,33 @@ class ByteBudget:
             return self.left >= 0
 
 
+class FetchScope:
+    """The running fetches of one request, cut together when the request fails (a refusal of one of
+    its items, or the client gone): they do not hold their threads until their deadline."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._live: set = set()
+        self.cancelled = False
+
+    def add(self, conn) -> bool:
+        with self._lock:
+            if not self.cancelled:
+                self._live.add(conn)
+            return not self.cancelled
+
+    def discard(self, conn) -> None:
+        with self._lock:
+            self._live.discard(conn)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            live = list(self._live)
+        for conn in live:
+            conn.cut()
+
+
 def default_timeout_s() -> float:
     """Upstream SGLang's REQUEST_TIMEOUT environment variable (seconds) names the fetch's time; here it
     is the deadline of all of a request's URLs (upstream: each socket read). Default 10 s."""
@@ -82,16 +109,24 @@ def is_url(item: object) -> bool:
 
 
 def fetch_url(
-    url: str, where: str, param: str, policy: FetchPolicy, deadline: float, budget: ByteBudget | None = None
+    url: str,
+    where: str,
+    param: str,
+    policy: FetchPolicy,
+    deadline: float,
+    budget: ByteBudget | None = None,
+    scope: FetchScope | None = None,
 ) -> bytes:
     """The body of `url` (200 after at most `max_redirects` redirects), or a RequestError naming `param`.
-    `budget`: the request's bytes, shared with its other fetches."""
+    `budget`: the request's bytes, shared with its other fetches; `scope`: its running fetches."""
     budget = budget or ByteBudget()
     for _ in range(policy.max_redirects + 1):
         if time.monotonic() >= deadline:
             raise _timeout(where, param, policy)
         parts, host, port, address = _destination(url, where, param, policy, deadline)
-        status, location, body = _get(parts, host, port, address, where, param, policy, deadline, budget)
+        status, location, body = _get(
+            parts, host, port, address, where, param, policy, deadline, budget, scope
+        )
         if status == 200:
             return body
         if status not in REDIRECTS:
@@ -217,11 +252,13 @@ class _TLSConnection(_Connection):
         self.sock = context.wrap_socket(self._open(), server_hostname=self.host)
 
 
-def _get(parts, host, port, address, where, param, policy, deadline, budget):
+def _get(parts, host, port, address, where, param, policy, deadline, budget, scope):
     """(status, Location, body) of one GET; the body only for a 200."""
     remaining = deadline - time.monotonic()
     kind = _TLSConnection if parts.scheme.lower() == "https" else _Connection
     conn = kind(host, port, address, max(remaining, 0.001))
+    if scope is not None and not scope.add(conn):
+        raise _cancelled(where, param)
     timer = threading.Timer(remaining, conn.cut)
     timer.daemon = True
     timer.start()
@@ -253,12 +290,20 @@ def _get(parts, host, port, address, where, param, policy, deadline, budget):
     except RequestError:
         raise
     except (OSError, http.client.HTTPException, ValueError) as e:
+        if scope is not None and scope.cancelled:
+            raise _cancelled(where, param) from None
         if time.monotonic() >= deadline:
             raise _timeout(where, param, policy) from None
         raise RequestError(f"{where}: fetching the URL failed ({type(e).__name__}).", param) from None
     finally:
         timer.cancel()
+        if scope is not None:
+            scope.discard(conn)
         conn.release()
+
+
+def _cancelled(where: str, param: str) -> RequestError:
+    return RequestError(f"{where}: not fetched, the request was refused for another item.", param)
 
 
 def _timeout(where: str, param: str, policy: FetchPolicy) -> RequestError:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang.srt.managers.request_validation import RequestError
-from sglang.srt.multimodal.media_fetch import ByteBudget, FetchPolicy, fetch_url, is_url
+from sglang.srt.multimodal.media_fetch import ByteBudget, FetchPolicy, FetchScope, fetch_url, is_url
 from sglang.srt.server_args_media import DEFAULT_MEDIA_LIMITS, MODALITY
 
 FIELD = "image_data"
@@ -60,11 +60,13 @@ class PixelBudget(ByteBudget):
 
 
 class RequestReads:
-    """What all of one request's reads share: its bytes and its URL fetches running at once."""
+    """What all of one request's reads share: its bytes, its URL fetches running at once (their number
+    and their connections, cut when one of its reads fails)."""
 
     def __init__(self):
         self.budget = ByteBudget()
         self.fetches = asyncio.Semaphore(FETCHES_PER_REQUEST)
+        self.scope = FetchScope()
 
 
 @dataclass(frozen=True)
@@ -126,9 +128,8 @@ class MediaReader:
                         param,
                     )
                 async with shared.fetches:
-                    return await loop.run_in_executor(
-                        self._fetch_threads, fetch_url, item, where, param, fetch, deadline, budget
-                    )
+                    args = (item, where, param, fetch, deadline, budget, shared.scope)
+                    return await loop.run_in_executor(self._fetch_threads, fetch_url, *args)
             # An HTTP client's files count against the request's bytes as its URLs do.
             files_budget = None if trusted else budget
             return await loop.run_in_executor(
@@ -142,7 +143,11 @@ class MediaReader:
                 return list(await _gather(walk(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node)))
             return await one(node, where)
 
-        return await walk(data, param, 0)
+        try:
+            return await walk(data, param, 0)
+        except BaseException:  # refused (or the client gone): its fetches still running end now
+            shared.scope.cancel()
+            raise
 
     def check_count(self, data: Any, param: str, is_batch: bool) -> None:
         """Refuse lists nested deeper than the field's shape, and a prompt with more items than
