@@ -24,9 +24,11 @@ def hicache_harness(preset: str, strategy: str, policy: str, **kw: Any) -> Sched
     return SchedulerHarness(preset, **args)
 
 
-def evicted_conversation_hits_host(oracles, preset: str, strategy: str, policy: str, **kw: Any) -> dict:
-    """Turn 1 of conversation A; (write_through_selective: A's prefix is hit twice more, its policy's
-    threshold); 8 other conversations push A's checkpoints off the device (6 slots); turn 2 of A
+def evicted_conversation_hits_host(
+    oracles, preset: str, strategy: str, policy: str, selective_hits: int = 1, **kw: Any
+) -> dict:
+    """Turn 1 of conversation A; (write_through_selective: A's prefix is hit `selective_hits` times, once
+    being its policy's threshold, the insert counting as the first hit); 8 other conversations push A's checkpoints off the device (6 slots); turn 2 of A
     (turn 1 + its answer + 20 new tokens) must hit from host. Checks the oracle (raises on a mismatch)
     and the integrity after every request; returns what the caller asserts."""
     h = hicache_harness(preset, strategy, policy, **kw)
@@ -36,7 +38,7 @@ def evicted_conversation_hits_host(oracles, preset: str, strategy: str, policy: 
         first = h.generate(a, max_new_tokens=4)
         turn1 = a + first.output_ids
         if policy == "write_through_selective":
-            for i in range(2):
+            for i in range(selective_hits):
                 h.generate(turn1 + token_ids(8, seed=50 + i), max_new_tokens=1)
         for i in range(8):
             h.generate(token_ids(300, seed=10 + i), max_new_tokens=4)

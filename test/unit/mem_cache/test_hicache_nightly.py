@@ -106,3 +106,13 @@ def test_with_the_forward_stream_on_a_thread(strategy, oracles, monkeypatch):
     assert r["loaded_states"] == 1 and r["oracle_err"] <= ORACLE_TOL
     stats = random_pressure_workload(oracles, "tiny-nemotron-h", strategy, "write_through", seed=3)
     assert stats.get("load_states", 0) > 0, stats
+
+
+def test_write_through_selective_backs_up_only_what_is_hit(oracles):
+    """Without a hit after its insert, A's checkpoints stay off the host under write_through_selective:
+    once evicted from the device, turn 2 hits nothing (and still matches the oracle)."""
+    r = evicted_conversation_hits_host(
+        oracles, "tiny-qwen3-next", "extra_buffer_lazy", "write_through_selective", selective_hits=0
+    )
+    assert r["evicted_from_device"] and r["loaded_states"] == 0 and r["cached"] == 0, r
+    assert r["oracle_err"] <= ORACLE_TOL

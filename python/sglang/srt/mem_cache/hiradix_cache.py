@@ -11,8 +11,8 @@ its own LRU, locks and accounting identity; the host tree's is checked with the 
 Backups (device -> host) by `--hicache-write-policy`:
 - `write_through`: every checkpoint the device tree takes is backed up (with its path's KV) as soon as
   the batch that writes it has run;
-- `write_through_selective`: a checkpoint is backed up once it has been hit `SELECTIVE_THRESHOLD` times
-  (upstream's rule: write through only what is reused);
+- `write_through_selective`: a checkpoint is backed up once it has been hit `SELECTIVE_THRESHOLD` (2)
+  times, its insert counting as the first (upstream's rule: write through only what is reused);
 - `write_back`: a checkpoint is backed up when the device tree evicts it.
 Under every policy a checkpoint whose backup is due but not yet recorded is backed up when evicted. A
 backup that finds no room on host after host eviction (LRU, never a node being loaded) is skipped.
@@ -146,6 +146,8 @@ class HiMambaRadixCache(MambaRadixCache):
         self.stamps[node.id] = self.controller.epoch if self._filled_by_pending_copy else -1
         if self.write_policy == "write_through" and not self._loading:
             self.due[node.id] = node
+        elif self.write_policy == "write_through_selective" and not self._loading:
+            self.hits[node.id] = 1  # (upstream counts the insert as the first hit)
 
     def _donate_snapshot(self, req: Req, pos: int, slot: int, copy_from: int | None) -> None:
         self._filled_by_pending_copy = copy_from is not None
