@@ -42,6 +42,7 @@ class SchedulerUpdateWeightsMixin:
         if done is None:
             return
         req, model, error = done
+        self._drain()  # (on every rank before the vote, its load failed or not)
         if model is not None and self.model_runner.memory_occupation.released:
             # (released while it loaded: the new model's graphs would be captured on freed pools)
             error = MEMORY_RELEASED
@@ -63,6 +64,7 @@ class SchedulerUpdateWeightsMixin:
         """/update_weights_from_tensor: this rank's payload's tensors (`payload_of_rank`,
         `named_tensors_of`), written in place on every rank or on none (`RankVote`)."""
         vote = RankVote(self._agree)
+        self._drain()  # (on every rank before the vote, a rank whose payload fails too)
         try:
             rank, size = (self.tp.rank.tp_rank, self.tp.rank.tp_size) if self.tp is not None else (0, 1)
             payload = payload_of_rank(req.serialized_named_tensors, rank, size, self.dp_rank, req.trusted)
@@ -81,6 +83,7 @@ class SchedulerUpdateWeightsMixin:
         if done is None:
             return
         req, named, error = done
+        self._drain()  # (on every rank before the vote, a rank whose join or receive failed too)
         if isinstance(req, InitWeightsUpdateGroupReqInput):
             error = self._agree(error or None)  # (under TP: every rank joined, or none stays in the group)
             if error and req.group_name in self.weights_groups.groups:
@@ -172,14 +175,21 @@ class SchedulerUpdateWeightsMixin:
     def get_weights_by_name(self, req: GetWeightsByNameReqInput) -> None:
         """Under TP the parameter is gathered from every rank (a collective on the model's group), so
         the batches in flight finish first: their forwards' collectives must not interleave with it."""
-        while self.in_flight:
-            self.process_oldest()
+        self._drain()
         try:
             values = self.model_runner.get_weights_by_name(req.name, req.truncate_size)
             reply = GetWeightsByNameReqOutput(values)
         except Exception as e:  # noqa: BLE001 - a name it lacks, too many values, no memory: told
             reply = GetWeightsByNameReqOutput(None, str(e).strip() or type(e).__name__)
         self.send_to_tokenizer(reply)
+
+    def _drain(self) -> None:
+        """Process every batch in flight. Each weight operation does so first on every rank, before any
+        vote: a rank that voted with a batch still in flight (its own step failed early) would keep the
+        requests that batch finished running, build another next batch than the others, and their
+        model collectives would then differ (review finding 2 of issue 54)."""
+        while self.in_flight:
+            self.process_oldest()
 
     def _agree(self, error: str | None) -> str | None:
         """Every rank's outcome of a call that may fail on some ranks only (`TpBroadcast.agree_outcome`)."""
@@ -203,8 +213,7 @@ class SchedulerUpdateWeightsMixin:
     def _holding_requests(self, waiting: bool) -> bool:
         """Whether requests hold KV and state (running, a chunked prefill, a PD transfer; with `waiting`,
         queued ones too), once the batches in flight have finished."""
-        while self.in_flight:
-            self.process_oldest()
+        self._drain()
         pd_busy = self.disagg is not None and self.disagg.busy()
         queued = waiting and bool(self.waiting_queue)
         return bool(self.running or self.chunked_req is not None or pd_busy or queued)
