@@ -247,3 +247,17 @@ def test_unpack_views_parts_of_mixed_dtypes_whatever_their_offsets():
         assert torch.equal(d[[3, 4]], s[[1, 2]])
     for s, d in zip(states, dst_states, strict=True):
         assert torch.equal(d[2], s[1])
+
+
+def test_a_freed_range_is_zeroed_off_the_loop_and_taken_back_only_zeroed():
+    """Review finding 5: the decode server zeroed each whole range (up to 256 MiB, ~9 ms) on its scheduler
+    loop as the destination went out. Now `free` hands the zeroing to a thread; the range is taken back
+    only when nothing else fits, after its zeroing, so every TP rank picks the same starts."""
+    packer = StatePacker(*pools(0, fill=False), "cpu")
+    st = Staging.create(packer, 3 * 512, 512)
+    a, b = st.alloc(512), st.alloc(512)
+    st.buffer[a : a + 512] = 7  # what a request's chunks left in its range
+    st.free(a)
+    assert st.in_use() == 1 and st.alloc(512) == 1024  # the free room first, whatever the zeroing's pace
+    assert st.alloc(512) == a and not st.buffer[a : a + 512].any()  # then the zeroed range
+    assert st.alloc(1) is None and b == 512

@@ -132,7 +132,7 @@ class DecodeTransferQueue:
         entry = self.staged.get(req.bootstrap.room)
         if entry is not None and entry.req is req:  # nothing writes its staging range any more
             del self.staged[req.bootstrap.room]
-            self.staging.ranges.free(entry.start)
+            self.staging.free(entry.start)
         if self.ranks.tp_size > 1:
             self.added_at.pop(req.bootstrap.room, None)
         if req.bootstrap.port is None:
@@ -225,7 +225,7 @@ class DecodeTransferQueue:
             p = self._match_prefix(req)
             start = None
             if self.staging is not None:
-                start = self.staging.ranges.alloc(self.staging.range_bytes(n - p))
+                start = self.staging.alloc(self.staging.range_bytes(n - p))
             if (self.staging is not None and start is None) or not alloc_for_extend(
                 sched.tree_cache,
                 sched.req_to_token_pool,
@@ -237,7 +237,7 @@ class DecodeTransferQueue:
             ):
                 req.kv_indices = []
                 sched.tree_cache.release_match(req)
-                if start is not None:
+                if start is not None:  # (never written: still zeros)
                     self.staging.ranges.free(start)
                 blocked = True
                 waiting.append(req)
@@ -284,10 +284,8 @@ class DecodeTransferQueue:
                 "prefix": prefix, "kv": req.kv_indices[prefix:], "slot": req.mamba_pool_idx,
             }  # fmt: skip
             staged = None
-            if key in self.staged:  # the unpack writes every row: its range is what must hold zeros (a
-                # later chunk's unpack may read the one before it: the same request's rows, never another's)
+            if key in self.staged:  # the unpack writes every row; its range holds zeros (`Staging.alloc`)
                 entry = self.staged[key]
-                self.staging.buffer[entry.start : entry.start + entry.length].zero_()
                 msg["staging"], msg["staging_bytes"] = self.staging.address(entry.start), entry.length
                 staged = (entry.start, entry.length)
             elif self.device_packer is not None:
@@ -347,7 +345,7 @@ class DecodeTransferQueue:
                 self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
                 return
             del self.staged[key]
-            self.staging.ranges.free(entry.start)
+            self.staging.free(entry.start)
             self.stats["staged_chunks"] += 1
         self.stats["transfers"] += 1
         for k in ("bytes", "kv_tokens", "seconds"):
@@ -429,7 +427,7 @@ class DecodeTransferQueue:
             "transfer_queue": len(self.transfers),
             "ready": len(self.ready),
             "aborted_holding": len(self.zombies),
-            "staging_ranges": len(self.staging.ranges.used) if self.staging is not None else 0,
+            "staging_ranges": self.staging.in_use() if self.staging is not None else 0,
             "staging_buffer_bytes": self.staging.buffer.nbytes if self.staging is not None else 0,
             "staging_chunk_bytes": self.staging.chunk_bytes if self.staging is not None else 0,
             "dropped_messages": self.channel.dropped if self.channel is not None else 0,

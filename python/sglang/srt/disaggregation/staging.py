@@ -29,7 +29,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -337,11 +338,39 @@ class Staging:
     buffer: torch.Tensor
     ranges: ByteRanges
     chunk_bytes: int
+    # Decode side: freed ranges being zeroed off the scheduler's thread (still held in `ranges`).
+    zeroing: list[tuple[int, Future]] = field(default_factory=list)
+    zeroer: ThreadPoolExecutor | None = None
 
     @classmethod
     def create(cls, packer: StatePacker, nbytes: int, chunk_bytes: int) -> Staging:
         buffer = host_buffer(nbytes, pin=packer.device.type == "cuda")
         return cls(packer, buffer, ByteRanges(nbytes, align=ALIGN), chunk_bytes)
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Decode side: a range of `nbytes`, all zeros (a chunk's unpack may read bytes the prefill server
+        has not written in it: never another request's), or None. The ranges being zeroed are taken back
+        only when nothing else fits, all at once, after their zeroing: so under TP every rank (whose zeroing
+        threads run at their own pace) finds the same ranges free and picks the same start."""
+        start = self.ranges.alloc(nbytes)
+        if start is None and self.zeroing:
+            for at, done in self.zeroing:
+                done.result()
+                self.ranges.free(at)
+            self.zeroing = []
+            start = self.ranges.alloc(nbytes)
+        return start
+
+    def free(self, start: int) -> None:
+        """Decode side: give a range back once nothing writes it any more; it is zeroed on a thread of its
+        own (up to a chunk: ~9 ms for 256 MiB, not on the scheduler's loop)."""
+        if self.zeroer is None:
+            self.zeroer = ThreadPoolExecutor(1, thread_name_prefix="staging-zero")
+        view = self.buffer[start : start + self.ranges.used[start]]
+        self.zeroing.append((start, self.zeroer.submit(view.zero_)))
+
+    def in_use(self) -> int:
+        return len(self.ranges.used) - len(self.zeroing)
 
     def address(self, start: int) -> int:
         return self.buffer.data_ptr() + start
