@@ -55,11 +55,8 @@ class StatePacker:
 
     @classmethod
     def of(cls, token_to_kv_pool, mamba_pool, device: str) -> StatePacker:
-        kv = [
-            b for pair in zip(token_to_kv_pool.k_buffer, token_to_kv_pool.v_buffer, strict=True) for b in pair
-        ]
         states = [layer for buf in (mamba_pool.conv_state, mamba_pool.ssm_state) for layer in buf]
-        return cls(kv, states, device)
+        return cls(kv_buffers(token_to_kv_pool), states, device)
 
     def clear(self, tokens: list[int], slot: int) -> None:
         """Zero the rows of `tokens` and of `slot` (device memory: no host address to memset)."""
@@ -108,6 +105,11 @@ class StatePacker:
         if self.stream is not None:
             # The host range is reused by the next transfer once this returns: the copy must be done.
             self.stream.synchronize()
+
+
+def kv_buffers(token_to_kv_pool) -> list[torch.Tensor]:
+    """A KV pool's buffers in the order both servers move them: K then V of each full-attention layer."""
+    return [b for pair in zip(token_to_kv_pool.k_buffer, token_to_kv_pool.v_buffer, strict=True) for b in pair]
 
 
 def _as(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -23,7 +23,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from sglang.srt.disaggregation.channel import reachable_host
-from sglang.srt.disaggregation.staging import Staging, StatePacker, staging_sizes, transfer_path
+from sglang.srt.disaggregation.staging import Staging, StatePacker, kv_buffers, staging_sizes, transfer_path
 from sglang.srt.server_args import ServerArgsError
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,7 @@ class PoolLayout:
 
     @classmethod
     def of(cls, token_to_kv_pool, mamba_pool) -> PoolLayout:
-        kv = [
-            b for pair in zip(token_to_kv_pool.k_buffer, token_to_kv_pool.v_buffer, strict=True) for b in pair
-        ]
+        kv = kv_buffers(token_to_kv_pool)
         per_token = kv[0][0].nbytes if kv else 0
         states = mamba_pool.get_contiguous_buf_infos()
         return cls(
