@@ -88,3 +88,29 @@ def test_a_trainer_that_never_comes_fails_the_join():
     assert not reply.success and reply.message.startswith("The weight-update group was not joined:")
     assert groups.groups == {} and groups.pending is None
     h.shutdown()
+
+
+def test_a_group_layout_the_ranks_cannot_join_is_refused_alike_on_every_rank():
+    """Review finding 3 of issue 54: every TP rank joins as rank_offset + its TP rank, so world_size must
+    be at least rank_offset + --tp-size; before, at world size 2 and TP 2 rank 1's join failed at once
+    while rank 0 and the trainer formed the group (the trainer's next broadcast then waited for ever).
+    The check reads only the request and the flags: each rank refuses in the same words and starts
+    nothing. With --dp-size 2 every replica's ranks would take the same ranks: refused, as upstream does
+    (without DP attention)."""
+    from sglang.srt.managers.scheduler_components.weights_update_group import WeightsUpdateGroups
+
+    def refusals(req, tp_size, dp_size=1):
+        out = []
+        for tp_rank in range(tp_size):
+            groups = WeightsUpdateGroups("cpu")
+            out.append(groups.start_init(req, tp_rank, tp_size, dp_size))
+            assert groups.pending is None  # (no join started on any rank)
+        return out
+
+    small = refusals(InitWeightsUpdateGroupReqInput("127.0.0.1", 1, 1, 2, backend="gloo"), tp_size=2)
+    assert small == [small[0]] * 2 and small[0].startswith("world_size 2 is too small")
+    assert "at least rank_offset + --tp-size (3)" in small[0]
+    offset = refusals(InitWeightsUpdateGroupReqInput("127.0.0.1", 1, 2, 4, backend="gloo"), tp_size=4)
+    assert offset == [offset[0]] * 4 and "rank_offset (2) to 5" in offset[0]
+    dp = refusals(InitWeightsUpdateGroupReqInput("127.0.0.1", 1, 1, 5, backend="gloo"), 2, dp_size=2)
+    assert dp == [dp[0]] * 2 and dp[0].startswith("A weight-update group needs --dp-size 1")

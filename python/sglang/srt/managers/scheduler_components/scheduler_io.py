@@ -204,7 +204,8 @@ class SchedulerIOMixin:
                 self.update_weights_from_tensor(obj)
             elif isinstance(obj, InitWeightsUpdateGroupReqInput):
                 tp_rank = self.tp.rank.tp_rank if self.tp is not None else 0  # (upstream: rank_offset + tp_rank)
-                refused = self.weights_groups.start_init(obj, tp_rank)
+                sizes = self.server_args.tp_size, self.server_args.dp_size
+                refused = self.weights_groups.start_init(obj, tp_rank, *sizes)
                 if refused is not None:
                     self.send_to_tokenizer(InitWeightsUpdateGroupReqOutput(False, refused))
             elif isinstance(obj, UpdateWeightsFromDistributedReqInput):

@@ -38,11 +38,26 @@ class WeightsUpdateGroups:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.pending: tuple[Any, Future] | None = None
 
-    def start_init(self, req: InitWeightsUpdateGroupReqInput, tp_rank: int = 0) -> str | None:
-        """Start joining the group as rank `rank_offset + tp_rank`; None, or why it cannot start."""
+    def start_init(
+        self, req: InitWeightsUpdateGroupReqInput, tp_rank: int = 0, tp_size: int = 1, dp_size: int = 1
+    ) -> str | None:
+        """Start joining the group as rank `rank_offset + tp_rank`; None, or why it cannot start. The
+        layout checks read only the request and the flags, so every rank refuses alike (a rank refusing
+        alone would leave the others in the trainer's group, or in the vote, waiting)."""
         busy = self._busy()
         if busy is not None:
             return busy
+        if dp_size > 1:  # (upstream refuses it too, unless DP attention is on, which this server lacks)
+            return (
+                "A weight-update group needs --dp-size 1: every replica's TP ranks would join it under "
+                "the same ranks."
+            )
+        if req.rank_offset + tp_size > req.world_size:
+            return (
+                f"world_size {req.world_size} is too small: the server's {tp_size} TP rank(s) join as ranks "
+                f"rank_offset ({req.rank_offset}) to {req.rank_offset + tp_size - 1}, so world_size must be "
+                f"at least rank_offset + --tp-size ({req.rank_offset + tp_size})."
+            )
         if req.group_name in self.groups:
             return f"The weight-update group {req.group_name!r} exists already (destroy it first)."
         if req.backend == "nccl" and self.device.type != "cuda":
