@@ -1,8 +1,8 @@
 """Pool sizes under tensor parallelism where the ranks find different free memory, run on each rank by
 `sglang.test.multi_rank.run_ranks`: each rank's memory budget is the one the test gives it (as on GPUs,
 where free memory can differ per rank), and the ModelRunner must still build the same pools on every
-rank, the smallest any rank planned (`pool_sizing.smallest_across_ranks`, `agree_across_ranks`), or
-refuse on every rank alike."""
+rank, those of the rank with the least memory (`pool_sizing.smallest_across_ranks`: the budget's MIN
+over the group), or refuse on every rank alike."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def pools_with_memory(
     ps.init_distributed_environment("gloo", world_size, rank, init_method)
     ps.initialize_model_parallel(world_size, 1)
     real = pool_sizing.cache_budget_bytes
-    agree, smallest = pool_sizing.agree_across_ranks, pool_sizing.smallest_across_ranks
+    smallest = pool_sizing.smallest_across_ranks
     out = []
     try:
         for memory_by_rank in cases:
@@ -41,10 +41,9 @@ def pools_with_memory(
                 out.append({"error": str(e)})
                 continue
             weights = runner.memory_bytes["weights"]
-            pool_sizing.agree_across_ranks = lambda sizes: sizes  # (this rank's plan alone)
-            pool_sizing.smallest_across_ranks = lambda value: value
+            pool_sizing.smallest_across_ranks = lambda value: value  # (this rank's plan alone)
             planned = pool_sizing.compute_pool_sizes(args, runner.arch, weights)
-            pool_sizing.agree_across_ranks, pool_sizing.smallest_across_ranks = agree, smallest
+            pool_sizing.smallest_across_ranks = smallest
             out.append({
                 "planned": {f: getattr(planned, f) for f in FIELDS},
                 "taken": {f: getattr(runner.pool_sizes, f) for f in FIELDS},
@@ -54,5 +53,5 @@ def pools_with_memory(
         return out
     finally:
         pool_sizing.cache_budget_bytes = real
-        pool_sizing.agree_across_ranks, pool_sizing.smallest_across_ranks = agree, smallest
+        pool_sizing.smallest_across_ranks = smallest
         ps.destroy_model_parallel()

@@ -17,14 +17,13 @@ where --tp-size exceeds the model's key/value heads) and its share of the recurr
 rank sizes alike (a rank's weights differ from another's by the vocabulary's padding at most), but the
 memory a rank finds free may not be alike (on GPUs another process's allocations, or the driver's): so
 the budget each rank finds is reduced with MIN over its TP group before the sizes are derived from it
-(`smallest_across_ranks`), so that every rank derives the same sizes or the same refusal, and the sizes
-too before any pool is allocated (`agree_across_ranks`), and every rank schedules from the same pools. Each data-parallel replica is its own
-TP group and sizes its own pools.
+(`smallest_across_ranks`), so that every rank derives the same sizes or the same refusal and schedules
+from the same pools (the scheduler's start checks that the sizes agree). Each data-parallel replica is its
+own TP group and sizes its own pools.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -166,32 +165,6 @@ def smallest_across_ranks(value: int) -> int:
     return int(t.item())
 
 
-def agree_across_ranks(sizes: PoolSizes) -> PoolSizes:
-    """The sizes every rank of this process's TP group can hold: each planned number (KV tokens, mamba
-    slots, running requests) the smallest any rank planned (one all-reduce MIN over the group's CPU
-    group; the identity at one rank). Still a valid plan on every rank: each rank's pools shrink
-    field by field, so they fit its budget; the smallest slot count still holds the running cap it
-    came with (`compute_pool_sizes` leaves `slots >= running * slots_per_running_req`, and the smallest
-    cap is no larger), and every token count is a whole number of pages."""
-    import torch.distributed as dist
-
-    from sglang.srt.distributed import get_tp_group
-
-    group = get_tp_group()
-    if group.world_size == 1 or group.cpu_group is None:  # (None: the planner's stand-in, no process group)
-        return sizes
-    fields = ("max_total_tokens", "max_mamba_cache_size", "max_running_requests")
-    planned = torch.tensor([getattr(sizes, f) for f in fields], dtype=torch.int64)
-    dist.all_reduce(planned, op=dist.ReduceOp.MIN, group=group.cpu_group)
-    agreed = dict(zip(fields, planned.tolist(), strict=True))
-    if any(agreed[f] != getattr(sizes, f) for f in fields):
-        logger.info(
-            "Pool sizes agreed over the %d TP ranks (the smallest each rank planned): %s; this rank "
-            "planned %s.", group.world_size, agreed, {f: getattr(sizes, f) for f in fields},
-        )  # fmt: skip
-    return dataclasses.replace(sizes, **agreed)
-
-
 def compute_pool_sizes(
     server_args: ServerArgs, arch: HybridArchConfig, weight_bytes: int, device_memory: int | None = None
 ) -> PoolSizes:
@@ -279,5 +252,5 @@ def compute_pool_sizes(
         mamba_bytes_per_slot=per_slot,
         kv_bytes_per_token=per_token,
     )
-    # Under TP, what every rank of the group holds (the identity at one rank and in the planner).
-    return agree_across_ranks(sizes)
+    # (Under TP every rank derived these from the same budget: the scheduler's start checks they agree.)
+    return sizes
