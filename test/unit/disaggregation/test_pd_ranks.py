@@ -164,9 +164,9 @@ class _Lockstep(PdRanks):
         pass
 
 
-def test_decode_ranks_drop_a_destination_rank_0_could_not_send_in_the_same_poll():
-    """Only rank 0 sends; when its send fails (the prefill server takes no messages), every rank releases
-    the request at the next poll, none before (a rank that released alone would reuse its slots)."""
+def lockstep_decode_queues(send, recv_all=list):
+    """Two decode ranks' queues in lockstep (`_Lockstep`), each holding room "a" reserved; rank 0's
+    channel sends with `send` and receives `recv_all()`. Returns the queues and what each rank aborted."""
     from types import SimpleNamespace
 
     from sglang.srt.managers.io_struct import BootstrapInfo
@@ -181,15 +181,23 @@ def test_decode_ranks_drop_a_destination_rank_0_could_not_send_in_the_same_poll(
         q = decode_queue(sched)
         q.ranks, q.added_at, q.unsent = _Lockstep(rank, shared), {}, []
         q.rank_targets = [{"session": f"s{r}", "layout": {}, "staging": None} for r in range(TP)]
-        q.channel.send = (lambda url, msg: False) if rank == 0 else None  # (rank 1 has no channel to use)
-        q.channel.recv_all = list
+        q.channel.send = send if rank == 0 else None  # (rank 1 has no channel to use)
+        q.channel.recv_all = recv_all
         if rank:
             q.channel = None
         r = Req("rid-a", [5, 6, 7])
         r.bootstrap = BootstrapInfo("127.0.0.1", 8998, "a")
         r.kv_indices, r.mamba_pool_idx = [10, 11, 12], 3
+        r.sampling_params.max_new_tokens = 4
         q.reserved.append((r, 1, 0))
         queues.append(q)
+    return queues, aborted
+
+
+def test_decode_ranks_drop_a_destination_rank_0_could_not_send_in_the_same_poll():
+    """Only rank 0 sends; when its send fails (the prefill server takes no messages), every rank releases
+    the request at the next poll, none before (a rank that released alone would reuse its slots)."""
+    queues, aborted = lockstep_decode_queues(lambda url, msg: False)
     for q in queues:
         assert q._send_destinations()
         assert "a" in q.transfers  # (rank 1 cannot know yet: the send was rank 0's)
@@ -198,3 +206,16 @@ def test_decode_ranks_drop_a_destination_rank_0_could_not_send_in_the_same_poll(
         q.poll()
     assert aborted == [[("a", "The prefill server does not take messages.", 503)]] * 2
     assert all(not q.transfers and "a" not in q.dst_sent for q in queues)
+
+
+def test_decode_ranks_all_fail_a_request_whose_answer_is_malformed():
+    """Review finding 1 under TP: rank 0 hands its messages over the exchange and every rank reads the
+    malformed answer alike: each fails the request (500) in the same poll, none is left holding it."""
+    answer = [{"type": "done", "room": "a", "ok": True, "output_ids": ["not-a-token"]}]
+    queues, aborted = lockstep_decode_queues(lambda url, msg: True, lambda: list(answer))
+    for q in queues:
+        assert q._send_destinations()
+    for q in queues:
+        q.poll()
+    assert [[(room, status) for room, _, status in a] for a in aborted] == [[("a", 500)]] * 2
+    assert all("malformed answer" in a[0][1] and not q.transfers for a, q in zip(aborted, queues, strict=True))
