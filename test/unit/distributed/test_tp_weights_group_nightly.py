@@ -54,3 +54,17 @@ def test_a_trainer_group_reaches_every_rank(engine):
         assert engine.destroy_weights_update_group()[0]
     finally:
         trainer.close()
+
+
+def test_a_trainer_group_too_small_for_every_rank_is_refused_and_serving_goes_on(engine):
+    """Review finding 3 of issue 54: at world size 2 rank 1 (rank_offset + 1 = 2) has no place; every
+    rank refuses before any joins (before, rank 1 failed alone while rank 0 joined the trainer), and the
+    ranks go on in step: a generation and a gather across both ranks still answer."""
+    from sglang.test.test_utils import find_free_port
+
+    success, message = engine.init_weights_update_group("127.0.0.1", find_free_port(), 1, 2, backend="gloo")
+    assert not success and message.startswith("world_size 2 is too small"), message
+    assert "at least rank_offset + --tp-size (3)" in message
+    out = engine.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 4, "temperature": 0})
+    assert len(out["output_ids"]) == 4
+    assert engine.get_weights_by_name("model.layers.0.linear_attn.out_proj.weight", 4)
