@@ -181,3 +181,36 @@ def disk_tier_survives_restart(oracles, preset: str, storage_dir: str) -> dict:
             h.shutdown()
     return {"writes": writes, "reads": stats.get("disk_reads", 0), "cached": out.cached_tokens,
             "first_turn_len": len(turn1), "oracle_err": err}  # fmt: skip
+
+
+def aborted_chunk_snapshot_then_host_load(oracles, preset: str = "tiny-qwen3-next") -> dict:
+    """`no_buffer`, chunks of 64: request X's first chunk runs, its snapshot's state copy (running slot
+    R -> checkpoint slot S) is recorded for the next batch; X is aborted (R freed); the next round a
+    host hit of conversation A gets R as its load slot, so the next batch both loads into R and copies
+    R -> S. Then Y (X's first chunk + new tokens) hits S. Y and A's turn 2 must match the oracle: the copy
+    R -> S must run before the load into R (in recorded order). Returns what the caller asserts."""
+    h = hicache_harness(preset, "no_buffer", "write_through", chunked_prefill_size=64)
+    sched, tree = h.sched, h.sched.tree_cache
+    try:
+        a = token_ids(200, seed=1)
+        turn1 = a + h.generate(a, max_new_tokens=4).output_ids
+        for i in range(8):
+            h.generate(token_ids(300, seed=10 + i), max_new_tokens=4)
+        x = token_ids(300, seed=77)
+        rx = h.submit(x, max_new_tokens=4)
+        sched.step()  # X's first chunk; its snapshot's state copy waits for the next batch
+        sched.abort_request(rx)
+        h.collect()
+        prompt = turn1 + token_ids(20, seed=99)
+        loads = tree.controller.stats["load_states"]
+        second = h.generate(prompt, max_new_tokens=4)
+        loads = tree.controller.stats["load_states"] - loads
+        err_a = h.check_oracle(oracles[preset], prompt, second)
+        y = x[:64] + token_ids(30, seed=5)
+        out = h.generate(y, max_new_tokens=6)
+        sched.check_integrity()
+        err_y = h.check_oracle(oracles[preset], y, out)
+        h.flush_and_check_empty()
+        return {"loads": loads, "cached_y": out.cached_tokens, "err_a": err_a, "err_y": err_y}
+    finally:
+        h.shutdown()

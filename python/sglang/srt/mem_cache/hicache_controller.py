@@ -4,7 +4,9 @@ device pools and the host tier (`HostPools`).
 The scheduler never touches a tensor: `backup` and `load` only record a copy. The copies recorded up to
 a batch's preparation are sealed into that batch (`seal`, called once per batch by the tree cache) and run
 on the forward stream before its first layer (`run`, from the forward worker's before-batch hook), in the
-order they were recorded, ahead of the batch's own state copies, COW and clears. FIFO order on the forward
+order they were recorded, ahead of the batch's COW and clears. The tree's own state copies (`no_buffer`
+snapshots) are recorded here too (`state_copy`): one ordered list, so a load into a slot freed and
+handed out again never overtakes a copy out of it recorded earlier. FIFO order on the forward
 stream is the whole synchronisation story, as for every other state move (docs/state_management.md):
 - a load runs before the batch whose request hit it reads the pages or COWs the snapshot;
 - a backup of a device page or slot that the tree gives up runs before any later batch writes it;
@@ -24,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -72,6 +75,13 @@ class HiCacheController:
         self.recorded.append(HostCopy(False, device_kv, host_kv, device_slot, host_slot))
         self.stats["load_tokens"] += len(device_kv)
         self.stats["load_states"] += 1
+
+    def state_copy(self, src: int, dst: int) -> None:
+        """A device state copy of the tree's (a `no_buffer` snapshot: running slot -> checkpoint slot),
+        run in order with the host copies: a load recorded earlier into `src` (a slot freed and handed
+        out again) runs before it, a backup of `dst` recorded later after it."""
+        self.recorded.append(partial(self.host.mamba_pool.copy_from, [src], [dst]))
+        self.stats["state_copies"] += 1
 
     def record(self, op: Callable[[], None], stat: str) -> None:
         """Any other operation on the host tier's tensors (the disk tier's writes and reads), run on the

@@ -155,6 +155,12 @@ class HiMambaRadixCache(MambaRadixCache):
             super()._donate_snapshot(req, pos, slot, copy_from)
         finally:
             self._filled_by_pending_copy = False
+        # The snapshot's state copy joins the host copies' one ordered list: run apart (after them), a
+        # load recorded before it into the running slot (freed by an abort, handed out again) would
+        # overwrite its source first.
+        for src, dst in self.pending_state_copies:
+            self.controller.state_copy(src, dst)
+        self.pending_state_copies = []
 
     def _drop_checkpoint(self, node: TreeNode) -> None:
         due = node.id in self.due or self.write_policy == "write_back"
