@@ -17,13 +17,13 @@ import ctypes
 import torch
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+from sglang.srt.disaggregation.destination import malformed_dst
 from sglang.srt.disaggregation.pd_ranks import (
     PdRanks,
     check_targets,
     destination_ranks,
     shard_descriptors,
 )
-from sglang.srt.disaggregation.prefill import _malformed_dst
 from sglang.srt.disaggregation.transfer import PoolLayout
 from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
 from sglang.test.ci_register import register_cpu_ci
@@ -98,12 +98,32 @@ def test_another_tp_size_or_layout_is_refused_naming_it():
 def test_a_malformed_rank_entry_is_refused():
     layout = PoolLayout([], [], 0, [], [], []).to_dict()
     base = {"notify": "tcp://x:1", "session": "s", "layout": layout, "kv": [1], "slot": 0}
-    assert _malformed_dst({**base, "ranks": [{"session": "a", "layout": layout}] * 2}, 100) is None
-    assert _malformed_dst({**base, "ranks": [{"session": 1, "layout": layout}]}, 100) is not None
+    assert malformed_dst({**base, "ranks": [{"session": "a", "layout": layout}] * 2}, 100) is None
+    assert malformed_dst({**base, "ranks": [{"session": 1, "layout": layout}]}, 100) is not None
     bad_layout = [{"session": "a", "layout": {"kv_ptrs": "x"}}]
-    assert _malformed_dst({**base, "ranks": bad_layout}, 100) is not None
-    assert _malformed_dst({**base, "ranks": []}, 100) is not None
-    assert _malformed_dst({**base, "ranks": "ab"}, 100) is not None
+    assert malformed_dst({**base, "ranks": bad_layout}, 100) is not None
+    assert malformed_dst({**base, "ranks": []}, 100) is not None
+    assert malformed_dst({**base, "ranks": "ab"}, 100) is not None
+
+
+def test_a_staged_destination_whose_ranks_lack_their_range_or_whose_lists_differ_is_refused():
+    """Review finding 1 (issue 56): each of these passed and then raised while the transfer was built (a
+    KeyError on the scheduler's thread: the prefill server died; a ValueError from a strict zip)."""
+    layout = PoolLayout.of(*rank_pools(0, False)).to_dict()
+    base = {"notify": "tcp://x:1", "session": "s", "layout": layout, "kv": [1], "slot": 1}
+    staged = {**base, "staging": 4096, "staging_bytes": 1 << 20}
+    good = [{"session": f"s{r}", "layout": layout, "staging": 4096, "staging_bytes": 1 << 20} for r in range(2)]
+    assert malformed_dst({**staged, "ranks": good}, 100) is None
+    lacking = [{"session": "s0", "layout": layout}, {"session": "s1", "layout": layout}]
+    assert "each rank's staging" in malformed_dst({**staged, "ranks": lacking}, 100)
+    empty = [{**good[0], "staging_bytes": 0}, good[1]]
+    assert "each rank's staging" in malformed_dst({**staged, "ranks": empty}, 100)
+    assert "staging_bytes must be a size above 0" in malformed_dst({**base, "staging": 4096}, 100)
+    assert "without one" in malformed_dst({**base, "ranks": good}, 100)
+    short = {**layout, "state_ptrs": layout["state_ptrs"][:1]}
+    assert "state_ptrs, state_nbytes and state_slot_bytes differ" in malformed_dst({**base, "layout": short}, 100)
+    short_kv = {**layout, "kv_nbytes": []}
+    assert "kv_ptrs and kv_nbytes differ" in malformed_dst({**base, "layout": short_kv}, 100)
 
 
 class _Gathered(PdRanks):
@@ -131,8 +151,6 @@ def test_a_transfer_ends_when_every_rank_has_ended_with_the_first_failure():
     # One rank: its own outcome as it is.
     single = PdRanks()
     assert single.exchange(first, mine) == (first, mine)
-
-
 
 
 def test_staged_destinations_name_each_rank_range_and_chunks_wait_for_every_rank():

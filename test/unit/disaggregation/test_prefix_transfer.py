@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, _malformed_dst, _Room
+from sglang.srt.disaggregation.destination import malformed_dst
+from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, _Room
 from sglang.srt.disaggregation.transfer import PoolLayout, TransferError
 from sglang.test.ci_register import register_cpu_ci
 
@@ -91,10 +92,10 @@ def test_a_staging_mismatch_is_an_error():
 
 def test_a_malformed_prefix_or_staging_is_refused():
     base = {"notify": "n", "session": "s", "layout": LAYOUT.to_dict(), "kv": [1], "slot": 0}
-    assert _malformed_dst(base, 4096) is None
+    assert malformed_dst(base, 4096) is None
     bads = ({"prefix": -1}, {"prefix": "3"}, {"prefix": True}, {"staging": -5}, {"staging": 1.5}, {"staging_bytes": "9"})
     for bad in bads:
-        assert _malformed_dst({**base, **bad}, 4096) == (
+        assert malformed_dst({**base, **bad}, 4096) == (
             "prefix must be a token count, staging an address and staging_bytes a size"
         )
 
@@ -130,3 +131,20 @@ def test_a_transfer_cancelled_before_it_begins_writes_nothing():
     with pytest.raises(TransferError, match="cancelled by the decode server"):
         q._transfer(session, descriptors, inject, cancelled)
     assert q.engine.write.calls == []
+
+
+def test_a_destination_whose_transfer_cannot_be_built_fails_that_request_only(monkeypatch):
+    """Review finding 1 (issue 56): whatever building the transfer raises (a destination `malformed_dst`
+    let through) fails that room's transfer at once, as a failed write does (under TP the exchange ends
+    it on every rank with this error), instead of raising on the scheduler's thread."""
+    import sglang.srt.disaggregation.prefill as prefill
+
+    def raising(*args):
+        raise ValueError("zip() argument 2 is shorter than argument 1")
+
+    monkeypatch.setattr(prefill, "shard_descriptors", raising)
+    q = queue()
+    room = start(q, 6, [50, 51, 52, 53])
+    assert q.executor.calls == [] and room.future.done()
+    error, nbytes, _, _ = prefill._outcome(room.future)
+    assert error == "the destination cannot be written (ValueError)" and nbytes == 0

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.disaggregation.auth import BootstrapIdentity, check_at_start, secret
 from sglang.srt.disaggregation.channel import MAX_ERROR_CHARS, Channel
+from sglang.srt.disaggregation.destination import malformed_dst
 from sglang.srt.disaggregation.pd_ranks import (
     SINGLE,
     Outcome,
@@ -214,7 +215,7 @@ class PrefillBootstrapQueue:
 
     def _on_dst(self, msg: dict[str, Any]) -> None:
         key = str(msg["room"])
-        problem = _malformed_dst(msg, self.context_len)
+        problem = malformed_dst(msg, self.context_len)
         if problem is not None:
             logger.warning("Disaggregation: a malformed destination for room %s: %s.", key, problem)
             self._notify_failed(msg, f"a malformed destination ({problem})")
@@ -297,17 +298,26 @@ class PrefillBootstrapQueue:
         room.kv_tokens = n - prefix
         fail_prefix = envs.SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER.get()
         inject = fail_prefix is not None and req.rid.startswith(fail_prefix)
-        if self.staging is not None:  # (this rank's range of the decode rank of the same index)
-            room.link = ChunkLink()
-            mine = rank_targets(dst)[self.ranks.tp_rank]
-            target = (mine["staging"], mine.get("staging_bytes", 0))
-            args = (mine["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, target, room.link, inject)
-            room.future = self.executor.submit(self._transfer_staged, *args)
+        try:
+            if self.staging is not None:  # (this rank's range of the decode rank of the same index)
+                room.link = ChunkLink()
+                mine = rank_targets(dst)[self.ranks.tp_rank]
+                target = (mine["staging"], mine["staging_bytes"])
+                args = (mine["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, target, room.link)
+                room.future = self.executor.submit(self._transfer_staged, *args, inject)
+                return
+            # This rank's shard into the decode rank of the same index.
+            session, descriptors = shard_descriptors(
+                self.layout, dst, self.ranks.tp_rank, req.kv_indices[prefix:n], req.mamba_pool_idx
+            )
+        except Exception as e:  # noqa: BLE001 - what `malformed_dst` missed: refused, not raised
+            # This rank's transfer fails at once; the room ends on every rank with this error in the
+            # exchange (`PdRanks.exchange`), as any rank's failed write does.
+            error = TransferError(f"the destination cannot be written ({type(e).__name__})")
+            logger.warning("Disaggregation: room %s's destination cannot be written: %r.", key, e)
+            room.future = Future()
+            room.future.set_exception(error)
             return
-        # This rank's shard into the decode rank of the same index.
-        session, descriptors = shard_descriptors(
-            self.layout, dst, self.ranks.tp_rank, req.kv_indices[prefix:n], req.mamba_pool_idx
-        )
         room.future = self.executor.submit(self._transfer, session, descriptors, inject, room.cancelled)
 
     def _transfer(
@@ -439,50 +449,3 @@ def _outcome(future: Future) -> Outcome:
     except Exception as e:  # noqa: BLE001 - any failure ends the request: told, not raised
         return str(e), 0, 0.0, []
     return None, nbytes, seconds, last_chunk
-
-
-def _malformed_dst(msg: dict[str, Any], context_len: int) -> str | None:
-    """What is wrong with a destination from the network, or None."""
-
-    def is_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63  # (an address or a slot id)
-
-    if not isinstance(msg.get("notify"), str) or not isinstance(msg.get("session"), str):
-        return "notify and session must be strings"
-    if not is_int(msg.get("slot")) or not isinstance(msg.get("kv"), list) or not all(map(is_int, msg["kv"])):
-        return "slot and kv must be slot ids"
-    if not all(is_int(msg.get(k, 0)) for k in ("prefix", "staging", "staging_bytes")):
-        return "prefix must be a token count, staging an address and staging_bytes a size"
-    if len(msg["kv"]) > context_len:
-        return f"kv names {len(msg['kv'])} token slots, more than the context length {context_len}"
-    ranks = msg.get("ranks", [msg])  # (a decode server above one TP rank: each rank's session and layout)
-    if not isinstance(ranks, list) or not 0 < len(ranks) <= MAX_TP_RANKS:
-        return f"ranks must list between 1 and {MAX_TP_RANKS} decode ranks"
-    for target in ranks:
-        if not isinstance(target, dict) or not isinstance(target.get("session"), str):
-            return "each rank's session must be a string"
-        if not all(is_int(target.get(k, 0)) for k in ("staging", "staging_bytes")):
-            return "each rank's staging must be an address and staging_bytes a size"
-        problem = _malformed_layout(target.get("layout"), is_int)
-        if problem is not None:
-            return problem
-    return None
-
-
-# The most TP ranks a destination may name (a bound on what it makes this server hold and check).
-MAX_TP_RANKS = 64
-
-
-def _malformed_layout(layout: Any, is_int) -> str | None:
-    try:
-        PoolLayout.from_dict(layout)
-    except TypeError:
-        return "layout is not a pool layout"
-    lists = [layout[k] for k in ("kv_ptrs", "kv_nbytes", "state_ptrs", "state_nbytes", "state_slot_bytes")]
-    if not all(isinstance(v, list) and all(map(is_int, v)) for v in lists) or not is_int(
-        layout["kv_bytes_per_token"]
-    ):
-        return "layout holds something other than addresses and sizes"
-    if not isinstance(layout.get("kv_dtype", ""), str):
-        return "layout's kv_dtype must be a string"
-    return None

@@ -1,0 +1,69 @@
+"""The checks of a prefill server on a destination that a decode server sent (`prefill.py`): its fields'
+types, and the lengths that `transfer_descriptors` and `Staging.send` rely on, so that building a
+transfer from a destination that passes never raises. Each check reads the message alone (a pure
+function of it): under TP every rank gets rank 0's message and so refuses, or accepts, alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.disaggregation.transfer import PoolLayout
+
+
+def malformed_dst(msg: dict[str, Any], context_len: int) -> str | None:
+    """What is wrong with a destination from the network, or None."""
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63  # (an address or a slot id)
+
+    if not isinstance(msg.get("notify"), str) or not isinstance(msg.get("session"), str):
+        return "notify and session must be strings"
+    if not is_int(msg.get("slot")) or not isinstance(msg.get("kv"), list) or not all(map(is_int, msg["kv"])):
+        return "slot and kv must be slot ids"
+    if not all(is_int(msg.get(k, 0)) for k in ("prefix", "staging", "staging_bytes")):
+        return "prefix must be a token count, staging an address and staging_bytes a size"
+    if len(msg["kv"]) > context_len:
+        return f"kv names {len(msg['kv'])} token slots, more than the context length {context_len}"
+    ranks = msg.get("ranks", [msg])  # (a decode server above one TP rank: each rank's session and layout)
+    if not isinstance(ranks, list) or not 0 < len(ranks) <= MAX_TP_RANKS:
+        return f"ranks must list between 1 and {MAX_TP_RANKS} decode ranks"
+    # Staged (the destination names a range): every rank's entry names its range, else none does.
+    staged = "staging" in msg
+    if staged and not msg.get("staging_bytes"):
+        return "staging_bytes must be a size above 0"
+    for target in ranks:
+        if not isinstance(target, dict) or not isinstance(target.get("session"), str):
+            return "each rank's session must be a string"
+        if staged and not (is_int(target.get("staging")) and is_int(target.get("staging_bytes"))
+                           and target["staging_bytes"] > 0):  # fmt: skip
+            return "each rank's staging must be an address and staging_bytes a size above 0"
+        if not staged and ("staging" in target or "staging_bytes" in target):
+            return "a rank names a staging range in a destination without one"
+        problem = malformed_layout(target.get("layout"), is_int)
+        if problem is not None:
+            return problem
+    return None
+
+
+# The most TP ranks a destination may name (a bound on what it makes this server hold and check).
+MAX_TP_RANKS = 64
+
+
+def malformed_layout(layout: Any, is_int) -> str | None:
+    try:
+        PoolLayout.from_dict(layout)
+    except TypeError:
+        return "layout is not a pool layout"
+    lists = [layout[k] for k in ("kv_ptrs", "kv_nbytes", "state_ptrs", "state_nbytes", "state_slot_bytes")]
+    if not all(isinstance(v, list) and all(map(is_int, v)) for v in lists) or not is_int(
+        layout["kv_bytes_per_token"]
+    ):
+        return "layout holds something other than addresses and sizes"
+    if not isinstance(layout.get("kv_dtype", ""), str):
+        return "layout's kv_dtype must be a string"
+    # (`transfer_descriptors` and `PoolLayout.regions` zip them strictly)
+    if len(lists[0]) != len(lists[1]):
+        return "layout's kv_ptrs and kv_nbytes differ in length"
+    if not len(lists[2]) == len(lists[3]) == len(lists[4]):
+        return "layout's state_ptrs, state_nbytes and state_slot_bytes differ in length"
+    return None
