@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
 import torch
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
@@ -142,15 +143,20 @@ def test_a_transfer_ends_when_every_rank_has_ended_with_the_first_failure():
     ranks = _Gathered([None, rank1])
     first = (["msg"], 12.5)
     mine = {"a": (None, 100, 0.2, None), "b": (None, 80, 0.3, None), "c": (None, 10, 0.1, None)}
-    got_first, ended = ranks.exchange(first, mine)
+    got_first, ended, failing = ranks.exchange(first, mine)
     assert got_first == first
     assert ended == {  # "c": rank 1's write still runs
         "a": (None, 200, 0.5, None),
         "b": ("Mooncake write failed (code -1) (on TP rank 1)", 80, 0.3, None),
     }
+    assert failing == {}
+    # A failure on rank 1 while rank 0's write runs: reported at once, for rank 0 to stop its write.
+    rank1 = (None, {"d": ("Mooncake write failed (code -1)", 0, 0.1, None)})
+    _, ended, failing = _Gathered([None, rank1]).exchange(first, {})
+    assert ended == {} and failing == {"d": "Mooncake write failed (code -1) (on TP rank 1)"}
     # One rank: its own outcome as it is.
     single = PdRanks()
-    assert single.exchange(first, mine) == (first, mine)
+    assert single.exchange(first, mine) == (first, mine, {})
 
 
 def test_staged_destinations_name_each_rank_range_and_chunks_wait_for_every_rank():
@@ -176,7 +182,7 @@ class _Lockstep(PdRanks):
     def exchange(self, first, ended):
         if self.is_first:
             self.shared["first"] = first
-        return self.shared["first"], {}
+        return self.shared["first"], {}, {}
 
     def barrier(self):
         pass
@@ -237,3 +243,52 @@ def test_decode_ranks_all_fail_a_request_whose_answer_is_malformed():
         q.poll()
     assert [[(room, status) for room, _, status in a] for a in aborted] == [[("a", 500)]] * 2
     assert all("malformed answer" in a[0][1] and not q.transfers for a, q in zip(aborted, queues, strict=True))
+
+
+class _Rank1Failed(PdRanks):
+    """Rank 0 of two whose rank 1 reports, in every poll, that its write of room "a" failed, and that it
+    wrote no chunk."""
+
+    def __init__(self):
+        super().__init__(2, 0)
+
+    def all_gather(self, value):
+        if isinstance(value, dict):  # (written_everywhere)
+            return [value, {}]
+        return [value, (None, {"a": ("Mooncake write of 3 blocks to s1 failed (code -1).", 0, 0.0, [])})]
+
+
+def test_a_failure_on_one_rank_stops_the_others_at_once_and_is_the_error_reported():
+    """Review finding 4 (issue 56): rank 1's staged write failed while rank 0's thread waited for the
+    acknowledgement of a chunk the decode server was never told of (rank 1 had not written it). Rank 0
+    waited out its ack timeout (up to 60 s), and the request then failed with rank 0's timeout. Now the
+    poll that gathers rank 1's failure stops rank 0's transfer, and the room ends with rank 1's error."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, _Room
+    from sglang.srt.disaggregation.staging import ChunkLink
+
+    aborted, sent = [], []
+    q = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
+    q.sched = SimpleNamespace(abort_with_status=lambda reqs, msg, status: aborted.append((msg, status)))
+    q.ranks, q.timeout, q.rooms, q.ended = _Rank1Failed(), 300.0, {}, {}
+    q.channel = SimpleNamespace(recv_all=list, send=lambda url, msg: sent.append(msg))
+    q.stats = {"failed_transfers": 0}
+    link, executor = ChunkLink(), ThreadPoolExecutor(1)
+    try:
+        future = executor.submit(link.wait_ack, [0, 10, False], 30.0)  # rank 0's thread, chunk 0 written
+        q.rooms["a"] = _Room(0.0, req=SimpleNamespace(finished=False), dst={"notify": "tcp://x:1", "room": "a"},
+                             future=future, link=link)  # fmt: skip
+        q.poll()
+        assert "a" in q.rooms  # (rank 0's write still ran when gathered)
+        with pytest.raises(RuntimeError, match="cancelled"):
+            future.result(timeout=2)  # (stopped at once; it waited 30 s before, or for ever while paused)
+        q.poll()
+    finally:
+        link.cancel()
+        executor.shutdown()
+    root = "Mooncake write of 3 blocks to s1 failed (code -1). (on TP rank 1)"
+    assert "a" not in q.rooms and q.stats["failed_transfers"] == 1
+    assert aborted == [(f"KV transfer to the decode server failed: {root}", 500)]
+    assert [m["error"] for m in sent] == [f"KV transfer failed: {root}"]

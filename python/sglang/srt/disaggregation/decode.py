@@ -165,7 +165,7 @@ class DecodeTransferQueue:
                     msgs.append({"type": "proven", "room": "", "url": msg["to"]})
             first = (msgs, time.monotonic(), list(self.unsent))
             self.unsent = []
-        (msgs, self.now, unsent), _ = self.ranks.exchange(first, {})
+        (msgs, self.now, unsent), _, _ = self.ranks.exchange(first, {})
         did = bool(msgs or unsent)
         for key in unsent:
             self._drop_unsent(key)

@@ -15,7 +15,9 @@ identical on every rank without further messages:
   same --tp-size (`check_targets`): a rank's heads are the same heads on both sides only then;
 - a transfer ends when every prefill rank's write has ended: each poll gathers which of its own ended and
   how (`exchange`'s `ended`), and a room ends, with the first failing rank's error, in the poll where every
-  rank has it. Only rank 0 sends; the other ranks' sends are dropped.
+  rank has it. A failure on one rank stops the room's transfer on the ranks still running it (in the poll
+  that gathers it, on every rank at once), and the room ends with that first failure, not the others'
+  "cancelled". Only rank 0 sends; the other ranks' sends are dropped.
 
 On the staged path (`staging.py`) each rank's transfer thread moves its shard in the same chunks (the
 same positions: every rank's rows of a position weigh alike) through its own staging buffer into decode
@@ -82,22 +84,29 @@ class PdRanks:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def exchange(self, first: Any, ended: dict[str, Outcome]) -> tuple[Any, dict[str, Outcome]]:
-        """Rank 0's `first` (None on the other ranks), and the rooms whose transfer has ended on every
-        rank, in rank 0's order, each with its outcome: the first failing rank's error (naming the rank
-        above one rank), the bytes every rank moved, the longest rank's seconds and rank 0's extra."""
+    def exchange(
+        self, first: Any, ended: dict[str, Outcome]
+    ) -> tuple[Any, dict[str, Outcome], dict[str, str]]:
+        """Rank 0's `first` (None on the other ranks); the rooms whose transfer has ended on every rank, in
+        rank 0's order, each with its outcome: the first failing rank's error (naming the rank above one
+        rank), the bytes every rank moved, the longest rank's seconds and rank 0's extra; and the rooms
+        whose transfer failed on some rank while another's still runs, each with that failure (the ranks
+        still running stop it: `PrefillBootstrapQueue.poll`). Every rank gets the same three."""
         everyone = self.all_gather((first, ended))
         outcomes: dict[str, Outcome] = {}
-        for key in everyone[0][1]:
-            if not all(key in e for _, e in everyone):
-                continue  # another rank's write still runs: a later poll ends it
-            mine = [e[key] for _, e in everyone]
-            failed = [(r, o[0]) for r, o in enumerate(mine) if o[0]]
+        failing: dict[str, str] = {}
+        for key in dict.fromkeys(k for _, e in everyone for k in e):  # (every rank's, in rank order)
+            mine = [e.get(key) for _, e in everyone]
+            failed = [(r, o[0]) for r, o in enumerate(mine) if o is not None and o[0]]
             error = None
             if failed:
                 error = failed[0][1] if self.tp_size == 1 else f"{failed[0][1]} (on TP rank {failed[0][0]})"
+            if None in mine:  # another rank's write still runs: a later poll ends it
+                if error is not None:
+                    failing[key] = error
+                continue
             outcomes[key] = (error, sum(o[1] for o in mine), max(o[2] for o in mine), mine[0][3])
-        return everyone[0][0], outcomes
+        return everyone[0][0], outcomes, failing
 
     def written_everywhere(self, written: dict[str, int]) -> dict[str, int]:
         """Staged path: per room, how many chunks every rank has written (the fewest any rank has)."""

@@ -62,6 +62,7 @@ class _Room:
     cancelled: threading.Event = field(default_factory=threading.Event)  # (a direct transfer not begun)
     written: list = field(default_factory=list)  # the chunks this rank's thread wrote (staged)
     announced: int = 0  # of which the decode server was told (once every rank had written them)
+    root_error: str | None = None  # the failure on one rank that stopped the others' (`PdRanks.exchange`)
 
 
 class PrefillBootstrapQueue:
@@ -190,7 +191,13 @@ class PrefillBootstrapQueue:
             if room.link is not None:
                 room.written += room.link.drain()
                 room.link.heartbeat()  # (not paused: the wait for an acknowledgement counts)
-        (msgs, self.now, did), ended = self.ranks.exchange(first, ended)
+        (msgs, self.now, did), ended, failing = self.ranks.exchange(first, ended)
+        for key, error in failing.items():  # failed on a rank: the ranks still running it stop
+            room = self.rooms[key]
+            room.root_error = room.root_error or error  # (the first failure gathered: every rank's alike)
+            room.cancelled.set()
+            if room.link is not None:
+                room.link.cancel()
         for msg in msgs:
             did = True
             if msg["type"] == "dst":
@@ -351,6 +358,7 @@ class PrefillBootstrapQueue:
         req, dst = room.req, room.dst
         e, nbytes, seconds, last_chunk = outcome
         if e is not None:  # any failure (on any rank) ends this request on both sides
+            e = room.root_error or e
             self.stats["failed_transfers"] += 1
             logger.warning("KV transfer of room %s (%s) failed: %s", key, req, e)
             self._notify_failed(dst, f"KV transfer failed: {e}")
