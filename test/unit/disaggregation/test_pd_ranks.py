@@ -292,3 +292,20 @@ def test_a_failure_on_one_rank_stops_the_others_at_once_and_is_the_error_reporte
     assert "a" not in q.rooms and q.stats["failed_transfers"] == 1
     assert aborted == [(f"KV transfer to the decode server failed: {root}", 500)]
     assert [m["error"] for m in sent] == [f"KV transfer failed: {root}"]
+
+
+def test_disaggregation_across_nodes_is_refused_in_one_sentence():
+    """Review finding 9 (issue 56): each rank's transfer engine is named by --host, which on node 1 is not
+    node 1's address; multi-node PD was neither refused nor tested."""
+    from sglang.srt.entrypoints.process_launcher import ServerStartupError, check_flag_support
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs()
+    args.disaggregation_mode, args.nnodes, args.tp_size = "prefill", 2, 2
+    with pytest.raises(ServerStartupError) as e:
+        check_flag_support(args)
+    message = str(e.value)
+    assert message.startswith("--disaggregation-mode prefill with --nnodes 2: ") and message.endswith("--nnodes 1.")
+    assert ". " not in message
+    args.nnodes = 1
+    check_flag_support(args)  # (one node, TP 2: served)

@@ -91,8 +91,14 @@ def check_flag_support(server_args: Any) -> None:
             f"--disaggregation-mode {server_args.disaggregation_mode} with --device {server_args.device}: "
             "KV and state transfer is built for --device cpu and cuda only."
         )
-    # --disaggregation-mode with --tp-size above 1: each rank moves its own shard (disaggregation/pd_ranks.py,
-    # which refuses the staged path above one rank when the queues open their transfer engines).
+    # --disaggregation-mode with --tp-size above 1: each rank moves its own shard, directly or through its
+    # own staging buffers (disaggregation/pd_ranks.py). Across nodes each rank would name its transfer
+    # engine by --host, node 0's address on every node: refused.
+    if server_args.disaggregation_mode != "null" and server_args.nnodes > 1:
+        raise ServerStartupError(
+            f"--disaggregation-mode {server_args.disaggregation_mode} with --nnodes {server_args.nnodes}: "
+            "prefill/decode disaggregation runs each server on one node; use --nnodes 1."
+        )
 
 
 def log_no_effect_flags(server_args: Any) -> None:
