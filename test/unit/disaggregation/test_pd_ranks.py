@@ -113,7 +113,8 @@ def test_a_staged_destination_whose_ranks_lack_their_range_or_whose_lists_differ
     layout = PoolLayout.of(*rank_pools(0, False)).to_dict()
     base = {"notify": "tcp://x:1", "session": "s", "layout": layout, "kv": [1], "slot": 1}
     staged = {**base, "staging": 4096, "staging_bytes": 1 << 20}
-    good = [{"session": f"s{r}", "layout": layout, "staging": 4096, "staging_bytes": 1 << 20} for r in range(2)]
+    entry = {"layout": layout, "staging": 4096, "staging_bytes": 1 << 20}
+    good = [{"session": f"s{r}", **entry} for r in range(2)]
     assert malformed_dst({**staged, "ranks": good}, 100) is None
     lacking = [{"session": "s0", "layout": layout}, {"session": "s1", "layout": layout}]
     assert "each rank's staging" in malformed_dst({**staged, "ranks": lacking}, 100)
@@ -122,7 +123,8 @@ def test_a_staged_destination_whose_ranks_lack_their_range_or_whose_lists_differ
     assert "staging_bytes must be a size above 0" in malformed_dst({**base, "staging": 4096}, 100)
     assert "without one" in malformed_dst({**base, "ranks": good}, 100)
     short = {**layout, "state_ptrs": layout["state_ptrs"][:1]}
-    assert "state_ptrs, state_nbytes and state_slot_bytes differ" in malformed_dst({**base, "layout": short}, 100)
+    problem = malformed_dst({**base, "layout": short}, 100)
+    assert "state_ptrs, state_nbytes and state_slot_bytes differ" in problem
     short_kv = {**layout, "kv_nbytes": []}
     assert "kv_ptrs and kv_nbytes differ" in malformed_dst({**base, "layout": short_kv}, 100)
 
@@ -278,8 +280,8 @@ def test_a_failure_on_one_rank_stops_the_others_at_once_and_is_the_error_reporte
     link, executor = ChunkLink(), ThreadPoolExecutor(1)
     try:
         future = executor.submit(link.wait_ack, [0, 10, False], 30.0)  # rank 0's thread, chunk 0 written
-        q.rooms["a"] = _Room(0.0, req=SimpleNamespace(finished=False), dst={"notify": "tcp://x:1", "room": "a"},
-                             future=future, link=link)  # fmt: skip
+        dst = {"notify": "tcp://x:1", "room": "a"}
+        q.rooms["a"] = _Room(0.0, req=SimpleNamespace(finished=False), dst=dst, future=future, link=link)
         q.poll()
         assert "a" in q.rooms  # (rank 0's write still ran when gathered)
         with pytest.raises(RuntimeError, match="cancelled"):
@@ -305,7 +307,40 @@ def test_disaggregation_across_nodes_is_refused_in_one_sentence():
     with pytest.raises(ServerStartupError) as e:
         check_flag_support(args)
     message = str(e.value)
-    assert message.startswith("--disaggregation-mode prefill with --nnodes 2: ") and message.endswith("--nnodes 1.")
+    assert message.startswith("--disaggregation-mode prefill with --nnodes 2: ")
+    assert message.endswith("--nnodes 1.")
     assert ". " not in message
     args.nnodes = 1
     check_flag_support(args)  # (one node, TP 2: served)
+
+
+def test_a_decode_rank_times_a_new_request_from_the_first_poll_after_it_came():
+    """Review finding 5 (issue 56): under TP a request's wait for its prefill server's hello was stamped
+    with rank 0's clock as of the last poll (0.0 before the first one, old after a pause): the first
+    poll then failed it at once with a 503, its prefill server not yet having answered."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.auth import PeerVerifier
+    from sglang.srt.managers.io_struct import BootstrapInfo
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.test.pd_fakes import decode_queue
+
+    aborted = []
+    sched = SimpleNamespace(processed_batch_id=1, num_batches=1, running=[], max_running_requests=4,
+                            abort_with_status=lambda reqs, msg, status, param=None: aborted.append(status))
+    q = decode_queue(sched)
+    q.ranks, q.added_at, q.unsent = _Lockstep(0, {}), {}, []
+    q.channel.recv_all = list
+    q.peers = PeerVerifier(True, q.channel.send, q.notify_url)  # (the prefill server has not answered)
+    r = Req("rid-a", [5, 6, 7])
+    r.bootstrap = BootstrapInfo("127.0.0.1", 8998, "a")
+    q.add(r)  # (before this queue's first poll)
+    q.poll()
+    assert aborted == [] and q.prealloc == [r]
+    q.now = 0.0  # (as after a long pause: no poll ran meanwhile)
+    r2 = Req("rid-b", [5, 6, 7])
+    r2.bootstrap = BootstrapInfo("127.0.0.1", 8998, "b")
+    q.add(r2)
+    q.poll()
+    assert aborted == [] and q.prealloc == [r, r2]
+    assert q.added_at["b"] >= q.added_at["a"] > q.timeout  # (rank 0's clock at the poll after each came)

@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 class DecodeTransferQueue:
     # Under TP (`pd_ranks.py`): this server's ranks, rank 0's clock as of the last poll, every rank's
-    # session and layout, rank 0's clock when each room came, the rooms rank 0 could not send to.
+    # session and layout, rank 0's clock at the first poll after each room came, the rooms rank 0 could
+    # not send to.
     ranks: PdRanks = SINGLE
     now: float = 0.0
     rank_targets: tuple = ()
@@ -108,9 +109,7 @@ class DecodeTransferQueue:
             )
             return
         req.fill_ids = list(req.origin_input_ids)
-        if self.ranks.tp_size > 1:
-            self.added_at[req.bootstrap.room] = self.ranks.clock(self.now)
-        self.prealloc.append(req)
+        self.prealloc.append(req)  # (under TP its wait starts at the next poll: `poll`)
 
     def defer_release(self, req: Req) -> bool:
         """An aborted request: True if a transfer may still write into what it holds (released when the
@@ -166,6 +165,9 @@ class DecodeTransferQueue:
             first = (msgs, time.monotonic(), list(self.unsent))
             self.unsent = []
         (msgs, self.now, unsent), _, _ = self.ranks.exchange(first, {})
+        if self.ranks.tp_size > 1:  # requests added since the last poll wait from now (rank 0's clock)
+            for req in self.prealloc:
+                self.added_at.setdefault(req.bootstrap.room, self.now)
         did = bool(msgs or unsent)
         for key in unsent:
             self._drop_unsent(key)
