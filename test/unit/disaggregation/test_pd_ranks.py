@@ -344,3 +344,21 @@ def test_a_decode_rank_times_a_new_request_from_the_first_poll_after_it_came():
     q.poll()
     assert aborted == [] and q.prealloc == [r, r2]
     assert q.added_at["b"] >= q.added_at["a"] > q.timeout  # (rank 0's clock at the poll after each came)
+
+
+def test_both_sides_report_what_a_transfer_weighs_on_every_rank_together():
+    """Review finding 9 (issue 56): the decode side's /get_server_info gave rank 0's kv_bytes_per_token and
+    state_bytes, the prefill side's every rank's together; now both give every rank's together."""
+    from types import SimpleNamespace
+
+    from sglang.test.pd_fakes import decode_queue
+
+    layouts = [PoolLayout.of(*rank_pools(r, False)) for r in range(TP)]
+    q = decode_queue(SimpleNamespace())
+    q.ranks, q.layout = PdRanks(TP, 0), layouts[0]
+    q.rank_targets = [{"session": f"s{r}", "layout": layout.to_dict()} for r, layout in enumerate(layouts)]
+    one = layouts[0].sizes()
+    assert one["kv_bytes_per_token"] > 0 and one["state_bytes"] > 0
+    state = q.state()
+    assert state["kv_bytes_per_token"] == TP * one["kv_bytes_per_token"]
+    assert state["state_bytes"] == TP * one["state_bytes"]

@@ -23,7 +23,7 @@ from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachab
 from sglang.srt.disaggregation.decode_pool import HybridMambaDecodeReqToTokenPool  # noqa: F401 (re-export)
 from sglang.srt.disaggregation.pd_ranks import SINGLE, PdRanks, destination_ranks
 from sglang.srt.disaggregation.staging import StagedRange, StatePacker
-from sglang.srt.disaggregation.transfer import clear_destination, open_transfer_engine
+from sglang.srt.disaggregation.transfer import PoolLayout, clear_destination, open_transfer_engine
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import alloc_for_extend
 
@@ -423,6 +423,7 @@ class DecodeTransferQueue:
     def state(self) -> dict[str, Any]:
         """For /get_server_info: the queues and the transfers so far (bytes, seconds on the transfer
         engine)."""
+        layouts = [PoolLayout.from_dict(t["layout"]) for t in self.rank_targets] or [self.layout]
         return {
             "tp_size": self.ranks.tp_size,
             "prealloc_queue": len(self.prealloc) + len(self.reserved),
@@ -434,7 +435,9 @@ class DecodeTransferQueue:
             "staging_chunk_bytes": self.staging.chunk_bytes if self.staging is not None else 0,
             "dropped_messages": self.channel.dropped if self.channel is not None else 0,
             "decode_radix_cache": self.radix,
-            **self.layout.sizes(),
+            # As on the prefill side: what one request's transfer weighs on every rank together (the
+            # staging sizes above are one rank's buffer: every rank has one alike).
+            **{k: sum(layout.sizes()[k] for layout in layouts) for k in self.layout.sizes()},
             **self.stats,
         }
 
