@@ -109,6 +109,9 @@ class Envs:
     SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR = EnvStr(
         "/tmp/hicache", "The disk tier of --hicache-storage-backend file (mem_cache/disk_tier.py)."
     )
+    SGLANG_HICACHE_FILE_BACKEND_MAX_GB = EnvFloat(
+        16.0, "The most GB the disk tier of --hicache-storage-backend file keeps; LRU entries go past it."
+    )
 
     # Mamba state dtypes (upstream names). --mamba-ssm-dtype writes SGLANG_MAMBA_SSM_DTYPE.
     SGLANG_MAMBA_CONV_DTYPE = EnvOptStr(None, "Conv state dtype; default: the model dtype.")

@@ -4,6 +4,7 @@ workload under device and host pressure with the integrity check after every ste
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -214,3 +215,70 @@ def aborted_chunk_snapshot_then_host_load(oracles, preset: str = "tiny-qwen3-nex
         return {"loads": loads, "cached_y": out.cached_tokens, "err_a": err_a, "err_y": err_y}
     finally:
         h.shutdown()
+
+
+def disk_tier_after_flush_and_lost_files(oracles, preset: str, storage_dir: str) -> dict:
+    """`file` backend, each turn continuing the conversation: turn 1, then at once /flush_cache, which
+    drops turn 1's disk writes (recorded, not yet run): turn 2 finds no entry; one more request runs
+    turn 2's writes, a flush, turn 3 hits from disk; every file of the folder deleted by hand and a
+    flush: turn 4's read fails and the hit is not taken. No step raises; every turn matches the oracle.
+    Returns each turn's (cached tokens, disk reads, disk read errors, oracle error)."""
+    from sglang.srt.environ import envs
+
+    with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(storage_dir):
+        h = hicache_harness(preset, "extra_buffer_lazy", "write_through", hicache_storage_backend="file")
+        try:
+            tree, conv, turns = h.sched.tree_cache, token_ids(200, seed=1), []
+            for turn in range(4):
+                if turn == 3:
+                    for name in os.listdir(tree.storage.dir):
+                        os.unlink(os.path.join(tree.storage.dir, name))
+                if turn > 0:
+                    assert h.sched.flush_cache()[0]
+                before = dict(tree.controller.stats)
+                out = h.generate(conv, max_new_tokens=4)
+                err = h.check_oracle(oracles[preset], conv, out)
+                st = tree.controller.stats
+                turns.append((out.cached_tokens, st["disk_reads"] - before.get("disk_reads", 0),
+                              st["disk_read_errors"] - before.get("disk_read_errors", 0), err))  # fmt: skip
+                if turn >= 1:
+                    h.generate(token_ids(30, seed=5 + turn), max_new_tokens=1)  # runs this turn's writes
+                conv = conv + out.output_ids + token_ids(10, seed=90 + turn)
+            h.sched.check_integrity()
+            h.flush_and_check_empty()
+        finally:
+            h.shutdown()
+    return {"turns": turns}
+
+
+def disk_tier_after_a_weight_update(preset: str, storage_dir: str, new_weights: str) -> dict:
+    """`file` backend: turn 1 written to disk; /update_weights_from_tensor to the checkpoint `new_weights`
+    with flush_cache; turn 2 must not be served from the old weights' entries: it matches the new
+    weights' oracle."""
+    from sglang.srt.environ import envs
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.test.model_checks import served_tensors
+    from sglang.test.reference import ReferenceModel
+
+    tensors, oracle = served_tensors(new_weights), ReferenceModel(new_weights)
+    with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(storage_dir):
+        h = hicache_harness(preset, "extra_buffer_lazy", "write_through", hicache_storage_backend="file")
+        try:
+            tree = h.sched.tree_cache
+            a = token_ids(200, seed=1)
+            turn1 = a + h.generate(a, max_new_tokens=4).output_ids
+            h.generate(token_ids(30, seed=5), max_new_tokens=1)  # its batch runs turn 1's disk writes
+            entries = len(tree.storage.index)
+            payload = [MultiprocessingSerializer.serialize(list(tensors.items()))]
+            rep = h.control_reply(UpdateWeightsFromTensorReqInput(payload, flush_cache=True))
+            assert rep.success, rep.message
+            prompt = turn1 + token_ids(20, seed=99)
+            out = h.generate(prompt, max_new_tokens=6)
+            err = h.check_oracle(oracle, prompt, out)
+            stats = dict(tree.controller.stats)
+            h.flush_and_check_empty()
+        finally:
+            h.shutdown()
+    return {"entries_before": entries, "cached": out.cached_tokens, "reads": stats.get("disk_reads", 0),
+            "oracle_err": err}  # fmt: skip

@@ -1,97 +1,285 @@
 """`FileStorage`: the `file` storage backend of the hierarchical cache (`--hicache-storage-backend file`),
 a third tier on disk under `$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR` (upstream's variable; default
-/tmp/hicache), in a folder per model and pool layout (`fingerprint`), so a server never reads another
-model's files.
+/tmp/hicache), in a folder per fingerprint (`tree_cache_factory.disk_fingerprint`: the model's weight
+files, the pools' real dtypes and shapes, quantization, device, page size, rank), so a server never reads
+entries of other weights or another layout.
 
-Write-through from host: every checkpoint backed up to host is also written to disk, one entry per
-checkpoint: `<name>.pt` (the whole path's KV of every full-attention layer and the state) and then
-`<name>.json` (its tokens and namespace), where name is a SHA-256 of the namespace and the tokens. An
-entry is complete once its JSON exists (each file is written under a temporary name and renamed). The
-index (name -> length) is rebuilt from the JSON files at start, so the tier survives a restart of the
-server. Nothing is ever evicted from disk (the folder grows until it is cleared by hand).
+Write-through from host: every checkpoint backed up to host is also written to disk, one file per
+checkpoint, `<name>-<length>.pt` (the whole path's KV of every full-attention layer and the state), name
+being a SHA-256 of the namespace and the tokens (no token is stored). A file is written under a unique
+temporary name, synced and renamed: an entry exists once its file does. The index (name -> length, bytes,
+in LRU order) gains an entry only after its file is renamed into place, and is rebuilt from the file
+names at start (the tier survives a restart); files that are not entries are skipped with a warning. The
+folder holds at most `$SGLANG_HICACHE_FILE_BACKEND_MAX_GB` (default 16): past it the least recently used
+entries are deleted.
 
-Writes and reads touch the host pools' tensors, so they run on the forward stream as host copies do, in
-the order recorded (`HiCacheController.record`): a write after the host copy it reads, a read before the
-load to the device that follows it. The index changes when an entry is recorded, before its files
-exist: any read of it is recorded later, so it runs after the write.
+Never a crash from disk: a write that fails (disk full, folder gone) is skipped; a read that fails or
+finds a file of the wrong layout drops the entry and the hit is not taken; both counted (`disk_*_errors`)
+and logged. Reads run on the scheduler thread at admission (`stage`), so a failed read is known before
+the host tree takes the entry; the staged tensors go into the host pools on the forward stream in order
+with the host copies (`apply`). Writes read the host pools, so they run on the forward stream too
+(`HiCacheController.record`), after the host copy they read.
+
+Safety: the folders are created 0700; one that is a symlink or owned by another user is refused at
+start; files are opened without following symlinks and loaded with `weights_only=True`.
+
+After an in-place weight update the tier is off until restart (`weights_changed`): its entries belong to
+the weights on disk, and entries of the updated weights would poison the folder for the next server.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import logging
 import os
+import re
+import secrets
+import stat
+import threading
 from array import array
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 from sglang.srt.mem_cache.host_pool import HostPools
 
+logger = logging.getLogger(__name__)
 
-def _page_hashes(key: array, namespace: str | None, page: int):
-    """(length, name) of every page-aligned prefix of `key`, shortest first."""
-    h = hashlib.sha256(repr(namespace).encode())
-    for end in range(page, len(key) + 1, page):
-        h.update(key[end - page : end].tobytes())
-        yield end, h.copy().hexdigest()
+ENTRY = re.compile(r"^([0-9a-f]{64})-([0-9]+)\.pt$")
+DIR_VAR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+
+
+class DiskTierError(ValueError):
+    """The disk tier's folder cannot be used safely (a startup error)."""
+
+
+@dataclass
+class DiskTierConfig:
+    root: str
+    fingerprint: str
+    max_bytes: int
+
+
+def _safe_dir(path: str) -> None:
+    """Create `path` 0700 if needed; refuse a symlink, a non-folder or another user's folder."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        problem = f"cannot be created ({e.strerror})"
+    else:
+        problem = (
+            "is a symlink or not a folder"
+            if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode)
+            else "is owned by another user" if st.st_uid != os.geteuid() else None
+        )
+    if problem is not None:
+        raise DiskTierError(f"{DIR_VAR} folder {path} {problem}; set it to a folder of yours.")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def entry_name(key, namespace: str | None) -> str:
+    key = key if isinstance(key, array) else array("q", key)
+    return hashlib.sha256(repr(namespace).encode() + key.tobytes()).hexdigest()
 
 
 class FileStorage:
-    def __init__(self, root: str, host: HostPools, fingerprint: str):
-        self.host = host
-        self.page = host.page_size
-        self.dir = os.path.join(root, hashlib.sha256(fingerprint.encode()).hexdigest()[:16])
-        os.makedirs(self.dir, exist_ok=True)
-        self.index: dict[str, int] = {}
-        for name in os.listdir(self.dir):
-            if name.endswith(".json"):
-                with open(os.path.join(self.dir, name)) as f:
-                    meta = json.load(f)
-                self.index[name[: -len(".json")]] = len(meta["tokens"])
+    def __init__(self, config: DiskTierConfig, host: HostPools, stats: Counter):
+        self.host, self.page, self.stats = host, host.page_size, stats
+        self.max_bytes = config.max_bytes
+        _safe_dir(config.root)
+        self.dir = os.path.join(config.root, hashlib.sha256(config.fingerprint.encode()).hexdigest()[:16])
+        _safe_dir(self.dir)
+        self.enabled = True
+        self.lock = threading.Lock()  # the index changes on the forward stream (writes) and here
+        self.index: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (length, bytes), LRU first
+        self.lengths: Counter = Counter()  # entry lengths present
+        self.total = 0
+        self.pending: set[str] = set()  # writes recorded, not yet run
+        found, skipped = [], 0
+        for fname in os.listdir(self.dir):
+            m = ENTRY.match(fname)
+            try:
+                st = os.lstat(os.path.join(self.dir, fname))
+            except OSError:
+                continue
+            if fname.endswith(".tmp"):
+                continue  # a write in progress (this folder may be shared) or left by a crash
+            if m is None or not stat.S_ISREG(st.st_mode) or st.st_size == 0 or int(m[2]) % self.page:
+                skipped += 1
+                continue
+            found.append((st.st_mtime_ns, m[1], int(m[2]), st.st_size))
+        if skipped:
+            logger.warning("HiCache disk tier %s: %d file(s) that are not entries skipped", self.dir, skipped)
+        with self.lock:
+            for _, name, length, size in sorted(found):
+                self._add(name, length, size)
+            self._trim()
 
-    def deepest(self, key: list[int], namespace: str | None) -> tuple[int, str | None]:
-        """The longest prefix of `key` with an entry: (length, name), or (0, None)."""
-        if not self.index:
+    # ---- index (under the lock) ------------------------------------------------------------------
+
+    def _add(self, name: str, length: int, size: int) -> None:
+        if name in self.index:
+            self._remove(name)
+        self.index[name] = (length, size)
+        self.lengths[length] += 1
+        self.total += size
+
+    def _remove(self, name: str) -> tuple[int, int] | None:
+        entry = self.index.pop(name, None)
+        if entry is not None:
+            self.lengths[entry[0]] -= 1
+            if not self.lengths[entry[0]]:
+                del self.lengths[entry[0]]
+            self.total -= entry[1]
+        return entry
+
+    def _trim(self) -> None:
+        while self.total > self.max_bytes and self.index:
+            name = next(iter(self.index))
+            length, _ = self._remove(name)
+            self._unlink(self._path(name, length))
+            self.stats["disk_evictions"] += 1
+
+    def _path(self, name: str, length: int) -> str:
+        return os.path.join(self.dir, f"{name}-{length}.pt")
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    def _failed(self, what: str, name: str, e: BaseException) -> None:
+        self.stats[f"disk_{what}_errors"] += 1
+        n = self.stats[f"disk_{what}_errors"]
+        if n == 1 or n % 100 == 0:
+            logger.warning("HiCache disk tier: %s of %s failed (%d so far), skipped: %r", what, name, n, e)
+
+    # ---- scheduler thread ------------------------------------------------------------------------
+
+    def deepest(self, key, namespace: str | None) -> tuple[int, str | None]:
+        """The longest prefix of `key` with an entry: (length, name), or (0, None). One SHA-256 pass over
+        the key, a digest only at the lengths some entry has."""
+        if not self.enabled or not self.index:
             return 0, None
         key = key if isinstance(key, array) else array("q", key)
-        best = (0, None)
-        for end, name in _page_hashes(key, namespace, self.page):
+        ends = sorted(n for n in list(self.lengths) if n <= len(key))
+        h, done, best = hashlib.sha256(repr(namespace).encode()), 0, (0, None)
+        for end in ends:
+            h.update(key[done:end].tobytes())
+            done = end
+            name = h.hexdigest()
             if name in self.index:
                 best = (end, name)
         return best
 
-    def name_of(self, key: list[int], namespace: str | None) -> str:
-        key = key if isinstance(key, array) else array("q", key)
-        *_, (_, name) = _page_hashes(key, namespace, self.page)
-        return name
+    def wants(self, name: str, length: int) -> bool:
+        """Whether to record a write of this entry: the tier is on, the entry is neither on disk nor being
+        written, and it fits the budget by itself (estimated from the host pools' bytes)."""
+        if not self.enabled or name in self.index or name in self.pending:
+            return False
+        h = self.host
+        per_token = sum(b[0].numel() * b.element_size() for b in (*h.k_buffer, *h.v_buffer))
+        state = sum(t[:, 0].numel() * t.element_size() for t in (h.conv_state, h.ssm_state))
+        if length * per_token + state > self.max_bytes:
+            self.stats["disk_writes_over_budget"] += 1
+            return False
+        return True
+
+    def writing(self, name: str) -> None:
+        self.pending.add(name)
+
+    def reset(self) -> None:
+        """A flush: the writes recorded and not run are dropped with the controller's list."""
+        self.pending.clear()
+
+    def weights_changed(self) -> None:
+        """An in-place weight update: entries no longer match the weights; the tier is off until restart."""
+        if self.enabled:
+            logger.warning("HiCache disk tier off until restart: the weights were updated in place.")
+        self.enabled = False
+        with self.lock:
+            self.index.clear()
+            self.lengths.clear()
+            self.total = 0
+        self.pending.clear()
+
+    def stage(self, name: str, start: int) -> dict | None:
+        """Positions [start, length) of the entry's KV and its state, read and checked against the host
+        pools' layout now; None (the entry dropped, the error counted) if that fails."""
+        entry = self.index.get(name)
+        if entry is None:
+            return None
+        length, h = entry[0], self.host
+        try:
+            fd = os.open(self._path(name, length), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, "rb") as f:
+                data = torch.load(f, map_location="cpu", weights_only=True)
+            pairs = [*zip(data["k"], h.k_buffer, strict=True), *zip(data["v"], h.v_buffer, strict=True)]
+            for src, dst in pairs:
+                if src.dtype != dst.dtype or tuple(src.shape) != (length, *dst.shape[1:]):
+                    raise ValueError(f"KV {src.dtype} {tuple(src.shape)} does not fit the host pool")
+            for key, dst in (("conv", h.conv_state), ("ssm", h.ssm_state)):
+                src = data[key]
+                if src.dtype != dst.dtype or tuple(src.shape) != (dst.shape[0], *dst.shape[2:]):
+                    raise ValueError(f"{key} {src.dtype} {tuple(src.shape)} does not fit the host pool")
+        except Exception as e:  # noqa: BLE001 - any unreadable or foreign file: the hit is not taken
+            self._failed("read", name, e)
+            with self.lock:
+                self._remove(name)
+            self._unlink(self._path(name, length))
+            return None
+        with self.lock:
+            if name in self.index:
+                self.index.move_to_end(name)
+        return {
+            "kv": [src[start:length] for src, _ in pairs],
+            "conv": data["conv"],
+            "ssm": data["ssm"],
+        }
 
     # ---- forward stream ----------------------------------------------------------------------------
 
-    def write(
-        self, name: str, tokens: list[int], namespace: str | None, host_kv: list[int], slot: int
-    ) -> None:
+    def apply(self, staged: dict, host_kv: list[int], slot: int) -> None:
+        """A staged entry into the host pools (its layout checked by `stage`)."""
         h, kv = self.host, torch.tensor(host_kv, dtype=torch.int64)
-        data = {
-            "k": [b[kv].clone() for b in h.k_buffer],
-            "v": [b[kv].clone() for b in h.v_buffer],
-            "conv": h.conv_state[:, slot].clone(),
-            "ssm": h.ssm_state[:, slot].clone(),
-        }
-        path = os.path.join(self.dir, name)
-        torch.save(data, path + ".pt.tmp")
-        os.replace(path + ".pt.tmp", path + ".pt")
-        with open(path + ".json.tmp", "w") as f:
-            json.dump({"tokens": list(tokens), "namespace": namespace}, f)
-        os.replace(path + ".json.tmp", path + ".json")
+        for dst, src in zip([*h.k_buffer, *h.v_buffer], staged["kv"], strict=True):
+            dst[kv] = src
+        h.conv_state[:, slot] = staged["conv"]
+        h.ssm_state[:, slot] = staged["ssm"]
 
-    def read(self, name: str, start: int, host_kv: list[int], slot: int) -> None:
-        """Positions [start, start + len(host_kv)) of the entry's KV into `host_kv`, its state into
-        `slot`."""
-        h = self.host
-        data = torch.load(os.path.join(self.dir, name + ".pt"), map_location="cpu", weights_only=True)
-        kv = torch.tensor(host_kv, dtype=torch.int64)
-        end = start + len(host_kv)
-        for dst, src in zip([*h.k_buffer, *h.v_buffer], [*data["k"], *data["v"]], strict=True):
-            dst[kv] = src[start:end]
-        h.conv_state[:, slot] = data["conv"]
-        h.ssm_state[:, slot] = data["ssm"]
+    def write(self, name: str, length: int, host_kv: list[int], slot: int) -> None:
+        """The entry from the host pools; never raises (a failure is counted and the entry skipped)."""
+        tmp = os.path.join(self.dir, f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        try:
+            if not self.enabled:
+                return
+            h, kv = self.host, torch.tensor(host_kv, dtype=torch.int64)
+            data = {
+                "k": [b[kv].clone() for b in h.k_buffer],
+                "v": [b[kv].clone() for b in h.v_buffer],
+                "conv": h.conv_state[:, slot].clone(),
+                "ssm": h.ssm_state[:, slot].clone(),
+            }
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            with os.fdopen(fd, "wb") as f:
+                torch.save(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            path = self._path(name, length)
+            os.replace(tmp, path)
+            size = os.path.getsize(path)
+        except Exception as e:  # noqa: BLE001 - disk full, folder removed, ...: the entry is skipped
+            self._failed("write", name, e)
+            self._unlink(tmp)
+            return
+        finally:
+            self.pending.discard(name)
+        with self.lock:
+            if self.enabled:
+                self._add(name, length, size)
+                self._trim()

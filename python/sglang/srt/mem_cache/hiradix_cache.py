@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.common import alloc_mamba_slot, evict_from_tree_cache
-from sglang.srt.mem_cache.disk_tier import FileStorage
+from sglang.srt.mem_cache.disk_tier import DiskTierConfig, FileStorage, entry_name
 from sglang.srt.mem_cache.hicache_controller import HiCacheController, HiCacheCopies
 from sglang.srt.mem_cache.host_pool import HostPools
 from sglang.srt.mem_cache.integrity import _partition
@@ -92,9 +92,9 @@ class HiMambaRadixCache(MambaRadixCache):
         ratio: float = 2.0,
         size_gb: int = 0,
         io_backend: str = "kernel",
-        storage: tuple[str, str] | None = None,
+        storage: DiskTierConfig | None = None,
     ):
-        """`storage`: (folder, fingerprint) of the `file` backend's disk tier (`disk_tier.py`), if any."""
+        """`storage`: the `file` backend's disk tier (`disk_tier.py`), if any."""
         assert write_policy in WRITE_POLICIES, write_policy
         self.write_policy = write_policy
         self.host = HostPools(kv_pool, req_to_token_pool.mamba_pool, ratio, size_gb)
@@ -106,7 +106,7 @@ class HiMambaRadixCache(MambaRadixCache):
             mamba_allocator=self.host.slot_allocator,
         )
         self.host_tree = MambaRadixCache(owner, self.host.token_allocator, page_size)
-        self.storage = None if storage is None else FileStorage(storage[0], self.host, storage[1])
+        self.storage = None if storage is None else FileStorage(storage, self.host, self.controller.stats)
         self.stamps: dict[int, int] = {}  # device checkpoint node id -> epoch its checkpoint was set
         self.due: dict[int, TreeNode] = {}  # checkpoints whose backup is due
         self.hits: dict[int, int] = {}  # write_through_selective: hits per checkpoint node
@@ -119,7 +119,14 @@ class HiMambaRadixCache(MambaRadixCache):
         self.host_tree.reset()
         self.host.clear()
         self.controller.clear()
+        if self.storage is not None:
+            self.storage.reset()  # (its recorded writes went with the controller's list)
         self.stamps, self.due, self.hits = {}, {}, {}
+
+    def weights_changed(self) -> None:
+        """An in-place weight update: the disk tier's entries belong to the old weights."""
+        if self.storage is not None:
+            self.storage.weights_changed()
 
     # ---- residency -----------------------------------------------------------------------------------
 
@@ -173,36 +180,53 @@ class HiMambaRadixCache(MambaRadixCache):
         self.hits.pop(node.id, None)
         super()._drop_checkpoint(node)
 
+    def _host_room(self, key, ns: str | None, count: str) -> tuple[TreeNode, int] | None:
+        """(host node where the host tree's path along `key` ends, its length) once host eviction (LRU,
+        never that path) left room for the rest of `key` and a slot; None (counted) if it could not."""
+        host_tree = self.host_tree
+        path, matched = host_tree._walk(key, ns)
+        end = path[-1][0] if path else host_tree.root
+        hold_path(host_tree, end, 1)
+        pages = (len(key) - matched) // self.page_size
+        room = evict_from_tree_cache(host_tree, self.host.token_allocator, pages, self.host.slot_allocator, 1)
+        hold_path(host_tree, end, -1)
+        if not room:
+            prune_tombstone_leaf(host_tree, end)
+            self.controller.stats[count] += 1
+            return None
+        return end, matched
+
+    def _host_insert(self, key, ns: str | None, end: TreeNode, matched: int) -> tuple[list, list, int]:
+        """Allocate host pages for `key` past `matched` and a slot, insert them into the host tree:
+        (new host KV, the whole path's host KV, host slot)."""
+        host_tree, page = self.host_tree, self.page_size
+        pages = self.host.token_allocator.alloc_pages((len(key) - matched) // page)
+        host_slot = self.host.slot_allocator.alloc(1)[0]
+        new_kv = [p * page + i for p in pages for i in range(page)]
+        host_kv = (path_values(end) if end is not host_tree.root else []) + new_kv
+        assert not host_tree.insert(key, host_kv, host_slot, matched, ns).mamba_exist
+        return new_kv, host_kv, host_slot
+
     def _backup(self, node: TreeNode) -> bool:
         """Record the copy of `node`'s path KV (what the host lacks of it) and checkpoint to host and
         insert them into the host tree; False if the host tier has no room even after evicting."""
         key, ns = node.path_key(), node.namespace
-        host_tree, page = self.host_tree, self.page_size
-        path, matched = host_tree._walk(key, ns)
-        end = path[-1][0] if path else host_tree.root
-        if matched == len(key) and end.mamba_value is not None:
-            host_tree.mamba_lru.touch(end)
+        end = self._host_end(key, ns)
+        if end is not None:
+            self.host_tree.mamba_lru.touch(end)
             return True
-        host_alloc, slots = self.host.token_allocator, self.host.slot_allocator
-        hold_path(host_tree, end, 1)
-        room = evict_from_tree_cache(host_tree, host_alloc, (len(key) - matched) // page, slots, 1)
-        hold_path(host_tree, end, -1)
-        if not room:
-            prune_tombstone_leaf(host_tree, end)
-            self.controller.stats["backups_no_room"] += 1
+        room = self._host_room(key, ns, "backups_no_room")
+        if room is None:
             return False
-        pages = host_alloc.alloc_pages((len(key) - matched) // page)
-        host_slot = slots.alloc(1)[0]
-        new_kv = [p * page + i for p in pages for i in range(page)]
-        host_kv = (path_values(end) if end is not host_tree.root else []) + new_kv
-        res = host_tree.insert(key, host_kv, host_slot, matched, ns)
-        assert not res.mamba_exist
+        end, matched = room
+        new_kv, host_kv, host_slot = self._host_insert(key, ns, end, matched)
         self.controller.backup(path_values(node)[matched:], new_kv, node.mamba_value, host_slot)
-        if self.storage is not None:
-            name = self.storage.name_of(key, ns)
-            if name not in self.storage.index:
-                self.storage.index[name] = len(key)
-                write = partial(self.storage.write, name, list(key), ns, host_kv, host_slot)
+        storage = self.storage
+        if storage is not None:
+            name = entry_name(key, ns)
+            if storage.wants(name, len(key)):
+                storage.writing(name)
+                write = partial(storage.write, name, len(key), host_kv, host_slot)
                 self.controller.record(write, "disk_writes")
         return True
 
@@ -246,7 +270,8 @@ class HiMambaRadixCache(MambaRadixCache):
 
     def _load_from_disk(self, key: array, ns: str | None) -> None:
         """A disk entry deeper than anything the host and device trees hold along `key` goes into the host
-        tree (its KV the host lacks and its state read from disk on the forward stream)."""
+        tree: read and checked now (`FileStorage.stage`; a failed read drops the entry and the hit), its
+        KV the host lacks and its state written into the host pools on the forward stream."""
         depth, name = self.storage.deepest(key, ns)
         if depth == 0:
             return
@@ -254,23 +279,16 @@ class HiMambaRadixCache(MambaRadixCache):
             return
         if self._deepest_checkpoint(self, key, ns)[1] >= depth:
             return
-        host_tree, page = self.host_tree, self.page_size
-        path, matched = host_tree._walk(key[:depth], ns)
-        end = path[-1][0] if path else host_tree.root
-        host_alloc, slots = self.host.token_allocator, self.host.slot_allocator
-        hold_path(host_tree, end, 1)
-        room = evict_from_tree_cache(host_tree, host_alloc, (depth - matched) // page, slots, 1)
-        hold_path(host_tree, end, -1)
-        if not room:
-            prune_tombstone_leaf(host_tree, end)
+        room = self._host_room(key[:depth], ns, "disk_loads_no_room")
+        if room is None:
             return
-        new_kv = [
-            p * page + i for p in host_alloc.alloc_pages((depth - matched) // page) for i in range(page)
-        ]
-        host_slot = slots.alloc(1)[0]
-        host_kv = (path_values(end) if end is not host_tree.root else []) + new_kv
-        assert not host_tree.insert(key[:depth], host_kv, host_slot, matched, ns).mamba_exist
-        self.controller.record(partial(self.storage.read, name, matched, new_kv, host_slot), "disk_reads")
+        end, matched = room
+        staged = self.storage.stage(name, matched)
+        if staged is None:
+            prune_tombstone_leaf(self.host_tree, end)
+            return
+        new_kv, _, host_slot = self._host_insert(key[:depth], ns, end, matched)
+        self.controller.record(partial(self.storage.apply, staged, new_kv, host_slot), "disk_reads")
 
     def _load_from_host(self, key: list[int], ns: str | None) -> None:
         key = key[: self._page_aligned(len(key))]

@@ -53,6 +53,7 @@ class SchedulerUpdateWeightsMixin:
             self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, error))
             return
         self.model_runner.swap_model(model)
+        self._weights_changed()
         if req.flush_cache:
             self._empty_tree()
         paused = len(self.waiting_queue) + len(self.running) if self.generation_pause.paused else 0
@@ -113,6 +114,7 @@ class SchedulerUpdateWeightsMixin:
         error = vote.outcome(None)  # (votes here where the write copied nothing: every rank votes once)
         if error is not None:
             return False, error
+        self._weights_changed()
         if flush_cache:
             self._empty_tree()
         message = f"Succeeded to update {len(named) - len(ignored)} weight tensor(s) in place."
@@ -121,6 +123,12 @@ class SchedulerUpdateWeightsMixin:
             message += f" The model has no parameter for {len(ignored)} of them, ignored: {shown}."
             logger.warning("A weight update ignored %d tensor(s) with no parameter: %s", len(ignored), shown)
         return True, message
+
+    def _weights_changed(self) -> None:
+        """The prefix cache's disk tier (if any) stops serving entries of the old weights."""
+        hook = getattr(self.tree_cache, "weights_changed", None)
+        if hook is not None:
+            hook()
 
     def release_memory_occupation(self, req: ReleaseMemoryOccupationReqInput) -> None:
         """Free the memory of `req.tags` (`MemoryOccupation`), with no request running or waiting (as

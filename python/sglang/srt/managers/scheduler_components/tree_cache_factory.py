@@ -4,10 +4,16 @@ the forward worker's before-batch hook."""
 
 from __future__ import annotations
 
+import os
+import stat
+
+import torch
+
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
+from sglang.srt.mem_cache.disk_tier import DiskTierConfig, DiskTierError
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from sglang.srt.server_args import ServerArgs, ServerArgsError
@@ -36,20 +42,47 @@ def create_tree_cache(
             ratio=args.hicache_ratio,
             size_gb=args.hicache_size,
             io_backend=args.hicache_io_backend,
-            storage=_file_storage(args),
+            storage=_file_storage(args, model_runner),
         )
-    except HostPoolSizeError as e:
+    except (HostPoolSizeError, DiskTierError) as e:
         raise ServerArgsError(str(e)) from None
 
 
-def _file_storage(args: ServerArgs) -> tuple[str, str] | None:
-    """The `file` backend's folder and what its entries must match (model, page size, dtypes)."""
+def _file_storage(args: ServerArgs, model_runner) -> DiskTierConfig | None:
+    """The `file` backend's folder, budget and what its entries must match (`disk_fingerprint`)."""
     if args.hicache_storage_backend != "file":
         return None
-    fingerprint = "|".join(
-        map(str, (args.model_path, args.page_size, args.kv_cache_dtype, args.dtype, args.mamba_ssm_dtype))
-    )
-    return envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.get(), fingerprint
+    gb = envs.SGLANG_HICACHE_FILE_BACKEND_MAX_GB.get()
+    if not gb > 0:
+        raise ServerArgsError(f"SGLANG_HICACHE_FILE_BACKEND_MAX_GB must be above 0 (got {gb:g}).")
+    root = envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.get()
+    return DiskTierConfig(root, disk_fingerprint(args, model_runner), int(gb * (1 << 30)))
+
+
+def weight_files_identity(path: str) -> list[tuple[str, int, int]]:
+    """(name, bytes, mtime in ns) of every file of a local checkpoint folder: a changed file (new weights
+    written over the old ones) changes the disk tier's folder."""
+    if not os.path.isdir(path):
+        return []
+    out = []
+    for name in sorted(os.listdir(path)):
+        st = os.stat(os.path.join(path, name))
+        if stat.S_ISREG(st.st_mode):
+            out.append((name, st.st_size, st.st_mtime_ns))
+    return out
+
+
+def disk_fingerprint(args: ServerArgs, model_runner) -> str:
+    """What the disk tier's entries must match: the resolved checkpoint and its files, quantization,
+    device type, page size, this rank, and the real dtypes and per-token / per-slot shapes of the pools."""
+    path = args.model_config.path
+    kv, mp = model_runner.token_to_kv_pool, model_runner.req_to_token_pool.mamba_pool
+    layout = [(str(t.dtype), tuple(t.shape[1:])) for t in (*kv.k_buffer, *kv.v_buffer)]
+    layout += [(str(t.dtype), (t.shape[0], *t.shape[2:])) for t in (mp.conv_state, mp.ssm_state)]
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    device = torch.device(args.device).type
+    files = weight_files_identity(path)
+    return repr((os.path.abspath(path), files, args.quantization, device, args.page_size, rank, layout))
 
 
 def attach_tree_cache(tree_cache: BasePrefixCache, worker) -> None:

@@ -1,0 +1,220 @@
+"""The `file` storage backend's disk tier (mem_cache/disk_tier.py, issue 58's review findings 2, 4, 5, 6)
+on a small fake host pool: a failed write or read never raises and never leaves an index entry without
+its file; corrupt or stray files at start are skipped; two servers on one folder write the same entry
+at once without an error; the folder is private and a symlink or another user's folder is refused; the
+size budget deletes the least recently used entries; `deepest` finds the longest entry without hashing
+every prefix. The served cases (flush, weight update, a file lost while serving) are nightly
+(test_hicache_nightly.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.mem_cache import disk_tier
+from sglang.srt.mem_cache.disk_tier import DiskTierConfig, DiskTierError, FileStorage, entry_name
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=2, suite="per-commit-cpu")
+
+ROWS = 4096
+
+
+def fake_host(page: int = 1) -> SimpleNamespace:
+    g = torch.Generator().manual_seed(0)
+    return SimpleNamespace(
+        page_size=page,
+        k_buffer=[torch.randn(ROWS, 2, 8, generator=g)],
+        v_buffer=[torch.randn(ROWS, 2, 8, generator=g)],
+        conv_state=torch.randn(2, 5, 16, generator=g),
+        ssm_state=torch.randn(2, 5, 4, 4, generator=g),
+    )
+
+
+def storage(root, host=None, max_bytes: int = 1 << 30) -> FileStorage:
+    return FileStorage(DiskTierConfig(str(root), "fp", max_bytes), host or fake_host(), Counter())
+
+
+def put(st: FileStorage, key: list[int], slot: int = 1) -> str:
+    name = entry_name(key, None)
+    assert st.wants(name, len(key))
+    st.writing(name)
+    st.write(name, len(key), list(range(1, len(key) + 1)), slot)
+    return name
+
+
+def test_an_entry_round_trips_and_stores_no_tokens(tmp_path):
+    """What is staged is what was written (KV positions past `start`, the state); the folder holds one
+    file per entry, named by the hash and the length: no token id anywhere on disk."""
+    st = storage(tmp_path)
+    key = list(range(1000, 1064))
+    name = put(st, key, slot=2)
+    assert st.index[name][0] == 64 and not st.pending
+    (fname,) = os.listdir(st.dir)
+    assert fname == f"{name}-64.pt"
+    staged = st.stage(name, 10)
+    assert torch.equal(staged["kv"][0], st.host.k_buffer[0][11:65])
+    assert torch.equal(staged["ssm"], st.host.ssm_state[:, 2])
+    assert st.deepest(key + [7, 8], None) == (64, name) and st.deepest(key[:63], None) == (0, None)
+
+
+def test_a_failed_write_raises_nothing_and_leaves_no_entry(tmp_path, monkeypatch):
+    """Disk full (torch.save raising OSError ENOSPC) and a folder removed by hand: counted, no index
+    entry (before the fix the entry went in when the write was recorded: the next hit read a missing
+    file on the forward stream and the scheduler exited), no temporary file left."""
+    st = storage(tmp_path)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk_tier.torch, "save", full)
+    put(st, list(range(32)))
+    monkeypatch.undo()
+    assert not st.index and not st.pending and st.stats["disk_write_errors"] == 1
+    assert os.listdir(st.dir) == []
+    os.rmdir(st.dir)
+    put(st, list(range(40)))
+    assert not st.index and st.stats["disk_write_errors"] == 2
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "foreign layout"])
+def test_a_failed_read_drops_the_entry_and_skips_the_hit(tmp_path, damage):
+    """A file lost (tmpfiles, cleared by hand, another server's LRU), truncated, or of another layout:
+    `stage` returns None (no hit), the entry leaves the index, the error is counted."""
+    st = storage(tmp_path)
+    key = list(range(48))
+    name = put(st, key)
+    path = os.path.join(st.dir, f"{name}-48.pt")
+    if damage == "deleted":
+        os.unlink(path)
+    elif damage == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        st.host.k_buffer = [torch.zeros(ROWS, 2, 8, dtype=torch.float16)]
+    assert st.stage(name, 0) is None
+    assert name not in st.index and st.deepest(key, None) == (0, None)
+    assert st.stats["disk_read_errors"] == 1
+
+
+def test_corrupt_and_stray_files_at_start_are_skipped(tmp_path):
+    """A zero-length entry (a rename before the data reached the disk), a stray .json, a name that is not
+    an entry: the server starts with the valid entries only."""
+    st = storage(tmp_path)
+    good = put(st, list(range(16)))
+    bad = "ab" * 32
+    open(os.path.join(st.dir, f"{bad}-16.pt"), "wb").close()
+    with open(os.path.join(st.dir, "abc.json"), "w") as f:
+        f.write('{"tokens": [1, 2')
+    open(os.path.join(st.dir, "notes.txt"), "w").close()
+    again = storage(tmp_path)
+    assert list(again.index) == [good]
+
+
+def test_two_servers_write_one_entry_at_once(tmp_path):
+    """Two storages on one folder (two servers, same fingerprint) write the same entry 30 times each
+    from two threads: unique temporary names, so no write fails (before: a shared `<name>.pt.tmp`, one
+    rename took the other's file: FileNotFoundError)."""
+    a, b = storage(tmp_path), storage(tmp_path)
+    name = entry_name(list(range(512)), None)
+
+    def writes(st):
+        for _ in range(30):
+            st.write(name, 512, list(range(1, 513)), 1)
+
+    threads = [threading.Thread(target=writes, args=(s,)) for s in (a, b)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert a.stats["disk_write_errors"] == 0 and b.stats["disk_write_errors"] == 0
+    assert os.listdir(a.dir) == [f"{name}-512.pt"]
+    assert a.stage(name, 0) is not None
+
+
+def test_the_folder_is_private_and_a_symlink_is_refused(tmp_path):
+    """Folders 0700 (an existing 0755 one is tightened), files 0600; a symlinked folder is refused in
+    one sentence naming the variable."""
+    root = tmp_path / "hc"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    st = storage(root)
+    put(st, list(range(8)))
+    assert os.stat(root).st_mode & 0o777 == 0o700 and os.stat(st.dir).st_mode & 0o777 == 0o700
+    (fname,) = os.listdir(st.dir)
+    assert os.stat(os.path.join(st.dir, fname)).st_mode & 0o777 == 0o600
+    os.symlink(root, tmp_path / "link")
+    with pytest.raises(DiskTierError, match="^SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR folder .* a symlink"):
+        storage(tmp_path / "link")
+
+
+def test_another_users_folder_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier.os, "geteuid", lambda: os.getuid() + 1)
+    with pytest.raises(DiskTierError, match="is owned by another user; set it to a folder of yours"):
+        storage(tmp_path)
+
+
+def test_the_budget_deletes_the_least_recently_used(tmp_path):
+    """A budget of about three entries: the fourth write deletes the least recently used one (the
+    first, unless it was read since: then the second); the total stays within the budget. An entry
+    larger than the budget by itself is not written."""
+    st = storage(tmp_path)
+    n1 = put(st, list(range(100)))
+    size = st.index[n1][1]
+    st = storage(tmp_path, max_bytes=int(size * 3.5))
+    n2, n3 = put(st, list(range(200, 300))), put(st, list(range(300, 400)))
+    assert st.stage(n1, 0) is not None  # n1 is now the most recently used
+    n4 = put(st, list(range(400, 500)))
+    assert list(st.index) == [n3, n1, n4] and n2 not in st.index
+    assert sorted(os.listdir(st.dir)) == sorted(f"{n}-100.pt" for n in (n1, n3, n4))
+    assert st.total <= st.max_bytes and st.stats["disk_evictions"] == 1
+    assert not st.wants(entry_name(list(range(2000)), None), 2000)
+
+
+def test_deepest_hashes_only_at_the_entries_lengths(tmp_path, monkeypatch):
+    """A 32k-token key against entries of two lengths: the longest present is found with 2 digests, not
+    one per page-aligned prefix (the review measured 58 ms per match at 32k tokens)."""
+    st = storage(tmp_path)
+    key = list(range(32768))
+    put(st, key[:64])
+    n2 = put(st, key[:128])
+    digests = []
+    real = disk_tier.hashlib.sha256
+
+    class Counting:
+        def __init__(self, data):
+            self.h = real(data)
+
+        def update(self, data):
+            self.h.update(data)
+
+        def hexdigest(self):
+            digests.append(1)
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(disk_tier.hashlib, "sha256", Counting)
+    assert st.deepest(key, None) == (128, n2) and len(digests) == 2
+    assert st.deepest(key, "other namespace") == (0, None)
+
+
+def test_the_fingerprint_follows_the_weights_and_the_pools(tmp_path):
+    """Review finding 3: a weight file rewritten (size or mtime) or a pool of another real dtype (bf16 on
+    a GPU vs float32 on CPU, both `--dtype auto`) gives another folder."""
+    from sglang.srt.managers.scheduler_components.tree_cache_factory import disk_fingerprint
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    args = SimpleNamespace(model_config=SimpleNamespace(path=str(tmp_path)), quantization=None,
+                           device="cpu", page_size=1)  # fmt: skip
+
+    def runner(dtype):
+        kv = SimpleNamespace(k_buffer=[torch.zeros(4, 2, 8, dtype=dtype)], v_buffer=[])
+        mp = SimpleNamespace(conv_state=torch.zeros(2, 5, 16, dtype=dtype), ssm_state=torch.zeros(2, 5, 4))
+        return SimpleNamespace(token_to_kv_pool=kv, req_to_token_pool=SimpleNamespace(mamba_pool=mp))
+
+    first = disk_fingerprint(args, runner(torch.float32))
+    assert disk_fingerprint(args, runner(torch.float32)) == first
+    assert disk_fingerprint(args, runner(torch.bfloat16)) != first
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)
+    assert disk_fingerprint(args, runner(torch.float32)) != first
