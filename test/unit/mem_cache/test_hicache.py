@@ -106,3 +106,24 @@ def test_a_host_tier_smaller_than_the_device_is_a_startup_error():
     )
     with pytest.raises(ValueError, match="^--hicache-size 1 gives a host tier of"):
         HostPools(kv, mp, ratio=2.0, size_gb=1)
+
+
+def test_a_host_tier_larger_than_the_available_memory_is_a_startup_error(monkeypatch):
+    """Review finding 6: a host tier over /proc/meminfo's MemAvailable is refused in one sentence naming
+    both flags, before any allocation (here 2 x a 16 GiB device KV pool against 8 GiB available)."""
+    from sglang.srt.mem_cache import host_pool
+
+    class Pool:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    kv = Pool(size=1 << 20, page_size=1, k_buffer=[torch.zeros(1 << 20, 64, 64, device="meta")], v_buffer=[])
+    mp = Pool(
+        size=64,
+        conv_state=torch.zeros(1, 65, 4, device="meta"),
+        ssm_state=torch.zeros(1, 65, 4, device="meta"),
+    )
+    monkeypatch.setattr(host_pool, "available_host_bytes", lambda: 8 << 30)
+    with pytest.raises(ValueError, match=r"^--hicache-ratio 2 gives a host tier of 32\.0 GB but only 8\.0 GB .* "
+                       r"lower --hicache-ratio or --hicache-size\.$"):  # fmt: skip
+        HostPools(kv, mp, ratio=2.0, size_gb=0)

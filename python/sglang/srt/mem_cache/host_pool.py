@@ -5,7 +5,9 @@ own allocators (host ints, as on the device).
 
 Sizes: `--hicache-size` GB (when > 0), split between KV and states in the device pools' byte ratio; else
 `--hicache-ratio` times the device pools (tokens and slots). Upstream's rule holds: the host tier is at
-least as large as the device pools (write-through keeps what the device holds on host too).
+least as large as the device pools (write-through keeps what the device holds on host too). A host tier
+larger than the host memory available (/proc/meminfo's MemAvailable) is refused at start, as upstream
+checks it, before any allocation (pinned memory that does not fit fails late or wakes the OOM killer).
 
 The copies (`backup_*`: device -> host, `load_*`: host -> device) read and write the pools' tensors: they
 run on the forward stream only (`HiCacheController` queues them), never on the scheduler thread.
@@ -25,7 +27,20 @@ GB = 1 << 30
 
 
 class HostPoolSizeError(ValueError):
-    """The host tier the flags ask for is smaller than the device pools (a startup error)."""
+    """The host tier the flags ask for is smaller than the device pools or larger than the host memory
+    available (a startup error)."""
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none: the check is skipped)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -55,6 +70,14 @@ class HostPools:
                 f"device pools ({dev_tokens} tokens, {dev_slots} slots): the host tier must hold at least "
                 "what the device does; raise it."
             )
+        rows = (tokens // page + 1) * page  # page 0 is a dummy, as on the device
+        need = int(kv_bytes * rows + state_bytes * (slots + 1))
+        avail = available_host_bytes()
+        if avail is not None and need > avail:
+            raise HostPoolSizeError(
+                f"{asked} gives a host tier of {need / GB:.1f} GB but only {avail / GB:.1f} GB of host "
+                "memory is available (MemAvailable); lower --hicache-ratio or --hicache-size."
+            )
         self.page_size = page
         self.token_allocator = PagedTokenAllocator(tokens, page)
         self.slot_allocator = MambaSlotAllocator(slots)
@@ -65,7 +88,6 @@ class HostPools:
             shape[dim] = rows
             return torch.zeros(shape, dtype=t.dtype, device="cpu", pin_memory=pin)
 
-        rows = (tokens // page + 1) * page  # page 0 is a dummy, as on the device
         self.k_buffer = [like(t, rows, 0) for t in kv_pool.k_buffer]
         self.v_buffer = [like(t, rows, 0) for t in kv_pool.v_buffer]
         self.conv_state = like(mamba_pool.conv_state, slots + 1, 1)
