@@ -165,3 +165,17 @@ def test_a_failed_transfer_is_an_error_on_every_rank(pd):
     assert "injected" in r.text and "(on TP rank 0)" in r.text, r.text
     assert internal_state(pd["prefill"])["disaggregation"]["failed_transfers"] >= 1
     assert internal_state(pd["decode"])["disaggregation"]["failed_transfers"] >= 1
+
+
+def test_a_transfer_failed_on_one_rank_stops_the_other_and_names_that_rank(pd):
+    """Review findings 4 and 6 (issue 56): rank 1's write fails at once while rank 0's runs (staged: rank
+    0 wrote its first chunk and waits for an acknowledgement that cannot come, the chunk never being
+    announced). The request fails with rank 1's error, soon: rank 0's transfer is stopped in the step
+    that gathers rank 1's failure, not at its 60 s acknowledgement timeout."""
+    body = generate_body(prompts(8)[7], rid=FAIL_PREFIX + "rank1-1")  # (300 positions: several chunks)
+    start = time.monotonic()
+    r = post(pd["router"].base_url + "/generate", body, timeout=120)
+    seconds = time.monotonic() - start
+    assert r.status_code >= 500, r.text
+    assert "injected" in r.text and "(on TP rank 1)" in r.text, r.text
+    assert seconds < 30, seconds  # (a prefill and a decode step here take well under a second)

@@ -148,3 +148,21 @@ def test_a_destination_whose_transfer_cannot_be_built_fails_that_request_only(mo
     assert q.executor.calls == [] and room.future.done()
     error, nbytes, _, _ = prefill._outcome(room.future)
     assert error == "the destination cannot be written (ValueError)" and nbytes == 0
+
+
+def test_an_injected_failure_can_name_one_tp_rank(monkeypatch):
+    """Review finding 6 (issue 56): the injection failed every rank alike, so a failure on one rank (the
+    others still writing) could not be tested end to end; PREFIX + "rankN-" fails TP rank N's alone."""
+    from sglang.srt.disaggregation.prefill import _injected
+
+    monkeypatch.setenv("SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER", "fail-")
+    assert _injected("fail-1", 0) and _injected("fail-1", 1) and not _injected("ok-1", 0)
+    assert _injected("fail-rank1-x", 1) and not _injected("fail-rank1-x", 0)
+    assert _injected("fail-ranking-x", 0)  # (no rank named: every rank's)
+    q = queue()  # (TP rank 0)
+    start(q, 6, [50, 51, 52, 53])
+    q.rooms["7"].req.rid = "fail-rank1-x"
+    q.executor.calls, q.rooms["7"].future = [], None
+    q._maybe_start("7", q.rooms["7"])
+    [(_, _, _, inject, _)] = q.executor.calls
+    assert not inject

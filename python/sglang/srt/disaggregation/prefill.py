@@ -303,8 +303,7 @@ class PrefillBootstrapQueue:
             self._abort(req, f"KV transfer to the decode server failed: {problem}", 500)
             return
         room.kv_tokens = n - prefix
-        fail_prefix = envs.SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER.get()
-        inject = fail_prefix is not None and req.rid.startswith(fail_prefix)
+        inject = _injected(req.rid, self.ranks.tp_rank)
         try:
             if self.staging is not None:  # (this rank's range of the decode rank of the same index)
                 room.link = ChunkLink()
@@ -448,6 +447,16 @@ class PrefillBootstrapQueue:
             self.channel.close()
         if hasattr(self.engine, "close"):
             self.engine.close()
+
+
+def _injected(rid: str, tp_rank: int) -> bool:
+    """Whether SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER=PREFIX fails this rank's transfer of `rid`: every
+    rank's when `rid` starts with PREFIX, TP rank N's alone when with PREFIX + "rankN-"."""
+    prefix = envs.SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER.get()
+    if prefix is None or not rid.startswith(prefix):
+        return False
+    only = rid[len(prefix) :].partition("-")[0]
+    return not (only.startswith("rank") and only[4:].isdigit()) or only == f"rank{tp_rank}"
 
 
 def _outcome(future: Future) -> Outcome:
