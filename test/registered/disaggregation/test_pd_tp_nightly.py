@@ -162,7 +162,8 @@ def test_a_failed_transfer_is_an_error_on_every_rank(pd):
     body = generate_body(prompts(1)[0], rid=FAIL_PREFIX + "1")
     r = post(pd["router"].base_url + "/generate", body, timeout=120)
     assert r.status_code >= 500, r.text
-    assert "injected" in r.text and "(on TP rank 0)" in r.text, r.text
+    # (the rank whose failure the ranks gathered first: both fail at once, either may be first)
+    assert "injected" in r.text and ("(on TP rank 0)" in r.text or "(on TP rank 1)" in r.text), r.text
     assert internal_state(pd["prefill"])["disaggregation"]["failed_transfers"] >= 1
     assert internal_state(pd["decode"])["disaggregation"]["failed_transfers"] >= 1
 
