@@ -29,7 +29,7 @@ from sglang.srt.disaggregation.transfer import PoolLayout
 from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="per-commit-cpu")
+register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
 TP = 2
 
