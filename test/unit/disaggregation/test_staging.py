@@ -189,6 +189,22 @@ def test_the_wait_for_an_acknowledgement_counts_only_while_the_scheduler_polls()
             future.result()
 
 
+def test_the_wait_for_an_acknowledgement_counts_all_the_time_the_scheduler_polls_at_its_own_pace():
+    """The wait counted only its 50 ms looks in which a poll fell: with polls every 150 ms (an idle TP
+    loop's pace is that of its exchange), a third of the time, so a 60 s limit took ~180 s."""
+    link = ChunkLink()
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        future = pool.submit(link.wait_ack, [0, 10, False], 0.5)
+        while not future.done():
+            link.heartbeat()
+            time.sleep(0.15)
+        seconds = time.monotonic() - start
+    with pytest.raises(RuntimeError, match="did not acknowledge a staged chunk within 0.5 s"):
+        future.result()
+    assert seconds < 1.0, seconds  # (0.5 s and a poll's 0.15 here; ~1.5 s when a third counted)
+
+
 def test_staging_sizes_are_bounded_and_a_chunk_below_one_position_and_the_state_is_refused():
     packer = StatePacker(*pools(0, fill=False), "cpu")
     least = packer.packed_bytes(1)

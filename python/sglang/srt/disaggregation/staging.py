@@ -277,6 +277,9 @@ class StagedRange:
 
 # How often a staged transfer's thread looks at its scheduler's polls while it waits for an acknowledgement.
 ACK_POLL_S = 0.05
+# The wait counts while the scheduler polled at most this long ago (an idle loop polls every ~50-100 ms,
+# under TP at the pace of its exchange; a longer gap is a pause, or a long step, which do not count).
+PAUSED_AFTER_S = 1.0
 
 
 class ChunkLink:
@@ -319,7 +322,7 @@ class ChunkLink:
             except queue.Empty:
                 got = None
             now = time.monotonic()
-            if self.beat >= since:  # the scheduler polled meanwhile: this server is not paused
+            if now - self.beat <= PAUSED_AFTER_S:  # the scheduler polls: this server is not paused
                 waited += now - since
             since = now
             if got == chunk:
