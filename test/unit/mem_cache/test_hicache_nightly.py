@@ -137,6 +137,24 @@ def test_with_the_forward_stream_on_a_thread(strategy, oracles, monkeypatch):
     assert stats.get("load_states", 0) > 0, stats
 
 
+def test_host_copies_survive_a_batch_whose_state_copies_are_reassigned(oracles, monkeypatch):
+    """Issue 58, review finding 8: a batch carries the host tier's copies in a field of their own
+    (`host_copies`), so code that reassigns `state_copies` (here: a plain list copy of it before every
+    launch) keeps them: the host hit still matches the oracle within 1e-4 (before: they rode in
+    `state_copies` as an empty list subclass and were dropped with it: the hit was wrong)."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    launch = Scheduler.launch
+
+    def reassigning_launch(self, batch):
+        batch.state_copies = list(batch.state_copies)
+        return launch(self, batch)
+
+    monkeypatch.setattr(Scheduler, "launch", reassigning_launch)
+    r = evicted_conversation_hits_host(oracles, "tiny-qwen3-next", "extra_buffer_lazy", "write_through")
+    assert r["loaded_states"] == 1 and r["oracle_err"] <= ORACLE_TOL, r
+
+
 def test_write_through_selective_backs_up_only_what_is_hit(oracles):
     """Without a hit after its insert, A's checkpoints stay off the host under write_through_selective:
     once evicted from the device, turn 2 hits nothing (and still matches the oracle)."""

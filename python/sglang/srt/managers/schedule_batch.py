@@ -79,6 +79,7 @@ class ScheduleBatch:
         self.pending_tracks: dict[int, tuple[int, int]] = {}  # row -> (track entry, seq_len)
         self.prepend_none: list[bool] = []  # the first input token's logprob (none exists) goes first
         self.state_copies: list[tuple[int, int]] = []
+        self.host_copies: list | None = None  # a host tier's copies (`BasePrefixCache.take_host_copies`)
         self.forward_batch = None
         self.has_placeholders = False
         self.any_stream = True  # some request streams (decode batches know; others assume so)
@@ -126,6 +127,7 @@ class ScheduleBatch:
             self.prepend_none.append(prepend)
         clear, cow_src, cow_dst = self._collect_deferred_mamba_cow_and_clear()
         self.state_copies = tree_cache.take_pending_state_copies()
+        self.host_copies = tree_cache.take_host_copies()
         inflight.add(self)
         self.forward_batch = ForwardBatch.create(
             self.forward_mode,
@@ -247,6 +249,7 @@ class ScheduleBatch:
             self.forward_batch.custom_logit = CustomLogitInfo.build(reqs, self.sample_rows)
         self.forward_batch.return_hidden_states_mask = rows.hidden_states_mask
         self.state_copies = tree_cache.take_pending_state_copies()
+        self.host_copies = tree_cache.take_host_copies()
 
     def set_mamba_track_indices_from_reqs(self, tracker: SnapshotTracker, seq_lens: list[int]) -> dict:
         """Decode snapshots: rows whose step ends on a track boundary write the state into a track slot

@@ -335,6 +335,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
             batch.forward_batch,
             future_slots=batch.future_slots,
             state_copies=batch.state_copies,
+            host_copies=batch.host_copies,
             has_placeholders=batch.has_placeholders,
             batch_id=batch.batch_id,
         )

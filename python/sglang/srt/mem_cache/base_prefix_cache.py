@@ -93,6 +93,11 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def reset(self) -> None: ...
 
+    def take_host_copies(self) -> list | None:
+        """Once per batch, at its preparation: the copies between the device and a host tier it must run
+        on the forward stream first (`LaunchedBatch.host_copies`); None for a tree without one."""
+        return None
+
     def supports_mamba(self) -> bool:
         return True
 

@@ -45,16 +45,6 @@ class HostCopy:
     host_slot: int | None
 
 
-class HiCacheCopies(list):
-    """What a batch carries as its `state_copies`: empty for the forward worker itself (the tree cache's
-    state copies ride in `state_copies` here and run after the host copies, in `HiCacheController.run`)."""
-
-    def __init__(self, state_copies: list[tuple[int, int]], host_copies: list):
-        super().__init__()
-        self.state_copies = state_copies
-        self.host_copies = host_copies
-
-
 class HiCacheController:
     def __init__(self, host: HostPools, io_backend: str = "kernel"):
         self.host = host
@@ -89,8 +79,9 @@ class HiCacheController:
         self.recorded.append(op)
         self.stats[stat] += 1
 
-    def seal(self, state_copies: list[tuple[int, int]]) -> HiCacheCopies:
-        out, self.recorded = HiCacheCopies(state_copies, self.recorded), []
+    def seal(self) -> list[HostCopy | Callable[[], None]]:
+        """Everything recorded so far, for the batch being prepared (`LaunchedBatch.host_copies`)."""
+        out, self.recorded = self.recorded, []
         self.epoch += 1
         return out
 
@@ -99,19 +90,17 @@ class HiCacheController:
 
     # ---- forward stream ----------------------------------------------------------------------------
 
-    def run(self, copies: HiCacheCopies) -> None:
-        if copies.host_copies:
-            if self.copy_stream is None:
-                self._run(copies.host_copies)
-            else:
-                forward = torch.cuda.current_stream(self.device)
-                self.copy_stream.wait_stream(forward)
-                with torch.cuda.stream(self.copy_stream):
-                    self._run(copies.host_copies)
-                forward.wait_stream(self.copy_stream)
-        if copies.state_copies:
-            src, dst = zip(*copies.state_copies, strict=True)
-            self.host.mamba_pool.copy_from(list(src), list(dst))
+    def run(self, copies: list[HostCopy | Callable[[], None]]) -> None:
+        if not copies:
+            return
+        if self.copy_stream is None:
+            self._run(copies)
+        else:
+            forward = torch.cuda.current_stream(self.device)
+            self.copy_stream.wait_stream(forward)
+            with torch.cuda.stream(self.copy_stream):
+                self._run(copies)
+            forward.wait_stream(self.copy_stream)
 
     def _run(self, ops: list[HostCopy | Callable[[], None]]) -> None:
         """In recorded order; consecutive copies of one direction run as one gather per tensor, unless

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.common import alloc_mamba_slot, evict_from_tree_cache
 from sglang.srt.mem_cache.disk_tier import DiskTierConfig, FileStorage, entry_name
-from sglang.srt.mem_cache.hicache_controller import HiCacheController, HiCacheCopies
+from sglang.srt.mem_cache.hicache_controller import HiCacheController
 from sglang.srt.mem_cache.host_pool import HostPools
 from sglang.srt.mem_cache.integrity import _partition
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
@@ -230,20 +230,21 @@ class HiMambaRadixCache(MambaRadixCache):
                 self.controller.record(write, "disk_writes")
         return True
 
-    def take_pending_state_copies(self) -> HiCacheCopies:
+    def take_host_copies(self) -> list:
         """Once per batch, at its preparation: record the backups that are due and written, then seal
-        every copy recorded so far into this batch (with the tree's own state copies)."""
+        every copy recorded so far (the tree's own state copies among them) into this batch."""
         epoch = self.controller.epoch
         for node_id, node in list(self.due.items()):
             if self.stamps[node_id] < epoch:
                 del self.due[node_id]
                 self._backup(node)
-        return self.controller.seal(super().take_pending_state_copies())
+        assert not self.pending_state_copies  # (recorded with the host copies: `_donate_snapshot`)
+        return self.controller.seal()
 
     def before_batch(self, item) -> None:  # noqa: ANN001 - a LaunchedBatch (forward worker hook)
         """On the forward stream, before the batch: its sealed copies."""
-        if isinstance(item.state_copies, HiCacheCopies):
-            self.controller.run(item.state_copies)
+        if item.host_copies is not None:
+            self.controller.run(item.host_copies)
 
     # ---- loads ---------------------------------------------------------------------------------------
 

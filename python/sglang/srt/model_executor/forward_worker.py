@@ -202,6 +202,9 @@ class LaunchedBatch:
     future_slots: Sequence[int] | None = None
     # (src, dst) state copies queued by the tree (no_buffer snapshots), run before the batch.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # A host tier's copies (and the tree's state copies in order with them), run by its before-batch
+    # hook (`HiMambaRadixCache.before_batch`); None without a host tier.
+    host_copies: list | None = None
     # Whether input ids hold placeholders (decided on the host: no device check on the way).
     has_placeholders: bool = False
     batch_id: int = 0
