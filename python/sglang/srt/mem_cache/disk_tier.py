@@ -36,6 +36,7 @@ import re
 import secrets
 import stat
 import threading
+import time
 from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 ENTRY = re.compile(r"^([0-9a-f]{64})-([0-9]+)\.pt$")
 DIR_VAR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+STALE_TMP_S = 3600
 
 
 class DiskTierError(ValueError):
@@ -106,7 +108,10 @@ class FileStorage:
             except OSError:
                 continue
             if fname.endswith(".tmp"):
-                continue  # a write in progress (this folder may be shared) or left by a crash
+                # A write in progress (the folder may be shared), or left by a crash an hour ago or more.
+                if time.time() - st.st_mtime > STALE_TMP_S:
+                    self._unlink(os.path.join(self.dir, fname))
+                continue
             if m is None or not stat.S_ISREG(st.st_mode) or st.st_size == 0 or int(m[2]) % self.page:
                 skipped += 1
                 continue
