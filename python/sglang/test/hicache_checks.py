@@ -38,6 +38,8 @@ def evicted_conversation_hits_host(
         a = token_ids(200, seed=1)
         first = h.generate(a, max_new_tokens=4)
         turn1 = a + first.output_ids
+        node = tree.match_prefix(turn1).last_device_node
+        residency_turn1 = None if node is tree.root else tree.residency(node)
         if policy == "write_through_selective":
             for i in range(selective_hits):
                 h.generate(turn1 + token_ids(8, seed=50 + i), max_new_tokens=1)
@@ -61,6 +63,7 @@ def evicted_conversation_hits_host(
             "loaded_states": loaded,
             "evicted_from_device": evicted,
             "residency_after_hit": residency,
+            "residency_after_turn1": residency_turn1,
             "oracle_err": err,
         }
     finally:

@@ -34,6 +34,9 @@ POLICIES = ["write_through", "write_back", "write_through_selective"]
 def test_a_conversation_evicted_to_host_hits_it(preset, strategy, policy, oracles):
     """Tolerance 1e-4 (float32; a hit from host measures ~2e-6, a cold prefill's own error)."""
     r = evicted_conversation_hits_host(oracles, preset, strategy, policy)
+    if policy == "write_back":  # (only evicted checkpoints are backed up: turn 1's is on the device only)
+        assert r["residency_after_turn1"] == "device", r
+    assert r["residency_after_hit"] == "both", r
     assert r["evicted_from_device"], "the workload must push the conversation off the device"
     assert r["loaded_states"] == 1
     assert r["cached"] == r["first_turn_len"] - 1, r
