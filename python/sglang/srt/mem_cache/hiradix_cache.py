@@ -52,17 +52,6 @@ WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 SELECTIVE_THRESHOLD = 2
 
 
-def path_values(node: TreeNode) -> list[int]:
-    parts = []
-    while node is not None:
-        parts.append(node.value)
-        node = node.parent
-    out: list[int] = []
-    for part in reversed(parts):
-        out.extend(part)
-    return out
-
-
 def hold_path(tree: MambaTree, node: TreeNode, delta: int) -> None:
     """Protect (delta 1) or release (-1) the KV of `node`'s path against eviction for the span of one
     operation, whatever the node holds (a tombstone too); the tree's own counters move as for a lock."""
@@ -203,7 +192,7 @@ class HiMambaRadixCache(MambaRadixCache):
         pages = self.host.token_allocator.alloc_pages((len(key) - matched) // page)
         host_slot = self.host.slot_allocator.alloc(1)[0]
         new_kv = [p * page + i for p in pages for i in range(page)]
-        host_kv = (path_values(end) if end is not host_tree.root else []) + new_kv
+        host_kv = (end.path_value() if end is not host_tree.root else []) + new_kv
         assert not host_tree.insert(key, host_kv, host_slot, matched, ns).mamba_exist
         return new_kv, host_kv, host_slot
 
@@ -220,7 +209,7 @@ class HiMambaRadixCache(MambaRadixCache):
             return False
         end, matched = room
         new_kv, host_kv, host_slot = self._host_insert(key, ns, end, matched)
-        self.controller.backup(path_values(node)[matched:], new_kv, node.mamba_value, host_slot)
+        self.controller.backup(node.path_value()[matched:], new_kv, node.mamba_value, host_slot)
         storage = self.storage
         if storage is not None:
             name = entry_name(key, ns)
@@ -318,14 +307,14 @@ class HiMambaRadixCache(MambaRadixCache):
             return
         page = self.page_size
         new_kv = [p * page + i for p in self.token_allocator.alloc_pages(need) for i in range(page)]
-        dev_kv = (path_values(dev_end) if dev_end is not self.root else []) + new_kv
+        dev_kv = (dev_end.path_value() if dev_end is not self.root else []) + new_kv
         self._loading = True
         try:
             res = self.insert(key[:depth], dev_kv, slot, dev_matched, ns)
         finally:
             self._loading = False
         assert not res.mamba_exist
-        host_kv = path_values(src)
+        host_kv = src.path_value()
         self.controller.load(host_kv[dev_matched:depth], new_kv, src.mamba_value, slot)
         host_tree.mamba_lru.touch(src)
         host_tree.dec_lock_ref(src)

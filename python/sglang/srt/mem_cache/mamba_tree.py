@@ -76,9 +76,17 @@ class TreeNode:
         return n
 
     def path_key(self) -> list[int]:
+        """The token ids from the root to this node."""
+        return self._along_path("key")
+
+    def path_value(self) -> list[int]:
+        """The KV slots from the root to this node."""
+        return self._along_path("value")
+
+    def _along_path(self, field: str) -> list[int]:
         parts, node = [], self
         while node is not None:
-            parts.append(node.key)
+            parts.append(getattr(node, field))
             node = node.parent
         out: list[int] = []
         for part in reversed(parts):
