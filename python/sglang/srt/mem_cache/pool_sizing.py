@@ -160,9 +160,9 @@ def smallest_across_ranks(value: int) -> int:
     group = get_tp_group()
     if group.world_size == 1 or group.cpu_group is None:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
-    return int(t.item())
+    values: list[int | None] = [None] * group.world_size  # over the gloo group: host ints, no device
+    dist.all_gather_object(values, int(value), group=group.cpu_group)
+    return min(v for v in values if v is not None)
 
 
 def compute_pool_sizes(
