@@ -25,6 +25,7 @@ import os
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from sglang.srt.disaggregation.transfer import TransferError, listening_sockets
 from sglang.srt.server_args import ServerArgsError
@@ -39,6 +40,18 @@ PROGRESS_INTERVAL_S = 0.001
 WRITE_TIMEOUT_S = 60.0
 # Remote agents kept added at once (the least recently used is removed past this).
 MAX_REMOTE_AGENTS = 64
+
+
+def exclude_absent_efa() -> None:
+    """Leave UCX's EFA module unloaded where the machine has no EFA device (unless UCX_MODULES is set):
+    loaded on a machine without one (any with libibverbs but no AWS EFA adapter), it crashes the process
+    at exit (SIGSEGV in its teardown, after everything ran). The InfiniBand / RoCE modules stay."""
+    if "UCX_MODULES" in os.environ:
+        return
+    devices = Path("/sys/class/infiniband")
+    drivers = {(d / "device" / "driver").resolve().name for d in devices.iterdir()} if devices.is_dir() else set()
+    if "efa" not in drivers:
+        os.environ["UCX_MODULES"] = "^efa"
 
 
 def nixl_module() -> str | None:
@@ -57,6 +70,7 @@ class NixlTransferEngine:
                 "--disaggregation-transfer-backend nixl needs NIXL: pip install 'sglang[nixl]' (nixl-cu12)."
             )
         api = importlib.import_module(f"{module}._api")
+        exclude_absent_efa()
         self.name = f"sglang-{hostname}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         before = listening_sockets()
