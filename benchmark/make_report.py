@@ -306,10 +306,10 @@ prompt; "independent": random 256-token prompts. Slots per running request are s
 How to choose: `no_buffer` holds one slot per request and caches a state only where a request ends or a
 chunked prefill pauses, so shared prefixes hit only by chance (a chunk boundary inside the shared part); `extra_buffer` snapshots at chunk boundaries
 (hits on shared prefixes and repeats) but holds 1 + 2 slots per request with overlap; `extra_buffer_lazy`
-gets the same hits with 1 + 1 slots, borrowing the second only at a decode track boundary, so a fixed
-pool runs more requests at once. The running cap derived from the pool also keeps 2 slots per request
-for the radix tree (upstream's ratios 3, 5 and 4: {MAMBA_POOL} slots run at most {MAMBA_POOL // 3},
-{MAMBA_POOL // 5} and {MAMBA_POOL // 4} requests). With a pool that is not the limit the two extra-buffer
+gets the same hits in one slot per running request (each snapshot is written into a slot borrowed from
+the tree's share and handed to the tree at once), so a fixed pool runs more requests at once. The running
+cap derived from the pool also keeps 2 slots per request for the radix tree (upstream's ratios 3, 5 and 3: {MAMBA_POOL} slots run at most {MAMBA_POOL // 3},
+{MAMBA_POOL // 5} and {MAMBA_POOL // 3} requests). With a pool that is not the limit the two extra-buffer
 strategies behave alike.
 
 ## The engine against Hugging Face `generate`
