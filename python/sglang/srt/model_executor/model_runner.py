@@ -127,9 +127,11 @@ def agree_on_tokens(ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
     id any rank sampled (upstream's all-reduce MIN); with the strict check (the tests) the ranks compare
     their ids every step and all stop, naming the row, where they differ."""
     tp = get_tp_group()
+    if tp.world_size == 1 or ids.numel() == 0:  # (every sample at TP 1: no environment lookups)
+        return ids
     strict = envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get()
     sync = envs.SYNC_TOKEN_IDS_ACROSS_TP.get() or fb.vocab_mask is not None or fb.custom_logit is not None
-    if tp.world_size == 1 or not (sync or strict) or ids.numel() == 0:
+    if not (sync or strict):
         return ids
     bounds = torch.stack([ids, -ids])  # (one all-reduce MIN gives every row's smallest and largest id)
     dist.all_reduce(bounds, op=dist.ReduceOp.MIN, group=tp.device_group)
