@@ -127,18 +127,19 @@ class HiCacheController:
             host_kv = [t for op in group for t in op.host_kv]
             dev_s = [op.device_slot for op in group if op.device_slot is not None]
             host_s = [op.host_slot for op in group if op.host_slot is not None]
-            dk = torch.tensor(dev_kv, dtype=torch.int64).to(self.device)
-            hk = torch.tensor(host_kv, dtype=torch.int64)
-            ds = torch.tensor(dev_s, dtype=torch.int64).to(self.device)
-            hs = torch.tensor(host_s, dtype=torch.int64)
-            if ops[i].to_host:
-                if dev_kv:
+            # (index tensors only for what the group moves: each device one is an upload)
+            if dev_kv:
+                dk = torch.tensor(dev_kv, dtype=torch.int64).to(self.device)
+                hk = torch.tensor(host_kv, dtype=torch.int64)
+                if ops[i].to_host:
                     self.host.backup_kv(dk, hk)
-                if dev_s:
-                    self.host.backup_states(ds, hs)
-            else:
-                if dev_kv:
+                else:
                     self.host.load_kv(hk, dk)
-                if dev_s:
+            if dev_s:
+                ds = torch.tensor(dev_s, dtype=torch.int64).to(self.device)
+                hs = torch.tensor(host_s, dtype=torch.int64)
+                if ops[i].to_host:
+                    self.host.backup_states(ds, hs)
+                else:
                     self.host.load_states(hs, ds)
             i = j
