@@ -55,3 +55,9 @@ def kernel_device(request, monkeypatch) -> str:
     if request.param == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     return request.param
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Triton kernels on CPU tensors run by the interpreter (tests that are CPU-only by design)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -218,10 +218,6 @@ def test_quant_compiles_for_sm90():
         compile_sm90_in_registers(fk._quant_kernel, signature, dict(GROUP=128, SILU_MUL=silu_mul))
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 # Qwen3-Next-80B's dense projections (N, K): GDN in_proj_qkvz and in_proj_ba, GDN / attention out_proj,
 # attention q (gated) and k / v, the shared expert; Nemotron-H-8B's 4,096-wide layers.

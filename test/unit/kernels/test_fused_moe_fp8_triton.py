@@ -195,10 +195,6 @@ def test_tile_map_compiles_for_sm90():
     compile_sm90_in_registers(mf._tile_map_kernel, signature, dict(BLOCK_M=16, BE=mf._TILE_MAP_BE))
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -16,10 +16,6 @@ from sglang.test.ci_register import register_cpu_ci
 register_cpu_ci(est_time=8, suite="per-commit-cpu")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 def _layer(hk: int, hv: int, kd: int, vd: int, seed: int, dtype=torch.float32) -> SimpleNamespace:
     g = torch.Generator().manual_seed(seed)

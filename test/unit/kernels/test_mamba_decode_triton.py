@@ -20,10 +20,6 @@ NUM_SLOTS = 12
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 def _untouched(before: torch.Tensor, after: torch.Tensor) -> None:
     rest = [s for s in range(NUM_SLOTS) if s not in SLOTS]

@@ -14,10 +14,6 @@ from sglang.test.sm90 import compile_sm90_in_registers
 register_cpu_ci(est_time=15, suite="per-commit-cpu")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 def _ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
     """Distinct experts per token (as top-k gives), few experts so that many share one, some unused."""

@@ -14,10 +14,6 @@ from sglang.test.ci_register import register_cpu_ci
 register_cpu_ci(est_time=10, suite="per-commit-cpu")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4), (512, 10), (16, 1)])
 @pytest.mark.parametrize("renormalize", [True, False])

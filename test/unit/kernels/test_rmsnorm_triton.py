@@ -14,10 +14,6 @@ from sglang.test.ci_register import register_cpu_ci
 register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 def _module(cls, dtype, seed, **kwargs):
     g = torch.Generator().manual_seed(seed)

@@ -14,10 +14,6 @@ from sglang.test.ci_register import register_cpu_ci
 register_cpu_ci(est_time=10, suite="per-commit-cpu")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,rotary_dim", [(32, 32), (64, 16), (24, 12)])

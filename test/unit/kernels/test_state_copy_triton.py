@@ -25,10 +25,6 @@ register_cpu_ci(est_time=10, suite="per-commit-cpu")
 triton = pytest.importorskip("triton")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 @pytest.mark.parametrize(
     "n,shape,dtypes",

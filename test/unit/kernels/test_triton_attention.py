@@ -16,10 +16,6 @@ NUM_SLOTS = 600
 ROW_LEN = 256
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
 
 def _pool(hk, d, dtype, seed, kv_dtype=None, num_slots=NUM_SLOTS) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V buffers in `kv_dtype` (a `--kv-cache-dtype` pool), else `dtype`."""
