@@ -67,13 +67,18 @@ class PoolSizes:
         return self.max_mamba_cache_size * self.mamba_bytes_per_slot
 
 
+def mem_fraction(device: str, fraction: float | None) -> float:
+    """`--mem-fraction-static` as given, else this device's default (the one place it is resolved)."""
+    return fraction or (GPU_DEFAULT_MEM_FRACTION if device == "cuda" else CPU_DEFAULT_MEM_FRACTION)
+
+
 def cache_budget_bytes(
     device: str, fraction: float | None, weight_bytes: int, device_memory: int | None = None
 ) -> tuple[int, float]:
     """Bytes the KV and state pools may take, and the fraction used (module docstring). `device_memory`
     plans for a device of that many bytes instead of measuring this one (`plan_memory`; the host RAM on
     CPU)."""
-    fraction = fraction or (GPU_DEFAULT_MEM_FRACTION if device == "cuda" else CPU_DEFAULT_MEM_FRACTION)
+    fraction = mem_fraction(device, fraction)
     if device == "cuda" and device_memory is None:
         free, total = torch.cuda.mem_get_info()  # the weights are already resident
         return int(free - total * (1 - fraction)), fraction
@@ -85,9 +90,7 @@ def cache_budget_bytes(
 def check_weights_fit(server_args: ServerArgs, weight_bytes: int, device_memory: int) -> None:
     """Refuses, in one sentence and before anything loads, weights larger than what
     `--mem-fraction-static` gives weights and caches together on a device of `device_memory` bytes."""
-    fraction = server_args.mem_fraction_static or (
-        GPU_DEFAULT_MEM_FRACTION if server_args.device == "cuda" else CPU_DEFAULT_MEM_FRACTION
-    )
+    fraction = mem_fraction(server_args.device, server_args.mem_fraction_static)
     budget = device_memory * fraction
     if weight_bytes >= budget:
         raise ServerArgsError(
@@ -143,9 +146,7 @@ def plan_memory(server_args: ServerArgs, device_memory: int, weight_bytes: int |
                 draft_layers=bool(draft_kv_layer_ids(server_args)),  # EAGLE / NEXTN's MTP layer loads too
             ).total
         check_weights_fit(server_args, weight_bytes, device_memory)
-        _, fraction = cache_budget_bytes(
-            server_args.device, server_args.mem_fraction_static, 0, device_memory
-        )
+        fraction = mem_fraction(server_args.device, server_args.mem_fraction_static)
         sizes = compute_pool_sizes(server_args, config.arch, weight_bytes, device_memory)
     return MemoryPlan(device_memory, fraction, weight_bytes, sizes, tp)
 
@@ -153,16 +154,13 @@ def plan_memory(server_args: ServerArgs, device_memory: int, weight_bytes: int |
 def smallest_across_ranks(value: int) -> int:
     """The smallest `value` any rank of this process's TP group has (the identity at one rank and under
     the planner's stand-in groups)."""
-    import torch.distributed as dist
-
     from sglang.srt.distributed import get_tp_group
+    from sglang.srt.distributed.parallel_state import gather_objects
 
     group = get_tp_group()
-    if group.world_size == 1 or group.cpu_group is None:
+    if group.cpu_group is None:
         return value
-    values: list[int | None] = [None] * group.world_size  # over the gloo group: host ints, no device
-    dist.all_gather_object(values, int(value), group=group.cpu_group)
-    return min(v for v in values if v is not None)
+    return min(gather_objects(int(value), group.cpu_group, group.world_size))  # (host ints, no device)
 
 
 def compute_pool_sizes(
