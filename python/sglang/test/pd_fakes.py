@@ -28,6 +28,7 @@ def decode_queue(sched: Any) -> DecodeTransferQueue:
     """A decode server's PD queue over `sched` (a stand-in scheduler), without a transfer engine."""
     q = DecodeTransferQueue.__new__(DecodeTransferQueue)
     q.sched = sched
+    q.news, q.now = False, 0.0
     q.layout = PoolLayout([], [], 0, [], [], [])
     q.engine = SimpleNamespace(session_id="127.0.0.1:16610")
     q.channel = RecordingChannel()

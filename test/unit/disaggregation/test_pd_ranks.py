@@ -362,3 +362,53 @@ def test_both_sides_report_what_a_transfer_weighs_on_every_rank_together():
     state = q.state()
     assert state["kv_bytes_per_token"] == TP * one["kv_bytes_per_token"]
     assert state["state_bytes"] == TP * one["state_bytes"]
+
+
+class _Counting(PdRanks):
+    """Rank 0 of two whose collectives are counted (and answered as if rank 1 gave the same)."""
+
+    def __init__(self):
+        super().__init__(2, 0)
+        self.calls = 0
+
+    def all_gather(self, value):
+        self.calls += 1
+        return [value, value]
+
+
+def test_an_idle_pd_queue_under_tp_runs_no_collective_until_the_tick_brings_news():
+    """Final review finding: every scheduler step of a PD server at TP 2 paid a pickled all-gather over
+    gloo, idle too. Now an idle queue polls with no collective on every rank alike; rank 0's channel
+    holding messages reaches every rank on the scheduler's tick (`Tick.disagg`, with rank 0's clock),
+    and then the poll exchanges."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
+    from sglang.test.pd_fakes import decode_queue
+
+    prefill = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
+    prefill.ranks, prefill.timeout, prefill.rooms, prefill.ended = _Counting(), 300.0, {}, {}
+    prefill.news, prefill.now = False, 0.0
+    prefill.channel = SimpleNamespace(recv_all=list, pull=SimpleNamespace(poll=lambda timeout: 0))
+    decode = decode_queue(SimpleNamespace(processed_batch_id=0, running=[], max_running_requests=4))
+    decode.ranks, decode.news, decode.now, decode.added_at, decode.unsent = _Counting(), False, 0.0, {}, []
+    decode.channel.recv_all, decode.channel.pull = list, SimpleNamespace(poll=lambda timeout: 0)
+    for q in (prefill, decode):
+        for _ in range(5):
+            assert q.poll() is False
+        assert q.ranks.calls == 0
+        assert q.has_news() is False
+        # Rank 0 finds a message waiting as it makes the tick; every rank applies the tick.
+        q.channel.pull = SimpleNamespace(poll=lambda timeout: 1)
+        rank0 = SimpleNamespace(disagg=q, grammar_queue=None, running=[], waiting_queue=[], in_flight=[],
+                                chunked_req=None, recv_requests=lambda timeout: [], _may_run=lambda: False,
+                                _tick_aborts=[], weight_update=SimpleNamespace(pending=None))  # fmt: skip
+        tick = SchedulerIOMixin._make_tick(rank0, busy=False)
+        assert tick.disagg[0] is True and tick.disagg[1] > 0
+        other = SimpleNamespace(disagg=q, grammar_queue=SimpleNamespace(apply=lambda g: None),
+                                process_input_requests=lambda msgs: None)  # fmt: skip
+        SchedulerIOMixin.apply_tick(other, tick)
+        assert (q.news, q.now) == tick.disagg
+        q.poll()
+        assert q.ranks.calls == 1

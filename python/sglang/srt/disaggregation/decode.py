@@ -49,6 +49,8 @@ class DecodeTransferQueue:
         self.sched = sched
         check_at_start(args)
         self.ranks = PdRanks.of_server(args)
+        self.news = False  # (under TP: rank 0 has messages or unsent destinations, as the tick says)
+        self.now = 0.0  # (under TP: rank 0's clock as of this iteration's tick or the last exchange)
         # Staged path: a staging buffer of fixed size, a range of at most one chunk per transfer in flight.
         self.layout, self.engine, self.staging = open_transfer_engine(sched, "decode")
         # Device pools registered directly are zeroed by tensor ops (no host address to memset).
@@ -150,10 +152,19 @@ class DecodeTransferQueue:
     def transfers_running(self) -> bool:
         return False  # transfers run on the prefill server; their answers wake the loop
 
+    def has_news(self) -> bool:
+        """TP rank 0, as it makes the scheduler's tick: whether its channel holds messages or it could
+        not send a destination (the tick's `disagg`, which sets every rank's `news`, and `now` to rank 0's
+        clock)."""
+        return bool(self.unsent) or bool(self.channel.pull.poll(0))
+
     def poll(self) -> bool:
         """Under TP every rank takes rank 0's messages (its checks of hello acknowledgements come as
         "proven" URLs), its clock and the destinations it could not send (`PdRanks.exchange`), so
-        that every rank decides alike."""
+        that every rank decides alike; with no request in the queues and no news on rank 0 (`news`,
+        from the tick: every rank knows both alike) the ranks skip the exchange."""
+        if self.ranks.tp_size > 1 and not (self.news or self.busy()):
+            return False
         first = None
         if self.ranks.is_first:
             msgs = []
@@ -275,6 +286,9 @@ class DecodeTransferQueue:
         transfer, which must wait until every batch launched before the reservation is processed."""
         processed = self.sched.processed_batch_id
         outgoing: list[tuple[Req, dict[str, Any]]] = []
+        settle = getattr(self.sched.tree_cache, "settle_host_copies", None)  # (a host tier's copies)
+        if settle is not None and self.reserved and self.reserved[0][1] <= processed:
+            settle(self.sched.worker.call)  # before any destination is cleared: none may read it after
         while self.reserved and self.reserved[0][1] <= processed:
             req, _, prefix = self.reserved.pop(0)
             key = req.bootstrap.room

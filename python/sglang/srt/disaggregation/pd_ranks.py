@@ -8,7 +8,9 @@ identical on every rank without further messages:
   decode side). Once per poll it hands every rank the messages it took (after those it deals with alone:
   a prefill server's answers to hellos, a decode server's checks of hello acknowledgements, which reach
   the other ranks as "proven" URLs) and its clock, so that every decision that depends on time (the
-  bootstrap and waiting timeouts) reads rank 0's clock (`PdRanks.exchange`);
+  bootstrap and waiting timeouts) reads rank 0's clock (`PdRanks.exchange`). An idle queue (no room
+  open, no request in its queues) skips the poll's collective, on every rank alike: whether rank 0's
+  channel holds messages rides with its clock on the scheduler's per-iteration broadcast (`Tick.disagg`);
 - each rank moves its own shard: prefill rank i writes its KV heads and its recurrent heads' state into
   decode rank i's pools, registered with rank i's own transfer engine. The decode server's destination
   carries every rank's transfer-engine session and pool layout (`"ranks"`), and both servers must run the
@@ -76,13 +78,9 @@ class PdRanks:
 
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's `value`, in rank order, on every rank."""
-        if self.tp_size == 1:
-            return [value]
-        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import gather_objects
 
-        out: list[Any] = [None] * self.tp_size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+        return gather_objects(value, self.group, self.tp_size)
 
     def exchange(
         self, first: Any, ended: dict[str, Outcome]

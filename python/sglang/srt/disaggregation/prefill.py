@@ -77,6 +77,8 @@ class PrefillBootstrapQueue:
         self.sched = sched
         check_at_start(args)
         self.ranks = PdRanks.of_server(args)
+        self.news = False  # (under TP: rank 0's channel holds messages, as this iteration's tick says)
+        self.now = 0.0  # (under TP: rank 0's clock as of this iteration's tick or the last exchange)
         # Transfers run one at a time (one worker thread): the staging buffer holds one chunk.
         self.layout, self.engine, self.staging = open_transfer_engine(sched, "prefill")
         # Every rank's layout on every rank, so that each checks a destination alike.
@@ -164,11 +166,19 @@ class PrefillBootstrapQueue:
     def transfers_running(self) -> bool:
         return any(r.future is not None for r in self.rooms.values())
 
+    def has_news(self) -> bool:
+        """TP rank 0, as it makes the scheduler's tick: whether its channel holds messages (the tick's
+        `disagg`, which sets every rank's `news`, and `now` to rank 0's clock)."""
+        return bool(self.channel.pull.poll(0))
+
     def poll(self) -> bool:
         """Take the decode servers' messages, start the transfers that can start, finish those that
         ended, and give up rooms past the bootstrap timeout. True if anything happened. Under TP every
         rank takes rank 0's messages and clock, and a transfer ends once every rank's has
-        (`PdRanks.exchange`), so that every rank decides alike."""
+        (`PdRanks.exchange`), so that every rank decides alike; with no room open and nothing on rank 0's
+        channel (`news`, from the tick: every rank knows both alike) the ranks skip the exchange."""
+        if self.ranks.tp_size > 1 and not (self.rooms or self.news):
+            return False
         first = None
         if self.ranks.is_first:
             msgs, other = [], False
@@ -192,6 +202,9 @@ class PrefillBootstrapQueue:
                 room.written += room.link.drain()
                 room.link.heartbeat()  # (not paused: the wait for an acknowledgement counts)
         (msgs, self.now, did), ended, failing = self.ranks.exchange(first, ended)
+        for key, (since, _) in list(self.ended.items()):  # (before the messages: idle, no poll ran)
+            if self.now - since > self.timeout:
+                del self.ended[key]
         for key, error in failing.items():  # failed on a rank: the ranks still running it stop
             room = self.rooms[key]
             room.root_error = room.root_error or error  # (the first failure gathered: every rank's alike)
@@ -401,9 +414,6 @@ class PrefillBootstrapQueue:
                 if room.req is not None:
                     message = f"no decode server sent a destination for room {key} within {self.timeout:g} s"
                     self._abort(room.req, message, 503)
-        for key, (since, _) in list(self.ended.items()):
-            if now - since > self.timeout:
-                del self.ended[key]
         return did
 
     def _end(self, key: str, now: float, why: str) -> None:

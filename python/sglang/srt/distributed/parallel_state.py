@@ -71,6 +71,17 @@ class GroupCoordinator:
             dist.barrier(group=self.cpu_group)
 
 
+def gather_objects(value: Any, group: Any, world_size: int) -> list[Any]:
+    """Every rank's `value` (a small picklable host value: a flag, a count, a few messages), in rank
+    order, on every rank, over the gloo group `group` of `world_size` ranks; `[value]` at one rank (no
+    collective). The one way the scheduler, the pool planner and the PD queues gather host values."""
+    if world_size == 1:
+        return [value]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
 _SINGLE = GroupCoordinator(ranks=[0], rank_in_group=0)
 _TP: GroupCoordinator | None = None
 _EP: GroupCoordinator | None = None

@@ -433,6 +433,7 @@ class SchedulerIOMixin:
             deadline_aborts=aborts,
             weights_loaded=pending is not None and pending[1].done(),
             messages=msgs,
+            disagg=None if self.disagg is None else (self.disagg.has_news(), time.monotonic()),
         )
 
     def apply_tick(self, tick: Tick) -> None:
@@ -446,6 +447,8 @@ class SchedulerIOMixin:
             self.weight_update.pending[1].exception()  # (waits for this rank's load to end too)
             self.finish_weight_update()
         self.process_input_requests(tick.messages)
+        if tick.disagg is not None:
+            self.disagg.news, self.disagg.now = tick.disagg
 
     def rank_digest(self) -> tuple:
         """What every TP rank must agree on whenever it goes idle: batches built and the pools' counts."""

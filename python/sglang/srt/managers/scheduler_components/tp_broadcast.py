@@ -83,6 +83,9 @@ class Tick:
     deadline_aborts: list[tuple[list[str], str, int]] = field(default_factory=list)  # (rids, message, status)
     weights_loaded: bool = False
     messages: list[Any] = field(default_factory=list)
+    # A PD server: whether rank 0 has something for its PD queue (`has_news`: the queue's poll then runs
+    # its collective even with nothing open; idle, every rank skips it alike) and rank 0's clock.
+    disagg: tuple[bool, float] | None = None
 
 
 def join_parallel_group(rank: ParallelRank, server_args: Any) -> TpBroadcast:
@@ -183,11 +186,10 @@ class TpBroadcast:
     def check_same_flags(self, server_args: Any) -> None:
         """Every node must run the same flags (but its own NODE_LOCAL_FLAGS): ParallelGroupError naming
         the first that differs from rank 0's."""
-        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import gather_objects
 
         mine = {k: v for k, v in server_args.public_dict().items() if k not in NODE_LOCAL_FLAGS}
-        everyone: list[Any] = [None] * self.rank.tp_size
-        dist.all_gather_object(everyone, mine, group=self.group)
+        everyone = gather_objects(mine, self.group, self.rank.tp_size)
         for r, flags in enumerate(everyone):
             for name, value in flags.items():
                 if value != everyone[0].get(name):
@@ -210,10 +212,9 @@ class TpBroadcast:
     def agree(self, value: Any, what: str, hint: str = "") -> None:
         """Every rank must have the same `value` (pool sizes; with the strict idle check, the scheduler's
         counts): ParallelGroupError otherwise."""
-        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import gather_objects
 
-        values: list[Any] = [None] * self.rank.tp_size
-        dist.all_gather_object(values, value, group=self.group)
+        values = gather_objects(value, self.group, self.rank.tp_size)
         if any(v != values[0] for v in values):
             raise ParallelGroupError(f"The TP ranks have different {what} ({values}){hint}.")
 
@@ -222,10 +223,9 @@ class TpBroadcast:
         disk, a tensor update, a memory release): None where every rank succeeded, else why not (the
         first failing rank's reason, naming it unless every rank failed alike), so that all ranks apply
         or roll back together and their states stay the same."""
-        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import gather_objects
 
-        errors: list[Any] = [None] * self.rank.tp_size
-        dist.all_gather_object(errors, error, group=self.group)
+        errors = gather_objects(error, self.group, self.rank.tp_size)
         failed = [(r, e) for r, e in enumerate(errors) if e]
         if not failed:
             return None
@@ -236,11 +236,9 @@ class TpBroadcast:
 
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (an operation that ended on each rank at its own time)."""
-        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import gather_objects
 
-        flags: list[Any] = [None] * self.rank.tp_size
-        dist.all_gather_object(flags, bool(flag), group=self.group)
-        return all(flags)
+        return all(gather_objects(bool(flag), self.group, self.rank.tp_size))
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's `value`, on rank 0 (None elsewhere)."""
