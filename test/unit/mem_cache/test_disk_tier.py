@@ -211,7 +211,7 @@ def test_the_fingerprint_follows_the_weights_and_the_pools(tmp_path):
 
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
     args = SimpleNamespace(model_config=SimpleNamespace(path=str(tmp_path)), quantization=None,
-                           device="cpu", page_size=1)  # fmt: skip
+                           device="cpu", page_size=1, tp_size=1)  # fmt: skip
 
     def runner(dtype):
         kv = SimpleNamespace(k_buffer=[torch.zeros(4, 2, 8, dtype=dtype)], v_buffer=[])
@@ -221,5 +221,7 @@ def test_the_fingerprint_follows_the_weights_and_the_pools(tmp_path):
     first = disk_fingerprint(args, runner(torch.float32))
     assert disk_fingerprint(args, runner(torch.float32)) == first
     assert disk_fingerprint(args, runner(torch.bfloat16)) != first
+    # Rank 0 of TP 2 holds another shard than TP 1's one rank, even where the pools' shapes are alike.
+    assert disk_fingerprint(SimpleNamespace(**{**vars(args), "tp_size": 2}), runner(torch.float32)) != first
     (tmp_path / "model.safetensors").write_bytes(b"y" * 11)
     assert disk_fingerprint(args, runner(torch.float32)) != first

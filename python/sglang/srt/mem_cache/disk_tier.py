@@ -20,6 +20,13 @@ the host tree takes the entry; the staged tensors go into the host pools on the 
 with the host copies (`apply`). Writes read the host pools, so they run on the forward stream too
 (`HiCacheController.record`), after the host copy they read.
 
+Tensor parallelism: each rank stores its own shard (the fingerprint names the rank and --tp-size, so a
+rank never reads another's files), and the ranks' indexes may differ (a write that failed on one rank, a
+write still running, an entry trimmed or dropped on one). A hit changes the host and device trees, which
+must stay the same on every rank: so the ranks agree on it (`gather`, an all-gather of host ints over a
+gloo group of the tree cache's own): the deepest entry is the deepest length every rank holds, and a read
+is taken only where it succeeded on every rank.
+
 Safety: the folders are created 0700; one that is a symlink or owned by another user is refused at
 start; files are opened without following symlinks and loaded with `weights_only=True`.
 
@@ -39,7 +46,9 @@ import threading
 import time
 from array import array
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,6 +109,8 @@ class FileStorage:
         self.lengths: Counter = Counter()  # entry lengths present
         self.total = 0
         self.pending: set[str] = set()  # writes recorded, not yet run
+        # Tensor parallelism: every rank's value of what it is given, on every rank (None at one rank).
+        self.gather: Callable[[Any], list[Any]] | None = None
         found, skipped = [], 0
         for fname in os.listdir(self.dir):
             m = ENTRY.match(fname)
@@ -167,20 +178,33 @@ class FileStorage:
     # ---- scheduler thread ------------------------------------------------------------------------
 
     def deepest(self, key, namespace: str | None) -> tuple[int, str | None]:
-        """The longest prefix of `key` with an entry: (length, name), or (0, None). One SHA-256 pass over
-        the key, a digest only at the lengths some entry has."""
-        if not self.enabled or not self.index:
+        """The longest prefix of `key` with an entry (under TP: one every rank holds): (length, name), or
+        (0, None). One SHA-256 pass over the key, a digest only at the lengths some entry has."""
+        hits = self._hits(key, namespace)
+        if self.gather is not None:  # (every rank calls this for the same keys: the trees are the same)
+            common = set(hits)
+            for lengths in self.gather(sorted(hits)):
+                common &= set(lengths)
+            hits = {n: hits[n] for n in common}
+        if not hits:
             return 0, None
+        best = max(hits)
+        return best, hits[best]
+
+    def _hits(self, key, namespace: str | None) -> dict[int, str]:
+        """length -> name of every prefix of `key` with an entry on this rank."""
+        if not self.enabled or not self.index:
+            return {}
         key = key if isinstance(key, array) else array("q", key)
         ends = sorted(n for n in list(self.lengths) if n <= len(key))
-        h, done, best = hashlib.sha256(repr(namespace).encode()), 0, (0, None)
+        h, done, hits = hashlib.sha256(repr(namespace).encode()), 0, {}
         for end in ends:
             h.update(key[done:end].tobytes())
             done = end
             name = h.hexdigest()
             if name in self.index:
-                best = (end, name)
-        return best
+                hits[end] = name
+        return hits
 
     def wants(self, name: str, length: int) -> bool:
         """Whether to record a write of this entry: the tier is on, the entry is neither on disk nor being
@@ -215,7 +239,16 @@ class FileStorage:
 
     def stage(self, name: str, start: int) -> dict | None:
         """Positions [start, length) of the entry's KV and its state, read and checked against the host
-        pools' layout now; None (the entry dropped, the error counted) if that fails."""
+        pools' layout now; None (the entry dropped, the error counted) if that fails, and under TP
+        None on every rank where it failed on any (`disk_reads_failed_elsewhere` counts those)."""
+        staged = self._stage(name, start)
+        if self.gather is not None and not all(self.gather(staged is not None)):
+            if staged is not None:
+                self.stats["disk_reads_failed_elsewhere"] += 1
+            return None
+        return staged
+
+    def _stage(self, name: str, start: int) -> dict | None:
         entry = self.index.get(name)
         if entry is None:
             return None

@@ -46,9 +46,8 @@ class HostCopy:
 
 
 class HiCacheController:
-    def __init__(self, host: HostPools, io_backend: str = "kernel"):
+    def __init__(self, host: HostPools):
         self.host = host
-        self.io_backend = io_backend
         self.recorded: list[HostCopy | Callable[[], None]] = []
         self.epoch = 0  # batches sealed so far
         self.stats: Counter = Counter()

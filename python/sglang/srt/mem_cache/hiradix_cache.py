@@ -32,6 +32,8 @@ from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+import torch
+
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.common import alloc_mamba_slot, evict_from_tree_cache
@@ -45,6 +47,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MHATokenToKVP
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_components.tree_cache_factory import TpAgreement
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +83,17 @@ class HiMambaRadixCache(MambaRadixCache):
         write_policy: str = "write_through",
         ratio: float = 2.0,
         size_gb: int = 0,
-        io_backend: str = "kernel",
         storage: DiskTierConfig | None = None,
+        tp: TpAgreement | None = None,
     ):
-        """`storage`: the `file` backend's disk tier (`disk_tier.py`), if any."""
+        """`storage`: the `file` backend's disk tier (`disk_tier.py`), if any. `tp`: under tensor
+        parallelism, how the ranks agree on the host tier's sizes and on disk hits (`tree_cache_factory`);
+        every other decision of this class follows from the trees, the same on every rank."""
         assert write_policy in WRITE_POLICIES, write_policy
         self.write_policy = write_policy
-        self.host = HostPools(kv_pool, req_to_token_pool.mamba_pool, ratio, size_gb)
-        self.controller = HiCacheController(self.host, io_backend)
+        agree = () if tp is None else (tp.smallest, tp.ranks_per_node)
+        self.host = HostPools(kv_pool, req_to_token_pool.mamba_pool, ratio, size_gb, *agree)
+        self.controller = HiCacheController(self.host)
         owner = SimpleNamespace(
             strategy=SimpleNamespace(
                 extra_buffer=True, cache_chunk_size=req_to_token_pool.strategy.cache_chunk_size, lazy=False
@@ -96,6 +102,8 @@ class HiMambaRadixCache(MambaRadixCache):
         )
         self.host_tree = MambaRadixCache(owner, self.host.token_allocator, page_size)
         self.storage = None if storage is None else FileStorage(storage, self.host, self.controller.stats)
+        if self.storage is not None and tp is not None:
+            self.storage.gather = tp.gather
         self.stamps: dict[int, int] = {}  # device checkpoint node id -> epoch its checkpoint was set
         self.due: dict[int, TreeNode] = {}  # checkpoints whose backup is due
         self.hits: dict[int, int] = {}  # write_through_selective: hits per checkpoint node
@@ -234,6 +242,21 @@ class HiMambaRadixCache(MambaRadixCache):
         """On the forward stream, before the batch: its sealed copies."""
         if item.host_copies is not None:
             self.controller.run(item.host_copies)
+
+    def settle_host_copies(self, call) -> None:  # noqa: ANN001 - ForwardWorker.call
+        """PD decode, before destinations are cleared and sent to the prefill server (whose transfer
+        writes them from outside the forward stream): every host copy recorded or sealed so far has run,
+        so none reads a page or slot the transfer writes (a backup of a page the tree gave up and the
+        destination got) or lands late. `call` runs a function on the forward stream after every batch
+        launched so far and returns once it ran."""
+        copies = self.take_host_copies()
+
+        def run() -> None:
+            self.controller.run(copies)
+            if self.controller.copy_stream is not None:  # (queued is not done: wait for the stream)
+                torch.cuda.current_stream(self.controller.device).synchronize()
+
+        call(run)
 
     # ---- loads ---------------------------------------------------------------------------------------
 

@@ -8,6 +8,10 @@ Sizes: `--hicache-size` GB (when > 0), split between KV and states in the device
 least as large as the device pools (write-through keeps what the device holds on host too). A host tier
 larger than the host memory available (/proc/meminfo's MemAvailable) is refused at start, as upstream
 checks it, before any allocation (pinned memory that does not fit fails late or wakes the OOM killer).
+Under tensor parallelism each rank holds its own shard's host tier, sized alike on every rank: the sizes
+and the memory available are taken as the smallest over the ranks (`smallest`), and the ranks on one
+node (`ranks_per_node`) each need their tier from that node's memory, so every rank builds the same
+tier or refuses in the same sentence.
 
 The copies (`backup_*`: device -> host, `load_*`: host -> device) read and write the pools' tensors: they
 run on the forward stream only (`HiCacheController` queues them), never on the scheduler thread.
@@ -15,7 +19,7 @@ run on the forward stream only (`HiCacheController` queues them), never on the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,6 +28,7 @@ from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
 
 GB = 1 << 30
+UNKNOWN = 1 << 62  # no MemAvailable: no check
 
 
 class HostPoolSizeError(ValueError):
@@ -48,7 +53,15 @@ def _bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 class HostPools:
-    def __init__(self, kv_pool: MHATokenToKVPool, mamba_pool: MambaPool, ratio: float, size_gb: int):
+    def __init__(
+        self,
+        kv_pool: MHATokenToKVPool,
+        mamba_pool: MambaPool,
+        ratio: float,
+        size_gb: int,
+        smallest: Callable[[int], int] = int,
+        ranks_per_node: int = 1,
+    ):
         self.kv_pool, self.mamba_pool = kv_pool, mamba_pool
         page = kv_pool.page_size
         dev_tokens, dev_slots = kv_pool.size, mamba_pool.size
@@ -63,6 +76,7 @@ class HostPools:
         else:
             tokens, slots = int(dev_tokens * ratio), int(dev_slots * ratio)
             asked = f"--hicache-ratio {ratio:g}"
+        tokens, slots = smallest(tokens), smallest(slots)
         tokens -= tokens % page
         if tokens < dev_tokens or slots < dev_slots:
             raise HostPoolSizeError(
@@ -73,9 +87,11 @@ class HostPools:
         rows = (tokens // page + 1) * page  # page 0 is a dummy, as on the device
         need = int(kv_bytes * rows + state_bytes * (slots + 1))
         avail = available_host_bytes()
-        if avail is not None and need > avail:
+        avail = smallest(avail if avail is not None else UNKNOWN)
+        ranks = f" x {ranks_per_node} ranks on this node" if ranks_per_node > 1 else ""
+        if avail != UNKNOWN and need * ranks_per_node > avail:
             raise HostPoolSizeError(
-                f"{asked} gives a host tier of {need / GB:.1f} GB but only {avail / GB:.1f} GB of host "
+                f"{asked} gives a host tier of {need / GB:.1f} GB{ranks} but only {avail / GB:.1f} GB of host "
                 "memory is available (MemAvailable); lower --hicache-ratio or --hicache-size."
             )
         self.page_size = page

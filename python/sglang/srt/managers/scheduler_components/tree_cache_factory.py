@@ -1,11 +1,19 @@
 """The scheduler's prefix cache, by the flags: none (`ChunkCache`), the radix cache, or the radix cache
 with a host-memory tier (`--enable-hierarchical-cache`), whose copies run on the forward stream through
-the forward worker's before-batch hook."""
+the forward worker's before-batch hook.
+
+Under tensor parallelism every rank builds its own host tier (its shard of the KV and states) and makes
+the same decisions from the same trees; what can differ by rank (the host memory available, a disk tier's
+files) is agreed over a gloo group of the host tier's own (`TpAgreement`), made here while every rank
+builds its tree cache in step: the model's collectives and the scheduler's broadcasts run on other
+groups, so an agreement never interleaves with them."""
 
 from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,11 +49,46 @@ def create_tree_cache(
             write_policy=args.hicache_write_policy,
             ratio=args.hicache_ratio,
             size_gb=args.hicache_size,
-            io_backend=args.hicache_io_backend,
             storage=_file_storage(args, model_runner),
+            tp=TpAgreement.create(args),
         )
     except (HostPoolSizeError, DiskTierError) as e:
         raise ServerArgsError(str(e)) from None
+
+
+@dataclass
+class TpAgreement:
+    """How the TP ranks' host tiers agree: `gather(value)` is every rank's value, in rank order, on every
+    rank; every rank must call it at the same point of its (identical) decisions."""
+
+    group: Any
+    world_size: int
+    ranks_per_node: int
+
+    @classmethod
+    def create(cls, args: ServerArgs) -> TpAgreement | None:
+        """None at one rank; else a new gloo group of the TP ranks (every rank calls this in step)."""
+        import torch.distributed as dist
+
+        from sglang.srt.distributed import get_tp_group
+
+        if not dist.is_initialized():
+            return None
+        tp = get_tp_group()
+        if tp.world_size == 1:
+            return None
+        group = dist.new_group(list(tp.ranks), backend="gloo")
+        return cls(group, tp.world_size, max(1, args.tp_size // max(1, args.nnodes)))
+
+    def gather(self, value: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
+    def smallest(self, value: int) -> int:
+        return min(self.gather(int(value)))
 
 
 def _file_storage(args: ServerArgs, model_runner) -> DiskTierConfig | None:
@@ -82,7 +125,8 @@ def disk_fingerprint(args: ServerArgs, model_runner) -> str:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     device = torch.device(args.device).type
     files = weight_files_identity(path)
-    return repr((os.path.abspath(path), files, args.quantization, device, args.page_size, rank, layout))
+    shard = (rank, args.tp_size)  # (each TP rank's own folder: its shard of the KV heads and states)
+    return repr((os.path.abspath(path), files, args.quantization, device, args.page_size, shard, layout))
 
 
 def attach_tree_cache(tree_cache: BasePrefixCache, worker) -> None:

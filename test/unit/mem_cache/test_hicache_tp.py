@@ -1,0 +1,150 @@
+"""The host tier under tensor parallelism and PD (issue 58 item 4), the parts that run without a second
+process: the ranks' disk tiers agree on a hit (the deepest entry every rank holds; a read taken only where
+it succeeded on every rank), each rank's host tier is sized from the smallest values over the ranks, and
+the flags are accepted with --tp-size and --disaggregation-mode (--dp-size still refused). Two ranks are
+two threads here, exchanging through a barrier as an all-gather does. The served cases (two gloo ranks,
+a PD pair) are nightly: test_hicache_tp_nightly.py."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from sglang.srt.mem_cache import host_pool
+from sglang.srt.mem_cache.disk_tier import DiskTierConfig, FileStorage, entry_name
+from sglang.srt.mem_cache.host_pool import HostPools, HostPoolSizeError
+from sglang.srt.server_args import ServerArgsError, prepare_server_args
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+PRESET = ["--model-path", "tiny-qwen3-next"]
+
+
+class Gather:
+    """An all-gather between threads: `for_rank(r)(value)` returns every rank's value, in rank order."""
+
+    def __init__(self, n: int):
+        self.barrier, self.values = threading.Barrier(n, timeout=10), [None] * n
+
+    def for_rank(self, r: int) -> Callable[[Any], list[Any]]:
+        def gather(value: Any) -> list[Any]:
+            self.values[r] = value
+            self.barrier.wait()
+            out = list(self.values)
+            self.barrier.wait()
+            return out
+
+        return gather
+
+
+def on_ranks(fns: list[Callable[[], Any]]) -> list[Any]:
+    out = [None] * len(fns)
+
+    def run(i):
+        out[i] = fns[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return out
+
+
+def rank_storage(root, rank: int, gather) -> FileStorage:
+    g = torch.Generator().manual_seed(rank)
+    host = SimpleNamespace(
+        page_size=1,
+        k_buffer=[torch.randn(512, 2, 8, generator=g)],
+        v_buffer=[torch.randn(512, 2, 8, generator=g)],
+        conv_state=torch.randn(2, 5, 16, generator=g),
+        ssm_state=torch.randn(2, 5, 4, 4, generator=g),
+    )
+    st = FileStorage(DiskTierConfig(str(root), f"fp rank {rank}", 1 << 30), host, Counter())
+    st.gather = gather
+    return st
+
+
+def put(st: FileStorage, key: list[int]) -> str:
+    name = entry_name(key, None)
+    assert st.wants(name, len(key))
+    st.writing(name)
+    st.write(name, len(key), list(range(1, len(key) + 1)), 1)
+    return name
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_the_ranks_disk_tiers_agree_on_a_hit(tmp_path, agree):
+    """Rank 0 wrote entries at 64 and 128 tokens, rank 1's write at 128 failed: both take 64 (without the
+    agreement rank 0 would load 128 tokens and rank 1 64: their trees, slots and batches would part).
+    Entries at different lengths only (rank 0 at 96, rank 1 at 64 after 128 is trimmed): no hit on
+    either. A read that fails on rank 1 (its file truncated): no rank takes the hit."""
+    gather = Gather(2)
+    ranks = [rank_storage(tmp_path, r, gather.for_rank(r) if agree else None) for r in range(2)]
+    key = list(range(1000, 1200))
+    for st in ranks:
+        put(st, key[:64])
+    n128 = put(ranks[0], key[:128])
+    got = on_ranks([lambda st=st: st.deepest(key, None) for st in ranks])
+    if not agree:  # (the negative control: each rank alone)
+        assert got == [(128, n128), (64, entry_name(key[:64], None))]
+        return
+    assert got == [(64, entry_name(key[:64], None))] * 2
+    put(ranks[0], key[:96])
+    ranks[0]._remove(entry_name(key[:64], None))
+    assert on_ranks([lambda st=st: st.deepest(key, None) for st in ranks]) == [(0, None)] * 2
+    name = put(ranks[0], key[:64])
+    with open(ranks[1]._path(name, 64), "r+b") as f:
+        f.truncate(10)
+    staged = on_ranks([lambda st=st: st.stage(name, 0) for st in ranks])
+    assert staged == [None, None]
+    assert ranks[0].stats["disk_reads_failed_elsewhere"] == 1 and ranks[1].stats["disk_read_errors"] == 1
+    assert name in ranks[0].index  # (rank 0's file is fine: kept; rank 1 dropped its own)
+    assert on_ranks([lambda st=st: st.deepest(key, None) for st in ranks]) == [(0, None)] * 2
+
+
+def _pools(tokens: int = 1 << 10):
+    kv = SimpleNamespace(size=tokens, page_size=1, k_buffer=[torch.zeros(tokens, 64, 64, device="meta")],
+                         v_buffer=[])  # fmt: skip
+    mp = SimpleNamespace(size=8, conv_state=torch.zeros(1, 9, 4, device="meta"),
+                         ssm_state=torch.zeros(1, 9, 4, device="meta"))  # fmt: skip
+    return kv, mp
+
+
+def test_the_host_tier_is_sized_alike_on_every_rank(monkeypatch):
+    """Each rank's host tier is sized from the smallest over the ranks (here a stand-in for the other rank
+    with less memory available), and two ranks on one node need twice one tier: 2 x 32 MiB fits 80 MiB
+    found free on this rank but not the 48 MiB the other rank found, so both refuse in one sentence
+    naming the flag and the ranks on the node."""
+    kv, mp = _pools()
+    monkeypatch.setattr(host_pool, "available_host_bytes", lambda: 80 << 20)
+    one = HostPools(kv, mp, ratio=2.0, size_gb=0, smallest=lambda v: v, ranks_per_node=2)
+    assert one.num_tokens == 2048
+    with pytest.raises(HostPoolSizeError, match=r"^--hicache-ratio 2 gives a host tier of 0\.0 GB x 2 ranks on "
+                       r"this node but only 0\.0 GB .*MemAvailable"):  # fmt: skip
+        HostPools(kv, mp, ratio=2.0, size_gb=0, smallest=lambda v: min(v, 48 << 20), ranks_per_node=2)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tp-size", "2"],
+        ["--disaggregation-mode", "prefill"],
+        ["--disaggregation-mode", "decode", "--disaggregation-decode-enable-radix-cache"],
+    ],
+)
+def test_the_host_tier_is_accepted_with_tp_and_pd(argv):
+    args = prepare_server_args(PRESET + ["--enable-hierarchical-cache"] + argv)
+    assert args.enable_hierarchical_cache
+
+
+def test_dp_is_still_refused_in_one_sentence():
+    with pytest.raises(ServerArgsError, match="^--enable-hierarchical-cache is not supported with --dp-size"):
+        prepare_server_args(PRESET + ["--enable-hierarchical-cache", "--dp-size", "2"])
