@@ -338,8 +338,8 @@ def test_online_fp8_serves_what_the_fp8_checkpoint_of_it_serves():
 
 def test_swapped_fp8_linears_load_the_checkpoint_as_cuda_would():
     """The CUDA layout on the CPU: the quantizable linears become Fp8BlockLinear before loading, the
-    loader quantizes what arrives for them (FP8 tensors arrive dequantized, so they requantize to the
-    checkpoint's own values and scales), and the forward equals the dequantized model's."""
+    loader copies the checkpoint's FP8 weights and scales into them (test_fp8_cuda_load.py: also
+    scales that do not use e4m3's full range, and tensor parallelism)."""
     path = resolve_model_path("tiny-qwen3-next-fp8")
     cfg = load_hf_config(path)
     with torch.device("meta"):

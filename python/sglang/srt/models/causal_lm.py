@@ -12,7 +12,13 @@ from torch import nn
 
 from sglang.srt.layers.attention.kv_scales import KVScaleLoader
 from sglang.srt.layers.linear import DimShard
-from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8Weight, fp8_checkpoint_stream
+from sglang.srt.layers.quantization.fp8 import (
+    Fp8Config,
+    Fp8Weight,
+    dequantize_block_fp8,
+    fp8_checkpoint_stream,
+    row_block_of,
+)
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 from sglang.srt.models.loader import WeightLoader
 
@@ -79,18 +85,26 @@ class HybridCausalLM(nn.Module):
         kv_scales = KVScaleLoader(self)  # float8 KV cache scales go to their attention layers
         skipped = []  # (an update's names the model does not serve, told to its client)
         if self.quant_config is not None:
-            # FP8 experts take their pairs as they are (`Fp8Weight`); everything else arrives dequantized.
+            # FP8 experts and FP8 linears (CUDA) take their pairs as they are (`Fp8Weight`); with FP8
+            # linears every pair comes so, and one no FP8 module can take is dequantized below.
             keep = lambda n: loader.keeps_fp8(self.checkpoint_name(n))  # noqa: E731
-            weights = fp8_checkpoint_stream(weights, self.quant_config, keep if loader.fp8_experts else None)
+            if loader.fp8:
+                keep = lambda n: True  # noqa: E731
+            weights = fp8_checkpoint_stream(
+                weights, self.quant_config, keep if loader.fp8_experts or loader.fp8 else None
+            )
         for name, tensor in weights:
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
             if tied_head or name.startswith(self.skip_prefixes):
                 skipped.append(name)
                 continue
             if isinstance(tensor, Fp8Weight):
-                target = self.checkpoint_name(name)
-                loader.load(target, tensor.scaled(self.folded_scale(target)))
-                continue
+                pieces = self._fp8_pieces(name, tensor, loader)
+                for target, piece in pieces or ():
+                    loader.load(target, piece)
+                if pieces is not None:
+                    continue
+                tensor = dequantize_block_fp8(*tensor, self.quant_config.weight_block_size)
             if kv_scales.take(self.checkpoint_name(name), tensor):
                 continue
             for target, piece in self.checkpoint_tensors(name, tensor):
@@ -105,6 +119,31 @@ class HybridCausalLM(nn.Module):
         loader.finish()
         kv_scales.apply()
         return loader.unused + skipped if update else loader.unused
+
+    def _fp8_pieces(
+        self, name: str, fp8: Fp8Weight, loader: WeightLoader
+    ) -> list[tuple[str, Fp8Weight]] | None:
+        """Where checkpoint pair `name` loads as it is: (parameter, FP8 piece) pairs for FP8 experts or
+        FP8 linears, each with the model's folded multiplier in its scales; None where it must load
+        dequantized (a parameter that is not FP8, rows assembled into a fused parameter, a split off the
+        block grid, a per-row multiplier). A model whose `served_form` changes an FP8 linear's layout
+        lists it in `fp8_dense_modules` instead."""
+        target = self.checkpoint_name(name)
+        if loader.keeps_fp8(target):  # (experts: their loader takes any shape of piece it fits)
+            return [(target, fp8.scaled(self.folded_scale(target)))]
+        out = []
+        for target, rows in self.checkpoint_tensors(name, fp8.weight):
+            piece = row_block_of(fp8, rows, self.quant_config.weight_block_size)
+            factor = self.folded_scale(target)
+            if (
+                piece is None
+                or target not in loader.fp8
+                or self.checkpoint_rows(target) is not None
+                or (isinstance(factor, torch.Tensor) and factor.numel() != 1)
+            ):
+                return None
+            out.append((target, piece.scaled(factor)))
+        return out or None
 
     def served_form(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The checkpoint's (whole) `tensor` for parameter `name` in the layout the serving model holds

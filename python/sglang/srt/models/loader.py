@@ -5,7 +5,8 @@ Names are the checkpoint's own. Per-expert weights (`...experts.E.{gate,up,down}
 the stacked expert tensors (FP8 experts, `fp8_experts.py`: a checkpoint's FP8 weight with its scales as
 one `Fp8Weight`, copied as it is; a dense one quantized); a tensor the model stacks into a fused parameter (Qwen3.5's split input
 projections) goes into its block of rows (`load_rows`); every other tensor must match a parameter by
-name and shape. A parameter the checkpoint does not provide, wholly, is an error (a silently random
+name and shape (an FP8 linear's `Fp8Weight`: its weight and its scales, copied as they are). A
+parameter the checkpoint does not provide, wholly, is an error (a silently random
 weight would serve garbage).
 
 Tensor parallelism: every tensor arrives whole (as the checkpoint, or a weight update, has it) and is
@@ -90,8 +91,8 @@ class WeightLoader:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, source), in update mode
         self.params = dict(model.named_parameters())
         self.experts = {name: m for name, m in model.named_modules() if isinstance(m, RoutedExperts)}
-        # FP8 linears (CUDA) by their weight's name: a dense tensor for one is quantized into its weight
-        # and scales (FP8 checkpoint tensors arrive dequantized: `fp8_checkpoint_stream`).
+        # FP8 linears (CUDA) by their weight's name: a checkpoint's FP8 weight and scales (`Fp8Weight`)
+        # are copied as they are; a dense tensor is quantized into the weight and scales.
         self.fp8 = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
         # FP8 experts by module name, and their stacked parameters (w13, w2) by name.
         self.fp8_experts = {n: Fp8ExpertPieces(m, n) for n, m in self.experts.items() if m.fp8}
@@ -133,6 +134,9 @@ class WeightLoader:
                 self._copy(target, source)
             self.loaded |= {name, name + SCALE_NAME}
             return
+        if fp8_piece and name in self.fp8:
+            self._load_fp8_linear(name, tensor)
+            return
         if fp8_piece:
             raise ValueError(f"Checkpoint tensor {name} came in FP8 for a parameter that is not.")
         param = self.params.get(name)
@@ -152,6 +156,19 @@ class WeightLoader:
             tensor = weight
         self._copy(param.data, tensor)
         self.loaded.add(name)
+
+    def _load_fp8_linear(self, name: str, piece: Fp8Weight) -> None:
+        """A checkpoint's FP8 weight and its scales into an FP8 linear as they are (this rank's part of
+        both: `shard_fp8_like` made the scales split in whole blocks with the weight)."""
+        fp8 = self.fp8[name]
+        for param, tensor in ((fp8.weight, piece.weight), (fp8.weight_scale_inv, piece.scale_inv)):
+            if full_shape(param) != tuple(tensor.shape):
+                raise ValueError(
+                    f"Checkpoint FP8 tensor for {name} has a {'weight' if param is fp8.weight else 'scale'} "
+                    f"of shape {tuple(tensor.shape)}; the model expects {full_shape(param)}."
+                )
+            self._copy(param.data, shard_weight(param, tensor))
+        self.loaded |= {name, name + SCALE_SUFFIX}
 
     def load_rows(
         self, name: str, start: int, source: str, tensor: torch.Tensor, shard: DimShard | None = None

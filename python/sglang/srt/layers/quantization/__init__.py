@@ -2,8 +2,9 @@
 `fp8.py`), and `--quantization` (upstream's flag: `fp8` quantizes an unquantized checkpoint block-wise
 as it loads).
 
-The model code stays format-free: the loader hands FP8 tensors over dequantized, and on CUDA the FP8
-linears (`Fp8BlockLinear`) replace `nn.Linear`s before loading (DESIGN section 5c)."""
+The model code stays format-free: the loader hands FP8 tensors over dequantized, except to the FP8
+modules, which on CUDA replace the `nn.Linear`s and experts before loading and take the checkpoint's
+FP8 bytes and scales (`Fp8BlockLinear`, `fp8_experts.py`; DESIGN section 5c)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ Where the weights are computed with:
   thread), and saves no memory while it runs; no C++ FP8 GEMM exists for these CPUs (no FP8 dot
   instructions), so one would dequantize too.
 - CUDA: the quantizable `nn.Linear`s become `Fp8BlockLinear`s before loading (`swap_fp8_linears`),
-  holding FP8 weights and their scales; their forward calls `fp8_kernel.w8a8_block_fp8_matmul` where
+  holding FP8 weights and their scales: the checkpoint's, copied as they are (`HybridCausalLM._fp8_pieces`
+  says which pairs can be; the rest are dequantized and quantized again at load); their forward calls `fp8_kernel.w8a8_block_fp8_matmul` where
   that module imports, else dequantizes and multiplies. The routed experts stay FP8 as published
   (`fp8_experts.py`: w13 / w2 float8_e4m3fn with their block scales, run by
   `fused_moe_fp8_triton.py`); `SGLANG_FP8_EXPERTS` chooses their layout on any device
@@ -266,6 +267,30 @@ def fp8_checkpoint_stream(
         raise ValueError(f"Checkpoint tensor {name} has no matching {lacks} ({len(pending)} unpaired).")
 
 
+def row_block_of(fp8: Fp8Weight, rows: torch.Tensor, block: tuple[int, int]) -> Fp8Weight | None:
+    """`rows` (a view of whole rows of `fp8.weight`, as a model's split of a fused checkpoint tensor
+    gives: Granite's [gate | up]) with the scales of its blocks, or None where it does not start on a
+    block row or end on one (or at the weight's end), or is not such a view (its blocks would need
+    requantizing)."""
+    w, b0 = fp8.weight, block[0]
+    if rows is w:
+        return fp8
+    same = (
+        w.dim() == 2
+        and rows.dim() == 2
+        and rows.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+        and rows.stride() == w.stride()
+        and rows.shape[1] == w.shape[1]
+    )
+    if not same:
+        return None
+    start, off = divmod(rows.storage_offset() - w.storage_offset(), w.stride(0))
+    stop = start + rows.shape[0]
+    if off or start < 0 or stop > w.shape[0] or start % b0 or (stop % b0 and stop != w.shape[0]):
+        return None
+    return Fp8Weight(rows, fp8.scale_inv[start // b0 : math.ceil(stop / b0)])
+
+
 class Fp8BlockLinear(nn.Module):
     """A linear layer of block-FP8 weights: `weight` float8_e4m3fn [out, in], `weight_scale_inv` float32
     [ceil(out/b0), ceil(in/b1)], an optional `bias` in the serving dtype. Forward: the block GEMM of
@@ -389,9 +414,9 @@ def swap_fp8_linears(
     `Fp8BlockLinear` of the same shape (on the linear's device, meta included). Kept as they are: the
     modules `quantizable_by_default` keeps (lm_head, routers, gates, ...), the modules in or under `skip`
     (our module names of the checkpoint's ignored list), and those whose name ends with one of `dense_modules` (a
-    model's linears whose rows are regrouped or assembled after loading). The loader quantizes whatever
-    dense tensor arrives for an FP8 linear, and FP8 checkpoint tensors arrive dequantized, so folded
-    multipliers and split tensors land as anywhere else."""
+    model's linears whose rows are regrouped or assembled after loading). The loader copies a
+    checkpoint's FP8 weight and scales into an FP8 linear as they are, and quantizes a dense tensor
+    that arrives for one."""
     report, skip, dense = SwapReport(), set(skip), tuple(dense_modules)
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
