@@ -69,9 +69,9 @@ def test_kernels_equal_the_twin(kernel_device, tokens, top_k, e, hidden, inter, 
 def test_prefill_sized_batches_take_the_sort_and_agree(interpret, monkeypatch):
     """Above the Triton bookkeeping's size (ALIGN_MAX_ASSIGNMENTS, lowered here) the assignments are
     sorted by torch and combined with index_add_: the same result as the twin, within the bound above."""
-    from sglang.srt.layers.moe import experts
+    from sglang.srt.layers.moe import sort_combine
 
-    monkeypatch.setattr(experts, "ALIGN_MAX_ASSIGNMENTS", 4)
+    monkeypatch.setattr(sort_combine, "ALIGN_MAX_ASSIGNMENTS", 4)
     w13, s13, w2, s2 = _experts(5, 128, 128, seed=2)
     weights, ids = _routing(9, 2, 5, seed=3)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(4))
@@ -161,7 +161,8 @@ MOE_SIGNATURE = {
     "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16",
     "token_ptr": "*i64", "offs_ptr": "*i32", "tile_end_ptr": "*i32",
     **{name: "i32" for name in ("N", "K", "a_stride", "AS_COLS", "BS_COLS", "b_expert_stride", "bs_expert_stride")},
-    **{name: "constexpr" for name in ("E", "E_POW2", "GATHER", "SCALE_N", "SCALE_K", "BLOCK_M", "BLOCK_N", "BLOCK_K")},
+    **{name: "constexpr" for name in ("E", "E_POW2", "GATHER", "SCALE_N", "SCALE_K", "BLOCK_M", "BLOCK_N", "BLOCK_K",
+                                      "FP8", "SILU_MUL")},
 }  # fmt: skip
 
 
@@ -173,7 +174,8 @@ def test_moe_gemm_compiles_for_sm90(cfg, gather):
     """Qwen3-Next-80B's experts (512, w13 rows gathered by token, w2 rows in sorted order): every tile of
     the table compiles for sm_90, pipelined, without spills (N, K and the strides multiples of 16 there)."""
     constexprs = dict(E=512, E_POW2=512, GATHER=gather, SCALE_N=128, SCALE_K=128,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)  # fmt: skip
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP8=True,
+                      SILU_MUL=False)  # fmt: skip
     compiled = compile_sm90_in_registers(
         mf._moe_gemm_kernel, MOE_SIGNATURE, constexprs, ("N", "K", "a_stride", "b_expert_stride"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

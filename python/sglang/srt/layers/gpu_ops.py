@@ -14,14 +14,20 @@ logger = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
-def triton_chosen(choice: Any, device: torch.device, *kernel_modules: str) -> bool:
-    """Whether `choice` (an environment variable: auto, torch or triton) puts a layer on its Triton kernel
-    for weights on `device`: auto on CUDA where the `kernel_modules` import, triton anywhere (on CPU
-    tensors only under TRITON_INTERPRET=1, for tests; an import failure then raises). A bad value is
-    one sentence naming the variable; an auto choice that cannot import warns once and takes torch."""
+def triton_chosen(
+    choice: Any, device: torch.device, *kernel_modules: str, also_triton: tuple[str, ...] = ()
+) -> bool:
+    """Whether `choice` (an environment variable: auto, torch or triton, or one of the variable's own
+    `also_triton` values, which count as triton) puts a layer on its Triton kernel for weights on
+    `device`: auto on CUDA where the `kernel_modules` import, triton anywhere (on CPU tensors only under
+    TRITON_INTERPRET=1, for tests; an import failure then raises). A bad value is one sentence naming the
+    variable; an auto choice that cannot import warns once and takes torch."""
     value = choice.get()
-    if value not in ("auto", "torch", "triton"):
-        raise ValueError(f"{choice.name} must be auto, torch or triton; got {value!r}.")
+    if value in also_triton:
+        value = "triton"
+    elif value not in ("auto", "torch", "triton"):
+        allowed = ", ".join(("auto", "torch", "triton", *also_triton))
+        raise ValueError(f"{choice.name} must be one of {allowed}; got {value!r}.")
     if not (value == "triton" or (value == "auto" and device.type == "cuda")):
         return False
     try:

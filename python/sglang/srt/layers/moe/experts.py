@@ -12,7 +12,8 @@ padded batched form with room for every token in every expert, up to BATCHED_MAX
 sizes; larger batches take the per-expert path, one sync per layer). A fixed number of launches per
 layer either way, so it is also what a CUDA graph can capture; on CUDA the bookkeeping around the
 grouped GEMMs is three Triton launches (`dispatch_triton.py`, `SGLANG_GPU_MOE_BACKEND`, which also puts
-Qwen3-Next's routing on its Triton kernel). On CPU, decode-size batches take the grouped GEMMs too
+Qwen3-Next's routing on its Triton kernel; its value `triton_fused` runs 16-bit batches as fused Triton
+grouped GEMMs instead, `fused_moe_triton.py`). On CPU, decode-size batches take the grouped GEMMs too
 (any float dtype there), faster than the padded block; for small experts, sgl-kernel's C++ op instead
 (`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
 parameters stored transposed (`process_weights_after_loading`). The layer's shared expert (and its sigmoid
@@ -38,6 +39,7 @@ from sglang.srt.layers.cpu_ops import cpu_moe_ops
 from sglang.srt.layers.gpu_ops import triton_chosen
 from sglang.srt.layers.linear import DimShard, set_weight_shards, shard_tensor
 from sglang.srt.layers.mlp import GatedMLP
+from sglang.srt.layers.moe.sort_combine import combine, sort_by_expert
 
 EXPERT_SHARDS = ("gate", "up", "down")
 # Batched path up to this many (token, expert) assignments, and while the padded block holds at most
@@ -56,9 +58,8 @@ CPU_OP_MAX_EXPERT_WEIGHTS = 128 * 1024
 # Qwen3-Next's MoE block (one thread): fused / unfused 24 / 47 us at 1 token, 82 / 94 us at 64, 252 / 241
 # at 256, 489 / 426 at 500.
 CPU_OP_MAX_SHARED_TOKENS = 128
-# The Triton bookkeeping (`dispatch_triton.py`) serves batches of at most this many assignments: its
-# compares grow as their square; 4,096 (256 tokens x top-16) is 16M compares, a few us on a GPU.
-ALIGN_MAX_ASSIGNMENTS = 4096
+# The fused Triton GEMMs' dtypes (SGLANG_GPU_MOE_BACKEND=triton_fused).
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class RoutedExperts(nn.Module):
@@ -104,6 +105,9 @@ class RoutedExperts(nn.Module):
         self.act_code = CPU_OP_ACTIVATIONS.get(act)
         self.cpu_ops = None  # set by process_weights_after_loading where the C++ op serves this layer
         self.triton = False  # the Triton bookkeeping around the grouped GEMMs (CUDA; set at load)
+        # SGLANG_GPU_MOE_BACKEND=triton_fused: the fused Triton GEMMs serve 16-bit batches (set at load:
+        # their tuned tiles for this shape and GPU, {} where the repository has none).
+        self.fused_gemms: dict | None = None
         # Set by fuse_shared_expert: (the shared expert, its gate) and the op's arguments for them.
         self.fused_shared: tuple[nn.Module, nn.Linear | None] | None = None
         self.fused_shared_args: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13t, w2t)
@@ -115,8 +119,11 @@ class RoutedExperts(nn.Module):
         self.triton = triton_chosen(
             envs.SGLANG_GPU_MOE_BACKEND, self.w13.device,
             "sglang.srt.layers.moe.dispatch_triton", "sglang.srt.layers.moe.routing_triton",
-            "sglang.srt.layers.moe.elementwise_triton",
+            "sglang.srt.layers.moe.elementwise_triton", also_triton=("triton_fused",),
         )  # fmt: skip
+        self.fused_gemms = None
+        if self.triton and envs.SGLANG_GPU_MOE_BACKEND.get() == "triton_fused" and not self.fp8:
+            self.fused_gemms = fused_gemm_table(self.w13, self.w2)
         if self.fp8:
             return  # the C++ op takes float weights
         ops = cpu_moe_ops(self.w13.device)
@@ -350,6 +357,11 @@ class RoutedExperts(nn.Module):
         return elementwise_triton
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.fused_gemms is not None and x.dtype == self.w13.dtype and x.dtype in FUSED_DTYPES:
+            from sglang.srt.layers.moe.fused_moe_triton import fused_experts  # a CPU install may lack triton
+
+            silu_mul = self.gated and self.act is F.silu
+            return fused_experts(x, self.w13, self.w2, weights, ids, self._activate, silu_mul, self.fused_gemms)
         small = ids.numel() <= BATCHED_MAX_ASSIGNMENTS
         if x.device.type == "cpu":
             # Decode-size batches: grouped GEMMs, 1.2-1.5x faster than the padded block on CPU (tiny
@@ -394,36 +406,21 @@ class RoutedExperts(nn.Module):
     ) -> torch.Tensor:
         """`forward` without any device-to-host read (see the module docstring); runs on CPU too.
         `grouped`: grouped GEMMs or the padded block (default: grouped where `grouped_mm_applies`)."""
-        num_tokens, top_k = ids.shape
         use_grouped = self.grouped_mm_applies(x) if grouped is None else grouped
-        kernels = None
-        if self.triton and use_grouped and ids.numel() <= ALIGN_MAX_ASSIGNMENTS:
-            # Three launches for the bookkeeping instead of ~15 (imported here: a CPU install may lack triton).
-            from sglang.srt.layers.moe import dispatch_triton as kernels
-
-            token_of, inv, offs = kernels.moe_align(ids, self.num_experts)
-        else:
-            flat = ids.reshape(-1)
-            order = torch.argsort(flat, stable=True)
-            expert_of, token_of = flat[order], order // top_k
-            # One more bucket for other EP ranks' assignments (id num_experts), left out of the offsets.
-            counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x.device)
-            counts.index_add_(0, flat, torch.ones_like(flat))
-            counts = counts[: self.num_experts]
-            offs = torch.cumsum(counts, 0).to(torch.int32) if use_grouped else None
+        # Three Triton launches for the bookkeeping instead of ~15 where they serve (sort_combine.py).
+        sorted_ = sort_by_expert(ids, self.num_experts, self.triton and use_grouped)
+        token_of, offs = sorted_.token_of, sorted_.offs
         if use_grouped:
             # Rows past offs[-1] (other EP ranks' assignments) belong to no group: the GEMMs leave them
-            # uncomputed (unwritten memory), and the combine below ignores them.
+            # uncomputed (unwritten memory), and the combine ignores them.
             h = torch._grouped_mm(x[token_of], self.w13.transpose(1, 2), offs=offs)
             y = torch._grouped_mm(self._activate(h), self.w2.transpose(1, 2), offs=offs)
         else:
             # Top-k experts of a token are distinct, so no expert gets more than num_tokens rows.
-            y = self._batched(x, expert_of, token_of, counts, num_tokens)
-        if kernels is not None:
-            return kernels.moe_combine(y, inv, weights, x.dtype)
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, token_of, weighted_rows(y, weights.reshape(-1)[order]))
-        return out.to(x.dtype)
+            expert_of = ids.reshape(-1)[sorted_.order]
+            counts = torch.diff(offs, prepend=offs.new_zeros(1)).long()
+            y = self._batched(x, expert_of, token_of, counts, ids.shape[0])
+        return combine(y, sorted_, weights, x.dtype)
 
     def grouped_mm_applies(self, x: torch.Tensor) -> bool:
         """Grouped GEMMs take rows of a multiple of 16 bytes (on CPU and CUDA), and on an accelerator
@@ -470,7 +467,11 @@ class RoutedExperts(nn.Module):
         return y[local, row]
 
 
-def weighted_rows(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Each row of the experts' output times its routing weight, in float32; rows of weight 0 give 0
-    whatever they hold (other EP ranks' rows, which the grouped GEMMs leave unwritten)."""
-    return torch.where(weight[:, None] != 0, y.float() * weight[:, None], 0.0)
+def fused_gemm_table(w13: torch.Tensor, w2: torch.Tensor) -> dict:
+    """The fused GEMMs' tuned tiles for experts of this shape, dtype and GPU (`moe_configs.py`), {} where
+    the repository has none (the fallback then serves)."""
+    from sglang.srt.layers.moe import moe_configs
+
+    e, hidden, inter = w2.shape
+    name = moe_configs.device_name(w13.device)
+    return moe_configs.tuned_table(e, inter, hidden, w13.dtype, name) or {}

@@ -15,6 +15,9 @@ One layer's forward, a fixed number of launches and no host read (a CUDA graph c
 4. the activation, quantized again (gated silu: in the quantization's own launch);
 5. `moe_gemm_fp8` for w2 over the same tiles, the rows in sorted order;
 6. the top-k rows of each token combined in float32 with their routing weights.
+Steps 1 and 6 are `sort_combine.py`'s, shared with the 16-bit paths. The grouped GEMM kernel serves the
+16-bit experts too (`FP8=False`: no scales, the gated activation in the w13 GEMM's epilogue), launched
+by `fused_moe_triton.py`.
 
 `fused_experts_fp8_torch` is the twin: the same quantizations, each expert's weights dequantized and its
 rows multiplied in float32, the intermediate rounded to the activation dtype where the kernels round it.
@@ -78,10 +81,14 @@ def _moe_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, token_ptr, offs_ptr, tile_end_ptr,
     N, K, a_stride, AS_COLS, BS_COLS, b_expert_stride, bs_expert_stride,
     E: tl.constexpr, E_POW2: tl.constexpr, GATHER: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):  # fmt: skip
     """c[r] = (a[row r] * as) @ (b[e] * bs[e])^T for the sorted rows r of expert e, one BLOCK_M tile of
-    one expert per program along axis 0; a's row is token_ptr[r] where GATHER, else r."""
+    one expert per program along axis 0; a's row is token_ptr[r] where GATHER, else r. FP8: a and b in
+    e4m3 with their block scales; else a and b in one 16-bit dtype, no scales (as_ptr, bs_ptr unused),
+    and where SILU_MUL, b holds 2N rows (gate then up) and c[r] = silu(a b_gate^T) * (a b_up^T), the
+    gated activation in the epilogue: w2's input straight from w13's GEMM, rounded once."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     ev = tl.arange(0, E_POW2)
@@ -105,10 +112,25 @@ def _moe_gemm_kernel(
     e64 = e.to(tl.int64)
     a_ptrs = a_ptr + src[:, None] * a_stride + rk[None, :]
     b_ptrs = b_ptr + e64 * b_expert_stride + rn.to(tl.int64)[None, :] * K + rk[:, None]
-    as_ptrs = as_ptr + src * AS_COLS
-    bs_ptrs = bs_ptr + e64 * bs_expert_stride + (rn // SCALE_N) * BS_COLS
     acc = (rows[:, None] * 0 + rn[None, :] * 0).to(tl.float32)  # zeros (triton_jit says why not tl.zeros)
-    acc = block_scaled_dot(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, mm, mn, K, SCALE_K, BLOCK_K)
+    if FP8:
+        as_ptrs = as_ptr + src * AS_COLS
+        bs_ptrs = bs_ptr + e64 * bs_expert_stride + (rn // SCALE_N) * BS_COLS
+        acc = block_scaled_dot(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, mm, mn, K, SCALE_K, BLOCK_K)
+    else:
+        up = (rows[:, None] * 0 + rn[None, :] * 0).to(tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mk = rk < K - k0
+            a = tl.load(a_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mk[:, None] & mn[None, :], other=0.0)
+            acc += tl.dot(a, b)
+            if SILU_MUL:  # the up rows, N rows below the gate rows
+                b_up = tl.load(b_ptrs + N * K, mask=mk[:, None] & mn[None, :], other=0.0)
+                up += tl.dot(a, b_up)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if SILU_MUL:
+            acc = acc / (1.0 + tl.exp(-acc)) * up
     c_ptrs = c_ptr + rows64[:, None] * N + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
@@ -181,7 +203,7 @@ def moe_gemm_fp8(
         n, k, a.stride(0), a_scale.shape[1], weight_scale_inv.shape[2], weight.stride(0),
         weight_scale_inv.stride(0), E=num_experts, E_POW2=triton.next_power_of_2(num_experts),
         GATHER=token_of is not None, SCALE_N=block_size[0], SCALE_K=block_size[1],
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, FP8=True, SILU_MUL=False,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
@@ -205,24 +227,13 @@ def fused_experts_fp8(
     `activate` maps w13's output [R, N13] to w2's input [R, I]; `silu_and_mul` says it is silu(gate) * up
     of w13's halves, which the second quantization then computes itself (one launch, no [R, I] in
     memory)."""
-    from sglang.srt.layers.moe import dispatch_triton
-    from sglang.srt.layers.moe.experts import ALIGN_MAX_ASSIGNMENTS, weighted_rows
+    from sglang.srt.layers.moe.sort_combine import combine, sort_by_expert
 
-    num_tokens, top_k = ids.shape
     num_experts = w13.shape[0]
     rows = ids.numel()
     cfg = config or moe_gemm_config(rows, num_experts)
-    inv = order = None
-    if rows <= ALIGN_MAX_ASSIGNMENTS:
-        token_of, inv, offs = dispatch_triton.moe_align(ids, num_experts)
-    else:
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // top_k
-        # Other EP ranks' assignments (id num_experts, sorted last) in a bucket the offsets leave out.
-        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    sorted_ = sort_by_expert(ids, num_experts, use_triton=True)
+    token_of, offs = sorted_.token_of, sorted_.offs
     tile_end = tile_map(offs, cfg.block_m)
     xq, xs = per_token_group_quant_fp8(x, block_size[1])
     h = moe_gemm_fp8(xq, xs, w13, w13_scale, offs, rows, token_of, x.dtype, cfg, tile_end, block_size)
@@ -231,11 +242,7 @@ def fused_experts_fp8(
     else:
         aq, as_ = per_token_group_quant_fp8(activate(h).contiguous(), block_size[1])
     y = moe_gemm_fp8(aq, as_, w2, w2_scale, offs, rows, None, x.dtype, cfg, tile_end, block_size)
-    if inv is not None:
-        return dispatch_triton.moe_combine(y, inv, weights, x.dtype)
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, weighted_rows(y, weights.reshape(-1)[order]))
-    return out.to(x.dtype)
+    return combine(y, sorted_, weights, x.dtype)
 
 
 def fused_experts_fp8_torch(

@@ -1,0 +1,105 @@
+"""The routed experts in bfloat16 / float16 on CUDA as fused Triton grouped GEMMs
+(`SGLANG_GPU_MOE_BACKEND=triton_fused`): the FP8 experts' kernel (`fused_moe_fp8_triton._moe_gemm_kernel`)
+with `FP8=False`. One layer's forward, a fixed number of launches and no host read (a CUDA graph can
+capture it), against `RoutedExperts.forward_device`'s gathered copy, two `torch._grouped_mm` and a
+separate activation:
+
+1. the assignments sorted by expert (`sort_combine.sort_by_expert`; other EP ranks' assignments, id E,
+   sort last, outside `offs`: no tile computes them), and the tiles of each GEMM's BLOCK_M per expert
+   (`tile_map`: the grid is bounded without reading the counts);
+2. the w13 GEMM, its rows gathered from x by token inside the kernel (no [T k, H] copy of x), each tile
+   reading one expert's weights once; for gated silu experts the activation in its epilogue (each
+   program computes a gate and the matching up tile and writes silu(gate) * up: w2's input [T k, I],
+   rounded once to the activation dtype), otherwise the layer's activation after it;
+3. the w2 GEMM over the same sorted rows;
+4. `sort_combine.combine`: each token's top-k rows times their routing weights summed in float32 in pick
+   order and rounded once. The weights are applied there and not in w2's epilogue: a token's rows lie in
+   different experts' tiles, so summing them in the epilogue takes atomic adds, whose order (and float
+   rounding) changes from run to run; the combine's one read of each row keeps the sum deterministic.
+
+The weights need no other layout: w13 [E, 2I, H] and w2 [E, H, I] as loaded are K-contiguous rows, what
+the kernel reads. Tiles: `moe_configs.py` (JSON files per shape and GPU, a fallback elsewhere).
+On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, for tests; the torch twin is
+`RoutedExperts.forward_device`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+
+from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig, _moe_gemm_kernel, tile_map
+from sglang.srt.layers.moe.moe_configs import Table, pick_configs
+from sglang.srt.layers.moe.sort_combine import combine, sort_by_expert
+from sglang.srt.utils.triton_jit import jit_for_env
+
+
+def moe_gemm(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    rows: int,
+    token_of: torch.Tensor | None,
+    config: MoeGemmConfig,
+    tile_end: torch.Tensor | None = None,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """The 16-bit grouped GEMM over `rows` sorted rows: row r of expert e (offs[e-1] <= r < offs[e]) is
+    a[token_of[r]] where `token_of` is given, else a[r]; weight [E, N, K] in a's dtype. Returns [rows, N]
+    in a's dtype, or [rows, N / 2] = silu(gate) * up where `silu_mul` (weight's rows: gate then up). Rows
+    past offs[-1] belong to no expert and are left unwritten."""
+    num_experts, n, k = weight.shape
+    if a.dtype != weight.dtype or a.shape[-1] != k or a.stride(-1) != 1 or not weight.is_contiguous():
+        raise ValueError(
+            f"moe_gemm takes a [.., {k}] row-major in the weight's dtype {weight.dtype} and contiguous weights; "
+            f"got a {tuple(a.shape)} {a.dtype}."
+        )
+    if silu_mul:
+        if n % 2:
+            raise ValueError(f"silu_mul needs gate and up rows of equal count; the weight has {n} rows.")
+        n //= 2
+    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    if rows == 0:
+        return out
+    if tile_end is None:
+        tile_end = tile_map(offs, config.block_m)
+    tiles = triton.cdiv(rows, config.block_m) + min(num_experts, rows)
+    grid = (tiles, triton.cdiv(n, config.block_n))
+    jit_for_env(_moe_gemm_kernel)[grid](
+        a, a, weight, weight, out, token_of if token_of is not None else offs, offs, tile_end,
+        n, k, a.stride(0), 0, 0, weight.stride(0), 0,
+        E=num_experts, E_POW2=triton.next_power_of_2(num_experts), GATHER=token_of is not None,
+        SCALE_N=1, SCALE_K=1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        FP8=False, SILU_MUL=silu_mul, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    activate: Callable[[torch.Tensor], torch.Tensor],
+    silu_and_mul: bool,
+    table: Table | None = None,
+) -> torch.Tensor:
+    """x [T, H] (bf16 / fp16, w13's and w2's dtype), routing `weights` and local expert `ids` [T, k] ->
+    [T, H] in x's dtype: sum over k of weight * w2 @ activate(w13 @ x) (see the module docstring).
+    `silu_and_mul`: `activate` is silu(gate) * up of w13's halves, computed in w13's epilogue. `table`:
+    the tuned tiles of this shape (`moe_configs.tuned_table`), None for the fallback."""
+    num_experts = w13.shape[0]
+    rows = ids.numel()
+    cfg13, cfg2 = pick_configs(table, ids.shape[0], rows, num_experts)
+    sorted_ = sort_by_expert(ids, num_experts, use_triton=True)
+    token_of, offs = sorted_.token_of, sorted_.offs
+    tile_end13 = tile_map(offs, cfg13.block_m) if rows else None
+    tile_end2 = tile_end13 if cfg2.block_m == cfg13.block_m else (tile_map(offs, cfg2.block_m) if rows else None)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    h = moe_gemm(x, w13, offs, rows, token_of, cfg13, tile_end13, silu_mul=silu_and_mul)
+    if not silu_and_mul:
+        h = activate(h).contiguous()
+    y = moe_gemm(h, w2, offs, rows, None, cfg2, tile_end2)
+    return combine(y, sorted_, weights, x.dtype)

@@ -1,0 +1,106 @@
+"""Tile configurations of the 16-bit fused MoE GEMMs (`fused_moe_triton.py`), tuned per (experts,
+width, hidden, dtype, GPU) and kept in the repository as JSON under `configs/`, one file per layer shape
+and GPU, named like upstream's fused-MoE configs (E = experts of the rank, N = their intermediate width on
+the rank) with the hidden size and dtype added, since both GEMMs' shapes follow from the three:
+
+    E=512,N=512,K=2048,device_name=NVIDIA_H200,dtype=bf16.json
+
+Each file maps a batch size (tokens, as a string) to one configuration per GEMM:
+
+    {"64": {"w13": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "num_warps": 4,
+                    "num_stages": 3}, "w2": {...}}, ...}
+
+A batch takes the entry of the nearest batch size in its file. `benchmark/gpu/tune_fused_moe.py` writes
+these files on a GPU. Where no file matches (another GPU, shape or dtype) the fallback below serves: tiles
+by the mean rows per expert, chosen and not yet measured (no GPU when written)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+GEMMS = ("w13", "w2")
+FIELDS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages")
+
+# (mean rows per expert T k / E, the first whose bound holds it) -> tile, both GEMMs. Decode at the 80B's
+# shapes has 0.02 (batch 1) to 5 (batch 256) rows per expert: 16-row tiles (mma's smallest useful M) and
+# 64 columns, so that many programs stream the touched experts' weights; 128-long K steps in 3 stages
+# keep ~36 KB per stage in flight (the gated w13 GEMM reads a gate and an up tile). Prefill takes 64-row
+# tiles. Each compiles for sm_90 without spilling (test_fused_moe_triton.py).
+FALLBACK_CONFIGS: tuple[tuple[float, MoeGemmConfig], ...] = (
+    (4.0, MoeGemmConfig(16, 64, 128, 4, 3)),
+    (32.0, MoeGemmConfig(32, 64, 128, 4, 3)),
+    (float("inf"), MoeGemmConfig(64, 128, 64, 4, 3)),
+)
+
+Table = dict[int, tuple[MoeGemmConfig, MoeGemmConfig]]
+
+
+def fallback_config(assignments: int, num_experts: int) -> MoeGemmConfig:
+    mean_rows = assignments / max(num_experts, 1)
+    return next(cfg for bound, cfg in FALLBACK_CONFIGS if mean_rows <= bound)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name as the files spell it (torch's name, spaces as underscores); the device type
+    elsewhere (no file matches it)."""
+    if device.type != "cuda":
+        return device.type
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def config_file_name(num_experts: int, inter: int, hidden: int, dtype: torch.dtype, device: str) -> str:
+    return f"E={num_experts},N={inter},K={hidden},device_name={device},dtype={DTYPE_NAMES.get(dtype, dtype)}.json"
+
+
+def parse_table(text: str, source: str) -> Table:
+    """A file's text -> {batch size: (w13's config, w2's)}; ValueError naming `source` where it is not one."""
+    try:
+        raw = json.loads(text)
+        table = {
+            int(batch): tuple(MoeGemmConfig(*(int(entry[gemm][f]) for f in FIELDS)) for gemm in GEMMS)
+            for batch, entry in raw.items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{source} is not a fused-MoE config file ({type(e).__name__}: {e}).") from e
+    if not table:
+        raise ValueError(f"{source} holds no batch size.")
+    return table
+
+
+def table_to_json(table: Table) -> str:
+    entries = {
+        str(b): {g: dict(zip(FIELDS, cfg, strict=True)) for g, cfg in zip(GEMMS, table[b], strict=True)}
+        for b in sorted(table)
+    }
+    return json.dumps(entries, indent=1)
+
+
+@functools.cache
+def tuned_table(
+    num_experts: int, inter: int, hidden: int, dtype: torch.dtype, device: str, directory: str = str(CONFIG_DIR)
+) -> Table | None:
+    """The tuned configurations for this layer shape on `device` (a name from `device_name`), or None
+    where the repository has none."""
+    path = Path(directory) / config_file_name(num_experts, inter, hidden, dtype, device)
+    if not path.is_file():
+        return None
+    return parse_table(path.read_text(), str(path))
+
+
+def pick_configs(
+    table: Table | None, num_tokens: int, assignments: int, num_experts: int
+) -> tuple[MoeGemmConfig, MoeGemmConfig]:
+    """(w13's config, w2's) for a batch: the tuned entry of the nearest batch size (the smaller on a tie),
+    or the fallback for both where there is no table."""
+    if not table:
+        cfg = fallback_config(assignments, num_experts)
+        return cfg, cfg
+    return table[min(table, key=lambda b: (abs(b - num_tokens), b))]

@@ -1,0 +1,69 @@
+"""The routed experts' bookkeeping that every grouped path shares (`RoutedExperts.forward_device`, the
+FP8 experts of `fused_moe_fp8_triton.py` and the 16-bit fused GEMMs of `fused_moe_triton.py`): the
+(token, expert) assignments sorted by expert, and each token's rows of the experts' output combined with
+its routing weights. No host read either way (a CUDA graph can capture both).
+
+Where the Triton bookkeeping serves (`use_triton`, decode sizes up to ALIGN_MAX_ASSIGNMENTS) the sort
+and the combine are `dispatch_triton.moe_align` and `moe_combine` (three launches); elsewhere torch's
+stable argsort, a histogram and an `index_add_`. Both sum each token's weighted rows in float32 and
+round once to the activation dtype; other EP ranks' assignments (id `num_experts`) sort last, outside
+every group of `offs`, and add nothing (their weight is 0, their rows are never computed)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# The Triton bookkeeping (`dispatch_triton.py`) serves batches of at most this many assignments: its
+# compares grow as their square; 4,096 (256 tokens x top-16) is 16M compares, a few us on a GPU.
+ALIGN_MAX_ASSIGNMENTS = 4096
+
+
+class SortedAssignments(NamedTuple):
+    """The T k assignments in (expert, pick) order: `token_of` [T k] int64, the token of each sorted row;
+    `offs` [E] int32, the cumulative rows per local expert; `inv` [T k] int64, the sorted row of each
+    assignment (Triton bookkeeping), or `order` [T k] int64, the assignment of each sorted row (torch)."""
+
+    token_of: torch.Tensor
+    offs: torch.Tensor
+    inv: torch.Tensor | None
+    order: torch.Tensor | None
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, use_triton: bool) -> SortedAssignments:
+    """ids [T, k] (local expert ids; `num_experts` for other EP ranks' assignments) sorted by expert,
+    stably. `use_triton`: the Triton bookkeeping where the batch is small enough for it (imported here:
+    a CPU install may lack triton)."""
+    if use_triton and ids.numel() <= ALIGN_MAX_ASSIGNMENTS:
+        from sglang.srt.layers.moe import dispatch_triton
+
+        token_of, inv, offs = dispatch_triton.moe_align(ids, num_experts)
+        return SortedAssignments(token_of, offs, inv, None)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # One more bucket for other EP ranks' assignments (id num_experts), left out of the offsets.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    return SortedAssignments(order // ids.shape[1], offs, None, order)
+
+
+def combine(
+    y: torch.Tensor, sorted_: SortedAssignments, weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """y [T k, H], the experts' output in sorted order (rows past offs[-1] may hold anything) -> [T, H] in
+    `dtype`: each token's rows times their routing `weights` [T, k], summed in float32."""
+    if sorted_.inv is not None:
+        from sglang.srt.layers.moe import dispatch_triton
+
+        return dispatch_triton.moe_combine(y, sorted_.inv, weights, dtype)
+    out = torch.zeros(weights.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    out.index_add_(0, sorted_.token_of, weighted_rows(y, weights.reshape(-1)[sorted_.order]))
+    return out.to(dtype)
+
+
+def weighted_rows(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each row of the experts' output times its routing weight, in float32; rows of weight 0 give 0
+    whatever they hold (other EP ranks' rows, which the grouped GEMMs leave unwritten)."""
+    return torch.where(weight[:, None] != 0, y.float() * weight[:, None], 0.0)

@@ -1,0 +1,116 @@
+"""The 16-bit routed experts as fused Triton grouped GEMMs (layers/moe/fused_moe_triton.py,
+SGLANG_GPU_MOE_BACKEND=triton_fused): under `TRITON_INTERPRET=1` on tiny shapes against the torch path
+(`RoutedExperts.forward_device` with the padded block), with batch 1, experts left empty, other EP ranks'
+assignments (id E); the layer's seam that picks them; the tuned-tile files'
+lookup (`moe_configs.py`); on a GPU, Qwen3-Next-80B's experts against `torch._grouped_mm`. Their sm_90
+compile checks and other activations are in test_fused_moe_triton_nightly.py (each compile takes seconds).
+
+The interpreter runs float16, not bfloat16: Triton 3.9's interpreter computes bfloat16 `tl.dot` from the
+raw bits (outputs ~1e10 where float16 and float32 agree with torch to rounding); compiled, the same kernel
+serves both (the GPU test runs bfloat16)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sglang.srt.environ import envs
+from sglang.srt.layers.moe import fused_moe_triton as ft
+from sglang.srt.layers.moe import moe_configs as mc
+from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.moe_checks import TOL_FP16, assert_close_to, check_layer_runs_fused, make_layer, routing
+
+register_cpu_ci(est_time=6, suite="per-commit-cpu")
+
+
+# Per commit: batch 1 and a batch leaving experts empty; the nightly file adds non-silu activations.
+LAYER_CASES = [(1, 2, 4, "silu", True), (9, 3, 8, "silu", True)]
+
+
+@pytest.mark.parametrize("tokens,top_k,e,act,gated", LAYER_CASES, ids=["batch1", "empty-experts"])
+def test_layer_runs_the_fused_gemms_and_agrees_with_torch(interpret, monkeypatch, tokens, top_k, e, act, gated):
+    """With SGLANG_GPU_MOE_BACKEND=triton_fused the layer's forward runs `fused_experts` (gated silu:
+    the activation in w13's epilogue; otherwise the layer's activation between the GEMMs) and equals
+    forward_device's padded block within TOL_FP16."""
+    check_layer_runs_fused(monkeypatch, tokens, top_k, e, act, gated)
+
+
+def test_other_ep_ranks_assignments_and_tuned_tiles(interpret):
+    """Assignments with id E (another EP rank's, weight 0) compute no row and add nothing; a table's
+    tiles of another height per GEMM (w13 16 rows, w2 32: two tile maps) give the same result."""
+    layer = make_layer(5, 64, 32, "silu", True)
+    weights, ids = routing(6, 3, 5, seed=4)
+    ids[::2, 1] = 5
+    weights[::2, 1] = 0.0
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(5)).half()
+    want = layer.forward_device(x, weights, ids, grouped=False)
+    table = {6: (MoeGemmConfig(16, 32, 32, 4, 2), MoeGemmConfig(32, 64, 16, 4, 2))}
+    for tiles in (None, table):
+        got = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True, tiles)
+        assert_close_to(got, want, TOL_FP16)
+
+
+def test_tuned_tiles_are_looked_up_by_shape_and_gpu(tmp_path):
+    """A file named for (E, N, K, dtype, GPU) is read; the nearest batch size's entry serves (the
+    smaller on a tie); another shape, dtype or GPU has none (the fallback by mean rows serves); a
+    malformed file is one error naming it."""
+    table = {1: (MoeGemmConfig(16, 64, 128, 4, 3), MoeGemmConfig(16, 32, 64, 4, 4)),
+             64: (MoeGemmConfig(32, 64, 128, 4, 3), MoeGemmConfig(32, 128, 64, 8, 3))}  # fmt: skip
+    name = mc.config_file_name(512, 512, 2048, torch.bfloat16, "NVIDIA_H200")
+    assert name == "E=512,N=512,K=2048,device_name=NVIDIA_H200,dtype=bf16.json"
+    (tmp_path / name).write_text(mc.table_to_json(table))
+    found = mc.tuned_table(512, 512, 2048, torch.bfloat16, "NVIDIA_H200", str(tmp_path))
+    assert found == table
+    assert mc.pick_configs(found, 8, 80, 512) == table[1]
+    assert mc.pick_configs(found, 33, 330, 512) == table[64]
+    assert mc.pick_configs(found, 1000, 10_000, 512) == table[64]
+    for other in ((512, 512, 2048, torch.float16, "NVIDIA_H200"), (512, 512, 2048, torch.bfloat16, "NVIDIA_H100"),
+                  (256, 512, 2048, torch.bfloat16, "NVIDIA_H200")):  # fmt: skip
+        assert mc.tuned_table(*other, str(tmp_path)) is None
+    assert mc.pick_configs(None, 1, 10, 512) == (mc.FALLBACK_CONFIGS[0][1],) * 2
+    assert mc.pick_configs(None, 8192, 81920, 512) == (mc.FALLBACK_CONFIGS[-1][1],) * 2
+    bad = mc.config_file_name(4, 8, 16, torch.bfloat16, "X")
+    (tmp_path / bad).write_text(json.dumps({"1": {"w13": {"BLOCK_SIZE_M": 16}}}))
+    with pytest.raises(ValueError, match="is not a fused-MoE config file"):
+        mc.tuned_table(4, 8, 16, torch.bfloat16, "X", str(tmp_path))
+
+
+def test_committed_config_files_parse():
+    """Every file in configs/ is named as the lookup spells names and parses (tiles of powers of two)."""
+    for path in mc.CONFIG_DIR.glob("*.json"):
+        assert path.name.startswith("E=") and ",device_name=" in path.name, path.name
+        for cfgs in mc.parse_table(path.read_text(), str(path)).values():
+            for cfg in cfgs:
+                assert all(v & (v - 1) == 0 for v in (cfg.block_m, cfg.block_n, cfg.block_k)), (path.name, cfg)
+
+
+def test_a_bad_backend_value_is_one_sentence():
+    layer = make_layer(2, 16, 16, "silu", True)
+    with envs.SGLANG_GPU_MOE_BACKEND.override("fused"), pytest.raises(ValueError) as err:
+        layer.process_weights_after_loading()
+    assert str(err.value) == "SGLANG_GPU_MOE_BACKEND must be one of auto, torch, triton, triton_fused; got 'fused'."
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 64, 256, 1024])
+def test_gpu_experts_at_the_80b_shapes(tokens):
+    """Qwen3-Next-80B's experts (512, top 10, hidden 2,048, width 512) in bfloat16, compiled, against the
+    grouped_mm path, and run to run bit for bit (the combine's fixed order). Each path rounds w2's input
+    to bf16 from float32 sums taken in other orders (the torch path also rounds h first): one bf16 step
+    (2^-8) on some of 512 terms, then the output's own rounding (2^-8); 2^-6 of the outputs' scale holds
+    a few such and is far below a wrong expert, row or weight (O(1))."""
+    layer = make_layer(512, 2048, 512, "silu", True, torch.bfloat16, "cuda")
+    weights, ids = routing(tokens, 10, 512, seed=tokens, device="cuda")
+    x = torch.randn(tokens, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+    got = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
+    assert torch.equal(got, ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True))
+    assert_close_to(got, layer.forward_device(x, weights, ids, grouped=True), 2**-6)

@@ -1,0 +1,61 @@
+"""The fused 16-bit MoE GEMMs (layers/moe/fused_moe_triton.py), the slower checks: every tile of the
+fallback table and of the committed tuned files compiled for sm_90 as both GEMMs launch it (w13: rows
+gathered by token, silu(gate) * up in the epilogue; w2: sorted rows), pipelined, without spills; and the
+layer's non-silu activations (applied between the GEMMs) under `TRITON_INTERPRET=1`."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.srt.layers.moe import fused_moe_fp8_triton as mf
+from sglang.srt.layers.moe import moe_configs as mc
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.moe_checks import check_layer_runs_fused
+from sglang.test.sm90 import compile_sm90_in_registers
+
+register_cpu_ci(est_time=120, suite="nightly-cpu")
+
+
+def _all_configs() -> list[mc.MoeGemmConfig]:
+    configs = {cfg for _, cfg in mc.FALLBACK_CONFIGS}
+    for path in sorted(mc.CONFIG_DIR.glob("*.json")):
+        for pair in mc.parse_table(path.read_text(), str(path)).values():
+            configs.update(pair)
+    return sorted(configs)
+
+
+SIGNATURE = {
+    "a_ptr": "*bf16", "as_ptr": "*bf16", "b_ptr": "*bf16", "bs_ptr": "*bf16", "c_ptr": "*bf16",
+    "token_ptr": "*i64", "offs_ptr": "*i32", "tile_end_ptr": "*i32",
+    **{name: "i32" for name in ("N", "K", "a_stride", "AS_COLS", "BS_COLS", "b_expert_stride", "bs_expert_stride")},
+    **{name: "constexpr" for name in ("E", "E_POW2", "GATHER", "SCALE_N", "SCALE_K", "BLOCK_M", "BLOCK_N", "BLOCK_K",
+                                      "FP8", "SILU_MUL")},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cfg", _all_configs(), ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("gemm", ["w13", "w2"])
+def test_moe_gemm_bf16_compiles_for_sm90(cfg, gemm):
+    """Qwen3-Next-80B's experts (512; N, K and the strides multiples of 16 there): each tile compiles
+    for sm_90 in bf16 without spills, on tensor cores (mma / wgmma), and its pipeline's stages in shared
+    memory (the w13 GEMM holds a gate and an up tile per stage)."""
+    w13 = gemm == "w13"
+    constexprs = dict(E=512, E_POW2=512, GATHER=w13, SCALE_N=1, SCALE_K=1, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP8=False, SILU_MUL=w13)  # fmt: skip
+    compiled = compile_sm90_in_registers(
+        mf._moe_gemm_kernel, SIGNATURE, constexprs, ("N", "K", "a_stride", "b_expert_stride"),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    assert "mma" in ptx and "bf16" in ptx
+    b_tiles = 2 if w13 else 1
+    per_stage = (cfg.block_m + b_tiles * cfg.block_n) * cfg.block_k * 2
+    assert compiled.metadata.shared >= (cfg.num_stages - 1) * per_stage
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,e,act,gated", [(5, 2, 6, "gelu", True), (4, 2, 4, "relu2", False)], ids=["gated-gelu", "plain-relu2"]
+)
+def test_other_activations(monkeypatch, tokens, top_k, e, act, gated):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_layer_runs_fused(monkeypatch, tokens, top_k, e, act, gated)
