@@ -205,7 +205,7 @@ def lockstep_decode_queues(send, recv_all=list):
                                 abort_with_status=lambda reqs, msg, status, param=None, r=rank:
                                 aborted[r].append((reqs[0].bootstrap.room, msg, status)))  # fmt: skip
         q = decode_queue(sched)
-        q.ranks, q.added_at, q.unsent = _Lockstep(rank, shared), {}, []
+        q.ranks = _Lockstep(rank, shared)
         q.rank_targets = [{"session": f"s{r}", "layout": {}, "staging": None} for r in range(TP)]
         q.channel.send = send if rank == 0 else None  # (rank 1 has no channel to use)
         q.channel.recv_all = recv_all
@@ -268,15 +268,14 @@ def test_a_failure_on_one_rank_stops_the_others_at_once_and_is_the_error_reporte
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
-    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, _Room
+    from sglang.srt.disaggregation.prefill import _Room
     from sglang.srt.disaggregation.staging import ChunkLink
+    from sglang.test.pd_fakes import prefill_queue
 
     aborted, sent = [], []
-    q = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
-    q.sched = SimpleNamespace(abort_with_status=lambda reqs, msg, status: aborted.append((msg, status)))
-    q.ranks, q.timeout, q.rooms, q.ended = _Rank1Failed(), 300.0, {}, {}
+    q = prefill_queue(SimpleNamespace(abort_with_status=lambda reqs, msg, status: aborted.append((msg, status))))
+    q.ranks = _Rank1Failed()
     q.channel = SimpleNamespace(recv_all=list, send=lambda url, msg: sent.append(msg))
-    q.stats = {"failed_transfers": 0}
     link, executor = ChunkLink(), ThreadPoolExecutor(1)
     try:
         future = executor.submit(link.wait_ack, [0, 10, False], 30.0)  # rank 0's thread, chunk 0 written
@@ -329,7 +328,7 @@ def test_a_decode_rank_times_a_new_request_from_the_first_poll_after_it_came():
     sched = SimpleNamespace(processed_batch_id=1, num_batches=1, running=[], max_running_requests=4,
                             abort_with_status=lambda reqs, msg, status, param=None: aborted.append(status))
     q = decode_queue(sched)
-    q.ranks, q.added_at, q.unsent = _Lockstep(0, {}), {}, []
+    q.ranks = _Lockstep(0, {})
     q.channel.recv_all = list
     q.peers = PeerVerifier(True, q.channel.send, q.notify_url)  # (the prefill server has not answered)
     r = Req("rid-a", [5, 6, 7])
@@ -383,16 +382,14 @@ def test_an_idle_pd_queue_under_tp_runs_no_collective_until_the_tick_brings_news
     and then the poll exchanges."""
     from types import SimpleNamespace
 
-    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
-    from sglang.test.pd_fakes import decode_queue
+    from sglang.test.pd_fakes import decode_queue, prefill_queue
 
-    prefill = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
-    prefill.ranks, prefill.timeout, prefill.rooms, prefill.ended = _Counting(), 300.0, {}, {}
-    prefill.news, prefill.now = False, 0.0
+    prefill = prefill_queue(SimpleNamespace())
+    prefill.ranks = _Counting()
     prefill.channel = SimpleNamespace(recv_all=list, pull=SimpleNamespace(poll=lambda timeout: 0))
     decode = decode_queue(SimpleNamespace(processed_batch_id=0, running=[], max_running_requests=4))
-    decode.ranks, decode.news, decode.now, decode.added_at, decode.unsent = _Counting(), False, 0.0, {}, []
+    decode.ranks = _Counting()
     decode.channel.recv_all, decode.channel.pull = list, SimpleNamespace(poll=lambda timeout: 0)
     for q in (prefill, decode):
         for _ in range(5):

@@ -35,6 +35,7 @@ from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.pd_fakes import decode_queue
+from sglang.test.pd_fakes import prefill_queue as bare_prefill_queue
 
 register_cpu_ci(est_time=14, suite="per-commit-cpu")
 
@@ -435,7 +436,7 @@ def real_decode_queue(monkeypatch, secret: str | None) -> DecodeTransferQueue:
     args = SimpleNamespace(disaggregation_mode="decode", host="127.0.0.1", disaggregation_prefill_allowlist=None,
                            max_logprobs=20, model_config=SimpleNamespace(vocab_size=VOCAB), device="cpu",
                            disaggregation_decode_enable_radix_cache=False)  # fmt: skip
-    sched = SimpleNamespace(server_args=args, running=[], processed_batch_id=0, num_batches=0)
+    sched = SimpleNamespace(server_args=args, running=[], processed_batch_id=0, num_batches=0, tree_cache=None)
     with envs.SGLANG_DISAGGREGATION_SECRET.override(secret):
         return DecodeTransferQueue(sched)
 
@@ -543,15 +544,9 @@ def test_the_largest_answer_fits_the_decode_sides_bound():
 
 def prefill_queue(max_unmatched: int = 1024, pool_tokens: int = 4096, secret: bytes | None = None):
     """A prefill server's PD queue on loopback with a real channel; no transfer engine, no scheduler."""
-    q = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
-    q.sched = SimpleNamespace(abort_with_status=Aborts())
-    q.context_len = 4096
+    q = bare_prefill_queue(SimpleNamespace(abort_with_status=Aborts()))
     q.channel = Channel("127.0.0.1", None, secret, 64 * 1024 + 12 * q.context_len, "prefill")
     q.identity = BootstrapIdentity("127.0.0.1", q.channel.port)
-    q.layout = PoolLayout([], [], 0, [], [], [])
-    q.rooms, q.ended = {}, {}
-    q.timeout = 300.0
-    q.stats = {"transfers": 0, "failed_transfers": 0, "bytes": 0, "seconds": 0.0}
     q.max_unmatched = max_unmatched
     q.max_unmatched_tokens = 4 * pool_tokens
     return q

@@ -13,6 +13,7 @@ from sglang.srt.disaggregation.destination import malformed_dst
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, _Room
 from sglang.srt.disaggregation.transfer import PoolLayout, TransferError
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.pd_fakes import prefill_queue
 
 register_cpu_ci(est_time=5, suite="per-commit-cpu")
 
@@ -33,13 +34,10 @@ class Recorder:
 
 
 def queue() -> PrefillBootstrapQueue:
-    q = PrefillBootstrapQueue.__new__(PrefillBootstrapQueue)
-    q.sched = SimpleNamespace(abort_with_status=Recorder())
-    q.layout, q.staging = LAYOUT, None
-    q.rooms, q.ended = {}, {}
+    q = prefill_queue(SimpleNamespace(abort_with_status=Recorder()))
+    q.layout = LAYOUT
     q.executor = Recorder()
     q.channel = SimpleNamespace(send=Recorder())
-    q.context_len = 4096
     return q
 
 

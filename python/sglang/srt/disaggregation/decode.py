@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
 from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
 from sglang.srt.disaggregation.decode_pool import HybridMambaDecodeReqToTokenPool  # noqa: F401 (re-export)
-from sglang.srt.disaggregation.pd_ranks import SINGLE, PdRanks, destination_ranks
+from sglang.srt.disaggregation.pd_ranks import PdRanks, destination_ranks
 from sglang.srt.disaggregation.staging import StagedRange, StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout, clear_destination, open_transfer_engine
 from sglang.srt.environ import envs
@@ -35,19 +35,13 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeTransferQueue:
-    # Under TP (`pd_ranks.py`): this server's ranks, rank 0's clock as of the last poll, every rank's
-    # session and layout, rank 0's clock at the first poll after each room came, the rooms rank 0 could
-    # not send to.
-    ranks: PdRanks = SINGLE
-    now: float = 0.0
-    rank_targets: tuple = ()
-    added_at: dict[str, float] = {}  # (read here; `__init__` gives each queue its own)
-    unsent: tuple = ()
-
     def __init__(self, sched: DisaggScheduler):
         args = sched.server_args
         self.sched = sched
         check_at_start(args)
+        # Under TP (`pd_ranks.py`): this server's ranks, whether rank 0 has news and its clock; below,
+        # every rank's session and layout (`rank_targets`), rank 0's clock at the first poll after each
+        # room came (`added_at`), the rooms rank 0 could not send to (`unsent`).
         self.ranks = PdRanks.of_server(args)
         self.news = False  # (under TP: rank 0 has messages or unsent destinations, as the tick says)
         self.now = 0.0  # (under TP: rank 0's clock as of this iteration's tick or the last exchange)

@@ -29,7 +29,6 @@ from sglang.srt.disaggregation.auth import BootstrapIdentity, check_at_start, se
 from sglang.srt.disaggregation.channel import MAX_ERROR_CHARS, Channel
 from sglang.srt.disaggregation.destination import malformed_dst
 from sglang.srt.disaggregation.pd_ranks import (
-    SINGLE,
     Outcome,
     PdRanks,
     check_targets,
@@ -66,16 +65,11 @@ class _Room:
 
 
 class PrefillBootstrapQueue:
-    # Under TP (`pd_ranks.py`): this server's ranks, rank 0's clock as of the last poll, and every rank's
-    # pool layout (one rank: its own, `_layouts`).
-    ranks: PdRanks = SINGLE
-    now: float = 0.0
-    layouts: tuple = ()
-
     def __init__(self, sched: DisaggScheduler):
         args = sched.server_args
         self.sched = sched
         check_at_start(args)
+        # Under TP (`pd_ranks.py`): this server's ranks, whether rank 0 has messages and its clock.
         self.ranks = PdRanks.of_server(args)
         self.news = False  # (under TP: rank 0's channel holds messages, as this iteration's tick says)
         self.now = 0.0  # (under TP: rank 0's clock as of this iteration's tick or the last exchange)
