@@ -57,11 +57,18 @@ class _Room:
     dst: dict[str, Any] | None = None  # the decode server's destination
     future: Future | None = None  # the transfer
     kv_tokens: int = 0  # prompt positions whose KV the transfer moves
-    link: ChunkLink | None = None  # a staged transfer's chunks in flight
-    cancelled: threading.Event = field(default_factory=threading.Event)  # (a direct transfer not begun)
+    link: ChunkLink | None = None  # a staged transfer's chunks in flight (its cancel flag: `cancelled`)
+    cancelled: threading.Event = field(default_factory=threading.Event)
     written: list = field(default_factory=list)  # the chunks this rank's thread wrote (staged)
     announced: int = 0  # of which the decode server was told (once every rank had written them)
     root_error: str | None = None  # the failure on one rank that stopped the others' (`PdRanks.exchange`)
+
+    def cancel(self) -> None:
+        """Stop this room's transfer: a direct one not begun writes nothing, a staged one stops at its
+        next chunk (its wait for an acknowledgement wakes)."""
+        self.cancelled.set()
+        if self.link is not None:
+            self.link.cancel()
 
 
 class PrefillBootstrapQueue:
@@ -202,9 +209,7 @@ class PrefillBootstrapQueue:
         for key, error in failing.items():  # failed on a rank: the ranks still running it stop
             room = self.rooms[key]
             room.root_error = room.root_error or error  # (the first failure gathered: every rank's alike)
-            room.cancelled.set()
-            if room.link is not None:
-                room.link.cancel()
+            room.cancel()
         for msg in msgs:
             did = True
             if msg["type"] == "dst":
@@ -270,9 +275,7 @@ class PrefillBootstrapQueue:
         key = str(msg["room"])
         room = self.rooms.get(key)
         if room is not None and room.future is not None:
-            room.cancelled.set()  # a transfer not begun yet writes nothing
-            if room.link is not None:  # a staged transfer stops at its next chunk
-                room.link.cancel()
+            room.cancel()
             return  # the transfer's own answer frees the decode side
         # A prefilled request of this room that comes later is ended at once.
         self._end(key, self.ranks.clock(self.now), "the decode server gave the request up")
@@ -313,7 +316,7 @@ class PrefillBootstrapQueue:
         inject = _injected(req.rid, self.ranks.tp_rank)
         try:
             if self.staging is not None:  # (this rank's range of the decode rank of the same index)
-                room.link = ChunkLink()
+                room.link = ChunkLink(room.cancelled)
                 mine = rank_targets(dst)[self.ranks.tp_rank]
                 target = (mine["staging"], mine["staging_bytes"])
                 args = (mine["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, target, room.link)

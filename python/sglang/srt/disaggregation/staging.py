@@ -290,10 +290,10 @@ class ChunkLink:
     do, so that a pause of this server (no polls: e.g. `/pause_generation` for a weight sync) fails no
     transfer in flight."""
 
-    def __init__(self):
+    def __init__(self, cancelled: threading.Event | None = None):
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.acks: queue.SimpleQueue = queue.SimpleQueue()
-        self.cancelled = threading.Event()
+        self.cancelled = cancelled or threading.Event()  # (the room's own flag: `prefill._Room.cancel`)
         self.beat = float("-inf")  # the scheduler's last poll (its clock)
 
     def drain(self) -> list[list]:
