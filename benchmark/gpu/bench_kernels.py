@@ -18,6 +18,10 @@ Rows (issue 13's and 12's):
 - Mamba2 decode (Nemotron-H-8B layer: 128 heads x 64 dims, state 128) at batch 1 / 64 / 256: Triton vs torch.
 - Full-attention decode at batch 64 x 2,048 keys (16 query / 2 KV heads, dim 256): our Triton paged decode
   vs gather + torch SDPA (the torch-native backend's form).
+- MoE experts at Qwen3-Next-80B's shapes (512, top 10, hidden 2,048, width 512, bf16) at batch 1 / 8 / 64 /
+  256 (issue 55): the fused Triton GEMMs (`SGLANG_GPU_MOE_BACKEND=triton_fused`) vs the grouped_mm path,
+  with the floor (the touched experts' weights read once at peak bandwidth): `--moe` runs these rows only
+  (not in the default set; `run_gpu_checks.sh moe`).
 
 `--sweep` adds, at batch 256, our GDN and Mamba2 decode steps at other (state tile, warps) pairs than
 the defaults (`TILE_FLOATS`, `NUM_WARPS` of their modules), GDN's each with its output from the updated
@@ -383,6 +387,52 @@ def attention_decode(device: str, tiny: bool, reps: int) -> dict:
     return row
 
 
+def moe_experts(device: str, tiny: bool, reps: int) -> list[dict]:
+    """Qwen3-Next-80B's routed experts (512, top 10, hidden 2,048, width 512, bf16) at batch 1 / 8 / 64 /
+    256 on uniform random routing: the fused Triton GEMMs (SGLANG_GPU_MOE_BACKEND=triton_fused, the
+    tuned tiles where configs/ has them) vs the grouped_mm path as served (`forward_device`: the Triton
+    bookkeeping, x gathered, two `torch._grouped_mm`, the activation apart). The floor: the touched
+    experts' weights read once at the peak bandwidth (`floor_ms`, each case's `fraction_of_floor`)."""
+    from sglang.srt.layers.moe.experts import RoutedExperts, fused_gemm_table
+    from sglang.srt.layers.moe.fused_moe_triton import fused_experts
+
+    e, hidden, inter, top_k = (8, 64, 32, 2) if tiny else (512, 2048, 512, 10)
+    dtype = torch.float16 if tiny else torch.bfloat16  # the interpreter's bf16 dot is wrong
+    layer = RoutedExperts(e, hidden, inter, "silu", gated=True)
+    for p in (layer.w13, layer.w2):
+        p.data = (torch.randn(p.shape, device=device) / p.shape[2] ** 0.5).to(dtype)
+    from sglang.srt.environ import envs
+
+    with envs.SGLANG_CPU_MOE_BACKEND.override("torch"):  # (CPU: the C++ op would store them transposed)
+        layer.process_weights_after_loading()  # the Triton bookkeeping on CUDA, as served
+    table = fused_gemm_table(layer.w13, layer.w2)
+    per_expert = (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()
+    peak = peak_bandwidth(device)
+    rows = []
+    for bs in (1, 4) if tiny else (1, 8, 64, 256):
+        x = torch.randn(bs, hidden, device=device).to(dtype)
+        ids = torch.rand(bs, e, device=device).topk(top_k, dim=1).indices
+        weights = torch.rand(bs, top_k, device=device)
+        cases = {
+            "ours (fused Triton GEMMs)": lambda x=x, w=weights, i=ids: fused_experts(
+                x, layer.w13, layer.w2, w, i, layer._activate, True, table
+            ),
+            "grouped_mm path (forward_device)": lambda x=x, w=weights, i=ids: layer.forward_device(x, w, i),
+        }
+        times = round_robin(cases, device, reps)
+        ours, theirs = (fn().float() for fn in cases.values())
+        row = _row(f"MoE experts bs {bs}, {e} experts top {top_k}, hidden {hidden}, width {inter}", times)
+        row["tuned_tiles"] = bool(table)
+        row["max_abs_diff_over_max"] = round(((ours - theirs).abs().max() / theirs.abs().max()).item(), 5)
+        nbytes = ids.unique().numel() * per_expert
+        _bandwidth(row, device, nbytes, times.device["ours (fused Triton GEMMs)"])
+        if peak is not None:
+            row["floor_ms"] = round(nbytes / peak * 1e3, 4)
+            row["fraction_of_floor"] = {name: round(nbytes / peak / t, 3) for name, t in times.device.items()}
+        rows.append(row)
+    return rows
+
+
 def _ms(times: dict[str, float]) -> dict[str, float]:
     return {name: round(t * 1e3, 4) for name, t in times.items()}
 
@@ -412,12 +462,17 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="the GDN prefill cases' kernels (CUDA)")
     parser.add_argument("--sweep", action="store_true", help="the decode steps' tile / warps pairs")
     parser.add_argument("--out", help="also write the rows as JSON here")
+    parser.add_argument("--moe", action="store_true", help="the MoE experts' rows only (not in the default set)")
     args = parser.parse_args()
-    rows = [gdn_prefill(args.device, args.tiny, args.reps, args.kernels)]
-    rows += gdn_decode(args.device, args.tiny, args.reps)
-    rows += mamba2_decode(args.device, args.tiny, args.reps)
-    rows.append(attention_decode(args.device, args.tiny, args.reps))
-    if args.sweep:
+    rows = []
+    if args.moe:
+        rows += moe_experts(args.device, args.tiny, args.reps)
+    else:
+        rows.append(gdn_prefill(args.device, args.tiny, args.reps, args.kernels))
+        rows += gdn_decode(args.device, args.tiny, args.reps)
+        rows += mamba2_decode(args.device, args.tiny, args.reps)
+        rows.append(attention_decode(args.device, args.tiny, args.reps))
+    if args.sweep and not args.moe:
         rows += decode_sweep(args.device, args.tiny, args.reps)
     for row in rows:
         listed = row.pop("kernels_per_call", {})

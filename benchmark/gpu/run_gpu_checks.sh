@@ -110,4 +110,16 @@ bench 150 ngram python3 benchmark/bench_speculative_ngram.py --model-path 147m -
 bench 45 state_copy python3 benchmark/bench_state_copy.py --device cuda --seconds 0.1
 bench 40 sampler python3 benchmark/bench_sampler.py --device cuda --reps 5
 bench 180 fp8_gemm python3 benchmark/gpu/bench_fp8_gemm.py --reps 10 --sweep
+# tune_moe (issue 55): the fused bf16 MoE GEMMs' tiles timed at the 80B's and the 35B-A3B's expert shapes
+# (benchmark/gpu/tune_fused_moe.py, ~3 min on an H200 by its design, not yet run); its JSON files come back
+# in $OUT/moe-configs.tar.gz (copy them into python/sglang/srt/layers/moe/configs/) and are put there on
+# this machine too, so that `moe` (bench_kernels.py --moe: SGLANG_GPU_MOE_BACKEND=triton_fused's
+# GEMMs vs the grouped_mm path at the 80B's shapes, with the floor) runs with them:
+#   bash benchmark/gpu/run_gpu_checks.sh tune_moe moe
+bench 240 tune_moe python3 benchmark/gpu/tune_fused_moe.py --out "$OUT/moe-configs"
+if [ -d "$OUT/moe-configs" ]; then
+  cp "$OUT"/moe-configs/*.json python/sglang/srt/layers/moe/configs/ 2>/dev/null
+  tar -czf "$OUT/moe-configs.tar.gz" -C "$OUT/moe-configs" . && rm -rf "$OUT/moe-configs"
+fi
+bench 90 moe python3 benchmark/gpu/bench_kernels.py --moe --reps 10
 if [ -f "$OUT/bench.log" ]; then grep '^{\|^|' "$OUT/bench.log" >> "$OUT/summary.txt"; fi

@@ -1,19 +1,29 @@
 """The fused 16-bit MoE GEMMs (layers/moe/fused_moe_triton.py), the slower checks: every tile of the
 fallback table and of the committed tuned files compiled for sm_90 as both GEMMs launch it (w13: rows
 gathered by token, silu(gate) * up in the epilogue; w2: sorted rows), pipelined, without spills; and the
-layer's non-silu activations (applied between the GEMMs) under `TRITON_INTERPRET=1`."""
+layer's non-silu activations (applied between the GEMMs) under `TRITON_INTERPRET=1`; the CPU checks of
+the tuning script and of bench_kernels.py's MoE rows."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 
 from sglang.srt.layers.moe import fused_moe_fp8_triton as mf
 from sglang.srt.layers.moe import moe_configs as mc
 from sglang.test.ci_register import register_cpu_ci
-from sglang.test.moe_checks import check_layer_runs_fused
+from sglang.test.moe_checks import TOL_FP16, check_layer_runs_fused
 from sglang.test.sm90 import compile_sm90_in_registers
 
 register_cpu_ci(est_time=120, suite="nightly-cpu")
+
+GPU_BENCH = Path(__file__).resolve().parents[3] / "benchmark" / "gpu"
 
 
 def _all_configs() -> list[mc.MoeGemmConfig]:
@@ -59,3 +69,36 @@ def test_moe_gemm_bf16_compiles_for_sm90(cfg, gemm):
 def test_other_activations(monkeypatch, tokens, top_k, e, act, gated):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     check_layer_runs_fused(monkeypatch, tokens, top_k, e, act, gated)
+
+
+def _script_rows(script: str, *args: str) -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(GPU_BENCH / script), "--device", "cpu", "--tiny", *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_the_tuning_script_writes_a_file_the_lookup_reads(tmp_path):
+    """tune_fused_moe.py's CPU check: a row per (batch, GEMM) and a file of the lookup's name that parses,
+    with the best tile of each row."""
+    rows = _script_rows("tune_fused_moe.py", "--out", str(tmp_path))
+    assert [(r["batch"], r["gemm"]) for r in rows] == [(1, "w13"), (1, "w2"), (4, "w13"), (4, "w2")]
+    name = mc.config_file_name(8, 32, 64, torch.float16, "cpu")
+    table = mc.parse_table((tmp_path / name).read_text(), name)
+    assert {b: tuple(tuple(c) for c in cfgs) for b, cfgs in table.items()} == {
+        b: tuple(tuple(r["best"]) for r in rows if r["batch"] == b) for b in (1, 4)
+    }
+
+
+def test_bench_kernels_moe_rows():
+    """bench_kernels.py --moe's CPU check: one row per batch, both cases timed, and the fused GEMMs'
+    output within the float16 bound of the grouped_mm path's (moe_checks.TOL_FP16)."""
+    rows = _script_rows("bench_kernels.py", "--moe", "--reps", "1")
+    assert [r["kernel"].split(",")[0] for r in rows] == ["MoE experts bs 1", "MoE experts bs 4"]
+    for r in rows:
+        assert set(r["ms"]) == {"ours (fused Triton GEMMs)", "grouped_mm path (forward_device)"}
+        assert all(ms > 0 for ms in r["ms"].values())
+        assert r["max_abs_diff_over_max"] < TOL_FP16
