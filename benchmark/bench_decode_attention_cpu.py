@@ -77,7 +77,9 @@ def row(bs: int, length: int, hq: int, hk: int, d: int) -> str:
         seq_lens_cpu=lens,
         out_cache_loc=torch.tensor([1 + sum(lens[: r + 1]) - 1 for r in range(bs)]),
     )
-    layer = SimpleNamespace(tp_q_head_num=hq, tp_k_head_num=hk, head_dim=d, scaling=d**-0.5, layer_id=0)
+    layer = SimpleNamespace(
+        tp_q_head_num=hq, tp_k_head_num=hk, head_dim=d, scaling=d**-0.5, layer_id=0, kv_scales=(1.0, 1.0)
+    )
     q = torch.randn(bs, hq * d, generator=g)
     k_new = k_buf[fb.out_cache_loc].view(bs, hk * d).clone()
     v_new = v_buf[fb.out_cache_loc].view(bs, hk * d).clone()

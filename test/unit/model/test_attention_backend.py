@@ -50,7 +50,7 @@ class _Case:
             self.backend = TorchNativeAttnBackend(self.req_pool, self.kv_pool)
         assert (self.backend.cpu_ops is not None) == (backend == "cpp")
         self.layer = SimpleNamespace(
-            tp_q_head_num=hq, tp_k_head_num=hk, head_dim=d, scaling=d**-0.5, layer_id=3
+            tp_q_head_num=hq, tp_k_head_num=hk, head_dim=d, scaling=d**-0.5, layer_id=3, kv_scales=(1.0, 1.0)
         )
         # Scattered slots: every request's positions map to a random permutation of the pool rows.
         slots = torch.randperm(total + 63)[:total] + 1

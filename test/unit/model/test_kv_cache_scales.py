@@ -108,7 +108,7 @@ def test_scales_bring_fp8_kv_back_to_the_float32_kv_logprobs(preset, device, tmp
     radix = [m for m in runner.model.modules() if type(m).__name__ == "RadixAttention"]
     assert radix and all(m.k_scale == m.v_scale == pytest.approx(GROW) for m in radix)
 
-    with caplog.at_level(logging.WARNING, logger="sglang.srt.mem_cache.memory_pool"):
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.layers.attention.kv_scales"):
         err_scaled = (_logprobs(scaled, "fp8_e4m3", device) - want).abs().mean().item()
         assert not [r for r in caplog.records if "k_scale" in r.getMessage()]
         err_unscaled = (_logprobs(unscaled, "fp8_e4m3", device) - want).abs().mean().item()
@@ -159,7 +159,7 @@ def test_graphs_are_captured_again_when_an_update_changes_a_kv_scale():
 
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    runner = make_runner("tiny-qwen3-next")
+    runner = make_runner("tiny-qwen3-next", kv_cache_dtype="fp8_e4m3")
     recaptured = []
     runner.graph_runner = SimpleNamespace(recapture=lambda: recaptured.append(1))
     name = next(n for n, m in runner.model.named_modules() if isinstance(m, RadixAttention))
@@ -167,5 +167,24 @@ def test_graphs_are_captured_again_when_an_update_changes_a_kv_scale():
     weight = dict(runner.model.named_parameters())[owner + ".o_proj.weight"].detach().clone()
     runner.update_weights_from_tensor([(owner + ".o_proj.weight", weight)])
     assert recaptured == []
+    attn = runner.model.get_submodule(name)
+    assert attn.kv_scales == (1.0, 1.0)  # (the checkpoint has none)
     runner.update_weights_from_tensor([(owner + ".k_scale", torch.tensor(0.5))])
     assert recaptured == [1]
+    # Resolved once, at the update: the pair both backends read.
+    assert attn.kv_scales == (0.5, 1.0)
+
+
+def test_the_scales_are_resolved_for_the_pools_dtype():
+    """The layers' `kv_scales` are the checkpoint's for a float8 pool (1.0 where it has none) and 1.0 for
+    any other pool, which stores values as they are; set once at start, not looked up per forward."""
+    from sglang.srt.layers.attention.kv_scales import resolve_kv_scales
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    a, b = RadixAttention(2, 8, 1.0, 1, 0), RadixAttention(2, 8, 1.0, 1, 1)
+    a.k_scale, a.v_scale = 2.0, 3.0
+    model = torch.nn.ModuleList([a, b])
+    assert resolve_kv_scales([model, None], torch.float8_e4m3fn) == [(2.0, 3.0), (1.0, 1.0)]
+    assert a.kv_scales == (2.0, 3.0) and b.kv_scales == (1.0, 1.0)
+    assert resolve_kv_scales([model], torch.bfloat16) == [(1.0, 1.0), (1.0, 1.0)]
+    assert a.kv_scales == (1.0, 1.0)

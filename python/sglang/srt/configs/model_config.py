@@ -16,7 +16,7 @@ from sglang.srt.configs.presets import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --kv-cache-dtype: the pool's storage dtype ("auto": the model's). float8 values are stored divided by
-# the checkpoint's k_scale / v_scale (1.0 where it has none: `MHATokenToKVPool.layer_scales`); e4m3fn
+# the checkpoint's k_scale / v_scale (1.0 where it has none: `kv_scales.resolve_kv_scales`); e4m3fn
 # saturates at +-448.
 _KV_CACHE_DTYPES = {
     "bf16": torch.bfloat16,

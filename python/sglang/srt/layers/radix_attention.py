@@ -20,10 +20,12 @@ class RadixAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
-        # The checkpoint's per-layer float8 KV cache scales (upstream's names; None where it has none):
-        # a float8 pool stores K / k_scale and V / v_scale (`MHATokenToKVPool.layer_scales`).
+        # The checkpoint's per-layer float8 KV cache scales (upstream's names; None where it has none).
         self.k_scale: float | None = None
         self.v_scale: float | None = None
+        # What the KV pool stores K and V divided by, and the backends multiply back: resolved once for
+        # the pool's dtype at start and after a weight update (`kv_scales.resolve_kv_scales`).
+        self.kv_scales: tuple[float, float] = (1.0, 1.0)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch

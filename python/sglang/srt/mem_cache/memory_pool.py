@@ -9,7 +9,6 @@ scheduler never touches them.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,13 +20,7 @@ from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
 from sglang.srt.mem_cache.state_copy import StateCopier
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.managers.schedule_batch import Req
-
-logger = logging.getLogger(__name__)
-
-# The --kv-cache-dtype value of each float8 pool dtype (for its messages).
-FLOAT8_FLAG_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 class ReqToTokenPool:
@@ -95,7 +88,6 @@ class MHATokenToKVPool:
         rows = (size // page_size + 1) * page_size
         self.k_buffer = [torch.zeros(rows, head_num, head_dim, dtype=dtype, device=device) for _ in layer_ids]
         self.v_buffer = [torch.zeros(rows, head_num, head_dim, dtype=dtype, device=device) for _ in layer_ids]
-        self._warned_unscaled = False
 
     def _index(self, layer_id: int) -> int:
         try:
@@ -107,26 +99,6 @@ class MHATokenToKVPool:
         i = self._index(layer_id)
         return self.k_buffer[i], self.v_buffer[i]
 
-    def layer_scales(self, layer: RadixAttention) -> tuple[float, float]:
-        """(k_scale, v_scale) of a layer: a float8 pool stores K / k_scale and V / v_scale and attention
-        reads them back multiplied (the backends fold k_scale into the softmax scale and v_scale into the
-        output). The checkpoint's per-layer scales where it has them (upstream's `k_scale` / `v_scale`),
-        else 1.0 with one warning, as upstream; 1.0 for any other pool dtype, which stores values as
-        they are."""
-        if self.dtype.itemsize != 1:
-            return 1.0, 1.0
-        # (a layer built without the attributes, as the backend tests' stand-ins, has no scales)
-        k_scale, v_scale = getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)
-        if (k_scale is None or v_scale is None) and not self._warned_unscaled:
-            self._warned_unscaled = True
-            logger.warning(
-                "--kv-cache-dtype %s: the checkpoint has no k_scale / v_scale for layer %d (and maybe others); "
-                "their K and V are stored with scale 1.0, so values beyond the float8 range saturate and "
-                "small ones lose precision.",
-                FLOAT8_FLAG_NAMES.get(self.dtype, self.dtype), layer.layer_id,
-            )  # fmt: skip
-        return (1.0 if k_scale is None else k_scale), (1.0 if v_scale is None else v_scale)
-
     def set_kv_buffer(
         self,
         layer_id: int,
@@ -137,7 +109,8 @@ class MHATokenToKVPool:
         v_scale: float = 1.0,
     ) -> None:
         """Stores `k / k_scale` and `v / v_scale` at `loc`, converted to the pool's dtype
-        (`--kv-cache-dtype`; float8 e4m3fn saturates at +-448 as torch converts; `layer_scales`)."""
+        (`--kv-cache-dtype`; float8 e4m3fn saturates at +-448 as torch converts; the scales are the
+        layer's `kv_scales`, `layers/attention/kv_scales.py`)."""
         i = self._index(layer_id)
         if k_scale != 1.0:
             k = k.float() / k_scale

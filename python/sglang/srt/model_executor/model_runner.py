@@ -37,6 +37,7 @@ from sglang.srt.distributed import (
 from sglang.srt.environ import envs
 from sglang.srt.layers.attention.fla_float32 import use_ieee_float32_dots
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+from sglang.srt.layers.attention.kv_scales import resolve_kv_scales
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
 from sglang.srt.layers.attention.mamba.short_conv_backend import ShortConvAttnBackend
@@ -44,7 +45,6 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.linear import full_shape, gather_weight, shard_weight, weight_shards
 from sglang.srt.layers.logits_processor import HiddenRows, LogitsProcessor, TopLogprobs
 from sglang.srt.layers.quantization.fp8 import FP8_DTYPE
-from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
 from sglang.srt.mem_cache.pool_sizing import PoolSizes, check_weights_fit, compute_pool_sizes
@@ -124,12 +124,12 @@ def agree_on_tokens(ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
     """Under TP every rank samples the same token from the same logits (seeded), but a grammar's mask
     and a custom logit processor run on each rank's own, and a rank that took another token would stop
     the ranks in step. Where those act, or with SYNC_TOKEN_IDS_ACROSS_TP, every rank takes the smallest
-    id any rank sampled (upstream's all-reduce MIN); with the strict check (the tests) the ranks compare
-    their ids every step and all stop, naming the row, where they differ."""
+    id any rank sampled (upstream's all-reduce MIN); with SGLANG_ENABLE_STRICT_TP_TOKEN_CHECK (the tests)
+    the ranks compare their ids every step and all stop, naming the row, where they differ."""
     tp = get_tp_group()
     if tp.world_size == 1 or ids.numel() == 0:  # (every sample at TP 1: no environment lookups)
         return ids
-    strict = envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.get()
+    strict = envs.SGLANG_ENABLE_STRICT_TP_TOKEN_CHECK.get()
     sync = envs.SYNC_TOKEN_IDS_ACROSS_TP.get() or fb.vocab_mask is not None or fb.custom_logit is not None
     if not (sync or strict):
         return ids
@@ -174,6 +174,7 @@ class ModelRunner:
         loaded = time.monotonic()
         self.pool_sizes = pool_sizes or compute_pool_sizes(server_args, self.arch, weight_bytes)
         self._init_pools(model_config.context_len)
+        self._kv_scales(warn=True)
         self.startup_times = {
             "load_weight": loaded - self.started_at,
             "kv_cache_allocation": time.monotonic() - loaded,
@@ -312,6 +313,7 @@ class ModelRunner:
         """Serve `model` (from `load_like_current`) from the next forward on; nothing may be in flight.
         CUDA graphs hold the old weights' addresses, so they are captured again."""
         self.model = model
+        self._kv_scales(warn=True)
         if self.graph_runner is not None:
             self.graph_runner.recapture()
 
@@ -365,8 +367,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # written before the next forward reads them
         return unknown
 
-    def _kv_scales(self) -> list[tuple[float | None, float | None]]:
-        return [(m.k_scale, m.v_scale) for m in self.model.modules() if isinstance(m, RadixAttention)]
+    def _kv_scales(self, warn: bool = False) -> list[tuple[float, float]]:
+        """Sets the attention layers' KV pool scales (`resolve_kv_scales`) and returns them."""
+        return resolve_kv_scales((self.model, self.draft_model), self.kv_cache_dtype, warn)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of parameter `name` as float lists (/get_weights_by_name: this

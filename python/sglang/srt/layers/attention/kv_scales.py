@@ -2,19 +2,26 @@
 one `v_scale` per full-attention layer, as upstream names them. Checkpoints put them beside the
 attention (`...self_attn.k_scale`), on its projections (`...self_attn.k_proj.k_scale`,
 `...v_proj.v_scale`, ModelOpt's layout) or on the attention op (`...self_attn.attn.k_scale`); all three
-land on the layer's `RadixAttention`. They are scalars: a pool stores K / k_scale in float8 and the
-backends read it back multiplied (`MHATokenToKVPool.layer_scales`)."""
+land on the layer's `RadixAttention`. They are scalars: a float8 pool stores K / k_scale and the
+backends read it back multiplied, both with the layer's `kv_scales`, which `resolve_kv_scales` sets once
+for the pool's dtype (at start, and after a weight update that may have changed them)."""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from sglang.srt.layers.radix_attention import RadixAttention
 
+logger = logging.getLogger(__name__)
+
 KV_SCALE_NAMES = ("k_scale", "v_scale")
+# The --kv-cache-dtype value of each float8 pool dtype (for the warning).
+FLOAT8_FLAG_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 # The module names, relative to the attention module that holds the `RadixAttention`, a scale may sit on.
 _PLACES = ("", ".attn", ".k_proj", ".v_proj")
 
@@ -55,3 +62,31 @@ class KVScaleLoader:
         for layer, kind, value in self.pending:
             setattr(layer, kind, value)
         self.pending.clear()
+
+
+def resolve_kv_scales(
+    models: Iterable[nn.Module | None], kv_dtype: torch.dtype, warn: bool = True
+) -> list[tuple[float, float]]:
+    """Sets every `RadixAttention.kv_scales` of `models` for a KV pool of `kv_dtype` and returns them in
+    module order: a float8 pool's are the checkpoint's (k_scale, v_scale), 1.0 where it has none, with
+    one warning (`warn`: not again after a weight update), as upstream; any other pool stores values as they are (1.0, 1.0). The backends read
+    the pair at each forward; a change after capture needs the CUDA graphs captured again (the model
+    runner compares the lists)."""
+    float8, out, unscaled = kv_dtype.itemsize == 1, [], None
+    for model in models:
+        for layer in model.modules() if model is not None else ():
+            if not isinstance(layer, RadixAttention):
+                continue
+            k, v = (layer.k_scale, layer.v_scale) if float8 else (1.0, 1.0)
+            if (k is None or v is None) and unscaled is None:
+                unscaled = layer.layer_id
+            layer.kv_scales = (1.0 if k is None else k, 1.0 if v is None else v)
+            out.append(layer.kv_scales)
+    if unscaled is not None and warn:
+        logger.warning(
+            "--kv-cache-dtype %s: the checkpoint has no k_scale / v_scale for layer %d (and maybe others); "
+            "their K and V are stored with scale 1.0, so values beyond the float8 range saturate and "
+            "small ones lose precision.",
+            FLOAT8_FLAG_NAMES.get(kv_dtype, kv_dtype), unscaled,
+        )  # fmt: skip
+    return out

@@ -54,7 +54,7 @@ class TritonAttnBackend:
     ) -> torch.Tensor:
         hq, hk, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         num_tokens = q.shape[0]
-        k_scale, v_scale = self.kv_pool.layer_scales(layer)
+        k_scale, v_scale = layer.kv_scales
         self.kv_pool.set_kv_buffer(
             layer.layer_id, fb.out_cache_loc, k.view(-1, hk, d), v.view(-1, hk, d), k_scale, v_scale
         )
