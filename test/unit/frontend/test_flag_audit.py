@@ -23,7 +23,7 @@ from sglang.srt.entrypoints.process_launcher import (
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=8, suite="per-commit-cpu")
+register_cpu_ci(est_time=11, suite="per-commit-cpu")
 
 PACKAGE = Path(sglang.__file__).parent
 
@@ -118,6 +118,27 @@ def test_a_flag_without_effect_is_logged_once_with_the_reason(caplog):
     flags = ["--" + name.replace("_", "-") for name in NO_EFFECT]
     assert [m.split(" has no effect: ")[0] for m in messages] == flags
     assert all(m.endswith(".") for m in messages)
+
+
+def test_a_refused_transfer_backend_fails_the_command_line_in_one_sentence():
+    """End to end, through `python -m sglang.launch_server` (its error line and exit code, before any
+    process starts), with the table's refused backend (upstream's "ascend": refused wherever this runs,
+    NIXL installed or not)."""
+    backend = REFUSED["disaggregation_transfer_backend"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--disaggregation-mode", "prefill",
+         "--disaggregation-transfer-backend", backend],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: --disaggregation-transfer-backend {backend}: this server moves KV and state with mooncake "
+        "or nixl only; use --disaggregation-transfer-backend mooncake."
+    ], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
 
 
 def test_disaggregation_on_a_gpu_starts_and_other_devices_are_refused_in_one_sentence():

@@ -1,6 +1,6 @@
-"""`python -m sglang.launch_server` refuses bad flags, a transfer backend it lacks, a tokenizer that is
-not there or cannot be loaded, pools too small to serve and a port in use with one sentence and a
-non-zero exit, without a traceback (and without claiming to be ready)."""
+"""`python -m sglang.launch_server` refuses bad flags, a tokenizer that is not there or cannot be loaded,
+pools too small to serve and a port in use with one sentence and a non-zero exit, without a traceback
+(and without claiming to be ready). A transfer backend it lacks: test_flag_audit."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=44, suite="per-commit-cpu")
+register_cpu_ci(est_time=41, suite="per-commit-cpu")
 
 
 def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -36,8 +36,6 @@ def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         (["--page-size", "0"], 2, "--page-size must be a positive integer"),
         # upstream's value, no longer argparse's "invalid choice" (issue 60)
         (["--kv-cache-dtype", "mxfp8"], 2, "--kv-cache-dtype mxfp8 is not supported by this server"),
-        (["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "ascend"], 1,
-         "--disaggregation-transfer-backend ascend: this server moves KV and state with mooncake or nixl only"),
         (["--tokenizer-path", "/nonexistent/tok"], 2, "--tokenizer-path '/nonexistent/tok' is not a folder"),
         # (extra_buffer: a running slot and its two track slots; extra_buffer_lazy runs in one since issue 61)
         (["--mamba-scheduler-strategy", "extra_buffer", "--max-mamba-cache-size", "2"], 1,
