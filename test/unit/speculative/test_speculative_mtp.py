@@ -142,7 +142,7 @@ def test_the_planner_counts_the_mtp_layers_weights():
 def test_the_mtp_layer_loads_reading_its_own_tensors_only(monkeypatch):
     """Loading the draft layer reads the checkpoint's `mtp.*` tensors and no other (before, it read the
     whole checkpoint again: 173 tensors for 19 on tiny-qwen3-next, ~160 GB for 3.3 GB on the 80B)."""
-    from sglang.srt.models import loader
+    from sglang.srt.models import checkpoint_reader, loader
     from sglang.srt.models.registry import load_model
     from sglang.srt.speculative.draft_layers import load_draft_layers
 
@@ -156,20 +156,22 @@ def test_the_mtp_layer_loads_reading_its_own_tensors_only(monkeypatch):
             self.f = opened(*a, **kw)
 
         def __enter__(self):
-            self.inner = self.f.__enter__()
+            self.f.__enter__()
             return self
 
         def __exit__(self, *exc):
             return self.f.__exit__(*exc)
 
         def keys(self):
-            return self.inner.keys()
+            return self.f.keys()
 
         def get_tensor(self, name):
             read.append(name)
-            return self.inner.get_tensor(name)
+            return self.f.get_tensor(name)
 
+    # Both readers: the serial one, and the threads that read ahead (`checkpoint_reader`).
     monkeypatch.setattr(loader, "safe_open", Counting)
+    monkeypatch.setattr(checkpoint_reader, "safe_open", Counting)
     assert load_draft_layers(args, model) is not None
     assert read and all(name.startswith("mtp.") for name in read), read
 

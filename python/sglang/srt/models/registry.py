@@ -17,7 +17,7 @@ from sglang.srt.layers.quantization.fp8 import (
     swap_fp8_linears,
 )
 from sglang.srt.layers.quantization.fp8_experts import swap_fp8_experts
-from sglang.srt.models.loader import iter_checkpoint
+from sglang.srt.models.checkpoint_reader import read_checkpoint
 
 # architecture name -> (module, class); imported on first use.
 _MODELS = {
@@ -56,7 +56,7 @@ def load_model(
     (an 80B model in bfloat16 never needs twice its memory on the host)."""
     model = build_meta_model(hf_config, device, fp8)
     materialize(model, dtype, torch.device(device))
-    model.load_weights(iter_checkpoint(path))
+    model.load_weights(read_checkpoint(path))  # read ahead by threads, in iter_checkpoint's order
     # Children first: a module's own step may read what its children's made (a decoder layer's fused
     # decode blocks read its norms' and experts' C++ choices).
     for module in reversed(list(model.modules())):

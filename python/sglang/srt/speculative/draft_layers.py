@@ -47,10 +47,10 @@ def load_draft_layers(args: ServerArgs, target: Any) -> Any | None:
     before the pools are sized, so that the memory budget is what is left after both."""
     if args.speculative_algorithm not in MTP_ALGORITHMS:
         return None
-    from sglang.srt.models.loader import iter_checkpoint
+    from sglang.srt.models.checkpoint_reader import read_checkpoint
     from sglang.srt.models.qwen3_next_mtp import PREFIX, load_mtp
 
-    return load_mtp(target, iter_checkpoint(args.model_config.path, prefix=PREFIX))
+    return load_mtp(target, read_checkpoint(args.model_config.path, prefix=PREFIX))
 
 
 def build_meta_draft_layers(target: Any) -> Any:

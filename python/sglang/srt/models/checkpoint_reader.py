@@ -1,0 +1,125 @@
+"""Reading a checkpoint's tensors with the disk read spread over threads.
+
+`safe_open` maps a shard and hands out views of the mapping: nothing is read until the loader copies a
+tensor into its parameter, one page fault after another on the loading thread, so a serial load reads
+one stream from disk at a time (`benchmark/bench_weight_read.py` measures both). Here a thread pool reads
+ahead: each thread touches the pages of the tensors next in line (one byte per page, in torch, without
+the GIL), which brings them into the page cache; the loader then copies each tensor from the mapping as
+before, in the same order (`iter_checkpoint`'s: files sorted, names as each file lists them), so the
+parameters are the serial load's, bit for bit.
+
+Memory: what is read ahead lives in the page cache (reclaimable, shared with other ranks reading the
+same files), and at most `read_ahead` bytes of tensors not yet handed out are read ahead at once
+(always at least the next tensor), so a checkpoint larger than the host's memory loads without the
+reads evicting each other.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from sglang.srt.models.loader import checkpoint_files, iter_checkpoint
+
+READ_THREADS = 8
+READ_AHEAD_BYTES = 2 << 30
+# A tensor bigger than this is touched by several threads (an 80B model's embedding is 1.2 GB).
+PIECE_BYTES = 64 << 20
+_PAGE = 4096  # touching one byte in every 4 KiB touches every page, whatever the page size
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    path: Path
+    name: str
+    nbytes: int
+
+
+def plan_checkpoint(folder: str | Path, prefix: str = "") -> list[PlannedTensor]:
+    """The tensors `iter_checkpoint(folder, prefix)` yields, in its order, with their sizes in bytes,
+    from the files' headers (nothing else is read)."""
+    plan = []
+    for path in checkpoint_files(folder, prefix):
+        sizes = _header_sizes(path)
+        with safe_open(str(path), framework="pt") as f:
+            names = [n for n in f.keys() if n.startswith(prefix)]  # noqa: SIM118 - not a mapping
+        plan.extend(PlannedTensor(path, n, sizes[n]) for n in names)
+    return plan
+
+
+def read_checkpoint(
+    folder: str | Path, prefix: str = "", threads: int | None = None, read_ahead: int = READ_AHEAD_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_checkpoint(folder, prefix)`'s tensors, in its order, read ahead by `threads` threads
+    (default READ_THREADS), at most `read_ahead` bytes ahead of the consumer."""
+    threads = READ_THREADS if threads is None else threads
+    if threads <= 1:
+        yield from iter_checkpoint(folder, prefix)
+        return
+    plan = plan_checkpoint(folder, prefix)
+    handles = _ThreadHandles()
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="weight-read")
+    path, f = None, None
+    try:
+        for i in read_ahead_order(plan, lambda t, a, b: pool.submit(_touch, handles, t, a, b), read_ahead):
+            item = plan[i]
+            if item.path != path:
+                path, f = item.path, safe_open(str(item.path), framework="pt")
+            yield item.name, f.get_tensor(item.name)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def read_ahead_order(
+    plan: list[PlannedTensor], submit: Callable[[PlannedTensor, int, int], Future], read_ahead: int
+) -> Iterator[int]:
+    """Indices of `plan` in order, each once its reads (`submit(tensor, start, stop)`, byte ranges of
+    at most PIECE_BYTES) are done; reads are submitted in plan order while the bytes submitted and not
+    yet handed out stay within `read_ahead`, the next tensor's always. A read's error raises here."""
+    pending: deque[list[Future]] = deque()
+    held = nxt = 0
+    for i, item in enumerate(plan):
+        while nxt < len(plan) and (nxt == i or held + plan[nxt].nbytes <= read_ahead):
+            t = plan[nxt]
+            starts = range(0, t.nbytes, PIECE_BYTES) if t.nbytes else ()
+            pending.append([submit(t, s, min(s + PIECE_BYTES, t.nbytes)) for s in starts])
+            held += t.nbytes
+            nxt += 1
+        for future in pending.popleft():
+            future.result()
+        yield i
+        held -= item.nbytes
+
+
+class _ThreadHandles(threading.local):
+    """Each reading thread's open files (a safe_open parses its file's header once per thread)."""
+
+    def get(self, path: Path):  # noqa: ANN201 - safetensors' handle type is not importable
+        files = self.__dict__.setdefault("files", {})
+        if path not in files:
+            files[path] = safe_open(str(path), framework="pt")
+        return files[path]
+
+
+def _touch(handles: _ThreadHandles, item: PlannedTensor, start: int, stop: int) -> None:
+    tensor = handles.get(item.path).get_tensor(item.name)
+    data = tensor.reshape(-1).view(torch.uint8)
+    data[start:stop:_PAGE].max()
+
+
+def _header_sizes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor of a safetensors file: an 8-byte little-endian header length, then a JSON
+    header whose entries hold `data_offsets` [begin, end)."""
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+    return {n: e["data_offsets"][1] - e["data_offsets"][0] for n, e in header.items() if n != "__metadata__"}
