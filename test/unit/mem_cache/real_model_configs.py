@@ -191,3 +191,99 @@ NEMOTRON_NANO_9B_V2 = {
     "use_conv_bias": True,
     "vocab_size": 131072,
 }
+
+# nvidia/Nemotron-H-8B-Base-8K: the published config.json as a public test suite of a model bridge records
+# it in full (found with the search tool; the same pattern, sizes and vocabulary as two other public
+# records of it): 52 layers = 24 Mamba2 ("M"), 4 attention ("*"), 24 MLP ("-") with squared ReLU; hidden
+# 4096, MLP 21504, 32 query / 8 KV heads of 128, 128 Mamba heads of 64, state 128, 8 groups. Read by
+# benchmark/gpu/real_shapes.py (the real-shape slices), which keeps every per-layer shape and cuts layers.
+NEMOTRON_H_8B_BASE_8K = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attention_head_dim": 128,
+    "bos_token_id": 1,
+    "chunk_size": 128,
+    "conv_kernel": 4,
+    "eos_token_id": 2,
+    "expand": 2,
+    "hidden_act": "relu2",
+    "hidden_dropout": 0.0,
+    "hidden_size": 4096,
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    "initializer_range": 0.02,
+    "intermediate_size": 21504,
+    "layer_norm_epsilon": 1e-05,
+    "mamba_head_dim": 64,
+    "mamba_hidden_act": "silu",
+    "mamba_num_heads": 128,
+    "mamba_proj_bias": False,
+    "max_position_embeddings": 8192,
+    "mlp_bias": False,
+    "mlp_hidden_act": "relu2",
+    "n_groups": 8,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 52,
+    "num_key_value_heads": 8,
+    "num_logits_to_keep": 1,
+    "pad_token_id": 0,
+    "rescale_prenorm_residual": True,
+    "residual_in_fp32": False,
+    "rms_norm_eps": 1e-05,
+    "ssm_state_size": 128,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_bias": False,
+    "use_cache": True,
+    "use_conv_bias": True,
+    "use_mamba_kernels": True,
+    "vocab_size": 131072,
+}
+
+# Qwen/Qwen3.5-35B-A3B: its config.json was not among the stored sources. The text model's fields come
+# from THUDM/slime scripts/models/qwen3.5-35B-A3B.sh (found with the search tool: 40 layers, hidden 2048,
+# 16 query heads, 2 KV groups, kv-channels 256, rotary 0.25, rope base 10,000,000, vocabulary 248,320,
+# untied embeddings, gated attention output, 256 experts top-8 of width 512, a 512-wide gated shared
+# expert, linear attention every 4th layer full, 16 key / 32 value linear heads of 128, conv 4); the
+# layout (multimodal, the language model under text_config) and the family's fields (mRoPE [11, 11, 10]
+# interleaved, 262,144 positions, norm eps 1e-6) as for QWEN3_5_27B above. The vision tower is not
+# loaded here and not recorded.
+QWEN3_5_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_5_moe_text",
+        "attention_bias": False,
+        "dtype": "bfloat16",
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "layer_types": _QWEN3_NEXT_LAYER_TYPES * 10,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "moe_intermediate_size": 512,
+        "num_attention_heads": 16,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False,
+        "vocab_size": 248320,
+    },
+}

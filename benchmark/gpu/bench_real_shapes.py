@@ -1,0 +1,328 @@
+"""Decode and prefill at real model shapes (issue 55, item 1): slices of Qwen3-Next-80B-A3B, Nemotron-H-8B
+and Qwen3.5-35B-A3B with every per-layer shape real and few layers (`real_shapes.py`), on the model runner
+with the server's defaults (CUDA graphs on, chunked prefill as the server sizes it), against the floor of
+each step, and the full models' numbers by layer count.
+
+    python benchmark/gpu/bench_real_shapes.py --models qwen3-next-80b --out $OUT   # GPU, ~2-3 min a model
+    python benchmark/gpu/bench_real_shapes.py --device cpu --tiny                  # CPU check, seconds
+    python benchmark/gpu/bench_real_shapes.py --dry-run                            # the floors only, no run
+
+Per model: the slice is written (bfloat16, built on the GPU; `--ckpt-dir` keeps it for the next run) and
+loaded by `ModelRunner`. Decode, at batch 1 / 8 / 64 / 256: each request prefilled with `--prompt-len`
+tokens, 3 untimed steps, then the median wall time of `--steps` steps (each ends in the read of the
+sampled ids, as the server's does; no logprobs). Its floor: the bytes the step must move
+(`real_shapes.decode_floor_bytes`: every weight but the embedding, the lm_head, the experts the batch
+touches under uniform routing, each request's state read and written, its KV read) over the GPU's HBM
+bandwidth (H200 4.8 TB/s, H100 3.35 TB/s by the device's name, or `--bandwidth-tbs`); the share is floor
+/ step. Prefill, one prompt of 8,192 and of 32,768 tokens (in the server's chunks; none longer than
+the model's context: Nemotron-H-8B-Base-8K's is 8,192, so its 32k row says skipped), one untimed run,
+then the median of `--reps`: tokens/s and its share of the dense bf16 peak (989 TFLOP/s on an H100 or
+H200, the spec sheets' dense figure, or `--peak-tflops`) with FLOPs counted from the shapes
+(`real_shapes.prefill_flops_per_token`).
+
+Full model, by layer count (the slice's layer kinds are in the full model's proportions): decode =
+(step - lm_head) / slice layers x full layers + lm_head, the lm_head timed alone (one GEMM of the
+batch's hidden states by the vocabulary, `head_ms`); its floor from the same parts at full depth.
+Prefill = slice time x full layers / slice layers (the lm_head reads one row per chunk).
+
+Prints one JSON line per row and a table per model; `--out DIR` also writes DIR/real_shapes.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_shapes as rs  # noqa: E402
+
+_T0 = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _runner(path: Path, device: str, dtype: str, max_bs: int, max_tokens: int):
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=str(path),
+        device=device,
+        dtype=dtype,
+        max_total_tokens=max_tokens,
+        max_mamba_cache_size=max_bs * 2 + 2,
+        max_running_requests=max_bs,
+        random_seed=0,
+    )
+    return ModelRunner(args)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 500, (n,), generator=g).tolist()  # inside every vocabulary, tiny ones too
+
+
+def measure_decode(runner, device: str, batch: int, steps: int, prompt_len: int, chunk: int) -> float:
+    """Median wall seconds of one decode step of `batch` requests."""
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    driver = RunnerDriver(runner)
+    reqs = [driver.new_request() for _ in range(batch)]
+    per = max(1, chunk // prompt_len)
+    for i in range(0, batch, per):
+        group = reqs[i : i + per]
+        driver.extend([Extend(r, _prompt(prompt_len, i + j)) for j, r in enumerate(group)], return_logprob=False)
+    for _ in range(3):
+        driver.decode(reqs, return_logprob=False)
+    _sync(device)
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        driver.decode(reqs, return_logprob=False)  # ends in next_token_ids.tolist()
+        walls.append(time.perf_counter() - t)
+    for r in reqs:
+        driver.free(r)
+    return statistics.median(walls)
+
+
+def measure_prefill(runner, device: str, tokens: int, chunk: int, reps: int) -> float:
+    """Median wall seconds of one prompt of `tokens` tokens, in chunks of `chunk`, after one untimed run."""
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    driver = RunnerDriver(runner)
+    prompt = _prompt(tokens, tokens)
+    times = []
+    for rep in range(reps + 1):
+        req = driver.new_request()
+        _sync(device)
+        t = time.perf_counter()
+        for start in range(0, tokens, chunk):
+            driver.extend([Extend(req, prompt[start : start + chunk])], return_logprob=False)
+        times.append(time.perf_counter() - t)  # the last chunk's sampled id was read: the device is done
+        driver.free(req)
+        progress(f"  prefill {tokens}: {times[-1]:.3f} s" + (" (untimed)" if rep == 0 else ""))
+    return statistics.median(times[1:])
+
+
+def head_ms(hidden: int, vocab: int, batch: int, device: str, dtype: torch.dtype, reps: int = 20) -> float:
+    """One lm_head GEMM at this batch (the part of a step that does not scale with the layers)."""
+    x = torch.randn(batch, hidden, device=device, dtype=dtype)
+    w = torch.randn(vocab, hidden, device=device, dtype=dtype)
+    torch.nn.functional.linear(x, w)
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        torch.nn.functional.linear(x, w)
+    _sync(device)
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def _r(x: float | None, n: int = 4) -> float | None:
+    """`x` to `n` significant digits (the CPU check's floors are microseconds)."""
+    return None if x is None else float(f"{x:.{n}g}")
+
+
+def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
+    spec = rs.SLICES[name]
+    device = args.device
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda or args.dry_run else torch.float32  # the dry run accounts for the GPU's
+    itemsize = dtype.itemsize
+    config = rs.slice_config(name, args.tiny)
+    t = time.perf_counter()
+    path = None
+    if args.dry_run:
+        numels = rs.meta_numels(config)
+    else:
+        path = Path(args.ckpt_dir) / (name + ("-tiny" if args.tiny else ""))
+        if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+            progress(f"{name}: reusing {path}")
+        else:
+            progress(f"{name}: writing the slice to {path}")
+            rs.make_slice(name, path, device=device, tiny=args.tiny)
+        numels = rs.checkpoint_numels(path)
+    make_s = time.perf_counter() - t
+    model, flop_fields = rs.step_model(config, numels, itemsize)
+    full = model.scaled_to(spec.full_layers)
+    head = {"slice": spec.pattern, "slice_layers": spec.slice_layers, "full_layers": spec.full_layers}
+    rows = [
+        {
+            "model": name,
+            "kind": "slice",
+            **head,
+            "params": sum(numels.values()),
+            "weight_gb": _r(sum(numels.values()) * itemsize / 1e9),
+            "bandwidth_tbs": bandwidth / 1e12,
+            "peak_tflops": peak / 1e12,
+            "make_s": round(make_s, 1),
+        }
+    ]
+    runner = None
+    if not args.dry_run:
+        t = time.perf_counter()
+        longest = max([t for t in args.prefill if t <= config.max_position_embeddings], default=0)
+        max_tokens = max(max(args.batches) * (args.prompt_len + args.steps + 8), longest + 64)
+        runner = _runner(path, device, "bfloat16" if cuda else "float32", max(args.batches), max_tokens)
+        rows[0]["load_s"] = round(time.perf_counter() - t, 1)
+        progress(f"{name}: runner ready in {rows[0]['load_s']} s")
+    print(json.dumps(rows[0]), flush=True)
+    chunk = 8192
+    if runner is not None:
+        chunk = runner.server_args.chunked_prefill_size or 0
+        chunk = chunk if chunk > 0 else max(args.prefill)
+    hidden, vocab = config.hidden_size, config.vocab_size
+    context = args.prompt_len + 3 + args.steps // 2  # mean context over the timed steps
+    for batch in args.batches:
+        floor = rs.decode_floor_bytes(model, batch, context)
+        full_floor = rs.decode_floor_bytes(full, batch, context)
+        row = {
+            "model": name,
+            "kind": "decode",
+            "batch": batch,
+            "context": context,
+            "experts_touched": round(floor["experts_touched_per_layer"], 1),
+            "floor_gb": {k: _r(v / 1e9) for k, v in floor.items() if k != "experts_touched_per_layer"},
+            "floor_ms": _r(floor["total"] / bandwidth * 1e3),
+            "full_floor_ms": _r(full_floor["total"] / bandwidth * 1e3),
+        }
+        if runner is not None:
+            step = measure_decode(runner, device, batch, args.steps, args.prompt_len, chunk) * 1e3
+            lm = head_ms(hidden, vocab, batch, device, dtype)
+            full_step = (step - lm) / spec.slice_layers * spec.full_layers + lm
+            row.update(
+                step_ms=_r(step),
+                share=_r(row["floor_ms"] / step),
+                head_ms=_r(lm),
+                full_step_ms=_r(full_step),
+                full_share=_r(row["full_floor_ms"] / full_step),
+            )
+            progress(f"{name}: decode batch {batch}: {step:.3f} ms")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for tokens in args.prefill:
+        flops = rs.prefill_flops_per_token(flop_fields, tokens) * tokens
+        row = {
+            "model": name,
+            "kind": "prefill",
+            "tokens": tokens,
+            "chunk": chunk,
+            "gflop_per_token": _r(flops / tokens / 1e9),
+            "full_gflop_per_token": _r(flops / tokens / 1e9 * spec.full_layers / spec.slice_layers),
+        }
+        if tokens > config.max_position_embeddings:  # the server refuses it (--context-length is capped)
+            row["skipped"] = f"beyond the model's {config.max_position_embeddings}-token context"
+        elif runner is not None:
+            seconds = measure_prefill(runner, device, tokens, chunk, args.reps)
+            full_s = seconds * spec.full_layers / spec.slice_layers
+            row.update(
+                seconds=_r(seconds),
+                tok_s=round(tokens / seconds),
+                tflops=_r(flops / seconds / 1e12),
+                share_peak=_r(flops / seconds / peak),
+                full_seconds=_r(full_s),
+                full_tok_s=round(tokens / full_s),
+            )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if runner is not None:
+        del runner
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows of one model as markdown: decode, then prefill, the full model's numbers beside."""
+    s = rows[0]
+    out = [
+        f"### {s['model']}: slice {s['slice']} ({s['slice_layers']} of {s['full_layers']} layers), "
+        f"{s['params'] / 1e9:.2f}B parameters, {s['weight_gb']} GB",
+        "",
+        "| batch | step | floor | share | experts / layer | full model: step | floor | share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ms = lambda v: "-" if v is None else f"{v:.4g} ms"  # noqa: E731
+    pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
+    for r in rows:
+        if r["kind"] == "decode":
+            out.append(
+                f"| {r['batch']} | {ms(r.get('step_ms'))} | {ms(r['floor_ms'])} | {pct(r.get('share'))} | "
+                f"{r['experts_touched']} | {ms(r.get('full_step_ms'))} | {ms(r['full_floor_ms'])} | "
+                f"{pct(r.get('full_share'))} |"
+            )
+    out += ["", "| prefill tokens | GFLOP/token | time | tokens/s | TFLOP/s | share of peak | full model: time | tokens/s |"]
+    out.append("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["kind"] == "prefill":
+            sec = lambda v: "-" if v is None else f"{v:.3f} s"  # noqa: E731
+            if "skipped" in r:
+                out.append(f"| {r['tokens']} | {r['gflop_per_token']} | skipped: {r['skipped']} |||||")
+                continue
+            out.append(
+                f"| {r['tokens']} | {r['gflop_per_token']} | {sec(r.get('seconds'))} | {r.get('tok_s', '-')} | {r.get('tflops', '-')} | "
+                f"{pct(r.get('share_peak'))} | {sec(r.get('full_seconds'))} | {r.get('full_tok_s', '-')} |"
+            )
+    return "\n".join(out)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(rs.SLICES), help=f"comma-separated: {', '.join(rs.SLICES)}")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="small hidden/experts/vocab, same layer patterns")
+    parser.add_argument("--dry-run", action="store_true", help="the slices' accounting and floors only")
+    parser.add_argument("--batches", type=_ints, default=None, help="default 1,8,64,256 (--tiny: 1,8)")
+    parser.add_argument("--prefill", type=_ints, default=None, help="default 8192,32768 (--tiny: 256,2304: two chunks on a CPU)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--bandwidth-tbs", type=float, help="HBM bandwidth (default: by the device's name)")
+    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak (default: by the device's name)")
+    parser.add_argument("--ckpt-dir", help="keep the slices here and reuse them (default: a temporary folder)")
+    parser.add_argument("--out", help="also write the rows as DIR/real_shapes.json")
+    args = parser.parse_args()
+    unknown = [m for m in args.models.split(",") if m not in rs.SLICES]
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; choose from {list(rs.SLICES)}")
+    args.batches = args.batches or ([1, 8] if args.tiny else [1, 8, 64, 256])
+    args.prefill = args.prefill or ([256, 2304] if args.tiny else [8192, 32768])
+    peaks = rs.device_peaks(torch.cuda.get_device_name()) if args.device == "cuda" else None
+    if peaks is None and not (args.bandwidth_tbs and args.peak_tflops) and args.device == "cuda":
+        parser.error("unknown GPU: pass --bandwidth-tbs and --peak-tflops")
+    peaks = peaks or (rs.DEVICES[1][1], rs.DEVICES[1][2])  # the dry run and the CPU check: the H200's
+    bandwidth = args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else peaks[0]
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peaks[1]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        args.ckpt_dir = args.ckpt_dir or tmp
+        for name in args.models.split(","):
+            rows = run_model(name, args, bandwidth, peak)
+            results += rows
+            print(table(rows) + "\n", flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "real_shapes.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

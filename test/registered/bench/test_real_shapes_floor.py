@@ -1,0 +1,99 @@
+"""The real-shape benchmark's floor model (`benchmark/gpu/real_shapes.py`), by hand-computed cases: the
+experts a batch touches, the bytes a decode step must move, their scaling to the full model's depth, the
+roles of a checkpoint's tensors, the prefill FLOPs per token and the device table. Pure functions: the
+GPU run divides its measurements by these."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "gpu"))
+import real_shapes as rs  # noqa: E402
+
+
+def test_experts_touched_by_hand():
+    # E = 4, k = 2: each expert is missed by one token with chance 1/2, by two with 1/4: 4 * 3/4 = 3.
+    assert rs.experts_touched(4, 2, 2) == pytest.approx(3.0)
+    # One token touches exactly its k; many touch all E.
+    assert rs.experts_touched(512, 10, 1) == pytest.approx(10.0)
+    assert rs.experts_touched(512, 10, 4096) == pytest.approx(512.0)
+    # Qwen3-Next-80B at batch 64 and 256 (the facts file's ~366 and ~508 per layer).
+    assert rs.experts_touched(512, 10, 64) == pytest.approx(367.1, abs=0.1)
+    assert rs.experts_touched(512, 10, 256) == pytest.approx(508.7, abs=0.1)
+
+
+MODEL = rs.StepModel(
+    dense=100, lm_head=50, expert_bytes=10, moe_layers=2, num_experts=4, top_k=2,
+    state_per_req=7, kv_per_token=3, layers=4,
+)  # fmt: skip
+
+
+def test_decode_floor_bytes_by_hand():
+    parts = rs.decode_floor_bytes(MODEL, batch=2, context=5)
+    assert parts["weights"] == 150  # dense + lm_head
+    assert parts["experts"] == pytest.approx(3.0 * 10 * 2)  # 3 experts touched x 10 bytes x 2 layers
+    assert parts["state"] == 2 * 7 * 2  # read and written, 2 requests
+    assert parts["kv"] == 3 * 5 * 2  # 5 tokens of context, 2 requests
+    assert parts["total"] == pytest.approx(150 + 60 + 28 + 30)
+    # A dense model (no MoE layers) moves no expert bytes whatever its expert count says.
+    dense = rs.decode_floor_bytes(rs.StepModel(100, 50, 0, 0, 0, 0, 7, 3, 4), batch=2, context=5)
+    assert dense["experts"] == 0 and dense["total"] == pytest.approx(150 + 28 + 30)
+
+
+def test_scaled_to_full_depth_keeps_the_lm_head_once():
+    full = MODEL.scaled_to(12)  # x 3
+    assert (full.dense, full.lm_head, full.moe_layers, full.state_per_req, full.kv_per_token) == (
+        300, 50, 6, 21, 9
+    )
+    assert (full.expert_bytes, full.num_experts, full.top_k, full.layers) == (10, 4, 2, 12)
+
+
+def test_weight_roles_and_the_safetensors_headers(tmp_path):
+    tensors = {
+        "model.embed_tokens.weight": torch.zeros(10, 4),  # 40
+        "lm_head.weight": torch.zeros(10, 4),  # 40
+        "model.norm.weight": torch.zeros(4),  # 4
+        "model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(3, 4),  # 12, per-expert names
+        "model.layers.0.mlp.experts.1.up_proj.weight": torch.zeros(3, 4),  # 12
+        "model.layers.0.mlp.shared_expert.up_proj.weight": torch.zeros(3, 4),  # 12: dense
+        "model.layers.0.mlp.gate.weight": torch.zeros(2, 4),  # 8: dense
+        "model.layers.1.mlp.experts.gate_up_proj": torch.zeros(2, 6, 4),  # 48, fused
+        "backbone.layers.2.mixer.in_proj.weight": torch.zeros(5, 4),  # 20: Nemotron-H's names
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    numels = rs.checkpoint_numels(tmp_path)
+    assert numels == {k: v.numel() for k, v in tensors.items()}
+    w = rs.weight_bytes(numels, itemsize=2)
+    assert (w.embed, w.lm_head, w.other) == (80, 80, 8)
+    assert w.expert_layers == {0: 48, 1: 96}
+    assert w.dense_layers == {0: 40, 2: 40}
+    assert w.total() == 2 * sum(numels.values())
+    nemotron = rs.weight_bytes({"backbone.embeddings.weight": 6}, itemsize=2)
+    assert nemotron.embed == 12
+
+
+def test_prefill_flops_per_token_by_hand():
+    fields = dict(
+        dense_params=1000, expert_params=10, top_k=2, moe_layers=3, attn_layers=1, q_heads=2, head_dim=4,
+        linear_layers=2, linear_heads=3, dk=4, dv=5, chunk=8,
+    )  # fmt: skip
+    matmul = 2 * (1000 + 3 * 2 * 10)  # 2120
+    attn = 1 * 4 * 2 * 4 * (9 + 1) / 2  # 9 tokens: mean causal context 5 -> 160
+    lin = 2 * 3 * (4 * 4 * 5 + 2 * 8 * (4 + 5))  # 2 * 3 * (80 + 144) = 1344
+    assert rs.prefill_flops_per_token(fields, 9) == pytest.approx(matmul + attn + lin)
+
+
+def test_device_peaks_by_name():
+    assert rs.device_peaks("NVIDIA H200") == (4.8e12, 989e12)
+    assert rs.device_peaks("NVIDIA H100 80GB HBM3") == (3.35e12, 989e12)
+    assert rs.device_peaks("NVIDIA H100 PCIe") == (2.0e12, 756e12)
+    assert rs.device_peaks("Tesla T4") is None

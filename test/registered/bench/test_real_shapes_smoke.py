@@ -1,0 +1,85 @@
+"""The real-shape benchmark end to end on a CPU (`benchmark/gpu/bench_real_shapes.py`): the slice maker
+writes each of the three slices (tiny widths, the real layer patterns), the model runner decodes and
+prefills them, and the rows and tables carry what the GPU run reports, with the extrapolation's
+arithmetic; and the dry run's accounting at the real shapes (no weights) gives the facts file's numbers
+for the Qwen3-Next-80B slice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=60, suite="nightly-cpu")
+
+GPU_BENCH = Path(__file__).resolve().parents[3] / "benchmark" / "gpu"
+
+
+def _run(*args: str) -> tuple[list[dict], str]:
+    proc = subprocess.run(
+        [sys.executable, str(GPU_BENCH / "bench_real_shapes.py"), *args],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return rows, proc.stdout
+
+
+def test_tiny_slices_run_and_report_every_row(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    rows, stdout = _run(
+        "--device", "cpu", "--tiny", "--steps", "2", "--reps", "1", "--ckpt-dir", str(ckpt), "--out", str(out)
+    )
+    assert json.loads((out / "real_shapes.json").read_text()) == rows
+    layers = {"qwen3-next-80b": (4, 48), "nemotron-h-8b": (13, 52), "qwen3.5-35b-a3b": (4, 40)}
+    assert [r["model"] for r in rows if r["kind"] == "slice"] == list(layers)
+    for name, (cut, full) in layers.items():
+        mine = [r for r in rows if r["model"] == name]
+        assert (mine[0]["slice_layers"], mine[0]["full_layers"]) == (cut, full)
+        decode = [r for r in mine if r["kind"] == "decode"]
+        assert [r["batch"] for r in decode] == [1, 8]
+        for r in decode:
+            assert r["step_ms"] > 0 and r["floor_ms"] > 0 and r["head_ms"] > 0
+            assert r["share"] == pytest.approx(r["floor_ms"] / r["step_ms"], rel=2e-3)  # 4 significant digits
+            # The full model: the layers' part of the step times full / slice layers, the lm_head once.
+            expected = (r["step_ms"] - r["head_ms"]) / cut * full + r["head_ms"]
+            assert r["full_step_ms"] == pytest.approx(expected, rel=2e-3)
+            assert r["full_floor_ms"] > r["floor_ms"]
+            assert r["floor_gb"]["total"] == pytest.approx(
+                sum(r["floor_gb"][k] for k in ("weights", "experts", "state", "kv")), rel=2e-3
+            )
+        prefill = [r for r in mine if r["kind"] == "prefill"]
+        assert [r["tokens"] for r in prefill] == [256, 2304]
+        assert all(r["chunk"] == 2048 for r in prefill)  # the CPU server's chunk: 2,304 ran in two
+        for r in prefill:
+            assert r["tok_s"] > 0 and r["tflops"] > 0
+            assert r["full_seconds"] == pytest.approx(r["seconds"] * full / cut, rel=2e-3)
+        assert f"### {name}: slice" in stdout
+    # The written slices keep the layer patterns (transformers' own config names for them).
+    nemo = json.loads((ckpt / "nemotron-h-8b-tiny" / "config.json").read_text())
+    kinds = nemo["layers_block_type"]
+    assert len(kinds) == 13 and kinds.count("full_attention") == 1 and kinds.count("mlp") == 6
+    qwen = json.loads((ckpt / "qwen3-next-80b-tiny" / "config.json").read_text())
+    assert qwen["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert qwen["full_attention_interval"] == 4
+
+
+def test_dry_run_accounts_the_real_80b_slice():
+    """At the real shapes (meta device): 7.21B parameters (the facts file's slice), 10 / 367 / 509
+    experts per layer at batch 1 / 64 / 256, and the weights' floor 0.24 ms at batch 1 at 4.8 TB/s."""
+    rows, stdout = _run("--dry-run", "--models", "qwen3-next-80b,nemotron-h-8b")
+    (qwen,) = [r for r in rows if r["kind"] == "slice" and r["model"] == "qwen3-next-80b"]
+    assert qwen["params"] == pytest.approx(7.21e9, rel=1e-3) and qwen["bandwidth_tbs"] == 4.8
+    decode = {r["batch"]: r for r in rows if r["kind"] == "decode" and r["model"] == "qwen3-next-80b"}
+    assert [decode[b]["experts_touched"] for b in (1, 64, 256)] == [10.0, 367.1, 508.7]
+    assert decode[1]["floor_ms"] == pytest.approx(0.245, abs=0.005)
+    assert "step_ms" not in decode[1]
+    nemo = [r for r in rows if r["model"] == "nemotron-h-8b"]
+    assert nemo[0]["params"] == pytest.approx(2.83e9, rel=1e-2)
+    skipped = [r for r in nemo if r["kind"] == "prefill" and "skipped" in r]
+    assert [r["tokens"] for r in skipped] == [32768]  # past Nemotron-H-8B-Base-8K's 8,192 positions
