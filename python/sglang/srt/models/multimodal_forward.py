@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.multimodal.inputs import pad_tokens, shown_ids
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -97,13 +98,12 @@ class MultimodalForward:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         is_mm = input_ids >= self.vocab_size
         hidden = self.backbone.embed_tokens(input_ids.masked_fill(is_mm, 0))
-        rows, items, tokens = [], [], {}
+        rows, items = [], []
         for i, m in enumerate(mm):
             start, p, n = fb.extend_start_loc_cpu[i], fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
             if m is None:
                 rows.append(positions[start : start + n].expand(3, -1))
                 continue
-            tokens.update(zip(m.pad_values, m.token_ids, strict=True))
             rows.append(m.positions(p, p + n).to(positions.device))
             first, last = m.tokens_before(p), m.tokens_before(p + n)
             if last > first:
@@ -116,12 +116,8 @@ class MultimodalForward:
             hidden[is_mm] = torch.cat(items).to(hidden.dtype)
         # The logits processor scores input tokens by these ids: an image (video) position's is the
         # checkpoint's image (video) token, as the oracle sees it.
-        shown = input_ids.clone()
-        for pad, token in tokens.items():
-            shown[input_ids == pad] = token
-        fb.input_ids = shown
+        tokens = pad_tokens(mm)
+        fb.input_ids = shown_ids(input_ids, tokens)
         if fb.extend_logprob_next_ids_cpu is not None:
-            fb.extend_logprob_next_ids_cpu = [
-                tokens.get(t, t) if t is not None else None for t in fb.extend_logprob_next_ids_cpu
-            ]
+            fb.extend_logprob_next_ids_cpu = shown_ids(fb.extend_logprob_next_ids_cpu, tokens)
         return hidden, torch.cat(rows, dim=1)

@@ -6,7 +6,8 @@ Each item's tokens stand in the prompt as a pseudo token id derived from its con
 upstream's name), not the checkpoint's `<|image_pad|>` / `<|video_pad|>` id: the prefix cache keys on the
 ids, so a cached prefix is reused only by a request whose images and videos are the same, with every
 strategy. Pad values lie above the vocabulary; the model embeds the items at those positions, and the
-ids a reply shows are the checkpoint's tokens again (`MultimodalInputs.shown_ids`).
+ids a reply shows, and those the logits processor scores, are the checkpoint's tokens again: one mapping
+back (`pad_tokens`, `shown_ids`) serves the model and the result processor.
 """
 
 from __future__ import annotations
@@ -63,8 +64,26 @@ class MultimodalInputs:
     def shown_ids(self, ids: list[int]) -> list[int]:
         """`ids` (the request's) with each pad value replaced by its item's checkpoint token, as a client
         sees its prompt (and as transformers' processor writes it)."""
-        tokens = dict(zip(self.pad_values, self.token_ids, strict=True))
+        return shown_ids(ids, pad_tokens([self]))
+
+
+def pad_tokens(items: list[MultimodalInputs | None]) -> dict[int, int]:
+    """Each pad value of `items` (a batch's requests' inputs; None for a request without images) -> its
+    item's checkpoint token (`<|image_pad|>` or `<|video_pad|>`)."""
+    return {p: t for m in items if m is not None for p, t in zip(m.pad_values, m.token_ids, strict=True)}
+
+
+def shown_ids(
+    ids: list[int | None] | torch.Tensor, tokens: dict[int, int]
+) -> list[int | None] | torch.Tensor:
+    """`ids` with each pad value of `tokens` (`pad_tokens`) replaced by its checkpoint token: a list (its
+    Nones kept) or a tensor (a new one)."""
+    if not isinstance(ids, torch.Tensor):
         return [tokens.get(t, t) for t in ids]
+    out = ids.clone()
+    for pad, token in tokens.items():
+        out[ids == pad] = token
+    return out
 
 
 def mrope_positions(
