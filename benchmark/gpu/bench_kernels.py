@@ -393,8 +393,8 @@ def moe_experts(device: str, tiny: bool, reps: int) -> list[dict]:
     tuned tiles where configs/ has them) vs the grouped_mm path as served (`forward_device`: the Triton
     bookkeeping, x gathered, two `torch._grouped_mm`, the activation apart). The floor: the touched
     experts' weights read once at the peak bandwidth (`floor_ms`, each case's `fraction_of_floor`)."""
-    from sglang.srt.layers.moe.experts import RoutedExperts, fused_gemm_table
-    from sglang.srt.layers.moe.fused_moe_triton import fused_experts
+    from sglang.srt.layers.moe.experts import RoutedExperts
+    from sglang.srt.layers.moe.fused_moe_triton import FusedExperts, fused_experts
 
     e, hidden, inter, top_k = (8, 64, 32, 2) if tiny else (512, 2048, 512, 10)
     dtype = torch.float16 if tiny else torch.bfloat16  # the interpreter's bf16 dot is wrong
@@ -405,7 +405,7 @@ def moe_experts(device: str, tiny: bool, reps: int) -> list[dict]:
 
     with envs.SGLANG_CPU_MOE_BACKEND.override("torch"):  # (CPU: the C++ op would store them transposed)
         layer.process_weights_after_loading()  # the Triton bookkeeping on CUDA, as served
-    table = fused_gemm_table(layer.w13, layer.w2)
+    table = FusedExperts(layer).table
     per_expert = (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()
     peak = peak_bandwidth(device)
     rows = []

@@ -42,8 +42,8 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CANDIDATES = [
     MoeGemmConfig(*c)
     for c in (
-        (16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 64, 128, 4, 4),
-        (16, 128, 64, 4, 4), (16, 128, 128, 8, 3), (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+        (16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 64, 128, 4, 4), (16, 128, 64, 4, 4),
+        (16, 128, 128, 8, 3), (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
     )
 ]  # fmt: skip
 TINY = {"tiny": (8, 64, 32, 2)}
@@ -69,7 +69,9 @@ def _gemm_call(gemm: str, x, h, w13, w2, s, n_rows: int, cfg: MoeGemmConfig):
     return lambda: moe_gemm(h, w2, s.offs, n_rows, None, cfg, tile_end)
 
 
-def tune_shape(e: int, hidden: int, inter: int, top_k: int, batches, device: str, reps_ms: int) -> tuple[dict, list]:
+def tune_shape(
+    e: int, hidden: int, inter: int, top_k: int, batches, device: str, reps_ms: int
+) -> tuple[dict, list]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
     g = torch.Generator(device=device).manual_seed(0)
     w13 = (torch.randn(e, 2 * inter, hidden, device=device, generator=g) / hidden**0.5).to(dtype)
@@ -94,7 +96,9 @@ def tune_shape(e: int, hidden: int, inter: int, top_k: int, batches, device: str
                     fn()
                     timings[cfg] = _time(fn, device, reps_ms)
                 except Exception as err:  # noqa: BLE001 - a tile that does not launch here is not a choice
-                    print(f"  {gemm} batch {batch} {tuple(cfg)}: {type(err).__name__}: {err}", file=sys.stderr)
+                    print(
+                        f"  {gemm} batch {batch} {tuple(cfg)}: {type(err).__name__}: {err}", file=sys.stderr
+                    )
             best[gemm] = min(timings, key=timings.get)
             row = {"experts": e, "batch": batch, "gemm": gemm, "touched_experts": touched,
                    "best": tuple(best[gemm]), "best_us": round(timings[best[gemm]] * 1e6, 2),
@@ -112,7 +116,9 @@ def tune_shape(e: int, hidden: int, inter: int, top_k: int, batches, device: str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tiny", action="store_true", help="a tiny shape (a CPU run under TRITON_INTERPRET=1)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a tiny shape (a CPU run under TRITON_INTERPRET=1)"
+    )
     parser.add_argument("--out", required=True, help="folder for the JSON files (and rows.json)")
     parser.add_argument("--rep-ms", type=int, default=10, help="milliseconds of replays per timing")
     args = parser.parse_args()

@@ -49,7 +49,7 @@ def check_layer_runs_fused(monkeypatch, tokens: int, top_k: int, e: int, act: st
     monkeypatch.setattr(ft, "fused_experts", lambda *a: calls.append(a[6]) or real(*a))
     with envs.SGLANG_GPU_MOE_BACKEND.override("triton_fused"), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
         layer.process_weights_after_loading()
-    assert layer.fused_gemms == {}  # no tuned file for "cpu": the fallback tiles
+    assert layer.fused_gemms.table == {}  # no tuned file for "cpu": the fallback tiles
     weights, ids = routing(tokens, top_k, e, seed=tokens)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(3)).half()
     got = layer(x, weights, ids)

@@ -31,7 +31,9 @@ LAYER_CASES = [(1, 2, 4, "silu", True), (9, 3, 8, "silu", True)]
 
 
 @pytest.mark.parametrize("tokens,top_k,e,act,gated", LAYER_CASES, ids=["batch1", "empty-experts"])
-def test_layer_runs_the_fused_gemms_and_agrees_with_torch(interpret, monkeypatch, tokens, top_k, e, act, gated):
+def test_layer_runs_the_fused_gemms_and_agrees_with_torch(
+    interpret, monkeypatch, tokens, top_k, e, act, gated
+):
     """With SGLANG_GPU_MOE_BACKEND=triton_fused the layer's forward runs `fused_experts` (gated silu:
     the activation in w13's epilogue; otherwise the layer's activation between the GEMMs) and equals
     forward_device's padded block within TOL_FP16."""
@@ -53,6 +55,44 @@ def test_other_ep_ranks_assignments_and_tuned_tiles(interpret):
         assert_close_to(got, want, TOL_FP16)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["one-rank", "expert-parallel"])
+def test_the_shared_expert_runs_as_one_more_expert(interpret, masked):
+    """Qwen3-Next's form: a gated silu shared expert of the experts' width with a sigmoid gate, fused at
+    load as expert E of stacks that the parameters become views of (a weight update in place reaches
+    the kernels): the layer's output equals the routed experts' torch path plus sigmoid(gate) x the
+    shared MLP, within TOL_FP16. Under expert parallelism (half the experts here, the rest another
+    rank's: id E after the local assignments) those assignments stay uncomputed past the shared
+    expert."""
+    from sglang.srt.layers.linear import ReplicatedLinear
+    from sglang.srt.layers.mlp import GatedMLP
+
+    e, hidden, inter = 4, 64, 32
+    layer = make_layer(e, hidden, inter, "silu", True)
+    if masked:
+        layer.global_num_experts = 2 * e  # this rank holds experts 0..3 of 8
+    g = torch.Generator().manual_seed(7)
+    mlp = GatedMLP(hidden, inter, "silu", reduce_results=False).half()
+    gate = ReplicatedLinear(hidden, 1, bias=False).half()
+    for p in (*mlp.parameters(), *gate.parameters()):
+        p.data = (torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5).half()
+    with envs.SGLANG_GPU_MOE_BACKEND.override("triton_fused"), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
+        layer.fuse_shared_expert(mlp, gate)
+    stack13, stack2 = layer.fused_gemms.stack
+    assert stack13.shape == (e + 1, 2 * inter, hidden) and stack2.shape == (e + 1, hidden, inter)
+    assert mlp.up_proj.weight.data_ptr() == stack13[e, inter:].data_ptr()
+    assert layer.w2.data_ptr() == stack2.data_ptr()
+    weights, ids = routing(5, 2, layer.global_num_experts, seed=8)
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(9)).half()
+    mlp.down_proj.weight.data.mul_(2)  # an in-place update after the fusion
+
+    def want():
+        w, i = layer._local_assignments(weights, ids) if masked else (weights, ids)
+        shared = mlp(x).float() * torch.sigmoid(gate(x).float())
+        return layer.forward_device(x, w, i, grouped=False).float() + shared
+
+    assert_close_to(layer(x, weights, ids, mlp, gate), want(), TOL_FP16)
+
+
 def test_tuned_tiles_are_looked_up_by_shape_and_gpu(tmp_path):
     """A file named for (E, N, K, dtype, GPU) is read; the nearest batch size's entry serves (the
     smaller on a tie); another shape, dtype or GPU has none (the fallback by mean rows serves); a
@@ -67,8 +107,9 @@ def test_tuned_tiles_are_looked_up_by_shape_and_gpu(tmp_path):
     assert mc.pick_configs(found, 8, 80, 512) == table[1]
     assert mc.pick_configs(found, 33, 330, 512) == table[64]
     assert mc.pick_configs(found, 1000, 10_000, 512) == table[64]
-    for other in ((512, 512, 2048, torch.float16, "NVIDIA_H200"), (512, 512, 2048, torch.bfloat16, "NVIDIA_H100"),
-                  (256, 512, 2048, torch.bfloat16, "NVIDIA_H200")):  # fmt: skip
+    others = [(512, 512, 2048, torch.float16, "NVIDIA_H200"), (512, 512, 2048, torch.bfloat16, "NVIDIA_H100"),
+              (256, 512, 2048, torch.bfloat16, "NVIDIA_H200")]  # fmt: skip
+    for other in others:
         assert mc.tuned_table(*other, str(tmp_path)) is None
     assert mc.pick_configs(None, 1, 10, 512) == (mc.FALLBACK_CONFIGS[0][1],) * 2
     assert mc.pick_configs(None, 8192, 81920, 512) == (mc.FALLBACK_CONFIGS[-1][1],) * 2
@@ -84,14 +125,20 @@ def test_committed_config_files_parse():
         assert path.name.startswith("E=") and ",device_name=" in path.name, path.name
         for cfgs in mc.parse_table(path.read_text(), str(path)).values():
             for cfg in cfgs:
-                assert all(v & (v - 1) == 0 for v in (cfg.block_m, cfg.block_n, cfg.block_k)), (path.name, cfg)
+                assert all(v & (v - 1) == 0 for v in (cfg.block_m, cfg.block_n, cfg.block_k)), (
+                    path.name,
+                    cfg,
+                )
 
 
 def test_a_bad_backend_value_is_one_sentence():
     layer = make_layer(2, 16, 16, "silu", True)
     with envs.SGLANG_GPU_MOE_BACKEND.override("fused"), pytest.raises(ValueError) as err:
         layer.process_weights_after_loading()
-    assert str(err.value) == "SGLANG_GPU_MOE_BACKEND must be one of auto, torch, triton, triton_fused; got 'fused'."
+    assert (
+        str(err.value)
+        == "SGLANG_GPU_MOE_BACKEND must be one of auto, torch, triton, triton_fused; got 'fused'."
+    )
 
 
 @pytest.fixture

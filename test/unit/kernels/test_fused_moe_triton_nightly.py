@@ -37,9 +37,10 @@ def _all_configs() -> list[mc.MoeGemmConfig]:
 SIGNATURE = {
     "a_ptr": "*bf16", "as_ptr": "*bf16", "b_ptr": "*bf16", "bs_ptr": "*bf16", "c_ptr": "*bf16",
     "token_ptr": "*i64", "offs_ptr": "*i32", "tile_end_ptr": "*i32",
-    **{name: "i32" for name in ("N", "K", "a_stride", "AS_COLS", "BS_COLS", "b_expert_stride", "bs_expert_stride")},
-    **{name: "constexpr" for name in ("E", "E_POW2", "GATHER", "SCALE_N", "SCALE_K", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-                                      "FP8", "SILU_MUL")},
+    **{name: "i32" for name in ("N", "K", "a_stride", "AS_COLS", "BS_COLS", "b_expert_stride",
+                                "bs_expert_stride")},
+    **{name: "constexpr" for name in ("E", "E_POW2", "GATHER", "SCALE_N", "SCALE_K", "BLOCK_M", "BLOCK_N",
+                                      "BLOCK_K", "FP8", "SILU_MUL")},
 }  # fmt: skip
 
 
@@ -64,7 +65,9 @@ def test_moe_gemm_bf16_compiles_for_sm90(cfg, gemm):
 
 
 @pytest.mark.parametrize(
-    "tokens,top_k,e,act,gated", [(5, 2, 6, "gelu", True), (4, 2, 4, "relu2", False)], ids=["gated-gelu", "plain-relu2"]
+    "tokens,top_k,e,act,gated",
+    [(5, 2, 6, "gelu", True), (4, 2, 4, "relu2", False)],
+    ids=["gated-gelu", "plain-relu2"],
 )
 def test_other_activations(monkeypatch, tokens, top_k, e, act, gated):
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -58,8 +58,6 @@ CPU_OP_MAX_EXPERT_WEIGHTS = 128 * 1024
 # Qwen3-Next's MoE block (one thread): fused / unfused 24 / 47 us at 1 token, 82 / 94 us at 64, 252 / 241
 # at 256, 489 / 426 at 500.
 CPU_OP_MAX_SHARED_TOKENS = 128
-# The fused Triton GEMMs' dtypes (SGLANG_GPU_MOE_BACKEND=triton_fused).
-FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class RoutedExperts(nn.Module):
@@ -105,9 +103,8 @@ class RoutedExperts(nn.Module):
         self.act_code = CPU_OP_ACTIVATIONS.get(act)
         self.cpu_ops = None  # set by process_weights_after_loading where the C++ op serves this layer
         self.triton = False  # the Triton bookkeeping around the grouped GEMMs (CUDA; set at load)
-        # SGLANG_GPU_MOE_BACKEND=triton_fused: the fused Triton GEMMs serve 16-bit batches (set at load:
-        # their tuned tiles for this shape and GPU, {} where the repository has none).
-        self.fused_gemms: dict | None = None
+        # SGLANG_GPU_MOE_BACKEND=triton_fused: the fused Triton GEMMs serve 16-bit batches (set at load).
+        self.fused_gemms = None
         # Set by fuse_shared_expert: (the shared expert, its gate) and the op's arguments for them.
         self.fused_shared: tuple[nn.Module, nn.Linear | None] | None = None
         self.fused_shared_args: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13t, w2t)
@@ -121,9 +118,11 @@ class RoutedExperts(nn.Module):
             "sglang.srt.layers.moe.dispatch_triton", "sglang.srt.layers.moe.routing_triton",
             "sglang.srt.layers.moe.elementwise_triton", also_triton=("triton_fused",),
         )  # fmt: skip
-        self.fused_gemms = None
-        if self.triton and envs.SGLANG_GPU_MOE_BACKEND.get() == "triton_fused" and not self.fp8:
-            self.fused_gemms = fused_gemm_table(self.w13, self.w2)
+        if self.fused_gemms is None and self.triton and envs.SGLANG_GPU_MOE_BACKEND.get() == "triton_fused":
+            if not self.fp8:  # (imported here: a CPU install may lack triton)
+                from sglang.srt.layers.moe.fused_moe_triton import FusedExperts
+
+                self.fused_gemms = FusedExperts(self)
         if self.fp8:
             return  # the C++ op takes float weights
         ops = cpu_moe_ops(self.w13.device)
@@ -142,6 +141,8 @@ class RoutedExperts(nn.Module):
         stored transposed, [H, R] and [I, H], and its Linear weights become views of them (same values and
         shapes for its torch forward). Where anything differs, the shared expert stays a torch MLP."""
         self.process_weights_after_loading()
+        if self.fused_gemms is not None:
+            self.fused_gemms.fuse_shared(self, mlp, gate)  # the fused GEMMs run it as one more expert
         gated_mlp = hasattr(mlp, "gate_proj")
         linears = [mlp.gate_proj, mlp.up_proj] if gated_mlp else [mlp.up_proj]
         linears.append(mlp.down_proj)
@@ -232,6 +233,8 @@ class RoutedExperts(nn.Module):
             weights, ids = self._local_assignments(weights, ids)
         if self.fp8:
             return self._add_shared(self._routed_fp8(x, weights, ids), x, shared_expert, shared_gate)
+        if self.fused_gemms is not None and self.fused_gemms.serves(self, x):
+            return self.fused_gemms.forward(self, x, weights, ids, shared_expert, shared_gate)
         if masked and self.cpu_op_serves(ids.numel()):
             return self._add_shared(self._cpu_op_local(x, weights, ids), x, shared_expert, shared_gate)
         if self.cpu_op_serves(ids.numel()):
@@ -357,11 +360,6 @@ class RoutedExperts(nn.Module):
         return elementwise_triton
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.fused_gemms is not None and x.dtype == self.w13.dtype and x.dtype in FUSED_DTYPES:
-            from sglang.srt.layers.moe.fused_moe_triton import fused_experts  # a CPU install may lack triton
-
-            silu_mul = self.gated and self.act is F.silu
-            return fused_experts(x, self.w13, self.w2, weights, ids, self._activate, silu_mul, self.fused_gemms)
         small = ids.numel() <= BATCHED_MAX_ASSIGNMENTS
         if x.device.type == "cpu":
             # Decode-size batches: grouped GEMMs, 1.2-1.5x faster than the padded block on CPU (tiny
@@ -466,12 +464,3 @@ class RoutedExperts(nn.Module):
         y = self._mlp(block[:e], self.w13.transpose(1, 2), self.w2.transpose(1, 2))
         return y[local, row]
 
-
-def fused_gemm_table(w13: torch.Tensor, w2: torch.Tensor) -> dict:
-    """The fused GEMMs' tuned tiles for experts of this shape, dtype and GPU (`moe_configs.py`), {} where
-    the repository has none (the fallback then serves)."""
-    from sglang.srt.layers.moe import moe_configs
-
-    e, hidden, inter = w2.shape
-    name = moe_configs.device_name(w13.device)
-    return moe_configs.tuned_table(e, inter, hidden, w13.dtype, name) or {}

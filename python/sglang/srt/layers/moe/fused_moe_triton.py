@@ -18,7 +18,13 @@ separate activation:
    rounding) changes from run to run; the combine's one read of each row keeps the sum deterministic.
 
 The weights need no other layout: w13 [E, 2I, H] and w2 [E, H, I] as loaded are K-contiguous rows, what
-the kernel reads. Tiles: `moe_configs.py` (JSON files per shape and GPU, a fallback elsewhere).
+the kernel reads. Where the layer's shared expert has the routed experts' form and width (Qwen3-Next:
+gated silu, 512 wide, with a sigmoid gate), `FusedExperts` appends it at load as expert E of a stack of
+E + 1 (the parameters become views of it) and every token picks it once more, its weight the gate's
+sigmoid: the shared expert's GEMMs and its gate's product run inside the same two launches and the same
+combine, where apart they take five more launches per layer (most of a decode step's MoE time at batch 1,
+where the routed experts stream ~60 MB). Tiles: `moe_configs.py` (JSON files per shape and GPU, a
+fallback elsewhere).
 On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, for tests; the torch twin is
 `RoutedExperts.forward_device`."""
 
@@ -27,10 +33,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 import triton
+from torch import nn
 
+from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig, _moe_gemm_kernel, tile_map
-from sglang.srt.layers.moe.moe_configs import Table, pick_configs
+from sglang.srt.layers.moe.moe_configs import Table, device_name, pick_configs, tuned_table
 from sglang.srt.layers.moe.sort_combine import combine, sort_by_expert
 from sglang.srt.utils.triton_jit import jit_for_env
 
@@ -52,7 +61,8 @@ def moe_gemm(
     num_experts, n, k = weight.shape
     if a.dtype != weight.dtype or a.shape[-1] != k or a.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError(
-            f"moe_gemm takes a [.., {k}] row-major in the weight's dtype {weight.dtype} and contiguous weights; "
+            f"moe_gemm takes a [.., {k}] row-major in the weight's dtype {weight.dtype} and contiguous "
+            "weights; "
             f"got a {tuple(a.shape)} {a.dtype}."
         )
     if silu_mul:
@@ -96,10 +106,88 @@ def fused_experts(
     sorted_ = sort_by_expert(ids, num_experts, use_triton=True)
     token_of, offs = sorted_.token_of, sorted_.offs
     tile_end13 = tile_map(offs, cfg13.block_m) if rows else None
-    tile_end2 = tile_end13 if cfg2.block_m == cfg13.block_m else (tile_map(offs, cfg2.block_m) if rows else None)
+    tile_end2 = (
+        tile_end13 if cfg2.block_m == cfg13.block_m else (tile_map(offs, cfg2.block_m) if rows else None)
+    )
     x = x if x.stride(-1) == 1 else x.contiguous()
     h = moe_gemm(x, w13, offs, rows, token_of, cfg13, tile_end13, silu_mul=silu_and_mul)
     if not silu_and_mul:
         h = activate(h).contiguous()
     y = moe_gemm(h, w2, offs, rows, None, cfg2, tile_end2)
     return combine(y, sorted_, weights, x.dtype)
+
+
+class FusedExperts:
+    """The fused GEMMs' state for one `RoutedExperts` layer (its `fused_gemms`, set at load): the tuned
+    tiles of its shape on its GPU ({} where the repository has none: the fallback), and, where its
+    shared expert fuses, the stacks with the shared expert appended as expert E."""
+
+    DTYPES = (torch.bfloat16, torch.float16)
+
+    def __init__(self, experts: nn.Module):
+        e, hidden, inter = experts.w2.shape
+        w13 = experts.w13
+        self.table = tuned_table(e, inter, hidden, w13.dtype, device_name(w13.device)) or {}
+        self.silu_mul = experts.gated and experts.act is F.silu
+        self.shared: tuple[nn.Module, nn.Module | None] | None = None  # (the MLP, its gate)
+        self.stack: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) of E + 1 experts
+
+    def serves(self, experts: nn.Module, x: torch.Tensor) -> bool:
+        return x.dtype == experts.w13.dtype and x.dtype in self.DTYPES
+
+    def fuse_shared(self, experts: nn.Module, mlp: nn.Module, gate: nn.Module | None) -> None:
+        """Append `mlp` (and its [1, H] sigmoid `gate`, or None) as expert E where it has the routed
+        experts' form (gated silu, no biases) and this rank's width, dtype and device; else leave it a
+        torch MLP beside them. The stacks replace the parameters' storage (each parameter a view of its
+        part, same shape and values, so weight updates in place reach the kernels)."""
+        if self.shared is not None:
+            if self.shared != (mlp, gate):
+                raise ValueError("This layer's fused experts already run another shared expert.")
+            return
+        w13, w2 = experts.w13.data, experts.w2.data
+        e, rows, _ = w13.shape
+        inter = rows // 2
+        linears = (mlp.gate_proj, mlp.up_proj, mlp.down_proj) if isinstance(mlp, GatedMLP) else ()
+        fits = (
+            self.silu_mul and mlp.act is F.silu and len(linears) == 3
+            and all(lin.bias is None for lin in linears)
+            and (gate is None or getattr(gate, "bias", None) is None)
+            and linears[0].weight.shape == linears[1].weight.shape == (inter, w13.shape[2])
+            and linears[2].weight.shape == w2.shape[1:]
+            and all(lin.weight.dtype == w13.dtype and lin.weight.device == w13.device for lin in linears)
+        )  # fmt: skip
+        if not fits:
+            return
+        stack13 = torch.cat([w13, torch.cat([linears[0].weight.data, linears[1].weight.data])[None]])
+        stack2 = torch.cat([w2, linears[2].weight.data[None]])
+        experts.w13.data, experts.w2.data = stack13[:e], stack2[:e]
+        linears[0].weight.data, linears[1].weight.data = stack13[e, :inter], stack13[e, inter:]
+        linears[2].weight.data = stack2[e]
+        self.stack, self.shared = (stack13, stack2), (mlp, gate)
+
+    def forward(
+        self,
+        experts: nn.Module,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        shared_expert: nn.Module | None,
+        shared_gate: nn.Module | None,
+    ) -> torch.Tensor:
+        """The layer's `forward` on its local `weights` / `ids` (other EP ranks' assignments: id E)."""
+        if self.shared is None or self.shared != (shared_expert, shared_gate):
+            out = fused_experts(
+                x, experts.w13, experts.w2, weights, ids, experts._activate, self.silu_mul, self.table
+            )
+            return experts._add_shared(out, x, shared_expert, shared_gate)
+        e = experts.num_experts
+        if e != experts.global_num_experts:
+            ids = torch.where(ids == e, e + 1, ids)  # other EP ranks' id, past the shared expert's
+        t = x.shape[0]
+        if shared_gate is None:
+            share = torch.ones(t, 1, dtype=torch.float32, device=x.device)
+        else:
+            share = torch.sigmoid(shared_gate(x).float())
+        ids = torch.cat([ids, ids.new_full((t, 1), e)], 1)
+        weights = torch.cat([weights.float(), share], 1)
+        return fused_experts(x, *self.stack, weights, ids, experts._activate, self.silu_mul, self.table)

@@ -57,7 +57,8 @@ def device_name(device: torch.device) -> str:
 
 
 def config_file_name(num_experts: int, inter: int, hidden: int, dtype: torch.dtype, device: str) -> str:
-    return f"E={num_experts},N={inter},K={hidden},device_name={device},dtype={DTYPE_NAMES.get(dtype, dtype)}.json"
+    kind = DTYPE_NAMES.get(dtype, dtype)
+    return f"E={num_experts},N={inter},K={hidden},device_name={device},dtype={kind}.json"
 
 
 def parse_table(text: str, source: str) -> Table:
@@ -85,7 +86,12 @@ def table_to_json(table: Table) -> str:
 
 @functools.cache
 def tuned_table(
-    num_experts: int, inter: int, hidden: int, dtype: torch.dtype, device: str, directory: str = str(CONFIG_DIR)
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: str,
+    directory: str = str(CONFIG_DIR),
 ) -> Table | None:
     """The tuned configurations for this layer shape on `device` (a name from `device_name`), or None
     where the repository has none."""
