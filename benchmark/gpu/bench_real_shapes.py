@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -154,7 +155,12 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
             progress(f"{name}: reusing {path}")
         else:
             progress(f"{name}: writing the slice to {path}")
-            rs.make_slice(name, path, device=device, tiny=args.tiny)
+            partial = path.with_name(path.name + ".partial")  # a run stopped while writing leaves no slice
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
+            rs.make_slice(name, partial, device=device, tiny=args.tiny)
+            partial.rename(path)
+            progress(f"{name}: written in {time.perf_counter() - t:.1f} s")
         numels = rs.checkpoint_numels(path)
     make_s = time.perf_counter() - t
     model, flop_fields = rs.step_model(config, numels, itemsize)

@@ -7,6 +7,7 @@ for the Qwen3-Next-80B slice."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="nightly-cpu")
+register_cpu_ci(est_time=110, suite="nightly-cpu")
 
 GPU_BENCH = Path(__file__).resolve().parents[3] / "benchmark" / "gpu"
 
@@ -83,3 +84,28 @@ def test_dry_run_accounts_the_real_80b_slice():
     assert nemo[0]["params"] == pytest.approx(2.83e9, rel=1e-2)
     skipped = [r for r in nemo if r["kind"] == "prefill" and "skipped" in r]
     assert [r["tokens"] for r in skipped] == [32768]  # past Nemotron-H-8B-Base-8K's 8,192 positions
+
+
+def test_run_gpu_checks_plans_the_real_shape_steps(tmp_path):
+    """`run_gpu_checks.sh real_80b real_35b real_nemotron` under GPU_DRY_RUN: each step's limit fits the
+    deadline, and each command's arguments parse (run here with --dry-run: the floors at real shapes)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "GPU_DRY_RUN": "1", "GPU_DEADLINE_S": "570"}
+    proc = subprocess.run(
+        ["bash", str(GPU_BENCH / "run_gpu_checks.sh"), "real_80b", "real_35b", "real_nemotron"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = [line for line in (out / "summary.txt").read_text().splitlines() if line.startswith("bench ")]
+    assert [line.split(":")[0] for line in plan] == ["bench real_80b", "bench real_35b", "bench real_nemotron"]
+    limits = [int(line.split("would run ")[1].split(" s")[0]) for line in plan]
+    assert sum(limits) <= 570 and limits[0] <= 200  # the 80B step: ~3 minutes
+    root = GPU_BENCH.parents[1]
+    for line in plan:
+        cmd = line.split(" s: ", 1)[1].split()
+        assert cmd[:2] == ["python3", "benchmark/gpu/bench_real_shapes.py"]
+        done = subprocess.run(
+            [sys.executable, *cmd[1:], "--dry-run"], cwd=root, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert sum(1 for x in done.stdout.splitlines() if x.startswith('{"model"')) == 7  # slice, 4 + 2 rows
