@@ -166,6 +166,21 @@ def test_a_device_move_leaves_the_shared_sampling_info_alone():
     assert batches[1].req_pool_indices.device.type == "cpu"  # the shared row tensors too
 
 
+def test_a_sampling_info_already_on_the_device_is_not_moved_again():
+    """The MTP draft steps of a verify share one sampling info, moved to the device once
+    (`MtpDraftRunner.draft_steps`); each step's batch moves its other tensors and leaves it as it is
+    (before, every step packed and uploaded it again)."""
+    from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
+
+    info = SamplingBatchInfo.create([0.5, 0.0], top_ks=[3, -1]).map_tensors(lambda t: t.to("meta"))
+    fb = ForwardBatch.create(ForwardMode.DECODE, input_ids=[5, 6], req_pool_indices=[0, 1], seq_lens=[4, 4],
+                             out_cache_loc=[7, 8], mamba_pool_indices=[0, 1], sampling_info=info)  # fmt: skip
+    fb.to_device("meta")
+    assert fb.input_ids.is_meta  # (the batch's own tensors moved)
+    for name in SamplingBatchInfo.TENSOR_FIELDS:
+        assert getattr(fb.sampling_info, name) is getattr(info, name), name
+
+
 def test_requests_that_sample_alike_share_one_sampling_info():
     """A batch whose requests all sample alike reuses the sampling info of an earlier batch of the same
     size and settings; one request with other settings makes the batch build its own, row by row."""

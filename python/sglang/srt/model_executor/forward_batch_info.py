@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, auto
 from typing import Any
@@ -124,16 +124,20 @@ class SamplingBatchInfo:
 
     TENSOR_FIELDS = ("temperatures", "top_ps", "top_ks", "min_ps", "seed_bits", "has_seed")
 
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingBatchInfo:
+        """A copy whose per-row tensors are `fn` of this one's (rows taken, moved to a device)."""
+        mapped = {name: fn(t) for name in self.TENSOR_FIELDS if (t := getattr(self, name)) is not None}
+        return dataclasses.replace(self, **mapped)
+
     def repeat_rows(self, counts: Sequence[int]) -> SamplingBatchInfo:
         """Row i `counts[i]` times in a row (a verify samples every position of a request alike); the
         host tensors must not have moved yet."""
         index = host_int64([i for i, n in enumerate(counts) for _ in range(n)])
-        taken = {
-            name: t.index_select(0, index)
-            for name in self.TENSOR_FIELDS
-            if (t := getattr(self, name)) is not None
-        }
-        return dataclasses.replace(self, **taken)
+        return self.map_tensors(lambda t: t.index_select(0, index))
+
+
+def _on(t: torch.Tensor | None, device: torch.device) -> bool:
+    return t is not None and t.device.type == device.type
 
 
 def _sort_width(top_ps: list[float], top_ks: list[int]) -> int:
@@ -278,7 +282,8 @@ class ForwardBatch:
         # The sampling info gets a copy of its own first: batches of the same requests share one.
         info = self.sampling_info = dataclasses.replace(self.sampling_info)
         owners = [(self, name) for name in self.TENSOR_FIELDS]
-        owners += [(info, name) for name in SamplingBatchInfo.TENSOR_FIELDS]
+        # (An info already on the device, as the MTP draft steps share one per verify, stays as it is.)
+        owners += [(info, name) for name in SamplingBatchInfo.TENSOR_FIELDS if not _on(getattr(info, name), device)]
         for extra in (self.penalties, self.vocab_mask, self.custom_logit):
             if extra is not None:
                 owners += [(extra, name) for name in extra.TENSOR_FIELDS]

@@ -118,10 +118,12 @@ class MtpDraftRunner:
         distributions [bs, k, vocab] on the device. Runs on the forward stream."""
         runner, stash = self.runner, self.stash
         with torch.inference_mode():
-            rows = host_int64(plan.rows).to(stash.hidden.device)
-            info = plan.sampling_info
+            device = stash.hidden.device
+            rows = host_int64(plan.rows).to(device)
+            # Uploaded once for the k steps (each step's batch leaves an info on the device as it is).
+            info = plan.sampling_info.map_tensors(lambda t: t.to(device, non_blocking=True))
             g = stash.hidden[rows]
-            tokens, first_probs = self._sample(self._logits(g), _on_device(info, g.device))
+            tokens, first_probs = self._sample(self._logits(g), info)
             drafts = [tokens]
             probs = None if first_probs is None else [first_probs]
             for j in range(plan.steps - 1):
@@ -140,7 +142,7 @@ class MtpDraftRunner:
                 runner._rewrite_req_to_token(fb)
                 runner.write_new_token_slots(fb)
                 g = self._run(fb, tokens, g)
-                tokens, step_probs = self._sample(self._logits(g), fb.sampling_info)
+                tokens, step_probs = self._sample(self._logits(g), info)
                 drafts.append(tokens)
                 if probs is not None:
                     probs.append(step_probs)
@@ -229,7 +231,7 @@ class MtpHook:
         """The drafted positions' tokens under rejection sampling (module docstring)."""
         device = logits.device
         rows = host_int64([s + t for s in starts for t in range(k)]).to(device)
-        info = _rows_tensor(fb.sampling_info, rows)
+        info = fb.sampling_info.map_tensors(lambda t: t.index_select(0, rows))
         p = draft_probs(logits.float()[rows], info)
         q = self.draft_probs.reshape(len(rows), -1)
         drafts = fb.input_ids[rows + 1]
@@ -246,21 +248,3 @@ class MtpHook:
         out = ids.clone()
         out[rows] = torch.where(sampling, chosen, ids[rows])
         return out
-
-
-def _on_device(info: SamplingBatchInfo, device: torch.device) -> SamplingBatchInfo:
-    moved = {
-        name: t.to(device, non_blocking=True)
-        for name in SamplingBatchInfo.TENSOR_FIELDS
-        if (t := getattr(info, name)) is not None
-    }
-    return SamplingBatchInfo(**{**info.__dict__, **moved})
-
-
-def _rows_tensor(info: SamplingBatchInfo, rows: torch.Tensor) -> SamplingBatchInfo:
-    taken = {
-        name: t.index_select(0, rows)
-        for name in SamplingBatchInfo.TENSOR_FIELDS
-        if (t := getattr(info, name)) is not None
-    }
-    return SamplingBatchInfo(**{**info.__dict__, **taken})
