@@ -9,6 +9,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The full accounting walk whenever a scheduler goes idle, in-process and in every server the tests
 # start (production runs the O(1) count check instead).
 os.environ.setdefault("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "1")
+# Under TP the ranks compare every step's sampled tokens (`model_runner.agree_on_tokens`).
+os.environ.setdefault("SGLANG_ENABLE_STRICT_TP_TOKEN_CHECK", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -159,8 +159,9 @@ class Envs:
     SGLANG_GPU_ROPE_BACKEND = EnvStr("auto", "GPU rotary embedding: auto, torch or triton.")
     # MoE on a GPU, the same choices: Qwen3-Next's softmax top-k in one Triton launch
     # (layers/moe/routing_triton.py) and the token bookkeeping around the grouped GEMMs in three
-    # (layers/moe/dispatch_triton.py).
-    SGLANG_GPU_MOE_BACKEND = EnvStr("auto", "GPU MoE routing and dispatch: auto, torch or triton.")
+    # (layers/moe/dispatch_triton.py); triton_fused: that, and the bf16 / fp16 experts' GEMMs as fused
+    # Triton grouped GEMMs (layers/moe/fused_moe_triton.py; not the default until a GPU measures it).
+    SGLANG_GPU_MOE_BACKEND = EnvStr("auto", "GPU MoE routing and dispatch: auto, torch, triton or triton_fused.")
     # Routed experts of a block-FP8 checkpoint (or --quantization fp8): auto = kept FP8 on CUDA (1 byte a
     # weight, `fused_moe_fp8_triton.py`), dequantized at load elsewhere; fp8 keeps them FP8 on any device
     # (on CPU the kernels' torch twin runs them: tests); dequantize dequantizes them everywhere.
@@ -279,6 +280,10 @@ class Envs:
     # Tensor parallelism: the ranks take one sampled token per row (upstream's name; on by itself where a
     # grammar or a custom logit processor acts, as those run on each rank's own).
     SYNC_TOKEN_IDS_ACROSS_TP = EnvBool(False, "TP ranks all-reduce each step's sampled tokens (MIN).")
+    # Off in production (one all-reduce per step); the test suite turns it on (test/conftest.py).
+    SGLANG_ENABLE_STRICT_TP_TOKEN_CHECK = EnvBool(
+        False, "TP ranks compare each step's sampled tokens and all stop, naming the row, where they differ."
+    )
 
     def all(self) -> list[EnvVar]:
         return [v for v in vars(type(self)).values() if isinstance(v, EnvVar)]

@@ -53,7 +53,8 @@ def _sampled_tokens(rank: int) -> dict[str, Any]:
 
     from sglang.srt.model_executor.model_runner import agree_on_tokens
 
-    os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "0"
+    os.environ["SGLANG_ENABLE_STRICT_TP_TOKEN_CHECK"] = "0"
+    os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"  # (not this check's switch)
     ids = torch.tensor([5, 7 + rank])
     plain = SimpleNamespace(vocab_mask=None, custom_logit=None)
     grammar = SimpleNamespace(vocab_mask=torch.ones(2, 1), custom_logit=None)
@@ -61,7 +62,7 @@ def _sampled_tokens(rank: int) -> dict[str, Any]:
         "plain": agree_on_tokens(ids, plain).tolist(),
         "grammar": agree_on_tokens(ids, grammar).tolist(),
     }
-    os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"
+    os.environ["SGLANG_ENABLE_STRICT_TP_TOKEN_CHECK"] = "1"
     try:
         agree_on_tokens(ids, plain)
         out["strict"] = None
