@@ -5,13 +5,17 @@ shapes, timed round-robin (medians; `ms` the device time, `ms_with_launch` with 
     python benchmark/gpu/bench_fp8_gemm.py                  # on the GPU machine, ~1-2 min
     python benchmark/gpu/bench_fp8_gemm.py --sweep          # every tile of the config tables at every shape
     TRITON_INTERPRET=1 python benchmark/gpu/bench_fp8_gemm.py --device cpu    # a CPU check of the script
+    python benchmark/gpu/bench_fp8_gemm.py --only dense --decode    # decode M only: split-K or not
 
 Rows:
-- dense: each of the 80B's projections (N x K) at decode M 1 / 16 / 64 / 256 and prefill M 8,192: the
-  FP8 GEMM on pre-quantized activations (`fp8`), with the activation quantization (`fp8+quant`, as a
-  layer runs it) and `a @ w.T` in bfloat16 (`bf16`); TFLOP/s and the share of the GPU's dense FP8 peak
-  (issue 53's target at prefill shapes: >= 60 %), and for decode the share of HBM bandwidth the weight
-  bytes reach.
+- dense: each of the 80B's projections (N x K) at decode M 1 / 8 / 16 / 64 / 256 and prefill M 8,192:
+  the FP8 GEMM on pre-quantized activations (`fp8`, the table's config), with the activation
+  quantization (`fp8+quant`, as a layer runs it) and `a @ w.T` in bfloat16 (`bf16`); TFLOP/s and the
+  share of the GPU's dense FP8 peak (issue 53's target at prefill shapes: >= 60 %), and for decode the
+  share of HBM bandwidth the weight bytes reach. At M <= 64 also the table's tile with K split
+  automatically (`fp8 split-k`, `fp8_kernel.split_k_for`) and unsplit (`fp8 unsplit`), and their ratio
+  `split_k_over_unsplit` (above 1: the split is faster): which `GEMM_CONFIGS` rows should split (issue
+  53's decode target: FP8 >= 1.6x bf16 tokens/s at the 80B's shapes).
 - moe: the 80B's routed experts (512 x width 512, top 10, hidden 2,048) through `RoutedExperts` at
   1 / 64 / 256 / 8,192 tokens under uniform random routing: FP8 weights (the FP8 kernels) against the
   same layer in bfloat16 (grouped GEMMs).
@@ -41,7 +45,7 @@ DENSE_SHAPES = [
     ("shared expert gate_up", 1024, 2048), ("shared expert down", 2048, 512),
 ]  # fmt: skip
 TINY_DENSE = [("tiny", 200, 256)]
-DECODE_M, PREFILL_M = (1, 16, 64, 256), 8192
+DECODE_M, PREFILL_M = (1, 8, 16, 64, 256), 8192
 
 
 def _peak_tflops(device: str) -> float | None:
@@ -51,7 +55,7 @@ def _peak_tflops(device: str) -> float | None:
     return next((p for key, p in PEAK_FP8_TFLOPS.items() if key in name), None)
 
 
-def dense_rows(device: str, tiny: bool, reps: int, sweep: bool) -> list[dict]:
+def dense_rows(device: str, tiny: bool, reps: int, sweep: bool, decode_only: bool = False) -> list[dict]:
     from sglang.srt.layers.quantization import fp8_kernel as fk
 
     peak, bandwidth = _peak_tflops(device), peak_bandwidth(device)
@@ -60,7 +64,7 @@ def dense_rows(device: str, tiny: bool, reps: int, sweep: bool) -> list[dict]:
         w_bf16 = (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
         w_scale = torch.ones(-(-n // 128), -(-k // 128), device=device) / 64
         w = (w_bf16.float() * 64).to(fk.FP8_DTYPE)
-        for m in (1, 5) if tiny else (*DECODE_M, PREFILL_M):
+        for m in (1, 5) if tiny else DECODE_M if decode_only else (*DECODE_M, PREFILL_M):
             a = torch.randn(m, k, device=device).to(torch.bfloat16)
             aq, a_s = fk.per_token_group_quant_fp8(a)
             gemm = partial(fk.w8a8_block_fp8_matmul, weight=w, weight_scale_inv=w_scale)
@@ -69,9 +73,13 @@ def dense_rows(device: str, tiny: bool, reps: int, sweep: bool) -> list[dict]:
                 "fp8+quant": partial(gemm, a),
                 "bf16": partial(torch.matmul, a, w_bf16.t()),
             }
+            if m <= 64:
+                table = fk.gemm_config(m)
+                for label, split in (("fp8 split-k", 0), ("fp8 unsplit", 1)):
+                    cases[label] = partial(gemm, aq, a_scale=a_s, config=table._replace(split_k=split))
             if sweep:
                 for _, cfg in fk.GEMM_CONFIGS:
-                    label = f"fp8 {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+                    label = f"fp8 {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k}"
                     cases[label] = partial(gemm, aq, a_scale=a_s, config=cfg)
             times = round_robin(cases, device, reps)
             flops = 2 * m * n * k
@@ -82,7 +90,10 @@ def dense_rows(device: str, tiny: bool, reps: int, sweep: bool) -> list[dict]:
                 "tflops": {c: round(flops / t / 1e12, 1) for c, t in times.device.items()},
                 "fp8_over_bf16": round(times.device["bf16"] / times.device["fp8"], 2),
                 "config": fk.gemm_config(m)._asdict(),
+                "k_split": fk.split_k_for(fk.gemm_config(m)._replace(split_k=0), m, n, k, a.device),
             }  # fmt: skip
+            if "fp8 split-k" in times.device:
+                row["split_k_over_unsplit"] = round(times.device["fp8 unsplit"] / times.device["fp8 split-k"], 2)
             if peak:
                 row["share_of_fp8_peak"] = round(flops / times.device["fp8"] / 1e12 / peak, 3)
             if bandwidth and m <= 256:
@@ -147,11 +158,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="every tile of the config tables")
     parser.add_argument("--only", choices=("dense", "moe"), default=None)
+    parser.add_argument("--decode", action="store_true", help="dense rows at decode M only (no prefill)")
     args = parser.parse_args(argv)
     tiny = args.tiny or args.device == "cpu"
     torch.manual_seed(0)
     if args.only != "moe":
-        for row in dense_rows(args.device, tiny, args.reps, args.sweep):
+        for row in dense_rows(args.device, tiny, args.reps, args.sweep, args.decode):
             print(json.dumps(row), flush=True)
     if args.only != "dense":
         for row in moe_rows(args.device, tiny, args.reps, args.sweep):

@@ -12,7 +12,7 @@ from sglang.srt.layers.quantization import fp8_kernel as fk
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.sm90 import compile_sm90_in_registers
 
-register_cpu_ci(est_time=18, suite="per-commit-cpu")
+register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
 SHAPES = [(64, 64), (200, 200), (256, 128), (128, 256)]  # (N, K): whole and partial 128-blocks
 # How far the kernel's sums may be from the twin's, as a fraction of the sum of the terms' magnitudes.
@@ -143,6 +143,19 @@ def test_grouped_program_order_covers_every_tile(interpret):
     assert ((got.double() - want.double()).abs() <= SUM_TOL["cpu"] * magnitude).all()
 
 
+def test_split_k_by_shape():
+    """Decode's automatic split at the 80B's shapes (K 2,048: 16 blocks), for ~2 programs per SM of the
+    H200's 132: N 2,048 (32 tiles) in 8 parts of 256 columns, N 512 (8 tiles) and N 64 (one tile) one
+    block per part, N 12,288 (192 tiles) in 2; M above 16 is not split; a part is whole blocks."""
+    cfg = fk.gemm_config(1)
+    cpu = torch.device("cpu")
+    assert [fk.split_k_for(cfg, 1, n, 2048, cpu) for n in (2048, 512, 64, 12288)] == [256, 128, 128, 1024]
+    assert fk.split_k_for(cfg, 16, 2048, 4096, cpu) == 512
+    assert fk.split_k_for(fk.gemm_config(17), 17, 2048, 2048, cpu) == 0
+    assert fk.split_k_for(cfg._replace(split_k=1), 1, 2048, 2048, cpu) == 0
+    assert fk.split_k_for(cfg._replace(split_k=64), 1, 64, 300, cpu) == 128  # (at most one part a block)
+
+
 def test_the_config_table_covers_every_m():
     assert fk.gemm_config(1).block_m == 16 and fk.gemm_config(8192).block_m == 128
     rows = [cfg for _, cfg in fk.GEMM_CONFIGS]
@@ -261,7 +274,6 @@ def test_the_benchmark_script_runs_its_cpu_check(interpret, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["kernel"] for r in rows] == ["dense tiny", "dense tiny", "moe experts"]
     assert all(ms > 0 for r in rows for ms in r["ms"].values())
-    assert {"fp8", "fp8+quant", "bf16"} <= set(rows[0]["ms"]) and len(rows[0]["ms"]) == 3 + len(
-        fk.GEMM_CONFIGS
-    )
+    assert {"fp8", "fp8+quant", "bf16", "fp8 split-k", "fp8 unsplit"} <= set(rows[0]["ms"])
+    assert len(rows[0]["ms"]) == 5 + len(fk.GEMM_CONFIGS) and rows[0]["split_k_over_unsplit"] > 0
     assert {"fp8", "bf16"} <= set(rows[2]["ms"]) and len(rows[2]["ms"]) > 2

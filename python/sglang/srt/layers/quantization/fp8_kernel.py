@@ -15,7 +15,9 @@ scale = amax / 448 (448: e4m3fn's largest finite value).
   K not multiples of the tile) are masked: out-of-range a columns and b rows load as zeros. Scaling each
   128-long dot's result before adding it to the float32 accumulator also promotes the partial sums out of
   the tensor cores every 128 products: Hopper's FP8 dots keep fewer bits while they accumulate (DeepSeek-V3
-  reports ~14 on the H800 and promotes every 128 for that reason).
+  reports ~14 on the H800 and promotes every 128 for that reason). At decode sizes (M <= 16, the table's
+  first row) K is split over several programs per output tile, whose float32 partial tiles one sum adds
+  (`_gemm_split_k_kernel`, `split_k_for`: the comment above `gemm_config` says why).
 
 Activations are quantized by a separate launch, not inside the GEMM: inside, every N-tile program would
 quantize the same a tile again (N / BLOCK_N times over) on the CUDA cores, whose throughput is ~1/30 of
@@ -30,6 +32,7 @@ elsewhere off CUDA the public functions take their twins.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -49,6 +52,10 @@ class GemmConfig(NamedTuple):
     group_m: int
     num_warps: int
     num_stages: int
+    # K split over this many programs per output tile, their float32 partial sums added after
+    # (`_gemm_split_k_kernel`); 1: no split; 0: as many as bring the grid to ~2 programs per SM
+    # (`split_k_for`).
+    split_k: int = 1
 
 
 # Tiles by shape class, the first whose `max_m` holds M (autotune-free: a server must not time configs at
@@ -62,15 +69,45 @@ class GemmConfig(NamedTuple):
 # row); `benchmark/gpu/bench_fp8_gemm.py --sweep` times every row at every shape on a GPU, which is how
 # this table should be revised.
 GEMM_CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
-    (16, GemmConfig(16, 64, 128, 1, 4, 4)),
+    (16, GemmConfig(16, 64, 128, 1, 4, 4, split_k=0)),
     (64, GemmConfig(64, 64, 128, 4, 4, 4)),
     (256, GemmConfig(64, 128, 128, 8, 4, 4)),
     (1 << 62, GemmConfig(128, 128, 128, 8, 8, 3)),
 )
 
 
+# Decode (M <= 16) splits K (issue 53, review item 6; chosen by reasoning, not yet measured: the benchmark
+# times it against the unsplit tile, `benchmark/gpu/bench_fp8_gemm.py`). Such a GEMM streams the weight
+# once and is bound by HBM bandwidth, which a GPU reaches only with programs on most of its SMs; unsplit,
+# the 16 x 64 tiles give N / 64 programs: 32 at N = 2,048 (the 80B's out_proj / o_proj), 8 at 512 (k / v),
+# 1 at 64, on the H200's 132 SMs. Split K ways, each program streams K / S of its columns and writes its
+# float32 partial tile, and one sum adds the S partials (deterministic, unlike atomics): S * M * N * 4
+# bytes written and read again, 64 KiB at M = 1, N = 2,048, S = 8, against the 4 MiB weight.
+SPLIT_K_PROGRAMS_PER_SM = 2
+_SMS_OFF_CUDA = 132  # (the interpreter: an H200's count, so that the split chosen is the GPU's)
+
+
 def gemm_config(m: int) -> GemmConfig:
     return next(cfg for max_m, cfg in GEMM_CONFIGS if m <= max_m)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _SMS_OFF_CUDA
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device, scale_k: int = BLOCK) -> int:
+    """The K columns each program of a split GEMM takes (whole `scale_k` blocks), or 0: no split (the
+    config's `split_k` is 1, or the split leaves one part)."""
+    k_blocks = -(-k // scale_k)
+    splits = cfg.split_k
+    if splits == 0:
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        splits = -(-SPLIT_K_PROGRAMS_PER_SM * _sm_count(device) // tiles)
+    per_split = -(-k_blocks // max(1, min(splits, k_blocks)))
+    return per_split * scale_k if per_split < k_blocks else 0
 
 
 def _interpreting() -> bool:
@@ -245,6 +282,33 @@ def _gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
 
+def _gemm_split_k_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, p_ptr,
+    M, N, K, K_SPLIT, a_stride, AS_COLS, BS_COLS,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """`_gemm_kernel`'s product over K columns [s * K_SPLIT, (s + 1) * K_SPLIT) for program s of axis 2,
+    its float32 partial tile written to p[s] ([S, M, N]); K_SPLIT is whole SCALE_K blocks, so each
+    split starts at a scale column."""
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_start = split * K_SPLIT
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = k_start + tl.arange(0, BLOCK_K)
+    mm, mn = rm < M, rn < N
+    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
+    a_ptrs = a_ptr + rm64[:, None] * a_stride + rk[None, :]
+    b_ptrs = b_ptr + rn64[None, :] * K + rk[:, None]
+    as_ptrs = as_ptr + rm64 * AS_COLS + k_start // SCALE_K
+    bs_ptrs = bs_ptr + (rn // SCALE_N) * BS_COLS + k_start // SCALE_K
+    acc = (rm[:, None] * 0 + rn[None, :] * 0).to(tl.float32)
+    k_len = tl.minimum(K_SPLIT, K - k_start)
+    acc = block_scaled_dot(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, mm, mn, k_len, SCALE_K, BLOCK_K)
+    p_ptrs = p_ptr + split.to(tl.int64) * M * N + rm64[:, None] * N + rn[None, :]
+    tl.store(p_ptrs, acc, mask=mm[:, None] & mn[None, :])
+
+
 def check_block_operands(weight: torch.Tensor, scale: torch.Tensor, block_size) -> None:
     """The weight and its block scales fit each other (a wrong scale grid would read out of bounds)."""
     bn, bk = block_size
@@ -286,7 +350,19 @@ def w8a8_block_fp8_matmul(
     cfg = config or gemm_config(m)
     assert bk % cfg.block_k == 0 and (cfg.block_n <= bn or cfg.block_n % bn == 0)
     out = torch.empty(m, n, dtype=output_dtype, device=a.device)
-    if m:
+    k_split = split_k_for(cfg, m, n, k, a.device, bk) if m else 0
+    if k_split:
+        splits = -(-k // k_split)
+        partial = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
+        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
+        jit_for_env(_gemm_split_k_kernel)[grid](
+            a2, a_s, weight, weight_scale_inv, partial, m, n, k, k_split, a2.stride(0),
+            a_s.shape[1], weight_scale_inv.shape[1], SCALE_N=bn, SCALE_K=bk,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        out.copy_(partial.sum(0))
+    elif m:
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         jit_for_env(_gemm_kernel)[grid](
             a2, a_s, weight, weight_scale_inv, out, m, n, k, a2.stride(0), out.stride(0),
