@@ -30,7 +30,7 @@ from sglang.srt.entrypoints.http_guard import RequestGuard
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
-from sglang.srt.entrypoints.server_warmup import run_server_warmup
+from sglang.srt.entrypoints.server_warmup import needs_shape_warmup, run_server_warmup, warmup_prompt_lengths
 from sglang.srt.environ import envs
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.metrics.collector import MetricsCollector
@@ -100,7 +100,13 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         await tm.start()
         log_startup(server_args, model_info, await tm.get_internal_state())
         if not server_args.skip_server_warmup:  # before the port listens
-            failure = await run_server_warmup(tm, model_info["context_len"])
+            shapes = None
+            if needs_shape_warmup(server_args):
+                shapes = warmup_prompt_lengths(
+                    server_args.chunked_prefill_size, server_args.max_prefill_tokens,
+                    model_info["max_req_input_len"], model_info["max_total_num_tokens"],
+                )  # fmt: skip
+            failure = await run_server_warmup(tm, model_info["context_len"], shapes, model_info["vocab_size"])
             if failure is not None:
                 logger.error("%s", failure)
                 tm.health.declare(failure)  # the server answers 503 and shuts down (launch_server)

@@ -1,0 +1,117 @@
+"""The shape warm-up (CUDA): the prompt lengths it prefills reach every tile class of the FP8 GEMM and
+the FP8 experts and both sides of Triton's multiple-of-16 specialization, stay within the prompt limit
+and the pool, and run after the warm-up request, one at a time, then several at once, before the cache
+is flushed. No server: a stand-in TokenizerManager records what the warm-up sends."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.entrypoints.server_warmup import (
+    CHUNK_TAIL,
+    CONCURRENT_PROMPT_LEN,
+    CONCURRENT_PROMPTS,
+    needs_shape_warmup,
+    run_server_warmup,
+    warmup_prompt_lengths,
+)
+from sglang.srt.layers.moe.fused_moe_fp8_triton import MOE_GEMM_CONFIGS
+from sglang.srt.layers.quantization.fp8_kernel import GEMM_CONFIGS
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=1, suite="per-commit-cpu")
+
+
+def _class_of(bounds: list[float], value: float) -> int:
+    return next(i for i, bound in enumerate(bounds) if value <= bound)
+
+
+def test_the_lengths_reach_every_tile_class_and_both_specializations():
+    # The H200's server defaults for the 80B: chunks of 8192, a prompt limit of the context (262k).
+    lengths = warmup_prompt_lengths(8192, 16384, 262143, 1_000_000)
+    assert lengths[:4] == [8, 9, 16, 17] and lengths[-2:] == [8192, 8192 + CHUNK_TAIL]
+    # Decode (M <= the largest graph batch) compiles at the graph capture; the prefill M is the prompt's
+    # length (one request per extend) and must meet every class of the GEMM table, as a multiple of 16
+    # and as another number.
+    gemm_bounds = [bound for bound, _ in GEMM_CONFIGS]
+    for aligned in (True, False):
+        met = {_class_of(gemm_bounds, m) for m in lengths if (m % 16 == 0) == aligned}
+        assert met == set(range(len(gemm_bounds))), (aligned, met)
+    # The experts' tiles by mean rows per expert, at the 80B's 512 experts, top 10, and a small MoE's.
+    moe_bounds = [bound for bound, _ in MOE_GEMM_CONFIGS]
+    for experts, top_k in ((512, 10), (64, 8), (16, 2)):
+        met = {_class_of(moe_bounds, m * top_k / experts) for m in lengths}
+        assert met == set(range(len(moe_bounds))), (experts, top_k, met)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "max_prefill", "max_input", "pool", "top", "longest"),
+    [
+        (8192, 16384, 262143, 1_000_000, 8192, 8192 + CHUNK_TAIL),  # a chunk and a second one on it
+        (-1, 16384, 262143, 1_000_000, 16384, 16384),  # no chunking: the largest prefill, no tail
+        (8192, 16384, 1000, 1_000_000, 1000, 1000),  # the prompt limit
+        (8192, 16384, 262143, 3000, 2999, 2999),  # the pool, with room for one new token
+        (4096, 16384, 4100, 1_000_000, 4096, 4100),  # a tail cut to the prompt limit
+    ],
+)
+def test_the_lengths_stay_within_the_limits(chunk, max_prefill, max_input, pool, top, longest):
+    lengths = warmup_prompt_lengths(chunk, max_prefill, max_input, pool)
+    assert lengths == sorted(set(lengths)) and lengths[-1] == longest
+    assert top in lengths and all(n <= top for n in lengths[:-1])
+
+
+def test_a_tiny_pool_gets_no_lengths_below_one():
+    assert warmup_prompt_lengths(8192, 16384, 262143, 1) == []
+    assert warmup_prompt_lengths(8192, 16384, 262143, 12) == [8, 9, 11]
+
+
+def test_only_cuda_warms_shapes():
+    assert needs_shape_warmup(SimpleNamespace(device="cuda"))
+    assert needs_shape_warmup(SimpleNamespace(device="cuda:1"))
+    assert not needs_shape_warmup(SimpleNamespace(device="cpu"))
+
+
+class _StandInTokenizerManager:
+    tokenizer = None
+    limits = SimpleNamespace(vocab_size=1000)
+
+    def __init__(self):
+        self.sent: list[tuple[list[int], int]] = []  # (ids, max_new_tokens)
+        self.in_flight = self.most_in_flight = 0
+        self.flushed_after: int | None = None
+
+    async def generate_request(self, obj):
+        self.sent.append((obj.input_ids, obj.sampling_params["max_new_tokens"]))
+        assert obj.log_metrics is False and self.flushed_after is None
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.001)
+        self.in_flight -= 1
+        yield {"output_ids": [0] * obj.sampling_params["max_new_tokens"]}
+
+    async def flush_cache(self):
+        self.flushed_after = len(self.sent)
+        return SimpleNamespace(success=True)
+
+
+def test_the_shape_warmup_runs_each_length_alone_then_several_at_once_then_flushes():
+    tm = _StandInTokenizerManager()
+    lengths = [16, 17, 32, 33, 40]
+    assert asyncio.run(run_server_warmup(tm, 4096, lengths, vocab_size=50)) is None
+    first, *shapes = tm.sent
+    assert len(first[0]) == 6  # the warm-up request (ids, as with --skip-tokenizer-init)
+    assert [len(ids) for ids, _ in shapes[: len(lengths)]] == lengths
+    assert [len(ids) for ids, _ in shapes[len(lengths) :]] == [CONCURRENT_PROMPT_LEN] * CONCURRENT_PROMPTS
+    assert tm.most_in_flight == CONCURRENT_PROMPTS
+    assert all(0 <= i < 50 for ids, _ in shapes for i in ids)
+    assert len({tuple(ids[:16]) for ids, _ in shapes}) == len(shapes)  # no prompt another's prefix
+    assert tm.flushed_after == len(tm.sent)
+
+
+def test_without_shapes_only_the_warmup_request_runs():
+    tm = _StandInTokenizerManager()
+    assert asyncio.run(run_server_warmup(tm, 4096)) is None
+    assert len(tm.sent) == 1 and tm.most_in_flight == 1 and tm.flushed_after == 1
