@@ -37,15 +37,7 @@ SHAPES = {
     "qwen3.5-35b-a3b": (256, 2048, 512, 8),
 }
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Decode moves the touched experts' weights: 16-row tiles with more or fewer columns and K steps, and
-# two taller tiles for the batches of several rows per expert. (block_m, block_n, block_k, warps, stages)
-CANDIDATES = [
-    MoeGemmConfig(*c)
-    for c in (
-        (16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 64, 128, 4, 4), (16, 128, 64, 4, 4),
-        (16, 128, 128, 8, 3), (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
-    )
-]  # fmt: skip
+CANDIDATES = mc.TUNE_CANDIDATES
 TINY = {"tiny": (8, 64, 32, 2)}
 
 

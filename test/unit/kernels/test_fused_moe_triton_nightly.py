@@ -1,8 +1,8 @@
 """The fused 16-bit MoE GEMMs (layers/moe/fused_moe_triton.py), the slower checks: every tile of the
-fallback table and of the committed tuned files compiled for sm_90 as both GEMMs launch it (w13: rows
+fallback table, of the tuning script's candidates and of the committed tuned files compiled for sm_90 as both GEMMs launch it (w13: rows
 gathered by token, silu(gate) * up in the epilogue; w2: sorted rows), pipelined, without spills; and the
 layer's non-silu activations (applied between the GEMMs) under `TRITON_INTERPRET=1`; the CPU checks of
-the tuning script and of bench_kernels.py's MoE rows."""
+the tuning script and of bench_kernels.py's MoE rows; the tiny Qwen3-Next in float16 through them."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ GPU_BENCH = Path(__file__).resolve().parents[3] / "benchmark" / "gpu"
 
 
 def _all_configs() -> list[mc.MoeGemmConfig]:
-    configs = {cfg for _, cfg in mc.FALLBACK_CONFIGS}
+    configs = {cfg for _, cfg in mc.FALLBACK_CONFIGS} | set(mc.TUNE_CANDIDATES)
     for path in sorted(mc.CONFIG_DIR.glob("*.json")):
         for pair in mc.parse_table(path.read_text(), str(path)).values():
             configs.update(pair)
@@ -105,3 +105,27 @@ def test_bench_kernels_moe_rows():
         assert set(r["ms"]) == {"ours (fused Triton GEMMs)", "grouped_mm path (forward_device)"}
         assert all(ms > 0 for ms in r["ms"].values())
         assert r["max_abs_diff_over_max"] < TOL_FP16
+
+
+def test_engine_through_the_fused_gemms_as_through_the_torch_form(monkeypatch):
+    """tiny-qwen3-next in float16, prefill then 4 greedy decode steps of 2 requests, with
+    SGLANG_GPU_MOE_BACKEND=triton_fused (interpreted; every MoE layer's shared expert stacked into the
+    fused GEMMs at load) and =torch: the same tokens, logprobs within 0.03. Measured 0.0078 apart (the
+    float16 model rounds each path's sums differently through 4 layers); 0.03 is ~4x that, below what a
+    wrong expert or shared-expert weight moves them."""
+    from sglang.srt.environ import envs
+    from sglang.srt.layers.moe.experts import RoutedExperts
+    from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runs = []
+    for backend in ("triton_fused", "torch"):
+        with envs.SGLANG_GPU_MOE_BACKEND.override(backend), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
+            runner = make_runner("tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer", dtype="float16")
+        experts = [m for m in runner.model.modules() if isinstance(m, RoutedExperts)]
+        fused = [m.fused_gemms is not None and m.fused_gemms.stack is not None for m in experts]
+        assert experts and fused == [backend == "triton_fused"] * len(experts)
+        runs.append(greedy_tokens_and_logprobs(runner, (17, 26), steps=4))
+    (tok_a, lp_a), (tok_b, lp_b) = runs
+    assert tok_a == tok_b
+    torch.testing.assert_close(torch.as_tensor(lp_a), torch.as_tensor(lp_b), rtol=0, atol=0.03)

@@ -40,6 +40,18 @@ FALLBACK_CONFIGS: tuple[tuple[float, MoeGemmConfig], ...] = (
     (float("inf"), MoeGemmConfig(64, 128, 64, 4, 3)),
 )
 
+# The tiles `benchmark/gpu/tune_fused_moe.py` times (kept here so the nightly sm_90 check compiles each
+# one a GPU run may pick): decode moves the touched experts' weights, so 16-row tiles with more or fewer
+# columns and K steps, and two taller tiles for batches of several rows per expert. (block_m, block_n,
+# block_k, warps, stages)
+TUNE_CANDIDATES = [
+    MoeGemmConfig(*c)
+    for c in (
+        (16, 32, 128, 4, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 64, 128, 4, 4), (16, 128, 64, 4, 4),
+        (16, 128, 128, 8, 3), (32, 64, 128, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+    )
+]  # fmt: skip
+
 Table = dict[int, tuple[MoeGemmConfig, MoeGemmConfig]]
 
 
