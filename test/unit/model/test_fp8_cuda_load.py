@@ -2,7 +2,8 @@
 layout argument): its FP8 linears hold the checkpoint's FP8 bytes and block scales as published, not a
 requantization of the dequantized weight; under tensor parallelism each rank holds its part of both, a
 fused projection's pieces each split with their scales; a model's split of a fused checkpoint tensor
-keeps the bytes where the split falls on the block grid."""
+keeps the bytes where the split falls on the block grid. Also (item 3): `load_model` fills the model the
+memory planner counted, built on the meta device once."""
 
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ from sglang.srt.layers.quantization.fp8_kernel import (
     per_token_group_quant_fp8_torch,
     w8a8_block_fp8_matmul_torch,
 )
-from sglang.srt.mem_cache.weight_bytes import planned_parallel
+from sglang.srt.mem_cache.weight_bytes import planned_parallel, weight_bytes_of
 from sglang.srt.models.loader import WeightLoader
-from sglang.srt.models.registry import load_model, materialize
+from sglang.srt.models.registry import build_meta_model, load_model, materialize
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
@@ -76,8 +77,12 @@ def narrow_scales(tmp_path_factory) -> str:
 @pytest.mark.parametrize("which", ["published", "narrow_scales"])
 def test_fp8_linears_hold_the_checkpoints_bytes_and_scales(which, request):
     path = resolve_model_path("tiny-qwen3-next-fp8") if which == "published" else request.getfixturevalue(which)
-    ckpt = _checkpoint(path)
-    model = load_model(load_hf_config(path), path, torch.float32, "cpu", CUDA_LAYOUT)
+    ckpt, cfg = _checkpoint(path), load_hf_config(path)
+    # Built on the meta device once (review item 3): the planner counts the model the loader then fills.
+    meta = build_meta_model(cfg, "cpu", CUDA_LAYOUT)
+    planned = weight_bytes_of(meta, torch.float32).total
+    model = load_model(cfg, path, torch.float32, "cpu", meta=meta)
+    assert model is meta and planned == sum(p.numel() * p.element_size() for p in model.parameters())
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
     assert len(linears) >= 8, sorted(linears)  # attention q/k/v/o, out_proj, shared experts, ...
     changed = 0

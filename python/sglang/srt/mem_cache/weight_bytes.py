@@ -70,8 +70,13 @@ def weight_bytes_from_config(
     layer EAGLE / NEXTN loads beside the model (`speculative/draft_layers.py`), all of it in `dtype`
     (`load_mtp` casts it so; quantized checkpoints are refused with these algorithms)."""
     with planned_parallel(tp_size, ep_size):
-        model = build_meta_model(hf_config, device)
-        draft = build_meta_draft_layers(model) if draft_layers else None
+        return weight_bytes_of(build_meta_model(hf_config, device), dtype, draft_layers)
+
+
+def weight_bytes_of(model: torch.nn.Module, dtype: torch.dtype, draft_layers: bool = False) -> WeightBytes:
+    """`weight_bytes_from_config`'s count for `model`, built on the meta device by `build_meta_model`
+    (a start on CUDA counts the model it then loads: `load_model`'s `meta`)."""
+    draft = build_meta_draft_layers(model) if draft_layers else None
     total = fp8 = dense = 0
     for name, param in model.named_parameters():
         total += param.numel() * served_dtype(model, name, param, dtype).itemsize

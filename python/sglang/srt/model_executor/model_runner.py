@@ -48,11 +48,11 @@ from sglang.srt.layers.quantization.fp8 import FP8_DTYPE
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
 from sglang.srt.mem_cache.pool_sizing import PoolSizes, check_weights_fit, compute_pool_sizes
-from sglang.srt.mem_cache.weight_bytes import weight_bytes_from_config
+from sglang.srt.mem_cache.weight_bytes import weight_bytes_of
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, capture_bs_list
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.memory_occupation import MemoryOccupation
-from sglang.srt.models.registry import load_model
+from sglang.srt.models.registry import build_meta_model, load_model
 from sglang.srt.sampling.custom_logit_processor import apply_custom_logit_processors
 from sglang.srt.sampling.penaltylib import Penalizer
 from sglang.srt.server_args import ServerArgs
@@ -154,15 +154,15 @@ class ModelRunner:
         self.kv_cache_dtype = model_config.kv_cache_torch_dtype
         # For /metrics (sglang:startup_time_seconds by phase, the memory gauges): read, never acted on.
         self.started_at = time.monotonic()
+        meta = None
         if torch.device(self.device).type == "cuda":
             # Weights the memory budget cannot hold are refused before any loads (they failed later, or
-            # ran the device out of memory): their bytes from the config (`mem_cache/weight_bytes.py`).
-            draft = bool(draft_kv_layer_ids(server_args))
-            planned = weight_bytes_from_config(
-                model_config.hf_config, self.dtype, self.device, draft_layers=draft
-            ).total
+            # ran the device out of memory): their bytes from the model built on the meta device, the one
+            # then loaded (`mem_cache/weight_bytes.py`).
+            meta = build_meta_model(model_config.hf_config, self.device)
+            planned = weight_bytes_of(meta, self.dtype, bool(draft_kv_layer_ids(server_args))).total
             check_weights_fit(server_args, planned, torch.cuda.mem_get_info(self.device)[1])
-        self.model = load_model(model_config.hf_config, model_config.path, self.dtype, self.device)
+        self.model = load_model(model_config.hf_config, model_config.path, self.dtype, self.device, meta=meta)
         # EAGLE / NEXTN: the checkpoint's MTP layer, loaded before the pools are sized from what is left.
         self.draft_model = load_draft_layers(server_args, self.model)
         weight_bytes = sum(

@@ -47,14 +47,21 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
 
 
 def load_model(
-    hf_config: Any, path: str, dtype: torch.dtype, device: str | torch.device, fp8: Fp8Layout | None = None
+    hf_config: Any,
+    path: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    fp8: Fp8Layout | None = None,
+    meta: nn.Module | None = None,
 ) -> nn.Module:
-    """Build the model for `hf_config` in `dtype` on `device` and load the checkpoint at `path`.
+    """Build the model for `hf_config` in `dtype` on `device` and load the checkpoint at `path`; `meta`:
+    that model already built on the meta device (`build_meta_model`, which the memory planner counted),
+    used instead of building it again.
 
     The model is built on the meta device and each parameter is then allocated once, in its serving
     dtype on `device`, for the checkpoint to fill: no random initialisation and no float32 copy first
     (an 80B model in bfloat16 never needs twice its memory on the host)."""
-    model = build_meta_model(hf_config, device, fp8)
+    model = meta if meta is not None else build_meta_model(hf_config, device, fp8)
     materialize(model, dtype, torch.device(device))
     model.load_weights(read_checkpoint(path))  # read ahead by threads, in iter_checkpoint's order
     # Children first: a module's own step may read what its children's made (a decoder layer's fused
