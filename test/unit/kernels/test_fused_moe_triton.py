@@ -161,3 +161,29 @@ def test_gpu_experts_at_the_80b_shapes(tokens):
     got = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
     assert torch.equal(got, ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True))
     assert_close_to(got, layer.forward_device(x, weights, ids, grouped=True), 2**-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_gpu_layer_with_its_shared_expert_at_the_80b_shapes(tokens):
+    """Qwen3-Next-80B's MoE layer through `RoutedExperts` with SGLANG_GPU_MOE_BACKEND=triton_fused: the
+    shared expert (512 wide, sigmoid gate) stacked as expert 512, against the grouped_mm path plus the
+    shared MLP apart, within the bound of test_gpu_experts_at_the_80b_shapes (2^-6 of the outputs)."""
+    from sglang.srt.layers.linear import ReplicatedLinear
+    from sglang.srt.layers.mlp import GatedMLP
+
+    layer = make_layer(512, 2048, 512, "silu", True, torch.bfloat16, "cuda")
+    mlp = GatedMLP(2048, 512, "silu", reduce_results=False).to("cuda", torch.bfloat16)
+    gate = ReplicatedLinear(2048, 1, bias=False).to("cuda", torch.bfloat16)
+    g = torch.Generator("cuda").manual_seed(1)
+    for p in (*mlp.parameters(), *gate.parameters()):
+        p.data = (torch.randn(p.shape, device="cuda", generator=g) / p.shape[1] ** 0.5).bfloat16()
+    with envs.SGLANG_GPU_MOE_BACKEND.override("triton_fused"):
+        layer.fuse_shared_expert(mlp, gate)
+    assert layer.fused_gemms.stack is not None
+    weights, ids = routing(tokens, 10, 512, seed=tokens, device="cuda")
+    x = torch.randn(tokens, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).bfloat16()
+    want = layer.forward_device(x, weights, ids, grouped=True).float()
+    want += mlp(x).float() * torch.sigmoid(gate(x).float())
+    assert_close_to(layer(x, weights, ids, mlp, gate), want, 2**-6)
