@@ -8,6 +8,7 @@ memory planner counted, built on the meta device once."""
 from __future__ import annotations
 
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 
 from sglang.srt.configs.model_config import load_hf_config
 from sglang.srt.configs.presets import resolve_model_path
+from sglang.srt.distributed import parallel_state as ps
 from sglang.srt.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from sglang.srt.layers.quantization.fp8 import (
     FP8_DTYPE,
@@ -127,11 +129,20 @@ def _pair(rows: int, cols: int, seed: int) -> Fp8Weight:
     return Fp8Weight(q, s * 1.5)  # (narrow scales: requantizing would change the bytes)
 
 
-def test_under_tp_each_rank_holds_its_part_of_the_bytes_and_scales():
-    """Rank 0 of TP 2 (the planner's stand-in group): each of qkv's three pieces gives its first 128 rows
-    and their block of scales; out gives its first 128 columns and their scale column."""
+@contextmanager
+def _tp_rank(rank: int, size: int = 2):
+    """This process as TP rank `rank` of `size` (a stand-in group: shapes and shards only, no collective)."""
+    with planned_parallel(size):
+        ps._TP = ps.GroupCoordinator(list(range(size)), rank)
+        yield
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_tp_each_rank_holds_its_part_of_the_bytes_and_scales(rank):
+    """TP 2: each of qkv's three pieces gives rank r its rows [128 r, 128 r + 128) and their scale block
+    row; out gives its columns [128 r, 128 r + 128) and their scale column."""
     qkv, out = _pair(768, 384, 1), _pair(200, 256, 2)
-    with planned_parallel(2):
+    with _tp_rank(rank):
         with torch.device("meta"):
             block = _Block()
             swap_fp8_linears(block, Fp8Config())
@@ -140,11 +151,11 @@ def test_under_tp_each_rank_holds_its_part_of_the_bytes_and_scales():
         loader.load("qkv.weight", qkv)
         loader.load("out.weight", out)
         loader.finish()
-    rows = torch.cat([torch.arange(p * 256, p * 256 + 128) for p in range(3)])
+    rows = torch.cat([torch.arange(p * 256 + rank * 128, p * 256 + rank * 128 + 128) for p in range(3)])
     assert torch.equal(_bits(block.qkv.weight), _bits(qkv.weight[rows]))
-    assert torch.equal(block.qkv.weight_scale_inv, qkv.scale_inv[[0, 2, 4]])
-    assert torch.equal(_bits(block.out.weight), _bits(out.weight[:, :128]))
-    assert torch.equal(block.out.weight_scale_inv, out.scale_inv[:, :1])
+    assert torch.equal(block.qkv.weight_scale_inv, qkv.scale_inv[[rank, 2 + rank, 4 + rank]])
+    assert torch.equal(_bits(block.out.weight), _bits(out.weight[:, rank * 128 : rank * 128 + 128]))
+    assert torch.equal(block.out.weight_scale_inv, out.scale_inv[:, rank : rank + 1])
     assert block.out.reduce_results
 
 
