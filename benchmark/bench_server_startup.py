@@ -1,53 +1,170 @@
 """Seconds from `python -m sglang.launch_server` to a healthy server (`/health` answers 200; the warm-up
-request has run by then), median of `--reps` launches, one after the other:
+has run by then), median of `--reps` launches, one after the other, with where the last one's start went:
 
     .venv/bin/python benchmark/bench_server_startup.py                 # the built-in model, 5 launches
     .venv/bin/python benchmark/bench_server_startup.py --reps 3 -- --model-path tiny-nemotron-h
 
-Arguments after `--` go to the server. Each launch is stopped (SIGTERM) once healthy.
+With `--serving-runs 2` the last launch then serves `sglang.bench_serving` twice (the same requests, the
+cache flushed before each, no bench warm-up request) and prints each run's output throughput and the
+first / second ratio: a first run slower than the second paid one-time costs (kernel compiles and
+autotuning) the server's warm-up left to it. It also counts the kernels Triton compiled after ready:
+new compiled-kernel entries (and flash-linear-attention autotune results) in Triton's cache folder
+(TRITON_CACHE_DIR, else ~/.triton/cache) during each run. Nothing compiles on a CPU. On a GPU:
+
+    python benchmark/bench_server_startup.py --reps 1 --serving-runs 2 -- --model-path 147m --device cuda
+
+Arguments after `--` go to the server (`--bench-args` to bench_serving). Each launch is stopped
+(SIGTERM) at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import requests
 
 from sglang.test.test_utils import find_free_port
 
+BENCH_ARGS = "--num-prompts 64 --random-input-len 1024 --random-output-len 128 --max-concurrency 32"
 
-def time_to_healthy(server_args: list[str], timeout: float = 300.0) -> float:
-    port = find_free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port), *server_args]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        while time.perf_counter() - start < timeout:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.perf_counter() - start
-            except requests.RequestException:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError(f"the server was not healthy within {timeout:.0f} s")
-    finally:
-        proc.terminate()
-        proc.wait(30)
+
+class Server:
+    """One launch, its log in a file; `healthy_s`: seconds from the launch to `/health` 200."""
+
+    def __init__(self, server_args: list[str], log_path: Path, timeout: float = 600.0):
+        self.port = find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
+            *server_args,
+        ]  # fmt: skip
+        start = time.perf_counter()
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while time.perf_counter() - start < timeout:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {self.proc.returncode}: {self.log_tail()}")
+                try:
+                    if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
+                        self.healthy_s = time.perf_counter() - start
+                        return
+                except requests.RequestException:
+                    pass
+                time.sleep(0.02)
+            raise RuntimeError(f"the server was not healthy within {timeout:.0f} s")
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_breakdown(server: Server) -> dict[str, float]:
+    """Where a start went, in seconds: the scheduler's phases (`startup_times`: load_weight,
+    kv_cache_allocation, cuda_graph) and the warm-up's (from the log)."""
+    info = requests.get(f"{server.url}/get_server_info", timeout=30).json()
+    times = dict((info.get("internal_states") or [{}])[0].get("startup_times") or {})
+    log = server.log_path.read_text(errors="replace")
+    for key, pattern in (("warmup_request", r"Warm-up request done in ([\d.]+) s"),
+                         ("shape_warmup", r"Shape warm-up done in ([\d.]+) s")):  # fmt: skip
+        found = re.search(pattern, log)
+        if found:
+            times[key] = float(found.group(1))
+    return times
+
+
+def triton_cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def new_cache_entries(since: float) -> tuple[list[str], int]:
+    """Kernels Triton compiled since `since` (time.time()): the names of the metadata files it writes
+    beside each compiled kernel, and how many autotune results (`*.autotune.json`) appeared."""
+    kernels, autotunes = [], 0
+    root = triton_cache_dir()
+    if not root.is_dir():
+        return kernels, autotunes
+    for path in root.rglob("*.json"):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+        except FileNotFoundError:
+            continue
+        if path.name.endswith(".autotune.json"):
+            autotunes += 1
+        elif not path.name.startswith("__grp__"):
+            kernels.append(path.stem)
+    return sorted(kernels), autotunes
+
+
+def serve_once(server: Server, bench_args: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as out:
+        cmd = [
+            sys.executable, "-m", "sglang.bench_serving", "--port", str(server.port), "--warmup-requests", "0",
+            "--flush-cache", "--disable-tqdm", "--output-file", out.name, *bench_args,
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--serving-runs", type=int, default=0, help="bench_serving runs on the last launch.")
+    parser.add_argument("--bench-args", default=BENCH_ARGS, help="bench_serving's arguments (one string).")
     parser.add_argument("server_args", nargs="*", help="Flags for the server (after --).")
     args = parser.parse_args()
-    times = [time_to_healthy(args.server_args) for _ in range(args.reps)]
-    print(f"time to healthy, s: {' '.join(f'{t:.2f}' for t in times)}; median {statistics.median(times):.2f}")
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            server = Server(args.server_args, Path(tmp) / f"server-{rep}.log")
+            try:
+                times.append(server.healthy_s)
+                if rep < args.reps - 1:
+                    continue
+                parts = start_breakdown(server)
+                print("last start, s: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+                runs = []
+                for run in range(args.serving_runs):
+                    since = time.time()
+                    result = serve_once(server, shlex.split(args.bench_args))
+                    kernels, autotunes = new_cache_entries(since)
+                    runs.append(result["output_throughput"])
+                    shown = ", ".join(kernels[:8]) + (" ..." if len(kernels) > 8 else "")
+                    print(
+                        f"serving run {run + 1}: {result['output_throughput']:.1f} output tok/s, "
+                        f"{result['duration']:.2f} s; compiled after ready: {len(kernels)} kernel(s)"
+                        f"{' (' + shown + ')' if kernels else ''}, {autotunes} autotune result(s)"
+                    )
+                if len(runs) >= 2:
+                    print(f"first / second run throughput: {runs[0] / runs[1]:.3f}")
+            finally:
+                server.stop()
+    shown = " ".join(f"{t:.2f}" for t in times)
+    print(f"time to healthy, s: {shown}; median {statistics.median(times):.2f}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ def write_checkpoint(folder: Path, gb: float, shards: int) -> dict[str, torch.Si
     shapes = {}
     for s in range(shards):
         names = [f"layers.{i}.weight" for i in range(s, count, shards)]
-        save_file({n: torch.randn(TENSOR_SHAPE).to(torch.bfloat16) for n in names}, folder / f"shard-{s}.safetensors")
+        tensors = {n: torch.randn(TENSOR_SHAPE).to(torch.bfloat16) for n in names}
+        save_file(tensors, folder / f"shard-{s}.safetensors")
         shapes.update({n: torch.Size(TENSOR_SHAPE) for n in names})
     return shapes
 
@@ -59,7 +60,9 @@ def load_seconds(folder: Path, targets: dict[str, torch.Tensor], threads: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gb", type=float, default=2.0)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])

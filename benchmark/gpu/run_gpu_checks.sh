@@ -134,4 +134,25 @@ REAL="python3 benchmark/gpu/bench_real_shapes.py --ckpt-dir .gpu-cache/slices --
 bench 200 real_80b $REAL qwen3-next-80b
 bench 170 real_35b $REAL qwen3.5-35b-a3b
 bench 150 real_nemotron $REAL nemotron-h-8b
+# serving_80b (issue 55, item 5): bench_serving_strategies.py, the three strategies' servers on the 80B slice
+# in rotated order over 2 rounds, caches warm; a call of its own (6 server starts of ~40 s).
+bench 540 serving_80b python3 benchmark/gpu/bench_serving_strategies.py --slice qwen3-next-80b \
+  --ckpt-dir .gpu-cache/slices --rounds 2
+# warm_start / warm_start_80b (issue 55, item 4): bench_server_startup.py starts a server, prints its time
+# to healthy and where it went (weights, pools, graphs, warm-up request, shape warm-up), then runs
+# bench_serving twice (same requests, cache flushed, no bench warm-up): each run's throughput and the
+# kernels Triton compiled during it (new cache entries; the goal: none, and first / second within 5 %).
+# warm_start uses the 147M checkpoint (~2 min on a fresh machine, not yet run); warm_start_80b the 14.4 GB
+# slice that real_80b leaves in .gpu-cache/slices (goal: healthy within 30 s), skipped without it.
+STARTUP="python3 benchmark/bench_server_startup.py --reps 1 --serving-runs 2 --"
+BIG147=/tmp/sglang-bench-147m
+if [[ $steps == *" warm_start "* ]] && [ -z "${GPU_DRY_RUN:-}" ] && [ ! -f $BIG147/config.json ]; then
+  python3 -c "import sys; sys.path.insert(0, 'benchmark/gpu'); from pathlib import Path
+from bench_engine_vs_hf import write_checkpoint; write_checkpoint(Path('$BIG147'), small=False)" >> "$OUT/bench.log" 2>&1
+fi
+bench 150 warm_start $STARTUP --model-path $BIG147 --device cuda --dtype bfloat16
+if [ -f .gpu-cache/slices/qwen3-next-80b/config.json ]; then
+  bench 200 warm_start_80b $STARTUP --model-path .gpu-cache/slices/qwen3-next-80b --device cuda
+fi
+grep -h '^last start\|^serving run\|^first / second\|^time to healthy' "$OUT/bench.log" >> "$OUT/summary.txt" 2>/dev/null
 if [ -f "$OUT/bench.log" ]; then grep '^{\|^|' "$OUT/bench.log" >> "$OUT/summary.txt"; fi
