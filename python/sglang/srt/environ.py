@@ -113,6 +113,9 @@ class Envs:
         16.0, "The most GB the disk tier of --hicache-storage-backend file keeps; LRU entries go past it."
     )
 
+    # Loading: threads that read the checkpoint ahead of the loader (models/checkpoint_reader.py).
+    SGLANG_WEIGHT_READ_THREADS = EnvInt(8, "Threads reading checkpoint shards ahead of the loader; 1: serial.")
+
     # Mamba state dtypes (upstream names). --mamba-ssm-dtype writes SGLANG_MAMBA_SSM_DTYPE.
     SGLANG_MAMBA_CONV_DTYPE = EnvOptStr(None, "Conv state dtype; default: the model dtype.")
     SGLANG_MAMBA_SSM_DTYPE = EnvOptStr(None, "SSM state dtype; default: model config, else float32.")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import random
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from sglang.srt.models.loader import iter_checkpoint
 from sglang.srt.models.registry import build_meta_model, materialize
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="per-commit-cpu")
+register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
 
 def _write_shards(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -> Path:
@@ -33,7 +33,8 @@ def _write_shards(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -
         file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         save_file({n: tensors[n].contiguous() for n in names[i::shards]}, str(folder / file))
         weight_map.update(dict.fromkeys(names[i::shards], file))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return folder
 
 
@@ -128,3 +129,22 @@ def test_a_model_loads_the_same_read_ahead_serially_or_shuffled(preset, preset_p
     for name, value in serial.items():
         assert torch.equal(value, ahead[name]), name  # bit-identical: the same bytes copied
         assert torch.equal(value, reordered[name]), name
+
+
+@pytest.mark.parametrize(("setting", "threads"), [(None, 8), ("3", 3), ("1", None)])
+def test_the_threads_follow_the_environment(setting, threads, monkeypatch, tmp_path):
+    folder = _write_shards(tmp_path / "ckpt", {f"w{i}": torch.ones(64, 64) for i in range(4)}, shards=2)
+    if setting is None:
+        monkeypatch.delenv("SGLANG_WEIGHT_READ_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_WEIGHT_READ_THREADS", setting)
+    pools = []
+
+    class Recorded(ThreadPoolExecutor):
+        def __init__(self, max_workers, **kwargs):
+            pools.append(max_workers)
+            super().__init__(max_workers, **kwargs)
+
+    monkeypatch.setattr(checkpoint_reader, "ThreadPoolExecutor", Recorded)
+    assert [n for n, _ in read_checkpoint(folder)] == [n for n, _ in iter_checkpoint(folder)]
+    assert pools == ([threads] if threads else [])  # 1: iter_checkpoint itself, no pool

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from sglang.srt.environ import envs
 from sglang.srt.models.loader import checkpoint_files, iter_checkpoint
 
-READ_THREADS = 8
 READ_AHEAD_BYTES = 2 << 30
 # A tensor bigger than this is touched by several threads (an 80B model's embedding is 1.2 GB).
 PIECE_BYTES = 64 << 20
@@ -60,8 +60,8 @@ def read_checkpoint(
     folder: str | Path, prefix: str = "", threads: int | None = None, read_ahead: int = READ_AHEAD_BYTES
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`iter_checkpoint(folder, prefix)`'s tensors, in its order, read ahead by `threads` threads
-    (default READ_THREADS), at most `read_ahead` bytes ahead of the consumer."""
-    threads = READ_THREADS if threads is None else threads
+    (default SGLANG_WEIGHT_READ_THREADS, 8; 1 reads serially), at most `read_ahead` bytes ahead of the consumer."""
+    threads = envs.SGLANG_WEIGHT_READ_THREADS.get() if threads is None else threads
     if threads <= 1:
         yield from iter_checkpoint(folder, prefix)
         return
