@@ -3,11 +3,14 @@ the JSON files `layers/moe/moe_configs.py` looks up (one per shape and GPU: copy
 `python/sglang/srt/layers/moe/configs/`).
 
 For each shape below and each batch size, each GEMM (w13: rows gathered by token, silu(gate) * up in
-its epilogue; w2: sorted rows) is timed with each candidate tile as a CUDA graph replays it
-(`triton.testing.do_bench_cudagraph`: no host launch cost in the time), on the routing of uniform random
-top-k picks; the fastest candidate per (batch, GEMM) is written. A small candidate set, so that both
-shapes finish in ~3 minutes on an H200 (compiles included); each row also gives the fallback tile's
-time and the floor (the touched experts' weights streamed once at the GPU's peak bandwidth).
+its epilogue; w2: sorted rows) is timed with each candidate tile (`moe_configs.TUNE_CANDIDATES`) as a
+CUDA graph replays it (no host launch cost in the time): one graph of CALLS calls, each on its own
+uniform random top-k routing, so that a call reads other experts than the one before, from HBM as a
+decode step's layer does (the same routing again would find a batch-1 call's 10 experts, 40 MB of w13,
+in the H200's 50 MB L2), replayed REPLAYS times, the median per call kept. The fastest tile per (batch,
+GEMM) is written. Compiles dominate (~36 of a few seconds each at most), so both shapes should finish in
+~2-3 minutes on an H200 (estimated; not yet run on a GPU). Each row also gives the fallback tile's time
+and the floor (the touched experts' weights streamed once at the GPU's peak bandwidth).
 
     python benchmark/gpu/tune_fused_moe.py --out /tmp/moe-configs        # on the GPU machine
     TRITON_INTERPRET=1 python benchmark/gpu/tune_fused_moe.py --device cpu --tiny --out /tmp/x   # CPU check
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,15 +45,31 @@ CANDIDATES = mc.TUNE_CANDIDATES
 TINY = {"tiny": (8, 64, 32, 2)}
 
 
-def _time(fn, device: str, reps_ms: int) -> float:
-    """Seconds per call."""
+CALLS, REPLAYS = 16, 5
+
+
+def _time(fns: list, device: str) -> float:
+    """Seconds per call of the `fns` (each already run once: compiled)."""
     if device != "cuda":
         t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-    import triton.testing
-
-    return triton.testing.do_bench_cudagraph(fn, rep=reps_ms) / 1e3
+        for fn in fns:
+            fn()
+        return (time.perf_counter() - t) / len(fns)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / 1e3 / len(fns))
+    return statistics.median(per_call)
 
 
 def _gemm_call(gemm: str, x, h, w13, w2, s, n_rows: int, cfg: MoeGemmConfig):
@@ -61,21 +81,23 @@ def _gemm_call(gemm: str, x, h, w13, w2, s, n_rows: int, cfg: MoeGemmConfig):
     return lambda: moe_gemm(h, w2, s.offs, n_rows, None, cfg, tile_end)
 
 
-def tune_shape(
-    e: int, hidden: int, inter: int, top_k: int, batches, device: str, reps_ms: int
-) -> tuple[dict, list]:
+def tune_shape(e: int, hidden: int, inter: int, top_k: int, batches, device: str) -> tuple[dict, list]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
     g = torch.Generator(device=device).manual_seed(0)
     w13 = (torch.randn(e, 2 * inter, hidden, device=device, generator=g) / hidden**0.5).to(dtype)
     w2 = (torch.randn(e, hidden, inter, device=device, generator=g) / inter**0.5).to(dtype)
     table, rows = {}, []
+    calls = CALLS if device == "cuda" else 1
     for batch in batches:
-        x = torch.randn(batch, hidden, device=device, generator=g).to(dtype)
-        ids = torch.rand(batch, e, device=device, generator=g).topk(top_k, dim=1).indices
-        s = sort_by_expert(ids, e, use_triton=True)
-        n_rows = ids.numel()
-        h = torch.randn(n_rows, inter, device=device, generator=g).to(dtype)
-        touched = ids.unique().numel()
+        n_rows = batch * top_k
+        inputs = []  # per call: (x, h, its sorted routing), each call on another routing
+        touched = 0
+        for _ in range(calls):
+            ids = torch.rand(batch, e, device=device, generator=g).topk(top_k, dim=1).indices
+            x = torch.randn(batch, hidden, device=device, generator=g).to(dtype)
+            h = torch.randn(n_rows, inter, device=device, generator=g).to(dtype)
+            inputs.append((x, h, sort_by_expert(ids, e, use_triton=True)))
+            touched += ids.unique().numel() / calls
         nbytes = {"w13": touched * w13[0].numel() * 2, "w2": touched * w2[0].numel() * 2}
         best = {}
         for gemm in ("w13", "w2"):
@@ -83,16 +105,16 @@ def tune_shape(
             fallback = mc.fallback_config(n_rows, e)
             candidates = CANDIDATES if device == "cuda" else CANDIDATES[:1]  # the interpreter: a check only
             for cfg in dict.fromkeys([*candidates, fallback]):
-                fn = _gemm_call(gemm, x, h, w13, w2, s, n_rows, cfg)
+                fns = [_gemm_call(gemm, x, h, w13, w2, s, n_rows, cfg) for x, h, s in inputs]
                 try:
-                    fn()
-                    timings[cfg] = _time(fn, device, reps_ms)
+                    fns[0]()
+                    timings[cfg] = _time(fns, device)
                 except Exception as err:  # noqa: BLE001 - a tile that does not launch here is not a choice
                     print(
                         f"  {gemm} batch {batch} {tuple(cfg)}: {type(err).__name__}: {err}", file=sys.stderr
                     )
             best[gemm] = min(timings, key=timings.get)
-            row = {"experts": e, "batch": batch, "gemm": gemm, "touched_experts": touched,
+            row = {"experts": e, "batch": batch, "gemm": gemm, "touched_experts": round(touched, 1),
                    "best": tuple(best[gemm]), "best_us": round(timings[best[gemm]] * 1e6, 2),
                    "fallback_us": round(timings.get(fallback, float("nan")) * 1e6, 2)}  # fmt: skip
             peak = peak_bandwidth(device)
@@ -112,7 +134,6 @@ def main() -> None:
         "--tiny", action="store_true", help="a tiny shape (a CPU run under TRITON_INTERPRET=1)"
     )
     parser.add_argument("--out", required=True, help="folder for the JSON files (and rows.json)")
-    parser.add_argument("--rep-ms", type=int, default=10, help="milliseconds of replays per timing")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +142,7 @@ def main() -> None:
     all_rows = []
     start = time.perf_counter()
     for name, (e, hidden, inter, top_k) in shapes.items():
-        table, rows = tune_shape(e, hidden, inter, top_k, batches, args.device, args.rep_ms)
+        table, rows = tune_shape(e, hidden, inter, top_k, batches, args.device)
         dtype = torch.bfloat16 if args.device == "cuda" else torch.float16
         path = out / mc.config_file_name(e, inter, hidden, dtype, device_name)
         path.write_text(mc.table_to_json(table) + "\n")
