@@ -360,6 +360,8 @@ class SchedulerIOMixin:
             "loop_times": self.loop_times.report(self.worker.busy_seconds),
             "disaggregation_mode": self.disaggregation_mode,
             "disaggregation": self.disagg.state() if self.disagg is not None else None,
+            # --enable-hierarchical-cache: the host tier's counts (loads, backups, disk reads and writes).
+            "hicache": dict(tree.controller.stats) if hasattr(tree, "controller") else None,
             **(self.spec.internal_state() if self.spec is not None else {}),
             **self.batch_stats.metrics_state(),
             "process_cpu_seconds": time.process_time(),
