@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
 
 HICACHE_WRITE_POLICIES = ["write_through", "write_back", "write_through_selective"]
-# Upstream's I/O backends; here both copy through `HiCacheController` (plain copies on CPU, a copy stream
-# on CUDA).
+# Upstream's I/O backends (its copy kernels or plain copies): accepted, no effect here; every copy goes
+# through `HiCacheController` (plain copies on CPU, a copy stream of its own on CUDA).
 HICACHE_IO_BACKENDS = ["kernel", "direct"]
 # Upstream's storage backends (a third tier beyond host memory); only file is built here.
 HICACHE_STORAGE_BACKENDS = ["file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic", "eic"]
@@ -58,7 +58,12 @@ def add_hicache_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--hicache-write-policy", default="write_through", metavar="|".join(HICACHE_WRITE_POLICIES)
     )
-    g.add_argument("--hicache-io-backend", default="kernel", metavar="|".join(HICACHE_IO_BACKENDS))
+    g.add_argument(
+        "--hicache-io-backend",
+        default="kernel",
+        metavar="|".join(HICACHE_IO_BACKENDS),
+        help="Accepted as upstream's; no effect (every copy runs on a copy stream of the host tier's own).",
+    )
     g.add_argument(
         "--hicache-storage-backend",
         default=None,
@@ -102,15 +107,11 @@ def check_hicache_flags(args: ServerArgs) -> None:
             "--enable-hierarchical-cache needs the radix cache: leave out --disable-radix-cache (a decode "
             "server of --disaggregation-mode decode also needs --disaggregation-decode-enable-radix-cache)."
         )
-    if args.disaggregation_mode != "null":
-        raise ServerArgsError(
-            "--enable-hierarchical-cache is not supported with --disaggregation-mode yet; leave one out."
-        )
     if args.speculative_algorithm is not None:
         raise ServerArgsError(
             "--enable-hierarchical-cache is not supported with --speculative-algorithm yet; leave one out."
         )
-    if args.tp_size > 1 or args.dp_size > 1:
+    if args.dp_size > 1:
         raise ServerArgsError(
-            "--enable-hierarchical-cache is not supported with --tp-size or --dp-size above 1 yet; leave it out."
+            "--enable-hierarchical-cache is not supported with --dp-size above 1 yet; leave one out."
         )
