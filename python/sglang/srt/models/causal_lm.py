@@ -87,12 +87,12 @@ class HybridCausalLM(nn.Module):
         if self.quant_config is not None:
             # FP8 experts and FP8 linears (CUDA) take their pairs as they are (`Fp8Weight`); with FP8
             # linears every pair comes so, and one no FP8 module can take is dequantized below.
-            keep = lambda n: loader.keeps_fp8(self.checkpoint_name(n))  # noqa: E731
+            keep = None
             if loader.fp8:
                 keep = lambda n: True  # noqa: E731
-            weights = fp8_checkpoint_stream(
-                weights, self.quant_config, keep if loader.fp8_experts or loader.fp8 else None
-            )
+            elif loader.fp8_experts:
+                keep = lambda n: loader.keeps_fp8(self.checkpoint_name(n))  # noqa: E731
+            weights = fp8_checkpoint_stream(weights, self.quant_config, keep)
         for name, tensor in weights:
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
             if tied_head or name.startswith(self.skip_prefixes):
