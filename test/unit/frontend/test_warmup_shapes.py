@@ -106,7 +106,7 @@ def test_the_shape_warmup_runs_each_length_alone_then_several_at_once_then_flush
     assert [len(ids) for ids, _ in shapes[: len(lengths)]] == lengths
     assert [len(ids) for ids, _ in shapes[len(lengths) :]] == [CONCURRENT_PROMPT_LEN] * CONCURRENT_PROMPTS
     assert tm.most_in_flight == CONCURRENT_PROMPTS
-    assert all(0 <= i < 50 for ids, _ in shapes for i in ids)
+    assert all(0 <= i < 25 for ids, _ in shapes for i in ids)  # the vocabulary's lower half
     assert len({tuple(ids[:16]) for ids, _ in shapes}) == len(shapes)  # no prompt another's prefix
     assert tm.flushed_after == len(tm.sent)
 

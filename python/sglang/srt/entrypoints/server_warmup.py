@@ -125,11 +125,14 @@ async def _generate(tm: Any, obj: GenerateReqInput) -> Any:
 
 async def _shape_warmup(tm: Any, lengths: list[int], vocab_size: int) -> None:
     """One prompt of each length, one after the other (each its own extend), then CONCURRENT_PROMPTS at
-    once; seeded random ids, so that a prompt shares no cached prefix with another (but by chance)."""
+    once; seeded random ids, so that a prompt shares no cached prefix with another (but by chance), from
+    the vocabulary's lower half: its top holds the special tokens (Qwen's image and video placeholders
+    among them), which a text prompt does not carry."""
     rng = random.Random(0)
+    below = max(1, vocab_size // 2)
 
     def request(length: int, new_tokens: int) -> GenerateReqInput:
-        ids = [rng.randrange(vocab_size) for _ in range(length)]
+        ids = [rng.randrange(below) for _ in range(length)]
         params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
         return GenerateReqInput(input_ids=ids, sampling_params=params, log_metrics=False)
 
