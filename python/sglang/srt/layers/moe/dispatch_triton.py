@@ -78,9 +78,11 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.c
     for j in tl.static_range(TOP_K):
         row = tl.load(inv_ptr + t * TOP_K + j)
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-        # A weight-0 row adds nothing, whatever it holds: other EP ranks' rows are never computed.
-        y = tl.load(y_ptr + row * H + h, mask=mh, other=0.0).to(tl.float32)
-        acc += tl.where(w != 0.0, y * w, 0.0)
+        # A weight-0 row adds nothing, whatever it holds, and is not read: other EP ranks' rows are never
+        # computed (under EP most of a token's rows).
+        used = mh & ((h * 0.0 + w) != 0.0)  # (w as a vector: the interpreter ands no scalar with one)
+        y = tl.load(y_ptr + row * H + h, mask=used, other=0.0).to(tl.float32)
+        acc += y * w
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mh)
 
 
