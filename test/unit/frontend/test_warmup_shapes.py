@@ -115,3 +115,19 @@ def test_without_shapes_only_the_warmup_request_runs():
     tm = _StandInTokenizerManager()
     assert asyncio.run(run_server_warmup(tm, 4096)) is None
     assert len(tm.sent) == 1 and tm.most_in_flight == 1 and tm.flushed_after == 1
+
+
+def test_the_start_log_says_where_the_start_went(caplog):
+    from sglang.srt.entrypoints.http_server import log_startup
+
+    args = SimpleNamespace(
+        model_path="m", mamba_scheduler_strategy="no_buffer", mamba_strategy_reason=None, max_running_requests=4
+    )
+    info = {"max_total_num_tokens": 100, "max_running_requests": 4, "context_len": 64}
+    times = {"load_weight": 1.234, "kv_cache_allocation": 0.5, "cuda_graph": 2.0, "scheduler_e2e": 4.75}
+    with caplog.at_level("INFO", logger="sglang.srt.entrypoints.http_server"):
+        log_startup(args, info, {"startup_times": times})
+    assert (
+        "Scheduler start: weights loaded 1.23 s, pools allocated 0.50 s, CUDA graphs captured 2.00 s, "
+        "in all 4.75 s." in caplog.text
+    )

@@ -40,6 +40,16 @@ from sglang.srt.utils.auth import ApiKeyCheck
 logger = logging.getLogger(__name__)
 
 
+# The scheduler's `startup_times` (model_runner.py, scheduler_io.py) as the start log names them; the
+# warm-up logs its own time after these.
+_START_PHASES = (
+    ("load_weight", "weights loaded"),
+    ("kv_cache_allocation", "pools allocated"),
+    ("cuda_graph", "CUDA graphs captured"),
+    ("scheduler_e2e", "in all"),
+)
+
+
 def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, Any]) -> None:
     mamba = state.get("mamba_usage", {})
     headroom = state.get("tree_headroom_slots_per_req", 0)
@@ -62,6 +72,10 @@ def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, A
         cap,
         model_info["context_len"],
     )
+    times = state.get("startup_times") or {}
+    if times:
+        parts = [f"{label} {times[key]:.2f} s" for key, label in _START_PHASES if key in times]
+        logger.info("Scheduler start: %s.", ", ".join(parts))
     for i, mem in enumerate(state.get("memory_bytes_by_rank") or []):
         if len(state["memory_bytes_by_rank"]) > 1 and mem:
             logger.info(
