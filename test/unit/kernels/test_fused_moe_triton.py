@@ -95,7 +95,7 @@ def test_the_shared_expert_runs_as_one_more_expert(interpret, masked):
 
 def test_tuned_tiles_are_looked_up_by_shape_and_gpu(tmp_path):
     """A file named for (E, N, K, dtype, GPU) is read; the nearest batch size's entry serves (the
-    smaller on a tie); another shape, dtype or GPU has none (the fallback by mean rows serves); a
+    smaller on a tie) up to twice the largest; another shape, dtype or GPU has none (the fallback by mean rows serves); a
     malformed file is one error naming it."""
     table = {1: (MoeGemmConfig(16, 64, 128, 4, 3), MoeGemmConfig(16, 32, 64, 4, 4)),
              64: (MoeGemmConfig(32, 64, 128, 4, 3), MoeGemmConfig(32, 128, 64, 8, 3))}  # fmt: skip
@@ -106,7 +106,9 @@ def test_tuned_tiles_are_looked_up_by_shape_and_gpu(tmp_path):
     assert found == table
     assert mc.pick_configs(found, 8, 80, 512) == table[1]
     assert mc.pick_configs(found, 33, 330, 512) == table[64]
-    assert mc.pick_configs(found, 1000, 10_000, 512) == table[64]
+    assert mc.pick_configs(found, 128, 1280, 512) == table[64]
+    # Over twice the largest tuned batch (prefill): the fallback by mean rows, not batch 64's tiles.
+    assert mc.pick_configs(found, 8192, 81920, 512) == (mc.FALLBACK_CONFIGS[-1][1],) * 2
     others = [(512, 512, 2048, torch.float16, "NVIDIA_H200"), (512, 512, 2048, torch.bfloat16, "NVIDIA_H100"),
               (256, 512, 2048, torch.bfloat16, "NVIDIA_H200")]  # fmt: skip
     for other in others:

@@ -10,9 +10,10 @@ Each file maps a batch size (tokens, as a string) to one configuration per GEMM:
     {"64": {"w13": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "num_warps": 4,
                     "num_stages": 3}, "w2": {...}}, ...}
 
-A batch takes the entry of the nearest batch size in its file. `benchmark/gpu/tune_fused_moe.py` writes
-these files on a GPU. Where no file matches (another GPU, shape or dtype) the fallback below serves: tiles
-by the mean rows per expert, chosen and not yet measured (no GPU when written)."""
+A batch takes the entry of the nearest batch size in its file (over twice the largest, the fallback).
+`benchmark/gpu/tune_fused_moe.py` writes these files on a GPU. Where no file matches (another GPU, shape
+or dtype) the fallback below serves: tiles by the mean rows per expert, chosen and not yet measured (no
+GPU when written)."""
 
 from __future__ import annotations
 
@@ -117,8 +118,9 @@ def pick_configs(
     table: Table | None, num_tokens: int, assignments: int, num_experts: int
 ) -> tuple[MoeGemmConfig, MoeGemmConfig]:
     """(w13's config, w2's) for a batch: the tuned entry of the nearest batch size (the smaller on a tie),
-    or the fallback for both where there is no table."""
-    if not table:
+    or the fallback for both where there is no table or the batch is over twice its largest size (the
+    tuning covers decode sizes; a prefill of thousands of tokens wants taller tiles than batch 256's)."""
+    if not table or num_tokens > 2 * max(table):
         cfg = fallback_config(assignments, num_experts)
         return cfg, cfg
     return table[min(table, key=lambda b: (abs(b - num_tokens), b))]
