@@ -22,7 +22,7 @@ from sglang.srt.layers.moe.fused_moe_fp8_triton import MOE_GEMM_CONFIGS
 from sglang.srt.layers.quantization.fp8_kernel import GEMM_CONFIGS
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=1, suite="per-commit-cpu")
+register_cpu_ci(est_time=2, suite="per-commit-cpu")
 
 
 def _class_of(bounds: list[float], value: float) -> int:
