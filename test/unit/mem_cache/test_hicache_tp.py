@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.host_pool import HostPools, HostPoolSizeError
 from sglang.srt.server_args import ServerArgsError, prepare_server_args
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="per-commit-cpu")
+register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
 PRESET = ["--model-path", "tiny-qwen3-next"]
 
@@ -66,6 +66,8 @@ def rank_storage(root, rank: int, gather) -> FileStorage:
         v_buffer=[torch.randn(512, 2, 8, generator=g)],
         conv_state=torch.randn(2, 5, 16, generator=g),
         ssm_state=torch.randn(2, 5, 4, 4, generator=g),
+        token_bytes=2 * 2 * 8 * 4,  # (`HostPools.token_bytes` and `slot_bytes`, float32)
+        slot_bytes=(2 * 16 + 2 * 4 * 4) * 4,
     )
     st = FileStorage(DiskTierConfig(str(root), f"fp rank {rank}", 1 << 30), host, Counter())
     st.gather = gather
