@@ -18,7 +18,8 @@ from sglang.srt.entrypoints.server_warmup import (
     run_server_warmup,
     warmup_prompt_lengths,
 )
-from sglang.srt.layers.moe.fused_moe_fp8_triton import MOE_GEMM_CONFIGS
+from sglang.srt.layers.moe.fused_moe_fp8_triton import MOE_GEMM_CONFIGS, MoeGemmConfig
+from sglang.srt.layers.moe.moe_configs import FALLBACK_CONFIGS, pick_configs
 from sglang.srt.layers.quantization.fp8_kernel import GEMM_CONFIGS
 from sglang.test.ci_register import register_cpu_ci
 
@@ -29,22 +30,32 @@ def _class_of(bounds: list[float], value: float) -> int:
     return next(i for i, bound in enumerate(bounds) if value <= bound)
 
 
-def test_the_lengths_reach_every_tile_class_and_both_specializations():
-    # The H200's server defaults for the 80B: chunks of 8192, a prompt limit of the context (262k).
+def _assert_covered(select, lengths: list[int], top: int) -> None:
+    """Every choice `select(m)` makes for an extend of m = 1..top tokens is made for some warm-up length
+    (with CUDA graphs or without: the capture's batch sizes are not counted here)."""
+    met = {select(m) for m in lengths}
+    missed = {select(m) for m in range(1, top + 1)} - met
+    assert not missed, missed
+
+
+def test_the_lengths_reach_every_tile_choice_and_both_specializations():
+    # The H200's server defaults for the 80B: chunks of 8192 (an extend is at most that), a prompt limit
+    # of the context (262k).
     lengths = warmup_prompt_lengths(8192, 16384, 262143, 1_000_000)
-    assert lengths[:4] == [8, 9, 16, 17] and lengths[-2:] == [8192, 8192 + CHUNK_TAIL]
-    # Decode (M <= the largest graph batch) compiles at the graph capture; the prefill M is the prompt's
-    # length (one request per extend) and must meet every class of the GEMM table, as a multiple of 16
-    # and as another number.
+    assert lengths[:7] == [1, 2, 3, 4, 5, 8, 9] and lengths[-2:] == [8192, 8192 + CHUNK_TAIL]
+    # The FP8 GEMM's tiles by M (the extend's tokens), each as a multiple of 16 and as another number.
     gemm_bounds = [bound for bound, _ in GEMM_CONFIGS]
-    for aligned in (True, False):
-        met = {_class_of(gemm_bounds, m) for m in lengths if (m % 16 == 0) == aligned}
-        assert met == set(range(len(gemm_bounds))), (aligned, met)
-    # The experts' tiles by mean rows per expert, at the 80B's 512 experts, top 10, and a small MoE's.
-    moe_bounds = [bound for bound, _ in MOE_GEMM_CONFIGS]
-    for experts, top_k in ((512, 10), (64, 8), (16, 2)):
-        met = {_class_of(moe_bounds, m * top_k / experts) for m in lengths}
-        assert met == set(range(len(moe_bounds))), (experts, top_k, met)
+    _assert_covered(lambda m: (_class_of(gemm_bounds, m), m % 16 == 0), lengths, 8192)
+    # The FP8 experts' tiles and the bf16 fused experts' fallback tiles by mean rows per expert, and the
+    # bf16 ones with a tuned table (batch sizes 1-256, as tune_fused_moe.py tunes; its nearest entry up to
+    # twice its largest, the fallback above), at the 80B's 512 experts top 10 and smaller MoEs.
+    tuned = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    table = {b: (MoeGemmConfig(16, 16 * i, 128, 4, 3),) * 2 for i, b in enumerate(tuned)}  # each distinct
+    for e, k in ((512, 10), (64, 8), (16, 2)):
+        for configs in (MOE_GEMM_CONFIGS, FALLBACK_CONFIGS):
+            bounds = [bound for bound, _ in configs]
+            _assert_covered(lambda m, b=bounds, e=e, k=k: _class_of(b, m * k / e), lengths, 8192)
+        _assert_covered(lambda m, e=e, k=k: pick_configs(table, m, m * k, e), lengths, 8192)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +76,7 @@ def test_the_lengths_stay_within_the_limits(chunk, max_prefill, max_input, pool,
 
 def test_a_tiny_pool_gets_no_lengths_below_one():
     assert warmup_prompt_lengths(8192, 16384, 262143, 1) == []
-    assert warmup_prompt_lengths(8192, 16384, 262143, 12) == [8, 9, 11]
+    assert warmup_prompt_lengths(8192, 16384, 262143, 12) == [1, 2, 3, 4, 5, 8, 9, 11]
 
 
 def test_only_cuda_warms_shapes():
@@ -120,9 +131,8 @@ def test_without_shapes_only_the_warmup_request_runs():
 def test_the_start_log_says_where_the_start_went(caplog):
     from sglang.srt.entrypoints.http_server import log_startup
 
-    args = SimpleNamespace(
-        model_path="m", mamba_scheduler_strategy="no_buffer", mamba_strategy_reason=None, max_running_requests=4
-    )
+    args = SimpleNamespace(model_path="m", mamba_scheduler_strategy="no_buffer", mamba_strategy_reason=None)
+    args.max_running_requests = 4
     info = {"max_total_num_tokens": 100, "max_running_requests": 4, "context_len": 64}
     times = {"load_weight": 1.234, "kv_cache_allocation": 0.5, "cuda_graph": 2.0, "scheduler_e2e": 4.75}
     with caplog.at_level("INFO", logger="sglang.srt.entrypoints.http_server"):

@@ -45,8 +45,8 @@ CHUNK_TAIL = 17
 def warmup_prompt_lengths(
     chunk: int | None, max_prefill_tokens: int, max_input_len: int, pool_tokens: int
 ) -> list[int]:
-    """The prompt lengths the shape warm-up prefills, one request each: 8, 9, 16, 17, ... (each power of
-    two from 8 and one more) below the largest extend (`chunk`, the chunked-prefill size, or
+    """The prompt lengths the shape warm-up prefills, one request each: 1, 2, 3, 4, 5, 8, 9, ... (each
+    power of two and one more) below the largest extend (`chunk`, the chunked-prefill size, or
     `max_prefill_tokens` without chunking), that extend, and with chunking a chunk and CHUNK_TAIL more;
     none longer than a prompt may be (`max_input_len`) or than the pool holds with one new token."""
     limit = min(max_input_len, pool_tokens - 1)
@@ -55,7 +55,7 @@ def warmup_prompt_lengths(
     if top < 1:
         return []
     lengths = {top}
-    n = 8
+    n = 1
     while n < top:
         lengths |= {n, n + 1}
         n *= 2
