@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -150,17 +149,9 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
     if args.dry_run:
         numels = rs.meta_numels(config)
     else:
-        path = Path(args.ckpt_dir) / (name + ("-tiny" if args.tiny else ""))
-        if (path / "config.json").exists() and any(path.glob("*.safetensors")):
-            progress(f"{name}: reusing {path}")
-        else:
-            progress(f"{name}: writing the slice to {path}")
-            partial = path.with_name(path.name + ".partial")  # a run stopped while writing leaves no slice
-            shutil.rmtree(partial, ignore_errors=True)
-            shutil.rmtree(path, ignore_errors=True)
-            rs.make_slice(name, partial, device=device, tiny=args.tiny)
-            partial.rename(path)
-            progress(f"{name}: written in {time.perf_counter() - t:.1f} s")
+        progress(f"{name}: the slice in {args.ckpt_dir} (written unless there)")
+        path = rs.ensure_slice(name, args.ckpt_dir, device=device, tiny=args.tiny)
+        progress(f"{name}: slice ready in {time.perf_counter() - t:.1f} s")
         numels = rs.checkpoint_numels(path)
     make_s = time.perf_counter() - t
     model, flop_fields = rs.step_model(config, numels, itemsize)

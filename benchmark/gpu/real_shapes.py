@@ -160,6 +160,22 @@ def make_slice(name: str, out: str | Path, device: str = "cpu", tiny: bool = Fal
     return out
 
 
+def ensure_slice(name: str, ckpt_dir: str | Path, device: str = "cpu", tiny: bool = False) -> Path:
+    """The slice's folder under `ckpt_dir`, written unless a finished one is there (it is written under a
+    `.partial` name first, so a run stopped while writing leaves none to reuse)."""
+    import shutil
+
+    path = Path(ckpt_dir) / (name + ("-tiny" if tiny else ""))
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return path
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)
+    make_slice(name, partial, device=device, tiny=tiny)
+    partial.rename(path)
+    return path
+
+
 # --- What a step reads -------------------------------------------------------------------------------
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")

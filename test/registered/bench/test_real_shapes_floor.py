@@ -97,3 +97,14 @@ def test_device_peaks_by_name():
     assert rs.device_peaks("NVIDIA H100 80GB HBM3") == (3.35e12, 989e12)
     assert rs.device_peaks("NVIDIA H100 PCIe") == (2.0e12, 756e12)
     assert rs.device_peaks("Tesla T4") is None
+
+
+def test_strategy_rounds_rotate_the_start_order():
+    """bench_serving_strategies.py: round r starts the strategies from position r, so each goes first once
+    in as many rounds as there are strategies."""
+    import bench_serving_strategies as bss
+
+    s = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
+    assert [bss.rotated(s, r)[0] for r in range(3)] == s
+    assert bss.rotated(s, 1) == ["extra_buffer", "extra_buffer_lazy", "no_buffer"]
+    assert bss.rotated(s, 4) == bss.rotated(s, 1)

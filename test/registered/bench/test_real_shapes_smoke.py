@@ -16,7 +16,7 @@ import pytest
 
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=110, suite="nightly-cpu")
+register_cpu_ci(est_time=120, suite="nightly-cpu")
 
 GPU_BENCH = Path(__file__).resolve().parents[3] / "benchmark" / "gpu"
 
