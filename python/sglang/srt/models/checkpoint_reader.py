@@ -60,7 +60,8 @@ def read_checkpoint(
     folder: str | Path, prefix: str = "", threads: int | None = None, read_ahead: int = READ_AHEAD_BYTES
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`iter_checkpoint(folder, prefix)`'s tensors, in its order, read ahead by `threads` threads
-    (default SGLANG_WEIGHT_READ_THREADS, 8; 1 reads serially), at most `read_ahead` bytes ahead of the consumer."""
+    (default SGLANG_WEIGHT_READ_THREADS, 8; 1 reads serially), at most `read_ahead` bytes ahead of the
+    consumer."""
     threads = envs.SGLANG_WEIGHT_READ_THREADS.get() if threads is None else threads
     if threads <= 1:
         yield from iter_checkpoint(folder, prefix)
