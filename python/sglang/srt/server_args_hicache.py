@@ -107,10 +107,6 @@ def check_hicache_flags(args: ServerArgs) -> None:
             "--enable-hierarchical-cache needs the radix cache: leave out --disable-radix-cache (a decode "
             "server of --disaggregation-mode decode also needs --disaggregation-decode-enable-radix-cache)."
         )
-    if args.speculative_algorithm is not None:
-        raise ServerArgsError(
-            "--enable-hierarchical-cache is not supported with --speculative-algorithm yet; leave one out."
-        )
     if args.dp_size > 1:
         raise ServerArgsError(
             "--enable-hierarchical-cache is not supported with --dp-size above 1 yet; leave one out."

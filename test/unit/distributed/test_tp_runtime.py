@@ -102,7 +102,7 @@ class _Scheduler(SchedulerUpdateWeightsMixin):
         self.server_args = SimpleNamespace(enable_memory_saver=True)
         self.generation_pause = SimpleNamespace(paused=False)
         self.model_runner = _Runner()
-        self.tree_cache = None  # (no disk tier to tell of new weights: `_weights_changed`)
+        self.tree_cache = SimpleNamespace(weights_changed=lambda: None)  # (no disk tier: `_weights_changed`)
         self.sent, self.emptied = [], 0
 
     def send_to_tokenizer(self, out):

@@ -33,6 +33,8 @@ def fake_host(page: int = 1) -> SimpleNamespace:
         v_buffer=[torch.randn(ROWS, 2, 8, generator=g)],
         conv_state=torch.randn(2, 5, 16, generator=g),
         ssm_state=torch.randn(2, 5, 4, 4, generator=g),
+        token_bytes=2 * 2 * 8 * 4,  # (`HostPools.token_bytes` and `slot_bytes`, float32)
+        slot_bytes=(2 * 16 + 2 * 4 * 4) * 4,
     )
 
 

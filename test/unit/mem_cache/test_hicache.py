@@ -67,10 +67,6 @@ def test_a_pending_snapshot_copy_runs_in_order_with_a_host_load(oracles):
         (["--hicache-io-backend", "mmap"], "^--hicache-io-backend must be one of"),
         (["--hicache-ratio", "0.5"], "^--hicache-ratio must be at least 1"),
         (["--hicache-size", "-1"], "^--hicache-size must be"),
-        (
-            ["--enable-hierarchical-cache", "--speculative-algorithm", "NGRAM"],
-            "^--enable-hierarchical-cache is not",
-        ),
     ],
 )
 def test_bad_flags_are_refused_in_one_sentence(argv, words):

@@ -5,14 +5,16 @@ forward that raises fails the scheduler where it takes that batch's result, as w
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from sglang.srt.environ import envs
+from sglang.srt.managers import scheduler as scheduler_module
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
 
-register_cpu_ci(est_time=8, suite="per-commit-cpu")
+register_cpu_ci(est_time=9, suite="per-commit-cpu")
 
 PRESET = "tiny-qwen3-next"
 
@@ -64,4 +66,25 @@ def test_a_forward_that_raises_fails_the_step_that_takes_its_result():
             h.sched.step()
     finally:
         h.sched.worker.before_batch_hooks.clear()
+        h.shutdown()
+
+
+def test_pre_forward_ops_run_in_order_inside_the_batch_time(monkeypatch):
+    """A batch's pre-forward ops (`forward_worker.pre_forward_ops`: a host tier's copies, then the tree's
+    state copies) run in their order before its forward and count in `busy_seconds` (the host copies ran
+    in a test hook outside it before). Here each batch gets a first op that sleeps 50 ms and a last one."""
+    real, ran = scheduler_module.pre_forward_ops, []
+
+    def ops(batch, tree_cache, mamba_pool):
+        first = lambda: (ran.append("first"), time.sleep(0.05))  # noqa: E731
+        return [first, *real(batch, tree_cache, mamba_pool), lambda: ran.append("last")]
+
+    monkeypatch.setattr(scheduler_module, "pre_forward_ops", ops)
+    h = SchedulerHarness(PRESET, disable_overlap_schedule=True)
+    try:
+        h.generate(token_ids(20, seed=5), max_new_tokens=3)
+        batches = h.sched.num_batches
+        assert batches >= 3 and ran == ["first", "last"] * batches, ran
+        assert h.sched.worker.busy_seconds >= 0.05 * batches
+    finally:
         h.shutdown()

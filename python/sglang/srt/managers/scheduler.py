@@ -48,13 +48,18 @@ from sglang.srt.managers.scheduler_components.tp_broadcast import (
     ParallelRank,
     join_parallel_group,
 )
-from sglang.srt.managers.scheduler_components.tree_cache_factory import attach_tree_cache, create_tree_cache
+from sglang.srt.managers.scheduler_components.tree_cache_factory import create_tree_cache
 from sglang.srt.managers.scheduler_components.weight_update import WeightUpdate
 from sglang.srt.managers.scheduler_components.weights_update_group import WeightsUpdateGroups
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.common import alloc_for_decode
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.model_executor.forward_worker import ForwardWorker, LaunchedBatch, RanFuture
+from sglang.srt.model_executor.forward_worker import (
+    ForwardWorker,
+    LaunchedBatch,
+    RanFuture,
+    pre_forward_ops,
+)
 from sglang.srt.sampling.penaltylib import PenaltySlots
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.srt.utils.host_profile import host_profile
@@ -104,7 +109,6 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
 
         future_size = 8 * self.max_running_requests + 64
         self.worker = ForwardWorker(self.model_runner, future_size)
-        attach_tree_cache(self.tree_cache, self.worker)
         self.loop_times = LoopTimes()
         self.inflight = InflightBatches(self.worker.future_size)  # built and not yet processed
         self.penalty_slots = PenaltySlots()  # rows of the model runner's output token counts
@@ -334,8 +338,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         item = LaunchedBatch(
             batch.forward_batch,
             future_slots=batch.future_slots,
-            state_copies=batch.state_copies,
-            host_copies=batch.host_copies,
+            pre_forward=pre_forward_ops(batch, self.tree_cache, self.req_to_token_pool.mamba_pool),
             has_placeholders=batch.has_placeholders,
             batch_id=batch.batch_id,
         )

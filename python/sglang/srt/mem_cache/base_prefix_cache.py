@@ -94,8 +94,19 @@ class BasePrefixCache(ABC):
     def reset(self) -> None: ...
 
     def take_host_copies(self) -> list | None:
-        """Once per batch, at its preparation: the copies between the device and a host tier it must run
-        on the forward stream first (`LaunchedBatch.host_copies`); None for a tree without one."""
+        """Once per batch, at its preparation (a speculative verify's: once its KV is allocated, before
+        its draft steps run): the copies between the device and a host tier it must run on the forward
+        stream first (`run_host_copies`, a pre-forward op: `forward_worker.pre_forward_ops`); None for a
+        tree without one."""
+        return None
+
+    def run_host_copies(self, copies: list) -> None:
+        """On the forward stream: the copies `take_host_copies` sealed (a tree without a host tier has
+        none)."""
+        return None
+
+    def weights_changed(self) -> None:
+        """The model's weights were updated in place (a disk tier stops serving entries of the old ones)."""
         return None
 
     def supports_mamba(self) -> bool:

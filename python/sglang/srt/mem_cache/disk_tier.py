@@ -211,10 +211,7 @@ class FileStorage:
         written, and it fits the budget by itself (estimated from the host pools' bytes)."""
         if not self.enabled or name in self.index or name in self.pending:
             return False
-        h = self.host
-        per_token = sum(b[0].numel() * b.element_size() for b in (*h.k_buffer, *h.v_buffer))
-        state = sum(t[:, 0].numel() * t.element_size() for t in (h.conv_state, h.ssm_state))
-        if length * per_token + state > self.max_bytes:
+        if length * self.host.token_bytes + self.host.slot_bytes > self.max_bytes:
             self.stats["disk_writes_over_budget"] += 1
             return False
         return True

@@ -15,10 +15,12 @@ stream is the whole synchronisation story, as for every other state move (docs/s
   copy not yet sealed (`no_buffer`) is stamped with the `epoch` (batches sealed so far) and backed up
   only from the next one on.
 
-On CUDA the copies run on a copy stream of their own, ordered after the forward stream's work so far, and
-the forward stream waits for them before the batch: a batch waits for its own loads (and the backups
-recorded with them), not for the scheduler. On CPU they are plain copies on the forward stream. The CUDA
-path is written but untested here (no GPU in CI).
+On CUDA the copies run on a copy stream of their own, ordered after the forward stream's work so far; the
+host pools are pinned and every transfer is one non-blocking copy per pool tensor (`HostPools`). The
+forward stream waits (an event) for the batch's loads, state copies and the backups' device-side gathers
+only: the backups' copies to host land while the batch runs and are scattered into the host pools once
+their event completed, before any later copy or disk operation reads or writes those pools. On CPU the
+same code runs with plain copies. The CUDA path is tested on a GPU only (`test_hicache_gpu.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ from functools import partial
 import torch
 
 from sglang.srt.mem_cache.host_pool import HostPools
+
+
+@dataclass
+class HostOp:
+    """A recorded operation on the host pools' tensors other than a copy (the disk tier's)."""
+
+    fn: Callable[[], None]
+
+
+# A backup's rows gathered on the device: (KV or states, host slots, one tensor per pool tensor).
+Gathered = tuple[bool, torch.Tensor, list[torch.Tensor]]
 
 
 @dataclass
@@ -48,7 +61,9 @@ class HostCopy:
 class HiCacheController:
     def __init__(self, host: HostPools):
         self.host = host
-        self.recorded: list[HostCopy | Callable[[], None]] = []
+        self.recorded: list[HostCopy | HostOp | Callable[[], None]] = []
+        # Backups on their way to host (CUDA): (event after their copies, what to scatter then), in order.
+        self.landing: list[tuple[torch.cuda.Event, list[Gathered]]] = []
         self.epoch = 0  # batches sealed so far
         self.stats: Counter = Counter()
         device = host.mamba_pool.conv_state.device
@@ -74,71 +89,112 @@ class HiCacheController:
 
     def record(self, op: Callable[[], None], stat: str) -> None:
         """Any other operation on the host tier's tensors (the disk tier's writes and reads), run on the
-        forward stream in order with the copies."""
-        self.recorded.append(op)
+        forward stream in order with the copies (after every backup recorded before it has landed)."""
+        self.recorded.append(HostOp(op))
         self.stats[stat] += 1
 
-    def seal(self) -> list[HostCopy | Callable[[], None]]:
-        """Everything recorded so far, for the batch being prepared (`LaunchedBatch.host_copies`)."""
+    def seal(self) -> list[HostCopy | HostOp | Callable[[], None]]:
+        """Everything recorded so far, for the batch being prepared (`ScheduleBatch.host_copies`); the
+        tree's reset drops them so."""
         out, self.recorded = self.recorded, []
         self.epoch += 1
         return out
 
-    def clear(self) -> None:
-        self.recorded = []
-
     # ---- forward stream ----------------------------------------------------------------------------
 
-    def run(self, copies: list[HostCopy | Callable[[], None]]) -> None:
+    def run(self, copies: list[HostCopy | HostOp | Callable[[], None]]) -> None:
+        """On the forward stream, before the batch they were sealed into. On CUDA on the copy stream: the
+        forward stream waits for the loads, the state copies and the backups' gathers on the device (a
+        page the tree gave up may be this batch's), not for the backups' copies to host, which land
+        while the batch runs (scattered into the host pools by a later `run` or `wait`)."""
+        self._land(block=False)
         if not copies:
             return
         if self.copy_stream is None:
-            self._run(copies)
-        else:
-            forward = torch.cuda.current_stream(self.device)
-            self.copy_stream.wait_stream(forward)
-            with torch.cuda.stream(self.copy_stream):
-                self._run(copies)
-            forward.wait_stream(self.copy_stream)
+            self._land_now(self._run(copies))
+            return
+        forward = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(forward)
+        with torch.cuda.stream(self.copy_stream):
+            gathered = self._run(copies)
+            ready = torch.cuda.Event()
+            ready.record()
+            forward.wait_event(ready)
+            moving = [(kv, slots, self.host.to_host(rows)) for kv, slots, rows in gathered]
+            done = torch.cuda.Event()
+            done.record()
+        self.landing.append((done, moving))
 
-    def _run(self, ops: list[HostCopy | Callable[[], None]]) -> None:
+    def wait(self) -> None:
+        """Every copy run so far has landed, in the host pools and on the device (blocks)."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        self._land(block=True)
+
+    def _land(self, block: bool) -> None:
+        """Scatter backups whose copies to host completed into the host pools, in order (`block`: all)."""
+        while self.landing and (block or self.landing[0][0].query()):
+            event, moving = self.landing.pop(0)
+            event.synchronize()
+            for kv, slots, rows in moving:
+                self.host.scatter(kv, slots, rows)
+
+    def _land_now(self, gathered: list[Gathered]) -> None:
+        """Backups gathered by this `run` into the host pools now (before an op that reads or writes them),
+        after every earlier one."""
+        self._land(block=True)
+        moving = [(kv, slots, self.host.to_host(rows)) for kv, slots, rows in gathered]
+        if moving and self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+        for kv, slots, rows in moving:
+            self.host.scatter(kv, slots, rows)
+        gathered.clear()
+
+    def _run(self, ops: list[HostCopy | HostOp | Callable[[], None]]) -> list[Gathered]:
         """In recorded order; consecutive copies of one direction run as one gather per tensor, unless
         a destination repeats (a page or slot given up and handed out again in between: the later copy
-        must win)."""
+        must win). Returns the backups' gathered rows, not yet in the host pools; an op reading or
+        writing the host pools (a load, a disk operation) first lands those before it."""
+        gathered: list[Gathered] = []
         i = 0
         while i < len(ops):
-            if not isinstance(ops[i], HostCopy):
-                ops[i]()
+            op = ops[i]
+            if isinstance(op, HostOp):
+                self._land_now(gathered)
+                op.fn()
+                i += 1
+                continue
+            if not isinstance(op, HostCopy):
+                op()  # (a device state copy)
                 i += 1
                 continue
             j, kv_dst, slot_dst = i, set(), set()
-            while j < len(ops) and isinstance(ops[j], HostCopy) and ops[j].to_host == ops[i].to_host:
-                op = ops[j]
-                kv = op.host_kv if op.to_host else op.device_kv
-                slot = op.host_slot if op.to_host else op.device_slot
+            while j < len(ops) and isinstance(ops[j], HostCopy) and ops[j].to_host == op.to_host:
+                kv = ops[j].host_kv if op.to_host else ops[j].device_kv
+                slot = ops[j].host_slot if op.to_host else ops[j].device_slot
                 if slot in slot_dst or not kv_dst.isdisjoint(kv):
                     break
                 kv_dst.update(kv)
                 slot_dst.add(slot)
                 j += 1
             group = ops[i:j]
-            dev_kv = [t for op in group for t in op.device_kv]
-            host_kv = [t for op in group for t in op.host_kv]
-            dev_s = [op.device_slot for op in group if op.device_slot is not None]
-            host_s = [op.host_slot for op in group if op.host_slot is not None]
-            # (index tensors only for what the group moves: each device one is an upload)
-            if dev_kv:
-                dk = torch.tensor(dev_kv, dtype=torch.int64).to(self.device)
-                hk = torch.tensor(host_kv, dtype=torch.int64)
-                if ops[i].to_host:
-                    self.host.backup_kv(dk, hk)
+            if not op.to_host:
+                self._land_now(gathered)
+            slots = [(g.device_slot, g.host_slot) for g in group if g.device_slot is not None]
+            moves = (
+                (True, [t for g in group for t in g.device_kv], [t for g in group for t in g.host_kv]),
+                (False, [d for d, _ in slots], [h for _, h in slots]),
+            )
+            for kv, dev, host in moves:
+                if not dev:
+                    continue  # (index tensors only for what the group moves: each device one is an upload)
+                dev_idx = torch.tensor(dev, dtype=torch.int64).to(self.device)
+                host_idx = torch.tensor(host, dtype=torch.int64)
+                if op.to_host:
+                    gathered.append((kv, host_idx, self.host.gather(kv, dev_idx)))
+                elif kv:
+                    self.host.load_kv(host_idx, dev_idx)
                 else:
-                    self.host.load_kv(hk, dk)
-            if dev_s:
-                ds = torch.tensor(dev_s, dtype=torch.int64).to(self.device)
-                hs = torch.tensor(host_s, dtype=torch.int64)
-                if ops[i].to_host:
-                    self.host.backup_states(ds, hs)
-                else:
-                    self.host.load_states(hs, ds)
+                    self.host.load_states(host_idx, dev_idx)
             i = j
+        return gathered

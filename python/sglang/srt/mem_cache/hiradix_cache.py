@@ -32,8 +32,6 @@ from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-import torch
-
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.common import alloc_mamba_slot, evict_from_tree_cache
@@ -53,19 +51,6 @@ logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 SELECTIVE_THRESHOLD = 2
-
-
-def hold_path(tree: MambaTree, node: TreeNode, delta: int) -> None:
-    """Protect (delta 1) or release (-1) the KV of `node`'s path against eviction for the span of one
-    operation, whatever the node holds (a tombstone too); the tree's own counters move as for a lock."""
-    while node is not tree.root:
-        before = node.full_lock_ref
-        node.full_lock_ref += delta
-        if (before == 0) != (node.full_lock_ref == 0):
-            sign = 1 if before == 0 else -1
-            tree.full_evictable_size_ -= sign * len(node.value)
-            tree.full_protected_size_ += sign * len(node.value)
-        node = node.parent
 
 
 def prune_tombstone_leaf(tree: MambaRadixCache, node: TreeNode) -> None:
@@ -115,7 +100,7 @@ class HiMambaRadixCache(MambaRadixCache):
         super().reset()
         self.host_tree.reset()
         self.host.clear()
-        self.controller.clear()
+        self.controller.seal()  # (what was recorded is dropped)
         if self.storage is not None:
             self.storage.reset()  # (its recorded writes went with the controller's list)
         self.stamps, self.due, self.hits = {}, {}, {}
@@ -183,10 +168,10 @@ class HiMambaRadixCache(MambaRadixCache):
         host_tree = self.host_tree
         path, matched = host_tree._walk(key, ns)
         end = path[-1][0] if path else host_tree.root
-        hold_path(host_tree, end, 1)
+        host_tree.hold_path(end, 1)
         pages = (len(key) - matched) // self.page_size
         room = evict_from_tree_cache(host_tree, self.host.token_allocator, pages, self.host.slot_allocator, 1)
-        hold_path(host_tree, end, -1)
+        host_tree.hold_path(end, -1)
         if not room:
             prune_tombstone_leaf(host_tree, end)
             self.controller.stats[count] += 1
@@ -238,10 +223,9 @@ class HiMambaRadixCache(MambaRadixCache):
         assert not self.pending_state_copies  # (recorded with the host copies: `_donate_snapshot`)
         return self.controller.seal()
 
-    def before_batch(self, item) -> None:  # noqa: ANN001 - a LaunchedBatch (forward worker hook)
-        """On the forward stream, before the batch: its sealed copies."""
-        if item.host_copies is not None:
-            self.controller.run(item.host_copies)
+    def run_host_copies(self, copies: list) -> None:
+        """On the forward stream, before the batch (or a verify's draft steps): its sealed copies."""
+        self.controller.run(copies)
 
     def settle_host_copies(self, call) -> None:  # noqa: ANN001 - ForwardWorker.call
         """PD decode, before destinations are cleared and sent to the prefill server (whose transfer
@@ -253,8 +237,7 @@ class HiMambaRadixCache(MambaRadixCache):
 
         def run() -> None:
             self.controller.run(copies)
-            if self.controller.copy_stream is not None:  # (queued is not done: wait for the stream)
-                torch.cuda.current_stream(self.controller.device).synchronize()
+            self.controller.wait()  # (queued is not done: wait for the copies and their landing)
 
         call(run)
 
@@ -305,24 +288,23 @@ class HiMambaRadixCache(MambaRadixCache):
 
     def _load_from_host(self, key: list[int], ns: str | None) -> None:
         key = key[: self._page_aligned(len(key))]
+        key = key if isinstance(key, array) else array("q", key)
         if self.storage is not None and key:
-            key = key if isinstance(key, array) else array("q", key)
             self._load_from_disk(key, ns)
         host_tree = self.host_tree
         if not host_tree.root.children:
             return
-        key = key if isinstance(key, array) else array("q", key)
         src, depth = self._deepest_checkpoint(host_tree, key, ns)
         if src is None or self._deepest_checkpoint(self, key, ns)[1] >= depth:
             return  # nothing on host, or the device holds a checkpoint as deep already
         dpath, dev_matched = self._walk(key[:depth], ns)
         host_tree.inc_lock_ref(src)
         dev_end = dpath[-1][0] if dpath else self.root
-        hold_path(self, dev_end, 1)
+        self.hold_path(dev_end, 1)
         need = (depth - dev_matched) // self.page_size
         room = evict_from_tree_cache(self, self.token_allocator, need)
         slot = alloc_mamba_slot(self, self.mamba_allocator)[0] if room else None
-        hold_path(self, dev_end, -1)
+        self.hold_path(dev_end, -1)
         if slot is None:
             host_tree.dec_lock_ref(src)
             prune_tombstone_leaf(self, dev_end)

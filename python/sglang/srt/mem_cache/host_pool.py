@@ -13,8 +13,8 @@ and the memory available are taken as the smallest over the ranks (`smallest`), 
 node (`ranks_per_node`) each need their tier from that node's memory, so every rank builds the same
 tier or refuses in the same sentence.
 
-The copies (`backup_*`: device -> host, `load_*`: host -> device) read and write the pools' tensors: they
-run on the forward stream only (`HiCacheController` queues them), never on the scheduler thread.
+The copies (backups: device -> host, loads: host -> device) read and write the pools' tensors: they run
+on the forward stream only (`HiCacheController` queues them), never on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -95,6 +95,9 @@ class HostPools:
                 "memory is available (MemAvailable); lower --hicache-ratio or --hicache-size."
             )
         self.page_size = page
+        # Bytes of one token's KV (every layer) and of one state slot, as the disk tier's budget counts them.
+        self.token_bytes = _bytes([t[:1] for t in (*kv_pool.k_buffer, *kv_pool.v_buffer)])
+        self.slot_bytes = state_bytes
         self.token_allocator = PagedTokenAllocator(tokens, page)
         self.slot_allocator = MambaSlotAllocator(slots)
         pin = kv_pool.k_buffer[0].device.type == "cuda" if kv_pool.k_buffer else False
@@ -122,28 +125,59 @@ class HostPools:
         self.token_allocator.clear()
         self.slot_allocator.clear()
 
-    # ---- copies (forward stream only) ---------------------------------------------------------------
+    # ---- copies (forward stream only; `HiCacheController` runs them) ---------------------------------
+    # One code path for CPU and CUDA: a backup gathers the rows on the device (the current stream), moves
+    # them to host (`to_host`: one non-blocking copy per tensor into pinned memory on CUDA, nothing to
+    # move on CPU) and scatters them into the host pools once they landed (`scatter`); a load gathers on
+    # host (into pinned memory on CUDA), moves the rows to the device without blocking and scatters them
+    # there.
 
-    def backup_kv(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        for src_k, src_v, dst_k, dst_v in zip(
-            self.kv_pool.k_buffer, self.kv_pool.v_buffer, self.k_buffer, self.v_buffer, strict=True
-        ):
-            dst_k[host_slots] = src_k[device_slots].to("cpu")
-            dst_v[host_slots] = src_v[device_slots].to("cpu")
+    def _pairs(self, kv: bool) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(device tensor, host tensor, slot dimension): every KV layer's K and V (the MTP draft layer's
+        too: one more layer of the pool), or the two state tensors."""
+        if kv:
+            dev, host = [*self.kv_pool.k_buffer, *self.kv_pool.v_buffer], [*self.k_buffer, *self.v_buffer]
+            return [(d, h, 0) for d, h in zip(dev, host, strict=True)]
+        mp = self.mamba_pool
+        return [(mp.conv_state, self.conv_state, 1), (mp.ssm_state, self.ssm_state, 1)]
+
+    def gather(self, kv: bool, device_slots: torch.Tensor) -> list[torch.Tensor]:
+        """Backup, step 1: the rows of `device_slots`, gathered on the device."""
+        return [d.index_select(dim, device_slots) for d, _, dim in self._pairs(kv)]
+
+    @staticmethod
+    def to_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Backup, step 2: gathered rows into pinned host memory without blocking (CUDA: they have landed
+        once an event recorded after this completes); on CPU they are host rows already."""
+        if not rows or rows[0].device.type == "cpu":
+            return rows
+        out = []
+        for t in rows:
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            pinned.copy_(t, non_blocking=True)
+            out.append(pinned)
+        return out
+
+    def scatter(self, kv: bool, host_slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """Backup, step 3 (once the rows landed): into the host pools."""
+        for (_, h, dim), r in zip(self._pairs(kv), rows, strict=True):
+            h.index_copy_(dim, host_slots, r)
+
+    def load(self, kv: bool, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """Host rows of `host_slots` into the device rows of `device_slots` (the current stream)."""
+        for d, h, dim in self._pairs(kv):
+            if d.device.type == "cpu":
+                rows = h.index_select(dim, host_slots)
+            else:
+                shape = list(h.shape)
+                shape[dim] = len(host_slots)
+                pinned = torch.empty(shape, dtype=h.dtype, pin_memory=True)
+                torch.index_select(h, dim, host_slots, out=pinned)
+                rows = pinned.to(d.device, non_blocking=True)  # (the caching host allocator keeps it)
+            d.index_copy_(dim, device_slots, rows)
 
     def load_kv(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        for src_k, src_v, dst_k, dst_v in zip(
-            self.k_buffer, self.v_buffer, self.kv_pool.k_buffer, self.kv_pool.v_buffer, strict=True
-        ):
-            dst_k[device_slots] = src_k[host_slots].to(dst_k.device)
-            dst_v[device_slots] = src_v[host_slots].to(dst_v.device)
-
-    def backup_states(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        mp = self.mamba_pool
-        self.conv_state[:, host_slots] = mp.conv_state[:, device_slots].to("cpu")
-        self.ssm_state[:, host_slots] = mp.ssm_state[:, device_slots].to("cpu")
+        self.load(True, host_slots, device_slots)
 
     def load_states(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        mp = self.mamba_pool
-        mp.conv_state[:, device_slots] = self.conv_state[:, host_slots].to(mp.conv_state.device)
-        mp.ssm_state[:, device_slots] = self.ssm_state[:, host_slots].to(mp.ssm_state.device)
+        self.load(False, host_slots, device_slots)

@@ -257,12 +257,7 @@ class MambaTree:
                 self.mamba_evictable_size_ -= 1
                 self.mamba_protected_size_ += 1
             node.mamba_lock_ref += 1
-        while node is not self.root:
-            if node.full_lock_ref == 0:
-                self.full_evictable_size_ -= len(node.value)
-                self.full_protected_size_ += len(node.value)
-            node.full_lock_ref += 1
-            node = node.parent
+        self.hold_path(node, 1)
 
     def dec_lock_ref(self, node: TreeNode, pin_checkpoint: bool = True) -> None:
         if node is self.root:
@@ -273,12 +268,17 @@ class MambaTree:
             if node.mamba_lock_ref == 0:
                 self.mamba_evictable_size_ += 1
                 self.mamba_protected_size_ -= 1
+        self.hold_path(node, -1)
+
+    def hold_path(self, node: TreeNode, delta: int) -> None:
+        """The KV part of a lock (delta 1) or of its release (-1): every node from `node` up to the root,
+        whatever it holds (the host tier also holds a tombstone's path for the span of one operation)."""
         while node is not self.root:
-            assert node.full_lock_ref > 0
-            node.full_lock_ref -= 1
-            if node.full_lock_ref == 0:
-                self.full_evictable_size_ += len(node.value)
-                self.full_protected_size_ -= len(node.value)
+            assert node.full_lock_ref + delta >= 0
+            node.full_lock_ref += delta
+            if node.full_lock_ref == (1 if delta > 0 else 0):  # (crossed zero)
+                self.full_evictable_size_ -= delta * len(node.value)
+                self.full_protected_size_ += delta * len(node.value)
             node = node.parent
 
     # ---- sizes and accounting ----------------------------------------------------------------------

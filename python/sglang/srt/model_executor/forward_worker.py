@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -200,14 +201,25 @@ class LaunchedBatch:
     forward_batch: ForwardBatch
     # Future slot of each request's sampled token (None: nothing to store).
     future_slots: Sequence[int] | None = None
-    # (src, dst) state copies queued by the tree (no_buffer snapshots), run before the batch.
-    state_copies: list[tuple[int, int]] = field(default_factory=list)
-    # A host tier's copies (and the tree's state copies in order with them), run by its before-batch
-    # hook (`HiMambaRadixCache.before_batch`); None without a host tier.
-    host_copies: list | None = None
+    # What runs on the forward stream before the batch, in order (`pre_forward_ops`): timed with it.
+    pre_forward: list[Callable[[], None]] = field(default_factory=list)
     # Whether input ids hold placeholders (decided on the host: no device check on the way).
     has_placeholders: bool = False
     batch_id: int = 0
+
+
+def pre_forward_ops(batch: Any, tree_cache: Any, mamba_pool: Any) -> list[Callable[[], None]]:
+    """A `ScheduleBatch`'s work before its forward, in this order: the host tier's copies sealed into it
+    (`BasePrefixCache.take_host_copies`; the tree's state copies run in order among them), then the
+    tree's state copies where there is no host tier (`no_buffer` snapshots). Its COW copies and clears
+    follow, in the forward itself."""
+    ops: list[Callable[[], None]] = []
+    if batch.host_copies:
+        ops.append(partial(tree_cache.run_host_copies, batch.host_copies))
+    if batch.state_copies:
+        src, dst = (list(c) for c in zip(*batch.state_copies, strict=True))
+        ops.append(partial(mamba_pool.copy_from, src, dst))
+    return ops
 
 
 class RanFuture(Future):
@@ -365,9 +377,8 @@ class ForwardWorker:
 
     def _run_batch_body(self, item: LaunchedBatch):
         fb = item.forward_batch
-        if item.state_copies:
-            src, dst = zip(*item.state_copies, strict=True)
-            self.model_runner.req_to_token_pool.mamba_pool.copy_from(list(src), list(dst))
+        for op in item.pre_forward:
+            op()
         if item.future_slots:
             # Where the future slots sit in `token_lookup`: at their placeholders.
             fb.future_slots = host_int64(placeholders(item.future_slots))

@@ -112,7 +112,16 @@ class EagleWorker(NgramWorker):
             sampling_info=rows.sampling_info.repeat_rows([int(d) for d in drafting]),
             steps=self.steps,
         )
-        chains, probs = self.run_on_stream(lambda: self.draft.draft_steps(plan))
+        # A host tier's copies recorded up to the allocation (backups of pages it evicted) run before the
+        # draft steps write the MTP layer's KV into those pages.
+        host_copies = deps.tree_cache.take_host_copies()
+
+        def draft_steps():
+            if host_copies:
+                deps.tree_cache.run_host_copies(host_copies)
+            return self.draft.draft_steps(plan)
+
+        chains, probs = self.run_on_stream(draft_steps)
         drafts: list[list[int]] = [[] for _ in reqs]
         for i, chain in zip(picked, chains, strict=True):
             drafts[i] = chain

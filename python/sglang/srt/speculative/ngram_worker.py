@@ -315,6 +315,9 @@ class NgramWorker:
             processors = CustomLogitInfo.build(reqs, batch.sample_rows)
             batch.forward_batch.custom_logit = processors.at_logit_rows(first)
         batch.state_copies = deps.tree_cache.take_pending_state_copies()
+        # A host tier's copies recorded so far run before the verify, as before any batch: a backup of
+        # pages the verify's allocation evicted reads them before the verify writes them.
+        batch.host_copies = deps.tree_cache.take_host_copies()
 
     def internal_state(self) -> dict:
         """For /get_server_info: upstream's `avg_spec_accept_length` (tokens committed per request and

@@ -126,9 +126,7 @@ class SchedulerUpdateWeightsMixin:
 
     def _weights_changed(self) -> None:
         """The prefix cache's disk tier (if any) stops serving entries of the old weights."""
-        hook = getattr(self.tree_cache, "weights_changed", None)
-        if hook is not None:
-            hook()
+        self.tree_cache.weights_changed()
 
     def release_memory_occupation(self, req: ReleaseMemoryOccupationReqInput) -> None:
         """Free the memory of `req.tags` (`MemoryOccupation`), with no request running or waiting (as

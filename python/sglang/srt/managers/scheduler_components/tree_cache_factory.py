@@ -127,10 +127,3 @@ def disk_fingerprint(args: ServerArgs, model_runner) -> str:
     files = weight_files_identity(path)
     shard = (rank, args.tp_size)  # (each TP rank's own folder: its shard of the KV heads and states)
     return repr((os.path.abspath(path), files, args.quantization, device, args.page_size, shard, layout))
-
-
-def attach_tree_cache(tree_cache: BasePrefixCache, worker) -> None:
-    """A host tier's copies run on the forward stream before each batch."""
-    before_batch = getattr(tree_cache, "before_batch", None)
-    if before_batch is not None:
-        worker.before_batch_hooks.append(before_batch)
