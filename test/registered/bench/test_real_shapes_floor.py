@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="per-commit-cpu")
+register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "gpu"))
 import real_shapes as rs  # noqa: E402
