@@ -108,3 +108,29 @@ def test_strategy_rounds_rotate_the_start_order():
     assert [bss.rotated(s, r)[0] for r in range(3)] == s
     assert bss.rotated(s, 1) == ["extra_buffer", "extra_buffer_lazy", "no_buffer"]
     assert bss.rotated(s, 4) == bss.rotated(s, 1)
+
+
+def _kinds(config) -> dict[str, int]:
+    kinds = getattr(config, "layers_block_type", None) or config.layer_types
+    return {k: kinds.count(k) for k in set(kinds)}
+
+
+@pytest.mark.parametrize("name", list(rs.SLICES))
+def test_each_slice_keeps_the_full_models_layer_kinds_in_proportion(name):
+    """The extrapolation's premise: every layer kind of the published model appears in the slice, and each
+    kind's count times full / slice layers is the full model's count (the published layer lists)."""
+    spec = rs.SLICES[name]
+    full_cfg = rs.published_config(name)
+    full_cfg = full_cfg.get("text_config", full_cfg)
+    if "hybrid_override_pattern" in full_cfg:
+        pattern = full_cfg["hybrid_override_pattern"]
+        full = {"linear_attention": pattern.count("M"), "full_attention": pattern.count("*"),
+                "mlp": pattern.count("-")}  # fmt: skip
+        assert len(pattern) == full_cfg["num_hidden_layers"]
+    else:
+        full = {k: full_cfg["layer_types"].count(k) for k in set(full_cfg["layer_types"])}
+        assert len(full_cfg["layer_types"]) == full_cfg["num_hidden_layers"]
+    assert sum(full.values()) == spec.full_layers
+    cut = _kinds(rs.slice_config(name))
+    assert sum(cut.values()) == spec.slice_layers
+    assert {k: v * spec.full_layers / spec.slice_layers for k, v in cut.items()} == full
