@@ -172,7 +172,7 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
     runner = None
     if not args.dry_run:
         t = time.perf_counter()
-        longest = max([t for t in args.prefill if t <= config.max_position_embeddings], default=0)
+        longest = max([n for n in args.prefill if n <= config.max_position_embeddings], default=0)
         max_tokens = max(max(args.batches) * (args.prompt_len + args.steps + 8), longest + 64)
         runner = _runner(path, device, "bfloat16" if cuda else "float32", max(args.batches), max_tokens)
         rows[0]["load_s"] = round(time.perf_counter() - t, 1)
