@@ -115,6 +115,8 @@ class Envs:
 
     # Loading: threads that read the checkpoint ahead of the loader (models/checkpoint_reader.py).
     SGLANG_WEIGHT_READ_THREADS = EnvInt(8, "Threads reading checkpoint shards ahead of the loader; 1: serial.")
+    # The shape warm-up before ready (entrypoints/server_warmup.py): auto = on CUDA, where kernels compile.
+    SGLANG_SHAPE_WARMUP = EnvStr("auto", "Shape warm-up before ready: auto (on CUDA), on or off.")
 
     # Mamba state dtypes (upstream names). --mamba-ssm-dtype writes SGLANG_MAMBA_SSM_DTYPE.
     SGLANG_MAMBA_CONV_DTYPE = EnvOptStr(None, "Conv state dtype; default: the model dtype.")

@@ -96,6 +96,7 @@ def check_basic_flags(args: ServerArgs) -> None:
     if args.tool_call_parser is not None:
         _choice("--tool-call-parser", args.tool_call_parser, ["auto", *sorted(TOOL_CALL_PARSERS)])
     _choice("--grammar-backend", args.grammar_backend, GRAMMAR_BACKEND_CHOICES)
+    _choice("SGLANG_SHAPE_WARMUP", envs.SGLANG_SHAPE_WARMUP.get(), ["auto", "on", "off"])
     if args.grammar_backend in ("outlines", "llguidance"):
         raise ServerArgsError(
             f"--grammar-backend {args.grammar_backend} is not supported (only xgrammar is installed with "

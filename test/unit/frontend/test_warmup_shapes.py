@@ -21,6 +21,8 @@ from sglang.srt.entrypoints.server_warmup import (
 from sglang.srt.layers.moe.fused_moe_fp8_triton import MOE_GEMM_CONFIGS, MoeGemmConfig
 from sglang.srt.layers.moe.moe_configs import FALLBACK_CONFIGS, pick_configs
 from sglang.srt.layers.quantization.fp8_kernel import GEMM_CONFIGS
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args_checks import ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="per-commit-cpu")
@@ -79,10 +81,19 @@ def test_a_tiny_pool_gets_no_lengths_below_one():
     assert warmup_prompt_lengths(8192, 16384, 262143, 12) == [1, 2, 3, 4, 5, 8, 9, 11]
 
 
-def test_only_cuda_warms_shapes():
+def test_cuda_warms_shapes_unless_the_environment_says(monkeypatch):
+    monkeypatch.delenv("SGLANG_SHAPE_WARMUP", raising=False)
     assert needs_shape_warmup(SimpleNamespace(device="cuda"))
     assert needs_shape_warmup(SimpleNamespace(device="cuda:1"))
     assert not needs_shape_warmup(SimpleNamespace(device="cpu"))
+    monkeypatch.setenv("SGLANG_SHAPE_WARMUP", "on")
+    assert needs_shape_warmup(SimpleNamespace(device="cpu"))
+    monkeypatch.setenv("SGLANG_SHAPE_WARMUP", "off")
+    assert not needs_shape_warmup(SimpleNamespace(device="cuda"))
+    monkeypatch.setenv("SGLANG_SHAPE_WARMUP", "yes")
+    refusal = r"^SGLANG_SHAPE_WARMUP must be one of auto, on, off, got 'yes'\.$"
+    with pytest.raises(ServerArgsError, match=refusal):
+        ServerArgs(model_path="tiny-qwen3-next")
 
 
 class _StandInTokenizerManager:

@@ -23,6 +23,7 @@ import random
 import time
 from typing import Any
 
+from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,11 @@ def warmup_prompt_lengths(
 
 
 def needs_shape_warmup(server_args: Any) -> bool:
-    """Whether kernels compile at run time: on CUDA (Triton, flash-linear-attention)."""
+    """Whether the shape warm-up runs: SGLANG_SHAPE_WARMUP on / off, else (auto) where kernels compile at
+    run time, on CUDA (Triton, flash-linear-attention)."""
+    setting = envs.SGLANG_SHAPE_WARMUP.get()  # (auto, on or off: server_args_checks.py)
+    if setting != "auto":
+        return setting == "on"
     return str(server_args.device).startswith("cuda")
 
 
