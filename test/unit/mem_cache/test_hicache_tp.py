@@ -150,3 +150,21 @@ def test_the_host_tier_is_accepted_with_tp_and_pd(argv):
 def test_dp_is_still_refused_in_one_sentence():
     with pytest.raises(ServerArgsError, match="^--enable-hierarchical-cache is not supported with --dp-size"):
         prepare_server_args(PRESET + ["--enable-hierarchical-cache", "--dp-size", "2"])
+
+
+def test_a_start_error_on_one_rank_is_every_rank_s():
+    """Rank 1's disk folder is refused (another user's, a symlink): rank 0 refuses too, naming rank 1,
+    instead of serving alone until its first agreement waits for rank 1 forever."""
+    from sglang.srt.managers.scheduler_components.tree_cache_factory import _refuse_on_every_rank
+
+    gather = Gather(2)
+    why = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR folder /x is a symlink or not a folder; set it to a folder of yours."
+
+    def rank(r: int) -> str | None:
+        try:
+            _refuse_on_every_rank(SimpleNamespace(gather=gather.for_rank(r)), why if r == 1 else None)
+        except ServerArgsError as e:
+            return str(e)
+        return None
+
+    assert on_ranks([lambda: rank(0), lambda: rank(1)]) == [f"TP rank 1: {why}", why]

@@ -40,8 +40,15 @@ def create_tree_cache(
     from sglang.srt.mem_cache.hiradix_cache import HiMambaRadixCache
     from sglang.srt.mem_cache.host_pool import HostPoolSizeError
 
+    tp = TpAgreement.create(args)
+    storage, cache, error = None, None, None
     try:
-        return HiMambaRadixCache(
+        storage = _file_storage(args, model_runner)
+    except ServerArgsError as e:
+        error = str(e)
+    _refuse_on_every_rank(tp, error)  # (before the host tier's own agreements: all ranks reach them)
+    try:
+        cache = HiMambaRadixCache(
             req_to_token_pool,
             token_allocator,
             args.page_size,
@@ -49,11 +56,24 @@ def create_tree_cache(
             write_policy=args.hicache_write_policy,
             ratio=args.hicache_ratio,
             size_gb=args.hicache_size,
-            storage=_file_storage(args, model_runner),
-            tp=TpAgreement.create(args),
+            storage=storage,
+            tp=tp,
         )
     except (HostPoolSizeError, DiskTierError) as e:
-        raise ServerArgsError(str(e)) from None
+        error = str(e)
+    _refuse_on_every_rank(tp, error)  # (a rank whose disk folder is refused: none waits for it)
+    return cache
+
+
+def _refuse_on_every_rank(tp: TpAgreement | None, error: str | None) -> None:
+    """ServerArgsError on every rank where any rank has an `error` (this rank's, else the first one's,
+    naming its rank)."""
+    if tp is not None:
+        failed = [(r, e) for r, e in enumerate(tp.gather(error)) if e]
+        if failed and error is None:
+            error = f"TP rank {failed[0][0]}: {failed[0][1]}"
+    if error is not None:
+        raise ServerArgsError(error)
 
 
 @dataclass
