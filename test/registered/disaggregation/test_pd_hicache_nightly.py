@@ -4,7 +4,9 @@ state slots, behind the router. Turn 1 of a conversation, 8 other conversations 
 servers' devices, then its turn 2: the prefill server loads its prefix from host and transfers KV and state
 as usual, the decode server loads the part of the prompt its tree held from host (sealed before the
 destination is cleared and sent: `HiMambaRadixCache.settle_host_copies`); every answer equals a single
-server's (the prefill server asked without bootstrap fields) and the oracle's. Nightly (~55 s a case):
+server's (the prefill server asked without bootstrap fields) and the oracle's. The last case runs both
+servers at --tp-size 2 (each rank its own host tier; the ranks compare their scheduler states whenever
+they go idle under the suite's strict check). Nightly (~30-55 s a case):
 
     .venv/bin/python -m pytest -q test/registered/disaggregation/test_pd_hicache_nightly.py
 """
@@ -24,23 +26,24 @@ from sglang.test.pd_conversation import (
 from sglang.test.router_process import start_pd, stop_all
 from sglang.test.scheduler_harness import token_ids
 
-register_cpu_ci(est_time=120, suite="nightly-cpu")
+register_cpu_ci(est_time=150, suite="nightly-cpu")
 
 SECRET = "pd-hicache-test-secret"
 POOLS = ["--max-mamba-cache-size", "6", "--max-total-tokens", "2048", "--max-running-requests", "2",
          "--enable-hierarchical-cache", "--hicache-ratio", "8"]  # fmt: skip
 
 
-@pytest.mark.parametrize("decode_policy", ["write_through", "write_back"])
-def test_both_sides_of_a_pd_pair_hit_their_host_tier(preset_paths, oracles, decode_policy):
+@pytest.mark.parametrize(("decode_policy", "tp"), [("write_through", 1), ("write_back", 1), ("write_back", 2)])
+def test_both_sides_of_a_pd_pair_hit_their_host_tier(preset_paths, oracles, decode_policy, tp):
     """write_back on the decode server backs a checkpoint up when its pages are evicted, which happens
     as a destination is allocated: without the settle the destination was cleared and written by the
     transfer before the backup read it, and turn 2 loaded those pages from host (a logprob off by more
     than the tolerance, measured)."""
     preset = "tiny-qwen3-next"
     env = {"SGLANG_DISAGGREGATION_SECRET": SECRET}
-    decode_args = ["--disaggregation-decode-enable-radix-cache", *POOLS, "--hicache-write-policy", decode_policy]
-    prefill, decode, router, _ = start_pd(preset_paths[preset], POOLS, decode_args, env, env)
+    pools = [*POOLS, "--tp-size", str(tp)]
+    decode_args = ["--disaggregation-decode-enable-radix-cache", *pools, "--hicache-write-policy", decode_policy]
+    prefill, decode, router, _ = start_pd(preset_paths[preset], pools, decode_args, env, env)
     try:
 
         def body(ids: list[int], n: int) -> dict:
