@@ -139,3 +139,55 @@ def plain_spec_and_hicache(preset: str, strategy: str, spec: dict, script: Scrip
     for name, hicache in (("spec", False), ("spec_hicache", True)):
         out[name] = run_script(preset, strategy, hicache, spec, script, truth=truth, **kw)
     return out
+
+
+def host_copy_of_an_evicted_path(spec: dict, strategy: str) -> dict:
+    """Turn 1 of A (200 + 40 tokens); B's decode (verifies, 110 tokens) on a 512-token KV pool evicts A
+    under write_back, backing it up to host. Returns A's path length and the positions whose host copy
+    differs from the KV the device held after turn 1, in any layer (the MTP layer's among them: the last
+    one of the pool), and in the last layer alone."""
+    import torch
+
+    h = SchedulerHarness(
+        "tiny-qwen3-next",
+        mamba_scheduler_strategy=strategy,
+        max_mamba_cache_size=6,
+        max_total_tokens=512,
+        max_running_requests=2,
+        disable_overlap_schedule=True,
+        chunked_prefill_size=128,
+        mamba_track_interval=64,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8,
+        hicache_write_policy="write_back",
+        **spec,
+    )
+    try:
+        tree = h.sched.tree_cache
+        pool = tree.host.kv_pool
+        a = token_ids(200, seed=1)
+        turn1 = a + h.generate(a, max_new_tokens=40, return_logprob=False).output_ids
+        node = tree.match_prefix(turn1).last_device_node
+        key, ns = node.path_key(), node.namespace
+        dev = torch.tensor(node.path_value())
+        before = [t[dev].clone() for t in (*pool.k_buffer, *pool.v_buffer)]
+        h.generate(token_ids(200, seed=2), max_new_tokens=110, return_logprob=False)
+        h.sched.check_integrity()
+        tree.controller.wait()
+        on_device = tree.match_prefix(turn1).last_device_node.path_len()
+        host_node = tree._host_end(key, ns)
+        assert host_node is not None, "A was not backed up"
+        hidx = torch.tensor(host_node.path_value())
+        host = (*tree.host.k_buffer, *tree.host.v_buffer)
+        layers = len(pool.k_buffer)
+        differs, last = set(), set()
+        for i, (b, t) in enumerate(zip(before, host, strict=True)):
+            rows = (t[hidx] != b).flatten(1).any(1).nonzero().flatten().tolist()
+            differs.update(rows)
+            if i % layers == layers - 1:
+                last.update(rows)
+        out = {"path": len(key), "on_device_after": on_device, "differs": len(differs), "last_layer": len(last)}
+        h.flush_and_check_empty()
+        return out
+    finally:
+        h.shutdown()

@@ -15,7 +15,7 @@ from sglang.srt.mem_cache.hicache_controller import HiCacheController
 from sglang.srt.mem_cache.host_pool import HostPools
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=2, suite="per-commit-cpu")
+register_cpu_ci(est_time=1, suite="per-commit-cpu")
 
 
 def _pools(device: str):

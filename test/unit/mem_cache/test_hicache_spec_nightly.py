@@ -16,6 +16,7 @@ from sglang.test.hicache_spec_checks import (
     conversation_through_host,
     demo_evicted_while_verifying,
     evicted_while_verifying,
+    host_copy_of_an_evicted_path,
     plain_spec_and_hicache,
     run_script,
 )
@@ -41,6 +42,17 @@ def test_same_outputs_as_plain_and_without_the_host_tier(strategy, algo, script)
     last = res["spec_hicache"]["requests"][-1]
     assert last[4] == 1 and last[2] > res["spec"]["requests"][-1][2], last  # a host hit, deeper
     assert last[3]["accepted_tokens"] > 0, last  # the hit decodes with accepted drafts
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "NEXTN"])
+def test_the_host_copy_of_a_path_a_verify_evicts_is_what_the_device_held(algo):
+    """write_back: B's verifies evict A (239 tokens) and A is backed up then; its host copy equals, in every
+    layer, the KV the device held after A's turn 1 (exact: a copy). Measured without the fixes: NGRAM's
+    verify sealing no host copies left 6 positions differing (B's verify KV); NEXTN's backups run after
+    the draft steps (sealed into the verify, not run before the drafts) left 2 positions of the MTP layer
+    alone differing (the drafts' KV)."""
+    r = host_copy_of_an_evicted_path(NGRAM if algo == "NGRAM" else NEXTN, "extra_buffer")
+    assert r["path"] == 239 and r["differs"] == 0, r
 
 
 def _demo(strategy: str, host: bool) -> tuple:
