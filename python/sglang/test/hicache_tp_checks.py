@@ -67,6 +67,7 @@ def conversation(rank: int, world: int, init_method: str | None, preset: str, st
         turns.append(_turn(h, a + turns[0]["ids"] + token_ids(20, seed=99), 6))
         h.sched.check_integrity()
         host = {k: tree.controller.stats[k] for k in ("load_states", "host_hit_tokens", "backup_states")}
+        digest = [list(h.sched.rank_digest())]  # (what the ranks compare when idle: the host tree's sizes too)
         h.flush_and_check_empty()
     finally:
         h.shutdown()
@@ -93,7 +94,8 @@ def conversation(rank: int, world: int, init_method: str | None, preset: str, st
             disk["c_reads"] = stats["disk_reads"] - disk["b_reads"]
             disk["c_files"] = len(c_files)
             h.sched.check_integrity()
+            digest.append(list(h.sched.rank_digest()))
             h.flush_and_check_empty()
         finally:
             h.shutdown()
-    return {"turns": turns, "host": host, "disk": disk}
+    return {"turns": turns, "host": host, "disk": disk, "digest": digest}

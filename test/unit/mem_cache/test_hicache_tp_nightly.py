@@ -43,6 +43,7 @@ def test_tp2_hits_host_and_disk_as_one_rank_does(runs, oracles):
         assert (ref - __import__("torch").tensor(turn["logprobs"])).abs().max().item() < LOGPROB_TOL
     # Host: A's turn 2 loaded one checkpoint from host on each rank, the whole first turn but its last token.
     assert r0["host"] == r1["host"] == one["host"]
+    assert r0["digest"] == r1["digest"] and r0["digest"][0][-1] is not None  # (host tree sizes included)
     assert r0["host"]["load_states"] >= 1
     host_turn = 9
     assert r0["turns"][host_turn]["cached"] == r1["turns"][host_turn]["cached"] >= 200

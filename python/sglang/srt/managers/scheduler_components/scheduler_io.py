@@ -453,8 +453,10 @@ class SchedulerIOMixin:
             self.disagg.news, self.disagg.now = tick.disagg
 
     def rank_digest(self) -> tuple:
-        """What every TP rank must agree on whenever it goes idle: batches built and the pools' counts."""
+        """What every TP rank must agree on whenever it goes idle: batches built and the pools' counts
+        (with a host tier, its tree's too)."""
         tree = self.tree_cache
+        host = getattr(tree, "host_tree", None)
         return (
             self.num_batches,
             self.token_allocator.available_size(),
@@ -462,6 +464,7 @@ class SchedulerIOMixin:
             tree.total_size(),
             tree.mamba_total_size(),
             tuple(sorted(self.counters.items())),
+            None if host is None else (host.total_size(), host.mamba_total_size()),
         )
 
     def _report_load(self) -> None:
