@@ -175,6 +175,28 @@ def test_graphs_are_captured_again_when_an_update_changes_a_kv_scale():
     assert attn.kv_scales == (0.5, 1.0)
 
 
+def test_an_update_resolves_the_kv_scales_without_cuda_graphs(caplog):
+    """Without CUDA graphs (a CPU server, --disable-cuda-graph) an update that sets a k_scale still sets the
+    pair both backends read (the resolution was skipped with the recapture when there was no graph
+    runner); a model swap resolves them again without a second missing-scale warning (one per start)."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.layers.attention.kv_scales"):
+        runner = make_runner("tiny-qwen3-next", kv_cache_dtype="fp8_e4m3")
+    assert runner.graph_runner is None
+    assert len([r for r in caplog.records if "k_scale" in r.getMessage()]) == 1  # at start
+    name = next(n for n, m in runner.model.named_modules() if isinstance(m, RadixAttention))
+    attn = runner.model.get_submodule(name)
+    runner.update_weights_from_tensor([(name.rpartition(".")[0] + ".k_scale", torch.tensor(0.5))])
+    assert attn.kv_scales == (0.5, 1.0)
+    caplog.clear()
+    attn.k_scale = 0.25  # as a swapped-in model with other scales would have them
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.layers.attention.kv_scales"):
+        runner.swap_model(runner.model)
+    assert attn.kv_scales == (0.25, 1.0)
+    assert not [r for r in caplog.records if "k_scale" in r.getMessage()]
+
+
 def test_the_scales_are_resolved_for_the_pools_dtype():
     """The layers' `kv_scales` are the checkpoint's for a float8 pool (1.0 where it has none) and 1.0 for
     any other pool, which stores values as they are; set once at start, not looked up per forward."""

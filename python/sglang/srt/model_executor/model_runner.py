@@ -313,7 +313,7 @@ class ModelRunner:
         """Serve `model` (from `load_like_current`) from the next forward on; nothing may be in flight.
         CUDA graphs hold the old weights' addresses, so they are captured again."""
         self.model = model
-        self._kv_scales(warn=True)
+        self._kv_scales()  # the missing-scale warning was logged at start (once per start)
         if self.graph_runner is not None:
             self.graph_runner.recapture()
 
@@ -360,8 +360,10 @@ class ModelRunner:
         else:
             scales = self._kv_scales()
             unknown = self.model.load_weights(named_tensors, update=True, before_copy=before_copy)
-            if self.graph_runner is not None and self._kv_scales() != scales:
-                # The float8 KV scales are numbers the captured graphs hold, not parameters.
+            # Resolved whether or not graphs exist (the backends read the resolved pair); the float8 KV
+            # scales are numbers the captured graphs hold, not parameters, so a change recaptures them.
+            changed = self._kv_scales() != scales
+            if self.graph_runner is not None and changed:
                 self.graph_runner.recapture()
         if on_cuda:
             torch.cuda.synchronize(self.device)  # written before the next forward reads them

@@ -69,9 +69,9 @@ def resolve_kv_scales(
 ) -> list[tuple[float, float]]:
     """Sets every `RadixAttention.kv_scales` of `models` for a KV pool of `kv_dtype` and returns them in
     module order: a float8 pool's are the checkpoint's (k_scale, v_scale), 1.0 where it has none, with
-    one warning (`warn`: not again after a weight update), as upstream; any other pool stores values as they are (1.0, 1.0). The backends read
-    the pair at each forward; a change after capture needs the CUDA graphs captured again (the model
-    runner compares the lists)."""
+    one warning (`warn`: at start only, not after a weight update or model swap), as upstream; any other
+    pool stores values as they are (1.0, 1.0). The backends read the pair at each forward; a change after
+    capture needs the CUDA graphs captured again (the model runner compares the lists)."""
     float8, out, unscaled = kv_dtype.itemsize == 1, [], None
     for model in models:
         for layer in model.modules() if model is not None else ():
