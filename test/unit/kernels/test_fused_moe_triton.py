@@ -93,6 +93,33 @@ def test_the_shared_expert_runs_as_one_more_expert(interpret, masked):
     assert_close_to(layer(x, weights, ids, mlp, gate), want(), TOL_FP16)
 
 
+def test_no_fused_gemms_where_they_would_not_run(interpret, ops):
+    """SGLANG_GPU_MOE_BACKEND=triton_fused builds the fused GEMMs (and stacks the shared expert) only for
+    16-bit experts the C++ op does not serve: a float32 layer on CPU keeps the C++ op's transposed storage
+    and runs its shared expert inside the op (the stack's copy replaced that storage: "w13t and w2t must
+    be contiguous" at the first forward); float32 without the op builds nothing either."""
+    from sglang.srt.layers.linear import ReplicatedLinear
+    from sglang.srt.layers.mlp import GatedMLP
+
+    for cpu_backend in ("cpp", "torch"):
+        layer = make_layer(4, 64, 32, "silu", True, torch.float32)
+        g = torch.Generator().manual_seed(7)
+        mlp, gate = GatedMLP(64, 32, "silu", reduce_results=False), ReplicatedLinear(64, 1, bias=False)
+        for p in (*mlp.parameters(), *gate.parameters()):
+            p.data = torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5
+        backends = envs.SGLANG_GPU_MOE_BACKEND.override("triton_fused"), envs.SGLANG_CPU_MOE_BACKEND.override(cpu_backend)  # fmt: skip
+        with backends[0], backends[1]:
+            layer.fuse_shared_expert(mlp, gate)
+            assert layer.fused_gemms is None
+            assert (layer.cpu_ops is not None) == (cpu_backend == "cpp")
+            assert (layer.fused_shared is not None) == (cpu_backend == "cpp")
+            weights, ids = routing(3, 2, 4, seed=8)
+            x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+            want = layer.forward_device(x, weights, ids, grouped=False) + mlp(x) * torch.sigmoid(gate(x))
+            # Float32 throughout: the C++ op sums in another order (1e-5 of outputs of O(1)).
+            torch.testing.assert_close(layer(x, weights, ids, mlp, gate), want, rtol=1e-5, atol=1e-5)
+
+
 def test_tuned_tiles_are_looked_up_by_shape_and_gpu(tmp_path):
     """A file named for (E, N, K, dtype, GPU) is read; the nearest batch size's entry serves (the
     smaller on a tie) up to twice the largest; another shape, dtype or GPU has none (the fallback by mean rows serves); a

@@ -112,19 +112,28 @@ class RoutedExperts(nn.Module):
     def process_weights_after_loading(self) -> None:
         """On CPU, where the C++ op serves this layer, store w13 / w2 transposed (contiguous [E, H, R] and
         [E, I, H]; the parameters become views of them with their usual shapes, so every torch path
-        reads them as before). Runs once however often it is called."""
+        reads them as before). Elsewhere, with SGLANG_GPU_MOE_BACKEND=triton_fused, the fused GEMMs for
+        16-bit experts. Runs once however often it is called."""
         self.triton = triton_chosen(
             envs.SGLANG_GPU_MOE_BACKEND, self.w13.device,
             "sglang.srt.layers.moe.dispatch_triton", "sglang.srt.layers.moe.routing_triton",
             "sglang.srt.layers.moe.elementwise_triton", also_triton=("triton_fused",),
         )  # fmt: skip
-        if self.fused_gemms is None and self.triton and envs.SGLANG_GPU_MOE_BACKEND.get() == "triton_fused":
-            if not self.fp8:  # (imported here: a CPU install may lack triton)
-                from sglang.srt.layers.moe.fused_moe_triton import FusedExperts
+        if not self.fp8:  # the C++ op takes float weights
+            self._use_cpu_op()
+        fused = self.triton and envs.SGLANG_GPU_MOE_BACKEND.get() == "triton_fused"
+        if self.fused_gemms is None and fused and not self.fp8 and self.cpu_ops is None:
+            # (imported here: a CPU install may lack triton)
+            from sglang.srt.layers.moe.fused_moe_triton import FusedExperts
 
+            # Only for the dtypes it serves: for others (float32) it would run nothing, yet stack the
+            # shared expert (a copy of the weights); and the C++ op reads its own transposed storage.
+            if self.w13.dtype in FusedExperts.DTYPES:
                 self.fused_gemms = FusedExperts(self)
-        if self.fp8:
-            return  # the C++ op takes float weights
+
+    def _use_cpu_op(self) -> None:
+        """Where sgl-kernel's C++ op serves this layer (CPU, its activations, small experts), sets
+        `cpu_ops` and stores w13 / w2 transposed (once)."""
         ops = cpu_moe_ops(self.w13.device)
         weights_per_expert = self.w13.shape[1] * self.w13.shape[2] + self.w2.shape[1] * self.w2.shape[2]
         if ops is None or self.act_code is None or weights_per_expert > CPU_OP_MAX_EXPERT_WEIGHTS:
