@@ -170,11 +170,6 @@ def test_a_bad_backend_value_is_one_sentence():
     )
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tokens", [1, 64, 256, 1024])
