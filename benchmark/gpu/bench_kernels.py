@@ -303,7 +303,14 @@ def decode_sweep(device: str, tiny: bool, reps: int) -> list[dict]:
                 if fused is not None:
                     module.FUSED_OUT = config["fused_out"] = fused
                 if row_of is _gdn_decode_row:
-                    row = row_of(device, 8 if tiny else 256, 4 if tiny else 32, 16 if tiny else 128, reps, ours_only=True)
+                    row = row_of(
+                        device,
+                        8 if tiny else 256,
+                        4 if tiny else 32,
+                        16 if tiny else 128,
+                        reps,
+                        ours_only=True,
+                    )
                 else:
                     args = (4, 8, 16, 2) if tiny else (128, 64, 128, 8)
                     row = row_of(device, 8 if tiny else 256, *args, reps, ours_only=True)
@@ -471,7 +478,9 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="the GDN prefill cases' kernels (CUDA)")
     parser.add_argument("--sweep", action="store_true", help="the decode steps' tile / warps pairs")
     parser.add_argument("--out", help="also write the rows as JSON here")
-    parser.add_argument("--moe", action="store_true", help="the MoE experts' rows only (not in the default set)")
+    parser.add_argument(
+        "--moe", action="store_true", help="the MoE experts' rows only (not in the default set)"
+    )
     args = parser.parse_args()
     rows = []
     if args.moe:

@@ -78,7 +78,9 @@ def narrow_scales(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("which", ["published", "narrow_scales"])
 def test_fp8_linears_hold_the_checkpoints_bytes_and_scales(which, request):
-    path = resolve_model_path("tiny-qwen3-next-fp8") if which == "published" else request.getfixturevalue(which)
+    path = (
+        resolve_model_path("tiny-qwen3-next-fp8") if which == "published" else request.getfixturevalue(which)
+    )
     ckpt, cfg = _checkpoint(path), load_hf_config(path)
     # Built on the meta device once (review item 3): the planner counts the model the loader then fills.
     meta = build_meta_model(cfg, "cpu", CUDA_LAYOUT)

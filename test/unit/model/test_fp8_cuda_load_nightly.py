@@ -24,7 +24,9 @@ register_cpu_ci(est_time=15, suite="nightly-cpu")
 
 
 def test_granites_split_and_folded_multiplier_keep_the_checkpoints_bytes(tmp_path):
-    make_tiny_model("granitemoehybrid", tmp_path, overrides={"shared_intermediate_size": 256}, quantize="fp8-block")
+    make_tiny_model(
+        "granitemoehybrid", tmp_path, overrides={"shared_intermediate_size": 256}, quantize="fp8-block"
+    )
     path = str(tmp_path / "model.safetensors")
     tensors = load_file(path)
     for name in [n for n in tensors if n.endswith(SCALE_SUFFIX)]:
@@ -41,7 +43,10 @@ def test_granites_split_and_folded_multiplier_keep_the_checkpoints_bytes(tmp_pat
         dw, ds = f.get_tensor(down), f.get_tensor(down + SCALE_SUFFIX)
     mlp = model.model.layers[0].mlp
     mlp = getattr(mlp, "shared_mlp", mlp)
-    for proj, rows, scale_rows in ((mlp.gate_proj, slice(0, 256), slice(0, 2)), (mlp.up_proj, slice(256, 512), slice(2, 4))):
+    for proj, rows, scale_rows in (
+        (mlp.gate_proj, slice(0, 256), slice(0, 2)),
+        (mlp.up_proj, slice(256, 512), slice(2, 4)),
+    ):
         assert torch.equal(proj.weight.view(torch.uint8), w[rows].view(torch.uint8))
         assert torch.equal(proj.weight_scale_inv, s[scale_rows])
     m = float(cfg.residual_multiplier)

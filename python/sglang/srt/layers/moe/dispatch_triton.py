@@ -8,8 +8,8 @@ stable argsort, gathers, a histogram, a cumsum, casts, a zero fill and an `index
   (expert, index) order: O((T k)^2) compares, which at decode sizes is far less than a launch costs.
 - `moe_combine`: each token's output, the weighted sum of its k rows of the experts' output, summed in
   float32 in pick order and rounded once to the activation dtype (torch's form sums the same products
-  with an `index_add_`). Rows of weight 0 add nothing whatever they hold (under expert parallelism, other ranks'
-  assignments: id `num_experts`, sorted last, outside every group of `offs`, never computed).
+  with an `index_add_`). Rows of weight 0 add nothing whatever they hold (under expert parallelism, other
+  ranks' assignments: id `num_experts`, sorted last, outside every group of `offs`, never computed).
 
 On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, for tests.
 """

@@ -472,4 +472,3 @@ class RoutedExperts(nn.Module):
         block[torch.where(mine, expert_of, e), row] = x[token_of]
         y = self._mlp(block[:e], self.w13.transpose(1, 2), self.w2.transpose(1, 2))
         return y[local, row]
-

@@ -19,10 +19,10 @@ Where the weights are computed with:
   instructions), so one would dequantize too.
 - CUDA: the quantizable `nn.Linear`s become `Fp8BlockLinear`s before loading (`swap_fp8_linears`),
   holding FP8 weights and their scales: the checkpoint's, copied as they are (`HybridCausalLM._fp8_pieces`
-  says which pairs can be; the rest are dequantized and quantized again at load); their forward calls `fp8_kernel.w8a8_block_fp8_matmul` where
-  that module imports, else dequantizes and multiplies. The routed experts stay FP8 as published
-  (`fp8_experts.py`: w13 / w2 float8_e4m3fn with their block scales, run by
-  `fused_moe_fp8_triton.py`); `SGLANG_FP8_EXPERTS` chooses their layout on any device
+  says which pairs can be; the rest are dequantized and quantized again at load); their forward calls
+  `fp8_kernel.w8a8_block_fp8_matmul` where that module imports, else dequantizes and multiplies. The
+  routed experts stay FP8 as published (`fp8_experts.py`: w13 / w2 float8_e4m3fn with their block
+  scales, run by `fused_moe_fp8_triton.py`); `SGLANG_FP8_EXPERTS` chooses their layout on any device
   (`fp8_layout`).
 """
 
@@ -413,10 +413,10 @@ def swap_fp8_linears(
     """Before loading: replace each `nn.Linear` of `model` that the FP8 checkpoint quantizes by an
     `Fp8BlockLinear` of the same shape (on the linear's device, meta included). Kept as they are: the
     modules `quantizable_by_default` keeps (lm_head, routers, gates, ...), the modules in or under `skip`
-    (our module names of the checkpoint's ignored list), and those whose name ends with one of `dense_modules` (a
-    model's linears whose rows are regrouped or assembled after loading). The loader copies a
-    checkpoint's FP8 weight and scales into an FP8 linear as they are, and quantizes a dense tensor
-    that arrives for one."""
+    (our module names of the checkpoint's ignored list), and those whose name ends with one of
+    `dense_modules` (a model's linears whose rows are regrouped or assembled after loading). The loader
+    copies a checkpoint's FP8 weight and scales into an FP8 linear as they are, and quantizes a dense
+    tensor that arrives for one."""
     report, skip, dense = SwapReport(), set(skip), tuple(dense_modules)
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):

@@ -58,7 +58,8 @@ SCALE_NAME = "_weight" + SCALE_SUFFIX  # w13 -> w13_weight_scale_inv (upstream's
 def swap_fp8_experts(model: nn.Module, config: Fp8Config, skip: set[str] = frozenset()) -> list[str]:
     """Before loading (on any device, meta included): the routed experts of `model` hold FP8 weights
     and their block scales, except those in, under or above a module in `skip` (the checkpoint's
-    unquantized ones, in our names: a listed expert keeps the stacked experts dense). Returns the experts' module names made FP8."""
+    unquantized ones, in our names: a listed expert keeps the stacked experts dense). Returns the
+    experts' module names made FP8."""
     made = []
     for name, module in model.named_modules():
         listed = under_any(name, skip) or any(s.startswith(name + ".") for s in skip)
