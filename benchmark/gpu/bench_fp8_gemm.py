@@ -142,7 +142,7 @@ def moe_rows(device: str, tiny: bool, reps: int, sweep: bool) -> list[dict]:
             "ms": {c: round(t * 1e3, 4) for c, t in times.device.items()},
             "ms_with_launch": {c: round(t * 1e3, 4) for c, t in times.with_launch.items()},
             "fp8_over_bf16": round(times.device["bf16"] / times.device["fp8"], 2),
-            "config": mf.moe_gemm_config(tokens * top_k, e)._asdict(),
+            "config": mf.config_by_mean_rows(mf.MOE_GEMM_CONFIGS, tokens * top_k, e)._asdict(),
         }  # fmt: skip
         bandwidth = peak_bandwidth(device)
         if bandwidth:

@@ -31,7 +31,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_kernels import peak_bandwidth  # noqa: E402
 
 from sglang.srt.layers.moe import moe_configs as mc  # noqa: E402
-from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig, tile_map  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_fp8_triton import (  # noqa: E402
+    MoeGemmConfig,
+    config_by_mean_rows,
+    tile_map,
+)
 from sglang.srt.layers.moe.fused_moe_triton import moe_gemm  # noqa: E402
 from sglang.srt.layers.moe.sort_combine import sort_by_expert  # noqa: E402
 
@@ -102,7 +106,7 @@ def tune_shape(e: int, hidden: int, inter: int, top_k: int, batches, device: str
         best = {}
         for gemm in ("w13", "w2"):
             timings = {}
-            fallback = mc.fallback_config(n_rows, e)
+            fallback = config_by_mean_rows(mc.FALLBACK_CONFIGS, n_rows, e)
             candidates = CANDIDATES if device == "cuda" else CANDIDATES[:1]  # the interpreter: a check only
             for cfg in dict.fromkeys([*candidates, fallback]):
                 fns = [_gemm_call(gemm, x, h, w13, w2, s, n_rows, cfg) for x, h, s in inputs]

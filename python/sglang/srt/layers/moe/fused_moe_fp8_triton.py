@@ -72,9 +72,14 @@ MOE_GEMM_CONFIGS: tuple[tuple[float, MoeGemmConfig], ...] = (
 )
 
 
-def moe_gemm_config(assignments: int, num_experts: int) -> MoeGemmConfig:
+def config_by_mean_rows(
+    configs: tuple[tuple[float, MoeGemmConfig], ...], assignments: int, num_experts: int
+) -> MoeGemmConfig:
+    """The tile of `configs` ((bound, tile) pairs: this module's MOE_GEMM_CONFIGS or
+    `moe_configs.FALLBACK_CONFIGS`) for `assignments` rows over `num_experts` experts: the first whose
+    bound holds the mean rows per expert."""
     mean_rows = assignments / max(num_experts, 1)
-    return next(cfg for bound, cfg in MOE_GEMM_CONFIGS if mean_rows <= bound)
+    return next(cfg for bound, cfg in configs if mean_rows <= bound)
 
 
 def _moe_gemm_kernel(
@@ -231,7 +236,7 @@ def fused_experts_fp8(
 
     num_experts = w13.shape[0]
     rows = ids.numel()
-    cfg = config or moe_gemm_config(rows, num_experts)
+    cfg = config or config_by_mean_rows(MOE_GEMM_CONFIGS, rows, num_experts)
     sorted_ = sort_by_expert(ids, num_experts, use_triton=True)
     token_of, offs = sorted_.token_of, sorted_.offs
     tile_end = tile_map(offs, cfg.block_m)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig
+from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig, config_by_mean_rows
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -54,11 +54,6 @@ TUNE_CANDIDATES = [
 ]  # fmt: skip
 
 Table = dict[int, tuple[MoeGemmConfig, MoeGemmConfig]]
-
-
-def fallback_config(assignments: int, num_experts: int) -> MoeGemmConfig:
-    mean_rows = assignments / max(num_experts, 1)
-    return next(cfg for bound, cfg in FALLBACK_CONFIGS if mean_rows <= bound)
 
 
 def device_name(device: torch.device) -> str:
@@ -121,6 +116,6 @@ def pick_configs(
     or the fallback for both where there is no table or the batch is over twice its largest size (the
     tuning covers decode sizes; a prefill of thousands of tokens wants taller tiles than batch 256's)."""
     if not table or num_tokens > 2 * max(table):
-        cfg = fallback_config(assignments, num_experts)
+        cfg = config_by_mean_rows(FALLBACK_CONFIGS, assignments, num_experts)
         return cfg, cfg
     return table[min(table, key=lambda b: (abs(b - num_tokens), b))]
