@@ -230,9 +230,10 @@ def fp8_checkpoint_stream(
     served are those an FP8 checkpoint of it would hold. ValueError where a weight and its scale do not
     pair up.
 
-    `keep_fp8(name)`: the seam for layers that store FP8 themselves (the FP8 experts): a pair whose
-    weight name it accepts is given as it is, as one `Fp8Weight` under the weight's name; online, such a
-    tensor is given quantized the same way."""
+    `keep_fp8(name)`: which weights load as FP8 (the model's loader decides: every one where the linears
+    are FP8, on CUDA; the FP8 experts' alone where only they are): a pair whose weight name it accepts is
+    given as it is, as one `Fp8Weight` under the weight's name; online, such a tensor is given quantized
+    the same way."""
     pending: dict[str, torch.Tensor] = {}  # a weight waiting for its scale, or a scale for its weight
     for name, tensor in weights:
         if name.endswith(".weight" + SCALE_SUFFIX):
