@@ -94,11 +94,11 @@ def test_reads_stay_within_the_look_ahead(read_ahead):
 def test_a_read_error_reaches_the_consumer(monkeypatch, tmp_path):
     folder = _write_shards(tmp_path / "ckpt", {f"w{i}": torch.ones(64, 64) for i in range(6)}, shards=2)
 
-    def failing_touch(handles, item, start, stop):
+    def failing_read(files, item, start, stop):
         if item.name == "w3":
             raise OSError("Input/output error")
 
-    monkeypatch.setattr(checkpoint_reader, "_touch", failing_touch)
+    monkeypatch.setattr(checkpoint_reader, "_read", failing_read)
     names = []
     with pytest.raises(OSError, match="Input/output error"):
         for name, _ in read_checkpoint(folder, threads=3):
@@ -148,3 +148,28 @@ def test_the_threads_follow_the_environment(setting, threads, monkeypatch, tmp_p
     monkeypatch.setattr(checkpoint_reader, "ThreadPoolExecutor", Recorded)
     assert [n for n, _ in read_checkpoint(folder)] == [n for n, _ in iter_checkpoint(folder)]
     assert pools == ([threads] if threads else [])  # 1: iter_checkpoint itself, no pool
+
+
+def _rss_file_bytes() -> int:
+    """The process's resident file-backed memory (mapped file pages), from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+def test_read_ahead_keeps_about_one_shard_resident(tmp_path):
+    # 4 shards of 32 MiB (2 tensors each), all read ahead at once: what the reading threads read must
+    # not stay mapped in the process (it did: each thread kept its own mapping of every file until the
+    # load ended, so all 128 MiB were resident, an 80B checkpoint's 160 GB). The loader maps one shard
+    # at a time, as the serial load does. The bound, 1.5 shards, leaves 16 MiB for the loader's
+    # mapping's read-around and pages of libraries the first reads fault in; the old code is 4 shards.
+    shard = 32 << 20
+    tensors = {f"w{i}": torch.full((shard // 8,), float(i)) for i in range(8)}  # 16 MiB each (float32)
+    folder = _write_shards(tmp_path / "ckpt", tensors, shards=4)
+    before = _rss_file_bytes()
+    most = 0
+    for name, tensor in read_checkpoint(folder, threads=4, read_ahead=1 << 30):
+        assert float(tensor[-1]) == float(name[1:])
+        most = max(most, _rss_file_bytes() - before)
+    assert most <= 1.5 * shard, f"{most / 2**20:.0f} MiB resident of {4 * shard / 2**20:.0f} MiB"

@@ -3,20 +3,23 @@
 `safe_open` maps a shard and hands out views of the mapping: nothing is read until the loader copies a
 tensor into its parameter, one page fault after another on the loading thread, so a serial load reads
 one stream from disk at a time (`benchmark/bench_weight_read.py` measures both). Here a thread pool reads
-ahead: each thread touches the pages of the tensors next in line (one byte per page, in torch, without
-the GIL), which brings them into the page cache; the loader then copies each tensor from the mapping as
-before, in the same order (`iter_checkpoint`'s: files sorted, names as each file lists them), so the
-parameters are the serial load's, bit for bit.
+ahead: each thread reads the bytes of the tensors next in line with `os.preadv` on a plain file
+descriptor (no mapping, without the GIL) into a small buffer of its own that it reuses, which brings
+them into the page cache; the loader then copies each tensor from its shard's mapping as before, in the
+same order (`iter_checkpoint`'s: files sorted, names as each file lists them), so the parameters are the
+serial load's, bit for bit.
 
 Memory: what is read ahead lives in the page cache (reclaimable, shared with other ranks reading the
-same files), and at most `read_ahead` bytes of tensors not yet handed out are read ahead at once
-(always at least the next tensor), so a checkpoint larger than the host's memory loads without the
-reads evicting each other.
+same files, and not the process's: no thread maps a file), and at most `read_ahead` bytes of tensors not
+yet handed out are read ahead at once (always at least the next tensor), so a checkpoint larger than the
+host's memory loads without the reads evicting each other. The process maps one shard at a time (the
+loader's, as the serial load does), and each reading thread holds a BUFFER_BYTES buffer.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 import threading
 from collections import deque
@@ -32,9 +35,9 @@ from sglang.srt.environ import envs
 from sglang.srt.models.loader import checkpoint_files, iter_checkpoint
 
 READ_AHEAD_BYTES = 2 << 30
-# A tensor bigger than this is touched by several threads (an 80B model's embedding is 1.2 GB).
+# A tensor bigger than this is read by several threads (an 80B model's embedding is 1.2 GB).
 PIECE_BYTES = 64 << 20
-_PAGE = 4096  # touching one byte in every 4 KiB touches every page, whatever the page size
+BUFFER_BYTES = 4 << 20  # each reading thread's buffer: a piece is read in reads of this many bytes
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class PlannedTensor:
     path: Path
     name: str
     nbytes: int
+    offset: int = 0  # where its bytes begin in the file
 
 
 def plan_checkpoint(folder: str | Path, prefix: str = "") -> list[PlannedTensor]:
@@ -49,10 +53,10 @@ def plan_checkpoint(folder: str | Path, prefix: str = "") -> list[PlannedTensor]
     from the files' headers (nothing else is read)."""
     plan = []
     for path in checkpoint_files(folder, prefix):
-        sizes = _header_sizes(path)
+        spans = _header_spans(path)
         with safe_open(str(path), framework="pt") as f:
             names = [n for n in f.keys() if n.startswith(prefix)]  # noqa: SIM118 - not a mapping
-        plan.extend(PlannedTensor(path, n, sizes[n]) for n in names)
+        plan.extend(PlannedTensor(path, n, spans[n][1] - spans[n][0], spans[n][0]) for n in names)
     return plan
 
 
@@ -67,17 +71,19 @@ def read_checkpoint(
         yield from iter_checkpoint(folder, prefix)
         return
     plan = plan_checkpoint(folder, prefix)
-    handles = _ThreadHandles()
+    files = _Files()
     pool = ThreadPoolExecutor(threads, thread_name_prefix="weight-read")
     path, f = None, None
     try:
-        for i in read_ahead_order(plan, lambda t, a, b: pool.submit(_touch, handles, t, a, b), read_ahead):
+        for i in read_ahead_order(plan, lambda t, a, b: pool.submit(_read, files, t, a, b), read_ahead):
             item = plan[i]
             if item.path != path:
+                f = None  # the previous shard's mapping goes before the next one's is made
                 path, f = item.path, safe_open(str(item.path), framework="pt")
             yield item.name, f.get_tensor(item.name)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        files.close()
 
 
 def read_ahead_order(
@@ -101,26 +107,54 @@ def read_ahead_order(
         held -= item.nbytes
 
 
-class _ThreadHandles(threading.local):
-    """Each reading thread's open files (a safe_open parses its file's header once per thread)."""
+class _Files:
+    """The checkpoint's files opened for reading, one descriptor each shared by the threads (`preadv`
+    reads at an offset), and each reading thread's buffer."""
 
-    def get(self, path: Path):  # noqa: ANN201 - safetensors' handle type is not importable
-        files = self.__dict__.setdefault("files", {})
-        if path not in files:
-            files[path] = safe_open(str(path), framework="pt")
-        return files[path]
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def fd(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
+
+    def buffer(self) -> memoryview:
+        if not hasattr(self._local, "buffer"):
+            self._local.buffer = memoryview(bytearray(BUFFER_BYTES))
+        return self._local.buffer
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
-def _touch(handles: _ThreadHandles, item: PlannedTensor, start: int, stop: int) -> None:
-    tensor = handles.get(item.path).get_tensor(item.name)
-    data = tensor.reshape(-1).view(torch.uint8)
-    data[start:stop:_PAGE].max()
+def _read(files: _Files, item: PlannedTensor, start: int, stop: int) -> None:
+    """Read bytes [start, stop) of `item` through the thread's buffer, which leaves them in the page
+    cache."""
+    fd, buffer = files.fd(item.path), files.buffer()
+    pos, end = item.offset + start, item.offset + stop
+    while pos < end:
+        got = os.preadv(fd, [buffer[: min(BUFFER_BYTES, end - pos)]], pos)
+        if got <= 0:
+            raise OSError(f"{item.path} ends at byte {pos}, inside tensor {item.name}")
+        pos += got
 
 
-def _header_sizes(path: Path) -> dict[str, int]:
-    """Bytes of each tensor of a safetensors file: an 8-byte little-endian header length, then a JSON
-    header whose entries hold `data_offsets` [begin, end)."""
+def _header_spans(path: Path) -> dict[str, tuple[int, int]]:
+    """Where each tensor of a safetensors file lies, [begin, end) in the file: an 8-byte little-endian
+    header length, then a JSON header whose entries hold `data_offsets` [begin, end) from its end."""
     with open(path, "rb") as fh:
         (length,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(length))
-    return {n: e["data_offsets"][1] - e["data_offsets"][0] for n, e in header.items() if n != "__metadata__"}
+    base = 8 + length
+    return {
+        n: (base + e["data_offsets"][0], base + e["data_offsets"][1])
+        for n, e in header.items()
+        if n != "__metadata__"
+    }
