@@ -20,11 +20,14 @@ separate activation:
 The weights need no other layout: w13 [E, 2I, H] and w2 [E, H, I] as loaded are K-contiguous rows, what
 the kernel reads. Where the layer's shared expert has the routed experts' form and width (Qwen3-Next:
 gated silu, 512 wide, with a sigmoid gate), `FusedExperts` appends it at load as expert E of a stack of
-E + 1 (the parameters become views of it) and every token picks it once more, its weight the gate's
-sigmoid: the shared expert's GEMMs and its gate's product run inside the same two launches and the same
-combine, where apart they take five more launches per layer (most of a decode step's MoE time at batch 1,
-where the routed experts stream ~60 MB). Tiles: `moe_configs.py` (JSON files per shape and GPU, a
-fallback elsewhere).
+E + 1 and every token picks it once more, its weight the gate's sigmoid: the shared expert's GEMMs and
+its gate's product run inside the same two launches and the same combine, where apart they take five more
+launches per layer (most of a decode step's MoE time at batch 1, where the routed experts stream ~60 MB).
+The parameters become views of the stack and their old storages are freed (on CUDA returned to the
+device at once): one copy stays, but while a layer is stacked its routed experts are held twice, ~3.2 GB
+for the 80B in bf16 at TP 1 (1 / TP of it per rank), on top of the weights the start's memory check
+counts (it refuses weights over --mem-fraction-static of the device, 0.85 by default, so ~21 GB of an
+H200 stays free). Tiles: `moe_configs.py` (JSON files per shape and GPU, a fallback elsewhere).
 On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, for tests; the torch twin is
 `RoutedExperts.forward_device`."""
 
@@ -164,6 +167,13 @@ class FusedExperts:
         linears[0].weight.data, linears[1].weight.data = stack13[e, :inter], stack13[e, inter:]
         linears[2].weight.data = stack2[e]
         self.stack, self.shared = (stack13, stack2), (mlp, gate)
+        # The old storages are no longer referenced (every user holds a view of the stacks); on CUDA they
+        # go back to the device now, not to torch's cache, where the pools' sizing (mem_get_info's free
+        # bytes, after the load) would count them as used and the next layer's larger stack cannot
+        # reuse them whole.
+        if w13.is_cuda:
+            del w13, w2
+            torch.cuda.empty_cache()
 
     def forward(
         self,
