@@ -2,20 +2,23 @@
 HiCache for hybrid models).
 
 Two trees over the same token space: the device tree (this class, a `MambaRadixCache`: its nodes hold
-device KV slots and device checkpoints) and the host tree (`host_tree`, a `MambaRadixCache` over the host
-pools' allocators). A prefix with a checkpoint is resident on the device, on host, or both: a device
-checkpoint node whose path and checkpoint the host tree holds too is "both" (`residency`). Each tree keeps
+device KV slots and device checkpoints) and the host tree (`host_tree`, a `HostRadixTree` over the host
+pools' allocators: its state eviction keeps each path's deepest checkpoint, `host_tree.py`). A prefix
+with a checkpoint is resident on the device, on host, or both: a device checkpoint node whose path and
+checkpoint the host tree holds too is "both" (`residency`). Each tree keeps
 its own LRU, locks and accounting identity; the host tree's is checked with the device's
 (`check_host_integrity`, called by `integrity.check_integrity`).
 
 Backups (device -> host) by `--hicache-write-policy`:
 - `write_through`: every checkpoint the device tree takes is backed up (with its path's KV) as soon as
-  the batch that writes it has run;
+  the batch that writes it has run, but one with a deeper checkpoint due below it in the same batch and
+  no branch there (`take_host_copies`);
 - `write_through_selective`: a checkpoint is backed up once it has been hit `SELECTIVE_THRESHOLD` (2)
   times, its insert counting as the first (upstream's rule: write through only what is reused);
 - `write_back`: a checkpoint is backed up when the device tree evicts it.
 Under every policy a checkpoint whose backup is due but not yet recorded is backed up when evicted. A
-backup that finds no room on host after host eviction (LRU, never a node being loaded) is skipped.
+backup that finds no room on host after host eviction (interior checkpoints before leaves, LRU within
+each; never a node being loaded) is skipped.
 
 Loads (host -> device): a match for a request (admission) whose deepest host checkpoint lies deeper than
 the device's allocates device KV pages for the part of the path the device lacks and one slot, records
@@ -38,6 +41,7 @@ from sglang.srt.mem_cache.common import alloc_mamba_slot, evict_from_tree_cache
 from sglang.srt.mem_cache.disk_tier import DiskTierConfig, FileStorage, entry_name
 from sglang.srt.mem_cache.hicache_controller import HiCacheController
 from sglang.srt.mem_cache.host_pool import HostPools
+from sglang.srt.mem_cache.host_tree import HostRadixTree
 from sglang.srt.mem_cache.integrity import _partition
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.mamba_tree import MambaTree, TreeNode
@@ -85,7 +89,7 @@ class HiMambaRadixCache(MambaRadixCache):
             ),
             mamba_allocator=self.host.slot_allocator,
         )
-        self.host_tree = MambaRadixCache(owner, self.host.token_allocator, page_size)
+        self.host_tree = HostRadixTree(owner, self.host.token_allocator, page_size)
         self.storage = None if storage is None else FileStorage(storage, self.host, self.controller.stats)
         if self.storage is not None and tp is not None:
             self.storage.gather = tp.gather
@@ -214,11 +218,24 @@ class HiMambaRadixCache(MambaRadixCache):
 
     def take_host_copies(self) -> list:
         """Once per batch, at its preparation: record the backups that are due and written, then seal
-        every copy recorded so far (the tree's own state copies among them) into this batch."""
+        every copy recorded so far (the tree's own state copies among them) into this batch. A due
+        checkpoint with another one due below it on its path (a request's prefill snapshots, taken in one
+        batch) is not backed up unless paths branch there: the deeper backup brings the same KV, and its
+        state serves every request the shallower one would but those leaving the path between the two
+        (the host tree would drop it first anyway: `host_tree.py`)."""
         epoch = self.controller.epoch
-        for node_id, node in list(self.due.items()):
-            if self.stamps[node_id] < epoch:
-                del self.due[node_id]
+        ready = [node for node_id, node in self.due.items() if self.stamps[node_id] < epoch]
+        covered: set[int] = set()
+        for node in ready:
+            up = node.parent
+            while up is not self.root and up.id not in covered:
+                covered.add(up.id)
+                up = up.parent
+        for node in ready:
+            del self.due[node.id]
+            if node.id in covered and len(node.children) == 1:
+                self.controller.stats["backups_skipped_covered"] += 1
+            else:
                 self._backup(node)
         assert not self.pending_state_copies  # (recorded with the host copies: `_donate_snapshot`)
         return self.controller.seal()

@@ -1,0 +1,142 @@
+"""The host tier's state eviction (mem_cache/host_tree.py) and write_through's backups of one batch
+(`HiMambaRadixCache.take_host_copies`), on a model-free tree with synthetic states (mem_cache_sim): the
+host keeps each conversation's deepest checkpoint where plain LRU loses the oldest conversations; interior
+checkpoints go first, branch points after the chains' interior ones; a batch's shallower snapshots on one
+path are not backed up unless paths branch there."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from sglang.srt.mem_cache.hiradix_cache import HiMambaRadixCache
+from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.mem_cache_sim import MemCacheSim, tag
+
+register_cpu_ci(est_time=1, suite="per-commit-cpu")
+
+STEP = 8  # tokens between two checkpoints of a conversation
+
+
+def _sim(device_slots: int, ratio: float) -> MemCacheSim:
+    """A MemCacheSim whose tree is the hierarchical cache (write_through), host slots = ratio x device."""
+    sim = MemCacheSim(mamba_slots=device_slots, kv_tokens=512)
+    kv_pool = MHATokenToKVPool(sim.kv.size, 1, torch.float32, 1, 1, [0])
+    sim.tree = HiMambaRadixCache(sim.pool, sim.kv, 1, kv_pool, "write_through", ratio)
+    sim.kv_pool = kv_pool
+    return sim
+
+
+def _conversation(c: int, depth: int) -> list[int]:
+    return [1000 * (c + 1) + i for i in range(depth)]
+
+
+def _checkpoint(sim: MemCacheSim, key: list[int]) -> None:
+    """Insert `key` into the device tree, extending what it holds of it, with a checkpoint tagged `key`."""
+    tree = sim.tree
+    m = tree.match_prefix(key)
+    path = [] if m.last_device_node is tree.root else m.last_device_node.path_value()
+    prev = len(path)
+    fresh = sim.kv.alloc_extend(prev, len(key), path[-1] if prev else 0)
+    for i, s in enumerate(fresh):
+        sim.kv_tags[s] = sim.kv_pool.k_buffer[0][s] = tag(key[: prev + i + 1])
+    slot = tree.alloc_mamba_slot()
+    assert slot is not None
+    sim.write_state(slot, key)
+    assert not tree.insert(key, path + fresh, slot, prev).mamba_exist
+
+
+def _batch(sim: MemCacheSim) -> None:
+    """One batch: seal the due backups and run them (the forward stream's part)."""
+    sim.tree.run_host_copies(sim.tree.take_host_copies())
+
+
+def _on_host(sim: MemCacheSim, key: list[int]) -> bool:
+    """The host holds a checkpoint at the end of `key`, and it holds the state and the KV of `key`."""
+    tree = sim.tree
+    end = tree._host_end(key, None)
+    if end is None:
+        return False
+    host = tree.host
+    assert torch.all(host.conv_state[:, end.mamba_value] == tag(key))
+    kv = host.k_buffer[0][end.path_value()].flatten().tolist()
+    assert kv == [tag(key[: i + 1]) for i in range(len(key))]
+    return True
+
+
+def _cyclic_workload(sim: MemCacheSim, conversations: int, checkpoints: int) -> list[bool]:
+    """Each conversation's checkpoints one batch each (every one backed up), conversation after
+    conversation; returns, per conversation, whether its deepest checkpoint is still on host."""
+    for c in range(conversations):
+        for j in range(1, checkpoints + 1):
+            _checkpoint(sim, _conversation(c, j * STEP))
+            _batch(sim)
+    sim.check()
+    return [_on_host(sim, _conversation(c, checkpoints * STEP)) for c in range(conversations)]
+
+
+def test_the_host_keeps_every_conversations_deepest_checkpoint():
+    """6 conversations of 4 checkpoints each, backed up one by one into 8 host state slots (device 4,
+    ratio 2): every conversation's deepest checkpoint stays on host, with 2 interior ones beside them (the
+    newest conversation's). Plain LRU (negative control) keeps the last 8 backed up: conversations 5 and
+    6 alone, the first four lost whole."""
+    sim = _sim(device_slots=4, ratio=2)
+    assert sim.tree.host.slot_allocator.size == 8
+    assert _cyclic_workload(sim, 6, 4) == [True] * 6
+    host_tree = sim.tree.host_tree
+    interior = [n for n in host_tree.nodes() if n.mamba_value is not None and n.children]
+    assert host_tree.mamba_total_size() == 8 and len(interior) == 2
+    assert all(n.path_key()[0] == _conversation(5, 1)[0] for n in interior)
+
+    sim = _sim(device_slots=4, ratio=2)
+    sim.tree.host_tree.evict_mamba = partial(MambaRadixCache.evict_mamba, sim.tree.host_tree)
+    assert _cyclic_workload(sim, 6, 4) == [False] * 4 + [True] * 2
+
+
+def test_branch_points_go_after_the_chains_interior_checkpoints():
+    """A branch point (a shared prefix's checkpoint with two conversations below it) older than every
+    other checkpoint outlives the interior checkpoints of single paths, LRU among those; once no such
+    one is left, it goes before any leaf."""
+    sim = _sim(device_slots=4, ratio=2)
+    prefix = [7] * STEP
+    for key in (prefix, prefix + [1] * STEP, prefix + [2] * STEP):
+        _checkpoint(sim, key)
+        _batch(sim)
+    for c in range(3):  # 3 chains of 2 checkpoints: 3 fork/leaves + 6 = 9 > 8 slots
+        for j in (1, 2):
+            _checkpoint(sim, _conversation(c, j * STEP))
+            _batch(sim)
+    assert _on_host(sim, prefix), "the branch point outlived the chains' interior checkpoints"
+    assert not _on_host(sim, _conversation(0, STEP)), "the oldest chain's interior checkpoint went first"
+    assert _on_host(sim, _conversation(1, STEP))
+    for c in range(3, 5):  # 2 more chains: each drops an interior checkpoint, then the branch point goes
+        for j in (1, 2):
+            _checkpoint(sim, _conversation(c, j * STEP))
+            _batch(sim)
+    sim.check()
+    assert not _on_host(sim, prefix)
+    deepest = [prefix + [1] * STEP, prefix + [2] * STEP] + [_conversation(c, 2 * STEP) for c in range(5)]
+    assert all(_on_host(sim, k) for k in deepest), "no leaf went while an interior checkpoint was left"
+
+
+def test_one_batch_backs_up_a_paths_deepest_snapshot_and_its_branch_points():
+    """A conversation's 4 snapshots due in one batch: one backup (the deepest, with the whole path's KV),
+    3 skipped and counted; a checkpoint where two paths due in the same batch branch is backed up too."""
+    sim = _sim(device_slots=8, ratio=2)
+    for j in range(1, 5):
+        _checkpoint(sim, _conversation(0, j * STEP))
+    _batch(sim)
+    stats = sim.tree.controller.stats
+    assert stats["backup_states"] == 1 and stats["backups_skipped_covered"] == 3
+    assert stats["backup_tokens"] == 4 * STEP
+    assert _on_host(sim, _conversation(0, 4 * STEP)) and not _on_host(sim, _conversation(0, STEP))
+    prefix = [7] * STEP
+    for key in (prefix, prefix + [1] * STEP, prefix + [2] * STEP):
+        _checkpoint(sim, key)
+    _batch(sim)
+    assert stats["backup_states"] == 4 and stats["backups_skipped_covered"] == 3
+    assert all(_on_host(sim, k) for k in (prefix, prefix + [1] * STEP, prefix + [2] * STEP))
+    sim.check()
