@@ -152,3 +152,10 @@ def test_the_start_log_says_where_the_start_went(caplog):
         "Scheduler start: weights loaded 1.23 s, pools allocated 0.50 s, CUDA graphs captured 2.00 s, "
         "in all 4.75 s." in caplog.text
     )
+    # The metric reads the same table (one owner): upstream's phases, the graphs in a family of their own.
+    from sglang.srt.metrics.scheduler_collector import SchedulerStateCollector
+
+    families = {f.name: f for f in SchedulerStateCollector("m")._startup_and_memory({"startup_times": times})}
+    phases = {s.labels["phase"]: s.value for s in families["sglang:startup_time_seconds"].samples}
+    assert phases == {"load_weight": 1.234, "kv_cache_allocation": 0.5, "scheduler_e2e": 4.75}
+    assert families["sglang:startup_cuda_graph_time_seconds"].samples[0].value == 2.0

@@ -34,6 +34,7 @@ from sglang.srt.entrypoints.server_warmup import needs_shape_warmup, run_server_
 from sglang.srt.environ import envs
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.metrics.collector import MetricsCollector
+from sglang.srt.metrics.scheduler_collector import STARTUP_PHASES
 from sglang.srt.sampling.model_defaults import model_sampling_defaults
 from sglang.srt.utils.auth import ApiKeyCheck
 
@@ -42,14 +43,6 @@ logger = logging.getLogger(__name__)
 
 # The scheduler's `startup_times` (model_runner.py, scheduler_io.py) as the start log names them; the
 # warm-up logs its own time after these.
-_START_PHASES = (
-    ("load_weight", "weights loaded"),
-    ("kv_cache_allocation", "pools allocated"),
-    ("cuda_graph", "CUDA graphs captured"),
-    ("scheduler_e2e", "in all"),
-)
-
-
 def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, Any]) -> None:
     mamba = state.get("mamba_usage", {})
     headroom = state.get("tree_headroom_slots_per_req", 0)
@@ -74,7 +67,7 @@ def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, A
     )
     times = state.get("startup_times") or {}
     if times:
-        parts = [f"{label} {times[key]:.2f} s" for key, label in _START_PHASES if key in times]
+        parts = [f"{words} {times[key]:.2f} s" for key, words, _ in STARTUP_PHASES if key in times]
         logger.info("Scheduler start: %s.", ", ".join(parts))
     for i, mem in enumerate(state.get("memory_bytes_by_rank") or []):
         if len(state["memory_bytes_by_rank"]) > 1 and mem:

@@ -17,11 +17,13 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 GB = 2**30  # upstream's "_gb" gauges are GiB (its free-memory readings divided by 1 << 30)
-# (key in the scheduler's startup_times, upstream's phase label) of sglang:startup_time_seconds
+# The scheduler's start phases: (key in its startup_times, the words of the log's `Scheduler start:` line,
+# upstream's phase label of sglang:startup_time_seconds or None where upstream's metric has no such phase)
 STARTUP_PHASES = (
-    ("load_weight", "load_weight"),
-    ("kv_cache_allocation", "kv_cache_allocation"),
-    ("scheduler_e2e", "scheduler_e2e"),
+    ("load_weight", "weights loaded", "load_weight"),
+    ("kv_cache_allocation", "pools allocated", "kv_cache_allocation"),
+    ("cuda_graph", "CUDA graphs captured", None),
+    ("scheduler_e2e", "in all", "scheduler_e2e"),
 )
 
 
@@ -153,7 +155,7 @@ class SchedulerStateCollector(Collector):
 
     def _startup_and_memory(self, s: dict[str, Any]) -> Iterator[Metric]:
         times = s.get("startup_times") or {}
-        phases = [(label, times[key]) for key, label in STARTUP_PHASES if key in times]
+        phases = [(label, times[key]) for key, _, label in STARTUP_PHASES if label and key in times]
         if phases:
             g = GaugeMetricFamily(
                 "sglang:startup_time_seconds", "Startup time by phase.", labels=["model_name", "phase"]
