@@ -409,3 +409,32 @@ def test_an_idle_pd_queue_under_tp_runs_no_collective_until_the_tick_brings_news
         assert (q.news, q.now) == tick.disagg
         q.poll()
         assert q.ranks.calls == 1
+
+
+def test_an_idle_prefill_queue_under_tp_forgets_ended_rooms_past_the_timeout():
+    """Review of the idle skip: rooms that ended without a transfer were forgotten after an exchange
+    only, so at TP 2 an idle queue kept them for ever, and a new request reusing such a room's id an
+    hour later was aborted with a 503 ("the decode server gave room 7 up"). The idle poll forgets them
+    too, by the tick's clock (rank 0's, the same on every rank), with no collective."""
+    from types import SimpleNamespace
+
+    from sglang.test.pd_fakes import prefill_queue
+
+    aborted = []
+    sched = SimpleNamespace(running=[], abort_with_status=lambda reqs, msg, code: aborted.append((msg, code)))
+    q = prefill_queue(sched)
+    q.ranks = _Counting()
+    q.channel = SimpleNamespace(recv_all=list, pull=SimpleNamespace(poll=lambda timeout: 0))
+    q.max_unmatched = 64
+    q.now = 1000.0
+    q._end("7", q.ranks.clock(q.now), "the decode server gave the request up")
+    q._end("8", q.ranks.clock(q.now), "the decode server gave the request up")
+    q.news, q.now = False, 1000.0 + q.timeout / 2  # (within the timeout: still answered)
+    assert q.poll() is False
+    assert set(q.ended) == {"7", "8"}
+    q.news, q.now = False, 1000.0 + q.timeout + 1  # (the tick's clock, past the timeout)
+    assert q.poll() is False
+    assert q.ended == {} and q.ranks.calls == 0
+    req = SimpleNamespace(bootstrap=SimpleNamespace(room="7"), rid="r")
+    q.on_prefill_done(req)  # (no destination yet: the room waits for one)
+    assert aborted == [] and q.rooms["7"].req is req

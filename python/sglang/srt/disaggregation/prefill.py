@@ -178,6 +178,10 @@ class PrefillBootstrapQueue:
         rank takes rank 0's messages and clock, and a transfer ends once every rank's has
         (`PdRanks.exchange`), so that every rank decides alike; with no room open and nothing on rank 0's
         channel (`news`, from the tick: every rank knows both alike) the ranks skip the exchange."""
+        now = self.ranks.clock(self.now)  # (this iteration's tick's clock under TP: every rank's alike)
+        for key, (since, _) in list(self.ended.items()):  # (idle too: no exchange need run to forget them)
+            if now - since > self.timeout:
+                del self.ended[key]
         if self.ranks.tp_size > 1 and not (self.rooms or self.news):
             return False
         first = None
@@ -203,9 +207,6 @@ class PrefillBootstrapQueue:
                 room.written += room.link.drain()
                 room.link.heartbeat()  # (not paused: the wait for an acknowledgement counts)
         (msgs, self.now, did), ended, failing = self.ranks.exchange(first, ended)
-        for key, (since, _) in list(self.ended.items()):  # (before the messages: idle, no poll ran)
-            if self.now - since > self.timeout:
-                del self.ended[key]
         for key, error in failing.items():  # failed on a rank: the ranks still running it stop
             room = self.rooms[key]
             room.root_error = room.root_error or error  # (the first failure gathered: every rank's alike)
