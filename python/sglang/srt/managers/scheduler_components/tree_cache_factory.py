@@ -101,11 +101,9 @@ class TpAgreement:
         return cls(group, tp.world_size, max(1, args.tp_size // max(1, args.nnodes)))
 
     def gather(self, value: Any) -> list[Any]:
-        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import gather_objects
 
-        values: list[Any] = [None] * self.world_size
-        dist.all_gather_object(values, value, group=self.group)
-        return values
+        return gather_objects(value, self.group, self.world_size)
 
     def smallest(self, value: int) -> int:
         return min(self.gather(int(value)))
