@@ -21,7 +21,10 @@ Rows (issue 13's and 12's):
 - MoE experts at Qwen3-Next-80B's shapes (512, top 10, hidden 2,048, width 512, bf16) at batch 1 / 8 / 64 /
   256 (issue 55): the fused Triton GEMMs (`SGLANG_GPU_MOE_BACKEND=triton_fused`) vs the grouped_mm path,
   with the floor (the touched experts' weights read once at peak bandwidth): `--moe` runs these rows only
-  (not in the default set; `run_gpu_checks.sh moe`).
+  (not in the default set; `run_gpu_checks.sh moe`). As the server runs the layer: its shared expert (512
+  wide, sigmoid gate) stacked as expert 512 of 513 that every token picks (top 11 GEMM picks, the tiles of
+  the E=513 file), against the grouped_mm path with the shared MLP and gate beside it;
+  `--moe-unstacked` times the routed experts alone (512, top 10, the E=512 file's tiles).
 
 `--sweep` adds, at batch 256, our GDN and Mamba2 decode steps at other (state tile, warps) pairs than
 the defaults (`TILE_FLOATS`, `NUM_WARPS` of their modules), GDN's each with its output from the updated
@@ -394,12 +397,17 @@ def attention_decode(device: str, tiny: bool, reps: int) -> dict:
     return row
 
 
-def moe_experts(device: str, tiny: bool, reps: int) -> list[dict]:
-    """Qwen3-Next-80B's routed experts (512, top 10, hidden 2,048, width 512, bf16) at batch 1 / 8 / 64 /
-    256 on uniform random routing: the fused Triton GEMMs (SGLANG_GPU_MOE_BACKEND=triton_fused, the
-    tuned tiles where configs/ has them) vs the grouped_mm path as served (`forward_device`: the Triton
-    bookkeeping, x gathered, two `torch._grouped_mm`, the activation apart). The floor: the touched
-    experts' weights read once at the peak bandwidth (`floor_ms`, each case's `fraction_of_floor`)."""
+def moe_experts(device: str, tiny: bool, reps: int, stacked: bool = True) -> list[dict]:
+    """Qwen3-Next-80B's MoE layer (512 routed experts, top 10, hidden 2,048, width 512, bf16) at batch 1 /
+    8 / 64 / 256 on uniform random routing: the fused Triton GEMMs (SGLANG_GPU_MOE_BACKEND=triton_fused,
+    the tuned tiles where configs/ has them) vs the grouped_mm path as served (`forward_device`: the
+    Triton bookkeeping, x gathered, two `torch._grouped_mm`, the activation apart). `stacked` (the
+    server's form): the shared expert and its sigmoid gate too, stacked as expert E in ours
+    (`FusedExperts.fuse_shared`: E + 1 experts, top-k + 1 picks), beside the routed experts in theirs.
+    The floor: the touched experts' weights (the shared one's included) read once at the peak bandwidth
+    (`floor_ms`, each case's `fraction_of_floor`)."""
+    from sglang.srt.layers.linear import ReplicatedLinear
+    from sglang.srt.layers.mlp import GatedMLP
     from sglang.srt.layers.moe.experts import RoutedExperts
     from sglang.srt.layers.moe.fused_moe_triton import FusedExperts, fused_experts
 
@@ -412,16 +420,29 @@ def moe_experts(device: str, tiny: bool, reps: int) -> list[dict]:
 
     with envs.SGLANG_CPU_MOE_BACKEND.override("torch"):  # (CPU: the C++ op would store them transposed)
         layer.process_weights_after_loading()  # the Triton bookkeeping on CUDA, as served
-    table = FusedExperts(layer).table
+    fused = FusedExperts(layer)
+    shared = (None, None)
+    if stacked:
+        shared = (
+            GatedMLP(hidden, inter, "silu", reduce_results=False),
+            ReplicatedLinear(hidden, 1, bias=False),
+        )
+        for p in (*shared[0].parameters(), *shared[1].parameters()):
+            p.data = (torch.randn(p.shape, device=device) / p.shape[1] ** 0.5).to(dtype)
+        fused.fuse_shared(layer, *shared)
+        assert fused.stack is not None
+    table = fused.stack_table if stacked else fused.table
     per_expert = (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()
     peak = peak_bandwidth(device)
     rows = []
 
     def ours(x, w, i):
+        if stacked:
+            return fused.forward(layer, x, w, i, *shared)
         return fused_experts(x, layer.w13, layer.w2, w, i, layer._activate, True, table)
 
     def theirs(x, w, i):
-        return layer.forward_device(x, w, i)
+        return layer._add_shared(layer.forward_device(x, w, i), x, *shared)
 
     for bs in (1, 4) if tiny else (1, 8, 64, 256):
         # Each call on the next of 8 routings: the same one again would find a batch-1 call's experts
@@ -437,10 +458,13 @@ def moe_experts(device: str, tiny: bool, reps: int) -> list[dict]:
         }
         times = round_robin(cases, device, reps)
         got, want = ours(*inputs[0]).float(), theirs(*inputs[0]).float()
-        row = _row(f"MoE experts bs {bs}, {e} experts top {top_k}, hidden {hidden}, width {inter}", times)
+        shared_name = " + the shared expert" if stacked else ""
+        shape = f"{e} experts top {top_k}{shared_name}, hidden {hidden}, width {inter}"
+        row = _row(f"MoE experts bs {bs}, {shape}", times)
         row["tuned_tiles"] = bool(table)
+        row["shared_expert"] = "stacked as expert E" if stacked else "none"
         row["max_abs_diff_over_max"] = round(((got - want).abs().max() / want.abs().max()).item(), 5)
-        nbytes = sum(i.unique().numel() for _, _, i in inputs) / len(inputs) * per_expert
+        nbytes = (sum(i.unique().numel() for _, _, i in inputs) / len(inputs) + stacked) * per_expert
         _bandwidth(row, device, nbytes, times.device["ours (fused Triton GEMMs)"])
         if peak is not None:
             row["floor_ms"] = round(nbytes / peak * 1e3, 4)
@@ -481,10 +505,13 @@ def main() -> None:
     parser.add_argument(
         "--moe", action="store_true", help="the MoE experts' rows only (not in the default set)"
     )
+    parser.add_argument(
+        "--moe-unstacked", action="store_true", help="--moe without the shared expert (routed experts only)"
+    )
     args = parser.parse_args()
     rows = []
     if args.moe:
-        rows += moe_experts(args.device, args.tiny, args.reps)
+        rows += moe_experts(args.device, args.tiny, args.reps, stacked=not args.moe_unstacked)
     else:
         rows.append(gdn_prefill(args.device, args.tiny, args.reps, args.kernels))
         rows += gdn_decode(args.device, args.tiny, args.reps)

@@ -2,6 +2,13 @@
 the JSON files `layers/moe/moe_configs.py` looks up (one per shape and GPU: copy them into
 `python/sglang/srt/layers/moe/configs/`).
 
+Both models' layers run their shared expert (as wide as a routed one) as expert E of E + 1 stacked
+experts that every token picks once more (`FusedExperts.fuse_shared`), so by default each shape is tuned
+as the server runs it: GEMMs over E + 1 experts, top-k + 1 picks per token (the k routed ones uniform
+among the E, plus the shared one), written to the file of E + 1 (`E=513` for the 80B), the name the
+server looks the stacks' tiles up by; `--unstacked` tunes the routed experts alone (E, top-k: layers
+whose shared expert does not stack). The shapes are TP 1's (the whole width on one GPU).
+
 For each shape below and each batch size, each GEMM (w13: rows gathered by token, silu(gate) * up in
 its epilogue; w2: sorted rows) is timed with each candidate tile (`moe_configs.TUNE_CANDIDATES`) as a
 CUDA graph replays it (no host launch cost in the time): one graph of CALLS calls, each on its own
@@ -39,7 +46,8 @@ from sglang.srt.layers.moe.fused_moe_fp8_triton import (  # noqa: E402
 from sglang.srt.layers.moe.fused_moe_triton import moe_gemm  # noqa: E402
 from sglang.srt.layers.moe.sort_combine import sort_by_expert  # noqa: E402
 
-# name -> (experts, hidden, intermediate width, top k): the routed experts of each model, unsharded.
+# name -> (routed experts, hidden, intermediate width, top k): each model's experts at TP 1. Both have a
+# shared expert of the routed width (512), which the server stacks as one more expert.
 SHAPES = {
     "qwen3-next-80b": (512, 2048, 512, 10),
     "qwen3.5-35b-a3b": (256, 2048, 512, 8),
@@ -85,28 +93,39 @@ def _gemm_call(gemm: str, x, h, w13, w2, s, n_rows: int, cfg: MoeGemmConfig):
     return lambda: moe_gemm(h, w2, s.offs, n_rows, None, cfg, tile_end)
 
 
-def tune_shape(e: int, hidden: int, inter: int, top_k: int, batches, device: str) -> tuple[dict, list]:
+def routing(batch: int, e: int, top_k: int, stacked: bool, device: str, g) -> torch.Tensor:
+    """[batch, top_k (+ 1 where `stacked`)] expert ids: top_k distinct uniform among the E routed experts,
+    then, `stacked`, the shared expert (id E), as `FusedExperts.forward` appends it to every token."""
+    ids = torch.rand(batch, e, device=device, generator=g).topk(top_k, dim=1).indices
+    return torch.cat([ids, ids.new_full((batch, 1), e)], 1) if stacked else ids
+
+
+def tune_shape(
+    e: int, hidden: int, inter: int, top_k: int, batches, device: str, stacked: bool = True
+) -> tuple[dict, list]:
+    """Times the tiles at E routed experts (E + 1 GEMM experts and top-k + 1 picks where `stacked`)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
     g = torch.Generator(device=device).manual_seed(0)
-    w13 = (torch.randn(e, 2 * inter, hidden, device=device, generator=g) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(e, hidden, inter, device=device, generator=g) / inter**0.5).to(dtype)
+    gemm_e, picks = (e + 1, top_k + 1) if stacked else (e, top_k)
+    w13 = (torch.randn(gemm_e, 2 * inter, hidden, device=device, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(gemm_e, hidden, inter, device=device, generator=g) / inter**0.5).to(dtype)
     table, rows = {}, []
     calls = CALLS if device == "cuda" else 1
     for batch in batches:
-        n_rows = batch * top_k
+        n_rows = batch * picks
         inputs = []  # per call: (x, h, its sorted routing), each call on another routing
         touched = 0
         for _ in range(calls):
-            ids = torch.rand(batch, e, device=device, generator=g).topk(top_k, dim=1).indices
+            ids = routing(batch, e, top_k, stacked, device, g)
             x = torch.randn(batch, hidden, device=device, generator=g).to(dtype)
             h = torch.randn(n_rows, inter, device=device, generator=g).to(dtype)
-            inputs.append((x, h, sort_by_expert(ids, e, use_triton=True)))
+            inputs.append((x, h, sort_by_expert(ids, gemm_e, use_triton=True)))
             touched += ids.unique().numel() / calls
         nbytes = {"w13": touched * w13[0].numel() * 2, "w2": touched * w2[0].numel() * 2}
         best = {}
         for gemm in ("w13", "w2"):
             timings = {}
-            fallback = config_by_mean_rows(mc.FALLBACK_CONFIGS, n_rows, e)
+            fallback = config_by_mean_rows(mc.FALLBACK_CONFIGS, n_rows, gemm_e)  # as pick_configs
             candidates = CANDIDATES if device == "cuda" else CANDIDATES[:1]  # the interpreter: a check only
             for cfg in dict.fromkeys([*candidates, fallback]):
                 fns = [_gemm_call(gemm, x, h, w13, w2, s, n_rows, cfg) for x, h, s in inputs]
@@ -118,8 +137,9 @@ def tune_shape(e: int, hidden: int, inter: int, top_k: int, batches, device: str
                         f"  {gemm} batch {batch} {tuple(cfg)}: {type(err).__name__}: {err}", file=sys.stderr
                     )
             best[gemm] = min(timings, key=timings.get)
-            row = {"experts": e, "batch": batch, "gemm": gemm, "touched_experts": round(touched, 1),
-                   "best": tuple(best[gemm]), "best_us": round(timings[best[gemm]] * 1e6, 2),
+            row = {"experts": gemm_e, "shared_stacked": stacked, "top_k": picks, "batch": batch, "gemm": gemm,
+                   "touched_experts": round(touched, 1), "best": tuple(best[gemm]),
+                   "best_us": round(timings[best[gemm]] * 1e6, 2),
                    "fallback_us": round(timings.get(fallback, float("nan")) * 1e6, 2)}  # fmt: skip
             peak = peak_bandwidth(device)
             if peak is not None:
@@ -138,6 +158,9 @@ def main() -> None:
         "--tiny", action="store_true", help="a tiny shape (a CPU run under TRITON_INTERPRET=1)"
     )
     parser.add_argument("--out", required=True, help="folder for the JSON files (and rows.json)")
+    parser.add_argument(
+        "--unstacked", action="store_true", help="the routed experts alone (E, top-k), no shared expert"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,9 +169,11 @@ def main() -> None:
     all_rows = []
     start = time.perf_counter()
     for name, (e, hidden, inter, top_k) in shapes.items():
-        table, rows = tune_shape(e, hidden, inter, top_k, batches, args.device)
+        table, rows = tune_shape(e, hidden, inter, top_k, batches, args.device, not args.unstacked)
         dtype = torch.bfloat16 if args.device == "cuda" else torch.float16
-        path = out / mc.config_file_name(e, inter, hidden, dtype, device_name)
+        # Named by the GEMMs' experts: E + 1 for the stacks, what `FusedExperts` looks them up by.
+        gemm_e = e if args.unstacked else e + 1
+        path = out / mc.config_file_name(gemm_e, inter, hidden, dtype, device_name)
         path.write_text(mc.table_to_json(table) + "\n")
         assert mc.parse_table(path.read_text(), str(path)) == table
         print(f"{name}: wrote {path} ({time.perf_counter() - start:.0f} s so far)", flush=True)

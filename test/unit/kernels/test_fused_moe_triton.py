@@ -58,13 +58,14 @@ def test_other_ep_ranks_assignments_and_tuned_tiles(interpret):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["one-rank", "expert-parallel"])
-def test_the_shared_expert_runs_as_one_more_expert(interpret, masked):
+def test_the_shared_expert_runs_as_one_more_expert(interpret, monkeypatch, masked):
     """Qwen3-Next's form: a gated silu shared expert of the experts' width with a sigmoid gate, fused at
     load as expert E of stacks that the parameters become views of (a weight update in place reaches
     the kernels): the layer's output equals the routed experts' torch path plus sigmoid(gate) x the
     shared MLP, within TOL_FP16. Under expert parallelism (half the experts here, the rest another
     rank's: id E after the local assignments) those assignments stay uncomputed past the shared
-    expert."""
+    expert. The stacks' tiles are the tuned file's of E + 1 experts (what the GEMMs run over, as
+    tune_fused_moe.py names them), the routed experts' alone those of E."""
     from sglang.srt.layers.linear import ReplicatedLinear
     from sglang.srt.layers.mlp import GatedMLP
 
@@ -78,12 +79,15 @@ def test_the_shared_expert_runs_as_one_more_expert(interpret, masked):
     for p in (*mlp.parameters(), *gate.parameters()):
         p.data = (torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5).half()
     old = {t.untyped_storage().data_ptr() for t in (layer.w13, layer.w2, *mlp.parameters())}
+    tuned = {5: (MoeGemmConfig(16, 32, 32, 4, 2), MoeGemmConfig(32, 64, 16, 4, 2))}
+    monkeypatch.setattr(ft, "tuned_table", lambda experts, *shape: tuned if experts == e + 1 else None)
     with envs.SGLANG_GPU_MOE_BACKEND.override("triton_fused"), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
         layer.fuse_shared_expert(mlp, gate)
     stack13, stack2 = layer.fused_gemms.stack
     assert stack13.shape == (e + 1, 2 * inter, hidden) and stack2.shape == (e + 1, hidden, inter)
     assert mlp.up_proj.weight.data_ptr() == stack13[e, inter:].data_ptr()
     assert layer.w2.data_ptr() == stack2.data_ptr()
+    assert layer.fused_gemms.table == {} and layer.fused_gemms.stack_table == tuned
     # One copy stays: no live tensor holds the storages the weights had before the stacking.
     gc.collect()
     tensors = [o for o in gc.get_objects() if type(o) in (torch.Tensor, nn.Parameter)]
@@ -98,7 +102,10 @@ def test_the_shared_expert_runs_as_one_more_expert(interpret, masked):
         shared = mlp(x).float() * torch.sigmoid(gate(x).float())
         return layer.forward_device(x, w, i, grouped=False).float() + shared
 
+    tables, real = [], ft.fused_experts
+    monkeypatch.setattr(ft, "fused_experts", lambda *a: tables.append(a[7]) or real(*a))
     assert_close_to(layer(x, weights, ids, mlp, gate), want(), TOL_FP16)
+    assert tables == [tuned]
 
 
 def test_no_fused_gemms_where_they_would_not_run(interpret, ops):

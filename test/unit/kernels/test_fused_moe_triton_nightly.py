@@ -84,24 +84,33 @@ def _script_rows(script: str, *args: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def test_the_tuning_script_writes_a_file_the_lookup_reads(tmp_path):
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
+def test_the_tuning_script_writes_a_file_the_lookup_reads(tmp_path, stacked):
     """tune_fused_moe.py's CPU check: a row per (batch, GEMM) and a file of the lookup's name that parses,
-    with the best tile of each row."""
-    rows = _script_rows("tune_fused_moe.py", "--out", str(tmp_path))
+    with the best tile of each row. By default as the server runs the layer, its shared expert stacked:
+    GEMMs over E + 1 = 9 experts with top-k + 1 = 3 picks, in the file of E = 9 (the name
+    `FusedExperts` looks the stacks' tiles up by); --unstacked: 8 experts, top 2, E = 8."""
+    rows = _script_rows("tune_fused_moe.py", "--out", str(tmp_path), *([] if stacked else ["--unstacked"]))
     assert [(r["batch"], r["gemm"]) for r in rows] == [(1, "w13"), (1, "w2"), (4, "w13"), (4, "w2")]
-    name = mc.config_file_name(8, 32, 64, torch.float16, "cpu")
+    gemm_e, picks = (9, 3) if stacked else (8, 2)
+    assert all((r["experts"], r["top_k"], r["shared_stacked"]) == (gemm_e, picks, stacked) for r in rows)
+    name = mc.config_file_name(gemm_e, 32, 64, torch.float16, "cpu")
+    assert [p.name for p in tmp_path.glob("E=*.json")] == [name]
     table = mc.parse_table((tmp_path / name).read_text(), name)
     assert {b: tuple(tuple(c) for c in cfgs) for b, cfgs in table.items()} == {
         b: tuple(tuple(r["best"]) for r in rows if r["batch"] == b) for b in (1, 4)
     }
 
 
-def test_bench_kernels_moe_rows():
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
+def test_bench_kernels_moe_rows(stacked):
     """bench_kernels.py --moe's CPU check: one row per batch, both cases timed, and the fused GEMMs'
-    output within the float16 bound of the grouped_mm path's (moe_checks.TOL_FP16)."""
-    rows = _script_rows("bench_kernels.py", "--moe", "--reps", "1")
+    output within the float16 bound of the grouped_mm path's (moe_checks.TOL_FP16); by default with the
+    shared expert stacked (as served), --moe-unstacked without it."""
+    rows = _script_rows("bench_kernels.py", "--moe", "--reps", "1", *([] if stacked else ["--moe-unstacked"]))
     assert [r["kernel"].split(",")[0] for r in rows] == ["MoE experts bs 1", "MoE experts bs 4"]
     for r in rows:
+        assert r["shared_expert"] == ("stacked as expert E" if stacked else "none")
         assert set(r["ms"]) == {"ours (fused Triton GEMMs)", "grouped_mm path (forward_device)"}
         assert all(ms > 0 for ms in r["ms"].values())
         assert r["max_abs_diff_over_max"] < TOL_FP16

@@ -123,17 +123,23 @@ def fused_experts(
 class FusedExperts:
     """The fused GEMMs' state for one `RoutedExperts` layer (its `fused_gemms`, set at load): the tuned
     tiles of its shape on its GPU ({} where the repository has none: the fallback), and, where its
-    shared expert fuses, the stacks with the shared expert appended as expert E."""
+    shared expert fuses, the stacks with the shared expert appended as expert E. Tiles are looked up by
+    the experts the GEMMs run over, as `tune_fused_moe.py` names its files: E (`table`), or E + 1 for
+    the stacks, which each token picks top-k + 1 of (`stack_table`)."""
 
     DTYPES = (torch.bfloat16, torch.float16)
 
     def __init__(self, experts: nn.Module):
-        e, hidden, inter = experts.w2.shape
-        w13 = experts.w13
-        self.table = tuned_table(e, inter, hidden, w13.dtype, device_name(w13.device)) or {}
+        self.table = self._table(experts.w13.shape[0], experts.w2)
         self.silu_mul = experts.gated and experts.act is F.silu
         self.shared: tuple[nn.Module, nn.Module | None] | None = None  # (the MLP, its gate)
         self.stack: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) of E + 1 experts
+        self.stack_table: Table = {}  # the stacks' tiles (E + 1 experts)
+
+    @staticmethod
+    def _table(gemm_experts: int, w2: torch.Tensor) -> Table:
+        _, hidden, inter = w2.shape
+        return tuned_table(gemm_experts, inter, hidden, w2.dtype, device_name(w2.device)) or {}
 
     def serves(self, experts: nn.Module, x: torch.Tensor) -> bool:
         return x.dtype == experts.w13.dtype and x.dtype in self.DTYPES
@@ -167,6 +173,7 @@ class FusedExperts:
         linears[0].weight.data, linears[1].weight.data = stack13[e, :inter], stack13[e, inter:]
         linears[2].weight.data = stack2[e]
         self.stack, self.shared = (stack13, stack2), (mlp, gate)
+        self.stack_table = self._table(e + 1, stack2)
         # The old storages are no longer referenced (every user holds a view of the stacks); on CUDA they
         # go back to the device now, not to torch's cache, where the pools' sizing (mem_get_info's free
         # bytes, after the load) would count them as used and the next layer's larger stack cannot
@@ -200,4 +207,4 @@ class FusedExperts:
             share = torch.sigmoid(shared_gate(x).float())
         ids = torch.cat([ids, ids.new_full((t, 1), e)], 1)
         weights = torch.cat([weights.float(), share], 1)
-        return fused_experts(x, *self.stack, weights, ids, experts._activate, self.silu_mul, self.table)
+        return fused_experts(x, *self.stack, weights, ids, experts._activate, self.silu_mul, self.stack_table)

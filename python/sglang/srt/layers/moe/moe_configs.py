@@ -1,9 +1,14 @@
 """Tile configurations of the 16-bit fused MoE GEMMs (`fused_moe_triton.py`), tuned per (experts,
 width, hidden, dtype, GPU) and kept in the repository as JSON under `configs/`, one file per layer shape
-and GPU, named like upstream's fused-MoE configs (E = experts of the rank, N = their intermediate width on
-the rank) with the hidden size and dtype added, since both GEMMs' shapes follow from the three:
+and GPU, named like upstream's fused-MoE configs (E = the experts the GEMMs run over on the rank, N = their
+intermediate width on the rank) with the hidden size and dtype added, since both GEMMs' shapes follow
+from the three. E counts a shared expert stacked as one more (`FusedExperts.fuse_shared`; upstream names
+its fused shared experts' files so too): Qwen3-Next-80B's layers run 512 routed + 1, so
 
-    E=512,N=512,K=2048,device_name=NVIDIA_H200,dtype=bf16.json
+    E=513,N=512,K=2048,device_name=NVIDIA_H200,dtype=bf16.json
+
+holds their tiles, tuned with top-k + 1 = 11 picks per token (`tune_fused_moe.py`, by default); E=512 a
+layer's routed experts alone (`--unstacked`).
 
 Each file maps a batch size (tokens, as a string) to one configuration per GEMM:
 
