@@ -166,17 +166,22 @@ def test_a_device_move_leaves_the_shared_sampling_info_alone():
     assert batches[1].req_pool_indices.device.type == "cpu"  # the shared row tensors too
 
 
-def test_a_sampling_info_already_on_the_device_is_not_moved_again():
+_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=[pytest.mark.gpu, _GPU])])
+def test_a_sampling_info_already_on_the_device_is_not_moved_again(device):
     """The MTP draft steps of a verify share one sampling info, moved to the device once
     (`MtpDraftRunner.draft_steps`); each step's batch moves its other tensors and leaves it as it is
-    (before, every step packed and uploaded it again)."""
+    (before, every step packed and uploaded it again). On CUDA the runner names the device "cuda", its
+    tensors' read cuda:0: still the same device."""
     from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 
-    info = SamplingBatchInfo.create([0.5, 0.0], top_ks=[3, -1]).map_tensors(lambda t: t.to("meta"))
+    info = SamplingBatchInfo.create([0.5, 0.0], top_ks=[3, -1]).map_tensors(lambda t: t.to(device))
     fb = ForwardBatch.create(ForwardMode.DECODE, input_ids=[5, 6], req_pool_indices=[0, 1], seq_lens=[4, 4],
                              out_cache_loc=[7, 8], mamba_pool_indices=[0, 1], sampling_info=info)  # fmt: skip
-    fb.to_device("meta")
-    assert fb.input_ids.is_meta  # (the batch's own tensors moved)
+    fb.to_device(device)
+    assert fb.input_ids.device.type == device  # (the batch's own tensors moved)
     for name in SamplingBatchInfo.TENSOR_FIELDS:
         assert getattr(fb.sampling_info, name) is getattr(info, name), name
 

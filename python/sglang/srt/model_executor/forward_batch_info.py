@@ -137,7 +137,16 @@ class SamplingBatchInfo:
 
 
 def _on(t: torch.Tensor | None, device: torch.device) -> bool:
-    return t is not None and t.device.type == device.type
+    """`t` is on `device` (one with its index, as `_resolved` gives)."""
+    return t is not None and t.device == device
+
+
+def _resolved(device: torch.device) -> torch.device:
+    """`device` with its index: "cuda" is the current CUDA device, where tensors moved to "cuda" land
+    (their `device` then reads cuda:N, which is not equal to a plain "cuda")."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _sort_width(top_ps: list[float], top_ks: list[int]) -> int:
@@ -276,14 +285,16 @@ class ForwardBatch:
         """Move every tensor of the batch (its sampling parameters and prefix rewrites too) to `device`
         in one transfer (`move_to_device`); a batch already there is left alone. The model runner calls
         it on the forward stream, before anything reads the batch."""
-        device = torch.device(device)
-        if device.type == "cpu" or self.input_ids.device.type == device.type:
+        device = _resolved(torch.device(device))
+        if device.type == "cpu" or _on(self.input_ids, device):
             return
         # The sampling info gets a copy of its own first: batches of the same requests share one.
         info = self.sampling_info = dataclasses.replace(self.sampling_info)
         owners = [(self, name) for name in self.TENSOR_FIELDS]
         # (An info already on the device, as the MTP draft steps share one per verify, stays as it is.)
-        owners += [(info, name) for name in SamplingBatchInfo.TENSOR_FIELDS if not _on(getattr(info, name), device)]
+        owners += [
+            (info, name) for name in SamplingBatchInfo.TENSOR_FIELDS if not _on(getattr(info, name), device)
+        ]
         for extra in (self.penalties, self.vocab_mask, self.custom_logit):
             if extra is not None:
                 owners += [(extra, name) for name in extra.TENSOR_FIELDS]
