@@ -104,17 +104,21 @@ class _StandInTokenizerManager:
         self.sent: list[tuple[list[int], int]] = []  # (ids, max_new_tokens)
         self.in_flight = self.most_in_flight = 0
         self.flushed_after: int | None = None
+        self.namespaces: set[str] = set()
 
-    async def generate_request(self, obj):
+    async def generate_request(self, obj, warmup=False):
         self.sent.append((obj.input_ids, obj.sampling_params["max_new_tokens"]))
         assert obj.log_metrics is False and self.flushed_after is None
+        assert warmup is True  # (the scheduler keeps its namespace off the host and disk tiers)
+        self.namespaces.add(obj.extra_key)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         await asyncio.sleep(0.001)
         self.in_flight -= 1
         yield {"output_ids": [0] * obj.sampling_params["max_new_tokens"]}
 
-    async def flush_cache(self):
+    async def flush_cache(self, end_of_warmup=False):
+        assert end_of_warmup is True  # (the scheduler's counts restart from zero)
         self.flushed_after = len(self.sent)
         return SimpleNamespace(success=True)
 
@@ -139,6 +143,19 @@ def test_without_shapes_only_the_warmup_request_runs():
     assert len(tm.sent) == 1 and tm.most_in_flight == 1 and tm.flushed_after == 1
 
 
+def test_each_start_warms_up_in_a_namespace_of_its_own():
+    # With a disk tier, a fixed namespace let a restart's warm-up hit the previous start's prompts (and
+    # so compile none of the long shapes): every request of one warm-up shares one namespace, new at
+    # each start, never the shared one (None).
+    runs = []
+    for _ in range(2):
+        tm = _StandInTokenizerManager()
+        assert asyncio.run(run_server_warmup(tm, 4096, [16, 17], vocab_size=50)) is None
+        assert len(tm.namespaces) == 1 and None not in tm.namespaces
+        runs.append(tm.namespaces.pop())
+    assert runs[0] != runs[1]
+
+
 def test_the_start_log_says_where_the_start_went(caplog):
     from sglang.srt.entrypoints.http_server import log_startup
 
@@ -159,3 +176,35 @@ def test_the_start_log_says_where_the_start_went(caplog):
     phases = {s.labels["phase"]: s.value for s in families["sglang:startup_time_seconds"].samples}
     assert phases == {"load_weight": 1.234, "kv_cache_allocation": 0.5, "scheduler_e2e": 4.75}
     assert families["sglang:startup_cuda_graph_time_seconds"].samples[0].value == 2.0
+
+
+class _RoundRobinReplicas(_StandInTokenizerManager):
+    """The stand-in behind --dp-size 2's controller: requests go to the replicas in turn (round robin, or
+    shortest queue with every queue empty, whose tie-break is the same turn)."""
+
+    def __init__(self, dp_size: int):
+        super().__init__()
+        self.dp_size = dp_size
+        self.by_replica: list[list[int]] = [[] for _ in range(dp_size)]  # prompt lengths each one got
+        self.busy = [0] * dp_size
+        self.most_busy = [0] * dp_size
+
+    async def generate_request(self, obj, warmup=False):
+        d = len(self.sent) % self.dp_size
+        self.by_replica[d].append(len(obj.input_ids))
+        self.busy[d] += 1
+        self.most_busy[d] = max(self.most_busy[d], self.busy[d])
+        async for out in super().generate_request(obj, warmup):
+            self.busy[d] -= 1
+            yield out
+
+
+def test_with_data_parallel_replicas_every_replica_warms_up_every_shape():
+    # Each request once sent alternating lengths to the two replicas: each warmed up half the shapes.
+    tm = _RoundRobinReplicas(dp_size=2)
+    lengths = [16, 17, 32, 33, 40]
+    assert asyncio.run(run_server_warmup(tm, 4096, lengths, vocab_size=50, replicas=2)) is None
+    expected = [6, *lengths] + [CONCURRENT_PROMPT_LEN] * CONCURRENT_PROMPTS  # (the request's 6 ids first)
+    assert tm.by_replica == [expected, expected]
+    assert tm.most_busy == [CONCURRENT_PROMPTS] * 2
+    assert tm.flushed_after == len(tm.sent)

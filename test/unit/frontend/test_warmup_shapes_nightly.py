@@ -1,6 +1,7 @@
 """The shape warm-up through a real server (on CUDA by default; SGLANG_SHAPE_WARMUP=on runs it on the
 CPU): its prompts, lengths from the server's own limits, run after the warm-up request and before
-"ready to roll", count in no metric and leave nothing cached."""
+"ready to roll", count in no metric (the tokenizer's nor the scheduler's) and leave nothing cached, on
+the device, on host or on disk."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from sglang.test.test_utils import ServerProcess
 register_cpu_ci(est_time=30, suite="nightly-cpu")
 
 
-def test_the_shape_warmup_runs_before_ready_counts_nowhere_and_leaves_nothing_cached():
+def test_the_shape_warmup_runs_before_ready_counts_nowhere_and_leaves_nothing_cached(tmp_path):
+    # With the host and disk tiers (write_through: every checkpoint would be backed up at once): the
+    # warm-up's fixed prompts went to disk, and the next start's warm-up hit them (704 of 1192 prompt
+    # tokens from the cache) instead of compiling its long shapes.
     server = ServerProcess(
-        ["--model-path", "tiny-qwen3-next", "--chunked-prefill-size", "64", "--enable-metrics"],
-        env={"SGLANG_SHAPE_WARMUP": "on"},
-    )
+        ["--model-path", "tiny-qwen3-next", "--chunked-prefill-size", "64", "--enable-metrics",
+         "--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+        env={"SGLANG_SHAPE_WARMUP": "on", "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)},
+    )  # fmt: skip
     try:
         server.wait_ready()
         log = server.log_text()
@@ -34,9 +39,18 @@ def test_the_shape_warmup_runs_before_ready_counts_nowhere_and_leaves_nothing_ca
         order = [log.index(line) for line in ("Warm-up request done", "Shape warm-up done", "ready to roll")]
         assert order == sorted(order), log
         metrics = requests.get(server.base_url + "/metrics", timeout=10).text
-        prompt_tokens = [m for m in metrics.splitlines() if m.startswith("sglang:prompt_tokens_total")]
-        assert prompt_tokens and all(float(line.split()[-1]) == 0 for line in prompt_tokens), prompt_tokens
+        # The tokenizer's counts and the scheduler's (realtime tokens and queue times counted the warm-up's
+        # 1.2k prompt tokens and 18 requests).
+        names = ("sglang:prompt_tokens_total", "sglang:realtime_tokens_total", "sglang:queue_time_seconds_count")
+        for name in names:
+            lines = [m for m in metrics.splitlines() if m.startswith(name)]
+            assert lines and all(float(line.split()[-1]) == 0 for line in lines), lines
         state = info["internal_states"][0]
         assert state["token_usage"]["held_by_tree"] == 0 and state["mamba_usage"]["held_by_tree"] == 0, state
+        assert set(state["counters"].values()) == {0}, state["counters"]
+        assert not any(state["realtime_tokens"].values()), state["realtime_tokens"]
+        # Nothing went to host or disk.
+        assert [state["hicache"].get(k, 0) for k in ("backup_states", "backup_tokens", "load_states")] == [0] * 3
+        assert not [p for p in tmp_path.rglob("*") if p.is_file()]
     finally:
         server.stop()

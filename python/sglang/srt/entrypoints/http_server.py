@@ -113,7 +113,9 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
                     server_args.chunked_prefill_size, server_args.max_prefill_tokens,
                     model_info["max_req_input_len"], model_info["max_total_num_tokens"],
                 )  # fmt: skip
-            failure = await run_server_warmup(tm, model_info["context_len"], shapes, model_info["vocab_size"])
+            failure = await run_server_warmup(
+                tm, model_info["context_len"], shapes, model_info["vocab_size"], server_args.dp_size
+            )
             if failure is not None:
                 logger.error("%s", failure)
                 tm.health.declare(failure)  # the server answers 503 and shuts down (launch_server)

@@ -11,8 +11,13 @@ sequences or a chunk on a cached prefix is a kernel variant of its own. So on CU
 follows the request: one prompt of each length of `warmup_prompt_lengths` (powers of two and one more,
 up to the chunk, and a chunk and a bit: its second chunk extends a prefix), then a few prompts at once.
 On the CPU nothing compiles at run time (torch, and C++ ops built before the start), so it runs only
-the request. The warm-up is not counted in the metrics, and the cache is flushed after it: a fresh
-server holds nothing.
+the request. The warm-up is not counted in the metrics (the tokenizer's skip it, `log_metrics`; the
+scheduler's restart from zero at the warm-up's flush), and the cache is flushed after it: a fresh server
+holds nothing. With --dp-size n every request of the warm-up is sent n times at once: the controller's
+balancer (round robin, or the shortest queue, all empty: round robin too) gives each replica one, so
+every replica warms up every shape. Its requests go in a prefix-cache namespace of their own, new at each start and kept off
+the host and disk tiers (`keep_off_host`): with a disk tier, a restart's warm-up would hit the previous
+start's and compile nothing, and its entries would take disk room.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import time
 from typing import Any
 
@@ -75,28 +81,39 @@ def needs_shape_warmup(server_args: Any) -> bool:
 
 
 async def run_server_warmup(
-    tm: Any, context_len: int, shape_lengths: list[int] | None = None, vocab_size: int | None = None
+    tm: Any,
+    context_len: int,
+    shape_lengths: list[int] | None = None,
+    vocab_size: int | None = None,
+    replicas: int = 1,
 ) -> str | None:
     """Run the warm-up request on the TokenizerManager `tm`, then, with `shape_lengths`, the shape
-    warm-up (prompts of random ids below `vocab_size`): None when it finished, else why not, in one
-    sentence (the server then shuts down, as upstream's does when its warm-up fails)."""
+    warm-up (prompts of random ids below `vocab_size`), each request `replicas` times at once (one for
+    each data-parallel replica): None when it finished, else why not, in one sentence (the server then
+    shuts down, as upstream's does when its warm-up fails)."""
     if tm.tokenizer is not None:
         ids = tm.tokenizer.encode(WARMUP_TEXT, add_special_tokens=False)[: max(1, context_len - 1)] or [1]
     else:  # --skip-tokenizer-init: ids, as upstream's warm-up sends then
         ids = [i % tm.limits.vocab_size for i in WARMUP_IDS][: max(1, context_len - 1)]
     new_tokens = max(1, min(WARMUP_NEW_TOKENS, context_len - len(ids)))
-    obj = GenerateReqInput(
-        input_ids=ids,
-        sampling_params={"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
-        log_metrics=False,
-    )
+    namespace = f"warmup-{secrets.token_hex(16)}"  # this start's: no other request shares it
+    objs = [
+        GenerateReqInput(
+            input_ids=list(ids),
+            sampling_params={"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
+            log_metrics=False,
+            extra_key=namespace,
+        )
+        for _ in range(replicas)
+    ]
     start = time.monotonic()
     try:
-        out = await asyncio.wait_for(_generate(tm, obj), WARMUP_TIMEOUT_S)
+        out = (await asyncio.wait_for(_generate_all(tm, objs), WARMUP_TIMEOUT_S))[0]
         took = time.monotonic() - start
         if shape_lengths:
-            await asyncio.wait_for(_shape_warmup(tm, shape_lengths, vocab_size or 1), WARMUP_TIMEOUT_S)
-        flushed = await tm.flush_cache()
+            shapes = _shape_warmup(tm, shape_lengths, vocab_size or 1, namespace, replicas)
+            await asyncio.wait_for(shapes, WARMUP_TIMEOUT_S)
+        flushed = await tm.flush_cache(end_of_warmup=True)
     except TimeoutError:
         return f"The warm-up request did not finish within {WARMUP_TIMEOUT_S:.0f} s."
     except Exception as e:  # noqa: BLE001 - any failure stops the start, named in one sentence
@@ -123,14 +140,18 @@ async def run_server_warmup(
 
 async def _generate(tm: Any, obj: GenerateReqInput) -> Any:
     out = None
-    async for chunk in tm.generate_request(obj):
+    async for chunk in tm.generate_request(obj, warmup=True):
         out = chunk
     return out
 
 
-async def _shape_warmup(tm: Any, lengths: list[int], vocab_size: int) -> None:
+async def _generate_all(tm: Any, objs: list[GenerateReqInput]) -> list[Any]:
+    return await asyncio.gather(*(_generate(tm, obj) for obj in objs))
+
+
+async def _shape_warmup(tm: Any, lengths: list[int], vocab_size: int, namespace: str, replicas: int) -> None:
     """One prompt of each length, one after the other (each its own extend), then CONCURRENT_PROMPTS at
-    once; seeded random ids, so that a prompt shares no cached prefix with another (but by chance), from
+    once, each `replicas` times at once (one per data-parallel replica); seeded random ids, so that a prompt shares no cached prefix with another (but by chance), from
     the vocabulary's lower half: its top holds the special tokens (Qwen's image and video placeholders
     among them), which a text prompt does not carry."""
     rng = random.Random(0)
@@ -139,9 +160,8 @@ async def _shape_warmup(tm: Any, lengths: list[int], vocab_size: int) -> None:
     def request(length: int, new_tokens: int) -> GenerateReqInput:
         ids = [rng.randrange(below) for _ in range(length)]
         params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-        return GenerateReqInput(input_ids=ids, sampling_params=params, log_metrics=False)
+        return GenerateReqInput(input_ids=ids, sampling_params=params, log_metrics=False, extra_key=namespace)
 
     for length in lengths:
-        await _generate(tm, request(length, 1))
-    batch = [request(CONCURRENT_PROMPT_LEN, 4) for _ in range(CONCURRENT_PROMPTS)]
-    await asyncio.gather(*(_generate(tm, obj) for obj in batch))
+        await _generate_all(tm, [request(length, 1) for _ in range(replicas)])
+    await _generate_all(tm, [request(CONCURRENT_PROMPT_LEN, 4) for _ in range(CONCURRENT_PROMPTS * replicas)])

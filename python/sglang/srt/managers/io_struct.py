@@ -86,6 +86,9 @@ class TokenizedGenerateReqInput:
     return_hidden_states: bool = False
     custom_logit_processor: str | None = None
     mm_inputs: Any = None  # the request's images (`multimodal.inputs.MultimodalInputs`), or None
+    # The server's warm-up (`server_warmup.py`, through `generate_request(warmup=True)`, never a body
+    # field): its namespace stays off the host and disk tiers.
+    warmup: bool = False
 
 
 @dataclass
@@ -123,7 +126,9 @@ class AbortReq:
 
 @dataclass
 class FlushCacheReqInput:
-    pass
+    # The warm-up's flush: the scheduler's counts restart from zero too (all it counted was the warm-up;
+    # the port is not open yet).
+    end_of_warmup: bool = False
 
 
 @dataclass

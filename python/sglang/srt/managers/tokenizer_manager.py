@@ -223,14 +223,21 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         return items, is_list
 
     async def generate_request(
-        self, obj: GenerateReqInput, request: DisconnectCheck | None = None, trusted: bool = False
+        self,
+        obj: GenerateReqInput,
+        request: DisconnectCheck | None = None,
+        trusted: bool = False,
+        warmup: bool = False,
     ) -> AsyncIterator[Any]:
         """Yield the reply: once (a dict, or a list for batches and n > 1) without streaming; with
         streaming, chunks as tokens arrive (cumulative text, as SGLang streams; "index" set when the
         request has several outputs). Raises RequestError before anything is sent, ServerAbortError
         when the server ends a request. `trusted`: an in-process caller (Engine), whose media items
-        may name any local file; HTTP routes leave it False (docs/multimodal.md)."""
+        may name any local file; HTTP routes leave it False (docs/multimodal.md). `warmup`: the server's
+        warm-up request (`TokenizedGenerateReqInput.warmup`)."""
         items, is_list = await self.normalize(obj, trusted)
+        for item in items:
+            item.req.warmup = warmup
         # Held while paused, while a weight update waits for the running requests to finish, and while
         # memory is released (the model cannot run).
         gates = (self._unpaused, self._no_update_hold, self._memory_resumed)
@@ -375,8 +382,10 @@ class TokenizerManager(TokenizerCommunicatorMixin):
 
     # ---- control -----------------------------------------------------------------------------------
 
-    async def flush_cache(self, timeout: float = CONTROL_TIMEOUT_S) -> FlushCacheReqOutput:
-        return await self._control(FlushCacheReqInput(), FlushCacheReqOutput, timeout)
+    async def flush_cache(
+        self, timeout: float = CONTROL_TIMEOUT_S, end_of_warmup: bool = False
+    ) -> FlushCacheReqOutput:
+        return await self._control(FlushCacheReqInput(end_of_warmup), FlushCacheReqOutput, timeout)
 
     async def get_internal_state(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
         out = await self._control(GetInternalStateReq(), GetInternalStateReqOutput, timeout)

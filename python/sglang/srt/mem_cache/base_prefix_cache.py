@@ -109,6 +109,11 @@ class BasePrefixCache(ABC):
         """The model's weights were updated in place (a disk tier stops serving entries of the old ones)."""
         return None
 
+    def keep_off_host(self, namespace: str) -> None:
+        """The host and disk tiers neither back up nor load sequences of this prefix-cache namespace (the
+        server's warm-up's, until the next reset); a tree without them has nothing to do."""
+        return None
+
     def supports_mamba(self) -> bool:
         return True
 

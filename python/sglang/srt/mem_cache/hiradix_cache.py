@@ -18,7 +18,8 @@ Backups (device -> host) by `--hicache-write-policy`:
 - `write_back`: a checkpoint is backed up when the device tree evicts it.
 Under every policy a checkpoint whose backup is due but not yet recorded is backed up when evicted. A
 backup that finds no room on host after host eviction (interior checkpoints before leaves, LRU within
-each; never a node being loaded) is skipped.
+each; never a node being loaded) is skipped. Nothing of a namespace marked `keep_off_host` (the server's
+warm-up's, until the next reset) is backed up or loaded, under any policy.
 
 Loads (host -> device): a match for a request (admission) whose deepest host checkpoint lies deeper than
 the device's allocates device KV pages for the part of the path the device lacks and one slot, records
@@ -96,6 +97,7 @@ class HiMambaRadixCache(MambaRadixCache):
         self.stamps: dict[int, int] = {}  # device checkpoint node id -> epoch its checkpoint was set
         self.due: dict[int, TreeNode] = {}  # checkpoints whose backup is due
         self.hits: dict[int, int] = {}  # write_through_selective: hits per checkpoint node
+        self.off_host: set[str] = set()  # namespaces never backed up nor loaded (`keep_off_host`)
         self._loading = False
         self._filled_by_pending_copy = False
         super().__init__(req_to_token_pool, token_allocator, page_size)
@@ -108,6 +110,11 @@ class HiMambaRadixCache(MambaRadixCache):
         if self.storage is not None:
             self.storage.reset()  # (its recorded writes went with the controller's list)
         self.stamps, self.due, self.hits = {}, {}, {}
+        self.off_host = set()
+
+    def keep_off_host(self, namespace: str) -> None:
+        if namespace is not None:  # (the shared namespace is everyone's)
+            self.off_host.add(namespace)
 
     def weights_changed(self) -> None:
         """An in-place weight update: the disk tier's entries belong to the old weights."""
@@ -137,6 +144,8 @@ class HiMambaRadixCache(MambaRadixCache):
         # snapshot is filled by a state copy still to be sealed, which runs after the host copies of
         # its batch: its backup waits for the next batch (`epoch` stamp).
         self.stamps[node.id] = self.controller.epoch if self._filled_by_pending_copy else -1
+        if node.namespace in self.off_host:
+            return
         if self.write_policy == "write_through" and not self._loading:
             self.due[node.id] = node
         elif self.write_policy == "write_through_selective" and not self._loading:
@@ -156,7 +165,7 @@ class HiMambaRadixCache(MambaRadixCache):
         self.pending_state_copies = []
 
     def _drop_checkpoint(self, node: TreeNode) -> None:
-        due = node.id in self.due or self.write_policy == "write_back"
+        due = node.id in self.due or (self.write_policy == "write_back" and node.namespace not in self.off_host)
         if due and self.stamps[node.id] < self.controller.epoch:
             self._backup(node)
         elif due:
@@ -263,11 +272,12 @@ class HiMambaRadixCache(MambaRadixCache):
     def match_prefix(
         self, key: list[int], cow_mamba: bool = False, req: Req | None = None, namespace: str | None = None
     ) -> MatchResult:
-        if req is not None:
+        if req is not None and req.extra_key not in self.off_host:
             self._load_from_host(key, req.extra_key)
         res = super().match_prefix(key, cow_mamba, req, namespace)
         node = res.last_device_node
-        if req is not None and self.write_policy == "write_through_selective" and node is not self.root:
+        selective = self.write_policy == "write_through_selective" and node.namespace not in self.off_host
+        if req is not None and selective and node is not self.root:
             self.hits[node.id] = self.hits.get(node.id, 0) + 1
             if self.hits[node.id] >= SELECTIVE_THRESHOLD:
                 self.due[node.id] = node

@@ -69,6 +69,14 @@ class BatchStatsLog:
         """The scheduler is idle: the next decode batch opens a new window."""
         self._decodes, self._generated, self._since = 0, 0, None
 
+    def reset_counts(self) -> None:
+        """What /metrics reads starts from zero (`Scheduler.reset_counts`)."""
+        self.reset()
+        self._spec_since = (0, 0)
+        self.gen_throughput = self.cache_hit_rate = 0.0
+        self.realtime_tokens = dict.fromkeys(self.realtime_tokens, 0)
+        self.queue_time = PlainHistogram(QUEUE_TIME_BUCKETS)
+
     def add_generated(self, tokens: int) -> None:
         """Tokens a batch committed beyond the one per request counted at its launch."""
         self.realtime_tokens["decode"] += tokens

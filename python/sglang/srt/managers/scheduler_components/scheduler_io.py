@@ -193,6 +193,8 @@ class SchedulerIOMixin:
                 self.abort_request(obj.rid, obj.abort_all, obj.message)
             elif isinstance(obj, FlushCacheReqInput):
                 ok, msg = self.flush_cache()
+                if ok and obj.end_of_warmup:
+                    self.reset_counts()
                 self.send_to_tokenizer(FlushCacheReqOutput(ok, msg))
             elif isinstance(obj, UpdateWeightFromDiskReqInput):
                 # (while memory is released a second model would load into what the trainer holds)
@@ -248,6 +250,8 @@ class SchedulerIOMixin:
         )
         req.bootstrap = recv.bootstrap
         req.extra_key = recv.extra_key
+        if recv.warmup:
+            self.tree_cache.keep_off_host(recv.extra_key)
         req.return_hidden_states = recv.return_hidden_states
         req.multimodal_inputs = recv.mm_inputs
         req.inflight = self.inflight

@@ -133,6 +133,17 @@ class SchedulerLifecycleMixin:
         self._empty_tree()
         return True, ""
 
+    def reset_counts(self) -> None:
+        """The counts /metrics and /get_server_info read start from zero (after the server's warm-up: no
+        other request has run yet, so this is exact): request and token counters, the batches' stats,
+        speculative decoding's totals."""
+        for key in self.counters:
+            self.counters[key] = 0
+        self.batch_stats.reset_counts()
+        if self.spec is not None:
+            for key in self.spec.stats:
+                self.spec.stats[key] = 0
+
     def _empty_tree(self) -> None:
         """Evict every cached prefix (KV and states) and reset the tree; no request may hold any of it."""
         self.tree_cache.evict(
