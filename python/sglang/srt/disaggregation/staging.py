@@ -293,7 +293,8 @@ class ChunkLink:
     def __init__(self, cancelled: threading.Event | None = None):
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.acks: queue.SimpleQueue = queue.SimpleQueue()
-        self.cancelled = cancelled or threading.Event()  # (the room's own flag: `prefill._Room.cancel`)
+        # (the room's own flag: `prefill._Room.cancel`)
+        self.cancelled = cancelled if cancelled is not None else threading.Event()
         self.beat = float("-inf")  # the scheduler's last poll (its clock)
 
     def drain(self) -> list[list]:
