@@ -20,10 +20,14 @@ then the median of `--reps`: tokens/s and its share of the dense bf16 peak (989 
 H200, the spec sheets' dense figure, or `--peak-tflops`) with FLOPs counted from the shapes
 (`real_shapes.prefill_flops_per_token`).
 
-Full model, by layer count (the slice's layer kinds are in the full model's proportions): decode =
-(step - lm_head) / slice layers x full layers + lm_head, the lm_head timed alone (one GEMM of the
-batch's hidden states by the vocabulary, `head_ms`); its floor from the same parts at full depth.
-Prefill = slice time x full layers / slice layers (the lm_head reads one row per chunk).
+Full model, by layer count (the slice's layer kinds are in the full model's proportions): a decode step
+is a fixed part (host batch building, embedding, final norm, lm_head, sampling, the sync and launches)
+plus one part per layer, so the step is timed at two depths, the slice's and none (the same runner with
+its decoder layers taken out and, on CUDA, its graphs captured again: `step0_ms`), and full decode =
+step0 + (step - step0) / slice layers x full layers; its floor from the same parts at full depth.
+(Scaling the whole step by the layer ratio counted the fixed part 12x for the 80B: 1.7x too high at
+batch 1 on a CPU check.) Prefill = slice time x full layers / slice layers (its fixed part, one lm_head
+row and the host work per chunk of 8k tokens, is negligible).
 
 Prints one JSON line per row and a table per model; `--out DIR` also writes DIR/real_shapes.json.
 """
@@ -37,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -119,17 +124,34 @@ def measure_prefill(runner, device: str, tokens: int, chunk: int, reps: int) -> 
     return statistics.median(times[1:])
 
 
-def head_ms(hidden: int, vocab: int, batch: int, device: str, dtype: torch.dtype, reps: int = 20) -> float:
-    """One lm_head GEMM at this batch (the part of a step that does not scale with the layers)."""
-    x = torch.randn(batch, hidden, device=device, dtype=dtype)
-    w = torch.randn(vocab, hidden, device=device, dtype=dtype)
-    torch.nn.functional.linear(x, w)
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(reps):
-        torch.nn.functional.linear(x, w)
-    _sync(device)
-    return (time.perf_counter() - t) / reps * 1e3
+@contextmanager
+def without_layers(runner, layers: int):
+    """The runner's model with its `layers` decoder layers taken out (the ModuleList of that length the
+    decoder loops over): a step is then its fixed part alone. CUDA graphs are captured again for it, and
+    once more on the way out, of the whole model."""
+    import torch.nn as nn
+
+    decoder = next(
+        m for m in runner.model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)
+        and len(m.layers) == layers
+    )  # fmt: skip
+    kept = decoder.layers
+    graphs = runner.graph_runner
+    decoder.layers = nn.ModuleList()
+    try:
+        if graphs is not None:
+            graphs.recapture()
+        yield
+    finally:
+        decoder.layers = kept
+        if graphs is not None:
+            graphs.recapture()
+
+
+def full_decode_ms(step_ms: float, step0_ms: float, slice_layers: int, full_layers: int) -> float:
+    """The full model's decode step from the slice's (`step_ms`) and the step without layers
+    (`step0_ms`): the fixed part once, the per-layer part at full depth."""
+    return step0_ms + (step_ms - step0_ms) / slice_layers * full_layers
 
 
 def _r(x: float | None, n: int = 4) -> float | None:
@@ -182,8 +204,16 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
     if runner is not None:
         chunk = runner.server_args.chunked_prefill_size or 0
         chunk = chunk if chunk > 0 else max(args.prefill)
-    hidden, vocab = config.hidden_size, config.vocab_size
     context = args.prompt_len + 3 + args.steps // 2  # mean context over the timed steps
+    steps, steps0 = {}, {}
+    if runner is not None:
+        for batch in args.batches:
+            steps[batch] = measure_decode(runner, device, batch, args.steps, args.prompt_len, chunk) * 1e3
+            progress(f"{name}: decode batch {batch}: {steps[batch]:.3f} ms")
+        with without_layers(runner, spec.slice_layers):
+            for batch in args.batches:
+                steps0[batch] = measure_decode(runner, device, batch, args.steps, args.prompt_len, chunk) * 1e3
+                progress(f"{name}: decode batch {batch} without layers: {steps0[batch]:.3f} ms")
     for batch in args.batches:
         floor = rs.decode_floor_bytes(model, batch, context)
         full_floor = rs.decode_floor_bytes(full, batch, context)
@@ -198,17 +228,15 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
             "full_floor_ms": _r(full_floor["total"] / bandwidth * 1e3),
         }
         if runner is not None:
-            step = measure_decode(runner, device, batch, args.steps, args.prompt_len, chunk) * 1e3
-            lm = head_ms(hidden, vocab, batch, device, dtype)
-            full_step = (step - lm) / spec.slice_layers * spec.full_layers + lm
+            step, step0 = steps[batch], steps0[batch]
+            full_step = full_decode_ms(step, step0, spec.slice_layers, spec.full_layers)
             row.update(
                 step_ms=_r(step),
                 share=_r(row["floor_ms"] / step),
-                head_ms=_r(lm),
+                step0_ms=_r(step0),
                 full_step_ms=_r(full_step),
                 full_share=_r(row["full_floor_ms"] / full_step),
             )
-            progress(f"{name}: decode batch {batch}: {step:.3f} ms")
         rows.append(row)
         print(json.dumps(row), flush=True)
     for tokens in args.prefill:
@@ -251,8 +279,8 @@ def table(rows: list[dict]) -> str:
         f"### {s['model']}: slice {s['slice']} ({s['slice_layers']} of {s['full_layers']} layers), "
         f"{s['params'] / 1e9:.2f}B parameters, {s['weight_gb']} GB",
         "",
-        "| batch | step | floor | share | experts / layer | full model: step | floor | share |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | step | floor | share | experts / layer | step without layers | full model: step | floor | share |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ms = lambda v: "-" if v is None else f"{v:.4g} ms"  # noqa: E731
     pct = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
@@ -260,7 +288,8 @@ def table(rows: list[dict]) -> str:
         if r["kind"] == "decode":
             out.append(
                 f"| {r['batch']} | {ms(r.get('step_ms'))} | {ms(r['floor_ms'])} | {pct(r.get('share'))} | "
-                f"{r['experts_touched']} | {ms(r.get('full_step_ms'))} | {ms(r['full_floor_ms'])} | "
+                f"{r['experts_touched']} | {ms(r.get('step0_ms'))} | {ms(r.get('full_step_ms'))} | "
+                f"{ms(r['full_floor_ms'])} | "
                 f"{pct(r.get('full_share'))} |"
             )
     out += ["", "| prefill tokens | GFLOP/token | time | tokens/s | TFLOP/s | share of peak | full model: time | tokens/s |"]

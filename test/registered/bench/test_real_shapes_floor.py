@@ -134,3 +134,23 @@ def test_each_slice_keeps_the_full_models_layer_kinds_in_proportion(name):
     cut = _kinds(rs.slice_config(name))
     assert sum(cut.values()) == spec.slice_layers
     assert {k: v * spec.full_layers / spec.slice_layers for k, v in cut.items()} == full
+
+
+def test_the_decode_extrapolation_counts_the_fixed_part_once():
+    """bench_real_shapes' full-model decode: the step without layers (the fixed part: host work,
+    embedding, lm_head, sampling, the sync) once, the per-layer part at full depth; and `without_layers`
+    takes the decoder's layers out (graphs captured again) and puts them back (captured once more)."""
+    import bench_real_shapes as brs
+
+    # A 4-layer slice of a 48-layer model: 10 ms with layers, 2 ms without: 2 + 8 / 4 x 48 = 98 ms
+    # (scaling the whole step, 10 / 4 x 48 = 120 ms, counts the 2 ms 12 times).
+    assert brs.full_decode_ms(10.0, 2.0, 4, 48) == pytest.approx(98.0)
+    layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(4))
+    decoder = torch.nn.Module()
+    decoder.layers, decoder.other = layers, torch.nn.ModuleList([torch.nn.Identity()])
+    recaptured = []
+    graphs = type("Graphs", (), {"recapture": lambda self: recaptured.append(len(decoder.layers))})()
+    runner = type("Runner", (), {"model": torch.nn.Sequential(decoder), "graph_runner": graphs})()
+    with brs.without_layers(runner, 4):
+        assert len(decoder.layers) == 0 and len(decoder.other) == 1
+    assert decoder.layers is layers and recaptured == [0, 4]

@@ -45,10 +45,11 @@ def test_tiny_slices_run_and_report_every_row(tmp_path):
         decode = [r for r in mine if r["kind"] == "decode"]
         assert [r["batch"] for r in decode] == [1, 8]
         for r in decode:
-            assert r["step_ms"] > 0 and r["floor_ms"] > 0 and r["head_ms"] > 0
+            assert r["step_ms"] > 0 and r["floor_ms"] > 0 and r["step0_ms"] > 0
             assert r["share"] == pytest.approx(r["floor_ms"] / r["step_ms"], rel=2e-3)  # 4 significant digits
-            # The full model: the layers' part of the step times full / slice layers, the lm_head once.
-            expected = (r["step_ms"] - r["head_ms"]) / cut * full + r["head_ms"]
+            # The full model: the step's fixed part (the step without layers) once, the per-layer part
+            # (step - fixed) / slice layers at full depth. (rel 2e-3: 4 significant digits of each.)
+            expected = r["step0_ms"] + (r["step_ms"] - r["step0_ms"]) / cut * full
             assert r["full_step_ms"] == pytest.approx(expected, rel=2e-3)
             assert r["full_floor_ms"] > r["floor_ms"]
             assert r["floor_gb"]["total"] == pytest.approx(
