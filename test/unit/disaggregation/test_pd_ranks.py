@@ -438,3 +438,36 @@ def test_an_idle_prefill_queue_under_tp_forgets_ended_rooms_past_the_timeout():
     req = SimpleNamespace(bootstrap=SimpleNamespace(room="7"), rid="r")
     q.on_prefill_done(req)  # (no destination yet: the room waits for one)
     assert aborted == [] and q.rooms["7"].req is req
+
+
+def test_a_tick_s_aborts_end_a_pd_room_by_the_tick_s_clock():
+    """Review of the idle skip: `apply_tick` set the PD queue's clock from `Tick.disagg` after applying
+    the tick's deadline aborts and messages, so a room they ended was stamped with the previous
+    iteration's clock; after an idle spell the next poll then forgot it at once, and the decode server's
+    destination for it, coming later, waited for its timeout instead of being answered."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import BootstrapInfo
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
+    from sglang.srt.managers.scheduler_components.tp_broadcast import Tick
+    from sglang.test.pd_fakes import prefill_queue
+
+    q = prefill_queue(SimpleNamespace(running=[]))
+    q.ranks, q.max_unmatched = _Counting(), 64
+    q.channel = SimpleNamespace(recv_all=list, pull=SimpleNamespace(poll=lambda timeout: 0))
+    q.news, q.now = False, 5.0  # (the last iteration's tick; then the server idled an hour)
+    req = Req("r", [5, 6, 7])
+    req.bootstrap = BootstrapInfo("127.0.0.1", 8998, "7")
+    released = SimpleNamespace(release_finished=q.on_released, send_finished=lambda reqs: None)
+    rank = SimpleNamespace(disagg=q, grammar_queue=SimpleNamespace(apply=lambda g: None),
+                           reqs_by_rid={"r": req}, weight_update=SimpleNamespace(pending=None),
+                           result_processor=released, process_input_requests=lambda msgs: None)  # fmt: skip
+    rank.abort_with_status = lambda reqs, msg, status=None, param=None: SchedulerIOMixin.abort_with_status(
+        rank, reqs, msg, status, param
+    )
+    tick = Tick(deadline_aborts=[(["r"], "the request timed out", 503)], disagg=(False, 3605.0))
+    SchedulerIOMixin.apply_tick(rank, tick)
+    assert q.ended["7"] == (3605.0, "the request timed out")
+    q.poll()  # (idle: the room ended now, not an hour ago, is kept)
+    assert "7" in q.ended

@@ -443,7 +443,10 @@ class SchedulerIOMixin:
         )
 
     def apply_tick(self, tick: Tick) -> None:
-        """Every rank, rank 0 too: the same decisions in the same order."""
+        """Every rank, rank 0 too: the same decisions in the same order (the PD queue's clock first: a
+        room the tick's aborts or messages end is stamped with this iteration's)."""
+        if tick.disagg is not None:
+            self.disagg.news, self.disagg.now = tick.disagg
         self.grammar_queue.apply(tick.grammars)
         for rids, message, status in tick.deadline_aborts:
             self.abort_with_status(
@@ -453,8 +456,6 @@ class SchedulerIOMixin:
             self.weight_update.pending[1].exception()  # (waits for this rank's load to end too)
             self.finish_weight_update()
         self.process_input_requests(tick.messages)
-        if tick.disagg is not None:
-            self.disagg.news, self.disagg.now = tick.disagg
 
     def rank_digest(self) -> tuple:
         """What every TP rank must agree on whenever it goes idle: batches built and the pools' counts

@@ -77,14 +77,15 @@ class ParallelRank:
 
 @dataclass
 class Tick:
-    """What rank 0 decided this iteration; every rank applies it in field order."""
+    """What rank 0 decided this iteration; every rank applies it in field order, `disagg` first."""
 
     grammars: list[tuple[str, bool]] = field(default_factory=list)  # (rid, timed out)
     deadline_aborts: list[tuple[list[str], str, int]] = field(default_factory=list)  # (rids, message, status)
     weights_loaded: bool = False
     messages: list[Any] = field(default_factory=list)
     # A PD server: whether rank 0 has something for its PD queue (`has_news`: the queue's poll then runs
-    # its collective even with nothing open; idle, every rank skips it alike) and rank 0's clock.
+    # its collective even with nothing open; idle, every rank skips it alike) and rank 0's clock (set
+    # before the other fields apply: what they end is stamped with this iteration's clock).
     disagg: tuple[bool, float] | None = None
 
 
