@@ -17,8 +17,9 @@ bandwidth (H200 4.8 TB/s, H100 3.35 TB/s by the device's name, or `--bandwidth-t
 / step. Prefill, one prompt of 8,192 and of 32,768 tokens (in the server's chunks; none longer than
 the model's context: Nemotron-H-8B-Base-8K's is 8,192, so its 32k row says skipped), one untimed run,
 then the median of `--reps`: tokens/s and its share of the dense bf16 peak (989 TFLOP/s on an H100 or
-H200, the spec sheets' dense figure, or `--peak-tflops`) with FLOPs counted from the shapes
-(`real_shapes.prefill_flops_per_token`).
+H200 SXM, the spec sheets' dense figure, the same for both: kept so that shares compare across machines;
+the facts file gives ~790 TFLOP/s for the test H200, against which a share is 1.25x higher; or
+`--peak-tflops`) with FLOPs counted from the shapes (`real_shapes.prefill_flops_per_token`).
 
 Full model, by layer count (the slice's layer kinds are in the full model's proportions): a decode step
 is a fixed part (host batch building, embedding, final norm, lm_head, sampling, the sync and launches)

@@ -110,3 +110,26 @@ def test_run_gpu_checks_plans_the_real_shape_steps(tmp_path):
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert sum(1 for x in done.stdout.splitlines() if x.startswith('{"model"')) == 7  # slice, 4 + 2 rows
+
+
+def test_run_gpu_checks_says_why_warm_start_80b_did_not_run(tmp_path):
+    """Without the 80B slice `warm_start_80b` says "skipped (no slice...)" in the summary (it was left
+    out silently); the dry run shows it with that condition, and `warm_start`'s 147M checkpoint is written
+    inside its step (its limit and the deadline), not before it."""
+    script = str(GPU_BENCH / "run_gpu_checks.sh")
+
+    def summary(env: dict, *steps: str) -> list[str]:
+        out = tmp_path / "out"
+        env = {**os.environ, "OUT": str(out), **env}
+        subprocess.run(["bash", script, *steps], cwd=tmp_path, env=env, capture_output=True, timeout=120)
+        lines = (out / "summary.txt").read_text().splitlines()
+        (out / "summary.txt").unlink()
+        return [line for line in lines if line.startswith("bench ")]
+
+    (skipped,) = summary({}, "warm_start_80b")
+    assert skipped.startswith("bench warm_start_80b: skipped (no slice")
+    plan = summary({"GPU_DRY_RUN": "1"}, "warm_start", "warm_start_80b")
+    assert plan[0].startswith("bench warm_start: would run 150 s: bash -c [ -f /tmp/sglang-bench-147m/config")
+    assert "write_checkpoint" in plan[0] and plan[0].endswith("--device cuda --dtype bfloat16")
+    assert plan[1].startswith("bench warm_start_80b: would run 200 s:")
+    assert plan[2].startswith("bench warm_start_80b: (skipped unless real_80b has written")
