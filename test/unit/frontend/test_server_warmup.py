@@ -36,6 +36,10 @@ def test_the_warmup_runs_before_ready_counts_nowhere_and_leaves_nothing_cached()
         assert log.index("Warm-up request done") < log.index("ready to roll")
         metrics = requests.get(server.base_url + "/metrics", timeout=10).text
         assert _metric(metrics, "sglang:prompt_tokens_total") == 0
+        # The scheduler's counts too (before the fix they held the warm-up's prompt and decoded tokens and its
+        # queue time).
+        assert _metric(metrics, "sglang:realtime_tokens_total") == 0
+        assert _metric(metrics, "sglang:queue_time_seconds_count") == 0
         # Nothing cached: without the flush the tree holds the warm-up's KV and its final state.
         state = requests.get(server.base_url + "/get_server_info", timeout=10).json()["internal_states"][0]
         assert state["token_usage"]["held_by_tree"] == 0 and state["mamba_usage"]["held_by_tree"] == 0, state
