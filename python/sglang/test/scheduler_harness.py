@@ -110,6 +110,7 @@ class SchedulerHarness:
         extra_key: str | None = None,
         return_hidden_states: bool = False,
         custom_logit_processor: str | None = None,
+        warmup: bool = False,
         **sampling: Any,
     ) -> str:
         rid = f"req-{next(self._ids)}"
@@ -129,6 +130,7 @@ class SchedulerHarness:
                 extra_key=extra_key,
                 return_hidden_states=return_hidden_states,
                 custom_logit_processor=custom_logit_processor,
+                warmup=warmup,
             )
         )
         self.outputs[rid] = Output(rid)

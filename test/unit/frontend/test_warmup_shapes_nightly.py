@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import requests
 
 from sglang.srt.entrypoints.server_warmup import CONCURRENT_PROMPTS, warmup_prompt_lengths
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.hicache_checks import hicache_harness
+from sglang.test.scheduler_harness import token_ids
 from sglang.test.test_utils import ServerProcess
 
-register_cpu_ci(est_time=30, suite="nightly-cpu")
+register_cpu_ci(est_time=45, suite="nightly-cpu")
 
 
 def test_the_shape_warmup_runs_before_ready_counts_nowhere_and_leaves_nothing_cached(tmp_path):
@@ -54,3 +57,29 @@ def test_the_shape_warmup_runs_before_ready_counts_nowhere_and_leaves_nothing_ca
         assert not [p for p in tmp_path.rglob("*") if p.is_file()]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_the_host_tier_takes_nothing_of_the_warmups_namespace(policy):
+    """Under every write policy: a conversation sent as the warm-up's (its namespace kept off host) and one
+    sent as a user's, the same prompt in each, each hit once more (write_through_selective's second hit),
+    then 8 others push both off the device (6 slots). The user's reaches the host tier (the control: the
+    setup backs up), the warm-up's does not, and no load is tried for it."""
+    h = hicache_harness("tiny-qwen3-next", "extra_buffer_lazy", policy)
+    try:
+        tree = h.sched.tree_cache
+        prompt = token_ids(200, seed=1)
+        for ns, warmup in (("warmup-test", True), ("user", False)):
+            first = h.generate(prompt, max_new_tokens=4, extra_key=ns, warmup=warmup)
+            h.generate(prompt + first.output_ids + token_ids(8, seed=50), max_new_tokens=1, extra_key=ns,
+                       warmup=warmup)  # fmt: skip
+        for i in range(8):
+            h.generate(token_ids(300, seed=10 + i), max_new_tokens=4)
+            h.sched.check_integrity()
+        on_host = {ns: tree.host_tree._walk(prompt, ns)[1] for ns in ("warmup-test", "user")}
+        assert on_host["user"] > 0 and on_host["warmup-test"] == 0, on_host
+        assert tree.off_host == {"warmup-test"}
+        h.flush_and_check_empty()
+        assert tree.off_host == set()  # (a reset forgets it: the next warm-up's is a new namespace)
+    finally:
+        h.shutdown()
