@@ -1,8 +1,8 @@
 """The host tier's copies (`HiCacheController` over `HostPools`), one code path for CPU and CUDA: a backup
 (device gather, one copy per pool tensor to host, scatter into the host pools once landed) then a load of
 the same host rows into other device rows, in one sealed list and in two, give back the source rows
-exactly, the MTP draft layer's KV among them (one more KV layer). On CUDA the host pools are pinned and
-the copies are non-blocking (the GPU case is marked `gpu`)."""
+exactly, the MTP draft layer's KV among them (one more KV layer). On CUDA the host pools stay pageable
+(only their staging tensors are pinned) and the copies are non-blocking (the GPU case is marked `gpu`)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def _round_trip(device: str, one_list: bool) -> None:
         assert torch.equal(k[dst_kv], ek) and torch.equal(v[dst_kv], ev)
     assert torch.equal(mp.conv_state[:, 6], expect_conv) and torch.equal(mp.ssm_state[:, 6], expect_ssm)
     assert torch.equal(host.k_buffer[-1][host_kv], expect_k[-1].cpu())  # (the MTP layer's, on host)
-    if device == "cuda":
-        assert all(t.is_pinned() for t in (*host.k_buffer, *host.v_buffer, host.conv_state, host.ssm_state))
+    # Pageable pools on every device: pinned ones would be rounded up to a power of two by torch's caching
+    # host allocator (up to 2x the bytes the MemAvailable check counted) and never swapped.
+    assert not any(t.is_pinned() for t in (*host.k_buffer, *host.v_buffer, host.conv_state, host.ssm_state))
 
 
 @pytest.mark.parametrize("one_list", [True, False])

@@ -1,13 +1,18 @@
 """`HostPools`: the host-memory tier of the hierarchical cache (`--enable-hierarchical-cache`): KV pages of
-the full-attention layers and recurrent-state snapshots, in CPU tensors laid out as the device pools are
-(pinned when the device pools are on CUDA, so copies to and from them can run asynchronously), with their
-own allocators (host ints, as on the device).
+the full-attention layers and recurrent-state snapshots, in CPU tensors laid out as the device pools are,
+with their own allocators (host ints, as on the device). The pools are pageable memory, also on CUDA:
+only CPU ops (`index_copy_`, `index_select`) touch them; every transfer to or from the device goes
+through a pinned staging tensor of that transfer's rows (`to_host`, `load`). Pinning the pools would buy
+nothing and cost much: torch's caching host allocator rounds each pinned allocation up to a power of two
+(up to 2x the bytes checked below), and pinned memory cannot be swapped. The staging tensors hold only
+the rows of the copies in flight (one batch's loads, the backups not landed yet: one or two batches'),
+kept by that allocator for reuse.
 
 Sizes: `--hicache-size` GB (when > 0), split between KV and states in the device pools' byte ratio; else
 `--hicache-ratio` times the device pools (tokens and slots). Upstream's rule holds: the host tier is at
 least as large as the device pools (write-through keeps what the device holds on host too). A host tier
 larger than the host memory available (/proc/meminfo's MemAvailable) is refused at start, as upstream
-checks it, before any allocation (pinned memory that does not fit fails late or wakes the OOM killer).
+checks it, before any allocation (memory that does not fit fails late or wakes the OOM killer).
 Under tensor parallelism each rank holds its own shard's host tier, sized alike on every rank: the sizes
 and the memory available are taken as the smallest over the ranks (`smallest`), and the ranks on one
 node (`ranks_per_node`) each need their tier from that node's memory, so every rank builds the same
@@ -100,12 +105,10 @@ class HostPools:
         self.slot_bytes = state_bytes
         self.token_allocator = PagedTokenAllocator(tokens, page)
         self.slot_allocator = MambaSlotAllocator(slots)
-        pin = kv_pool.k_buffer[0].device.type == "cuda" if kv_pool.k_buffer else False
-
         def like(t: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
             shape = list(t.shape)
             shape[dim] = rows
-            return torch.zeros(shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            return torch.zeros(shape, dtype=t.dtype, device="cpu")  # pageable (module docstring)
 
         self.k_buffer = [like(t, rows, 0) for t in kv_pool.k_buffer]
         self.v_buffer = [like(t, rows, 0) for t in kv_pool.v_buffer]
@@ -127,10 +130,10 @@ class HostPools:
 
     # ---- copies (forward stream only; `HiCacheController` runs them) ---------------------------------
     # One code path for CPU and CUDA: a backup gathers the rows on the device (the current stream), moves
-    # them to host (`to_host`: one non-blocking copy per tensor into pinned memory on CUDA, nothing to
-    # move on CPU) and scatters them into the host pools once they landed (`scatter`); a load gathers on
-    # host (into pinned memory on CUDA), moves the rows to the device without blocking and scatters them
-    # there.
+    # them to host (`to_host`: one non-blocking copy per tensor into a pinned staging tensor on CUDA,
+    # nothing to move on CPU) and scatters them into the (pageable) host pools once they landed
+    # (`scatter`); a load gathers on host (into a pinned staging tensor on CUDA), moves the rows to the
+    # device without blocking and scatters them there.
 
     def _pairs(self, kv: bool) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """(device tensor, host tensor, slot dimension): every KV layer's K and V (the MTP draft layer's
