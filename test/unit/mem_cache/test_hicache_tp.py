@@ -168,3 +168,42 @@ def test_a_start_error_on_one_rank_is_every_rank_s():
         return None
 
     assert on_ranks([lambda: rank(0), lambda: rank(1)]) == [f"TP rank 1: {why}", why]
+
+
+@pytest.mark.parametrize("where", ["storage", "host tier"])
+def test_any_failure_on_one_rank_is_every_rank_s_refusal(monkeypatch, where):
+    """Not only the refusals of our own (ServerArgsError, HostPoolSizeError, DiskTierError): an OSError
+    on rank 1 (its disk folder unreadable while the storage config is built, or its host tier's listing
+    of that folder) makes both ranks refuse in one sentence naming it, through `create_tree_cache`
+    itself; before, the OSError left rank 1 alone and rank 0 waited at the next agreement."""
+    from sglang.srt.managers.scheduler_components import tree_cache_factory as factory
+    from sglang.srt.mem_cache import hiradix_cache
+
+    gather, local = Gather(2), threading.local()
+    monkeypatch.setattr(factory.TpAgreement, "create", classmethod(lambda cls, args: local.tp))
+    oserror = OSError(13, "Permission denied", "/x")
+
+    def storage(args, model_runner):
+        if where == "storage" and local.rank == 1:
+            raise oserror
+
+    def cache(*args, **kwargs):
+        if where == "host tier" and local.rank == 1:
+            raise oserror
+        return "cache"
+
+    monkeypatch.setattr(factory, "_file_storage", storage)
+    monkeypatch.setattr(hiradix_cache, "HiMambaRadixCache", cache)
+    args = SimpleNamespace(disable_radix_cache=False, enable_hierarchical_cache=True, page_size=1,
+                           hicache_write_policy="write_through", hicache_ratio=2.0, hicache_size=0)  # fmt: skip
+    runner = SimpleNamespace(token_to_kv_pool=None)
+
+    def rank(r: int) -> str:
+        local.rank, local.tp = r, SimpleNamespace(gather=gather.for_rank(r))
+        try:
+            return factory.create_tree_cache(args, runner, SimpleNamespace(), None)
+        except ServerArgsError as e:
+            return str(e)
+
+    why = "the host tier failed to start: PermissionError: [Errno 13] Permission denied: '/x'"
+    assert on_ranks([lambda: rank(0), lambda: rank(1)]) == [f"TP rank 1: {why}", why]

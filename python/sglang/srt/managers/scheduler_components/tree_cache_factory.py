@@ -10,6 +10,7 @@ groups, so an agreement never interleaves with them."""
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from sglang.srt.mem_cache.disk_tier import DiskTierConfig, DiskTierError
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+
+logger = logging.getLogger(__name__)
 
 
 def create_tree_cache(
@@ -44,8 +47,8 @@ def create_tree_cache(
     storage, cache, error = None, None, None
     try:
         storage = _file_storage(args, model_runner)
-    except ServerArgsError as e:
-        error = str(e)
+    except Exception as e:  # (any failure on one rank: the others must not wait for it; _why)
+        error = _why(e)
     _refuse_on_every_rank(tp, error)  # (before the host tier's own agreements: all ranks reach them)
     try:
         cache = HiMambaRadixCache(
@@ -59,10 +62,22 @@ def create_tree_cache(
             storage=storage,
             tp=tp,
         )
-    except (HostPoolSizeError, DiskTierError) as e:
-        error = str(e)
-    _refuse_on_every_rank(tp, error)  # (a rank whose disk folder is refused: none waits for it)
+    except Exception as e:
+        error = _why(e, HostPoolSizeError)
+    # (a rank whose disk folder is refused: none waits for it. The tier's own agreements, HostPools' sizes,
+    # come before whatever in it can fail on one rank alone: allocation, the disk folder's listing.)
+    _refuse_on_every_rank(tp, error)
     return cache
+
+
+def _why(e: Exception, *expected: type[Exception]) -> str:
+    """A start failure as one sentence: a refusal's own (ServerArgsError, DiskTierError, `expected`), or
+    any other exception (an allocation's RuntimeError, an OSError of the disk folder, a bad environment
+    variable), named with its type; its traceback goes to the log."""
+    if isinstance(e, (ServerArgsError, DiskTierError, *expected)):
+        return str(e)
+    logger.exception("the host tier failed to start")
+    return f"the host tier failed to start: {type(e).__name__}: {e}"
 
 
 def _refuse_on_every_rank(tp: TpAgreement | None, error: str | None) -> None:
