@@ -126,10 +126,11 @@ def measure_prefill(runner, device: str, tokens: int, chunk: int, reps: int) -> 
 
 
 @contextmanager
-def without_layers(runner, layers: int):
+def without_layers(runner, layers: int, recapture_after: bool = True):
     """The runner's model with its `layers` decoder layers taken out (the ModuleList of that length the
     decoder loops over): a step is then its fixed part alone. CUDA graphs are captured again for it, and
-    once more on the way out, of the whole model."""
+    once more on the way out, of the whole model; with `recapture_after` False they are freed instead and
+    the runner decodes without graphs afterwards (a run whose later steps are prefills saves a capture)."""
     import torch.nn as nn
 
     decoder = next(
@@ -145,8 +146,11 @@ def without_layers(runner, layers: int):
         yield
     finally:
         decoder.layers = kept
-        if graphs is not None:
+        if graphs is not None and recapture_after:
             graphs.recapture()
+        elif graphs is not None:
+            graphs.release()
+            runner.graph_runner = None
 
 
 def full_decode_ms(step_ms: float, step0_ms: float, slice_layers: int, full_layers: int) -> float:
@@ -211,7 +215,7 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
         for batch in args.batches:
             steps[batch] = measure_decode(runner, device, batch, args.steps, args.prompt_len, chunk) * 1e3
             progress(f"{name}: decode batch {batch}: {steps[batch]:.3f} ms")
-        with without_layers(runner, spec.slice_layers):
+        with without_layers(runner, spec.slice_layers, recapture_after=False):  # (prefills follow)
             for batch in args.batches:
                 steps0[batch] = measure_decode(runner, device, batch, args.steps, args.prompt_len, chunk) * 1e3
                 progress(f"{name}: decode batch {batch} without layers: {steps0[batch]:.3f} ms")

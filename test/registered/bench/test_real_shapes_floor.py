@@ -148,9 +148,18 @@ def test_the_decode_extrapolation_counts_the_fixed_part_once():
     layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(4))
     decoder = torch.nn.Module()
     decoder.layers, decoder.other = layers, torch.nn.ModuleList([torch.nn.Identity()])
-    recaptured = []
-    graphs = type("Graphs", (), {"recapture": lambda self: recaptured.append(len(decoder.layers))})()
+    recaptured, released = [], []
+    graphs = type("Graphs", (), {
+        "recapture": lambda self: recaptured.append(len(decoder.layers)),
+        "release": lambda self: released.append(len(decoder.layers)),
+    })()  # fmt: skip
     runner = type("Runner", (), {"model": torch.nn.Sequential(decoder), "graph_runner": graphs})()
     with brs.without_layers(runner, 4):
         assert len(decoder.layers) == 0 and len(decoder.other) == 1
-    assert decoder.layers is layers and recaptured == [0, 4]
+    assert decoder.layers is layers and recaptured == [0, 4] and not released
+    # Without the capture after (the bench's prefills follow): the graphs are freed, the runner decodes
+    # without them.
+    with brs.without_layers(runner, 4, recapture_after=False):
+        assert len(decoder.layers) == 0
+    assert decoder.layers is layers and recaptured == [0, 4, 0] and released == [4]
+    assert runner.graph_runner is None
