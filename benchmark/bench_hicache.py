@@ -13,10 +13,10 @@ Reports, with the host tier (--enable-hierarchical-cache) and without:
 - TTFT p50 (and p90), turns 2 and later, in ms;
 - the host tier's copies (KV tokens and states backed up and loaded) and its evictions (KV tokens and
   states the host tier dropped to make room: backed up minus held at the end).
-The default --hicache-ratio 16 holds about two checkpoints per conversation out of the ~11 that
-write_through backs up (first-turn / 64 + turns): the host tier evicts (its LRU drops the shallower
-checkpoints first, a hit touches the deepest), the case a host tier is sized for. --hicache-ratio 64 holds
-them all (no host eviction).
+The default --hicache-ratio 16 holds about two checkpoints per conversation out of the ~6 that
+write_through backs up: the host tier evicts, the case a host tier is sized for; it drops interior
+checkpoints before any conversation's deepest one (mem_cache/host_tree.py), so every conversation still
+resumes from host. --hicache-ratio 64 holds them all (no host eviction).
 
     python benchmark/bench_hicache.py [--conversations 64] [--factor 8] [--turns 3] [--first-turn 512]
                                       [--turn-tokens 64] [--new-tokens 8]
@@ -119,8 +119,8 @@ def main() -> None:
         "--hicache-ratio",
         type=float,
         default=16,
-        help="Host tier over device pools; the default evicts from host (see above), 64 holds every "
-        "conversation's checkpoints (write_through backs up each prefill snapshot too).",
+        help="Host tier over device pools; the default evicts from host (interior checkpoints first: see "
+        "above), 64 holds every checkpoint write_through backs up.",
     )
     args = p.parse_args()
     results = run(args)
