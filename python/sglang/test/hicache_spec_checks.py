@@ -65,8 +65,13 @@ def evicted_while_verifying(generate, scale: int = 2) -> None:
 
 
 def small_evicted_while_verifying(generate) -> None:
-    """`evicted_while_verifying` on a 256-token KV pool."""
-    evicted_while_verifying(generate, scale=1)
+    """`evicted_while_verifying` on a 256-token KV pool, with fewer decode steps (the per-commit case):
+    B's prompt of 120 tokens leaves its decode 35 steps to evict A (120 tokens in the tree) in a
+    verify's allocation. Without the verify's sealed copies A's turn 2 diverges here too (checked)."""
+    a = token_ids(100, seed=1)
+    turn1 = a + generate(a, 20)
+    generate(token_ids(120, seed=2), 35)
+    generate(turn1 + token_ids(20, seed=99), 15)
 
 
 def demo_evicted_while_verifying(generate) -> None:
