@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 
 from sglang.srt.mem_cache.hiradix_cache import HiMambaRadixCache
@@ -78,22 +79,25 @@ def _cyclic_workload(sim: MemCacheSim, conversations: int, checkpoints: int) -> 
     return [_on_host(sim, _conversation(c, checkpoints * STEP)) for c in range(conversations)]
 
 
-def test_the_host_keeps_every_conversations_deepest_checkpoint():
-    """6 conversations of 4 checkpoints each, backed up one by one into 8 host state slots (device 4,
-    ratio 2): every conversation's deepest checkpoint stays on host, with 2 interior ones beside them (the
-    newest conversation's). Plain LRU (negative control) keeps the last 8 backed up: conversations 5 and
-    6 alone, the first four lost whole."""
+@pytest.mark.parametrize("conversations", [6, 8])
+def test_the_host_keeps_every_conversations_deepest_checkpoint(conversations):
+    """6 (then 8) conversations of 4 checkpoints each, backed up one by one into 8 host state slots
+    (device 4, ratio 2): every conversation's deepest checkpoint stays on host, beside 2 (then 0)
+    interior ones, the newest conversation's. With 8, every slot holds a leaf when a conversation's next
+    checkpoint arrives: its own previous one goes (the backup puts a deeper one below it), not another
+    conversation's. Plain LRU (negative control) keeps the last 8 backed up: the last 2 conversations
+    alone, the others lost whole."""
     sim = _sim(device_slots=4, ratio=2)
     assert sim.tree.host.slot_allocator.size == 8
-    assert _cyclic_workload(sim, 6, 4) == [True] * 6
+    assert _cyclic_workload(sim, conversations, 4) == [True] * conversations
     host_tree = sim.tree.host_tree
     interior = [n for n in host_tree.nodes() if n.mamba_value is not None and n.children]
-    assert host_tree.mamba_total_size() == 8 and len(interior) == 2
-    assert all(n.path_key()[0] == _conversation(5, 1)[0] for n in interior)
+    assert host_tree.mamba_total_size() == 8 and len(interior) == 8 - conversations
+    assert all(n.path_key()[0] == _conversation(conversations - 1, 1)[0] for n in interior)
 
     sim = _sim(device_slots=4, ratio=2)
     sim.tree.host_tree.evict_mamba = partial(MambaRadixCache.evict_mamba, sim.tree.host_tree)
-    assert _cyclic_workload(sim, 6, 4) == [False] * 4 + [True] * 2
+    assert _cyclic_workload(sim, conversations, 4) == [False] * (conversations - 2) + [True] * 2
 
 
 def test_branch_points_go_after_the_chains_interior_checkpoints():
@@ -112,14 +116,17 @@ def test_branch_points_go_after_the_chains_interior_checkpoints():
     assert _on_host(sim, prefix), "the branch point outlived the chains' interior checkpoints"
     assert not _on_host(sim, _conversation(0, STEP)), "the oldest chain's interior checkpoint went first"
     assert _on_host(sim, _conversation(1, STEP))
-    for c in range(3, 5):  # 2 more chains: each drops an interior checkpoint, then the branch point goes
+    for c in range(3, 5):  # 2 more chains, each backup dropping a chain's interior checkpoint
         for j in (1, 2):
             _checkpoint(sim, _conversation(c, j * STEP))
             _batch(sim)
+    assert _on_host(sim, prefix)
+    _checkpoint(sim, _conversation(5, STEP))  # no chain's interior checkpoint is left: the branch point goes
+    _batch(sim)
     sim.check()
     assert not _on_host(sim, prefix)
     deepest = [prefix + [1] * STEP, prefix + [2] * STEP] + [_conversation(c, 2 * STEP) for c in range(5)]
-    assert all(_on_host(sim, k) for k in deepest), "no leaf went while an interior checkpoint was left"
+    assert all(_on_host(sim, k) for k in deepest + [_conversation(5, STEP)]), "a leaf went before it"
 
 
 def test_one_batch_backs_up_a_paths_deepest_snapshot_and_its_branch_points():

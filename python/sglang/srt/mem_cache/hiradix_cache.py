@@ -176,15 +176,15 @@ class HiMambaRadixCache(MambaRadixCache):
         super()._drop_checkpoint(node)
 
     def _host_room(self, key, ns: str | None, count: str) -> tuple[TreeNode, int] | None:
-        """(host node where the host tree's path along `key` ends, its length) once host eviction (LRU,
-        never that path) left room for the rest of `key` and a slot; None (counted) if it could not."""
+        """(host node where the host tree's path along `key` ends, its length) once host eviction (never
+        that path, `HostRadixTree.make_room`) left room for the rest of `key` and a slot; None (counted) if
+        it could not."""
         host_tree = self.host_tree
         path, matched = host_tree._walk(key, ns)
         end = path[-1][0] if path else host_tree.root
-        host_tree.hold_path(end, 1)
         pages = (len(key) - matched) // self.page_size
-        room = evict_from_tree_cache(host_tree, self.host.token_allocator, pages, self.host.slot_allocator, 1)
-        host_tree.hold_path(end, -1)
+        extends = matched < len(key)
+        room = host_tree.make_room(end, extends, self.host.token_allocator, pages, self.host.slot_allocator)
         if not room:
             prune_tombstone_leaf(host_tree, end)
             self.controller.stats[count] += 1
