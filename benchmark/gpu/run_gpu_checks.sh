@@ -2,7 +2,7 @@
 # What a session lent the GPU test machine runs there, in device `run` calls (carry `.whl`, made by
 # `../shared/gpu/fetch-offline-wheels.sh fla-core==0.6.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2`
 # beforehand): the wheels, the GPU tests (marked
-# `gpu`, in seven groups at once: the tests use small fixed pools, so they share the GPU), then the benchmarks
+# `gpu`, in eight groups at once: the tests use small fixed pools, so they share the GPU), then the benchmarks
 # one at a time. Logs come back under $OUT (default /tmp/gpu-out): summary.txt, tests-GROUP.log, bench.log.
 #   bash benchmark/gpu/run_gpu_checks.sh tests                # the GPU tests, ~5 min
 #   bash benchmark/gpu/run_gpu_checks.sh engine_vs_hf decode_step kernels state_copy sampler   # ~9 min
@@ -90,6 +90,9 @@ elif [[ $steps == *" tests "* ]]; then
   # The engine again with the Triton state-copy kernels forced (auto picks the CUDA op, built above).
   SGLANG_MAMBA_STATE_COPY_BACKEND=triton group copy-triton test/unit/scheduler/test_strategy_matrix.py \
     test/unit/model/test_cuda_graph_runner.py &
+  # The host tier's CUDA path: copies on the copy stream through pinned staging into pageable host pools,
+  # and an engine host hit under the overlap schedule and write_back against a cold run.
+  group hicache test/unit/mem_cache/test_hicache_copies.py test/unit/mem_cache/test_hicache_gpu.py &
   wait
 fi
 bench() {  # limit, name, command...

@@ -285,3 +285,45 @@ def disk_tier_after_a_weight_update(preset: str, storage_dir: str, new_weights: 
             h.shutdown()
     return {"entries_before": entries, "cached": out.cached_tokens, "reads": stats.get("disk_reads", 0),
             "oracle_err": err}  # fmt: skip
+
+
+def host_hit_and_cold_run(oracle, preset: str, tol: float, **kw: Any) -> dict:
+    """The overlap schedule and `write_back` (kw: the device, e.g. device="cuda"): turn 1 of A; 8 other
+    conversations push A off the device (backed up to host as evicted); turn 2 of A hits host. Then the
+    cache is flushed and turn 2's prompt runs cold. Both checked against the oracle within `tol` (float32);
+    returns what the caller asserts."""
+    args = dict(disable_overlap_schedule=False, dtype="float32")
+    args.update(kw)
+    h = hicache_harness(preset, "extra_buffer", "write_back", **args)
+    try:
+        tree = h.sched.tree_cache
+        a = token_ids(200, seed=1)
+        turn1 = a + h.generate(a, max_new_tokens=4).output_ids
+        for i in range(8):
+            h.generate(token_ids(300, seed=10 + i), max_new_tokens=4)
+            h.sched.check_integrity()
+        prompt = turn1 + token_ids(20, seed=99)
+        before = dict(tree.controller.stats)
+        hit = h.generate(prompt, max_new_tokens=6)
+        h.sched.check_integrity()
+        h.check_oracle(oracle, prompt, hit, tol)
+        stats = tree.controller.stats
+        loaded = stats["load_states"] - before.get("load_states", 0)
+        backups = stats["backup_states"]
+        h.flush_and_check_empty()
+        cold = h.generate(prompt, max_new_tokens=6)
+        h.check_oracle(oracle, prompt, cold, tol)
+        dlp = max((abs(x - y) for x, y in zip(hit.logprobs, cold.logprobs, strict=True)), default=0.0)
+        h.flush_and_check_empty()
+        return {
+            "first_turn_len": len(turn1),
+            "cached_hit": hit.cached_tokens,
+            "cached_cold": cold.cached_tokens,
+            "loaded_states": loaded,
+            "backups": backups,
+            "hit_tokens": hit.output_ids,
+            "cold_tokens": cold.output_ids,
+            "max_dlogprob_vs_cold": dlp,
+        }
+    finally:
+        h.shutdown()

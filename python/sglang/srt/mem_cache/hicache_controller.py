@@ -15,12 +15,13 @@ stream is the whole synchronisation story, as for every other state move (docs/s
   copy not yet sealed (`no_buffer`) is stamped with the `epoch` (batches sealed so far) and backed up
   only from the next one on.
 
-On CUDA the copies run on a copy stream of their own, ordered after the forward stream's work so far; the
-host pools are pinned and every transfer is one non-blocking copy per pool tensor (`HostPools`). The
+On CUDA the copies run on a copy stream of their own, ordered after the forward stream's work so far;
+every transfer is one non-blocking copy per pool tensor through a pinned staging tensor (`HostPools`). The
 forward stream waits (an event) for the batch's loads, state copies and the backups' device-side gathers
 only: the backups' copies to host land while the batch runs and are scattered into the host pools once
 their event completed, before any later copy or disk operation reads or writes those pools. On CPU the
-same code runs with plain copies. The CUDA path is tested on a GPU only (`test_hicache_gpu.py`).
+same code runs with plain copies. The CUDA path is tested on a GPU only (`test_hicache_copies.py`,
+`test_hicache_gpu.py`: run_gpu_checks.sh's `hicache` group; not yet run on a GPU).
 """
 
 from __future__ import annotations
