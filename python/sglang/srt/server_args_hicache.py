@@ -62,7 +62,8 @@ def add_hicache_cli_args(parser: argparse.ArgumentParser) -> None:
         "--hicache-io-backend",
         default="kernel",
         metavar="|".join(HICACHE_IO_BACKENDS),
-        help="Accepted as upstream's; no effect (every copy runs on a copy stream of the host tier's own).",
+        help="Accepted as upstream's; no effect (on CUDA every copy runs on a copy stream of the host tier's "
+        "own, on CPU on the forward thread).",
     )
     g.add_argument(
         "--hicache-storage-backend",

@@ -148,9 +148,9 @@ def plain_spec_and_hicache(preset: str, strategy: str, spec: dict, script: Scrip
 
 def host_copy_of_an_evicted_path(spec: dict, strategy: str) -> dict:
     """Turn 1 of A (200 + 40 tokens); B's decode (verifies, 110 tokens) on a 512-token KV pool evicts A
-    under write_back, backing it up to host. Returns A's path length and the positions whose host copy
-    differs from the KV the device held after turn 1, in any layer (the MTP layer's among them: the last
-    one of the pool), and in the last layer alone."""
+    under write_back, backing it up to host. Returns A's path length, how much of it the device still
+    holds after B, and the positions whose host copy differs from the KV the device held after turn 1,
+    in any layer (the MTP layer's among them: the last one of the pool)."""
     import torch
 
     h = SchedulerHarness(
@@ -184,14 +184,10 @@ def host_copy_of_an_evicted_path(spec: dict, strategy: str) -> dict:
         assert host_node is not None, "A was not backed up"
         hidx = torch.tensor(host_node.path_value())
         host = (*tree.host.k_buffer, *tree.host.v_buffer)
-        layers = len(pool.k_buffer)
-        differs, last = set(), set()
-        for i, (b, t) in enumerate(zip(before, host, strict=True)):
-            rows = (t[hidx] != b).flatten(1).any(1).nonzero().flatten().tolist()
-            differs.update(rows)
-            if i % layers == layers - 1:
-                last.update(rows)
-        out = {"path": len(key), "on_device_after": on_device, "differs": len(differs), "last_layer": len(last)}
+        differs = set()
+        for b, t in zip(before, host, strict=True):
+            differs.update((t[hidx] != b).flatten(1).any(1).nonzero().flatten().tolist())
+        out = {"path": len(key), "on_device_after": on_device, "differs": len(differs)}
         h.flush_and_check_empty()
         return out
     finally:

@@ -72,6 +72,12 @@ def test_both_sides_of_a_pd_pair_hit_their_host_tier(preset_paths, oracles, deco
         assert max(abs(g - w) for g, w in zip(lps, ref, strict=True)) < LOGPROB_TOL
         # A third turn right after: both trees hold turn 2 on the device, nothing more from host.
         ids3 = ids + got["output_ids"] + token_ids(10, seed=98)
-        assert_same_generation(ask(ids3, 4), post(prefill.base_url + "/generate", body(ids3, 4)).json())
+        before3 = {"prefill": internal_state(prefill)["hicache"], "decode": internal_state(decode)["hicache"]}
+        got3 = ask(ids3, 4)
+        after3 = {"prefill": internal_state(prefill)["hicache"], "decode": internal_state(decode)["hicache"]}
+        for k, stats in after3.items():
+            assert stats.get("load_states", 0) == before3[k].get("load_states", 0), (k, before3, after3)
+            assert stats.get("load_tokens", 0) == before3[k].get("load_tokens", 0), (k, before3, after3)
+        assert_same_generation(got3, post(prefill.base_url + "/generate", body(ids3, 4)).json())
     finally:
         stop_all(prefill, decode, router)

@@ -52,6 +52,7 @@ def test_the_host_copy_of_a_path_a_verify_evicts_is_what_the_device_held(algo):
     the draft steps (sealed into the verify, not run before the drafts) left 2 positions of the MTP layer
     alone differing (the drafts' KV)."""
     r = host_copy_of_an_evicted_path(NGRAM if algo == "NGRAM" else NEXTN, "extra_buffer")
+    assert r["on_device_after"] < r["path"], r  # (B's verifies did evict A: the copy is the eviction's)
     assert r["path"] == 239 and r["differs"] == 0, r
 
 

@@ -55,8 +55,8 @@ class HostCopy:
     to_host: bool
     device_kv: list[int]
     host_kv: list[int]
-    device_slot: int | None
-    host_slot: int | None
+    device_slot: int
+    host_slot: int
 
 
 class HiCacheController:
@@ -181,10 +181,9 @@ class HiCacheController:
             group = ops[i:j]
             if not op.to_host:
                 self._land_now(gathered)
-            slots = [(g.device_slot, g.host_slot) for g in group if g.device_slot is not None]
             moves = (
                 (True, [t for g in group for t in g.device_kv], [t for g in group for t in g.host_kv]),
-                (False, [d for d, _ in slots], [h for _, h in slots]),
+                (False, [g.device_slot for g in group], [g.host_slot for g in group]),
             )
             for kv, dev, host in moves:
                 if not dev:
