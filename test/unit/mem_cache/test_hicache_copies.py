@@ -71,3 +71,60 @@ def test_gpu_a_load_after_a_backup_gives_the_source_rows(one_list):
     with torch.cuda.stream(stream):
         _round_trip("cuda", one_list)
     torch.cuda.synchronize()
+
+
+class _Event:
+    """A CUDA event's stand-in (a backup of an earlier `run` still landing): never done by itself."""
+
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.log.append("wait")
+
+
+def _logged(host: HostPools, log: list[str]) -> None:
+    scatter, load = host.scatter, host.load
+    host.scatter = lambda kv, slots, rows: (log.append(f"scatter {slots.tolist()}"), scatter(kv, slots, rows))
+    host.load = lambda kv, h, d: (log.append(f"load {h.tolist()}"), load(kv, h, d))
+
+
+@pytest.mark.parametrize("same_rows", [False, True, "earlier"])
+def test_a_load_waits_only_for_the_backups_writing_the_rows_it_reads(same_rows):
+    """Review item 6: a load used to land every backup before it (on CUDA: synchronizing the copy stream,
+    which waits for the forward stream, so the forward thread blocked until the previous batch ended).
+    Now a load of host rows no pending backup writes waits for nothing: this run's backup lands after
+    it, an earlier run's event is not waited for before it. A load of rows a backup writes
+    lands that backup first, and what it loads is the backup's rows."""
+    kv, mp = _pools("cpu")
+    host = HostPools(kv, mp, ratio=2.0, size_gb=0)
+    ctl = HiCacheController(host)
+    ctl.backup([1, 2], [20, 21], 1, 3)  # (host rows 20, 21 and slot 3: landed before the test starts)
+    ctl.run(ctl.seal())
+    log: list[str] = []
+    _logged(host, log)
+    earlier = [(True, torch.tensor([30, 31]), [torch.zeros(2, 2, 4) for _ in range(6)])]
+    ctl.landing.append((_Event(log), earlier))  # (an earlier run's backup of host rows 30, 31, in flight)
+    src = [3, 4]
+    ctl.backup(src, [10, 11], 2, 5)
+    read_kv, read_slot = {False: ([20, 21], 3), True: ([10, 11], 5), "earlier": ([30, 31], 3)}[same_rows]
+    ctl.load(read_kv, [40, 41], read_slot, 6)
+    ctl.run(ctl.seal())
+    if same_rows == "earlier":  # (the earlier run's event alone before it; this run's backup after it)
+        assert log == ["wait", "scatter [30, 31]", "load [30, 31]", "load [3]", "scatter [10, 11]", "scatter [5]"]
+        assert not kv.k_buffer[0][[40, 41]].any()  # (what that backup wrote: zeros)
+    elif same_rows:  # (every backup before it: the earlier run's event waited for, then this run's)
+        assert log[:4] == ["wait", "scatter [30, 31]", "scatter [10, 11]", "scatter [5]"], log
+        assert log[4:] == ["load [10, 11]", "load [5]"], log
+        assert torch.equal(kv.k_buffer[0][[40, 41]], kv.k_buffer[0][src])
+        assert torch.equal(mp.conv_state[:, 6], mp.conv_state[:, 2])
+    else:
+        # The loads first; the rest lands after them (on CPU at the run's end; on CUDA in a later run).
+        assert log == ["load [20, 21]", "load [3]", "wait", "scatter [30, 31]", "scatter [10, 11]", "scatter [5]"]
+        assert torch.equal(kv.k_buffer[0][[40, 41]], kv.k_buffer[0][[1, 2]])
+        assert torch.equal(mp.conv_state[:, 6], mp.conv_state[:, 1])
+    ctl.wait()
+    assert not ctl.landing and torch.equal(host.k_buffer[0][[10, 11]], kv.k_buffer[0][src])

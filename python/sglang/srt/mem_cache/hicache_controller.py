@@ -19,7 +19,8 @@ On CUDA the copies run on a copy stream of their own, ordered after the forward 
 every transfer is one non-blocking copy per pool tensor through a pinned staging tensor (`HostPools`). The
 forward stream waits (an event) for the batch's loads, state copies and the backups' device-side gathers
 only: the backups' copies to host land while the batch runs and are scattered into the host pools once
-their event completed, before any later copy or disk operation reads or writes those pools. On CPU the
+their event completed, before a later disk operation reads or writes those pools or a load reads the rows
+they write (a load of other rows waits for nothing: `_land_for_load`). On CPU the
 same code runs with plain copies. The CUDA path is tested on a GPU only (`test_hicache_copies.py`,
 `test_hicache_gpu.py`: run_gpu_checks.sh's `hicache` group; not yet run on a GPU).
 """
@@ -132,13 +133,32 @@ class HiCacheController:
             self.copy_stream.synchronize()
         self._land(block=True)
 
-    def _land(self, block: bool) -> None:
-        """Scatter backups whose copies to host completed into the host pools, in order (`block`: all)."""
-        while self.landing and (block or self.landing[0][0].query()):
+    def _land(self, block: bool, upto: int = 0) -> None:
+        """Scatter backups whose copies to host completed into the host pools, in order (`block`: all;
+        `upto`: at least the first `upto` entries, waiting for their events alone)."""
+        while self.landing and (block or upto > 0 or self.landing[0][0].query()):
             event, moving = self.landing.pop(0)
             event.synchronize()
             for kv, slots, rows in moving:
                 self.host.scatter(kv, slots, rows)
+            upto -= 1
+
+    def _land_for_load(self, gathered: list[Gathered], host_kv: list[int], host_slots: list[int]) -> None:
+        """Before a load reads the host rows `host_kv` / `host_slots`: the backups still to land that
+        write any of them land first, with every one before them (in order); the others stay in flight.
+        A backup of this `run` writing them lands everything now (its copy waits for the forward stream's
+        work so far: the one case where the load blocks on the previous batch); one of an earlier `run`
+        waits for that run's event alone; a load of rows no backup writes waits for nothing."""
+        kv, slot = set(host_kv), set(host_slots)
+
+        def writes(moving: list[Gathered]) -> bool:
+            return any(not (kv if is_kv else slot).isdisjoint(rows.tolist()) for is_kv, rows, _ in moving)
+
+        if writes(gathered):
+            self._land_now(gathered)
+            return
+        last = max((i + 1 for i, (_, moving) in enumerate(self.landing) if writes(moving)), default=0)
+        self._land(block=False, upto=last)
 
     def _land_now(self, gathered: list[Gathered]) -> None:
         """Backups gathered by this `run` into the host pools now (before an op that reads or writes them),
@@ -154,8 +174,9 @@ class HiCacheController:
     def _run(self, ops: list[HostCopy | HostOp | Callable[[], None]]) -> list[Gathered]:
         """In recorded order; consecutive copies of one direction run as one gather per tensor, unless
         a destination repeats (a page or slot given up and handed out again in between: the later copy
-        must win). Returns the backups' gathered rows, not yet in the host pools; an op reading or
-        writing the host pools (a load, a disk operation) first lands those before it."""
+        must win). Returns the backups' gathered rows, not yet in the host pools; a disk operation (which
+        rows it touches is its own) first lands every backup before it, a load those writing the host
+        rows it reads (`_land_for_load`)."""
         gathered: list[Gathered] = []
         i = 0
         while i < len(ops):
@@ -180,7 +201,7 @@ class HiCacheController:
                 j += 1
             group = ops[i:j]
             if not op.to_host:
-                self._land_now(gathered)
+                self._land_for_load(gathered, [t for g in group for t in g.host_kv], [g.host_slot for g in group])
             moves = (
                 (True, [t for g in group for t in g.device_kv], [t for g in group for t in g.host_kv]),
                 (False, [g.device_slot for g in group], [g.host_slot for g in group]),
