@@ -327,3 +327,38 @@ def host_hit_and_cold_run(oracle, preset: str, tol: float, **kw: Any) -> dict:
         }
     finally:
         h.shutdown()
+
+
+def snapshot_dropped_before_its_copy_ran(oracles, preset: str = "tiny-qwen3-next") -> dict:
+    """`no_buffer`, `write_back`, chunks of 64: request X's first chunk runs and its snapshot's state copy
+    (running slot -> checkpoint S) is recorded, not yet run; X is aborted and every device checkpoint is
+    evicted before the next batch, so S is dropped (write_back: backed up) with its copy still pending.
+    The backup is recorded after the copy in the one ordered list, so it reads S written. Then Y (X's
+    first chunk + new tokens) must hit S from host and match the oracle. Returns what the caller asserts."""
+    h = hicache_harness(preset, "no_buffer", "write_back", chunked_prefill_size=64)
+    sched, tree = h.sched, h.sched.tree_cache
+    try:
+        x = token_ids(300, seed=77)
+        rx = h.submit(x, max_new_tokens=4)
+        sched.step()  # X's first chunk; its snapshot's state copy is recorded for the next batch
+        sched.abort_request(rx)
+        h.collect()
+        pending = tree.controller.stats["state_copies"]
+        evicted = tree.evict_mamba(1 << 20)
+        backups = tree.controller.stats["backup_states"]
+        y = x[:64] + token_ids(30, seed=5)
+        loads = tree.controller.stats["load_states"]
+        out = h.generate(y, max_new_tokens=6)
+        sched.check_integrity()
+        err = h.check_oracle(oracles[preset], y, out)
+        h.flush_and_check_empty()
+        return {
+            "state_copies": pending,
+            "evicted": evicted,
+            "backups": backups,
+            "loads": tree.controller.stats["load_states"] - loads,
+            "cached_y": out.cached_tokens,
+            "err_y": err,
+        }
+    finally:
+        h.shutdown()

@@ -11,9 +11,8 @@ stream is the whole synchronisation story, as for every other state move (docs/s
 - a load runs before the batch whose request hit it reads the pages or COWs the snapshot;
 - a backup of a device page or slot that the tree gives up runs before any later batch writes it;
 - a backup reads a snapshot only once the batch that writes it has run: checkpoints reach the tree after
-  the copies of the batch writing them were sealed (or once it was processed); one filled by a state
-  copy not yet sealed (`no_buffer`) is stamped with the `epoch` (batches sealed so far) and backed up
-  only from the next one on.
+  the copies of the batch writing them were sealed (or once it was processed); one filled by a
+  `no_buffer` state copy has that copy recorded before any backup of it.
 
 On CUDA the copies run on a copy stream of their own, ordered after the forward stream's work so far;
 every transfer is one non-blocking copy per pool tensor through a pinned staging tensor (`HostPools`). The
@@ -66,7 +65,6 @@ class HiCacheController:
         self.recorded: list[HostCopy | HostOp | Callable[[], None]] = []
         # Backups on their way to host (CUDA): (event after their copies, what to scatter then), in order.
         self.landing: list[tuple[torch.cuda.Event, list[Gathered]]] = []
-        self.epoch = 0  # batches sealed so far
         self.stats: Counter = Counter()
         device = host.mamba_pool.conv_state.device
         self.device = device
@@ -99,7 +97,6 @@ class HiCacheController:
         """Everything recorded so far, for the batch being prepared (`ScheduleBatch.host_copies`); the
         tree's reset drops them so."""
         out, self.recorded = self.recorded, []
-        self.epoch += 1
         return out
 
     # ---- forward stream ----------------------------------------------------------------------------

@@ -94,12 +94,10 @@ class HiMambaRadixCache(MambaRadixCache):
         self.storage = None if storage is None else FileStorage(storage, self.host, self.controller.stats)
         if self.storage is not None and tp is not None:
             self.storage.gather = tp.gather
-        self.stamps: dict[int, int] = {}  # device checkpoint node id -> epoch its checkpoint was set
         self.due: dict[int, TreeNode] = {}  # checkpoints whose backup is due
         self.hits: dict[int, int] = {}  # write_through_selective: hits per checkpoint node
         self.off_host: set[str] = set()  # namespaces never backed up nor loaded (`keep_off_host`)
         self._loading = False
-        self._filled_by_pending_copy = False
         super().__init__(req_to_token_pool, token_allocator, page_size)
 
     def reset(self) -> None:
@@ -109,7 +107,7 @@ class HiMambaRadixCache(MambaRadixCache):
         self.controller.seal()  # (what was recorded is dropped)
         if self.storage is not None:
             self.storage.reset()  # (its recorded writes went with the controller's list)
-        self.stamps, self.due, self.hits = {}, {}, {}
+        self.due, self.hits = {}, {}
         self.off_host = set()
 
     def keep_off_host(self, namespace: str) -> None:
@@ -140,10 +138,8 @@ class HiMambaRadixCache(MambaRadixCache):
     def _set_checkpoint(self, node: TreeNode, slot: int) -> None:
         super()._set_checkpoint(node, slot)
         # A checkpoint reaches the tree written by a batch already launched or by the one being prepared
-        # (whose copies are sealed already): a backup recorded now runs after it. Only a `no_buffer`
-        # snapshot is filled by a state copy still to be sealed, which runs after the host copies of
-        # its batch: its backup waits for the next batch (`epoch` stamp).
-        self.stamps[node.id] = self.controller.epoch if self._filled_by_pending_copy else -1
+        # (whose copies are sealed already), or filled by a `no_buffer` state copy recorded in the same
+        # ordered list as the host copies (`_donate_snapshot`): a backup recorded after it runs after it.
         if node.namespace in self.off_host:
             return
         if self.write_policy == "write_through" and not self._loading:
@@ -152,25 +148,19 @@ class HiMambaRadixCache(MambaRadixCache):
             self.hits[node.id] = 1  # (upstream counts the insert as the first hit)
 
     def _donate_snapshot(self, req: Req, pos: int, slot: int, copy_from: int | None) -> None:
-        self._filled_by_pending_copy = copy_from is not None
-        try:
-            super()._donate_snapshot(req, pos, slot, copy_from)
-        finally:
-            self._filled_by_pending_copy = False
+        super()._donate_snapshot(req, pos, slot, copy_from)
         # The snapshot's state copy joins the host copies' one ordered list: run apart (after them), a
         # load recorded before it into the running slot (freed by an abort, handed out again) would
-        # overwrite its source first.
+        # overwrite its source first, and a backup of the snapshot would read it unwritten. Nothing
+        # backs the new checkpoint up before this (it is due at `take_host_copies` or when dropped).
         for src, dst in self.pending_state_copies:
             self.controller.state_copy(src, dst)
         self.pending_state_copies = []
 
     def _drop_checkpoint(self, node: TreeNode) -> None:
         due = node.id in self.due or (self.write_policy == "write_back" and node.namespace not in self.off_host)
-        if due and self.stamps[node.id] < self.controller.epoch:
+        if due:
             self._backup(node)
-        elif due:
-            self.controller.stats["backups_skipped_unwritten"] += 1
-        self.stamps.pop(node.id, None)
         self.due.pop(node.id, None)
         self.hits.pop(node.id, None)
         super()._drop_checkpoint(node)
@@ -232,8 +222,7 @@ class HiMambaRadixCache(MambaRadixCache):
         batch) is not backed up unless paths branch there: the deeper backup brings the same KV, and its
         state serves every request the shallower one would but those leaving the path between the two
         (the host tree would drop it first anyway: `host_tree.py`)."""
-        epoch = self.controller.epoch
-        ready = [node for node_id, node in self.due.items() if self.stamps[node_id] < epoch]
+        ready = list(self.due.values())
         covered: set[int] = set()
         for node in ready:
             up = node.parent
@@ -378,7 +367,6 @@ class HiMambaRadixCache(MambaRadixCache):
             "host lock left"
         )
         live = {n.id for n in self.nodes() if n.mamba_value is not None}
-        assert set(self.stamps) == live, "stamps must name exactly the device checkpoints"
         assert set(self.due) <= live and set(self.hits) <= live
 
     def host_counts(self) -> tuple[int, int]:
