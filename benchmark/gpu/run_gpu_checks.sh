@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # What a session lent the GPU test machine runs there, in device `run` calls (carry `.whl`, made by
 # `../shared/gpu/fetch-offline-wheels.sh fla-core==0.6.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2`
-# beforehand): the wheels, the GPU tests (marked
-# `gpu`, in eight groups at once: the tests use small fixed pools, so they share the GPU), then the benchmarks
-# one at a time. Logs come back under $OUT (default /tmp/gpu-out): summary.txt, tests-GROUP.log, bench.log.
+# beforehand): the wheels, the GPU tests (marked `gpu`, in eight groups at once: the tests use small fixed
+# pools, so they share the GPU; then PD's alone), then the benchmarks one at a time. Logs come back under $OUT (default /tmp/gpu-out): summary.txt, tests-GROUP.log, bench.log.
 #   bash benchmark/gpu/run_gpu_checks.sh tests                # the GPU tests, ~5 min
 #   bash benchmark/gpu/run_gpu_checks.sh engine_vs_hf decode_step kernels state_copy sampler   # ~9 min
 #   (engine_profile: bench_engine_vs_hf's graphs run under cProfile, the top host functions of every thread;
@@ -80,7 +79,9 @@ elif [[ $steps == *" tests "* ]]; then
   group matrix-qwen test/unit/scheduler/test_strategy_matrix.py -k qwen &
   group matrix-nemo test/unit/scheduler/test_strategy_matrix.py -k nemotron &
   group model test/unit/model/test_cuda_graph_runner.py test/unit/model/test_kv_cache_dtype.py \
-    test/unit/model/test_device_clean.py test/unit/scheduler/test_speculative_ngram.py &
+    test/unit/model/test_device_clean.py test/unit/scheduler/test_speculative_ngram.py \
+    test/unit/speculative/test_speculative_mtp.py test/unit/model/test_kv_cache_scales.py \
+    test/unit/scheduler/test_decode_rows_cache.py &
   # Request features on CUDA (grammar masks, hidden states from graph replays, graphs captured again
   # after a weight update, weights written in place under them, memory released and resumed) and the
   # kernel timer.
@@ -94,6 +95,9 @@ elif [[ $steps == *" tests "* ]]; then
   # and an engine host hit under the overlap schedule and write_back against a cold run.
   group hicache test/unit/mem_cache/test_hicache_copies.py test/unit/mem_cache/test_hicache_gpu.py &
   wait
+  # PD between two servers' CUDA pools on this one GPU (staged; direct where Mooncake moves GPU memory),
+  # alone: each server takes --mem-fraction-static 0.4 of the GPU.
+  group pd test/registered/disaggregation/test_pd_gpu.py
 fi
 bench() {  # limit, name, command...
   local limit name=$2

@@ -284,3 +284,14 @@ def _reference_step(mtp, base, next_ids: list[int], rows: list[torch.Tensor]):
     finally:
         handle.remove()
     return logits[0, -1], captured["g"]
+
+
+# On CUDA (issue 57's GPU check): float32, the server's CUDA graphs, Triton attention's extend over the
+# cached prefix; the draft steps and verifies must give plain decoding's tokens and cache hits exactly as
+# on CPU (test_speculative_ngram's GPU test asserts the same of NGRAM's verifies).
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
+def test_gpu_greedy_same_as_plain_decoding(monkeypatch, strategy):
+    prompts = [token_ids(90 + 37 * k, seed=k) for k in range(3)]
+    assert_same(*plain_then_spec(monkeypatch, QWEN, strategy, prompts, 24, device="cuda", dtype="float32"))
