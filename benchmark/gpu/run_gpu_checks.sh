@@ -2,7 +2,8 @@
 # What a session lent the GPU test machine runs there, in device `run` calls (carry `.whl`, made by
 # `../shared/gpu/fetch-offline-wheels.sh fla-core==0.6.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2`
 # beforehand): the wheels, the GPU tests (marked `gpu`, in eight groups at once: the tests use small fixed
-# pools, so they share the GPU; then PD's alone), then the benchmarks one at a time. Logs come back under $OUT (default /tmp/gpu-out): summary.txt, tests-GROUP.log, bench.log.
+# pools, so they share the GPU; then PD's alone), then the benchmarks one at a time. Logs come back under
+# $OUT (default /tmp/gpu-out): summary.txt, tests-GROUP.log, bench.log.
 #   bash benchmark/gpu/run_gpu_checks.sh tests                # the GPU tests, ~5 min
 #   bash benchmark/gpu/run_gpu_checks.sh engine_vs_hf decode_step kernels state_copy sampler   # ~9 min
 #   (engine_profile: bench_engine_vs_hf's graphs run under cProfile, the top host functions of every thread;
