@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang.srt.mem_cache.hicache_controller import HiCacheController
+from sglang.srt.mem_cache.hicache_controller import Gathered, HiCacheController
 from sglang.srt.mem_cache.host_pool import HostPools
 from sglang.test.ci_register import register_cpu_ci
 
@@ -106,7 +106,7 @@ def test_a_load_waits_only_for_the_backups_writing_the_rows_it_reads(same_rows):
     ctl.run(ctl.seal())
     log: list[str] = []
     _logged(host, log)
-    earlier = [(True, torch.tensor([30, 31]), [torch.zeros(2, 2, 4) for _ in range(6)])]
+    earlier = [Gathered(True, torch.tensor([30, 31]), [torch.zeros(2, 2, 4) for _ in range(6)], frozenset({30, 31}))]
     ctl.landing.append((_Event(log), earlier))  # (an earlier run's backup of host rows 30, 31, in flight)
     src = [3, 4]
     ctl.backup(src, [10, 11], 2, 5)

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -43,8 +44,13 @@ class HostOp:
     fn: Callable[[], None]
 
 
-# A backup's rows gathered on the device: (KV or states, host slots, one tensor per pool tensor).
-Gathered = tuple[bool, torch.Tensor, list[torch.Tensor]]
+class Gathered(NamedTuple):
+    """A backup's rows gathered on the device (then on their way to host)."""
+
+    kv: bool  # KV token slots, or state slots
+    slots: torch.Tensor  # the host slots (a CPU tensor)
+    rows: list[torch.Tensor]  # one per pool tensor
+    ids: frozenset[int]  # `slots` as ints (which host rows a load must wait for; no host read of a tensor)
 
 
 @dataclass
@@ -119,7 +125,7 @@ class HiCacheController:
             ready = torch.cuda.Event()
             ready.record()
             forward.wait_event(ready)
-            moving = [(kv, slots, self.host.to_host(rows)) for kv, slots, rows in gathered]
+            moving = [g._replace(rows=self.host.to_host(g.rows)) for g in gathered]
             done = torch.cuda.Event()
             done.record()
         self.landing.append((done, moving))
@@ -136,8 +142,8 @@ class HiCacheController:
         while self.landing and (block or upto > 0 or self.landing[0][0].query()):
             event, moving = self.landing.pop(0)
             event.synchronize()
-            for kv, slots, rows in moving:
-                self.host.scatter(kv, slots, rows)
+            for g in moving:
+                self.host.scatter(g.kv, g.slots, g.rows)
             upto -= 1
 
     def _land_for_load(self, gathered: list[Gathered], host_kv: list[int], host_slots: list[int]) -> None:
@@ -149,7 +155,7 @@ class HiCacheController:
         kv, slot = set(host_kv), set(host_slots)
 
         def writes(moving: list[Gathered]) -> bool:
-            return any(not (kv if is_kv else slot).isdisjoint(rows.tolist()) for is_kv, rows, _ in moving)
+            return any(not (kv if g.kv else slot).isdisjoint(g.ids) for g in moving)
 
         if writes(gathered):
             self._land_now(gathered)
@@ -161,11 +167,11 @@ class HiCacheController:
         """Backups gathered by this `run` into the host pools now (before an op that reads or writes them),
         after every earlier one."""
         self._land(block=True)
-        moving = [(kv, slots, self.host.to_host(rows)) for kv, slots, rows in gathered]
+        moving = [g._replace(rows=self.host.to_host(g.rows)) for g in gathered]
         if moving and self.copy_stream is not None:
             torch.cuda.current_stream(self.device).synchronize()
-        for kv, slots, rows in moving:
-            self.host.scatter(kv, slots, rows)
+        for g in moving:
+            self.host.scatter(g.kv, g.slots, g.rows)
         gathered.clear()
 
     def _run(self, ops: list[HostCopy | HostOp | Callable[[], None]]) -> list[Gathered]:
@@ -209,7 +215,7 @@ class HiCacheController:
                 dev_idx = torch.tensor(dev, dtype=torch.int64).to(self.device)
                 host_idx = torch.tensor(host, dtype=torch.int64)
                 if op.to_host:
-                    gathered.append((kv, host_idx, self.host.gather(kv, dev_idx)))
+                    gathered.append(Gathered(kv, host_idx, self.host.gather(kv, dev_idx), frozenset(host)))
                 elif kv:
                     self.host.load_kv(host_idx, dev_idx)
                 else:
