@@ -313,6 +313,18 @@ def add_random_mtp(folder: Path, config, seed: int, std: float) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def save_model(model: torch.nn.Module, out: Path) -> None:
+    """`model.save_pretrained(out)` in this process whatever torch.distributed says. transformers writes
+    only from rank 0 of an initialized process group (`should_save_on_this_rank`), but a preset or a test's
+    checkpoint is this process's own file: rank 1 of a TP test that generated a preset found no config.json
+    in its own folder."""
+    model.should_save_on_this_rank = lambda is_main_process: True
+    try:
+        model.save_pretrained(out)
+    finally:
+        del model.should_save_on_this_rank
+
+
 def make_tiny_model(
     arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None, quantize: str | None = None
 ) -> Path:
@@ -328,7 +340,7 @@ def make_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _condition_weights(model, arch, torch.Generator().manual_seed(seed + 1))
-    model.save_pretrained(out)
+    save_model(model, out)
 
     config_path = out / "config.json"
     cfg = json.loads(config_path.read_text())

@@ -138,7 +138,7 @@ def make_tiny_vl_model(arch: str, out: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     base._condition_weights(model, arch, torch.Generator().manual_seed(seed + 1))
-    model.save_pretrained(out)
+    base.save_model(model, out)
     config_path = out / "config.json"
     cfg = json.loads(config_path.read_text())
     cfg["text_config"]["full_attention_interval"] = 4

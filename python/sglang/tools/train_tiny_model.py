@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from sglang.tools.make_tiny_model import IM_END_ID, MAX_POSITIONS, PAD_ID, build_tokenizer
+from sglang.tools.make_tiny_model import IM_END_ID, MAX_POSITIONS, PAD_ID, build_tokenizer, save_model
 from sglang.tools.train_mtp import MTP_DEFAULTS, MTP_SEQ_LEN, train_mtp
 
 # Modules present in every Python from 3.10 on, never trained on.
@@ -171,7 +171,7 @@ def train(
 
     held = held_out_loss(model, held_ids)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    save_model(model, out)
     config_path = out / "config.json"
     cfg = json.loads(config_path.read_text())
     cfg["full_attention_interval"] = 4  # as the random presets: SGLang-style loaders read the interval
