@@ -247,6 +247,90 @@ TestCacheMachine.settings = settings(
 )
 
 
+class _Draws:
+    """Stands in for `st.data()` when a rule is replayed: hands out the recorded draws in order; a
+    request is named by its rid and drawn from the machine's running list."""
+
+    def __init__(self, machine: CacheMachine, *values):
+        self.machine, self.values = machine, list(values)
+
+    def draw(self, strategy):
+        value = self.values.pop(0)
+        if isinstance(value, str):
+            return next(r for r in self.machine.running if r.rid == value)
+        return value
+
+
+def _replay(steps) -> None:
+    """Run the machine's rules in the order hypothesis did, with the invariant after each and the
+    teardown at the end."""
+    machine = CacheMachine()
+    machine.setup(**steps[0])
+    machine.accounting_holds()
+    for name, kwargs, draws in steps[1:]:
+        if draws is not None:
+            kwargs = dict(kwargs, data=_Draws(machine, *draws))
+        getattr(machine, name)(**kwargs)
+        machine.accounting_holds()
+    machine.teardown()
+
+
+_LAZY = dict(mode="extra_buffer_lazy", page=1, chunk=2, overlap=False, mamba_slots=4, kv_tokens=40)
+
+
+# The three sequences CI found (shortest forms): a prefill snapshot left borrowed (at 2, or at 2 and 4)
+# while a decode one deeper (4, or 6) goes to the tree; `cache_unfinished` then handed the shallower
+# ones over too, which moved the request's lock back and left the tree's KV past it counted as the
+# request's own: "KV page held twice", or at the finish "the caller passed tree-owned KV as its own".
+def test_lazy_borrowed_snapshot_behind_a_committed_one():
+    _replay(
+        [
+            _LAZY,
+            ("admit", dict(cow=False, ids=[1, 1, 1]), None),
+            ("admit", dict(cow=False, ids=[1, 1]), None),
+            ("extend", dict(n=3), ["r1", True]),
+            ("decode", dict(commit=True, token=1), ["r1"]),
+            ("cache_unfinished", {}, ["r1"]),
+        ]
+    )
+
+
+def test_lazy_borrowed_snapshot_behind_an_evicted_one():
+    # The committed checkpoint is evicted first: the request's lock holds a tombstone leaf, which the
+    # lock's move deleted, KV and all, under the request.
+    _replay(
+        [
+            _LAZY,
+            ("admit", dict(cow=False, ids=[1, 1, 1]), None),
+            ("admit", dict(cow=False, ids=[1, 1]), None),
+            ("extend", dict(n=2), ["r1", False]),
+            ("extend", dict(n=1), ["r1", True]),
+            ("grouped_admission", dict(batch=[[1, 1]]), None),
+            ("finish", dict(insert=False), ["r2"]),
+            ("lock_prefix", dict(ids=[1, 1]), None),
+            ("decode", dict(commit=True, token=1), ["r1"]),
+            ("evict_mamba", dict(n=1), None),
+            ("cache_unfinished", {}, ["r1"]),
+        ]
+    )
+
+
+def test_lazy_two_borrowed_snapshots_behind_a_committed_one():
+    _replay(
+        [
+            _LAZY,
+            ("lock_prefix", dict(ids=[1, 1]), None),
+            ("evict_mamba", dict(n=1), None),
+            ("grouped_admission", dict(batch=[[1, 1], [1, 1, 1, 1, 1]]), None),
+            ("extend", dict(n=3), ["r2", True]),
+            ("finish", dict(insert=False), ["r1"]),
+            ("extend", dict(n=2), ["r2", True]),
+            ("decode", dict(commit=True, token=1), ["r2"]),
+            ("cache_unfinished", {}, ["r2"]),
+        ]
+    )
+
+
 def _common_prefix_by_element(a: list[int], b: list[int], start: int, limit: int) -> int:
     n = 0
     while n < limit and a[n] == b[start + n]:

@@ -257,15 +257,21 @@ class MambaRadixCache(MambaTree, BasePrefixCache):
         """Hand the tree a continuing request's snapshot at `pos` (a decode one under lazy, its result
         processed: the tokens before `pos` are known). The tree owns `slot` from here; the request protects
         its KV up to `pos` through the tree (a snapshot at or before what it protects already is freed)."""
-        if pos <= req.cache_protected_len:
-            self.mamba_allocator.free([slot])
-            return
         self._donate_snapshot(req, pos, slot, None)
 
     def _donate_snapshot(self, req: Req, pos: int, slot: int, copy_from: int | None) -> None:
         """Insert the request's prefix up to `pos` with the checkpoint `slot` (filled from `copy_from` on
-        the forward stream, if given); the request then protects that prefix through the tree."""
+        the forward stream, if given); the request then protects that prefix through the tree. A snapshot
+        at or before what the request protects already is freed: moving its lock back to `pos` would
+        leave the tree's KV in (pos, protected] counted as the request's own (held twice, and passed to a
+        later insert as the caller's), and a lazy tombstone leaf it held would be evicted under it. (A
+        borrowed snapshot can trail a deeper one the tree already has: `cache_unfinished_req` hands over
+        the borrowed ones after a decode snapshot was committed by `cache_snapshot`.)"""
         protected = req.cache_protected_len
+        if pos <= protected:
+            assert copy_from is None, f"{req}: a copied snapshot at {pos} behind {protected}"
+            self.mamba_allocator.free([slot])
+            return
         res = self.insert(req.all_ids[:pos], req.kv_indices[:pos], slot, protected, req.extra_key)
         if res.mamba_exist:
             self.mamba_allocator.free([slot])
