@@ -175,6 +175,40 @@ def tile_map_torch(offs: torch.Tensor, block_m: int) -> torch.Tensor:
     return torch.cumsum((counts + block_m - 1) // block_m, 0).to(torch.int32)
 
 
+def launch_moe_gemm(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    offs: torch.Tensor,
+    token_of: torch.Tensor | None,
+    config: MoeGemmConfig,
+    tile_end: torch.Tensor | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_size=(BLOCK, BLOCK),
+    silu_mul: bool = False,
+) -> None:
+    """Launch `_moe_gemm_kernel` writing out [rows, N]'s rows of experts (`moe_gemm_fp8`'s and
+    `fused_moe_triton.moe_gemm`'s launch, operands checked by them): FP8 where `scales` (a's, weight's)
+    are given, else 16-bit. The grid has the bound on the tile count (module docstring, step 3);
+    `tile_end` is `tile_map`'s, computed here where None."""
+    rows, n = out.shape
+    num_experts, _, k = weight.shape
+    if tile_end is None:
+        tile_end = tile_map(offs, config.block_m)
+    tiles = triton.cdiv(rows, config.block_m) + min(num_experts, rows)
+    grid = (tiles, triton.cdiv(n, config.block_n))
+    fp8 = scales is not None
+    a_scale, w_scale = scales if fp8 else (a, weight)
+    jit_for_env(_moe_gemm_kernel)[grid](
+        a, a_scale, weight, w_scale, out, token_of if token_of is not None else offs, offs, tile_end,
+        n, k, a.stride(0), a_scale.shape[1] if fp8 else 0, w_scale.shape[2] if fp8 else 0, weight.stride(0),
+        w_scale.stride(0) if fp8 else 0, E=num_experts, E_POW2=triton.next_power_of_2(num_experts),
+        GATHER=token_of is not None, SCALE_N=block_size[0] if fp8 else 1, SCALE_K=block_size[1] if fp8 else 1,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, FP8=fp8, SILU_MUL=silu_mul,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
 def moe_gemm_fp8(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -193,24 +227,13 @@ def moe_gemm_fp8(
     weight [E, N, K] fp8 with `weight_scale_inv` [E, ceil(N/bn), ceil(K/bk)]. Returns [rows, N]; rows
     past offs[-1] (other EP ranks' assignments) belong to no expert and are left unwritten."""
     check_block_operands(weight, weight_scale_inv, block_size)
-    num_experts, n, k = weight.shape
+    _, n, k = weight.shape
     assert a.dtype == FP8_DTYPE and a.shape[-1] == k and a.stride(-1) == 1
     a_scale = a_scale.contiguous()
     out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
     if rows == 0:
         return out
-    if tile_end is None:
-        tile_end = tile_map(offs, config.block_m)
-    tiles = triton.cdiv(rows, config.block_m) + min(num_experts, rows)
-    grid = (tiles, triton.cdiv(n, config.block_n))
-    jit_for_env(_moe_gemm_kernel)[grid](
-        a, a_scale, weight, weight_scale_inv, out, token_of if token_of is not None else offs, offs, tile_end,
-        n, k, a.stride(0), a_scale.shape[1], weight_scale_inv.shape[2], weight.stride(0),
-        weight_scale_inv.stride(0), E=num_experts, E_POW2=triton.next_power_of_2(num_experts),
-        GATHER=token_of is not None, SCALE_N=block_size[0], SCALE_K=block_size[1],
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, FP8=True, SILU_MUL=False,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+    launch_moe_gemm(a, weight, out, offs, token_of, config, tile_end, (a_scale, weight_scale_inv), block_size)
     return out
 
 

@@ -37,14 +37,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch import nn
 
 from sglang.srt.layers.mlp import GatedMLP
-from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig, _moe_gemm_kernel, tile_map
+from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig, launch_moe_gemm, tile_map
 from sglang.srt.layers.moe.moe_configs import Table, device_name, pick_configs, tuned_table
 from sglang.srt.layers.moe.sort_combine import combine, sort_by_expert
-from sglang.srt.utils.triton_jit import jit_for_env
 
 
 def moe_gemm(
@@ -61,7 +59,7 @@ def moe_gemm(
     a[token_of[r]] where `token_of` is given, else a[r]; weight [E, N, K] in a's dtype. Returns [rows, N]
     in a's dtype, or [rows, N / 2] = silu(gate) * up where `silu_mul` (weight's rows: gate then up). Rows
     past offs[-1] belong to no expert and are left unwritten."""
-    num_experts, n, k = weight.shape
+    _, n, k = weight.shape
     if a.dtype != weight.dtype or a.shape[-1] != k or a.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError(
             f"moe_gemm takes a [.., {k}] row-major in the weight's dtype {weight.dtype} and contiguous "
@@ -75,17 +73,7 @@ def moe_gemm(
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     if rows == 0:
         return out
-    if tile_end is None:
-        tile_end = tile_map(offs, config.block_m)
-    tiles = triton.cdiv(rows, config.block_m) + min(num_experts, rows)
-    grid = (tiles, triton.cdiv(n, config.block_n))
-    jit_for_env(_moe_gemm_kernel)[grid](
-        a, a, weight, weight, out, token_of if token_of is not None else offs, offs, tile_end,
-        n, k, a.stride(0), 0, 0, weight.stride(0), 0,
-        E=num_experts, E_POW2=triton.next_power_of_2(num_experts), GATHER=token_of is not None,
-        SCALE_N=1, SCALE_K=1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        FP8=False, SILU_MUL=silu_mul, num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+    launch_moe_gemm(a, weight, out, offs, token_of, config, tile_end, silu_mul=silu_mul)
     return out
 
 
