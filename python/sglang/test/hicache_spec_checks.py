@@ -15,11 +15,15 @@ from typing import Any
 import pytest
 
 from sglang.srt.speculative.ngram_worker import NgramWorker
+from sglang.test.hicache_checks import hicache_harness
 from sglang.test.mtp_checks import teacher_drafts
-from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+from sglang.test.scheduler_harness import token_ids
 
 NGRAM = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
 NEXTN = dict(speculative_algorithm="NEXTN")
+# Beside `hicache_checks.hicache_harness`'s pools: verifies with the synchronous loop, prefill in chunks of
+# 128 and a track boundary every 64 tokens (inside the scripts' decodes).
+SPEC_HARNESS = dict(disable_overlap_schedule=True, chunked_prefill_size=128, mamba_track_interval=64)
 Script = Callable[[Callable[[list[int], int], list[int]]], None]
 
 
@@ -91,19 +95,8 @@ def run_script(preset: str, strategy: str, hicache: bool, spec: dict, script: Sc
     tier, when on, 8 times the device), integrity checked after every request. With `truth` (prompt ->
     prompt + plain outputs) the drafts are teacher drafts. Returns the requests (prompt, outputs, cached
     tokens), the host tier's and the speculative worker's totals."""
-    args = dict(
-        mamba_scheduler_strategy=strategy,
-        max_mamba_cache_size=6,
-        max_total_tokens=2048,
-        max_running_requests=2,
-        disable_overlap_schedule=True,
-        chunked_prefill_size=128,
-        mamba_track_interval=64,
-    )
-    if hicache:
-        args.update(enable_hierarchical_cache=True, hicache_ratio=8)
-    args.update(kw)
-    h = SchedulerHarness(preset, **args, **spec)
+    args = {**SPEC_HARNESS, "enable_hierarchical_cache": hicache, **kw, **spec}
+    h = hicache_harness(preset, strategy, args.pop("hicache_write_policy", "write_through"), **args)
     requests = []
 
     def generate(prompt: list[int], new: int) -> list[int]:
@@ -153,20 +146,7 @@ def host_copy_of_an_evicted_path(spec: dict, strategy: str) -> dict:
     in any layer (the MTP layer's among them: the last one of the pool)."""
     import torch
 
-    h = SchedulerHarness(
-        "tiny-qwen3-next",
-        mamba_scheduler_strategy=strategy,
-        max_mamba_cache_size=6,
-        max_total_tokens=512,
-        max_running_requests=2,
-        disable_overlap_schedule=True,
-        chunked_prefill_size=128,
-        mamba_track_interval=64,
-        enable_hierarchical_cache=True,
-        hicache_ratio=8,
-        hicache_write_policy="write_back",
-        **spec,
-    )
+    h = hicache_harness("tiny-qwen3-next", strategy, "write_back", max_total_tokens=512, **SPEC_HARNESS, **spec)
     try:
         tree = h.sched.tree_cache
         pool = tree.host.kv_pool
