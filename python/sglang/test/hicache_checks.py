@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections import Counter
 from typing import Any
 
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
@@ -362,3 +363,52 @@ def snapshot_dropped_before_its_copy_ran(oracles, preset: str = "tiny-qwen3-next
         }
     finally:
         h.shutdown()
+
+
+def disk_lookups_while_waiting(oracles, preset: str, storage_dir: str) -> dict:
+    """The disk tier's agreement while a request waits (TP's all-gather stood in for by one rank's
+    `storage.gather`, counted): server 1 writes conversation A's turn 1 to disk; server 2 (same folder,
+    512 KV tokens) runs B (300 tokens, 40 decode steps) and A's turn 2, queued behind it, finds no room
+    for its 224 tokens until B finishes: it is tried at every step. Checks the oracle (raises on a
+    mismatch); returns the counts the caller asserts."""
+    from sglang.srt.environ import envs
+
+    with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(storage_dir):
+        h = hicache_harness(preset, "extra_buffer_lazy", "write_through", hicache_storage_backend="file")
+        try:
+            a = token_ids(200, seed=1)
+            turn1 = a + h.generate(a, max_new_tokens=4).output_ids
+            h.generate(token_ids(30, seed=5), max_new_tokens=1)  # (its batch runs turn 1's disk writes)
+        finally:
+            h.shutdown()
+        h = hicache_harness(preset, "extra_buffer_lazy", "write_through", hicache_storage_backend="file",
+                            max_total_tokens=512)  # fmt: skip
+        try:
+            storage = h.sched.tree_cache.storage
+            prompt = turn1 + token_ids(20, seed=99)
+            asked: list[bool] = []  # per `deepest`: whether it was for A's turn 2
+            gathers: list[str] = []  # A's turn 2's all-gathers: "lookup" (`deepest`) or "read" (`stage`)
+            deepest = storage.deepest
+
+            def counted_deepest(key, namespace):
+                asked.append(list(key[:200]) == a)
+                return deepest(key, namespace)
+
+            def gather(value):
+                if asked[-1]:
+                    gathers.append("read" if isinstance(value, bool) else "lookup")
+                return [value]
+
+            storage.deepest, storage.gather = counted_deepest, gather
+            h.submit(token_ids(300, seed=2), max_new_tokens=40)
+            rid = h.submit(prompt, max_new_tokens=6)
+            h.run()
+            out = h.outputs[rid]
+            h.sched.check_integrity()
+            err = h.check_oracle(oracles[preset], prompt, out)
+            h.flush_and_check_empty()
+        finally:
+            h.shutdown()
+    return {"asked": sum(asked), "gathers": Counter(gathers), "cached": out.cached_tokens,
+            "first_turn_len": len(turn1), "oracle_err": err,
+            "reused": storage.stats["disk_lookups_reused"]}  # fmt: skip

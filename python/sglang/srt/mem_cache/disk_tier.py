@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 ENTRY = re.compile(r"^([0-9a-f]{64})-([0-9]+)\.pt$")
 DIR_VAR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 STALE_TMP_S = 3600
+AGREED_KEYS = 64  # agreed `deepest` answers kept under TP (the oldest dropped first)
 
 
 class DiskTierError(ValueError):
@@ -111,6 +112,8 @@ class FileStorage:
         self.pending: set[str] = set()  # writes recorded, not yet run
         # Tensor parallelism: every rank's value of what it is given, on every rank (None at one rank).
         self.gather: Callable[[Any], list[Any]] | None = None
+        # Under TP, the agreed answers of `deepest` by (namespace, key), reused until `forget_agreed`.
+        self.agreed: dict[tuple[str | None, bytes], tuple[int, str | None]] = {}
         found, skipped = [], 0
         for fname in os.listdir(self.dir):
             m = ENTRY.match(fname)
@@ -179,13 +182,37 @@ class FileStorage:
 
     def deepest(self, key, namespace: str | None) -> tuple[int, str | None]:
         """The longest prefix of `key` with an entry (under TP: one every rank holds): (length, name), or
-        (0, None). One SHA-256 pass over the key, a digest only at the lengths some entry has."""
+        (0, None). One SHA-256 pass over the key, a digest only at the lengths some entry has.
+
+        Under TP the answer is agreed (an all-gather) once per key and reused (`agreed`: a request
+        waiting at the head of the queue asks at every admission attempt) until `forget_agreed`, which
+        the tree cache calls at events every rank takes alike: the host tree evicting (a checkpoint the
+        host held, as deep as its disk entry, is gone: that entry may now be the deepest hit), a read
+        that failed on some rank (`stage`), a flush, a weight update. Entries a rank gains or loses
+        meanwhile are not seen: a lost one is caught by `stage`'s own agreement (the hit is not taken);
+        a gained one is a write recorded at a backup, whose checkpoint the host holds (as deep a hit)
+        until it evicts it, unless the host evicted it while the write was still to run."""
+        key = key if isinstance(key, array) else array("q", key)
+        if self.gather is None:
+            return self._best(self._hits(key, namespace))
+        memo = (namespace, key.tobytes())
+        if memo in self.agreed:
+            self.stats["disk_lookups_reused"] += 1
+            return self.agreed[memo]
         hits = self._hits(key, namespace)
-        if self.gather is not None:  # (every rank calls this for the same keys: the trees are the same)
-            common = set(hits)
-            for lengths in self.gather(sorted(hits)):
-                common &= set(lengths)
-            hits = {n: hits[n] for n in common}
+        common = set(hits)  # (every rank calls this for the same keys: the trees are the same)
+        for lengths in self.gather(sorted(hits)):
+            common &= set(lengths)
+        if len(self.agreed) >= AGREED_KEYS:
+            del self.agreed[next(iter(self.agreed))]
+        self.agreed[memo] = self._best({n: hits[n] for n in common})
+        return self.agreed[memo]
+
+    def forget_agreed(self) -> None:
+        self.agreed.clear()
+
+    @staticmethod
+    def _best(hits: dict[int, str]) -> tuple[int, str | None]:
         if not hits:
             return 0, None
         best = max(hits)
@@ -222,12 +249,14 @@ class FileStorage:
     def reset(self) -> None:
         """A flush: the writes recorded and not run are dropped with the controller's list."""
         self.pending.clear()
+        self.forget_agreed()
 
     def weights_changed(self) -> None:
         """An in-place weight update: entries no longer match the weights; the tier is off until restart."""
         if self.enabled:
             logger.warning("HiCache disk tier off until restart: the weights were updated in place.")
         self.enabled = False
+        self.forget_agreed()
         with self.lock:
             self.index.clear()
             self.lengths.clear()
@@ -242,6 +271,7 @@ class FileStorage:
         if self.gather is not None and not all(self.gather(staged is not None)):
             if staged is not None:
                 self.stats["disk_reads_failed_elsewhere"] += 1
+            self.forget_agreed()  # (the agreed answers may name the entry some rank lost)
             return None
         return staged
 

@@ -174,7 +174,10 @@ class HiMambaRadixCache(MambaRadixCache):
         end = path[-1][0] if path else host_tree.root
         pages = (len(key) - matched) // self.page_size
         extends = matched < len(key)
+        held = host_tree.total_size(), host_tree.mamba_total_size()
         room = host_tree.make_room(end, extends, self.host.token_allocator, pages, self.host.slot_allocator)
+        if self.storage is not None and held != (host_tree.total_size(), host_tree.mamba_total_size()):
+            self.storage.forget_agreed()  # (host checkpoints went: disk entries may be the deepest hits now)
         if not room:
             prune_tombstone_leaf(host_tree, end)
             self.controller.stats[count] += 1
