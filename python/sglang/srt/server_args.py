@@ -122,7 +122,8 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
     page_size: int = 1
     # "auto": the model's dtype; see KV_CACHE_DTYPE_CHOICES.
     kv_cache_dtype: str = "auto"
-    # "fp8": an unquantized checkpoint's linears quantized block-wise at load (layers/quantization).
+    # "fp8": an unquantized checkpoint's linears quantized block-wise at load (layers/quantization);
+    # "modelopt" / "modelopt_fp8": the checkpoint must be NVIDIA ModelOpt FP8 (`modelopt.py`).
     quantization: str | None = None
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False

@@ -104,7 +104,7 @@ def ungrouped_gated_norms(model: torch.nn.Module) -> list[str]:
 
 
 def dequantized_checkpoint(path: str) -> str:
-    """A block-FP8 checkpoint's weights dequantized (float32, without its quantization_config), in a
+    """An FP8 checkpoint's weights dequantized (float32, without its quantization_config), in a
     folder beside it made once, for the oracle: transformers runs FP8 checkpoints on a GPU only. Any
     other checkpoint: `path` itself."""
     import json
@@ -114,21 +114,25 @@ def dequantized_checkpoint(path: str) -> str:
 
     from safetensors.torch import save_file
 
-    from sglang.srt.layers.quantization.fp8 import Fp8Config, fp8_checkpoint_stream
+    from sglang.srt.layers.quantization import checkpoint_quant_config
+    from sglang.srt.layers.quantization.fp8 import fp8_checkpoint_stream
+    from sglang.srt.layers.quantization.modelopt import HF_QUANT_CONFIG, hf_quant_config
     from sglang.srt.models.loader import iter_checkpoint
 
     src = Path(path)
     cfg = json.loads((src / "config.json").read_text())
-    if "quantization_config" not in cfg:
+    quant_config = cfg.pop("quantization_config", None) or hf_quant_config(src)
+    if quant_config is None:
         return path
     target = src.parent / f"{src.name}-dequantized"
     if (target / "model.safetensors").is_file():
         return str(target)
-    quant = Fp8Config.from_quantization_config(cfg.pop("quantization_config"))
+    quant = checkpoint_quant_config(quant_config)
     tmp = Path(tempfile.mkdtemp(prefix=f".{src.name}-", dir=src.parent))
     try:
         for item in src.iterdir():
-            if item.is_file() and not item.name.endswith(".safetensors") and item.name != "config.json":
+            skip = item.name.endswith(".safetensors") or item.name in ("config.json", HF_QUANT_CONFIG)
+            if item.is_file() and not skip:
                 shutil.copy(item, tmp / item.name)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         tensors = {k: v.contiguous() for k, v in fp8_checkpoint_stream(iter_checkpoint(src), quant)}

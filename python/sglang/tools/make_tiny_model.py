@@ -1,6 +1,7 @@
 """Write a tiny, random-weight, real-format Hugging Face checkpoint of a hybrid architecture.
 
     python -m sglang.tools.make_tiny_model --arch qwen3_next --out DIR [--seed 0] [--quantize fp8-block]
+    python -m sglang.tools.make_tiny_model --arch nemotron_h --out DIR --quantize fp8-modelopt
 
 The model is built with transformers' own classes from a fixed seed, so the same seed gives
 bit-identical files. It is small (a 128-token forward takes milliseconds on a CPU) but complete:
@@ -329,7 +330,8 @@ def make_tiny_model(
     arch: str, out: str | Path, seed: int = 0, overrides: dict | None = None, quantize: str | None = None
 ) -> Path:
     """`overrides`: config fields set on the preset's config (a test's variant: another MoE, say).
-    `quantize` "fp8-block": written in the published block-FP8 format (`quantize_fp8.py`)."""
+    `quantize` "fp8-block": written in the published block-FP8 format (`quantize_fp8.py`); "fp8-modelopt":
+    in NVIDIA ModelOpt's FP8 format, as the Nemotron FP8 releases (`quantize_modelopt.py`)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out)
@@ -361,8 +363,12 @@ def make_tiny_model(
         from sglang.tools.quantize_fp8 import quantize_checkpoint
 
         quantize_checkpoint(out)
+    elif quantize == "fp8-modelopt":
+        from sglang.tools.quantize_modelopt import quantize_checkpoint_modelopt
+
+        quantize_checkpoint_modelopt(out)
     elif quantize is not None:
-        raise ValueError(f"--quantize must be fp8-block, got {quantize!r}.")
+        raise ValueError(f"--quantize must be fp8-block or fp8-modelopt, got {quantize!r}.")
     return out
 
 
@@ -372,7 +378,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="Folder to write the checkpoint into.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--quantize", choices=["fp8-block"], help="Write it as the published block-FP8 checkpoints are."
+        "--quantize",
+        choices=["fp8-block", "fp8-modelopt"],
+        help="Write it as the published block-FP8 checkpoints are, or as NVIDIA ModelOpt's FP8 ones.",
     )
     args = parser.parse_args(argv)
     path = make_tiny_model(args.arch, args.out, args.seed, quantize=args.quantize)

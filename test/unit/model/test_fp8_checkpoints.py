@@ -258,7 +258,7 @@ def test_every_architecture_serves_its_fp8_form_as_its_dequantized_weights(prese
 # activations): the two differ by summation order only, so the float32 oracle bound holds (1e-4). FP8
 # rounding of the weights, which this does not see, moves the tiny presets' logprobs by up to ~1 against
 # the unquantized preset (their head gain amplifies it).
-@pytest.mark.parametrize("preset", ["tiny-qwen3-next-fp8", "tiny-nemotron-h-fp8"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next-fp8", "tiny-nemotron-h-fp8", "tiny-nemotron-h-fp8-modelopt"])
 def test_fp8_logprobs_match_the_oracle_on_the_dequantized_weights(preset, oracles):
     driver = RunnerDriver(make_runner(preset, page_size=16))
     req = driver.new_request()

@@ -139,7 +139,7 @@ def _logprobs(path: str, mode: str) -> list[float]:
     return prefill(driver, req, random_ids(80, seed=1), cuts=[40]) + decode_steps(driver, [req], 6)[0]
 
 
-@pytest.mark.parametrize("preset", ["tiny-nemotron-h-fp8", "qwen_i128"])
+@pytest.mark.parametrize("preset", ["tiny-nemotron-h-fp8", "tiny-nemotron-h-fp8-modelopt", "qwen_i128"])
 def test_logprobs_through_the_twin_equal_the_dequantized_paths(preset, request, monkeypatch):
     """The FP8 experts through `fused_experts_fp8_torch` against the experts dequantized at load. The twin
     also quantizes the activations per token and 128 columns, as the CUDA kernels do (that alone moves

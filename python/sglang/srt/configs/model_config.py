@@ -32,7 +32,11 @@ def load_hf_config(model_path: str) -> Any:
     path = resolve_model_path(model_path)
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"--model-path {model_path!r}: no config.json in {path}.")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    from sglang.srt.layers.quantization.modelopt import attach_hf_quant_config
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    attach_hf_quant_config(config, path)  # (a ModelOpt export that names its format there only)
+    return config
 
 
 def resolve_dtype(dtype: str, device: str, checkpoint_dtype: Any = None) -> torch.dtype:

@@ -35,6 +35,8 @@ PRESETS = {
 # The same presets in the published block-FP8 format (`sglang.tools.quantize_fp8`): hidden 64 and the
 # like are smaller than a 128 block, so every scale covers a partial block.
 FP8_PRESETS = {f"{name}-fp8": arch for name, arch in PRESETS.items()}
+# Presets in NVIDIA ModelOpt's FP8 format, as the Nemotron FP8 releases (`sglang.tools.quantize_modelopt`).
+MODELOPT_PRESETS = {"tiny-nemotron-h-fp8-modelopt": "nemotron_h"}
 # Vision-language presets in the published multimodal layout (`sglang.tools.make_tiny_vl_model`).
 VL_PRESETS = {"tiny-qwen3.5-vl": "qwen3_5", "tiny-qwen3.5-moe-vl": "qwen3_5_moe"}
 # Trained checkpoints that ship with the package (name -> folder).
@@ -47,11 +49,12 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _recipe_digest(quantized: bool = False, vision: bool = False) -> str:
+def _recipe_digest(quantized: bool = False, vision: bool = False, modelopt: bool = False) -> str:
     import transformers
 
     from sglang.srt.layers.quantization import fp8
-    from sglang.tools import make_tiny_model, make_tiny_vl_model, quantize_fp8
+    from sglang.srt.layers.quantization import modelopt as modelopt_format
+    from sglang.tools import make_tiny_model, make_tiny_vl_model, quantize_fp8, quantize_modelopt
 
     h = hashlib.sha256()
     h.update(Path(make_tiny_model.__file__).read_bytes())
@@ -60,6 +63,9 @@ def _recipe_digest(quantized: bool = False, vision: bool = False) -> str:
     if quantized:
         h.update(Path(quantize_fp8.__file__).read_bytes())
         h.update(Path(fp8.__file__).read_bytes())
+    if modelopt:
+        h.update(Path(quantize_modelopt.__file__).read_bytes())
+        h.update(Path(modelopt_format.__file__).read_bytes())
     h.update(make_tiny_model.CORPUS.read_bytes())
     h.update(transformers.__version__.encode())
     h.update(str(PRESET_SEED).encode())
@@ -70,6 +76,7 @@ def is_preset(model_path: str) -> bool:
     return (
         model_path in PRESETS
         or model_path in FP8_PRESETS
+        or model_path in MODELOPT_PRESETS
         or model_path in VL_PRESETS
         or model_path in SHIPPED
     )
@@ -82,8 +89,9 @@ def resolve_model_path(model_path: str) -> str:
         return str(SHIPPED[model_path])
     if not is_preset(model_path):
         return model_path
-    quantized = model_path in FP8_PRESETS
-    target = cache_dir() / "presets" / f"{model_path}-{_recipe_digest(quantized, model_path in VL_PRESETS)}"
+    quantized, modelopt = model_path in FP8_PRESETS, model_path in MODELOPT_PRESETS
+    digest = _recipe_digest(quantized, model_path in VL_PRESETS, modelopt)
+    target = cache_dir() / "presets" / f"{model_path}-{digest}"
     if (target / "model.safetensors").is_file():
         return str(target)
     from sglang.tools.make_tiny_model import make_tiny_model
@@ -97,6 +105,8 @@ def resolve_model_path(model_path: str) -> str:
             from sglang.tools.make_tiny_vl_model import make_tiny_vl_model
 
             make_tiny_vl_model(VL_PRESETS[model_path], tmp, seed=PRESET_SEED)
+        elif modelopt:
+            make_tiny_model(MODELOPT_PRESETS[model_path], tmp, seed=PRESET_SEED, quantize="fp8-modelopt")
         else:
             arch = FP8_PRESETS[model_path] if quantized else PRESETS[model_path]
             make_tiny_model(arch, tmp, seed=PRESET_SEED, quantize="fp8-block" if quantized else None)

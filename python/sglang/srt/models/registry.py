@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -92,8 +93,17 @@ def build_meta_model(hf_config: Any, device: str | torch.device, fp8: Fp8Layout 
 
 
 def fp8_ignored_modules(model: nn.Module, quant: Any) -> set[str]:
-    """The checkpoint's unquantized modules (`modules_to_not_convert`) in the model's names."""
-    return {model.checkpoint_name(m + ".weight").removesuffix(".weight") for m in quant.ignored_layers}
+    """The checkpoint's unquantized modules (`modules_to_not_convert`, ModelOpt's `ignore`) in the model's
+    names; a shell-style pattern (ModelOpt's `*mixer.conv1d*`) names every module of the model it matches."""
+    names, patterns = set(), []
+    for m in quant.ignored_layers:
+        if any(c in m for c in "*?["):
+            patterns.append(m)
+        else:
+            names.add(model.checkpoint_name(m + ".weight").removesuffix(".weight"))
+    if patterns:
+        names |= {n for n, _ in model.named_modules() if n and any(fnmatchcase(n, p) for p in patterns)}
+    return names
 
 
 def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

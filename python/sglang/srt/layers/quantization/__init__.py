@@ -1,6 +1,7 @@
-"""Quantized weights: which format a checkpoint's `quantization_config` asks for (block-wise FP8 only,
-`fp8.py`), and `--quantization` (upstream's flag: `fp8` quantizes an unquantized checkpoint block-wise
-as it loads).
+"""Quantized weights: which format a checkpoint's `quantization_config` asks for (block-wise FP8,
+`fp8.py`; NVIDIA ModelOpt's per-tensor FP8, `modelopt.py`, read as block FP8), and `--quantization`
+(upstream's flag: `fp8` quantizes an unquantized checkpoint block-wise as it loads; `modelopt` /
+`modelopt_fp8` name a ModelOpt FP8 checkpoint).
 
 The model code stays format-free: the loader hands FP8 tensors over dequantized, except to the FP8
 modules, which on CUDA replace the `nn.Linear`s and experts before loading and take the checkpoint's
@@ -11,9 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8ConfigError
+from sglang.srt.layers.quantization.modelopt import (
+    MODELOPT_FLAGS,
+    check_flag_on_checkpoint,
+    is_modelopt,
+    modelopt_fp8_config,
+)
 
 # --quantization values this server implements.
-QUANTIZATION_METHODS = ("fp8",)
+QUANTIZATION_METHODS = ("fp8", *MODELOPT_FLAGS)
 # The hf_config attribute `--quantization` sets (the config travels to the scheduler and loader).
 ONLINE_ATTR = "sglang_online_quantization"
 
@@ -22,6 +29,7 @@ __all__ = [
     "Fp8Config",
     "Fp8ConfigError",
     "check_quantization_flag",
+    "checkpoint_quant_config",
     "quant_config_of",
 ]
 
@@ -32,8 +40,8 @@ def check_quantization_flag(method: str | None) -> str | None:
         return None
     return (
         f"--quantization {method} is not supported by this server: it implements "
-        f"{', '.join(QUANTIZATION_METHODS)} (block-wise FP8 weights, [128, 128] blocks, quantized at load); "
-        "FP8 checkpoints load without the flag."
+        "fp8 (block-wise FP8 weights, [128, 128] blocks, quantized at load) and modelopt / modelopt_fp8 "
+        "(a checkpoint NVIDIA ModelOpt quantized to FP8); FP8 checkpoints load without the flag."
     )
 
 
@@ -52,13 +60,22 @@ def checkpoint_quantization(hf_config: Any, text_config: Any = None) -> Any:
     return None
 
 
+def checkpoint_quant_config(quant: Any) -> Fp8Config:
+    """The weight format of a checkpoint's `quantization_config` (Fp8ConfigError where it is not served)."""
+    if isinstance(quant, dict) and is_modelopt(quant):
+        return modelopt_fp8_config(quant)
+    return Fp8Config.from_quantization_config(quant)
+
+
 def quant_config_of(hf_config: Any) -> Fp8Config | None:
-    """The weight format to load: the checkpoint's (FP8ConfigError where it is not block-wise FP8), or
-    `--quantization fp8` on an unquantized checkpoint, or None."""
+    """The weight format to load: the checkpoint's (FP8ConfigError where it is not block-wise or ModelOpt
+    FP8), or `--quantization fp8` on an unquantized checkpoint, or None. `--quantization modelopt` /
+    `modelopt_fp8` on a checkpoint ModelOpt did not quantize: FP8ConfigError."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else None
     quant = checkpoint_quantization(hf_config, text)
-    if quant:
-        return Fp8Config.from_quantization_config(quant)
-    if getattr(hf_config, ONLINE_ATTR, None) == "fp8":
+    flag = getattr(hf_config, ONLINE_ATTR, None)
+    config = checkpoint_quant_config(quant) if quant else None
+    check_flag_on_checkpoint(flag, config)
+    if config is None and flag == "fp8":
         return Fp8Config.online()
-    return None
+    return config

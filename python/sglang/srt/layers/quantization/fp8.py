@@ -33,6 +33,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any, NamedTuple
 
 import torch
@@ -115,6 +116,10 @@ class Fp8Config:
     ignored_layers: tuple[str, ...] = ()
     # False: `--quantization fp8` on an unquantized checkpoint (quantized here, at load).
     is_checkpoint_fp8_serialized: bool = True
+    # The checkpoint's format (`modelopt.py` makes the other): "fp8", block scales in `X.weight_scale_inv`;
+    # "modelopt", one scale per tensor in `X.weight_scale`, each given as its block grid (`scale_grid`),
+    # and static activation scales (`X.input_scale`) left out: activations are quantized per token here.
+    method: str = "fp8"
 
     @classmethod
     def from_quantization_config(cls, config: Any) -> Fp8Config:
@@ -127,7 +132,7 @@ class Fp8Config:
         if method != "fp8":
             raise Fp8ConfigError(
                 f"its weights are quantized with {method!r}; this server serves block-wise FP8 checkpoints "
-                "(quant_method fp8 with weight_block_size) and unquantized ones."
+                "(quant_method fp8 with weight_block_size), NVIDIA ModelOpt's FP8 ones and unquantized ones."
             )
         fmt = get("fmt", "e4m3") or "e4m3"
         scheme = get("activation_scheme", "dynamic") or "dynamic"
@@ -164,11 +169,32 @@ class Fp8Config:
             "weight_block_size": list(self.weight_block_size),
         }
 
+    @property
+    def scale_suffix(self) -> str:
+        return "_scale" if self.method == "modelopt" else SCALE_SUFFIX
+
+    def scale_grid(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The block scales of checkpoint `weight`: its own (block FP8), or its one per-tensor scale
+        (ModelOpt: shape [] or [1]; one per expert, [E], for stacked experts) in every block of the grid.
+        ValueError for a scale of another shape (per-channel scales are not this format)."""
+        if self.method != "modelopt":
+            return scale
+        lead = weight.shape[:-2]
+        if scale.numel() != math.prod(lead):
+            raise ValueError(
+                f"An FP8 weight of shape {tuple(weight.shape)} has a weight_scale of shape "
+                f"{tuple(scale.shape)}; ModelOpt FP8 has one scale per tensor."
+            )
+        grid = tuple(math.ceil(n / b) for n, b in zip(weight.shape[-2:], self.weight_block_size, strict=True))
+        return scale.float().reshape(*lead, 1, 1).expand(*lead, *grid).contiguous()
+
     def is_ignored(self, module: str) -> bool:
         """Whether the checkpoint keeps `module` (a checkpoint module name) unquantized: named in the list
-        itself or under a listed parent."""
+        itself or under a listed parent, or matching a listed shell-style pattern (ModelOpt's
+        `*mixer.conv1d*`)."""
         return any(
-            module == m or module.startswith(m + ".") or module.endswith("." + m) for m in self.ignored_layers
+            module == m or module.startswith(m + ".") or module.endswith("." + m) or fnmatchcase(module, m)
+            for m in self.ignored_layers
         )
 
 
@@ -235,9 +261,12 @@ def fp8_checkpoint_stream(
     given as it is, as one `Fp8Weight` under the weight's name; online, such a tensor is given quantized
     the same way."""
     pending: dict[str, torch.Tensor] = {}  # a weight waiting for its scale, or a scale for its weight
+    suffix = config.scale_suffix
     for name, tensor in weights:
-        if name.endswith(".weight" + SCALE_SUFFIX):
-            base = name.removesuffix(SCALE_SUFFIX)
+        if config.method == "modelopt" and name.endswith(".input_scale"):
+            continue  # (static activation scales: activations are quantized per token at run time)
+        if name.endswith(".weight" + suffix):
+            base = name.removesuffix(suffix)
         elif tensor.dtype == FP8_DTYPE:
             base = name
         else:
@@ -249,22 +278,21 @@ def fp8_checkpoint_stream(
                 tensor = dequantize_block_fp8(q, s, config.weight_block_size)
             yield name, tensor
             continue
-        other = pending.pop(base if name != base else base + SCALE_SUFFIX, None)
+        other = pending.pop(base if name != base else base + suffix, None)
         if other is None:
             pending[name] = tensor
             continue
         weight, scale = (tensor, other) if name == base else (other, tensor)
         if weight.dtype != FP8_DTYPE:
-            raise ValueError(
-                f"Checkpoint tensor {base} is {weight.dtype}, yet it has a {base}{SCALE_SUFFIX}."
-            )
+            raise ValueError(f"Checkpoint tensor {base} is {weight.dtype}, yet it has a {base}{suffix}.")
+        scale = config.scale_grid(weight, scale)
         if keep_fp8 is not None and keep_fp8(base):
             yield base, Fp8Weight(weight, scale)
             continue
         yield base, dequantize_block_fp8(weight, scale, config.weight_block_size)
     if pending:
         name = sorted(pending)[0]
-        lacks = "scale" if not name.endswith(SCALE_SUFFIX) else "FP8 weight"
+        lacks = "scale" if not name.endswith(suffix) else "FP8 weight"
         raise ValueError(f"Checkpoint tensor {name} has no matching {lacks} ({len(pending)} unpaired).")
 
 

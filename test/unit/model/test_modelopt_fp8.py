@@ -1,0 +1,205 @@
+"""NVIDIA ModelOpt FP8 checkpoints (issue 53: the Nemotron FP8 releases): the config read from config.json
+or hf_quant_config.json and other ModelOpt algorithms refused, `--quantization modelopt` accepted on such
+a checkpoint and refused on another, the preset written as the release is, served on CPU as its
+dequantized weights with its KV cache scales, and in CUDA's layout (built on the CPU) holding the
+checkpoint's FP8 bytes with each per-tensor scale in every block of its grid. The logprobs against the
+transformers oracle: test_fp8_checkpoints (its parametrization); through the FP8 experts' torch twin:
+test_fp8_experts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from sglang.srt.configs.model_config import load_hf_config
+from sglang.srt.configs.presets import resolve_model_path
+from sglang.srt.layers.moe.experts import RoutedExperts
+from sglang.srt.layers.quantization import Fp8ConfigError, checkpoint_quant_config
+from sglang.srt.layers.quantization.fp8 import FP8_DTYPE, Fp8BlockLinear, Fp8Layout, dequantize_block_fp8
+from sglang.srt.layers.quantization.modelopt import HF_QUANT_CONFIG
+from sglang.srt.models.registry import build_meta_model, load_model
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.reference import dequantized_checkpoint
+
+register_cpu_ci(est_time=6, suite="per-commit-cpu")
+
+PRESET = "tiny-nemotron-h-fp8-modelopt"
+# The release's form: quant_method modelopt, quant_algo FP8, FP8 KV cache, names and patterns kept.
+RELEASE_CONFIG = {
+    "quant_method": "modelopt",
+    "quant_algo": "FP8",
+    "kv_cache_quant_algo": "FP8",
+    "ignore": ["lm_head", "*mixer.conv1d*", "backbone.layers.3.mixer*"],
+}
+
+
+def _checkpoint(path: str) -> dict[str, torch.Tensor]:
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def test_the_config_is_read_and_other_modelopt_algorithms_are_refused():
+    cfg = checkpoint_quant_config(RELEASE_CONFIG)
+    assert cfg.method == "modelopt" and cfg.scale_suffix == "_scale"
+    assert cfg.is_ignored("backbone.layers.7.mixer.conv1d") and cfg.is_ignored(
+        "backbone.layers.3.mixer.q_proj"
+    )
+    assert not cfg.is_ignored("backbone.layers.4.mixer.in_proj")
+    legacy = {"quant_method": "modelopt", "quant_algo": "fp8", "exclude_modules": ["lm_head"]}
+    assert checkpoint_quant_config(legacy).ignored_layers == ("lm_head",)  # (algo in lower case too)
+    refusals = {
+        "NVFP4": "ModelOpt's NVFP4 algorithm",
+        "FP8_PER_CHANNEL_PER_TOKEN": "ModelOpt's FP8_PER_CHANNEL_PER_TOKEN algorithm",
+        "MIXED_PRECISION": "ModelOpt's MIXED_PRECISION algorithm",
+    }
+    for algo, words in refusals.items():
+        with pytest.raises(Fp8ConfigError, match=words):
+            checkpoint_quant_config({**RELEASE_CONFIG, "quant_algo": algo})
+    with pytest.raises(Fp8ConfigError, match="ModelOpt's NVFP4 KV cache"):
+        checkpoint_quant_config({**RELEASE_CONFIG, "kv_cache_quant_algo": "NVFP4"})
+    # The per-tensor scale becomes the weight's block grid; a per-channel one is not this format.
+    grid = cfg.scale_grid(torch.zeros(300, 64, dtype=FP8_DTYPE), torch.tensor(0.5))
+    assert grid.shape == (3, 1) and (grid == 0.5).all()
+    with pytest.raises(ValueError, match="one scale per tensor"):
+        cfg.scale_grid(torch.zeros(300, 64, dtype=FP8_DTYPE), torch.ones(300, 1))
+
+
+def test_the_modelopt_flag_takes_modelopt_checkpoints_only(tmp_path):
+    path = resolve_model_path(PRESET)
+    for flag in ("modelopt", "modelopt_fp8"):
+        assert ServerArgs(model_path=path, quantization=flag).quantization == flag
+        for other, what in (
+            ("tiny-nemotron-h", "unquantized"),
+            ("tiny-nemotron-h-fp8", "quantized with 'fp8'"),
+        ):
+            with pytest.raises(ServerArgsError, match=f"cannot be served: --quantization {flag} serves checkpoints "
+                               f"NVIDIA ModelOpt quantized to FP8 and this one is {what} "):  # fmt: skip
+                ServerArgs(model_path=other, quantization=flag)
+    # A ModelOpt NVFP4 checkpoint stops the start in one sentence naming the algorithm.
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    cfg["quantization_config"]["quant_algo"] = "NVFP4"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ServerArgsError, match="cannot be served: its weights are quantized with NVIDIA ModelOpt's "
+                       "NVFP4 algorithm; this server serves ModelOpt's FP8"):  # fmt: skip
+        ServerArgs(model_path=str(tmp_path))
+
+
+def test_the_preset_is_written_as_the_release():
+    path = Path(resolve_model_path(PRESET))
+    quant = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert {k: quant[k] for k in ("quant_method", "quant_algo", "kv_cache_quant_algo")} == {
+        "quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"
+    }  # fmt: skip
+    legacy = json.loads((path / HF_QUANT_CONFIG).read_text())["quantization"]
+    assert legacy["exclude_modules"] == quant["ignore"] and legacy["quant_algo"] == "FP8"
+    ckpt = _checkpoint(str(path))
+    base = _checkpoint(resolve_model_path("tiny-nemotron-h"))
+    fp8 = {n for n, t in ckpt.items() if t.dtype == FP8_DTYPE}
+    assert {"backbone.layers.0.mixer.in_proj.weight", "backbone.layers.1.mixer.experts.3.up_proj.weight",
+            "backbone.layers.1.mixer.shared_experts.down_proj.weight", "backbone.layers.5.mixer.up_proj.weight"} <= fp8  # fmt: skip
+    for name in fp8:
+        module = name.removesuffix(".weight")
+        scale, act = ckpt[module + ".weight_scale"], ckpt[module + ".input_scale"]
+        assert scale.dtype == act.dtype == torch.float32 and scale.shape == act.shape == ()
+        assert 0 < act.item() and not checkpoint_quant_config(quant).is_ignored(module)
+        # One scale for the tensor: its largest magnitude lands on e4m3's largest value, 448.
+        assert ckpt[name].float().abs().max().item() == 448.0
+        dense = base[name]
+        assert ((ckpt[name].float() * scale - dense).abs() <= 2**-4 * dense.abs() + 2**-10 * scale).all()
+    # The recipe's modules kept: the attention layer, the Mamba layer feeding it, every conv1d, the head.
+    for name in ("backbone.layers.3.mixer.q_proj.weight", "backbone.layers.2.mixer.in_proj.weight",
+                 "backbone.layers.0.mixer.conv1d.weight", "lm_head.weight", "backbone.embeddings.weight"):  # fmt: skip
+        assert torch.equal(ckpt[name], base[name]), name
+    # The FP8 KV cache's scales, on k_proj / v_proj as the release has them.
+    for kind in "kv":
+        s = ckpt[f"backbone.layers.3.mixer.{kind}_proj.{kind}_scale"]
+        assert s.dtype == torch.float32 and s.shape == () and s.item() > 0
+    assert set(ckpt) - {n for n in ckpt if n.endswith(("_scale", ".input_scale"))} == set(base)
+
+
+@pytest.fixture(scope="module")
+def legacy_only(tmp_path_factory) -> str:
+    """The preset with its format in hf_quant_config.json only (ModelOpt's older exports)."""
+    src, out = Path(resolve_model_path(PRESET)), tmp_path_factory.mktemp("modelopt-legacy")
+    for f in src.iterdir():
+        shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["quantization_config"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def test_served_on_cpu_as_its_dequantized_weights_with_its_kv_scales(legacy_only):
+    path = resolve_model_path(PRESET)
+    model = load_model(load_hf_config(path), path, torch.float32, "cpu")
+    ref_path = dequantized_checkpoint(path)
+    ref = load_model(load_hf_config(ref_path), ref_path, torch.float32, "cpu")
+    got, want = _params(model), _params(ref)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    # (and the dequantized weights are the FP8 ones: a quantized tensor's values changed, a kept one's not)
+    base = _params(load_model(load_hf_config(resolve_model_path("tiny-nemotron-h")),
+                              resolve_model_path("tiny-nemotron-h"), torch.float32, "cpu"))  # fmt: skip
+    assert not torch.equal(
+        got["backbone.layers.0.mixer.in_proj.weight"], base["backbone.layers.0.mixer.in_proj.weight"]
+    )
+    assert torch.equal(
+        got["backbone.layers.3.mixer.q_proj.weight"], base["backbone.layers.3.mixer.q_proj.weight"]
+    )
+    ckpt = _checkpoint(path)
+    attn = model.backbone.layers[3].mixer.attn
+    assert (attn.k_scale, attn.v_scale) == (
+        ckpt["backbone.layers.3.mixer.k_proj.k_scale"].item(),
+        ckpt["backbone.layers.3.mixer.v_proj.v_scale"].item(),
+    )
+    legacy = load_model(load_hf_config(legacy_only), legacy_only, torch.float32, "cpu")
+    assert all(torch.equal(v, got[k]) for k, v in _params(legacy).items())
+
+
+def test_cuda_layout_holds_the_checkpoints_bytes_with_each_scale_in_its_grid():
+    """The CUDA layout built on the CPU (FP8 linears and experts): every FP8 linear and expert holds the
+    checkpoint's bytes with its scalar in every block; the modules the checkpoint keeps stay dense; each
+    FP8 module's dequantized weight is exactly the dequantized model's parameter."""
+    path = resolve_model_path(PRESET)
+    cfg = load_hf_config(path)
+    model = load_model(
+        cfg, path, torch.float32, "cpu", meta=build_meta_model(cfg, "cpu", Fp8Layout(True, True))
+    )
+    ckpt = _checkpoint(path)
+    ref = _params(load_model(load_hf_config(dequantized_checkpoint(path)), dequantized_checkpoint(path),
+                             torch.float32, "cpu"))  # fmt: skip
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
+    fp8_linears = {
+        n.removesuffix(".weight") for n, t in ckpt.items() if t.dtype == FP8_DTYPE and ".experts." not in n
+    }
+    assert set(linears) == fp8_linears
+    for name, m in linears.items():
+        assert torch.equal(_bits(m.weight), _bits(ckpt[name + ".weight"])), name
+        assert (m.weight_scale_inv == ckpt[name + ".weight_scale"]).all(), name
+        assert torch.equal(m.dequantized_weight(torch.float32), ref[name + ".weight"]), name
+    for name in ("backbone.layers.3.mixer.q_proj", "backbone.layers.2.mixer.in_proj"):
+        assert type(model.get_submodule(name)) is not Fp8BlockLinear, name
+    experts = model.backbone.layers[1].mixer.experts
+    assert isinstance(experts, RoutedExperts) and experts.w13.dtype == FP8_DTYPE
+    for e in range(experts.w13.shape[0]):
+        for attr, proj in (("w13", "up_proj"), ("w2", "down_proj")):
+            key = f"backbone.layers.1.mixer.experts.{e}.{proj}"
+            assert torch.equal(_bits(getattr(experts, attr)[e]), _bits(ckpt[key + ".weight"]))
+            assert (getattr(experts, attr + "_weight_scale_inv")[e] == ckpt[key + ".weight_scale"]).all()
+    for attr in ("w13", "w2"):
+        deq = dequantize_block_fp8(getattr(experts, attr), getattr(experts, attr + "_weight_scale_inv"))
+        assert torch.equal(deq, ref[f"backbone.layers.1.mixer.experts.{attr}"])
