@@ -52,7 +52,12 @@ def two_turns(h: SchedulerHarness, prompts: list[list[int]], new: int) -> list[l
     return turns
 
 
-def plain_then_spec(monkeypatch, preset: str, strategy: str, prompts, new: int, **kw):
+def plain_then_spec(
+    monkeypatch, preset: str, strategy: str, prompts, new: int, graph_sizes: list[int] | None = None, **kw
+):
+    """Plain and NEXTN outputs of `two_turns`, and the NEXTN run's totals (with `draft_loops` and
+    `draft_graph_replays`, those of them a graph served). `graph_sizes`: the NEXTN run's decodes and greedy draft loops go through
+    the CUDA-graph runners' CPU form at those sizes (`SchedulerHarness.use_graph_bodies`)."""
     args = dict(
         mamba_scheduler_strategy=strategy,
         disable_overlap_schedule=True,
@@ -69,9 +74,14 @@ def plain_then_spec(monkeypatch, preset: str, strategy: str, prompts, new: int, 
     truth = {tuple(p): p + o.output_ids for p, o in zip(prompts, plain[0], strict=True)}
     h = SchedulerHarness(preset, **args, **NEXTN)
     try:
+        if graph_sizes:
+            h.use_graph_bodies(graph_sizes)
         with teacher_drafts(monkeypatch, h, truth):
             spec = two_turns(h, prompts, new)
         stats = dict(h.sched.spec.stats)
+        draft = h.sched.spec.draft
+        stats["draft_loops"] = draft.loops
+        stats["draft_graph_replays"] = draft.graphs.replays if draft.graphs is not None else 0
         h.flush_and_check_empty()
     finally:
         h.shutdown()

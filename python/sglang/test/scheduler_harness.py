@@ -141,12 +141,15 @@ class SchedulerHarness:
         self.collect()
 
     def use_graph_bodies(self, sizes: list[int]) -> Any:
-        """Serve decodes through the CUDA-graph runner's CPU form (its bodies run eagerly at each replay)
-        at batch sizes `sizes`; the runner."""
+        """Serve decodes (and EAGLE / NEXTN's greedy draft loops) through the CUDA-graph
+        runners' CPU form (their bodies run eagerly at each replay) at batch sizes `sizes`; the runner."""
         from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
         runner = self.sched.model_runner
         runner.graph_runner = CudaGraphRunner(runner, sizes, use_graphs=False)
+        draft = getattr(self.sched.spec, "draft", None)
+        if draft is not None:  # EAGLE / NEXTN: its draft loop's graph bodies too (`mtp_graphs.py`)
+            draft.use_graphs(runner.graph_runner)
         return runner.graph_runner
 
     def control_reply(self, msg: Any | None = None, timeout: float = 60) -> Any:

@@ -25,7 +25,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, plain_then_spec
 from sglang.test.scheduler_harness import token_ids
 
-register_cpu_ci(est_time=26, suite="per-commit-cpu")
+register_cpu_ci(est_time=28, suite="per-commit-cpu")
 
 NEXTN_STEPS = 3  # --speculative-num-steps' default
 
@@ -33,6 +33,16 @@ NEXTN_STEPS = 3  # --speculative-num-steps' default
 def test_greedy_same_as_plain_decoding_with_chunks_and_hits(monkeypatch):
     prompts = [token_ids(90 + 37 * k, seed=k) for k in range(3)]
     assert_same(*plain_then_spec(monkeypatch, QWEN, "extra_buffer", prompts, 24))
+
+
+def test_greedy_same_as_plain_decoding_through_graph_bodies(monkeypatch):
+    """The NEXTN run's decodes and greedy draft loops through the CUDA-graph runners' CPU form
+    (`mtp_graphs.py`; three requests pad to bucket 4): padded requests must leave the real ones' KV,
+    states and request rows as the eager loop does."""
+    prompts = [token_ids(90 + 37 * k, seed=k) for k in range(3)]
+    plain, spec, stats = plain_then_spec(monkeypatch, QWEN, "extra_buffer", prompts, 24, graph_sizes=[1, 2, 4])
+    assert_same(plain, spec, stats)
+    assert stats["draft_graph_replays"] == stats["draft_loops"] > 0, stats  # (all greedy, 3 requests)
 
 
 @pytest.mark.parametrize("top_k", [-1, 3])
@@ -294,4 +304,7 @@ def _reference_step(mtp, base, next_ids: list[int], rows: list[torch.Tensor]):
 @pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
 def test_gpu_greedy_same_as_plain_decoding(monkeypatch, strategy):
     prompts = [token_ids(90 + 37 * k, seed=k) for k in range(3)]
-    assert_same(*plain_then_spec(monkeypatch, QWEN, strategy, prompts, 24, device="cuda", dtype="float32"))
+    plain, spec, stats = plain_then_spec(monkeypatch, QWEN, strategy, prompts, 24, device="cuda", dtype="float32")
+    assert_same(plain, spec, stats)
+    # The draft loops were CUDA graphs (all greedy, at most three requests: every bucket is captured).
+    assert stats["draft_graph_replays"] == stats["draft_loops"] > 0, stats

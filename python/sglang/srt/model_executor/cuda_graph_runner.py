@@ -196,7 +196,15 @@ class CudaGraphRunner:
             if verify_bs:
                 static = _StaticInputs.allocate(max(verify_bs), self.device, verify_width)
                 self.kinds[ForwardMode.TARGET_VERIFY] = _GraphSet(static, verify_bs)
+        # Graphs of other forwards that live and die with these (EAGLE / NEXTN's draft loop,
+        # `speculative/mtp_graphs.py`): `capture()` and `release()`, called after and with this runner's.
+        self.companions: list = []
         self._capture_all()
+
+    def add_companion(self, companion) -> None:
+        """Capture `companion`'s graphs now, and again and released whenever this runner's are."""
+        companion.capture()
+        self.companions.append(companion)
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -206,6 +214,8 @@ class CudaGraphRunner:
                 width = self.verify_width
                 what = "decode" if mode == ForwardMode.DECODE else f"verify ({width} positions each)"
                 logger.info("CUDA graphs captured for %s batch sizes %s.", what, graphs.bs_list)
+        for companion in self.companions:
+            companion.capture()
 
     def recapture(self) -> None:
         """Capture every graph again, of the model runner's model as it is now (its weights were replaced:
@@ -220,6 +230,8 @@ class CudaGraphRunner:
             graphs.graphs.clear()
             graphs.outputs.clear()
             graphs.static.reset()  # (they hold the last replayed batch's rows: live requests' slots)
+        for companion in self.companions:
+            companion.release()
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -291,18 +303,23 @@ class CudaGraphRunner:
         graphs.bs_list = sorted(graphs.outputs)
 
     def _capture_one(self, fb: ForwardBatch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._body(fb)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = self._body(fb)
-        return graph, out
+        return capture_graph(lambda: self._body(fb), self.device, pool)
+
+
+def capture_graph(body, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of `body()` and the tensor it returns (read after each replay). Warmed up on a side
+    stream first (Triton compiles, cuBLAS picks its kernels)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out
 
 
 @dataclass

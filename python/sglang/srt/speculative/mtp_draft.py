@@ -36,6 +36,7 @@ import torch
 from sglang.srt.layers.logits_processor import scaled_log_softmax
 from sglang.srt.layers.sampler import SampleOutput, inverse_cdf_sample, truncated_probs
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
+from sglang.srt.speculative.mtp_graphs import MtpDraftGraphs
 from sglang.srt.utils.host_tensors import host_int64
 
 
@@ -75,13 +76,36 @@ class MtpDraftRunner:
         target = model_runner.model
         args = model_runner.server_args
         self.mtp = model_runner.draft_model  # (loaded with the target: `draft_layers.load_draft_layers`)
-        self.embed = target.model.embed_tokens
-        self.lm_head = target.lm_head
         self.attn = MtpAttnBackend(model_runner._full_attn_backend())
         rows = model_runner.req_to_token_pool.req_to_token.shape[0]
         device, hidden = target.lm_head.weight.device, target.config.hidden_size
         self.stash = DraftStash(torch.zeros(rows, hidden, dtype=target.lm_head.weight.dtype, device=device))
         self.generator = torch.Generator(device=device).manual_seed(args.random_seed + 1)
+        # All-greedy draft loops replayed from CUDA graphs, beside the target's (`mtp_graphs.py`).
+        self.graphs: MtpDraftGraphs | None = None
+        self.loops = 0  # draft loops run (`graphs.replays` of them by a graph)
+        graph_runner = getattr(model_runner, "graph_runner", None)
+        if graph_runner is not None:
+            self.use_graphs(graph_runner)
+
+    # The target's embedding and lm_head as the runner serves them now (a weight update may swap the model).
+    @property
+    def embed(self) -> torch.nn.Module:
+        return self.runner.model.model.embed_tokens
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.runner.model.lm_head
+
+    def use_graphs(self, graph_runner: Any) -> None:
+        """Capture the draft loop's graphs at `graph_runner`'s sizes up to the verify rows (its
+        `use_graphs`), captured again and released with its own."""
+        steps = self.runner.server_args.speculative_num_steps
+        sizes = [bs for bs in graph_runner.bs_list if bs <= self.runner.mamba_pool.verify_shape[0]]
+        if not sizes:
+            return
+        self.graphs = MtpDraftGraphs(self, sizes, steps, graph_runner.use_graphs)
+        graph_runner.add_companion(self.graphs)
 
     # ---- the MTP layer ----------------------------------------------------------------------------
 
@@ -96,6 +120,9 @@ class MtpDraftRunner:
 
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(g, self.lm_head.weight).float()
+
+    def _greedy(self, g: torch.Tensor) -> torch.Tensor:
+        return self._logits(g).max(dim=-1).indices
 
     def _sample(
         self, logits: torch.Tensor, info: SamplingBatchInfo
@@ -115,9 +142,13 @@ class MtpDraftRunner:
 
     def draft_steps(self, plan: DraftPlan) -> tuple[list[list[int]], torch.Tensor | None]:
         """Each planned request's k drafts (host lists) and, where some request samples, their
-        distributions [bs, k, vocab] on the device. Runs on the forward stream."""
+        distributions [bs, k, vocab] on the device. Runs on the forward stream; an all-greedy plan that
+        fits a captured size replays its graph (`mtp_graphs.py`), else the loop runs eagerly."""
         runner, stash = self.runner, self.stash
+        self.loops += 1
         with torch.inference_mode():
+            if self.graphs is not None and self.graphs.can_run(plan):
+                return self.graphs.replay(plan), None
             device = stash.hidden.device
             rows = host_int64(plan.rows).to(device)
             # Uploaded once for the k steps (each step's batch leaves an info on the device as it is).

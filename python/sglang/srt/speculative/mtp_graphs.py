@@ -1,0 +1,133 @@
+"""`MtpDraftGraphs`: the draft loop of a verify (`MtpDraftRunner.draft_steps`, EAGLE / NEXTN) replayed
+from CUDA graphs, one captured per batch-size bucket, for draft batches whose requests are all greedy.
+
+What a graph holds: from the drafting requests' stash rows g, d_1 = argmax(lm_head(g)), then steps
+2..k: the MTP layer at positions P, P + 1, .. (its `req_to_token` entries, its attention metadata and
+its KV written into the verify's slots of those positions), the lm_head and the argmax; its output is
+the [bucket, k] draft ids, which come back to the host in one copy as the eager loop's do. Its inputs
+are one static int64 buffer of a row per field (request row, P, the KV slot of each of the k - 1 MTP
+steps) and a column per request; a replay copies the plan's values into its first columns and pads the
+rest of the bucket with the dummy request row 0, P = 0 and KV slot 0, which absorb the padded requests'
+writes (the stash row 0 they read is never a request's). The plan's prefix rewrites of `req_to_token`
+run before the replay, on the forward stream, as the eager loop does them.
+
+Sampling draft batches (their d_j are drawn with the draft runner's own generator, and their
+distributions go to the verify's rejection sampling) and batches over the largest bucket run the eager
+loop. The graphs are captured beside the target's (`CudaGraphRunner.add_companion`: the same sizes up
+to the verify rows, captured again and released with them); on CPU the same bodies run eagerly on the
+static buffer (`use_graphs=False`), so padding and the no-host-values rule (`GraphUnsafeError`) are
+checked by the CPU tests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglang.srt.model_executor.cuda_graph_runner import _NO_HOST_VALUES, GraphUnsafeError, capture_graph
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
+from sglang.srt.utils.host_tensors import host_int64
+
+if TYPE_CHECKING:
+    from sglang.srt.speculative.mtp_draft import DraftPlan, MtpDraftRunner
+
+logger = logging.getLogger(__name__)
+
+ROW, PREFIX = 0, 1  # the static buffer's rows; then the KV slot of MTP step j at row 2 + j
+
+
+class MtpDraftGraphs:
+    def __init__(self, draft: MtpDraftRunner, sizes: list[int], steps: int, use_graphs: bool = True):
+        self.draft = draft
+        self.sizes = sorted(sizes)
+        self.steps = steps
+        self.use_graphs = use_graphs
+        self.device = draft.stash.hidden.device
+        self.inputs = torch.zeros(2 + steps - 1, max(sizes), dtype=torch.int64, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.bs_list: list[int] = []
+        self.replays = 0  # draft loops served by a graph (the GPU test reads it)
+
+    def capture(self) -> None:
+        """A graph per size, largest first, in one memory pool (`use_graphs=False`: the body's first run)."""
+        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.inputs.zero_()  # every column padding: a capture runs on the dummy row and slot only
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):
+                if not self.use_graphs:
+                    self.outputs[bs] = self._body(bs)
+                    continue
+                try:
+                    self.graphs[bs], self.outputs[bs] = capture_graph(lambda n=bs: self._body(n), self.device, pool)
+                except GraphUnsafeError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a bucket that cannot be captured is left out
+                    logger.warning("The MTP draft loop at batch size %d cannot be captured in a CUDA graph "
+                                   "(%s); its batches replay the next larger size, or run eagerly.", bs, e)  # fmt: skip
+                    self.graphs.pop(bs, None)
+        self.bs_list = sorted(self.outputs)
+        if self.use_graphs:
+            logger.info("CUDA graphs captured for the MTP draft loop (%d steps) at batch sizes %s.",
+                        self.steps, self.bs_list)  # fmt: skip
+
+    def release(self) -> None:
+        """Free the graphs (`CudaGraphRunner.release`); no plan is served until `capture`."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.bs_list = []
+        self.inputs.zero_()  # (it holds the last plan's rows and slots)
+
+    def can_run(self, plan: DraftPlan) -> bool:
+        return plan.sampling_info.is_all_greedy and 0 < len(plan.rows) <= (self.bs_list or [0])[-1]
+
+    def replay(self, plan: DraftPlan) -> list[list[int]]:
+        """Each planned request's k greedy drafts: the plan loaded into the static buffer, padded to its
+        bucket, and the bucket's graph replayed."""
+        bs = len(plan.rows)
+        bucket = self.bs_list[bisect.bisect_left(self.bs_list, bs)]
+        pool = self.draft.runner.req_to_token_pool
+        for row, start, slots in plan.writes:
+            pool.write(row, start, host_int64(slots).to(self.device))
+        pad = [0] * (bucket - bs)
+        columns = [plan.rows, plan.prefix_lens, *([s[j] for s in plan.slots] for j in range(self.steps - 1))]
+        values = host_int64([v for column in columns for v in (*column, *pad)]).view(len(columns), bucket)
+        self.inputs[:, :bucket].copy_(values, non_blocking=True)
+        if self.use_graphs:
+            self.graphs[bucket].replay()
+            drafts = self.outputs[bucket]
+        else:
+            drafts = self._body(bucket)
+        self.replays += 1
+        return drafts[:bs].tolist()
+
+    def _body(self, bs: int) -> torch.Tensor:
+        """The eager loop's greedy steps on the static buffer's first `bs` columns, no host value read."""
+        draft, runner = self.draft, self.draft.runner
+        rows, prefix = self.inputs[ROW, :bs], self.inputs[PREFIX, :bs]
+        g = draft.stash.hidden[rows]
+        tokens = draft._greedy(g)
+        drafts = [tokens]
+        for j in range(self.steps - 1):
+            fb = ForwardBatch(
+                forward_mode=ForwardMode.DECODE,
+                batch_size=bs,
+                input_ids=tokens,
+                positions=prefix + j,
+                req_pool_indices=rows,
+                req_pool_indices_cpu=_NO_HOST_VALUES,
+                seq_lens=prefix + (j + 1),
+                seq_lens_cpu=_NO_HOST_VALUES,
+                out_cache_loc=self.inputs[2 + j, :bs],
+                mamba_pool_indices=torch.zeros_like(rows),
+                mamba_pool_indices_cpu=_NO_HOST_VALUES,
+                sampling_info=SamplingBatchInfo.greedy(bs),
+            )
+            runner.write_new_token_slots(fb)
+            g = draft._run(fb, tokens, g)
+            tokens = draft._greedy(g)
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
