@@ -11,6 +11,13 @@ before), plain and NEXTN alternating; `nextn_over_plain` is the median of per-re
 output tokens per second; `accept_length` is NEXTN's tokens committed per request and verify;
 `same_greedy_tokens` whether every request's tokens are the same on both sides. Prints one JSON object.
 
+`--device cuda` (the server's CUDA graphs on): a third scheduler, NEXTN with its draft loops run eagerly
+(`nextn_eager_draft`: the target's graphs only), and `draft_graphs_speedup`, the median per-repetition
+ratio of NEXTN's output tokens per second with the draft loop's CUDA graphs (`speculative/mtp_graphs.py`)
+to without; `draft_graph_replays`, the draft loops a graph served.
+
+    python3 benchmark/bench_speculative_mtp.py --device cuda --reps 2     # benchmark/gpu: step `mtp`
+
 `--prefix-hit-len L` (a multiple of --mamba-track-interval, which it sets to L) measures instead the MTP
 layer's acceptance after prefix hits that end where the request leaves the cached sequence: each prompt
 B is first served cold, one at a time (caches flushed); then, after a flush, a request A = B[:L] + another
@@ -105,6 +112,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prefix-hit-len", type=int, default=0, help="measure stale prefix hits instead")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -114,7 +122,7 @@ def main() -> None:
     prompts = held_out_prompts(tokenizer, args.prompts, args.input_len)
     base = dict(
         model_path=args.model_path, disable_overlap_schedule=True, random_seed=0, mamba_track_interval=256,
-        max_total_tokens=32768, max_mamba_cache_size=256,
+        max_total_tokens=32768, max_mamba_cache_size=256, device=args.device,
     )  # fmt: skip
     if args.prefix_hit_len:
         base["mamba_track_interval"] = args.prefix_hit_len
@@ -123,19 +131,19 @@ def main() -> None:
         print(json.dumps(report, indent=1))
         sched.shutdown()
         return
-    scheds = {
-        "plain": Scheduler(ServerArgs(**base)),
-        "nextn": Scheduler(
-            ServerArgs(**base, speculative_algorithm="NEXTN", speculative_num_steps=args.steps)
-        ),
-    }
+    nextn = dict(speculative_algorithm="NEXTN", speculative_num_steps=args.steps)
+    scheds = {"plain": Scheduler(ServerArgs(**base)), "nextn": Scheduler(ServerArgs(**base, **nextn))}
+    if scheds["nextn"].spec.draft.graphs is not None:
+        scheds["nextn_eager_draft"] = Scheduler(ServerArgs(**base, **nextn))
+        scheds["nextn_eager_draft"].spec.draft.graphs = None  # (its draft loops run eagerly)
     report: dict = {"torch_threads": torch.get_num_threads(), **vars(args)}
     for sched in scheds.values():
         run(sched, prompts[:2], 8, "warmup")
     same = True
     for batch in (1, 8):
-        speeds: dict[str, list[float]] = {"plain": [], "nextn": []}
+        speeds: dict[str, list[float]] = {name: [] for name in scheds}
         ratios: list[float] = []
+        graph_ratios: list[float] = []
         before = dict(scheds["nextn"].spec.stats)
         for rep in range(args.reps):
             outs: dict[str, list[list[int]]] = {}
@@ -147,8 +155,10 @@ def main() -> None:
                     seconds += s
                     outs[name] += o
                 speeds[name].append(len(prompts) * args.output_len / seconds)
-            same = same and outs["plain"] == outs["nextn"]
+            same = same and all(o == outs["plain"] for o in outs.values())
             ratios.append(speeds["nextn"][-1] / speeds["plain"][-1])
+            if "nextn_eager_draft" in speeds:
+                graph_ratios.append(speeds["nextn"][-1] / speeds["nextn_eager_draft"][-1])
         after = scheds["nextn"].spec.stats
         verifies = after["verify_steps"] - before["verify_steps"]
         report[f"batch_{batch}"] = {
@@ -159,6 +169,14 @@ def main() -> None:
                 (after["committed_tokens"] - before["committed_tokens"]) / max(verifies, 1), 3
             ),
         }
+        if graph_ratios:
+            report[f"batch_{batch}"].update(
+                nextn_eager_draft_tok_s=round(statistics.median(speeds["nextn_eager_draft"]), 1),
+                draft_graphs_speedup=round(statistics.median(graph_ratios), 3),
+            )
+    draft = scheds["nextn"].spec.draft
+    if draft.graphs is not None:
+        report["draft_graph_replays"] = f"{draft.graphs.replays} of {draft.loops} draft loops"
     report["same_greedy_tokens"] = same
     print(json.dumps(report, indent=1))
     for sched in scheds.values():
