@@ -147,3 +147,28 @@ def test_one_batch_backs_up_a_paths_deepest_snapshot_and_its_branch_points():
     assert stats["backup_states"] == 4 and stats["backups_skipped_covered"] == 3
     assert all(_on_host(sim, k) for k in (prefix, prefix + [1] * STEP, prefix + [2] * STEP))
     sim.check()
+
+
+def test_a_skipped_snapshot_is_backed_up_where_the_deeper_one_finds_no_room():
+    """Host KV of 512 tokens, 400 of them held by a checkpoint being loaded (locked, unevictable): a
+    conversation's snapshots at 64 and 192 tokens are due in one batch. The deeper backup finds no room
+    (192 > 112 free); the shallower one, skipped while the deeper was to be backed up, is backed up
+    instead (64 fit), with its path's KV. Before: neither reached the host."""
+    sim = _sim(device_slots=8, ratio=1)
+    tree = sim.tree
+    assert tree.host.token_allocator.num_pages == 512
+    held = _conversation(0, 400)
+    _checkpoint(sim, held)
+    _batch(sim)
+    end = tree._host_end(held, None)
+    tree.host_tree.inc_lock_ref(end)  # (as a load of it does)
+    tree.evict(num_tokens=400)  # (the device's copy goes: room for the next conversation)
+    for depth in (64, 192):
+        _checkpoint(sim, _conversation(1, depth))
+    _batch(sim)
+    stats = tree.controller.stats
+    assert stats["backups_no_room"] == 1 and stats["backups_covered_retried"] == 1, stats
+    assert stats["backups_skipped_covered"] == 0, stats
+    assert _on_host(sim, _conversation(1, 64)) and not _on_host(sim, _conversation(1, 192))
+    tree.host_tree.dec_lock_ref(end)
+    sim.check()

@@ -224,22 +224,36 @@ class HiMambaRadixCache(MambaRadixCache):
         checkpoint with another one due below it on its path (a request's prefill snapshots, taken in one
         batch) is not backed up unless paths branch there: the deeper backup brings the same KV, and its
         state serves every request the shallower one would but those leaving the path between the two
-        (the host tree would drop it first anyway: `host_tree.py`)."""
+        (the host tree would drop it first anyway: `host_tree.py`). Where no backup below it succeeded
+        (no room on host for the deeper path), the skipped one is backed up after all, deepest first."""
         ready = list(self.due.values())
-        covered: set[int] = set()
+        self.due.clear()
+        covered = self._above(ready)
+        skipped, backed = [], []
         for node in ready:
-            up = node.parent
-            while up is not self.root and up.id not in covered:
-                covered.add(up.id)
-                up = up.parent
-        for node in ready:
-            del self.due[node.id]
             if node.id in covered and len(node.children) == 1:
+                skipped.append(node)
+            elif self._backup(node):
+                backed.append(node)
+        below_a_backup = self._above(backed)
+        for node in sorted(skipped, key=TreeNode.path_len, reverse=True):
+            if node.id in below_a_backup:
                 self.controller.stats["backups_skipped_covered"] += 1
-            else:
-                self._backup(node)
+            elif self._backup(node):
+                self.controller.stats["backups_covered_retried"] += 1
+                below_a_backup |= self._above([node])
         assert not self.pending_state_copies  # (recorded with the host copies: `_donate_snapshot`)
         return self.controller.seal()
+
+    def _above(self, nodes: list[TreeNode]) -> set[int]:
+        """The ids of the nodes' ancestors (the root excluded)."""
+        out: set[int] = set()
+        for node in nodes:
+            up = node.parent
+            while up is not self.root and up.id not in out:
+                out.add(up.id)
+                up = up.parent
+        return out
 
     def run_host_copies(self, copies: list) -> None:
         """On the forward stream, before the batch (or a verify's draft steps): its sealed copies."""
