@@ -18,8 +18,9 @@ THEMES: dict[str, str] = {
     "through torch.distributed's NCCL or gloo collectives); leave it out",
     "moe": "expert load balancing, all-to-all backends and other MoE kernels are not built (issue 55); --ep-size "
     "distributes the experts and the MoE layers run this server's own fused kernels, so leave it out",
-    "quant": "only block-wise FP8 weights are served (FP8 checkpoints as published, or --quantization fp8 "
-    "at load); use --kv-cache-dtype for an FP8 KV cache",
+    "quant": "only FP8 weights are served (block-wise and NVIDIA ModelOpt FP8 checkpoints as published, or "
+    "--quantization fp8 at load; nothing is quantized with ModelOpt here); use --kv-cache-dtype for an FP8 KV "
+    "cache",
     "lora": "LoRA adapters are not supported; serve a checkpoint with the adapter merged into its weights",
     "hicache": "of the hierarchical cache, the host-memory tier and the file storage backend are built "
     "(--enable-hierarchical-cache, --hicache-ratio, --hicache-size, --hicache-write-policy, "
