@@ -181,3 +181,75 @@ def test_a_models_split_keeps_fp8_on_the_block_grid_only():
     odd = _pair(400, 128, 4)
     assert row_block_of(odd, odd.weight.chunk(2)[1], (128, 128)) is None
     assert row_block_of(pair, up.clone(), (128, 128)) is None  # not a view of the weight
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_scale_per_tensor_splits_off_the_block_grid(rank):
+    """ModelOpt FP8 (one scale per checkpoint tensor): a rank's part that cuts the 128-blocks, refused for
+    block scales above, loads: three 128-row pieces at TP 2 give each rank 64 rows of each (its bytes),
+    and the rank's own scale grid holds the tensor's scale in every block; a row-parallel split of 200
+    columns likewise. A tensor whose grid holds two values is refused (not one scale per tensor)."""
+    modelopt = Fp8Config(method="modelopt")
+    g = torch.Generator().manual_seed(5)
+    qkv = Fp8Weight((torch.randn(384, 384, generator=g) * 100).to(FP8_DTYPE), torch.full((3, 3), 0.25))
+    out = Fp8Weight((torch.randn(200, 200, generator=g) * 100).to(FP8_DTYPE), torch.full((2, 2), 0.5))
+    with _tp_rank(rank):
+        with torch.device("meta"):
+            block = nn.Module()
+            block.qkv = MergedColumnParallelLinear(384, [128, 128, 128])
+            block.out = RowParallelLinear(200, 200)
+            swap_fp8_linears(block, modelopt)
+        materialize(block, torch.float32, torch.device("cpu"))
+        loader = WeightLoader(block)
+        loader.load("qkv.weight", qkv)
+        loader.load("out.weight", out)
+        loader.finish()
+        assert block.qkv.uniform_scale and block.out.uniform_scale
+        rows = torch.cat([torch.arange(p * 128 + rank * 64, p * 128 + rank * 64 + 64) for p in range(3)])
+        assert torch.equal(_bits(block.qkv.weight), _bits(qkv.weight[rows]))
+        assert block.qkv.weight_scale_inv.shape == (2, 3) and (block.qkv.weight_scale_inv == 0.25).all()
+        assert torch.equal(_bits(block.out.weight), _bits(out.weight[:, rank * 100 : rank * 100 + 100]))
+        assert block.out.weight_scale_inv.shape == (2, 1) and (block.out.weight_scale_inv == 0.5).all()
+        mixed = Fp8Weight(qkv.weight, torch.tensor([[0.25] * 3, [0.25] * 3, [0.5] * 3]))
+        with pytest.raises(ValueError, match="qkv.weight has more than one scale"):
+            WeightLoader(block).load("qkv.weight", mixed)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_scale_per_expert_weight_splits_off_the_block_grid(rank):
+    """The same for FP8 experts (Nemotron's, not gated): intermediate 192 at TP 2 is 96 rows a rank, which
+    block scales refuse; with one scale per expert weight each rank holds its rows' bytes and its own
+    grid filled with that expert's scale."""
+    from sglang.srt.layers.moe.experts import RoutedExperts
+    from sglang.srt.layers.quantization.fp8_experts import make_fp8_experts
+
+    g = torch.Generator().manual_seed(6)
+    up = [(torch.randn(192, 128, generator=g) * 100).to(FP8_DTYPE) for _ in range(2)]
+    down = [(torch.randn(128, 192, generator=g) * 100).to(FP8_DTYPE) for _ in range(2)]
+    with _tp_rank(rank):
+        with torch.device("meta"):
+            holder, holder.mlp = nn.Module(), nn.Module()
+            holder.mlp.experts = RoutedExperts(2, 128, 192, "relu2", False)
+            with pytest.raises(ValueError, match="--tp-size 2"):
+                make_fp8_experts(holder.mlp.experts, (128, 128))
+            make_fp8_experts(holder.mlp.experts, (128, 128), per_tensor=True)
+        materialize(holder, torch.float32, torch.device("cpu"))
+        loader = WeightLoader(holder)
+        for e in range(2):
+            loader.load(f"mlp.experts.{e}.up_proj.weight", Fp8Weight(up[e], torch.full((2, 1), 0.5 + e)))
+            loader.load(f"mlp.experts.{e}.down_proj.weight", Fp8Weight(down[e], torch.full((1, 2), 2.0 + e)))
+        loader.finish()
+    ex, part = holder.mlp.experts, slice(rank * 96, rank * 96 + 96)
+    assert (
+        ex.uniform_scale
+        and ex.w13_weight_scale_inv.shape == (2, 1, 1)
+        and ex.w2_weight_scale_inv.shape == (2, 1, 1)
+    )
+    for e in range(2):
+        assert (
+            torch.equal(_bits(ex.w13[e]), _bits(up[e][part])) and ex.w13_weight_scale_inv[e].item() == 0.5 + e
+        )
+        assert (
+            torch.equal(_bits(ex.w2[e]), _bits(down[e][:, part]))
+            and ex.w2_weight_scale_inv[e].item() == 2.0 + e
+        )

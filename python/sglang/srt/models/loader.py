@@ -161,6 +161,13 @@ class WeightLoader:
         """A checkpoint's FP8 weight and its scales into an FP8 linear as they are (this rank's part of
         both: `shard_fp8_like` made the scales split in whole blocks with the weight)."""
         fp8 = self.fp8[name]
+        if fp8.uniform_scale:  # (one scale per tensor; the rank's grid cuts its blocks: it takes the scale)
+            value = piece.scale_inv.reshape(-1)[:1]
+            if not bool((piece.scale_inv == value).all()):
+                raise ValueError(
+                    f"Checkpoint FP8 tensor for {name} has more than one scale; one is expected."
+                )
+            piece = Fp8Weight(piece.weight, value.expand(full_shape(fp8.weight_scale_inv)))
         for param, tensor in ((fp8.weight, piece.weight), (fp8.weight_scale_inv, piece.scale_inv)):
             if full_shape(param) != tuple(tensor.shape):
                 raise ValueError(

@@ -8,7 +8,8 @@ Partial blocks (upstream's rule): a dimension that does not divide by the block 
 scales, the last one covering the remaining n % block rows or columns. Upstream refuses a
 tensor-parallel shard whose size does not divide by the block (its kernels index scales by whole
 blocks); so does this server (`shard_fp8_like`: a rank's part of every piece must be whole blocks; the
-weight and its scales then split together). An unsharded tensor of any size is fine.
+weight and its scales then split together), except for one scale per tensor (ModelOpt's), whose rank
+grid just holds that scale. An unsharded tensor of any size is fine.
 
 Where the weights are computed with:
 - CPU: every FP8 tensor is dequantized as it loads, into the model's own parameters in the serving
@@ -344,6 +345,9 @@ class Fp8BlockLinear(nn.Module):
         self._kernel = None  # fp8_kernel.w8a8_block_fp8_matmul, looked up at load
         # Tensor parallel, where it replaces a row-parallel linear: the partial products' all-reduce.
         self.reduce_results = False
+        # One scale for the checkpoint tensor (ModelOpt) and a rank's part that cuts its blocks: the
+        # scale grid is this rank's own, every block the tensor's scale (`shard_fp8_like`).
+        self.uniform_scale = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, block: tuple[int, int] = DEFAULT_BLOCK) -> Fp8BlockLinear:
@@ -389,10 +393,12 @@ class Fp8BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, block={list(self.block)}"
 
 
-def shard_fp8_like(fp8: Fp8BlockLinear, linear: nn.Linear, name: str) -> None:
+def shard_fp8_like(fp8: Fp8BlockLinear, linear: nn.Linear, name: str, per_tensor: bool = False) -> None:
     """Give `fp8` the tensor-parallel split of the `linear` it replaces: its weight's, and its scales'
     the same in blocks, which needs every rank's part of every piece to be whole blocks (a scale covers
-    one block of one rank). ValueError naming --tp-size where a part is not."""
+    one block of one rank). ValueError naming --tp-size where a part is not, unless the checkpoint has
+    one scale per tensor (`per_tensor`, ModelOpt): then the rank's grid is its own, each block holding
+    that scale (`Fp8BlockLinear.uniform_scale`; the loader fills it)."""
     shards = weight_shards(linear.weight)
     if not shards:
         return
@@ -401,13 +407,17 @@ def shard_fp8_like(fp8: Fp8BlockLinear, linear: nn.Linear, name: str) -> None:
         block = fp8.block[s.dim]
         sizes = [*s.pieces[:-1], s.pieces[-1] + s.pad]
         if any(size // s.parts % block for size in sizes):
+            if per_tensor:
+                fp8.uniform_scale = True
+                continue
             raise ValueError(
                 f"{name}: each rank's part of its FP8 weight ({sizes[0] // s.parts} of {sizes[0]}) is not "
                 f"a whole number of {block}-wide scale blocks at --tp-size {len(s.part_of_rank)}."
             )
         scale_shards.append(s.in_blocks(block))
     set_weight_shards(fp8.weight, *shards)
-    set_weight_shards(fp8.weight_scale_inv, *scale_shards)
+    if not fp8.uniform_scale:
+        set_weight_shards(fp8.weight_scale_inv, *scale_shards)
     fp8.reduce_results = bool(getattr(linear, "reduce_results", False)) and any(s.dim == 1 for s in shards)
 
 
@@ -463,7 +473,7 @@ def swap_fp8_linears(
             fp8 = Fp8BlockLinear(
                 module.in_features, module.out_features, module.bias is not None, config.weight_block_size
             )
-        shard_fp8_like(fp8, module, name)
+        shard_fp8_like(fp8, module, name, per_tensor=config.method == "modelopt")
         setattr(model.get_submodule(parent) if parent else model, attr, fp8)
         report.swapped.append(name)
     return report

@@ -64,15 +64,19 @@ def swap_fp8_experts(model: nn.Module, config: Fp8Config, skip: set[str] = froze
     for name, module in model.named_modules():
         listed = under_any(name, skip) or any(s.startswith(name + ".") for s in skip)
         if isinstance(module, RoutedExperts) and not listed:
-            make_fp8_experts(module, config.weight_block_size)
+            make_fp8_experts(module, config.weight_block_size, per_tensor=config.method == "modelopt")
             made.append(name)
     return made
 
 
-def make_fp8_experts(experts: RoutedExperts, block: tuple[int, int]) -> None:
+def make_fp8_experts(experts: RoutedExperts, block: tuple[int, int], per_tensor: bool = False) -> None:
+    """`per_tensor`: the checkpoint has one scale per expert weight (ModelOpt), so a rank's part of the
+    intermediate dimension may cut the blocks: its scale grid is its own, every block the weight's scale
+    (`uniform_scale`)."""
     b0, b1 = block
     inter = experts.inter_shard
-    if inter.parts > 1 and (experts.intermediate_size % b0 or experts.intermediate_size % b1):
+    uneven = inter.parts > 1 and bool(experts.intermediate_size % b0 or experts.intermediate_size % b1)
+    if uneven and not per_tensor:
         raise ValueError(
             f"Each rank's part of the FP8 experts' intermediate size ({experts.intermediate_size} of "
             f"{inter.pieces[0]}) is not a whole number of {b0}-wide scale blocks at --tp-size "
@@ -92,11 +96,16 @@ def make_fp8_experts(experts: RoutedExperts, block: tuple[int, int]) -> None:
         blocks = {1: b0, 2: b1}
         set_weight_shards(
             scale,
-            *(replace(d, pieces=tuple(p // blocks.get(d.dim, 1) for p in d.pieces)) for d in shards),
+            *(
+                replace(d, pieces=tuple(p // blocks.get(d.dim, 1) for p in d.pieces))
+                for d in shards
+                if not (uneven and d.dim in blocks)  # (uneven: the rank's own grid, not split)
+            ),
         )
         setattr(experts, attr, weight)
         setattr(experts, attr + SCALE_NAME, scale)
     experts.weight_block_size = tuple(block)
+    experts.uniform_scale = uneven
 
 
 class Fp8ExpertPieces:
@@ -121,7 +130,15 @@ class Fp8ExpertPieces:
         if target is None:
             return []
         expert -= ex.expert_offset
-        if weight is not piece.weight:  # the intermediate dimension split: the same blocks' scales
+        if weight is not piece.weight and getattr(ex, "uniform_scale", False):
+            value = piece.scale_inv.reshape(-1)[:1]  # (one scale per weight: the rank's grid holds it)
+            if not bool((piece.scale_inv == value).all()):
+                raise ValueError(
+                    f"The FP8 weight of {self.name} expert {expert} {shard}_proj has more than one scale."
+                )
+            grid = tuple(math.ceil(n / b) for n, b in zip(weight.shape, self.block, strict=True))
+            piece = Fp8Weight(weight, value.reshape(1, 1).expand(grid))
+        elif weight is not piece.weight:  # the intermediate dimension split: the same blocks' scales
             inter = ex.inter_shard
             dim = 1 if shard == "down" else 0
             blocks = DimShard(dim, (inter.pieces[0] // self.block[dim],), inter.parts, inter.part_of_rank)
