@@ -43,7 +43,7 @@ from sglang.srt.models.loader import WeightLoader
 from sglang.srt.models.registry import build_meta_model, load_model, materialize
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=4, suite="per-commit-cpu")
+register_cpu_ci(est_time=5, suite="per-commit-cpu")
 
 CUDA_LAYOUT = Fp8Layout(linears=True, experts=True)
 
