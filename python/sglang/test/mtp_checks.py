@@ -1,14 +1,21 @@
 """Checks of EAGLE / NEXTN speculative decoding against plain decoding (`test/unit/speculative/
 test_speculative_mtp*.py`): two turns of the same prompts (the second hits the first's prefixes) on a
-plain scheduler and on a NEXTN one whose drafts are the plain run's own continuation (`teacher_drafts`)."""
+plain scheduler and on a NEXTN one whose drafts are the plain run's own continuation (`teacher_drafts`);
+and the MTP layer after target forwards with and without CUDA-graph bodies (`test_mtp_graphs*.py`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 from sglang.srt.configs.presets import resolve_model_path
-from sglang.srt.speculative.mtp_draft import MtpDraftRunner
+from sglang.srt.environ import envs
+from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+from sglang.srt.speculative.mtp_draft import MtpDraftRunner, MtpHook
+from sglang.test.model_checks import make_runner, random_ids
+from sglang.test.runner_driver import Extend, RunnerDriver
 from sglang.test.scheduler_harness import SchedulerHarness
 
 QWEN = "tiny-qwen3-next"
@@ -55,8 +62,9 @@ def two_turns(h: SchedulerHarness, prompts: list[list[int]], new: int) -> list[l
 def plain_then_spec(
     monkeypatch, preset: str, strategy: str, prompts, new: int, graph_sizes: list[int] | None = None, **kw
 ):
-    """Plain and NEXTN outputs of `two_turns`, and the NEXTN run's totals (with `draft_loops` and
-    `draft_graph_replays`, those of them a graph served). `graph_sizes`: the NEXTN run's decodes and greedy draft loops go through
+    """Plain and NEXTN outputs of `two_turns`, and the NEXTN run's totals (with `draft_loops`,
+    `draft_graph_replays`, those of them a graph served, and `mtp_forward_graph_replays`, the MTP layers
+    after a target forward a graph served). `graph_sizes`: the NEXTN run's decodes and greedy draft loops go through
     the CUDA-graph runners' CPU form at those sizes (`SchedulerHarness.use_graph_bodies`)."""
     args = dict(
         mamba_scheduler_strategy=strategy,
@@ -82,6 +90,8 @@ def plain_then_spec(
         draft = h.sched.spec.draft
         stats["draft_loops"] = draft.loops
         stats["draft_graph_replays"] = draft.graphs.replays if draft.graphs is not None else 0
+        after = draft.forward_graphs
+        stats["mtp_forward_graph_replays"] = after.replays if after is not None else 0
         h.flush_and_check_empty()
     finally:
         h.shutdown()
@@ -121,3 +131,54 @@ def demo_outputs(prompts: list[list[int]], **spec) -> tuple[list[list[int]], dic
         return [h.outputs[r].output_ids for r in rids], stats
     finally:
         h.shutdown()
+
+
+def mtp_after_forward_run(kind: str, graphs: bool) -> tuple[list, torch.Tensor, torch.Tensor, int]:
+    """Three requests prefilled with the MTP hook, then four decodes or graph-shaped verifies with it (the
+    verify's drafts: fixed tokens); the sampled tokens, the stash rows, the KV pool and the replays of the
+    MTP layer's graphs after the target's."""
+    if kind == "verify":  # (Triton's extend attention: the torch-native one sizes itself from host lists)
+        with (
+            envs.SGLANG_GDN_DECODE_BACKEND.override("triton"),
+            envs.SGLANG_MAMBA2_DECODE_BACKEND.override("triton"),
+        ):
+            runner = make_runner(QWEN, speculative_algorithm="NEXTN", attention_backend="triton")
+    else:
+        runner = make_runner(QWEN, speculative_algorithm="NEXTN")
+    steps = runner.server_args.speculative_num_steps
+    if graphs:  # buckets 1, 2, 4: the three requests pad to 4
+        width = steps + 1 if kind == "verify" else 0
+        runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False, verify_width=width)
+    draft = MtpDraftRunner(runner)
+    driver = RunnerDriver(runner)
+    reqs = [driver.new_request() for _ in range(3)]
+    prompts = [random_ids(7 + 11 * i, seed=10 + i) for i in range(3)]
+    hook = MtpHook(draft, next_ids=[t for p in prompts for t in p[1:] + [-1]], completes=[True] * 3)
+
+    def prefill(fb):
+        fb.spec = hook
+        return runner.forward_batch_generation(fb)
+
+    driver.extend([Extend(r, p) for r, p in zip(reqs, prompts, strict=True)], False, forward=prefill)
+    tokens = []
+    for step in range(4):
+        if kind == "verify":
+            drafts = [[(step * 7 + i) % 500 + 3] * steps for i in range(3)]
+            spec = MtpHook(draft, widths=[steps + 1] * 3, num_drafts=[steps] * 3)
+            res = driver.verify(reqs, drafts, return_logprob=False, graph_shaped=True, spec=spec)
+        else:
+            fb = driver.decode_batch(reqs, return_logprob=False)
+            fb.spec = MtpHook(draft)
+            res = runner.forward_batch_generation(fb)
+            for r, t in zip(reqs, res.next_token_ids.tolist(), strict=True):
+                r.next_token = t
+        tokens.append(res.next_token_ids.tolist())
+    rows = torch.tensor([r.req_pool_idx for r in reqs])
+    kv = torch.stack(
+        [
+            torch.stack(pair)
+            for pair in zip(runner.token_to_kv_pool.k_buffer, runner.token_to_kv_pool.v_buffer, strict=True)
+        ]
+    )
+    replays = draft.forward_graphs.replays if draft.forward_graphs is not None else 0
+    return tokens, draft.stash.hidden[rows].clone(), kv, replays

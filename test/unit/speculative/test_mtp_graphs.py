@@ -15,6 +15,7 @@ from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 from sglang.srt.speculative.mtp_draft import DraftPlan, MtpDraftRunner, MtpHook
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, random_ids
+from sglang.test.mtp_checks import mtp_after_forward_run
 from sglang.test.runner_driver import Extend, RunnerDriver
 
 register_cpu_ci(est_time=5, suite="per-commit-cpu")
@@ -113,3 +114,20 @@ def test_graph_drafts_are_the_eager_loops():
     # Negative control: the torch-native SDPA decode sizes itself from the batch's host lengths.
     with envs.SGLANG_CPU_ATTN_BACKEND.override("torch"), pytest.raises(GraphUnsafeError, match="host list"):
         MtpDraftRunner(runner)
+
+
+@pytest.mark.parametrize("kind", ["decode"])  # (the verify's, Triton interpreted: the nightly file)
+def test_the_mtp_layer_after_a_replayed_forward_is_the_eager_one(monkeypatch, kind):
+    """The MTP layer after a decode or verify that replayed the target's graph (three requests: bucket 4,
+    one padded request) runs its own graph on the target's static buffers and output: the stash rows it
+    leaves and the KV it writes are the eager layer's (1e-5: padded rows only change the matmuls'
+    float32 blocking; a padded position writing a real slot, or stale hidden rows, moves them by O(1))."""
+    if kind == "verify":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tok_g, stash_g, kv_g, replays = mtp_after_forward_run(kind, graphs=True)
+    tok_e, stash_e, kv_e, _ = mtp_after_forward_run(kind, graphs=False)
+    assert replays == 4
+    assert tok_g == tok_e
+    torch.testing.assert_close(stash_g, stash_e, rtol=1e-5, atol=1e-5)
+    # Every KV slot but the dummy 0 (the padded positions write there).
+    torch.testing.assert_close(kv_g[:, :, 1:], kv_e[:, :, 1:], rtol=1e-5, atol=1e-5)

@@ -306,5 +306,7 @@ def test_gpu_greedy_same_as_plain_decoding(monkeypatch, strategy):
     prompts = [token_ids(90 + 37 * k, seed=k) for k in range(3)]
     plain, spec, stats = plain_then_spec(monkeypatch, QWEN, strategy, prompts, 24, device="cuda", dtype="float32")
     assert_same(plain, spec, stats)
-    # The draft loops were CUDA graphs (all greedy, at most three requests: every bucket is captured).
+    # The draft loops were CUDA graphs (all greedy, at most three requests: every bucket is captured), and
+    # so was the MTP layer after the verifies (graph-shaped where a graph serves them).
     assert stats["draft_graph_replays"] == stats["draft_loops"] > 0, stats
+    assert stats["mtp_forward_graph_replays"] >= stats["draft_loops"], stats

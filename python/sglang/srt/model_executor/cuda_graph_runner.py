@@ -15,6 +15,10 @@ shape is fixed: bucket x W tokens, each request's W in a row. Padded requests ru
 dummy row, KV slot 0 and mamba slot 0 (their verify rows are the bucket's spare ones). The logits and
 sampling of every position run eagerly after the replay.
 
+EAGLE / NEXTN add graphs of their own beside these (`add_companion`, `speculative/mtp_graphs.py`: the
+draft loop, and the MTP layer after a replay, which reads these graphs' buffers and outputs), captured
+after them and captured again and released with them.
+
 A graph replays device work only: anything the body decided on the host at capture would be frozen
 into it. So the batch a graph is captured with carries no host values (`_NO_HOST_VALUES` in place of
 every `*_cpu` list): code that reads one raises `GraphUnsafeError` at capture. This is also what the CPU
@@ -199,6 +203,8 @@ class CudaGraphRunner:
         # Graphs of other forwards that live and die with these (EAGLE / NEXTN's draft loop,
         # `speculative/mtp_graphs.py`): `capture()` and `release()`, called after and with this runner's.
         self.companions: list = []
+        # The batch whose rows the static buffers and outputs hold (None after `release`).
+        self.last_replayed: ForwardBatch | None = None
         self._capture_all()
 
     def add_companion(self, companion) -> None:
@@ -232,6 +238,7 @@ class CudaGraphRunner:
             graphs.static.reset()  # (they hold the last replayed batch's rows: live requests' slots)
         for companion in self.companions:
             companion.release()
+        self.last_replayed = None
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -270,10 +277,10 @@ class CudaGraphRunner:
         graphs.static.load(fb, bucket)
         if self.use_graphs:
             graphs.graphs[bucket].replay()
-            hidden = graphs.outputs[bucket]
-        else:
-            hidden = self._body(graphs.batches[bucket])
-        return hidden[: fb.batch_size * graphs.static.width]
+        else:  # (kept where a graph leaves its output: what a companion's body reads)
+            graphs.outputs[bucket] = self._body(graphs.batches[bucket])
+        self.last_replayed = fb
+        return graphs.outputs[bucket][: fb.batch_size * graphs.static.width]
 
     def _body(self, fb: ForwardBatch) -> torch.Tensor:
         runner = self.model_runner

@@ -36,7 +36,7 @@ import torch
 from sglang.srt.layers.logits_processor import scaled_log_softmax
 from sglang.srt.layers.sampler import SampleOutput, inverse_cdf_sample, truncated_probs
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
-from sglang.srt.speculative.mtp_graphs import MtpDraftGraphs
+from sglang.srt.speculative.mtp_graphs import MtpDraftGraphs, MtpForwardGraphs
 from sglang.srt.utils.host_tensors import host_int64
 
 
@@ -81,8 +81,10 @@ class MtpDraftRunner:
         device, hidden = target.lm_head.weight.device, target.config.hidden_size
         self.stash = DraftStash(torch.zeros(rows, hidden, dtype=target.lm_head.weight.dtype, device=device))
         self.generator = torch.Generator(device=device).manual_seed(args.random_seed + 1)
-        # All-greedy draft loops replayed from CUDA graphs, beside the target's (`mtp_graphs.py`).
+        # All-greedy draft loops, and the MTP layer after a target forward that replayed a graph, replayed
+        # from CUDA graphs beside the target's (`mtp_graphs.py`).
         self.graphs: MtpDraftGraphs | None = None
+        self.forward_graphs: MtpForwardGraphs | None = None
         self.loops = 0  # draft loops run (`graphs.replays` of them by a graph)
         graph_runner = getattr(model_runner, "graph_runner", None)
         if graph_runner is not None:
@@ -98,14 +100,15 @@ class MtpDraftRunner:
         return self.runner.model.lm_head
 
     def use_graphs(self, graph_runner: Any) -> None:
-        """Capture the draft loop's graphs at `graph_runner`'s sizes up to the verify rows (its
-        `use_graphs`), captured again and released with its own."""
+        """Capture the draft loop's graphs at `graph_runner`'s sizes up to the verify rows, and the MTP
+        layer's after each of its graphs (its `use_graphs`), captured again and released with its own."""
         steps = self.runner.server_args.speculative_num_steps
         sizes = [bs for bs in graph_runner.bs_list if bs <= self.runner.mamba_pool.verify_shape[0]]
-        if not sizes:
-            return
-        self.graphs = MtpDraftGraphs(self, sizes, steps, graph_runner.use_graphs)
-        graph_runner.add_companion(self.graphs)
+        if sizes:
+            self.graphs = MtpDraftGraphs(self, sizes, steps, graph_runner.use_graphs)
+            graph_runner.add_companion(self.graphs)
+        self.forward_graphs = MtpForwardGraphs(self, graph_runner)
+        graph_runner.add_companion(self.forward_graphs)
 
     # ---- the MTP layer ----------------------------------------------------------------------------
 
@@ -117,6 +120,13 @@ class MtpDraftRunner:
             return self.mtp(self.embed(tokens), fb.positions, hidden.to(self.stash.hidden.dtype), fb)
         finally:
             fb.attn_backend = target_backend
+
+    def _run_after(self, fb: ForwardBatch, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """`_run` after a target forward: from its CUDA graph where the target's graph served `fb`."""
+        graphs = self.forward_graphs
+        if graphs is not None and graphs.can_run(fb):
+            return graphs.replay(fb, tokens)
+        return self._run(fb, tokens, hidden)
 
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(g, self.lm_head.weight).float()
@@ -218,7 +228,7 @@ class MtpHook:
             return self._verify(fb, hidden, logits, sample)
         ids = sample.next_token_ids
         if mode.is_decode():
-            self.runner._stash(fb.req_pool_indices, self.runner._run(fb, ids, hidden))
+            self.runner._stash(fb.req_pool_indices, self.runner._run_after(fb, ids, hidden))
             return sample
         # An extend: the next tokens, the request's sampled one after its last position.
         known = host_int64(self.next_ids).to(ids.device)
@@ -253,7 +263,7 @@ class MtpHook:
             grid = host_int64([starts[i] + t for i in drafted for t in range(k)]).to(device).view(-1, k)
             match = (ids[grid] == fb.input_ids[grid + 1]).long()
             accepted[host_int64(drafted).to(device)] = match.cumprod(dim=1).sum(dim=1)
-        g = self.runner._run(fb, ids, hidden)
+        g = self.runner._run_after(fb, ids, hidden)
         last = host_int64(starts).to(device) + accepted
         self.runner._stash(fb.req_pool_indices, g[last])
         return sample

@@ -1,5 +1,7 @@
-"""`MtpDraftGraphs`: the draft loop of a verify (`MtpDraftRunner.draft_steps`, EAGLE / NEXTN) replayed
-from CUDA graphs, one captured per batch-size bucket, for draft batches whose requests are all greedy.
+"""EAGLE / NEXTN's MTP layer in CUDA graphs. `MtpDraftGraphs`: the draft loop of a verify
+(`MtpDraftRunner.draft_steps`) replayed from CUDA graphs, one captured per batch-size bucket, for draft
+batches whose requests are all greedy. `MtpForwardGraphs` (below): the MTP layer after a target decode
+or verify that replayed the target's graph.
 
 What a graph holds: from the drafting requests' stash rows g, d_1 = argmax(lm_head(g)), then steps
 2..k: the MTP layer at positions P, P + 1, .. (its `req_to_token` entries, its attention metadata and
@@ -13,10 +15,11 @@ run before the replay, on the forward stream, as the eager loop does them.
 
 Sampling draft batches (their d_j are drawn with the draft runner's own generator, and their
 distributions go to the verify's rejection sampling) and batches over the largest bucket run the eager
-loop. The graphs are captured beside the target's (`CudaGraphRunner.add_companion`: the same sizes up
-to the verify rows, captured again and released with them); on CPU the same bodies run eagerly on the
-static buffer (`use_graphs=False`), so padding and the no-host-values rule (`GraphUnsafeError`) are
-checked by the CPU tests.
+loop. Both kinds of graphs are captured beside the target's (`CudaGraphRunner.add_companion`: the
+draft loop's at its sizes up to the verify rows, the MTP layer's at every size of each of its kinds;
+captured again and released with them); on CPU the same bodies run eagerly on the static buffers
+(`use_graphs=False`), so padding and the no-host-values rule (`GraphUnsafeError`) are checked by the CPU
+tests. The MTP layer after a prefill chunk, or after a forward no graph served, runs eagerly.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.utils.host_tensors import host_int64
 
 if TYPE_CHECKING:
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
     from sglang.srt.speculative.mtp_draft import DraftPlan, MtpDraftRunner
 
 logger = logging.getLogger(__name__)
@@ -131,3 +135,84 @@ class MtpDraftGraphs:
             tokens = draft._greedy(g)
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
+
+
+class MtpForwardGraphs:
+    """The MTP layer after a target decode or verify that replayed a CUDA graph (`MtpHook.after_sampling`):
+    per captured bucket of each kind, a graph of the MTP layer over the bucket's positions, reading the
+    target graph's static inputs (the batch as its replay loaded it, padding included) and its output
+    hidden states, with the tokens sampled after it copied into a static buffer (0 in padded positions);
+    its output is g per position. Padded positions write the MTP layer's KV into slot 0 only. What the
+    hook does with g (the stash rows, a verify's accepted position) runs eagerly after it."""
+
+    def __init__(self, draft: MtpDraftRunner, target: CudaGraphRunner):
+        self.draft = draft
+        self.target = target
+        self.use_graphs = target.use_graphs
+        self.ids = {
+            mode: torch.zeros_like(graphs.static.input_ids) for mode, graphs in target.kinds.items()
+        }
+        self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[ForwardMode, int], torch.Tensor] = {}
+        self.replays = 0
+
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        with torch.inference_mode():
+            for mode, graphs in self.target.kinds.items():
+                self.ids[mode].zero_()
+                for bs in reversed(graphs.bs_list):
+                    key = (mode, bs)
+                    if not self.use_graphs:
+                        self.outputs[key] = self._body(mode, bs)
+                        continue
+                    try:
+                        self.graphs[key], self.outputs[key] = capture_graph(
+                            lambda m=mode, n=bs: self._body(m, n), self.target.device, pool
+                        )
+                    except GraphUnsafeError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - that bucket's MTP layer runs eagerly
+                        logger.warning("The MTP layer after a %s of batch size %d cannot be captured in a "
+                                       "CUDA graph (%s); it runs eagerly.", mode.name, bs, e)  # fmt: skip
+                        self.graphs.pop(key, None)
+                        self.outputs.pop(key, None)
+        if self.use_graphs:
+            done = sorted((m.name, bs) for m, bs in self.graphs)
+            logger.info("CUDA graphs captured for the MTP layer after %s.", done)
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        """`fb` is the batch the target's graphs replayed last (their buffers hold it) and its bucket's
+        MTP graph exists."""
+        if self.target.last_replayed is not fb:
+            return False
+        bucket = self.target.kinds[fb.forward_mode].bucket(fb.batch_size)
+        return (fb.forward_mode, bucket) in self.outputs
+
+    def replay(self, fb: ForwardBatch, ids: torch.Tensor) -> torch.Tensor:
+        """g at each of the batch's positions, `ids` the tokens after them."""
+        graphs = self.target.kinds[fb.forward_mode]
+        bucket = graphs.bucket(fb.batch_size)
+        n, rows = ids.shape[0], bucket * graphs.static.width
+        buf = self.ids[fb.forward_mode]
+        buf[:n].copy_(ids)
+        buf[n:rows].zero_()
+        key = (fb.forward_mode, bucket)
+        if self.use_graphs:
+            self.graphs[key].replay()
+            g = self.outputs[key]
+        else:
+            g = self._body(fb.forward_mode, bucket)
+        self.replays += 1
+        return g[:n]
+
+    def _body(self, mode: ForwardMode, bs: int) -> torch.Tensor:
+        graphs = self.target.kinds[mode]
+        fb = graphs.batches[bs]
+        fb.rope_cache = {}  # (the MTP layer's own cos / sin, in its own graph)
+        rows = bs * graphs.static.width
+        return self.draft._run(fb, self.ids[mode][:rows], graphs.outputs[bs])
