@@ -203,3 +203,42 @@ def test_cuda_layout_holds_the_checkpoints_bytes_with_each_scale_in_its_grid():
     for attr in ("w13", "w2"):
         deq = dequantize_block_fp8(getattr(experts, attr), getattr(experts, attr + "_weight_scale_inv"))
         assert torch.equal(deq, ref[f"backbone.layers.1.mixer.experts.{attr}"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_fp8_modules_hold_the_bytes_and_run_the_block_gemm():
+    """Loaded on CUDA (not run on a GPU yet: no GPU in this task): the FP8 linears and experts hold the
+    checkpoint's bytes; each linear's Triton block GEMM on the uniform grid against the torch twin on
+    the same activations, within the kernel tests' summation bound (test_fp8_gemm_triton's SUM_TOL for
+    CUDA, 2^-10 of the terms' magnitudes; a wrong scale is O(1))."""
+    from sglang.srt.layers.quantization import fp8_kernel as fk
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton has e4m3fn from compute capability 8.9")
+    path = resolve_model_path(PRESET)
+    model = load_model(load_hf_config(path), path, torch.float32, "cuda")
+    ckpt = _checkpoint(path)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
+    assert set(linears) == {
+        n.removesuffix(".weight") for n, t in ckpt.items() if t.dtype == FP8_DTYPE and ".experts." not in n
+    }
+    g = torch.Generator().manual_seed(0)
+    for name, m in linears.items():
+        assert m._kernel is not None and torch.equal(_bits(m.weight.cpu()), _bits(ckpt[name + ".weight"]))
+        x = torch.randn(5, m.in_features, generator=g).cuda()
+        got = m(x).double()
+        want = fk.w8a8_block_fp8_matmul_torch(
+            x, m.weight, m.weight_scale_inv, m.block, torch.float32
+        ).double()
+        aq, a_s = fk.per_token_group_quant_fp8_torch(x)
+        magnitude = (
+            fk.dequantize_block_fp8(aq, a_s, (1, 128)).abs().double()
+            @ m.dequantized_weight(torch.float64).abs().t()
+        )
+        assert ((got - want).abs() <= 2**-10 * magnitude).all(), name
+    experts = model.backbone.layers[1].mixer.experts
+    assert experts.w13.dtype == FP8_DTYPE
+    assert torch.equal(
+        _bits(experts.w13[0].cpu()), _bits(ckpt["backbone.layers.1.mixer.experts.0.up_proj.weight"])
+    )
