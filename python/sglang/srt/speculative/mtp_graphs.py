@@ -160,6 +160,10 @@ class MtpForwardGraphs:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         with torch.inference_mode():
             for mode, graphs in self.target.kinds.items():
+                # Every row padding (a capture then writes the dummy row and slot 0 only, never the slots
+                # of a batch the buffers last held) and no replayed batch to follow.
+                graphs.static.reset()
+                self.target.last_replayed = None
                 self.ids[mode].zero_()
                 for bs in reversed(graphs.bs_list):
                     key = (mode, bs)
