@@ -28,6 +28,7 @@ Greedy requests take the target's argmax at every position, as plain decoding do
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,7 @@ class MtpDraftRunner:
     def use_graphs(self, graph_runner: Any) -> None:
         """Capture the draft loop's graphs at `graph_runner`'s sizes up to the verify rows, and the MTP
         layer's after each of its graphs (its `use_graphs`), captured again and released with its own."""
+        started = time.monotonic()
         steps = self.runner.server_args.speculative_num_steps
         sizes = [bs for bs in graph_runner.bs_list if bs <= self.runner.mamba_pool.verify_shape[0]]
         if sizes:
@@ -109,6 +111,9 @@ class MtpDraftRunner:
             graph_runner.add_companion(self.graphs)
         self.forward_graphs = MtpForwardGraphs(self, graph_runner)
         graph_runner.add_companion(self.forward_graphs)
+        times = getattr(self.runner, "startup_times", {})
+        if "cuda_graph" in times:  # (the start's capture time: the target's graphs and these)
+            times["cuda_graph"] += time.monotonic() - started
 
     # ---- the MTP layer ----------------------------------------------------------------------------
 
