@@ -11,10 +11,11 @@ before), plain and NEXTN alternating; `nextn_over_plain` is the median of per-re
 output tokens per second; `accept_length` is NEXTN's tokens committed per request and verify;
 `same_greedy_tokens` whether every request's tokens are the same on both sides. Prints one JSON object.
 
-`--device cuda` (the server's CUDA graphs on): a third scheduler, NEXTN with its draft loops run eagerly
-(`nextn_eager_draft`: the target's graphs only), and `draft_graphs_speedup`, the median per-repetition
-ratio of NEXTN's output tokens per second with the draft loop's CUDA graphs (`speculative/mtp_graphs.py`)
-to without; `draft_graph_replays`, the draft loops a graph served.
+`--device cuda` (the server's CUDA graphs on): a third scheduler, NEXTN with its MTP layer run eagerly
+(`nextn_eager_mtp`: the target's graphs only, no draft-loop or after-forward graphs), and
+`mtp_graphs_speedup`, the median per-repetition ratio of NEXTN's output tokens per second with the MTP
+layer's CUDA graphs (`speculative/mtp_graphs.py`) to without; `draft_graph_replays`, the draft loops a
+graph served.
 
     python3 benchmark/bench_speculative_mtp.py --device cuda --reps 2     # benchmark/gpu: step `mtp`
 
@@ -134,8 +135,9 @@ def main() -> None:
     nextn = dict(speculative_algorithm="NEXTN", speculative_num_steps=args.steps)
     scheds = {"plain": Scheduler(ServerArgs(**base)), "nextn": Scheduler(ServerArgs(**base, **nextn))}
     if scheds["nextn"].spec.draft.graphs is not None:
-        scheds["nextn_eager_draft"] = Scheduler(ServerArgs(**base, **nextn))
-        scheds["nextn_eager_draft"].spec.draft.graphs = None  # (its draft loops run eagerly)
+        scheds["nextn_eager_mtp"] = Scheduler(ServerArgs(**base, **nextn))
+        eager = scheds["nextn_eager_mtp"].spec.draft
+        eager.graphs = eager.forward_graphs = None  # (its draft loops and MTP layer after forwards: eager)
     report: dict = {"torch_threads": torch.get_num_threads(), **vars(args)}
     for sched in scheds.values():
         run(sched, prompts[:2], 8, "warmup")
@@ -157,8 +159,8 @@ def main() -> None:
                 speeds[name].append(len(prompts) * args.output_len / seconds)
             same = same and all(o == outs["plain"] for o in outs.values())
             ratios.append(speeds["nextn"][-1] / speeds["plain"][-1])
-            if "nextn_eager_draft" in speeds:
-                graph_ratios.append(speeds["nextn"][-1] / speeds["nextn_eager_draft"][-1])
+            if "nextn_eager_mtp" in speeds:
+                graph_ratios.append(speeds["nextn"][-1] / speeds["nextn_eager_mtp"][-1])
         after = scheds["nextn"].spec.stats
         verifies = after["verify_steps"] - before["verify_steps"]
         report[f"batch_{batch}"] = {
@@ -171,8 +173,8 @@ def main() -> None:
         }
         if graph_ratios:
             report[f"batch_{batch}"].update(
-                nextn_eager_draft_tok_s=round(statistics.median(speeds["nextn_eager_draft"]), 1),
-                draft_graphs_speedup=round(statistics.median(graph_ratios), 3),
+                nextn_eager_mtp_tok_s=round(statistics.median(speeds["nextn_eager_mtp"]), 1),
+                mtp_graphs_speedup=round(statistics.median(graph_ratios), 3),
             )
     draft = scheds["nextn"].spec.draft
     if draft.graphs is not None:

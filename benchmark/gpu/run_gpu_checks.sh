@@ -8,7 +8,7 @@
 #   bash benchmark/gpu/run_gpu_checks.sh engine_vs_hf decode_step kernels state_copy sampler   # ~9 min
 #   (engine_profile: bench_engine_vs_hf's graphs run under cProfile, the top host functions of every thread;
 #   ngram: bench_speculative_ngram.py on the 147M checkpoint, 64 requests, NGRAM against plain decoding;
-#   mtp: bench_speculative_mtp.py, NEXTN against plain decoding and the draft loop's graphs on vs off;
+#   mtp: bench_speculative_mtp.py, NEXTN against plain decoding and the MTP layer's graphs on vs off;
 #   fp8_gemm: bench_fp8_gemm.py, the block-FP8 GEMM and FP8 experts at the 80B's shapes against bf16, with
 #   the sweep of their tile tables; their GPU tests run in the `kernels` group)
 # A device call runs 10 minutes at most and a session has 15 minutes of device time, starts included: pick.
@@ -118,8 +118,8 @@ bench 270 engine_vs_hf python3 benchmark/gpu/bench_engine_vs_hf.py --reps 2 --ba
 bench 150 kernels python3 benchmark/gpu/bench_kernels.py --reps 10 --kernels --sweep
 bench 150 engine_profile python3 benchmark/gpu/bench_engine_vs_hf.py --reps 1 --host-profile
 bench 150 ngram python3 benchmark/bench_speculative_ngram.py --model-path 147m --prompts 64 --reps 2
-# mtp: NEXTN on the demo model against plain decoding, and its draft loops' CUDA graphs on vs off
-# (draft_graphs_speedup; not yet run on a GPU)
+# mtp: NEXTN on the demo model against plain decoding, and its MTP layer's CUDA graphs (draft loop and
+# after each forward) on vs off (mtp_graphs_speedup; not yet run on a GPU)
 bench 150 mtp python3 benchmark/bench_speculative_mtp.py --device cuda --reps 2
 bench 45 state_copy python3 benchmark/bench_state_copy.py --device cuda --seconds 0.1
 bench 40 sampler python3 benchmark/bench_sampler.py --device cuda --reps 5
