@@ -6,11 +6,13 @@ path are not backed up unless paths branch there."""
 
 from __future__ import annotations
 
+import random
 from functools import partial
 
 import pytest
 import torch
 
+from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.mem_cache.hiradix_cache import HiMambaRadixCache
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -172,3 +174,86 @@ def test_a_skipped_snapshot_is_backed_up_where_the_deeper_one_finds_no_room():
     assert _on_host(sim, _conversation(1, 64)) and not _on_host(sim, _conversation(1, 192))
     tree.host_tree.dec_lock_ref(end)
     sim.check()
+
+
+def _scan_choice(host_tree, num: int) -> tuple[list, list]:
+    """The choice of the pass over the LRU that `HostRadixTree.evict_mamba` made before its class index
+    (the reference): (the checkpoints it frees, in order; the pinned ones it steps over)."""
+    chains, forks, leaves, passed = [], [], [], []
+    if num <= 0:
+        return [], []
+    for node in host_tree.mamba_lru:
+        if node.mamba_lock_ref:
+            passed.append(node)
+            continue
+        children = len(node.children) + (node is host_tree._extending)
+        (chains if children == 1 else forks if children else leaves).append(node)
+        if len(chains) >= num:
+            break
+    return (chains + forks + leaves)[:num], passed
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_class_index_chooses_what_the_lru_pass_chose(seed):
+    """A random workload on a small host tier (8 state slots, 512 KV tokens): conversations branching
+    off shared prefixes, checkpoints backed up batch by batch, host checkpoints pinned and unpinned (as
+    loads do) and refreshed. At every host state eviction the checkpoints freed are the reference pass's,
+    in its order, and afterwards the LRU order is the pass's (the pinned ones it stepped over moved to the
+    most recent end, in order); the tree's integrity (the index in step with the LRU, the children and
+    the pins: `HostRadixTree.sanity_check`) holds after every batch."""
+    rng = random.Random(seed)
+    sim = _sim(device_slots=8, ratio=1)
+    tree, host_tree = sim.tree, sim.tree.host_tree
+    evict = host_tree.evict_mamba
+    seen = {"calls": 0, "passed": 0, "leaves": 0, "interior": 0, "kv_evictions": 0}
+
+    def checked(num: int) -> int:
+        chosen, passed = _scan_choice(host_tree, num)
+        interior = any(n.children or n is host_tree._extending for n in chosen)
+        before = list(host_tree.mamba_lru)
+        freed = evict(num)
+        gone = [n for n in before if n.mamba_value is None]
+        assert freed == len(chosen) and gone == sorted(chosen, key=before.index), (num, chosen, gone)
+        stay = [n for n in before if n.mamba_value is not None and n not in passed]
+        assert list(host_tree.mamba_lru) == stay + passed
+        seen["calls"] += num > 0
+        seen["passed"] += bool(passed)
+        seen["leaves"] += any(not n.children for n in chosen)
+        seen["interior"] += interior
+        return freed
+
+    host_tree.evict_mamba = checked
+    evict_full = host_tree.evict_full
+
+    def counted_full(num_tokens: int) -> int:
+        seen["kv_evictions"] += 1
+        return evict_full(num_tokens)
+
+    host_tree.evict_full = counted_full
+    pinned: list = []
+    prefixes = [[], [7] * STEP, [7] * STEP + [8] * STEP]
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.5:
+            depth = rng.randrange(1, 4) * rng.choice([STEP, 5 * STEP])  # (long ones: host KV pressure)
+            key = rng.choice(prefixes) + _conversation(rng.randrange(6), depth)
+            m = tree.match_prefix(key)
+            have = 0 if m.last_device_node is tree.root else m.last_device_node.path_len()
+            if have < len(key):
+                evict_from_tree_cache(tree, sim.kv, len(key) - have)
+                _checkpoint(sim, key)
+        elif op < 0.75:
+            _batch(sim)
+            host_tree.sanity_check()  # (the whole integrity check wants no host lock: at the end)
+        elif op < 0.85 and len(pinned) < 2 and len(host_tree.mamba_lru):
+            node = rng.choice(list(host_tree.mamba_lru))
+            host_tree.inc_lock_ref(node)
+            pinned.append(node)
+        elif op < 0.92 and pinned:
+            host_tree.dec_lock_ref(pinned.pop(rng.randrange(len(pinned))))
+        elif len(host_tree.mamba_lru):
+            host_tree.mamba_lru.touch(rng.choice(list(host_tree.mamba_lru)))
+    for node in pinned:
+        host_tree.dec_lock_ref(node)
+    sim.check()
+    assert seen["calls"] >= 20 and all(seen.values()), seen  # (every case met: measured 65-73 calls a seed)

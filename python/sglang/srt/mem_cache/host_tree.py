@@ -15,8 +15,11 @@ class, in this order:
   3. leaves, evicted whole with the tombstones above them (as `MambaRadixCache.evict_mamba` does).
 The checkpoint a backup extends counts as interior while room is made for it (`make_room`): with every
 slot holding a leaf, a conversation's next checkpoint replaces its previous one, not another
-conversation's. The class of a node is read during one pass over the state LRU per eviction (~0.1 us a
-checkpoint: ~0.2 ms at 2,048 host checkpoints, all leaves, on the loaded 2-core VM).
+conversation's. The classes are an index kept in step with the tree (each checkpoint's class and LRU
+stamp, a heap per class: O(log n) an eviction, where a pass over the LRU took ~0.3 ms at 2,048 host
+checkpoints, all leaves: `benchmark/bench_host_evict.py`); it changes where the LRU does (an insert,
+a refresh, a removal: `_StampedLRU`) and where a checkpoint's children do (`_add_leaf`, `_evict_leaf`,
+`make_room`'s extended node), and `sanity_check` checks it against the tree.
 Every leaf holds a checkpoint (the tree's invariant 2: the host tree takes no KV-only locks), so an
 interior checkpoint always has a deeper one below it. The order depends on the tree alone: TP ranks, whose
 host trees are equal, evict alike. KV eviction (`evict_full`) keeps the tree's own rule: LRU leaves.
@@ -24,18 +27,111 @@ host trees are equal, evict alike. KV eviction (`evict_full`) keeps the tree's o
 
 from __future__ import annotations
 
-from itertools import chain
+import heapq
 
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
-from sglang.srt.mem_cache.mamba_tree import TreeNode
+from sglang.srt.mem_cache.mamba_tree import LRUList, TreeNode
+
+CHAIN, FORK, LEAF = 0, 1, 2  # the classes, in eviction order
+
+
+class _StampedLRU(LRUList):
+    """The host tree's checkpoint LRU: each node entering it (an insert, a refresh) gets the next stamp,
+    so stamp order is LRU order, and the tree's class index follows every change (`HostRadixTree._index`)."""
+
+    def __init__(self, tree: HostRadixTree):
+        super().__init__()
+        self.tree = tree
+        self.stamp = 0
+
+    def insert_mru(self, node: TreeNode) -> None:
+        super().insert_mru(node)
+        self.stamp += 1
+        self.tree._index(node, self.stamp)
+
+    def remove(self, node: TreeNode) -> None:
+        super().remove(node)
+        self.tree._unindex(node)
+
+    def insert_before(self, node: TreeNode, ref: TreeNode) -> None:
+        raise AssertionError("a checkpoint enters the host LRU at its most recent end (stamp order)")
 
 
 class HostRadixTree(MambaRadixCache):
     # The node an insert being made room for extends (`make_room`): interior once it is done.
     _extending: TreeNode | None = None
+
+    def reset_tree(self) -> None:
+        super().reset_tree()
+        # The class index: each checkpoint's (LRU stamp, class: CHAIN / FORK / LEAF), one heap per class
+        # of (stamp, id, node) entries, an entry stale once the node's stamp or class changed (dropped
+        # when met; the heaps are rebuilt when mostly stale), and the pinned checkpoints.
+        self._cls: dict[int, tuple[int, int]] = {}
+        self._heaps: tuple[list, list, list] = ([], [], [])
+        self._pinned: dict[int, TreeNode] = {}
+        self.mamba_lru = _StampedLRU(self)
+
+    # ---- the class index (kept in step by the LRU, `_add_leaf`, `_evict_leaf` and `make_room`) ------
+
+    def _class_of(self, node: TreeNode) -> int:
+        children = len(node.children) + (node is self._extending)
+        return CHAIN if children == 1 else FORK if children else LEAF
+
+    def _index(self, node: TreeNode, stamp: int) -> None:
+        cls = self._class_of(node)
+        self._cls[node.id] = (stamp, cls)
+        self._push(cls, stamp, node)
+
+    def _unindex(self, node: TreeNode) -> None:
+        del self._cls[node.id]
+
+    def _reclassify(self, node: TreeNode) -> None:
+        """After `node`'s children (or `_extending`) changed: its class, if it holds a checkpoint."""
+        entry = self._cls.get(node.id)
+        if entry is not None and self._class_of(node) != entry[1]:
+            self._index(node, entry[0])
+
+    def _push(self, cls: int, stamp: int, node: TreeNode) -> None:
+        heap = self._heaps[cls]
+        heapq.heappush(heap, (stamp, node.id, node))
+        if len(heap) > 2 * len(self._cls) + 64:  # (mostly stale: rebuilt, amortized O(1) a push)
+            heap[:] = [e for e in heap if self._cls.get(e[1]) == (e[0], cls)]
+            heapq.heapify(heap)
+
+    def _pop(self, cls: int, want: int) -> list[TreeNode]:
+        """Up to `want` unpinned checkpoints of class `cls`, least recently used first, taken off its
+        heap (the pinned ones met are taken off too: every one before the last taken is refreshed)."""
+        heap, out = self._heaps[cls], []
+        while heap and len(out) < want:
+            stamp, nid, node = heapq.heappop(heap)
+            if self._cls.get(nid) == (stamp, cls) and not node.mamba_lock_ref:
+                out.append(node)
+        return out
+
+    def _add_leaf(self, parent: TreeNode, key, value, mamba_value: int, namespace: str | None) -> TreeNode:
+        node = super()._add_leaf(parent, key, value, mamba_value, namespace)
+        self._reclassify(parent)
+        return node
+
+    def _evict_leaf(self, leaf: TreeNode, evicted: dict | None = None) -> tuple[int, TreeNode]:
+        freed, kept = super()._evict_leaf(leaf, evicted)
+        self._reclassify(kept)
+        return freed, kept
+
+    def inc_lock_ref(self, node: TreeNode, pin_checkpoint: bool = True) -> None:
+        super().inc_lock_ref(node, pin_checkpoint)
+        if pin_checkpoint and node is not self.root:
+            self._pinned[node.id] = node
+
+    def dec_lock_ref(self, node: TreeNode, pin_checkpoint: bool = True) -> None:
+        super().dec_lock_ref(node, pin_checkpoint)
+        if pin_checkpoint and node is not self.root and not node.mamba_lock_ref:
+            del self._pinned[node.id]
+
+    # ---- eviction ----------------------------------------------------------------------------------
 
     def make_room(
         self, end: TreeNode, extends: bool, kv: PagedTokenAllocator, pages: int, slots: MambaSlotAllocator
@@ -46,41 +142,53 @@ class HostRadixTree(MambaRadixCache):
         `evict_from_tree_cache`: True if the room is there."""
         self.hold_path(end, 1)
         self._extending = end if extends else None
+        self._reclassify(end)
         try:
             return evict_from_tree_cache(self, kv, pages, slots, 1)
         finally:
             self._extending = None
+            self._reclassify(end)
             self.hold_path(end, -1)
 
     def evict_mamba(self, num: int) -> int:
-        """Free `num` unpinned checkpoints, interior ones before leaves (module docstring). One pass over the
-        LRU, stopped early once it found `num` of the first class: dropping an interior checkpoint changes
-        no node's class, and the leaves go only once every interior candidate went (an evicted leaf's
-        parent that becomes a leaf is then a tombstone or pinned). Pinned checkpoints the pass stepped over
-        move to the most recent end, as in `MambaRadixCache.evict_mamba`."""
+        """Free `num` unpinned checkpoints, interior ones before leaves (module docstring): the `num`
+        least recently used of the first class if it has that many, else all of it and then the next
+        classes' in order, from the class index (`_pop`), not a pass over the LRU. Dropping an interior
+        checkpoint changes no node's class, and the leaves go only once every interior candidate went
+        (an evicted leaf's parent that becomes a leaf is then a tombstone or pinned). Pinned checkpoints
+        less recently used than the last one taken move to the most recent end, as a pass over the LRU
+        that stopped there (`MambaRadixCache.evict_mamba`) moves those it stepped over."""
         if num <= 0:
             return 0
-        chains: list[TreeNode] = []
-        forks: list[TreeNode] = []
-        leaves: list[TreeNode] = []
-        passed: list[TreeNode] = []
-        for node in self.mamba_lru:
-            if node.mamba_lock_ref:
-                passed.append(node)
-                continue
-            children = len(node.children) + (node is self._extending)
-            (chains if children == 1 else forks if children else leaves).append(node)
-            if len(chains) >= num:
-                break
-        freed = 0
-        for node in chain(chains, forks, leaves):
-            if freed >= num:
-                break
+        chosen = self._pop(CHAIN, num)
+        if len(chosen) == num:
+            last = self._cls[chosen[-1].id][0]
+        else:
+            last = None  # (every checkpoint considered)
+            chosen += self._pop(FORK, num - len(chosen))
+            chosen += self._pop(LEAF, num - len(chosen))
+        passed = sorted(
+            (self._cls[nid][0], nid, node)
+            for nid, node in self._pinned.items()
+            if last is None or self._cls[nid][0] < last
+        )
+        for node in chosen:
             if node.is_leaf and node.full_lock_ref == 0:
                 self._evict_leaf(node)
             else:  # an interior node, or a leaf whose path an operation holds: a tombstone now
                 self._drop_checkpoint(node)
-            freed += 1
-        for node in passed:
+        for _, _, node in passed:
             self.mamba_lru.touch(node)
-        return freed
+        return len(chosen)
+
+    def sanity_check(self) -> None:
+        """The tree's invariants, and the class index in step with the LRU, the children and the pins."""
+        super().sanity_check()
+        stamps = [self._cls[n.id] for n in self.mamba_lru]
+        entries = [{(stamp, nid) for stamp, nid, _ in heap} for heap in self._heaps]
+        assert len(stamps) == len(self._cls), "the class index holds a node the LRU does not"
+        assert all(a[0] < b[0] for a, b in zip(stamps, stamps[1:], strict=False)), "stamps out of LRU order"
+        for node, (stamp, cls) in zip(self.mamba_lru, stamps, strict=True):
+            assert cls == self._class_of(node), f"{node}: class {cls} in the index"
+            assert (stamp, node.id) in entries[cls], f"{node} has no entry in its class's heap"
+        assert self._pinned == {n.id: n for n in self.mamba_lru if n.mamba_lock_ref}, "pinned set"
