@@ -25,7 +25,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, plain_then_spec
 from sglang.test.scheduler_harness import token_ids
 
-register_cpu_ci(est_time=28, suite="per-commit-cpu")
+register_cpu_ci(est_time=29, suite="per-commit-cpu")
 
 NEXTN_STEPS = 3  # --speculative-num-steps' default
 
