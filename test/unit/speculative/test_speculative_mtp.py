@@ -40,7 +40,9 @@ def test_greedy_same_as_plain_decoding_through_graph_bodies(monkeypatch):
     (`mtp_graphs.py`; three requests pad to bucket 4): padded requests must leave the real ones' KV,
     states and request rows as the eager loop does."""
     prompts = [token_ids(90 + 37 * k, seed=k) for k in range(3)]
-    plain, spec, stats = plain_then_spec(monkeypatch, QWEN, "extra_buffer", prompts, 24, graph_sizes=[1, 2, 4])
+    plain, spec, stats = plain_then_spec(
+        monkeypatch, QWEN, "extra_buffer", prompts, 24, graph_sizes=[1, 2, 4]
+    )
     assert_same(plain, spec, stats)
     assert stats["draft_graph_replays"] == stats["draft_loops"] > 0, stats  # (all greedy, 3 requests)
 
@@ -304,7 +306,9 @@ def _reference_step(mtp, base, next_ids: list[int], rows: list[torch.Tensor]):
 @pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
 def test_gpu_greedy_same_as_plain_decoding(monkeypatch, strategy):
     prompts = [token_ids(90 + 37 * k, seed=k) for k in range(3)]
-    plain, spec, stats = plain_then_spec(monkeypatch, QWEN, strategy, prompts, 24, device="cuda", dtype="float32")
+    plain, spec, stats = plain_then_spec(
+        monkeypatch, QWEN, strategy, prompts, 24, device="cuda", dtype="float32"
+    )
     assert_same(plain, spec, stats)
     # The draft loops were CUDA graphs (all greedy, at most three requests: every bucket is captured), and
     # so was the MTP layer after the verifies (graph-shaped where a graph serves them).

@@ -66,7 +66,9 @@ class MtpDraftGraphs:
                     self.outputs[bs] = self._body(bs)
                     continue
                 try:
-                    self.graphs[bs], self.outputs[bs] = capture_graph(lambda n=bs: self._body(n), self.device, pool)
+                    self.graphs[bs], self.outputs[bs] = capture_graph(
+                        lambda n=bs: self._body(n), self.device, pool
+                    )
                 except GraphUnsafeError:
                     raise
                 except Exception as e:  # noqa: BLE001 - a bucket that cannot be captured is left out
@@ -149,9 +151,7 @@ class MtpForwardGraphs:
         self.draft = draft
         self.target = target
         self.use_graphs = target.use_graphs
-        self.ids = {
-            mode: torch.zeros_like(graphs.static.input_ids) for mode, graphs in target.kinds.items()
-        }
+        self.ids = {mode: torch.zeros_like(graphs.static.input_ids) for mode, graphs in target.kinds.items()}
         self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[ForwardMode, int], torch.Tensor] = {}
         self.replays = 0
