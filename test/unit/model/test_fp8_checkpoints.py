@@ -17,7 +17,12 @@ from safetensors import safe_open
 
 from sglang.srt.configs.model_config import load_hf_config
 from sglang.srt.configs.presets import FP8_PRESETS, PRESETS, resolve_model_path
-from sglang.srt.layers.quantization import Fp8Config, Fp8ConfigError, check_quantization_flag
+from sglang.srt.layers.quantization import (
+    Fp8Config,
+    Fp8ConfigError,
+    check_quantization_flag,
+    checkpoint_quant_config,
+)
 from sglang.srt.layers.quantization.fp8 import (
     FP8_DTYPE,
     Fp8BlockLinear,
@@ -125,14 +130,14 @@ def test_the_published_config_is_read_and_other_formats_are_refused():
                                                "ignored_layers": ["lm_head"]}).ignored_layers == ("lm_head",)  # fmt: skip
     refusals = {
         "awq": ({"quant_method": "awq", "bits": 4}, "quantized with 'awq'"),
-        "modelopt": ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quantized with 'modelopt'"),
+        "modelopt-nvfp4": ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt's NVFP4 algorithm"),
         "per-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "one scale per tensor"),
         "static": ({**QWEN_FP8_CONFIG, "activation_scheme": "static"}, "static activation scales"),
         "e5m2": ({**QWEN_FP8_CONFIG, "fmt": "e5m2"}, "format is 'e5m2'"),
     }
     for quant, words in refusals.values():
         with pytest.raises(Fp8ConfigError, match=words):
-            Fp8Config.from_quantization_config(quant)
+            checkpoint_quant_config(quant)  # (ModelOpt FP8 is served: test_modelopt_fp8)
 
 
 def test_a_refused_checkpoint_stops_the_start_in_one_sentence(tmp_path):
