@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from sglang.srt.configs.presets import resolve_model_path
+from sglang.srt.model_executor.loaded_weights import LoadedWeights
 from sglang.srt.models.loader import checkpoint_files
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import decode_steps, make_runner, prefill, random_ids
@@ -192,7 +193,7 @@ def test_an_update_resolves_the_kv_scales_without_cuda_graphs(caplog):
     caplog.clear()
     attn.k_scale = 0.25  # as a swapped-in model with other scales would have them
     with caplog.at_level(logging.WARNING, logger="sglang.srt.layers.attention.kv_scales"):
-        runner.swap_model(runner.model)
+        runner.swap_model(LoadedWeights(runner.model, runner.draft_model))
     assert attn.kv_scales == (0.25, 1.0)
     assert not [r for r in caplog.records if "k_scale" in r.getMessage()]
 

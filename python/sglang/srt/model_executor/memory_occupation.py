@@ -1,5 +1,6 @@
 """`MemoryOccupation`: upstream's /release_memory_occupation and /resume_memory_occupation for one
-model runner, by tag: "weights", "kv_cache" (the KV, state and request-to-token pools) and "cuda_graph".
+model runner, by tag: "weights" (the model's and, with EAGLE / NEXTN, its MTP layer's), "kv_cache" (the
+KV, state and request-to-token pools) and "cuda_graph" (the MTP layer's graphs too: companions).
 
 Releasing a tag empties the storages of its tensors in place (`UntypedStorage.resize_(0)`, the memory
 back to the allocator and, on CUDA, to the driver); resuming gives every storage its size back. Every
@@ -98,8 +99,8 @@ class MemoryOccupation:
 
     def _tensors(self, tag: str) -> list[torch.Tensor]:
         runner = self.runner
-        if tag == WEIGHTS:
-            return list(runner.model.parameters())
+        if tag == WEIGHTS:  # (with EAGLE / NEXTN the MTP layer's too, as upstream's memory saver region)
+            return [p for m in (runner.model, runner.draft_model) if m is not None for p in m.parameters()]
         pools = (runner.req_to_token_pool, runner.mamba_pool, runner.token_to_kv_pool)
         return [t for pool in pools for t in _device_tensors(pool)]
 

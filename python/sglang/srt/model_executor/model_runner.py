@@ -51,12 +51,19 @@ from sglang.srt.mem_cache.pool_sizing import PoolSizes, check_weights_fit, compu
 from sglang.srt.mem_cache.weight_bytes import weight_bytes_of
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, capture_bs_list
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.loaded_weights import LoadedWeights, check_same_parameters
 from sglang.srt.model_executor.memory_occupation import MemoryOccupation
 from sglang.srt.models.registry import build_meta_model, load_model
 from sglang.srt.sampling.custom_logit_processor import apply_custom_logit_processors
 from sglang.srt.sampling.penaltylib import Penalizer
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.speculative.draft_layers import draft_kv_layer_ids, load_draft_layers
+from sglang.srt.speculative.draft_layers import (
+    draft_kv_layer_ids,
+    draft_parameters,
+    draft_update,
+    load_draft_layers,
+    load_draft_layers_from,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -286,10 +293,11 @@ class ModelRunner:
 
     # ---- weight updates (/update_weights_from_disk) --------------------------------------------------
 
-    def load_like_current(self, path: str) -> nn.Module:
-        """The model of the checkpoint at `path`, built as the serving one was (its device and dtype, the
-        same loading and post-processing), for `swap_model`. ValueError, in one sentence, where it is not
-        the same network in shape: the pools, backends and graphs are sized for the serving one. Safe on
+    def load_like_current(self, path: str) -> LoadedWeights:
+        """The model of the checkpoint at `path` (and with EAGLE / NEXTN its MTP layer), built as the serving
+        ones were (their device and dtype, the same loading and post-processing), for `swap_model`.
+        ValueError, in one sentence, where it is not the same network in shape, or lacks the MTP layer
+        the server drafts with: the pools, backends and graphs are sized for the serving one. Safe on
         any thread: it reads the serving model's shapes only."""
         path = resolve_model_path(path)
         hf_config = load_hf_config(path)
@@ -299,20 +307,20 @@ class ModelRunner:
             if new != old:
                 raise ValueError(f"its {name} is {new!r}, the serving model's {old!r}")
         model = load_model(hf_config, path, self.dtype, self.device)
-        shapes = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
-        for name, param in self.model.named_parameters():
-            if shapes.pop(name, None) != (tuple(param.shape), param.dtype):
-                raise ValueError(f"its parameter {name} differs from the serving model's in shape or dtype")
-        if shapes:
-            raise ValueError(f"it has a parameter the serving model lacks: {next(iter(shapes))}")
+        check_same_parameters(model, self.model)
+        draft = None
+        if self.draft_model is not None:  # (upstream reloads the draft worker's model too)
+            draft = load_draft_layers_from(path, model)
+            check_same_parameters(draft, self.draft_model, prefix="mtp.")
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)  # its weights written before any forward reads them
-        return model
+        return LoadedWeights(model, draft)
 
-    def swap_model(self, model: nn.Module) -> None:
-        """Serve `model` (from `load_like_current`) from the next forward on; nothing may be in flight.
-        CUDA graphs hold the old weights' addresses, so they are captured again."""
-        self.model = model
+    def swap_model(self, loaded: LoadedWeights) -> None:
+        """Serve `loaded` (from `load_like_current`: the model and its MTP layer together) from the next
+        forward on; nothing may be in flight. CUDA graphs (the MTP layer's too) hold the old weights'
+        addresses, so they are captured again."""
+        self.model, self.draft_model = loaded
         self._kv_scales()  # the missing-scale warning was logged at start (once per start)
         if self.graph_runner is not None:
             self.graph_runner.recapture()
@@ -326,15 +334,17 @@ class ModelRunner:
         """Write new values into the serving model's weights, in place (/update_weights_from_tensor):
         checkpoint names loaded as the checkpoint is (`load_weights(update=True)`; load_format None or
         "flattened_bucket", whose bucket the scheduler has taken apart already), or with "direct" this
-        model's own parameter names and layout. Returns the names no parameter took. ValueError where a
-        tensor does not fit, with no weight changed; `before_copy()` runs once every tensor has fitted
-        and may raise to change none (the TP ranks' agreement). Nothing may be in flight; CUDA graphs keep working,
-        as every parameter keeps its memory (they are captured again where a float8 KV scale changed)."""
+        model's own parameter names and layout (`served_parameters`). With EAGLE / NEXTN the checkpoint's
+        `mtp.*` tensors go to the MTP layer, written with the model's or not at all. Returns the names no
+        parameter took. ValueError where a tensor does not fit, with no weight changed; `before_copy()`
+        runs once every tensor has fitted and may raise to change none (the TP ranks' agreement). Nothing
+        may be in flight; CUDA graphs keep working, as every parameter keeps its memory (they are
+        captured again where a float8 KV scale changed)."""
         on_cuda = torch.device(self.device).type == "cuda"
         if on_cuda:
             torch.cuda.synchronize(self.device)  # no forward on another stream still reads them
         if load_format == "direct":
-            params = dict(self.model.named_parameters())
+            params = self.served_parameters()
             unknown = [name for name, _ in named_tensors if name not in params]
             for name, tensor in named_tensors:
                 param = params.get(name)
@@ -359,7 +369,11 @@ class ModelRunner:
                         params[name].data.copy_(shard_weight(params[name], tensor))
         else:
             scales = self._kv_scales()
+            named_tensors, before_copy, draft_unknown = draft_update(
+                self.model, self.draft_model, named_tensors, before_copy
+            )
             unknown = self.model.load_weights(named_tensors, update=True, before_copy=before_copy)
+            unknown += draft_unknown
             # Resolved whether or not graphs exist (the backends read the resolved pair); the float8 KV
             # scales are numbers the captured graphs hold, not parameters, so a change recaptures them.
             changed = self._kv_scales() != scales
@@ -373,11 +387,16 @@ class ModelRunner:
         """Sets the attention layers' KV pool scales (`resolve_kv_scales`) and returns them."""
         return resolve_kv_scales((self.model, self.draft_model), self.kv_cache_dtype, warn)
 
+    def served_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters by the names /get_weights_by_name and load_format "direct" take: the model's,
+        and with EAGLE / NEXTN its MTP layer's under the checkpoint's prefix `mtp.`."""
+        return {**dict(self.model.named_parameters()), **draft_parameters(self.draft_model)}
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of parameter `name` as float lists (/get_weights_by_name: this
-        model's names and layout, those of `named_parameters` and load_format "direct"); ValueError for
-        a name it lacks (naming close ones) or released weights."""
-        params = dict(self.model.named_parameters())
+        model's names and layout, `served_parameters`, as load_format "direct"); ValueError for a name it
+        lacks (naming close ones) or released weights."""
+        params = self.served_parameters()
         if name not in params:
             close = difflib.get_close_matches(name, list(params), n=3, cutoff=0.6)
             hint = f" (close: {', '.join(close)})" if close else ""

@@ -72,14 +72,10 @@ class Qwen3NextMTP(nn.Module):
         return self.norm.add_and_norm(out, residual)[0]
 
 
-def mtp_checkpoint_tensors(
-    target: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
-) -> Iterable[tuple[str, torch.Tensor]]:
-    """The checkpoint's `mtp.*` tensors under the MTP module's names (the target's renames applied: its
-    experts' fused names)."""
-    for name, tensor in weights:
-        if name.startswith(PREFIX):
-            yield target.checkpoint_name("model." + name.removeprefix(PREFIX)).removeprefix("model."), tensor
+def mtp_parameter_name(target: nn.Module, name: str) -> str:
+    """The name of the MTP layer's parameter that the checkpoint's `mtp.*` tensor `name` loads into, under
+    the same prefix (the target's renames applied: its experts' fused names)."""
+    return PREFIX + target.checkpoint_name("model." + name.removeprefix(PREFIX)).removeprefix("model.")
 
 
 def load_mtp(target: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Qwen3NextMTP:
@@ -89,11 +85,24 @@ def load_mtp(target: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     config = target.config
     with torch.device(param.device):
         mtp = Qwen3NextMTP(config).to(param.dtype)
-    loader = WeightLoader(mtp)
-    for name, tensor in mtp_checkpoint_tensors(target, weights):
-        loader.load(name, tensor)
-    loader.finish()
+    mtp_loader(target, mtp, weights).finish()
     for module in reversed(list(mtp.modules())):
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     return mtp.eval().requires_grad_(False)
+
+
+def mtp_loader(
+    target: nn.Module,
+    mtp: Qwen3NextMTP,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    update: bool = False,
+) -> WeightLoader:
+    """A `WeightLoader` of `mtp`, its parameters named `mtp.*` as the checkpoint names them (and its
+    errors), that has taken the checkpoint's `mtp.*` tensors of `weights`, each checked against its
+    parameter; with `update` (a weight update of the serving layer) nothing is copied until `finish`."""
+    loader = WeightLoader(nn.ModuleDict({PREFIX.removesuffix("."): mtp}), update=update)
+    for name, tensor in weights:
+        if name.startswith(PREFIX):
+            loader.load(mtp_parameter_name(target, name), tensor)
+    return loader

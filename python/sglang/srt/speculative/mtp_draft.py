@@ -76,7 +76,6 @@ class MtpDraftRunner:
         self.runner = model_runner
         target = model_runner.model
         args = model_runner.server_args
-        self.mtp = model_runner.draft_model  # (loaded with the target: `draft_layers.load_draft_layers`)
         self.attn = MtpAttnBackend(model_runner._full_attn_backend())
         rows = model_runner.req_to_token_pool.req_to_token.shape[0]
         device, hidden = target.lm_head.weight.device, target.config.hidden_size
@@ -91,7 +90,12 @@ class MtpDraftRunner:
         if graph_runner is not None:
             self.use_graphs(graph_runner)
 
-    # The target's embedding and lm_head as the runner serves them now (a weight update may swap the model).
+    # The MTP layer (loaded with the target: `draft_layers.load_draft_layers`) and the target's embedding
+    # and lm_head as the runner serves them now (/update_weights_from_disk swaps them together).
+    @property
+    def mtp(self) -> torch.nn.Module:
+        return self.runner.draft_model
+
     @property
     def embed(self) -> torch.nn.Module:
         return self.runner.model.model.embed_tokens
