@@ -126,3 +126,35 @@ def test_the_demo_models_routes_change_its_drafts(tmp_path):
         h.flush_and_check_empty()
     finally:
         h.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_release_and_disk_update_with_real_graphs(checkpoint_b):
+    """On CUDA (float32, real CUDA graphs; not yet run on a GPU): released weights give the MTP layer's
+    bytes back to the allocator, and after the resume (host copy) the graphs captured again draft as
+    before; a disk update's recapture drafts with B's layer as a runner loaded from B does (1e-5: the
+    same kernels on the same values, a kernel with atomics may round otherwise)."""
+
+    def cuda_runner(path):
+        runner = nextn_runner(path, device="cuda", dtype="float32", enable_weights_cpu_backup=True)
+        assert runner.graph_runner is not None and runner.graph_runner.use_graphs
+        return runner, MtpDraftRunner(runner)
+
+    def close(got, want) -> None:
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert got[1] == want[1]
+
+    runner, draft = cuda_runner(QWEN)
+    before = drafts(runner, draft)
+    mtp_bytes = sum(p.numel() * p.element_size() for p in runner.draft_model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    allocated = torch.cuda.memory_allocated()
+    runner.memory_occupation.release(["weights", "cuda_graph"])
+    assert allocated - torch.cuda.memory_allocated() >= model_bytes + mtp_bytes
+    runner.memory_occupation.resume(["weights", "cuda_graph"])
+    close(drafts(runner, draft), before)
+
+    runner.swap_model(runner.load_like_current(checkpoint_b[0]))
+    runner_b, draft_b = cuda_runner(checkpoint_b[0])
+    close(drafts(runner, draft), drafts(runner_b, draft_b))
