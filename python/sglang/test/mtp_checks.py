@@ -5,8 +5,10 @@ and the MTP layer after target forwards with and without CUDA-graph bodies (`tes
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 
@@ -63,9 +65,10 @@ def plain_then_spec(
     monkeypatch, preset: str, strategy: str, prompts, new: int, graph_sizes: list[int] | None = None, **kw
 ):
     """Plain and NEXTN outputs of `two_turns`, and the NEXTN run's totals (with `draft_loops`,
-    `draft_graph_replays`, those of them a graph served, and `mtp_forward_graph_replays`, the MTP layers
-    after a target forward a graph served). `graph_sizes`: the NEXTN run's decodes and greedy draft loops go through
-    the CUDA-graph runners' CPU form at those sizes (`SchedulerHarness.use_graph_bodies`)."""
+    `draft_graph_replays`, those of them a graph served, `mtp_forward_graph_replays`, the MTP layers
+    after a target forward a graph served, and `mtp_verify_graph_replays`, those after a verify).
+    `graph_sizes`: the NEXTN run's decodes and greedy draft loops go through the CUDA-graph runners' CPU
+    form at those sizes (`SchedulerHarness.use_graph_bodies`)."""
     args = dict(
         mamba_scheduler_strategy=strategy,
         disable_overlap_schedule=True,
@@ -92,6 +95,7 @@ def plain_then_spec(
         stats["draft_graph_replays"] = draft.graphs.replays if draft.graphs is not None else 0
         after = draft.forward_graphs
         stats["mtp_forward_graph_replays"] = after.replays if after is not None else 0
+        stats["mtp_verify_graph_replays"] = after.verify_replays if after is not None else 0
         h.flush_and_check_empty()
     finally:
         h.shutdown()
@@ -133,22 +137,29 @@ def demo_outputs(prompts: list[list[int]], **spec) -> tuple[list[list[int]], dic
         h.shutdown()
 
 
-def mtp_after_forward_run(kind: str, graphs: bool) -> tuple[list, torch.Tensor, torch.Tensor, int]:
+def mtp_after_forward_run(kind: str, graphs: bool, device: str = "cpu") -> SimpleNamespace:
     """Three requests prefilled with the MTP hook, then four decodes or graph-shaped verifies with it (the
-    verify's drafts: fixed tokens); the sampled tokens, the stash rows, the KV pool and the replays of the
-    MTP layer's graphs after the target's."""
+    verify's drafts: fixed tokens). `graphs`: a graph runner at buckets 1, 2, 4 (the three requests pad
+    to 4), real CUDA graphs on CUDA (float32), its CPU form elsewhere. Returns `tokens` (sampled),
+    `stash` (the requests' stash rows), `kv` (the KV pool, on the host), `replays` (the MTP layer's
+    graphs after the target's), `runner`, `draft` and `last_batch` (a weak reference to the last
+    forward's batch)."""
+    on_cuda = device == "cuda"
+    kw = dict(speculative_algorithm="NEXTN", device=device)
+    if on_cuda:  # (the eager side: no graph runner of the runner's own)
+        kw.update(dtype="float32", disable_cuda_graph=True)
     if kind == "verify":  # (Triton's extend attention: the torch-native one sizes itself from host lists)
         with (
             envs.SGLANG_GDN_DECODE_BACKEND.override("triton"),
             envs.SGLANG_MAMBA2_DECODE_BACKEND.override("triton"),
         ):
-            runner = make_runner(QWEN, speculative_algorithm="NEXTN", attention_backend="triton")
+            runner = make_runner(QWEN, attention_backend="triton", **kw)
     else:
-        runner = make_runner(QWEN, speculative_algorithm="NEXTN")
+        runner = make_runner(QWEN, **kw)
     steps = runner.server_args.speculative_num_steps
     if graphs:  # buckets 1, 2, 4: the three requests pad to 4
         width = steps + 1 if kind == "verify" else 0
-        runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=False, verify_width=width)
+        runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], use_graphs=on_cuda, verify_width=width)
     draft = MtpDraftRunner(runner)
     driver = RunnerDriver(runner)
     reqs = [driver.new_request() for _ in range(3)]
@@ -160,25 +171,54 @@ def mtp_after_forward_run(kind: str, graphs: bool) -> tuple[list, torch.Tensor, 
         return runner.forward_batch_generation(fb)
 
     driver.extend([Extend(r, p) for r, p in zip(reqs, prompts, strict=True)], False, forward=prefill)
-    tokens = []
+    tokens, last = [], [None]
+
+    def forward(fb):
+        last[0] = weakref.ref(fb)
+        return runner.forward_batch_generation(fb)
+
     for step in range(4):
         if kind == "verify":
             drafts = [[(step * 7 + i) % 500 + 3] * steps for i in range(3)]
             spec = MtpHook(draft, widths=[steps + 1] * 3, num_drafts=[steps] * 3)
-            res = driver.verify(reqs, drafts, return_logprob=False, graph_shaped=True, spec=spec)
+            res = driver.verify(
+                reqs, drafts, return_logprob=False, graph_shaped=True, spec=spec, forward=forward
+            )
         else:
             fb = driver.decode_batch(reqs, return_logprob=False)
             fb.spec = MtpHook(draft)
-            res = runner.forward_batch_generation(fb)
+            res = forward(fb)
+            del fb
             for r, t in zip(reqs, res.next_token_ids.tolist(), strict=True):
                 r.next_token = t
         tokens.append(res.next_token_ids.tolist())
-    rows = torch.tensor([r.req_pool_idx for r in reqs])
-    kv = torch.stack(
-        [
-            torch.stack(pair)
-            for pair in zip(runner.token_to_kv_pool.k_buffer, runner.token_to_kv_pool.v_buffer, strict=True)
-        ]
+    rows = torch.tensor([r.req_pool_idx for r in reqs], device=runner.device)
+    pool = runner.token_to_kv_pool
+    kv = torch.stack([torch.stack(pair) for pair in zip(pool.k_buffer, pool.v_buffer, strict=True)])
+    return SimpleNamespace(
+        tokens=tokens,
+        stash=draft.stash.hidden[rows].cpu(),
+        kv=kv.cpu(),
+        replays=draft.forward_graphs.replays if draft.forward_graphs is not None else 0,
+        runner=runner,
+        draft=draft,
+        last_batch=last[0],
     )
-    replays = draft.forward_graphs.replays if draft.forward_graphs is not None else 0
-    return tokens, draft.stash.hidden[rows].clone(), kv, replays
+
+
+def assert_mtp_layer_graphs_match(kind: str, device: str) -> SimpleNamespace:
+    """`mtp_after_forward_run` with the graphs and without: the MTP layer's graphs served the four
+    forwards' MTP layers, the sampled tokens are the same and the stash rows and KV are the eager layer's
+    within a tolerance: CPU float32 1e-5 (padded rows only change the matmuls' summation blocking, ~1e-7);
+    CUDA float32 1e-4 (cuBLAS may pick another kernel for a padded shape, ~1e-6 per matmul, over the
+    target's layers and the MTP layer: the target graphs' GPU test's bound). A padded position writing a
+    real slot, or stale hidden rows, moves them by O(1). Slot 0 is left out: padding writes there.
+    Returns the graph run."""
+    run = mtp_after_forward_run(kind, graphs=True, device=device)
+    eager = mtp_after_forward_run(kind, graphs=False, device=device)
+    tol = 1e-4 if device == "cuda" else 1e-5
+    assert run.replays == 4 and eager.replays == 0
+    assert run.tokens == eager.tokens
+    torch.testing.assert_close(run.stash, eager.stash, rtol=tol, atol=tol)
+    torch.testing.assert_close(run.kv[:, :, 1:], eager.kv[:, :, 1:], rtol=tol, atol=tol)
+    return run

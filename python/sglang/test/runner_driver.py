@@ -232,13 +232,15 @@ class RunnerDriver:
         return_logprob: bool = True,
         graph_shaped: bool = False,
         spec: Any = None,
+        forward: Callable[[ForwardBatch], Any] | None = None,
     ) -> GenerationBatchResult:
         """A speculative verify of each request's last sampled token and its `drafts`: a token sampled
         at every position (result rows in the batch's token order), the state after each position in
         the pool's verify rows, the running slots untouched. The tokens are booked to the requests as
         if every draft were accepted; `next_token` becomes the last position's sampled token.
         `graph_shaped`: the drafts are of one length and the batch says so (`verify_width`), as the
-        verifies a CUDA graph serves. `spec`: the batch's `ForwardBatch.spec` (e.g. an `MtpHook`)."""
+        verifies a CUDA graph serves. `spec`: the batch's `ForwardBatch.spec` (e.g. an `MtpHook`);
+        `forward` as `extend`'s."""
         counts = [1 + len(d) for d in drafts]
         tokens = [[r.next_token, *d] for r, d in zip(reqs, drafts, strict=True)]
         assert all(t[0] is not None for t in tokens), "a request has no sampled token to feed"
@@ -259,7 +261,7 @@ class RunnerDriver:
             assert len(set(counts)) == 1, "a graph-shaped verify has drafts of one length"
             fb.verify_width = counts[0]
         fb.spec = spec
-        result = self.runner.forward_batch_generation(fb)
+        result = (forward or self.runner.forward_batch_generation)(fb)
         sampled = result.next_token_ids.tolist()
         end = 0
         for req, ts, slots in zip(reqs, tokens, new_slots, strict=True):

@@ -1,36 +1,44 @@
-"""The MTP draft loop's CUDA graphs (`speculative/mtp_graphs.py`) in their CPU form (`use_graphs=False`:
-the captured body runs eagerly on the static buffer at every replay): the drafts and the KV they write
-are the eager loop's, padded requests write only the dummy row and slot 0, the graphs follow the target
-runner's release and recapture (a swapped model's lm_head read), and a body that reads a host value is refused. On a GPU the same path
-runs as real graphs in test_speculative_mtp's `gpu` test."""
+"""The MTP layer's CUDA graphs (`speculative/mtp_graphs.py`) against the eager MTP layer. On CPU in their
+CPU form (`use_graphs=False`: the captured body runs eagerly on the static buffers at every replay): the
+draft loop's drafts and the KV they write are the eager loop's (a plan with a prefix rewrite of the
+request table among them), padded requests write only the dummy row and slot 0, the graphs follow the
+target runner's release (`can_run` then says no, and nothing of their memory stays referenced) and
+recapture (a swapped model's lm_head read), a body that reads a host value is refused; the MTP layer after
+a replayed decode leaves the eager layer's stash rows and KV, and the graph runner keeps no replayed batch
+alive. On a GPU (the `gpu` tests) the same comparisons run with real CUDA graphs against the eager path,
+float32: the teacher-drafts tests of test_speculative_mtp would pass whatever the graphs drafted."""
 
 from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, GraphUnsafeError
-from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
+from sglang.srt.model_executor.forward_batch_info import ForwardMode, SamplingBatchInfo
 from sglang.srt.speculative.mtp_draft import DraftPlan, MtpDraftRunner, MtpHook
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, random_ids
-from sglang.test.mtp_checks import mtp_after_forward_run
+from sglang.test.mtp_checks import assert_mtp_layer_graphs_match
 from sglang.test.runner_driver import Extend, RunnerDriver
 
-register_cpu_ci(est_time=5, suite="per-commit-cpu")
+register_cpu_ci(est_time=12, suite="per-commit-cpu")
 
 QWEN = "tiny-qwen3-next"
 STEPS = 3
 SIZES = [1, 2, 4]
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _state(runner, draft) -> dict[str, torch.Tensor]:
     kv = runner.token_to_kv_pool
     return {
-        "req_to_token": runner.req_to_token_pool.req_to_token.clone(),
-        "kv": torch.stack([torch.stack(pair) for pair in zip(kv.k_buffer, kv.v_buffer, strict=True)]),
-        "stash": draft.stash.hidden.clone(),
+        "req_to_token": runner.req_to_token_pool.req_to_token.cpu().clone(),
+        "kv": torch.stack([torch.stack(pair) for pair in zip(kv.k_buffer, kv.v_buffer, strict=True)]).cpu(),
+        "stash": draft.stash.hidden.cpu().clone(),
     }
 
 
@@ -43,10 +51,15 @@ def _restore(runner, draft, state) -> None:
     draft.stash.hidden.copy_(state["stash"])
 
 
-def test_graph_drafts_are_the_eager_loops():
-    runner = make_runner(QWEN, speculative_algorithm="NEXTN")
+def _draft_loops_graph_vs_eager(device: str):
+    """Five draft plans run by the eager loop, then from the same state through the draft loop's graphs
+    (real CUDA graphs on CUDA, float32; their CPU form elsewhere): the same drafts, the same KV within
+    the tolerance, the same request table. Returns the runner, the draft runner and the plans."""
+    on_cuda = device == "cuda"
+    kw = dict(device="cuda", dtype="float32", disable_cuda_graph=True) if on_cuda else {}
+    runner = make_runner(QWEN, speculative_algorithm="NEXTN", **kw)
     draft = MtpDraftRunner(runner)
-    assert draft.graphs is None  # (no graph runner on CPU unless a test installs one)
+    assert draft.graphs is None  # (no graph runner: the eager loop)
     driver = RunnerDriver(runner)
     reqs = [driver.new_request() for _ in range(5)]
     prompts = [random_ids(9 + 13 * i, seed=i) for i in range(5)]
@@ -57,53 +70,80 @@ def test_graph_drafts_are_the_eager_loops():
 
     driver.extend([Extend(r, p) for r, p in zip(reqs, prompts, strict=True)], False, forward=prefill_with_mtp)
 
-    def plan(picked, temperature=0.0):
+    def plan(picked, temperature=0.0, writes=()):
         chosen = [reqs[i] for i in picked]
         return DraftPlan(
             rows=[r.req_pool_idx for r in chosen],
             prefix_lens=[r.seq_len for r in chosen],
             slots=[driver._alloc_kv(r, STEPS) for r in chosen],  # positions P .. P + k - 1
-            writes=[],
+            writes=list(writes),
             sampling_info=SamplingBatchInfo.create([temperature] * len(chosen)),
             steps=STEPS,
         )
 
     # Buckets 1 (exact), 4 (one padded request), 2 (exact); five requests are over the largest bucket
-    # and a sampling plan is never served by a graph: both run the eager loop.
-    plans = [plan([2]), plan([0, 3, 4]), plan([4, 1]), plan(range(5)), plan([1, 3], temperature=1.0)]
+    # and a sampling plan is never served by a graph: both run the eager loop. The bucket-4 plan rewrites
+    # request 0's first four table entries to request 1's KV slots (a prefix hit's shared prefix), before
+    # its draft steps: its MTP attention then reads request 1's MTP KV there.
+    shared = reqs[1].kv_slots[:4]
+    plans = [
+        plan([2]),
+        plan([0, 3, 4], writes=[(reqs[0].req_pool_idx, 0, shared)]),
+        plan([4, 1]),
+        plan(range(5)),
+        plan([1, 3], temperature=1.0),
+    ]
     start = _state(runner, draft)
     draft.generator.manual_seed(7)  # (the sampling plan draws the same drafts in both runs)
     eager = [draft.draft_steps(p)[0] for p in plans]
     after_eager = _state(runner, draft)
 
     _restore(runner, draft, start)
-    runner.graph_runner = CudaGraphRunner(runner, SIZES, use_graphs=False)
+    runner.graph_runner = CudaGraphRunner(runner, SIZES, use_graphs=on_cuda)
     draft.use_graphs(runner.graph_runner)
     assert draft.graphs is not None and draft.graphs.bs_list == SIZES
+    assert bool(draft.graphs.graphs) == on_cuda  # (real graphs on CUDA)
     draft.generator.manual_seed(7)
     graphs = [draft.draft_steps(p)[0] for p in plans]
     after_graphs = _state(runner, draft)
     assert draft.graphs.replays == 3
     assert graphs == eager
 
-    # The drafted slots' MTP KV: the same kernels per row, only the matmuls see padded rows (float32
-    # summation blocking: ~1e-7); a padded request writing a real slot moves a row by O(1).
-    torch.testing.assert_close(after_graphs["kv"], after_eager["kv"], rtol=1e-5, atol=1e-5)
+    # The drafted slots' MTP KV: the same kernels per row, only the matmuls see padded rows (CPU float32:
+    # summation blocking, ~1e-7, so 1e-5; CUDA float32: cuBLAS may pick another kernel for the padded
+    # shape, ~1e-6 per matmul over k - 1 MTP steps, so 1e-4, the target graphs' GPU test's bound); a
+    # padded request writing a real slot, or the rewrite skipped, moves a row by O(1).
+    tol = 1e-4 if on_cuda else 1e-5
+    torch.testing.assert_close(after_graphs["kv"], after_eager["kv"], rtol=tol, atol=tol)
     assert torch.equal(after_graphs["stash"], start["stash"])  # (the draft loop keeps no g)
     # Padded requests (and the captures) write only request row 0 and KV slot 0: every other row and
-    # slot holds the eager run's values exactly, and slots no plan drafted into are untouched.
+    # slot holds the eager run's values exactly (the rewrite included), and slots no plan drafted into
+    # are untouched.
+    assert after_graphs["req_to_token"][reqs[0].req_pool_idx, :4].tolist() == shared
     assert torch.equal(after_graphs["req_to_token"][1:], after_eager["req_to_token"][1:])
     written = torch.zeros(start["kv"].shape[2], dtype=torch.bool)
     written[[s for p in plans for slots in p.slots for s in slots[: STEPS - 1]]] = True
     assert (after_graphs["kv"][:, :, written] != start["kv"][:, :, written]).any()  # (the MTP layer wrote)
     written[0] = True
     assert torch.equal(after_graphs["kv"][:, :, ~written], start["kv"][:, :, ~written])
+    return runner, draft, plans
 
-    # Released with the target's graphs (the loop runs eagerly meanwhile) and captured again with them.
-    runner.graph_runner.release()
+
+def test_graph_drafts_are_the_eager_loops():
+    runner, draft, plans = _draft_loops_graph_vs_eager("cpu")
+
+    # Released with the target's graphs (the loop runs eagerly meanwhile, and the target runner's
+    # `can_run` says no: before, it kept its sizes and a replay would have found no graph) and captured
+    # again with them.
+    target = runner.graph_runner
+    decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=2)
+    assert target.can_run(decode)
+    target.release()
     assert draft.graphs.bs_list == [] and not draft.graphs.can_run(plans[0])
-    runner.graph_runner.recapture()
+    assert target.bs_list == [] and not target.can_run(decode)
+    target.recapture()
     assert draft.graphs.bs_list == SIZES and draft.graphs.can_run(plans[0])
+    assert target.bs_list == SIZES and target.can_run(decode)
     # A weight update that swaps the model captures them again, now reading the new model's lm_head and
     # embedding (before, the draft kept the first model's: stale drafts, and its memory held).
     captured = draft.graphs.outputs[1]
@@ -116,18 +156,42 @@ def test_graph_drafts_are_the_eager_loops():
         MtpDraftRunner(runner)
 
 
-@pytest.mark.parametrize("kind", ["decode"])  # (the verify's, Triton interpreted: the nightly file)
-def test_the_mtp_layer_after_a_replayed_forward_is_the_eager_one(monkeypatch, kind):
-    """The MTP layer after a decode or verify that replayed the target's graph (three requests: bucket 4,
-    one padded request) runs its own graph on the target's static buffers and output: the stash rows it
-    leaves and the KV it writes are the eager layer's (1e-5: padded rows only change the matmuls'
-    float32 blocking; a padded position writing a real slot, or stale hidden rows, moves them by O(1))."""
-    if kind == "verify":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    tok_g, stash_g, kv_g, replays = mtp_after_forward_run(kind, graphs=True)
-    tok_e, stash_e, kv_e, _ = mtp_after_forward_run(kind, graphs=False)
-    assert replays == 4
-    assert tok_g == tok_e
-    torch.testing.assert_close(stash_g, stash_e, rtol=1e-5, atol=1e-5)
-    # Every KV slot but the dummy 0 (the padded positions write there).
-    torch.testing.assert_close(kv_g[:, :, 1:], kv_e[:, :, 1:], rtol=1e-5, atol=1e-5)
+def test_the_mtp_layer_after_a_replayed_decode_is_the_eager_one():
+    """The MTP layer after a decode that replayed the target's graph (three requests: bucket 4, one
+    padded request) runs its own graph on the target's static buffers and output: the stash rows it
+    leaves and the KV it writes are the eager layer's (`assert_mtp_layer_graphs_match`; the verify's:
+    the nightly file). With the torch rotary ops: they keep their cos / sin in the batch's `rope_cache`
+    (the C++ and Triton ones compute them in the kernel)."""
+    with envs.SGLANG_CPU_ROPE_BACKEND.override("torch"):
+        run = assert_mtp_layer_graphs_match("decode", "cpu")
+    # The graph runner holds no replayed batch: before, it kept the last one (and its hook: a verify's
+    # draft distributions, [requests, k, vocab] float32, ~290 MB at 160 x 3 x 152k) until the next replay.
+    gc.collect()
+    assert run.last_batch() is None
+    # Released: no captured batch keeps the rotary cos / sin its last capture left (the MTP layer's, in
+    # that graph's pool); captured again: computed again, and the MTP layer after a decode is served.
+    target = run.runner.graph_runner
+    batches = [fb for graphs in target.kinds.values() for fb in graphs.batches.values()]
+    assert all(fb.rope_cache for fb in batches)
+    target.release()
+    assert not any(fb.rope_cache for fb in batches)
+    assert not run.draft.forward_graphs.outputs
+    target.recapture()
+    assert all(fb.rope_cache for fb in batches)
+    assert sorted(bs for _, bs in run.draft.forward_graphs.outputs) == SIZES
+
+
+# On CUDA: real CUDA graphs against the eager path (the GPU tests of test_speculative_mtp compare tokens
+# only, which teacher drafts make independent of what the graphs draft).
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_graph_drafts_are_the_eager_loops():
+    _draft_loops_graph_vs_eager("cuda")
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_gpu_the_mtp_layer_after_a_replayed_forward_is_the_eager_one(kind):
+    run = assert_mtp_layer_graphs_match(kind, "cuda")
+    assert bool(run.draft.forward_graphs.graphs)  # (real graphs)

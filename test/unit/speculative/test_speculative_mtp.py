@@ -311,6 +311,7 @@ def test_gpu_greedy_same_as_plain_decoding(monkeypatch, strategy):
     )
     assert_same(plain, spec, stats)
     # The draft loops were CUDA graphs (all greedy, at most three requests: every bucket is captured), and
-    # so was the MTP layer after the verifies (graph-shaped where a graph serves them).
+    # so was the MTP layer after the verifies (graph-shaped where a graph serves them): each draft loop's
+    # verify, counted apart from the decodes' (which alone could outnumber the loops).
     assert stats["draft_graph_replays"] == stats["draft_loops"] > 0, stats
-    assert stats["mtp_forward_graph_replays"] >= stats["draft_loops"], stats
+    assert stats["mtp_verify_graph_replays"] >= stats["draft_loops"], stats

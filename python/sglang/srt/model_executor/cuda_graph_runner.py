@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -203,14 +204,29 @@ class CudaGraphRunner:
         # Graphs of other forwards that live and die with these (EAGLE / NEXTN's draft loop,
         # `speculative/mtp_graphs.py`): `capture()` and `release()`, called after and with this runner's.
         self.companions: list = []
-        # The batch whose rows the static buffers and outputs hold (None after `release`).
-        self.last_replayed: ForwardBatch | None = None
+        self._last_replayed: weakref.ref[ForwardBatch] | None = None
         self._capture_all()
+
+    @property
+    def last_replayed(self) -> ForwardBatch | None:
+        """The batch whose rows the static buffers and outputs hold (None after `release`, or once that
+        batch is gone): a weak reference, so that the runner never keeps a batch alive (its `spec` may
+        hold EAGLE's draft distributions, [requests, k, vocab] float32) until the next replay."""
+        return self._last_replayed() if self._last_replayed is not None else None
+
+    @last_replayed.setter
+    def last_replayed(self, fb: ForwardBatch | None) -> None:
+        self._last_replayed = weakref.ref(fb) if fb is not None else None
 
     def add_companion(self, companion) -> None:
         """Capture `companion`'s graphs now, and again and released whenever this runner's are."""
         companion.capture()
         self.companions.append(companion)
+
+    def remove_companion(self, companion) -> None:
+        """Release `companion`'s graphs and stop capturing them with this runner's."""
+        companion.release()
+        self.companions.remove(companion)
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -231,11 +247,16 @@ class CudaGraphRunner:
 
     def release(self) -> None:
         """Free every graph and its memory pool (/release_memory_occupation; `recapture` makes them again:
-        the scheduler runs no batch until then)."""
+        the scheduler runs no batch until then, and `can_run` says no). Nothing keeps a tensor of the
+        pools: the captured batches' rotary cos / sin (the last body's: the target's, or the MTP layer's
+        companion) are dropped; a capture's body computes them again."""
         for graphs in self.kinds.values():
             graphs.graphs.clear()
             graphs.outputs.clear()
+            graphs.bs_list = []
             graphs.static.reset()  # (they hold the last replayed batch's rows: live requests' slots)
+            for fb in graphs.batches.values():
+                fb.rope_cache = {}
         for companion in self.companions:
             companion.release()
         self.last_replayed = None

@@ -154,7 +154,8 @@ class MtpForwardGraphs:
         self.ids = {mode: torch.zeros_like(graphs.static.input_ids) for mode, graphs in target.kinds.items()}
         self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[ForwardMode, int], torch.Tensor] = {}
-        self.replays = 0
+        self.replays = 0  # MTP layers after a forward served by a graph (decodes and verifies)
+        self.verify_replays = 0  # (of them after a verify)
 
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -186,8 +187,13 @@ class MtpForwardGraphs:
             logger.info("CUDA graphs captured for the MTP layer after %s.", done)
 
     def release(self) -> None:
+        """Free the graphs (`CudaGraphRunner.release`, which also drops the cos / sin the MTP layer's
+        captures left in the target's captured batches) and the attention metadata the last capture left
+        in the MTP layer's backend (a verify's `extend_start_loc`, in this pool); `capture` makes both
+        again."""
         self.graphs.clear()
         self.outputs.clear()
+        self.draft.attn.full_attn_backend.release_metadata()
 
     def can_run(self, fb: ForwardBatch) -> bool:
         """`fb` is the batch the target's graphs replayed last (their buffers hold it) and its bucket's
@@ -212,6 +218,7 @@ class MtpForwardGraphs:
         else:
             g = self._body(fb.forward_mode, bucket)
         self.replays += 1
+        self.verify_replays += fb.forward_mode.is_target_verify()
         return g[:n]
 
     def _body(self, mode: ForwardMode, bs: int) -> torch.Tensor:

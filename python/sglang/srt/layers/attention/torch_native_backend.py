@@ -88,7 +88,11 @@ class TorchNativeAttnBackend:
             mask = torch.arange(max_len, device=kv.device)[None, :] < fb.seq_lens[:, None]
             self.meta = _Metadata(decode_kv_indices=kv, decode_mask=mask)
         else:
-            self.meta = _Metadata()
+            self.release_metadata()
+
+    def release_metadata(self) -> None:
+        """Drop the last batch's metadata (its tensors)."""
+        self.meta = _Metadata()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: ForwardBatch

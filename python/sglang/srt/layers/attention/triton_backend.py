@@ -47,7 +47,11 @@ class TritonAttnBackend:
             # (a graph-shaped verify: its width, with no host list read)
             self.max_extend_len = fb.verify_width or max(fb.extend_seq_lens_cpu, default=0)
         else:
-            self.extend_start_loc, self.max_extend_len = None, 0
+            self.release_metadata()
+
+    def release_metadata(self) -> None:
+        """Drop the last batch's metadata (a CUDA graph's capture leaves it in that graph's memory pool)."""
+        self.extend_start_loc, self.max_extend_len = None, 0
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: ForwardBatch
