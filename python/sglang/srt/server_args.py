@@ -18,6 +18,7 @@ from sglang.srt.configs.gpu_memory_defaults import (
     gpu_memory_defaults,
     gpu_memory_mib,
     mem_fraction_static_default,
+    mtp_graphs_reserve_mib,
 )
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.quantization import check_quantization_flag, set_online_quantization
@@ -432,7 +433,8 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
             # The graphs captured: the listed sizes where given (they win over the largest size).
             graph_bs = max(self.cuda_graph_bs) if self.cuda_graph_bs else self.cuda_graph_max_bs
             graph_bs = graph_bs if self.cuda_graph_enabled else 0
-            self.mem_fraction_static = mem_fraction_static_default(memory, prefill_tokens, graph_bs)
+            mtp = mtp_graphs_reserve_mib(self, graph_bs)  # (EAGLE / NEXTN: the MTP layer's graphs)
+            self.mem_fraction_static = mem_fraction_static_default(memory, prefill_tokens, graph_bs, mtp)
         logger.info(
             "GPU memory %s: defaults --chunked-prefill-size %d, --cuda-graph-max-bs %d, --mem-fraction-static "
             "%s (SGLang's for this memory; given flags win).",

@@ -271,6 +271,46 @@ def test_cuda_mem_fraction_default_follows_sglang():
     assert mem_fraction_static_default(2_048, 2048, 8) is None
 
 
+def test_cuda_mem_fraction_reserves_the_mtp_graphs(monkeypatch):
+    """With EAGLE / NEXTN the reserve also holds the MTP layer's CUDA graphs (`mtp_graphs_bytes`), from the
+    model's shapes: at Qwen3-Next-80B's (vocab 151,936, hidden 2,048, 10 experts of 512 and a shared one of
+    512, bf16, k = 3) and an H200's 36 graph sizes up to 256, 832 MiB (upstream adds 2 GiB for EAGLE /
+    NEXTN's draft and graphs, whatever the shapes); the server's fraction takes it beside the rest; none
+    for NGRAM or without graphs."""
+    import sglang.srt.server_args as server_args_module
+    from sglang.srt.configs.gpu_memory_defaults import MtpGraphShapes, mtp_graphs_bytes
+    from sglang.srt.configs.gpu_memory_defaults import mtp_graphs_reserve_mib as reserve_mib
+
+    sizes = [1, 2, 4, 8, 12, *range(16, 257, 8)]  # (their sum: 4,243)
+    row = (8 * 2048 + 3 * (10 * 512 + 512)) * 2  # the MTP layer's activations per row: 66,560 bytes
+    draft = 3 * 256 * 151_936 * (2 + 4) + 256 * row + 4243 * 3 * 8  # logits, layer, drafts: 717,262,280
+    after = 4243 * (1 + 4) * 2048 * 2 + 256 * 4 * row  # g per decode and verify size, layer: 155,054,080
+    shapes = MtpGraphShapes(151_936, 2048, 10 * 512 + 512, 2, 3, sizes)
+    assert mtp_graphs_bytes(shapes) == draft + after == 872_316_360  # 831.9 MiB
+    # Each term scales with its shape: twice the vocabulary adds the draft loop's logits once more.
+    assert mtp_graphs_bytes(shapes._replace(vocab_size=2 * 151_936)) - mtp_graphs_bytes(shapes) == 700_121_088
+
+    def on_cuda(**kwargs) -> ServerArgs:
+        args = ServerArgs(model_path="tiny-qwen3-next", **kwargs)
+        args.device, args.attention_backend = "cuda", "triton"  # as resolved on a GPU machine
+        args.chunked_prefill_size = None
+        args._handle_gpu_memory_settings()
+        return args
+
+    nextn = ServerArgs(model_path="tiny-qwen3-next", speculative_algorithm="NEXTN", cuda_graph_max_bs=256)
+    cfg = nextn.model_config.arch.hf_config  # (an MoE MTP layer: 2 experts of 32 and a shared one of 32)
+    tiny = MtpGraphShapes(cfg.vocab_size, cfg.hidden_size, 2 * 32 + 32, 4, 3, sizes)
+    assert reserve_mib(nextn, 256) == mtp_graphs_bytes(tiny) / 2**20 > 0
+    assert reserve_mib(nextn, 0) == 0  # (no graphs)
+    assert reserve_mib(ServerArgs(model_path="tiny-qwen3-next", speculative_algorithm="NGRAM"), 256) == 0
+    # The server's fraction: 4 GiB of MTP graphs move the reserve by 4 GiB (within the 3-decimal rounding).
+    monkeypatch.setattr(server_args_module, "gpu_memory_mib", lambda: 81_559)
+    plain = on_cuda()
+    monkeypatch.setattr(server_args_module, "mtp_graphs_reserve_mib", lambda args, bs: 4096.0 * (bs == 256))
+    spec = on_cuda(speculative_algorithm="NEXTN")
+    assert abs((plain.mem_fraction_static - spec.mem_fraction_static) * 81_559 - 4096) <= 82
+
+
 def test_cuda_memory_defaults_keep_given_flags_and_alignment(monkeypatch):
     """A given flag wins over the memory default, a given --cuda-graph-bs leaves --cuda-graph-max-bs
     unset, and the default prefill chunk is aligned to the cache chunk like any default."""

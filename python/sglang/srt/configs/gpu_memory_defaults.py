@@ -3,7 +3,8 @@
 `_handle_gpu_memory_settings` picks them for one GPU (tensor parallelism below 4). A GPU with more memory
 takes longer prefill chunks (fewer forwards for a long prompt or a burst of prompts: 64 x 256 prompt
 tokens are 8 extends at 2,048 tokens, 2 at 8,192), captures CUDA graphs for larger decode batches, and
-gives the caches all its memory but a reserve sized for those (`mem_fraction_static_default`).
+gives the caches all its memory but a reserve sized for those (`mem_fraction_static_default`), and with
+EAGLE / NEXTN for the MTP layer's CUDA graphs, derived from the model's shapes (`mtp_graphs_bytes`).
 
 The memory is read with `nvidia-smi`, as upstream reads it, for the first device CUDA_VISIBLE_DEVICES
 names: the process that asks (the server's main process, or the program that makes an `Engine`) gets
@@ -46,17 +47,74 @@ def gpu_memory_defaults(memory_mib: int | None) -> GpuMemoryDefaults:
     return LARGEST_GPU
 
 
-def mem_fraction_static_default(memory_mib: int, prefill_tokens: int, cuda_graph_max_bs: int) -> float | None:
+def mem_fraction_static_default(
+    memory_mib: int, prefill_tokens: int, cuda_graph_max_bs: int, draft_graphs_mib: float = 0.0
+) -> float | None:
     """The fraction of a GPU of `memory_mib` MiB that weights and caches may take: all but a reserve of
     512 MiB (metadata), 1.5 MiB per token of the largest prefill forward (at least 2,048 tokens:
     activations), 2 MiB per graph batch size up to `cuda_graph_max_bs` (0: no graphs) and 128 MiB (one
-    GPU's share of the parallel slack); at least 10 GiB on a GPU above 60 GiB. None where the reserve
-    leaves nothing (the pool sizing's own default then applies)."""
+    GPU's share of the parallel slack); at least 10 GiB on a GPU above 60 GiB; then EAGLE / NEXTN's MTP
+    graphs, `draft_graphs_mib` (`mtp_graphs_reserve_mib`), beside it, as upstream adds its draft's
+    reserve after that floor. None where the reserve leaves nothing (the pool sizing's own default then
+    applies)."""
     reserved = 512 + max(prefill_tokens, 2048) * 1.5 + cuda_graph_max_bs * 2 + 1024 / 8
     if memory_mib > 60 * 1024:
         reserved = max(reserved, 10 * 1024)
+    reserved += draft_graphs_mib
     fraction = round((memory_mib - reserved) / memory_mib, 3)
     return fraction if fraction > 0 else None
+
+
+class MtpGraphShapes(NamedTuple):
+    """What the memory of EAGLE / NEXTN's MTP-layer CUDA graphs (`speculative/mtp_graphs.py`) scales with."""
+
+    vocab_size: int
+    hidden_size: int
+    ffn_size: int  # the MTP layer's MLP width per token (an MoE's: its top-k experts' and shared expert's)
+    dtype_bytes: int
+    steps: int  # --speculative-num-steps k (a verify: k + 1 positions per request)
+    sizes: list[int]  # the captured batch sizes
+
+
+def mtp_graphs_bytes(shapes: MtpGraphShapes) -> int:
+    """An upper bound of the memory the MTP layer's graphs hold, from the shapes (each kind's graphs share
+    one pool, captured largest first, so a smaller size reuses the largest one's blocks; what a graph
+    returns stays allocated per size):
+    - the draft loop: at the largest size B, k steps' logits [B, vocab] in the model dtype and their
+      float32 copy (counted as if none were freed within the capture), the MTP layer's activations over
+      B rows, and each size's [size, k] int64 drafts;
+    - the MTP layer after a decode or verify: its output g [rows, hidden] per size of each kind (a decode's
+      rows: size; a verify's: size x (k + 1)) and its activations over the largest verify's rows.
+    The MTP layer's activations per row: 8 hidden-wide tensors (norms, the residual, q / k / v / gate /
+    attention output, the embedding and hidden inputs and their concatenation) and 3 MLP-wide ones (gate,
+    up, their product). A verify's sizes are bounded by the pool's verify rows, counted here as every
+    captured size (an over-estimate where they are fewer)."""
+    d, k, top = shapes.dtype_bytes, shapes.steps, max(shapes.sizes)
+    row = (8 * shapes.hidden_size + 3 * shapes.ffn_size) * d
+    draft = k * top * shapes.vocab_size * (d + 4) + top * row + sum(shapes.sizes) * k * 8
+    after = sum(shapes.sizes) * (1 + (k + 1)) * shapes.hidden_size * d + top * (k + 1) * row
+    return draft + after
+
+
+def mtp_graphs_reserve_mib(args, graph_bs: int) -> float:
+    """`mtp_graphs_bytes` in MiB for a server of `args` capturing graphs up to `graph_bs` (0: none), with
+    EAGLE / NEXTN (else 0): the model's shapes from its config, the sizes `capture_bs_list` takes."""
+    if not graph_bs or args.speculative_algorithm not in ("EAGLE", "NEXTN"):
+        return 0.0
+    from sglang.srt.model_executor.cuda_graph_runner import capture_bs_list  # (torch: only here)
+
+    cfg = args.model_config.arch.hf_config
+    moe = getattr(cfg, "num_experts_per_tok", None) and getattr(cfg, "moe_intermediate_size", None)
+    if moe:
+        ffn = cfg.num_experts_per_tok * cfg.moe_intermediate_size
+        ffn += getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    else:
+        ffn = cfg.intermediate_size
+    shapes = MtpGraphShapes(
+        cfg.vocab_size, cfg.hidden_size, ffn, args.model_config.torch_dtype.itemsize,
+        args.speculative_num_steps, capture_bs_list(args, graph_bs),
+    )  # fmt: skip
+    return mtp_graphs_bytes(shapes) / 2**20
 
 
 def gpu_memory_mib() -> int | None:
