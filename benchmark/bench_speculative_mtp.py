@@ -14,8 +14,10 @@ output tokens per second; `accept_length` is NEXTN's tokens committed per reques
 `--device cuda` (the server's CUDA graphs on): a third scheduler, NEXTN with its MTP layer run eagerly
 (`nextn_eager_mtp`: the target's graphs only, no draft-loop or after-forward graphs), and
 `mtp_graphs_speedup`, the median per-repetition ratio of NEXTN's output tokens per second with the MTP
-layer's CUDA graphs (`speculative/mtp_graphs.py`) to without; `draft_graph_replays`, the draft loops a
-graph served.
+layer's CUDA graphs (`speculative/mtp_graphs.py`) to without (that side's MTP graphs are released and
+dropped from the target runner's companions: no memory held, none captured again); `accept_length_eager_mtp`
+beside `accept_length`, the same requests' acceptance without the MTP graphs (they must be close: the
+graphs compute what the eager layer does); `draft_graph_replays`, the draft loops a graph served.
 
     python3 benchmark/bench_speculative_mtp.py --device cuda --reps 2     # benchmark/gpu: step `mtp`
 
@@ -137,6 +139,9 @@ def main() -> None:
     if scheds["nextn"].spec.draft.graphs is not None:
         scheds["nextn_eager_mtp"] = Scheduler(ServerArgs(**base, **nextn))
         eager = scheds["nextn_eager_mtp"].spec.draft
+        target_graphs = scheds["nextn_eager_mtp"].model_runner.graph_runner
+        for companion in (eager.graphs, eager.forward_graphs):  # freed, and never captured again
+            target_graphs.remove_companion(companion)
         eager.graphs = eager.forward_graphs = None  # (its draft loops and MTP layer after forwards: eager)
     report: dict = {"torch_threads": torch.get_num_threads(), **vars(args)}
     for sched in scheds.values():
@@ -146,7 +151,8 @@ def main() -> None:
         speeds: dict[str, list[float]] = {name: [] for name in scheds}
         ratios: list[float] = []
         graph_ratios: list[float] = []
-        before = dict(scheds["nextn"].spec.stats)
+        spec_names = [name for name in scheds if name != "plain"]
+        before = {name: dict(scheds[name].spec.stats) for name in spec_names}
         for rep in range(args.reps):
             outs: dict[str, list[list[int]]] = {}
             for name, sched in scheds.items():
@@ -161,20 +167,25 @@ def main() -> None:
             ratios.append(speeds["nextn"][-1] / speeds["plain"][-1])
             if "nextn_eager_mtp" in speeds:
                 graph_ratios.append(speeds["nextn"][-1] / speeds["nextn_eager_mtp"][-1])
-        after = scheds["nextn"].spec.stats
-        verifies = after["verify_steps"] - before["verify_steps"]
+        accept = {}
+        for name in spec_names:
+            after = scheds[name].spec.stats
+            verifies = after["verify_steps"] - before[name]["verify_steps"]
+            committed = after["committed_tokens"] - before[name]["committed_tokens"]
+            accept[name] = round(committed / max(verifies, 1), 3)
         report[f"batch_{batch}"] = {
             "plain_tok_s": round(statistics.median(speeds["plain"]), 1),
             "nextn_tok_s": round(statistics.median(speeds["nextn"]), 1),
             "nextn_over_plain": round(statistics.median(ratios), 3),
-            "accept_length": round(
-                (after["committed_tokens"] - before["committed_tokens"]) / max(verifies, 1), 3
-            ),
+            "accept_length": accept["nextn"],
         }
         if graph_ratios:
             report[f"batch_{batch}"].update(
                 nextn_eager_mtp_tok_s=round(statistics.median(speeds["nextn_eager_mtp"]), 1),
                 mtp_graphs_speedup=round(statistics.median(graph_ratios), 3),
+                # The same requests' drafts with the MTP layer's graphs and without: the graphs compute
+                # what the eager layer does (test_mtp_graphs' GPU tests), so these must be close.
+                accept_length_eager_mtp=accept["nextn_eager_mtp"],
             )
     draft = scheds["nextn"].spec.draft
     if draft.graphs is not None:

@@ -82,7 +82,8 @@ elif [[ $steps == *" tests "* ]]; then
   group matrix-nemo test/unit/scheduler/test_strategy_matrix.py -k nemotron &
   group model test/unit/model/test_cuda_graph_runner.py test/unit/model/test_kv_cache_dtype.py \
     test/unit/model/test_device_clean.py test/unit/scheduler/test_speculative_ngram.py \
-    test/unit/speculative/test_speculative_mtp.py test/unit/model/test_kv_cache_scales.py \
+    test/unit/speculative/test_speculative_mtp.py test/unit/speculative/test_mtp_graphs.py \
+    test/unit/model/test_kv_cache_scales.py \
     test/unit/scheduler/test_decode_rows_cache.py test/unit/model/test_modelopt_fp8.py &
   # Request features on CUDA (grammar masks, hidden states from graph replays, graphs captured again
   # after a weight update, weights written in place under them, memory released and resumed) and the
