@@ -19,14 +19,14 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mem_cache_sim import MemCacheSim, tag
 
-register_cpu_ci(est_time=2, suite="per-commit-cpu")  # measured 1.4 s (the tests 0.5 s)
+register_cpu_ci(est_time=2, suite="per-commit-cpu")  # measured 1.5 s (the tests 0.6 s)
 
 STEP = 8  # tokens between two checkpoints of a conversation
 
 
-def _sim(device_slots: int, ratio: float) -> MemCacheSim:
+def _sim(device_slots: int, ratio: float, kv_tokens: int = 512) -> MemCacheSim:
     """A MemCacheSim whose tree is the hierarchical cache (write_through), host slots = ratio x device."""
-    sim = MemCacheSim(mamba_slots=device_slots, kv_tokens=512)
+    sim = MemCacheSim(mamba_slots=device_slots, kv_tokens=kv_tokens)
     kv_pool = MHATokenToKVPool(sim.kv.size, 1, torch.float32, 1, 1, [0])
     sim.tree = HiMambaRadixCache(sim.pool, sim.kv, 1, kv_pool, "write_through", ratio)
     sim.kv_pool = kv_pool
@@ -257,3 +257,34 @@ def test_the_class_index_chooses_what_the_lru_pass_chose(seed):
         host_tree.dec_lock_ref(node)
     sim.check()
     assert seen["calls"] >= 20 and all(seen.values()), seen  # (every case met: measured 65-73 calls a seed)
+
+
+def test_the_class_index_stays_as_small_as_the_tree_under_churn():
+    """A checkpoint never refreshed (a shared prefix's) whose children come and go: 60 conversations off
+    it, each backed up (136 tokens each, host KV of 256: each backup evicts the previous one's leaf). Each
+    change of its class pushes an entry at its one unchanged stamp; only the latest push may be valid.
+    Before: every earlier push at the same stamp and class became valid again, none was ever dropped, and
+    the heaps grew by 5 entries a cycle (300 after 60 cycles with 2 checkpoints held; 6,000 + 2,999 +
+    3,002 after 3,000 with 296-token children). Now they hold at most 2 x checkpoints + 64 entries after
+    every cycle and exactly one valid entry per checkpoint (`sanity_check`)."""
+    sim = _sim(device_slots=8, ratio=1, kv_tokens=256)
+    tree, host_tree = sim.tree, sim.tree.host_tree
+    assert tree.host.token_allocator.num_pages == 256
+    prefix = [7] * STEP
+    _checkpoint(sim, prefix)
+    _batch(sim)
+    shared = tree._host_end(prefix, None)
+    stamp = host_tree._cls[shared.id][0]
+    sizes = []
+    for i in range(1, 61):
+        key = prefix + _conversation(i, 136)
+        evict_from_tree_cache(tree, sim.kv, len(key))
+        _checkpoint(sim, key)
+        _batch(sim)
+        assert tree._host_end(key, None) is not None
+        sizes.append((sum(map(len, host_tree._heaps)), len(host_tree._cls)))
+    assert host_tree._cls[shared.id][0] == stamp and shared.mamba_value is not None  # (never refreshed)
+    assert tree.controller.stats["backup_states"] == 61
+    assert all(total <= 2 * live + 64 for total, live in sizes), sizes
+    host_tree.sanity_check()
+    sim.check()

@@ -19,7 +19,11 @@ conversation's. The classes are an index kept in step with the tree (each checkp
 stamp, a heap per class: O(log n) an eviction, where a pass over the LRU took ~0.3 ms at 2,048 host
 checkpoints, all leaves: `benchmark/bench_host_evict.py`); it changes where the LRU does (an insert,
 a refresh, a removal: `_StampedLRU`) and where a checkpoint's children do (`_add_leaf`, `_evict_leaf`,
-`make_room`'s extended node), and `sanity_check` checks it against the tree.
+`make_room`'s extended node), and `sanity_check` checks it against the tree. Each change pushes an entry
+numbered by a sequence of its own, the node's latest push the only one valid (a node that returns to a
+class it held at the same stamp would otherwise revive its older entries: they piled up without bound
+under a checkpoint whose children come and go, and an eviction could take one node twice); the heaps
+are compacted once they hold more than twice the checkpoints (+64) entries, so they stay O(checkpoints).
 Every leaf holds a checkpoint (the tree's invariant 2: the host tree takes no KV-only locks), so an
 interior checkpoint always has a deeper one below it. The order depends on the tree alone: TP ranks, whose
 host trees are equal, evict alike. KV eviction (`evict_full`) keeps the tree's own rule: LRU leaves.
@@ -66,11 +70,13 @@ class HostRadixTree(MambaRadixCache):
 
     def reset_tree(self) -> None:
         super().reset_tree()
-        # The class index: each checkpoint's (LRU stamp, class: CHAIN / FORK / LEAF), one heap per class
-        # of (stamp, id, node) entries, an entry stale once the node's stamp or class changed (dropped
-        # when met; the heaps are rebuilt when mostly stale), and the pinned checkpoints.
-        self._cls: dict[int, tuple[int, int]] = {}
+        # The class index: each checkpoint's (LRU stamp, class: CHAIN / FORK / LEAF, push number), one
+        # heap per class of (stamp, push number, node) entries, an entry valid only while it is its node's
+        # latest push (the stale ones dropped when met, and all of them once they outnumber the
+        # checkpoints twice over: `_compact`), and the pinned checkpoints.
+        self._cls: dict[int, tuple[int, int, int]] = {}
         self._heaps: tuple[list, list, list] = ([], [], [])
+        self._pushes = 0
         self._pinned: dict[int, TreeNode] = {}
         self.mamba_lru = _StampedLRU(self)
 
@@ -82,11 +88,14 @@ class HostRadixTree(MambaRadixCache):
 
     def _index(self, node: TreeNode, stamp: int) -> None:
         cls = self._class_of(node)
-        self._cls[node.id] = (stamp, cls)
-        self._push(cls, stamp, node)
+        self._pushes += 1
+        self._cls[node.id] = (stamp, cls, self._pushes)
+        heapq.heappush(self._heaps[cls], (stamp, self._pushes, node))
+        self._compact()
 
     def _unindex(self, node: TreeNode) -> None:
         del self._cls[node.id]
+        self._compact()
 
     def _reclassify(self, node: TreeNode) -> None:
         """After `node`'s children (or `_extending`) changed: its class, if it holds a checkpoint."""
@@ -94,21 +103,27 @@ class HostRadixTree(MambaRadixCache):
         if entry is not None and self._class_of(node) != entry[1]:
             self._index(node, entry[0])
 
-    def _push(self, cls: int, stamp: int, node: TreeNode) -> None:
-        heap = self._heaps[cls]
-        heapq.heappush(heap, (stamp, node.id, node))
-        if len(heap) > 2 * len(self._cls) + 64:  # (mostly stale: rebuilt, amortized O(1) a push)
-            heap[:] = [e for e in heap if self._cls.get(e[1]) == (e[0], cls)]
-            heapq.heapify(heap)
+    def _valid(self, entry: tuple[int, int, TreeNode]) -> bool:
+        indexed = self._cls.get(entry[2].id)
+        return indexed is not None and indexed[2] == entry[1]
+
+    def _compact(self) -> None:
+        """Every stale entry dropped once the heaps hold more than 2 x checkpoints + 64: each compaction
+        drops more entries than it keeps, so its cost is amortized O(1) a push, and a stale entry keeps
+        an evicted node alive only until then."""
+        if sum(map(len, self._heaps)) > 2 * len(self._cls) + 64:
+            for heap in self._heaps:
+                heap[:] = [e for e in heap if self._valid(e)]
+                heapq.heapify(heap)
 
     def _pop(self, cls: int, want: int) -> list[TreeNode]:
         """Up to `want` unpinned checkpoints of class `cls`, least recently used first, taken off its
         heap (the pinned ones met are taken off too: every one before the last taken is refreshed)."""
         heap, out = self._heaps[cls], []
         while heap and len(out) < want:
-            stamp, nid, node = heapq.heappop(heap)
-            if self._cls.get(nid) == (stamp, cls) and not node.mamba_lock_ref:
-                out.append(node)
+            entry = heapq.heappop(heap)
+            if self._valid(entry) and not entry[2].mamba_lock_ref:
+                out.append(entry[2])
         return out
 
     def _add_leaf(self, parent: TreeNode, key, value, mamba_value: int, namespace: str | None) -> TreeNode:
@@ -185,10 +200,16 @@ class HostRadixTree(MambaRadixCache):
         """The tree's invariants, and the class index in step with the LRU, the children and the pins."""
         super().sanity_check()
         stamps = [self._cls[n.id] for n in self.mamba_lru]
-        entries = [{(stamp, nid) for stamp, nid, _ in heap} for heap in self._heaps]
         assert len(stamps) == len(self._cls), "the class index holds a node the LRU does not"
         assert all(a[0] < b[0] for a, b in zip(stamps, stamps[1:], strict=False)), "stamps out of LRU order"
-        for node, (stamp, cls) in zip(self.mamba_lru, stamps, strict=True):
-            assert cls == self._class_of(node), f"{node}: class {cls} in the index"
-            assert (stamp, node.id) in entries[cls], f"{node} has no entry in its class's heap"
+        valid = {}  # node id -> (stamp, class, push number) of its valid entries
+        for cls, heap in enumerate(self._heaps):
+            for stamp, push, node in heap:
+                if self._valid((stamp, push, node)):
+                    assert node.id not in valid, f"{node} has two valid entries"
+                    valid[node.id] = (stamp, cls, push)
+        for node, indexed in zip(self.mamba_lru, stamps, strict=True):
+            assert indexed[1] == self._class_of(node), f"{node}: class {indexed[1]} in the index"
+            assert valid.get(node.id) == indexed, f"{node} has no valid entry in its class's heap"
+        assert sum(map(len, self._heaps)) <= 2 * len(self._cls) + 64, "the heaps hold too many stale entries"
         assert self._pinned == {n.id: n for n in self.mamba_lru if n.mamba_lock_ref}, "pinned set"
