@@ -149,6 +149,26 @@ def test_an_agreed_lookup_is_reused_until_every_rank_forgets_it(tmp_path):
     assert calls == [2, 2]
 
 
+def test_a_read_that_failed_on_a_rank_forgets_the_agreed_answer(tmp_path):
+    """Both ranks hold entries at 64 and 128 tokens: the agreed hit is 128 (kept: the answers are keyed by
+    the prompt's 64-character digest, not its tokens). Rank 1's 128 file is truncated: the read fails
+    there, so no rank takes it, and rank 1 drops the entry. The next lookup is agreed afresh: 64 on both
+    ranks. Without `stage`'s forget the kept answer (128, an entry rank 1 lost) came back at every
+    attempt, and the hit at 64 was never taken."""
+    gather = Gather(2)
+    ranks = [rank_storage(tmp_path, r, gather.for_rank(r)) for r in range(2)]
+    key = list(range(1000, 1200))
+    n64 = [put(st, key[:64]) for st in ranks][0]
+    n128 = [put(st, key[:128]) for st in ranks][0]
+    assert on_ranks([lambda st=st: st.deepest(key, None) for st in ranks]) == [(128, n128)] * 2
+    assert all(list(st.agreed) == [entry_name(key, None)] for st in ranks)
+    with open(ranks[1]._path(n128, 128), "r+b") as f:
+        f.truncate(10)
+    assert on_ranks([lambda st=st: st.stage(n128, 0) for st in ranks]) == [None, None]
+    assert n128 in ranks[0].index and n128 not in ranks[1].index
+    assert on_ranks([lambda st=st: st.deepest(key, None) for st in ranks]) == [(64, n64)] * 2
+
+
 def test_a_request_waiting_for_room_agrees_on_its_disk_hit_once(oracles, tmp_path):
     """A's turn 2 (a disk hit of its 204-token turn 1) waits behind B for KV room and is tried at every
     step: its disk lookup is agreed once (one all-gather, measured 2.3 ms on this VM at TP 2) and its read

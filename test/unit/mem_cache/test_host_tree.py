@@ -2,7 +2,8 @@
 (`HiMambaRadixCache.take_host_copies`), on a model-free tree with synthetic states (mem_cache_sim): the
 host keeps each conversation's deepest checkpoint where plain LRU loses the oldest conversations; interior
 checkpoints go first, branch points after the chains' interior ones; a batch's shallower snapshots on one
-path are not backed up unless paths branch there."""
+path are not backed up unless paths branch there; a host eviction makes the disk tier's kept TP answers
+be agreed again."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from sglang.srt.mem_cache.common import evict_from_tree_cache
+from sglang.srt.mem_cache.disk_tier import DiskTierConfig, entry_name
 from sglang.srt.mem_cache.hiradix_cache import HiMambaRadixCache
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -24,11 +26,13 @@ register_cpu_ci(est_time=2, suite="per-commit-cpu")  # measured 1.5 s (the tests
 STEP = 8  # tokens between two checkpoints of a conversation
 
 
-def _sim(device_slots: int, ratio: float, kv_tokens: int = 512) -> MemCacheSim:
+def _sim(
+    device_slots: int, ratio: float, kv_tokens: int = 512, storage: DiskTierConfig | None = None
+) -> MemCacheSim:
     """A MemCacheSim whose tree is the hierarchical cache (write_through), host slots = ratio x device."""
     sim = MemCacheSim(mamba_slots=device_slots, kv_tokens=kv_tokens)
     kv_pool = MHATokenToKVPool(sim.kv.size, 1, torch.float32, 1, 1, [0])
-    sim.tree = HiMambaRadixCache(sim.pool, sim.kv, 1, kv_pool, "write_through", ratio)
+    sim.tree = HiMambaRadixCache(sim.pool, sim.kv, 1, kv_pool, "write_through", ratio, storage=storage)
     sim.kv_pool = kv_pool
     return sim
 
@@ -293,4 +297,31 @@ def test_the_class_index_stays_as_small_as_the_tree_under_churn():
     assert tree.controller.stats["backup_states"] == 61
     assert all(total <= 2 * live + 64 for total, live in sizes), sizes
     host_tree.sanity_check()
+    sim.check()
+
+
+def test_a_host_eviction_forgets_the_agreed_disk_answers(tmp_path):
+    """Under TP a prompt's disk lookup is agreed once and reused (`FileStorage.deepest`) until an event
+    every rank takes alike. A's prompt is looked up before its 64-token checkpoint's disk write ran (no
+    hit: the answer kept), then the host backs the checkpoint up and writes it to disk, then evicts it
+    (5 other conversations into 4 host slots). A's prompt comes back: the host eviction forgot the kept
+    answer (`HiMambaRadixCache._host_room`), so the disk entry is found and read into the host (its KV
+    and state checked against the tags). Without that hook the kept "no hit" is reused: nothing loaded."""
+    sim = _sim(device_slots=4, ratio=1, storage=DiskTierConfig(str(tmp_path), "fp", 1 << 30))
+    tree, storage = sim.tree, sim.tree.storage
+    storage.gather = lambda value: [value]  # (one rank's all-gather: the agreement and its reuse on)
+    a = _conversation(0, 64)
+    prompt = a + [5] * STEP
+    _checkpoint(sim, a)
+    tree._load_from_host(prompt, None)  # (admission: the lookup, before the batch that writes A)
+    _batch(sim)
+    assert entry_name(a, None) in storage.index and _on_host(sim, a)
+    for c in range(1, 6):
+        _checkpoint(sim, _conversation(c, STEP))
+        _batch(sim)
+    assert not _on_host(sim, a)
+    tree.evict(num_tokens=512)  # (nor on the device: only the disk holds A)
+    tree._load_from_host(prompt, None)
+    _batch(sim)
+    assert storage.stats["disk_reads"] == 1 and _on_host(sim, a), storage.stats
     sim.check()

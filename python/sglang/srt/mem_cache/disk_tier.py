@@ -112,8 +112,10 @@ class FileStorage:
         self.pending: set[str] = set()  # writes recorded, not yet run
         # Tensor parallelism: every rank's value of what it is given, on every rank (None at one rank).
         self.gather: Callable[[Any], list[Any]] | None = None
-        # Under TP, the agreed answers of `deepest` by (namespace, key), reused until `forget_agreed`.
-        self.agreed: dict[tuple[str | None, bytes], tuple[int, str | None]] = {}
+        # Under TP, the agreed answers of `deepest` by the key's digest (`entry_name` of the namespace and
+        # the whole key: 64 characters where the key's bytes are 1 MiB at 128k tokens), reused until
+        # `forget_agreed`.
+        self.agreed: dict[str, tuple[int, str | None]] = {}
         found, skipped = [], 0
         for fname in os.listdir(self.dir):
             m = ENTRY.match(fname)
@@ -195,7 +197,7 @@ class FileStorage:
         key = key if isinstance(key, array) else array("q", key)
         if self.gather is None:
             return self._best(self._hits(key, namespace))
-        memo = (namespace, key.tobytes())
+        memo = entry_name(key, namespace)
         if memo in self.agreed:
             self.stats["disk_lookups_reused"] += 1
             return self.agreed[memo]
