@@ -77,7 +77,7 @@ class MtpGraphShapes(NamedTuple):
 
 
 def mtp_graphs_bytes(shapes: MtpGraphShapes) -> int:
-    """An upper bound of the memory the MTP layer's graphs hold, from the shapes (each kind's graphs share
+    """The memory the MTP layer's graphs hold, estimated high from the shapes (each kind's graphs share
     one pool, captured largest first, so a smaller size reuses the largest one's blocks; what a graph
     returns stays allocated per size):
     - the draft loop: at the largest size B, k steps' logits [B, vocab] in the model dtype and their
@@ -99,9 +99,11 @@ def mtp_graphs_bytes(shapes: MtpGraphShapes) -> int:
 def mtp_graphs_reserve_mib(args, graph_bs: int) -> float:
     """`mtp_graphs_bytes` in MiB for a server of `args` capturing graphs up to `graph_bs` (0: none), with
     EAGLE / NEXTN (else 0): the model's shapes from its config, the sizes `capture_bs_list` takes."""
-    if not graph_bs or args.speculative_algorithm not in ("EAGLE", "NEXTN"):
+    from sglang.srt.speculative.draft_layers import MTP_ALGORITHMS  # (torch: only where asked)
+
+    if not graph_bs or args.speculative_algorithm not in MTP_ALGORITHMS:
         return 0.0
-    from sglang.srt.model_executor.cuda_graph_runner import capture_bs_list  # (torch: only here)
+    from sglang.srt.model_executor.cuda_graph_runner import capture_bs_list
 
     cfg = args.model_config.arch.hf_config
     moe = getattr(cfg, "num_experts_per_tok", None) and getattr(cfg, "moe_intermediate_size", None)
