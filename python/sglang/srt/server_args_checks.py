@@ -262,11 +262,6 @@ def check_mtp_flags(args: ServerArgs) -> None:
             "layer is not split across ranks; use --tp-size 1 or --speculative-algorithm NGRAM."
         )
     hf_config = args.model_config.hf_config
-    if args.quantization is not None or getattr(hf_config, "quantization_config", None):
-        raise ServerArgsError(
-            f"--speculative-algorithm {algo} is not supported on a quantized checkpoint yet: the MTP layer "
-            "loads unquantized weights only; use --speculative-algorithm NGRAM."
-        )
     archs = getattr(hf_config, "architectures", None) or []
     if not set(archs) & set(MTP_ARCHITECTURES) or num_mtp_layers(hf_config) < 1:
         raise ServerArgsError(

@@ -349,8 +349,9 @@ def make_tiny_model(
     if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         # transformers writes only layer_types; SGLang-style loaders also read the interval.
         cfg["full_attention_interval"] = 4
-    if arch in MTP_ARCHS and quantize is None:
-        # The published MTP layer (`models/qwen3_next_mtp.py`), which transformers has no class for.
+    if arch in MTP_ARCHS:
+        # The published MTP layer (`models/qwen3_next_mtp.py`), which transformers has no class for; an
+        # FP8 twin carries it quantized as the model (`quantize_fp8`: `mtp.fc` kept, as Qwen's releases).
         cfg[MTP_ARCHS[arch]] = 1
         add_random_mtp(out, model.config, seed + 2, WEIGHT_SCALES[arch][0])
     config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

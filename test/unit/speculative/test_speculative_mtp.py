@@ -91,6 +91,9 @@ def test_flags_and_refusals():
         4,
     )
     assert args.speculative_draft_model_path == QWEN and not args.enable_overlap_schedule
+    # FP8: the MTP layer loads through the model's FP8 path (`test_mtp_fp8.py`); before, both refused.
+    assert ServerArgs(model_path="tiny-qwen3-next-fp8", **NEXTN).speculative_num_draft_tokens == 4
+    assert ServerArgs(model_path=QWEN, quantization="fp8", **NEXTN).speculative_num_draft_tokens == 4
     assert (
         ServerArgs(
             model_path=QWEN, speculative_algorithm="EAGLE", speculative_num_steps=2
@@ -105,9 +108,6 @@ def test_flags_and_refusals():
         "--speculative-num-steps must be a positive": dict(speculative_num_steps=0),
         "--speculative-draft-model-path other is not supported": dict(speculative_draft_model_path="other"),
         "tiny-nemotron-h has none": dict(model_path="tiny-nemotron-h"),
-        # (a published FP8 checkpoint carries its MTP layer in FP8, which the draft layer does not load)
-        "is not supported on a quantized checkpoint yet": dict(model_path="tiny-qwen3-next-fp8"),
-        "NEXTN is not supported on a quantized checkpoint": dict(quantization="fp8"),
         "--speculative-algorithm EAGLE3 needs a separate draft model": dict(speculative_algorithm="EAGLE3"),
     }
     # The MTP layer's KV is one more layer of the pool (tiny-qwen3-next has one full-attention layer): the

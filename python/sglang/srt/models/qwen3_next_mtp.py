@@ -23,23 +23,48 @@ target's final (normed) hidden state at t, and lm_head(g_t) predicts x_(t+2). Dr
 g_t back in place of h: step j runs at position t + j - 1 with the token drafted before. The layer's
 attention keeps its KV at layer id `num_hidden_layers` of the target's KV pool, in the request's own KV
 slots, so the draft's KV is allocated, freed and cached with the request's.
+
+FP8 checkpoints (`layers/quantization/`): the layer is laid out as the target is (`build_mtp`): FP8 linears
+where the target's are (CUDA), FP8 experts where the target's are, everything else dense, and its
+`mtp.*` tensors go through the target's FP8 stream (dequantized where the module is dense, as they are
+where it holds FP8). `fc` stays dense always, as upstream's draft holds it (a plain nn.Linear) and as
+Qwen's FP8 releases store it (`mtp.fc` in modules_to_not_convert); an FP8 `mtp.fc` loads dequantized.
+The checkpoint's unquantized modules (`modules_to_not_convert`: the whole `mtp` or parts of it) stay
+dense; `--quantization fp8` quantizes the layer as it does the target's, `fc` aside.
+
+Tensor parallelism: the decoder layer splits as the target's layers do (its attention's heads, its
+experts); `fc` and the norms are replicated (upstream: a plain nn.Linear on every rank).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 from torch import nn
 
 from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.moe.experts import RoutedExperts
+from sglang.srt.layers.quantization.fp8 import (
+    FP8_DTYPE,
+    Fp8BlockLinear,
+    Fp8Config,
+    Fp8Weight,
+    dequantize_block_fp8,
+    fp8_checkpoint_stream,
+    swap_fp8_linears,
+)
+from sglang.srt.layers.quantization.fp8_experts import swap_fp8_experts
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.loader import WeightLoader
 from sglang.srt.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextGatedDeltaNet
 
 PREFIX = "mtp."
+# `fc` stays dense in every layout (upstream's draft: a plain nn.Linear; Qwen's FP8 releases keep it).
+DENSE_FC = PREFIX + "fc"
 
 
 class Qwen3NextMTP(nn.Module):
@@ -78,13 +103,50 @@ def mtp_parameter_name(target: nn.Module, name: str) -> str:
     return PREFIX + target.checkpoint_name("model." + name.removeprefix(PREFIX)).removeprefix("model.")
 
 
+def build_mtp(target: nn.Module) -> Qwen3NextMTP:
+    """The MTP module of `target` (its model, on any device, meta included) on the meta device, laid out
+    as `target` is: FP8 linears where the target has them, FP8 experts where its experts are FP8, the
+    checkpoint's unquantized modules and `fc` dense. The memory planner counts it
+    (`draft_layers.build_meta_draft_layers`); `load_mtp` allocates and fills it."""
+    with torch.device("meta"):
+        mtp = Qwen3NextMTP(target.config)
+    quant = getattr(target, "quant_config", None)
+    if quant is None:
+        return mtp
+    linears = any(isinstance(m, Fp8BlockLinear) for m in target.modules())
+    experts = any(isinstance(m, RoutedExperts) and m.fp8 for m in target.modules())
+    named = nn.ModuleDict({PREFIX.removesuffix("."): mtp})  # (module names as the checkpoint's)
+    skip = _ignored_modules(target, named, quant) | {DENSE_FC}
+    if linears:
+        swap_fp8_linears(named, quant, getattr(target, "fp8_dense_modules", ()), skip)
+    if experts:
+        swap_fp8_experts(named, quant, skip)
+    return mtp
+
+
+def _ignored_modules(target: nn.Module, named: nn.Module, quant: Fp8Config) -> set[str]:
+    """The checkpoint's unquantized `mtp.*` modules (`modules_to_not_convert`, ModelOpt's `ignore`) in the
+    layer's names under `mtp.`; a shell-style pattern names every module of the layer it matches."""
+    names, patterns = set(), []
+    for m in quant.ignored_layers:
+        if any(c in m for c in "*?["):
+            patterns.append(m)
+        elif m == PREFIX.removesuffix(".") or m.startswith(PREFIX):
+            names.add(mtp_parameter_name(target, m + ".weight").removesuffix(".weight"))
+    if patterns:
+        names |= {n for n, _ in named.named_modules() if n and any(fnmatchcase(n, p) for p in patterns)}
+    return names
+
+
 def load_mtp(target: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Qwen3NextMTP:
-    """The MTP module of `target` (a loaded Qwen3-Next / Qwen3.5 model), on its device and in its dtype,
-    with the checkpoint's `mtp.*` tensors; ValueError naming what a checkpoint without them lacks."""
+    """The MTP module of `target` (a loaded Qwen3-Next / Qwen3.5 model), on its device and in its dtype
+    (FP8 modules as `build_mtp` lays them out), with the checkpoint's `mtp.*` tensors; ValueError naming
+    what a checkpoint without them lacks."""
+    from sglang.srt.models.registry import materialize
+
     param = target.lm_head.weight
-    config = target.config
-    with torch.device(param.device):
-        mtp = Qwen3NextMTP(config).to(param.dtype)
+    mtp = build_mtp(target)
+    materialize(mtp, param.dtype, param.device)
     mtp_loader(target, mtp, weights).finish()
     for module in reversed(list(mtp.modules())):
         if hasattr(module, "process_weights_after_loading"):
@@ -100,9 +162,41 @@ def mtp_loader(
 ) -> WeightLoader:
     """A `WeightLoader` of `mtp`, its parameters named `mtp.*` as the checkpoint names them (and its
     errors), that has taken the checkpoint's `mtp.*` tensors of `weights`, each checked against its
-    parameter; with `update` (a weight update of the serving layer) nothing is copied until `finish`."""
+    parameter; with `update` (a weight update of the serving layer) nothing is copied until `finish`.
+
+    An FP8 model's tensors go through its FP8 stream as the model's own do (`HybridCausalLM.load_weights`):
+    a checkpoint's FP8 weight and scales stay FP8 for an FP8 linear or FP8 experts and are dequantized for
+    a dense module; a dense tensor for an FP8 module is quantized at load; `--quantization fp8` passes the
+    quantizable tensors through the FP8 grid."""
     loader = WeightLoader(nn.ModuleDict({PREFIX.removesuffix("."): mtp}), update=update)
-    for name, tensor in weights:
-        if name.startswith(PREFIX):
-            loader.load(mtp_parameter_name(target, name), tensor)
+    quant = getattr(target, "quant_config", None)
+    ours = ((n, t) for n, t in weights if n.startswith(PREFIX))
+    if quant is not None:
+        keep = None
+        if loader.fp8:
+            keep = lambda n: True  # noqa: E731
+        elif loader.fp8_experts:
+            keep = lambda n: loader.keeps_fp8(mtp_parameter_name(target, n))  # noqa: E731
+        ours = _fc_around(ours, lambda weights: fp8_checkpoint_stream(weights, quant, keep))
+    for name, tensor in ours:
+        param = mtp_parameter_name(target, name)
+        if isinstance(tensor, Fp8Weight) and not (loader.keeps_fp8(param) or param in loader.fp8):
+            tensor = dequantize_block_fp8(*tensor, quant.weight_block_size)
+        loader.load(param, tensor)
     return loader
+
+
+def _fc_around(weights: Iterable[tuple[str, Any]], stream: Any) -> Iterator[tuple[str, Any]]:
+    """`stream(weights)` with a dense `mtp.fc.weight` given as it is (`--quantization fp8` would pass it
+    through the FP8 grid; upstream keeps its `fc` unquantized): an FP8 one (with its scale) goes through."""
+    dense = []
+
+    def others() -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            if name == DENSE_FC + ".weight" and tensor.dtype != FP8_DTYPE:
+                dense.append((name, tensor))
+                continue
+            yield name, tensor
+
+    yield from stream(others())
+    yield from dense

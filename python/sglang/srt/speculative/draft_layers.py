@@ -97,19 +97,23 @@ def draft_update(
     loader = mtp_loader(target, draft, ours, update=True)
 
     def copy_both() -> None:
+        # FP8 experts (the model's rules, `mtp_loader`): a weight without its scale is refused before the
+        # ranks' vote, as the model's own are.
+        for pieces in loader.fp8_experts.values():
+            why = pieces.unpaired()
+            if why is not None:
+                raise ValueError(why)
         if before_copy is not None:
             before_copy()
-        loader.finish()  # (dense: NEXTN is refused on quantized checkpoints, `server_args_checks`)
+        loader.finish()
 
     return [(n, t) for n, t in named if not n.startswith(PREFIX)], copy_both, loader.unused
 
 
 def build_meta_draft_layers(target: Any) -> Any:
     """The MTP module of `target` (a model on the meta device) on the meta device, as `load_mtp` builds
-    it: the memory planner counts its parameters (`mem_cache/weight_bytes.py`)."""
-    import torch
+    it (FP8 modules where the target's are): the memory planner counts its parameters
+    (`mem_cache/weight_bytes.py`)."""
+    from sglang.srt.models.qwen3_next_mtp import build_mtp
 
-    from sglang.srt.models.qwen3_next_mtp import Qwen3NextMTP
-
-    with torch.device("meta"):
-        return Qwen3NextMTP(target.config)
+    return build_mtp(target)
