@@ -245,7 +245,8 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
         "--quantization",
         default=None,
         help="fp8: quantize an unquantized checkpoint's linear weights to block-wise FP8 as they load "
-        "([128, 128] blocks, e4m3, as the published FP8 checkpoints; on CPU they serve dequantized). "
+        "([128, 128] blocks, e4m3, as the published FP8 checkpoints; on CPU they serve dequantized; refused "
+        "on a ModelOpt checkpoint). "
         "modelopt / modelopt_fp8: the checkpoint is NVIDIA ModelOpt FP8 (the Nemotron FP8 releases; refused "
         "on any other). FP8 checkpoints need no flag. Other methods are refused.",
     )

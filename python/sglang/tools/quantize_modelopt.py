@@ -9,8 +9,9 @@ float8_e4m3fn with `<module>.weight_scale` (float32, shape []: the tensor's larg
 `<module>.input_scale` (float32, shape []: the largest magnitude of the module's input over a calibration
 forward of the transformers model, / 448); every attention's `k_proj.k_scale` / `v_proj.v_scale` are its
 keys' and values' largest magnitude / 448 (the FP8 KV cache's scales). Every other tensor keeps its dtype.
-config.json gets `quantization_config` (quant_method modelopt, quant_algo FP8, kv_cache_quant_algo FP8,
-ignore: the patterns) and hf_quant_config.json the same in ModelOpt's older layout (`exclude_modules`).
+config.json gets `quantization_config` in the form ModelOpt's exporter converts to (`converted_config`:
+quant_method modelopt, quant_algo FP8, config_groups, kv_cache_scheme FP8, ignore: the patterns) and
+hf_quant_config.json ModelOpt's older layout (quant_algo, kv_cache_quant_algo, exclude_modules).
 
 Excluded by default (`default_excludes`): lm_head, and for Nemotron-H the recipe of the Nemotron-3-Nano FP8
 release: every Mamba conv1d, every attention layer and the Mamba layer feeding each attention layer.
@@ -109,6 +110,22 @@ def _input_amax(module: str, inputs: dict[str, float]) -> float:
     return 0.0
 
 
+def converted_config(exclude: list[str]) -> dict[str, Any]:
+    """config.json's `quantization_config` as ModelOpt's exporter converts hf_quant_config.json's for FP8
+    with an FP8 KV cache (`modelopt.torch.export.convert_hf_config`): compressed-tensors style groups
+    (static float8 weights and input scales on the Linear modules), `ignore`, and the KV cache as
+    `kv_cache_scheme`; never `kv_cache_quant_algo` or `exclude_modules` (those are the legacy file's)."""
+    fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+    return {
+        "config_groups": {"group_0": {"input_activations": fp8, "weights": fp8, "targets": ["Linear"]}},
+        "ignore": exclude,
+        "kv_cache_scheme": fp8,
+        "producer": PRODUCER,
+        "quant_algo": "FP8",
+        "quant_method": "modelopt",
+    }
+
+
 def quantize_checkpoint_modelopt(
     src: str | Path, out: str | Path | None = None, exclude: list[str] | None = None
 ) -> Path:
@@ -135,15 +152,12 @@ def quantize_checkpoint_modelopt(
         if module.endswith((".k_proj", ".v_proj")) and name.endswith(".weight"):
             written[f"{module}.{module[-6]}_scale"] = _scale(outputs.get(_key(module), 0.0))
     save_file(written, str(out / WEIGHTS), metadata={"format": "pt"})
-    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
-    cfg["quantization_config"] = {
-        "quant_method": "modelopt",
-        **quant,
-        "ignore": exclude,
-        "producer": PRODUCER,
-    }
+    cfg["quantization_config"] = converted_config(exclude)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    legacy = {"producer": PRODUCER, "quantization": {**quant, "exclude_modules": exclude}}
+    legacy = {
+        "producer": PRODUCER,
+        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": exclude},
+    }
     (out / HF_QUANT_CONFIG).write_text(json.dumps(legacy, indent=2, sort_keys=True) + "\n")
     return out
 

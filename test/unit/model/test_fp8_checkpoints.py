@@ -123,9 +123,7 @@ def test_fp8_linear_forward_is_the_dequantized_weight_times_the_input():
 def test_the_published_config_is_read_and_other_formats_are_refused():
     cfg = Fp8Config.from_quantization_config(QWEN_FP8_CONFIG)
     assert cfg.weight_block_size == (128, 128) and cfg.is_checkpoint_fp8_serialized
-    assert cfg.is_ignored("model.layers.0.linear_attn.in_proj_ba") and not cfg.is_ignored(
-        "model.layers.0.mlp"
-    )
+    assert cfg.ignored_layers == tuple(QWEN_FP8_CONFIG["modules_to_not_convert"])
     assert Fp8Config.from_quantization_config({**QWEN_FP8_CONFIG, "modules_to_not_convert": None,
                                                "ignored_layers": ["lm_head"]}).ignored_layers == ("lm_head",)  # fmt: skip
     refusals = {
@@ -207,26 +205,20 @@ def test_modules_kept_unquantized_hold_no_fp8_weight(preset):
     assert fp8 and not kept & fp8, sorted(kept & fp8)
 
 
-def test_a_module_listed_as_a_parent_keeps_its_children_dense():
-    """modules_to_not_convert may name a whole block: every linear under it stays dense (it was matched by
-    exact name only, so its children became FP8 and their bf16 tensors were quantized at load), and the
-    experts under a listed MoE block stay dense too."""
+def test_a_module_listed_as_a_parent_keeps_its_children_dense(tmp_path):
+    """A checkpoint that keeps a whole block unquantized (modules_to_not_convert names the block): every
+    linear under it stays dense (it was matched by exact name only, so its children became FP8 and their
+    bf16 tensors were quantized at load), and the experts under a kept MoE block stay dense too."""
     from sglang.srt.layers.moe.experts import RoutedExperts
-    from sglang.srt.layers.quantization import quant_config_of
     from sglang.srt.layers.quantization.fp8 import Fp8BlockLinear, Fp8Layout
     from sglang.srt.models.registry import build_meta_model
+    from sglang.test.fp8_partial import keep_dense
 
-    cfg = load_hf_config(resolve_model_path("tiny-qwen3-next-fp8"))
-    quant = dict(cfg.quantization_config)
-    quant["modules_to_not_convert"] = [
-        *quant["modules_to_not_convert"],
-        "model.layers.3.self_attn",
-        "model.layers.0.mlp",
-    ]
-    cfg.quantization_config = quant
-    model = build_meta_model(cfg, "cpu", Fp8Layout(True, True))
+    blocks = ["model.layers.3.self_attn", "model.layers.0.mlp"]
+    path = keep_dense(resolve_model_path("tiny-qwen3-next-fp8"), tmp_path / "kept",
+                      [b + ".*" for b in blocks], listed=blocks)  # fmt: skip
+    model = build_meta_model(load_hf_config(path), "cpu", Fp8Layout(True, True))
     layer3, layer0 = model.model.layers[3], model.model.layers[0]
-    assert quant_config_of(cfg).is_ignored("model.layers.3.self_attn.o_proj")
     assert not any(isinstance(m, Fp8BlockLinear) for m in layer3.self_attn.modules())
     assert not any(isinstance(m, Fp8BlockLinear) for m in layer0.mlp.modules())
     experts = [m for m in layer0.mlp.modules() if isinstance(m, RoutedExperts)]

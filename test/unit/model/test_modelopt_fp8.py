@@ -1,8 +1,10 @@
 """NVIDIA ModelOpt FP8 checkpoints (issue 53: the Nemotron FP8 releases): the config read from config.json
 or hf_quant_config.json and other ModelOpt algorithms refused, `--quantization modelopt` accepted on such
-a checkpoint and refused on another, the preset written as the release is, served on CPU as its
+a checkpoint and refused on another (and `--quantization fp8` on it), non-FP8 KV cache algorithms refused
+in both config layouts, the preset written in ModelOpt's converted config.json form, served on CPU as its
 dequantized weights with its KV cache scales, and in CUDA's layout (built on the CPU) holding the
-checkpoint's FP8 bytes with each per-tensor scale in every block of its grid. The logprobs against the
+checkpoint's FP8 bytes with each per-tensor scale in every block of its grid; a module is FP8 exactly
+where its checkpoint tensors are, through each model's renames and splits. The logprobs against the
 transformers oracle: test_fp8_checkpoints (its parametrization); through the FP8 experts' torch twin:
 test_fp8_experts."""
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
@@ -23,22 +26,33 @@ from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.quantization import Fp8ConfigError, checkpoint_quant_config
 from sglang.srt.layers.quantization.fp8 import FP8_DTYPE, Fp8BlockLinear, Fp8Layout, dequantize_block_fp8
 from sglang.srt.layers.quantization.modelopt import HF_QUANT_CONFIG
-from sglang.srt.models.registry import build_meta_model, load_model
+from sglang.srt.models.registry import build_meta_model, fp8_dense_modules, load_model
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.fp8_partial import keep_dense
 from sglang.test.reference import dequantized_checkpoint
 
-register_cpu_ci(est_time=6, suite="per-commit-cpu")
+register_cpu_ci(est_time=7, suite="per-commit-cpu")
 
 PRESET = "tiny-nemotron-h-fp8-modelopt"
-# The release's form: quant_method modelopt, quant_algo FP8, FP8 KV cache, names and patterns kept.
+# config.json's form, as ModelOpt's exporter converts it (modelopt.torch.export.convert_hf_config, FP8 with
+# an FP8 KV cache): compressed-tensors style groups, kv_cache_scheme, the names and patterns kept in `ignore`.
+_FP8 = {"dynamic": False, "num_bits": 8, "type": "float"}
 RELEASE_CONFIG = {
+    "config_groups": {"group_0": {"input_activations": _FP8, "weights": _FP8, "targets": ["Linear"]}},
+    "ignore": ["lm_head", "*mixer.conv1d*", "backbone.layers.3.mixer*"],
+    "kv_cache_scheme": _FP8,
+    "producer": {"name": "modelopt", "version": "0.37.0"},
+    "quant_algo": "FP8",
+    "quant_method": "modelopt",
+}
+# hf_quant_config.json's `quantization`, as `hf_quant_config` reads it (ModelOpt's older layout).
+LEGACY_CONFIG = {
     "quant_method": "modelopt",
     "quant_algo": "FP8",
     "kv_cache_quant_algo": "FP8",
-    "ignore": ["lm_head", "*mixer.conv1d*", "backbone.layers.3.mixer*"],
+    "exclude_modules": ["lm_head"],
 }
-
 
 def _checkpoint(path: str) -> dict[str, torch.Tensor]:
     with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
@@ -56,12 +70,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_the_config_is_read_and_other_modelopt_algorithms_are_refused():
     cfg = checkpoint_quant_config(RELEASE_CONFIG)
     assert cfg.method == "modelopt" and cfg.scale_suffix == "_scale"
-    assert cfg.is_ignored("backbone.layers.7.mixer.conv1d") and cfg.is_ignored(
-        "backbone.layers.3.mixer.q_proj"
-    )
-    assert not cfg.is_ignored("backbone.layers.4.mixer.in_proj")
-    legacy = {"quant_method": "modelopt", "quant_algo": "fp8", "exclude_modules": ["lm_head"]}
-    assert checkpoint_quant_config(legacy).ignored_layers == ("lm_head",)  # (algo in lower case too)
+    assert cfg.ignored_layers == tuple(RELEASE_CONFIG["ignore"])
+    legacy = checkpoint_quant_config({**LEGACY_CONFIG, "quant_algo": "fp8"})  # (algo in lower case too)
+    assert legacy.method == "modelopt" and legacy.ignored_layers == ("lm_head",)
     refusals = {
         "NVFP4": "ModelOpt's NVFP4 algorithm",
         "FP8_PER_CHANNEL_PER_TOKEN": "ModelOpt's FP8_PER_CHANNEL_PER_TOKEN algorithm",
@@ -71,7 +82,17 @@ def test_the_config_is_read_and_other_modelopt_algorithms_are_refused():
         with pytest.raises(Fp8ConfigError, match=words):
             checkpoint_quant_config({**RELEASE_CONFIG, "quant_algo": algo})
     with pytest.raises(Fp8ConfigError, match="ModelOpt's NVFP4 KV cache"):
-        checkpoint_quant_config({**RELEASE_CONFIG, "kv_cache_quant_algo": "NVFP4"})
+        checkpoint_quant_config({**LEGACY_CONFIG, "kv_cache_quant_algo": "NVFP4"})
+    # config.json's kv_cache_scheme: the converter's FP8 dict, or the bare algorithm (older converters
+    # wrote "FP8" so too); any other algorithm or scheme is refused naming it (its scales are not FP8's).
+    for fp8 in ({"dynamic": False, "num_bits": 8, "type": "float"}, "FP8", None):
+        assert checkpoint_quant_config({**RELEASE_CONFIG, "kv_cache_scheme": fp8}).method == "modelopt"
+    for scheme, named in (("NVFP4", "NVFP4"), ("INT8", "INT8"), ({"num_bits": 8, "type": "int"}, "INT8"),
+                          ({"dynamic": False, "num_bits": 4, "type": "float"}, "FLOAT4")):  # fmt: skip
+        with pytest.raises(Fp8ConfigError, match=f"ModelOpt's {named} KV cache"):
+            checkpoint_quant_config({**RELEASE_CONFIG, "kv_cache_scheme": scheme})
+    # One module given as a string is that name, not its characters.
+    assert checkpoint_quant_config({**RELEASE_CONFIG, "ignore": "lm_head"}).ignored_layers == ("lm_head",)
     # The per-tensor scale becomes the weight's block grid; a per-channel one is not this format.
     grid = cfg.scale_grid(torch.zeros(300, 64, dtype=FP8_DTYPE), torch.tensor(0.5))
     assert grid.shape == (3, 1) and (grid == 0.5).all()
@@ -90,6 +111,10 @@ def test_the_modelopt_flag_takes_modelopt_checkpoints_only(tmp_path):
             with pytest.raises(ServerArgsError, match=f"cannot be served: --quantization {flag} serves checkpoints "
                                f"NVIDIA ModelOpt quantized to FP8 and this one is {what} "):  # fmt: skip
                 ServerArgs(model_path=other, quantization=flag)
+    # --quantization fp8 (quantize at load) names another format than the checkpoint's: refused, as upstream.
+    with pytest.raises(ServerArgsError, match="cannot be served: --quantization fp8 quantizes an unquantized "
+                       "checkpoint block-wise at load and this one is quantized with NVIDIA ModelOpt's FP8"):  # fmt: skip
+        ServerArgs(model_path=path, quantization="fp8")
     # A ModelOpt NVFP4 checkpoint stops the start in one sentence naming the algorithm.
     cfg = json.loads((Path(path) / "config.json").read_text())
     cfg["quantization_config"]["quant_algo"] = "NVFP4"
@@ -102,11 +127,13 @@ def test_the_modelopt_flag_takes_modelopt_checkpoints_only(tmp_path):
 def test_the_preset_is_written_as_the_release():
     path = Path(resolve_model_path(PRESET))
     quant = json.loads((path / "config.json").read_text())["quantization_config"]
-    assert {k: quant[k] for k in ("quant_method", "quant_algo", "kv_cache_quant_algo")} == {
-        "quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"
-    }  # fmt: skip
-    legacy = json.loads((path / HF_QUANT_CONFIG).read_text())["quantization"]
-    assert legacy["exclude_modules"] == quant["ignore"] and legacy["quant_algo"] == "FP8"
+    # config.json: the converted form only (no legacy keys mixed in), with this preset's recipe.
+    assert quant == {**RELEASE_CONFIG, "ignore": quant["ignore"]}
+    assert quant["ignore"] == sorted({"lm_head", "*mixer.conv1d*", "backbone.layers.3.mixer*",
+                                      "backbone.layers.2.mixer*"})  # fmt: skip
+    legacy = json.loads((path / HF_QUANT_CONFIG).read_text())
+    assert legacy["quantization"] == {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                                      "exclude_modules": quant["ignore"]}  # fmt: skip
     ckpt = _checkpoint(str(path))
     base = _checkpoint(resolve_model_path("tiny-nemotron-h"))
     fp8 = {n for n, t in ckpt.items() if t.dtype == FP8_DTYPE}
@@ -116,7 +143,7 @@ def test_the_preset_is_written_as_the_release():
         module = name.removesuffix(".weight")
         scale, act = ckpt[module + ".weight_scale"], ckpt[module + ".input_scale"]
         assert scale.dtype == act.dtype == torch.float32 and scale.shape == act.shape == ()
-        assert 0 < act.item() and not checkpoint_quant_config(quant).is_ignored(module)
+        assert 0 < act.item() and not any(fnmatchcase(module, p) for p in quant["ignore"])
         # One scale for the tensor: its largest magnitude lands on e4m3's largest value, 448.
         assert ckpt[name].float().abs().max().item() == 448.0
         dense = base[name]
@@ -205,13 +232,75 @@ def test_cuda_layout_holds_the_checkpoints_bytes_with_each_scale_in_its_grid():
         assert torch.equal(deq, ref[f"backbone.layers.1.mixer.experts.{attr}"])
 
 
+# An FP8 checkpoint that keeps modules dense, each case: the preset it is copied from, the modules kept
+# (shell patterns over its checkpoint names), the list its config names them by (None: the same), and our
+# linears that must then stay dense, exactly (every other FP8 linear of the preset stays FP8).
+DENSE_CASES = {
+    # Granite renames self_attn / mamba to mixer and splits the shared MLP's input_linear into gate / up.
+    "granite": ("tiny-granite-4.0-h-fp8", ["*self_attn*", "model.layers.0.shared_mlp.input_linear"], None,
+                {"model.layers.1.mixer." + p for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+                | {"model.layers.0.mlp.shared_mlp.gate_proj", "model.layers.0.mlp.shared_mlp.up_proj"}),
+    # Nemotron-H names its checkpoint backbone.*; an export may list transformers' names (model.*). An
+    # expert kept dense keeps the stacked experts dense.
+    "nemotron_h": ("tiny-nemotron-h-fp8-modelopt", ["backbone.layers.5.mixer*", "*layers.1.mixer.experts.0.*"],
+                   ["model.layers.5.mixer*", "model.layers.1.mixer.experts.0*"],
+                   {"backbone.layers.5.mixer.up_proj", "backbone.layers.5.mixer.down_proj"}),
+    "bamba": ("tiny-bamba-fp8", ["*self_attn*"], None,
+              {f"model.layers.{i}.mixer.{p}" for i in (1, 3) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}),
+    "lfm2": ("tiny-lfm2-fp8", ["*self_attn*"], None,
+             {"model.layers.2.mixer." + p for p in ("q_proj", "k_proj", "v_proj", "o_proj")}),
+}  # fmt: skip
+
+
+def _fp8_linears(model: nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
+
+
+@pytest.mark.parametrize("case", sorted(DENSE_CASES))
+def test_a_module_is_fp8_exactly_where_its_checkpoint_tensors_are(case, tmp_path):
+    """CUDA's layout (built on the CPU) follows the checkpoint's tensors through each model's renames and
+    splits, whatever names its ignore list uses: a module whose checkpoint weight is dense stays an
+    nn.Linear holding that tensor as it is (before: the list was matched against our names, so
+    `*self_attn*` matched nothing on Granite / Bamba / LFM2, Granite's split input_linear became FP8,
+    and the dense tensor was quantized at load)."""
+    preset, patterns, listed, dense = DENSE_CASES[case]
+    src = resolve_model_path(preset)
+    path = keep_dense(src, tmp_path / case, patterns, listed)
+    layout = Fp8Layout(True, True)
+    before = _fp8_linears(build_meta_model(load_hf_config(src), "cpu", layout))
+    cfg = load_hf_config(path)
+    model = load_model(cfg, path, torch.float32, "cpu", meta=build_meta_model(cfg, "cpu", layout))
+    assert dense <= before and _fp8_linears(model) == before - dense
+    ckpt, ref = _checkpoint(path), _params(load_model(load_hf_config(src), src, torch.float32, "cpu"))
+    for name in dense:
+        assert torch.equal(model.get_submodule(name).weight, ref[name + ".weight"]), name
+    if case == "nemotron_h":
+        assert ckpt["backbone.layers.1.mixer.experts.0.up_proj.weight"].dtype == torch.float32
+        assert model.backbone.layers[1].mixer.experts.w13.dtype == torch.float32
+        assert torch.equal(model.backbone.layers[1].mixer.experts.w13, ref["backbone.layers.1.mixer.experts.w13"])
+
+
+def test_without_its_tensors_the_config_lists_the_dense_modules(tmp_path):
+    """Planning from a config alone (no weights to read): the ignore list's names and patterns decide."""
+    src = Path(resolve_model_path(PRESET))
+    for name in ("config.json", HF_QUANT_CONFIG):
+        shutil.copy(src / name, tmp_path / name)
+    cfg = load_hf_config(str(tmp_path))
+    model = build_meta_model(cfg, "cpu", Fp8Layout(True, True))
+    dense = fp8_dense_modules(model, model.quant_config, str(tmp_path))
+    assert {"backbone.layers.3.mixer.q_proj", "backbone.layers.2.mixer.in_proj", "lm_head"} <= dense
+    assert "backbone.layers.0.mixer.in_proj" in _fp8_linears(model) and not dense & _fp8_linears(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_fp8_modules_hold_the_bytes_and_run_the_block_gemm():
     """Loaded on CUDA (not run on a GPU yet: no GPU in this task): the FP8 linears and experts hold the
-    checkpoint's bytes; each linear's Triton block GEMM on the uniform grid against the torch twin on
-    the same activations, within the kernel tests' summation bound (test_fp8_gemm_triton's SUM_TOL for
-    CUDA, 2^-10 of the terms' magnitudes; a wrong scale is O(1))."""
+    checkpoint's bytes; each linear's Triton block GEMM on the uniform grid against a float64 reference
+    from the checkpoint's own tensors (its weight times its weight_scale, never the layer's grid), on the
+    activations quantized per token and 128-column group as the kernel does, within the kernel tests'
+    summation bound (test_fp8_gemm_triton's SUM_TOL for CUDA, 2^-10 of the terms' magnitudes): a grid
+    holding another scale than the checkpoint's is off by that ratio, far outside it."""
     from sglang.srt.layers.quantization import fp8_kernel as fk
 
     if torch.cuda.get_device_capability() < (8, 9):
@@ -219,23 +308,20 @@ def test_on_cuda_the_fp8_modules_hold_the_bytes_and_run_the_block_gemm():
     path = resolve_model_path(PRESET)
     model = load_model(load_hf_config(path), path, torch.float32, "cuda")
     ckpt = _checkpoint(path)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
-    assert set(linears) == {
+    linears = _fp8_linears(model)
+    assert linears == {
         n.removesuffix(".weight") for n, t in ckpt.items() if t.dtype == FP8_DTYPE and ".experts." not in n
     }
     g = torch.Generator().manual_seed(0)
-    for name, m in linears.items():
+    for name in linears:
+        m = model.get_submodule(name)
         assert m._kernel is not None and torch.equal(_bits(m.weight.cpu()), _bits(ckpt[name + ".weight"]))
         x = torch.randn(5, m.in_features, generator=g).cuda()
-        got = m(x).double()
-        want = fk.w8a8_block_fp8_matmul_torch(
-            x, m.weight, m.weight_scale_inv, m.block, torch.float32
-        ).double()
+        got = m(x).double().cpu()
         aq, a_s = fk.per_token_group_quant_fp8_torch(x)
-        magnitude = (
-            fk.dequantize_block_fp8(aq, a_s, (1, 128)).abs().double()
-            @ m.dequantized_weight(torch.float64).abs().t()
-        )
+        xq = fk.dequantize_block_fp8(aq, a_s, (1, 128)).double().cpu()
+        w = ckpt[name + ".weight"].double() * ckpt[name + ".weight_scale"].double()
+        want, magnitude = xq @ w.t(), xq.abs() @ w.abs().t()
         assert ((got - want).abs() <= 2**-10 * magnitude).all(), name
     experts = model.backbone.layers[1].mixer.experts
     assert experts.w13.dtype == FP8_DTYPE

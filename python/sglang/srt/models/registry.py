@@ -7,6 +7,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from sglang.srt.layers.quantization import quant_config_of
@@ -19,6 +20,7 @@ from sglang.srt.layers.quantization.fp8 import (
 )
 from sglang.srt.layers.quantization.fp8_experts import swap_fp8_experts
 from sglang.srt.models.checkpoint_reader import read_checkpoint
+from sglang.srt.models.loader import checkpoint_files
 
 # architecture name -> (module, class); imported on first use.
 _MODELS = {
@@ -62,7 +64,7 @@ def load_model(
     The model is built on the meta device and each parameter is then allocated once, in its serving
     dtype on `device`, for the checkpoint to fill: no random initialisation and no float32 copy first
     (an 80B model in bfloat16 never needs twice its memory on the host)."""
-    model = meta if meta is not None else build_meta_model(hf_config, device, fp8)
+    model = meta if meta is not None else build_meta_model(hf_config, device, fp8, path)
     materialize(model, dtype, torch.device(device))
     model.load_weights(read_checkpoint(path))  # read ahead by threads, in iter_checkpoint's order
     # Children first: a module's own step may read what its children's made (a decoder layer's fused
@@ -73,28 +75,81 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def build_meta_model(hf_config: Any, device: str | torch.device, fp8: Fp8Layout | None = None) -> nn.Module:
+def build_meta_model(
+    hf_config: Any, device: str | torch.device, fp8: Fp8Layout | None = None, path: str | None = None
+) -> nn.Module:
     """The model for `hf_config` on the meta device, laid out as it serves on `device`: an FP8
     checkpoint's layout is the device's (`fp8_layout`: FP8 linears on CUDA, FP8 experts where
     SGLANG_FP8_EXPERTS says; what stays dense loads dequantized), unless `fp8` says otherwise (tests:
-    CUDA's on the CPU). The memory planner counts this model's parameters (`weight_bytes.py`)."""
+    CUDA's on the CPU). Which modules hold FP8: `fp8_dense_modules` of the checkpoint at `path` (default:
+    the folder the config was read from). The memory planner counts this model's parameters
+    (`weight_bytes.py`)."""
     quant = quant_config_of(hf_config)
     layout = fp8_layout(quant, device) if fp8 is None or quant is None else fp8
     with torch.device("meta"):
         model = get_model_class(hf_config)(hf_config)
         if layout is not None:
-            ignored = fp8_ignored_modules(model, quant)
+            dense = fp8_dense_modules(model, quant, path or getattr(hf_config, "_name_or_path", None))
             if layout.linears:
-                swap_fp8_linears(model, quant, model.fp8_dense_modules, ignored)
+                swap_fp8_linears(model, quant, model.fp8_dense_modules, dense)
             if layout.experts:
-                swap_fp8_experts(model, quant, ignored)
+                swap_fp8_experts(model, quant, dense)
     model.quant_config = quant
     return model
 
 
-def fp8_ignored_modules(model: nn.Module, quant: Any) -> set[str]:
-    """The checkpoint's unquantized modules (`modules_to_not_convert`, ModelOpt's `ignore`) in the model's
-    names; a shell-style pattern (ModelOpt's `*mixer.conv1d*`) names every module of the model it matches."""
+def fp8_dense_modules(model: nn.Module, quant: Any, path: str | None) -> set[str]:
+    """The modules (the model's names) an FP8 checkpoint holds in their own dtype, which therefore stay
+    dense: each module a floating-point, non-FP8 checkpoint tensor of two or more dimensions loads into,
+    through the model's name mapping (`checkpoint_tensors`: renames, a fused tensor's split pieces, each
+    piece's fused parameter by `checkpoint_rows`). The file says it: the `ignore` / `modules_to_not_convert`
+    lists (checkpoint names or shell patterns) say the same of a well-formed export, and are read only
+    where `path` holds no weights (planning memory from a config alone: `_listed_as_unquantized`).
+    `--quantization fp8` (nothing FP8 in the file): none; `quantizable_by_default` decides."""
+    if not quant.is_checkpoint_fp8_serialized:
+        return set()
+    tensors = checkpoint_tensor_types(path) if path else None
+    if tensors is None:
+        return _listed_as_unquantized(model, quant)
+    dense = set()
+    for name, (dtype, shape) in tensors.items():
+        if dtype not in _DENSE_DTYPES or len(shape) < 2 or name.startswith(model.skip_prefixes):
+            continue
+        if name.endswith(("_scale", "_scale_inv")):
+            continue  # (scales: the FP8 tensors' own)
+        for target, _ in model.checkpoint_tensors(name, torch.empty(shape, device="meta")):
+            rows = model.checkpoint_rows(target)
+            dense.add((rows[0] if rows else target).rpartition(".")[0])
+    return dense
+
+
+# safetensors' dtype names of the tensors a module keeps unquantized (F8_E4M3: quantized).
+_DENSE_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+def checkpoint_tensor_types(path: str) -> dict[str, tuple[str, list[int]]] | None:
+    """{tensor name: (safetensors dtype, shape)} of the checkpoint in folder `path`, from its files'
+    headers (no tensor is read), or None where the folder holds no safetensors."""
+    try:
+        files = checkpoint_files(path)
+    except (ValueError, OSError):
+        return None
+    types = {}
+    for file in files:
+        if not file.is_file():
+            return None
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                piece = f.get_slice(name)
+                types[name] = (piece.get_dtype(), piece.get_shape())
+    return types
+
+
+def _listed_as_unquantized(model: nn.Module, quant: Any) -> set[str]:
+    """Without the checkpoint's tensors: the modules its config lists as unquantized
+    (`modules_to_not_convert`, ModelOpt's `ignore`) in the model's names, a plain name through
+    `checkpoint_name`, a shell-style pattern matched against the model's names (an estimate where the
+    model renames what the pattern names)."""
     names, patterns = set(), []
     for m in quant.ignored_layers:
         if any(c in m for c in "*?["):

@@ -34,7 +34,6 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Any, NamedTuple
 
 import torch
@@ -113,7 +112,8 @@ class Fp8Config:
     activation_scheme: str = "dynamic"
     fmt: str = "e4m3"
     # The checkpoint's modules kept unquantized (`modules_to_not_convert`, or upstream's
-    # `ignored_layers`), as the checkpoint names them.
+    # `ignored_layers`), as the checkpoint names them. Which modules load dense is what the checkpoint's
+    # tensors are (`registry.fp8_dense_modules`); the list is read only without them.
     ignored_layers: tuple[str, ...] = ()
     # False: `--quantization fp8` on an unquantized checkpoint (quantized here, at load).
     is_checkpoint_fp8_serialized: bool = True
@@ -153,7 +153,7 @@ class Fp8Config:
         if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
             raise Fp8ConfigError(f"its weight_block_size {block!r} is not two positive integers.")
         ignored = get("modules_to_not_convert", None) or get("ignored_layers", None) or ()
-        return cls(tuple(block), scheme, fmt, tuple(ignored))
+        return cls(tuple(block), scheme, fmt, (ignored,) if isinstance(ignored, str) else tuple(ignored))
 
     @classmethod
     def online(cls) -> Fp8Config:
@@ -188,15 +188,6 @@ class Fp8Config:
             )
         grid = tuple(math.ceil(n / b) for n, b in zip(weight.shape[-2:], self.weight_block_size, strict=True))
         return scale.float().reshape(*lead, 1, 1).expand(*lead, *grid).contiguous()
-
-    def is_ignored(self, module: str) -> bool:
-        """Whether the checkpoint keeps `module` (a checkpoint module name) unquantized: named in the list
-        itself or under a listed parent, or matching a listed shell-style pattern (ModelOpt's
-        `*mixer.conv1d*`)."""
-        return any(
-            module == m or module.startswith(m + ".") or module.endswith("." + m) or fnmatchcase(module, m)
-            for m in self.ignored_layers
-        )
 
 
 def quantizable_by_default(name: str, tensor: torch.Tensor) -> bool:
@@ -452,8 +443,9 @@ def swap_fp8_linears(
     """Before loading: replace each `nn.Linear` of `model` that the FP8 checkpoint quantizes by an
     `Fp8BlockLinear` of the same shape (on the linear's device, meta included). Kept as they are: the
     modules `quantizable_by_default` keeps (lm_head, routers, gates, ...), the modules in or under `skip`
-    (our module names of the checkpoint's ignored list), and those whose name ends with one of
-    `dense_modules` (a model's linears whose rows are regrouped or assembled after loading). The loader
+    (those the checkpoint holds unquantized, in our names: `registry.fp8_dense_modules`), and those whose
+    name ends with one of `dense_modules` (a model's linears whose rows are regrouped or assembled after
+    loading). The loader
     copies a checkpoint's FP8 weight and scales into an FP8 linear as they are, and quantizes a dense
     tensor that arrives for one."""
     report, skip, dense = SwapReport(), set(skip), tuple(dense_modules)

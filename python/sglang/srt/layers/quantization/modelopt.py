@@ -49,21 +49,45 @@ def modelopt_fp8_config(quant: dict[str, Any]) -> Fp8Config:
             f"its weights are quantized with NVIDIA ModelOpt's {algo or 'unnamed'!s} algorithm; this server "
             "serves ModelOpt's FP8 (quant_algo FP8, one scale per tensor) and block-wise FP8 checkpoints."
         )
-    kv = quant.get("kv_cache_quant_algo")
-    scheme = quant.get("kv_cache_scheme")
-    if kv is None and isinstance(scheme, dict) and scheme.get("num_bits") not in (None, 8):
-        kv = f"{scheme.get('type', 'float')}{scheme.get('num_bits')}"
-    if kv is not None and str(kv).upper() != "FP8":
-        raise Fp8ConfigError(
-            f"its KV cache scales are for ModelOpt's {kv} KV cache; this server reads FP8 KV cache scales."
-        )
+    for kv in kv_cache_algorithms(quant):
+        if kv != "FP8":
+            raise Fp8ConfigError(
+                f"its KV cache scales are for ModelOpt's {kv} KV cache; this server reads FP8 KV cache scales."
+            )
     ignored = quant.get("ignore") or quant.get("exclude_modules") or ()
+    if isinstance(ignored, str):
+        ignored = (ignored,)  # (one name, not its characters)
     return Fp8Config(ignored_layers=tuple(ignored), method="modelopt")
 
 
+def kv_cache_algorithms(quant: dict[str, Any]) -> list[str]:
+    """The KV cache algorithms a ModelOpt config names, upper-cased: `kv_cache_quant_algo`
+    (hf_quant_config.json's layout) and `kv_cache_scheme` (config.json's, which ModelOpt's converter writes as
+    `{"dynamic": false, "num_bits": 8, "type": "float"}` for FP8 and as the bare algorithm otherwise: "FP8"
+    in its older releases, "NVFP4", "INT8", ...); a scheme dict of another type or width is named by both
+    (`INT8`, `FLOAT4`)."""
+    found = []
+    algo = quant.get("kv_cache_quant_algo")
+    if algo is not None:
+        found.append(str(algo).upper())
+    scheme = quant.get("kv_cache_scheme")
+    if isinstance(scheme, dict):
+        kind, bits = str(scheme.get("type", "float")).lower(), scheme.get("num_bits", 8)
+        found.append("FP8" if (kind, bits) == ("float", 8) else f"{kind}{bits}".upper())
+    elif scheme is not None:
+        found.append(str(scheme).upper())
+    return found
+
+
 def check_flag_on_checkpoint(flag: str | None, config: Fp8Config | None) -> None:
-    """Fp8ConfigError where `--quantization modelopt` / `modelopt_fp8` names a checkpoint ModelOpt did not
-    quantize (`config`: the checkpoint's, None for an unquantized one)."""
+    """Fp8ConfigError where `--quantization` names another format than the checkpoint's, as upstream refuses
+    the mismatch: `modelopt` / `modelopt_fp8` on a checkpoint ModelOpt did not quantize (`config`: the
+    checkpoint's, None for an unquantized one), `fp8` on a ModelOpt one."""
+    if flag == "fp8" and config is not None and config.method == "modelopt":
+        raise Fp8ConfigError(
+            "--quantization fp8 quantizes an unquantized checkpoint block-wise at load and this one is "
+            "quantized with NVIDIA ModelOpt's FP8; serve it with --quantization modelopt or without the flag."
+        )
     if flag not in MODELOPT_FLAGS or (config is not None and config.method == "modelopt"):
         return
     what = "unquantized" if config is None else f"quantized with {config.method!r}"
