@@ -256,11 +256,6 @@ def check_mtp_flags(args: ServerArgs) -> None:
             f"--speculative-algorithm {algo} is not supported with --disaggregation-mode "
             f"{args.disaggregation_mode}: the decode side would lack the prompt's draft-layer KV."
         )
-    if args.tp_size > 1:
-        raise ServerArgsError(
-            f"--speculative-algorithm {algo} is not supported with --tp-size {args.tp_size} yet: the draft "
-            "layer is not split across ranks; use --tp-size 1 or --speculative-algorithm NGRAM."
-        )
     hf_config = args.model_config.hf_config
     archs = getattr(hf_config, "architectures", None) or []
     if not set(archs) & set(MTP_ARCHITECTURES) or num_mtp_layers(hf_config) < 1:

@@ -74,7 +74,13 @@ def _run(case: Case, runner) -> dict[str, Any]:
     ids = list(req.token_ids) + [req.next_token]
     updated = _update(runner, driver, req, case.update) if case.update else {}
     experts = params.get("model.layers.0.mlp.experts.w13")
+    mtp = None
+    if runner.draft_model is not None:  # (NEXTN: `tp_mtp_checks`)
+        from sglang.test.tp_mtp_checks import mtp_draft_check
+
+        mtp = mtp_draft_check(runner)
     return {
+        "mtp": mtp,
         "w13": tuple(experts.shape) if experts is not None else None,
         "updated": updated,
         "ids": ids,

@@ -1,8 +1,9 @@
 """Tensor and expert parallelism, the model side (issue 54): Qwen3-Next, Qwen3.5 and Qwen3.5-MoE on two
 gloo ranks (`sglang.test.tp_model_checks`) give TP 1's greedy tokens, logprobs within float32 reduction
 noise of TP 1's and of the transformers oracle, per-rank pools of half TP 1's heads, and
-`get_weights_by_name` gathers TP 1's full tensors. The sharding rule itself (`layers/linear.py`) and the
-refusals are checked in process. TP 4 and every strategy: test_tp_model_nightly.py."""
+`get_weights_by_name` gathers TP 1's full tensors; with NEXTN the MTP draft layer's output and
+whole-vocabulary draft logits are TP 1's (`tp_mtp_checks`). The sharding rule itself (`layers/linear.py`)
+and the refusals are checked in process. TP 4 and every strategy: test_tp_model_nightly.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.multi_rank import run_ranks
 from sglang.test.tp_model_checks import Case, run_cases, run_session
 
-register_cpu_ci(est_time=35, suite="per-commit-cpu")
+register_cpu_ci(est_time=38, suite="per-commit-cpu")
 
 # float32 throughout. A rank's row-parallel product sums half the terms and the all-reduce adds the two
 # halves: another order of the same float32 sum, ~1e-7 relative per layer; over 4 layers and the
@@ -42,6 +43,8 @@ CASES = [
     Case("tiny-qwen3.5-moe", 2, ep=2),
     # Block-FP8 experts kept FP8 (the CUDA layout, run by its torch twin here), distributed by EP 2.
     Case("tiny-qwen3.5-moe-fp8", 2, ep=2, env={"SGLANG_FP8_EXPERTS": "fp8"}),
+    # NEXTN: the MTP draft layer split as the model's layers (`tp_mtp_checks`).
+    Case("tiny-qwen3-next", 2, server_args={"speculative_algorithm": "NEXTN"}),
 ]
 
 
@@ -71,7 +74,9 @@ def test_refusals_name_the_flag():
 
 @pytest.fixture(scope="module")
 def tp1():
-    return run_cases(0, 1, None, [Case(c.preset, 1, env=c.env, update=c.update) for c in CASES])
+    return run_cases(
+        0, 1, None, [Case(c.preset, 1, env=c.env, update=c.update, server_args=c.server_args) for c in CASES]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +89,9 @@ def tp2(session):
     return [[rank["cases"][i] for rank in session] for i in range(len(CASES))]
 
 
-@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{c.preset}-ep{c.ep}" for c in CASES])
+@pytest.mark.parametrize(
+    "i", range(len(CASES)), ids=[f"{c.preset}-ep{c.ep}{'-nextn' if c.server_args else ''}" for c in CASES]
+)
 def test_tp2_equals_tp1_and_the_oracle(i, tp1, tp2, oracles):
     want, ranks, fp8 = tp1[i], tp2[i], CASES[i].preset.endswith("-fp8")
     for got in ranks:  # every rank samples the same tokens (the logits are gathered whole)
@@ -107,6 +114,19 @@ def test_tp2_equals_tp1_and_the_oracle(i, tp1, tp2, oracles):
     for name, full in want["gathered"].items():
         for got in ranks:
             assert got["gathered"][name] == full, name
+    if want["mtp"] is not None:  # NEXTN: the MTP layer's output and full-vocabulary draft logits
+        mtp = want["mtp"]
+        for got in ranks:
+            assert got["mtp"]["gathered"] == mtp["gathered"]  # (the sharded weights reassemble)
+            # (its attention and experts reduce across ranks: TP_TOL, as the logprobs above)
+            torch.testing.assert_close(torch.tensor(got["mtp"]["stash"]), torch.tensor(mtp["stash"]),
+                                       rtol=0, atol=TP_TOL)  # fmt: skip
+            torch.testing.assert_close(torch.tensor(got["mtp"]["logits"]), torch.tensor(mtp["logits"]),
+                                       rtol=0, atol=TP_TOL)  # fmt: skip
+            assert got["mtp"]["greedy"] == mtp["greedy"]
+        # (the logits' shape is checked above: the whole vocabulary on each rank, not its half)
+        assert ranks[0]["mtp"]["mtp_kv_heads"] == mtp["mtp_kv_heads"] // 2  # its KV split as the model's
+        assert ranks[0]["mtp"]["logits"] == ranks[1]["mtp"]["logits"]  # identical drafts on every rank
     if want["updated"]:  # the same new weights, and what they compute (3 decode steps)
         for got in ranks:
             assert got["updated"]["gathered"] == want["updated"]["gathered"]

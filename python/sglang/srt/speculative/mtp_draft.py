@@ -138,7 +138,9 @@ class MtpDraftRunner:
         return self._run(fb, tokens, hidden)
 
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(g, self.lm_head.weight).float()
+        """The whole vocabulary's logits on every rank: under tensor parallelism the vocab-parallel head
+        gathers the ranks' blocks (`ParallelLMHead`), so every rank drafts the same tokens."""
+        return self.lm_head(g).float()
 
     def _greedy(self, g: torch.Tensor) -> torch.Tensor:
         return self._logits(g).max(dim=-1).indices
