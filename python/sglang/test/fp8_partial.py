@@ -16,7 +16,9 @@ from sglang.srt.layers.quantization.fp8 import FP8_DTYPE, fp8_checkpoint_stream
 from sglang.srt.models.loader import iter_checkpoint
 
 
-def keep_dense(path: str | Path, out: str | Path, patterns: list[str], listed: list[str] | None = None) -> str:
+def keep_dense(
+    path: str | Path, out: str | Path, patterns: list[str], listed: list[str] | None = None
+) -> str:
     """Copy the FP8 checkpoint `path` (single file) to `out` with every module whose checkpoint name matches
     one of the shell `patterns` held dequantized (float32, its weight scale and input scale dropped; a KV
     cache scale stays) and `listed` (default: `patterns`) added to its config's list of unquantized modules

@@ -91,6 +91,10 @@ def test_the_config_is_read_and_other_modelopt_algorithms_are_refused():
                           ({"dynamic": False, "num_bits": 4, "type": "float"}, "FLOAT4")):  # fmt: skip
         with pytest.raises(Fp8ConfigError, match=f"ModelOpt's {named} KV cache"):
             checkpoint_quant_config({**RELEASE_CONFIG, "kv_cache_scheme": scheme})
+    # The older converter's config.json: quant_library instead of quant_method, the KV cache's bare "FP8".
+    older = {k: v for k, v in RELEASE_CONFIG.items() if k != "quant_method"}
+    older = {**older, "quant_library": "modelopt", "kv_cache_scheme": "FP8"}
+    assert checkpoint_quant_config(older).method == "modelopt"
     # One module given as a string is that name, not its characters.
     assert checkpoint_quant_config({**RELEASE_CONFIG, "ignore": "lm_head"}).ignored_layers == ("lm_head",)
     # The per-tensor scale becomes the weight's block grid; a per-channel one is not this format.
@@ -112,8 +116,11 @@ def test_the_modelopt_flag_takes_modelopt_checkpoints_only(tmp_path):
                                f"NVIDIA ModelOpt quantized to FP8 and this one is {what} "):  # fmt: skip
                 ServerArgs(model_path=other, quantization=flag)
     # --quantization fp8 (quantize at load) names another format than the checkpoint's: refused, as upstream.
-    with pytest.raises(ServerArgsError, match="cannot be served: --quantization fp8 quantizes an unquantized "
-                       "checkpoint block-wise at load and this one is quantized with NVIDIA ModelOpt's FP8"):  # fmt: skip
+    refusal = (
+        "cannot be served: --quantization fp8 quantizes an unquantized checkpoint block-wise at load and "
+        "this one is quantized with NVIDIA ModelOpt's FP8"
+    )
+    with pytest.raises(ServerArgsError, match=refusal):
         ServerArgs(model_path=path, quantization="fp8")
     # A ModelOpt NVFP4 checkpoint stops the start in one sentence naming the algorithm.
     cfg = json.loads((Path(path) / "config.json").read_text())
@@ -242,11 +249,13 @@ DENSE_CASES = {
                 | {"model.layers.0.mlp.shared_mlp.gate_proj", "model.layers.0.mlp.shared_mlp.up_proj"}),
     # Nemotron-H names its checkpoint backbone.*; an export may list transformers' names (model.*). An
     # expert kept dense keeps the stacked experts dense.
-    "nemotron_h": ("tiny-nemotron-h-fp8-modelopt", ["backbone.layers.5.mixer*", "*layers.1.mixer.experts.0.*"],
+    "nemotron_h": ("tiny-nemotron-h-fp8-modelopt",
+                   ["backbone.layers.5.mixer*", "*layers.1.mixer.experts.0.*"],
                    ["model.layers.5.mixer*", "model.layers.1.mixer.experts.0*"],
                    {"backbone.layers.5.mixer.up_proj", "backbone.layers.5.mixer.down_proj"}),
     "bamba": ("tiny-bamba-fp8", ["*self_attn*"], None,
-              {f"model.layers.{i}.mixer.{p}" for i in (1, 3) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}),
+              {f"model.layers.{i}.mixer.{p}" for i in (1, 3)
+               for p in ("q_proj", "k_proj", "v_proj", "o_proj")}),
     "lfm2": ("tiny-lfm2-fp8", ["*self_attn*"], None,
              {"model.layers.2.mixer." + p for p in ("q_proj", "k_proj", "v_proj", "o_proj")}),
 }  # fmt: skip
@@ -277,7 +286,8 @@ def test_a_module_is_fp8_exactly_where_its_checkpoint_tensors_are(case, tmp_path
     if case == "nemotron_h":
         assert ckpt["backbone.layers.1.mixer.experts.0.up_proj.weight"].dtype == torch.float32
         assert model.backbone.layers[1].mixer.experts.w13.dtype == torch.float32
-        assert torch.equal(model.backbone.layers[1].mixer.experts.w13, ref["backbone.layers.1.mixer.experts.w13"])
+        experts = model.backbone.layers[1].mixer.experts
+        assert torch.equal(experts.w13, ref["backbone.layers.1.mixer.experts.w13"])
 
 
 def test_without_its_tensors_the_config_lists_the_dense_modules(tmp_path):

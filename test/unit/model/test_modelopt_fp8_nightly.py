@@ -62,7 +62,8 @@ def test_every_architecture_serves_its_modelopt_fp8_form(arch, tmp_path):
     # tensors as they are, and the rest stays FP8.
     kept = keep_dense(path, tmp_path / "kept", ["*layers.1.*"], listed=[])
     cfg = load_hf_config(kept)
-    model = load_model(cfg, kept, torch.float32, "cpu", meta=build_meta_model(cfg, "cpu", Fp8Layout(True, True)))
+    meta = build_meta_model(cfg, "cpu", Fp8Layout(True, True))
+    model = load_model(cfg, kept, torch.float32, "cpu", meta=meta)
     fp8 = {
         n
         for n, m in model.named_modules()

@@ -38,7 +38,9 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
 def is_modelopt(quant: dict[str, Any]) -> bool:
-    return str(quant.get("quant_method", "")).lower() == "modelopt"
+    """`quant_method: "modelopt"`, or `quant_library: "modelopt"` without a quant_method (config.json as
+    ModelOpt's converter wrote it before it named quant_method, with `kv_cache_scheme: "FP8"`)."""
+    return str(quant.get("quant_method") or quant.get("quant_library") or "").lower() == "modelopt"
 
 
 def modelopt_fp8_config(quant: dict[str, Any]) -> Fp8Config:
@@ -52,7 +54,8 @@ def modelopt_fp8_config(quant: dict[str, Any]) -> Fp8Config:
     for kv in kv_cache_algorithms(quant):
         if kv != "FP8":
             raise Fp8ConfigError(
-                f"its KV cache scales are for ModelOpt's {kv} KV cache; this server reads FP8 KV cache scales."
+                f"its KV cache scales are for ModelOpt's {kv} KV cache; this server reads FP8 KV cache "
+                "scales."
             )
     ignored = quant.get("ignore") or quant.get("exclude_modules") or ()
     if isinstance(ignored, str):
