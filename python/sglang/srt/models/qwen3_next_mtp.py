@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang.srt.layers.attention.kv_scales import KVScaleLoader
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.quantization.fp8 import (
@@ -168,7 +169,7 @@ def mtp_loader(
     a checkpoint's FP8 weight and scales stay FP8 for an FP8 linear or FP8 experts and are dequantized for
     a dense module; a dense tensor for an FP8 module is quantized at load; `--quantization fp8` passes the
     quantizable tensors through the FP8 grid."""
-    loader = WeightLoader(nn.ModuleDict({PREFIX.removesuffix("."): mtp}), update=update)
+    loader = _MtpLoader(nn.ModuleDict({PREFIX.removesuffix("."): mtp}), update=update)
     quant = getattr(target, "quant_config", None)
     ours = ((n, t) for n, t in weights if n.startswith(PREFIX))
     if quant is not None:
@@ -182,8 +183,23 @@ def mtp_loader(
         param = mtp_parameter_name(target, name)
         if isinstance(tensor, Fp8Weight) and not (loader.keeps_fp8(param) or param in loader.fp8):
             tensor = dequantize_block_fp8(*tensor, quant.weight_block_size)
-        loader.load(param, tensor)
+        if not loader.kv_scales.take(param, tensor):
+            loader.load(param, tensor)
     return loader
+
+
+class _MtpLoader(WeightLoader):
+    """The MTP layer's `WeightLoader`, which also takes the float8 KV cache scales of its attention
+    (`k_scale` / `v_scale`, as the model's loader does: ModelOpt puts them on `k_proj` / `v_proj`) and sets
+    them once its weights are written."""
+
+    def __init__(self, model: nn.Module, update: bool = False):
+        super().__init__(model, update=update)
+        self.kv_scales = KVScaleLoader(model)
+
+    def finish(self) -> None:
+        super().finish()
+        self.kv_scales.apply()
 
 
 def _fc_around(weights: Iterable[tuple[str, Any]], stream: Any) -> Iterator[tuple[str, Any]]:
