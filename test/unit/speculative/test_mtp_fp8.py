@@ -141,3 +141,36 @@ def test_online_fp8_quantizes_the_mtp_layer_as_the_model_but_fc():
     assert not torch.equal(on_grid, ckpt[Q])
     assert torch.equal(draft.layers[0].self_attn.q_proj.weight, on_grid)
     assert torch.equal(draft.fc.weight, ckpt["mtp.fc.weight"])
+
+
+def test_a_checkpoint_keeping_the_mtp_layer_dense_loads_it_dense(cpu_layout, tmp_path):
+    """The FP8 preset with its `mtp.*` pairs replaced by their dequantized values and its config's list
+    unchanged (as exports that keep the draft bf16 without listing it): in CUDA's layout the MTP layer has
+    no FP8 module and serves those tensors exactly (the file decides, as for the model:
+    `registry.fp8_dense_modules`); before, its FP8 modules requantized them at load."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from sglang.srt.configs.model_config import load_hf_config
+    from sglang.srt.models.registry import load_model
+    from sglang.srt.speculative.draft_layers import build_meta_draft_layers, load_draft_layers_from
+
+    _, _, ckpt = cpu_layout
+    src = ServerArgs(model_path=FP8).model_config.path
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    tensors = dict(ckpt)
+    for name, (w, s) in _pairs(ckpt).items():
+        if name.startswith("mtp."):
+            tensors[name] = dequantize_block_fp8(w, s)
+            del tensors[name + SCALE_SUFFIX]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = load_hf_config(str(tmp_path))
+    model = load_model(cfg, str(tmp_path), torch.float32, "cpu", Fp8Layout(linears=True, experts=True))
+    draft = load_draft_layers_from(str(tmp_path), model)
+    params = dict(draft.named_parameters())
+    assert all(p.dtype == torch.float32 for p in params.values())
+    assert torch.equal(params["layers.0.self_attn.q_proj.weight"], tensors[Q])
+    assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())  # (the model stays FP8)
+    meta = build_meta_draft_layers(model)  # (the planner: the folder the config was read from)
+    assert {n: p.dtype for n, p in meta.named_parameters()} == {n: p.dtype for n, p in params.items()}

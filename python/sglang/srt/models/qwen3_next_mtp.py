@@ -104,11 +104,12 @@ def mtp_parameter_name(target: nn.Module, name: str) -> str:
     return PREFIX + target.checkpoint_name("model." + name.removeprefix(PREFIX)).removeprefix("model.")
 
 
-def build_mtp(target: nn.Module) -> Qwen3NextMTP:
+def build_mtp(target: nn.Module, path: str | None = None) -> Qwen3NextMTP:
     """The MTP module of `target` (its model, on any device, meta included) on the meta device, laid out
-    as `target` is: FP8 linears where the target has them, FP8 experts where its experts are FP8, the
-    checkpoint's unquantized modules and `fc` dense. The memory planner counts it
-    (`draft_layers.build_meta_draft_layers`); `load_mtp` allocates and fills it."""
+    as `target` is: FP8 linears where the target has them, FP8 experts where its experts are FP8, `fc`
+    and the modules the checkpoint at `path` (default: the folder the config came from) holds unquantized
+    dense. The memory planner counts it (`draft_layers.build_meta_draft_layers`); `load_mtp` allocates
+    and fills it."""
     with torch.device("meta"):
         mtp = Qwen3NextMTP(target.config)
     quant = getattr(target, "quant_config", None)
@@ -117,12 +118,34 @@ def build_mtp(target: nn.Module) -> Qwen3NextMTP:
     linears = any(isinstance(m, Fp8BlockLinear) for m in target.modules())
     experts = any(isinstance(m, RoutedExperts) and m.fp8 for m in target.modules())
     named = nn.ModuleDict({PREFIX.removesuffix("."): mtp})  # (module names as the checkpoint's)
-    skip = _ignored_modules(target, named, quant) | {DENSE_FC}
+    path = path or getattr(target.config, "_name_or_path", None)
+    skip = _dense_modules(target, named, quant, path) | {DENSE_FC}
     if linears:
         swap_fp8_linears(named, quant, getattr(target, "fp8_dense_modules", ()), skip)
     if experts:
         swap_fp8_experts(named, quant, skip)
     return mtp
+
+
+def _dense_modules(target: nn.Module, named: nn.Module, quant: Fp8Config, path: str | None) -> set[str]:
+    """The MTP layer's modules (names under `mtp.`) the FP8 checkpoint at `path` holds in their own dtype,
+    by the model's rule (`registry.fp8_dense_modules`): each module a dense `mtp.*` tensor of two or more
+    dimensions loads into (a checkpoint that keeps the whole layer bf16, listed or not, loads it dense);
+    its listed modules where `path` holds no weights. `--quantization fp8`: none."""
+    from sglang.srt.models.registry import _DENSE_DTYPES, checkpoint_tensor_types
+
+    if not quant.is_checkpoint_fp8_serialized:
+        return set()
+    tensors = checkpoint_tensor_types(path) if path else None
+    if tensors is None:
+        return _ignored_modules(target, named, quant)
+    dense = set()
+    for name, (dtype, shape) in tensors.items():
+        if not name.startswith(PREFIX) or dtype not in _DENSE_DTYPES or len(shape) < 2:
+            continue
+        if not name.endswith(("_scale", "_scale_inv")):  # (scales: the FP8 tensors' own)
+            dense.add(mtp_parameter_name(target, name).rpartition(".")[0])
+    return dense
 
 
 def _ignored_modules(target: nn.Module, named: nn.Module, quant: Fp8Config) -> set[str]:
@@ -139,14 +162,16 @@ def _ignored_modules(target: nn.Module, named: nn.Module, quant: Fp8Config) -> s
     return names
 
 
-def load_mtp(target: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Qwen3NextMTP:
+def load_mtp(
+    target: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], path: str | None = None
+) -> Qwen3NextMTP:
     """The MTP module of `target` (a loaded Qwen3-Next / Qwen3.5 model), on its device and in its dtype
-    (FP8 modules as `build_mtp` lays them out), with the checkpoint's `mtp.*` tensors; ValueError naming
-    what a checkpoint without them lacks."""
+    (FP8 modules as `build_mtp` lays them out for the checkpoint at `path`), with the checkpoint's `mtp.*`
+    tensors; ValueError naming what a checkpoint without them lacks."""
     from sglang.srt.models.registry import materialize
 
     param = target.lm_head.weight
-    mtp = build_mtp(target)
+    mtp = build_mtp(target, path)
     materialize(mtp, param.dtype, param.device)
     mtp_loader(target, mtp, weights).finish()
     for module in reversed(list(mtp.modules())):

@@ -67,7 +67,7 @@ def load_draft_layers_from(path: str, target: Any) -> Any:
         raise ValueError(
             "it has no MTP layer (no mtp.* tensors), which --speculative-algorithm EAGLE / NEXTN drafts with"
         )
-    return load_mtp(target, read_checkpoint(path, prefix=PREFIX))
+    return load_mtp(target, read_checkpoint(path, prefix=PREFIX), path)
 
 
 def draft_parameters(draft: Any | None) -> dict[str, Any]:
