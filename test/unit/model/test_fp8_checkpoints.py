@@ -186,10 +186,13 @@ def test_fp8_presets_are_written_as_the_published_checkpoints():
             "lm_head.weight",
         ):
             assert name + "_scale_inv" not in names and torch.equal(f.get_tensor(name), b.get_tensor(name))
-        # The FP8 presets are written without the MTP layer (NEXTN on a quantized checkpoint is refused:
-        # test_speculative_mtp), so every other tensor of the bf16 preset is there, and no more.
-        base_names = {n for n in b.keys() if not n.startswith("mtp.")}
-        assert names - {n for n in names if n.endswith("_scale_inv")} == base_names
+        # Every other tensor of the bf16 preset is there, and no more, but the MTP layer's fused 3-D experts:
+        # written per expert, as the releases store them (the MTP layer's form: test_mtp_fp8.py).
+        fused = {n for n in b.keys() if n.startswith("mtp.") and ".experts." in n}
+        assert fused == {"mtp.layers.0.mlp.experts.gate_up_proj", "mtp.layers.0.mlp.experts.down_proj"}
+        experts = {n for n in names if n.startswith("mtp.layers.0.mlp.experts.") and n.endswith("proj.weight")}
+        assert len(experts) == 3 * b.get_slice("mtp.layers.0.mlp.experts.down_proj").get_shape()[0]
+        assert names - {n for n in names if n.endswith("_scale_inv")} == (set(b.keys()) - fused) | experts
 
 
 @pytest.mark.parametrize("preset", sorted(FP8_PRESETS))
