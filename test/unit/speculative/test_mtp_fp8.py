@@ -103,6 +103,12 @@ def test_cuda_layout_keeps_the_checkpoints_fp8_bytes():
     assert torch.equal(params["layers.0.mlp.experts.w2"].view(torch.uint8), w2.view(torch.uint8))
     meta = {n: (p.shape, p.dtype) for n, p in build_meta_draft_layers(model).named_parameters()}
     assert meta == {n: (p.shape, p.dtype) for n, p in params.items()}
+    # Without the checkpoint's files (planning from a config alone) its modules_to_not_convert decides:
+    # the same layout for a well-formed export.
+    from sglang.srt.models.qwen3_next_mtp import build_mtp
+
+    listed = {n: (p.shape, p.dtype) for n, p in build_mtp(model, path="/nonexistent").named_parameters()}
+    assert listed == meta
 
 
 def test_mtp_weight_updates_follow_the_fp8_rules(cpu_layout):

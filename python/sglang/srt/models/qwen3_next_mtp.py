@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator
-from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -132,13 +131,14 @@ def _dense_modules(target: nn.Module, named: nn.Module, quant: Fp8Config, path: 
     by the model's rule (`registry.fp8_dense_modules`): each module a dense `mtp.*` tensor of two or more
     dimensions loads into (a checkpoint that keeps the whole layer bf16, listed or not, loads it dense);
     its listed modules where `path` holds no weights. `--quantization fp8`: none."""
-    from sglang.srt.models.registry import _DENSE_DTYPES, checkpoint_tensor_types
+    from sglang.srt.models.registry import _DENSE_DTYPES, _listed_as_unquantized, checkpoint_tensor_types
 
     if not quant.is_checkpoint_fp8_serialized:
         return set()
     tensors = checkpoint_tensor_types(path) if path else None
-    if tensors is None:
-        return _ignored_modules(target, named, quant)
+    if tensors is None:  # (the list, its `mtp.*` names mapped as the loader maps them)
+        named.checkpoint_name = lambda n: mtp_parameter_name(target, n) if n.startswith(PREFIX) else n
+        return _listed_as_unquantized(named, quant)
     dense = set()
     for name, (dtype, shape) in tensors.items():
         if not name.startswith(PREFIX) or dtype not in _DENSE_DTYPES or len(shape) < 2:
@@ -146,20 +146,6 @@ def _dense_modules(target: nn.Module, named: nn.Module, quant: Fp8Config, path: 
         if not name.endswith(("_scale", "_scale_inv")):  # (scales: the FP8 tensors' own)
             dense.add(mtp_parameter_name(target, name).rpartition(".")[0])
     return dense
-
-
-def _ignored_modules(target: nn.Module, named: nn.Module, quant: Fp8Config) -> set[str]:
-    """The checkpoint's unquantized `mtp.*` modules (`modules_to_not_convert`, ModelOpt's `ignore`) in the
-    layer's names under `mtp.`; a shell-style pattern names every module of the layer it matches."""
-    names, patterns = set(), []
-    for m in quant.ignored_layers:
-        if any(c in m for c in "*?["):
-            patterns.append(m)
-        elif m == PREFIX.removesuffix(".") or m.startswith(PREFIX):
-            names.add(mtp_parameter_name(target, m + ".weight").removesuffix(".weight"))
-    if patterns:
-        names |= {n for n, _ in named.named_modules() if n and any(fnmatchcase(n, p) for p in patterns)}
-    return names
 
 
 def load_mtp(
