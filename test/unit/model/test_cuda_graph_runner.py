@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang.srt.configs.gpu_memory_defaults import capture_bs_list
 from sglang.srt.configs.presets import PRESETS as PRESET_ARCHS
 from sglang.srt.environ import envs
-from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, GraphUnsafeError, capture_bs_list
+from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, GraphUnsafeError
 from sglang.srt.server_args import ServerArgs
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, random_ids

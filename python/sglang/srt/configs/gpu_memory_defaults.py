@@ -96,6 +96,25 @@ def mtp_graphs_bytes(shapes: MtpGraphShapes) -> int:
     return draft + after
 
 
+# SGLang's default capture sizes: small ones densely, then every 8.
+DEFAULT_MAX_BS = 160
+
+
+def capture_bs_list(args, max_running_requests: int) -> list[int]:
+    """The batch sizes to capture: `--cuda-graph-bs` if given, else 1, 2, 4, 8, 12, then every 8 up to
+    `--cuda-graph-max-bs` (on CUDA SGLang's default by GPU memory, above; 160
+    where unset); never above the running cap."""
+    cap = max_running_requests
+    if args.cuda_graph_bs:
+        sizes = [b for b in args.cuda_graph_bs if b <= cap]
+    else:
+        top = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, cap)
+        sizes = [b for b in (1, 2, 4, 8, 12, *range(16, top + 1, 8)) if b <= top]
+        if top not in sizes:
+            sizes.append(top)
+    return sorted(set(sizes))
+
+
 def mtp_graphs_reserve_mib(args, graph_bs: int) -> float:
     """`mtp_graphs_bytes` in MiB for a server of `args` capturing graphs up to `graph_bs` (0: none), with
     EAGLE / NEXTN (else 0): the model's shapes from its config, the sizes `capture_bs_list` takes."""
@@ -103,8 +122,6 @@ def mtp_graphs_reserve_mib(args, graph_bs: int) -> float:
 
     if not graph_bs or args.speculative_algorithm not in MTP_ALGORITHMS:
         return 0.0
-    from sglang.srt.model_executor.cuda_graph_runner import capture_bs_list
-
     cfg = args.model_config.arch.hf_config
     moe = getattr(cfg, "num_experts_per_tok", None) and getattr(cfg, "moe_intermediate_size", None)
     if moe:

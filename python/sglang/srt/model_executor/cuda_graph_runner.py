@@ -40,13 +40,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-# SGLang's default capture sizes: small ones densely, then every 8.
-DEFAULT_MAX_BS = 160
-
 
 class GraphUnsafeError(RuntimeError):
     """The graph body read a host value that a replay would not update."""
@@ -65,21 +60,6 @@ class _NoHostValues(list):
 
 
 _NO_HOST_VALUES = _NoHostValues()
-
-
-def capture_bs_list(args: ServerArgs, max_running_requests: int) -> list[int]:
-    """The batch sizes to capture: `--cuda-graph-bs` if given, else 1, 2, 4, 8, 12, then every 8 up to
-    `--cuda-graph-max-bs` (on CUDA SGLang's default by GPU memory, `configs/gpu_memory_defaults.py`; 160
-    where unset); never above the running cap."""
-    cap = max_running_requests
-    if args.cuda_graph_bs:
-        sizes = [b for b in args.cuda_graph_bs if b <= cap]
-    else:
-        top = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, cap)
-        sizes = [b for b in (1, 2, 4, 8, 12, *range(16, top + 1, 8)) if b <= top]
-        if top not in sizes:
-            sizes.append(top)
-    return sorted(set(sizes))
 
 
 @dataclass

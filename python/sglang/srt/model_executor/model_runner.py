@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sglang.srt.configs.gpu_memory_defaults import capture_bs_list
 from sglang.srt.configs.hybrid_arch import hybrid_arch_config
 from sglang.srt.configs.model_config import load_hf_config
 from sglang.srt.configs.presets import resolve_model_path
@@ -49,7 +50,7 @@ from sglang.srt.layers.sampler import Sampler
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
 from sglang.srt.mem_cache.pool_sizing import PoolSizes, check_weights_fit, compute_pool_sizes
 from sglang.srt.mem_cache.weight_bytes import weight_bytes_of
-from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, capture_bs_list
+from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.loaded_weights import LoadedWeights, check_same_parameters
 from sglang.srt.model_executor.memory_occupation import MemoryOccupation
