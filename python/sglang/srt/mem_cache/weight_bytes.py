@@ -67,8 +67,8 @@ def weight_bytes_from_config(
 ) -> WeightBytes:
     """What the weights of the model `hf_config` describes take on `device`, on one rank of `tp_size`
     (`ep_size`) where the process joined no group (module docstring). `draft_layers`: with the MTP
-    layer EAGLE / NEXTN loads beside the model (`speculative/draft_layers.py`), all of it in `dtype`
-    (`load_mtp` casts it so; quantized checkpoints are refused with these algorithms)."""
+    layer EAGLE / NEXTN loads beside the model (`speculative/draft_layers.py`), laid out as `load_mtp`
+    lays it out (FP8 modules where the model's are, `build_mtp`) and counted as the model is."""
     with planned_parallel(tp_size, ep_size):
         return weight_bytes_of(build_meta_model(hf_config, device), dtype, draft_layers)
 
@@ -76,15 +76,13 @@ def weight_bytes_from_config(
 def weight_bytes_of(model: torch.nn.Module, dtype: torch.dtype, draft_layers: bool = False) -> WeightBytes:
     """`weight_bytes_from_config`'s count for `model`, built on the meta device by `build_meta_model`
     (a start on CUDA counts the model it then loads: `load_model`'s `meta`)."""
-    draft = build_meta_draft_layers(model) if draft_layers else None
+    modules = [model] + ([build_meta_draft_layers(model)] if draft_layers else [])
     total = fp8 = dense = 0
-    for name, param in model.named_parameters():
-        total += param.numel() * served_dtype(model, name, param, dtype).itemsize
-        if param.dtype == FP8_DTYPE:
-            fp8 += param.numel()
-        elif not name.endswith(SCALE_SUFFIX):
-            dense += param.numel()
-    for param in draft.parameters() if draft is not None else ():
-        total += param.numel() * dtype.itemsize
-        dense += param.numel()
+    for module in modules:  # (each counted as `materialize` allocates it: the MTP layer on its own)
+        for name, param in module.named_parameters():
+            total += param.numel() * served_dtype(module, name, param, dtype).itemsize
+            if param.dtype == FP8_DTYPE:
+                fp8 += param.numel()
+            elif not name.endswith(SCALE_SUFFIX):
+                dense += param.numel()
     return WeightBytes(total, fp8, dense)
