@@ -149,3 +149,35 @@ def test_a_failed_capture_leaves_the_graphs_released(monkeypatch):
     monkeypatch.undo()
     runner.memory_occupation.resume(["cuda_graph"])
     assert graphs.decode.outputs and not runner.memory_occupation.released
+
+
+def test_no_capture_while_anything_is_released(monkeypatch):
+    """A weight update that changes a float8 KV scale, and a model swap, capture the graphs again (they hold
+    the scales and the weights' addresses), but not while a tag is released: with the KV cache released
+    the capture would write slot 0 of the emptied pools (an illegal access on CUDA), with the graphs
+    released it would bring them back while the tag says released. The resume that leaves nothing
+    released captures them, once."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.loaded_weights import LoadedWeights
+
+    runner = make_runner("tiny-qwen3-next", kv_cache_dtype="fp8_e4m3")
+    graphs = runner.graph_runner = CudaGraphRunner(runner, [1, 2], use_graphs=False)
+    captures = []
+    real = graphs._capture_all
+    monkeypatch.setattr(graphs, "_capture_all", lambda: (captures.append(1), real()))
+    name = next(n for n, m in runner.model.named_modules() if isinstance(m, RadixAttention))
+    attn, scale = runner.model.get_submodule(name), name.rpartition(".")[0] + ".k_scale"
+    occupation = runner.memory_occupation
+    for i, tag in enumerate(["kv_cache", "cuda_graph", "kv_cache"]):
+        occupation.release([tag])
+        if i < 2:
+            runner.update_weights_from_tensor([(scale, torch.tensor(0.5 + i))])
+            assert attn.kv_scales == (0.5 + i, 1.0)  # (set now; the graphs take it at the resume)
+        else:
+            runner.swap_model(LoadedWeights(runner.model, runner.draft_model))
+        assert captures == [1] * i and occupation.released == {tag}
+        assert (graphs.decode.outputs == {}) == (tag == "cuda_graph")
+        occupation.resume([tag])
+        assert captures == [1] * (i + 1) and graphs.decode.outputs and not occupation.released
+    runner.update_weights_from_tensor([(scale, torch.tensor(0.25))])  # nothing released: at once
+    assert captures == [1] * 4

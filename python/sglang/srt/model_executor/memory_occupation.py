@@ -97,6 +97,17 @@ class MemoryOccupation:
             self._graphs_stale = False
         self._sync()
 
+    def recapture_graphs(self) -> None:
+        """Capture the CUDA graphs again (the weights or the float8 KV scales they hold were replaced): now
+        where nothing is released, else at the resume that leaves nothing released (a capture meanwhile
+        would write the KV pool's slot 0 into released storages, or bring back released graphs)."""
+        if self.runner.graph_runner is None:
+            return
+        if self.released:
+            self._graphs_stale = True
+        else:
+            self.runner.graph_runner.recapture()
+
     def _tensors(self, tag: str) -> list[torch.Tensor]:
         runner = self.runner
         if tag == WEIGHTS:  # (with EAGLE / NEXTN the MTP layer's too, as upstream's memory saver region)

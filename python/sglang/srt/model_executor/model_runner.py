@@ -323,8 +323,7 @@ class ModelRunner:
         addresses, so they are captured again."""
         self.model, self.draft_model = loaded
         self._kv_scales()  # the missing-scale warning was logged at start (once per start)
-        if self.graph_runner is not None:
-            self.graph_runner.recapture()
+        self.memory_occupation.recapture_graphs()
 
     def update_weights_from_tensor(
         self,
@@ -376,10 +375,10 @@ class ModelRunner:
             unknown = self.model.load_weights(named_tensors, update=True, before_copy=before_copy)
             unknown += draft_unknown
             # Resolved whether or not graphs exist (the backends read the resolved pair); the float8 KV
-            # scales are numbers the captured graphs hold, not parameters, so a change recaptures them.
-            changed = self._kv_scales() != scales
-            if self.graph_runner is not None and changed:
-                self.graph_runner.recapture()
+            # scales are numbers the captured graphs hold, not parameters, so a change recaptures them
+            # (at the resume where memory is released).
+            if self._kv_scales() != scales:
+                self.memory_occupation.recapture_graphs()
         if on_cuda:
             torch.cuda.synchronize(self.device)  # written before the next forward reads them
         return unknown
