@@ -454,9 +454,10 @@ class ModelRunner:
                 top_logprobs_nums=fb.top_logprobs_nums,
                 token_ids_logprobs=fb.token_ids_logprobs,
             )
-            if fb.spec is not None:  # EAGLE / NEXTN: rejection sampling, then the draft layer's KV
-                sample = fb.spec.after_sampling(fb, hidden, next_logits, sample)
-            sample.next_token_ids = agree_on_tokens(sample.next_token_ids, fb)
+            if fb.spec is not None:  # EAGLE / NEXTN: rejection sampling, the agreement, the draft layer's KV
+                sample = fb.spec.after_sampling(fb, hidden, next_logits, sample, agree_on_tokens)
+            else:
+                sample.next_token_ids = agree_on_tokens(sample.next_token_ids, fb)
             if fb.penalties is not None:
                 self.penalizer.cumulate(fb.penalties, sample.next_token_ids)
         return GenerationBatchResult(

@@ -29,6 +29,7 @@ Greedy requests take the target's argmax at every position, as plain decoding do
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,8 @@ from sglang.srt.layers.sampler import SampleOutput, inverse_cdf_sample, truncate
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
 from sglang.srt.speculative.mtp_graphs import MtpDraftGraphs, MtpForwardGraphs
 from sglang.srt.utils.host_tensors import host_int64
+
+Agree = Callable[[torch.Tensor, ForwardBatch], torch.Tensor]
 
 
 class MtpAttnBackend:
@@ -218,7 +221,8 @@ class DraftPlan:
 @dataclass
 class MtpHook:
     """`ForwardBatch.spec` of a target forward: after sampling (`ModelRunner.forward_batch_generation`),
-    rejection sampling for a verify's drafted positions and the MTP layer over the forward's positions.
+    rejection sampling for a verify's drafted positions, the TP ranks' agreement on the tokens, and the
+    MTP layer over the forward's positions.
 
     `next_ids`: per token of the batch the token after it where the host knows it (prompt), -1 where it is
     the request's sampled token (extend; a decode and a verify use their own sampled tokens). A verify
@@ -232,12 +236,15 @@ class MtpHook:
     draft_probs: torch.Tensor | None = None  # verify: [drafting requests, k, vocab]
 
     def after_sampling(
-        self, fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor, sample: SampleOutput
+        self, fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor, sample: SampleOutput, agree: Agree
     ) -> SampleOutput:
+        """`agree`: the TP ranks' agreement on the tokens (`model_runner.agree_on_tokens`), applied to the
+        tokens as sampled (a verify's after its rejection sampling) and before anything reads them: the
+        MTP layer, the accepted counts and the stash rows are then the same on every rank."""
         mode = fb.forward_mode
         if mode.is_target_verify():
-            return self._verify(fb, hidden, logits, sample)
-        ids = sample.next_token_ids
+            return self._verify(fb, hidden, logits, sample, agree)
+        ids = sample.next_token_ids = agree(sample.next_token_ids, fb)
         if mode.is_decode():
             self.runner._stash(fb.req_pool_indices, self.runner._run_after(fb, ids, hidden))
             return sample
@@ -252,7 +259,7 @@ class MtpHook:
         return sample
 
     def _verify(
-        self, fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor, sample: SampleOutput
+        self, fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor, sample: SampleOutput, agree: Agree
     ) -> SampleOutput:
         device = logits.device
         info = fb.sampling_info  # (one row per position)
@@ -268,6 +275,7 @@ class MtpHook:
             if sample.next_token_logprobs is not None:
                 lp = scaled_log_softmax(logits.float(), info.temperatures)
                 sample.next_token_logprobs = lp.gather(1, ids[:, None])[:, 0]
+        ids = sample.next_token_ids = agree(ids, fb)
         # Drafts accepted per request: leading positions whose token is the next input (a draft).
         accepted = torch.zeros(len(self.widths), dtype=torch.int64, device=device)
         if drafted:
