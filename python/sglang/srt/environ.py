@@ -260,6 +260,9 @@ class Envs:
     SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER = EnvOptStr(
         None, "Prefill side: the transfer of each request whose rid starts with this fails (fault injection)."
     )
+    SGLANG_TEST_DISAGGREGATION_ZERO_DRAFT_STASH = EnvBool(
+        False, "Prefill side: the MTP draft state sent with each first token is zeros (a test's negative control)."
+    )
     # The secret both PD servers sign their control messages with (HMAC-SHA256); without it a server
     # on a non-loopback --host refuses to start unless told its network is isolated.
     SGLANG_DISAGGREGATION_SECRET = EnvStr("", "Sign PD control messages and drop unsigned ones (both servers).")

@@ -251,11 +251,6 @@ def check_mtp_flags(args: ServerArgs) -> None:
             f"--speculative-draft-model-path {args.speculative_draft_model_path} is not supported: "
             f"--speculative-algorithm {algo} drafts with the MTP layers of --model-path itself."
         )
-    if args.disaggregation_mode != "null":
-        raise ServerArgsError(
-            f"--speculative-algorithm {algo} is not supported with --disaggregation-mode "
-            f"{args.disaggregation_mode}: the decode side would lack the prompt's draft-layer KV."
-        )
     hf_config = args.model_config.hf_config
     archs = getattr(hf_config, "architectures", None) or []
     if not set(archs) & set(MTP_ARCHITECTURES) or num_mtp_layers(hf_config) < 1:

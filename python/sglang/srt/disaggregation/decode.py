@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
 from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
 from sglang.srt.disaggregation.decode_pool import HybridMambaDecodeReqToTokenPool  # noqa: F401 (re-export)
+from sglang.srt.disaggregation.draft_state import write_stash_row
 from sglang.srt.disaggregation.pd_ranks import PdRanks, destination_ranks
 from sglang.srt.disaggregation.staging import StagedRange, StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout, clear_destination, open_transfer_engine
@@ -357,6 +358,11 @@ class DecodeTransferQueue:
             del self.staged[key]
             self.staging.free(entry.start)
             self.stats["staged_chunks"] += 1
+        error = write_stash_row(self.sched, req, msg)  # (EAGLE / NEXTN: what the first verify drafts from)
+        if error is not None:
+            self.stats["failed_transfers"] += 1
+            self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
+            return
         self.stats["transfers"] += 1
         for k in ("bytes", "kv_tokens", "seconds"):
             self.stats[k] += answer[k]

@@ -61,6 +61,8 @@ def malformed_layout(layout: Any, is_int) -> str | None:
         return "layout holds something other than addresses and sizes"
     if not isinstance(layout.get("kv_dtype", ""), str):
         return "layout's kv_dtype must be a string"
+    if not is_int(layout.get("draft_kv_layers", 0)):
+        return "layout's draft_kv_layers must be a layer count"
     # (`transfer_descriptors` and `PoolLayout.regions` zip them strictly)
     if len(lists[0]) != len(lists[1]):
         return "layout's kv_ptrs and kv_nbytes differ in length"

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.disaggregation.auth import BootstrapIdentity, check_at_start, secret
 from sglang.srt.disaggregation.channel import MAX_ERROR_CHARS, Channel
 from sglang.srt.disaggregation.destination import malformed_dst
+from sglang.srt.disaggregation.draft_state import stash_row_message
 from sglang.srt.disaggregation.pd_ranks import (
     Outcome,
     PdRanks,
@@ -390,6 +391,7 @@ class PrefillBootstrapQueue:
             "cached_tokens": req.cached_tokens,
             "bytes": nbytes, "kv_tokens": room.kv_tokens, "seconds": seconds,
             **({"chunk": last_chunk[0]} if last_chunk else {}),
+            **stash_row_message(self.sched, req),  # (EAGLE / NEXTN: the first draft's MTP output)
         })  # fmt: skip
         processor = self.sched.result_processor
         if not req.finished:

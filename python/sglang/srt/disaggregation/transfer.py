@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from sglang.srt.disaggregation.channel import reachable_host
 from sglang.srt.disaggregation.staging import Staging, StatePacker, kv_buffers, staging_sizes, transfer_path
 from sglang.srt.server_args import ServerArgsError
+from sglang.srt.speculative.draft_layers import draft_kv_layer_ids
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,11 @@ class PoolLayout:
     # The KV pool's dtype (`--kv-cache-dtype`): bfloat16 and float16, or the two float8s, have the same
     # bytes per token and different meanings.
     kv_dtype: str = ""
+    # Of the KV layers, the MTP draft layer's (the last; EAGLE / NEXTN: `draft_layers.draft_kv_layer_ids`).
+    draft_kv_layers: int = 0
 
     @classmethod
-    def of(cls, token_to_kv_pool, mamba_pool) -> PoolLayout:
+    def of(cls, token_to_kv_pool, mamba_pool, draft_kv_layers: int = 0) -> PoolLayout:
         kv = kv_buffers(token_to_kv_pool)
         per_token = kv[0][0].nbytes if kv else 0
         states = mamba_pool.get_contiguous_buf_infos()
@@ -66,6 +69,7 @@ class PoolLayout:
             state_nbytes=[n for _, n, _ in states],
             state_slot_bytes=[s for _, _, s in states],
             kv_dtype=str(token_to_kv_pool.dtype),
+            draft_kv_layers=draft_kv_layers,
         )
 
     def regions(self) -> list[tuple[int, int]]:
@@ -89,6 +93,12 @@ class PoolLayout:
 
     def mismatch(self, other: PoolLayout) -> str | None:
         """Why a transfer between the two layouts cannot be right (different models or dtypes), or None."""
+        if self.draft_kv_layers != other.draft_kv_layers:
+            here, there = ("has", "lacks") if self.draft_kv_layers else ("lacks", "has")
+            return (
+                f"this server {here} the MTP draft layer's KV and the other {there} it: start both with the "
+                "same --speculative-algorithm (EAGLE / NEXTN on both, or on neither)"
+            )
         if len(self.kv_ptrs) != len(other.kv_ptrs) or self.kv_bytes_per_token != other.kv_bytes_per_token:
             return (
                 f"the KV layouts differ ({len(self.kv_ptrs) // 2} layers of {self.kv_bytes_per_token} bytes per "
@@ -157,7 +167,7 @@ def open_transfer_engine(sched, side: str) -> tuple[PoolLayout, MooncakeTransfer
     were checked at startup (`check_flag_support`). Logs which path is in use."""
     args = sched.server_args
     kv_pool, mamba_pool = sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool
-    layout = PoolLayout.of(kv_pool, mamba_pool)
+    layout = PoolLayout.of(kv_pool, mamba_pool, len(draft_kv_layer_ids(args)))
     backend = args.disaggregation_transfer_backend
     path = transfer_path(args.device, backend)
     packer = StatePacker.of(kv_pool, mamba_pool, args.device)

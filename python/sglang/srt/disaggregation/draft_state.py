@@ -1,0 +1,86 @@
+"""EAGLE / NEXTN under prefill/decode disaggregation (`--speculative-algorithm` alike on both servers):
+what the decode server's first verify drafts from besides the prompt's KV.
+
+The prefill server runs the MTP layer after its prefill as a single server does (`speculative/
+mtp_draft.py`): the prompt positions' MTP KV lands in the KV pool's draft layer (id
+`num_hidden_layers`), which moves with the other layers' KV (`PoolLayout.draft_kv_layers` says that
+both servers have it); and the MTP output g at the prompt's last position, with the sampled first
+token, is left in the request's row of the `DraftStash`. That row goes with the "done" answer (its raw
+bytes, base64: exact in any dtype) and is written into the decode server's stash row of the request,
+so that its first verify drafts exactly as a single server's would (upstream sends the draft's hidden
+state with the first token, likewise: sgl-project/sglang PR #9976)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sglang.srt.environ import envs
+
+if TYPE_CHECKING:
+    from sglang.srt.disaggregation.scheduler_view import DisaggScheduler
+    from sglang.srt.managers.schedule_batch import Req
+
+FIELD = "draft_hidden"
+
+
+def _stash(sched: DisaggScheduler) -> torch.Tensor | None:
+    """The scheduler's MTP stash rows [rows, hidden], or None without EAGLE / NEXTN."""
+    draft = getattr(getattr(sched, "spec", None), "draft", None)
+    stash = getattr(draft, "stash", None)
+    return None if stash is None else stash.hidden
+
+
+def _on_stream(sched: DisaggScheduler, stash: torch.Tensor, fn):
+    """`fn()` where the forward stream sees it: at once for host rows (no batch in flight uses a row that
+    a request waiting for its transfer holds), else as a task on the forward stream."""
+    if stash.device.type == "cpu":
+        return fn()
+    return sched.worker.call(fn)
+
+
+def stash_row_message(sched: DisaggScheduler, req: Req) -> dict[str, Any]:
+    """The prefill side: the "done" answer's field holding `req`'s stash row ({} without EAGLE / NEXTN)."""
+    stash = _stash(sched)
+    if stash is None:
+        return {}
+    row = _on_stream(sched, stash, lambda: stash[req.req_pool_idx].to("cpu", copy=True))
+    if envs.SGLANG_TEST_DISAGGREGATION_ZERO_DRAFT_STASH.get():
+        row.zero_()
+    return {FIELD: encode_row(row)}
+
+
+def encode_row(row: torch.Tensor) -> str:
+    return base64.b64encode(row.contiguous().view(torch.uint8).numpy().tobytes()).decode("ascii")
+
+
+def decode_row(value: Any, like: torch.Tensor) -> torch.Tensor | str:
+    """The row an answer's field holds, in `like`'s dtype and shape; or why it cannot be one."""
+    if not isinstance(value, str):
+        return (
+            "the prefill server sent no MTP draft state (start it with the same --speculative-algorithm "
+            "as the decode server)"
+        )
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return "the MTP draft state is not base64"
+    if len(data) != like.nbytes:
+        return f"the MTP draft state has {len(data)} bytes, {like.nbytes} expected (another model or dtype)"
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(like.dtype).view(like.shape)
+
+
+def write_stash_row(sched: DisaggScheduler, req: Req, msg: dict[str, Any]) -> str | None:
+    """The decode side: `msg`'s stash row into `req`'s row of this server's stash (nothing without EAGLE /
+    NEXTN); why not, in one sentence, where the answer lacks it or it does not fit."""
+    stash = _stash(sched)
+    if stash is None:
+        return None
+    row = decode_row(msg.get(FIELD), stash[0])
+    if isinstance(row, str):
+        return row
+    _on_stream(sched, stash, lambda: stash[req.req_pool_idx].copy_(row))
+    return None

@@ -1,0 +1,69 @@
+"""EAGLE / NEXTN under PD (`disaggregation/draft_state.py`), without servers: the MTP output row the prefill
+server sends with the first token arrives in the decode server's stash row bit for bit (bfloat16 too);
+an answer without it, or of another size, is refused in one sentence; and a pool layout with the MTP
+draft layer's KV meets one without it with a refusal naming --speculative-algorithm, before any
+transfer (the end-to-end check: test/registered/disaggregation/test_pd_mtp_nightly.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.disaggregation.destination import malformed_layout
+from sglang.srt.disaggregation.draft_state import FIELD, stash_row_message, write_stash_row
+from sglang.srt.disaggregation.transfer import PoolLayout
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=2, suite="per-commit-cpu")
+
+
+def _sched(rows: int, hidden: int, dtype: torch.dtype) -> SimpleNamespace:
+    stash = SimpleNamespace(hidden=torch.zeros(rows, hidden, dtype=dtype))
+    return SimpleNamespace(spec=SimpleNamespace(draft=SimpleNamespace(stash=stash)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_stash_row_arrives_bit_for_bit(dtype):
+    prefill, decode = _sched(4, 24, dtype), _sched(6, 24, dtype)
+    g = torch.randn(24, generator=torch.Generator().manual_seed(0)).to(dtype)
+    g[3] = float("-inf")  # (raw bytes, not numbers: anything a row holds survives)
+    prefill.spec.draft.stash.hidden[2] = g
+    msg = stash_row_message(prefill, SimpleNamespace(req_pool_idx=2))
+    assert write_stash_row(decode, SimpleNamespace(req_pool_idx=5), msg) is None
+    got = decode.spec.draft.stash.hidden
+    assert torch.equal(got[5].view(torch.uint8), g.view(torch.uint8))
+    assert not got[:5].any()  # (no other row is written)
+
+
+def test_answers_without_a_fitting_row_are_refused():
+    decode, req = _sched(2, 8, torch.bfloat16), SimpleNamespace(req_pool_idx=1)
+    assert "same --speculative-algorithm" in write_stash_row(decode, req, {})
+    assert "not base64" in write_stash_row(decode, req, {FIELD: "@@"})
+    other = stash_row_message(_sched(1, 8, torch.float32), SimpleNamespace(req_pool_idx=0))
+    assert "32 bytes, 16 expected" in write_stash_row(decode, req, other)
+    assert not decode.spec.draft.stash.hidden.any()
+    # Neither side runs EAGLE / NEXTN (NGRAM's worker has no MTP stash): nothing sent, nothing read.
+    plain = SimpleNamespace(spec=SimpleNamespace())
+    assert stash_row_message(plain, req) == {}
+    assert write_stash_row(plain, req, {}) is None
+
+
+def test_layouts_with_and_without_the_draft_layer_are_refused():
+    # Two full-attention layers plus the MTP layer's (K and V each) against the same model without it.
+    mtp = PoolLayout([1] * 6, [8] * 6, 8, [], [], [], "torch.bfloat16", draft_kv_layers=1)
+    plain = PoolLayout([1] * 4, [8] * 4, 8, [], [], [], "torch.bfloat16")
+    for a, b in ((mtp, plain), (plain, mtp)):
+        why = a.mismatch(PoolLayout.from_dict(b.to_dict()))
+        assert "MTP draft layer" in why and "--speculative-algorithm" in why
+    assert mtp.mismatch(PoolLayout.from_dict(mtp.to_dict())) is None
+    # (a peer's layout that names no count is one without the layer)
+    old = {k: v for k, v in plain.to_dict().items() if k != "draft_kv_layers"}
+    assert PoolLayout.from_dict(old).draft_kv_layers == 0
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    assert malformed_layout(mtp.to_dict(), is_int) is None
+    assert "draft_kv_layers" in malformed_layout(mtp.to_dict() | {"draft_kv_layers": "1"}, is_int)
