@@ -29,6 +29,8 @@ class DisaggScheduler(Protocol):
     running: list[Req]  # the decode side admits into it, the prefill side takes its hand-offs out
     num_batches: int  # batches built so far (a reservation waits for the batches in flight)
     processed_batch_id: int
+    spec: Any  # None, or the speculative worker: EAGLE / NEXTN's `draft.stash` rows move (`draft_state.py`)
+    worker: Any  # the forward worker: `call(fn)` runs fn on the forward stream after the batches so far
 
     def abort_with_status(
         self, reqs: list[Req], message: str, status_code: int | None = None, param: str | None = None
