@@ -7,7 +7,8 @@ first verify from the MTP output the prefill server sent and from the prompt's M
 the other layers'; a wrong one of either gives fewer accepted drafts (negative control: the prefill
 server sends zeros for the MTP output, SGLANG_TEST_DISAGGREGATION_ZERO_DRAFT_STASH, and the decode
 server accepts fewer). Every mamba strategy, one case with the decode server's radix cache and a second
-turn that reuses its tree, one staged through host buffers in chunks, one on NIXL (where installed). Nightly (one PD pair per case, ~20 s each to start):
+turn that reuses its tree, one staged through host buffers in chunks, --tp-size 2 on both servers, one
+on NIXL (where installed). Nightly (one PD pair per case, ~20 s each to start):
 
     .venv/bin/python -m pytest -q test/registered/disaggregation/test_pd_mtp_nightly.py
 """
@@ -22,7 +23,7 @@ from sglang.test.mtp_checks import DEMO, demo_outputs, held_out_prompts
 from sglang.test.pd_conversation import internal_state, post
 from sglang.test.router_process import start_pd, stop_all
 
-register_cpu_ci(est_time=100, suite="nightly-cpu")  # (measured 86 s, five PD pairs, NIXL included)
+register_cpu_ci(est_time=120, suite="nightly-cpu")  # (measured 100 s, six PD pairs, NIXL included)
 
 SECRET = "pd-mtp-test-secret"
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"]
@@ -45,16 +46,15 @@ def _ask(url: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]
     return outs, accepted
 
 
-def _pd(strategy: str, decode_extra: list[str], extra_env: dict[str, str] | None = None, zero_stash=False):
-    env = {"SGLANG_DISAGGREGATION_SECRET": SECRET, **(extra_env or {})}
+def _pd(strategy: str, both: list[str], decode_extra: list[str], extra_env: dict[str, str], zero_stash=False):
+    env = {"SGLANG_DISAGGREGATION_SECRET": SECRET, **extra_env}
     prefill_env = env | ({"SGLANG_TEST_DISAGGREGATION_ZERO_DRAFT_STASH": "1"} if zero_stash else {})
-    backend = NIXL if NIXL[0] in decode_extra else []  # (the prefill server's too)
     from sglang.srt.configs.presets import resolve_model_path
 
     return start_pd(
         resolve_model_path(DEMO),
-        [*SPEC, "--mamba-scheduler-strategy", strategy, *backend],
-        [*SPEC, "--mamba-scheduler-strategy", strategy, *decode_extra],
+        [*SPEC, "--mamba-scheduler-strategy", strategy, *both],
+        [*SPEC, "--mamba-scheduler-strategy", strategy, *both, *decode_extra],
         prefill_env,
         env,
     )
@@ -76,20 +76,21 @@ def prompts_and_plain():
 
 
 @pytest.mark.parametrize(
-    ("strategy", "decode_extra", "env"),
+    ("strategy", "both", "decode_extra", "env"),
     [
-        ("no_buffer", [], {}),
-        ("extra_buffer", ["--disaggregation-decode-enable-radix-cache"], {}),
-        ("extra_buffer_lazy", [], STAGED),
+        ("no_buffer", [], [], {}),
+        ("extra_buffer", [], ["--disaggregation-decode-enable-radix-cache"], {}),
+        ("extra_buffer_lazy", [], [], STAGED),
+        ("no_buffer", ["--tp-size", "2"], [], {}),  # (each rank's shard of the MTP KV; rank 0's row)
         pytest.param(
-            "no_buffer", NIXL, {},
+            "no_buffer", NIXL, [], {},
             marks=pytest.mark.skipif(nixl_module() is None, reason="NIXL is not installed (sglang[nixl])"),
         ),
     ],
 )  # fmt: skip
-def test_decode_server_accepts_what_a_single_server_does(strategy, decode_extra, env, prompts_and_plain):
+def test_decode_server_accepts_what_a_single_server_does(strategy, both, decode_extra, env, prompts_and_plain):
     prompts, plain = prompts_and_plain
-    prefill, decode, router, _ = _pd(strategy, decode_extra, env)
+    prefill, decode, router, _ = _pd(strategy, both, decode_extra, env)
     try:
         single, single_accepted = _ask(prefill.base_url, prompts)
         pd, pd_accepted = _ask(router.base_url, prompts)
@@ -116,7 +117,7 @@ def test_zeroed_draft_state_lowers_acceptance(prompts_and_plain):
     """Negative control: without the prefill server's MTP output the first verify drafts from zeros; the
     tokens stay plain decoding's (the verify decides them), the accepted drafts drop."""
     prompts, plain = prompts_and_plain
-    prefill, decode, router, _ = _pd("no_buffer", [], zero_stash=True)
+    prefill, decode, router, _ = _pd("no_buffer", [], [], {}, zero_stash=True)
     try:
         single, single_accepted = _ask(prefill.base_url, prompts)
         pd, pd_accepted = _ask(router.base_url, prompts)
