@@ -15,6 +15,8 @@ on NIXL (where installed). Nightly (one PD pair per case, ~20 s each to start):
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sglang.srt.disaggregation.nixl_backend import nixl_module
@@ -23,7 +25,7 @@ from sglang.test.mtp_checks import DEMO, demo_outputs, held_out_prompts
 from sglang.test.pd_conversation import internal_state, post
 from sglang.test.router_process import start_pd, stop_all
 
-register_cpu_ci(est_time=120, suite="nightly-cpu")  # (measured 100 s, six PD pairs, NIXL included)
+register_cpu_ci(est_time=135, suite="nightly-cpu")  # (measured 113 s, seven PD pairs, NIXL included)
 
 SECRET = "pd-mtp-test-secret"
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"]
@@ -123,5 +125,26 @@ def test_zeroed_draft_state_lowers_acceptance(prompts_and_plain):
         pd, pd_accepted = _ask(router.base_url, prompts)
         assert pd == plain
         assert sum(pd_accepted) < sum(single_accepted), (single_accepted, pd_accepted)
+    finally:
+        stop_all(prefill, decode, router)
+
+
+def test_a_pair_where_one_server_drafts_is_refused_per_request():
+    """A prefill server without the flag has no MTP layer in its KV pool: each request fails at its first
+    destination with one sentence naming the flag, and the decode server holds nothing after it."""
+    from sglang.srt.configs.presets import resolve_model_path
+
+    env = {"SGLANG_DISAGGREGATION_SECRET": SECRET}
+    prefill, decode, router, _ = start_pd(resolve_model_path(DEMO), [], SPEC, env, env)
+    try:
+        r = post(router.base_url + "/generate", _body(list(range(5, 40))))
+        assert r.status_code == 500 and "same --speculative-algorithm" in r.text, r.text
+        for _ in range(50):  # (the release may follow the reply by a scheduler step)
+            state = internal_state(decode)
+            if state["disaggregation"]["transfer_queue"] == 0 and state["token_usage"]["held_by_requests"] == 0:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the decode server still holds the request: {state}")
     finally:
         stop_all(prefill, decode, router)

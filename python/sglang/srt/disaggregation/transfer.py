@@ -94,10 +94,9 @@ class PoolLayout:
     def mismatch(self, other: PoolLayout) -> str | None:
         """Why a transfer between the two layouts cannot be right (different models or dtypes), or None."""
         if self.draft_kv_layers != other.draft_kv_layers:
-            here, there = ("has", "lacks") if self.draft_kv_layers else ("lacks", "has")
             return (
-                f"this server {here} the MTP draft layer's KV and the other {there} it: start both with the "
-                "same --speculative-algorithm (EAGLE / NEXTN on both, or on neither)"
+                "one server of the pair keeps the MTP draft layer's KV (--speculative-algorithm EAGLE / NEXTN) "
+                "and the other does not: start both with the same --speculative-algorithm"
             )
         if len(self.kv_ptrs) != len(other.kv_ptrs) or self.kv_bytes_per_token != other.kv_bytes_per_token:
             return (
