@@ -17,6 +17,7 @@ import zmq
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
 from sglang.srt.disaggregation import channel as channel_mod
 from sglang.srt.disaggregation import decode as decode_mod
+from sglang.srt.disaggregation import draft_state
 from sglang.srt.disaggregation.auth import (
     BootstrapIdentity,
     PeerVerifier,
@@ -534,6 +535,10 @@ def test_the_largest_answer_fits_the_decode_sides_bound():
               "output_token_ids_logprobs": [[[lp, token]] * n], "cached_tokens": 2**40,
               "bytes": 2**50, "seconds": lp}  # fmt: skip
         assert len(sign(SECRET, orjson.dumps(ok), "prefill")) <= answer_max_bytes(n)
+        # EAGLE / NEXTN: the MTP output row too (float32, hidden size 16384: beyond the 64 KiB slack).
+        row = torch.full((16384,), lp, dtype=torch.float32)
+        drafting = ok | {draft_state.FIELD: draft_state.encode_row(row)}
+        assert len(sign(SECRET, orjson.dumps(drafting), "prefill")) <= answer_max_bytes(n, row.nbytes)
     failed = {"type": "done", "room": str(2**63 - 1), "ok": False,
               "error": "\x01" * channel_mod.MAX_ERROR_CHARS}  # fmt: skip
     assert len(sign(SECRET, orjson.dumps(failed), "prefill")) <= answer_max_bytes(1)

@@ -79,11 +79,12 @@ def reachable_host(host: str) -> str:
             return "127.0.0.1"
 
 
-def answer_max_bytes(max_logprobs: int) -> int:
+def answer_max_bytes(max_logprobs: int, draft_row_bytes: int = 0) -> int:
     """The decode side's bound on a message: an answer carries the first token's logprobs, one position
     (its top list and its chosen ids, each at most --max-logprobs long, as the decode server checked the
-    request), and an error cut to MAX_ERROR_CHARS; the rest is well under 64 KiB."""
-    return 64 * 1024 + 2 * LOGPROB_ENTRY_BYTES * max_logprobs
+    request), an error cut to MAX_ERROR_CHARS, and with EAGLE / NEXTN the MTP output row of
+    `draft_row_bytes` bytes in base64 (`draft_state.py`); the rest is well under 64 KiB."""
+    return 64 * 1024 + 2 * LOGPROB_ENTRY_BYTES * max_logprobs + 4 * -(-draft_row_bytes // 3)
 
 
 def tcp_url(host: str, port: int) -> str:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
 from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
 from sglang.srt.disaggregation.decode_pool import HybridMambaDecodeReqToTokenPool  # noqa: F401 (re-export)
-from sglang.srt.disaggregation.draft_state import write_stash_row
+from sglang.srt.disaggregation.draft_state import draft_row_bytes, write_stash_row
 from sglang.srt.disaggregation.pd_ranks import PdRanks, destination_ranks
 from sglang.srt.disaggregation.staging import StagedRange, StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout, clear_destination, open_transfer_engine
@@ -62,7 +62,8 @@ class DecodeTransferQueue:
         self.rank_targets = self.ranks.all_gather(mine)
         self.channel, self.notify_url = None, ""  # (TP rank 0's only)
         if self.ranks.is_first:
-            self.channel = Channel(args.host, None, secret(), answer_max_bytes(args.max_logprobs), "decode")
+            bound = answer_max_bytes(args.max_logprobs, draft_row_bytes(sched))
+            self.channel = Channel(args.host, None, secret(), bound, "decode")
             self.notify_url = tcp_url(reachable_host(args.host), self.channel.port)
         self.peers = PeerVerifier(bool(secret()), self._channel_send, self.notify_url)
         self.added_at, self.unsent = {}, []

@@ -42,6 +42,12 @@ def _on_stream(sched: DisaggScheduler, stash: torch.Tensor, fn):
     return sched.worker.call(fn)
 
 
+def draft_row_bytes(sched: DisaggScheduler) -> int:
+    """The bytes of one stash row (0 without EAGLE / NEXTN): what a "done" answer carries beyond the rest."""
+    stash = _stash(sched)
+    return 0 if stash is None else stash[0].nbytes
+
+
 def stash_row_message(sched: DisaggScheduler, req: Req) -> dict[str, Any]:
     """The prefill side: the "done" answer's field holding `req`'s stash row ({} without EAGLE / NEXTN)."""
     stash = _stash(sched)
