@@ -86,11 +86,12 @@ elif [[ $steps == *" tests "* ]]; then
     test/unit/model/test_kv_cache_scales.py \
     test/unit/scheduler/test_decode_rows_cache.py test/unit/model/test_modelopt_fp8.py &
   # Request features on CUDA (grammar masks, hidden states from graph replays, graphs captured again
-  # after a weight update, weights written in place under them, memory released and resumed) and the
-  # kernel timer.
+  # after a weight update, weights written in place under them, memory released and resumed, NEXTN's MTP
+  # layer and its graphs through a weights release) and the kernel timer.
   group features test/unit/scheduler/test_constrained_decoding.py test/unit/scheduler/test_hidden_states.py \
     test/unit/scheduler/test_update_weights.py test/unit/scheduler/test_update_weights_from_tensor.py \
-    test/unit/model/test_memory_occupation.py test/registered/bench/test_gpu_bench_scripts.py &
+    test/unit/model/test_memory_occupation.py test/registered/bench/test_gpu_bench_scripts.py \
+    test/unit/speculative/test_mtp_weight_updates_nightly.py &
   # The engine again with the Triton state-copy kernels forced (auto picks the CUDA op, built above).
   SGLANG_MAMBA_STATE_COPY_BACKEND=triton group copy-triton test/unit/scheduler/test_strategy_matrix.py \
     test/unit/model/test_cuda_graph_runner.py &
