@@ -1,6 +1,7 @@
 """EAGLE / NEXTN under PD (`disaggregation/draft_state.py`), without servers: the MTP output row the prefill
 server sends with the first token arrives in the decode server's stash row bit for bit (bfloat16 too);
-an answer without it, or of another size, is refused in one sentence; and a pool layout with the MTP
+an answer without it, or of another size or dtype, is refused in one sentence (and fails its request
+whole, what it held freed); and a pool layout with the MTP
 draft layer's KV meets one without it with a refusal naming --speculative-algorithm, before any
 transfer (the end-to-end check: test/registered/disaggregation/test_pd_mtp_nightly.py)."""
 
@@ -41,8 +42,18 @@ def test_answers_without_a_fitting_row_are_refused():
     decode, req = _sched(2, 8, torch.bfloat16), SimpleNamespace(req_pool_idx=1)
     assert "same --speculative-algorithm" in write_stash_row(decode, req, {})
     assert "not base64" in write_stash_row(decode, req, {FIELD: "@@"})
-    other = stash_row_message(_sched(1, 8, torch.float32), SimpleNamespace(req_pool_idx=0))
+    other = stash_row_message(_sched(1, 16, torch.bfloat16), SimpleNamespace(req_pool_idx=0))
     assert "32 bytes, 16 expected" in write_stash_row(decode, req, other)
+    # The same bytes in another dtype (float16: the same size; float32 of half the hidden size) are
+    # another meaning, refused by the dtype the row is sent with.
+    for dtype, hidden in ((torch.float16, 8), (torch.float32, 4)):
+        other = _sched(1, hidden, dtype)
+        other.spec.draft.stash.hidden.fill_(1.0)
+        why = write_stash_row(decode, req, stash_row_message(other, SimpleNamespace(req_pool_idx=0)))
+        assert why == (f"the MTP draft state is {str(dtype)[6:]}, bfloat16 here (start both servers with the "
+                       "same --dtype)"), why  # fmt: skip
+    fp16 = stash_row_message(_sched(1, 8, torch.float16), SimpleNamespace(req_pool_idx=0))
+    assert "no dtype named" in write_stash_row(decode, req, {FIELD: fp16[FIELD]})
     assert not decode.spec.draft.stash.hidden.any()
     # Neither side runs EAGLE / NEXTN (NGRAM's worker has no MTP stash): nothing sent, nothing read.
     plain = SimpleNamespace(spec=SimpleNamespace())

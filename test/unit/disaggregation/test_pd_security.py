@@ -537,7 +537,7 @@ def test_the_largest_answer_fits_the_decode_sides_bound():
         assert len(sign(SECRET, orjson.dumps(ok), "prefill")) <= answer_max_bytes(n)
         # EAGLE / NEXTN: the MTP output row too (float32, hidden size 16384: beyond the 64 KiB slack).
         row = torch.full((16384,), lp, dtype=torch.float32)
-        drafting = ok | {draft_state.FIELD: draft_state.encode_row(row)}
+        drafting = ok | {draft_state.FIELD: draft_state.encode_row(row), draft_state.DTYPE_FIELD: "float32"}
         assert len(sign(SECRET, orjson.dumps(drafting), "prefill")) <= answer_max_bytes(n, row.nbytes)
     failed = {"type": "done", "room": str(2**63 - 1), "ok": False,
               "error": "\x01" * channel_mod.MAX_ERROR_CHARS}  # fmt: skip

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
 FIELD = "draft_hidden"
+# The row's dtype, with it: the byte count alone lets a float16 row into a bfloat16 stash, or a float32
+# row of hidden size 4 into a bfloat16 one of 8 (the same bytes, another meaning).
+DTYPE_FIELD = "draft_hidden_dtype"
 
 
 def _stash(sched: DisaggScheduler) -> torch.Tensor | None:
@@ -56,15 +59,20 @@ def stash_row_message(sched: DisaggScheduler, req: Req) -> dict[str, Any]:
     row = _on_stream(sched, stash, lambda: stash[req.req_pool_idx].to("cpu", copy=True))
     if envs.SGLANG_TEST_DISAGGREGATION_ZERO_DRAFT_STASH.get():
         row.zero_()
-    return {FIELD: encode_row(row)}
+    return {FIELD: encode_row(row), DTYPE_FIELD: dtype_name(row.dtype)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def encode_row(row: torch.Tensor) -> str:
     return base64.b64encode(row.contiguous().view(torch.uint8).numpy().tobytes()).decode("ascii")
 
 
-def decode_row(value: Any, like: torch.Tensor) -> torch.Tensor | str:
-    """The row an answer's field holds, in `like`'s dtype and shape; or why it cannot be one."""
+def decode_row(value: Any, dtype: Any, like: torch.Tensor) -> torch.Tensor | str:
+    """The row an answer's field holds (`dtype`: the name it was sent with), in `like`'s dtype and shape;
+    or why it cannot be one."""
     if not isinstance(value, str):
         return (
             "the prefill server sent no MTP draft state (start it with the same --speculative-algorithm "
@@ -74,8 +82,17 @@ def decode_row(value: Any, like: torch.Tensor) -> torch.Tensor | str:
         data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         return "the MTP draft state is not base64"
+    if dtype != dtype_name(like.dtype):
+        there = dtype if isinstance(dtype, str) else "no dtype named"
+        return (
+            f"the MTP draft state is {there[:40]}, {dtype_name(like.dtype)} here (start both servers with the "
+            "same --dtype)"
+        )
     if len(data) != like.nbytes:
-        return f"the MTP draft state has {len(data)} bytes, {like.nbytes} expected (another model or dtype)"
+        return (
+            f"the MTP draft state has {len(data)} bytes, {like.nbytes} expected (another model: its hidden size "
+            "differs)"
+        )
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(like.dtype).view(like.shape)
 
 
@@ -85,7 +102,7 @@ def write_stash_row(sched: DisaggScheduler, req: Req, msg: dict[str, Any]) -> st
     stash = _stash(sched)
     if stash is None:
         return None
-    row = decode_row(msg.get(FIELD), stash[0])
+    row = decode_row(msg.get(FIELD), msg.get(DTYPE_FIELD), stash[0])
     if isinstance(row, str):
         return row
     _on_stream(sched, stash, lambda: stash[req.req_pool_idx].copy_(row))
