@@ -51,12 +51,16 @@ def draft_row_bytes(sched: DisaggScheduler) -> int:
     return 0 if stash is None else stash[0].nbytes
 
 
-def stash_row_message(sched: DisaggScheduler, req: Req) -> dict[str, Any]:
-    """The prefill side: the "done" answer's field holding `req`'s stash row ({} without EAGLE / NEXTN)."""
+def stash_row_message(sched: DisaggScheduler, req: Req, encode: bool = True) -> dict[str, Any]:
+    """The prefill side: the "done" answer's field holding `req`'s stash row ({} without EAGLE / NEXTN).
+    Every TP rank copies the row (the same work on every rank's forward stream); only the one that sends
+    the answer (`encode`) encodes it."""
     stash = _stash(sched)
     if stash is None:
         return {}
     row = _on_stream(sched, stash, lambda: stash[req.req_pool_idx].to("cpu", copy=True))
+    if not encode:
+        return {}
     if envs.SGLANG_TEST_DISAGGREGATION_ZERO_DRAFT_STASH.get():
         row.zero_()
     return {FIELD: encode_row(row), DTYPE_FIELD: dtype_name(row.dtype)}

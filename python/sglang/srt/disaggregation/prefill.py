@@ -391,7 +391,7 @@ class PrefillBootstrapQueue:
             "cached_tokens": req.cached_tokens,
             "bytes": nbytes, "kv_tokens": room.kv_tokens, "seconds": seconds,
             **({"chunk": last_chunk[0]} if last_chunk else {}),
-            **stash_row_message(self.sched, req),  # (EAGLE / NEXTN: the first draft's MTP output)
+            **stash_row_message(self.sched, req, self.ranks.is_first),  # (EAGLE / NEXTN: the first draft's g)
         })  # fmt: skip
         processor = self.sched.result_processor
         if not req.finished:
