@@ -7,6 +7,7 @@ transfer (the end-to-end check: test/registered/disaggregation/test_pd_mtp_night
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +15,19 @@ import torch
 
 from sglang.srt.disaggregation.destination import malformed_layout
 from sglang.srt.disaggregation.draft_state import FIELD, stash_row_message, write_stash_row
+from sglang.srt.disaggregation.staging import StagedRange, Staging, StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout
+from sglang.srt.managers.io_struct import BootstrapInfo
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
+from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
+from sglang.srt.mem_cache.chunk_cache import ChunkCache
+from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MHATokenToKVPool
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.mem_cache_sim import SYNTHETIC_PARAMS
+from sglang.test.pd_fakes import decode_queue
 
 register_cpu_ci(est_time=2, suite="per-commit-cpu")
 
@@ -80,3 +92,53 @@ def test_layouts_with_and_without_the_draft_layer_are_refused():
 
     assert malformed_layout(mtp.to_dict(), is_int) is None
     assert "draft_kv_layers" in malformed_layout(mtp.to_dict() | {"draft_kv_layers": "1"}, is_int)
+
+
+def test_a_done_whose_row_does_not_fit_fails_its_request_and_frees_what_it_held():
+    """`DecodeTransferQueue._on_done` on a staged "done" whose MTP row is refused (float16 into this
+    server's bfloat16 stash): the request is answered 500, no token is committed, and its KV positions,
+    request row, mamba slot and staging range are all free again (the scheduler's own abort_with_status;
+    the release as the result processor's: `release_kv_cache`, then the PD queue's `on_released`)."""
+    req_pool = HybridReqToTokenPool(4, 4, 64, SYNTHETIC_PARAMS, MambaStrategy.resolve(
+        "no_buffer", radix_cache=False, overlap=False, cache_chunk_size=4))  # fmt: skip
+    kv, tokens = MHATokenToKVPool(32, 1, torch.float32, head_num=1, head_dim=4, layer_ids=[0]), PagedTokenAllocator(32)
+    tree = ChunkCache(req_pool, tokens)
+    free = (req_pool.available_size(), req_pool.mamba_allocator.available_size(), tokens.available_size())
+    sched = _sched(4, 8, torch.bfloat16)
+    q = decode_queue(sched)
+    q.staging = Staging.create(StatePacker.of(kv, req_pool.mamba_pool, "cpu"), 4096, 4096)
+    sent, released = [], []
+
+    def release_finished(r):
+        release_kv_cache(r, tree, is_insert=False)
+        released.append(r)
+        q.on_released(r)
+
+    sched.disagg, sched.counters = q, {"num_generation_tokens_total": 0}
+    def commit(r, token, check):  # (the decoding goes on: it would join the running batch)
+        if token is not None:
+            r.output_ids.append(token)
+        return False
+
+    sched.result_processor = SimpleNamespace(release_finished=release_finished, send_finished=sent.extend,
+                                             commit=commit)  # fmt: skip
+    sched.abort_with_status = partial(SchedulerIOMixin.abort_with_status, sched)
+    r = Req("rid-a", [5, 6, 7])
+    r.bootstrap = BootstrapInfo("127.0.0.1", 8998, "a")
+    req_pool.alloc([r])
+    r.kv_indices = tokens.alloc_pages(3)
+    start = q.staging.alloc(q.staging.range_bytes(3))
+    q.staged["a"] = StagedRange(r, start, q.staging.range_bytes(3), 0)
+    q.transfers["a"], q.dst_sent = (r, 0.0), {"a"}
+    held = (req_pool.available_size(), req_pool.mamba_allocator.available_size(), tokens.available_size())
+    assert q.staging.in_use() == 1 and held == (free[0] - 1, free[1] - 1, free[2] - 3)
+    row = stash_row_message(_sched(1, 8, torch.float16), SimpleNamespace(req_pool_idx=0))
+    q._on_done({"type": "done", "room": "a", "ok": True, "output_ids": [9], "chunk": [0, 3, True], **row})
+    assert r.output_ids == [] and r.finished_reason is not None, (r.output_ids, q.ready)
+    assert r.finished_reason["status_code"] == 500 and "--dtype" in r.finished_reason["message"]
+    assert sent == [r] and released == [r]  # answered, released once
+    assert q.stats["failed_transfers"] == 1 and q.stats["transfers"] == 0
+    assert not (q.transfers or q.zombies or q.ready or q.staged) and q.channel.sent == []  # (no cancel)
+    assert q.staging.in_use() == 0
+    assert (req_pool.available_size(), req_pool.mamba_allocator.available_size(), tokens.available_size()) == free
+    assert not sched.spec.draft.stash.hidden.any()

@@ -426,9 +426,9 @@ REVIEW_JUNK_BYTES = 64 * 1024 + 2 * 32 * VOCAB - 1
 FLOOD_POLL_BOUND_S = 0.1
 
 
-def real_decode_queue(monkeypatch, secret: str | None) -> DecodeTransferQueue:
+def real_decode_queue(monkeypatch, secret: str | None, spec: object = None) -> DecodeTransferQueue:
     """A decode server's PD queue built by its own constructor (its channel sized as a server sizes it),
-    without a transfer engine or a scheduler."""
+    without a transfer engine or a scheduler (`spec`: the scheduler's speculative worker, if any)."""
     monkeypatch.setattr(
         decode_mod,
         "open_transfer_engine",
@@ -437,7 +437,8 @@ def real_decode_queue(monkeypatch, secret: str | None) -> DecodeTransferQueue:
     args = SimpleNamespace(disaggregation_mode="decode", host="127.0.0.1", disaggregation_prefill_allowlist=None,
                            max_logprobs=20, model_config=SimpleNamespace(vocab_size=VOCAB), device="cpu",
                            disaggregation_decode_enable_radix_cache=False)  # fmt: skip
-    sched = SimpleNamespace(server_args=args, running=[], processed_batch_id=0, num_batches=0, tree_cache=None)
+    sched = SimpleNamespace(server_args=args, running=[], processed_batch_id=0, num_batches=0, tree_cache=None,
+                            spec=spec)  # fmt: skip
     with envs.SGLANG_DISAGGREGATION_SECRET.override(secret):
         return DecodeTransferQueue(sched)
 
@@ -497,6 +498,19 @@ def test_a_junk_flood_delays_a_decode_step_by_a_bounded_time(monkeypatch, secret
         for sock in socks:
             sock.close()
         ctx.term()
+        q.shutdown()
+
+
+def test_the_decode_sides_bound_counts_its_mtp_stash_row(monkeypatch):
+    """With EAGLE / NEXTN the decode server's channel is sized for the MTP row a "done" carries (its stash
+    row's bytes, in base64); without the term a float32 row of hidden size 16384 (87 KB in base64) would
+    be dropped unread by the socket."""
+    stash = SimpleNamespace(hidden=torch.zeros(2, 16384, dtype=torch.float32))
+    q = real_decode_queue(monkeypatch, None, SimpleNamespace(draft=SimpleNamespace(stash=stash)))
+    try:
+        bound = q.channel.pull.getsockopt(zmq.MAXMSGSIZE)
+        assert bound == answer_max_bytes(20, 16384 * 4) > answer_max_bytes(20) + 87_000
+    finally:
         q.shutdown()
 
 
