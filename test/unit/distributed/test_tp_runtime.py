@@ -175,7 +175,9 @@ def test_get_weights_by_name_checks_the_size_before_the_gather(monkeypatch):
 
     gathered = []
     monkeypatch.setattr(mr, "gather_weight", lambda param, local: gathered.append(local.shape) or local)
-    runner = SimpleNamespace(model=nn.Linear(8, 6), memory_occupation=_Memory())
+    model = nn.Linear(8, 6)
+    runner = SimpleNamespace(model=model, memory_occupation=_Memory())
+    runner.served_parameters = lambda: dict(model.named_parameters())  # (no draft layer)
     assert len(mr.ModelRunner.get_weights_by_name(runner, "weight", 2)) == 2
     assert gathered == [torch.Size([2, 8])]  # (rows not split: only those asked for)
     monkeypatch.setattr(mr, "MAX_WEIGHT_VALUES", 10)
