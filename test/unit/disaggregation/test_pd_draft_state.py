@@ -48,8 +48,10 @@ def test_the_stash_row_arrives_bit_for_bit(dtype):
     got = decode.spec.draft.stash.hidden
     assert torch.equal(got[5].view(torch.uint8), g.view(torch.uint8))
     assert not got[:5].any()  # (no other row is written)
-    # (a TP rank other than the one sending the answer copies the row and encodes nothing)
+    # (a TP rank other than the one sending the answer sends nothing)
     assert stash_row_message(prefill, SimpleNamespace(req_pool_idx=2), encode=False) == {}
+    # A rank that does not send the answer reads no row (one past the stash would raise if it did).
+    assert stash_row_message(prefill, SimpleNamespace(req_pool_idx=10**6), encode=False) == {}
 
 
 def test_answers_without_a_fitting_row_are_refused():

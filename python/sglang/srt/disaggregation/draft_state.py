@@ -52,15 +52,13 @@ def draft_row_bytes(sched: DisaggScheduler) -> int:
 
 
 def stash_row_message(sched: DisaggScheduler, req: Req, encode: bool = True) -> dict[str, Any]:
-    """The prefill side: the "done" answer's field holding `req`'s stash row ({} without EAGLE / NEXTN).
-    Every TP rank copies the row (the same work on every rank's forward stream); only the one that sends
-    the answer (`encode`) encodes it."""
+    """The prefill side: the "done" answer's field holding `req`'s stash row ({} without EAGLE / NEXTN, and
+    on a TP rank that does not send the answer (`encode` False): the copy is no collective, so the other
+    ranks skip it)."""
     stash = _stash(sched)
-    if stash is None:
+    if stash is None or not encode:
         return {}
     row = _on_stream(sched, stash, lambda: stash[req.req_pool_idx].to("cpu", copy=True))
-    if not encode:
-        return {}
     if envs.SGLANG_TEST_DISAGGREGATION_ZERO_DRAFT_STASH.get():
         row.zero_()
     return {FIELD: encode_row(row), DTYPE_FIELD: dtype_name(row.dtype)}
