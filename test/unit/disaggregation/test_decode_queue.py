@@ -66,7 +66,9 @@ def test_a_malformed_done_answer_aborts_its_request_instead_of_orphaning_it():
         r.sampling_params.max_new_tokens = 8
         r.return_logprob = True
         q.transfers[room] = (r, 0.0)
-        q._on_done({"type": "done", "room": room, "ok": True, **bad})
+        arrived = []
+        q._on_done({"type": "done", "room": room, "ok": True, **bad}, arrived)
+        assert arrived == []
         assert aborted[-1][0] == [r] and aborted[-1][2] == 500 and "malformed answer" in aborted[-1][1]
         assert r.output_ids == [] and room not in q.transfers
     assert q.stats["failed_transfers"] == 3 and q.stats["transfers"] == 0

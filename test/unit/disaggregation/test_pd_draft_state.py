@@ -7,14 +7,22 @@ transfer (the end-to-end check: test/registered/disaggregation/test_pd_mtp_night
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from sglang.srt.disaggregation import draft_state
 from sglang.srt.disaggregation.destination import malformed_layout
-from sglang.srt.disaggregation.draft_state import FIELD, stash_row_message, write_stash_row
+from sglang.srt.disaggregation.draft_state import (
+    FIELD,
+    answered_stash_row,
+    stash_row_messages,
+    write_stash_rows,
+)
+from sglang.srt.disaggregation.prefill import _Room
 from sglang.srt.disaggregation.staging import StagedRange, Staging, StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout
 from sglang.srt.managers.io_struct import BootstrapInfo
@@ -27,7 +35,7 @@ from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MHATokenToKVPool
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mem_cache_sim import SYNTHETIC_PARAMS
-from sglang.test.pd_fakes import decode_queue
+from sglang.test.pd_fakes import RecordingChannel, decode_queue, prefill_queue
 
 register_cpu_ci(est_time=2, suite="per-commit-cpu")
 
@@ -35,6 +43,22 @@ register_cpu_ci(est_time=2, suite="per-commit-cpu")
 def _sched(rows: int, hidden: int, dtype: torch.dtype) -> SimpleNamespace:
     stash = SimpleNamespace(hidden=torch.zeros(rows, hidden, dtype=dtype))
     return SimpleNamespace(spec=SimpleNamespace(draft=SimpleNamespace(stash=stash)))
+
+
+def stash_row_message(sched, req, encode: bool = True) -> dict:
+    """One request's "done" field (the prefill side reads a poll's rows together)."""
+    [msg] = stash_row_messages(sched, [req], encode)
+    return msg
+
+
+def write_stash_row(sched, req, msg: dict) -> str | None:
+    """One answer's row into `req`'s stash row, or why not (the decode side writes a poll's rows together)."""
+    row = answered_stash_row(sched, msg)
+    if isinstance(row, str):
+        return row
+    if row is not None:
+        write_stash_rows(sched, [(req.req_pool_idx, row)])
+    return None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -135,7 +159,9 @@ def test_a_done_whose_row_does_not_fit_fails_its_request_and_frees_what_it_held(
     held = (req_pool.available_size(), req_pool.mamba_allocator.available_size(), tokens.available_size())
     assert q.staging.in_use() == 1 and held == (free[0] - 1, free[1] - 1, free[2] - 3)
     row = stash_row_message(_sched(1, 8, torch.float16), SimpleNamespace(req_pool_idx=0))
-    q._on_done({"type": "done", "room": "a", "ok": True, "output_ids": [9], "chunk": [0, 3, True], **row})
+    arrived = []
+    q._on_done({"type": "done", "room": "a", "ok": True, "output_ids": [9], "chunk": [0, 3, True], **row}, arrived)
+    assert arrived == []
     assert r.output_ids == [] and r.finished_reason is not None, (r.output_ids, q.ready)
     assert r.finished_reason["status_code"] == 500 and "--dtype" in r.finished_reason["message"]
     assert sent == [r] and released == [r]  # answered, released once
@@ -144,3 +170,77 @@ def test_a_done_whose_row_does_not_fit_fails_its_request_and_frees_what_it_held(
     assert q.staging.in_use() == 0
     assert (req_pool.available_size(), req_pool.mamba_allocator.available_size(), tokens.available_size()) == free
     assert not sched.spec.draft.stash.hidden.any()
+
+
+class CountingWorker:
+    """The forward worker's `call`, counted (on CUDA each is a blocking round trip through the stream)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def call(self, fn):
+        self.calls += 1
+        return fn()
+
+
+def test_one_poll_moves_every_finished_rows_in_one_forward_stream_call_on_each_side(monkeypatch):
+    """Issue 56: N transfers that end in one poll cost one forward-stream call on each side, not N (the
+    per-request code made N blocking round trips on CUDA), and each row lands in its request's row. Host
+    stashes take the forward stream's path here (`_needs_stream`, the device check). A transfer that
+    failed reads no row; an answer whose row does not fit fails its request alone."""
+    monkeypatch.setattr(draft_state, "_needs_stream", lambda stash: True)
+    n, hidden = 5, 16
+    prefill = _sched(8, hidden, torch.bfloat16)
+    prefill.spec.draft.stash.hidden.copy_(torch.randn(8, hidden, generator=torch.Generator().manual_seed(1)))
+    prefill.worker, prefill.abort_with_status = CountingWorker(), lambda *a: None
+    prefill.result_processor = SimpleNamespace(release_finished=lambda r: None, send_finished=lambda rs: None)
+    p = prefill_queue(prefill)
+    p.channel = RecordingChannel()
+    p.channel.recv_all = list
+    reqs = []
+    for i in range(n + 1):  # (the last one's transfer fails)
+        r = Req(f"rid-{i}", [5, 6, 7])
+        r.req_pool_idx, r.output_ids = (i * 3) % 8, [9]  # (rows 0, 3, 6, 1, 4; 7 for the failed one)
+        done = Future()
+        if i < n:
+            done.set_result((64, 0.001))
+        else:
+            done.set_exception(RuntimeError("the write failed"))
+        p.rooms[str(i)] = _Room(req=r, dst={"notify": "tcp://127.0.0.1:1", "room": str(i)}, future=done)
+        reqs.append(r)
+    assert p.poll() and prefill.worker.calls == 1
+    answers = [m for _, m in p.channel.sent if m["ok"]]
+    assert len(answers) == n and len(p.channel.sent) == n + 1
+
+    decode = _sched(12, hidden, torch.bfloat16)
+    decode.worker, decode.counters, decode.running = CountingWorker(), {"num_generation_tokens_total": 0}, []
+    decode.processed_batch_id, decode.num_batches, decode.max_running_requests = 0, 0, 64
+    aborted = []
+    decode.abort_with_status = lambda rs, msg, code, *a: aborted.append((rs, code, msg))
+
+    def commit(r, token, check):
+        if token is not None:
+            r.output_ids.append(token)
+        return False
+
+    decode.result_processor = SimpleNamespace(commit=commit, stream_output=lambda rs: None)
+    q = decode_queue(decode)
+    odd = {FIELD: draft_state.encode_row(torch.ones(hidden, dtype=torch.float16)), draft_state.DTYPE_FIELD: "float16"}
+    answers.append({"type": "done", "room": "odd", "ok": True, "output_ids": [9], **odd})  # (refused: float16)
+    q.channel.recv_all = lambda: answers
+    targets = {}
+    for j, msg in enumerate(answers):
+        r = Req(f"d-{msg['room']}", [5, 6, 7])
+        r.bootstrap, r.req_pool_idx = BootstrapInfo("127.0.0.1", 8998, msg["room"]), 11 - 2 * j
+        q.transfers[msg["room"]] = (r, 0.0)
+        targets[msg["room"]] = r
+    assert q.poll() and decode.worker.calls == 1
+    assert [(rs[0].rid, code) for rs, code, _ in aborted] == [("d-odd", 500)] and "--dtype" in aborted[0][2]
+    got = decode.spec.draft.stash.hidden
+    for i in range(n):
+        r = targets[str(i)]
+        assert torch.equal(got[r.req_pool_idx], prefill.spec.draft.stash.hidden[reqs[i].req_pool_idx])
+        assert r.output_ids == [9] and r in decode.running
+    written = {targets[str(i)].req_pool_idx for i in range(n)}
+    assert not got[[k for k in range(12) if k not in written]].any()  # (no other row, the refused one's neither)
+    assert q.stats["transfers"] == n and q.stats["failed_transfers"] == 1

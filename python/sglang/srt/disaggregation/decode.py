@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
 from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
 from sglang.srt.disaggregation.decode_pool import HybridMambaDecodeReqToTokenPool  # noqa: F401 (re-export)
-from sglang.srt.disaggregation.draft_state import draft_row_bytes, write_stash_row
+from sglang.srt.disaggregation.draft_state import answered_stash_row, draft_row_bytes, write_stash_rows
 from sglang.srt.disaggregation.pd_ranks import PdRanks, destination_ranks
 from sglang.srt.disaggregation.staging import StagedRange, StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout, clear_destination, open_transfer_engine
@@ -31,6 +31,8 @@ from sglang.srt.mem_cache.common import alloc_for_extend
 if TYPE_CHECKING:
     from sglang.srt.disaggregation.scheduler_view import DisaggScheduler
     from sglang.srt.managers.schedule_batch import Req
+
+    Arrived = tuple[Req, dict[str, Any], Any]  # an accepted "done": its fields, its MTP stash row or None
 
 logger = logging.getLogger(__name__)
 
@@ -179,10 +181,11 @@ class DecodeTransferQueue:
         for key in unsent:
             self._drop_unsent(key)
         acks: list[tuple[Req, dict[str, Any]]] = []
+        arrived: list[Arrived] = []
         for msg in msgs:
             if msg["type"] == "done":
                 try:
-                    self._on_done(msg)
+                    self._on_done(msg, arrived)
                 except (KeyError, TypeError, ValueError) as e:
                     logger.warning(
                         "Disaggregation: a malformed answer for room %r was dropped (%s).", msg["room"], e
@@ -191,6 +194,8 @@ class DecodeTransferQueue:
                 self._on_chunk(msg, acks)
             else:
                 self.peers.mark_proven(msg["url"])
+        if arrived:
+            self._on_arrived(arrived)
         if acks:  # (every rank has unpacked its chunk before a prefill rank may write the next)
             self.ranks.barrier()
         for req, ack in acks:
@@ -328,7 +333,8 @@ class DecodeTransferQueue:
             req, _ = self.transfers.pop(key)
             self.sched.abort_with_status([req], "The prefill server does not take messages.", 503)
 
-    def _on_done(self, msg: dict[str, Any]) -> None:
+    def _on_done(self, msg: dict[str, Any], arrived: list[Arrived]) -> None:
+        """A "done" answer, checked whole (a refusal fails its request alone); accepted: into `arrived`."""
         key = str(msg["room"])
         if key in self.zombies:
             req, _ = self.zombies.pop(key)
@@ -359,30 +365,37 @@ class DecodeTransferQueue:
             del self.staged[key]
             self.staging.free(entry.start)
             self.stats["staged_chunks"] += 1
-        error = write_stash_row(self.sched, req, msg)  # (EAGLE / NEXTN: what the first verify drafts from)
-        if error is not None:
+        row = answered_stash_row(self.sched, msg)  # (EAGLE / NEXTN: what the first verify drafts from)
+        if isinstance(row, str):
             self.stats["failed_transfers"] += 1
-            self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
+            self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {row}", 500)
             return
-        self.stats["transfers"] += 1
-        for k in ("bytes", "kv_tokens", "seconds"):
-            self.stats[k] += answer[k]
+        arrived.append((req, answer, row))
+
+    def _on_arrived(self, arrived: list[Arrived]) -> None:
+        """The requests whose answers this poll accepted: their MTP stash rows written in one
+        forward-stream call (EAGLE / NEXTN), then their first tokens committed."""
+        write_stash_rows(self.sched, [(req.req_pool_idx, row) for req, _, row in arrived if row is not None])
         processor = self.sched.result_processor
-        for token in answer["output_ids"]:  # the prefill server's first token (checked below)
-            processor.commit(req, token, check="none")
-        req.cached_tokens = answer["cached_tokens"]
-        self.sched.counters["num_generation_tokens_total"] += len(answer["output_ids"])
-        if req.return_logprob:
-            req.output_token_logprobs += answer["output_token_logprobs"]
-            if req.top_logprobs_num:
-                req.output_top_logprobs += answer["output_top_logprobs"]
-            if req.token_ids_logprob:
-                req.output_token_ids_logprobs += answer["output_token_ids_logprobs"]
-        if processor.commit(req, None, check="full"):
-            processor.release_finished(req)
-            processor.send_finished([req])
-        else:
-            self.ready.append(req)
+        for req, answer, _ in arrived:
+            self.stats["transfers"] += 1
+            for k in ("bytes", "kv_tokens", "seconds"):
+                self.stats[k] += answer[k]
+            for token in answer["output_ids"]:  # the prefill server's first token (checked below)
+                processor.commit(req, token, check="none")
+            req.cached_tokens = answer["cached_tokens"]
+            self.sched.counters["num_generation_tokens_total"] += len(answer["output_ids"])
+            if req.return_logprob:
+                req.output_token_logprobs += answer["output_token_logprobs"]
+                if req.top_logprobs_num:
+                    req.output_top_logprobs += answer["output_top_logprobs"]
+                if req.token_ids_logprob:
+                    req.output_token_ids_logprobs += answer["output_token_ids_logprobs"]
+            if processor.commit(req, None, check="full"):
+                processor.release_finished(req)
+                processor.send_finished([req])
+            else:
+                self.ready.append(req)
 
     def _on_chunk(self, msg: dict[str, Any], acks: list) -> None:
         """A staged chunk the prefill server wrote into a request's range: unpack it, then acknowledge

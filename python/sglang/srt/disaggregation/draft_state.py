@@ -37,12 +37,17 @@ def _stash(sched: DisaggScheduler) -> torch.Tensor | None:
     return None if stash is None else stash.hidden
 
 
+def _needs_stream(stash: torch.Tensor) -> bool:
+    """Whether the stash's rows are read and written as a task on the forward stream (device rows); host
+    rows at once (no batch in flight uses a row that a request waiting for its transfer holds). A test
+    hook: a test makes host rows take the forward stream's path."""
+    return stash.device.type != "cpu"
+
+
 def _on_stream(sched: DisaggScheduler, stash: torch.Tensor, fn):
-    """`fn()` where the forward stream sees it: at once for host rows (no batch in flight uses a row that
-    a request waiting for its transfer holds), else as a task on the forward stream."""
-    if stash.device.type == "cpu":
-        return fn()
-    return sched.worker.call(fn)
+    """`fn()` where the forward stream sees it (`_needs_stream`): on CUDA a blocking round trip through
+    the forward stream, so each side makes one per poll for every row it moves then."""
+    return sched.worker.call(fn) if _needs_stream(stash) else fn()
 
 
 def draft_row_bytes(sched: DisaggScheduler) -> int:
@@ -51,17 +56,22 @@ def draft_row_bytes(sched: DisaggScheduler) -> int:
     return 0 if stash is None else stash[0].nbytes
 
 
-def stash_row_message(sched: DisaggScheduler, req: Req, encode: bool = True) -> dict[str, Any]:
-    """The prefill side: the "done" answer's field holding `req`'s stash row ({} without EAGLE / NEXTN, and
-    on a TP rank that does not send the answer (`encode` False): the copy is no collective, so the other
-    ranks skip it)."""
+def stash_row_messages(sched: DisaggScheduler, reqs: list[Req], encode: bool = True) -> list[dict[str, Any]]:
+    """The prefill side: for each of `reqs` (the transfers that ended well in one poll), the "done"
+    answer's field holding its stash row; all the rows read in one forward-stream call (one gather, one
+    device-to-host copy). {} each without EAGLE / NEXTN, and on a TP rank that does not send the answers
+    (`encode` False): the copy is no collective, so the other ranks skip it."""
     stash = _stash(sched)
-    if stash is None or not encode:
-        return {}
-    row = _on_stream(sched, stash, lambda: stash[req.req_pool_idx].to("cpu", copy=True))
+    if stash is None or not encode or not reqs:
+        return [{} for _ in reqs]
+    idx = [req.req_pool_idx for req in reqs]
+    rows = _on_stream(
+        sched, stash, lambda: stash.index_select(0, torch.tensor(idx, device=stash.device)).to("cpu")
+    )
     if envs.SGLANG_TEST_DISAGGREGATION_ZERO_DRAFT_STASH.get():
-        row.zero_()
-    return {FIELD: encode_row(row), DTYPE_FIELD: dtype_name(row.dtype)}
+        rows.zero_()
+    name = dtype_name(rows.dtype)
+    return [{FIELD: encode_row(row), DTYPE_FIELD: name} for row in rows]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -98,14 +108,26 @@ def decode_row(value: Any, dtype: Any, like: torch.Tensor) -> torch.Tensor | str
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(like.dtype).view(like.shape)
 
 
-def write_stash_row(sched: DisaggScheduler, req: Req, msg: dict[str, Any]) -> str | None:
-    """The decode side: `msg`'s stash row into `req`'s row of this server's stash (nothing without EAGLE /
-    NEXTN); why not, in one sentence, where the answer lacks it or it does not fit."""
+def answered_stash_row(sched: DisaggScheduler, msg: dict[str, Any]) -> torch.Tensor | str | None:
+    """The decode side: the stash row a "done" answer `msg` carries, on the host, fit for this server's
+    stash (None without EAGLE / NEXTN); why not, in one sentence, where the answer lacks it or it does
+    not fit. Nothing is written (`write_stash_rows`, once per poll)."""
     stash = _stash(sched)
     if stash is None:
         return None
-    row = decode_row(msg.get(FIELD), msg.get(DTYPE_FIELD), stash[0])
-    if isinstance(row, str):
-        return row
-    _on_stream(sched, stash, lambda: stash[req.req_pool_idx].copy_(row))
-    return None
+    return decode_row(msg.get(FIELD), msg.get(DTYPE_FIELD), stash[0])
+
+
+def write_stash_rows(sched: DisaggScheduler, rows: list[tuple[int, torch.Tensor]]) -> None:
+    """The decode side: each `(req_pool_idx, row)` (rows from `answered_stash_row`) into that row of this
+    server's stash, in one forward-stream call (one host-to-device copy, one index_copy)."""
+    stash = _stash(sched)
+    if stash is None or not rows:
+        return
+    idx = [i for i, _ in rows]
+    host = torch.stack([row for _, row in rows])
+
+    def write() -> None:
+        stash.index_copy_(0, torch.tensor(idx, device=stash.device), host.to(stash.device))
+
+    _on_stream(sched, stash, write)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.disaggregation.auth import BootstrapIdentity, check_at_start, secret
 from sglang.srt.disaggregation.channel import MAX_ERROR_CHARS, Channel
 from sglang.srt.disaggregation.destination import malformed_dst
-from sglang.srt.disaggregation.draft_state import stash_row_message
+from sglang.srt.disaggregation.draft_state import stash_row_messages
 from sglang.srt.disaggregation.pd_ranks import (
     Outcome,
     PdRanks,
@@ -227,9 +227,13 @@ class PrefillBootstrapQueue:
                 did = True
                 self._send(room.dst["notify"], {"type": "chunk", "room": key, "chunk": chunk})
             room.announced = max(room.announced, count)
+        # (EAGLE / NEXTN: the first draft's g of every transfer that ended well, read in one call)
+        done = [key for key, outcome in ended.items() if outcome[0] is None]
+        reqs = [self.rooms[key].req for key in done]
+        rows = dict(zip(done, stash_row_messages(self.sched, reqs, self.ranks.is_first), strict=True))
         for key, outcome in ended.items():
             did = True
-            self._complete(key, self.rooms[key], outcome)
+            self._complete(key, self.rooms[key], outcome, rows.get(key, {}))
         return self._expire() or did
 
     # ---- rooms ---------------------------------------------------------------------------------------
@@ -363,8 +367,9 @@ class PrefillBootstrapQueue:
         n, last = self.staging.send(self.engine.write, session, tokens, slot, dst, link, min(self.timeout, 60))
         return n, time.perf_counter() - start, last
 
-    def _complete(self, key: str, room: _Room, outcome: Outcome) -> None:
-        """The transfer of `key` ended on every rank with `outcome` (`PdRanks.exchange`)."""
+    def _complete(self, key: str, room: _Room, outcome: Outcome, draft_row: dict[str, Any]) -> None:
+        """The transfer of `key` ended on every rank with `outcome` (`PdRanks.exchange`); `draft_row`: the
+        answer's MTP stash row field (`stash_row_messages`; {} without EAGLE / NEXTN)."""
         del self.rooms[key]
         req, dst = room.req, room.dst
         e, nbytes, seconds, last_chunk = outcome
@@ -391,7 +396,7 @@ class PrefillBootstrapQueue:
             "cached_tokens": req.cached_tokens,
             "bytes": nbytes, "kv_tokens": room.kv_tokens, "seconds": seconds,
             **({"chunk": last_chunk[0]} if last_chunk else {}),
-            **stash_row_message(self.sched, req, self.ranks.is_first),  # (EAGLE / NEXTN: the first draft's g)
+            **draft_row,
         })  # fmt: skip
         processor = self.sched.result_processor
         if not req.finished:
