@@ -50,7 +50,7 @@ steps=" ${*:-tests} "
 limit_for() {  # wanted limit -> the limit the deadline leaves (0: skip)
   local want=$1 left
   if [ -n "${GPU_DEADLINE_S:-}" ]; then
-    left=$((GPU_DEADLINE_S - SECONDS - 10))
+    left=$((GPU_DEADLINE_S - SECONDS - 30))  # (a group may run 20 s past its limit: -k 20)
     ((left < want)) && want=$left
   fi
   ((want < 20)) && want=0
@@ -62,8 +62,11 @@ group() {  # name, pytest targets...
   shift
   limit=$(limit_for "${TEST_LIMIT:-330}")
   ((limit == 0)) && { echo "tests $name: skipped (deadline)" >> "$OUT/summary.txt"; return; }
-  timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --durations=8 \
-    "$@" > "$OUT/tests-$name.log" 2>&1
+  # SIGINT at the limit (then SIGKILL 20 s later): pytest stops as at ^C and still prints the failures, the
+  # summary and the durations (under timeout's default SIGTERM it dies printing nothing). -v names each
+  # test as it finishes, so a group cut short still says which ran.
+  timeout -s INT -k 20 "$limit" python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short \
+    --durations=8 "$@" > "$OUT/tests-$name.log" 2>&1
   echo "tests $name: exit $? ($(tail -1 "$OUT/tests-$name.log"))" >> "$OUT/summary.txt"
 }
 
@@ -100,7 +103,7 @@ elif [[ $steps == *" tests "* ]]; then
   group hicache test/unit/mem_cache/test_hicache_copies.py test/unit/mem_cache/test_hicache_gpu.py &
   wait
   # PD between two servers' CUDA pools on this one GPU (staged; direct where Mooncake moves GPU memory),
-  # alone: each server takes --mem-fraction-static 0.4 of the GPU.
+  # alone: each server has fixed pools of a few MB (--max-total-tokens, --max-mamba-cache-size).
   group pd test/registered/disaggregation/test_pd_gpu.py
 fi
 bench() {  # limit, name, command...
@@ -112,7 +115,7 @@ bench() {  # limit, name, command...
   # GPU_DRY_RUN=1: each chosen step's limit and command only (a CPU check of the script's plan).
   [ -n "${GPU_DRY_RUN:-}" ] && { echo "bench $name: would run ${limit} s: $*" >> "$OUT/summary.txt"; return; }
   echo "=== $name" >> "$OUT/bench.log"
-  timeout "$limit" "$@" >> "$OUT/bench.log" 2>&1
+  timeout -s INT -k 20 "$limit" "$@" >> "$OUT/bench.log" 2>&1  # (^C: a traceback says where it was)
   echo "bench $name: exit $?" >> "$OUT/summary.txt"
 }
 bench 150 decode_step python3 benchmark/gpu/bench_decode_step.py

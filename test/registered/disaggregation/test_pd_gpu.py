@@ -1,5 +1,5 @@
 """PD disaggregation on one CUDA GPU (skipped without one): a prefill and a decode server on the same GPU
-(under half its memory each) behind the router, under every mamba strategy, with the decode radix cache,
+(fixed pools: a few MB each) behind the router, under every mamba strategy, with the decode radix cache,
 through the staged path (pinned host buffers, disaggregation/staging.py) and, where Mooncake's CUDA
 build is installed, the direct one. Answers equal a single server's (the prefill server asked without
 bootstrap fields), a conversation's next turns move only the new tokens' KV and one state, and a
@@ -23,7 +23,11 @@ from sglang.test.router_process import start_pd, stop_all
 register_cpu_ci(est_time=5, suite="nightly-cpu")  # skipped on CPU machines
 
 FAIL_PREFIX = "fail-transfer-"
-GPU = ["--device", "cuda", "--mem-fraction-static", "0.4"]
+# Fixed pools on both servers: with a size flag missing, each server's budget is SGLang's (free memory at
+# its start minus (1 - fraction) x total), so the second server to measure sees the first one's pools
+# taken and its budget negative ("leaves no memory for the caches"). With both sizes given nothing is
+# measured (`pool_sizing.compute_pool_sizes`); 65,536 tokens and 64 slots of the tiny preset take a few MB.
+GPU = ["--device", "cuda", "--max-total-tokens", "65536", "--max-mamba-cache-size", "64"]
 PATHS = ["staged"] + (["direct"] if mooncake_moves_gpu_memory() else [])
 STRATEGIES = ["no_buffer", "extra_buffer", "extra_buffer_lazy"]
 
