@@ -5,6 +5,10 @@ replay); on a GPU the same runner captures real graphs (the `gpu` test)."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -17,7 +21,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import make_runner, random_ids
 from sglang.test.runner_driver import Extend, RunnerDriver
 
-register_cpu_ci(est_time=30, suite="per-commit-cpu")
+register_cpu_ci(est_time=32, suite="per-commit-cpu")
 
 
 @pytest.fixture
@@ -169,6 +173,78 @@ def test_a_bucket_that_cannot_be_captured_is_left_to_the_next_one(interpret, mon
     monkeypatch.setattr(cgr.CudaGraphRunner, "_capture_one", unsafe)
     with pytest.raises(GraphUnsafeError):
         CudaGraphRunner(_triton_runner("tiny-qwen3-next"), [2], use_graphs=True)
+
+
+def _backend_tensors(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every tensor an attention backend holds: its attributes, through containers, dataclasses and the
+    project's attention objects (not into the pools, whose buffers the runner keeps)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k, v in obj.items() for x in (k, v) for t in _backend_tensors(x, seen)]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [t for x in obj for t in _backend_tensors(x, seen)]
+    module = type(obj).__module__
+    if dataclasses.is_dataclass(obj) or module.startswith("sglang.srt.layers.attention"):
+        return [t for v in vars(obj).values() for t in _backend_tensors(v, seen)]
+    return []
+
+
+def test_a_release_frees_what_the_captures_left_in_the_attention_backends(interpret):
+    """Issue 57: capture runs the backends' `init_forward_metadata` inside the graph, so the target's
+    backends kept the last captured batch's metadata after `release` (a verify's `extend_start_loc`, the
+    GDN steps' slot indices and position order): on CUDA tensors of the graphs' memory pool, which
+    `empty_cache` then cannot return. Every tensor the backends hold after capture, beyond the pools'
+    and the runner's static input buffers (allocated before any capture, kept on purpose), is freed by
+    the release; `recapture` builds them again, and decodes through the graphs captured again equal the
+    eager ones (two requests of one prompt: the same state in two slots)."""
+    runner = _triton_runner("tiny-qwen3-next", speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
+    graphs = CudaGraphRunner(runner, [1], use_graphs=False, verify_width=3)
+    assert graphs.verify_max_bs() == 1
+    kv = runner.token_to_kv_pool
+    kept = [runner.req_to_token_pool.req_to_token, runner.mamba_pool.conv_state, runner.mamba_pool.ssm_state,
+            *kv.k_buffer, *kv.v_buffer]  # fmt: skip
+    kept += [t for g in graphs.kinds.values() for t in vars(g.static).values() if isinstance(t, torch.Tensor)]
+    kept_storages = {t.untyped_storage().data_ptr() for t in kept}
+
+    def left(backend) -> list[torch.Tensor]:
+        return [t for t in _backend_tensors(backend) if t.untyped_storage().data_ptr() not in kept_storages]
+
+    backend = runner.attn_backend
+    held = left(backend)
+    # (the last capture, a verify of one request: the Triton attention's and the linear steps' indices)
+    assert backend.full_attn_backend.extend_start_loc is not None and backend.linear_attn_backend.meta.verify
+    refs = [weakref.ref(t) for t in held]
+    assert len(refs) >= 3, len(refs)
+    del held
+    graphs.release()
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, [(tuple(t.shape), t.dtype) for t in alive]
+    assert left(backend) == []
+    graphs.recapture()
+    assert len(left(backend)) == len(refs)  # (built again: a capture's body needs them)
+
+    driver = RunnerDriver(runner)
+    a, b = driver.new_request(), driver.new_request()
+    prompt = random_ids(9, seed=1)
+    driver.extend([Extend(a, prompt), Extend(b, prompt)])
+    replays = _count_replays(graphs)
+    runs = []
+    for req, through in ((a, graphs), (b, None)):
+        runner.graph_runner = through
+        steps = [driver.decode([req]) for _ in range(2)]
+        runs.append(([s.next_token_ids.item() for s in steps], torch.cat([s.next_token_logprobs for s in steps])))
+    assert replays == [1, 1]  # (a's decodes replayed, b's ran eagerly)
+    (tok_g, lp_g), (tok_e, lp_e) = runs
+    assert tok_g == tok_e
+    # The same kernels on the same rows (bucket 1: no padding); only the static buffers differ. A
+    # metadata tensor the recapture failed to build again raises, a stale one moves logprobs by O(0.1).
+    torch.testing.assert_close(lp_g, lp_e, rtol=1e-5, atol=1e-5)
 
 
 def test_capture_sizes_and_flags(monkeypatch):

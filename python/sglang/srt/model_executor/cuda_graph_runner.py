@@ -229,7 +229,8 @@ class CudaGraphRunner:
         """Free every graph and its memory pool (/release_memory_occupation; `recapture` makes them again:
         the scheduler runs no batch until then, and `can_run` says no). Nothing keeps a tensor of the
         pools: the captured batches' rotary cos / sin (the last body's: the target's, or the MTP layer's
-        companion) are dropped; a capture's body computes them again."""
+        companion) and the per-batch metadata the last capture left in the target's attention backends
+        (full and linear) are dropped; a capture's body computes them again."""
         for graphs in self.kinds.values():
             graphs.graphs.clear()
             graphs.outputs.clear()
@@ -237,6 +238,7 @@ class CudaGraphRunner:
             graphs.static.reset()  # (they hold the last replayed batch's rows: live requests' slots)
             for fb in graphs.batches.values():
                 fb.rope_cache = {}
+        self.model_runner.attn_backend.release_metadata()
         for companion in self.companions:
             companion.release()
         self.last_replayed = None

@@ -50,6 +50,12 @@ class HybridLinearAttnBackend:
         self.full_attn_backend.init_forward_metadata(fb)
         self.linear_attn_backend.init_forward_metadata(fb)
 
+    def release_metadata(self) -> None:
+        """Drop what the last batch left in both backends (`CudaGraphRunner.release`: the last capture's
+        tensors, in the graphs' memory pool)."""
+        self.full_attn_backend.release_metadata()
+        self.linear_attn_backend.release_metadata()
+
     def finish_forward(self, fb: ForwardBatch) -> None:
         """After the last layer, before sampling: a decode's track copies (all layers in one launch)."""
         if fb.forward_mode.is_decode():

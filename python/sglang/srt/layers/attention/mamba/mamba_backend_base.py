@@ -137,6 +137,12 @@ class MambaAttnBackendBase:
         else:
             self.meta = LinearMetadata()
 
+    def release_metadata(self) -> None:
+        """Drop the last batch's metadata and the uniform verifies' tensors (a CUDA graph's capture leaves
+        them in that graph's memory pool; the next batch or capture builds them again)."""
+        self.meta = LinearMetadata()
+        self._uniform_verify.clear()
+
     def prepare_host_metadata(self, fb: ForwardBatch) -> None:
         """Before the batch moves to the device (`ModelRunner.move_batch`): an extend's index tensors
         for the Triton conv and the packed kernels go into `fb.aux_tensors`, so they reach the device
