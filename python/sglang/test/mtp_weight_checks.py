@@ -80,6 +80,6 @@ def drafts(
         steps=steps,
     )
     replays = draft.graphs.replays
-    chains, _ = draft.draft_steps(plan)
+    chains = draft.draft_steps(plan).chains
     assert draft.graphs.replays == replays + 1  # (the loop ran its graph body)
     return draft.stash.hidden[[r.req_pool_idx for r in reqs]].clone(), chains

@@ -10,6 +10,7 @@ float32: the teacher-drafts tests of test_speculative_mtp would pass whatever th
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from types import SimpleNamespace
 
@@ -81,21 +82,24 @@ def _draft_loops_graph_vs_eager(device: str):
             steps=STEPS,
         )
 
-    # Buckets 1 (exact), 4 (one padded request), 2 (exact); five requests are over the largest bucket
-    # and a sampling plan is never served by a graph: both run the eager loop. The bucket-4 plan rewrites
-    # request 0's first four table entries to request 1's KV slots (a prefix hit's shared prefix), before
-    # its draft steps: its MTP attention then reads request 1's MTP KV there.
+    # Buckets 1 (exact), 4 (one padded request), 2 (exact); five sampling requests are over the largest
+    # bucket: the eager loop, which draws their drafts. The bucket-4 plan rewrites request 0's first four
+    # table entries to request 1's KV slots (a prefix hit's shared prefix), before its draft steps: its MTP
+    # attention then reads request 1's MTP KV there. The last plan samples and fits bucket 2: a graph
+    # serves it with greedy drafts (before, a sampling plan always ran the eager loop), which the eager
+    # side computes from its greedy twin (same rows and slots).
     shared = reqs[1].kv_slots[:4]
     plans = [
         plan([2]),
         plan([0, 3, 4], writes=[(reqs[0].req_pool_idx, 0, shared)]),
         plan([4, 1]),
-        plan(range(5)),
+        plan(range(5), temperature=1.0),
         plan([1, 3], temperature=1.0),
     ]
+    greedy_twin = dataclasses.replace(plans[-1], sampling_info=SamplingBatchInfo.create([0.0, 0.0]))
     start = _state(runner, draft)
-    draft.generator.manual_seed(7)  # (the sampling plan draws the same drafts in both runs)
-    eager = [draft.draft_steps(p)[0] for p in plans]
+    draft.generator.manual_seed(7)  # (the eager sampling plan draws the same drafts in both runs)
+    eager = [draft.draft_steps(p) for p in plans[:-1] + [greedy_twin]]
     after_eager = _state(runner, draft)
 
     _restore(runner, draft, start)
@@ -104,10 +108,14 @@ def _draft_loops_graph_vs_eager(device: str):
     assert draft.graphs is not None and draft.graphs.bs_list == SIZES
     assert bool(draft.graphs.graphs) == on_cuda  # (real graphs on CUDA)
     draft.generator.manual_seed(7)
-    graphs = [draft.draft_steps(p)[0] for p in plans]
+    graphs = [draft.draft_steps(p) for p in plans]
     after_graphs = _state(runner, draft)
-    assert draft.graphs.replays == 3
-    assert graphs == eager
+    assert draft.graphs.replays == 4
+    assert [d.chains for d in graphs] == [d.chains for d in eager]
+    # Greedy drafts (no distributions) from every graph and from the all-greedy eager plans; the eager
+    # sampling plan's drafts come with the distributions they were drawn from.
+    assert [d.greedy for d in graphs] == [d.greedy for d in eager] == [True, True, True, False, True]
+    assert graphs[3].probs.shape == (5, STEPS, runner.model.lm_head.weight.shape[0])
 
     # The drafted slots' MTP KV: the same kernels per row, only the matmuls see padded rows (CPU float32:
     # summation blocking, ~1e-7, so 1e-5; CUDA float32: cuBLAS may pick another kernel for the padded

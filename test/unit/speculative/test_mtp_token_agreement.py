@@ -53,7 +53,7 @@ def _rank(monkeypatch, rank: int) -> list:
             steps=steps,
         )
         stash = draft.stash.hidden[rows].clone()
-        drafts = draft.draft_steps(plan)[0]
+        drafts = draft.draft_steps(plan).chains
         held.append((stash, drafts, [r.next_token for r in reqs]))
         return drafts
 

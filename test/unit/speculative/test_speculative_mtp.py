@@ -1,6 +1,8 @@
 """`--speculative-algorithm NEXTN` / `EAGLE` (the checkpoint's MTP layer drafts, `speculative/`) against
 plain decoding: greedy outputs are the same tokens with chunked prefill and prefix hits; sampled
-positions follow the target's distribution under rejection sampling; the refusals.
+positions follow the target's distribution under rejection sampling, with sampled drafts (the eager
+loop's) and greedy ones (the draft graphs'), and a seeded request's draws come from its seed; the
+refusals.
 
 The tiny presets' MTP layers are random, so their drafts are rarely accepted; `_teacher_drafts` replaces
 the drafts by the plain run's own continuation (one in three chains spoiled at its last draft) so that
@@ -9,7 +11,8 @@ each committed token is the target's argmax after the same tokens (`ngram_worker
 only decides what is proposed.
 
 Nightly (suite nightly-cpu, `python -m pytest -q test/unit/speculative/test_speculative_mtp_nightly.py`):
-Qwen3.5 and Qwen3.5-MoE, every strategy, retractions under KV pressure."""
+Qwen3.5 and Qwen3.5-MoE, every strategy, retractions under KV pressure, sampling batches through the
+draft graphs' bodies."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, plain_then_spec
 from sglang.test.scheduler_harness import token_ids
 
-register_cpu_ci(est_time=29, suite="per-commit-cpu")
+register_cpu_ci(est_time=30, suite="per-commit-cpu")
 
 NEXTN_STEPS = 3  # --speculative-num-steps' default
 
@@ -47,40 +50,105 @@ def test_greedy_same_as_plain_decoding_through_graph_bodies(monkeypatch):
     assert stats["draft_graph_replays"] == stats["draft_loops"] > 0, stats  # (all greedy, 3 requests)
 
 
+# Chi-square bounds whose false-failure probability is 1e-6 at 5 and 2 degrees of freedom (checked in the
+# test with the chi-square tail, torch.special.gammaincc(df / 2, x / 2)).
+CHI2_1E6 = {5: 35.9, 2: 27.7}
+
+
+def _committed_tokens(
+    p_full: torch.Tensor, top_k: int, drafts: torch.Tensor, hook: MtpHook, seeds: list[int] | None = None
+) -> torch.Tensor:
+    """One drafted position per row, every row with the same target p (`p_full`, cut to its `top_k`); the
+    token `hook._reject` commits there. Each request: its newest token (id 0) then its draft; logits rows
+    2i (the drafted position) and 2i + 1 (the bonus position, left to the sampler). `seeds`: per request."""
+    n = drafts.shape[0]
+    input_ids = torch.stack([torch.zeros(n, dtype=torch.int64), drafts], dim=1).reshape(-1)
+    logits = p_full.log().repeat(2 * n, 1)
+    seeds = None if seeds is None else [s for s in seeds for _ in range(2)]
+    info = SamplingBatchInfo.create([1.0] * (2 * n), top_ks=[top_k] * (2 * n), seeds=seeds)
+    fb = SimpleNamespace(input_ids=input_ids, sampling_info=info, positions=torch.arange(2 * n) % 2 + 50)
+    ids = torch.full((2 * n,), -1, dtype=torch.int64)
+    out = hook._reject(fb, logits, ids, starts=list(range(0, 2 * n, 2)), k=1)
+    assert (out[1::2] == -1).all()  # the bonus positions are the sampler's
+    return out[0::2]
+
+
+def _chi2(committed: torch.Tensor, p: torch.Tensor) -> float:
+    counts = torch.bincount(committed, minlength=p.shape[0]).double()
+    expected = p.double() * committed.shape[0]
+    support = expected > 0
+    assert (counts[~support] == 0).all(), counts.tolist()  # nothing outside the top k
+    return float(((counts - expected)[support] ** 2 / expected[support]).sum())
+
+
+@pytest.mark.parametrize("greedy_drafts", [False, True])
 @pytest.mark.parametrize("top_k", [-1, 3])
-def test_rejection_sampling_follows_the_target_distribution(top_k):
-    """One drafted position per row, N rows with the same target p and draft q over 6 tokens; the drafts
-    drawn from q. The committed token of a row is its draft if kept, else a resample: its frequencies
-    must follow p, not q (chi-square, 5 degrees of freedom: 20.5 is the 0.999 quantile, so a correct rule
-    fails once in a thousand seeds and this fixed seed passes; committing q's draft unconditionally
-    gives a statistic in the thousands), and the acceptance rate is sum(min(p, q)). With top_k = 3 the
-    target is p's three most likely tokens renormalised (before, the truncated p was compared with q
-    unnormalised, summing to 0.8: a statistic of 777)."""
+def test_rejection_sampling_follows_the_target_distribution(top_k, greedy_drafts, monkeypatch):
+    """N rows with the same target p and draft q over 6 tokens; the drafts drawn from q. The committed
+    token of a row is its draft if kept, else a resample: its frequencies must follow p, not q
+    (chi-square under the 1 - 1e-6 quantile: a correct rule fails once in a million seeds and this
+    fixed seed passes; committing q's draft unconditionally gives a statistic in the thousands).
+    Sampled drafts (q passed): the acceptance rate is sum(min(p, q)). Greedy drafts (a draft graph's,
+    `greedy_drafts`: q = one-hot(d), never built): d kept with probability p(d), else drawn from p
+    without d; exact whatever decided d, here q's draws; the acceptance rate is sum(q p). Negative
+    control: that residual without d removed fails the same bound (a statistic in the hundreds). With
+    top_k = 3 the target is p's three most likely tokens renormalised (before, the truncated p was
+    compared with q unnormalised, summing to 0.8: a statistic of 777)."""
     n, vocab = 40_000, 6
     full = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.07, 0.03])
     p = full if top_k < 0 else torch.cat([full[:top_k], torch.zeros(vocab - top_k)]) / full[:top_k].sum()
     q = torch.tensor([0.10, 0.30, 0.05, 0.35, 0.15, 0.05])
+    df = int((p > 0).sum()) - 1
+    bound = CHI2_1E6[df]
+    tail = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(bound / 2.0))
+    assert float(tail) < 1e-6
     gen = torch.Generator().manual_seed(0)
     drafts = torch.multinomial(q, n, replacement=True, generator=gen)
-    # Each request: its newest token (id 0) then its draft; logits rows 2i (the drafted position) and
-    # 2i + 1 (the bonus position, left to the sampler).
-    input_ids = torch.stack([torch.zeros(n, dtype=torch.int64), drafts], dim=1).reshape(-1)
-    logits = full.log().repeat(2 * n, 1)
-    info = SamplingBatchInfo.create([1.0] * (2 * n), top_ks=[top_k] * (2 * n))
-    fb = SimpleNamespace(input_ids=input_ids, sampling_info=info)
-    hook = MtpHook(SimpleNamespace(generator=gen), draft_probs=q.repeat(n, 1, 1))
-    ids = torch.full((2 * n,), -1, dtype=torch.int64)
-    out = hook._reject(fb, logits, ids, starts=list(range(0, 2 * n, 2)), k=1)
-    committed = out[0::2]
-    assert (out[1::2] == -1).all()  # the bonus positions are the sampler's
-    counts = torch.bincount(committed, minlength=vocab).double()
-    expected = p.double() * n
-    support = expected > 0
-    assert (counts[~support] == 0).all(), counts.tolist()  # nothing outside the top k
-    chi2 = float(((counts - expected)[support] ** 2 / expected[support]).sum())
-    assert chi2 < 20.5, (chi2, counts.tolist())  # (fewer degrees of freedom with top k: stricter)
+    runner = SimpleNamespace(generator=gen)
+    if greedy_drafts:
+        hook = MtpHook(runner, greedy_drafts=True)
+        expected_rate = float((q * p).sum())
+    else:
+        hook = MtpHook(runner, draft_probs=q.repeat(n, 1, 1))
+        expected_rate = float(torch.minimum(p, q).sum())
+    committed = _committed_tokens(full, top_k, drafts, hook)
+    chi2 = _chi2(committed, p)
+    assert chi2 < bound, (chi2, torch.bincount(committed, minlength=vocab).tolist())
     rate = float((committed == drafts).double().mean())
-    assert abs(rate - float(torch.minimum(p, q).sum())) < 0.01, rate  # (std ~0.0025 at n = 40,000)
+    assert abs(rate - expected_rate) < 0.01, rate  # (std ~0.0025 at n = 40,000: 4 sigma)
+    if greedy_drafts:  # the negative control: the residual keeps d
+        monkeypatch.setattr(MtpHook, "_one_hot_rule", staticmethod(lambda p, d, u: (_keep(p, d, u), p)))
+        wrong = _chi2(_committed_tokens(full, top_k, drafts, MtpHook(runner, greedy_drafts=True)), p)
+        assert wrong > 5 * bound, wrong
+
+
+def _keep(p: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return u < p.gather(1, drafts[:, None])[:, 0]
+
+
+def test_seeded_rejection_sampling_is_reproducible_and_exact():
+    """Requests with seeds draw their acceptance and resample uniforms from (seed, position) (the
+    sampler's hash, salted apart): the committed tokens are the same whatever state the draft runner's
+    generator is in (before, it drew them: a seeded request's tokens changed from run to run), and with
+    a seed per request they still follow p (the chi-square bound above; the keep and resample draws
+    taken from one uniform would be correlated: a rejected draft's resample would then see only
+    u >= p(d)). Requests without a seed still draw from the generator: two states, other tokens. (10,000
+    requests: at least 300 expected per token, where the chi-square approximation holds.)"""
+    n = 10_000
+    full = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.07, 0.03])
+    q = torch.tensor([0.10, 0.30, 0.05, 0.35, 0.15, 0.05])
+    drafts = torch.multinomial(q, n, replacement=True, generator=torch.Generator().manual_seed(0))
+    for greedy in (True, False):
+        kw = dict(greedy_drafts=True) if greedy else dict(draft_probs=q.repeat(n, 1, 1))
+        runs = {}
+        for seeded in (True, False):
+            for state in (1, 2):
+                hook = MtpHook(SimpleNamespace(generator=torch.Generator().manual_seed(state)), **kw)
+                seeds = list(range(n)) if seeded else None
+                runs[seeded, state] = _committed_tokens(full, -1, drafts, hook, seeds)
+        assert torch.equal(runs[True, 1], runs[True, 2])
+        assert not torch.equal(runs[False, 1], runs[False, 2])
+        assert _chi2(runs[True, 1], full) < CHI2_1E6[5], greedy
 
 
 def test_flags_and_refusals():
@@ -201,14 +269,15 @@ def test_sampling_drafts_keep_no_distribution_between_verifies(monkeypatch):
     original = MtpDraftRunner.draft_steps
 
     def record(self, plan):
-        chains, probs = original(self, plan)
+        out = original(self, plan)
+        chains, probs = out.chains, out.probs
         shapes.append((len(plan.rows), tuple(probs.shape)))
         assert torch.allclose(probs.sum(dim=-1), torch.ones(()), atol=1e-4)  # (float32 sums over 1k)
         first = torch.tensor([c[0] for c in chains])
         # top_k=2 leaves q_1 two tokens of the vocabulary: a d_1 drawn from anything else lands outside.
         assert ((probs[:, 0] > 0).sum(dim=-1) <= 2).all()
         assert (probs[:, 0].gather(1, first[:, None]) > 0).all()  # d_1 was drawn from q_1
-        return chains, probs
+        return out
 
     monkeypatch.setattr(MtpDraftRunner, "draft_steps", record)
     h = SchedulerHarness(QWEN, disable_overlap_schedule=True, **NEXTN)
@@ -246,9 +315,9 @@ def test_first_drafts_match_a_transformers_built_mtp_layer(monkeypatch):
     original = MtpDraftRunner.draft_steps
 
     def record(self, plan):
-        chains, probs = original(self, plan)
-        seen.append((plan.prefix_lens[0], chains[0]))
-        return chains, probs
+        out = original(self, plan)
+        seen.append((plan.prefix_lens[0], out.chains[0]))
+        return out
 
     monkeypatch.setattr(MtpDraftRunner, "draft_steps", record)
     prompt = token_ids(75, seed=3)
@@ -315,3 +384,4 @@ def test_gpu_greedy_same_as_plain_decoding(monkeypatch, strategy):
     # verify, counted apart from the decodes' (which alone could outnumber the loops).
     assert stats["draft_graph_replays"] == stats["draft_loops"] > 0, stats
     assert stats["mtp_verify_graph_replays"] >= stats["draft_loops"], stats
+

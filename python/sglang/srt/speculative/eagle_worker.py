@@ -11,7 +11,8 @@ and the state copies) with drafts from the MTP layer instead of an n-gram cache:
 2. `MtpDraftRunner.draft_steps` runs on the forward stream: draft d_1 is drawn from the MTP output the
    previous forward left (`mtp_draft.DraftStash`), steps 2..k run the MTP layer; the drafts come back to
    the host.
-3. The verify batch is built as NGRAM's, with `MtpHook` on it: rejection sampling for sampling requests,
+3. The verify batch is built as NGRAM's, with `MtpHook` on it: rejection sampling for sampling requests
+   (against their drafts' distributions, or q = one-hot(draft) where the drafts are greedy: `Drafts`),
    and the MTP layer over the verify's positions with the tokens the verify committed, which leaves the
    next step's d_1. Every other target forward (prefill chunks, plain decode steps) gets the hook too
    (`attach`), so the MTP layer's KV covers every committed position.
@@ -121,9 +122,9 @@ class EagleWorker(NgramWorker):
                 deps.tree_cache.run_host_copies(host_copies)
             return self.draft.draft_steps(plan)
 
-        chains, probs = self.run_on_stream(draft_steps)
+        drafted = self.run_on_stream(draft_steps)
         drafts: list[list[int]] = [[] for _ in reqs]
-        for i, chain in zip(picked, chains, strict=True):
+        for i, chain in zip(picked, drafted.chains, strict=True):
             drafts[i] = chain
         batch = ScheduleBatch(reqs, ForwardMode.TARGET_VERIFY, deps.next_batch_id())
         self._prepare(batch, drafts, counts, out_cache_loc, prefix_lens, width)
@@ -131,6 +132,7 @@ class EagleWorker(NgramWorker):
             self.draft,
             widths=batch.spec_info.widths,
             num_drafts=[len(d) for d in drafts],
-            draft_probs=probs,
+            draft_probs=drafted.probs,
+            greedy_drafts=drafted.greedy,
         )
         return batch

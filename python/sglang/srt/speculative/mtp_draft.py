@@ -10,20 +10,29 @@ kept between forwards). A verify's hook first applies rejection sampling to the 
 (below), then finds on the device how many drafts each request accepted, so the MTP rows past them only
 write KV slots the commit gives back.
 
-`MtpDraftRunner.draft_steps` runs before a verify, for the drafting requests only: d_1 is drawn from
-q_1 = lm_head(g) (with the request's sampling options), then steps 2..k run the MTP layer at positions
-P, P + 1, ... (P: the request's newest token), from (d_(j-1), g) of the step before, in the KV slots the
-verify has allocated for those positions. The distributions q_1..q_k of a verify's sampling requests
-live from the draft steps to that verify's rejection sampling ([drafting requests, k, vocab] float32,
-as the verify's own logits [positions, vocab]: activations, not a pool); none is kept between verifies.
+`MtpDraftRunner.draft_steps` runs before a verify, for the drafting requests only: d_1 is taken from
+q_1 = lm_head(g), then steps 2..k run the MTP layer at positions P, P + 1, ... (P: the request's newest
+token), from (d_(j-1), g) of the step before, in the KV slots the verify has allocated for those
+positions. How the drafts are taken (`Drafts.greedy`): a plan that fits a captured draft graph
+(`mtp_graphs.py`, on a GPU), whatever its requests' sampling options, and an all-greedy plan take the
+argmax at every step (greedy drafts); the eager loop of a plan with sampling requests (no graph fits: a
+CPU server, a batch over the largest bucket) draws their drafts from q_j with the request's options, and
+the distributions q_1..q_k then live from the draft steps to that verify's rejection sampling ([drafting
+requests, k, vocab] float32, as the verify's own logits [positions, vocab]: activations, not a pool);
+none is kept between verifies.
 
 Rejection sampling (a sampling request's drafted positions, as upstream): draft d drawn from q is kept
 with probability min(1, p(d) / q(d)), where p is the target's distribution with the request's options
 (temperature, top-k, top-p, min-p: `truncated_probs`, the sampler's); else the position takes a token
-drawn from norm(max(p - q, 0)), which is never d. The position's token is then d exactly when it is
-accepted, so the scheduler's commit (accept while the token equals the next draft, as NGRAM's) commits
-what rejection sampling decides; the position after the last draft keeps the sampler's own draw from p.
-Greedy requests take the target's argmax at every position, as plain decoding does.
+drawn from norm(max(p - q, 0)), which is never d. Greedy drafts are the case q = one-hot(d), never built
+(upstream EAGLE's target-only verification of topk-1 chains): d is kept with probability p(d), else the
+token is drawn from p without d, renormalised; both rules leave each position's token distributed as p,
+whatever drafted it. The position's token is then d exactly when it is accepted, so the scheduler's
+commit (accept while the token equals the next draft, as NGRAM's) commits what rejection sampling
+decides; the position after the last draft keeps the sampler's own draw from p. A request with a seed
+draws its sampled drafts and its acceptance and resample uniforms from (seed, position), as the sampler
+its tokens, so its tokens do not depend on the generator's state (what ran before it). Greedy requests take the target's argmax at
+every position, as plain decoding does.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from typing import Any
 import torch
 
 from sglang.srt.layers.logits_processor import scaled_log_softmax
-from sglang.srt.layers.sampler import SampleOutput, inverse_cdf_sample, truncated_probs
+from sglang.srt.layers.sampler import SampleOutput, inverse_cdf_sample, seeded_uniforms, truncated_probs
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
 from sglang.srt.speculative.mtp_graphs import MtpDraftGraphs, MtpForwardGraphs
 from sglang.srt.utils.host_tensors import host_int64
@@ -64,6 +73,38 @@ def draft_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         kept = truncated_probs(logits, temps, info.top_ps, info.top_ks, info.min_ps, info.sort_width)
         return kept / kept.sum(dim=-1, keepdim=True)
     return torch.softmax(logits / temps[:, None], dim=-1)
+
+
+# Salts of a seeded request's uniforms (`uniforms`), or'ed into the position the hash reads (positions stay
+# below 2^29): each draw differs from the sampler's own at that position and from the others.
+DRAFT_SALT, KEEP_SALT, RESAMPLE_SALT = 1 << 29, 2 << 29, 3 << 29
+
+
+def uniforms(
+    generator: torch.Generator, info: SamplingBatchInfo, positions: torch.Tensor, salt: int
+) -> torch.Tensor:
+    """A uniform per row: a seeded request's from (seed, position | salt), the sampler's hash; the others'
+    from `generator` (the draft runner's; one draw per row, seeded rows included)."""
+    fresh = torch.rand(positions.shape[0], generator=generator, device=positions.device)
+    if info.has_seed is None:
+        return fresh
+    return torch.where(info.has_seed, seeded_uniforms(info.seed_bits, positions | salt), fresh)
+
+
+@dataclass
+class Drafts:
+    """What `draft_steps` gives a verify: each planned request's k drafts (host lists) and how they were
+    taken. `greedy`: every chain is the MTP layer's argmax at each step (a draft graph served the plan, or
+    every request is greedy), and the verify's rejection sampling takes q = one-hot(d); else `probs`
+    holds the distributions the sampling requests' drafts were drawn from, [bs, k, vocab] on the device."""
+
+    chains: list[list[int]]
+    probs: torch.Tensor | None
+    greedy: bool
+
+    def __post_init__(self):
+        if self.greedy != (self.probs is None):
+            raise ValueError("sampled drafts come with their distributions, greedy drafts without")
 
 
 @dataclass
@@ -149,14 +190,15 @@ class MtpDraftRunner:
         return self._logits(g).max(dim=-1).indices
 
     def _sample(
-        self, logits: torch.Tensor, info: SamplingBatchInfo
+        self, logits: torch.Tensor, info: SamplingBatchInfo, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(draft ids, their distributions or None where every row is greedy)."""
+        """(draft ids for the tokens at `positions`, their distributions or None where every row is
+        greedy)."""
         greedy = logits.max(dim=-1).indices
         if info.is_all_greedy:
             return greedy, None
         probs = draft_probs(logits, info)
-        u = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
+        u = uniforms(self.generator, info, positions, DRAFT_SALT)
         return torch.where(info.temperatures > 0, inverse_cdf_sample(probs, u), greedy), probs
 
     def _stash(self, rows: torch.Tensor, g: torch.Tensor) -> None:
@@ -164,21 +206,22 @@ class MtpDraftRunner:
 
     # ---- before a verify: the k drafts ------------------------------------------------------------
 
-    def draft_steps(self, plan: DraftPlan) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Each planned request's k drafts (host lists) and, where some request samples, their
-        distributions [bs, k, vocab] on the device. Runs on the forward stream; an all-greedy plan that
-        fits a captured size replays its graph (`mtp_graphs.py`), else the loop runs eagerly."""
+    def draft_steps(self, plan: DraftPlan) -> Drafts:
+        """Each planned request's k drafts. Runs on the forward stream; a plan that fits a captured size
+        replays its graph (`mtp_graphs.py`: greedy drafts, whatever the requests' sampling options), else
+        the loop runs eagerly (sampled drafts where some request samples)."""
         runner, stash = self.runner, self.stash
         self.loops += 1
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.can_run(plan):
-                return self.graphs.replay(plan), None
+                return Drafts(self.graphs.replay(plan), None, greedy=True)
             device = stash.hidden.device
             rows = host_int64(plan.rows).to(device)
             # Uploaded once for the k steps (each step's batch leaves an info on the device as it is).
             info = plan.sampling_info.map_tensors(lambda t: t.to(device, non_blocking=True))
+            index = host_int64(plan.prefix_lens).to(device) + 1  # d_1's position (d_j's: + j - 1)
             g = stash.hidden[rows]
-            tokens, first_probs = self._sample(self._logits(g), info)
+            tokens, first_probs = self._sample(self._logits(g), info, index)
             drafts = [tokens]
             probs = None if first_probs is None else [first_probs]
             for j in range(plan.steps - 1):
@@ -197,12 +240,14 @@ class MtpDraftRunner:
                 runner._rewrite_req_to_token(fb)
                 runner.write_new_token_slots(fb)
                 g = self._run(fb, tokens, g)
-                tokens, step_probs = self._sample(self._logits(g), info)
+                tokens, step_probs = self._sample(self._logits(g), info, index + (j + 1))
                 drafts.append(tokens)
                 if probs is not None:
                     probs.append(step_probs)
             host = torch.stack(drafts, dim=1).tolist()
-            return host, None if probs is None else torch.stack(probs, dim=1)
+            if probs is None:
+                return Drafts(host, None, greedy=True)
+            return Drafts(host, torch.stack(probs, dim=1), greedy=False)
 
 
 @dataclass
@@ -226,14 +271,15 @@ class MtpHook:
 
     `next_ids`: per token of the batch the token after it where the host knows it (prompt), -1 where it is
     the request's sampled token (extend; a decode and a verify use their own sampled tokens). A verify
-    carries its widths, each request's drafts count and the drafts' distributions."""
+    carries its widths, each request's drafts count and how the drafts were taken (`Drafts`)."""
 
     runner: MtpDraftRunner
     next_ids: list[int] | None = None
     completes: list[bool] | None = None  # extend: the rows whose request's last position ran
     widths: list[int] | None = None  # verify: positions per request
     num_drafts: list[int] | None = None  # verify: drafts per request (0 or k)
-    draft_probs: torch.Tensor | None = None  # verify: [drafting requests, k, vocab]
+    draft_probs: torch.Tensor | None = None  # verify, sampled drafts: [drafting requests, k, vocab]
+    greedy_drafts: bool = False  # verify: the drafts are argmax chains (q = one-hot(d))
 
     def after_sampling(
         self, fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor, sample: SampleOutput, agree: Agree
@@ -287,22 +333,36 @@ class MtpHook:
         self.runner._stash(fb.req_pool_indices, g[last])
         return sample
 
+    @staticmethod
+    def _one_hot_rule(
+        p: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rejection sampling's (keep, residual) for greedy drafts, q = one-hot(d): d kept with probability
+        p(d) (never where p(d) = 0), else drawn from max(p - q, 0) = p without d (unnormalised: the
+        inverse-CDF draw scales by the total); p(d) = 1 leaves nothing to draw from, and d is then kept."""
+        keep = u < p.gather(1, drafts[:, None])[:, 0]
+        return keep, p.scatter(1, drafts[:, None], 0.0)
+
     def _reject(self, fb: ForwardBatch, logits: torch.Tensor, ids: torch.Tensor, starts: list[int], k: int):
         """The drafted positions' tokens under rejection sampling (module docstring)."""
         device = logits.device
         rows = host_int64([s + t for s in starts for t in range(k)]).to(device)
         info = fb.sampling_info.map_tensors(lambda t: t.index_select(0, rows))
         p = draft_probs(logits.float()[rows], info)
-        q = self.draft_probs.reshape(len(rows), -1)
         drafts = fb.input_ids[rows + 1]
-        gen = self.runner.generator
-        u = torch.rand(len(rows), generator=gen, device=device)
-        p_d, q_d = p.gather(1, drafts[:, None])[:, 0], q.gather(1, drafts[:, None])[:, 0]
-        keep = u * q_d <= p_d
-        residual = (p - q).clamp_(min=0)
+        index = fb.positions[rows] + 1  # (the drafted token's position, as the sampler's)
+        u = uniforms(self.runner.generator, info, index, KEEP_SALT)
+        if self.greedy_drafts:
+            keep, residual = self._one_hot_rule(p, drafts, u)
+        else:
+            if self.draft_probs is None:
+                raise RuntimeError("a verify of sampled drafts needs their distributions (Drafts.probs)")
+            q = self.draft_probs.reshape(len(rows), -1)
+            keep = u * q.gather(1, drafts[:, None])[:, 0] <= p.gather(1, drafts[:, None])[:, 0]
+            residual = (p - q).clamp_(min=0)
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         residual = torch.where(empty, p, residual)
-        resampled = inverse_cdf_sample(residual, torch.rand(len(rows), generator=gen, device=device))
+        resampled = inverse_cdf_sample(residual, uniforms(self.runner.generator, info, index, RESAMPLE_SALT))
         chosen = torch.where(keep, drafts, resampled)
         sampling = info.temperatures > 0
         out = ids.clone()

@@ -1,7 +1,8 @@
 """EAGLE / NEXTN's MTP layer in CUDA graphs. `MtpDraftGraphs`: the draft loop of a verify
-(`MtpDraftRunner.draft_steps`) replayed from CUDA graphs, one captured per batch-size bucket, for draft
-batches whose requests are all greedy. `MtpForwardGraphs` (below): the MTP layer after a target decode
-or verify that replayed the target's graph.
+(`MtpDraftRunner.draft_steps`) replayed from CUDA graphs, one captured per batch-size bucket, for every
+draft batch that fits one: its drafts are the argmax chains, sampling requests' included (the verify then
+takes q = one-hot(draft) in their rejection sampling: `MtpHook._reject`). `MtpForwardGraphs` (below):
+the MTP layer after a target decode or verify that replayed the target's graph.
 
 What a graph holds: from the drafting requests' stash rows g, d_1 = argmax(lm_head(g)), then steps
 2..k: the MTP layer at positions P, P + 1, .. (its `req_to_token` entries, its attention metadata and
@@ -13,10 +14,12 @@ rest of the bucket with the dummy request row 0, P = 0 and KV slot 0, which abso
 writes (the stash row 0 they read is never a request's). The plan's prefix rewrites of `req_to_token`
 run before the replay, on the forward stream, as the eager loop does them.
 
-Sampling draft batches (their d_j are drawn with the draft runner's own generator, and their
-distributions go to the verify's rejection sampling) and batches over the largest bucket run the eager
-loop. Both kinds of graphs are captured beside the target's (`CudaGraphRunner.add_companion`: the
-draft loop's at its sizes up to the verify rows, the MTP layer's at every size of each of its kinds;
+Batches over the largest bucket run the eager loop (which draws a sampling request's d_j from its
+distribution, and hands those to the verify's rejection sampling). Greedy drafts keep a sampling
+request's tokens distributed as the target's (rejection sampling is exact for any draft rule), at a
+lower acceptance at high temperatures (docs/server.md has the benchmark's numbers). Both kinds of graphs
+are captured beside the target's (`CudaGraphRunner.add_companion`: the draft loop's at its sizes up to
+the verify rows, the MTP layer's at every size of each of its kinds;
 captured again and released with them); on CPU the same bodies run eagerly on the static buffers
 (`use_graphs=False`), so padding and the no-host-values rule (`GraphUnsafeError`) are checked by the CPU
 tests. The MTP layer after a prefill chunk, or after a forward no graph served, runs eagerly.
@@ -88,7 +91,8 @@ class MtpDraftGraphs:
         self.inputs.zero_()  # (it holds the last plan's rows and slots)
 
     def can_run(self, plan: DraftPlan) -> bool:
-        return plan.sampling_info.is_all_greedy and 0 < len(plan.rows) <= (self.bs_list or [0])[-1]
+        """Any plan up to the largest captured size, whatever its sampling options (greedy drafts)."""
+        return 0 < len(plan.rows) <= (self.bs_list or [0])[-1]
 
     def replay(self, plan: DraftPlan) -> list[list[int]]:
         """Each planned request's k greedy drafts: the plan loaded into the static buffer, padded to its
