@@ -1,5 +1,6 @@
 """EAGLE / NEXTN under PD (`disaggregation/draft_state.py`), without servers: the MTP output row the prefill
-server sends with the first token arrives in the decode server's stash row bit for bit (bfloat16 too);
+server sends with the first token arrives in the decode server's stash row bit for bit (bfloat16 too), a
+poll's rows in one forward-stream call on each side;
 an answer without it, or of another size or dtype, is refused in one sentence (and fails its request
 whole, what it held freed); and a pool layout with the MTP
 draft layer's KV meets one without it with a refusal naming --speculative-algorithm, before any
