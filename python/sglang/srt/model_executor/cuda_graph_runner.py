@@ -318,7 +318,10 @@ class CudaGraphRunner:
 
 def capture_graph(body, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """A CUDA graph of `body()` and the tensor it returns (read after each replay). Warmed up on a side
-    stream first (Triton compiles, cuBLAS picks its kernels)."""
+    stream first (Triton compiles, cuBLAS picks its kernels). Capture checks this thread's calls only
+    (`thread_local`): a recapture (a weight swap, a KV-scale change, a resume) may run while another
+    thread of the server uses the GPU (a PD transfer packing state), whose allocations would otherwise
+    end the capture or fail that thread; the bodies make no unsafe call themselves."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -327,7 +330,7 @@ def capture_graph(body, device: torch.device, pool) -> tuple[torch.cuda.CUDAGrap
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = body()
     return graph, out
 
