@@ -278,6 +278,13 @@ class Envs:
         30.0, "Seconds before a stalled or idle-before-request connection closes."
     )
 
+    # EAGLE / NEXTN: a draft batch with a sampling request replays the greedy draft-loop CUDA graph
+    # (`speculative/mtp_graphs.py`) unless this is set; then it runs the eager loop, whose sampled drafts
+    # are accepted more often at high temperatures (docs/server.md, "CUDA graphs" of EAGLE / NEXTN).
+    SGLANG_MTP_EAGER_SAMPLED_DRAFTS = EnvBool(
+        False, "NEXTN: draft batches with a sampling request run the eager loop (sampled drafts), not a graph."
+    )
+
     # Checks
     # Off in production (the walk over every page and node is long with large pools); the test
     # suite turns it on (test/conftest.py). Without it, going idle runs the O(1) count check.

@@ -116,6 +116,9 @@ def _draft_loops_graph_vs_eager(device: str):
     # sampling plan's drafts come with the distributions they were drawn from.
     assert [d.greedy for d in graphs] == [d.greedy for d in eager] == [True, True, True, False, True]
     assert graphs[3].probs.shape == (5, STEPS, runner.model.lm_head.weight.shape[0])
+    # SGLANG_MTP_EAGER_SAMPLED_DRAFTS keeps sampling plans on the eager loop (sampled drafts), not greedy ones.
+    with envs.SGLANG_MTP_EAGER_SAMPLED_DRAFTS.override(True):
+        assert not draft.graphs.can_run(plans[-1]) and draft.graphs.can_run(plans[0])
 
     # The drafted slots' MTP KV: the same kernels per row, only the matmuls see padded rows (CPU float32:
     # summation blocking, ~1e-7, so 1e-5; CUDA float32: cuBLAS may pick another kernel for the padded

@@ -126,6 +126,16 @@ def _keep(p: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor) -> torch.Tenso
     return u < p.gather(1, drafts[:, None])[:, 0]
 
 
+def test_a_draft_plan_without_the_sampling_requests_is_all_greedy():
+    """The draft plan's sampling rows are the drafting requests' (`repeat_rows` with 0 for the others):
+    greedy drafters beside a sampling request that does not draft (a penalty, its budget) make an
+    all-greedy plan, which needs no draft distributions and may replay a graph whatever
+    SGLANG_MTP_EAGER_SAMPLED_DRAFTS says (before, it kept the whole batch's False)."""
+    info = SamplingBatchInfo.create([0.0, 1.0, 0.0])
+    assert info.repeat_rows([1, 0, 1]).is_all_greedy
+    assert not info.repeat_rows([0, 1, 1]).is_all_greedy and not info.repeat_rows([1, 4, 1]).is_all_greedy
+
+
 def test_seeded_rejection_sampling_is_reproducible_and_exact():
     """Requests with seeds draw their acceptance and resample uniforms from (seed, position) (the
     sampler's hash, salted apart): the committed tokens are the same whatever state the draft runner's

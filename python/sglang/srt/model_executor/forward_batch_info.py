@@ -131,9 +131,13 @@ class SamplingBatchInfo:
 
     def repeat_rows(self, counts: Sequence[int]) -> SamplingBatchInfo:
         """Row i `counts[i]` times in a row (a verify samples every position of a request alike); the
-        host tensors must not have moved yet."""
+        host tensors must not have moved yet. Rows left out (count 0: NEXTN's draft plan of the drafting
+        requests) may have been the only sampling ones: the result is then all greedy."""
         index = host_int64([i for i, n in enumerate(counts) for _ in range(n)])
-        return self.map_tensors(lambda t: t.index_select(0, index))
+        info = self.map_tensors(lambda t: t.index_select(0, index))
+        if not self.is_all_greedy and 0 in counts:
+            info.is_all_greedy = not bool((info.temperatures > 0).any())
+        return info
 
 
 def _on(t: torch.Tensor | None, device: torch.device) -> bool:

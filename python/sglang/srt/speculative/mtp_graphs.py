@@ -14,7 +14,8 @@ rest of the bucket with the dummy request row 0, P = 0 and KV slot 0, which abso
 writes (the stash row 0 they read is never a request's). The plan's prefix rewrites of `req_to_token`
 run before the replay, on the forward stream, as the eager loop does them.
 
-Batches over the largest bucket run the eager loop (which draws a sampling request's d_j from its
+Batches over the largest bucket (and, with SGLANG_MTP_EAGER_SAMPLED_DRAFTS=1, batches with a sampling
+request) run the eager loop (which draws a sampling request's d_j from its
 distribution, and hands those to the verify's rejection sampling). Greedy drafts keep a sampling
 request's tokens distributed as the target's (rejection sampling is exact for any draft rule), at a
 lower acceptance at high temperatures (docs/server.md has the benchmark's numbers). Both kinds of graphs
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang.srt.environ import envs
 from sglang.srt.model_executor.cuda_graph_runner import _NO_HOST_VALUES, GraphUnsafeError, capture_graph
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
 from sglang.srt.utils.host_tensors import host_int64
@@ -91,7 +93,10 @@ class MtpDraftGraphs:
         self.inputs.zero_()  # (it holds the last plan's rows and slots)
 
     def can_run(self, plan: DraftPlan) -> bool:
-        """Any plan up to the largest captured size, whatever its sampling options (greedy drafts)."""
+        """Any plan up to the largest captured size, whatever its sampling options (greedy drafts), unless
+        SGLANG_MTP_EAGER_SAMPLED_DRAFTS keeps a plan with a sampling request on the eager loop."""
+        if not plan.sampling_info.is_all_greedy and envs.SGLANG_MTP_EAGER_SAMPLED_DRAFTS.get():
+            return False
         return 0 < len(plan.rows) <= (self.bs_list or [0])[-1]
 
     def replay(self, plan: DraftPlan) -> list[list[int]]:
