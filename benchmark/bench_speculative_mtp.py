@@ -27,6 +27,16 @@ B is first served cold, one at a time (caches flushed); then, after a flush, a r
 prompt's tokens runs first, so that B hits L cached tokens whose last position's MTP KV was written with
 A's token at L, not B's (issue 57: the MTP KV at a hit's last position is the earlier request's), and B
 runs again. `accept_length` of both, the hits' cached tokens and whether B's tokens are the same.
+
+`--sampled-acceptance 0.7,1.0` measures instead, at each temperature, NEXTN's accept length with the two
+draft rules of sampling requests (`speculative/mtp_draft.py`): `sampled_drafts`, the eager draft loop's
+(each draft drawn from the MTP layer's distribution with the request's options, rejection sampling
+against it; what a CPU server and batches over the largest graph do), and `greedy_drafts`, the draft
+loop's CUDA-graph bodies (`mtp_graphs.py`, here their CPU form: `use_graphs=False`; the argmax chain,
+rejection sampling against one-hot(draft); what a GPU server does for a batch that fits a graph). The
+same prompts, all at once (batch `--prompts`), `--reps` times per side; no plain scheduler, no timing.
+
+    .venv/bin/python benchmark/bench_speculative_mtp.py --sampled-acceptance 0.7,1.0 --reps 2
 """
 
 from __future__ import annotations
@@ -56,11 +66,18 @@ def held_out_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def run(
-    sched: Scheduler, prompts: list[list[int]], out_len: int, tag: str, cached: list[int] | None = None
+    sched: Scheduler,
+    prompts: list[list[int]],
+    out_len: int,
+    tag: str,
+    cached: list[int] | None = None,
+    temperature: float = 0.0,
 ) -> tuple[float, list[list[int]]]:
     outputs: dict[str, list[int]] = {}
     for k, ids in enumerate(prompts):
-        params = SamplingParams.from_dict({"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})
+        params = SamplingParams.from_dict(
+            {"max_new_tokens": out_len, "temperature": temperature, "ignore_eos": True}
+        )
         sched.add_request(
             TokenizedGenerateReqInput(
                 rid=f"{tag}-{k}", input_text=None, input_ids=ids, sampling_params=params
@@ -106,6 +123,40 @@ def prefix_hit_acceptance(sched: Scheduler, prompts: list[list[int]], hit_len: i
     return report
 
 
+def draft_rule_acceptance(
+    base: dict, nextn: dict, prompts: list[list[int]], temperatures: list[float], reps: int, out_len: int
+) -> dict:
+    """NEXTN's accept length per temperature with sampled drafts (the eager loop) and greedy drafts (the
+    draft loop's graph bodies), module docstring."""
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    scheds = {name: Scheduler(ServerArgs(**base, **nextn)) for name in ("sampled_drafts", "greedy_drafts")}
+    greedy = scheds["greedy_drafts"]
+    sizes = [1, 2, 4, 8, 16]
+    greedy.model_runner.graph_runner = CudaGraphRunner(greedy.model_runner, sizes, use_graphs=False)
+    greedy.spec.draft.use_graphs(greedy.model_runner.graph_runner)
+    assert scheds["sampled_drafts"].spec.draft.graphs is None
+    report: dict = {}
+    for temperature in temperatures:
+        row = {}
+        for name, sched in scheds.items():
+            before, loops = dict(sched.spec.stats), sched.spec.draft.loops
+            for rep in range(reps):
+                sched.flush_cache()
+                run(sched, prompts, out_len, f"t{temperature}r{rep}", temperature=temperature)
+            after = sched.spec.stats
+            verifies = after["verify_steps"] - before["verify_steps"]
+            row[name] = round((after["committed_tokens"] - before["committed_tokens"]) / max(verifies, 1), 3)
+            if name == "greedy_drafts":  # every draft loop a graph body's (the batch fits a size)
+                replays = sched.spec.draft.graphs.replays
+                row["greedy_draft_graph_replays"] = f"{replays} of {sched.spec.draft.loops - loops} loops"
+                sched.spec.draft.graphs.replays = 0
+        report[f"temperature_{temperature}"] = row
+    for sched in scheds.values():
+        sched.shutdown()
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path", default=MODEL)
@@ -116,6 +167,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prefix-hit-len", type=int, default=0, help="measure stale prefix hits instead")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--sampled-acceptance", default="", help="temperatures (comma-separated): accept length per draft rule"
+    )
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -135,6 +189,11 @@ def main() -> None:
         sched.shutdown()
         return
     nextn = dict(speculative_algorithm="NEXTN", speculative_num_steps=args.steps)
+    if args.sampled_acceptance:
+        temperatures = [float(t) for t in args.sampled_acceptance.split(",")]
+        report = draft_rule_acceptance(base, nextn, prompts, temperatures, args.reps, args.output_len)
+        print(json.dumps({"torch_threads": torch.get_num_threads(), **vars(args), **report}, indent=1))
+        return
     scheds = {"plain": Scheduler(ServerArgs(**base)), "nextn": Scheduler(ServerArgs(**base, **nextn))}
     if scheds["nextn"].spec.draft.graphs is not None:
         scheds["nextn_eager_mtp"] = Scheduler(ServerArgs(**base, **nextn))
