@@ -6,7 +6,8 @@ through a pinned staging tensor of that transfer's rows (`to_host`, `load`). Pin
 nothing and cost much: torch's caching host allocator rounds each pinned allocation up to a power of two
 (up to 2x the bytes checked below), and pinned memory cannot be swapped. The staging tensors hold only
 the rows of the copies in flight (one batch's loads, the backups not landed yet: one or two batches'),
-kept by that allocator for reuse.
+kept by that allocator for reuse. Every row move goes through `byte_rows`: a float8 KV cache
+(`--kv-cache-dtype fp8_*`) moves as its bytes (torch has no float8 `index_copy_`).
 
 Sizes: `--hicache-size` GB (when > 0), split between KV and states in the device pools' byte ratio; else
 `--hicache-ratio` times the device pools (tokens and slots). Upstream's rule holds: the host tier is at
@@ -30,7 +31,7 @@ import torch
 
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
-from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool, byte_rows
 
 GB = 1 << 30
 UNKNOWN = 1 << 62  # no MemAvailable: no check
@@ -146,7 +147,7 @@ class HostPools:
 
     def gather(self, kv: bool, device_slots: torch.Tensor) -> list[torch.Tensor]:
         """Backup, step 1: the rows of `device_slots`, gathered on the device."""
-        return [d.index_select(dim, device_slots) for d, _, dim in self._pairs(kv)]
+        return [byte_rows(d).index_select(dim, device_slots).view(d.dtype) for d, _, dim in self._pairs(kv)]
 
     @staticmethod
     def to_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -164,11 +165,12 @@ class HostPools:
     def scatter(self, kv: bool, host_slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
         """Backup, step 3 (once the rows landed): into the host pools."""
         for (_, h, dim), r in zip(self._pairs(kv), rows, strict=True):
-            h.index_copy_(dim, host_slots, r)
+            byte_rows(h).index_copy_(dim, host_slots, byte_rows(r))
 
     def load(self, kv: bool, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Host rows of `host_slots` into the device rows of `device_slots` (the current stream)."""
         for d, h, dim in self._pairs(kv):
+            d, h = byte_rows(d), byte_rows(h)  # (float8 KV as bytes)
             if d.device.type == "cpu":
                 rows = h.index_select(dim, host_slots)
             else:

@@ -23,6 +23,14 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
 
+def byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as every indexing op takes it: a one-byte dtype (float8 KV, `--kv-cache-dtype`) as its bytes
+    (uint8, same shape), any other as it is. Torch has no float8 `index_copy_` / `index_fill_` (CPU or
+    CUDA), nor float8 `index_select` on every CUDA build; moving rows as bytes is exact. Every row move of
+    a pool buffer (writes, host tier, PD staging) goes through this."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
 class ReqToTokenPool:
     """Request rows. `req_to_token[row, i]` is the KV slot of position i of the request in `row`;
     row 0 is padding (padded batch rows point at it).
@@ -117,10 +125,7 @@ class MHATokenToKVPool:
         if v_scale != 1.0:
             v = v.float() / v_scale
         for buf, new in ((self.k_buffer[i], k.to(self.dtype)), (self.v_buffer[i], v.to(self.dtype))):
-            # float8 through a byte view, as upstream does (index_put has no float8 form everywhere)
-            if self.dtype.itemsize == 1:
-                buf, new = buf.view(torch.uint8), new.view(torch.uint8)
-            buf[loc] = new
+            byte_rows(buf)[loc] = byte_rows(new)  # (float8 as bytes, as upstream does)
 
     def bytes_per_token(self) -> int:
         k = self.k_buffer[0]
