@@ -277,3 +277,61 @@ def test_a_freed_range_is_zeroed_off_the_loop_and_taken_back_only_zeroed():
     assert st.in_use() == 1 and st.alloc(512) == 1024  # the free room first, whatever the zeroing's pace
     assert st.alloc(512) == a and not st.buffer[a : a + 512].any()  # then the zeroed range
     assert st.alloc(1) is None and b == 512
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_kv_packs_unpacks_and_clears_bit_for_bit(kv_dtype):
+    """Review finding 3: with `--kv-cache-dtype fp8_e4m3 / fp8_e5m2` the unpack (`index_copy_`) and the
+    direct path's clear (`index_fill_`) raised NotImplementedError: torch has neither for float8. Rows
+    move as bytes now; compared as bytes (torch.equal has no float8 form)."""
+    g = torch.Generator().manual_seed(3)
+    kv = [torch.randn(32, 2, 8, generator=g).to(kv_dtype) for _ in range(4)]
+    states = [torch.randn(4, 3, 5, generator=g), torch.randn(4, 2, 4, generator=g).to(torch.bfloat16)]
+    src = StatePacker(kv, states, "cpu")
+    buf = host_buffer(src.packed_bytes(3), pin=False)
+    src.pack([7, 1, 30], 2, buf)
+    dst_kv = [torch.full_like(b, 1.0) for b in kv]  # (non-zero, so the clear has something to do)
+    dst_states = [torch.full_like(b, 1.0) for b in states]
+    dst = StatePacker(dst_kv, dst_states, "cpu")
+    dst.clear([4, 5, 6], 1)
+    untouched = [t for t in range(32) if t not in (4, 5, 6)]
+    for d in dst_kv:
+        assert not d.view(torch.uint8)[[4, 5, 6]].any() and d.view(torch.uint8)[untouched].all()
+    assert all(not d[1].any() and d[[0, 2, 3]].all() for d in dst_states)
+    dst.unpack(buf, [4, 5, 6], 1)
+    for s, d in zip(kv, dst_kv, strict=True):
+        assert torch.equal(d.view(torch.uint8)[[4, 5, 6]], s.view(torch.uint8)[[7, 1, 30]])
+    for s, d in zip(states, dst_states, strict=True):
+        assert torch.equal(d[1], s[2])
+
+
+def test_clear_runs_on_the_copy_stream_and_is_done_when_it_returns(monkeypatch):
+    """Review finding 4: on the direct GPU path the decode server clears a destination's rows, then asks
+    the prefill server to write into them. The clear ran on the caller's stream without a wait, so the
+    zeroing could run after the transfer and wipe it. It now runs on the packer's stream, synchronized
+    before it returns. (CPU: a stand-in stream records what `clear` does with it.)"""
+    log: list[str] = []
+
+    class Stream:
+        def synchronize(self):
+            log.append("synchronize")
+
+    class On:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            log.append(("enter", self.stream))
+
+        def __exit__(self, *exc):
+            log.append("exit")
+
+    import sglang.srt.disaggregation.staging as staging
+
+    monkeypatch.setattr(staging, "_on", On)
+    kv, states = pools(0, fill=True)
+    packer = StatePacker(kv, states, "cpu")
+    packer.stream = stream = Stream()
+    packer.clear([3, 9], 2)
+    assert log == [("enter", stream), "exit", "synchronize"]
+    assert not any(b[[3, 9]].any() for b in kv) and not any(b[2].any() for b in states)

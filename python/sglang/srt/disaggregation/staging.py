@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.mem_cache.memory_pool import byte_rows
 from sglang.srt.server_args import ServerArgsError
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,17 @@ class StatePacker:
         return cls(kv_buffers(token_to_kv_pool), states, device)
 
     def clear(self, tokens: list[int], slot: int) -> None:
-        """Zero the rows of `tokens` and of `slot` (device memory: no host address to memset)."""
-        idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        for buf in self.kv:
-            buf.index_fill_(0, idx, 0)
-        for buf in self.states:
-            buf[slot].zero_()
+        """Zero the rows of `tokens` and of `slot` (device memory: no host address to memset). Done when
+        this returns (on CUDA: on the copy stream, waited for), so that the transfer, which the caller asks
+        for next and which writes straight into these rows, lands after the zeros."""
+        with _on(self.stream):
+            idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            for buf in self.kv:
+                byte_rows(buf).index_fill_(0, idx, 0)
+            for buf in self.states:
+                buf[slot].zero_()
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def packed_bytes(self, num_tokens: int, state: bool = True) -> int:
         return num_tokens * sum(self.kv_row_bytes) + (sum(self.state_bytes) if state else 0)
@@ -75,7 +81,7 @@ class StatePacker:
         n = self.packed_bytes(len(tokens), slot is not None)
         with _on(self.stream):
             idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            parts = [_bytes(b.index_select(0, idx)) for b in self.kv]
+            parts = [_bytes(byte_rows(b).index_select(0, idx)) for b in self.kv]
             if slot is not None:
                 parts += [_bytes(b[slot : slot + 1]) for b in self.states]
             out[:n].copy_(torch.cat(parts) if parts else out[:0], non_blocking=self.stream is not None)
@@ -95,7 +101,7 @@ class StatePacker:
             for buf, row in zip(self.kv, self.kv_row_bytes, strict=True):
                 size = row * len(tokens)
                 rows = _as(block[at : at + size], buf.dtype).view(len(tokens), *buf.shape[1:])
-                buf.index_copy_(0, idx, rows)
+                byte_rows(buf).index_copy_(0, idx, byte_rows(rows))
                 at += size
             for buf, size in zip(self.states, self.state_bytes, strict=True):
                 if slot is None:
