@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--prefix-hit-len", type=int, default=0, help="measure stale prefix hits instead")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
-        "--sampled-acceptance", default="", help="temperatures (comma-separated): accept length per draft rule"
+        "--sampled-acceptance", default="", help="temperatures (comma-separated): accept length per rule"
     )
     args = parser.parse_args()
     from transformers import AutoTokenizer

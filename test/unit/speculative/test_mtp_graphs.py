@@ -116,7 +116,7 @@ def _draft_loops_graph_vs_eager(device: str):
     # sampling plan's drafts come with the distributions they were drawn from.
     assert [d.greedy for d in graphs] == [d.greedy for d in eager] == [True, True, True, False, True]
     assert graphs[3].probs.shape == (5, STEPS, runner.model.lm_head.weight.shape[0])
-    # SGLANG_MTP_EAGER_SAMPLED_DRAFTS keeps sampling plans on the eager loop (sampled drafts), not greedy ones.
+    # SGLANG_MTP_EAGER_SAMPLED_DRAFTS keeps sampling plans on the eager loop (sampled drafts).
     with envs.SGLANG_MTP_EAGER_SAMPLED_DRAFTS.override(True):
         assert not draft.graphs.can_run(plans[-1]) and draft.graphs.can_run(plans[0])
 
@@ -140,8 +140,33 @@ def _draft_loops_graph_vs_eager(device: str):
     return runner, draft, plans
 
 
-def test_graph_drafts_are_the_eager_loops():
+def test_graph_drafts_are_the_eager_loops(monkeypatch):
     runner, draft, plans = _draft_loops_graph_vs_eager("cpu")
+
+    # The capture bookkeeping with stand-in graphs (`capture_each`, shared with the target's runner): a
+    # size whose capture fails is left out (its plans replay the next larger size), a graph-unsafe body
+    # stops the capture.
+    import sglang.srt.speculative.mtp_graphs as mtp_graphs
+
+    def capture(body, device, pool):
+        out = body()
+        if out.shape[0] == 2:
+            raise RuntimeError("out of graph memory")
+        return object(), out
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(mtp_graphs, "capture_graph", capture)
+    stand_in = mtp_graphs.MtpDraftGraphs(draft, SIZES, STEPS, use_graphs=True)
+    stand_in.capture()
+    assert stand_in.bs_list == [1, 4] and sorted(stand_in.graphs) == [1, 4]
+
+    def unsafe(body, device, pool):
+        raise GraphUnsafeError("read a host list")
+
+    monkeypatch.setattr(mtp_graphs, "capture_graph", unsafe)
+    with pytest.raises(GraphUnsafeError):
+        mtp_graphs.MtpDraftGraphs(draft, SIZES, STEPS, use_graphs=True).capture()
+    monkeypatch.undo()
 
     # Released with the target's graphs (the loop runs eagerly meanwhile, and the target runner's
     # `can_run` says no: before, it kept its sizes and a replay would have found no graph) and captured

@@ -31,8 +31,9 @@ from __future__ import annotations
 import bisect
 import logging
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+K = TypeVar("K")  # a graph's key: its batch size, or (kind, batch size)
 
 class GraphUnsafeError(RuntimeError):
     """The graph body read a host value that a replay would not update."""
@@ -294,26 +296,54 @@ class CudaGraphRunner:
         return runner.model(fb.input_ids, fb.positions, fb)
 
     def _capture(self, graphs: _GraphSet, sizes: list[int], pool) -> None:
+        def loaded(bs: int) -> ForwardBatch:
+            graphs.static.load(graphs.batches[bs], bs)  # every row padding: a valid batch of dummy rows
+            return graphs.batches[bs]
+
+        def left_out(bs: int, e: Exception) -> None:
+            logger.warning("%s batch size %d cannot be captured in a CUDA graph (%s); its batches replay the "
+                           "next larger captured size, or run eagerly above the largest.",
+                           graphs.batches[bs].forward_mode.name, bs, e)  # fmt: skip
+
         with torch.inference_mode():
-            for bs in sizes:
-                fb = graphs.batches[bs]
-                graphs.static.load(fb, bs)  # every row padding: a valid batch of dummy rows
-                if not self.use_graphs:
-                    graphs.outputs[bs] = self._body(fb)
-                    continue
-                try:
-                    graphs.graphs[bs], graphs.outputs[bs] = self._capture_one(fb, pool)
-                except GraphUnsafeError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - a bucket that cannot be captured is left out
-                    logger.warning("%s batch size %d cannot be captured in a CUDA graph (%s); its batches "
-                                   "replay the next larger captured size, or run eagerly above the largest.",
-                                   fb.forward_mode.name, bs, e)  # fmt: skip
-                    graphs.graphs.pop(bs, None)
+            capture_each(
+                sizes,
+                lambda bs: self._body(loaded(bs)),
+                (lambda bs: self._capture_one(loaded(bs), pool)) if self.use_graphs else None,
+                graphs.graphs,
+                graphs.outputs,
+                left_out,
+            )
         graphs.bs_list = sorted(graphs.outputs)
 
     def _capture_one(self, fb: ForwardBatch, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         return capture_graph(lambda: self._body(fb), self.device, pool)
+
+
+def capture_each(
+    keys: Iterable[K],
+    body: Callable[[K], torch.Tensor],
+    capture: Callable[[K], tuple[torch.cuda.CUDAGraph, torch.Tensor]] | None,
+    graphs: dict[K, torch.cuda.CUDAGraph],
+    outputs: dict[K, torch.Tensor],
+    left_out: Callable[[K, Exception], None],
+) -> None:
+    """Per key, in order, the CUDA graph and output `capture(key)` gives (of `body(key)`); with no
+    `capture` (the CPU form, `use_graphs=False`) `body(key)`'s output alone. A key whose capture fails is
+    left out of both (`left_out` logs it: another size, or the eager path, serves its batches); a
+    GraphUnsafeError (a body that reads a host value: a bug, not a size) stops the capture."""
+    for key in keys:
+        if capture is None:
+            outputs[key] = body(key)
+            continue
+        try:
+            graphs[key], outputs[key] = capture(key)
+        except GraphUnsafeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a size that cannot be captured is left out
+            graphs.pop(key, None)
+            outputs.pop(key, None)
+            left_out(key, e)
 
 
 def capture_graph(body, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

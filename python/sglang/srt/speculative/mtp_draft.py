@@ -31,8 +31,8 @@ whatever drafted it. The position's token is then d exactly when it is accepted,
 commit (accept while the token equals the next draft, as NGRAM's) commits what rejection sampling
 decides; the position after the last draft keeps the sampler's own draw from p. A request with a seed
 draws its sampled drafts and its acceptance and resample uniforms from (seed, position), as the sampler
-its tokens, so its tokens do not depend on the generator's state (what ran before it). Greedy requests take the target's argmax at
-every position, as plain decoding does.
+its tokens, so its tokens do not depend on the generator's state (what ran before it). Greedy requests
+take the target's argmax at every position, as plain decoding does.
 """
 
 from __future__ import annotations

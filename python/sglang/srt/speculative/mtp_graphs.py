@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.model_executor.cuda_graph_runner import _NO_HOST_VALUES, GraphUnsafeError, capture_graph
+from sglang.srt.model_executor.cuda_graph_runner import _NO_HOST_VALUES, capture_each, capture_graph
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
 from sglang.srt.utils.host_tensors import host_int64
 
@@ -65,21 +65,21 @@ class MtpDraftGraphs:
         """A graph per size, largest first, in one memory pool (`use_graphs=False`: the body's first run)."""
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.inputs.zero_()  # every column padding: a capture runs on the dummy row and slot only
+        def left_out(bs: int, e: Exception) -> None:
+            logger.warning("The MTP draft loop at batch size %d cannot be captured in a CUDA graph (%s); its "
+                           "batches replay the next larger size, or run eagerly.", bs, e)  # fmt: skip
+
         with torch.inference_mode():
-            for bs in reversed(self.sizes):
-                if not self.use_graphs:
-                    self.outputs[bs] = self._body(bs)
-                    continue
-                try:
-                    self.graphs[bs], self.outputs[bs] = capture_graph(
-                        lambda n=bs: self._body(n), self.device, pool
-                    )
-                except GraphUnsafeError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - a bucket that cannot be captured is left out
-                    logger.warning("The MTP draft loop at batch size %d cannot be captured in a CUDA graph "
-                                   "(%s); its batches replay the next larger size, or run eagerly.", bs, e)  # fmt: skip
-                    self.graphs.pop(bs, None)
+            capture_each(
+                reversed(self.sizes),
+                self._body,
+                (lambda bs: capture_graph(lambda: self._body(bs), self.device, pool))
+                if self.use_graphs
+                else None,
+                self.graphs,
+                self.outputs,
+                left_out,
+            )
         self.bs_list = sorted(self.outputs)
         if self.use_graphs:
             logger.info("CUDA graphs captured for the MTP draft loop (%d steps) at batch sizes %s.",
@@ -168,6 +168,17 @@ class MtpForwardGraphs:
 
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+        def body(key: tuple[ForwardMode, int]) -> torch.Tensor:
+            return self._body(*key)
+
+        def capture(key: tuple[ForwardMode, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+            return capture_graph(lambda: self._body(*key), self.target.device, pool)
+
+        def left_out(key: tuple[ForwardMode, int], e: Exception) -> None:  # (that size's layer: eager)
+            logger.warning("The MTP layer after a %s of batch size %d cannot be captured in a CUDA graph "
+                           "(%s); it runs eagerly.", key[0].name, key[1], e)  # fmt: skip
+
         with torch.inference_mode():
             for mode, graphs in self.target.kinds.items():
                 # Every row padding (a capture then writes the dummy row and slot 0 only, never the slots
@@ -175,22 +186,9 @@ class MtpForwardGraphs:
                 graphs.static.reset()
                 self.target.last_replayed = None
                 self.ids[mode].zero_()
-                for bs in reversed(graphs.bs_list):
-                    key = (mode, bs)
-                    if not self.use_graphs:
-                        self.outputs[key] = self._body(mode, bs)
-                        continue
-                    try:
-                        self.graphs[key], self.outputs[key] = capture_graph(
-                            lambda m=mode, n=bs: self._body(m, n), self.target.device, pool
-                        )
-                    except GraphUnsafeError:
-                        raise
-                    except Exception as e:  # noqa: BLE001 - that bucket's MTP layer runs eagerly
-                        logger.warning("The MTP layer after a %s of batch size %d cannot be captured in a "
-                                       "CUDA graph (%s); it runs eagerly.", mode.name, bs, e)  # fmt: skip
-                        self.graphs.pop(key, None)
-                        self.outputs.pop(key, None)
+                keys = [(mode, bs) for bs in reversed(graphs.bs_list)]
+                use = capture if self.use_graphs else None
+                capture_each(keys, body, use, self.graphs, self.outputs, left_out)
         if self.use_graphs:
             done = sorted((m.name, bs) for m, bs in self.graphs)
             logger.info("CUDA graphs captured for the MTP layer after %s.", done)
