@@ -279,30 +279,38 @@ def test_a_freed_range_is_zeroed_off_the_loop_and_taken_back_only_zeroed():
     assert st.alloc(1) is None and b == 512
 
 
+_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _cuda])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_float8_kv_packs_unpacks_and_clears_bit_for_bit(kv_dtype):
+def test_float8_kv_packs_unpacks_and_clears_bit_for_bit(kv_dtype, device):
     """Review finding 3: with `--kv-cache-dtype fp8_e4m3 / fp8_e5m2` the unpack (`index_copy_`) and the
     direct path's clear (`index_fill_`) raised NotImplementedError: torch has neither for float8. Rows
-    move as bytes now; compared as bytes (torch.equal has no float8 form)."""
+    move as bytes now; compared as bytes (torch.equal has no float8 form). On CUDA: the copy stream and
+    pinned buffers of the staged path."""
     g = torch.Generator().manual_seed(3)
-    kv = [torch.randn(32, 2, 8, generator=g).to(kv_dtype) for _ in range(4)]
-    states = [torch.randn(4, 3, 5, generator=g), torch.randn(4, 2, 4, generator=g).to(torch.bfloat16)]
-    src = StatePacker(kv, states, "cpu")
-    buf = host_buffer(src.packed_bytes(3), pin=False)
+    kv = [torch.randn(32, 2, 8, generator=g).to(device, kv_dtype) for _ in range(4)]
+    states = [torch.randn(4, 3, 5, generator=g).to(device),
+              torch.randn(4, 2, 4, generator=g).to(device, torch.bfloat16)]  # fmt: skip
+    src = StatePacker(kv, states, device)
+    buf = host_buffer(src.packed_bytes(3), pin=device == "cuda")
     src.pack([7, 1, 30], 2, buf)
     dst_kv = [torch.full_like(b, 1.0) for b in kv]  # (non-zero, so the clear has something to do)
     dst_states = [torch.full_like(b, 1.0) for b in states]
-    dst = StatePacker(dst_kv, dst_states, "cpu")
+    dst = StatePacker(dst_kv, dst_states, device)
     dst.clear([4, 5, 6], 1)
     untouched = [t for t in range(32) if t not in (4, 5, 6)]
     for d in dst_kv:
-        assert not d.view(torch.uint8)[[4, 5, 6]].any() and d.view(torch.uint8)[untouched].all()
-    assert all(not d[1].any() and d[[0, 2, 3]].all() for d in dst_states)
+        d = d.cpu().view(torch.uint8)
+        assert not d[[4, 5, 6]].any() and d[untouched].all()
+    assert all(not d[1].any() and d[[0, 2, 3]].all() for d in (t.cpu() for t in dst_states))
     dst.unpack(buf, [4, 5, 6], 1)
     for s, d in zip(kv, dst_kv, strict=True):
-        assert torch.equal(d.view(torch.uint8)[[4, 5, 6]], s.view(torch.uint8)[[7, 1, 30]])
+        assert torch.equal(d.cpu().view(torch.uint8)[[4, 5, 6]], s.cpu().view(torch.uint8)[[7, 1, 30]])
     for s, d in zip(states, dst_states, strict=True):
-        assert torch.equal(d[1], s[2])
+        assert torch.equal(d[1].cpu(), s[2].cpu())
 
 
 def test_clear_runs_on_the_copy_stream_and_is_done_when_it_returns(monkeypatch):
