@@ -103,8 +103,9 @@ elif [[ $steps == *" tests "* ]]; then
   group hicache test/unit/mem_cache/test_hicache_copies.py test/unit/mem_cache/test_hicache_gpu.py &
   wait
   # PD between two servers' CUDA pools on this one GPU (staged; direct where Mooncake moves GPU memory),
-  # alone: each server has fixed pools of a few MB (--max-total-tokens, --max-mamba-cache-size).
-  group pd test/registered/disaggregation/test_pd_gpu.py
+  # alone: each server has fixed pools of a few MB (--max-total-tokens, --max-mamba-cache-size); and the
+  # staging packer's float8 KV rows on the copy stream (milliseconds).
+  group pd test/registered/disaggregation/test_pd_gpu.py test/unit/disaggregation/test_staging.py
 fi
 bench() {  # limit, name, command...
   local limit name=$2
