@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang.srt.layers.cpu_ops import cpu_attention_ops
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, byte_rows
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -199,7 +199,5 @@ def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
 def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `slots` of a KV pool layer in the compute dtype (a `--kv-cache-dtype` pool converts after the
     gather, so only the rows read are converted)."""
-    if buf.dtype.itemsize == 1:  # float8: gathered as bytes (index_select has no float8 form on every device)
-        return buf.view(torch.uint8).index_select(0, slots).view(buf.dtype).to(dtype)
-    rows = buf.index_select(0, slots)
+    rows = byte_rows(buf).index_select(0, slots).view(buf.dtype)  # (float8 gathered as bytes)
     return rows if rows.dtype == dtype else rows.to(dtype)
