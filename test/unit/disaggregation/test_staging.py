@@ -108,7 +108,7 @@ def staged_pair(chunk_bytes: int):
     prefill = Staging.create(StatePacker(src_kv, src_states, "cpu"), chunk_bytes, chunk_bytes)
     decode = Staging.create(StatePacker(dst_kv, dst_states, "cpu"), 2 * chunk_bytes, chunk_bytes)
     src_tokens = [9, 10, 11, 12, 40, 41, 3, 60, 61, 62, 63, 20, 21]
-    req = SimpleNamespace(origin_input_ids=list(range(15)), mamba_pool_idx=5,
+    req = SimpleNamespace(rid="r", origin_input_ids=list(range(15)), mamba_pool_idx=5,
                           kv_indices=[0, 1] + [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 50, 51, 52])  # fmt: skip
     length = decode.range_bytes(len(src_tokens))
     entry = StagedRange(req, decode.ranges.alloc(length), length, prefix=2)
@@ -171,6 +171,21 @@ def test_chunks_out_of_order_or_past_the_range_are_refused_and_a_cancel_stops_th
     with pytest.raises(RuntimeError, match="cancelled by the decode server"):
         prefill.send(lambda *a: writes.append(a), "s", src_tokens, 4, (decode.address(0), 300), link, 10.0)
     assert writes == []
+
+
+def test_a_chunk_that_cannot_be_unpacked_fails_its_request_not_the_decode_loop(monkeypatch):
+    """An error while writing a chunk into the pools (a float8 KV buffer took `index_copy_` before 9927c6d)
+    comes back as the request's refusal, which `_on_chunk` / `_on_done` answer with a 500; it used to
+    propagate out of the decode server's scheduler loop, ending the server for every client."""
+    _, decode, _, entry, _ = staged_pair(300)
+
+    def broken(*args):
+        raise NotImplementedError('"index_copy_cpu" not implemented for \'Float8_e4m3fn\'')
+
+    monkeypatch.setattr(decode.packer, "unpack", broken)
+    error = decode.receive(entry, [0, 2, False])
+    assert error.startswith("its staged chunk [0, 2, False] could not be written here (NotImplementedError")
+    assert entry.received == 0 and not entry.state  # nothing counted as arrived
 
 
 def test_the_wait_for_an_acknowledgement_counts_only_while_the_scheduler_polls():

@@ -437,6 +437,10 @@ class Staging:
             return (f"a staged chunk {str(chunk)[:64]} that is not the next part of the prompt's "
                     f"{len(tokens)} positions ({entry.received} received) within its {entry.length}-byte range")  # fmt: skip
         req = entry.req
-        self.packer.unpack(self.buffer[entry.start :], tokens[a:b], req.mamba_pool_idx if state else None)
+        try:  # a chunk that cannot be written fails its own request, never the decode server's loop
+            self.packer.unpack(self.buffer[entry.start :], tokens[a:b], req.mamba_pool_idx if state else None)
+        except Exception as e:  # noqa: BLE001 - logged whole: it is a defect here, not the peer's
+            logger.exception("Unpacking staged chunk %s of request %s failed.", chunk, req.rid)
+            return f"its staged chunk {chunk} could not be written here ({type(e).__name__}: {str(e)[:200]})"
         entry.received, entry.state = b, state
         return None
