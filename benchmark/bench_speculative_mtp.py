@@ -31,12 +31,16 @@ runs again. `accept_length` of both, the hits' cached tokens and whether B's tok
 `--sampled-acceptance 0.7,1.0` measures instead, at each temperature, NEXTN's accept length with the two
 draft rules of sampling requests (`speculative/mtp_draft.py`): `sampled_drafts`, the eager draft loop's
 (each draft drawn from the MTP layer's distribution with the request's options, rejection sampling
-against it; what a CPU server and batches over the largest graph do), and `greedy_drafts`, the draft
-loop's CUDA-graph bodies (`mtp_graphs.py`, here their CPU form: `use_graphs=False`; the argmax chain,
-rejection sampling against one-hot(draft); what a GPU server does for a batch that fits a graph). The
-same prompts, all at once (batch `--prompts`), `--reps` times per side; no plain scheduler, no timing.
+against it; what a CPU server, batches over the largest graph and SGLANG_MTP_EAGER_SAMPLED_DRAFTS=1 do),
+and `greedy_drafts`, the draft loop's CUDA graphs (`mtp_graphs.py`; on CPU their bodies, uncaptured:
+`use_graphs=False`; the argmax chain, rejection sampling against one-hot(draft); what a GPU server does
+for a batch that fits a graph). The same prompts, all at once (batch `--prompts`), `--reps` times per
+side, no plain scheduler; `<side>_tok_s` their output tokens per second (on CPU the bodies are not
+captured: what differs there is the rules' own work, the sampled one's [bs, k, vocab] distributions and
+its accept lengths), `<side>_graph_replays` the draft loops a graph served.
 
     .venv/bin/python benchmark/bench_speculative_mtp.py --sampled-acceptance 0.7,1.0 --reps 2
+    python3 benchmark/bench_speculative_mtp.py --device cuda --sampled-acceptance 0.7,1.0 --reps 2
 """
 
 from __future__ import annotations
@@ -126,31 +130,42 @@ def prefix_hit_acceptance(sched: Scheduler, prompts: list[list[int]], hit_len: i
 def draft_rule_acceptance(
     base: dict, nextn: dict, prompts: list[list[int]], temperatures: list[float], reps: int, out_len: int
 ) -> dict:
-    """NEXTN's accept length per temperature with sampled drafts (the eager loop) and greedy drafts (the
-    draft loop's graph bodies), module docstring."""
+    """NEXTN's accept length (and output tokens per second) per temperature with sampled drafts (the
+    eager loop) and greedy drafts (the draft loop's graphs, or on CPU their bodies), module docstring."""
+    from contextlib import nullcontext
+
+    from sglang.srt.environ import envs
     from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
     scheds = {name: Scheduler(ServerArgs(**base, **nextn)) for name in ("sampled_drafts", "greedy_drafts")}
     greedy = scheds["greedy_drafts"]
-    sizes = [1, 2, 4, 8, 16]
-    greedy.model_runner.graph_runner = CudaGraphRunner(greedy.model_runner, sizes, use_graphs=False)
-    greedy.spec.draft.use_graphs(greedy.model_runner.graph_runner)
-    assert scheds["sampled_drafts"].spec.draft.graphs is None
+    if greedy.spec.draft.graphs is None:  # (CPU: the graphs' bodies, uncaptured)
+        sizes = [1, 2, 4, 8, 16]
+        greedy.model_runner.graph_runner = CudaGraphRunner(greedy.model_runner, sizes, use_graphs=False)
+        greedy.spec.draft.use_graphs(greedy.model_runner.graph_runner)
     report: dict = {}
     for temperature in temperatures:
         row = {}
         for name, sched in scheds.items():
-            before, loops = dict(sched.spec.stats), sched.spec.draft.loops
-            for rep in range(reps):
-                sched.flush_cache()
-                run(sched, prompts, out_len, f"t{temperature}r{rep}", temperature=temperature)
+            draft = sched.spec.draft
+            before, loops = dict(sched.spec.stats), draft.loops
+            replays = draft.graphs.replays if draft.graphs is not None else 0
+            # The sampled side keeps its sampling draft batches on the eager loop (on CUDA it has graphs).
+            sampled = name == "sampled_drafts"
+            eager = envs.SGLANG_MTP_EAGER_SAMPLED_DRAFTS.override(True) if sampled else None
+            seconds = 0.0
+            with eager or nullcontext():
+                for rep in range(reps):
+                    sched.flush_cache()
+                    tag = f"t{temperature}r{rep}"
+                    seconds += run(sched, prompts, out_len, tag, temperature=temperature)[0]
             after = sched.spec.stats
             verifies = after["verify_steps"] - before["verify_steps"]
             row[name] = round((after["committed_tokens"] - before["committed_tokens"]) / max(verifies, 1), 3)
-            if name == "greedy_drafts":  # every draft loop a graph body's (the batch fits a size)
-                replays = sched.spec.draft.graphs.replays
-                row["greedy_draft_graph_replays"] = f"{replays} of {sched.spec.draft.loops - loops} loops"
-                sched.spec.draft.graphs.replays = 0
+            row[f"{name}_tok_s"] = round(reps * len(prompts) * out_len / seconds, 1)
+            if draft.graphs is not None:
+                served = draft.graphs.replays - replays
+                row[f"{name}_graph_replays"] = f"{served} of {draft.loops - loops} loops"
         report[f"temperature_{temperature}"] = row
     for sched in scheds.values():
         sched.shutdown()
