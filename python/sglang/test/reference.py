@@ -147,6 +147,10 @@ def dequantized_checkpoint(path: str) -> str:
     return str(target)
 
 
+# Sequences whose teacher-forced logprobs a ReferenceModel keeps (a float32 per token: a few MB at most).
+SCORED_CACHE_SIZE = 1024
+
+
 class ReferenceModel:
     def __init__(self, model_path: str):
         from transformers import AutoModelForCausalLM
@@ -155,6 +159,10 @@ class ReferenceModel:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         self.path = resolve_model_path(model_path)
+        # token_logprobs' answers by sequence: the suite scores the same greedy outputs of the same
+        # prompts under many strategies, page sizes and backends (one float32 forward each, the same
+        # every time: the model and its inputs are the same), so each sequence's forward runs once.
+        self._scored: dict[tuple[int, ...], torch.Tensor] = {}
         source = dequantized_checkpoint(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch.float32, local_files_only=True
@@ -206,9 +214,15 @@ class ReferenceModel:
     def token_logprobs(self, ids: Sequence[int], start: int = 1) -> torch.Tensor:
         """Teacher-forced logprob of ids[i] given ids[:i], for i in [start, len(ids))."""
         assert start >= 1
-        lp = self.logprobs(ids)
-        target = torch.tensor(list(ids[start:]), dtype=torch.long)
-        return lp[start - 1 : len(ids) - 1].gather(1, target[:, None])[:, 0]
+        key = tuple(int(i) for i in ids)
+        scored = self._scored.get(key)
+        if scored is None:
+            lp = self.logprobs(key)
+            scored = lp[:-1].gather(1, torch.tensor(key[1:], dtype=torch.long)[:, None])[:, 0]
+            if len(self._scored) >= SCORED_CACHE_SIZE:
+                self._scored.pop(next(iter(self._scored)))  # the oldest
+            self._scored[key] = scored
+        return scored[start - 1 :].clone()
 
     @torch.no_grad()
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:

@@ -76,6 +76,22 @@ def test_greedy_matches_full_forward_argmax(oracles):
     assert out == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
 
 
+def test_token_logprobs_kept_by_sequence_equal_a_fresh_forward(oracles):
+    """token_logprobs keeps each sequence's answer (the suite scores the same outputs under many
+    configurations): any start of a kept sequence equals the full forward's, bit for bit, and a caller
+    writing into an answer changes no later one."""
+    ref = oracles["tiny-qwen3-next"]
+    ids = _ids(40, seed=5)
+    fresh = ref.logprobs(ids)
+    for start in (1, 17, 39, 40):
+        want = fresh[start - 1 : -1].gather(1, torch.tensor(ids[start:])[:, None])[:, 0]
+        assert torch.equal(ref.token_logprobs(ids, start), want), start
+    ref.token_logprobs(ids, 1).fill_(0.0)
+    assert torch.equal(ref.token_logprobs(ids, 17), fresh[16:-1].gather(1, torch.tensor(ids[17:])[:, None])[:, 0])
+    other = ids[:-1] + [ids[-1] + 1]  # another last token: another sequence, another answer
+    assert not torch.equal(ref.token_logprobs(other, 39), ref.token_logprobs(ids, 39))
+
+
 # Kernel packages transformers swaps in for its torch functions when they import (its
 # `use_kernel_func_from_hub_with_fallback`): (package, submodule, functions). On the GPU machine
 # flash-linear-attention is installed, and its Triton kernels fail on the oracle's CPU tensors.
