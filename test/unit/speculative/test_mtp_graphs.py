@@ -166,6 +166,30 @@ def test_graph_drafts_are_the_eager_loops(monkeypatch):
     monkeypatch.setattr(mtp_graphs, "capture_graph", unsafe)
     with pytest.raises(GraphUnsafeError):
         mtp_graphs.MtpDraftGraphs(draft, SIZES, STEPS, use_graphs=True).capture()
+
+    # Under TP only the sizes every rank captured are kept (review R2 finding 1): here another rank could
+    # not capture size 2. Kept, this rank would replay a 2-request sampling plan (greedy drafts) while
+    # that rank ran it eagerly (sampled drafts, draws from the draft generator): other verify tokens, and
+    # generators out of step for good. The MTP layer after a forward (padded rows in its collectives, as
+    # the target's) keeps the same keys. At one rank nothing is dropped (`bs_list == SIZES` above).
+    import sglang.srt.model_executor.cuda_graph_runner as cuda_graph_runner
+
+    gathered = []
+
+    def two_ranks(mine):
+        gathered.append(list(mine))
+        return [mine, [k for k in mine if k not in (2, (ForwardMode.DECODE, 2))]]
+
+    monkeypatch.setattr(mtp_graphs, "capture_graph", lambda body, device, pool: (object(), body()))
+    monkeypatch.setattr(cuda_graph_runner, "tp_gather", two_ranks)
+    agreed = mtp_graphs.MtpDraftGraphs(draft, SIZES, STEPS, use_graphs=True)
+    agreed.capture()
+    assert gathered == [[4, 2, 1]]  # (this rank's captured sizes, in capture order)
+    assert agreed.bs_list == [1, 4] and sorted(agreed.graphs) == sorted(agreed.outputs) == [1, 4]
+    assert agreed.can_run(plans[-1])  # (2 requests: bucket 4 now, on every rank)
+    forward = mtp_graphs.MtpForwardGraphs(draft, runner.graph_runner)
+    forward.capture()
+    assert (ForwardMode.DECODE, 2) not in forward.outputs and (ForwardMode.DECODE, 4) in forward.outputs
     monkeypatch.undo()
 
     # Released with the target's graphs (the loop runs eagerly meanwhile, and the target runner's

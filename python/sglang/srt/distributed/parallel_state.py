@@ -153,6 +153,17 @@ def get_tp_group() -> GroupCoordinator:
     return _TP or _SINGLE
 
 
+def tp_gather(value: Any) -> list[Any]:
+    """Every TP rank's `value` (a small picklable host value), in rank order, on every rank, over the TP
+    group's gloo group; `[value]` at one rank and before `initialize_model_parallel` (or under a stand-in
+    group without a gloo group). Every rank calls it at the same point: what the ranks must agree on
+    that each measured alone (the pool planner's memory budget, the CUDA graphs' captured sizes)."""
+    group = get_tp_group()
+    if group.cpu_group is None:
+        return [value]
+    return gather_objects(value, group.cpu_group, group.world_size)
+
+
 def get_ep_group() -> GroupCoordinator:
     return _EP or _SINGLE
 

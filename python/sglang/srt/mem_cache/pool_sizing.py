@@ -154,13 +154,9 @@ def plan_memory(server_args: ServerArgs, device_memory: int, weight_bytes: int |
 def smallest_across_ranks(value: int) -> int:
     """The smallest `value` any rank of this process's TP group has (the identity at one rank and under
     the planner's stand-in groups)."""
-    from sglang.srt.distributed import get_tp_group
-    from sglang.srt.distributed.parallel_state import gather_objects
+    from sglang.srt.distributed.parallel_state import tp_gather
 
-    group = get_tp_group()
-    if group.cpu_group is None:
-        return value
-    return min(gather_objects(int(value), group.cpu_group, group.world_size))  # (host ints, no device)
+    return min(tp_gather(int(value)))  # (host ints, no device)
 
 
 def compute_pool_sizes(

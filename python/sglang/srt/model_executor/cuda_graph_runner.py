@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from sglang.srt.distributed.parallel_state import tp_gather
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
 
 if TYPE_CHECKING:
@@ -331,7 +332,20 @@ def capture_each(
     """Per key, in order, the CUDA graph and output `capture(key)` gives (of `body(key)`); with no
     `capture` (the CPU form, `use_graphs=False`) `body(key)`'s output alone. A key whose capture fails is
     left out of both (`left_out` logs it: another size, or the eager path, serves its batches); a
-    GraphUnsafeError (a body that reads a host value: a bug, not a size) stops the capture."""
+    GraphUnsafeError (a body that reads a host value: a bug, not a size) stops the capture.
+
+    Under TP a key is kept only where every rank captured it (`tp_gather`): a size one rank failed to
+    capture (its graph memory, which differs between GPUs) would have that rank run a batch eagerly while
+    the others replay it padded to the bucket: collectives of other sizes, and for EAGLE / NEXTN's draft
+    loop other drafts (a graph drafts greedily, the eager loop samples a sampling request's drafts from
+    the draft generator), so ranks that commit different tokens from then on. The gather cannot
+    interleave with another collective on the TP group's gloo group: every rank captures at the same
+    point, on its scheduler's thread (at startup, building the model runner; a recapture: a weight swap or
+    update, or /resume_memory_occupation, between steps with no batch in flight), the other host-value
+    exchanges (the scheduler's `TpBroadcast`, the PD queues' `PdRanks`, the host tier's agreement) have
+    gloo groups of their own, the pool planner's gather ran before, and where the model's collectives
+    share that group (gloo on CPU) the forward thread has no batch to run them for meanwhile."""
+    keys = list(keys)
     for key in keys:
         if capture is None:
             outputs[key] = body(key)
@@ -344,6 +358,13 @@ def capture_each(
             graphs.pop(key, None)
             outputs.pop(key, None)
             left_out(key, e)
+    mine = [key for key in keys if key in outputs]
+    everyone = tp_gather(mine)
+    for key in mine:
+        if not all(key in theirs for theirs in everyone):
+            graphs.pop(key, None)
+            del outputs[key]
+            left_out(key, RuntimeError("another TP rank could not capture it"))
 
 
 def capture_graph(body, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -62,7 +62,9 @@ class MtpDraftGraphs:
         self.replays = 0  # draft loops served by a graph (the GPU test reads it)
 
     def capture(self) -> None:
-        """A graph per size, largest first, in one memory pool (`use_graphs=False`: the body's first run)."""
+        """A graph per size, largest first, in one memory pool (`use_graphs=False`: the body's first run);
+        under TP the sizes every rank captured (`capture_each`): whether a plan replays greedy drafts or
+        samples them eagerly is then the same on every rank."""
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.inputs.zero_()  # every column padding: a capture runs on the dummy row and slot only
         def left_out(bs: int, e: Exception) -> None:
