@@ -186,6 +186,14 @@ def test_a_chunk_that_cannot_be_unpacked_fails_its_request_not_the_decode_loop(m
     error = decode.receive(entry, [0, 2, False])
     assert error.startswith("its staged chunk [0, 2, False] could not be written here (NotImplementedError")
     assert entry.received == 0 and not entry.state  # nothing counted as arrived
+    # Under TP the error is raised (review R2 finding 2): it may be this rank's alone (a CUDA out of
+    # memory), and a refusal here while the other ranks admit the request would leave their schedulers
+    # running different batches. The rank's loop ends instead, as before the refusal was added.
+    tp = Staging.create(decode.packer, decode.buffer.nbytes, decode.chunk_bytes, tp_size=2)
+    assert decode.fail_alone and not tp.fail_alone
+    with pytest.raises(NotImplementedError, match="index_copy_cpu"):
+        tp.receive(entry, [0, 2, False])
+    assert entry.received == 0 and not entry.state
 
 
 def test_the_wait_for_an_acknowledgement_counts_only_while_the_scheduler_polls():
@@ -328,33 +336,87 @@ def test_float8_kv_packs_unpacks_and_clears_bit_for_bit(kv_dtype, device):
         assert torch.equal(d[1].cpu(), s[2].cpu())
 
 
+class _StandInStream:
+    """A CUDA copy stream's stand-in for `StatePacker` on CPU: records entering it (`_on`), leaving it,
+    its synchronize, and each zeroing op (`index_fill_`, `zero_`) with whether it ran inside the stream
+    block."""
+
+    def __init__(self, monkeypatch):
+        import sglang.srt.disaggregation.staging as staging
+
+        self.log: list = []
+        self.inside = False
+        self.zeroed: list[bool] = []
+        stand_in = self
+
+        class On:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                stand_in.inside = True
+                stand_in.log.append(("enter", self.stream))
+
+            def __exit__(self, *exc):
+                stand_in.inside = False
+                stand_in.log.append("exit")
+
+        monkeypatch.setattr(staging, "_on", On)
+
+    def synchronize(self):
+        self.log.append("synchronize")
+
+    def ops(self):
+        from torch.overrides import TorchFunctionMode
+
+        stand_in = self
+
+        class Ops(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") in ("index_fill_", "zero_"):
+                    stand_in.zeroed.append(stand_in.inside)
+                return func(*args, **(kwargs or {}))
+
+        return Ops()
+
+
 def test_clear_runs_on_the_copy_stream_and_is_done_when_it_returns(monkeypatch):
     """Review finding 4: on the direct GPU path the decode server clears a destination's rows, then asks
     the prefill server to write into them. The clear ran on the caller's stream without a wait, so the
     zeroing could run after the transfer and wipe it. It now runs on the packer's stream, synchronized
-    before it returns. (CPU: a stand-in stream records what `clear` does with it.)"""
-    log: list[str] = []
-
-    class Stream:
-        def synchronize(self):
-            log.append("synchronize")
-
-    class On:
-        def __init__(self, stream):
-            self.stream = stream
-
-        def __enter__(self):
-            log.append(("enter", self.stream))
-
-        def __exit__(self, *exc):
-            log.append("exit")
-
-    import sglang.srt.disaggregation.staging as staging
-
-    monkeypatch.setattr(staging, "_on", On)
+    before it returns. (CPU: a stand-in stream records what `clear` does with it, and that every zeroing
+    ran inside its block: review R2 finding 6, a zeroing moved out of it would run on the caller's
+    stream.)"""
     kv, states = pools(0, fill=True)
     packer = StatePacker(kv, states, "cpu")
-    packer.stream = stream = Stream()
-    packer.clear([3, 9], 2)
-    assert log == [("enter", stream), "exit", "synchronize"]
+    packer.stream = stream = _StandInStream(monkeypatch)
+    with stream.ops():
+        packer.clear([3, 9], 2)
+    assert stream.log == [("enter", stream), "exit", "synchronize"]
+    assert stream.zeroed == [True] * (len(kv) + len(states))  # an index_fill_ per KV buffer, a zero_ per state
     assert not any(b[[3, 9]].any() for b in kv) and not any(b[2].any() for b in states)
+
+
+@pytest.mark.parametrize("op", ["pack", "unpack", "clear"])
+def test_the_copy_stream_is_waited_for_also_when_the_packer_raises(monkeypatch, op):
+    """Review R2 finding 3: the copy stream's synchronize came after the stream block, so an error inside
+    it (a size mismatch in the state part, say, after the block's host-to-device copy and some KV copies
+    were queued) skipped it, and since 5d5a78d the request is failed and its rows and range freed with
+    those copies possibly still queued. `pack`, `unpack` and `clear` now wait in a `finally`."""
+    import sglang.srt.disaggregation.staging as staging
+
+    kv, states = pools(0, fill=True)
+    packer = StatePacker(kv, states, "cpu")
+    buf = host_buffer(packer.packed_bytes(2), pin=False)
+    packer.pack([1, 2], 1, buf)
+    packer.stream = stream = _StandInStream(monkeypatch)
+
+    def broken(t):
+        raise RuntimeError("the rows cannot be written")
+
+    monkeypatch.setattr(staging, "byte_rows", broken)  # (called inside the stream block by all three)
+    call = {"pack": lambda: packer.pack([1, 2], 1, buf), "unpack": lambda: packer.unpack(buf, [5, 6], 3),
+            "clear": lambda: packer.clear([5, 6], 3)}[op]  # fmt: skip
+    with pytest.raises(RuntimeError, match="cannot be written"):
+        call()
+    assert stream.log == [("enter", stream), "exit", "synchronize"]

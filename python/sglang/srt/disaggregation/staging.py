@@ -63,12 +63,20 @@ class StatePacker:
         """Zero the rows of `tokens` and of `slot` (device memory: no host address to memset). Done when
         this returns (on CUDA: on the copy stream, waited for), so that the transfer, which the caller asks
         for next and which writes straight into these rows, lands after the zeros."""
-        with _on(self.stream):
-            idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            for buf in self.kv:
-                byte_rows(buf).index_fill_(0, idx, 0)
-            for buf in self.states:
-                buf[slot].zero_()
+        try:
+            with _on(self.stream):
+                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                for buf in self.kv:
+                    byte_rows(buf).index_fill_(0, idx, 0)
+                for buf in self.states:
+                    buf[slot].zero_()
+        finally:
+            self._sync()
+
+    def _sync(self) -> None:
+        """Wait for the copy stream (CPU: nothing to wait for). `pack`, `unpack` and `clear` do so also when
+        they raise: what they queued before the error has landed before their caller frees (and another
+        request reuses) the rows or the host range."""
         if self.stream is not None:
             self.stream.synchronize()
 
@@ -79,14 +87,15 @@ class StatePacker:
         """Write the rows of `tokens` and of `slot` (None: no state) into the host uint8 tensor `out`;
         returns the bytes written. Blocks until the bytes are on the host (one wait per chunk)."""
         n = self.packed_bytes(len(tokens), slot is not None)
-        with _on(self.stream):
-            idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            parts = [_bytes(byte_rows(b).index_select(0, idx)) for b in self.kv]
-            if slot is not None:
-                parts += [_bytes(b[slot : slot + 1]) for b in self.states]
-            out[:n].copy_(torch.cat(parts) if parts else out[:0], non_blocking=self.stream is not None)
-        if self.stream is not None:
-            self.stream.synchronize()
+        try:
+            with _on(self.stream):
+                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                parts = [_bytes(byte_rows(b).index_select(0, idx)) for b in self.kv]
+                if slot is not None:
+                    parts += [_bytes(b[slot : slot + 1]) for b in self.states]
+                out[:n].copy_(torch.cat(parts) if parts else out[:0], non_blocking=self.stream is not None)
+        finally:
+            self._sync()
         return n
 
     def unpack(self, src: torch.Tensor, tokens: list[int], slot: int | None) -> None:
@@ -94,23 +103,23 @@ class StatePacker:
         block has no state). On CUDA it waits for the copy stream once (the host range is free for the
         next chunk after it)."""
         n = self.packed_bytes(len(tokens), slot is not None)
-        with _on(self.stream):
-            block = src[:n].to(self.device, non_blocking=self.stream is not None)
-            idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            at = 0
-            for buf, row in zip(self.kv, self.kv_row_bytes, strict=True):
-                size = row * len(tokens)
-                rows = _as(block[at : at + size], buf.dtype).view(len(tokens), *buf.shape[1:])
-                byte_rows(buf).index_copy_(0, idx, byte_rows(rows))
-                at += size
-            for buf, size in zip(self.states, self.state_bytes, strict=True):
-                if slot is None:
-                    break
-                buf[slot].copy_(_as(block[at : at + size], buf.dtype).view(buf.shape[1:]))
-                at += size
-        if self.stream is not None:
-            # The host range is reused by the next transfer once this returns: the copy must be done.
-            self.stream.synchronize()
+        try:
+            with _on(self.stream):
+                block = src[:n].to(self.device, non_blocking=self.stream is not None)
+                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                at = 0
+                for buf, row in zip(self.kv, self.kv_row_bytes, strict=True):
+                    size = row * len(tokens)
+                    rows = _as(block[at : at + size], buf.dtype).view(len(tokens), *buf.shape[1:])
+                    byte_rows(buf).index_copy_(0, idx, byte_rows(rows))
+                    at += size
+                for buf, size in zip(self.states, self.state_bytes, strict=True):
+                    if slot is None:
+                        break
+                    buf[slot].copy_(_as(block[at : at + size], buf.dtype).view(buf.shape[1:]))
+                    at += size
+        finally:
+            self._sync()  # (the host range is reused by the next transfer once this returns)
 
 
 def kv_buffers(token_to_kv_pool) -> list[torch.Tensor]:
@@ -353,11 +362,14 @@ class Staging:
     # Decode side: freed ranges being zeroed off the scheduler's thread (still held in `ranges`).
     zeroing: list[tuple[int, Future]] = field(default_factory=list)
     zeroer: ThreadPoolExecutor | None = None
+    # Decode side: a chunk whose unpack raises fails its own request (at --tp-size 1), or ends this rank's
+    # scheduler loop (under TP: `receive`).
+    fail_alone: bool = True
 
     @classmethod
-    def create(cls, packer: StatePacker, nbytes: int, chunk_bytes: int) -> Staging:
+    def create(cls, packer: StatePacker, nbytes: int, chunk_bytes: int, tp_size: int = 1) -> Staging:
         buffer = host_buffer(nbytes, pin=packer.device.type == "cuda")
-        return cls(packer, buffer, ByteRanges(nbytes, align=ALIGN), chunk_bytes)
+        return cls(packer, buffer, ByteRanges(nbytes, align=ALIGN), chunk_bytes, fail_alone=tp_size == 1)
 
     def alloc(self, nbytes: int) -> int | None:
         """Decode side: a range of `nbytes`, all zeros (a chunk's unpack may read bytes the prefill server
@@ -424,7 +436,11 @@ class Staging:
     def receive(self, entry: StagedRange, chunk: Any) -> str | None:
         """Decode side: unpack a chunk the prefill server wrote into `entry`'s range (`chunk`: [start,
         end, with state] from its message: the next positions in order, within the prompt and the range);
-        why it is refused, or None."""
+        why it is refused, or None. A chunk the pools cannot take (the unpack raises) is refused at one TP
+        rank; under TP the error is raised (`fail_alone`): it may be this rank's alone (a CUDA out of memory
+        on one GPU), and failing the request here while the other ranks admit it would leave their
+        schedulers running different batches (collectives of other shapes: wrong tokens or a hang), so
+        this rank's loop ends, visibly, as every rank's did before the refusal was added."""
         tokens = entry.tokens()
         ok = isinstance(chunk, list) and len(chunk) == 3 and isinstance(chunk[2], bool)
         ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in chunk[:2])
@@ -440,6 +456,8 @@ class Staging:
         try:  # a chunk that cannot be written fails its own request, never the decode server's loop
             self.packer.unpack(self.buffer[entry.start :], tokens[a:b], req.mamba_pool_idx if state else None)
         except Exception as e:  # noqa: BLE001 - logged whole: it is a defect here, not the peer's
+            if not self.fail_alone:
+                raise
             logger.exception("Unpacking staged chunk %s of request %s failed.", chunk, req.rid)
             return f"its staged chunk {chunk} could not be written here ({type(e).__name__}: {str(e)[:200]})"
         entry.received, entry.state = b, state

@@ -174,7 +174,7 @@ def open_transfer_engine(sched, side: str) -> tuple[PoolLayout, MooncakeTransfer
     regions = layout.regions()
     if path == "staged":
         nbytes, chunk = staging_sizes(side, packer, sched.context_len, sched.req_to_token_pool.size)
-        staging = Staging.create(packer, nbytes, chunk)
+        staging = Staging.create(packer, nbytes, chunk, args.tp_size)
         regions = [(staging.buffer.data_ptr(), staging.buffer.nbytes)]
     logger.info(
         "KV and state transfer path: %s.",
