@@ -17,7 +17,7 @@ import pytest
 
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=41, suite="per-commit-cpu")
+register_cpu_ci(est_time=35, suite="per-commit-cpu")
 
 
 def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -30,20 +30,43 @@ def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     )
 
 
-@pytest.mark.parametrize(
-    "args, code, words",
-    [
-        (["--page-size", "0"], 2, "--page-size must be a positive integer"),
-        # upstream's value, no longer argparse's "invalid choice" (issue 60)
-        (["--kv-cache-dtype", "mxfp8"], 2, "--kv-cache-dtype mxfp8 is not supported by this server"),
-        (["--tokenizer-path", "/nonexistent/tok"], 2, "--tokenizer-path '/nonexistent/tok' is not a folder"),
-        # (extra_buffer: a running slot and its two track slots; extra_buffer_lazy runs in one since issue 61)
-        (["--mamba-scheduler-strategy", "extra_buffer", "--max-mamba-cache-size", "2"], 1,
-         "--max-mamba-cache-size 2 is smaller than the 3 slot(s)"),
-    ],
-)
-def test_refusals_are_one_sentence(args, code, words):
-    proc = launch(*args)
+REFUSALS = [
+    (["--page-size", "0"], 2, "--page-size must be a positive integer"),
+    # upstream's value, no longer argparse's "invalid choice" (issue 60)
+    (["--kv-cache-dtype", "mxfp8"], 2, "--kv-cache-dtype mxfp8 is not supported by this server"),
+    (["--tokenizer-path", "/nonexistent/tok"], 2, "--tokenizer-path '/nonexistent/tok' is not a folder"),
+    # (extra_buffer: a running slot and its two track slots; extra_buffer_lazy runs in one since issue 61)
+    (["--mamba-scheduler-strategy", "extra_buffer", "--max-mamba-cache-size", "2"], 1,
+     "--max-mamba-cache-size 2 is smaller than the 3 slot(s)"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def refusal_launches():
+    """Every refusal's launch, started at once when the first case runs: each is its own process (mostly
+    imports, and the last one loads the model), so they overlap on two cores instead of queueing."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "sglang.launch_server", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, _, _ in REFUSALS
+    ]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()  # (a no-op once it exited)
+            proc.communicate()
+
+
+@pytest.mark.parametrize("case", range(len(REFUSALS)), ids=lambda k: " ".join(REFUSALS[k][0]))
+def test_refusals_are_one_sentence(case, refusal_launches):
+    args, code, words = REFUSALS[case]
+    stdout, stderr = refusal_launches[case].communicate(timeout=120)
+    proc = subprocess.CompletedProcess(args, refusal_launches[case].returncode, stdout, stderr)
     assert proc.returncode == code, proc.stderr
     assert_one_error(proc, words)
 
