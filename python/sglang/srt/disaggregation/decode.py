@@ -9,7 +9,8 @@ committed and the request joins the running batch, decoding with the overlap sch
 request aborted while a transfer may still write into what it holds keeps it until the prefill server
 answers (or twice the waiting timeout passes). Requests without a room are served whole.
 
-Under --tp-size N every rank runs this queue alike, each receiving its own shard (`pd_ranks.py`).
+Under --tp-size N every rank runs this queue alike, each receiving its own shard (`pd_ranks.py`). The
+handling of the prefill servers' answers ("done", "chunk") is in `decode_answers.py`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.disaggregation.auth import PeerVerifier, PrefillAllowlist, check_at_start, secret
 from sglang.srt.disaggregation.channel import Channel, answer_max_bytes, reachable_host, tcp_url
+from sglang.srt.disaggregation.decode_answers import DecodeAnswers
 from sglang.srt.disaggregation.decode_pool import HybridMambaDecodeReqToTokenPool  # noqa: F401 (re-export)
-from sglang.srt.disaggregation.draft_state import answered_stash_row, draft_row_bytes, write_stash_rows
+from sglang.srt.disaggregation.draft_state import draft_row_bytes
 from sglang.srt.disaggregation.pd_ranks import PdRanks, destination_ranks
 from sglang.srt.disaggregation.staging import StagedRange, StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout, clear_destination, open_transfer_engine
@@ -29,15 +31,14 @@ from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import alloc_for_extend
 
 if TYPE_CHECKING:
+    from sglang.srt.disaggregation.decode_answers import Arrived
     from sglang.srt.disaggregation.scheduler_view import DisaggScheduler
     from sglang.srt.managers.schedule_batch import Req
-
-    Arrived = tuple[Req, dict[str, Any], Any]  # an accepted "done": its fields, its MTP stash row or None
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeTransferQueue:
+class DecodeTransferQueue(DecodeAnswers):
     def __init__(self, sched: DisaggScheduler):
         args = sched.server_args
         self.sched = sched
@@ -333,85 +334,6 @@ class DecodeTransferQueue:
             req, _ = self.transfers.pop(key)
             self.sched.abort_with_status([req], "The prefill server does not take messages.", 503)
 
-    def _on_done(self, msg: dict[str, Any], arrived: list[Arrived]) -> None:
-        """A "done" answer, checked whole (a refusal fails its request alone); accepted: into `arrived`."""
-        key = str(msg["room"])
-        if key in self.zombies:
-            req, _ = self.zombies.pop(key)
-            self.sched.result_processor.release_finished(req)
-            return
-        entry = self.transfers.pop(key, None)
-        if entry is None:
-            return  # a room this server gave up already
-        req = entry[0]
-        try:  # (all of it before anything is committed: a malformed answer fails its request whole)
-            answer = _read_done(msg) if msg.get("ok") else None
-            error = msg.get("error") or "no first token came with the state"
-        except (KeyError, TypeError, ValueError) as e:
-            answer, error = None, f"a malformed answer ({str(e)[:200]})"
-        if answer is None or (not answer["output_ids"] and req.sampling_params.max_new_tokens > 0):
-            self.stats["failed_transfers"] += 1
-            self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
-            return
-        if key in self.staged:  # the last chunk, from the staging range into the pools, before any read
-            entry = self.staged[key]
-            error = self.staging.receive(entry, msg.get("chunk"))
-            if error is None and not entry.complete():
-                error = f"the staged transfer ended after {entry.received} positions (state: {entry.state})"
-            if error is not None:  # its range is freed with the request
-                self.stats["failed_transfers"] += 1
-                self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
-                return
-            del self.staged[key]
-            self.staging.free(entry.start)
-            self.stats["staged_chunks"] += 1
-        row = answered_stash_row(self.sched, msg)  # (EAGLE / NEXTN: what the first verify drafts from)
-        if isinstance(row, str):
-            self.stats["failed_transfers"] += 1
-            self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {row}", 500)
-            return
-        arrived.append((req, answer, row))
-
-    def _on_arrived(self, arrived: list[Arrived]) -> None:
-        """The requests whose answers this poll accepted: their MTP stash rows written in one
-        forward-stream call (EAGLE / NEXTN), then their first tokens committed."""
-        write_stash_rows(self.sched, [(req.req_pool_idx, row) for req, _, row in arrived if row is not None])
-        processor = self.sched.result_processor
-        for req, answer, _ in arrived:
-            self.stats["transfers"] += 1
-            for k in ("bytes", "kv_tokens", "seconds"):
-                self.stats[k] += answer[k]
-            for token in answer["output_ids"]:  # the prefill server's first token (checked below)
-                processor.commit(req, token, check="none")
-            req.cached_tokens = answer["cached_tokens"]
-            self.sched.counters["num_generation_tokens_total"] += len(answer["output_ids"])
-            if req.return_logprob:
-                req.output_token_logprobs += answer["output_token_logprobs"]
-                if req.top_logprobs_num:
-                    req.output_top_logprobs += answer["output_top_logprobs"]
-                if req.token_ids_logprob:
-                    req.output_token_ids_logprobs += answer["output_token_ids_logprobs"]
-            if processor.commit(req, None, check="full"):
-                processor.release_finished(req)
-                processor.send_finished([req])
-            else:
-                self.ready.append(req)
-
-    def _on_chunk(self, msg: dict[str, Any], acks: list) -> None:
-        """A staged chunk the prefill server wrote into a request's range: unpack it, then acknowledge
-        (into `acks`: the prefill server writes the next one into the same range)."""
-        key = str(msg["room"])
-        entry = self.staged.get(key)
-        if key not in self.transfers or entry is None:
-            return  # given up (its prefill server was sent a cancel) or never staged here
-        error = self.staging.receive(entry, msg.get("chunk"))
-        if error is not None:  # held until the prefill server answers the cancel this sends
-            self.sched.abort_with_status([entry.req], f"KV transfer from the prefill server failed: {error}", 500)
-            return
-        self.stats["staged_chunks"] += 1
-        self.transfers[key] = (entry.req, self.ranks.clock(self.now))  # (the waiting timeout restarts)
-        acks.append((entry.req, {"type": "chunk_ack", "room": key, "chunk": msg["chunk"]}))
-
     def _admit_ready(self) -> bool:
         sched = self.sched
         admitted = []
@@ -474,27 +396,3 @@ class DecodeTransferQueue:
             self.channel.close()
         if hasattr(self.engine, "close"):  # (NIXL: its progress thread stops)
             self.engine.close()
-
-
-def _read_done(msg: dict[str, Any]) -> dict[str, Any]:
-    """A successful "done" answer's fields, typed; raises KeyError, TypeError or ValueError if any is
-    malformed."""
-
-    def pairs(v: Any) -> list[tuple[float, int]]:
-        return [(_logprob(lp), int(t)) for lp, t in v]
-
-    return {
-        "output_ids": [int(t) for t in msg.get("output_ids", [])],
-        "output_token_logprobs": pairs(msg.get("output_token_logprobs", [])),
-        "output_top_logprobs": [pairs(top) for top in msg.get("output_top_logprobs", [])],
-        "output_token_ids_logprobs": [pairs(c) for c in msg.get("output_token_ids_logprobs", [])],
-        "cached_tokens": int(msg.get("cached_tokens", 0)),
-        "bytes": int(msg.get("bytes", 0)),
-        "kv_tokens": int(msg.get("kv_tokens", 0)),
-        "seconds": float(msg.get("seconds", 0.0)),
-    }
-
-
-def _logprob(value: Any) -> float:
-    """JSON has no -inf (orjson writes it, and NaN, as null)."""
-    return float("-inf") if value is None else float(value)
