@@ -22,7 +22,7 @@ from sglang.srt.configs.gpu_memory_defaults import (
 )
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.quantization import check_quantization_flag, set_online_quantization
-from sglang.srt.mem_cache.mamba_strategy import EXTRA_BUFFER_STRATEGIES, MambaStrategy
+from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
 from sglang.srt.server_args_checks import (
     DTYPE_ALIASES,
     ServerArgsError,
@@ -35,6 +35,7 @@ from sglang.srt.server_args_checks import (
 )
 from sglang.srt.server_args_cli import add_cli_args
 from sglang.srt.server_args_hicache import HiCacheArgs, check_hicache_flags
+from sglang.srt.server_args_mamba import resolve_mamba_strategy, resolve_pd_decode_cache
 from sglang.srt.server_args_media import check_media_flags
 from sglang.srt.server_args_parallel import check_parallel_flags
 from sglang.srt.server_args_upstream import add_upstream_cli_args, check_upstream_args
@@ -225,9 +226,9 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
         check_tokenizer(self)
         resolve_auto_parsers(self)
         self._handle_attention_backend()
-        self._handle_pd_disaggregation()
+        resolve_pd_decode_cache(self)
         self._handle_speculative()
-        self._handle_mamba_strategy()
+        resolve_mamba_strategy(self)
         check_hicache_flags(self)
         # Resolved once; components read it, not the flags (`mem_cache/mamba_strategy.py`).
         self.mamba_strategy = MambaStrategy.resolve(
@@ -342,24 +343,6 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
                     f"triton attention backend (this one is {major}.{minor}); use fp8_e5m2 or bf16."
                 )
 
-    def _handle_pd_disaggregation(self) -> None:
-        """The decode server of PD disaggregation keeps no prefix cache unless
-        --disaggregation-decode-enable-radix-cache (as upstream)."""
-        if self.disaggregation_mode != "decode" or self.disaggregation_decode_enable_radix_cache:
-            return
-        if not self.disable_radix_cache:
-            logger.warning(
-                "--disaggregation-mode decode: the radix cache is turned off on the decode server."
-            )
-            self.disable_radix_cache = True
-        if self.mamba_scheduler_strategy in EXTRA_BUFFER_STRATEGIES:
-            logger.warning(
-                "--disaggregation-mode decode: --mamba-scheduler-strategy %s falls back to no_buffer, "
-                "since the decode server keeps no prefix cache.",
-                self.mamba_scheduler_strategy,
-            )
-            self.mamba_scheduler_strategy = "no_buffer"
-
     def _handle_speculative(self) -> None:
         """NGRAM verifies on the scheduler's host results, so it runs without the overlap schedule (as
         upstream's); its draft count defaults to the longest match window."""
@@ -381,37 +364,6 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
             algo = self.speculative_algorithm
             logger.info("--speculative-algorithm %s runs without the overlap schedule.", algo)
             self.disable_overlap_schedule = True
-
-    def _handle_mamba_strategy(self) -> None:
-        arch = self.model_config.arch
-        strategy = self.mamba_scheduler_strategy
-        if strategy == "auto":
-            if self.disable_radix_cache:
-                strategy, reason = "no_buffer", "the radix cache is disabled, so no state is cached"
-            elif not arch.supports_extra_buffer:
-                strategy, reason = "no_buffer", f"{arch.architecture} does not write track snapshots"
-            elif self.enable_overlap_schedule:
-                strategy, reason = "extra_buffer_lazy", "overlap is on: one slot per running request"
-            else:
-                strategy, reason = "extra_buffer", "overlap is off: one track slot per request"
-            self.mamba_strategy_reason = f"auto chose {strategy}: {reason}"
-            logger.info("--mamba-scheduler-strategy %s", self.mamba_strategy_reason)
-            self.mamba_scheduler_strategy = strategy
-        if self.disable_radix_cache:
-            return
-        if strategy == "no_buffer":
-            if self.page_size != 1:
-                raise ServerArgsError(
-                    f"--mamba-scheduler-strategy no_buffer needs --page-size 1, got {self.page_size}."
-                )
-            if self.enable_overlap_schedule:
-                logger.info("--mamba-scheduler-strategy no_buffer runs without the overlap schedule.")
-                self.disable_overlap_schedule = True
-        else:
-            if not arch.supports_extra_buffer:
-                raise ServerArgsError(
-                    f"--mamba-scheduler-strategy {strategy} is not supported by {arch.architecture}."
-                )
 
     def _handle_gpu_memory_settings(self) -> int:
         """On CUDA, SGLang's GPU-memory defaults (`configs/gpu_memory_defaults.py`) for what is not given:
