@@ -397,6 +397,42 @@ def test_clear_runs_on_the_copy_stream_and_is_done_when_it_returns(monkeypatch):
     assert not any(b[[3, 9]].any() for b in kv) and not any(b[2].any() for b in states)
 
 
+def test_a_poll_clears_all_its_destinations_then_waits_once_before_sending_any(monkeypatch):
+    """Review R2 finding 5: the decode side cleared each released destination with its own blocking
+    wait for the copy stream (one sync per request on the scheduler thread). A poll now clears all of
+    its destinations' rows inside one stream block, waits once, and only then sends (the transfer
+    writes straight into those rows: a send before the wait could land under the zeros)."""
+    from sglang.srt.managers.io_struct import BootstrapInfo
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.test.pd_fakes import decode_queue
+
+    kv, states = pools(0, fill=True)
+    q = decode_queue(SimpleNamespace(processed_batch_id=5, num_batches=5))
+    q.device_packer = StatePacker(kv, states, "cpu")
+    q.device_packer.stream = stream = _StandInStream(monkeypatch)
+    rows = {"a": ([3, 9], 1), "b": ([20, 21, 22], 4), "c": ([40], 5)}
+    for room, (tokens, slot) in rows.items():
+        r = Req(f"rid-{room}", [5] * len(tokens))
+        r.bootstrap = BootstrapInfo("127.0.0.1", 8998, room)
+        r.kv_indices, r.mamba_pool_idx = tokens, slot
+        q.reserved.append((r, 5, 0))
+    send = q.channel.send
+
+    def logged_send(url, msg):
+        stream.log.append(("send", msg["room"]))
+        return send(url, msg)
+
+    q.channel.send = logged_send
+    with stream.ops():
+        assert q._send_destinations()
+    assert stream.log == [("enter", stream), "exit", "synchronize", ("send", "a"), ("send", "b"), ("send", "c")]
+    assert stream.zeroed == [True] * (len(kv) + len(states))  # one op per buffer for the three together
+    for tokens, slot in rows.values():
+        assert not any(b[tokens].any() for b in kv) and not any(b[slot].any() for b in states)
+    untouched = [t for t in range(64) if t not in (3, 9, 20, 21, 22, 40)]
+    assert all(b[untouched].all() for b in kv) and all(b[[0, 2, 3]].all() for b in states)
+
+
 @pytest.mark.parametrize("op", ["pack", "unpack", "clear"])
 def test_the_copy_stream_is_waited_for_also_when_the_packer_raises(monkeypatch, op):
     """Review R2 finding 3: the copy stream's synchronize came after the stream block, so an error inside

@@ -288,6 +288,7 @@ class DecodeTransferQueue(DecodeAnswers):
         transfer, which must wait until every batch launched before the reservation is processed."""
         processed = self.sched.processed_batch_id
         outgoing: list[tuple[Req, dict[str, Any]]] = []
+        clears: list[tuple[list[int], int]] = []  # (device pools registered directly: zeroed together below)
         settle = getattr(self.sched.tree_cache, "settle_host_copies", None)  # (a host tier's copies)
         if settle is not None and self.reserved and self.reserved[0][1] <= processed:
             settle(self.sched.worker.call)  # before any destination is cleared: none may read it after
@@ -307,10 +308,12 @@ class DecodeTransferQueue(DecodeAnswers):
                 msg["staging"], msg["staging_bytes"] = self.staging.address(entry.start), entry.length
                 staged = (entry.start, entry.length)
             elif self.device_packer is not None:
-                self.device_packer.clear(req.kv_indices[prefix:], req.mamba_pool_idx)
+                clears.append((req.kv_indices[prefix:], req.mamba_pool_idx))
             else:
                 clear_destination(self.layout, req.kv_indices[prefix:], req.mamba_pool_idx)
             outgoing.append((req, msg | destination_ranks(self.rank_targets, staged)))
+        if clears:  # one copy-stream wait for the poll's destinations, done before the first is sent
+            self.device_packer.clear_many(clears)
         if outgoing:
             self.ranks.barrier()  # (under TP: every rank's destination is cleared before any is asked)
         for req, msg in outgoing:

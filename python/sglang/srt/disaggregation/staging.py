@@ -60,23 +60,30 @@ class StatePacker:
         return cls(kv_buffers(token_to_kv_pool), states, device)
 
     def clear(self, tokens: list[int], slot: int) -> None:
-        """Zero the rows of `tokens` and of `slot` (device memory: no host address to memset). Done when
-        this returns (on CUDA: on the copy stream, waited for), so that the transfer, which the caller asks
-        for next and which writes straight into these rows, lands after the zeros."""
+        """Zero the rows of `tokens` and of `slot`: `clear_many` of one destination."""
+        self.clear_many([(tokens, slot)])
+
+    def clear_many(self, destinations: list[tuple[list[int], int]]) -> None:
+        """Zero the rows of each destination's tokens and slot (device memory: no host address to memset),
+        every destination in one op per buffer. Done when this returns (on CUDA: on the copy stream, waited
+        for ONCE, whatever the number of destinations), so that the transfers, which the caller asks for
+        next and which write straight into these rows, land after the zeros."""
         try:
             with _on(self.stream):
+                tokens = [t for dst_tokens, _ in destinations for t in dst_tokens]
                 idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                slots = torch.tensor([slot for _, slot in destinations], dtype=torch.int64, device=self.device)
                 for buf in self.kv:
                     byte_rows(buf).index_fill_(0, idx, 0)
                 for buf in self.states:
-                    buf[slot].zero_()
+                    byte_rows(buf).index_fill_(0, slots, 0)
         finally:
             self._sync()
 
     def _sync(self) -> None:
-        """Wait for the copy stream (CPU: nothing to wait for). `pack`, `unpack` and `clear` do so also when
-        they raise: what they queued before the error has landed before their caller frees (and another
-        request reuses) the rows or the host range."""
+        """Wait for the copy stream (CPU: nothing to wait for). `pack`, `unpack` and `clear_many` do so also
+        when they raise: what they queued before the error has landed before their caller frees (and
+        another request reuses) the rows or the host range."""
         if self.stream is not None:
             self.stream.synchronize()
 
