@@ -147,7 +147,8 @@ def dequantized_checkpoint(path: str) -> str:
     return str(target)
 
 
-# Sequences whose teacher-forced logprobs a ReferenceModel keeps (a float32 per token: a few MB at most).
+# Sequences whose teacher-forced logprobs (a float32 per token: a few MB at most), and greedy
+# continuations, a ReferenceModel keeps.
 SCORED_CACHE_SIZE = 1024
 
 
@@ -163,6 +164,7 @@ class ReferenceModel:
         # prompts under many strategies, page sizes and backends (one float32 forward each, the same
         # every time: the model and its inputs are the same), so each sequence's forward runs once.
         self._scored: dict[tuple[int, ...], torch.Tensor] = {}
+        self._greedy: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}  # (ids, max_new_tokens)
         source = dequantized_checkpoint(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch.float32, local_files_only=True
@@ -226,16 +228,21 @@ class ReferenceModel:
 
     @torch.no_grad()
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        cache = self.new_cache()
-        out: list[int] = []
-        logits = self.extend(cache, ids, 0)
-        pos = len(ids)
-        for _ in range(max_new_tokens):
-            nxt = int(logits[-1].argmax())
-            out.append(nxt)
-            logits = self.extend(cache, [nxt], pos)
-            pos += 1
-        return out
+        key = (tuple(int(i) for i in ids), max_new_tokens)
+        if key not in self._greedy:  # (kept as token_logprobs' answers are: the same every time)
+            cache = self.new_cache()
+            out: list[int] = []
+            logits = self.extend(cache, ids, 0)
+            pos = len(ids)
+            for _ in range(max_new_tokens):
+                nxt = int(logits[-1].argmax())
+                out.append(nxt)
+                logits = self.extend(cache, [nxt], pos)
+                pos += 1
+            if len(self._greedy) >= SCORED_CACHE_SIZE:
+                self._greedy.pop(next(iter(self._greedy)))
+            self._greedy[key] = tuple(out)
+        return list(self._greedy[key])
 
     # ---- incremental forwards --------------------------------------------------------------------
 

@@ -74,6 +74,9 @@ def test_greedy_matches_full_forward_argmax(oracles):
     out = ref.greedy(prompt, 8)
     logits = ref.logits(prompt + out)
     assert out == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+    # A kept continuation: the same again, and a caller writing into its list changes no later one.
+    out.append(-1)
+    assert ref.greedy(prompt, 8) == out[:-1] and ref.greedy(prompt, 3) == out[:3]
 
 
 def test_token_logprobs_kept_by_sequence_equal_a_fresh_forward(oracles):
