@@ -24,7 +24,7 @@ import requests
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.test_utils import ServerProcess
 
-register_cpu_ci(est_time=45, suite="per-commit-cpu")
+register_cpu_ci(est_time=38, suite="per-commit-cpu")
 
 MODEL = ["--model-path", "tiny-qwen3-next"]
 EXIT_TIMEOUT_S = 20.0
@@ -90,6 +90,31 @@ def post_in_thread(url: str, body: dict, out: dict) -> threading.Thread:
     return t
 
 
+# Each test's server: (flags, environment).
+SERVERS = {
+    # A slow forward keeps output flowing through the detokenizer when the server dies.
+    "killed": (MODEL, {"SGLANG_TEST_FORWARD_DELAY_MS": "20"}),
+    "stopped": ([*MODEL, "--watchdog-timeout", "3"], None),
+    # No warm-up: its forward would be the one past the watchdog (test_server_warmup covers that).
+    "slow": (
+        [*MODEL, "--watchdog-timeout", "2", "--disable-overlap-schedule", "--skip-server-warmup"],
+        {"SGLANG_TEST_FORWARD_DELAY_MS": "4000"},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """The three tests' servers, started together when the first test starts: the later ones load while
+    the earlier tests run instead of one after another. Each test takes its own (`servers` stops it)."""
+    procs = {name: ServerProcess(args, env=env) for name, (args, env) in SERVERS.items()}
+    try:
+        yield procs
+    finally:
+        for server in procs.values():
+            server.stop()  # (again, for one a test stopped)
+
+
 @pytest.fixture
 def servers():
     """Started servers, and every child they had, are gone after the test whatever happened."""
@@ -101,10 +126,9 @@ def servers():
         server.stop()
 
 
-def test_sigkill_of_the_server_takes_every_child_with_it(servers):
+def test_sigkill_of_the_server_takes_every_child_with_it(servers, launched):
     started, kids = servers
-    # A slow forward keeps output flowing through the detokenizer when the server dies.
-    server = ServerProcess(MODEL, env={"SGLANG_TEST_FORWARD_DELAY_MS": "20"})
+    server = launched["killed"]
     started.append(server)
     server.wait_ready()
     # A prompt this long is tokenized in the tokenizer worker process (refused: beyond the context).
@@ -132,9 +156,9 @@ def test_sigkill_of_the_server_takes_every_child_with_it(servers):
     stream.close()
 
 
-def test_a_stopped_scheduler_makes_the_server_unhealthy_then_exit(servers):
+def test_a_stopped_scheduler_makes_the_server_unhealthy_then_exit(servers, launched):
     started, kids = servers
-    server = ServerProcess([*MODEL, "--watchdog-timeout", "3"])
+    server = launched["stopped"]
     started.append(server)
     server.wait_ready()
     kids += children(server.proc.pid)
@@ -180,13 +204,9 @@ def test_a_stopped_scheduler_makes_the_server_unhealthy_then_exit(servers):
     assert not left, f"children still running after the server exited: {left}"
 
 
-def test_a_scheduler_watchdog_exit_fails_the_request_and_ends_the_server(servers):
+def test_a_scheduler_watchdog_exit_fails_the_request_and_ends_the_server(servers, launched):
     started, kids = servers
-    # No warm-up: its forward would be the one past the watchdog (test_server_warmup covers that).
-    server = ServerProcess(
-        [*MODEL, "--watchdog-timeout", "2", "--disable-overlap-schedule", "--skip-server-warmup"],
-        env={"SGLANG_TEST_FORWARD_DELAY_MS": "4000"},
-    )
+    server = launched["slow"]
     started.append(server)
     server.wait_ready()
     kids += children(server.proc.pid)
