@@ -17,7 +17,9 @@ from sglang.test.test_utils import ServerProcess, find_free_port
 
 
 class RouterProcess:
-    def __init__(self, prefill: ServerProcess, bootstrap_port: int, decode: ServerProcess):
+    def __init__(
+        self, prefill: ServerProcess, bootstrap_port: int, decode: ServerProcess, extra_args: list[str] = ()
+    ):
         self.port = find_free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="sglang-router-", suffix=".log", delete=False)
@@ -26,7 +28,7 @@ class RouterProcess:
             "--prefill", prefill.base_url, str(bootstrap_port), "--decode", decode.base_url,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(find_free_port()),
-            "--worker-startup-check-interval", "1", "--log-level", "warn",
+            "--worker-startup-check-interval", "1", "--log-level", "warn", *extra_args,
         ]  # fmt: skip
         # The router loads a tokenizer for each worker's model path (give the servers a local folder);
         # should it try the hub anyway, the hub is unreachable.
@@ -72,9 +74,10 @@ def start_pd(
     decode_args: list[str] = (),
     prefill_env: dict[str, str] | None = None,
     decode_env: dict[str, str] | None = None,
+    router_args: list[str] = (),
 ) -> tuple[ServerProcess, ServerProcess, RouterProcess, int]:
-    """A prefill server, a decode server and the router in front, all ready; (prefill, decode, router,
-    bootstrap port). The caller stops them (`stop_all`)."""
+    """A prefill server, a decode server and the router (given `router_args` besides its own) in front,
+    all ready; (prefill, decode, router, bootstrap port). The caller stops them (`stop_all`)."""
     bootstrap_port = find_free_port()
     prefill = ServerProcess(
         ["--model-path", model_path, "--disaggregation-mode", "prefill",
@@ -88,7 +91,7 @@ def start_pd(
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        router = RouterProcess(prefill, bootstrap_port, decode)
+        router = RouterProcess(prefill, bootstrap_port, decode, router_args)
         router.wait_ready()
     except BaseException:
         stop_all(prefill, decode, router)
