@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import pstats
+import threading
 import time
+import types
 
 import pytest
 
@@ -164,6 +166,43 @@ def test_dead_scheduler_fails_requests_and_shutdown_is_idempotent():
     assert all(not p.is_alive() for p in procs)
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate("x")
+
+
+def test_shutdown_ends_a_call_waiting_on_another_thread():
+    """A call blocked on another thread (sync or async) ends with an error when the engine shuts down;
+    it waited forever: the stopped loop never completed its future (found by sglang.test.combo_sweep's
+    timeout). The loop bridge alone, with a call that never returns, as an Engine's generate waits."""
+
+    class Closing:
+        async def close(self):
+            pass
+
+    eng = sglang.Engine.__new__(sglang.Engine)
+    eng._closed, eng._loop = False, asyncio.new_event_loop()
+    eng._thread = threading.Thread(target=eng._loop.run_forever, daemon=True)
+    eng._thread.start()
+    eng.tokenizer_manager, eng._launched = Closing(), types.SimpleNamespace(shutdown=lambda: None)
+    errors: list[BaseException] = []
+
+    def call(sync: bool):
+        try:
+            if sync:
+                eng._run(asyncio.Event().wait())
+            else:
+                asyncio.run(eng._await(asyncio.Event().wait()))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(sync,), daemon=True) for sync in (True, False)]
+    for t in threads:
+        t.start()
+    while len(asyncio.all_tasks(eng._loop)) < 2:
+        time.sleep(0.01)
+    eng.shutdown()
+    for t in threads:
+        t.join(5)
+        assert not t.is_alive(), "a call still waits after shutdown"
+    assert len(errors) == 2 and all("shut down while the call ran" in str(e) for e in errors), errors
 
 
 def test_a_control_call_fails_at_once_when_the_scheduler_is_gone():

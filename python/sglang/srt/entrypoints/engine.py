@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -317,6 +318,7 @@ class Engine:
             tm = getattr(self, "tokenizer_manager", None)
             if tm is not None:
                 asyncio.run_coroutine_threadsafe(tm.close(), self._loop).result(5)
+            asyncio.run_coroutine_threadsafe(_cancel_other_tasks(), self._loop).result(5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
         self._launched.shutdown()
@@ -333,13 +335,40 @@ class Engine:
         if self._closed:
             coro.close()
             raise RuntimeError("This Engine has been shut down.")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        except concurrent.futures.CancelledError:
+            if self._closed:  # `shutdown` on another thread ended the call
+                raise RuntimeError("This Engine was shut down while the call ran.") from None
+            raise
 
     async def _await(self, coro: Coroutine) -> Any:
         if self._closed:
             coro.close()
             raise RuntimeError("This Engine has been shut down.")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if self._closed and not _current_task_cancelling():
+                raise RuntimeError("This Engine was shut down while the call ran.") from None
+            raise
+
+
+async def _cancel_other_tasks() -> None:
+    """On shutdown: end every call still running on the engine's loop (a generate on another thread
+    waits for its future, which a stopped loop never completes), and let each finish its cleanup."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    if others:
+        await asyncio.wait(others, timeout=2)
+
+
+def _current_task_cancelling() -> bool:
+    """Whether the caller's own task was cancelled (Python 3.11+ tells; 3.10 cannot, and says no)."""
+    task = asyncio.current_task()
+    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
 
 
 async def _first(agen: AsyncIterator[Any]) -> Any:
