@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import requests
 
 from sglang.srt.configs.presets import resolve_model_path
@@ -14,7 +15,7 @@ from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.test_utils import ServerProcess
 
-register_cpu_ci(est_time=25, suite="per-commit-cpu")
+register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
 MODEL = "tiny-qwen3-next"
 
@@ -25,8 +26,27 @@ def _metric(text: str, name: str) -> float:
     return sum(values)
 
 
-def test_the_warmup_runs_before_ready_counts_nowhere_and_leaves_nothing_cached():
-    server = ServerProcess(["--model-path", MODEL, "--enable-metrics"])
+@pytest.fixture(scope="module")
+def launched():
+    """The three tests' servers, started together when the first test starts (the later ones load while
+    the earlier tests run); each test takes its own and stops it."""
+    procs = {
+        "metrics": ServerProcess(["--model-path", MODEL, "--enable-metrics"]),
+        "skip": ServerProcess(["--model-path", MODEL, "--skip-server-warmup"]),
+        # The warm-up's forward outlasts --watchdog-timeout.
+        "stall": ServerProcess(
+            ["--model-path", MODEL, "--watchdog-timeout", "1"], env={"SGLANG_TEST_FORWARD_DELAY_MS": "4000"}
+        ),
+    }
+    try:
+        yield procs
+    finally:
+        for server in procs.values():
+            server.stop()  # (again, for one its test stopped)
+
+
+def test_the_warmup_runs_before_ready_counts_nowhere_and_leaves_nothing_cached(launched):
+    server = launched["metrics"]
     try:
         server.wait_ready()
         log = server.log_text()
@@ -50,8 +70,8 @@ def test_the_warmup_runs_before_ready_counts_nowhere_and_leaves_nothing_cached()
         server.stop()
 
 
-def test_skip_server_warmup_serves_without_it():
-    server = ServerProcess(["--model-path", MODEL, "--skip-server-warmup"])
+def test_skip_server_warmup_serves_without_it(launched):
+    server = launched["skip"]
     try:
         server.wait_ready()
         log = server.log_text()
@@ -60,12 +80,10 @@ def test_skip_server_warmup_serves_without_it():
         server.stop()
 
 
-def test_a_failed_warmup_stops_the_server_with_status_1_and_one_sentence():
+def test_a_failed_warmup_stops_the_server_with_status_1_and_one_sentence(launched):
     """The warm-up's forward outlasts --watchdog-timeout (a GPU kernel that hangs, say): the scheduler
     reports the stall and exits, the warm-up fails, and the server never says it is ready."""
-    server = ServerProcess(
-        ["--model-path", MODEL, "--watchdog-timeout", "1"], env={"SGLANG_TEST_FORWARD_DELAY_MS": "4000"}
-    )
+    server = launched["stall"]
     try:
         code = server.proc.wait(90)
         log = server.log_text()
