@@ -38,8 +38,8 @@ THEMES: dict[str, str] = {
     "MLX or Ray backend); choose between them with --device",
     "kernels": "this server has one kernel implementation per layer type (Triton on CUDA, torch or C++ on "
     "CPU) and no switch for this one; choose the attention kernels with --attention-backend",
-    "graphs": "CUDA graphs are captured for decode and speculative verify forwards (and NEXTN's greedy draft "
-    "loops and MTP layer after them) only; configure them "
+    "graphs": "CUDA graphs are captured for decode and speculative verify forwards (and NEXTN's draft loops, "
+    "argmax drafts for every request, and MTP layer after them) only; configure them "
     "with --cuda-graph-max-bs, --cuda-graph-bs and --disable-cuda-graph",
     "model": "checkpoints load as they are, from a local Hugging Face folder of safetensors files or a "
     "built-in preset; prepare the folder (config.json, weights) instead",
