@@ -5,7 +5,12 @@ here, once. A request's grammar follows its output here: each check first feeds 
 
 What a request's grammar (its accepts and mask fills since the last check) and its stop regexes cost
 the scheduler thread is charged here, once per check, to the output checks' budget
-(`constrained/output_check_budget.py`), which ends a request over it with a 400 naming the field."""
+(`constrained/output_check_budget.py`), which ends a request over it with a 400 naming the field.
+
+Under tensor parallelism every rank must end a request at the same token (`tp_broadcast.py`), but those
+costs are each rank's own wall time: before the budget reads them, the ranks agree on them (`group`: one
+all-reduce of three numbers per such check, MAX over the ranks of the grammar's and the search's seconds
+and of whether, and at which pattern, a rank's search was cut), so that the budget's state evolves alike."""
 
 from __future__ import annotations
 
@@ -31,22 +36,24 @@ STOP_REGEX_TAIL_TOKENS = 64
 class StopRegexTimeout(Exception):
     """A stop regex ran out of its time on the output's tail."""
 
-    def __init__(self, pattern: str, limit: float):
+    def __init__(self, pattern: str, limit: float, index: int = 0):
         super().__init__(pattern)
         self.pattern = pattern
         self.limit = limit
+        self.index = index  # (in the request's stop_regex list)
 
 
 class _Work:
     """One check's output rules: the time it may take and what they took."""
 
-    __slots__ = ("allowance", "grammar_s", "regex_s", "field", "over")
+    __slots__ = ("allowance", "grammar_s", "regex_s", "field", "over", "cut")
 
     def __init__(self, allowance: float, field: str):
         self.allowance = allowance
         self.grammar_s = self.regex_s = 0.0
         self.field = field  # the grammar's field, or stop_regex once it costs more
         self.over = False  # went over the allowance (`OutputCheckBudget.over_allowance`)
+        self.cut: int | None = None  # the stop_regex pattern at which the search ran out of time
 
 
 class FinishChecker:
@@ -55,6 +62,9 @@ class FinishChecker:
         self.context_len = context_len
         self.tokenizer = tokenizer
         self.budget = OutputCheckBudget()
+        # Tensor parallelism: the gloo group (the scheduler thread's own) over which the ranks agree on
+        # the budget's costs (`_agree`); None on one rank.
+        self.group: Any = None
 
     @classmethod
     def from_server_args(cls, server_args: ServerArgs) -> FinishChecker:
@@ -118,46 +128,75 @@ class FinishChecker:
                 req.finished_reason = {"type": "abort", "status_code": 500, "message": message}
                 return
             work.grammar_s = grammar.take_spent()
-            work.over = work.grammar_s > work.allowance
-            if work.over and self.budget.over_allowance(req, work.grammar_s, work.allowance):
-                message = self.budget.over_allowance_message(work.field, work.grammar_s, work.allowance)
-                req.finished_reason = _bad_request(message, work.field)
-                return
+        reason = self._rule_finish(req, work)
+        if work is not None:
+            # The budget's decisions, on costs every rank agrees on (first the grammar's, whose overrun
+            # comes before any other finish).
+            if self.group is not None:
+                self._agree(work)
+            if work.grammar_s > work.allowance:
+                work.over = True
+                if self.budget.over_allowance(req, work.grammar_s, work.allowance):
+                    message = self.budget.over_allowance_message(work.field, work.grammar_s, work.allowance)
+                    req.finished_reason = _bad_request(message, work.field)
+                    return
+            if work.regex_s > work.grammar_s:
+                work.field = "stop_regex"
+            if work.cut is not None:
+                work.over = True
+                limit = work.allowance - work.grammar_s  # (what the search was given)
+                if self.budget.over_allowance(req, limit, limit):
+                    message = (
+                        f"stop_regex {req.sampling_params.stop_regex[work.cut]!r} took more than the "
+                        f"{limit * 1e3:.0f} ms a request's checks may take for one token "
+                        "(SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, within SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP for "
+                        "all requests) to search the output; use a pattern that does not backtrack without "
+                        "bound."
+                    )
+                    req.finished_reason = _bad_request(message, "stop_regex")
+                    return
+                reason = None  # (searched again, over the same tail and more, at the next token)
+        n = len(req.output_ids)
+        if reason is None and len(req.origin_input_ids) + n >= self.context_len:  # req.seqlen
+            reason = {"type": "length", "length": n}
+        req.finished_reason = reason
+
+    def _rule_finish(self, req: Req, work: _Work | None) -> dict[str, Any] | None:
+        """The finish the request's rules give its newest token but the context length: its length
+        limit, its grammar complete, a stop token, a stop string or stop regex (a search cut for time
+        is `work.cut`, and finds nothing)."""
         sp = req.sampling_params
         n = len(req.output_ids)
         if n >= sp.max_new_tokens:
-            req.finished_reason = {"type": "length", "length": sp.max_new_tokens}
-            return
+            return {"type": "length", "length": sp.max_new_tokens}
         token = req.output_ids[-1]
-        if grammar is not None and grammar.terminated:
+        if req.grammar is not None and req.grammar.terminated:
             # The grammar is complete (on an end-of-sequence id): upstream's "matched token" finish.
-            req.finished_reason = {"type": "stop", "matched": token}
-            return
+            return {"type": "stop", "matched": token}
         if n > sp.min_new_tokens:
             if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
-                req.finished_reason = {"type": "stop", "matched": token}
-                return
+                return {"type": "stop", "matched": token}
             if sp.stop or sp.stop_regex:
                 try:
                     matched = self.match_stop_string(req, work)
                 except StopRegexTimeout as e:
-                    work.over = True
-                    if not self.budget.over_allowance(req, e.limit, e.limit):
-                        matched = None  # (searched again, over the same tail and more, at the next token)
-                    else:
-                        message = (
-                            f"stop_regex {e.pattern!r} took more than the {e.limit * 1e3:.0f} ms a request's "
-                            "checks may take for one token (SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, within "
-                            "SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP for all requests) to search the output; use a "
-                            "pattern that does not backtrack without bound."
-                        )
-                        req.finished_reason = _bad_request(message, "stop_regex")
-                        return
+                    work.cut = e.index
+                    return None
                 if matched is not None:
-                    req.finished_reason = {"type": "stop", "matched": matched}
-                    return
-        if len(req.origin_input_ids) + n >= self.context_len:  # req.seqlen
-            req.finished_reason = {"type": "length", "length": n}
+                    return {"type": "stop", "matched": matched}
+        return None
+
+    def _agree(self, work: _Work) -> None:
+        """Every rank takes the greatest of the ranks' costs, and the search as cut (at the first pattern
+        cut) where any rank's was: one all-reduce on the scheduler thread's gloo group."""
+        import torch
+        import torch.distributed as dist
+
+        cut = -math.inf if work.cut is None else -float(work.cut)
+        values = torch.tensor([work.grammar_s, work.regex_s, cut], dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        work.grammar_s, work.regex_s, cut = values.tolist()
+        work.cut = None if cut == -math.inf else int(-cut)
 
     def set_quick_check(self, req: Req) -> None:
         """What a decode step's result loop tests before calling `check_finished` (one length compare
@@ -196,8 +235,6 @@ class FinishChecker:
                 matched = _first_match(sp.stop_regex, tail, work.allowance - work.grammar_s)
             finally:
                 work.regex_s = clock() - start
-                if work.regex_s > work.grammar_s:
-                    work.field = "stop_regex"
         return matched
 
 
@@ -206,7 +243,7 @@ def _first_match(patterns: list[str], text: str, limit: float) -> str | None:
     timeout counts the process's CPU time, every thread's: with other threads busy it cuts a search
     sooner)."""
     deadline = clock() + limit
-    for pattern in patterns:
+    for index, pattern in enumerate(patterns):
         left = deadline - clock()
         try:
             if left <= 0:
@@ -214,7 +251,7 @@ def _first_match(patterns: list[str], text: str, limit: float) -> str | None:
             if compiled(pattern).search(text, timeout=None if left == math.inf else left) is not None:
                 return pattern
         except TimeoutError:
-            raise StopRegexTimeout(pattern, limit) from None
+            raise StopRegexTimeout(pattern, limit, index) from None
     return None
 
 

@@ -113,6 +113,7 @@ class SchedulerIOMixin:
         )
         self.memory_bytes_by_rank = tp.gather(memory)
         self.tp = tp
+        self.finisher.group = tp.group  # (the ranks agree on the output checks' costs: finish_checker.py)
         if tp.is_first:
             self.request_deadlines.abort = self._record_deadline_abort
         else:
