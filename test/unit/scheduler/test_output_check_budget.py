@@ -164,6 +164,28 @@ def test_one_tokens_hiccup_does_not_end_a_request():
     assert n == 2 and reason["param"] == "ebnf"
 
 
+def test_a_grammars_first_overrun_is_not_blamed_on_the_stop_regex():
+    """A request with a grammar and a stop_regex whose grammar took more than the whole allowance once:
+    its search had no time left and was cut, and the request ended at once with "stop_regex ... took more
+    than the -10 ms" (the grammar's overrun counted as the search's second in a row). The overrun is the
+    grammar's alone, judged by the two-tokens-in-a-row rule: one hiccup ends nothing."""
+    from sglang.srt.managers.finish_checker import FinishChecker
+
+    checker = FinishChecker(set(), 4096, tokenizer=SimpleNamespace(decode=lambda ids, **kw: "ab" * len(ids)))
+    checker.budget = OutputCheckBudget(per_request_s=0.05, per_step_s=0.2)
+    req = Req("g", [5], SamplingParams(ebnf='root ::= "a"', stop_regex=["zz"], max_new_tokens=100))
+    req.grammar = _TimedGrammar([0.06, 0.0005, 0.0005])
+    for _ in range(3):
+        req.output_ids.append(7)
+        checker.check_finished(req)
+        assert req.finished_reason is None, req.finished_reason
+    req.grammar.costs = [0.06, 0.07]  # two tokens in a row over it: the grammar's, named as such
+    for _ in range(2):
+        req.output_ids.append(7)
+        checker.check_finished(req)
+    assert req.finished_reason["param"] == "ebnf" and req.finished_reason["message"].startswith("ebnf took")
+
+
 def test_stop_regexes_share_one_budget_per_step(monkeypatch):
     """Row 5: 16 requests whose stop_regex costs up to 15 ms a check (each under the old 100 ms limit per
     check) beside a plain bystander: each step's checks take at most the step's budget (the first,

@@ -145,7 +145,9 @@ class FinishChecker:
             if work.cut is not None:
                 work.over = True
                 limit = work.allowance - work.grammar_s  # (what the search was given)
-                if self.budget.over_allowance(req, limit, limit):
+                # (None at all where the grammar took the whole allowance: that overrun is the grammar's,
+                # judged above; the search runs again at the next token.)
+                if limit > 0 and self.budget.over_allowance(req, limit, limit):
                     message = (
                         f"stop_regex {req.sampling_params.stop_regex[work.cut]!r} took more than the "
                         f"{limit * 1e3:.0f} ms a request's checks may take for one token "
