@@ -197,7 +197,7 @@ class FinishChecker:
         cut = -math.inf if work.cut is None else -float(work.cut)
         values = torch.tensor([work.grammar_s, work.regex_s, cut], dtype=torch.float64)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
-        work.grammar_s, work.regex_s, cut = values.tolist()
+        work.grammar_s, work.regex_s, cut = map(float, values.numpy())  # (a host tensor: no device sync)
         work.cut = None if cut == -math.inf else int(-cut)
 
     def set_quick_check(self, req: Req) -> None:
