@@ -24,7 +24,8 @@ from sglang.srt.disaggregation.draft_state import (
     write_stash_rows,
 )
 from sglang.srt.disaggregation.prefill import _Room
-from sglang.srt.disaggregation.staging import StagedRange, Staging, StatePacker
+from sglang.srt.disaggregation.staging import StagedRange, Staging
+from sglang.srt.disaggregation.state_packer import StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout
 from sglang.srt.managers.io_struct import BootstrapInfo
 from sglang.srt.managers.schedule_batch import Req

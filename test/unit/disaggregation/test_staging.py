@@ -1,7 +1,8 @@
-"""The staged transfer path's packing (disaggregation/staging.py) on CPU tensors: the same code the CUDA
-path runs (there with a copy stream and pinned buffers). A request's KV rows and state slot packed from
-one server's pools and unpacked into another's land in the right rows, bit for bit, and touch nothing
-else; the staging buffer's ranges never overlap."""
+"""The staged transfer path's packing (disaggregation/staging.py, state_packer.py) on CPU tensors: the
+same code the CUDA path runs (there with a copy stream and pinned buffers). A request's KV rows and state
+slot packed from one server's pools and unpacked into another's land in the right rows, bit for bit, and
+touch nothing else; the staging buffer's ranges never overlap; the last chunks of the transfers a poll
+ends are unpacked together, with one copy-stream wait."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from sglang.srt.disaggregation.staging import (
     ChunkLink,
     StagedRange,
     Staging,
-    StatePacker,
     chunk_plan,
     host_buffer,
     staging_sizes,
 )
+from sglang.srt.disaggregation.state_packer import StatePacker
 from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
@@ -182,7 +183,7 @@ def test_a_chunk_that_cannot_be_unpacked_fails_its_request_not_the_decode_loop(m
     def broken(*args):
         raise NotImplementedError('"index_copy_cpu" not implemented for \'Float8_e4m3fn\'')
 
-    monkeypatch.setattr(decode.packer, "unpack", broken)
+    monkeypatch.setattr(decode.packer, "unpack_many", broken)
     error = decode.receive(entry, [0, 2, False])
     assert error.startswith("its staged chunk [0, 2, False] could not be written here (NotImplementedError")
     assert entry.received == 0 and not entry.state  # nothing counted as arrived
@@ -312,7 +313,7 @@ def test_float8_kv_packs_unpacks_and_clears_bit_for_bit(kv_dtype, device):
     """Review finding 3: with `--kv-cache-dtype fp8_e4m3 / fp8_e5m2` the unpack (`index_copy_`) and the
     direct path's clear (`index_fill_`) raised NotImplementedError: torch has neither for float8. Rows
     move as bytes now; compared as bytes (torch.equal has no float8 form). On CUDA: the copy stream and
-    pinned buffers of the staged path."""
+    pinned buffers of the staged path, and several blocks unpacked together (`unpack_many`)."""
     g = torch.Generator().manual_seed(3)
     kv = [torch.randn(32, 2, 8, generator=g).to(device, kv_dtype) for _ in range(4)]
     states = [torch.randn(4, 3, 5, generator=g).to(device),
@@ -334,6 +335,18 @@ def test_float8_kv_packs_unpacks_and_clears_bit_for_bit(kv_dtype, device):
         assert torch.equal(d.cpu().view(torch.uint8)[[4, 5, 6]], s.cpu().view(torch.uint8)[[7, 1, 30]])
     for s, d in zip(states, dst_states, strict=True):
         assert torch.equal(d[1].cpu(), s[2].cpu())
+    # Blocks unpacked together (a poll's last chunks): one without its state (a request's positions
+    # only), one with it; the rows of each, the states of the second, the first's untouched.
+    blocks = [([3, 8], None, [10, 11]), ([20], 0, [12])]
+    bufs = [host_buffer(src.packed_bytes(len(t), slot is not None), pin=device == "cuda") for t, slot, _ in blocks]
+    for buf, (tokens, slot, _) in zip(bufs, blocks, strict=True):
+        src.pack(tokens, slot, buf)
+    dst.unpack_many([(bufs[0], [10, 11], None), (bufs[1], [12], 3)])
+    for s, d in zip(kv, dst_kv, strict=True):
+        assert torch.equal(d.cpu().view(torch.uint8)[[10, 11, 12]], s.cpu().view(torch.uint8)[[3, 8, 20]])
+    for s, d in zip(states, dst_states, strict=True):
+        assert torch.equal(d[3].cpu(), s[0].cpu()) and torch.equal(d[1].cpu(), s[2].cpu())
+        assert d[[0, 2]].all()  # (still the 1.0 fill: no state written there)
 
 
 class _StandInStream:
@@ -342,7 +355,7 @@ class _StandInStream:
     block."""
 
     def __init__(self, monkeypatch):
-        import sglang.srt.disaggregation.staging as staging
+        import sglang.srt.disaggregation.state_packer as packing
 
         self.log: list = []
         self.inside = False
@@ -361,7 +374,7 @@ class _StandInStream:
                 stand_in.inside = False
                 stand_in.log.append("exit")
 
-        monkeypatch.setattr(staging, "_on", On)
+        monkeypatch.setattr(packing, "_on", On)
 
     def synchronize(self):
         self.log.append("synchronize")
@@ -439,7 +452,7 @@ def test_the_copy_stream_is_waited_for_also_when_the_packer_raises(monkeypatch, 
     it (a size mismatch in the state part, say, after the block's host-to-device copy and some KV copies
     were queued) skipped it, and since 5d5a78d the request is failed and its rows and range freed with
     those copies possibly still queued. `pack`, `unpack` and `clear` now wait in a `finally`."""
-    import sglang.srt.disaggregation.staging as staging
+    import sglang.srt.disaggregation.state_packer as packing
 
     kv, states = pools(0, fill=True)
     packer = StatePacker(kv, states, "cpu")
@@ -450,9 +463,120 @@ def test_the_copy_stream_is_waited_for_also_when_the_packer_raises(monkeypatch, 
     def broken(t):
         raise RuntimeError("the rows cannot be written")
 
-    monkeypatch.setattr(staging, "byte_rows", broken)  # (called inside the stream block by all three)
+    monkeypatch.setattr(packing, "byte_rows", broken)  # (called inside the stream block by all three)
     call = {"pack": lambda: packer.pack([1, 2], 1, buf), "unpack": lambda: packer.unpack(buf, [5, 6], 3),
             "clear": lambda: packer.clear([5, 6], 3)}[op]  # fmt: skip
     with pytest.raises(RuntimeError, match="cannot be written"):
         call()
     assert stream.log == [("enter", stream), "exit", "synchronize"]
+
+
+def _staged_poll(monkeypatch, tp_size: int = 1):
+    """A decode queue on the staged path over `pools` (decode side empty, a stand-in copy stream), four
+    requests of 3 or 4 positions whose transfers end in one poll: each "done" carries its last chunk,
+    which a prefill server packed from its own pools (`pools(0)`) into the request's range. One request
+    (room "c") already received its first 2 positions in an earlier chunk. Returns the queue, the
+    answers, what each request's rows must hold, the stand-in stream and the list of `unpack_many` calls."""
+    from sglang.srt.managers.io_struct import BootstrapInfo
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.test.pd_fakes import decode_queue
+
+    src_kv, src_states = pools(0, fill=True)
+    src = StatePacker(src_kv, src_states, "cpu")
+    dst_kv, dst_states = pools(1, fill=False)
+    q = decode_queue(SimpleNamespace(processed_batch_id=0, num_batches=0, running=[], max_running_requests=8,
+                                     counters={"num_generation_tokens_total": 0}))  # fmt: skip
+    q.staging = Staging.create(StatePacker(dst_kv, dst_states, "cpu"), 4096, 1024, tp_size=tp_size)
+    aborted = []
+
+    def abort_with_status(reqs, message, code, *a):
+        aborted.append((reqs[0].rid, code, message))
+        q.on_released(reqs[0])  # (the scheduler's release: the range is freed with the request)
+
+    def commit(r, token, check):
+        if token is not None:
+            r.output_ids.append(token)
+        return False
+
+    q.sched.abort_with_status = abort_with_status
+    q.sched.result_processor = SimpleNamespace(commit=commit, stream_output=lambda rs: None)
+    plan = {"a": ([5, 6, 7], [10, 11, 12], 0, 1), "b": ([8, 9, 40], [20, 21, 22], 4, 2),
+            "c": ([30, 31, 32, 33], [40, 41, 42, 43], 2, 3), "d": ([50, 51, 52], [44, 45, 46], 5, 4)}  # fmt: skip
+    answers, expected = [], {}
+    for room, (src_tokens, dst_tokens, src_slot, dst_slot) in plan.items():
+        r = Req(f"rid-{room}", [1] * len(dst_tokens))
+        r.bootstrap = BootstrapInfo("127.0.0.1", 8998, room)
+        r.kv_indices, r.mamba_pool_idx, r.sampling_params.max_new_tokens = dst_tokens, dst_slot, 8
+        length = q.staging.range_bytes(len(dst_tokens))
+        entry = q.staged[room] = StagedRange(r, q.staging.alloc(length), length, prefix=0)
+        q.transfers[room], q.dst_sent = (r, 0.0), q.dst_sent | {room}
+        first = 2 if room == "c" else 0
+        if first:  # an earlier chunk (its own poll)
+            src.pack(src_tokens[:first], None, q.staging.buffer[entry.start :])
+            assert q.staging.receive(entry, [0, first, False]) is None
+        src.pack(src_tokens[first:], src_slot, q.staging.buffer[entry.start :])
+        answers.append({"type": "done", "room": room, "ok": True, "output_ids": [9],
+                        "chunk": [first, len(dst_tokens), True]})  # fmt: skip
+        expected[room] = (r, [b[src_tokens] for b in src_kv], [b[src_slot] for b in src_states])
+    q.channel.recv_all = lambda: answers
+    stream = q.staging.packer.stream = _StandInStream(monkeypatch)
+    calls, unpack_many = [], q.staging.packer.unpack_many
+
+    def counted(blocks):
+        calls.append([slot for _, _, slot in blocks])
+        return unpack_many(blocks)
+
+    monkeypatch.setattr(q.staging.packer, "unpack_many", counted)
+    return q, expected, (dst_kv, dst_states), stream, calls, aborted
+
+
+def test_the_last_chunks_of_a_polls_transfers_are_unpacked_together_with_one_wait(monkeypatch):
+    """The last chunk of a staged transfer came with its "done" and was unpacked on its own (on CUDA one
+    blocking copy-stream wait per transfer on the scheduler thread). The last chunks of every transfer
+    a poll ends are now unpacked in one `unpack_many` (one stream block, one wait), before any of those
+    requests is admitted; each request's rows land bit for bit and its range is freed."""
+    q, expected, (dst_kv, dst_states), stream, calls, aborted = _staged_poll(monkeypatch)
+    assert q.poll()
+    assert calls == [[1, 2, 3, 4]] and stream.log == [("enter", stream), "exit", "synchronize"]
+    assert aborted == [] and q.stats["staged_chunks"] == 4 and q.stats["transfers"] == 4
+    written = set()
+    for r, kv_rows, state_rows in expected.values():
+        assert r in q.sched.running and r.output_ids == [9]
+        assert all(torch.equal(d[r.kv_indices], s) for d, s in zip(dst_kv, kv_rows, strict=True))
+        assert all(torch.equal(d[r.mamba_pool_idx], s) for d, s in zip(dst_states, state_rows, strict=True))
+        written |= set(r.kv_indices)
+    assert all(not b[[t for t in range(64) if t not in written]].any() for b in dst_kv)
+    assert all(not b[[0, 5]].any() for b in dst_states)  # (the slots no request holds)
+    assert not q.staged and q.staging.in_use() == 0
+
+
+def test_a_last_chunk_that_cannot_be_written_fails_its_request_alone(monkeypatch):
+    """A poll's last chunks unpacked together must not fail together: where the batch raises, each is
+    unpacked again alone, and only the request whose chunk raises then gets its 500 (at one TP rank);
+    the others are admitted with their rows bit for bit. Under TP the error is raised (fbbeca6)."""
+    unpack_many = StatePacker.unpack_many
+
+    def failing(self, blocks):  # (a write error of room "c"'s chunk alone: its state slot is 3)
+        if any(slot == 3 for _, _, slot in blocks):
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return unpack_many(self, blocks)
+
+    monkeypatch.setattr(StatePacker, "unpack_many", failing)
+    q, expected, (dst_kv, dst_states), _, calls, aborted = _staged_poll(monkeypatch)
+    assert q.poll()
+    assert [(rid, code) for rid, code, _ in aborted] == [("rid-c", 500)]
+    assert "staged chunk [2, 4, True] could not be written here (RuntimeError: CUDA error" in aborted[0][2]
+    assert calls == [[1, 2, 3, 4], [1], [2], [3], [4]]  # the batch, then each alone
+    assert q.stats["failed_transfers"] == 1 and q.stats["transfers"] == 3 and q.stats["staged_chunks"] == 3
+    for room, (r, kv_rows, state_rows) in expected.items():
+        if room == "c":
+            assert r not in q.sched.running and r.output_ids == []
+            continue
+        assert r in q.sched.running and r.output_ids == [9]
+        assert all(torch.equal(d[r.kv_indices], s) for d, s in zip(dst_kv, kv_rows, strict=True))
+        assert all(torch.equal(d[r.mamba_pool_idx], s) for d, s in zip(dst_states, state_rows, strict=True))
+    assert not q.staged and q.staging.in_use() == 0  # (the failed request's range freed with it)
+    q, *_, aborted = _staged_poll(monkeypatch, tp_size=2)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        q.poll()
+    assert aborted == []

@@ -25,7 +25,8 @@ from sglang.srt.disaggregation.decode_answers import DecodeAnswers
 from sglang.srt.disaggregation.decode_pool import HybridMambaDecodeReqToTokenPool  # noqa: F401 (re-export)
 from sglang.srt.disaggregation.draft_state import draft_row_bytes
 from sglang.srt.disaggregation.pd_ranks import PdRanks, destination_ranks
-from sglang.srt.disaggregation.staging import StagedRange, StatePacker
+from sglang.srt.disaggregation.staging import StagedRange
+from sglang.srt.disaggregation.state_packer import StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout, clear_destination, open_transfer_engine
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import alloc_for_extend

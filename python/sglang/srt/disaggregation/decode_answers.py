@@ -1,6 +1,7 @@
 """The decode side's handling of its prefill servers' answers (`DecodeTransferQueue` in `decode.py`
 takes them in `poll`): a "done" checked whole and, accepted, its first token committed (with the MTP
-stash row under EAGLE / NEXTN: `draft_state.py`); a staged "chunk" unpacked from the request's staging
+stash row under EAGLE / NEXTN: `draft_state.py`; on the staged path once its last chunk is unpacked,
+those of all the answers a poll accepted together); a staged "chunk" unpacked from the request's staging
 range and acknowledged. A refusal fails its request alone."""
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ if TYPE_CHECKING:
     from sglang.srt.disaggregation.staging import StagedRange, Staging
     from sglang.srt.managers.schedule_batch import Req
 
-    Arrived = tuple[Req, dict[str, Any], Any]  # an accepted "done": its fields, its MTP stash row or None
+    # An accepted "done": its fields, its MTP stash row or None, and on the staged path its range's key,
+    # the range and the last chunk (unpacked with the poll's others: `_unpack_last_chunks`), else None.
+    Arrived = tuple[Req, dict[str, Any], Any, tuple[str, StagedRange, list] | None]
 
 
 class DecodeAnswers:
@@ -52,31 +55,53 @@ class DecodeAnswers:
             self.stats["failed_transfers"] += 1
             self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
             return
-        if key in self.staged:  # the last chunk, from the staging range into the pools, before any read
-            entry = self.staged[key]
-            error = self.staging.receive(entry, msg.get("chunk"))
-            if error is None and not entry.complete():
-                error = f"the staged transfer ended after {entry.received} positions (state: {entry.state})"
+        last = None
+        if key in self.staged:  # the last chunk, checked here, unpacked with the poll's others before any read
+            entry, chunk = self.staged[key], msg.get("chunk")
+            error = self.staging.refusal(entry, chunk)
+            if error is None and not chunk[2]:
+                error = f"the staged transfer ended after {chunk[1]} positions (state: False)"
             if error is not None:  # its range is freed with the request
                 self.stats["failed_transfers"] += 1
                 self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
                 return
-            del self.staged[key]
-            self.staging.free(entry.start)
-            self.stats["staged_chunks"] += 1
+            last = (key, entry, chunk)
         row = answered_stash_row(self.sched, msg)  # (EAGLE / NEXTN: what the first verify drafts from)
         if isinstance(row, str):
             self.stats["failed_transfers"] += 1
             self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {row}", 500)
             return
-        arrived.append((req, answer, row))
+        arrived.append((req, answer, row, last))
+
+    def _unpack_last_chunks(self, arrived: list[Arrived]) -> list[Arrived]:
+        """The staged last chunks of the answers this poll accepted, unpacked into the pools together: one
+        `Staging.receive_many` (on CUDA one copy-stream wait, not one per transfer). A chunk that cannot
+        be written fails its request alone (at one TP rank; under TP it raises: `Staging.receive_many`);
+        the others' ranges are freed. Returns the answers still accepted."""
+        staged = [(req, last) for req, _, _, last in arrived if last is not None]
+        if not staged:
+            return arrived
+        errors = self.staging.receive_many([(entry, chunk) for _, (_, entry, chunk) in staged])
+        failed = set()
+        for (req, (key, entry, _)), error in zip(staged, errors, strict=True):
+            if error is not None:  # its range is freed with the request
+                failed.add(key)
+                self.stats["failed_transfers"] += 1
+                self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
+                continue
+            del self.staged[key]
+            self.staging.free(entry.start)
+            self.stats["staged_chunks"] += 1
+        return [a for a in arrived if a[3] is None or a[3][0] not in failed]
 
     def _on_arrived(self, arrived: list[Arrived]) -> None:
-        """The requests whose answers this poll accepted: their MTP stash rows written in one
-        forward-stream call (EAGLE / NEXTN), then their first tokens committed."""
-        write_stash_rows(self.sched, [(req.req_pool_idx, row) for req, _, row in arrived if row is not None])
+        """The requests whose answers this poll accepted: their staged last chunks unpacked together, their
+        MTP stash rows written in one forward-stream call (EAGLE / NEXTN), then their first tokens
+        committed."""
+        arrived = self._unpack_last_chunks(arrived)
+        write_stash_rows(self.sched, [(req.req_pool_idx, row) for req, _, row, _ in arrived if row is not None])
         processor = self.sched.result_processor
-        for req, answer, _ in arrived:
+        for req, answer, _, _ in arrived:
             self.stats["transfers"] += 1
             for k in ("bytes", "kv_tokens", "seconds"):
                 self.stats[k] += answer[k]

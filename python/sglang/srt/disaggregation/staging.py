@@ -2,12 +2,9 @@
 
 Mooncake's `-non-cuda` build moves host memory only. With CUDA pools and such a build, a transfer goes
 prefill GPU -> pinned host staging buffer -> (transfer engine) -> decode host staging buffer -> decode
-GPU. A request is packed into one contiguous block: for every full-attention layer K then V of its
-tokens (token-major, in the order of the slot list), then for every linear layer its conv and SSM rows
-of one slot, the order of `PoolLayout`. Packing gathers on the device (one `index_select` per buffer,
-one `cat`) and copies the block to the host in ONE copy on a copy stream, then waits for that stream
-once: no host sync per layer. Unpacking copies the block to the device in one copy and scatters it
-(`index_copy_` per buffer) on the copy stream; the forward stream waits for its event before reading.
+GPU. A request is packed into one contiguous block, and unpacked from it, by `StatePacker`
+(`state_packer.py`: one copy and one copy-stream wait per block packed; one wait per batch of blocks
+unpacked).
 
 A request whose KV and state exceed a staging range moves in chunks (`chunk_plan`): the prefill server
 packs the next chunk's positions into its buffer (one copy), writes it to the decode server's range,
@@ -35,131 +32,11 @@ from typing import Any
 
 import torch
 
+from sglang.srt.disaggregation.state_packer import StatePacker
 from sglang.srt.environ import envs
-from sglang.srt.mem_cache.memory_pool import byte_rows
 from sglang.srt.server_args import ServerArgsError
 
 logger = logging.getLogger(__name__)
-
-
-class StatePacker:
-    """Packs and unpacks one request's rows of a server's pools (`kv`: K then V of each full-attention
-    layer, rows indexed by token slot; `states`: conv of each linear layer, then SSM of each, rows
-    indexed by mamba slot)."""
-
-    def __init__(self, kv: list[torch.Tensor], states: list[torch.Tensor], device: torch.device | str):
-        self.kv, self.states = kv, states
-        self.device = torch.device(device)
-        self.kv_row_bytes = [b[0].nbytes for b in kv]
-        self.state_bytes = [b[0].nbytes for b in states]
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-
-    @classmethod
-    def of(cls, token_to_kv_pool, mamba_pool, device: str) -> StatePacker:
-        states = [layer for buf in (mamba_pool.conv_state, mamba_pool.ssm_state) for layer in buf]
-        return cls(kv_buffers(token_to_kv_pool), states, device)
-
-    def clear(self, tokens: list[int], slot: int) -> None:
-        """Zero the rows of `tokens` and of `slot`: `clear_many` of one destination."""
-        self.clear_many([(tokens, slot)])
-
-    def clear_many(self, destinations: list[tuple[list[int], int]]) -> None:
-        """Zero the rows of each destination's tokens and slot (device memory: no host address to memset),
-        every destination in one op per buffer. Done when this returns (on CUDA: on the copy stream, waited
-        for ONCE, whatever the number of destinations), so that the transfers, which the caller asks for
-        next and which write straight into these rows, land after the zeros."""
-        try:
-            with _on(self.stream):
-                tokens = [t for dst_tokens, _ in destinations for t in dst_tokens]
-                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-                slots = torch.tensor([slot for _, slot in destinations], dtype=torch.int64, device=self.device)
-                for buf in self.kv:
-                    byte_rows(buf).index_fill_(0, idx, 0)
-                for buf in self.states:
-                    byte_rows(buf).index_fill_(0, slots, 0)
-        finally:
-            self._sync()
-
-    def _sync(self) -> None:
-        """Wait for the copy stream (CPU: nothing to wait for). `pack`, `unpack` and `clear_many` do so also
-        when they raise: what they queued before the error has landed before their caller frees (and
-        another request reuses) the rows or the host range."""
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def packed_bytes(self, num_tokens: int, state: bool = True) -> int:
-        return num_tokens * sum(self.kv_row_bytes) + (sum(self.state_bytes) if state else 0)
-
-    def pack(self, tokens: list[int], slot: int | None, out: torch.Tensor) -> int:
-        """Write the rows of `tokens` and of `slot` (None: no state) into the host uint8 tensor `out`;
-        returns the bytes written. Blocks until the bytes are on the host (one wait per chunk)."""
-        n = self.packed_bytes(len(tokens), slot is not None)
-        try:
-            with _on(self.stream):
-                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-                parts = [_bytes(byte_rows(b).index_select(0, idx)) for b in self.kv]
-                if slot is not None:
-                    parts += [_bytes(b[slot : slot + 1]) for b in self.states]
-                out[:n].copy_(torch.cat(parts) if parts else out[:0], non_blocking=self.stream is not None)
-        finally:
-            self._sync()
-        return n
-
-    def unpack(self, src: torch.Tensor, tokens: list[int], slot: int | None) -> None:
-        """Scatter a block `pack` wrote (host uint8 tensor) into the rows of `tokens` and `slot` (None: the
-        block has no state). On CUDA it waits for the copy stream once (the host range is free for the
-        next chunk after it)."""
-        n = self.packed_bytes(len(tokens), slot is not None)
-        try:
-            with _on(self.stream):
-                block = src[:n].to(self.device, non_blocking=self.stream is not None)
-                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-                at = 0
-                for buf, row in zip(self.kv, self.kv_row_bytes, strict=True):
-                    size = row * len(tokens)
-                    rows = _as(block[at : at + size], buf.dtype).view(len(tokens), *buf.shape[1:])
-                    byte_rows(buf).index_copy_(0, idx, byte_rows(rows))
-                    at += size
-                for buf, size in zip(self.states, self.state_bytes, strict=True):
-                    if slot is None:
-                        break
-                    buf[slot].copy_(_as(block[at : at + size], buf.dtype).view(buf.shape[1:]))
-                    at += size
-        finally:
-            self._sync()  # (the host range is reused by the next transfer once this returns)
-
-
-def kv_buffers(token_to_kv_pool) -> list[torch.Tensor]:
-    """A KV pool's buffers in the order both servers move them: K then V of each full-attention layer."""
-    return [b for pair in zip(token_to_kv_pool.k_buffer, token_to_kv_pool.v_buffer, strict=True) for b in pair]
-
-
-def _as(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A packed part's bytes as `dtype`. Parts follow each other unpadded, so one after a part of another
-    dtype may start off its element size (a bf16 conv state of odd size, then a float32 SSM state), where
-    a view is refused: such a part is copied to a fresh (aligned) tensor first."""
-    if part.storage_offset() % dtype.itemsize:
-        part = part.clone()
-    return part.view(dtype)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(-1)
-
-
-class _on:
-    """`torch.cuda.stream(s)`, or nothing for CPU tensors."""
-
-    def __init__(self, stream):
-        self.ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
 
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
@@ -441,13 +318,13 @@ class Staging:
         raise AssertionError("a chunk plan is never empty")
 
     def receive(self, entry: StagedRange, chunk: Any) -> str | None:
-        """Decode side: unpack a chunk the prefill server wrote into `entry`'s range (`chunk`: [start,
-        end, with state] from its message: the next positions in order, within the prompt and the range);
-        why it is refused, or None. A chunk the pools cannot take (the unpack raises) is refused at one TP
-        rank; under TP the error is raised (`fail_alone`): it may be this rank's alone (a CUDA out of memory
-        on one GPU), and failing the request here while the other ranks admit it would leave their
-        schedulers running different batches (collectives of other shapes: wrong tokens or a hang), so
-        this rank's loop ends, visibly, as every rank's did before the refusal was added."""
+        """Decode side: unpack a chunk the prefill server wrote into `entry`'s range; why it is refused, or
+        None (`receive_many` of one)."""
+        return self.receive_many([(entry, chunk)])[0]
+
+    def refusal(self, entry: StagedRange, chunk: Any) -> str | None:
+        """Why `chunk` ([start, end, with state] from its message) is not the next part of `entry`'s prompt
+        (positions in order, within the prompt and the range, the state once, last), or None."""
         tokens = entry.tokens()
         ok = isinstance(chunk, list) and len(chunk) == 3 and isinstance(chunk[2], bool)
         ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in chunk[:2])
@@ -456,16 +333,46 @@ class Staging:
             ok = a == entry.received and a <= b <= len(tokens) and (a < b or state) and not entry.state
             ok = ok and (not state or b == len(tokens))
             ok = ok and self.packer.packed_bytes(b - a, state) <= entry.length
-        if not ok:
-            return (f"a staged chunk {str(chunk)[:64]} that is not the next part of the prompt's "
-                    f"{len(tokens)} positions ({entry.received} received) within its {entry.length}-byte range")  # fmt: skip
-        req = entry.req
+        if ok:
+            return None
+        return (f"a staged chunk {str(chunk)[:64]} that is not the next part of the prompt's "
+                f"{len(tokens)} positions ({entry.received} received) within its {entry.length}-byte range")  # fmt: skip
+
+    def receive_many(self, chunks: list[tuple[StagedRange, Any]]) -> list[str | None]:
+        """Decode side: unpack chunks the prefill servers wrote into their requests' ranges, one per range,
+        in one `unpack_many` (one copy-stream wait); for each, why it is refused (`refusal`), or None. A
+        chunk the pools cannot take (the unpack raises) is refused at one TP rank (after a batch that
+        raised, each of its chunks is unpacked again alone: only those that raise then are refused); under
+        TP the error is raised (`fail_alone`): it may be this rank's alone (a CUDA out of memory on one
+        GPU), and failing the request here while the other ranks admit it would leave their schedulers
+        running different batches (collectives of other shapes: wrong tokens or a hang), so this rank's
+        loop ends, visibly, as every rank's did before the refusal was added."""
+        errors = [self.refusal(entry, chunk) for entry, chunk in chunks]
+        todo = [i for i, error in enumerate(errors) if error is None]
+        blocks = [(self.buffer[chunks[i][0].start :], chunks[i][0].tokens()[chunks[i][1][0] : chunks[i][1][1]],
+                   chunks[i][0].req.mamba_pool_idx if chunks[i][1][2] else None) for i in todo]  # fmt: skip
         try:  # a chunk that cannot be written fails its own request, never the decode server's loop
-            self.packer.unpack(self.buffer[entry.start :], tokens[a:b], req.mamba_pool_idx if state else None)
+            self.packer.unpack_many(blocks)
         except Exception as e:  # noqa: BLE001 - logged whole: it is a defect here, not the peer's
             if not self.fail_alone:
                 raise
-            logger.exception("Unpacking staged chunk %s of request %s failed.", chunk, req.rid)
-            return f"its staged chunk {chunk} could not be written here ({type(e).__name__}: {str(e)[:200]})"
-        entry.received, entry.state = b, state
-        return None
+            for i, block in zip(todo, blocks, strict=True):
+                failed = e if len(todo) == 1 else _raised(self.packer.unpack_many, [block])
+                if failed is not None:
+                    (entry, chunk), name = chunks[i], type(failed).__name__
+                    logger.error("Unpacking staged chunk %s of request %s failed.", chunk, entry.req.rid,
+                                 exc_info=failed)  # fmt: skip
+                    errors[i] = f"its staged chunk {chunk} could not be written here ({name}: {str(failed)[:200]})"
+        for (entry, chunk), error in zip(chunks, errors, strict=True):
+            if error is None:
+                entry.received, entry.state = chunk[1], chunk[2]
+        return errors
+
+
+def _raised(fn: Callable, *args) -> Exception | None:
+    """The exception `fn(*args)` raised, or None."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the caller reports it
+        return e
+    return None

@@ -23,7 +23,8 @@ import os
 from dataclasses import asdict, dataclass
 
 from sglang.srt.disaggregation.channel import reachable_host
-from sglang.srt.disaggregation.staging import Staging, StatePacker, kv_buffers, staging_sizes, transfer_path
+from sglang.srt.disaggregation.staging import Staging, staging_sizes, transfer_path
+from sglang.srt.disaggregation.state_packer import StatePacker, kv_buffers
 from sglang.srt.server_args import ServerArgsError
 from sglang.srt.speculative.draft_layers import draft_kv_layer_ids
 

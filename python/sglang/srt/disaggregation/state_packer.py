@@ -1,0 +1,152 @@
+"""`StatePacker`: one request's rows of a server's pools (KV and mamba state) as one contiguous block of
+bytes, and back: the packing of the staged PD path (`staging.py`), and the direct path's zeroing of
+reserved rows on device pools.
+
+A block holds, for every full-attention layer, K then V of the request's tokens (token-major, in the
+order of the slot list), then for every linear layer its conv and SSM rows of one slot: the order of
+`PoolLayout`. Packing gathers on the device (one `index_select` per buffer, one `cat`) and copies the
+block to the host in ONE copy on a copy stream, then waits for that stream once: no host sync per layer.
+Unpacking copies each block to the device in one copy and scatters the blocks (one `index_copy_` per
+buffer over all of them) on the copy stream, then waits for it once, however many blocks. Rows move as
+bytes (`byte_rows`: float8 KV too). The same code runs on CPU tensors (no stream)."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang.srt.mem_cache.memory_pool import byte_rows
+
+
+class StatePacker:
+    """Packs and unpacks one request's rows of a server's pools (`kv`: K then V of each full-attention
+    layer, rows indexed by token slot; `states`: conv of each linear layer, then SSM of each, rows
+    indexed by mamba slot)."""
+
+    def __init__(self, kv: list[torch.Tensor], states: list[torch.Tensor], device: torch.device | str):
+        self.kv, self.states = kv, states
+        self.device = torch.device(device)
+        self.kv_row_bytes = [b[0].nbytes for b in kv]
+        self.state_bytes = [b[0].nbytes for b in states]
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @classmethod
+    def of(cls, token_to_kv_pool, mamba_pool, device: str) -> StatePacker:
+        states = [layer for buf in (mamba_pool.conv_state, mamba_pool.ssm_state) for layer in buf]
+        return cls(kv_buffers(token_to_kv_pool), states, device)
+
+    def clear(self, tokens: list[int], slot: int) -> None:
+        """Zero the rows of `tokens` and of `slot`: `clear_many` of one destination."""
+        self.clear_many([(tokens, slot)])
+
+    def clear_many(self, destinations: list[tuple[list[int], int]]) -> None:
+        """Zero the rows of each destination's tokens and slot (device memory: no host address to memset),
+        every destination in one op per buffer. Done when this returns (on CUDA: on the copy stream, waited
+        for ONCE, whatever the number of destinations), so that the transfers, which the caller asks for
+        next and which write straight into these rows, land after the zeros."""
+        try:
+            with _on(self.stream):
+                tokens = [t for dst_tokens, _ in destinations for t in dst_tokens]
+                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                slots = torch.tensor([slot for _, slot in destinations], dtype=torch.int64, device=self.device)
+                for buf in self.kv:
+                    byte_rows(buf).index_fill_(0, idx, 0)
+                for buf in self.states:
+                    byte_rows(buf).index_fill_(0, slots, 0)
+        finally:
+            self._sync()
+
+    def _sync(self) -> None:
+        """Wait for the copy stream (CPU: nothing to wait for). `pack`, `unpack` and `clear_many` do so also
+        when they raise: what they queued before the error has landed before their caller frees (and
+        another request reuses) the rows or the host range."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def packed_bytes(self, num_tokens: int, state: bool = True) -> int:
+        return num_tokens * sum(self.kv_row_bytes) + (sum(self.state_bytes) if state else 0)
+
+    def pack(self, tokens: list[int], slot: int | None, out: torch.Tensor) -> int:
+        """Write the rows of `tokens` and of `slot` (None: no state) into the host uint8 tensor `out`;
+        returns the bytes written. Blocks until the bytes are on the host (one wait per chunk)."""
+        n = self.packed_bytes(len(tokens), slot is not None)
+        try:
+            with _on(self.stream):
+                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                parts = [_bytes(byte_rows(b).index_select(0, idx)) for b in self.kv]
+                if slot is not None:
+                    parts += [_bytes(b[slot : slot + 1]) for b in self.states]
+                out[:n].copy_(torch.cat(parts) if parts else out[:0], non_blocking=self.stream is not None)
+        finally:
+            self._sync()
+        return n
+
+    def unpack(self, src: torch.Tensor, tokens: list[int], slot: int | None) -> None:
+        """Scatter a block `pack` wrote (host uint8 tensor) into the rows of `tokens` and `slot` (None: the
+        block has no state): `unpack_many` of one block."""
+        self.unpack_many([(src, tokens, slot)])
+
+    def unpack_many(self, blocks: list[tuple[torch.Tensor, list[int], int | None]]) -> None:
+        """Scatter blocks `pack` wrote (host uint8 tensors, each with its rows: `tokens` and `slot` as in
+        `unpack`) into the pools: each block copied to the device in one copy, then one `index_copy_` per
+        buffer over every block's rows. On CUDA it waits for the copy stream ONCE, whatever the number of
+        blocks (their host ranges are free for the next chunks after it)."""
+        if not blocks:
+            return
+        try:
+            with _on(self.stream):
+                moved = [(src[: self.packed_bytes(len(tokens), slot is not None)]
+                          .to(self.device, non_blocking=self.stream is not None), tokens, slot)
+                         for src, tokens, slot in blocks]  # fmt: skip
+                idx = torch.tensor([t for _, ts, _ in moved for t in ts], dtype=torch.int64, device=self.device)
+                at = [0] * len(moved)  # each block's bytes read so far (its parts in `PoolLayout` order)
+
+                def take(which: list[int], sizes: list[int]) -> torch.Tensor:
+                    out = [moved[i][0][at[i] : at[i] + n] for i, n in zip(which, sizes, strict=True)]
+                    for i, n in zip(which, sizes, strict=True):
+                        at[i] += n
+                    return out[0] if len(out) == 1 else torch.cat(out)  # (one block: no copy)
+
+                every, stated = list(range(len(moved))), [i for i, b in enumerate(moved) if b[2] is not None]
+                for buf, row in zip(self.kv, self.kv_row_bytes, strict=True):
+                    rows = _as(take(every, [row * len(ts) for _, ts, _ in moved]), buf.dtype)
+                    byte_rows(buf).index_copy_(0, idx, byte_rows(rows.view(len(idx), *buf.shape[1:])))
+                slots = torch.tensor([moved[i][2] for i in stated], dtype=torch.int64, device=self.device)
+                for buf, size in zip(self.states, self.state_bytes, strict=True):
+                    if stated:
+                        rows = _as(take(stated, [size] * len(stated)), buf.dtype)
+                        byte_rows(buf).index_copy_(0, slots, byte_rows(rows.view(len(stated), *buf.shape[1:])))
+        finally:
+            self._sync()  # (the host ranges are reused by the next transfers once this returns)
+
+
+def kv_buffers(token_to_kv_pool) -> list[torch.Tensor]:
+    """A KV pool's buffers in the order both servers move them: K then V of each full-attention layer."""
+    return [b for pair in zip(token_to_kv_pool.k_buffer, token_to_kv_pool.v_buffer, strict=True) for b in pair]
+
+
+def _as(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A packed part's bytes as `dtype`. Parts follow each other unpadded, so one after a part of another
+    dtype may start off its element size (a bf16 conv state of odd size, then a float32 SSM state), where
+    a view is refused: such a part is copied to a fresh (aligned) tensor first."""
+    if part.storage_offset() % dtype.itemsize:
+        part = part.clone()
+    return part.view(dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+class _on:
+    """`torch.cuda.stream(s)`, or nothing for CPU tensors."""
+
+    def __init__(self, stream):
+        self.ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
