@@ -85,7 +85,7 @@ def output_check_agreement(rank: int, world_size: int, init_method: str, costs: 
         work = fc._Work(0.05, "ebnf")
         start = time.perf_counter()
         for _ in range(200):
-            c._agree(work)
+            c._agree([work])
         out["agree_s"] = (time.perf_counter() - start) / 200
         return out
     finally:

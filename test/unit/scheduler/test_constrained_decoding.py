@@ -200,6 +200,10 @@ def test_ngram_verifies_beside_a_grammar_request(oracles):
         outs.append([h.outputs[r].output_ids for r in rids])
     assert outs[0] == outs[1]
     assert spec.sched.spec.stats["verify_steps"] - verifies[0] >= 3, "the pair verified together"
+    # The grammar request's checks (one token per verify or decode step) were each measured with their
+    # batch's (`FinishChecker.precheck`: under TP one agreement per batch), none alone.
+    for h in (spec, plain):
+        assert h.sched.finisher.alone == 0 and h.sched.finisher.agreements > 0
     compiled = oracle_compiler(spec).compile_regex(letters)
     check_grammar_oracle(oracles[QWEN], compiled, token_ids(20, seed=9), spec.outputs[rids[1]])
     # The rule itself: a request whose history drafts gets none while it has a grammar.

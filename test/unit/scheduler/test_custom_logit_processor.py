@@ -118,6 +118,9 @@ def test_a_failing_processor_ends_its_requests_with_a_400_only(oracles):
     for out in (bad_pickle, bad_json, abstract, needs_args):
         reason = out.finished_reason
         assert (reason["param"], reason["status_code"]) == ("custom_logit_processor", 400)
+    # Every check of a request with a processor was measured with its batch's (under TP: the batch's one
+    # agreement on which processors failed, on any rank), none alone.
+    assert h.sched.finisher.alone == 0 and h.sched.finisher.agreements > 0
     h.sched.check_integrity()
     h.flush_and_check_empty()
     h.shutdown()

@@ -47,18 +47,25 @@ def spaces_token(h: SchedulerHarness) -> int:
 
 
 class CheckTimer:
-    """The scheduler's wall time in output checks (finish checks, and mask builds with their fills), per
-    step: what every running request waits for besides the forward."""
+    """The scheduler's wall time in output checks (finish checks with the batch's measure of them before,
+    and mask builds with their fills), per step: what every running request waits for besides the
+    forward."""
 
     def __init__(self, h: SchedulerHarness, monkeypatch):
         from sglang.srt.constrained.vocab_mask import VocabMaskInfo
 
         self.spent = 0.0
-        check, build = h.sched.finisher.check_finished, VocabMaskInfo.build.__func__
+        finisher = h.sched.finisher
+        check, precheck, build = finisher.check_finished, finisher.precheck, VocabMaskInfo.build.__func__
 
         def timed_check(req):
             start = time.perf_counter()
             check(req)
+            self.spent += time.perf_counter() - start
+
+        def timed_precheck(rows):
+            start = time.perf_counter()
+            precheck(rows)
             self.spent += time.perf_counter() - start
 
         def timed_build(cls, *args):
@@ -68,7 +75,7 @@ class CheckTimer:
             finally:
                 self.spent += time.perf_counter() - start
 
-        h.sched.finisher.check_finished = timed_check
+        finisher.check_finished, finisher.precheck = timed_check, timed_precheck
         monkeypatch.setattr(VocabMaskInfo, "build", classmethod(timed_build))
 
 

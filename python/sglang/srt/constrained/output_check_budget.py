@@ -6,7 +6,11 @@ waits for. The rule, all of it here:
 - One request's checks for one token (its mask fill, its accept, its stop_regex search) may take at most
   its *allowance*: SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, and no more than what the step's budget
   (SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP) leaves beside the other requests' latest costs, though always
-  a fair share of it (the step's budget over the requests with checks).
+  a fair share of it (the step's budget over the requests with checks). A batch's checks are measured
+  together before any of them is charged (`FinishChecker.precheck`: under tensor parallelism the ranks
+  agree on a batch's costs at once): a request's allowance is then the one it had when it was measured,
+  with the costs the batch's rows measured before it counted as charged (`PendingCharges`; the ranks
+  take the smallest of their allowances), but not the requests those charges will end.
 - The *load* is the sum of every live request's latest per-token cost: what one step of them all
   costs (a step gives each running request one token; NGRAM's verify up to its draft width). When a
   request's cost takes the load over the step's budget, the costliest requests are ended until it
@@ -64,12 +68,21 @@ class OutputCheckBudget:
     def load(self) -> float:
         return self._load
 
-    def allowance(self, req: Req) -> float:
-        """What `req`'s checks for its next token may take."""
+    def allowance(self, req: Req, pending: PendingCharges | None = None) -> float:
+        """What `req`'s checks for its next token may take (`pending`: the costs a batch measured before
+        it, not charged yet, counted as charged)."""
         n = len(self._cost) + (req not in self._cost)
-        others = self._load - self._cost.get(req, (0.0, ""))[0]
+        load = self._load
+        if pending is not None:
+            n += pending.added
+            load += pending.delta
+        others = load - self._cost.get(req, (0.0, ""))[0]
         step = self.per_step_s
         return min(self.per_request_s, max(step - others, step / n))
+
+    def is_ended(self, req: Req) -> bool:
+        """Whether `req` was ended for the load (`ended`, without forgetting it)."""
+        return req in self._ended
 
     def ended(self, req: Req) -> str | None:
         """Why `req` was ended for the load (it is forgotten), or None."""
@@ -134,6 +147,21 @@ class OutputCheckBudget:
             f"{allowance * 1e3:.0f} ms a request may take (SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, within "
             f"SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP for all requests); use a simpler {_what(field)}."
         )
+
+
+class PendingCharges:
+    """The costs of a batch's checks measured so far, each to be charged once the batch is decided
+    (`FinishChecker.precheck`): what they add to the load, and the requests new to it."""
+
+    def __init__(self, budget: OutputCheckBudget):
+        self.budget = budget
+        self.delta = 0.0
+        self.added = 0
+
+    def add(self, req: Req, cost: float) -> None:
+        old = self.budget._cost.get(req)
+        self.delta += cost - (0.0 if old is None else old[0])
+        self.added += old is None
 
 
 def _what(field: str) -> str:

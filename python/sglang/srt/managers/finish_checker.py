@@ -7,20 +7,34 @@ What a request's grammar (its accepts and mask fills since the last check) and i
 the scheduler thread is charged here, once per check, to the output checks' budget
 (`constrained/output_check_budget.py`), which ends a request over it with a 400 naming the field.
 
-Under tensor parallelism every rank must end a request at the same token (`tp_broadcast.py`), but those
-costs are each rank's own wall time: before the budget reads them, the ranks agree on them (`group`: one
-all-reduce of three numbers per such check, MAX over the ranks of the grammar's and the search's seconds
-and of whether, and at which pattern, a rank's search was cut), so that the budget's state evolves alike."""
+A check of a request whose finish depends on facts of this rank alone (a grammar's and a stop_regex
+search's wall time, whether the search was cut for time, whether its custom logit processor failed here)
+has two phases: *measure* (the processor's failure, the grammar fed the token, the rules' finish with the
+stop_regex search) and *decide* (the budget's decisions on the measured numbers, the context length).
+Under tensor parallelism every rank must end a request at the same token (`tp_broadcast.py`), so between
+the two the ranks agree on those numbers (`group`: MAX over the ranks of the grammar's and the search's
+seconds, of whether, and at which pattern, a search was cut, and of whether the processor failed; where
+it failed on any rank, every rank ends the request with the first failing rank's message; the smallest
+of the ranks' allowances). A batch's results are measured together first (`precheck`: one all-reduce
+of a (rows, 5) tensor for the whole batch, none on one rank), and each row's `check_finished` decides
+on its stored measurement; a check that was not prechecked (a verify's tokens after each request's
+first, a PD decode server's first token) measures and agrees alone. A prechecked row's allowance is
+the one its request had when it was measured, the batch's rows measured before it counted as charged
+(`PendingCharges`), the smallest of the ranks' (`output_check_budget.py`)."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
 from sglang.srt.constrained.grammar_spec import grammar_key
-from sglang.srt.constrained.output_check_budget import OutputCheckBudget, clock
+from sglang.srt.constrained.output_check_budget import OutputCheckBudget, PendingCharges, clock
 from sglang.srt.constrained.stop_regex import compiled
 from sglang.srt.constrained.xgrammar_backend import GrammarRejectedToken
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
@@ -44,16 +58,32 @@ class StopRegexTimeout(Exception):
 
 
 class _Work:
-    """One check's output rules: the time it may take and what they took."""
+    """One check's measured facts (`FinishChecker._measure`): the time its output rules may take and what
+    they took, the rules' finish, and a finish the measure alone decided."""
 
-    __slots__ = ("allowance", "grammar_s", "regex_s", "field", "over", "cut")
+    __slots__ = (
+        "allowance",
+        "grammar_s",
+        "regex_s",
+        "field",
+        "over",
+        "cut",
+        "length",
+        "error",
+        "done",
+        "reason",
+    )
 
-    def __init__(self, allowance: float, field: str):
+    def __init__(self, allowance: float, field: str, length: int = 0):
         self.allowance = allowance
         self.grammar_s = self.regex_s = 0.0
-        self.field = field  # the grammar's field, or stop_regex once it costs more
+        self.field = field  # the grammar's field, or stop_regex once it costs more ("": not budgeted)
         self.over = False  # went over the allowance (`OutputCheckBudget.over_allowance`)
         self.cut: int | None = None  # the stop_regex pattern at which the search ran out of time
+        self.length = length  # the output length it was measured at (what it is valid for)
+        self.error: str | None = None  # the custom logit processor's failure (agreed: any rank's)
+        self.done: dict[str, Any] | None = None  # the grammar refused the token: the finish
+        self.reason: dict[str, Any] | None = None  # the rules' finish but the context length
 
 
 class FinishChecker:
@@ -63,8 +93,14 @@ class FinishChecker:
         self.tokenizer = tokenizer
         self.budget = OutputCheckBudget()
         # Tensor parallelism: the gloo group (the scheduler thread's own) over which the ranks agree on
-        # the budget's costs (`_agree`); None on one rank.
+        # the measured checks (`_agree`); None on one rank.
         self.group: Any = None
+        # The batch's measured checks (`precheck`), by request, until its `check_finished` takes them;
+        # `clear_prechecks` empties it once the batch is processed.
+        self._measured: dict[Req, _Work] = {}
+        # Measurements agreed (`_agree` calls, with or without a group) and how many of them were a
+        # check's own (not a batch's `precheck`): what the tests count.
+        self.agreements = self.alone = 0
 
     @classmethod
     def from_server_args(cls, server_args: ServerArgs) -> FinishChecker:
@@ -85,22 +121,85 @@ class FinishChecker:
                 eos.add(tokenizer.eos_token_id)
         return cls(eos, cfg.context_len, tokenizer)
 
+    @staticmethod
+    def measured(req: Req) -> bool:
+        """Whether `req`'s check depends on facts of this rank alone (measured, then agreed)."""
+        return (
+            req.grammar is not None
+            or bool(req.sampling_params.stop_regex)
+            or req.custom_logit_processor is not None
+            or req.custom_logit_error is not None
+        )
+
+    def precheck(self, rows: Iterable[tuple[Req, int | None]]) -> None:
+        """Measure the checks of a batch's rows before their tokens are committed (`token`: the token
+        `req` is about to commit, or None for a check of its output as it is), then agree on them all
+        at once: each row's `check_finished`, with that token committed, decides on it. Rows that are
+        finished, that need no measure (`measured`), or that the budget ended already (their check ends
+        them on that) are left out, alike on every rank."""
+        # (`measured`, inline: this runs over every row of every decode step that has no token log)
+        rows = [
+            (r, t)
+            for r, t in rows
+            if r.finished_reason is None
+            and (
+                r.grammar is not None
+                or r.sampling_params.stop_regex
+                or r.custom_logit_processor is not None
+                or r.custom_logit_error is not None
+            )
+        ]
+        if not rows:
+            return
+        works: list[_Work] = []
+        pending = PendingCharges(self.budget)
+        for req, token in rows:
+            if self.budget.is_ended(req):
+                continue
+            out = req.output_ids
+            if token is None:
+                work = self._measure(req, pending)
+            else:
+                out.append(token)
+                try:
+                    work = self._measure(req, pending)
+                finally:
+                    out.pop()
+            if work.field:  # (a check the budget charges)
+                pending.add(req, work.grammar_s + work.regex_s)
+            self._measured[req] = work
+            works.append(work)
+        if works:
+            self._agree(works)
+
+    def clear_prechecks(self) -> None:
+        """The batch is processed: measurements no check took (its requests ended meanwhile) go."""
+        self._measured.clear()
+
     def check_finished(self, req: Req) -> None:
         """Set `req.finished_reason` if its newest output token ends it."""
         if req.finish_token_ids is None:
             self.set_quick_check(req)
-        if req.grammar is None and not req.sampling_params.stop_regex:
-            self._check(req, None)
+        if not self.measured(req):
+            reason = self._rule_finish(req, None)
+            req.finished_reason = self._context_finish(req, reason)
             return
         budget = self.budget
-        why = budget.ended(req)
-        if why is not None:
-            req.finished_reason = _bad_request(budget.over_load_message(why), why)
+        budgeted = req.grammar is not None or bool(req.sampling_params.stop_regex)
+        if budgeted:
+            why = budget.ended(req)
+            if why is not None:
+                self._measured.pop(req, None)
+                req.finished_reason = _bad_request(budget.over_load_message(why), why)
+                return
+        work = self._measured.pop(req, None)
+        if work is None or work.length != len(req.output_ids):
+            work = self._measure(req)
+            self.alone += 1
+            self._agree([work])
+        self._decide(req, work, budgeted)
+        if not budgeted:
             return
-        key = grammar_key(req.sampling_params)
-        field = "stop_regex" if req.grammar is None else key[0] if key is not None else "grammar"
-        work = _Work(budget.allowance(req), field)
-        self._check(req, work)
         if req.finished_reason is not None:
             budget.forget(req)
             return
@@ -109,10 +208,20 @@ class FinishChecker:
         if why is not None:
             req.finished_reason = _bad_request(budget.over_load_message(why), why)
 
-    def _check(self, req: Req, work: _Work | None) -> None:
-        if req.custom_logit_error is not None:
-            req.finished_reason = _bad_request(req.custom_logit_error, "custom_logit_processor")
-            return
+    def _measure(self, req: Req, pending: PendingCharges | None = None) -> _Work:
+        """What this rank alone knows of `req`'s check of its newest token: the processor's failure, the
+        grammar fed the token (its refusal, its seconds), the rules' finish (the stop_regex search, cut
+        for time: `work.cut`)."""
+        sp = req.sampling_params
+        if req.grammar is not None or sp.stop_regex:
+            key = grammar_key(sp)
+            field = "stop_regex" if req.grammar is None else key[0] if key is not None else "grammar"
+            work = _Work(self.budget.allowance(req, pending), field, len(req.output_ids))
+        else:
+            work = _Work(math.inf, "", len(req.output_ids))
+        work.error = req.custom_logit_error
+        if work.error is not None:
+            return work  # (the check ends the request on it: nothing else is measured)
         grammar = req.grammar
         if grammar is not None:
             try:
@@ -125,15 +234,24 @@ class FinishChecker:
                         " The prefill server sampled it: start both servers of the pair with the same "
                         "--grammar-backend and --constrained-json-disable-any-whitespace."
                     )
-                req.finished_reason = {"type": "abort", "status_code": 500, "message": message}
-                return
+                work.done = {"type": "abort", "status_code": 500, "message": message}
+                return work
             work.grammar_s = grammar.take_spent()
-        reason = self._rule_finish(req, work)
-        if work is not None:
-            # The budget's decisions, on costs every rank agrees on (first the grammar's, whose overrun
-            # comes before any other finish).
-            if self.group is not None:
-                self._agree(work)
+        work.reason = self._rule_finish(req, work)
+        return work
+
+    def _decide(self, req: Req, work: _Work, budgeted: bool) -> None:
+        """`req`'s finish from its agreed measure: a processor's failure first, then the grammar's
+        refusal, then the budget's decisions (the grammar's overrun before any other finish, then a cut
+        search), then the rules' finish and the context length."""
+        if work.error is not None:
+            req.finished_reason = _bad_request(work.error, "custom_logit_processor")
+            return
+        if work.done is not None:
+            req.finished_reason = work.done
+            return
+        reason = work.reason
+        if budgeted:
             if work.grammar_s > work.allowance:
                 work.over = True
                 if self.budget.over_allowance(req, work.grammar_s, work.allowance):
@@ -158,10 +276,13 @@ class FinishChecker:
                     req.finished_reason = _bad_request(message, "stop_regex")
                     return
                 reason = None  # (searched again, over the same tail and more, at the next token)
+        req.finished_reason = self._context_finish(req, reason)
+
+    def _context_finish(self, req: Req, reason: dict[str, Any] | None) -> dict[str, Any] | None:
         n = len(req.output_ids)
         if reason is None and len(req.origin_input_ids) + n >= self.context_len:  # req.seqlen
-            reason = {"type": "length", "length": n}
-        req.finished_reason = reason
+            return {"type": "length", "length": n}
+        return reason
 
     def _rule_finish(self, req: Req, work: _Work | None) -> dict[str, Any] | None:
         """The finish the request's rules give its newest token but the context length: its length
@@ -188,17 +309,34 @@ class FinishChecker:
                     return {"type": "stop", "matched": matched}
         return None
 
-    def _agree(self, work: _Work) -> None:
-        """Every rank takes the greatest of the ranks' costs, and the search as cut (at the first pattern
-        cut) where any rank's was: one all-reduce on the scheduler thread's gloo group."""
-        import torch
-        import torch.distributed as dist
-
-        cut = -math.inf if work.cut is None else -float(work.cut)
-        values = torch.tensor([work.grammar_s, work.regex_s, cut], dtype=torch.float64)
+    def _agree(self, works: list[_Work]) -> None:
+        """Every rank takes, per measured check, the smallest of the ranks' allowances, the greatest of
+        their costs, the search as cut (at the first pattern cut) where any rank's was, and the processor
+        as failed where any rank's did: one all-reduce MAX of a (checks, 5) tensor on the scheduler
+        thread's gloo group, and, only where a processor failed, one gather of the failures' messages
+        (every rank takes the first failing rank's). Nothing to do on one rank."""
+        self.agreements += 1
+        if self.group is None:
+            return
+        values = torch.tensor(
+            [(-w.allowance, w.grammar_s, w.regex_s, _negated(w.cut), w.error is not None) for w in works],
+            dtype=torch.float64,
+        )
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
-        work.grammar_s, work.regex_s, cut = map(float, values.numpy())  # (a host tensor: no device sync)
-        work.cut = None if cut == -math.inf else int(-cut)
+        failed = []
+        # (a host tensor, read through numpy: no device sync)
+        for i, (work, row) in enumerate(zip(works, values.numpy(), strict=True)):
+            allowance, grammar_s, regex_s, cut, error = map(float, row)
+            work.allowance, work.grammar_s, work.regex_s = -allowance, grammar_s, regex_s
+            work.cut = None if cut == -math.inf else int(-cut)
+            if error > 0:
+                failed.append(i)
+        if failed:
+            mine = {i: works[i].error for i in failed if works[i].error is not None}
+            everyone: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(everyone, mine, group=self.group)
+            for i in failed:
+                works[i].error = next(m[i] for m in everyone if i in m)
 
     def set_quick_check(self, req: Req) -> None:
         """What a decode step's result loop tests before calling `check_finished` (one length compare
@@ -255,6 +393,11 @@ def _first_match(patterns: list[str], text: str, limit: float) -> str | None:
         except TimeoutError:
             raise StopRegexTimeout(pattern, limit, index) from None
     return None
+
+
+def _negated(cut: int | None) -> float:
+    """A cut pattern's index for the MAX all-reduce: the first pattern cut on any rank wins."""
+    return -math.inf if cut is None else -float(cut)
 
 
 def _bad_request(message: str, param: str) -> dict[str, Any]:

@@ -336,6 +336,8 @@ class NgramWorker:
         rp.token_log.clear()
         spec: NgramVerifyInput = batch.spec_info
         sampled_all, hidden = result.next_token_ids, result.hidden_states
+        firsts = itertools.accumulate(spec.widths, initial=0)  # (its first token: checked with the others')
+        rp.finisher.precheck((r, sampled_all[at]) for r, at in zip(batch.reqs, firsts, strict=False))
         touched: list[Req] = []
         copies: list[tuple[int, int]] = []  # (verify row, slot): the states the commit keeps
         settled: list[tuple[Req, tuple[int, int] | None]] = []  # to release or commit a snapshot for

@@ -78,12 +78,17 @@ class BatchResultProcessor:
         self.process_verify: Callable[[ScheduleBatch, HostBatchResult], None] | None = None
 
     def process_batch_result(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
-        if batch.forward_mode.is_target_verify():
-            self.process_verify(batch, result)
-        elif batch.forward_mode.is_decode():
-            self.process_batch_result_decode(batch, result)
-        else:
-            self.process_batch_result_prefill(batch, result)
+        """Each kind of batch measures its rows' output checks at once before it commits them
+        (`FinishChecker.precheck`: under TP one agreement of the ranks per batch)."""
+        try:
+            if batch.forward_mode.is_target_verify():
+                self.process_verify(batch, result)
+            elif batch.forward_mode.is_decode():
+                self.process_batch_result_decode(batch, result)
+            else:
+                self.process_batch_result_prefill(batch, result)
+        finally:
+            self.finisher.clear_prechecks()
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: HostBatchResult) -> None:
         # This runs for every request of every batch: the batch's lists and the checks that do not
@@ -94,6 +99,13 @@ class BatchResultProcessor:
         handoff, next_ids = self.prefill_handoff, result.next_token_ids
         touched: list[Req] = []
         generated = 0
+        # The rows checked below (a PD hand-off's first token is the decode server's to check).
+        self.finisher.precheck(
+            (req, next_ids[i] if sample_rows[i] else None)
+            for i, req in enumerate(batch.reqs)
+            if (sample_rows[i] or completes_prefill[i])
+            and not (completes_prefill[i] and req.bootstrap is not None and handoff is not None)
+        )
         for i, req in enumerate(batch.reqs):
             sampled = sample_rows[i]
             if req.finished_reason is not None:
@@ -140,6 +152,7 @@ class BatchResultProcessor:
             self.counters["num_generation_tokens_total"] += len(batch.reqs)
             return
         commit_logged(log)  # the loops below read the lists themselves
+        self.finisher.precheck(zip(batch.reqs, result.next_token_ids, strict=True))
         if short:
             self._commit_decode_tokens(batch, result)
             return

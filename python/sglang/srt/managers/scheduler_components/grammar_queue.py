@@ -9,6 +9,11 @@ SGLANG_GRAMMAR_TIMEOUT, ends its request with a 400 naming the field (a compile 
 gives its place in the backend's pool up, `constrained/compile_pool.py`). Without a backend
 (`--grammar-backend none`, or xgrammar not installed) such a request ends with a 400 at once.
 
+Under tensor parallelism rank 0 decides which requests leave the queue (`settled`, in its tick) and every
+rank applies that (`apply`); a compile's outcome is each rank's own, so the ranks agree on which of them
+failed (`group`: one gather per tick that has decisions), and a request whose compile failed on any rank
+ends on every rank, with the first failing rank's message.
+
 `held` counts the scheduler's requests that hold a matcher (past the queue): while there is one, the
 overlap schedule processes every batch in flight before it builds the next (a mask needs the tokens
 the last batch sampled), see `Scheduler.step`; a grammar still compiling costs the others no overlap.
@@ -19,7 +24,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
 
 from sglang.srt.constrained.grammar_spec import error_text, grammar_key
 from sglang.srt.environ import envs
@@ -43,6 +50,9 @@ class GrammarQueue:
         self.on_error = on_error  # (request, message, field): ends it with a 400
         self.queue: list[tuple[Req, Future, float]] = []  # (request, compile, when it was queued)
         self.held = 0  # requests holding a matcher
+        # Tensor parallelism: the scheduler's gloo group, over which the ranks agree on the compiles that
+        # failed (`apply`); None on one rank.
+        self.group: Any = None
 
     @property
     def live(self) -> int:
@@ -90,6 +100,7 @@ class GrammarQueue:
         # Off the queue before the callbacks: ending a request discards it (`discard`), and must not
         # find it here.
         self.queue = [e for e in self.queue if e[0].rid not in timed_out]
+        failed = self._failed([(req.rid, fut) for req, fut, _ in out if not timed_out[req.rid]])
         for req, fut, _ in out:
             kind = grammar_key(req.sampling_params)[0]
             if timed_out[req.rid]:
@@ -97,13 +108,27 @@ class GrammarQueue:
                 timeout = envs.SGLANG_GRAMMAR_TIMEOUT.get()
                 message = f"{kind} took more than SGLANG_GRAMMAR_TIMEOUT ({timeout:g} s) to compile."
                 self.on_error(req, message, kind)
-            elif fut.exception() is not None:
-                self.on_error(req, f"{kind} could not be compiled: {error_text(fut.exception())}.", kind)
+            elif req.rid in failed:
+                self.on_error(req, f"{kind} could not be compiled: {failed[req.rid]}.", kind)
             else:
                 req.grammar = self.backend.matcher(fut.result())
                 self.held += 1
                 self.on_ready(req)
         return True
+
+    def _failed(self, compiles: list[tuple[str, Future]]) -> dict[str, str]:
+        """rid -> why its compile failed, of `compiles` (waited for): here, or under TP on any rank (one
+        gather of the ranks' failures; the first failing rank's words)."""
+        mine = {rid: error_text(fut.exception()) for rid, fut in compiles if fut.exception() is not None}
+        if self.group is None:
+            return mine
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        failed: dict[str, str] = {}
+        for failures in everyone:
+            for rid, why in failures.items():
+                failed.setdefault(rid, why)
+        return failed
 
     @property
     def requests(self) -> list[Req]:
@@ -121,6 +146,11 @@ class GrammarQueue:
             req.grammar = None
 
     def check(self, holders: Sequence[Req]) -> None:
-        """`held` counts the scheduler's requests that hold a matcher."""
+        """Under tensor parallelism rank 0 decides which requests leave the queue (`settled`, in its tick) and every
+rank applies that (`apply`); a compile's outcome is each rank's own, so the ranks agree on which of them
+failed (`group`: one gather per tick that has decisions), and a request whose compile failed on any rank
+ends on every rank, with the first failing rank's message.
+
+`held` counts the scheduler's requests that hold a matcher."""
         held = sum(r.grammar is not None for r in holders)
         assert self.held == held, f"grammar matchers counted {self.held}, held {held}"

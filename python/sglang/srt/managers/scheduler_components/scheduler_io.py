@@ -113,7 +113,8 @@ class SchedulerIOMixin:
         )
         self.memory_bytes_by_rank = tp.gather(memory)
         self.tp = tp
-        self.finisher.group = tp.group  # (the ranks agree on the output checks' costs: finish_checker.py)
+        # The ranks agree on the output checks' measures (finish_checker.py) and on failed grammar compiles.
+        self.finisher.group = self.grammar_queue.group = tp.group
         if tp.is_first:
             self.request_deadlines.abort = self._record_deadline_abort
         else:

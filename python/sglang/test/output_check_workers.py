@@ -1,0 +1,216 @@
+"""Rank functions for `sglang.test.multi_rank.run_ranks` that drive the scheduler's output checks
+(`managers/finish_checker.py`) and grammar queue (`scheduler_components/grammar_queue.py`) on gloo ranks,
+with facts that differ between the ranks (a grammar's or a search's time, a processor's failure, a
+compile's outcome). Each returns plain values: what each request ended with, and the collectives run."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+from typing import Any
+
+STEPS = 6
+
+
+class _Collectives:
+    """Counts this process's all-reduces and object gathers (the finisher and the queue call them through
+    `torch.distributed`'s module attributes)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.real = (dist.all_reduce, dist.all_gather_object)
+        self.all_reduce = self.gather = 0
+
+        def all_reduce(*args, **kwargs):
+            self.all_reduce += 1
+            return self.real[0](*args, **kwargs)
+
+        def all_gather_object(*args, **kwargs):
+            self.gather += 1
+            return self.real[1](*args, **kwargs)
+
+        dist.all_reduce, dist.all_gather_object = all_reduce, all_gather_object
+
+    def restore(self) -> None:
+        self.dist.all_reduce, self.dist.all_gather_object = self.real
+
+
+def _checker(group: Any):
+    from sglang.srt.constrained.output_check_budget import OutputCheckBudget
+    from sglang.srt.managers.finish_checker import FinishChecker
+
+    c = FinishChecker(set(), 4096, tokenizer=SimpleNamespace(decode=lambda ids, **kw: "x" * len(ids)))
+    # (a step's budget far above the requests': every allowance is the request's own 50 ms)
+    c.budget = OutputCheckBudget(per_request_s=0.05, per_step_s=10.0)
+    c.group = group
+    return c
+
+
+def _requests(rank: int) -> list:
+    """The batch: a grammar over its allowance from its second token on rank 1 only, a cheap grammar, a
+    stop_regex whose search is cut on rank 1 only (rank 0's finds its second pattern at once), one that
+    matches at the third token, a custom logit processor that fails at the second token on rank 1 only,
+    and a plain request."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    def grammar(costs: list[float]) -> SimpleNamespace:
+        g = SimpleNamespace(terminated=False, stopped=False, accepted=0, fed=0)
+
+        def catch_up(ids):
+            g.fed += len(ids) - g.accepted
+            g.accepted = len(ids)
+
+        g.catch_up, g.take_spent = catch_up, lambda: costs.pop(0)
+        return g
+
+    def req(rid: str, **params) -> Req:
+        return Req(rid, [5], SamplingParams(max_new_tokens=STEPS, **params))
+
+    over = req("g_over", ebnf='root ::= "a"')
+    over.grammar = grammar([0.001] + [0.06 if rank == 1 else 0.001] * STEPS)
+    cheap = req("g_cheap", ebnf='root ::= "a"')
+    cheap.grammar = grammar([0.001] * (STEPS + 1))
+    failing = req("c_fail")
+    failing.custom_logit_processor = object()  # (its failure is what is checked, not the processor)
+    return [
+        over,
+        cheap,
+        req("r_cut", stop_regex=["y", "x"]),
+        req("r_match", stop_regex=["x{3}"]),
+        failing,
+        req("p"),
+    ]
+
+
+def _run(rank: int, group: Any, batched: bool, calls: _Collectives) -> dict:
+    """Run the batch for STEPS tokens: each step's checks measured at once (`precheck`) or each alone.
+    Per request: (output length, finish reason); per step: the all-reduces it ran."""
+    c = _checker(group)
+    reqs = _requests(rank)
+    ended: dict[str, Any] = {}
+    per_step = []
+    for step in range(1, STEPS + 1):
+        live = [r for r in reqs if r.finished_reason is None]
+        if step == 2 and rank == 1:  # (as `Scheduler.process_oldest` copies this rank's processor errors)
+            live[
+                [r.rid for r in live].index("c_fail")
+            ].custom_logit_error = "The custom_logit_processor failed: rank 1."
+        before = calls.all_reduce
+        if batched:
+            c.precheck([(r, 7) for r in live])
+        for r in live:
+            r.output_ids.append(7)
+            c.check_finished(r)
+            if r.finished_reason is not None:
+                ended[r.rid] = (len(r.output_ids), r.finished_reason)
+        c.clear_prechecks()
+        per_step.append(calls.all_reduce - before)
+    fed = {r.rid: r.grammar.fed for r in reqs if r.grammar is not None}
+    return {"ended": ended, "all_reduces": per_step, "alone": c.alone, "grammar_fed": fed}
+
+
+def batch_output_checks(rank: int, world_size: int, init_method: str) -> dict:
+    """The batch of `_requests` with its checks agreed once per step, then each check alone (the fallback,
+    as before batches were measured together); then a grammar queue whose compile of one request fails
+    on rank 1 only."""
+    import torch.distributed as dist
+
+    from sglang.srt.managers import finish_checker as fc
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    group = dist.new_group(list(range(world_size)), backend="gloo")
+    calls = _Collectives()
+    real = fc._first_match
+
+    def first_match(patterns, text, limit):
+        if rank == 1 and patterns == ["y", "x"]:
+            raise fc.StopRegexTimeout(patterns[1], limit, 1)  # (as a loaded rank's `regex` timeout would)
+        return real(patterns, text, limit)
+
+    fc._first_match = first_match
+    try:
+        out = {"batched": _run(rank, group, True, calls)}
+        gathers = calls.gather
+        out["batched"]["gathers"] = gathers
+        out["alone"] = _run(rank, group, False, calls)
+        out["grammar_queue"] = _compile_outcomes(rank, group, calls)
+        return out
+    finally:
+        fc._first_match = real
+        calls.restore()
+        dist.destroy_process_group()
+
+
+def _compile_outcomes(rank: int, group: Any, calls: _Collectives) -> dict:
+    """Two queued requests whose compiles rank 0's tick decides at once: "bad" fails to compile on rank 1
+    only, "ok" compiles everywhere. What each rank ended and admitted, and the gathers it ran."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_components.grammar_queue import GrammarQueue
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    def submit(kind: str, text: str) -> Future:
+        fut: Future = Future()
+        if text == "bad" and rank == 1:
+            fut.set_exception(ValueError("unknown rule 'bad' on rank 1"))
+        else:
+            fut.set_result(text)
+        return fut
+
+    backend = SimpleNamespace(submit=submit, abandon=lambda fut: None, matcher=lambda compiled: compiled)
+    errors, ready = {}, []
+    queue = GrammarQueue(
+        backend, lambda r: ready.append(r.rid), lambda r, m, f: errors.update({r.rid: (m, f)})
+    )
+    queue.group = group
+    for rid in ("bad", "ok"):
+        queue.add(Req(rid, [5], SamplingParams(ebnf=rid)))
+    before = calls.gather
+    queue.apply([("bad", False), ("ok", False)])
+    return {"errors": errors, "ready": ready, "gathers": calls.gather - before, "held": queue.held}
+
+
+def agreement_cost(rank: int, world_size: int, init_method: str, sizes: list[int], steps: int) -> dict:
+    """Seconds per step of a batch's output checks with `n` constrained requests (cheap stand-in grammars:
+    what the agreement costs, not the grammars), for each `n` in `sizes`: measured together and agreed
+    once (`precheck`), and each check measured and agreed alone (the per-request agreement before)."""
+    import torch.distributed as dist
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    group = dist.new_group(list(range(world_size)), backend="gloo")
+    try:
+        out: dict[str, dict[int, float]] = {"batched": {}, "alone": {}}
+        for n in sizes:
+            for mode in ("alone", "batched"):
+                c = _checker(group)
+                reqs = []
+                for i in range(n):
+                    r = Req(f"r{i}", [5], SamplingParams(max_new_tokens=10**6, json_schema="{}"))
+                    r.grammar = SimpleNamespace(
+                        terminated=False,
+                        stopped=False,
+                        accepted=0,
+                        catch_up=lambda ids: None,
+                        take_spent=lambda: 0.0,
+                    )
+                    reqs.append(r)
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    if mode == "batched":
+                        c.precheck([(r, 7) for r in reqs])
+                    for r in reqs:
+                        r.output_ids.append(7)
+                        c.check_finished(r)
+                    c.clear_prechecks()
+                out[mode][n] = (time.perf_counter() - start) / steps
+                assert all(r.finished_reason is None for r in reqs)
+        return out
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,145 @@
+"""A batch's output checks measured together (`FinishChecker.precheck`, managers/finish_checker.py): what
+the scheduler runs at every batch, on one rank too (the ranks' agreement itself is
+test/unit/distributed/test_tp_output_check_batch.py). Each row's check decides on its stored measure (the
+grammar is fed each token once); a measure for another output length is not used; the stored measures
+keep no request alive once the batch is processed; a request the budget already ended is not measured;
+the batch's newcomers share the step's budget as when each was charged before the next was measured; and
+`init_parallel` gives the finisher and the grammar queue the TP group they agree over."""
+
+from __future__ import annotations
+
+import math
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.constrained.output_check_budget import OutputCheckBudget
+from sglang.srt.managers import finish_checker as fc
+from sglang.srt.managers.finish_checker import FinishChecker
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=1, suite="per-commit-cpu")
+
+
+class _Grammar:
+    """A stand-in matcher: counts the tokens it is fed; each check costs 1 ms."""
+
+    def __init__(self):
+        self.terminated = self.stopped = False
+        self.accepted = self.fed = 0
+
+    def catch_up(self, ids: list[int]) -> None:
+        self.fed += len(ids) - self.accepted
+        self.accepted = len(ids)
+
+    def take_spent(self) -> float:
+        return 0.001
+
+
+def _grammar_req(rid: str) -> Req:
+    req = Req(rid, [5], SamplingParams(ebnf='root ::= "a"', max_new_tokens=100))
+    req.grammar = _Grammar()
+    return req
+
+
+def _checker() -> FinishChecker:
+    c = FinishChecker(set(), 4096, tokenizer=SimpleNamespace(decode=lambda ids, **kw: "x" * len(ids)))
+    c.budget = OutputCheckBudget(per_request_s=0.05, per_step_s=0.2)
+    return c
+
+
+def test_a_check_decides_on_its_batchs_measure_and_measures_only_a_stale_one_again():
+    c = _checker()
+    reqs = [_grammar_req(f"g{i}") for i in range(3)]
+    for step in range(1, 4):
+        c.precheck([(r, 7) for r in reqs])
+        assert all(r.output_ids == [7] * (step - 1) for r in reqs)  # (the tokens went back out)
+        for r in reqs:
+            r.output_ids.append(7)
+            c.check_finished(r)
+        c.clear_prechecks()
+    assert c.agreements == 3 and c.alone == 0  # one agreement per batch, none per check
+    assert [r.grammar.fed for r in reqs] == [3, 3, 3]  # each token fed once
+    # A measure taken at another output length (a verify's later token) is not used: measured again.
+    req = reqs[0]
+    c.precheck([(req, 7)])
+    req.output_ids += [7, 7]
+    c.check_finished(req)
+    assert c.alone == 1 and req.grammar.fed == 5 and req.finished_reason is None
+
+
+def test_the_stored_measures_keep_no_request_alive():
+    """A request whose check never comes (it ended elsewhere while its batch was processed) is not held
+    once the batch is processed: `process_batch_result` clears the measures, even when it raises."""
+    from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
+
+    c = _checker()
+    req = _grammar_req("gone")
+    refs = sys.getrefcount(req)
+    c.precheck([(req, 7)])
+    assert sys.getrefcount(req) > refs  # (held by the stored measure, until the batch is processed)
+
+    def verify(batch, result):
+        raise RuntimeError("the verify failed")
+
+    rp = SimpleNamespace(finisher=c, process_verify=verify)
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True))
+    with pytest.raises(RuntimeError):
+        BatchResultProcessor.process_batch_result(rp, batch, None)
+    assert sys.getrefcount(req) == refs and not c._measured
+
+
+def test_a_request_the_budget_ended_is_not_measured():
+    c = _checker()
+    req = _grammar_req("ended")
+    c.budget._ended[req] = "ebnf"  # (ended for the load by an earlier charge)
+    c.precheck([(req, 7)])
+    assert req.grammar.fed == 0 and c.agreements == 0
+    req.output_ids.append(7)
+    c.check_finished(req)
+    assert req.finished_reason["param"] == "ebnf" and "among the costliest" in req.finished_reason["message"]
+
+
+def test_a_batchs_newcomers_share_the_steps_budget(monkeypatch):
+    """16 requests whose stop_regex search takes all the time it is given, measured in one batch: each is
+    given what the batch's rows measured before it leave of the step (`PendingCharges`), as when each was
+    charged before the next was checked, so the batch spends at most 1 + ln(16) step budgets (without it,
+    16 allowances: 0.8 s here)."""
+    now = [0.0]
+
+    def search(patterns, text, limit):
+        now[0] += limit
+        raise fc.StopRegexTimeout(patterns[0], limit, 0)
+
+    monkeypatch.setattr(fc, "clock", lambda: now[0])
+    monkeypatch.setattr(fc, "_first_match", search)
+    c = _checker()
+    c.budget = OutputCheckBudget(per_request_s=0.05, per_step_s=0.1)
+    reqs = [Req(f"r{i}", [5], SamplingParams(stop_regex=["x"], max_new_tokens=100)) for i in range(16)]
+    c.precheck([(r, 7) for r in reqs])
+    assert now[0] <= 0.1 * (1 + math.log(16)), now[0]
+    assert now[0] >= 0.1  # (the first two take their whole 50 ms)
+    for r in reqs:
+        r.output_ids.append(7)
+        c.check_finished(r)  # a first cut each: the machine's, not yet the request's
+    assert all(r.finished_reason is None for r in reqs) and c.alone == 0
+
+
+def test_init_parallel_gives_the_finisher_and_the_grammar_queue_the_tp_group():
+    from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
+
+    group = object()
+    tp = SimpleNamespace(group=group, is_first=True, agree=lambda *a: None, gather=lambda memory: [memory])
+    sched = SimpleNamespace(
+        model_runner=SimpleNamespace(),
+        pool_sizes=(1, 1),
+        finisher=_checker(),
+        grammar_queue=SimpleNamespace(group=None),
+        request_deadlines=SimpleNamespace(),
+        _record_deadline_abort=lambda *a: None,
+    )
+    SchedulerIOMixin.init_parallel(sched, tp, None)
+    assert sched.finisher.group is group and sched.grammar_queue.group is group
