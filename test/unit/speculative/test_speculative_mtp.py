@@ -23,7 +23,7 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs, ServerArgsError
-from sglang.srt.speculative.mtp_draft import MtpHook
+from sglang.srt.speculative.mtp_draft import Drafts, MtpHook
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, plain_then_spec
 from sglang.test.scheduler_harness import token_ids
@@ -106,10 +106,10 @@ def test_rejection_sampling_follows_the_target_distribution(top_k, greedy_drafts
     drafts = torch.multinomial(q, n, replacement=True, generator=gen)
     runner = SimpleNamespace(generator=gen)
     if greedy_drafts:
-        hook = MtpHook(runner, greedy_drafts=True)
+        hook = MtpHook(runner, drafts=_drafts(drafts))
         expected_rate = float((q * p).sum())
     else:
-        hook = MtpHook(runner, draft_probs=q.repeat(n, 1, 1))
+        hook = MtpHook(runner, drafts=_drafts(drafts, q.repeat(n, 1, 1)))
         expected_rate = float(torch.minimum(p, q).sum())
     committed = _committed_tokens(full, top_k, drafts, hook)
     chi2 = _chi2(committed, p)
@@ -118,8 +118,13 @@ def test_rejection_sampling_follows_the_target_distribution(top_k, greedy_drafts
     assert abs(rate - expected_rate) < 0.01, rate  # (std ~0.0025 at n = 40,000: 4 sigma)
     if greedy_drafts:  # the negative control: the residual keeps d
         monkeypatch.setattr(MtpHook, "_one_hot_rule", staticmethod(lambda p, d, u: (_keep(p, d, u), p)))
-        wrong = _chi2(_committed_tokens(full, top_k, drafts, MtpHook(runner, greedy_drafts=True)), p)
+        wrong = _chi2(_committed_tokens(full, top_k, drafts, MtpHook(runner, drafts=_drafts(drafts))), p)
         assert wrong > 5 * bound, wrong
+
+
+def _drafts(drafts: torch.Tensor, probs: torch.Tensor | None = None) -> Drafts:
+    """How a verify's drafts (one per row here) were taken: drawn from `probs`, or greedy (None)."""
+    return Drafts([[d] for d in drafts.tolist()], probs, greedy=probs is None)
 
 
 def _keep(p: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -149,11 +154,11 @@ def test_seeded_rejection_sampling_is_reproducible_and_exact():
     q = torch.tensor([0.10, 0.30, 0.05, 0.35, 0.15, 0.05])
     drafts = torch.multinomial(q, n, replacement=True, generator=torch.Generator().manual_seed(0))
     for greedy in (True, False):
-        kw = dict(greedy_drafts=True) if greedy else dict(draft_probs=q.repeat(n, 1, 1))
+        taken = _drafts(drafts) if greedy else _drafts(drafts, q.repeat(n, 1, 1))
         runs = {}
         for seeded in (True, False):
             for state in (1, 2):
-                hook = MtpHook(SimpleNamespace(generator=torch.Generator().manual_seed(state)), **kw)
+                hook = MtpHook(SimpleNamespace(generator=torch.Generator().manual_seed(state)), drafts=taken)
                 seeds = list(range(n)) if seeded else None
                 runs[seeded, state] = _committed_tokens(full, -1, drafts, hook, seeds)
         assert torch.equal(runs[True, 1], runs[True, 2])

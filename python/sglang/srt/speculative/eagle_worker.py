@@ -132,7 +132,6 @@ class EagleWorker(NgramWorker):
             self.draft,
             widths=batch.spec_info.widths,
             num_drafts=[len(d) for d in drafts],
-            draft_probs=drafted.probs,
-            greedy_drafts=drafted.greedy,
+            drafts=drafted,
         )
         return batch

@@ -278,8 +278,7 @@ class MtpHook:
     completes: list[bool] | None = None  # extend: the rows whose request's last position ran
     widths: list[int] | None = None  # verify: positions per request
     num_drafts: list[int] | None = None  # verify: drafts per request (0 or k)
-    draft_probs: torch.Tensor | None = None  # verify, sampled drafts: [drafting requests, k, vocab]
-    greedy_drafts: bool = False  # verify: the drafts are argmax chains (q = one-hot(d))
+    drafts: Drafts | None = None  # verify: how its drafts were taken (`Drafts.greedy`, else `.probs`)
 
     def after_sampling(
         self, fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor, sample: SampleOutput, agree: Agree
@@ -352,12 +351,12 @@ class MtpHook:
         drafts = fb.input_ids[rows + 1]
         index = fb.positions[rows] + 1  # (the drafted token's position, as the sampler's)
         u = uniforms(self.runner.generator, info, index, KEEP_SALT)
-        if self.greedy_drafts:
+        if self.drafts is None:
+            raise RuntimeError("a verify of drafted positions needs how they were drafted (MtpHook.drafts)")
+        if self.drafts.greedy:
             keep, residual = self._one_hot_rule(p, drafts, u)
         else:
-            if self.draft_probs is None:
-                raise RuntimeError("a verify of sampled drafts needs their distributions (Drafts.probs)")
-            q = self.draft_probs.reshape(len(rows), -1)
+            q = self.drafts.probs.reshape(len(rows), -1)
             keep = u * q.gather(1, drafts[:, None])[:, 0] <= p.gather(1, drafts[:, None])[:, 0]
             residual = (p - q).clamp_(min=0)
         empty = residual.sum(dim=-1, keepdim=True) <= 0
