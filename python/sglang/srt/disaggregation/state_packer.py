@@ -56,7 +56,7 @@ class StatePacker:
             self._sync()
 
     def _sync(self) -> None:
-        """Wait for the copy stream (CPU: nothing to wait for). `pack`, `unpack` and `clear_many` do so also
+        """Wait for the copy stream (CPU: nothing to wait for). `pack`, `unpack_many`, `clear_many` do so also
         when they raise: what they queued before the error has landed before their caller frees (and
         another request reuses) the rows or the host range."""
         if self.stream is not None:
