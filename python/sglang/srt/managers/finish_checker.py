@@ -123,12 +123,12 @@ class FinishChecker:
 
     @staticmethod
     def measured(req: Req) -> bool:
-        """Whether `req`'s check depends on facts of this rank alone (measured, then agreed)."""
+        """Whether `req`'s check depends on facts of this rank alone (measured, then agreed). Read from
+        what every rank holds alike (a processor's failure is this rank's own: it is what is agreed)."""
         return (
             req.grammar is not None
             or bool(req.sampling_params.stop_regex)
             or req.custom_logit_processor is not None
-            or req.custom_logit_error is not None
         )
 
     def precheck(self, rows: Iterable[tuple[Req, int | None]]) -> None:
@@ -143,10 +143,7 @@ class FinishChecker:
             for r, t in rows
             if r.finished_reason is None
             and (
-                r.grammar is not None
-                or r.sampling_params.stop_regex
-                or r.custom_logit_processor is not None
-                or r.custom_logit_error is not None
+                r.grammar is not None or r.sampling_params.stop_regex or r.custom_logit_processor is not None
             )
         ]
         if not rows:
