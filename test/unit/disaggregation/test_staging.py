@@ -338,7 +338,8 @@ def test_float8_kv_packs_unpacks_and_clears_bit_for_bit(kv_dtype, device):
     # Blocks unpacked together (a poll's last chunks): one without its state (a request's positions
     # only), one with it; the rows of each, the states of the second, the first's untouched.
     blocks = [([3, 8], None, [10, 11]), ([20], 0, [12])]
-    bufs = [host_buffer(src.packed_bytes(len(t), slot is not None), pin=device == "cuda") for t, slot, _ in blocks]
+    pin = device == "cuda"
+    bufs = [host_buffer(src.packed_bytes(len(t), slot is not None), pin=pin) for t, slot, _ in blocks]
     for buf, (tokens, slot, _) in zip(bufs, blocks, strict=True):
         src.pack(tokens, slot, buf)
     dst.unpack_many([(bufs[0], [10, 11], None), (bufs[1], [12], 3)])
@@ -500,8 +501,12 @@ def _staged_poll(monkeypatch, tp_size: int = 1):
 
     q.sched.abort_with_status = abort_with_status
     q.sched.result_processor = SimpleNamespace(commit=commit, stream_output=lambda rs: None)
-    plan = {"a": ([5, 6, 7], [10, 11, 12], 0, 1), "b": ([8, 9, 40], [20, 21, 22], 4, 2),
-            "c": ([30, 31, 32, 33], [40, 41, 42, 43], 2, 3), "d": ([50, 51, 52], [44, 45, 46], 5, 4)}  # fmt: skip
+    plan = {  # room: source rows, destination rows, source slot, destination slot
+        "a": ([5, 6, 7], [10, 11, 12], 0, 1),
+        "b": ([8, 9, 40], [20, 21, 22], 4, 2),
+        "c": ([30, 31, 32, 33], [40, 41, 42, 43], 2, 3),
+        "d": ([50, 51, 52], [44, 45, 46], 5, 4),
+    }
     answers, expected = [], {}
     for room, (src_tokens, dst_tokens, src_slot, dst_slot) in plan.items():
         r = Req(f"rid-{room}", [1] * len(dst_tokens))

@@ -56,7 +56,7 @@ class DecodeAnswers:
             self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
             return
         last = None
-        if key in self.staged:  # the last chunk, checked here, unpacked with the poll's others before any read
+        if key in self.staged:  # the last chunk: checked here, unpacked with the poll's others (below)
             entry, chunk = self.staged[key], msg.get("chunk")
             error = self.staging.refusal(entry, chunk)
             if error is None and not chunk[2]:
@@ -87,7 +87,8 @@ class DecodeAnswers:
             if error is not None:  # its range is freed with the request
                 failed.add(key)
                 self.stats["failed_transfers"] += 1
-                self.sched.abort_with_status([req], f"KV transfer from the prefill server failed: {error}", 500)
+                message = f"KV transfer from the prefill server failed: {error}"
+                self.sched.abort_with_status([req], message, 500)
                 continue
             del self.staged[key]
             self.staging.free(entry.start)
@@ -99,7 +100,8 @@ class DecodeAnswers:
         MTP stash rows written in one forward-stream call (EAGLE / NEXTN), then their first tokens
         committed."""
         arrived = self._unpack_last_chunks(arrived)
-        write_stash_rows(self.sched, [(req.req_pool_idx, row) for req, _, row, _ in arrived if row is not None])
+        rows = [(req.req_pool_idx, row) for req, _, row, _ in arrived if row is not None]
+        write_stash_rows(self.sched, rows)
         processor = self.sched.result_processor
         for req, answer, _, _ in arrived:
             self.stats["transfers"] += 1

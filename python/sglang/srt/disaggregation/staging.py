@@ -349,8 +349,10 @@ class Staging:
         loop ends, visibly, as every rank's did before the refusal was added."""
         errors = [self.refusal(entry, chunk) for entry, chunk in chunks]
         todo = [i for i, error in enumerate(errors) if error is None]
-        blocks = [(self.buffer[chunks[i][0].start :], chunks[i][0].tokens()[chunks[i][1][0] : chunks[i][1][1]],
-                   chunks[i][0].req.mamba_pool_idx if chunks[i][1][2] else None) for i in todo]  # fmt: skip
+        blocks = []  # (host bytes, rows, state slot) of each chunk to unpack
+        for entry, (a, b, state) in (chunks[i] for i in todo):
+            slot = entry.req.mamba_pool_idx if state else None
+            blocks.append((self.buffer[entry.start :], entry.tokens()[a:b], slot))
         try:  # a chunk that cannot be written fails its own request, never the decode server's loop
             self.packer.unpack_many(blocks)
         except Exception as e:  # noqa: BLE001 - logged whole: it is a defect here, not the peer's
@@ -359,10 +361,10 @@ class Staging:
             for i, block in zip(todo, blocks, strict=True):
                 failed = e if len(todo) == 1 else _raised(self.packer.unpack_many, [block])
                 if failed is not None:
-                    (entry, chunk), name = chunks[i], type(failed).__name__
+                    (entry, chunk), why = chunks[i], f"{type(failed).__name__}: {str(failed)[:200]}"
                     logger.error("Unpacking staged chunk %s of request %s failed.", chunk, entry.req.rid,
                                  exc_info=failed)  # fmt: skip
-                    errors[i] = f"its staged chunk {chunk} could not be written here ({name}: {str(failed)[:200]})"
+                    errors[i] = f"its staged chunk {chunk} could not be written here ({why})"
         for (entry, chunk), error in zip(chunks, errors, strict=True):
             if error is None:
                 entry.received, entry.state = chunk[1], chunk[2]

@@ -97,7 +97,8 @@ class StatePacker:
                 moved = [(src[: self.packed_bytes(len(tokens), slot is not None)]
                           .to(self.device, non_blocking=self.stream is not None), tokens, slot)
                          for src, tokens, slot in blocks]  # fmt: skip
-                idx = torch.tensor([t for _, ts, _ in moved for t in ts], dtype=torch.int64, device=self.device)
+                tokens = [t for _, ts, _ in moved for t in ts]
+                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
                 at = [0] * len(moved)  # each block's bytes read so far (its parts in `PoolLayout` order)
 
                 def take(which: list[int], sizes: list[int]) -> torch.Tensor:
@@ -114,7 +115,8 @@ class StatePacker:
                 for buf, size in zip(self.states, self.state_bytes, strict=True):
                     if stated:
                         rows = _as(take(stated, [size] * len(stated)), buf.dtype)
-                        byte_rows(buf).index_copy_(0, slots, byte_rows(rows.view(len(stated), *buf.shape[1:])))
+                        rows = rows.view(len(stated), *buf.shape[1:])
+                        byte_rows(buf).index_copy_(0, slots, byte_rows(rows))
         finally:
             self._sync()  # (the host ranges are reused by the next transfers once this returns)
 
