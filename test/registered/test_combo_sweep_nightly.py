@@ -1,8 +1,8 @@
 """Every pair of features (`sglang.test.combo_sweep`: mamba strategies, page 16, small chunked prefill, no
 overlap, no radix cache, FP8 KV cache, online FP8, an FP8 checkpoint, the host cache tier and its disk
-tier, NGRAM and NEXTN speculative decoding, TP 2, the vision-language preset; each engine also serves
-logprobs, n=2 sampling and a json_schema request) either serves or is refused at start in one sentence
-naming a flag: none is BROKEN (an exception, a traceback in the log, a hang) or WRONG (a prefix hit's
+tier, NGRAM and NEXTN speculative decoding, TP 2, DP 2, the vision-language preset; each engine also
+serves logprobs, a streamed request, n=2 sampling and a json_schema request) either serves or is refused
+at start in one sentence naming a flag: none is BROKEN (an exception, a traceback in the log, a hang) or WRONG (a prefix hit's
 greedy tokens differ from the cold request's, or an exact pair's from the preset's engine without
 features). One engine at a time; the table is printed (-s) and kept in the failure message.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from sglang.test import combo_sweep
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=1500, suite="nightly-cpu")
+register_cpu_ci(est_time=1900, suite="nightly-cpu")
 
 
 def test_no_pair_of_features_is_broken(tmp_path):
@@ -25,7 +25,7 @@ def test_no_pair_of_features_is_broken(tmp_path):
         print(line, flush=True)
 
     results = combo_sweep.sweep(combo_sweep.FEATURES, log_dir=tmp_path, echo=echo)
-    assert len(results) > 120  # every pair ran (130), and each preset's own case
+    assert len(results) > 140  # every pair ran (147), and each preset's own case
     bad = [o for o in results if o.status in ("BROKEN", "WRONG")]
     assert not bad, "\n".join(rows)
 

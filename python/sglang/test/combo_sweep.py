@@ -5,12 +5,15 @@ sentence naming a flag; never a crash, a traceback in the log or a hang.
     python -m sglang.test.combo_sweep --features lazy,page16,kv_fp8,hicache
     python -m sglang.test.combo_sweep --with tp2 --json out.json --log-dir /tmp/sweep
     python -m sglang.test.combo_sweep --also no_buffer --skip tp2   # the triples no_buffer x A x B
+    python -m sglang.test.combo_sweep --with nemotron,lfm2          # another architecture's pairs
+    python -m sglang.test.combo_sweep --models --features lazy,page16,hicache,ngram   # every preset's
     python -m sglang.test.combo_sweep --list
 
 Each case starts an offline `sglang.Engine` on a tiny preset with the server flags of its features, one
 engine at a time, and sends the same requests: a greedy prompt of ~300 tokens with logprobs (top 3); four
 other prompts (~1,300 tokens: with `small_pool` they push the first one's pages off the device, to the
-host tier with `hicache`); the first prompt again (a prefix hit: the cold request's tokens); a sampled
+host tier with `hicache`); the first prompt again (a prefix hit: the cold request's tokens), and once more
+streamed with logprobs (its last chunk holds the cold request's tokens, a logprob per token); a sampled
 request with n=2; a json_schema request; an image request on the vision-language preset. Request-level
 features (logprobs, structured outputs, n>1, sampling) are thus in every case. Outcome per case:
 
@@ -91,8 +94,24 @@ FEATURES = [
     Feature("ngram", dict(speculative_algorithm="NGRAM"), group="spec"),
     Feature("nextn", dict(speculative_algorithm="NEXTN"), group="spec"),
     Feature("tp2", dict(tp_size=2)),
+    Feature("dp2", dict(dp_size=2)),
 ]
-BY_NAME = {f.name: f for f in FEATURES}
+# The other architectures' presets (group "model": each pairs with every feature above but the other
+# models). Not in the default sweep (`--models`, or name them in --features / --with).
+MODEL_FEATURES = [
+    Feature(name, dict(model_path=preset), group="model")
+    for name, preset in (
+        ("qwen35", "tiny-qwen3.5"),
+        ("qwen35_moe", "tiny-qwen3.5-moe"),
+        ("nemotron", "tiny-nemotron-h"),
+        ("granite", "tiny-granite-4.0-h"),
+        ("falcon", "tiny-falcon-h1"),
+        ("bamba", "tiny-bamba"),
+        ("lfm2", "tiny-lfm2"),
+        ("lfm2_moe", "tiny-lfm2-moe"),
+    )
+]
+BY_NAME = {f.name: f for f in FEATURES + MODEL_FEATURES}
 
 
 @dataclass
@@ -242,6 +261,7 @@ def _requests(engine, outcome: Outcome, is_vl: bool) -> None:
         outcome.cached_tokens = hit[0]["meta_info"]["cached_tokens"]
         if hit[0]["output_ids"] != outcome.greedy:
             outcome.fail("WRONG", f"prefix hit {hit[0]['output_ids']} != cold {outcome.greedy}")
+        _stream(engine, outcome)
     sampled = send("sampled n=2", prompt=PROMPT_2, sampling_params=SAMPLED)
     if sampled is not None and len(sampled) != 2:
         outcome.fail("BROKEN", f"n=2 gave {len(sampled)} replies")
@@ -261,6 +281,36 @@ def _requests(engine, outcome: Outcome, is_vl: bool) -> None:
 
         image = b64_png(random_image(0, 64, 64))
         send("image", prompt=f"Look at {PLACEHOLDER} then say", image_data=[image], sampling_params=GREEDY)
+
+
+def _stream(engine, outcome: Outcome) -> None:
+    """The first prompt once more, streamed with logprobs: its last chunk's (cumulative) tokens are the
+    cold request's, and its chunks' logprobs (each only what is new) one per token."""
+    from sglang.srt.managers.request_validation import RequestError
+
+    def call():
+        chunks = engine.generate(prompt=PROMPT, sampling_params=GREEDY, stream=True, return_logprob=True)
+        return list(chunks)
+
+    try:
+        chunks = _with_timeout(call, REQUEST_TIMEOUT_S, engine.shutdown)
+    except RequestError as e:
+        outcome.fail("REFUSED_REQ", f"stream: {e}")
+        return
+    except Exception as e:
+        outcome.fail("BROKEN", f"stream: {type(e).__name__}: {e}")
+        return
+    if not chunks:
+        outcome.fail("BROKEN", "stream: no chunk")
+        return
+    tokens = chunks[-1]["output_ids"]
+    logprobs = sum(len(c["meta_info"].get("output_token_logprobs") or []) for c in chunks)
+    if chunks[-1]["meta_info"].get("finish_reason") is None:
+        outcome.fail("BROKEN", "stream: the last chunk has no finish_reason")
+    elif tokens != outcome.greedy:
+        outcome.fail("WRONG", f"stream {tokens} != cold {outcome.greedy}")
+    elif logprobs != len(tokens):
+        outcome.fail("BROKEN", f"stream: {logprobs} output logprobs over its chunks for {len(tokens)} tokens")
 
 
 def run_case(case: tuple[Feature, ...], log_dir: Path) -> Outcome:
@@ -356,7 +406,9 @@ def sweep(
         model = model_of(case)
         if model not in baselines:
             # The preset's own case: no feature but `also` and the one that picks the model.
-            picks = tuple(f for f in FEATURES if f.kwargs.get("model_path") == model and f not in also)
+            picks = tuple(
+                f for f in FEATURES + MODEL_FEATURES if f.kwargs.get("model_path") == model and f not in also
+            )
             base = run_case((*also, *picks), log_dir)
             baselines[model] = base
             results.append(base)
@@ -391,21 +443,29 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="Features added to every case (e.g. a strategy: its triples with each pair).",
     )
+    p.add_argument(
+        "--models",
+        action="store_true",
+        help="Also every pair of each other architecture's preset (see --list) with the features.",
+    )
     p.add_argument("--list", action="store_true", help="List the features and their flags, then exit.")
     p.add_argument("--json", help="Write every outcome (without logs) to this file.")
     p.add_argument("--log-dir", help="Keep each case's log here (default: a new temporary folder).")
     args = p.parse_args(argv)
     if args.list:
-        for f in FEATURES:
+        for f in FEATURES + MODEL_FEATURES:
             print(f"{f.name:<14} {f.kwargs}" + ("" if f.exact else "  (changes numerics)"))
         return 0
     names = args.features.split(",") if args.features else [f.name for f in FEATURES]
+    if args.models:
+        names += [f.name for f in MODEL_FEATURES if f.name not in names]
     skip = set(filter(None, args.skip.split(",")))
     with_ = set(filter(None, args.with_.split(",")))
     also = [n for n in args.also.split(",") if n]
     unknown = (set(names) | skip | with_ | set(also)) - set(BY_NAME)
     if unknown:
         p.error(f"unknown feature(s) {', '.join(sorted(unknown))}; see --list")
+    names += [n for n in with_ if BY_NAME[n] in MODEL_FEATURES and n not in names]
     chosen = [BY_NAME[n] for n in names if n not in skip]
     results = sweep(
         chosen, with_, tuple(BY_NAME[n] for n in also), Path(args.log_dir) if args.log_dir else None
