@@ -148,6 +148,21 @@ def test_kv_cache_dtypes_of_the_same_size_are_refused():
     assert layouts[torch.float8_e5m2].mismatch(PoolLayout.of(pools[torch.float8_e5m2], mp)) is None
 
 
+def test_a_float8_and_a_16_bit_kv_cache_are_refused_naming_the_flag():
+    """float8 against bfloat16 KV also differs in bytes per token: the refusal still names
+    --kv-cache-dtype (it said only that the KV layouts differ, which the PD sweep's kv_fp8_mismatch
+    pair got as its 500), both ways."""
+    _, mp = make_pools(64, 16, 4, fill=0.0)
+    bf16, fp8 = (
+        PoolLayout.of(MHATokenToKVPool(64, 16, dtype, head_num=2, head_dim=4, layer_ids=LAYERS), mp)
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn)
+    )
+    assert bf16.kv_bytes_per_token != fp8.kv_bytes_per_token
+    for a, b in [(bf16, fp8), (fp8, bf16)]:
+        message = a.mismatch(b)
+        assert message is not None and "--kv-cache-dtype" in message, message
+
+
 @pytest.mark.parametrize(
     "host, port, room, field",
     [

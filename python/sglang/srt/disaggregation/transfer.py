@@ -99,14 +99,15 @@ class PoolLayout:
                 "one server of the pair keeps the MTP draft layer's KV (--speculative-algorithm EAGLE / NEXTN) "
                 "and the other does not: start both with the same --speculative-algorithm"
             )
+        # The dtype first: a float8 and a 16-bit KV differ in bytes per token too, and the flag is the cause.
+        if self.kv_dtype != other.kv_dtype:
+            here, there = self.kv_dtype or "none named", other.kv_dtype or "none named"
+            return f"the KV cache dtypes differ ({here} here, {there} there: --kv-cache-dtype)"
         if len(self.kv_ptrs) != len(other.kv_ptrs) or self.kv_bytes_per_token != other.kv_bytes_per_token:
             return (
                 f"the KV layouts differ ({len(self.kv_ptrs) // 2} layers of {self.kv_bytes_per_token} bytes per "
                 f"token here, {len(other.kv_ptrs) // 2} of {other.kv_bytes_per_token} there)"
             )
-        if self.kv_dtype != other.kv_dtype:
-            here, there = self.kv_dtype or "none named", other.kv_dtype or "none named"
-            return f"the KV cache dtypes differ ({here} here, {there} there: --kv-cache-dtype)"
         if self.state_slot_bytes != other.state_slot_bytes:
             return "the recurrent-state layouts differ (another model, or another --mamba-ssm-dtype)"
         return None
