@@ -472,12 +472,13 @@ def test_the_copy_stream_is_waited_for_also_when_the_packer_raises(monkeypatch, 
     assert stream.log == [("enter", stream), "exit", "synchronize"]
 
 
-def _staged_poll(monkeypatch, tp_size: int = 1):
+def _staged_poll(monkeypatch, tp_size: int = 1, slot_c: int = 3):
     """A decode queue on the staged path over `pools` (decode side empty, a stand-in copy stream), four
     requests of 3 or 4 positions whose transfers end in one poll: each "done" carries its last chunk,
     which a prefill server packed from its own pools (`pools(0)`) into the request's range. One request
     (room "c") already received its first 2 positions in an earlier chunk. Returns the queue, the
-    answers, what each request's rows must hold, the stand-in stream and the list of `unpack_many` calls."""
+    answers, what each request's rows must hold, the stand-in stream and the list of `unpack_many` calls.
+    `slot_c`: room "c"'s destination state slot."""
     from sglang.srt.managers.io_struct import BootstrapInfo
     from sglang.srt.managers.schedule_batch import Req
     from sglang.test.pd_fakes import decode_queue
@@ -504,7 +505,7 @@ def _staged_poll(monkeypatch, tp_size: int = 1):
     plan = {  # room: source rows, destination rows, source slot, destination slot
         "a": ([5, 6, 7], [10, 11, 12], 0, 1),
         "b": ([8, 9, 40], [20, 21, 22], 4, 2),
-        "c": ([30, 31, 32, 33], [40, 41, 42, 43], 2, 3),
+        "c": ([30, 31, 32, 33], [40, 41, 42, 43], 2, slot_c),
         "d": ([50, 51, 52], [44, 45, 46], 5, 4),
     }
     answers, expected = [], {}
@@ -585,3 +586,163 @@ def test_a_last_chunk_that_cannot_be_written_fails_its_request_alone(monkeypatch
     with pytest.raises(RuntimeError, match="illegal memory access"):
         q.poll()
     assert aborted == []
+
+
+def _admitted_bit_for_bit(q, expected, dst, rooms) -> bool:
+    dst_kv, dst_states = dst
+    for room in rooms:
+        r, kv_rows, state_rows = expected[room]
+        assert r in q.sched.running and r.output_ids == [9]
+        assert all(torch.equal(d[r.kv_indices], s) for d, s in zip(dst_kv, kv_rows, strict=True))
+        assert all(torch.equal(d[r.mamba_pool_idx], s) for d, s in zip(dst_states, state_rows, strict=True))
+    return True
+
+
+def _device_copies(monkeypatch, calls: list) -> list:
+    """Records a weak reference to each block's device copy (`Tensor.to` of host bytes) with the number of
+    `unpack_many` calls made when it was taken and how many earlier copies were alive then (asserted by
+    the caller: an assertion here would be caught as the unpack's error)."""
+    import weakref
+
+    copies, to = [], torch.Tensor.to
+
+    def recorded(self, *args, **kwargs):
+        out = to(self, *args, **kwargs)
+        if out.dtype == torch.uint8:  # (a block's bytes, not an index tensor)
+            alive = sum(1 for _, ref, _ in copies if ref() is not None)
+            copies.append((len(calls), weakref.ref(out), alive))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", recorded)
+    return copies
+
+
+def test_a_polls_unpack_holds_one_blocks_device_copy_at_a_time(monkeypatch):
+    """Review of 1f885c6, finding 1: `unpack_many` kept every block's device copy until it returned (and
+    a `cat` of them per KV buffer), so a poll's unpack held up to the whole staging pool on the device
+    (1 GiB by default) where the per-request unpack held one chunk; an out-of-memory under TP ends the
+    server. Each block is now scattered before the next block's copy (one stream block, one wait still):
+    at most one block's device copy is alive at any time (1f885c6: all four)."""
+    q, expected, dst, stream, calls, aborted = _staged_poll(monkeypatch)
+    copies = _device_copies(monkeypatch, calls)
+    assert q.poll()
+    assert [alive for _, _, alive in copies] == [0, 0, 0, 0]  # (1f885c6: [0, 1, 2, 3])
+    assert calls == [[1, 2, 3, 4]] and stream.log == [("enter", stream), "exit", "synchronize"]
+    assert aborted == [] and _admitted_bit_for_bit(q, expected, dst, "abcd")
+
+
+def test_a_batch_that_raised_is_retried_without_its_device_copy_and_logged_once(monkeypatch, caplog):
+    """Review of 1f885c6, findings 2 and 3: the block-by-block retry ran inside the `except` block of the
+    batch's error, whose traceback kept the batch's frames and their device copy alive through the
+    retries (an out-of-memory retried with the memory that ran out still taken); and a batch that raised
+    while every chunk then went in alone was logged nowhere. The retries now run after the except block
+    (no copy of the batch alive in any of them), and the batch's failure is a warning, at most once per
+    `BATCH_WARN_EVERY_S` (with the count since)."""
+    import logging
+
+    import sglang.srt.disaggregation.staging as staging
+
+    scatter = StatePacker._scatter
+
+    def out_of_memory_in_the_batch(self, block, idx, slot):  # (its second block, after its copy)
+        if len(calls) == 1 and slot == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB")
+        return scatter(self, block, idx, slot)
+
+    q, expected, dst, _, calls, aborted = _staged_poll(monkeypatch)
+    monkeypatch.setattr(StatePacker, "_scatter", out_of_memory_in_the_batch)
+    copies = _device_copies(monkeypatch, calls)
+    retried, unpack_many = [], q.staging.packer.unpack_many
+
+    def seen(blocks):
+        if len(calls) >= 1:  # a retry: which of the batch's device copies are still referenced
+            retried.append(sum(1 for n, ref, _ in copies if n == 1 and ref() is not None))
+        return unpack_many(blocks)
+
+    monkeypatch.setattr(q.staging.packer, "unpack_many", seen)
+    with caplog.at_level(logging.WARNING, logger=staging.__name__):
+        assert q.poll()
+    assert calls == [[1, 2, 3, 4], [1], [2], [3], [4]] and retried == [0, 0, 0, 0]
+    assert [alive for _, _, alive in copies] == [0] * 6  # (the batch's two copies, then one per retry)
+    assert aborted == [] and _admitted_bit_for_bit(q, expected, dst, "abcd")
+    assert not q.staged and q.staging.in_use() == 0
+    [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.levelno == logging.WARNING and "Unpacking 4 staged chunks together failed" in warning.message
+    assert "OutOfMemoryError: CUDA out of memory" in warning.message and "0 of them failed" in warning.message
+    caplog.clear()
+    q.staging._warn_batch(4, 0, "the next")  # (within the interval: counted, not logged)
+    assert caplog.records == []
+    q.staging.batch_warned -= staging.BATCH_WARN_EVERY_S
+    q.staging._warn_batch(3, 1, "a later one")
+    [warning] = caplog.records
+    assert "(a later one)" in warning.message and "1 of them failed (2 such batch failures" in warning.message
+
+
+def test_a_batch_that_wrote_some_rows_then_raised_fails_only_its_bad_chunk(monkeypatch):
+    """Review of 1f885c6: room "c"'s state slot is out of the pool (99): the batch writes rooms a and b
+    whole and c's KV rows, then raises. At one TP rank, each chunk is unpacked again alone: a, b and d
+    admitted with their rows bit for bit, c a 500 naming the error, every range freed. Under TP the error
+    leaves the poll."""
+    q, expected, dst, _, calls, aborted = _staged_poll(monkeypatch, slot_c=99)
+    assert q.poll()
+    assert [(rid, code) for rid, code, _ in aborted] == [("rid-c", 500)]
+    assert "could not be written here (IndexError: " in aborted[0][2] and "99 is out of bounds" in aborted[0][2]
+    assert calls == [[1, 2, 99, 4], [1], [2], [99], [4]] and q.stats["failed_transfers"] == 1
+    assert _admitted_bit_for_bit(q, expected, dst, "abd") and expected["c"][0] not in q.sched.running
+    assert not q.staged and q.staging.in_use() == 0
+    q, *_, aborted = _staged_poll(monkeypatch, tp_size=2, slot_c=99)
+    with pytest.raises(IndexError):
+        q.poll()
+    assert aborted == []
+
+
+@pytest.mark.parametrize("error", [ValueError, TypeError, KeyError])
+def test_under_tp_a_value_error_of_the_unpack_leaves_the_poll(monkeypatch, error):
+    """Review of 1f885c6: before it, a ValueError / TypeError / KeyError of a last chunk's unpack under TP
+    was caught as "a malformed answer", which left the request in no queue with its range held (never
+    answered). The poll now raises it (every TP error of the unpack ends the rank's loop: fbbeca6)."""
+    def failing(blocks):
+        raise error("a shape that does not fit")
+
+    q, *_, aborted = _staged_poll(monkeypatch, tp_size=2)
+    monkeypatch.setattr(q.staging.packer, "unpack_many", failing)
+    with pytest.raises(error, match="a shape that does not fit"):
+        q.poll()
+    assert aborted == []
+
+
+@pytest.mark.gpu
+@_cuda
+def test_unpack_many_on_cuda_waits_once_and_holds_one_block_at_a_time():
+    """On CUDA: `unpack_many` of four 8 MiB blocks makes one synchronizing call (the copy stream's wait;
+    review of 1f885c6, finding 4: `torch.tensor(..., device=cuda)` of the indices waited too), and the
+    memory it allocates peaks at one block's device copy (plus the indices: 1 MiB of slack), not four
+    (finding 1); the rows land bit for bit."""
+    import warnings
+
+    g = torch.Generator().manual_seed(5)
+    kv = [torch.randn(4096, 8, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(4)]
+    states = [torch.randn(8, 3, 5, generator=g).to("cuda") for _ in range(2)]
+    src, tokens = StatePacker(kv, states, "cuda"), 1024  # (8 KiB of KV per token: 8 MiB a block)
+    blocks = []
+    for i in range(4):
+        buf = host_buffer(src.packed_bytes(tokens), pin=True)
+        src.pack(list(range(i * tokens, (i + 1) * tokens)), i, buf)
+        blocks.append((buf, list(range(4096 - (i + 1) * tokens, 4096 - i * tokens)), 7 - i))
+    dst = StatePacker([torch.zeros_like(b) for b in kv], [torch.zeros_like(b) for b in states], "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            dst.unpack_many(blocks)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert torch.cuda.max_memory_allocated() - base <= src.packed_bytes(tokens) + (1 << 20)
+    for i, (_, rows, slot) in enumerate(blocks):
+        assert all(torch.equal(d[rows], s[i * tokens : (i + 1) * tokens]) for d, s in zip(dst.kv, kv, strict=True))
+        assert all(torch.equal(d[slot], s[i]) for d, s in zip(dst.states, states, strict=True))

@@ -179,6 +179,8 @@ ACK_POLL_S = 0.05
 # The wait counts while the scheduler polled at most this long ago (an idle loop polls every ~50-100 ms,
 # under TP at the pace of its exchange; a longer gap is a pause, or a long step, which do not count).
 PAUSED_AFTER_S = 1.0
+# A batch unpack that raised (its chunks then unpacked alone) is logged at most this often.
+BATCH_WARN_EVERY_S = 60.0
 
 
 class ChunkLink:
@@ -249,6 +251,9 @@ class Staging:
     # Decode side: a chunk whose unpack raises fails its own request (at --tp-size 1), or ends this rank's
     # scheduler loop (under TP: `receive`).
     fail_alone: bool = True
+    # Decode side: when a batch unpack that raised was last logged (`_warn_batch`), and how many since.
+    batch_warned: float = float("-inf")
+    batch_failures: int = 0
 
     @classmethod
     def create(cls, packer: StatePacker, nbytes: int, chunk_bytes: int, tp_size: int = 1) -> Staging:
@@ -349,32 +354,54 @@ class Staging:
         loop ends, visibly, as every rank's did before the refusal was added."""
         errors = [self.refusal(entry, chunk) for entry, chunk in chunks]
         todo = [i for i, error in enumerate(errors) if error is None]
-        blocks = []  # (host bytes, rows, state slot) of each chunk to unpack
-        for entry, (a, b, state) in (chunks[i] for i in todo):
-            slot = entry.req.mamba_pool_idx if state else None
-            blocks.append((self.buffer[entry.start :], entry.tokens()[a:b], slot))
-        try:  # a chunk that cannot be written fails its own request, never the decode server's loop
-            self.packer.unpack_many(blocks)
-        except Exception as e:  # noqa: BLE001 - logged whole: it is a defect here, not the peer's
-            if not self.fail_alone:
-                raise
-            for i, block in zip(todo, blocks, strict=True):
-                failed = e if len(todo) == 1 else _raised(self.packer.unpack_many, [block])
-                if failed is not None:
-                    (entry, chunk), why = chunks[i], f"{type(failed).__name__}: {str(failed)[:200]}"
-                    logger.error("Unpacking staged chunk %s of request %s failed.", chunk, entry.req.rid,
-                                 exc_info=failed)  # fmt: skip
-                    errors[i] = f"its staged chunk {chunk} could not be written here ({why})"
+        blocks = [self._block(*chunks[i]) for i in todo]  # (host bytes, rows, state slot) of each to unpack
+        if len(todo) == 1:
+            errors[todo[0]] = self._unpack_alone(*chunks[todo[0]], blocks[0])
+        elif todo:
+            batch_error = None
+            try:
+                self.packer.unpack_many(blocks)
+            except Exception as e:  # noqa: BLE001 - each chunk is unpacked again alone to find the cause
+                if not self.fail_alone:
+                    raise
+                batch_error = f"{type(e).__name__}: {str(e)[:200]}"
+            # (the retries run after the except block: in it, the exception's traceback would keep the
+            # batch's frames, and the device copy they hold, alive through them: an out-of-memory retried
+            # with the memory that ran out still taken)
+            if batch_error is not None:
+                for i, block in zip(todo, blocks, strict=True):
+                    errors[i] = self._unpack_alone(*chunks[i], block)
+                self._warn_batch(len(todo), sum(errors[i] is not None for i in todo), batch_error)
         for (entry, chunk), error in zip(chunks, errors, strict=True):
             if error is None:
                 entry.received, entry.state = chunk[1], chunk[2]
         return errors
 
+    def _block(self, entry: StagedRange, chunk: list) -> tuple[torch.Tensor, list[int], int | None]:
+        a, b, state = chunk
+        return self.buffer[entry.start :], entry.tokens()[a:b], entry.req.mamba_pool_idx if state else None
 
-def _raised(fn: Callable, *args) -> Exception | None:
-    """The exception `fn(*args)` raised, or None."""
-    try:
-        fn(*args)
-    except Exception as e:  # noqa: BLE001 - the caller reports it
-        return e
-    return None
+    def _unpack_alone(self, entry: StagedRange, chunk: list, block: tuple) -> str | None:
+        """Unpack one chunk's block; why it could not be written (logged with its traceback), or None.
+        Under TP the error is raised (`receive_many`)."""
+        try:  # a chunk that cannot be written fails its own request, never the decode server's loop
+            self.packer.unpack_many([block])
+        except Exception as e:  # noqa: BLE001 - logged whole: it is a defect here, not the peer's
+            if not self.fail_alone:
+                raise
+            logger.error("Unpacking staged chunk %s of request %s failed.", chunk, entry.req.rid, exc_info=e)
+            return f"its staged chunk {chunk} could not be written here ({type(e).__name__}: {str(e)[:200]})"
+        return None
+
+    def _warn_batch(self, blocks: int, failed: int, error: str) -> None:
+        """Log a batch unpack that raised (every `BATCH_WARN_EVERY_S` at most, with the count since): where
+        each chunk then went in alone, nothing else would say that it happened (an out-of-memory of the
+        batch, or a defect of the batch itself)."""
+        self.batch_failures += 1
+        now = time.monotonic()
+        if now - self.batch_warned < BATCH_WARN_EVERY_S:
+            return
+        logger.warning("Unpacking %d staged chunks together failed (%s); each was unpacked again alone, %d of "
+                       "them failed (%d such batch failures since the last warning).",
+                       blocks, error, failed, self.batch_failures)  # fmt: skip
+        self.batch_warned, self.batch_failures = now, 0

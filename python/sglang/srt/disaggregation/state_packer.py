@@ -6,9 +6,10 @@ A block holds, for every full-attention layer, K then V of the request's tokens 
 order of the slot list), then for every linear layer its conv and SSM rows of one slot: the order of
 `PoolLayout`. Packing gathers on the device (one `index_select` per buffer, one `cat`) and copies the
 block to the host in ONE copy on a copy stream, then waits for that stream once: no host sync per layer.
-Unpacking copies each block to the device in one copy and scatters the blocks (one `index_copy_` per
-buffer over all of them) on the copy stream, then waits for it once, however many blocks. Rows move as
-bytes (`byte_rows`: float8 KV too). The same code runs on CPU tensors (no stream)."""
+Unpacking copies each block to the device in one copy and scatters it (one `index_copy_` per KV buffer,
+one copy per state part) before the next block's copy, on the copy stream, then waits for it once, however
+many blocks. Index tensors go to the device from pinned host memory without a wait. Rows move as bytes
+(`byte_rows`: float8 KV too). The same code runs on CPU tensors (no stream)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ class StatePacker:
         try:
             with _on(self.stream):
                 tokens = [t for dst_tokens, _ in destinations for t in dst_tokens]
-                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-                slots = torch.tensor([slot for _, slot in destinations], dtype=torch.int64, device=self.device)
+                rows = self._index(tokens + [slot for _, slot in destinations])
+                idx, slots = rows[: len(tokens)], rows[len(tokens) :]
                 for buf in self.kv:
                     byte_rows(buf).index_fill_(0, idx, 0)
                 for buf in self.states:
@@ -71,7 +72,7 @@ class StatePacker:
         n = self.packed_bytes(len(tokens), slot is not None)
         try:
             with _on(self.stream):
-                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                idx = self._index(tokens)
                 parts = [_bytes(byte_rows(b).index_select(0, idx)) for b in self.kv]
                 if slot is not None:
                     parts += [_bytes(b[slot : slot + 1]) for b in self.states]
@@ -87,38 +88,47 @@ class StatePacker:
 
     def unpack_many(self, blocks: list[tuple[torch.Tensor, list[int], int | None]]) -> None:
         """Scatter blocks `pack` wrote (host uint8 tensors, each with its rows: `tokens` and `slot` as in
-        `unpack`) into the pools: each block copied to the device in one copy, then one `index_copy_` per
-        buffer over every block's rows. On CUDA it waits for the copy stream ONCE, whatever the number of
-        blocks (their host ranges are free for the next chunks after it)."""
+        `unpack`) into the pools, in order: each block copied to the device in one copy and scattered
+        (`_scatter`) before the next block's copy, so that at most one block's device copy is alive (up to
+        a staging chunk, however many blocks: memory freed on the copy stream is reused by the next copy
+        on it without a wait). On CUDA it waits for the copy stream ONCE, whatever the number of blocks
+        (their host ranges are free for the next chunks after it)."""
         if not blocks:
             return
         try:
             with _on(self.stream):
-                moved = [(src[: self.packed_bytes(len(tokens), slot is not None)]
-                          .to(self.device, non_blocking=self.stream is not None), tokens, slot)
-                         for src, tokens, slot in blocks]  # fmt: skip
-                tokens = [t for _, ts, _ in moved for t in ts]
-                idx = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-                at = [0] * len(moved)  # each block's bytes read so far (its parts in `PoolLayout` order)
-
-                def take(which: list[int], sizes: list[int]) -> torch.Tensor:
-                    out = [moved[i][0][at[i] : at[i] + n] for i, n in zip(which, sizes, strict=True)]
-                    for i, n in zip(which, sizes, strict=True):
-                        at[i] += n
-                    return out[0] if len(out) == 1 else torch.cat(out)  # (one block: no copy)
-
-                every, stated = list(range(len(moved))), [i for i, b in enumerate(moved) if b[2] is not None]
-                for buf, row in zip(self.kv, self.kv_row_bytes, strict=True):
-                    rows = _as(take(every, [row * len(ts) for _, ts, _ in moved]), buf.dtype)
-                    byte_rows(buf).index_copy_(0, idx, byte_rows(rows.view(len(idx), *buf.shape[1:])))
-                slots = torch.tensor([moved[i][2] for i in stated], dtype=torch.int64, device=self.device)
-                for buf, size in zip(self.states, self.state_bytes, strict=True):
-                    if stated:
-                        rows = _as(take(stated, [size] * len(stated)), buf.dtype)
-                        rows = rows.view(len(stated), *buf.shape[1:])
-                        byte_rows(buf).index_copy_(0, slots, byte_rows(rows))
+                idx = self._index([t for _, tokens, _ in blocks for t in tokens])
+                at = 0
+                for src, tokens, slot in blocks:
+                    n = self.packed_bytes(len(tokens), slot is not None)
+                    block = src[:n].to(self.device, non_blocking=self.stream is not None)
+                    self._scatter(block, idx[at : at + len(tokens)], slot)
+                    del block  # (before the next block's copy)
+                    at += len(tokens)
         finally:
             self._sync()  # (the host ranges are reused by the next transfers once this returns)
+
+    def _scatter(self, block: torch.Tensor, idx: torch.Tensor, slot: int | None) -> None:
+        """Write one block on the device into the KV rows `idx` and the state rows of `slot` (None: the
+        block has no state)."""
+        at = 0
+        for buf, row in zip(self.kv, self.kv_row_bytes, strict=True):
+            size = row * len(idx)
+            rows = _as(block[at : at + size], buf.dtype).view(len(idx), *buf.shape[1:])
+            byte_rows(buf).index_copy_(0, idx, byte_rows(rows))
+            at += size
+        for buf, size in zip(self.states, self.state_bytes, strict=True):
+            if slot is None:
+                break
+            buf[slot].copy_(_as(block[at : at + size], buf.dtype).view(buf.shape[1:]))
+            at += size
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """`values` as an int64 tensor on the device, queued on the current stream without a host wait:
+        built on the host (pinned, on CUDA) and copied non-blocking, where `torch.tensor(values,
+        device=cuda)` copies from pageable memory and waits for the copy."""
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
 
 
 def kv_buffers(token_to_kv_pool) -> list[torch.Tensor]:
