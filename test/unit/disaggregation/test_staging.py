@@ -667,7 +667,8 @@ def test_a_batch_that_raised_is_retried_without_its_device_copy_and_logged_once(
     assert aborted == [] and _admitted_bit_for_bit(q, expected, dst, "abcd")
     assert not q.staged and q.staging.in_use() == 0
     [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert warning.levelno == logging.WARNING and "Unpacking 4 staged chunks together failed" in warning.message
+    assert warning.levelno == logging.WARNING
+    assert "Unpacking 4 staged chunks together failed" in warning.message
     assert "OutOfMemoryError: CUDA out of memory" in warning.message and "0 of them failed" in warning.message
     caplog.clear()
     q.staging._warn_batch(4, 0, "the next")  # (within the interval: counted, not logged)
@@ -686,7 +687,8 @@ def test_a_batch_that_wrote_some_rows_then_raised_fails_only_its_bad_chunk(monke
     q, expected, dst, _, calls, aborted = _staged_poll(monkeypatch, slot_c=99)
     assert q.poll()
     assert [(rid, code) for rid, code, _ in aborted] == [("rid-c", 500)]
-    assert "could not be written here (IndexError: " in aborted[0][2] and "99 is out of bounds" in aborted[0][2]
+    message = aborted[0][2]
+    assert "could not be written here (IndexError: " in message and "99 is out of bounds" in message
     assert calls == [[1, 2, 99, 4], [1], [2], [99], [4]] and q.stats["failed_transfers"] == 1
     assert _admitted_bit_for_bit(q, expected, dst, "abd") and expected["c"][0] not in q.sched.running
     assert not q.staged and q.staging.in_use() == 0
@@ -744,5 +746,6 @@ def test_unpack_many_on_cuda_waits_once_and_holds_one_block_at_a_time():
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert torch.cuda.max_memory_allocated() - base <= src.packed_bytes(tokens) + (1 << 20)
     for i, (_, rows, slot) in enumerate(blocks):
-        assert all(torch.equal(d[rows], s[i * tokens : (i + 1) * tokens]) for d, s in zip(dst.kv, kv, strict=True))
+        sent = slice(i * tokens, (i + 1) * tokens)
+        assert all(torch.equal(d[rows], s[sent]) for d, s in zip(dst.kv, kv, strict=True))
         assert all(torch.equal(d[slot], s[i]) for d, s in zip(dst.states, states, strict=True))

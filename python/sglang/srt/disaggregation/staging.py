@@ -401,7 +401,7 @@ class Staging:
         now = time.monotonic()
         if now - self.batch_warned < BATCH_WARN_EVERY_S:
             return
-        logger.warning("Unpacking %d staged chunks together failed (%s); each was unpacked again alone, %d of "
-                       "them failed (%d such batch failures since the last warning).",
+        logger.warning("Unpacking %d staged chunks together failed (%s); each was unpacked again alone, "
+                       "%d of them failed (%d such batch failures since the last warning).",
                        blocks, error, failed, self.batch_failures)  # fmt: skip
         self.batch_warned, self.batch_failures = now, 0
