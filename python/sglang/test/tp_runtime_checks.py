@@ -29,6 +29,7 @@ def runtime_checks(rank: int, world_size: int, init_method: str) -> dict[str, An
         "none": tp.agree_outcome(None),
         "one": tp.agree_outcome("disk full" if rank == 1 else None),
         "all": tp.agree_outcome("bad name"),
+        "processor": _processor_outcome(rank, tp),
         "tokens": _sampled_tokens(rank),
     }
     if rank == 0:  # rank 1 never joins this all-reduce: the TP group's timeout must end it
@@ -41,6 +42,23 @@ def runtime_checks(rank: int, world_size: int, init_method: str) -> dict[str, An
     else:
         time.sleep(AWAY_S)
     return out
+
+
+def _processor_outcome(rank: int, tp: Any) -> list[Any]:
+    """A request's custom logit processor that loads on rank 0 and not on rank 1 (its code may read the
+    rank, its host's files...: here rank 1's payload is cut short), then one that loads on both: the
+    (loaded, error) each rank takes."""
+    from sglang.srt.sampling.custom_logit_processor import (
+        DisallowedTokensLogitsProcessor,
+        load_processor_agreed,
+    )
+
+    payload = DisallowedTokensLogitsProcessor.to_str()
+    outcomes = []
+    for mine in (payload if rank == 0 else payload[:-8], payload):
+        processor, error = load_processor_agreed(mine, tp.agree_outcome)
+        outcomes.append((processor is not None, error))
+    return outcomes
 
 
 def _sampled_tokens(rank: int) -> dict[str, Any]:

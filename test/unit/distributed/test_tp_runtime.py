@@ -2,7 +2,8 @@
 8, 10 of issue 54's TP work):
 
 - two gloo ranks agree on an outcome (`TpBroadcast.agree_outcome`: None where every rank succeeded, else
-  the failing rank's reason naming it), and --dist-timeout bounds the model groups' collectives (a rank
+  the failing rank's reason naming it; a custom logit processor that loads on one rank only is refused
+  on both), and --dist-timeout bounds the model groups' collectives (a rank
   left alone in an all-reduce fails after the timeout, not after torch's 30 minutes);
 - with a stand-in for the other rank's vote: a tensor update copies nothing when another rank failed,
   a disk update keeps the old model, a memory release / resume is taken back on this rank;
@@ -51,6 +52,12 @@ def test_two_ranks_agree_and_the_model_groups_time_out(ranks):
         assert r["none"] is None
         assert r["one"] == "disk full (on TP rank 1; every rank keeps what it had)"
         assert r["all"] == "bad name"  # (every rank failed alike: the reason as one rank gives it)
+        # A custom logit processor that loads on rank 0 only is refused on both (rank 0 alone would run
+        # the request rank 1 refused, and their batches would differ); one that loads on both runs.
+        (loaded, error), (loaded_ok, no_error) = r["processor"]
+        assert not loaded and error.startswith("custom_logit_processor must be the JSON")
+        assert error.endswith("(on TP rank 1; the request is refused on every rank)")
+        assert loaded_ok and no_error is None
     # gloo raises once the group's timeout has passed; rank 1 only comes back after AWAY_S.
     assert r0["failed_after_s"] is not None and GROUP_TIMEOUT_S * 0.5 < r0["failed_after_s"] < AWAY_S - 0.5
 

@@ -17,7 +17,7 @@ import hashlib
 import hmac
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -135,6 +135,23 @@ def load_processor(payload: str) -> CustomLogitProcessor:
     secret: a processor is shared by the requests that send the same class). ValueError saying why
     not, whatever the payload holds."""
     return _load(payload, envs.SGLANG_LOGIT_PROCESSOR_SECRET.get())
+
+
+def load_processor_agreed(
+    payload: str, agree: Callable[[str | None, str], str | None] | None = None
+) -> tuple[CustomLogitProcessor | None, str | None]:
+    """`load_processor`'s (processor, None), or (None, why not). Under tensor parallelism (`agree`:
+    `TpBroadcast.agree_outcome`) every rank takes the same outcome: loading runs the client's code on
+    each rank, and a payload that loads on some ranks only must be refused on all of them (a request one
+    rank refuses and another runs makes their batches differ, and the collectives hang)."""
+    processor, error = None, None
+    try:
+        processor = load_processor(payload)
+    except ValueError as e:
+        error = str(e)
+    if agree is not None:
+        error = agree(error, "the request is refused on every rank")
+    return (None, error) if error is not None else (processor, None)
 
 
 @lru_cache(maxsize=64)

@@ -43,7 +43,7 @@ from sglang.srt.managers.scheduler_components.loop_times import clock
 from sglang.srt.managers.scheduler_components.request_control import GenerationPause, RequestDeadlines
 from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import MEMORY_RELEASED
 from sglang.srt.managers.scheduler_components.tp_broadcast import Tick, TpBroadcast
-from sglang.srt.sampling.custom_logit_processor import load_processor
+from sglang.srt.sampling.custom_logit_processor import load_processor_agreed
 
 logger = logging.getLogger(__name__)
 
@@ -268,11 +268,12 @@ class SchedulerIOMixin:
         self.counters["num_prompt_tokens_total"] += len(req.origin_input_ids)
         self.reqs_by_rid[req.rid] = req
         if recv.custom_logit_processor is not None:
-            try:
-                req.custom_logit_processor = load_processor(recv.custom_logit_processor)
-            except ValueError as e:
-                self.refuse_request(req, str(e), "custom_logit_processor")
+            agree = self.tp.agree_outcome if self.tp is not None else None  # (the ranks refuse it alike)
+            processor, error = load_processor_agreed(recv.custom_logit_processor, agree)
+            if error is not None:
+                self.refuse_request(req, error, "custom_logit_processor")
                 return req
+            req.custom_logit_processor = processor
             self.custom_logit_reqs += 1
         if req.penalized:  # (after the processor: with one, the quick check checks every token)
             self.finisher.set_quick_check(req)  # its stop ids, which min_new_tokens bans until then

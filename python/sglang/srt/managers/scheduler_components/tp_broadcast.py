@@ -219,11 +219,12 @@ class TpBroadcast:
         if any(v != values[0] for v in values):
             raise ParallelGroupError(f"The TP ranks have different {what} ({values}){hint}.")
 
-    def agree_outcome(self, error: str | None) -> str | None:
+    def agree_outcome(self, error: str | None, then: str = "every rank keeps what it had") -> str | None:
         """The outcome every rank takes of a call that may fail on some ranks only (a weight load from
-        disk, a tensor update, a memory release): None where every rank succeeded, else why not (the
-        first failing rank's reason, naming it unless every rank failed alike), so that all ranks apply
-        or roll back together and their states stay the same."""
+        disk, a tensor update, a memory release, a request's custom logit processor): None where every
+        rank succeeded, else why not (the first failing rank's reason, naming it and saying `then` unless
+        every rank failed alike), so that all ranks apply or roll back together and their states stay
+        the same."""
         from sglang.srt.distributed.parallel_state import gather_objects
 
         errors = gather_objects(error, self.group, self.rank.tp_size)
@@ -233,7 +234,7 @@ class TpBroadcast:
         if len(failed) == len(errors) and all(e == failed[0][1] for _, e in failed):
             return failed[0][1]
         r, why = failed[0]
-        return f"{why} (on TP rank {r}; every rank keeps what it had)"
+        return f"{why} (on TP rank {r}; {then})"
 
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (an operation that ended on each rank at its own time)."""
