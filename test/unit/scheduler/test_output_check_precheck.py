@@ -143,3 +143,34 @@ def test_init_parallel_gives_the_finisher_and_the_grammar_queue_the_tp_group():
     )
     SchedulerIOMixin.init_parallel(sched, tp, None)
     assert sched.finisher.group is group and sched.grammar_queue.group is group
+
+
+def test_a_decode_set_without_measured_checks_is_not_scanned():
+    """A decode batch whose requests have no grammar, stop_regex or custom logit processor skips the
+    precheck's scan of its rows (`DecodeRows.any_measured`, read once per decode set); one such request
+    in the set turns it on."""
+    from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
+    from sglang.srt.managers.scheduler_components.decode_rows import DecodeRows
+
+    def req(rid: str, **params) -> Req:
+        r = Req(rid, [5], SamplingParams(max_new_tokens=100, **params))
+        r.req_pool_idx = r.mamba_pool_idx = 0
+        return r
+
+    plain = [req(f"p{i}") for i in range(3)]
+    assert not DecodeRows.of(plain).any_measured
+    assert DecodeRows.of([*plain, req("r", stop_regex=["x"])]).any_measured
+    g = _grammar_req("g")
+    g.req_pool_idx = g.mamba_pool_idx = 0
+    assert DecodeRows.of([*plain, g]).any_measured
+
+    scanned = []
+    c = _checker()
+    c.precheck = lambda rows: scanned.append(list(rows))
+    for any_measured in (False, True):
+        batch = SimpleNamespace(reqs=plain, any_measured=any_measured, pending_tracks={}, any_stream=False)
+        result = SimpleNamespace(next_token_ids=[7] * 3, next_token_logprobs=None, hidden_states=None)
+        log = SimpleNamespace(log=lambda reqs, ids: False, take=lambda req=None: [])
+        rp = SimpleNamespace(finisher=c, token_log=log, _commit_decode_tokens=lambda b, r: None)
+        BatchResultProcessor.process_batch_result_decode(rp, batch, result)
+    assert len(scanned) == 1 and len(scanned[0]) == 3  # (only the batch that has one)

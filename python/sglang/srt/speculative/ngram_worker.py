@@ -277,7 +277,7 @@ class NgramWorker:
         deps.inflight.add(batch)
         batch.future_slots = None  # no overlap: nothing names these tokens before they are processed
         rows = deps.rows_cache.get(reqs)
-        batch.any_stream = rows.any_stream
+        batch.any_stream, batch.any_measured = rows.any_stream, rows.any_measured
 
         def per_token(values):
             return [v for v, n in zip(values, widths, strict=True) for _ in range(n)]
@@ -337,7 +337,8 @@ class NgramWorker:
         spec: NgramVerifyInput = batch.spec_info
         sampled_all, hidden = result.next_token_ids, result.hidden_states
         firsts = itertools.accumulate(spec.widths, initial=0)  # (its first token: checked with the others')
-        rp.finisher.precheck((r, sampled_all[at]) for r, at in zip(batch.reqs, firsts, strict=False))
+        if batch.any_measured:  # (a decode set without grammars, stop_regex or processors: no scan)
+            rp.finisher.precheck((r, sampled_all[at]) for r, at in zip(batch.reqs, firsts, strict=False))
         touched: list[Req] = []
         copies: list[tuple[int, int]] = []  # (verify row, slot): the states the commit keeps
         settled: list[tuple[Req, tuple[int, int] | None]] = []  # to release or commit a snapshot for

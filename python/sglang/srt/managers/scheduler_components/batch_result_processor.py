@@ -152,7 +152,8 @@ class BatchResultProcessor:
             self.counters["num_generation_tokens_total"] += len(batch.reqs)
             return
         commit_logged(log)  # the loops below read the lists themselves
-        self.finisher.precheck(zip(batch.reqs, result.next_token_ids, strict=True))
+        if batch.any_measured:  # (a decode set without grammars, stop_regex or processors: no scan)
+            self.finisher.precheck(zip(batch.reqs, result.next_token_ids, strict=True))
         if short:
             self._commit_decode_tokens(batch, result)
             return

@@ -35,6 +35,7 @@ class DecodeRows:
     any_penalized: bool  # some request's logits take penalties (sampling/penaltylib.py)
     any_grammar: bool  # some request has a grammar (constrained/vocab_mask.py)
     any_custom_logit: bool  # some request has a custom logit processor
+    any_measured: bool  # some request's finish check is measured (`FinishChecker.measured`)
     hidden_states_mask: list[bool] | None  # `hidden_states_mask`
 
     @classmethod
@@ -67,6 +68,8 @@ class DecodeRows:
             logprob_mask, top_nums, any_stream = list(logprob), list(top), any(stream)
             any_penalized = any(penalized)
             token_ids = list(ids) if ids.count(None) < n else None
+        any_grammar = any(r.grammar is not None for r in reqs)
+        any_custom_logit = any(r.custom_logit_processor is not None for r in reqs)
         return cls(
             req_pool_indices=rows,
             mamba_pool_indices=slots,
@@ -77,8 +80,9 @@ class DecodeRows:
             token_ids_logprobs=token_ids,
             any_stream=any_stream,
             any_penalized=any_penalized,
-            any_grammar=any(r.grammar is not None for r in reqs),
-            any_custom_logit=any(r.custom_logit_processor is not None for r in reqs),
+            any_grammar=any_grammar,
+            any_custom_logit=any_custom_logit,
+            any_measured=any_grammar or any_custom_logit or any(r.sampling_params.stop_regex for r in reqs),
             hidden_states_mask=hidden_states_mask(reqs),
         )
 
