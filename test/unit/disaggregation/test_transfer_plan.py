@@ -184,3 +184,25 @@ def test_bootstrap_fields_make_a_room():
     assert bootstrap_info(None, None, None) is None
     info = bootstrap_info("10.0.0.1", None, 2848527443091318016)
     assert (info.host, info.port, info.room) == ("10.0.0.1", None, "2848527443091318016")
+
+
+def test_state_dtypes_of_the_same_size_are_refused_naming_the_flag():
+    """A bfloat16 and a float16 SSM state (--mamba-ssm-dtype on one side only) weigh alike per slot: the
+    layouts name the state dtypes, so the pair is refused naming the flag. Before, the decode server took
+    the prefill server's bfloat16 bits as float16 and decoded other tokens (the PD sweep's
+    ssm_dtype_mismatch pair served)."""
+    kv, _ = make_pools(64, 16, 4, fill=0.0)
+    layouts = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        params = Mamba2CacheParams(
+            shape=Mamba2StateShape(conv=(6, 3), temporal=(2, 4, 4), conv_kernel=4),
+            dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=dtype),
+            layers=tuple(LINEAR),
+        )
+        layouts[dtype] = PoolLayout.of(kv, MambaPool(4, params))
+    bf16, fp16 = layouts[torch.bfloat16], layouts[torch.float16]
+    assert bf16.state_slot_bytes == fp16.state_slot_bytes
+    for a, b in [(bf16, fp16), (fp16, bf16)]:
+        message = a.mismatch(b)
+        assert message is not None and "--mamba-ssm-dtype" in message, message
+    assert bf16.mismatch(PoolLayout.from_dict(bf16.to_dict())) is None

@@ -56,6 +56,8 @@ class PoolLayout:
     kv_dtype: str = ""
     # Of the KV layers, the MTP draft layer's (the last; EAGLE / NEXTN: `draft_layers.draft_kv_layer_ids`).
     draft_kv_layers: int = 0
+    # The state pool's dtypes (`--mamba-ssm-dtype`): a bfloat16 and a float16 state weigh alike.
+    state_dtypes: str = ""
 
     @classmethod
     def of(cls, token_to_kv_pool, mamba_pool, draft_kv_layers: int = 0) -> PoolLayout:
@@ -71,6 +73,7 @@ class PoolLayout:
             state_slot_bytes=[s for _, _, s in states],
             kv_dtype=str(token_to_kv_pool.dtype),
             draft_kv_layers=draft_kv_layers,
+            state_dtypes=f"conv {mamba_pool.conv_state.dtype}, ssm {mamba_pool.ssm_state.dtype}",
         )
 
     def regions(self) -> list[tuple[int, int]]:
@@ -108,6 +111,9 @@ class PoolLayout:
                 f"the KV layouts differ ({len(self.kv_ptrs) // 2} layers of {self.kv_bytes_per_token} bytes per "
                 f"token here, {len(other.kv_ptrs) // 2} of {other.kv_bytes_per_token} there)"
             )
+        if self.state_dtypes != other.state_dtypes:
+            here, there = self.state_dtypes or "none named", other.state_dtypes or "none named"
+            return f"the recurrent-state dtypes differ ({here} here, {there} there: --mamba-ssm-dtype)"
         if self.state_slot_bytes != other.state_slot_bytes:
             return "the recurrent-state layouts differ (another model, or another --mamba-ssm-dtype)"
         return None
