@@ -96,7 +96,8 @@ class PoolLayout:
         return cls(**d)
 
     def mismatch(self, other: PoolLayout) -> str | None:
-        """Why a transfer between the two layouts cannot be right (different models or dtypes), or None."""
+        """Why a transfer between the two layouts cannot be right (different models or dtypes), or None.
+        `self` is the prefill server's, `other` the decode server's (the decode client reads the reason)."""
         if self.draft_kv_layers != other.draft_kv_layers:
             return (
                 "one server of the pair keeps the MTP draft layer's KV (--speculative-algorithm EAGLE / NEXTN) "
@@ -105,15 +106,22 @@ class PoolLayout:
         # The dtype first: a float8 and a 16-bit KV differ in bytes per token too, and the flag is the cause.
         if self.kv_dtype != other.kv_dtype:
             here, there = self.kv_dtype or "none named", other.kv_dtype or "none named"
-            return f"the KV cache dtypes differ ({here} here, {there} there: --kv-cache-dtype)"
+            return (
+                f"the KV cache dtypes differ (the prefill server's {here}, the decode server's {there}: "
+                "--kv-cache-dtype)"
+            )
         if len(self.kv_ptrs) != len(other.kv_ptrs) or self.kv_bytes_per_token != other.kv_bytes_per_token:
             return (
                 f"the KV layouts differ ({len(self.kv_ptrs) // 2} layers of {self.kv_bytes_per_token} bytes per "
-                f"token here, {len(other.kv_ptrs) // 2} of {other.kv_bytes_per_token} there)"
+                f"token on the prefill server, {len(other.kv_ptrs) // 2} of {other.kv_bytes_per_token} on the "
+                "decode server)"
             )
         if self.state_dtypes != other.state_dtypes:
             here, there = self.state_dtypes or "none named", other.state_dtypes or "none named"
-            return f"the recurrent-state dtypes differ ({here} here, {there} there: --mamba-ssm-dtype)"
+            return (
+                f"the recurrent-state dtypes differ (the prefill server's {here}, the decode server's {there}: "
+                "--mamba-ssm-dtype)"
+            )
         if self.state_slot_bytes != other.state_slot_bytes:
             return "the recurrent-state layouts differ (another model, or another --mamba-ssm-dtype)"
         return None
