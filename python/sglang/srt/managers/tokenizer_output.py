@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 from sglang.srt.layers.logits_processor import rows_as_lists
 from sglang.srt.managers.io_struct import BatchStrOut
 from sglang.srt.managers.request_validation import NormalizedRequest
-from sglang.srt.utils.text_markers import partial_marker_len
+from sglang.srt.utils.text_markers import StopScan
 
 TokenTexts = Callable[[list[int]], list[str]]
 
@@ -86,6 +86,8 @@ class ReqState:
         self._built: tuple[int, int, bool] | None = None  # the marker of the chunk built last
         # Streams: how much of each list of logprobs (and of hidden_states) earlier chunks carried.
         self._streamed: dict[str, int] = dict.fromkeys((*LOGPROB_LISTS, "hidden_states"), 0)
+        self._stop_scan: StopScan | None = None  # the stop strings looked for as the text grows
+        self._matched_at: tuple[int, int] | None = None  # (text length, where the matched stop begins)
 
     @property
     def finished(self) -> bool:
@@ -123,25 +125,36 @@ class ReqState:
     # ---- text --------------------------------------------------------------------------------------
 
     def visible_text(self) -> str:
-        stops = self.req.sampling_params.stop
+        return self.text[: self.visible_len()]
+
+    def visible_len(self) -> int:
+        """How much of the text a reply shows: up to the earliest stop string (or the matched stop), and
+        while the request runs, not the end that may still begin one. The stop strings are looked for
+        in what arrived since the last call (`StopScan`), so a chunk costs its own text, not the whole."""
+        sp = self.req.sampling_params
         text = self.text
-        if not stops or self.req.sampling_params.no_stop_trim:
-            return text  # (nothing is trimmed: nothing to hold back either)
-        matched = (self.finished_reason or {}).get("matched")
-        cuts = [text.find(s) for s in stops]
-        cuts = [c for c in cuts if c >= 0]
-        if isinstance(matched, str) and matched in text:
-            cuts.append(text.find(matched))
-        if cuts:
-            return text[: min(cuts)]
+        if not sp.stop or sp.no_stop_trim:
+            return len(text)  # (nothing is trimmed: nothing to hold back either)
+        if self._stop_scan is None:
+            self._stop_scan = StopScan(sp.stop)
+        scan = self._stop_scan
+        scan.scan(text)
+        end = len(text) if scan.cut is None else scan.cut
         if self.finished:
-            return text
-        return text[: len(text) - partial_marker_len(text, stops)]
+            matched = self.finished_reason.get("matched")
+            if isinstance(matched, str):
+                # (once: the finish is the last message, so the text no longer grows)
+                if self._matched_at is None or self._matched_at[0] != len(text):
+                    self._matched_at = (len(text), text.find(matched))
+                at = self._matched_at[1]
+                end = end if at < 0 else min(end, at)
+            return end
+        return end if scan.cut is not None else end - scan.hold
 
     # ---- streaming bookkeeping ---------------------------------------------------------------------
 
     def _marker(self) -> tuple[int, int, bool]:
-        return (len(self.visible_text()), len(self.output_ids), self.finished)
+        return (self.visible_len(), len(self.output_ids), self.finished)
 
     def has_unsent_update(self) -> bool:
         return self.got_message and self._marker() != self._sent

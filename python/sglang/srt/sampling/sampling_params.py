@@ -7,6 +7,7 @@ from typing import Any
 
 from sglang.srt.constrained.grammar_spec import check_grammar_fields
 from sglang.srt.constrained.stop_regex import check_stop_regex
+from sglang.srt.constrained.stop_strings import check_stops
 
 MAX_N = 64
 # A temperature below this samples greedily, as upstream (`_SAMPLING_EPS`): dividing logits by it would
@@ -119,8 +120,7 @@ class SamplingParams:
         for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(f"{name} must be a boolean.")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise SamplingParamsError("stop must be a non-empty string or a list of non-empty strings.")
+        check_stops(self.stop, SamplingParamsError)  # its bounds (constrained/stop_strings.py)
         check_stop_regex(self.stop_regex, SamplingParamsError)  # its bounds, and that `regex` compiles it
         check_grammar_fields(self, SamplingParamsError)
         if not isinstance(self.stop_token_ids, list):
