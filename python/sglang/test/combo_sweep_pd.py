@@ -3,7 +3,7 @@
 and `sglang-router` in PD mode in front, sends combo_sweep's requests through the router, and classifies
 as combo_sweep does (OK / REFUSED / REFUSED_REQ / WRONG / BROKEN).
 
-    python -m sglang.test.combo_sweep_pd                    # every case (~25 min on 2 shared cores)
+    python -m sglang.test.combo_sweep_pd                    # every case (~13 min on 2 shared cores)
     python -m sglang.test.combo_sweep_pd --cases base,page16,kv_fp8_mismatch --log-dir /tmp/pd
     python -m sglang.test.combo_sweep_pd --list
 
@@ -11,12 +11,13 @@ Per case, besides combo_sweep's requests (a greedy prompt with logprobs, other p
 again and once more streamed, n=2 sampling, a json_schema request; a batch is sent as one request per
 prompt, as the router takes no batches):
 
-- the greedy tokens, and those of a next turn (the first prompt, its answer and new tokens, as token
-  ids), equal the prefill server's own answers asked without bootstrap fields (it then serves the
-  request whole: a single server with the prefill side's features), and, where every feature is exact,
-  the tokens of the preset's pair without features;
-- the next turn's transfer moves its whole prompt's KV, or, with `--disaggregation-decode-enable-radix-
-  cache` on the decode side, less (the decode tree holds the first turn): `moved` in the table;
+- the greedy tokens, and those of two next turns (each the previous prompt, its answer and new tokens,
+  as token ids), equal the prefill server's own answers asked without bootstrap fields (it then serves
+  the request whole: a single server with the prefill side's features), and, where every feature is
+  exact, the tokens of the preset's pair without features;
+- each next turn's transfer moves its whole prompt's KV, or, with `--disaggregation-decode-enable-radix-
+  cache` on the decode side, the positions past what the decode tree holds of the previous turns
+  (exactly at page size 1 and under extra_buffer: `_expected_checkpoint`): `moved` in the table;
 - afterwards both servers hold nothing for requests (no running or waiting request, no KV or mamba slot
   held by one, empty PD queues), and no log (prefill, decode, router) holds a traceback.
 
@@ -66,7 +67,10 @@ STAGED = Feature(
     },
 )
 DECODE_RADIX = Feature("decode_radix", dict(disaggregation_decode_enable_radix_cache=True))
-PD_FEATURES = {f.name: f for f in (STAGED, DECODE_RADIX)}
+# The recurrent state's dtype: bfloat16 and float16 weigh alike, so only a named dtype tells them apart.
+SSM_BF16 = Feature("ssm_bf16", dict(mamba_ssm_dtype="bfloat16"), exact=False)
+SSM_FP16 = Feature("ssm_fp16", dict(mamba_ssm_dtype="float16"), exact=False)
+PD_FEATURES = {f.name: f for f in (STAGED, DECODE_RADIX, SSM_BF16, SSM_FP16)}
 # The router's default is five attempts with backoffs; one retry is enough on loopback, and a refused
 # pair then fails its first request in seconds.
 ROUTER_ARGS = ["--retry-max-retries", "2"]
@@ -112,10 +116,18 @@ CASES = [
     *_single("no_buffer,extra_buffer,lazy,page16,chunked,no_overlap,small_pool,kv_fp8,quant_fp8,fp8_ckpt"),
     PdCase("staged", both=("staged",)),
     PdCase("hicache", both=("hicache",), decode=("decode_radix",)),
-    *_single("ngram,nextn,tp2"),
+    *_single("ngram,nextn,tp2,no_radix,ssm_bf16"),
+    PdCase("hicache_disk", both=("hicache_disk",), decode=("decode_radix",)),
+    PdCase("staged+kv_fp8", both=("staged", "kv_fp8")),
+    PdCase("staged+tp2", both=("staged", "tp2")),
+    # The decode server's radix cache under each strategy, and with what changes its matches.
     *[
         PdCase(f"decode_radix+{s}", both=(s,), decode=("decode_radix",))
         for s in ("no_buffer", "extra_buffer", "lazy")
+    ],
+    *[
+        PdCase(f"decode_radix+extra_buffer+{f}", both=("extra_buffer", f), decode=("decode_radix",))
+        for f in ("page16", "small_pool", "staged", "ngram", "nextn")
     ],
     # Pairs that may differ: page sizes (KV moves per run of token slots) and strategies.
     PdCase("page16_prefill_only", prefill=("page16",)),
@@ -125,9 +137,14 @@ CASES = [
     PdCase("nextn_mismatch", prefill=("nextn",), refuse="--speculative-algorithm"),
     PdCase("staged_mismatch", prefill=("staged",), refuse="SGLANG_DISAGGREGATION_STAGING"),
     PdCase("tp2_mismatch", prefill=("tp2",), refuse="--tp-size"),
+    PdCase("ssm_dtype_mismatch", prefill=("ssm_bf16",), decode=("ssm_fp16",), refuse="--mamba-ssm-dtype"),
     PdCase("dp2", both=("dp2",), refuse="--dp-size"),
-    # The other architectures: their own pair, and their decode radix cache.
-    *[PdCase(m, both=(m,)) for m in ("nemotron", "lfm2", "qwen35")],
+    # The other architectures: their own pair (the vision-language one with an image request too), and
+    # a decode radix cache.
+    *[
+        PdCase(m, both=(m,))
+        for m in ("nemotron", "lfm2", "qwen35", "qwen35_moe", "granite", "falcon", "bamba", "lfm2_moe", "vl")
+    ],
     PdCase("nemotron+decode_radix+extra_buffer", both=("nemotron", "extra_buffer"), decode=("decode_radix",)),
 ]
 BY_CASE = {c.name: c for c in CASES}
@@ -135,7 +152,7 @@ BY_CASE = {c.name: c for c in CASES}
 
 @dataclass
 class PdOutcome(Outcome):
-    moved: int | None = None  # KV positions the next turn's transfer moved
+    moved: list[int] | None = None  # KV positions the next turns' transfers moved
     next_turn: list[int] | None = None
 
 
@@ -228,40 +245,61 @@ def _held(server, timeout: float = 15) -> str | None:
         time.sleep(0.3)
 
 
-def _next_turn(pd: dict, outcome: PdOutcome, case: PdCase) -> None:
-    """The first prompt, its answer and new tokens, through the router: the prefill server's own answer,
-    and the KV positions moved (the whole prompt, or less from the decode tree)."""
+def _expected_checkpoint(case: PdCase, prompt: int, answer: int, best: int | None) -> int | None:
+    """The longest prefix of the next turn whose KV and state the decode tree holds after a turn of
+    `prompt` tokens and `answer` answered (None: none known, or none to predict; docs/disaggregation.md,
+    "The decode server's radix cache"). Its KV ends at prompt + answer - 1 (the last token's is never
+    computed); a finished turn leaves its state there at page size 1, and with pages under
+    extra_buffer at its last page boundary it decoded across (its track snapshots), else nothing new."""
+    kwargs = {k: v for f in case.features("decode") for k, v in f.kwargs.items()}
+    page, end = kwargs.get("page_size", 1), prompt + answer - 1
+    if page == 1:
+        return end
+    if kwargs.get("mamba_scheduler_strategy") != "extra_buffer":
+        return None
+    boundary = end // page * page
+    return max(boundary, best or 0) if boundary > prompt else best
+
+
+def _next_turns(pd: dict, outcome: PdOutcome, case: PdCase) -> None:
+    """Two more turns through the router, each the previous prompt, its answer and new tokens: the
+    prefill server's own answers, and the KV positions each transfer moved: the whole prompt, or with
+    the decode radix cache what its tree lacks (exactly, where `_expected_checkpoint` knows it)."""
     prefill, router = pd["prefill"], pd["router"]
     tok = requests.post(prefill.base_url + "/tokenize", json={"prompt": [PROMPT, NEXT_TURN]}, timeout=30)
-    first, new = tok.json()["tokens"]
-    ids = first + outcome.greedy + new
-    body = {"input_ids": ids, "sampling_params": GREEDY}
-    before = _state(prefill)["disaggregation"]["kv_tokens"]
-    try:
-        got = _post(router.base_url, body)
-    except Exception as e:
-        outcome.fail("BROKEN", f"next turn: {type(e).__name__}: {e}")
-        return
-    outcome.moved = _state(prefill)["disaggregation"]["kv_tokens"] - before
-    outcome.next_turn = got["output_ids"]
-    want = _post(prefill.base_url, body)["output_ids"]
-    if got["output_ids"] != want:
-        outcome.fail("WRONG", f"next turn {got['output_ids']} != the prefill server's own {want}")
-    if case.decode_radix and not 0 < outcome.moved < len(ids):
-        outcome.fail("WRONG", f"next turn moved {outcome.moved} of {len(ids)} positions with the decode tree")
-    elif not case.decode_radix and outcome.moved != len(ids):
-        outcome.fail("WRONG", f"next turn moved {outcome.moved} of {len(ids)} positions")
+    ids, new = tok.json()["tokens"]
+    answer, held, outcome.moved = outcome.greedy, None, []
+    for turn in (2, 3):
+        if case.decode_radix:
+            held = _expected_checkpoint(case, len(ids), len(answer), held)
+        ids = ids + answer + new
+        body = {"input_ids": ids, "sampling_params": GREEDY}
+        before = _state(prefill)["disaggregation"]["kv_tokens"]
+        try:
+            got = _post(router.base_url, body)
+        except Exception as e:
+            outcome.fail("BROKEN", f"turn {turn}: {type(e).__name__}: {e}")
+            return
+        moved = _state(prefill)["disaggregation"]["kv_tokens"] - before
+        outcome.moved.append(moved)
+        answer = outcome.next_turn = got["output_ids"]
+        want = _post(prefill.base_url, body)["output_ids"]
+        if answer != want:
+            outcome.fail("WRONG", f"turn {turn}: {answer} != the prefill server's own {want}")
+        expected = len(ids) - (held or 0)
+        if moved != expected and (held is not None or not case.decode_radix or not 0 < moved <= len(ids)):
+            outcome.fail("WRONG", f"turn {turn} moved {moved} of {len(ids)} positions, not {expected}")
 
 
 def _serve(pd: dict, outcome: PdOutcome, case: PdCase) -> None:
     client = RouterClient(pd["router"].base_url, lambda: _stop(pd))
-    _requests(client, outcome, False)
+    _requests(client, outcome, case.model == BY_NAME["vl"].kwargs["model_path"])
     if outcome.greedy is None or "logs" in pd:  # (no cold answer, or stopped after a hang)
         return
     want = _post(pd["prefill"].base_url, {"text": PROMPT, "sampling_params": GREEDY})["output_ids"]
     if outcome.greedy != want:
         outcome.fail("WRONG", f"greedy {outcome.greedy} != the prefill server's own {want}")
-    _next_turn(pd, outcome, case)
+    _next_turns(pd, outcome, case)
     for side in ("prefill", "decode"):
         problem = _held(pd[side])
         if problem:
@@ -382,11 +420,11 @@ def sweep(cases: list[PdCase], log_dir: Path | None = None, echo=print) -> list[
 
 
 def _row(*cols: str) -> str:
-    return f"{cols[0]:<36} {cols[1]:<11} {cols[2]:>5} {cols[3]:>6}  {cols[4]}"
+    return f"{cols[0]:<36} {cols[1]:<11} {cols[2]:>5} {cols[3]:>8}  {cols[4]}"
 
 
 def _format(o: PdOutcome) -> str:
-    moved = "-" if o.moved is None else str(o.moved)
+    moved = "-" if o.moved is None else "/".join(map(str, o.moved))
     return _row(o.case, o.status, f"{o.seconds:.0f}", moved, o.detail[:300])
 
 
