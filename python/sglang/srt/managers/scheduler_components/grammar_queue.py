@@ -146,11 +146,6 @@ class GrammarQueue:
             req.grammar = None
 
     def check(self, holders: Sequence[Req]) -> None:
-        """Under tensor parallelism rank 0 decides which requests leave the queue (`settled`, in its tick) and every
-rank applies that (`apply`); a compile's outcome is each rank's own, so the ranks agree on which of them
-failed (`group`: one gather per tick that has decisions), and a request whose compile failed on any rank
-ends on every rank, with the first failing rank's message.
-
-`held` counts the scheduler's requests that hold a matcher."""
+        """`held` counts the scheduler's requests that hold a matcher."""
         held = sum(r.grammar is not None for r in holders)
         assert self.held == held, f"grammar matchers counted {self.held}, held {held}"
