@@ -412,3 +412,43 @@ def disk_lookups_while_waiting(oracles, preset: str, storage_dir: str) -> dict:
     return {"asked": sum(asked), "gathers": Counter(gathers), "cached": out.cached_tokens,
             "first_turn_len": len(turn1), "oracle_err": err,
             "reused": storage.stats["disk_lookups_reused"]}  # fmt: skip
+
+
+
+def exact_repeat_hits_lower_tiers(preset: str, strategy: str, storage_dir: str, prompt_len: int,
+                                  max_new_tokens: int = 4, **kw: Any) -> dict:  # fmt: skip
+    """`file` backend, write_through (security review 11, finding 13): prompt V with one new token, so
+    its prefill snapshot and its final state reach the tree, due for backup, in one batch; V again (a
+    device hit: a match leaves the last token to recompute, so it resumes from the deepest checkpoint
+    above V's end); one more request (its batch runs the disk writes); every device checkpoint and KV
+    page evicted (the host holds them): V again, from host; a flush (device and host emptied, the disk
+    keeps its entries): V again, from disk. The reference: V cold in a namespace of its own. Returns, per
+    run ("ref", "device", "host", "disk"), its cached tokens, output ids and logprobs, and the host
+    loads and disk reads the last two took."""
+    from sglang.srt.environ import envs
+
+    with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(storage_dir):
+        h = hicache_harness(preset, strategy, "write_through", hicache_storage_backend="file", **kw)
+        try:
+            tree, v, runs = h.sched.tree_cache, token_ids(prompt_len, seed=3), {}
+            runs["ref"] = h.generate(v, max_new_tokens, extra_key="reference")
+            assert h.generate(v, max_new_tokens=1).cached_tokens == 0
+            runs["device"] = h.generate(v, max_new_tokens)
+            h.generate(token_ids(20, seed=5), max_new_tokens=1)
+            tree.evict(1 << 30, 1 << 30)
+            assert not tree.match_prefix(v).device_indices, "V is still on the device"
+            stats = tree.controller.stats
+            loads = stats["load_states"]
+            runs["host"] = h.generate(v, max_new_tokens)
+            loads = stats["load_states"] - loads
+            h.sched.check_integrity()
+            assert h.sched.flush_cache()[0]
+            reads = stats["disk_reads"]
+            runs["disk"] = h.generate(v, max_new_tokens)
+            reads = stats["disk_reads"] - reads
+            h.sched.check_integrity()
+            h.flush_and_check_empty()
+        finally:
+            h.shutdown()
+    out = {k: (r.cached_tokens, r.output_ids, r.logprobs) for k, r in runs.items()}
+    return {**out, "loads": loads, "reads": reads}

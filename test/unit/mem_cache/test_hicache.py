@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang.srt.mem_cache.hiradix_cache import HiMambaRadixCache
 from sglang.srt.mem_cache.host_pool import HostPools
 from sglang.srt.server_args import ServerArgsError, prepare_server_args
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.hicache_checks import (
     aborted_chunk_snapshot_then_host_load,
     evicted_conversation_hits_host,
+    exact_repeat_hits_lower_tiers,
     hicache_harness,
     snapshot_dropped_before_its_copy_ran,
 )
@@ -65,6 +67,33 @@ def test_a_snapshot_dropped_with_its_copy_pending_is_backed_up(oracles):
     assert r["state_copies"] == 1 and r["evicted"] >= 1, r
     assert r["backups"] == 1 and r["loads"] == 1 and r["cached_y"] == 64, r
     assert r["err_y"] <= ORACLE_TOL, r
+
+
+@pytest.mark.parametrize("strategy, page, prompt_len", [("extra_buffer_lazy", 16, 192), ("extra_buffer", 1, 200)])
+def test_an_exact_repeat_hits_host_and_disk_as_deep_as_the_device(strategy, page, prompt_len, tmp_path):
+    """Security review 11, finding 13: a prompt served with one new token, then repeated (the device
+    hits its snapshot above the prompt's end: 128 of 192, 192 of 200), then repeated once the device
+    lost it (host) and once a flush emptied device and host (disk): both hit as deep as the device and
+    give the reference's greedy tokens, logprobs within 1e-5 (float32 summation order of a resumed
+    against a cold prefill; measured ~1.4e-6; a wrong state errs by > 0.5). Before: the backup of that
+    snapshot was skipped as covered by the prompt end's, which no exact repeat can resume from: 0 cached
+    from host and disk."""
+    r = exact_repeat_hits_lower_tiers("tiny-qwen3-next", strategy, str(tmp_path), prompt_len, page_size=page)
+    depth = (prompt_len - 1) // 64 * 64  # (the cache chunk: GDN's 64, both page sizes)
+    assert r["device"][0] == r["host"][0] == r["disk"][0] == depth, r
+    assert r["loads"] == 1 and r["reads"] == 1, r
+    ref = r["ref"]
+    for tier in ("device", "host", "disk"):
+        assert r[tier][1] == ref[1], tier
+        assert max(abs(x - y) for x, y in zip(r[tier][2], ref[2], strict=True)) < 1e-5, tier
+
+
+def test_without_the_repeat_point_backup_an_exact_repeat_misses(tmp_path, monkeypatch):
+    """Negative control: with the snapshot above a backed-up prompt end skipped as covered again, the
+    repeat finds nothing on host or disk."""
+    monkeypatch.setattr(HiMambaRadixCache, "_checkpoint_above", lambda self, node: None)
+    r = exact_repeat_hits_lower_tiers("tiny-qwen3-next", "extra_buffer_lazy", str(tmp_path), 192, page_size=16)
+    assert r["device"][0] == 128 and r["host"][0] == r["disk"][0] == 0, r
 
 
 def test_a_float8_kv_cache_is_backed_up_and_loaded_back_exactly():

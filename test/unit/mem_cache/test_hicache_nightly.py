@@ -3,7 +3,7 @@
 evicted from the device and hit again from host gives the transformers oracle's logprobs. And a seeded
 random workload under device and host pressure (retractions included) with the host tier's integrity
 after every step and the full walk whenever nothing is in flight. The `file` storage backend's disk tier
-survives a restart of the server."""
+survives a restart of the server. An exact repeat of a prompt hits host and disk as deep as the device."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from sglang.test.hicache_checks import (
     disk_tier_after_flush_and_lost_files,
     disk_tier_survives_restart,
     evicted_conversation_hits_host,
+    exact_repeat_hits_lower_tiers,
     random_pressure_workload,
     retraction_with_host_hits,
 )
@@ -166,3 +167,31 @@ def test_write_through_selective_backs_up_only_what_is_hit(oracles):
     )
     assert r["evicted_from_device"] and r["loaded_states"] == 0 and r["cached"] == 0, r
     assert r["oracle_err"] <= ORACLE_TOL
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize(
+    "strategy, prompt_len, kw",
+    [
+        ("extra_buffer", 200, {}),
+        ("extra_buffer_lazy", 200, {}),
+        ("extra_buffer", 192, dict(page_size=16)),
+        ("extra_buffer_lazy", 192, dict(page_size=16)),
+        ("extra_buffer", 208, dict(page_size=16)),
+        ("extra_buffer_lazy", 208, dict(page_size=16, disable_overlap_schedule=False)),
+        ("extra_buffer", 200, dict(disable_overlap_schedule=False)),
+        ("no_buffer", 200, dict(chunked_prefill_size=64)),
+        ("no_buffer", 200, {}),
+    ],
+)
+def test_an_exact_repeat_hits_host_and_disk_as_deep_as_the_device(preset, strategy, prompt_len, kw, tmp_path):
+    """Security review 11, finding 13, across the matrix: a prompt repeated after the device lost it
+    (host) and after a flush (disk) hits as deep as the device's own repeat did (no_buffer without
+    chunks: 0, its only checkpoint is the prompt's end) and gives the reference's greedy tokens,
+    logprobs within 1e-5 (float32 summation order; a wrong state errs by > 0.5)."""
+    r = exact_repeat_hits_lower_tiers(preset, strategy, str(tmp_path), prompt_len, **kw)
+    assert r["host"][0] == r["disk"][0] == r["device"][0], r
+    assert (r["device"][0] > 0) == (kw != {} or strategy != "no_buffer"), r
+    for tier in ("device", "host", "disk"):
+        assert r[tier][1] == r["ref"][1], tier
+        assert max(abs(x - y) for x, y in zip(r[tier][2], r["ref"][2], strict=True)) < 1e-5, tier

@@ -2,8 +2,8 @@
 (`HiMambaRadixCache.take_host_copies`), on a model-free tree with synthetic states (mem_cache_sim): the
 host keeps each conversation's deepest checkpoint where plain LRU loses the oldest conversations; interior
 checkpoints go first, branch points after the chains' interior ones; a batch's shallower snapshots on one
-path are not backed up unless paths branch there; a host eviction makes the disk tier's kept TP answers
-be agreed again."""
+path are not backed up unless paths branch there or one is just above a deeper backup; a host eviction
+makes the disk tier's kept TP answers be agreed again."""
 
 from __future__ import annotations
 
@@ -136,21 +136,24 @@ def test_branch_points_go_after_the_chains_interior_checkpoints():
 
 
 def test_one_batch_backs_up_a_paths_deepest_snapshot_and_its_branch_points():
-    """A conversation's 4 snapshots due in one batch: one backup (the deepest, with the whole path's KV),
-    3 skipped and counted; a checkpoint where two paths due in the same batch branch is backed up too."""
+    """A conversation's 4 snapshots due in one batch: the deepest is backed up (with the whole path's
+    KV) and the one just above it (its state only: what an exact repeat of the deepest one's path
+    resumes from, `backups_repeat_point`), the 2 others skipped and counted; a checkpoint where two
+    paths due in the same batch branch is backed up too."""
     sim = _sim(device_slots=8, ratio=2)
     for j in range(1, 5):
         _checkpoint(sim, _conversation(0, j * STEP))
     _batch(sim)
     stats = sim.tree.controller.stats
-    assert stats["backup_states"] == 1 and stats["backups_skipped_covered"] == 3
-    assert stats["backup_tokens"] == 4 * STEP
-    assert _on_host(sim, _conversation(0, 4 * STEP)) and not _on_host(sim, _conversation(0, STEP))
+    assert stats["backup_states"] == 2 and stats["backups_skipped_covered"] == 2
+    assert stats["backups_repeat_point"] == 1 and stats["backup_tokens"] == 4 * STEP
+    assert _on_host(sim, _conversation(0, 4 * STEP)) and _on_host(sim, _conversation(0, 3 * STEP))
+    assert not _on_host(sim, _conversation(0, STEP)) and not _on_host(sim, _conversation(0, 2 * STEP))
     prefix = [7] * STEP
     for key in (prefix, prefix + [1] * STEP, prefix + [2] * STEP):
         _checkpoint(sim, key)
     _batch(sim)
-    assert stats["backup_states"] == 4 and stats["backups_skipped_covered"] == 3
+    assert stats["backup_states"] == 5 and stats["backups_skipped_covered"] == 2
     assert all(_on_host(sim, k) for k in (prefix, prefix + [1] * STEP, prefix + [2] * STEP))
     sim.check()
 

@@ -12,7 +12,8 @@ its own LRU, locks and accounting identity; the host tree's is checked with the 
 Backups (device -> host) by `--hicache-write-policy`:
 - `write_through`: every checkpoint the device tree takes is backed up (with its path's KV) as soon as
   the batch that writes it has run, but one with a deeper checkpoint due below it in the same batch and
-  no branch there (`take_host_copies`);
+  no branch there, unless it is the one just above a deeper backup (an exact repeat of that one's path
+  resumes from it: `take_host_copies`);
 - `write_through_selective`: a checkpoint is backed up once it has been hit `SELECTIVE_THRESHOLD` (2)
   times, its insert counting as the first (upstream's rule: write through only what is reused);
 - `write_back`: a checkpoint is backed up when the device tree evicts it.
@@ -224,19 +225,28 @@ class HiMambaRadixCache(MambaRadixCache):
         checkpoint with another one due below it on its path (a request's prefill snapshots, taken in one
         batch) is not backed up unless paths branch there: the deeper backup brings the same KV, and its
         state serves every request the shallower one would but those leaving the path between the two
-        (the host tree would drop it first anyway: `host_tree.py`). Where no backup below it succeeded
-        (no room on host for the deeper path), the skipped one is backed up after all, deepest first."""
+        (the host tree would drop it first anyway: `host_tree.py`) and the exact repeat of the deeper
+        one's path. A match leaves at least the last token to recompute (its logits pick the next token),
+        so that repeat resumes from the checkpoint nearest above the deeper one, never from it: that one
+        is backed up too, as the device would hit it (its state only: the deeper backup brought the KV;
+        counted: `backups_repeat_point`). Where no backup below it succeeded (no room on host for the
+        deeper path), the skipped one is backed up after all, deepest first."""
         ready = list(self.due.values())
         self.due.clear()
         covered = self._above(ready)
-        skipped, backed = [], []
+        skipped, backed = {}, []
         for node in ready:
             if node.id in covered and len(node.children) == 1:
-                skipped.append(node)
+                skipped[node.id] = node
             elif self._backup(node):
                 backed.append(node)
+        for node in list(backed):
+            up = self._checkpoint_above(node)
+            if up is not None and skipped.pop(up.id, None) is not None and self._backup(up):
+                self.controller.stats["backups_repeat_point"] += 1
+                backed.append(up)
         below_a_backup = self._above(backed)
-        for node in sorted(skipped, key=TreeNode.path_len, reverse=True):
+        for node in sorted(skipped.values(), key=TreeNode.path_len, reverse=True):
             if node.id in below_a_backup:
                 self.controller.stats["backups_skipped_covered"] += 1
             elif self._backup(node):
@@ -244,6 +254,13 @@ class HiMambaRadixCache(MambaRadixCache):
                 below_a_backup |= self._above([node])
         assert not self.pending_state_copies  # (recorded with the host copies: `_donate_snapshot`)
         return self.controller.seal()
+
+    def _checkpoint_above(self, node: TreeNode) -> TreeNode | None:
+        """The nearest node above `node` with a checkpoint (None if none but the root)."""
+        up = node.parent
+        while up is not self.root and up.mamba_value is None:
+            up = up.parent
+        return None if up is self.root else up
 
     def _above(self, nodes: list[TreeNode]) -> set[int]:
         """The ids of the nodes' ancestors (the root excluded)."""
