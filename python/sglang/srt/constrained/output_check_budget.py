@@ -1,7 +1,8 @@
 """`OutputCheckBudget`: what the per-token checks of requests' outputs may cost the scheduler thread. Those
-checks are a grammar's token accept and mask fill (xgrammar) and a stop_regex search of the output's
-tail: they run on the scheduler thread between two forwards, so what they take, every running request
-waits for. The rule, all of it here:
+checks are a grammar's token accept and mask fill (xgrammar), a stop_regex search of the output's
+tail, and the stop strings' scan of a request with more or longer ones than most clients send
+(`stop_strings.py`): they run on the scheduler thread between two forwards, so what they take, every
+running request waits for. The rule, all of it here:
 
 - One request's checks for one token (its mask fill, its accept, its stop_regex search) may take at most
   its *allowance*: SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, and no more than what the step's budget
@@ -19,7 +20,7 @@ waits for. The rule, all of it here:
   up to 1 + ln(n) budgets, once.
 - A request over its allowance for two tokens in a row (or for one token by more than `SPIKE` times),
   or ended for the load, ends with a 400 naming the field that cost it the most (`ebnf`, `json_schema`,
-  `regex`, `structural_tag` or `stop_regex`); one ended for the load ends at its next check, and its
+  `regex`, `structural_tag`, `stop_regex` or `stop`); one ended for the load ends at its next check, and its
   grammar fills no more masks meanwhile. One token's overrun alone may be the machine's (the thread
   descheduled in the middle of a sub-millisecond call on a loaded host), and must not end a request.
   (The load counts each request's latest cost as it is: a lagging one would let costs that grow token
@@ -136,8 +137,8 @@ class OutputCheckBudget:
 
     def over_load_message(self, field: str) -> str:
         return (
-            f"{field} was among the costliest checks when the requests' grammar and stop_regex work took "
-            f"more than the scheduler's {self.per_step_s * 1e3:g} ms per step "
+            f"{field} was among the costliest checks when the requests' grammar, stop and stop_regex "
+            f"work took more than the scheduler's {self.per_step_s * 1e3:g} ms per step "
             f"(SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP); use a simpler {_what(field)}."
         )
 
@@ -165,4 +166,6 @@ class PendingCharges:
 
 
 def _what(field: str) -> str:
+    if field == "stop":
+        return "list of stop strings (fewer or shorter ones)"
     return "pattern" if field in ("stop_regex", "regex") else "grammar"

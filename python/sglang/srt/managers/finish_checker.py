@@ -3,20 +3,22 @@ id, a stop string or stop regex in the output's tail, or the context length. The
 strings need and the end-of-sequence ids (model config, generation config, tokenizer) are gathered
 here, once. A request's grammar follows its output here: each check first feeds it the new tokens.
 
-What a request's grammar (its accepts and mask fills since the last check) and its stop regexes cost
-the scheduler thread is charged here, once per check, to the output checks' budget
-(`constrained/output_check_budget.py`), which ends a request over it with a 400 naming the field.
+What a request's grammar (its accepts and mask fills since the last check), its stop regexes and its
+stop strings, where it sends more or longer ones than most clients (`constrained/stop_strings.py`,
+`stops_charged`), cost the scheduler thread is charged here, once per check, to the output checks'
+budget (`constrained/output_check_budget.py`), which ends a request over it with a 400 naming the field.
 
-A check of a request whose finish depends on facts of this rank alone (a grammar's and a stop_regex
-search's wall time, whether the search was cut for time, whether its custom logit processor failed here)
-has two phases: *measure* (the processor's failure, the grammar fed the token, the rules' finish with the
-stop_regex search) and *decide* (the budget's decisions on the measured numbers, the context length).
-Under tensor parallelism every rank must end a request at the same token (`tp_broadcast.py`), so between
-the two the ranks agree on those numbers (`group`: MAX over the ranks of the grammar's and the search's
-seconds, of whether, and at which pattern, a search was cut, and of whether the processor failed; where
-it failed on any rank, every rank ends the request with the first failing rank's message; the smallest
+A check of a request whose finish depends on facts of this rank alone (a grammar's, a stop_regex
+search's and a charged stop strings scan's wall time, whether the search was cut for time, whether its
+custom logit processor failed here) has two phases: *measure* (the processor's failure, the grammar fed
+the token, the rules' finish with the stop_regex search) and *decide* (the budget's decisions on the
+measured numbers, the context length). Under tensor parallelism every rank must end a request at the
+same token (`tp_broadcast.py`), so between the two the ranks agree on those numbers (`group`: MAX over
+the ranks of the grammar's, the search's and the stop strings' seconds, of whether, and at which
+pattern, a search was cut, and of whether the processor failed; where it failed on any rank, every rank
+ends the request with the first failing rank's message; the smallest
 of the ranks' allowances). A batch's results are measured together first (`precheck`: one all-reduce
-of a (rows, 5) tensor for the whole batch, none on one rank), and each row's `check_finished` decides
+of a (rows, 6) tensor for the whole batch, none on one rank), and each row's `check_finished` decides
 on its stored measurement; a check that was not prechecked (a verify's tokens after each request's
 first, a PD decode server's first token) measures and agrees alone. A prechecked row's allowance is
 the one its request had when it was measured, the batch's rows measured before it counted as charged
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from sglang.srt.constrained.grammar_spec import grammar_key
 from sglang.srt.constrained.output_check_budget import OutputCheckBudget, PendingCharges, clock
 from sglang.srt.constrained.stop_regex import compiled
+from sglang.srt.constrained.stop_strings import stops_charged
 from sglang.srt.constrained.xgrammar_backend import GrammarRejectedToken
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -65,6 +68,7 @@ class _Work:
         "allowance",
         "grammar_s",
         "regex_s",
+        "stop_s",
         "field",
         "over",
         "cut",
@@ -76,8 +80,8 @@ class _Work:
 
     def __init__(self, allowance: float, field: str, length: int = 0):
         self.allowance = allowance
-        self.grammar_s = self.regex_s = 0.0
-        self.field = field  # the grammar's field, or stop_regex once it costs more ("": not budgeted)
+        self.grammar_s = self.regex_s = self.stop_s = 0.0  # (stop_s: the tail's decode and stop strings)
+        self.field = field  # the grammar's field, or stop_regex / stop once it costs more ("": not budgeted)
         self.over = False  # went over the allowance (`OutputCheckBudget.over_allowance`)
         self.cut: int | None = None  # the stop_regex pattern at which the search ran out of time
         self.length = length  # the output length it was measured at (what it is valid for)
@@ -129,7 +133,14 @@ class FinishChecker:
             req.grammar is not None
             or bool(req.sampling_params.stop_regex)
             or req.custom_logit_processor is not None
+            or stops_charged(req.sampling_params.stop)
         )
+
+    @staticmethod
+    def budgeted(req: Req) -> bool:
+        """Whether `req`'s checks are charged to the output checks' budget."""
+        sp = req.sampling_params
+        return req.grammar is not None or bool(sp.stop_regex) or stops_charged(sp.stop)
 
     def precheck(self, rows: Iterable[tuple[Req, int | None]]) -> None:
         """Measure the checks of a batch's rows before their tokens are committed (`token`: the token
@@ -143,7 +154,10 @@ class FinishChecker:
             for r, t in rows
             if r.finished_reason is None
             and (
-                r.grammar is not None or r.sampling_params.stop_regex or r.custom_logit_processor is not None
+                r.grammar is not None
+                or r.sampling_params.stop_regex
+                or r.custom_logit_processor is not None
+                or (r.sampling_params.stop and stops_charged(r.sampling_params.stop))
             )
         ]
         if not rows:
@@ -163,7 +177,7 @@ class FinishChecker:
                 finally:
                     out.pop()
             if work.field:  # (a check the budget charges)
-                pending.add(req, work.grammar_s + work.regex_s)
+                pending.add(req, work.grammar_s + work.regex_s + work.stop_s)
             self._measured[req] = work
             works.append(work)
         if works:
@@ -182,7 +196,7 @@ class FinishChecker:
             req.finished_reason = self._context_finish(req, reason)
             return
         budget = self.budget
-        budgeted = req.grammar is not None or bool(req.sampling_params.stop_regex)
+        budgeted = self.budgeted(req)
         if budgeted:
             why = budget.ended(req)
             if why is not None:
@@ -200,7 +214,7 @@ class FinishChecker:
         if req.finished_reason is not None:
             budget.forget(req)
             return
-        budget.charge(req, work.grammar_s + work.regex_s, work.field, work.over)
+        budget.charge(req, work.grammar_s + work.regex_s + work.stop_s, work.field, work.over)
         why = budget.ended(req)
         if why is not None:
             req.finished_reason = _bad_request(budget.over_load_message(why), why)
@@ -210,9 +224,10 @@ class FinishChecker:
         grammar fed the token (its refusal, its seconds), the rules' finish (the stop_regex search, cut
         for time: `work.cut`)."""
         sp = req.sampling_params
-        if req.grammar is not None or sp.stop_regex:
+        if self.budgeted(req):
             key = grammar_key(sp)
-            field = "stop_regex" if req.grammar is None else key[0] if key is not None else "grammar"
+            field = "stop_regex" if sp.stop_regex else "stop"
+            field = field if req.grammar is None else key[0] if key is not None else "grammar"
             work = _Work(self.budget.allowance(req, pending), field, len(req.output_ids))
         else:
             work = _Work(math.inf, "", len(req.output_ids))
@@ -257,9 +272,11 @@ class FinishChecker:
                     return
             if work.regex_s > work.grammar_s:
                 work.field = "stop_regex"
+            if work.stop_s > max(work.grammar_s, work.regex_s):
+                work.field = "stop" if req.sampling_params.stop else "stop_regex"
             if work.cut is not None:
                 work.over = True
-                limit = work.allowance - work.grammar_s  # (what the search was given)
+                limit = work.allowance - work.grammar_s - work.stop_s  # (what the search was given)
                 # (None at all where the grammar took the whole allowance: that overrun is the grammar's,
                 # judged above; the search runs again at the next token.)
                 if limit > 0 and self.budget.over_allowance(req, limit, limit):
@@ -316,15 +333,18 @@ class FinishChecker:
         if self.group is None:
             return
         values = torch.tensor(
-            [(-w.allowance, w.grammar_s, w.regex_s, _negated(w.cut), w.error is not None) for w in works],
+            [
+                (-w.allowance, w.grammar_s, w.regex_s, w.stop_s, _negated(w.cut), w.error is not None)
+                for w in works
+            ],
             dtype=torch.float64,
         )
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
         failed = []
         # (a host tensor, read through numpy: no device sync)
         for i, (work, row) in enumerate(zip(works, values.numpy(), strict=True)):
-            allowance, grammar_s, regex_s, cut, error = map(float, row)
-            work.allowance, work.grammar_s, work.regex_s = -allowance, grammar_s, regex_s
+            allowance, grammar_s, regex_s, stop_s, cut, error = map(float, row)
+            work.allowance, work.grammar_s, work.regex_s, work.stop_s = -allowance, grammar_s, regex_s, stop_s
             work.cut = None if cut == -math.inf else int(-cut)
             if error > 0:
                 failed.append(i)
@@ -353,23 +373,27 @@ class FinishChecker:
 
     def match_stop_string(self, req: Req, work: _Work | None = None) -> str | None:
         """The stop string in the output's tail, else the stop regex (its pattern, as upstream reports
-        it) that matches there, else None. The regexes' search takes what is left of `work`'s allowance
-        (raises StopRegexTimeout beyond it) and adds its time to `work` (a request with stop regexes is
-        always checked with one: `check_finished`)."""
+        it) that matches there, else None. With `work` (a budgeted request's check), the tail's decode and
+        the stop strings' scan add their time to `work.stop_s`, and the regexes' search takes what is left
+        of its allowance (raises StopRegexTimeout beyond it) and adds its time to `work.regex_s` (a request
+        with stop regexes is always checked with one: `check_finished`)."""
         if self.tokenizer is None:
             return None
         sp = req.sampling_params
+        start = clock()
         window = max((len(s) for s in sp.stop), default=0) + 8
         if sp.stop_regex:
             window = max(window, STOP_REGEX_TAIL_TOKENS)
         tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
         matched = next((s for s in sp.stop if s in tail), None)
+        if work is not None:
+            work.stop_s = clock() - start
         if matched is None and sp.stop_regex:
             for pattern in sp.stop_regex:
                 compiled(pattern)  # (once per process, bounded by stop_regex.MAX_CHARS: not the search's)
             start = clock()
             try:
-                matched = _first_match(sp.stop_regex, tail, work.allowance - work.grammar_s)
+                matched = _first_match(sp.stop_regex, tail, work.allowance - work.grammar_s - work.stop_s)
             finally:
                 work.regex_s = clock() - start
         return matched

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang.srt.constrained.stop_strings import stops_charged
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 from sglang.srt.utils.host_tensors import host_int64
 
@@ -82,7 +83,9 @@ class DecodeRows:
             any_penalized=any_penalized,
             any_grammar=any_grammar,
             any_custom_logit=any_custom_logit,
-            any_measured=any_grammar or any_custom_logit or any(r.sampling_params.stop_regex for r in reqs),
+            any_measured=any_grammar
+            or any_custom_logit
+            or any(r.sampling_params.stop_regex or stops_charged(r.sampling_params.stop) for r in reqs),
             hidden_states_mask=hidden_states_mask(reqs),
         )
 
