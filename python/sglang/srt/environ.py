@@ -305,3 +305,72 @@ class Envs:
 
 
 envs = Envs()
+
+# The variables every TP rank of one server must read alike: `TpBroadcast.check_same_flags` compares them
+# across the nodes at start, with the flags, and refuses to start naming the first that differs. Each is
+# read by every rank on its own and decides a collective, or something the ranks' schedulers must decide
+# alike (a finish, an admission, a timeout): with other values on two nodes the ranks' batches part and
+# their next collective hangs. The others are left out on purpose: paths, threads, warm-up, the
+# checkpoint reader; the kernel choices (the model's collectives give every rank the same logits:
+# ParallelLMHead gathers them); the settings only TP rank 0 acts on (SGLANG_GRAMMAR_TIMEOUT and
+# SGLANG_REQ_*_TIMEOUT: rank 0 decides, the tick applies it everywhere; the HTTP server; the PD channel and
+# SGLANG_DISAGGREGATION_SECRET); and what the ranks already agree on where it differs (the disk tier's
+# hits, a PD transfer's failure, SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER).
+SAME_ON_EVERY_TP_RANK: tuple[EnvVar, ...] = (
+    # FinishChecker.check_finished ends the costliest requests over these on each rank (the ranks agree on
+    # the measured costs, not on the budget): the finishes part and precheck's all-reduce hangs.
+    envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ,
+    envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP,
+    # model_runner.agree_on_tokens: whether each step's device all-reduce of the sampled tokens runs.
+    envs.SYNC_TOKEN_IDS_ACROSS_TP,
+    envs.SGLANG_ENABLE_STRICT_TP_TOKEN_CHECK,
+    # The idle check's `TpBroadcast.agree` of the scheduler states (a gather) runs where it is set.
+    envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE,
+    # Input logprobs: one lm_head all-gather per chunk of positions, so the chunk sets how many run.
+    envs.SGLANG_LOGITS_PROCESSER_CHUNK_SIZE,
+    # CPU sampling is each rank's own (from the same gathered logits and seeds): the C++ and torch forms
+    # may round a CDF apart and take another token.
+    envs.SGLANG_CPU_SAMPLING_BACKEND,
+    # NEXTN: sampled drafts (eager) or greedy ones (graph) on each rank: the drafts, and so the accepted
+    # lengths, part.
+    envs.SGLANG_MTP_EAGER_SAMPLED_DRAFTS,
+    # The state pools' dtypes (as --mamba-ssm-dtype, a flag compared already): their sizes, so the pools'
+    # slot counts, and the PD layout follow them.
+    envs.SGLANG_MAMBA_CONV_DTYPE,
+    envs.SGLANG_MAMBA_SSM_DTYPE,
+    # PD: every rank expires rooms against rank 0's clock with its own timeout, holds unmatched
+    # destinations up to its own bound, and (staged) admits a request only where its staging buffer has
+    # a range, moving it in chunks of its own size (`PdRanks.written_everywhere` counts chunks).
+    envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT,
+    envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT,
+    envs.SGLANG_DISAGGREGATION_MAX_UNMATCHED_ROOMS,
+    envs.SGLANG_DISAGGREGATION_STAGING,
+    envs.SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB,
+    envs.SGLANG_DISAGG_STAGING_POOL_SIZE_MB,
+    # A custom logit processor loads only where its payload's signature matches: the ranks agree on the
+    # outcome (`load_processor_agreed`), but every such request would be refused. A secret: compared,
+    # never shown (SECRET_ENV_NAMES).
+    envs.SGLANG_LOGIT_PROCESSOR_SECRET,
+    # Fault injection: the lazy snapshot slots' allocations fail on the ranks where it is set, and their
+    # trees part.
+    envs.SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL,
+)
+# Of those, the ones an error names without their values.
+SECRET_ENV_NAMES = frozenset({"SGLANG_LOGIT_PROCESSOR_SECRET"})
+
+
+def tp_env_values() -> dict[str, object]:
+    """This process's value of each SAME_ON_EVERY_TP_RANK variable (the raw string where it does not
+    parse: a rank must not fail alone before the comparison; a secret as its SHA-256)."""
+    import hashlib
+
+    out: dict[str, object] = {}
+    for var in SAME_ON_EVERY_TP_RANK:
+        try:
+            value: object = var.get()
+        except ValueError:
+            value = os.environ.get(var.name)
+        if var.name in SECRET_ENV_NAMES:
+            value = hashlib.sha256(str(value).encode()).hexdigest()
+        out[var.name] = value
+    return out

@@ -1,11 +1,12 @@
 """Rank functions for test/unit/distributed/test_tp_runtime.py (spawned by `multi_rank.run_ranks`, so
 importable by name): the scheduler's agreement on an outcome, the ranks' agreement on sampled tokens,
-and --dist-timeout on the model's groups (last: it leaves the TP group broken)."""
+the start-up comparison of the nodes' environments, and --dist-timeout on the model's groups (last: it leaves the TP group broken)."""
 
 from __future__ import annotations
 
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 # The model groups' timeout here, and how long rank 1 stays away from a collective rank 0 entered.
@@ -31,6 +32,7 @@ def runtime_checks(rank: int, world_size: int, init_method: str) -> dict[str, An
         "all": tp.agree_outcome("bad name"),
         "processor": _processor_outcome(rank, tp),
         "tokens": _sampled_tokens(rank),
+        "env": _env_refusals(rank, tp),
     }
     if rank == 0:  # rank 1 never joins this all-reduce: the TP group's timeout must end it
         start = time.monotonic()
@@ -59,6 +61,29 @@ def _processor_outcome(rank: int, tp: Any) -> list[Any]:
         processor, error = load_processor_agreed(mine, tp.agree_outcome)
         outcomes.append((processor is not None, error))
     return outcomes
+
+
+def _env_refusals(rank: int, tp: Any) -> list[str | None]:
+    """`check_same_flags` with the same flags (but --node-rank, a node's own) where rank 1's node sets,
+    in turn: nothing, SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP=0.1 (rank 0's is the default 0.2), the custom
+    logit processor secret: each rank's refusal (None: started)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.managers.scheduler_components.tp_broadcast import ParallelGroupError
+
+    args = SimpleNamespace(public_dict=lambda: {"tp_size": 2, "node_rank": rank})
+    out: list[str | None] = []
+    for var, value in [
+        (envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP, None),
+        (envs.SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP, 0.1),
+        (envs.SGLANG_LOGIT_PROCESSOR_SECRET, "s3cret-of-node-1"),
+    ]:
+        with var.override(value if rank == 1 else None):
+            try:
+                tp.check_same_flags(args)
+                out.append(None)
+            except ParallelGroupError as e:
+                out.append(str(e))
+    return out
 
 
 def _sampled_tokens(rank: int) -> dict[str, Any]:

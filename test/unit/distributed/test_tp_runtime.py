@@ -12,7 +12,9 @@
 - /get_weights_by_name finishes the batches in flight before its gather, refuses too many values before
   any collective, and gathers only the rows asked for where rows are not split;
 - the ranks take one sampled token per row where a grammar acts (rank 0's differing from rank 1's
-  would stop them in step), and the strict check (the test suite) names a row where they differ."""
+  would stop them in step), and the strict check (the test suite) names a row where they differ;
+- nodes whose environments differ in a variable the ranks decide by (`environ.SAME_ON_EVERY_TP_RANK`)
+  are refused at start, naming it (a secret without its values)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,20 @@ def test_the_ranks_agree_on_the_sampled_tokens(ranks):
     for t in tokens:
         assert t["grammar"] == [5, 7]
         assert t["strict"] == "The TP ranks sampled different tokens in row 1: 7 and 8."
+
+
+def test_nodes_with_another_decision_variable_are_refused(ranks):
+    same, budget, secret = ranks[0]["env"]
+    assert same is None  # (the same environment, and --node-rank is each node's own)
+    # Rank 1's per-step output check budget (0.1 s) would end other requests there than on rank 0 (0.2 s),
+    # and the ranks' next all-reduce would hang: both ranks refuse, naming it and both values.
+    assert budget == (
+        "SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP is 0.1 on TP rank 1 but 0.2 on TP rank 0; start every node "
+        "with the same value (the ranks decide by it alike)."
+    )
+    assert secret.startswith("SGLANG_LOGIT_PROCESSOR_SECRET differs between TP rank 1 and TP rank 0")
+    assert "s3cret" not in secret
+    assert ranks[1]["env"] == ranks[0]["env"]  # (every rank refuses alike)
 
 
 class _Memory:

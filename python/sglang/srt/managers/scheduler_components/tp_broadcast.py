@@ -92,7 +92,8 @@ class Tick:
 def join_parallel_group(rank: ParallelRank, server_args: Any) -> TpBroadcast:
     """Join the TP (and EP) groups before the model is built (its layers read them), and form the
     scheduler's own broadcast group. ParallelGroupError, naming the address, when the ranks cannot meet
-    within the timeout, or naming the flag, when another node was started with other flags. Every rank
+    within the timeout, or naming the flag (environment variable), when another node was started with
+    other flags (another value of one the ranks decide by: `environ.SAME_ON_EVERY_TP_RANK`). Every rank
     takes rank 0's --random-seed (a node that was given none drew its own), so that all sample alike."""
     import torch.distributed as dist
 
@@ -185,19 +186,34 @@ class TpBroadcast:
         return box[0]
 
     def check_same_flags(self, server_args: Any) -> None:
-        """Every node must run the same flags (but its own NODE_LOCAL_FLAGS): ParallelGroupError naming
-        the first that differs from rank 0's."""
+        """Every node must run the same flags (but its own NODE_LOCAL_FLAGS) and the same values of the
+        environment variables the ranks decide by (`environ.SAME_ON_EVERY_TP_RANK`): ParallelGroupError
+        naming the first that differs from rank 0's (a secret without its values)."""
         from sglang.srt.distributed.parallel_state import gather_objects
+        from sglang.srt.environ import SECRET_ENV_NAMES, tp_env_values
 
-        mine = {k: v for k, v in server_args.public_dict().items() if k not in NODE_LOCAL_FLAGS}
-        everyone = gather_objects(mine, self.group, self.rank.tp_size)
-        for r, flags in enumerate(everyone):
+        flags = {k: v for k, v in server_args.public_dict().items() if k not in NODE_LOCAL_FLAGS}
+        everyone = gather_objects((flags, tp_env_values()), self.group, self.rank.tp_size)
+        first_flags, first_env = everyone[0]
+        for r, (flags, env) in enumerate(everyone):
             for name, value in flags.items():
-                if value != everyone[0].get(name):
+                if value != first_flags.get(name):
                     raise ParallelGroupError(
-                        f"--{name.replace('_', '-')} is {value!r} on TP rank {r} but {everyone[0].get(name)!r} "
+                        f"--{name.replace('_', '-')} is {value!r} on TP rank {r} but {first_flags.get(name)!r} "
                         "on TP rank 0; start every node with the same flags."
                     )
+            for name, value in env.items():
+                if value == first_env.get(name):
+                    continue
+                if name in SECRET_ENV_NAMES:
+                    raise ParallelGroupError(
+                        f"{name} differs between TP rank {r} and TP rank 0 (values not shown); start every "
+                        "node with the same value."
+                    )
+                raise ParallelGroupError(
+                    f"{name} is {value!r} on TP rank {r} but {first_env.get(name)!r} on TP rank 0; start "
+                    "every node with the same value (the ranks decide by it alike)."
+                )
 
     def gone_message(self, error: Exception) -> str | None:
         """After a collective failed with `error`: the sentence naming the ranks whose heartbeat
