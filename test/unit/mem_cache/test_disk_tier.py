@@ -2,8 +2,8 @@
 on a small fake host pool: a failed write or read never raises and never leaves an index entry without
 its file; corrupt or stray files at start are skipped; two servers on one folder write the same entry
 at once without an error; the folder is private and a symlink or another user's folder is refused; the
-size budget deletes the least recently used entries; `deepest` finds the longest entry without hashing
-every prefix. The served cases (flush, weight update, a file lost while serving) are nightly
+size budget deletes the least recently used entries; the budget is capped at half the free space and
+writes stop at a free-space floor; `deepest` finds the longest entry without hashing every prefix. The served cases (flush, weight update, a file lost while serving) are nightly
 (test_hicache_nightly.py)."""
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def fake_host(page: int = 1) -> SimpleNamespace:
     )
 
 
-def storage(root, host=None, max_bytes: int = 1 << 30) -> FileStorage:
-    return FileStorage(DiskTierConfig(str(root), "fp", max_bytes), host or fake_host(), Counter())
+def storage(root, host=None, max_bytes: int = 1 << 30, min_free: int = 0) -> FileStorage:
+    return FileStorage(DiskTierConfig(str(root), "fp", max_bytes, min_free), host or fake_host(), Counter())
 
 
 def put(st: FileStorage, key: list[int], slot: int = 1) -> str:
@@ -227,3 +227,64 @@ def test_the_fingerprint_follows_the_weights_and_the_pools(tmp_path):
     assert disk_fingerprint(SimpleNamespace(**{**vars(args), "tp_size": 2}), runner(torch.float32)) != first
     (tmp_path / "model.safetensors").write_bytes(b"y" * 11)
     assert disk_fingerprint(args, runner(torch.float32)) != first
+
+
+def fake_disk(monkeypatch, st_dir_holder: list, free0: int) -> None:
+    """`shutil.disk_usage` of a filesystem with `free0` bytes free before the tier's files: the files the
+    folder holds (st_dir_holder[0], once known) take from it, so deleting one gives its bytes back."""
+
+    def usage(path):
+        held = sum(e.stat().st_size for e in os.scandir(st_dir_holder[0])) if st_dir_holder else 0
+        return SimpleNamespace(total=1 << 40, used=held, free=free0 - held)
+
+    monkeypatch.setattr(disk_tier.shutil, "disk_usage", usage)
+
+
+def test_the_budget_is_capped_at_half_the_free_space(tmp_path, monkeypatch, caplog):
+    """Security review 11, finding 12: a budget of 1 GiB on a filesystem with 100 KB free becomes 50 KB
+    (half the free space), said in one warning line naming the variable; with 4 GiB free the 1 GiB budget
+    stands (an info line). Entries the tier holds count as its space: after writing ~40 KB, a restart
+    with the same free space left caps at half of free + held, not of free alone."""
+    dirs: list = []
+    fake_disk(monkeypatch, dirs, 100_000)
+    with caplog.at_level("INFO", logger=disk_tier.logger.name):
+        st = storage(tmp_path, max_bytes=1 << 30, min_free=0)
+    assert st.max_bytes == 50_000
+    (line,) = [r for r in caplog.records if "budget" in r.getMessage()]
+    assert line.levelname == "WARNING" and "SGLANG_HICACHE_FILE_BACKEND_MAX_GB 1.00" in line.getMessage()
+    dirs.append(st.dir)
+    for i in range(4):
+        put(st, list(range(100 * i, 100 * i + 64)))
+    held = st.total
+    assert 30_000 < held <= st.max_bytes
+    again = storage(tmp_path, max_bytes=1 << 30, min_free=0)  # (100 KB - held free now)
+    assert again.max_bytes == 50_000 and len(again.index) == 4
+    caplog.clear()
+    dirs.clear()
+    fake_disk(monkeypatch, dirs, 4 << 30)
+    with caplog.at_level("INFO", logger=disk_tier.logger.name):
+        assert storage(tmp_path / "big", max_bytes=1 << 30, min_free=0).max_bytes == 1 << 30
+    (line,) = [r for r in caplog.records if "budget" in r.getMessage()]
+    assert line.levelname == "INFO"
+
+
+def test_writes_stop_at_the_free_space_floor(tmp_path, monkeypatch):
+    """A floor of 1 MB on a filesystem with 1.05 MB free before the tier's files (the budget is not what
+    binds: 10 MB): each entry is ~8.5 KB; once a write would take free space below the floor, it first
+    deletes least recently used entries (counted), so the floor holds after every write; when the free
+    space is taken by someone else (the floor passed with no entry left to delete), writes are skipped,
+    counted, without raising and without a file or an index entry."""
+    dirs: list = []
+    fake_disk(monkeypatch, dirs, 1_050_000)
+    st = storage(tmp_path, max_bytes=10_000_000, min_free=1_000_000)
+    st.max_bytes = 10_000_000  # (the start cap is the other test's: here only the floor binds)
+    dirs.append(st.dir)
+    names = [put(st, list(range(100 * i, 100 * i + 64))) for i in range(12)]
+    free = disk_tier.shutil.disk_usage(st.dir).free
+    assert free >= 1_000_000 and st.stats["disk_evictions_low_space"] >= 6, (free, dict(st.stats))
+    assert names[0] not in st.index and names[-1] in st.index
+    assert st.stats["disk_writes_low_space"] == 0
+    fake_disk(monkeypatch, dirs, 900_000)  # another program filled the disk
+    name = put(st, list(range(5000, 5064)))
+    assert name not in st.index and not st.index and not st.pending
+    assert st.stats["disk_writes_low_space"] == 1 and os.listdir(st.dir) == []

@@ -13,6 +13,13 @@ names at start (the tier survives a restart); files that are not entries are ski
 folder holds at most `$SGLANG_HICACHE_FILE_BACKEND_MAX_GB` (default 16): past it the least recently used
 entries are deleted.
 
+Free space (the default folder is under /tmp, which the whole host shares and which may be memory): at
+start the budget is capped at half of what the folder's filesystem has free (with what the tier holds
+already), leaving `min_free_bytes` (1 GiB) free, and the budget chosen is logged in one line. A write
+that would leave less than `min_free_bytes` free first deletes least recently used entries, and is
+skipped (counted: `disk_writes_low_space`) where deleting all of them would not do. (Upstream's file
+backend has such a floor, off unless set, and no budget unless set.)
+
 Never a crash from disk: a write that fails (disk full, folder gone) is skipped; a read that fails or
 finds a file of the wrong layout drops the entry and the hit is not taken; both counted (`disk_*_errors`)
 and logged. Reads run on the scheduler thread at admission (`stage`), so a failed read is known before
@@ -41,6 +48,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import stat
 import threading
 import time
@@ -60,6 +68,8 @@ ENTRY = re.compile(r"^([0-9a-f]{64})-([0-9]+)\.pt$")
 DIR_VAR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 STALE_TMP_S = 3600
 AGREED_KEYS = 64  # agreed `deepest` answers kept under TP (the oldest dropped first)
+FREE_SHARE = 0.5  # the most of the free space (with the tier's own entries) the budget takes at start
+MIN_FREE_BYTES = 1 << 30  # the free space a write never takes the filesystem below, by default
 
 
 class DiskTierError(ValueError):
@@ -71,6 +81,7 @@ class DiskTierConfig:
     root: str
     fingerprint: str
     max_bytes: int
+    min_free_bytes: int = MIN_FREE_BYTES
 
 
 def _safe_dir(path: str) -> None:
@@ -100,7 +111,7 @@ def entry_name(key, namespace: str | None) -> str:
 class FileStorage:
     def __init__(self, config: DiskTierConfig, host: HostPools, stats: Counter):
         self.host, self.page, self.stats = host, host.page_size, stats
-        self.max_bytes = config.max_bytes
+        self.max_bytes, self.min_free = config.max_bytes, config.min_free_bytes
         _safe_dir(config.root)
         self.dir = os.path.join(config.root, hashlib.sha256(config.fingerprint.encode()).hexdigest()[:16])
         _safe_dir(self.dir)
@@ -137,6 +148,7 @@ class FileStorage:
         with self.lock:
             for _, name, length, size in sorted(found):
                 self._add(name, length, size)
+            self._cap_budget()
             self._trim()
 
     # ---- index (under the lock) ------------------------------------------------------------------
@@ -163,6 +175,41 @@ class FileStorage:
             length, _ = self._remove(name)
             self._unlink(self._path(name, length))
             self.stats["disk_evictions"] += 1
+
+    def _free_bytes(self) -> int | None:
+        try:
+            return shutil.disk_usage(self.dir).free
+        except OSError:
+            return None  # (unknown: a write's own failure is caught)
+
+    def _cap_budget(self) -> None:
+        """At start: the budget within `FREE_SHARE` of the free space and above the floor, counting the
+        entries the tier holds as its own space; one line says what was chosen."""
+        asked, free = self.max_bytes, self._free_bytes()
+        if free is not None:
+            usable = free + self.total
+            self.max_bytes = max(0, min(asked, int(usable * FREE_SHARE), usable - self.min_free))
+        gb = 1 << 30
+        log = logger.warning if self.max_bytes < asked else logger.info
+        log("HiCache disk tier %s: budget %.2f GB (SGLANG_HICACHE_FILE_BACKEND_MAX_GB %.2f, %s GB free, "
+            "%.2f GB held; at most half the free space, never below %.2f GB free)", self.dir,
+            self.max_bytes / gb, asked / gb, "?" if free is None else f"{free / gb:.2f}", self.total / gb,
+            self.min_free / gb)  # fmt: skip
+
+    def _room_on_disk(self, size: int) -> bool:
+        """Whether `size` more bytes leave the floor free, once least recently used entries went to make
+        it so (counted); False if even deleting all of them would not."""
+        free = self._free_bytes()
+        if free is None or free - size >= self.min_free:
+            return True
+        while free - size < self.min_free and self.index:
+            name = next(iter(self.index))
+            length, n = self._remove(name)
+            self._unlink(self._path(name, length))
+            self.stats["disk_evictions_low_space"] += 1
+            free += n
+        free = self._free_bytes()  # (again: the deletes, and other writers, changed it)
+        return free is None or free - size >= self.min_free
 
     def _path(self, name: str, length: int) -> str:
         return os.path.join(self.dir, f"{name}-{length}.pt")
@@ -324,6 +371,15 @@ class FileStorage:
         tmp = os.path.join(self.dir, f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
         try:
             if not self.enabled:
+                return
+            with self.lock:
+                room = self._room_on_disk(length * self.host.token_bytes + self.host.slot_bytes)
+            if not room:
+                self.stats["disk_writes_low_space"] += 1
+                n = self.stats["disk_writes_low_space"]
+                if n == 1 or n % 100 == 0:
+                    logger.warning("HiCache disk tier %s: under %.2f GB free, %d write(s) skipped so far",
+                                   self.dir, self.min_free / (1 << 30), n)  # fmt: skip
                 return
             h, kv = self.host, torch.tensor(host_kv, dtype=torch.int64)
             data = {
