@@ -112,6 +112,9 @@ class Envs:
     SGLANG_HICACHE_FILE_BACKEND_MAX_GB = EnvFloat(
         16.0, "The most GB the disk tier of --hicache-storage-backend file keeps; LRU entries go past it."
     )
+    SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE = EnvStr(
+        "1G", "The free space the disk tier never takes its filesystem below (10G, 1Gi, bytes; 0: no floor)."
+    )
 
     # Loading: threads that read the checkpoint ahead of the loader (models/checkpoint_reader.py).
     SGLANG_WEIGHT_READ_THREADS = EnvInt(8, "Threads reading checkpoint shards ahead of the loader; 1: serial.")

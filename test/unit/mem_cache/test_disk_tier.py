@@ -288,3 +288,23 @@ def test_writes_stop_at_the_free_space_floor(tmp_path, monkeypatch):
     name = put(st, list(range(5000, 5064)))
     assert name not in st.index and not st.index and not st.pending
     assert st.stats["disk_writes_low_space"] == 1 and os.listdir(st.dir) == []
+
+
+def test_the_floor_reads_upstreams_variable_and_sizes(monkeypatch):
+    """SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE (upstream's name) reaches the tier's config in upstream's
+    sizes (lower case decimal, upper case or `i` binary, a byte count; default 1 GiB); a value that is
+    not a size is a startup error naming the variable."""
+    from sglang.srt.environ import envs
+    from sglang.srt.managers.scheduler_components import tree_cache_factory
+    from sglang.srt.server_args import ServerArgsError
+
+    assert [disk_tier.parse_size(s) for s in ("10g", "1G", "1Gi", "512Mi", "2.5k", "4096", "0")] == [
+        10**10, 1 << 30, 1 << 30, 512 << 20, 2500, 4096, 0]  # fmt: skip
+    monkeypatch.setattr(tree_cache_factory, "disk_fingerprint", lambda args, runner: "fp")
+    args = SimpleNamespace(hicache_storage_backend="file")
+    assert tree_cache_factory._file_storage(args, None).min_free_bytes == 1 << 30
+    with envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.override("20g"):
+        assert tree_cache_factory._file_storage(args, None).min_free_bytes == 2 * 10**10
+    with envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.override("lots"):
+        with pytest.raises(ServerArgsError, match="^SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE must be a size"):
+            tree_cache_factory._file_storage(args, None)

@@ -15,10 +15,10 @@ entries are deleted.
 
 Free space (the default folder is under /tmp, which the whole host shares and which may be memory): at
 start the budget is capped at half of what the folder's filesystem has free (with what the tier holds
-already), leaving `min_free_bytes` (1 GiB) free, and the budget chosen is logged in one line. A write
-that would leave less than `min_free_bytes` free first deletes least recently used entries, and is
-skipped (counted: `disk_writes_low_space`) where deleting all of them would not do. (Upstream's file
-backend has such a floor, off unless set, and no budget unless set.)
+already), leaving `min_free_bytes` free (`$SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE`, upstream's name
+and sizes: `parse_size`; default 1 GiB here, no floor upstream unless set), and the budget chosen is
+logged in one line. A write that would leave less than that free first deletes least recently used
+entries, and is skipped (counted: `disk_writes_low_space`) where deleting all of them would not do.
 
 Never a crash from disk: a write that fails (disk full, folder gone) is skipped; a read that fails or
 finds a file of the wrong layout drops the entry and the hit is not taken; both counted (`disk_*_errors`)
@@ -70,6 +70,7 @@ STALE_TMP_S = 3600
 AGREED_KEYS = 64  # agreed `deepest` answers kept under TP (the oldest dropped first)
 FREE_SHARE = 0.5  # the most of the free space (with the tier's own entries) the budget takes at start
 MIN_FREE_BYTES = 1 << 30  # the free space a write never takes the filesystem below, by default
+SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(?:([kmgtKMGT])(i?))?$")
 
 
 class DiskTierError(ValueError):
@@ -101,6 +102,20 @@ def _safe_dir(path: str) -> None:
         raise DiskTierError(f"{DIR_VAR} folder {path} {problem}; set it to a folder of yours.")
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
+
+
+def parse_size(raw: str) -> int:
+    """Bytes of a size as upstream's file backend reads its variables: a byte count, or a number with a
+    suffix, lower case decimal (10g: 10**10) and upper case or with `i` binary (1G, 1Gi: 2**30)."""
+    m = SIZE.match(raw.strip())
+    if m is None:
+        raise ValueError(f"{raw!r} is not a size")
+    number, suffix, binary = m.groups()
+    if suffix is None:
+        return int(float(number))
+    power = "kmgt".index(suffix.lower()) + 1
+    base = 1024 if binary or suffix.isupper() else 1000
+    return int(float(number) * base**power)
 
 
 def entry_name(key, namespace: str | None) -> str:

@@ -22,7 +22,7 @@ from sglang.srt.environ import envs
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
-from sglang.srt.mem_cache.disk_tier import DiskTierConfig, DiskTierError
+from sglang.srt.mem_cache.disk_tier import DiskTierConfig, DiskTierError, parse_size
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from sglang.srt.server_args import ServerArgs, ServerArgsError
@@ -131,8 +131,16 @@ def _file_storage(args: ServerArgs, model_runner) -> DiskTierConfig | None:
     gb = envs.SGLANG_HICACHE_FILE_BACKEND_MAX_GB.get()
     if not gb > 0:
         raise ServerArgsError(f"SGLANG_HICACHE_FILE_BACKEND_MAX_GB must be above 0 (got {gb:g}).")
+    raw = envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.get()
+    try:
+        floor = parse_size(raw)
+    except ValueError:
+        raise ServerArgsError(
+            f"SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE must be a size such as 10G, 1Gi or a byte count "
+            f"(got {raw!r})."
+        ) from None
     root = envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.get()
-    return DiskTierConfig(root, disk_fingerprint(args, model_runner), int(gb * (1 << 30)))
+    return DiskTierConfig(root, disk_fingerprint(args, model_runner), int(gb * (1 << 30)), floor)
 
 
 def weight_files_identity(path: str) -> list[tuple[str, int, int]]:
