@@ -73,8 +73,10 @@ def setup(tmp_path_factory):
     origin = ThreadingHTTPServer(("127.0.0.1", 0), Origin)
     origin.daemon_threads = True
     origin.stop = threading.Event()
-    # The largest image the server decodes (8192 x 8192, one colour: a small PNG, 192 MiB decoded).
-    origin.big = png(Image.new("RGB", (8192, 8192), (200, 20, 20)))
+    # The largest image the server decodes for this checkpoint (4096 x 4096: its max_pixels 16,384 is
+    # under the 4096 x 4096 photo floor of media_io.PixelBudget.for_model; one colour: a small PNG,
+    # 48 MiB decoded).
+    origin.big = png(Image.new("RGB", (4096, 4096), (200, 20, 20)))
     threading.Thread(target=origin.serve_forever, daemon=True).start()
     server = ServerProcess(
         [
@@ -186,7 +188,7 @@ def test_nested_lists_and_videos_are_bounded(setup):
 
 
 def test_bystander_text_requests_finish_while_another_client_sends_pathological_images(setup):
-    """Client A keeps 8 requests in flight: never-answering URLs and the 8192 x 8192 image. Client B's
+    """Client A keeps 8 requests in flight: never-answering URLs and the 4096 x 4096 image. Client B's
     short text requests each finish within BOUND_S. The bound: a text request alone took 0.8-1.0 s on
     the loaded 2-core machine (measured here, after a warm-up) and 2.2-3.5 s with client A (three runs);
     B may wait behind the prefill of A's largest images (their tokens capped by the checkpoint's
@@ -231,7 +233,7 @@ def test_bystander_text_requests_finish_while_another_client_sends_pathological_
         results = [f.result() for f in attackers]
     bigs, wrong = sum(n for n, _ in results), [w for _, ws in results for w in ws]
     print(f"bystander: worst {worst:.2f} s over 5 text requests (alone {alone:.2f} s); A's big images: {bigs}")
-    # Client A's load was real: its 8192 x 8192 images were decoded and answered (2 of its 8 threads
+    # Client A's load was real: its 4096 x 4096 images were decoded and answered (2 of its 8 threads
     # send them), and its never-answering URLs each ended as a deadline refusal, nothing else.
     assert wrong == [], wrong[:3]
     assert bigs >= 2, bigs

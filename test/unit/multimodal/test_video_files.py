@@ -135,7 +135,7 @@ def test_images_are_processed_one_at_a_time_and_a_shared_item_once():
 
     p = object.__new__(ImageInputProcessor)
     p.image_processor, p.image_token_id, p.merge, p.vocab_size = image_processor, 7, 2, 100
-    p.video, p.video_refusal = None, "no video"
+    p.video, p.video_refusal, p.max_pixels, p.pixels_per_token = None, "no video", 16384, 256
     limits = SimpleNamespace(context_len=1000, max_req_input_len=1000)
     items = [SimpleNamespace(prompt=i, req=SimpleNamespace(input_ids=[1, 7, 2])) for i in range(3)]
     png = png_bytes()

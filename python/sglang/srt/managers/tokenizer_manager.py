@@ -64,6 +64,7 @@ from sglang.srt.managers.tokenizer_communicator_mixin import (
 )
 from sglang.srt.managers.tokenizer_output import ReqState
 from sglang.srt.multimodal.media_io import MediaPolicy, MediaReader, RequestReads
+from sglang.srt.multimodal.media_pool import MediaCancelled, MediaJob
 from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media, per_prompt
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -199,7 +200,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         return enc.ids
 
     async def normalize(
-        self, obj: GenerateReqInput, trusted: bool = False
+        self, obj: GenerateReqInput, trusted: bool = False, request: DisconnectCheck | None = None
     ) -> tuple[list[NormalizedRequest], bool]:
         prompts = parse_prompts(obj, self.max_samples_per_request)
         if self.encoder is None:
@@ -211,15 +212,21 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         items, is_list = build_requests(obj, prompts, encoded, self.limits)
         media = {"image_data": obj.image_data, "video_data": obj.video_data}
         p = self.image_processor
-        if p is not None and p.refusal is None:
-            # Every media item as bytes, within the media flags' bounds, before the processor sees it
-            # (the batch's shape first: nothing is read for a request refused anyway).
-            num_prompts = max(item.prompt for item in items) + 1
-            shared = RequestReads()  # the request's bytes and fetch slots, over both fields
-            for field in ("image_data", "video_data") if p.video_refusal is None else ("image_data",):
-                per_prompt(media[field], num_prompts, prompts.is_batch, field)
-                media[field] = await self.media.read(media[field], field, prompts.is_batch, trusted, shared)
-        await attach_media(p, items, media["image_data"], media["video_data"], self.limits, prompts.is_batch)
+        # The request's media work: one item at a time in the media pool, dropped once `request` is gone.
+        job = MediaJob(request)
+        try:
+            if p is not None and p.refusal is None:
+                # Every media item as bytes, within the media flags' bounds, before the processor sees it
+                # (the batch's shape first: nothing is read for a request refused anyway).
+                num_prompts = max(item.prompt for item in items) + 1
+                shared = RequestReads(job)  # the request's bytes and fetch slots, over both fields
+                for field in ("image_data", "video_data") if p.video_refusal is None else ("image_data",):
+                    per_prompt(media[field], num_prompts, prompts.is_batch, field)
+                    data = media[field]
+                    media[field] = await self.media.read(data, field, prompts.is_batch, trusted, shared)
+            await attach_media(p, items, *media.values(), self.limits, prompts.is_batch, job)
+        except MediaCancelled:
+            raise ClientDisconnected() from None
         return items, is_list
 
     async def generate_request(
@@ -235,7 +242,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         when the server ends a request. `trusted`: an in-process caller (Engine), whose media items
         may name any local file; HTTP routes leave it False (docs/multimodal.md). `warmup`: the server's
         warm-up request (`TokenizedGenerateReqInput.warmup`)."""
-        items, is_list = await self.normalize(obj, trusted)
+        items, is_list = await self.normalize(obj, trusted, request)
         for item in items:
             item.req.warmup = warmup
         # Held while paused, while a weight update waits for the running requests to finish, and while

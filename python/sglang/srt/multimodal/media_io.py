@@ -10,7 +10,10 @@ Who may name what (`MediaPolicy`, from the media flags in `server_args_media.py`
   never answer cannot hold the threads that decode other requests' images), for every caller alike.
 
 `MediaReader.read` turns every item into bytes before the image processor sees it; `load_image` then
-reads each image's header before its pixels, so an image over `MAX_IMAGE_PIXELS` is refused undecoded.
+reads each image's header before its pixels, so an image over the request's per-image bound
+(`PixelBudget.per_item`: `DECODE_MARGIN` x the checkpoint's max_pixels, at least `PHOTO_PIXELS`) is
+refused undecoded, or, a JPEG, decoded at a reduced scale (`Image.draft`) when that fits. Reads, decodes
+and processing run in `media_pool` (its own threads, the requests in turn, dropped with their client).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import base64
 import binascii
 import io
+import math
 import os
 import stat
 import time
@@ -29,12 +33,20 @@ from typing import Any
 
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.multimodal.media_fetch import ByteBudget, FetchPolicy, FetchScope, fetch_url, is_url
+from sglang.srt.multimodal.media_pool import MediaJob
 from sglang.srt.server_args_media import DEFAULT_MEDIA_LIMITS, MODALITY
 
 FIELD = "image_data"
-# The largest image decoded, in pixels (width x height): beyond it the decode alone takes seconds and
-# gigabytes, whatever the processor then resizes it to.
+# The largest image decoded, in pixels (width x height), whatever the checkpoint: beyond it the decode
+# alone takes seconds and gigabytes, whatever the processor then resizes it to.
 MAX_IMAGE_PIXELS = 8192 * 8192
+# An image decodes to at most this many times the pixels the checkpoint's processor resizes it to (its
+# max_pixels): up to 2x its side, where a resize still averages real detail; beyond that the extra pixels
+# only cost CPU and memory (a 1-bit 8192x8192 PNG is 11 KB and took 2.6 s to decode and process).
+DECODE_MARGIN = 4
+# ... but at least this many (4096x4096): a 12-16 megapixel phone picture (4032x3024, 4656x3496) is
+# taken on any checkpoint, as it was before this bound, however small its max_pixels.
+PHOTO_PIXELS = 1 << 24
 # The largest image file read from a path (base64 items are bounded by the request body's limit).
 MAX_IMAGE_FILE_BYTES = 64 << 20
 # Longest string tried as a file path (Linux's PATH_MAX): a base64 image is not resolved as one.
@@ -53,18 +65,33 @@ DEPTH = {"image_data": 1, "video_data": 2}
 
 
 class PixelBudget(ByteBudget):
-    """The pixels one request's images and videos may still decode (`take(n)` False once over)."""
+    """The pixels one request's images and videos may still decode (`take(n)` False once over), and the
+    most one image (or video frame) may decode to (`per_item`)."""
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, limit: int | None = None, per_item: int = MAX_IMAGE_PIXELS):
         super().__init__(MAX_DECODED_PIXELS_PER_REQUEST if limit is None else limit)
+        self.per_item = per_item
+
+    @classmethod
+    def for_model(cls, max_pixels: int | None, context_len: int, pixels_per_token: int) -> PixelBudget:
+        """A request's budget on a checkpoint whose processor resizes images to at most `max_pixels`
+        (None: unknown) and turns `pixels_per_token` of them into a token: an image decodes to at most
+        `DECODE_MARGIN` x max_pixels (at least `PHOTO_PIXELS`); all of the request's images and frames to
+        at most `DECODE_MARGIN` x the pixels its context holds as tokens (at least one image's bound)."""
+        per_item = MAX_IMAGE_PIXELS
+        if max_pixels:
+            per_item = min(MAX_IMAGE_PIXELS, max(DECODE_MARGIN * max_pixels, PHOTO_PIXELS))
+        total = max(per_item, DECODE_MARGIN * context_len * pixels_per_token)
+        return cls(min(total, MAX_DECODED_PIXELS_PER_REQUEST), per_item)
 
 
 class RequestReads:
     """What all of one request's reads share: its bytes, its URL fetches running at once (their number
     and their connections, cut when one of its reads fails)."""
 
-    def __init__(self):
+    def __init__(self, job: MediaJob | None = None):
         self.budget = ByteBudget()
+        self.job = job or MediaJob()  # the request's turn in the media pool
         self.fetches = asyncio.Semaphore(FETCHES_PER_REQUEST)
         self.scope = FetchScope()
 
@@ -132,9 +159,8 @@ class MediaReader:
                     return await loop.run_in_executor(self._fetch_threads, fetch_url, *args)
             # An HTTP client's files count against the request's bytes as its URLs do.
             files_budget = None if trusted else budget
-            return await loop.run_in_executor(
-                None, _read_or_error, item, where, param, self.policy, trusted, files_budget
-            )
+            args = (item, where, param, self.policy, trusted, files_budget)
+            return await shared.job.run(_read_or_error, *args)
 
         async def walk(node: Any, where: str, depth: int) -> Any:
             # check_count refused lists deeper than the field's shape: a batch's prompts, a prompt's
@@ -297,23 +323,32 @@ def _inside(path: str, root: str | None) -> bool:
     return root is not None and os.path.commonpath([path, root]) == root
 
 
-def load_image(item: Any, where: str, pixels: PixelBudget | None = None):
+def load_image(item: Any, where: str, pixels: PixelBudget | None = None, target: int | None = None):
     """A decoded RGB PIL image, or a RequestError naming `where`. `item` is bytes (`MediaReader.read`
-    made it so) or a base64 / data-URI string; a path or URL is not read here. Its pixels are charged
-    to `pixels` (the request's) before it is decoded."""
+    made it so) or a base64 / data-URI string; a path or URL is not read here. Its size is read from its
+    header and held to `pixels.per_item`, and its pixels charged to `pixels` (the request's), before it is
+    decoded. `target`: the most pixels the processor resizes it to (its max_pixels); a JPEG over the bound
+    is then decoded at 1/2, 1/4 or 1/8 scale (never below `target`) when that fits."""
     from PIL import Image
 
     if is_url(item):  # `MediaReader.read` fetches URLs; one here came past it
         raise RequestError(f"{where} is a URL, which this reader does not fetch.", FIELD)
     data = item if isinstance(item, bytes) else read_local(item, where, FIELD, MediaPolicy(), trusted=False)
+    bound = MAX_IMAGE_PIXELS if pixels is None else pixels.per_item
     # This server's bound replaces PIL's (whose error on opening hides the size): checked below.
     Image.MAX_IMAGE_PIXELS = None
     try:
         with Image.open(io.BytesIO(data)) as probe:  # reads the header only
             width, height = probe.size
-            if width * height > MAX_IMAGE_PIXELS:
+            if width * height > bound and target and probe.format == "JPEG":
+                scale = math.sqrt(target / (width * height))
+                probe.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
+                width, height = probe.size  # the DCT scale it decodes at (1, 1/2, 1/4 or 1/8)
+            if width * height > bound:
+                side = math.isqrt(bound)
                 raise RequestError(
-                    f"{where} is {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} this server decodes.",
+                    f"{where} is {width}x{height} pixels ({width * height}), over the {bound} this server "
+                    f"decodes per image for this model (about {side}x{side}); send it smaller.",
                     FIELD,
                 )
             charge(pixels, width * height, where, FIELD)

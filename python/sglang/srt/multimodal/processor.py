@@ -3,8 +3,9 @@
 `MultimodalInputs`, with the model's own image processor from transformers (`AutoImageProcessor`, the
 checkpoint's `preprocessor_config.json`) and its video processor settings.
 
-Runs off the event loop (the tokenizer manager's executor): decoding and resizing take milliseconds
-to seconds. Reading and decoding each item, within this server's bounds, is `media_io`'s.
+Runs off the event loop, one item at a time in the media pool (`media_pool.MediaJob`: the requests take
+its threads in turn, and a request whose client left stops between items): decoding and resizing take
+milliseconds to seconds. Reading and decoding each item, within this server's bounds, is `media_io`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.multimodal import video as videos
 from sglang.srt.multimodal.inputs import MultimodalInputs, mrope_positions, pad_value
 from sglang.srt.multimodal.media_io import FIELD, PixelBudget, load_image
+from sglang.srt.multimodal.media_pool import MediaJob
 
 
 class ImageInputProcessor:
@@ -30,6 +32,11 @@ class ImageInputProcessor:
         self.image_processor = AutoImageProcessor.from_pretrained(model_path)
         self.image_token_id = hf_config.image_token_id
         self.merge = hf_config.vision_config.spatial_merge_size
+        # The most pixels the processor resizes an image to, and how many make one image token: the
+        # request's decode bounds (media_io.PixelBudget.for_model).
+        self.max_pixels = _max_pixels(self.image_processor)
+        patch = getattr(self.image_processor, "patch_size", None) or hf_config.vision_config.patch_size
+        self.pixels_per_token = (patch * self.merge) ** 2
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.video = videos.VideoConfig.load(model_path)
         self.video_refusal = None
@@ -72,8 +79,13 @@ class ImageInputProcessor:
             )
         return processor
 
-    def process(
+    def pixel_budget(self, context_len: int) -> PixelBudget:
+        """A request's decode bounds: per image, and over its images and video frames."""
+        return PixelBudget.for_model(self.max_pixels, context_len, self.pixels_per_token)
+
+    async def process(
         self,
+        job: MediaJob,
         input_ids: list[int],
         image_data: Any,
         video_data: Any = None,
@@ -86,8 +98,9 @@ class ImageInputProcessor:
         <|vision_end|>, as transformers' Qwen3VLProcessor writes it), and the request's
         `MultimodalInputs`. `where` names the prompt's images and videos in errors; their decoded pixels
         are charged to `pixels` (the request's, over all its prompts). Each image is decoded, processed
-        and dropped before the next (one decoded image held at a time); `done` (the request's, by the
-        item's id) keeps what an item gave, so an item shared by a batch's prompts is processed once."""
+        and dropped before the next (one decoded image held at a time), each a step of `job` in the media
+        pool; `done` (the request's, by the item's id) keeps what an item gave, so an item shared by a
+        batch's prompts is processed once."""
         done = {} if done is None else done
         image_where, video_where = where[0] or FIELD, where[1] or videos.FIELD
         # Each placeholder's expansion: [(ids before, pixels, grid, checkpoint token, ids after)].
@@ -97,7 +110,7 @@ class ImageInputProcessor:
             at = self._placeholders(input_ids, self.image_token_id, len(items), "image", image_where)
             for i, (place, item) in enumerate(zip(at, items, strict=True)):
                 if id(item) not in done:
-                    done[id(item)] = self._image(item, f"{image_where}[{i}]", pixels)
+                    done[id(item)] = await job.run(self._image, item, f"{image_where}[{i}]", pixels)
                 chunk, grid = done[id(item)]
                 expand[place] = [([], chunk, grid, self.image_token_id, [])]
         if video_data is not None:
@@ -105,8 +118,14 @@ class ImageInputProcessor:
             at = self._placeholders(input_ids, self.video_token_id, len(items), "video", video_where)
             for k, (place, item) in enumerate(zip(at, items, strict=True)):
                 if id(item) not in done:
-                    done[id(item)] = self._video_frames(item, f"{video_where}[{k}]", pixels)
+                    done[id(item)] = await job.run(self._video_frames, item, f"{video_where}[{k}]", pixels)
                 expand[place] = done[id(item)]
+        return await job.run(self._assemble, input_ids, expand)
+
+    def _assemble(
+        self, input_ids: list[int], expand: dict[int, list[Any]]
+    ) -> tuple[list[int], MultimodalInputs]:
+        """The prompt with each placeholder expanded, and its `MultimodalInputs` (hashes every item)."""
         ids, pixels, grids, offsets, pads, tokens, prev = [], [], [], [], [], [], 0
         for place in sorted(expand):
             ids += input_ids[prev:place]
@@ -127,7 +146,7 @@ class ImageInputProcessor:
 
     def _image(self, item: Any, where: str, pixels: PixelBudget | None) -> tuple[torch.Tensor, list[int]]:
         """One image's patches and grid (the processor treats each image of a list alone)."""
-        image = load_image(item, where, pixels)
+        image = load_image(item, where, pixels, self.max_pixels)
         try:
             out = self.image_processor(images=[image], return_tensors="pt")
         except ValueError as e:  # e.g. an aspect ratio the processor cannot resize
@@ -190,12 +209,12 @@ async def attach_media(
     video_data: Any,
     limits: Any,
     is_batch: bool,
+    job: MediaJob | None = None,
 ) -> None:
     """Expand the prompts of `items` (the `NormalizedRequest`s of one /generate call: each sample of
-    each prompt) with their prompt's images and videos, processed off the event loop. The samples of
-    one prompt share its processed media."""
-    import asyncio
-
+    each prompt) with their prompt's images and videos, processed off the event loop as steps of `job`
+    (the request's, default a new one: MediaCancelled once its client is gone). The samples of one
+    prompt share its processed media."""
     from sglang.srt.managers.request_validation import check_input_len
 
     given = [f for f, d in ((FIELD, image_data), (videos.FIELD, video_data)) if d is not None and d != []]
@@ -219,15 +238,28 @@ async def attach_media(
         if im is not None or vid is not None
     ]
 
-    def run() -> dict[int, tuple[list[int], MultimodalInputs]]:
-        where = lambda p: (f"{FIELD}[{p}]", f"{videos.FIELD}[{p}]") if is_batch else ("", "")  # noqa: E731
-        pixels = PixelBudget()  # one for the request: its prompts' images and videos together
-        done: dict[int, Any] = {}  # an item shared by the batch's prompts: processed once
-        return {p: processor.process(ids, im, vid, where(p), pixels, done) for p, ids, im, vid in todo}
-
-    done = await asyncio.get_running_loop().run_in_executor(None, run)
+    job = job or MediaJob()
+    where = lambda p: (f"{FIELD}[{p}]", f"{videos.FIELD}[{p}]") if is_batch else ("", "")  # noqa: E731
+    pixels = processor.pixel_budget(limits.context_len)  # the request's: its prompts' media together
+    shared: dict[int, Any] = {}  # an item shared by the batch's prompts: processed once
+    done = {}
+    for p, ids, im, vid in todo:
+        done[p] = await processor.process(job, ids, im, vid, where(p), pixels, shared)
     for p, _, _, vid in todo:  # the field named: the prompt's videos if it has any (the larger part)
         check_input_len(len(done[p][0]), limits, FIELD if vid is None else videos.FIELD)
     for item in items:
         if item.prompt in done:
             item.req.input_ids, item.req.mm_inputs = done[item.prompt]
+
+
+def _max_pixels(image_processor: Any) -> int | None:
+    """The most pixels `image_processor` resizes an image to (Qwen2-VL's `max_pixels`, transformers 5's
+    `size["longest_edge"]`); None when it says none."""
+    value = getattr(image_processor, "max_pixels", None)
+    if not value:
+        size = getattr(image_processor, "size", None)
+        try:
+            value = size["longest_edge"] if size is not None else None
+        except (KeyError, TypeError):
+            value = None
+    return int(value) if value else None

@@ -12,10 +12,11 @@ frames), rescaled, normalized and cut into patches in the Qwen2-VL layout.
 Bounds, each a 400 naming `video_data`: `MAX_VIDEO_FRAMES` frames taken, `MAX_DECODED_PIXELS` pixels
 decoded (a file's frames before sampling, so a long or large video is refused before it is decoded; a
 list's frames, known from its first; a file's frames are also charged as they decode, and a frame of
-another size than the stream declared is refused), `media_io.MAX_IMAGE_PIXELS` a frame. Each frame is
-resized as it is decoded, so the full-size frames are never all held. A file is read only as one of the
-self-contained `CONTAINERS`, with no protocol: FFmpeg demuxers that name other files or sockets (concat,
-SDP, HLS, DASH) are refused, with one message whatever they name.
+another size than the stream declared is refused), the request's per-image bound a frame
+(`media_io.PixelBudget.per_item`, checked before decoding), and the request's pixels over all its media.
+Each frame is resized as it is decoded, so the full-size frames are never all held. A file is read only
+as one of the self-contained `CONTAINERS`, with no protocol: FFmpeg demuxers that name other files or
+sockets (concat, SDP, HLS, DASH) are refused, with one message whatever they name.
 """
 
 from __future__ import annotations
@@ -189,9 +190,12 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
             width, height = stream.codec_context.width, stream.codec_context.height
             if width < 1 or height < 1:
                 raise RequestError(f"{where} declares no frame size.", FIELD)
-            if width * height > media_io.MAX_IMAGE_PIXELS:
+            per_frame = media_io.MAX_IMAGE_PIXELS if pixels is None else pixels.per_item
+            if width * height > per_frame:
                 raise RequestError(
-                    f"{where} has {width}x{height} frames, over the bound of this server.", FIELD
+                    f"{where} has {width}x{height} frames ({width * height} pixels), over the {per_frame} "
+                    "this server decodes per frame for this model.",
+                    FIELD,
                 )
             total = stream.frames or sum(1 for p in container.demux(stream) if p.size)
             if total * width * height > MAX_DECODED_PIXELS:

@@ -1,0 +1,192 @@
+"""An image costs what the model can use, not what its header claims (the security review of
+2026-11-29, failure 2: an 11 KB 1-bit 8192x8192 PNG took 2.6 s of CPU and ~200 MB; six clients that
+posted six each and left held a 64x64 image of another client back 61-92 s):
+- an image whose header is over the per-image bound (4 x the processor's max_pixels, at least a 16 MP
+  photo) is refused naming `image_data`, from its header, before any pixel is decoded; a 12 MP phone
+  photo is still decoded whole; a JPEG over the bound is decoded at a reduced DCT scale instead;
+- a video file's frame size is held to the same bound before decoding;
+- media work runs in its own pool, one item of a request at a time (requests take turns), and a request
+  whose client left stops before its next item.
+Images are made here, at most 6000x4000 of one colour (milliseconds to encode), or are headers only."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang.srt.managers.request_error import RequestError
+from sglang.srt.multimodal import media_pool, video
+from sglang.srt.multimodal.media_io import PixelBudget, load_image
+from sglang.srt.multimodal.media_pool import MediaCancelled, MediaJob
+from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+# The tiny-qwen3.5-vl preset's processor: max_pixels 16384 (128x128), patch 8 x merge 2 = 256 pixels a
+# token, context 4,096 tokens.
+TINY = dict(max_pixels=16384, context_len=4096, pixels_per_token=256)
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that says width x height (1-bit grey) and holds a few bytes of pixel data: opening it reads
+    the size; decoding it would fail (or take seconds, were the data whole)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+
+
+def jpeg(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 120, 200)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """The sizes of the images whose pixels were decoded (PIL's ImageFile.load), whatever the format."""
+    from PIL import ImageFile
+
+    loaded = set()
+    load = ImageFile.ImageFile.load
+
+    def counted(self):
+        loaded.add(self.size)
+        return load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", counted)
+    return loaded
+
+
+def test_bounds_follow_the_checkpoint():
+    tiny = PixelBudget.for_model(**TINY)
+    assert (tiny.per_item, tiny.limit) == (1 << 24, 1 << 24)  # the photo floor; 4 x 4096 x 256 is less
+    # Qwen3.5 / Qwen3-VL: max_pixels 4096x4096 (16,777,216), 32x32 pixels a token, 262,144 tokens.
+    real = PixelBudget.for_model(1 << 24, 262144, 1024)
+    assert (real.per_item, real.limit) == (1 << 26, 1 << 30)
+
+
+def test_an_image_over_the_bound_is_refused_from_its_header(decodes):
+    """Before: 8192x8192 was within the bound (2^26) whatever the model, and was decoded."""
+    start = time.monotonic()
+    with pytest.raises(RequestError) as e:
+        load_image(png_header(8192, 8192), "image_data[2]", PixelBudget.for_model(**TINY), 16384)
+    assert e.value.param == "image_data"
+    assert "image_data[2] is 8192x8192 pixels (67108864), over the 16777216" in e.value.message
+    assert not decodes
+    assert time.monotonic() - start < 0.5  # a header read: milliseconds (0.5 s: a loaded CI machine)
+
+
+def test_a_phone_photo_is_decoded_whole_and_a_larger_jpeg_at_a_reduced_scale(decodes):
+    pixels = PixelBudget(1 << 30, PixelBudget.for_model(**TINY).per_item)
+    # 12 MP: within the bound, decoded at full size for the processor to resize as before.
+    assert load_image(jpeg(4032, 3024), "image_data[0]", pixels, 16384).size == (4032, 3024)
+    # 24 MP: over the bound; decoded at 1/8 scale, still above the 128x128 the processor resizes to.
+    assert load_image(jpeg(6000, 4000), "image_data[1]", pixels, 16384).size == (750, 500)
+    assert pixels.limit - pixels.left == 4032 * 3024 + 750 * 500  # charged what was decoded
+    # A PNG cannot be decoded at a lower scale: refused.
+    with pytest.raises(RequestError, match="6000x4000 pixels"):
+        load_image(png_header(6000, 4000), "image_data[2]", pixels, 16384)
+    assert decodes == {(4032, 3024), (750, 500)}
+
+
+def test_a_video_files_frame_size_is_held_to_the_bound_before_decoding():
+    """Before: a video's frames were held to MAX_IMAGE_PIXELS (2^26) whatever the model."""
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        s = out.add_stream("libx264", rate=24)
+        s.width, s.height, s.pix_fmt, s.options = 64, 64, "yuv420p", {"preset": "ultrafast"}
+        for _ in range(2):
+            out.mux(s.encode(av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24")))
+        out.mux(s.encode())
+    config = video.VideoConfig(16, 2, 2, 64, 1 << 20, (0.5,) * 3, (0.5,) * 3, 2.0, 4, 768)
+    with pytest.raises(RequestError) as e:
+        video.load_video(buf.getvalue(), "video_data[0]", config, PixelBudget(1 << 30, 64 * 63))
+    assert e.value.param == "video_data" and "64x64 frames (4096 pixels), over the 4032" in e.value.message
+
+
+def fake_processor(calls: list, on_call=None) -> ImageInputProcessor:
+    """An ImageInputProcessor whose image processor records (thread name) and returns 4 patches."""
+
+    def image_processor(images, return_tensors):
+        calls.append(threading.current_thread().name)
+        if on_call is not None:
+            on_call()
+        return {"pixel_values": torch.rand(4, 8), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+
+    p = object.__new__(ImageInputProcessor)
+    p.image_processor, p.image_token_id, p.merge, p.vocab_size = image_processor, 7, 2, 100
+    p.video, p.video_refusal, p.max_pixels, p.pixels_per_token = None, "no video", 16384, 256
+    return p
+
+
+def one_prompt(n: int) -> list:
+    return [SimpleNamespace(prompt=0, req=SimpleNamespace(input_ids=[1] + [7] * n + [2]))]
+
+
+PNG = jpeg(8, 8)
+
+
+def images(n: int) -> list[bytes]:
+    """n distinct items (one item object given twice is processed once)."""
+    return [jpeg(8, 8) for _ in range(n)]
+LIMITS = SimpleNamespace(context_len=1000, max_req_input_len=1000)
+
+
+def test_media_runs_in_its_own_pool_and_stops_when_the_client_leaves():
+    """Before: all of a request's items ran in one call on the loop's default executor (threads
+    'asyncio_N'), to the end whether or not the client was still there."""
+
+    class Client:
+        gone = False
+
+        async def is_disconnected(self) -> bool:
+            return self.gone
+
+    calls, client = [], Client()
+    p = fake_processor(calls, on_call=lambda: setattr(client, "gone", True))  # leaves during item 0
+    with pytest.raises(MediaCancelled):
+        asyncio.run(attach_media(p, one_prompt(4), images(4), None, LIMITS, False, MediaJob(client)))
+    assert len(calls) == 1, calls  # items 1-3 never started
+    assert calls[0].startswith(media_pool.THREAD_PREFIX), calls
+
+
+def test_requests_take_turns_in_the_pool(monkeypatch):
+    """With one media thread, a 1-image request that arrives while an 8-image request runs waits for at
+    most that request's running and next item, not all 8 (before: one executor call for all 8)."""
+    monkeypatch.setattr(media_pool, "_pool", ThreadPoolExecutor(1, thread_name_prefix="media-decode"))
+    calls: list = []
+    big = fake_processor(calls, on_call=lambda: time.sleep(0.03))
+
+    async def both():
+        first = asyncio.create_task(attach_media(big, one_prompt(8), images(8), None, LIMITS, False))
+        while not calls:
+            await asyncio.sleep(0.005)
+        small = fake_processor([])
+        await attach_media(small, one_prompt(1), PNG, None, LIMITS, False)
+        done_before = len(calls)
+        await first
+        return done_before
+
+    try:
+        done_before = asyncio.run(both())
+        assert done_before <= 3 and len(calls) == 8, (done_before, calls)
+    finally:
+        media_pool._pool.shutdown()
