@@ -62,6 +62,9 @@ CASES = [
     (CHAT, chat(logprobs=True, top_logprobs=50), "top_logprobs"),
     (CHAT, chat(stream="maybe"), "stream"),  # ("yes" is true in pydantic's lax mode, as upstream)
     (CHAT, chat(stop=[""]), "stop"),
+    (CHAT, chat(stop=[f"s{i}" for i in range(257)]), "stop"),  # (bounds: constrained/stop_strings.py)
+    (COMP, {"prompt": "x", "stop": ["x" * 1025]}, "stop"),
+    (GEN, {"text": "a", "sampling_params": {"stop": ["y" * 1000] * 17}}, "sampling_params.stop"),
     (CHAT, chat(seed=-1), "seed"),
     (
         CHAT,
