@@ -27,7 +27,7 @@ from sglang.srt.managers.request_error import RequestError
 from sglang.srt.multimodal import media_pool, video
 from sglang.srt.multimodal.media_io import PixelBudget, load_image
 from sglang.srt.multimodal.media_pool import MediaCancelled, MediaJob
-from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media
+from sglang.srt.multimodal.processor import ImageInputProcessor, _presize_settings, attach_media
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=3, suite="per-commit-cpu")
@@ -190,3 +190,31 @@ def test_requests_take_turns_in_the_pool(monkeypatch):
         assert done_before <= 3 and len(calls) == 8, (done_before, calls)
     finally:
         media_pool._pool.shutdown()
+
+
+def test_an_image_is_resized_before_the_processor_to_the_same_pixels():
+    """The processor gets the image at the size it resizes to (PIL bicubic to smart_resize's size, as
+    transformers' PIL Qwen2-VL processor does), and gives bit-for-bit what it gives for the full image
+    (before: the processor copied the full-size image, 0.70 s of 0.85 s for a 4032x3024 photo)."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    hf = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, size={"shortest_edge": 1024, "longest_edge": 16384})
+    seen = []
+
+    def spy(images, return_tensors):
+        seen.append(images[0].size)
+        return hf(images=images, return_tensors=return_tensors)
+
+    p = fake_processor([])
+    p.image_processor, p.presize = spy, _presize_settings(hf)
+    rng = np.random.default_rng(0)
+    for (w, h), target in [((1000, 700), (144, 96)), ((130, 120), (128, 128)), ((20, 500), (16, 496))]:
+        im = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        buf = io.BytesIO()
+        im.save(buf, "PNG")
+        patches, grid = p._image(buf.getvalue(), "image_data[0]", None)
+        assert seen[-1] == target
+        full = hf(images=[im], return_tensors="pt")
+        assert torch.equal(patches, full["pixel_values"]) and grid == full["image_grid_thw"][0].tolist()

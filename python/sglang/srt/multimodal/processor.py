@@ -37,6 +37,7 @@ class ImageInputProcessor:
         self.max_pixels = _max_pixels(self.image_processor)
         patch = getattr(self.image_processor, "patch_size", None) or hf_config.vision_config.patch_size
         self.pixels_per_token = (patch * self.merge) ** 2
+        self.presize = _presize_settings(self.image_processor)
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.video = videos.VideoConfig.load(model_path)
         self.video_refusal = None
@@ -54,6 +55,8 @@ class ImageInputProcessor:
 
     # Why this server refuses images although its model takes them (None: it serves them).
     refusal: str | None = None
+    # How images are resized before the processor sees them (`presize`; None: not).
+    presize: tuple[int, int, int, int] | None = None
 
     @classmethod
     def create(cls, model_path: str, server_args: Any = None) -> ImageInputProcessor | None:
@@ -146,7 +149,7 @@ class ImageInputProcessor:
 
     def _image(self, item: Any, where: str, pixels: PixelBudget | None) -> tuple[torch.Tensor, list[int]]:
         """One image's patches and grid (the processor treats each image of a list alone)."""
-        image = load_image(item, where, pixels, self.max_pixels)
+        image = presize(load_image(item, where, pixels, self.max_pixels), self.presize)
         try:
             out = self.image_processor(images=[image], return_tensors="pt")
         except ValueError as e:  # e.g. an aspect ratio the processor cannot resize
@@ -263,3 +266,36 @@ def _max_pixels(image_processor: Any) -> int | None:
         except (KeyError, TypeError):
             value = None
     return int(value) if value else None
+
+
+def _presize_settings(image_processor: Any) -> tuple[int, int, int, int] | None:
+    """(factor, min_pixels, max_pixels, PIL filter) for `presize` when `image_processor` is transformers'
+    PIL Qwen2-VL processor (Qwen3.5's), whose resize is PIL's to `smart_resize`'s size; None otherwise."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    except ImportError:
+        return None
+    if not isinstance(image_processor, Qwen2VLImageProcessorPil) or not image_processor.do_resize:
+        return None
+    size = image_processor.size
+    factor = image_processor.patch_size * image_processor.merge_size
+    return factor, size["shortest_edge"], size["longest_edge"], int(image_processor.resample)
+
+
+def presize(image: Any, settings: tuple[int, int, int, int] | None) -> Any:
+    """`image` resized to the size the processor resizes it to, with its filter: the processor then
+    gets the same pixels it would make (checked bit for bit in test_media_bounds) without its own
+    full-size copies (a 4032x3024 photo: 0.70 s -> 0.15 s of CPU). Unchanged when `settings` is None."""
+    if settings is None:
+        return image
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    factor, min_pixels, max_pixels, resample = settings
+    try:
+        height, width = smart_resize(image.height, image.width, factor, min_pixels, max_pixels)
+    except ValueError:  # the processor refuses it, with its own message
+        return image
+    if (width, height) == image.size:
+        return image
+    return image.resize((width, height), Image.Resampling(resample))
