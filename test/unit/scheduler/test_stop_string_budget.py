@@ -127,3 +127,18 @@ def test_a_decode_set_with_a_charged_stop_list_is_prechecked():
     assert not DecodeRows.of([*plain, _req("f", FEW)]).any_measured
     assert DecodeRows.of([*plain, _req("m", MANY)]).any_measured
     assert FinishChecker.measured(_req("m", MANY)) and not FinishChecker.measured(_req("f", FEW))
+
+
+def test_a_charged_stop_list_still_stops_where_its_string_appears(clock):
+    c = _checker(clock, decode_s=0.001)
+    req = _req("r", [*MANY, "xxx"])  # (the stand-in decode gives one "x" per token)
+    for token in (7, 7):
+        c.precheck([(req, token)])
+        req.output_ids.append(token)
+        c.check_finished(req)
+        c.clear_prechecks()
+        assert req.finished_reason is None
+    c.precheck([(req, 7)])
+    req.output_ids.append(7)
+    c.check_finished(req)
+    assert req.finished_reason == {"type": "stop", "matched": "xxx"} and c.alone == 0
