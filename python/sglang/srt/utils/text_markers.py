@@ -9,6 +9,7 @@ slice and compare per marker per prefix length: 30,000 stop strings over one chu
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_left
 from collections.abc import Iterable
 
@@ -55,8 +56,8 @@ class StopScan:
     (length - 1) characters before the piece of each string long enough to begin before the cut."""
 
     def __init__(self, stops: Iterable[str]):
-        self.stops = list(dict.fromkeys(stops))
-        self.markers = Markers(self.stops)
+        # (shared by the samples of a request, and by requests with the same list: read only)
+        self.stops, self.markers = _stop_markers(tuple(stops))
         self.cut: int | None = None
         self.hold = 0
         self.scanned = 0  # the text's length at the last scan
@@ -83,3 +84,11 @@ class StopScan:
         elif cut is None:
             self.hold = self.markers.held(text, start)
         self.scanned = len(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _stop_markers(stops: tuple[str, ...]) -> tuple[list[str], Markers]:
+    """A stop list without repeats, and its markers sorted: once per list, not once per sample (sorting
+    256 strings took ~30 us, 0.13 s of the event loop for a request of 4,096 samples)."""
+    unique = list(dict.fromkeys(stops))
+    return unique, Markers(unique)
