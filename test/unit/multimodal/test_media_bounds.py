@@ -6,7 +6,8 @@ posted six each and left held a 64x64 image of another client back 61-92 s):
   photo is still decoded whole; a JPEG over the bound is decoded at a reduced DCT scale instead;
 - a video file's frame size is held to the same bound before decoding;
 - media work runs in its own pool, one item of a request at a time (requests take turns), and a request
-  whose client left stops before its next item.
+  whose client left stops before its next item (the tokenizer manager ends it as ClientDisconnected);
+- the processor gets each image already at the size it resizes to, and gives the same pixels.
 Images are made here, at most 6000x4000 of one colour (milliseconds to encode), or are headers only."""
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ def test_an_image_is_resized_before_the_processor_to_the_same_pixels():
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    hf = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, size={"shortest_edge": 1024, "longest_edge": 16384})
+    size = {"shortest_edge": 1024, "longest_edge": 16384}  # tiny-qwen3.5-vl's
+    hf = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, size=size)
     seen = []
 
     def spy(images, return_tensors):
@@ -218,3 +220,35 @@ def test_an_image_is_resized_before_the_processor_to_the_same_pixels():
         assert seen[-1] == target
         full = hf(images=[im], return_tensors="pt")
         assert torch.equal(patches, full["pixel_values"]) and grid == full["image_grid_thw"][0].tolist()
+
+
+def test_the_tokenizer_manager_ends_a_request_whose_client_left_during_its_images():
+    """normalize gives the HTTP request to the media job and ends it as ClientDisconnected (a 499 with
+    nothing sent) when the client leaves during its images; the items after that one never start."""
+    import base64
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.request_limits import RequestLimits
+    from sglang.srt.managers.tokenizer_manager import ClientDisconnected, TokenizerManager
+    from sglang.srt.multimodal.media_io import MediaPolicy, MediaReader
+
+    class Client:
+        gone = False
+
+        async def is_disconnected(self) -> bool:
+            return self.gone
+
+    calls, client = [], Client()
+    tm = object.__new__(TokenizerManager)
+    tm.max_samples_per_request, tm.encoder = 4, None
+    tm.limits = RequestLimits(1000, 1000, vocab_size=100, without_tokenizer=True)
+    tm.image_processor = fake_processor(calls, on_call=lambda: setattr(client, "gone", True))
+    tm.media = MediaReader(MediaPolicy(fetch=None))
+    items = [base64.b64encode(im).decode() for im in images(3)]
+    obj = GenerateReqInput(input_ids=[1, 7, 7, 7, 2], image_data=items, sampling_params={})
+    try:
+        with pytest.raises(ClientDisconnected):
+            asyncio.run(tm.normalize(obj, False, client))
+    finally:
+        tm.media.close()
+    assert len(calls) == 1, calls
