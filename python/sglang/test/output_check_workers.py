@@ -138,11 +138,64 @@ def batch_output_checks(rank: int, world_size: int, init_method: str) -> dict:
         out["batched"]["gathers"] = gathers
         out["alone"] = _run(rank, group, False, calls)
         out["grammar_queue"] = _compile_outcomes(rank, group, calls)
+        out["refusal_and_overrun"] = _refusal_and_overrun(rank, group, fc)
         return out
     finally:
         fc._first_match = real
         calls.restore()
         dist.destroy_process_group()
+
+
+def _refusal_and_overrun(rank: int, group: Any, fc: Any) -> dict:
+    """Two requests over four tokens, each check measured in its batch: a grammar that refuses the second
+    token on rank 1 only (a matcher of another build), and a stop_regex whose search on rank 1 only takes
+    80 ms at the second token without being cut (rank 0's: 1 ms), then is cut at the third. What each
+    ended with (output length, finish), on this rank."""
+    from sglang.srt.constrained.xgrammar_backend import GrammarRejectedToken
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    now = [0.0]
+    real_clock, real_match = fc.clock, fc._first_match
+
+    def first_match(patterns, text, limit):
+        n = len(text)  # (the stand-in tokenizer decodes one character per token)
+        if rank == 1 and n == 2:
+            now[0] += 0.08
+        elif rank == 1 and n == 3:
+            now[0] += limit
+            raise fc.StopRegexTimeout(patterns[0], limit, 0)
+        else:
+            now[0] += 0.001
+        return None
+
+    refusing = Req("g_refuse", [5], SamplingParams(max_new_tokens=4, ebnf='root ::= "a"'))
+    g = SimpleNamespace(terminated=False, stopped=False, accepted=0)
+
+    def catch_up(ids):
+        if rank == 1 and len(ids) == 2:
+            raise GrammarRejectedToken(f"token {ids[-1]}")
+        g.accepted = len(ids)
+
+    g.catch_up, g.take_spent = catch_up, lambda: 0.001
+    refusing.grammar = g
+    reqs = [refusing, Req("r_slow", [5], SamplingParams(max_new_tokens=4, stop_regex=["z"]))]
+    fc.clock, fc._first_match = (lambda: now[0]), first_match
+    try:
+        c = _checker(group)
+        ended: dict[str, Any] = {}
+        for _ in range(4):
+            live = [r for r in reqs if r.finished_reason is None]
+            c.precheck([(r, 7) for r in live])
+            for r in live:
+                r.output_ids.append(7)
+                c.check_finished(r)
+                if r.finished_reason is not None:
+                    ended[r.rid] = (len(r.output_ids), r.finished_reason)
+            c.clear_prechecks()
+        return ended
+    finally:
+        fc.clock, fc._first_match = real_clock, real_match
 
 
 def _compile_outcomes(rank: int, group: Any, calls: _Collectives) -> dict:

@@ -11,6 +11,8 @@ without the queue's gather rank 0 admitted the request whose compile failed on r
 
 from __future__ import annotations
 
+import pytest
+
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.multi_rank import run_ranks
 from sglang.test.output_check_workers import STEPS, batch_output_checks
@@ -18,8 +20,13 @@ from sglang.test.output_check_workers import STEPS, batch_output_checks
 register_cpu_ci(est_time=5, suite="per-commit-cpu")
 
 
-def test_one_agreement_per_step_and_no_rank_local_fact_splits_the_ranks():
-    r0, r1 = run_ranks(batch_output_checks, 2, timeout=120)
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(batch_output_checks, 2, timeout=120)  # (one spawn of two ranks for both tests)
+
+
+def test_one_agreement_per_step_and_no_rank_local_fact_splits_the_ranks(ranks):
+    r0, r1 = ranks
     for r in (r0, r1):
         batched, alone = r["batched"], r["alone"]
         # One all-reduce per step while any request is measured (5 of the 6 are, until they end), where
@@ -56,3 +63,18 @@ def test_one_agreement_per_step_and_no_rank_local_fact_splits_the_ranks():
     assert r0["grammar_queue"]["errors"] == r1["grammar_queue"]["errors"]
     message, field = r0["grammar_queue"]["errors"]["bad"]
     assert field == "ebnf" and message.startswith("ebnf could not be compiled:") and "on rank 1" in message
+
+
+def test_a_refusal_or_an_uncut_overrun_on_one_rank_only_ends_alike(ranks):
+    """A grammar that refuses a token on rank 1 only (another matcher build) ends the request on both ranks
+    at that token with rank 1's 500 (without the refusal in the agreement, rank 0 went on: its batches
+    then differ); a stop_regex search that ran 80 ms past its 50 ms on rank 1 only without being cut counts
+    as over the allowance on both, so the cut at the next token is the second in a row and ends it there
+    (without it, the uncut overrun reset the count and the request went on past token 3)."""
+    r0, r1 = ranks
+    assert r0["refusal_and_overrun"] == r1["refusal_and_overrun"]
+    ended = r0["refusal_and_overrun"]
+    n, reason = ended["g_refuse"]
+    assert n == 2 and reason["status_code"] == 500 and "does not allow the token 7" in reason["message"]
+    n, reason = ended["r_slow"]
+    assert n == 3 and reason["param"] == "stop_regex" and reason["message"].startswith("stop_regex 'z' took")

@@ -15,10 +15,10 @@ the token, the rules' finish with the stop_regex search) and *decide* (the budge
 measured numbers, the context length). Under tensor parallelism every rank must end a request at the
 same token (`tp_broadcast.py`), so between the two the ranks agree on those numbers (`group`: MAX over
 the ranks of the grammar's, the search's and the stop strings' seconds, of whether, and at which
-pattern, a search was cut, and of whether the processor failed; where it failed on any rank, every rank
-ends the request with the first failing rank's message; the smallest
-of the ranks' allowances). A batch's results are measured together first (`precheck`: one all-reduce
-of a (rows, 6) tensor for the whole batch, none on one rank), and each row's `check_finished` decides
+pattern, a search was cut, of whether the processor failed and of whether the grammar refused the token;
+where one failed or refused on any rank, every rank ends the request with the first such rank's finish;
+the smallest of the ranks' allowances). A batch's results are measured together first (`precheck`: one all-reduce
+of a (rows, 7) tensor for the whole batch, none on one rank), and each row's `check_finished` decides
 on its stored measurement; a check that was not prechecked (a verify's tokens after each request's
 first, a PD decode server's first token) measures and agrees alone. A prechecked row's allowance is
 the one its request had when it was measured, the batch's rows measured before it counted as charged
@@ -274,20 +274,20 @@ class FinishChecker:
                 work.field = "stop_regex"
             if work.stop_s > max(work.grammar_s, work.regex_s):
                 work.field = "stop" if req.sampling_params.stop else "stop_regex"
+            limit = work.allowance - work.grammar_s - work.stop_s  # (what the search was given)
+            if work.cut is None and limit > 0 and work.regex_s > limit:
+                # A search that ended past what the agreed allowance left it (under TP each rank searched
+                # within its own allowance; the slowest rank's time is agreed) is over it as a cut one is.
+                work.over = True
+                if self.budget.over_allowance(req, work.regex_s, limit):
+                    req.finished_reason = _bad_request(_search_message(req, None, limit), "stop_regex")
+                    return
             if work.cut is not None:
                 work.over = True
-                limit = work.allowance - work.grammar_s - work.stop_s  # (what the search was given)
                 # (None at all where the grammar took the whole allowance: that overrun is the grammar's,
                 # judged above; the search runs again at the next token.)
                 if limit > 0 and self.budget.over_allowance(req, limit, limit):
-                    message = (
-                        f"stop_regex {req.sampling_params.stop_regex[work.cut]!r} took more than the "
-                        f"{limit * 1e3:.0f} ms a request's checks may take for one token "
-                        "(SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, within SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP for "
-                        "all requests) to search the output; use a pattern that does not backtrack without "
-                        "bound."
-                    )
-                    req.finished_reason = _bad_request(message, "stop_regex")
+                    req.finished_reason = _bad_request(_search_message(req, work.cut, limit), "stop_regex")
                     return
                 reason = None  # (searched again, over the same tail and more, at the next token)
         req.finished_reason = self._context_finish(req, reason)
@@ -326,15 +326,24 @@ class FinishChecker:
     def _agree(self, works: list[_Work]) -> None:
         """Every rank takes, per measured check, the smallest of the ranks' allowances, the greatest of
         their costs, the search as cut (at the first pattern cut) where any rank's was, and the processor
-        as failed where any rank's did: one all-reduce MAX of a (checks, 5) tensor on the scheduler
-        thread's gloo group, and, only where a processor failed, one gather of the failures' messages
-        (every rank takes the first failing rank's). Nothing to do on one rank."""
+        as failed or the token as refused by the grammar where any rank's was: one all-reduce MAX of a
+        (checks, 7) tensor on the scheduler thread's gloo group, and, only where a processor failed or a
+        grammar refused, one gather of those finishes (every rank takes the first such rank's). Nothing
+        to do on one rank."""
         self.agreements += 1
         if self.group is None:
             return
         values = torch.tensor(
             [
-                (-w.allowance, w.grammar_s, w.regex_s, w.stop_s, _negated(w.cut), w.error is not None)
+                (
+                    -w.allowance,
+                    w.grammar_s,
+                    w.regex_s,
+                    w.stop_s,
+                    _negated(w.cut),
+                    w.error is not None,
+                    w.done is not None,
+                )
                 for w in works
             ],
             dtype=torch.float64,
@@ -343,17 +352,23 @@ class FinishChecker:
         failed = []
         # (a host tensor, read through numpy: no device sync)
         for i, (work, row) in enumerate(zip(works, values.numpy(), strict=True)):
-            allowance, grammar_s, regex_s, stop_s, cut, error = map(float, row)
+            allowance, grammar_s, regex_s, stop_s, cut, error, refused = map(float, row)
             work.allowance, work.grammar_s, work.regex_s, work.stop_s = -allowance, grammar_s, regex_s, stop_s
             work.cut = None if cut == -math.inf else int(-cut)
-            if error > 0:
-                failed.append(i)
+            if error > 0 or refused > 0:
+                failed.append((i, error > 0, refused > 0))
         if failed:
-            mine = {i: works[i].error for i in failed if works[i].error is not None}
+            # Where a processor failed or a grammar refused the token on any rank, every rank ends the
+            # request with the first such rank's finish (a matcher that refused on one rank only: another
+            # xgrammar build on another node). The processor's failure comes first, as in `_decide`.
+            mine = {i: (works[i].error, works[i].done) for i, _, _ in failed}
             everyone: list[Any] = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(everyone, mine, group=self.group)
-            for i in failed:
-                works[i].error = next(m[i] for m in everyone if i in m)
+            for i, error, refused in failed:
+                if error:
+                    works[i].error = next(m[i][0] for m in everyone if m[i][0] is not None)
+                if refused:
+                    works[i].done = next(m[i][1] for m in everyone if m[i][1] is not None)
 
     def set_quick_check(self, req: Req) -> None:
         """What a decode step's result loop tests before calling `check_finished` (one length compare
@@ -414,6 +429,22 @@ def _first_match(patterns: list[str], text: str, limit: float) -> str | None:
         except TimeoutError:
             raise StopRegexTimeout(pattern, limit, index) from None
     return None
+
+
+def _search_message(req: Req, index: int | None, limit: float) -> str:
+    """Why a request's stop_regex search ends it: its pattern `index` (None: the search of them all) took
+    more than `limit`."""
+    patterns = req.sampling_params.stop_regex
+    if index is None and len(patterns) > 1:
+        what = f"stop_regex (its {len(patterns)} patterns)"
+    else:
+        what = f"stop_regex {patterns[index or 0]!r}"
+    return (
+        f"{what} took more than the {limit * 1e3:.0f} ms a "
+        "request's checks may take for one token (SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, within "
+        "SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP for all requests) to search the output; use a pattern that "
+        "does not backtrack without bound."
+    )
 
 
 def _negated(cut: int | None) -> float:
