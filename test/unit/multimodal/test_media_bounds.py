@@ -252,3 +252,29 @@ def test_the_tokenizer_manager_ends_a_request_whose_client_left_during_its_image
     finally:
         tm.media.close()
     assert len(calls) == 1, calls
+
+
+def test_a_video_files_unsampled_frames_count_only_against_the_decoded_pixels():
+    """The request's pixel total (4 x its context's image pixels) counts the frames the model gets; a
+    video file's frames decoded between them cost a decode only, and count against the request's 2^31
+    decoded pixels (with every decoded frame against the total, a 1080p video file of 9 frames would be
+    refused on tiny-qwen3.5-vl, whose total is 2^24, whatever was sampled)."""
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        s = out.add_stream("libx264", rate=24)
+        s.width, s.height, s.pix_fmt, s.options = 32, 32, "yuv420p", {"preset": "ultrafast"}
+        for i in range(24):  # 1 s at 24 fps: 4 frames sampled (min_frames), all 24 decoded
+            a = np.full((32, 32, 3), i * 10, np.uint8)
+            out.mux(s.encode(av.VideoFrame.from_ndarray(a, format="rgb24")))
+        out.mux(s.encode())
+    config = video.VideoConfig(16, 2, 2, 64, 1 << 20, (0.5,) * 3, (0.5,) * 3, 2.0, 4, 768)
+    pixels = PixelBudget(4 * 32 * 32)
+    assert len(video.load_video(buf.getvalue(), "video_data[0]", config, pixels).frames) == 4
+    assert pixels.left == 0 and pixels.decoded.limit - pixels.decoded.left == 24 * 32 * 32
+    small = PixelBudget(4 * 32 * 32, decoded_limit=10240)
+    with pytest.raises(RequestError, match="decode to over 10240 pixels together") as e:
+        video.load_video(buf.getvalue(), "video_data[0]", config, small)
+    assert e.value.param == "video_data"

@@ -65,12 +65,20 @@ DEPTH = {"image_data": 1, "video_data": 2}
 
 
 class PixelBudget(ByteBudget):
-    """The pixels one request's images and videos may still decode (`take(n)` False once over), and the
-    most one image (or video frame) may decode to (`per_item`)."""
+    """The pixels one request's images and the video frames its model gets may still decode (`take(n)`
+    False once over), the most one image (or video frame) may decode to (`per_item`), and every pixel the
+    request may decode (`decoded`: a video file's frames between those sampled too, which cost a decode
+    but no processing)."""
 
-    def __init__(self, limit: int | None = None, per_item: int = MAX_IMAGE_PIXELS):
+    def __init__(
+        self,
+        limit: int | None = None,
+        per_item: int = MAX_IMAGE_PIXELS,
+        decoded_limit: int = MAX_DECODED_PIXELS_PER_REQUEST,
+    ):
         super().__init__(MAX_DECODED_PIXELS_PER_REQUEST if limit is None else limit)
         self.per_item = per_item
+        self.decoded = ByteBudget(decoded_limit)
 
     @classmethod
     def for_model(cls, max_pixels: int | None, context_len: int, pixels_per_token: int) -> PixelBudget:
@@ -359,9 +367,19 @@ def load_image(item: Any, where: str, pixels: PixelBudget | None = None, target:
         raise RequestError(f"{where} could not be decoded as an image ({type(e).__name__}).", FIELD) from None
 
 
-def charge(pixels: PixelBudget | None, n: int, where: str, param: str) -> None:
-    """Take `n` decoded pixels from the request's budget; RequestError naming `param` once it is spent."""
-    if pixels is not None and not pixels.take(n):
+def charge(pixels: PixelBudget | None, n: int, where: str, param: str, used: bool = True) -> None:
+    """Take `n` decoded pixels from the request's budget (`used`: an image or a frame the model gets; else
+    a video frame decoded to reach the next sampled one, charged to `decoded` only); RequestError naming
+    `param` once it is spent."""
+    if pixels is None:
+        return
+    if not pixels.decoded.take(n):
+        raise RequestError(
+            f"{where}: the request's images and video files decode to over {pixels.decoded.limit} pixels "
+            "together (the frames between those sampled included).",
+            param,
+        )
+    if used and not pixels.take(n):
         raise RequestError(
             f"{where}: the request's images and videos decode to over {pixels.limit} pixels together.", param
         )

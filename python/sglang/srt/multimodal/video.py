@@ -13,7 +13,9 @@ Bounds, each a 400 naming `video_data`: `MAX_VIDEO_FRAMES` frames taken, `MAX_DE
 decoded (a file's frames before sampling, so a long or large video is refused before it is decoded; a
 list's frames, known from its first; a file's frames are also charged as they decode, and a frame of
 another size than the stream declared is refused), the request's per-image bound a frame
-(`media_io.PixelBudget.per_item`, checked before decoding), and the request's pixels over all its media.
+(`media_io.PixelBudget.per_item`, checked before decoding), and the request's pixels over all its media
+(a file's sampled frames count as images do; the frames decoded between them only against the
+request's 2^31 decoded pixels: they cost a decode, ~10x less a pixel than an image's processing).
 Each frame is resized as it is decoded, so the full-size frames are never all held. A file is read only
 as one of the self-contained `CONTAINERS`, with no protocol: FFmpeg demuxers that name other files or
 sockets (concat, SDP, HLS, DASH) are refused, with one message whatever they name.
@@ -122,7 +124,8 @@ def load_video(
     item: Any, where: str, config: VideoConfig, pixels: media_io.PixelBudget | None = None
 ) -> Video:
     """A `video_data` item (a list of frames, or a video file) as frames; RequestError naming `where`.
-    Each frame decoded is charged to `pixels` (the request's images and videos together)."""
+    Each frame decoded is charged to `pixels` (the request's images and videos together; a file's
+    frames that are not sampled to its `decoded` pixels only)."""
     from PIL import Image
 
     if isinstance(item, list):
@@ -229,7 +232,7 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
                         "a video.",
                         FIELD,
                     )
-                media_io.charge(pixels, width * height, where, FIELD)
+                media_io.charge(pixels, width * height, where, FIELD, used=i in wanted)
                 if i in wanted:  # resized as it comes: the full-size frames are never all held
                     frames.append(
                         Image.fromarray(frame.to_ndarray(format="rgb24")).resize(size, Image.BICUBIC)
