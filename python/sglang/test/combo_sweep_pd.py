@@ -3,7 +3,7 @@
 and `sglang-router` in PD mode in front, sends combo_sweep's requests through the router, and classifies
 as combo_sweep does (OK / REFUSED / REFUSED_REQ / WRONG / BROKEN).
 
-    python -m sglang.test.combo_sweep_pd                    # every case (~13 min on 2 shared cores)
+    python -m sglang.test.combo_sweep_pd                    # every case (~17 min on 2 shared cores)
     python -m sglang.test.combo_sweep_pd --cases base,page16,kv_fp8_mismatch --log-dir /tmp/pd
     python -m sglang.test.combo_sweep_pd --list
 
@@ -127,11 +127,14 @@ CASES = [
     ],
     *[
         PdCase(f"decode_radix+extra_buffer+{f}", both=("extra_buffer", f), decode=("decode_radix",))
-        for f in ("page16", "small_pool", "staged", "ngram", "nextn")
+        for f in ("page16", "small_pool", "staged", "ngram", "nextn", "kv_fp8", "tp2")
     ],
+    PdCase("decode_radix+lazy+page16", both=("lazy", "page16"), decode=("decode_radix",)),
     # Pairs that may differ: page sizes (KV moves per run of token slots) and strategies.
     PdCase("page16_prefill_only", prefill=("page16",)),
     PdCase("lazy_prefill+no_buffer_decode", prefill=("lazy",), decode=("no_buffer",)),
+    PdCase("hicache_prefill_only", prefill=("hicache",)),
+    PdCase("chunked_prefill_only", prefill=("chunked",)),
     # Pairs that must be refused: what a transfer needs alike on both sides.
     PdCase("kv_fp8_mismatch", prefill=("kv_fp8",), refuse="--kv-cache-dtype"),
     PdCase("nextn_mismatch", prefill=("nextn",), refuse="--speculative-algorithm"),
@@ -145,7 +148,12 @@ CASES = [
         PdCase(m, both=(m,))
         for m in ("nemotron", "lfm2", "qwen35", "qwen35_moe", "granite", "falcon", "bamba", "lfm2_moe", "vl")
     ],
-    PdCase("nemotron+decode_radix+extra_buffer", both=("nemotron", "extra_buffer"), decode=("decode_radix",)),
+    *[
+        PdCase(f"{m}+decode_radix+extra_buffer", both=(m, "extra_buffer"), decode=("decode_radix",))
+        for m in ("nemotron", "lfm2", "falcon", "qwen35")
+    ],
+    PdCase("qwen35+nextn", both=("qwen35", "nextn")),
+    PdCase("nemotron+kv_fp8+decode_radix", both=("nemotron", "kv_fp8"), decode=("decode_radix",)),
 ]
 BY_CASE = {c.name: c for c in CASES}
 
@@ -307,7 +315,7 @@ def _serve(pd: dict, outcome: PdOutcome, case: PdCase) -> None:
 
 
 def _refused(pd: dict, outcome: PdOutcome, case: PdCase) -> None:
-    """A mismatched pair's first request must fail, its reply naming the flag."""
+    """A mismatched pair's first request must fail, its reply naming the flag, and leave nothing held."""
     try:
         out = _post(pd["router"].base_url, {"text": PROMPT, "sampling_params": GREEDY})
     except Exception as e:
@@ -315,6 +323,10 @@ def _refused(pd: dict, outcome: PdOutcome, case: PdCase) -> None:
         outcome.fail(
             "REFUSED" if named else "BROKEN", ("" if named else f"not naming {case.refuse}: ") + str(e)
         )
+        for side in ("prefill", "decode"):
+            problem = _held(pd[side])
+            if problem:
+                outcome.fail("BROKEN", f"{side} server after the refusal: {problem}")
         return
     outcome.greedy = out["output_ids"]
     outcome.fail("WRONG", f"a pair differing in {case.refuse} served {out['output_ids']}")
@@ -329,10 +341,11 @@ def _stop(pd: dict) -> None:
 
 
 def _start_failure(e: Exception, case: PdCase, outcome: PdOutcome) -> None:
-    """A server that exits at start with `error: <sentence naming a flag>` refused the case."""
+    """A server that exits at start with `error: <sentence naming a flag or variable>` refused the case."""
     msg = str(e)
     errors = [ln for ln in msg.splitlines() if ln.startswith("error: ")]
-    if errors and "--" in errors[-1] and TRACEBACK not in msg:
+    # (a flag, or a variable: the staging sizes are SGLANG_ variables)
+    if errors and ("--" in errors[-1] or "SGLANG_" in errors[-1]) and TRACEBACK not in msg:
         if case.refuse is None or case.refuse in errors[-1]:
             outcome.fail("REFUSED", errors[-1])
             return
