@@ -142,3 +142,21 @@ def test_a_charged_stop_list_still_stops_where_its_string_appears(clock):
     req.output_ids.append(7)
     c.check_finished(req)
     assert req.finished_reason == {"type": "stop", "matched": "xxx"} and c.alone == 0
+
+
+def test_a_stop_of_multi_token_characters_ends_its_request():
+    """The scheduler decodes enough of the output's tail to hold a stop whose characters are several
+    byte-level tokens each (`stop_window_tokens`: its UTF-8 bytes + 8). With the window counted in
+    characters (+ 8) four emoji (16 tokens in the tiny tokenizer) or five rare CJK characters (15) never
+    fit, and the request ran to max_new_tokens with no matched stop while the HTTP side cut its text."""
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+    tok = get_tokenizer("tiny-qwen3-next")
+    c = FinishChecker(set(), 4096, tok)
+    for stop in ("STOP", "😀😀😀😀", "龘龘龘龘龘"):
+        out = tok.encode("hello world " + stop, add_special_tokens=False)
+        assert len(tok.encode(stop, add_special_tokens=False)) > len(stop) or stop == "STOP"
+        req = Req("r", [5], SamplingParams(max_new_tokens=1000, stop=[stop]))
+        req.output_ids = out
+        c.check_finished(req)
+        assert req.finished_reason == {"type": "stop", "matched": stop}, (stop, req.finished_reason)

@@ -8,8 +8,8 @@ Where stop strings cost:
 - the HTTP process holds back, while a request streams, text that may begin a stop string, and cuts
   the text at one (`managers/tokenizer_output.py`, `utils/text_markers.py`): per chunk and sample a
   search of each string over the new text and the held-back tail (under a string's length);
-- the scheduler decodes the output's last (longest string + 8) tokens after every token and looks for
-  each string in them (`FinishChecker.match_stop_string`).
+- the scheduler decodes the output's last (longest string's UTF-8 bytes + 8) tokens after every token
+  and looks for each string in them (`FinishChecker.match_stop_string`, `stop_window_tokens`).
 
 Upstream takes any list; OpenAI allows 4; real clients send a handful to a few dozen (a chat template's
 end markers, tool-call markers, a harness's few-shot separators), each under a hundred characters. The
@@ -20,7 +20,7 @@ most (MAX_STOP_CHARS + new characters) x MAX_STOPS characters in C. Before them 
 strings held the HTTP event loop ~90 ms per chunk and one 200,000-character string made the scheduler
 decode the whole output at every token (the review of 2026-11-29, failures 1 and 3).
 
-A list over CHARGED_STOPS strings, or with a string over CHARGED_STOP_CHARS characters, is charged to
+A list over CHARGED_STOPS strings, or with a string over CHARGED_STOP_CHARS UTF-8 bytes, is charged to
 the output checks' budget like a stop_regex (its scan timed, agreed under tensor parallelism, and the
 request ended with a 400 naming `stop` where the load goes over the step's budget). A smaller list is
 not: its check (a <= 72-token decode and <= 16 searches) takes ~30 us a token, a normal request's
@@ -56,5 +56,16 @@ def check_stops(stops: Any, error: type[Exception]) -> None:
 
 def stops_charged(stops: list[str]) -> bool:
     """Whether the scheduler charges the scan for `stops` (a list within the bounds) to the output checks'
-    budget (see the module's docstring). At most CHARGED_STOPS lengths are read."""
-    return len(stops) > CHARGED_STOPS or any(len(s) > CHARGED_STOP_CHARS for s in stops)
+    budget (see the module's docstring): more than CHARGED_STOPS strings, or one longer than
+    CHARGED_STOP_CHARS in UTF-8 bytes (what sizes the scheduler's decode, `stop_window_tokens`). At most
+    CHARGED_STOPS strings are read."""
+    return len(stops) > CHARGED_STOPS or any(len(s.encode()) > CHARGED_STOP_CHARS for s in stops)
+
+
+def stop_window_tokens(stops: list[str]) -> int:
+    """How many of the output's last tokens the scheduler decodes to find any of `stops` ending there: a
+    token holds at least one byte of text (byte-level BPE, and SentencePiece's byte fallback), so a
+    string of b UTF-8 bytes spans at most b tokens, and 8 more cover a token split at either end. (A
+    character count fell short: an emoji is 4 bytes, and 4 byte-level tokens where the vocabulary has no
+    merge for it, so four emoji are 16 tokens; upstream sizes its window by encoding each string.)"""
+    return max((len(s.encode()) for s in stops), default=0) + 8

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from sglang.srt.constrained.grammar_spec import grammar_key
 from sglang.srt.constrained.output_check_budget import OutputCheckBudget, PendingCharges, clock
 from sglang.srt.constrained.stop_regex import compiled
-from sglang.srt.constrained.stop_strings import stops_charged
+from sglang.srt.constrained.stop_strings import stop_window_tokens, stops_charged
 from sglang.srt.constrained.xgrammar_backend import GrammarRejectedToken
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
@@ -396,7 +396,7 @@ class FinishChecker:
             return None
         sp = req.sampling_params
         start = clock()
-        window = max((len(s) for s in sp.stop), default=0) + 8
+        window = stop_window_tokens(sp.stop)
         if sp.stop_regex:
             window = max(window, STOP_REGEX_TAIL_TOKENS)
         tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
