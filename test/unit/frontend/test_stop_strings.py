@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -15,9 +16,9 @@ from sglang.srt.entrypoints.openai.serving_base import parse_model
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.managers.io_struct import BatchStrOut, GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError, RequestLimits, normalize_generate_request
-from sglang.srt.managers.tokenizer_output import ReqState
+from sglang.srt.managers.tokenizer_output import OFF_LOOP_SCAN, ReqState
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
-from sglang.srt.utils.text_markers import partial_marker_len
+from sglang.srt.utils.text_markers import StopScan, partial_marker_len
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="per-commit-cpu")
@@ -215,3 +216,64 @@ def test_a_chunk_costs_its_own_text_and_the_held_end_not_the_whole_text(tokenize
     bound = 400 * (64 * (5 + 11) + 16 * 11) * 2
     assert cost <= bound, (cost, bound)
     assert _stream_cost(tokenizer, stops, 800, 5) <= 2.2 * cost
+
+
+def _scan_threads(monkeypatch) -> list[tuple[int, int]]:
+    """(thread, characters to read) of each stop-string scan that had something to read."""
+    calls: list[tuple[int, int]] = []
+    scan = StopScan.scan
+
+    def recording(self: StopScan, text: str) -> None:
+        if len(text) > self.scanned:
+            calls.append((threading.get_ident(), len(text) - self.scanned))
+        scan(self, text)
+
+    monkeypatch.setattr(StopScan, "scan", recording)
+    return calls
+
+
+def test_a_large_finish_scan_runs_off_the_event_loop_with_the_same_text(tokenizer, monkeypatch):
+    """A non-streamed reply scans its whole text for every stop at once. At the bounds (255 stops of 64
+    characters, each 62 'a's then two letters, and "zz", over 16,000 'a's: ~10-30 ms a sample) that
+    scan runs on a worker thread while the loop serves a bystander, and gives the text of a scan on the
+    loop; a reply at OFF_LOOP_SCAN scans on the loop (a thread hop would cost more than it)."""
+    stops = ["a" * 62 + chr(98 + i % 16) + chr(98 + i // 16) for i in range(255)] + ["zz"]
+    calls = _scan_threads(monkeypatch)
+
+    def finished_state(text: str) -> ReqState:
+        state = make_state(tokenizer, stops)
+        feed(state, text, {"type": "stop", "matched": "zz"})
+        return state
+
+    async def reply_with_bystander(state: ReqState) -> tuple[dict, int, int]:
+        ticks = 0
+        done = False
+
+        async def bystander() -> None:
+            nonlocal ticks
+            while not done:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(bystander())
+        await asyncio.sleep(0)
+        before = ticks
+        out = await state.reply(lambda ids: [])
+        during = ticks - before
+        done = True
+        await task
+        return out, during, threading.get_ident()
+
+    text = "a" * 16_000 + "bzzab"
+    out, during, loop_thread = asyncio.run(reply_with_bystander(finished_state(text)))
+    assert StopScan(stops).work(text) > OFF_LOOP_SCAN
+    assert [n for _, n in calls] == [len(text)] and calls[0][0] != loop_thread, calls
+    assert during > 0, "the loop served the bystander while the scan ran"
+    on_loop = finished_state(text)
+    assert out["text"] == on_loop.to_dict(lambda ids: [])["text"] == full_scan_visible(text, stops, None)
+    assert out["text"] == "a" * 16_000 + "b"
+    # Under the threshold: the scan stays on the loop.
+    calls.clear()
+    small = "a" * (OFF_LOOP_SCAN // 256 - 2) + "zz"  # (256 x 256: at the threshold)
+    out, during, loop_thread = asyncio.run(reply_with_bystander(finished_state(small)))
+    assert [c[0] for c in calls] == [loop_thread] and out["text"] == small[:-2]

@@ -49,6 +49,11 @@ LOGPROB_LISTS = (
 # entry, so up to this many keep the event loop's other clients waiting only briefly, while a thread
 # hop would dominate the small replies of every step of every stream (timings: benchmark/README.md).
 OFF_LOOP_ENTRIES = 4096
+# A reply whose stop-string scan has more than this many characters x stop strings to read scans on a
+# worker thread. A non-streamed request's text is scanned once, whole, at its finish: 256 stops of 64
+# characters over 16,000 characters took 10-30 ms of the loop per sample (~1-2 s for n=64 finishing
+# together); the bound leaves a sample at most ~0.4 ms there, and a stream's chunk scans its own piece.
+OFF_LOOP_SCAN = 1 << 16
 
 
 class ReqState:
@@ -131,13 +136,10 @@ class ReqState:
         """How much of the text a reply shows: up to the earliest stop string (or the matched stop), and
         while the request runs, not the end that may still begin one. The stop strings are looked for
         in what arrived since the last call (`StopScan`), so a chunk costs its own text, not the whole."""
-        sp = self.req.sampling_params
         text = self.text
-        if not sp.stop or sp.no_stop_trim:
+        scan = self._stop_scan_to_do()
+        if scan is None:
             return len(text)  # (nothing is trimmed: nothing to hold back either)
-        if self._stop_scan is None:
-            self._stop_scan = StopScan(sp.stop)
-        scan = self._stop_scan
         scan.scan(text)
         end = len(text) if scan.cut is None else scan.cut
         if self.finished:
@@ -150,6 +152,15 @@ class ReqState:
                 end = end if at < 0 else min(end, at)
             return end
         return end if scan.cut is not None else end - scan.hold
+
+    def _stop_scan_to_do(self) -> StopScan | None:
+        """The request's stop-string scan, made on first use; None when no stop string trims the text."""
+        sp = self.req.sampling_params
+        if not sp.stop or sp.no_stop_trim:
+            return None
+        if self._stop_scan is None:
+            self._stop_scan = StopScan(sp.stop)
+        return self._stop_scan
 
     # ---- streaming bookkeeping ---------------------------------------------------------------------
 
@@ -172,7 +183,12 @@ class ReqState:
     async def reply(self, token_texts: TokenTexts) -> dict[str, Any]:
         """`to_dict`, built on a worker thread when it is large, so that the event loop keeps serving
         the other clients meanwhile. What to include is decided here, on the loop, so messages that
-        arrive while it is built go to the next chunk whole."""
+        arrive while it is built go to the next chunk whole. A large stop-string scan runs on a worker
+        thread first (only this request's coroutine scans its text; `apply` replaces the string, which
+        the thread keeps reading whole), so `_take` finds it done."""
+        scan = self._stop_scan_to_do()
+        if scan is not None and scan.work(self.text) > OFF_LOOP_SCAN:
+            await asyncio.to_thread(scan.scan, self.text)
         taken = self._take()
         if taken.entries > OFF_LOOP_ENTRIES:
             return await asyncio.to_thread(_without_gc, self._build, taken, token_texts)

@@ -62,6 +62,11 @@ class StopScan:
         self.hold = 0
         self.scanned = 0  # the text's length at the last scan
 
+    def work(self, text: str) -> int:
+        """About what `scan(text)` costs: the characters it searches times the stop strings (a caller
+        runs a large scan off the event loop)."""
+        return max(len(text) - self.scanned + self.hold, 0) * len(self.stops)
+
     def scan(self, text: str) -> None:
         scanned = self.scanned
         if len(text) == scanned:
