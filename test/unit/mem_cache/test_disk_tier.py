@@ -272,8 +272,8 @@ def test_writes_stop_at_the_free_space_floor(tmp_path, monkeypatch):
     """A floor of 1 MB on a filesystem with 1.05 MB free before the tier's files (the budget is not what
     binds: 10 MB): each entry is ~8.5 KB; once a write would take free space below the floor, it first
     deletes least recently used entries (counted), so the floor holds after every write; when the free
-    space is taken by someone else (the floor passed with no entry left to delete), writes are skipped,
-    counted, without raising and without a file or an index entry."""
+    space is taken by someone else (the floor passed even with every entry deleted), writes are skipped,
+    counted, without raising and without a file or an index entry, and no entry is deleted for them."""
     dirs: list = []
     fake_disk(monkeypatch, dirs, 1_050_000)
     st = storage(tmp_path, max_bytes=10_000_000, min_free=1_000_000)
@@ -284,10 +284,16 @@ def test_writes_stop_at_the_free_space_floor(tmp_path, monkeypatch):
     assert free >= 1_000_000 and st.stats["disk_evictions_low_space"] >= 6, (free, dict(st.stats))
     assert names[0] not in st.index and names[-1] in st.index
     assert st.stats["disk_writes_low_space"] == 0
+    kept, files, evicted = list(st.index), sorted(os.listdir(st.dir)), st.stats["disk_evictions_low_space"]
+    assert kept and len(files) == len(kept)
     fake_disk(monkeypatch, dirs, 900_000)  # another program filled the disk
     name = put(st, list(range(5000, 5064)))
-    assert name not in st.index and not st.index and not st.pending
-    assert st.stats["disk_writes_low_space"] == 1 and os.listdir(st.dir) == []
+    assert name not in st.index and not st.pending
+    assert st.stats["disk_writes_low_space"] == 1
+    # (deleting every entry would not reach the floor: none is deleted, and they are still read)
+    assert list(st.index) == kept and sorted(os.listdir(st.dir)) == files
+    assert st.stats["disk_evictions_low_space"] == evicted
+    assert st.deepest(list(range(1100, 1164)), None) == (64, names[-1]) and st.stage(names[-1], 0) is not None
 
 
 def test_the_floor_reads_upstreams_variable_and_sizes(monkeypatch):

@@ -18,7 +18,8 @@ start the budget is capped at half of what the folder's filesystem has free (wit
 already), leaving `min_free_bytes` free (`$SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE`, upstream's name
 and sizes: `parse_size`; default 1 GiB here, no floor upstream unless set), and the budget chosen is
 logged in one line. A write that would leave less than that free first deletes least recently used
-entries, and is skipped (counted: `disk_writes_low_space`) where deleting all of them would not do.
+entries, and is skipped (counted: `disk_writes_low_space`), deleting none, where deleting all of them
+would not do.
 
 Never a crash from disk: a write that fails (disk full, folder gone) is skipped; a read that fails or
 finds a file of the wrong layout drops the entry and the hit is not taken; both counted (`disk_*_errors`)
@@ -213,10 +214,13 @@ class FileStorage:
 
     def _room_on_disk(self, size: int) -> bool:
         """Whether `size` more bytes leave the floor free, once least recently used entries went to make
-        it so (counted); False if even deleting all of them would not."""
+        it so (counted); False, deleting nothing, if even deleting all of them would not (another program
+        filled the disk: the entries stay for reads)."""
         free = self._free_bytes()
         if free is None or free - size >= self.min_free:
             return True
+        if free + self.total - size < self.min_free:
+            return False
         while free - size < self.min_free and self.index:
             name = next(iter(self.index))
             length, n = self._remove(name)
