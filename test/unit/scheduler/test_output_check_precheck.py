@@ -174,3 +174,26 @@ def test_a_decode_set_without_measured_checks_is_not_scanned():
         rp = SimpleNamespace(finisher=c, token_log=log, _commit_decode_tokens=lambda b, r: None)
         BatchResultProcessor.process_batch_result_decode(rp, batch, result)
     assert len(scanned) == 1 and len(scanned[0]) == 3  # (only the batch that has one)
+
+
+def test_the_measured_output_reads_as_the_committed_list_without_changing_it():
+    """`precheck` measures a row against its output with the token after it (`_Appended`), without
+    appending to `req.output_ids` (`BatchResultProcessor.commit` is the one place that does,
+    test_commit_path): every length, index and slice the checks read equals the list's with the token
+    appended, and the request's list is unchanged."""
+    import random
+
+    rng = random.Random(0)
+    for n in (0, 1, 2, 5, 9):
+        base = [rng.randrange(100) for _ in range(n)]
+        view, full = fc._Appended(base, 7), [*base, 7]
+        assert len(view) == len(full) and base == full[:-1]
+        for i in range(-n - 1, n + 1):
+            assert view[i] == full[i]
+        for _ in range(200):
+            a, b = rng.randint(-12, 12), rng.randint(-12, 12)
+            a, b = rng.choice([a, None]), rng.choice([b, None])
+            step = rng.choice([None, 1, 2, -1])
+            assert view[a:b:step] == full[a:b:step], (n, a, b, step)
+        with pytest.raises(IndexError):
+            view[n + 1]

@@ -167,15 +167,10 @@ class FinishChecker:
         for req, token in rows:
             if self.budget.is_ended(req):
                 continue
-            out = req.output_ids
-            if token is None:
-                work = self._measure(req, pending)
-            else:
-                out.append(token)
-                try:
-                    work = self._measure(req, pending)
-                finally:
-                    out.pop()
+            # (the output as it will be once `BatchResultProcessor.commit`, the one place that appends to
+            # it, has committed the token; not a copy)
+            out = req.output_ids if token is None else _Appended(req.output_ids, token)
+            work = self._measure(req, pending, out)
             if work.field:  # (a check the budget charges)
                 pending.add(req, work.grammar_s + work.regex_s + work.stop_s)
             self._measured[req] = work
@@ -219,25 +214,26 @@ class FinishChecker:
         if why is not None:
             req.finished_reason = _bad_request(budget.over_load_message(why), why)
 
-    def _measure(self, req: Req, pending: PendingCharges | None = None) -> _Work:
-        """What this rank alone knows of `req`'s check of its newest token: the processor's failure, the
-        grammar fed the token (its refusal, its seconds), the rules' finish (the stop_regex search, cut
-        for time: `work.cut`)."""
+    def _measure(self, req: Req, pending: PendingCharges | None = None, out: Any = None) -> _Work:
+        """What this rank alone knows of `req`'s check of its newest token (`out`: its output, by default
+        `req.output_ids`): the processor's failure, the grammar fed the token (its refusal, its seconds),
+        the rules' finish (the stop_regex search, cut for time: `work.cut`)."""
+        out = req.output_ids if out is None else out
         sp = req.sampling_params
         if self.budgeted(req):
             key = grammar_key(sp)
             field = "stop_regex" if sp.stop_regex else "stop"
             field = field if req.grammar is None else key[0] if key is not None else "grammar"
-            work = _Work(self.budget.allowance(req, pending), field, len(req.output_ids))
+            work = _Work(self.budget.allowance(req, pending), field, len(out))
         else:
-            work = _Work(math.inf, "", len(req.output_ids))
+            work = _Work(math.inf, "", len(out))
         work.error = req.custom_logit_error
         if work.error is not None:
             return work  # (the check ends the request on it: nothing else is measured)
         grammar = req.grammar
         if grammar is not None:
             try:
-                grammar.catch_up(req.output_ids)
+                grammar.catch_up(out)
             except GrammarRejectedToken as e:
                 message = f"The request's grammar does not allow the {e} it was given."
                 if req.bootstrap is not None and grammar.accepted == 0:
@@ -249,7 +245,7 @@ class FinishChecker:
                 work.done = {"type": "abort", "status_code": 500, "message": message}
                 return work
             work.grammar_s = grammar.take_spent()
-        work.reason = self._rule_finish(req, work)
+        work.reason = self._rule_finish(req, work, out)
         return work
 
     def _decide(self, req: Req, work: _Work, budgeted: bool) -> None:
@@ -298,15 +294,16 @@ class FinishChecker:
             return {"type": "length", "length": n}
         return reason
 
-    def _rule_finish(self, req: Req, work: _Work | None) -> dict[str, Any] | None:
-        """The finish the request's rules give its newest token but the context length: its length
-        limit, its grammar complete, a stop token, a stop string or stop regex (a search cut for time
-        is `work.cut`, and finds nothing)."""
+    def _rule_finish(self, req: Req, work: _Work | None, out: Any = None) -> dict[str, Any] | None:
+        """The finish the request's rules give the newest token of `out` (its output, by default
+        `req.output_ids`) but the context length: its length limit, its grammar complete, a stop token,
+        a stop string or stop regex (a search cut for time is `work.cut`, and finds nothing)."""
         sp = req.sampling_params
-        n = len(req.output_ids)
+        out = req.output_ids if out is None else out
+        n = len(out)
         if n >= sp.max_new_tokens:
             return {"type": "length", "length": sp.max_new_tokens}
-        token = req.output_ids[-1]
+        token = out[-1]
         if req.grammar is not None and req.grammar.terminated:
             # The grammar is complete (on an end-of-sequence id): upstream's "matched token" finish.
             return {"type": "stop", "matched": token}
@@ -315,7 +312,7 @@ class FinishChecker:
                 return {"type": "stop", "matched": token}
             if sp.stop or sp.stop_regex:
                 try:
-                    matched = self.match_stop_string(req, work)
+                    matched = self.match_stop_string(req, work, out)
                 except StopRegexTimeout as e:
                     work.cut = e.index
                     return None
@@ -386,7 +383,7 @@ class FinishChecker:
         else:
             req.finish_check_len = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
 
-    def match_stop_string(self, req: Req, work: _Work | None = None) -> str | None:
+    def match_stop_string(self, req: Req, work: _Work | None = None, out: Any = None) -> str | None:
         """The stop string in the output's tail, else the stop regex (its pattern, as upstream reports
         it) that matches there, else None. With `work` (a budgeted request's check), the tail's decode and
         the stop strings' scan add their time to `work.stop_s`, and the regexes' search takes what is left
@@ -399,7 +396,8 @@ class FinishChecker:
         window = stop_window_tokens(sp.stop)
         if sp.stop_regex:
             window = max(window, STOP_REGEX_TAIL_TOKENS)
-        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
+        out = req.output_ids if out is None else out
+        tail = self.tokenizer.decode(out[-window:], skip_special_tokens=False)
         matched = next((s for s in sp.stop if s in tail), None)
         if work is not None:
             work.stop_s = clock() - start
@@ -429,6 +427,35 @@ def _first_match(patterns: list[str], text: str, limit: float) -> str | None:
         except TimeoutError:
             raise StopRegexTimeout(pattern, limit, index) from None
     return None
+
+
+class _Appended:
+    """`base` with `token` after it, read as a list is (length, index, slice), without copying `base` or
+    changing it: a request's output as it will be once the token is committed (`precheck` measures
+    before `BatchResultProcessor.commit`, the one place that appends to `output_ids`)."""
+
+    __slots__ = ("base", "token")
+
+    def __init__(self, base: list[int], token: int):
+        self.base, self.token = base, token
+
+    def __len__(self) -> int:
+        return len(self.base) + 1
+
+    def __getitem__(self, i: int | slice) -> Any:
+        n = len(self.base)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n + 1)
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            part = self.base[start : min(stop, n)]
+            return [*part, self.token] if start <= n < stop else part
+        j = i + n + 1 if i < 0 else i
+        if j == n:
+            return self.token
+        if 0 <= j < n:
+            return self.base[j]
+        raise IndexError(i)
 
 
 def _search_message(req: Req, index: int | None, limit: float) -> str:
