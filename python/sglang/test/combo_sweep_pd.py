@@ -70,7 +70,8 @@ DECODE_RADIX = Feature("decode_radix", dict(disaggregation_decode_enable_radix_c
 # The recurrent state's dtype: bfloat16 and float16 weigh alike, so only a named dtype tells them apart.
 SSM_BF16 = Feature("ssm_bf16", dict(mamba_ssm_dtype="bfloat16"), exact=False)
 SSM_FP16 = Feature("ssm_fp16", dict(mamba_ssm_dtype="float16"), exact=False)
-PD_FEATURES = {f.name: f for f in (STAGED, DECODE_RADIX, SSM_BF16, SSM_FP16)}
+BF16 = Feature("bf16", dict(dtype="bfloat16"), exact=False)
+PD_FEATURES = {f.name: f for f in (STAGED, DECODE_RADIX, SSM_BF16, SSM_FP16, BF16)}
 # The router's default is five attempts with backoffs; one retry is enough on loopback, and a refused
 # pair then fails its first request in seconds.
 ROUTER_ARGS = ["--retry-max-retries", "2"]
@@ -141,6 +142,8 @@ CASES = [
     PdCase("staged_mismatch", prefill=("staged",), refuse="SGLANG_DISAGGREGATION_STAGING"),
     PdCase("tp2_mismatch", prefill=("tp2",), refuse="--tp-size"),
     PdCase("ssm_dtype_mismatch", prefill=("ssm_bf16",), decode=("ssm_fp16",), refuse="--mamba-ssm-dtype"),
+    PdCase("quant_fp8_mismatch", prefill=("quant_fp8",), refuse="--quantization"),
+    PdCase("dtype_mismatch", prefill=("bf16",), refuse="--dtype"),
     PdCase("dp2", both=("dp2",), refuse="--dp-size"),
     # The other architectures: their own pair (the vision-language one with an image request too), and
     # a decode radix cache.

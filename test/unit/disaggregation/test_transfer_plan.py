@@ -6,6 +6,7 @@ bootstrap fields are validated."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import pytest
 import torch
@@ -206,3 +207,19 @@ def test_state_dtypes_of_the_same_size_are_refused_naming_the_flag():
         message = a.mismatch(b)
         assert message is not None and "--mamba-ssm-dtype" in message, message
     assert bf16.mismatch(PoolLayout.from_dict(bf16.to_dict())) is None
+
+
+def test_pools_filled_by_other_weights_are_refused_naming_the_flags():
+    """Online FP8 (--quantization fp8) or another --dtype on one server only: the pools may match, but the
+    decode server would continue the prefill server's KV and state with other weights, answering neither
+    server's tokens (the PD sweep's quant_fp8 on the prefill side only was served so). The layouts name
+    the weights; a --dtype change, which changes the KV dtype too, is named as such."""
+    kv, mp = make_pools(64, 16, 4, fill=0.0)
+    plain = replace(PoolLayout.of(kv, mp), weights="--dtype torch.float32, --quantization none")
+    fp8 = replace(plain, weights="--dtype torch.float32, --quantization fp8")
+    bf16 = replace(plain, weights="--dtype torch.bfloat16, --quantization none", kv_dtype="torch.bfloat16")
+    for a, b in [(plain, fp8), (fp8, plain), (plain, bf16)]:
+        message = a.mismatch(b)
+        assert message is not None and "--dtype" in message and "--quantization" in message, message
+    assert "--kv-cache-dtype" not in plain.mismatch(bf16)
+    assert plain.mismatch(PoolLayout.from_dict(plain.to_dict())) is None

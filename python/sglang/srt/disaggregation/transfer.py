@@ -20,7 +20,7 @@ import ctypes
 import ipaddress
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from sglang.srt.disaggregation.channel import reachable_host
 from sglang.srt.disaggregation.staging import Staging, staging_sizes, transfer_path
@@ -58,6 +58,9 @@ class PoolLayout:
     draft_kv_layers: int = 0
     # The state pool's dtypes (`--mamba-ssm-dtype`): a bfloat16 and a float16 state weigh alike.
     state_dtypes: str = ""
+    # The weights that computed the KV and state (`--dtype`, `--quantization`): the decode server must
+    # continue the prefill server's numerics, else it answers neither server's tokens.
+    weights: str = ""
 
     @classmethod
     def of(cls, token_to_kv_pool, mamba_pool, draft_kv_layers: int = 0) -> PoolLayout:
@@ -102,6 +105,11 @@ class PoolLayout:
             return (
                 "one server of the pair keeps the MTP draft layer's KV (--speculative-algorithm EAGLE / NEXTN) "
                 "and the other does not: start both with the same --speculative-algorithm"
+            )
+        if self.weights != other.weights:
+            return (
+                f"the weights differ (the prefill server's {self.weights or 'none named'}, the decode server's "
+                f"{other.weights or 'none named'}): start both with the same --dtype and --quantization"
             )
         # The dtype first: a float8 and a 16-bit KV differ in bytes per token too, and the flag is the cause.
         if self.kv_dtype != other.kv_dtype:
@@ -183,6 +191,8 @@ def open_transfer_engine(sched, side: str) -> tuple[PoolLayout, MooncakeTransfer
     args = sched.server_args
     kv_pool, mamba_pool = sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool
     layout = PoolLayout.of(kv_pool, mamba_pool, len(draft_kv_layer_ids(args)))
+    weights = f"--dtype {sched.model_runner.dtype}, --quantization {args.quantization or 'none'}"
+    layout = replace(layout, weights=weights)
     backend = args.disaggregation_transfer_backend
     path = transfer_path(args.device, backend)
     packer = StatePacker.of(kv_pool, mamba_pool, args.device)
