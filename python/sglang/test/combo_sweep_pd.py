@@ -3,7 +3,7 @@
 and `sglang-router` in PD mode in front, sends combo_sweep's requests through the router, and classifies
 as combo_sweep does (OK / REFUSED / REFUSED_REQ / WRONG / BROKEN).
 
-    python -m sglang.test.combo_sweep_pd                    # every case (~17 min on 2 shared cores)
+    python -m sglang.test.combo_sweep_pd                    # every case (~15 min on 2 shared cores)
     python -m sglang.test.combo_sweep_pd --cases base,page16,kv_fp8_mismatch --log-dir /tmp/pd
     python -m sglang.test.combo_sweep_pd --list
 

@@ -14,8 +14,8 @@ differs, and leaves nothing held.
 
     .venv/bin/python -m pytest -q -s test/registered/disaggregation/test_combo_sweep_pd_nightly.py
 
-Measured: 988 s for 57 cases (50 OK, 6 REFUSED, 1 REFUSED_REQ) on the loaded 2-core VM (10-40 s a case);
-the --dtype and --quantization pairs, added after, take ~11 s each.
+Measured on the loaded 2-core VM: 907 s for the 59 cases (50 OK, 8 REFUSED, 1 REFUSED_REQ; 11-24 s a
+case), and 988 s for 57 of them under a heavier load (10-40 s a case).
 """
 
 from __future__ import annotations
