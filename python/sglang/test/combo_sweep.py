@@ -470,13 +470,19 @@ def main(argv: list[str] | None = None) -> int:
     results = sweep(
         chosen, with_, tuple(BY_NAME[n] for n in also), Path(args.log_dir) if args.log_dir else None
     )
+    return report(results, args.json)
+
+
+def report(results: list[Outcome], json_path: str | None = None) -> int:
+    """Print the count of each outcome, write every outcome (without logs) to `json_path` if given; the
+    exit status: 1 if a case is WRONG or BROKEN."""
     counts = {
         s: sum(o.status == s for o in results) for s in ("OK", "REFUSED_REQ", "REFUSED", "WRONG", "BROKEN")
     }
     print(", ".join(f"{k} {v}" for k, v in counts.items()))
-    if args.json:
+    if json_path:
         rows = [{k: v for k, v in vars(o).items() if k != "log"} for o in results]
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(json_path).write_text(json.dumps(rows, indent=1))
     return 1 if counts["WRONG"] or counts["BROKEN"] else 0
 
 

@@ -53,6 +53,7 @@ from sglang.test.combo_sweep import (
     _requests,
     compare_to_baseline,
     model_of,
+    report,
 )
 
 SECRET = "combo-sweep-pd-secret"
@@ -470,14 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     results = sweep(
         [BY_CASE[n] for n in names if n not in skip], Path(args.log_dir) if args.log_dir else None
     )
-    counts = {
-        s: sum(o.status == s for o in results) for s in ("OK", "REFUSED_REQ", "REFUSED", "WRONG", "BROKEN")
-    }
-    print(", ".join(f"{k} {v}" for k, v in counts.items()))
-    if args.json:
-        rows = [{k: v for k, v in vars(o).items() if k != "log"} for o in results]
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 1 if counts["WRONG"] or counts["BROKEN"] else 0
+    return report(results, args.json)
 
 
 if __name__ == "__main__":
