@@ -742,7 +742,9 @@ def test_unpack_many_on_cuda_waits_once_and_holds_one_block_at_a_time():
             dst.unpack_many(blocks)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # (torch also warns, once, that the debug mode is a prototype: not a synchronizing call; seen on an
+    # H200, 2026-11-29, where the one real synchronize was the only other warning)
+    syncs = [w for w in caught if "synchroniz" in str(w.message) and "prototype" not in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert torch.cuda.max_memory_allocated() - base <= src.packed_bytes(tokens) + (1 << 20)
     for i, (_, rows, slot) in enumerate(blocks):

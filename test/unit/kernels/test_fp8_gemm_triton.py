@@ -64,7 +64,8 @@ def test_quant_equals_the_twin_bit_for_bit(kernel_device, dtype):
     assert q[3, :4].float().tolist() == [448.0, 1.0, -1.25, 4 * 2**-9]
     # The published "dynamic" scheme: scale = amax / 448 per row and 128 columns (an all-zero group: 1e-10).
     amax = torch.nn.functional.pad(x.float().abs(), (0, 56)).view(6, 2, 128).amax(-1)
-    torch.testing.assert_close(s, amax.clamp(min=1e-10) / 448, rtol=0, atol=0)
+    # (divided by a 0-dim tensor: CUDA torch multiplies by the reciprocal of a Python-number divisor)
+    torch.testing.assert_close(s, amax.clamp(min=1e-10) / amax.new_tensor(448.0), rtol=0, atol=0)
     assert q[2, 128:].float().abs().sum() == 0
 
 

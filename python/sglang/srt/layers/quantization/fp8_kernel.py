@@ -133,7 +133,11 @@ def per_token_group_quant_fp8_torch(
     k = x.shape[-1]
     groups = -(-k // group_size)
     xf = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).unflatten(-1, (groups, group_size))
-    scale = xf.abs().amax(-1).clamp(min=AMAX_EPS) / FP8_MAX
+    amax = xf.abs().amax(-1).clamp(min=AMAX_EPS)
+    # Divided by a 0-dim tensor, not a Python number: CUDA torch multiplies by the reciprocal of a CPU
+    # scalar divisor (one ulp from the division at times), where the kernel's tl.div_rn and CPU torch
+    # divide exactly (measured on an H200, 2026-11-29: the twin's scales differed from the kernel's).
+    scale = amax / amax.new_tensor(FP8_MAX)
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.flatten(-2)[..., :k].contiguous(), scale
 
