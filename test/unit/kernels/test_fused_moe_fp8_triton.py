@@ -68,7 +68,8 @@ def test_kernels_equal_the_twin(kernel_device, tokens, top_k, e, hidden, inter, 
 
 def test_prefill_sized_batches_take_the_sort_and_agree(interpret, monkeypatch):
     """Above the Triton bookkeeping's size (ALIGN_MAX_ASSIGNMENTS, lowered here) the assignments are
-    sorted by torch and combined with index_add_: the same result as the twin, within the bound above."""
+    sorted by torch and combined by the torch loop over the picks: the same result as the twin, within the
+    bound above."""
     from sglang.srt.layers.moe import sort_combine
 
     monkeypatch.setattr(sort_combine, "ALIGN_MAX_ASSIGNMENTS", 4)

@@ -141,3 +141,31 @@ def test_device_path_matches_the_reference_without_reading_counts(gated, tokens,
     # rounding, while a wrong expert, weight or row moves them by O(1).
     ref_b = _reference(mb.float(), xb.float(), weights, ids)
     torch.testing.assert_close(bf16.float(), ref_b, rtol=3e-2, atol=3e-2)
+
+
+def test_the_torch_combine_sums_each_token_in_pick_order():
+    """The combine's bits do not depend on how the rows were sorted: each token's k products summed in
+    float32 in pick order (w_0 y_0 + w_1 y_1 + ..., left to right) and rounded once, as the Triton
+    combine sums them. Before, the torch path scattered the rows with `index_add_` in sorted (expert)
+    order: another order of the float32 sum (different last bits here on CPU), and on CUDA an order of
+    atomic adds that changed from run to run (the 80B's experts at 1,024 tokens on an H200). Checked in
+    float32 output, where a different summation order shows; a weight-0 row (another EP rank's, never
+    computed) holding NaN adds nothing."""
+    from sglang.srt.layers.moe.sort_combine import combine, sort_by_expert
+
+    g = torch.Generator().manual_seed(3)
+    tokens, top_k, experts, hidden = 64, 6, 16, 48
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    # Products of very different magnitudes, so that the order of a float32 sum shows in its last bits.
+    weights = torch.rand(tokens, top_k, generator=g) * torch.logspace(0, -6, top_k)
+    weights[5, 2] = 0.0
+    sorted_ = sort_by_expert(ids, experts, use_triton=False)
+    y = torch.randn(tokens * top_k, hidden, generator=g) * 1e3
+    y[sorted_.order.tolist().index(5 * top_k + 2)] = float("nan")
+    got = combine(y, sorted_, weights, torch.float32)
+    want = torch.zeros(tokens, hidden)
+    rows = y[torch.argsort(sorted_.order)].view(tokens, top_k, hidden)  # (token, pick) order
+    for j in range(top_k):
+        want += torch.where(weights[:, j, None] != 0, rows[:, j] * weights[:, j, None], 0.0)
+    assert torch.equal(got, want)
+    assert not got.isnan().any()

@@ -4,10 +4,12 @@ FP8 experts of `fused_moe_fp8_triton.py` and the 16-bit fused GEMMs of `fused_mo
 its routing weights. No host read either way (a CUDA graph can capture both).
 
 Where the Triton bookkeeping serves (`use_triton`, decode sizes up to ALIGN_MAX_ASSIGNMENTS) the sort
-and the combine are `dispatch_triton.moe_align` and `moe_combine` (three launches); elsewhere torch's
-stable argsort, a histogram and an `index_add_`. Both sum each token's weighted rows in float32 and
-round once to the activation dtype; other EP ranks' assignments (id `num_experts`) sort last, outside
-every group of `offs`, and add nothing (their weight is 0, their rows are never computed)."""
+is `dispatch_triton.moe_align` (two launches); elsewhere torch's stable argsort and a histogram. The
+combine reads each token's rows in pick order (`dispatch_triton.moe_combine` on CUDA or where the Triton
+sort served, a torch loop over the picks elsewhere), sums them in float32 and rounds once to the
+activation dtype; no atomic adds, so the same bits every run. Other EP ranks' assignments (id
+`num_experts`) sort last, outside every group of `offs`, and add nothing (their weight is 0, their rows
+are never computed)."""
 
 from __future__ import annotations
 
@@ -53,13 +55,24 @@ def combine(
     y: torch.Tensor, sorted_: SortedAssignments, weights: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """y [T k, H], the experts' output in sorted order (rows past offs[-1] may hold anything) -> [T, H] in
-    `dtype`: each token's rows times their routing `weights` [T, k], summed in float32."""
-    if sorted_.inv is not None:
+    `dtype`: each token's rows times their routing `weights` [T, k], summed in float32 in pick order and
+    rounded once. The same bits from run to run on every device: a token's rows are read, never
+    scattered with atomic adds (on CUDA `index_add_`'s order changes between runs, and with it the
+    float32 sum's last bits: the 80B's experts at 1,024 tokens differed run to run on an H200)."""
+    inv = sorted_.inv
+    if inv is None:
+        inv = torch.empty_like(sorted_.order)
+        inv[sorted_.order] = torch.arange(inv.numel(), device=inv.device)
+    if y.is_cuda or sorted_.inv is not None:
         from sglang.srt.layers.moe import dispatch_triton
 
-        return dispatch_triton.moe_combine(y, sorted_.inv, weights, dtype)
-    out = torch.zeros(weights.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
-    out.index_add_(0, sorted_.token_of, weighted_rows(y, weights.reshape(-1)[sorted_.order]))
+        return dispatch_triton.moe_combine(y, inv, weights, dtype)
+    t, top_k = weights.shape
+    rows = y.index_select(0, inv).view(t, top_k, y.shape[1])  # assignment (token, pick) order
+    weights = weights.float()
+    out = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device)
+    for j in range(top_k):
+        out += weighted_rows(rows[:, j], weights[:, j])
     return out.to(dtype)
 
 
