@@ -253,10 +253,36 @@ def test_gpu_gemm_at_real_shapes(m, n, k):
     got = fk.w8a8_block_fp8_matmul(a, w, scale, output_dtype=torch.bfloat16)
     q, s = fk.per_token_group_quant_fp8(a)
     q_want, s_want = fk.per_token_group_quant_fp8_torch(a)
-    assert torch.equal(s, s_want) and torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+    same = torch.equal(s, s_want) and torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+    assert same, _explain(a, q, s, q_want, s_want)
     want = fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32).double()
     magnitude = _abs_product(fk.dequantize_block_fp8(q, s, (1, 128)), fk.dequantize_block_fp8(w, scale))
     assert ((got.double() - want).abs() <= 2**-9 * want.abs() + SUM_TOL["cuda"] * magnitude).all()
+
+
+def _explain(a: torch.Tensor, q, s, q_want, s_want) -> str:
+    """Which elements differ and what each side computed, beside the CPU twin's answer (CPU torch divides
+    and rounds exactly): a GPU run's log then says whether the kernel or CUDA torch is off, and where (an
+    e4m3 tie, a subnormal, a scale one ulp apart)."""
+    q_cpu, s_cpu = fk.per_token_group_quant_fp8_torch(a.cpu())
+    bad_s = (s != s_want).cpu()
+    bad_q = (q.view(torch.uint8) != q_want.view(torch.uint8)).cpu()
+    lines = [f"{int(bad_s.sum())} of {bad_s.numel()} scales and {int(bad_q.sum())} of {bad_q.numel()} fp8 values differ"]
+    for row, group in bad_s.nonzero()[:4].tolist():
+        lines.append(
+            f"scale [{row}, {group}]: kernel {s[row, group].item()!r} twin {s_want[row, group].item()!r} "
+            f"cpu {s_cpu[row, group].item()!r}"
+        )
+    for row, col in bad_q.nonzero()[:8].tolist():
+        group = col // 128
+        x = a[row, col].float().item()
+        lines.append(
+            f"q [{row}, {col}]: x {x!r}, kernel {q[row, col].float().item()!r} twin "
+            f"{q_want[row, col].float().item()!r} cpu {q_cpu[row, col].float().item()!r}; scales kernel "
+            f"{s[row, group].item()!r} cpu {s_cpu[row, group].item()!r}; x / scale in float64 "
+            f"{x / s_cpu[row, group].item()!r}"
+        )
+    return "\n".join(lines)
 
 
 def test_the_benchmark_script_runs_its_cpu_check(interpret, capsys):
