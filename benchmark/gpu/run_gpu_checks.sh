@@ -3,7 +3,9 @@
 # `../shared/gpu/fetch-offline-wheels.sh fla-core==0.6.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2`
 # beforehand): the wheels, the GPU tests (marked `gpu`, in eight groups at once: the tests use small fixed
 # pools, so they share the GPU; then PD's alone), then the benchmarks one at a time. Logs come back under
-# $OUT (default /tmp/gpu-out): summary.txt, tests-GROUP.log, bench.log.
+# $OUT (default /tmp/gpu-out): summary.txt, and logs.tar.gz holding tests-GROUP.log and bench.log (one file:
+# the device tool brings back at most 8). PD's staged pairs need Mooncake: also carry the trimmed wheel that
+# benchmark/gpu/fetch_mooncake_wheel.sh puts in .whl/.
 #   bash benchmark/gpu/run_gpu_checks.sh tests                # the GPU tests, ~5 min
 #   bash benchmark/gpu/run_gpu_checks.sh engine_vs_hf decode_step kernels state_copy sampler   # ~9 min
 #   (engine_profile: bench_engine_vs_hf's graphs run under cProfile, the top host functions of every thread;
@@ -41,7 +43,12 @@ save_autotune() {  # one file, sorted, no owners or times: the device tool bring
     tar --null -T - --owner=0 --group=0 --numeric-owner --mtime=@0 -cf - | gzip -n9 > "$OUT/fla-autotune.tar.gz")
   echo "autotune results saved: $(tar -tzf "$OUT/fla-autotune.tar.gz" | grep -c 'autotune.json$')" >> "$OUT/summary.txt"
 }
-trap save_autotune EXIT
+pack_logs() {  # every log in one file beside summary.txt (the device tool brings back at most 8 files)
+  local logs
+  logs=$(cd "$OUT" && ls -- *.log 2>/dev/null) || return 0
+  (cd "$OUT" && tar -czf logs.tar.gz $logs && rm -f $logs)
+}
+trap 'save_autotune; pack_logs' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site:$PWD/python SGLANG_CACHE_DIR=$PWD/.sgcache PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -68,6 +75,7 @@ group() {  # name, pytest targets...
   timeout -s INT -k 20 "$limit" python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short \
     --durations=8 "$@" > "$OUT/tests-$name.log" 2>&1
   echo "tests $name: exit $? ($(tail -1 "$OUT/tests-$name.log"))" >> "$OUT/summary.txt"
+  grep -E '^(FAILED|ERROR) ' "$OUT/tests-$name.log" | cut -c1-400 | head -40 >> "$OUT/summary.txt"
 }
 
 if [[ $steps == *" tests "* ]] && [ -n "${PYTEST_ARGS:-}" ]; then

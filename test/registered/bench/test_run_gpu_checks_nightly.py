@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -26,6 +27,11 @@ import pytest
 @pytest.mark.gpu
 def test_quick():
     assert True
+
+
+@pytest.mark.gpu
+def test_fails():
+    assert 1 + 1 == 3, "the reason"
 
 
 @pytest.mark.gpu
@@ -50,9 +56,14 @@ def test_a_group_cut_at_its_limit_names_its_tests_and_reports(tmp_path):
     started = time.monotonic()
     subprocess.run(["bash", str(SCRIPT), "tests"], cwd=work, env=env, capture_output=True, timeout=150)
     took = time.monotonic() - started
-    log = (out / "tests-custom.log").read_text()
+    # Every log comes back in one tarball (the device tool returns at most 8 files), none beside it.
+    assert sorted(p.name for p in out.iterdir()) == ["fla-autotune.tar.gz", "logs.tar.gz", "summary.txt"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        log = tar.extractfile("tests-custom.log").read().decode()
     assert "test_group.py::test_quick PASSED" in log, log[-2000:]  # -v: each test named as it ends
     assert "KeyboardInterrupt" in log and "test_stuck" in log, log[-2000:]  # stopped as at ^C: reported
     summary = (out / "summary.txt").read_text()
     assert "tests custom: exit 124" in summary, summary  # timeout's status for a command it stopped
+    # The failures' lines in the summary itself, should the tarball not come back.
+    assert "FAILED" in summary and "test_fails" in summary and "the reason" in summary, summary
     assert took < 20 + 20 + 30, took  # the limit, timeout's -k grace, the script's own start
