@@ -33,6 +33,7 @@ def output_check_agreement(rank: int, world_size: int, init_method: str, costs: 
     import torch.distributed as dist
 
     from sglang.srt.constrained.output_check_budget import OutputCheckBudget
+    from sglang.srt.constrained import stop_search
     from sglang.srt.managers import finish_checker as fc
     from sglang.srt.managers.finish_checker import FinishChecker
     from sglang.srt.managers.schedule_batch import Req
@@ -66,19 +67,19 @@ def output_check_agreement(rank: int, world_size: int, init_method: str, costs: 
 
         # The search is cut on rank 1 at its second pattern (as a loaded rank's `regex` timeout would);
         # rank 0's finds that pattern ("x") in the tail at once: alone, it would stop there.
-        real = fc._first_match
+        real = stop_search._first_match
 
         def first_match(patterns, text, limit):
             if rank == 1:
-                raise fc.StopRegexTimeout(patterns[1], limit, 1)
+                raise stop_search.StopRegexTimeout(patterns[1], limit, 1)
             return real(patterns, text, limit)
 
-        fc._first_match = first_match
+        stop_search._first_match = first_match
         try:
             req = Req("r", [5], SamplingParams(stop_regex=["y", "x"], max_new_tokens=100))
             out["stop_regex"] = run(checker(), req, 5)
         finally:
-            fc._first_match = real
+            stop_search._first_match = real
 
         # The agreement's cost: one all-reduce per check of a request with a grammar or a stop_regex.
         c = checker()

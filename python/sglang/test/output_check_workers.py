@@ -119,34 +119,34 @@ def batch_output_checks(rank: int, world_size: int, init_method: str) -> dict:
     on rank 1 only."""
     import torch.distributed as dist
 
-    from sglang.srt.managers import finish_checker as fc
+    from sglang.srt.constrained import stop_search as search
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     group = dist.new_group(list(range(world_size)), backend="gloo")
     calls = _Collectives()
-    real = fc._first_match
+    real = search._first_match
 
     def first_match(patterns, text, limit):
         if rank == 1 and patterns == ["y", "x"]:
-            raise fc.StopRegexTimeout(patterns[1], limit, 1)  # (as a loaded rank's `regex` timeout would)
+            raise search.StopRegexTimeout(patterns[1], limit, 1)  # (as a loaded rank's `regex` timeout would)
         return real(patterns, text, limit)
 
-    fc._first_match = first_match
+    search._first_match = first_match
     try:
         out = {"batched": _run(rank, group, True, calls)}
         gathers = calls.gather
         out["batched"]["gathers"] = gathers
         out["alone"] = _run(rank, group, False, calls)
         out["grammar_queue"] = _compile_outcomes(rank, group, calls)
-        out["refusal_and_overrun"] = _refusal_and_overrun(rank, group, fc)
+        out["refusal_and_overrun"] = _refusal_and_overrun(rank, group, search)
         return out
     finally:
-        fc._first_match = real
+        search._first_match = real
         calls.restore()
         dist.destroy_process_group()
 
 
-def _refusal_and_overrun(rank: int, group: Any, fc: Any) -> dict:
+def _refusal_and_overrun(rank: int, group: Any, search: Any) -> dict:
     """Two requests over four tokens, each check measured in its batch: a grammar that refuses the second
     token on rank 1 only (a matcher of another build), and a stop_regex whose search on rank 1 only takes
     80 ms at the second token without being cut (rank 0's: 1 ms), then is cut at the third. What each
@@ -156,7 +156,7 @@ def _refusal_and_overrun(rank: int, group: Any, fc: Any) -> dict:
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     now = [0.0]
-    real_clock, real_match = fc.clock, fc._first_match
+    real_clock, real_match = search.clock, search._first_match
 
     def first_match(patterns, text, limit):
         n = len(text)  # (the stand-in tokenizer decodes one character per token)
@@ -164,7 +164,7 @@ def _refusal_and_overrun(rank: int, group: Any, fc: Any) -> dict:
             now[0] += 0.08
         elif rank == 1 and n == 3:
             now[0] += limit
-            raise fc.StopRegexTimeout(patterns[0], limit, 0)
+            raise search.StopRegexTimeout(patterns[0], limit, 0)
         else:
             now[0] += 0.001
         return None
@@ -180,7 +180,7 @@ def _refusal_and_overrun(rank: int, group: Any, fc: Any) -> dict:
     g.catch_up, g.take_spent = catch_up, lambda: 0.001
     refusing.grammar = g
     reqs = [refusing, Req("r_slow", [5], SamplingParams(max_new_tokens=4, stop_regex=["z"]))]
-    fc.clock, fc._first_match = (lambda: now[0]), first_match
+    search.clock, search._first_match = (lambda: now[0]), first_match
     try:
         c = _checker(group)
         ended: dict[str, Any] = {}
@@ -195,7 +195,7 @@ def _refusal_and_overrun(rank: int, group: Any, fc: Any) -> dict:
             c.clear_prechecks()
         return ended
     finally:
-        fc.clock, fc._first_match = real_clock, real_match
+        search.clock, search._first_match = real_clock, real_match
 
 
 def _compile_outcomes(rank: int, group: Any, calls: _Collectives) -> dict:

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 import pytest
 
 from sglang.srt.constrained.output_check_budget import OutputCheckBudget
-from sglang.srt.managers import finish_checker as fc
+from sglang.srt.constrained import stop_search
 from sglang.srt.managers.finish_checker import FinishChecker
+from sglang.srt.managers.output_view import Appended
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.test.ci_register import register_cpu_ci
@@ -112,10 +113,10 @@ def test_a_batchs_newcomers_share_the_steps_budget(monkeypatch):
 
     def search(patterns, text, limit):
         now[0] += limit
-        raise fc.StopRegexTimeout(patterns[0], limit, 0)
+        raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
 
-    monkeypatch.setattr(fc, "clock", lambda: now[0])
-    monkeypatch.setattr(fc, "_first_match", search)
+    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
+    monkeypatch.setattr(stop_search, "_first_match", search)
     c = _checker()
     c.budget = OutputCheckBudget(per_request_s=0.05, per_step_s=0.1)
     reqs = [Req(f"r{i}", [5], SamplingParams(stop_regex=["x"], max_new_tokens=100)) for i in range(16)]
@@ -147,8 +148,8 @@ def test_init_parallel_gives_the_finisher_and_the_grammar_queue_the_tp_group():
 
 def test_a_decode_set_without_measured_checks_is_not_scanned():
     """A decode batch whose requests have no grammar, stop_regex or custom logit processor skips the
-    precheck's scan of its rows (`DecodeRows.any_measured`, read once per decode set); one such request
-    in the set turns it on."""
+    precheck's scan of its rows (`DecodeRows.measured_rows`, read once per decode set); such a request is
+    the one row scanned."""
     from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
     from sglang.srt.managers.scheduler_components.decode_rows import DecodeRows
 
@@ -158,26 +159,26 @@ def test_a_decode_set_without_measured_checks_is_not_scanned():
         return r
 
     plain = [req(f"p{i}") for i in range(3)]
-    assert not DecodeRows.of(plain).any_measured
-    assert DecodeRows.of([*plain, req("r", stop_regex=["x"])]).any_measured
+    assert DecodeRows.of(plain).measured_rows == ()
+    assert DecodeRows.of([*plain, req("r", stop_regex=["x"])]).measured_rows == (3,)
     g = _grammar_req("g")
     g.req_pool_idx = g.mamba_pool_idx = 0
-    assert DecodeRows.of([*plain, g]).any_measured
+    assert DecodeRows.of([g, *plain]).measured_rows == (0,)
 
     scanned = []
     c = _checker()
     c.precheck = lambda rows: scanned.append(list(rows))
-    for any_measured in (False, True):
-        batch = SimpleNamespace(reqs=plain, any_measured=any_measured, pending_tracks={}, any_stream=False)
+    for measured in ((), (1,)):
+        batch = SimpleNamespace(reqs=plain, measured_rows=measured, pending_tracks={}, any_stream=False)
         result = SimpleNamespace(next_token_ids=[7] * 3, next_token_logprobs=None, hidden_states=None)
         log = SimpleNamespace(log=lambda reqs, ids: False, take=lambda req=None: [])
         rp = SimpleNamespace(finisher=c, token_log=log, _commit_decode_tokens=lambda b, r: None)
         BatchResultProcessor.process_batch_result_decode(rp, batch, result)
-    assert len(scanned) == 1 and len(scanned[0]) == 3  # (only the batch that has one)
+    assert scanned == [[(plain[1], 7)]]  # (only the batch that has one, only its row)
 
 
 def test_the_measured_output_reads_as_the_committed_list_without_changing_it():
-    """`precheck` measures a row against its output with the token after it (`_Appended`), without
+    """`precheck` measures a row against its output with the token after it (`Appended`), without
     appending to `req.output_ids` (`BatchResultProcessor.commit` is the one place that does,
     test_commit_path): every length, index and slice the checks read equals the list's with the token
     appended, and the request's list is unchanged."""
@@ -186,7 +187,7 @@ def test_the_measured_output_reads_as_the_committed_list_without_changing_it():
     rng = random.Random(0)
     for n in (0, 1, 2, 5, 9):
         base = [rng.randrange(100) for _ in range(n)]
-        view, full = fc._Appended(base, 7), [*base, 7]
+        view, full = Appended(base, 7), [*base, 7]
         assert len(view) == len(full) and base == full[:-1]
         for i in range(-n - 1, n + 1):
             assert view[i] == full[i]
@@ -197,3 +198,40 @@ def test_the_measured_output_reads_as_the_committed_list_without_changing_it():
             assert view[a:b:step] == full[a:b:step], (n, a, b, step)
         with pytest.raises(IndexError):
             view[n + 1]
+
+
+def test_which_requests_are_measured_is_one_rule_everywhere():
+    """The rule (`finish_checker.is_measured`) as the check, the precheck's row filter and the decode rows
+    read it, for each kind of request: a grammar, stop_regex, a custom logit processor and a charged stop
+    list are measured; a plain request and a few short stop strings are not. (Three copies of the rule
+    once lived in those three places.)"""
+    from sglang.srt.constrained.stop_strings import CHARGED_STOPS
+    from sglang.srt.managers.finish_checker import is_measured
+    from sglang.srt.managers.scheduler_components.decode_rows import DecodeRows
+
+    def req(rid: str, **params) -> Req:
+        r = Req(rid, [5], SamplingParams(max_new_tokens=100, **params))
+        r.req_pool_idx = r.mamba_pool_idx = 0
+        return r
+
+    processor = req("c")
+    processor.custom_logit_processor = object()
+    g = _grammar_req("g")
+    g.req_pool_idx = g.mamba_pool_idx = 0
+    kinds = {
+        "grammar": (g, True),
+        "stop_regex": (req("r", stop_regex=["x"]), True),
+        "processor": (processor, True),
+        "charged stops": (req("m", stop=[f"s{i}" for i in range(CHARGED_STOPS + 1)]), True),
+        "few stops": (req("f", stop=["a", "b"]), False),
+        "plain": (req("p"), False),
+    }
+    plain = req("p0")
+    for kind, (r, expected) in kinds.items():
+        c = _checker()
+        c.precheck([(plain, 7), (r, 7)])
+        prechecked = r in c._measured
+        rows = DecodeRows.of([plain, r]).measured_rows
+        assert is_measured(r) is FinishChecker.measured(r) is prechecked is expected, kind
+        assert rows == ((1,) if expected else ()), kind
+        assert plain not in c._measured

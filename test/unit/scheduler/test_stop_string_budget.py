@@ -14,6 +14,7 @@ import torch
 
 from sglang.srt.constrained.output_check_budget import OutputCheckBudget
 from sglang.srt.constrained.stop_strings import CHARGED_STOP_CHARS, CHARGED_STOPS, stops_charged
+from sglang.srt.constrained import stop_search
 from sglang.srt.managers import finish_checker as fc
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.schedule_batch import Req
@@ -31,7 +32,7 @@ FEW = [f"zz{i}" for i in range(CHARGED_STOPS - 1)] + ["q" * CHARGED_STOP_CHARS] 
 @pytest.fixture
 def clock(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr(fc, "clock", lambda: now[0])
+    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
     return now
 
 
@@ -124,8 +125,8 @@ def test_the_scans_time_is_agreed_with_the_ranks(clock, monkeypatch):
 
 def test_a_decode_set_with_a_charged_stop_list_is_prechecked():
     plain = [_req(f"p{i}", []) for i in range(2)]
-    assert not DecodeRows.of([*plain, _req("f", FEW)]).any_measured
-    assert DecodeRows.of([*plain, _req("m", MANY)]).any_measured
+    assert DecodeRows.of([*plain, _req("f", FEW)]).measured_rows == ()
+    assert DecodeRows.of([*plain, _req("m", MANY)]).measured_rows == (2,)
     assert FinishChecker.measured(_req("m", MANY)) and not FinishChecker.measured(_req("f", FEW))
 
 

@@ -1,5 +1,5 @@
 """`stop_regex` (upstream's sampling field): its bounds, checked where the request comes in, and its
-patterns compiled once per process for the finish check's search (`managers/finish_checker.py`, within
+patterns compiled once per process for the finish check's search (`stop_search.py`, within
 the output checks' budget, `output_check_budget.py`).
 
 Upstream searches with Python's `re`, lookarounds and backreferences included; the `regex` module keeps

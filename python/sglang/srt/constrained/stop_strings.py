@@ -9,7 +9,7 @@ Where stop strings cost:
   the text at one (`managers/tokenizer_output.py`, `utils/text_markers.py`): per chunk and sample a
   search of each string over the new text and the held-back tail (under a string's length);
 - the scheduler decodes the output's last (longest string's UTF-8 bytes + 8) tokens after every token
-  and looks for each string in them (`FinishChecker.match_stop_string`, `stop_window_tokens`).
+  and looks for each string in them (`stop_search.match_stop_string`, `stop_window_tokens`).
 
 Upstream takes any list; OpenAI allows 4; real clients send a handful to a few dozen (a chat template's
 end markers, tool-call markers, a harness's few-shot separators), each under a hundred characters. The

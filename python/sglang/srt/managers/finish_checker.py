@@ -36,28 +36,30 @@ import torch
 import torch.distributed as dist
 
 from sglang.srt.constrained.grammar_spec import grammar_key
-from sglang.srt.constrained.output_check_budget import OutputCheckBudget, PendingCharges, clock
-from sglang.srt.constrained.stop_regex import compiled
-from sglang.srt.constrained.stop_strings import stop_window_tokens, stops_charged
+from sglang.srt.constrained.output_check_budget import OutputCheckBudget, PendingCharges
+from sglang.srt.constrained.stop_search import StopRegexTimeout, match_stop_string, search_message
+from sglang.srt.constrained.stop_strings import stops_charged
 from sglang.srt.constrained.xgrammar_backend import GrammarRejectedToken
+from sglang.srt.managers.output_view import Appended
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.server_args import ServerArgs
 
-# Output tokens decoded to look for a stop regex: a regex has no length to size the window by.
-STOP_REGEX_TAIL_TOKENS = 64
-
-
-class StopRegexTimeout(Exception):
-    """A stop regex ran out of its time on the output's tail."""
-
-    def __init__(self, pattern: str, limit: float, index: int = 0):
-        super().__init__(pattern)
-        self.pattern = pattern
-        self.limit = limit
-        self.index = index  # (in the request's stop_regex list)
+def is_measured(req: Req) -> bool:
+    """Whether `req`'s finish check depends on facts of this rank alone, so it is measured, then agreed
+    (the module's docstring): it has a grammar, stop regexes, a custom logit processor or a stop list
+    that is charged (`stops_charged`). Read from what every rank holds alike (a processor's failure is
+    this rank's own: it is what is agreed). The one owner of the rule: `check_finished`, `precheck`'s
+    row filter and `DecodeRows.any_measured` read it here."""
+    sp = req.sampling_params
+    return (
+        req.grammar is not None
+        or req.custom_logit_processor is not None
+        or bool(sp.stop_regex)
+        or (bool(sp.stop) and stops_charged(sp.stop))
+    )
 
 
 class _Work:
@@ -125,16 +127,8 @@ class FinishChecker:
                 eos.add(tokenizer.eos_token_id)
         return cls(eos, cfg.context_len, tokenizer)
 
-    @staticmethod
-    def measured(req: Req) -> bool:
-        """Whether `req`'s check depends on facts of this rank alone (measured, then agreed). Read from
-        what every rank holds alike (a processor's failure is this rank's own: it is what is agreed)."""
-        return (
-            req.grammar is not None
-            or bool(req.sampling_params.stop_regex)
-            or req.custom_logit_processor is not None
-            or stops_charged(req.sampling_params.stop)
-        )
+    # Whether a request's check is measured, then agreed (`is_measured`, the rule's one owner).
+    measured = staticmethod(is_measured)
 
     @staticmethod
     def budgeted(req: Req) -> bool:
@@ -148,18 +142,7 @@ class FinishChecker:
         at once: each row's `check_finished`, with that token committed, decides on it. Rows that are
         finished, that need no measure (`measured`), or that the budget ended already (their check ends
         them on that) are left out, alike on every rank."""
-        # (`measured`, inline: this runs over every row of every decode step that has no token log)
-        rows = [
-            (r, t)
-            for r, t in rows
-            if r.finished_reason is None
-            and (
-                r.grammar is not None
-                or r.sampling_params.stop_regex
-                or r.custom_logit_processor is not None
-                or (r.sampling_params.stop and stops_charged(r.sampling_params.stop))
-            )
-        ]
+        rows = [(r, t) for r, t in rows if r.finished_reason is None and is_measured(r)]
         if not rows:
             return
         works: list[_Work] = []
@@ -169,7 +152,7 @@ class FinishChecker:
                 continue
             # (the output as it will be once `BatchResultProcessor.commit`, the one place that appends to
             # it, has committed the token; not a copy)
-            out = req.output_ids if token is None else _Appended(req.output_ids, token)
+            out = req.output_ids if token is None else Appended(req.output_ids, token)
             work = self._measure(req, pending, out)
             if work.field:  # (a check the budget charges)
                 pending.add(req, work.grammar_s + work.regex_s + work.stop_s)
@@ -186,7 +169,7 @@ class FinishChecker:
         """Set `req.finished_reason` if its newest output token ends it."""
         if req.finish_token_ids is None:
             self.set_quick_check(req)
-        if not self.measured(req):
+        if not is_measured(req):
             reason = self._rule_finish(req, None)
             req.finished_reason = self._context_finish(req, reason)
             return
@@ -276,14 +259,14 @@ class FinishChecker:
                 # within its own allowance; the slowest rank's time is agreed) is over it as a cut one is.
                 work.over = True
                 if self.budget.over_allowance(req, work.regex_s, limit):
-                    req.finished_reason = _bad_request(_search_message(req, None, limit), "stop_regex")
+                    req.finished_reason = _bad_request(search_message(req, None, limit), "stop_regex")
                     return
             if work.cut is not None:
                 work.over = True
                 # (None at all where the grammar took the whole allowance: that overrun is the grammar's,
                 # judged above; the search runs again at the next token.)
                 if limit > 0 and self.budget.over_allowance(req, limit, limit):
-                    req.finished_reason = _bad_request(_search_message(req, work.cut, limit), "stop_regex")
+                    req.finished_reason = _bad_request(search_message(req, work.cut, limit), "stop_regex")
                     return
                 reason = None  # (searched again, over the same tail and more, at the next token)
         req.finished_reason = self._context_finish(req, reason)
@@ -312,7 +295,7 @@ class FinishChecker:
                 return {"type": "stop", "matched": token}
             if sp.stop or sp.stop_regex:
                 try:
-                    matched = self.match_stop_string(req, work, out)
+                    matched = match_stop_string(self.tokenizer, req, work, out)
                 except StopRegexTimeout as e:
                     work.cut = e.index
                     return None
@@ -382,96 +365,6 @@ class FinishChecker:
             req.finish_check_len = 0
         else:
             req.finish_check_len = min(sp.max_new_tokens, self.context_len - len(req.origin_input_ids))
-
-    def match_stop_string(self, req: Req, work: _Work | None = None, out: Any = None) -> str | None:
-        """The stop string in the output's tail, else the stop regex (its pattern, as upstream reports
-        it) that matches there, else None. With `work` (a budgeted request's check), the tail's decode and
-        the stop strings' scan add their time to `work.stop_s`, and the regexes' search takes what is left
-        of its allowance (raises StopRegexTimeout beyond it) and adds its time to `work.regex_s` (a request
-        with stop regexes is always checked with one: `check_finished`)."""
-        if self.tokenizer is None:
-            return None
-        sp = req.sampling_params
-        start = clock()
-        window = stop_window_tokens(sp.stop)
-        if sp.stop_regex:
-            window = max(window, STOP_REGEX_TAIL_TOKENS)
-        out = req.output_ids if out is None else out
-        tail = self.tokenizer.decode(out[-window:], skip_special_tokens=False)
-        matched = next((s for s in sp.stop if s in tail), None)
-        if work is not None:
-            work.stop_s = clock() - start
-        if matched is None and sp.stop_regex:
-            for pattern in sp.stop_regex:
-                compiled(pattern)  # (once per process, bounded by stop_regex.MAX_CHARS: not the search's)
-            start = clock()
-            try:
-                matched = _first_match(sp.stop_regex, tail, work.allowance - work.grammar_s - work.stop_s)
-            finally:
-                work.regex_s = clock() - start
-        return matched
-
-
-def _first_match(patterns: list[str], text: str, limit: float) -> str | None:
-    """The first pattern found in `text`, within `limit` seconds for them all (the `regex` module's
-    timeout counts the process's CPU time, every thread's: with other threads busy it cuts a search
-    sooner)."""
-    deadline = clock() + limit
-    for index, pattern in enumerate(patterns):
-        left = deadline - clock()
-        try:
-            if left <= 0:
-                raise TimeoutError
-            if compiled(pattern).search(text, timeout=None if left == math.inf else left) is not None:
-                return pattern
-        except TimeoutError:
-            raise StopRegexTimeout(pattern, limit, index) from None
-    return None
-
-
-class _Appended:
-    """`base` with `token` after it, read as a list is (length, index, slice), without copying `base` or
-    changing it: a request's output as it will be once the token is committed (`precheck` measures
-    before `BatchResultProcessor.commit`, the one place that appends to `output_ids`)."""
-
-    __slots__ = ("base", "token")
-
-    def __init__(self, base: list[int], token: int):
-        self.base, self.token = base, token
-
-    def __len__(self) -> int:
-        return len(self.base) + 1
-
-    def __getitem__(self, i: int | slice) -> Any:
-        n = len(self.base)
-        if isinstance(i, slice):
-            start, stop, step = i.indices(n + 1)
-            if step != 1:
-                return [self[j] for j in range(start, stop, step)]
-            part = self.base[start : min(stop, n)]
-            return [*part, self.token] if start <= n < stop else part
-        j = i + n + 1 if i < 0 else i
-        if j == n:
-            return self.token
-        if 0 <= j < n:
-            return self.base[j]
-        raise IndexError(i)
-
-
-def _search_message(req: Req, index: int | None, limit: float) -> str:
-    """Why a request's stop_regex search ends it: its pattern `index` (None: the search of them all) took
-    more than `limit`."""
-    patterns = req.sampling_params.stop_regex
-    if index is None and len(patterns) > 1:
-        what = f"stop_regex (its {len(patterns)} patterns)"
-    else:
-        what = f"stop_regex {patterns[index or 0]!r}"
-    return (
-        f"{what} took more than the {limit * 1e3:.0f} ms a "
-        "request's checks may take for one token (SGLANG_OUTPUT_CHECK_BUDGET_PER_REQ, within "
-        "SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP for all requests) to search the output; use a pattern that "
-        "does not backtrack without bound."
-    )
 
 
 def _negated(cut: int | None) -> float:

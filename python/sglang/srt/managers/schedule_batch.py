@@ -83,7 +83,8 @@ class ScheduleBatch:
         self.forward_batch = None
         self.has_placeholders = False
         self.any_stream = True  # some request streams (decode batches know; others assume so)
-        self.any_measured = True  # some request's finish check is measured (as any_stream)
+        # The rows whose finish check is measured (`DecodeRows.measured_rows`; None: not known, all).
+        self.measured_rows: tuple[int, ...] | None = None
         self.cached_tokens = 0  # an extend's prompt tokens the radix tree gave (the batch log's)
         self.spec_info = None  # a speculative verify's drafts (`speculative/ngram_worker.py`)
 
@@ -224,7 +225,7 @@ class ScheduleBatch:
         track = self.set_mamba_track_indices_from_reqs(tracker, seq_lens)
         inflight.add(self)
         rows = fast_path.rows_cache.get(reqs) if fast_path is not None else DecodeRows.of(reqs)
-        self.any_stream, self.any_measured = rows.any_stream, rows.any_measured
+        self.any_stream, self.measured_rows = rows.any_stream, rows.measured_rows
         self.forward_batch = ForwardBatch.create(
             self.forward_mode,
             input_ids=input_ids,

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.constrained.vocab_mask import VocabMaskInfo
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.scheduler_components.batch_result_processor import measured_rows
 from sglang.srt.mem_cache.common import alloc_for_verify, release_verify_tail
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.custom_logit_processor import CustomLogitInfo
@@ -277,7 +278,7 @@ class NgramWorker:
         deps.inflight.add(batch)
         batch.future_slots = None  # no overlap: nothing names these tokens before they are processed
         rows = deps.rows_cache.get(reqs)
-        batch.any_stream, batch.any_measured = rows.any_stream, rows.any_measured
+        batch.any_stream, batch.measured_rows = rows.any_stream, rows.measured_rows
 
         def per_token(values):
             return [v for v, n in zip(values, widths, strict=True) for _ in range(n)]
@@ -336,9 +337,10 @@ class NgramWorker:
         rp.token_log.clear()
         spec: NgramVerifyInput = batch.spec_info
         sampled_all, hidden = result.next_token_ids, result.hidden_states
-        firsts = itertools.accumulate(spec.widths, initial=0)  # (its first token: checked with the others')
-        if batch.any_measured:  # (a decode set without grammars, stop_regex or processors: no scan)
-            rp.finisher.precheck((r, sampled_all[at]) for r, at in zip(batch.reqs, firsts, strict=False))
+        measured = measured_rows(batch)
+        if measured:  # (a decode set without grammars, stop_regex or processors: no scan)
+            firsts = list(itertools.accumulate(spec.widths, initial=0))  # (its first token's row)
+            rp.finisher.precheck([(batch.reqs[i], sampled_all[firsts[i]]) for i in measured])
         touched: list[Req] = []
         copies: list[tuple[int, int]] = []  # (verify row, slot): the states the commit keeps
         settled: list[tuple[Req, tuple[int, int] | None]] = []  # to release or commit a snapshot for

@@ -16,7 +16,7 @@ otherwise it prefills that token again when readmitted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -152,8 +152,10 @@ class BatchResultProcessor:
             self.counters["num_generation_tokens_total"] += len(batch.reqs)
             return
         commit_logged(log)  # the loops below read the lists themselves
-        if batch.any_measured:  # (a decode set without grammars, stop_regex or processors: no scan)
-            self.finisher.precheck(zip(batch.reqs, result.next_token_ids, strict=True))
+        measured = measured_rows(batch)
+        if measured:  # (a decode set without grammars, stop_regex or processors: no scan)
+            reqs, ids = batch.reqs, result.next_token_ids
+            self.finisher.precheck([(reqs[i], ids[i]) for i in measured])
         if short:
             self._commit_decode_tokens(batch, result)
             return
@@ -368,6 +370,14 @@ def commit_logged(log: DecodeTokenLog, req: Req | None = None) -> None:
     snapshot or stream: appending them is all that committing them means."""
     for r, tokens in log.take(req):
         r.output_ids.extend(tokens)
+
+
+def measured_rows(batch: ScheduleBatch) -> Sequence[int]:
+    """The rows of a decode or verify `batch` whose checks `FinishChecker.precheck` measures: those its
+    decode rows found measured (`DecodeRows.measured_rows`, read once per decode set), or every row of a
+    batch built without them (precheck then reads each)."""
+    rows = batch.measured_rows
+    return range(len(batch.reqs)) if rows is None else rows
 
 
 def add_hidden_states(req: Req, rows: torch.Tensor, start: int) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang.srt.constrained.stop_strings import stops_charged
+from sglang.srt.managers.finish_checker import is_measured
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 from sglang.srt.utils.host_tensors import host_int64
 
@@ -36,7 +36,8 @@ class DecodeRows:
     any_penalized: bool  # some request's logits take penalties (sampling/penaltylib.py)
     any_grammar: bool  # some request has a grammar (constrained/vocab_mask.py)
     any_custom_logit: bool  # some request has a custom logit processor
-    any_measured: bool  # some request's finish check is measured (`FinishChecker.measured`)
+    # The rows whose finish check is measured (`finish_checker.is_measured`): what a step's precheck reads.
+    measured_rows: tuple[int, ...]
     hidden_states_mask: list[bool] | None  # `hidden_states_mask`
 
     @classmethod
@@ -83,9 +84,7 @@ class DecodeRows:
             any_penalized=any_penalized,
             any_grammar=any_grammar,
             any_custom_logit=any_custom_logit,
-            any_measured=any_grammar
-            or any_custom_logit
-            or any(r.sampling_params.stop_regex or stops_charged(r.sampling_params.stop) for r in reqs),
+            measured_rows=tuple(i for i, r in enumerate(reqs) if is_measured(r)),
             hidden_states_mask=hidden_states_mask(reqs),
         )
 
