@@ -28,6 +28,7 @@ from sglang.srt.disaggregation.pd_ranks import PdRanks, destination_ranks
 from sglang.srt.disaggregation.staging import StagedRange
 from sglang.srt.disaggregation.state_packer import StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout, clear_destination, open_transfer_engine
+from sglang.srt.disaggregation.weights_fingerprint import with_weights
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import alloc_for_extend
 
@@ -61,9 +62,8 @@ class DecodeTransferQueue(DecodeAnswers):
         self.staged: dict[str, StagedRange] = {}  # room -> its request's staging range
         self.allowlist = PrefillAllowlist.parse(args.disaggregation_prefill_allowlist)
         # Every rank's session and layout (rank 0 names them all in each destination).
-        staging = self.staging.address(0) if self.staging is not None else None
-        mine = {"session": self.engine.session_id, "layout": self.layout.to_dict(), "staging": staging}
-        self.rank_targets = self.ranks.all_gather(mine)
+        self.rank_targets = self._gather_targets()
+        self.model_path: str | None = None  # the last /update_weights_from_disk's (`weights_changed`)
         self.channel, self.notify_url = None, ""  # (TP rank 0's only)
         if self.ranks.is_first:
             bound = answer_max_bytes(args.max_logprobs, draft_row_bytes(sched))
@@ -151,6 +151,18 @@ class DecodeTransferQueue(DecodeAnswers):
 
     def transfers_running(self) -> bool:
         return False  # transfers run on the prefill server; their answers wake the loop
+
+    def _gather_targets(self) -> list[dict[str, Any]]:
+        staging = self.staging.address(0) if self.staging is not None else None
+        mine = {"session": self.engine.session_id, "layout": self.layout.to_dict(), "staging": staging}
+        return self.ranks.all_gather(mine)
+
+    def weights_changed(self, model_path: str | None = None) -> None:
+        """After a weight update, on every rank alike: the destinations sent from now on name the new
+        weights, which the prefill server's must match (`PoolLayout.mismatch`)."""
+        self.model_path = model_path or self.model_path
+        self.layout = with_weights(self.layout, self.sched, self.model_path or self.sched.server_args.model_path)
+        self.rank_targets = self._gather_targets()
 
     def has_news(self) -> bool:
         """TP rank 0, as it makes the scheduler's tick: whether its channel holds messages or it could
@@ -389,6 +401,7 @@ class DecodeTransferQueue(DecodeAnswers):
             "staging_chunk_bytes": self.staging.chunk_bytes if self.staging is not None else 0,
             "dropped_messages": self.channel.dropped if self.channel is not None else 0,
             "decode_radix_cache": self.radix,
+            "weights_fingerprint": self.layout.weights_digest,  # (this rank's: TP rank 0's here)
             # As on the prefill side: what one request's transfer weighs on every rank together (the
             # staging sizes above are one rank's buffer: every rank has one alike).
             **{k: sum(layout.sizes()[k] for layout in layouts) for k in self.layout.sizes()},

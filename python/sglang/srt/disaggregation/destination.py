@@ -59,8 +59,9 @@ def malformed_layout(layout: Any, is_int) -> str | None:
         layout["kv_bytes_per_token"]
     ):
         return "layout holds something other than addresses and sizes"
-    if not all(isinstance(layout.get(k, ""), str) for k in ("kv_dtype", "state_dtypes", "weights")):
-        return "layout's kv_dtype, state_dtypes and weights must be strings"
+    names = ("kv_dtype", "state_dtypes", "weights", "weights_digest", "weights_source")
+    if not all(isinstance(layout.get(k, ""), str) for k in names):
+        return "layout's kv_dtype, state_dtypes, weights, weights_digest and weights_source must be strings"
     if not is_int(layout.get("draft_kv_layers", 0)):
         return "layout's draft_kv_layers must be a layer count"
     # (`transfer_descriptors` and `PoolLayout.regions` zip them strictly)

@@ -42,6 +42,7 @@ from sglang.srt.disaggregation.transfer import (
     TransferError,
     open_transfer_engine,
 )
+from sglang.srt.disaggregation.weights_fingerprint import with_weights
 from sglang.srt.environ import envs
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ class PrefillBootstrapQueue:
         self.layout, self.engine, self.staging = open_transfer_engine(sched, "prefill")
         # Every rank's layout on every rank, so that each checks a destination alike.
         self.layouts = [PoolLayout.from_dict(d) for d in self.ranks.all_gather(self.layout.to_dict())]
+        self.model_path: str | None = None  # the last /update_weights_from_disk's (`weights_changed`)
         self.context_len = sched.context_len
         # A destination names one token slot per prompt position: at most 11 bytes each in JSON, and the
         # rest (pool layouts, one per decode rank, and URLs) a few KB per rank.
@@ -167,6 +169,13 @@ class PrefillBootstrapQueue:
 
     def transfers_running(self) -> bool:
         return any(r.future is not None for r in self.rooms.values())
+
+    def weights_changed(self, model_path: str | None = None) -> None:
+        """After a weight update, on every rank alike: every rank's layout names the new weights, which
+        each destination's must match from now on (`PoolLayout.mismatch`)."""
+        self.model_path = model_path or self.model_path
+        self.layout = with_weights(self.layout, self.sched, self.model_path or self.sched.server_args.model_path)
+        self.layouts = [PoolLayout.from_dict(d) for d in self.ranks.all_gather(self.layout.to_dict())]
 
     def has_news(self) -> bool:
         """TP rank 0, as it makes the scheduler's tick: whether its channel holds messages (the tick's
@@ -452,6 +461,7 @@ class PrefillBootstrapQueue:
             "dropped_messages": self.channel.dropped if self.channel is not None else 0,
             # Under TP what one request's transfer weighs on every rank together.
             "tp_size": self.ranks.tp_size,
+            "weights_fingerprint": self.layout.weights_digest,  # (this rank's: TP rank 0's here)
             **{k: sum(layout.sizes()[k] for layout in self._layouts()) for k in self.layout.sizes()},
             **self.stats,
         }

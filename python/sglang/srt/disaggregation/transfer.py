@@ -20,11 +20,12 @@ import ctypes
 import ipaddress
 import logging
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from sglang.srt.disaggregation.channel import reachable_host
 from sglang.srt.disaggregation.staging import Staging, staging_sizes, transfer_path
 from sglang.srt.disaggregation.state_packer import StatePacker, kv_buffers
+from sglang.srt.disaggregation.weights_fingerprint import with_weights
 from sglang.srt.server_args import ServerArgsError
 from sglang.srt.speculative.draft_layers import draft_kv_layer_ids
 
@@ -56,11 +57,16 @@ class PoolLayout:
     kv_dtype: str = ""
     # Of the KV layers, the MTP draft layer's (the last; EAGLE / NEXTN: `draft_layers.draft_kv_layer_ids`).
     draft_kv_layers: int = 0
-    # The state pool's dtypes (`--mamba-ssm-dtype`): a bfloat16 and a float16 state weigh alike.
+    # The state pool's dtypes, "conv X, ssm Y" (SGLANG_MAMBA_CONV_DTYPE, default the --dtype; and
+    # `--mamba-ssm-dtype`): a bfloat16 and a float16 state weigh alike.
     state_dtypes: str = ""
     # The weights that computed the KV and state (`--dtype`, `--quantization`): the decode server must
     # continue the prefill server's numerics, else it answers neither server's tokens.
     weights: str = ""
+    # Their values (`weights_fingerprint.py`: another checkpoint of the same shapes, or a weight update
+    # applied to one server only, differs here alone), and for the refusal where they came from.
+    weights_digest: str = ""
+    weights_source: str = ""
 
     @classmethod
     def of(cls, token_to_kv_pool, mamba_pool, draft_kv_layers: int = 0) -> PoolLayout:
@@ -128,11 +134,35 @@ class PoolLayout:
             here, there = self.state_dtypes or "none named", other.state_dtypes or "none named"
             return (
                 f"the recurrent-state dtypes differ (the prefill server's {here}, the decode server's {there}: "
-                "--mamba-ssm-dtype)"
+                f"{_state_dtype_flags(self.state_dtypes, other.state_dtypes)})"
             )
         if self.state_slot_bytes != other.state_slot_bytes:
-            return "the recurrent-state layouts differ (another model, or another --mamba-ssm-dtype)"
+            return (
+                "the recurrent-state layouts differ (another model, or another --mamba-ssm-dtype or "
+                "SGLANG_MAMBA_CONV_DTYPE)"
+            )
+        if self.weights_digest != other.weights_digest:
+            return (
+                f"the weights' values differ (the prefill server serves {self.weights_source or 'unnamed weights'}"
+                f", fingerprint {self.weights_digest or 'none'}; the decode server "
+                f"{other.weights_source or 'unnamed weights'}, fingerprint {other.weights_digest or 'none'}): "
+                "serve the same checkpoint (--model-path) on both servers and apply every weight update "
+                "(/update_weights_from_disk, /update_weights_from_tensor, /update_weights_from_distributed) "
+                "to both"
+            )
         return None
+
+
+def _state_dtype_flags(here: str, there: str) -> str:
+    """What sets the state dtypes that differ between "conv X, ssm Y" and another such."""
+    conv_here, _, ssm_here = here.partition(", ")
+    conv_there, _, ssm_there = there.partition(", ")
+    flags = []
+    if conv_here != conv_there:
+        flags.append("SGLANG_MAMBA_CONV_DTYPE for the conv state, whose default is the --dtype")
+    if ssm_here != ssm_there:
+        flags.append("--mamba-ssm-dtype (or SGLANG_MAMBA_SSM_DTYPE) for the SSM state")
+    return " and ".join(flags) or "--mamba-ssm-dtype and SGLANG_MAMBA_CONV_DTYPE"
 
 
 def token_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -191,8 +221,7 @@ def open_transfer_engine(sched, side: str) -> tuple[PoolLayout, MooncakeTransfer
     args = sched.server_args
     kv_pool, mamba_pool = sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool
     layout = PoolLayout.of(kv_pool, mamba_pool, len(draft_kv_layer_ids(args)))
-    weights = f"--dtype {sched.model_runner.dtype}, --quantization {args.quantization or 'none'}"
-    layout = replace(layout, weights=weights)
+    layout = with_weights(layout, sched, args.model_path)
     backend = args.disaggregation_transfer_backend
     path = transfer_path(args.device, backend)
     packer = StatePacker.of(kv_pool, mamba_pool, args.device)

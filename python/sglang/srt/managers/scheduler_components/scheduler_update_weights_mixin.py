@@ -53,7 +53,7 @@ class SchedulerUpdateWeightsMixin:
             self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, error))
             return
         self.model_runner.swap_model(model)
-        self._weights_changed()
+        self._weights_changed(req.weight_version, req.model_path)
         if req.flush_cache:
             self._empty_tree()
         paused = len(self.waiting_queue) + len(self.running) if self.generation_pause.paused else 0
@@ -74,7 +74,7 @@ class SchedulerUpdateWeightsMixin:
             message = vote.outcome(_not_updated(e))
             self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(False, message))
             return
-        success, message = self.write_weights(named, req.load_format, req.flush_cache, vote)
+        success, message = self.write_weights(named, req.load_format, req.flush_cache, vote, req.weight_version)
         self.send_to_tokenizer(UpdateWeightsFromTensorReqOutput(success, message))
 
     def finish_weights_group_op(self) -> None:
@@ -95,11 +95,12 @@ class SchedulerUpdateWeightsMixin:
         if error:  # (this rank's vote: the others vote in `write_weights`)
             success, message = False, RankVote(self._agree).outcome(_not_updated(error))
         else:
-            success, message = self.write_weights(named, None, req.flush_cache, RankVote(self._agree))
+            vote = RankVote(self._agree)
+            success, message = self.write_weights(named, None, req.flush_cache, vote, req.weight_version)
         self.send_to_tokenizer(UpdateWeightsFromDistributedReqOutput(success, message))
 
     def write_weights(
-        self, named: list, load_format: str | None, flush_cache: bool, vote: RankVote
+        self, named: list, load_format: str | None, flush_cache: bool, vote: RankVote, version: str | None = None
     ) -> tuple[bool, str]:
         """Write (name, tensor) pairs into the weights in place (`ModelRunner.update_weights_from_tensor`:
         all or none, on every rank or none: `vote`) between two steps, then empty the prefix cache (as
@@ -114,7 +115,7 @@ class SchedulerUpdateWeightsMixin:
         error = vote.outcome(None)  # (votes here where the write copied nothing: every rank votes once)
         if error is not None:
             return False, error
-        self._weights_changed()
+        self._weights_changed(version)
         if flush_cache:
             self._empty_tree()
         message = f"Succeeded to update {len(named) - len(ignored)} weight tensor(s) in place."
@@ -124,9 +125,15 @@ class SchedulerUpdateWeightsMixin:
             logger.warning("A weight update ignored %d tensor(s) with no parameter: %s", len(ignored), shown)
         return True, message
 
-    def _weights_changed(self) -> None:
-        """The prefix cache's disk tier (if any) stops serving entries of the old weights."""
+    def _weights_changed(self, weight_version: str | None, model_path: str | None = None) -> None:
+        """The prefix cache's disk tier (if any) stops serving entries of the old weights; a PD server
+        fingerprints the new ones, which its pair checks with every transfer (named by the update's
+        weight_version and, from disk, model_path)."""
         self.tree_cache.weights_changed()
+        if weight_version is not None:
+            self.server_args.weight_version = weight_version
+        if self.disagg is not None:
+            self.disagg.weights_changed(model_path)
 
     def release_memory_occupation(self, req: ReleaseMemoryOccupationReqInput) -> None:
         """Free the memory of `req.tags` (`MemoryOccupation`), with no request running or waiting (as
