@@ -79,7 +79,8 @@ def test_another_checkpoint_is_refused_until_both_serve_the_same(pair):
 
 
 def test_a_tensor_update_on_one_server_is_refused_until_the_other_has_it(pair):
-    """An RL refit step sent to the decode server only: one element of one tensor, its lowest bit."""
+    """An RL refit step sent to the decode server only: one element of one tensor, by 1e-6 of itself.
+    (After the first test: both servers serve the preset.)"""
     name, tensor = sorted(served_tensors(pair["a"]).items())[5]
     nudged = tensor.clone()
     nudged.view(-1)[3] = nudged.view(-1)[3] + 1e-6 * max(1.0, abs(float(nudged.view(-1)[3])))

@@ -99,6 +99,27 @@ def test_permuted_rows_or_columns_differ():
     assert weights_fingerprint(bf16) == weights_fingerprint(bf16)
 
 
+def test_every_byte_counts_whatever_the_dtype_or_alignment():
+    """Tensors whose bytes are no whole number of int64 words, views that start off an 8-byte boundary,
+    float8 and bool: a change to their last byte, or any value, changes the fingerprint."""
+    buffer = torch.zeros(64, dtype=torch.bfloat16)
+    cases = [
+        torch.arange(5, dtype=torch.bfloat16),  # 10 bytes: a word and two more
+        buffer[1:6],  # starts 2 bytes into its storage
+        torch.ones(9).to(torch.float8_e4m3fn),
+        torch.tensor([True, False, True]),
+        torch.arange(2 * 512 + 3, dtype=torch.int64),  # two grid rows and three words past them
+    ]
+    for t in cases:
+        holder = torch.nn.Module()
+        holder.register_buffer("w", t)
+        before = weights_fingerprint(holder)
+        assert weights_fingerprint(holder) == before
+        raw = t.view(-1).view(torch.uint8) if t.dtype != torch.bool else t.view(torch.uint8)
+        raw[-1] ^= 1
+        assert weights_fingerprint(holder) != before, t.dtype
+
+
 def small_layout(conv: torch.dtype = torch.bfloat16, ssm: torch.dtype = torch.float32) -> PoolLayout:
     kv = MHATokenToKVPool(16, 1, torch.float32, head_num=2, head_dim=4, layer_ids=[0])
     params = Mamba2CacheParams(
