@@ -120,6 +120,17 @@ def test_every_byte_counts_whatever_the_dtype_or_alignment():
         assert weights_fingerprint(holder) != before, t.dtype
 
 
+def test_equal_values_stored_in_another_order_are_equal():
+    """The CPU stores MoE experts transposed (`experts.py`'s C++ op), a GPU does not: equal values."""
+    w = torch.randn(4, 24, 16)
+    fingerprints = []
+    for stored in (w.clone(), w.transpose(1, 2).contiguous().transpose(1, 2)):
+        holder = torch.nn.Module()
+        holder.register_buffer("experts", stored)
+        fingerprints.append(weights_fingerprint(holder))
+    assert fingerprints[0] == fingerprints[1]
+
+
 def small_layout(conv: torch.dtype = torch.bfloat16, ssm: torch.dtype = torch.float32) -> PoolLayout:
     kv = MHATokenToKVPool(16, 1, torch.float32, head_num=2, head_dim=4, layer_ids=[0])
     params = Mamba2CacheParams(

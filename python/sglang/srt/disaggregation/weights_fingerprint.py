@@ -44,6 +44,8 @@ def _tensor_sums(t: torch.Tensor) -> list[torch.Tensor]:
     """Int64 sums of `t`'s bits (0-dim tensors on its device): its bytes as int64 words on a grid
     `GRID_WORDS` wide, all of them, its rows' sums by row index and its columns' by column index; the words
     past the last full row and the bytes past the last word, each by position."""
+    # In logical order, not memory order: the CPU keeps MoE experts transposed (`experts.py`), a GPU does
+    # not, and equal values must fingerprint alike (the copy is the CPU's, of its transposed experts).
     data = t.detach().contiguous().reshape(-1).view(torch.uint8)
     whole = data.numel() // 8 * 8
     try:
