@@ -23,7 +23,7 @@ from sglang.srt.multimodal import video
 from sglang.srt.multimodal.media_io import PixelBudget, load_image
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=4, suite="per-commit-cpu")
+register_cpu_ci(est_time=7, suite="per-commit-cpu")
 
 CONFIG = video.VideoConfig(16, 2, 2, 64, 1 << 20, (0.5,) * 3, (0.5,) * 3, 2.0, 4, 768)
 # A refusal that opens nothing is milliseconds; 2 s leaves a loaded 2-core CI machine room and is far
@@ -146,3 +146,89 @@ def test_images_are_processed_one_at_a_time_and_a_shared_item_once():
     one = [SimpleNamespace(prompt=0, req=SimpleNamespace(input_ids=[1, 7, 7, 7, 2]))]
     asyncio.run(attach_media(p, one, [png_bytes(), png_bytes(), png_bytes()], None, limits, is_batch=False))
     assert calls == [1, 1, 1]
+
+
+def static_h264(width: int, height: int, frames: int, container: str) -> bytes:
+    """`frames` identical frames: each after the first is a skipped P-frame of ~15 bytes (a 4.6 MB mkv
+    holds 300,000 of 16x16)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        s = out.add_stream("libx264", rate=24)
+        s.width, s.height, s.pix_fmt = width, height, "yuv420p"
+        s.options = {"preset": "ultrafast", "tune": "zerolatency"}
+        frame = av.VideoFrame.from_ndarray(np.zeros((height, width, 3), np.uint8), format="rgb24")
+        for _ in range(frames):
+            out.mux(s.encode(frame))
+        out.mux(s.encode())
+    return buf.getvalue()
+
+
+def test_a_requests_video_frames_are_bounded_by_their_count():
+    """A frame costs ~12 us to decode however small: 300,000 frames of 16x16 (a 4.6 MB mkv, 5.5 s of
+    CPU) were within the 2^31 decoded pixels. The count is bounded per request (65,536 by default, here
+    lowered to 100): refused from the count an mp4 declares or an mkv's packets (counted up to the bound)
+    before decoding, and a second video of the request past what the first left."""
+    assert PixelBudget().frames.limit == 1 << 16
+    for container in ("mp4", "matroska"):
+        pixels = PixelBudget(frames_limit=100)
+        start = time.monotonic()
+        with pytest.raises(RequestError, match=r"video_data\[0\] has over 100 frames") as e:
+            video.load_video(static_h264(16, 16, 300, container), "video_data[0]", CONFIG, pixels)
+        assert e.value.param == "video_data" and pixels.frames.left == 100, container  # none decoded
+        assert time.monotonic() - start < FAST_S
+    pixels = PixelBudget(frames_limit=100)
+    clip = static_h264(16, 16, 60, "mp4")
+    assert len(video.load_video(clip, "video_data[0]", CONFIG, pixels).frames) == 5  # 2.5 s at 2 fps
+    assert pixels.frames.left == 40
+    with pytest.raises(RequestError, match=r"video_data\[1\] has over 40 frames.*at most 100 over"):
+        video.load_video(clip, "video_data[1]", CONFIG, pixels)
+
+
+def test_a_frame_over_the_bound_is_refused_by_the_decoder_before_it_is_decoded():
+    """A stream that declares 16x16 and switches to 128x128 frames: FFmpeg's max_pixels (the per-frame
+    bound, here 64x64) refuses the large frame before allocating it. Without it the frame was decoded
+    (any size the codec allows, up to ~16384x16384) and refused after, as a size change."""
+    import av
+
+    raw = h264(16, 16, 4) + h264(128, 128, 2)
+    src = av.open(io.BytesIO(raw))
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as out:
+        dst = out.add_stream_from_template(src.streams.video[0])
+        for i, p in enumerate(q for q in src.demux(video=0) if q.size):
+            p.stream, p.pts, p.dts, p.time_base = dst, i, i, fractions.Fraction(1, 24)
+            out.mux(p)
+    pixels = PixelBudget(per_item=64 * 64)
+    with pytest.raises(RequestError) as e:
+        video.load_video(buf.getvalue(), "video_data[0]", CONFIG, pixels)
+    assert "could not be decoded as a video" in e.value.message, e.value.message
+    assert pixels.decoded.limit - pixels.decoded.left == 4 * 16 * 16  # the 16x16 frames only
+
+
+def test_a_video_stops_decoding_when_its_client_leaves():
+    """The client leaves (its job cancelled) while frame 5 of 48 decodes: the decode stops before the
+    next packet (MediaCancelled). Before, an item already decoding ran to its end."""
+    import asyncio
+
+    from sglang.srt.multimodal import media_io
+    from sglang.srt.multimodal.media_pool import MediaCancelled, MediaJob
+
+    clip = static_h264(32, 32, 48, "mp4")
+    job, seen = MediaJob(), []
+    charge = media_io.charge
+
+    def charging(pixels, n, *args, **kwargs):
+        seen.append(n)
+        if len(seen) == 5:
+            job.cancelled.set()  # what the job's poll does when the client is gone
+        return charge(pixels, n, *args, **kwargs)
+
+    media_io.charge = charging
+    try:
+        with pytest.raises(MediaCancelled):
+            asyncio.run(job.run(video.load_video, clip, "video_data[0]", CONFIG, PixelBudget()))
+    finally:
+        media_io.charge = charge
+    assert len(seen) == 5, len(seen)

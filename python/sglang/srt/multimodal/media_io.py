@@ -59,6 +59,16 @@ FETCHES_PER_REQUEST = 4
 # The most pixels decoded for one request, over all its prompts' images and video frames: 32 images
 # of MAX_IMAGE_PIXELS, or one video's bound (video.MAX_DECODED_PIXELS).
 MAX_DECODED_PIXELS_PER_REQUEST = 1 << 31
+# The most video frames decoded for one request, over all its video files: a frame's decode costs ~12 us
+# however small it is (a 4.6 MB mkv of 300,000 16x16 frames took 5.5 s of CPU within the pixel bound), so
+# tiny frames are bounded by their count: 65,536 is 36 min at 30 fps; the pixel bound already stops any
+# video of frames over 181x181 pixels sooner.
+MAX_DECODED_FRAMES_PER_REQUEST = 1 << 16
+# Bytes a decoded image may hold per pixel while it is decoded and processed (its mode's pixels, the RGB
+# copy, the resized copy and the processor's arrays), for the process's media memory budget
+# (`media_pool.MediaMemory`). Measured: 8.0 bytes a pixel peak RSS for a 4096x4096 RGB or RGBA PNG
+# through the processor's `_image`; 9 leaves a margin.
+IMAGE_BYTES_PER_PIXEL = 9
 # How deep each field's lists nest for one prompt: a list of images; a list of videos, each a file or
 # a list of frames. A batch adds one level (one entry per prompt).
 DEPTH = {"image_data": 1, "video_data": 2}
@@ -66,19 +76,21 @@ DEPTH = {"image_data": 1, "video_data": 2}
 
 class PixelBudget(ByteBudget):
     """The pixels one request's images and the video frames its model gets may still decode (`take(n)`
-    False once over), the most one image (or video frame) may decode to (`per_item`), and every pixel the
+    False once over), the most one image (or video frame) may decode to (`per_item`), every pixel the
     request may decode (`decoded`: a video file's frames between those sampled too, which cost a decode
-    but no processing)."""
+    but no processing) and the video frames it may decode (`frames`)."""
 
     def __init__(
         self,
         limit: int | None = None,
         per_item: int = MAX_IMAGE_PIXELS,
         decoded_limit: int = MAX_DECODED_PIXELS_PER_REQUEST,
+        frames_limit: int = MAX_DECODED_FRAMES_PER_REQUEST,
     ):
         super().__init__(MAX_DECODED_PIXELS_PER_REQUEST if limit is None else limit)
         self.per_item = per_item
         self.decoded = ByteBudget(decoded_limit)
+        self.frames = ByteBudget(frames_limit)
 
     @classmethod
     def for_model(cls, max_pixels: int | None, context_len: int, pixels_per_token: int) -> PixelBudget:
@@ -365,6 +377,23 @@ def load_image(item: Any, where: str, pixels: PixelBudget | None = None, target:
         raise
     except Exception as e:  # PIL raises many types for corrupt or unknown data
         raise RequestError(f"{where} could not be decoded as an image ({type(e).__name__}).", FIELD) from None
+
+
+def image_bytes(item: Any, pixels: PixelBudget | None = None) -> int:
+    """The decoded bytes an image item may hold (`IMAGE_BYTES_PER_PIXEL` x its header's size, at most the
+    per-image bound: a larger one is refused or decoded at a reduced scale), read from its header only;
+    0 when it has none (it is refused undecoded). What it reserves in the process's media memory."""
+    from PIL import Image
+
+    bound = MAX_IMAGE_PIXELS if pixels is None else pixels.per_item
+    try:
+        data = item if isinstance(item, bytes) else read_local(item, "", FIELD, MediaPolicy(), trusted=False)
+        Image.MAX_IMAGE_PIXELS = None
+        with Image.open(io.BytesIO(data)) as probe:
+            width, height = probe.size
+    except Exception:  # not an image: load_image refuses it without decoding
+        return 0
+    return min(width * height, bound) * IMAGE_BYTES_PER_PIXEL
 
 
 def charge(pixels: PixelBudget | None, n: int, where: str, param: str, used: bool = True) -> None:

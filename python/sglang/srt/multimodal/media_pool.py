@@ -7,8 +7,14 @@ their client.
   another request's image waits for one item of each request ahead of it, not for all their items.
 - A job ends (`MediaCancelled`) when its HTTP client goes away (asked before each item and every `POLL_S`
   while one waits or runs) or its task is cancelled: an item still queued is dropped from the queue, and no
-  later item is submitted. An item already decoding runs to its end (PIL cannot be interrupted); the
-  per-image bound (`media_io.PixelBudget`) keeps that short.
+  later item is submitted. An item already running sees it through `check_cancelled` (a video between two
+  frames or packets stops there); an image's decode runs to its end (PIL cannot be interrupted), which the
+  per-image bound (`media_io.PixelBudget`) keeps short.
+- The decoded bytes all items hold at once are bounded for the process (`MediaMemory`, `MEMORY_BYTES`):
+  an item states what it may hold (from its header, before it is decoded) and waits, without a thread,
+  until that fits beside the items running; waiters are admitted first come first served, and a request
+  has one item waiting at a time, so the requests are admitted in turn. An item larger than the whole
+  budget runs alone.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -26,9 +33,18 @@ MEDIA_THREADS = max(1, min(4, os.cpu_count() or 1))
 # How often a job waiting on an item asks whether its client is still there.
 POLL_S = 0.5
 THREAD_PREFIX = "media-decode"
+# The decoded bytes the media items running at once may hold, over all requests (the estimates of
+# `media_io.image_bytes` and `video.video_bytes`): SGLANG_MEDIA_MEMORY_MB, default 2 GiB. Without it the
+# threads could hold MEDIA_THREADS x the largest item at once (a 200 KB H.264 file of 8192x8192 frames
+# with 16 reference frames held ~2.9 GB while it decoded).
+MEMORY_ENV = "SGLANG_MEDIA_MEMORY_MB"
+MEMORY_BYTES = 2048 << 20
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_memory: MediaMemory | None = None
+# The job whose item this media thread runs (check_cancelled).
+_current = threading.local()
 
 
 def media_threads() -> ThreadPoolExecutor:
@@ -38,6 +54,123 @@ def media_threads() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix=THREAD_PREFIX)
         return _pool
+
+
+def media_memory() -> MediaMemory:
+    """The process's decoded-bytes budget (made at first use, from SGLANG_MEDIA_MEMORY_MB)."""
+    global _memory
+    with _pool_lock:
+        if _memory is None:
+            _memory = MediaMemory(memory_limit())
+        return _memory
+
+
+def memory_limit() -> int:
+    """The budget in bytes: SGLANG_MEDIA_MEMORY_MB (a positive whole number of MiB) or MEMORY_BYTES."""
+    raw = os.environ.get(MEMORY_ENV, "").strip()
+    if not raw:
+        return MEMORY_BYTES
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MEMORY_ENV} must be a positive whole number of MiB, got {raw!r}.")
+    return int(raw) << 20
+
+
+class MediaMemory:
+    """Decoded bytes in flight over the process: `acquire(n)` waits until `n` fits beside what the
+    running items hold (or nothing runs: an item over the whole budget runs alone), first come first
+    served; `release(n)` gives them back. Thread-safe, usable from any event loop."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.peak = 0  # the most held at once (what a test or a benchmark reads)
+        self._lock = threading.Lock()
+        self._waiters: deque[list] = deque()  # [bytes, future, loop, granted]
+
+    def _fits(self, n: int) -> bool:
+        return self.used == 0 or self.used + n <= self.limit
+
+    def _take(self, n: int) -> None:
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    async def acquire(self, n: int, poll: Callable[[], Any] | None = None) -> None:
+        """Wait for `n` bytes; `poll` (a coroutine function) is awaited every POLL_S while waiting and
+        may raise to give up (the client gone): nothing is then held."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if not self._waiters and self._fits(n):
+                self._take(n)
+                return
+            entry = [n, loop.create_future(), loop, False]
+            self._waiters.append(entry)
+        try:
+            while True:
+                done, _ = await asyncio.wait({entry[1]}, timeout=POLL_S)
+                if done:
+                    return
+                if poll is not None:
+                    await poll()
+        except BaseException:
+            with self._lock:
+                granted = entry[3]
+                if not granted:
+                    self._waiters.remove(entry)
+            if granted:
+                self.release(n)
+            else:
+                self._wake()  # the head of the queue may have changed
+            raise
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            while self._waiters and self._fits(self._waiters[0][0]):
+                entry = self._waiters.popleft()
+                entry[3] = True
+                self._take(entry[0])
+                entry[2].call_soon_threadsafe(_grant, entry[1])
+
+
+def _grant(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _Hold:
+    """An item's reserved bytes, given back once: when its work ends, or when it is dropped unstarted."""
+
+    def __init__(self, memory: MediaMemory | None, n: int):
+        self.memory, self.n = memory, n
+        self._lock = threading.Lock()
+        self._state = "reserved"  # -> "started" -> "done", or -> "done" (dropped unstarted)
+
+    def start(self) -> bool:
+        with self._lock:
+            if self._state != "reserved":
+                return False
+            self._state = "started"
+            return True
+
+    def finish(self, unstarted_only: bool = False) -> None:
+        with self._lock:
+            if self._state == "done" or (unstarted_only and self._state == "started"):
+                return
+            self._state = "done"
+        if self.memory is not None and self.n:
+            self.memory.release(self.n)
+
+
+def check_cancelled() -> None:
+    """In a media thread: MediaCancelled once the job of the item it runs has ended (its client left).
+    A long item (a video's frames) asks between steps."""
+    job = getattr(_current, "job", None)
+    if job is not None and job.cancelled.is_set():
+        raise MediaCancelled()
 
 
 class DisconnectCheck(Protocol):
@@ -58,14 +191,23 @@ class MediaJob:
         self.cancelled = threading.Event()
         self._turn: asyncio.Lock | None = None
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(self, fn: Callable[..., Any], *args: Any, reserve: int = 0) -> Any:
         """`fn(*args)` in the media pool, after this job's earlier items; MediaCancelled once the client
-        is gone (the item is not started if it is still queued then)."""
+        is gone (the item is not started if it is still queued then). `reserve`: the decoded bytes the
+        item may hold, waited for in the process's `MediaMemory` before it is queued, held until it ends."""
         if self._turn is None:
             self._turn = asyncio.Lock()
         async with self._turn:
             await self._check()
-            fut = asyncio.get_running_loop().run_in_executor(media_threads(), self._call, fn, args)
+            memory = media_memory() if reserve else None
+            if memory is not None:
+                try:
+                    await memory.acquire(reserve, self._check)
+                except BaseException:
+                    self.cancelled.set()
+                    raise
+            hold = _Hold(memory, reserve)
+            fut = asyncio.get_running_loop().run_in_executor(media_threads(), self._call, hold, fn, args)
             try:
                 while True:
                     done, _ = await asyncio.wait({fut}, timeout=POLL_S)
@@ -75,12 +217,20 @@ class MediaJob:
             except BaseException:
                 self.cancelled.set()
                 fut.cancel()  # still queued: never runs; running: its result is dropped
+                hold.finish(unstarted_only=True)  # a running item gives its bytes back when it stops
                 raise
 
-    def _call(self, fn: Callable[..., Any], args: tuple) -> Any:
-        if self.cancelled.is_set():  # the client left while this item was queued
+    def _call(self, hold: _Hold, fn: Callable[..., Any], args: tuple) -> Any:
+        if not hold.start():  # dropped while queued
             raise MediaCancelled()
-        return fn(*args)
+        _current.job = self
+        try:
+            if self.cancelled.is_set():  # the client left while this item was queued
+                raise MediaCancelled()
+            return fn(*args)
+        finally:
+            _current.job = None
+            hold.finish()
 
     async def _check(self) -> None:
         if not self.cancelled.is_set() and self.request is not None and await self.request.is_disconnected():

@@ -5,7 +5,8 @@ checkpoint's `preprocessor_config.json`) and its video processor settings.
 
 Runs off the event loop, one item at a time in the media pool (`media_pool.MediaJob`: the requests take
 its threads in turn, and a request whose client left stops between items): decoding and resizing take
-milliseconds to seconds. Reading and decoding each item, within this server's bounds, is `media_io`'s.
+milliseconds to seconds. Each item first reserves the decoded bytes its header says it may hold in the
+process's media memory (`media_pool.MediaMemory`). Reading and decoding each item, within this server's bounds, is `media_io`'s.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.multimodal import video as videos
 from sglang.srt.multimodal.inputs import MultimodalInputs, mrope_positions, pad_value
-from sglang.srt.multimodal.media_io import FIELD, PixelBudget, load_image
-from sglang.srt.multimodal.media_pool import MediaJob
+from sglang.srt.multimodal.media_io import FIELD, PixelBudget, image_bytes, load_image
+from sglang.srt.multimodal.media_pool import MediaJob, media_memory
 
 
 class ImageInputProcessor:
@@ -75,6 +76,7 @@ class ImageInputProcessor:
         if not hasattr(hf_config, "image_token_id"):
             return None
         processor = cls(model_path, hf_config)
+        media_memory()  # SGLANG_MEDIA_MEMORY_MB read at start: a bad value stops it, naming the variable
         if getattr(server_args, "disaggregation_mode", "null") != "null":
             # The decode server never runs the prompt, so it would lack the request's rotary delta.
             processor.refusal = (
@@ -112,8 +114,10 @@ class ImageInputProcessor:
             items = image_data if isinstance(image_data, list) else [image_data]
             at = self._placeholders(input_ids, self.image_token_id, len(items), "image", image_where)
             for i, (place, item) in enumerate(zip(at, items, strict=True)):
-                if id(item) not in done:
-                    done[id(item)] = await job.run(self._image, item, f"{image_where}[{i}]", pixels)
+                if id(item) not in done:  # its bytes reserved in the process's media memory first
+                    need = await job.run(image_bytes, item, pixels)
+                    at_i = f"{image_where}[{i}]"
+                    done[id(item)] = await job.run(self._image, item, at_i, pixels, reserve=need)
                 chunk, grid = done[id(item)]
                 expand[place] = [([], chunk, grid, self.image_token_id, [])]
         if video_data is not None:
@@ -121,7 +125,9 @@ class ImageInputProcessor:
             at = self._placeholders(input_ids, self.video_token_id, len(items), "video", video_where)
             for k, (place, item) in enumerate(zip(at, items, strict=True)):
                 if id(item) not in done:
-                    done[id(item)] = await job.run(self._video_frames, item, f"{video_where}[{k}]", pixels)
+                    need = await job.run(videos.video_bytes, item, self.video, pixels)
+                    at_k = f"{video_where}[{k}]"
+                    done[id(item)] = await job.run(self._video_frames, item, at_k, pixels, reserve=need)
                 expand[place] = done[id(item)]
         return await job.run(self._assemble, input_ids, expand)
 

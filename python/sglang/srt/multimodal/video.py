@@ -18,7 +18,11 @@ another size than the stream declared is refused), the request's per-image bound
 request's 2^31 decoded pixels: they cost a decode, ~10x less a pixel than an image's processing).
 Each frame is resized as it is decoded, so the full-size frames are never all held. A file is read only
 as one of the self-contained `CONTAINERS`, with no protocol: FFmpeg demuxers that name other files or
-sockets (concat, SDP, HLS, DASH) are refused, with one message whatever they name.
+sockets (concat, SDP, HLS, DASH) are refused, with one message whatever they name. FFmpeg itself refuses
+a frame over the per-frame bound (its `max_pixels` option) before allocating it, so a stream that changes
+its frame size mid-way cannot make it decode a larger frame first. A request decodes at most
+`media_io.MAX_DECODED_FRAMES_PER_REQUEST` frames (a frame costs ~12 us of overhead however small it is).
+A decode stops between two packets once the request's client has left (`media_pool.check_cancelled`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import numpy as np
 import torch
 
 from sglang.srt.managers.request_error import RequestError
-from sglang.srt.multimodal import media_io
+from sglang.srt.multimodal import media_io, media_pool
+from sglang.srt.multimodal.media_pool import MediaCancelled
 
 FIELD = "video_data"
 # The most frames a video may give the model (after sampling): each pair is a grid of image tokens.
@@ -43,6 +48,14 @@ MAX_VIDEO_FRAMES = 256
 MAX_DECODED_PIXELS = 1 << 31
 # transformers' frame rate for frames given without one (Qwen3VLProcessor: "Defaulting to `fps=24`").
 DEFAULT_FPS = 24.0
+# Bytes a video file's decode may hold per pixel of its declared frame size, for the process's media
+# memory budget (`media_pool.MediaMemory`): the decoder's reference frames (H.264 keeps up to 16, YUV
+# 4:2:0, 1.5 bytes a pixel each), the frame being converted to RGB and its PIL copy. Measured: a 4096x4096
+# H.264 file with 16 reference frames +860 MB peak RSS while decoding (51 bytes a pixel), with 1 +370 MB.
+VIDEO_BYTES_PER_PIXEL = 56
+# Bytes per pixel of a video's frames after resizing (RGB, 3) and their patches (float32, stacked and
+# permuted: 24); the resized frames together hold at most the video config's max_pixels.
+RESIZED_BYTES_PER_PIXEL = 27
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,7 @@ def load_video(
             size = _target_size(len(item), width, height, config, where)
             frames = [first.resize(size, Image.BICUBIC)]  # each frame resized as it comes: a bounded memory
             for i, f in enumerate(item[1:], 1):
+                media_pool.check_cancelled()
                 frame = media_io.load_image(f, f"{where}[{i}]", pixels)
                 if frame.size != (width, height):
                     raise RequestError(f"{where}: the frames of a video must all have one size.", FIELD)
@@ -153,6 +167,27 @@ def load_video(
             raise _as_video_error(e) from None
         return Video(frames, list(range(len(frames))), DEFAULT_FPS)
     return _decode(_item_bytes(item, where), where, config, pixels)
+
+
+def video_bytes(item: Any, config: VideoConfig, pixels: media_io.PixelBudget | None = None) -> int:
+    """The decoded bytes a `video_data` item may hold while it is loaded and cut into patches, from its
+    first frame's header or its container's declared frame size (capped at the per-frame bound, which a
+    larger frame fails), without decoding; what it reserves in the process's media memory."""
+    resized = config.max_pixels * RESIZED_BYTES_PER_PIXEL
+    if isinstance(item, list):
+        return (media_io.image_bytes(item[0], pixels) if item else 0) + resized
+    import av
+
+    per_frame = media_io.MAX_IMAGE_PIXELS if pixels is None else pixels.per_item
+    try:
+        data = _item_bytes(item, "")
+        with av.open(io.BytesIO(data), options={"protocol_whitelist": "none"}) as container:
+            if not CONTAINERS & set(container.format.name.split(",")) or not container.streams.video:
+                return 0
+            c = container.streams.video[0].codec_context
+            return min(max(c.width, 0) * max(c.height, 0), per_frame) * VIDEO_BYTES_PER_PIXEL + resized
+    except Exception:  # not a video: _decode refuses it, undecoded
+        return 0
 
 
 def _target_size(frames: int, width: int, height: int, config: VideoConfig, where: str) -> tuple[int, int]:
@@ -200,7 +235,16 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
                     "this server decodes per frame for this model.",
                     FIELD,
                 )
-            total = stream.frames or sum(1 for p in container.demux(stream) if p.size)
+            # FFmpeg refuses a larger frame (a size change mid-stream) before it allocates or decodes it.
+            stream.codec_context.options = {"max_pixels": str(per_frame)}
+            frames_left = media_io.MAX_DECODED_FRAMES_PER_REQUEST if pixels is None else pixels.frames.left
+            total = stream.frames or _count_frames(container, stream, frames_left)
+            if total > frames_left:
+                raise RequestError(
+                    f"{where} has over {frames_left} frames, more than this server decodes for a request "
+                    f"(at most {pixels.frames.limit if pixels else frames_left} over its videos).",
+                    FIELD,
+                )
             if total * width * height > MAX_DECODED_PIXELS:
                 raise RequestError(
                     f"{where} has {total} frames of {width}x{height}, over the {MAX_DECODED_PIXELS} pixels "
@@ -214,7 +258,7 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
             size = _target_size(len(indices), width, height, config, where)
             wanted, frames, decoded = set(indices), [], 0
             container.seek(0)
-            for i, frame in enumerate(container.decode(video=0)):
+            for i, frame in enumerate(_frames(container, stream, frames_left, where)):
                 if i > indices[-1]:
                     break
                 # The bounds above used the declared size: a stream may change it mid-way (H.264 can),
@@ -226,6 +270,12 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
                         FIELD,
                     )
                 decoded += width * height
+                if pixels is not None and not pixels.frames.take(1):
+                    raise RequestError(
+                        f"{where}: the request's video files decode over the "
+                        f"{pixels.frames.limit} frames this server decodes for a request.",
+                        FIELD,
+                    )
                 if decoded > MAX_DECODED_PIXELS:
                     raise RequestError(
                         f"{where} decodes to over the {MAX_DECODED_PIXELS} pixels this server decodes from "
@@ -237,7 +287,7 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
                     frames.append(
                         Image.fromarray(frame.to_ndarray(format="rgb24")).resize(size, Image.BICUBIC)
                     )
-    except RequestError:
+    except (RequestError, MediaCancelled):
         raise
     except Exception:  # PyAV raises its own errors (and ValueError) for data it cannot decode
         raise RequestError(f"{where} {_UNDECODABLE}.", FIELD) from None
@@ -246,6 +296,31 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
     if not frames:
         raise RequestError(f"{where} holds no decodable frame.", FIELD)
     return Video(frames, indices, fps)
+
+
+def _count_frames(container: Any, stream: Any, limit: int) -> int:
+    """The frames of a stream whose container declares no count (mkv, webm), from its packets, stopping
+    past `limit` (the caller refuses it then)."""
+    n = 0
+    for i, packet in enumerate(container.demux(stream)):
+        if i % 256 == 0:
+            media_pool.check_cancelled()
+        n += 1 if packet.size else 0
+        if i > limit:  # packets, not only frames: empty packets cost a read too
+            return limit + 1
+    return n
+
+
+def _frames(container: Any, stream: Any, limit: int, where: str):
+    """The stream's decoded frames, packet by packet: whether the request's client is still there is
+    asked before each packet (a decode stops there once it left), and more than `limit` + 64 packets are
+    refused (frames are charged to the request as they come; packets that give no frame are bounded
+    here)."""
+    for i, packet in enumerate(container.demux(stream)):
+        media_pool.check_cancelled()
+        if i > limit + 64:
+            raise RequestError(f"{where} has over {limit} packets, more than this server decodes.", FIELD)
+        yield from packet.decode()
 
 
 def _sample(total: int, fps: float, config: VideoConfig) -> list[int]:
