@@ -32,8 +32,8 @@ def output_check_agreement(rank: int, world_size: int, init_method: str, costs: 
 
     import torch.distributed as dist
 
-    from sglang.srt.constrained.output_check_budget import OutputCheckBudget
     from sglang.srt.constrained import stop_search
+    from sglang.srt.constrained.output_check_budget import OutputCheckBudget
     from sglang.srt.managers import finish_checker as fc
     from sglang.srt.managers.finish_checker import FinishChecker
     from sglang.srt.managers.schedule_batch import Req

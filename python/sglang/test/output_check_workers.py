@@ -139,6 +139,7 @@ def batch_output_checks(rank: int, world_size: int, init_method: str) -> dict:
         out["alone"] = _run(rank, group, False, calls)
         out["grammar_queue"] = _compile_outcomes(rank, group, calls)
         out["refusal_and_overrun"] = _refusal_and_overrun(rank, group, search)
+        out["verify"] = _verify_step(rank, group, search, real, calls)
         return out
     finally:
         search._first_match = real
@@ -196,6 +197,74 @@ def _refusal_and_overrun(rank: int, group: Any, search: Any) -> dict:
         return ended
     finally:
         search.clock, search._first_match = real_clock, real_match
+
+
+def _verify_step(rank: int, group: Any, search: Any, real_match: Any, calls: _Collectives) -> dict:
+    """One NGRAM verify step's commit (`NgramWorker.process_batch_result_verify`, the scheduler's pools
+    stubbed) of stop_regex requests that accept both their drafts (three tokens each to commit): one
+    whose pattern matches at its second token, one whose search is cut at its first token on rank 1
+    only (rank 0's finds "x" there at once), four that never match, one that samples a stop token id as
+    its second, one without drafts, and a plain request. What each ended with and its output length,
+    the all-reduces the step ran, and the finisher's counts."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative import ngram_worker
+    from sglang.srt.speculative.ngram_worker import NgramVerifyInput, NgramWorker
+
+    def first_match(patterns, text, limit):
+        # (the stand-in tokenizer decodes one "x" per token: the first token to commit makes 3 of them)
+        if rank == 1 and patterns == ["y", "x"] and len(text) == 3:
+            raise search.StopRegexTimeout(patterns[1], limit, 1)
+        return real_match(patterns, text, limit)
+
+    def req(rid: str, **params) -> Req:
+        r = Req(rid, [5], SamplingParams(max_new_tokens=100, **params))
+        r.output_ids = [7, 7]
+        return r
+
+    reqs = [
+        req("r_match", stop_regex=["^x{4}$"]),
+        req("r_cut", stop_regex=["y", "x"]),
+        *(req(f"r_far{k}", stop_regex=["z"]) for k in range(4)),
+        req("r_stop_id", stop_regex=["z"], stop_token_ids=[8]),
+        req("r_nodraft", stop_regex=["z"]),
+        req("plain"),
+    ]
+    drafts = [[7, 7]] * 6 + [[7, 8], [], [7, 7]]
+    sampled = [t for d in drafts for t in [*d, 7]]  # (every draft accepted, then the bonus token 7)
+    c = _checker(group)
+    log = SimpleNamespace(clear=lambda: None, take=lambda req=None: [])
+    fast_path = SimpleNamespace(token_log=log, flush=lambda req=None: None, clear=lambda: None)
+    rp = BatchResultProcessor(None, None, c, lambda out: None, lambda r: None, {}, 1, fast_path)
+    rp.counters["num_generation_tokens_total"] = 0
+    rp.settle, rp.stream_output = (lambda req, pending: None), (lambda reqs: None)  # (no pools to release)
+    worker = NgramWorker.__new__(NgramWorker)
+    worker._backoff, worker.stats = {}, {k: 0 for k in ("verify_steps", "draft_tokens", "accepted_tokens")}
+    worker.stats["committed_tokens"] = 0
+    pool = SimpleNamespace(mamba_pool=SimpleNamespace(verify_row=lambda i, t: 0))
+    worker.deps = SimpleNamespace(
+        result_processor=rp,
+        req_to_token_pool=pool,
+        token_allocator=None,
+        copy_states=lambda copies: None,
+        add_generated=lambda n: None,
+    )
+    widths = [len(d) + 1 for d in drafts]
+    spec = NgramVerifyInput(drafts, [0] * len(reqs), [-1] * len(reqs), widths)
+    batch = SimpleNamespace(reqs=reqs, spec_info=spec, measured_rows=None, pending_tracks={})
+    result = SimpleNamespace(next_token_ids=sampled, hidden_states=None, next_token_logprobs=None)
+    real_release, real_search = ngram_worker.release_verify_tail, search._first_match
+    ngram_worker.release_verify_tail, search._first_match = (lambda *a: None), first_match
+    before = calls.all_reduce
+    try:
+        worker.process_batch_result_verify(batch, result)
+        c.clear_prechecks()
+    finally:
+        ngram_worker.release_verify_tail, search._first_match = real_release, real_search
+    ended = {r.rid: (len(r.output_ids), r.finished_reason) for r in reqs}
+    reduces = calls.all_reduce - before
+    return {"ended": ended, "all_reduces": reduces, "agreements": c.agreements, "alone": c.alone}
 
 
 def _compile_outcomes(rank: int, group: Any, calls: _Collectives) -> dict:

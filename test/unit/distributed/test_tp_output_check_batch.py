@@ -78,3 +78,24 @@ def test_a_refusal_or_an_uncut_overrun_on_one_rank_only_ends_alike(ranks):
     assert n == 2 and reason["status_code"] == 500 and "does not allow the token 7" in reason["message"]
     n, reason = ended["r_slow"]
     assert n == 3 and reason["param"] == "stop_regex" and reason["message"].startswith("stop_regex 'z' took")
+
+
+def test_a_verify_steps_tokens_are_agreed_at_once_and_end_alike(ranks):
+    """An NGRAM verify step of stop_regex requests that accept both drafts: every token the step may
+    commit is measured before the commit and agreed in ONE all-reduce (before, only each request's first
+    token was: each later token's check measured and agreed alone, one all-reduce per token per
+    request, 11 more here), and both ranks end each request at the same token: a search cut at the
+    first token on rank 1 only is cut on both (rank 0 alone would have stopped there on "x"), so the
+    request ends at its second token, where both ranks match."""
+    r0, r1 = ranks
+    for r in (r0, r1):
+        verify = r["verify"]
+        assert verify["all_reduces"] == 1 and verify["agreements"] == 1 and verify["alone"] == 0, verify
+    assert r0["verify"]["ended"] == r1["verify"]["ended"]
+    ended = r0["verify"]["ended"]
+    assert ended["r_match"] == (4, {"type": "stop", "matched": "^x{4}$"})  # (its third token dropped)
+    assert ended["r_cut"] == (4, {"type": "stop", "matched": "x"})
+    assert ended["r_stop_id"] == (4, {"type": "stop", "matched": 8})
+    for rid in ("r_far0", "r_far1", "r_far2", "r_far3", "plain"):
+        assert ended[rid] == (5, None), rid
+    assert ended["r_nodraft"] == (3, None)

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.constrained.output_check_budget import OutputCheckBudget
 from sglang.srt.constrained import stop_search
+from sglang.srt.constrained.output_check_budget import OutputCheckBudget
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.output_view import Appended
 from sglang.srt.managers.schedule_batch import Req
@@ -186,18 +186,21 @@ def test_the_measured_output_reads_as_the_committed_list_without_changing_it():
 
     rng = random.Random(0)
     for n in (0, 1, 2, 5, 9):
-        base = [rng.randrange(100) for _ in range(n)]
-        view, full = Appended(base, 7), [*base, 7]
-        assert len(view) == len(full) and base == full[:-1]
-        for i in range(-n - 1, n + 1):
-            assert view[i] == full[i]
-        for _ in range(200):
-            a, b = rng.randint(-12, 12), rng.randint(-12, 12)
-            a, b = rng.choice([a, None]), rng.choice([b, None])
-            step = rng.choice([None, 1, 2, -1])
-            assert view[a:b:step] == full[a:b:step], (n, a, b, step)
-        with pytest.raises(IndexError):
-            view[n + 1]
+        for tokens in ((7,), (7, 8), (7, 8, 9)):  # (a decode's token; a verify's accepted drafts and bonus)
+            base = [rng.randrange(100) for _ in range(n)]
+            view, full = Appended(base, tokens), [*base, *tokens]
+            assert len(view) == len(full) and base == full[:n]
+            for i in range(-len(full), len(full)):
+                assert view[i] == full[i]
+            for _ in range(200):
+                a, b = rng.randint(-14, 14), rng.randint(-14, 14)
+                a, b = rng.choice([a, None]), rng.choice([b, None])
+                step = rng.choice([None, 1, 2, -1])
+                assert view[a:b:step] == full[a:b:step], (n, tokens, a, b, step)
+            with pytest.raises(IndexError):
+                view[len(full)]
+            with pytest.raises(IndexError):
+                view[-len(full) - 1]
 
 
 def test_which_requests_are_measured_is_one_rule_everywhere():
@@ -235,3 +238,55 @@ def test_which_requests_are_measured_is_one_rule_everywhere():
         assert is_measured(r) is FinishChecker.measured(r) is prechecked is expected, kind
         assert rows == ((1,) if expected else ()), kind
         assert plain not in c._measured
+
+
+def test_a_verify_steps_tokens_share_the_steps_budget(monkeypatch):
+    """16 requests in the load at a fair share each (one step's budget in all), then a verify step that
+    commits three tokens each (two accepted drafts and the bonus token), every stop_regex search taking
+    90% of the time it is given. Every token is measured in the step's one precheck, the tokens after
+    each request's first as more shares of the step (`PendingCharges`, `later`): the step spends at
+    most 1 + ln(3) budgets (the 16 first tokens one budget, the 32 later ones sum_{j=17..48} budget / j).
+    Before, each later token was measured alone at its check with a request's whole share: the width
+    times the budget, 0.30 s of searches here (0.15 s now)."""
+    now, limits = [0.0], []
+
+    def search(patterns, text, limit):
+        limits.append(limit)
+        now[0] += 0.9 * limit
+        return None
+
+    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
+    monkeypatch.setattr(stop_search, "_first_match", search)
+    c = _checker()
+    c.budget = OutputCheckBudget(per_request_s=0.05, per_step_s=0.1)
+    reqs = [Req(f"r{i}", [5], SamplingParams(stop_regex=["x"], max_new_tokens=100)) for i in range(16)]
+    for r in reqs:
+        c.budget.charge(r, 0.099 / 16, "stop_regex")  # (their previous step's costs, the load under 0.1)
+    c.precheck([(r, [7, 8, 9]) for r in reqs], several=True)
+    assert len(limits) == 48 and c.agreements == 1
+    for r in reqs:
+        for token in (7, 8, 9):
+            r.output_ids.append(token)
+            c.check_finished(r)
+    c.clear_prechecks()
+    assert c.alone == 0 and len(limits) == 48  # (each check took its token's measure)
+    assert now[0] <= 0.1 * (1 + math.log(3)), now[0]
+    # Each token after a request's first was given one share of the step beside the 16 requests' and the
+    # step's earlier tokens' (the j-th such token, at most 0.1 / (16 + j)), not a request's whole share.
+    later = [limit for k, limit in enumerate(limits) if k % 3]
+    assert all(limit <= 0.1 / (16 + j) + 1e-12 for j, limit in enumerate(later, 1)), later
+    assert all(r.finished_reason is None for r in reqs) and c.budget.load <= 0.1
+
+
+def test_a_verify_row_of_a_grammar_request_is_measured_at_its_first_token_only():
+    """A request with a grammar has no drafts (its mask would have to follow them); should a verify row of
+    one hold more tokens, only the first is measured with the batch (the matcher takes back no token it
+    was fed), the others alone at their check: each token is fed once, in order."""
+    c = _checker()
+    req = _grammar_req("g")
+    c.precheck([(req, [7, 8])], several=True)
+    assert req.grammar.fed == 1 and c.agreements == 1
+    for token in (7, 8):
+        req.output_ids.append(token)
+        c.check_finished(req)
+    assert req.grammar.fed == 2 and c.alone == 1 and req.finished_reason is None

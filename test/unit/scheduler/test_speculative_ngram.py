@@ -31,7 +31,7 @@ from sglang.test.scheduler_harness import (
     token_ids,
 )
 
-register_cpu_ci(est_time=60, suite="per-commit-cpu")
+register_cpu_ci(est_time=70, suite="per-commit-cpu")
 
 QWEN, NEMO = "tiny-qwen3-next", "tiny-nemotron-h"
 SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
@@ -486,3 +486,45 @@ def test_gpu_same_outputs_and_hits_as_plain_decoding(preset, strategy, page):
         for k, (a, b) in enumerate(zip(plain, spec, strict=True)):
             assert b.output_ids == a.output_ids and b.cached_tokens == a.cached_tokens, (turn, k)
             assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0) <= 1e-3
+
+
+def test_stop_regexes_and_stop_lists_end_where_plain_decoding_ends_them():
+    """Requests with a stop_regex, a charged stop list (more than 16 strings) and a few stop strings,
+    each matching text inside what NGRAM's drafts predict: the outputs and finishes are plain decoding's,
+    and in the NGRAM run every check of a verify's tokens took the measure of its step's one precheck
+    (`FinishChecker.precheck`, `several`): none measured and agreed alone (before: each token after a
+    request's first in a verify)."""
+    import re as regex_module
+
+    from sglang.srt.constrained.stop_strings import CHARGED_STOPS
+
+    prompt = token_ids(50, seed=21)
+
+    def body(h: SchedulerHarness, spec: bool) -> list[Output]:
+        first = h.generate(prompt, 40)  # (its text is what the requests below draft from)
+        text = h.sched.finisher.tokenizer.decode(first.output_ids[20:22])
+        filler = [f"\x00{i}" for i in range(CHARGED_STOPS)]
+        alone = h.sched.finisher.alone
+        rids = [
+            h.submit(prompt, max_new_tokens=40, stop_regex=[regex_module.escape(text)]),
+            h.submit(prompt, max_new_tokens=40, stop=[*filler, text]),
+            h.submit(prompt, max_new_tokens=40, stop=[text]),
+            h.submit(prompt, max_new_tokens=40, stop_regex=["\x00never"]),
+        ]
+        h.run()
+        h.sched.check_integrity()
+        if spec:
+            assert h.sched.spec.stats["accepted_tokens"] >= 20, "the requests' drafts were accepted"
+            assert h.sched.finisher.alone == alone, "a verify's later tokens were measured alone"
+        return [h.outputs[r] for r in rids]
+
+    outs = _plain_and_ngram(body)
+    for k, (a, b) in enumerate(zip(outs[False], outs[True], strict=True)):
+        _assert_same(a, b, f"request {k}")
+    assert all(o.finished_reason["type"] == "stop" for o in outs[True][:3])
+    assert len(outs[True][0].output_ids) <= 22 and outs[True][3].finished_reason["type"] == "length"
+    # EAGLE / NEXTN (MTP) verifies commit through the same code.
+    from sglang.srt.speculative.eagle_worker import EagleWorker
+    from sglang.srt.speculative.ngram_worker import NgramWorker
+
+    assert EagleWorker.process_batch_result_verify is NgramWorker.process_batch_result_verify

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang.srt.constrained import stop_search
 from sglang.srt.constrained.output_check_budget import OutputCheckBudget
 from sglang.srt.constrained.stop_strings import CHARGED_STOP_CHARS, CHARGED_STOPS, stops_charged
-from sglang.srt.constrained import stop_search
 from sglang.srt.managers import finish_checker as fc
 from sglang.srt.managers.finish_checker import FinishChecker
 from sglang.srt.managers.schedule_batch import Req

@@ -11,7 +11,11 @@ running request waits for. The rule, all of it here:
   together before any of them is charged (`FinishChecker.precheck`: under tensor parallelism the ranks
   agree on a batch's costs at once): a request's allowance is then the one it had when it was measured,
   with the costs the batch's rows measured before it counted as charged (`PendingCharges`; the ranks
-  take the smallest of their allowances), but not the requests those charges will end.
+  take the smallest of their allowances), but not the requests those charges will end. A speculative
+  verify's tokens after a request's first are measured with the batch too, each one more share of the
+  step beside all the step's costs (its request's earlier tokens' included): where the load is full, a
+  verify of n requests committing w tokens each spends at most 1 + ln(w) budgets (the later tokens
+  sum_{j=1..(w-1)n} budget / (n + j)), not w budgets.
 - The *load* is the sum of every live request's latest per-token cost: what one step of them all
   costs (a step gives each running request one token; NGRAM's verify up to its draft width). When a
   request's cost takes the load over the step's budget, the costliest requests are ended until it
@@ -69,15 +73,19 @@ class OutputCheckBudget:
     def load(self) -> float:
         return self._load
 
-    def allowance(self, req: Req, pending: PendingCharges | None = None) -> float:
+    def allowance(self, req: Req, pending: PendingCharges | None = None, later: bool = False) -> float:
         """What `req`'s checks for its next token may take (`pending`: the costs a batch measured before
-        it, not charged yet, counted as charged)."""
-        n = len(self._cost) + (req not in self._cost)
+        it, not charged yet, counted as charged). `later`: a token after `req`'s first in the same step
+        (a verify's accepted drafts and bonus token, measured with `pending`): it replaces no cost of
+        `req`'s, so it counts as one more request, beside all the step's other costs, `req`'s earlier
+        tokens' included."""
+        own = self._cost.get(req)
+        n = len(self._cost) + (later or own is None)  # (the requests, and this one if it is a new share)
         load = self._load
         if pending is not None:
             n += pending.added
             load += pending.delta
-        others = load - self._cost.get(req, (0.0, ""))[0]
+        others = load if later or own is None else load - own[0]
         step = self.per_step_s
         return min(self.per_request_s, max(step - others, step / n))
 
@@ -152,14 +160,21 @@ class OutputCheckBudget:
 
 class PendingCharges:
     """The costs of a batch's checks measured so far, each to be charged once the batch is decided
-    (`FinishChecker.precheck`): what they add to the load, and the requests new to it."""
+    (`FinishChecker.precheck`): what they add to the load, and the shares new to it (requests new to
+    it, and each token after a request's first in a verify step)."""
 
     def __init__(self, budget: OutputCheckBudget):
         self.budget = budget
         self.delta = 0.0
         self.added = 0
 
-    def add(self, req: Req, cost: float) -> None:
+    def add(self, req: Req, cost: float, later: bool = False) -> None:
+        """`req`'s check of a token cost `cost` (`later`: a token after its first in the step, which adds
+        to the load instead of replacing the request's latest cost)."""
+        if later:
+            self.delta += cost
+            self.added += 1
+            return
         old = self.budget._cost.get(req)
         self.delta += cost - (0.0 if old is None else old[0])
         self.added += old is None

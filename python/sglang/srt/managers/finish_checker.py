@@ -18,11 +18,13 @@ the ranks of the grammar's, the search's and the stop strings' seconds, of wheth
 pattern, a search was cut, of whether the processor failed and of whether the grammar refused the token;
 where one failed or refused on any rank, every rank ends the request with the first such rank's finish;
 the smallest of the ranks' allowances). A batch's results are measured together first (`precheck`: one all-reduce
-of a (rows, 7) tensor for the whole batch, none on one rank), and each row's `check_finished` decides
-on its stored measurement; a check that was not prechecked (a verify's tokens after each request's
-first, a PD decode server's first token) measures and agrees alone. A prechecked row's allowance is
-the one its request had when it was measured, the batch's rows measured before it counted as charged
-(`PendingCharges`), the smallest of the ranks' (`output_check_budget.py`)."""
+of a (rows, 7) tensor for the whole batch, none on one rank; a speculative verify's row gives every
+token it may commit, each measured on the output up to it, `_precheck_tokens`), and each row's
+`check_finished` decides on its stored measurement; a check that was not prechecked (a PD decode
+server's first token) measures and agrees alone. A prechecked row's allowance is the one its request
+had when it was measured, the batch's rows measured before it counted as charged (`PendingCharges`; a
+verify's token after a request's first as one more share of the step), the smallest of the ranks'
+(`output_check_budget.py`)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.server_args import ServerArgs
+
 
 def is_measured(req: Req) -> bool:
     """Whether `req`'s finish check depends on facts of this rank alone, so it is measured, then agreed
@@ -78,6 +81,7 @@ class _Work:
         "error",
         "done",
         "reason",
+        "next",
     )
 
     def __init__(self, allowance: float, field: str, length: int = 0):
@@ -90,6 +94,7 @@ class _Work:
         self.error: str | None = None  # the custom logit processor's failure (agreed: any rank's)
         self.done: dict[str, Any] | None = None  # the grammar refused the token: the finish
         self.reason: dict[str, Any] | None = None  # the rules' finish but the context length
+        self.next: _Work | None = None  # a verify row's check of its next token (`_precheck_tokens`)
 
 
 class FinishChecker:
@@ -136,12 +141,13 @@ class FinishChecker:
         sp = req.sampling_params
         return req.grammar is not None or bool(sp.stop_regex) or stops_charged(sp.stop)
 
-    def precheck(self, rows: Iterable[tuple[Req, int | None]]) -> None:
+    def precheck(self, rows: Iterable[tuple[Req, Any]], several: bool = False) -> None:
         """Measure the checks of a batch's rows before their tokens are committed (`token`: the token
-        `req` is about to commit, or None for a check of its output as it is), then agree on them all
-        at once: each row's `check_finished`, with that token committed, decides on it. Rows that are
-        finished, that need no measure (`measured`), or that the budget ended already (their check ends
-        them on that) are left out, alike on every rank."""
+        `req` is about to commit, or None for a check of its output as it is; with `several`, a verify's
+        row: the tokens it will commit, its accepted drafts and the bonus token, `_precheck_tokens`),
+        then agree on them all at once: each row's `check_finished`, with that token committed, decides
+        on it. Rows that are finished, that need no measure (`is_measured`), or that the budget ended
+        already (their check ends them on that) are left out, alike on every rank."""
         rows = [(r, t) for r, t in rows if r.finished_reason is None and is_measured(r)]
         if not rows:
             return
@@ -150,9 +156,12 @@ class FinishChecker:
         for req, token in rows:
             if self.budget.is_ended(req):
                 continue
+            if several:
+                self._precheck_tokens(req, token, pending, works)
+                continue
             # (the output as it will be once `BatchResultProcessor.commit`, the one place that appends to
             # it, has committed the token; not a copy)
-            out = req.output_ids if token is None else Appended(req.output_ids, token)
+            out = req.output_ids if token is None else Appended(req.output_ids, (token,))
             work = self._measure(req, pending, out)
             if work.field:  # (a check the budget charges)
                 pending.add(req, work.grammar_s + work.regex_s + work.stop_s)
@@ -160,6 +169,34 @@ class FinishChecker:
             works.append(work)
         if works:
             self._agree(works)
+
+    def _precheck_tokens(self, req: Req, tokens: list[int], pending: PendingCharges, works: list) -> None:
+        """A verify row's checks: one per token it may commit, each measured on the output up to that
+        token and chained (`_Work.next`) for its `check_finished` calls in turn. Each token after the
+        first is one more share of the step's budget (`PendingCharges.add`, `later`): a verify step's
+        checks take what a decode step's of as many requests may. A request with a grammar or a custom
+        logit processor has no drafts (`NgramWorker._drafts_for`): should it have some, its first token
+        only is measured here (a matcher takes back no token it was fed), the others alone at their
+        check. Measuring stops after a token that ends the request on what every rank knows alike (the
+        length limit, a stop token, the context length; not a search, which one rank may cut), so every
+        rank measures, and agrees on, the same tokens."""
+        last = 1 if req.grammar is not None or req.custom_logit_processor is not None else len(tokens)
+        prev = None
+        for k in range(last):
+            work = self._measure(req, pending, Appended(req.output_ids, tokens[: k + 1]), k > 0)
+            if work.field:
+                pending.add(req, work.grammar_s + work.regex_s + work.stop_s, k > 0)
+            if prev is None:
+                self._measured[req] = work
+            else:
+                prev.next = work
+            prev = work
+            works.append(work)
+            reason = work.reason
+            if reason is not None and (reason["type"] == "length" or type(reason["matched"]) is int):
+                break
+            if len(req.origin_input_ids) + work.length >= self.context_len:
+                break
 
     def clear_prechecks(self) -> None:
         """The batch is processed: measurements no check took (its requests ended meanwhile) go."""
@@ -186,6 +223,8 @@ class FinishChecker:
             work = self._measure(req)
             self.alone += 1
             self._agree([work])
+        elif work.next is not None:
+            self._measured[req] = work.next  # (a verify's next token: its check comes next)
         self._decide(req, work, budgeted)
         if not budgeted:
             return
@@ -197,17 +236,20 @@ class FinishChecker:
         if why is not None:
             req.finished_reason = _bad_request(budget.over_load_message(why), why)
 
-    def _measure(self, req: Req, pending: PendingCharges | None = None, out: Any = None) -> _Work:
+    def _measure(
+        self, req: Req, pending: PendingCharges | None = None, out: Any = None, later: bool = False
+    ) -> _Work:
         """What this rank alone knows of `req`'s check of its newest token (`out`: its output, by default
-        `req.output_ids`): the processor's failure, the grammar fed the token (its refusal, its seconds),
-        the rules' finish (the stop_regex search, cut for time: `work.cut`)."""
+        `req.output_ids`; `later`: a verify's token after the first, `OutputCheckBudget.allowance`): the
+        processor's failure, the grammar fed the token (its refusal, its seconds), the rules' finish (the
+        stop_regex search, cut for time: `work.cut`)."""
         out = req.output_ids if out is None else out
         sp = req.sampling_params
         if self.budgeted(req):
             key = grammar_key(sp)
             field = "stop_regex" if sp.stop_regex else "stop"
             field = field if req.grammar is None else key[0] if key is not None else "grammar"
-            work = _Work(self.budget.allowance(req, pending), field, len(out))
+            work = _Work(self.budget.allowance(req, pending, later), field, len(out))
         else:
             work = _Work(math.inf, "", len(out))
         work.error = req.custom_logit_error

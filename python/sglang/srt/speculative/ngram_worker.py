@@ -7,7 +7,10 @@ A verify step takes every decoding request: its newest token and up to D - 1 dra
 options. The token s_t sampled at position t is the one plain decoding would sample after the drafts
 before t: the same logits, and seeded sampling hashes the same sequence index (greedy takes the same
 argmax). Request i accepts drafts while d_(t+1) == s_t; with a accepted it commits s_0..s_a, cut where
-it finishes, and keeps the KV of its newest token and the accepted drafts; the rest goes back.
+it finishes, and keeps the KV of its newest token and the accepted drafts; the rest goes back. The finish
+checks of s_0..s_a that depend on one rank's facts (stop_regex, a charged stop list) are measured before
+the commit, all of the step's in one precheck (`FinishChecker.precheck`, `several`: one agreement of the
+TP ranks per verify, and the step's output checks' budget shared by all its tokens).
 
 Recurrent state: the forward leaves the state after each position in the pool's verify rows and the
 running slot as it was (`MambaPool.verify_row`). The commit copies, as a task on the forward stream
@@ -337,24 +340,30 @@ class NgramWorker:
         rp.token_log.clear()
         spec: NgramVerifyInput = batch.spec_info
         sampled_all, hidden = result.next_token_ids, result.hidden_states
+        firsts = list(itertools.accumulate(spec.widths, initial=0))  # each request's first logits row
+        # Request i accepts its drafts while each equals the token sampled before it: it commits those
+        # and the token sampled after the last (cut where a check ends it).
+        accepts = []
+        for drafts, at in zip(spec.drafts, firsts, strict=False):
+            accepted = 0
+            while accepted < len(drafts) and sampled_all[at + accepted] == drafts[accepted]:
+                accepted += 1
+            accepts.append(accepted)
         measured = measured_rows(batch)
         if measured:  # (a decode set without grammars, stop_regex or processors: no scan)
-            firsts = list(itertools.accumulate(spec.widths, initial=0))  # (its first token's row)
-            rp.finisher.precheck([(batch.reqs[i], sampled_all[firsts[i]]) for i in measured])
+            # Every token each measured request may commit, checked in one agreement (`_precheck_tokens`).
+            rows = [(batch.reqs[i], sampled_all[firsts[i] : firsts[i] + accepts[i] + 1]) for i in measured]
+            rp.finisher.precheck(rows, several=True)
         touched: list[Req] = []
         copies: list[tuple[int, int]] = []  # (verify row, slot): the states the commit keeps
         settled: list[tuple[Req, tuple[int, int] | None]] = []  # to release or commit a snapshot for
-        start = committed_total = accepted_total = drafted_rows = drafted_committed = 0
+        committed_total = accepted_total = drafted_rows = drafted_committed = 0
         for i, req in enumerate(batch.reqs):
-            drafts, p = spec.drafts[i], spec.prefix_lens[i]
-            at, start = start, start + spec.widths[i]
+            drafts, p, at, accepted = spec.drafts[i], spec.prefix_lens[i], firsts[i], accepts[i]
             if req.finished_reason is not None:
                 rp.release_landed(req)
                 continue
-            sampled = sampled_all[at:start]
-            accepted = 0
-            while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
-                accepted += 1
+            sampled = sampled_all[at : at + accepted + 1]
             # (hidden states: a request that returns them has no drafts, so its first position only)
             committed = 0
             for t in range(accepted + 1):
