@@ -12,7 +12,10 @@ Reports, with the host tier (--enable-hierarchical-cache) and without:
 - hit rate: cached tokens over prompt tokens, for turns 2 and later (turn 1 has nothing to hit);
 - TTFT p50 (and p90), turns 2 and later, in ms;
 - the host tier's copies (KV tokens and states backed up and loaded) and its evictions (KV tokens and
-  states the host tier dropped to make room: backed up minus held at the end).
+  states the host tier dropped to make room: backed up minus held at the end);
+- bytes written: to host (`host_bytes_written`: the backups' KV tokens and states at the host pools'
+  bytes per token and per state) and, with --disk (the `file` storage backend in a temporary folder),
+  to disk (`disk_bytes_written`: the entries' file bytes; `disk_entries`, of which state-only).
 The default --hicache-ratio 16 holds about two checkpoints per conversation out of the ~6 that
 write_through backs up: the host tier evicts, the case a host tier is sized for; it drops interior
 checkpoints before any conversation's deepest one (mem_cache/host_tree.py), so every conversation still
@@ -21,14 +24,16 @@ resumes from host. --hicache-ratio 64 holds them all (no host eviction).
     python benchmark/bench_hicache.py [--conversations 64] [--factor 8] [--turns 3] [--first-turn 512]
                                       [--turn-tokens 64] [--new-tokens 8]
                                       [--strategy extra_buffer_lazy] [--policy write_through]
-                                      [--hicache-ratio 16]
+                                      [--hicache-ratio 16] [--disk]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
 
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
@@ -46,6 +51,7 @@ def _harness(args: argparse.Namespace, hicache: bool) -> SchedulerHarness:
         enable_hierarchical_cache=hicache,
         hicache_write_policy=args.policy,
         hicache_ratio=args.hicache_ratio,
+        hicache_storage_backend="file" if hicache and args.disk else None,
     )
 
 
@@ -60,6 +66,21 @@ def _serve(h: SchedulerHarness, prompt: list[int], new_tokens: int) -> tuple[flo
             first = time.perf_counter() - t0
     h.collect()
     return (first if first is not None else time.perf_counter() - t0), out.output_ids, out.cached_tokens
+
+
+def _bytes_written(h: SchedulerHarness) -> dict:
+    """Host and disk bytes the tier wrote (host: from the backups' counts; disk: the folder's files, the
+    budget large enough that none was deleted, where the tier does not count them)."""
+    tree = h.sched.tree_cache
+    stats, host = tree.controller.stats, tree.host
+    out = {"host_bytes_written": stats["backup_tokens"] * host.token_bytes + stats["backup_states"] * host.slot_bytes}
+    if tree.storage is not None:
+        files = [e for e in os.scandir(tree.storage.dir) if e.name.endswith(".pt")]
+        out["disk_bytes_written"] = stats.get("disk_bytes_written") or sum(e.stat().st_size for e in files)
+        out["disk_entries"] = len(files)
+        out["disk_entries_state_only"] = sum("+" in e.name for e in files)
+        assert not stats["disk_evictions"] and not stats["disk_evictions_low_space"], "raise the disk budget"
+    return out
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -90,6 +111,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             host_tree = h.sched.tree_cache.host_tree
             stats["host_evicted_tokens"] = stats.get("backup_tokens", 0) - host_tree.total_size()
             stats["host_evicted_states"] = stats.get("backup_states", 0) - host_tree.mamba_total_size()
+            stats.update(_bytes_written(h))
         out.append(
             {
                 "hicache": k,
@@ -115,6 +137,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--strategy", default="extra_buffer_lazy")
     p.add_argument("--policy", default="write_through")
+    p.add_argument("--disk", action="store_true", help="Add the file storage backend's disk tier (a temporary folder).")
     p.add_argument(
         "--hicache-ratio",
         type=float,
@@ -123,6 +146,10 @@ def main() -> None:
         "above), 64 holds every checkpoint write_through backs up.",
     )
     args = p.parse_args()
+    if args.disk:
+        folder = tempfile.TemporaryDirectory(prefix="bench_hicache_")
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = folder.name
+        os.environ.setdefault("SGLANG_HICACHE_FILE_BACKEND_MAX_GB", "64")
     results = run(args)
     for r in results:
         print(json.dumps(r))
@@ -131,7 +158,8 @@ def main() -> None:
         f"hit rate {off['hit_rate']} -> {on['hit_rate']}; TTFT p50 {off['ttft_p50_ms']} -> "
         f"{on['ttft_p50_ms']} ms ({off['ttft_p50_ms'] / on['ttft_p50_ms']:.1f}x lower); host evictions "
         f"{on['host_copies'].get('host_evicted_states', 0)} states, {on['host_copies'].get('host_evicted_tokens', 0)} "
-        "KV tokens"
+        f"KV tokens; written {on['host_copies']['host_bytes_written']:,} bytes to host, "
+        f"{on['host_copies'].get('disk_bytes_written', 0):,} to disk"
     )
 
 

@@ -115,6 +115,19 @@ class Envs:
     SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE = EnvStr(
         "1G", "The free space the disk tier never takes its filesystem below (10G, 1Gi, bytes; 0: no floor)."
     )
+    # Upstream's file backend's names (mem_cache/disk_budget.py, tree_cache_factory._file_storage).
+    SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE = EnvOptStr(
+        None, "Upstream's budget of the disk tier (200G, 1Gi, bytes; 0: no cap); instead of ..._MAX_GB."
+    )
+    SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO = EnvFloat(
+        0.9, "Past the disk tier's budget, LRU entries go until it holds this share of it, the write included."
+    )
+    SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE = EnvBool(
+        False, "Upstream's lookup cache; accepted: the disk tier's index is always in memory."
+    )
+    SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL = EnvFloat(
+        5.0, "Upstream's lookup cache's TTL; accepted: a file lost is noticed at its read."
+    )
 
     # Loading: threads that read the checkpoint ahead of the loader (models/checkpoint_reader.py).
     SGLANG_WEIGHT_READ_THREADS = EnvInt(8, "Threads reading checkpoint shards ahead of the loader; 1: serial.")

@@ -423,9 +423,11 @@ def exact_repeat_hits_lower_tiers(preset: str, strategy: str, storage_dir: str, 
     above V's end); one more request (its batch runs the disk writes); every device checkpoint and KV
     page evicted (the host holds them): V again, from host; a flush (device and host emptied, the disk
     keeps its entries): V again, from disk. The reference: V cold in a namespace of its own. Returns, per
-    run ("ref", "device", "host", "disk"), its cached tokens, output ids and logprobs, and the host
-    loads and disk reads the last two took."""
+    run ("ref", "device", "host", "disk"), its cached tokens, output ids and logprobs, the host loads
+    and disk reads the last two took, and V's disk entries once written (length, bytes, state-only),
+    deepest first."""
     from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.disk_tier import entry_name
 
     with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(storage_dir):
         h = hicache_harness(preset, strategy, "write_through", hicache_storage_backend="file", **kw)
@@ -435,6 +437,9 @@ def exact_repeat_hits_lower_tiers(preset: str, strategy: str, storage_dir: str, 
             assert h.generate(v, max_new_tokens=1).cached_tokens == 0
             runs["device"] = h.generate(v, max_new_tokens)
             h.generate(token_ids(20, seed=5), max_new_tokens=1)
+            index = tree.storage.index  # (V's entries: (length, bytes, state-only), deepest first)
+            named = {entry_name(v[:n], None): n for n in range(1, prompt_len + 1)}
+            entries = sorted(((e[0], e[1], e[2] is not None) for k, e in index.items() if k in named), reverse=True)
             tree.evict(1 << 30, 1 << 30)
             assert not tree.match_prefix(v).device_indices, "V is still on the device"
             stats = tree.controller.stats
@@ -451,4 +456,4 @@ def exact_repeat_hits_lower_tiers(preset: str, strategy: str, storage_dir: str, 
         finally:
             h.shutdown()
     out = {k: (r.cached_tokens, r.output_ids, r.logprobs) for k, r in runs.items()}
-    return {**out, "loads": loads, "reads": reads}
+    return {**out, "loads": loads, "reads": reads, "entries": entries, "token_bytes": tree.host.token_bytes}

@@ -80,11 +80,12 @@ def conversation(rank: int, world: int, init_method: str | None, preset: str, st
             turns += [tb, tc, _turn(h, token_ids(30, seed=5), 1)]  # (its batch runs the disk writes)
             st = h.sched.tree_cache.storage
             c_files = st._hits(c + tc["ids"], None)
+            disk["ranks_sharing"] = st.ranks
         finally:
             h.shutdown()
         if rank == 1:
             for length, name in c_files.items():
-                os.unlink(st._path(name, length))
+                os.unlink(st._path(name, length, st.index[name][2]))
         h = _harness(rank, world, init_method, preset, hicache_storage_backend="file")
         try:
             stats = h.sched.tree_cache.controller.stats

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang.srt.mem_cache import disk_tier
+from sglang.srt.mem_cache import disk_budget, disk_tier
 from sglang.srt.mem_cache.disk_tier import DiskTierConfig, DiskTierError, FileStorage, entry_name
 from sglang.test.ci_register import register_cpu_ci
 
@@ -237,7 +237,7 @@ def fake_disk(monkeypatch, st_dir_holder: list, free0: int) -> None:
         held = sum(e.stat().st_size for e in os.scandir(st_dir_holder[0])) if st_dir_holder else 0
         return SimpleNamespace(total=1 << 40, used=held, free=free0 - held)
 
-    monkeypatch.setattr(disk_tier.shutil, "disk_usage", usage)
+    monkeypatch.setattr(disk_budget.shutil, "disk_usage", usage)
 
 
 def test_the_budget_is_capped_at_half_the_free_space(tmp_path, monkeypatch, caplog):
@@ -247,7 +247,7 @@ def test_the_budget_is_capped_at_half_the_free_space(tmp_path, monkeypatch, capl
     with the same free space left caps at half of free + held, not of free alone."""
     dirs: list = []
     fake_disk(monkeypatch, dirs, 100_000)
-    with caplog.at_level("INFO", logger=disk_tier.logger.name):
+    with caplog.at_level("INFO", logger=disk_budget.logger.name):
         st = storage(tmp_path, max_bytes=1 << 30, min_free=0)
     assert st.max_bytes == 50_000
     (line,) = [r for r in caplog.records if "budget" in r.getMessage()]
@@ -262,7 +262,7 @@ def test_the_budget_is_capped_at_half_the_free_space(tmp_path, monkeypatch, capl
     caplog.clear()
     dirs.clear()
     fake_disk(monkeypatch, dirs, 4 << 30)
-    with caplog.at_level("INFO", logger=disk_tier.logger.name):
+    with caplog.at_level("INFO", logger=disk_budget.logger.name):
         assert storage(tmp_path / "big", max_bytes=1 << 30, min_free=0).max_bytes == 1 << 30
     (line,) = [r for r in caplog.records if "budget" in r.getMessage()]
     assert line.levelname == "INFO"
@@ -280,7 +280,7 @@ def test_writes_stop_at_the_free_space_floor(tmp_path, monkeypatch):
     st.max_bytes = 10_000_000  # (the start cap is the other test's: here only the floor binds)
     dirs.append(st.dir)
     names = [put(st, list(range(100 * i, 100 * i + 64))) for i in range(12)]
-    free = disk_tier.shutil.disk_usage(st.dir).free
+    free = disk_budget.shutil.disk_usage(st.dir).free
     assert free >= 1_000_000 and st.stats["disk_evictions_low_space"] >= 6, (free, dict(st.stats))
     assert names[0] not in st.index and names[-1] in st.index
     assert st.stats["disk_writes_low_space"] == 0
@@ -314,3 +314,112 @@ def test_the_floor_reads_upstreams_variable_and_sizes(monkeypatch):
     with envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.override("lots"):
         with pytest.raises(ServerArgsError, match="^SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE must be a size"):
             tree_cache_factory._file_storage(args, None)
+
+
+def put_state_only(st: FileStorage, key: list[int], base: str | None, slot: int = 3) -> str:
+    name = entry_name(key, None)
+    assert st.wants(name, len(key), state_only=True)
+    st.writing(name)
+    st.write(name, len(key), list(range(1, len(key) + 1)), slot, base)
+    return name
+
+
+def test_a_state_only_entry_reads_its_kv_from_its_base(tmp_path):
+    """The repeat point's entry (review: a second whole-path entry, 1.76x the disk bytes): its file holds
+    its state only, under `<name>-<length>+<base>.pt`; staged, its KV is the base file's first positions
+    and its state its own. One whose base is itself state-only refers to that one's base. Deleting the
+    base (LRU) deletes it too; at a restart both come back, and one whose base file is gone is skipped
+    and deleted. Without a base on disk it is written whole (counted)."""
+    st = storage(tmp_path)
+    key = list(range(1000, 1128))
+    full = put(st, key, slot=1)
+    up = put_state_only(st, key[:64], full, slot=2)
+    assert st.index[up][2] == full and st.index[up][1] < st.index[full][1] - 128 * st.host.token_bytes + 4096
+    assert f"{up}-64+{full}.pt" in os.listdir(st.dir) and st.stats["disk_writes_state_only"] == 1
+    staged = st.stage(up, 10)
+    assert torch.equal(staged["kv"][0], st.host.k_buffer[0][11:65])  # (the base's host_kv: 1..128)
+    assert torch.equal(staged["kv"][1], st.host.v_buffer[0][11:65])
+    assert torch.equal(staged["ssm"], st.host.ssm_state[:, 2]) and torch.equal(staged["conv"], st.host.conv_state[:, 2])
+    chained = put_state_only(st, key[:32], up)
+    assert st.index[chained][2] == full and st.stage(chained, 0) is not None
+    again = storage(tmp_path)  # (a restart)
+    assert set(again.index) == {full, up, chained} and again.dependents[full] == {up, chained}
+    assert again.total == st.total
+    st._delete(full, "disk_evictions")
+    assert not st.index and not os.listdir(st.dir) and st.stats["disk_evictions"] == 3
+    full, up = put(st, key), put_state_only(st, key[:64], full)
+    os.unlink(st._path(full, 128))  # (another server sharing the folder deleted it)
+    assert not storage(tmp_path).index and not os.listdir(st.dir)
+    st = storage(tmp_path)
+    alone = put_state_only(st, key[:64], full)
+    assert st.index[alone][2] is None and st.stats["disk_writes_base_missing"] == 1
+    assert torch.equal(st.stage(alone, 0)["kv"][0], st.host.k_buffer[0][1:65])
+
+
+def test_a_failed_base_read_drops_its_state_only_entries(tmp_path):
+    """A state-only entry whose base file is damaged: the read fails, the hit is not taken, and the base
+    and every entry referring to it leave the index and the folder."""
+    st = storage(tmp_path)
+    key = list(range(1000, 1128))
+    full = put(st, key)
+    up = put_state_only(st, key[:64], full)
+    with open(st._path(full, 128), "r+b") as f:
+        f.truncate(100)
+    assert st.stage(up, 0) is None and st.stats["disk_read_errors"] == 1
+    assert not st.index and not os.listdir(st.dir) and st.deepest(key, None) == (0, None)
+
+
+def test_upstreams_size_and_eviction_variables_are_honoured(monkeypatch):
+    """Upstream's file backend reads SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE (a size; 0: no cap) and
+    _EVICTION_RATIO (in (0, 1], default 0.9), and accepts _ENABLE_METADATA_CACHE / _METADATA_TTL: each
+    reaches the tier's config in upstream's units (the two lookup-cache ones have nothing to change: the
+    index is in memory), and a value that is not valid, or MAX_SIZE with our MAX_GB, is a startup error
+    naming the variable. Before, all four were ignored (a 200G MAX_SIZE kept the 16 GB default)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.managers.scheduler_components import tree_cache_factory
+    from sglang.srt.server_args import ServerArgsError
+
+    monkeypatch.setattr(tree_cache_factory, "disk_fingerprint", lambda args, runner: "fp")
+    args = SimpleNamespace(hicache_storage_backend="file")
+    config = tree_cache_factory._file_storage(args, None)
+    assert (config.max_bytes, config.eviction_ratio) == (16 << 30, 0.9)
+    with envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE.override("200G"):
+        config = tree_cache_factory._file_storage(args, None)
+        assert (config.max_bytes, config.max_bytes_from) == (200 << 30, "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE")
+    with envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE.override("0"):
+        assert tree_cache_factory._file_storage(args, None).max_bytes == disk_budget.NO_CAP
+    with envs.SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO.override(0.5):
+        assert tree_cache_factory._file_storage(args, None).eviction_ratio == 0.5
+    with envs.SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE.override(True):
+        with envs.SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL.override(-1.0):
+            assert tree_cache_factory._file_storage(args, None) is not None
+    refused = [
+        (envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, "lots", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE must be a size"),
+        (envs.SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, "1.5", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO must"),
+        (envs.SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, "most", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO must"),
+        (envs.SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE, "maybe", "SGLANG_HICACHE_FILE_BACKEND_ENABLE_MET"),
+        (envs.SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL, "soon", "SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL must"),
+    ]
+    for var, raw, message in refused:
+        monkeypatch.setenv(var.name, raw)
+        with pytest.raises(ServerArgsError, match=f"^{message}"):
+            tree_cache_factory._file_storage(args, None)
+        monkeypatch.delenv(var.name)
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE", "200G")
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_MAX_GB", "16")
+    with pytest.raises(ServerArgsError, match="^Set one of SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE .* not both"):
+        tree_cache_factory._file_storage(args, None)
+
+
+def test_past_the_budget_entries_go_down_to_the_eviction_ratio(tmp_path):
+    """Upstream's eviction watermark: a budget of 4.5 entries and ratio 0.5; the fifth write deletes the
+    least recently used entries until the tier holds at most half the budget with it (the 3 oldest: 2
+    left), where deleting one would have done (ratio 1)."""
+    probe = storage(tmp_path / "probe")
+    size = probe.index[put(probe, list(range(100)))][1]
+    for ratio, kept in ((0.5, 2), (1.0, 4)):
+        st = FileStorage(DiskTierConfig(str(tmp_path / str(ratio)), "fp", int(size * 4.5), 0, ratio), fake_host(),
+                         Counter())  # fmt: skip
+        names = [put(st, list(range(1000 * i, 1000 * i + 100))) for i in range(5)]
+        assert list(st.index) == names[-kept:] and st.stats["disk_evictions"] == 5 - kept, ratio
+        assert st.total <= st.max_bytes * ratio

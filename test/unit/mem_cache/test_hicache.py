@@ -77,10 +77,17 @@ def test_an_exact_repeat_hits_host_and_disk_as_deep_as_the_device(strategy, page
     give the reference's greedy tokens, logprobs within 1e-5 (float32 summation order of a resumed
     against a cold prefill; measured ~1.4e-6; a wrong state errs by > 0.5). Before: the backup of that
     snapshot was skipped as covered by the prompt end's, which no exact repeat can resume from: 0 cached
-    from host and disk."""
+    from host and disk. The repeat point's disk entry is state-only (review: it was a second whole-path
+    entry, 1.76x the disk bytes of a prompt served in one batch)."""
     r = exact_repeat_hits_lower_tiers("tiny-qwen3-next", strategy, str(tmp_path), prompt_len, page_size=page)
     depth = (prompt_len - 1) // 64 * 64  # (the cache chunk: GDN's 64, both page sizes)
     assert r["device"][0] == r["host"][0] == r["disk"][0] == depth, r
+    # On disk the repeat point is state-only (its KV read from the prompt end's entry): its file is the
+    # prompt end's less that entry's KV, within 4 KiB of pickle framing (its own KV would be depth x
+    # token_bytes = 32-48 KiB more; measured 18,725 vs 68,253 bytes, was ~51,700: 1.76x the disk bytes).
+    (end, end_bytes, end_state_only), (up, up_bytes, up_state_only) = r["entries"]
+    assert (end, up, end_state_only, up_state_only) == (prompt_len // page * page, depth, False, True), r
+    assert up_bytes < end_bytes - end * r["token_bytes"] + 4096, r
     assert r["loads"] == 1 and r["reads"] == 1, r
     ref = r["ref"]
     for tier in ("device", "host", "disk"):

@@ -7,6 +7,7 @@ a PD pair) are nightly: test_hicache_tp_nightly.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -187,6 +188,37 @@ def _pools(tokens: int = 1 << 10):
     mp = SimpleNamespace(size=8, conv_state=torch.zeros(1, 9, 4, device="meta"),
                          ssm_state=torch.zeros(1, 9, 4, device="meta"))  # fmt: skip
     return kv, mp
+
+
+@pytest.mark.parametrize(
+    "roots, other_nodes, sharing",
+    [
+        ("AAAA", False, 4),  # one folder on one node
+        ("AAAA", True, 4),  # one folder of a network filesystem, each rank on another node (the markers)
+        ("AABB", False, 4),  # two folders of one filesystem on one node (its device)
+        ("AABB", True, 2),  # two folders, each shared by two nodes
+    ],
+)
+def test_ranks_sharing_a_filesystem_split_its_free_space(tmp_path, monkeypatch, roots, other_nodes, sharing):
+    """Review: each rank capped its disk budget at half the free space at start, so 8 ranks on one
+    shared folder claimed 4x it. Four ranks, 100 MB free: the ranks that see each other's marker under
+    their root, or whose roots are on one node and device, split it (each rank's budget half of its
+    share: 100 MB / 4 / 2 where all four share; before, 50 MB each); the markers are gone after."""
+    from sglang.srt.mem_cache import disk_budget
+
+    monkeypatch.setattr(disk_budget.shutil, "disk_usage", lambda path: SimpleNamespace(free=100_000_000))
+    if other_nodes:
+        monkeypatch.setattr(disk_budget, "filesystem_id", lambda path: (threading.get_ident(), 0))
+    gather = Gather(4)
+    dirs = [tmp_path / c for c in roots]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+    got = on_ranks([lambda r=r: disk_budget.ranks_sharing(str(dirs[r]), gather.for_rank(r)) for r in range(4)])
+    assert got == [sharing] * 4
+    assert not [f for d in dirs for f in os.listdir(d)]
+    config = DiskTierConfig(str(dirs[0]), "fp", 1 << 40, 0, ranks=sharing)
+    host = rank_storage(tmp_path / "x", 0, None).host
+    assert FileStorage(config, host, Counter()).max_bytes == 100_000_000 // sharing // 2
 
 
 def test_the_host_tier_is_sized_alike_on_every_rank(monkeypatch):

@@ -53,3 +53,5 @@ def test_tp2_hits_host_and_disk_as_one_rank_does(runs, oracles):
     assert r0["disk"]["c_reads"] == r1["disk"]["c_reads"] == 0
     assert [t["cached"] for t in r0["turns"]] == [t["cached"] for t in r1["turns"]]
     assert one["disk"]["c_reads"] >= 1  # (at TP 1 nothing was lost: C hits from disk)
+    # Both ranks' folders are under one storage folder: they split its filesystem's free space.
+    assert r0["disk"]["ranks_sharing"] == r1["disk"]["ranks_sharing"] == 2 and one["disk"]["ranks_sharing"] == 1

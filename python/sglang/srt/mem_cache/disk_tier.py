@@ -6,20 +6,27 @@ entries of other weights or another layout.
 
 Write-through from host: every checkpoint backed up to host is also written to disk, one file per
 checkpoint, `<name>-<length>.pt` (the whole path's KV of every full-attention layer and the state), name
-being a SHA-256 of the namespace and the tokens (no token is stored). A file is written under a unique
-temporary name, synced and renamed: an entry exists once its file does. The index (name -> length, bytes,
-in LRU order) gains an entry only after its file is renamed into place, and is rebuilt from the file
-names at start (the tier survives a restart); files that are not entries are skipped with a warning. The
-folder holds at most `$SGLANG_HICACHE_FILE_BACKEND_MAX_GB` (default 16): past it the least recently used
-entries are deleted.
+being a SHA-256 of the namespace and the tokens (no token is stored). A checkpoint backed up with a
+deeper one whose entry holds its KV (the repeat point: `HiMambaRadixCache.take_host_copies`) is a
+state-only entry, `<name>-<length>+<base>.pt`: its state, and its KV read from the first `length`
+positions of the base entry's file (a prompt served in one batch wrote 1.76x its entry's bytes as two
+whole entries). A base entry deleted takes its state-only entries with it; one whose base is gone is
+skipped (`disk_writes_base_missing`: written whole instead). A file is written under a unique temporary
+name, synced and renamed: an entry exists once its file does. The index (name -> length, bytes, base, in
+LRU order) gains an entry only after its file is renamed into place, and is rebuilt from the file names
+at start (the tier survives a restart); files that are not entries are skipped with a warning. The
+folder holds at most the budget (`DiskTierConfig.max_bytes`: `$SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE`,
+upstream's, or `$SGLANG_HICACHE_FILE_BACKEND_MAX_GB`, default 16 GB): a write that would pass it first
+deletes least recently used entries until the tier holds `eviction_ratio` of it with the write
+(`$SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO`, upstream's, default 0.9).
 
 Free space (the default folder is under /tmp, which the whole host shares and which may be memory): at
-start the budget is capped at half of what the folder's filesystem has free (with what the tier holds
-already), leaving `min_free_bytes` free (`$SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE`, upstream's name
-and sizes: `parse_size`; default 1 GiB here, no floor upstream unless set), and the budget chosen is
-logged in one line. A write that would leave less than that free first deletes least recently used
-entries, and is skipped (counted: `disk_writes_low_space`), deleting none, where deleting all of them
-would not do.
+start the budget is capped at half of this rank's share of what the folder's filesystem has free (with
+what the tier holds already; the ranks that share the filesystem split it: `disk_budget.py`), leaving
+`min_free_bytes` free (`$SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE`, upstream's name and sizes:
+`parse_size`; default 1 GiB here, no floor upstream unless set), and the budget chosen is logged in one
+line. A write that would leave less than that free first deletes least recently used entries, and is
+skipped (counted: `disk_writes_low_space`), deleting none, where deleting all of them would not do.
 
 Never a crash from disk: a write that fails (disk full, folder gone) is skipped; a read that fails or
 finds a file of the wrong layout drops the entry and the hit is not taken; both counted (`disk_*_errors`)
@@ -49,7 +56,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import stat
 import threading
 import time
@@ -61,17 +67,16 @@ from typing import Any
 
 import torch
 
+from sglang.srt.mem_cache.disk_budget import MIN_FREE_BYTES, free_bytes, parse_size, start_budget
 from sglang.srt.mem_cache.host_pool import HostPools
 
 logger = logging.getLogger(__name__)
 
-ENTRY = re.compile(r"^([0-9a-f]{64})-([0-9]+)\.pt$")
+ENTRY = re.compile(r"^([0-9a-f]{64})-([0-9]+)(?:\+([0-9a-f]{64}))?\.pt$")
 DIR_VAR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 STALE_TMP_S = 3600
 AGREED_KEYS = 64  # agreed `deepest` answers kept under TP (the oldest dropped first)
-FREE_SHARE = 0.5  # the most of the free space (with the tier's own entries) the budget takes at start
-MIN_FREE_BYTES = 1 << 30  # the free space a write never takes the filesystem below, by default
-SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(?:([kmgtKMGT])(i?))?$")
+__all__ = ["DiskTierConfig", "DiskTierError", "FileStorage", "entry_name", "parse_size", "safe_dir"]
 
 
 class DiskTierError(ValueError):
@@ -84,9 +89,12 @@ class DiskTierConfig:
     fingerprint: str
     max_bytes: int
     min_free_bytes: int = MIN_FREE_BYTES
+    eviction_ratio: float = 0.9  # (upstream's default)
+    max_bytes_from: str = "SGLANG_HICACHE_FILE_BACKEND_MAX_GB"
+    ranks: int = 1  # the TP ranks drawing on the free space of the folder's filesystem (`ranks_sharing`)
 
 
-def _safe_dir(path: str) -> None:
+def safe_dir(path: str) -> None:
     """Create `path` 0700 if needed; refuse a symlink, a non-folder or another user's folder."""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -105,20 +113,6 @@ def _safe_dir(path: str) -> None:
         os.chmod(path, 0o700)
 
 
-def parse_size(raw: str) -> int:
-    """Bytes of a size as upstream's file backend reads its variables: a byte count, or a number with a
-    suffix, lower case decimal (10g: 10**10) and upper case or with `i` binary (1G, 1Gi: 2**30)."""
-    m = SIZE.match(raw.strip())
-    if m is None:
-        raise ValueError(f"{raw!r} is not a size")
-    number, suffix, binary = m.groups()
-    if suffix is None:
-        return int(float(number))
-    power = "kmgt".index(suffix.lower()) + 1
-    base = 1024 if binary or suffix.isupper() else 1000
-    return int(float(number) * base**power)
-
-
 def entry_name(key, namespace: str | None) -> str:
     key = key if isinstance(key, array) else array("q", key)
     return hashlib.sha256(repr(namespace).encode() + key.tobytes()).hexdigest()
@@ -127,13 +121,16 @@ def entry_name(key, namespace: str | None) -> str:
 class FileStorage:
     def __init__(self, config: DiskTierConfig, host: HostPools, stats: Counter):
         self.host, self.page, self.stats = host, host.page_size, stats
-        self.max_bytes, self.min_free = config.max_bytes, config.min_free_bytes
-        _safe_dir(config.root)
+        self.max_bytes, self.min_free, self.ratio = config.max_bytes, config.min_free_bytes, config.eviction_ratio
+        self.ranks = config.ranks
+        safe_dir(config.root)
         self.dir = os.path.join(config.root, hashlib.sha256(config.fingerprint.encode()).hexdigest()[:16])
-        _safe_dir(self.dir)
+        safe_dir(self.dir)
         self.enabled = True
         self.lock = threading.Lock()  # the index changes on the forward stream (writes) and here
-        self.index: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (length, bytes), LRU first
+        # name -> (length, bytes, base: the entry holding its KV, or None), LRU first
+        self.index: OrderedDict[str, tuple[int, int, str | None]] = OrderedDict()
+        self.dependents: dict[str, set[str]] = {}  # base -> its state-only entries
         self.lengths: Counter = Counter()  # entry lengths present
         self.total = 0
         self.pending: set[str] = set()  # writes recorded, not yet run
@@ -158,80 +155,84 @@ class FileStorage:
             if m is None or not stat.S_ISREG(st.st_mode) or st.st_size == 0 or int(m[2]) % self.page:
                 skipped += 1
                 continue
-            found.append((st.st_mtime_ns, m[1], int(m[2]), st.st_size))
+            found.append((m[3] is not None, st.st_mtime_ns, m[1], int(m[2]), st.st_size, m[3]))
+        with self.lock:
+            for state_only, _, name, length, size, base in sorted(found):  # (bases first)
+                if state_only and (base not in self.index or self.index[base][2] is not None
+                                   or self.index[base][0] <= length):  # fmt: skip
+                    skipped += 1  # (its base is gone: its KV with it)
+                    self._unlink(self._path(name, length, base))
+                    continue
+                self._add(name, length, size, base)
+            self.max_bytes = start_budget(self.dir, self.max_bytes, config.max_bytes_from, self.total,
+                                          self.min_free, config.ranks)  # fmt: skip
+            self._trim()
         if skipped:
             logger.warning("HiCache disk tier %s: %d file(s) that are not entries skipped", self.dir, skipped)
-        with self.lock:
-            for _, name, length, size in sorted(found):
-                self._add(name, length, size)
-            self._cap_budget()
-            self._trim()
 
     # ---- index (under the lock) ------------------------------------------------------------------
 
-    def _add(self, name: str, length: int, size: int) -> None:
+    def _add(self, name: str, length: int, size: int, base: str | None = None) -> None:
         if name in self.index:
             self._remove(name)
-        self.index[name] = (length, size)
+        self.index[name] = (length, size, base)
+        if base is not None:
+            self.dependents.setdefault(base, set()).add(name)
         self.lengths[length] += 1
         self.total += size
 
-    def _remove(self, name: str) -> tuple[int, int] | None:
+    def _remove(self, name: str) -> tuple[int, int, str | None] | None:
         entry = self.index.pop(name, None)
         if entry is not None:
             self.lengths[entry[0]] -= 1
             if not self.lengths[entry[0]]:
                 del self.lengths[entry[0]]
             self.total -= entry[1]
+            if entry[2] is not None:
+                self.dependents[entry[2]].discard(name)
+                if not self.dependents[entry[2]]:
+                    del self.dependents[entry[2]]
         return entry
 
-    def _trim(self) -> None:
-        while self.total > self.max_bytes and self.index:
-            name = next(iter(self.index))
-            length, _ = self._remove(name)
-            self._unlink(self._path(name, length))
-            self.stats["disk_evictions"] += 1
+    def _delete(self, name: str, stat_name: str | None) -> int:
+        """The entry out of the index and its file deleted, with its state-only entries (their KV was in
+        its file); each counted under `stat_name`. Returns the bytes freed."""
+        freed = 0
+        for dep in list(self.dependents.get(name, ())):
+            freed += self._delete(dep, stat_name)
+        entry = self._remove(name)
+        if entry is None:
+            return freed
+        self._unlink(self._path(name, entry[0], entry[2]))
+        if stat_name is not None:
+            self.stats[stat_name] += 1
+        return freed + entry[1]
 
-    def _free_bytes(self) -> int | None:
-        try:
-            return shutil.disk_usage(self.dir).free
-        except OSError:
-            return None  # (unknown: a write's own failure is caught)
-
-    def _cap_budget(self) -> None:
-        """At start: the budget within `FREE_SHARE` of the free space and above the floor, counting the
-        entries the tier holds as its own space; one line says what was chosen."""
-        asked, free = self.max_bytes, self._free_bytes()
-        if free is not None:
-            usable = free + self.total
-            self.max_bytes = max(0, min(asked, int(usable * FREE_SHARE), usable - self.min_free))
-        gb = 1 << 30
-        log = logger.warning if self.max_bytes < asked else logger.info
-        log("HiCache disk tier %s: budget %.2f GB (SGLANG_HICACHE_FILE_BACKEND_MAX_GB %.2f, %s GB free, "
-            "%.2f GB held; at most half the free space, never below %.2f GB free)", self.dir,
-            self.max_bytes / gb, asked / gb, "?" if free is None else f"{free / gb:.2f}", self.total / gb,
-            self.min_free / gb)  # fmt: skip
+    def _trim(self, size: int = 0) -> None:
+        """Room for `size` more bytes within the budget: past it, least recently used entries go until
+        the tier holds `ratio` of the budget with them (upstream's eviction watermark)."""
+        if self.total + size <= self.max_bytes:
+            return
+        target = int(self.max_bytes * self.ratio) - size
+        while self.total > target and self.index:
+            self._delete(next(iter(self.index)), "disk_evictions")
 
     def _room_on_disk(self, size: int) -> bool:
         """Whether `size` more bytes leave the floor free, once least recently used entries went to make
         it so (counted); False, deleting nothing, if even deleting all of them would not (another program
         filled the disk: the entries stay for reads)."""
-        free = self._free_bytes()
+        free = free_bytes(self.dir)
         if free is None or free - size >= self.min_free:
             return True
         if free + self.total - size < self.min_free:
             return False
         while free - size < self.min_free and self.index:
-            name = next(iter(self.index))
-            length, n = self._remove(name)
-            self._unlink(self._path(name, length))
-            self.stats["disk_evictions_low_space"] += 1
-            free += n
-        free = self._free_bytes()  # (again: the deletes, and other writers, changed it)
+            free += self._delete(next(iter(self.index)), "disk_evictions_low_space")
+        free = free_bytes(self.dir)  # (again: the deletes, and other writers, changed it)
         return free is None or free - size >= self.min_free
 
-    def _path(self, name: str, length: int) -> str:
-        return os.path.join(self.dir, f"{name}-{length}.pt")
+    def _path(self, name: str, length: int, base: str | None = None) -> str:
+        return os.path.join(self.dir, f"{name}-{length}.pt" if base is None else f"{name}-{length}+{base}.pt")
 
     @staticmethod
     def _unlink(path: str) -> None:
@@ -301,12 +302,12 @@ class FileStorage:
                 hits[end] = name
         return hits
 
-    def wants(self, name: str, length: int) -> bool:
+    def wants(self, name: str, length: int, state_only: bool = False) -> bool:
         """Whether to record a write of this entry: the tier is on, the entry is neither on disk nor being
         written, and it fits the budget by itself (estimated from the host pools' bytes)."""
         if not self.enabled or name in self.index or name in self.pending:
             return False
-        if length * self.host.token_bytes + self.host.slot_bytes > self.max_bytes:
+        if (0 if state_only else length * self.host.token_bytes) + self.host.slot_bytes > self.max_bytes:
             self.stats["disk_writes_over_budget"] += 1
             return False
         return True
@@ -327,6 +328,7 @@ class FileStorage:
         self.forget_agreed()
         with self.lock:
             self.index.clear()
+            self.dependents.clear()
             self.lengths.clear()
             self.total = 0
         self.pending.clear()
@@ -343,32 +345,45 @@ class FileStorage:
             return None
         return staged
 
+    def _read(self, name: str, entry: tuple[int, int, str | None]) -> dict:
+        fd = os.open(self._path(name, entry[0], entry[2]), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+
     def _stage(self, name: str, start: int) -> dict | None:
-        entry = self.index.get(name)
+        with self.lock:  # (a write on the forward stream may delete entries meanwhile)
+            entry = self.index.get(name)
+            held = None if entry is None or entry[2] is None else self.index.get(entry[2])
         if entry is None:
             return None
-        length, h = entry[0], self.host
+        length, _, base = entry
+        h, reading = self.host, name
         try:
-            fd = os.open(self._path(name, length), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(fd, "rb") as f:
-                data = torch.load(f, map_location="cpu", weights_only=True)
-            pairs = [*zip(data["k"], h.k_buffer, strict=True), *zip(data["v"], h.v_buffer, strict=True)]
-            for src, dst in pairs:
-                if src.dtype != dst.dtype or tuple(src.shape) != (length, *dst.shape[1:]):
-                    raise ValueError(f"KV {src.dtype} {tuple(src.shape)} does not fit the host pool")
+            data = self._read(name, entry)
             for key, dst in (("conv", h.conv_state), ("ssm", h.ssm_state)):
                 src = data[key]
                 if src.dtype != dst.dtype or tuple(src.shape) != (dst.shape[0], *dst.shape[2:]):
                     raise ValueError(f"{key} {src.dtype} {tuple(src.shape)} does not fit the host pool")
+            rows = length
+            if base is not None:  # (a state-only entry: its KV is the first `length` positions of the base's)
+                reading = base
+                if held is None:
+                    raise FileNotFoundError(f"its base entry {base} is gone")
+                data, rows = {**self._read(base, held), "conv": data["conv"], "ssm": data["ssm"]}, held[0]
+            pairs = [*zip(data["k"], h.k_buffer, strict=True), *zip(data["v"], h.v_buffer, strict=True)]
+            for src, dst in pairs:
+                if src.dtype != dst.dtype or tuple(src.shape) != (rows, *dst.shape[1:]):
+                    raise ValueError(f"KV {src.dtype} {tuple(src.shape)} does not fit the host pool")
         except Exception as e:  # noqa: BLE001 - any unreadable or foreign file: the hit is not taken
-            self._failed("read", name, e)
+            self._failed("read", reading, e)
             with self.lock:
-                self._remove(name)
-            self._unlink(self._path(name, length))
+                self._delete(reading, None)  # (a base with its state-only entries)
+                self._delete(name, None)
             return None
         with self.lock:
-            if name in self.index:
-                self.index.move_to_end(name)
+            for n in (base, name):
+                if n in self.index:
+                    self.index.move_to_end(n)
         return {
             "kv": [src[start:length] for src, _ in pairs],
             "conv": data["conv"],
@@ -385,14 +400,21 @@ class FileStorage:
         h.conv_state[:, slot] = staged["conv"]
         h.ssm_state[:, slot] = staged["ssm"]
 
-    def write(self, name: str, length: int, host_kv: list[int], slot: int) -> None:
-        """The entry from the host pools; never raises (a failure is counted and the entry skipped)."""
+    def write(self, name: str, length: int, host_kv: list[int], slot: int, base: str | None = None) -> None:
+        """The entry from the host pools; never raises (a failure is counted and the entry skipped). With
+        `base` (an entry whose path extends this one's) a state-only entry referring to the base's KV, or
+        a whole one where the base is not on disk (`disk_writes_base_missing`)."""
         tmp = os.path.join(self.dir, f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        h = self.host
         try:
             if not self.enabled:
                 return
             with self.lock:
-                room = self._room_on_disk(length * self.host.token_bytes + self.host.slot_bytes)
+                base = self._kv_holder(base)
+                size = (0 if base is not None else length * h.token_bytes) + h.slot_bytes
+                self._trim(size)
+                room = self._room_on_disk(size)
+                base = self._kv_holder(base)  # (making room may have deleted it: then written whole)
             if not room:
                 self.stats["disk_writes_low_space"] += 1
                 n = self.stats["disk_writes_low_space"]
@@ -400,19 +422,16 @@ class FileStorage:
                     logger.warning("HiCache disk tier %s: under %.2f GB free, %d write(s) skipped so far",
                                    self.dir, self.min_free / (1 << 30), n)  # fmt: skip
                 return
-            h, kv = self.host, torch.tensor(host_kv, dtype=torch.int64)
-            data = {
-                "k": [b[kv].clone() for b in h.k_buffer],
-                "v": [b[kv].clone() for b in h.v_buffer],
-                "conv": h.conv_state[:, slot].clone(),
-                "ssm": h.ssm_state[:, slot].clone(),
-            }
+            data = {"conv": h.conv_state[:, slot].clone(), "ssm": h.ssm_state[:, slot].clone()}
+            if base is None:
+                kv = torch.tensor(host_kv, dtype=torch.int64)
+                data.update(k=[b[kv].clone() for b in h.k_buffer], v=[b[kv].clone() for b in h.v_buffer])
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
             with os.fdopen(fd, "wb") as f:
                 torch.save(data, f)
                 f.flush()
                 os.fsync(f.fileno())
-            path = self._path(name, length)
+            path = self._path(name, length, base)
             os.replace(tmp, path)
             size = os.path.getsize(path)
         except Exception as e:  # noqa: BLE001 - disk full, folder removed, ...: the entry is skipped
@@ -422,6 +441,24 @@ class FileStorage:
         finally:
             self.pending.discard(name)
         with self.lock:
-            if self.enabled:
-                self._add(name, length, size)
-                self._trim()
+            if not self.enabled:
+                return
+            if base is not None and base not in self.index:  # (deleted meanwhile: the entry has no KV)
+                self._unlink(path)
+                return
+            self._add(name, length, size, base)
+            self.stats["disk_bytes_written"] += size
+            self.stats["disk_writes_state_only"] += int(base is not None)
+            self._trim()
+
+    def _kv_holder(self, base: str | None) -> str | None:
+        """The whole entry holding `base`'s KV (itself, or its own base), moved to the LRU's end (a new
+        entry refers to it); None if `base` is None or not on disk (counted)."""
+        if base is None:
+            return None
+        if base not in self.index:
+            self.stats["disk_writes_base_missing"] += 1
+            return None
+        holder = self.index[base][2] or base
+        self.index.move_to_end(holder)
+        return holder

@@ -80,6 +80,7 @@ class HiCacheController:
         self.recorded.append(HostCopy(True, device_kv, host_kv, device_slot, host_slot))
         self.stats["backup_tokens"] += len(device_kv)
         self.stats["backup_states"] += 1
+        self.stats["backup_bytes"] += len(device_kv) * self.host.token_bytes + self.host.slot_bytes
 
     def load(self, host_kv: list[int], device_kv: list[int], host_slot: int, device_slot: int) -> None:
         self.recorded.append(HostCopy(False, device_kv, host_kv, device_slot, host_slot))

@@ -196,9 +196,11 @@ class HiMambaRadixCache(MambaRadixCache):
         assert not host_tree.insert(key, host_kv, host_slot, matched, ns).mamba_exist
         return new_kv, host_kv, host_slot
 
-    def _backup(self, node: TreeNode) -> bool:
+    def _backup(self, node: TreeNode, below: TreeNode | None = None) -> bool:
         """Record the copy of `node`'s path KV (what the host lacks of it) and checkpoint to host and
-        insert them into the host tree; False if the host tier has no room even after evicting."""
+        insert them into the host tree; False if the host tier has no room even after evicting. `below`:
+        a deeper checkpoint on its path backed up just before (the repeat point's): its disk entry holds
+        this one's KV, so this one's is state-only (`FileStorage.write`)."""
         key, ns = node.path_key(), node.namespace
         end = self._host_end(key, ns)
         if end is not None:
@@ -213,9 +215,10 @@ class HiMambaRadixCache(MambaRadixCache):
         storage = self.storage
         if storage is not None:
             name = entry_name(key, ns)
-            if storage.wants(name, len(key)):
+            base = None if below is None else entry_name(below.path_key(), ns)
+            if storage.wants(name, len(key), state_only=base is not None):
                 storage.writing(name)
-                write = partial(storage.write, name, len(key), host_kv, host_slot)
+                write = partial(storage.write, name, len(key), host_kv, host_slot, base)
                 self.controller.record(write, "disk_writes")
         return True
 
@@ -228,8 +231,8 @@ class HiMambaRadixCache(MambaRadixCache):
         (the host tree would drop it first anyway: `host_tree.py`) and the exact repeat of the deeper
         one's path. A match leaves at least the last token to recompute (its logits pick the next token),
         so that repeat resumes from the checkpoint nearest above the deeper one, never from it: that one
-        is backed up too, as the device would hit it (its state only: the deeper backup brought the KV;
-        counted: `backups_repeat_point`). Where no backup below it succeeded (no room on host for the
+        is backed up too, as the device would hit it (its state only: the deeper backup brought the KV,
+        and its disk entry refers to the deeper one's for it; counted: `backups_repeat_point`). Where no backup below it succeeded (no room on host for the
         deeper path), the skipped one is backed up after all, deepest first."""
         ready = list(self.due.values())
         self.due.clear()
@@ -242,7 +245,7 @@ class HiMambaRadixCache(MambaRadixCache):
                 backed.append(node)
         for node in list(backed):
             up = self._checkpoint_above(node)
-            if up is not None and skipped.pop(up.id, None) is not None and self._backup(up):
+            if up is not None and skipped.pop(up.id, None) is not None and self._backup(up, below=node):
                 self.controller.stats["backups_repeat_point"] += 1
                 backed.append(up)
         below_a_backup = self._above(backed)

@@ -22,7 +22,8 @@ from sglang.srt.environ import envs
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
-from sglang.srt.mem_cache.disk_tier import DiskTierConfig, DiskTierError, parse_size
+from sglang.srt.mem_cache.disk_budget import NO_CAP, ranks_sharing
+from sglang.srt.mem_cache.disk_tier import DiskTierConfig, DiskTierError, parse_size, safe_dir
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from sglang.srt.server_args import ServerArgs, ServerArgsError
@@ -50,6 +51,8 @@ def create_tree_cache(
     except Exception as e:  # (any failure on one rank: the others must not wait for it; _why)
         error = _why(e)
     _refuse_on_every_rank(tp, error)  # (before the host tier's own agreements: all ranks reach them)
+    if storage is not None and tp is not None:  # (ranks on one filesystem split its free space)
+        storage.ranks = ranks_sharing(_usable_dir(storage.root), tp.gather)
     try:
         cache = HiMambaRadixCache(
             req_to_token_pool,
@@ -68,6 +71,15 @@ def create_tree_cache(
     # come before whatever in it can fail on one rank alone: allocation, the disk folder's listing.)
     _refuse_on_every_rank(tp, error)
     return cache
+
+
+def _usable_dir(root: str) -> str | None:
+    """`root`, created if needed, or None where it is refused (the host tier then refuses to start)."""
+    try:
+        safe_dir(root)
+    except (DiskTierError, OSError):
+        return None
+    return root
 
 
 def _why(e: Exception, *expected: type[Exception]) -> str:
@@ -125,12 +137,11 @@ class TpAgreement:
 
 
 def _file_storage(args: ServerArgs, model_runner) -> DiskTierConfig | None:
-    """The `file` backend's folder, budget and what its entries must match (`disk_fingerprint`)."""
+    """The `file` backend's folder, budget and what its entries must match (`disk_fingerprint`), from
+    our variables and upstream's (each one that is not valid refused naming it)."""
     if args.hicache_storage_backend != "file":
         return None
-    gb = envs.SGLANG_HICACHE_FILE_BACKEND_MAX_GB.get()
-    if not gb > 0:
-        raise ServerArgsError(f"SGLANG_HICACHE_FILE_BACKEND_MAX_GB must be above 0 (got {gb:g}).")
+    max_bytes, max_from = _asked_budget()
     raw = envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.get()
     try:
         floor = parse_size(raw)
@@ -139,8 +150,43 @@ def _file_storage(args: ServerArgs, model_runner) -> DiskTierConfig | None:
             f"SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE must be a size such as 10G, 1Gi or a byte count "
             f"(got {raw!r})."
         ) from None
+    ratio = _env(envs.SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, "a number in (0, 1] such as 0.9")
+    if not 0 < ratio <= 1:
+        raise ServerArgsError(f"SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO must be in (0, 1] (got {ratio:g}).")
+    # Upstream's positive lookup cache: our index is in memory always (a lookup never asks the
+    # filesystem; a file deleted by another program is noticed at its read, the hit not taken).
+    _env(envs.SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE, "1/0 or true/false")
+    _env(envs.SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL, "a number of seconds (-1: no expiry)")
     root = envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.get()
-    return DiskTierConfig(root, disk_fingerprint(args, model_runner), int(gb * (1 << 30)), floor)
+    return DiskTierConfig(root, disk_fingerprint(args, model_runner), max_bytes, floor, ratio, max_from)
+
+
+def _env(var, what: str) -> Any:  # noqa: ANN001 - an `environ.EnvVar`
+    try:
+        return var.get()
+    except ValueError:
+        raise ServerArgsError(f"{var.name} must be {what} (got {os.environ.get(var.name)!r}).") from None
+
+
+def _asked_budget() -> tuple[int, str]:
+    """(bytes, the variable that set them): upstream's SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE (a size; 0: no
+    cap, as upstream) or ours, SGLANG_HICACHE_FILE_BACKEND_MAX_GB; both set is refused."""
+    size, gb = envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, envs.SGLANG_HICACHE_FILE_BACKEND_MAX_GB
+    if size.get() is not None:
+        if gb.is_set():
+            raise ServerArgsError(f"Set one of {size.name} (upstream's) and {gb.name}, not both.")
+        try:
+            n = parse_size(size.get())
+        except ValueError:
+            raise ServerArgsError(
+                f"{size.name} must be a size such as 200G, 1Gi or a byte count, or 0 for no cap "
+                f"(got {size.get()!r})."
+            ) from None
+        return (n or NO_CAP), size.name
+    value = _env(gb, "a number of GB")
+    if not value > 0:
+        raise ServerArgsError(f"{gb.name} must be above 0 (got {value:g}).")
+    return int(value * (1 << 30)), gb.name
 
 
 def weight_files_identity(path: str) -> list[tuple[str, int, int]]:
