@@ -72,7 +72,9 @@ DECODE_RADIX = Feature("decode_radix", dict(disaggregation_decode_enable_radix_c
 SSM_BF16 = Feature("ssm_bf16", dict(mamba_ssm_dtype="bfloat16"), exact=False)
 SSM_FP16 = Feature("ssm_fp16", dict(mamba_ssm_dtype="float16"), exact=False)
 BF16 = Feature("bf16", dict(dtype="bfloat16"), exact=False)
-PD_FEATURES = {f.name: f for f in (STAGED, DECODE_RADIX, SSM_BF16, SSM_FP16, BF16)}
+# The conv state's dtype is not the SSM state's flag: SGLANG_MAMBA_CONV_DTYPE (default: the --dtype).
+CONV_BF16 = Feature("conv_bf16", env={"SGLANG_MAMBA_CONV_DTYPE": "bfloat16"}, exact=False)
+PD_FEATURES = {f.name: f for f in (STAGED, DECODE_RADIX, SSM_BF16, SSM_FP16, BF16, CONV_BF16)}
 # The router's default is five attempts with backoffs; one retry is enough on loopback, and a refused
 # pair then fails its first request in seconds.
 ROUTER_ARGS = ["--retry-max-retries", "2"]
@@ -91,6 +93,11 @@ class PdCase:
     both: tuple[str, ...] = ()
     # A mismatched pair: the flag (or variable) its refusal must name.
     refuse: str | None = None
+    # The decode server's weights differ in value alone: it serves the preset made from this seed
+    # (`pd_checkpoints.other_seed_checkpoint`), or gets an in-place update of one tensor before the
+    # first request (`/update_weights_from_tensor`, as an RL refit sent to one server only).
+    decode_seed: int | None = None
+    decode_update: bool = False
 
     def features(self, side: str) -> tuple[Feature, ...]:
         names = self.both + (self.prefill if side == "prefill" else self.decode)
@@ -146,6 +153,9 @@ CASES = [
     PdCase("quant_fp8_mismatch", prefill=("quant_fp8",), refuse="--quantization"),
     PdCase("dtype_mismatch", prefill=("bf16",), refuse="--dtype"),
     PdCase("dp2", both=("dp2",), refuse="--dp-size"),
+    PdCase("conv_dtype_mismatch", prefill=("conv_bf16",), refuse="SGLANG_MAMBA_CONV_DTYPE"),
+    PdCase("checkpoint_mismatch", decode_seed=1, refuse="--model-path"),
+    PdCase("weight_update_mismatch", decode_update=True, refuse="--model-path"),
     # The other architectures: their own pair (the vision-language one with an image request too), and
     # a decode radix cache.
     *[
@@ -356,14 +366,32 @@ def _start_failure(e: Exception, case: PdCase, outcome: PdOutcome) -> None:
     outcome.fail("BROKEN", "start: " + " | ".join(msg.splitlines()[-3:])[:500])
 
 
+def _update_one_tensor(server, path: str) -> None:
+    """An in-place update of one weight by 1e-3 of its first element, as an HTTP client sends it."""
+    import base64
+    import pickle
+
+    from sglang.test.model_checks import served_tensors
+
+    name, tensor = sorted(served_tensors(path).items())[0]
+    nudged = tensor.clone()
+    nudged.view(-1)[0] += 1e-3 * max(1.0, abs(float(nudged.view(-1)[0])))
+    body = {"serialized_named_tensors": [base64.b64encode(pickle.dumps([(name, nudged)])).decode()]}
+    r = requests.post(server.base_url + "/update_weights_from_tensor", json=body, timeout=REQUEST_TIMEOUT_S)
+    if r.status_code != 200 or not r.json().get("success"):
+        raise RuntimeError(f"the decode server's weight update failed: {r.text[:300]}")
+
+
 def run_case(case: PdCase, log_dir: Path) -> PdOutcome:
     from sglang.srt.configs.presets import resolve_model_path
+    from sglang.test.pd_checkpoints import other_seed_checkpoint
     from sglang.test.router_process import RouterProcess
     from sglang.test.test_utils import ServerProcess, find_free_port
 
     outcome = PdOutcome(case.name)
     t0 = time.monotonic()
     path = resolve_model_path(case.model)
+    decode_path = other_seed_checkpoint(case.model, case.decode_seed) if case.decode_seed else path
     pd: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as disk:
         bootstrap_port = find_free_port()
@@ -373,13 +401,15 @@ def run_case(case: PdCase, log_dir: Path) -> PdOutcome:
             env=_env(case.features("prefill"), disk),
         )  # fmt: skip
         pd["decode"] = ServerProcess(
-            ["--model-path", path, "--disaggregation-mode", "decode", *_argv(case.features("decode"))],
+            ["--model-path", decode_path, "--disaggregation-mode", "decode", *_argv(case.features("decode"))],
             env=_env(case.features("decode"), disk),
         )
         try:
             try:
                 pd["prefill"].wait_ready()
                 pd["decode"].wait_ready()
+                if case.decode_update:
+                    _update_one_tensor(pd["decode"], path)
                 pd["router"] = RouterProcess(pd["prefill"], bootstrap_port, pd["decode"], ROUTER_ARGS)
                 pd["router"].wait_ready()
             except RuntimeError as e:
@@ -461,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{side}: {','.join(f.name for f in c.features(side)) or '-'}"
                 for side in ("prefill", "decode")
             ]
-            print(f"{c.name:<36} {'  '.join(sides)}" + (f"  (must refuse: {c.refuse})" if c.refuse else ""))
+            weights = f"  decode weights: seed {c.decode_seed}" if c.decode_seed else ""
+            weights += "  decode weights: one tensor updated" if c.decode_update else ""
+            print(f"{c.name:<36} {'  '.join(sides)}{weights}" + (f"  (must refuse: {c.refuse})" if c.refuse else ""))
         return 0
     names = args.cases.split(",") if args.cases else [c.name for c in CASES]
     skip = set(filter(None, args.skip.split(",")))

@@ -142,13 +142,14 @@ class PoolLayout:
                 "SGLANG_MAMBA_CONV_DTYPE)"
             )
         if self.weights_digest != other.weights_digest:
+            # (the flag first: a client or log may cut the long paths after it)
             return (
-                f"the weights' values differ (the prefill server serves {self.weights_source or 'unnamed weights'}"
-                f", fingerprint {self.weights_digest or 'none'}; the decode server "
-                f"{other.weights_source or 'unnamed weights'}, fingerprint {other.weights_digest or 'none'}): "
-                "serve the same checkpoint (--model-path) on both servers and apply every weight update "
-                "(/update_weights_from_disk, /update_weights_from_tensor, /update_weights_from_distributed) "
-                "to both"
+                "the weights' values differ: serve the same checkpoint (--model-path) on both servers and "
+                "apply every weight update (/update_weights_from_disk, /update_weights_from_tensor, "
+                "/update_weights_from_distributed) to both (the prefill server serves "
+                f"{self.weights_source or 'unnamed weights'}, fingerprint {self.weights_digest or 'none'}; "
+                f"the decode server {other.weights_source or 'unnamed weights'}, fingerprint "
+                f"{other.weights_digest or 'none'})"
             )
         return None
 
