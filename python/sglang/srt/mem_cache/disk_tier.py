@@ -10,11 +10,12 @@ being a SHA-256 of the namespace and the tokens (no token is stored). A checkpoi
 deeper one whose entry holds its KV (the repeat point: `HiMambaRadixCache.take_host_copies`) is a
 state-only entry, `<name>-<length>+<base>.pt`: its state, and its KV read from the first `length`
 positions of the base entry's file (a prompt served in one batch wrote 1.76x its entry's bytes as two
-whole entries). A base entry deleted takes its state-only entries with it; one whose base is gone is
-skipped (`disk_writes_base_missing`: written whole instead). A file is written under a unique temporary
-name, synced and renamed: an entry exists once its file does. The index (name -> length, bytes, base, in
-LRU order) gains an entry only after its file is renamed into place, and is rebuilt from the file names
-at start (the tier survives a restart); files that are not entries are skipped with a warning. The
+whole entries). A base entry deleted takes its state-only entries with it; at start one whose base file
+is gone is skipped and deleted; one whose base is not on disk when it is written is written whole
+(`disk_writes_base_missing`). A file is written under a unique temporary name, synced and renamed: an
+entry exists once its file does. The index (name -> length, bytes, base, in LRU order) gains an entry
+only after its file is renamed into place, and is rebuilt from the file names at start (the tier
+survives a restart); files that are not entries are skipped with a warning. The
 folder holds at most the budget (`DiskTierConfig.max_bytes`: `$SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE`,
 upstream's, or `$SGLANG_HICACHE_FILE_BACKEND_MAX_GB`, default 16 GB): a write that would pass it first
 deletes least recently used entries until the tier holds `eviction_ratio` of it with the write
