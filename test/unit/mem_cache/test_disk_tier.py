@@ -386,8 +386,9 @@ def test_upstreams_size_and_eviction_variables_are_honoured(monkeypatch):
     with envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE.override("200G"):
         config = tree_cache_factory._file_storage(args, None)
         assert (config.max_bytes, config.max_bytes_from) == (200 << 30, "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE")
-    with envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE.override("0"):
-        assert tree_cache_factory._file_storage(args, None).max_bytes == disk_budget.NO_CAP
+    for no_cap in ("0", ""):
+        with envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE.override(no_cap):
+            assert tree_cache_factory._file_storage(args, None).max_bytes == disk_budget.NO_CAP
     with envs.SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO.override(0.5):
         assert tree_cache_factory._file_storage(args, None).eviction_ratio == 0.5
     with envs.SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE.override(True):

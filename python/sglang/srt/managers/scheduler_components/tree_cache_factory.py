@@ -172,15 +172,15 @@ def _asked_budget() -> tuple[int, str]:
     """(bytes, the variable that set them): upstream's SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE (a size; 0: no
     cap, as upstream) or ours, SGLANG_HICACHE_FILE_BACKEND_MAX_GB; both set is refused."""
     size, gb = envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, envs.SGLANG_HICACHE_FILE_BACKEND_MAX_GB
-    if size.get() is not None:
+    if size.is_set():
         if gb.is_set():
             raise ServerArgsError(f"Set one of {size.name} (upstream's) and {gb.name}, not both.")
+        raw = size.get() or "0"  # (empty: no cap, as upstream)
         try:
-            n = parse_size(size.get())
+            n = parse_size(raw)
         except ValueError:
             raise ServerArgsError(
-                f"{size.name} must be a size such as 200G, 1Gi or a byte count, or 0 for no cap "
-                f"(got {size.get()!r})."
+                f"{size.name} must be a size such as 200G, 1Gi or a byte count, or 0 for no cap (got {raw!r})."
             ) from None
         return (n or NO_CAP), size.name
     value = _env(gb, "a number of GB")
