@@ -113,7 +113,7 @@ class Envs:
         16.0, "The most GB the disk tier of --hicache-storage-backend file keeps; LRU entries go past it."
     )
     SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE = EnvStr(
-        "1G", "The free space the disk tier never takes its filesystem below (10G, 1Gi, bytes; 0: no floor)."
+        "1Gi", "The free space the disk tier never takes its filesystem below (10G, 1Gi, bytes; 0: no floor)."
     )
     # Upstream's file backend's names (mem_cache/disk_budget.py, tree_cache_factory._file_storage).
     SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE = EnvOptStr(

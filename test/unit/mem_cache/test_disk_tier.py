@@ -298,18 +298,22 @@ def test_writes_stop_at_the_free_space_floor(tmp_path, monkeypatch):
 
 def test_the_floor_reads_upstreams_variable_and_sizes(monkeypatch):
     """SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE (upstream's name) reaches the tier's config in upstream's
-    sizes (lower case decimal, upper case or `i` binary, a byte count; default 1 GiB); a value that is
-    not a size is a startup error naming the variable."""
+    sizes (its `human_readable_int`: SI k/M/G/T decimal, IEC Ki/Mi/Gi/Ti binary and whole, case-sensitive,
+    a byte count; default 1 GiB); a value that is not a size (10g, 1K, 1.5Gi) is a startup error naming
+    the variable. Before, 1G read as 2**30 (upstream: 10**9) and 10g was taken."""
     from sglang.srt.environ import envs
     from sglang.srt.managers.scheduler_components import tree_cache_factory
     from sglang.srt.server_args import ServerArgsError
 
-    assert [disk_tier.parse_size(s) for s in ("10g", "1G", "1Gi", "512Mi", "2.5k", "4096", "0")] == [
-        10**10, 1 << 30, 1 << 30, 512 << 20, 2500, 4096, 0]  # fmt: skip
+    assert [disk_tier.parse_size(s) for s in ("10G", "1G", "1Gi", "512Mi", "2.5k", "1.5T", "4096", "0")] == [
+        10**10, 10**9, 1 << 30, 512 << 20, 2500, 15 * 10**11, 4096, 0]  # fmt: skip
+    for bad in ("10g", "1K", "1.5Gi", "1.5", "-1", "lots"):
+        with pytest.raises(ValueError):
+            disk_tier.parse_size(bad)
     monkeypatch.setattr(tree_cache_factory, "disk_fingerprint", lambda args, runner: "fp")
     args = SimpleNamespace(hicache_storage_backend="file")
     assert tree_cache_factory._file_storage(args, None).min_free_bytes == 1 << 30
-    with envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.override("20g"):
+    with envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.override("20G"):
         assert tree_cache_factory._file_storage(args, None).min_free_bytes == 2 * 10**10
     with envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.override("lots"):
         with pytest.raises(ServerArgsError, match="^SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE must be a size"):
@@ -385,7 +389,7 @@ def test_upstreams_size_and_eviction_variables_are_honoured(monkeypatch):
     assert (config.max_bytes, config.eviction_ratio) == (16 << 30, 0.9)
     with envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE.override("200G"):
         config = tree_cache_factory._file_storage(args, None)
-        assert (config.max_bytes, config.max_bytes_from) == (200 << 30, "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE")
+        assert (config.max_bytes, config.max_bytes_from) == (200 * 10**9, "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE")
     for no_cap in ("0", ""):
         with envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE.override(no_cap):
             assert tree_cache_factory._file_storage(args, None).max_bytes == disk_budget.NO_CAP

@@ -19,29 +19,33 @@ import secrets
 import shutil
 import socket
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 FREE_SHARE = 0.5  # the most of a rank's share of the free space (with its own entries) its budget takes
 MIN_FREE_BYTES = 1 << 30  # the free space a write never takes the filesystem below, by default
-SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(?:([kmgtKMGT])(i?))?$")
+SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+IEC = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 MARKER = ".rank-{}.share"
 NO_CAP = 1 << 62  # a budget of SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE=0 (upstream: no cap; here the free space caps it)
 
 
 def parse_size(raw: str) -> int:
-    """Bytes of a size as upstream's file backend reads its variables: a byte count, or a number with a
-    suffix, lower case decimal (10g: 10**10) and upper case or with `i` binary (1G, 1Gi: 2**30)."""
+    """Bytes of a size as upstream's file backend reads its variables (its `human_readable_int`): a byte
+    count, or a number with an SI suffix (k, M, G, T: 10G is 10**10) or an IEC one (Ki, Mi, Gi, Ti: 1Gi
+    is 2**30, whole numbers only); suffixes are case-sensitive (10g, 1K are not sizes)."""
     m = SIZE.match(raw.strip())
-    if m is None:
+    if m is None or (m[2] is None and "." in m[1]) or (m[2] in IEC and "." in m[1]):
         raise ValueError(f"{raw!r} is not a size")
-    number, suffix, binary = m.groups()
+    number, suffix = m.groups()
     if suffix is None:
-        return int(float(number))
-    power = "kmgt".index(suffix.lower()) + 1
-    base = 1024 if binary or suffix.isupper() else 1000
-    return int(float(number) * base**power)
+        return int(number)
+    if suffix in IEC:
+        return int(number) * IEC[suffix]
+    return int(Decimal(number) * SI[suffix])
 
 
 def free_bytes(path: str) -> int | None:
