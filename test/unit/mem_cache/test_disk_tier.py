@@ -428,3 +428,15 @@ def test_past_the_budget_entries_go_down_to_the_eviction_ratio(tmp_path):
         names = [put(st, list(range(1000 * i, 1000 * i + 100))) for i in range(5)]
         assert list(st.index) == names[-kept:] and st.stats["disk_evictions"] == 5 - kept, ratio
         assert st.total <= st.max_bytes * ratio
+
+
+def test_a_state_only_write_without_its_base_over_the_budget_is_skipped(tmp_path):
+    """A repeat point whose base was not written (over the budget by itself): written whole it would be
+    over the budget too; it is skipped and counted, and the entries already held stay (before, making
+    room for it deleted them all and the write then left the tier over its budget)."""
+    st = storage(tmp_path)
+    kept = put(st, list(range(10)))
+    st.max_bytes = st.index[kept][1] + 64 * st.host.token_bytes  # (a state fits; 128 positions do not)
+    up = put_state_only(st, list(range(1000, 1128)), entry_name(list(range(1000, 1200)), None))
+    assert up not in st.index and list(st.index) == [kept] and st.stats["disk_writes_over_budget"] == 1
+    assert len(os.listdir(st.dir)) == 1 and not st.pending

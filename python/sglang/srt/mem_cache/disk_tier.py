@@ -413,6 +413,9 @@ class FileStorage:
             with self.lock:
                 base = self._kv_holder(base)
                 size = (0 if base is not None else length * h.token_bytes) + h.slot_bytes
+                if size > self.max_bytes:  # (written whole, its base missing, it is over the budget alone)
+                    self.stats["disk_writes_over_budget"] += 1
+                    return
                 self._trim(size)
                 room = self._room_on_disk(size)
                 base = self._kv_holder(base)  # (making room may have deleted it: then written whole)
