@@ -19,12 +19,16 @@ scheduler states each time they went idle (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING
 
 from __future__ import annotations
 
+import base64
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.model_checks import served_tensors
 from sglang.test.pd_conversation import (
     assert_same_generation,
     conversation_turns,
@@ -35,7 +39,7 @@ from sglang.test.pd_conversation import (
 from sglang.test.router_process import start_pd, stop_all
 from sglang.test.test_utils import ServerProcess
 
-register_cpu_ci(est_time=360, suite="nightly-cpu")
+register_cpu_ci(est_time=390, suite="nightly-cpu")
 
 FAIL_PREFIX = "fail-transfer-"
 SECRET = "pd-tp-test-secret"
@@ -180,3 +184,34 @@ def test_a_transfer_failed_on_one_rank_stops_the_other_and_names_that_rank(pd):
     assert r.status_code >= 500, r.text
     assert "injected" in r.text and "(on TP rank 1)" in r.text, r.text
     assert seconds < 30, seconds  # (a prefill and a decode step here take well under a second)
+
+
+def _update(server: ServerProcess, name: str, tensor, version: str) -> None:
+    body = {"serialized_named_tensors": [base64.b64encode(pickle.dumps([(name, tensor)])).decode()],
+            "weight_version": version}  # fmt: skip
+    r = requests.post(server.base_url + "/update_weights_from_tensor", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["success"], r.text
+
+
+def test_a_weight_update_on_one_server_is_refused_until_the_other_has_it(pd):
+    """Each rank fingerprints its own shard again after an update, and the ranks gather them again: a
+    projection sharded across the ranks, nudged on the decode server only, is refused naming the rank;
+    once the prefill server has it too the pair serves the prefill server's own answer. (Last: the
+    original weight goes back to both, so that the pair again matches the TP-1 server.)"""
+    tensors = served_tensors(pd["model"])
+    name = next(n for n in sorted(tensors) if n.endswith("proj.weight") and tensors[n].dim() == 2)
+    nudged = tensors[name].clone()
+    nudged.view(-1)[-1] += 1e-3 * max(1.0, abs(float(nudged.view(-1)[-1])))
+    body = generate_body(prompts(1, base=31)[0], max_new_tokens=6)
+    try:
+        _update(pd["decode"], name, nudged, "step-1")
+        r = post(pd["router"].base_url + "/generate", body)
+        assert r.status_code >= 500, r.text
+        assert "the weights' values differ" in r.text and "(TP rank" in r.text and "step-1" in r.text, r.text
+        _update(pd["prefill"], name, nudged, "step-1")
+        r = post(pd["router"].base_url + "/generate", body)
+        assert r.status_code == 200, r.text
+        assert_same_generation(r.json(), post(pd["prefill"].base_url + "/generate", body).json())
+    finally:
+        for side in ("decode", "prefill"):
+            _update(pd[side], name, tensors[name], "default")
