@@ -184,3 +184,27 @@ def test_a_weight_update_refreshes_both_queues_layouts(paths):
         assert theirs == q.layout
         model.load_weights(list(served_tensors(paths[0]).items()), update=True)  # (back, for the next)
         args.weight_version = "default"
+
+
+def test_resumed_weights_are_fingerprinted_again():
+    """/resume_memory_occupation of the weights: without --enable-weights-cpu-backup they hold no values
+    until an update writes them, so a PD server fingerprints them again (and the pair refuses until both
+    hold the same); resuming only the KV cache does not."""
+    calls = []
+
+    class Memory:
+        released = {"weights", "kv_cache"}
+
+        def resume(self, tags):
+            self.released -= set(tags)
+
+    owner = SimpleNamespace(
+        model_runner=SimpleNamespace(memory_occupation=Memory()),
+        disagg=SimpleNamespace(weights_changed=lambda: calls.append("refingerprinted")),
+        _agree=lambda error: error,
+        send_to_tokenizer=lambda out: calls.append(out.success),
+    )
+    SchedulerUpdateWeightsMixin.resume_memory_occupation(owner, SimpleNamespace(tags=["kv_cache"]))
+    assert calls == [True]
+    SchedulerUpdateWeightsMixin.resume_memory_occupation(owner, SimpleNamespace(tags=["weights"]))
+    assert calls == [True, "refingerprinted", True]

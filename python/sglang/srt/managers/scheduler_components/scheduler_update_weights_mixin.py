@@ -179,6 +179,8 @@ class SchedulerUpdateWeightsMixin:
         error = self._agree(error)
         if error is not None and before - memory.released:
             memory.release(sorted(before - memory.released))  # (another rank failed: released on all)
+        if error is None and WEIGHTS in before - memory.released and self.disagg is not None:
+            self.disagg.weights_changed()  # (their values: the host copy's, or none until an update's)
         left = sorted(memory.released)
         message = f"Resumed {', '.join(tags)}" + (f"; {', '.join(left)} still released." if left else ".")
         success, message = error is None, error or message
