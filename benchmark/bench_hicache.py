@@ -73,7 +73,8 @@ def _bytes_written(h: SchedulerHarness) -> dict:
     budget large enough that none was deleted, where the tier does not count them)."""
     tree = h.sched.tree_cache
     stats, host = tree.controller.stats, tree.host
-    out = {"host_bytes_written": stats["backup_tokens"] * host.token_bytes + stats["backup_states"] * host.slot_bytes}
+    host_bytes = stats["backup_tokens"] * host.token_bytes + stats["backup_states"] * host.slot_bytes
+    out = {"host_bytes_written": host_bytes}
     if tree.storage is not None:
         files = [e for e in os.scandir(tree.storage.dir) if e.name.endswith(".pt")]
         out["disk_bytes_written"] = stats.get("disk_bytes_written") or sum(e.stat().st_size for e in files)

@@ -439,7 +439,8 @@ def exact_repeat_hits_lower_tiers(preset: str, strategy: str, storage_dir: str, 
             h.generate(token_ids(20, seed=5), max_new_tokens=1)
             index = tree.storage.index  # (V's entries: (length, bytes, state-only), deepest first)
             named = {entry_name(v[:n], None): n for n in range(1, prompt_len + 1)}
-            entries = sorted(((e[0], e[1], e[2] is not None) for k, e in index.items() if k in named), reverse=True)
+            entries = sorted(((e[0], e[1], e[2] is not None) for k, e in index.items() if k in named),
+                             reverse=True)  # fmt: skip
             tree.evict(1 << 30, 1 << 30)
             assert not tree.match_prefix(v).device_indices, "V is still on the device"
             stats = tree.controller.stats

@@ -343,7 +343,8 @@ def test_a_state_only_entry_reads_its_kv_from_its_base(tmp_path):
     staged = st.stage(up, 10)
     assert torch.equal(staged["kv"][0], st.host.k_buffer[0][11:65])  # (the base's host_kv: 1..128)
     assert torch.equal(staged["kv"][1], st.host.v_buffer[0][11:65])
-    assert torch.equal(staged["ssm"], st.host.ssm_state[:, 2]) and torch.equal(staged["conv"], st.host.conv_state[:, 2])
+    assert torch.equal(staged["ssm"], st.host.ssm_state[:, 2])
+    assert torch.equal(staged["conv"], st.host.conv_state[:, 2])
     chained = put_state_only(st, key[:32], up)
     assert st.index[chained][2] == full and st.stage(chained, 0) is not None
     again = storage(tmp_path)  # (a restart)
@@ -389,7 +390,8 @@ def test_upstreams_size_and_eviction_variables_are_honoured(monkeypatch):
     assert (config.max_bytes, config.eviction_ratio) == (16 << 30, 0.9)
     with envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE.override("200G"):
         config = tree_cache_factory._file_storage(args, None)
-        assert (config.max_bytes, config.max_bytes_from) == (200 * 10**9, "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE")
+        assert config.max_bytes == 200 * 10**9
+        assert config.max_bytes_from == "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"
     for no_cap in ("0", ""):
         with envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE.override(no_cap):
             assert tree_cache_factory._file_storage(args, None).max_bytes == disk_budget.NO_CAP
@@ -399,15 +401,15 @@ def test_upstreams_size_and_eviction_variables_are_honoured(monkeypatch):
         with envs.SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL.override(-1.0):
             assert tree_cache_factory._file_storage(args, None) is not None
     refused = [
-        (envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, "lots", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE must be a size"),
-        (envs.SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, "1.5", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO must"),
-        (envs.SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, "most", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO must"),
-        (envs.SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE, "maybe", "SGLANG_HICACHE_FILE_BACKEND_ENABLE_MET"),
-        (envs.SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL, "soon", "SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL must"),
+        (envs.SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, "lots"),
+        (envs.SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, "1.5"),
+        (envs.SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, "most"),
+        (envs.SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE, "maybe"),
+        (envs.SGLANG_HICACHE_FILE_BACKEND_METADATA_TTL, "soon"),
     ]
-    for var, raw, message in refused:
+    for var, raw in refused:
         monkeypatch.setenv(var.name, raw)
-        with pytest.raises(ServerArgsError, match=f"^{message}"):
+        with pytest.raises(ServerArgsError, match=f"^{var.name} must be .*{raw}"):
             tree_cache_factory._file_storage(args, None)
         monkeypatch.delenv(var.name)
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE", "200G")
@@ -423,8 +425,8 @@ def test_past_the_budget_entries_go_down_to_the_eviction_ratio(tmp_path):
     probe = storage(tmp_path / "probe")
     size = probe.index[put(probe, list(range(100)))][1]
     for ratio, kept in ((0.5, 2), (1.0, 4)):
-        st = FileStorage(DiskTierConfig(str(tmp_path / str(ratio)), "fp", int(size * 4.5), 0, ratio), fake_host(),
-                         Counter())  # fmt: skip
+        config = DiskTierConfig(str(tmp_path / str(ratio)), "fp", int(size * 4.5), 0, ratio)
+        st = FileStorage(config, fake_host(), Counter())
         names = [put(st, list(range(1000 * i, 1000 * i + 100))) for i in range(5)]
         assert list(st.index) == names[-kept:] and st.stats["disk_evictions"] == 5 - kept, ratio
         assert st.total <= st.max_bytes * ratio

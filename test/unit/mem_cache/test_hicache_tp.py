@@ -213,7 +213,8 @@ def test_ranks_sharing_a_filesystem_split_its_free_space(tmp_path, monkeypatch, 
     dirs = [tmp_path / c for c in roots]
     for d in dirs:
         d.mkdir(exist_ok=True)
-    got = on_ranks([lambda r=r: disk_budget.ranks_sharing(str(dirs[r]), gather.for_rank(r)) for r in range(4)])
+    share = [lambda r=r: disk_budget.ranks_sharing(str(dirs[r]), gather.for_rank(r)) for r in range(4)]
+    got = on_ranks(share)
     assert got == [sharing] * 4
     assert not [f for d in dirs for f in os.listdir(d)]
     config = DiskTierConfig(str(dirs[0]), "fp", 1 << 40, 0, ranks=sharing)

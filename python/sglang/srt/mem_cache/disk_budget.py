@@ -30,7 +30,7 @@ SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 IEC = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 MARKER = ".rank-{}.share"
-NO_CAP = 1 << 62  # a budget of SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE=0 (upstream: no cap; here the free space caps it)
+NO_CAP = 1 << 62  # SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE=0 (upstream: no cap; here the free space caps it)
 
 
 def parse_size(raw: str) -> int:
@@ -72,12 +72,15 @@ def ranks_sharing(root: str | None, gather: Callable[[Any], list[Any]]) -> int:
     if root is not None:
         marker, fs = os.path.join(root, MARKER.format(token)), filesystem_id(root)
         try:
-            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+            os.close(os.open(marker, flags, 0o600))
         except OSError:
             marker = None  # (then only the node and device tell)
     everyone = gather((token, fs))
-    n = sum(1 for tok, other in everyone if root is not None
-            and ((fs is not None and other == fs) or os.path.exists(os.path.join(root, MARKER.format(tok)))))  # fmt: skip
+    def shares(tok: str, other: tuple[str, int] | None) -> bool:
+        return (fs is not None and other == fs) or os.path.exists(os.path.join(root, MARKER.format(tok)))
+
+    n = 0 if root is None else sum(shares(tok, other) for tok, other in everyone)
     gather(None)  # (no marker goes before every rank looked)
     if marker is not None:
         try:

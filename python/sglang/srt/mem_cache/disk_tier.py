@@ -122,7 +122,8 @@ def entry_name(key, namespace: str | None) -> str:
 class FileStorage:
     def __init__(self, config: DiskTierConfig, host: HostPools, stats: Counter):
         self.host, self.page, self.stats = host, host.page_size, stats
-        self.max_bytes, self.min_free, self.ratio = config.max_bytes, config.min_free_bytes, config.eviction_ratio
+        self.max_bytes, self.min_free = config.max_bytes, config.min_free_bytes
+        self.ratio = config.eviction_ratio
         self.ranks = config.ranks
         safe_dir(config.root)
         self.dir = os.path.join(config.root, hashlib.sha256(config.fingerprint.encode()).hexdigest()[:16])

@@ -232,8 +232,9 @@ class HiMambaRadixCache(MambaRadixCache):
         one's path. A match leaves at least the last token to recompute (its logits pick the next token),
         so that repeat resumes from the checkpoint nearest above the deeper one, never from it: that one
         is backed up too, as the device would hit it (its state only: the deeper backup brought the KV,
-        and its disk entry refers to the deeper one's for it; counted: `backups_repeat_point`). Where no backup below it succeeded (no room on host for the
-        deeper path), the skipped one is backed up after all, deepest first."""
+        and its disk entry refers to the deeper one's for it; counted: `backups_repeat_point`). Where no
+        backup below it succeeded (no room on host for the deeper path), the skipped one is backed up
+        after all, deepest first."""
         ready = list(self.due.values())
         self.due.clear()
         covered = self._above(ready)

@@ -152,7 +152,9 @@ def _file_storage(args: ServerArgs, model_runner) -> DiskTierConfig | None:
         ) from None
     ratio = _env(envs.SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, "a number in (0, 1] such as 0.9")
     if not 0 < ratio <= 1:
-        raise ServerArgsError(f"SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO must be in (0, 1] (got {ratio:g}).")
+        raise ServerArgsError(
+            f"SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO must be in (0, 1] (got {ratio:g})."
+        )
     # Upstream's positive lookup cache: our index is in memory always (a lookup never asks the
     # filesystem; a file deleted by another program is noticed at its read, the hit not taken).
     _env(envs.SGLANG_HICACHE_FILE_BACKEND_ENABLE_METADATA_CACHE, "1/0 or true/false")
@@ -180,7 +182,8 @@ def _asked_budget() -> tuple[int, str]:
             n = parse_size(raw)
         except ValueError:
             raise ServerArgsError(
-                f"{size.name} must be a size such as 200G, 1Gi or a byte count, or 0 for no cap (got {raw!r})."
+                f"{size.name} must be a size such as 200G, 1Gi or a byte count, or 0 for no cap "
+                f"(got {raw!r})."
             ) from None
         return (n or NO_CAP), size.name
     value = _env(gb, "a number of GB")
