@@ -232,3 +232,21 @@ def test_a_video_stops_decoding_when_its_client_leaves():
     finally:
         media_io.charge = charge
     assert len(seen) == 5, len(seen)
+
+
+def test_the_probe_when_a_file_opens_is_held_to_the_frame_bound_too():
+    """FFmpeg decodes a frame to probe the streams when it opens a file, before the declared size can be
+    checked: that probe gets the per-frame bound too (a 200 KB mp4 of 8192x8192 frames took 157 MB and
+    0.26 s to open before its refusal; 25 MB, 0.03 s with it). Seen here in FFmpeg's log: its refusal of
+    the 64x64 picture over a 32x32 bound (without the bound the probe decodes it silently)."""
+    import av.logging
+
+    level = av.logging.get_level()
+    av.logging.set_level(av.logging.ERROR)
+    try:
+        with av.logging.Capture() as logs:
+            with pytest.raises(RequestError, match="has 64x64 frames"):
+                video.load_video(h264(64, 64, 2, "mp4"), "video_data[0]", CONFIG, PixelBudget(per_item=32 * 32))
+    finally:
+        av.logging.set_level(level)
+    assert any("exceeds specified max pixel count 1024" in line for _, _, line in logs), logs
