@@ -66,6 +66,16 @@ def test_a_feature_this_server_lacks_is_refused_naming_the_field(field, value):
     assert e.value.message.startswith(f"{field} is not supported")
 
 
+def test_a_multimodal_field_beside_image_and_video_data_is_refused_for_what_it_asks():
+    """image_data and video_data are served: the refusal of upstream's other multimodal fields names
+    what they ask for (it said 'this server has no multimodal input', false on a vision-language
+    server)."""
+    with pytest.raises(RequestError) as e:
+        parse_generate_body(b'{"text": "hi", "video_config": {"fps": 1}}')
+    assert e.value.param == "video_config" and "per-request video settings" in e.value.message
+    assert not any("multimodal input" in reason for reason in UNSUPPORTED.values())
+
+
 @pytest.mark.parametrize(
     "flags, value, words",
     [
