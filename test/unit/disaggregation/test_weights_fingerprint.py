@@ -131,6 +131,19 @@ def test_equal_values_stored_in_another_order_are_equal():
     assert fingerprints[0] == fingerprints[1]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_copy_has_the_cpu_fingerprint(paths):
+    """Integer sums do not depend on the reduction's order: the same values on a GPU (its reductions,
+    its thread blocks) fingerprint as on the CPU, in float32 and in bfloat16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = load_model(load_hf_config(paths[0]), paths[0], dtype, "cpu")
+        gpu = load_model(load_hf_config(paths[0]), paths[0], dtype, "cuda")
+        assert gpu.state_dict().keys() == cpu.state_dict().keys()
+        assert all(torch.equal(t.cpu(), cpu.state_dict()[n]) for n, t in gpu.state_dict().items())
+        assert weights_fingerprint(gpu) == weights_fingerprint(cpu), dtype
+
+
 def small_layout(conv: torch.dtype = torch.bfloat16, ssm: torch.dtype = torch.float32) -> PoolLayout:
     kv = MHATokenToKVPool(16, 1, torch.float32, head_num=2, head_dim=4, layer_ids=[0])
     params = Mamba2CacheParams(
