@@ -36,7 +36,7 @@ def decode_queue(sched: Any) -> DecodeTransferQueue:
     q.sched = sched
     q.ranks, q.news, q.now = SINGLE, False, 0.0
     q.rank_targets, q.added_at, q.unsent = [], {}, []
-    q.layout = PoolLayout([], [], 0, [], [], [])
+    q.layout, q.model_path = PoolLayout([], [], 0, [], [], []), None
     q.engine = SimpleNamespace(session_id="127.0.0.1:16610")
     q.channel = RecordingChannel()
     q.notify_url = "tcp://127.0.0.1:1"
@@ -59,6 +59,7 @@ def prefill_queue(sched: Any) -> PrefillBootstrapQueue:
     q.sched = sched
     q.ranks, q.news, q.now = SINGLE, False, 0.0
     q.layout, q.layouts, q.staging = PoolLayout([], [], 0, [], [], []), [], None
+    q.model_path = None
     q.rooms, q.ended = {}, {}
     q.timeout = 300.0
     q.context_len = 4096

@@ -183,7 +183,6 @@ def test_a_weight_update_refreshes_both_queues_layouts(paths):
         sched = SimpleNamespace(server_args=args, model_runner=runner, tree_cache=None)
         q = make(sched)
         q.layout = with_weights(small_layout(), sched, PRESET)
-        q.model_path = PRESET
         q.layouts = [q.layout]
         before = q.layout.weights_digest
         model.load_weights([(n, t) for n, t in served_tensors(paths[1]).items()], update=True)
