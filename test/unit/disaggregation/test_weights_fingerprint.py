@@ -220,3 +220,19 @@ def test_resumed_weights_are_fingerprinted_again():
     assert calls == [True]
     SchedulerUpdateWeightsMixin.resume_memory_occupation(owner, SimpleNamespace(tags=["weights"]))
     assert calls == [True, "refingerprinted", True]
+
+
+def test_a_fingerprint_that_fails_refuses_rather_than_crashes(monkeypatch):
+    """A fingerprint that raises (no memory for a copy, after an update that succeeded) must neither stop
+    the scheduler nor match anything: the server's pair refuses."""
+    from sglang.srt.disaggregation import weights_fingerprint as module
+
+    def fail(*models):
+        raise torch.OutOfMemoryError("no memory for a copy")
+
+    monkeypatch.setattr(module, "weights_fingerprint", fail)
+    runner = SimpleNamespace(model=None, draft_model=None, dtype=torch.float32)
+    sched = SimpleNamespace(server_args=SimpleNamespace(quantization=None, weight_version="v"), model_runner=runner)
+    a, b = (with_weights(small_layout(), sched, PRESET) for _ in range(2))
+    assert a.weights_digest.startswith("not computed (OutOfMemoryError")
+    assert "the weights' values differ" in a.mismatch(b)

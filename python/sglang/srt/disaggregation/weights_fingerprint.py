@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +90,12 @@ def with_weights(layout: PoolLayout, sched: Any, model_path: str) -> PoolLayout:
     one)."""
     args, runner = sched.server_args, sched.model_runner
     start = time.perf_counter()
-    digest = weights_fingerprint(runner.model, getattr(runner, "draft_model", None))
+    try:
+        digest = weights_fingerprint(runner.model, getattr(runner, "draft_model", None))
+    except Exception as e:  # noqa: BLE001 - (out of memory for a copy, say) after an update that succeeded
+        # Not a crash of the scheduler, and no match with any peer: this server's pair refuses.
+        digest = f"not computed ({type(e).__name__}, {uuid.uuid4().hex[:8]})"
+        logger.warning("The weights' fingerprint could not be computed (%r): PD pairs will refuse.", e)
     logger.info(
         "Weights fingerprint %s (%s), computed in %.1f ms.", digest, model_path, (time.perf_counter() - start) * 1e3
     )
