@@ -93,7 +93,8 @@ def one_run(path: str, clients: int, threads: int, budget_mb: int) -> None:
     sampler.join()
     label = f"budget {budget_mb} MiB" if budget_mb else "no budget"
     print(
-        f"{clients} requests x 1 video, {threads} media threads, {label}: peak RSS +{(peak[0] - base) >> 20} MB "
+        f"{clients} requests x 1 video, {threads} media threads, {label}: "
+        f"peak RSS +{(peak[0] - base) >> 20} MB "
         f"over {base >> 20} MB, {wall:.2f} s (media memory peak reserved "
         f"{media_pool._memory.peak >> 20} MB)",
         flush=True,
@@ -116,7 +117,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "video.mp4")
         make_video(path, args.side, args.frames, args.refs)
-        print(f"video: {args.frames} frames of {args.side}x{args.side}, {os.path.getsize(path)} bytes", flush=True)
+        size = os.path.getsize(path)
+        print(f"video: {args.frames} frames of {args.side}x{args.side}, {size} bytes", flush=True)
         for budget in (0, args.memory_mb):
             cmd = [sys.executable, __file__, "--clients", str(args.clients), "--threads", str(args.threads)]
             subprocess.run(cmd + ["--one", path, str(budget)], check=True)

@@ -249,6 +249,10 @@ class Envs:
     # its payload (HMAC-SHA256) and the scheduler loads only payloads signed with the same secret.
     SGLANG_LOGIT_PROCESSOR_SECRET = EnvStr("", "Sign and require signed custom logit processor payloads.")
 
+    # Media (this server's): the decoded bytes the images and videos being decoded at once may hold, over
+    # all requests (multimodal/media_pool.py, docs/multimodal.md).
+    SGLANG_MEDIA_MEMORY_MB = EnvInt(2048, "MiB of decoded images and video frames in flight, all requests.")
+
     # Request deadlines (upstream names; seconds, 0 or less = off): a request still waiting, or still
     # running after its first forward, past its limit is aborted with HTTP 503.
     SGLANG_REQ_WAITING_TIMEOUT = EnvFloat(-1.0, "Abort requests that waited this long for admission.")

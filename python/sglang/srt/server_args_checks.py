@@ -97,6 +97,10 @@ def check_basic_flags(args: ServerArgs) -> None:
         _choice("--tool-call-parser", args.tool_call_parser, ["auto", *sorted(TOOL_CALL_PARSERS)])
     _choice("--grammar-backend", args.grammar_backend, GRAMMAR_BACKEND_CHOICES)
     _choice("SGLANG_SHAPE_WARMUP", envs.SGLANG_SHAPE_WARMUP.get(), ["auto", "on", "off"])
+    try:
+        _positive("SGLANG_MEDIA_MEMORY_MB", envs.SGLANG_MEDIA_MEMORY_MB.get())
+    except ValueError as e:  # not an integer: the registry's sentence names the variable
+        raise ServerArgsError(str(e)) from None
     if args.grammar_backend in ("outlines", "llguidance"):
         raise ServerArgsError(
             f"--grammar-backend {args.grammar_backend} is not supported (only xgrammar is installed with "

@@ -177,3 +177,18 @@ def test_two_requests_videos_decode_one_after_the_other_with_room_for_one(pool):
         video.load_video = load
     assert most[0] == 1 and memory.peak == need and memory.used == 0
     assert all(r[0].req.mm_inputs is not None for r in reqs)
+
+
+def test_the_budget_comes_from_its_environment_variable_and_a_bad_value_stops_the_start(monkeypatch):
+    from sglang.srt.environ import envs
+    from sglang.srt.server_args import ServerArgs, ServerArgsError
+
+    with envs.SGLANG_MEDIA_MEMORY_MB.override(512):
+        assert media_pool.memory_limit() == 512 << 20
+    assert media_pool.memory_limit() == 2048 << 20
+    for bad in ("0", "-3", "two"):
+        monkeypatch.setenv("SGLANG_MEDIA_MEMORY_MB", bad)
+        with pytest.raises(ValueError, match="SGLANG_MEDIA_MEMORY_MB"):
+            media_pool.memory_limit()
+        with pytest.raises(ServerArgsError, match="^[^\n]*SGLANG_MEDIA_MEMORY_MB[^\n]*$"):
+            ServerArgs(model_path="tiny-qwen3-next")

@@ -246,7 +246,8 @@ def test_the_probe_when_a_file_opens_is_held_to_the_frame_bound_too():
     try:
         with av.logging.Capture() as logs:
             with pytest.raises(RequestError, match="has 64x64 frames"):
-                video.load_video(h264(64, 64, 2, "mp4"), "video_data[0]", CONFIG, PixelBudget(per_item=32 * 32))
+                clip, small = h264(64, 64, 2, "mp4"), PixelBudget(per_item=32 * 32)
+                video.load_video(clip, "video_data[0]", CONFIG, small)
     finally:
         av.logging.set_level(level)
     assert any("exceeds specified max pixel count 1024" in line for _, _, line in logs), logs

@@ -10,11 +10,11 @@ their client.
   later item is submitted. An item already running sees it through `check_cancelled` (a video between two
   frames or packets stops there); an image's decode runs to its end (PIL cannot be interrupted), which the
   per-image bound (`media_io.PixelBudget`) keeps short.
-- The decoded bytes all items hold at once are bounded for the process (`MediaMemory`, `MEMORY_BYTES`):
-  an item states what it may hold (from its header, before it is decoded) and waits, without a thread,
-  until that fits beside the items running; waiters are admitted first come first served, and a request
-  has one item waiting at a time, so the requests are admitted in turn. An item larger than the whole
-  budget runs alone.
+- The decoded bytes all items hold at once are bounded for the process (`MediaMemory`,
+  SGLANG_MEDIA_MEMORY_MB): an item states what it may hold (from its header, before it is decoded) and waits,
+  without a thread, until that fits beside the items running; waiters are admitted first come first served,
+  and a request has one item waiting at a time, so the requests are admitted in turn. An item larger than the
+  whole budget runs alone.
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ MEDIA_THREADS = max(1, min(4, os.cpu_count() or 1))
 POLL_S = 0.5
 THREAD_PREFIX = "media-decode"
 # The decoded bytes the media items running at once may hold, over all requests (the estimates of
-# `media_io.image_bytes` and `video.video_bytes`): SGLANG_MEDIA_MEMORY_MB, default 2 GiB. Without it the
-# threads could hold MEDIA_THREADS x the largest item at once (a 200 KB H.264 file of 8192x8192 frames
-# with 16 reference frames held ~2.9 GB while it decoded).
+# `media_io.image_bytes` and `video.video_bytes`): SGLANG_MEDIA_MEMORY_MB (environ.py), default 2 GiB.
+# Without it the threads could hold MEDIA_THREADS x the largest item at once (a 200 KB H.264 file of
+# 8192x8192 frames with 16 reference frames held ~2.9 GB while it decoded).
 MEMORY_ENV = "SGLANG_MEDIA_MEMORY_MB"
-MEMORY_BYTES = 2048 << 20
 # An item that reserved at least this much gives the heap's free memory back to the system when it ends
 # (glibc's malloc_trim): the decoder's frames (under glibc's 32 MB mmap threshold) are freed into the
 # thread's own arena, which keeps them, so the process grew by each thread's largest item even while the
@@ -72,13 +71,13 @@ def media_memory() -> MediaMemory:
 
 
 def memory_limit() -> int:
-    """The budget in bytes: SGLANG_MEDIA_MEMORY_MB (a positive whole number of MiB) or MEMORY_BYTES."""
-    raw = os.environ.get(MEMORY_ENV, "").strip()
-    if not raw:
-        return MEMORY_BYTES
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{MEMORY_ENV} must be a positive whole number of MiB, got {raw!r}.")
-    return int(raw) << 20
+    """The budget in bytes: SGLANG_MEDIA_MEMORY_MB (a positive whole number of MiB; default 2048)."""
+    from sglang.srt.environ import envs
+
+    mb = envs.SGLANG_MEDIA_MEMORY_MB.get()  # ValueError naming the variable for a non-integer
+    if mb < 1:
+        raise ValueError(f"{MEMORY_ENV} must be a positive whole number of MiB, got {mb}.")
+    return mb << 20
 
 
 class MediaMemory:

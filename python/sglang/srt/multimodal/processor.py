@@ -6,7 +6,8 @@ checkpoint's `preprocessor_config.json`) and its video processor settings.
 Runs off the event loop, one item at a time in the media pool (`media_pool.MediaJob`: the requests take
 its threads in turn, and a request whose client left stops between items): decoding and resizing take
 milliseconds to seconds. Each item first reserves the decoded bytes its header says it may hold in the
-process's media memory (`media_pool.MediaMemory`). Reading and decoding each item, within this server's bounds, is `media_io`'s.
+process's media memory (`media_pool.MediaMemory`). Reading and decoding each item, within this server's
+bounds, is `media_io`'s.
 """
 
 from __future__ import annotations
