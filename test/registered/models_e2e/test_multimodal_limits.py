@@ -23,7 +23,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.test_utils import ServerProcess
 from sglang.test.vl_checks import PLACEHOLDER, random_image
 
-register_cpu_ci(est_time=60, suite="nightly-cpu")
+register_cpu_ci(est_time=70, suite="nightly-cpu")
 
 # The fetch deadline the server runs with (REQUEST_TIMEOUT, seconds).
 DEADLINE_S = 2.0
@@ -185,6 +185,33 @@ def test_nested_lists_and_videos_are_bounded(setup):
         timeout=120,
     )
     assert r.status_code == 200 and len(r.json()) == 2, r.text
+
+
+def test_a_video_of_more_frames_than_a_request_decodes_is_refused_before_decoding(setup):
+    """Security review S2: a frame costs ~12 us to decode however small, so a file of many tiny frames
+    (300,000 16x16 frames in 4.6 MB took 3.4 s of the server's CPU within the 2^31 pixels) is refused
+    from its frame count, before decoding: a 400 naming video_data (read by path: as base64 it is over
+    this checkpoint's body limit)."""
+    import av
+    import numpy as np
+
+    base, _, allowed, _ = setup
+    path = allowed / "many_frames.mkv"
+    with av.open(str(path), "w", format="matroska") as out:
+        s = out.add_stream("libx264", rate=24)
+        s.width, s.height, s.pix_fmt = 16, 16, "yuv420p"
+        s.options = {"preset": "ultrafast", "tune": "zerolatency"}
+        frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24")
+        for _ in range(70000):  # over the 65,536 a request decodes; ~1 MB
+            out.mux(s.encode(frame))
+        out.mux(s.encode())
+    video = "<|vision_start|><|video_pad|><|vision_end|>"
+    start = time.monotonic()
+    body = {"text": "See " + video, "video_data": str(path), "sampling_params": GREEDY}
+    r = requests.post(base + "/generate", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "video_data", r.text
+    assert "has over 65536 frames" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - start < SLACK_S  # counted from packets, not decoded (~1 s)
 
 
 def test_bystander_text_requests_finish_while_another_client_sends_pathological_images(setup):
