@@ -20,7 +20,8 @@ Video cases (security review S2, 2026-11-29; H.264 made here with PyAV, needs av
 - video_tiny_frames: one client sends an mkv of 45,000 frames of 16x16 (~0.7 MB; within the body limit).
 --video-dir DIR (the server's --allowed-local-media-path) adds two cases read by path from files there:
 video_tiny_frames_file (300,000 such frames, 4.6 MB) and video_leave_file (480 frames of 2048x2048 noise
-moving a little, 33 MB, ~2.5 s of decoding; its client leaves after 0.5 s).
+moving a little, 33 MB, ~2.5 s of decoding; its client leaves after 0.5 s); video_leave_file_6: six such
+clients at once.
 SGLANG_MEDIA_MEMORY_MB on the server bounds the decoded bytes in flight (default 2048).
 """
 
@@ -124,6 +125,7 @@ CASES = {  # name: (clients, items each, item maker, seconds before the clients 
 VIDEO_DIR_CASES = {
     "video_tiny_frames_file": (1, 1, tiny_frames_file, 600.0, "video_data"),
     "video_leave_file": (1, 1, rolling_noise_file, 0.5, "video_data"),
+    "video_leave_file_6": (6, 1, rolling_noise_file, 0.5, "video_data"),
 }
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 
