@@ -251,3 +251,39 @@ def test_the_probe_when_a_file_opens_is_held_to_the_frame_bound_too():
     finally:
         av.logging.set_level(level)
     assert any("exceeds specified max pixel count 1024" in line for _, _, line in logs), logs
+
+
+def claiming(samples: int) -> bytes:
+    """A 4-frame mp4 whose tables claim `samples` samples of one constant size (stts, stsz, stsc patched):
+    a few hundred bytes that FFmpeg would index sample by sample when it opens the file."""
+    import struct
+
+    data = bytearray(h264(16, 16, 4, "mp4"))
+    stts = data.find(b"stts")
+    data[stts + 12 : stts + 16] = struct.pack(">I", samples)  # the one entry's count
+    stsz = data.find(b"stsz")
+    data[stsz + 8 : stsz + 16] = struct.pack(">II", 600, samples)  # constant size, count
+    stsc = data.find(b"stsc")
+    data[stsc + 16 : stsc + 20] = struct.pack(">I", samples)  # samples per chunk
+    return bytes(data)
+
+
+def test_an_mp4_claiming_millions_of_samples_is_refused_before_ffmpeg_indexes_them():
+    """A 700-byte mp4 whose tables claim 60,000,000 samples (a constant size needs no table) took FFmpeg
+    5.6 s and 4 GB to open (10,000,000: 0.6 s, 700 MB), before any check of ours. Its boxes are read
+    first (mp4_boxes): over 2^20 samples it is refused unopened. Without it: opened, indexed, then refused
+    by the frame count."""
+    from sglang.srt.multimodal import mp4_boxes
+
+    for container in ("mp4", "mov"):
+        assert mp4_boxes.declared_samples(h264(16, 16, 37, container)) == 37, container
+    assert mp4_boxes.declared_samples(h264(16, 16, 37, "matroska")) == 0
+    assert mp4_boxes.declared_samples(claiming(3_000_000)) == 3_000_000
+    message, took = refused(claiming(3_000_000))
+    assert "declares 3000000 samples, over the 1048576" in message, message
+    assert took < FAST_S
+    # A compressed movie header cannot be counted unopened: refused.
+    box = lambda kind, body: len(body + b"12345678").to_bytes(4, "big") + kind + body  # noqa: E731
+    cmov = box(b"ftyp", b"isom\0\0\0\0") + box(b"moov", box(b"cmov", box(b"dcom", b"zlib")))
+    assert "compressed movie header" in refused(cmov)[0]
+    assert "over 131072 boxes" in refused(box(b"free", b"") * 140000)[0]

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from sglang.srt.managers.request_error import RequestError
-from sglang.srt.multimodal import media_io, media_pool
+from sglang.srt.multimodal import media_io, media_pool, mp4_boxes
 from sglang.srt.multimodal.media_pool import MediaCancelled
 
 FIELD = "video_data"
@@ -48,6 +48,11 @@ MAX_VIDEO_FRAMES = 256
 MAX_DECODED_PIXELS = 1 << 31
 # transformers' frame rate for frames given without one (Qwen3VLProcessor: "Defaulting to `fps=24`").
 DEFAULT_FPS = 24.0
+# The most samples an mp4 / mov file may declare in one kind of table over its tracks (video and audio):
+# FFmpeg builds its index from those counts when it opens the file (~70 bytes a sample), and they need no
+# bytes behind them (a 700-byte file claiming 60,000,000 took 5.6 s and 4 GB to open). 2^20 is 2.7 hours
+# of 60 fps video with its audio; a request decodes at most 65,536 frames anyway.
+MAX_DECLARED_SAMPLES = 1 << 20
 # Bytes a video file's decode may hold per pixel of its declared frame size, for the process's media
 # memory budget (`media_pool.MediaMemory`): the decoder's reference frames (H.264 keeps up to 16, YUV
 # 4:2:0, 1.5 bytes a pixel each), the frame being converted to RGB and its PIL copy. Measured: a 4096x4096
@@ -181,6 +186,7 @@ def video_bytes(item: Any, config: VideoConfig, pixels: media_io.PixelBudget | N
     per_frame = media_io.MAX_IMAGE_PIXELS if pixels is None else pixels.per_item
     try:
         data = _item_bytes(item, "")
+        _check_declared(data, "")
         with av.open(io.BytesIO(data), options=_open_options(per_frame)) as container:
             if not CONTAINERS & set(container.format.name.split(",")) or not container.streams.video:
                 return 0
@@ -212,6 +218,20 @@ CONTAINERS = frozenset({"mov", "mp4", "matroska", "webm", "avi"})
 _UNDECODABLE = "could not be decoded as a video (an mp4, mov, mkv, webm or avi file)"
 
 
+def _check_declared(data: bytes, where: str) -> None:
+    """Refuse an mp4 / mov file whose tables declare more samples than MAX_DECLARED_SAMPLES, or whose
+    boxes cannot be counted (`mp4_boxes`), before FFmpeg opens it."""
+    try:
+        samples = mp4_boxes.declared_samples(data)
+    except mp4_boxes.Unreadable as e:
+        raise RequestError(f"{where} has {e}, which this server does not open.", FIELD) from None
+    if samples > MAX_DECLARED_SAMPLES:
+        raise RequestError(
+            f"{where} declares {samples} samples, over the {MAX_DECLARED_SAMPLES} this server opens in a file.",
+            FIELD,
+        )
+
+
 def _open_options(per_frame: int) -> dict[str, str]:
     """FFmpeg's options for opening a video file: no protocol (a demuxer that would open a file or a
     socket named in the bytes fails instead), and no frame over `per_frame` pixels, also in the frames
@@ -225,6 +245,7 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
     from PIL import Image
 
     per_frame = media_io.MAX_IMAGE_PIXELS if pixels is None else pixels.per_item
+    _check_declared(data, where)
     try:
         with av.open(io.BytesIO(data), options=_open_options(per_frame)) as container:
             if not CONTAINERS & set(container.format.name.split(",")):

@@ -1,0 +1,95 @@
+"""The sample counts an ISO base media file (mp4, mov) declares, read from its boxes before FFmpeg opens
+it (security review S2): FFmpeg's mov demuxer builds its index of a track's samples when it opens the
+file, from counts that need no bytes behind them (a constant size in `stsz`, a count per entry in `stts`,
+default sizes in a fragment's `trun`), so a 700-byte mp4 that claims 60,000,000 samples took 5.6 s and
+4 GB to open. `declared_samples` reads those counts without building anything, so a file that claims
+more than a video can have is refused first.
+
+Boxes: a 32-bit size (1: a 64-bit size follows the type; 0: to the end) and a 4-character type. The walk
+descends the boxes that hold the sample tables and fragments, reads the counts, and stops at the first box
+whose size does not fit (FFmpeg stops there too). A `cmov` box (QuickTime's zlib-compressed movie header,
+which FFmpeg inflates before parsing) is refused: its counts cannot be read without inflating it; so is a
+file of more than `MAX_BOXES` boxes.
+"""
+
+from __future__ import annotations
+
+import struct
+
+# Boxes whose children the walk reads (the path to the sample tables and fragments, the movie header's
+# compressed form).
+CONTAINERS = frozenset({b"moov", b"trak", b"mdia", b"minf", b"stbl", b"moof", b"traf", b"edts", b"mvex"})
+# Boxes whose entries each carry a count of samples (summed): their entries' size in bytes.
+SUMMED = {b"stts": 8, b"ctts": 8, b"sbgp": 8}
+
+
+# The most boxes walked: a real file has a few per fragment (a 2-hour video cut in 1 s fragments, ~10
+# boxes each: 72,000); more are refused (the walk is Python, ~0.5 us a box; FFmpeg's is C).
+MAX_BOXES = 1 << 17
+
+
+class Unreadable(ValueError):
+    """The file's boxes cannot be counted: a compressed movie header (`cmov`), or too many boxes."""
+
+
+def declared_samples(data: bytes) -> int:
+    """The most samples `data` declares by one kind of table over all its tracks and fragments (sizes in
+    `stsz`, durations in `stts`, fragment runs in `trun`, ...: FFmpeg indexes every track and fragment); 0
+    for data that is not a box structure (a Matroska or AVI file). Unreadable for a `cmov` box or more
+    than MAX_BOXES boxes."""
+    totals: dict[bytes, int] = {}
+    boxes = 0
+
+    def walk(start: int, end: int, depth: int) -> None:
+        nonlocal boxes
+        at = start
+        while at + 8 <= end:
+            boxes += 1
+            if boxes > MAX_BOXES:
+                raise Unreadable(f"over {MAX_BOXES} boxes")
+            size, kind = struct.unpack_from(">I4s", data, at)
+            head = 8
+            if size == 1:
+                if at + 16 > end:
+                    return
+                size, head = struct.unpack_from(">Q", data, at + 8)[0], 16
+            elif size == 0:
+                size = end - at
+            if size < head or at + size > end:
+                return
+            body, stop = at + head, at + size
+            if kind == b"cmov":
+                raise Unreadable("a compressed movie header (cmov)")
+            if kind in CONTAINERS and depth < 16:
+                walk(body, stop, depth + 1)
+            else:
+                totals[kind] = totals.get(kind, 0) + _counts(data, kind, body, stop)
+            at = stop
+
+    walk(0, len(data), 0)
+    return max(totals.values(), default=0)
+
+
+def _counts(data: bytes, kind: bytes, body: int, stop: int) -> int:
+    """The samples one box declares (0 for a box that declares none)."""
+    import numpy as np
+
+    if stop - body < 12:
+        return 0
+    if kind in (b"stsz", b"stz2"):  # version/flags, sample size (stz2: reserved, field size), count
+        return struct.unpack_from(">I", data, body + 8)[0]
+    if kind in (b"trun", b"senc"):  # version/flags, count
+        return struct.unpack_from(">I", data, body + 4)[0]
+    if kind == b"saiz":  # version/flags, [aux info type, parameter], default size (1 byte), count
+        at = body + 4 + (8 if struct.unpack_from(">I", data, body)[0] & 1 else 0) + 1
+        return struct.unpack_from(">I", data, at)[0] if at + 4 <= stop else 0
+    if kind in SUMMED:  # version/flags, [sbgp: grouping type, v1: its parameter], entry count, entries
+        at = body + 8
+        if kind == b"sbgp":
+            at += 4 + (4 if data[body] == 1 else 0)
+        if at > stop:
+            return 0
+        entries = min(struct.unpack_from(">I", data, at - 4)[0], (stop - at) // SUMMED[kind])
+        table = np.frombuffer(data, dtype=">u4", count=2 * entries, offset=at)
+        return int(table[0::2].sum(dtype=np.uint64))  # each entry's first field: its sample count
+    return 0
