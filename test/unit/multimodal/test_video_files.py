@@ -287,3 +287,43 @@ def test_an_mp4_claiming_millions_of_samples_is_refused_before_ffmpeg_indexes_th
     cmov = box(b"ftyp", b"isom\0\0\0\0") + box(b"moov", box(b"cmov", box(b"dcom", b"zlib")))
     assert "compressed movie header" in refused(cmov)[0]
     assert "over 131072 boxes" in refused(box(b"free", b"") * 140000)[0]
+
+
+def test_a_video_in_a_codec_outside_the_decoders_is_refused_naming_it():
+    """FFmpeg has some 250 video decoders; a file's frames may need only those of real videos
+    (video.DECODERS). A mov of PNG frames is refused naming its codec (before: decoded), and FFmpeg's
+    probe when it opens the file runs no other decoder either: its log says the decoder is not allowed.
+    An mp4 with an AAC audio track still decodes (the audio is never decoded)."""
+    import av
+    import av.logging
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mov") as out:
+        s = out.add_stream("png", rate=24)
+        s.width, s.height, s.pix_fmt = 32, 32, "rgb24"
+        for i in range(4):
+            out.mux(s.encode(av.VideoFrame.from_ndarray(np.full((32, 32, 3), i, np.uint8), format="rgb24")))
+        out.mux(s.encode())
+    level = av.logging.get_level()
+    av.logging.set_level(av.logging.ERROR)
+    try:
+        with av.logging.Capture() as logs:
+            message, _ = refused(buf.getvalue())
+    finally:
+        av.logging.set_level(level)
+    assert "is encoded with png, which this server does not decode" in message, message
+    assert any("not on whitelist" in line or "not allowed" in line for _, _, line in logs), logs
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        v = out.add_stream("libx264", rate=24)
+        v.width, v.height, v.pix_fmt = 32, 32, "yuv420p"
+        a = out.add_stream("aac", rate=48000)
+        for i in range(12):
+            out.mux(v.encode(av.VideoFrame.from_ndarray(np.full((32, 32, 3), i * 9, np.uint8), format="rgb24")))
+        for i in range(10):
+            f = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            f.sample_rate, f.pts = 48000, i * 1024
+            out.mux(a.encode(f))
+        out.mux(v.encode())
+        out.mux(a.encode())
+    assert len(video.load_video(buf.getvalue(), "video_data[0]", CONFIG).frames) == 4

@@ -213,6 +213,17 @@ def _target_size(frames: int, width: int, height: int, config: VideoConfig, wher
 # probes would read more than the bytes given: the concat demuxer opens local files, SDP / HLS / DASH
 # open files and sockets (also refused by the empty protocol whitelist below).
 CONTAINERS = frozenset({"mov", "mp4", "matroska", "webm", "avi"})
+# The decoders a video file's frames may need (FFmpeg's names; AV1 and VP8 / VP9 also through dav1d and
+# libvpx): the codecs of real videos in the containers above. FFmpeg has some 250 other video decoders
+# (image formats, screen and game codecs, ...), each a parser of untrusted bytes this server need not
+# expose; a file in another codec is refused in one sentence naming it, and FFmpeg opens no other decoder,
+# not even for the frame it decodes to probe the file when it opens it (its codec_whitelist).
+DECODERS = frozenset(
+    {
+        "h264", "hevc", "vp8", "libvpx", "vp9", "libvpx-vp9", "av1", "libdav1d",
+        "mpeg4", "mpeg1video", "mpeg2video", "h263", "mjpeg", "prores", "theora",
+    }
+)  # fmt: skip
 # Every refusal of bytes that do not decode says this, whatever FFmpeg raised: an exception's type
 # could tell whether a file the bytes name exists.
 _UNDECODABLE = "could not be decoded as a video (an mp4, mov, mkv, webm or avi file)"
@@ -234,10 +245,15 @@ def _check_declared(data: bytes, where: str) -> None:
 
 def _open_options(per_frame: int) -> dict[str, str]:
     """FFmpeg's options for opening a video file: no protocol (a demuxer that would open a file or a
-    socket named in the bytes fails instead), and no frame over `per_frame` pixels, also in the frames
-    FFmpeg decodes to probe the streams when it opens the file (a 200 KB mp4 of 8192x8192 frames took
-    0.26 s and 157 MB to open, refused after; 0.03 s and 25 MB with the bound)."""
-    return {"protocol_whitelist": "none", "max_pixels": str(per_frame)}
+    socket named in the bytes fails instead), no frame over `per_frame` pixels and no decoder but
+    `DECODERS`, also in the frames FFmpeg decodes to probe the streams when it opens the file (a 200 KB
+    mp4 of 8192x8192 frames took 0.26 s and 157 MB to open, refused after; 0.03 s and 25 MB with the
+    bound). Audio streams are left undecoded (their decoders are not listed)."""
+    return {
+        "protocol_whitelist": "none",
+        "max_pixels": str(per_frame),
+        "codec_whitelist": ",".join(sorted(DECODERS)),
+    }
 
 
 def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.PixelBudget | None) -> Video:
@@ -253,6 +269,13 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
             if not container.streams.video:
                 raise RequestError(f"{where} has no video stream.", FIELD)
             stream = container.streams.video[0]
+            if stream.codec_context.name not in DECODERS:
+                raise RequestError(
+                    f"{where} is encoded with {stream.codec_context.name}, which this server does not decode "
+                    "(it decodes H.264, H.265, VP8, VP9, AV1, MPEG-1/2/4, H.263, Motion JPEG, ProRes and "
+                    "Theora).",
+                    FIELD,
+                )
             stream.codec_context.thread_count = 1  # one core a video: a request cannot take them all
             width, height = stream.codec_context.width, stream.codec_context.height
             if width < 1 or height < 1:
@@ -264,7 +287,8 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
                     FIELD,
                 )
             # FFmpeg refuses a larger frame (a size change mid-stream) before it allocates or decodes it.
-            stream.codec_context.options = {"max_pixels": str(per_frame)}
+            options = _open_options(per_frame)  # the decoder's own, as at the probe
+            stream.codec_context.options = {k: options[k] for k in ("max_pixels", "codec_whitelist")}
             frames_left = media_io.MAX_DECODED_FRAMES_PER_REQUEST if pixels is None else pixels.frames.left
             total = stream.frames or _count_frames(container, stream, frames_left)
             if total > frames_left:
