@@ -141,7 +141,8 @@ def test_two_requests_videos_decode_one_after_the_other_with_room_for_one(pool):
 
     clip = static_h264(64, 64, 24, "mp4")
     need = video.video_bytes(clip, CONFIG, PixelBudget())
-    assert need == 64 * 64 * video.VIDEO_BYTES_PER_PIXEL + CONFIG.max_pixels * video.RESIZED_BYTES_PER_PIXEL
+    # its frame size's decode, and its 4 sampled frames resized (at most their full size: under max_pixels)
+    assert need == 64 * 64 * (video.VIDEO_BYTES_PER_PIXEL + 4 * video.RESIZED_BYTES_PER_PIXEL)
     memory = pool(need)
     running, most = [0], [0]
     lock = threading.Lock()

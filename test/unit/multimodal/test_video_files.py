@@ -319,7 +319,8 @@ def test_a_video_in_a_codec_outside_the_decoders_is_refused_naming_it():
         v.width, v.height, v.pix_fmt = 32, 32, "yuv420p"
         a = out.add_stream("aac", rate=48000)
         for i in range(12):
-            out.mux(v.encode(av.VideoFrame.from_ndarray(np.full((32, 32, 3), i * 9, np.uint8), format="rgb24")))
+            frame = np.full((32, 32, 3), i * 9, np.uint8)
+            out.mux(v.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         for i in range(10):
             f = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
             f.sample_rate, f.pts = 48000, i * 1024

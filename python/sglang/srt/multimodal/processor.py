@@ -169,7 +169,8 @@ class ImageInputProcessor:
         if len(at) != count:
             field = where.split("[")[0]
             raise RequestError(
-                f"The prompt has {len(at)} {kind} placeholders (<|vision_start|><|{kind}_pad|><|vision_end|>) "
+                f"The prompt has {len(at)} {kind} placeholders "
+                f"(<|vision_start|><|{kind}_pad|><|vision_end|>) "
                 f"for {count} {kind}s in {where}; give one per {kind}.",
                 field,
             )

@@ -177,21 +177,31 @@ def load_video(
 def video_bytes(item: Any, config: VideoConfig, pixels: media_io.PixelBudget | None = None) -> int:
     """The decoded bytes a `video_data` item may hold while it is loaded and cut into patches, from its
     first frame's header or its container's declared frame size (capped at the per-frame bound, which a
-    larger frame fails), without decoding; what it reserves in the process's media memory."""
-    resized = config.max_pixels * RESIZED_BYTES_PER_PIXEL
+    larger frame fails) and frame count, without decoding; what it reserves in the process's media
+    memory. Its resized frames hold at most the config's max_pixels, and no more than the frames taken
+    (all of a list; those sampled from a file, all 256 when it declares no count) at their full size."""
+    per_frame = media_io.MAX_IMAGE_PIXELS if pixels is None else pixels.per_item
+
+    def resized(frames: int, frame_pixels: int) -> int:
+        return min(config.max_pixels, frames * frame_pixels) * RESIZED_BYTES_PER_PIXEL
+
     if isinstance(item, list):
-        return (media_io.image_bytes(item[0], pixels) if item else 0) + resized
+        first = media_io.image_bytes(item[0], pixels) if item else 0
+        return first + resized(len(item), first // media_io.IMAGE_BYTES_PER_PIXEL)
     import av
 
-    per_frame = media_io.MAX_IMAGE_PIXELS if pixels is None else pixels.per_item
     try:
         data = _item_bytes(item, "")
         _check_declared(data, "")
         with av.open(io.BytesIO(data), options=_open_options(per_frame)) as container:
             if not CONTAINERS & set(container.format.name.split(",")) or not container.streams.video:
                 return 0
-            c = container.streams.video[0].codec_context
-            return min(max(c.width, 0) * max(c.height, 0), per_frame) * VIDEO_BYTES_PER_PIXEL + resized
+            stream = container.streams.video[0]
+            c = stream.codec_context
+            frame_pixels = min(max(c.width, 0) * max(c.height, 0), per_frame)
+            fps = float(stream.average_rate or 0) or DEFAULT_FPS
+            taken = len(_sample(stream.frames, fps, config)) if stream.frames > 0 else MAX_VIDEO_FRAMES
+            return frame_pixels * VIDEO_BYTES_PER_PIXEL + resized(taken, frame_pixels)
     except Exception:  # not a video: _decode refuses it, undecoded
         return 0
 
@@ -238,7 +248,8 @@ def _check_declared(data: bytes, where: str) -> None:
         raise RequestError(f"{where} has {e}, which this server does not open.", FIELD) from None
     if samples > MAX_DECLARED_SAMPLES:
         raise RequestError(
-            f"{where} declares {samples} samples, over the {MAX_DECLARED_SAMPLES} this server opens in a file.",
+            f"{where} declares {samples} samples, over the {MAX_DECLARED_SAMPLES} this server opens in a "
+            "file.",
             FIELD,
         )
 
