@@ -278,3 +278,24 @@ def test_a_video_files_unsampled_frames_count_only_against_the_decoded_pixels():
     with pytest.raises(RequestError, match="decode to over 10240 pixels together") as e:
         video.load_video(buf.getvalue(), "video_data[0]", config, small)
     assert e.value.param == "video_data"
+
+
+def test_an_image_whose_client_left_while_it_decoded_is_not_processed(monkeypatch):
+    """The client leaves while the image decodes (the job cancelled then): the item stops before the
+    resize and the image processor (MediaCancelled). Before, it ran through the processor."""
+    from sglang.srt.multimodal import processor as processor_module
+
+    calls: list = []
+    p = fake_processor(calls)
+    job = MediaJob()
+    load = processor_module.load_image
+
+    def decoding(*args, **kwargs):
+        image = load(*args, **kwargs)
+        job.cancelled.set()  # what the job's poll does when the client is gone
+        return image
+
+    monkeypatch.setattr(processor_module, "load_image", decoding)
+    with pytest.raises(MediaCancelled):
+        asyncio.run(job.run(p._image, PNG, "image_data[0]", None))
+    assert calls == []

@@ -8,8 +8,9 @@ their client.
 - A job ends (`MediaCancelled`) when its HTTP client goes away (asked before each item and every `POLL_S`
   while one waits or runs) or its task is cancelled: an item still queued is dropped from the queue, and no
   later item is submitted. An item already running sees it through `check_cancelled` (a video between two
-  frames or packets stops there); an image's decode runs to its end (PIL cannot be interrupted), which the
-  per-image bound (`media_io.PixelBudget`) keeps short.
+  frames or packets stops there, an image between its decode, resize and processing); an image's decode
+  runs to its end (PIL cannot be interrupted), which the per-image bound (`media_io.PixelBudget`) keeps
+  short.
 - The decoded bytes all items hold at once are bounded for the process (`MediaMemory`,
   SGLANG_MEDIA_MEMORY_MB): an item states what it may hold (from its header, before it is decoded) and waits,
   without a thread, until that fits beside the items running; waiters are admitted first come first served,

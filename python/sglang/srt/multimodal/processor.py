@@ -21,7 +21,7 @@ from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.multimodal import video as videos
 from sglang.srt.multimodal.inputs import MultimodalInputs, mrope_positions, pad_value
 from sglang.srt.multimodal.media_io import FIELD, PixelBudget, image_bytes, load_image
-from sglang.srt.multimodal.media_pool import MediaJob, media_memory
+from sglang.srt.multimodal.media_pool import MediaJob, check_cancelled, media_memory
 
 
 class ImageInputProcessor:
@@ -155,8 +155,12 @@ class ImageInputProcessor:
         return ids, MultimodalInputs(torch.cat(pixels), grids, offsets, pads, tokens, positions, delta)
 
     def _image(self, item: Any, where: str, pixels: PixelBudget | None) -> tuple[torch.Tensor, list[int]]:
-        """One image's patches and grid (the processor treats each image of a list alone)."""
-        image = presize(load_image(item, where, pixels, self.max_pixels), self.presize)
+        """One image's patches and grid (the processor treats each image of a list alone). Its client gone
+        while it decoded, it stops before the resize and the processor (MediaCancelled)."""
+        image = load_image(item, where, pixels, self.max_pixels)
+        check_cancelled()
+        image = presize(image, self.presize)
+        check_cancelled()
         try:
             out = self.image_processor(images=[image], return_tensors="pt")
         except ValueError as e:  # e.g. an aspect ratio the processor cannot resize
@@ -183,6 +187,7 @@ class ImageInputProcessor:
         transformers' get_rope_index splits a video)."""
         assert self.video is not None
         video = videos.load_video(item, where, self.video, pixels)
+        check_cancelled()  # its client gone while it decoded: no patches
         patches, (t, h, w) = videos.video_patches(video, self.video)
         stamps = video.timestamps(self.video.temporal_patch_size)
         out = []
