@@ -328,3 +328,43 @@ def test_a_video_in_a_codec_outside_the_decoders_is_refused_naming_it():
         out.mux(v.encode())
         out.mux(a.encode())
     assert len(video.load_video(buf.getvalue(), "video_data[0]", CONFIG).frames) == 4
+
+
+def test_uncompressed_audio_counts_its_chunks_not_its_samples():
+    """A mov's PCM audio track declares one sample per audio sample (172,800,000 in an hour at 48 kHz)
+    with one stts entry of duration 1: FFmpeg indexes its chunks, so it is not counted (50,000,000 so
+    opened in 0.01 s) and such a video decodes. With a duration of 2 FFmpeg indexes each sample
+    (20,000,000: 0.18 s, 245 MB): counted."""
+    import struct
+
+    import av
+
+    from sglang.srt.multimodal import mp4_boxes
+
+    def with_pcm(samples: int, duration: int) -> bytes:
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mov") as out:
+            v = out.add_stream("libx264", rate=24)
+            v.width, v.height, v.pix_fmt = 16, 16, "yuv420p"
+            a = out.add_stream("pcm_s16le", rate=8000)
+            for i in range(8):
+                frame = np.full((16, 16, 3), i * 20, np.uint8)
+                out.mux(v.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            out.mux(v.encode())
+            for i in range(10):
+                f = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+                f.sample_rate, f.pts = 8000, i * 800
+                out.mux(a.encode(f))
+            out.mux(a.encode())
+        data = bytearray(buf.getvalue())
+        stts = data.find(b"stts", data.find(b"stts") + 4)  # the audio track's (the second)
+        struct.pack_into(">II", data, stts + 12, samples, duration)
+        stsz = data.find(b"stsz", data.find(b"stsz") + 4)
+        struct.pack_into(">I", data, stsz + 12, samples)
+        return bytes(data)
+
+    pcm = with_pcm(50_000_000, 1)
+    assert mp4_boxes.declared_samples(pcm) == 8  # the video track's
+    assert len(video.load_video(pcm, "video_data[0]", CONFIG).frames) == 4
+    assert mp4_boxes.declared_samples(with_pcm(20_000_000, 2)) == 20_000_008  # with the video track's 8
+    assert "declares 20000008 samples" in refused(with_pcm(20_000_000, 2))[0]

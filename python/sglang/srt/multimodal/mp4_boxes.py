@@ -35,12 +35,17 @@ class Unreadable(ValueError):
 def declared_samples(data: bytes) -> int:
     """The most samples `data` declares by one kind of table over all its tracks and fragments (sizes in
     `stsz`, durations in `stts`, fragment runs in `trun`, ...: FFmpeg indexes every track and fragment); 0
-    for data that is not a box structure (a Matroska or AVI file). Unreadable for a `cmov` box or more
-    than MAX_BOXES boxes."""
+    for data that is not a box structure (a Matroska or AVI file). An audio track whose one `stts` entry
+    has a duration of 1 (uncompressed audio: a sample per audio sample) is left out: FFmpeg indexes its
+    chunks, not its samples (50,000,000 declared so opened in 0.01 s; with a duration of 2, 20,000,000
+    took 0.18 s and 245 MB). Unreadable for a `cmov` box or more than MAX_BOXES boxes."""
     totals: dict[bytes, int] = {}
     boxes = 0
 
-    def walk(start: int, end: int, depth: int) -> None:
+    def add(into: dict[bytes, int], kind: bytes, n: int) -> None:
+        into[kind] = into.get(kind, 0) + n
+
+    def walk(start: int, end: int, depth: int, track: dict | None) -> None:
         nonlocal boxes
         at = start
         while at + 8 <= end:
@@ -60,13 +65,27 @@ def declared_samples(data: bytes) -> int:
             body, stop = at + head, at + size
             if kind == b"cmov":
                 raise Unreadable("a compressed movie header (cmov)")
-            if kind in CONTAINERS and depth < 16:
-                walk(body, stop, depth + 1)
+            if kind == b"trak" and depth < 16:
+                own = {"counts": {}, "handler": b"", "chunked": False}
+                walk(body, stop, depth + 1, own)
+                if not (own["handler"] == b"soun" and own["chunked"]):
+                    for k, n in own["counts"].items():
+                        add(totals, k, n)
+            elif kind in CONTAINERS and depth < 16:
+                walk(body, stop, depth + 1, track)
+            elif kind == b"hdlr" and track is not None and stop - body >= 12:
+                # version/flags, pre-defined (QuickTime: the component type), handler type; QuickTime's
+                # data handler (dhlr, in minf) is not the track's
+                if data[body + 4 : body + 8] in (b"\0\0\0\0", b"mhlr"):
+                    track["handler"] = data[body + 8 : body + 12]
             else:
-                totals[kind] = totals.get(kind, 0) + _counts(data, kind, body, stop)
+                add(track["counts"] if track is not None else totals, kind, _counts(data, kind, body, stop))
+                if kind == b"stts" and track is not None and stop - body >= 16:
+                    entries, _, delta = struct.unpack_from(">III", data, body + 4)
+                    track["chunked"] = entries == 1 and delta == 1
             at = stop
 
-    walk(0, len(data), 0)
+    walk(0, len(data), 0, None)
     return max(totals.values(), default=0)
 
 
