@@ -7,6 +7,7 @@ differs, and a conv-state dtype difference names its own variable."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +29,7 @@ from sglang.test.model_checks import served_tensors
 from sglang.test.pd_checkpoints import other_seed_checkpoint
 from sglang.test.pd_fakes import decode_queue, prefill_queue
 
-register_cpu_ci(est_time=8, suite="per-commit-cpu")
+register_cpu_ci(est_time=9, suite="per-commit-cpu")
 
 PRESET = "tiny-qwen3-next"
 
@@ -85,18 +86,75 @@ def test_an_update_on_one_side_differs_and_the_same_update_on_both_is_equal(path
     assert weights_fingerprint(decode) == weights_fingerprint(prefill) == weights_fingerprint(load(paths[1]))
 
 
-def test_permuted_rows_or_columns_differ():
-    """A plain sum of the bits would not see values moved within a tensor (rows of experts or heads in
-    another order): the fingerprint weighs rows and columns by their index."""
-    base = torch.nn.Linear(6, 4, bias=False)
-    before = weights_fingerprint(base)
-    for perm in (lambda w: w[[1, 0, 2, 3]], lambda w: w[:, [0, 1, 2, 3, 5, 4]]):
-        moved = torch.nn.Linear(6, 4, bias=False)
-        with torch.no_grad():
-            moved.weight.copy_(perm(base.weight))
-        assert weights_fingerprint(moved) != before
-    bf16 = torch.nn.Linear(6, 4, bias=False).to(torch.bfloat16)
-    assert weights_fingerprint(bf16) == weights_fingerprint(bf16)
+def holding(t: torch.Tensor) -> torch.nn.Module:
+    holder = torch.nn.Module()
+    holder.register_buffer("w", t)
+    return holder
+
+
+def test_moved_rows_columns_or_experts_differ():
+    """Values moved within a tensor change the fingerprint: each word is keyed by its position before it is
+    mixed. Tensors over two chunks of the CPU's 1 MiB and past many 4 KiB rows (the old grid's): rows
+    swapped, columns swapped (each row keeps its sum), two experts of a stacked [E, R, H] tensor swapped
+    (each expert keeps its sums), and two whole chunks swapped."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 1024)  # 32 KiB: 8 rows of 4 KiB
+    experts = torch.randn(4, 64, 1024, dtype=torch.bfloat16)  # 512 KiB, an expert 128 KiB
+    chunks = torch.randn(2, 1 << 17, dtype=torch.float64)  # two chunks of 1 MiB
+    for t, moved in (
+        (w, w[[1, 0, *range(2, 8)]]),
+        (w, w[:, [1, 0, *range(2, 1024)]]),
+        (w, w[:, [*range(512), *range(768, 1024), *range(512, 768)]]),
+        (experts, experts[[0, 2, 1, 3]]),
+        (chunks, chunks[[1, 0]]),
+    ):
+        assert not torch.equal(moved, t)
+        assert weights_fingerprint(holding(moved.contiguous())) != weights_fingerprint(holding(t.clone()))
+
+
+def test_structured_changes_do_not_cancel():
+    """Review finding: the old linear sums modulo 2**64 cancelled two sign flips of float32 values in the
+    high halves of words of equal grid parity, and +d / -d / -d / +d on a rectangle of words: equal
+    fingerprints for different weights. Mixed words are summed now."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 1024)
+    before = weights_fingerprint(holding(w.clone()))
+    flipped = w.clone().view(-1)
+    flipped[1] *= -1  # the high half of word 0 and of word 2 * 512 + 2: same row / column parities
+    flipped[2 * (2 * 512 + 2) + 1] *= -1
+    assert weights_fingerprint(holding(flipped.view(8, 1024))) != before
+    b = torch.randn(8, 1024).to(torch.bfloat16)
+    grid = b.clone().view(-1).view(torch.int64).view(-1, 512)
+    d = 1 << 16  # one ulp of the word's second bfloat16
+    grid[0, 0] += d
+    grid[0, 1] -= d
+    grid[1, 0] -= d
+    grid[1, 1] += d
+    assert weights_fingerprint(holding(grid.view(-1).view(torch.bfloat16).view(8, 1024))) != weights_fingerprint(
+        holding(b)
+    )
+
+
+def test_the_sum_is_the_documented_integer_function_whatever_the_chunk(monkeypatch):
+    """The mixed sum is a function of the words' values and positions in 64-bit integer arithmetic (as
+    docs/disaggregation.md states, so any device computes the same): checked against Python integers,
+    with chunks of 1 MiB and of 3 words."""
+    from sglang.srt.disaggregation import weights_fingerprint as module
+
+    mask = (1 << 64) - 1
+
+    def mix(x: int) -> int:  # SplitMix64's finalizer
+        x ^= x >> 30
+        x = x * 0xBF58476D1CE4E5B9 & mask
+        x ^= x >> 27
+        x = x * 0x94D049BB133111EB & mask
+        return x ^ (x >> 31)
+
+    words = torch.tensor([0, 1, -1, -(1 << 63), 0x0123456789ABCDEF, 7, -12345], dtype=torch.int64)
+    expected = sum(mix((int(w) + i * 0x9E3779B97F4A7C15) & mask) for i, w in enumerate(words)) & mask
+    got = int(module._mixed_sum(words)) & mask
+    monkeypatch.setitem(module.CHUNK_WORDS, "cpu", 3)
+    assert got == expected == int(module._mixed_sum(words)) & mask
 
 
 def test_every_byte_counts_whatever_the_dtype_or_alignment():
@@ -212,14 +270,14 @@ def test_resumed_weights_are_fingerprinted_again():
 
     owner = SimpleNamespace(
         model_runner=SimpleNamespace(memory_occupation=Memory()),
-        disagg=SimpleNamespace(weights_changed=lambda: calls.append("refingerprinted")),
+        disagg=SimpleNamespace(weights_changed=lambda full: calls.append(f"refingerprinted, full {full}")),
         _agree=lambda error: error,
         send_to_tokenizer=lambda out: calls.append(out.success),
     )
     SchedulerUpdateWeightsMixin.resume_memory_occupation(owner, SimpleNamespace(tags=["kv_cache"]))
     assert calls == [True]
     SchedulerUpdateWeightsMixin.resume_memory_occupation(owner, SimpleNamespace(tags=["weights"]))
-    assert calls == [True, "refingerprinted", True]
+    assert calls == [True, "refingerprinted, full True", True]
 
 
 def test_a_fingerprint_that_fails_refuses_rather_than_crashes(monkeypatch):
@@ -227,7 +285,7 @@ def test_a_fingerprint_that_fails_refuses_rather_than_crashes(monkeypatch):
     the scheduler nor match anything: the server's pair refuses."""
     from sglang.srt.disaggregation import weights_fingerprint as module
 
-    def fail(*models):
+    def fail(*models, **options):
         raise torch.OutOfMemoryError("no memory for a copy")
 
     monkeypatch.setattr(module, "weights_fingerprint", fail)
@@ -236,3 +294,107 @@ def test_a_fingerprint_that_fails_refuses_rather_than_crashes(monkeypatch):
     a, b = (with_weights(small_layout(), sched, PRESET) for _ in range(2))
     assert a.weights_digest.startswith("not computed (OutOfMemoryError")
     assert "the weights' values differ" in a.mismatch(b)
+
+
+def test_another_ep_size_is_refused_naming_it_before_the_values():
+    """Review finding: under --tp-size 2 the --ep-size changes which experts each rank holds (w13 (8, 32, 64)
+    per rank at ep 1, (4, 64, 64) at ep 2), so two servers of one checkpoint had other fingerprints and
+    were refused as 'the weights' values differ'. The layout carries --ep-size, compared first."""
+    runner = SimpleNamespace(model=None, draft_model=None, dtype=torch.float32)
+    layouts = []
+    for ep, digest in ((1, "aaaa"), (2, "bbbb")):
+        args = SimpleNamespace(quantization=None, weight_version="v", ep_size=ep)
+        layout = with_weights(small_layout(), SimpleNamespace(server_args=args, model_runner=runner), PRESET)
+        layouts.append(replace(layout, weights_digest=digest))
+    message = layouts[0].mismatch(layouts[1])
+    assert "--ep-size" in message and "values differ" not in message, message
+    assert "--ep-size 1" in message and "decode server's 2" in message, message
+    assert layouts[1].mismatch(PoolLayout.from_dict(layouts[1].to_dict())) is None
+
+
+def test_float8_kv_scales_count_where_the_pool_is_float8(paths):
+    """Review finding: the float8 KV cache scales (numbers on the attention layers, not in the state dict)
+    were not fingerprinted, so an update of one `...self_attn.k_scale` on one server served wrong tokens.
+    The scales the runner resolves count; a pool that is not float8 uses none (1.0), nor do they count."""
+    from sglang.srt.layers.attention.kv_scales import resolve_kv_scales
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    model = load(paths[0])
+    owner = next(n for n, m in model.named_modules() if isinstance(m, RadixAttention)).rpartition(".")[0]
+    args = SimpleNamespace(quantization=None, weight_version="v")
+    digests = {}
+    for kv_dtype in (torch.float8_e4m3fn, torch.float32):
+        runner = SimpleNamespace(model=model, draft_model=None, dtype=torch.float32)
+        runner._kv_scales = lambda kv_dtype=kv_dtype: resolve_kv_scales([model], kv_dtype, warn=False)
+        sched = SimpleNamespace(server_args=args, model_runner=runner)
+        for scale in (1.0, 4.0):
+            assert model.load_weights([(owner + ".k_scale", torch.tensor(scale))], update=True) == []
+            digests[kv_dtype, scale] = with_weights(small_layout(), sched, PRESET).weights_digest
+    assert digests[torch.float8_e4m3fn, 1.0] != digests[torch.float8_e4m3fn, 4.0]
+    assert digests[torch.float32, 1.0] == digests[torch.float32, 4.0]
+
+
+def test_after_an_update_only_the_tensors_written_are_read_again(paths, monkeypatch):
+    """An RL refit sends hundreds of buckets: after each, the cached fingerprint reads only the tensors the
+    loader noted as written (`models/weight_writes.py`) and equals a full one; a write with load_format
+    "direct" (`ModelRunner.update_weights_from_tensor`) is noted too."""
+    from sglang.srt.disaggregation import weights_fingerprint as module
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.models.weight_writes import last_write_into
+
+    model = load(paths[0])
+    full = weights_fingerprint(model)
+    read = []
+    sum_of = module._tensor_sum
+    monkeypatch.setattr(module, "_tensor_sum", lambda t: read.append(t.shape) or sum_of(t))
+    assert weights_fingerprint(model, cached=True) == full and read == []
+    new = served_tensors(paths[1])
+    name = next(n for n in sorted(new) if n.endswith("o_proj.weight"))
+    model.load_weights([(name, new[name])], update=True)
+    cached = weights_fingerprint(model, cached=True)
+    assert read == [new[name].shape]
+    assert cached == weights_fingerprint(model) != full
+    params = dict(model.named_parameters())
+    runner = SimpleNamespace(device="cpu", served_parameters=lambda: params)
+    direct = next(n for n in params if n.endswith("o_proj.weight"))
+    before = last_write_into(params[direct])
+    ModelRunner.update_weights_from_tensor(runner, [(direct, torch.zeros_like(params[direct]))], "direct")
+    assert last_write_into(params[direct]) > before
+    read.clear()
+    assert weights_fingerprint(model, cached=True) == weights_fingerprint(model) != cached
+    assert read[0] == params[direct].shape and len(read) == 1 + len(model.state_dict())
+
+
+def test_a_write_that_fails_after_the_vote_refingerprints():
+    """Review finding: a write that raised once every rank had voted to copy (some tensors copied) replied
+    'not updated' and kept the old fingerprint. Every rank refreshes then (the refresh is a collective
+    under TP: every rank reaches it, failed or not); a write refused before the vote copied nothing."""
+    from sglang.srt.managers.scheduler_components.weight_update import RankVote
+
+    def write(named, load_format, before_copy):
+        if named == "late":
+            before_copy()
+        raise RuntimeError("the copy failed")
+
+    calls = []
+    owner = SimpleNamespace(
+        _weights_held=lambda flush_cache: None,
+        model_runner=SimpleNamespace(update_weights_from_tensor=write),
+        _weights_changed=lambda version, model_path=None: calls.append(version),
+    )
+    for when, refreshed in (("early", []), ("late", [None])):
+        calls.clear()
+        ok, message = SchedulerUpdateWeightsMixin.write_weights(owner, when, None, True, RankVote(lambda e: e))
+        assert not ok and "the copy failed" in message and calls == refreshed, when
+
+
+def test_the_config_counts_but_not_where_it_was_read_from(paths, tmp_path):
+    """Two copies of one checkpoint in other folders are equal (the config's _name_or_path differs); a
+    config that computes otherwise with the same weights (rope theta, eps) differs."""
+    copy = tmp_path / "copy"
+    shutil.copytree(paths[0], copy)
+    a, b = load(paths[0]), load(str(copy))
+    assert a.config._name_or_path != b.config._name_or_path
+    assert weights_fingerprint(a) == weights_fingerprint(b)
+    b.config.rms_norm_eps *= 10
+    assert weights_fingerprint(a) != weights_fingerprint(b)

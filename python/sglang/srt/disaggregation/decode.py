@@ -157,11 +157,12 @@ class DecodeTransferQueue(DecodeAnswers):
         mine = {"session": self.engine.session_id, "layout": self.layout.to_dict(), "staging": staging}
         return self.ranks.all_gather(mine)
 
-    def weights_changed(self, model_path: str | None = None) -> None:
+    def weights_changed(self, model_path: str | None = None, full: bool = True) -> None:
         """After a weight update, on every rank alike: the destinations sent from now on name the new
-        weights, which the prefill server's must match (`PoolLayout.mismatch`)."""
+        weights, which the prefill server's must match (`PoolLayout.mismatch`); `full`: `with_weights`'."""
         self.model_path = model_path or self.model_path
-        self.layout = with_weights(self.layout, self.sched, self.model_path or self.sched.server_args.model_path)
+        path = self.model_path or self.sched.server_args.model_path
+        self.layout = with_weights(self.layout, self.sched, path, full)
         self.rank_targets = self._gather_targets()
 
     def has_news(self) -> bool:

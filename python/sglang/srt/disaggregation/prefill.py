@@ -170,11 +170,12 @@ class PrefillBootstrapQueue:
     def transfers_running(self) -> bool:
         return any(r.future is not None for r in self.rooms.values())
 
-    def weights_changed(self, model_path: str | None = None) -> None:
+    def weights_changed(self, model_path: str | None = None, full: bool = True) -> None:
         """After a weight update, on every rank alike: every rank's layout names the new weights, which
-        each destination's must match from now on (`PoolLayout.mismatch`)."""
+        each destination's must match from now on (`PoolLayout.mismatch`); `full`: `with_weights`'."""
         self.model_path = model_path or self.model_path
-        self.layout = with_weights(self.layout, self.sched, self.model_path or self.sched.server_args.model_path)
+        path = self.model_path or self.sched.server_args.model_path
+        self.layout = with_weights(self.layout, self.sched, path, full)
         self.layouts = [PoolLayout.from_dict(d) for d in self.ranks.all_gather(self.layout.to_dict())]
 
     def has_news(self) -> bool:

@@ -55,6 +55,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.loaded_weights import LoadedWeights, check_same_parameters
 from sglang.srt.model_executor.memory_occupation import MemoryOccupation
 from sglang.srt.models.registry import build_meta_model, load_model
+from sglang.srt.models.weight_writes import note_written
 from sglang.srt.sampling.custom_logit_processor import apply_custom_logit_processors
 from sglang.srt.sampling.penaltylib import Penalizer
 from sglang.srt.server_args import ServerArgs
@@ -363,6 +364,7 @@ class ModelRunner:
                     raise ValueError(f"tensor {name} has shape {shapes}")
             if before_copy is not None:
                 before_copy()
+            note_written(params[name] for name, _ in named_tensors if name in params)  # (PD fingerprint)
             with torch.no_grad():
                 for name, tensor in named_tensors:
                     if name in params:

@@ -32,6 +32,7 @@ from sglang.srt.layers.linear import DimShard, full_shape, shard_tensor, shard_w
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.quantization.fp8 import SCALE_SUFFIX, Fp8BlockLinear, Fp8Weight
 from sglang.srt.layers.quantization.fp8_experts import SCALE_NAME, Fp8ExpertPieces
+from sglang.srt.models.weight_writes import note_written
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +258,7 @@ class WeightLoader:
                 raise ValueError(why)
         if self.before_copy is not None:
             self.before_copy()
+        note_written(target for target, _ in self.copies)  # (before copying: a failed copy counts too)
         with torch.no_grad():
             for target, tensor in self.copies:
                 target.copy_(tensor)

@@ -110,8 +110,14 @@ class SchedulerUpdateWeightsMixin:
             return False, vote.outcome(error)
         try:
             ignored = self.model_runner.update_weights_from_tensor(named, load_format, vote.before_copy)
-        except Exception as e:  # noqa: BLE001 - a tensor that does not fit, however it fails; none written
-            return False, vote.outcome(_not_updated(e))
+        except Exception as e:  # noqa: BLE001 - a tensor that does not fit, however it fails
+            # Past the vote (every rank voted to copy) the copies may have begun: every rank reaches this or
+            # the success below, and the weights are fingerprinted again on all (a collective under TP).
+            copied = vote.cast and not vote.result
+            message = vote.outcome(_not_updated(e))
+            if copied:
+                self._weights_changed(None)
+            return False, message
         error = vote.outcome(None)  # (votes here where the write copied nothing: every rank votes once)
         if error is not None:
             return False, error
@@ -132,8 +138,8 @@ class SchedulerUpdateWeightsMixin:
         self.tree_cache.weights_changed()
         if weight_version is not None:
             self.server_args.weight_version = weight_version
-        if self.disagg is not None:
-            self.disagg.weights_changed(model_path)
+        if self.disagg is not None:  # (in full after a load from disk; else the tensors written only)
+            self.disagg.weights_changed(model_path, full=model_path is not None)
 
     def release_memory_occupation(self, req: ReleaseMemoryOccupationReqInput) -> None:
         """Free the memory of `req.tags` (`MemoryOccupation`), with no request running or waiting (as
@@ -180,7 +186,7 @@ class SchedulerUpdateWeightsMixin:
         if error is not None and before - memory.released:
             memory.release(sorted(before - memory.released))  # (another rank failed: released on all)
         if error is None and WEIGHTS in before - memory.released and self.disagg is not None:
-            self.disagg.weights_changed()  # (their values: the host copy's, or none until an update's)
+            self.disagg.weights_changed(full=True)  # (their values: the host copy's, or none yet)
         left = sorted(memory.released)
         message = f"Resumed {', '.join(tags)}" + (f"; {', '.join(left)} still released." if left else ".")
         success, message = error is None, error or message
