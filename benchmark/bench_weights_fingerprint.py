@@ -1,8 +1,12 @@
 """What a PD server's weights fingerprint costs at start and after each weight update
 (`disaggregation/weights_fingerprint.py`): the demo model's load against its fingerprint, and the
-fingerprint of N GiB of bfloat16 weights (64 tensors per GiB), at each thread count given.
+fingerprint of N GiB of bfloat16 weights (64 tensors per GiB), at each thread count given; then an RL
+refit's buckets of one tensor each (--buckets on the demo model, through its loader; --big-buckets on the
+N GiB), each followed by the fingerprint in full (every tensor read, as before the cache) and cached (only
+the tensors written since read again, as a PD server does after /update_weights_from_tensor).
 
     .venv/bin/python benchmark/bench_weights_fingerprint.py [--gib 1] [--threads 1,2] [--device cpu]
+        [--buckets 200] [--big-buckets 8]
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def main() -> None:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--buckets", type=int, default=200)
+    p.add_argument("--big-buckets", type=int, default=8)
     args = p.parse_args()
 
     path = resolve_model_path("tiny-qwen3-next-demo")
@@ -58,6 +64,53 @@ def main() -> None:
             f"threads {threads}: demo {d * 1e3:.1f} ms ({d / load_s:.1%} of its load); "
             f"{big_gib:.2f} GiB bfloat16 {b * 1e3:.0f} ms ({big_gib / b:.2f} GiB/s)"
         )
+
+    refit("demo model", demo, args.buckets, _loader_write(demo))
+    refit(f"{big_gib:.2f} GiB", big, args.big_buckets, _direct_write(big))
+
+
+def _loader_write(model):
+    """One bucket: one of the model's own tensors written back through its loader (which notes it)."""
+    named = [(n, t.detach().clone()) for n, t in model.named_parameters()]
+    return lambda i: model.load_weights([named[i % len(named)]], update=True)
+
+
+def _direct_write(model):
+    """One bucket: one tensor rewritten in place, noted as the loader notes its targets."""
+    from sglang.srt.models.weight_writes import note_written
+
+    params = list(model.parameters())
+
+    def write(i: int) -> None:
+        p = params[i % len(params)]
+        note_written([p])
+        with torch.no_grad():
+            p.copy_(p.detach().clone())
+
+    return write
+
+
+def refit(what: str, model, buckets: int, write) -> None:
+    from sglang.srt.disaggregation.weights_fingerprint import weights_fingerprint
+
+    spent = {}
+    for cached in (False, True):
+        weights_fingerprint(model)
+        total = 0.0
+        for i in range(buckets):
+            write(i)
+            start = time.perf_counter()
+            digest = weights_fingerprint(model, cached=cached)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            total += time.perf_counter() - start
+        assert digest == weights_fingerprint(model)
+        spent[cached] = total
+    print(
+        f"{what}, {buckets} buckets of one tensor: fingerprints in full {spent[False] * 1e3:.0f} ms "
+        f"({spent[False] / buckets * 1e3:.1f} ms each), cached {spent[True] * 1e3:.0f} ms "
+        f"({spent[True] / buckets * 1e3:.2f} ms each): {spent[False] / spent[True]:.0f}x less"
+    )
 
 
 if __name__ == "__main__":
