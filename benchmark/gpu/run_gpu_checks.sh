@@ -112,8 +112,10 @@ elif [[ $steps == *" tests "* ]]; then
   wait
   # PD between two servers' CUDA pools on this one GPU (staged; direct where Mooncake moves GPU memory),
   # alone: each server has fixed pools of a few MB (--max-total-tokens, --max-mamba-cache-size); and the
-  # staging packer's float8 KV rows on the copy stream (milliseconds).
-  group pd test/registered/disaggregation/test_pd_gpu.py test/unit/disaggregation/test_staging.py
+  # staging packer's float8 KV rows on the copy stream (milliseconds); the PD weights fingerprint on CUDA
+  # against the CPU's (float32, bfloat16, MoE experts, --quantization fp8).
+  group pd test/registered/disaggregation/test_pd_gpu.py test/unit/disaggregation/test_staging.py \
+    test/unit/disaggregation/test_weights_fingerprint.py
 fi
 bench() {  # limit, name, command...
   local limit name=$2

@@ -191,14 +191,36 @@ def test_equal_values_stored_in_another_order_are_equal():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_gpu_copy_has_the_cpu_fingerprint(paths):
-    """Integer sums do not depend on the reduction's order: the same values on a GPU (its reductions,
-    its thread blocks) fingerprint as on the CPU, in float32 and in bfloat16."""
-    for dtype in (torch.float32, torch.bfloat16):
-        cpu = load_model(load_hf_config(paths[0]), paths[0], dtype, "cpu")
-        gpu = load_model(load_hf_config(paths[0]), paths[0], dtype, "cuda")
-        assert gpu.state_dict().keys() == cpu.state_dict().keys()
-        assert all(torch.equal(t.cpu(), cpu.state_dict()[n]) for n, t in gpu.state_dict().items())
+@pytest.mark.parametrize(
+    "preset, quantization", [(PRESET, None), ("tiny-qwen3.5-moe", None), (PRESET, "fp8")]
+)
+def test_a_gpu_copy_has_the_cpu_fingerprint(preset_paths, preset, quantization):
+    """Integer operations whose sum does not depend on its order: the same values on a GPU (its
+    reductions, its 64 MiB chunks) fingerprint as on the CPU, in float32 and in bfloat16, MoE experts
+    included (the CPU stores them transposed). With --quantization fp8 the GPU holds float8 weights and
+    their scales (the CPU's linears stay unquantized, so the two loads differ): two GPU loads are equal,
+    and the GPU model moved to the CPU has the GPU's fingerprint."""
+    import copy
+
+    from sglang.srt.layers.quantization import set_online_quantization
+
+    path = preset_paths[preset]
+
+    def on(device: str, dtype: torch.dtype) -> torch.nn.Module:
+        config = load_hf_config(path)
+        set_online_quantization(config, quantization)
+        return load_model(config, path, dtype, device)
+
+    for dtype in (torch.float32, torch.bfloat16) if quantization is None else (torch.bfloat16,):
+        gpu = on("cuda", dtype)
+        if quantization is None:
+            cpu = on("cpu", dtype)
+            assert gpu.state_dict().keys() == cpu.state_dict().keys()
+            assert all(torch.equal(t.cpu(), cpu.state_dict()[n]) for n, t in gpu.state_dict().items())
+        else:
+            assert any(t.dtype == torch.float8_e4m3fn for t in gpu.state_dict().values())
+            assert weights_fingerprint(on("cuda", dtype)) == weights_fingerprint(gpu)
+            cpu = copy.deepcopy(gpu).to("cpu")
         assert weights_fingerprint(gpu) == weights_fingerprint(cpu), dtype
 
 
