@@ -189,6 +189,33 @@ def test_equal_values_stored_in_another_order_are_equal():
     assert fingerprints[0] == fingerprints[1]
 
 
+class OnCpu(torch.nn.Module):
+    """A model's config and state dict, copied to the CPU (a copy of the module itself would copy the op
+    handles some modules hold)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.config = model.config
+        self.tensors = {n: t.detach().cpu() for n, t in model.state_dict().items()}
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return dict(self.tensors)
+
+
+def test_a_cpu_copy_of_float8_weights_has_their_fingerprint(preset_paths, monkeypatch):
+    """The GPU test's fp8 case below, on the CPU: float8 experts and their scales (SGLANG_FP8_EXPERTS fp8)
+    copied tensor by tensor into another module fingerprint alike."""
+    from sglang.srt.layers.quantization import set_online_quantization
+
+    monkeypatch.setenv("SGLANG_FP8_EXPERTS", "fp8")
+    path = preset_paths["tiny-qwen3.5-moe"]
+    config = load_hf_config(path)
+    set_online_quantization(config, "fp8")
+    model = load_model(config, path, torch.bfloat16, "cpu")
+    assert any(t.dtype == torch.float8_e4m3fn for t in model.state_dict().values())
+    assert weights_fingerprint(OnCpu(model)) == weights_fingerprint(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
@@ -199,9 +226,7 @@ def test_a_gpu_copy_has_the_cpu_fingerprint(preset_paths, preset, quantization):
     reductions, its 64 MiB chunks) fingerprint as on the CPU, in float32 and in bfloat16, MoE experts
     included (the CPU stores them transposed). With --quantization fp8 the GPU holds float8 weights and
     their scales (the CPU's linears stay unquantized, so the two loads differ): two GPU loads are equal,
-    and the GPU model moved to the CPU has the GPU's fingerprint."""
-    import copy
-
+    and the GPU model's tensors copied to the CPU have the GPU's fingerprint."""
     from sglang.srt.layers.quantization import set_online_quantization
 
     path = preset_paths[preset]
@@ -220,7 +245,7 @@ def test_a_gpu_copy_has_the_cpu_fingerprint(preset_paths, preset, quantization):
         else:
             assert any(t.dtype == torch.float8_e4m3fn for t in gpu.state_dict().values())
             assert weights_fingerprint(on("cuda", dtype)) == weights_fingerprint(gpu)
-            cpu = copy.deepcopy(gpu).to("cpu")
+            cpu = OnCpu(gpu)
         assert weights_fingerprint(gpu) == weights_fingerprint(cpu), dtype
 
 
