@@ -193,3 +193,15 @@ def test_the_budget_comes_from_its_environment_variable_and_a_bad_value_stops_th
             media_pool.memory_limit()
         with pytest.raises(ServerArgsError, match="^[^\n]*SGLANG_MEDIA_MEMORY_MB[^\n]*$"):
             ServerArgs(model_path="tiny-qwen3-next")
+
+
+def test_a_waiter_on_a_closed_event_loop_is_skipped():
+    """Bytes released in a media thread after a waiter's event loop closed (the process ending) skip it
+    instead of raising in that thread (which would replace the item's result) and holding its bytes."""
+    m = MediaMemory(100)
+    m.used = 100
+    closed = asyncio.new_event_loop()
+    closed.close()
+    m._waiters.append([50, None, closed, False])
+    m.release(100)
+    assert m.used == 0 and not m._waiters

@@ -137,9 +137,12 @@ class MediaMemory:
         with self._lock:
             while self._waiters and self._fits(self._waiters[0][0]):
                 entry = self._waiters.popleft()
+                try:
+                    entry[2].call_soon_threadsafe(_grant, entry[1])
+                except RuntimeError:  # its loop is closed (the process ends): nobody waits there
+                    continue
                 entry[3] = True
                 self._take(entry[0])
-                entry[2].call_soon_threadsafe(_grant, entry[1])
 
 
 def _grant(fut: asyncio.Future) -> None:
