@@ -1,8 +1,10 @@
 """The weights fingerprint a PD server sends with its pool layout (`weights_fingerprint.py`): equal for the
 same checkpoint, different for another checkpoint of the same config and shapes (another seed of the
 preset), different after a weight update applied to one model only and equal again once the other gets the
-same update; refreshed by the PD queues when the scheduler's weights change. The refusal names what
-differs, and a conv-state dtype difference names its own variable."""
+same update; refreshed by the PD queues when the scheduler's weights change (after a tensor update, only
+the tensors it wrote are read again; after a failed write too). Moved values and structured changes
+count, and so do the model's config (not its folder) and the float8 KV scales. The refusal names what
+differs: a conv-state dtype difference its own variable, another --ep-size that flag."""
 
 from __future__ import annotations
 
@@ -166,7 +168,7 @@ def test_every_byte_counts_whatever_the_dtype_or_alignment():
         buffer[1:6],  # starts 2 bytes into its storage
         torch.ones(9).to(torch.float8_e4m3fn),
         torch.tensor([True, False, True]),
-        torch.arange(2 * 512 + 3, dtype=torch.int64),  # two grid rows and three words past them
+        torch.arange((1 << 17) + 3, dtype=torch.int64),  # a CPU chunk (1 MiB) and three words past it
     ]
     for t in cases:
         holder = torch.nn.Module()
