@@ -269,8 +269,8 @@ def claiming(samples: int) -> bytes:
 
 
 def test_an_mp4_claiming_millions_of_samples_is_refused_before_ffmpeg_indexes_them():
-    """A 700-byte mp4 whose tables claim 60,000,000 samples (a constant size needs no table) took FFmpeg
-    5.6 s and 4 GB to open (10,000,000: 0.6 s, 700 MB), before any check of ours. Its boxes are read
+    """A 1,622-byte mp4 whose tables claim 60,000,000 samples (a constant size needs no table) took FFmpeg
+    7.6 s and 4 GB to open (10,000,000: 0.6 s, 700 MB), before any check of ours. Its boxes are read
     first (mp4_boxes): over 2^20 samples it is refused unopened. Without it: opened, indexed, then refused
     by the frame count."""
     from sglang.srt.multimodal import mp4_boxes

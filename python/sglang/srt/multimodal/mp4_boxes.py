@@ -1,8 +1,8 @@
 """The sample counts an ISO base media file (mp4, mov) declares, read from its boxes before FFmpeg opens
 it (security review S2): FFmpeg's mov demuxer builds its index of a track's samples when it opens the
 file, from counts that need no bytes behind them (a constant size in `stsz`, a count per entry in `stts`,
-default sizes in a fragment's `trun`), so a 700-byte mp4 that claims 60,000,000 samples took 5.6 s and
-4 GB to open. `declared_samples` reads those counts without building anything, so a file that claims
+default sizes in a fragment's `trun`), so a 1,622-byte mp4 that claims 60,000,000 samples took 7.6 s
+and 4 GB to open. `declared_samples` reads those counts without building anything, so a file that claims
 more than a video can have is refused first.
 
 Boxes: a 32-bit size (1: a 64-bit size follows the type; 0: to the end) and a 4-character type. The walk

@@ -22,7 +22,9 @@ sockets (concat, SDP, HLS, DASH) are refused, with one message whatever they nam
 a frame over the per-frame bound (its `max_pixels` option) before allocating it, so a stream that changes
 its frame size mid-way cannot make it decode a larger frame first. A request decodes at most
 `media_io.MAX_DECODED_FRAMES_PER_REQUEST` frames (a frame costs ~12 us of overhead however small it is).
-A decode stops between two packets once the request's client has left (`media_pool.check_cancelled`).
+An mp4 / mov declaring more than `MAX_DECLARED_SAMPLES` samples is refused from its boxes before FFmpeg
+opens (and indexes) it (`mp4_boxes`), and only the `DECODERS` of real videos are opened. A decode stops
+between two packets once the request's client has left (`media_pool.check_cancelled`).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ MAX_DECODED_PIXELS = 1 << 31
 DEFAULT_FPS = 24.0
 # The most samples an mp4 / mov file may declare in one kind of table over its tracks (video and audio):
 # FFmpeg builds its index from those counts when it opens the file (~70 bytes a sample), and they need no
-# bytes behind them (a 700-byte file claiming 60,000,000 took 5.6 s and 4 GB to open). 2^20 is 2.7 hours
-# of 60 fps video with its audio; a request decodes at most 65,536 frames anyway.
+# bytes behind them (a 1,622-byte file claiming 60,000,000 took 7.6 s and 4 GB to open). 2^20 is 2.7 h
+# of 60 fps video with compressed audio (uncompressed audio is not counted: `mp4_boxes`); a request
+# decodes at most 65,536 frames anyway.
 MAX_DECLARED_SAMPLES = 1 << 20
 # Bytes a video file's decode may hold per pixel of its declared frame size, for the process's media
 # memory budget (`media_pool.MediaMemory`): the decoder's reference frames (H.264 keeps up to 16, YUV
