@@ -8,7 +8,9 @@ prefill server's own answers. Real processes: both servers and `sglang-router` i
 from __future__ import annotations
 
 import base64
+import json
 import pickle
+import shutil
 import time
 
 import pytest
@@ -20,7 +22,7 @@ from sglang.test.pd_checkpoints import other_seed_checkpoint
 from sglang.test.pd_conversation import generate_body, internal_state, post
 from sglang.test.router_process import start_pd, stop_all
 
-register_cpu_ci(est_time=20, suite="per-commit-cpu")
+register_cpu_ci(est_time=26, suite="per-commit-cpu")
 
 PRESET = "tiny-qwen3-next"
 SECRET = "pd-weights-check-secret"
@@ -93,3 +95,22 @@ def test_a_tensor_update_on_one_server_is_refused_until_the_other_has_it(pair):
     r = requests.post(pair["prefill"].base_url + "/update_weights_from_tensor", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["success"], r.text
     served(pair)
+
+
+def test_a_config_of_its_own_is_refused_and_a_copy_elsewhere_is_not(pair, tmp_path):
+    """The model's config counts, not the folder it was read from: the prefill server back on the preset,
+    the decode server on a copy of it in another folder serves; on a copy whose config.json alone differs
+    (rms_norm_eps, same weights) it is refused. (After the tests above: both hold the nudged tensor.)"""
+    same, eps = tmp_path / "same", tmp_path / "eps"
+    for copy in (same, eps):
+        shutil.copytree(pair["a"], copy)
+    config = json.loads((eps / "config.json").read_text())
+    config["rms_norm_eps"] *= 10
+    (eps / "config.json").write_text(json.dumps(config))
+    for side, path in (("prefill", pair["a"]), ("decode", str(same))):
+        r = post(pair[side].base_url + "/update_weights_from_disk", {"model_path": path})
+        assert r.status_code == 200 and r.json()["success"], r.text
+    served(pair)
+    r = post(pair["decode"].base_url + "/update_weights_from_disk", {"model_path": str(eps)})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    refused(pair, str(eps))
