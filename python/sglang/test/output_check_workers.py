@@ -203,9 +203,10 @@ def _verify_step(rank: int, group: Any, search: Any, real_match: Any, calls: _Co
     """One NGRAM verify step's commit (`NgramWorker.process_batch_result_verify`, the scheduler's pools
     stubbed) of stop_regex requests that accept both their drafts (three tokens each to commit): one
     whose pattern matches at its second token, one whose search is cut at its first token on rank 1
-    only (rank 0's finds "x" there at once), four that never match, one that samples a stop token id as
-    its second, one without drafts, and a plain request. What each ended with and its output length,
-    the all-reduces the step ran, and the finisher's counts."""
+    only (rank 0's finds "x" there at once), one whose search is cut at its second token on rank 1 only,
+    four that never match, one that samples a stop token id as its second, one without drafts, and a
+    plain request. What each ended with and its output length, the all-reduces the step ran, and the
+    finisher's counts."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler_components.batch_result_processor import BatchResultProcessor
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -216,6 +217,8 @@ def _verify_step(rank: int, group: Any, search: Any, real_match: Any, calls: _Co
         # (the stand-in tokenizer decodes one "x" per token: the first token to commit makes 3 of them)
         if rank == 1 and patterns == ["y", "x"] and len(text) == 3:
             raise search.StopRegexTimeout(patterns[1], limit, 1)
+        if rank == 1 and patterns == ["q"] and len(text) == 4:
+            raise search.StopRegexTimeout(patterns[0], limit, 0)
         return real_match(patterns, text, limit)
 
     def req(rid: str, **params) -> Req:
@@ -226,12 +229,13 @@ def _verify_step(rank: int, group: Any, search: Any, real_match: Any, calls: _Co
     reqs = [
         req("r_match", stop_regex=["^x{4}$"]),
         req("r_cut", stop_regex=["y", "x"]),
+        req("r_trunc", stop_regex=["q"]),
         *(req(f"r_far{k}", stop_regex=["z"]) for k in range(4)),
         req("r_stop_id", stop_regex=["z"], stop_token_ids=[8]),
         req("r_nodraft", stop_regex=["z"]),
         req("plain"),
     ]
-    drafts = [[7, 7]] * 6 + [[7, 8], [], [7, 7]]
+    drafts = [[7, 7]] * 7 + [[7, 8], [], [7, 7]]
     sampled = [t for d in drafts for t in [*d, 7]]  # (every draft accepted, then the bonus token 7)
     c = _checker(group)
     log = SimpleNamespace(clear=lambda: None, take=lambda req=None: [])
@@ -335,4 +339,49 @@ def agreement_cost(rank: int, world_size: int, init_method: str, sizes: list[int
                 assert all(r.finished_reason is None for r in reqs)
         return out
     finally:
+        dist.destroy_process_group()
+
+
+def verify_agreement_cost(
+    rank: int, world_size: int, init_method: str, sizes: list[int], width: int, steps: int
+) -> dict:
+    """Per verify step of `n` stop_regex requests (a pattern that never matches on a stand-in tokenizer:
+    what is timed is the agreement and the checks' logic) that each commit `width` tokens, for each `n` in
+    `sizes`: seconds and all-reduces per step, with every token prechecked in one agreement (`several`,
+    now) and with only each request's first token prechecked, each later token's check measured and
+    agreed alone (before)."""
+    import torch.distributed as dist
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    group = dist.new_group(list(range(world_size)), backend="gloo")
+    calls = _Collectives()
+    try:
+        out: dict[str, dict[int, tuple[float, float]]] = {"first": {}, "all": {}}
+        tokens = [7] * width
+        for n in sizes:
+            for mode in ("first", "all"):
+                c = _checker(group)
+                params = SamplingParams(max_new_tokens=10**6, stop_regex=["z"])
+                reqs = [Req(f"r{i}", [5], params) for i in range(n)]
+                dist.barrier(group=group)
+                before, start = calls.all_reduce, time.perf_counter()
+                for _ in range(steps):
+                    if mode == "all":
+                        c.precheck([(r, tokens) for r in reqs], several=True)
+                    else:
+                        c.precheck([(r, tokens[0]) for r in reqs])
+                    for r in reqs:
+                        for token in tokens:
+                            r.output_ids.append(token)
+                            c.check_finished(r)
+                    c.clear_prechecks()
+                seconds = (time.perf_counter() - start) / steps
+                out[mode][n] = (seconds, (calls.all_reduce - before) / steps)
+                assert all(r.finished_reason is None for r in reqs)
+        return out
+    finally:
+        calls.restore()
         dist.destroy_process_group()

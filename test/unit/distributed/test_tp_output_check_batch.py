@@ -84,9 +84,10 @@ def test_a_verify_steps_tokens_are_agreed_at_once_and_end_alike(ranks):
     """An NGRAM verify step of stop_regex requests that accept both drafts: every token the step may
     commit is measured before the commit and agreed in ONE all-reduce (before, only each request's first
     token was: each later token's check measured and agreed alone, one all-reduce per token per
-    request, 11 more here), and both ranks end each request at the same token: a search cut at the
-    first token on rank 1 only is cut on both (rank 0 alone would have stopped there on "x"), so the
-    request ends at its second token, where both ranks match."""
+    request, 13 more here), and both ranks end each request at the same token and commit the same
+    tokens: a search cut at the first token on rank 1 only is cut on both (rank 0 alone would have
+    stopped there on "x"), so the request ends at its second token, where both ranks match; a search cut
+    at the second token on rank 1 only makes both commit the first token alone (rank 0 alone, three)."""
     r0, r1 = ranks
     for r in (r0, r1):
         verify = r["verify"]
@@ -98,4 +99,4 @@ def test_a_verify_steps_tokens_are_agreed_at_once_and_end_alike(ranks):
     assert ended["r_stop_id"] == (4, {"type": "stop", "matched": 8})
     for rid in ("r_far0", "r_far1", "r_far2", "r_far3", "plain"):
         assert ended[rid] == (5, None), rid
-    assert ended["r_nodraft"] == (3, None)
+    assert ended["r_nodraft"] == ended["r_trunc"] == (3, None)

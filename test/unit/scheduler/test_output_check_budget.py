@@ -63,9 +63,9 @@ class CheckTimer:
             check(req)
             self.spent += time.perf_counter() - start
 
-        def timed_precheck(rows):
+        def timed_precheck(rows, **kw):
             start = time.perf_counter()
-            precheck(rows)
+            precheck(rows, **kw)
             self.spent += time.perf_counter() - start
 
         def timed_build(cls, *args):

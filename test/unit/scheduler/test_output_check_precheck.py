@@ -240,19 +240,21 @@ def test_which_requests_are_measured_is_one_rule_everywhere():
         assert plain not in c._measured
 
 
-def test_a_verify_steps_tokens_share_the_steps_budget(monkeypatch):
-    """16 requests in the load at a fair share each (one step's budget in all), then a verify step that
-    commits three tokens each (two accepted drafts and the bonus token), every stop_regex search taking
-    90% of the time it is given. Every token is measured in the step's one precheck, the tokens after
-    each request's first as more shares of the step (`PendingCharges`, `later`): the step spends at
-    most 1 + ln(3) budgets (the 16 first tokens one budget, the 32 later ones sum_{j=17..48} budget / j).
-    Before, each later token was measured alone at its check with a request's whole share: the width
-    times the budget, 0.30 s of searches here (0.15 s now)."""
+def _verify_step(monkeypatch, latest: float, search_s: float | None = None, width: int = 3):
+    """16 stop_regex requests whose previous tokens cost `latest` each (the load), then a verify step that
+    may commit `width` tokens each (accepted drafts and the bonus token; 1: a decode step), each search
+    taking `search_s` seconds (None: 90% of the time it is given), cut where it is given less (a fake
+    clock). Each request commits what `verify_tokens` allows. Returns the checker, the requests, the
+    searches' limits in the order they ran, and the seconds the step's checks took."""
     now, limits = [0.0], []
 
     def search(patterns, text, limit):
         limits.append(limit)
-        now[0] += 0.9 * limit
+        cost = 0.9 * limit if search_s is None else search_s
+        if cost > limit:
+            now[0] += max(limit, 0.0)
+            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
+        now[0] += cost
         return None
 
     monkeypatch.setattr(stop_search, "clock", lambda: now[0])
@@ -261,21 +263,49 @@ def test_a_verify_steps_tokens_share_the_steps_budget(monkeypatch):
     c.budget = OutputCheckBudget(per_request_s=0.05, per_step_s=0.1)
     reqs = [Req(f"r{i}", [5], SamplingParams(stop_regex=["x"], max_new_tokens=100)) for i in range(16)]
     for r in reqs:
-        c.budget.charge(r, 0.099 / 16, "stop_regex")  # (their previous step's costs, the load under 0.1)
-    c.precheck([(r, [7, 8, 9]) for r in reqs], several=True)
-    assert len(limits) == 48 and c.agreements == 1
+        c.budget.charge(r, latest, "stop_regex")
+    tokens = [7, 8, 9][:width]
+    if width == 1:
+        c.precheck([(r, 7) for r in reqs])
+    else:
+        c.precheck([(r, tokens) for r in reqs], several=True)
+    assert c.agreements == 1
     for r in reqs:
-        for token in (7, 8, 9):
+        for token in tokens[: c.verify_tokens(r) or 1]:
             r.output_ids.append(token)
             c.check_finished(r)
     c.clear_prechecks()
-    assert c.alone == 0 and len(limits) == 48  # (each check took its token's measure)
-    assert now[0] <= 0.1 * (1 + math.log(3)), now[0]
-    # Each token after a request's first was given one share of the step beside the 16 requests' and the
-    # step's earlier tokens' (the j-th such token, at most 0.1 / (16 + j)), not a request's whole share.
-    later = [limit for k, limit in enumerate(limits) if k % 3]
-    assert all(limit <= 0.1 / (16 + j) + 1e-12 for j, limit in enumerate(later, 1)), later
-    assert all(r.finished_reason is None for r in reqs) and c.budget.load <= 0.1
+    assert c.alone == 0 and all(r.finished_reason is None for r in reqs)
+    return c, reqs, limits, now[0]
+
+
+def test_a_verify_step_at_a_full_load_commits_as_a_decode_step(monkeypatch):
+    """The load full (16 requests at a fair share, one step's budget in all): the step's budget has no
+    room for a verify's tokens after each request's first at their requests' latest costs, so they are
+    neither measured nor committed (`_precheck_tokens`, `verify_tokens`): the step commits and spends
+    what a decode step would (one budget). Before, each later token was measured alone at its check with
+    a request's whole share, and committed: 0.30 s of searches here, the width times the budget."""
+    c, reqs, limits, spent = _verify_step(monkeypatch, 0.099 / 16)
+    assert len(limits) == 16 and all(len(r.output_ids) == 1 for r in reqs)
+    assert spent <= 0.1 and c.budget.load <= 0.1
+
+
+def test_a_verify_steps_later_tokens_take_what_the_step_has_left(monkeypatch):
+    """The load small (16 requests at 1 ms), each search 3 ms: every first token is given what a decode
+    step gives it, then every second and every third token (by position) only what the step's budget has
+    left beside all the step's costs: 16 second tokens and one third fit (0.052 s left after the first
+    tokens); the others are not measured (less left than their requests' latest cost) nor committed.
+    The step's checks take 0.099 s, within its budget; before, each later token was measured
+    alone at its check with a fair share at least (6.25 ms), and all 48 were committed: 0.144 s."""
+    _, _, decode_limits, _ = _verify_step(monkeypatch, 0.001, 0.003, width=1)
+    c, reqs, limits, spent = _verify_step(monkeypatch, 0.001, 0.003)
+    # (the 15 third tokens left are not searched at all: what is left, under their requests' latest cost,
+    # would not fit them)
+    assert len(limits) == 33 and limits[:16] == pytest.approx(decode_limits, rel=1e-9, abs=1e-12)
+    assert limits[16] == pytest.approx(min(0.05, 0.1 - 16 * 0.003)) and limits[32] == pytest.approx(0.004)
+    assert spent == pytest.approx(0.099) and spent <= 0.1
+    assert [len(r.output_ids) for r in reqs] == [3] + [2] * 15
+    assert not c.budget._over  # (what was committed was within its allowance; what was cut, not committed)
 
 
 def test_a_verify_row_of_a_grammar_request_is_measured_at_its_first_token_only():
@@ -290,3 +320,33 @@ def test_a_verify_row_of_a_grammar_request_is_measured_at_its_first_token_only()
         req.output_ids.append(token)
         c.check_finished(req)
     assert req.grammar.fed == 2 and c.alone == 1 and req.finished_reason is None
+
+
+def test_a_verify_commits_no_token_after_its_first_that_went_over_its_share():
+    """A verify row's token after its first whose search was cut (its share of the step was less than it
+    took) is not committed, nor anything after it (`verify_tokens`): the request samples it again at the
+    next step, as after a rejected draft, and is not ended for it; the first token is judged as a decode
+    step's (cut: over its allowance, remembered). A row whose tokens all fit commits them all."""
+    from sglang.srt.constrained import stop_search
+
+    c = _checker()
+    costly, cheap = (Req(r, [5], SamplingParams(stop_regex=[r], max_new_tokens=100)) for r in ("c", "d"))
+    real = stop_search._first_match
+
+    def search(patterns, text, limit):
+        if patterns == ["c"] and text == "xxx":  # (the costly request's third token: cut)
+            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
+        return None
+
+    stop_search._first_match = search
+    try:
+        c.precheck([(costly, [7, 7, 7, 7]), (cheap, [7, 7, 7, 7])], several=True)
+    finally:
+        stop_search._first_match = real
+    assert c.verify_tokens(costly) == 2 and c.verify_tokens(cheap) == 4
+    assert c.verify_tokens(_grammar_req("not prechecked")) is None
+    for token in (7, 7):
+        costly.output_ids.append(token)
+        c.check_finished(costly)
+    assert costly.finished_reason is None and c.alone == 0
+    assert costly not in c.budget._over  # (its committed tokens were within their allowances)

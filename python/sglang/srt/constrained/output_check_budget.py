@@ -12,10 +12,11 @@ running request waits for. The rule, all of it here:
   agree on a batch's costs at once): a request's allowance is then the one it had when it was measured,
   with the costs the batch's rows measured before it counted as charged (`PendingCharges`; the ranks
   take the smallest of their allowances), but not the requests those charges will end. A speculative
-  verify's tokens after a request's first are measured with the batch too, each one more share of the
-  step beside all the step's costs (its request's earlier tokens' included): where the load is full, a
-  verify of n requests committing w tokens each spends at most 1 + ln(w) budgets (the later tokens
-  sum_{j=1..(w-1)n} budget / (n + j)), not w budgets.
+  verify's tokens after a request's first are measured with the batch too, after every request's first
+  token, each given only what the step's budget has left beside all the step's costs (its request's
+  earlier tokens' included; no fair share: its request had one), and not committed where that was not
+  enough (`FinishChecker.verify_tokens`): a verify step's checks take what a decode step's of the same
+  requests may, or the step's budget, not the draft width times that.
 - The *load* is the sum of every live request's latest per-token cost: what one step of them all
   costs (a step gives each running request one token; NGRAM's verify up to its draft width). When a
   request's cost takes the load over the step's budget, the costliest requests are ended until it
@@ -77,17 +78,25 @@ class OutputCheckBudget:
         """What `req`'s checks for its next token may take (`pending`: the costs a batch measured before
         it, not charged yet, counted as charged). `later`: a token after `req`'s first in the same step
         (a verify's accepted drafts and bonus token, measured with `pending`): it replaces no cost of
-        `req`'s, so it counts as one more request, beside all the step's other costs, `req`'s earlier
-        tokens' included."""
+        `req`'s and is owed no fair share (its request had one for its first token), so it may take what
+        the step's budget has left beside all the step's costs, `req`'s earlier tokens' included (0 or
+        less: nothing; `FinishChecker.verify_tokens` then commits it not)."""
         own = self._cost.get(req)
-        n = len(self._cost) + (later or own is None)  # (the requests, and this one if it is a new share)
+        n = len(self._cost) + (own is None)
         load = self._load
         if pending is not None:
             n += pending.added
             load += pending.delta
-        others = load if later or own is None else load - own[0]
         step = self.per_step_s
+        if later:
+            return min(self.per_request_s, step - load)
+        others = load if own is None else load - own[0]
         return min(self.per_request_s, max(step - others, step / n))
+
+    def cost(self, req: Req) -> float:
+        """`req`'s latest per-token cost (0 before its first charge)."""
+        entry = self._cost.get(req)
+        return 0.0 if entry is None else entry[0]
 
     def is_ended(self, req: Req) -> bool:
         """Whether `req` was ended for the load (`ended`, without forgetting it)."""
@@ -160,8 +169,7 @@ class OutputCheckBudget:
 
 class PendingCharges:
     """The costs of a batch's checks measured so far, each to be charged once the batch is decided
-    (`FinishChecker.precheck`): what they add to the load, and the shares new to it (requests new to
-    it, and each token after a request's first in a verify step)."""
+    (`FinishChecker.precheck`): what they add to the load, and the requests new to it."""
 
     def __init__(self, budget: OutputCheckBudget):
         self.budget = budget
@@ -173,7 +181,6 @@ class PendingCharges:
         to the load instead of replacing the request's latest cost)."""
         if later:
             self.delta += cost
-            self.added += 1
             return
         old = self.budget._cost.get(req)
         self.delta += cost - (0.0 if old is None else old[0])

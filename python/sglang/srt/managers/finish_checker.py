@@ -17,14 +17,14 @@ same token (`tp_broadcast.py`), so between the two the ranks agree on those numb
 the ranks of the grammar's, the search's and the stop strings' seconds, of whether, and at which
 pattern, a search was cut, of whether the processor failed and of whether the grammar refused the token;
 where one failed or refused on any rank, every rank ends the request with the first such rank's finish;
-the smallest of the ranks' allowances). A batch's results are measured together first (`precheck`: one all-reduce
-of a (rows, 7) tensor for the whole batch, none on one rank; a speculative verify's row gives every
-token it may commit, each measured on the output up to it, `_precheck_tokens`), and each row's
-`check_finished` decides on its stored measurement; a check that was not prechecked (a PD decode
+the smallest of the ranks' allowances). A batch's results are measured together first (`precheck`:
+one all-reduce of a (rows, 7) tensor for the whole batch, none on one rank; a speculative verify's row
+gives every token it may commit, each measured on the output up to it, `_precheck_tokens`), and each
+row's `check_finished` decides on its stored measurement; a check that was not prechecked (a PD decode
 server's first token) measures and agrees alone. A prechecked row's allowance is the one its request
 had when it was measured, the batch's rows measured before it counted as charged (`PendingCharges`; a
-verify's token after a request's first as one more share of the step), the smallest of the ranks'
-(`output_check_budget.py`)."""
+verify's token after a request's first is given what the step's budget has left, and is not committed
+where that was not enough: `verify_tokens`), the smallest of the ranks' (`output_check_budget.py`)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def is_measured(req: Req) -> bool:
     (the module's docstring): it has a grammar, stop regexes, a custom logit processor or a stop list
     that is charged (`stops_charged`). Read from what every rank holds alike (a processor's failure is
     this rank's own: it is what is agreed). The one owner of the rule: `check_finished`, `precheck`'s
-    row filter and `DecodeRows.any_measured` read it here."""
+    row filter and `DecodeRows.measured_rows` read it here."""
     sp = req.sampling_params
     return (
         req.grammar is not None
@@ -144,7 +144,7 @@ class FinishChecker:
     def precheck(self, rows: Iterable[tuple[Req, Any]], several: bool = False) -> None:
         """Measure the checks of a batch's rows before their tokens are committed (`token`: the token
         `req` is about to commit, or None for a check of its output as it is; with `several`, a verify's
-        row: the tokens it will commit, its accepted drafts and the bonus token, `_precheck_tokens`),
+        rows: the tokens each will commit, its accepted drafts and the bonus token, `_precheck_tokens`),
         then agree on them all at once: each row's `check_finished`, with that token committed, decides
         on it. Rows that are finished, that need no measure (`is_measured`), or that the budget ended
         already (their check ends them on that) are left out, alike on every rank."""
@@ -153,50 +153,90 @@ class FinishChecker:
             return
         works: list[_Work] = []
         pending = PendingCharges(self.budget)
-        for req, token in rows:
-            if self.budget.is_ended(req):
-                continue
-            if several:
-                self._precheck_tokens(req, token, pending, works)
-                continue
-            # (the output as it will be once `BatchResultProcessor.commit`, the one place that appends to
-            # it, has committed the token; not a copy)
-            out = req.output_ids if token is None else Appended(req.output_ids, (token,))
-            work = self._measure(req, pending, out)
-            if work.field:  # (a check the budget charges)
-                pending.add(req, work.grammar_s + work.regex_s + work.stop_s)
-            self._measured[req] = work
-            works.append(work)
+        if several:
+            self._precheck_tokens(rows, pending, works)
+        else:
+            for req, token in rows:
+                if self.budget.is_ended(req):
+                    continue
+                # (the output as it will be once `BatchResultProcessor.commit`, the one place that appends
+                # to it, has committed the token; not a copy)
+                out = req.output_ids if token is None else Appended(req.output_ids, (token,))
+                work = self._measure(req, pending, out)
+                if work.field:  # (a check the budget charges)
+                    pending.add(req, work.grammar_s + work.regex_s + work.stop_s)
+                self._measured[req] = work
+                works.append(work)
         if works:
             self._agree(works)
 
-    def _precheck_tokens(self, req: Req, tokens: list[int], pending: PendingCharges, works: list) -> None:
-        """A verify row's checks: one per token it may commit, each measured on the output up to that
-        token and chained (`_Work.next`) for its `check_finished` calls in turn. Each token after the
-        first is one more share of the step's budget (`PendingCharges.add`, `later`): a verify step's
-        checks take what a decode step's of as many requests may. A request with a grammar or a custom
-        logit processor has no drafts (`NgramWorker._drafts_for`): should it have some, its first token
-        only is measured here (a matcher takes back no token it was fed), the others alone at their
-        check. Measuring stops after a token that ends the request on what every rank knows alike (the
-        length limit, a stop token, the context length; not a search, which one rank may cut), so every
-        rank measures, and agrees on, the same tokens."""
-        last = 1 if req.grammar is not None or req.custom_logit_processor is not None else len(tokens)
-        prev = None
-        for k in range(last):
-            work = self._measure(req, pending, Appended(req.output_ids, tokens[: k + 1]), k > 0)
-            if work.field:
-                pending.add(req, work.grammar_s + work.regex_s + work.stop_s, k > 0)
-            if prev is None:
-                self._measured[req] = work
-            else:
-                prev.next = work
-            prev = work
-            works.append(work)
-            reason = work.reason
-            if reason is not None and (reason["type"] == "length" or type(reason["matched"]) is int):
+    def _precheck_tokens(self, rows: list[tuple[Req, list[int]]], pending: PendingCharges, works: list):
+        """A verify's rows: a check per token a row may commit, measured on the output up to that token and
+        chained (`_Work.next`) for its `check_finished` calls in turn. They are measured by position, every
+        row's first token, then every row's second, and so on: the first tokens are given what a decode
+        step's would be, the later ones what the step's budget has left (`OutputCheckBudget.allowance`,
+        `later`). A later token is measured only while the step's budget has room for it at its
+        request's latest cost beside the load (agreed numbers, alike on every rank), and a row commits no
+        later token that was not measured or went over its allowance (`verify_tokens`): the budget bounds
+        how many tokens a verify commits, and what it spends measuring them (a later token that would not
+        fit its allowance at its request's latest cost is not measured: it counts as cut). A request with
+        a grammar or a custom logit processor has no drafts (`NgramWorker._drafts_for`): should it have
+        some, its first token only is measured here (a matcher takes back no token it was fed), the others
+        alone at their check. A row's measuring stops after a token that ends the request on what every
+        rank knows alike (`_token_finish`, the context length; not a search, which one rank may cut):
+        every rank measures, or counts as cut, and agrees on the same tokens."""
+        budget = self.budget
+        room = budget.per_step_s - budget.load  # (for the later tokens: the first ones replace the load's)
+        live = [(req, tokens, None) for req, tokens in rows if not budget.is_ended(req)]
+        k = 0
+        while live:
+            after = []
+            for req, tokens, prev in live:
+                out = Appended(req.output_ids, tokens[: k + 1])
+                if not k:
+                    work = self._measure(req, pending, out)
+                else:
+                    cost = budget.cost(req)
+                    if cost > room:
+                        continue  # (this token and the row's next ones are not committed this step)
+                    room -= cost
+                    allowance = budget.allowance(req, pending, True)
+                    if allowance < cost or allowance <= 0:
+                        work = _Work(allowance, "", len(out))  # (not measured: would not fit; as cut)
+                        work.cut = 0
+                    else:
+                        work = self._measure(req, pending, out, True)
+                if work.field:
+                    pending.add(req, work.grammar_s + work.regex_s + work.stop_s, k > 0)
+                if prev is None:
+                    self._measured[req] = work
+                else:
+                    prev.next = work
+                works.append(work)
+                if k + 1 == len(tokens) or req.grammar is not None or req.custom_logit_processor is not None:
+                    continue
+                n = len(out)
+                if self._token_finish(req, n, tokens[k]) or self._context_finish(req, None, n):
+                    continue  # (it ends there on every rank)
+                after.append((req, tokens, work))
+            live, k = after, k + 1
+
+    def verify_tokens(self, req: Req) -> int | None:
+        """How many of the tokens its verify row was prechecked with (`precheck`, `several`) `req` may
+        commit: those measured before the first after its first whose agreed check went over the allowance
+        it was given (a search cut, or costs past it); None where the row was not prechecked.
+        That token is not committed this step, as a draft the verify rejected: the request samples it
+        again at the next, with a first token's allowance, so the step's budget decides how many tokens a
+        verify commits, never that a request ends. Every rank counts alike (the agreed numbers)."""
+        work = self._measured.get(req)
+        if work is None:
+            return None
+        n, work = 1, work.next
+        while work is not None and work.cut is None:
+            if work.grammar_s + work.regex_s + work.stop_s > work.allowance:
                 break
-            if len(req.origin_input_ids) + work.length >= self.context_len:
-                break
+            n, work = n + 1, work.next
+        return n
 
     def clear_prechecks(self) -> None:
         """The batch is processed: measurements no check took (its requests ended meanwhile) go."""
@@ -313,8 +353,8 @@ class FinishChecker:
                 reason = None  # (searched again, over the same tail and more, at the next token)
         req.finished_reason = self._context_finish(req, reason)
 
-    def _context_finish(self, req: Req, reason: dict[str, Any] | None) -> dict[str, Any] | None:
-        n = len(req.output_ids)
+    def _context_finish(self, req: Req, reason: dict[str, Any] | None, n: int | None = None) -> dict | None:
+        n = len(req.output_ids) if n is None else n
         if reason is None and len(req.origin_input_ids) + n >= self.context_len:  # req.seqlen
             return {"type": "length", "length": n}
         return reason
@@ -326,15 +366,14 @@ class FinishChecker:
         sp = req.sampling_params
         out = req.output_ids if out is None else out
         n = len(out)
-        if n >= sp.max_new_tokens:
-            return {"type": "length", "length": sp.max_new_tokens}
+        reason = self._token_finish(req, n, out[-1] if n else None)
+        if reason is not None:
+            return reason
         token = out[-1]
         if req.grammar is not None and req.grammar.terminated:
             # The grammar is complete (on an end-of-sequence id): upstream's "matched token" finish.
             return {"type": "stop", "matched": token}
         if n > sp.min_new_tokens:
-            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
-                return {"type": "stop", "matched": token}
             if sp.stop or sp.stop_regex:
                 try:
                     matched = match_stop_string(self.tokenizer, req, work, out)
@@ -343,6 +382,18 @@ class FinishChecker:
                     return None
                 if matched is not None:
                     return {"type": "stop", "matched": matched}
+        return None
+
+    def _token_finish(self, req: Req, n: int, token: int | None) -> dict[str, Any] | None:
+        """The finish an output of `n` tokens ending in `token` has by `req`'s length limit or a stop token
+        (stop_token_ids, end-of-sequence ids): what every rank knows alike, measured or not."""
+        sp = req.sampling_params
+        if n >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
+        if n > sp.min_new_tokens and (
+            token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids)
+        ):
+            return {"type": "stop", "matched": token}
         return None
 
     def _agree(self, works: list[_Work]) -> None:

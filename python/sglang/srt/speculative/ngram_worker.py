@@ -349,11 +349,19 @@ class NgramWorker:
             while accepted < len(drafts) and sampled_all[at + accepted] == drafts[accepted]:
                 accepted += 1
             accepts.append(accepted)
+        commits = [a + 1 for a in accepts]  # the tokens each may commit
         measured = measured_rows(batch)
         if measured:  # (a decode set without grammars, stop_regex or processors: no scan)
-            # Every token each measured request may commit, checked in one agreement (`_precheck_tokens`).
-            rows = [(batch.reqs[i], sampled_all[firsts[i] : firsts[i] + accepts[i] + 1]) for i in measured]
-            rp.finisher.precheck(rows, several=True)
+            # Every token each measured request may commit, checked in one agreement (`_precheck_tokens`);
+            # a token after the first whose check went over its share of the step's budget is not
+            # committed (`verify_tokens`): sampled again at the next step, as a rejected draft.
+            finisher = rp.finisher
+            rows = [(batch.reqs[i], sampled_all[firsts[i] : firsts[i] + commits[i]]) for i in measured]
+            finisher.precheck(rows, several=True)
+            for i in measured:
+                n = finisher.verify_tokens(batch.reqs[i])
+                if n is not None and n < commits[i]:
+                    commits[i] = n
         touched: list[Req] = []
         copies: list[tuple[int, int]] = []  # (verify row, slot): the states the commit keeps
         settled: list[tuple[Req, tuple[int, int] | None]] = []  # to release or commit a snapshot for
@@ -363,10 +371,10 @@ class NgramWorker:
             if req.finished_reason is not None:
                 rp.release_landed(req)
                 continue
-            sampled = sampled_all[at : at + accepted + 1]
+            sampled = sampled_all[at : at + commits[i]]
             # (hidden states: a request that returns them has no drafts, so its first position only)
             committed = 0
-            for t in range(accepted + 1):
+            for t in range(commits[i]):
                 committed += 1
                 row_hidden = hidden[i] if hidden is not None and t == 0 else None
                 if rp.commit(req, sampled[t], result, at + t, row_hidden):
