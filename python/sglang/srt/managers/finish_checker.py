@@ -224,10 +224,10 @@ class FinishChecker:
     def verify_tokens(self, req: Req) -> int | None:
         """How many of the tokens its verify row was prechecked with (`precheck`, `several`) `req` may
         commit: those measured before the first after its first whose agreed check went over the allowance
-        it was given (a search cut, or costs past it); None where the row was not prechecked.
-        That token is not committed this step, as a draft the verify rejected: the request samples it
-        again at the next, with a first token's allowance, so the step's budget decides how many tokens a
-        verify commits, never that a request ends. Every rank counts alike (the agreed numbers)."""
+        it was given (a search cut, or costs past it); None where the row was not prechecked. That token
+        is not committed this step, as a draft the verify rejected: the request samples it again at the
+        next, with a first token's allowance, so the step's budget decides how many tokens a verify
+        commits, and ends no request for its later tokens. Every rank counts alike (agreed numbers)."""
         work = self._measured.get(req)
         if work is None:
             return None
