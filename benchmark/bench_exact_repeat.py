@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -56,7 +57,8 @@ def entry_bytes(folder: str, ids: list[int]) -> int:
 
 def run(strategy: str, args) -> dict:
     argv, env = ["--model-path", args.model, "--mamba-scheduler-strategy", strategy], {}
-    folder = os.path.join(tempfile.mkdtemp(prefix="bench_exact_repeat_"), strategy)
+    scratch = tempfile.mkdtemp(prefix="bench_exact_repeat_")
+    folder = os.path.join(scratch, strategy)
     if args.disk:
         argv += ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
         env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = folder
@@ -92,6 +94,7 @@ def run(strategy: str, args) -> dict:
         return out
     finally:
         server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main() -> None:
