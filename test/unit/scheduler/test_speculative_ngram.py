@@ -31,7 +31,7 @@ from sglang.test.scheduler_harness import (
     token_ids,
 )
 
-register_cpu_ci(est_time=70, suite="per-commit-cpu")
+register_cpu_ci(est_time=73, suite="per-commit-cpu")
 
 QWEN, NEMO = "tiny-qwen3-next", "tiny-nemotron-h"
 SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
@@ -528,3 +528,50 @@ def test_stop_regexes_and_stop_lists_end_where_plain_decoding_ends_them():
     from sglang.srt.speculative.ngram_worker import NgramWorker
 
     assert EagleWorker.process_batch_result_verify is NgramWorker.process_batch_result_verify
+
+
+def test_a_verify_commits_fewer_tokens_where_the_output_checks_budget_is_spent(monkeypatch):
+    """Four stop_regex requests whose searches cost 2 ms each (a fake clock) under a 12 ms step budget:
+    plain decoding's steps fit it (8 ms); a verify's tokens after each request's first fit only the 4 ms
+    left, so the verify commits fewer of its accepted drafts than it would without the budget
+    (`FinishChecker.verify_tokens`): the tokens it leaves are sampled again at the next step, and every
+    output is still plain decoding's, with no request ended."""
+    from sglang.srt.constrained import stop_search
+
+    now = [0.0]
+
+    def search(patterns, text, limit):
+        if limit < 0.002:
+            now[0] += max(limit, 0.0)
+            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
+        now[0] += 0.002
+        return None
+
+    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
+    monkeypatch.setattr(stop_search, "_first_match", search)
+    prompts = [token_ids(30 + 5 * k, seed=40 + k) for k in range(4)]
+
+    def run(spec: bool, per_step: float) -> tuple[list[Output], dict]:
+        monkeypatch.setenv("SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP", str(per_step))
+        h = _harness(QWEN, "extra_buffer", 1, spec)
+        try:
+            for p in prompts:  # (NGRAM's cache learns each output: the requests below draft it)
+                h.generate(p, 40)
+            rids = [h.submit(p, max_new_tokens=40, stop_regex=["\x00never"]) for p in prompts]
+            h.run()
+            h.sched.check_integrity()
+            stats = dict(h.sched.spec.stats) if spec else {}
+            h.flush_and_check_empty()
+            return [h.outputs[r] for r in rids], stats
+        finally:
+            h.shutdown()
+
+    plain, _ = run(False, 0.012)
+    free, free_stats = run(True, 0)  # (0: no step budget)
+    tight, tight_stats = run(True, 0.012)
+    for k in range(4):
+        _assert_same(plain[k], free[k], f"request {k}, no budget")
+        _assert_same(plain[k], tight[k], f"request {k}, 12 ms a step")
+        assert tight[k].finished_reason == {"type": "length", "length": 40}
+    assert tight_stats["accepted_tokens"] < free_stats["accepted_tokens"], (tight_stats, free_stats)
+    assert tight_stats["accepted_tokens"] > 0
