@@ -575,3 +575,32 @@ def test_a_verify_commits_fewer_tokens_where_the_output_checks_budget_is_spent(m
         assert tight[k].finished_reason == {"type": "length", "length": 40}
     assert tight_stats["accepted_tokens"] < free_stats["accepted_tokens"], (tight_stats, free_stats)
     assert tight_stats["accepted_tokens"] > 0
+
+
+def test_a_grammar_or_custom_processor_request_gets_no_drafts():
+    """What `FinishChecker.precheck` counts on for a verify's rows (a grammar's matcher takes back no
+    token, so such a row is measured at its first token only): NGRAM's and EAGLE / NEXTN's drafting give a
+    request with a grammar or a custom logit processor no drafts, while the same request without them,
+    whose text repeats, gets some from NGRAM's cache."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.eagle_worker import EagleWorker
+    from sglang.srt.speculative.ngram_cache import NgramCache
+    from sglang.srt.speculative.ngram_worker import NgramWorker
+
+    ngram = NgramWorker.__new__(NgramWorker)
+    ngram.width, ngram._histories, ngram._backoff = 4, {}, {}
+    ngram.cache = NgramCache(1, 4, 8, 1000)
+    ngram.deps = SimpleNamespace(context_len=4096)
+    eagle = EagleWorker.__new__(EagleWorker)
+    eagle.steps, eagle.deps = 3, SimpleNamespace(context_len=4096)
+    for kind in ("none", "grammar", "processor"):
+        req = Req(kind, [5, 6, 7, 8] * 4, SamplingParams(max_new_tokens=100))
+        if kind == "grammar":
+            req.grammar = SimpleNamespace(terminated=False)
+        elif kind == "processor":
+            req.custom_logit_processor = object()
+        drafts, mtp = ngram._draft(req), eagle._drafts_for(req)
+        assert (drafts == []) == (kind != "none") and mtp == (kind == "none"), (kind, drafts, mtp)
