@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from sglang.srt.constrained.grammar_spec import grammar_key
+from sglang.srt.constrained.measured import is_measured
 from sglang.srt.constrained.output_check_budget import OutputCheckBudget, PendingCharges
 from sglang.srt.constrained.stop_search import StopRegexTimeout, match_stop_string, search_message
 from sglang.srt.constrained.stop_strings import stops_charged
@@ -48,21 +49,6 @@ from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.server_args import ServerArgs
-
-
-def is_measured(req: Req) -> bool:
-    """Whether `req`'s finish check depends on facts of this rank alone, so it is measured, then agreed
-    (the module's docstring): it has a grammar, stop regexes, a custom logit processor or a stop list
-    that is charged (`stops_charged`). Read from what every rank holds alike (a processor's failure is
-    this rank's own: it is what is agreed). The one owner of the rule: `check_finished`, `precheck`'s
-    row filter and `DecodeRows.measured_rows` read it here."""
-    sp = req.sampling_params
-    return (
-        req.grammar is not None
-        or req.custom_logit_processor is not None
-        or bool(sp.stop_regex)
-        or (bool(sp.stop) and stops_charged(sp.stop))
-    )
 
 
 class _Work:

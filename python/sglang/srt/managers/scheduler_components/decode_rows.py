@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang.srt.managers.finish_checker import is_measured
+from sglang.srt.constrained.measured import is_measured
 from sglang.srt.model_executor.forward_batch_info import SamplingBatchInfo
 from sglang.srt.utils.host_tensors import host_int64
 
@@ -36,7 +36,7 @@ class DecodeRows:
     any_penalized: bool  # some request's logits take penalties (sampling/penaltylib.py)
     any_grammar: bool  # some request has a grammar (constrained/vocab_mask.py)
     any_custom_logit: bool  # some request has a custom logit processor
-    # The rows whose finish check is measured (`finish_checker.is_measured`): what a step's precheck reads.
+    # The rows whose finish check is measured (`constrained/measured.is_measured`): what a step's precheck reads.
     measured_rows: tuple[int, ...]
     hidden_states_mask: list[bool] | None  # `hidden_states_mask`
 
