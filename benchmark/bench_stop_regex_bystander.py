@@ -24,19 +24,12 @@ import time
 from collections import Counter
 
 import requests
+from bench_stop_strings import victim  # (benchmark/, the script's folder, is on sys.path)
 
 PATTERN = r"(?:[\s\S]{1,60}){1,2}(?!)"
 
-
-def bystander(url: str, stop: threading.Event, latencies: list[float]) -> None:
-    i = 0
-    while not stop.is_set():
-        t0 = time.time()
-        body = {"text": f"The bystander asks {i}", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-        requests.post(url + "/generate", json=body, timeout=600)
-        latencies.append(time.time() - t0)
-        i += 1
-        time.sleep(0.25)
+# (the stop strings benchmark's victim: an 8-token greedy /generate every 0.25 s, its latencies)
+bystander = victim
 
 
 def client(url: str, k: int, tokens: int, pattern: str | None, force: int | None, statuses: list) -> None:
