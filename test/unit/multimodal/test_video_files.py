@@ -334,14 +334,18 @@ def test_uncompressed_audio_counts_its_chunks_not_its_samples():
     """A mov's PCM audio track declares one sample per audio sample (172,800,000 in an hour at 48 kHz)
     with one stts entry of duration 1: FFmpeg indexes its chunks, so it is not counted (50,000,000 so
     opened in 0.01 s) and such a video decodes. With a duration of 2 FFmpeg indexes each sample
-    (20,000,000: 0.18 s, 245 MB): counted."""
+    (20,000,000: 0.18 s, 245 MB): counted. Its chunks are counted as FFmpeg indexes them: a chunk's
+    samples (`stsc`) in packets of at least 160, so its 4 chunks (3 of 800 samples, one of 5,600) are 50
+    entries, and 4 chunks claiming 60,000,000 samples each (bytes nobody sends) are 1,500,000, refused
+    unopened (without it they were left out: a 43 KB mov of 300 chunks of 100,000,000 took 3.7 s and
+    +670 MB to open)."""
     import struct
 
     import av
 
     from sglang.srt.multimodal import mp4_boxes
 
-    def with_pcm(samples: int, duration: int) -> bytes:
+    def with_pcm(samples: int, duration: int, per_chunk: int = 0) -> bytes:
         buf = io.BytesIO()
         with av.open(buf, "w", format="mov") as out:
             v = out.add_stream("libx264", rate=24)
@@ -361,10 +365,25 @@ def test_uncompressed_audio_counts_its_chunks_not_its_samples():
         struct.pack_into(">II", data, stts + 12, samples, duration)
         stsz = data.find(b"stsz", data.find(b"stsz") + 4)
         struct.pack_into(">I", data, stsz + 12, samples)
+        if per_chunk:
+            stsc = data.find(b"stsc", data.find(b"stsc") + 4)
+            for run in range(struct.unpack_from(">I", data, stsc + 8)[0]):  # every run: every chunk
+                struct.pack_into(">I", data, stsc + 16 + 12 * run, per_chunk)
         return bytes(data)
 
     pcm = with_pcm(50_000_000, 1)
-    assert mp4_boxes.declared_samples(pcm) == 8  # the video track's
+    assert mp4_boxes.declared_samples(pcm) == 8 + 3 * 5 + 35  # the video's 8, the audio's 4 chunks
+    big = with_pcm(50_000_000, 1, per_chunk=60_000_000)
+    assert mp4_boxes.declared_samples(big) == 8 + 4 * 375_000
+    message, took = refused(big)
+    assert "declares 1500008 samples, over the 1048576" in message and took < FAST_S, message
+    # runs: chunks 1-3 of 1,600 samples (10 entries each), 4-9 of 100 (1 each), 10 on of 161 (2 each)
+    runs = struct.pack(">II", 0, 3) + struct.pack(">9I", 1, 1600, 1, 4, 100, 1, 10, 161, 1)
+    table = bytes(8) + runs
+    assert mp4_boxes._chunk_entries(table, (8, len(table)), 12) == 3 * 10 + 6 * 1 + 3 * 2
+    # runs out of order: each chunk at the largest run's packets (FFmpeg may stay on any run)
+    backwards = bytes(8) + struct.pack(">II", 0, 2) + struct.pack(">6I", 5, 1600, 1, 2, 100, 1)
+    assert mp4_boxes._chunk_entries(backwards, (8, len(backwards)), 12) == 12 * 10
     assert len(video.load_video(pcm, "video_data[0]", CONFIG).frames) == 4
     assert mp4_boxes.declared_samples(with_pcm(20_000_000, 2)) == 20_000_008  # with the video track's 8
     assert "declares 20000008 samples" in refused(with_pcm(20_000_000, 2))[0]
