@@ -14,8 +14,10 @@ their client.
 - The decoded bytes all items hold at once are bounded for the process (`MediaMemory`,
   SGLANG_MEDIA_MEMORY_MB): an item states what it may hold (from its header, before it is decoded) and waits,
   without a thread, until that fits beside the items running; waiters are admitted first come first served,
-  and a request has one item waiting at a time, so the requests are admitted in turn. An item larger than the
-  whole budget runs alone.
+  and a request has one item waiting at a time, so the requests are admitted in turn; a small item (an
+  image) may pass a large one within a slice of the budget large items never take, so a large video
+  waiting for room (or one larger than the budget, charged as the budget less that slice) does not hold
+  up other requests' images.
 """
 
 from __future__ import annotations
@@ -83,21 +85,44 @@ def memory_limit() -> int:
 
 class MediaMemory:
     """Decoded bytes in flight over the process: `acquire(n)` waits until `n` fits beside what the
-    running items hold (or nothing runs: an item over the whole budget runs alone), first come first
-    served; `release(n)` gives them back. Thread-safe, usable from any event loop."""
+    running items hold, `release(n)` gives them back. Thread-safe, usable from any event loop.
+
+    Large items (over `small`: limit / 32, 64 MiB of the default 2 GiB) are admitted first come first
+    served within `limit - reserved` (the reserved slice: limit / 8); one over that is charged that much
+    and runs beside small items only (it alone holds what it holds). Small items (an image, a short clip)
+    take any room, and while a larger item waits they may pass it within the reserved slice: a 200 KB
+    video of 8192x8192 frames made a bystander's 64x64 image wait 5.6 s behind it while it waited for
+    the budget to empty and then ran alone. Small items cannot starve a large one: past it, they take
+    only the slice, which large items never use."""
 
     def __init__(self, limit: int):
         self.limit = limit
+        self.small = limit // 32
+        self.reserved = limit // 8
         self.used = 0
+        self._large = 0  # of `used`, held by large items (at most limit - reserved)
         self.peak = 0  # the most held at once (what a test or a benchmark reads)
         self._lock = threading.Lock()
         self._waiters: deque[list] = deque()  # [bytes, future, loop, granted]
 
-    def _fits(self, n: int) -> bool:
-        return self.used == 0 or self.used + n <= self.limit
+    def charge(self, n: int) -> int:
+        """What an item of `n` bytes counts against the budget."""
+        return n if n <= self.small else min(n, self.limit - self.reserved)
+
+    def _fits(self, n: int, passing: bool) -> bool:
+        """Whether `n` fits now; `passing`: it would pass a waiter ahead of it (small items only)."""
+        c = self.charge(n)
+        if n <= self.small:
+            if passing:
+                return self.used - self._large + c <= self.reserved
+            return self.used + c <= self.limit
+        return self.used + c <= self.limit and self._large + c <= self.limit - self.reserved
 
     def _take(self, n: int) -> None:
-        self.used += n
+        c = self.charge(n)
+        self.used += c
+        if n > self.small:
+            self._large += c
         self.peak = max(self.peak, self.used)
 
     async def acquire(self, n: int, poll: Callable[[], Any] | None = None) -> None:
@@ -105,8 +130,11 @@ class MediaMemory:
         may raise to give up (the client gone): nothing is then held."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            if not self._waiters and self._fits(n):
+            if not self._waiters and self._fits(n, False):
                 self._take(n)
+                return
+            if n <= self.small and all(w[0] > self.small for w in self._waiters) and self._fits(n, True):
+                self._take(n)  # past the large items waiting, within the reserved slice
                 return
             entry = [n, loop.create_future(), loop, False]
             self._waiters.append(entry)
@@ -120,7 +148,7 @@ class MediaMemory:
         except BaseException:
             with self._lock:
                 granted = entry[3]
-                if not granted:
+                if not granted and entry in self._waiters:  # (the queue may be gone at shutdown)
                     self._waiters.remove(entry)
             if granted:
                 self.release(n)
@@ -130,19 +158,31 @@ class MediaMemory:
 
     def release(self, n: int) -> None:
         with self._lock:
-            self.used -= n
+            c = self.charge(n)
+            self.used -= c
+            if n > self.small:
+                self._large -= c
         self._wake()
 
     def _wake(self) -> None:
         with self._lock:
-            while self._waiters and self._fits(self._waiters[0][0]):
-                entry = self._waiters.popleft()
+            # the queue's head in order, then small waiters past it within the reserved slice (in order
+            # among themselves: the first that does not fit stops them)
+            passing = False
+            for entry in list(self._waiters):
+                n = entry[0]
+                if n > self.small and (passing or not self._fits(n, False)):
+                    passing = True  # large items keep their order: none passes this one
+                    continue
+                if n <= self.small and not self._fits(n, passing):
+                    break
+                self._waiters.remove(entry)
                 try:
                     entry[2].call_soon_threadsafe(_grant, entry[1])
                 except RuntimeError:  # its loop is closed (the process ends): nobody waits there
                     continue
                 entry[3] = True
-                self._take(entry[0])
+                self._take(n)
 
 
 def _grant(fut: asyncio.Future) -> None:
