@@ -1,14 +1,18 @@
-"""The `file` storage backend's disk tier (mem_cache/disk_tier.py, issue 58's review findings 2, 4, 5, 6)
-on a small fake host pool: a failed write or read never raises and never leaves an index entry without
-its file; corrupt or stray files at start are skipped; two servers on one folder write the same entry
-at once without an error; the folder is private and a symlink or another user's folder is refused; the
-size budget deletes the least recently used entries; the budget is capped at half the free space and
-writes stop at a free-space floor; `deepest` finds the longest entry without hashing every prefix. The served cases (flush, weight update, a file lost while serving) are nightly
-(test_hicache_nightly.py)."""
+"""The `file` storage backend's disk tier (mem_cache/disk_tier.py, issue 58's review findings 2, 4, 5, 6) on a
+small fake host pool: a failed write or read never raises and never leaves an index entry without its file;
+corrupt or stray files at start are skipped; two servers on one folder write the same entry at once without
+an error; the folder is private and a symlink or another user's folder is refused; the size budget deletes
+the least recently used entries; the budget is capped at half the free space and writes stop at a
+free-space floor; `deepest` finds the longest entry without hashing every prefix. The served cases (flush,
+weight update, a file lost while serving) are nightly (test_hicache_nightly.py). The review of the
+state-only entries: one name stored whole and state-only keeps one file; a base trimmed during its child's
+read is no error; start refuses a state-only base; a killed rank's marker is reaped; an empty free-space
+floor is none."""
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections import Counter
 from types import SimpleNamespace
@@ -20,7 +24,7 @@ from sglang.srt.mem_cache import disk_budget, disk_tier
 from sglang.srt.mem_cache.disk_tier import DiskTierConfig, DiskTierError, FileStorage, entry_name
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=2, suite="per-commit-cpu")
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
 
 ROWS = 4096
 
@@ -442,3 +446,159 @@ def test_a_state_only_write_without_its_base_over_the_budget_is_skipped(tmp_path
     up = put_state_only(st, list(range(1000, 1128)), entry_name(list(range(1000, 1200)), None))
     assert up not in st.index and list(st.index) == [kept] and st.stats["disk_writes_over_budget"] == 1
     assert len(os.listdir(st.dir)) == 1 and not st.pending
+
+
+def on_disk(st: FileStorage) -> int:
+    return sum(e.stat().st_size for e in os.scandir(st.dir))
+
+
+def test_one_name_stored_whole_and_state_only_keeps_one_file(tmp_path):
+    """Review F1: two servers on one folder (a documented setup) store one name twice, A whole and B
+    state-only (B started before A wrote it); a restart kept the state-only one and the whole file stayed,
+    never counted nor deleted (10,653 bytes here, after every entry was deleted too). Now the whole one is
+    kept and the other deleted: the index counts every byte on disk. The same in one storage, either
+    order (a flush between a write's record and its run writes the name again), and one name state-only
+    under two bases (the newer kept)."""
+    key = list(range(1000, 1128))
+    a = storage(tmp_path)
+    full = put(a, key)
+    b = storage(tmp_path)  # (sees `full`, not what A writes next)
+    x = put(a, key[:64])
+    assert put_state_only(b, key[:64], full) == x and b.index[x][2] == full
+    again = storage(tmp_path)  # (a restart)
+    assert again.index[x][2] is None and again.dependents == {}
+    assert sorted(os.listdir(again.dir)) == sorted([f"{full}-128.pt", f"{x}-64.pt"])
+    assert again.total == on_disk(again)
+    for n in list(again.index):
+        again._delete(n, "disk_evictions")
+    assert os.listdir(again.dir) == []
+
+    for first_whole in (True, False):
+        st = storage(tmp_path / str(first_whole))
+        full = put(st, key)
+        for base in (None, full) if first_whole else (full, None):
+            st.writing(x)  # (the second is a write sealed before a flush, run after the first)
+            st.write(x, 64, list(range(1, 65)), 3, base)
+        assert st.index[x][2] is None and st.total == on_disk(st) and len(os.listdir(st.dir)) == 2
+        assert st.stage(x, 0) is not None
+    st = storage(tmp_path / "two bases")
+    full, other = put(st, key), put(st, key[:64] + list(range(5000, 5064)))
+    for base in (full, other):
+        st.writing(x)
+        st.write(x, 64, list(range(1, 65)), 3, base)
+    assert st.index[x][2] == other and st.dependents == {other: {x}}
+    assert st.total == on_disk(st) and len(os.listdir(st.dir)) == 3
+
+
+@pytest.mark.parametrize("rewritten", [False, True])
+def test_a_base_trimmed_during_its_childs_read_is_no_read_error(tmp_path, caplog, rewritten):
+    """Review F2: a write's trim (the forward stream) deletes a state-only entry's base, with the entry,
+    while `stage` (the scheduler thread) reads them; the base's open fails. Not an error: nothing counted
+    or logged, and a base written again meanwhile stays (before: 'read of <base> failed' and the new
+    base deleted with its file)."""
+    st = storage(tmp_path)
+    key = list(range(1000, 1128))
+    full = put(st, key)
+    up = put_state_only(st, key[:64], full)
+    real = st._read
+
+    def trimmed_meanwhile(name, entry):
+        if name != full:
+            return real(name, entry)
+        with st.lock:
+            st._delete(full, "disk_evictions")
+        try:
+            return real(name, entry)
+        finally:
+            if rewritten:
+                put(st, key)
+
+    st._read = trimmed_meanwhile
+    with caplog.at_level("WARNING", logger=disk_tier.logger.name):
+        assert st.stage(up, 0) is None
+    assert st.stats["disk_read_errors"] == 0 and not caplog.records
+    assert list(st.index) == ([full] if rewritten else [])
+    assert os.listdir(st.dir) == ([f"{full}-128.pt"] if rewritten else [])
+
+
+def test_start_refuses_a_state_only_entry_on_a_state_only_or_shorter_base(tmp_path):
+    """The runtime refers a state-only entry to the whole entry holding its KV, longer than it. At start
+    a file naming a state-only base (its file holds no KV) or a base no longer than itself is skipped and
+    deleted, whatever the order the files are found in."""
+    st = storage(tmp_path)
+    key = list(range(1000, 1128))
+    full = put(st, key)
+    up = put_state_only(st, key[:64], full)
+    state = open(st._path(up, 64, full), "rb").read()
+    planted = [f"{entry_name(key[:32], None)}-32+{up}.pt", f"{entry_name(key + [1], None)}-129+{full}.pt",
+               f"{entry_name(key[:96] + [1] * 32, None)}-128+{full}.pt"]  # fmt: skip
+    for fname in planted:
+        path = os.path.join(st.dir, fname)
+        with open(path, "wb") as f:
+            f.write(state)
+        os.utime(path, (2**31, 2**31))  # (found after `up`)
+    again = storage(tmp_path)
+    assert set(again.index) == {full, up} and again.total == on_disk(again)
+    assert not set(planted) & set(os.listdir(st.dir))
+
+
+def test_a_state_only_write_whose_base_went_meanwhile_leaves_no_file(tmp_path, monkeypatch):
+    """A state-only entry's base deleted (LRU, another thread) while the entry's file is written: the
+    entry would have no KV, so its file is deleted and it is not indexed."""
+    st = storage(tmp_path)
+    key = list(range(1000, 1128))
+    full = put(st, key)
+    save = disk_tier.torch.save
+
+    def base_trimmed_meanwhile(data, f):
+        if "k" not in data:
+            with st.lock:
+                st._delete(full, "disk_evictions")
+        save(data, f)
+
+    monkeypatch.setattr(disk_tier.torch, "save", base_trimmed_meanwhile)
+    up = entry_name(key[:64], None)
+    st.writing(up)
+    st.write(up, 64, list(range(1, 65)), 3, full)
+    assert not st.index and not st.dependents and st.total == 0 and os.listdir(st.dir) == []
+
+
+def test_a_killed_ranks_share_marker_is_reaped_at_start(tmp_path):
+    """A rank killed between writing its `.rank-<hex>.share` marker and deleting it (`ranks_sharing`) left
+    it under the storage root for good; one an hour old or more goes at start, as a crash's .tmp files
+    do; a fresh one (a rank starting now) and other files stay."""
+    old, fresh = tmp_path / ".rank-0123456789abcdef.share", tmp_path / ".rank-fedcba9876543210.share"
+    other = tmp_path / ".rank-notes.share"
+    for path in (old, fresh, other):
+        path.touch()
+        os.utime(path, (0, 0) if path != fresh else None)
+    storage(tmp_path)
+    assert not old.exists() and fresh.exists() and other.exists()
+
+
+def test_an_empty_free_space_floor_is_no_floor(monkeypatch, tmp_path, caplog):
+    """SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE='' was refused at start; upstream reads it as 0 (and
+    our MAX_SIZE='' is no cap): no floor. The budget line says GiB, what it divides by."""
+    from sglang.srt.environ import envs
+    from sglang.srt.managers.scheduler_components import tree_cache_factory
+
+    monkeypatch.setattr(tree_cache_factory, "disk_fingerprint", lambda args, runner: "fp")
+    with envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.override(""):
+        config = tree_cache_factory._file_storage(SimpleNamespace(hicache_storage_backend="file"), None)
+    assert config.min_free_bytes == 0
+    with caplog.at_level("INFO", logger=disk_budget.logger.name):
+        storage(tmp_path, max_bytes=1 << 30)
+    (line,) = [r.getMessage() for r in caplog.records if "budget" in r.getMessage()]
+    assert re.findall(r"[0-9?] (\w+)", line) == ["GiB", "GiB", "GiB", "GiB", "rank", "GiB"], line
+
+
+def test_a_state_only_write_whose_base_its_own_trim_deleted_is_written_whole(tmp_path):
+    """Room for a state-only entry deletes its base (the budget holds little more than the base): the
+    entry is written whole (counted as a missing base), not state-only on a deleted base (then dropped)."""
+    st = storage(tmp_path)
+    key = list(range(1000, 1128))
+    full = put(st, key)
+    st.max_bytes = st.index[full][1] + 100
+    up = put_state_only(st, key[:64], full)
+    assert list(st.index) == [up] and st.index[up][2] is None and st.stats["disk_writes_base_missing"] == 1
+    assert torch.equal(st.stage(up, 0)["kv"][0], st.host.k_buffer[0][1:65])

@@ -18,6 +18,8 @@ import re
 import secrets
 import shutil
 import socket
+import stat
+import time
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -30,6 +32,7 @@ SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 IEC = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 MARKER = ".rank-{}.share"
+MARKER_NAME = re.compile(r"^\.rank-[0-9a-f]{16}\.share$")
 NO_CAP = 1 << 62  # SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE=0 (upstream: no cap; here the free space caps it)
 
 
@@ -90,6 +93,23 @@ def ranks_sharing(root: str | None, gather: Callable[[Any], list[Any]]) -> int:
     return max(1, n)
 
 
+def reap_stale_markers(root: str, age_s: float) -> None:
+    """Delete the markers under `root` older than `age_s` (left by a rank killed between writing its own
+    and deleting it: `ranks_sharing` deletes it within its start; a fresh one may be a rank's starting)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for fname in filter(MARKER_NAME.match, names):
+        path = os.path.join(root, fname)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > age_s:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
 def start_budget(folder: str, asked: int, asked_by: str, held: int, min_free: int, ranks: int) -> int:
     """The budget at start: at most `asked`, `FREE_SHARE` of this rank's share of the free space (its own
     entries, `held`, counted as its space) and what keeps `min_free` free over the `ranks` sharing it;
@@ -99,10 +119,10 @@ def start_budget(folder: str, asked: int, asked_by: str, held: int, min_free: in
     if free is not None:
         usable = free // ranks + held
         budget = max(0, min(asked, int(usable * FREE_SHARE), usable - min_free // ranks))
-    gb = 1 << 30
+    gib = 1 << 30
     log = logger.warning if budget < asked else logger.info
-    log("HiCache disk tier %s: budget %.2f GB (%s %s, %s GB free, %.2f GB held, %d rank(s) sharing "
-        "the free space; at most half a rank's share, never below %.2f GB free)", folder, budget / gb,
-        asked_by, "no cap" if asked >= NO_CAP else f"{asked / gb:.2f} GB", "?" if free is None else
-        f"{free / gb:.2f}", held / gb, ranks, min_free / gb)  # fmt: skip
+    log("HiCache disk tier %s: budget %.2f GiB (%s %s, %s GiB free, %.2f GiB held, %d rank(s) sharing "
+        "the free space; at most half a rank's share, never below %.2f GiB free)", folder, budget / gib,
+        asked_by, "no cap" if asked >= NO_CAP else f"{asked / gib:.2f} GiB", "?" if free is None else
+        f"{free / gib:.2f}", held / gib, ranks, min_free / gib)  # fmt: skip
     return budget

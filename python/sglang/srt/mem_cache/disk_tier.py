@@ -11,14 +11,16 @@ deeper one whose entry holds its KV (the repeat point: `HiMambaRadixCache.take_h
 state-only entry, `<name>-<length>+<base>.pt`: its state, and its KV read from the first `length`
 positions of the base entry's file (a prompt served in one batch wrote 1.76x its entry's bytes as two
 whole entries). A base entry deleted takes its state-only entries with it; at start one whose base file
-is gone is skipped and deleted; one whose base is not on disk when it is written is written whole
-(`disk_writes_base_missing`). A file is written under a unique temporary name, synced and renamed: an
-entry exists once its file does. The index (name -> length, bytes, base, in LRU order) gains an entry
-only after its file is renamed into place, and is rebuilt from the file names at start (the tier
-survives a restart); files that are not entries are skipped with a warning. The
-folder holds at most the budget (`DiskTierConfig.max_bytes`: `$SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE`,
-upstream's, or `$SGLANG_HICACHE_FILE_BACKEND_MAX_GB`, default 16 GB): a write that would pass it first
-deletes least recently used entries until the tier holds `eviction_ratio` of it with the write
+is gone (or is not a longer whole entry) is skipped and deleted; one whose base is not on disk when it is
+written is written whole (`disk_writes_base_missing`). A name stored both whole and state-only (two
+servers on one folder) keeps the whole file, the other deleted (`_add`). A file is written under a unique
+temporary name, synced and renamed: an entry exists once its file does. The index (name -> length, bytes,
+base, in LRU order) gains an entry only after its file is renamed into place, and is rebuilt from the
+file names at start (the tier survives a restart); files that are not entries are skipped with a warning,
+and a crash's temporary files and `disk_budget` markers an hour old deleted. The folder holds at most the
+budget (`DiskTierConfig.max_bytes`: `$SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE`, upstream's, or
+`$SGLANG_HICACHE_FILE_BACKEND_MAX_GB`, default 16 GiB): a write that would pass it first deletes least
+recently used entries until the tier holds `eviction_ratio` of it with the write
 (`$SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO`, upstream's, default 0.9).
 
 Free space (the default folder is under /tmp, which the whole host shares and which may be memory): at
@@ -68,6 +70,7 @@ from typing import Any
 
 import torch
 
+from sglang.srt.mem_cache import disk_budget
 from sglang.srt.mem_cache.disk_budget import MIN_FREE_BYTES, free_bytes, parse_size, start_budget
 from sglang.srt.mem_cache.host_pool import HostPools
 
@@ -126,6 +129,7 @@ class FileStorage:
         self.ratio = config.eviction_ratio
         self.ranks = config.ranks
         safe_dir(config.root)
+        disk_budget.reap_stale_markers(config.root, STALE_TMP_S)  # (as a crash's .tmp files below)
         self.dir = os.path.join(config.root, hashlib.sha256(config.fingerprint.encode()).hexdigest()[:16])
         safe_dir(self.dir)
         self.enabled = True
@@ -174,14 +178,25 @@ class FileStorage:
 
     # ---- index (under the lock) ------------------------------------------------------------------
 
-    def _add(self, name: str, length: int, size: int, base: str | None = None) -> None:
-        if name in self.index:
+    def _add(self, name: str, length: int, size: int, base: str | None = None) -> bool:
+        """The entry into the index; False (its file deleted) where the name is held whole and this file
+        is state-only. One name stored twice, whole and state-only or state-only under two bases (two
+        servers on one folder, a flush between a write's record and its run), keeps one file: the whole
+        one (it may be a base; a state-only one never is), else the newer; the other is deleted."""
+        old = self.index.get(name)
+        if old is not None and old[2] != base:
+            if old[2] is None:
+                self._unlink(self._path(name, length, base))
+                return False
+            self._unlink(self._path(name, old[0], old[2]))
+        if old is not None:
             self._remove(name)
         self.index[name] = (length, size, base)
         if base is not None:
             self.dependents.setdefault(base, set()).add(name)
         self.lengths[length] += 1
         self.total += size
+        return True
 
     def _remove(self, name: str) -> tuple[int, int, str | None] | None:
         entry = self.index.pop(name, None)
@@ -377,10 +392,13 @@ class FileStorage:
                 if src.dtype != dst.dtype or tuple(src.shape) != (rows, *dst.shape[1:]):
                     raise ValueError(f"KV {src.dtype} {tuple(src.shape)} does not fit the host pool")
         except Exception as e:  # noqa: BLE001 - any unreadable or foreign file: the hit is not taken
-            self._failed("read", reading, e)
             with self.lock:
-                self._delete(reading, None)  # (a base with its state-only entries)
-                self._delete(name, None)
+                # A file a write's trim deleted meanwhile (and maybe wrote again since): not an error.
+                moved = self.index.get(name) is not entry or (base and self.index.get(base) is not held)
+                if not (moved and isinstance(e, FileNotFoundError)):
+                    self._failed("read", reading, e)
+                    self._delete(reading, None)  # (a base with its state-only entries)
+                    self._delete(name, None)
             return None
         with self.lock:
             for n in (base, name):
@@ -424,7 +442,7 @@ class FileStorage:
                 self.stats["disk_writes_low_space"] += 1
                 n = self.stats["disk_writes_low_space"]
                 if n == 1 or n % 100 == 0:
-                    logger.warning("HiCache disk tier %s: under %.2f GB free, %d write(s) skipped so far",
+                    logger.warning("HiCache disk tier %s: under %.2f GiB free, %d write(s) skipped so far",
                                    self.dir, self.min_free / (1 << 30), n)  # fmt: skip
                 return
             data = {"conv": h.conv_state[:, slot].clone(), "ssm": h.ssm_state[:, slot].clone()}
@@ -451,9 +469,9 @@ class FileStorage:
             if base is not None and base not in self.index:  # (deleted meanwhile: the entry has no KV)
                 self._unlink(path)
                 return
-            self._add(name, length, size, base)
+            kept = self._add(name, length, size, base)
             self.stats["disk_bytes_written"] += size
-            self.stats["disk_writes_state_only"] += int(base is not None)
+            self.stats["disk_writes_state_only"] += int(kept and base is not None)
             self._trim()
 
     def _kv_holder(self, base: str | None) -> str | None:

@@ -142,7 +142,7 @@ def _file_storage(args: ServerArgs, model_runner) -> DiskTierConfig | None:
     if args.hicache_storage_backend != "file":
         return None
     max_bytes, max_from = _asked_budget()
-    raw = envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.get()
+    raw = envs.SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE.get() or "0"  # (empty: no floor, as upstream)
     try:
         floor = parse_size(raw)
     except ValueError:
