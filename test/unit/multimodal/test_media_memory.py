@@ -274,3 +274,21 @@ def test_a_waiter_on_a_closed_event_loop_is_skipped():
     m._waiters.append([50, None, closed, False])
     m.release(100)
     assert m.used == 0 and not m._waiters
+
+
+def test_a_cancelled_waiter_already_gone_from_the_queue_is_cancelled_cleanly():
+    """A waiter skipped from the queue without a grant (its loop closing as the process ends) and then
+    cancelled raises its cancellation, not ValueError from removing it again."""
+
+    async def scenario():
+        m = MediaMemory(100)
+        await m.acquire(100)
+        waiter = asyncio.create_task(m.acquire(50))
+        await asyncio.sleep(0.01)
+        m._waiters.clear()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return m.used
+
+    assert asyncio.run(scenario()) == 88  # the first item's charge (100 less the reserved 12), still held

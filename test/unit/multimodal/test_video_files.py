@@ -387,3 +387,18 @@ def test_uncompressed_audio_counts_its_chunks_not_its_samples():
     assert len(video.load_video(pcm, "video_data[0]", CONFIG).frames) == 4
     assert mp4_boxes.declared_samples(with_pcm(20_000_000, 2)) == 20_000_008  # with the video track's 8
     assert "declares 20000008 samples" in refused(with_pcm(20_000_000, 2))[0]
+
+
+def test_a_file_declaring_no_frame_count_reserves_for_the_frames_it_holds():
+    """An mkv / webm / fragmented mp4 declares no frame count: its estimate (`video_bytes`, what it
+    reserves in the process's media memory) samples from its packets, as its decode does, so a 1 s clip
+    reserves what its mp4 does (before: all 256 frames at the config's max_pixels, a 1 s 320x240 webm
+    510 MB for ~8 MB of frames under Qwen3-VL's config). One that holds more than a request decodes
+    keeps the whole reservation (it is refused when decoded)."""
+    mp4 = video.video_bytes(static_h264(64, 64, 24, "mp4"), CONFIG)
+    assert mp4 == 64 * 64 * (video.VIDEO_BYTES_PER_PIXEL + 4 * video.RESIZED_BYTES_PER_PIXEL)
+    assert video.video_bytes(static_h264(64, 64, 24, "matroska"), CONFIG) == mp4
+    budget = PixelBudget()
+    budget.frames.take(budget.frames.limit - 10)  # 10 frames left to this request
+    whole = 64 * 64 * video.VIDEO_BYTES_PER_PIXEL + CONFIG.max_pixels * video.RESIZED_BYTES_PER_PIXEL
+    assert video.video_bytes(static_h264(64, 64, 24, "matroska"), CONFIG, budget) == whole

@@ -182,7 +182,8 @@ def video_bytes(item: Any, config: VideoConfig, pixels: media_io.PixelBudget | N
     first frame's header or its container's declared frame size (capped at the per-frame bound, which a
     larger frame fails) and frame count, without decoding; what it reserves in the process's media
     memory. Its resized frames hold at most the config's max_pixels, and no more than the frames taken
-    (all of a list; those sampled from a file, all 256 when it declares no count) at their full size."""
+    (all of a list; those sampled from a file: from its declared count, or from its packets, counted as
+    `_decode` counts them, when it declares none) at their full size."""
     per_frame = media_io.MAX_IMAGE_PIXELS if pixels is None else pixels.per_item
 
     def resized(frames: int, frame_pixels: int) -> int:
@@ -203,7 +204,11 @@ def video_bytes(item: Any, config: VideoConfig, pixels: media_io.PixelBudget | N
             c = stream.codec_context
             frame_pixels = min(max(c.width, 0) * max(c.height, 0), per_frame)
             fps = float(stream.average_rate or 0) or DEFAULT_FPS
-            taken = len(_sample(stream.frames, fps, config)) if stream.frames > 0 else MAX_VIDEO_FRAMES
+            # a file that declares no count (mkv, webm, fragmented mp4): its packets, as _decode counts
+            # them (a duration would be a claim: a 1 s clip declaring none reserved all 256 frames)
+            limit = media_io.MAX_DECODED_FRAMES_PER_REQUEST if pixels is None else pixels.frames.left
+            total = stream.frames if stream.frames > 0 else _count_frames(container, stream, limit)
+            taken = len(_sample(total, fps, config)) if 0 < total <= limit else MAX_VIDEO_FRAMES
             return frame_pixels * VIDEO_BYTES_PER_PIXEL + resized(taken, frame_pixels)
     except Exception:  # not a video: _decode refuses it, undecoded
         return 0
