@@ -150,7 +150,8 @@ def main() -> None:
     if args.disk:
         folder = tempfile.TemporaryDirectory(prefix="bench_hicache_")
         os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = folder.name
-        os.environ.setdefault("SGLANG_HICACHE_FILE_BACKEND_MAX_GB", "64")
+        if "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE" not in os.environ:  # (with it, MAX_GB is refused)
+            os.environ.setdefault("SGLANG_HICACHE_FILE_BACKEND_MAX_GB", "64")
     results = run(args)
     for r in results:
         print(json.dumps(r))
