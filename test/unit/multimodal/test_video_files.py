@@ -402,3 +402,24 @@ def test_a_file_declaring_no_frame_count_reserves_for_the_frames_it_holds():
     budget.frames.take(budget.frames.limit - 10)  # 10 frames left to this request
     whole = 64 * 64 * video.VIDEO_BYTES_PER_PIXEL + CONFIG.max_pixels * video.RESIZED_BYTES_PER_PIXEL
     assert video.video_bytes(static_h264(64, 64, 24, "matroska"), CONFIG, budget) == whole
+
+
+def test_video_patches_are_transformers_patchify():
+    """video_patches normalizes in place and copies once into the patch layout (test_video_patch_memory:
+    its peak bytes): bit for bit transformers' `Qwen3VLVideoProcessor.patchify` of the same frames."""
+    import torch
+    from PIL import Image
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    rng = np.random.default_rng(0)
+    mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+    config = video.VideoConfig(16, 2, 2, 64, 1 << 20, mean, std, 2.0, 4, 768)
+    frames = [Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)) for _ in range(4)]
+    ours, grid = video.video_patches(video.Video(frames, [0, 1, 2, 3], 2.0), config)
+    x = np.stack([np.asarray(f, np.float32) / 255.0 for f in frames])
+    x = (x - np.array(mean, np.float32)) / np.array(std, np.float32)
+    clip = torch.from_numpy(x).permute(0, 3, 1, 2)[None]  # [1, frames, C, H, W]
+    theirs, t, gh, gw = Qwen3VLVideoProcessor.patchify(None, clip, 16, 2, 2)
+    assert grid == [t, gh, gw] == [2, 4, 6] and ours.is_contiguous()
+    assert ours.dtype == theirs.dtype and bool((ours == theirs[0]).all())
+

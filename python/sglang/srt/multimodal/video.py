@@ -408,9 +408,16 @@ def video_patches(video: Video, config: VideoConfig) -> tuple[torch.Tensor, list
     p, tp, m = config.patch_size, config.temporal_patch_size, config.merge_size
     w, h = video.frames[0].size
     frames = video.frames + [video.frames[-1]] * (-len(video.frames) % tp)
-    pixels = np.stack([np.asarray(f, dtype=np.float32) for f in frames])
-    pixels = (pixels / 255.0 - np.array(config.mean, np.float32)) / np.array(config.std, np.float32)
-    x = torch.from_numpy(pixels).permute(0, 3, 1, 2)  # [frames, C, H, W]
-    gt, gh, gw, c = len(frames) // tp, h // p, w // p, x.shape[1]
-    x = x.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    # One float32 array, normalized in place, and one copy into the patch layout: 24 bytes a pixel at
+    # the peak (RESIZED_BYTES_PER_PIXEL with the frames' 3); temporaries made it ~36 before.
+    pixels = np.empty((len(frames), h, w, 3), np.float32)  # [frames, H, W, C]
+    for i, f in enumerate(frames):
+        pixels[i] = np.asarray(f)
+    pixels /= 255.0
+    pixels -= np.array(config.mean, np.float32)
+    pixels /= np.array(config.std, np.float32)
+    gt, gh, gw, c = len(frames) // tp, h // p, w // p, pixels.shape[3]
+    x = torch.from_numpy(pixels).view(gt, tp, gh // m, m, p, gw // m, m, p, c)
+    # -> [t, h blocks, w blocks, h in block, w in block, C, T, P, P]
+    x = x.permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
     return x.reshape(gt * gh * gw, c * tp * p * p).contiguous(), [gt, gh, gw]
