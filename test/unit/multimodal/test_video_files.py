@@ -423,3 +423,31 @@ def test_video_patches_are_transformers_patchify():
     assert grid == [t, gh, gw] == [2, 4, 6] and ours.is_contiguous()
     assert ours.dtype == theirs.dtype and bool((ours == theirs[0]).all())
 
+
+
+def test_a_file_fragmented_at_every_frame_has_boxes_for_its_samples(monkeypatch):
+    """A recorder's mp4 fragmented at every frame has ~8 boxes a sample: past MAX_BOXES it is opened while
+    it has at most BOXES_PER_SAMPLE boxes a sample declared so far (before: any file over 131,072 boxes
+    was refused, a 4-minute one of them), up to MAX_FRAGMENT_BOXES; boxes declaring nothing are not.
+    (The bounds are lowered here: a file past the real ones takes thousands of frames to make.)"""
+    import av
+
+    from sglang.srt.multimodal import mp4_boxes
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4", options={"movflags": "frag_every_frame+empty_moov"}) as out:
+        s = out.add_stream("libx264", rate=24)
+        s.width, s.height, s.pix_fmt = 16, 16, "yuv420p"
+        s.options = {"preset": "ultrafast", "tune": "zerolatency"}
+        for i in range(40):
+            out.mux(s.encode(av.VideoFrame.from_ndarray(np.full((16, 16, 3), i, np.uint8), format="rgb24")))
+        out.mux(s.encode())
+    fragmented = buf.getvalue()
+    assert fragmented.count(b"moof") >= 40
+    monkeypatch.setattr(mp4_boxes, "MAX_BOXES", 64)
+    assert mp4_boxes.declared_samples(fragmented) == 40
+    assert len(video.load_video(fragmented, "video_data[0]", CONFIG).frames) == 4
+    box = lambda kind, body: len(body + b"12345678").to_bytes(4, "big") + kind + body  # noqa: E731
+    assert "over 64 boxes" in refused(box(b"free", b"") * 100)[0]
+    monkeypatch.setattr(mp4_boxes, "MAX_FRAGMENT_BOXES", 128)
+    assert "over 128 boxes" in refused(fragmented)[0]

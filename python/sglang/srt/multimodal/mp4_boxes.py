@@ -9,7 +9,7 @@ Boxes: a 32-bit size (1: a 64-bit size follows the type; 0: to the end) and a 4-
 descends the boxes that hold the sample tables and fragments, reads the counts, and stops at the first box
 whose size does not fit (FFmpeg stops there too). A `cmov` box (QuickTime's zlib-compressed movie header,
 which FFmpeg inflates before parsing) is refused: its counts cannot be read without inflating it; so is a
-file of more than `MAX_BOXES` boxes.
+file of more boxes than its samples need (`MAX_BOXES`, `BOXES_PER_SAMPLE`, `MAX_FRAGMENT_BOXES`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,14 @@ CONTAINERS = frozenset({b"moov", b"trak", b"mdia", b"minf", b"stbl", b"moof", b"
 SUMMED = {b"stts": 8, b"ctts": 8, b"sbgp": 8}
 
 
-# The most boxes walked: a real file has a few per fragment (a 2-hour video cut in 1 s fragments, ~10
-# boxes each: 72,000); more are refused (the walk is Python, ~0.5 us a box; FFmpeg's is C).
+# The most boxes walked whatever the file declares: a real file has a few per fragment (a 2-hour video
+# cut in 1 s fragments, ~10 boxes each: 72,000). Past it, a file may have up to BOXES_PER_SAMPLE boxes a
+# sample it has declared so far (a recorder's file fragmented at every frame has ~8 a sample, video and
+# audio: 5 minutes at 30 fps are ~185,000), up to MAX_FRAGMENT_BOXES (~18 minutes of such a file at
+# 60 fps: the 65,536 frames a request decodes). The walk is Python, ~2.5 us a box; FFmpeg's is C.
 MAX_BOXES = 1 << 17
+BOXES_PER_SAMPLE = 16
+MAX_FRAGMENT_BOXES = 1 << 20
 
 
 class Unreadable(ValueError):
@@ -40,20 +45,22 @@ def declared_samples(data: bytes) -> int:
     chunks, not its samples (50,000,000 declared so opened in 0.01 s; with a duration of 2, 20,000,000
     took 0.18 s and 245 MB): what it adds is the entries FFmpeg makes from its chunks (`_chunk_entries`;
     a 43 KB mov of 300 chunks of 100,000,000 samples each made 290,000,000, 3.7 s and +670 MB, while it
-    was left out). Unreadable for a `cmov` box or more than MAX_BOXES boxes."""
+    was left out). Unreadable for a `cmov` box, more than MAX_BOXES boxes and BOXES_PER_SAMPLE a sample
+    declared before them, or more than MAX_FRAGMENT_BOXES."""
     totals: dict[bytes, int] = {}
-    boxes = 0
+    boxes = seen = 0  # boxes walked, samples declared so far (all tables)
 
     def add(into: dict[bytes, int], kind: bytes, n: int) -> None:
         into[kind] = into.get(kind, 0) + n
 
     def walk(start: int, end: int, depth: int, track: dict | None) -> None:
-        nonlocal boxes
+        nonlocal boxes, seen
         at = start
         while at + 8 <= end:
             boxes += 1
-            if boxes > MAX_BOXES:
-                raise Unreadable(f"over {MAX_BOXES} boxes")
+            if boxes > MAX_BOXES and (boxes > BOXES_PER_SAMPLE * seen or boxes > MAX_FRAGMENT_BOXES):
+                limit = MAX_FRAGMENT_BOXES if boxes > MAX_FRAGMENT_BOXES else MAX_BOXES
+                raise Unreadable(f"over {limit} boxes for the samples it declares")
             size, kind = struct.unpack_from(">I4s", data, at)
             head = 8
             if size == 1:
@@ -84,7 +91,9 @@ def declared_samples(data: bytes) -> int:
                 if data[body + 4 : body + 8] in (b"\0\0\0\0", b"mhlr"):
                     track["handler"] = data[body + 8 : body + 12]
             else:
-                add(track["counts"] if track is not None else totals, kind, _counts(data, kind, body, stop))
+                n = _counts(data, kind, body, stop)
+                seen += n
+                add(track["counts"] if track is not None else totals, kind, n)
                 if kind == b"stts" and track is not None and stop - body >= 16:
                     entries, _, delta = struct.unpack_from(">III", data, body + 4)
                     track["chunked"] = entries == 1 and delta == 1
