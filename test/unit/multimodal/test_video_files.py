@@ -451,3 +451,30 @@ def test_a_file_fragmented_at_every_frame_has_boxes_for_its_samples(monkeypatch)
     assert "over 64 boxes" in refused(box(b"free", b"") * 100)[0]
     monkeypatch.setattr(mp4_boxes, "MAX_FRAGMENT_BOXES", 128)
     assert "over 128 boxes" in refused(fragmented)[0]
+
+
+def test_dnxhd_and_dv_videos_decode():
+    """DNxHR (an editing codec) and DV (a camera codec) movs decode (video.DECODERS; before: refused as
+    outside the decoders), held to the same bounds as the others (a DV frame is 720x576: one pixel over
+    the per-frame bound and FFmpeg refuses it while it probes the file)."""
+    import av
+
+    def mov(codec: str, width: int, height: int, pix_fmt: str, options: dict) -> bytes:
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mov") as out:
+            s = out.add_stream(codec, rate=25)
+            s.width, s.height, s.pix_fmt, s.options = width, height, pix_fmt, options
+            for i in range(4):
+                a = np.full((height, width, 3), i * 30, np.uint8)
+                out.mux(s.encode(av.VideoFrame.from_ndarray(a, format="rgb24")))
+            out.mux(s.encode())
+        return buf.getvalue()
+
+    dnxhr = mov("dnxhd", 256, 144, "yuv422p", {"profile": "dnxhr_lb"})
+    assert len(video.load_video(dnxhr, "video_data[0]", CONFIG).frames) == 4
+    dv = mov("dvvideo", 720, 576, "yuv420p", {})
+    assert len(video.load_video(dv, "video_data[0]", CONFIG).frames) == 4
+    budget = PixelBudget()
+    budget.per_item = 720 * 576 - 1
+    with pytest.raises(RequestError, match="declares no frame size|720x576 frames"):  # refused at the probe
+        video.load_video(dv, "video_data[0]", CONFIG, budget)

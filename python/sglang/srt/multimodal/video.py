@@ -232,14 +232,16 @@ def _target_size(frames: int, width: int, height: int, config: VideoConfig, wher
 # open files and sockets (also refused by the empty protocol whitelist below).
 CONTAINERS = frozenset({"mov", "mp4", "matroska", "webm", "avi"})
 # The decoders a video file's frames may need (FFmpeg's names; AV1 and VP8 / VP9 also through dav1d and
-# libvpx): the codecs of real videos in the containers above. FFmpeg has some 250 other video decoders
-# (image formats, screen and game codecs, ...), each a parser of untrusted bytes this server need not
-# expose; a file in another codec is refused in one sentence naming it, and FFmpeg opens no other decoder,
-# not even for the frame it decodes to probe the file when it opens it (its codec_whitelist).
+# libvpx): the codecs of real videos in the containers above (DNxHD / DNxHR and DV: editing and camera
+# intra-frame codecs, one frame a packet, bounded by the per-frame and frame-count bounds as the others).
+# FFmpeg has some 250 other video decoders (image formats, screen and game codecs, ...), each a parser of
+# untrusted bytes this server need not expose; a file in another codec is refused in one sentence naming
+# it, and FFmpeg opens no other decoder, not even for the frame it decodes to probe the file when it
+# opens it (its codec_whitelist).
 DECODERS = frozenset(
     {
         "h264", "hevc", "vp8", "libvpx", "vp9", "libvpx-vp9", "av1", "libdav1d",
-        "mpeg4", "mpeg1video", "mpeg2video", "h263", "mjpeg", "prores", "theora",
+        "mpeg4", "mpeg1video", "mpeg2video", "h263", "mjpeg", "prores", "theora", "dnxhd", "dvvideo",
     }
 )  # fmt: skip
 # Every refusal of bytes that do not decode says this, whatever FFmpeg raised: an exception's type
@@ -291,8 +293,8 @@ def _decode(data: bytes, where: str, config: VideoConfig, pixels: media_io.Pixel
             if stream.codec_context.name not in DECODERS:
                 raise RequestError(
                     f"{where} is encoded with {stream.codec_context.name}, which this server does not decode "
-                    "(it decodes H.264, H.265, VP8, VP9, AV1, MPEG-1/2/4, H.263, Motion JPEG, ProRes and "
-                    "Theora).",
+                    "(it decodes H.264, H.265, VP8, VP9, AV1, MPEG-1/2/4, H.263, Motion JPEG, ProRes, "
+                    "Theora, DNxHD / DNxHR and DV).",
                     FIELD,
                 )
             stream.codec_context.thread_count = 1  # one core a video: a request cannot take them all
