@@ -21,7 +21,7 @@ from sglang.srt.multimodal import media_pool, video
 from sglang.srt.multimodal.media_pool import MediaCancelled, MediaJob, MediaMemory
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=7, suite="per-commit-cpu")
+register_cpu_ci(est_time=9, suite="per-commit-cpu")
 
 
 @pytest.fixture
@@ -292,3 +292,38 @@ def test_a_cancelled_waiter_already_gone_from_the_queue_is_cancelled_cleanly():
         return m.used
 
     assert asyncio.run(scenario()) == 88  # the first item's charge (100 less the reserved 12), still held
+
+
+def test_a_video_files_estimate_reserves_its_probe_frame(pool):
+    """A video file's estimate (video.video_bytes) opens it, and FFmpeg decodes a frame to probe it (+155
+    MB for an 8192x8192 one): it runs with the per-frame bound's probe reserved (video.probe_bytes), not
+    outside the budget (without: nothing held while it ran). A list of frames reads a header: nothing."""
+    from types import SimpleNamespace
+
+    from test.unit.multimodal.test_video_files import CONFIG, static_h264
+
+    from sglang.srt.multimodal.media_io import PixelBudget
+    from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media
+
+    memory = pool(1 << 34)
+    held, estimate = [], video.video_bytes
+
+    def watched(*args, **kwargs):
+        held.append(memory.used)
+        return estimate(*args, **kwargs)
+
+    p = object.__new__(ImageInputProcessor)
+    p.merge, p.vocab_size, p.max_pixels, p.pixels_per_token = 2, 100, 16384, 256
+    p.video, p.video_token_id, p.frame_open, p.frame_close = CONFIG, 9, [5], [6]
+    p.video_refusal, p.image_token_id = None, 7
+    p.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [3])
+    p.pixel_budget = lambda context_len: PixelBudget(per_item=64 * 64)
+    limits = SimpleNamespace(context_len=100000, max_req_input_len=100000)
+    reqs = [SimpleNamespace(prompt=0, req=SimpleNamespace(input_ids=[1, 9, 2]))]
+    video.video_bytes = watched
+    try:
+        asyncio.run(attach_media(p, reqs, None, static_h264(64, 64, 8, "mp4"), limits, False))
+    finally:
+        video.video_bytes = estimate
+    assert video.probe_bytes([b"frame"], PixelBudget(per_item=64 * 64)) == 0
+    assert held == [64 * 64 * video.PROBE_BYTES_PER_PIXEL] and memory.used == 0, held

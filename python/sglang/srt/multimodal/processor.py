@@ -126,7 +126,8 @@ class ImageInputProcessor:
             at = self._placeholders(input_ids, self.video_token_id, len(items), "video", video_where)
             for k, (place, item) in enumerate(zip(at, items, strict=True)):
                 if id(item) not in done:
-                    need = await job.run(videos.video_bytes, item, self.video, pixels)
+                    probe = videos.probe_bytes(item, pixels)  # its estimate opens the file
+                    need = await job.run(videos.video_bytes, item, self.video, pixels, reserve=probe)
                     at_k = f"{video_where}[{k}]"
                     done[id(item)] = await job.run(self._video_frames, item, at_k, pixels, reserve=need)
                 expand[place] = done[id(item)]

@@ -61,6 +61,11 @@ MAX_DECLARED_SAMPLES = 1 << 20
 # 4:2:0, 1.5 bytes a pixel each), the frame being converted to RGB and its PIL copy. Measured: a 4096x4096
 # H.264 file with 16 reference frames +860 MB peak RSS while decoding (51 bytes a pixel), with 1 +370 MB.
 VIDEO_BYTES_PER_PIXEL = 56
+# Bytes a video file's estimate (`video_bytes`, which opens it: FFmpeg decodes a frame to probe it) may
+# hold a pixel of the per-frame bound, reserved for it in the process's media memory (`probe_bytes`):
+# measured +155 MB for a 200 KB H.264 file of 8192x8192 frames (2.3 a pixel; four at once +634 MB, with
+# nothing reserved before). A 4:4:4 10-bit frame (ProRes 4444) is 6 a pixel: under-reserved.
+PROBE_BYTES_PER_PIXEL = 4
 # Bytes per pixel of a video's frames after resizing (RGB, 3) and their patches (float32, stacked and
 # permuted: 24); the resized frames together hold at most the video config's max_pixels.
 RESIZED_BYTES_PER_PIXEL = 27
@@ -212,6 +217,15 @@ def video_bytes(item: Any, config: VideoConfig, pixels: media_io.PixelBudget | N
             return frame_pixels * VIDEO_BYTES_PER_PIXEL + resized(taken, frame_pixels)
     except Exception:  # not a video: _decode refuses it, undecoded
         return 0
+
+
+def probe_bytes(item: Any, pixels: media_io.PixelBudget | None = None) -> int:
+    """What a `video_data` item's estimate (`video_bytes`) reserves: a file's probe frame, at most the
+    per-frame bound (PROBE_BYTES_PER_PIXEL a pixel); a list of frames reads its first frame's header
+    only (nothing)."""
+    if isinstance(item, list):
+        return 0
+    return (media_io.MAX_IMAGE_PIXELS if pixels is None else pixels.per_item) * PROBE_BYTES_PER_PIXEL
 
 
 def _target_size(frames: int, width: int, height: int, config: VideoConfig, where: str) -> tuple[int, int]:
