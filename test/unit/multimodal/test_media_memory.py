@@ -21,7 +21,7 @@ from sglang.srt.multimodal import media_pool, video
 from sglang.srt.multimodal.media_pool import MediaCancelled, MediaJob, MediaMemory
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=9, suite="per-commit-cpu")
+register_cpu_ci(est_time=8, suite="per-commit-cpu")
 
 
 @pytest.fixture
