@@ -89,7 +89,7 @@ class MediaMemory:
 
     Large items (over `small`: limit / 32, 64 MiB of the default 2 GiB) are admitted first come first
     served within `limit - reserved` (the reserved slice: limit / 8); one over that is charged that much
-    and runs beside small items only (it alone holds what it holds). Small items (an image, a short clip)
+    and runs beside small items only (the process may then hold it and the slice). Small items (images)
     take any room, and while a larger item waits they may pass it within the reserved slice: a 200 KB
     video of 8192x8192 frames made a bystander's 64x64 image wait 5.6 s behind it while it waited for
     the budget to empty and then ran alone. Small items cannot starve a large one: past it, they take
