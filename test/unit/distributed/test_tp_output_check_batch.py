@@ -87,7 +87,8 @@ def test_a_verify_steps_tokens_are_agreed_at_once_and_end_alike(ranks):
     request, 13 more here), and both ranks end each request at the same token and commit the same
     tokens: a search cut at the first token on rank 1 only is cut on both (rank 0 alone would have
     stopped there on "x"), so the request ends at its second token, where both ranks match; a search cut
-    at the second token on rank 1 only makes both commit the first token alone (rank 0 alone, three)."""
+    at the second token on rank 1 only makes both commit up to it and not the third (rank 0 alone, three):
+    the cut token itself is committed, as its own cost decides only what comes after it."""
     r0, r1 = ranks
     for r in (r0, r1):
         verify = r["verify"]
@@ -99,4 +100,4 @@ def test_a_verify_steps_tokens_are_agreed_at_once_and_end_alike(ranks):
     assert ended["r_stop_id"] == (4, {"type": "stop", "matched": 8})
     for rid in ("r_far0", "r_far1", "r_far2", "r_far3", "plain"):
         assert ended[rid] == (5, None), rid
-    assert ended["r_nodraft"] == ended["r_trunc"] == (3, None)
+    assert ended["r_nodraft"] == (3, None) and ended["r_trunc"] == (4, None)

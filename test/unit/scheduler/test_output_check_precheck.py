@@ -294,18 +294,19 @@ def test_a_verify_steps_later_tokens_take_what_the_step_has_left(monkeypatch):
     """The load small (16 requests at 1 ms), each search 3 ms: every first token is given what a decode
     step gives it, then every second and every third token (by position) only what the step's budget has
     left beside all the step's costs: 16 second tokens and one third fit (0.052 s left after the first
-    tokens); the others are not measured (less left than their requests' latest cost) nor committed.
-    The step's checks take 0.099 s, within its budget; before, each later token was measured
+    tokens), the next third token is given the 1 ms left (exactly its request's latest cost: it fits, float
+    drift aside), cut there and committed as its row's last; the others are not measured (nothing left)
+    nor committed. The step's checks take 0.1 s, its budget; before, each later token was measured
     alone at its check with a fair share at least (6.25 ms), and all 48 were committed: 0.144 s."""
     _, _, decode_limits, _ = _verify_step(monkeypatch, 0.001, 0.003, width=1)
     c, reqs, limits, spent = _verify_step(monkeypatch, 0.001, 0.003)
-    # (the 15 third tokens left are not searched at all: what is left, under their requests' latest cost,
-    # would not fit them)
-    assert len(limits) == 33 and limits[:16] == pytest.approx(decode_limits, rel=1e-9, abs=1e-12)
+    # (the 14 third tokens left are not searched at all: nothing is left for them)
+    assert len(limits) == 34 and limits[:16] == pytest.approx(decode_limits, rel=1e-9, abs=1e-12)
     assert limits[16] == pytest.approx(min(0.05, 0.1 - 16 * 0.003)) and limits[32] == pytest.approx(0.004)
-    assert spent == pytest.approx(0.099) and spent <= 0.1
-    assert [len(r.output_ids) for r in reqs] == [3] + [2] * 15
-    assert not c.budget._over  # (what was committed was within its allowance; what was cut, not committed)
+    assert limits[33] == pytest.approx(0.001)  # (an exact fit: measured; 0.000999... < 0.001 skipped it)
+    assert spent == pytest.approx(0.1) and spent <= 0.1 + 1e-9
+    assert [len(r.output_ids) for r in reqs] == [3, 3] + [2] * 14
+    assert not c.budget._over  # (a later token's overrun, the cut one, is no strike)
 
 
 def test_a_verify_row_of_a_grammar_request_is_measured_at_its_first_token_only():
@@ -324,9 +325,10 @@ def test_a_verify_row_of_a_grammar_request_is_measured_at_its_first_token_only()
 
 def test_a_verify_commits_no_token_after_its_first_that_went_over_its_share():
     """A verify row's token after its first whose search was cut (its share of the step was less than it
-    took) is not committed, nor anything after it (`verify_tokens`): the request samples it again at the
-    next step, as after a rejected draft, and is not ended for it; the first token is judged as a decode
-    step's (cut: over its allowance, remembered). A row whose tokens all fit commits them all."""
+    took) is committed, but nothing after it (`verify_tokens`: its own cost decides only whether the tokens
+    after it are, which the request samples again at the next step, as after a rejected draft); it is no
+    strike and its cut search finds nothing (searched again at the next token). A row whose tokens all fit
+    commits them all."""
     from sglang.srt.constrained import stop_search
 
     c = _checker()
@@ -343,10 +345,176 @@ def test_a_verify_commits_no_token_after_its_first_that_went_over_its_share():
         c.precheck([(costly, [7, 7, 7, 7]), (cheap, [7, 7, 7, 7])], several=True)
     finally:
         stop_search._first_match = real
-    assert c.verify_tokens(costly) == 2 and c.verify_tokens(cheap) == 4
+    assert c.verify_tokens(costly) == 3 and c.verify_tokens(cheap) == 4
     assert c.verify_tokens(_grammar_req("not prechecked")) is None
-    for token in (7, 7):
+    for token in (7, 7, 7):
         costly.output_ids.append(token)
         c.check_finished(costly)
     assert costly.finished_reason is None and c.alone == 0
-    assert costly not in c.budget._over  # (its committed tokens were within their allowances)
+    assert costly not in c.budget._over  # (the cut one is a later token: no strike)
+
+
+def _fake_search(monkeypatch, cost_of):
+    """stop_regex searches on a fake clock: `cost_of(pattern, output length)` seconds, cut at the limit."""
+    now = [0.0]
+    limits: list[tuple[str, int, float]] = []
+
+    def search(patterns, text, limit):
+        limits.append((patterns[0], len(text), limit))
+        cost = cost_of(patterns[0], len(text))
+        if cost > limit:
+            now[0] += max(limit, 0.0)
+            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
+        now[0] += cost
+        return None
+
+    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
+    monkeypatch.setattr(stop_search, "_first_match", search)
+    return limits
+
+
+def _regex_reqs(*patterns: str) -> list[Req]:
+    reqs = [Req(p, [5], SamplingParams(stop_regex=[p], max_new_tokens=100)) for p in patterns]
+    for r in reqs:
+        r.output_ids = [7]
+    return reqs
+
+
+def _commit_rows(c: FinishChecker, rows: list[tuple[Req, list[int]]]) -> None:
+    """A verify's commit, as `NgramWorker.process_batch_result_verify`'s: row by row, each request's tokens
+    in turn, as many as `verify_tokens` allows."""
+    c.precheck(rows, several=True)
+    for r, tokens in rows:
+        for token in tokens[: c.verify_tokens(r)]:
+            r.output_ids.append(token)
+            c.check_finished(r)
+            if r.finished_reason is not None:
+                break
+    c.clear_prechecks()
+
+
+def test_a_verify_later_token_ends_no_request_for_another_rows_cost_drop(monkeypatch):
+    """(review F1) A at 0.5 ms then 5 ms at its second token, B at 8 ms then 1 ms: the step's first
+    tokens drop the load from 8.5 to 1.5 ms, but the commit charges A's second token before B's first, so
+    room from B's drop is none for A's later token (the load would pass the step's 10 ms between the two
+    charges and end B, the costliest, with a 400). A's later token is given the 1.5 ms the step has left
+    beside the load (`PendingCharges.rise`): its search is cut there, it is committed and the row stops;
+    nobody ends. Before, A's later token was given 8.5 ms and B ended ("among the costliest checks")."""
+    cost = {("a", 1): 0.0005, ("a", 2): 0.0005, ("a", 3): 0.005, ("b", 1): 0.008, ("b", 2): 0.001}
+    limits = _fake_search(monkeypatch, lambda p, n: cost.get((p, n), 0.001))
+    c = _checker()
+    c.budget = OutputCheckBudget(per_request_s=0.009, per_step_s=0.010)
+    a, b = _regex_reqs("a", "b")
+    c.budget.charge(a, 0.0005, "stop_regex")
+    c.budget.charge(b, 0.008, "stop_regex")
+    _commit_rows(c, [(a, [7, 7]), (b, [7])])
+    assert a.finished_reason is None and b.finished_reason is None
+    assert limits[-1] == ("a", 3, pytest.approx(0.0015)) and len(a.output_ids) == 3
+    assert c.budget.load <= 0.010 + 1e-12
+
+
+def test_whether_a_verify_commits_a_later_token_does_not_depend_on_its_own_cost(monkeypatch):
+    """(review F2) The target samples 3 or 4 (p = 1/2 each) at the position after an accepted draft; the
+    search of an output ending in 4 takes 4 ms, more than the 3 ms the step has left for that later token
+    (cut), of one ending in 3 1 ms. Where the verify commits no token at that position the next step
+    samples it again (always committed: a first token). The committed token must follow p: a verify
+    commits the later token whatever its own cost (the row stops after it), so each of 2,000 fixed-seed
+    draws is committed by the verify. Before, a cut 4 was dropped and drawn again: 4 came out 0.245 of
+    the time. Bound: 0.5 +- 0.05 is 4.5 standard deviations of 2,000 fair draws (0.011); the seed is
+    fixed, so the test is deterministic, and 0.245 is 23 standard deviations out."""
+    import random
+
+    monkeypatch.setattr(stop_search, "_first_match", _cost_by_last_char(monkeypatch))
+    rng, counts, by_verify = random.Random(0), {3: 0, 4: 0}, 0
+    for _ in range(2000):
+        c = _checker()
+        c.tokenizer = SimpleNamespace(decode=lambda ids, **kw: "".join(chr(97 + i) for i in ids))
+        c.budget = OutputCheckBudget(per_request_s=0.01, per_step_s=0.004)
+        (r,) = _regex_reqs("zz")
+        c.budget.charge(r, 0.001, "stop_regex")
+        t = rng.choice([3, 4])
+        _commit_rows(c, [(r, [7, t])])
+        assert r.finished_reason is None
+        if len(r.output_ids) == 3:
+            by_verify += 1
+            counts[r.output_ids[-1]] += 1
+        else:  # (the next step samples the position again, as its first token: always committed)
+            counts[rng.choice([3, 4])] += 1
+    assert by_verify == 2000
+    assert abs(counts[4] / 2000 - 0.5) < 0.05, counts
+    assert not c.budget._over  # (the cut later token is no strike)
+
+
+def _cost_by_last_char(monkeypatch):
+    """A search of an output ending in token 4 ("e") takes 4 ms, else 1 ms (a fake clock)."""
+    now = [0.0]
+
+    def search(patterns, text, limit):
+        cost = 0.004 if text.endswith("e") else 0.001
+        if cost > limit:
+            now[0] += limit
+            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
+        now[0] += cost
+        return None
+
+    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
+    return search
+
+
+def test_a_verify_later_token_uncut_but_over_its_allowance_is_committed_last(monkeypatch):
+    """A later token whose search finished uncut but took more than its allowance (a search over what the
+    agreed allowance left it, as under TP where a slower rank's time is agreed: here the fake clock's
+    search ignores its limit: 4 ms for 3 ms, the request's allowance) is committed, the row stops after it
+    though the step had room for the next (5 ms given it), and it is no strike: the request stays, and its
+    next token over its allowance would be its first strike only."""
+    now = [0.0]
+
+    def search(patterns, text, limit):
+        now[0] += 0.004 if len(text) == 3 else 0.001  # (the third token: 4 ms, uncut)
+        return None
+
+    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
+    monkeypatch.setattr(stop_search, "_first_match", search)
+    c = _checker()
+    c.budget = OutputCheckBudget(per_request_s=0.003, per_step_s=0.01)
+    (r,) = _regex_reqs("q")
+    c.budget.charge(r, 0.001, "stop_regex")
+    c.precheck([(r, [7, 7, 7, 7])], several=True)
+    assert c.verify_tokens(r) == 2  # (its second token, 4 ms over its 3 ms, is its last)
+    for token in (7, 7):
+        r.output_ids.append(token)
+        c.check_finished(r)
+    assert r.finished_reason is None and r not in c.budget._over and c.alone == 0
+
+
+def test_a_verify_later_token_the_step_has_no_room_for_is_not_measured(monkeypatch):
+    """The room gate alone: A and B at 3 ms (load 6 ms of 10), their first tokens 0.5 ms each (drops: no
+    room for later tokens, `PendingCharges.rise`). A's second token fits the 4 ms of room at A's latest
+    cost (3 ms) and takes 0.5 ms; B's would need 3 ms of the 1 ms of room left, so it is neither measured
+    nor committed, though its allowance (10 - 6 - 0.5 = 3.5 ms) would have fit B's latest cost: what a
+    verify spends measuring is bounded by its requests' latest costs."""
+    limits = _fake_search(monkeypatch, lambda p, n: 0.0005)
+    c = _checker()
+    c.budget = OutputCheckBudget(per_request_s=0.01, per_step_s=0.010)
+    a, b = _regex_reqs("a", "b")
+    for r in (a, b):
+        c.budget.charge(r, 0.003, "stop_regex")
+    c.precheck([(a, [7, 7]), (b, [7, 7])], several=True)
+    assert [(p, n) for p, n, _ in limits] == [("a", 2), ("b", 2), ("a", 3)]
+    assert c.verify_tokens(a) == 2 and c.verify_tokens(b) == 1
+
+
+def test_a_verify_later_token_that_fits_exactly_is_measured(monkeypatch):
+    """(review F5) A and B at 0.1 s each, a step of 0.3 s: the room and the allowance left for A's second
+    token are 0.3 - 0.2, which is 0.09999999999999998 in floats, and A's latest cost 0.1 fits them exactly:
+    it is measured and committed (before, the float drift left it out). B's then has no room."""
+    limits = _fake_search(monkeypatch, lambda p, n: 0.1 if n == 2 else 0.05)
+    c = _checker()
+    c.budget = OutputCheckBudget(per_request_s=0.5, per_step_s=0.3)
+    a, b = _regex_reqs("a", "b")
+    for r in (a, b):
+        c.budget.charge(r, 0.1, "stop_regex")
+    assert 0.3 - c.budget.load < 0.1  # (the drift this test is about)
+    c.precheck([(a, [7, 7]), (b, [7, 7])], several=True)
+    assert [(p, n) for p, n, _ in limits] == [("a", 2), ("b", 2), ("a", 3)]
+    assert c.verify_tokens(a) == 2 and c.verify_tokens(b) == 1

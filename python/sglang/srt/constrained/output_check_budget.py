@@ -13,10 +13,12 @@ running request waits for. The rule, all of it here:
   with the costs the batch's rows measured before it counted as charged (`PendingCharges`; the ranks
   take the smallest of their allowances), but not the requests those charges will end. A speculative
   verify's tokens after a request's first are measured with the batch too, after every request's first
-  token, each given only what the step's budget has left beside all the step's costs (its request's
-  earlier tokens' included; no fair share: its request had one), and not committed where that was not
-  enough (`FinishChecker.verify_tokens`): a verify step's checks take what a decode step's of the same
-  requests may, or the step's budget, not the draft width times that.
+  token, each given only what the step's budget has left beside the load and all the step's cost rises
+  (its request's earlier tokens' included; no fair share: its request had one; a first token's cost drop
+  is no room, as the commit charges the rows in turn: `PendingCharges.rise`), not measured nor committed
+  where that would not cover its request's latest cost, and its request commits nothing after one that
+  went over it (`FinishChecker.verify_tokens`; that overrun is no strike): a verify step's checks take
+  what a decode step's of the same requests may, or the step's budget, not the draft width times that.
 - The *load* is the sum of every live request's latest per-token cost: what one step of them all
   costs (a step gives each running request one token; NGRAM's verify up to its draft width). When a
   request's cost takes the load over the step's budget, the costliest requests are ended until it
@@ -50,6 +52,9 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
 clock = time.perf_counter
+# Seconds two budget figures may differ by and still count as equal (float sums' drift: far below any
+# check's measured cost).
+DRIFT_S = 1e-9
 # One token's checks over this many allowances end a request at once (no second token is waited for).
 SPIKE = 10
 
@@ -86,6 +91,8 @@ class OutputCheckBudget:
         load = self._load
         if pending is not None:
             n += pending.added
+            if later:  # (a first token's cost drop is no room: its row may be charged after this token)
+                return min(self.per_request_s, self.per_step_s - (load + pending.rise))
             load += pending.delta
         step = self.per_step_s
         if later:
@@ -174,6 +181,10 @@ class PendingCharges:
     def __init__(self, budget: OutputCheckBudget):
         self.budget = budget
         self.delta = 0.0
+        # What they may add to the load at most while they are charged in row order: the first tokens'
+        # rises (not their drops: a later row's drop may be charged after an earlier row's later token)
+        # and the later tokens' costs. A later token is given only what the step has left beside it.
+        self.rise = 0.0
         self.added = 0
 
     def add(self, req: Req, cost: float, later: bool = False) -> None:
@@ -181,9 +192,12 @@ class PendingCharges:
         to the load instead of replacing the request's latest cost)."""
         if later:
             self.delta += cost
+            self.rise += cost
             return
         old = self.budget._cost.get(req)
-        self.delta += cost - (0.0 if old is None else old[0])
+        change = cost - (0.0 if old is None else old[0])
+        self.delta += change
+        self.rise += max(change, 0.0)
         self.added += old is None
 
 

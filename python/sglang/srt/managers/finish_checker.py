@@ -23,8 +23,9 @@ gives every token it may commit, each measured on the output up to it, `_prechec
 row's `check_finished` decides on its stored measurement; a check that was not prechecked (a PD decode
 server's first token) measures and agrees alone. A prechecked row's allowance is the one its request
 had when it was measured, the batch's rows measured before it counted as charged (`PendingCharges`; a
-verify's token after a request's first is given what the step's budget has left, and is not committed
-where that was not enough: `verify_tokens`), the smallest of the ranks' (`output_check_budget.py`)."""
+verify's token after a request's first is given what the step's budget has left; a row stops after the
+first one over that, or before one there was no room to measure: `verify_tokens`), the smallest of the
+ranks' (`output_check_budget.py`)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from sglang.srt.constrained.grammar_spec import grammar_key
 from sglang.srt.constrained.measured import is_measured
-from sglang.srt.constrained.output_check_budget import OutputCheckBudget, PendingCharges
+from sglang.srt.constrained.output_check_budget import DRIFT_S, OutputCheckBudget, PendingCharges
 from sglang.srt.constrained.stop_search import StopRegexTimeout, match_stop_string, search_message
 from sglang.srt.constrained.stop_strings import stops_charged
 from sglang.srt.constrained.xgrammar_backend import GrammarRejectedToken
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.server_args import ServerArgs
 
+# `_Work.cut` of a verify's later token not measured (no room for it, decided before measuring it from
+# earlier facts): below every pattern's index, so the ranks' MAX of the negated cut takes it first.
+SKIPPED = -1
 
 class _Work:
     """One check's measured facts (`FinishChecker._measure`): the time its output rules may take and what
@@ -68,6 +72,7 @@ class _Work:
         "done",
         "reason",
         "next",
+        "later",
     )
 
     def __init__(self, allowance: float, field: str, length: int = 0):
@@ -81,6 +86,7 @@ class _Work:
         self.done: dict[str, Any] | None = None  # the grammar refused the token: the finish
         self.reason: dict[str, Any] | None = None  # the rules' finish but the context length
         self.next: _Work | None = None  # a verify row's check of its next token (`_precheck_tokens`)
+        self.later = False  # a verify's token after its request's first: its overrun is no strike
 
 
 class FinishChecker:
@@ -160,12 +166,12 @@ class FinishChecker:
         """A verify's rows: a check per token a row may commit, measured on the output up to that token and
         chained (`_Work.next`) for its `check_finished` calls in turn. They are measured by position, every
         row's first token, then every row's second, and so on: the first tokens are given what a decode
-        step's would be, the later ones what the step's budget has left (`OutputCheckBudget.allowance`,
-        `later`). A later token is measured only while the step's budget has room for it at its
-        request's latest cost beside the load (agreed numbers, alike on every rank), and a row commits no
-        later token that was not measured or went over its allowance (`verify_tokens`): the budget bounds
-        how many tokens a verify commits, and what it spends measuring them (a later token that would not
-        fit its allowance at its request's latest cost is not measured: it counts as cut). A request with
+        step's would be, the later ones what the step's budget has left beside the load and the batch's
+        rises (`OutputCheckBudget.allowance`, `later`; a first token's cost drop is no room). A later token
+        is measured only while the step's budget has room for it at its request's latest cost beside the
+        load, and its allowance fits that cost (else it is `SKIPPED`: decided from earlier facts, before
+        its value matters); a row commits no skipped token, nor any after one over its allowance
+        (`verify_tokens`): the budget bounds how many tokens a verify commits and what it spends. A request with
         a grammar or a custom logit processor has no drafts (`NgramWorker._drafts_for`): should it have
         some, its first token only is measured here (a matcher takes back no token it was fed), the others
         alone at their check. A row's measuring stops after a token that ends the request on what every
@@ -183,15 +189,16 @@ class FinishChecker:
                     work = self._measure(req, pending, out)
                 else:
                     cost = budget.cost(req)
-                    if cost > room:
+                    if cost > room + DRIFT_S:
                         continue  # (this token and the row's next ones are not committed this step)
                     room -= cost
                     allowance = budget.allowance(req, pending, True)
-                    if allowance < cost or allowance <= 0:
-                        work = _Work(allowance, "", len(out))  # (not measured: would not fit; as cut)
-                        work.cut = 0
+                    if allowance + DRIFT_S < cost or allowance <= 0:
+                        work = _Work(allowance, "", len(out))  # (not measured: would not fit)
+                        work.cut = SKIPPED
                     else:
                         work = self._measure(req, pending, out, True)
+                    work.later = True
                 if work.field:
                     pending.add(req, work.grammar_s + work.regex_s + work.stop_s, k > 0)
                 if prev is None:
@@ -209,19 +216,22 @@ class FinishChecker:
 
     def verify_tokens(self, req: Req) -> int | None:
         """How many of the tokens its verify row was prechecked with (`precheck`, `several`) `req` may
-        commit: those measured before the first after its first whose agreed check went over the allowance
-        it was given (a search cut, or costs past it); None where the row was not prechecked. That token
-        is not committed this step, as a draft the verify rejected: the request samples it again at the
-        next, with a first token's allowance, so the step's budget decides how many tokens a verify
-        commits, and ends no request for its later tokens. Every rank counts alike (agreed numbers)."""
+        commit; None where the row was not prechecked. A token after the first is committed where it was
+        measured (not `SKIPPED`), and the row stops after the first one whose agreed check went over the
+        allowance it was given (a search cut, or costs past it): whether a token is committed depends on
+        the tokens before it only, never on its own cost, so a sampled token keeps its distribution (the
+        positions after it are sampled again at the next step, as after a rejected draft). That token's
+        overrun is no strike (`_decide`) and its cut search finds nothing (searched again at the next
+        token), so the budget ends no request for a verify's later tokens. Every rank counts alike."""
         work = self._measured.get(req)
         if work is None:
             return None
         n, work = 1, work.next
-        while work is not None and work.cut is None:
-            if work.grammar_s + work.regex_s + work.stop_s > work.allowance:
-                break
-            n, work = n + 1, work.next
+        while work is not None and work.cut != SKIPPED:
+            n += 1
+            if work.cut is not None or work.grammar_s + work.regex_s + work.stop_s > work.allowance:
+                break  # (committed: its own cost decides only whether the tokens after it are)
+            work = work.next
         return n
 
     def clear_prechecks(self) -> None:
@@ -313,7 +323,7 @@ class FinishChecker:
         if budgeted:
             if work.grammar_s > work.allowance:
                 work.over = True
-                if self.budget.over_allowance(req, work.grammar_s, work.allowance):
+                if not work.later and self.budget.over_allowance(req, work.grammar_s, work.allowance):
                     message = self.budget.over_allowance_message(work.field, work.grammar_s, work.allowance)
                     req.finished_reason = _bad_request(message, work.field)
                     return
@@ -326,14 +336,14 @@ class FinishChecker:
                 # A search that ended past what the agreed allowance left it (under TP each rank searched
                 # within its own allowance; the slowest rank's time is agreed) is over it as a cut one is.
                 work.over = True
-                if self.budget.over_allowance(req, work.regex_s, limit):
+                if not work.later and self.budget.over_allowance(req, work.regex_s, limit):
                     req.finished_reason = _bad_request(search_message(req, None, limit), "stop_regex")
                     return
             if work.cut is not None:
                 work.over = True
                 # (None at all where the grammar took the whole allowance: that overrun is the grammar's,
                 # judged above; the search runs again at the next token.)
-                if limit > 0 and self.budget.over_allowance(req, limit, limit):
+                if limit > 0 and not work.later and self.budget.over_allowance(req, limit, limit):
                     req.finished_reason = _bad_request(search_message(req, work.cut, limit), "stop_regex")
                     return
                 reason = None  # (searched again, over the same tail and more, at the next token)
