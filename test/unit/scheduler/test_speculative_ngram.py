@@ -595,7 +595,7 @@ def test_a_grammar_or_custom_processor_request_gets_no_drafts():
     ngram.cache = NgramCache(1, 4, 8, 1000)
     ngram.deps = SimpleNamespace(context_len=4096)
     eagle = EagleWorker.__new__(EagleWorker)
-    eagle.steps, eagle.deps = 3, SimpleNamespace(context_len=4096)
+    eagle.steps, eagle.deps, eagle._restash = 3, SimpleNamespace(context_len=4096), set()
     for kind in ("none", "grammar", "processor"):
         req = Req(kind, [5, 6, 7, 8] * 4, SamplingParams(max_new_tokens=100))
         if kind == "grammar":

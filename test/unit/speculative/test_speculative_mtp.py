@@ -28,7 +28,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.mtp_checks import NEXTN, QWEN, assert_same, plain_then_spec
 from sglang.test.scheduler_harness import token_ids
 
-register_cpu_ci(est_time=30, suite="per-commit-cpu")
+register_cpu_ci(est_time=32, suite="per-commit-cpu")
 
 NEXTN_STEPS = 3  # --speculative-num-steps' default
 
@@ -400,3 +400,80 @@ def test_gpu_greedy_same_as_plain_decoding(monkeypatch, strategy):
     assert stats["draft_graph_replays"] == stats["draft_loops"] > 0, stats
     assert stats["mtp_verify_graph_replays"] >= stats["draft_loops"], stats
 
+
+
+@pytest.mark.parametrize("per_step", [0.012, 0.009])
+def test_verifies_cut_by_the_output_checks_budget_same_as_plain_decoding(monkeypatch, per_step):
+    """NEXTN verifies whose tokens the output checks' budget cuts (four stop_regex requests, each search
+    2 ms on a fake clock, cut under 2 ms; 12 and 9 ms a step: plain decoding's steps fit 8 ms, a verify's
+    later tokens only what is left): greedy outputs, finishes, cached tokens and logprobs are plain
+    decoding's, and a request whose verify committed fewer tokens than it accepted drafts nothing at its
+    next verify (`EagleWorker.cut_short`: the MTP output stashed for its next first draft came from tokens
+    it did not commit; its one-position row stashes the right one). Review F3: without it those requests
+    drafted at once from the stale stash. Logprobs: 1e-4, the float32 noise of one forward's batch shape
+    against another's."""
+    from sglang.srt.constrained import stop_search
+    from sglang.srt.speculative.eagle_worker import EagleWorker
+    from sglang.test.mtp_checks import teacher_drafts
+    from sglang.test.scheduler_harness import SchedulerHarness
+
+    now = [0.0]
+
+    def search(patterns, text, limit):
+        if limit < 0.002:
+            now[0] += max(limit, 0.0)
+            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
+        now[0] += 0.002
+        return None
+
+    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
+    monkeypatch.setattr(stop_search, "_first_match", search)
+    monkeypatch.setenv("SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP", str(per_step))
+    args = dict(mamba_scheduler_strategy="extra_buffer", disable_overlap_schedule=True, chunked_prefill_size=64)
+    prompts = [token_ids(60 + 11 * k, seed=70 + k) for k in range(4)]
+
+    def run(h):
+        rids = [h.submit(p, max_new_tokens=30 + 3 * k, stop_regex=["\x00never"], return_logprob=True)
+                for k, p in enumerate(prompts)]
+        h.run()
+        h.sched.check_integrity()
+        return [h.outputs[r] for r in rids]
+
+    h = SchedulerHarness(QWEN, **args)
+    try:
+        plain = run(h)
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+    cut, late, cuts = set(), [], [0]  # (requests cut short, those that drafted at their next verify)
+    build, short = EagleWorker.get_new_batch_verify, EagleWorker.cut_short
+
+    def get_new_batch_verify(self, reqs):
+        batch = build(self, reqs)
+        if batch is not None:
+            late.extend(r.rid for r, d in zip(reqs, batch.spec_info.drafts, strict=True) if d and r.rid in cut)
+        cut.difference_update(r.rid for r in reqs)
+        return batch
+
+    def cut_short(self, req):
+        cuts[0] += 1
+        cut.add(req.rid)
+        short(self, req)
+
+    monkeypatch.setattr(EagleWorker, "get_new_batch_verify", get_new_batch_verify)
+    monkeypatch.setattr(EagleWorker, "cut_short", cut_short)
+    h = SchedulerHarness(QWEN, **args, **NEXTN)
+    try:
+        truth = {tuple(p): p + o.output_ids for p, o in zip(prompts, plain, strict=True)}
+        with teacher_drafts(monkeypatch, h, truth):
+            spec = run(h)
+        stats = dict(h.sched.spec.stats)
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
+    for k, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        assert b.output_ids == a.output_ids and b.finished_reason == a.finished_reason, k
+        assert b.cached_tokens == a.cached_tokens, k
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4), k
+    assert stats["accepted_tokens"] > 0 and cuts[0] > 0, (stats, cuts)
+    assert not late, late

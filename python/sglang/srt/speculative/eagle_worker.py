@@ -18,7 +18,8 @@ and the state copies) with drafts from the MTP layer instead of an n-gram cache:
    (`attach`), so the MTP layer's KV covers every committed position.
 
 A request drafts when it may take k more tokens (its output and context budgets) and its logits take no
-penalty, grammar or custom processor (as NGRAM's `_draft`); the others verify their newest token alone.
+penalty, grammar or custom processor (as NGRAM's `_draft`), and not at the step after a verify that
+committed fewer tokens than it accepted (`cut_short`); the others verify their newest token alone.
 """
 
 from __future__ import annotations
@@ -52,12 +53,25 @@ class EagleWorker(NgramWorker):
         self.draft = draft
         self.run_on_stream = run_on_stream
         self._backoff: dict[Req, tuple[int, int]] = {}  # (NGRAM's; MTP drafts never back off)
+        self._restash: set[Req] = set()  # (`cut_short`)
         self.stats = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "committed_tokens": 0}
 
     def forget(self, req: Req) -> None:
         self._backoff.pop(req, None)
+        self._restash.discard(req)
+
+    def cut_short(self, req: Req) -> None:
+        """`req`'s verify committed fewer tokens than it accepted (`FinishChecker.verify_tokens`): the MTP
+        output the verify stashed for its next d_1 is the one after the last accepted position, computed
+        from tokens that were not committed (for a seeded sampling request, functions of the uniforms the
+        next verify draws again at those positions). It drafts nothing at its next step: its one-position
+        row stashes the MTP output after its newest committed token (`MtpHook._verify`)."""
+        self._restash.add(req)
 
     def _drafts_for(self, req: Req) -> bool:
+        if req in self._restash:
+            self._restash.discard(req)
+            return False
         if (
             penalized_now(req)
             or req.grammar is not None

@@ -192,6 +192,10 @@ class NgramWorker:
     def attach(self, batch: ScheduleBatch) -> None:
         """Work on the forward stream beside a launched batch: none (NGRAM drafts on the host)."""
 
+    def cut_short(self, req: Req) -> None:
+        """`req`'s verify committed fewer tokens than it accepted (the output checks' budget): nothing to do
+        here (NGRAM drafts from the committed text)."""
+
     def forget(self, req: Req) -> None:
         """`req` left the scheduler (its indexed text stays in the cache)."""
         self._histories.pop(req, None)
@@ -353,8 +357,8 @@ class NgramWorker:
         measured = measured_rows(batch)
         if measured:  # (a decode set without grammars, stop_regex or processors: no scan)
             # Every token each measured request may commit, checked in one agreement (`_precheck_tokens`);
-            # a token after the first whose check went over its share of the step's budget is not
-            # committed (`verify_tokens`): sampled again at the next step, as a rejected draft.
+            # the budget may leave some tokens after the first (`verify_tokens`): sampled again at the
+            # next step, as after a rejected draft.
             finisher = rp.finisher
             rows = [(batch.reqs[i], sampled_all[firsts[i] : firsts[i] + commits[i]]) for i in measured]
             finisher.precheck(rows, several=True)
@@ -362,6 +366,7 @@ class NgramWorker:
                 n = finisher.verify_tokens(batch.reqs[i])
                 if n is not None and n < commits[i]:
                     commits[i] = n
+                    self.cut_short(batch.reqs[i])
         touched: list[Req] = []
         copies: list[tuple[int, int]] = []  # (verify row, slot): the states the commit keeps
         settled: list[tuple[Req, tuple[int, int] | None]] = []  # to release or commit a snapshot for
