@@ -518,3 +518,22 @@ def test_a_verify_later_token_that_fits_exactly_is_measured(monkeypatch):
     c.precheck([(a, [7, 7]), (b, [7, 7])], several=True)
     assert [(p, n) for p, n, _ in limits] == [("a", 2), ("b", 2), ("a", 3)]
     assert c.verify_tokens(a) == 2 and c.verify_tokens(b) == 1
+
+
+def test_the_rows_whose_later_tokens_are_measured_first_turn_with_each_verify(monkeypatch):
+    """(review F4) Room for one later token a step (A and B at 3 ms, a step of 10 ms, each search 1 ms:
+    4 ms of room, for one of them at its latest cost): the first row's later token takes it, and the next verify
+    starts from the next row, so each request gets its extra token every other step (before: A always,
+    B never). The turn is a count of verify steps, alike on every rank."""
+    _fake_search(monkeypatch, lambda p, n: 0.001)
+    c = _checker()
+    c.budget = OutputCheckBudget(per_request_s=0.01, per_step_s=0.010)
+    a, b = _regex_reqs("a", "b")
+    for r in (a, b):
+        c.budget.charge(r, 0.003, "stop_regex")
+    got = []
+    for _ in range(4):
+        c.precheck([(a, [7, 7]), (b, [7, 7])], several=True)
+        got.append((c.verify_tokens(a), c.verify_tokens(b)))
+        c.clear_prechecks()
+    assert got == [(2, 1), (1, 2), (2, 1), (1, 2)] and c.verifies == 4

@@ -104,6 +104,8 @@ class FinishChecker:
         # Measurements agreed (`_agree` calls, with or without a group) and how many of them were a
         # check's own (not a batch's `precheck`): what the tests count.
         self.agreements = self.alone = 0
+        # Verify steps prechecked: the row their later tokens start from turns with it (`_precheck_tokens`).
+        self.verifies = 0
 
     @classmethod
     def from_server_args(cls, server_args: ServerArgs) -> FinishChecker:
@@ -176,10 +178,14 @@ class FinishChecker:
         some, its first token only is measured here (a matcher takes back no token it was fed), the others
         alone at their check. A row's measuring stops after a token that ends the request on what every
         rank knows alike (`_token_finish`, the context length; not a search, which one rank may cut):
-        every rank measures, or counts as cut, and agrees on the same tokens."""
+        every rank measures, or counts as cut, and agrees on the same tokens. The rows are taken from
+        the next one at each verify step (`verifies`, alike on every rank)."""
         budget = self.budget
         room = budget.per_step_s - budget.load  # (for the later tokens: the first ones replace the load's)
         live = [(req, tokens, None) for req, tokens in rows if not budget.is_ended(req)]
+        if live:  # (each step from the next row: where the budget runs out, the same rows go without)
+            turn = self.verifies % len(live)
+            live, self.verifies = live[turn:] + live[:turn], self.verifies + 1
         k = 0
         while live:
             after = []
