@@ -10,7 +10,8 @@ argmax). Request i accepts drafts while d_(t+1) == s_t; with a accepted it commi
 it finishes, and keeps the KV of its newest token and the accepted drafts; the rest goes back. The finish
 checks of s_0..s_a that depend on one rank's facts (stop_regex, a charged stop list) are measured before
 the commit, all of the step's in one precheck (`FinishChecker.precheck`, `several`: one agreement of the
-TP ranks per verify, and the step's output checks' budget shared by all its tokens).
+TP ranks per verify, and the step's output checks' budget shared by all its tokens, which may commit
+fewer of them: `FinishChecker.verify_tokens`, decided on the tokens before each, never on its own).
 
 Recurrent state: the forward leaves the state after each position in the pool's verify rows and the
 running slot as it was (`MambaPool.verify_row`). The commit copies, as a task on the forward stream
