@@ -537,3 +537,23 @@ def test_the_rows_whose_later_tokens_are_measured_first_turn_with_each_verify(mo
         got.append((c.verify_tokens(a), c.verify_tokens(b)))
         c.clear_prechecks()
     assert got == [(2, 1), (1, 2), (2, 1), (1, 2)] and c.verifies == 4
+
+
+@pytest.mark.parametrize("verifies", [0, 1, 2])
+def test_first_tokens_are_measured_in_the_commits_order_whatever_the_rotation(monkeypatch, verifies):
+    """The later tokens' rows rotate from step to step (`verifies`), the first tokens' do not: a first
+    token's allowance counts the rows measured before it as charged, cost drops included, and the commit
+    charges in batch order. Rotated, A (first in the batch, measured after C and B) was given B's coming
+    0.5 ms drop as room (9 ms), the load reached 12 ms of the step's 10 while A was charged, and B, the
+    costliest, ended with a 400 (review R5 of 6445300); in batch order A's search is cut at 3.5 ms and
+    nobody ends. Step 10 ms, request 9 ms."""
+    cost = {("a", 2): 0.0055}
+    _fake_search(monkeypatch, lambda p, n: cost.get((p, n), 0.0005))
+    c = _checker()
+    c.budget = OutputCheckBudget(per_request_s=0.009, per_step_s=0.010)
+    a, cc, b = _regex_reqs("a", "c", "b")
+    for r, spent in ((a, 0.0005), (cc, 0.0005), (b, 0.006)):
+        c.budget.charge(r, spent, "stop_regex")
+    c.verifies = verifies
+    _commit_rows(c, [(a, [7]), (cc, [7]), (b, [7])])
+    assert [r.finished_reason for r in (a, cc, b)] == [None, None, None]

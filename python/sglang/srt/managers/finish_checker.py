@@ -178,18 +178,24 @@ class FinishChecker:
         some, its first token only is measured here (a matcher takes back no token it was fed), the others
         alone at their check. A row's measuring stops after a token that ends the request on what every
         rank knows alike (`_token_finish`, the context length; not a search, which one rank may cut):
-        every rank measures, or counts as cut, and agrees on the same tokens. The rows are taken from
-        the next one at each verify step (`verifies`, alike on every rank)."""
+        every rank measures, or counts as cut, and agrees on the same tokens. The later tokens' rows are
+        taken from the next one at each verify step (`verifies`, alike on every rank); the first tokens'
+        in batch order (the order they are charged in)."""
         budget = self.budget
         room = budget.per_step_s - budget.load  # (for the later tokens: the first ones replace the load's)
-        live = [(req, tokens, None) for req, tokens in rows if not budget.is_ended(req)]
-        if live:  # (each step from the next row: where the budget runs out, the same rows go without)
-            turn = self.verifies % len(live)
-            live, self.verifies = live[turn:] + live[:turn], self.verifies + 1
+        live = [(req, tokens) for req, tokens in rows if not budget.is_ended(req)]
+        live = [(req, tokens, None, i) for i, (req, tokens) in enumerate(live)]
+        # The later tokens from the next row at each step (where the budget runs out, the same rows would
+        # go without); the first tokens in batch order, the commit's: a first token's allowance counts the
+        # rows measured before it as charged, cost drops included, which holds only in the commit's order.
+        turn, count = (self.verifies % len(live), len(live)) if live else (0, 1)
+        self.verifies += bool(live)
         k = 0
         while live:
             after = []
-            for req, tokens, prev in live:
+            if k:
+                live.sort(key=lambda row: (row[3] - turn) % count)
+            for req, tokens, prev, i in live:
                 out = Appended(req.output_ids, tokens[: k + 1])
                 if not k:
                     work = self._measure(req, pending, out)
@@ -217,7 +223,7 @@ class FinishChecker:
                 n = len(out)
                 if self._token_finish(req, n, tokens[k]) or self._context_finish(req, None, n):
                     continue  # (it ends there on every rank)
-                after.append((req, tokens, work))
+                after.append((req, tokens, work, i))
             live, k = after, k + 1
 
     def verify_tokens(self, req: Req) -> int | None:
@@ -228,7 +234,8 @@ class FinishChecker:
         the tokens before it only, never on its own cost, so a sampled token keeps its distribution (the
         positions after it are sampled again at the next step, as after a rejected draft). That token's
         overrun is no strike (`_decide`) and its cut search finds nothing (searched again at the next
-        token), so the budget ends no request for a verify's later tokens. Every rank counts alike."""
+        token), so a later token ends no request by itself (its overrun, charged in full, may still end the
+        costliest request for the step's load, as a decode token's can). Every rank counts alike."""
         work = self._measured.get(req)
         if work is None:
             return None
