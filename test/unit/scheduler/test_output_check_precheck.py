@@ -21,6 +21,7 @@ from sglang.srt.managers.output_view import Appended
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.fake_stop_search import fake_stop_search
 
 register_cpu_ci(est_time=1, suite="per-commit-cpu")
 
@@ -354,23 +355,7 @@ def test_a_verify_commits_no_token_after_its_first_that_went_over_its_share():
     assert costly not in c.budget._over  # (the cut one is a later token: no strike)
 
 
-def _fake_search(monkeypatch, cost_of):
-    """stop_regex searches on a fake clock: `cost_of(pattern, output length)` seconds, cut at the limit."""
-    now = [0.0]
-    limits: list[tuple[str, int, float]] = []
-
-    def search(patterns, text, limit):
-        limits.append((patterns[0], len(text), limit))
-        cost = cost_of(patterns[0], len(text))
-        if cost > limit:
-            now[0] += max(limit, 0.0)
-            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
-        now[0] += cost
-        return None
-
-    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
-    monkeypatch.setattr(stop_search, "_first_match", search)
-    return limits
+_fake_search = fake_stop_search  # (sglang.test.fake_stop_search)
 
 
 def _regex_reqs(*patterns: str) -> list[Req]:

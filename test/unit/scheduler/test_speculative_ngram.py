@@ -536,19 +536,9 @@ def test_a_verify_commits_fewer_tokens_where_the_output_checks_budget_is_spent(m
     left, so the verify commits fewer of its accepted drafts than it would without the budget
     (`FinishChecker.verify_tokens`): the tokens it leaves are sampled again at the next step, and every
     output is still plain decoding's, with no request ended."""
-    from sglang.srt.constrained import stop_search
+    from sglang.test.fake_stop_search import fake_stop_search
 
-    now = [0.0]
-
-    def search(patterns, text, limit):
-        if limit < 0.002:
-            now[0] += max(limit, 0.0)
-            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
-        now[0] += 0.002
-        return None
-
-    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
-    monkeypatch.setattr(stop_search, "_first_match", search)
+    fake_stop_search(monkeypatch, lambda pattern, length: 0.002)  # (cut where less is left)
     prompts = [token_ids(30 + 5 * k, seed=40 + k) for k in range(4)]
 
     def run(spec: bool, per_step: float) -> tuple[list[Output], dict]:

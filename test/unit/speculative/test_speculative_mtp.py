@@ -412,22 +412,12 @@ def test_verifies_cut_by_the_output_checks_budget_same_as_plain_decoding(monkeyp
     it did not commit; its one-position row stashes the right one). Review F3: without it those requests
     drafted at once from the stale stash. Logprobs: 1e-4, the float32 noise of one forward's batch shape
     against another's."""
-    from sglang.srt.constrained import stop_search
     from sglang.srt.speculative.eagle_worker import EagleWorker
+    from sglang.test.fake_stop_search import fake_stop_search
     from sglang.test.mtp_checks import teacher_drafts
     from sglang.test.scheduler_harness import SchedulerHarness
 
-    now = [0.0]
-
-    def search(patterns, text, limit):
-        if limit < 0.002:
-            now[0] += max(limit, 0.0)
-            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
-        now[0] += 0.002
-        return None
-
-    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
-    monkeypatch.setattr(stop_search, "_first_match", search)
+    fake_stop_search(monkeypatch, lambda pattern, length: 0.002)  # (cut where less is left)
     monkeypatch.setenv("SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP", str(per_step))
     args = dict(mamba_scheduler_strategy="extra_buffer", disable_overlap_schedule=True, chunked_prefill_size=64)
     prompts = [token_ids(60 + 11 * k, seed=70 + k) for k in range(4)]
