@@ -55,6 +55,7 @@ from sglang.test.combo_sweep import (
     model_of,
     report,
 )
+from sglang.test.pd_conversation import QUEUE_KEYS
 
 SECRET = "combo-sweep-pd-secret"
 NEXT_TURN = " And what comes after that?"
@@ -78,11 +79,6 @@ PD_FEATURES = {f.name: f for f in (STAGED, DECODE_RADIX, SSM_BF16, SSM_FP16, BF1
 # The router's default is five attempts with backoffs; one retry is enough on loopback, and a refused
 # pair then fails its first request in seconds.
 ROUTER_ARGS = ["--retry-max-retries", "2"]
-# Disaggregation state keys that count what requests hold (test_pd_router.py's QUEUE_KEYS).
-QUEUE_KEYS = (
-    "rooms", "waiting_for_destination", "transferring", "prealloc_queue", "transfer_queue", "ready",
-    "aborted_holding", "staging_ranges",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)

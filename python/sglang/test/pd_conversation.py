@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import requests
 
 from sglang.test.test_utils import ServerProcess
@@ -63,7 +65,41 @@ def conversation_turns(
         after = internal_state(pd["prefill"])["disaggregation"]
         tokens = after["kv_tokens"] - before["kv_tokens"]
         assert after["transfers"] - before["transfers"] == 1
-        assert after["bytes"] - before["bytes"] == tokens * after["kv_bytes_per_token"] + after["state_bytes"]
+        # Every decode rank's shard once: the decode ranks' sizes together (the prefill ranks' too at one
+        # --tp-size; at another, a head or group replicated on several decode ranks is written to each).
+        sizes = internal_state(pd["decode"])["disaggregation"]
+        assert after["bytes"] - before["bytes"] == tokens * sizes["kv_bytes_per_token"] + sizes["state_bytes"]
         moved.append(tokens)
         ids = ids + r.json()["output_ids"]
     return moved
+
+
+# Disaggregation state keys that count what requests hold.
+QUEUE_KEYS = (
+    "rooms", "waiting_for_destination", "transferring", "prealloc_queue", "transfer_queue", "ready",
+    "aborted_holding",
+    "staging_ranges",  # the staged pair's ranges of the decode staging buffer, freed with their requests
+)  # fmt: skip
+
+
+def assert_quiescent(server: ServerProcess, name: str, timeout: float = 15) -> None:
+    """No request runs, waits or holds a KV slot or a mamba slot; the PD queues are empty."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = internal_state(server)
+        queues = {k: v for k, v in (state["disaggregation"] or {}).items() if k in QUEUE_KEYS}
+        held = (
+            state["num_running_reqs"], state["num_waiting_reqs"],
+            state["token_usage"]["held_by_requests"], state["mamba_usage"]["held_by_requests"],
+        )  # fmt: skip
+        if held == (0, 0, 0, 0) and not any(queues.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} server still holds something: {held}, {queues}")
+        time.sleep(0.2)
+
+
+def prompts(n: int, base: int = 0) -> list[list[int]]:
+    """`n` prompts of lengths across page, chunk and kernel-chunk boundaries (16, 64, 128): 5 .. 300."""
+    lengths = [5, 16, 17, 63, 64, 65, 129, 300]
+    return [[(7 * i + 3 * j + base) % 500 + 3 for j in range(lengths[i % len(lengths)])] for i in range(n)]

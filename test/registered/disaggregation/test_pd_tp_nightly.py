@@ -30,11 +30,13 @@ import requests
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.model_checks import served_tensors
 from sglang.test.pd_conversation import (
+    assert_quiescent,
     assert_same_generation,
     conversation_turns,
     generate_body,
     internal_state,
     post,
+    prompts,
 )
 from sglang.test.router_process import start_pd, stop_all
 from sglang.test.test_utils import ServerProcess
@@ -97,32 +99,6 @@ def nothing_held_afterwards(request):
         pd = request.getfixturevalue("pd")
         for name in ("prefill", "decode"):
             assert_quiescent(pd[name], name)
-
-
-QUEUE_KEYS = ("rooms", "waiting_for_destination", "transferring", "prealloc_queue", "transfer_queue",
-              "ready", "aborted_holding", "staging_ranges")  # fmt: skip
-
-
-def assert_quiescent(server: ServerProcess, name: str, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = internal_state(server)
-        queues = {k: v for k, v in (state["disaggregation"] or {}).items() if k in QUEUE_KEYS}
-        held = (
-            state["num_running_reqs"], state["num_waiting_reqs"],
-            state["token_usage"]["held_by_requests"], state["mamba_usage"]["held_by_requests"],
-        )  # fmt: skip
-        if held == (0, 0, 0, 0) and not any(queues.values()):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{name} server still holds something: {held}, {queues}")
-        time.sleep(0.2)
-
-
-def prompts(n: int, base: int = 0) -> list[list[int]]:
-    # Lengths across page, chunk and kernel-chunk boundaries (16, 64, 128): 5 .. 300 tokens.
-    lengths = [5, 16, 17, 63, 64, 65, 129, 300]
-    return [[(7 * i + 3 * j + base) % 500 + 3 for j in range(lengths[i % len(lengths)])] for i in range(n)]
 
 
 def test_tp2_pair_matches_a_tp1_server(pd):
