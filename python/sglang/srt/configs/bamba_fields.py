@@ -31,6 +31,16 @@ def mamba2_rank_state_shape(
     )
 
 
+def mamba2_state_units(
+    num_heads: int, head_dim: int, n_groups: int, state_size: int, tp_size: int, tp_rank: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """A Mamba2 layer's conv channels (of TP 1's [x | B | C]) and SSM heads that TP rank `tp_rank` of
+    `tp_size` holds (`HybridArchConfig.state_units`), by `Mamba2Shards`, the layer's own rule."""
+    shards = Mamba2Shards(num_heads, head_dim, n_groups, state_size, tp_size, tp_rank)
+    shards.check()
+    return shards.conv_spans(), shards.head_spans()
+
+
 class BambaFieldsArchConfig(HybridArchConfig):
     def __init__(self, hf_config: Any):
         super().__init__(hf_config)
@@ -63,6 +73,12 @@ class BambaFieldsArchConfig(HybridArchConfig):
         cfg = self.hf_config
         return mamba2_rank_state_shape(
             cfg.mamba_n_heads, self.mamba_head_dim, cfg.mamba_n_groups, cfg.mamba_d_state, cfg.mamba_d_conv
+        )
+
+    def state_units(self, tp_size: int, tp_rank: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        cfg = self.hf_config
+        return mamba2_state_units(
+            cfg.mamba_n_heads, self.mamba_head_dim, cfg.mamba_n_groups, cfg.mamba_d_state, tp_size, tp_rank
         )
 
     def mamba_mixer_args(self) -> dict[str, Any]:

@@ -124,6 +124,21 @@ class HybridArchConfig(ABC):
         exceeds their count (`parallel_attention_heads`)."""
         return parallel_attention_heads(self.num_attention_heads, self.num_key_value_heads)[1]
 
+    def kv_head_units(self, tp_size: int, tp_rank: int) -> list[tuple[int, int]]:
+        """The key/value heads TP rank `tp_rank` of `tp_size` holds, as [(first, count)]: its share, or
+        where the TP size exceeds their count the one head of part `tp_rank * heads // tp_size`
+        (`column_shard` with `parts=min(heads, tp)`, as the attention layers build k_proj / v_proj)."""
+        heads = self.num_key_value_heads
+        per_rank = parallel_attention_heads(self.num_attention_heads, heads, tp_size)[1]
+        return [(tp_rank * min(heads, tp_size) // tp_size * per_rank, per_rank)]
+
+    @abstractmethod
+    def state_units(self, tp_size: int, tp_rank: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(conv channels, SSM heads) of a linear layer's state that TP rank `tp_rank` of `tp_size` holds,
+        each as [(first, count)] in TP 1's order, listed in the rank's pool order (`disaggregation/
+        shard_map.py` moves state between servers of different --tp-size by them). ValueError where the
+        model does not split over `tp_size`, as its layers refuse it."""
+
     @property
     def head_dim(self) -> int:
         cfg = self.hf_config

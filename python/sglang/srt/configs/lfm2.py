@@ -53,3 +53,10 @@ class Lfm2ArchConfig(HybridArchConfig):
             conv_kernel=cfg.conv_L_cache,
             tp_world_size=1,  # the sizes above are this rank's already
         )
+
+    def state_units(self, tp_size: int, tp_rank: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Rank r's block of the channels; the SSM row (nothing reads it) is one unit every rank holds."""
+        h = self.hf_config.hidden_size
+        if h % tp_size:
+            raise ValueError(f"--tp-size {tp_size} does not divide LFM2's {h} short-conv channels.")
+        return [(tp_rank * h // tp_size, h // tp_size)], [(0, 1)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang.srt.configs.bamba_fields import mamba2_rank_state_shape
+from sglang.srt.configs.bamba_fields import mamba2_rank_state_shape, mamba2_state_units
 from sglang.srt.configs.hybrid_arch import HybridArchConfig, register_hybrid_arch
 from sglang.srt.configs.mamba_utils import Mamba2StateShape
 
@@ -42,6 +42,12 @@ class NemotronHArchConfig(HybridArchConfig):
         cfg = self.hf_config
         return mamba2_rank_state_shape(
             cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size, cfg.conv_kernel
+        )
+
+    def state_units(self, tp_size: int, tp_rank: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        cfg = self.hf_config
+        return mamba2_state_units(
+            cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size, tp_size, tp_rank
         )
 
     @property

@@ -44,3 +44,17 @@ class Qwen3NextArchConfig(HybridArchConfig):
             state_size=cfg.linear_key_head_dim,
             conv_kernel=cfg.linear_conv_kernel_dim,
         )
+
+    def state_units(self, tp_size: int, tp_rank: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Rank r's part of each of the conv's q | k | v sub-blocks (`Qwen3NextGatedDeltaNet`'s conv
+        shard) and its value heads. The key heads must split, as the layer requires."""
+        cfg = self.hf_config
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if hk % tp_size or hv % tp_size:
+            raise ValueError(
+                f"--tp-size {tp_size} does not divide the model's {hk} linear-attention key heads and "
+                f"{hv} value heads."
+            )
+        kd, vd = hk * cfg.linear_key_head_dim // tp_size, hv * cfg.linear_value_head_dim // tp_size
+        conv = [(tp_rank * kd, kd), (tp_size * kd + tp_rank * kd, kd), (2 * tp_size * kd + tp_rank * vd, vd)]
+        return conv, [(tp_rank * hv // tp_size, hv // tp_size)]
