@@ -3,8 +3,10 @@ same checkpoint, different for another checkpoint of the same config and shapes 
 preset), different after a weight update applied to one model only and equal again once the other gets the
 same update; refreshed by the PD queues when the scheduler's weights change (after a tensor update, only
 the tensors it wrote are read again; after a failed write too). Moved values and structured changes
-count, and so do the model's config (not its folder) and the float8 KV scales. The refusal names what
-differs: a conv-state dtype difference its own variable, another --ep-size that flag."""
+count, and so do the model's config (not its folder) and the float8 KV scales. The server's fingerprint is
+the meta digest and the sum of its TP ranks' shares (`weights_total`), compared by `weights_mismatch`
+whatever the two servers' --tp-size / --ep-size (`test_weights_fingerprint_tp.py` runs the ranks). The
+refusal names what differs: a conv-state dtype difference its own variable."""
 
 from __future__ import annotations
 
@@ -19,8 +21,15 @@ import torch
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
 from sglang.srt.configs.model_config import load_hf_config
+from sglang.srt.disaggregation.destination import malformed_layout
+from sglang.srt.disaggregation.pd_ranks import check_targets
 from sglang.srt.disaggregation.transfer import PoolLayout
-from sglang.srt.disaggregation.weights_fingerprint import weights_fingerprint, with_weights
+from sglang.srt.disaggregation.weights_fingerprint import (
+    weights_fingerprint,
+    weights_mismatch,
+    weights_total,
+    with_weights,
+)
 from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import (
     SchedulerUpdateWeightsMixin,
 )
@@ -95,8 +104,8 @@ def holding(t: torch.Tensor) -> torch.nn.Module:
 
 
 def test_moved_rows_columns_or_experts_differ():
-    """Values moved within a tensor change the fingerprint: each word is keyed by its position before it is
-    mixed. Tensors over two chunks of the CPU's 1 MiB and past many 4 KiB rows (the old grid's): rows
+    """Values moved within a tensor change the fingerprint: each element is keyed by its position before it
+    is mixed. Tensors over two chunks of the CPU's 1 MiB and past many 4 KiB rows (the old grid's): rows
     swapped, columns swapped (each row keeps its sum), two experts of a stacked [E, R, H] tensor swapped
     (each expert keeps its sums), and two whole chunks swapped."""
     torch.manual_seed(0)
@@ -117,7 +126,7 @@ def test_moved_rows_columns_or_experts_differ():
 def test_structured_changes_do_not_cancel():
     """Review finding: the old linear sums modulo 2**64 cancelled two sign flips of float32 values in the
     high halves of words of equal grid parity, and +d / -d / -d / +d on a rectangle of words: equal
-    fingerprints for different weights. Mixed words are summed now."""
+    fingerprints for different weights. Mixed elements are summed now."""
     torch.manual_seed(0)
     w = torch.randn(8, 1024)
     before = weights_fingerprint(holding(w.clone()))
@@ -138,9 +147,10 @@ def test_structured_changes_do_not_cancel():
 
 
 def test_the_sum_is_the_documented_integer_function_whatever_the_chunk(monkeypatch):
-    """The mixed sum is a function of the words' values and positions in 64-bit integer arithmetic (as
-    docs/disaggregation.md states, so any device computes the same): checked against Python integers,
-    with chunks of 1 MiB and of 3 words."""
+    """The share is a function of the elements' bits, their positions and the tensor's name in 64-bit
+    integer arithmetic (as docs/disaggregation.md states, so any device computes the same): checked
+    against Python integers for int64 and bfloat16 elements (zero-extended bits), with chunks of 2**17
+    elements and of 3; the tensors' sums add up into one."""
     from sglang.srt.disaggregation import weights_fingerprint as module
 
     mask = (1 << 64) - 1
@@ -152,23 +162,34 @@ def test_the_sum_is_the_documented_integer_function_whatever_the_chunk(monkeypat
         x = x * 0x94D049BB133111EB & mask
         return x ^ (x >> 31)
 
+    def expected(name: str, bits: list[int]) -> int:
+        key = module.name_key(f"0:{name}")
+        return sum(mix((b + i * 0x9E3779B97F4A7C15 + key) & mask) for i, b in enumerate(bits)) & mask
+
     words = torch.tensor([0, 1, -1, -(1 << 63), 0x0123456789ABCDEF, 7, -12345], dtype=torch.int64)
-    expected = sum(mix((int(w) + i * 0x9E3779B97F4A7C15) & mask) for i, w in enumerate(words)) & mask
-    got = int(module._mixed_sum(words)) & mask
-    monkeypatch.setitem(module.CHUNK_WORDS, "cpu", 3)
-    assert got == expected == int(module._mixed_sum(words)) & mask
+    halves = torch.tensor([[-1.5, 2.0, 0.0], [3.25, -0.0, 1e-3]], dtype=torch.bfloat16)
+    holder = torch.nn.Module()
+    holder.register_buffer("words", words)
+    holder.register_buffer("halves", halves)
+    want = (expected("words", [int(w) & mask for w in words])
+            + expected("halves", [int(h) & 0xFFFF for h in halves.view(torch.int16).flatten()])) & mask  # fmt: skip
+    got = module.weights_share(holder)[1]
+    monkeypatch.setitem(module.CHUNK_ELEMENTS, "cpu", 3)
+    assert got == want == module.weights_share(holder)[1]
 
 
 def test_every_byte_counts_whatever_the_dtype_or_alignment():
     """Tensors whose bytes are no whole number of int64 words, views that start off an 8-byte boundary,
-    float8 and bool: a change to their last byte, or any value, changes the fingerprint."""
+    float8, bool and 16-byte complex elements (taken as bytes): a change to their last byte, or any value,
+    changes the fingerprint."""
     buffer = torch.zeros(64, dtype=torch.bfloat16)
     cases = [
         torch.arange(5, dtype=torch.bfloat16),  # 10 bytes: a word and two more
         buffer[1:6],  # starts 2 bytes into its storage
         torch.ones(9).to(torch.float8_e4m3fn),
         torch.tensor([True, False, True]),
-        torch.arange((1 << 17) + 3, dtype=torch.int64),  # a CPU chunk (1 MiB) and three words past it
+        torch.arange((1 << 17) + 3, dtype=torch.int64),  # a CPU chunk (1 MiB) and three elements past it
+        torch.ones(3, dtype=torch.complex128),
     ]
     for t in cases:
         holder = torch.nn.Module()
@@ -263,12 +284,53 @@ def small_layout(conv: torch.dtype = torch.bfloat16, ssm: torch.dtype = torch.fl
 
 def test_a_refusal_names_the_checkpoints_and_the_routes():
     layout = small_layout()
-    prefill = replace(layout, weights_digest="aaaa", weights_source="model /ckpt/a, weight version default")
-    decode = replace(layout, weights_digest="bbbb", weights_source="model /ckpt/b, weight version step-3")
-    message = prefill.mismatch(decode)
-    for part in ("/ckpt/a", "/ckpt/b", "step-3", "aaaa", "bbbb", "--model-path", "/update_weights_from_tensor"):
+    prefill = replace(layout, weights_digest="a" * 16, weights_share=1, weights_source="model /ckpt/a, weight version default")
+    decode = replace(layout, weights_digest="b" * 16, weights_share=1, weights_source="model /ckpt/b, weight version step-3")
+    assert prefill.mismatch(decode) is None  # (the values are compared over every rank: weights_mismatch)
+    message = weights_mismatch([prefill], [decode])
+    for part in ("/ckpt/a", "/ckpt/b", "step-3", "a" * 16 + "0" * 15 + "1", "b" * 16, "--model-path",
+                 "/update_weights_from_tensor"):  # fmt: skip
         assert part in message, message
-    assert prefill.mismatch(PoolLayout.from_dict(prefill.to_dict())) is None
+    assert message.startswith("the weights' values differ"), message
+    assert weights_mismatch([prefill], [PoolLayout.from_dict(prefill.to_dict())]) is None
+
+
+def test_a_server_fingerprint_is_its_meta_digest_and_the_sum_of_its_ranks_shares():
+    """Servers sharded differently compare by the sum of their ranks' shares (mod 2**64) under one meta
+    digest; the per-rank layout check no longer compares values (nor --ep-size, which the layout no
+    longer carries). A rank whose fingerprint failed, or ranks that disagree on the meta digest, match
+    nothing."""
+    layout = replace(small_layout(), weights_digest="0123456789abcdef")
+    big = (1 << 64) - 5
+    one = [replace(layout, weights_share=(big + 7) & ((1 << 64) - 1))]
+    two = [replace(layout, weights_share=big), replace(layout, weights_share=7)]
+    four = [replace(layout, weights_share=s) for s in (1, 2, 3, 1)]
+    assert weights_total(one) == weights_total(two) == "0123456789abcdef" + "0000000000000002"
+    assert weights_mismatch(two, one) is None and weights_mismatch(one, two) is None
+    assert weights_total(four) == "0123456789abcdef0000000000000007"
+    assert "values differ" in weights_mismatch(two, four) and weights_total(four) in weights_mismatch(two, four)
+    assert not hasattr(layout, "ep_size")
+    failed = [two[0], replace(two[1], weights_digest="not computed (OutOfMemoryError, 1234abcd)")]
+    assert weights_total(failed) not in (weights_total(two), weights_total(one))
+    assert weights_mismatch(failed, failed[::-1]) is not None
+    # check_targets (the prefill server's check of a destination) compares the totals.
+    dst = {"layout": one[0].to_dict()}
+    assert check_targets(one, dst) is None
+    problem = check_targets(one, {"layout": replace(one[0], weights_share=3).to_dict()})
+    assert problem is not None and "values differ" in problem
+
+
+def test_a_layouts_share_from_the_network_is_bounded():
+    """`weights_share` comes from the decode server's destination: an integer in [0, 2**64)."""
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+    layout = small_layout().to_dict()
+    for share in (0, (1 << 64) - 1):
+        assert malformed_layout(layout | {"weights_share": share}, is_int) is None
+    for share in (1 << 64, -1, True, "1", 1.0, None):
+        assert "weights_share" in malformed_layout(layout | {"weights_share": share}, is_int), share
 
 
 def test_a_conv_state_dtype_difference_names_its_variable():
@@ -291,13 +353,13 @@ def test_a_weight_update_refreshes_both_queues_layouts(paths):
         q = make(sched)
         q.layout = with_weights(small_layout(), sched, PRESET)
         q.layouts = [q.layout]
-        before = q.layout.weights_digest
+        before = weights_total([q.layout])
         model.load_weights([(n, t) for n, t in served_tensors(paths[1]).items()], update=True)
         owner = SimpleNamespace(
             tree_cache=SimpleNamespace(weights_changed=lambda: None), server_args=args, disagg=q
         )
         SchedulerUpdateWeightsMixin._weights_changed(owner, "step-1", paths[1])
-        assert q.layout.weights_digest not in ("", before)
+        assert weights_total([q.layout]) != before and q.layout.weights_digest
         assert f"model {paths[1]}, weight version step-1" == q.layout.weights_source
         theirs = q.layouts[0] if make is prefill_queue else PoolLayout.from_dict(q.rank_targets[0]["layout"])
         assert theirs == q.layout
@@ -337,28 +399,12 @@ def test_a_fingerprint_that_fails_refuses_rather_than_crashes(monkeypatch):
     def fail(*models, **options):
         raise torch.OutOfMemoryError("no memory for a copy")
 
-    monkeypatch.setattr(module, "weights_fingerprint", fail)
+    monkeypatch.setattr(module, "weights_share", fail)
     runner = SimpleNamespace(model=None, draft_model=None, dtype=torch.float32)
     sched = SimpleNamespace(server_args=SimpleNamespace(quantization=None, weight_version="v"), model_runner=runner)
     a, b = (with_weights(small_layout(), sched, PRESET) for _ in range(2))
     assert a.weights_digest.startswith("not computed (OutOfMemoryError")
-    assert "the weights' values differ" in a.mismatch(b)
-
-
-def test_another_ep_size_is_refused_naming_it_before_the_values():
-    """Review finding: under --tp-size 2 the --ep-size changes which experts each rank holds (w13 (8, 32, 64)
-    per rank at ep 1, (4, 64, 64) at ep 2), so two servers of one checkpoint had other fingerprints and
-    were refused as 'the weights' values differ'. The layout carries --ep-size, compared first."""
-    runner = SimpleNamespace(model=None, draft_model=None, dtype=torch.float32)
-    layouts = []
-    for ep, digest in ((1, "aaaa"), (2, "bbbb")):
-        args = SimpleNamespace(quantization=None, weight_version="v", ep_size=ep)
-        layout = with_weights(small_layout(), SimpleNamespace(server_args=args, model_runner=runner), PRESET)
-        layouts.append(replace(layout, weights_digest=digest))
-    message = layouts[0].mismatch(layouts[1])
-    assert "--ep-size" in message and "values differ" not in message, message
-    assert "--ep-size 1" in message and "decode server's 2" in message, message
-    assert layouts[1].mismatch(PoolLayout.from_dict(layouts[1].to_dict())) is None
+    assert "the weights' values differ" in weights_mismatch([a], [b])
 
 
 def test_float8_kv_scales_count_where_the_pool_is_float8(paths):
@@ -394,8 +440,8 @@ def test_after_an_update_only_the_tensors_written_are_read_again(paths, monkeypa
     model = load(paths[0])
     full = weights_fingerprint(model)
     read = []
-    sum_of = module._tensor_sum
-    monkeypatch.setattr(module, "_tensor_sum", lambda t: read.append(t.shape) or sum_of(t))
+    sum_of = module._tensor_share
+    monkeypatch.setattr(module, "_tensor_share", lambda t, *a: read.append(t.shape) or sum_of(t, *a))
     assert weights_fingerprint(model, cached=True) == full and read == []
     new = served_tensors(paths[1])
     name = next(n for n in sorted(new) if n.endswith("o_proj.weight"))

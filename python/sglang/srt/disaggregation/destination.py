@@ -64,6 +64,9 @@ def malformed_layout(layout: Any, is_int) -> str | None:
         return "layout's kv_dtype, state_dtypes, weights, weights_digest and weights_source must be strings"
     if not is_int(layout.get("draft_kv_layers", 0)):
         return "layout's draft_kv_layers must be a layer count"
+    share = layout.get("weights_share", 0)  # (a sum modulo 2**64: `weights_fingerprint.weights_total`)
+    if not (isinstance(share, int) and not isinstance(share, bool) and 0 <= share < 2**64):
+        return "layout's weights_share must be an integer in [0, 2**64)"
     # (`transfer_descriptors` and `PoolLayout.regions` zip them strictly)
     if len(lists[0]) != len(lists[1]):
         return "layout's kv_ptrs and kv_nbytes differ in length"

@@ -37,6 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 from sglang.srt.disaggregation.transfer import Descriptor, PoolLayout, transfer_descriptors
+from sglang.srt.disaggregation.weights_fingerprint import weights_mismatch
 
 # A transfer's outcome on one rank: (error or None, bytes moved, seconds on the transfer engine, what
 # else its write returned: the staged path's last chunk, the same on every rank).
@@ -141,7 +142,8 @@ def check_targets(layouts: list[PoolLayout], dst: dict[str, Any]) -> str | None:
         problem = mine.mismatch(PoolLayout.from_dict(target["layout"]))
         if problem is not None:
             return problem if len(layouts) == 1 else f"{problem} (TP rank {r})"
-    return None
+    # (every rank's share of the values summed on each side: any --tp-size / --ep-size compares)
+    return weights_mismatch(layouts, [PoolLayout.from_dict(t["layout"]) for t in targets])
 
 
 def shard_descriptors(

@@ -63,12 +63,12 @@ class PoolLayout:
     # The weights that computed the KV and state (`--dtype`, `--quantization`): the decode server must
     # continue the prefill server's numerics, else it answers neither server's tokens.
     weights: str = ""
-    # The expert-parallel size (`--ep-size`): it changes which experts each TP rank holds, so each rank's
-    # fingerprint covers another shard (a pair of the same weights would read as different ones).
-    ep_size: int = 1
     # Their values (`weights_fingerprint.py`: another checkpoint of the same shapes, or a weight update
-    # applied to one server only, differs here alone), and for the refusal where they came from.
+    # applied to one server only, differs here alone): the meta digest (the same on every rank), this TP
+    # rank's share of the values (the server's fingerprint sums every rank's: `weights_total`, compared
+    # by `weights_mismatch` at any --tp-size / --ep-size), and for the refusal where they came from.
     weights_digest: str = ""
+    weights_share: int = 0
     weights_source: str = ""
 
     @classmethod
@@ -143,22 +143,6 @@ class PoolLayout:
             return (
                 "the recurrent-state layouts differ (another model, or another --mamba-ssm-dtype or "
                 "SGLANG_MAMBA_CONV_DTYPE)"
-            )
-        if self.ep_size != other.ep_size:
-            return (
-                f"the expert-parallel sizes differ (the prefill server's --ep-size {self.ep_size}, the decode "
-                f"server's {other.ep_size}): each TP rank holds other experts, so their weights cannot be "
-                "compared; start both with the same --ep-size"
-            )
-        if self.weights_digest != other.weights_digest:
-            # (the flag first: a client or log may cut the long paths after it)
-            return (
-                "the weights' values differ: serve the same checkpoint (--model-path) on both servers and "
-                "apply every weight update (/update_weights_from_disk, /update_weights_from_tensor, "
-                "/update_weights_from_distributed) to both (the prefill server serves "
-                f"{self.weights_source or 'unnamed weights'}, fingerprint {self.weights_digest or 'none'}; "
-                f"the decode server {other.weights_source or 'unnamed weights'}, fingerprint "
-                f"{other.weights_digest or 'none'})"
             )
         return None
 

@@ -1,30 +1,36 @@
 """A fingerprint of the weights a server computes with, so that a prefill/decode pair serving different
 values (another checkpoint of the same shapes, a fine-tune; a weight update applied to one server only)
-is refused instead of continuing one server's KV and state with the other's weights.
+is refused instead of continuing one server's KV and state with the other's weights. It is the same for
+the same weights at any --tp-size and --ep-size, so servers sharded differently compare.
 
 What it reads: every tensor of the model's state dict (parameters and persistent buffers, the MTP layer's
 too) as it is in memory after load, on its own device: no file is read again; the model's config (less
 the keys that name where it was read from, `COSMETIC_CONFIG_KEYS`); and the float8 KV cache scales the
-attention layers use (`context`: they are numbers on the layers, not in the state dict). Each tensor's
-bytes are taken as int64 words (its bits, whatever the dtype; the last few bytes zero-padded into one
-more word), each word keyed by its position (word + position * K) and mixed non-linearly (SplitMix64's
-finalizer: multiplications by odd constants and xor-shifts), and the mixed words are summed modulo 2**64:
-a changed bit, values moved within the tensor, or several changes together change the sum except with
-probability ~2**-64 (a plain sum of the words cancels structured changes: two sign flips, or
-+d / -d / -d / +d). Integer operations only, and a sum whose order does not matter: the same values give
-the same fingerprint on any device, thread count or chunk size (the CPU works in 1 MiB chunks, a GPU in
-64 MiB ones, to bound the temporaries). The names, shapes, dtypes, sums, config and scales go into one
-SHA-256.
+attention layers use (`context`: they are numbers on the layers, not in the state dict).
 
-Cost: ~14 passes over each chunk while it is in cache (docs/disaggregation.md has the numbers), on PD
-servers only: in full at start, after /update_weights_from_disk and after /resume_memory_occupation of
-the weights; after /update_weights_from_tensor and /update_weights_from_distributed (an RL refit sends
-hundreds of buckets) only the tensors the update wrote are read again (`models/weight_writes.py`: the
-loader notes its targets), the others' sums come from the last fingerprint.
+Two parts. The meta digest, a SHA-256 of the tensors' names, FULL shapes (the checkpoint's,
+`linear.full_shape`) and dtypes, the config and the scales: the same on every rank. And the values: each
+element's bits (zero-extended to an int64, whatever the dtype: a shard boundary may cut a word of 8 bytes)
+keyed by its position in the full tensor and by the tensor's name (bits + position * K + hash(name)),
+mixed non-linearly (SplitMix64's finalizer: multiplications by odd constants and xor-shifts) and summed
+modulo 2**64 over every element of every tensor. A sharded parameter's local elements get their global
+positions from its `DimShard`s (`weight_shards`; padded rows past the full size are skipped), and an
+element several ranks hold (a replicated tensor, KV heads replicated above their count, experts held by
+tp / ep ranks, Mamba2 groups replicated over ranks) counts on the lowest TP rank holding it only. So each
+rank's share (`weights_share`, no collective) sums over the ranks to the same total at any sharding, and
+the server's fingerprint is the meta digest and that total (`weights_total`). A changed bit, values moved
+within or between tensors, or several changes together change the total except with probability ~2**-64
+(a plain sum cancels structured changes: two sign flips, or +d / -d / -d / +d). Integer operations only,
+and a sum whose order does not matter: the same values give the same fingerprint on any device, thread
+count, chunk size (the CPU works in chunks of 2**17 elements, a GPU of 2**23, to bound the temporaries) or
+storage order (the CPU keeps MoE experts transposed).
 
-Under --tp-size N each rank fingerprints its own shard; a prefill rank's is checked against the decode
-rank's of the same index, which holds the same shard when the two servers hold the same weights and use
-the same --tp-size and --ep-size (`PoolLayout.mismatch` refuses another --ep-size first).
+Cost: ~15 passes over each chunk of elements while it is in cache (docs/disaggregation.md has the
+numbers), on PD servers only: in full at start, after /update_weights_from_disk and after
+/resume_memory_occupation of the weights; after /update_weights_from_tensor and
+/update_weights_from_distributed (an RL refit sends hundreds of buckets) only the tensors the update wrote
+are read again (`models/weight_writes.py`: the loader notes its targets), the others' sums come from the
+last fingerprint.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang.srt.layers.linear import DimShard, full_shape, weight_shards
 from sglang.srt.models.weight_writes import last_write, last_write_into
 
 if TYPE_CHECKING:
@@ -52,28 +59,29 @@ logger = logging.getLogger(__name__)
 # on its own: `PoolLayout.weights`).
 COSMETIC_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype"})
 
-# Words per chunk (a chunk and one temporary of its size at a time): 1 MiB on CPU (they stay in cache
-# through the passes), 64 MiB on a GPU (fewer kernel launches). The result does not depend on it.
-CHUNK_WORDS = {"cpu": 1 << 17}
-DEVICE_CHUNK_WORDS = 1 << 23
+# Elements per chunk (a chunk and two int64 temporaries of its size at a time): 1 MiB each on CPU (they
+# stay in cache through the passes), 64 MiB on a GPU (fewer kernel launches). The result does not depend
+# on it.
+CHUNK_ELEMENTS = {"cpu": 1 << 17}
+DEVICE_CHUNK_ELEMENTS = 1 << 23
+MASK64 = (1 << 64) - 1
 
 
 def _int64(x: int) -> int:
     """`x` modulo 2**64 as a signed int64."""
-    x &= (1 << 64) - 1
+    x &= MASK64
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
 _POSITION_KEY = _int64(0x9E3779B97F4A7C15)  # (odd: distinct positions, distinct keys)
 _MIX1, _MIX2 = _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)  # SplitMix64's
-_keys: dict[tuple[torch.device, int], torch.Tensor] = {}  # position keys of a chunk, per device
+# Integer views of each element size, and the mask that zero-extends their (sign-extended) int64 copy.
+_VIEWS = {1: (torch.uint8, None), 2: (torch.int16, 0xFFFF), 4: (torch.int32, 0xFFFFFFFF), 8: (torch.int64, None)}
 
 
-def _chunk_keys(device: torch.device, n: int) -> torch.Tensor:
-    keys = _keys.get((device, n))
-    if keys is None:
-        keys = _keys[(device, n)] = torch.arange(n, dtype=torch.int64, device=device) * _POSITION_KEY
-    return keys
+def name_key(name: str) -> int:
+    """The 64-bit key a tensor's name adds to its elements' (an int64), so that tensors sum into one."""
+    return _int64(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little"))
 
 
 def _xorshift_(z: torch.Tensor, tmp: torch.Tensor, k: int) -> None:
@@ -83,44 +91,114 @@ def _xorshift_(z: torch.Tensor, tmp: torch.Tensor, k: int) -> None:
     z.bitwise_xor_(tmp)
 
 
-def _mixed_sum(words: torch.Tensor, first: int = 0) -> torch.Tensor:
-    """The int64 sum, on `words`' device, of mix(word + (first + i) * K) over the words (a 1-D int64
-    tensor), chunk by chunk."""
-    n, device = words.numel(), words.device
-    chunk = CHUNK_WORDS.get(device.type, DEVICE_CHUNK_WORDS)
-    size = min(n, chunk)
-    keys, z, tmp = _chunk_keys(device, chunk)[:size], words.new_empty(size), words.new_empty(size)
+def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> None:
+    """SplitMix64's finalizer, in place."""
+    _xorshift_(z, tmp, 30)
+    z.mul_(_MIX1)
+    _xorshift_(z, tmp, 27)
+    z.mul_(_MIX2)
+    _xorshift_(z, tmp, 31)
+
+
+def _bits(t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """`t`'s elements' bits as an integer tensor of its shape (one more trailing dimension of bytes for an
+    element size other than 1, 2, 4 or 8), and the mask that zero-extends them into an int64."""
+    size = t.element_size()
+    if size not in _VIEWS:
+        return t.unsqueeze(-1).view(torch.uint8), None
+    dtype, mask = _VIEWS[size]
+    return t.view(dtype), mask
+
+
+def _counted(t: torch.Tensor, shape: tuple[int, ...], full: tuple[int, ...], tp_rank: int):
+    """Per dimension of `t`'s bits (local `shape`, full `full`): (the local entries this rank counts, None
+    for all of them; their positions in the full tensor). None where a lower TP rank holds every element
+    this one does. Padding past the full size does not count, and an element a lower rank also holds
+    counts there."""
+    shards = {s.dim: s for s in weight_shards(t)}
+    positions = [shards[d].positions(shards[d].part_of_rank[tp_rank]) if d in shards else torch.arange(n)
+                 for d, n in enumerate(shape)]  # fmt: skip
+    for d, p in enumerate(positions):
+        if p.numel() != shape[d]:
+            raise ValueError(f"a tensor's shards name {p.numel()} entries of its dimension {d}, not {shape[d]}")
+    keep = [p < full[d] if d in shards else None for d, p in enumerate(positions)]
+    for other in range(tp_rank):
+        partial = []  # (dimension, which local entries `other` holds too), where it holds some, not all
+        for d, s in shards.items():
+            mine, theirs = s.part_of_rank[tp_rank], s.part_of_rank[other]
+            if type(s) is DimShard:  # (disjoint parts: one rank's part is another's or shares nothing)
+                if mine != theirs:
+                    break
+                continue
+            held = torch.isin(positions[d], s.positions(theirs))
+            if not held.any():
+                break
+            if not held.all():
+                partial.append((d, held))
+        else:  # `other` holds these elements too: every one, or those of some entries of one dimension
+            if not partial:
+                return None
+            if len(partial) > 1:  # (none such: a part held by several ranks is whole in its other dims)
+                raise ValueError("a tensor's elements are held by another rank along two sharded dimensions")
+            d, held = partial[0]
+            keep[d] &= ~held
+    out = []
+    for k, p in zip(keep, positions, strict=True):
+        out.append((None, p) if k is None or bool(k.all()) else (torch.nonzero(k).flatten(), p[k]))
+    return out
+
+
+def _tensor_share(t: torch.Tensor, key: int, tp_rank: int) -> torch.Tensor:
+    """This rank's part of the mixed sum of `t`'s elements over the full tensor (a 0-dim int64 tensor on
+    its device): mix(bits + position * K + key) over the elements it counts (`_counted`), chunk by chunk."""
+    device = t.device
     total = torch.zeros((), dtype=torch.int64, device=device)
-    for start in range(0, n, chunk):
-        m = min(chunk, n - start)
-        zz, tt = z[:m], tmp[:m]
-        torch.add(words[start : start + m], keys[:m], out=zz)
-        zz.add_(_int64((first + start) * _POSITION_KEY))
-        _xorshift_(zz, tt, 30)
-        zz.mul_(_MIX1)
-        _xorshift_(zz, tt, 27)
-        zz.mul_(_MIX2)
-        _xorshift_(zz, tt, 31)
-        total += zz.sum()
-    return total
-
-
-def _tensor_sum(t: torch.Tensor) -> torch.Tensor:
-    """The mixed sum of `t`'s bits (a 0-dim int64 tensor on its device): its bytes as int64 words, the
-    bytes past the last whole word zero-padded into one more."""
+    x = t.detach()
+    bits, mask = _bits(x.reshape(1) if x.dim() == 0 else x)
+    full = (full_shape(t) or (1,)) + tuple(bits.shape[max(x.dim(), 1) :])
+    counted = _counted(t, tuple(bits.shape), full, tp_rank)
+    if counted is None:
+        return total
+    offsets = []  # per dimension: each counted entry's position times the full tensor's stride, times K
+    stride = _POSITION_KEY
+    for d in reversed(range(bits.dim())):
+        local, pos = counted[d]
+        if local is not None:
+            bits = bits.index_select(d, local.to(device))
+        offsets.append(pos.to(device=device, dtype=torch.int64) * stride)
+        stride = _int64(stride * full[d])
+    offsets.reverse()
+    if bits.numel() == 0:
+        return total
     # In logical order, not memory order: the CPU keeps MoE experts transposed (`experts.py`), a GPU does
     # not, and equal values must fingerprint alike (the copy is the CPU's, of its transposed experts).
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    whole = data.numel() // 8 * 8
-    try:
-        words = data[:whole].view(torch.int64)
-    except RuntimeError:  # (a view whose start is not 8-byte aligned: an aligned copy)
-        words = data[:whole].clone().view(torch.int64)
-    total = _mixed_sum(words) if whole else torch.zeros((), dtype=torch.int64, device=data.device)
-    if whole < data.numel():
-        pad = torch.zeros(8, dtype=torch.uint8, device=data.device)
-        pad[: data.numel() - whole] = data[whole:]
-        total = total + _mixed_sum(pad.view(torch.int64), words.numel())
+    cols = bits.shape[-1]
+    rows = bits.numel() // cols
+    flat = bits.contiguous().view(rows, cols)
+    chunk = CHUNK_ELEMENTS.get(device.type, DEVICE_CHUNK_ELEMENTS)
+    row_step, col_step = max(1, chunk // cols), min(cols, chunk)
+    z = torch.empty(min(chunk, rows * cols), dtype=torch.int64, device=device)
+    tmp = torch.empty_like(z)
+    outer = list(zip(bits.shape[:-1], offsets[:-1], strict=True))[::-1]
+    for r0 in range(0, rows, row_step):
+        r1 = min(rows, r0 + row_step)
+        # Each row's key: the name's plus its entries' offsets in the outer dimensions (from its index).
+        index = torch.arange(r0, r1, device=device)
+        base = torch.full((r1 - r0,), key, dtype=torch.int64, device=device)
+        for size, offs in outer:
+            base += offs[index % size]
+            index //= size
+        for c0 in range(0, cols, col_step):
+            c1 = min(cols, c0 + col_step)
+            n = (r1 - r0) * (c1 - c0)
+            zz, tt = z[:n].view(r1 - r0, c1 - c0), tmp[:n].view(r1 - r0, c1 - c0)
+            torch.add(base[:, None], offsets[-1][None, c0:c1], out=zz)
+            tt.copy_(flat[r0:r1, c0:c1])  # (sign-extended: masked back to the element's bits)
+            if mask is not None:
+                tt.bitwise_and_(mask)
+            zz.add_(tt)
+            _mix_(zz, tt)
+            total += zz.sum()
     return total
 
 
@@ -140,18 +218,26 @@ def config_text(model: torch.nn.Module) -> str:
     return json.dumps(strip(config.to_dict()), sort_keys=True, default=str)
 
 
-# Per model (dropped with it): each state-dict tensor's (address, shape, strides, dtype), the number of the
-# last weight write noted when its sum was taken (`weight_writes.py`), and the sum.
+# Per model (dropped with it): each state-dict tensor's (address, shape, strides, dtype, device, TP rank),
+# the number of the last weight write noted when its share was taken (`weight_writes.py`), and the share.
 _sums: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def weights_fingerprint(*models: torch.nn.Module | None, context: str = "", cached: bool = False) -> str:
-    """The fingerprint of the models' weights and configs (None entries skipped) and of `context`: 16 hex
-    digits. With `cached`, a tensor no weight write has noted since the last fingerprint of its model
-    (same address and layout) keeps its sum from then; else every tensor is read."""
+def weights_share(
+    *models: torch.nn.Module | None, context: str = "", cached: bool = False, tp_rank: int | None = None
+) -> tuple[str, int]:
+    """The models' (None entries skipped) meta digest (16 hex digits: names, full shapes, dtypes, configs
+    and `context`; the same on every rank) and this TP rank's share of their values (an int in [0, 2**64);
+    `tp_rank`: this process's by default). With `cached`, a tensor no weight write has noted since the
+    last fingerprint of its model (same address and layout) keeps its share from then; else every tensor
+    is read."""
+    if tp_rank is None:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank()
     h = hashlib.sha256(context.encode())
-    sums: list[torch.Tensor] = []
-    seen = last_write()  # (before any read: a write noted after it makes the sums stale)
+    shares: list[torch.Tensor] = []
+    seen = last_write()  # (before any read: a write noted after it makes the shares stale)
     for i, model in enumerate(models):
         if model is None:
             continue
@@ -161,19 +247,56 @@ def weights_fingerprint(*models: torch.nn.Module | None, context: str = "", cach
             if t is None or t.device.type == "meta" or t.numel() == 0:
                 h.update(f"{i}:{name}:empty;".encode())
                 continue
-            h.update(f"{i}:{name}:{tuple(t.shape)}:{t.dtype};".encode())
-            where = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+            h.update(f"{i}:{name}:{full_shape(t)}:{t.dtype};".encode())
+            where = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, tp_rank)
             hit = before.get(name)
             if hit is not None and hit[0] == where and last_write_into(t) <= hit[1]:
-                total = hit[2]
+                share = hit[2]
             else:
-                total = _tensor_sum(t)
-            now[name] = (where, seen, total)
-            sums.append(total)
+                share = _tensor_share(t, name_key(f"{i}:{name}"), tp_rank)
+            now[name] = (where, seen, share)
+            shares.append(share)
         _sums[model] = now
-    if sums:  # (one copy to the host: the sums wait on the device until then)
-        h.update(torch.stack([s.to(sums[0].device) for s in sums]).cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
+    total = 0
+    if shares:  # (one copy to the host: the shares wait on the device until then)
+        total = int(torch.stack([s.to(shares[0].device) for s in shares]).sum().cpu()) & MASK64
+    return h.hexdigest()[:16], total
+
+
+def fingerprint_text(digest: str, total: int) -> str:
+    """A server's fingerprint as shown and compared: its meta digest, then the ranks' shares' sum in hex."""
+    return f"{digest}{total & MASK64:016x}"
+
+
+def weights_fingerprint(*models: torch.nn.Module | None, context: str = "", cached: bool = False) -> str:
+    """`weights_share` as a fingerprint (32 hex digits): a whole server's at one TP rank."""
+    return fingerprint_text(*weights_share(*models, context=context, cached=cached))
+
+
+def weights_total(layouts: list[PoolLayout]) -> str:
+    """A server's fingerprint from every TP rank's layout (`with_weights`): the meta digest they share and
+    the sum of their shares. A rank whose fingerprint failed, or ranks that disagree on the meta digest,
+    give their digests instead, which match no server's fingerprint."""
+    digests = list(dict.fromkeys(layout.weights_digest for layout in layouts))
+    if len(digests) != 1 or len(digests[0]) != 16:
+        return "; ".join(digests)
+    return fingerprint_text(digests[0], sum(layout.weights_share for layout in layouts))
+
+
+def weights_mismatch(prefill: list[PoolLayout], decode: list[PoolLayout]) -> str | None:
+    """Why the two servers' weights differ (the prefill server's ranks' layouts, then the decode server's;
+    any --tp-size each), or None."""
+    here, there = weights_total(prefill), weights_total(decode)
+    if here == there:
+        return None
+    # (the flag first: a client or log may cut the long paths after it)
+    return (
+        "the weights' values differ: serve the same checkpoint (--model-path) on both servers and apply "
+        "every weight update (/update_weights_from_disk, /update_weights_from_tensor, "
+        "/update_weights_from_distributed) to both (the prefill server serves "
+        f"{prefill[0].weights_source or 'unnamed weights'}, fingerprint {here or 'none'}; the decode server "
+        f"{decode[0].weights_source or 'unnamed weights'}, fingerprint {there or 'none'})"
+    )
 
 
 def kv_scales_text(runner: Any) -> str:
@@ -184,28 +307,28 @@ def kv_scales_text(runner: Any) -> str:
 
 
 def with_weights(layout: PoolLayout, sched: Any, model_path: str, full: bool = True) -> PoolLayout:
-    """`layout` naming the weights `sched`'s model runner serves now: their dtype and quantization, the
-    --ep-size that shards the experts, their fingerprint (`full`: every tensor read; else those the last
-    updates wrote, `weights_fingerprint`'s `cached`), and where they came from (`model_path`:
-    --model-path, or the last /update_weights_from_disk's; the weight version: --weight-version, or the
-    last update's that named one)."""
+    """`layout` naming the weights `sched`'s model runner serves now: their dtype and quantization, their
+    meta digest and this rank's share of their values (`full`: every tensor read; else those the last
+    updates wrote, `weights_share`'s `cached`), and where they came from (`model_path`: --model-path, or
+    the last /update_weights_from_disk's; the weight version: --weight-version, or the last update's that
+    named one)."""
     args, runner = sched.server_args, sched.model_runner
     start = time.perf_counter()
     try:
         models = (runner.model, getattr(runner, "draft_model", None))
-        digest = weights_fingerprint(*models, context=kv_scales_text(runner), cached=not full)
+        digest, share = weights_share(*models, context=kv_scales_text(runner), cached=not full)
     except Exception as e:  # noqa: BLE001 - (out of memory for a copy, say) after an update that succeeded
         # Not a crash of the scheduler, and no match with any peer: this server's pair refuses.
-        digest = f"not computed ({type(e).__name__}, {uuid.uuid4().hex[:8]})"
+        digest, share = f"not computed ({type(e).__name__}, {uuid.uuid4().hex[:8]})", 0
         logger.warning("The weights' fingerprint could not be computed (%r): PD pairs will refuse.", e)
     logger.info(
-        "Weights fingerprint %s (%s), computed in %.1f ms%s.", digest, model_path,
-        (time.perf_counter() - start) * 1e3, "" if full else " (the tensors written since the last)",
+        "Weights fingerprint %s, this TP rank's share %016x (%s), computed in %.1f ms%s.", digest, share,
+        model_path, (time.perf_counter() - start) * 1e3, "" if full else " (the tensors written since the last)",
     )  # fmt: skip
     return replace(
         layout,
         weights=f"--dtype {runner.dtype}, --quantization {args.quantization or 'none'}",
-        ep_size=getattr(args, "ep_size", 1),
         weights_digest=digest,
+        weights_share=share,
         weights_source=f"model {model_path}, weight version {args.weight_version}",
     )
