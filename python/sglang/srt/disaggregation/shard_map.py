@@ -12,16 +12,20 @@ over the ranks, or are replicated where the TP size exceeds their count (KV head
 
 `shard_writes` gives one prefill rank's copies of one request into every decode rank: each unit of each
 decode rank is written by exactly one prefill rank (the one of the same index where it holds the unit,
-else the lowest that does), so no destination byte is written twice. Adjacent copies merge: between
-ranks holding the same units (equal --tp-size) the copies are `transfer.transfer_descriptors`'.
+else the lowest that does), so no destination byte is written twice. Adjacent units of one row merge
+into one copy, and whole rows of consecutive slots do: between ranks holding the same units (equal
+--tp-size) the copies are `transfer.transfer_descriptors`'.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
+
+import torch
 
 from sglang.srt.disaggregation.state_packer import kv_buffers
 from sglang.srt.disaggregation.transfer import Descriptor, PoolLayout, token_runs
@@ -250,36 +254,22 @@ def _check_rows(pool: PoolLayout, shard: ShardLayout, side: str) -> None:
         raise ValueError(f"the {side} server's state rows and its shard layout differ in size")
 
 
-def _append(out: list[Descriptor], src: int, dst: int, n: int) -> None:
-    if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
-        out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
-    else:
-        out.append((src, dst, n))
-
-
 def _row_copies(
-    out: list[Descriptor],
-    pieces: list[Piece],
-    unit: int,
-    src: tuple[int, int],
-    dst: tuple[int, int],
-    rows: list,
-) -> None:
-    """The copies of `pieces` of one buffer's rows: `src` / `dst` are (address, row bytes), `rows` the
-    (source row, destination row, count) runs."""
+    pieces: list[Piece], unit: int, src: tuple[int, int], dst: tuple[int, int], runs: list, rows: Callable
+) -> list[Descriptor]:
+    """The copies of `pieces` of one buffer's rows: `src` / `dst` are (address, row bytes), `runs` the
+    (source row, destination row, count) runs and `rows()` every source and destination row (int64
+    tensors, made where needed). Whole rows on both sides: one copy per run; else one per row and piece (a vector sum: a
+    4,096-token prompt at heads split two ways is ~50k copies per rank)."""
     (s_ptr, s_row), (d_ptr, d_row) = src, dst
-    whole = len(pieces) == 1 and pieces[0][:2] == (0, 0) and pieces[0][2] * unit == s_row == d_row
-    mine: list[Descriptor] = []
-    for s, d, n in rows:
-        if whole:
-            _append(mine, s_ptr + s * s_row, d_ptr + d * d_row, n * s_row)
-            continue
-        for t in range(n):
-            for so, do, k in pieces:
-                _append(
-                    mine, s_ptr + (s + t) * s_row + so * unit, d_ptr + (d + t) * d_row + do * unit, k * unit
-                )
-    out += mine
+    if len(pieces) == 1 and pieces[0][:2] == (0, 0) and pieces[0][2] * unit == s_row == d_row:
+        return [(s_ptr + s * s_row, d_ptr + d * d_row, n * s_row) for s, d, n in runs]
+    s_rows, d_rows = rows()
+    s_off = torch.tensor([so * unit for so, _, _ in pieces], dtype=torch.int64)
+    d_off = torch.tensor([do * unit for _, do, _ in pieces], dtype=torch.int64)
+    s_addr = (s_rows[:, None] * s_row + s_off[None, :] + s_ptr).flatten().tolist()
+    d_addr = (d_rows[:, None] * d_row + d_off[None, :] + d_ptr).flatten().tolist()
+    return list(zip(s_addr, d_addr, [k * unit for _, _, k in pieces] * len(s_rows), strict=True))
 
 
 def shard_writes(
@@ -302,6 +292,8 @@ def shard_writes(
     plan = _plan(tuple(s for _, s in src), tuple(s for _, s in dst))
     mine_pool, mine = src[src_rank]
     runs = token_runs(src_tokens, dst_tokens)
+    token_rows = cache(lambda: (torch.tensor(src_tokens), torch.tensor(dst_tokens)))
+    slot_rows = cache(lambda: (torch.tensor([src_slot]), torch.tensor([dst_slot])))
     half = len(mine_pool.state_ptrs) // 2
     writes = []
     for d, ((pool, _), axes) in enumerate(zip(dst, plan, strict=True)):
@@ -310,13 +302,14 @@ def shard_writes(
         if kv:
             for s_ptr, d_ptr in zip(mine_pool.kv_ptrs, pool.kv_ptrs, strict=True):
                 rows = (s_ptr, mine_pool.kv_bytes_per_token), (d_ptr, pool.kv_bytes_per_token)
-                _row_copies(out, kv, mine.kv.unit_bytes, *rows, runs)
+                out += _row_copies(kv, mine.kv.unit_bytes, *rows, runs, token_rows)
         for i, (s_ptr, d_ptr) in enumerate(zip(mine_pool.state_ptrs, pool.state_ptrs, strict=True)):
             axis = "conv" if i < half else "ssm"
             pieces = axes[axis].get(src_rank, [])
             if pieces:
                 rows = (s_ptr, mine_pool.state_slot_bytes[i]), (d_ptr, pool.state_slot_bytes[i])
-                _row_copies(out, pieces, getattr(mine, axis).unit_bytes, *rows, [(src_slot, dst_slot, 1)])
+                slot_run = [(src_slot, dst_slot, 1)]
+                out += _row_copies(pieces, getattr(mine, axis).unit_bytes, *rows, slot_run, slot_rows)
         if out:
             writes.append((d, out))
     return writes

@@ -1,0 +1,84 @@
+"""What planning one request's PD copies costs between servers of different --tp-size
+(`disaggregation/shard_map.shard_writes`), at Qwen3-Next-80B's shapes (2 KV heads of 256, 12
+full-attention and 36 Gated DeltaNet layers): per prefill rank, the descriptors of a prompt of
+`--tokens` consecutive slots and the time to make them (the pair's plan cached, as after the first
+request). No transfer engine: the addresses are made up, nothing is copied. Medians of `--repeat` runs.
+
+    python benchmark/bench_shard_writes.py
+    python benchmark/bench_shard_writes.py --tokens 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from transformers import Qwen3NextConfig
+
+from sglang.srt.configs.hybrid_arch import hybrid_arch_config
+from sglang.srt.disaggregation.shard_map import rank_layout, shard_writes
+from sglang.srt.disaggregation.transfer import PoolLayout
+
+PAIRS = ((1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4))
+
+
+def ranks(arch, tp: int, base: int) -> list:
+    """Every rank's (PoolLayout, ShardLayout) at `tp`: bfloat16 KV and conv state, float32 SSM state."""
+    out = []
+    kv_buffers, linear = 2 * len(arch.full_attention_layer_ids), len(arch.linear_layer_ids)
+    shape = arch.state_shape
+    for r in range(tp):
+        shard = rank_layout(
+            arch, tp, r, arch.head_dim * 2, shape.conv[1] * 2, shape.temporal[1] * shape.temporal[2] * 4
+        )
+        pool = PoolLayout(
+            kv_ptrs=[base + (r * 1000 + i) * 2**32 for i in range(kv_buffers)],
+            kv_nbytes=[2**31] * kv_buffers,
+            kv_bytes_per_token=shard.kv.row_bytes,
+            state_ptrs=[base + (r * 1000 + 500 + i) * 2**32 for i in range(2 * linear)],
+            state_nbytes=[2**31] * (2 * linear),
+            state_slot_bytes=[shard.conv.row_bytes] * linear + [shard.ssm.row_bytes] * linear,
+        )
+        out.append((pool, shard))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    config = Qwen3NextConfig(
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        num_hidden_layers=48,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    )
+    arch = hybrid_arch_config(config)
+    src_tokens = list(range(1, args.tokens + 1))
+    dst_tokens = list(range(100, args.tokens + 100))
+    print(f"{args.tokens} tokens; per prefill rank: descriptors, median ms")
+    for a, b in PAIRS:
+        src, dst = ranks(arch, a, 2**44), ranks(arch, b, 2**45)
+        shard_writes(0, src, dst, src_tokens, dst_tokens, 3, 5)  # (plans the pair)
+        counts, times = [], []
+        for p in range(a):
+            runs = []
+            for _ in range(args.repeat):
+                t = time.perf_counter()
+                writes = shard_writes(p, src, dst, src_tokens, dst_tokens, 3, 5)
+                runs.append(time.perf_counter() - t)
+            counts.append(sum(len(d) for _, d in writes))
+            times.append(statistics.median(runs) * 1e3)
+        print(f"TP {a} -> {b}: " + ", ".join(f"{n} / {ms:.1f}" for n, ms in zip(counts, times, strict=True)))
+
+
+if __name__ == "__main__":
+    main()
