@@ -248,6 +248,7 @@ def test_from_dict_round_trips_and_refuses_malformed_layouts():
         {**good, "extra": 1},
         {**good, "kv": {"runs": [[0, 1]]}},
         {**good, "kv": {"runs": [[0, 1]], "unit_bytes": -2}},
+        {**good, "kv": {"runs": [[0, 1]], "unit_bytes": 0}},
         {**good, "kv": {"runs": [[0, 1]], "unit_bytes": True}},
         {**good, "kv": {"runs": [[0, 1.0]], "unit_bytes": 32}},
         {**good, "kv": {"runs": [[0, 1, 2]], "unit_bytes": 32}},

@@ -73,6 +73,8 @@ class Segments:
         if not isinstance(d, dict) or set(d) != {"runs", "unit_bytes"}:
             raise ValueError(f"{what} must be an object with exactly 'runs' and 'unit_bytes'.")
         runs, unit = d["runs"], _count(d["unit_bytes"], f"{what}.unit_bytes")
+        if unit == 0:
+            raise ValueError(f"{what}.unit_bytes must be positive.")
         if not isinstance(runs, list) or len(runs) > MAX_RUNS:
             raise ValueError(f"{what}.runs must be a list of at most {MAX_RUNS} [first, count] pairs.")
         pairs = []
@@ -179,8 +181,8 @@ def layout_mismatch(prefill: list[ShardLayout], decode: list[ShardLayout]) -> st
             )
         if mine != theirs:
             return (
-                f"one of the {_WHAT[axis]} weighs {mine.pop()} bytes on the prefill server and {theirs.pop()} "
-                "on the decode server (another model, or another dtype)"
+                f"one of the {_WHAT[axis]} weighs {mine.pop()} bytes on the prefill server and "
+                f"{theirs.pop()} on the decode server (another model, or another dtype)"
             )
         held, wanted = _covered(prefill, axis), _covered(decode, axis)
         if held != wanted:
@@ -259,8 +261,8 @@ def _row_copies(
 ) -> list[Descriptor]:
     """The copies of `pieces` of one buffer's rows: `src` / `dst` are (address, row bytes), `runs` the
     (source row, destination row, count) runs and `rows()` every source and destination row (int64
-    tensors, made where needed). Whole rows on both sides: one copy per run; else one per row and piece (a vector sum: a
-    4,096-token prompt at heads split two ways is ~50k copies per rank)."""
+    tensors, made where needed). Whole rows on both sides: one copy per run; else one per row and piece,
+    as one vector sum (`benchmark/bench_shard_writes.py`)."""
     (s_ptr, s_row), (d_ptr, d_row) = src, dst
     if len(pieces) == 1 and pieces[0][:2] == (0, 0) and pieces[0][2] * unit == s_row == d_row:
         return [(s_ptr + s * s_row, d_ptr + d * d_row, n * s_row) for s, d, n in runs]
