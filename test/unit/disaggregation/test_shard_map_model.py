@@ -17,7 +17,7 @@ from sglang.test.multi_rank import run_ranks
 from sglang.test.shard_map_checks import check_ranks, first_layer_rows
 from sglang.test.tp_mamba2_checks import one_group_bamba
 
-register_cpu_ci(est_time=10, suite="per-commit-cpu")
+register_cpu_ci(est_time=13, suite="per-commit-cpu")
 
 PRESETS = (
     "tiny-qwen3-next",

@@ -13,7 +13,7 @@ from sglang.test.ci_register import register_cpu_ci
 from sglang.test.multi_rank import run_ranks
 from sglang.test.shard_map_checks import check_ranks, first_layer_rows
 
-register_cpu_ci(est_time=12, suite="per-commit-cpu")
+register_cpu_ci(est_time=18, suite="per-commit-cpu")
 
 PRESETS = ("tiny-nemotron-h", "tiny-granite-4.0-h", "tiny-falcon-h1", "tiny-bamba", "tiny-lfm2")
 
