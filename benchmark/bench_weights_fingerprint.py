@@ -5,8 +5,13 @@ refit's buckets of one tensor each (--buckets on the demo model, through its loa
 N GiB), each followed by the fingerprint in full (every tensor read, as before the cache) and cached (only
 the tensors written since read again, as a PD server does after /update_weights_from_tensor).
 
+`--baseline FILE`: another `weights_fingerprint.py` (an older commit's: `git show
+<commit>:python/sglang/srt/disaggregation/weights_fingerprint.py > /tmp/old.py`) timed in the same run on
+the same tensors, for the ratio. The fingerprint keys every element by its place in the checkpoint's full
+tensor (any --tp-size / --ep-size compare); before 2aa7cb7 it keyed 8-byte words of each rank's shard.
+
     .venv/bin/python benchmark/bench_weights_fingerprint.py [--gib 1] [--threads 1,2] [--device cpu]
-        [--buckets 200] [--big-buckets 8]
+        [--buckets 200] [--big-buckets 8] [--baseline /tmp/old.py]
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--buckets", type=int, default=200)
     p.add_argument("--big-buckets", type=int, default=8)
+    p.add_argument("--baseline", default=None, help="another weights_fingerprint.py, timed alongside")
     args = p.parse_args()
+    baseline = _module_from(args.baseline) if args.baseline else None
 
     path = resolve_model_path("tiny-qwen3-next-demo")
     start = time.perf_counter()
@@ -64,9 +71,25 @@ def main() -> None:
             f"threads {threads}: demo {d * 1e3:.1f} ms ({d / load_s:.1%} of its load); "
             f"{big_gib:.2f} GiB bfloat16 {b * 1e3:.0f} ms ({big_gib / b:.2f} GiB/s)"
         )
+        if baseline is not None:
+            bd = best_of(lambda: baseline.weights_fingerprint(demo), args.repeats * 3)
+            bb = best_of(lambda: baseline.weights_fingerprint(big), args.repeats)
+            print(
+                f"  baseline {args.baseline}: demo {bd * 1e3:.1f} ms, {big_gib:.2f} GiB {bb * 1e3:.0f} ms "
+                f"({big_gib / bb:.2f} GiB/s): now {d / bd:.1f}x and {b / bb:.1f}x its time"
+            )
 
     refit("demo model", demo, args.buckets, _loader_write(demo))
     refit(f"{big_gib:.2f} GiB", big, args.big_buckets, _direct_write(big))
+
+
+def _module_from(path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("weights_fingerprint_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _loader_write(model):
