@@ -22,15 +22,24 @@ class Case:
     path: str
     ep: int = 1
     env: dict[str, str] = field(default_factory=dict)  # set while the model loads
+    # Set: the model and its draft model as a ModelRunner with these server args builds them (NEXTN).
+    server_args: dict[str, Any] | None = None
 
 
-def load(case: Case) -> torch.nn.Module:
+def load(case: Case) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """(the model, its draft model or None)."""
     from sglang.srt.configs.model_config import load_hf_config
     from sglang.srt.models.registry import load_model
 
     os.environ.update(case.env)
     try:
-        return load_model(load_hf_config(case.path), case.path, torch.float32, "cpu")
+        if case.server_args is not None:
+            from sglang.test.model_checks import make_runner
+
+            runner = make_runner(case.path, dtype="float32", **case.server_args)
+            assert runner.draft_model is not None or "speculative_algorithm" not in case.server_args
+            return runner.model, runner.draft_model
+        return load_model(load_hf_config(case.path), case.path, torch.float32, "cpu"), None
     finally:
         for key in case.env:
             os.environ.pop(key, None)
@@ -70,8 +79,8 @@ def one_case(case: Case, tp_rank: int, tp_size: int, flip_at: tuple[str, list[in
 
     if tp_size > 1:
         ps.initialize_model_parallel(tp_size, case.ep)
-    model = load(case)
-    digest, share = weights_share(model)
+    model, draft = load(case)
+    digest, share = weights_share(model, draft)
     name, global_index = flipped_element(model, tp_rank, tp_size)
     if flip_at is not None:  # (TP 1: the element the last rank of another run flipped)
         name, global_index = flip_at
@@ -81,7 +90,7 @@ def one_case(case: Case, tp_rank: int, tp_size: int, flip_at: tuple[str, list[in
     return {
         "digest": digest,
         "share": share,
-        "flipped_share": weights_share(model)[1],
+        "flipped_share": weights_share(model, draft)[1],
         "flipped": (name, global_index),
         "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}),
     }

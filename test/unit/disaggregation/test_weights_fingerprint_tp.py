@@ -40,6 +40,8 @@ def cases(paths: dict[str, str]) -> list[Case]:
         ("tiny-qwen3.5-moe-fp8", (2,), FP8_EXPERTS),
     ):
         out += [Case(f"{name} ep {ep}", paths[name], ep, env) for ep in eps]
+    # With its MTP draft model (NEXTN): the draft layer's tensors count too, sharded alike.
+    out.append(Case("tiny-qwen3-next nextn", paths["tiny-qwen3-next"], server_args={"speculative_algorithm": "NEXTN"}))
     return out
 
 
