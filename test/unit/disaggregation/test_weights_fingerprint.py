@@ -321,7 +321,9 @@ def test_a_server_fingerprint_is_its_meta_digest_and_the_sum_of_its_ranks_shares
 
 
 def test_a_layouts_share_from_the_network_is_bounded():
-    """`weights_share` comes from the decode server's destination: an integer in [0, 2**64)."""
+    """`weights_share` comes from the decode server's destination: an integer in [0, 2**64), which the
+    channel's JSON (orjson) carries whole (a larger one parses as a float, refused)."""
+    import orjson
 
     def is_int(v):
         return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
@@ -331,6 +333,10 @@ def test_a_layouts_share_from_the_network_is_bounded():
         assert malformed_layout(layout | {"weights_share": share}, is_int) is None
     for share in (1 << 64, -1, True, "1", 1.0, None):
         assert "weights_share" in malformed_layout(layout | {"weights_share": share}, is_int), share
+    sent = orjson.loads(orjson.dumps(layout | {"weights_share": (1 << 64) - 1}))
+    assert sent["weights_share"] == (1 << 64) - 1 and malformed_layout(sent, is_int) is None
+    too_big = orjson.loads(orjson.dumps(layout).replace(b'"weights_share":0', b'"weights_share":%d' % (1 << 64)))
+    assert "weights_share" in malformed_layout(too_big, is_int)
 
 
 def test_a_conv_state_dtype_difference_names_its_variable():
