@@ -3,8 +3,10 @@
 - the per-rank transfer plan: prefill rank i writes exactly its own pools' rows (its KV heads of the
   request's tokens, its recurrent heads' state of the running slot) into decode rank i's pools, through
   decode rank i's session, and nothing into another rank's;
-- a destination from a decode server at another --tp-size, or whose rank i has another layout, is
-  refused in one sentence naming --tp-size (or the rank);
+- between servers of other --tp-size sizes each decode rank's heads come from the prefill rank that
+  holds them, at their place in its rows (`shard_map`); that is refused in one sentence naming
+  --tp-size on the staged path or without the ranks' shard layouts, and a rank of another layout is
+  refused naming the rank;
 - a transfer ends when every rank's write has ended, with the first failing rank's error naming it, the
   bytes of every rank and the longest rank's seconds; rank 0's messages and clock reach every rank;
 - staged: each rank's range address in the destination, a chunk announced once every rank wrote it;
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,8 +26,9 @@ from sglang.srt.disaggregation.pd_ranks import (
     PdRanks,
     check_targets,
     destination_ranks,
-    shard_descriptors,
+    rank_writes,
 )
+from sglang.srt.disaggregation.shard_map import ShardLayout
 from sglang.srt.disaggregation.transfer import PoolLayout
 from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool
 from sglang.test.ci_register import register_cpu_ci
@@ -32,13 +36,27 @@ from sglang.test.ci_register import register_cpu_ci
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
 TP = 2
+# The model the pools below hold, in TP 1's layout: 2 KV heads of 4 float32; a conv state of q | k | v,
+# 4 channels each, of 3 bfloat16 (a window of K - 1 = 3); 2 SSM heads of [4, 4] float32. Each of two
+# ranks holds one KV head, its half of q, of k and of v, and one SSM head (`shard_map.ShardLayout`).
+KV_UNIT, CONV_UNIT, SSM_UNIT = 16, 6, 64
 
 
-def rank_pools(rank: int, fill: bool):
-    """One rank's pools at TP 2: its KV head (one of two) and its half of the recurrent heads."""
-    kv = MHATokenToKVPool(64, 1, torch.float32, head_num=1, head_dim=4, layer_ids=[0, 3])
+def shards(rank: int, tp: int) -> dict:
+    half = 4 // tp
+    conv = [[rank * half, half], [4 + rank * half, half], [8 + rank * half, half]]
+    return ShardLayout.from_dict({
+        "kv": {"runs": [[rank * 2 // tp, 2 // tp]], "unit_bytes": KV_UNIT},
+        "conv": {"runs": conv, "unit_bytes": CONV_UNIT},
+        "ssm": {"runs": [[rank * 2 // tp, 2 // tp]], "unit_bytes": SSM_UNIT},
+    }).to_dict()  # fmt: skip
+
+
+def rank_pools(rank: int, fill: bool, tp: int = TP):
+    """One rank's pools at `tp`: its KV heads and its part of the recurrent state (all at TP 1)."""
+    kv = MHATokenToKVPool(64, 1, torch.float32, head_num=2 // tp, head_dim=4, layer_ids=[0, 3])
     params = Mamba2CacheParams(
-        shape=Mamba2StateShape(conv=(6, 3), temporal=(1, 4, 4), conv_kernel=4),
+        shape=Mamba2StateShape(conv=(12 // tp, 3), temporal=(2 // tp, 4, 4), conv_kernel=4),
         dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32),
         layers=(1, 2),
     )
@@ -49,23 +67,30 @@ def rank_pools(rank: int, fill: bool):
     return kv, mp
 
 
+def layout(pools, rank: int, tp: int = TP) -> PoolLayout:
+    return replace(PoolLayout.of(*pools), shards=shards(rank, tp))
+
+
 def rows(kv, mp, tokens, slot):
     out = [torch.cat([b[t] for t in tokens]) for b in kv.k_buffer + kv.v_buffer]
     return out + [mp.conv_state[:, slot].clone(), mp.ssm_state[:, slot].clone()]
 
 
+def destination(decode_layouts: list[PoolLayout], dst_tokens: list[int], dst_slot: int, **extra) -> dict:
+    targets = [{"session": f"decode-rank-{r}", "layout": lay.to_dict()} for r, lay in enumerate(decode_layouts)]
+    return {"notify": "tcp://x:1", "session": "decode-rank-0", "layout": targets[0]["layout"], "kv": dst_tokens,
+            "slot": dst_slot, **destination_ranks(targets), **extra}  # fmt: skip
+
+
 def test_each_prefill_rank_writes_its_shard_into_the_same_decode_rank_only():
     prefill = [rank_pools(r, fill=True) for r in range(TP)]
     decode = [rank_pools(r, fill=False) for r in range(TP)]
-    layouts = [PoolLayout.of(*p) for p in prefill]
-    targets = [{"session": f"decode-rank-{r}", "layout": PoolLayout.of(*d).to_dict()}
-               for r, d in enumerate(decode)]  # fmt: skip
+    layouts = [layout(p, r) for r, p in enumerate(prefill)]
     src_tokens, dst_tokens, src_slot, dst_slot = [5, 6, 7, 20], [40, 41, 42, 9], 3, 6
-    dst = {"session": "decode-rank-0", "layout": targets[0]["layout"], "kv": dst_tokens, "slot": dst_slot,
-           **destination_ranks(targets)}  # fmt: skip
-    assert check_targets(layouts, dst) is None
+    dst = destination([layout(d, r) for r, d in enumerate(decode)], dst_tokens, dst_slot)
+    assert malformed_dst(dst, 100) is None and check_targets(layouts, dst) is None
     for r in range(TP):
-        session, descriptors = shard_descriptors(layouts[r], dst, r, src_tokens, src_slot)
+        [(session, descriptors)] = rank_writes(layouts, dst, r, src_tokens, src_slot)
         assert session == f"decode-rank-{r}"
         before_other = [b.clone() for b in rows(*decode[1 - r], dst_tokens, dst_slot)]
         for src, to, n in descriptors:
@@ -79,17 +104,62 @@ def test_each_prefill_rank_writes_its_shard_into_the_same_decode_rank_only():
     assert not torch.equal(first[0], second[0])
 
 
-def test_another_tp_size_or_layout_is_refused_naming_it():
-    prefill = [PoolLayout.of(*rank_pools(r, fill=False)) for r in range(TP)]
-    one = {"session": "s", "layout": prefill[0].to_dict(), "kv": [1], "slot": 0}
-    problem = check_targets(prefill, one)
-    assert problem == (
-        "the decode server runs --tp-size 1 and this prefill server --tp-size 2; prefill/decode "
-        "disaggregation needs the same --tp-size on both servers"
-    )
-    assert "--tp-size 2 and this prefill server --tp-size 1" in check_targets(
-        prefill[:1], {**one, **destination_ranks([{"session": "a", "layout": prefill[0].to_dict()}] * 2)}
-    )
+def global_rows(pools: list, tokens: list[int], slot: int) -> list[torch.Tensor]:
+    """The TP-1 rows of `tokens` and `slot` from every rank's pools (TP 2 ranks: head / half by head)."""
+    per_rank = [rows(*p, tokens, slot) for p in pools]
+    if len(pools) == 1:
+        return per_rank[0]
+    t = len(tokens)
+    kv = [torch.cat([r[i].view(t, -1, 4) for r in per_rank], dim=1).view(-1, 4) for i in range(4)]
+    conv = torch.cat([r[4].view(2, 3, -1, 3) for r in per_rank], dim=2).view(2, -1, 3)  # (q | k | v halves)
+    ssm = torch.cat([r[5] for r in per_rank], dim=1)
+    return [*kv, conv, ssm]
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_between_tp_sizes_every_decode_rank_gets_its_heads_from_the_prefill_rank_holding_them(
+    prefill_tp, decode_tp
+):
+    """Upstream's scatter / gather between TP sizes: each decode rank's KV heads, q / k / v conv channels
+    and SSM heads come from the prefill rank holding them, at their place in its rows."""
+    prefill = [rank_pools(r, fill=True, tp=prefill_tp) for r in range(prefill_tp)]
+    decode = [rank_pools(r, fill=False, tp=decode_tp) for r in range(decode_tp)]
+    layouts = [layout(p, r, prefill_tp) for r, p in enumerate(prefill)]
+    src_tokens, dst_tokens, src_slot, dst_slot = [5, 6, 7, 20], [40, 41, 42, 9], 3, 6
+    dst = destination([layout(d, r, decode_tp) for r, d in enumerate(decode)], dst_tokens, dst_slot)
+    assert malformed_dst(dst, 100) is None and check_targets(layouts, dst) is None
+    sessions = []
+    for r in range(prefill_tp):
+        for session, descriptors in rank_writes(layouts, dst, r, src_tokens, src_slot):
+            sessions.append(session)
+            for src, to, n in descriptors:
+                ctypes.memmove(to, src, n)
+    # (2 -> 1: both prefill ranks write into the one decode rank; 1 -> 2: the one writes into both)
+    assert sorted(set(sessions)) == [f"decode-rank-{r}" for r in range(decode_tp)]
+    assert len(sessions) == max(prefill_tp, decode_tp)
+    got, want = global_rows(decode, dst_tokens, dst_slot), global_rows(prefill, src_tokens, src_slot)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_another_tp_size_is_refused_on_the_staged_path_or_without_shard_layouts():
+    prefill = [rank_pools(r, fill=False) for r in range(TP)]
+    layouts = [layout(p, r) for r, p in enumerate(prefill)]
+    one = layout(rank_pools(0, fill=False, tp=1), 0, tp=1)
+    dst = destination([one], [1], 0)
+    assert check_targets(layouts, dst) is None
+    problem = check_targets(layouts, {**dst, "staging": 4096, "staging_bytes": 1 << 20})
+    assert problem.startswith("the decode server runs --tp-size 1 and this prefill server --tp-size 2, and "
+                              "the staged path"), problem  # fmt: skip
+    problem = check_targets(layouts, destination([replace(one, shards=None)], [1], 0))
+    assert "does not say which heads its ranks hold: use the same --tp-size" in problem
+    # Another model: the decode rank holds 3 SSM heads where the prefill ranks hold 2 together.
+    other = replace(one, shards={**one.shards, "ssm": {"runs": [[0, 3]], "unit_bytes": SSM_UNIT}})
+    assert "SSM-state heads" in check_targets(layouts, destination([other], [1], 0))
+
+
+def test_another_layout_is_refused_naming_the_rank():
+    prefill = [layout(rank_pools(r, fill=False), r) for r in range(TP)]
+    one = destination(prefill[:1], [1], 0)
     other = {**prefill[1].to_dict(), "kv_dtype": "torch.bfloat16"}
     targets = [{"session": "a", "layout": prefill[0].to_dict()}, {"session": "b", "layout": other}]
     problem = check_targets(prefill, {**one, **destination_ranks(targets)})

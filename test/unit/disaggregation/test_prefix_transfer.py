@@ -55,7 +55,8 @@ def start(q: PrefillBootstrapQueue, prefix: int, kv: list[int], **extra) -> _Roo
 def test_only_the_positions_past_the_prefix_and_one_state_move():
     q = queue()
     room = start(q, 6, [50, 51, 52, 53])
-    [(name, session, descriptors, inject, cancelled)] = q.executor.calls
+    [(name, plan, inject, cancelled, _)] = q.executor.calls
+    [(session, descriptors)] = plan()  # (built on the transfer thread)
     assert name == "_transfer" and session == "s" and not inject and not cancelled.is_set()
     assert room.kv_tokens == 4
     # K and V: prompt positions 6..9 (slots 36..39) into 50..53, one run each; then the state slot 3 -> 2.
@@ -122,12 +123,12 @@ def test_a_transfer_cancelled_before_it_begins_writes_nothing():
     server meanwhile wrote into a destination the decode side may have reused since."""
     q = queue()
     start(q, 6, [50, 51, 52, 53])
-    [(_, session, descriptors, inject, cancelled)] = q.executor.calls
+    [(_, plan, inject, cancelled, _)] = q.executor.calls
     q._on_cancel({"type": "cancel", "room": "7"})
     assert cancelled.is_set()
     q.engine = SimpleNamespace(write=Recorder())
     with pytest.raises(TransferError, match="cancelled by the decode server"):
-        q._transfer(session, descriptors, inject, cancelled)
+        q._transfer(plan, inject, cancelled)
     assert q.engine.write.calls == []
 
 
@@ -140,12 +141,15 @@ def test_a_destination_whose_transfer_cannot_be_built_fails_that_request_only(mo
     def raising(*args):
         raise ValueError("zip() argument 2 is shorter than argument 1")
 
-    monkeypatch.setattr(prefill, "shard_descriptors", raising)
+    monkeypatch.setattr(prefill, "rank_writes", raising)
     q = queue()
-    room = start(q, 6, [50, 51, 52, 53])
-    assert q.executor.calls == [] and room.future.done()
-    error, nbytes, _, _ = prefill._outcome(room.future)
-    assert error == "the destination cannot be written (ValueError)" and nbytes == 0
+    start(q, 6, [50, 51, 52, 53])
+    # (the writes are built on the transfer thread: tens of ms for a long prompt between TP sizes)
+    [(_, plan, inject, cancelled, key)] = q.executor.calls
+    q.engine = SimpleNamespace(write=Recorder())
+    with pytest.raises(TransferError) as raised:
+        q._transfer(plan, inject, cancelled, key)
+    assert str(raised.value) == "the destination cannot be written (ValueError)" and q.engine.write.calls == []
 
 
 def test_an_injected_failure_can_name_one_tp_rank(monkeypatch):
@@ -162,5 +166,5 @@ def test_an_injected_failure_can_name_one_tp_rank(monkeypatch):
     q.rooms["7"].req.rid = "fail-rank1-x"
     q.executor.calls, q.rooms["7"].future = [], None
     q._maybe_start("7", q.rooms["7"])
-    [(_, _, _, inject, _)] = q.executor.calls
+    [(_, _, inject, _, _)] = q.executor.calls
     assert not inject

@@ -1,12 +1,15 @@
 """The checks of a prefill server on a destination that a decode server sent (`prefill.py`): its fields'
 types, and the lengths that `transfer_descriptors` and `Staging.send` rely on, so that building a
-transfer from a destination that passes never raises. Each check reads the message alone (a pure
+transfer from a destination that passes never raises (`malformed_dst`); then whether it fits this
+prompt and this server (`unfit_dst`). Each check reads the message alone (a pure
 function of it): under TP every rank gets rank 0's message and so refuses, or accepts, alike."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from sglang.srt.disaggregation.pd_ranks import check_targets
+from sglang.srt.disaggregation.shard_map import ShardLayout
 from sglang.srt.disaggregation.transfer import PoolLayout
 
 
@@ -67,9 +70,34 @@ def malformed_layout(layout: Any, is_int) -> str | None:
     share = layout.get("weights_share", 0)  # (a sum modulo 2**64: `weights_fingerprint.weights_total`)
     if not (isinstance(share, int) and not isinstance(share, bool) and 0 <= share < 2**64):
         return "layout's weights_share must be an integer in [0, 2**64)"
+    if layout.get("shards") is not None:  # (which heads the rank holds: `shard_map`, read at another --tp-size)
+        try:
+            ShardLayout.from_dict(layout["shards"])
+        except ValueError as e:
+            return f"layout's shards: {e}"
     # (`transfer_descriptors` and `PoolLayout.regions` zip them strictly)
     if len(lists[0]) != len(lists[1]):
         return "layout's kv_ptrs and kv_nbytes differ in length"
     if not len(lists[2]) == len(lists[3]) == len(lists[4]):
         return "layout's state_ptrs, state_nbytes and state_slot_bytes differ in length"
     return None
+
+
+def unfit_dst(layouts: list[PoolLayout], dst: dict[str, Any], prompt_len: int, staged: bool) -> str | None:
+    """Why a well-formed destination cannot take a `prompt_len`-token prompt's transfer from a prefill
+    server whose ranks' pools are `layouts` (`staged`: this server stages through host memory), or None."""
+    n, prefix = prompt_len, dst.get("prefix", 0)
+    problem = check_targets(layouts, dst)
+    if problem is None and not prefix < n:
+        problem = f"the decode server holds {prefix} tokens of a {n}-token prompt (at most {n - 1})"
+    elif problem is None and ("staging" in dst) != staged:
+        problem = (
+            "one server stages KV and state through host memory and the other does not (both need "
+            "the same SGLANG_DISAGGREGATION_STAGING, and CUDA pools with a host-only engine stage)"
+        )
+    elif problem is None and len(dst["kv"]) != n - prefix:
+        problem = (
+            f"the decode server reserved {len(dst['kv'])} KV slots for the {n - prefix} tokens of a "
+            f"{n}-token prompt past its {prefix} cached ones"
+        )
+    return problem

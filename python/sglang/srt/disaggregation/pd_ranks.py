@@ -13,8 +13,11 @@ identical on every rank without further messages:
   channel holds messages rides with its clock on the scheduler's per-iteration broadcast (`Tick.disagg`);
 - each rank moves its own shard: prefill rank i writes its KV heads and its recurrent heads' state into
   decode rank i's pools, registered with rank i's own transfer engine. The decode server's destination
-  carries every rank's transfer-engine session and pool layout (`"ranks"`), and both servers must run the
-  same --tp-size (`check_targets`): a rank's heads are the same heads on both sides only then;
+  carries every rank's transfer-engine session and pool layout (`"ranks"`). A rank's heads are the same
+  heads on both sides only at the same --tp-size; at another, each layout says which of the model's KV
+  heads, conv channels and SSM heads its rank holds (`shard_map.ShardLayout`), and each prefill rank
+  writes the parts of the decode ranks' rows it holds, each part by one prefill rank (upstream's
+  scatter / gather between TP sizes), except on the staged path (`check_targets`);
 - a transfer ends when every prefill rank's write has ended: each poll gathers which of its own ended and
   how (`exchange`'s `ended`), and a room ends, with the first failing rank's error, in the poll where every
   rank has it. A failure on one rank stops the room's transfer on the ranks still running it (in the poll
@@ -36,6 +39,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from sglang.srt.disaggregation.shard_map import ShardLayout, layout_mismatch, shard_writes
 from sglang.srt.disaggregation.transfer import Descriptor, PoolLayout, transfer_descriptors
 from sglang.srt.disaggregation.weights_fingerprint import weights_mismatch
 
@@ -130,33 +134,67 @@ def rank_targets(dst: dict[str, Any]) -> list[dict[str, Any]]:
 
 def check_targets(layouts: list[PoolLayout], dst: dict[str, Any]) -> str | None:
     """Why a destination cannot take the shards of a prefill server whose ranks' pools are `layouts`
-    (every rank checks every pair, so that all decide alike), or None. Both servers need the same
-    --tp-size: rank i's KV and state heads are rank i's on both sides only then."""
+    (every rank checks every pair, so that all decide alike), or None. At the same --tp-size rank i's KV
+    and state heads are rank i's on both sides; at another, the ranks' shard layouts say where each
+    decode rank's heads are (`shard_map.layout_mismatch`), except on the staged path."""
     targets = rank_targets(dst)
-    if len(targets) != len(layouts):
-        return (
-            f"the decode server runs --tp-size {len(targets)} and this prefill server --tp-size "
-            f"{len(layouts)}; prefill/decode disaggregation needs the same --tp-size on both servers"
-        )
-    for r, (mine, target) in enumerate(zip(layouts, targets, strict=True)):
-        problem = mine.mismatch(PoolLayout.from_dict(target["layout"]))
+    theirs = [PoolLayout.from_dict(t["layout"]) for t in targets]
+    if len(targets) == len(layouts):
+        for r, (mine, other) in enumerate(zip(layouts, theirs, strict=True)):
+            problem = mine.mismatch(other)
+            if problem is not None:
+                return problem if len(layouts) == 1 else f"{problem} (TP rank {r})"
+    else:
+        problem = _other_sizes_problem(layouts, theirs, "staging" in dst)
         if problem is not None:
-            return problem if len(layouts) == 1 else f"{problem} (TP rank {r})"
+            return problem
     # (every rank's share of the values summed on each side: any --tp-size / --ep-size compares)
-    return weights_mismatch(layouts, [PoolLayout.from_dict(t["layout"]) for t in targets])
+    return weights_mismatch(layouts, theirs)
 
 
-def shard_descriptors(
-    layout: PoolLayout, dst: dict[str, Any], tp_rank: int, src_tokens: list[int], src_slot: int
-) -> tuple[str, list[Descriptor]]:
-    """Prefill rank `tp_rank`'s write of one request (its pools are `layout`): the session of the decode
-    rank of the same index, and the copies of its own KV heads' rows of `src_tokens` and its own
-    recurrent heads' state of `src_slot` into that rank's pools (`dst["kv"]`, `dst["slot"]`: the same
-    slot ids on every rank, which decide alike)."""
-    target = rank_targets(dst)[tp_rank]
-    theirs = PoolLayout.from_dict(target["layout"])
-    descriptors = transfer_descriptors(layout, theirs, src_tokens, dst["kv"], src_slot, dst["slot"])
-    return target["session"], descriptors
+def _other_sizes_problem(layouts: list[PoolLayout], theirs: list[PoolLayout], staged: bool) -> str | None:
+    """Why servers of other --tp-size sizes cannot pair (`check_targets`), or None."""
+    sizes = f"the decode server runs --tp-size {len(theirs)} and this prefill server --tp-size {len(layouts)}"
+    if staged:
+        return (
+            f"{sizes}, and the staged path (SGLANG_DISAGGREGATION_STAGING, or CUDA pools with a host-only "
+            "transfer engine) moves each rank's shard to the decode rank of the same index: start both "
+            "with the same --tp-size, or use a transfer engine that reaches the pools"
+        )
+    if any(layout.shards is None for layout in layouts + theirs):
+        return f"{sizes}, and one of them does not say which heads its ranks hold: use the same --tp-size"
+    problem = layouts[0].mismatch(theirs[0], same_shards=False)
+    if problem is not None:
+        return problem
+    return layout_mismatch(_shards(layouts), _shards(theirs))
+
+
+def _shards(layouts: list[PoolLayout]) -> list[ShardLayout]:
+    # (a destination's were checked by `malformed_dst`; a prefill server's own are its ranks')
+    return [ShardLayout.from_dict(layout.shards) for layout in layouts]
+
+
+def rank_writes(
+    layouts: list[PoolLayout], dst: dict[str, Any], tp_rank: int, src_tokens: list[int], src_slot: int
+) -> list[tuple[str, list[Descriptor]]]:
+    """Prefill rank `tp_rank`'s writes of one request, [(decode rank's session, copies)], its pools among
+    `layouts` (every prefill rank's): at the same --tp-size its own KV heads' rows of `src_tokens` and
+    its own recurrent heads' state of `src_slot` into the decode rank of the same index; at another, the
+    parts of every decode rank's rows it holds and is to write (`shard_map.shard_writes`: each decode
+    unit by one prefill rank). Into `dst["kv"]` and `dst["slot"]`, the same slot ids on every decode
+    rank, which decide alike."""
+    targets = rank_targets(dst)
+    if len(targets) == len(layouts):
+        target = targets[tp_rank]
+        theirs = PoolLayout.from_dict(target["layout"])
+        descriptors = transfer_descriptors(layouts[tp_rank], theirs, src_tokens, dst["kv"], src_slot, dst["slot"])
+        return [(target["session"], descriptors)]
+    src = list(zip(layouts, _shards(layouts), strict=True))
+    theirs = [PoolLayout.from_dict(t["layout"]) for t in targets]
+    writes = shard_writes(
+        tp_rank, src, list(zip(theirs, _shards(theirs), strict=True)), src_tokens, dst["kv"], src_slot, dst["slot"]
+    )
+    return [(targets[d]["session"], descriptors) for d, descriptors in writes]
 
 
 def destination_ranks(

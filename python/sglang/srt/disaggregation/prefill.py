@@ -12,7 +12,8 @@ While a transfer reads a request's KV and state, what it holds is not freed, eve
 the release waits for the transfer to end.
 
 Under --tp-size N every rank runs this queue alike and writes its own shard into the decode server's
-rank of the same index; rank 0 alone has the bootstrap port and sends (`pd_ranks.py`).
+rank of the same index (at another --tp-size, its parts of the decode ranks' shards); rank 0 alone has
+the bootstrap port and sends (`pd_ranks.py`).
 """
 
 from __future__ import annotations
@@ -21,23 +22,25 @@ import logging
 import threading
 import time
 from array import array
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from sglang.srt.disaggregation.auth import BootstrapIdentity, check_at_start, secret
 from sglang.srt.disaggregation.channel import MAX_ERROR_CHARS, Channel
-from sglang.srt.disaggregation.destination import malformed_dst
+from sglang.srt.disaggregation.destination import malformed_dst, unfit_dst
 from sglang.srt.disaggregation.draft_state import stash_row_messages
 from sglang.srt.disaggregation.pd_ranks import (
     Outcome,
     PdRanks,
-    check_targets,
     rank_targets,
-    shard_descriptors,
+    rank_writes,
 )
 from sglang.srt.disaggregation.staging import ChunkLink
 from sglang.srt.disaggregation.transfer import (
+    Descriptor,
     PoolLayout,
     TransferError,
     open_transfer_engine,
@@ -310,19 +313,8 @@ class PrefillBootstrapQueue:
         n = len(req.origin_input_ids)
         # The prompt's prefix the decode server's radix cache holds already: its KV does not move.
         prefix = dst.get("prefix", 0)
-        problem = check_targets(self._layouts(), dst)  # (every rank checks every pair: all decide alike)
-        if problem is None and not prefix < n:
-            problem = f"the decode server holds {prefix} tokens of a {n}-token prompt (at most {n - 1})"
-        elif problem is None and ("staging" in dst) != (self.staging is not None):
-            problem = (
-                "one server stages KV and state through host memory and the other does not (both need "
-                "the same SGLANG_DISAGGREGATION_STAGING, and CUDA pools with a host-only engine stage)"
-            )
-        elif problem is None and len(dst["kv"]) != n - prefix:
-            problem = (
-                f"the decode server reserved {len(dst['kv'])} KV slots for the {n - prefix} tokens of a "
-                f"{n}-token prompt past its {prefix} cached ones"
-            )
+        # (every rank checks every pair: all decide alike)
+        problem = unfit_dst(self._layouts(), dst, n, self.staging is not None)
         if problem is not None:
             del self.rooms[key]
             self._notify_failed(dst, f"the transfer cannot be made: {problem}")
@@ -338,10 +330,11 @@ class PrefillBootstrapQueue:
                 args = (mine["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, target, room.link)
                 room.future = self.executor.submit(self._transfer_staged, *args, inject)
                 return
-            # This rank's shard into the decode rank of the same index.
-            session, descriptors = shard_descriptors(
-                self.layout, dst, self.ranks.tp_rank, req.kv_indices[prefix:n], req.mamba_pool_idx
-            )
+            # This rank's shard into the decode rank of the same index, or, where the two servers run
+            # another --tp-size, the parts of the decode ranks' shards this rank holds (`rank_writes`:
+            # tens of ms for a long prompt then, so it is built on the transfer thread).
+            tokens = list(req.kv_indices[prefix:n])
+            plan = partial(rank_writes, self._layouts(), dst, self.ranks.tp_rank, tokens, req.mamba_pool_idx)
         except Exception as e:  # noqa: BLE001 - what `malformed_dst` missed: refused, not raised
             # This rank's transfer fails at once; the room ends on every rank with this error in the
             # exchange (`PdRanks.exchange`), as any rank's failed write does.
@@ -350,20 +343,30 @@ class PrefillBootstrapQueue:
             room.future = Future()
             room.future.set_exception(error)
             return
-        room.future = self.executor.submit(self._transfer, session, descriptors, inject, room.cancelled)
+        room.future = self.executor.submit(self._transfer, plan, inject, room.cancelled, key)
 
     def _transfer(
-        self, session: str, descriptors: list[tuple[int, int, int]], inject: bool, cancelled: threading.Event
+        self, plan: Callable[[], list[tuple[str, list[Descriptor]]]], inject: bool, cancelled: threading.Event,
+        key: str = "",
     ) -> tuple[int, float]:
-        """On the transfer thread (cancelled while it waited behind another: nothing is written, the
-        decode side may have reused the destination)."""
+        """On the transfer thread: the writes `plan` gives, each (decode rank's session, copies) in turn
+        (cancelled while it waited behind another: nothing is written, the decode side may have reused
+        the destination). What `malformed_dst` missed fails the transfer, not the thread."""
         if cancelled.is_set():
             raise TransferError("cancelled by the decode server")
         if inject:
             raise TransferError("transfer failure injected by SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER")
         start = time.perf_counter()
-        self.engine.write(session, descriptors)
-        return sum(n for _, _, n in descriptors), time.perf_counter() - start
+        try:
+            writes = plan()
+        except Exception as e:  # noqa: BLE001 - refused, not raised (the room ends with it on every rank)
+            logger.warning("Disaggregation: room %s's destination cannot be written: %r.", key, e)
+            raise TransferError(f"the destination cannot be written ({type(e).__name__})") from None
+        for session, descriptors in writes:
+            if cancelled.is_set():  # (between two decode ranks' writes)
+                raise TransferError("cancelled by the decode server")
+            self.engine.write(session, descriptors)
+        return sum(n for _, descriptors in writes for _, _, n in descriptors), time.perf_counter() - start
 
     def _transfer_staged(
         self, session: str, tokens: list[int], slot: int, dst: tuple[int, int], link: ChunkLink, inject: bool

@@ -20,7 +20,7 @@ import ctypes
 import ipaddress
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from sglang.srt.disaggregation.channel import reachable_host
 from sglang.srt.disaggregation.staging import Staging, staging_sizes, transfer_path
@@ -70,6 +70,9 @@ class PoolLayout:
     weights_digest: str = ""
     weights_share: int = 0
     weights_source: str = ""
+    # Which KV heads and state rows of the model this rank's pools hold (`shard_map.ShardLayout.to_dict`):
+    # what lets a pair of other --tp-size sizes cut and join the shards (None: a rank that does not say).
+    shards: dict | None = None
 
     @classmethod
     def of(cls, token_to_kv_pool, mamba_pool, draft_kv_layers: int = 0) -> PoolLayout:
@@ -107,9 +110,11 @@ class PoolLayout:
     def from_dict(cls, d: dict) -> PoolLayout:
         return cls(**d)
 
-    def mismatch(self, other: PoolLayout) -> str | None:
+    def mismatch(self, other: PoolLayout, same_shards: bool = True) -> str | None:
         """Why a transfer between the two layouts cannot be right (different models or dtypes), or None.
-        `self` is the prefill server's, `other` the decode server's (the decode client reads the reason)."""
+        `self` is the prefill server's, `other` the decode server's (the decode client reads the reason).
+        Without `same_shards` (servers of other --tp-size sizes, whose ranks hold other heads) the bytes
+        of a token's KV and of a slot's state are not compared: `shard_map.layout_mismatch` checks them."""
         if self.draft_kv_layers != other.draft_kv_layers:
             return (
                 "one server of the pair keeps the MTP draft layer's KV (--speculative-algorithm EAGLE / NEXTN) "
@@ -127,7 +132,9 @@ class PoolLayout:
                 f"the KV cache dtypes differ (the prefill server's {here}, the decode server's {there}: "
                 "--kv-cache-dtype)"
             )
-        if len(self.kv_ptrs) != len(other.kv_ptrs) or self.kv_bytes_per_token != other.kv_bytes_per_token:
+        if len(self.kv_ptrs) != len(other.kv_ptrs) or (
+            same_shards and self.kv_bytes_per_token != other.kv_bytes_per_token
+        ):
             return (
                 f"the KV layouts differ ({len(self.kv_ptrs) // 2} layers of {self.kv_bytes_per_token} bytes per "
                 f"token on the prefill server, {len(other.kv_ptrs) // 2} of {other.kv_bytes_per_token} on the "
@@ -139,7 +146,9 @@ class PoolLayout:
                 f"the recurrent-state dtypes differ (the prefill server's {here}, the decode server's {there}: "
                 f"{_state_dtype_flags(self.state_dtypes, other.state_dtypes)})"
             )
-        if self.state_slot_bytes != other.state_slot_bytes:
+        if len(self.state_ptrs) != len(other.state_ptrs) or (
+            same_shards and self.state_slot_bytes != other.state_slot_bytes
+        ):
             return (
                 "the recurrent-state layouts differ (another model, or another --mamba-ssm-dtype or "
                 "SGLANG_MAMBA_CONV_DTYPE)"
@@ -214,8 +223,10 @@ def open_transfer_engine(sched, side: str) -> tuple[PoolLayout, MooncakeTransfer
     were checked at startup (`check_flag_support`). Logs which path is in use."""
     args = sched.server_args
     kv_pool, mamba_pool = sched.model_runner.token_to_kv_pool, sched.req_to_token_pool.mamba_pool
+    from sglang.srt.disaggregation.shard_map import shard_layout  # (it imports this module)
+
     layout = PoolLayout.of(kv_pool, mamba_pool, len(draft_kv_layer_ids(args)))
-    layout = with_weights(layout, sched, args.model_path)
+    layout = replace(with_weights(layout, sched, args.model_path), shards=shard_layout(sched).to_dict())
     backend = args.disaggregation_transfer_backend
     path = transfer_path(args.device, backend)
     packer = StatePacker.of(kv_pool, mamba_pool, args.device)
