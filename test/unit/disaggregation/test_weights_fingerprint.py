@@ -27,6 +27,7 @@ from sglang.srt.disaggregation.transfer import PoolLayout
 from sglang.srt.disaggregation.weights_fingerprint import (
     weights_fingerprint,
     weights_mismatch,
+    weights_share,
     weights_total,
     with_weights,
 )
@@ -499,3 +500,63 @@ def test_the_config_counts_but_not_where_it_was_read_from(paths, tmp_path):
     assert weights_fingerprint(a) == weights_fingerprint(b)
     b.config.rms_norm_eps *= 10
     assert weights_fingerprint(a) != weights_fingerprint(b)
+
+
+def test_sharded_shares_sum_to_the_whole_tensors_fingerprint():
+    """The ranks' shares of hand-sharded tensors (no process group: `weights_share`'s `tp_rank`) sum to
+    the share of the whole tensors at one rank, under one meta digest, at TP 4: a vocabulary padded to a
+    multiple of 4 (its padding rows skipped), KV heads in 2 parts (each held by 2 ranks), an FP8 weight
+    and its block scales (`in_blocks`), stacked experts over EP 2 with their gate | up rows over the 2
+    ranks holding each expert, Mamba2-like rows given as spans that overlap between ranks (`SpanShard`:
+    a replicated group), a replicated norm, in float32, bfloat16 and float8. One bit of an element a
+    lower rank does not hold, flipped on its rank, changes the sum to the whole's with it flipped."""
+    from sglang.srt.layers.attention.mamba.mamba2_shards import SpanShard
+    from sglang.srt.layers.linear import DimShard
+
+    tp, mask = 4, (1 << 64) - 1
+    g = torch.Generator().manual_seed(3)
+    spans = (((0, 2), (6, 2)), ((2, 2), (6, 2)), ((4, 2), (8, 2)), ((0, 2), (8, 2)))  # (rows 0-1: ranks 0, 3)
+    tensors = {
+        "embed": (torch.randn(10, 8, generator=g), (DimShard(0, (10,), 4, (0, 1, 2, 3), pad=2),)),
+        "k_proj": (torch.randn(4, 8, generator=g).to(torch.bfloat16), (DimShard(0, (4,), 2, (0, 0, 1, 1)),)),
+        "fp8": (torch.randn(8, 16, generator=g).to(torch.float8_e4m3fn), (DimShard(0, (8,), 4, (0, 1, 2, 3)),)),
+        "fp8_scale": (torch.rand(4, 8, generator=g), (DimShard(0, (8,), 4, (0, 1, 2, 3)).in_blocks(2),)),
+        "w13": (torch.randn(4, 8, 6, generator=g),
+                (DimShard(0, (4,), 2, (0, 1, 0, 1)), DimShard(1, (4, 4), 2, (0, 0, 1, 1)))),
+        "conv": (torch.randn(10, 1, 4, generator=g), (SpanShard(0, (10,), 4, (0, 1, 2, 3), 0, spans),)),
+        "norm": (torch.randn(8, generator=g), ()),
+    }  # fmt: skip
+
+    def held(full: torch.Tensor, shards: tuple, r: int) -> torch.Tensor:
+        for s in shards:
+            if s.pad:
+                full = torch.cat([full, full.new_zeros((s.pad, *full.shape[1:]))])
+            full = full.index_select(s.dim, s.positions(s.part_of_rank[r]))
+        return full
+
+    def holder(r: int | None, flipped: tuple[str, tuple[int, ...]] | None = None) -> torch.nn.Module:
+        module = torch.nn.Module()
+        for name, (full, shards) in tensors.items():
+            t = full.clone() if r is None else held(full, shards, r).clone()
+            if r is not None:
+                t.tp_shards = shards
+            if flipped is not None and flipped[0] == name:
+                t.view(-1).view(torch.uint8)[_flat(t, flipped[1]) * t.element_size()] ^= 1  # (its lowest byte)
+            module.register_buffer(name, t)
+        return module
+
+    whole = weights_share(holder(None))
+    parts = [weights_share(holder(r), tp_rank=r) for r in range(tp)]
+    assert {d for d, _ in parts} == {whole[0]}
+    assert sum(s for _, s in parts) & mask == whole[1]
+    # Rank 2's first conv row is full row 4 (its own); flipped there, and in the whole tensor.
+    flipped = [weights_share(holder(r, ("conv", (0, 0, 0)) if r == 2 else None), tp_rank=r)[1] for r in range(tp)]
+    assert sum(flipped) & mask == weights_share(holder(None, ("conv", (4, 0, 0))))[1] != whole[1]
+
+
+def _flat(t: torch.Tensor, index: tuple[int, ...]) -> int:
+    """The flat (row-major) position of `index` in `t`."""
+    flat = 0
+    for i, n in zip(index, t.shape, strict=True):
+        flat = flat * n + i
+    return flat
