@@ -77,6 +77,9 @@ def pd(request, preset_paths):
             prefill_env={"SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER": FAIL_PREFIX,
                          "SGLANG_DISAGGREGATION_SECRET": SECRET},  # fmt: skip
             decode_env={"SGLANG_DISAGGREGATION_SECRET": SECRET},
+            # (the failure tests fail requests on purpose: the router retries each, and ten failures
+            # would open its circuit breaker for 60 s, failing the next tests with 503 "all circuits open")
+            router_args=["--disable-circuit-breaker"],
         )
         single.wait_ready()
         yield {"prefill": prefill, "decode": decode, "router": router, "single": single, "model": path,
@@ -98,6 +101,9 @@ def test_the_pair_matches_a_tp1_server(pd):
     before = internal_state(pd["prefill"])["disaggregation"]
     decode = internal_state(pd["decode"])["disaggregation"]
     assert before["tp_size"] != decode["tp_size"], (before["tp_size"], decode["tp_size"])
+    # Each server's fingerprint is its meta digest and the sum of its ranks' shares (16 + 16 hex digits):
+    # equal for the same weights sharded otherwise.
+    assert len(before["weights_fingerprint"]) == 32 and before["weights_fingerprint"] == decode["weights_fingerprint"]
     for ids in prompts(8):
         want = post(pd["single"].base_url + "/generate", generate_body(ids)).json()
         r = post(pd["router"].base_url + "/generate", generate_body(ids))

@@ -89,6 +89,9 @@ def pd(request, preset_paths):
             prefill_env={"SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER": FAIL_PREFIX,
                          "SGLANG_DISAGGREGATION_SECRET": SECRET, **env},  # fmt: skip
             decode_env={"SGLANG_DISAGGREGATION_SECRET": SECRET, **env},
+            # (the failure tests fail requests on purpose: the router retries each, and ten failures
+            # would open its circuit breaker for 60 s, failing the next tests with 503 "all circuits open")
+            router_args=["--disable-circuit-breaker"],
         )
         single.wait_ready()
         yield {"prefill": prefill, "decode": decode, "router": router, "single": single, "model": path,

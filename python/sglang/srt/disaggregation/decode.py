@@ -28,7 +28,7 @@ from sglang.srt.disaggregation.pd_ranks import PdRanks, destination_ranks
 from sglang.srt.disaggregation.staging import StagedRange
 from sglang.srt.disaggregation.state_packer import StatePacker
 from sglang.srt.disaggregation.transfer import PoolLayout, clear_destination, open_transfer_engine
-from sglang.srt.disaggregation.weights_fingerprint import with_weights
+from sglang.srt.disaggregation.weights_fingerprint import weights_total, with_weights
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import alloc_for_extend
 
@@ -402,7 +402,7 @@ class DecodeTransferQueue(DecodeAnswers):
             "staging_chunk_bytes": self.staging.chunk_bytes if self.staging is not None else 0,
             "dropped_messages": self.channel.dropped if self.channel is not None else 0,
             "decode_radix_cache": self.radix,
-            "weights_fingerprint": self.layout.weights_digest,  # (this rank's: TP rank 0's here)
+            "weights_fingerprint": weights_total(layouts),  # (the server's: every TP rank's share)
             # As on the prefill side: what one request's transfer weighs on every rank together (the
             # staging sizes above are one rank's buffer: every rank has one alike).
             **{k: sum(layout.sizes()[k] for layout in layouts) for k in self.layout.sizes()},

@@ -45,7 +45,7 @@ from sglang.srt.disaggregation.transfer import (
     TransferError,
     open_transfer_engine,
 )
-from sglang.srt.disaggregation.weights_fingerprint import with_weights
+from sglang.srt.disaggregation.weights_fingerprint import weights_total, with_weights
 from sglang.srt.environ import envs
 
 if TYPE_CHECKING:
@@ -465,7 +465,7 @@ class PrefillBootstrapQueue:
             "dropped_messages": self.channel.dropped if self.channel is not None else 0,
             # Under TP what one request's transfer weighs on every rank together.
             "tp_size": self.ranks.tp_size,
-            "weights_fingerprint": self.layout.weights_digest,  # (this rank's: TP rank 0's here)
+            "weights_fingerprint": weights_total(self._layouts()),  # (the server's: every TP rank's share)
             **{k: sum(layout.sizes()[k] for layout in self._layouts()) for k in self.layout.sizes()},
             **self.stats,
         }
