@@ -172,6 +172,9 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
     # much of a prompt it holds, so only the rest moves (upstream's flag; off by default, as upstream).
     disaggregation_decode_enable_radix_cache: bool = False
     disaggregation_ib_device: str | None = None
+    # Prefill side: the decode servers' --tp-size, as upstream's RL frameworks pass it (optional here: each
+    # destination carries its own rank count; recorded for the prefill side to check a destination against).
+    disaggregation_decode_tp: int | None = None
     # Decode side: the prefill servers (host[:port] or IP network) a request's bootstrap_host may name;
     # None: loopback only.
     disaggregation_prefill_allowlist: list[str] | None = None

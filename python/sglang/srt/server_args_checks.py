@@ -45,8 +45,21 @@ UPSTREAM_KV_CACHE_DTYPES = {
 UPSTREAM_ATTENTION_BACKENDS = (
     "flex_attention dsa nsa qsa dsv4 compressed cutlass_mla fa3 fa4 flashinfer flashmla trtllm_mla cutedsl_mla "
     "tokenspeed_mla trtllm_mha dual_chunk_flash_attn hpc_ops minicpm_flashattn minicpm_flashinfer aiter wave "
-    "intel_amx ascend intel_xpu mlu"
+    "intel_amx ascend intel_xpu mlu llada2_cfg_flashinfer"
 ).split()
+# Upstream's other devices (its --device takes any name) and transfer backends, and why each is refused.
+UPSTREAM_DEVICES = {
+    "npu": "Ascend NPUs",
+    "xpu": "Intel GPUs",
+    "hpu": "Intel Gaudi",
+    "musa": "Moore Threads GPUs",
+    "mps": "Apple silicon",
+}
+UPSTREAM_TRANSFER_BACKENDS = {
+    "ascend": "it moves KV between Ascend NPUs, which this server does not run on",
+    "mori": "it is AMD's ROCm transfer engine, and this server runs on NVIDIA CUDA GPUs and the CPU",
+    "fake": "it is upstream's benchmark mode that moves no KV, which is not built here",
+}
 UPSTREAM_SCHEDULE_POLICIES = {
     "dfs-weight": "it orders by the radix tree's depth-first weights, which this scheduler does not keep",
     "priority": "requests carry no priority here (upstream's --enable-priority-scheduling is refused too)",
@@ -66,9 +79,9 @@ GRAMMAR_BACKEND_CHOICES = ["xgrammar", "outlines", "llguidance", "none"]
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 SCHEDULE_POLICIES = ["fcfs", "lpm", "random", "lof"]
-# Upstream's algorithms; NGRAM, and EAGLE / NEXTN from the checkpoint's MTP layers, run here; EAGLE3 and
-# STANDALONE need a separate draft model (`check_speculative_flags`).
-SPECULATIVE_ALGORITHMS = ["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"]
+# Upstream's algorithms; NGRAM, and EAGLE / NEXTN from the checkpoint's MTP layers, run here; EAGLE3,
+# STANDALONE, DFLASH and DSPARK need a separate draft model (`check_speculative_flags`).
+SPECULATIVE_ALGORITHMS = ["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "DFLASH", "DSPARK"]
 NGRAM_MATCH_TYPES = ["BFS", "PROB"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -79,6 +92,7 @@ class ServerArgsError(ValueError):
 
 def check_basic_flags(args: ServerArgs) -> None:
     _choice("--dtype", args.dtype, DTYPE_CHOICES)
+    resolve_upstream_values(args)
     check_upstream_values(args)
     _choice("--kv-cache-dtype", args.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
     _choice("--device", args.device, DEVICE_CHOICES)
@@ -89,6 +103,8 @@ def check_basic_flags(args: ServerArgs) -> None:
     _choice("--schedule-policy", args.schedule_policy, SCHEDULE_POLICIES)
     _choice("--mamba-scheduler-strategy", args.mamba_scheduler_strategy, MAMBA_SCHEDULER_STRATEGY_CHOICES)
     _choice("--disaggregation-mode", args.disaggregation_mode, DISAGGREGATION_MODES)
+    if args.disaggregation_decode_tp is not None:
+        _positive("--disaggregation-decode-tp", args.disaggregation_decode_tp)
     if args.mamba_ssm_dtype is not None:
         _choice("--mamba-ssm-dtype", args.mamba_ssm_dtype, ["float32", "bfloat16", "float16"])
     if args.reasoning_parser is not None:
@@ -152,9 +168,42 @@ def check_basic_flags(args: ServerArgs) -> None:
         )
 
 
+def resolve_upstream_values(args: ServerArgs) -> None:
+    """Upstream's spellings of what this server does: --disaggregation-transfer-backend mooncake_tcp is
+    Mooncake over TCP (upstream drops --disaggregation-ib-device with it too), --device cuda:0 is cuda."""
+    if args.disaggregation_transfer_backend == "mooncake_tcp":
+        if args.disaggregation_ib_device:
+            logger.warning(
+                "--disaggregation-ib-device %s is not used: --disaggregation-transfer-backend mooncake_tcp "
+                "moves the bytes over TCP, as upstream.",
+                args.disaggregation_ib_device,
+            )
+        args.disaggregation_transfer_backend, args.disaggregation_ib_device = "mooncake", None
+    device, _, index = str(args.device).partition(":")
+    if index:
+        if index != "0":
+            raise ServerArgsError(
+                f"--device {args.device} is not supported by this server: rank i of a node runs on the "
+                "i-th GPU CUDA_VISIBLE_DEVICES shows; set it, and pass the device without an index."
+            )
+        args.device = device
+
+
 def check_upstream_values(args: ServerArgs) -> None:
-    """Upstream's values of --kv-cache-dtype, --attention-backend and --schedule-policy that this server
-    lacks, refused in one sentence naming the flag."""
+    """Upstream's values of --kv-cache-dtype, --attention-backend, --schedule-policy, --device and
+    --disaggregation-transfer-backend that this server lacks, refused in one sentence naming the flag."""
+    if args.device in UPSTREAM_DEVICES:
+        raise ServerArgsError(
+            f"--device {args.device} is not supported by this server: it runs on NVIDIA CUDA GPUs and the "
+            f"CPU only, not on {UPSTREAM_DEVICES[args.device]}; use --device cuda or cpu."
+        )
+    backend = args.disaggregation_transfer_backend
+    if backend in UPSTREAM_TRANSFER_BACKENDS:
+        raise ServerArgsError(
+            f"--disaggregation-transfer-backend {backend} is not supported by this server: "
+            f"{UPSTREAM_TRANSFER_BACKENDS[backend]}; use mooncake (over TCP, or RDMA with "
+            "--disaggregation-ib-device; mooncake_tcp is TCP) or nixl."
+        )
     kv = args.kv_cache_dtype
     if kv in UPSTREAM_KV_CACHE_DTYPES:
         raise ServerArgsError(

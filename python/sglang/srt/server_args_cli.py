@@ -52,7 +52,7 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
     # The flags below list their values in --help; a value upstream takes and this server lacks is
     # refused by `check_basic_flags` in a sentence saying why, not by argparse.
     g.add_argument("--dtype", default="auto", metavar=_listed(DTYPE_CHOICES + list(DTYPE_ALIASES)))
-    g.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
+    g.add_argument("--device", default="auto", metavar=_listed(DEVICE_CHOICES))
     g.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -97,7 +97,8 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
         "--api-key and take this one only; unset, they take --api-key as every route does.",
     )
     g.add_argument("--enable-metrics", action="store_true")
-    g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    # Any case, as upstream (it looks the name up upper-cased).
+    g.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     g.add_argument("--log-requests", action="store_true")
     g.add_argument(
         "--decode-log-interval",
@@ -348,6 +349,14 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
         "transfers only the part of a prompt the decode server does not hold.",
     )
     g.add_argument("--disaggregation-ib-device", default=None)
+    g.add_argument(
+        "--disaggregation-decode-tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Prefill side: the decode servers' --tp-size (upstream's flag; optional, since each decode "
+        "server's destination carries its own size, which may differ from this server's).",
+    )
     g.add_argument(
         "--disaggregation-prefill-allowlist",
         nargs="+",

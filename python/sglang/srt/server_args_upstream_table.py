@@ -62,7 +62,10 @@ THEMES: dict[str, str] = {
 REFUSED: dict[str, str] = {
     "parallel": """
         --dcp-size|--decode-context-parallel-size= --pp-max-micro-batch-size= --pp-async-batch-depth=
-        --dcp-comm-backend= --dcp-replicate-q-proj --enable-prefill-cp --cp-strategy=
+        --dcp-comm-backend= --dcp-replicate-q-proj
+        --enable-prefill-cp|--enable-prefill-context-parallel
+        --enable-dsa-prefill-context-parallel|--enable-nsa-prefill-context-parallel
+        --cp-strategy|--prefill-cp-mode|--dsa-prefill-cp-mode|--nsa-prefill-cp-mode=
         --enable-dsa-cache-layer-split --enable-cp-decode-attn-tp --enable-kv-cache-sharding
         --enable-dp-attention-local-control-broadcast --enable-dp-lm-head --enable-tp-lm-head-all-to-all
         --enable-attn-tp-input-scattered --enable-shared-experts-attn-tp --shared-experts-tp-size=
@@ -88,7 +91,7 @@ REFUSED: dict[str, str] = {
         --enable-paged-experts --paged-experts-num-resident= --kt-weight-path= --kt-method= --kt-cpuinfer=
         --kt-threadpool-count= --kt-num-gpu-experts= --kt-max-deferred-experts-per-token=
         --enable-two-batch-overlap --enable-single-batch-overlap --tbo-token-distribution-threshold=
-        --enable-return-routed-experts
+        --enable-return-routed-experts --elastic-ep-rejoin --enable-expert-distribution-metrics
     """,
     "quant": """
         --quantization= --quantization-param-path= --qsa-indexer-dtype= --modelopt-quant=
@@ -121,12 +124,13 @@ REFUSED: dict[str, str] = {
         --speculative-accept-threshold-acc= --speculative-use-rejection-sampling
         --speculative-use-block-verification --speculative-token-map= --speculative-attention-mode=
         --speculative-draft-attention-backend= --speculative-dsa-topk-backend= --speculative-draft-kv-cache-dtype=
-        --speculative-draft-window-size= --speculative-draft-sink-size= --speculative-moe-runner-backend=
+        --speculative-draft-window-size|--speculative-dflash-draft-window-size= --speculative-draft-sink-size=
+        --speculative-moe-runner-backend=
         --speculative-moe-a2a-backend= --speculative-enable-w4a4-mxfp4-megamoe --enable-multi-layer-eagle
         --speculative-adaptive --speculative-adaptive-config= --spec-trace-dir= --enable-draft-weights-cpu-backup
         --decrypted-draft-config-file= --decoupled-spec-bind-endpoint= --decoupled-spec-connect-endpoints=
         --decoupled-spec-rank= --decoupled-spec-role= --enable-return-aux-hidden-states
-        --return-aux-hidden-state-layer-ids+
+        --return-aux-hidden-state-layer-ids+ --speculative-skip-dp-mlp-sync
     """,
     "ngram": """
         --speculative-ngram-max-trie-depth= --speculative-ngram-external-corpus-path=
@@ -140,7 +144,7 @@ REFUSED: dict[str, str] = {
         --mm-global-cache-backend= --mm-feature-transport= --encoder-only --language-only --encoder-transfer-backend=
         --encoder-urls+ --encoder-bootstrap-port= --encoder-register-urls+ --enable-adaptive-dispatch-to-encoder
         --enable-encoder-swa-bounded-replay --enable-precise-embedding-interpolation --asr-max-buffer-seconds=
-        --asr-max-concurrent-sessions=
+        --asr-max-concurrent-sessions= --keep-mm-feature-on-device
     """,
     "hardware": """
         --mlx-enable-sampling --use-ray --numa-node+ --enable-amd-monokernel --monokernel-backend= --fuseep-mode=
@@ -148,16 +152,21 @@ REFUSED: dict[str, str] = {
     """,
     "kernels": """
         --decode-attention-backend= --prefill-attention-backend= --enable-lean-attention --enable-nvidia-megakernel
-        --dsa-prefill-backend= --dsv4-prefill-backend= --dsa-triton-union= --dsa-decode-backend= --dsv4-attn-backend=
+        --dsa-prefill-backend|--nsa-prefill-backend= --dsv4-prefill-backend= --dsa-triton-union=
+        --dsa-decode-backend|--nsa-decode-backend= --dsv4-attn-backend=
         --dsa-paged-mqa-logits-backend= --dsa-topk-backend= --flashinfer-autotune-skip-ops+
         --triton-attention-reduce-in-fp32 --triton-attention-split-tile-size= --flashinfer-mla-disable-ragged
         --enable-fused-qk-norm-rope --no-enable-fused-qk-norm-rope --enable-deepseek-v4-fp4-indexer
         --enable-dsa-fused-indexer --enable-fp32-lm-head --enable-tf32-matmul --mamba-max-states-per-path=
         --enable-mamba-cache-stochastic-rounding --mamba-cache-philox-rounds= --enable-linear-replayssm
-        --linear-replayssm-cache-len= --enable-linear-replayssm-spec --enable-decoder-swa-bounded-replay
+        --linear-replayssm-cache-len= --enable-linear-replayssm-spec|--enable-gdn-replayssm-spec
+        --enable-decoder-swa-bounded-replay
     """,
     "graphs": """
-        --cuda-graph-config= --cuda-graph-max-bs-prefill= --cuda-graph-max-seq-len-prefill= --cuda-graph-bs-prefill+
+        --cuda-graph-config= --cuda-graph-max-bs-prefill|--piecewise-cuda-graph-max-tokens=
+        --cuda-graph-max-seq-len-prefill= --cuda-graph-bs-prefill|--piecewise-cuda-graph-tokens+
+        --cuda-graph-tc-compiler|--piecewise-cuda-graph-compiler= --enable-breakable-cuda-graph
+        --enforce-piecewise-cuda-graph
         --cuda-graph-prefill-max-context|--context-bucket= --disable-cuda-graph-padding --enable-profile-cuda-graph
         --enable-cudagraph-gc --debug-cuda-graph --enable-torch-compile-debug-mode
     """,
@@ -197,7 +206,7 @@ REFUSED: dict[str, str] = {
         --hf-chat-template-name= --completion-template= --file-storage-path= --return-input-ids --return-output-ids
         --default-chat-template-kwargs= --strip-thinking-cache --enable-strict-thinking --tool-server=
         --preferred-sampling-params= --allow-auto-truncate --batch-notify-size= --stream-response-default-include-usage
-        --incremental-streaming-output --enable-streaming-session --constrained-json-max-whitespace-cnt=
+        --incremental-streaming-output|--stream-output --enable-streaming-session --constrained-json-max-whitespace-cnt=
         --enable-dynamic-batch-tokenizer --dynamic-batch-tokenizer-batch-size= --dynamic-batch-tokenizer-batch-timeout=
         --enable-tokenizer-batch-encode --disable-tokenizer-batch-decode --config=
     """,
@@ -212,14 +221,14 @@ REFUSED: dict[str, str] = {
         --forward-pass-metrics-ipc-name= --enable-trace --trace-modules= --otlp-traces-endpoint= --otlp-service-name=
         --export-metrics-to-file --export-metrics-to-file-dir= --kv-canary= --kv-canary-sweep-interval=
         --kv-canary-real-data= --debug-tensor-dump-output-folder= --debug-tensor-dump-layers+
-        --debug-tensor-dump-input-file= --forward-hooks= --enable-layerwise-nvtx-marker
+        --debug-tensor-dump-input-file= --forward-hooks= --enable-layerwise-nvtx-marker --collect-tokens-histogram
     """,
     "pd": """
         --disaggregation-decode-allocation-policy= --disaggregation-enable-kv-checksum
         --disaggregation-decode-retraction-backup=
         --num-reserved-decode-tokens= --disaggregation-decode-polling-interval= --enable-pd-role-switch
         --optimistic-prefill-attempts= --enable-pdmux --pdmux-config-path= --sm-group-num=
-        --disaggregation-decode-host-receive-threshold=
+        --disaggregation-decode-host-receive-threshold= --disaggregation-decode-enable-fake-auto
     """,
     "features": """
         --enable-deterministic-inference --rl-on-policy-target= --enable-watermark --watermark-config=
@@ -241,6 +250,9 @@ SPECIFIC: dict[str, str] = {
     "--is-embedding": "embedding models are not served; this server serves generation models",
     "--gated-launch-port": "there is no gated start; start the server when it may take the GPU's memory",
     "--tokenizer-backend": "the tokenizer is Hugging Face's fast tokenizer from the checkpoint folder",
+    "--disaggregation-decode-enable-fake-auto": "upstream's fake KV transfer (a decode server that serves "
+    "requests without a prefill server, on KV it never receives, for benchmarks) is not built; pair the "
+    "decode server with a prefill server (docs/disaggregation.md)",
 }
 
 
@@ -380,6 +392,22 @@ ACCEPTED: list[Accepted] = [
         instead="graphs",
     ),
     Accepted("--disable-prefill-cuda-graph", "no prefill forward is captured in a CUDA graph here"),
+    Accepted("--disable-piecewise-cuda-graph", "no prefill forward is captured in a CUDA graph here"),
+    Accepted("--prefill-round-robin-balance", "upstream deprecated it, and it does nothing there either"),
+    Accepted(
+        "--disaggregation-decode-dp=",
+        "a decode server here is one data-parallel replica of --tp-size ranks",
+        _ONE,
+        "int",
+        "pd",
+    ),
+    Accepted(
+        "--disaggregation-prefill-pp=",
+        "a prefill server here is one pipeline stage (no pipeline parallelism)",
+        _ONE,
+        "int",
+        "parallel",
+    ),
     Accepted(
         "--language-model-only", "only the language model of a vision-language checkpoint is served here"
     ),

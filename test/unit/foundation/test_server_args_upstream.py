@@ -22,168 +22,13 @@ from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=6, suite="per-commit-cpu")
 
-# Upstream's flags: sglang 0.5.23 (PyPI, October 2026), every option string its ServerArgs.add_cli_args
-# registers (the fields' flags and the manual ones). Marks: `=` one value, `+` a list, `?` an optional
-# value, none a switch; aliases joined by `|`; a BooleanOptionalAction's `--no-` form is its own switch.
-UPSTREAM_FLAGS = """
-    --device= --base-gpu-id= --gpu-id-step= --random-seed= --mlx-enable-sampling --watchdog-timeout=
-    --soft-watchdog-timeout= --sleep-on-idle --use-ray --numa-node+ --gc-threshold+
-    --decoupled-spec-bind-endpoint= --decoupled-spec-connect-endpoints= --decoupled-spec-rank=
-    --decoupled-spec-role= --disaggregation-mode= --disaggregation-decode-allocation-policy=
-    --disaggregation-transfer-backend= --disaggregation-enable-kv-checksum --disaggregation-bootstrap-port=
-    --disaggregation-ib-device= --disaggregation-decode-enable-radix-cache
-    --disaggregation-decode-enable-offload-kvcache --disaggregation-decode-retraction-backup=
-    --num-reserved-decode-tokens= --disaggregation-decode-extra-slots= --disaggregation-decode-polling-interval=
-    --enable-pd-role-switch --optimistic-prefill-attempts= --encoder-only --language-only --language-model-only
-    --encoder-transfer-backend= --encoder-urls+ --encoder-bootstrap-port= --encoder-register-urls+
-    --enable-adaptive-dispatch-to-encoder --enable-pdmux --pdmux-config-path= --sm-group-num=
-    --disaggregation-decode-host-receive-threshold= --enable-layerwise-nvtx-marker --enable-nccl-nvls
-    --enable-symm-mem --disable-custom-all-reduce --enable-mscclpp --enable-torch-symm-mem
-    --enable-scattered-sconv --pre-warm-nccl --boundary-reduction= --enable-quant-communications
-    --enforce-disable-flashinfer-allreduce-fusion --flashinfer-allreduce-fusion-backend=
-    --enable-aiter-allreduce-fusion --disable-aiter-allreduce-fusion-in-prefill
-    --disable-aiter-allreduce-fusion-in-decode --enable-deterministic-inference --rl-on-policy-target=
-    --dllm-algorithm= --dllm-algorithm-config= --dllm-fdfo --no-dllm-fdfo --enable-fp32-lm-head
-    --enable-tf32-matmul --no-enable-tf32-matmul --enable-memory-saver --enable-weights-cpu-backup
-    --enable-draft-weights-cpu-backup --enable-custom-logit-processor --enable-watermark --watermark-config=
-    --enable-return-hidden-states --return-hidden-states-mode= --enable-return-aux-hidden-states
-    --return-aux-hidden-state-layer-ids+ --enable-return-routed-experts --enable-return-indexer-topk
-    --enable-encoder-swa-bounded-replay --enable-decoder-swa-bounded-replay
-    --no-enable-decoder-swa-bounded-replay --sampling-mask-max-tokens= --disable-outlines-disk-cache
-    --enable-mis --cuda-graph-config= --cuda-graph-backend-decode= --cuda-graph-backend-prefill=
-    --cuda-graph-max-bs-decode= --cuda-graph-max-bs-prefill= --cuda-graph-max-seq-len-prefill=
-    --cuda-graph-bs-decode+ --cuda-graph-bs-prefill+ --cuda-graph-prefill-max-context|--context-bucket=
-    --disable-prefill-cuda-graph --disable-decode-cuda-graph --disable-cuda-graph-padding
-    --enable-profile-cuda-graph --enable-cudagraph-gc --debug-cuda-graph --enable-torch-compile
-    --enable-torch-compile-debug-mode --torch-compile-max-bs= --attention-backend= --decode-attention-backend=
-    --enable-lean-attention --enable-nvidia-megakernel --enable-amd-monokernel --prefill-attention-backend=
-    --prefill-kv-cache-dequant-dtype= --grammar-backend= --fp8-gemm-backend= --fp4-gemm-backend=
-    --bf16-gemm-backend= --dsa-prefill-backend= --dsv4-prefill-backend= --dsa-triton-union=
-    --dsa-decode-backend= --dsv4-attn-backend= --dsa-paged-mqa-logits-backend= --dsa-topk-backend=
-    --disable-flashinfer-autotune --flashinfer-autotune-skip-ops+ --triton-attention-reduce-in-fp32
-    --triton-attention-num-kv-splits= --triton-attention-split-tile-size= --flashinfer-mla-disable-ragged
-    --enable-fused-qk-norm-rope --no-enable-fused-qk-norm-rope --enable-precise-embedding-interpolation
-    --enable-deepseek-v4-fp4-indexer --enable-dsa-fused-indexer --no-enable-dsa-fused-indexer --mamba-backend=
-    --mamba-ssm-dtype= --mamba-max-states-per-path= --enable-mamba-cache-stochastic-rounding
-    --mamba-cache-philox-rounds= --mamba-radix-cache-strategy= --mamba-track-interval=
-    --enable-int8-mamba-checkpoint --int8-mamba-ckpt-size= --linear-attn-backend= --linear-attn-decode-backend=
-    --linear-attn-prefill-backend= --linear-attn-verify-backend= --enable-linear-replayssm
-    --linear-replayssm-cache-len= --enable-linear-replayssm-spec --enable-fused-moe-sum-all-reduce
-    --moe-a2a-backend= --enable-w4a4-mxfp4-megamoe --deepep-v2-mode= --moe-runner-backend=
-    --flashinfer-mxfp4-moe-precision= --deepep-mode= --fuseep-mode= --deepep-dispatcher-output-dtype=
-    --flashinfer-a2a-dispatch-type= --ep-num-redundant-experts= --ep-dispatch-algorithm= --init-expert-location=
-    --enable-eplb --eplb-algorithm= --eplb-rebalance-num-iterations= --eplb-rebalance-layers-per-chunk=
-    --eplb-min-rebalancing-utilization-threshold= --expert-distribution-recorder-mode=
-    --expert-distribution-recorder-buffer-size= --expert-balancedness-report-mode= --deepep-config=
-    --elastic-ep-backend= --enable-elastic-expert-backup --mooncake-ib-device= --enable-waterfill
-    --elastic-ep-join-mode= --elastic-ep-scale-timeout= --disable-flashinfer-cutlass-moe-fp4-allgather
-    --disable-shared-experts-fusion --enforce-shared-experts-fusion --enable-paged-experts
-    --paged-experts-num-resident= --kt-weight-path= --kt-method= --kt-cpuinfer= --kt-threadpool-count=
-    --kt-num-gpu-experts= --kt-max-deferred-experts-per-token= --cpu-offload-gb= --offload-group-size=
-    --offload-num-in-group= --offload-prefetch-step= --offload-mode= --ple-offload-embedding
-    --no-ple-offload-embedding --ple-offload-backend= --ple-offload-dir= --enable-two-batch-overlap
-    --enable-single-batch-overlap --tbo-token-distribution-threshold= --enable-lora
-    --enable-lora-overlap-loading --max-lora-rank= --lora-target-modules+ --lora-paths+ --max-loaded-loras=
-    --max-loras-per-batch= --lora-eviction-policy= --lora-backend= --max-lora-chunk-size=
-    --experts-shared-outer-loras --no-experts-shared-outer-loras --lora-use-virtual-experts
-    --lora-strict-loading --no-lora-strict-loading --lora-drain-wait-threshold= --radix-eviction-policy=
-    --radix-eviction-policy-config= --disable-radix-cache --enable-page-major-kv-layout --enable-unified-memory
-    --enable-session-radix-cache --radix-cache-backend= --enable-hierarchical-cache|--enable-hicache
-    --hicache-host-memory-mode= --hicache-ratio= --hicache-size= --hicache-host-memory-fraction=
-    --hicache-write-policy= --hicache-io-backend= --hicache-mem-layout= --hicache-storage-backend=
-    --hicache-storage-prefetch-policy= --hicache-storage-backend-extra-config=
-    --hicache-storage-prefetch-retry-poll-interval= --hicache-storage-prefetch-retry-max-attempts=
-    --enable-unified-cache-external-linker --unified-cache-external-linker-backend=
-    --unified-cache-external-linker-config= --enable-linker-mla-dedup --enable-hisparse
-    --hisparse-config|--hierarchical-sparse-attention-extra-config= --enable-lmcache --lmcache-config-file=
-    --enable-flexkv --flexkv-config-file= --enable-multimodal --mm-attention-backend=
-    --enable-broadcast-mm-inputs-process --enable-prefix-mm-cache --mm-enable-dp-encoder
-    --no-mm-enable-dp-encoder --mm-process-config= --mm-processor-worker-num= --mm-io-worker-num=
-    --allowed-media-domains+ --media-url-max-file-size-mb= --mm-preprocess-cache-size-mb=
-    --trust-mm-content-hashes --limit-mm-data-per-request= --enable-mm-global-cache --image-processor-backend=
-    --mm-global-cache-backend= --disable-fast-image-processor --mm-feature-transport= --model-path|--model=
-    --load-format= --model-loader-extra-config= --trust-remote-code --context-length= --is-embedding --revision=
-    --model-impl= --model-config-parser= --json-model-override-args= --dtype= --quantization=
-    --quantization-param-path= --kv-cache-dtype= --qsa-indexer-dtype= --modelopt-quant=
-    --modelopt-checkpoint-restore-path= --modelopt-checkpoint-save-path= --modelopt-export-path=
-    --quantize-and-serve --rl-quant-profile= --startup-weight-load-mode= --custom-weight-loader+
-    --weight-loader-disable-mmap --weight-loader-prefetch-checkpoints --weight-loader-prefetch-num-threads=
-    --weight-loader-drop-cache-after-load --remote-instance-weight-loader-seed-instance-ip=
-    --remote-instance-weight-loader-seed-instance-service-port=
-    --remote-instance-weight-loader-send-weights-group-ports= --remote-instance-weight-loader-backend=
-    --remote-instance-weight-loader-start-seed-via-transfer-engine --engine-info-bootstrap-port=
-    --modelexpress-config= --download-dir= --model-checksum? --delete-ckpt-after-loading
-    --decrypted-config-file= --decrypted-draft-config-file= --checkpoint-engine-wait-weights-before-ready
-    --weight-cache-mode= --weight-cache-socket= --weight-cache-timeout= --log-level= --log-level-http=
-    --log-requests --log-requests-level= --log-requests-format= --log-requests-target+
-    --uvicorn-access-log-exclude-prefixes+ --crash-dump-folder= --show-time-cost --enable-metrics
-    --smg-http-sidecar-port|--grpc-http-sidecar-port= --enable-mfu-metrics --enable-metrics-for-all-schedulers
-    --load-snapshot-publish-interval= --tokenizer-metrics-custom-labels-header=
-    --tokenizer-metrics-allowed-custom-labels+ --extra-metric-labels= --bucket-time-to-first-token+
-    --bucket-inter-token-latency+ --bucket-e2e-request-latency+ --prompt-tokens-buckets+
-    --generation-tokens-buckets+ --gc-warning-threshold-secs= --decode-log-interval=
-    --enable-request-time-stats-logging --kv-events-config= --load-publish-endpoint=
-    --enable-forward-pass-metrics --forward-pass-metrics-worker-id= --forward-pass-metrics-ipc-name=
-    --enable-trace --trace-modules= --otlp-traces-endpoint= --otlp-service-name= --export-metrics-to-file
-    --export-metrics-to-file-dir= --kv-canary= --kv-canary-sweep-interval= --debug-tensor-dump-output-folder=
-    --debug-tensor-dump-layers+ --debug-tensor-dump-input-file= --forward-hooks= --msprobe-dump-config=
-    --nccl-port= --dist-timeout= --dist-init-addr|--nccl-init-addr= --gated-launch-port= --nnodes= --node-rank=
-    --tp-size|--tensor-parallel-size= --dcp-size|--decode-context-parallel-size=
-    --pp-size|--pipeline-parallel-size= --pp-max-micro-batch-size= --pp-async-batch-depth=
-    --dp-size|--data-parallel-size= --attn-dp-size|--attention-data-parallel-size= --load-balance-method=
-    --attn-cp-size|--attention-context-parallel-size= --moe-dp-size|--moe-data-parallel-size= --dwdp-size=
-    --dcp-comm-backend= --dcp-replicate-q-proj --no-dcp-replicate-q-proj --enable-prefill-cp --cp-strategy=
-    --enable-dsa-cache-layer-split --enable-cp-decode-attn-tp --enable-kv-cache-sharding
-    --enable-dp-attention-local-control-broadcast --enable-dp-lm-head --enable-tp-lm-head-all-to-all
-    --no-enable-tp-lm-head-all-to-all --enable-attn-tp-input-scattered --enable-shared-experts-attn-tp
-    --shared-experts-tp-size= --enable-dense-mlp-attn-tp --enable-layernorm-sp --enable-megamoe-for-layernorm-sp
-    --disable-attn-tp-gather --enable-p2p-check --ep-size|--expert-parallel-size|--ep= --moe-dense-tp-size=
-    --elastic-ep-join-rank-offset= --elastic-ep-initial-size= --max-ep-size= --mem-fraction-static=
-    --max-running-requests= --max-queued-requests= --max-total-tokens= --chunked-prefill-size=
-    --prefill-decode-interval= --prefill-decode-interval-min-bs= --enable-dynamic-chunking --max-prefill-tokens=
-    --prefill-max-requests= --schedule-policy= --enable-priority-scheduling --disable-priority-preemption
-    --default-priority-value= --abort-on-priority-when-disabled --schedule-low-priority-values-first
-    --priority-scheduling-preemption-threshold= --retraction-policy= --schedule-conservativeness= --page-size=
-    --c128-page-size= --swa-full-tokens-ratio= --swa-prefix-tails= --disable-hybrid-swa-memory
-    --prefill-only-disable-kv-cache --disable-chunked-prefix-cache --disable-overlap-schedule
-    --num-continuous-decode-steps= --scheduler-recv-interval= --enable-mixed-chunk --max-mamba-cache-size=
-    --mamba-full-memory-ratio= --enable-prefill-delayer --prefill-delayer-max-delay-passes=
-    --prefill-delayer-token-usage-low-watermark= --prefill-delayer-forward-passes-buckets+
-    --prefill-delayer-wait-seconds-buckets+ --prefill-delayer-queue-min-ratio= --prefill-delayer-max-delay-ms=
-    --min-free-slots-delay= --enable-response-store --tokenizer-path= --tokenizer-mode= --tokenizer-backend=
-    --tokenizer-worker-num= --detokenizer-worker-num= --skip-tokenizer-init --host= --port= --fastapi-root-path=
-    --enable-http-worker-reuseport --smg-grpc-mode --grpc-mode --grpc-port= --grpc-response-timeout-secs=
-    --sidecar= --sidecar-args= --skip-server-warmup --warmups= --enable-http2 --http2-max-concurrent-streams=
-    --http2-initial-connection-window-size= --ssl-keyfile= --ssl-certfile= --ssl-ca-certs=
-    --ssl-keyfile-password= --enable-ssl-refresh --api-key= --admin-api-key= --served-model-name=
-    --weight-version= --chat-template= --trust-request-chat-template --hf-chat-template-name=
-    --completion-template= --file-storage-path= --enable-cache-report --return-input-ids --return-output-ids
-    --default-chat-template-kwargs= --strip-thinking-cache --enable-strict-thinking --tool-server=
-    --sampling-defaults= --asr-max-buffer-seconds= --asr-max-concurrent-sessions= --preferred-sampling-params=
-    --allow-auto-truncate --stream-interval= --batch-notify-size= --stream-response-default-include-usage
-    --incremental-streaming-output --enable-streaming-session --constrained-json-whitespace-pattern=
-    --constrained-json-disable-any-whitespace --constrained-json-max-whitespace-cnt=
-    --enable-dynamic-batch-tokenizer --dynamic-batch-tokenizer-batch-size=
-    --dynamic-batch-tokenizer-batch-timeout= --enable-tokenizer-batch-encode --disable-tokenizer-batch-decode
-    --speculative-algorithm= --uno-lora-path= --speculative-draft-model-path|--speculative-draft-model=
-    --speculative-draft-model-revision= --speculative-draft-load-format= --speculative-num-steps=
-    --speculative-eagle-topk= --speculative-num-draft-tokens= --speculative-dflash-block-size=
-    --speculative-domino-candidate-pool-size= --speculative-dspark-block-size=
-    --speculative-dspark-sps-table-path= --speculative-dspark-confidence-sts-path=
-    --speculative-dspark-align-verify-tokens-to-graph-tier --speculative-accept-threshold-single=
-    --speculative-accept-threshold-acc= --speculative-use-rejection-sampling
-    --speculative-use-block-verification --speculative-token-map= --speculative-attention-mode=
-    --speculative-draft-attention-backend= --speculative-dsa-topk-backend= --speculative-draft-kv-cache-dtype=
-    --speculative-draft-window-size= --speculative-draft-sink-size= --speculative-moe-runner-backend=
-    --speculative-moe-a2a-backend= --speculative-enable-w4a4-mxfp4-megamoe
-    --no-speculative-enable-w4a4-mxfp4-megamoe --speculative-draft-model-quantization=
-    --enable-multi-layer-eagle --speculative-adaptive --speculative-adaptive-config= --spec-trace-dir=
-    --speculative-ngram-min-bfs-breadth= --speculative-ngram-max-bfs-breadth= --speculative-ngram-match-type=
-    --speculative-ngram-max-trie-depth= --speculative-ngram-capacity= --speculative-ngram-external-corpus-path=
-    --speculative-ngram-external-sam-budget= --speculative-ngram-external-corpus-max-tokens= --sampling-backend=
-    --reasoning-parser= --tool-call-parser= --kv-canary-real-data= --config= --disable-cuda-graph
-    --enable-dp-attention --monokernel-backend= --enable-flashinfer-allreduce-fusion
-""".split()
+# Upstream's flags, names only (upstream_flags.txt says from which releases): a new release's flags are one
+# update of that list away.
+UPSTREAM_FLAGS = [
+    spec
+    for line in (Path(__file__).parent / "upstream_flags.txt").read_text().splitlines()
+    for spec in line.split("#", 1)[0].split()
+]
 
 PRESET = ["--model-path", "tiny-qwen3-next", "--device", "cpu"]
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "server.md"
@@ -368,3 +213,101 @@ def test_docs_list_the_upstream_flags_as_the_table_says():
         "docs/server.md's 'Upstream flags' lists differ from the table: paste the output of "
         "python -c 'from sglang.srt.server_args_upstream import upstream_flags_markdown as m; print(m(), end=\"\")'"
     )
+
+
+def test_the_flag_list_holds_the_pd_flags_rl_frameworks_pass():
+    """The list is what the sweeps above check; the four PD flags of older releases stay in it (issue:
+    `--disaggregation-decode-tp 2` stopped the start with "unrecognized arguments")."""
+    names = {name for spec in UPSTREAM_FLAGS for name in parse_spec(spec)[0]}
+    for flag in ("tp", "dp", "enable-fake-auto"):
+        assert f"--disaggregation-decode-{flag}" in names
+    assert "--disaggregation-prefill-pp" in names and len(names) > 550
+
+
+@pytest.mark.parametrize("tp", ["1", "2", "8"])
+def test_disaggregation_decode_tp_is_recorded(tp):
+    """Prefill side: the decode servers' --tp-size, any positive size (each destination carries its own
+    rank count, which may differ from the prefill server's --tp-size)."""
+    argv = ["--disaggregation-mode", "prefill", "--disaggregation-decode-tp", tp] + PRESET
+    assert prepare_server_args(argv).disaggregation_decode_tp == int(tp)
+    assert prepare_server_args(PRESET).disaggregation_decode_tp is None
+    assert upstream_engine_kwargs({"disaggregation_decode_tp": int(tp)}) == {
+        "disaggregation_decode_tp": int(tp)
+    }
+
+
+def test_disaggregation_decode_tp_must_be_positive():
+    with pytest.raises(
+        ServerArgsError, match="^--disaggregation-decode-tp must be a positive integer, got 0"
+    ):
+        prepare_server_args(["--disaggregation-decode-tp", "0"] + PRESET)
+
+
+@pytest.mark.parametrize(
+    "flag, reason",
+    [
+        ("--disaggregation-decode-dp", "this part of prefill/decode disaggregation is not built"),
+        ("--disaggregation-prefill-pp", "this kind of parallelism is not built"),
+    ],
+)
+def test_pd_sizes_of_one_are_accepted_and_others_refused(flag, reason):
+    prepare_server_args([flag, "1"] + PRESET)
+    with pytest.raises(ServerArgsError) as e:
+        prepare_server_args([flag, "2"] + PRESET)
+    text = str(e.value)
+    assert text.startswith(f"{flag} 2 is not supported by this server: {reason}"), text
+    assert f"{flag} 1 is accepted" in text and text.count(". ") == 0
+    with pytest.raises(ServerArgsError, match=f"^{flag} 4 is not supported"):
+        upstream_engine_kwargs({flag[2:].replace("-", "_"): 4})
+
+
+def test_fake_auto_decode_is_refused_in_a_sentence():
+    with pytest.raises(ServerArgsError) as e:
+        prepare_server_args(["--disaggregation-decode-enable-fake-auto"] + PRESET)
+    assert str(e.value).startswith(
+        "--disaggregation-decode-enable-fake-auto is not supported by this server: upstream's fake KV transfer"
+    )
+
+
+def test_mooncake_tcp_is_mooncake_over_tcp():
+    """Upstream's mooncake_tcp forces Mooncake's TCP transport and drops --disaggregation-ib-device; here
+    Mooncake runs over TCP whenever no IB device is given, so the value maps to that."""
+    args = prepare_server_args(["--disaggregation-transfer-backend", "mooncake_tcp"] + PRESET)
+    assert (args.disaggregation_transfer_backend, args.disaggregation_ib_device) == ("mooncake", None)
+    argv = ["--disaggregation-transfer-backend", "mooncake_tcp", "--disaggregation-ib-device", "mlx5_0"]
+    args = prepare_server_args(argv + PRESET)
+    assert (args.disaggregation_transfer_backend, args.disaggregation_ib_device) == ("mooncake", None)
+    args = prepare_server_args(["--disaggregation-ib-device", "mlx5_0"] + PRESET)
+    assert (args.disaggregation_transfer_backend, args.disaggregation_ib_device) == ("mooncake", "mlx5_0")
+
+
+# Upstream's values this server does not take, each refused in one sentence naming the flag and the
+# value: before, argparse's "invalid choice" (exit 2) for --device and --speculative-algorithm, and for
+# the transfer backends a startup error without the reason.
+REFUSED_VALUES = (
+    [("--disaggregation-transfer-backend", v, "use mooncake") for v in ("ascend", "fake", "mori")]
+    + [("--device", v, "use --device cuda or cpu") for v in ("npu", "xpu", "hpu", "musa", "mps")]
+    + [("--device", "cuda:1", "CUDA_VISIBLE_DEVICES")]
+    + [("--speculative-algorithm", v, "use NEXTN") for v in ("DFLASH", "DSPARK", "EAGLE3", "STANDALONE")]
+    + [("--attention-backend", "llada2_cfg_flashinfer", "use triton or torch_native")]
+)
+
+
+@pytest.mark.parametrize(
+    "flag, value, instead", REFUSED_VALUES, ids=[f"{f}={v}" for f, v, _ in REFUSED_VALUES]
+)
+def test_upstream_values_are_refused_naming_flag_and_value(flag, value, instead):
+    argv = [flag, value, "--model-path", "tiny-qwen3-next"] + (
+        [] if flag == "--device" else ["--device", "cpu"]
+    )
+    with pytest.raises(ServerArgsError) as e:
+        prepare_server_args(argv)
+    text = str(e.value)
+    assert text.startswith(f"{flag} {value} "), text
+    assert instead in text and text.endswith(".") and text.count(". ") == 0, text
+
+
+def test_upstream_spellings_of_our_values():
+    assert prepare_server_args(["--log-level", "WARNING"] + PRESET).log_level == "warning"
+    argv = ["--model-path", "tiny-qwen3-next", "--device", "cpu:0"]
+    assert prepare_server_args(argv).device == "cpu"

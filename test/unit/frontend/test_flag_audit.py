@@ -122,9 +122,10 @@ def test_a_flag_without_effect_is_logged_once_with_the_reason(caplog):
 
 def test_a_refused_transfer_backend_fails_the_command_line_in_one_sentence():
     """End to end, through `python -m sglang.launch_server` (its error line and exit code, before any
-    process starts), with the table's refused backend (upstream's "ascend": refused wherever this runs,
-    NIXL installed or not)."""
-    backend = REFUSED["disaggregation_transfer_backend"]
+    process starts), with a backend neither this server nor upstream has (refused wherever this runs,
+    NIXL installed or not; upstream's own other values are refused earlier, by ServerArgs, each with its
+    reason: test_server_args_upstream.py)."""
+    backend = "rdma"
     proc = subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", "--disaggregation-mode", "prefill",
          "--disaggregation-transfer-backend", backend],
