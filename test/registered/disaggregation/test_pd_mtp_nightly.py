@@ -7,8 +7,8 @@ first verify from the MTP output the prefill server sent and from the prompt's M
 the other layers'; a wrong one of either gives fewer accepted drafts (negative control: the prefill
 server sends zeros for the MTP output, SGLANG_TEST_DISAGGREGATION_ZERO_DRAFT_STASH, and the decode
 server accepts fewer). Every mamba strategy, one case with the decode server's radix cache and a second
-turn that reuses its tree, one staged through host buffers in chunks, --tp-size 2 on both servers, one
-on NIXL (where installed). Nightly (one PD pair per case, ~20 s each to start):
+turn that reuses its tree, one staged through host buffers in chunks, --tp-size 2 on both servers, TP 1
+to TP 2, one on NIXL (where installed). Nightly (one PD pair per case, ~20 s each to start):
 
     .venv/bin/python -m pytest -q test/registered/disaggregation/test_pd_mtp_nightly.py
 """
@@ -25,7 +25,7 @@ from sglang.test.mtp_checks import DEMO, demo_outputs, held_out_prompts
 from sglang.test.pd_conversation import internal_state, post
 from sglang.test.router_process import start_pd, stop_all
 
-register_cpu_ci(est_time=135, suite="nightly-cpu")  # (measured 113 s, seven PD pairs, NIXL included)
+register_cpu_ci(est_time=155, suite="nightly-cpu")  # (measured 113 s, seven PD pairs, NIXL included; +1 pair)
 
 SECRET = "pd-mtp-test-secret"
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"]
@@ -84,6 +84,8 @@ def prompts_and_plain():
         ("extra_buffer", [], ["--disaggregation-decode-enable-radix-cache"], {}),
         ("extra_buffer_lazy", [], [], STAGED),
         ("no_buffer", ["--tp-size", "2"], [], {}),  # (each rank's shard of the MTP KV; rank 0's row)
+        # Prefill TP 1 -> decode TP 2: each decode rank's heads of the MTP layer's KV too (`shard_map`).
+        ("extra_buffer_lazy", [], ["--tp-size", "2"], {}),
         pytest.param(
             "no_buffer", NIXL, [], {},
             marks=pytest.mark.skipif(nixl_module() is None, reason="NIXL is not installed (sglang[nixl])"),

@@ -168,3 +168,18 @@ def test_an_injected_failure_can_name_one_tp_rank(monkeypatch):
     q._maybe_start("7", q.rooms["7"])
     [(_, _, inject, _, _)] = q.executor.calls
     assert not inject
+
+
+def test_a_decode_server_of_another_size_than_disaggregation_decode_tp_is_refused_naming_the_flag():
+    """--disaggregation-decode-tp (upstream's: the decode servers' --tp-size, given to the prefill server):
+    where set, a destination from a decode server of another size fails its request naming the flag;
+    the matching size is served."""
+    q = queue()
+    q.decode_tp = 2
+    start(q, 6, [50, 51, 52, 53])
+    assert "not the --disaggregation-decode-tp 2 this prefill server was started with" in failed(q)
+    q = queue()
+    q.decode_tp = 1
+    start(q, 6, [50, 51, 52, 53])
+    [(name, *_)] = q.executor.calls
+    assert name == "_transfer"

@@ -90,6 +90,7 @@ class PrefillBootstrapQueue:
         # Every rank's layout on every rank, so that each checks a destination alike.
         self.layouts = [PoolLayout.from_dict(d) for d in self.ranks.all_gather(self.layout.to_dict())]
         self.model_path: str | None = None  # the last /update_weights_from_disk's (`weights_changed`)
+        self.decode_tp = args.disaggregation_decode_tp  # (upstream's flag: the decode servers' --tp-size)
         self.context_len = sched.context_len
         # A destination names one token slot per prompt position: at most 11 bytes each in JSON, and the
         # rest (pool layouts, one per decode rank, and URLs) a few KB per rank.
@@ -314,7 +315,7 @@ class PrefillBootstrapQueue:
         # The prompt's prefix the decode server's radix cache holds already: its KV does not move.
         prefix = dst.get("prefix", 0)
         # (every rank checks every pair: all decide alike)
-        problem = unfit_dst(self._layouts(), dst, n, self.staging is not None)
+        problem = unfit_dst(self._layouts(), dst, n, self.staging is not None, self.decode_tp)
         if problem is not None:
             del self.rooms[key]
             self._notify_failed(dst, f"the transfer cannot be made: {problem}")
