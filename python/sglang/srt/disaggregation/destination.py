@@ -67,9 +67,12 @@ def malformed_layout(layout: Any, is_int) -> str | None:
         return "layout's kv_dtype, state_dtypes, weights, weights_digest and weights_source must be strings"
     if not is_int(layout.get("draft_kv_layers", 0)):
         return "layout's draft_kv_layers must be a layer count"
-    share = layout.get("weights_share", 0)  # (a sum modulo 2**64: `weights_fingerprint.weights_total`)
-    if not (isinstance(share, int) and not isinstance(share, bool) and 0 <= share < 2**64):
-        return "layout's weights_share must be an integer in [0, 2**64)"
+    for name in ("weights_share", "weights_held"):  # (sums modulo 2**64: `weights_fingerprint`)
+        share = layout.get(name, 0)
+        if not (isinstance(share, int) and not isinstance(share, bool) and 0 <= share < 2**64):
+            return f"layout's {name} must be an integer in [0, 2**64)"
+    if not (is_int(layout.get("ep_size", 1)) and 0 < layout.get("ep_size", 1) <= MAX_TP_RANKS):
+        return f"layout's ep_size must be an integer in [1, {MAX_TP_RANKS}]"
     if layout.get("shards") is not None:  # (which heads the rank holds: `shard_map`, read at another --tp-size)
         try:
             ShardLayout.from_dict(layout["shards"])

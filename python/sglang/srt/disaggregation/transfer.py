@@ -70,6 +70,12 @@ class PoolLayout:
     weights_digest: str = ""
     weights_share: int = 0
     weights_source: str = ""
+    # The same sum over every element this rank holds, its copies of replicated ones included, and the
+    # --ep-size: two servers of the same --tp-size and --ep-size hold the same elements rank by rank,
+    # and compare these rank by rank too (`weights_mismatch`), so that a copy one rank alone got wrong
+    # (one rank's payload of /update_weights_from_tensor) is seen, which the shares' total cannot see.
+    weights_held: int = 0
+    ep_size: int = 1
     # Which KV heads and state rows of the model this rank's pools hold (`shard_map.ShardLayout.to_dict`):
     # what lets a pair of other --tp-size sizes cut and join the shards (None: a rank that does not say).
     shards: dict | None = None
