@@ -59,7 +59,7 @@ def prefill_queue(sched: Any) -> PrefillBootstrapQueue:
     q.sched = sched
     q.ranks, q.news, q.now = SINGLE, False, 0.0
     q.layout, q.layouts, q.staging = PoolLayout([], [], 0, [], [], []), [], None
-    q.model_path, q.decode_tp = None, None
+    q.model_path, q.decode_tp, q.shard_rule = None, None, None
     q.rooms, q.ended = {}, {}
     q.timeout = 300.0
     q.context_len = 4096

@@ -157,6 +157,49 @@ def test_another_tp_size_is_refused_on_the_staged_path_or_without_shard_layouts(
     assert "SSM-state heads" in check_targets(layouts, destination([other], [1], 0))
 
 
+def expected(tp: int) -> list[ShardLayout]:
+    """The test model's rule (`shards`): what its ranks hold at `tp`."""
+    if 2 % tp:
+        raise ValueError(f"2 KV heads do not split over {tp}")
+    return [ShardLayout.from_dict(shards(r, tp)) for r in range(tp)]
+
+
+def test_a_decode_layout_other_than_the_models_own_at_its_size_is_refused_before_anything_is_built():
+    """Review R1 finding 1: decode ranks that each claim every unit (as many TP-1 layouts as ranks, up to
+    64) passed, and made each prefill rank build (and hold) that many TP-1 transfers: 12.6 M descriptors,
+    1.85 GiB, 3.9 s for one 8,192-token prompt. Each decode rank's layout must be the model's own at the
+    decode server's size, and fill that rank's pools."""
+    layouts = [layout(rank_pools(r, fill=False), r) for r in range(TP)]
+    one = layout(rank_pools(0, fill=False, tp=1), 0, tp=1)
+    assert check_targets(layouts, destination([one], [1], 0), expected) is None
+    greedy = destination([one, one, one, one], [1], 0)  # (4 decode ranks, each claiming all of the model)
+    assert check_targets(layouts, greedy) is None  # (without the model's rule: what R1 found)
+    problem = check_targets(layouts, greedy, expected)
+    assert problem.startswith("the decode server runs --tp-size 4 and this prefill server --tp-size 2, "
+                              "which this model does not split over"), problem  # fmt: skip
+    two = [layout(rank_pools(r, fill=False, tp=1), 0, tp=1) for r in range(2)]  # (2 ranks, each all of it)
+    problem = check_targets([one], destination(two, [1], 0), expected)
+    assert "its ranks say they hold other heads than this model's ranks at that size do" in problem
+    # A layout that does not fill its rank's pools: refused in a sentence, not raised while building.
+    halves = [layout(rank_pools(r, fill=False), r) for r in range(TP)]
+    short = replace(halves[1], state_slot_bytes=halves[1].state_slot_bytes[:-1] + [1])
+    problem = check_targets([one], destination([halves[0], short], [1], 0), expected)
+    assert problem == "the decode server's state rows and its shard layout differ in size (TP rank 1)", problem
+
+
+def test_at_another_tp_size_every_decode_rank_is_compared():
+    """Review R1 finding 3: only decode rank 0's layout was compared (a float8 KV on rank 1 alone, or an
+    MTP layer on rank 1 alone, was served; a KV buffer fewer raised on the transfer thread)."""
+    one = [layout(rank_pools(0, fill=False, tp=1), 0, tp=1)]
+    halves = [layout(rank_pools(r, fill=False), r) for r in range(TP)]
+    fp8 = replace(halves[1], kv_dtype="torch.float8_e4m3fn")
+    problem = check_targets(one, destination([halves[0], fp8], [1], 0), expected)
+    assert problem.endswith("--kv-cache-dtype) (the decode server's TP rank 1)"), problem
+    fewer = replace(halves[1], kv_ptrs=halves[1].kv_ptrs[:-1], kv_nbytes=halves[1].kv_nbytes[:-1])
+    problem = check_targets(one, destination([halves[0], fewer], [1], 0), expected)
+    assert "the KV layouts differ" in problem and problem.endswith("(the decode server's TP rank 1)"), problem
+
+
 def test_another_layout_is_refused_naming_the_rank():
     prefill = [layout(rank_pools(r, fill=False), r) for r in range(TP)]
     one = destination(prefill[:1], [1], 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang.srt.disaggregation.pd_ranks import check_targets, rank_targets
+from sglang.srt.disaggregation.pd_ranks import ExpectedShards, check_targets, rank_targets
 from sglang.srt.disaggregation.shard_map import ShardLayout
 from sglang.srt.disaggregation.transfer import PoolLayout
 
@@ -87,11 +87,17 @@ def malformed_layout(layout: Any, is_int) -> str | None:
 
 
 def unfit_dst(
-    layouts: list[PoolLayout], dst: dict[str, Any], prompt_len: int, staged: bool, decode_tp: int | None = None
+    layouts: list[PoolLayout],
+    dst: dict[str, Any],
+    prompt_len: int,
+    staged: bool,
+    decode_tp: int | None = None,
+    expected: ExpectedShards | None = None,
 ) -> str | None:
     """Why a well-formed destination cannot take a `prompt_len`-token prompt's transfer from a prefill
     server whose ranks' pools are `layouts` (`staged`: this server stages through host memory; `decode_tp`:
-    the decode servers' --tp-size it was told, --disaggregation-decode-tp), or None."""
+    the decode servers' --tp-size it was told, --disaggregation-decode-tp; `expected`: this model's shard
+    layouts at a TP size, `check_targets`), or None."""
     n, prefix = prompt_len, dst.get("prefix", 0)
     ranks = len(rank_targets(dst))
     if decode_tp is not None and ranks != decode_tp:
@@ -100,7 +106,7 @@ def unfit_dst(
             "prefill server was started with: give the decode servers' size, or leave the flag out (the "
             "destination says it)"
         )
-    problem = check_targets(layouts, dst)
+    problem = check_targets(layouts, dst, expected)
     if problem is None and not prefix < n:
         problem = f"the decode server holds {prefix} tokens of a {n}-token prompt (at most {n - 1})"
     elif problem is None and ("staging" in dst) != staged:

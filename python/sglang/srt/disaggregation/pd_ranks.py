@@ -36,10 +36,11 @@ At one rank (`SINGLE`) every collective is the identity, so the PD queues have o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from sglang.srt.disaggregation.shard_map import ShardLayout, layout_mismatch, shard_writes
+from sglang.srt.disaggregation.shard_map import ShardLayout, check_rows, layout_mismatch, shard_writes
 from sglang.srt.disaggregation.transfer import Descriptor, PoolLayout, transfer_descriptors
 from sglang.srt.disaggregation.weights_fingerprint import weights_mismatch
 
@@ -132,11 +133,19 @@ def rank_targets(dst: dict[str, Any]) -> list[dict[str, Any]]:
     return dst["ranks"] if "ranks" in dst else [dst]
 
 
-def check_targets(layouts: list[PoolLayout], dst: dict[str, Any]) -> str | None:
+# The shard layouts of this model's ranks at a TP size (`shard_map.rank_layouts` with the model's rule);
+# ValueError where the model does not split over it.
+ExpectedShards = Callable[[int], list[ShardLayout]]
+
+
+def check_targets(
+    layouts: list[PoolLayout], dst: dict[str, Any], expected: ExpectedShards | None = None
+) -> str | None:
     """Why a destination cannot take the shards of a prefill server whose ranks' pools are `layouts`
     (every rank checks every pair, so that all decide alike), or None. At the same --tp-size rank i's KV
     and state heads are rank i's on both sides; at another, the ranks' shard layouts say where each
-    decode rank's heads are (`shard_map.layout_mismatch`), except on the staged path."""
+    decode rank's heads are, which must be this model's at that size (`expected`), except on the
+    staged path."""
     targets = rank_targets(dst)
     theirs = [PoolLayout.from_dict(t["layout"]) for t in targets]
     if len(targets) == len(layouts):
@@ -145,15 +154,20 @@ def check_targets(layouts: list[PoolLayout], dst: dict[str, Any]) -> str | None:
             if problem is not None:
                 return problem if len(layouts) == 1 else f"{problem} (TP rank {r})"
     else:
-        problem = _other_sizes_problem(layouts, theirs, "staging" in dst)
+        problem = _other_sizes_problem(layouts, theirs, "staging" in dst, expected)
         if problem is not None:
             return problem
     # (every rank's share of the values summed on each side: any --tp-size / --ep-size compares)
     return weights_mismatch(layouts, theirs)
 
 
-def _other_sizes_problem(layouts: list[PoolLayout], theirs: list[PoolLayout], staged: bool) -> str | None:
-    """Why servers of other --tp-size sizes cannot pair (`check_targets`), or None."""
+def _other_sizes_problem(
+    layouts: list[PoolLayout], theirs: list[PoolLayout], staged: bool, expected: ExpectedShards | None
+) -> str | None:
+    """Why servers of other --tp-size sizes cannot pair (`check_targets`), or None. A decode rank's shard
+    layout comes from the network: it must be exactly this model's at the decode server's size (so what
+    a transfer is built from is what a real pair of this model would send: as many copies, no more) and
+    fill that rank's pools, or the pair is refused here, in a sentence, before anything is built."""
     sizes = f"the decode server runs --tp-size {len(theirs)} and this prefill server --tp-size {len(layouts)}"
     if staged:
         return (
@@ -163,10 +177,29 @@ def _other_sizes_problem(layouts: list[PoolLayout], theirs: list[PoolLayout], st
         )
     if any(layout.shards is None for layout in layouts + theirs):
         return f"{sizes}, and one of them does not say which heads its ranks hold: use the same --tp-size"
-    problem = layouts[0].mismatch(theirs[0], same_shards=False)
-    if problem is not None:
-        return problem
-    return layout_mismatch(_shards(layouts), _shards(theirs))
+    for r, other in enumerate(theirs):
+        problem = layouts[0].mismatch(other, same_shards=False)
+        if problem is not None:
+            return f"{problem} (the decode server's TP rank {r})"
+    mine, shards = _shards(layouts), _shards(theirs)
+    if expected is not None:
+        try:
+            want = expected(len(theirs))
+        except ValueError as e:
+            return f"{sizes}, which this model does not split over ({e})"
+        if shards != want:
+            return (
+                f"{sizes}, and its ranks say they hold other heads than this model's ranks at that size do "
+                "(another model, or another version of this server)"
+            )
+    problem = layout_mismatch(mine, shards)  # (another model: named first, as such)
+    for side, pools, shard in (("prefill", layouts, mine), ("decode", theirs, shards)):
+        for r, (pool, lay) in enumerate(zip(pools, shard, strict=True)):
+            try:
+                check_rows(pool, lay, side)
+            except ValueError as e:
+                problem = problem or f"{e} (TP rank {r})"
+    return problem
 
 
 def _shards(layouts: list[PoolLayout]) -> list[ShardLayout]:

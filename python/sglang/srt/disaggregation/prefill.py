@@ -38,6 +38,7 @@ from sglang.srt.disaggregation.pd_ranks import (
     rank_targets,
     rank_writes,
 )
+from sglang.srt.disaggregation.shard_map import model_rule
 from sglang.srt.disaggregation.staging import ChunkLink
 from sglang.srt.disaggregation.transfer import (
     Descriptor,
@@ -91,6 +92,7 @@ class PrefillBootstrapQueue:
         self.layouts = [PoolLayout.from_dict(d) for d in self.ranks.all_gather(self.layout.to_dict())]
         self.model_path: str | None = None  # the last /update_weights_from_disk's (`weights_changed`)
         self.decode_tp = args.disaggregation_decode_tp  # (upstream's flag: the decode servers' --tp-size)
+        self.shard_rule = model_rule(sched)  # (what this model's ranks hold at a TP size: `check_targets`)
         self.context_len = sched.context_len
         # A destination names one token slot per prompt position: at most 11 bytes each in JSON, and the
         # rest (pool layouts, one per decode rank, and URLs) a few KB per rank.
@@ -315,7 +317,7 @@ class PrefillBootstrapQueue:
         # The prompt's prefix the decode server's radix cache holds already: its KV does not move.
         prefix = dst.get("prefix", 0)
         # (every rank checks every pair: all decide alike)
-        problem = unfit_dst(self._layouts(), dst, n, self.staging is not None, self.decode_tp)
+        problem = unfit_dst(self._layouts(), dst, n, self.staging is not None, self.decode_tp, self.shard_rule)
         if problem is not None:
             del self.rooms[key]
             self._notify_failed(dst, f"the transfer cannot be made: {problem}")
@@ -333,7 +335,7 @@ class PrefillBootstrapQueue:
                 return
             # This rank's shard into the decode rank of the same index, or, where the two servers run
             # another --tp-size, the parts of the decode ranks' shards this rank holds (`rank_writes`:
-            # tens of ms for a long prompt then, so it is built on the transfer thread).
+            # up to ~0.8 s for a 131k-token prompt then, so it is built on the transfer thread).
             tokens = list(req.kv_indices[prefix:n])
             plan = partial(rank_writes, self._layouts(), dst, self.ranks.tp_rank, tokens, req.mamba_pool_idx)
         except Exception as e:  # noqa: BLE001 - what `malformed_dst` missed: refused, not raised

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache, lru_cache, partial
 from typing import Any
 
 import torch
@@ -33,7 +33,9 @@ from sglang.srt.disaggregation.transfer import Descriptor, PoolLayout, token_run
 Run = tuple[int, int]  # (first global unit, unit count), in this rank's local order
 Piece = tuple[int, int, int]  # (first source unit, first destination unit, count), in local offsets
 
-MAX_RUNS = 4096  # per axis, in a layout from the network
+# Per axis, in a layout from the network: a rank's units are at most three runs (q | k | v, x | B | C); a
+# peer's layout is also checked against the model's own (`rank_layouts`) before anything is built from it.
+MAX_RUNS = 16
 MAX_UNITS = 1 << 40  # a bound on any unit index, count or size a peer sends
 AXES = ("kv", "conv", "ssm")
 _WHAT = {"kv": "KV heads", "conv": "conv-state channels", "ssm": "SSM-state heads"}
@@ -120,6 +122,18 @@ def rank_layout(arch, tp_size: int, tp_rank: int, kv_unit: int, conv_unit: int, 
         Segments.of(conv, conv_unit),
         Segments.of(ssm, ssm_unit),
     )
+
+
+def rank_layouts(arch, tp_size: int, units: ShardLayout) -> list[ShardLayout]:
+    """Every rank's layout at `tp_size` for the model `arch`, with the unit sizes of `units` (a rank's own
+    layout: they do not depend on the TP size). ValueError where the model does not split over it."""
+    sizes = (units.kv.unit_bytes, units.conv.unit_bytes, units.ssm.unit_bytes)
+    return [rank_layout(arch, tp_size, r, *sizes) for r in range(tp_size)]
+
+
+def model_rule(sched) -> Callable[[int], list[ShardLayout]]:
+    """`rank_layouts` for the scheduler's model and pools: what its ranks at any TP size hold."""
+    return partial(rank_layouts, sched.model_runner.arch, units=shard_layout(sched))
 
 
 def pools_layout(arch, kv_pool, mamba_pool, tp_size: int, tp_rank: int) -> ShardLayout:
@@ -244,7 +258,7 @@ def _plan(
     )
 
 
-def _check_rows(pool: PoolLayout, shard: ShardLayout, side: str) -> None:
+def check_rows(pool: PoolLayout, shard: ShardLayout, side: str) -> None:
     """ValueError where a rank's shard layout does not fill its pools' rows exactly."""
     half = len(pool.state_ptrs) // 2
     if len(pool.state_ptrs) % 2 or len(pool.state_slot_bytes) != len(pool.state_ptrs):
@@ -290,7 +304,7 @@ def shard_writes(
     (`layout_mismatch` says why first)."""
     for side, ranks in (("prefill", src), ("decode", dst)):
         for pool, shard in ranks:
-            _check_rows(pool, shard, side)
+            check_rows(pool, shard, side)
     plan = _plan(tuple(s for _, s in src), tuple(s for _, s in dst))
     mine_pool, mine = src[src_rank]
     runs = token_runs(src_tokens, dst_tokens)
