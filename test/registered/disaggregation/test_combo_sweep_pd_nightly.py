@@ -2,22 +2,29 @@
 behind `sglang-router` per case, one pair at a time, each feature on both servers (the mamba strategies,
 page 16, chunked prefill, no overlap, a small pool, FP8 KV, online FP8, the FP8 checkpoint, the staged
 path, the host tier, NGRAM, NEXTN, TP 2), the decode radix cache under each strategy and with other
-features, pairs that may differ (page sizes, strategies, the host tier or chunking on one side) and the
-other architectures' presets (some with the decode radix cache). None is BROKEN or WRONG: each
-serves combo_sweep's requests through the router with the tokens of the prefill server's own answers
-and of the preset's pair without features (the vision-language preset's image request gets a 400:
-images are not served under PD), its next two turns move their whole prompts (only what the decode tree
-lacks with the decode radix cache), and both servers hold nothing afterwards. Every mismatched pair
+features, pairs that may differ (page sizes, strategies, the host tier or chunking on one side), the
+other architectures' presets (some with the decode radix cache), and servers of different --tp-size
+(`HETERO_TP_CASES`: prefill TP 2 -> decode TP 1 and TP 1 -> 2 with each strategy, the decode radix
+cache, another page size on one side, --ep-size 2 on the TP-2 side, online FP8, the block-FP8
+checkpoint, FP8 KV, NEXTN, NIXL, and Nemotron-H, LFM2 and Qwen3.5: each OK, not refused, but the
+staged pair and another checkpoint's). None is BROKEN or WRONG: each serves combo_sweep's requests
+through the router with the tokens of the prefill server's own answers and of the preset's pair without
+features (the vision-language preset's image request gets a 400: images are not served under PD), its
+next two turns move their whole prompts (only what the decode tree lacks with the decode radix cache),
+and both servers hold nothing afterwards. Every mismatched pair
 (--kv-cache-dtype, --mamba-ssm-dtype, SGLANG_MAMBA_CONV_DTYPE, --dtype, --quantization, the weights'
 values - another checkpoint of the preset, or a tensor update on the decode server only - named by
---model-path, --speculative-algorithm, SGLANG_DISAGGREGATION_STAGING, --tp-size; --dp-size, which PD
-refuses at start) is REFUSED, naming what differs, and leaves nothing held.
+--model-path, also between TP 2 and TP 1, --speculative-algorithm, SGLANG_DISAGGREGATION_STAGING,
+--tp-size on the staged path (rank i to rank i only); --dp-size, which PD refuses at start) is REFUSED,
+naming what differs, and leaves nothing held.
 
     .venv/bin/python -m pytest -q -s test/registered/disaggregation/test_combo_sweep_pd_nightly.py
 
 Measured on the loaded 2-core VM: 907 s for the 59 cases (50 OK, 8 REFUSED, 1 REFUSED_REQ; 11-24 s a
 case), and 988 s for 57 of them under a heavier load (10-40 s a case); the three cases added since
-(conv_dtype_mismatch, checkpoint_mismatch, weight_update_mismatch) took 13-23 s each.
+(conv_dtype_mismatch, checkpoint_mismatch, weight_update_mismatch) took 13-23 s each. The 18 cases of
+servers of different --tp-size (tp2_mismatch, refused before, is now tp2_to_1) took 324 s together
+(12-32 s each; 16 OK, 2 REFUSED).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 from sglang.test import combo_sweep_pd
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=1090, suite="nightly-cpu")
+register_cpu_ci(est_time=1420, suite="nightly-cpu")
 
 
 def test_no_pd_case_is_broken_and_mismatched_pairs_are_refused(tmp_path):
@@ -43,6 +50,10 @@ def test_no_pd_case_is_broken_and_mismatched_pairs_are_refused(tmp_path):
         outcome = results[case.name]
         if case.refuse:
             assert outcome.status == "REFUSED" and case.refuse in outcome.detail, table
+        elif case in combo_sweep_pd.HETERO_TP_CASES:
+            # Other --tp-size sizes pair on the direct paths: a refusal at start or of a request is a
+            # regression here, not a flag this pair lacks.
+            assert outcome.status == "OK", table
         elif case.decode_radix and outcome.status == "OK":
             # The last turn (334 tokens: the previous prompt, its 8 answer tokens and 13 new ones) moves
             # what the decode tree lacks: those 21 and at most a page of the previous turn's KV (the
