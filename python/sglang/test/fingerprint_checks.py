@@ -1,9 +1,10 @@
 """The weights fingerprint under tensor / expert parallelism (`disaggregation/weights_fingerprint.py`), run
 on each rank by `sglang.test.multi_rank.run_ranks` (importable by name, as spawn needs); `rank_shares(0,
 1, None, cases)` is TP 1, in process. Each case loads a checkpoint at the rank's TP / EP sizes and gives
-this rank's meta digest and share, then its share again after one bit of one element is flipped on the
-last rank (the other ranks' shares unchanged): where that element sits in the checkpoint's full tensor,
-so that TP 1 flips the same one."""
+this rank's meta digest, share and held sum, then both again after one bit of one element is flipped on
+the last rank (the other ranks' unchanged): where that element sits in the checkpoint's full tensor, so
+that TP 1 flips the same one; and at TP > 1 after one bit of a replicated tensor's copy is flipped on the
+last rank too (review R1 finding 2: a copy one rank alone got wrong)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,16 @@ def flipped_element(model: torch.nn.Module, tp_rank: int, tp_size: int) -> tuple
     return name, index
 
 
+def replicated(model: torch.nn.Module) -> str:
+    """A floating-point tensor every TP rank holds whole (no shards; a norm where there is one)."""
+    from sglang.srt.layers.linear import weight_shards
+
+    names = [n for n, t in model.state_dict(keep_vars=True).items()
+             if t.dtype.is_floating_point and t.numel() and not weight_shards(t)]  # fmt: skip
+    assert names, "no replicated floating-point tensor"
+    return next((n for n in names if "norm" in n), names[0])
+
+
 def flip(t: torch.Tensor, index: list[int]) -> None:
     """Flip the lowest bit of one element of `t` (a parameter: in place, as a weight update writes)."""
     with torch.no_grad():
@@ -80,17 +91,30 @@ def one_case(case: Case, tp_rank: int, tp_size: int, flip_at: tuple[str, list[in
     if tp_size > 1:
         ps.initialize_model_parallel(tp_size, case.ep)
     model, draft = load(case)
-    digest, share = weights_share(model, draft)
+    digest, share, held = weights_share(model, draft)
     name, global_index = flipped_element(model, tp_rank, tp_size)
     if flip_at is not None:  # (TP 1: the element the last rank of another run flipped)
         name, global_index = flip_at
     if flip_at is not None or tp_rank == tp_size - 1:
         local = [0] * len(global_index) if flip_at is None else global_index
         flip(model.state_dict(keep_vars=True)[name], local)
+    _, flipped_share, flipped_held = weights_share(model, draft)
+    replica = replica_share = replica_held = None
+    if tp_size > 1:  # (a replicated tensor's copy on the last rank: counted on rank 0 only)
+        replica = replicated(model)
+        if tp_rank == tp_size - 1:
+            t = model.state_dict(keep_vars=True)[replica]
+            flip(t, [0] * t.dim())
+        _, replica_share, replica_held = weights_share(model, draft)
     return {
         "digest": digest,
         "share": share,
-        "flipped_share": weights_share(model, draft)[1],
+        "held": held,
+        "flipped_share": flipped_share,
+        "flipped_held": flipped_held,
+        "replica": replica,
+        "replica_share": replica_share,
+        "replica_held": replica_held,
         "flipped": (name, global_index),
         "dtypes": sorted({str(t.dtype) for t in model.state_dict().values()}),
     }
@@ -116,7 +140,9 @@ FP8_EXPERTS = {"SGLANG_FP8_EXPERTS": "fp8"}  # (the CPU dequantizes FP8 at load 
 def check_totals(cases: list[Case], ranks: list[list[dict[str, Any]]]) -> None:
     """Asserts that every rank's meta digest and the sum of the ranks' shares (`ranks`: each rank's
     `rank_shares`) equal TP 1's, computed here; and, with one element of the last rank's shard flipped,
-    that the total changes to TP 1's with the same element of the full tensor flipped."""
+    that the total changes to TP 1's with the same element of the full tensor flipped. Then, with one
+    bit of the last rank's copy of a replicated tensor flipped as well (`check_replica`), that the pair
+    at the same sizes is refused naming that rank, and that one at TP 1 is not (the documented limit)."""
     flips = [r["flipped"] for r in ranks[-1]]
     tp1 = rank_shares(0, 1, None, cases, flips)
     for i, case in enumerate(cases):
@@ -128,3 +154,34 @@ def check_totals(cases: list[Case], ranks: list[list[dict[str, Any]]]) -> None:
         assert flipped == tp1[i]["flipped_share"] != total, (case.name, flips[i])
         if case.env == FP8_EXPERTS:
             assert "torch.float8_e4m3fn" in tp1[i]["dtypes"], case.name
+        check_replica(case, [r[i] for r in ranks], tp1[i])
+
+
+def check_replica(case: Case, ranks: list[dict[str, Any]], tp1: dict[str, Any]) -> None:
+    """One case's ranks (`one_case` at TP > 1) and TP 1's: rank 0 counts all it holds, and after the last
+    rank's copy of a replicated tensor changed, the total is unchanged (counted on rank 0) while that
+    rank's held sum differs: `weights_mismatch` refuses the pair at the same --tp-size and --ep-size
+    naming that rank, and accepts it against TP 1 or another --ep-size (only the totals compare)."""
+    from dataclasses import replace
+
+    from sglang.srt.disaggregation.transfer import PoolLayout
+    from sglang.srt.disaggregation.weights_fingerprint import weights_mismatch, weights_total
+
+    last = len(ranks) - 1
+    assert ranks[0]["held"] == ranks[0]["share"] and tp1["held"] == tp1["share"], case.name
+    assert ranks[last]["held"] != ranks[last]["share"], case.name  # (it holds copies: the replicated tensor)
+    bare = PoolLayout([], [], 0, [], [], [], ep_size=case.ep)
+
+    def layouts(rows: list[dict[str, Any]], state: str, ep: int = case.ep) -> list[PoolLayout]:
+        return [replace(bare, weights_digest=r["digest"], weights_share=r[f"{state}_share"],
+                        weights_held=r[f"{state}_held"], ep_size=ep) for r in rows]  # fmt: skip
+
+    good, bad = layouts(ranks, "flipped"), layouts(ranks, "replica")
+    assert [r["replica_share"] for r in ranks] == [r["flipped_share"] for r in ranks], case.name
+    assert weights_total(good) == weights_total(bad), case.name
+    assert weights_mismatch(good, layouts(ranks, "flipped")) is None, case.name
+    for a, b in ((good, bad), (bad, good)):
+        message = weights_mismatch(a, b)
+        assert message is not None and message.endswith(f"(TP rank {last})"), (case.name, message)
+    assert weights_mismatch(layouts([tp1], "flipped", 1), bad) is None, case.name
+    assert weights_mismatch(layouts(ranks, "flipped", case.ep + 1), bad) is None, case.name

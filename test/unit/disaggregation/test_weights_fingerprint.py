@@ -151,7 +151,7 @@ def test_the_sum_is_the_documented_integer_function_whatever_the_chunk(monkeypat
     """The share is a function of the elements' bits, their positions and the tensor's name in 64-bit
     integer arithmetic (as docs/disaggregation.md states, so any device computes the same): checked
     against Python integers for int64 and bfloat16 elements (zero-extended bits), with chunks of 2**17
-    elements and of 3; the tensors' sums add up into one."""
+    elements and of 3, zero-extended by an unsigned copy or by a mask; the tensors' sums add up into one."""
     from sglang.srt.disaggregation import weights_fingerprint as module
 
     mask = (1 << 64) - 1
@@ -177,6 +177,10 @@ def test_the_sum_is_the_documented_integer_function_whatever_the_chunk(monkeypat
     got = module.weights_share(holder)[1]
     monkeypatch.setitem(module.CHUNK_ELEMENTS, "cpu", 3)
     assert got == want == module.weights_share(holder)[1]
+    # A device that cannot copy uint16 into int64 (zero-extending) sign-extends and masks: the same sum.
+    assert module._copies_unsigned("cpu")
+    monkeypatch.setattr(module, "_copies_unsigned", lambda device_type: False)
+    assert module.weights_share(holder)[1] == want
 
 
 def test_every_byte_counts_whatever_the_dtype_or_alignment():
@@ -298,9 +302,9 @@ def test_a_refusal_names_the_checkpoints_and_the_routes():
 
 def test_a_server_fingerprint_is_its_meta_digest_and_the_sum_of_its_ranks_shares():
     """Servers sharded differently compare by the sum of their ranks' shares (mod 2**64) under one meta
-    digest; the per-rank layout check no longer compares values (nor --ep-size, which the layout no
-    longer carries). A rank whose fingerprint failed, or ranks that disagree on the meta digest, match
-    nothing."""
+    digest; the per-rank layout check compares no values, nor --ep-size (which the layout carries again,
+    for the held sums: `test_held_sums_compare_rank_by_rank_at_the_same_sizes`). A rank whose fingerprint
+    failed, or ranks that disagree on the meta digest, match nothing."""
     layout = replace(small_layout(), weights_digest="0123456789abcdef")
     big = (1 << 64) - 5
     one = [replace(layout, weights_share=(big + 7) & ((1 << 64) - 1))]
@@ -310,7 +314,7 @@ def test_a_server_fingerprint_is_its_meta_digest_and_the_sum_of_its_ranks_shares
     assert weights_mismatch(two, one) is None and weights_mismatch(one, two) is None
     assert weights_total(four) == "0123456789abcdef0000000000000007"
     assert "values differ" in weights_mismatch(two, four) and weights_total(four) in weights_mismatch(two, four)
-    assert not hasattr(layout, "ep_size")
+    assert layout.mismatch(replace(layout, ep_size=2)) is None
     failed = [two[0], replace(two[1], weights_digest="not computed (OutOfMemoryError, 1234abcd)")]
     assert weights_total(failed) not in (weights_total(two), weights_total(one))
     assert weights_mismatch(failed, failed[::-1]) is not None
@@ -319,6 +323,28 @@ def test_a_server_fingerprint_is_its_meta_digest_and_the_sum_of_its_ranks_shares
     assert check_targets(one, dst) is None
     problem = check_targets(one, {"layout": replace(one[0], weights_share=3).to_dict()})
     assert problem is not None and "values differ" in problem
+
+
+def test_held_sums_compare_rank_by_rank_at_the_same_sizes():
+    """Review R1 finding 2: a replicated tensor one rank alone got wrong (rank 1's payload of
+    /update_weights_from_tensor) counts on rank 0 only, so the totals are equal; each rank's held sum
+    (its copies included) differs. At the same --tp-size and --ep-size the held sums compare rank by
+    rank and the refusal names the rank; at another --tp-size or --ep-size only the totals compare (the
+    documented limit: such a pair is accepted)."""
+    layout = replace(small_layout(), weights_digest="0123456789abcdef", ep_size=2)
+    good = [replace(layout, weights_share=s, weights_held=h) for s, h in ((5, 5), (6, 9))]
+    bad = [good[0], replace(good[1], weights_held=10)]  # (rank 1's copy of a replicated tensor changed)
+    assert weights_total(good) == weights_total(bad)
+    assert weights_mismatch(good, [PoolLayout.from_dict(g.to_dict()) for g in good]) is None
+    for a, b in ((good, bad), (bad, good)):
+        message = weights_mismatch(a, b)
+        assert message is not None and message.startswith("the weights' values differ"), message
+        assert message.endswith("(TP rank 1)") and "TP rank 1 holds" in message, message
+    assert check_targets(good, {"ranks": [{"layout": b.to_dict()} for b in bad]}).endswith("(TP rank 1)")
+    # Another --ep-size, another --tp-size (the same total on one rank): not compared.
+    assert weights_mismatch(good, [replace(b, ep_size=1) for b in bad]) is None
+    one = [replace(layout, weights_share=11, weights_held=11)]
+    assert weights_total(one) == weights_total(bad) and weights_mismatch(one, bad) is None
 
 
 def test_a_layouts_share_from_the_network_is_bounded():
@@ -447,8 +473,8 @@ def test_after_an_update_only_the_tensors_written_are_read_again(paths, monkeypa
     model = load(paths[0])
     full = weights_fingerprint(model)
     read = []
-    sum_of = module._tensor_share
-    monkeypatch.setattr(module, "_tensor_share", lambda t, *a: read.append(t.shape) or sum_of(t, *a))
+    sum_of = module._tensor_sums
+    monkeypatch.setattr(module, "_tensor_sums", lambda t, *a: read.append(t.shape) or sum_of(t, *a))
     assert weights_fingerprint(model, cached=True) == full and read == []
     new = served_tensors(paths[1])
     name = next(n for n in sorted(new) if n.endswith("o_proj.weight"))
@@ -507,9 +533,10 @@ def test_sharded_shares_sum_to_the_whole_tensors_fingerprint():
     the share of the whole tensors at one rank, under one meta digest, at TP 4: a vocabulary padded to a
     multiple of 4 (its padding rows skipped), KV heads in 2 parts (each held by 2 ranks), an FP8 weight
     and its block scales (`in_blocks`), stacked experts over EP 2 with their gate | up rows over the 2
-    ranks holding each expert, Mamba2-like rows given as spans that overlap between ranks (`SpanShard`:
-    a replicated group), a replicated norm, in float32, bfloat16 and float8. One bit of an element a
-    lower rank does not hold, flipped on its rank, changes the sum to the whole's with it flipped."""
+    ranks holding each expert, Mamba2-like rows and a vector given as spans that overlap between ranks
+    (`SpanShard`: a replicated group), a replicated norm, in float32, bfloat16 and float8. One bit of an
+    element a lower rank does not hold, flipped on its rank, changes the sum to the whole's with it
+    flipped; one of a copy changes that rank's held sum and not its share."""
     from sglang.srt.layers.attention.mamba.mamba2_shards import SpanShard
     from sglang.srt.layers.linear import DimShard
 
@@ -524,6 +551,7 @@ def test_sharded_shares_sum_to_the_whole_tensors_fingerprint():
         "w13": (torch.randn(4, 8, 6, generator=g),
                 (DimShard(0, (4,), 2, (0, 1, 0, 1)), DimShard(1, (4, 4), 2, (0, 0, 1, 1)))),
         "conv": (torch.randn(10, 1, 4, generator=g), (SpanShard(0, (10,), 4, (0, 1, 2, 3), 0, spans),)),
+        "conv_bias": (torch.randn(10, generator=g), (SpanShard(0, (10,), 4, (0, 1, 2, 3), 0, spans),)),
         "norm": (torch.randn(8, generator=g), ()),
     }  # fmt: skip
 
@@ -547,11 +575,20 @@ def test_sharded_shares_sum_to_the_whole_tensors_fingerprint():
 
     whole = weights_share(holder(None))
     parts = [weights_share(holder(r), tp_rank=r) for r in range(tp)]
-    assert {d for d, _ in parts} == {whole[0]}
-    assert sum(s for _, s in parts) & mask == whole[1]
+    assert {p[0] for p in parts} == {whole[0]}
+    assert sum(p[1] for p in parts) & mask == whole[1]
     # Rank 2's first conv row is full row 4 (its own); flipped there, and in the whole tensor.
     flipped = [weights_share(holder(r, ("conv", (0, 0, 0)) if r == 2 else None), tp_rank=r)[1] for r in range(tp)]
     assert sum(flipped) & mask == weights_share(holder(None, ("conv", (4, 0, 0))))[1] != whole[1]
+    # The held sums (every element a rank holds, copies included; not the padding): rank 0's is its share;
+    # a bit flipped in a copy (the replicated norm, rank 3's conv rows 0-1 and bias entries 0-1, held by
+    # rank 0 too) changes that rank's held sum only, and one in a padding row neither sum.
+    assert parts[0][1] == parts[0][2] and all(p[1] != p[2] for p in parts[1:])
+    copies = ((1, "norm", (3,)), (3, "conv", (1, 0, 2)), (3, "conv_bias", (0,)))
+    for r, name, index in (*copies, (3, "embed", (2, 0))):  # (rank 3's embed rows 1-2: padding)
+        changed = weights_share(holder(r, (name, index)), tp_rank=r)
+        assert changed[1] == parts[r][1], (name, index)
+        assert (changed[2] == parts[r][2]) == (name == "embed"), (name, index)
 
 
 def _flat(t: torch.Tensor, index: tuple[int, ...]) -> int:

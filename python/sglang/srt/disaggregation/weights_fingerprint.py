@@ -25,16 +25,24 @@ and a sum whose order does not matter: the same values give the same fingerprint
 count, chunk size (the CPU works in chunks of 2**17 elements, a GPU of 2**23, to bound the temporaries) or
 storage order (the CPU keeps MoE experts transposed).
 
-Cost: ~15 passes over each chunk of elements while it is in cache (docs/disaggregation.md has the
-numbers), on PD servers only: in full at start, after /update_weights_from_disk and after
-/resume_memory_occupation of the weights; after /update_weights_from_tensor and
-/update_weights_from_distributed (an RL refit sends hundreds of buckets) only the tensors the update wrote
-are read again (`models/weight_writes.py`: the loader notes its targets), the others' sums come from the
-last fingerprint.
+Each rank also sums the same mixed values over every element it holds, copies included (its held sum,
+`PoolLayout.weights_held`): a copy one rank alone got wrong (one rank's payload of
+/update_weights_from_tensor) changes no total, and two servers of the same --tp-size and --ep-size, whose
+ranks hold the same elements, compare the held sums rank by rank (`weights_mismatch`). Between servers
+sharded otherwise only the totals compare: the copies on ranks other than the lowest holding them are
+not compared.
+
+Cost: ~15 passes over each chunk of elements while it is in cache, both sums from one set of mixed
+values (docs/disaggregation.md has the numbers), on PD servers only: in full at start, after
+/update_weights_from_disk and after /resume_memory_occupation of the weights; after
+/update_weights_from_tensor and /update_weights_from_distributed (an RL refit sends hundreds of buckets)
+only the tensors the update wrote are read again (`models/weight_writes.py`: the loader notes its
+targets), the others' sums come from the last fingerprint.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -102,19 +110,38 @@ def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> None:
 
 def _bits(t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     """`t`'s elements' bits as an integer tensor of its shape (one more trailing dimension of bytes for an
-    element size other than 1, 2, 4 or 8), and the mask that zero-extends them into an int64."""
+    element size other than 1, 2, 4 or 8), and the mask that zero-extends their int64 copy (None: the
+    copy is zero-extended already, from an unsigned view where the device copies those)."""
     size = t.element_size()
     if size not in _VIEWS:
         return t.unsqueeze(-1).view(torch.uint8), None
     dtype, mask = _VIEWS[size]
+    if mask is not None and _copies_unsigned(t.device.type):
+        return t.view({2: torch.uint16, 4: torch.uint32}[size]), None
     return t.view(dtype), mask
 
 
+@functools.cache
+def _copies_unsigned(device_type: str) -> bool:
+    """Whether the device copies uint16 / uint32 into int64, zero-extending (one pass less than a
+    sign-extending copy and a mask; torch's barebones unsigned dtypes)."""
+    try:
+        for dtype, bits in ((torch.int16, 0xFFFF), (torch.int32, 0xFFFFFFFF)):
+            src = torch.full((1,), -1, dtype=dtype, device=device_type)
+            unsigned = src.view({torch.int16: torch.uint16, torch.int32: torch.uint32}[dtype])
+            if int(torch.empty(1, dtype=torch.int64, device=device_type).copy_(unsigned).cpu()) != bits:
+                return False
+        return True
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return False
+
+
 def _counted(t: torch.Tensor, shape: tuple[int, ...], full: tuple[int, ...], tp_rank: int):
-    """Per dimension of `t`'s bits (local `shape`, full `full`): (the local entries this rank counts, None
-    for all of them; their positions in the full tensor). None where a lower TP rank holds every element
-    this one does. Padding past the full size does not count, and an element a lower rank also holds
-    counts there."""
+    """Per dimension of `t`'s bits (local `shape`, full `full`): (the local entries this rank holds, None
+    for all of them; their positions in the full tensor), padding past the full size skipped; and which
+    of them this rank counts in its share: True (all), False (a lower TP rank holds every one), or per
+    dimension a mask over its held entries (None: all), an element a lower rank also holds counting
+    there."""
     shards = {s.dim: s for s in weight_shards(t)}
     positions = [shards[d].positions(shards[d].part_of_rank[tp_rank]) if d in shards else torch.arange(n)
                  for d, n in enumerate(shape)]  # fmt: skip
@@ -122,44 +149,45 @@ def _counted(t: torch.Tensor, shape: tuple[int, ...], full: tuple[int, ...], tp_
         if p.numel() != shape[d]:
             raise ValueError(f"a tensor's shards name {p.numel()} entries of its dimension {d}, not {shape[d]}")
     keep = [p < full[d] if d in shards else None for d, p in enumerate(positions)]
+    out = []
+    for k, p in zip(keep, positions, strict=True):
+        out.append((None, p) if k is None or bool(k.all()) else (torch.nonzero(k).flatten(), p[k]))
+    owned: list[torch.Tensor | None] = [None] * len(shape)
     for other in range(tp_rank):
-        partial = []  # (dimension, which local entries `other` holds too), where it holds some, not all
+        partial = []  # (dimension, which held entries `other` holds too), where it holds some, not all
         for d, s in shards.items():
             mine, theirs = s.part_of_rank[tp_rank], s.part_of_rank[other]
             if type(s) is DimShard:  # (disjoint parts: one rank's part is another's or shares nothing)
                 if mine != theirs:
                     break
                 continue
-            held = torch.isin(positions[d], s.positions(theirs))
+            held = torch.isin(out[d][1], s.positions(theirs))
             if not held.any():
                 break
             if not held.all():
                 partial.append((d, held))
         else:  # `other` holds these elements too: every one, or those of some entries of one dimension
             if not partial:
-                return None
+                return out, False
             if len(partial) > 1:  # (none such: a part held by several ranks is whole in its other dims)
                 raise ValueError("a tensor's elements are held by another rank along two sharded dimensions")
             d, held = partial[0]
-            keep[d] &= ~held
-    out = []
-    for k, p in zip(keep, positions, strict=True):
-        out.append((None, p) if k is None or bool(k.all()) else (torch.nonzero(k).flatten(), p[k]))
-    return out
+            owned[d] = ~held if owned[d] is None else owned[d] & ~held
+    return out, (True if all(m is None for m in owned) else owned)
 
 
-def _tensor_share(t: torch.Tensor, key: int, tp_rank: int) -> torch.Tensor:
-    """This rank's part of the mixed sum of `t`'s elements over the full tensor (a 0-dim int64 tensor on
-    its device): mix(bits + position * K + key) over the elements it counts (`_counted`), chunk by chunk."""
+def _tensor_sums(t: torch.Tensor, key: int, tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's parts of the mixed sum of `t`'s elements over the full tensor (0-dim int64 tensors on
+    its device), mix(bits + position * K + key) chunk by chunk: over the elements it counts (`_counted`:
+    its share) and over every element it holds, copies of a lower rank's included (the same mixed values,
+    summed twice)."""
     device = t.device
-    total = torch.zeros((), dtype=torch.int64, device=device)
+    zero = torch.zeros((), dtype=torch.int64, device=device)
     x = t.detach()
     bits, mask = _bits(x.reshape(1) if x.dim() == 0 else x)
     full = (full_shape(t) or (1,)) + tuple(bits.shape[max(x.dim(), 1) :])
-    counted = _counted(t, tuple(bits.shape), full, tp_rank)
-    if counted is None:
-        return total
-    offsets = []  # per dimension: each counted entry's position times the full tensor's stride, times K
+    counted, owned = _counted(t, tuple(bits.shape), full, tp_rank)
+    offsets = []  # per dimension: each held entry's position times the full tensor's stride, times K
     stride = _POSITION_KEY
     for d in reversed(range(bits.dim())):
         local, pos = counted[d]
@@ -169,7 +197,9 @@ def _tensor_share(t: torch.Tensor, key: int, tp_rank: int) -> torch.Tensor:
         stride = _int64(stride * full[d])
     offsets.reverse()
     if bits.numel() == 0:
-        return total
+        return zero, zero
+    masks = [m.to(device) if m is not None else None for m in owned] if owned not in (True, False) else None
+    share, held = zero.clone(), zero.clone()
     # In logical order, not memory order: the CPU keeps MoE experts transposed (`experts.py`), a GPU does
     # not, and equal values must fingerprint alike (the copy is the CPU's, of its transposed experts).
     cols = bits.shape[-1]
@@ -179,27 +209,57 @@ def _tensor_share(t: torch.Tensor, key: int, tp_rank: int) -> torch.Tensor:
     row_step, col_step = max(1, chunk // cols), min(cols, chunk)
     z = torch.empty(min(chunk, rows * cols), dtype=torch.int64, device=device)
     tmp = torch.empty_like(z)
-    outer = list(zip(bits.shape[:-1], offsets[:-1], strict=True))[::-1]
+    # The three terms of bits + position * K + key (the row's key, the column's offset, the bits) side by
+    # side, added by one sum over them: torch's int64 add multiplies by its alpha (twice the time of a
+    # xor on a CPU), its sum does not. The columns' offsets stay from one chunk to the next of a row.
+    terms = torch.empty((3, z.numel()), dtype=torch.int64, device=device)
+    filled = None  # (the chunk shape and first column of the offsets in terms[1])
+    outer = list(zip(bits.shape[:-1], offsets[:-1], masks[:-1] if masks else [None] * (bits.dim() - 1),
+                     strict=True))[::-1]  # fmt: skip
     for r0 in range(0, rows, row_step):
         r1 = min(rows, r0 + row_step)
-        # Each row's key: the name's plus its entries' offsets in the outer dimensions (from its index).
+        # Each row's key: the name's plus its entries' offsets in the outer dimensions (from its index),
+        # and whether this rank counts it (the outer dimensions' ownership masks).
         index = torch.arange(r0, r1, device=device)
         base = torch.full((r1 - r0,), key, dtype=torch.int64, device=device)
-        for size, offs in outer:
+        mine = None
+        for size, offs, m in outer:
             base += offs[index % size]
+            if m is not None:
+                mine = m[index % size] if mine is None else mine & m[index % size]
             index //= size
         for c0 in range(0, cols, col_step):
             c1 = min(cols, c0 + col_step)
             n = (r1 - r0) * (c1 - c0)
-            zz, tt = z[:n].view(r1 - r0, c1 - c0), tmp[:n].view(r1 - r0, c1 - c0)
-            torch.add(base[:, None], offsets[-1][None, c0:c1], out=zz)
-            tt.copy_(flat[r0:r1, c0:c1])  # (sign-extended: masked back to the element's bits)
+            shape = (r1 - r0, c1 - c0)
+            zz, tt = z[:n].view(shape), tmp[:n].view(shape)
+            terms[0, :n].view(shape).copy_(base[:, None])
+            if filled != (shape, c0):
+                terms[1, :n].view(shape).copy_(offsets[-1][None, c0:c1])
+                filled = (shape, c0)
+            bits_now = terms[2, :n].view(shape)
+            bits_now.copy_(flat[r0:r1, c0:c1])  # (zero-extended, or sign-extended and masked back)
             if mask is not None:
-                tt.bitwise_and_(mask)
-            zz.add_(tt)
+                bits_now.bitwise_and_(mask)
+            torch.sum(terms[:, :n], 0, out=z[:n])
             _mix_(zz, tt)
-            total += zz.sum()
-    return total
+            if owned is True or owned is False:
+                part = zz.sum()
+                held += part
+                if owned:
+                    share += part
+                continue
+            # Counted by a part: the rows' sums once, then those of the rows (and columns) this rank owns.
+            last = masks[-1]
+            if last is None:
+                row_sums = zz.sum(1)
+                held += row_sums.sum()
+                share += row_sums.sum() if mine is None else row_sums[mine].sum()
+            else:
+                held += zz.sum()
+                mine_zz = zz if mine is None else zz[mine]
+                share += mine_zz[:, last[c0:c1]].sum()
+    return share, held
 
 
 def config_text(model: torch.nn.Module) -> str:
@@ -219,24 +279,25 @@ def config_text(model: torch.nn.Module) -> str:
 
 
 # Per model (dropped with it): each state-dict tensor's (address, shape, strides, dtype, device, TP rank),
-# the number of the last weight write noted when its share was taken (`weight_writes.py`), and the share.
+# the number of the last weight write noted when its sums were taken (`weight_writes.py`), and the sums.
 _sums: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def weights_share(
     *models: torch.nn.Module | None, context: str = "", cached: bool = False, tp_rank: int | None = None
-) -> tuple[str, int]:
+) -> tuple[str, int, int]:
     """The models' (None entries skipped) meta digest (16 hex digits: names, full shapes, dtypes, configs
-    and `context`; the same on every rank) and this TP rank's share of their values (an int in [0, 2**64);
-    `tp_rank`: this process's by default). With `cached`, a tensor no weight write has noted since the
-    last fingerprint of its model (same address and layout) keeps its share from then; else every tensor
-    is read."""
+    and `context`; the same on every rank), this TP rank's share of their values (an int in [0, 2**64):
+    the elements it counts; `tp_rank`: this process's by default) and its held sum (the same over every
+    element it holds, its copies of a lower rank's included: `PoolLayout.weights_held`). With `cached`,
+    a tensor no weight write has noted since the last fingerprint of its model (same address and layout)
+    keeps its sums from then; else every tensor is read."""
     if tp_rank is None:
         from sglang.srt.distributed import get_tensor_model_parallel_rank
 
         tp_rank = get_tensor_model_parallel_rank()
     h = hashlib.sha256(context.encode())
-    shares: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []  # (each tensor's share and held sum)
     seen = last_write()  # (before any read: a write noted after it makes the shares stale)
     for i, model in enumerate(models):
         if model is None:
@@ -251,16 +312,17 @@ def weights_share(
             where = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, tp_rank)
             hit = before.get(name)
             if hit is not None and hit[0] == where and last_write_into(t) <= hit[1]:
-                share = hit[2]
+                pair = hit[2]
             else:
-                share = _tensor_share(t, name_key(f"{i}:{name}"), tp_rank)
-            now[name] = (where, seen, share)
-            shares.append(share)
+                pair = _tensor_sums(t, name_key(f"{i}:{name}"), tp_rank)
+            now[name] = (where, seen, pair)
+            sums.extend(pair)
         _sums[model] = now
-    total = 0
-    if shares:  # (one copy to the host: the shares wait on the device until then)
-        total = int(torch.stack([s.to(shares[0].device) for s in shares]).sum().cpu()) & MASK64
-    return h.hexdigest()[:16], total
+    share = held = 0
+    if sums:  # (one copy to the host: the sums wait on the device until then)
+        both = torch.stack([s.to(sums[0].device) for s in sums]).view(-1, 2).sum(0).cpu()
+        share, held = (int(v) & MASK64 for v in both)
+    return h.hexdigest()[:16], share, held
 
 
 def fingerprint_text(digest: str, total: int) -> str:
@@ -270,7 +332,7 @@ def fingerprint_text(digest: str, total: int) -> str:
 
 def weights_fingerprint(*models: torch.nn.Module | None, context: str = "", cached: bool = False) -> str:
     """`weights_share` as a fingerprint (32 hex digits): a whole server's at one TP rank."""
-    return fingerprint_text(*weights_share(*models, context=context, cached=cached))
+    return fingerprint_text(*weights_share(*models, context=context, cached=cached)[:2])
 
 
 def weights_total(layouts: list[PoolLayout]) -> str:
@@ -285,17 +347,34 @@ def weights_total(layouts: list[PoolLayout]) -> str:
 
 def weights_mismatch(prefill: list[PoolLayout], decode: list[PoolLayout]) -> str | None:
     """Why the two servers' weights differ (the prefill server's ranks' layouts, then the decode server's;
-    any --tp-size each), or None."""
+    any --tp-size each), or None. The totals compare at any sizes; at the same --tp-size and --ep-size
+    the ranks hold the same elements, and each rank's held sum (its copies of replicated elements
+    included) compares with the same rank's too: a copy one rank alone got wrong (a per-rank payload of
+    /update_weights_from_tensor) changes no total. At other sizes the copies on ranks other than the
+    lowest holding them are not compared."""
     here, there = weights_total(prefill), weights_total(decode)
     if here == there:
+        if len(prefill) != len(decode) or {p.ep_size for p in prefill} != {d.ep_size for d in decode}:
+            return None
+        for r, (mine, theirs) in enumerate(zip(prefill, decode, strict=True)):
+            if mine.weights_held != theirs.weights_held:
+                held = f"{mine.weights_held:016x}, the decode server's {theirs.weights_held:016x}"
+                return f"{_differ(prefill, decode, here, there, f'; its TP rank {r} holds {held}')} (TP rank {r})"
         return None
+    return _differ(prefill, decode, here, there)
+
+
+def _differ(
+    prefill: list[PoolLayout], decode: list[PoolLayout], here: str, there: str, more: str = ""
+) -> str:
+    """The refusal: what to do, then what each server serves (and `more`)."""
     # (the flag first: a client or log may cut the long paths after it)
     return (
         "the weights' values differ: serve the same checkpoint (--model-path) on both servers and apply "
         "every weight update (/update_weights_from_disk, /update_weights_from_tensor, "
         "/update_weights_from_distributed) to both (the prefill server serves "
         f"{prefill[0].weights_source or 'unnamed weights'}, fingerprint {here or 'none'}; the decode server "
-        f"{decode[0].weights_source or 'unnamed weights'}, fingerprint {there or 'none'})"
+        f"{decode[0].weights_source or 'unnamed weights'}, fingerprint {there or 'none'}{more})"
     )
 
 
@@ -316,19 +395,22 @@ def with_weights(layout: PoolLayout, sched: Any, model_path: str, full: bool = T
     start = time.perf_counter()
     try:
         models = (runner.model, getattr(runner, "draft_model", None))
-        digest, share = weights_share(*models, context=kv_scales_text(runner), cached=not full)
+        digest, share, held = weights_share(*models, context=kv_scales_text(runner), cached=not full)
     except Exception as e:  # noqa: BLE001 - (out of memory for a copy, say) after an update that succeeded
         # Not a crash of the scheduler, and no match with any peer: this server's pair refuses.
-        digest, share = f"not computed ({type(e).__name__}, {uuid.uuid4().hex[:8]})", 0
+        digest, share, held = f"not computed ({type(e).__name__}, {uuid.uuid4().hex[:8]})", 0, 0
         logger.warning("The weights' fingerprint could not be computed (%r): PD pairs will refuse.", e)
     logger.info(
-        "Weights fingerprint %s, this TP rank's share %016x (%s), computed in %.1f ms%s.", digest, share,
-        model_path, (time.perf_counter() - start) * 1e3, "" if full else " (the tensors written since the last)",
+        "Weights fingerprint %s, this TP rank's share %016x, held %016x (%s), computed in %.1f ms%s.",
+        digest, share, held, model_path, (time.perf_counter() - start) * 1e3,
+        "" if full else " (the tensors written since the last)",
     )  # fmt: skip
     return replace(
         layout,
         weights=f"--dtype {runner.dtype}, --quantization {args.quantization or 'none'}",
         weights_digest=digest,
         weights_share=share,
+        weights_held=held,
+        ep_size=getattr(args, "ep_size", 1) or 1,
         weights_source=f"model {model_path}, weight version {args.weight_version}",
     )
