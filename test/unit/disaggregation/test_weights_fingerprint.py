@@ -380,11 +380,13 @@ def test_a_weight_update_refreshes_both_queues_layouts(paths):
     PD queue's weights: the layout the decode server sends, and the layouts the prefill server checks."""
     model = load(paths[0])
     runner = SimpleNamespace(model=model, draft_model=None, dtype=torch.float32)
-    args = SimpleNamespace(quantization=None, weight_version="default", model_path=PRESET)
+    args = SimpleNamespace(quantization=None, weight_version="default", model_path=PRESET, ep_size=3)
     for make in (prefill_queue, decode_queue):
         sched = SimpleNamespace(server_args=args, model_runner=runner, tree_cache=None)
         q = make(sched)
         q.layout = with_weights(small_layout(), sched, PRESET)
+        # (one rank: it holds what it counts; the --ep-size rides along for the rank-by-rank comparison)
+        assert q.layout.weights_held == q.layout.weights_share != 0 and q.layout.ep_size == 3
         q.layouts = [q.layout]
         before = weights_total([q.layout])
         model.load_weights([(n, t) for n, t in served_tensors(paths[1]).items()], update=True)
@@ -393,6 +395,7 @@ def test_a_weight_update_refreshes_both_queues_layouts(paths):
         )
         SchedulerUpdateWeightsMixin._weights_changed(owner, "step-1", paths[1])
         assert weights_total([q.layout]) != before and q.layout.weights_digest
+        assert q.layout.weights_held == q.layout.weights_share and q.layout.ep_size == 3
         assert f"model {paths[1]}, weight version step-1" == q.layout.weights_source
         theirs = q.layouts[0] if make is prefill_queue else PoolLayout.from_dict(q.rank_targets[0]["layout"])
         assert theirs == q.layout
