@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -141,15 +142,87 @@ def test_between_tp_sizes_every_decode_rank_gets_its_heads_from_the_prefill_rank
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-def test_another_tp_size_is_refused_on_the_staged_path_or_without_shard_layouts():
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
+def test_staged_chunks_between_tp_sizes_land_as_the_decode_ranks_own_rows(prefill_tp, decode_tp):
+    """The staged path (host staging buffers, in chunks) between servers of any --tp-size: each prefill
+    rank packs its rows, writes the parts of every decode rank's block it holds into that rank's range
+    (`staged_route.py`), a chunk is unpacked once every prefill rank wrote it, and each decode rank's
+    rows are then exactly the prefill ranks' TP-1 rows it holds. Ranges of 420 bytes: 3 or 6 of the 13
+    positions a chunk (a position weighs 128 bytes at TP 1, 64 at TP 2), the state in a chunk of its own."""
+    import threading
+
+    from sglang.srt.disaggregation.staged_route import staged_route
+    from sglang.srt.disaggregation.staging import ChunkLink, StagedRange, Staging
+    from sglang.srt.disaggregation.state_packer import StatePacker
+
+    def staging(pools, nbytes):
+        kv, mp = pools
+        return Staging.create(StatePacker.of(kv, mp, "cpu"), nbytes, nbytes)
+
+    prefill = [rank_pools(r, fill=True, tp=prefill_tp) for r in range(prefill_tp)]
+    decode = [rank_pools(r, fill=False, tp=decode_tp) for r in range(decode_tp)]
+    layouts = [layout(p, r, prefill_tp) for r, p in enumerate(prefill)]
+    src_tokens, dst_tokens, src_slot, dst_slot = list(range(3, 16)), list(range(40, 53)), 3, 6
+    req = SimpleNamespace(kv_indices=dst_tokens, origin_input_ids=dst_tokens, rid="r", mamba_pool_idx=dst_slot)
+    sending = [staging(p, 1000) for p in prefill]
+    receiving = [staging(d, 1000) for d in decode]
+    entries = []
+    for d in receiving:
+        length = min(d.range_bytes(len(dst_tokens)), 420)  # (a TP-1 state is 400 bytes; several chunks)
+        entries.append(StagedRange(req, d.ranges.alloc(length), length, prefix=0))
+    targets = [{"session": f"decode-rank-{j}", "layout": layout(d, j, decode_tp).to_dict(),
+                "staging": receiving[j].address(e.start), "staging_bytes": e.length}
+               for j, (d, e) in enumerate(zip(decode, entries, strict=True))]  # fmt: skip
+    dst = {"notify": "tcp://x:1", "session": "decode-rank-0", "layout": targets[0]["layout"], "kv": dst_tokens,
+           "slot": dst_slot, "staging": targets[0]["staging"], "staging_bytes": entries[0].length,
+           **destination_ranks(targets, staged=(0, entries[0].length))}  # fmt: skip
+    if decode_tp > 1:  # (each rank's own range: their starts differ here, which a real server's do not)
+        for entry, t in zip(dst["ranks"], targets, strict=True):
+            entry["staging"] = t["staging"]
+    assert malformed_dst(dst, 100) is None and check_targets(layouts, dst, expected) is None
+
+    def unpack_all(chunk):  # (the decode ranks, once every prefill rank wrote the chunk)
+        for d, e in zip(receiving, entries, strict=True):
+            assert d.receive(e, chunk) is None
+
+    class Lockstep(ChunkLink):
+        def wait_ack(self, chunk, timeout):
+            announced.append(chunk)
+            barrier.wait()
+
+    announced = []
+    barrier = threading.Barrier(prefill_tp, action=lambda: unpack_all(announced[-1]))
+    results = [None] * prefill_tp
+
+    def send(r):
+        route = staged_route(layouts, dst, r, sending[r])
+        results[r] = sending[r].send(memmove, route, src_tokens, src_slot, Lockstep(), 10.0)
+
+    threads = [threading.Thread(target=send, args=(r,)) for r in range(prefill_tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(r is not None for r in results), results
+    last = results[0][1]
+    assert all(r[1] == last for r in results) and len(announced) >= 2 * prefill_tp  # (several chunks)
+    unpack_all(last)
+    assert all(e.complete() for e in entries)
+    got, want = global_rows(decode, dst_tokens, dst_slot), global_rows(prefill, src_tokens, src_slot)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def memmove(session: str, descriptors: list) -> None:
+    for src, to, n in descriptors:
+        ctypes.memmove(to, src, n)
+
+
+def test_another_tp_size_is_refused_without_shard_layouts():
     prefill = [rank_pools(r, fill=False) for r in range(TP)]
     layouts = [layout(p, r) for r, p in enumerate(prefill)]
     one = layout(rank_pools(0, fill=False, tp=1), 0, tp=1)
     dst = destination([one], [1], 0)
     assert check_targets(layouts, dst) is None
-    problem = check_targets(layouts, {**dst, "staging": 4096, "staging_bytes": 1 << 20})
-    assert problem.startswith("the decode server runs --tp-size 1 and this prefill server --tp-size 2, and "
-                              "the staged path"), problem  # fmt: skip
     problem = check_targets(layouts, destination([replace(one, shards=None)], [1], 0))
     assert "does not say which heads its ranks hold: use the same --tp-size" in problem
     # Another model: the decode rank holds 3 SSM heads where the prefill ranks hold 2 together.

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang.srt.disaggregation.staged_route import StagedRoute, staged_route
 from sglang.srt.disaggregation.staging import (
     ByteRanges,
     ChunkLink,
@@ -116,6 +117,13 @@ def staged_pair(chunk_bytes: int):
     return prefill, decode, src_tokens, entry, (src_kv, src_states, dst_kv, dst_states)
 
 
+def route(session: str, dst: tuple[int, int], staging: Staging) -> StagedRoute:
+    """The route of a destination at the same --tp-size (one decode rank): its range `dst` (address,
+    bytes) of its session."""
+    target = {"session": session, "layout": {}, "staging": dst[0], "staging_bytes": dst[1]}
+    return staged_route([None], {"ranks": [target]}, 0, staging)
+
+
 def memmove(session: str, descriptors: list[tuple[int, int, int]]) -> None:
     """A transfer engine within one process: each descriptor one copy."""
     for src, dst, n in descriptors:
@@ -132,7 +140,7 @@ def test_a_request_larger_than_the_staging_range_moves_in_chunks_through_fixed_b
     link = ChunkLink()
     dst = (decode.address(entry.start), entry.length)
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(prefill.send, memmove, "s", src_tokens, 4, dst, link, 10.0)
+        future = pool.submit(prefill.send, memmove, route("s", dst, prefill), src_tokens, 4, link, 10.0)
         chunks = 0
         while not future.done():  # the scheduler threads of both servers: announce, unpack, acknowledge
             for c in link.drain():
@@ -160,7 +168,9 @@ def test_chunks_out_of_order_or_past_the_range_are_refused_and_a_cancel_stops_th
     assert "(2 received)" in decode.receive(entry, [0, 2, False])  # a repeat
     link = ChunkLink()
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(prefill.send, memmove, "s", src_tokens, 4, (decode.address(0), 300), link, 10.0)
+        future = pool.submit(
+            prefill.send, memmove, route("s", (decode.address(0), 300), prefill), src_tokens, 4, link, 10.0
+        )
         while not link.drain():
             time.sleep(0.001)
         link.cancel()  # the decode server gave the request up while the first chunk waited for its ack
@@ -170,7 +180,8 @@ def test_chunks_out_of_order_or_past_the_range_are_refused_and_a_cancel_stops_th
     link = ChunkLink()
     link.cancel()  # cancelled while it waited behind another transfer: nothing is written (review (a))
     with pytest.raises(RuntimeError, match="cancelled by the decode server"):
-        prefill.send(lambda *a: writes.append(a), "s", src_tokens, 4, (decode.address(0), 300), link, 10.0)
+        prefill.send(lambda *a: writes.append(a), route("s", (decode.address(0), 300), prefill), src_tokens, 4, link,
+                     10.0)  # fmt: skip
     assert writes == []
 
 
@@ -203,7 +214,8 @@ def test_the_wait_for_an_acknowledgement_counts_only_while_the_scheduler_polls()
     prefill, decode, src_tokens, _, _ = staged_pair(300)
     link = ChunkLink()
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(prefill.send, memmove, "s", src_tokens, 4, (decode.address(0), 300), link, 0.05)
+        dst = route("s", (decode.address(0), 300), prefill)
+        future = pool.submit(prefill.send, memmove, dst, src_tokens, 4, link, 0.05)
         time.sleep(0.3)  # paused: no polls, six times the limit passes
         assert not future.done()
         while not future.done():  # polling again: the limit runs out

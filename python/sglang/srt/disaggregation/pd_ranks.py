@@ -144,8 +144,7 @@ def check_targets(
     """Why a destination cannot take the shards of a prefill server whose ranks' pools are `layouts`
     (every rank checks every pair, so that all decide alike), or None. At the same --tp-size rank i's KV
     and state heads are rank i's on both sides; at another, the ranks' shard layouts say where each
-    decode rank's heads are, which must be this model's at that size (`expected`), except on the
-    staged path."""
+    decode rank's heads are, which must be this model's at that size (`expected`)."""
     targets = rank_targets(dst)
     theirs = [PoolLayout.from_dict(t["layout"]) for t in targets]
     if len(targets) == len(layouts):
@@ -154,7 +153,7 @@ def check_targets(
             if problem is not None:
                 return problem if len(layouts) == 1 else f"{problem} (TP rank {r})"
     else:
-        problem = _other_sizes_problem(layouts, theirs, "staging" in dst, expected)
+        problem = _other_sizes_problem(layouts, theirs, expected)
         if problem is not None:
             return problem
     # (every rank's share of the values summed on each side: any --tp-size / --ep-size compares)
@@ -162,19 +161,13 @@ def check_targets(
 
 
 def _other_sizes_problem(
-    layouts: list[PoolLayout], theirs: list[PoolLayout], staged: bool, expected: ExpectedShards | None
+    layouts: list[PoolLayout], theirs: list[PoolLayout], expected: ExpectedShards | None
 ) -> str | None:
     """Why servers of other --tp-size sizes cannot pair (`check_targets`), or None. A decode rank's shard
     layout comes from the network: it must be exactly this model's at the decode server's size (so what
     a transfer is built from is what a real pair of this model would send: as many copies, no more) and
     fill that rank's pools, or the pair is refused here, in a sentence, before anything is built."""
     sizes = f"the decode server runs --tp-size {len(theirs)} and this prefill server --tp-size {len(layouts)}"
-    if staged:
-        return (
-            f"{sizes}, and the staged path (SGLANG_DISAGGREGATION_STAGING, or CUDA pools with a host-only "
-            "transfer engine) moves each rank's shard to the decode rank of the same index: start both "
-            "with the same --tp-size, or use a transfer engine that reaches the pools"
-        )
     if any(layout.shards is None for layout in layouts + theirs):
         return f"{sizes}, and one of them does not say which heads its ranks hold: use the same --tp-size"
     for r, other in enumerate(theirs):

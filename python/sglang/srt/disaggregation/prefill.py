@@ -32,13 +32,9 @@ from sglang.srt.disaggregation.auth import BootstrapIdentity, check_at_start, se
 from sglang.srt.disaggregation.channel import MAX_ERROR_CHARS, Channel
 from sglang.srt.disaggregation.destination import malformed_dst, unfit_dst
 from sglang.srt.disaggregation.draft_state import stash_row_messages
-from sglang.srt.disaggregation.pd_ranks import (
-    Outcome,
-    PdRanks,
-    rank_targets,
-    rank_writes,
-)
+from sglang.srt.disaggregation.pd_ranks import Outcome, PdRanks, rank_writes
 from sglang.srt.disaggregation.shard_map import model_rule
+from sglang.srt.disaggregation.staged_route import StagedRoute, staged_route
 from sglang.srt.disaggregation.staging import ChunkLink
 from sglang.srt.disaggregation.transfer import (
     Descriptor,
@@ -326,11 +322,10 @@ class PrefillBootstrapQueue:
         room.kv_tokens = n - prefix
         inject = _injected(req.rid, self.ranks.tp_rank)
         try:
-            if self.staging is not None:  # (this rank's range of the decode rank of the same index)
+            if self.staging is not None:  # (the decode ranks' staging ranges: `staged_route`)
                 room.link = ChunkLink(room.cancelled)
-                mine = rank_targets(dst)[self.ranks.tp_rank]
-                target = (mine["staging"], mine["staging_bytes"])
-                args = (mine["session"], req.kv_indices[prefix:n], req.mamba_pool_idx, target, room.link)
+                route = staged_route(self._layouts(), dst, self.ranks.tp_rank, self.staging)
+                args = (route, req.kv_indices[prefix:n], req.mamba_pool_idx, room.link)
                 room.future = self.executor.submit(self._transfer_staged, *args, inject)
                 return
             # This rank's shard into the decode rank of the same index, or, where the two servers run
@@ -372,7 +367,7 @@ class PrefillBootstrapQueue:
         return sum(n for _, descriptors in writes for _, _, n in descriptors), time.perf_counter() - start
 
     def _transfer_staged(
-        self, session: str, tokens: list[int], slot: int, dst: tuple[int, int], link: ChunkLink, inject: bool
+        self, route: StagedRoute, tokens: list[int], slot: int, link: ChunkLink, inject: bool
     ) -> tuple[int, float, list]:
         """On the transfer thread: the rows through the staging buffers, chunk by chunk (`Staging.send`);
         the last chunk goes with the answer."""
@@ -380,7 +375,7 @@ class PrefillBootstrapQueue:
             raise TransferError("transfer failure injected by SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER")
         start = time.perf_counter()
         # An acknowledgement is one round trip and an unpack away; a decode server that sends none is gone.
-        n, last = self.staging.send(self.engine.write, session, tokens, slot, dst, link, min(self.timeout, 60))
+        n, last = self.staging.send(self.engine.write, route, tokens, slot, link, min(self.timeout, 60))
         return n, time.perf_counter() - start, last
 
     def _complete(self, key: str, room: _Room, outcome: Outcome, draft_row: dict[str, Any]) -> None:

@@ -28,11 +28,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sglang.srt.disaggregation.state_packer import StatePacker
+
+if TYPE_CHECKING:
+    from sglang.srt.disaggregation.staged_route import StagedRoute
 from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgsError
 
@@ -143,12 +146,20 @@ def chunk_plan(num_tokens: int, token_bytes: int, state_bytes: int, cap: int) ->
     of `cap` bytes: (first position, end, whether the state comes with it) per chunk, in order. A chunk
     holds as many whole positions as fit; the state rides with the last one where it fits, else alone
     after it."""
-    if cap < max(token_bytes, state_bytes, 1):
-        raise ValueError(f"a staging range of {cap} bytes holds neither a position ({token_bytes} bytes) nor "
-                         f"the state ({state_bytes} bytes)")  # fmt: skip
-    per = cap // token_bytes if token_bytes else max(num_tokens, 1)
+    return chunk_plan_within(num_tokens, [(token_bytes, state_bytes, cap)])
+
+
+def chunk_plan_within(num_tokens: int, sides: list[tuple[int, int, int]]) -> list[tuple[int, int, bool]]:
+    """`chunk_plan` where each chunk must fit every one of `sides`, (token bytes, state bytes, cap) each:
+    between servers of other --tp-size sizes a position weighs otherwise in the prefill rank's buffer and
+    in each decode rank's range (`staged_route.py`)."""
+    for token_bytes, state_bytes, cap in sides:
+        if cap < max(token_bytes, state_bytes, 1):
+            raise ValueError(f"a staging range of {cap} bytes holds neither a position ({token_bytes} bytes) "
+                             f"nor the state ({state_bytes} bytes)")  # fmt: skip
+    per = min((cap // token for token, _, cap in sides if token), default=max(num_tokens, 1))
     chunks = [(a, min(a + per, num_tokens), False) for a in range(0, num_tokens, per)]
-    if chunks and (chunks[-1][1] - chunks[-1][0]) * token_bytes + state_bytes <= cap:
+    if chunks and all((chunks[-1][1] - chunks[-1][0]) * token + state <= cap for token, state, cap in sides):
         chunks[-1] = (chunks[-1][0], chunks[-1][1], True)
     else:
         chunks.append((num_tokens, num_tokens, True))
@@ -295,27 +306,29 @@ class Staging:
     def send(
         self,
         write: Callable[[str, list[tuple[int, int, int]]], None],
-        session: str,
+        route: StagedRoute,
         tokens: list[int],
         slot: int,
-        dst: tuple[int, int],
         link: ChunkLink,
         ack_timeout: float,
     ) -> tuple[int, list]:
         """Prefill side, on the transfer thread: move the rows of `tokens` and `slot` into the decode
-        server's range `dst` (address, bytes) chunk by chunk, each packed in one copy and written as one
-        block, the next only after the decode server acknowledged the last. The final chunk is not
-        acknowledged: it goes with the "done" answer. Returns the bytes moved and that chunk."""
+        server's range(s) (`route`: at the same --tp-size the range of the decode rank of the same index)
+        chunk by chunk, each packed in one copy and written as one block (as the parts of the decode ranks'
+        blocks this rank holds, at another --tp-size), the next only after the decode server acknowledged
+        the last. The final chunk is not acknowledged: it goes with the "done" answer. Returns the bytes
+        moved and that chunk."""
         packer = self.packer
-        plan = chunk_plan(len(tokens), sum(packer.kv_row_bytes), sum(packer.state_bytes),
-                          min(dst[1], self.buffer.nbytes))  # fmt: skip
+        own = (sum(packer.kv_row_bytes), sum(packer.state_bytes), self.buffer.nbytes)
+        plan = chunk_plan_within(len(tokens), route.sides(own))
         total = 0
         for i, (a, b, state) in enumerate(plan):
             if link.cancelled.is_set():  # (before each write: the decode side may reuse the range)
                 raise RuntimeError("cancelled by the decode server")
             n = packer.pack(tokens[a:b], slot if state else None, self.buffer)
-            write(session, [(self.address(0), dst[0], n)])
-            total += n
+            for session, descriptors in route.writes(self.address(0), b - a, n, state):
+                write(session, descriptors)
+                total += sum(k for _, _, k in descriptors)
             if i == len(plan) - 1:
                 return total, [a, b, state]
             link.outbox.put([a, b, state])
