@@ -9,9 +9,11 @@ the tensors written since read again, as a PD server does after /update_weights_
 <commit>:python/sglang/srt/disaggregation/weights_fingerprint.py > /tmp/old.py`) timed in the same run on
 the same tensors, for the ratio. The fingerprint keys every element by its place in the checkpoint's full
 tensor (any --tp-size / --ep-size compare); before 2aa7cb7 it keyed 8-byte words of each rank's shard.
+The two modules are called in turn, each timing its best, so that a loaded machine's slow spells weigh
+on both alike.
 
     .venv/bin/python benchmark/bench_weights_fingerprint.py [--gib 1] [--threads 1,2] [--device cpu]
-        [--buckets 200] [--big-buckets 8] [--baseline /tmp/old.py]
+        [--buckets 200] [--big-buckets 8] [--baseline /tmp/old.py] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -21,16 +23,22 @@ import time
 
 import torch
 
+CLOCK = time.perf_counter  # (--cpu-time: time.process_time)
 
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+def best_of(*fns, repeats: int) -> list[float]:
+    """Each function's best time over `repeats` calls, the functions called in turn (on a loaded machine
+    a slow spell then weighs on all of them alike, not on one)."""
+    for fn in fns:
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = CLOCK()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            best[i] = min(best[i], CLOCK() - start)
     return best
 
 
@@ -48,7 +56,15 @@ def main() -> None:
     p.add_argument("--buckets", type=int, default=200)
     p.add_argument("--big-buckets", type=int, default=8)
     p.add_argument("--baseline", default=None, help="another weights_fingerprint.py, timed alongside")
+    p.add_argument(
+        "--cpu-time", action="store_true",
+        help="time the fingerprints in this process's CPU seconds (all threads), not wall time: steadier on "
+        "a machine others load (on one thread the two agree on an idle machine)",
+    )  # fmt: skip
     args = p.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
     baseline = _module_from(args.baseline) if args.baseline else None
 
     path = resolve_model_path("tiny-qwen3-next-demo")
@@ -65,22 +81,29 @@ def main() -> None:
     print(f"demo model: {len(demo.state_dict())} tensors, {demo_bytes / 1e6:.1f} MB, loaded in {load_s * 1e3:.0f} ms")
     for threads in map(int, args.threads.split(",")):
         torch.set_num_threads(threads)
-        d = best_of(lambda: weights_fingerprint(demo), args.repeats * 3)
-        b = best_of(lambda: weights_fingerprint(big), args.repeats)
+        demo_fns, big_fns = [lambda: weights_fingerprint(demo)], [lambda: weights_fingerprint(big)]
+        if baseline is not None:  # (timed in turn with the current module)
+            demo_fns.append(lambda: baseline.weights_fingerprint(demo))
+            big_fns.append(lambda: baseline.weights_fingerprint(big))
+        demo_s, big_s = best_of(*demo_fns, repeats=args.repeats * 3), best_of(*big_fns, repeats=args.repeats)
+        d, b = demo_s[0], big_s[0]
         print(
             f"threads {threads}: demo {d * 1e3:.1f} ms ({d / load_s:.1%} of its load); "
             f"{big_gib:.2f} GiB bfloat16 {b * 1e3:.0f} ms ({big_gib / b:.2f} GiB/s)"
         )
         if baseline is not None:
-            bd = best_of(lambda: baseline.weights_fingerprint(demo), args.repeats * 3)
-            bb = best_of(lambda: baseline.weights_fingerprint(big), args.repeats)
+            bd, bb = demo_s[1], big_s[1]
             print(
                 f"  baseline {args.baseline}: demo {bd * 1e3:.1f} ms, {big_gib:.2f} GiB {bb * 1e3:.0f} ms "
-                f"({big_gib / bb:.2f} GiB/s): now {d / bd:.1f}x and {b / bb:.1f}x its time"
+                f"({big_gib / bb:.2f} GiB/s): now {d / bd:.2f}x and {b / bb:.2f}x its time "
+                f"({'the same' if weights_fingerprint(big) == baseline.weights_fingerprint(big) else 'other'} "
+                "fingerprint values)"
             )
 
-    refit("demo model", demo, args.buckets, _loader_write(demo))
-    refit(f"{big_gib:.2f} GiB", big, args.big_buckets, _direct_write(big))
+    if args.buckets:
+        refit("demo model", demo, args.buckets, _loader_write(demo))
+    if args.big_buckets:
+        refit(f"{big_gib:.2f} GiB", big, args.big_buckets, _direct_write(big))
 
 
 def _module_from(path: str):
@@ -122,11 +145,11 @@ def refit(what: str, model, buckets: int, write) -> None:
         total = 0.0
         for i in range(buckets):
             write(i)
-            start = time.perf_counter()
+            start = CLOCK()
             digest = weights_fingerprint(model, cached=cached)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            total += time.perf_counter() - start
+            total += CLOCK() - start
         assert digest == weights_fingerprint(model)
         spent[cached] = total
     print(

@@ -199,7 +199,8 @@ def _tensor_sums(t: torch.Tensor, key: int, tp_rank: int) -> tuple[torch.Tensor,
     if bits.numel() == 0:
         return zero, zero
     masks = [m.to(device) if m is not None else None for m in owned] if owned not in (True, False) else None
-    share, held = zero.clone(), zero.clone()
+    shares: list[torch.Tensor] = []  # (per chunk, summed at the end: no accumulator per tensor)
+    helds: list[torch.Tensor] = []
     # In logical order, not memory order: the CPU keeps MoE experts transposed (`experts.py`), a GPU does
     # not, and equal values must fingerprint alike (the copy is the CPU's, of its transposed experts).
     cols = bits.shape[-1]
@@ -243,23 +244,22 @@ def _tensor_sums(t: torch.Tensor, key: int, tp_rank: int) -> tuple[torch.Tensor,
                 bits_now.bitwise_and_(mask)
             torch.sum(terms[:, :n], 0, out=z[:n])
             _mix_(zz, tt)
-            if owned is True or owned is False:
-                part = zz.sum()
-                held += part
-                if owned:
-                    share += part
+            if masks is None:  # (this rank counts all it holds, or none of it)
+                helds.append(zz.sum())
                 continue
             # Counted by a part: the rows' sums once, then those of the rows (and columns) this rank owns.
             last = masks[-1]
             if last is None:
                 row_sums = zz.sum(1)
-                held += row_sums.sum()
-                share += row_sums.sum() if mine is None else row_sums[mine].sum()
+                helds.append(row_sums.sum())
+                shares.append(row_sums.sum() if mine is None else row_sums[mine].sum())
             else:
-                held += zz.sum()
-                mine_zz = zz if mine is None else zz[mine]
-                share += mine_zz[:, last[c0:c1]].sum()
-    return share, held
+                helds.append(zz.sum())
+                shares.append((zz if mine is None else zz[mine])[:, last[c0:c1]].sum())
+    held = helds[0] if len(helds) == 1 else torch.stack(helds).sum()
+    if masks is None:
+        return (held if owned else zero), held
+    return (shares[0] if len(shares) == 1 else torch.stack(shares).sum()), held
 
 
 def config_text(model: torch.nn.Module) -> str:
