@@ -131,7 +131,8 @@ def _tp1_to_2(name: str, both: tuple[str, ...] = (), prefill=(), decode=(), **kw
 # and state rows written by the prefill rank(s) holding them, in both directions, with each strategy, the
 # decode radix cache, other page sizes, experts over EP 2 on one side, the FP8 paths, NEXTN and NIXL, and
 # the other families' sharding (Nemotron-H's Mamba2 groups replicated at TP 2, LFM2's conv channels,
-# Qwen3.5's GDN). The staged path pairs rank i with rank i only, and other weights stay refused.
+# Qwen3.5's GDN), and the staged path (each prefill rank's packed block cut into every decode rank's
+# range, in several chunks). Other weights stay refused.
 HETERO_TP_CASES = [
     _tp2_to_1(""),
     _tp1_to_2(""),
@@ -154,7 +155,8 @@ HETERO_TP_CASES = [
     # Attention in every layer: TP 2 -> 1 writes each token's half rows one descriptor apiece (1,764 for
     # the first prompt, per prefill rank), more than Mooncake's TCP per-peer queue (1,024) holds at once.
     _tp2_to_1("+falcon", both=("falcon",)),
-    _tp2_to_1("+staged", both=("staged",), refuse="--tp-size"),
+    _tp2_to_1("+staged", both=("staged",)),
+    _tp1_to_2("+staged+decode_radix+extra_buffer", both=("staged", "extra_buffer"), decode=("decode_radix",)),
     _tp2_to_1("+checkpoint_mismatch", decode_seed=1, refuse="--model-path"),
 ]
 

@@ -6,28 +6,28 @@ features, pairs that may differ (page sizes, strategies, the host tier or chunki
 other architectures' presets (some with the decode radix cache), and servers of different --tp-size
 (`HETERO_TP_CASES`: prefill TP 2 -> decode TP 1 and TP 1 -> 2 with each strategy, the decode radix
 cache, another page size on one side, --ep-size 2 on the TP-2 side, online FP8, the block-FP8
-checkpoint, FP8 KV, NEXTN, NIXL, and Nemotron-H, LFM2, Qwen3.5 and Falcon-H1: each OK, not refused,
-but the staged pair and another checkpoint's). None is BROKEN or WRONG: each serves combo_sweep's requests
+checkpoint, FP8 KV, NEXTN, NIXL, the staged path, and Nemotron-H, LFM2, Qwen3.5 and Falcon-H1: each
+OK, not refused, but another checkpoint's). None is BROKEN or WRONG: each serves combo_sweep's requests
 through the router with the tokens of the prefill server's own answers and of the preset's pair without
 features (the vision-language preset's image request gets a 400: images are not served under PD), its
 next two turns move their whole prompts (only what the decode tree lacks with the decode radix cache),
-and both servers hold nothing afterwards. Every mismatched pair
-(--kv-cache-dtype, --mamba-ssm-dtype, SGLANG_MAMBA_CONV_DTYPE, --dtype, --quantization, the weights'
+and both servers hold nothing afterwards. Every mismatched pair (--kv-cache-dtype, --mamba-ssm-dtype, SGLANG_MAMBA_CONV_DTYPE, --dtype, --quantization, the weights'
 values - another checkpoint of the preset, or a tensor update on the decode server only - named by
---model-path, also between TP 2 and TP 1, --speculative-algorithm, SGLANG_DISAGGREGATION_STAGING,
---tp-size on the staged path (rank i to rank i only); --dp-size, which PD refuses at start) is REFUSED,
-naming what differs, and leaves nothing held.
+--model-path, also between TP 2 and TP 1, --speculative-algorithm, SGLANG_DISAGGREGATION_STAGING;
+--dp-size, which PD refuses at start) is REFUSED, naming what differs, and leaves nothing held.
 
     .venv/bin/python -m pytest -q -s test/registered/disaggregation/test_combo_sweep_pd_nightly.py
 
 Measured on the loaded 2-core VM: 907 s for the 59 cases (50 OK, 8 REFUSED, 1 REFUSED_REQ; 11-24 s a
 case), and 988 s for 57 of them under a heavier load (10-40 s a case); the three cases added since
-(conv_dtype_mismatch, checkpoint_mismatch, weight_update_mismatch) took 13-23 s each. 18 of the 19
+(conv_dtype_mismatch, checkpoint_mismatch, weight_update_mismatch) took 13-23 s each. 18 of the 20
 cases of servers of different --tp-size (tp2_mismatch, refused before, is now tp2_to_1) took 324 s
-together (12-32 s each; 16 OK, 2 REFUSED). tp2_to_1+falcon (17-37 s) was BROKEN in 4 of 7 runs on the
-loaded VM: its 1,764-1,980 descriptors per batch exceed Mooncake's TCP per-peer queue (1,024), the rest
-wait at most 1 s for room and are then rejected ("TCP lane queue-full"), while
-transfer.MAX_DESCRIPTORS_PER_BATCH is 2,048; OK in 3 of 3 runs with it at 1,024.
+together (12-32 s each; 16 OK, 2 REFUSED: the staged TP 2 -> 1 pair then refused, naming --tp-size);
+since 4ff4104 the staged pairs serve (tp2_to_1+staged 41 s, tp1_to_2+staged+decode_radix+extra_buffer
+29 s: OK). tp2_to_1+falcon (17-37 s) was BROKEN in 4 of 7 runs on the loaded VM: its 1,764-1,980
+descriptors per batch exceed Mooncake's TCP per-peer queue (1,024), the rest wait at most 1 s for room
+and are then rejected ("TCP lane queue-full"), while transfer.MAX_DESCRIPTORS_PER_BATCH is 2,048; OK in
+3 of 3 runs with it at 1,024.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from __future__ import annotations
 from sglang.test import combo_sweep_pd
 from sglang.test.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=1450, suite="nightly-cpu")
+register_cpu_ci(est_time=1480, suite="nightly-cpu")
 
 
 def test_no_pd_case_is_broken_and_mismatched_pairs_are_refused(tmp_path):
