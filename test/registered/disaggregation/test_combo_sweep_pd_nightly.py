@@ -11,10 +11,11 @@ OK, not refused, but another checkpoint's). None is BROKEN or WRONG: each serves
 through the router with the tokens of the prefill server's own answers and of the preset's pair without
 features (the vision-language preset's image request gets a 400: images are not served under PD), its
 next two turns move their whole prompts (only what the decode tree lacks with the decode radix cache),
-and both servers hold nothing afterwards. Every mismatched pair (--kv-cache-dtype, --mamba-ssm-dtype, SGLANG_MAMBA_CONV_DTYPE, --dtype, --quantization, the weights'
-values - another checkpoint of the preset, or a tensor update on the decode server only - named by
---model-path, also between TP 2 and TP 1, --speculative-algorithm, SGLANG_DISAGGREGATION_STAGING;
---dp-size, which PD refuses at start) is REFUSED, naming what differs, and leaves nothing held.
+and both servers hold nothing afterwards. Every mismatched pair (--kv-cache-dtype, --mamba-ssm-dtype,
+SGLANG_MAMBA_CONV_DTYPE, --dtype, --quantization, the weights' values - another checkpoint of the
+preset, or a tensor update on the decode server only - named by --model-path, also between TP 2 and
+TP 1, --speculative-algorithm, SGLANG_DISAGGREGATION_STAGING; --dp-size, which PD refuses at start) is
+REFUSED, naming what differs, and leaves nothing held.
 
     .venv/bin/python -m pytest -q -s test/registered/disaggregation/test_combo_sweep_pd_nightly.py
 
