@@ -4,9 +4,9 @@
   request's tokens, its recurrent heads' state of the running slot) into decode rank i's pools, through
   decode rank i's session, and nothing into another rank's;
 - between servers of other --tp-size sizes each decode rank's heads come from the prefill rank that
-  holds them, at their place in its rows (`shard_map`); that is refused in one sentence naming
-  --tp-size on the staged path or without the ranks' shard layouts, and a rank of another layout is
-  refused naming the rank;
+  holds them, at their place in its rows (`shard_map`), staged too (`staged_route`); a decode layout
+  other than the model's own at its size, or none, is refused in one sentence naming --tp-size, and a
+  rank of another layout is refused naming the rank;
 - a transfer ends when every rank's write has ended, with the first failing rank's error naming it, the
   bytes of every rank and the longest rank's seconds; rank 0's messages and clock reach every rank;
 - staged: each rank's range address in the destination, a chunk announced once every rank wrote it;

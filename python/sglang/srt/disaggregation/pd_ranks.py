@@ -17,7 +17,7 @@ identical on every rank without further messages:
   heads on both sides only at the same --tp-size; at another, each layout says which of the model's KV
   heads, conv channels and SSM heads its rank holds (`shard_map.ShardLayout`), and each prefill rank
   writes the parts of the decode ranks' rows it holds, each part by one prefill rank (upstream's
-  scatter / gather between TP sizes), except on the staged path (`check_targets`);
+  scatter / gather between TP sizes; `check_targets` holds the layouts to the model's own);
 - a transfer ends when every prefill rank's write has ended: each poll gathers which of its own ended and
   how (`exchange`'s `ended`), and a room ends, with the first failing rank's error, in the poll where every
   rank has it. A failure on one rank stops the room's transfer on the ranks still running it (in the poll
@@ -25,8 +25,9 @@ identical on every rank without further messages:
   "cancelled". Only rank 0 sends; the other ranks' sends are dropped.
 
 On the staged path (`staging.py`) each rank's transfer thread moves its shard in the same chunks (the
-same positions: every rank's rows of a position weigh alike) through its own staging buffer into decode
-rank i's range (the destination names each rank's range address); prefill rank 0 announces a chunk once
+same positions on every rank) through its own staging buffer into decode rank i's range, or at another
+--tp-size its parts of every decode rank's block into that rank's range (`staged_route.py`; the
+destination names each rank's range address); prefill rank 0 announces a chunk once
 every rank has written it (`written_everywhere`), the decode ranks all unpack it before rank 0
 acknowledges it, and every prefill rank's thread takes the acknowledgement.
 
