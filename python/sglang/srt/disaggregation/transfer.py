@@ -9,7 +9,10 @@ between the two servers: descriptors are per token run, not per page.
 The bytes move through Mooncake's transfer engine (`mooncake-transfer-engine-non-cuda`, TCP, with
 P2PHANDSHAKE: no metadata service), as upstream SGLang does. A batch holds at most
 `MAX_DESCRIPTORS_PER_BATCH` descriptors per peer: above 2,048 Mooncake's TCP transport rejects the
-batch and, from ~2,100 on, keeps the link to that peer broken (reference/distributed.md, section 1.6).
+batch and, from ~2,100 on, keeps the link to that peer broken (reference/distributed.md, section 1.6);
+and where two prefill ranks write into one decode rank at once (servers of other --tp-size sizes), two
+batches of ~1,900 (a token's half row apiece) overflowed its queue under load ('TCP lane queue-full',
+code -1, after MC_TCP_ADMISSION_TIMEOUT_MS): 1,024 per batch served in every run.
 With `--disaggregation-transfer-backend nixl` they move through NIXL instead (`nixl_backend.py`, the
 same `session_id` and `write`).
 """
@@ -31,7 +34,7 @@ from sglang.srt.speculative.draft_layers import draft_kv_layer_ids
 
 logger = logging.getLogger(__name__)
 
-MAX_DESCRIPTORS_PER_BATCH = 2048
+MAX_DESCRIPTORS_PER_BATCH = 1024
 
 # (source address, destination address, bytes)
 Descriptor = tuple[int, int, int]
