@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from transformers import Qwen3NextConfig
 
 from sglang.srt.configs.hybrid_arch import hybrid_arch_config
 from sglang.srt.disaggregation.shard_map import rank_layout, shard_writes
 from sglang.srt.disaggregation.transfer import PoolLayout
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from real_shapes import published_config  # noqa: E402 - (benchmark/gpu/: the real-shape slices' configs)
 
 PAIRS = ((1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4))
 
@@ -49,18 +54,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    config = Qwen3NextConfig(
-        hidden_size=2048,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        num_hidden_layers=48,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-    )
+    config = Qwen3NextConfig(**published_config("qwen3-next-80b"))  # (the published config.json's fields)
     arch = hybrid_arch_config(config)
     src_tokens = list(range(1, args.tokens + 1))
     dst_tokens = list(range(100, args.tokens + 100))
