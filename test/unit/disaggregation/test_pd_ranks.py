@@ -117,12 +117,18 @@ def global_rows(pools: list, tokens: list[int], slot: int) -> list[torch.Tensor]
     return [*kv, conv, ssm]
 
 
+@pytest.mark.parametrize("window", [512, 3])
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
 def test_between_tp_sizes_every_decode_rank_gets_its_heads_from_the_prefill_rank_holding_them(
-    prefill_tp, decode_tp
+    prefill_tp, decode_tp, window, monkeypatch
 ):
     """Upstream's scatter / gather between TP sizes: each decode rank's KV heads, q / k / v conv channels
-    and SSM heads come from the prefill rank holding them, at their place in its rows."""
+    and SSM heads come from the prefill rank holding them, at their place in its rows. The copies are
+    built `WINDOW_POSITIONS` positions at a time as they are written (R2: TP 1 -> 16 held ~6 GiB of
+    descriptors for a 131k-token prompt); a window of 3 of the 4 positions gives the same rows."""
+    import sglang.srt.disaggregation.pd_ranks as pd_ranks
+
+    monkeypatch.setattr(pd_ranks, "WINDOW_POSITIONS", window)
     prefill = [rank_pools(r, fill=True, tp=prefill_tp) for r in range(prefill_tp)]
     decode = [rank_pools(r, fill=False, tp=decode_tp) for r in range(decode_tp)]
     layouts = [layout(p, r, prefill_tp) for r, p in enumerate(prefill)]
@@ -135,9 +141,10 @@ def test_between_tp_sizes_every_decode_rank_gets_its_heads_from_the_prefill_rank
             sessions.append(session)
             for src, to, n in descriptors:
                 ctypes.memmove(to, src, n)
-    # (2 -> 1: both prefill ranks write into the one decode rank; 1 -> 2: the one writes into both)
+    # (2 -> 1: both prefill ranks write into the one decode rank; 1 -> 2: the one writes into both; per
+    # window of positions)
     assert sorted(set(sessions)) == [f"decode-rank-{r}" for r in range(decode_tp)]
-    assert len(sessions) == max(prefill_tp, decode_tp)
+    assert len(sessions) == max(prefill_tp, decode_tp) * -(-len(src_tokens) // window)
     got, want = global_rows(decode, dst_tokens, dst_slot), global_rows(prefill, src_tokens, src_slot)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 

@@ -37,7 +37,7 @@ At one rank (`SINGLE`) every collective is the identity, so the PD queues have o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -201,15 +201,22 @@ def _shards(layouts: list[PoolLayout]) -> list[ShardLayout]:
     return [ShardLayout.from_dict(layout.shards) for layout in layouts]
 
 
+# Positions whose copies are built (and held) at once between servers of other --tp-size sizes: at
+# Qwen3-Next-80B's shapes from TP 1 to 16 ~197,000 descriptors (~30 MB of Python tuples); all of a
+# 131,072-token prompt's at once were ~50 million (R2: ~6 GiB).
+WINDOW_POSITIONS = 512
+
+
 def rank_writes(
     layouts: list[PoolLayout], dst: dict[str, Any], tp_rank: int, src_tokens: list[int], src_slot: int
-) -> list[tuple[str, list[Descriptor]]]:
+) -> Iterable[tuple[str, list[Descriptor]]]:
     """Prefill rank `tp_rank`'s writes of one request, [(decode rank's session, copies)], its pools among
     `layouts` (every prefill rank's): at the same --tp-size its own KV heads' rows of `src_tokens` and
     its own recurrent heads' state of `src_slot` into the decode rank of the same index; at another, the
     parts of every decode rank's rows it holds and is to write (`shard_map.shard_writes`: each decode
     unit by one prefill rank). Into `dst["kv"]` and `dst["slot"]`, the same slot ids on every decode
-    rank, which decide alike."""
+    rank, which decide alike. At another size they are built as they are iterated, `WINDOW_POSITIONS`
+    positions at a time (the state's rows with the last window)."""
     targets = rank_targets(dst)
     if len(targets) == len(layouts):
         target = targets[tp_rank]
@@ -218,10 +225,18 @@ def rank_writes(
         return [(target["session"], descriptors)]
     src = list(zip(layouts, _shards(layouts), strict=True))
     theirs = [PoolLayout.from_dict(t["layout"]) for t in targets]
-    writes = shard_writes(
-        tp_rank, src, list(zip(theirs, _shards(theirs), strict=True)), src_tokens, dst["kv"], src_slot, dst["slot"]
-    )
-    return [(targets[d]["session"], descriptors) for d, descriptors in writes]
+    into = list(zip(theirs, _shards(theirs), strict=True))
+
+    def windows() -> Iterator[tuple[str, list[Descriptor]]]:
+        # (built window by window as they are written: a large decode --tp-size makes millions of copies
+        # for a long prompt, which held at once took GiBs; the state with the last window)
+        n, w = len(src_tokens), WINDOW_POSITIONS
+        for a in range(0, max(n, 1), w):
+            slot = src_slot if a + w >= n else None
+            writes = shard_writes(tp_rank, src, into, src_tokens[a : a + w], dst["kv"][a : a + w], slot, dst["slot"])
+            yield from ((targets[d]["session"], descriptors) for d, descriptors in writes)
+
+    return windows()
 
 
 def destination_ranks(

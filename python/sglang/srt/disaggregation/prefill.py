@@ -354,17 +354,20 @@ class PrefillBootstrapQueue:
             raise TransferError("cancelled by the decode server")
         if inject:
             raise TransferError("transfer failure injected by SGLANG_TEST_DISAGGREGATION_FAIL_TRANSFER")
-        start = time.perf_counter()
-        try:
-            writes = plan()
-        except Exception as e:  # noqa: BLE001 - refused, not raised (the room ends with it on every rank)
-            logger.warning("Disaggregation: room %s's destination cannot be written: %r.", key, e)
-            raise TransferError(f"the destination cannot be written ({type(e).__name__})") from None
-        for session, descriptors in writes:
-            if cancelled.is_set():  # (between two decode ranks' writes)
+        start, total, writes = time.perf_counter(), 0, None
+        while True:
+            try:  # (the writes are built as they are iterated: `rank_writes`)
+                writes = iter(plan()) if writes is None else writes
+                session, descriptors = next(writes, (None, None))
+            except Exception as e:  # noqa: BLE001 - refused, not raised (the room ends with it on every rank)
+                logger.warning("Disaggregation: room %s's destination cannot be written: %r.", key, e)
+                raise TransferError(f"the destination cannot be written ({type(e).__name__})") from None
+            if session is None:
+                return total, time.perf_counter() - start
+            if cancelled.is_set():  # (between two writes)
                 raise TransferError("cancelled by the decode server")
             self.engine.write(session, descriptors)
-        return sum(n for _, descriptors in writes for _, _, n in descriptors), time.perf_counter() - start
+            total += sum(n for _, _, n in descriptors)
 
     def _transfer_staged(
         self, route: StagedRoute, tokens: list[int], slot: int, link: ChunkLink, inject: bool

@@ -294,13 +294,13 @@ def shard_writes(
     dst: list[tuple[PoolLayout, ShardLayout]],
     src_tokens: list[int],
     dst_tokens: list[int],
-    src_slot: int,
+    src_slot: int | None,
     dst_slot: int,
 ) -> list[tuple[int, list[Descriptor]]]:
     """Prefill rank `src_rank`'s writes of one request: [(decode rank, descriptors)], for the decode ranks
     it writes to. KV buffer i of the source to buffer i of each destination, token rows src_tokens[t] ->
     dst_tokens[t]; state buffer i (conv of each linear layer, then SSM of each) slot row src_slot ->
-    dst_slot. ValueError where a layout does not fit its pools or no prefill rank holds a decode unit
+    dst_slot (`src_slot` None: no state rows, a window of the prompt's positions alone). ValueError where a layout does not fit its pools or no prefill rank holds a decode unit
     (`layout_mismatch` says why first)."""
     for side, ranks in (("prefill", src), ("decode", dst)):
         for pool, shard in ranks:
@@ -321,7 +321,7 @@ def shard_writes(
                 out += _row_copies(kv, mine.kv.unit_bytes, *rows, runs, token_rows)
         for i, (s_ptr, d_ptr) in enumerate(zip(mine_pool.state_ptrs, pool.state_ptrs, strict=True)):
             axis = "conv" if i < half else "ssm"
-            pieces = axes[axis].get(src_rank, [])
+            pieces = axes[axis].get(src_rank, []) if src_slot is not None else []
             if pieces:
                 rows = (s_ptr, mine_pool.state_slot_bytes[i]), (d_ptr, pool.state_slot_bytes[i])
                 slot_run = [(src_slot, dst_slot, 1)]
