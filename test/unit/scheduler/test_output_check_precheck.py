@@ -110,20 +110,13 @@ def test_a_batchs_newcomers_share_the_steps_budget(monkeypatch):
     given what the batch's rows measured before it leave of the step (`PendingCharges`), as when each was
     charged before the next was checked, so the batch spends at most 1 + ln(16) step budgets (without it,
     16 allowances: 0.8 s here)."""
-    now = [0.0]
-
-    def search(patterns, text, limit):
-        now[0] += limit
-        raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
-
-    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
-    monkeypatch.setattr(stop_search, "_first_match", search)
+    fake_stop_search(monkeypatch, lambda pattern, text, limit: 2 * limit)  # (cut at every limit)
     c = _checker()
     c.budget = OutputCheckBudget(per_request_s=0.05, per_step_s=0.1)
     reqs = [Req(f"r{i}", [5], SamplingParams(stop_regex=["x"], max_new_tokens=100)) for i in range(16)]
     c.precheck([(r, 7) for r in reqs])
-    assert now[0] <= 0.1 * (1 + math.log(16)), now[0]
-    assert now[0] >= 0.1  # (the first two take their whole 50 ms)
+    assert stop_search.clock() <= 0.1 * (1 + math.log(16)), stop_search.clock()
+    assert stop_search.clock() >= 0.1  # (the first two take their whole 50 ms)
     for r in reqs:
         r.output_ids.append(7)
         c.check_finished(r)  # a first cut each: the machine's, not yet the request's
@@ -247,19 +240,9 @@ def _verify_step(monkeypatch, latest: float, search_s: float | None = None, widt
     taking `search_s` seconds (None: 90% of the time it is given), cut where it is given less (a fake
     clock). Each request commits what `verify_tokens` allows. Returns the checker, the requests, the
     searches' limits in the order they ran, and the seconds the step's checks took."""
-    now, limits = [0.0], []
-
-    def search(patterns, text, limit):
-        limits.append(limit)
-        cost = 0.9 * limit if search_s is None else search_s
-        if cost > limit:
-            now[0] += max(limit, 0.0)
-            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
-        now[0] += cost
-        return None
-
-    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
-    monkeypatch.setattr(stop_search, "_first_match", search)
+    searches = fake_stop_search(
+        monkeypatch, lambda pattern, text, limit: 0.9 * limit if search_s is None else search_s
+    )
     c = _checker()
     c.budget = OutputCheckBudget(per_request_s=0.05, per_step_s=0.1)
     reqs = [Req(f"r{i}", [5], SamplingParams(stop_regex=["x"], max_new_tokens=100)) for i in range(16)]
@@ -277,7 +260,7 @@ def _verify_step(monkeypatch, latest: float, search_s: float | None = None, widt
             c.check_finished(r)
     c.clear_prechecks()
     assert c.alone == 0 and all(r.finished_reason is None for r in reqs)
-    return c, reqs, limits, now[0]
+    return c, reqs, [limit for *_, limit in searches], stop_search.clock()
 
 
 def test_a_verify_step_at_a_full_load_commits_as_a_decode_step(monkeypatch):
@@ -355,7 +338,6 @@ def test_a_verify_commits_no_token_after_its_first_that_went_over_its_share():
     assert costly not in c.budget._over  # (the cut one is a later token: no strike)
 
 
-_fake_search = fake_stop_search  # (sglang.test.fake_stop_search)
 
 
 def _regex_reqs(*patterns: str) -> list[Req]:
@@ -386,7 +368,7 @@ def test_a_verify_later_token_ends_no_request_for_another_rows_cost_drop(monkeyp
     beside the load (`PendingCharges.rise`): its search is cut there, it is committed and the row stops;
     nobody ends. Before, A's later token was given 8.5 ms and B ended ("among the costliest checks")."""
     cost = {("a", 1): 0.0005, ("a", 2): 0.0005, ("a", 3): 0.005, ("b", 1): 0.008, ("b", 2): 0.001}
-    limits = _fake_search(monkeypatch, lambda p, n: cost.get((p, n), 0.001))
+    limits = fake_stop_search(monkeypatch, lambda p, text, limit: cost.get((p, len(text)), 0.001))
     c = _checker()
     c.budget = OutputCheckBudget(per_request_s=0.009, per_step_s=0.010)
     a, b = _regex_reqs("a", "b")
@@ -409,7 +391,7 @@ def test_whether_a_verify_commits_a_later_token_does_not_depend_on_its_own_cost(
     fixed, so the test is deterministic, and 0.245 is 23 standard deviations out."""
     import random
 
-    monkeypatch.setattr(stop_search, "_first_match", _cost_by_last_char(monkeypatch))
+    _cost_by_last_char(monkeypatch)
     rng, counts, by_verify = random.Random(0), {3: 0, 4: 0}, 0
     for _ in range(2000):
         c = _checker()
@@ -432,18 +414,7 @@ def test_whether_a_verify_commits_a_later_token_does_not_depend_on_its_own_cost(
 
 def _cost_by_last_char(monkeypatch):
     """A search of an output ending in token 4 ("e") takes 4 ms, else 1 ms (a fake clock)."""
-    now = [0.0]
-
-    def search(patterns, text, limit):
-        cost = 0.004 if text.endswith("e") else 0.001
-        if cost > limit:
-            now[0] += limit
-            raise stop_search.StopRegexTimeout(patterns[0], limit, 0)
-        now[0] += cost
-        return None
-
-    monkeypatch.setattr(stop_search, "clock", lambda: now[0])
-    return search
+    fake_stop_search(monkeypatch, lambda pattern, text, limit: 0.004 if text.endswith("e") else 0.001)
 
 
 def test_a_verify_later_token_uncut_but_over_its_allowance_is_committed_last(monkeypatch):
@@ -478,7 +449,7 @@ def test_a_verify_later_token_the_step_has_no_room_for_is_not_measured(monkeypat
     cost (3 ms) and takes 0.5 ms; B's would need 3 ms of the 1 ms of room left, so it is neither measured
     nor committed, though its allowance (10 - 6 - 0.5 = 3.5 ms) would have fit B's latest cost: what a
     verify spends measuring is bounded by its requests' latest costs."""
-    limits = _fake_search(monkeypatch, lambda p, n: 0.0005)
+    limits = fake_stop_search(monkeypatch, lambda p, text, limit: 0.0005)
     c = _checker()
     c.budget = OutputCheckBudget(per_request_s=0.01, per_step_s=0.010)
     a, b = _regex_reqs("a", "b")
@@ -493,7 +464,7 @@ def test_a_verify_later_token_that_fits_exactly_is_measured(monkeypatch):
     """(review F5) A and B at 0.1 s each, a step of 0.3 s: the room and the allowance left for A's second
     token are 0.3 - 0.2, which is 0.09999999999999998 in floats, and A's latest cost 0.1 fits them exactly:
     it is measured and committed (before, the float drift left it out). B's then has no room."""
-    limits = _fake_search(monkeypatch, lambda p, n: 0.1 if n == 2 else 0.05)
+    limits = fake_stop_search(monkeypatch, lambda p, text, limit: 0.1 if len(text) == 2 else 0.05)
     c = _checker()
     c.budget = OutputCheckBudget(per_request_s=0.5, per_step_s=0.3)
     a, b = _regex_reqs("a", "b")
@@ -510,7 +481,7 @@ def test_the_rows_whose_later_tokens_are_measured_first_turn_with_each_verify(mo
     4 ms of room, for one of them at its latest cost): the first row's later token takes it, and the next verify
     starts from the next row, so each request gets its extra token every other step (before: A always,
     B never). The turn is a count of verify steps, alike on every rank."""
-    _fake_search(monkeypatch, lambda p, n: 0.001)
+    fake_stop_search(monkeypatch, lambda p, text, limit: 0.001)
     c = _checker()
     c.budget = OutputCheckBudget(per_request_s=0.01, per_step_s=0.010)
     a, b = _regex_reqs("a", "b")
@@ -533,7 +504,7 @@ def test_first_tokens_are_measured_in_the_commits_order_whatever_the_rotation(mo
     costliest, ended with a 400 (review R5 of 6445300); in batch order A's search is cut at 3.5 ms and
     nobody ends. Step 10 ms, request 9 ms."""
     cost = {("a", 2): 0.0055}
-    _fake_search(monkeypatch, lambda p, n: cost.get((p, n), 0.0005))
+    fake_stop_search(monkeypatch, lambda p, text, limit: cost.get((p, len(text)), 0.0005))
     c = _checker()
     c.budget = OutputCheckBudget(per_request_s=0.009, per_step_s=0.010)
     a, cc, b = _regex_reqs("a", "c", "b")

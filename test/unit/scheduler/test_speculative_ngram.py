@@ -538,7 +538,7 @@ def test_a_verify_commits_fewer_tokens_where_the_output_checks_budget_is_spent(m
     output is still plain decoding's, with no request ended."""
     from sglang.test.fake_stop_search import fake_stop_search
 
-    fake_stop_search(monkeypatch, lambda pattern, length: 0.002)  # (cut where less is left)
+    fake_stop_search(monkeypatch, lambda pattern, text, limit: 0.002)  # (cut where less is left)
     prompts = [token_ids(30 + 5 * k, seed=40 + k) for k in range(4)]
 
     def run(spec: bool, per_step: float) -> tuple[list[Output], dict]:

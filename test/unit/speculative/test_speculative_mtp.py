@@ -417,7 +417,7 @@ def test_verifies_cut_by_the_output_checks_budget_same_as_plain_decoding(monkeyp
     from sglang.test.mtp_checks import teacher_drafts
     from sglang.test.scheduler_harness import SchedulerHarness
 
-    fake_stop_search(monkeypatch, lambda pattern, length: 0.002)  # (cut where less is left)
+    fake_stop_search(monkeypatch, lambda pattern, text, limit: 0.002)  # (cut where less is left)
     monkeypatch.setenv("SGLANG_OUTPUT_CHECK_BUDGET_PER_STEP", str(per_step))
     args = dict(mamba_scheduler_strategy="extra_buffer", disable_overlap_schedule=True, chunked_prefill_size=64)
     prompts = [token_ids(60 + 11 * k, seed=70 + k) for k in range(4)]
