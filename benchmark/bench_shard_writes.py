@@ -11,9 +11,11 @@ request). No transfer engine: the addresses are made up, nothing is copied. Medi
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from transformers import Qwen3NextConfig
@@ -45,8 +47,34 @@ def ranks(arch, tp: int, base: int) -> list:
             state_nbytes=[2**31] * (2 * linear),
             state_slot_bytes=[shard.conv.row_bytes] * linear + [shard.ssm.row_bytes] * linear,
         )
-        out.append((pool, shard))
+        out.append((replace(pool, shards=shard.to_dict()), shard))
     return out
+
+
+def destination_checks(arch, tokens: int, repeat: int) -> None:
+    """The scheduler thread's cost of one destination from a decode server of each size (its checks:
+    `malformed_dst` and `unfit_dst`, the model's rule included), and its message's size."""
+    from functools import partial
+
+    from sglang.srt.disaggregation.destination import malformed_dst, unfit_dst
+    from sglang.srt.disaggregation.pd_ranks import destination_ranks
+    from sglang.srt.disaggregation.shard_map import rank_layouts
+
+    print(f"destination checks ({tokens} KV slots; prefill TP 2): decode TP, message bytes, median ms")
+    prefill = [pool for pool, _ in ranks(arch, 2, 2**44)]
+    rule = partial(rank_layouts, arch, units=ranks(arch, 1, 0)[0][1])
+    for tp in (1, 2, 4, 8, 16):
+        decode = [pool for pool, _ in ranks(arch, tp, 2**45)]
+        targets = [{"session": f"10.0.0.{r}:1234", "layout": p.to_dict()} for r, p in enumerate(decode)]
+        dst = {"notify": "tcp://10.0.0.1:1", "session": "10.0.0.0:1234", "layout": targets[0]["layout"],
+               "kv": list(range(100, 100 + tokens)), "slot": 3, **destination_ranks(targets)}  # fmt: skip
+        runs = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            assert malformed_dst(dst, 1 << 20) is None
+            assert unfit_dst(prefill, dst, tokens, False, None, rule) is None
+            runs.append(time.perf_counter() - t)
+        print(f"TP {tp}: {len(json.dumps(dst))} / {statistics.median(runs) * 1e3:.2f}")
 
 
 def main() -> None:
@@ -72,6 +100,7 @@ def main() -> None:
             counts.append(sum(len(d) for _, d in writes))
             times.append(statistics.median(runs) * 1e3)
         print(f"TP {a} -> {b}: " + ", ".join(f"{n} / {ms:.1f}" for n, ms in zip(counts, times, strict=True)))
+    destination_checks(arch, args.tokens, args.repeat)
 
 
 if __name__ == "__main__":
