@@ -7,6 +7,7 @@ largest chunk (the whole request in one).
 
     python benchmark/bench_pd_staging.py
     python benchmark/bench_pd_staging.py --input-len 4000 --chunks-mib 4 0.25 0.05 --num-prompts 12
+    python benchmark/bench_pd_staging.py --chunks-mib 4 --prefill-tp 2 --decode-tp 1   # between TP sizes
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ def disagg(server) -> dict:
     ]
 
 
-def run(path: str, chunk_mib: float, input_len: int, num_prompts: int, seed: int) -> dict:
-    env = {"SGLANG_DISAGGREGATION_STAGING": "1", "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB": str(chunk_mib),
+def run(path: str, chunk_mib: float, input_len: int, num_prompts: int, seed: int, tp: tuple[int, int],
+        direct: bool = False) -> dict:  # fmt: skip
+    env = {"SGLANG_DISAGGREGATION_STAGING": "0" if direct else "1",
+           "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB": str(chunk_mib),
            "SGLANG_DISAGG_STAGING_POOL_SIZE_MB": str(4 * chunk_mib)}  # fmt: skip
-    prefill, decode, router, _ = start_pd(path, [], [], env, env)
+    prefill, decode, router, _ = start_pd(path, ["--tp-size", str(tp[0])], ["--tp-size", str(tp[1])], env, env)
     try:
         rng = random.Random(seed)
         times, chunks = [], []
@@ -43,7 +46,8 @@ def run(path: str, chunk_mib: float, input_len: int, num_prompts: int, seed: int
             p1, d1 = disagg(prefill), disagg(decode)
             times.append(1000 * (p1["seconds"] - p0["seconds"]))
             chunks.append(d1["staged_chunks"] - d0["staged_chunks"])
-        return {"chunk_mib": chunk_mib, "chunks_per_request": statistics.median(chunks),
+        return {"tp": f"{tp[0]} -> {tp[1]}", "path": "direct" if direct else "staged", "chunk_mib": chunk_mib,
+                "chunks_per_request": statistics.median(chunks),
                 "transfer_ms": statistics.median(times), "bytes_per_request": p1["bytes"] // p1["transfers"]}  # fmt: skip
     finally:
         stop_all(router, decode, prefill)
@@ -56,9 +60,14 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--chunks-mib", type=float, nargs="+", default=[4.0, 0.1, 0.02])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-tp", type=int, default=1, help="the prefill server's --tp-size")
+    parser.add_argument("--decode-tp", type=int, default=1, help="the decode server's --tp-size")
+    parser.add_argument("--direct", action="store_true", help="the direct path (pools registered as they are) "
+                        "instead of staging: one row per chunk size")  # fmt: skip
     args = parser.parse_args()
     path = resolve_model_path(args.preset)
-    rows = [run(path, c, args.input_len, args.num_prompts, args.seed) for c in args.chunks_mib]
+    tp = (args.prefill_tp, args.decode_tp)
+    rows = [run(path, c, args.input_len, args.num_prompts, args.seed, tp, args.direct) for c in args.chunks_mib]
     base = rows[0]["transfer_ms"]
     for r in rows:
         r["ratio"] = r["transfer_ms"] / base if base else 0.0

@@ -149,6 +149,23 @@ def test_between_tp_sizes_every_decode_rank_gets_its_heads_from_the_prefill_rank
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+def test_the_direct_path_between_tp_sizes_says_once_that_staging_is_faster(monkeypatch, caplog):
+    """Pools registered as they are take one copy per position between TP sizes (~100x the time
+    through Mooncake TCP): the first such transfer of each pair of sizes says so, naming the switch that
+    avoids it; the same size says nothing."""
+    import sglang.srt.disaggregation.pd_ranks as pd_ranks
+
+    monkeypatch.setattr(pd_ranks, "_warned_sizes", set())
+    prefill = [layout(rank_pools(r, fill=False, tp=2), r, 2) for r in range(2)]
+    for decode_tp in (2, 1, 1):
+        decode = [layout(rank_pools(r, fill=False, tp=decode_tp), r, decode_tp) for r in range(decode_tp)]
+        dst = destination(decode, [40, 41], 6)
+        for r in range(2):
+            list(rank_writes(prefill, dst, r, [5, 6], 3))
+    said = [rec.getMessage() for rec in caplog.records if "SGLANG_DISAGGREGATION_STAGING=1" in rec.getMessage()]
+    assert len(said) == 1 and "--tp-size 1 and this one of 2" in said[0], said
+
+
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
 def test_staged_chunks_between_tp_sizes_land_as_the_decode_ranks_own_rows(prefill_tp, decode_tp):
     """The staged path (host staging buffers, in chunks) between servers of any --tp-size: each prefill
@@ -217,6 +234,36 @@ def test_staged_chunks_between_tp_sizes_land_as_the_decode_ranks_own_rows(prefil
     assert all(e.complete() for e in entries)
     got, want = global_rows(decode, dst_tokens, dst_slot), global_rows(prefill, src_tokens, src_slot)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_a_staged_chunk_between_tp_sizes_moves_a_heads_kv_in_one_copy_whatever_its_positions(
+    prefill_tp, decode_tp
+):
+    """A packed block's KV is head-major (`StatePacker`), so a prefill rank's part of a decode rank's
+    block is one copy per KV buffer: here one head (16 bytes a position) of each of the 4 buffers, for 1,
+    6 or 13 positions alike. Token-major blocks made it one copy per buffer and position (24 for 6
+    positions), ~100x slower through Mooncake TCP (`benchmark/bench_pd_staging.py`)."""
+    from sglang.srt.disaggregation.staged_route import staged_route
+
+    layouts = [layout(rank_pools(r, fill=False, tp=prefill_tp), r, prefill_tp) for r in range(prefill_tp)]
+    decode = [layout(rank_pools(r, fill=False, tp=decode_tp), r, decode_tp) for r in range(decode_tp)]
+    targets = [{"session": f"decode-rank-{j}", "layout": lay.to_dict(), "staging": (j + 1) << 20,
+                "staging_bytes": 4096} for j, lay in enumerate(decode)]  # fmt: skip
+    dst = {"notify": "tcp://x:1", "session": "decode-rank-0", "layout": targets[0]["layout"], "kv": [1],
+           "slot": 1, "staging": targets[0]["staging"], "staging_bytes": 4096,
+           **destination_ranks(targets, staged=(0, 4096))}  # fmt: skip
+    if decode_tp > 1:
+        for entry, t in zip(dst["ranks"], targets, strict=True):
+            entry["staging"] = t["staging"]
+    assert check_targets(layouts, dst, expected) is None
+    for r in range(prefill_tp):
+        route = staged_route(layouts, dst, r, staging=None)  # (the packer is read at the same size only)
+        for positions in (1, 6, 13):
+            writes = route.writes(0, positions, 0, False)
+            assert sorted(s for s, _ in writes) == [t["session"] for t in targets]
+            for _, descriptors in writes:
+                assert [n for _, _, n in descriptors] == [positions * KV_UNIT] * 4, (r, positions, descriptors)
 
 
 def memmove(session: str, descriptors: list) -> None:

@@ -62,6 +62,26 @@ def test_pack_then_unpack_moves_exactly_the_requests_rows():
         assert not d[[0, 2, 3, 4, 5]].any()
 
 
+def test_a_blocks_kv_is_head_major():
+    """The layout both servers of a pair assume (`StatePacker`, `staged_route.packed`): each KV buffer's
+    part holds head 0 of every token in the slot list's order, then head 1; the state's rows follow."""
+    kv, states = pools(0, fill=True)
+    tokens = [9, 2, 40]
+    packer = StatePacker(kv, states, "cpu")
+    buf = host_buffer(packer.packed_bytes(len(tokens)), pin=False)
+    packer.pack(tokens, 5, buf)
+    at = 0
+    for b in kv:  # [rows, 2 heads, 8]
+        want = torch.cat([b[tokens, h] for h in range(b.shape[1])]).view(torch.uint8).flatten()
+        assert torch.equal(buf[at : at + want.numel()], want)
+        at += want.numel()
+    for b in states:
+        want = b[5].contiguous().view(torch.uint8).flatten()
+        assert torch.equal(buf[at : at + want.numel()], want)
+        at += want.numel()
+    assert at == buf.numel()
+
+
 def test_byte_ranges_never_overlap_and_reuse_freed_room():
     rng = random.Random(0)
     ranges = ByteRanges(1000)

@@ -36,6 +36,7 @@ At one rank (`SINGLE`) every collective is the identity, so the PD queues have o
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
@@ -44,6 +45,8 @@ from typing import Any
 from sglang.srt.disaggregation.shard_map import ShardLayout, check_rows, layout_mismatch, shard_writes
 from sglang.srt.disaggregation.transfer import Descriptor, PoolLayout, transfer_descriptors
 from sglang.srt.disaggregation.weights_fingerprint import weights_mismatch
+
+logger = logging.getLogger(__name__)
 
 # A transfer's outcome on one rank: (error or None, bytes moved, seconds on the transfer engine, what
 # else its write returned: the staged path's last chunk, the same on every rank).
@@ -226,6 +229,7 @@ def rank_writes(
     src = list(zip(layouts, _shards(layouts), strict=True))
     theirs = [PoolLayout.from_dict(t["layout"]) for t in targets]
     into = list(zip(theirs, _shards(theirs), strict=True))
+    _warn_direct_between_sizes(len(layouts), len(theirs))
 
     def windows() -> Iterator[tuple[str, list[Descriptor]]]:
         # (built window by window as they are written: a large decode --tp-size makes millions of copies
@@ -237,6 +241,23 @@ def rank_writes(
             yield from ((targets[d]["session"], descriptors) for d, descriptors in writes)
 
     return windows()
+
+
+_warned_sizes: set[tuple[int, int]] = set()
+
+
+def _warn_direct_between_sizes(prefill_tp: int, decode_tp: int) -> None:
+    """Say once per pair of sizes that the direct path between them is slow, and what is not."""
+    if (prefill_tp, decode_tp) in _warned_sizes:
+        return
+    _warned_sizes.add((prefill_tp, decode_tp))
+    logger.warning(
+        "Disaggregation: a decode server of --tp-size %d and this one of %d: pools registered as they are "
+        "take one copy per prompt position, KV buffer and run of heads between them (through Mooncake TCP "
+        "~100x the time of the same size: benchmark/bench_pd_staging.py --direct); with "
+        "SGLANG_DISAGGREGATION_STAGING=1 on both servers a chunk takes one copy per KV buffer.",
+        decode_tp, prefill_tp,
+    )  # fmt: skip
 
 
 def destination_ranks(

@@ -6,9 +6,12 @@ range of the decode rank of the same index, which unpacks it with its own packer
 
 At another --tp-size the decode rank's block holds other heads: it is laid out as that decode rank packs
 its own rows, and each of its units (KV heads, conv channels, SSM heads: `shard_map.py`) is written by one
-prefill rank, from that rank's packed block. A packed block is laid out like the pools it comes from (row
-t of KV buffer b at the block's start + (b * positions + t) * row bytes; the state's rows after), so
-`shard_map.shard_writes` gives the copies between the blocks as between pools. Every prefill rank packs
+prefill rank, from that rank's packed block. A packed block is laid out like pools of one token slot and
+one state slot (`packed`): a KV buffer's part is head-major (`StatePacker`), so it is one "row" whose unit
+is one head of every position of the chunk; the state's rows follow. `shard_map.shard_writes` gives the
+copies between the blocks as between pools: one per KV buffer and run of heads, and per state buffer and
+run of units, however many positions the chunk holds (token-major rows made it one per position: 75-98x
+the time through Mooncake TCP, `benchmark/bench_pd_staging.py`). Every prefill rank packs
 and writes each chunk, and the chunk is announced to the decode ranks once every prefill rank has
 written it (`PdRanks.written_everywhere`), as at the same --tp-size; a chunk must fit this rank's buffer
 and every decode rank's range (`chunk_plan_within`).
@@ -21,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from sglang.srt.disaggregation.pd_ranks import rank_targets
-from sglang.srt.disaggregation.shard_map import ShardLayout, shard_writes
+from sglang.srt.disaggregation.shard_map import Segments, ShardLayout, shard_writes
 from sglang.srt.disaggregation.transfer import Descriptor, PoolLayout
 
 if TYPE_CHECKING:
@@ -65,9 +68,10 @@ def staged_route(layouts: list[PoolLayout], dst: dict[str, Any], tp_rank: int, s
     def writes(src: int, m: int, n: int, state: bool) -> list[tuple[str, list[Descriptor]]]:
         blocks = [packed(layout, src if r == tp_rank else 0, m, state) for r, layout in enumerate(layouts)]
         into = [packed(layout, t["staging"], m, state) for layout, t in zip(theirs, targets, strict=True)]
+        token = [0] if m else []  # (the chunk's positions are one row: `packed`)
         out = shard_writes(
-            tp_rank, list(zip(blocks, src_shards, strict=True)), list(zip(into, dst_shards, strict=True)),
-            list(range(m)), list(range(m)), 0, 0,
+            tp_rank, list(zip(blocks, chunk_shards(src_shards, m), strict=True)),
+            list(zip(into, chunk_shards(dst_shards, m), strict=True)), token, token, 0, 0,
         )  # fmt: skip
         return [(targets[d]["session"], descriptors) for d, descriptors in out]
 
@@ -76,14 +80,21 @@ def staged_route(layouts: list[PoolLayout], dst: dict[str, Any], tp_rank: int, s
 
 def packed(pool: PoolLayout, start: int, positions: int, state: bool) -> PoolLayout:
     """The layout of a block `StatePacker.pack` writes at `start` from pools laid out as `pool`: each KV
-    buffer's rows of `positions` positions in turn, then (`state`) each state buffer's row, as pools of
-    `positions` token slots and one state slot (slot 0)."""
-    row = pool.kv_bytes_per_token
-    kv_ptrs = [start + b * positions * row for b in range(len(pool.kv_ptrs))]
-    at, state_ptrs = start + len(pool.kv_ptrs) * positions * row, []
+    buffer's `positions` rows in turn, head-major, then (`state`) each state buffer's row; as pools of one
+    token slot (slot 0: a KV buffer's part of the block is one row, a head of every position one unit of
+    it: `chunk_shards`) and one state slot (slot 0)."""
+    row = positions * pool.kv_bytes_per_token
+    kv_ptrs = [start + b * row for b in range(len(pool.kv_ptrs))]
+    at, state_ptrs = start + len(pool.kv_ptrs) * row, []
     for size in pool.state_slot_bytes if state else []:
         state_ptrs.append(at)
         at += size
     sizes = list(pool.state_slot_bytes) if state else []
-    return replace(pool, kv_ptrs=kv_ptrs, kv_nbytes=[positions * row] * len(kv_ptrs), state_ptrs=state_ptrs,
-                   state_nbytes=sizes, state_slot_bytes=sizes)  # fmt: skip
+    return replace(pool, kv_ptrs=kv_ptrs, kv_nbytes=[row] * len(kv_ptrs), kv_bytes_per_token=row,
+                   state_ptrs=state_ptrs, state_nbytes=sizes, state_slot_bytes=sizes)  # fmt: skip
+
+
+def chunk_shards(shards: list[ShardLayout], positions: int) -> list[ShardLayout]:
+    """The shard layouts of `packed` blocks of `positions` positions: a KV unit (one head) is that head's
+    row of every position."""
+    return [replace(s, kv=Segments(s.kv.runs, s.kv.unit_bytes * positions)) for s in shards]
