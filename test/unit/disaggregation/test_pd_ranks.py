@@ -257,6 +257,9 @@ def test_a_staged_chunk_between_tp_sizes_moves_a_heads_kv_in_one_copy_whatever_i
         for entry, t in zip(dst["ranks"], targets, strict=True):
             entry["staging"] = t["staging"]
     assert check_targets(layouts, dst, expected) is None
+    from sglang.srt.disaggregation.shard_map import _plan
+
+    _plan.cache_clear()
     for r in range(prefill_tp):
         route = staged_route(layouts, dst, r, staging=None)  # (the packer is read at the same size only)
         for positions in (1, 6, 13):
@@ -264,6 +267,8 @@ def test_a_staged_chunk_between_tp_sizes_moves_a_heads_kv_in_one_copy_whatever_i
             assert sorted(s for s, _ in writes) == [t["session"] for t in targets]
             for _, descriptors in writes:
                 assert [n for _, _, n in descriptors] == [positions * KV_UNIT] * 4, (r, positions, descriptors)
+    # One plan for the pair whatever the chunk's positions (review finding 3: a miss per chunk length).
+    assert _plan.cache_info().currsize == 1, _plan.cache_info()
 
 
 def memmove(session: str, descriptors: list) -> None:
@@ -325,6 +330,24 @@ def test_at_another_tp_size_every_decode_rank_is_compared():
     fewer = replace(halves[1], kv_ptrs=halves[1].kv_ptrs[:-1], kv_nbytes=halves[1].kv_nbytes[:-1])
     problem = check_targets(one, destination([halves[0], fewer], [1], 0), expected)
     assert "the KV layouts differ" in problem and problem.endswith("(the decode server's TP rank 1)"), problem
+
+
+def test_a_staged_pair_of_another_block_format_is_refused_in_a_sentence():
+    """Review of 30940a0, finding 2: a staged block's KV became head-major; a decode server of an older
+    build (token-major blocks, its layout without `staged_blocks`) passed every check, and at the same
+    --tp-size the whole block was copied as it was: scrambled KV, wrong tokens. Now refused, naming why."""
+    from sglang.srt.disaggregation.destination import unfit_dst
+    from sglang.srt.disaggregation.state_packer import BLOCK_FORMAT
+
+    prefill = [layout(rank_pools(0, fill=False, tp=1), 0, tp=1)]
+    assert prefill[0].staged_blocks == BLOCK_FORMAT
+    dst = destination(prefill, [1, 2], 3, staging=4096, staging_bytes=1024)
+    assert unfit_dst(prefill, dst, 2, staged=True) is None
+    older = {k: v for k, v in dst["layout"].items() if k != "staged_blocks"}
+    problem = unfit_dst(prefill, {**dst, "layout": older}, 2, staged=True)
+    assert problem == ("the decode server packs staged blocks as an older build did (KV token-major), this "
+                       "one as kv head-major: run the same build of the server on both"), problem  # fmt: skip
+    assert unfit_dst(prefill, destination(prefill, [1, 2], 3), 2, staged=False) is None  # (direct: no blocks)
 
 
 def test_another_layout_is_refused_naming_the_rank():

@@ -86,6 +86,11 @@ def malformed_layout(layout: Any, is_int) -> str | None:
     return None
 
 
+def _blocks(dst: dict[str, Any]) -> str:
+    """How the decode server packs a staged block (its rank 0's layout says; "" from an older build)."""
+    return str(rank_targets(dst)[0]["layout"].get("staged_blocks", ""))
+
+
 def unfit_dst(
     layouts: list[PoolLayout],
     dst: dict[str, Any],
@@ -113,6 +118,11 @@ def unfit_dst(
         problem = (
             "one server stages KV and state through host memory and the other does not (both need "
             "the same SGLANG_DISAGGREGATION_STAGING, and CUDA pools with a host-only engine stage)"
+        )
+    elif problem is None and staged and _blocks(dst) != layouts[0].staged_blocks:
+        problem = (
+            f"the decode server packs staged blocks as {_blocks(dst) or 'an older build did (KV token-major)'}, "
+            f"this one as {layouts[0].staged_blocks}: run the same build of the server on both"
         )
     elif problem is None and len(dst["kv"]) != n - prefix:
         problem = (

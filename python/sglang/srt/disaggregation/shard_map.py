@@ -258,6 +258,10 @@ def _plan(
     )
 
 
+def _unitless(shard: ShardLayout) -> ShardLayout:
+    return ShardLayout(*(Segments(getattr(shard, axis).runs, 1) for axis in AXES))
+
+
 def check_rows(pool: PoolLayout, shard: ShardLayout, side: str) -> None:
     """ValueError where a rank's shard layout does not fill its pools' rows exactly."""
     half = len(pool.state_ptrs) // 2
@@ -305,7 +309,9 @@ def shard_writes(
     for side, ranks in (("prefill", src), ("decode", dst)):
         for pool, shard in ranks:
             check_rows(pool, shard, side)
-    plan = _plan(tuple(s for _, s in src), tuple(s for _, s in dst))
+    # (keyed by the runs alone: the pieces do not depend on the unit's bytes, which a staged chunk scales
+    # by its positions: `staged_route.chunk_shards`)
+    plan = _plan(tuple(_unitless(s) for _, s in src), tuple(_unitless(s) for _, s in dst))
     mine_pool, mine = src[src_rank]
     runs = token_runs(src_tokens, dst_tokens)
     token_rows = cache(lambda: (torch.tensor(src_tokens), torch.tensor(dst_tokens)))

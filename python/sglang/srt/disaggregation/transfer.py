@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 
 from sglang.srt.disaggregation.channel import reachable_host
 from sglang.srt.disaggregation.staging import Staging, staging_sizes, transfer_path
-from sglang.srt.disaggregation.state_packer import StatePacker, kv_buffers
+from sglang.srt.disaggregation.state_packer import BLOCK_FORMAT, StatePacker, kv_buffers
 from sglang.srt.disaggregation.weights_fingerprint import with_weights
 from sglang.srt.server_args import ServerArgsError
 from sglang.srt.speculative.draft_layers import draft_kv_layer_ids
@@ -82,6 +82,8 @@ class PoolLayout:
     # Which KV heads and state rows of the model this rank's pools hold (`shard_map.ShardLayout.to_dict`):
     # what lets a pair of other --tp-size sizes cut and join the shards (None: a rank that does not say).
     shards: dict | None = None
+    # How this server packs a staged block (`state_packer.BLOCK_FORMAT`; "" from a build before it said).
+    staged_blocks: str = ""
 
     @classmethod
     def of(cls, token_to_kv_pool, mamba_pool, draft_kv_layers: int = 0) -> PoolLayout:
@@ -98,6 +100,7 @@ class PoolLayout:
             kv_dtype=str(token_to_kv_pool.dtype),
             draft_kv_layers=draft_kv_layers,
             state_dtypes=f"conv {mamba_pool.conv_state.dtype}, ssm {mamba_pool.ssm_state.dtype}",
+            staged_blocks=BLOCK_FORMAT,
         )
 
     def regions(self) -> list[tuple[int, int]]:
