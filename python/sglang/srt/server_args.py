@@ -34,6 +34,7 @@ from sglang.srt.server_args_checks import (
     resolve_auto_parsers,
 )
 from sglang.srt.server_args_cli import add_cli_args
+from sglang.srt.server_args_frontend import FrontendArgs, check_frontend_flags
 from sglang.srt.server_args_hicache import HiCacheArgs, check_hicache_flags
 from sglang.srt.server_args_mamba import resolve_mamba_strategy, resolve_pd_decode_cache
 from sglang.srt.server_args_media import check_media_flags
@@ -56,7 +57,7 @@ BODY_BYTES_BASE = 1 << 20
 
 
 @dataclass
-class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_hicache.py)
+class ServerArgs(HiCacheArgs, FrontendArgs):  # (fields of server_args_hicache.py, server_args_frontend.py)
     # Model and tokenizer
     model_path: str = DEFAULT_MODEL
     tokenizer_path: str | None = None
@@ -214,6 +215,7 @@ class ServerArgs(HiCacheArgs):  # (the hierarchical cache's fields: server_args_
         check_basic_flags(self)
         check_parallel_flags(self)
         check_media_flags(self)
+        check_frontend_flags(self)
         refused = check_quantization_flag(self.quantization)
         if refused:
             raise ServerArgsError(refused)

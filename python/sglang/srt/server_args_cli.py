@@ -24,6 +24,7 @@ from sglang.srt.server_args_checks import (
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
 )
+from sglang.srt.server_args_frontend import add_frontend_cli_args
 from sglang.srt.server_args_hicache import add_hicache_cli_args
 from sglang.srt.server_args_media import add_media_cli_args
 from sglang.srt.server_args_parallel import add_parallel_cli_args
@@ -271,6 +272,7 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
 
     add_parallel_cli_args(parser, default)
     add_media_cli_args(parser, default)
+    add_frontend_cli_args(parser)
 
     g = parser.add_argument_group("kernels")
     g.add_argument(

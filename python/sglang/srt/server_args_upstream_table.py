@@ -186,7 +186,7 @@ REFUSED: dict[str, str] = {
         --ple-offload-embedding --ple-offload-backend= --ple-offload-dir=
     """,
     "sched": """
-        --max-queued-requests= --prefill-decode-interval= --prefill-decode-interval-min-bs= --enable-dynamic-chunking
+        --prefill-decode-interval= --prefill-decode-interval-min-bs= --enable-dynamic-chunking
         --prefill-max-requests= --enable-priority-scheduling --disable-priority-preemption --default-priority-value=
         --abort-on-priority-when-disabled --schedule-low-priority-values-first
         --priority-scheduling-preemption-threshold= --retraction-policy= --schedule-conservativeness=
@@ -201,11 +201,9 @@ REFUSED: dict[str, str] = {
         --enable-response-store --tokenizer-backend= --fastapi-root-path= --enable-http-worker-reuseport
         --smg-grpc-mode --grpc-mode --grpc-port= --grpc-response-timeout-secs= --sidecar= --sidecar-args=
         --smg-http-sidecar-port|--grpc-http-sidecar-port= --warmups= --enable-http2 --http2-max-concurrent-streams=
-        --http2-initial-connection-window-size= --ssl-keyfile= --ssl-certfile= --ssl-ca-certs=
-        --ssl-keyfile-password= --enable-ssl-refresh --chat-template= --trust-request-chat-template
+        --http2-initial-connection-window-size= --enable-ssl-refresh --trust-request-chat-template
         --hf-chat-template-name= --completion-template= --file-storage-path= --return-input-ids --return-output-ids
-        --default-chat-template-kwargs= --strip-thinking-cache --enable-strict-thinking --tool-server=
-        --preferred-sampling-params= --allow-auto-truncate --batch-notify-size= --stream-response-default-include-usage
+        --strip-thinking-cache --enable-strict-thinking --tool-server= --allow-auto-truncate --batch-notify-size=
         --incremental-streaming-output|--stream-output --enable-streaming-session --constrained-json-max-whitespace-cnt=
         --enable-dynamic-batch-tokenizer --dynamic-batch-tokenizer-batch-size= --dynamic-batch-tokenizer-batch-timeout=
         --enable-tokenizer-batch-encode --disable-tokenizer-batch-decode --config=
@@ -240,13 +238,11 @@ REFUSED: dict[str, str] = {
 # Where a flag's own sentence says more than its theme's.
 SPECIFIC: dict[str, str] = {
     "--config": "options are not read from a file; pass them on the command line",
-    "--chat-template": "the chat template is the one in the checkpoint's tokenizer_config.json; edit that file "
-    "to change it",
-    "--hf-chat-template-name": "the chat template is the one in the checkpoint's tokenizer_config.json",
+    "--hf-chat-template-name": "the chat template is the checkpoint's, or a Jinja file's (--chat-template)",
     "--revision": "checkpoints are never downloaded; pass the folder of the revision you want as --model-path",
     "--download-dir": "checkpoints are never downloaded; pass a local folder as --model-path",
-    "--ssl-keyfile": "TLS is not served here; put a TLS-terminating proxy in front of the server",
-    "--ssl-certfile": "TLS is not served here; put a TLS-terminating proxy in front of the server",
+    "--enable-ssl-refresh": "certificates are read at start (--ssl-keyfile, --ssl-certfile); restart the server "
+    "to take new ones",
     "--is-embedding": "embedding models are not served; this server serves generation models",
     "--gated-launch-port": "there is no gated start; start the server when it may take the GPU's memory",
     "--tokenizer-backend": "the tokenizer is Hugging Face's fast tokenizer from the checkpoint folder",

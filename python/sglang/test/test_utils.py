@@ -64,7 +64,9 @@ class ServerProcess:
         api_key: str | None = None,
     ):
         self.port = port or find_free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        # --ssl-certfile: HTTPS, its certificate verified (it must name 127.0.0.1).
+        self.verify = args[args.index("--ssl-certfile") + 1] if "--ssl-certfile" in args else True
+        self.base_url = f"{'http' if self.verify is True else 'https'}://127.0.0.1:{self.port}"
         self.api_key = api_key
         # SGLANG_TEST_SERVER_ARGS: flags every test server gets too (the nightly run of the server tests
         # with --tp-size 2: test/registered/distributed/test_e2e_tp2_nightly.py).
@@ -92,7 +94,7 @@ class ServerProcess:
                     f"The server exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}"
                 )
             try:
-                if requests.get(self.base_url + "/health", timeout=1).status_code == 200:
+                if requests.get(self.base_url + "/health", timeout=1, verify=self.verify).status_code == 200:
                     return
             except requests.RequestException:
                 pass
@@ -162,10 +164,11 @@ class ServerTestCase(unittest.TestCase):
 
     def post(self, path: str, body: Any = None, timeout: float = 120, **kw: Any) -> requests.Response:
         headers = {**self.headers(), **kw.pop("headers", {})}
+        kw.setdefault("verify", self.server.verify)
         return requests.post(self.base_url + path, json=body, headers=headers, timeout=timeout, **kw)
 
     def get(self, path: str, timeout: float = 30) -> requests.Response:
-        return requests.get(self.base_url + path, headers=self.headers(), timeout=timeout)
+        return requests.get(self.base_url + path, headers=self.headers(), timeout=timeout, verify=self.server.verify)
 
     def generate(self, **body: Any) -> Any:
         r = self.post("/generate", body)

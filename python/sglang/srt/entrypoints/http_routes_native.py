@@ -68,6 +68,7 @@ async def get_model_info(s: Server) -> Response:
             "context_length": s.model_info["context_len"],
             "max_req_input_len": s.model_info["max_req_input_len"],
             "weight_version": args.weight_version,
+            "preferred_sampling_params": args.preferred_sampling_params,
         }
     )
 

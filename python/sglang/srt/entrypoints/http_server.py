@@ -89,10 +89,12 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
             logger.info(
                 "Chat requests take the model's sampling defaults for unset fields: %s.", sampling_defaults
             )
+    include_usage = server_args.stream_response_default_include_usage
     chat = OpenAIServingChat(
-        tm, model_name, sampling_defaults, server_args.reasoning_parser, server_args.tool_call_parser
-    )
-    completions = OpenAIServingCompletion(tm, model_name)
+        tm, model_name, sampling_defaults, server_args.reasoning_parser, server_args.tool_call_parser,
+        server_args.default_chat_template_kwargs, include_usage,
+    )  # fmt: skip
+    completions = OpenAIServingCompletion(tm, model_name, include_usage)
     if server_args.enable_custom_logit_processor and not envs.SGLANG_LOGIT_PROCESSOR_SECRET.get():
         logger.warning(
             "--enable-custom-logit-processor without SGLANG_LOGIT_PROCESSOR_SECRET: every client that "

@@ -5,6 +5,7 @@ that read it, so that they import it without importing each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sglang.srt.managers.logprob_limits import (
     DEFAULT_MAX_HIDDEN_STATE_FLOATS,
@@ -28,3 +29,5 @@ class RequestLimits:
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # --max-logprob-entries-per-request
     hidden_size: int = 0  # the floats of one position's hidden state (return_hidden_states)
     max_hidden_state_floats: int = DEFAULT_MAX_HIDDEN_STATE_FLOATS  # --max-hidden-state-floats-per-request
+    # --preferred-sampling-params: sampling_params for the fields a request leaves unset (`request_sampling`).
+    preferred_sampling_params: dict[str, Any] | None = None

@@ -17,9 +17,10 @@ from sglang.srt.sampling.sampling_params import SamplingParams, SamplingParamsEr
 if TYPE_CHECKING:
     from sglang.srt.managers.request_limits import RequestLimits
 
-# Without an explicit max_new_tokens, a request generates at most this many tokens (SGLang's default),
-# fewer if the context ends first.
+# Without an explicit max_new_tokens (or one from --preferred-sampling-params), a request generates at
+# most this many tokens (SGLang's default: SamplingParams'), fewer if the context ends first.
 DEFAULT_MAX_NEW_TOKENS = 128
+assert SamplingParams.from_dict({}).max_new_tokens == DEFAULT_MAX_NEW_TOKENS
 
 
 def parse_sampling_params(
@@ -30,6 +31,9 @@ def parse_sampling_params(
         raise RequestError("sampling_params must be an object.", "sampling_params", "invalid_type")
     # Clients (SGLang's own included) send null for "unset".
     d = {k: v for k, v in (d or {}).items() if v is not None}
+    explicit_max = "max_new_tokens" in d  # (one from --preferred-sampling-params is a default: cut to fit)
+    if limits.preferred_sampling_params:
+        d = {**limits.preferred_sampling_params, **d}
     try:
         params = SamplingParams.from_dict(d)
         params.verify(limits.vocab_size)
@@ -37,7 +41,7 @@ def parse_sampling_params(
         raise RequestError(str(e), param_prefix + _param_of(str(e))) from None
     except TypeError as e:  # e.g. a list where a number belongs, caught by the dataclass constructor
         raise RequestError(f"Invalid sampling_params: {e}.", "sampling_params", "invalid_type") from None
-    return params, "max_new_tokens" in d
+    return params, explicit_max
 
 
 def fit_to_prompt(
@@ -59,7 +63,7 @@ def fit_to_prompt(
         )
     if explicit_max:
         return params.max_new_tokens, params.min_new_tokens
-    max_new = min(DEFAULT_MAX_NEW_TOKENS, room)
+    max_new = min(params.max_new_tokens, room)  # (DEFAULT_MAX_NEW_TOKENS, or --preferred-sampling-params')
     return max_new, min(params.min_new_tokens, max_new)
 
 

@@ -66,6 +66,7 @@ from sglang.srt.managers.tokenizer_output import ReqState
 from sglang.srt.multimodal.media_io import MediaPolicy, MediaReader, RequestReads
 from sglang.srt.multimodal.media_pool import MediaCancelled, MediaJob
 from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media, per_prompt
+from sglang.srt.server_args_frontend import read_chat_template
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         self.encoder: TextEncoder | None = None
         if not server_args.skip_tokenizer_init:
             self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(server_args.tokenizer_path)
+            if server_args.chat_template is not None:  # (checked at start: `server_args_frontend`)
+                self.tokenizer.chat_template = read_chat_template(server_args.chat_template)
             self.encoder = TextEncoder(self.tokenizer, server_args.tokenizer_path)
         self.limits = RequestLimits(
             context_len=model_info["context_len"],
@@ -122,6 +125,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             if server_args.enable_return_hidden_states
             else 0,
             max_hidden_state_floats=server_args.max_hidden_state_floats_per_request,
+            preferred_sampling_params=server_args.preferred_sampling_params,
         )
         # The model's image processor (None: a text-only model).
         self.image_processor = ImageInputProcessor.create(

@@ -103,9 +103,11 @@ class OpenAIServingBase:
     # Native field name -> this API's name, for error messages raised by the shared validation.
     param_names: dict[str, str] = {}
 
-    def __init__(self, tokenizer_manager: TokenizerManager, model_name: str):
+    def __init__(self, tokenizer_manager: TokenizerManager, model_name: str, include_usage: bool = False):
+        """`include_usage`: --stream-response-default-include-usage (every stream ends with its usage)."""
         self.tm = tokenizer_manager
         self.model_name = model_name
+        self.include_usage = include_usage
 
     async def handle(self, request: Request) -> Response:
         """The route's reply; errors are raised in this API's field names (`http_errors` answers them)."""
@@ -219,7 +221,8 @@ class OpenAIServingBase:
         self, req: Any, obj: GenerateReqInput, first: Any, gen: AsyncIterator[Any]
     ) -> AsyncIterator[bytes]:
         """Chunks carry each choice's whole text so far; events carry the new part. With
-        `stream_options.include_usage` a last event has no choices and the usage."""
+        `stream_options.include_usage` (or --stream-response-default-include-usage) a last event has no
+        choices and the usage."""
         stream_id = f"{self.id_prefix}{first['meta_info']['id']}"
         model = self.response_model_name(req)
         sent_text: dict[int, int] = {}
@@ -246,7 +249,7 @@ class OpenAIServingBase:
                 yield event([choice])
             last[i] = chunk
             chunk = await anext(gen, None)
-        if req.include_usage:
+        if req.include_usage or self.include_usage:
             outs = [last[i] for i in sorted(last)]
             yield event([], usage=UsageInfo(**usage(outs, req.n)))
 

@@ -106,7 +106,7 @@ def _template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
-def _template_arguments(tokenizer: Any) -> set[str]:
+def template_arguments(tokenizer: Any) -> set[str]:
     """The named parameters of the tokenizer's `apply_chat_template`."""
     params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
     return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
@@ -131,11 +131,16 @@ class OpenAIServingChat(OpenAIServingBase):
         sampling_defaults: dict[str, Any] | None = None,
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
+        template_defaults: dict[str, Any] | None = None,
+        include_usage: bool = False,
     ):
         """`sampling_defaults`: sampling_params for the fields a request leaves unset (the model's
-        recommendation, `model_sampling_defaults`); `reasoning_parser`, `tool_call_parser`: the flags."""
-        super().__init__(tokenizer_manager, model_name)
+        recommendation, `model_sampling_defaults`); `reasoning_parser`, `tool_call_parser`: the flags;
+        `template_defaults`: --default-chat-template-kwargs (a request's chat_template_kwargs win, key by
+        key)."""
+        super().__init__(tokenizer_manager, model_name, include_usage)
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.template_defaults = dict(template_defaults or {})
         self.reasoning_format = FORMATS[reasoning_parser] if reasoning_parser else None
         self.tool_call_parser = tool_call_parser
 
@@ -150,11 +155,11 @@ class OpenAIServingChat(OpenAIServingBase):
         prefix = ""
         if req.continue_final_message and messages[-1]["role"] == "assistant":
             prefix = messages.pop()["content"]
-        variables = req.chat_template_kwargs or {}
+        variables = {**self.template_defaults, **(req.chat_template_kwargs or {})}
         # Only the template's own variables: not apply_chat_template's arguments (`chat_template`
         # would let a request render a template of its own on the server, `tools` would pass by the
         # request's own field and its checks).
-        named = sorted(set(variables) & _template_arguments(tokenizer))
+        named = sorted(set(variables) & template_arguments(tokenizer))
         if named:
             raise RequestError(
                 f"chat_template_kwargs.{named[0]} is an argument of the chat template call, not a "

@@ -287,8 +287,16 @@ class SchedulerIOMixin:
             self.finisher.set_quick_check(req)  # its grammar follows every token
         if req.bootstrap is not None and self.disaggregation_mode == "decode":
             self.disagg.add(req)  # its prompt's KV and state come from the prefill server
+        elif self._queue_full():
+            self.abort_with_status([req], "The request queue is full.", 503)
         else:
             self.waiting_queue.append(req)
+
+    def _queue_full(self) -> bool:
+        """--max-queued-requests: the waiting queue holds that many (ignored under PD, as upstream; under
+        TP every rank's queue is the same, so all refuse alike)."""
+        limit = self.server_args.max_queued_requests
+        return limit is not None and self.disaggregation_mode == "null" and len(self.waiting_queue) >= limit
 
     def refuse_request(self, req: Req, message: str, param: str) -> None:
         """End a queued request with a 400 naming the request field `param`."""

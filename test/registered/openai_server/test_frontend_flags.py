@@ -1,0 +1,140 @@
+"""Upstream's front-end flags on one real server, over HTTPS (`server_args_frontend.py`):
+
+- `--ssl-keyfile` / `--ssl-certfile`: the server speaks TLS with that certificate (verified by the client);
+- `--chat-template FILE.jinja`: /v1/chat/completions renders that template, not the checkpoint's;
+- `--default-chat-template-kwargs`: its variables reach the template; a request's chat_template_kwargs win,
+  key by key;
+- `--preferred-sampling-params`: fields a request leaves unset take its values (a max_new_tokens of its is
+  a default, cut to the context), a request's own win; /get_model_info shows them;
+- `--stream-response-default-include-usage`: a stream ends with a usage event without stream_options;
+- `--max-queued-requests 1` with `--max-running-requests 1`: a request beyond the one waiting gets 503
+  "The request queue is full.", the others are served, and nothing is left held.
+
+The start-time refusals (one sentence naming the flag) are in test/unit/foundation/test_server_args_frontend.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.test_utils import ServerTestCase
+
+register_cpu_ci(est_time=25, suite="per-commit-cpu")
+
+# Roles in markers, and the `greeting` variable (--default-chat-template-kwargs) after the messages.
+TEMPLATE = (
+    "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}\n{% endfor %}"
+    "{% if greeting is defined %}[{{ greeting }}]{% endif %}{% if add_generation_prompt %}<<assistant>>{% endif %}"
+)
+PREFERRED = {"max_new_tokens": 5, "ignore_eos": True}
+
+
+class TestFrontendFlags(ServerTestCase):
+    server_args = [
+        "--chat-template", "WORKDIR/template.jinja",
+        "--default-chat-template-kwargs", json.dumps({"greeting": "hello there, friend"}),
+        "--preferred-sampling-params", json.dumps(PREFERRED),
+        "--stream-response-default-include-usage",
+        "--max-running-requests", "1", "--max-queued-requests", "1",
+        "--ssl-keyfile", "WORKDIR/key.pem", "--ssl-certfile", "WORKDIR/cert.pem",
+    ]  # fmt: skip
+
+    @classmethod
+    def prepare(cls, folder: Path) -> None:
+        (folder / "template.jinja").write_text(TEMPLATE)
+        openssl = shutil.which("openssl")
+        assert openssl, "the test makes its certificate with the openssl command"
+        subprocess.run(
+            [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+             "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(folder / "key.pem"),
+             "-out", str(folder / "cert.pem")],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        cls.server_args = [a.replace("WORKDIR", str(folder)) for a in cls.server_args]
+
+    def prompt_tokens(self, text: str) -> int:
+        r = self.post("/tokenize", {"prompt": text, "add_special_tokens": False})
+        self.assertEqual(r.status_code, 200, r.text)
+        return r.json()["count"]
+
+    def chat_prompt_tokens(self, **extra) -> int:
+        body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2, **extra}
+        r = self.post("/v1/chat/completions", body)
+        self.assertEqual(r.status_code, 200, r.text)
+        return r.json()["usage"]["prompt_tokens"]
+
+    def test_https_with_the_given_certificate(self):
+        self.assertTrue(self.base_url.startswith("https://"))
+        self.assertEqual(requests.get(self.base_url + "/health", verify=self.server.verify, timeout=10).status_code, 200)
+        with self.assertRaises(requests.exceptions.SSLError):  # (the certificate is not a trusted CA's)
+            requests.get(self.base_url + "/health", timeout=10)
+        with self.assertRaises(requests.exceptions.ConnectionError):  # (no plain HTTP on the port)
+            requests.get(self.base_url.replace("https", "http") + "/health", timeout=10)
+
+    def test_the_chat_template_file_and_its_default_variables_render_the_prompt(self):
+        def rendered(greeting: str) -> int:
+            return self.prompt_tokens(f"<<user>>Say something.\n[{greeting}]<<assistant>>")
+
+        default, own = rendered("hello there, friend"), rendered("yo")
+        self.assertNotEqual(default, own)  # (so that the counts below tell the two apart)
+        self.assertEqual(self.chat_prompt_tokens(), default)
+        self.assertEqual(self.chat_prompt_tokens(chat_template_kwargs={"greeting": "yo"}), own)
+        # A request's other variables leave the default in place (key by key).
+        self.assertEqual(self.chat_prompt_tokens(chat_template_kwargs={"unused": 1}), default)
+
+    def test_preferred_sampling_params_fill_what_a_request_leaves_unset(self):
+        info = self.get("/get_model_info").json()
+        self.assertEqual(info["preferred_sampling_params"], PREFERRED)
+        out = self.generate(input_ids=[5, 6, 7, 8])
+        self.assertEqual(out["meta_info"]["completion_tokens"], PREFERRED["max_new_tokens"])
+        out = self.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 7})
+        self.assertEqual(out["meta_info"]["completion_tokens"], 7)
+        # Near the context's end the preferred max_new_tokens is cut to fit, not refused.
+        room = 3
+        self.assertGreaterEqual(info["max_req_input_len"], info["context_length"] - room)
+        out = self.generate(input_ids=[5] * (info["context_length"] - room))
+        self.assertEqual(out["meta_info"]["completion_tokens"], room)
+
+    def test_a_stream_ends_with_its_usage_without_stream_options(self):
+        body = {"prompt": "def f(", "max_tokens": 4, "stream": True, "ignore_eos": True}
+        r = self.post("/v1/completions", body, stream=True)
+        self.assertEqual(r.status_code, 200, r.text)
+        events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+                  if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+        self.assertEqual(events[-1]["choices"], [])
+        self.assertEqual(events[-1]["usage"]["completion_tokens"], 4)
+        self.assertTrue(all("usage" not in e or e["usage"] is None for e in events[:-1]))
+
+    def test_a_request_beyond_the_queue_bound_gets_503_and_nothing_is_left_held(self):
+        # One runs (--max-running-requests 1), one waits (--max-queued-requests 1): sent together, some
+        # of the others find the queue full. (They reach the scheduler within milliseconds; each runs
+        # 200 tokens, tens of milliseconds on this model, so the queue stays full while they arrive.)
+        # Every other one streams: its refusal comes before its first chunk, so it is a 503 too.
+        def send(i: int) -> tuple[bool, requests.Response]:
+            body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+                    "stream": i % 2 == 1}  # fmt: skip
+            return body["stream"], self.post("/generate", body)
+
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(send, range(8)))
+        full = [r for _, r in replies if r.status_code == 503]
+        served = [(streamed, r) for streamed, r in replies if r.status_code == 200]
+        self.assertEqual(len(full) + len(served), 8, [r.text for _, r in replies])
+        self.assertGreaterEqual(len(full), 1, "no request found the queue full")
+        self.assertGreaterEqual(len(served), 2, "the running and the waiting request are served")
+        self.assertTrue(all("The request queue is full." in r.text for r in full), full[0].text)
+        for streamed, r in served:
+            if streamed:
+                chunks = [line[6:] for line in r.text.splitlines() if line.startswith("data: {")]
+                meta = json.loads(chunks[-1])["meta_info"]
+            else:
+                meta = r.json()["meta_info"]
+            self.assertEqual(meta["completion_tokens"], 200)
+        self.assert_idle_accounting()

@@ -1,0 +1,80 @@
+"""The front end's flags at start (`server_args_frontend.py`): JSON objects parsed, and each wrong value
+refused with one sentence naming its flag before anything loads. What they do on a server:
+test/registered/openai_server/test_frontend_flags.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.srt.managers.request_limits import RequestLimits
+from sglang.srt.managers.request_sampling import PromptSamplingParams
+from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.server_args import ServerArgsError, prepare_server_args
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+
+def args(*flags: str):
+    return prepare_server_args(["--model-path", "tiny-qwen3-next", *flags])
+
+
+def test_json_flags_are_parsed_into_objects():
+    a = args("--default-chat-template-kwargs", '{"enable_thinking": false}',
+             "--preferred-sampling-params", '{"temperature": 0.6, "top_p": 0.9}')  # fmt: skip
+    assert a.default_chat_template_kwargs == {"enable_thinking": False}
+    assert a.preferred_sampling_params == {"temperature": 0.6, "top_p": 0.9}
+
+
+@pytest.mark.parametrize(
+    "flags, sentence",
+    [
+        (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs must be a JSON object, got list."),
+        (["--default-chat-template-kwargs", "{"], "--default-chat-template-kwargs must be a JSON object: "),
+        (["--default-chat-template-kwargs", '{"tools": []}'],
+         "--default-chat-template-kwargs: tools is an argument of the chat template call, not a template variable."),
+        (["--preferred-sampling-params", '{"temprature": 1}'],
+         "--preferred-sampling-params: sampling_params.temprature is not a supported sampling parameter."),
+        (["--preferred-sampling-params", '{"top_p": 2}'], "--preferred-sampling-params: "),
+        (["--chat-template", "chatml"], "--chat-template chatml: this server takes a Jinja template file (.jinja)"),
+        (["--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja cannot be read"),
+        (["--max-queued-requests", "0"], "--max-queued-requests must be at least 1, got 0."),
+        (["--ssl-keyfile", "/etc/hostname"], "--ssl-keyfile and --ssl-certfile go together"),
+        (["--ssl-keyfile", "/nope.pem", "--ssl-certfile", "/nope.pem"], "--ssl-keyfile /nope.pem is not a file."),
+        (["--enable-ssl-refresh"], "--enable-ssl-refresh is not supported by this server: certificates are read"),
+    ],
+)  # fmt: skip
+def test_a_wrong_value_is_refused_in_one_sentence_naming_the_flag(flags, sentence):
+    with pytest.raises(ServerArgsError) as e:
+        args(*flags)
+    assert str(e.value).startswith(sentence), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_queue_bound_under_pd_is_said_to_have_no_effect(caplog):
+    a = args("--max-queued-requests", "4", "--disaggregation-mode", "prefill")
+    assert a.max_queued_requests == 4
+    assert any("--max-queued-requests has no effect under --disaggregation-mode" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+def test_a_jinja_template_is_read_with_upstreams_newline_escapes(tmp_path):
+    from sglang.srt.server_args_frontend import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}\\n<end>")
+    assert read_chat_template(str(path)) == "{{ messages[0]['content'] }}\n<end>"
+    assert args("--chat-template", str(path)).chat_template == str(path)
+
+
+def test_preferred_sampling_params_fill_unset_fields_and_a_preferred_length_is_cut_to_the_context():
+    """A request's own fields win; a max_new_tokens of --preferred-sampling-params is a default (cut to
+    the room the prompt leaves, as the built-in 128 is), one of the request must fit (400)."""
+    limits = RequestLimits(context_len=100, max_req_input_len=99, vocab_size=50,
+                           preferred_sampling_params={"temperature": 0.25, "max_new_tokens": 40})  # fmt: skip
+    params, max_new, _ = PromptSamplingParams(limits).for_prompt({"top_k": 3}, 10)
+    assert (params.temperature, params.top_k, max_new) == (0.25, 3, 40)
+    params, max_new, _ = PromptSamplingParams(limits).for_prompt({"temperature": 0.0}, 90)
+    assert (params.temperature, max_new) == (0.0, 10)
+    with pytest.raises(RequestError, match="max_new_tokens 40 plus the 90 input tokens"):
+        PromptSamplingParams(limits).for_prompt({"max_new_tokens": 40}, 90)
