@@ -113,6 +113,11 @@ def check_frontend_flags(args: ServerArgs) -> None:
         )
     args.preferred_sampling_params = _json_object("--preferred-sampling-params", args.preferred_sampling_params)
     if args.preferred_sampling_params:
+        if "n" in args.preferred_sampling_params:
+            raise ServerArgsError(
+                "--preferred-sampling-params cannot set n: how many samples a request makes is its own "
+                "(and bounded by --max-samples-per-request)."
+            )
         try:  # (the vocabulary is checked per request, as a request's own fields are)
             SamplingParams.from_dict(args.preferred_sampling_params).verify()
         except (SamplingParamsError, TypeError) as e:

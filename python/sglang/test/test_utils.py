@@ -53,6 +53,16 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """A flag's value in a command line (`--flag value` or `--flag=value`), or None."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 class ServerProcess:
     """One server subprocess; output goes to a log file shown when startup fails."""
 
@@ -65,7 +75,8 @@ class ServerProcess:
     ):
         self.port = port or find_free_port()
         # --ssl-certfile: HTTPS, its certificate verified (it must name 127.0.0.1).
-        self.verify = args[args.index("--ssl-certfile") + 1] if "--ssl-certfile" in args else True
+        self.verify = _flag_value([*args, *shlex.split(os.environ.get("SGLANG_TEST_SERVER_ARGS", ""))],
+                                  "--ssl-certfile") or True  # fmt: skip
         self.base_url = f"{'http' if self.verify is True else 'https'}://127.0.0.1:{self.port}"
         self.api_key = api_key
         # SGLANG_TEST_SERVER_ARGS: flags every test server gets too (the nightly run of the server tests

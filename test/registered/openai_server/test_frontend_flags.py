@@ -113,8 +113,8 @@ class TestFrontendFlags(ServerTestCase):
         self.assertTrue(all("usage" not in e or e["usage"] is None for e in events[:-1]))
 
     def test_a_request_beyond_the_queue_bound_gets_503_and_nothing_is_left_held(self):
-        # One runs (--max-running-requests 1), one waits (--max-queued-requests 1): sent together, some
-        # of the others find the queue full. (They reach the scheduler within milliseconds; each runs
+        # One runs (--max-running-requests 1), one waits (--max-queued-requests 1): sent together, the
+        # others find the queue full. (They reach the scheduler within milliseconds; each runs
         # 200 tokens, tens of milliseconds on this model, so the queue stays full while they arrive.)
         # Every other one streams: its refusal comes before its first chunk, so it is a 503 too.
         def send(i: int) -> tuple[bool, requests.Response]:
@@ -128,7 +128,8 @@ class TestFrontendFlags(ServerTestCase):
         served = [(streamed, r) for streamed, r in replies if r.status_code == 200]
         self.assertEqual(len(full) + len(served), 8, [r.text for _, r in replies])
         self.assertGreaterEqual(len(full), 1, "no request found the queue full")
-        self.assertGreaterEqual(len(served), 2, "the running and the waiting request are served")
+        # (at least the first: the 8 may reach the scheduler in one message, before any of them runs)
+        self.assertGreaterEqual(len(served), 1, "the request that found room is served")
         self.assertTrue(all("The request queue is full." in r.text for r in full), full[0].text)
         for streamed, r in served:
             if streamed:

@@ -36,6 +36,7 @@ def test_json_flags_are_parsed_into_objects():
         (["--preferred-sampling-params", '{"temprature": 1}'],
          "--preferred-sampling-params: sampling_params.temprature is not a supported sampling parameter."),
         (["--preferred-sampling-params", '{"top_p": 2}'], "--preferred-sampling-params: "),
+        (["--preferred-sampling-params", '{"n": 8}'], "--preferred-sampling-params cannot set n"),
         (["--chat-template", "chatml"], "--chat-template chatml: this server takes a Jinja template file (.jinja)"),
         (["--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja cannot be read"),
         (["--max-queued-requests", "0"], "--max-queued-requests must be at least 1, got 0."),
@@ -78,3 +79,17 @@ def test_preferred_sampling_params_fill_unset_fields_and_a_preferred_length_is_c
     assert (params.temperature, max_new) == (0.0, 10)
     with pytest.raises(RequestError, match="max_new_tokens 40 plus the 90 input tokens"):
         PromptSamplingParams(limits).for_prompt({"max_new_tokens": 40}, 90)
+
+
+def test_preferred_values_never_make_a_request_invalid():
+    """Review of 31d5ef8 (findings 5, 6): a preferred min_new_tokens above a request's max_new_tokens made
+    the request (and the server's warm-up) a 400; a preferred grammar made a request with its own one a
+    400. A preferred min is cut to the max in force; a request's own grammar replaces the preferred one."""
+    limits = RequestLimits(context_len=100, max_req_input_len=99, vocab_size=50,
+                           preferred_sampling_params={"min_new_tokens": 16, "json_schema": '{"type": "object"}'})  # fmt: skip
+    params, max_new, min_new = PromptSamplingParams(limits).for_prompt({"max_new_tokens": 8}, 10)
+    assert (max_new, min_new, params.json_schema) == (8, 8, '{"type": "object"}')
+    params, _, min_new = PromptSamplingParams(limits).for_prompt({"regex": "a+", "max_new_tokens": 30}, 10)
+    assert (params.regex, params.json_schema, min_new) == ("a+", None, 16)
+    with pytest.raises(RequestError, match="min_new_tokens"):  # (a request's own min must fit its max)
+        PromptSamplingParams(limits).for_prompt({"max_new_tokens": 8, "min_new_tokens": 9}, 10)

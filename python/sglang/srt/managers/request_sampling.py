@@ -33,7 +33,7 @@ def parse_sampling_params(
     d = {k: v for k, v in (d or {}).items() if v is not None}
     explicit_max = "max_new_tokens" in d  # (one from --preferred-sampling-params is a default: cut to fit)
     if limits.preferred_sampling_params:
-        d = {**limits.preferred_sampling_params, **d}
+        d = with_preferred(d, limits.preferred_sampling_params)
     try:
         params = SamplingParams.from_dict(d)
         params.verify(limits.vocab_size)
@@ -42,6 +42,22 @@ def parse_sampling_params(
     except TypeError as e:  # e.g. a list where a number belongs, caught by the dataclass constructor
         raise RequestError(f"Invalid sampling_params: {e}.", "sampling_params", "invalid_type") from None
     return params, explicit_max
+
+
+# A request that names one of these has its own grammar: the preferred one is left out, not combined.
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def with_preferred(d: dict[str, Any], preferred: dict[str, Any]) -> dict[str, Any]:
+    """A request's sampling_params over --preferred-sampling-params (checked at start: no `n`): the
+    request's own fields win, its own grammar replaces a preferred one, and a preferred min_new_tokens is
+    cut to the max_new_tokens in force (a default never makes a request invalid)."""
+    if any(k in d for k in GRAMMAR_KEYS):
+        preferred = {k: v for k, v in preferred.items() if k not in GRAMMAR_KEYS}
+    merged = {**preferred, **d}
+    if "min_new_tokens" in preferred and "min_new_tokens" not in d:
+        merged["min_new_tokens"] = min(preferred["min_new_tokens"], merged.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+    return merged
 
 
 def fit_to_prompt(
