@@ -39,6 +39,7 @@ from sglang.srt.server_args_hicache import HiCacheArgs, check_hicache_flags
 from sglang.srt.server_args_mamba import resolve_mamba_strategy, resolve_pd_decode_cache
 from sglang.srt.server_args_media import check_media_flags
 from sglang.srt.server_args_parallel import check_parallel_flags
+from sglang.srt.server_args_priority import PriorityArgs, check_priority_flags
 from sglang.srt.server_args_upstream import add_upstream_cli_args, check_upstream_args
 from sglang.srt.speculative.draft_layers import DEFAULT_MTP_STEPS, MTP_ALGORITHMS
 
@@ -57,7 +58,7 @@ BODY_BYTES_BASE = 1 << 20
 
 
 @dataclass
-class ServerArgs(HiCacheArgs, FrontendArgs):  # (fields of server_args_hicache.py, server_args_frontend.py)
+class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs):  # (fields of server_args_{hicache,frontend,priority})
     # Model and tokenizer
     model_path: str = DEFAULT_MODEL
     tokenizer_path: str | None = None
@@ -216,6 +217,7 @@ class ServerArgs(HiCacheArgs, FrontendArgs):  # (fields of server_args_hicache.p
         check_parallel_flags(self)
         check_media_flags(self)
         check_frontend_flags(self)
+        check_priority_flags(self)
         refused = check_quantization_flag(self.quantization)
         if refused:
             raise ServerArgsError(refused)

@@ -62,7 +62,8 @@ UPSTREAM_TRANSFER_BACKENDS = {
 }
 UPSTREAM_SCHEDULE_POLICIES = {
     "dfs-weight": "it orders by the radix tree's depth-first weights, which this scheduler does not keep",
-    "priority": "requests carry no priority here (upstream's --enable-priority-scheduling is refused too)",
+    "priority": "requests are ordered by their priority with --enable-priority-scheduling here (and "
+    "--schedule-policy fcfs or lof)",
     "routing-key": "requests carry no routing key here",
     "hrrn": "it is not implemented here",
     "shortest-prefill-first": "it is not implemented here",

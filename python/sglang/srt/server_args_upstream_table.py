@@ -187,9 +187,7 @@ REFUSED: dict[str, str] = {
     """,
     "sched": """
         --prefill-decode-interval= --prefill-decode-interval-min-bs= --enable-dynamic-chunking
-        --prefill-max-requests= --enable-priority-scheduling --disable-priority-preemption --default-priority-value=
-        --abort-on-priority-when-disabled --schedule-low-priority-values-first
-        --priority-scheduling-preemption-threshold= --retraction-policy= --schedule-conservativeness=
+        --prefill-max-requests= --retraction-policy= --schedule-conservativeness=
         --c128-page-size= --swa-full-tokens-ratio= --swa-prefix-tails= --prefill-only-disable-kv-cache
         --num-continuous-decode-steps= --scheduler-recv-interval= --enable-mixed-chunk --enable-prefill-delayer
         --prefill-delayer-max-delay-passes= --prefill-delayer-token-usage-low-watermark=

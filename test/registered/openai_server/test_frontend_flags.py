@@ -7,6 +7,7 @@
 - `--preferred-sampling-params`: fields a request leaves unset take its values (a max_new_tokens of its is
   a default, cut to the context), a request's own win; /get_model_info shows them;
 - `--stream-response-default-include-usage`: a stream ends with a usage event without stream_options;
+- `--abort-on-priority-when-disabled` (no priority scheduling here): a request naming a priority gets 503;
 - `--max-queued-requests 1` with `--max-running-requests 1`: a request beyond the one waiting gets 503
   "The request queue is full.", the others are served, and nothing is left held.
 
@@ -42,7 +43,7 @@ class TestFrontendFlags(ServerTestCase):
         "--default-chat-template-kwargs", json.dumps({"greeting": "hello there, friend"}),
         "--preferred-sampling-params", json.dumps(PREFERRED),
         "--stream-response-default-include-usage",
-        "--max-running-requests", "1", "--max-queued-requests", "1",
+        "--max-running-requests", "1", "--max-queued-requests", "1", "--abort-on-priority-when-disabled",
         "--ssl-keyfile", "WORKDIR/key.pem", "--ssl-certfile", "WORKDIR/cert.pem",
     ]  # fmt: skip
 
@@ -139,3 +140,9 @@ class TestFrontendFlags(ServerTestCase):
                 meta = r.json()["meta_info"]
             self.assertEqual(meta["completion_tokens"], 200)
         self.assert_idle_accounting()
+
+    def test_a_priority_without_priority_scheduling_is_refused_with_503(self):
+        r = self.post("/generate", {"input_ids": [5, 6], "priority": 3, "sampling_params": {"max_new_tokens": 2}})
+        self.assertEqual(r.status_code, 503, r.text)
+        self.assertIn("Using priority is disabled for this server.", r.text)
+        self.assertEqual(self.generate(input_ids=[5, 6], priority=None)["meta_info"]["completion_tokens"], 5)

@@ -32,7 +32,6 @@ IGNORED = frozenset(
         "http_worker_ipc",
         "external_trace_header",
         "received_time",
-        "priority",
         "custom_labels",
         "no_logs",
         # prefill/decode disaggregation (bootstrap_host/port/room are implemented)

@@ -61,6 +61,10 @@ class GenerateReqInput:
     # `CustomLogitProcessor.to_str()` of the processor to run on this request's logits (one for every
     # prompt, or one per prompt); the server needs --enable-custom-logit-processor.
     custom_logit_processor: str | list[str | None] | None = None
+    # Upstream's: an integer within +-2**62 (one for every prompt, or one per prompt); with
+    # --enable-priority-scheduling it orders the waiting requests (higher first) and may preempt running
+    # ones; without, it is ignored (--abort-on-priority-when-disabled: a 503).
+    priority: int | list[int | None] | None = None
     # Images (upstream's): one item or a list per prompt, each an http(s) URL, a file path (over HTTP
     # only inside --allowed-local-media-path), base64 or a data URI; the prompt has one
     # <|vision_start|><|image_pad|><|vision_end|> per image (docs/multimodal.md).
@@ -85,6 +89,7 @@ class TokenizedGenerateReqInput:
     extra_key: str | None = None  # the prefix-cache namespace (cache_salt + extra_key); None: the shared one
     return_hidden_states: bool = False
     custom_logit_processor: str | None = None
+    priority: int | None = None
     mm_inputs: Any = None  # the request's images (`multimodal.inputs.MultimodalInputs`), or None
     # The server's warm-up (`server_warmup.py`, through `generate_request(warmup=True)`, never a body
     # field): its namespace stays off the host and disk tiers.

@@ -102,6 +102,7 @@ class Req:
         "custom_logit_processor",
         "custom_logit_error",
         "custom_logit_state",
+        "priority",
         "hidden_count",
         "hidden_unsent",
     )
@@ -203,6 +204,8 @@ class Req:
         self.custom_logit_state: Any = None  # the processor's own, kept across steps (e.g. a scan)
         self.hidden_count = 0
         self.hidden_unsent: list[torch.Tensor] = []
+        # --enable-priority-scheduling: its place among the waiting requests (`priority_scheduling.py`).
+        self.priority: int | None = None
 
     # ---- derived -----------------------------------------------------------------------------------
 

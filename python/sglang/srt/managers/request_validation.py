@@ -232,7 +232,7 @@ BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # A value each, or a list of one per prompt.
 PER_ITEM_FIELDS = (
     "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_hidden_states", "custom_logit_processor",
+    "return_hidden_states", "custom_logit_processor", "priority",
 )  # fmt: skip
 
 
@@ -307,6 +307,11 @@ def build_requests(
         if hidden and limits.hidden_states_refused is not None:
             raise RequestError(limits.hidden_states_refused, "return_hidden_states")
         processor = check_custom_logit_processor(per_item["custom_logit_processor"][i], limits)
+        priority = per_item["priority"][i]
+        if priority is not None and (
+            isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 1 << 62
+        ):
+            raise RequestError("priority must be an integer within +-2**62, or null.", "priority", "invalid_type")
         rid = per_item["rid"][i]
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise RequestError("rid must be a non-empty string.", "rid", "invalid_type")
@@ -340,6 +345,7 @@ def build_requests(
                 extra_key=extra_key,
                 return_hidden_states=hidden,
                 custom_logit_processor=processor,
+                priority=priority,
             )
             out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs, i))
     rids = [r.req.rid for r in out]
@@ -416,7 +422,7 @@ def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:
     """A batch field is either one value for all items or a list with one value per item."""
     defaults = {"sampling_params": None, "rid": None, "return_logprob": False}
     defaults |= {"logprob_start_len": -1, "top_logprobs_num": 0, "return_hidden_states": False}
-    defaults |= {"custom_logit_processor": None}
+    defaults |= {"custom_logit_processor": None, "priority": None}
     defaults |= dict.fromkeys(BOOTSTRAP_FIELDS + NAMESPACE_FIELDS)
     if value is None:
         value = defaults[name]

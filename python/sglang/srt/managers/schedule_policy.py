@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.scheduler_components.priority_scheduling import PriorityRule
 from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.common import alloc_for_extend
@@ -48,14 +49,21 @@ class SchedulePolicy:
     (longest output first: the largest max_new_tokens, ties in arrival order) order with no regard to
     waiting time: a request can wait as long as others keep coming ahead of it."""
 
-    def __init__(self, policy: str, tree_cache: BasePrefixCache, seed: int | None = None):
+    def __init__(
+        self, policy: str, tree_cache: BasePrefixCache, seed: int | None = None, priority: PriorityRule | None = None
+    ):
         self.policy = policy
         self.tree_cache = tree_cache
+        self.priority = priority  # --enable-priority-scheduling: by priority first, then by the policy
         # random's shuffles follow --random-seed: a run repeats, and (tensor parallelism) every rank that
         # schedules the same queue orders it alike.
         self.rng = random.Random(seed)
 
     def calc_priority(self, waiting_queue: list[Req]) -> list[Req]:
+        order = self._policy_order(waiting_queue)
+        return order if self.priority is None else self.priority.order(order)
+
+    def _policy_order(self, waiting_queue: list[Req]) -> list[Req]:
         if self.policy == "random":
             return self.rng.sample(waiting_queue, len(waiting_queue))
         if self.policy == "lof":

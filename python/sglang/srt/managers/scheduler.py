@@ -33,6 +33,7 @@ from sglang.srt.managers.scheduler_components.grammar_queue import GrammarQueue
 from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
 from sglang.srt.managers.scheduler_components.loop_times import LoopTimes, clock
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
+from sglang.srt.managers.scheduler_components.priority_scheduling import PriorityRule
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
 from sglang.srt.managers.scheduler_components.scheduler_lifecycle import SchedulerLifecycleMixin
 from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import (
@@ -86,7 +87,8 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
             server_args, self.model_runner, self.req_to_token_pool, self.token_allocator
         )
         self.tracker = MambaTracker(self.req_to_token_pool, self.tree_cache, server_args.mamba_track_interval)
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
+        self.priority = PriorityRule.of(server_args)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed, self.priority)
         self.max_running_requests = sizes.max_running_requests
         self.context_len = server_args.model_config.context_len
         self.max_req_input_len = min(self.context_len - 1, sizes.max_total_tokens - 1)
@@ -118,6 +120,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
             "num_generation_tokens_total": 0,
             "num_cached_tokens_total": 0,
             "num_retractions_total": 0,
+            "num_preemptions_total": 0,  # (of the retractions: by --enable-priority-scheduling)
         }
         graphs = getattr(self.model_runner, "graph_runner", None)
         self.batch_stats = BatchStatsLog(
@@ -197,6 +200,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
+        self._preempt_for_priority()
         num_running = len(self.running) + (self.chunked_req is not None)
         if self.chunked_req is None and (
             num_running >= self.max_running_requests or not self.req_to_token_pool.available_size()

@@ -82,6 +82,8 @@ class _SamplingFields(_Request):
     min_tokens: int | None = Field(None, ge=0)
     user: str | None = None
     rid: str | None = None
+    # Upstream's: the request's priority (--enable-priority-scheduling; see GenerateReqInput).
+    priority: int | None = None
     # Constrained decoding (upstream's extensions beside OpenAI's response_format): at most one of them.
     regex: str | None = None
     ebnf: str | None = None
@@ -102,7 +104,7 @@ class _SamplingFields(_Request):
 
     def passthrough_fields(self) -> dict[str, Any]:
         """The GenerateReqInput fields passed as they are: PD's bootstrap, the cache namespace,
-        return_hidden_states and custom_logit_processor."""
+        return_hidden_states, custom_logit_processor and priority."""
         return {
             "return_hidden_states": self.return_hidden_states,
             "custom_logit_processor": self.custom_logit_processor,
@@ -111,6 +113,7 @@ class _SamplingFields(_Request):
             "bootstrap_room": self.bootstrap_room,
             "cache_salt": self.cache_salt,
             "extra_key": self.extra_key,
+            "priority": self.priority,
         }
 
     @field_validator("top_k")

@@ -39,6 +39,7 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
 )
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.scheduler_components import priority_scheduling as prio
 from sglang.srt.managers.scheduler_components.loop_times import clock
 from sglang.srt.managers.scheduler_components.request_control import GenerationPause, RequestDeadlines
 from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import MEMORY_RELEASED
@@ -252,6 +253,7 @@ class SchedulerIOMixin:
         )
         req.bootstrap = recv.bootstrap
         req.extra_key = recv.extra_key
+        req.priority = recv.priority
         if recv.warmup:
             self.tree_cache.keep_off_host(recv.extra_key)
         req.return_hidden_states = recv.return_hidden_states
@@ -267,6 +269,9 @@ class SchedulerIOMixin:
             return req
         self.counters["num_prompt_tokens_total"] += len(req.origin_input_ids)
         self.reqs_by_rid[req.rid] = req
+        if req.priority is not None and self.priority is None and self.server_args.abort_on_priority_when_disabled:
+            self.abort_with_status([req], prio.PRIORITY_DISABLED, 503)
+            return req
         if recv.custom_logit_processor is not None:
             agree = self.tp.agree_outcome if self.tp is not None else None  # (the ranks refuse it alike)
             processor, error = load_processor_agreed(recv.custom_logit_processor, agree)
@@ -287,16 +292,16 @@ class SchedulerIOMixin:
             self.finisher.set_quick_check(req)  # its grammar follows every token
         if req.bootstrap is not None and self.disaggregation_mode == "decode":
             self.disagg.add(req)  # its prompt's KV and state come from the prefill server
-        elif self._queue_full():
-            self.abort_with_status([req], "The request queue is full.", 503)
-        else:
+            return
+        # --max-queued-requests (not under PD, as upstream): `priority_scheduling.queue_overflow`.
+        limit = self.server_args.max_queued_requests if self.disaggregation_mode == "null" else None
+        dropped = prio.queue_overflow(limit, self.priority, self.waiting_queue, req)
+        if dropped is not req:
             self.waiting_queue.append(req)
-
-    def _queue_full(self) -> bool:
-        """--max-queued-requests: the waiting queue holds that many (ignored under PD, as upstream; under
-        TP every rank's queue is the same, so all refuse alike)."""
-        limit = self.server_args.max_queued_requests
-        return limit is not None and self.disaggregation_mode == "null" and len(self.waiting_queue) >= limit
+        if dropped is not None:
+            if dropped is not req:
+                self.waiting_queue.remove(dropped)
+            self.abort_with_status([dropped], prio.QUEUE_FULL if dropped is req else prio.OUTRANKED_IN_QUEUE, 503)
 
     def refuse_request(self, req: Req, message: str, param: str) -> None:
         """End a queued request with a 400 naming the request field `param`."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from sglang.srt.managers.scheduler_components.priority_scheduling import preemption_victims
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
 
@@ -30,9 +31,9 @@ class SchedulerLifecycleMixin:
         else:
             self.retract(victim)
 
-    def retract(self, req: Req) -> None:
+    def retract(self, req: Req, why: str = "the KV pool is full") -> None:
         """Give back everything `req` holds and queue it again; it prefills its tokens anew later."""
-        logger.info("Retracting %s: the KV pool is full.", req)
+        logger.info("Retracting %s: %s.", req, why)
         # Its tokens and slots so far go to its lists, nothing later; and it may be back at the same place
         # before the next decode build (a pause that retracts everyone, then its new prefill): the same
         # running list would not show it.
@@ -42,6 +43,33 @@ class SchedulerLifecycleMixin:
         req.reset_for_retract()
         self.waiting_queue.insert(0, req)
         self.counters["num_retractions_total"] += 1
+
+    def _preempt_for_priority(self) -> None:
+        """--enable-priority-scheduling: while the most preferred waiting request finds no room, retract
+        the running requests it outranks, least preferred first (`priority_scheduling.py`)."""
+        best, victims = preemption_victims(self.priority, self.waiting_queue, self.running, self._lacks_room)
+        for victim in victims:
+            if not self._lacks_room(best):
+                break
+            self.retract(victim, f"request {best.rid} of priority {best.priority} needs its room")
+            self.counters["num_preemptions_total"] += 1
+
+    def _lacks_room(self, req: Req) -> bool:
+        """Whether `req` could not be admitted now for want of a request slot (--max-running-requests,
+        the pools' rows), of the state slots it holds while running, or of KV for its first chunk (the
+        radix tree's unlocked leaves counted as room: admission evicts them)."""
+        if len(self.running) + (self.chunked_req is not None) >= self.max_running_requests:
+            return True
+        pool, tree = self.req_to_token_pool, self.tree_cache
+        if not pool.available_size():
+            return True
+        slots = self.server_args.mamba_strategy.resident_slots_per_req
+        if pool.mamba_allocator.available_size() + tree.mamba_evictable_size() < slots:
+            return True
+        first = len(req.origin_input_ids) + len(req.output_ids)
+        if self.server_args.chunked_prefill_enabled:
+            first = min(first, self.server_args.chunked_prefill_size)
+        return self.token_allocator.available_size() + tree.evictable_size() < first
 
     def retract_all(self) -> None:
         """Finish the batches in flight, then send every running request back to the waiting queue
