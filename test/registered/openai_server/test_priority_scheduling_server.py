@@ -88,3 +88,6 @@ class TestPriorityScheduling(ServerTestCase):
         r = self.post("/generate", {"input_ids": [5, 6], "priority": "high"})
         self.assertEqual(r.status_code, 400, r.text)
         self.assertIn("priority must be an integer", r.text)
+        for loose in (True, "7", 3.0):  # (pydantic would take them as integers; /generate does not)
+            r = self.post("/v1/completions", {"prompt": "def f(", "max_tokens": 3, "priority": loose})
+            self.assertEqual(r.status_code, 400, (loose, r.text))

@@ -86,3 +86,52 @@ def test_the_rule_follows_the_flags_and_pd_never_preempts():
     pd = prepare_server_args(["--model-path", "tiny-qwen3-next", "--enable-priority-scheduling",
                               "--disaggregation-mode", "decode"])  # fmt: skip
     assert PriorityRule.of(pd).preemption is False
+
+
+def harness_with(**kw):
+    from sglang.test.scheduler_harness import SchedulerHarness
+
+    return SchedulerHarness("tiny-qwen3-next", enable_priority_scheduling=True, max_total_tokens=400,
+                            max_running_requests=4, **kw)  # fmt: skip
+
+
+def submit(h, ids: list[int], tokens: int, priority: int) -> str:
+    rid = h.submit(ids, tokens, return_logprob=False)
+    h.sched.reqs_by_rid[rid].priority = priority
+    return rid
+
+
+def test_no_preemption_where_the_cached_prefix_leaves_room_or_the_victims_cannot_make_it():
+    """Review of 3844fee (findings 1, 2), in a scheduler with a 400-token KV pool: a newcomer that shares
+    a running request's 256-token prompt needs KV for its 8 new tokens only (it preempted that request);
+    and one whose 200 tokens the request it outranks (20 of them) cannot free is not helped by retracting
+    it (it was retracted, then idle until the preferred one it could not outrank finished)."""
+    from sglang.test.scheduler_harness import token_ids
+
+    h = harness_with()
+    try:
+        shared = token_ids(256, 1)
+        submit(h, shared, 40, 0)
+        for _ in range(4):
+            h.sched.step()
+        newcomer = submit(h, shared + token_ids(8, 2), 4, 50)
+        h.sched.step()
+        assert h.sched.counters["num_preemptions_total"] == 0
+        assert newcomer in [r.rid for r in h.sched.running]
+        h.run()
+    finally:
+        h.shutdown()
+    h = harness_with(chunked_prefill_size=-1)
+    try:
+        submit(h, token_ids(250, 1), 60, 100)
+        small = submit(h, token_ids(20, 2), 60, 0)
+        for _ in range(4):
+            h.sched.step()
+        submit(h, token_ids(200, 3), 4, 50)
+        h.sched.step()
+        assert h.sched.counters["num_preemptions_total"] == 0
+        assert small in [r.rid for r in h.sched.running]
+        h.run()
+        assert all(o.finished_reason["type"] == "length" for o in h.outputs.values())
+    finally:
+        h.shutdown()

@@ -122,12 +122,13 @@ class Engine:
         cache_salt: str | list[str] | None = None,
         image_data: Any = None,
         video_data: Any = None,
+        priority: int | list[int] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of chunks
         (text and output_ids cumulative; logprob lists and hidden states only what is new, the input
         ones once: docs/server.md). Bad input raises RequestError (naming the field) at the call. As upstream's:
         `return_hidden_states` (with enable_return_hidden_states), and the cache namespace of
-        `extra_key` / `cache_salt` (docs/server.md)."""
+        `extra_key` / `cache_salt`, and `priority` (--enable-priority-scheduling; docs/server.md)."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
         if not stream:
             return self._run(_first(self.tokenizer_manager.generate_request(obj, trusted=True)))
@@ -167,6 +168,7 @@ class Engine:
         return_hidden_states: bool | list[bool] = False,
         extra_key: str | list[str] | None = None,
         cache_salt: str | list[str] | None = None,
+        priority: int | list[int] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As `generate`, from any event loop; with stream=True, await it for an async iterator."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
@@ -394,6 +396,7 @@ def _make_obj(
     cache_salt: Any = None,
     image_data: Any = None,
     video_data: Any = None,
+    priority: Any = None,
 ) -> GenerateReqInput:
     return GenerateReqInput(
         text=prompt,
@@ -411,4 +414,5 @@ def _make_obj(
         cache_salt=cache_salt,
         image_data=image_data,
         video_data=video_data,
+        priority=priority,
     )

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    StrictInt,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -83,7 +84,7 @@ class _SamplingFields(_Request):
     user: str | None = None
     rid: str | None = None
     # Upstream's: the request's priority (--enable-priority-scheduling; see GenerateReqInput).
-    priority: int | None = None
+    priority: StrictInt | None = None  # (true, "7" or 3.0 are a 400, as on /generate)
     # Constrained decoding (upstream's extensions beside OpenAI's response_format): at most one of them.
     regex: str | None = None
     ebnf: str | None = None

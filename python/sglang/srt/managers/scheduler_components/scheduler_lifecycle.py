@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from sglang.srt.managers.schedule_policy import cacheable_len
 from sglang.srt.managers.scheduler_components.priority_scheduling import preemption_victims
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.integrity import check_accounting, check_integrity
@@ -46,8 +47,14 @@ class SchedulerLifecycleMixin:
 
     def _preempt_for_priority(self) -> None:
         """--enable-priority-scheduling: while the most preferred waiting request finds no room, retract
-        the running requests it outranks, least preferred first (`priority_scheduling.py`)."""
+        the running requests it outranks, least preferred first (`priority_scheduling.py`); none where
+        retracting all of them would not make its room, and none while a finished request's room comes
+        back with the batch in flight (as the decode path waits for it rather than retract)."""
+        if self.priority is None or self.result_processor.deferred_releases:
+            return
         best, victims = preemption_victims(self.priority, self.waiting_queue, self.running, self._lacks_room)
+        if best is None or self._kv_shortfall(best) > sum(len(v.kv_indices) for v in victims):
+            return
         for victim in victims:
             if not self._lacks_room(best):
                 break
@@ -56,8 +63,7 @@ class SchedulerLifecycleMixin:
 
     def _lacks_room(self, req: Req) -> bool:
         """Whether `req` could not be admitted now for want of a request slot (--max-running-requests,
-        the pools' rows), of the state slots it holds while running, or of KV for its first chunk (the
-        radix tree's unlocked leaves counted as room: admission evicts them)."""
+        the pools' rows), of the state slots it holds while running, or of KV (`_kv_shortfall`)."""
         if len(self.running) + (self.chunked_req is not None) >= self.max_running_requests:
             return True
         pool, tree = self.req_to_token_pool, self.tree_cache
@@ -66,10 +72,17 @@ class SchedulerLifecycleMixin:
         slots = self.server_args.mamba_strategy.resident_slots_per_req
         if pool.mamba_allocator.available_size() + tree.mamba_evictable_size() < slots:
             return True
-        first = len(req.origin_input_ids) + len(req.output_ids)
+        return self._kv_shortfall(req) > 0
+
+    def _kv_shortfall(self, req: Req) -> int:
+        """The KV slots `req`'s first chunk lacks: its positions past the prefix the radix cache holds for
+        it (which it would share, not allocate), less what is free or evictable."""
+        total = len(req.origin_input_ids) + len(req.output_ids)
+        key = req.all_ids[: cacheable_len(req, total - 1)]
+        need = total - len(self.tree_cache.match_prefix(key, namespace=req.extra_key).device_indices)
         if self.server_args.chunked_prefill_enabled:
-            first = min(first, self.server_args.chunked_prefill_size)
-        return self.token_allocator.available_size() + tree.evictable_size() < first
+            need = min(need, self.server_args.chunked_prefill_size)
+        return need - self.token_allocator.available_size() - self.tree_cache.evictable_size()
 
     def retract_all(self) -> None:
         """Finish the batches in flight, then send every running request back to the waiting queue
