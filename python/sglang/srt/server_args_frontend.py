@@ -1,7 +1,7 @@
 """The OpenAI front end's flags, with upstream SGLang's names and meaning: the chat template and its default
-variables, the sampling defaults of every request, usage in streams, TLS, and the waiting queue's bound.
-Their command line and their checks, each refusal one sentence naming the flag (docs/server.md, "Chat
-template, sampling defaults, TLS and the queue").
+variables, the sampling defaults of every request, usage in streams, prompts cut to the limit, TLS, and
+the waiting queue's bound. Their command line and their checks, each refusal one sentence naming the flag
+(docs/server.md, "Chat template, sampling defaults, truncation, TLS and the queue").
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ class FrontendArgs:
     preferred_sampling_params: dict[str, Any] | None = None
     # Streamed OpenAI replies end with a usage event even without stream_options.include_usage.
     stream_response_default_include_usage: bool = False
+    # A prompt over the input limit keeps its first tokens (upstream: the end is dropped) instead of a 400.
+    allow_auto_truncate: bool = False
     # Requests waiting for their first batch, at most; one more is refused with 503 (not under PD).
     max_queued_requests: int | None = None
     ssl_keyfile: str | None = None
@@ -71,6 +73,12 @@ def add_frontend_cli_args(parser: argparse.ArgumentParser) -> None:
         "--stream-response-default-include-usage",
         action="store_true",
         help="Streamed OpenAI replies end with a usage event even without stream_options.include_usage.",
+    )
+    g.add_argument(
+        "--allow-auto-truncate",
+        action="store_true",
+        help="A prompt longer than the server accepts keeps its first tokens (its end is dropped, as "
+        "upstream) instead of getting 400; prompts with images or video are not cut.",
     )
     g.add_argument(
         "--max-queued-requests",

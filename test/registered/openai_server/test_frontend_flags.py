@@ -7,6 +7,7 @@
 - `--preferred-sampling-params`: fields a request leaves unset take its values (a max_new_tokens of its is
   a default, cut to the context), a request's own win; /get_model_info shows them;
 - `--stream-response-default-include-usage`: a stream ends with a usage event without stream_options;
+- `--allow-auto-truncate`: a prompt over the limit (token ids, text, chat) keeps its first tokens;
 - `--abort-on-priority-when-disabled` (no priority scheduling here): a request naming a priority gets 503;
 - `--max-queued-requests 1` with `--max-running-requests 1`: a request beyond the one waiting gets 503
   "The request queue is full.", the others are served, and nothing is left held.
@@ -44,6 +45,7 @@ class TestFrontendFlags(ServerTestCase):
         "--preferred-sampling-params", json.dumps(PREFERRED),
         "--stream-response-default-include-usage",
         "--max-running-requests", "1", "--max-queued-requests", "1", "--abort-on-priority-when-disabled",
+        "--allow-auto-truncate",
         "--ssl-keyfile", "WORKDIR/key.pem", "--ssl-certfile", "WORKDIR/cert.pem",
     ]  # fmt: skip
 
@@ -146,3 +148,18 @@ class TestFrontendFlags(ServerTestCase):
         self.assertEqual(r.status_code, 503, r.text)
         self.assertIn("Using priority is disabled for this server.", r.text)
         self.assertEqual(self.generate(input_ids=[5, 6], priority=None)["meta_info"]["completion_tokens"], 5)
+
+    def test_a_prompt_over_the_limit_keeps_its_first_tokens(self):
+        info = self.get("/get_model_info").json()
+        limit = info["max_req_input_len"]
+        ids = [5 + i % 50 for i in range(limit + 40)]
+        out = self.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0})
+        self.assertEqual(out["meta_info"]["prompt_tokens"], limit)
+        alone = self.generate(input_ids=ids[:limit], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        self.assertEqual(out["output_ids"], alone["output_ids"])  # (the same first tokens: the end dropped)
+        text = "word " * (limit + 100)
+        out = self.generate(text=text, sampling_params={"max_new_tokens": 1})
+        self.assertEqual(out["meta_info"]["prompt_tokens"], limit)
+        r = self.post("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        self.assertEqual(r.status_code, 200, r.text)
+        self.assertEqual(r.json()["usage"]["prompt_tokens"], limit)

@@ -93,3 +93,38 @@ def test_preferred_values_never_make_a_request_invalid():
     assert (params.regex, params.json_schema, min_new) == ("a+", None, 16)
     with pytest.raises(RequestError, match="min_new_tokens"):  # (a request's own min must fit its max)
         PromptSamplingParams(limits).for_prompt({"max_new_tokens": 8, "min_new_tokens": 9}, 10)
+
+
+def test_auto_truncate_keeps_the_first_tokens_of_a_long_text_without_tokenizing_all_of_it():
+    """--allow-auto-truncate: the encoder gives a long text's first `limit` ids, from its probe prefix
+    alone where that already holds more (the same ids as the whole text's first ones)."""
+    from sglang.srt.configs.presets import resolve_model_path
+    from sglang.srt.managers.text_encoder import PROBE_CHARS_PER_TOKEN, _encode
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+    tok = get_tokenizer(resolve_model_path("tiny-qwen3-next"))
+    limit = 50
+    text = "alpha beta gamma " * (limit * PROBE_CHARS_PER_TOKEN)  # (far past the probe)
+    full = tok.encode(text, add_special_tokens=True)
+    ids, n, at_least = _encode(tok, text, limit, True, truncate=True)
+    assert ids == full[:limit] and at_least and n > limit
+    assert _encode(tok, text, limit, True)[0] is None  # (without: none, as before)
+    short = "alpha beta " * 40  # (over the limit, under the probe)
+    ids, n, at_least = _encode(tok, short, limit, True, truncate=True)
+    assert ids == tok.encode(short)[:limit] and n == len(tok.encode(short)) and not at_least
+
+
+def test_auto_truncate_cuts_token_ids_to_the_limit_and_leaves_media_prompts_alone():
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.request_validation import build_requests, parse_prompts
+
+    limits = RequestLimits(context_len=100, max_req_input_len=90, vocab_size=50, auto_truncate=True)
+    obj = GenerateReqInput(input_ids=list(range(1, 49)) * 3)  # (144 tokens)
+    items, _ = build_requests(obj, parse_prompts(obj, 8), [], limits)
+    assert items[0].req.input_ids == obj.input_ids[:90]
+    with pytest.raises(RequestError, match="longer than"):
+        off = RequestLimits(context_len=100, max_req_input_len=90, vocab_size=50)
+        build_requests(obj, parse_prompts(obj, 8), [], off)
+    media = GenerateReqInput(input_ids=list(range(1, 49)) * 3, image_data="x.png")
+    with pytest.raises(RequestError, match="longer than"):
+        build_requests(media, parse_prompts(media, 8), [], limits)

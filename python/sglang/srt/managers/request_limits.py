@@ -31,3 +31,4 @@ class RequestLimits:
     max_hidden_state_floats: int = DEFAULT_MAX_HIDDEN_STATE_FLOATS  # --max-hidden-state-floats-per-request
     # --preferred-sampling-params: sampling_params for the fields a request leaves unset (`request_sampling`).
     preferred_sampling_params: dict[str, Any] | None = None
+    auto_truncate: bool = False  # --allow-auto-truncate: a prompt over the limit is cut, not refused

@@ -12,6 +12,7 @@ Three steps, so that the caller can tokenize in between without blocking (`Token
 from __future__ import annotations
 
 import hashlib
+import logging
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,6 +29,8 @@ from sglang.srt.managers.request_limits import RequestLimits
 from sglang.srt.managers.request_sampling import PromptSamplingParams
 from sglang.srt.managers.text_encoder import Encoded, encode_texts
 from sglang.srt.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # --max-samples-per-request's default (the max running requests when more): measured on a loaded 2-core
 # host, the HTTP process checks, sends and answers a batch at ~0.1 ms per sample, so a request at the bound
@@ -116,9 +119,21 @@ def check_custom_logit_processor(value: Any, limits: RequestLimits) -> str | Non
     return value
 
 
-def check_input_ids(ids: Any, limits: RequestLimits, param: str) -> list[int]:
+def auto_truncated(ids: list[int], limits: RequestLimits, param: str) -> list[int]:
+    """--allow-auto-truncate: a prompt over the limit keeps its first `max_req_input_len` tokens (upstream's
+    rule: the end is dropped), said in the log."""
+    if len(ids) <= limits.max_req_input_len:
+        return ids
+    logger.warning("The input %s (%d tokens) is cut to its first %d tokens (--allow-auto-truncate).",
+                   param, len(ids), limits.max_req_input_len)  # fmt: skip
+    return ids[: limits.max_req_input_len]
+
+
+def check_input_ids(ids: Any, limits: RequestLimits, param: str, truncate: bool = False) -> list[int]:
     if not isinstance(ids, list):
         raise RequestError(f"{param} must be a list of token ids.", param, "invalid_type")
+    if truncate:
+        ids = auto_truncated(ids, limits, param)
     # The length first: a huge list is refused without a scan of every element.
     check_input_len(len(ids), limits, param)
     for i, t in enumerate(ids):
@@ -284,14 +299,19 @@ def build_requests(
     # A value sent once for all prompts is checked once (the sampling params' grammar, the salt's digest).
     sampling = PromptSamplingParams(limits)
     namespaces: dict[tuple[int, int], str | None] = {}
+    truncate = limits.auto_truncate and obj.image_data is None and obj.video_data is None  # (media: no cut)
     for i, ids in enumerate(prompts.ids):
         text = None
         if ids is None:
             text, enc = next(texts)
-            check_input_len(enc.num_tokens, limits, "text", enc.at_least)
-            ids = enc.ids
+            if truncate and enc.ids is not None:
+                ids = auto_truncated(enc.ids, limits, "text")
+                check_input_len(len(ids), limits, "text")
+            else:
+                check_input_len(enc.num_tokens, limits, "text", enc.at_least)
+                ids = enc.ids
         else:
-            ids = check_input_ids(ids, limits, "input_ids")
+            ids = check_input_ids(ids, limits, "input_ids", truncate)
         params, max_new, min_new = sampling.for_prompt(per_item["sampling_params"][i], len(ids))
         if limits.without_tokenizer:
             check_tokenizer_free(params, obj.return_text_in_logprobs)

@@ -45,14 +45,16 @@ class TextEncoder:
         self.tokenizer_path = tokenizer_path
         self._pool: ProcessPoolExecutor | None = None
 
-    async def encode(self, text: str, limit: int, add_special_tokens: bool = True) -> Encoded:
-        return (await self.encode_many([text], limit, add_special_tokens))[0]
+    async def encode(self, text: str, limit: int, add_special_tokens: bool = True, truncate: bool = False) -> Encoded:
+        return (await self.encode_many([text], limit, add_special_tokens, truncate))[0]
 
     async def encode_many(
-        self, texts: list[str], limit: int, add_special_tokens: bool = True
+        self, texts: list[str], limit: int, add_special_tokens: bool = True, truncate: bool = False
     ) -> list[Encoded]:
+        """`truncate` (--allow-auto-truncate): a text over `limit` gives its first `limit` ids (and its
+        length, or a lower bound of it) instead of none."""
         if sum(len(t) for t in texts) <= INLINE_MAX_CHARS:
-            return encode_texts(self.tokenizer, texts, limit, add_special_tokens)
+            return encode_texts(self.tokenizer, texts, limit, add_special_tokens, truncate)
         if self._pool is None:
             # Started on first use: most servers never see a long prompt.
             self._pool = ProcessPoolExecutor(
@@ -63,7 +65,9 @@ class TextEncoder:
             )
         loop = asyncio.get_running_loop()
         try:
-            out = await loop.run_in_executor(self._pool, _encode_in_worker, texts, limit, add_special_tokens)
+            out = await loop.run_in_executor(
+                self._pool, _encode_in_worker, texts, limit, add_special_tokens, truncate
+            )
         except BrokenProcessPool:
             self._pool = None  # the next long text starts a fresh worker
             raise BackendDeadError("The tokenizer worker process exited; retry the request.") from None
@@ -76,10 +80,10 @@ class TextEncoder:
 
 
 def encode_texts(
-    tokenizer: Any, texts: list[str], limit: int, add_special_tokens: bool = True
+    tokenizer: Any, texts: list[str], limit: int, add_special_tokens: bool = True, truncate: bool = False
 ) -> list[Encoded]:
     """`texts` tokenized on this thread, as the worker does it."""
-    return [Encoded(*_encode(tokenizer, t, limit, add_special_tokens)) for t in texts]
+    return [Encoded(*_encode(tokenizer, t, limit, add_special_tokens, truncate)) for t in texts]
 
 
 _worker_tokenizer: Any = None
@@ -99,20 +103,26 @@ def _init_worker(tokenizer_path: str) -> None:
 
 
 def _encode_in_worker(
-    texts: list[str], limit: int, add_special_tokens: bool
+    texts: list[str], limit: int, add_special_tokens: bool, truncate: bool = False
 ) -> list[tuple[list[int] | None, int, bool]]:
-    return [_encode(_worker_tokenizer, t, limit, add_special_tokens) for t in texts]
+    return [_encode(_worker_tokenizer, t, limit, add_special_tokens, truncate) for t in texts]
 
 
-def _encode(tok: Any, text: str, limit: int, add_special_tokens: bool) -> tuple[list[int] | None, int, bool]:
-    """(ids or None if over `limit`, token count or a lower bound of it, whether it is a lower bound)."""
+def _encode(
+    tok: Any, text: str, limit: int, add_special_tokens: bool, truncate: bool = False
+) -> tuple[list[int] | None, int, bool]:
+    """(ids, or None if over `limit` (`truncate`: the first `limit` of them), token count or a lower bound
+    of it, whether it is a lower bound). A long text's probe prefix is tokenized alone first; when it
+    already holds more than `limit` + PROBE_MARGIN_TOKENS tokens, the whole text is never tokenized (its
+    first `limit` ids are the prefix's: the cut, at a space, is that margin past them)."""
     probe = limit * PROBE_CHARS_PER_TOKEN
     if len(text) > 2 * probe:
         cut = text.rfind(" ", probe // 2, probe)
-        n = len(tok.encode(text[: cut if cut > 0 else probe], add_special_tokens=False))
+        head = tok.encode(text[: cut if cut > 0 else probe], add_special_tokens=truncate and add_special_tokens)
+        n = len(head)
         if n > limit + PROBE_MARGIN_TOKENS:
-            return None, n - PROBE_MARGIN_TOKENS, True
+            return (head[:limit] if truncate else None), n - PROBE_MARGIN_TOKENS, True
     ids = tok.encode(text, add_special_tokens=add_special_tokens)
     if len(ids) > limit:
-        return None, len(ids), False
+        return (ids[:limit] if truncate else None), len(ids), False
     return ids, len(ids), False

@@ -50,6 +50,7 @@ from sglang.srt.managers.request_validation import (
     NormalizedRequest,
     RequestError,
     RequestLimits,
+    auto_truncated,
     build_requests,
     check_input_len,
     hidden_states_refused,
@@ -126,6 +127,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             else 0,
             max_hidden_state_floats=server_args.max_hidden_state_floats_per_request,
             preferred_sampling_params=server_args.preferred_sampling_params,
+            auto_truncate=server_args.allow_auto_truncate,
         )
         # The model's image processor (None: a text-only model).
         self.image_processor = ImageInputProcessor.create(
@@ -192,12 +194,15 @@ class TokenizerManager(TokenizerCommunicatorMixin):
 
     # ---- generation --------------------------------------------------------------------------------
 
-    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True, truncate: bool = False) -> list[int]:
         """The ids of `text`, tokenized off the loop when long; RequestError naming `param` when it is
-        longer than the context."""
+        longer than the context (`truncate`, with --allow-auto-truncate: cut to the limit instead)."""
         if self.encoder is None:
             raise RequestError(TEXT_WITHOUT_TOKENIZER, param)
-        enc = await self.encoder.encode(text, self.limits.context_len, add_special_tokens)
+        truncate = truncate and self.limits.auto_truncate
+        enc = await self.encoder.encode(text, self.limits.context_len, add_special_tokens, truncate)
+        if truncate and enc.ids is not None:
+            return auto_truncated(enc.ids, self.limits, param)
         if enc.ids is None:
             check_input_len(enc.num_tokens, self.limits, param, enc.at_least)  # raises: too long
         assert enc.ids is not None
@@ -212,7 +217,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
                 raise RequestError(TEXT_WITHOUT_TOKENIZER, "text")
             encoded = []
         else:
-            encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len)
+            truncate = self.limits.auto_truncate and obj.image_data is None and obj.video_data is None
+            encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len, truncate=truncate)
         items, is_list = build_requests(obj, prompts, encoded, self.limits)
         media = {"image_data": obj.image_data, "video_data": obj.video_data}
         p = self.image_processor

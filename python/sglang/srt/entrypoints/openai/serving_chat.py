@@ -189,7 +189,8 @@ class OpenAIServingChat(OpenAIServingBase):
                     base = ""
                 tail = prompt[len(base) :] if prompt.startswith(base) else prompt
                 req._prompt_opens_reasoning = prompt_opens_reasoning(tail + prefix)
-        return await self.tm.encode(prompt + prefix, "messages", add_special_tokens=False)
+        media = any(m.image_urls() or m.video_urls() for m in req.messages)  # (--allow-auto-truncate: no cut)
+        return await self.tm.encode(prompt + prefix, "messages", add_special_tokens=False, truncate=not media)
 
     async def to_generate_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
         input_ids = await self.apply_chat_template(req)
