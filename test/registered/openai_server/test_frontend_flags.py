@@ -45,7 +45,7 @@ class TestFrontendFlags(ServerTestCase):
         "--preferred-sampling-params", json.dumps(PREFERRED),
         "--stream-response-default-include-usage",
         "--max-running-requests", "1", "--max-queued-requests", "1", "--abort-on-priority-when-disabled",
-        "--allow-auto-truncate",
+        "--allow-auto-truncate", "--context-length", "512",  # (the long prompts below: ~510 tokens)
         "--ssl-keyfile", "WORKDIR/key.pem", "--ssl-certfile", "WORKDIR/cert.pem",
     ]  # fmt: skip
 

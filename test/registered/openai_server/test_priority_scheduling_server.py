@@ -20,7 +20,7 @@ register_cpu_ci(est_time=30, suite="per-commit-cpu")
 
 
 class TestPriorityScheduling(ServerTestCase):
-    server_args = ["--enable-priority-scheduling", "--max-running-requests", "1"]
+    server_args = ["--enable-priority-scheduling", "--max-running-requests", "1", "--context-length", "512"]
 
     def counters(self) -> dict:
         return self.internal_state()["counters"]
@@ -49,7 +49,7 @@ class TestPriorityScheduling(ServerTestCase):
     def test_a_waiting_request_of_higher_priority_runs_first_and_a_close_one_does_not_preempt(self):
         before = self.counters()
         done: dict = {}
-        threads = [self.start("long", 5, 400, done)]
+        threads = [self.start("long", 5, 250, done)]
         self.wait_running()
         threads.append(self.start("low", 0, 8, done))
         self.wait_running(1, 1)  # ("low" waits before "high" comes)
@@ -64,10 +64,10 @@ class TestPriorityScheduling(ServerTestCase):
 
     def test_a_request_that_outranks_the_running_one_by_more_preempts_it_and_both_are_exact(self):
         alone: dict = {}
-        self.start("victim", 0, 300, alone).join(120)
+        self.start("victim", 0, 200, alone).join(120)
         before = self.counters()
         done: dict = {}
-        threads = [self.start("victim", 0, 300, done)]
+        threads = [self.start("victim", 0, 200, done)]
         self.wait_running()
         time.sleep(0.05)  # (some of its tokens made: it prefills again from its prefix)
         threads.append(self.start("urgent", 50, 8, done))
