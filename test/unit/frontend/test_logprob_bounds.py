@@ -69,7 +69,7 @@ def test_the_openai_routes_follow_the_flag(tokenizer):
         def __init__(self):
             self.tokenizer, self.limits = tokenizer, limits
 
-        async def encode(self, text, param, add_special_tokens=True):
+        async def encode(self, text, param, add_special_tokens=True, truncate=False):
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     serving = OpenAIServingChat(Manager(), "m")

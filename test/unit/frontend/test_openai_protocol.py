@@ -115,7 +115,7 @@ def _chat_serving(context_len: int = 100, sampling_defaults=None) -> tuple[OpenA
     it encoded go to the returned list)."""
     encoded: list[str] = []
 
-    async def encode(text, param, add_special_tokens=True):
+    async def encode(text, param, add_special_tokens=True, truncate=False):
         encoded.append(text)
         return [ord(c) % 50 for c in text]
 

@@ -82,7 +82,7 @@ class _TokenizerManager:
         self.tokenizer = tokenizer
         self.limits = LIMITS
 
-    async def encode(self, text, param, add_special_tokens=True):
+    async def encode(self, text, param, add_special_tokens=True, truncate=False):
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

@@ -1,8 +1,8 @@
 """Two extensions with the state-copy binding load in one process (nightly: the second module's build, ~22 s
 on 2 cores from a fresh checkout, was the slowest call of the per-commit suite). On a GPU machine one
 process loads the CPU and the CUDA extension, and both register a StateTable: pybind11 refused the second
-("already registered": the CUDA ops were unavailable on the H200). The GPU checks load both for real
-(benchmark/gpu/run_gpu_checks.sh)."""
+("already registered": the CUDA ops were unavailable on the H200). Run it with
+`.venv/bin/python test/run_suite.py --suite nightly-cpu` (or this file alone)."""
 
 from __future__ import annotations
 
