@@ -128,3 +128,22 @@ def test_auto_truncate_cuts_token_ids_to_the_limit_and_leaves_media_prompts_alon
     media = GenerateReqInput(input_ids=list(range(1, 49)) * 3, image_data="x.png")
     with pytest.raises(RequestError, match="longer than"):
         build_requests(media, parse_prompts(media, 8), [], limits)
+
+
+def test_auto_truncate_lowers_an_explicit_max_new_tokens_to_what_fits():
+    """Review of c610666 (finding 1): a prompt cut to max_req_input_len leaves room for a token or a few,
+    and an explicit max_new_tokens above it was a 400 (clients that always send max_tokens got nothing
+    from the flag); as upstream, it is lowered to the room. Without the flag it stays a 400."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.request_validation import build_requests, parse_prompts
+
+    obj = GenerateReqInput(input_ids=list(range(1, 49)) * 3, sampling_params={"max_new_tokens": 16})
+    on = RequestLimits(context_len=100, max_req_input_len=97, vocab_size=50, auto_truncate=True)
+    items, _ = build_requests(obj, parse_prompts(obj, 8), [], on)
+    assert len(items[0].req.input_ids) == 97 and items[0].req.sampling_params.max_new_tokens == 3
+    short = GenerateReqInput(input_ids=[1] * 90, sampling_params={"max_new_tokens": 16})
+    items, _ = build_requests(short, parse_prompts(short, 8), [], on)
+    assert items[0].req.sampling_params.max_new_tokens == 10
+    off = RequestLimits(context_len=100, max_req_input_len=97, vocab_size=50)
+    with pytest.raises(RequestError, match="max_new_tokens 16 plus the 90 input tokens"):
+        build_requests(short, parse_prompts(short, 8), [], off)

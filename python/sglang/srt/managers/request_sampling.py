@@ -70,6 +70,10 @@ def fit_to_prompt(
     """(max_new_tokens, min_new_tokens) for a prompt of `input_len` tokens: an explicit max_new_tokens
     must fit the context (RequestError), the default is cut to it."""
     room = limits.context_len - input_len
+    if explicit_max and params.max_new_tokens > room and limits.auto_truncate:
+        # --allow-auto-truncate: as upstream, lowered to what fits (a prompt cut to the limit leaves
+        # room for one token or a few; a client that always sends max_tokens would get 400 else).
+        return room, min(params.min_new_tokens, room)
     if explicit_max and params.max_new_tokens > room:
         raise RequestError(
             f"max_new_tokens {params.max_new_tokens} plus the {input_len} input tokens exceeds the "

@@ -119,13 +119,13 @@ def check_custom_logit_processor(value: Any, limits: RequestLimits) -> str | Non
     return value
 
 
-def auto_truncated(ids: list[int], limits: RequestLimits, param: str) -> list[int]:
+def auto_truncated(ids: list[int], limits: RequestLimits, param: str, total: int | None = None) -> list[int]:
     """--allow-auto-truncate: a prompt over the limit keeps its first `max_req_input_len` tokens (upstream's
-    rule: the end is dropped), said in the log."""
+    rule: the end is dropped), said in the log (`total`: its whole length, where `ids` are a cut already)."""
     if len(ids) <= limits.max_req_input_len:
         return ids
-    logger.warning("The input %s (%d tokens) is cut to its first %d tokens (--allow-auto-truncate).",
-                   param, len(ids), limits.max_req_input_len)  # fmt: skip
+    logger.warning("The input %s (%s tokens) is cut to its first %d tokens (--allow-auto-truncate).",
+                   param, total or len(ids), limits.max_req_input_len)  # fmt: skip
     return ids[: limits.max_req_input_len]
 
 
@@ -305,7 +305,7 @@ def build_requests(
         if ids is None:
             text, enc = next(texts)
             if truncate and enc.ids is not None:
-                ids = auto_truncated(enc.ids, limits, "text")
+                ids = auto_truncated(enc.ids, limits, "text", enc.num_tokens)
                 check_input_len(len(ids), limits, "text")
             else:
                 check_input_len(enc.num_tokens, limits, "text", enc.at_least)

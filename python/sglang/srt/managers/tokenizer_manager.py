@@ -202,7 +202,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         truncate = truncate and self.limits.auto_truncate
         enc = await self.encoder.encode(text, self.limits.context_len, add_special_tokens, truncate)
         if truncate and enc.ids is not None:
-            return auto_truncated(enc.ids, self.limits, param)
+            return auto_truncated(enc.ids, self.limits, param, enc.num_tokens)
         if enc.ids is None:
             check_input_len(enc.num_tokens, self.limits, param, enc.at_least)  # raises: too long
         assert enc.ids is not None
