@@ -49,6 +49,12 @@ def test_preemption_needs_more_than_the_threshold_and_no_room():
     # Equal priorities never preempt each other, whatever the threshold (0 is the least allowed).
     assert preemption_victims(PriorityRule(threshold=0), [req("w", 5)], [req("r", 5)], lambda r: True)[1] == []
 
+    # With nobody to preempt the room is not looked at (a radix match of the waiting prompt, every step).
+    def no_look(r):
+        raise AssertionError("the room was looked at")
+
+    assert preemption_victims(rule, [req("w", 5)], [req("r", 0)], no_look) == (None, [])
+
 
 def test_a_full_queue_refuses_the_newcomer_or_the_least_preferred_waiting_one_it_outranks():
     waiting = [req("a", 5), req("b", 1), req("c", 1)]

@@ -79,9 +79,11 @@ def preemption_victims(
     if rule is None or not rule.preemption or not waiting:
         return None, []
     best = min(waiting, key=rule.key)  # (the first of the most preferred, in queue order)
-    if not lacks_room(best):
-        return None, []
+    # (the victims first: where there are none, as under a steady load of equals, the room is not looked
+    # at, which matches the best request's prompt in the radix tree at every step it waits)
     victims = [r for r in running if rule.outranks(best, r)]
+    if not victims or not lacks_room(best):
+        return None, []
     # Least preferred first; among equals the newest (it has run least).
     victims.sort(key=lambda r: (rule.key(r), r.created_time), reverse=True)
     return best, victims
