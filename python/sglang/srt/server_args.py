@@ -36,6 +36,7 @@ from sglang.srt.server_args_checks import (
 from sglang.srt.server_args_cli import add_cli_args
 from sglang.srt.server_args_frontend import FrontendArgs, check_frontend_flags
 from sglang.srt.server_args_hicache import HiCacheArgs, check_hicache_flags
+from sglang.srt.server_args_lora import LoRAArgs, check_lora_flags
 from sglang.srt.server_args_mamba import resolve_mamba_strategy, resolve_pd_decode_cache
 from sglang.srt.server_args_media import check_media_flags
 from sglang.srt.server_args_parallel import check_parallel_flags
@@ -58,7 +59,7 @@ BODY_BYTES_BASE = 1 << 20
 
 
 @dataclass
-class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs):  # (fields of server_args_{hicache,frontend,priority})
+class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs, LoRAArgs):  # (fields of server_args_{hicache,frontend,priority,lora})
     # Model and tokenizer
     model_path: str = DEFAULT_MODEL
     tokenizer_path: str | None = None
@@ -246,6 +247,7 @@ class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs):  # (fields of server_
         )
         self._handle_chunk_aligned_sizes(self._handle_gpu_memory_settings())
         check_speculative_track_interval(self)
+        check_lora_flags(self)
 
     def public_dict(self) -> dict:
         """Every field, with secrets redacted: what /get_server_info returns and what a log may show."""

@@ -26,6 +26,7 @@ from sglang.srt.server_args_checks import (
 )
 from sglang.srt.server_args_frontend import add_frontend_cli_args
 from sglang.srt.server_args_hicache import add_hicache_cli_args
+from sglang.srt.server_args_lora import add_lora_cli_args
 from sglang.srt.server_args_media import add_media_cli_args
 from sglang.srt.server_args_parallel import add_parallel_cli_args
 from sglang.srt.server_args_priority import add_priority_cli_args
@@ -275,6 +276,7 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
     add_media_cli_args(parser, default)
     add_frontend_cli_args(parser)
     add_priority_cli_args(parser)
+    add_lora_cli_args(parser)
 
     g = parser.add_argument_group("kernels")
     g.add_argument(

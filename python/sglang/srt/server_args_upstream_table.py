@@ -21,7 +21,9 @@ THEMES: dict[str, str] = {
     "quant": "only FP8 weights are served (block-wise and NVIDIA ModelOpt FP8 checkpoints as published, or "
     "--quantization fp8 at load; nothing is quantized with ModelOpt here); use --kv-cache-dtype for an FP8 KV "
     "cache",
-    "lora": "LoRA adapters are not supported; serve a checkpoint with the adapter merged into its weights",
+    "lora": "this LoRA option is not built (adapters are served with --enable-lora, --lora-paths, "
+    "--max-lora-rank, --lora-target-modules, --max-loras-per-batch, --max-loaded-loras and "
+    "--lora-eviction-policy: docs/lora.md); leave it out",
     "hicache": "of the hierarchical cache, the host-memory tier and the file storage backend are built "
     "(--enable-hierarchical-cache, --hicache-ratio, --hicache-size, --hicache-write-policy, "
     "--hicache-storage-backend file: docs/state_management.md); no external KV-cache tier or other cache "
@@ -100,10 +102,8 @@ REFUSED: dict[str, str] = {
         --int8-mamba-ckpt-size= --speculative-draft-model-quantization=
     """,
     "lora": """
-        --enable-lora --enable-lora-overlap-loading --max-lora-rank= --lora-target-modules+ --lora-paths+
-        --max-loaded-loras= --max-loras-per-batch= --lora-eviction-policy= --lora-backend= --max-lora-chunk-size=
-        --experts-shared-outer-loras --lora-use-virtual-experts --lora-strict-loading --lora-drain-wait-threshold=
-        --uno-lora-path=
+        --enable-lora-overlap-loading --experts-shared-outer-loras --lora-use-virtual-experts
+        --lora-drain-wait-threshold= --uno-lora-path= --no-lora-strict-loading
     """,
     "hicache": """
         --enable-hierarchical-cache|--enable-hicache --hicache-host-memory-mode= --hicache-ratio= --hicache-size=
@@ -412,6 +412,14 @@ ACCEPTED: list[Accepted] = [
     Accepted("--disable-flashinfer-cutlass-moe-fp4-allgather", _NO_COMM),
     Accepted("--disable-attn-tp-gather", _NO_COMM),
     Accepted("--enable-p2p-check", "NCCL checks peer-to-peer access itself"),
+    Accepted("--lora-strict-loading", "an adapter with a module this server cannot serve is refused already"),
+    Accepted(
+        "--max-lora-chunk-size=",
+        "it tunes upstream's csgmv kernel; this server's LoRA runs its own matmuls",
+        {"16": {}, "32": {}, "64": {}, "128": {}},
+        "int",
+        "lora",
+    ),
     Accepted("--disable-flashinfer-autotune", "FlashInfer is not used, so nothing is autotuned by it"),
     Accepted("--disable-outlines-disk-cache", "outlines is not used (--grammar-backend xgrammar)"),
     Accepted("--disable-fast-image-processor", "no image processor is loaded (text-only serving)"),
@@ -429,7 +437,6 @@ ACCEPTED: list[Accepted] = [
             "enable-dsa-fused-indexer",
             "ple-offload-embedding",
             "experts-shared-outer-loras",
-            "lora-strict-loading",
             "mm-enable-dp-encoder",
             "dcp-replicate-q-proj",
             "enable-tp-lm-head-all-to-all",

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from sglang.srt.lora.lora_config import startup_uid
 from sglang.srt.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from sglang.srt.managers.request_validation import cache_namespace
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
@@ -111,8 +113,11 @@ class SchedulerHarness:
         return_hidden_states: bool = False,
         custom_logit_processor: str | None = None,
         warmup: bool = False,
+        lora: str | None = None,
         **sampling: Any,
     ) -> str:
+        """`lora`: the name of an adapter of --lora-paths (its id and cache namespace as the tokenizer
+        gives them)."""
         rid = f"req-{next(self._ids)}"
         params = dict(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
         params.update(sampling)
@@ -127,10 +132,11 @@ class SchedulerHarness:
                 top_logprobs_num=top_logprobs_num,
                 token_ids_logprob=token_ids_logprob,
                 stream=stream,
-                extra_key=extra_key,
+                extra_key=extra_key if lora is None else cache_namespace(extra_key, None, startup_uid(lora)),
                 return_hidden_states=return_hidden_states,
                 custom_logit_processor=custom_logit_processor,
                 warmup=warmup,
+                lora_id=None if lora is None else startup_uid(lora),
             )
         )
         self.outputs[rid] = Output(rid)

@@ -6,7 +6,9 @@ prefill on both ranks in step) and a second prompt that extends the first (a pre
 radix tree must hold the same checkpoint), a regex request (its grammar compiles on each rank's own
 thread: rank 0 says when it is done), and /get_server_info lists both ranks' memory. A rank that
 decided otherwise than rank 0 would take another batch or slot; the strict idle check compares the ranks'
-pool counts each time they go idle."""
+pool counts each time they go idle. LoRA adapters at TP 2 (each rank its rows or columns of A and B; a
+row-parallel module's A x all-reduced before its mask) give the merged checkpoint's tokens, a start-time
+adapter and one loaded and unloaded while serving."""
 
 from __future__ import annotations
 
@@ -24,12 +26,26 @@ LOGPROB_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def engine():
+def adapters(tmp_path_factory):
+    """A LoRA adapter served from the start (`a`) and one loaded later (`b`), with their merged oracles."""
+    from sglang.test.reference import ReferenceModel
+    from sglang.tools.make_tiny_lora import make_tiny_lora, merge_lora
+
+    root, out = tmp_path_factory.mktemp("tp_lora"), {}
+    for name, seed in (("a", 1), ("b", 2)):
+        path = make_tiny_lora(MODEL, root / name, seed=seed)
+        out[name] = (str(path), ReferenceModel(str(merge_lora(MODEL, path, root / f"{name}-merged"))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(adapters):
     import sglang
 
     eng = sglang.Engine(
-        model_path=MODEL, tp_size=2, chunked_prefill_size=64, random_seed=7, log_level="warning"
-    )
+        model_path=MODEL, tp_size=2, chunked_prefill_size=64, random_seed=7, log_level="warning",
+        lora_paths=[f"a={adapters['a'][0]}"],
+    )  # fmt: skip
     yield eng
     eng.shutdown()
 
@@ -90,3 +106,17 @@ def test_a_tensor_update_reaches_every_rank(engine):
         assert torch.equal(torch.tensor(engine.get_weights_by_name(name, 10**6)), new)
     finally:
         assert engine.update_weights_from_tensor([(name, old)], load_format="direct")[0]
+
+
+def test_lora_adapters_on_two_ranks_match_their_merged_oracles(engine, adapters, oracles):
+    params = {"max_new_tokens": 8, "temperature": 0}
+    prompts = [[(5 * i + k) % 300 + 5 for i in range(20 + 7 * k)] for k in range(3)]
+    loaded = engine.load_lora_adapter("b", adapters["b"][0])
+    assert loaded["success"], loaded
+    assert loaded["loaded_adapters"] == {"a": adapters["a"][0], "b": adapters["b"][0]}
+    outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, lora_path=["a", None, "b"])
+    for ids, out, oracle in zip(prompts, outs, [adapters["a"][1], oracles[MODEL], adapters["b"][1]], strict=True):
+        _check_against_oracle(oracle, ids, out)
+    assert engine.unload_lora_adapter("b")["loaded_adapters"] == {"a": adapters["a"][0]}
+    with pytest.raises(ValueError, match="'b' is not loaded"):
+        engine.generate(input_ids=prompts[0], sampling_params=params, lora_path="b")

@@ -141,7 +141,7 @@ def test_every_accepted_flag_parses_and_other_values_are_refused():
         (["--node-rank", "0"], {}),
         (["--dist-init-addr", "127.0.0.1:5000"], {"dist_init_addr": "127.0.0.1:5000"}),
         (["--pp-size", "2"], "refused"),
-        (["--enable-lora"], "refused"),
+        (["--enable-lora-overlap-loading"], "refused"),
         (["--tokenizer-worker-num", "2"], "refused"),
         (["--model-loader-extra-config", "{}"], {}),
         (["--kv-events-config", "{}"], "refused"),
@@ -189,7 +189,7 @@ def test_engine_takes_upstream_keywords_through_the_same_table():
             "model_path": "tiny-qwen3-next",
             "pp_size": 1,
             "enable_cache_report": True,
-            "enable_lora": False,
+            "enable_eplb": False,
             "json_model_override_args": {},
             "cuda_graph_max_bs_decode": 8,
             "mamba_radix_cache_strategy": "no_buffer",
@@ -202,8 +202,8 @@ def test_engine_takes_upstream_keywords_through_the_same_table():
     }
     with pytest.raises(ServerArgsError, match="^--pp-size 2 is not supported by this server: "):
         upstream_engine_kwargs({"pp_size": 2})
-    with pytest.raises(ServerArgsError, match="^--lora-paths is not supported by this server: "):
-        upstream_engine_kwargs({"lora_paths": ["adapter"]})
+    with pytest.raises(ServerArgsError, match="^--lora-drain-wait-threshold is not supported by this server: "):
+        upstream_engine_kwargs({"lora_drain_wait_threshold": 3})
     # A name upstream does not have either is left to ServerArgs (a TypeError, as before).
     assert upstream_engine_kwargs({"no_such_flag": 1}) == {"no_such_flag": 1}
 

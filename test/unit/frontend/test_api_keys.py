@@ -31,6 +31,8 @@ ADMIN_ROUTES = {
     "/abort_request",
     "/flush_cache",
     "/update_weight_version",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
 }
 NORMAL_ROUTES = {
     "/generate": "POST",

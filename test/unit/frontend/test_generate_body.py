@@ -51,7 +51,7 @@ def test_unset_upstream_fields_and_router_fields_are_accepted():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("lora_path", '"my-adapter"'),
+        ("lora_id", '"my-adapter-id"'),
         ("audio_data", '"x.wav"'),
         ("return_entropy", "true"),
         ("max_thinking_tokens", "0"),

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 from sglang.srt.entrypoints.process_launcher import SchedulerEntry, ServerStartupError, launch_subprocesses
+from sglang.srt.lora.lora_registry import parse_load_lora_adapter, parse_unload_lora_adapter
 from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -43,6 +44,9 @@ from sglang.srt.managers.weight_update_request import (
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.server_args_upstream import upstream_engine_kwargs
 from sglang.version import __version__
+
+# The reply of /load_lora_adapter and /unload_lora_adapter (upstream's fields).
+LORA_REPLY = ("success", "error_message", "loaded_adapters")
 
 
 def build_server_info(
@@ -123,12 +127,14 @@ class Engine:
         image_data: Any = None,
         video_data: Any = None,
         priority: int | list[int] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of chunks
         (text and output_ids cumulative; logprob lists and hidden states only what is new, the input
         ones once: docs/server.md). Bad input raises RequestError (naming the field) at the call. As upstream's:
         `return_hidden_states` (with enable_return_hidden_states), and the cache namespace of
-        `extra_key` / `cache_salt`, and `priority` (--enable-priority-scheduling; docs/server.md)."""
+        `extra_key` / `cache_salt`, `priority` (--enable-priority-scheduling; docs/server.md), and
+        `lora_path`, a loaded LoRA adapter's name (--enable-lora; docs/lora.md)."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
         if not stream:
             return self._run(_first(self.tokenizer_manager.generate_request(obj, trusted=True)))
@@ -169,6 +175,7 @@ class Engine:
         extra_key: str | list[str] | None = None,
         cache_salt: str | list[str] | None = None,
         priority: int | list[int] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As `generate`, from any event loop; with stream=True, await it for an async iterator."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
@@ -291,6 +298,16 @@ class Engine:
         obj = parse_get_weights_by_name({"name": name, "truncate_size": truncate_size})
         return self._run(self.tokenizer_manager.get_weights_by_name(obj))
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        """Upstream's: serve the adapter at `lora_path` as `lora_name`; {success, error_message,
+        loaded_adapters}."""
+        obj = parse_load_lora_adapter({"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned})
+        return dict(zip(LORA_REPLY, self._run(self.tokenizer_manager.load_lora_adapter(obj)), strict=True))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        obj = parse_unload_lora_adapter({"lora_name": lora_name})
+        return dict(zip(LORA_REPLY, self._run(self.tokenizer_manager.unload_lora_adapter(obj)), strict=True))
+
     def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
         """Upstream's: free the memory of `tags` ("weights", "kv_cache", "cuda_graph"; None: all) with
         nothing running, until `resume_memory_occupation` (needs --enable-memory-saver); (success,
@@ -397,6 +414,7 @@ def _make_obj(
     image_data: Any = None,
     video_data: Any = None,
     priority: Any = None,
+    lora_path: Any = None,
 ) -> GenerateReqInput:
     return GenerateReqInput(
         text=prompt,
@@ -415,4 +433,5 @@ def _make_obj(
         image_data=image_data,
         video_data=video_data,
         priority=priority,
+        lora_path=lora_path,
     )

@@ -15,10 +15,12 @@ router = APIRouter(route_class=ErrorMappingRoute)
 
 @router.get("/v1/models")
 async def models(s: Server) -> Response:
-    card = ModelCard(
-        id=s.model_name, root=s.server_args.model_path, max_model_len=s.model_info["context_len"]
-    )
-    return json_response(ModelList(data=[card]))
+    context_len = s.model_info["context_len"]
+    cards = [ModelCard(id=s.model_name, root=s.server_args.model_path, max_model_len=context_len)]
+    # As upstream: each LoRA adapter too (a request names it as "base:adapter" or by its name).
+    for name, path in s.tm.lora.loaded().items():
+        cards.append(ModelCard(id=name, root=path, parent=s.model_name, max_model_len=context_len))
+    return json_response(ModelList(data=cards))
 
 
 @router.post("/v1/completions")

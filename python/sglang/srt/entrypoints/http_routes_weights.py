@@ -1,5 +1,6 @@
 """The weight routes (admin ones but /get_weight_version, `utils/auth.py`): updates from disk, tensors and
-a distributed group, memory release and resume, reading a parameter, the weight version. Replies are
+a distributed group, LoRA adapters' loads and unloads, memory release and resume, reading a parameter,
+the weight version. Replies are
 upstream's; errors are raised and answered by `http_errors`."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi.responses import Response
 from sglang.srt.configs.presets import is_preset
 from sglang.srt.entrypoints.http_context import Server
 from sglang.srt.entrypoints.http_errors import ErrorMappingRoute, json_object, json_response
+from sglang.srt.lora.lora_registry import parse_load_lora_adapter, parse_unload_lora_adapter
 from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.weight_update_request import (
@@ -79,6 +81,12 @@ _weights_route(
 _weights_route(
     "/destroy_weights_update_group", parse_destroy_weights_update_group, "destroy_weights_update_group"
 )
+# LoRA adapters (upstream's routes and replies; docs/lora.md).
+for _path, _parse, _call in [
+    ("/load_lora_adapter", parse_load_lora_adapter, "load_lora_adapter"),
+    ("/unload_lora_adapter", parse_unload_lora_adapter, "unload_lora_adapter"),
+]:
+    _weights_route(_path, _parse, _call, fields=("success", "error_message", "loaded_adapters"))
 # As upstream: GET or POST, the body optional (no tags: all of them).
 for _path, _cls, _call in [
     ("/release_memory_occupation", ReleaseMemoryOccupationReqInput, "release_memory_occupation"),

@@ -65,6 +65,9 @@ class GenerateReqInput:
     # --enable-priority-scheduling it orders the waiting requests (higher first) and may preempt running
     # ones; without, it is ignored (--abort-on-priority-when-disabled: a 503).
     priority: int | list[int | None] | None = None
+    # LoRA (upstream's): the name of a loaded adapter to run the prompt with (one for every prompt, or
+    # one per prompt; null: the base model); the server needs --enable-lora.
+    lora_path: str | list[str | None] | None = None
     # Images (upstream's): one item or a list per prompt, each an http(s) URL, a file path (over HTTP
     # only inside --allowed-local-media-path), base64 or a data URI; the prompt has one
     # <|vision_start|><|image_pad|><|vision_end|> per image (docs/multimodal.md).
@@ -90,6 +93,7 @@ class TokenizedGenerateReqInput:
     return_hidden_states: bool = False
     custom_logit_processor: str | None = None
     priority: int | None = None
+    lora_id: str | None = None  # the LoRA adapter's id (`lora/lora_registry.py`); None: the base model
     mm_inputs: Any = None  # the request's images (`multimodal.inputs.MultimodalInputs`), or None
     # The server's warm-up (`server_warmup.py`, through `generate_request(warmup=True)`, never a body
     # field): its namespace stays off the host and disk tiers.
@@ -127,6 +131,34 @@ class AbortReq:
     rid: str = ""
     abort_all: bool = False
     message: str = "Aborted by the client."
+
+
+@dataclass
+class LoadLoRAAdapterReqInput:
+    """/load_lora_adapter: read adapter `lora_name` from `lora_path` under id `lora_id` on every rank."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str = ""
+
+
+@dataclass
+class LoadLoRAAdapterReqOutput:
+    success: bool
+    error_message: str = ""
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    lora_name: str
+    lora_id: str = ""
+
+
+@dataclass
+class UnloadLoRAAdapterReqOutput:
+    success: bool
+    error_message: str = ""
 
 
 @dataclass

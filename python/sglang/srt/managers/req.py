@@ -97,6 +97,8 @@ class Req:
         "penalty_slot",
         "spec_counts",
         "extra_key",
+        "lora_id",
+        "lora_slot",
         "grammar",
         "return_hidden_states",
         "custom_logit_processor",
@@ -161,6 +163,9 @@ class Req:
         # The prefix-cache namespace (upstream's `cache_salt + extra_key`): the radix tree matches and
         # inserts this request's tokens among those of its namespace only; None: the shared one.
         self.extra_key: str | None = None
+        # LoRA: the adapter's id (None: the base model), and its device slot while running (-1: none).
+        self.lora_id: str | None = None
+        self.lora_slot = -1
 
         # Mamba state
         self.mamba_pool_idx: int | None = None

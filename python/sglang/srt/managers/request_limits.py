@@ -32,3 +32,5 @@ class RequestLimits:
     # --preferred-sampling-params: sampling_params for the fields a request leaves unset (`request_sampling`).
     preferred_sampling_params: dict[str, Any] | None = None
     auto_truncate: bool = False  # --allow-auto-truncate: a prompt over the limit is cut, not refused
+    # The adapters a request may name (`lora/lora_registry.LoRARegistry`); None: a test's limits, no LoRA.
+    lora: Any = None

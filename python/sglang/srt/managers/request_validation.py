@@ -247,7 +247,7 @@ BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # A value each, or a list of one per prompt.
 PER_ITEM_FIELDS = (
     "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_hidden_states", "custom_logit_processor", "priority",
+    "return_hidden_states", "custom_logit_processor", "priority", "lora_path",
 )  # fmt: skip
 
 
@@ -338,10 +338,11 @@ def build_requests(
         base = rid or uuid.uuid4().hex
         n = params.n
         bootstrap = bootstrap_info(*(per_item[name][i] for name in BOOTSTRAP_FIELDS))
+        lora_id = resolve_lora(per_item["lora_path"][i], limits)
         salt_and_key = [per_item[name][i] for name in NAMESPACE_FIELDS]
-        key = (id(salt_and_key[0]), id(salt_and_key[1]))
+        key = (id(salt_and_key[0]), id(salt_and_key[1]), lora_id)
         if key not in namespaces:
-            namespaces[key] = cache_namespace(*salt_and_key)
+            namespaces[key] = cache_namespace(*salt_and_key, lora_id=lora_id)
         extra_key = namespaces[key]
         for j in range(n):
             # Each sample is its own request; seeded samples get distinct seeds, else n copies of one
@@ -366,6 +367,7 @@ def build_requests(
                 return_hidden_states=hidden,
                 custom_logit_processor=processor,
                 priority=priority,
+                lora_id=lora_id,
             )
             out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs, i))
     rids = [r.req.rid for r in out]
@@ -422,10 +424,21 @@ def _token_ids_logprob(
 NAMESPACE_FIELDS = ("cache_salt", "extra_key")  # in upstream's order of concatenation
 
 
-def cache_namespace(cache_salt: Any, extra_key: Any) -> str | None:
+def resolve_lora(name: Any, limits: RequestLimits) -> str | None:
+    """The id of the LoRA adapter a prompt names in lora_path (None: the base model; "" too, as clients
+    send it for unset)."""
+    if name is None or name == "":
+        return None
+    if limits.lora is None:
+        raise RequestError(f"LoRA adapter {name!r} was requested, but LoRA is not enabled.", "lora_path")
+    return limits.lora.resolve(name)
+
+
+def cache_namespace(cache_salt: Any, extra_key: Any, lora_id: str | None = None) -> str | None:
     """A request's prefix-cache namespace: upstream's `cache_salt + extra_key` (each a string; empty or
-    null leaves it out) as a 128-bit digest (32 hex digits), so a long salt costs the tree and the
-    n-gram table no more than a short one; None: the namespace of requests that name none."""
+    null leaves it out), and its LoRA adapter's id (as upstream appends it: an adapter's prefixes are
+    its own), as a 128-bit digest (32 hex digits), so a long salt costs the tree and the n-gram table
+    no more than a short one; None: the namespace of requests that name none."""
     parts = []
     for name, value in zip(NAMESPACE_FIELDS, (cache_salt, extra_key), strict=True):
         if value is None or value == "":
@@ -433,16 +446,23 @@ def cache_namespace(cache_salt: Any, extra_key: Any) -> str | None:
         if not isinstance(value, str):
             raise RequestError(f"{name} must be a string.", name, "invalid_type")
         parts.append(value)
+    text = "".join(parts).encode("utf-8", "surrogatepass")
+    if lora_id is not None:
+        # A digest of its own kind (`person`), of the salt's length, the salt and the id: no salt, however
+        # chosen, gives an adapter's namespace, nor one adapter's namespace another's.
+        h = hashlib.blake2b(len(text).to_bytes(8, "little") + text, digest_size=16, person=b"lora")
+        h.update(lora_id.encode("utf-8", "surrogatepass"))
+        return h.hexdigest()
     if not parts:
         return None
-    return hashlib.blake2b("".join(parts).encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
 def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:
     """A batch field is either one value for all items or a list with one value per item."""
     defaults = {"sampling_params": None, "rid": None, "return_logprob": False}
     defaults |= {"logprob_start_len": -1, "top_logprobs_num": 0, "return_hidden_states": False}
-    defaults |= {"custom_logit_processor": None, "priority": None}
+    defaults |= {"custom_logit_processor": None, "priority": None, "lora_path": None}
     defaults |= dict.fromkeys(BOOTSTRAP_FIELDS + NAMESPACE_FIELDS)
     if value is None:
         value = defaults[name]

@@ -14,6 +14,7 @@ from sglang.srt.managers.scheduler_components.decode_rows import (
     DecodeRows,
     DecodeRowsCache,
     hidden_states_mask,
+    lora_slots,
     sampling_columns,
     token_ids_logprobs,
 )
@@ -161,6 +162,7 @@ class ScheduleBatch:
             self.forward_batch.vocab_mask = VocabMaskInfo.build(self.reqs, self.sample_rows)
         self.forward_batch.custom_logit = CustomLogitInfo.build(self.reqs, self.sample_rows)
         self.forward_batch.return_hidden_states_mask = hidden_states_mask(self.reqs)
+        self.forward_batch.lora_slots = lora_slots(self.reqs)
         if any(r.multimodal_inputs is not None for r in self.reqs):
             self.forward_batch.mm_inputs = [r.multimodal_inputs for r in self.reqs]
 
@@ -250,6 +252,7 @@ class ScheduleBatch:
         if rows.any_custom_logit:
             self.forward_batch.custom_logit = CustomLogitInfo.build(reqs, self.sample_rows)
         self.forward_batch.return_hidden_states_mask = rows.hidden_states_mask
+        self.forward_batch.lora_slots = rows.lora_slots
         self.state_copies = tree_cache.take_pending_state_copies()
         self.host_copies = tree_cache.take_host_copies()
 

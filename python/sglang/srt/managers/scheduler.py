@@ -36,6 +36,7 @@ from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
 from sglang.srt.managers.scheduler_components.priority_scheduling import PriorityRule
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
 from sglang.srt.managers.scheduler_components.scheduler_lifecycle import SchedulerLifecycleMixin
+from sglang.srt.managers.scheduler_components.scheduler_lora_mixin import SchedulerLoRAMixin
 from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import (
     SchedulerUpdateWeightsMixin,
 )
@@ -60,6 +61,7 @@ from sglang.srt.model_executor.forward_worker import (
     LaunchedBatch,
     RanFuture,
     pre_forward_ops,
+    run_state_ops_here,
 )
 from sglang.srt.sampling.penaltylib import PenaltySlots
 from sglang.srt.server_args import ServerArgs, ServerArgsError
@@ -73,7 +75,7 @@ __all__ = ["Scheduler", "SchedulerWatchdogError", "run_scheduler_process"]
 GRAMMAR_POLL_S = 0.002
 
 
-class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeightsMixin):
+class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeightsMixin, SchedulerLoRAMixin):
     def __init__(self, server_args: ServerArgs, model_runner=None):
         from sglang.srt.model_executor.model_runner import ModelRunner
 
@@ -138,6 +140,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         self.decode_set, self.rows_cache = self.fast_path.decode_set, self.fast_path.rows_cache
         self.kv_log = self.fast_path.kv_log  # decode slots not yet in the requests' kv_indices
         self.disagg = None  # the PD queue of this side (prefill or decode), if any
+        self.init_lora()
         self.init_io()
         self.finisher = FinishChecker.from_server_args(server_args)
         vocab_size, eos = server_args.model_config.vocab_size, self.finisher.eos_token_ids
@@ -201,6 +204,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         if not self.waiting_queue and self.chunked_req is None:
             return None
         self._preempt_for_priority()
+        self.lora_collect()
         num_running = len(self.running) + (self.chunked_req is not None)
         if self.chunked_req is None and (
             num_running >= self.max_running_requests or not self.req_to_token_pool.available_size()
@@ -227,22 +231,10 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         spans = [(p, end) for _, p, end in adder.spans]
         batch.prepare_for_extend(spans, self.tracker, self.tree_cache, self.inflight, self.penalty_slots)
         if self.cow_on_scheduler_thread:
-            self._run_state_ops_here(batch)
+            run_state_ops_here(batch, self.req_to_token_pool.mamba_pool)
+        self.lora_seal(batch)
         self._cache_prefill_snapshots(adder.spans)
         return batch
-
-    def _run_state_ops_here(self, batch: ScheduleBatch) -> None:
-        """Negative control of the race tests (SGLANG_TEST_COW_ON_SCHEDULER_THREAD): the batch's state
-        copies, clears and COW copies run here, on the scheduler thread, off the forward stream."""
-        mp, fb = self.req_to_token_pool.mamba_pool, batch.forward_batch
-        if batch.state_copies:
-            mp.copy_from([s for s, _ in batch.state_copies], [d for _, d in batch.state_copies])
-        if fb.mamba_clear_indices is not None:
-            mp.clear_slots(fb.mamba_clear_indices)
-        if fb.mamba_cow_src_indices is not None:
-            mp.copy_from(fb.mamba_cow_src_indices, fb.mamba_cow_dst_indices)
-        batch.state_copies = []
-        fb.mamba_clear_indices = fb.mamba_cow_src_indices = fb.mamba_cow_dst_indices = None
 
     def _admission_budget(self, num_running: int) -> AdmissionBudget:
         args = self.server_args
@@ -285,10 +277,11 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         admitted: list[Req] = []
         with pool.mamba_allocator.alloc_group(cap):
             for req in self.policy.calc_priority(self.waiting_queue):
-                if req.num_inflight > 0:
-                    continue  # retracted while a batch with it is in flight: wait for its result
+                if req.num_inflight > 0 or not self.lora_admits(req, adder):
+                    continue  # retracted while a batch with it is in flight, or its adapter does not fit
                 if not adder.add_one_req(req):
                     break
+                self.lora_acquire(req, adder)
                 admitted.append(req)
         if self.waiting_queue[: len(admitted)] == admitted:
             del self.waiting_queue[: len(admitted)]  # the queue's head (first come, first served)

@@ -14,10 +14,14 @@ from sglang.srt.managers.io_struct import (
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
     InitWeightsUpdateGroupReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoadLoRAAdapterReqOutput,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
     ResumeMemoryOccupationReqOutput,
+    UnloadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromDistributedReqInput,
@@ -100,6 +104,38 @@ class TokenizerCommunicatorMixin:
         if out.parameter is None:
             raise RequestError(out.message, "name")
         return out.parameter
+
+    async def load_lora_adapter(
+        self, obj: LoadLoRAAdapterReqInput, request: DisconnectCheck | None = None
+    ) -> tuple[bool, str, dict[str, str]]:
+        """Upstream's /load_lora_adapter: every rank reads the adapter (under a new id); the name serves
+        once they all have. (success, error_message, loaded_adapters)."""
+        registry = self.lora
+        if not registry.enabled:
+            return False, "LoRA is not enabled (start the server with --enable-lora).", {}
+        if obj.lora_name in registry.adapters:
+            return False, f"LoRA adapter {obj.lora_name!r} is already loaded; unload it first.", registry.loaded()
+        obj.lora_id = registry.new_id(obj.lora_name)
+        out = await self._control(obj, LoadLoRAAdapterReqOutput, None)  # (a large adapter reads a while)
+        if out.success and obj.lora_name not in registry.adapters:
+            registry.add(obj.lora_name, obj.lora_id, obj.lora_path, obj.pinned)
+        elif out.success:  # (the same name loaded meanwhile by another call: this copy is not served)
+            await self._control(UnloadLoRAAdapterReqInput(obj.lora_name, obj.lora_id), UnloadLoRAAdapterReqOutput, None)
+            return False, f"LoRA adapter {obj.lora_name!r} is already loaded; unload it first.", registry.loaded()
+        return out.success, out.error_message, registry.loaded()
+
+    async def unload_lora_adapter(
+        self, obj: UnloadLoRAAdapterReqInput, request: DisconnectCheck | None = None
+    ) -> tuple[bool, str, dict[str, str]]:
+        """Upstream's /unload_lora_adapter: the name is refused from now on; requests sent before run to
+        their end with the adapter, whose memory is freed after the last of them."""
+        registry = self.lora
+        adapter = registry.remove(obj.lora_name) if registry.enabled else None
+        if adapter is None:
+            return False, f"LoRA adapter {obj.lora_name!r} is not loaded.", registry.loaded()
+        obj.lora_id = adapter.lora_id
+        out = await self._control(obj, UnloadLoRAAdapterReqOutput, None)
+        return out.success, out.error_message, registry.loaded()
 
     async def release_memory_occupation(
         self, obj: ReleaseMemoryOccupationReqInput, request: DisconnectCheck | None = None

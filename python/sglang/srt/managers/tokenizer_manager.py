@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from sglang.srt.configs.presets import resolve_model_path
+from sglang.srt.lora.lora_registry import LoRARegistry
 from sglang.srt.managers.backend_health import BackendDeadError, BackendHealth
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -113,6 +114,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             if server_args.chat_template is not None:  # (checked at start: `server_args_frontend`)
                 self.tokenizer.chat_template = read_chat_template(server_args.chat_template)
             self.encoder = TextEncoder(self.tokenizer, server_args.tokenizer_path)
+        self.lora = LoRARegistry(server_args)  # the adapters requests may name (--enable-lora)
         self.limits = RequestLimits(
             context_len=model_info["context_len"],
             max_req_input_len=model_info["max_req_input_len"],
@@ -128,6 +130,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             max_hidden_state_floats=server_args.max_hidden_state_floats_per_request,
             preferred_sampling_params=server_args.preferred_sampling_params,
             auto_truncate=server_args.allow_auto_truncate,
+            lora=self.lora,
         )
         # The model's image processor (None: a text-only model).
         self.image_processor = ImageInputProcessor.create(

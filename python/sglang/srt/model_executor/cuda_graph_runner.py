@@ -85,9 +85,11 @@ class _StaticInputs:
     load_plans: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(
         default_factory=dict
     )
+    # LoRA: each request's adapter slot (-1 for the base model and for padding), where adapters are served.
+    lora_slots: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, max_bs: int, device: torch.device, width: int = 1) -> _StaticInputs:
+    def allocate(cls, max_bs: int, device: torch.device, width: int = 1, lora: bool = False) -> _StaticInputs:
         def zeros(per_request: int):
             return torch.zeros(max_bs * per_request, dtype=torch.int64, device=device)
 
@@ -99,6 +101,8 @@ class _StaticInputs:
         inputs.seq_lens.fill_(width)
         if width > 1:
             inputs.extend_seq_lens = torch.full((max_bs,), width, dtype=torch.int64, device=device)
+        if lora:
+            inputs.lora_slots = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
         return inputs
 
     # (field, value of a padded row): the dummy request row, KV slot and mamba slot are all 0; a padded
@@ -119,6 +123,8 @@ class _StaticInputs:
         for i, (name, _) in enumerate(self.PADDING):
             buf = getattr(self, name)
             buf.copy_(self.pad_values[i, : buf.numel()])
+        if self.lora_slots is not None:
+            self.lora_slots.fill_(-1)
 
     def _rows(self, name: str, bs: int) -> int:
         return bs * self.width if name in self.PER_TOKEN else bs
@@ -142,6 +148,10 @@ class _StaticInputs:
         targets, pad_sources = plan
         sources = [getattr(fb, name) for name, _ in self.PADDING] + pad_sources
         torch._foreach_copy_(targets, sources, non_blocking=True)
+        if self.lora_slots is not None:  # (a batch on the base model alone has none: all -1)
+            if fb.lora_slots is not None:
+                self.lora_slots[:bs].copy_(fb.lora_slots, non_blocking=True)
+            self.lora_slots[bs if fb.lora_slots is not None else 0 : bucket].fill_(-1)
 
     def batch(self, bs: int) -> ForwardBatch:
         """The batch a graph of `bs` requests is captured with: views of the buffers, no host lists."""
@@ -158,6 +168,8 @@ class _StaticInputs:
             top_logprobs_nums=[0] * rows,
             **views,
         )
+        if self.lora_slots is not None:
+            fb.lora_slots = self.lora_slots[:bs]
         if self.width > 1:
             fb.extend_prefix_lens_cpu = fb.extend_seq_lens_cpu = fb.extend_start_loc_cpu = _NO_HOST_VALUES
             fb.extend_seq_lens = self.extend_seq_lens[:bs]
@@ -176,13 +188,14 @@ class CudaGraphRunner:
         self.use_graphs = use_graphs
         self.device = torch.device(model_runner.device)
         self.verify_width = verify_width
+        lora = getattr(model_runner, "lora", None) is not None  # (the CPU tests' stand-in runners have none)
         self.kinds: dict[ForwardMode, _GraphSet] = {
-            ForwardMode.DECODE: _GraphSet(_StaticInputs.allocate(max(bs_list), self.device), bs_list)
+            ForwardMode.DECODE: _GraphSet(_StaticInputs.allocate(max(bs_list), self.device, lora=lora), bs_list)
         }
         if verify_width > 1:  # (one position per request is a decode: no verify is ever built)
             verify_bs = [bs for bs in bs_list if bs <= model_runner.mamba_pool.verify_shape[0]]
             if verify_bs:
-                static = _StaticInputs.allocate(max(verify_bs), self.device, verify_width)
+                static = _StaticInputs.allocate(max(verify_bs), self.device, verify_width, lora=lora)
                 self.kinds[ForwardMode.TARGET_VERIFY] = _GraphSet(static, verify_bs)
         # Graphs of other forwards that live and die with these (EAGLE / NEXTN's draft loop,
         # `speculative/mtp_graphs.py`): `capture()` and `release()`, called after and with this runner's.

@@ -254,6 +254,10 @@ class ForwardBatch:
     spec: Any = None
     # Extend only: per request its images (`multimodal.inputs.MultimodalInputs`) or None; None: none has.
     mm_inputs: list[Any] | None = None
+    # LoRA: each request's adapter slot [bs] (-1: the base model; None: every request's is), and the
+    # adapters copied into slots before this forward, (slot, id or None) (`lora/lora_manager.py`).
+    lora_slots: torch.Tensor | None = None
+    lora_loads: list[tuple[int, str | None]] = field(default_factory=list)
 
     # Backends' index tensors built on the host before the batch moves (`prepare_host_metadata`), by
     # name: `to_device` moves them with the batch's own. `moved`: `ModelRunner.move_batch` ran.
@@ -282,7 +286,7 @@ class ForwardBatch:
     TENSOR_FIELDS = (
         "input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc", "mamba_pool_indices",
         "extend_seq_lens", "extend_last_loc", "mamba_track_indices", "mamba_track_mask", "mamba_track_seqlens",
-        "mamba_cow_src_indices", "mamba_cow_dst_indices", "mamba_clear_indices", "future_slots",
+        "mamba_cow_src_indices", "mamba_cow_dst_indices", "mamba_clear_indices", "future_slots", "lora_slots",
     )  # fmt: skip
 
     def to_device(self, device: str | torch.device) -> None:

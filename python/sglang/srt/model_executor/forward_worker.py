@@ -222,6 +222,21 @@ def pre_forward_ops(batch: Any, tree_cache: Any, mamba_pool: Any) -> list[Callab
     return ops
 
 
+def run_state_ops_here(batch: Any, mamba_pool: Any) -> None:
+    """Negative control of the race tests (SGLANG_TEST_COW_ON_SCHEDULER_THREAD): a `ScheduleBatch`'s
+    state copies, clears and COW copies run at once, on the calling (scheduler) thread, off the forward
+    stream."""
+    fb = batch.forward_batch
+    if batch.state_copies:
+        mamba_pool.copy_from([s for s, _ in batch.state_copies], [d for _, d in batch.state_copies])
+    if fb.mamba_clear_indices is not None:
+        mamba_pool.clear_slots(fb.mamba_clear_indices)
+    if fb.mamba_cow_src_indices is not None:
+        mamba_pool.copy_from(fb.mamba_cow_src_indices, fb.mamba_cow_dst_indices)
+    batch.state_copies = []
+    fb.mamba_clear_indices = fb.mamba_cow_src_indices = fb.mamba_cow_dst_indices = None
+
+
 class RanFuture(Future):
     """The future of a batch run on the launching thread (inline): done at launch, with how long the
     forward took, which the scheduler's watchdog reads in place of a wait that could time out."""

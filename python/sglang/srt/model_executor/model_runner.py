@@ -17,7 +17,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +34,6 @@ from sglang.srt.distributed import (
     get_tensor_model_parallel_world_size,
     get_tp_group,
 )
-from sglang.srt.environ import envs
 from sglang.srt.layers.attention.fla_float32 import use_ieee_float32_dots
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.kv_scales import resolve_kv_scales
@@ -44,14 +42,16 @@ from sglang.srt.layers.attention.mamba.mamba2_backend import Mamba2AttnBackend
 from sglang.srt.layers.attention.mamba.short_conv_backend import ShortConvAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.linear import full_shape, gather_weight, shard_weight, weight_shards
-from sglang.srt.layers.logits_processor import HiddenRows, LogitsProcessor, TopLogprobs
+from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.quantization.fp8 import FP8_DTYPE
 from sglang.srt.layers.sampler import Sampler
+from sglang.srt.lora.lora_manager import LoRAManager
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool, MHATokenToKVPool
 from sglang.srt.mem_cache.pool_sizing import PoolSizes, check_weights_fit, compute_pool_sizes
 from sglang.srt.mem_cache.weight_bytes import weight_bytes_of
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.generation_result import GenerationBatchResult, agree_on_tokens
 from sglang.srt.model_executor.loaded_weights import LoadedWeights, check_same_parameters
 from sglang.srt.model_executor.memory_occupation import MemoryOccupation
 from sglang.srt.models.registry import build_meta_model, load_model
@@ -114,45 +114,6 @@ def _rank_note() -> str:
 LINEAR_BACKENDS = {"gdn": GDNAttnBackend, "mamba2": Mamba2AttnBackend, "short_conv": ShortConvAttnBackend}
 
 
-@dataclass
-class GenerationBatchResult:
-    """Results of one forward: sampled ids and logprobs on the device, the rest host lists. Logprob conventions: see `layers/logits_processor.py`."""
-
-    next_token_ids: torch.Tensor  # [bs] int64, on the model's device
-    next_token_logprobs: torch.Tensor | None = None  # [bs] float32, on the model's device
-    next_token_top_logprobs: list[TopLogprobs | None] | None = None
-    next_token_ids_logprobs: list[TopLogprobs | None] | None = None  # upstream's token_ids_logprob
-    # Extend only, per request (empty for requests without return_logprob).
-    input_token_logprobs: list[list[float]] | None = None
-    input_top_logprobs: list[list[TopLogprobs]] | None = None
-    input_token_ids_logprobs: list[list[TopLogprobs]] | None = None
-    hidden_states: HiddenRows | None = None  # `LogitsProcessorOutput.hidden_states`
-
-
-def agree_on_tokens(ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-    """Under TP every rank samples the same token from the same logits (seeded), but a grammar's mask
-    and a custom logit processor run on each rank's own, and a rank that took another token would stop
-    the ranks in step. Where those act, or with SYNC_TOKEN_IDS_ACROSS_TP, every rank takes the smallest
-    id any rank sampled (upstream's all-reduce MIN); with SGLANG_ENABLE_STRICT_TP_TOKEN_CHECK (the tests)
-    the ranks compare their ids every step and all stop, naming the row, where they differ."""
-    tp = get_tp_group()
-    if tp.world_size == 1 or ids.numel() == 0:  # (every sample at TP 1: no environment lookups)
-        return ids
-    strict = envs.SGLANG_ENABLE_STRICT_TP_TOKEN_CHECK.get()
-    sync = envs.SYNC_TOKEN_IDS_ACROSS_TP.get() or fb.vocab_mask is not None or fb.custom_logit is not None
-    if not (sync or strict):
-        return ids
-    bounds = torch.stack([ids, -ids])  # (one all-reduce MIN gives every row's smallest and largest id)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MIN, group=tp.device_group)
-    low, high = bounds[0], -bounds[1]
-    if strict and not torch.equal(low, high):
-        row = int((low != high).nonzero()[0, 0])
-        raise RuntimeError(
-            f"The TP ranks sampled different tokens in row {row}: {int(low[row])} and {int(high[row])}."
-        )
-    return low if sync else ids
-
-
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, pool_sizes: PoolSizes | None = None):
         self.server_args = server_args
@@ -174,12 +135,14 @@ class ModelRunner:
         self.model = load_model(model_config.hf_config, model_config.path, self.dtype, self.device, meta=meta)
         # EAGLE / NEXTN: the checkpoint's MTP layer, loaded before the pools are sized from what is left.
         self.draft_model = load_draft_layers(server_args, self.model)
+        # LoRA: the target linears' adapter slots, counted with the weights (`lora/lora_manager.py`).
+        self.lora = LoRAManager.create(server_args, self.model, self.dtype, self.device)
         weight_bytes = sum(
             p.numel() * p.element_size()
             for m in (self.model, self.draft_model)
             if m is not None
             for p in m.parameters()
-        )
+        ) + (self.lora.nbytes if self.lora is not None else 0)
         loaded = time.monotonic()
         self.pool_sizes = pool_sizes or compute_pool_sizes(server_args, self.arch, weight_bytes)
         self._init_pools(model_config.context_len)
@@ -323,6 +286,8 @@ class ModelRunner:
         forward on; nothing may be in flight. CUDA graphs (the MTP layer's too) hold the old weights'
         addresses, so they are captured again."""
         self.model, self.draft_model = loaded
+        if self.lora is not None:
+            self.lora.attach(self.model)
         self._kv_scales()  # the missing-scale warning was logged at start (once per start)
         self.memory_occupation.recapture_graphs()
 
@@ -425,6 +390,8 @@ class ModelRunner:
             if fb.forward_mode.is_idle() or fb.batch_size == 0:
                 return GenerationBatchResult(next_token_ids=torch.empty(0, dtype=torch.int64))
             self.move_batch(fb)
+            if fb.lora_loads:
+                self.lora.apply_loads(fb.lora_loads)
             fb.attn_backend = self.attn_backend
             self._rewrite_req_to_token(fb)
             if self.graph_runner is not None and self.graph_runner.can_run(fb):

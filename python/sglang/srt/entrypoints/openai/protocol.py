@@ -102,6 +102,8 @@ class _SamplingFields(_Request):
     # Upstream's: CustomLogitProcessor.to_str() and its settings (--enable-custom-logit-processor).
     custom_logit_processor: str | None = None
     custom_params: dict[str, Any] | None = None
+    # Upstream's: the LoRA adapter to run with, by name (a `model` of "base:adapter" wins over it).
+    lora_path: str | None = None
 
     def passthrough_fields(self) -> dict[str, Any]:
         """The GenerateReqInput fields passed as they are: PD's bootstrap, the cache namespace,

@@ -115,6 +115,7 @@ class OpenAIServingBase:
             raise self.tokenizer_needed(request.url.path)
         req = parse_model(self.request_model, await request.body())
         obj = await self.to_generate_input(req)
+        obj.lora_path = self.adapter_of(req)
         try:
             first, gen = await start_generation(self.tm, obj, request)
         except RequestError as e:
@@ -167,6 +168,16 @@ class OpenAIServingBase:
 
     async def to_generate_input(self, req: Any) -> GenerateReqInput:
         raise NotImplementedError
+
+    def adapter_of(self, req: Any) -> str | None:
+        """The LoRA adapter a request names (upstream's rule): its `model` as "base:adapter" (or an
+        adapter's name), else its `lora_path`; None: the base model."""
+        _, adapter = self.tm.lora.split_model(req.model)
+        if adapter is None:
+            return req.lora_path
+        if req.lora_path is not None and req.lora_path != adapter:
+            logger.info("The request's model names adapter %r; its lora_path %r is ignored.", adapter, req.lora_path)
+        return adapter
 
     # ---- replies: one implementation, the route supplies its choices --------------------------------
 

@@ -39,6 +39,7 @@ class DecodeRows:
     # The rows whose finish check is measured (`constrained/measured.is_measured`): what a step's precheck reads.
     measured_rows: tuple[int, ...]
     hidden_states_mask: list[bool] | None  # `hidden_states_mask`
+    lora_slots: torch.Tensor | None  # `lora_slots`
 
     @classmethod
     def of(cls, reqs: list[Req], uniform_infos: dict | None = None) -> DecodeRows:
@@ -86,6 +87,7 @@ class DecodeRows:
             any_custom_logit=any_custom_logit,
             measured_rows=tuple(i for i, r in enumerate(reqs) if is_measured(r)),
             hidden_states_mask=hidden_states_mask(reqs),
+            lora_slots=lora_slots(reqs),
         )
 
 
@@ -115,6 +117,12 @@ class DecodeRowsCache:
 
     def clear(self) -> None:
         self._reqs, self._rows = [], None
+
+
+def lora_slots(reqs: Sequence[Req]) -> torch.Tensor | None:
+    """Each request's LoRA slot (-1: the base model), or None where every request runs the base model."""
+    slots = [r.lora_slot for r in reqs]
+    return host_int64(slots) if any(s >= 0 for s in slots) else None
 
 
 def hidden_states_mask(reqs: Sequence[Req]) -> list[bool] | None:

@@ -235,7 +235,7 @@ class SchedulerIOMixin:
             elif isinstance(obj, ContinueGenerationReqInput):
                 self.generation_pause.resume()
                 self.send_to_tokenizer(ContinueGenerationReqOutput())
-            else:
+            elif not self.process_lora_message(obj):
                 logger.warning("The scheduler ignores an unknown message %r.", type(obj).__name__)
 
     # ---- intake and aborts -----------------------------------------------------------------------
@@ -252,7 +252,7 @@ class SchedulerIOMixin:
             stream=recv.stream,
         )
         req.bootstrap = recv.bootstrap
-        req.extra_key = recv.extra_key
+        req.extra_key, req.lora_id = recv.extra_key, recv.lora_id
         req.priority = recv.priority
         if recv.warmup:
             self.tree_cache.keep_off_host(recv.extra_key)
@@ -315,7 +315,7 @@ class SchedulerIOMixin:
             return f"The input ({n} tokens) is longer than the limit of {self.max_req_input_len} tokens."
         if req.rid in self.reqs_by_rid:
             return f"A request with rid {req.rid!r} is already running."
-        return None
+        return self.lora_refusal(req)
 
     def abort_request(self, rid: str = "", abort_all: bool = False, message: str = "Aborted.") -> None:
         targets = list(self.reqs_by_rid.values()) if abort_all else [self.reqs_by_rid.get(rid)]

@@ -1,0 +1,72 @@
+"""The scheduler's LoRA parts, a part of the `Scheduler` class kept in its own file (as upstream's
+scheduler mixins): the adapter slots (`LoRASlots`, which owns the rules), the admission hooks, the
+load and unload calls."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from sglang.srt.managers.io_struct import (
+    LoadLoRAAdapterReqInput,
+    LoadLoRAAdapterReqOutput,
+    UnloadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqOutput,
+)
+from sglang.srt.managers.scheduler_components.lora_slots import LoRASlots
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.req import Req
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerLoRAMixin:
+    def init_lora(self) -> None:
+        manager = getattr(self.model_runner, "lora", None)
+        self.lora = LoRASlots(manager, self.server_args) if manager is not None else None
+
+    def _lora_batch(self, adder: PrefillAdder) -> list[Req]:
+        """The requests a new one would run beside: the running ones, the one mid-prefill, this pass's."""
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        return [*self.running, *chunked, *adder.reqs]
+
+    def lora_admits(self, req: Req, adder: PrefillAdder) -> bool:
+        return self.lora is None or self.lora.admits(req, self._lora_batch(adder))
+
+    def lora_acquire(self, req: Req, adder: PrefillAdder) -> None:
+        if self.lora is not None:
+            self.lora.acquire(req, self._lora_batch(adder))
+
+    def lora_collect(self) -> None:
+        """Free the unloaded adapters no request holds (before an admission pass)."""
+        if self.lora is not None:
+            chunked = [self.chunked_req] if self.chunked_req is not None else []
+            self.lora.collect([*self.running, *self.waiting_queue, *chunked])
+
+    def lora_seal(self, batch: ScheduleBatch) -> None:
+        """The new prefill batch carries the adapter copies into slots it needs."""
+        if self.lora is not None:
+            batch.forward_batch.lora_loads = self.lora.take_loads()
+
+    def lora_refusal(self, req: Req) -> str | None:
+        """Why a request's adapter cannot run (unloaded after the request was sent), or None."""
+        if req.lora_id is None or (self.lora is not None and self.lora.knows(req.lora_id)):
+            return None
+        return "The LoRA adapter of this request was unloaded before it could run."
+
+    def process_lora_message(self, obj: Any) -> bool:
+        """Answer a load or unload call; False where `obj` is neither."""
+        if isinstance(obj, LoadLoRAAdapterReqInput):
+            error = "LoRA is not enabled (start the server with --enable-lora)." if self.lora is None else None
+            error = error or self.lora.load(obj.lora_id, obj.lora_name, obj.lora_path, obj.pinned)
+            self.send_to_tokenizer(LoadLoRAAdapterReqOutput(error is None, error or ""))
+        elif isinstance(obj, UnloadLoRAAdapterReqInput):
+            if self.lora is not None:
+                self.lora.unload(obj.lora_id)
+            self.send_to_tokenizer(UnloadLoRAAdapterReqOutput(self.lora is not None))
+        else:
+            return False
+        return True

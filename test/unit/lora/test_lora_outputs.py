@@ -1,0 +1,99 @@
+"""LoRA adapters served by a real scheduler, against the transformers oracle run on the checkpoint with
+the adapter merged into its weights (PEFT's forward in evaluation is exactly `W x + scaling * B A x`).
+
+Each architecture's own rules are crossed: Qwen3-Next's regrouped input projections, Qwen3.5's
+projections stored as pieces of one fused module, Granite's split shared MLP and folded multipliers,
+Falcon-H1's per-row multipliers, Nemotron-H's Mamba2 projections, LFM2's renamed modules. Every batch
+mixes requests on two adapters with requests on the base model."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang.test.ci_register import register_cpu_ci
+from sglang.test.reference import ReferenceModel
+from sglang.test.scheduler_harness import SchedulerHarness, token_ids
+from sglang.tools.make_tiny_lora import make_tiny_lora, merge_lora
+
+register_cpu_ci(est_time=40, suite="per-commit-cpu")
+
+# Engine vs oracle, float32, teacher-forced: ~1e-5 on the tiny presets (as `ORACLE_TOL`); an adapter left
+# out, or applied to the wrong rows, moves the logprobs by > 0.1 (the adapters are as large as the weights).
+TOL = 1e-4
+
+
+class Adapters:
+    """Per preset: adapters `a` and `b` (different seeds and targets) and their merged oracles."""
+
+    def __init__(self, root):
+        self.root, self.made = root, {}
+
+    def get(self, preset: str, name: str, **kw):
+        key = (preset, name)
+        if key not in self.made:
+            seed = {"a": 1, "b": 2, "c": 3}[name]
+            path = make_tiny_lora(preset, self.root / f"{preset}-{name}", seed=seed, rank=4 + 4 * (name == "b"), **kw)
+            self.made[key] = (path, ReferenceModel(str(merge_lora(preset, path, self.root / f"{preset}-{name}-merged"))))
+        return self.made[key]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    return Adapters(tmp_path_factory.mktemp("lora"))
+
+
+PRESETS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-granite-4.0-h", "tiny-falcon-h1", "tiny-nemotron-h", "tiny-lfm2"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_batch_of_two_adapters_and_the_base_model_matches_each_merged_oracle(preset, adapters, oracles):
+    (a, oracle_a), (b, oracle_b) = adapters.get(preset, "a"), adapters.get(preset, "b")
+    h = SchedulerHarness(preset, lora_paths=[f"a={a}", f"b={b}"])
+    if preset == "tiny-qwen3-next":
+        h.use_graph_bodies([1, 2, 4, 8])  # the decode graphs' bodies: static slots, a mask for every batch
+    cases = [(name, token_ids(12 + 3 * i, seed=40 + i)) for i, name in enumerate(["a", None, "b", "a", None, "b"])]
+    rids = [h.submit(p, 6, lora=name) for name, p in cases]
+    h.run()
+    for (name, prompt), rid in zip(cases, rids, strict=True):
+        oracle = {"a": oracle_a, "b": oracle_b, None: oracles[preset]}[name]
+        h.check_oracle(oracle, prompt, h.outputs[rid], TOL)
+        other = oracles[preset] if name else oracle_a
+        assert h.outputs[rid].output_ids != other.greedy(prompt, 6), "the adapter changed nothing"
+    h.flush_and_check_empty()
+
+
+def test_cached_prefixes_stay_with_their_adapter(adapters, oracles):
+    """An adapter's prompt states are its own: the base model (or another adapter) never hits them."""
+    (a, oracle_a), (b, oracle_b) = adapters.get("tiny-qwen3-next", "a"), adapters.get("tiny-qwen3-next", "b")
+    h = SchedulerHarness("tiny-qwen3-next", lora_paths=[f"a={a}", f"b={b}"], mamba_scheduler_strategy="extra_buffer")
+    prompt = token_ids(160, seed=7)
+    first = h.generate(prompt, 4, lora="a")
+    for name, oracle in [(None, oracles["tiny-qwen3-next"]), ("b", oracle_b)]:
+        out = h.generate(prompt, 4, lora=name)
+        assert out.cached_tokens == 0, f"{name} hit adapter a's prefix"
+        h.check_oracle(oracle, prompt, out, TOL)
+    again = h.generate(prompt, 4, lora="a")
+    assert again.cached_tokens > 0 and again.output_ids == first.output_ids
+    h.check_oracle(oracle_a, prompt, again, TOL)
+
+
+def test_more_adapters_than_slots_wait_their_turn_under_chunked_prefill(adapters):
+    """Three adapters, two slots (the base model's requests counting as one): every request still
+    runs on its own adapter (slots freed and refilled between batches), chunked prompts included."""
+    made = {name: adapters.get("tiny-qwen3-next", name) for name in "abc"}
+    h = SchedulerHarness(
+        "tiny-qwen3-next",
+        lora_paths=[f"{n}={p}" for n, (p, _) in made.items()],
+        max_loras_per_batch=2,
+        chunked_prefill_size=64,
+    )
+    loads = []
+    apply = h.sched.model_runner.lora.apply_loads
+    h.sched.model_runner.lora.apply_loads = lambda batch_loads: (loads.extend(batch_loads), apply(batch_loads))
+    cases = [(n, token_ids(30 + 40 * (i % 3), seed=60 + i)) for i, n in enumerate("abcabc")]
+    rids = [h.submit(p, 5, lora=n) for n, p in cases]
+    h.run()
+    for (name, prompt), rid in zip(cases, rids, strict=True):
+        h.check_oracle(made[name][1], prompt, h.outputs[rid], TOL)
+    assert len([uid for _, uid in loads if uid is not None]) > 2, "three adapters in two slots: some were replaced"
+    h.flush_and_check_empty()
