@@ -208,11 +208,6 @@ def check_lora_flags(args: ServerArgs) -> None:
 
 def _check_combinations(args: ServerArgs) -> None:
     """What LoRA is not built with, refused in a sentence each."""
-    if args.speculative_algorithm is not None:
-        raise ServerArgsError(
-            f"--enable-lora with --speculative-algorithm {args.speculative_algorithm} is not supported by this server "
-            "(the draft would propose the base model's tokens); leave one out."
-        )
     if args.disaggregation_mode != "null":
         raise ServerArgsError(
             "--enable-lora with --disaggregation-mode is not supported by this server (the transferred state "

@@ -95,6 +95,9 @@ FEATURES = [
     Feature("nextn", dict(speculative_algorithm="NEXTN"), group="spec"),
     Feature("tp2", dict(tp_size=2)),
     Feature("dp2", dict(dp_size=2)),
+    # A LoRA adapter made for the case's model (`make_tiny_lora`), served from the start; every request
+    # of the case runs on it (`lora_path`).
+    Feature("lora", exact=False),
 ]
 # The other architectures' presets (group "model": each pairs with every feature above but the other
 # models). Not in the default sweep (`--models`, or name them in --features / --with).
@@ -334,6 +337,10 @@ def run_case(case: tuple[Feature, ...], log_dir: Path) -> Outcome:
     ):
         engine = None
         try:
+            if any(f.name == "lora" for f in case):
+                from sglang.tools.make_tiny_lora import make_tiny_lora
+
+                kwargs["lora_paths"] = [f"a={make_tiny_lora(model_of(case), Path(disk) / 'lora', seed=1)}"]
             engine = _with_timeout(lambda: sglang.Engine(**kwargs), START_TIMEOUT_S, _kill_children)
         except ServerArgsError as e:
             outcome.fail("REFUSED", str(e))
@@ -344,7 +351,8 @@ def run_case(case: tuple[Feature, ...], log_dir: Path) -> Outcome:
             outcome.fail("REFUSED" if refused else "BROKEN", f"start: {type(e).__name__}: {msg}")
         if engine is not None:
             try:
-                _requests(engine, outcome, "vl" in name or model_of(case) == "tiny-qwen3.5-vl")
+                client = _OnAdapter(engine, "a") if "lora_paths" in kwargs else engine
+                _requests(client, outcome, "vl" in name or model_of(case) == "tiny-qwen3.5-vl")
             finally:
                 try:
                     _with_timeout(engine.shutdown, 60, _kill_children)
@@ -359,6 +367,19 @@ def run_case(case: tuple[Feature, ...], log_dir: Path) -> Outcome:
             "BROKEN", "traceback in the log: " + " | ".join(head[-3:] if len(head) < 40 else head[:40][-3:])
         )
     return outcome
+
+
+class _OnAdapter:
+    """An engine whose every generate call names LoRA adapter `name`."""
+
+    def __init__(self, engine, name: str):
+        self.engine, self.name = engine, name
+
+    def generate(self, **kw):
+        return self.engine.generate(lora_path=self.name, **kw)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from sglang.test.reference import ReferenceModel
 from sglang.test.scheduler_harness import SchedulerHarness, token_ids
 from sglang.tools.make_tiny_lora import make_tiny_lora, merge_lora
 
-register_cpu_ci(est_time=40, suite="per-commit-cpu")
+register_cpu_ci(est_time=45, suite="per-commit-cpu")
 
 # Engine vs oracle, float32, teacher-forced: ~1e-5 on the tiny presets (as `ORACLE_TOL`); an adapter left
 # out, or applied to the wrong rows, moves the logprobs by > 0.1 (the adapters are as large as the weights).
@@ -97,3 +97,23 @@ def test_more_adapters_than_slots_wait_their_turn_under_chunked_prefill(adapters
         h.check_oracle(made[name][1], prompt, h.outputs[rid], TOL)
     assert len([uid for _, uid in loads if uid is not None]) > 2, "three adapters in two slots: some were replaced"
     h.flush_and_check_empty()
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "NEXTN"])
+def test_speculative_verifies_run_each_request_on_its_adapter(algorithm, adapters, oracles):
+    """The verify of drafts (NGRAM's from the n-gram table, NEXTN's from the base model's MTP layer:
+    adapters change the target model only) runs each request's positions on its adapter: the second
+    round's drafts are accepted (NGRAM) and every output is its oracle's."""
+    a, oracle_a = adapters.get("tiny-qwen3-next", "a")
+    spec = dict(speculative_algorithm=algorithm, speculative_num_draft_tokens=4)
+    if algorithm == "NEXTN":
+        spec.update(speculative_num_steps=3, speculative_eagle_topk=1)
+    h = SchedulerHarness("tiny-qwen3-next", lora_paths=[f"a={a}"], **spec)
+    prompt = token_ids(30, seed=5)
+    for _ in range(2):  # (the second round drafts from the first's outputs)
+        rids = [h.submit(prompt, 12, lora="a"), h.submit(prompt, 12)]
+        h.run()
+        for rid, oracle in zip(rids, [oracle_a, oracles["tiny-qwen3-next"]], strict=True):
+            h.check_oracle(oracle, prompt, h.outputs[rid], TOL)
+    stats = h.sched.spec.stats
+    assert stats["verify_steps"] > 0 and (algorithm != "NGRAM" or stats["accepted_tokens"] > 0), stats

@@ -103,7 +103,6 @@ def test_the_rank_and_targets_default_to_the_adapters_and_the_flags_are_checked(
         (["--lora-paths", f'{{"lora_name": "a", "lora_path": "{a}", "pinned": true}}', "--max-loras-per-batch", "1"],
          "pinned"),
         (["--lora-paths", f"a={a}", "--lora-backend", "ascend"], "--lora-backend ascend"),
-        (["--lora-paths", f"a={a}", "--speculative-algorithm", "NGRAM"], "--speculative-algorithm"),
         (["--lora-paths", f"a={a}", "--served-model-name", "m:1"], "':'"),
         (["--lora-paths", f"a={a}", "--max-loaded-loras", "2"], "--max-loaded-loras 2"),
     ]  # fmt: skip
