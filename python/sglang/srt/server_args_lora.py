@@ -7,7 +7,7 @@ import argparse
 import json
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,8 @@ class LoRARef:
     lora_name: str
     lora_path: str
     pinned: bool = False
+    # Its id (`lora_config.adapter_digest`): set by `check_lora_flags`, the same in every process.
+    lora_id: str = ""
 
 
 @dataclass
@@ -111,16 +113,26 @@ def parse_lora_path(entry: Any) -> LoRARef:
             raise ServerArgsError(f"--lora-paths entry {entry!r} needs lora_name and lora_path strings.")
         if not isinstance(pinned, bool):
             raise ServerArgsError(f"--lora-paths entry {entry!r}: pinned must be true or false.")
-        return LoRARef(name, path, pinned)
+        return _named(LoRARef(name, path, pinned))
     if not isinstance(entry, str) or not entry:
         raise ServerArgsError(f"--lora-paths entry {entry!r} is not NAME=PATH, PATH or a JSON object.")
     name, sep, path = entry.partition("=")
-    return LoRARef(name, path) if sep else LoRARef(entry, entry)
+    return _named(LoRARef(name, path) if sep else LoRARef(entry, entry))
+
+
+def _named(ref: LoRARef) -> LoRARef:
+    if ":" in ref.lora_name:
+        raise ServerArgsError(
+            f"--lora-paths: adapter name {ref.lora_name!r} holds ':', which OpenAI requests use between model "
+            "and adapter; name it with NAME=PATH."
+        )
+    return ref
 
 
 def adapter_facts(ref: LoRARef) -> tuple[int, set[str]]:
     """(rank, names of the modules it changes) of an adapter on disk, from its config and its weights'
-    names (the header only); ServerArgsError naming it where the folder is not an adapter."""
+    names (the header only); ServerArgsError naming it where the folder is not an adapter. (Its files'
+    digest is read by `check_lora_flags`.)"""
     from safetensors import safe_open
 
     from sglang.srt.lora.lora_config import PREFIX, WEIGHTS_FILE, LoRAAdapterError, read_adapter_config
@@ -177,6 +189,9 @@ def check_lora_flags(args: ServerArgs) -> None:
             f"runs on CUDA and the CPU; {' or '.join(LORA_BACKENDS)} is accepted."
         )
     facts = [adapter_facts(r) for r in refs]
+    from sglang.srt.lora.lora_config import adapter_digest
+
+    args.lora_refs = refs = [replace(r, lora_id=f"{r.lora_name}@{adapter_digest(r.lora_path)}") for r in refs]
     if args.max_lora_rank is None:
         if not facts:
             raise ServerArgsError("--enable-lora without --lora-paths needs --max-lora-rank (the largest rank to serve).")

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from sglang.srt.lora.lora_config import startup_uid
 from sglang.srt.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from sglang.srt.managers.request_validation import cache_namespace
 from sglang.srt.managers.scheduler import Scheduler
@@ -132,15 +131,19 @@ class SchedulerHarness:
                 top_logprobs_num=top_logprobs_num,
                 token_ids_logprob=token_ids_logprob,
                 stream=stream,
-                extra_key=extra_key if lora is None else cache_namespace(extra_key, None, startup_uid(lora)),
+                extra_key=extra_key if lora is None else cache_namespace(extra_key, None, self.lora_id(lora)),
                 return_hidden_states=return_hidden_states,
                 custom_logit_processor=custom_logit_processor,
                 warmup=warmup,
-                lora_id=None if lora is None else startup_uid(lora),
+                lora_id=None if lora is None else self.lora_id(lora),
             )
         )
         self.outputs[rid] = Output(rid)
         return rid
+
+    def lora_id(self, name: str) -> str:
+        """The id of adapter `name` of --lora-paths."""
+        return next(r.lora_id for r in self.server_args.lora_refs if r.lora_name == name)
 
     def run(self) -> None:
         self.sched.run_until_idle()

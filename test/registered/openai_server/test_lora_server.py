@@ -68,6 +68,8 @@ class TestLoRAServer(ServerTestCase):
         self.assertIn("'nope' is not loaded", body["error"]["message"])
         r = self.post("/v1/completions", {"prompt": "x", "model": f"{self.model}:nope", "max_tokens": 2})
         self.assertEqual(r.status_code, 400, r.text)
+        r = self.post("/v1/completions", {"prompt": "x", "model": f"{self.model}:", "max_tokens": 2})
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "model"), r.text)
 
     def test_adapters_load_and_unload_while_serving(self):
         path = str(self.adapters["b"])

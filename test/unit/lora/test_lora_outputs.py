@@ -117,3 +117,77 @@ def test_speculative_verifies_run_each_request_on_its_adapter(algorithm, adapter
             h.check_oracle(oracle, prompt, h.outputs[rid], TOL)
     stats = h.sched.spec.stats
     assert stats["verify_steps"] > 0 and (algorithm != "NGRAM" or stats["accepted_tokens"] > 0), stats
+
+
+def test_a_request_whose_adapter_does_not_fit_is_not_passed_and_priority_never_preempts_for_it(adapters):
+    """--max-loras-per-batch 2 with the base model and adapter a running: a request on b waits, and
+    nobody behind it passes it (a steady stream of base and a requests starved it when later requests
+    went first); with priority scheduling, a preferred request on b preempts nobody (room made for it
+    would not admit it: it preempted and re-admitted the same request step after step)."""
+    (a, _), (b, oracle_b) = adapters.get("tiny-qwen3-next", "a"), adapters.get("tiny-qwen3-next", "b")
+    for priority in (False, True):
+        h = SchedulerHarness("tiny-qwen3-next", lora_paths=[f"a={a}", f"b={b}"], max_loras_per_batch=2,
+                             max_running_requests=3 if priority else 32, enable_priority_scheduling=priority)  # fmt: skip
+        s = h.sched
+        for i, name in enumerate([None, "a", "a"]):
+            h.submit(token_ids(20, seed=i), 30, lora=name)
+        for _ in range(4):
+            s.step()
+        prompt = token_ids(20, seed=9)
+        y = h.submit(prompt, 5, lora="b")
+        s.reqs_by_rid[y].priority = 100
+        later = []
+        for step in range(300):
+            if step % 5 == 0 and step < 150:
+                later += [h.submit(token_ids(20, seed=100 + step), 10, lora=name) for name in (None, "a")]
+            s.step()
+            h.collect()
+            if h.outputs[y].finished_reason is not None:
+                break
+        out = h.outputs[y]
+        assert out.finished_reason is not None, f"the request on b never ran (priority={priority})"
+        h.check_oracle(oracle_b, prompt, out, TOL)
+        assert not any(h.outputs[r].output_ids for r in later[4:]), "later requests passed it"
+        assert s.counters["num_preemptions_total"] == 0
+        h.run()
+
+
+def test_an_unloaded_adapter_stays_for_its_requests_then_frees_its_place_at_once(adapters):
+    """Unloading: a request sent before (here still compiling its grammar) finishes on the adapter,
+    not on the base model; once none holds it the adapter's place is free at once (a load under
+    --max-loaded-loras 2 was refused until some other request came)."""
+    import json
+    from concurrent.futures import Future
+
+    from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput
+
+    (a, _), (b, _), (c, _) = (adapters.get("tiny-qwen3-next", n) for n in "abc")
+    h = SchedulerHarness("tiny-qwen3-next", lora_paths=[f"a={a}"], max_loaded_loras=2, max_loras_per_batch=2,
+                         max_lora_rank=8)  # fmt: skip
+    schema = json.dumps({"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]})
+    prompt = token_ids(20, seed=11)
+    # (Grammar masks renormalize the logprobs: the reference is the same request before the unload.)
+    want, base = (h.generate(prompt, 8, lora=name, json_schema=schema) for name in ("a", None))
+    assert want.output_ids != base.output_ids
+    backend, held = h.sched.grammar_queue.backend, []
+    submit = backend.submit
+    backend.submit = lambda *key: held.append((f := Future(), submit(*key))) or f  # the compile held
+    rid = h.submit(prompt, 8, lora="a", json_schema=schema)
+    h.sched.step()
+    a_id = h.lora_id("a")
+    assert h.control_reply(UnloadLoRAAdapterReqInput("a", a_id)).success
+    h.submit(token_ids(10, seed=12), 1)  # (an admission pass)
+    for _ in range(3):
+        h.sched.step()
+    assert h.sched.lora.knows(a_id)  # its request still compiles its grammar
+    for future, result in held:
+        future.set_result(result.result())
+    backend.submit = submit
+    h.run()
+    got = h.outputs[rid]
+    assert got.output_ids == want.output_ids and max(abs(x - y) for x, y in zip(got.logprobs, want.logprobs, strict=True)) < TOL
+    assert not h.sched.lora.knows(a_id) and a_id not in h.sched.model_runner.lora.adapters
+    assert h.control_reply(LoadLoRAAdapterReqInput("b", str(b), lora_id="b:1")).success
+    assert h.control_reply(UnloadLoRAAdapterReqInput("b", "b:1")).success
+    assert not h.sched.lora.knows("b:1")  # freed at the unload: nothing held it
+    assert h.control_reply(LoadLoRAAdapterReqInput("c", str(c), lora_id="c:1")).success

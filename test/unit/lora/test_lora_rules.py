@@ -86,13 +86,16 @@ def test_lora_paths_take_upstreams_three_forms():
     assert parse_lora_path('{"lora_name": "a", "lora_path": "/p", "pinned": true}') == LoRARef("a", "/p", True)
     with pytest.raises(ServerArgsError, match="lora_name and lora_path"):
         parse_lora_path('{"lora_name": "a"}')
+    with pytest.raises(ServerArgsError, match="holds ':'"):  # (an OpenAI model of "base:adapter" splits there)
+        parse_lora_path("x:y=/p")
 
 
 def test_the_rank_and_targets_default_to_the_adapters_and_the_flags_are_checked(tmp_path):
     a = _adapter(tmp_path / "a", rank=4)
     args = prepare_server_args(["--model-path", "tiny-qwen3-next", "--lora-paths", f"a={a}"])
     assert args.enable_lora and args.max_lora_rank == 4 and args.lora_target_modules == ["q_proj"]
-    assert args.lora_refs == [LoRARef("a", str(a))]
+    (ref,) = args.lora_refs
+    assert (ref.lora_name, ref.lora_path, ref.pinned) == ("a", str(a), False) and ref.lora_id.startswith("a@")
     base = ["--model-path", "tiny-qwen3-next"]
     refusals = [
         (["--enable-lora"], "--max-lora-rank"),
@@ -129,6 +132,20 @@ class _Manager:
 
     def unload(self, uid):
         self.unloaded.append(uid)
+
+
+def test_an_adapters_id_follows_its_files_so_a_restart_on_other_files_shares_no_cached_prefix(tmp_path):
+    """--lora-paths' ids: the same files give the same id in every process and start (the disk tier's
+    cached prefixes are found again); other files under the same name another (before, a restart on
+    other weights under the same name served the old adapter's cached states)."""
+    def ids():
+        return prepare_server_args(["--model-path", "tiny-qwen3-next", "--lora-paths", f"x={tmp_path / 'x'}"]).lora_refs[0].lora_id
+
+    _adapter(tmp_path / "x")
+    first = ids()
+    assert ids() == first
+    _adapter(tmp_path / "x")  # (new random weights, the same name and folder)
+    assert ids() != first
 
 
 def _slots(n=2, policy="lru", max_loaded=None, refs=()):
@@ -171,7 +188,7 @@ def test_a_full_slot_table_frees_the_slot_the_policy_names_never_one_in_use(poli
 
 
 def test_pinned_adapters_keep_their_slot_and_unloads_wait_for_their_requests():
-    slots = _slots(2, refs=[SimpleNamespace(lora_name="p", lora_path="/p", pinned=True)])
+    slots = _slots(2, refs=[LoRARef("p", "/p", True, lora_id="start:p")])
     assert slots.pinned == {"start:p"}
     assert "pinned" in slots.load("q", "q", "/q", pinned=True)  # one slot stays for the others
     slots.load("x", "x", "/x")
@@ -202,7 +219,7 @@ def test_loads_beyond_max_loaded_loras_and_unreadable_adapters_are_refused_in_a_
 
 
 def test_names_resolve_to_ids_and_each_adapter_has_its_own_cache_namespace():
-    args = SimpleNamespace(enable_lora=True, served_model_name="m", lora_refs=[LoRARef("a", "/a")])
+    args = SimpleNamespace(enable_lora=True, served_model_name="m", lora_refs=[LoRARef("a", "/a", lora_id="start:a")])
     reg = LoRARegistry(args)
     assert reg.resolve("a") == "start:a" and reg.resolve(None) is None
     with pytest.raises(RequestError, match="'b' is not loaded") as e:
@@ -228,3 +245,32 @@ def test_load_bodies_are_checked_by_field():
         with pytest.raises(RequestError) as e:
             parse_load_lora_adapter(body)
         assert e.value.param == field
+
+
+def test_a_load_that_fails_is_unloaded_again_everywhere():
+    """With --dp-size 2 a load may succeed on one replica and fail on the other (the replies merge to the
+    failure): the tokenizer then unloads the new id, so no replica keeps an adapter nobody can name."""
+    import asyncio
+
+    from sglang.srt.managers.io_struct import LoadLoRAAdapterReqOutput, UnloadLoRAAdapterReqOutput
+    from sglang.srt.managers.tokenizer_communicator_mixin import TokenizerCommunicatorMixin
+
+    class Tokenizer(TokenizerCommunicatorMixin):
+        def __init__(self, load_ok: bool):
+            self.lora = LoRARegistry(SimpleNamespace(enable_lora=True, served_model_name="m", lora_refs=[]))
+            self.sent, self.load_ok = [], load_ok
+
+        async def _control(self, obj, reply_type, timeout):
+            self.sent.append(obj)
+            if reply_type is LoadLoRAAdapterReqOutput:
+                return reply_type(self.load_ok, "" if self.load_ok else "on replica 1: no such folder")
+            return UnloadLoRAAdapterReqOutput(True)
+
+    for load_ok in (False, True):
+        tm = Tokenizer(load_ok)
+        ok, message, loaded = asyncio.run(tm.load_lora_adapter(parse_load_lora_adapter({"lora_name": "c", "lora_path": "/c"})))
+        assert ok == load_ok and loaded == ({"c": "/c"} if load_ok else {})
+        kinds = [type(m).__name__ for m in tm.sent]
+        assert kinds == (["LoadLoRAAdapterReqInput"] if load_ok else ["LoadLoRAAdapterReqInput", "UnloadLoRAAdapterReqInput"])
+        if not load_ok:
+            assert tm.sent[1].lora_id == tm.sent[0].lora_id and "no such folder" in message

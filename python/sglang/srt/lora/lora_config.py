@@ -27,9 +27,19 @@ PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 
-def startup_uid(name: str) -> str:
-    """The id of an adapter of --lora-paths (the tokenizer and every rank name it alike)."""
-    return f"start:{name}"
+def adapter_digest(path: str) -> str:
+    """A digest of the adapter's files (its config and weights): the id of an adapter of --lora-paths is
+    its name and this, so that prefixes cached under it (on disk too: --hicache-storage-backend file)
+    are never another adapter's, after a restart with other files under the same name."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        with open(Path(path) / name, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        h.update(b"\x00")
+    return h.hexdigest()
 
 
 class LoRAAdapterError(ValueError):

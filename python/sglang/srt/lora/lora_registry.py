@@ -13,7 +13,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sglang.srt.lora.lora_config import startup_uid
 from sglang.srt.managers.request_error import RequestError
 
 # Upstream's words for a request that names an adapter while LoRA is off.
@@ -32,7 +31,7 @@ class LoRARegistry:
         self.enabled = bool(server_args.enable_lora)
         self.served_model_name = server_args.served_model_name
         self.adapters: dict[str, LoadedAdapter] = {
-            ref.lora_name: LoadedAdapter(startup_uid(ref.lora_name), ref.lora_path, ref.pinned)
+            ref.lora_name: LoadedAdapter(ref.lora_id, ref.lora_path, ref.pinned)
             for ref in server_args.lora_refs
         }
 

@@ -201,10 +201,10 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         return self.get_new_batch_prefill() or self.get_new_batch_decode()
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        self.lora_collect()
         if not self.waiting_queue and self.chunked_req is None:
             return None
         self._preempt_for_priority()
-        self.lora_collect()
         num_running = len(self.running) + (self.chunked_req is not None)
         if self.chunked_req is None and (
             num_running >= self.max_running_requests or not self.req_to_token_pool.available_size()
@@ -277,10 +277,10 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         admitted: list[Req] = []
         with pool.mamba_allocator.alloc_group(cap):
             for req in self.policy.calc_priority(self.waiting_queue):
-                if req.num_inflight > 0 or not self.lora_admits(req, adder):
-                    continue  # retracted while a batch with it is in flight, or its adapter does not fit
-                if not adder.add_one_req(req):
-                    break
+                if req.num_inflight > 0:
+                    continue  # retracted while a batch with it is in flight: wait for its result
+                if not self.lora_admits(req, adder) or not adder.add_one_req(req):
+                    break  # (its adapter does not fit: it waits, and nobody behind it passes it, as upstream)
                 self.lora_acquire(req, adder)
                 admitted.append(req)
         if self.waiting_queue[: len(admitted)] == admitted:

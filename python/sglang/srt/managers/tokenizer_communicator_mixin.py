@@ -119,10 +119,13 @@ class TokenizerCommunicatorMixin:
         out = await self._control(obj, LoadLoRAAdapterReqOutput, None)  # (a large adapter reads a while)
         if out.success and obj.lora_name not in registry.adapters:
             registry.add(obj.lora_name, obj.lora_id, obj.lora_path, obj.pinned)
-        elif out.success:  # (the same name loaded meanwhile by another call: this copy is not served)
-            await self._control(UnloadLoRAAdapterReqInput(obj.lora_name, obj.lora_id), UnloadLoRAAdapterReqOutput, None)
+            return True, "", registry.loaded()
+        # Not served: a failure (with --dp-size, the replicas that did load it free it again), or the same
+        # name loaded meanwhile by another call.
+        await self._control(UnloadLoRAAdapterReqInput(obj.lora_name, obj.lora_id), UnloadLoRAAdapterReqOutput, None)
+        if out.success:
             return False, f"LoRA adapter {obj.lora_name!r} is already loaded; unload it first.", registry.loaded()
-        return out.success, out.error_message, registry.loaded()
+        return False, out.error_message, registry.loaded()
 
     async def unload_lora_adapter(
         self, obj: UnloadLoRAAdapterReqInput, request: DisconnectCheck | None = None

@@ -173,6 +173,8 @@ class OpenAIServingBase:
         """The LoRA adapter a request names (upstream's rule): its `model` as "base:adapter" (or an
         adapter's name), else its `lora_path`; None: the base model."""
         _, adapter = self.tm.lora.split_model(req.model)
+        if adapter == "":
+            raise RequestError(f"model {req.model!r} names no adapter after ':'.", "model")
         if adapter is None:
             return req.lora_path
         if req.lora_path is not None and req.lora_path != adapter:

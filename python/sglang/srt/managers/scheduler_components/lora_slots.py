@@ -20,7 +20,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from sglang.srt.lora.lora_config import LoRAAdapterError, startup_uid
+from sglang.srt.lora.lora_config import LoRAAdapterError
 
 if TYPE_CHECKING:
     from sglang.srt.lora.lora_manager import LoRAManager
@@ -45,7 +45,7 @@ class LoRASlots:
         self.loaded_at: dict[int, int] = {}  # slot -> clock of its adapter's copy
         self.pending: list[tuple[int, str | None]] = []
         for ref in args.lora_refs:
-            error = self.load(startup_uid(ref.lora_name), ref.lora_name, ref.lora_path, ref.pinned)
+            error = self.load(ref.lora_id, ref.lora_name, ref.lora_path, ref.pinned)
             if error is not None:
                 raise ValueError(error)
 

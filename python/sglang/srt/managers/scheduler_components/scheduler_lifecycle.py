@@ -55,6 +55,8 @@ class SchedulerLifecycleMixin:
         best, victims = preemption_victims(self.priority, self.waiting_queue, self.running, self._lacks_room)
         if best is None or self._kv_shortfall(best) > sum(len(v.kv_indices) for v in victims):
             return
+        if not self.lora_fits_running(best):
+            return  # its LoRA adapter would not fit the batch: room made for it would not admit it
         for victim in victims:
             if not self._lacks_room(best):
                 break

@@ -40,11 +40,19 @@ class SchedulerLoRAMixin:
         if self.lora is not None:
             self.lora.acquire(req, self._lora_batch(adder))
 
+    def lora_fits_running(self, req: Req) -> bool:
+        """Whether `req`'s adapter may join the running requests (priority preemption makes room for a
+        request, never adapter slots: one whose adapter does not fit waits, preempting nobody)."""
+        if self.lora is None:
+            return True
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        return self.lora.admits(req, [*self.running, *chunked])
+
     def lora_collect(self) -> None:
-        """Free the unloaded adapters no request holds (before an admission pass)."""
-        if self.lora is not None:
-            chunked = [self.chunked_req] if self.chunked_req is not None else []
-            self.lora.collect([*self.running, *self.waiting_queue, *chunked])
+        """Free the unloaded adapters no request holds: every request the scheduler knows (its grammar
+        compiling too) and the finished ones whose release waits for a batch in flight."""
+        if self.lora is not None and self.lora.unloading:  # (every step: nothing to do but this check)
+            self.lora.collect(self.live_requests())
 
     def lora_seal(self, batch: ScheduleBatch) -> None:
         """The new prefill batch carries the adapter copies into slots it needs."""
@@ -60,12 +68,14 @@ class SchedulerLoRAMixin:
     def process_lora_message(self, obj: Any) -> bool:
         """Answer a load or unload call; False where `obj` is neither."""
         if isinstance(obj, LoadLoRAAdapterReqInput):
+            self.lora_collect()  # (an unloaded adapter no request holds gives back its place first)
             error = "LoRA is not enabled (start the server with --enable-lora)." if self.lora is None else None
             error = error or self.lora.load(obj.lora_id, obj.lora_name, obj.lora_path, obj.pinned)
             self.send_to_tokenizer(LoadLoRAAdapterReqOutput(error is None, error or ""))
         elif isinstance(obj, UnloadLoRAAdapterReqInput):
             if self.lora is not None:
                 self.lora.unload(obj.lora_id)
+                self.lora_collect()  # (freed now where no request holds it)
             self.send_to_tokenizer(UnloadLoRAAdapterReqOutput(self.lora is not None))
         else:
             return False
