@@ -4,7 +4,8 @@
 Some per-commit files run a case per path and leave out the cases that repeat a path on another preset
 (`ci_register.per_commit_cases`, or a skip naming this file): here they run whole, in a subprocess with
 SGLANG_TEST_FULL_MATRIX=1 (Nemotron-H's PD pair through the protocol tests, its NGRAM verifies in the
-graph's shape and through the CUDA kernels interpreted; Falcon-H1's CUDA-default kernels)."""
+graph's shape and through the CUDA kernels interpreted; Falcon-H1's CUDA-default kernels; the demo model's
+training run twice, bit for bit)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ FILES = [
     "registered/disaggregation/test_pd_router.py",
     "unit/scheduler/test_speculative_ngram.py",
     "unit/scheduler/test_cuda_path_on_cpu.py",
+    "registered/models_e2e/test_demo_model.py",
 ]
 
 

@@ -14,7 +14,7 @@ import torch
 
 import sglang
 from sglang.srt.configs.presets import resolve_model_path
-from sglang.test.ci_register import register_cpu_ci
+from sglang.test.ci_register import full_matrix, register_cpu_ci
 from sglang.test.test_utils import looks_like_python
 from sglang.tools.train_tiny_model import corpus_files, held_out_loss, read, token_stream
 
@@ -98,8 +98,8 @@ def test_the_chat_template_is_chatml(demo_path):
 
 
 def test_the_training_command_is_deterministic_and_its_checkpoint_serves(tmp_path):
-    """The script itself, cut short (20 files, 3 steps), twice: bit-identical files, a training report,
-    and a folder the server loads."""
+    """The script itself, cut short (20 files, 3 steps): a training report and a folder the server loads;
+    run twice, bit-identical files (the second run in the nightly full matrix: ~10 s per commit)."""
     import hashlib
     import subprocess
     import sys
@@ -117,7 +117,9 @@ def test_the_training_command_is_deterministic_and_its_checkpoint_serves(tmp_pat
         }
 
     first, second = tmp_path / "a", tmp_path / "b"
-    assert run(first) == run(second)
+    files = run(first)
+    if full_matrix():
+        assert run(second) == files
     report = json.loads((first / "training.json").read_text())
     assert report["steps"] == 3 and report["train_files"] == 20 and report["held_out_loss"] > 0
     assert report["mtp"]["steps"] == 2 and report["mtp"]["held_out_loss_next_next_token"] > 0

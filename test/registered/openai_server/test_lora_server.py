@@ -65,7 +65,7 @@ class TestLoRAServer(ServerTestCase):
     def test_an_unknown_adapter_is_a_400_naming_the_field(self):
         body = self.generate("nope", status=400)
         self.assertEqual(body["error"]["param"], "lora_path")
-        self.assertIn("'nope' is not loaded", body["error"]["message"])
+        self.assertIn("lora_path names LoRA adapter 'nope', which is not loaded", body["error"]["message"])
         r = self.post("/v1/completions", {"prompt": "x", "model": f"{self.model}:nope", "max_tokens": 2})
         self.assertEqual(r.status_code, 400, r.text)
         r = self.post("/v1/completions", {"prompt": "x", "model": f"{self.model}:", "max_tokens": 2})

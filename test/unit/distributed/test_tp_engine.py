@@ -118,5 +118,5 @@ def test_lora_adapters_on_two_ranks_match_their_merged_oracles(engine, adapters,
     for ids, out, oracle in zip(prompts, outs, [adapters["a"][1], oracles[MODEL], adapters["b"][1]], strict=True):
         _check_against_oracle(oracle, ids, out)
     assert engine.unload_lora_adapter("b")["loaded_adapters"] == {"a": adapters["a"][0]}
-    with pytest.raises(ValueError, match="'b' is not loaded"):
+    with pytest.raises(ValueError, match="'b', which is not loaded"):
         engine.generate(input_ids=prompts[0], sampling_params=params, lora_path="b")

@@ -191,3 +191,25 @@ def test_an_unloaded_adapter_stays_for_its_requests_then_frees_its_place_at_once
     assert h.control_reply(UnloadLoRAAdapterReqInput("b", "b:1")).success
     assert not h.sched.lora.knows("b:1")  # freed at the unload: nothing held it
     assert h.control_reply(LoadLoRAAdapterReqInput("c", str(c), lora_id="c:1")).success
+
+
+def test_all_target_modules_and_an_adapter_loaded_while_serving(adapters):
+    """--enable-lora without --lora-paths (--max-lora-rank and --lora-target-modules all): every linear
+    takes slots, and an adapter loaded by a control call serves its merged oracle's tokens (its pieces of
+    the fused Gated DeltaNet projections included)."""
+    from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput, TokenizedGenerateReqInput
+    from sglang.srt.managers.request_validation import cache_namespace
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    a, oracle_a = adapters.get("tiny-qwen3.5", "a")
+    h = SchedulerHarness("tiny-qwen3.5", enable_lora=True, max_lora_rank=8, lora_target_modules=["all"])
+    assert "model.layers.0.linear_attn.in_proj_qkvz" in h.sched.model_runner.lora.modules
+    assert h.control_reply(LoadLoRAAdapterReqInput("a", str(a), lora_id="a:1")).success
+    prompt = token_ids(25, seed=21)
+    params = SamplingParams.from_dict(dict(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    h.sched.add_request(TokenizedGenerateReqInput(
+        rid="on-a", input_text=None, input_ids=prompt, sampling_params=params, return_logprob=True,
+        lora_id="a:1", extra_key=cache_namespace(None, None, "a:1"),
+    ))  # fmt: skip
+    h.run()
+    h.check_oracle(oracle_a, prompt, h.outputs["on-a"], TOL)

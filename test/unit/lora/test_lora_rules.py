@@ -222,7 +222,7 @@ def test_names_resolve_to_ids_and_each_adapter_has_its_own_cache_namespace():
     args = SimpleNamespace(enable_lora=True, served_model_name="m", lora_refs=[LoRARef("a", "/a", lora_id="start:a")])
     reg = LoRARegistry(args)
     assert reg.resolve("a") == "start:a" and reg.resolve(None) is None
-    with pytest.raises(RequestError, match="'b' is not loaded") as e:
+    with pytest.raises(RequestError, match="'b', which is not loaded") as e:
         reg.resolve("b")
     assert e.value.param == "lora_path"
     assert reg.split_model("m:a") == ("m", "a") and reg.split_model("a") == (None, "a")

@@ -15,8 +15,8 @@ from typing import Any
 
 from sglang.srt.managers.request_error import RequestError
 
-# Upstream's words for a request that names an adapter while LoRA is off.
-NOT_ENABLED = "LoRA adapter {name!r} was requested, but LoRA is not enabled (start the server with --enable-lora)."
+# Upstream's words for a request that names an adapter while LoRA is off (after the field's name).
+NOT_ENABLED = "{field} names LoRA adapter {name!r}, but LoRA is not enabled (start the server with --enable-lora)."
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,11 @@ class LoRARegistry:
         if not isinstance(name, str):
             raise RequestError(f"{field} must be an adapter's name (a string) or null.", field, "invalid_type")
         if not self.enabled:
-            raise RequestError(NOT_ENABLED.format(name=name), field)
+            raise RequestError(NOT_ENABLED.format(field=field, name=name), field)
         adapter = self.adapters.get(name)
         if adapter is None:
             loaded = ", ".join(sorted(self.adapters)) or "none"
-            raise RequestError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded}).", field, "model_not_found")
+            raise RequestError(f"{field} names LoRA adapter {name!r}, which is not loaded (loaded: {loaded}).", field, "model_not_found")
         return adapter.lora_id
 
     def split_model(self, model: Any) -> tuple[str | None, str | None]:

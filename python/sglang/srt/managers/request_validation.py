@@ -430,7 +430,7 @@ def resolve_lora(name: Any, limits: RequestLimits) -> str | None:
     if name is None or name == "":
         return None
     if limits.lora is None:
-        raise RequestError(f"LoRA adapter {name!r} was requested, but LoRA is not enabled.", "lora_path")
+        raise RequestError(f"lora_path names LoRA adapter {name!r}, but LoRA is not enabled.", "lora_path")
     return limits.lora.resolve(name)
 
 
