@@ -274,3 +274,38 @@ def test_a_load_that_fails_is_unloaded_again_everywhere():
         assert kinds == (["LoadLoRAAdapterReqInput"] if load_ok else ["LoadLoRAAdapterReqInput", "UnloadLoRAAdapterReqInput"])
         if not load_ok:
             assert tm.sent[1].lora_id == tm.sent[0].lora_id and "no such folder" in message
+
+
+def test_a_malformed_adapter_is_refused_and_the_tp_ranks_agree_on_a_load():
+    """A file that breaks the load in any way (here a shape that fits no row block) is a refused load,
+    never an exception out of the scheduler; under TP a load one rank failed is dropped by the ranks that
+    did it, so their adapter tables stay the same (they decide the batches alike)."""
+    from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput
+    from sglang.srt.managers.scheduler_components.scheduler_lora_mixin import SchedulerLoRAMixin
+
+    class Broken(_Manager):
+        def load(self, uid, name, path):
+            raise RuntimeError("shape mismatch")
+
+    slots = _slots()
+    slots.manager = Broken()
+    assert "RuntimeError: shape mismatch" in slots.load("x", "x", "/x")
+
+    class Rank(SchedulerLoRAMixin):
+        def __init__(self, other_rank_error):
+            self.lora, self.sent = _slots(), []
+            self.tp = SimpleNamespace(agree_outcome=lambda e, then: e or other_rank_error)
+            self.running, self.chunked_req = [], None
+
+        def live_requests(self):
+            return []
+
+        def send_to_tokenizer(self, obj):
+            self.sent.append(obj)
+
+    for other in (None, "no such folder (on TP rank 1; the adapter is loaded on no rank)"):
+        rank = Rank(other)
+        rank.process_lora_message(LoadLoRAAdapterReqInput("a", "/a", lora_id="a:1"))
+        (reply,) = rank.sent
+        assert reply.success == (other is None) and rank.lora.knows("a:1") == (other is None)
+        assert rank.lora.manager.unloaded == ([] if other is None else ["a:1"])

@@ -64,10 +64,19 @@ class LoRASlots:
             self.manager.load(uid, name, path)
         except (LoRAAdapterError, OSError) as e:
             return str(e)
+        except Exception as e:  # noqa: BLE001 - a malformed file (safetensors, shapes): refused, never a crash
+            logger.exception("LoRA adapter %r could not be loaded from %s.", name, path)
+            return f"LoRA adapter {name!r} could not be loaded from {path}: {type(e).__name__}: {e}"
         self.names[uid] = name
         if pinned:
             self.pinned.add(uid)
         return None
+
+    def forget(self, uid: str) -> None:
+        """Drop `uid` at once (a load the other TP ranks failed: no request has it yet)."""
+        self.names.pop(uid, None)
+        self.pinned.discard(uid)
+        self.manager.unload(uid)
 
     def unload(self, uid: str) -> None:
         """Refuse `uid` from now on; freed once its last request is gone (`collect`)."""

@@ -71,6 +71,11 @@ class SchedulerLoRAMixin:
             self.lora_collect()  # (an unloaded adapter no request holds gives back its place first)
             error = "LoRA is not enabled (start the server with --enable-lora)." if self.lora is None else None
             error = error or self.lora.load(obj.lora_id, obj.lora_name, obj.lora_path, obj.pinned)
+            if self.tp is not None and self.lora is not None:  # (every rank runs this message: they agree)
+                agreed = self.tp.agree_outcome(error, "the adapter is loaded on no rank")
+                if agreed is not None and error is None:
+                    self.lora.forget(obj.lora_id)
+                error = agreed
             self.send_to_tokenizer(LoadLoRAAdapterReqOutput(error is None, error or ""))
         elif isinstance(obj, UnloadLoRAAdapterReqInput):
             if self.lora is not None:
