@@ -25,7 +25,7 @@ from torch import nn
 from sglang.srt.layers.linear import full_shape, shard_tensor
 from sglang.srt.lora.lora_config import LoRAAdapter, LoRAAdapterError, read_adapter
 from sglang.srt.lora.lora_layers import LoRABatch, LoRAModule
-from sglang.srt.models.causal_lm import _fold
+from sglang.srt.models.causal_lm import fold_scale
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -208,7 +208,7 @@ class LoRAManager:
             lora = self.modules[path]
             scale = model.folded_scale(target)
             if scale is not None:
-                piece = _fold(piece, scale)
+                piece = fold_scale(piece, scale)
             weight = model.get_parameter(f"{path}.weight")
             if rows is None:
                 if tuple(piece.shape) != full_shape(weight):

@@ -110,7 +110,7 @@ class HybridCausalLM(nn.Module):
             for target, piece in self.checkpoint_tensors(name, tensor):
                 scale = self.folded_scale(target)
                 if scale is not None:
-                    piece = _fold(piece, scale)
+                    piece = fold_scale(piece, scale)
                 rows = self.checkpoint_rows(target)
                 if rows is None:
                     loader.load(target, piece)
@@ -152,7 +152,7 @@ class HybridCausalLM(nn.Module):
         return tensor
 
 
-def _fold(tensor: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+def fold_scale(tensor: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """`tensor * scale` in float32 (the copy into the parameter rounds once, to its dtype)."""
     if isinstance(scale, torch.Tensor):
         scale = scale.to(tensor.device, torch.float32).view(-1, *([1] * (tensor.ndim - 1)))

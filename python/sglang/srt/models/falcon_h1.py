@@ -128,7 +128,7 @@ def _folded_scales(config: Any, arch: FalconH1ArchConfig) -> dict[str, float | t
     intermediate, gs = c.mamba_n_heads * arch.mamba_head_dim, c.mamba_n_groups * c.mamba_d_state
     sections = [intermediate, intermediate, gs, gs, c.mamba_n_heads]  # [gate | x | B | C | dt]
     mup = [float(s) for s in (c.ssm_multipliers or [1.0] * 5)]
-    # Built on the host (the model is built under the meta device); `_fold` moves it to each tensor.
+    # Built on the host (the model is built under the meta device); `fold_scale` moves it to each tensor.
     rows = torch.cat([torch.full((n,), s, device="cpu") for n, s in zip(sections, mup, strict=True)])
     gate, down = (float(s) for s in (c.mlp_multipliers or (1.0, 1.0)))
     attn_in, key, attn_out = (
