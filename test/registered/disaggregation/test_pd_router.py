@@ -127,6 +127,9 @@ PROTOCOL_TESTS = {
     "test_malformed_messages_to_the_bootstrap_port_are_answered_or_dropped",
     "test_a_client_named_prefill_server_is_refused_and_a_silent_one_holds_nothing",
     "test_server_info_does_not_publish_the_transfer_session",
+    # (and two of the prefill server's: its cache hit, sixteen at once; Nemotron-H's pair keeps its
+    # transfers, their failures and the decode radix cache per commit)
+    "test_a_repeated_prompt_hits_the_prefill_cache_and_still_matches", "test_sixteen_concurrent_requests",
 }  # fmt: skip
 
 
