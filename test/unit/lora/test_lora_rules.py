@@ -157,16 +157,21 @@ def _req(uid):
     return SimpleNamespace(lora_id=uid, lora_slot=-1)
 
 
+def _used(*reqs):
+    """The adapter ids a batch of `reqs` runs (what the scheduler passes)."""
+    return {r.lora_id for r in reqs}
+
+
 def test_a_batch_runs_at_most_max_loras_per_batch_the_base_model_counting_as_one():
     slots = _slots(2)
     for uid in "abc":
         assert slots.load(uid, uid, "/p") is None
     base, a, b = _req(None), _req("a"), _req("b")
-    assert slots.admits(a, [base]) and not slots.admits(b, [base, a])
-    assert slots.admits(_req("a"), [base, a])  # the same adapter again costs nothing
-    slots.acquire(a, [base])
+    assert slots.admits(a, _used(base)) and not slots.admits(b, _used(base, a))
+    assert slots.admits(_req("a"), _used(base, a))  # the same adapter again costs nothing
+    slots.acquire(a, _used(base))
     assert a.lora_slot == 0 and slots.take_loads() == [(0, "a")] and slots.take_loads() == []
-    slots.acquire(b, [a])  # (a batch of a and b, no base request)
+    slots.acquire(b, _used(a))  # (a batch of a and b, no base request)
     assert b.lora_slot == 1 and slots.take_loads() == [(1, "b")]
 
 
@@ -176,13 +181,13 @@ def test_a_full_slot_table_frees_the_slot_the_policy_names_never_one_in_use(poli
     for uid in "abc":
         slots.load(uid, uid, "/p")
     a, b = _req("a"), _req("b")
-    slots.acquire(a, [])
-    slots.acquire(b, [])
-    slots.acquire(_req("a"), [])  # a used again: b is the least recently used, a the first loaded
+    slots.acquire(a, _used())
+    slots.acquire(b, _used())
+    slots.acquire(_req("a"), _used())  # a used again: b is the least recently used, a the first loaded
     slots.take_loads()
     c = _req("c")
-    assert not slots.admits(c, [a, b])  # both in use
-    slots.acquire(c, [])
+    assert not slots.admits(c, _used(a, b))  # both in use
+    slots.acquire(c, _used())
     assert slots.slots[c.lora_slot] == "c" and evicted not in slots.slots
     assert slots.take_loads() == [(c.lora_slot, "c")]
 
@@ -194,11 +199,11 @@ def test_pinned_adapters_keep_their_slot_and_unloads_wait_for_their_requests():
     slots.load("x", "x", "/x")
     slots.load("y", "y", "/y")
     p, x = _req("start:p"), _req("x")
-    slots.acquire(p, [])
-    slots.acquire(x, [])
-    assert not slots.admits(_req("y"), [x])  # p is pinned, x in use: no slot for y
-    assert slots.admits(_req("y"), [])  # x may go, p may not: y takes x's slot
-    slots.acquire(y := _req("y"), [])
+    slots.acquire(p, _used())
+    slots.acquire(x, _used())
+    assert not slots.admits(_req("y"), _used(x))  # p is pinned, x in use: no slot for y
+    assert slots.admits(_req("y"), _used())  # x may go, p may not: y takes x's slot
+    slots.acquire(y := _req("y"), _used())
     assert slots.slots[y.lora_slot] == "y" and "start:p" in slots.slots
     waiting = _req("y")
     slots.unload("y")

@@ -105,18 +105,18 @@ class LoRASlots:
 
     # ---- admission -------------------------------------------------------------------------------
 
-    def admits(self, req: Req, batch: Iterable[Req]) -> bool:
-        """Whether `req` may join the requests of `batch` (those running and admitted so far)."""
-        used = {r.lora_id for r in batch}
+    def admits(self, req: Req, used: set[str | None]) -> bool:
+        """Whether `req` may join a batch whose requests (those running and admitted so far) run the
+        adapters `used` (None: the base model)."""
         if req.lora_id in used:
             return True
         if len(used) + 1 > self.max_per_batch:
             return False
         return req.lora_id is None or req.lora_id in self.slots or self._free_slot(used) is not None
 
-    def acquire(self, req: Req, batch: Iterable[Req]) -> None:
+    def acquire(self, req: Req, used: set[str | None]) -> None:
         """Give admitted `req` its adapter's slot (`req.lora_slot`; -1: the base model), copying the
-        adapter in with this batch where no slot holds it. `admits` said yes."""
+        adapter in with this batch where no slot holds it. `admits(req, used)` said yes."""
         uid = req.lora_id
         if uid is None:
             req.lora_slot = -1
@@ -124,7 +124,7 @@ class LoRASlots:
         self.clock += 1
         self.last_used[uid] = self.clock
         if uid not in self.slots:
-            slot = self._free_slot({r.lora_id for r in batch if r is not req})
+            slot = self._free_slot(used)
             assert slot is not None, "acquire without admits"
             self.slots[slot] = uid
             self.loaded_at[slot] = self.clock

@@ -27,26 +27,33 @@ class SchedulerLoRAMixin:
     def init_lora(self) -> None:
         manager = getattr(self.model_runner, "lora", None)
         self.lora = LoRASlots(manager, self.server_args) if manager is not None else None
+        self._lora_pass: tuple[PrefillAdder, set[str | None]] | None = None
 
-    def _lora_batch(self, adder: PrefillAdder) -> list[Req]:
-        """The requests a new one would run beside: the running ones, the one mid-prefill, this pass's."""
+    def _lora_used(self, adder: PrefillAdder | None = None) -> set[str | None]:
+        """The adapters a new request would run beside (the running requests', the one mid-prefill's,
+        this pass's): built once per admission pass, then kept up by `lora_acquire` (it was rebuilt
+        from every running request for each request the pass looked at)."""
+        if adder is not None and self._lora_pass is not None and self._lora_pass[0] is adder:
+            return self._lora_pass[1]
         chunked = [self.chunked_req] if self.chunked_req is not None else []
-        return [*self.running, *chunked, *adder.reqs]
+        used = {r.lora_id for r in (*self.running, *chunked, *(adder.reqs if adder is not None else ()))}
+        if adder is not None:
+            self._lora_pass = (adder, used)
+        return used
 
     def lora_admits(self, req: Req, adder: PrefillAdder) -> bool:
-        return self.lora is None or self.lora.admits(req, self._lora_batch(adder))
+        return self.lora is None or self.lora.admits(req, self._lora_used(adder))
 
     def lora_acquire(self, req: Req, adder: PrefillAdder) -> None:
         if self.lora is not None:
-            self.lora.acquire(req, self._lora_batch(adder))
+            used = self._lora_used(adder)
+            self.lora.acquire(req, used)
+            used.add(req.lora_id)
 
     def lora_fits_running(self, req: Req) -> bool:
         """Whether `req`'s adapter may join the running requests (priority preemption makes room for a
         request, never adapter slots: one whose adapter does not fit waits, preempting nobody)."""
-        if self.lora is None:
-            return True
-        chunked = [self.chunked_req] if self.chunked_req is not None else []
-        return self.lora.admits(req, [*self.running, *chunked])
+        return self.lora is None or self.lora.admits(req, self._lora_used())
 
     def lora_collect(self) -> None:
         """Free the unloaded adapters no request holds: every request the scheduler knows (its grammar
