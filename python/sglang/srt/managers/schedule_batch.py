@@ -14,7 +14,7 @@ from sglang.srt.managers.scheduler_components.decode_rows import (
     DecodeRows,
     DecodeRowsCache,
     hidden_states_mask,
-    lora_slots,
+    lora_host_tensors,
     sampling_columns,
     token_ids_logprobs,
 )
@@ -152,6 +152,7 @@ class ScheduleBatch:
             token_ids_logprobs=token_ids_logprobs(self.reqs),
             extend_logprob_start_lens=lp_start,
             extend_logprob_next_ids=lp_next,
+            host_tensors=lora_host_tensors(self.reqs),
         )
         if penalty_slots is not None and any(r.penalized for r in self.reqs):
             seq_lens = [end for _, end in spans]
@@ -162,7 +163,6 @@ class ScheduleBatch:
             self.forward_batch.vocab_mask = VocabMaskInfo.build(self.reqs, self.sample_rows)
         self.forward_batch.custom_logit = CustomLogitInfo.build(self.reqs, self.sample_rows)
         self.forward_batch.return_hidden_states_mask = hidden_states_mask(self.reqs)
-        self.forward_batch.lora_slots = lora_slots(self.reqs)
         if any(r.multimodal_inputs is not None for r in self.reqs):
             self.forward_batch.mm_inputs = [r.multimodal_inputs for r in self.reqs]
 
@@ -252,7 +252,6 @@ class ScheduleBatch:
         if rows.any_custom_logit:
             self.forward_batch.custom_logit = CustomLogitInfo.build(reqs, self.sample_rows)
         self.forward_batch.return_hidden_states_mask = rows.hidden_states_mask
-        self.forward_batch.lora_slots = rows.lora_slots
         self.state_copies = tree_cache.take_pending_state_copies()
         self.host_copies = tree_cache.take_host_copies()
 

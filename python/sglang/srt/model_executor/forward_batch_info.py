@@ -351,7 +351,8 @@ class ForwardBatch:
         extend, `extend_prefix_lens` is required and the extend lengths are `seq_lens - prefix`; for a
         decode every request has one input token. `host_tensors` (by field name: `req_pool_indices`,
         `mamba_pool_indices`) are tensors of those lists built before, which the batch shares instead
-        of building its own (nothing writes a batch's host tensors)."""
+        of building its own (nothing writes a batch's host tensors); `lora_slots` (each request's LoRA
+        slot) comes that way only, so every builder that passes a decode's rows carries it."""
         bs = len(req_pool_indices)
         built = host_tensors or {}
         seq_lens = list(seq_lens)
@@ -415,6 +416,7 @@ class ForwardBatch:
             if extend_logprob_next_ids is None
             else list(extend_logprob_next_ids),
         )
+        batch.lora_slots = built.get("lora_slots")
         if extend:
             batch.extend_seq_lens = host_int64(ext)
             batch.extend_last_loc = host_int64([s + e - 1 for s, e in zip(starts, ext, strict=True)])

@@ -309,7 +309,6 @@ class NgramWorker:
         )
         batch.forward_batch.verify_width = width
         batch.forward_batch.return_hidden_states_mask = rows.hidden_states_mask  # (at first positions)
-        batch.forward_batch.lora_slots = rows.lora_slots  # (an adapter's request verifies on it)
         first = list(itertools.accumulate(widths, initial=0))[:-1]  # each request's first logits row
         if any(r.penalized for r in reqs):
             # The penalties apply at each request's first position, as in a decode step of its newest token.

@@ -39,7 +39,6 @@ class DecodeRows:
     # The rows whose finish check is measured (`constrained/measured.is_measured`): what a step's precheck reads.
     measured_rows: tuple[int, ...]
     hidden_states_mask: list[bool] | None  # `hidden_states_mask`
-    lora_slots: torch.Tensor | None  # `lora_slots`
 
     @classmethod
     def of(cls, reqs: list[Req], uniform_infos: dict | None = None) -> DecodeRows:
@@ -76,7 +75,8 @@ class DecodeRows:
         return cls(
             req_pool_indices=rows,
             mamba_pool_indices=slots,
-            host_tensors={"req_pool_indices": host_int64(rows), "mamba_pool_indices": host_int64(slots)},
+            host_tensors={"req_pool_indices": host_int64(rows), "mamba_pool_indices": host_int64(slots),
+                          **lora_host_tensors(reqs)},  # fmt: skip
             sampling_info=info,
             return_logprob_mask=logprob_mask,
             top_logprobs_nums=top_nums,
@@ -87,7 +87,6 @@ class DecodeRows:
             any_custom_logit=any_custom_logit,
             measured_rows=tuple(i for i, r in enumerate(reqs) if is_measured(r)),
             hidden_states_mask=hidden_states_mask(reqs),
-            lora_slots=lora_slots(reqs),
         )
 
 
@@ -119,10 +118,11 @@ class DecodeRowsCache:
         self._reqs, self._rows = [], None
 
 
-def lora_slots(reqs: Sequence[Req]) -> torch.Tensor | None:
-    """Each request's LoRA slot (-1: the base model), or None where every request runs the base model."""
+def lora_host_tensors(reqs: Sequence[Req]) -> dict[str, torch.Tensor]:
+    """`ForwardBatch.create`'s host tensor `lora_slots`: each request's LoRA slot (-1: the base model);
+    none where every request runs the base model."""
     slots = [r.lora_slot for r in reqs]
-    return host_int64(slots) if any(s >= 0 for s in slots) else None
+    return {"lora_slots": host_int64(slots)} if any(s >= 0 for s in slots) else {}
 
 
 def hidden_states_mask(reqs: Sequence[Req]) -> list[bool] | None:
