@@ -133,6 +133,8 @@ class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs, LoRAArgs):  # (fields 
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    # The running requests' decode step rides in each prefill batch (managers/scheduler_components/mixed_chunk.py).
+    enable_mixed_chunk: bool = False
     stream_interval: int = 1
     watchdog_timeout: float = 300.0
 
@@ -354,7 +356,14 @@ class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs, LoRAArgs):  # (fields 
 
     def _handle_speculative(self) -> None:
         """NGRAM verifies on the scheduler's host results, so it runs without the overlap schedule (as
-        upstream's); its draft count defaults to the longest match window."""
+        upstream's); its draft count defaults to the longest match window. Neither it nor PD mixes
+        decode steps into prefill batches (`--enable-mixed-chunk` off with a log line, as upstream)."""
+        if self.enable_mixed_chunk and self.speculative_algorithm is not None:
+            logger.warning("Mixed chunked prefill is disabled because of using speculative decoding.")
+            self.enable_mixed_chunk = False
+        if self.enable_mixed_chunk and self.disaggregation_mode != "null":
+            logger.warning("Mixed chunked prefill is disabled on a --disaggregation-mode server.")
+            self.enable_mixed_chunk = False
         if self.speculative_algorithm is None:
             return
         if self.speculative_algorithm in MTP_ALGORITHMS:

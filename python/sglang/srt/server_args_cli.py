@@ -263,6 +263,12 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
     )
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--disable-overlap-schedule", action="store_true")
+    g.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="Run the running requests' decode step inside each prefill batch (one token each), so a long "
+        "prompt's chunks do not stall them. Off with speculative decoding and PD disaggregation.",
+    )
     g.add_argument("--stream-interval", type=int, default=default("stream_interval"))
     g.add_argument(
         "--watchdog-timeout",

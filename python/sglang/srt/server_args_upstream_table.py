@@ -189,7 +189,7 @@ REFUSED: dict[str, str] = {
         --prefill-decode-interval= --prefill-decode-interval-min-bs= --enable-dynamic-chunking
         --prefill-max-requests= --retraction-policy= --schedule-conservativeness=
         --c128-page-size= --swa-full-tokens-ratio= --swa-prefix-tails= --prefill-only-disable-kv-cache
-        --num-continuous-decode-steps= --scheduler-recv-interval= --enable-mixed-chunk --enable-prefill-delayer
+        --num-continuous-decode-steps= --scheduler-recv-interval= --enable-prefill-delayer
         --prefill-delayer-max-delay-passes= --prefill-delayer-token-usage-low-watermark=
         --prefill-delayer-forward-passes-buckets+ --prefill-delayer-wait-seconds-buckets+
         --prefill-delayer-queue-min-ratio= --prefill-delayer-max-delay-ms= --min-free-slots-delay=

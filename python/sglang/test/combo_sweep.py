@@ -79,7 +79,9 @@ FEATURES = [
     Feature("extra_buffer", dict(mamba_scheduler_strategy="extra_buffer"), group="strategy"),
     Feature("lazy", dict(mamba_scheduler_strategy="extra_buffer_lazy"), group="strategy"),
     Feature("page16", dict(page_size=16)),
-    Feature("chunked", dict(chunked_prefill_size=64)),
+    Feature("chunked", dict(chunked_prefill_size=64), group="chunk"),
+    # Decode steps ride in the prefill batches (`--enable-mixed-chunk`, with chunks of 64).
+    Feature("mixed", dict(enable_mixed_chunk=True, chunked_prefill_size=64), group="chunk"),
     Feature("no_overlap", dict(disable_overlap_schedule=True)),
     Feature("no_radix", dict(disable_radix_cache=True)),
     Feature("small_pool", dict(max_total_tokens=1024, max_mamba_cache_size=12)),

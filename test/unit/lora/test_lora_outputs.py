@@ -213,3 +213,30 @@ def test_all_target_modules_and_an_adapter_loaded_while_serving(adapters):
     ))  # fmt: skip
     h.run()
     h.check_oracle(oracle_a, prompt, h.outputs["on-a"], TOL)
+
+
+def test_mixed_chunks_carry_each_decode_rows_adapter(adapters):
+    """--enable-mixed-chunk: decode rows on adapters ride in prefill batches of other adapters' long
+    prompts (three adapters, two slots); every request matches its merged oracle."""
+    made = {name: adapters.get("tiny-qwen3-next", name) for name in "abc"}
+    h = SchedulerHarness(
+        "tiny-qwen3-next",
+        lora_paths=[f"{n}={p}" for n, (p, _) in made.items()],
+        max_loras_per_batch=2,
+        chunked_prefill_size=64,
+        enable_mixed_chunk=True,
+    )
+    mixed = []
+    launch = h.sched.launch
+    h.sched.launch = lambda batch: (mixed.append(batch.num_decode_rows), launch(batch))
+    cases = [("a", token_ids(20, seed=70), 30), ("b", token_ids(25, seed=71), 30)]
+    rids = [h.submit(p, n, lora=name) for name, p, n in cases]
+    for _ in range(3):
+        h.sched.step()
+    late = [("a", token_ids(300, seed=72), 4), ("c", token_ids(200, seed=73), 4), ("b", token_ids(260, seed=74), 4)]
+    rids += [h.submit(p, n, lora=name) for name, p, n in late]
+    h.run()
+    for (name, prompt, _), rid in zip(cases + late, rids, strict=True):
+        h.check_oracle(made[name][1], prompt, h.outputs[rid], TOL)
+    assert sum(n > 0 for n in mixed) >= 4, mixed
+    h.flush_and_check_empty()

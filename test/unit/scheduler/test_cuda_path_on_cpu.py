@@ -78,3 +78,32 @@ def test_cuda_default_kernels_serve_speculative_verifies(preset, oracles, monkey
         h.flush_and_check_empty()
     finally:
         h.shutdown()
+
+
+def test_cuda_default_kernels_serve_mixed_chunks(oracles, monkeypatch):
+    """--enable-mixed-chunk through the kernels: decode rows as one-token extends at any position of a
+    page (the Triton extend attention over their prefix, the linear layers' packed extend from the
+    running slots) beside a chunked prompt."""
+    for name, value in CUDA_DEFAULT_ENV.items():
+        monkeypatch.setenv(name, value)
+    preset = "tiny-qwen3-next"
+    h = SchedulerHarness(
+        preset, attention_backend="triton", mamba_scheduler_strategy="extra_buffer", page_size=16,
+        chunked_prefill_size=64, enable_mixed_chunk=True, disable_overlap_schedule=True,
+    )  # fmt: skip
+    mixed = []
+    launch = h.sched.launch
+    h.sched.launch = lambda batch: (mixed.append(batch.num_decode_rows), launch(batch))
+    try:
+        prompts = [token_ids(37, seed=3), token_ids(150, seed=4)]
+        first = h.submit(prompts[0], max_new_tokens=10)
+        h.sched.step()
+        h.sched.step()
+        second = h.submit(prompts[1], max_new_tokens=2)
+        h.run()
+        for prompt, rid in zip(prompts, (first, second), strict=True):
+            h.check_oracle(oracles[preset], prompt, h.outputs[rid], ORACLE_TOL)
+        assert sum(n > 0 for n in mixed) >= 2, mixed
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()

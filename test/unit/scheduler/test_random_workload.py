@@ -80,6 +80,28 @@ def _run_round(h: SchedulerHarness, rng: random.Random, prefixes: list[list[int]
 
 @pytest.mark.parametrize("preset,strategy,page,chunk,fail_mode,overlap", CONFIGS, ids=lambda v: str(v))
 def test_random_workload_on_small_pools(preset, strategy, page, chunk, fail_mode, overlap, oracles):
+    _run_workload(oracles, preset, strategy, page, chunk, fail_mode, overlap)
+
+
+# --enable-mixed-chunk: the running requests' decode steps ride in the prefill batches (mixed_chunk.py),
+# through the same pressure: retractions, aborts, failed allocations (a step that cannot give every
+# decode row its KV slot does not mix), penalties.
+MIXED_CONFIGS = [
+    (QWEN, "extra_buffer_lazy", 16, 64, 1, True),
+    (NEMO, "extra_buffer", 1, 64, 0, False),
+    (QWEN, "extra_buffer", 1, 64, 0, True),
+    (NEMO, "no_buffer", 1, 64, 0, True),
+]
+
+
+@pytest.mark.parametrize("preset,strategy,page,chunk,fail_mode,overlap", MIXED_CONFIGS, ids=lambda v: str(v))
+def test_random_workload_with_mixed_chunks(preset, strategy, page, chunk, fail_mode, overlap, oracles):
+    mixed = _run_workload(oracles, preset, strategy, page, chunk, fail_mode, overlap, enable_mixed_chunk=True)
+    assert mixed >= 3, f"only {mixed} batches mixed: the workload did not test mixing"
+
+
+def _run_workload(oracles, preset, strategy, page, chunk, fail_mode, overlap, **flags) -> int:
+    """Runs the rounds; returns how many batches mixed decode rows into a prefill."""
     resident = {"no_buffer": 1, "extra_buffer": 3 if overlap else 2, "extra_buffer_lazy": 1}[strategy]
     c = max({QWEN: 64, NEMO: 32}[preset], page)
     h = SchedulerHarness(
@@ -92,8 +114,18 @@ def test_random_workload_on_small_pools(preset, strategy, page, chunk, fail_mode
         max_total_tokens=4096,
         max_running_requests=4,  # the pool, not the derived cap (which keeps tree headroom), limits
         mamba_track_interval=c,
+        **flags,
     )
     h.oracle = oracles[preset]
+    mixed = 0
+    launch = h.sched.launch
+
+    def count(batch) -> None:
+        nonlocal mixed
+        mixed += batch.forward_mode.is_extend() and batch.num_decode_rows > 0
+        launch(batch)
+
+    h.sched.launch = count
     rng = random.Random(zlib.crc32(repr((preset, strategy, page, chunk, fail_mode, SEED)).encode()))
     prefixes = [token_ids(300, seed=500 + k) for k in range(3)]
     history: list[list[int]] = []
@@ -104,3 +136,4 @@ def test_random_workload_on_small_pools(preset, strategy, page, chunk, fail_mode
         h.flush_and_check_empty()
     finally:
         h.shutdown()
+    return mixed

@@ -23,6 +23,7 @@ from sglang.srt.sampling.custom_logit_processor import CustomLogitInfo
 from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, PenaltySlots
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler_components.mixed_chunk import MixedDecodeRows
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
 __all__ = ["Req", "ScheduleBatch", "SnapshotTracker", "InflightLedger", "DecodeShortcuts"]
@@ -88,6 +89,7 @@ class ScheduleBatch:
         self.measured_rows: tuple[int, ...] | None = None
         self.cached_tokens = 0  # an extend's prompt tokens the radix tree gave (the batch log's)
         self.spec_info = None  # a speculative verify's drafts (`speculative/ngram_worker.py`)
+        self.num_decode_rows = 0  # a mixed batch's decode rows, its last (`mixed_chunk.py`)
 
     @property
     def batch_size(self) -> int:
@@ -105,15 +107,18 @@ class ScheduleBatch:
         tree_cache: BasePrefixCache,
         inflight: InflightLedger,
         penalty_slots: PenaltySlots | None = None,
+        decode: MixedDecodeRows | None = None,
     ) -> None:
         """`spans[i] = (prefix_len, end)`: request i computes positions [prefix_len, end) of its
         `fill_ids`; their KV slots were allocated at admission and sit in `kv_indices`. A penalized
-        request takes its row of `penalty_slots` here if it has none."""
+        request takes its row of `penalty_slots` here if it has none. `decode`: a mixed batch's decode
+        rows (scheduler_components/mixed_chunk.py), the last rows of `reqs`."""
         input_ids, out_loc, writes = [], [], []
         track: list[tuple[int, int] | None] = []
         extra_tracks: list[tuple[int, int, int]] = []
         lp_start, lp_next, lp_mask = [], [], []
-        for row, (req, (p, end)) in enumerate(zip(self.reqs, spans, strict=True)):
+        seq_lens, prefix_lens = [end for _, end in spans], [p for p, _ in spans]
+        for row, (req, (p, end)) in enumerate(zip(self.reqs[: len(spans)], spans, strict=True)):
             input_ids += req.fill_ids[p:end]
             out_loc += req.kv_indices[p:end]
             writes += self._dirty_row_writes(req, p)
@@ -128,6 +133,25 @@ class ScheduleBatch:
             lp_start.append(start)
             lp_next.append(next_id)
             self.prepend_none.append(prepend)
+        if decode is not None:
+            self.num_decode_rows = len(decode.reqs)
+            ids, self.has_placeholders = inflight.decode_input_ids(decode.reqs)
+            input_ids += ids
+            out_loc += decode.out_cache_loc
+            for req, seq_len in zip(decode.reqs, decode.seq_lens, strict=True):
+                writes += self._dirty_row_writes(req, seq_len - 1)
+            track += [None] * len(decode.reqs)
+            for row, snapshot in self._decode_tracks(tracker, decode.reqs, decode.seq_lens, len(spans)).items():
+                track[row] = snapshot
+            n = len(decode.reqs)
+            seq_lens += decode.seq_lens
+            prefix_lens += [s - 1 for s in decode.seq_lens]
+            self.sample_rows += [True] * n
+            self.completes_prefill += [False] * n
+            self.prepend_none += [False] * n
+            lp_mask += [r.return_logprob for r in decode.reqs]
+            lp_start += [0] * n  # (a one-token row: no input logprobs)
+            lp_next += [None] * n
         clear, cow_src, cow_dst = self._collect_deferred_mamba_cow_and_clear()
         self.state_copies = tree_cache.take_pending_state_copies()
         self.host_copies = tree_cache.take_host_copies()
@@ -136,10 +160,10 @@ class ScheduleBatch:
             self.forward_mode,
             input_ids=input_ids,
             req_pool_indices=[r.req_pool_idx for r in self.reqs],
-            seq_lens=[end for _, end in spans],
+            seq_lens=seq_lens,
             out_cache_loc=out_loc,
             mamba_pool_indices=[r.mamba_pool_idx for r in self.reqs],
-            extend_prefix_lens=[p for p, _ in spans],
+            extend_prefix_lens=prefix_lens,
             req_to_token_writes=writes,
             **self._track_fields(track),
             mamba_extra_tracks=extra_tracks,
@@ -155,7 +179,6 @@ class ScheduleBatch:
             host_tensors=lora_host_tensors(self.reqs),
         )
         if penalty_slots is not None and any(r.penalized for r in self.reqs):
-            seq_lens = [end for _, end in spans]
             self.forward_batch.penalties = PenaltyBatchInfo.build(
                 self.reqs, seq_lens, self.sample_rows, penalty_slots
             )
@@ -259,8 +282,8 @@ class ScheduleBatch:
         """Decode snapshots: rows whose step ends on a track boundary write the state into a track slot
         (lazy mode borrows it here); the snapshot is committed when the result is processed. Returns
         the batch's track fields."""
-        rows = tracker.boundary_rows(seq_lens)
-        if not rows:
+        tracks = self._decode_tracks(tracker, self.reqs, seq_lens, 0)
+        if not tracks:
             return {}
         n = len(seq_lens)
         # Dense per-row fields, written at the few tracked rows only (a step of staggered requests has
@@ -270,18 +293,26 @@ class ScheduleBatch:
             "mamba_track_mask": [False] * n,
             "mamba_track_seqlens": [0] * n,
         }
-        tracked = False
-        for i in rows:
-            req, seq_len = self.reqs[i], seq_lens[i]
-            t = tracker.decode_track(req, seq_len)
+        for i, (slot, seq_len) in tracks.items():
+            fields["mamba_track_indices"][i] = slot
+            fields["mamba_track_mask"][i] = True
+            fields["mamba_track_seqlens"][i] = seq_len
+        return fields
+
+    def _decode_tracks(
+        self, tracker: SnapshotTracker, reqs: list[Req], seq_lens: list[int], first_row: int
+    ) -> dict[int, tuple[int, int]]:
+        """The decode snapshots of `reqs` (batch rows from `first_row` on), each step after `seq_lens[i]`
+        tokens: {row: (track slot, seq_len)}, their commits recorded in `pending_tracks`."""
+        tracks = {}
+        for i in tracker.boundary_rows(seq_lens):
+            t = tracker.decode_track(reqs[i], seq_lens[i])
             if t is not None:
                 slot, entry = t
-                self.pending_tracks[i] = (entry, seq_len)
-                fields["mamba_track_indices"][i] = slot
-                fields["mamba_track_mask"][i] = True
-                fields["mamba_track_seqlens"][i] = seq_len
-                tracked = True
-        return fields if tracked else {}
+                row = first_row + i
+                self.pending_tracks[row] = (entry, seq_lens[i])
+                tracks[row] = (slot, seq_lens[i])
+        return tracks
 
     # ---- shared ------------------------------------------------------------------------------------
 

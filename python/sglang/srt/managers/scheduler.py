@@ -33,6 +33,7 @@ from sglang.srt.managers.scheduler_components.grammar_queue import GrammarQueue
 from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
 from sglang.srt.managers.scheduler_components.loop_times import LoopTimes, clock
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
+from sglang.srt.managers.scheduler_components.mixed_chunk import take_decode_rows
 from sglang.srt.managers.scheduler_components.priority_scheduling import PriorityRule
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
 from sglang.srt.managers.scheduler_components.scheduler_lifecycle import SchedulerLifecycleMixin
@@ -219,6 +220,9 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         self.counters["num_cached_tokens_total"] += adder.cached_tokens_admitted
         if not adder.spans:
             return None
+        decode = None  # --enable-mixed-chunk: the running requests' decode step rides along
+        if self.server_args.enable_mixed_chunk:
+            decode = take_decode_rows(self.running, self.fast_path, self.tree_cache, self.token_allocator)
         if self.chunked_req is not None and self.chunked_req.prefill_done:
             self.chunked_req = None
         if adder.new_chunked_req is not None:
@@ -226,10 +230,13 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         for req, _, end in adder.spans:
             if end == len(req.fill_ids) and req not in self.running:
                 self.running.append(req)
-        batch = ScheduleBatch(adder.reqs, ForwardMode.EXTEND, self._next_batch_id())
+        reqs = adder.reqs + (decode.reqs if decode is not None else [])
+        batch = ScheduleBatch(reqs, ForwardMode.EXTEND, self._next_batch_id())
         batch.cached_tokens = adder.cached_tokens_admitted
         spans = [(p, end) for _, p, end in adder.spans]
-        batch.prepare_for_extend(spans, self.tracker, self.tree_cache, self.inflight, self.penalty_slots)
+        batch.prepare_for_extend(
+            spans, self.tracker, self.tree_cache, self.inflight, self.penalty_slots, decode
+        )
         if self.cow_on_scheduler_thread:
             run_state_ops_here(batch, self.req_to_token_pool.mamba_pool)
         self.lora_seal(batch)

@@ -99,6 +99,10 @@ class BatchResultProcessor:
         handoff, next_ids = self.prefill_handoff, result.next_token_ids
         touched: list[Req] = []
         generated = 0
+        first_decode = len(batch.reqs) - batch.num_decode_rows  # a mixed batch's decode rows (`mixed_chunk.py`)
+        if batch.num_decode_rows:
+            # Its decode rows commit outside the decode logs: the steps those hold go in first.
+            self.fast_path.clear()
         # The rows checked below (a PD hand-off's first token is the decode server's to check).
         self.finisher.precheck(
             (req, next_ids[i] if sample_rows[i] else None)
@@ -110,6 +114,13 @@ class BatchResultProcessor:
             sampled = sample_rows[i]
             if req.finished_reason is not None:
                 self.release_landed(req)
+                continue
+            if i >= first_decode:  # as `process_batch_result_decode` commits a row
+                self.commit(req, next_ids[i], result, i, None if hidden is None else hidden[i])
+                self.settle(req, batch.pending_tracks.get(i))
+                generated += 1
+                if req.stream or req.finished_reason is not None:
+                    touched.append(req)
                 continue
             if input_logprobs:
                 self._add_input_logprobs(req, batch, result, i)
