@@ -201,3 +201,27 @@ def test_speculative_decoding_and_pd_servers_do_not_mix(caplog):
     pd = ServerArgs(model_path=QWEN, enable_mixed_chunk=True, disaggregation_mode="prefill")
     assert not pd.enable_mixed_chunk
     assert ServerArgs(model_path=QWEN, enable_mixed_chunk=True).enable_mixed_chunk
+
+
+def test_batch_log_and_token_counters_count_decode_rows_as_decode(caplog):
+    """A mixed batch's log line counts its prefill rows as new sequences and tokens and names its decode
+    rows; sglang:realtime_tokens_total counts their tokens as decoded, as the unmixed server does."""
+    counters = {}
+    for mixed in (False, True):
+        h = SchedulerHarness(QWEN, chunked_prefill_size=64, enable_mixed_chunk=mixed, log_level="info")
+        try:
+            prompts = [token_ids(30, seed=1), token_ids(200, seed=2)]
+            h.submit(prompts[0], 20)
+            h.sched.step()
+            h.sched.step()
+            with caplog.at_level("INFO"):
+                h.submit(prompts[1], 2)
+                h.run()
+            counters[mixed] = dict(h.sched.batch_stats.realtime_tokens)
+            assert counters[mixed]["prefill_compute"] == sum(map(len, prompts))  # (nothing cached)
+        finally:
+            h.shutdown()
+    assert counters[True] == counters[False]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch.")]
+    mixed_lines = [line for line in lines if "#mixed-decode-req: 1" in line]
+    assert mixed_lines and all("#new-seq: 1, #new-token: 64," in line for line in mixed_lines[:2]), lines

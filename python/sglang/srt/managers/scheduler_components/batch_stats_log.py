@@ -121,16 +121,18 @@ class BatchStatsLog:
             if not logger.isEnabledFor(logging.INFO):
                 return
             _, token_usage, mamba_usage = self.usage()
+            decoding = batch.num_decode_rows  # a mixed batch's decode rows (`mixed_chunk.py`)
             logger.info(
                 "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                "mamba usage: %.2f, #running-req: %d, #queue-req: %d",
-                batch.batch_size, batch.forward_batch.num_tokens, batch.cached_tokens, token_usage,
-                mamba_usage, running, queued,
+                "mamba usage: %.2f, #running-req: %d, #queue-req: %d%s",
+                batch.batch_size - decoding, batch.forward_batch.num_tokens - decoding, batch.cached_tokens,
+                token_usage, mamba_usage, running, queued, f", #mixed-decode-req: {decoding}" if decoding else "",
             )  # fmt: skip
 
     def _on_prefill(self, batch: ScheduleBatch) -> None:
         fb = batch.forward_batch
-        computed, cached = fb.num_tokens, batch.cached_tokens
+        self.realtime_tokens["decode"] += batch.num_decode_rows
+        computed, cached = fb.num_tokens - batch.num_decode_rows, batch.cached_tokens
         self.realtime_tokens["prefill_compute"] += computed
         self.realtime_tokens["prefill_cache"] += cached
         self.cache_hit_rate = cached / (computed + cached) if computed + cached else 0.0
