@@ -137,6 +137,8 @@ class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs, LoRAArgs):  # (fields 
     enable_mixed_chunk: bool = False
     stream_interval: int = 1
     watchdog_timeout: float = 300.0
+    # The scheduler process's `gc.set_threshold` (1 to 3 generation thresholds); None: Python's.
+    gc_threshold: list[int] | None = None
 
     # Parallelism (`server_args_parallel.py`, docs/parallelism.md)
     tp_size: int = 1

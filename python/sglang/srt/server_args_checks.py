@@ -102,6 +102,12 @@ def check_basic_flags(args: ServerArgs) -> None:
     _positive("--triton-attention-num-kv-splits", args.triton_attention_num_kv_splits)
     _choice("--log-level", args.log_level, LOG_LEVELS)
     _choice("--schedule-policy", args.schedule_policy, SCHEDULE_POLICIES)
+    if args.gc_threshold is not None and not (
+        1 <= len(args.gc_threshold) <= 3 and all(isinstance(t, int) and t >= 0 for t in args.gc_threshold)
+    ):
+        raise ServerArgsError(
+            f"--gc-threshold takes 1 to 3 non-negative integers (gc.set_threshold's), not {args.gc_threshold}."
+        )
     _choice("--mamba-scheduler-strategy", args.mamba_scheduler_strategy, MAMBA_SCHEDULER_STRATEGY_CHOICES)
     _choice("--disaggregation-mode", args.disaggregation_mode, DISAGGREGATION_MODES)
     if args.disaggregation_decode_tp is not None:

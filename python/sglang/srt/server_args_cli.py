@@ -277,6 +277,14 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
         help="Seconds a forward may take, and the scheduler may stay silent, before the stall is "
         "reported and the server exits with status 1; 0 or less: off.",
     )
+    g.add_argument(
+        "--gc-threshold",
+        type=int,
+        nargs="+",
+        default=None,
+        help="The scheduler process's garbage-collection thresholds (gc.set_threshold: 1 to 3 integers, "
+        "generation 0 first); default Python's.",
+    )
 
     add_parallel_cli_args(parser, default)
     add_media_cli_args(parser, default)

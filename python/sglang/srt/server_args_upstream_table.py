@@ -193,7 +193,7 @@ REFUSED: dict[str, str] = {
         --prefill-delayer-max-delay-passes= --prefill-delayer-token-usage-low-watermark=
         --prefill-delayer-forward-passes-buckets+ --prefill-delayer-wait-seconds-buckets+
         --prefill-delayer-queue-min-ratio= --prefill-delayer-max-delay-ms= --min-free-slots-delay=
-        --radix-eviction-policy-config= --sleep-on-idle --gc-threshold+ --soft-watchdog-timeout=
+        --radix-eviction-policy-config= --soft-watchdog-timeout=
     """,
     "serving": """
         --enable-response-store --tokenizer-backend= --fastapi-root-path= --enable-http-worker-reuseport
@@ -387,6 +387,11 @@ ACCEPTED: list[Accepted] = [
     ),
     Accepted("--disable-prefill-cuda-graph", "no prefill forward is captured in a CUDA graph here"),
     Accepted("--disable-piecewise-cuda-graph", "no prefill forward is captured in a CUDA graph here"),
+    Accepted(
+        "--sleep-on-idle",
+        "an idle scheduler already waits in its socket's poll (woken by a request, or every 50 ms for its "
+        "timers) and spins nowhere",
+    ),
     Accepted("--prefill-round-robin-balance", "upstream deprecated it, and it does nothing there either"),
     Accepted(
         "--disaggregation-decode-dp=",

@@ -436,3 +436,23 @@ def test_env_registry_override_reaches_subprocesses():
     finally:
         del os.environ["SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL"]
     assert {v.name for v in envs.all()} >= {"SGLANG_TEST_MAMBA_LAZY_ALLOC_FAIL", "SGLANG_CACHE_DIR"}
+
+
+def test_gc_threshold_sets_the_scheduler_processes_collector():
+    """--gc-threshold (upstream's): 1 to 3 non-negative integers, applied where the scheduler process
+    starts (`configure_subprocess`); anything else is refused naming the flag."""
+    import gc
+
+    from sglang.srt.utils.process import configure_subprocess
+
+    args = prepare_server_args(["--gc-threshold", "5000", "20"])
+    assert args.gc_threshold == [5000, 20]
+    before = gc.get_threshold()
+    try:
+        configure_subprocess(args, "scheduler")
+        assert gc.get_threshold() == (5000, 20, before[2])
+    finally:
+        gc.set_threshold(*before)
+    for bad in ([1, 2, 3, 4], [-1], []):
+        with pytest.raises(ServerArgsError, match="^--gc-threshold takes 1 to 3 non-negative integers"):
+            ServerArgs(model_path="tiny-qwen3-next", gc_threshold=bad)

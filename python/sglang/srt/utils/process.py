@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -27,6 +28,8 @@ def configure_logging(log_level: str, prefix: str = "") -> None:
 
 def configure_subprocess(server_args, name: str) -> None:
     configure_logging(server_args.log_level, name)
+    if server_args.gc_threshold:
+        gc.set_threshold(*server_args.gc_threshold)
     if server_args.device == "cpu":
         threads = default_torch_threads()
         torch.set_num_threads(threads)
