@@ -44,6 +44,7 @@ from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin imp
 from sglang.srt.managers.scheduler_components.scheduler_watchdog import (
     SchedulerWatchdogError,
     exit_now,
+    stuck_forward_message,
     watch_inline_forward,
 )
 from sglang.srt.managers.scheduler_components.tp_broadcast import (
@@ -359,14 +360,6 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
             batch, len(self.running) + (self.chunked_req is not None), len(self.waiting_queue)
         )
 
-    def stuck_forward_message(self, batch: ScheduleBatch) -> str:
-        return (
-            f"The forward of batch {batch.batch_id} ({batch.forward_mode.name.lower()}, "
-            f"{batch.batch_size} requests, {batch.forward_batch.num_tokens} tokens, rids "
-            f"{[r.rid for r in batch.reqs[:8]]}) did not finish within --watchdog-timeout "
-            f"{self.watchdog_timeout:g} s."
-        )
-
     def process_oldest(self) -> None:
         batch, fut = self.in_flight.popleft()
         times, start = self.loop_times, clock()
@@ -378,7 +371,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
                 if fut.seconds > self.watchdog_timeout:
                     raise TimeoutError
         except (FutureTimeoutError, TimeoutError):
-            raise SchedulerWatchdogError(self.stuck_forward_message(batch)) from None
+            raise SchedulerWatchdogError(stuck_forward_message(batch, self.watchdog_timeout)) from None
         landed = clock()
         processors = batch.forward_batch.custom_logit
         if processors is not None and processors.errors:

@@ -131,7 +131,7 @@ class BatchStatsLog:
 
     def _on_prefill(self, batch: ScheduleBatch) -> None:
         fb = batch.forward_batch
-        self.realtime_tokens["decode"] += batch.num_decode_rows
+        self.add_generated(batch.num_decode_rows)  # (a mixed batch's decode rows: their window's too)
         computed, cached = fb.num_tokens - batch.num_decode_rows, batch.cached_tokens
         self.realtime_tokens["prefill_compute"] += computed
         self.realtime_tokens["prefill_cache"] += cached

@@ -32,4 +32,13 @@ def watch_inline_forward(sched: Any) -> None:
         time.sleep(min(timeout / 4, 1.0))
         running = sched.running_inline
         if running is not None and time.monotonic() - running[1] > timeout:
-            exit_now(sched.stuck_forward_message(running[0]))
+            exit_now(stuck_forward_message(running[0], timeout))
+
+
+def stuck_forward_message(batch: Any, timeout: float) -> str:
+    """The sentence that names a forward (a `ScheduleBatch`) running past --watchdog-timeout."""
+    return (
+        f"The forward of batch {batch.batch_id} ({batch.forward_mode.name.lower()}, "
+        f"{batch.batch_size} requests, {batch.forward_batch.num_tokens} tokens, rids "
+        f"{[r.rid for r in batch.reqs[:8]]}) did not finish within --watchdog-timeout {timeout:g} s."
+    )
