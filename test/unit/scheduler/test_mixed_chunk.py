@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.managers.scheduler_components.mixed_chunk import mixed_prefill_tokens
 from sglang.test.ci_register import per_commit_cases, register_cpu_ci
 from sglang.test.scheduler_harness import ORACLE_TOL, SchedulerHarness, token_ids
 
@@ -44,6 +45,7 @@ class MixedLog:
 
     def __init__(self, h: SchedulerHarness):
         self.decode_rows: list[int] = []
+        self.tokens: list[int] = []  # each mixed batch's forward tokens
         self.decode_rids: list[str] = []  # each mixed batch's decode rows' requests, in turn
         self.snapshots: list[tuple[str, int, bool]] = []
         launch = h.sched.launch
@@ -53,6 +55,7 @@ class MixedLog:
             first = batch.batch_size - batch.num_decode_rows
             if mixed:
                 self.decode_rows.append(batch.num_decode_rows)
+                self.tokens.append(batch.forward_batch.num_tokens)
                 self.decode_rids += [r.rid for r in batch.reqs[first:]]
             for row, (_, seq_len) in batch.pending_tracks.items():
                 assert not batch.forward_mode.is_extend() or row >= first, "prefill rows track otherwise"
@@ -139,6 +142,8 @@ def test_mixed_batches_match_the_oracle_and_the_unmixed_run(case, oracles):
         assert len(mixed["branches"]) >= 2, mixed["log"].snapshots  # (else this checks no mixed snapshot)
     assert mixed["tokens"] == plain["tokens"]
     assert mixed["top"] == plain["top"]
+    if case[1] == "no_buffer":  # (chunks align to the page: the decode rows' tokens come off the budget)
+        assert max(mixed["log"].tokens) == case[4], mixed["log"].tokens
 
 
 REGEX = r"([a-c] ?){24,40}x"  # (long enough to outlast the long prompt's prefill)
@@ -242,3 +247,12 @@ def test_batch_log_and_token_counters_count_decode_rows_as_decode(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch.")]
     mixed_lines = [line for line in lines if "#mixed-decode-req: 1" in line]
     assert mixed_lines and all("#new-seq: 1, #new-token: 64," in line for line in mixed_lines[:2]), lines
+
+
+def test_the_decode_rows_take_their_tokens_from_the_prefill_budget():
+    """Upstream's rule, so that a mixed forward stays within --chunked-prefill-size; where that would
+    leave less than one chunk alignment the prompt keeps its budget (it must progress)."""
+    assert mixed_prefill_tokens(8192, 200, 64) == 7992  # (the chunk then aligns down to 7936)
+    assert mixed_prefill_tokens(64, 3, 1) == 61
+    assert mixed_prefill_tokens(64, 3, 64) == 64
+    assert mixed_prefill_tokens(100, 100, 1) == 100

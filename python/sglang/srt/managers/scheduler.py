@@ -33,7 +33,7 @@ from sglang.srt.managers.scheduler_components.grammar_queue import GrammarQueue
 from sglang.srt.managers.scheduler_components.inflight_batches import InflightBatches
 from sglang.srt.managers.scheduler_components.loop_times import LoopTimes, clock
 from sglang.srt.managers.scheduler_components.mamba_tracking import MambaTracker
-from sglang.srt.managers.scheduler_components.mixed_chunk import take_decode_rows
+from sglang.srt.managers.scheduler_components.mixed_chunk import mixed_prefill_tokens, take_decode_rows
 from sglang.srt.managers.scheduler_components.priority_scheduling import PriorityRule
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
 from sglang.srt.managers.scheduler_components.scheduler_lifecycle import SchedulerLifecycleMixin
@@ -250,12 +250,14 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         if args.chunked_prefill_enabled:
             tokens = min(tokens, args.chunked_prefill_size)
         page = self.token_allocator.page_size
+        # Chunks are multiples of the cache chunk: they keep the snapshot lattice of a prompt's first extend.
+        align = args.mamba_cache_chunk_size if args.mamba_strategy.extra_buffer else page
+        if args.enable_mixed_chunk:
+            tokens = mixed_prefill_tokens(tokens, len(self.running), align)
         return AdmissionBudget(
             tokens=tokens,
             running=self.max_running_requests - num_running,
-            # Chunks are multiples of the cache chunk: they keep the snapshot lattice of a prompt's
-            # first extend.
-            align=args.mamba_cache_chunk_size if args.mamba_strategy.extra_buffer else page,
+            align=align,
             chunked_prefill=args.chunked_prefill_enabled,
             decode_page_reserve=len(self.running)
             if page == 1

@@ -21,9 +21,10 @@ every strategy is checked against the transformers oracle and the cache rules
 A step mixes only when every decode row can: none has images or video (their M-RoPE positions after the
 prompt are a decode step's), and the decode step's KV slots fit without retracting anyone (else the
 next decode batch retracts, as without mixing). Speculative decoding and PD disaggregation never mix
-(`server_args.py`: off with a log line, as upstream for speculative decoding). Unlike upstream, the
-prefill part keeps its whole token budget (upstream takes one token per running request from it): a
-mixed batch holds one pass's prompt tokens plus one token per running request.
+(`server_args.py`: off with a log line, as upstream for speculative decoding). As upstream, the running
+requests' tokens come out of the pass's prompt-token budget (`mixed_prefill_tokens`), so that a mixed
+forward stays within --chunked-prefill-size, which the activation memory and the warm-up's shapes are
+sized for.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ if TYPE_CHECKING:
     from sglang.srt.managers.scheduler_components.decode_fast_path import DecodeFastPath
     from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+
+def mixed_prefill_tokens(tokens: int, running: int, align: int) -> int:
+    """The prompt tokens a prefill pass may take when the running requests may ride along: `tokens`
+    less one per running request (upstream's rule), unless that leaves less than one chunk alignment
+    `align` (a chunk is a multiple of it): then the whole budget, so that a prompt still progresses
+    (its forward then holds up to `running` tokens more than the budget)."""
+    left = tokens - running
+    return left if left >= align else tokens
 
 
 @dataclass
