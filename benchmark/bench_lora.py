@@ -5,8 +5,12 @@ in_proj_qkvz 2048 -> 12288, out_proj 4096 -> 2048), for token counts of a decode
 and a prefill chunk (4096), with --max-loras-per-batch slots of --max-lora-rank. The two are timed in
 turn (best of --repeats) so that a loaded machine's slow spells weigh on both alike; the ratio is the
 delta's share. A batch on the base model alone skips the delta outside CUDA graphs (not timed here).
+--used U: the batch's adapters sit in U slots (0: every slot, as inside a CUDA graph, which is captured
+for any batch); outside graphs the delta reads only the slots [lo, hi) that hold them (one adapter: one
+slot's columns).
 
     .venv/bin/python benchmark/bench_lora.py [--slots 8] [--rank 16] [--dtype bfloat16] [--device cpu]
+                                             [--used 0]
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", default="1,8,64,256,4096")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--used", type=int, default=0)
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
-    print(f"device {args.device}, {args.dtype}, {args.slots} slots of rank {args.rank}")
+    used = args.used or args.slots
+    print(f"device {args.device}, {args.dtype}, {args.slots} slots of rank {args.rank}, {used} in use")
     print(f"{'module':<14}{'tokens':>8}{'base ms':>10}{'+LoRA ms':>10}{'ratio':>8}")
     for name, (n_in, n_out) in SHAPES.items():
         linear = nn.Linear(n_in, n_out, bias=False).to(args.device, dtype)
@@ -60,8 +66,10 @@ def main() -> None:
             lora.write(s, torch.randn(args.rank, n_in, dtype=dtype), torch.randn(n_out, args.rank, dtype=dtype) * 0.01)
         for t in (int(x) for x in args.tokens.split(",")):
             x = torch.randn(t, n_in, device=args.device, dtype=dtype)
-            slots = torch.arange(t, device=args.device) % (args.slots + 1) - 1  # every slot, and the base
-            batch.mask = (slots[:, None] == torch.arange(args.slots, device=args.device)[None]).to(dtype)
+            slots = torch.arange(t, device=args.device) % (used + 1) - 1  # the slots in use, and the base
+            batch.lo, batch.hi = (0, args.slots) if not args.used else (0, used)
+            slot_ids = torch.arange(batch.lo, batch.hi, device=args.device)
+            batch.mask = (slots[:, None] == slot_ids[None]).to(dtype)
             with torch.inference_mode():
                 base_s = plus_s = float("inf")
                 for _ in range(3):  # (in turn: see the module docstring)

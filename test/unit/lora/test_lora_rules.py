@@ -314,3 +314,38 @@ def test_a_malformed_adapter_is_refused_and_the_tp_ranks_agree_on_a_load():
         (reply,) = rank.sent
         assert reply.success == (other is None) and rank.lora.knows("a:1") == (other is None)
         assert rank.lora.manager.unloaded == ([] if other is None else ["a:1"])
+
+
+@pytest.mark.parametrize("used", [[2], [1, 3], [0, -1, 3], [-1, 1, -1]])
+def test_a_batch_reads_only_the_slots_its_adapters_sit_in(used):
+    """Outside CUDA graphs the delta runs over the slots [lo, hi) that hold the batch's adapters
+    (`ForwardBatch.lora_slot_range`, read on the host when the batch is built): the same delta as over
+    every slot (whose other columns the mask zeroes), from (hi - lo) / S of the slot buffers."""
+    from torch import nn
+
+    from sglang.srt.lora.lora_layers import LoRABatch, LoRAModule
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.utils.host_tensors import host_int64
+
+    fb = ForwardBatch.create(
+        ForwardMode.DECODE, input_ids=[5] * len(used), req_pool_indices=list(range(len(used))),
+        seq_lens=[3] * len(used), out_cache_loc=list(range(len(used))), mamba_pool_indices=[0] * len(used),
+        host_tensors={"lora_slots": host_int64(used)},
+    )  # fmt: skip
+    real = [s for s in used if s >= 0]
+    assert fb.lora_slot_range == (min(real), max(real) + 1)
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 24, bias=False)
+    batch = LoRABatch(slots=4, rank=2)
+    lora = LoRAModule("proj", linear, batch, torch.float32)
+    for s in range(4):
+        lora.write(s, torch.randn(2, 16), torch.randn(24, 2))
+    x = torch.randn(len(used), 16)
+    slots = torch.tensor(used)
+    outs = []
+    for lo, hi in [(0, 4), fb.lora_slot_range]:
+        batch.lo, batch.hi = lo, hi
+        batch.mask = (slots[:, None] == torch.arange(lo, hi)[None]).float()
+        outs.append(linear(x))
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
+    assert not torch.allclose(outs[0], x @ linear.weight.T)  # (the adapters changed the output)

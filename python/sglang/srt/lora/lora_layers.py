@@ -30,12 +30,15 @@ from sglang.srt.layers.linear import DimShard, weight_shards
 
 
 class LoRABatch:
-    """The running forward's per-token mask over the slots ([tokens, S], the model's dtype), set before
-    the model runs (`LoRAManager.prepare`); None: no request of the batch runs an adapter."""
+    """The running forward's per-token mask over the slots [lo, hi) that hold its adapters ([tokens,
+    hi - lo], the model's dtype), set before the model runs (`LoRAManager._prepare`); None: no request
+    of the batch runs an adapter. Outside CUDA graphs [lo, hi) is the batch's (a batch on one adapter
+    reads one slot's columns: S times fewer than all); a graph's covers every slot."""
 
     def __init__(self, slots: int, rank: int):
         self.slots, self.rank = slots, rank
         self.mask: torch.Tensor | None = None
+        self.lo, self.hi = 0, slots
 
 
 class LoRAModule:
@@ -85,14 +88,14 @@ class LoRAModule:
             raise RuntimeError(
                 f"LoRA: {self.name} ran on {x.shape[0]} rows of a batch of {mask.shape[0]} tokens."
             )
-        h = F.linear(x, self.a)
+        w, lo, hi = self.width, self.batch.lo, self.batch.hi
+        h = F.linear(x, self.a[lo * w : hi * w])
         if self.reduce_a:
             h = get_tp_group().all_reduce(h)
-        s, w = self.batch.slots, self.width
-        h = (h.view(-1, s, w) * mask[:, :, None]).view(-1, s * w)
+        h = (h.view(-1, hi - lo, w) * mask[:, :, None]).view(-1, (hi - lo) * w)
         if not self.adds:
             return None
-        return out + F.linear(h, self.b)
+        return out + F.linear(h, self.b[:, lo * w : hi * w])
 
     def remove(self) -> None:
         self.handle.remove()

@@ -262,4 +262,6 @@ class LoRAManager:
             per_token = slots.repeat_interleave(tokens // fb.batch_size, output_size=tokens)
         else:
             per_token = slots.repeat_interleave(fb.extend_seq_lens, output_size=tokens)
-        self.batch.mask = (per_token[:, None] == self.slot_ids[None, :]).to(self.dtype)
+        lo, hi = fb.lora_slot_range or (0, self.batch.slots)
+        self.batch.lo, self.batch.hi = lo, hi
+        self.batch.mask = (per_token[:, None] == self.slot_ids[None, lo:hi]).to(self.dtype)

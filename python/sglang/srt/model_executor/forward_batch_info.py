@@ -258,6 +258,9 @@ class ForwardBatch:
     # adapters copied into slots before this forward, (slot, id or None) (`lora/lora_manager.py`).
     lora_slots: torch.Tensor | None = None
     lora_loads: list[tuple[int, str | None]] = field(default_factory=list)
+    # The slots [lo, hi) that hold every adapter the batch runs (read on the host when it is built; None:
+    # all of them, as a CUDA graph's batch, which is captured for any)
+    lora_slot_range: tuple[int, int] | None = None
 
     # Backends' index tensors built on the host before the batch moves (`prepare_host_metadata`), by
     # name: `to_device` moves them with the batch's own. `moved`: `ModelRunner.move_batch` ran.
@@ -417,6 +420,9 @@ class ForwardBatch:
             else list(extend_logprob_next_ids),
         )
         batch.lora_slots = built.get("lora_slots")
+        if batch.lora_slots is not None:
+            used = [s for s in batch.lora_slots.tolist() if s >= 0]
+            batch.lora_slot_range = (min(used), max(used) + 1) if used else None
         if extend:
             batch.extend_seq_lens = host_int64(ext)
             batch.extend_last_loc = host_int64([s + e - 1 for s, e in zip(starts, ext, strict=True)])
