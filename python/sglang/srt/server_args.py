@@ -109,6 +109,8 @@ class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs, LoRAArgs):  # (fields 
     grammar_backend: str = "xgrammar"
     # Requests may ask for their positions' final hidden states (return_hidden_states).
     enable_return_hidden_states: bool = False
+    # Requests may ask for the experts their positions were routed to (model_executor/routed_experts.py).
+    enable_return_routed_experts: bool = False
     # Requests may carry a custom logit processor (sampling/custom_logit_processor.py): its code runs here.
     enable_custom_logit_processor: bool = False
     # Unsigned ones (no SGLANG_LOGIT_PROCESSOR_SECRET) from beyond this machine: refused at start unless set.

@@ -129,6 +129,11 @@ def check_basic_flags(args: ServerArgs) -> None:
             f"--grammar-backend {args.grammar_backend} is not supported (only xgrammar is installed with "
             "this server); use xgrammar, or none to refuse constrained requests."
         )
+    if args.enable_return_routed_experts and (args.enable_hierarchical_cache or args.disaggregation_mode != "null"):
+        raise ServerArgsError(
+            "--enable-return-routed-experts is not supported with --enable-hierarchical-cache or "
+            "--disaggregation-mode (a position's routing stays with its KV slot on this server's device)."
+        )
     if not 0 < args.port < 65536:
         raise ServerArgsError(f"--port must be between 1 and 65535, got {args.port}.")
     if args.admin_api_key and args.admin_api_key == args.api_key:

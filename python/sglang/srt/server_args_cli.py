@@ -183,6 +183,13 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
         "prompt rather than reuse the prefix cache.",
     )
     g.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="Let requests ask for the experts each MoE layer routed their positions to "
+        "(return_routed_experts: meta_info['routed_experts'], base64 int32 [positions, layers, top_k], "
+        "upstream's format, for RL routing replay); off, such a request is a 400.",
+    )
+    g.add_argument(
         "--enable-custom-logit-processor",
         action="store_true",
         help="Let requests carry a custom logit processor (custom_logit_processor, made by "

@@ -93,7 +93,7 @@ REFUSED: dict[str, str] = {
         --enable-paged-experts --paged-experts-num-resident= --kt-weight-path= --kt-method= --kt-cpuinfer=
         --kt-threadpool-count= --kt-num-gpu-experts= --kt-max-deferred-experts-per-token=
         --enable-two-batch-overlap --enable-single-batch-overlap --tbo-token-distribution-threshold=
-        --enable-return-routed-experts --elastic-ep-rejoin --enable-expert-distribution-metrics
+        --elastic-ep-rejoin --enable-expert-distribution-metrics
     """,
     "quant": """
         --quantization= --quantization-param-path= --qsa-indexer-dtype= --modelopt-quant=

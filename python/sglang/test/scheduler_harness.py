@@ -36,6 +36,7 @@ class Output:
     finished_reason: dict | None = None
     messages: int = 0
     hidden_states: list[list[float]] = field(default_factory=list)  # with return_hidden_states
+    routed_experts: str | None = None  # with return_routed_experts: meta_info's (base64)
 
 
 def token_ids(n: int, seed: int) -> list[int]:
@@ -110,6 +111,7 @@ class SchedulerHarness:
         token_ids_logprob: list[int] | None = None,
         extra_key: str | None = None,
         return_hidden_states: bool = False,
+        return_routed_experts: bool = False,
         custom_logit_processor: str | None = None,
         warmup: bool = False,
         lora: str | None = None,
@@ -133,6 +135,7 @@ class SchedulerHarness:
                 stream=stream,
                 extra_key=extra_key if lora is None else cache_namespace(extra_key, None, self.lora_id(lora)),
                 return_hidden_states=return_hidden_states,
+                return_routed_experts=return_routed_experts,
                 custom_logit_processor=custom_logit_processor,
                 warmup=warmup,
                 lora_id=None if lora is None else self.lora_id(lora),
@@ -201,6 +204,8 @@ class SchedulerHarness:
                 out.cached_tokens = msg.cached_tokens[i]
                 out.prompt_tokens = msg.prompt_tokens[i]
                 out.finished_reason = msg.finished_reasons[i]
+                if i < len(msg.routed_experts) and msg.routed_experts[i] is not None:
+                    out.routed_experts = msg.routed_experts[i]
                 rows = msg.output_hidden_states[i]
                 out.hidden_states += [] if rows is None else rows.tolist()
         box.clear()

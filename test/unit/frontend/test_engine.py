@@ -5,11 +5,13 @@ real scheduler through the same front end."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import pstats
 import threading
 import time
 import types
 
+import numpy as np
 import pytest
 
 import sglang
@@ -220,10 +222,16 @@ def test_a_control_call_fails_at_once_when_the_scheduler_is_gone():
 def test_real_scheduler_through_the_engine(tmp_path):
     # Also under SGLANG_CPROFILE_DIR: the scheduler process writes its profile when the engine stops it.
     with envs.SGLANG_CPROFILE_DIR.override(str(tmp_path)):
-        eng = sglang.Engine(model_path="tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer_lazy")
+        eng = sglang.Engine(
+            model_path="tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer_lazy", enable_return_routed_experts=True
+        )
     with eng:
         out = eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, return_logprob=True)
-        assert out["meta_info"]["completion_tokens"] == 6
+        assert out["meta_info"]["completion_tokens"] == 6 and "routed_experts" not in out["meta_info"]
+        # Routing replay (upstream's meta_info["routed_experts"]): base64 int32 [37 + 6 - 1, layers 4, top-2].
+        routed = eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, return_routed_experts=True)
+        routes = np.frombuffer(base64.b64decode(routed["meta_info"]["routed_experts"]), dtype="<i4")
+        assert routes.shape == (42 * 4 * 2,) and routed["output_ids"] == out["output_ids"]
         chunks = list(eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, stream=True))
         assert chunks[-1]["output_ids"] == out["output_ids"], "greedy output is deterministic"
         # Cache namespaces and hidden states, as upstream's Engine.generate takes them.
@@ -239,6 +247,9 @@ def test_real_scheduler_through_the_engine(tmp_path):
         )  # fmt: skip
         again = eng.generate(input_ids=prompt, sampling_params=GREEDY, extra_key="a")
         assert again["output_ids"] == outs[2]["output_ids"] and again["meta_info"]["cached_tokens"] == 0
+        # The swapped-in model's MoE layers record too (the same weights: the same routes).
+        rerouted = eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, return_routed_experts=True)
+        assert rerouted["meta_info"]["routed_experts"] == routed["meta_info"]["routed_experts"]
         assert again["meta_info"]["weight_version"] == "v2"
         with pytest.raises(RequestError, match="flush_cache must be a bool") as e:
             eng.update_weights_from_disk("tiny-qwen3-next", flush_cache="no")

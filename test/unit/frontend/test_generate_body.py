@@ -113,3 +113,13 @@ def test_return_hidden_states_needs_the_flag_and_a_boolean(flags, value, words):
         obj = GenerateReqInput(input_ids=[[5, 6], [7, 8]], return_hidden_states=value)
         reqs, _ = build_requests(obj, parse_prompts(obj), [], limits)
         assert [r.req.return_hidden_states for r in reqs] == [True, False]
+
+
+def test_routed_experts_are_asked_for_from_position_zero_only():
+    """return_routed_experts is served (with --enable-return-routed-experts); upstream's
+    routed_experts_start_len is taken as 0 only: the reply holds every position's routing."""
+    obj = parse_generate_body(b'{"text": "hi", "return_routed_experts": true, "routed_experts_start_len": 0}')
+    assert obj.return_routed_experts is True
+    with pytest.raises(RequestError) as e:
+        parse_generate_body(b'{"text": "hi", "return_routed_experts": true, "routed_experts_start_len": 5}')
+    assert e.value.param == "routed_experts_start_len" and "every position from 0" in e.value.message

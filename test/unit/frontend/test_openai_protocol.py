@@ -39,6 +39,8 @@ register_cpu_ci(est_time=2, suite="per-commit-cpu")
         (b'{"prompt": [[1], "a"]}', "prompt", "invalid_value"),
         (b'{"max_tokens": 3}', "prompt", "missing_required_parameter"),
         (b'{"prompt": "x", "echo": true}', "echo", "invalid_value"),
+        # (served on /generate only; the OpenAI replies have no place upstream's clients read it from)
+        (b'{"prompt": "x", "return_routed_experts": true}', "return_routed_experts", "unsupported_parameter"),
         (b'{"prompt": "x"', None, "invalid_json"),
         (b'"just a string"', None, "invalid_type"),
     ],

@@ -128,13 +128,15 @@ class Engine:
         video_data: Any = None,
         priority: int | list[int] | None = None,
         lora_path: str | list[str | None] | None = None,
+        return_routed_experts: bool | list[bool] = False,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of chunks
         (text and output_ids cumulative; logprob lists and hidden states only what is new, the input
         ones once: docs/server.md). Bad input raises RequestError (naming the field) at the call. As upstream's:
         `return_hidden_states` (with enable_return_hidden_states), and the cache namespace of
         `extra_key` / `cache_salt`, `priority` (--enable-priority-scheduling; docs/server.md), and
-        `lora_path`, a loaded LoRA adapter's name (--enable-lora; docs/lora.md)."""
+        `lora_path`, a loaded LoRA adapter's name (--enable-lora; docs/lora.md), and
+        `return_routed_experts` (with enable_return_routed_experts: meta_info["routed_experts"])."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
         if not stream:
             return self._run(_first(self.tokenizer_manager.generate_request(obj, trusted=True)))
@@ -176,6 +178,7 @@ class Engine:
         cache_salt: str | list[str] | None = None,
         priority: int | list[int] | None = None,
         lora_path: str | list[str | None] | None = None,
+        return_routed_experts: bool | list[bool] = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As `generate`, from any event loop; with stream=True, await it for an async iterator."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
@@ -415,6 +418,7 @@ def _make_obj(
     video_data: Any = None,
     priority: Any = None,
     lora_path: Any = None,
+    return_routed_experts: Any = False,
 ) -> GenerateReqInput:
     return GenerateReqInput(
         text=prompt,
@@ -434,4 +438,5 @@ def _make_obj(
         video_data=video_data,
         priority=priority,
         lora_path=lora_path,
+        return_routed_experts=return_routed_experts,
     )

@@ -37,7 +37,7 @@ IGNORED = frozenset(
         # prefill/decode disaggregation (bootstrap_host/port/room are implemented)
         "bootstrap_pair_key",
         "decode_tp_size",
-        # only read together with return_routed_experts (refused below)
+        # with return_routed_experts: 0 only (every position's routing is returned; checked below)
         "routed_experts_start_len",
     }
 )
@@ -65,7 +65,6 @@ UNSUPPORTED = {
     "return_sampling_mask": "sampling masks",
     "return_flat_raw_top_logprobs": "flat top logprobs",
     "return_flat_raw_top_logprobs_b64": "flat top logprobs",
-    "return_routed_experts": "routed experts",
     "return_indexer_topk": "indexer top-k",
     "return_entropy": "entropy",
     "return_bytes": "image generation",
@@ -99,5 +98,12 @@ def parse_generate_body(body: bytes) -> GenerateReqInput:
                 name,
                 "unsupported_parameter",
             )
+    if data.get("routed_experts_start_len") not in (None, 0):
+        raise RequestError(
+            "routed_experts_start_len is not supported: meta_info.routed_experts holds every position from "
+            "0; leave it out or send 0.",
+            "routed_experts_start_len",
+            "unsupported_parameter",
+        )
     # null means "the default" for the implemented fields too.
     return GenerateReqInput(**{k: v for k, v in data.items() if k in IMPLEMENTED and v is not None})

@@ -82,6 +82,7 @@ class DetokenizerManager:
             input_token_ids_logprobs=out.input_token_ids_logprobs,
             spec_counts=out.spec_counts,
             output_hidden_states=out.output_hidden_states,
+            routed_experts=out.routed_experts,
         )
 
     def _texts(self, out: BatchTokenIDOut) -> list[str]:

@@ -58,6 +58,9 @@ class GenerateReqInput:
     # The final hidden states (the lm_head's input) of every position, in meta_info["hidden_states"]
     # (upstream's; the server needs --enable-return-hidden-states).
     return_hidden_states: bool | list[bool] = False
+    # The experts each MoE layer routed every position to, in meta_info["routed_experts"] (upstream's;
+    # the server needs --enable-return-routed-experts; model_executor/routed_experts.py).
+    return_routed_experts: bool | list[bool] = False
     # `CustomLogitProcessor.to_str()` of the processor to run on this request's logits (one for every
     # prompt, or one per prompt); the server needs --enable-custom-logit-processor.
     custom_logit_processor: str | list[str | None] | None = None
@@ -91,6 +94,7 @@ class TokenizedGenerateReqInput:
     bootstrap: BootstrapInfo | None = None
     extra_key: str | None = None  # the prefix-cache namespace (cache_salt + extra_key); None: the shared one
     return_hidden_states: bool = False
+    return_routed_experts: bool = False
     custom_logit_processor: str | None = None
     priority: int | None = None
     lora_id: str | None = None  # the LoRA adapter's id (`lora/lora_registry.py`); None: the base model
@@ -403,6 +407,8 @@ class BatchTokenIDOut:
     # With return_hidden_states: the hidden states of the positions since the previous message, a
     # float32 tensor [positions, hidden] (None: not asked for).
     output_hidden_states: list[Any] = field(default_factory=list)
+    # With return_routed_experts, in a request's last message: its routing (`routed_experts.py`).
+    routed_experts: list[str | None] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> BatchTokenIDOut:
@@ -429,6 +435,7 @@ class BatchStrOut:
     input_token_ids_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
     spec_counts: list[list[int]] = field(default_factory=list)
     output_hidden_states: list[Any] = field(default_factory=list)
+    routed_experts: list[str | None] = field(default_factory=list)
 
 
 @dataclass

@@ -101,6 +101,8 @@ class Req:
         "lora_slot",
         "grammar",
         "return_hidden_states",
+        "return_routed_experts",
+        "routed_experts",
         "custom_logit_processor",
         "custom_logit_error",
         "custom_logit_state",
@@ -202,6 +204,10 @@ class Req:
         # request recomputes none of them: admission matches its prefix up to there), and the rows not
         # sent yet (tensors [n, hidden] on the host; the scheduler keeps none after sending them).
         self.return_hidden_states = False
+        # return_routed_experts: its positions' routing, encoded when it finishes (model_executor/
+        # routed_experts.py), sent with its last message.
+        self.return_routed_experts = False
+        self.routed_experts: str | None = None
         # --enable-custom-logit-processor: the processor its logits go through (sampling/
         # custom_logit_processor.py), and why it failed if it raised (the finish check ends it then).
         self.custom_logit_processor: CustomLogitProcessor | None = None

@@ -22,6 +22,7 @@ class RequestLimits:
     # --enable-return-hidden-states (and no PD disaggregation: the prompt's states would stay on the
     # prefill server): None, or why a request cannot have them.
     hidden_states_refused: str | None = None
+    routed_experts_enabled: bool = False  # --enable-return-routed-experts
     # --skip-tokenizer-init: the server holds no tokenizer, so whatever needs one is refused by name.
     without_tokenizer: bool = False
     custom_logit_processor_enabled: bool = False  # --enable-custom-logit-processor

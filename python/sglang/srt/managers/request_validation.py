@@ -247,7 +247,7 @@ BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # A value each, or a list of one per prompt.
 PER_ITEM_FIELDS = (
     "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_hidden_states", "custom_logit_processor", "priority", "lora_path",
+    "return_hidden_states", "custom_logit_processor", "priority", "lora_path", "return_routed_experts",
 )  # fmt: skip
 
 
@@ -326,6 +326,12 @@ def build_requests(
             raise RequestError(message, "return_hidden_states", "invalid_type")
         if hidden and limits.hidden_states_refused is not None:
             raise RequestError(limits.hidden_states_refused, "return_hidden_states")
+        routing = per_item["return_routed_experts"][i]
+        if not isinstance(routing, bool):
+            raise RequestError("return_routed_experts must be a boolean.", "return_routed_experts", "invalid_type")
+        if routing and not limits.routed_experts_enabled:
+            message = "return_routed_experts needs the server started with --enable-return-routed-experts."
+            raise RequestError(message, "return_routed_experts")
         processor = check_custom_logit_processor(per_item["custom_logit_processor"][i], limits)
         priority = per_item["priority"][i]
         if priority is not None and (
@@ -365,6 +371,7 @@ def build_requests(
                 bootstrap=sample_bootstrap(bootstrap, j, n),
                 extra_key=extra_key,
                 return_hidden_states=hidden,
+                return_routed_experts=routing,
                 custom_logit_processor=processor,
                 priority=priority,
                 lora_id=lora_id,
@@ -462,7 +469,7 @@ def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:
     """A batch field is either one value for all items or a list with one value per item."""
     defaults = {"sampling_params": None, "rid": None, "return_logprob": False}
     defaults |= {"logprob_start_len": -1, "top_logprobs_num": 0, "return_hidden_states": False}
-    defaults |= {"custom_logit_processor": None, "priority": None, "lora_path": None}
+    defaults |= {"custom_logit_processor": None, "priority": None, "lora_path": None, "return_routed_experts": False}
     defaults |= dict.fromkeys(BOOTSTRAP_FIELDS + NAMESPACE_FIELDS)
     if value is None:
         value = defaults[name]

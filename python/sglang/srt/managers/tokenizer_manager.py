@@ -125,8 +125,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             max_logprobs=server_args.max_logprobs,
             max_logprob_entries=server_args.max_logprob_entries_per_request,
             hidden_size=server_args.model_config.arch.hf_config.hidden_size
-            if server_args.enable_return_hidden_states
-            else 0,
+            if server_args.enable_return_hidden_states else 0,  # fmt: skip
+            routed_experts_enabled=server_args.enable_return_routed_experts,
             max_hidden_state_floats=server_args.max_hidden_state_floats_per_request,
             preferred_sampling_params=server_args.preferred_sampling_params,
             auto_truncate=server_args.allow_auto_truncate,

@@ -86,6 +86,7 @@ class ReqState:
         self.input_token_ids_logprobs: list[list[tuple[float, int]] | None] = []
         self.spec_counts: list[int] | None = None  # with speculative decoding: `Req.spec_counts`
         self.hidden_states: list[list[float]] = []  # with return_hidden_states: one per position
+        self.routed_experts: str | None = None  # with return_routed_experts: with the last message
         self.got_message = False
         self._sent: tuple[int, int, bool] | None = None
         self._built: tuple[int, int, bool] | None = None  # the marker of the chunk built last
@@ -112,6 +113,7 @@ class ReqState:
         self.completion_tokens = out.completion_tokens[i]
         self.cached_tokens = out.cached_tokens[i]
         self.spec_counts = _entry(out.spec_counts, i)
+        self.routed_experts = _entry(out.routed_experts, i) or self.routed_experts
         rows = _entry(out.output_hidden_states, i)
         if rows is not None:
             self.hidden_states.extend(rows_as_lists(rows))  # (each row made a list once, here)
@@ -208,6 +210,8 @@ class ReqState:
         }
         if self.spec_counts is not None:
             meta.update(spec_meta_info(self.spec_counts, self.completion_tokens))
+        if self.routed_experts is not None:
+            meta["routed_experts"] = self.routed_experts
         ranges: dict[str, tuple[int, int]] = {}
         entries = 0
         for name in (*LOGPROB_LISTS, "hidden_states"):

@@ -54,6 +54,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.generation_result import GenerationBatchResult, agree_on_tokens
 from sglang.srt.model_executor.loaded_weights import LoadedWeights, check_same_parameters
 from sglang.srt.model_executor.memory_occupation import MemoryOccupation
+from sglang.srt.model_executor.routed_experts import RoutedExpertsCapture
 from sglang.srt.models.registry import build_meta_model, load_model
 from sglang.srt.models.weight_writes import note_written
 from sglang.srt.sampling.custom_logit_processor import apply_custom_logit_processors
@@ -147,6 +148,9 @@ class ModelRunner:
         self.pool_sizes = pool_sizes or compute_pool_sizes(server_args, self.arch, weight_bytes)
         self._init_pools(model_config.context_len)
         self._kv_scales(warn=True)
+        kv = self.token_to_kv_pool  # --enable-return-routed-experts: a table row per KV slot (page 0 too)
+        kv_slots = (kv.size // kv.page_size + 1) * kv.page_size
+        self.routed_experts = RoutedExpertsCapture.create(server_args, self.model, kv_slots, self.device)
         self.startup_times = {
             "load_weight": loaded - self.started_at,
             "kv_cache_allocation": time.monotonic() - loaded,
@@ -288,6 +292,8 @@ class ModelRunner:
         self.model, self.draft_model = loaded
         if self.lora is not None:
             self.lora.attach(self.model)
+        if self.routed_experts is not None:
+            self.routed_experts.attach(self.model)
         self._kv_scales()  # the missing-scale warning was logged at start (once per start)
         self.memory_occupation.recapture_graphs()
 
@@ -404,6 +410,8 @@ class ModelRunner:
                 self.attn_backend.init_forward_metadata(fb)
                 hidden = self.model(fb.input_ids, fb.positions, fb)
             self.attn_backend.finish_forward(fb)
+            if self.routed_experts is not None:
+                self.routed_experts.commit(fb)
             logits = self.logits_processor(hidden, self.model.lm_head, fb)
             next_logits = logits.next_token_logits
             if fb.penalties is not None:

@@ -104,6 +104,20 @@ class _SamplingFields(_Request):
     custom_params: dict[str, Any] | None = None
     # Upstream's: the LoRA adapter to run with, by name (a `model` of "base:adapter" wins over it).
     lora_path: str | None = None
+    # Upstream's routing replay: served on /generate and Engine.generate only (a 400 here, below).
+    return_routed_experts: bool = False
+
+    @field_validator("return_routed_experts")
+    @classmethod
+    def _routed_experts_on_generate_only(cls, value: bool) -> bool:
+        if value:
+            raise _field_error(
+                "return_routed_experts",
+                "served on /generate and Engine.generate only (meta_info.routed_experts), not on the OpenAI "
+                "routes",
+                "unsupported_parameter",
+            )
+        return value
 
     def passthrough_fields(self) -> dict[str, Any]:
         """The GenerateReqInput fields passed as they are: PD's bootstrap, the cache namespace,

@@ -24,6 +24,8 @@ serves (CUDA), its torch twin elsewhere; the weights' dtype alone decides."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,6 +72,11 @@ class RoutedExperts(nn.Module):
     other ranks' experts get the id `num_experts`, one past the local experts, and weight 0
     (`_local_assignments`); every path sorts them last and computes no GEMM row for them, and the block's
     one all-reduce is the combine; no all-to-all or all-gather runs."""
+
+    # --enable-return-routed-experts: the capture this layer's routing goes to, and its decoder layer
+    # (`model_executor/routed_experts.py`); None: not recorded.
+    routing_capture: Any = None
+    routing_layer: int = 0
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, gated: bool):
         super().__init__()
@@ -237,6 +244,8 @@ class RoutedExperts(nn.Module):
         """x [T, H]; weights, ids [T, k]. Returns [T, H] in x's dtype, accumulated in float32, plus the
         layer's `shared_expert(x)` where given (times sigmoid(`shared_gate`(x)) where given). `ids` are
         global expert ids; under tensor / expert parallelism the result is this rank's part of the sum."""
+        if self.routing_capture is not None:
+            self.routing_capture.record(self.routing_layer, ids)
         masked = self.num_experts != self.global_num_experts
         if masked:
             weights, ids = self._local_assignments(weights, ids)

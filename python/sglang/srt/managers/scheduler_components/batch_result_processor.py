@@ -74,6 +74,8 @@ class BatchResultProcessor:
         # Finished requests whose release waits for a batch in flight (`release_finished`): they still
         # hold their KV and slots.
         self.deferred_releases: list[Req] = []
+        # --enable-return-routed-experts: the model runner's table (`model_executor/routed_experts.py`).
+        self.routed_experts: Any = None
         # Speculative decoding: commits a verify batch's result (`speculative/ngram_worker.py`).
         self.process_verify: Callable[[ScheduleBatch, HostBatchResult], None] | None = None
 
@@ -277,6 +279,10 @@ class BatchResultProcessor:
         # flight must not log a token for an aborted request).
         self.fast_path.clear()
         is_insert = not (req.finished_reason and req.finished_reason.get("type") == "abort")
+        if req.return_routed_experts and self.routed_experts is not None:
+            # Every position the model ran (the last output is never fed), read before the slots go back.
+            ran = len(req.origin_input_ids) + len(req.output_ids) - 1
+            req.routed_experts = self.routed_experts.encode(req.kv_indices[:ran])
         if is_insert and req.num_inflight > 0 and self.tree_cache.defers_finished_release(req):
             req.release_deferred = True
             self.deferred_releases.append(req)
@@ -366,6 +372,7 @@ class BatchResultProcessor:
             out.output_hidden_states.append(torch.cat(unsent) if unsent else None)
         else:
             out.output_hidden_states.append(None)
+        out.routed_experts.append(req.routed_experts if req.finished else None)
         out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
         out.no_stop_trim.append(req.sampling_params.no_stop_trim)
         if self.process_verify is not None:  # speculative decoding: the request's counts

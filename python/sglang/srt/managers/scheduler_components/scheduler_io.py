@@ -256,7 +256,7 @@ class SchedulerIOMixin:
         req.priority = recv.priority
         if recv.warmup:
             self.tree_cache.keep_off_host(recv.extra_key)
-        req.return_hidden_states = recv.return_hidden_states
+        req.return_hidden_states, req.return_routed_experts = recv.return_hidden_states, recv.return_routed_experts
         req.multimodal_inputs = recv.mm_inputs
         req.inflight = self.inflight
         self.counters["num_requests_total"] += 1
