@@ -33,6 +33,7 @@ CASES = [
     ("tiny-lfm2", "extra_buffer_lazy", True, 1, 64),
 ]
 KEPT = CASES[:3]
+GPU_ORACLE_TOL = 1e-3  # test_strategy_matrix.GPU_ORACLE_TOL: float32 on CUDA, measured there
 # (prompt length, max_new_tokens); the short ones finish while the long prompts are prefilled, their
 # newest decode snapshot written by a mixed batch (37 + 11 = 48, 70 + 10 = 80).
 DECODERS = [(37, 14), (70, 13), (58, 45), (90, 70)]
@@ -85,7 +86,7 @@ def _harness(preset, strategy, overlap, page, chunk, mixed: bool) -> SchedulerHa
     )
 
 
-def _run(h: SchedulerHarness, oracle) -> dict:
+def _run(h: SchedulerHarness, oracle, tol: float = ORACLE_TOL) -> dict:
     """The workload; returns what must not depend on mixing, and the log."""
     log = MixedLog(h)
     decoders = [token_ids(n, seed=100 + n) for n, _ in DECODERS]
@@ -106,7 +107,7 @@ def _run(h: SchedulerHarness, oracle) -> dict:
     got = {"tokens": [], "log": log}
     for p, rid in zip(prompts, rids, strict=True):
         out = h.outputs[rid]
-        h.check_oracle(oracle, p, out, ORACLE_TOL)  # (temperature 1.0: the logprobs are the model's)
+        h.check_oracle(oracle, p, out, tol)  # (temperature 1.0: the logprobs are the model's)
         got["tokens"].append(out.output_ids)
     # The top-3 token ids of each step (the values: within the oracle's tolerance, checked above).
     got["top"] = [[pair[1] for pair in step] for step in h.outputs[rids[len(DECODERS) + 1]].top_logprobs]
@@ -119,7 +120,7 @@ def _run(h: SchedulerHarness, oracle) -> dict:
         seq = seqs[rid]
         branch = seq[:seq_len] + [t for t in (7, 8, 9, 10) if t != seq[seq_len]][:3]
         out = h.generate(branch, max_new_tokens=2)
-        h.check_oracle(oracle, branch, out, ORACLE_TOL)
+        h.check_oracle(oracle, branch, out, tol)
         assert out.cached_tokens == seq_len, (rid, seq_len, out.cached_tokens)
     h.flush_and_check_empty()
     return got
@@ -256,3 +257,26 @@ def test_the_decode_rows_take_their_tokens_from_the_prefill_budget():
     assert mixed_prefill_tokens(64, 3, 1) == 61
     assert mixed_prefill_tokens(64, 3, 64) == 64
     assert mixed_prefill_tokens(100, 100, 1) == 100
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", KEPT, ids=lambda v: str(v))
+def test_gpu_mixed_batches_match_the_oracle(case, oracles):
+    """The same workload on CUDA (float32): decode rows through the Triton extend kernels and FLA's
+    varlen prefill from their running slots; the unmixed run decodes in CUDA graphs. Tolerance: the
+    strategy matrix's GPU one (test_strategy_matrix.GPU_ORACLE_TOL, why there)."""
+    preset, strategy, overlap, page, chunk = case
+    results = {}
+    for mixed in (False, True):
+        h = SchedulerHarness(
+            preset, mamba_scheduler_strategy=strategy, disable_overlap_schedule=not overlap, page_size=page,
+            chunked_prefill_size=chunk, mamba_track_interval=INTERVAL, enable_mixed_chunk=mixed,
+            device="cuda", dtype="float32",
+        )  # fmt: skip
+        try:
+            results[mixed] = _run(h, oracles[preset], GPU_ORACLE_TOL)
+        finally:
+            h.shutdown()
+    assert len(results[True]["log"].decode_rows) >= 5
+

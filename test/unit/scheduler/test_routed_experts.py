@@ -121,3 +121,26 @@ def test_requests_and_flags_that_cannot_have_routes_are_refused(tmp_path):
             ServerArgs(model_path=QWEN, enable_return_routed_experts=True, **flags)
     with pytest.raises(ServerArgsError, match="needs a mixture-of-experts checkpoint"):
         SchedulerHarness("tiny-bamba", enable_return_routed_experts=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_routes_from_cuda_graph_replays_match_the_oracle(oracles):
+    """On CUDA (float32) the decode steps replay CUDA graphs, which write the routing into the capture's
+    fixed rows; the rows committed after each replay are transformers' routers' picks."""
+    oracle = oracles[QWEN]
+    h = SchedulerHarness(QWEN, enable_return_routed_experts=True, device="cuda", dtype="float32")
+    assert h.sched.model_runner.graph_runner is not None
+    hf = h.server_args.model_config.arch.hf_config
+    try:
+        prompts = [token_ids(40 + 9 * i, seed=20 + i) for i in range(3)]
+        rids = [h.submit(p, 12, return_routed_experts=True) for p in prompts]
+        h.run()
+        for p, rid in zip(prompts, rids, strict=True):
+            out = h.outputs[rid]
+            ran = p + out.output_ids[:-1]
+            got = decode(out, hf.num_hidden_layers, hf.num_experts_per_tok)
+            assert (got == oracle_routes(oracle, ran, hf.num_experts_per_tok)).all(), rid
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()
