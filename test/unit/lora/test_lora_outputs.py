@@ -77,16 +77,24 @@ def test_cached_prefixes_stay_with_their_adapter(adapters, oracles):
     h.check_oracle(oracle_a, prompt, again, TOL)
 
 
-def test_more_adapters_than_slots_wait_their_turn_under_chunked_prefill(adapters):
-    """Three adapters, two slots (the base model's requests counting as one): every request still
-    runs on its own adapter (slots freed and refilled between batches), chunked prompts included."""
+def _three_adapters_in_two_slots(adapters, **flags):
+    """Adapters a, b, c of tiny-qwen3-next (with their merged oracles) and a harness serving them in two
+    slots (the base model counting as one), chunked prefill of 64."""
     made = {name: adapters.get("tiny-qwen3-next", name) for name in "abc"}
     h = SchedulerHarness(
         "tiny-qwen3-next",
         lora_paths=[f"{n}={p}" for n, (p, _) in made.items()],
         max_loras_per_batch=2,
         chunked_prefill_size=64,
+        **flags,
     )
+    return made, h
+
+
+def test_more_adapters_than_slots_wait_their_turn_under_chunked_prefill(adapters):
+    """Three adapters, two slots (the base model's requests counting as one): every request still
+    runs on its own adapter (slots freed and refilled between batches), chunked prompts included."""
+    made, h = _three_adapters_in_two_slots(adapters)
     loads = []
     apply = h.sched.model_runner.lora.apply_loads
     h.sched.model_runner.lora.apply_loads = lambda batch_loads: (loads.extend(batch_loads), apply(batch_loads))
@@ -218,14 +226,7 @@ def test_all_target_modules_and_an_adapter_loaded_while_serving(adapters):
 def test_mixed_chunks_carry_each_decode_rows_adapter(adapters):
     """--enable-mixed-chunk: decode rows on adapters ride in prefill batches of other adapters' long
     prompts (three adapters, two slots); every request matches its merged oracle."""
-    made = {name: adapters.get("tiny-qwen3-next", name) for name in "abc"}
-    h = SchedulerHarness(
-        "tiny-qwen3-next",
-        lora_paths=[f"{n}={p}" for n, (p, _) in made.items()],
-        max_loras_per_batch=2,
-        chunked_prefill_size=64,
-        enable_mixed_chunk=True,
-    )
+    made, h = _three_adapters_in_two_slots(adapters, enable_mixed_chunk=True)
     mixed = []
     launch = h.sched.launch
     h.sched.launch = lambda batch: (mixed.append(batch.num_decode_rows), launch(batch))
