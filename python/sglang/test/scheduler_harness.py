@@ -13,6 +13,7 @@ import torch
 from sglang.srt.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from sglang.srt.managers.request_validation import cache_namespace
 from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.model_executor.routed_experts import encode as encode_routed_experts
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
@@ -205,7 +206,7 @@ class SchedulerHarness:
                 out.prompt_tokens = msg.prompt_tokens[i]
                 out.finished_reason = msg.finished_reasons[i]
                 if i < len(msg.routed_experts) and msg.routed_experts[i] is not None:
-                    out.routed_experts = msg.routed_experts[i]
+                    out.routed_experts = encode_routed_experts(msg.routed_experts[i])  # (as the HTTP process)
                 rows = msg.output_hidden_states[i]
                 out.hidden_states += [] if rows is None else rows.tolist()
         box.clear()

@@ -144,3 +144,21 @@ def test_gpu_routes_from_cuda_graph_replays_match_the_oracle(oracles):
         h.flush_and_check_empty()
     finally:
         h.shutdown()
+
+
+def test_an_aborted_request_returns_no_routes():
+    """An abort may come while a chunk of the prompt is still queued on the forward stream (review: its
+    rows then held the previous owner's routing, and prompt + output - 1 rows did not match): no rows."""
+    h = SchedulerHarness(QWEN, enable_return_routed_experts=True, chunked_prefill_size=64)
+    try:
+        rid = h.submit(token_ids(200, seed=9), 4, return_routed_experts=True)
+        h.sched.step()
+        h.sched.abort_request(rid)
+        h.run()
+        out = h.outputs[rid]
+        assert out.finished_reason["type"] == "abort" and out.routed_experts is None
+        done = h.generate(token_ids(200, seed=9), 4, return_routed_experts=True)
+        assert decode(done, 4, 2).shape == (203, 4, 2)  # (a request that finishes has them)
+        h.flush_and_check_empty()
+    finally:
+        h.shutdown()

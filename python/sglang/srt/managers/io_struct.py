@@ -407,8 +407,9 @@ class BatchTokenIDOut:
     # With return_hidden_states: the hidden states of the positions since the previous message, a
     # float32 tensor [positions, hidden] (None: not asked for).
     output_hidden_states: list[Any] = field(default_factory=list)
-    # With return_routed_experts, in a request's last message: its routing (`routed_experts.py`).
-    routed_experts: list[str | None] = field(default_factory=list)
+    # With return_routed_experts, in a request's last message: its routing, an int32 tensor [positions,
+    # layers, top_k] that the HTTP process encodes (`routed_experts.py`).
+    routed_experts: list[Any] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> BatchTokenIDOut:
@@ -435,7 +436,7 @@ class BatchStrOut:
     input_token_ids_logprobs: list[list[list[LogprobEntry] | None] | None] = field(default_factory=list)
     spec_counts: list[list[int]] = field(default_factory=list)
     output_hidden_states: list[Any] = field(default_factory=list)
-    routed_experts: list[str | None] = field(default_factory=list)
+    routed_experts: list[Any] = field(default_factory=list)
 
 
 @dataclass

@@ -204,10 +204,10 @@ class Req:
         # request recomputes none of them: admission matches its prefix up to there), and the rows not
         # sent yet (tensors [n, hidden] on the host; the scheduler keeps none after sending them).
         self.return_hidden_states = False
-        # return_routed_experts: its positions' routing, encoded when it finishes (model_executor/
+        # return_routed_experts: its positions' routing [n, layers, k], read when it finishes (model_executor/
         # routed_experts.py), sent with its last message.
         self.return_routed_experts = False
-        self.routed_experts: str | None = None
+        self.routed_experts: torch.Tensor | None = None
         # --enable-custom-logit-processor: the processor its logits go through (sampling/
         # custom_logit_processor.py), and why it failed if it raised (the finish check ends it then).
         self.custom_logit_processor: CustomLogitProcessor | None = None

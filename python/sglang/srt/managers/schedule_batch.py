@@ -23,7 +23,6 @@ from sglang.srt.sampling.custom_logit_processor import CustomLogitInfo
 from sglang.srt.sampling.penaltylib import PenaltyBatchInfo, PenaltySlots
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.scheduler_components.mixed_chunk import MixedDecodeRows
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
 __all__ = ["Req", "ScheduleBatch", "SnapshotTracker", "InflightLedger", "DecodeShortcuts"]
@@ -52,6 +51,15 @@ class InflightLedger(Protocol):
     def num_inflight(self, req: Req) -> int: ...
 
     def inflight_tokens(self, req: Req) -> int: ...
+
+
+class MixedDecodeRows(Protocol):
+    """A mixed batch's decode rows (`scheduler_components/mixed_chunk.MixedDecodeRows`; structural, as
+    above): the requests, each one's new KV slot and its KV length after it."""
+
+    reqs: list[Req]
+    out_cache_loc: list[int]
+    seq_lens: list[int]
 
 
 class DecodeShortcuts(Protocol):

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 from sglang.srt.layers.logits_processor import rows_as_lists
 from sglang.srt.managers.io_struct import BatchStrOut
 from sglang.srt.managers.request_validation import NormalizedRequest
+from sglang.srt.model_executor.routed_experts import encode as encode_routed_experts
 from sglang.srt.utils.text_markers import StopScan
 
 TokenTexts = Callable[[list[int]], list[str]]
@@ -86,7 +87,7 @@ class ReqState:
         self.input_token_ids_logprobs: list[list[tuple[float, int]] | None] = []
         self.spec_counts: list[int] | None = None  # with speculative decoding: `Req.spec_counts`
         self.hidden_states: list[list[float]] = []  # with return_hidden_states: one per position
-        self.routed_experts: str | None = None  # with return_routed_experts: with the last message
+        self.routed_experts: Any = None  # with return_routed_experts: the last message's rows (a tensor)
         self.got_message = False
         self._sent: tuple[int, int, bool] | None = None
         self._built: tuple[int, int, bool] | None = None  # the marker of the chunk built last
@@ -113,7 +114,9 @@ class ReqState:
         self.completion_tokens = out.completion_tokens[i]
         self.cached_tokens = out.cached_tokens[i]
         self.spec_counts = _entry(out.spec_counts, i)
-        self.routed_experts = _entry(out.routed_experts, i) or self.routed_experts
+        routed = _entry(out.routed_experts, i)
+        if routed is not None:
+            self.routed_experts = routed
         rows = _entry(out.output_hidden_states, i)
         if rows is not None:
             self.hidden_states.extend(rows_as_lists(rows))  # (each row made a list once, here)
@@ -210,8 +213,6 @@ class ReqState:
         }
         if self.spec_counts is not None:
             meta.update(spec_meta_info(self.spec_counts, self.completion_tokens))
-        if self.routed_experts is not None:
-            meta["routed_experts"] = self.routed_experts
         ranges: dict[str, tuple[int, int]] = {}
         entries = 0
         for name in (*LOGPROB_LISTS, "hidden_states"):
@@ -224,12 +225,16 @@ class ReqState:
                 self._streamed[name] = end
             ranges[name] = (start, end)
             entries += (end - start) * (_width(values[start]) if end > start else 0)
+        if self.routed_experts is not None:
+            entries += self.routed_experts.numel()  # (encoded in `_build`: a long one off the event loop)
         reply = {"text": self.visible_text(), "output_ids": list(self.output_ids), "meta_info": meta}
         return _Taken(reply, ranges, entries)
 
     def _build(self, taken: _Taken, token_texts: TokenTexts) -> dict[str, Any]:
         """`taken`'s reply with its lists (reads only what `_take` fixed: safe on another thread)."""
         meta = taken.reply["meta_info"]
+        if self.routed_experts is not None:
+            meta["routed_experts"] = encode_routed_experts(self.routed_experts)
         if self.req.return_hidden_states:
             # Upstream's shape: the prompt's positions as one [prompt, hidden] list, then one [hidden]
             # per generated token fed back (the last token is never fed: one fewer than the outputs).

@@ -410,8 +410,6 @@ class ModelRunner:
                 self.attn_backend.init_forward_metadata(fb)
                 hidden = self.model(fb.input_ids, fb.positions, fb)
             self.attn_backend.finish_forward(fb)
-            if self.routed_experts is not None:
-                self.routed_experts.commit(fb)
             logits = self.logits_processor(hidden, self.model.lm_head, fb)
             next_logits = logits.next_token_logits
             if fb.penalties is not None:
@@ -437,6 +435,8 @@ class ModelRunner:
                 sample.next_token_ids = agree_on_tokens(sample.next_token_ids, fb)
             if fb.penalties is not None:
                 self.penalizer.cumulate(fb.penalties, sample.next_token_ids)
+            if self.routed_experts is not None:
+                self.routed_experts.commit(fb)
         return GenerationBatchResult(
             next_token_ids=sample.next_token_ids,
             next_token_logprobs=sample.next_token_logprobs,

@@ -10,10 +10,11 @@ as upstream's.
 
 How (`RoutedExpertsCapture`): each target-model MoE layer writes its ids into a device buffer by batch
 row as it runs (`record`: fixed shapes, so a CUDA graph captures it); after the forward the batch's rows
-go to a host table by KV slot (`commit`: `out_cache_loc`), so a position's routing lives as long as its
-KV does: a prefix-cache hit returns the routing computed when the prefix was (exactly what that
+go to a host table by KV slot (`commit`, after the step's sampling is queued: on CUDA its copy waits where the step's
+results are waited for anyway), so a position's routing lives as long as its KV does: a prefix-cache hit returns the routing computed when the prefix was (exactly what that
 forward used). The scheduler reads a finished request's rows by its KV slots before releasing them
-(`encode`). The MTP draft layer's experts are not the target model's and are not recorded. The host
+(`rows_of`; not for an abort, whose last chunk may still be queued on the forward stream), and the HTTP
+process base64-encodes them (`encode`; a long request's off its event loop). The MTP draft layer's experts are not the target model's and are not recorded. The host
 table costs num_hidden_layers * top_k * 4 bytes per KV slot (Qwen3-Next-80B: 1,920 B).
 
 Refused at start (`server_args_checks.check_routed_experts`, and here for a model without routed
@@ -24,6 +25,7 @@ routing) and with PD disaggregation (the prompt's routing stays on the prefill s
 from __future__ import annotations
 
 import base64
+import logging
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,7 @@ from torch import nn
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+logger = logging.getLogger(__name__)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -74,6 +77,8 @@ class RoutedExpertsCapture:
                 "--enable-return-routed-experts needs a mixture-of-experts checkpoint; this one has no "
                 "routed experts."
             )
+        table = capture.by_slot.numel() * capture.by_slot.element_size()
+        logger.info("Routed experts: %.1f MiB of host memory (%d KV slots).", table / 2**20, kv_slots)
         return capture
 
     def attach(self, model: nn.Module) -> int:
@@ -102,7 +107,12 @@ class RoutedExpertsCapture:
         tokens = loc.shape[0]
         self.by_slot[loc] = self._buffer(tokens)[:tokens].to("cpu")
 
-    def encode(self, slots: list[int]) -> str:
-        """The rows of KV slots `slots` (a request's positions in order), in upstream's wire format."""
-        rows = self.by_slot[torch.tensor(slots, dtype=torch.int64)] if slots else self.by_slot[:0]
-        return base64.b64encode(rows.numpy().astype("<i4").tobytes()).decode("ascii")
+    def rows_of(self, slots: list[int]) -> torch.Tensor:
+        """The rows of KV slots `slots` (a request's positions in order): a copy [n, layers, k], which
+        the HTTP process encodes (`encode`) off the scheduler thread."""
+        return self.by_slot[torch.tensor(slots, dtype=torch.int64)] if slots else self.by_slot[:0].clone()
+
+
+def encode(rows: torch.Tensor) -> str:
+    """Upstream's wire format: base64 (ASCII) of the little-endian int32 array."""
+    return base64.b64encode(rows.numpy().astype("<i4", copy=False).tobytes()).decode("ascii")

@@ -279,10 +279,11 @@ class BatchResultProcessor:
         # flight must not log a token for an aborted request).
         self.fast_path.clear()
         is_insert = not (req.finished_reason and req.finished_reason.get("type") == "abort")
-        if req.return_routed_experts and self.routed_experts is not None:
-            # Every position the model ran (the last output is never fed), read before the slots go back.
+        if is_insert and req.return_routed_experts and self.routed_experts is not None:
+            # Every position the model ran (the last output is never fed), read before the slots go back;
+            # not for an abort, which may come while a chunk of its prompt is still queued.
             ran = len(req.origin_input_ids) + len(req.output_ids) - 1
-            req.routed_experts = self.routed_experts.encode(req.kv_indices[:ran])
+            req.routed_experts = self.routed_experts.rows_of(req.kv_indices[:ran])
         if is_insert and req.num_inflight > 0 and self.tree_cache.defers_finished_release(req):
             req.release_deferred = True
             self.deferred_releases.append(req)

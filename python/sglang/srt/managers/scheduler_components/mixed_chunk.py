@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from sglang.srt.mem_cache.common import alloc_for_decode
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.req import Req
     from sglang.srt.managers.scheduler_components.decode_fast_path import DecodeFastPath
     from sglang.srt.mem_cache.allocator.token import PagedTokenAllocator
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
