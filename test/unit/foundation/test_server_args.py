@@ -440,17 +440,20 @@ def test_env_registry_override_reaches_subprocesses():
 
 def test_gc_threshold_sets_the_scheduler_processes_collector():
     """--gc-threshold (upstream's): 1 to 3 non-negative integers, applied where the scheduler process
-    starts (`configure_subprocess`); anything else is refused naming the flag."""
+    starts (`configure_subprocess` calls `apply_gc_threshold`; not called here: it also configures the
+    process's logging, which would reach the later tests); anything else is refused naming the flag."""
     import gc
+    import inspect
 
-    from sglang.srt.utils.process import configure_subprocess
+    from sglang.srt.utils.process import apply_gc_threshold, configure_subprocess
 
     args = prepare_server_args(["--gc-threshold", "5000", "20"])
     assert args.gc_threshold == [5000, 20]
     before = gc.get_threshold()
     try:
-        configure_subprocess(args, "scheduler")
+        apply_gc_threshold(args)
         assert gc.get_threshold() == (5000, 20, before[2])
+        assert "apply_gc_threshold(server_args)" in inspect.getsource(configure_subprocess)
     finally:
         gc.set_threshold(*before)
     for bad in ([1, 2, 3, 4], [-1], []):

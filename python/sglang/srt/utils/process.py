@@ -26,10 +26,15 @@ def configure_logging(log_level: str, prefix: str = "") -> None:
     logging.basicConfig(level=getattr(logging, log_level.upper()), format=fmt, force=True)
 
 
-def configure_subprocess(server_args, name: str) -> None:
-    configure_logging(server_args.log_level, name)
+def apply_gc_threshold(server_args) -> None:
+    """--gc-threshold: the process's `gc.set_threshold` (None: Python's)."""
     if server_args.gc_threshold:
         gc.set_threshold(*server_args.gc_threshold)
+
+
+def configure_subprocess(server_args, name: str) -> None:
+    configure_logging(server_args.log_level, name)
+    apply_gc_threshold(server_args)
     if server_args.device == "cpu":
         threads = default_torch_threads()
         torch.set_num_threads(threads)
