@@ -20,9 +20,10 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import regex
 
 from sglang.srt.constrained.output_check_budget import OutputCheckBudget
-from sglang.srt.constrained.stop_regex import MAX_CHARS
+from sglang.srt.constrained.stop_regex import MAX_CHARS, compiled
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams, SamplingParamsError
 from sglang.test.ci_register import register_cpu_ci
@@ -250,6 +251,19 @@ def _error(params: dict) -> str:
     return str(e.value)
 
 
+def _best_seconds(call, attempts: int = 3) -> float:
+    """The fastest of `attempts` calls, each compiling anew (`regex`'s and `compiled`'s caches emptied): what the call costs,
+    not a stall of this shared VM (one CI run measured 0.46 s for a compile of 17-22 ms)."""
+    best = math.inf
+    for _ in range(attempts):
+        regex.purge()
+        compiled.cache_clear()
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def test_stop_regex_bounds_give_a_400_at_once():
     """Row 6: the 689 KB pattern (which compiled for 10.8 s on the HTTP event loop), 5,000 nested groups
     (a RecursionError, a 500), a counted repeat that unrolls to 4 GB, and too many patterns: each is
@@ -263,17 +277,14 @@ def test_stop_regex_bounds_give_a_400_at_once():
         "(?:(?:a{100}){100}){100}": "repeats to more than",
     }
     for pattern, why in cases.items():
-        start = time.perf_counter()
+        assert _best_seconds(lambda p=pattern: _error({"stop_regex": p})) < 0.05, pattern[:40]
         message = _error({"stop_regex": pattern})
-        assert time.perf_counter() - start < 0.05, pattern[:40]
         assert message.startswith("stop_regex") and why in message and message.endswith("."), message
     assert "at most 16" in _error({"stop_regex": ["a"] * 17})
     unit = "(?:abcdefghij){e<=3}"  # fuzzy matching: the costliest to compile per character measured
     worst = [(unit * (MAX_CHARS // len(unit)))[:MAX_CHARS]]
-    start = time.perf_counter()
-    SamplingParams.from_dict({"stop_regex": worst})
     # 17-22 ms measured; a stall this size per request is what tokenizing a long prompt costs too.
-    assert time.perf_counter() - start < 0.25
+    assert _best_seconds(lambda: SamplingParams.from_dict({"stop_regex": worst})) < 0.25
     SamplingParams.from_dict({"stop_regex": [r"\n\n", r"(?i)observation:", r"</?tool_call>", r"\d{4}-\d{2}"]})
 
 
