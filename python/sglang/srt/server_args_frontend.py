@@ -39,6 +39,10 @@ class FrontendArgs:
     allow_auto_truncate: bool = False
     # Requests waiting for their first batch, at most; one more is refused with 503 (not under PD).
     max_queued_requests: int | None = None
+    # The Responses API's store (GET /v1/responses/{id}, previous_response_id, background), in the HTTP
+    # process's memory, at most response_store_max_mb of JSON (least recently used dropped first).
+    enable_response_store: bool = False
+    response_store_max_mb: int = 256
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
@@ -86,6 +90,18 @@ def add_frontend_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Requests waiting for their first batch, at most; one more gets 503 'The request queue is "
         "full.' (each data-parallel rank's queue; ignored under PD disaggregation, as upstream).",
+    )
+    g.add_argument(
+        "--enable-response-store",
+        action="store_true",
+        help="Keep /v1/responses answers (store: true) in memory for GET /v1/responses/{id}, "
+        "previous_response_id and background responses (not under --disaggregation-mode, as upstream).",
+    )
+    g.add_argument(
+        "--response-store-max-mb",
+        type=int,
+        default=256,
+        help="The response store's bound (JSON megabytes); the least recently used response goes first.",
     )
     g.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this private key (PEM).")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM).")
@@ -136,6 +152,13 @@ def check_frontend_flags(args: ServerArgs) -> None:
         raise ServerArgsError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}.")
     if args.max_queued_requests is not None and args.disaggregation_mode != "null":
         logger.warning("--max-queued-requests has no effect under --disaggregation-mode (as upstream's).")
+    if args.response_store_max_mb < 1:
+        raise ServerArgsError(f"--response-store-max-mb must be at least 1, got {args.response_store_max_mb}.")
+    if args.enable_response_store and args.disaggregation_mode != "null":
+        raise ServerArgsError(
+            "--enable-response-store is not supported with --disaggregation-mode (as upstream): a stored "
+            "response lives in one server's memory; serve the Responses API without storing instead."
+        )
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ServerArgsError("--ssl-keyfile and --ssl-certfile go together: give both to serve HTTPS.")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),

@@ -196,7 +196,7 @@ REFUSED: dict[str, str] = {
         --radix-eviction-policy-config= --soft-watchdog-timeout=
     """,
     "serving": """
-        --enable-response-store --tokenizer-backend= --fastapi-root-path= --enable-http-worker-reuseport
+        --tokenizer-backend= --fastapi-root-path= --enable-http-worker-reuseport
         --smg-grpc-mode --grpc-mode --grpc-port= --grpc-response-timeout-secs= --sidecar= --sidecar-args=
         --smg-http-sidecar-port|--grpc-http-sidecar-port= --warmups= --enable-http2 --http2-max-concurrent-streams=
         --http2-initial-connection-window-size= --enable-ssl-refresh --trust-request-chat-template

@@ -62,7 +62,7 @@ class TestOpenAIServer(ServerTestCase):
     server_args = [
         "--mamba-scheduler-strategy", "extra_buffer_lazy", "--enable-metrics", "--reasoning-parser", "qwen3",
         "--tool-call-parser", "qwen25", "--constrained-json-disable-any-whitespace",
-        "--enable-return-hidden-states",
+        "--enable-return-hidden-states", "--enable-response-store",
     ]  # fmt: skip
     api_key = "sk-test-key"
 
@@ -509,3 +509,41 @@ class TestOpenAIServer(ServerTestCase):
         any_json = {"max_new_tokens": 24, "json_schema": "$$ANY$$"}
         out = self.post("/generate", {"text": "x = ", "sampling_params": any_json})
         self.assertEqual(out.status_code, 200, out.text)
+
+    def test_responses_api(self) -> None:
+        """/v1/responses through the openai client: the answer chat gives the same conversation, whole and
+        streamed; a chained turn (previous_response_id) is the replayed conversation (same prompt, same
+        greedy answer); stored responses are retrieved, listed and deleted; a bad grammar names text.format.
+        (The rules: test/unit/frontend/test_responses_api.py.)"""
+        greedy = {"max_output_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        first = self.client.responses.create(model=self.model, input=MESSAGES, **greedy)
+        chat = self.chat(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        self.assertEqual(first.output_text, chat.choices[0].message.content)
+        self.assertEqual((first.status, first.incomplete_details.reason), ("incomplete", "max_output_tokens"))
+        self.assertEqual(first.usage.input_tokens, chat.usage.prompt_tokens)
+        events = list(self.client.responses.create(model=self.model, input=MESSAGES, stream=True, **greedy))
+        self.assertEqual(events[-1].type, "response.incomplete")
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        self.assertEqual((text, events[-1].response.output_text), (first.output_text, first.output_text))
+        turn = [{"role": "user", "content": "And of Italy?"}]
+        chained = self.client.responses.create(
+            model=self.model, input=turn, previous_response_id=first.id, **greedy
+        )
+        replay = MESSAGES + [{"role": "assistant", "content": first.output_text}] + turn
+        replayed = self.client.responses.create(model=self.model, input=replay, store=False, **greedy)
+        self.assertEqual(chained.usage.input_tokens, replayed.usage.input_tokens)
+        self.assertEqual(chained.output_text, replayed.output_text)
+        self.assertEqual(self.client.responses.retrieve(first.id).output_text, first.output_text)
+        items = self.client.responses.input_items.list(chained.id)
+        self.assertEqual([i.content[0].text for i in items.data], ["And of Italy?"])
+        self.client.responses.delete(chained.id)
+        with self.assertRaises(openai.NotFoundError):
+            self.client.responses.retrieve(chained.id)
+        with self.assertRaises(openai.NotFoundError):
+            self.client.responses.retrieve(replayed.id)  # store: false
+        bad = {"type": "json_schema", "name": "n", "schema": {"type": "nonsense"}}
+        r = self.post("/v1/responses", {"model": self.model, "input": "x", "text": {"format": bad}})
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "text.format"), r.text)
+        long = " ".join(f"w{i}" for i in range(40_000))  # past the context length
+        r = self.post("/v1/responses", {"model": self.model, "input": long})
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "input"), r.text)

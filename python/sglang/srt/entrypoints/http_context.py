@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
 from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.metrics.collector import MetricsCollector
@@ -27,6 +28,7 @@ class ServerContext:
     completions: OpenAIServingCompletion
     tokenize: OpenAIServingTokenize
     metrics: MetricsCollector | None
+    responses: OpenAIServingResponses
 
     @property
     def model_name(self) -> str:

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, and upstream's
-/tokenize and /detokenize (also as /v1/tokenize and /v1/detokenize, as upstream serves them)."""
+"""The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (and its
+stored responses' routes), and upstream's /tokenize and /detokenize (also as /v1/tokenize and
+/v1/detokenize, as upstream serves them)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,33 @@ async def v1_completions(request: Request, s: Server) -> Response:
 @router.post("/v1/chat/completions")
 async def v1_chat_completions(request: Request, s: Server) -> Response:
     return await s.chat.handle(request)
+
+
+@router.post("/v1/responses")
+async def v1_responses(request: Request, s: Server) -> Response:
+    return await s.responses.create(request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def v1_response(response_id: str, s: Server) -> Response:
+    return s.responses.retrieve(response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def v1_response_delete(response_id: str, s: Server) -> Response:
+    return await s.responses.delete(response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def v1_response_cancel(response_id: str, s: Server) -> Response:
+    return await s.responses.cancel(response_id)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def v1_response_input_items(
+    response_id: str, s: Server, order: str = "desc", limit: int = 20, after: str | None = None
+) -> Response:
+    return s.responses.input_items(response_id, order, limit, after)
 
 
 @router.post("/v1/tokenize")

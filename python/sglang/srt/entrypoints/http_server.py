@@ -27,8 +27,10 @@ from sglang.srt.entrypoints import (
 from sglang.srt.entrypoints.http_context import ServerContext
 from sglang.srt.entrypoints.http_errors import install_error_handlers
 from sglang.srt.entrypoints.http_guard import RequestGuard
+from sglang.srt.entrypoints.openai.response_store import ResponseStore
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
 from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
 from sglang.srt.entrypoints.server_warmup import needs_shape_warmup, run_server_warmup, warmup_prompt_lengths
 from sglang.srt.environ import envs
@@ -95,6 +97,10 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         server_args.default_chat_template_kwargs, include_usage,
     )  # fmt: skip
     completions = OpenAIServingCompletion(tm, model_name, include_usage)
+    store = None
+    if server_args.enable_response_store:
+        store = ResponseStore(server_args.response_store_max_mb * 2**20)
+    responses = OpenAIServingResponses(chat, store, caches_prompts=not server_args.disable_radix_cache)
     if server_args.enable_custom_logit_processor and not envs.SGLANG_LOGIT_PROCESSOR_SECRET.get():
         logger.warning(
             "--enable-custom-logit-processor without SGLANG_LOGIT_PROCESSOR_SECRET: every client that "
@@ -126,7 +132,9 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     tokenize = OpenAIServingTokenize(tm, model_info["context_len"], model_info["vocab_size"])
-    app.state.server = ServerContext(server_args, tm, model_info, chat, completions, tokenize, metrics)
+    app.state.server = ServerContext(
+        server_args, tm, model_info, chat, completions, tokenize, metrics, responses
+    )
     install_error_handlers(app)
     routers = [
         m.router for m in (http_routes_native, http_routes_openai, http_routes_weights, http_routes_control)

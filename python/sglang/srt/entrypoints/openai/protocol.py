@@ -314,6 +314,9 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant message's calls
     tool_call_id: str | None = None  # a tool message's answer to that call
+    # An earlier answer's reasoning (upstream passes it to the template: Qwen3's renders it for the turns
+    # after the last user message, a tool-calling loop's).
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod

@@ -68,6 +68,8 @@ def _template_message(m: Any) -> dict[str, Any]:
         message["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         message["name"] = m.name
+    if m.reasoning_content is not None and m.role == "assistant":
+        message["reasoning_content"] = m.reasoning_content
     return message
 
 

@@ -1,0 +1,169 @@
+"""The items of the Responses API and the chat messages they stand for.
+
+Input items become chat messages for the model's template: a message (roles user, system, developer,
+assistant; text and image parts), `function_call` (an assistant's tool call: consecutive calls, and the
+assistant text before them, make one assistant message), `function_call_output` (a tool message), and
+`reasoning` (the next assistant message's `reasoning_content`, which templates such as Qwen3's render for
+the turns after the last user message). A developer message is a system message, as upstream renders it.
+
+An answer (the chat route's message) becomes output items in OpenAI's order: `reasoning`, `message`
+(`output_text`), `function_call`s. Ids are random, as OpenAI's: `resp_`, `msg_`, `rs_`, `fc_`, `call_`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sglang.srt.managers.request_validation import RequestError
+
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _fail(index: int, message: str, field: str = "") -> RequestError:
+    return RequestError(f"input[{index}]{field}: {message}.", f"input[{index}]{field}")
+
+
+def _parts(index: int, content: Any) -> str | list[dict[str, Any]]:
+    """A message's content as the chat route takes it: a string, or text and image_url parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _fail(index, "content must be a string or a list of parts", ".content")
+    parts: list[dict[str, Any]] = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        where = f".content[{k}]"
+        if kind in TEXT_PARTS:
+            text = part.get("refusal" if kind == "refusal" else "text")
+            if not isinstance(text, str):
+                raise _fail(index, f"a part of type {kind!r} needs a string", where)
+            parts.append({"type": "text", "text": text})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise _fail(index, "an input_image part needs image_url (file_id is not served)", where)
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise _fail(index, f"part type {kind!r} is not one of {', '.join(TEXT_PARTS)}, input_image", where)
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)  # (plain text: what every template renders)
+    return parts
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of a request's `input` (a RequestError naming `input[i]` for a bad item)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+
+    def assistant(new_turn: bool = False) -> dict[str, Any]:
+        """The assistant message the next text, call or pending reasoning joins: the last message if it is
+        the assistant's (and not `new_turn`), else a new one."""
+        last = messages[-1] if messages else None
+        if last is None or last["role"] != "assistant" or new_turn:
+            last = {"role": "assistant", "content": None}
+            messages.append(last)
+        if reasoning:
+            last["reasoning_content"] = (last.get("reasoning_content") or "") + "".join(reasoning)
+            reasoning.clear()
+        return last
+
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _fail(i, "an item must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _fail(i, f"role {role!r} is not one of user, system, developer, assistant", ".role")
+            content = _parts(i, item.get("content"))
+            if role == "assistant":
+                if not isinstance(content, str):
+                    raise _fail(i, "an assistant message's parts are text", ".content")
+                last = messages[-1] if messages else {}
+                message = assistant(new_turn=bool(last.get("tool_calls")))  # text after calls: a new turn
+                message["content"] = (message["content"] or "") + content
+            else:
+                messages.append({"role": "system" if role == "developer" else role, "content": content})
+        elif kind == "function_call":
+            name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
+            if not (isinstance(name, str) and isinstance(call_id, str) and isinstance(arguments, str)):
+                raise _fail(i, "a function_call needs name, call_id and arguments (strings)")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            assistant().setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not isinstance(output, str | list):
+                raise _fail(i, "a function_call_output needs call_id (a string) and output")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(_parts(i, output))})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list):
+                raise _fail(i, "a reasoning item's content is a list of reasoning_text parts", ".content")
+            reasoning.append("".join(p.get("text", "") for p in parts if isinstance(p, dict)))
+        else:
+            raise _fail(
+                i,
+                f"item type {kind!r} is not one of message, function_call, function_call_output, reasoning",
+                ".type",
+            )
+    return messages
+
+
+def output_items(
+    reasoning: str | None, content: str | None, calls: list[dict[str, Any]] | None, status: str,
+    logprobs: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """An answer's output items: its reasoning, its text, its function calls (those present)."""
+    items: list[dict[str, Any]] = []
+    if reasoning:
+        items.append(reasoning_item(new_id("rs"), reasoning, status))
+    if content or not (reasoning or calls):
+        items.append(message_item(new_id("msg"), content or "", status, logprobs))
+    for call in calls or []:
+        items.append(call_item(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
+    return items
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def output_text(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return part
+
+
+def message_item(item_id: str, text: str | None, status: str, logprobs: list | None = None) -> dict[str, Any]:
+    content = [] if text is None else [output_text(text, logprobs)]
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}  # fmt: skip
+
+
+def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of a stored response's output (a next turn's history, `previous_response_id`)."""
+    return input_messages(
+        [
+            {"type": "message", "role": "assistant", "content": _text(i["content"])} if i["type"] == "message" else i
+            for i in items
+        ]
+    )

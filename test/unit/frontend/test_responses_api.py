@@ -1,0 +1,362 @@
+"""POST /v1/responses (OpenAI's Responses API) over the chat serving, with a fake template and a fake
+generation: input items to chat messages, the request to a chat request (errors in this API's names), the
+answer to output items and to stream events that the `openai` package's own models parse, a stream that
+builds what the whole reply has, the store (chaining = replaying the conversation, its byte bound, the
+background lifecycle). The real server: test/registered/openai_server/test_openai_api.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import orjson
+import pytest
+from openai.types.responses import Response as OpenAIResponse
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
+from starlette.exceptions import HTTPException
+
+from sglang.srt.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from sglang.srt.entrypoints.openai.responses_items import input_messages
+from sglang.srt.entrypoints.openai.responses_protocol import ResponsesRequest
+from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
+from sglang.srt.managers.request_validation import RequestError
+from sglang.test.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=4, suite="per-commit-cpu")
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+class _Template:
+    chat_template = "fake"
+
+    def __init__(self):
+        self.seen: list[dict] = []
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
+        self.seen.append({"messages": messages, **kwargs})
+        text = "".join(f"<{m['role']}>{m.get('reasoning_content') or ''}|{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text)
+
+
+class _TM:
+    """Answers every request with `answer` (streamed two characters a chunk), recording the prompts."""
+
+    def __init__(self, answer: str, finish: str = "stop", delay: float = 0.0):
+        self.tokenizer = _Template()
+        self.limits = SimpleNamespace(context_len=1 << 20)
+        self.lora = SimpleNamespace(split_model=lambda model: (model, None))
+        self.answer, self.finish, self.delay = answer, finish, delay
+        self.prompts: list[list[int]] = []
+        self.aborted = 0
+
+    async def encode(self, text, param, add_special_tokens=True, truncate=False):
+        return [ord(c) for c in text]
+
+    async def generate_request(self, obj, request=None):
+        self.prompts.append(obj.input_ids)
+        n = len(self.answer)
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            cuts = list(range(2, n, 2)) + [n] if obj.stream else [n]
+            for k, cut in enumerate(cuts):
+                last = k == len(cuts) - 1
+                meta = {"id": "x", "prompt_tokens": len(obj.input_ids), "completion_tokens": cut, "cached_tokens": 3,
+                        "finish_reason": {"type": self.finish} if last else None}  # fmt: skip
+                if obj.return_logprob:
+                    lo = 0 if not obj.stream else (cuts[k - 1] if k else 0)
+                    meta["output_token_logprobs"] = [(-0.5, ord(c), c) for c in self.answer[lo:cut]]
+                    meta["output_top_logprobs"] = [[(-0.5, ord(c), c)] for c in self.answer[lo:cut]]
+                yield {"text": self.answer[:cut], "meta_info": meta}
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted += 1
+            raise
+
+
+def _serving(answer: str = "Hello there", store: bool = True, **tm_kw) -> OpenAIServingResponses:
+    chat = OpenAIServingChat(_TM(answer, **tm_kw), "m", reasoning_parser="qwen3", tool_call_parser="qwen25")
+    return OpenAIServingResponses(chat, ResponseStore(1 << 20) if store else None)
+
+
+def _request(body: dict) -> SimpleNamespace:
+    async def read():
+        return orjson.dumps(body)
+
+    return SimpleNamespace(body=read, url=SimpleNamespace(path="/v1/responses"), is_disconnected=None)
+
+
+def _create(serving: OpenAIServingResponses, **body):
+    return asyncio.run(_create_async(serving, **body))
+
+
+async def _create_async(serving, **body):
+    reply = await serving.create(_request({"input": "weather?", **body}))
+    if not body.get("stream"):
+        return orjson.loads(reply.body)
+    return [_event(chunk) async for chunk in reply.body_iterator]
+
+
+def _event(chunk: bytes) -> dict:
+    head, data = chunk.decode().split("\n", 1)
+    event = json.loads(data.removeprefix("data: "))
+    assert head == f"event: {event['type']}"
+    EVENTS.validate_python(event)  # the openai package's own event models parse it
+    return event
+
+
+def _without_ids(x):
+    if isinstance(x, dict):
+        return {k: _without_ids(v) for k, v in x.items() if k not in ("id", "call_id", "completed_at", "created_at")}
+    if isinstance(x, list):
+        return [_without_ids(v) for v in x]
+    return x
+
+
+# ---- input items -> chat messages ------------------------------------------------------------------
+
+
+def test_input_items_become_the_chat_messages_templates_read():
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "weather "}, {"type": "input_text", "text": "?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "plan"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "rain"}]},
+        {"role": "assistant", "content": "Sunny and rain."},
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}]},
+    ]
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+    ]
+    assert input_messages(items) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "weather ?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "plan", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "rain"},
+        {"role": "assistant", "content": "Sunny and rain."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+    ]
+    assert input_messages("hi") == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "item, param",
+    [
+        ({"type": "web_search_call", "id": "ws"}, "input[1].type"),
+        ({"role": "tool", "content": "x"}, "input[1].role"),
+        ({"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}, "input[1].content[0]"),
+        ({"type": "function_call", "name": "f"}, "input[1]"),
+        ({"type": "function_call_output", "call_id": "c"}, "input[1]"),
+    ],
+)
+def test_a_bad_input_item_is_a_400_naming_it(item, param):
+    with pytest.raises(RequestError) as e:
+        input_messages([{"role": "user", "content": "hi"}, item])
+    assert e.value.param == param and param in e.value.message
+
+
+# ---- the request -> a chat request -------------------------------------------------------------------
+
+
+def test_the_request_maps_onto_the_chat_request():
+    req = ResponsesRequest.model_validate({
+        "input": "x", "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9, "tools": TOOLS,
+        "tool_choice": {"type": "function", "name": "get_weather"}, "top_k": 3, "seed": 5, "unknown": 1,
+        "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+    })  # fmt: skip
+    chat = req.chat_request([{"role": "user", "content": "x"}])
+    assert (chat.max_tokens, chat.temperature, chat.top_p, chat.top_k, chat.seed) == (7, 0.5, 0.9, 3, 5)
+    assert chat.tools[0].function.name == "get_weather" and chat.forces_tool_calls
+    assert chat.logprobs and chat.top_logprobs == 2
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = ResponsesRequest.model_validate({"input": "x", "text": {"format": {"type": "json_schema", "name": "a",
+                                                                            "schema": schema}}})  # fmt: skip
+    assert fmt.chat_request([{"role": "user", "content": "x"}]).sampling_params()["json_schema"] == json.dumps(schema)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function"}]}, "tools[0].name"),
+        ({"text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+        ({"include": ["everything"]}, "include"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"input": []}, "input"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"previous_response_id": "resp_nope"}, "previous_response_id"),
+        ({"background": True, "stream": True}, "stream"),
+        ({"background": True, "store": False}, "store"),
+        ({"stop": ""}, "stop"),
+    ],
+)
+def test_bad_requests_are_a_400_naming_the_field_in_this_apis_words(body, param):
+    serving = _serving()
+    with pytest.raises(RequestError) as e:
+        _create(serving, **body)
+    assert e.value.param == param, e.value.message
+    assert serving.tm.prompts == [], "refused before anything was generated"
+
+
+def test_without_the_store_chaining_and_background_are_refused_and_nothing_is_kept():
+    serving = _serving(store=False)
+    for field, value in (("previous_response_id", "resp_x"), ("background", True)):
+        with pytest.raises(RequestError) as e:
+            _create(serving, **{field: value})
+        assert e.value.param == field and "--enable-response-store" in e.value.message
+    reply = _create(serving)
+    assert reply["store"] is False and reply["status"] == "completed"
+    with pytest.raises(HTTPException) as e:
+        serving.retrieve(reply["id"])
+    assert e.value.status_code == 404 and "--enable-response-store" in e.value.detail
+
+
+# ---- the answer -> output items, whole and streamed ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "answer, finish, kinds, status",
+    [
+        ("Hello there", "stop", ["message"], "completed"),
+        ("<think>plan</think>Checking.\n" + CALL, "stop", ["reasoning", "message", "function_call"], "completed"),
+        ("<think>plan</think>" + CALL + "\n" + CALL, "stop", ["reasoning", "function_call", "function_call"], "completed"),
+        ("long plan with no end", "length", ["message"], "incomplete"),
+        ("<think>a plan cut short", "length", ["reasoning"], "incomplete"),
+    ],
+)
+def test_the_stream_builds_what_the_whole_reply_has(answer, finish, kinds, status):
+    serving = _serving(answer, finish=finish)
+    body = {"tools": TOOLS, "include": ["message.output_text.logprobs"], "instructions": "Be brief."}
+    whole = _create(serving, **body)
+    OpenAIResponse.model_validate(whole)  # the openai package's own model parses it
+    assert [item["type"] for item in whole["output"]] == kinds and whole["status"] == status
+    if status == "incomplete":
+        assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    events = _create(serving, stream=True, **body)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == ("response.incomplete" if status == "incomplete" else "response.completed")
+    assert _without_ids(final) == _without_ids(whole)
+    # The items the deltas build are the items the last event has.
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    messages = [i for i in final["output"] if i["type"] == "message"]
+    assert text == "".join(m["content"][0]["text"] for m in messages)
+    assert reasoning == "".join(i["content"][0]["text"] for i in final["output"] if i["type"] == "reasoning")
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == final["output"]
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == list(range(len(final["output"])))
+    usage = final["usage"]
+    assert usage["output_tokens"] == len(answer) and usage["input_tokens_details"]["cached_tokens"] == 3
+    assert usage["output_tokens_details"]["reasoning_tokens"] == len(reasoning)
+
+
+def test_calls_come_back_as_function_call_items_with_their_call_ids():
+    whole = _create(_serving("<think>plan</think>" + CALL), tools=TOOLS)
+    (call,) = [i for i in whole["output"] if i["type"] == "function_call"]
+    assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Paris"})
+    assert call["call_id"].startswith("call") and call["id"].startswith("fc_")
+
+
+def test_logprobs_only_when_asked():
+    plain = _create(_serving())
+    assert "logprobs" not in plain["output"][0]["content"][0]
+    asked = _create(_serving(), include=["message.output_text.logprobs"])
+    entries = asked["output"][0]["content"][0]["logprobs"]
+    assert "".join(e["token"] for e in entries) == "Hello there"
+
+
+# ---- the store --------------------------------------------------------------------------------------
+
+
+def test_a_chained_turn_renders_what_replaying_the_conversation_renders():
+    serving = _serving("<think>plan</think>" + CALL)
+    first = _create(serving, tools=TOOLS, instructions="OLD")
+    result = {"type": "function_call_output", "call_id": first["output"][-1]["call_id"], "output": "sunny"}
+    _create(serving, tools=TOOLS, previous_response_id=first["id"], input=[result], instructions="NEW")
+    replay = [{"role": "user", "content": "weather?"}, *first["output"], result]
+    _create(serving, tools=TOOLS, input=replay, instructions="NEW")
+    chained, replayed = serving.tm.prompts[1], serving.tm.prompts[2]
+    assert chained == replayed
+    seen = serving.tm.tokenizer.seen[1]["messages"]
+    assert seen[0] == {"role": "system", "content": "NEW"}, "instructions are not carried over"
+    assert seen[2]["reasoning_content"] == "plan" and seen[2]["tool_calls"], "the earlier turn's reasoning and call"
+    assert "OLD" not in str(seen)
+
+
+def test_stored_responses_are_retrieved_listed_and_deleted():
+    serving = _serving()
+    reply = _create(serving, input=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert orjson.loads(serving.retrieve(reply["id"]).body) == reply
+    listed = orjson.loads(serving.input_items(reply["id"], order="asc").body)
+    assert [i["content"][0]["text"] for i in listed["data"]] == ["a", "b"] and not listed["has_more"]
+    page = orjson.loads(serving.input_items(reply["id"], limit=1).body)
+    assert [i["content"][0]["text"] for i in page["data"]] == ["b"] and page["has_more"]
+    after = orjson.loads(serving.input_items(reply["id"], after=page["last_id"]).body)
+    assert [i["content"][0]["text"] for i in after["data"]] == ["a"]
+    asyncio.run(serving.delete(reply["id"]))
+    with pytest.raises(HTTPException):
+        serving.retrieve(reply["id"])
+    not_stored = _create(serving, store=False)
+    assert not_stored["store"] is False
+    with pytest.raises(HTTPException):
+        serving.retrieve(not_stored["id"])
+
+
+def test_the_store_keeps_its_byte_bound_dropping_the_least_recently_used():
+    store = ResponseStore(max_bytes=3000)
+
+    def entry(rid: str, size: int) -> StoredResponse:
+        return StoredResponse({"id": rid, "status": "completed", "pad": "x" * size}, [], [])
+
+    for k in range(5):
+        assert store.put(entry(f"r{k}", 600))
+        store.get("r0")  # r0 stays recently used
+    assert store.used <= 3000 and store.get("r0") is not None and store.get("r1") is None
+    assert sum(store.get(f"r{k}") is not None for k in range(5)) == len(store) == 4
+    assert not store.put(entry("big", 4000)) and store.get("big") is None
+    assert store.used == sum(e.size for e in store._entries.values())
+    for rid in list(store._entries):
+        assert store.delete(rid)
+    assert store.used == 0
+
+
+def test_a_background_response_runs_on_and_can_be_cancelled():
+    async def run():
+        serving = _serving(delay=0.05)
+        reply = orjson.loads((await serving.create(_request({"input": "x", "background": True}))).body)
+        assert reply["status"] == "queued" and reply["background"]
+        await asyncio.sleep(0.3)
+        done = orjson.loads(serving.retrieve(reply["id"]).body)
+        assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == "Hello there"
+        OpenAIResponse.model_validate(done)
+        slow = _serving(delay=5.0)
+        reply = orjson.loads((await slow.create(_request({"input": "x", "background": True}))).body)
+        await asyncio.sleep(0.05)
+        cancelled = orjson.loads((await slow.cancel(reply["id"])).body)
+        assert cancelled["status"] == "cancelled" and not slow._background
+        assert slow.tm.aborted == 1, "the generation was stopped"
+        assert orjson.loads(slow.retrieve(reply["id"]).body)["status"] == "cancelled"
+        with pytest.raises(RequestError):  # only background responses are cancelled
+            await serving.cancel(orjson.loads((await serving.create(_request({"input": "x"}))).body)["id"])
+
+    asyncio.run(run())
