@@ -1,6 +1,6 @@
 """The OpenAI front end's flags, with upstream SGLang's names and meaning: the chat template and its default
-variables, the sampling defaults of every request, usage in streams, prompts cut to the limit, TLS, and
-the waiting queue's bound. Their command line and their checks, each refusal one sentence naming the flag
+variables, the sampling defaults of every request, usage in streams, prompts cut to the limit, TLS, the
+waiting queue's bound, the Responses API's store, and the HTTP metrics' histogram buckets. Their command line and their checks, each refusal one sentence naming the flag
 (docs/server.md, "Chat template, sampling defaults, truncation, TLS and the queue").
 """
 
@@ -43,6 +43,10 @@ class FrontendArgs:
     # process's memory, at most response_store_max_mb of JSON (least recently used dropped first).
     enable_response_store: bool = False
     response_store_max_mb: int = 256
+    # /metrics' histogram bounds (seconds, ascending), upstream's flags; None: the defaults (metrics/collector.py).
+    bucket_time_to_first_token: list[float] | None = None
+    bucket_inter_token_latency: list[float] | None = None
+    bucket_e2e_request_latency: list[float] | None = None
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
@@ -103,6 +107,16 @@ def add_frontend_cli_args(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="The response store's bound (JSON megabytes); the least recently used response goes first.",
     )
+    for flag, what in (("time-to-first-token", "time to first token"), ("inter-token-latency", "inter-token "
+                       "latency"), ("e2e-request-latency", "end-to-end request latency")):  # fmt: skip
+        g.add_argument(
+            f"--bucket-{flag}",
+            type=float,
+            nargs="+",
+            default=None,
+            metavar="SECONDS",
+            help=f"The bucket bounds of /metrics' {what} histogram (--enable-metrics), ascending.",
+        )
     g.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this private key (PEM).")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM).")
     g.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM), as uvicorn's ssl_ca_certs.")
@@ -152,6 +166,11 @@ def check_frontend_flags(args: ServerArgs) -> None:
         raise ServerArgsError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}.")
     if args.max_queued_requests is not None and args.disaggregation_mode != "null":
         logger.warning("--max-queued-requests has no effect under --disaggregation-mode (as upstream's).")
+    for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        bounds = getattr(args, f"bucket_{name}")
+        if bounds is not None and (not bounds or any(not b > 0 for b in bounds) or sorted(set(bounds)) != list(bounds)):
+            flag = "--bucket-" + name.replace("_", "-")
+            raise ServerArgsError(f"{flag} takes positive bounds in ascending order, each once; got {bounds}.")
     if args.response_store_max_mb < 1:
         raise ServerArgsError(f"--response-store-max-mb must be at least 1, got {args.response_store_max_mb}.")
     if args.enable_response_store and args.disaggregation_mode != "null":

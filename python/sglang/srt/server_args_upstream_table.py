@@ -210,8 +210,7 @@ REFUSED: dict[str, str] = {
         --log-level-http= --log-requests-level= --log-requests-format= --log-requests-target+
         --uvicorn-access-log-exclude-prefixes+ --crash-dump-folder= --show-time-cost --enable-mfu-metrics
         --enable-metrics-for-all-schedulers --load-snapshot-publish-interval= --tokenizer-metrics-custom-labels-header=
-        --tokenizer-metrics-allowed-custom-labels+ --extra-metric-labels= --bucket-time-to-first-token+
-        --bucket-inter-token-latency+ --bucket-e2e-request-latency+ --prompt-tokens-buckets+
+        --tokenizer-metrics-allowed-custom-labels+ --extra-metric-labels= --prompt-tokens-buckets+
         --generation-tokens-buckets+ --gc-warning-threshold-secs= --enable-request-time-stats-logging
         --kv-events-config= --load-publish-endpoint= --enable-forward-pass-metrics --forward-pass-metrics-worker-id=
         --forward-pass-metrics-ipc-name= --enable-trace --trace-modules= --otlp-traces-endpoint= --otlp-service-name=

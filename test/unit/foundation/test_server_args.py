@@ -180,6 +180,11 @@ REFUSED = [
     ({"attention_backend": "flashinfer"}, "--attention-backend flashinfer is not supported by this server"),
     ({"attention_backend": "sdpa"}, "--attention-backend must be one of torch_native, triton"),
     ({"triton_attention_num_kv_splits": 0}, "--triton-attention-num-kv-splits must be a positive integer"),
+    ({"bucket_time_to_first_token": [0.5, 0.1]}, "--bucket-time-to-first-token takes positive bounds in ascending order"),
+    ({"bucket_e2e_request_latency": [0.0, 1.0]}, "--bucket-e2e-request-latency takes positive bounds"),
+    ({"bucket_inter_token_latency": [0.1, 0.1]}, "--bucket-inter-token-latency takes positive bounds"),
+    ({"response_store_max_mb": 0}, "--response-store-max-mb must be at least 1"),
+    ({"enable_response_store": True, "disaggregation_mode": "prefill"}, "--enable-response-store is not supported with --disaggregation-mode"),
 ]  # fmt: skip
 
 

@@ -188,6 +188,28 @@ def test_without_a_scheduler_snapshot_the_request_side_still_renders() -> None:
     assert "sglang:num_requests" in families and "sglang:queue_time_seconds" not in families
 
 
+def test_histogram_buckets_follow_the_bucket_flags() -> None:
+    """--bucket-time-to-first-token, --bucket-inter-token-latency, --bucket-e2e-request-latency (upstream's)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(["--model-path", MODEL, "--enable-metrics", "--bucket-time-to-first-token", "0.3",
+                                "1.5", "--bucket-inter-token-latency", "0.02", "--bucket-e2e-request-latency", "2",
+                                "20", "200"])  # fmt: skip
+    metrics = MetricsCollector(MODEL, args.bucket_time_to_first_token, args.bucket_inter_token_latency,
+                               args.bucket_e2e_request_latency)  # fmt: skip
+    families = parse(metrics.render(None))
+
+    def bounds(name: str) -> list[float]:
+        return [float(s.labels["le"]) for s in families[name].samples if s.name.endswith("_bucket")]
+
+    inf = float("inf")
+    assert bounds("sglang:time_to_first_token_seconds") == [0.3, 1.5, inf]
+    assert bounds("sglang:inter_token_latency_seconds") == [0.02, inf]
+    assert bounds("sglang:e2e_request_latency_seconds") == [2.0, 20.0, 200.0, inf]
+    default = parse(MetricsCollector(MODEL).render(None))
+    assert len([s for s in default["sglang:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")]) > 3
+
+
 def test_request_guard_labels_routes_by_template_and_tracks_active_requests() -> None:
     metrics = MetricsCollector(MODEL)
     app = FastAPI()

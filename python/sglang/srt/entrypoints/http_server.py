@@ -82,7 +82,12 @@ def log_startup(server_args: Any, model_info: dict[str, Any], state: dict[str, A
 def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any]) -> RequestGuard:
     """The ASGI app: the routes, behind the request guard (body limit and read timeouts)."""
     model_name = server_args.served_model_name
-    metrics = MetricsCollector(model_name) if server_args.enable_metrics else None
+    metrics = None
+    if server_args.enable_metrics:
+        metrics = MetricsCollector(
+            model_name, server_args.bucket_time_to_first_token, server_args.bucket_inter_token_latency,
+            server_args.bucket_e2e_request_latency,
+        )  # fmt: skip
     tm.observer = metrics
     sampling_defaults = {}
     if server_args.sampling_defaults == "model":

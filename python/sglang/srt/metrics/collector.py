@@ -15,7 +15,7 @@ Three sources:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -45,7 +45,15 @@ CACHE_SOURCE = "device"
 
 
 class MetricsCollector:
-    def __init__(self, model_name: str):
+    def __init__(
+        self,
+        model_name: str,
+        ttft_buckets: Sequence[float] | None = None,
+        itl_buckets: Sequence[float] | None = None,
+        e2e_buckets: Sequence[float] | None = None,
+    ):
+        """The buckets: --bucket-time-to-first-token, --bucket-inter-token-latency and
+        --bucket-e2e-request-latency (None: this module's defaults)."""
         disable_created_metrics()
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -93,17 +101,17 @@ class MetricsCollector:
         self.ttft = histogram(
             "sglang:time_to_first_token_seconds",
             "Histogram of time to first token in seconds (streamed requests).",
-            LATENCY_BUCKETS,
+            tuple(ttft_buckets or LATENCY_BUCKETS),
         )
         self.itl = histogram(
             "sglang:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds (streamed requests).",
-            ITL_BUCKETS,
+            tuple(itl_buckets or ITL_BUCKETS),
         )
         self.e2e = histogram(
             "sglang:e2e_request_latency_seconds",
             "Histogram of end-to-end request latency in seconds.",
-            LATENCY_BUCKETS,
+            tuple(e2e_buckets or LATENCY_BUCKETS),
         )
         self.scheduler = SchedulerStateCollector(model_name)
         self.registry.register(self.scheduler)
