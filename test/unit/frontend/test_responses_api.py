@@ -29,6 +29,9 @@ register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+              "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}  # fmt: skip
+PATCH = '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\n+x"}}\n</tool_call>'
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
@@ -56,6 +59,7 @@ class _TM:
         self.lora = SimpleNamespace(split_model=lambda model: (model, None))
         self.answer, self.finish, self.delay = answer, finish, delay
         self.prompts: list[list[int]] = []
+        self.params: list[dict] = []
         self.aborted = 0
 
     async def encode(self, text, param, add_special_tokens=True, truncate=False):
@@ -63,6 +67,7 @@ class _TM:
 
     async def generate_request(self, obj, request=None):
         self.prompts.append(obj.input_ids)
+        self.params.append(obj.sampling_params)
         n = len(self.answer)
         try:
             if self.delay:
@@ -239,11 +244,13 @@ def test_without_the_store_chaining_and_background_are_refused_and_nothing_is_ke
         ("<think>plan</think>" + CALL + "\n" + CALL, "stop", ["reasoning", "function_call", "function_call"], "completed"),
         ("long plan with no end", "length", ["message"], "incomplete"),
         ("<think>a plan cut short", "length", ["reasoning"], "incomplete"),
+        ("<think>edit</think>" + PATCH + "\n" + CALL, "stop", ["reasoning", "custom_tool_call", "function_call"],
+         "completed"),
     ],
 )
 def test_the_stream_builds_what_the_whole_reply_has(answer, finish, kinds, status):
     serving = _serving(answer, finish=finish)
-    body = {"tools": TOOLS, "include": ["message.output_text.logprobs"], "instructions": "Be brief."}
+    body = {"tools": TOOLS + [PATCH_TOOL], "include": ["message.output_text.logprobs"], "instructions": "Be brief."}
     whole = _create(serving, **body)
     OpenAIResponse.model_validate(whole)  # the openai package's own model parses it
     assert [item["type"] for item in whole["output"]] == kinds and whole["status"] == status
@@ -360,3 +367,40 @@ def test_a_background_response_runs_on_and_can_be_cancelled():
             await serving.cancel(orjson.loads((await serving.create(_request({"input": "x"}))).body)["id"])
 
     asyncio.run(run())
+
+
+def test_custom_tools_are_shown_as_one_string_functions_and_called_as_custom_items():
+    serving = _serving("<think>edit</think>" + PATCH)
+    whole = _create(serving, tools=[PATCH_TOOL])
+    shown = serving.tm.tokenizer.seen[-1]["tools"][0]["function"]
+    assert shown["parameters"]["required"] == ["input"] and "start: /.+/" in shown["description"]
+    assert whole["tools"] == [dict(PATCH_TOOL)], "echoed as the request gave it"
+    (call,) = [i for i in whole["output"] if i["type"] == "custom_tool_call"]
+    assert (call["name"], call["input"]) == ("apply_patch", "*** Begin Patch\n+x")
+    # The call and its output sent back: what the model wrote, and a tool message.
+    turn = [{"role": "user", "content": "weather?"}, call,
+            {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "Done."}]  # fmt: skip
+    (_, assistant, tool) = input_messages(turn)
+    assert json.loads(assistant["tool_calls"][0]["function"]["arguments"]) == {"input": "*** Begin Patch\n+x"}
+    assert tool == {"role": "tool", "tool_call_id": call["call_id"], "content": "Done."}
+    # A forcing tool_choice names a custom tool as a function: the answer is held to one call of it.
+    forced = _serving('[{"name": "apply_patch", "parameters": {"input": "+y"}}]')
+    whole = _create(forced, tools=TOOLS + [PATCH_TOOL], tool_choice={"type": "custom", "name": "apply_patch"})
+    assert [(i["type"], i.get("input")) for i in whole["output"]] == [("custom_tool_call", "+y")]
+    schema = json.loads(forced.tm.params[-1]["json_schema"])
+    assert schema["maxItems"] == 1 and schema["items"]["properties"]["name"] == {"type": "string", "enum": ["apply_patch"]}
+
+
+def test_reasoning_comes_back_from_its_encrypted_content_alone():
+    serving = _serving("<think>secret plan</think>" + CALL)
+    whole = _create(serving, tools=TOOLS, include=["reasoning.encrypted_content"], store=False)
+    reasoning = whole["output"][0]
+    assert reasoning["type"] == "reasoning" and "secret plan" not in reasoning["encrypted_content"]
+    bare = dict(reasoning, content=None)  # a client that keeps only the blob
+    for item in (reasoning, bare):
+        _create(serving, tools=TOOLS, input=[{"role": "user", "content": "weather?"}, item, *whole["output"][1:]])
+    assert serving.tm.prompts[1] == serving.tm.prompts[2]
+    assert serving.tm.tokenizer.seen[-1]["messages"][1]["reasoning_content"] == "secret plan"
+    foreign = dict(bare, encrypted_content="gAAAAAB-someone-elses")
+    assert input_messages([{"role": "user", "content": "x"}, foreign, {"role": "assistant", "content": "y"}])[1] == {
+        "role": "assistant", "content": "y", "reasoning_content": ""}

@@ -12,12 +12,23 @@ An answer (the chat route's message) becomes output items in OpenAI's order: `re
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import uuid
+import zlib
 from typing import Any
 
 from sglang.srt.managers.request_validation import RequestError
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+INPUT_ITEMS = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+               "reasoning")  # fmt: skip
+CUSTOM_INPUT = "input"  # (responses_protocol.CUSTOM_PARAMETERS' one property)
+# A reasoning item's `encrypted_content` (with include ["reasoning.encrypted_content"], for a client that
+# stores nothing and sends the items back): the text compressed and base64-encoded, not encrypted (this
+# server holds no key); a blob without this prefix is someone else's, and ignored.
+REASONING_BLOB = "sglang-hybrid-reasoning-1."
 
 
 def new_id(prefix: str) -> str:
@@ -97,49 +108,86 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 message["content"] = (message["content"] or "") + content
             else:
                 messages.append({"role": "system" if role == "developer" else role, "content": content})
-        elif kind == "function_call":
-            name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
+        elif kind in ("function_call", "custom_tool_call"):
+            field = "arguments" if kind == "function_call" else "input"
+            name, call_id, arguments = item.get("name"), item.get("call_id"), item.get(field, "{}")
             if not (isinstance(name, str) and isinstance(call_id, str) and isinstance(arguments, str)):
-                raise _fail(i, "a function_call needs name, call_id and arguments (strings)")
+                raise _fail(i, f"a {kind} needs name, call_id and {field} (strings)")
+            if kind == "custom_tool_call":  # the call as the model made it (`custom_tool_input`)
+                arguments = json.dumps({CUSTOM_INPUT: arguments}, ensure_ascii=False)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             assistant().setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not isinstance(output, str | list):
-                raise _fail(i, "a function_call_output needs call_id (a string) and output")
+                raise _fail(i, f"a {kind} needs call_id (a string) and output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(_parts(i, output))})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list):
                 raise _fail(i, "a reasoning item's content is a list of reasoning_text parts", ".content")
-            reasoning.append("".join(p.get("text", "") for p in parts if isinstance(p, dict)))
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            reasoning.append(text or decode_reasoning(item.get("encrypted_content")) or "")
         else:
-            raise _fail(
-                i,
-                f"item type {kind!r} is not one of message, function_call, function_call_output, reasoning",
-                ".type",
-            )
+            raise _fail(i, f"item type {kind!r} is not one of {', '.join(INPUT_ITEMS)}", ".type")
     return messages
+
+
+def encode_reasoning(text: str) -> str:
+    return REASONING_BLOB + base64.urlsafe_b64encode(zlib.compress(text.encode())).decode()
+
+
+def decode_reasoning(blob: Any) -> str | None:
+    if not isinstance(blob, str) or not blob.startswith(REASONING_BLOB):
+        return None
+    try:  # (bounded: the body limit bounds the blob, zlib's output below by a max_length)
+        raw = zlib.decompressobj().decompress(base64.urlsafe_b64decode(blob[len(REASONING_BLOB) :]), 1 << 24)
+        return raw.decode()
+    except (binascii.Error, ValueError, zlib.error, UnicodeDecodeError):
+        return None
 
 
 def output_items(
     reasoning: str | None, content: str | None, calls: list[dict[str, Any]] | None, status: str,
-    logprobs: list[dict[str, Any]] | None = None,
+    logprobs: list[dict[str, Any]] | None = None, custom: set[str] = frozenset(), blob: bool = False,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """An answer's output items: its reasoning, its text, its function calls (those present)."""
+    """An answer's output items: its reasoning, its text, its function calls (those present); calls of
+    the `custom` tools as custom_tool_call items; `blob`: reasoning items carry `encrypted_content`."""
     items: list[dict[str, Any]] = []
     if reasoning:
-        items.append(reasoning_item(new_id("rs"), reasoning, status))
+        items.append(reasoning_item(new_id("rs"), reasoning, status, blob))
     if content or not (reasoning or calls):
         items.append(message_item(new_id("msg"), content or "", status, logprobs))
     for call in calls or []:
-        items.append(call_item(new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
+        items.append(tool_call_item(call, custom))
     return items
 
 
-def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def tool_call_item(call: dict[str, Any], custom: set[str] = frozenset()) -> dict[str, Any]:
+    """A parsed call (the chat route's) as a function_call item, or a custom_tool_call for a custom tool."""
+    name, arguments = call["function"]["name"], call["function"]["arguments"]
+    if name not in custom:
+        return call_item(new_id("fc"), call["id"], name, arguments)
+    return {"id": new_id("ctc"), "type": "custom_tool_call", "call_id": call["id"], "name": name,
+            "input": custom_tool_input(arguments), "status": "completed"}  # fmt: skip
+
+
+def custom_tool_input(arguments: str) -> str:
+    """A custom tool's input from the arguments the model wrote ({"input": text}; else as written)."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    value = parsed.get(CUSTOM_INPUT) if isinstance(parsed, dict) else None
+    return value if isinstance(value, str) else arguments
+
+
+def reasoning_item(item_id: str, text: str, status: str, blob: bool = False) -> dict[str, Any]:
     content = [{"type": "reasoning_text", "text": text}] if text else []
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+    item = {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+    if blob:
+        item["encrypted_content"] = encode_reasoning(text)
+    return item
 
 
 def output_text(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:

@@ -53,6 +53,21 @@ CHAT_TO_RESPONSES = {
     "input_ids": "input",
 }
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+# A custom tool's one parameter, as the model sees the tool.
+CUSTOM_INPUT = "input"
+CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {CUSTOM_INPUT: {"type": "string", "description": "The tool's input, free-form text."}},
+    "required": [CUSTOM_INPUT],
+}
+
+
+def _custom_description(description: str | None, fmt: Any) -> str | None:
+    """A custom tool's description, with its grammar (if any) described for the model."""
+    parts = [description] if description else []
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar":
+        parts.append(f"The input follows this {fmt.get('syntax') or 'lark'} grammar:\n{fmt.get('definition', '')}")
+    return "\n\n".join(parts) or None
 
 
 class FunctionTool(BaseModel):
@@ -127,32 +142,52 @@ class ResponsesRequest(BaseModel):
         return LOGPROBS_INCLUDE in (self.include or []) or bool(self.top_logprobs)
 
     def function_tools(self) -> list[FunctionTool]:
-        """The request's tools (only function tools are served: a 400 naming any other)."""
+        """The request's tools as the model sees them: function tools, and custom tools (free-form text
+        input, OpenAI's `custom`) as functions of one string parameter `input` (upstream's shim; a
+        custom tool's grammar is described to the model, not enforced); a 400 names any other type."""
         tools = []
         for i, tool in enumerate(self.tools or []):
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
+            if kind not in ("function", "custom"):
                 raise RequestError(
                     f"tools[{i}]: type {kind!r} is not supported; this server runs no built-in tools (web "
-                    "search, file search, code interpreter, MCP, custom), only function tools the client runs.",
+                    "search, file search, code interpreter, MCP), only function and custom tools the client "
+                    "runs.",
                     f"tools[{i}].type",
                 )
             try:
-                tools.append(FunctionTool.model_validate(tool))
+                fn = FunctionTool.model_validate(dict(tool, type="function"))
             except ValidationError as e:
                 err = request_error_from_validation(e)
                 raise RequestError(f"tools[{i}].{err.message}", f"tools[{i}].{err.param}") from None
+            if kind == "custom":
+                fn.parameters = CUSTOM_PARAMETERS
+                fn.description = _custom_description(fn.description, tool.get("format"))
+            tools.append(fn)
         return tools
+
+    def custom_tool_names(self) -> set[str]:
+        return {t.get("name") for t in self.tools or [] if isinstance(t, dict) and t.get("type") == "custom"}
+
+    def echoed_tools(self) -> list[dict[str, Any]]:
+        """The tools as a reply echoes them (custom tools as the request gave them)."""
+        names = self.custom_tool_names()
+        return [
+            {"type": "custom", "name": t.name, "description": (self.tools[i] or {}).get("description"),
+             "format": (self.tools[i] or {}).get("format") or {"type": "text"}}
+            if t.name in names else t.model_dump()
+            for i, t in enumerate(self.function_tools())
+        ]  # fmt: skip
 
     def chat_tool_choice(self) -> Any:
         """tool_choice in the chat route's shape ({"type": "function", "name"} -> {"function": {"name"}})."""
         choice = self.tool_choice
         if not isinstance(choice, dict):
             return choice
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        if choice.get("type") not in ("function", "custom") or not isinstance(choice.get("name"), str):
             raise RequestError(
-                'tool_choice: a named tool_choice is {"type": "function", "name": ...} (other tool types are '
-                "not served).",
+                'tool_choice: a named tool_choice is {"type": "function" or "custom", "name": ...} (other tool '
+                "types are not served).",
                 "tool_choice",
             )
         return {"type": "function", "function": {"name": choice["name"]}}

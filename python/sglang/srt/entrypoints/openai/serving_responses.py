@@ -30,7 +30,6 @@ from sglang.srt.entrypoints.http_errors import (
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sglang.srt.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from sglang.srt.entrypoints.openai.responses_items import (
-    call_item,
     input_messages,
     message_item,
     new_id,
@@ -38,6 +37,7 @@ from sglang.srt.entrypoints.openai.responses_items import (
     output_messages,
     output_text,
     reasoning_item,
+    tool_call_item,
 )
 from sglang.srt.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 # Background responses generating at once, at most (each returns at once and runs on: without a bound one
 # client could queue any number); one more is a 429.
 MAX_BACKGROUND = 256
+REASONING_INCLUDE = "reasoning.encrypted_content"
 STORE_NEEDED = "needs the response store: start the server with --enable-response-store"
 
 
@@ -106,15 +107,15 @@ class OpenAIServingResponses:
                 raise ServerAbortError(429, f"{MAX_BACKGROUND} background responses are running; wait for one.")
             response["status"] = "queued"
             self.store.put(record)
-            task = asyncio.create_task(self._run_background(chat_req, obj, record))
+            task = asyncio.create_task(self._run_background(req, chat_req, obj, record))
             self._background[response["id"]] = task
             task.add_done_callback(lambda _t, rid=response["id"]: self._background.pop(rid, None))
             return json_response(response)
         first, gen = await self._start(chat_req, obj, request)
         if req.stream:
-            return SSEResponse(self._stream(chat_req, first, gen, response, record))
+            return SSEResponse(self._stream(req, chat_req, first, gen, response, record))
         await gen.aclose()
-        self._finish(chat_req, response, first, record)
+        self._finish(req, chat_req, response, first, record)
         return json_response(response)
 
     async def _start(self, chat_req: ChatCompletionRequest, obj: Any, request: Request | None) -> tuple[Any, Any]:
@@ -144,7 +145,7 @@ class OpenAIServingResponses:
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
             "reasoning": req.reasoning or {"effort": None, "summary": None}, "store": stored,
             "temperature": req.temperature, "text": req.text or {"format": {"type": "text"}},
-            "tool_choice": req.tool_choice or "auto", "tools": [t.model_dump() for t in req.function_tools()],
+            "tool_choice": req.tool_choice or "auto", "tools": req.echoed_tools(),
             "top_logprobs": req.top_logprobs, "top_p": req.top_p, "truncation": req.truncation or "disabled",
             "usage": None, "user": req.user, "metadata": req.metadata or {},
         }  # fmt: skip
@@ -172,13 +173,16 @@ class OpenAIServingResponses:
         response["usage"] = self._usage(out, reasoning)
         response["completed_at"] = int(time.time())
 
-    def _finish(self, chat_req: ChatCompletionRequest, response: dict, out: dict, record: Any) -> None:
+    def _finish(
+        self, req: ResponsesRequest, chat_req: ChatCompletionRequest, response: dict, out: dict, record: Any
+    ) -> None:
         """A whole output's items, status and usage into `response` (and the store)."""
         choice = self.chat.make_choice(chat_req, 0, out)
         m = choice.message
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         logprobs = _logprob_entries(choice.logprobs) if chat_req.logprobs else None
-        response["output"] = output_items(m.reasoning_content, m.content, m.tool_calls, status, logprobs)
+        response["output"] = output_items(m.reasoning_content, m.content, m.tool_calls, status, logprobs,
+                                          req.custom_tool_names(), REASONING_INCLUDE in (req.include or []))
         self._settle(response, out, choice.finish_reason, m.reasoning_content or "")
         self._keep(record, response)
 
@@ -191,13 +195,15 @@ class OpenAIServingResponses:
 
     # ---- background ------------------------------------------------------------------------------------
 
-    async def _run_background(self, chat_req: ChatCompletionRequest, obj: Any, record: StoredResponse) -> None:
+    async def _run_background(
+        self, req: ResponsesRequest, chat_req: ChatCompletionRequest, obj: Any, record: StoredResponse
+    ) -> None:
         response = dict(record.response, status="in_progress")
         self.store.update(response)
         try:
             first, gen = await self._start(chat_req, obj, None)
             await gen.aclose()
-            self._finish(chat_req, response, first, record)
+            self._finish(req, chat_req, response, first, record)
         except asyncio.CancelledError:
             self.store.update(dict(response, status="cancelled"))
             raise
@@ -264,11 +270,11 @@ class OpenAIServingResponses:
     # ---- streaming -------------------------------------------------------------------------------------
 
     async def _stream(
-        self, chat_req: ChatCompletionRequest, first: Any, gen: Any, response: dict, record: Any
+        self, req: ResponsesRequest, chat_req: ChatCompletionRequest, first: Any, gen: Any, response: dict, record: Any
     ) -> AsyncIterator[bytes]:
         """Responses events: created, in_progress, each item's added / deltas / done, then completed
         (or incomplete); an error ends the stream with an `error` event and `response.failed`."""
-        events = _EventWriter(response)
+        events = _EventWriter(response, req.custom_tool_names(), REASONING_INCLUDE in (req.include or []))
         yield events.emit("response.created", response=dict(response))
         yield events.emit("response.in_progress", response=dict(response))
         try:
@@ -326,8 +332,10 @@ class OpenAIServingResponses:
 class _EventWriter:
     """A stream's events, numbered, and the output items they build (`response["output"]`)."""
 
-    def __init__(self, response: dict):
+    def __init__(self, response: dict, custom: set[str], blob: bool):
+        """`custom`: the request's custom tools; `blob`: reasoning items carry encrypted_content."""
         self.response = response
+        self.custom, self.blob = custom, blob
         self.seq = 0
         self.open: dict[str, Any] | None = None  # the reasoning or message item receiving text
         self.pending_logprobs: list[dict[str, Any]] = []
@@ -374,7 +382,7 @@ class _EventWriter:
         text, index = "".join(o["text"]), len(self.response["output"]) - 1
         where = {"item_id": o["id"], "output_index": index, "content_index": 0}
         if o["type"] == "reasoning":
-            item = reasoning_item(o["id"], text, status)
+            item = reasoning_item(o["id"], text, status, self.blob)
             out = [self.emit("response.reasoning_text.done", **where, text=text)]
         else:
             logprobs = o.get("logprobs", []) + self.pending_logprobs
@@ -389,15 +397,20 @@ class _EventWriter:
     def call(self, call: dict[str, Any]) -> list[bytes]:
         """A whole function call (the parser hands each over when its block closes)."""
         out = self.close("completed")
-        fn = call["function"]
-        item = call_item(new_id("fc"), call["id"], fn["name"], fn["arguments"])
-        out.append(self._added(dict(item, arguments="", status="in_progress")))
+        item = tool_call_item(call, self.custom)
+        custom = item["type"] == "custom_tool_call"
+        field = "input" if custom else "arguments"
+        out.append(self._added(dict(item, **{field: ""}, status="in_progress")))
         index = len(self.response["output"]) - 1
         self.response["output"][index] = item
         where = {"item_id": item["id"], "output_index": index}
-        out.append(self.emit("response.function_call_arguments.delta", **where, delta=fn["arguments"]))
-        out.append(self.emit("response.function_call_arguments.done", **where, name=fn["name"],
-                             arguments=fn["arguments"]))  # fmt: skip
+        if custom:
+            out.append(self.emit("response.custom_tool_call_input.delta", **where, delta=item["input"]))
+            out.append(self.emit("response.custom_tool_call_input.done", **where, input=item["input"]))
+        else:
+            out.append(self.emit("response.function_call_arguments.delta", **where, delta=item["arguments"]))
+            out.append(self.emit("response.function_call_arguments.done", **where, name=item["name"],
+                                 arguments=item["arguments"]))  # fmt: skip
         out.append(self.emit("response.output_item.done", output_index=index, item=item))
         return out
 
