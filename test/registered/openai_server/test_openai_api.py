@@ -534,6 +534,8 @@ class TestOpenAIServer(ServerTestCase):
         self.assertEqual(chained.usage.input_tokens, replayed.usage.input_tokens)
         self.assertEqual(chained.output_text, replayed.output_text)
         self.assertEqual(self.client.responses.retrieve(first.id).output_text, first.output_text)
+        r = requests.get(f"{self.base_url}/v1/responses/{chained.id}/input_items?limit=abc", headers=self.headers())
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "limit"), r.text)
         items = self.client.responses.input_items.list(chained.id)
         self.assertEqual([i.content[0].text for i in items.data], ["And of Italy?"])
         self.client.responses.delete(chained.id)

@@ -53,11 +53,12 @@ class _Template:
 class _TM:
     """Answers every request with `answer` (streamed two characters a chunk), recording the prompts."""
 
-    def __init__(self, answer: str, finish: str = "stop", delay: float = 0.0):
+    def __init__(self, answer: str, finish: str = "stop", delay: float = 0.0, fail: Exception | None = None):
+        """`fail`: raised before the first output (whole) or after the first chunk (streamed)."""
         self.tokenizer = _Template()
         self.limits = SimpleNamespace(context_len=1 << 20)
         self.lora = SimpleNamespace(split_model=lambda model: (model, None))
-        self.answer, self.finish, self.delay = answer, finish, delay
+        self.answer, self.finish, self.delay, self.fail = answer, finish, delay, fail
         self.prompts: list[list[int]] = []
         self.params: list[dict] = []
         self.aborted = 0
@@ -74,6 +75,8 @@ class _TM:
                 await asyncio.sleep(self.delay)
             cuts = list(range(2, n, 2)) + [n] if obj.stream else [n]
             for k, cut in enumerate(cuts):
+                if self.fail is not None and (k == 1 or not obj.stream):
+                    raise self.fail
                 last = k == len(cuts) - 1
                 meta = {"id": "x", "prompt_tokens": len(obj.input_ids), "completion_tokens": cut, "cached_tokens": 3,
                         "finish_reason": {"type": self.finish} if last else None}  # fmt: skip
@@ -92,9 +95,9 @@ def _serving(answer: str = "Hello there", store: bool = True, **tm_kw) -> OpenAI
     return OpenAIServingResponses(chat, ResponseStore(1 << 20) if store else None)
 
 
-def _request(body: dict) -> SimpleNamespace:
+def _request(body: dict | bytes) -> SimpleNamespace:
     async def read():
-        return orjson.dumps(body)
+        return body if isinstance(body, bytes) else orjson.dumps(body)
 
     return SimpleNamespace(body=read, url=SimpleNamespace(path="/v1/responses"), is_disconnected=None)
 
@@ -156,6 +159,9 @@ def test_input_items_become_the_chat_messages_templates_read():
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
     ]
     assert input_messages("hi") == [{"role": "user", "content": "hi"}]
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AA=="}
+    (tool,) = input_messages([{"type": "function_call_output", "call_id": "c", "output": [image]}])
+    assert tool["content"] == [{"type": "image_url", "image_url": {"url": image["image_url"]}}], "kept (review)"
 
 
 @pytest.mark.parametrize(
@@ -166,6 +172,9 @@ def test_input_items_become_the_chat_messages_templates_read():
         ({"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}, "input[1].content[0]"),
         ({"type": "function_call", "name": "f"}, "input[1]"),
         ({"type": "function_call_output", "call_id": "c"}, "input[1]"),
+        ({"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}, "input[1].content[0]"),
+        ({"type": "reasoning", "summary": [{"type": "summary_text", "text": None}]}, "input[1].summary[0]"),
+        ({"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}, "input[1].output[0]"),
     ],
 )
 def test_a_bad_input_item_is_a_400_naming_it(item, param):
@@ -246,6 +255,13 @@ def test_without_the_store_chaining_and_background_are_refused_and_nothing_is_ke
         ("<think>a plan cut short", "length", ["reasoning"], "incomplete"),
         ("<think>edit</think>" + PATCH + "\n" + CALL, "stop", ["reasoning", "custom_tool_call", "function_call"],
          "completed"),
+        # Text after a call joins the one message, before the calls, in both (review: the stream opened a
+        # second message after the call).
+        ("Hi " + CALL + " bye", "stop", ["message", "function_call"], "completed"),
+        # Cut while answering: the message is incomplete, the reasoning before it completed (review: the
+        # whole reply marked every item incomplete).
+        ("<think>plan</think>partial answ", "length", ["reasoning", "message"], "incomplete"),
+        ("", "stop", ["message"], "completed"),
     ],
 )
 def test_the_stream_builds_what_the_whole_reply_has(answer, finish, kinds, status):
@@ -272,6 +288,9 @@ def test_the_stream_builds_what_the_whole_reply_has(answer, finish, kinds, statu
     assert done == final["output"]
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     assert added == list(range(len(final["output"])))
+    statuses = [i["status"] for i in final["output"]]
+    cut = "message" if "message" in kinds else "reasoning"
+    assert statuses == ["incomplete" if status == "incomplete" and k == cut else "completed" for k in kinds]
     usage = final["usage"]
     assert usage["output_tokens"] == len(answer) and usage["input_tokens_details"]["cached_tokens"] == 3
     assert usage["output_tokens_details"]["reasoning_tokens"] == len(reasoning)
@@ -284,12 +303,21 @@ def test_calls_come_back_as_function_call_items_with_their_call_ids():
     assert call["call_id"].startswith("call") and call["id"].startswith("fc_")
 
 
-def test_logprobs_only_when_asked():
+def test_logprobs_only_when_asked_and_only_the_messages_own_tokens():
     plain = _create(_serving())
     assert "logprobs" not in plain["output"][0]["content"][0]
+    plain_stream = _create(_serving(), stream=True)
+    assert "logprobs" not in plain_stream[-1]["response"]["output"][0]["content"][0]
     asked = _create(_serving(), include=["message.output_text.logprobs"])
     entries = asked["output"][0]["content"][0]["logprobs"]
     assert "".join(e["token"] for e in entries) == "Hello there"
+    # Reasoning and call tokens are not the message's (review: they were).
+    answer = "<think>plan</think>Hi " + CALL
+    for stream in (False, True):
+        out = _create(_serving(answer), stream=stream, tools=TOOLS, include=["message.output_text.logprobs"])
+        out = out[-1]["response"] if stream else out
+        (message,) = [i for i in out["output"] if i["type"] == "message"]
+        assert "".join(e["token"] for e in message["content"][0]["logprobs"]) == "Hi ", stream
 
 
 # ---- the store --------------------------------------------------------------------------------------
@@ -310,14 +338,40 @@ def test_a_chained_turn_renders_what_replaying_the_conversation_renders():
     assert "OLD" not in str(seen)
 
 
+@pytest.mark.parametrize(
+    "first_input, next_input",
+    [
+        # (A) the earlier input ends with an assistant message; (B) with a reasoning item; (D) the next
+        # input starts with a call (review: each rendered differently chained and replayed).
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}], [{"role": "user", "content": "go"}]),
+        ([{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [], "content": [
+            {"type": "reasoning_text", "text": "earlier"}]}], [{"role": "user", "content": "go"}]),
+        ([{"role": "user", "content": "hi"}], [{"type": "function_call", "call_id": "c9", "name": "get_weather",
+                                                 "arguments": "{}"}, {"type": "function_call_output",
+                                                 "call_id": "c9", "output": "ok"}]),
+    ],
+)  # fmt: skip
+def test_chaining_renders_what_replaying_renders_at_the_turns_edges(first_input, next_input):
+    for answer in ("Hello", "<think>plan</think>" + CALL):
+        serving = _serving(answer)
+        first = _create(serving, tools=TOOLS, input=first_input)
+        _create(serving, tools=TOOLS, previous_response_id=first["id"], input=next_input)
+        _create(serving, tools=TOOLS, input=first_input + first["output"] + next_input, store=False)
+        assert serving.tm.prompts[1] == serving.tm.prompts[2], answer
+
+
 def test_stored_responses_are_retrieved_listed_and_deleted():
     serving = _serving()
     reply = _create(serving, input=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
     assert orjson.loads(serving.retrieve(reply["id"]).body) == reply
     listed = orjson.loads(serving.input_items(reply["id"], order="asc").body)
     assert [i["content"][0]["text"] for i in listed["data"]] == ["a", "b"] and not listed["has_more"]
-    page = orjson.loads(serving.input_items(reply["id"], limit=1).body)
+    page = orjson.loads(serving.input_items(reply["id"], limit="1").body)
     assert [i["content"][0]["text"] for i in page["data"]] == ["b"] and page["has_more"]
+    for bad in ({"limit": "abc"}, {"limit": "0"}, {"order": "up"}, {"after": "msg_nope"}):
+        with pytest.raises(RequestError) as e:
+            serving.input_items(reply["id"], **bad)
+        assert e.value.param == next(iter(bad))
     after = orjson.loads(serving.input_items(reply["id"], after=page["last_id"]).body)
     assert [i["content"][0]["text"] for i in after["data"]] == ["a"]
     asyncio.run(serving.delete(reply["id"]))
@@ -329,11 +383,11 @@ def test_stored_responses_are_retrieved_listed_and_deleted():
         serving.retrieve(not_stored["id"])
 
 
-def test_the_store_keeps_its_byte_bound_dropping_the_least_recently_used():
+def test_the_store_keeps_its_byte_bound_dropping_the_least_recently_used_finished_response():
     store = ResponseStore(max_bytes=3000)
 
-    def entry(rid: str, size: int) -> StoredResponse:
-        return StoredResponse({"id": rid, "status": "completed", "pad": "x" * size}, [], [])
+    def entry(rid: str, size: int, status: str = "completed") -> StoredResponse:
+        return StoredResponse.of({"id": rid, "status": status, "pad": "x" * size}, [], [])
 
     for k in range(5):
         assert store.put(entry(f"r{k}", 600))
@@ -341,10 +395,17 @@ def test_the_store_keeps_its_byte_bound_dropping_the_least_recently_used():
     assert store.used <= 3000 and store.get("r0") is not None and store.get("r1") is None
     assert sum(store.get(f"r{k}") is not None for k in range(5)) == len(store) == 4
     assert not store.put(entry("big", 4000)) and store.get("big") is None
+    # A running background response is never dropped; when they fill the store a new one is refused.
+    for k in range(4):
+        assert store.put(entry(f"bg{k}", 600, "in_progress"))
+    assert all(store.get(f"bg{k}") for k in range(4)) and store.running == store.used, "the finished ones went"
+    assert not store.put(entry("bg4", 600, "queued")) and store.get("bg4") is None
+    assert store.replace(entry("bg0", 600)) and store.running < store.used
+    assert not store.replace(entry("gone", 10)) and store.get("gone") is None, "replace stores no new id"
     assert store.used == sum(e.size for e in store._entries.values())
     for rid in list(store._entries):
         assert store.delete(rid)
-    assert store.used == 0
+    assert store.used == store.running == 0
 
 
 def test_a_background_response_runs_on_and_can_be_cancelled():
@@ -363,6 +424,12 @@ def test_a_background_response_runs_on_and_can_be_cancelled():
         assert cancelled["status"] == "cancelled" and not slow._background
         assert slow.tm.aborted == 1, "the generation was stopped"
         assert orjson.loads(slow.retrieve(reply["id"]).body)["status"] == "cancelled"
+        # Deleted while running: the task stops and the response does not come back (review).
+        gone = orjson.loads((await slow.create(_request({"input": "x", "background": True}))).body)
+        await asyncio.sleep(0.05)
+        await slow.delete(gone["id"])
+        await asyncio.sleep(0.05)
+        assert slow.store.get(gone["id"]) is None and not slow._background and slow.tm.aborted == 2
         with pytest.raises(RequestError):  # only background responses are cancelled
             await serving.cancel(orjson.loads((await serving.create(_request({"input": "x"}))).body)["id"])
 
@@ -404,3 +471,56 @@ def test_reasoning_comes_back_from_its_encrypted_content_alone():
     foreign = dict(bare, encrypted_content="gAAAAAB-someone-elses")
     assert input_messages([{"role": "user", "content": "x"}, foreign, {"role": "assistant", "content": "y"}])[1] == {
         "role": "assistant", "content": "y", "reasoning_content": ""}
+
+
+def test_a_big_integer_or_a_null_switch_is_no_server_error():
+    """Review: an integer past 64 bits in an echoed field made every reply fail to serialize (a 500 after
+    the whole generation); OpenAI's null for a switch was a 400."""
+    serving = _serving()
+    raw = b'{"input": "x", "reasoning": {"x": 100000000000000000000000000000}, "store": null, "stream": null}'
+    reply = orjson.loads(asyncio.run(serving.create(_request(raw))).body)
+    assert reply["status"] == "completed" and reply["store"] is True and reply["reasoning"]["x"] == 1e29
+    with pytest.raises(RequestError) as e:
+        asyncio.run(serving.create(_request(b'{"input": "x", "max_output_tokens": 100000000000000000000000}')))
+    assert e.value.param == "max_output_tokens"
+
+
+def test_chat_names_do_not_leak_into_this_apis_errors():
+    from sglang.srt.entrypoints.openai.responses_protocol import responses_error
+
+    for message, param, want, want_param in [
+        ("min_tokens must not exceed max_tokens.", "min_tokens", "min_tokens must not exceed max_output_tokens.",
+         "min_tokens"),
+        ("The messages input (9 tokens) is too long.", "messages", "The input (9 tokens) is too long.", "input"),
+        ("messages[2].content: bad.", "messages[2].content", "input[2].content: bad.", "input[2].content"),
+        ("response_format: bad.", "response_format", "text.format: bad.", "text.format"),
+    ]:  # fmt: skip
+        err = responses_error(RequestError(message, param))
+        assert (err.message, err.param) == (want, want_param)
+    # A grammar the route made from text.format, refused by the request checks (say, too deep).
+    schema = {"type": "object"}
+    serving = _serving(fail=RequestError("json_schema: nested too deep.", "sampling_params.json_schema"))
+    with pytest.raises(RequestError) as e:
+        _create(serving, text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    assert e.value.param == "text.format"
+
+
+def test_a_failure_mid_stream_ends_it_with_events_the_openai_models_parse():
+    from sglang.srt.managers.tokenizer_manager import ServerAbortError
+
+    events = _create(_serving(fail=ServerAbortError(503, "The server is shutting down.")), stream=True)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-1]["response"]["error"] == {"code": "server_error", "message": "The server is shutting down."}
+
+
+def test_encrypted_reasoning_is_bounded_by_the_context():
+    from sglang.srt.entrypoints.openai.responses_items import encode_reasoning
+
+    serving = _serving()
+    serving.tm.limits.context_len = 1000  # 16,000 characters of reasoning at most
+    bomb = {"type": "reasoning", "summary": [], "encrypted_content": encode_reasoning("a" * 100_000)}
+    with pytest.raises(RequestError) as e:
+        _create(serving, input=[{"role": "user", "content": "x"}, bomb, bomb])
+    assert e.value.param == "input[1].encrypted_content" and serving.tm.prompts == []
+    small = dict(bomb, encrypted_content=encode_reasoning("a" * 10_000))
+    _create(serving, input=[{"role": "user", "content": "x"}, small, {"role": "assistant", "content": "y"}])

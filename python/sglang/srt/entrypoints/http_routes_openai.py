@@ -56,7 +56,7 @@ async def v1_response_cancel(response_id: str, s: Server) -> Response:
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def v1_response_input_items(
-    response_id: str, s: Server, order: str = "desc", limit: int = 20, after: str | None = None
+    response_id: str, s: Server, order: str = "desc", limit: str = "20", after: str | None = None
 ) -> Response:
     return s.responses.input_items(response_id, order, limit, after)
 

@@ -1,10 +1,12 @@
 """The Responses API's store (--enable-response-store): stored responses, by id, in the HTTP process's
 memory, for `GET /v1/responses/{id}`, its input items, and `previous_response_id`.
 
-Upstream's store has no bound; this one holds at most --response-store-max-mb of JSON (a response, its
-input items, and the conversation a next turn continues, counted as their JSON sizes) and drops the least
-recently used response first. A response larger than the whole bound is not kept. Like OpenAI's, a response
-is readable by whoever has its id (a random 128-bit id): there is no per-client namespace beyond the API key.
+Upstream's store has no bound; this one holds at most --response-store-max-mb: each response is kept as
+its JSON bytes (the response, its input items, and the items of the conversation a next turn continues),
+so the bound is the memory it takes, and the least recently used finished response goes first. A
+background response still queued or running is never dropped (its task writes its end into it); when
+those fill the store, a new one is refused. Like OpenAI's, a response is readable by whoever has its id
+(a random 128-bit id): there is no per-client namespace beyond the API key.
 """
 
 from __future__ import annotations
@@ -15,45 +17,70 @@ from typing import Any
 
 import orjson
 
+RUNNING = ("queued", "in_progress")
+
 
 @dataclass
 class StoredResponse:
-    response: dict[str, Any]  # the Response object as it is served
-    input_items: list[dict[str, Any]]  # the request's input items, each with an id
-    # The chat messages a next turn continues from: the previous turns', this input's and this output's
+    """A stored response, as JSON bytes."""
+
+    response_json: bytes  # the Response object as it is served
+    items_json: bytes  # the request's input items, each with an id
+    # The items a next turn continues from: the previous turns', this input's and this output's
     # (instructions excluded: OpenAI does not carry them over to the next turn).
-    conversation: list[dict[str, Any]]
-    size: int = 0
+    conversation_json: bytes
+    rid: str
+    status: str
+
+    @classmethod
+    def of(cls, response: dict, items: list[dict[str, Any]], conversation: list[dict[str, Any]]) -> StoredResponse:
+        return cls(orjson.dumps(response), orjson.dumps(items), orjson.dumps(conversation), response["id"],
+                   response["status"])  # fmt: skip
+
+    @property
+    def size(self) -> int:
+        return len(self.response_json) + len(self.items_json) + len(self.conversation_json)
+
+    def response(self) -> dict[str, Any]:
+        return orjson.loads(self.response_json)
+
+    def input_items(self) -> list[dict[str, Any]]:
+        return orjson.loads(self.items_json)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return orjson.loads(self.conversation_json)
 
 
 class ResponseStore:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.used = 0
+        self.running = 0  # the bytes of queued or running background responses (never dropped)
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, entry: StoredResponse) -> bool:
-        """Store (or replace) a response; False if it is larger than the whole store."""
-        rid = entry.response["id"]
-        self.delete(rid)
-        entry.size = sum(len(orjson.dumps(x)) for x in (entry.response, entry.input_items, entry.conversation))
-        if entry.size > self.max_bytes:
+        """Store (or replace) a response, dropping the least recently used finished ones to make room;
+        False (nothing stored, nothing dropped) if running background responses leave too little."""
+        old = self._entries.get(entry.rid)
+        pinned = self.running - (old.size if old is not None and old.status in RUNNING else 0)
+        if pinned + entry.size > self.max_bytes:
             return False
-        while self.used + entry.size > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.used -= old.size
-        self._entries[rid] = entry
+        self.delete(entry.rid)
+        while self.used + entry.size > self.max_bytes:  # (the finished ones suffice: checked above)
+            victim = next(e for e in self._entries.values() if e.status not in RUNNING)
+            self.delete(victim.rid)
+        self._entries[entry.rid] = entry
         self.used += entry.size
+        self.running += entry.size if entry.status in RUNNING else 0
         return True
 
-    def update(self, response: dict[str, Any], conversation: list[dict[str, Any]] | None = None) -> None:
-        """A stored response's new state (a background response that finished); nothing if it is gone."""
-        entry = self._entries.get(response["id"])
-        if entry is not None:
-            self.put(StoredResponse(response, entry.input_items, conversation or entry.conversation))
+    def replace(self, entry: StoredResponse) -> bool:
+        """A stored response's new state (a background response that ended): only if it is still stored
+        (a deleted one stays deleted)."""
+        return entry.rid in self._entries and self.put(entry)
 
     def get(self, rid: str) -> StoredResponse | None:
         entry = self._entries.get(rid)
@@ -66,4 +93,5 @@ class ResponseStore:
         if entry is None:
             return False
         self.used -= entry.size
+        self.running -= entry.size if entry.status in RUNNING else 0
         return True

@@ -39,16 +39,17 @@ def _fail(index: int, message: str, field: str = "") -> RequestError:
     return RequestError(f"input[{index}]{field}: {message}.", f"input[{index}]{field}")
 
 
-def _parts(index: int, content: Any) -> str | list[dict[str, Any]]:
-    """A message's content as the chat route takes it: a string, or text and image_url parts."""
+def _parts(index: int, content: Any, field: str = ".content") -> str | list[dict[str, Any]]:
+    """A message's content (or a call output) as the chat route takes it: a string, or text and image_url
+    parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _fail(index, "content must be a string or a list of parts", ".content")
+        raise _fail(index, f"{field[1:]} must be a string or a list of parts", field)
     parts: list[dict[str, Any]] = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        where = f".content[{k}]"
+        where = f"{field}[{k}]"
         if kind in TEXT_PARTS:
             text = part.get("refusal" if kind == "refusal" else "text")
             if not isinstance(text, str):
@@ -66,18 +67,17 @@ def _parts(index: int, content: Any) -> str | list[dict[str, Any]]:
     return parts
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-
-
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The chat messages of a request's `input` (a RequestError naming `input[i]` for a bad item)."""
+def input_messages(
+    items: str | list[dict[str, Any]], offset: int = 0, max_reasoning_chars: int = 1 << 24
+) -> list[dict[str, Any]]:
+    """The chat messages of input items (a RequestError naming `input[i - offset]` for a bad item: the
+    first `offset` items are a stored conversation's). `max_reasoning_chars`: the most reasoning text
+    the items' `encrypted_content` blobs may hold together."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
     reasoning: list[str] = []
+    budget = [max_reasoning_chars]
 
     def assistant(new_turn: bool = False) -> dict[str, Any]:
         """The assistant message the next text, call or pending reasoning joins: the last message if it is
@@ -91,7 +91,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             reasoning.clear()
         return last
 
-    for i, item in enumerate(items):
+    for n, item in enumerate(items):
+        i = n - offset
         if not isinstance(item, dict):
             raise _fail(i, "an item must be an object")
         kind = item.get("type", "message")
@@ -121,46 +122,50 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not isinstance(output, str | list):
                 raise _fail(i, f"a {kind} needs call_id (a string) and output")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(_parts(i, output))})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _parts(i, output, ".output")})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            if not isinstance(parts, list):
-                raise _fail(i, "a reasoning item's content is a list of reasoning_text parts", ".content")
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
-            reasoning.append(text or decode_reasoning(item.get("encrypted_content")) or "")
+            reasoning.append(_reasoning_text(i, item, budget))
         else:
             raise _fail(i, f"item type {kind!r} is not one of {', '.join(INPUT_ITEMS)}", ".type")
     return messages
+
+
+def _reasoning_text(i: int, item: dict[str, Any], budget: list[int]) -> str:
+    """A reasoning item's text: its content's (else its summary's) reasoning_text parts, else what its
+    encrypted_content holds (counted against `budget`, the characters left to restore)."""
+    for field in ("content", "summary"):
+        parts = item.get(field) or []
+        if not isinstance(parts, list):
+            raise _fail(i, f"a reasoning item's {field} is a list of parts", f".{field}")
+        for k, part in enumerate(parts):
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                raise _fail(i, "a part needs text, a string", f".{field}[{k}]")
+        if parts:
+            return "".join(p["text"] for p in parts)
+    text = decode_reasoning(item.get("encrypted_content"), budget[0])
+    if text is None:
+        return ""
+    budget[0] -= len(text)
+    if budget[0] < 0:
+        raise _fail(i, "the reasoning the items' encrypted_content holds is longer than a prompt can be",
+                    ".encrypted_content")  # fmt: skip
+    return text
 
 
 def encode_reasoning(text: str) -> str:
     return REASONING_BLOB + base64.urlsafe_b64encode(zlib.compress(text.encode())).decode()
 
 
-def decode_reasoning(blob: Any) -> str | None:
+def decode_reasoning(blob: Any, max_chars: int) -> str | None:
+    """The text of one of this server's blobs (None for another's); at most 4 x `max_chars` + 4 bytes
+    are decompressed (a longer text is cut there, and the caller refuses it)."""
     if not isinstance(blob, str) or not blob.startswith(REASONING_BLOB):
         return None
-    try:  # (bounded: the body limit bounds the blob, zlib's output below by a max_length)
-        raw = zlib.decompressobj().decompress(base64.urlsafe_b64decode(blob[len(REASONING_BLOB) :]), 1 << 24)
-        return raw.decode()
-    except (binascii.Error, ValueError, zlib.error, UnicodeDecodeError):
+    try:
+        packed = base64.urlsafe_b64decode(blob[len(REASONING_BLOB) :])
+        return zlib.decompressobj().decompress(packed, 4 * max_chars + 4).decode(errors="replace")
+    except (binascii.Error, ValueError, zlib.error):
         return None
-
-
-def output_items(
-    reasoning: str | None, content: str | None, calls: list[dict[str, Any]] | None, status: str,
-    logprobs: list[dict[str, Any]] | None = None, custom: set[str] = frozenset(), blob: bool = False,
-) -> list[dict[str, Any]]:  # fmt: skip
-    """An answer's output items: its reasoning, its text, its function calls (those present); calls of
-    the `custom` tools as custom_tool_call items; `blob`: reasoning items carry `encrypted_content`."""
-    items: list[dict[str, Any]] = []
-    if reasoning:
-        items.append(reasoning_item(new_id("rs"), reasoning, status, blob))
-    if content or not (reasoning or calls):
-        items.append(message_item(new_id("msg"), content or "", status, logprobs))
-    for call in calls or []:
-        items.append(tool_call_item(call, custom))
-    return items
 
 
 def tool_call_item(call: dict[str, Any], custom: set[str] = frozenset()) -> dict[str, Any]:
@@ -207,11 +212,22 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "status": status}  # fmt: skip
 
 
-def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The chat messages of a stored response's output (a next turn's history, `previous_response_id`)."""
-    return input_messages(
-        [
-            {"type": "message", "role": "assistant", "content": _text(i["content"])} if i["type"] == "message" else i
-            for i in items
-        ]
-    )
+def stored_input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's input as stored items, each with an id (`GET /v1/responses/{id}/input_items`, and
+    the conversation a next turn continues)."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
+    out = []
+    for item in items:
+        if not isinstance(item, dict):
+            out.append(item)  # (input_messages refuses it, naming it)
+            continue
+        item = dict(item, type=item.get("type", "message"))
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}.get(item["type"], "item")
+        item.setdefault("id", new_id(prefix))
+        item.setdefault("status", "completed")
+        out.append(item)
+    return out

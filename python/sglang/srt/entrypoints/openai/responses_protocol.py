@@ -12,9 +12,10 @@ characters, values of at most 512), `user`, `truncation`, `reasoning`, `service_
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sglang.srt.entrypoints.openai.protocol import (
     MAX_TOP_LOGPROBS,
@@ -41,16 +42,15 @@ CHAT_EXTENSIONS = (
     "top_k", "min_p", "stop", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens", "skip_special_tokens", "no_stop_trim",
     "chat_template_kwargs", "separate_reasoning", "priority", "lora_path", "rid", "cache_salt", "extra_key",
-    "stop_regex", "custom_params", "custom_logit_processor", "return_hidden_states",
+    "stop_regex", "custom_params", "custom_logit_processor", "return_hidden_states", "bootstrap_host",
+    "bootstrap_port", "bootstrap_room",
 )  # fmt: skip
 # A chat field's name in this API (for the chat request's validation errors).
 CHAT_TO_RESPONSES = {
     "messages": "input",
-    "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
     "response_format": "text.format",
-    "sampling_params.max_new_tokens": "max_output_tokens",
-    "input_ids": "input",
 }
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 # A custom tool's one parameter, as the model sees the tool.
@@ -107,6 +107,15 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        """OpenAI takes null for these switches: their defaults."""
+        if isinstance(data, dict):
+            nulls = [k for k in ("stream", "store", "background", "parallel_tool_calls") if data.get(k, 0) is None]
+            data = {k: v for k, v in data.items() if k not in nulls}
+        return data
 
     @field_validator("input")
     @classmethod
@@ -236,20 +245,22 @@ class ResponsesRequest(BaseModel):
             raise responses_error(request_error_from_validation(e)) from None
 
 
+def _reword(message: str) -> str:
+    """A chat route's message in this API's field names (word by word: "messages" -> "input", ...)."""
+    for chat_name, name in CHAT_TO_RESPONSES.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(chat_name)}\b", name, message)
+    return message.replace("input input", "input")  # ("The messages input (N tokens) ...")
+
+
 def responses_error(err: RequestError) -> RequestError:
     """A chat route's error in this API's field names."""
     param = err.param or ""
     head = param.partition("[")[0]
-    if head in CHAT_TO_RESPONSES:
-        new = CHAT_TO_RESPONSES[head]
-        message = err.message.replace(param, new, 1) if new == "input" else err.message.replace(head, new)
-        return RequestError(message, new, err.code)
-    return err
+    new = CHAT_TO_RESPONSES.get(head, head) + param[len(head) :] if param else err.param
+    return RequestError(_reword(err.message), new, err.code)
 
 
 def responses_abort(err: ServerAbortError) -> ServerAbortError:
     """A grammar the scheduler refused, named by this API's field (`text.format`, not response_format)."""
-    new = CHAT_TO_RESPONSES.get(err.param or "")
-    if new is None:
-        return err
-    return ServerAbortError(err.status_code, err.message.replace(err.param, new, 1), new)
+    new = CHAT_TO_RESPONSES.get(err.param or "", err.param)
+    return ServerAbortError(err.status_code, _reword(err.message), new)

@@ -4,8 +4,10 @@ streamed as Responses events), and with --enable-response-store `GET` / `DELETE 
 `background`.
 
 A request becomes a chat completion request (`responses_protocol`), which the chat serving runs: the chat
-template with the request's function tools, the reasoning and tool-call parsers, grammars for
-`text.format` and forcing `tool_choice`s. Its answer becomes output items (`responses_items`).
+template with the request's tools, the reasoning and tool-call parsers, grammars for `text.format` and
+forcing `tool_choice`s. Its answer becomes output items (`responses_output`, one builder for the whole
+reply and the stream). A stored response keeps its conversation as items (the previous turns', its input,
+its output), so a chained turn renders exactly what sending those items again renders.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
@@ -24,46 +25,56 @@ from starlette.exceptions import HTTPException
 from sglang.srt.entrypoints.http_errors import (
     backend_dead_body,
     internal_error_body,
+    json_object,
     json_response,
     server_abort_body,
 )
-from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
-from sglang.srt.entrypoints.openai.response_store import ResponseStore, StoredResponse
-from sglang.srt.entrypoints.openai.responses_items import (
-    input_messages,
-    message_item,
-    new_id,
-    output_items,
-    output_messages,
-    output_text,
-    reasoning_item,
-    tool_call_item,
-)
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, request_error_from_validation
+from sglang.srt.entrypoints.openai.response_store import RUNNING, ResponseStore, StoredResponse
+from sglang.srt.entrypoints.openai.responses_items import input_messages, new_id, stored_input_items
+from sglang.srt.entrypoints.openai.responses_output import ContentTokens, OutputBuilder
 from sglang.srt.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
     responses_abort,
     responses_error,
 )
-from sglang.srt.entrypoints.openai.serving_base import SSEResponse, parse_model, start_generation, usage
-from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglang.srt.entrypoints.openai.serving_base import SSEResponse, start_generation, usage
+from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
 from sglang.srt.managers.tokenizer_output import StreamMerger
 
 logger = logging.getLogger(__name__)
 
-# Background responses generating at once, at most (each returns at once and runs on: without a bound one
-# client could queue any number); one more is a 429.
+# Background responses generating at once, at most, over all clients (each returns at once and runs on:
+# without a bound one client could queue any number); one more is a 429.
 MAX_BACKGROUND = 256
 REASONING_INCLUDE = "reasoning.encrypted_content"
 STORE_NEEDED = "needs the response store: start the server with --enable-response-store"
+# The most reasoning text a request's encrypted_content blobs may restore, per token of context.
+REASONING_CHARS_PER_TOKEN = 16
 
 
-def _logprob_entries(logprobs: Any) -> list[dict[str, Any]]:
-    """The chat route's logprobs (ChoiceLogprobs) as output_text logprobs."""
-    if logprobs is None:
-        return []
-    return [e.model_dump(exclude_none=True) for e in logprobs.content]
+class _Turn:
+    """One request's parts: the request, its chat request, and what its reply is built with."""
+
+    def __init__(self, serving: OpenAIServingResponses, req: ResponsesRequest, chat_req: ChatCompletionRequest):
+        self.req, self.chat_req, self.chat = req, chat_req, serving.chat
+        self.custom = req.custom_tool_names()
+        self.blob = REASONING_INCLUDE in (req.include or [])
+        self._content_tokens: ContentTokens | None = None
+
+    @property
+    def content_tokens(self) -> ContentTokens:
+        """(Made once the prompt is rendered: whether it opens a think block decides the parsing.)"""
+        if self._content_tokens is None:
+            chat, chat_req = self.chat, self.chat_req
+            tools = chat._tool_call_parser(chat_req) if chat._parses_tools(chat_req) else None
+            self._content_tokens = ContentTokens(chat._reasoning_parser(chat_req), tools, chat_req.forces_tool_calls)
+        return self._content_tokens
+
+    def builder(self, response: dict) -> OutputBuilder:
+        return OutputBuilder(response, self.custom, self.blob, self.chat_req.logprobs)
 
 
 class OpenAIServingResponses:
@@ -81,7 +92,7 @@ class OpenAIServingResponses:
     async def create(self, request: Request) -> Response:
         if self.tm.tokenizer is None:
             raise responses_error(self.chat.tokenizer_needed(request.url.path))
-        req = parse_model(ResponsesRequest, await request.body())
+        req = _parse(await request.body())
         stored = self.store is not None and req.store
         if self.store is None and (req.previous_response_id or req.background):
             field = "previous_response_id" if req.previous_response_id else "background"
@@ -92,39 +103,40 @@ class OpenAIServingResponses:
         if req.background and not req.store:
             raise RequestError("store: a background response is stored; set store to true.", "store")
         history = self._previous_conversation(req.previous_response_id)
-        messages = history + input_messages(req.input)
+        items = stored_input_items(req.input)
+        budget = self.tm.limits.context_len * REASONING_CHARS_PER_TOKEN
+        messages = input_messages(history + items, offset=len(history), max_reasoning_chars=budget)
         instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        chat_req = req.chat_request(instructions + messages)
+        turn = _Turn(self, req, req.chat_request(instructions + messages))
         try:
-            obj = await self.chat.to_generate_input(chat_req)
-            obj.lora_path = self.chat.adapter_of(chat_req)
+            obj = await self.chat.to_generate_input(turn.chat_req)
+            obj.lora_path = self.chat.adapter_of(turn.chat_req)
         except RequestError as e:
-            raise responses_error(self.chat.rename(e)) from None
+            raise self._renamed(turn, e) from None
         response = self._skeleton(req, stored)
-        record = StoredResponse(response, _input_items(req.input), messages) if stored else None
+        conversation = history + items if stored else None
         if req.background:
-            if len(self._background) >= MAX_BACKGROUND:
-                raise ServerAbortError(429, f"{MAX_BACKGROUND} background responses are running; wait for one.")
-            response["status"] = "queued"
-            self.store.put(record)
-            task = asyncio.create_task(self._run_background(req, chat_req, obj, record))
-            self._background[response["id"]] = task
-            task.add_done_callback(lambda _t, rid=response["id"]: self._background.pop(rid, None))
-            return json_response(response)
-        first, gen = await self._start(chat_req, obj, request)
+            return self._start_background(turn, obj, response, items, conversation)
+        first, gen = await self._start(turn, obj, request)
         if req.stream:
-            return SSEResponse(self._stream(req, chat_req, first, gen, response, record))
+            return SSEResponse(self._stream(turn, first, gen, response, items, conversation))
         await gen.aclose()
-        self._finish(req, chat_req, response, first, record)
+        self._finish(turn, response, first, items, conversation)
         return json_response(response)
 
-    async def _start(self, chat_req: ChatCompletionRequest, obj: Any, request: Request | None) -> tuple[Any, Any]:
+    def _renamed(self, turn: _Turn, err: RequestError) -> RequestError:
+        err = self.chat.rename(err)
+        if err.param == "json_schema" and turn.chat_req.grammar_origin:  # (a grammar the route made)
+            err = RequestError(err.message, turn.chat_req.grammar_origin, err.code)
+        return responses_error(err)
+
+    async def _start(self, turn: _Turn, obj: Any, request: Request | None) -> tuple[Any, Any]:
         try:
             return await start_generation(self.tm, obj, request)
         except RequestError as e:
-            raise responses_error(self.chat.rename(e)) from None
+            raise self._renamed(turn, e) from None
         except ServerAbortError as e:
-            raise responses_abort(self.chat.rename_abort(chat_req, e)) from None
+            raise responses_abort(self.chat.rename_abort(turn.chat_req, e)) from None
 
     def _previous_conversation(self, rid: str | None) -> list[dict[str, Any]]:
         if rid is None:
@@ -132,9 +144,9 @@ class OpenAIServingResponses:
         entry = self.store.get(rid)
         if entry is None:
             raise RequestError(f"previous_response_id: no stored response has id {rid!r}.", "previous_response_id")
-        if entry.response["status"] in ("queued", "in_progress"):
+        if entry.status in RUNNING:
             raise RequestError(f"previous_response_id: response {rid!r} has not finished.", "previous_response_id")
-        return entry.conversation
+        return entry.conversation()
 
     def _skeleton(self, req: ResponsesRequest, stored: bool) -> dict[str, Any]:
         return {
@@ -165,60 +177,75 @@ class OpenAIServingResponses:
             "total_tokens": u["total_tokens"],
         }
 
-    def _settle(self, response: dict, out: dict, reason: str | None, reasoning: str) -> None:
+    def _settle(self, response: dict, out: dict, reason: str | None) -> None:
         """A response's final status and usage from its output's finish reason."""
         response["status"] = {"length": "incomplete", "abort": "cancelled"}.get(reason or "", "completed")
         if reason == "length":
             response["incomplete_details"] = {"reason": "max_output_tokens"}
+        reasoning = "".join(
+            i["content"][0]["text"] for i in response["output"] if i["type"] == "reasoning" and i["content"]
+        )
         response["usage"] = self._usage(out, reasoning)
         response["completed_at"] = int(time.time())
 
-    def _finish(
-        self, req: ResponsesRequest, chat_req: ChatCompletionRequest, response: dict, out: dict, record: Any
-    ) -> None:
+    def _finish(self, turn: _Turn, response: dict, out: dict, items: list, conversation: list | None) -> None:
         """A whole output's items, status and usage into `response` (and the store)."""
-        choice = self.chat.make_choice(chat_req, 0, out)
+        choice = self.chat.make_choice(turn.chat_req, 0, out)
         m = choice.message
-        status = "incomplete" if choice.finish_reason == "length" else "completed"
-        logprobs = _logprob_entries(choice.logprobs) if chat_req.logprobs else None
-        response["output"] = output_items(m.reasoning_content, m.content, m.tool_calls, status, logprobs,
-                                          req.custom_tool_names(), REASONING_INCLUDE in (req.include or []))
-        self._settle(response, out, choice.finish_reason, m.reasoning_content or "")
-        self._keep(record, response)
+        builder = turn.builder(response)
+        if turn.chat_req.logprobs:
+            entries = [e.model_dump(exclude_none=True) for e in chat_logprobs(out["meta_info"], 0).content]
+            builder.tokens_of_content(turn.content_tokens.keep(entries))
+        builder.reasoning(m.reasoning_content or "")
+        builder.content(m.content or "")
+        for call in m.tool_calls or []:
+            builder.call(call)
+        builder.finish(choice.finish_reason == "length")
+        self._settle(response, out, choice.finish_reason)
+        self._keep(response, items, conversation)
 
-    def _keep(self, record: StoredResponse | None, response: dict) -> None:
-        if record is None:
+    def _keep(self, response: dict, items: list, conversation: list | None) -> None:
+        """Store a finished response (a background one only if it is still stored: not deleted)."""
+        if conversation is None:
             return
-        record.conversation = record.conversation + output_messages(response["output"])
-        if not self.store.put(StoredResponse(response, record.input_items, record.conversation)):
-            logger.warning("Response %s is larger than --response-store-max-mb and is not stored.", response["id"])
+        entry = StoredResponse.of(response, items, conversation + response["output"])
+        kept = self.store.replace(entry) if response["background"] else self.store.put(entry)
+        if not kept and not response["background"]:
+            logger.warning("Response %s does not fit --response-store-max-mb and is not stored.", response["id"])
 
     # ---- background ------------------------------------------------------------------------------------
 
-    async def _run_background(
-        self, req: ResponsesRequest, chat_req: ChatCompletionRequest, obj: Any, record: StoredResponse
-    ) -> None:
-        response = dict(record.response, status="in_progress")
-        self.store.update(response)
+    def _start_background(self, turn: _Turn, obj: Any, response: dict, items: list, conversation: list) -> Response:
+        if len(self._background) >= MAX_BACKGROUND:
+            raise ServerAbortError(429, f"{MAX_BACKGROUND} background responses are running; wait for one.")
+        response["status"] = "queued"
+        if not self.store.put(StoredResponse.of(response, items, conversation)):
+            raise ServerAbortError(
+                503, "The response store has no room for another background response (--response-store-max-mb)."
+            )
+        rid = response["id"]
+        task = asyncio.create_task(self._run_background(turn, obj, response, items, conversation))
+        self._background[rid] = task
+        task.add_done_callback(lambda _t: self._background.pop(rid, None))
+        return json_response(response)
+
+    async def _run_background(self, turn: _Turn, obj: Any, response: dict, items: list, conversation: list) -> None:
+        response = dict(response, status="in_progress")
+        self.store.replace(StoredResponse.of(response, items, conversation))
         try:
-            first, gen = await self._start(chat_req, obj, None)
+            first, gen = await self._start(turn, obj, None)
             await gen.aclose()
-            self._finish(req, chat_req, response, first, record)
+            self._finish(turn, response, first, items, conversation)
         except asyncio.CancelledError:
-            self.store.update(dict(response, status="cancelled"))
+            self.store.replace(StoredResponse.of(dict(response, status="cancelled"), items, conversation))
             raise
-        except (RequestError, ServerAbortError, BackendDeadError) as e:
-            message = getattr(e, "message", None) or str(e)
-            self.store.update(dict(response, status="failed", error={"code": "server_error", "message": message}))
         except Exception as e:  # noqa: BLE001 - the response records it; nobody waits on this task
-            logger.exception("Background response %s failed", response["id"])
-            self.store.update(dict(response, status="failed", error={"code": "server_error", "message": str(e)}))
+            if not isinstance(e, RequestError | ServerAbortError | BackendDeadError):
+                logger.exception("Background response %s failed", response["id"])
+            error = {"code": "server_error", "message": getattr(e, "message", None) or str(e)}
+            self.store.replace(StoredResponse.of(dict(response, status="failed", error=error), items, conversation))
 
     async def cancel(self, rid: str) -> Response:
-        entry = self._stored(rid)
-        if not entry.response.get("background"):
-            raise RequestError(f"Response {rid!r} is not a background response; only those can be cancelled.",
-                               "response_id")  # fmt: skip
         task = self._background.get(rid)
         if task is not None:
             task.cancel()
@@ -226,7 +253,12 @@ class OpenAIServingResponses:
                 await task
             except asyncio.CancelledError:
                 pass
-        return json_response(self._stored(rid).response)
+        entry = self._stored(rid)
+        response = entry.response()
+        if not response.get("background"):
+            raise RequestError(f"Response {rid!r} is not a background response; only those can be cancelled.",
+                               "response_id")  # fmt: skip
+        return json_response(response)
 
     # ---- the store's routes ----------------------------------------------------------------------------
 
@@ -239,21 +271,22 @@ class OpenAIServingResponses:
         return entry
 
     def retrieve(self, rid: str) -> Response:
-        return json_response(self._stored(rid).response)
+        return Response(self._stored(rid).response_json, media_type="application/json")
 
     async def delete(self, rid: str) -> Response:
-        self._stored(rid)
         task = self._background.get(rid)
+        self._stored(rid)
+        self.store.delete(rid)
         if task is not None:
             task.cancel()
-        self.store.delete(rid)
         return json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
-    def input_items(self, rid: str, order: str = "desc", limit: int = 20, after: str | None = None) -> Response:
-        if order not in ("asc", "desc") or not 1 <= limit <= 100:
-            param = "order" if order not in ("asc", "desc") else "limit"
-            raise RequestError(f"{param}: order is asc or desc, limit 1 to 100.", param)
-        items = list(self._stored(rid).input_items)
+    def input_items(self, rid: str, order: str = "desc", limit: str = "20", after: str | None = None) -> Response:
+        if order not in ("asc", "desc"):
+            raise RequestError(f"order: {order!r} is not asc or desc.", "order")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise RequestError(f"limit: {limit!r} is not an integer from 1 to 100.", "limit")
+        items, n = self._stored(rid).input_items(), int(limit)
         if order == "desc":
             items.reverse()
         if after is not None:
@@ -261,24 +294,24 @@ class OpenAIServingResponses:
             if after not in ids:
                 raise RequestError(f"after: no input item of {rid!r} has id {after!r}.", "after")
             items = items[ids.index(after) + 1 :]
-        page = items[:limit]
+        page = items[:n]
         return json_response({
-            "object": "list", "data": page, "has_more": len(items) > limit,
+            "object": "list", "data": page, "has_more": len(items) > n,
             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
         })  # fmt: skip
 
     # ---- streaming -------------------------------------------------------------------------------------
 
     async def _stream(
-        self, req: ResponsesRequest, chat_req: ChatCompletionRequest, first: Any, gen: Any, response: dict, record: Any
+        self, turn: _Turn, first: Any, gen: Any, response: dict, items: list, conversation: list | None
     ) -> AsyncIterator[bytes]:
         """Responses events: created, in_progress, each item's added / deltas / done, then completed
         (or incomplete); an error ends the stream with an `error` event and `response.failed`."""
-        events = _EventWriter(response, req.custom_tool_names(), REASONING_INCLUDE in (req.include or []))
-        yield events.emit("response.created", response=dict(response))
-        yield events.emit("response.in_progress", response=dict(response))
+        builder = turn.builder(response)
+        yield builder.emit("response.created", response=dict(response))
+        yield builder.emit("response.in_progress", response=dict(response))
         try:
-            async for event in self._stream_items(chat_req, first, gen, response, events):
+            async for event in self._stream_items(turn, first, gen, response, builder):
                 yield event
         except ClientDisconnected:
             return
@@ -291,142 +324,51 @@ class OpenAIServingResponses:
                 logger.exception("Streaming a response failed")
                 body = internal_error_body(e)
             error = body["error"]
-            yield events.emit("error", code=str(error.get("code")), message=error["message"], param=error.get("param"))
-            response.update(status="failed", error={"code": str(error.get("code")), "message": error["message"]})
-            yield events.emit("response.failed", response=response)
+            yield builder.emit("error", code=str(error.get("code")), message=error["message"], param=error.get("param"))
+            code = "rate_limit_exceeded" if error.get("code") == 429 else "server_error"
+            response.update(status="failed", error={"code": code, "message": error["message"]})
+            yield builder.emit("response.failed", response=response)
             return
-        self._keep(record, response)
+        finally:
+            await gen.aclose()  # (a client gone: the request is aborted now, not when the loop collects it)
+        self._keep(response, items, conversation)
         kind = {"incomplete": "response.incomplete", "cancelled": "response.failed"}.get(response["status"])
-        yield events.emit(kind or "response.completed", response=response)
+        yield builder.emit(kind or "response.completed", response=response)
 
     async def _stream_items(
-        self, chat_req: ChatCompletionRequest, chunk: Any, gen: Any, response: dict, events: _EventWriter
+        self, turn: _Turn, chunk: Any, gen: Any, response: dict, builder: OutputBuilder
     ) -> AsyncIterator[bytes]:
         progress: dict[Any, Any] = {}
         merger = StreamMerger()
-        sent, reason, last, reasoning = 0, None, chunk, []
+        sent, sent_tokens, reason, last = 0, 0, None, chunk
         while chunk is not None:
             delta, sent = chunk["text"][sent:], len(chunk["text"])
             meta = merger.merge(chunk["meta_info"])
-            for choice in self.chat.stream_choices(chat_req, 0, delta, meta, progress):
-                d = choice.delta
-                if choice.logprobs is not None:
-                    events.pending_logprobs += _logprob_entries(choice.logprobs)
-                if d.reasoning_content:
-                    reasoning.append(d.reasoning_content)
-                    for event in events.text("reasoning", d.reasoning_content):
-                        yield event
-                if d.content:
-                    for event in events.text("message", d.content):
-                        yield event
-                for call in d.tool_calls or []:
-                    for event in events.call(call):
-                        yield event
+            if turn.chat_req.logprobs:  # (the chat route's choices carry them too; these are per token)
+                entries = chat_logprobs(meta, sent_tokens).content
+                sent_tokens += len(entries)
+                builder.tokens_of_content(turn.content_tokens.keep([e.model_dump(exclude_none=True) for e in entries]))
+            for choice in self.chat.stream_choices(turn.chat_req, 0, delta, meta, progress):
+                for event in builder.reasoning(choice.delta.reasoning_content or ""):
+                    yield event
+                for event in builder.content(choice.delta.content or ""):
+                    yield event
+                for call in choice.delta.tool_calls or []:
+                    builder.call(call)
                 reason = choice.finish_reason or reason
             last, chunk = chunk, await anext(gen, None)
-        for event in events.close("incomplete" if reason == "length" else "completed"):
+        for event in builder.finish(reason == "length"):
             yield event
-        self._settle(response, last, reason, "".join(reasoning))
+        self._settle(response, last, reason)
 
 
-class _EventWriter:
-    """A stream's events, numbered, and the output items they build (`response["output"]`)."""
+def _parse(body: bytes) -> ResponsesRequest:
+    """The request (parsed by orjson first: an integer past 64 bits becomes a float, which a count field
+    refuses and an echoed one can be written back, where pydantic's own parser would keep it an int that
+    no reply can carry)."""
+    from pydantic import ValidationError
 
-    def __init__(self, response: dict, custom: set[str], blob: bool):
-        """`custom`: the request's custom tools; `blob`: reasoning items carry encrypted_content."""
-        self.response = response
-        self.custom, self.blob = custom, blob
-        self.seq = 0
-        self.open: dict[str, Any] | None = None  # the reasoning or message item receiving text
-        self.pending_logprobs: list[dict[str, Any]] = []
-
-    def emit(self, kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, **fields, "sequence_number": self.seq}
-        self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-    def _added(self, item: dict) -> bytes:
-        self.response["output"].append(item)
-        return self.emit("response.output_item.added", output_index=len(self.response["output"]) - 1,
-                         item=dict(item, content=[]) if "content" in item else item)  # fmt: skip
-
-    def text(self, kind: str, delta: str) -> list[bytes]:
-        out = []
-        if self.open is None or self.open["type"] != kind:
-            out += self.close("completed")
-            item = reasoning_item(new_id("rs"), "", "in_progress") if kind == "reasoning" else \
-                message_item(new_id("msg"), None, "in_progress")  # fmt: skip
-            self.open = dict(item, text=[])
-            out.append(self._added(item))
-            if kind == "message":
-                out.append(self._part("response.content_part.added", item["id"], output_text("", [])))
-        self.open["text"].append(delta)
-        where = {"item_id": self.open["id"], "output_index": len(self.response["output"]) - 1, "content_index": 0}
-        if kind == "reasoning":
-            out.append(self.emit("response.reasoning_text.delta", **where, delta=delta))
-        else:
-            logprobs, self.pending_logprobs = self.pending_logprobs, []
-            self.open.setdefault("logprobs", []).extend(logprobs)
-            out.append(self.emit("response.output_text.delta", **where, delta=delta, logprobs=logprobs))
-        return out
-
-    def _part(self, kind: str, item_id: str, part: dict) -> bytes:
-        return self.emit(kind, item_id=item_id, output_index=len(self.response["output"]) - 1, content_index=0,
-                         part=part)  # fmt: skip
-
-    def close(self, status: str) -> list[bytes]:
-        """The open text item's done events (its final form replaces its placeholder in the output)."""
-        if self.open is None:
-            return []
-        o, self.open = self.open, None
-        text, index = "".join(o["text"]), len(self.response["output"]) - 1
-        where = {"item_id": o["id"], "output_index": index, "content_index": 0}
-        if o["type"] == "reasoning":
-            item = reasoning_item(o["id"], text, status, self.blob)
-            out = [self.emit("response.reasoning_text.done", **where, text=text)]
-        else:
-            logprobs = o.get("logprobs", []) + self.pending_logprobs
-            self.pending_logprobs = []
-            item = message_item(o["id"], text, status, logprobs)
-            out = [self.emit("response.output_text.done", **where, text=text, logprobs=logprobs)]
-            out.append(self._part("response.content_part.done", o["id"], item["content"][0]))
-        self.response["output"][index] = item
-        out.append(self.emit("response.output_item.done", output_index=index, item=item))
-        return out
-
-    def call(self, call: dict[str, Any]) -> list[bytes]:
-        """A whole function call (the parser hands each over when its block closes)."""
-        out = self.close("completed")
-        item = tool_call_item(call, self.custom)
-        custom = item["type"] == "custom_tool_call"
-        field = "input" if custom else "arguments"
-        out.append(self._added(dict(item, **{field: ""}, status="in_progress")))
-        index = len(self.response["output"]) - 1
-        self.response["output"][index] = item
-        where = {"item_id": item["id"], "output_index": index}
-        if custom:
-            out.append(self.emit("response.custom_tool_call_input.delta", **where, delta=item["input"]))
-            out.append(self.emit("response.custom_tool_call_input.done", **where, input=item["input"]))
-        else:
-            out.append(self.emit("response.function_call_arguments.delta", **where, delta=item["arguments"]))
-            out.append(self.emit("response.function_call_arguments.done", **where, name=item["name"],
-                                 arguments=item["arguments"]))  # fmt: skip
-        out.append(self.emit("response.output_item.done", output_index=index, item=item))
-        return out
-
-
-def _input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A request's input as stored items, each with an id (`GET /v1/responses/{id}/input_items`)."""
-    if isinstance(items, str):
-        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
-    out = []
-    for item in items:
-        item = dict(item, type=item.get("type", "message"))
-        if item["type"] == "message" and isinstance(item.get("content"), str):
-            kind = "output_text" if item.get("role") == "assistant" else "input_text"
-            item["content"] = [{"type": kind, "text": item["content"]}]
-        prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}.get(item["type"], "item")
-        item.setdefault("id", new_id(prefix))
-        item.setdefault("status", "completed")
-        out.append(item)
-    return out
+    try:
+        return ResponsesRequest.model_validate(json_object(body))
+    except ValidationError as e:
+        raise request_error_from_validation(e) from None
