@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any
 
+import anthropic
 import openai
 import orjson
 import requests
@@ -549,3 +550,29 @@ class TestOpenAIServer(ServerTestCase):
         long = " ".join(f"w{i}" for i in range(40_000))  # past the context length
         r = self.post("/v1/responses", {"model": self.model, "input": long})
         self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "input"), r.text)
+
+    def test_anthropic_messages_api(self) -> None:
+        """/v1/messages through the anthropic client (its key as x-api-key): the answer chat gives the same
+        conversation, whole and streamed; count_tokens counts the prompt; a stop sequence; errors in
+        Anthropic's shape. (The rules: test/unit/frontend/test_anthropic_api.py.)"""
+        client = anthropic.Anthropic(base_url=self.base_url, api_key=self.api_key)
+        greedy = {"model": self.model, "max_tokens": 6, "messages": MESSAGES,
+                  "extra_body": {"temperature": 0, "ignore_eos": True}}  # fmt: skip
+        whole = client.messages.create(**greedy)
+        chat = self.chat(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        self.assertEqual((whole.content[0].text, whole.stop_reason), (chat.choices[0].message.content, "max_tokens"))
+        usage = whole.usage
+        self.assertEqual(usage.input_tokens + usage.cache_read_input_tokens, chat.usage.prompt_tokens)
+        with client.messages.stream(**greedy) as stream:
+            streamed = stream.get_final_message()
+        self.assertEqual((streamed.content[0].text, streamed.stop_reason), (whole.content[0].text, "max_tokens"))
+        counted = client.messages.count_tokens(model=self.model, messages=MESSAGES)
+        self.assertEqual(counted.input_tokens, chat.usage.prompt_tokens)
+        stop = whole.content[0].text[2:4]  # (greedy: the same text comes again and stops there)
+        stopped = client.messages.create(**{**greedy, "max_tokens": 6}, stop_sequences=[stop])
+        self.assertEqual((stopped.stop_reason, stopped.stop_sequence), ("stop_sequence", stop))
+        with self.assertRaises(anthropic.BadRequestError) as e:
+            client.messages.create(model=self.model, max_tokens=4, messages=[{"role": "system", "content": "x"}])
+        self.assertEqual(e.exception.body["error"]["type"], "invalid_request_error")
+        with self.assertRaises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=self.base_url, api_key="wrong").messages.create(**greedy)

@@ -175,3 +175,17 @@ def test_a_preset_name_is_no_folder_to_load_from_disk(apps):
         error = orjson.loads(reply)["error"]
         assert status == 400, error
         assert error["param"] == "model_path" and "preset" in error["message"]
+
+
+def test_the_messages_routes_also_take_anthropics_x_api_key_header(apps):
+    """Anthropic's clients send the key as x-api-key: taken on /v1/messages, nowhere else."""
+    app = apps[(USER, None)]
+
+    def status(path: str, key: bytes) -> int:
+        headers = [(b"content-length", b"2"), (b"x-api-key", key)]
+        return harness_request(app, "POST", path, b"{}", headers)[0]
+
+    assert status("/v1/messages", USER.encode()) == 400, "past the key: the empty body's 400"
+    assert status("/v1/messages/count_tokens", USER.encode()) == 400
+    assert status("/v1/messages", b"wrong") == 401
+    assert status("/v1/chat/completions", USER.encode()) == 401

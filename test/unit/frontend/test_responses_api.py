@@ -24,6 +24,7 @@ from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
 from sglang.srt.managers.request_validation import RequestError
 from sglang.test.ci_register import register_cpu_ci
+from sglang.test.fake_chat import FakeChatTokenizerManager
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
@@ -35,63 +36,8 @@ PATCH = '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
-class _Template:
-    chat_template = "fake"
-
-    def __init__(self):
-        self.seen: list[dict] = []
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
-        self.seen.append({"messages": messages, **kwargs})
-        text = "".join(f"<{m['role']}>{m.get('reasoning_content') or ''}|{m['content']}" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text)
-
-
-class _TM:
-    """Answers every request with `answer` (streamed two characters a chunk), recording the prompts."""
-
-    def __init__(self, answer: str, finish: str = "stop", delay: float = 0.0, fail: Exception | None = None):
-        """`fail`: raised before the first output (whole) or after the first chunk (streamed)."""
-        self.tokenizer = _Template()
-        self.limits = SimpleNamespace(context_len=1 << 20)
-        self.lora = SimpleNamespace(split_model=lambda model: (model, None))
-        self.answer, self.finish, self.delay, self.fail = answer, finish, delay, fail
-        self.prompts: list[list[int]] = []
-        self.params: list[dict] = []
-        self.aborted = 0
-
-    async def encode(self, text, param, add_special_tokens=True, truncate=False):
-        return [ord(c) for c in text]
-
-    async def generate_request(self, obj, request=None):
-        self.prompts.append(obj.input_ids)
-        self.params.append(obj.sampling_params)
-        n = len(self.answer)
-        try:
-            if self.delay:
-                await asyncio.sleep(self.delay)
-            cuts = list(range(2, n, 2)) + [n] if obj.stream else [n]
-            for k, cut in enumerate(cuts):
-                if self.fail is not None and (k == 1 or not obj.stream):
-                    raise self.fail
-                last = k == len(cuts) - 1
-                meta = {"id": "x", "prompt_tokens": len(obj.input_ids), "completion_tokens": cut, "cached_tokens": 3,
-                        "finish_reason": {"type": self.finish} if last else None}  # fmt: skip
-                if obj.return_logprob:
-                    lo = 0 if not obj.stream else (cuts[k - 1] if k else 0)
-                    meta["output_token_logprobs"] = [(-0.5, ord(c), c) for c in self.answer[lo:cut]]
-                    meta["output_top_logprobs"] = [[(-0.5, ord(c), c)] for c in self.answer[lo:cut]]
-                yield {"text": self.answer[:cut], "meta_info": meta}
-        except (asyncio.CancelledError, GeneratorExit):
-            self.aborted += 1
-            raise
-
-
 def _serving(answer: str = "Hello there", store: bool = True, **tm_kw) -> OpenAIServingResponses:
-    chat = OpenAIServingChat(_TM(answer, **tm_kw), "m", reasoning_parser="qwen3", tool_call_parser="qwen25")
+    chat = OpenAIServingChat(FakeChatTokenizerManager(answer, **tm_kw), "m", reasoning_parser="qwen3", tool_call_parser="qwen25")
     return OpenAIServingResponses(chat, ResponseStore(1 << 20) if store else None)
 
 

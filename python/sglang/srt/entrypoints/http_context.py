@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
+from sglang.srt.entrypoints.anthropic.serving import AnthropicServing
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -29,6 +30,7 @@ class ServerContext:
     tokenize: OpenAIServingTokenize
     metrics: MetricsCollector | None
     responses: OpenAIServingResponses
+    anthropic: AnthropicServing
 
     @property
     def model_name(self) -> str:

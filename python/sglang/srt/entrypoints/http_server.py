@@ -19,11 +19,13 @@ from typing import Any
 from fastapi import FastAPI
 
 from sglang.srt.entrypoints import (
+    http_routes_anthropic,
     http_routes_control,
     http_routes_native,
     http_routes_openai,
     http_routes_weights,
 )
+from sglang.srt.entrypoints.anthropic.serving import AnthropicServing
 from sglang.srt.entrypoints.http_context import ServerContext
 from sglang.srt.entrypoints.http_errors import install_error_handlers
 from sglang.srt.entrypoints.http_guard import RequestGuard
@@ -138,12 +140,15 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     tokenize = OpenAIServingTokenize(tm, model_info["context_len"], model_info["vocab_size"])
     app.state.server = ServerContext(
-        server_args, tm, model_info, chat, completions, tokenize, metrics, responses
+        server_args, tm, model_info, chat, completions, tokenize, metrics, responses, AnthropicServing(chat)
     )
     install_error_handlers(app)
     routers = [
-        m.router for m in (http_routes_native, http_routes_openai, http_routes_weights, http_routes_control)
-    ]
+        m.router
+        for m in (
+            http_routes_native, http_routes_openai, http_routes_anthropic, http_routes_weights, http_routes_control
+        )
+    ]  # fmt: skip
     if metrics is not None:
         routers.append(http_routes_native.metrics_router)
     for router in routers:

@@ -21,6 +21,7 @@ from starlette.routing import Match
 F = TypeVar("F", bound=Callable[..., Any])
 
 OPEN_PATHS = ("/health",)
+ANTHROPIC_PATHS = ("/v1/messages",)  # (their clients' header, x-api-key, is taken there too)
 
 
 class AuthLevel(str, Enum):
@@ -91,6 +92,10 @@ class ApiKeyCheck:
         if scope["path"] in OPEN_PATHS:
             return None
         authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if authorization is None and scope["path"].startswith(ANTHROPIC_PATHS):
+            # Anthropic's clients send the key as x-api-key (and as a bearer token with an auth token set).
+            key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+            authorization = None if key is None else b"Bearer " + key
         level = route_level(self.routes, scope)
         status = decide_request_auth(level, authorization, self.api_key, self.admin_api_key)
         if status is None:
