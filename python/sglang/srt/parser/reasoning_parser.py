@@ -60,6 +60,7 @@ class ReasoningParser:
         self.at_start = not continues  # nothing of the answer consumed yet: an opening tag may come
         self.saw_reasoning = self.in_reasoning
         self._buf = ""
+        self._lead = 0  # (at the start: how much of the buffer is known to be leading whitespace)
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) that `text` completes."""
@@ -67,7 +68,12 @@ class ReasoningParser:
         reasoning, content = [], []
         while self._buf:
             if self.at_start:
-                stripped = self._buf.lstrip()
+                # Only the new text is scanned: a long run of whitespace fed a token at a time stays linear.
+                lead = self._lead
+                while lead < len(self._buf) and self._buf[lead].isspace():
+                    lead += 1
+                self._lead = lead
+                stripped = self._buf[lead:]
                 if not stripped or (THINK_START.startswith(stripped) and stripped != THINK_START):
                     break  # whitespace or a partial opening tag: wait
                 self.at_start = False

@@ -77,10 +77,26 @@ class ResponseStore:
         self.running += entry.size if entry.status in RUNNING else 0
         return True
 
-    def replace(self, entry: StoredResponse) -> bool:
-        """A stored response's new state (a background response that ended): only if it is still stored
-        (a deleted one stays deleted)."""
-        return entry.rid in self._entries and self.put(entry)
+    def replace(self, entry: StoredResponse, stub: StoredResponse | None = None) -> bool:
+        """A stored response's new state (a background response moving on): only if it is still stored
+        (a deleted one stays deleted). A running response's next state always lands: running to running
+        in place (a status word's difference past the bound at most), running to finished as `put`, else
+        `stub` (a small failed response: the finished one does not fit) in its place."""
+        old = self._entries.get(entry.rid)
+        if old is None:
+            return False
+        if old.status in RUNNING and entry.status in RUNNING:
+            self.delete(entry.rid)
+            self._entries[entry.rid] = entry
+            self.used += entry.size
+            self.running += entry.size
+            return True
+        if self.put(entry):
+            return True
+        if old.status in RUNNING:
+            self.delete(entry.rid)
+            return stub is not None and self.put(stub)
+        return False
 
     def get(self, rid: str) -> StoredResponse | None:
         entry = self._entries.get(rid)

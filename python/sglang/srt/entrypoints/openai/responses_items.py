@@ -96,6 +96,11 @@ def input_messages(
         if not isinstance(item, dict):
             raise _fail(i, "an item must be an object")
         kind = item.get("type", "message")
+        turn_ends = kind in ("function_call_output", "custom_tool_call_output") or (
+            kind == "message" and item.get("role") != "assistant"
+        )
+        if reasoning and turn_ends:  # reasoning no answer followed (a turn cut short): a turn of its own
+            assistant(new_turn=True)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):

@@ -27,26 +27,60 @@ from sglang.srt.entrypoints.openai.responses_items import (
 
 class ContentTokens:
     """Which output tokens make the message's text, fed token by token (logprob entries as the chat
-    route gives them: token, logprob, bytes, top_logprobs)."""
+    route gives them: token, logprob, bytes, top_logprobs): a token counts where the parsers release
+    content for it; a token whose text they hold (a partial tag, leading whitespace) counts when that
+    text is released as content, by a later token or at the end; held text that turns out to be a tag,
+    a call or reasoning is dropped with its tokens."""
 
     def __init__(self, reasoning_parser: Any, tool_parser: Any, forced: bool):
         """The route's parsers for this request (None where it has none); `forced`: a forced tool call,
-        whose whole answer is calls."""
+        whose answer is a message only where it is no call (cut short): then every token is its."""
         self.reasoning, self.tools, self.forced = reasoning_parser, tool_parser, forced
+        self.held: list[dict[str, Any]] = []
 
     def keep(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if self.forced:
-            return []
-        kept = []
+            return entries
+        kept: list[dict[str, Any]] = []
         for entry in entries:
-            text = entry["token"]
-            if self.reasoning is not None:
-                text = self.reasoning.feed(text)[1]
-            if self.tools is not None and text:
-                text = self.tools.feed(text)[0]
-            if text:
-                kept.append(entry)
+            kept += self._release(entry["token"], entry)
         return kept
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The held tokens whose text the parsers release at the end."""
+        if self.forced:
+            return []
+        reasoning, content = self.reasoning.finish() if self.reasoning is not None else ("", "")
+        if self.tools is not None:
+            content, _ = self.tools.feed(content)
+            content += self.tools.finish()
+        return self._attribute(content, None, bool(reasoning))
+
+    def _release(self, text: str, entry: dict[str, Any]) -> list[dict[str, Any]]:
+        reasoning, calls = "", []
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text)
+        if self.tools is not None and text:
+            text, calls = self.tools.feed(text)
+        return self._attribute(text, entry, bool(reasoning or calls))
+
+    def _attribute(self, content: str, entry: dict[str, Any] | None, resolved: bool) -> list[dict[str, Any]]:
+        """The tokens `content` (released now, with `entry` fed now) stands for: `entry`, and the held
+        tokens before it its excess text covers (latest first)."""
+        if not content:
+            if resolved:  # what was held was reasoning, a tag or a call
+                self.held.clear()
+            if entry is not None:
+                self.held.append(entry)
+            return []
+        excess = len(content) - (len(entry["token"]) if entry is not None else 0)
+        taken: list[dict[str, Any]] = []
+        while excess > 0 and self.held:
+            token = self.held.pop()
+            taken.insert(0, token)
+            excess -= len(token["token"])
+        self.held.clear()
+        return taken + ([entry] if entry is not None else [])
 
 
 class OutputBuilder:

@@ -169,6 +169,8 @@ class ResponsesRequest(BaseModel):
             except ValidationError as e:
                 err = request_error_from_validation(e)
                 raise RequestError(f"tools[{i}].{err.message}", f"tools[{i}].{err.param}") from None
+            if any(t.name == fn.name for t in tools):
+                raise RequestError(f"tools[{i}].name: {fn.name!r} names an earlier tool too.", f"tools[{i}].name")
             if kind == "custom":
                 fn.parameters = CUSTOM_PARAMETERS
                 fn.description = _custom_description(fn.description, tool.get("format"))

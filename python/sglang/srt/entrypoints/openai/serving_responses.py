@@ -195,7 +195,7 @@ class OpenAIServingResponses:
         builder = turn.builder(response)
         if turn.chat_req.logprobs:
             entries = [e.model_dump(exclude_none=True) for e in chat_logprobs(out["meta_info"], 0).content]
-            builder.tokens_of_content(turn.content_tokens.keep(entries))
+            builder.tokens_of_content(turn.content_tokens.keep(entries) + turn.content_tokens.finish())
         builder.reasoning(m.reasoning_content or "")
         builder.content(m.content or "")
         for call in m.tool_calls or []:
@@ -209,8 +209,9 @@ class OpenAIServingResponses:
         if conversation is None:
             return
         entry = StoredResponse.of(response, items, conversation + response["output"])
-        kept = self.store.replace(entry) if response["background"] else self.store.put(entry)
+        kept = self.store.replace(entry, _stub(response)) if response["background"] else self.store.put(entry)
         if not kept and not response["background"]:
+            response["store"] = False  # (the reply says so)
             logger.warning("Response %s does not fit --response-store-max-mb and is not stored.", response["id"])
 
     # ---- background ------------------------------------------------------------------------------------
@@ -226,8 +227,17 @@ class OpenAIServingResponses:
         rid = response["id"]
         task = asyncio.create_task(self._run_background(turn, obj, response, items, conversation))
         self._background[rid] = task
-        task.add_done_callback(lambda _t: self._background.pop(rid, None))
+        task.add_done_callback(lambda _t: self._background_done(rid, response))
         return json_response(response)
+
+    def _background_done(self, rid: str, response: dict) -> None:
+        """A background task ended: a response it left running (a task cancelled before it started) is
+        cancelled."""
+        self._background.pop(rid, None)
+        entry = self.store.get(rid)
+        if entry is not None and entry.status in RUNNING:
+            stub = _stub(response, "cancelled")
+            self.store.replace(stub, stub)
 
     async def _run_background(self, turn: _Turn, obj: Any, response: dict, items: list, conversation: list) -> None:
         response = dict(response, status="in_progress")
@@ -237,13 +247,15 @@ class OpenAIServingResponses:
             await gen.aclose()
             self._finish(turn, response, first, items, conversation)
         except asyncio.CancelledError:
-            self.store.replace(StoredResponse.of(dict(response, status="cancelled"), items, conversation))
+            cancelled = dict(response, status="cancelled")
+            self.store.replace(StoredResponse.of(cancelled, items, conversation), _stub(cancelled))
             raise
         except Exception as e:  # noqa: BLE001 - the response records it; nobody waits on this task
             if not isinstance(e, RequestError | ServerAbortError | BackendDeadError):
                 logger.exception("Background response %s failed", response["id"])
             error = {"code": "server_error", "message": getattr(e, "message", None) or str(e)}
-            self.store.replace(StoredResponse.of(dict(response, status="failed", error=error), items, conversation))
+            failed = dict(response, status="failed", error=error)
+            self.store.replace(StoredResponse.of(failed, items, conversation), _stub(failed))
 
     async def cancel(self, rid: str) -> Response:
         task = self._background.get(rid)
@@ -284,7 +296,7 @@ class OpenAIServingResponses:
     def input_items(self, rid: str, order: str = "desc", limit: str = "20", after: str | None = None) -> Response:
         if order not in ("asc", "desc"):
             raise RequestError(f"order: {order!r} is not asc or desc.", "order")
-        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= 100:
             raise RequestError(f"limit: {limit!r} is not an integer from 1 to 100.", "limit")
         items, n = self._stored(rid).input_items(), int(limit)
         if order == "desc":
@@ -357,9 +369,21 @@ class OpenAIServingResponses:
                     builder.call(call)
                 reason = choice.finish_reason or reason
             last, chunk = chunk, await anext(gen, None)
+        if turn.chat_req.logprobs:
+            builder.tokens_of_content(turn.content_tokens.finish())
         for event in builder.finish(reason == "length"):
             yield event
         self._settle(response, last, reason)
+
+
+def _stub(response: dict, status: str | None = None) -> StoredResponse:
+    """What a background response's end becomes where it does not fit the store: its request's fields,
+    no output, and why (a cancelled one: just that)."""
+    stub = dict(response, output=[], usage=None, status=status or response["status"])
+    if stub["status"] != "cancelled":
+        message = "The response does not fit the response store (--response-store-max-mb); it was not kept."
+        stub.update(status="failed", error={"code": "server_error", "message": message})
+    return StoredResponse.of(stub, [], [])
 
 
 def _parse(body: bytes) -> ResponsesRequest:
