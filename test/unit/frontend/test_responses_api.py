@@ -166,6 +166,8 @@ def test_the_request_maps_onto_the_chat_request():
         ({"background": True, "stream": True}, "stream"),
         ({"background": True, "store": False}, "store"),
         ({"stop": ""}, "stop"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ],
 )
 def test_bad_requests_are_a_400_naming_the_field_in_this_apis_words(body, param):

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sglang.srt.entrypoints.openai.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
+    _field_error,
     request_error_from_validation,
 )
 from sglang.srt.managers.request_validation import RequestError
@@ -53,6 +54,12 @@ CHAT_TO_RESPONSES = {
     "response_format": "text.format",
 }
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+# OpenAI's fields for what this server does not have: a 400 naming them, not a silent answer without them.
+NOT_SERVED = {
+    "conversation": "OpenAI's Conversations API is not served; continue with previous_response_id "
+    "(--enable-response-store) or send the conversation's items in input",
+    "prompt": "stored prompt templates are not served; send the instructions and input themselves",
+}
 # A custom tool's one parameter, as the model sees the tool.
 CUSTOM_INPUT = "input"
 CUSTOM_PARAMETERS = {
@@ -115,6 +122,9 @@ class ResponsesRequest(BaseModel):
         if isinstance(data, dict):
             nulls = [k for k in ("stream", "store", "background", "parallel_tool_calls") if data.get(k, 0) is None]
             data = {k: v for k, v in data.items() if k not in nulls}
+            for field, why in NOT_SERVED.items():
+                if data.get(field) not in (None, "", [], {}):
+                    raise _field_error(field, why, "unsupported_parameter")
         return data
 
     @field_validator("input")
