@@ -57,7 +57,7 @@ def _event(chunk: bytes) -> dict:
     head, data = chunk.decode().split("\n", 1)
     event = json.loads(data.removeprefix("data: "))
     assert head == f"event: {event['type']}"
-    if event["type"] != "error":
+    if event["type"] not in ("error", "ping"):  # (the anthropic client skips pings before its models)
         EVENTS.validate_python(event)  # the anthropic package's own event models parse it
     return event
 
@@ -65,7 +65,7 @@ def _event(chunk: bytes) -> dict:
 def _accumulated(events: list[dict]) -> dict:
     """The message the anthropic package's own stream accumulator builds from the events."""
     snapshot, bufs = None, {}
-    for event in events:
+    for event in [e for e in events if e["type"] != "ping"]:
         snapshot = accumulate_event(event=EVENTS.validate_python(event), current_snapshot=snapshot, json_bufs=bufs)
     out = snapshot.model_dump(exclude_none=True)
     for block in out["content"]:
@@ -105,7 +105,7 @@ def test_content_blocks_become_the_chat_messages_templates_read():
         {"role": "user", "content": [{"type": "text", "text": "weather?"},
                                      {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
         {"role": "assistant", "content": "Checking.", "reasoning_content": "plan", "tool_calls": [
-            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "t1"},
         {"role": "user", "content": "thanks"},
     ]  # fmt: skip
@@ -146,6 +146,11 @@ def test_the_request_maps_onto_the_chat_request():
         ({"tool_choice": {"type": "any"}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
         ({"system": [{"type": "image"}]}, "system[0]"),
+        # Review: a 500 (a non-object merged), chat's words for Anthropic's fields.
+        ({"thinking": {"type": "enabled"}, "chat_template_kwargs": "x"}, "chat_template_kwargs"),
+        ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice"),
+        ({"stop_sequences": [""]}, "stop_sequences"),
+        ({"tools": TOOLS + TOOLS}, "as an earlier tool is"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_anthropic_400s_naming_the_field(body, words):
@@ -218,3 +223,38 @@ def test_a_big_integer_is_no_server_error():
     raw = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "metadata": {"n": 100000000000000000000000}}'
     reply = asyncio.run(serving.messages(_request(raw)))
     assert reply.status_code == 200
+
+
+def test_review_fixes_prefill_is_error_null_stream_and_a_big_integer_in_a_call():
+    prefill = MessagesRequest.model_validate(
+        {"max_tokens": 4, "stream": None, "messages": USER + [{"role": "assistant", "content": "The answer is ("}]}
+    )
+    chat = prefill.chat_request()
+    assert chat.continue_final_message and not chat.stream, "Anthropic's prefill: the answer goes on from it"
+    failed = MessagesRequest.model_validate({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "ENOENT", "is_error": True}]}]})  # fmt: skip
+    assert failed.chat_request().messages[0].content == "Error: ENOENT"
+    big = '<tool_call>\n{"name": "get_weather", "arguments": {"n": 123456789012345678901234567890}}\n</tool_call>'
+    status, whole = _create(_serving(big), tools=TOOLS)
+    assert status == 200 and whole["content"][0]["input"] == {"n": 1.2345678901234568e29}
+
+
+def test_a_stream_quiet_through_a_long_call_sends_pings(monkeypatch):
+    from sglang.srt.entrypoints.anthropic import serving as anthropic_serving
+
+    monkeypatch.setattr(anthropic_serving, "PING_SECONDS", 0.0)
+    serving = _serving("<think>plan</think>" + CALL)
+    _, whole = _create(serving, tools=TOOLS)
+    _, events = _create(serving, stream=True, tools=TOOLS)
+    assert "ping" in [e["type"] for e in events], "the call's chunks send nothing else"
+    assert _without_ids(_accumulated(events)) == _without_ids({k: v for k, v in whole.items() if v is not None})
+
+
+def test_a_tool_use_input_nested_past_orjsons_limit_is_a_400():
+    """Review: json's recursion limit made a 1,000-level input a 500 on both routes."""
+    deep = b'{"a":' * 1000 + b"{}" + b"}" * 1000
+    body = (b'{"max_tokens": 4, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", '
+            b'"name": "f", "input": ' + deep + b"}]}]}")  # fmt: skip
+    for route in ("messages", "count_tokens"):
+        reply = asyncio.run(getattr(_serving(), route)(_request(body)))
+        assert reply.status_code == 400 and "messages[0].content[0].input" in orjson.loads(reply.body)["error"]["message"]

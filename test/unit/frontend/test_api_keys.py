@@ -189,3 +189,25 @@ def test_the_messages_routes_also_take_anthropics_x_api_key_header(apps):
     assert status("/v1/messages/count_tokens", USER.encode()) == 400
     assert status("/v1/messages", b"wrong") == 401
     assert status("/v1/chat/completions", USER.encode()) == 401
+
+
+def test_the_messages_routes_answer_every_error_in_anthropics_shape(apps):
+    """Review: the request guard's 401 and 413, Starlette's 404 and 405 came in OpenAI's shape there."""
+    app = apps[(USER, None)]
+
+    def reply(method: str, path: str, key: bytes | None, body: bytes = b"{}") -> tuple[int, dict]:
+        headers = [(b"content-length", str(len(body)).encode())] + ([(b"x-api-key", key)] if key else [])
+        status, raw = harness_request(app, method, path, body, headers)
+        return status, orjson.loads(raw)
+
+    for (method, path, key, body), (status, kind) in {
+        ("POST", "/v1/messages", None, b"{}"): (401, "authentication_error"),
+        ("GET", "/v1/messages", USER.encode(), b""): (405, "api_error"),
+        ("POST", "/v1/messages/batches", USER.encode(), b"{}"): (404, "not_found_error"),
+        ("POST", "/v1/messages", USER.encode(), b"x" * (1 << 24)): (413, "request_too_large"),
+    }.items():  # fmt: skip
+        got, body_ = reply(method, path, key, body)
+        assert (got, body_.get("type"), body_.get("error", {}).get("type")) == (status, "error", kind), body_
+    assert "x-api-key" in reply("POST", "/v1/messages", None)[1]["error"]["message"]
+    status, openai_shape = reply("POST", "/v1/chat/completions", None)
+    assert status == 401 and openai_shape["object"] == "error", "the other routes keep their shape"

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from sglang.srt.entrypoints.http_guard import CLIENT_CLOSED
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
-from sglang.srt.utils.error_body import error_body
+from sglang.srt.utils.error_body import body_for_path, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +59,11 @@ def internal_error_body(e: BaseException) -> dict:
     return error_body(f"Internal server error: {e}", kind="server_error", code="internal_error", status=500)
 
 
-def internal_error_response(e: BaseException) -> Response:
-    """A 500 for an error no handler maps (`ErrorMappingRoute` passes the mapped ones on)."""
+def internal_error_response(e: BaseException, path: str = "") -> Response:
+    """A 500 for an error no handler maps (`ErrorMappingRoute` passes the mapped ones on), in the shape
+    of the API `path` belongs to."""
     logger.exception("Request failed", exc_info=e)
-    return json_response(internal_error_body(e), 500)
+    return json_response(body_for_path(path, f"Internal server error: {e}", "internal_error", "server_error", 500), 500)
 
 
 def json_object(body: bytes) -> Any:
@@ -98,7 +99,8 @@ async def _http_exception(request: Request, e: HTTPException) -> Response:
     """Starlette's own (a path no route serves, a method a route does not take), in the same shape."""
     kind = "server_error" if e.status_code >= 500 else "invalid_request_error"
     message = f"{e.detail}." if not str(e.detail).endswith(".") else str(e.detail)
-    response = json_response(error_body(message, kind=kind, status=e.status_code), e.status_code)
+    body = body_for_path(request.url.path, message, None, kind, e.status_code)
+    response = json_response(body, e.status_code)
     response.headers.update(e.headers or {})
     return response
 
@@ -135,6 +137,6 @@ class ErrorMappingRoute(APIRoute):
             except _PASSED_ON:
                 raise
             except Exception as e:
-                return internal_error_response(e)
+                return internal_error_response(e, request.url.path)
 
         return run

@@ -24,7 +24,7 @@ import orjson
 from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from sglang.srt.utils.error_body import error_body
+from sglang.srt.utils.error_body import body_for_path
 
 CLIENT_CLOSED = 499
 
@@ -79,11 +79,13 @@ class RequestGuard:
     async def _guard(self, scope: Scope, receive: Any, send: Any, route: tuple[str, str] | None) -> None:
         refusal = self.authorize(scope) if self.authorize is not None else None
         if refusal is not None:
-            await self._refuse(send, *refusal, route)
+            await self._refuse(send, *refusal, route, scope["path"])
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            await self._refuse(send, 413, self._too_large(f"{declared} bytes"), "request_too_large", route)
+            await self._refuse(
+                send, 413, self._too_large(f"{declared} bytes"), "request_too_large", route, scope["path"]
+            )
             return
         chunks: list[bytes] = []
         size = 0
@@ -92,7 +94,7 @@ class RequestGuard:
                 message = await asyncio.wait_for(receive(), self.read_timeout)
             except asyncio.TimeoutError:
                 text = f"The request body was not received within {self.read_timeout:g} s."
-                await self._refuse(send, 408, text, "request_timeout", route)
+                await self._refuse(send, 408, text, "request_timeout", route, scope["path"])
                 return
             if message["type"] == "http.disconnect":
                 self._record(CLIENT_CLOSED, route)
@@ -101,7 +103,7 @@ class RequestGuard:
             size += len(chunk)
             if size > self.max_body_bytes:
                 text = self._too_large(f"more than {size} bytes")
-                await self._refuse(send, 413, text, "request_too_large", route)
+                await self._refuse(send, 413, text, "request_too_large", route, scope["path"])
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -130,9 +132,9 @@ class RequestGuard:
         )
 
     async def _refuse(
-        self, send: Any, status: int, message: str, code: str, route: tuple[str, str] | None
+        self, send: Any, status: int, message: str, code: str, route: tuple[str, str] | None, path: str = ""
     ) -> None:
-        body = orjson.dumps(error_body(message, code=code, status=status))
+        body = orjson.dumps(body_for_path(path, message, code, "invalid_request_error", status))
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -18,10 +18,11 @@ from typing import Any, TypeVar
 
 from starlette.routing import Match
 
+from sglang.srt.utils.error_body import is_anthropic_path
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 OPEN_PATHS = ("/health",)
-ANTHROPIC_PATHS = ("/v1/messages",)  # (their clients' header, x-api-key, is taken there too)
 
 
 class AuthLevel(str, Enum):
@@ -92,7 +93,8 @@ class ApiKeyCheck:
         if scope["path"] in OPEN_PATHS:
             return None
         authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if authorization is None and scope["path"].startswith(ANTHROPIC_PATHS):
+        anthropic = is_anthropic_path(scope["path"])
+        if authorization is None and anthropic:
             # Anthropic's clients send the key as x-api-key (and as a bearer token with an auth token set).
             key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
             authorization = None if key is None else b"Bearer " + key
@@ -101,7 +103,10 @@ class ApiKeyCheck:
         if status is None:
             return None
         code = "forbidden" if status == 403 else "invalid_api_key"
-        return status, _refusal_message(status, level, self.admin_api_key), code
+        message = _refusal_message(status, level, self.admin_api_key)
+        if anthropic:  # (their clients send the key as x-api-key)
+            message = message.replace("(Authorization: Bearer ...)", "(x-api-key, or Authorization: Bearer ...)")
+        return status, message, code
 
 
 def _refusal_message(status: int, level: AuthLevel, admin_api_key: str | None) -> str:

@@ -13,10 +13,11 @@ blocks) is a first system message. `thinking` ({"type": "enabled" | "disabled"})
 
 from __future__ import annotations
 
-import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, request_error_from_validation
 from sglang.srt.managers.request_validation import RequestError
@@ -28,8 +29,15 @@ CHAT_EXTENSIONS = (
     "rid", "cache_salt", "extra_key", "stop_regex", "custom_params", "custom_logit_processor", "regex", "ebnf",
     "json_schema", "response_format",
 )  # fmt: skip
-# A chat field's name in this API.
-CHAT_TO_MESSAGES = {"max_tokens": "max_tokens", "stop": "stop_sequences", "tool_choice": "tool_choice"}
+# A chat field's name in this API (Anthropic's errors carry a message only: it names the field).
+CHAT_TO_MESSAGES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
+
+
+def reword(message: str) -> str:
+    """A chat route's message in this API's field names, and its tool_choice shape in Anthropic's."""
+    for chat_name, name in CHAT_TO_MESSAGES.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(chat_name)}\b", name, message)
+    return message.replace('{"type": "function", "function": {"name": ...}}', '{"type": "tool", "name": ...}')
 USER_BLOCKS = ("text", "image", "tool_result")
 ASSISTANT_BLOCKS = ("text", "thinking", "redacted_thinking", "tool_use")
 
@@ -50,6 +58,12 @@ class ToolChoice(BaseModel):
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if self.type == "tool" and not self.name:
+            raise ValueError('a tool_choice of type "tool" needs the name of one of the request\'s tools')
+        return self
+
 
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # the chat extensions are read from the extras
@@ -69,10 +83,20 @@ class MessagesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        """null for `stream`: its default, as Anthropic's."""
+        if isinstance(data, dict) and "stream" in data and data["stream"] is None:
+            data = {k: v for k, v in data.items() if k != "stream"}
+        return data
+
     @field_validator("tools")
     @classmethod
     def _client_tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
         for i, tool in enumerate(tools or []):
+            if any(t.name == tool.name for t in (tools or [])[:i]):
+                raise ValueError(f"tools[{i}] is named {tool.name!r}, as an earlier tool is")
             if tool.type not in (None, "custom"):
                 raise ValueError(
                     f"tools[{i}] is a server tool ({tool.type!r}); this server runs none, only the client's own "
@@ -105,18 +129,17 @@ class MessagesRequest(BaseModel):
         elif self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
             raise RequestError("tool_choice: it forces a tool call, and the request has no tools.", "tool_choice")
         enabled = (self.thinking or {}).get("type")
-        if enabled in ("enabled", "disabled"):
-            kwargs = dict(body.get("chat_template_kwargs") or {})
-            kwargs.setdefault("enable_thinking", enabled == "enabled")
-            body["chat_template_kwargs"] = kwargs
+        kwargs = body.get("chat_template_kwargs")
+        if enabled in ("enabled", "disabled") and isinstance(kwargs or {}, dict):  # (else chat's 400 names it)
+            body["chat_template_kwargs"] = {"enable_thinking": enabled == "enabled", **(kwargs or {})}
+        if body["messages"] and body["messages"][-1]["role"] == "assistant":
+            body["continue_final_message"] = True  # Anthropic's prefill: the answer goes on from it
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
             err = request_error_from_validation(e)
             param = (err.param or "").partition("[")[0]
-            if param == "messages":  # (the messages are checked here, block by block: not expected)
-                raise RequestError(err.message, "messages") from None
-            raise RequestError(err.message, CHAT_TO_MESSAGES.get(param, err.param), err.code) from None
+            raise RequestError(reword(err.message), CHAT_TO_MESSAGES.get(param, err.param), err.code) from None
 
     def _messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -200,6 +223,8 @@ def _message(i: int, message: Any) -> list[dict[str, Any]]:
             if not isinstance(block.get("tool_use_id"), str):
                 raise _fail(f"{at}.tool_use_id", "a tool_result needs tool_use_id, a string")
             result = _content(f"{at}.content", block.get("content", ""))
+            if block.get("is_error"):  # (the model is told the tool failed)
+                result = f"Error: {result}" if isinstance(result, str) else [{"type": "text", "text": "Error:"}, *result]
             tools.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
         elif kind == "thinking":
             if not isinstance(block.get("thinking"), str):
@@ -208,7 +233,10 @@ def _message(i: int, message: Any) -> list[dict[str, Any]]:
         elif kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise _fail(at, "a tool_use block needs id and name, strings")
-            arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
+            try:  # (orjson refuses nesting past 254 levels: a 400, where json's recursion was a 500)
+                arguments = orjson.dumps(block.get("input") or {}).decode()
+            except orjson.JSONEncodeError as e:
+                raise _fail(f"{at}.input", f"the input cannot be written as JSON ({e})") from None
             calls.append({"id": block["id"], "type": "function", "function": {"name": block["name"],
                                                                                "arguments": arguments}})  # fmt: skip
     out: list[dict[str, Any]] = list(tools)

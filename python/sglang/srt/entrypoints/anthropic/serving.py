@@ -13,8 +13,8 @@ Errors are Anthropic's body, `{"type": "error", "error": {"type", "message"}}`, 
 
 from __future__ import annotations
 
-import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,19 +31,18 @@ from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
 from sglang.srt.managers.tokenizer_output import StreamMerger
+from sglang.srt.utils.error_body import anthropic_error_body
 
 logger = logging.getLogger(__name__)
 
-# Anthropic's error types by HTTP status.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 SIGNATURE = "sglang"  # a thinking block's signature: Anthropic's verifies a trace; this server keeps none
+PING_SECONDS = 5.0  # a stream that sent nothing for this long sends a ping (a long tool call, held to its end)
 
 
 def error_response(status: int, message: str) -> Response:
-    body = {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+    return Response(orjson.dumps(anthropic_error_body(status, message)), status_code=status,
+                    media_type="application/json")  # fmt: skip
 
 
 class _CountRequest(MessagesRequest):
@@ -73,6 +72,9 @@ class AnthropicServing:
             return error_response(e.status_code, e.message)
         except (BackendDeadError, TimeoutError) as e:
             return error_response(503, str(e))
+        except Exception as e:  # noqa: BLE001 - in Anthropic's shape too
+            logger.exception("A Messages API request failed")
+            return error_response(500, f"Internal server error: {e}")
 
     def _parse(self, body: bytes, model: type[MessagesRequest]) -> MessagesRequest:
         if self.tm.tokenizer is None:
@@ -125,19 +127,24 @@ class AnthropicServing:
         progress: dict[Any, Any] = {}
         merger = StreamMerger()
         sent, reason, matched, last = 0, None, None, chunk
+        quiet_since = time.monotonic()
         try:
             while chunk is not None:
                 delta, sent = chunk["text"][sent:], len(chunk["text"])
                 meta = merger.merge(chunk["meta_info"])
+                events = []
                 for choice in self.chat.stream_choices(chat_req, 0, delta, meta, progress):
-                    for event in builder.thinking(choice.delta.reasoning_content or ""):
-                        yield event
-                    for event in builder.text(choice.delta.content or ""):
-                        yield event
+                    events += builder.thinking(choice.delta.reasoning_content or "")
+                    events += builder.text(choice.delta.content or "")
                     for call in choice.delta.tool_calls or []:
                         builder.call(call)
                     if choice.finish_reason is not None:
                         reason, matched = choice.finish_reason, choice.matched_stop
+                if not events and time.monotonic() - quiet_since > PING_SECONDS:
+                    events.append(builder.emit("ping"))  # (Anthropic's keep-alive: proxies cut silent streams)
+                for event in events:
+                    yield event
+                quiet_since = time.monotonic() if events else quiet_since
                 last, chunk = chunk, await anext(gen, None)
             for event in builder.finish(reason, matched, last):
                 yield event
@@ -151,7 +158,7 @@ class AnthropicServing:
             else:
                 logger.exception("Streaming a message failed")
                 status, text = 500, f"Internal server error: {e}"
-            yield builder.emit("error", error={"type": ERROR_TYPES.get(status, "api_error"), "message": text})
+            yield builder.emit("error", **anthropic_error_body(status, text))
         finally:
             await gen.aclose()  # (a client gone: the request is aborted now)
 
@@ -170,6 +177,7 @@ class _Blocks:
     def __init__(self, message: dict, stop_sequences: set[str]):
         self.message, self.stop_sequences = message, stop_sequences
         self.open: str | None = None  # the kind of the block receiving text: "thinking" or "text"
+        self.parts: list[str] = []  # its text so far (joined when it closes: linear in the answer)
         self.has_text = False
         self.calls: list[dict[str, Any]] = []
 
@@ -189,6 +197,8 @@ class _Blocks:
         if kind is None:
             return []
         index = len(self.blocks) - 1
+        self.blocks[index][kind] = "".join(self.parts)
+        self.parts = []
         events = []
         if kind == "thinking":
             self.blocks[index]["signature"] = SIGNATURE
@@ -203,7 +213,7 @@ class _Blocks:
         if self.open != "thinking":
             events.append(self._start({"type": "thinking", "thinking": "", "signature": ""}))
             self.open = "thinking"
-        self.blocks[-1]["thinking"] += delta
+        self.parts.append(delta)
         events.append(self.emit("content_block_delta", index=len(self.blocks) - 1,
                                 delta={"type": "thinking_delta", "thinking": delta}))  # fmt: skip
         return events
@@ -216,7 +226,7 @@ class _Blocks:
             events += self._close()
             events.append(self._start({"type": "text", "text": ""}))
             self.open, self.has_text = "text", True
-        self.blocks[-1]["text"] += delta
+        self.parts.append(delta)
         events.append(self.emit("content_block_delta", index=len(self.blocks) - 1,
                                 delta={"type": "text_delta", "text": delta}))  # fmt: skip
         return events
@@ -228,9 +238,9 @@ class _Blocks:
         """The answer ended: the open block's stop, the calls' blocks, the stop reason and usage."""
         events = self._close()
         for call in self.calls:
-            try:
-                arguments = json.loads(call["function"]["arguments"])
-            except ValueError:
+            try:  # (orjson: an integer past 64 bits becomes a float the reply can carry)
+                arguments = orjson.loads(call["function"]["arguments"])
+            except orjson.JSONDecodeError:
                 arguments = None
             block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                      "input": arguments if isinstance(arguments, dict) else {}}  # fmt: skip
@@ -238,7 +248,8 @@ class _Blocks:
             self.blocks[-1] = block
             index = len(self.blocks) - 1
             events.append(self.emit("content_block_delta", index=index,
-                                    delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
+                                    delta={"type": "input_json_delta",
+                                           "partial_json": orjson.dumps(block["input"]).decode()}))  # fmt: skip
             events.append(self.emit("content_block_stop", index=index))
         stop = "end_turn"
         if reason == "stop" and isinstance(matched, str) and matched in self.stop_sequences:
