@@ -56,7 +56,7 @@ async def _create_async(serving, **body):
     reply = await serving.create(_request({"input": "weather?", **body}))
     if not body.get("stream"):
         return orjson.loads(reply.body)
-    return [_event(chunk) async for chunk in reply.body_iterator]
+    return [_event(chunk) async for chunk in reply.body_iterator if not chunk.startswith(b":")]
 
 
 def _event(chunk: bytes) -> dict:
@@ -535,3 +535,18 @@ def test_a_reply_too_large_to_store_says_it_was_not_stored():
         reply = _create(serving, stream=stream)
         reply = reply[-1]["response"] if stream else reply
         assert reply["store"] is False and len(serving.store) == 0
+
+
+def test_a_stream_quiet_through_a_long_call_sends_keepalive_comments(monkeypatch):
+    from sglang.srt.entrypoints.openai import serving_responses
+
+    monkeypatch.setattr(serving_responses, "KEEPALIVE_SECONDS", 0.0)
+
+    async def chunks():
+        reply = await _serving("<think>plan</think>" + CALL).create(_request({"input": "x", "tools": TOOLS, "stream": True}))
+        return [chunk async for chunk in reply.body_iterator]
+
+    raw = asyncio.run(chunks())
+    assert b": keepalive\n\n" in raw, "the call's chunks send nothing else"
+    events = [_event(c) for c in raw if not c.startswith(b":")]
+    assert events[-1]["type"] == "response.completed"

@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 # without a bound one client could queue any number); one more is a 429.
 MAX_BACKGROUND = 256
 REASONING_INCLUDE = "reasoning.encrypted_content"
+# A stream that sent nothing for this long sends an SSE comment (a long tool call is sent when it is whole).
+KEEPALIVE_SECONDS = 5.0
 STORE_NEEDED = "needs the response store: start the server with --enable-response-store"
 # The most reasoning text a request's encrypted_content blobs may restore, per token of context.
 REASONING_CHARS_PER_TOKEN = 16
@@ -353,6 +355,7 @@ class OpenAIServingResponses:
         progress: dict[Any, Any] = {}
         merger = StreamMerger()
         sent, sent_tokens, reason, last = 0, 0, None, chunk
+        quiet_since = time.monotonic()
         while chunk is not None:
             delta, sent = chunk["text"][sent:], len(chunk["text"])
             meta = merger.merge(chunk["meta_info"])
@@ -360,14 +363,18 @@ class OpenAIServingResponses:
                 entries = chat_logprobs(meta, sent_tokens).content
                 sent_tokens += len(entries)
                 builder.tokens_of_content(turn.content_tokens.keep([e.model_dump(exclude_none=True) for e in entries]))
+            events = []
             for choice in self.chat.stream_choices(turn.chat_req, 0, delta, meta, progress):
-                for event in builder.reasoning(choice.delta.reasoning_content or ""):
-                    yield event
-                for event in builder.content(choice.delta.content or ""):
-                    yield event
+                events += builder.reasoning(choice.delta.reasoning_content or "")
+                events += builder.content(choice.delta.content or "")
                 for call in choice.delta.tool_calls or []:
                     builder.call(call)
                 reason = choice.finish_reason or reason
+            if not events and time.monotonic() - quiet_since > KEEPALIVE_SECONDS:
+                events.append(b": keepalive\n\n")  # (an SSE comment: clients skip it, proxies see traffic)
+            for event in events:
+                yield event
+            quiet_since = time.monotonic() if events else quiet_since
             last, chunk = chunk, await anext(gen, None)
         if turn.chat_req.logprobs:
             builder.tokens_of_content(turn.content_tokens.finish())
