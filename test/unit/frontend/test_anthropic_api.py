@@ -258,3 +258,11 @@ def test_a_tool_use_input_nested_past_orjsons_limit_is_a_400():
     for route in ("messages", "count_tokens"):
         reply = asyncio.run(getattr(_serving(), route)(_request(body)))
         assert reply.status_code == 400 and "messages[0].content[0].input" in orjson.loads(reply.body)["error"]["message"]
+
+
+def test_disable_parallel_tool_use_gives_one_call():
+    for stream in (False, True):
+        _, out = _create(_serving(CALL + "\n" + CALL), stream=stream, tools=TOOLS,
+                         tool_choice={"type": "auto", "disable_parallel_tool_use": True})  # fmt: skip
+        out = _accumulated(out) if stream else out
+        assert [b["type"] for b in out["content"]] == ["tool_use"]

@@ -550,3 +550,10 @@ def test_a_stream_quiet_through_a_long_call_sends_keepalive_comments(monkeypatch
     assert b": keepalive\n\n" in raw, "the call's chunks send nothing else"
     events = [_event(c) for c in raw if not c.startswith(b":")]
     assert events[-1]["type"] == "response.completed"
+
+
+def test_parallel_tool_calls_false_gives_one_call():
+    for stream in (False, True):
+        out = _create(_serving(CALL + "\n" + CALL), stream=stream, tools=TOOLS, parallel_tool_calls=False)
+        out = out[-1]["response"] if stream else out
+        assert [i["type"] for i in out["output"]] == ["function_call"] and out["parallel_tool_calls"] is False

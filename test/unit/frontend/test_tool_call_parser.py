@@ -398,3 +398,19 @@ def test_a_forced_answer_comes_back_as_its_calls_whole_and_streamed(parser):
     choice = serving.make_choice(req, 0, cut)
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
     assert choice.message.content == text[:30]
+
+
+def test_parallel_tool_calls_false_gives_at_most_one_call_whole_streamed_and_forced():
+    serving = _serving()
+    req = _request(serving, parallel_tool_calls=False)
+    text = "Checking.\n" + CALL + "\n" + CALL
+    choice = serving.make_choice(req, 0, {"text": text, "meta_info": _meta(True)})
+    assert len(choice.message.tool_calls) == 1 and choice.finish_reason == "tool_calls"
+    progress: dict = {}
+    chunks = []
+    for k, piece in enumerate([text[:15], text[15:40], text[40:80], text[80:], ""]):
+        chunks += serving.stream_choices(req, 0, piece, _meta(k == 4), progress)
+    assert len([c for ch in chunks for c in ch.delta.tool_calls or []]) == 1
+    forced = _request(serving, parallel_tool_calls=False, tool_choice="required")
+    assert json.loads(forced.sampling_params()["json_schema"])["maxItems"] == 1
+    assert "maxItems" not in json.loads(_request(serving, tool_choice="required").sampling_params()["json_schema"])

@@ -126,6 +126,7 @@ class MessagesRequest(BaseModel):
             choice = self.tool_choice.type if self.tool_choice else "auto"
             named = {"type": "function", "function": {"name": self.tool_choice.name}} if choice == "tool" else None
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice, named)
+            body["parallel_tool_calls"] = not (self.tool_choice and self.tool_choice.disable_parallel_tool_use)
         elif self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
             raise RequestError("tool_choice: it forces a tool call, and the request has no tools.", "tool_choice")
         enabled = (self.thinking or {}).get("type")

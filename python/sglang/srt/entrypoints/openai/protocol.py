@@ -374,6 +374,7 @@ class ChatCompletionRequest(_SamplingFields):
     # array of calls (`forced_tool_schema`), which comes back as the calls.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # false: at most one call (forced: by the grammar; else the first)
     # Upstream's extensions: extra variables for the chat template (e.g. `enable_thinking`), and
     # continuing the last message when it is the assistant's (its text is the answer's beginning).
     chat_template_kwargs: dict[str, Any] | None = None
@@ -395,7 +396,10 @@ class ChatCompletionRequest(_SamplingFields):
             if self._grammar is not None:
                 message = f"tool_choice cannot force a call together with {self._grammar[0]}"
                 raise _field_error("tool_choice", message)
-            self._grammar = "json_schema", json.dumps(forced_tool_schema(self.tools or [], self.tool_choice))
+            schema = forced_tool_schema(self.tools or [], self.tool_choice)
+            if not self.parallel_tool_calls:
+                schema["maxItems"] = 1
+            self._grammar = "json_schema", json.dumps(schema)
             self._grammar_origin = "tools"  # (what fails to compile is a tool's parameters schema)
         # OpenAI's newer name wins over the older one, as upstream (`max_completion_tokens or max_tokens`).
         if self.max_completion_tokens is not None:

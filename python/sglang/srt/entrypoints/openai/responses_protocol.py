@@ -249,6 +249,7 @@ class ResponsesRequest(BaseModel):
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in tools]  # fmt: skip
             body["tool_choice"] = self.chat_tool_choice()
+            body["parallel_tool_calls"] = self.parallel_tool_calls
         elif self.tool_choice not in (None, "none", "auto"):
             raise RequestError("tool_choice forces a call, and the request has no function tools.", "tool_choice")
         try:

@@ -241,6 +241,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 reason = "tool_calls" if reason == "stop" else reason
         elif self._parses_tools(req):
             content, calls = self._tool_call_parser(req).parse(message.content or "")
+            calls = calls if req.parallel_tool_calls else calls[:1]
             if calls:
                 for call in calls:
                     del call["index"]  # (a streaming field)
@@ -309,6 +310,10 @@ class OpenAIServingChat(OpenAIServingBase):
         content, calls = parser.feed(content)
         if last:
             content += parser.finish()
+        if not req.parallel_tool_calls:  # (at most one: the first)
+            sent = progress.get(("calls", index), 0)
+            calls = calls[: max(0, 1 - sent)]
+            progress[("calls", index)] = sent + len(calls)
         return content, calls
 
     def _split_reasoning(
