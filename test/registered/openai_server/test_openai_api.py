@@ -219,6 +219,9 @@ class TestOpenAIServer(ServerTestCase):
 
     def test_models_and_model_info(self) -> None:
         self.assertEqual([m.id for m in self.client.models.list()], [self.model])
+        self.assertEqual(self.client.models.retrieve(self.model).id, self.model)  # (upstream's /v1/models/{model})
+        with self.assertRaises(openai.NotFoundError):
+            self.client.models.retrieve("no-such-model")
         info = self.get("/get_model_info").json()
         self.assertEqual((info["model_path"], info["vocab_size"]), (self.model, 512))
 

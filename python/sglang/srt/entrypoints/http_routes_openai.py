@@ -4,8 +4,10 @@ stored responses' routes), and upstream's /tokenize and /detokenize (also as /v1
 
 from __future__ import annotations
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 
 from sglang.srt.entrypoints.http_context import Server
 from sglang.srt.entrypoints.http_errors import ErrorMappingRoute, json_response
@@ -22,6 +24,17 @@ async def models(s: Server) -> Response:
     for name, path in s.tm.lora.loaded().items():
         cards.append(ModelCard(id=name, root=path, parent=s.model_name, max_model_len=context_len))
     return json_response(ModelList(data=cards))
+
+
+@router.get("/v1/models/{model:path}")
+async def model_card(model: str, s: Server) -> Response:
+    """One model's card (upstream's route; the openai client's `models.retrieve`): the served model's,
+    or a loaded LoRA adapter's; 404 for any other name."""
+    cards = (await models(s)).body
+    for card in orjson.loads(cards)["data"]:
+        if card["id"] == model:
+            return json_response(card)
+    raise HTTPException(404, f"The model {model!r} does not exist")
 
 
 @router.post("/v1/completions")
