@@ -266,3 +266,17 @@ def test_disable_parallel_tool_use_gives_one_call():
                          tool_choice={"type": "auto", "disable_parallel_tool_use": True})  # fmt: skip
         out = _accumulated(out) if stream else out
         assert [b["type"] for b in out["content"]] == ["tool_use"]
+
+
+def test_a_prefill_is_text_only_and_not_with_an_always_thinking_parser():
+    """Review: a final assistant message's tool_use or thinking were dropped from a continued prompt; with
+    deepseek-r1's parser the continuation came back as thinking."""
+    for blocks in ([{"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}],
+                   [{"type": "thinking", "thinking": "plan", "signature": "s"}, {"type": "text", "text": "So"}]):
+        status, reply = _create(_serving(), tools=TOOLS, messages=USER + [{"role": "assistant", "content": blocks}])
+        assert status == 400 and "messages[1]" in reply["error"]["message"]
+    r1 = AnthropicServing(OpenAIServingChat(FakeChatTokenizerManager(" is sunny."), "m", reasoning_parser="deepseek-r1"))
+    status, reply = _create(r1, messages=USER + [{"role": "assistant", "content": "The weather"}])
+    assert status == 400 and "always thinks first" in reply["error"]["message"]
+    status, reply = _create(_serving(" is sunny."), messages=USER + [{"role": "assistant", "content": "The weather"}])
+    assert status == 200 and reply["content"] == [{"type": "text", "text": " is sunny."}]

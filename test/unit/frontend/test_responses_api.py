@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types.responses import Response as OpenAIResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -557,3 +559,47 @@ def test_parallel_tool_calls_false_gives_one_call():
         out = _create(_serving(CALL + "\n" + CALL), stream=stream, tools=TOOLS, parallel_tool_calls=False)
         out = out[-1]["response"] if stream else out
         assert [i["type"] for i in out["output"]] == ["function_call"] and out["parallel_tool_calls"] is False
+
+
+PIECES = ["x", "Hi", " ", "\n", "<", "<t", "<tool", "<think>", "</think>", "plan", CALL, "</tool_call>", "{"]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(parts=st.lists(st.sampled_from(PIECES), max_size=8), cut=st.booleans())
+def test_the_messages_logprob_tokens_spell_its_text_for_any_answer(parts, cut):
+    """Review: held text released for older tokens was given to the newest; the end's release missed the
+    last delta. One-character tokens (the fake's) spell the message exactly, whole and streamed, and the
+    deltas' logprobs add up to the message's."""
+    answer = "".join(parts)
+    include = ["message.output_text.logprobs"]
+    whole = _create(_serving(answer, finish="length" if cut else "stop"), tools=TOOLS, include=include)
+    events = _create(_serving(answer, finish="length" if cut else "stop"), stream=True, tools=TOOLS, include=include)
+    for out in (whole, events[-1]["response"]):
+        for message in [i for i in out["output"] if i["type"] == "message"]:
+            part = message["content"][0]
+            assert "".join(e["token"] for e in part["logprobs"]) == part["text"], (answer, part["text"])
+    deltas = [e for ev in events if ev["type"] == "response.output_text.delta" for e in ev["logprobs"]]
+    final = [i for i in events[-1]["response"]["output"] if i["type"] == "message"]
+    assert deltas == (final[0]["content"][0]["logprobs"] if final else [])
+
+
+def test_multi_character_tokens_count_where_their_characters_are_the_messages():
+    from sglang.srt.entrypoints.openai.responses_output import ContentTokens
+    from sglang.srt.function_call.function_call_parser import ToolCallParser
+    from sglang.srt.parser.reasoning_parser import FORMATS, ReasoningParser
+
+    tokens = ["Use", " <", "<tool_call>", '\n{"name": "f", "arguments": {}}\n', "</tool_call>"]
+    counter = ContentTokens(ReasoningParser(FORMATS["qwen3"]), ToolCallParser({"f": {}}), forced=False)
+    kept = counter.keep([{"token": t} for t in tokens]) + counter.finish()
+    assert [e["token"] for e in kept] == ["Use", " <"], "the call's opening token is not the message's"
+
+
+def test_queued_responses_reserve_the_room_their_in_progress_takes():
+    """Review: each queued -> in_progress replace grew the store 5 bytes past its bound."""
+    one = StoredResponse.of({"id": "r0", "status": "queued", "pad": "x" * 50}, [], [])
+    store = ResponseStore(max_bytes=10 * one.size)
+    for k in range(10):
+        assert store.put(StoredResponse.of({"id": f"r{k}", "status": "queued", "pad": "x" * 50}, [], []))
+    for k in range(10):
+        assert store.replace(StoredResponse.of({"id": f"r{k}", "status": "in_progress", "pad": "x" * 50}, [], []))
+    assert store.used <= store.max_bytes and store.running == store.used

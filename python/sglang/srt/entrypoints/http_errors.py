@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from sglang.srt.entrypoints.http_guard import CLIENT_CLOSED
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
-from sglang.srt.utils.error_body import body_for_path, error_body
+from sglang.srt.utils.error_body import anthropic_error_body, body_for_path, error_body, is_anthropic_path
 
 logger = logging.getLogger(__name__)
 
@@ -74,21 +74,28 @@ def json_object(body: bytes) -> Any:
         raise RequestError(f"The request body is not valid JSON: {e}.", None, "invalid_json") from None
 
 
+def _shaped(request: Request, body: dict, status: int) -> Response:
+    """`body` (OpenAI's shape), or its message in Anthropic's shape on Anthropic's paths."""
+    if is_anthropic_path(request.url.path):
+        body = anthropic_error_body(status, body["message"])
+    return json_response(body, status)
+
+
 async def _request_error(request: Request, e: RequestError) -> Response:
-    return json_response(error_body(e.message, e.param, e.code), 400)
+    return _shaped(request, error_body(e.message, e.param, e.code), 400)
 
 
 async def _server_abort(request: Request, e: ServerAbortError) -> Response:
-    return json_response(server_abort_body(e), e.status_code)
+    return _shaped(request, server_abort_body(e), e.status_code)
 
 
 async def _backend_dead(request: Request, e: BackendDeadError) -> Response:
-    return json_response(backend_dead_body(e), 503)
+    return _shaped(request, backend_dead_body(e), 503)
 
 
 async def _control_timeout(request: Request, e: TimeoutError) -> Response:
     """A control call the scheduler did not answer in time (the generation path waits without one)."""
-    return json_response(error_body(str(e), kind="server_error", code="timeout", status=503), 503)
+    return _shaped(request, error_body(str(e), kind="server_error", code="timeout", status=503), 503)
 
 
 async def _client_closed(request: Request, e: ClientDisconnected) -> Response:

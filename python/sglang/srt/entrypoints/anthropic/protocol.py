@@ -133,8 +133,12 @@ class MessagesRequest(BaseModel):
         kwargs = body.get("chat_template_kwargs")
         if enabled in ("enabled", "disabled") and isinstance(kwargs or {}, dict):  # (else chat's 400 names it)
             body["chat_template_kwargs"] = {"enable_thinking": enabled == "enabled", **(kwargs or {})}
-        if body["messages"] and body["messages"][-1]["role"] == "assistant":
-            body["continue_final_message"] = True  # Anthropic's prefill: the answer goes on from it
+        last = body["messages"][-1] if body["messages"] else {}
+        if last.get("role") == "assistant":  # Anthropic's prefill: the answer goes on from its text
+            if last.get("tool_calls") or last.get("reasoning_content") or not isinstance(last.get("content"), str):
+                where = f"messages[{len(self.messages) - 1}]"
+                raise _fail(where, "a final assistant message (a prefill) is text only, without tool_use or thinking")
+            body["continue_final_message"] = True
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:

@@ -96,6 +96,14 @@ class AnthropicServing:
     async def _messages(self, request: Request) -> Response:
         req = self._parse(await request.body(), MessagesRequest)
         chat_req = req.chat_request()
+        fmt = self.chat.reasoning_format
+        if chat_req.continue_final_message and fmt is not None and fmt.always_reasoning:
+            raise RequestError(
+                f"messages[{len(req.messages) - 1}]: a prefilled answer (a final assistant message) is not "
+                "served with a --reasoning-parser whose model always thinks first: its text would land in the "
+                "thinking.",
+                "messages",
+            )
         try:
             obj = await self.chat.to_generate_input(chat_req)
             obj.lora_path = self.chat.adapter_of(chat_req)

@@ -39,7 +39,9 @@ class StoredResponse:
 
     @property
     def size(self) -> int:
-        return len(self.response_json) + len(self.items_json) + len(self.conversation_json)
+        # A queued response reserves the room its "in_progress" takes (replaced in place, unchecked).
+        reserve = len("in_progress") - len("queued") if self.status == "queued" else 0
+        return len(self.response_json) + len(self.items_json) + len(self.conversation_json) + reserve
 
     def response(self) -> dict[str, Any]:
         return orjson.loads(self.response_json)
@@ -80,7 +82,7 @@ class ResponseStore:
     def replace(self, entry: StoredResponse, stub: StoredResponse | None = None) -> bool:
         """A stored response's new state (a background response moving on): only if it is still stored
         (a deleted one stays deleted). A running response's next state always lands: running to running
-        in place (a status word's difference past the bound at most), running to finished as `put`, else
+        in place (a queued one reserved the room), running to finished as `put`, else
         `stub` (a small failed response: the finished one does not fit) in its place."""
         old = self._entries.get(entry.rid)
         if old is None:

@@ -12,6 +12,7 @@ of the route's parsers, and a token counts where it releases content (`ContentTo
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import orjson
@@ -27,60 +28,54 @@ from sglang.srt.entrypoints.openai.responses_items import (
 
 class ContentTokens:
     """Which output tokens make the message's text, fed token by token (logprob entries as the chat
-    route gives them: token, logprob, bytes, top_logprobs): a token counts where the parsers release
-    content for it; a token whose text they hold (a partial tag, leading whitespace) counts when that
-    text is released as content, by a later token or at the end; held text that turns out to be a tag,
-    a call or reasoning is dropped with its tokens."""
+    route gives them: token, logprob, bytes, top_logprobs). Their text goes through a second pair of the
+    route's parsers a character at a time: what a parser holds is always the end of what it was fed, so
+    each character it stops holding is resolved, and of the characters one step resolves the content it
+    releases is the last (what comes before it was a tag, a call, reasoning or a dropped separator). A
+    token is the message's where one of its characters is."""
 
     def __init__(self, reasoning_parser: Any, tool_parser: Any, forced: bool):
         """The route's parsers for this request (None where it has none); `forced`: a forced tool call,
         whose answer is a message only where it is no call (cut short): then every token is its."""
         self.reasoning, self.tools, self.forced = reasoning_parser, tool_parser, forced
-        self.held: list[dict[str, Any]] = []
+        self.entries: list[dict[str, Any]] = []
+        self.pending: deque[int] = deque()  # per character not yet resolved: its token's index
+        self.kept = -1  # the last token found to be the message's
 
     def keep(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The tokens among those fed so far newly found to be the message's, in order."""
         if self.forced:
             return entries
+        first = len(self.entries)
+        self.entries += entries
         kept: list[dict[str, Any]] = []
-        for entry in entries:
-            kept += self._release(entry["token"], entry)
+        for index in range(first, len(self.entries)):
+            for char in self.entries[index]["token"]:
+                self.pending.append(index)
+                reasoning, content = self.reasoning.feed(char) if self.reasoning is not None else ("", char)
+                if self.tools is not None and content:
+                    content = self.tools.feed(content)[0]
+                kept += self._resolve(len(content))
         return kept
 
     def finish(self) -> list[dict[str, Any]]:
-        """The held tokens whose text the parsers release at the end."""
+        """The tokens whose text the parsers release at the end."""
         if self.forced:
             return []
-        reasoning, content = self.reasoning.finish() if self.reasoning is not None else ("", "")
+        content = self.reasoning.finish()[1] if self.reasoning is not None else ""
         if self.tools is not None:
-            content, _ = self.tools.feed(content)
-            content += self.tools.finish()
-        return self._attribute(content, None, bool(reasoning))
+            content = self.tools.feed(content)[0] + self.tools.finish()
+        return self._resolve(len(content))
 
-    def _release(self, text: str, entry: dict[str, Any]) -> list[dict[str, Any]]:
-        reasoning, calls = "", []
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.feed(text)
-        if self.tools is not None and text:
-            text, calls = self.tools.feed(text)
-        return self._attribute(text, entry, bool(reasoning or calls))
-
-    def _attribute(self, content: str, entry: dict[str, Any] | None, resolved: bool) -> list[dict[str, Any]]:
-        """The tokens `content` (released now, with `entry` fed now) stands for: `entry`, and the held
-        tokens before it its excess text covers (latest first)."""
-        if not content:
-            if resolved:  # what was held was reasoning, a tag or a call
-                self.held.clear()
-            if entry is not None:
-                self.held.append(entry)
-            return []
-        excess = len(content) - (len(entry["token"]) if entry is not None else 0)
-        taken: list[dict[str, Any]] = []
-        while excess > 0 and self.held:
-            token = self.held.pop()
-            taken.insert(0, token)
-            excess -= len(token["token"])
-        self.held.clear()
-        return taken + ([entry] if entry is not None else [])
+    def _resolve(self, released: int) -> list[dict[str, Any]]:
+        held = len(getattr(self.reasoning, "_buf", "")) + len(getattr(self.tools, "_buf", ""))
+        resolved = [self.pending.popleft() for _ in range(max(0, len(self.pending) - held))]
+        kept = []
+        for index in resolved[len(resolved) - min(released, len(resolved)) :]:
+            if index > self.kept:
+                self.kept = index
+                kept.append(self.entries[index])
+        return kept
 
 
 class OutputBuilder:

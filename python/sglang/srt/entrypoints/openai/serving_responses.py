@@ -363,6 +363,8 @@ class OpenAIServingResponses:
                 entries = chat_logprobs(meta, sent_tokens).content
                 sent_tokens += len(entries)
                 builder.tokens_of_content(turn.content_tokens.keep([e.model_dump(exclude_none=True) for e in entries]))
+                if meta.get("finish_reason"):  # (what the end releases goes with this chunk's last delta)
+                    builder.tokens_of_content(turn.content_tokens.finish())
             events = []
             for choice in self.chat.stream_choices(turn.chat_req, 0, delta, meta, progress):
                 events += builder.reasoning(choice.delta.reasoning_content or "")
@@ -376,8 +378,6 @@ class OpenAIServingResponses:
                 yield event
             quiet_since = time.monotonic() if events else quiet_since
             last, chunk = chunk, await anext(gen, None)
-        if turn.chat_req.logprobs:
-            builder.tokens_of_content(turn.content_tokens.finish())
         for event in builder.finish(reason == "length"):
             yield event
         self._settle(response, last, reason)
