@@ -3,6 +3,7 @@ server (with an API key and metrics on)."""
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -579,3 +580,38 @@ class TestOpenAIServer(ServerTestCase):
         self.assertEqual(e.exception.body["error"]["type"], "invalid_request_error")
         with self.assertRaises(anthropic.AuthenticationError):
             anthropic.Anthropic(base_url=self.base_url, api_key="wrong").messages.create(**greedy)
+
+    def test_score_api(self) -> None:
+        """Upstream's /v1/score: each label token's probability after query + item, as /generate's
+        logprobs give it; renormalized over the labels with apply_softmax; item_first swaps the two; a
+        batch scores as its items alone."""
+        query, items = prompt_ids(20, 3), [prompt_ids(6, 4), prompt_ids(9, 5)]
+        labels = [5, 17, 100]
+
+        def score(**kw) -> list[list[float]]:
+            body = {"model": self.model, "query": query, "items": items, "label_token_ids": labels, **kw}
+            r = self.post("/v1/score", body)
+            self.assertEqual(r.status_code, 200, r.text)
+            self.assertEqual(r.json()["object"], "scoring")
+            return r.json()["scores"]
+
+        # Alone or in a batch, from the prefix cache or not: the same up to float32 rounding (batch shapes
+        # and cache hits change the sums' order; 1e-4 relative is far above that, far below a wrong token).
+        close = lambda a, b: all(abs(x - y) <= 1e-4 * max(x, y) for x, y in zip(a, b, strict=True))  # noqa: E731
+        plain = score()
+        for item, row in zip(items, plain, strict=True):
+            out = self.post("/generate", {"input_ids": query + item, "return_logprob": True,
+                                          "token_ids_logprob": labels, "sampling_params": {"max_new_tokens": 1}}).json()
+            want = {e[1]: math.exp(e[0]) for e in out["meta_info"]["output_token_ids_logprobs"][0]}
+            self.assertTrue(close(row, [want[label] for label in labels]), (row, want))
+        soft = score(apply_softmax=True)
+        for p_row, s_row in zip(plain, soft, strict=True):
+            self.assertAlmostEqual(sum(s_row), 1.0, places=6)
+            self.assertAlmostEqual(s_row[0] / s_row[1], p_row[0] / p_row[1], places=4)
+        self.assertTrue(close(score(items=items[:1])[0], plain[0]))
+        swapped = self.post("/v1/score", {"query": items[0], "items": [query], "label_token_ids": labels}).json()
+        self.assertTrue(close(score(item_first=True)[0], swapped["scores"][0]))
+        for bad, param in (({"items": ["text"]}, "items"), ({"label_token_ids": []}, "label_token_ids"),
+                           ({"label_token_ids": [10**9]}, "label_token_ids")):  # fmt: skip
+            r = self.post("/v1/score", {"query": query, "items": items, "label_token_ids": labels, **bad})
+            self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, param), r.text)

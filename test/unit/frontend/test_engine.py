@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import pstats
 import threading
 import time
@@ -234,6 +235,10 @@ def test_real_scheduler_through_the_engine(tmp_path):
         assert routes.shape == (42 * 4 * 2,) and routed["output_ids"] == out["output_ids"]
         chunks = list(eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, stream=True))
         assert chunks[-1]["output_ids"] == out["output_ids"], "greedy output is deterministic"
+        # Upstream's Engine.score: the first greedy token's probability is its logprob's exp.
+        first_id, first_lp = out["output_ids"][0], out["meta_info"]["output_token_logprobs"][0][0]
+        (score,) = eng.score(query=list(range(3, 30)), items=[list(range(30, 40))], label_token_ids=[first_id, 7])
+        assert abs(score[0] - math.exp(first_lp)) < 1e-6 and 0 < score[1] < 1
         # Cache namespaces and hidden states, as upstream's Engine.generate takes them.
         prompt = list(range(100, 300))
         outs = [eng.generate(input_ids=prompt, sampling_params=GREEDY, extra_key=key) for key in "aba"]

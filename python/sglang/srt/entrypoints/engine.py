@@ -147,6 +147,23 @@ class Engine:
             return iter(())
         return self._sync_stream(agen, first)
 
+    def score(
+        self,
+        query: str | list[int],
+        items: str | list[str] | list[list[int]],
+        label_token_ids: list[int],
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """Upstream's scoring: per item, each label token's probability as the next token after
+        query + item (`serving_score.py`; /v1/score)."""
+        from sglang.srt.entrypoints.openai.serving_score import ScoringRequest, scores_of, scoring_input
+
+        req = ScoringRequest(query=query, items=items, label_token_ids=label_token_ids,
+                             apply_softmax=apply_softmax, item_first=item_first)  # fmt: skip
+        out = self._run(_first(self.tokenizer_manager.generate_request(scoring_input(req), trusted=True)))
+        return scores_of(out if isinstance(out, list) else [out], req.label_token_ids, apply_softmax)
+
     def _sync_stream(self, agen: AsyncIterator[dict], first: dict) -> Iterator[dict]:
         try:
             yield first

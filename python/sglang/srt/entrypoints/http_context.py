@@ -15,6 +15,7 @@ from sglang.srt.entrypoints.anthropic.serving import AnthropicServing
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
+from sglang.srt.entrypoints.openai.serving_score import OpenAIServingScore
 from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.metrics.collector import MetricsCollector
@@ -31,6 +32,7 @@ class ServerContext:
     metrics: MetricsCollector | None
     responses: OpenAIServingResponses
     anthropic: AnthropicServing
+    score: OpenAIServingScore
 
     @property
     def model_name(self) -> str:

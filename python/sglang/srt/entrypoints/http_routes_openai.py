@@ -47,6 +47,11 @@ async def v1_chat_completions(request: Request, s: Server) -> Response:
     return await s.chat.handle(request)
 
 
+@router.post("/v1/score")
+async def v1_score(request: Request, s: Server) -> Response:
+    return await s.score.handle(request)
+
+
 @router.post("/v1/responses")
 async def v1_responses(request: Request, s: Server) -> Response:
     return await s.responses.create(request)

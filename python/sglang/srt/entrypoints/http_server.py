@@ -33,6 +33,7 @@ from sglang.srt.entrypoints.openai.response_store import ResponseStore
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
+from sglang.srt.entrypoints.openai.serving_score import OpenAIServingScore
 from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
 from sglang.srt.entrypoints.server_warmup import needs_shape_warmup, run_server_warmup, warmup_prompt_lengths
 from sglang.srt.environ import envs
@@ -140,7 +141,8 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     tokenize = OpenAIServingTokenize(tm, model_info["context_len"], model_info["vocab_size"])
     app.state.server = ServerContext(
-        server_args, tm, model_info, chat, completions, tokenize, metrics, responses, AnthropicServing(chat)
+        server_args, tm, model_info, chat, completions, tokenize, metrics, responses, AnthropicServing(chat),
+        OpenAIServingScore(tm, model_name),
     )
     install_error_handlers(app)
     routers = [
