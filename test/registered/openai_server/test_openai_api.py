@@ -612,6 +612,7 @@ class TestOpenAIServer(ServerTestCase):
         swapped = self.post("/v1/score", {"query": items[0], "items": [query], "label_token_ids": labels}).json()
         self.assertTrue(close(score(item_first=True)[0], swapped["scores"][0]))
         for bad, param in (({"items": ["text"]}, "items"), ({"label_token_ids": []}, "label_token_ids"),
-                           ({"label_token_ids": [10**9]}, "label_token_ids")):  # fmt: skip
+                           ({"label_token_ids": [10**9]}, "label_token_ids"),
+                           ({"label_token_ids": list(range(5, 30))}, "label_token_ids")):  # fmt: skip
             r = self.post("/v1/score", {"query": query, "items": items, "label_token_ids": labels, **bad})
             self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, param), r.text)
