@@ -11,6 +11,7 @@ The outputs on every architecture: test/unit/lora/test_lora_outputs.py."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from sglang.test.ci_register import register_cpu_ci
@@ -99,3 +100,24 @@ class TestLoRAServer(ServerTestCase):
         again = self.generate("a", ids)
         self.assertGreater(again["meta_info"]["cached_tokens"], 0)
         self.assertEqual(again["output_ids"], first["output_ids"])
+
+    def test_score_runs_the_adapter_its_model_names(self):
+        """Review: /v1/score took no adapter from `model` (the base model's scores, the adapter's name)."""
+        labels = [5, 17, 100]
+
+        def score(model: str) -> list[float]:
+            r = self.post("/v1/score", {"model": model, "query": PROMPT[:30], "items": [PROMPT[30:]],
+                                        "label_token_ids": labels})  # fmt: skip
+            self.assertEqual(r.status_code, 200, r.text)
+            return r.json()["scores"][0]
+
+        adapted, base = score(f"{self.model}:a"), score(self.model)
+        self.assertNotEqual(adapted, base)
+        out = self.post("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1},
+                                      "return_logprob": True, "token_ids_logprob": labels, "lora_path": "a"}).json()
+        want = {e[1]: math.exp(e[0]) for e in out["meta_info"]["output_token_ids_logprobs"][0]}
+        for p, label in zip(adapted, labels, strict=True):
+            self.assertLess(abs(p - want[label]), 1e-4 * want[label])  # (float32, other batch shapes)
+        r = self.post("/v1/score", {"model": f"{self.model}:nope", "query": PROMPT, "items": [[5]],
+                                    "label_token_ids": labels})  # fmt: skip
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "model"), r.text)

@@ -611,6 +611,13 @@ class TestOpenAIServer(ServerTestCase):
         self.assertTrue(close(score(items=items[:1])[0], plain[0]))
         swapped = self.post("/v1/score", {"query": items[0], "items": [query], "label_token_ids": labels}).json()
         self.assertTrue(close(score(item_first=True)[0], swapped["scores"][0]))
+        # Review: a prompt past the input limit is refused, never cut (--allow-auto-truncate would score
+        # another position); the messages name this API's fields.
+        limit = self.get("/get_model_info").json()["max_req_input_len"]
+        r = self.post("/v1/score", {"query": [5] * limit, "items": [[6]], "label_token_ids": labels})
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "items[0]"), r.text)
+        r = self.post("/v1/score", {"query": query, "items": items, "label_token_ids": [-1]})
+        self.assertNotIn("token_ids_logprob", r.json()["error"]["message"])
         for bad, param in (({"items": ["text"]}, "items"), ({"label_token_ids": []}, "label_token_ids"),
                            ({"label_token_ids": [10**9]}, "label_token_ids"),
                            ({"label_token_ids": list(range(5, 30))}, "label_token_ids")):  # fmt: skip

@@ -161,7 +161,8 @@ class Engine:
 
         req = ScoringRequest(query=query, items=items, label_token_ids=label_token_ids,
                              apply_softmax=apply_softmax, item_first=item_first)  # fmt: skip
-        out = self._run(_first(self.tokenizer_manager.generate_request(scoring_input(req), trusted=True)))
+        obj = self._run(scoring_input(self.tokenizer_manager, req))
+        out = self._run(_first(self.tokenizer_manager.generate_request(obj, trusted=True)))
         return scores_of(out if isinstance(out, list) else [out], req.label_token_ids, apply_softmax)
 
     def _sync_stream(self, agen: AsyncIterator[dict], first: dict) -> Iterator[dict]:

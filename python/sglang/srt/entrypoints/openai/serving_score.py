@@ -10,6 +10,7 @@ the labels. The reply: `{"object": "scoring", "model", "scores": [[p per label] 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from fastapi import Request
@@ -34,24 +35,51 @@ class ScoringRequest(BaseModel):
     item_first: bool = False
 
 
-def scoring_input(req: ScoringRequest) -> GenerateReqInput:
-    """One prompt per item, generating one token to read the labels' logprobs at the next position."""
+async def scoring_input(tm: Any, req: ScoringRequest, lora_path: str | None = None) -> GenerateReqInput:
+    """One prompt per item, generating one token to read the labels' logprobs at the next position. Text
+    is tokenized here (query and item joined first, as upstream), so that every prompt's length is
+    checked whole: a prompt is never cut (--allow-auto-truncate would score another position)."""
     items = [req.items] if isinstance(req.items, str) else req.items
     if not items:
         raise RequestError("items: at least one item is needed.", "items")
     text = isinstance(req.query, str)
     if any(isinstance(item, str) != text for item in items):
         raise RequestError("items: the items are text where the query is, token ids where it is.", "items")
-    prompts = [item + req.query if req.item_first else req.query + item for item in items]
-    one = {"max_new_tokens": 1, "temperature": 0}
+    if text and tm.tokenizer is None:
+        raise RequestError("query: text needs a tokenizer (--skip-tokenizer-init): send token ids.", "query")
+    joined = [item + req.query if req.item_first else req.query + item for item in items]
+    prompts = []
+    for k, prompt in enumerate(joined):
+        ids = await tm.encode(prompt, f"items[{k}]") if text else prompt
+        if not ids:
+            raise RequestError(f"items[{k}]: the query and the item are both empty.", f"items[{k}]")
+        if len(ids) > tm.limits.max_req_input_len:
+            raise RequestError(
+                f"items[{k}]: the query and the item are {len(ids)} tokens; a scored prompt is at most "
+                f"{tm.limits.max_req_input_len} (the scored position needs the next one).",
+                f"items[{k}]",
+            )
+        prompts.append(ids)
     return GenerateReqInput(
-        text=prompts if text else None,
-        input_ids=None if text else prompts,
-        sampling_params=[dict(one) for _ in prompts],
+        input_ids=prompts,
+        sampling_params=[{"max_new_tokens": 1, "temperature": 0} for _ in prompts],
         return_logprob=True,
         logprob_start_len=-1,
         token_ids_logprob=list(req.label_token_ids),
+        lora_path=lora_path,
     )
+
+
+# The native fields' words in this API's (the request checks below name the native ones).
+NATIVE_WORDS = {"token_ids_logprob": "label_token_ids", "input_ids": "items", "lora_path": "model"}
+
+
+def renamed(err: RequestError) -> RequestError:
+    message = err.message
+    for native, name in NATIVE_WORDS.items():
+        message = re.sub(rf"\b{native}\b(\[\d+\])?", name, message)
+    param = (err.param or "").partition("[")[0]
+    return RequestError(message, NATIVE_WORDS.get(param, err.param), err.code)
 
 
 def scores_of(outputs: list[dict], label_token_ids: list[int], apply_softmax: bool) -> list[list[float]]:
@@ -60,7 +88,9 @@ def scores_of(outputs: list[dict], label_token_ids: list[int], apply_softmax: bo
         entries = out["meta_info"]["output_token_ids_logprobs"][0]
         by_id = {entry[1]: entry[0] for entry in entries}
         logprobs = [by_id[t] for t in label_token_ids]
-        if apply_softmax:
+        if apply_softmax and max(logprobs) == -math.inf:  # (no label possible: no share to give)
+            scores.append([0.0] * len(logprobs))
+        elif apply_softmax:
             top = max(logprobs)
             weights = [math.exp(lp - top) for lp in logprobs]
             scores.append([w / sum(weights) for w in weights])
@@ -79,14 +109,14 @@ class OpenAIServingScore:
             req = ScoringRequest.model_validate(json_object(await request.body()))
         except ValidationError as e:
             raise request_error_from_validation(e) from None
-        obj = scoring_input(req)
-        if obj.text is not None and self.tm.tokenizer is None:
-            raise RequestError("query: text needs a tokenizer (--skip-tokenizer-init): send token ids.", "query")
+        _, adapter = self.tm.lora.split_model(req.model)
+        if adapter == "":
+            raise RequestError(f"model {req.model!r} names no adapter after ':'.", "model")
         try:
+            obj = await scoring_input(self.tm, req, adapter)
             first, gen = await start_generation(self.tm, obj, request)
         except RequestError as e:
-            names = {"token_ids_logprob": "label_token_ids", "input_ids": "items", "text": "items"}
-            raise RequestError(e.message, names.get(e.param or "", e.param), e.code) from None
+            raise renamed(e) from None
         await gen.aclose()
         outputs = first if isinstance(first, list) else [first]
         return json_response({
