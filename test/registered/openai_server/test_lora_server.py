@@ -118,6 +118,9 @@ class TestLoRAServer(ServerTestCase):
         want = {e[1]: math.exp(e[0]) for e in out["meta_info"]["output_token_ids_logprobs"][0]}
         for p, label in zip(adapted, labels, strict=True):
             self.assertLess(abs(p - want[label]), 1e-4 * want[label])  # (float32, other batch shapes)
+        for name in ("a", f"{self.model}:a"):  # (/v1/models/{model} takes the names the routes take)
+            self.assertEqual(self.get(f"/v1/models/{name}").json()["id"], "a")
+        self.assertEqual(self.get(f"/v1/models/{self.model}:nope").status_code, 404)
         r = self.post("/v1/score", {"model": f"{self.model}:nope", "query": PROMPT, "items": [[5]],
                                     "label_token_ids": labels})  # fmt: skip
         self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "model"), r.text)

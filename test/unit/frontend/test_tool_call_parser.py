@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from types import SimpleNamespace
 
 import orjson
@@ -414,3 +415,29 @@ def test_parallel_tool_calls_false_gives_at_most_one_call_whole_streamed_and_for
     forced = _request(serving, parallel_tool_calls=False, tool_choice="required")
     assert json.loads(forced.sampling_params()["json_schema"])["maxItems"] == 1
     assert "maxItems" not in json.loads(_request(serving, tool_choice="required").sampling_params()["json_schema"])
+
+
+def test_a_chat_stream_quiet_through_a_long_call_sends_keepalive_comments(monkeypatch):
+    """The call is sent when its block closes: the chunks before say nothing, so the stream sends SSE
+    comments (which clients skip) where it was quiet too long, and the same chunks otherwise."""
+    from sglang.srt.entrypoints.openai import serving_base
+    from sglang.test.fake_chat import FakeChatTokenizerManager
+
+    async def stream() -> list[bytes]:
+        serving = OpenAIServingChat(FakeChatTokenizerManager("Hi " + CALL), "m", tool_call_parser="qwen25")
+        req = parse_model(ChatCompletionRequest, orjson.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                                "tools": TOOLS, "stream": True}))  # fmt: skip
+        obj = await serving.to_generate_input(req)
+        first, gen = await serving_base.start_generation(serving.tm, obj, None)
+        return [chunk async for chunk in serving.stream_events(req, obj, first, gen)]
+
+    plain = asyncio.run(stream())
+    monkeypatch.setattr(serving_base, "KEEPALIVE_SECONDS", 0.0)
+    kept = asyncio.run(stream())
+    assert serving_base.SSE_KEEPALIVE not in plain and serving_base.SSE_KEEPALIVE in kept
+    without = [c for c in kept if c != serving_base.SSE_KEEPALIVE]
+
+    def choices(chunks: list[bytes]) -> list:  # (a call's id is made each time)
+        return [json.loads(re.sub(rb'"id":"call_\w+"', b'"id":""', c[6:]))["choices"] for c in chunks]
+
+    assert choices(without) == choices(plain)

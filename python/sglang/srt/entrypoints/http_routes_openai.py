@@ -29,10 +29,11 @@ async def models(s: Server) -> Response:
 @router.get("/v1/models/{model:path}")
 async def model_card(model: str, s: Server) -> Response:
     """One model's card (upstream's route; the openai client's `models.retrieve`): the served model's,
-    or a loaded LoRA adapter's; 404 for any other name."""
+    or a loaded LoRA adapter's (by its name or as "base:adapter"); 404 for any other name."""
+    _, adapter = s.tm.lora.split_model(model)  # ("base:adapter", as the other routes take it)
     cards = (await models(s)).body
     for card in orjson.loads(cards)["data"]:
-        if card["id"] == model:
+        if card["id"] in (model, adapter):
             return json_response(card)
     raise HTTPException(404, f"The model {model!r} does not exist")
 

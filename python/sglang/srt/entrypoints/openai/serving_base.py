@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,6 +38,9 @@ from sglang.srt.managers.tokenizer_output import StreamMerger
 logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
+# An SSE comment (clients skip it) sent by a stream that sent nothing for KEEPALIVE_SECONDS.
+SSE_KEEPALIVE = b": keepalive\n\n"
+KEEPALIVE_SECONDS = 5.0
 
 
 def sse(obj: Any) -> bytes:
@@ -248,6 +252,7 @@ class OpenAIServingBase:
             return sse(self.stream_response_model(id=stream_id, model=model, choices=choices, **extra))
 
         chunk = first
+        quiet_since = time.monotonic()
         while chunk is not None:
             i = chunk.get("index", 0)
             if i not in sent_text:
@@ -258,8 +263,14 @@ class OpenAIServingBase:
             delta = chunk["text"][sent_text[i] :]
             sent_text[i] = len(chunk["text"])
             meta = merged.setdefault(i, StreamMerger()).merge(chunk["meta_info"])
-            for choice in self.stream_choices(req, i, delta, meta, progress):
+            choices = self.stream_choices(req, i, delta, meta, progress)
+            for choice in choices:
                 yield event([choice])
+            if choices:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > KEEPALIVE_SECONDS:
+                quiet_since = time.monotonic()
+                yield SSE_KEEPALIVE  # (a tool call is sent when whole: proxies cut a stream silent too long)
             last[i] = chunk
             chunk = await anext(gen, None)
         if req.include_usage or self.include_usage:

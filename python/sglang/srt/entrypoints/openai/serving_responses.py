@@ -29,6 +29,7 @@ from sglang.srt.entrypoints.http_errors import (
     json_response,
     server_abort_body,
 )
+from sglang.srt.entrypoints.openai import serving_base
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, request_error_from_validation
 from sglang.srt.entrypoints.openai.response_store import RUNNING, ResponseStore, StoredResponse
 from sglang.srt.entrypoints.openai.responses_items import input_messages, new_id, stored_input_items
@@ -38,7 +39,7 @@ from sglang.srt.entrypoints.openai.responses_protocol import (
     responses_abort,
     responses_error,
 )
-from sglang.srt.entrypoints.openai.serving_base import SSEResponse, start_generation, usage
+from sglang.srt.entrypoints.openai.serving_base import SSE_KEEPALIVE, SSEResponse, start_generation, usage
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
@@ -50,8 +51,7 @@ logger = logging.getLogger(__name__)
 # without a bound one client could queue any number); one more is a 429.
 MAX_BACKGROUND = 256
 REASONING_INCLUDE = "reasoning.encrypted_content"
-# A stream that sent nothing for this long sends an SSE comment (a long tool call is sent when it is whole).
-KEEPALIVE_SECONDS = 5.0
+
 STORE_NEEDED = "needs the response store: start the server with --enable-response-store"
 # The most reasoning text a request's encrypted_content blobs may restore, per token of context.
 REASONING_CHARS_PER_TOKEN = 16
@@ -372,8 +372,8 @@ class OpenAIServingResponses:
                 for call in choice.delta.tool_calls or []:
                     builder.call(call)
                 reason = choice.finish_reason or reason
-            if not events and time.monotonic() - quiet_since > KEEPALIVE_SECONDS:
-                events.append(b": keepalive\n\n")  # (an SSE comment: clients skip it, proxies see traffic)
+            if not events and time.monotonic() - quiet_since > serving_base.KEEPALIVE_SECONDS:
+                events.append(SSE_KEEPALIVE)  # (an SSE comment: clients skip it, proxies see traffic)
             for event in events:
                 yield event
             quiet_since = time.monotonic() if events else quiet_since
