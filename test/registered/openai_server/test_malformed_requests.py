@@ -83,7 +83,6 @@ CASES = [
     (COMP, {"prompt": [5] * 5000}, "prompt"),
     (COMP, {"prompt": "hello " * 5000}, "prompt"),
     (COMP, {"prompt": "x", "logprobs": 100}, "logprobs"),
-    (COMP, {"prompt": "x", "echo": True}, "echo"),
     (COMP, {"prompt": "x", "stop_regex": ["["]}, "stop_regex"),
     (GEN, b"{not json}", None),
     (GEN, {"sampling_params": {"max_new_tokens": 2}}, "text"),

@@ -623,3 +623,38 @@ class TestOpenAIServer(ServerTestCase):
                            ({"label_token_ids": list(range(5, 30))}, "label_token_ids")):  # fmt: skip
             r = self.post("/v1/score", {"query": query, "items": items, "label_token_ids": labels, **bad})
             self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, param), r.text)
+
+    def test_completions_echo(self) -> None:
+        """echo (as lm-eval's loglikelihood asks: max_tokens 0, logprobs 1): the prompt's text comes first,
+        with its tokens' logprobs (the first has none) as /generate's input logprobs give them; streamed
+        the same; a token-id prompt echoes its decoded text."""
+        prompt = "def add(a, b):\n    return"
+        kw = {"model": self.model, "prompt": prompt, "temperature": 0}
+        scored = self.client.completions.create(**kw, max_tokens=0, echo=True, logprobs=1)
+        choice = scored.choices[0]
+        self.assertEqual(choice.text, prompt)
+        lp = choice.logprobs
+        self.assertIsNone(lp.token_logprobs[0])
+        self.assertEqual("".join(lp.tokens), prompt)
+        self.assertEqual(lp.text_offset, [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))])
+        native = self.post("/generate", {"text": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                         "sampling_params": {"max_new_tokens": 0}}).json()  # fmt: skip
+        want = [e[0] for e in native["meta_info"]["input_token_logprobs"]]
+        self.assertEqual(len(want), len(lp.token_logprobs))
+        for got, ref in zip(lp.token_logprobs[1:], want[1:], strict=True):
+            self.assertAlmostEqual(got, ref, places=4)  # (float32: the same path, maybe another batch)
+        plain = self.client.completions.create(**kw, max_tokens=4).choices[0].text
+        echoed = self.client.completions.create(**kw, max_tokens=4, echo=True)
+        self.assertEqual(echoed.choices[0].text, prompt + plain)
+        streamed = "".join(c.choices[0].text for c in self.client.completions.create(**kw, max_tokens=4, echo=True,
+                                                                                   stream=True))  # fmt: skip
+        self.assertEqual(streamed, prompt + plain)
+        prompts = ["x = 1\n", "import os\n"]
+        batch = self.client.completions.create(model=self.model, prompt=prompts, n=2, max_tokens=2, echo=True,
+                                               temperature=1, seed=3)  # fmt: skip
+        self.assertEqual(len(batch.choices), 4)
+        for c in batch.choices:  # (a prompt's n samples follow each other)
+            self.assertTrue(c.text.startswith(prompts[c.index // 2]), (c.index, c.text))
+        ids = prompt_ids(12, 9)
+        by_ids = self.client.completions.create(model=self.model, prompt=ids, max_tokens=0, echo=True)
+        self.assertEqual(by_ids.choices[0].text, self.post("/detokenize", {"tokens": ids}).json()["text"])

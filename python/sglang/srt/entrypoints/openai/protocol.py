@@ -237,11 +237,12 @@ def grammar_of_response_format(rf: dict[str, Any]) -> tuple[str, Any] | None:
 
 class CompletionRequest(_SamplingFields):
     prompt: Any
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # (0 with echo: the prompt's logprobs only, as lm-eval asks)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    _echoed: list[str] = PrivateAttr(default_factory=list)  # (set by the route: each prompt's text)
 
     @field_validator("prompt")
     @classmethod
@@ -260,8 +261,6 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise _field_error("echo", "echo is not supported")
         if self.suffix:
             raise _field_error("suffix", "suffix is not supported")
         if self.best_of not in (None, self.n):

@@ -16,12 +16,13 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 
 
 def completion_logprobs(
-    meta: dict, start: int, offset: int, with_top: bool
+    meta: dict, start: int, offset: int, with_top: bool, kind: str = "output", lp: CompletionLogprobs | None = None
 ) -> tuple[CompletionLogprobs, int]:
-    """Logprobs of output tokens [start:] in the completions format; returns the text offset after them."""
-    entries = meta.get("output_token_logprobs", [])[start:]
-    tops = meta.get("output_top_logprobs", [])[start:]
-    lp = CompletionLogprobs()
+    """Logprobs of output (or input) tokens [start:] in the completions format, after `lp`'s; returns the
+    text offset after them."""
+    entries = meta.get(f"{kind}_token_logprobs", [])[start:]
+    tops = meta.get(f"{kind}_top_logprobs", [])[start:]
+    lp = CompletionLogprobs() if lp is None else lp
     for k, (logprob, _tid, text) in enumerate(entries):
         lp.tokens.append(text)
         lp.token_logprobs.append(logprob)
@@ -51,36 +52,55 @@ class OpenAIServingCompletion(OpenAIServingBase):
     async def to_generate_input(self, req: CompletionRequest) -> GenerateReqInput:
         p = req.prompt
         is_text = isinstance(p, str) or all(isinstance(x, str) for x in p)
+        if req.echo:  # the prompts' text, each choice's answer begins with (as upstream: ids decoded)
+            prompts = [p] if isinstance(p, str) or not isinstance(p[0], list | str) else p
+            req._echoed = [x if isinstance(x, str) else self.tm.tokenizer.decode(x) for x in prompts]
         return GenerateReqInput(
             text=p if is_text else None,
             input_ids=None if is_text else p,
             sampling_params=req.sampling_params(),
             rid=req.rid,
             return_logprob=req.logprobs is not None,
+            # With echo the prompt's own logprobs too (its first token has none), as OpenAI's echo gives.
+            logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
             top_logprobs_num=req.logprobs or 0,
             return_text_in_logprobs=True,
             stream=req.stream,
             **req.passthrough_fields(),
         )
 
+    def _echo(self, req: CompletionRequest, index: int, meta: dict) -> tuple[str, CompletionLogprobs | None, int]:
+        """With echo: choice `index`'s prompt text, its tokens' logprobs (where asked), and the offset after."""
+        if not req.echo:
+            return "", None, 0
+        text = req._echoed[index // req.n]
+        if req.logprobs is None:
+            return text, None, len(text)
+        logprobs, offset = completion_logprobs(meta, 0, 0, req.logprobs > 0, "input")
+        return text, logprobs, offset
+
     def make_choice(self, req: CompletionRequest, index: int, out: dict) -> CompletionChoice:
         reason, matched = finish_reason(out["meta_info"])
-        logprobs = None
+        echoed, logprobs, offset = self._echo(req, index, out["meta_info"])
         if req.logprobs is not None:
-            logprobs, _ = completion_logprobs(out["meta_info"], 0, 0, req.logprobs > 0)
+            logprobs, _ = completion_logprobs(out["meta_info"], 0, offset, req.logprobs > 0, lp=logprobs)
         return CompletionChoice(
-            index=index, text=out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched,
+            index=index, text=echoed + out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched,
             **self.hidden_states_field(req, out["meta_info"]),
         )  # fmt: skip
 
     def stream_choice(
         self, req: CompletionRequest, index: int, delta: str, meta: dict, progress: dict
     ) -> CompletionChoice | None:
-        logprobs = None
+        logprobs, echoed = None, ""
+        if index not in progress:  # the choice's first chunk: with echo, the prompt comes first
+            echoed, logprobs, offset = self._echo(req, index, meta)
+            progress[index] = (0, offset)
         if req.logprobs is not None:
-            sent, offset = progress.get(index, (0, 0))
-            logprobs, offset = completion_logprobs(meta, sent, offset, req.logprobs > 0)
-            progress[index] = (sent + len(logprobs.tokens), offset)
+            sent, offset = progress[index]
+            logprobs, offset = completion_logprobs(meta, sent, offset, req.logprobs > 0, lp=logprobs)
+            progress[index] = (sent + len(meta.get("output_token_logprobs", [])[sent:]), offset)
+        delta = echoed + delta
         reason, matched = finish_reason(meta)
         if not (delta or reason or (logprobs and logprobs.tokens)):
             return None
