@@ -165,3 +165,12 @@ class TestFrontendFlags(ServerTestCase):
         usage = r.json()["usage"]
         self.assertEqual(usage["prompt_tokens"], limit)
         self.assertLessEqual(usage["completion_tokens"], info["context_length"] - limit)
+        # Review: echo gave the whole prompt where the model ran its first `limit` tokens.
+        for prompt in (text, ids):
+            r = self.post("/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0})
+            self.assertEqual(r.status_code, 200, r.text)
+            lp = r.json()["choices"][0]["logprobs"]
+            self.assertEqual(len(lp["tokens"]), limit)
+            self.assertEqual(r.json()["choices"][0]["text"], self.post("/detokenize", {
+                "tokens": (ids[:limit] if prompt is ids else self.post("/tokenize", {"prompt": text}).json()["tokens"][:limit]),
+                "skip_special_tokens": False}).json()["text"])  # fmt: skip

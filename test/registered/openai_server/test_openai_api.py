@@ -643,9 +643,13 @@ class TestOpenAIServer(ServerTestCase):
         self.assertEqual(len(want), len(lp.token_logprobs))
         for got, ref in zip(lp.token_logprobs[1:], want[1:], strict=True):
             self.assertAlmostEqual(got, ref, places=4)  # (float32: the same path, maybe another batch)
+        self.assertIsNone(lp.top_logprobs[0])  # (no prediction for the first token: null, as OpenAI)
+        self.assertTrue(all(lp.top_logprobs[1:]))
         plain = self.client.completions.create(**kw, max_tokens=4).choices[0].text
-        echoed = self.client.completions.create(**kw, max_tokens=4, echo=True)
+        echoed = self.client.completions.create(**kw, max_tokens=4, echo=True, logprobs=0)
         self.assertEqual(echoed.choices[0].text, prompt + plain)
+        n_prompt = len(lp.tokens)  # (the answer's tokens begin where the prompt's text ends)
+        self.assertEqual(echoed.choices[0].logprobs.text_offset[n_prompt], len(prompt))
         streamed = "".join(c.choices[0].text for c in self.client.completions.create(**kw, max_tokens=4, echo=True,
                                                                                    stream=True))  # fmt: skip
         self.assertEqual(streamed, prompt + plain)

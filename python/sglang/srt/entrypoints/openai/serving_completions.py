@@ -28,7 +28,7 @@ def completion_logprobs(
         lp.token_logprobs.append(logprob)
         lp.text_offset.append(offset)
         offset += len(text)
-        if with_top:
+        if with_top and logprob is not None:  # (a prompt's first token has no prediction: null, as OpenAI)
             top = tops[k] if k < len(tops) and tops[k] else []
             lp.top_logprobs.append({t[2]: t[0] for t in top})
         else:
@@ -52,9 +52,13 @@ class OpenAIServingCompletion(OpenAIServingBase):
     async def to_generate_input(self, req: CompletionRequest) -> GenerateReqInput:
         p = req.prompt
         is_text = isinstance(p, str) or all(isinstance(x, str) for x in p)
-        if req.echo:  # the prompts' text, each choice's answer begins with (as upstream: ids decoded)
-            prompts = [p] if isinstance(p, str) or not isinstance(p[0], list | str) else p
-            req._echoed = [x if isinstance(x, str) else self.tm.tokenizer.decode(x) for x in prompts]
+        if req.echo:
+            # The prompts' text each choice's answer begins with: what runs, tokenized here (and cut as
+            # --allow-auto-truncate cuts it), decoded (as upstream: token-id prompts decoded too).
+            single = isinstance(p, str) or not isinstance(p[0], list | str)
+            ids = [await self._prompt_ids(x) for x in ([p] if single else p)]
+            req._echoed = [self.tm.tokenizer.decode(x) for x in ids]
+            p, is_text = (ids[0] if single else ids), False
         return GenerateReqInput(
             text=p if is_text else None,
             input_ids=None if is_text else p,
@@ -69,15 +73,23 @@ class OpenAIServingCompletion(OpenAIServingBase):
             **req.passthrough_fields(),
         )
 
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return await self.tm.encode(prompt, "prompt", truncate=True)
+        limits = self.tm.limits
+        return prompt[: limits.max_req_input_len] if limits.auto_truncate else prompt  # (else checked later)
+
     def _echo(self, req: CompletionRequest, index: int, meta: dict) -> tuple[str, CompletionLogprobs | None, int]:
-        """With echo: choice `index`'s prompt text, its tokens' logprobs (where asked), and the offset after."""
+        """With echo: choice `index`'s prompt text, its tokens' logprobs (where asked), and the offset after
+        it (the answer's first: the whole prompt's length; inside the prompt each token's offset adds the
+        tokens' own texts, which a character split across tokens makes longer)."""
         if not req.echo:
             return "", None, 0
         text = req._echoed[index // req.n]
         if req.logprobs is None:
             return text, None, len(text)
-        logprobs, offset = completion_logprobs(meta, 0, 0, req.logprobs > 0, "input")
-        return text, logprobs, offset
+        logprobs, _ = completion_logprobs(meta, 0, 0, req.logprobs > 0, "input")
+        return text, logprobs, len(text)
 
     def make_choice(self, req: CompletionRequest, index: int, out: dict) -> CompletionChoice:
         reason, matched = finish_reason(out["meta_info"])
