@@ -650,6 +650,11 @@ class TestOpenAIServer(ServerTestCase):
         self.assertEqual(echoed.choices[0].text, prompt + plain)
         n_prompt = len(lp.tokens)  # (the answer's tokens begin where the prompt's text ends)
         self.assertEqual(echoed.choices[0].logprobs.text_offset[n_prompt], len(prompt))
+        wide = "你好 é world"  # (characters split across tokens: the tokens' texts are longer than it)
+        out = self.client.completions.create(model=self.model, prompt=wide, max_tokens=2, echo=True, logprobs=0)
+        lp_wide = out.choices[0].logprobs
+        first_answer = len(self.post("/tokenize", {"prompt": wide}).json()["tokens"])
+        self.assertEqual(lp_wide.text_offset[first_answer], len(wide))
         streamed = "".join(c.choices[0].text for c in self.client.completions.create(**kw, max_tokens=4, echo=True,
                                                                                    stream=True))  # fmt: skip
         self.assertEqual(streamed, prompt + plain)
