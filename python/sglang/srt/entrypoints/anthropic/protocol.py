@@ -13,13 +13,13 @@ blocks) is a first system message. `thinking` ({"type": "enabled" | "disabled"})
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, request_error_from_validation
+from sglang.srt.entrypoints.openai.serving_base import reword
 from sglang.srt.managers.request_validation import RequestError
 
 # The chat route's own fields a Messages request may also send (upstream's extensions), passed as they are.
@@ -33,11 +33,12 @@ CHAT_EXTENSIONS = (
 CHAT_TO_MESSAGES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
 
 
-def reword(message: str) -> str:
+def _reword(message: str) -> str:
     """A chat route's message in this API's field names, and its tool_choice shape in Anthropic's."""
-    for chat_name, name in CHAT_TO_MESSAGES.items():
-        message = re.sub(rf"(?<![\w.]){re.escape(chat_name)}\b", name, message)
+    message = reword(message, CHAT_TO_MESSAGES)
     return message.replace('{"type": "function", "function": {"name": ...}}', '{"type": "tool", "name": ...}')
+
+
 USER_BLOCKS = ("text", "image", "tool_result")
 ASSISTANT_BLOCKS = ("text", "thinking", "redacted_thinking", "tool_use")
 
@@ -144,7 +145,7 @@ class MessagesRequest(BaseModel):
         except ValidationError as e:
             err = request_error_from_validation(e)
             param = (err.param or "").partition("[")[0]
-            raise RequestError(reword(err.message), CHAT_TO_MESSAGES.get(param, err.param), err.code) from None
+            raise RequestError(_reword(err.message), CHAT_TO_MESSAGES.get(param, err.param), err.code) from None
 
     def _messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

@@ -21,12 +21,9 @@ from typing import Any
 import orjson
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 
 from sglang.srt.entrypoints.anthropic.protocol import MessagesRequest
-from sglang.srt.entrypoints.http_errors import json_object
-from sglang.srt.entrypoints.openai.protocol import request_error_from_validation
-from sglang.srt.entrypoints.openai.serving_base import SSEResponse, start_generation
+from sglang.srt.entrypoints.openai.serving_base import SSEResponse, parse_json_model, start_generation
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
@@ -80,10 +77,7 @@ class AnthropicServing:
         if self.tm.tokenizer is None:
             raise RequestError("/v1/messages needs a tokenizer, and this server was started with "
                                "--skip-tokenizer-init; send token ids to /generate instead.", "messages")  # fmt: skip
-        try:  # (orjson first: an integer past 64 bits becomes a float, which no reply fails on)
-            return model.model_validate(json_object(body))
-        except ValidationError as e:
-            raise request_error_from_validation(e) from None
+        return parse_json_model(model, body)
 
     async def _count_tokens(self, request: Request) -> Response:
         chat_req = self._parse(await request.body(), _CountRequest).chat_request(count_only=True)

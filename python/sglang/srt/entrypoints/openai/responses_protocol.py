@@ -12,7 +12,6 @@ characters, values of at most 512), `user`, `truncation`, `reasoning`, `service_
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,6 +22,7 @@ from sglang.srt.entrypoints.openai.protocol import (
     _field_error,
     request_error_from_validation,
 )
+from sglang.srt.entrypoints.openai.serving_base import reword
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import ServerAbortError
 
@@ -260,8 +260,7 @@ class ResponsesRequest(BaseModel):
 
 def _reword(message: str) -> str:
     """A chat route's message in this API's field names (word by word: "messages" -> "input", ...)."""
-    for chat_name, name in CHAT_TO_RESPONSES.items():
-        message = re.sub(rf"(?<![\w.]){re.escape(chat_name)}\b", name, message)
+    message = reword(message, CHAT_TO_RESPONSES)
     return message.replace("input input", "input")  # ("The messages input (N tokens) ...")
 
 

@@ -21,6 +21,7 @@ from sglang.srt.constrained.grammar_spec import GRAMMAR_FIELDS
 from sglang.srt.entrypoints.http_errors import (
     backend_dead_body,
     internal_error_body,
+    json_object,
     json_response,
     server_abort_body,
 )
@@ -91,6 +92,25 @@ async def sse_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         logger.exception("Streaming failed")
         yield sse(internal_error_body(e))
     yield SSE_DONE
+
+
+def reword(message: str, names: dict[str, str], indexed: bool = False) -> str:
+    """`message` with each whole word of `names` (another API's field names) replaced by its value;
+    `indexed`: a word's `[n]` goes with it (the position in a joined prompt names nothing here)."""
+    for old, new in names.items():
+        index = r"(\[\d+\])?" if indexed else ""
+        message = re.sub(rf"(?<![\w.]){re.escape(old)}\b{index}", new, message)
+    return message
+
+
+def parse_json_model(model: type[BaseModel], body: bytes) -> Any:
+    """A request body as `model`, parsed by orjson first (an integer past 64 bits becomes a float, which a
+    count field refuses and an echoed field writes back, where pydantic's own parser keeps an int no
+    reply can carry): the routes that echo what a client sent."""
+    try:
+        return model.model_validate(json_object(body))
+    except ValidationError as e:
+        raise request_error_from_validation(e) from None
 
 
 def parse_model(model: type[BaseModel], body: bytes) -> Any:

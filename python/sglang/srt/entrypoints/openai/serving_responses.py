@@ -25,12 +25,11 @@ from starlette.exceptions import HTTPException
 from sglang.srt.entrypoints.http_errors import (
     backend_dead_body,
     internal_error_body,
-    json_object,
     json_response,
     server_abort_body,
 )
 from sglang.srt.entrypoints.openai import serving_base
-from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, request_error_from_validation
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sglang.srt.entrypoints.openai.response_store import RUNNING, ResponseStore, StoredResponse
 from sglang.srt.entrypoints.openai.responses_items import input_messages, new_id, stored_input_items
 from sglang.srt.entrypoints.openai.responses_output import ContentTokens, OutputBuilder
@@ -39,7 +38,13 @@ from sglang.srt.entrypoints.openai.responses_protocol import (
     responses_abort,
     responses_error,
 )
-from sglang.srt.entrypoints.openai.serving_base import SSE_KEEPALIVE, SSEResponse, start_generation, usage
+from sglang.srt.entrypoints.openai.serving_base import (
+    SSE_KEEPALIVE,
+    SSEResponse,
+    parse_json_model,
+    start_generation,
+    usage,
+)
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
@@ -94,7 +99,7 @@ class OpenAIServingResponses:
     async def create(self, request: Request) -> Response:
         if self.tm.tokenizer is None:
             raise responses_error(self.chat.tokenizer_needed(request.url.path))
-        req = _parse(await request.body())
+        req = parse_json_model(ResponsesRequest, await request.body())
         stored = self.store is not None and req.store
         if self.store is None and (req.previous_response_id or req.background):
             field = "previous_response_id" if req.previous_response_id else "background"
@@ -391,15 +396,3 @@ def _stub(response: dict, status: str | None = None) -> StoredResponse:
         message = "The response does not fit the response store (--response-store-max-mb); it was not kept."
         stub.update(status="failed", error={"code": "server_error", "message": message})
     return StoredResponse.of(stub, [], [])
-
-
-def _parse(body: bytes) -> ResponsesRequest:
-    """The request (parsed by orjson first: an integer past 64 bits becomes a float, which a count field
-    refuses and an echoed one can be written back, where pydantic's own parser would keep it an int that
-    no reply can carry)."""
-    from pydantic import ValidationError
-
-    try:
-        return ResponsesRequest.model_validate(json_object(body))
-    except ValidationError as e:
-        raise request_error_from_validation(e) from None

@@ -10,16 +10,14 @@ the labels. The reply: `{"object": "scoring", "model", "scores": [[p per label] 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from sglang.srt.entrypoints.http_errors import json_object, json_response
-from sglang.srt.entrypoints.openai.protocol import request_error_from_validation
-from sglang.srt.entrypoints.openai.serving_base import start_generation
+from sglang.srt.entrypoints.http_errors import json_response
+from sglang.srt.entrypoints.openai.serving_base import parse_json_model, reword, start_generation
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
 
@@ -75,11 +73,8 @@ NATIVE_WORDS = {"token_ids_logprob": "label_token_ids", "input_ids": "items", "l
 
 
 def renamed(err: RequestError) -> RequestError:
-    message = err.message
-    for native, name in NATIVE_WORDS.items():
-        message = re.sub(rf"\b{native}\b(\[\d+\])?", name, message)
     param = (err.param or "").partition("[")[0]
-    return RequestError(message, NATIVE_WORDS.get(param, err.param), err.code)
+    return RequestError(reword(err.message, NATIVE_WORDS, indexed=True), NATIVE_WORDS.get(param, err.param), err.code)
 
 
 def scores_of(outputs: list[dict], label_token_ids: list[int], apply_softmax: bool) -> list[list[float]]:
@@ -105,10 +100,7 @@ class OpenAIServingScore:
         self.model_name = model_name
 
     async def handle(self, request: Request) -> Response:
-        try:
-            req = ScoringRequest.model_validate(json_object(await request.body()))
-        except ValidationError as e:
-            raise request_error_from_validation(e) from None
+        req = parse_json_model(ScoringRequest, await request.body())
         _, adapter = self.tm.lora.split_model(req.model)
         if adapter == "":
             raise RequestError(f"model {req.model!r} names no adapter after ':'.", "model")
