@@ -293,6 +293,11 @@ class OpenAIServingChat(OpenAIServingBase):
         choice.finish_reason = choice.matched_stop = None
         return [choice, ending]
 
+    def answer_parsers(self, req: ChatCompletionRequest) -> tuple[ReasoningParser | None, ToolCallParser | None]:
+        """Fresh parsers for one answer of `req`, those its route runs (None where it runs none)."""
+        tools = self._tool_call_parser(req) if self._parses_tools(req) else None
+        return self._reasoning_parser(req), tools
+
     def _parses_tools(self, req: ChatCompletionRequest) -> bool:
         return self.tool_call_parser is not None and bool(req.tools) and req.tool_choice != "none"
 

@@ -75,9 +75,7 @@ class _Turn:
     def content_tokens(self) -> ContentTokens:
         """(Made once the prompt is rendered: whether it opens a think block decides the parsing.)"""
         if self._content_tokens is None:
-            chat, chat_req = self.chat, self.chat_req
-            tools = chat._tool_call_parser(chat_req) if chat._parses_tools(chat_req) else None
-            self._content_tokens = ContentTokens(chat._reasoning_parser(chat_req), tools, chat_req.forces_tool_calls)
+            self._content_tokens = ContentTokens(*self.chat.answer_parsers(self.chat_req), self.chat_req.forces_tool_calls)
         return self._content_tokens
 
     def builder(self, response: dict) -> OutputBuilder:
