@@ -48,7 +48,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
-from sglang.srt.managers.tokenizer_output import StreamMerger
+from sglang.srt.managers.tokenizer_output import OFF_LOOP_ENTRIES, StreamMerger, _without_gc
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class OpenAIServingResponses:
         if req.stream:
             return SSEResponse(self._stream(turn, first, gen, response, items, conversation))
         await gen.aclose()
-        self._finish(turn, response, first, items, conversation)
+        await self._finish(turn, response, first, items, conversation)
         return json_response(response)
 
     def _renamed(self, turn: _Turn, err: RequestError) -> RequestError:
@@ -193,13 +193,23 @@ class OpenAIServingResponses:
         response["usage"] = self._usage(out, reasoning)
         response["completed_at"] = int(time.time())
 
-    def _finish(self, turn: _Turn, response: dict, out: dict, items: list, conversation: list | None) -> None:
-        """A whole output's items, status and usage into `response` (and the store)."""
+    async def _finish(
+        self, turn: _Turn, response: dict, out: dict, items: list, conversation: list | None
+    ) -> None:
+        """A whole output's items, status and usage into `response` (and the store): built off the event
+        loop where its logprobs are many, as the native route's long replies are (`tokenizer_output`)."""
+        if len(out["meta_info"].get("output_token_logprobs") or ()) > OFF_LOOP_ENTRIES:
+            await asyncio.to_thread(_without_gc, self._build_output, turn, response, out)
+        else:
+            self._build_output(turn, response, out)
+        self._keep(response, items, conversation)
+
+    def _build_output(self, turn: _Turn, response: dict, out: dict) -> None:
         choice = self.chat.make_choice(turn.chat_req, 0, out)
         m = choice.message
         builder = turn.builder(response)
-        if turn.chat_req.logprobs:
-            entries = [e.model_dump(exclude_none=True) for e in chat_logprobs(out["meta_info"], 0).content]
+        if turn.chat_req.logprobs:  # (the choice's own logprobs, every output token's: the message's kept)
+            entries = [e.model_dump(exclude_none=True) for e in choice.logprobs.content]
             builder.tokens_of_content(turn.content_tokens.keep(entries) + turn.content_tokens.finish())
         builder.reasoning(m.reasoning_content or "")
         builder.content(m.content or "")
@@ -207,7 +217,6 @@ class OpenAIServingResponses:
             builder.call(call)
         builder.finish(choice.finish_reason == "length")
         self._settle(response, out, choice.finish_reason)
-        self._keep(response, items, conversation)
 
     def _keep(self, response: dict, items: list, conversation: list | None) -> None:
         """Store a finished response (a background one only if it is still stored: not deleted)."""
@@ -250,7 +259,7 @@ class OpenAIServingResponses:
         try:
             first, gen = await self._start(turn, obj, None)
             await gen.aclose()
-            self._finish(turn, response, first, items, conversation)
+            await self._finish(turn, response, first, items, conversation)
         except asyncio.CancelledError:
             cancelled = dict(response, status="cancelled")
             self.store.replace(StoredResponse.of(cancelled, items, conversation), _stub(cancelled))
