@@ -11,6 +11,7 @@ import asyncio
 import random
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -458,3 +459,77 @@ def test_a_reply_at_the_hidden_state_bound_stalls_others_briefly(tokenizer):
     # for a slower host. The review's request (4.3 G floats, 1,000x this) is refused above.
     stall = asyncio.run(main())
     assert stall < 0.4, stall
+
+
+def _tops(rng: random.Random, positions: int) -> list[list[tuple[float, int, str]]]:
+    return [[(t[0], t[1], f"t{t[1]}") for t in rand_top(rng, 20)] for _ in range(positions)]
+
+
+class _OneReplyTokenizerManager:
+    """A generation whose one reply (whole, or a stream's only chunk) is made before the request: the
+    largest the entry bound allows, `positions` positions with their top 20, as the prompt's (`echo`:
+    with one output token) or as the answer's."""
+
+    def __init__(self, positions: int, echo: bool):
+        from sglang.test.fake_chat import FakeChatTokenizerManager
+
+        fake = FakeChatTokenizerManager("x")
+        self.tokenizer, self.lora, self.encode = fake.tokenizer, fake.lora, fake.encode
+        self.tokenizer.decode = lambda ids: "a" * len(ids)
+        self.limits = SimpleNamespace(context_len=1 << 20, max_req_input_len=1 << 20, auto_truncate=False)
+        rng = random.Random(3)
+        out = 1 if echo else positions
+        self.meta = {
+            "id": "x", "prompt_tokens": positions if echo else 1, "completion_tokens": out, "cached_tokens": 0,
+            "finish_reason": {"type": "length"},
+            "output_token_logprobs": [(-1.0, 7, "b")] * out, "output_top_logprobs": _tops(rng, out),
+        }  # fmt: skip
+        if echo:
+            self.meta["input_token_logprobs"] = [(None, 5, "a")] + [(-1.0, 5, "a")] * (positions - 1)
+            self.meta["input_top_logprobs"] = [None] + _tops(rng, positions - 1)
+        self.reply = {"text": "b" * out, "output_ids": [7] * out, "meta_info": self.meta}
+
+    async def generate_request(self, obj, request=None):
+        yield self.reply
+
+
+@pytest.mark.parametrize("route", ["chat", "completions-echo", "completions-echo-stream"])
+def test_the_openai_routes_build_a_long_reply_off_the_event_loop(route):
+    """A bystander on the loop beside the OpenAI routes' largest replies (the entry bound's: top 20 over
+    12,482 positions): a chat answer's logprobs, and /v1/completions' echo of a prompt's, whole and as a
+    stream's first chunk. On this 2-core host, built on the loop they stalled the bystander 2-4 s (chat,
+    its pydantic entries) and 0.13 s (echo); off it (tokenizer_output's OFF_LOOP_ENTRIES rule, collector
+    off, the chat entries as plain dicts written by orjson in one piece) 0.03-0.1 s. 0.3 s leaves room
+    for a slower host and fails the chat reply built on the loop or with pydantic entries (0.4-0.8 s of
+    its serializer holding the interpreter lock)."""
+    from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+
+    positions = (DEFAULT_MAX_LOGPROB_ENTRIES - 20) // 21
+    if route == "chat":
+        serving = OpenAIServingChat(_OneReplyTokenizerManager(positions, echo=False), "m")
+        body = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20}
+    else:
+        serving = OpenAIServingCompletion(_OneReplyTokenizerManager(positions, echo=True), "m")
+        body = {"prompt": [5] * positions, "echo": True, "logprobs": 20, "max_tokens": 1,
+                "stream": route.endswith("stream")}  # fmt: skip
+
+    async def read():
+        return orjson.dumps(body)
+
+    request = SimpleNamespace(body=read, url=SimpleNamespace(path="/v1/x"), is_disconnected=None)
+
+    async def main() -> tuple[float, bytes]:
+        async with LoopBystander() as bystander:
+            reply = await serving.handle(request)
+            first = [c async for c in reply.body_iterator][0] if body.get("stream") else reply.body
+        return bystander.worst, first  # (read after: its objects would set off collections on the loop)
+
+    stall, first = asyncio.run(main())
+    reply = orjson.loads(first.removeprefix(b"data: "))
+    logprobs = reply["choices"][0]["logprobs"]
+    if route == "chat":
+        assert len(logprobs["content"]) == positions and len(logprobs["content"][-1]["top_logprobs"]) == 20
+    else:
+        assert len(logprobs["tokens"]) == positions + 1  # (the answer's one token after the prompt's)
+        assert logprobs["token_logprobs"][0] is None and len(logprobs["top_logprobs"][1]) == 20
+    assert stall < 0.3, stall

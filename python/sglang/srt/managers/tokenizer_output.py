@@ -196,7 +196,7 @@ class ReqState:
             await asyncio.to_thread(scan.scan, self.text)
         taken = self._take()
         if taken.entries > OFF_LOOP_ENTRIES:
-            return await asyncio.to_thread(_without_gc, self._build, taken, token_texts)
+            return await asyncio.to_thread(without_gc, self._build, taken, token_texts)
         return self._build(taken, token_texts)
 
     def _take(self) -> _Taken:
@@ -262,7 +262,7 @@ _gc_builds = 0  # large replies being built; the collector is off while there is
 _gc_was_enabled = True
 
 
-def _without_gc(fn: Callable[..., Any], *args: Any) -> Any:
+def without_gc(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args) with Python's cyclic collector off. A large reply adds millions of lists (in no
     cycle: reference counting frees them), and the full collections they set off hold the GIL for a
     long time wherever they run, so the loop stalled anyway; beside the largest reply the bound allows
@@ -280,6 +280,20 @@ def _without_gc(fn: Callable[..., Any], *args: Any) -> Any:
             _gc_builds -= 1
             if _gc_builds == 0 and _gc_was_enabled:
                 gc.enable()
+
+
+def reply_entries(meta: dict[str, Any]) -> int:
+    """About how many values a whole reply's logprob lists hold (what OFF_LOOP_ENTRIES bounds), for a
+    route that builds its own reply from the native one."""
+    return sum(len(v) * _width(v[-1]) for name in LOGPROB_LISTS if (v := meta.get(name)))
+
+
+async def built_off_loop_if_large(entries: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args): on a worker thread with the collector off where `entries` exceed OFF_LOOP_ENTRIES
+    (the rule `ReqState.reply` keeps), else here on the event loop."""
+    if entries > OFF_LOOP_ENTRIES:
+        return await asyncio.to_thread(without_gc, fn, *args)
+    return fn(*args)
 
 
 class _Taken(NamedTuple):

@@ -31,7 +31,6 @@ from sglang.srt.entrypoints.openai.protocol_responses import (  # noqa: F401 - u
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatStreamChoice,
-    ChatTokenLogprob,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
@@ -40,7 +39,6 @@ from sglang.srt.entrypoints.openai.protocol_responses import (  # noqa: F401 - u
     ModelCard,
     ModelList,
     PromptTokensDetails,
-    TopLogprob,
     UsageInfo,
 )
 from sglang.srt.managers.request_validation import RequestError

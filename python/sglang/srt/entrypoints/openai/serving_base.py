@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -34,7 +34,7 @@ from sglang.srt.managers.tokenizer_manager import (
     ServerAbortError,
     TokenizerManager,
 )
-from sglang.srt.managers.tokenizer_output import StreamMerger
+from sglang.srt.managers.tokenizer_output import StreamMerger, built_off_loop_if_large, reply_entries
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,11 @@ class OpenAIServingBase:
         if getattr(req, "stream", False):
             return SSEResponse(sse_stream(self.stream_events(req, obj, first, gen)))
         await gen.aclose()
+        # A reply with many logprobs (a long answer, an echoed prompt) is built off the event loop.
+        entries = sum(reply_entries(out["meta_info"]) for out in as_list(first))
+        return await built_off_loop_if_large(entries, self._json_reply, req, obj, first)
+
+    def _json_reply(self, req: Any, obj: GenerateReqInput, first: Any) -> Response:
         return json_response(self.build_response(req, obj, first))
 
     def tokenizer_needed(self, route: str) -> RequestError:
@@ -254,6 +259,11 @@ class OpenAIServingBase:
             usage=UsageInfo(**usage(outs, req.n)),
         )
 
+    def _chunk_events(
+        self, req: Any, index: int, delta: str, meta: dict, progress: dict, event: Callable[..., bytes]
+    ) -> list[bytes]:
+        return [event([choice]) for choice in self.stream_choices(req, index, delta, meta, progress)]
+
     async def stream_events(
         self, req: Any, obj: GenerateReqInput, first: Any, gen: AsyncIterator[Any]
     ) -> AsyncIterator[bytes]:
@@ -283,10 +293,13 @@ class OpenAIServingBase:
             delta = chunk["text"][sent_text[i] :]
             sent_text[i] = len(chunk["text"])
             meta = merged.setdefault(i, StreamMerger()).merge(chunk["meta_info"])
-            choices = self.stream_choices(req, i, delta, meta, progress)
-            for choice in choices:
-                yield event([choice])
-            if choices:
+            # A chunk with many logprobs (an echoed prompt's, the first chunk) is built off the event loop.
+            events = await built_off_loop_if_large(
+                reply_entries(chunk["meta_info"]), self._chunk_events, req, i, delta, meta, progress, event
+            )
+            for one in events:
+                yield one
+            if events:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since > KEEPALIVE_SECONDS:
                 quiet_since = time.monotonic()

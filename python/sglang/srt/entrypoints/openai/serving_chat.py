@@ -13,10 +13,8 @@ from sglang.srt.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatStreamChoice,
-    ChatTokenLogprob,
     ChoiceLogprobs,
     DeltaMessage,
-    TopLogprob,
 )
 from sglang.srt.entrypoints.openai.serving_base import (
     OpenAIServingBase,
@@ -40,17 +38,11 @@ def chat_logprobs(meta: dict, start: int) -> ChoiceLogprobs:
     content = []
     for k, (logprob, _tid, text) in enumerate(entries):
         top = tops[k] if k < len(tops) and tops[k] else []
+        alternatives = [{"token": t[2], "logprob": t[0], "bytes": list(t[2].encode("utf-8"))} for t in top]
         content.append(
-            ChatTokenLogprob(
-                token=text,
-                logprob=logprob,
-                bytes=list(text.encode("utf-8")),
-                top_logprobs=[
-                    TopLogprob(token=t[2], logprob=t[0], bytes=list(t[2].encode("utf-8"))) for t in top
-                ],
-            )
+            {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": alternatives}
         )
-    return ChoiceLogprobs(content=content)
+    return ChoiceLogprobs.model_construct(content=content)
 
 
 def _template_message(m: Any) -> dict[str, Any]:

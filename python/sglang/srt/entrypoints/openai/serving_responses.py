@@ -48,7 +48,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
-from sglang.srt.managers.tokenizer_output import OFF_LOOP_ENTRIES, StreamMerger, _without_gc
+from sglang.srt.managers.tokenizer_output import StreamMerger, built_off_loop_if_large, reply_entries
 
 logger = logging.getLogger(__name__)
 
@@ -198,10 +198,7 @@ class OpenAIServingResponses:
     ) -> None:
         """A whole output's items, status and usage into `response` (and the store): built off the event
         loop where its logprobs are many, as the native route's long replies are (`tokenizer_output`)."""
-        if len(out["meta_info"].get("output_token_logprobs") or ()) > OFF_LOOP_ENTRIES:
-            await asyncio.to_thread(_without_gc, self._build_output, turn, response, out)
-        else:
-            self._build_output(turn, response, out)
+        await built_off_loop_if_large(reply_entries(out["meta_info"]), self._build_output, turn, response, out)
         self._keep(response, items, conversation)
 
     def _build_output(self, turn: _Turn, response: dict, out: dict) -> None:
@@ -209,7 +206,7 @@ class OpenAIServingResponses:
         m = choice.message
         builder = turn.builder(response)
         if turn.chat_req.logprobs:  # (the choice's own logprobs, every output token's: the message's kept)
-            entries = [e.model_dump(exclude_none=True) for e in choice.logprobs.content]
+            entries = choice.logprobs.content
             builder.tokens_of_content(turn.content_tokens.keep(entries) + turn.content_tokens.finish())
         builder.reasoning(m.reasoning_content or "")
         builder.content(m.content or "")
@@ -374,7 +371,7 @@ class OpenAIServingResponses:
             if turn.chat_req.logprobs:  # (the chat route's choices carry them too; these are per token)
                 entries = chat_logprobs(meta, sent_tokens).content
                 sent_tokens += len(entries)
-                builder.tokens_of_content(turn.content_tokens.keep([e.model_dump(exclude_none=True) for e in entries]))
+                builder.tokens_of_content(turn.content_tokens.keep(entries))
                 if meta.get("finish_reason"):  # (what the end releases goes with this chunk's last delta)
                     builder.tokens_of_content(turn.content_tokens.finish())
             events = []
