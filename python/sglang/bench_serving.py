@@ -153,7 +153,12 @@ def run_benchmark(args: Any) -> dict[str, Any]:
     stats = ServerStats()
     asyncio.run(_warmup(args, spec, rows[0]))
     before = _counters(_server_state(base_url, headers))
+    if args.profile:
+        _profile(base_url, headers, "/start_profile", _profile_body(args))
     outputs, duration = asyncio.run(_run(args, spec, rows, stats))
+    if args.profile:
+        # (a profile with num_steps or by stage may have stopped itself: "not in progress" is no error)
+        _profile(base_url, headers, "/stop_profile", None, done_ok=True)
     after_info = _server_state(base_url, headers)
     after = _counters(after_info)
     stats.prompt_tokens, stats.cached_tokens = after[0] - before[0], after[1] - before[1]
@@ -186,6 +191,28 @@ def run_benchmark(args: Any) -> dict[str, Any]:
         with open(args.output_file, "a") as f:
             f.write(json.dumps(result) + "\n")
     return result
+
+
+def _profile_body(args: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"activities": args.profile_activities}
+    for field, value in (("num_steps", args.profile_num_steps), ("profile_prefix", args.profile_prefix),
+                         ("output_dir", args.profile_output_dir)):  # fmt: skip
+        if value is not None:
+            body[field] = value
+    if args.profile_by_stage:
+        body["profile_by_stage"] = True
+        if args.profile_stages:
+            body["profile_stages"] = args.profile_stages
+    return body
+
+
+def _profile(base_url: str, headers: dict, route: str, body: dict | None, done_ok: bool = False) -> None:
+    """The server's profiler (upstream's --profile): traces land in its SGLANG_TORCH_PROFILER_DIR."""
+    resp = requests.post(base_url + route, json=body or {}, headers=headers, timeout=600)
+    if resp.ok or (done_ok and "not in progress" in resp.text):
+        print(f"{route}: {resp.text.strip()}")
+        return
+    raise BenchError(f"{route} failed ({resp.status_code}): {resp.text.strip()}")
 
 
 def _load_tokenizer(path: str) -> Any:
@@ -257,6 +284,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--flush-cache", action="store_true")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="Seconds one request may take.")
+    p.add_argument("--profile", action="store_true", help="Trace the run with the server's torch profiler.")
+    activities = ["CPU", "GPU", "MEM", "CUDA_PROFILER"]
+    p.add_argument("--profile-activities", nargs="+", default=["CPU", "GPU"], choices=activities)
+    p.add_argument("--profile-num-steps", type=_positive_int("--profile-num-steps"), default=None)
+    p.add_argument("--profile-by-stage", action="store_true")
+    p.add_argument("--profile-stages", nargs="+", default=None, choices=["prefill", "decode"])
+    p.add_argument("--profile-prefix", default=None)
+    p.add_argument("--profile-output-dir", default=None, help="Inside the server's SGLANG_TORCH_PROFILER_DIR")
     return p
 
 

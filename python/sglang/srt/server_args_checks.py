@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from sglang.srt.configs.presets import is_preset
 from sglang.srt.environ import envs
 from sglang.srt.function_call.function_call_parser import PARSERS as TOOL_CALL_PARSERS
+from sglang.srt.managers.profile_request import check_profile_settings
 from sglang.srt.parser.reasoning_parser import FORMATS as REASONING_FORMATS
 from sglang.srt.speculative.draft_layers import (
     DEFAULT_MTP_STEPS,
@@ -122,6 +123,7 @@ def check_basic_flags(args: ServerArgs) -> None:
     _choice("SGLANG_SHAPE_WARMUP", envs.SGLANG_SHAPE_WARMUP.get(), ["auto", "on", "off"])
     try:
         _positive("SGLANG_MEDIA_MEMORY_MB", envs.SGLANG_MEDIA_MEMORY_MB.get())
+        check_profile_settings()
     except ValueError as e:  # not an integer: the registry's sentence names the variable
         raise ServerArgsError(str(e)) from None
     if args.grammar_backend in ("outlines", "llguidance"):

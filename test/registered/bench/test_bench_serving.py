@@ -1,6 +1,6 @@
 """`python -m sglang.bench_serving` against a real server: every backend and dataset completes a few
 requests with the summary's counts right, the JSONL line has the schema a report reads, and bad flags
-stop the run with one sentence (no traceback)."""
+stop the run with one sentence (no traceback); --profile leaves the server's trace."""
 
 from __future__ import annotations
 
@@ -88,6 +88,19 @@ class TestBenchServing(ServerTestCase):
                     self.assertTrue(0 < ttft and ttft + sum(itl) <= latency, (ttft, itl, latency))
                 self.assertGreater(r["mean_itl_ms"], 0)
         self.assert_idle_accounting()
+
+    def test_profile_traces_the_run(self) -> None:
+        """Upstream's --profile: the server's profiler runs through the benchmark (in its
+        SGLANG_TORCH_PROFILER_DIR, /tmp here) and writes one trace."""
+        folder = Path("/tmp") / f"{self.tmp.name}-profile"
+        try:
+            self.bench("--profile", "--profile-output-dir", folder.name, "--profile-prefix", "bench",
+                       "--num-prompts", "2", *SMALL)  # fmt: skip
+            traces = list(folder.glob("bench-*-TP-0.trace.json.gz"))
+            self.assertEqual(len(traces), 1, list(folder.iterdir()))
+            self.assertGreater(traces[0].stat().st_size, 0)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def test_native_ids_give_exact_input_counts(self) -> None:
         r = self.bench("--tokenize-prompt", "--num-prompts", "4", "--seed", "5", *SMALL)

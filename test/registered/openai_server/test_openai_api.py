@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 import threading
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -667,3 +670,24 @@ class TestOpenAIServer(ServerTestCase):
         ids = prompt_ids(12, 9)
         by_ids = self.client.completions.create(model=self.model, prompt=ids, max_tokens=0, echo=True)
         self.assertEqual(by_ids.choices[0].text, self.post("/detokenize", {"tokens": ids}).json()["text"])
+
+    def test_profile_routes(self) -> None:
+        """Upstream's /start_profile and /stop_profile (admin routes: the API key here), a trace of the
+        batches asked for in the server's SGLANG_TORCH_PROFILER_DIR (/tmp), refusals naming the field."""
+        name = f"sglang-test-profile-{uuid.uuid4().hex}"
+        folder = Path("/tmp") / name
+        try:
+            assert requests.post(self.base_url + "/start_profile", json={}, timeout=30).status_code == 401
+            refused = self.post("/start_profile", {"output_dir": "/etc"})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "output_dir"
+            body = {"output_dir": name, "num_steps": 2, "with_stack": False, "profile_id": "e2e"}
+            started = self.post("/start_profile", body)
+            assert started.status_code == 200 and started.text == "Start profiling.\n"
+            again = self.post("/start_profile", {"output_dir": name})
+            assert again.status_code == 400 and "already in progress" in again.text
+            self.post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 4}}).raise_for_status()
+            assert (folder / "e2e-TP-0.trace.json.gz").stat().st_size > 0  # (stopped itself at 2 batches)
+            stop = requests.get(self.base_url + "/stop_profile", headers=self.headers(), timeout=30)
+            assert stop.status_code == 400 and "not in progress" in stop.text
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -120,3 +120,18 @@ def test_lora_adapters_on_two_ranks_match_their_merged_oracles(engine, adapters,
     assert engine.unload_lora_adapter("b")["loaded_adapters"] == {"a": adapters["a"][0]}
     with pytest.raises(ValueError, match="'b', which is not loaded"):
         engine.generate(input_ids=prompts[0], sampling_params=params, lora_path="b")
+
+
+def test_each_rank_writes_its_trace_and_a_stop_answers_for_both(engine, tmp_path):
+    """/start_profile at TP 2: every rank runs the message, traces its own batches and writes its own
+    file (upstream's names, TP-0 and TP-1); the stop's reply comes after both ranks agreed."""
+    from sglang.srt.environ import envs
+
+    with envs.SGLANG_TORCH_PROFILER_DIR.override(str(tmp_path)):
+        assert engine.start_profile(profile_id="tp", with_stack=False).success
+    engine.generate(input_ids=[5, 6, 7, 8] * 4, sampling_params={"max_new_tokens": 4, "temperature": 0})
+    stopped = engine.stop_profile()
+    assert stopped.success, stopped.message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tp-TP-0.trace.json.gz", "tp-TP-1.trace.json.gz"]
+    again = engine.stop_profile()
+    assert not again.success and "not in progress" in again.message

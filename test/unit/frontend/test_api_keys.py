@@ -30,6 +30,8 @@ ADMIN_ROUTES = {
     "/continue_generation",
     "/abort_request",
     "/flush_cache",
+    "/start_profile",
+    "/stop_profile",
     "/update_weight_version",
     "/load_lora_adapter",
     "/unload_lora_adapter",

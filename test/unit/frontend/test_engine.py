@@ -239,7 +239,15 @@ def test_real_scheduler_through_the_engine(tmp_path):
         first_id, first_lp = out["output_ids"][0], out["meta_info"]["output_token_logprobs"][0][0]
         (score,) = eng.score(query=list(range(3, 30)), items=[list(range(30, 40))], label_token_ids=[first_id, 7])
         assert abs(score[0] - math.exp(first_lp)) < 1e-6 and 0 < score[1] < 1
-        # Cache namespaces and hidden states, as upstream's Engine.generate takes them.
+        # Upstream's Engine.start_profile / stop_profile: a trace of the batches run meanwhile.
+        with envs.SGLANG_TORCH_PROFILER_DIR.override(str(tmp_path)):
+            assert eng.start_profile(output_dir="prof", profile_id="eng", with_stack=False).success
+            with pytest.raises(RequestError) as e:
+                eng.start_profile(output_dir="/etc")
+            assert e.value.param == "output_dir"
+        eng.generate(input_ids=list(range(3, 20)), sampling_params=GREEDY)
+        stopped = eng.stop_profile()
+        assert stopped.success and (tmp_path / "prof" / "eng-TP-0.trace.json.gz").stat().st_size > 0, stopped
         prompt = list(range(100, 300))
         outs = [eng.generate(input_ids=prompt, sampling_params=GREEDY, extra_key=key) for key in "aba"]
         cached = [o["meta_info"]["cached_tokens"] for o in outs]

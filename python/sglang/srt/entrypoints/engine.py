@@ -25,11 +25,13 @@ from sglang.srt.lora.lora_registry import parse_load_lora_adapter, parse_unload_
 from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GenerateReqInput,
+    ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
 )
+from sglang.srt.managers.profile_request import parse_profile_request
 from sglang.srt.managers.request_validation import max_samples_per_request
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.managers.weight_update_request import (
@@ -339,6 +341,17 @@ class Engine:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
         obj = parse_memory_occupation({"tags": tags}, ResumeMemoryOccupationReqInput)
         return self._run(self.tokenizer_manager.resume_memory_occupation(obj))
+
+    def start_profile(self, **kwargs: Any) -> ProfileReqOutput:
+        """Upstream's: start the scheduler's torch profiler; `kwargs`: /start_profile's fields
+        (`profile_request.py`; a wrong one raises RequestError naming it)."""
+        args = self.server_args
+        req = parse_profile_request(kwargs, args.device == "cuda", args.tp_size * args.dp_size)
+        return self._run(self.tokenizer_manager.start_profile(req))
+
+    def stop_profile(self) -> ProfileReqOutput:
+        """Stop it once the traces are written (`message` names this rank 0's)."""
+        return self._run(self.tokenizer_manager.stop_profile())
 
     def get_internal_state(self) -> dict[str, Any]:
         return self._run(self.tokenizer_manager.get_internal_state())

@@ -1,5 +1,5 @@
 """The control routes (admin ones, `utils/auth.py`): flush the cache, pause and continue generation,
-abort requests."""
+abort requests, start and stop the profiler."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from sglang.srt.entrypoints.http_context import Server
 from sglang.srt.entrypoints.http_errors import ErrorMappingRoute, json_object, json_response
+from sglang.srt.managers.profile_request import parse_profile_request
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.utils.auth import AuthLevel, auth_level
 
@@ -55,3 +56,27 @@ async def abort_request(request: Request, s: Server) -> Response:
         raise RequestError('Send {"rid": "<request id>"} or {"abort_all": true}.', "rid")
     s.tm.abort_request(rid or "", abort_all)
     return Response(status_code=200)
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+@admin
+async def start_profile(request: Request, s: Server) -> Response:
+    """Upstream's: start the schedulers' torch profiler (the body's fields: `profile_request.py`)."""
+    args = s.server_args
+    req = parse_profile_request(
+        json_object(await request.body()), args.device == "cuda", args.tp_size * args.dp_size
+    )
+    out = await s.tm.start_profile(req)
+    if not out.success:
+        return PlainTextResponse(f"{out.message}\n", 400)
+    return PlainTextResponse("Start profiling.\n")
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+@admin
+async def stop_profile(s: Server) -> Response:
+    """Stop it; the reply comes once the traces are written (upstream replies before)."""
+    out = await s.tm.stop_profile()
+    if not out.success:
+        return PlainTextResponse(f"{out.message}\n", 400)
+    return PlainTextResponse(f"Stop profiling. {out.message}\n")

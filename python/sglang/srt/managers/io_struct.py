@@ -338,6 +338,34 @@ class GetInternalStateReqOutput:
 
 
 @dataclass
+class ProfileReq:
+    """/start_profile (`type` "start") or /stop_profile ("stop"), checked by `profile_request`: the
+    scheduler's torch profiler (`scheduler_profiler.py`). `output_dir` is absolute."""
+
+    type: str = "start"
+    output_dir: str = ""
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: tuple[str, ...] = ("CPU", "GPU")
+    with_stack: bool = True
+    record_shapes: bool = False
+    profile_by_stage: bool = False
+    stages: tuple[str, ...] = ("EXTEND", "DECODE")  # those traced with profile_by_stage
+    profile_id: str = ""
+    profile_prefix: str | None = None
+
+    @property
+    def file_prefix(self) -> str:
+        return f"{self.profile_prefix}-" if self.profile_prefix else ""
+
+
+@dataclass
+class ProfileReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass
 class HealthCheckReq:
     pass
 

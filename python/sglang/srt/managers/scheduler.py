@@ -38,6 +38,7 @@ from sglang.srt.managers.scheduler_components.priority_scheduling import Priorit
 from sglang.srt.managers.scheduler_components.scheduler_io import SchedulerIOMixin
 from sglang.srt.managers.scheduler_components.scheduler_lifecycle import SchedulerLifecycleMixin
 from sglang.srt.managers.scheduler_components.scheduler_lora_mixin import SchedulerLoRAMixin
+from sglang.srt.managers.scheduler_components.scheduler_profiler import SchedulerProfiler
 from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import (
     SchedulerUpdateWeightsMixin,
 )
@@ -111,6 +112,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         self.num_batches = 0
         self.processed_batch_id = 0  # batches are processed in launch order: all up to this one are done
         self.events: list[tuple[str, int]] = []  # ("launch" | "process", batch id), for tests
+        self.profiler: SchedulerProfiler | None = None  # /start_profile's, made by the first (`profile`)
         self.record_events = False
 
         future_size = 8 * self.max_running_requests + 64
@@ -341,6 +343,9 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
     # ---- running batches ---------------------------------------------------------------------------
 
     def launch(self, batch: ScheduleBatch) -> None:
+        if self.profiler is not None and self.profiler.active:
+            mode = batch.forward_mode  # (a speculative verify decodes)
+            self.profiler.before_batch(batch.batch_id, mode.is_decode() or mode.is_target_verify())
         if self.spec is not None:
             self.spec.attach(batch)  # EAGLE / NEXTN: the draft layer runs after every target forward
         item = LaunchedBatch(

@@ -1,6 +1,6 @@
 """The TokenizerManager's weight and memory calls (upstream's RL refit routes), at upstream's module name:
 updates from disk, tensors and a trainer's process group, reads of a parameter, memory release and
-resume, the weight version. Each holds new requests at the TokenizerManager's gates while it needs to,
+resume, the weight version; and the profiler's start and stop. Each holds new requests at the TokenizerManager's gates while it needs to,
 and goes to the scheduler as a control call (`TokenizerManager._control`)."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from sglang.srt.managers.io_struct import (
     InitWeightsUpdateGroupReqOutput,
     LoadLoRAAdapterReqInput,
     LoadLoRAAdapterReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
@@ -139,6 +141,15 @@ class TokenizerCommunicatorMixin:
         obj.lora_id = adapter.lora_id
         out = await self._control(obj, UnloadLoRAAdapterReqOutput, None)
         return out.success, out.error_message, registry.loaded()
+
+    async def start_profile(self, req: ProfileReq) -> ProfileReqOutput:
+        """Start the schedulers' torch profiler (`req` checked by `profile_request`); no time limit."""
+        return await self._control(req, ProfileReqOutput, None)
+
+    async def stop_profile(self) -> ProfileReqOutput:
+        """Stop it: the reply comes once every rank has written its trace (no time limit: a long
+        profile takes a while to write)."""
+        return await self._control(ProfileReq(type="stop"), ProfileReqOutput, None)
 
     async def release_memory_occupation(
         self, obj: ReleaseMemoryOccupationReqInput, request: DisconnectCheck | None = None

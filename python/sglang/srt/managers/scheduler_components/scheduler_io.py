@@ -10,39 +10,30 @@ import os
 import time
 from typing import Any
 
+from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import (
     HEARTBEAT_INTERVAL_S,
     AbortReq,
     BatchTokenizedGenerateReqInput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
-    DestroyWeightsUpdateGroupReqInput,
-    DestroyWeightsUpdateGroupReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
-    GetWeightsByNameReqInput,
-    InitWeightsUpdateGroupReqInput,
-    InitWeightsUpdateGroupReqOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     PortArgs,
-    ReleaseMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqInput,
+    ProfileReq,
+    ProfileReqOutput,
     SchedulerHeartbeat,
     TokenizedGenerateReqInput,
-    UpdateWeightFromDiskReqInput,
-    UpdateWeightFromDiskReqOutput,
-    UpdateWeightsFromDistributedReqInput,
-    UpdateWeightsFromDistributedReqOutput,
-    UpdateWeightsFromTensorReqInput,
 )
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.scheduler_components import priority_scheduling as prio
 from sglang.srt.managers.scheduler_components.loop_times import clock
 from sglang.srt.managers.scheduler_components.request_control import GenerationPause, RequestDeadlines
-from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin import MEMORY_RELEASED
+from sglang.srt.managers.scheduler_components.scheduler_profiler import SchedulerProfiler
 from sglang.srt.managers.scheduler_components.tp_broadcast import Tick, TpBroadcast
 from sglang.srt.sampling.custom_logit_processor import load_processor_agreed
 
@@ -199,34 +190,6 @@ class SchedulerIOMixin:
                 if ok and obj.end_of_warmup:
                     self.reset_counts()
                 self.send_to_tokenizer(FlushCacheReqOutput(ok, msg))
-            elif isinstance(obj, UpdateWeightFromDiskReqInput):
-                # (while memory is released a second model would load into what the trainer holds)
-                released = self.model_runner.memory_occupation.released
-                refused = MEMORY_RELEASED if released else self.weight_update.start(obj)
-                if refused is not None:
-                    self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, refused))
-            elif isinstance(obj, UpdateWeightsFromTensorReqInput):
-                self.update_weights_from_tensor(obj)
-            elif isinstance(obj, InitWeightsUpdateGroupReqInput):
-                tp_rank = self.tp.rank.tp_rank if self.tp is not None else 0  # (upstream: rank_offset + tp_rank)
-                sizes = self.server_args.tp_size, self.server_args.dp_size
-                refused = self.weights_groups.start_init(obj, tp_rank, *sizes)
-                if refused is not None:
-                    self.send_to_tokenizer(InitWeightsUpdateGroupReqOutput(False, refused))
-            elif isinstance(obj, UpdateWeightsFromDistributedReqInput):
-                refused = self.weights_groups.start_receive(obj)
-                if refused is not None:
-                    self.send_to_tokenizer(UpdateWeightsFromDistributedReqOutput(False, refused))
-            elif isinstance(obj, DestroyWeightsUpdateGroupReqInput):
-                refused = self.weights_groups.destroy(obj.group_name)
-                message = refused or f"Left the weight-update group {obj.group_name!r}."
-                self.send_to_tokenizer(DestroyWeightsUpdateGroupReqOutput(refused is None, message))
-            elif isinstance(obj, GetWeightsByNameReqInput):
-                self.get_weights_by_name(obj)
-            elif isinstance(obj, ReleaseMemoryOccupationReqInput):
-                self.release_memory_occupation(obj)
-            elif isinstance(obj, ResumeMemoryOccupationReqInput):
-                self.resume_memory_occupation(obj)
             elif isinstance(obj, GetInternalStateReq):
                 self.send_to_tokenizer(GetInternalStateReqOutput(self.get_internal_state()))
             elif isinstance(obj, PauseGenerationReqInput):
@@ -235,8 +198,21 @@ class SchedulerIOMixin:
             elif isinstance(obj, ContinueGenerationReqInput):
                 self.generation_pause.resume()
                 self.send_to_tokenizer(ContinueGenerationReqOutput())
-            elif not self.process_lora_message(obj):
+            elif isinstance(obj, ProfileReq):
+                self.send_to_tokenizer(self.profile(obj))
+            elif not (self.process_weights_message(obj) or self.process_lora_message(obj)):
                 logger.warning("The scheduler ignores an unknown message %r.", type(obj).__name__)
+
+    def profile(self, req: ProfileReq) -> ProfileReqOutput:
+        """/start_profile and /stop_profile on this rank (every rank runs them: each writes its trace)."""
+        if self.profiler is None:
+            tp_rank = self.tp.rank.tp_rank if self.tp is not None else 0
+            self.profiler = SchedulerProfiler(tp_rank, self.dp_rank, envs.SGLANG_PROFILE_MAX_STEPS.get())
+        out = self.profiler.handle(req, self.num_batches)
+        if self.tp is not None:  # (a rank that could not write says so, whichever rank answers)
+            error = self.tp.agree_outcome(None if out.success else out.message, "the other ranks' traces went on")
+            out = ProfileReqOutput(error is None, error or out.message)
+        return out
 
     # ---- intake and aborts -----------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 
 from sglang.srt.managers.io_struct import (
+    DestroyWeightsUpdateGroupReqInput,
+    DestroyWeightsUpdateGroupReqOutput,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
@@ -18,7 +20,9 @@ from sglang.srt.managers.io_struct import (
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
     ResumeMemoryOccupationReqOutput,
+    UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromDistributedReqOutput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromTensorReqOutput,
@@ -33,6 +37,40 @@ MEMORY_RELEASED = "The weights were not updated: memory is released (/resume_mem
 
 
 class SchedulerUpdateWeightsMixin:
+    def process_weights_message(self, obj: object) -> bool:
+        """Start or answer a weight or memory call; False where `obj` is none."""
+        if isinstance(obj, UpdateWeightFromDiskReqInput):
+            # (while memory is released a second model would load into what the trainer holds)
+            released = self.model_runner.memory_occupation.released
+            refused = MEMORY_RELEASED if released else self.weight_update.start(obj)
+            if refused is not None:
+                self.send_to_tokenizer(UpdateWeightFromDiskReqOutput(False, refused))
+        elif isinstance(obj, UpdateWeightsFromTensorReqInput):
+            self.update_weights_from_tensor(obj)
+        elif isinstance(obj, InitWeightsUpdateGroupReqInput):
+            tp_rank = self.tp.rank.tp_rank if self.tp is not None else 0  # (upstream: rank_offset + tp_rank)
+            sizes = self.server_args.tp_size, self.server_args.dp_size
+            refused = self.weights_groups.start_init(obj, tp_rank, *sizes)
+            if refused is not None:
+                self.send_to_tokenizer(InitWeightsUpdateGroupReqOutput(False, refused))
+        elif isinstance(obj, UpdateWeightsFromDistributedReqInput):
+            refused = self.weights_groups.start_receive(obj)
+            if refused is not None:
+                self.send_to_tokenizer(UpdateWeightsFromDistributedReqOutput(False, refused))
+        elif isinstance(obj, DestroyWeightsUpdateGroupReqInput):
+            refused = self.weights_groups.destroy(obj.group_name)
+            message = refused or f"Left the weight-update group {obj.group_name!r}."
+            self.send_to_tokenizer(DestroyWeightsUpdateGroupReqOutput(refused is None, message))
+        elif isinstance(obj, GetWeightsByNameReqInput):
+            self.get_weights_by_name(obj)
+        elif isinstance(obj, ReleaseMemoryOccupationReqInput):
+            self.release_memory_occupation(obj)
+        elif isinstance(obj, ResumeMemoryOccupationReqInput):
+            self.resume_memory_occupation(obj)
+        else:
+            return False
+        return True
+
     def finish_weight_update(self) -> None:
         """Swap in the model a /update_weights_from_disk loaded (`WeightUpdate`), once it has, between
         two steps; then empty the prefix cache, whose KV and states the old weights computed (unless
