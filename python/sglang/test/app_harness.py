@@ -62,10 +62,11 @@ async def asgi_request(
     headers: Headers = (),
     reads: list | None = None,
 ) -> tuple[int, bytes]:
-    """The status and body of the app's reply to `method path` with a JSON content type, `headers` after
-    it and `body` in one message; `reads` (when given) collects each message the app receives."""
+    """The status and body of the app's reply to `method path` (a query after `?`) with a JSON content
+    type, `headers` after it and `body` in one message; `reads` (when given) collects each message the app receives."""
+    path, _, query = path.partition("?")
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
              "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
              "server": ("127.0.0.1", 80)}  # fmt: skip
     sent = []

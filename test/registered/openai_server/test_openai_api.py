@@ -691,3 +691,14 @@ class TestOpenAIServer(ServerTestCase):
             assert stop.status_code == 400 and "not in progress" in stop.text
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def test_load_routes(self) -> None:
+        """Upstream's /get_load (what sglang-router's load-aware policies poll) and /v1/loads on the real
+        server: one replica, idle between tests (nothing running or waiting)."""
+        (load,) = self.get("/get_load").json()
+        assert load["dp_rank"] == 0 and load["num_reqs"] == 0 and load["num_tokens"] == 0, load
+        report = self.get("/v1/loads?include=all").json()
+        (core,) = report["loads"]
+        assert report["dp_rank_count"] == 1 and core["num_total_tokens"] > 0 and "memory" in core
+        text = self.get("/v1/loads?format=prometheus").text
+        assert 'sglang_num_total_tokens{dp_rank="0"}' in text

@@ -1,5 +1,5 @@
-"""SGLang's native routes: health, model and server info, /generate, and /metrics (`metrics_router`,
-with --enable-metrics). Errors are raised and answered by `http_errors`."""
+"""SGLang's native routes: health, model and server info, the loads (`server_loads`), /generate, and
+/metrics (`metrics_router`, with --enable-metrics). Errors are raised and answered by `http_errors`."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from sglang.srt.entrypoints.engine import build_server_info
 from sglang.srt.entrypoints.generate_body import parse_generate_body
 from sglang.srt.entrypoints.http_context import Server
 from sglang.srt.entrypoints.http_errors import ErrorMappingRoute, json_response
 from sglang.srt.entrypoints.openai.serving_base import SSEResponse, sse, sse_stream, start_generation
+from sglang.srt.entrypoints.server_loads import legacy_loads, v1_loads, v1_loads_body, v1_loads_prometheus
 from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,28 @@ async def get_model_info(s: Server) -> Response:
 async def get_server_info(s: Server) -> Response:
     state = await s.tm.get_internal_state()
     return json_response(build_server_info(s.server_args, s.model_info, state, s.tm))
+
+
+@router.get("/get_load")
+async def get_load(s: Server) -> Response:
+    """Upstream's (sglang-router's load-aware policies poll it): one load per data-parallel replica."""
+    return json_response(legacy_loads(await s.tm.get_internal_state()))
+
+
+@router.get("/v1/loads")
+async def get_loads(request: Request, s: Server) -> Response:
+    """Upstream's load report: `?dp_rank=N`, `?include=core,memory,queues,disagg|all`, `?format=prometheus`."""
+    query = request.query_params
+    dp_rank, fmt = query.get("dp_rank"), query.get("format", "json")
+    if dp_rank is not None and not dp_rank.isdigit():
+        raise RequestError(f"dp_rank must be a replica's number, got {dp_rank!r}.", "dp_rank")
+    if fmt not in ("json", "prometheus"):
+        raise RequestError(f"format must be json or prometheus, got {fmt!r}.", "format")
+    state = await s.tm.get_internal_state()
+    loads, aggregate = v1_loads(state, None if dp_rank is None else int(dp_rank), query.get("include"))
+    if fmt == "prometheus":
+        return PlainTextResponse(v1_loads_prometheus(loads), media_type="text/plain; version=0.0.4")
+    return json_response(v1_loads_body(loads, aggregate))
 
 
 @router.api_route("/generate", methods=["POST", "PUT"])

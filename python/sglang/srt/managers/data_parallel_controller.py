@@ -91,7 +91,7 @@ def merge_replies(replies: list[Any]) -> Any:
     if isinstance(first, GetInternalStateReqOutput):
         state = dict(first.internal_state)
         states = [r.internal_state for r in replies]
-        for key in ("num_running_reqs", "num_waiting_reqs", "num_grammar_queue_reqs"):
+        for key in ("num_running_reqs", "num_waiting_reqs", "num_waiting_tokens", "num_grammar_queue_reqs"):
             state[key] = sum(s.get(key, 0) for s in states)
         counters = first.internal_state.get("counters", {})
         state["counters"] = {k: sum(s["counters"].get(k, 0) for s in states) for k in counters}

@@ -330,6 +330,7 @@ class SchedulerIOMixin:
         return {
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
             "num_waiting_reqs": len(self.waiting_queue),
+            "num_waiting_tokens": sum(len(r.origin_input_ids) for r in self.waiting_queue),
             "num_grammar_queue_reqs": len(self.grammar_queue),
             "mamba_scheduler_strategy": self.server_args.mamba_scheduler_strategy,
             "mamba_strategy_reason": self.server_args.mamba_strategy_reason,
