@@ -702,3 +702,10 @@ class TestOpenAIServer(ServerTestCase):
         assert report["dp_rank_count"] == 1 and core["num_total_tokens"] > 0 and "memory" in core
         text = self.get("/v1/loads?format=prometheus").text
         assert 'sglang_num_total_tokens{dp_rank="0"}' in text
+
+    def test_freeze_gc(self) -> None:
+        """Upstream's /freeze_gc (an admin route: the API key here) answers, and the server serves on."""
+        reply = self.post("/freeze_gc")
+        assert reply.status_code == 200 and reply.text == "Garbage collection frozen.\n", reply.text
+        out = self.generate(text="Hi", sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+        assert len(out["output_ids"]) == 3

@@ -32,6 +32,7 @@ ADMIN_ROUTES = {
     "/flush_cache",
     "/start_profile",
     "/stop_profile",
+    "/freeze_gc",
     "/update_weight_version",
     "/load_lora_adapter",
     "/unload_lora_adapter",

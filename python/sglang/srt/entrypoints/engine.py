@@ -342,6 +342,10 @@ class Engine:
         obj = parse_memory_occupation({"tags": tags}, ResumeMemoryOccupationReqInput)
         return self._run(self.tokenizer_manager.resume_memory_occupation(obj))
 
+    def freeze_gc(self) -> None:
+        """Upstream's: after a warm-up, freeze the collector in every process (`TokenizerManager.freeze_gc`)."""
+        self._run(self.tokenizer_manager.freeze_gc())
+
     def start_profile(self, **kwargs: Any) -> ProfileReqOutput:
         """Upstream's: start the scheduler's torch profiler; `kwargs`: /start_profile's fields
         (`profile_request.py`; a wrong one raises RequestError naming it)."""

@@ -1,5 +1,5 @@
 """The control routes (admin ones, `utils/auth.py`): flush the cache, pause and continue generation,
-abort requests, start and stop the profiler."""
+abort requests, start and stop the profiler, freeze the collector."""
 
 from __future__ import annotations
 
@@ -80,3 +80,11 @@ async def stop_profile(s: Server) -> Response:
     if not out.success:
         return PlainTextResponse(f"{out.message}\n", 400)
     return PlainTextResponse(f"Stop profiling. {out.message}\n")
+
+
+@router.api_route("/freeze_gc", methods=["GET", "POST"])
+@admin
+async def freeze_gc(s: Server) -> Response:
+    """Upstream's (after a warm-up): `TokenizerManager.freeze_gc`."""
+    await s.tm.freeze_gc()
+    return PlainTextResponse("Garbage collection frozen.\n")

@@ -10,13 +10,14 @@ with its final message.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from typing import Any
 
 import zmq
 
-from sglang.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, PortArgs
+from sglang.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, FreezeGCReq, PortArgs
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -139,5 +140,7 @@ def run_detokenizer_process(server_args: Any, port_args: PortArgs, pipe_writer: 
         msg = recv.recv_pyobj()
         if isinstance(msg, BatchTokenIDOut):
             send.send_pyobj(manager.handle_batch_token_id_out(msg))
+        elif isinstance(msg, FreezeGCReq):
+            gc.freeze()
         else:
             logger.warning("Detokenizer ignores an unexpected message %s", type(msg).__name__)

@@ -366,6 +366,17 @@ class ProfileReqOutput:
 
 
 @dataclass
+class FreezeGCReq:
+    """/freeze_gc: every process moves what it holds now out of the cyclic collector's reach."""
+
+
+@dataclass
+class FreezeGCReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass
 class HealthCheckReq:
     pass
 

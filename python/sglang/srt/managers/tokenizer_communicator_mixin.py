@@ -1,15 +1,18 @@
 """The TokenizerManager's weight and memory calls (upstream's RL refit routes), at upstream's module name:
 updates from disk, tensors and a trainer's process group, reads of a parameter, memory release and
-resume, the weight version; and the profiler's start and stop. Each holds new requests at the TokenizerManager's gates while it needs to,
+resume, the weight version; the profiler's start and stop, and /freeze_gc. Each holds new requests at the TokenizerManager's gates while it needs to,
 and goes to the scheduler as a control call (`TokenizerManager._control`)."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Protocol
 
 from sglang.srt.managers.io_struct import (
     DestroyWeightsUpdateGroupReqInput,
     DestroyWeightsUpdateGroupReqOutput,
+    FreezeGCReq,
+    FreezeGCReqOutput,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
@@ -141,6 +144,13 @@ class TokenizerCommunicatorMixin:
         obj.lora_id = adapter.lora_id
         out = await self._control(obj, UnloadLoRAAdapterReqOutput, None)
         return out.success, out.error_message, registry.loaded()
+
+    async def freeze_gc(self) -> FreezeGCReqOutput:
+        """Upstream's: after a warm-up, every process (this one, the schedulers, the detokenizer) moves
+        the objects it holds out of the cyclic collector's reach, so that its full collections, which
+        stall a process while they walk every object, walk only what is made later."""
+        gc.freeze()
+        return await self._control(FreezeGCReq(), FreezeGCReqOutput, CONTROL_TIMEOUT_S)
 
     async def start_profile(self, req: ProfileReq) -> ProfileReqOutput:
         """Start the schedulers' torch profiler (`req` checked by `profile_request`); no time limit."""

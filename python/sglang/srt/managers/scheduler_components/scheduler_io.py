@@ -5,6 +5,7 @@ process entry `run_scheduler_process` lives there."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -19,6 +20,8 @@ from sglang.srt.managers.io_struct import (
     ContinueGenerationReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
+    FreezeGCReq,
+    FreezeGCReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     PauseGenerationReqInput,
@@ -198,6 +201,10 @@ class SchedulerIOMixin:
             elif isinstance(obj, ContinueGenerationReqInput):
                 self.generation_pause.resume()
                 self.send_to_tokenizer(ContinueGenerationReqOutput())
+            elif isinstance(obj, FreezeGCReq):
+                gc.freeze()
+                self.send_to_detokenizer(obj)  # (which has no other way in)
+                self.send_to_tokenizer(FreezeGCReqOutput(True, f"{gc.get_freeze_count()} objects frozen."))
             elif isinstance(obj, ProfileReq):
                 self.send_to_tokenizer(self.profile(obj))
             elif not (self.process_weights_message(obj) or self.process_lora_message(obj)):
