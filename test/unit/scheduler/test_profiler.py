@@ -15,7 +15,6 @@ import threading
 
 import pytest
 
-from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import ProfileReq
 from sglang.srt.managers.profile_request import parse_profile_request
 from sglang.srt.managers.request_validation import RequestError
@@ -45,9 +44,14 @@ def harness(request, monkeypatch):
     h.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def profiler_root(tmp_path, monkeypatch):
+    """Every test's SGLANG_TORCH_PROFILER_DIR (read by the request's check and again at write time)."""
+    monkeypatch.setenv("SGLANG_TORCH_PROFILER_DIR", str(tmp_path))
+
+
 def _start(h: SchedulerHarness, tmp_path, **body) -> ProfileReq:
-    with envs.SGLANG_TORCH_PROFILER_DIR.override(str(tmp_path)):
-        req = parse_profile_request(body, cuda=False, ranks=1)
+    req = parse_profile_request(body, cuda=False, ranks=1)
     reply = h.control_reply(req)
     assert reply.success, reply.message
     return req
@@ -92,12 +96,17 @@ def test_start_step_waits_for_its_batch_and_by_stage_writes_a_trace_per_stage(tm
         h.generate(token_ids(16, seed=4), max_new_tokens=8)
         assert (tmp_path / "later-TP-0.trace.json.gz").exists() and not h.sched.profiler.active
 
-        _start(h, tmp_path, profile_id="st", profile_by_stage=True, num_steps=2, with_stack=False)
-        h.generate(token_ids(16, seed=5), max_new_tokens=6)
-        h.generate(token_ids(16, seed=6), max_new_tokens=1)  # (a prefill after: the profile finishes)
+        # By stage, 3 of each: three short requests one after the other (prefill, 3 decodes each), so
+        # each stage's trace spans the other stage's batches, which do not count (they cut it before).
+        written = []
+        write = h.sched.profiler._write
+        h.sched.profiler._write = lambda: (written.append((h.sched.profiler.stage, h.sched.profiler.steps)), write())[1]
+        _start(h, tmp_path, profile_id="st", profile_by_stage=True, num_steps=3, with_stack=False)
+        for seed in (5, 6, 7):
+            h.generate(token_ids(16, seed=seed), max_new_tokens=4)
+        assert written == [("EXTEND", 3), ("DECODE", 3)] and not h.sched.profiler.active, written
         names = sorted(os.listdir(tmp_path))
         assert "st-TP-0-EXTEND.trace.json.gz" in names and "st-TP-0-DECODE.trace.json.gz" in names, names
-        assert not h.sched.profiler.active
     finally:
         h.shutdown()
 
@@ -132,20 +141,19 @@ def test_a_profile_nobody_stops_ends_at_the_step_bound(tmp_path, monkeypatch):
         ({"with_stack": "yes"}, "with_stack"),
         ({"profile_by_stage": True}, "num_steps"),
         ({"profile_stages": ["decode"]}, "profile_stages"),
+        ({"profile_by_stage": True, "num_steps": 2, "profile_stages": [["decode"]]}, "profile_stages"),
         ({"merge_profiles": True, "__ranks": 2}, "merge_profiles"),
         ({"num_step": 3}, "num_step"),
     ],
 )
-def test_a_bad_body_is_refused_naming_its_field(tmp_path, monkeypatch, body, field):
-    monkeypatch.setenv("SGLANG_TORCH_PROFILER_DIR", str(tmp_path))
+def test_a_bad_body_is_refused_naming_its_field(body, field):
     ranks = body.pop("__ranks", 1)
     with pytest.raises(RequestError) as e:
         parse_profile_request(body, cuda=False, ranks=ranks)
     assert e.value.param == field, e.value.message
 
 
-def test_the_defaults_and_a_folder_inside_the_root(tmp_path, monkeypatch):
-    monkeypatch.setenv("SGLANG_TORCH_PROFILER_DIR", str(tmp_path))
+def test_the_defaults_and_a_folder_inside_the_root(tmp_path):
     req = parse_profile_request(None, cuda=False, ranks=1)
     assert req.output_dir == os.path.realpath(tmp_path) and req.activities == ("CPU", "GPU")
     assert req.with_stack and not req.record_shapes and req.num_steps is None and req.profile_id
@@ -157,3 +165,74 @@ def test_the_defaults_and_a_folder_inside_the_root(tmp_path, monkeypatch):
     assert parse_profile_request({"activities": ["MEM", "CUDA_PROFILER"]}, cuda=True, ranks=1).activities == (
         "MEM", "CUDA_PROFILER",
     )  # fmt: skip
+
+
+def _linear_ops(path) -> int:
+    return sum(e["name"] == "aten::linear" for e in _ops(str(path)))
+
+
+def test_num_steps_traces_whole_batches_on_the_forward_thread_and_an_idle_server_writes_it(tmp_path, monkeypatch):
+    """num_steps 2: the trace holds two whole batches whichever thread runs them (the stop waits for
+    the batch in flight: on the forward thread it was cut, 18-22 linear ops where inline has 36); and
+    a profile whose last batch ran is written when the server goes idle, not at the next batch."""
+    counts = {}
+    for mode in ("inline", "forward-thread"):
+        if mode == "forward-thread":
+            monkeypatch.setenv("SGLANG_CPU_FORWARD_THREAD", "1")
+        h = SchedulerHarness()
+        try:
+            _start(h, tmp_path, profile_id=mode, num_steps=2, with_stack=False)
+            h.generate(token_ids(16, seed=8), max_new_tokens=6)
+            counts[mode] = _linear_ops(tmp_path / f"{mode}-TP-0.trace.json.gz")
+            _start(h, tmp_path, profile_id=f"{mode}-idle", num_steps=3, with_stack=False)
+            h.generate(token_ids(16, seed=9), max_new_tokens=3)  # (3 batches, then idle)
+            assert (tmp_path / f"{mode}-idle-TP-0.trace.json.gz").exists() and not h.sched.profiler.active
+        finally:
+            h.shutdown()
+    assert counts["inline"] > 0 and counts["forward-thread"] == counts["inline"], counts
+
+
+def test_a_failed_write_stops_the_profiler_and_the_next_profile_works(tmp_path):
+    """An output_dir that names a file: the stop says why nothing was written, torch's profiler is
+    off (it is stopped before anything is written, so no failure after leaves it tracing), and the
+    next profile works."""
+    import torch
+
+    h = SchedulerHarness(disable_overlap_schedule=True)
+    try:
+        (tmp_path / "afile").write_text("x")
+        _start(h, tmp_path, output_dir="afile", profile_id="f", with_stack=False)
+        h.generate(token_ids(16, seed=10), max_new_tokens=2)
+        stop = h.control_reply(ProfileReq(type="stop"))
+        assert not stop.success and "not written" in stop.message and not torch._C._autograd._profiler_enabled()
+        _start(h, tmp_path, profile_id="g", with_stack=False)
+        h.generate(token_ids(16, seed=11), max_new_tokens=2)
+        assert h.control_reply(ProfileReq(type="stop")).success and (tmp_path / "g-TP-0.trace.json.gz").exists()
+    finally:
+        h.shutdown()
+
+
+def test_a_symlink_never_takes_a_trace_outside_the_root(tmp_path):
+    """A trace's name that is a symlink to a file outside is replaced, not written through; a folder
+    swapped for a symlink to outside after the start is refused at the write."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    (outside / "victim.txt").write_text("keep")
+    (root / "x-TP-0.trace.json.gz").symlink_to(outside / "victim.txt")
+    os.environ["SGLANG_TORCH_PROFILER_DIR"] = str(root)  # (monkeypatch restores it after the test)
+    h = SchedulerHarness(disable_overlap_schedule=True)
+    try:
+        _start(h, root, profile_id="x", with_stack=False)
+        h.generate(token_ids(16, seed=12), max_new_tokens=2)
+        assert h.control_reply(ProfileReq(type="stop")).success
+        trace = root / "x-TP-0.trace.json.gz"
+        assert (outside / "victim.txt").read_text() == "keep" and not trace.is_symlink() and _ops(str(trace))
+        (root / "run").mkdir()
+        _start(h, root, output_dir="run", profile_id="y", with_stack=False)
+        (root / "run").rmdir()
+        (root / "run").symlink_to(outside)
+        h.generate(token_ids(16, seed=13), max_new_tokens=2)
+        stop = h.control_reply(ProfileReq(type="stop"))
+        assert not stop.success and "outside" in stop.message and sorted(os.listdir(outside)) == ["victim.txt"]
+    finally:
+        h.shutdown()

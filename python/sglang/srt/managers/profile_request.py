@@ -154,7 +154,7 @@ def parse_profile_request(data: Any, cuda: bool, ranks: int) -> ProfileReq:
             not req.profile_by_stage
             or not isinstance(stages, list)
             or not stages
-            or not set(stages) <= {"prefill", "decode"}
+            or not all(isinstance(x, str) and x in ("prefill", "decode") for x in stages)
         ):
             raise RequestError(
                 "profile_stages must name prefill, decode or both, with profile_by_stage.", "profile_stages"

@@ -214,12 +214,19 @@ class SchedulerIOMixin:
         """/start_profile and /stop_profile on this rank (every rank runs them: each writes its trace)."""
         if self.profiler is None:
             tp_rank = self.tp.rank.tp_rank if self.tp is not None else 0
-            self.profiler = SchedulerProfiler(tp_rank, self.dp_rank, envs.SGLANG_PROFILE_MAX_STEPS.get())
+            max_steps = envs.SGLANG_PROFILE_MAX_STEPS.get()
+            self.profiler = SchedulerProfiler(tp_rank, self.dp_rank, max_steps, self._wait_in_flight)
         out = self.profiler.handle(req, self.num_batches)
-        if self.tp is not None:  # (a rank that could not write says so, whichever rank answers)
-            error = self.tp.agree_outcome(None if out.success else out.message, "the other ranks' traces went on")
+        if self.tp is not None:  # (a rank that could not start or write says so, whichever rank answers)
+            error = self.tp.agree_outcome(None if out.success else out.message, "none of them profiles")
+            if error is not None and out.success and req.type == "start":
+                self.profiler.abandon()  # (the ranks stay alike: a retry starts on every rank)
             out = ProfileReqOutput(error is None, error or out.message)
         return out
+
+    def _wait_in_flight(self) -> None:
+        for _, fut in self.in_flight:
+            fut.result().wait()
 
     # ---- intake and aborts -----------------------------------------------------------------------
 
@@ -338,6 +345,7 @@ class SchedulerIOMixin:
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
             "num_waiting_reqs": len(self.waiting_queue),
             "num_waiting_tokens": sum(len(r.origin_input_ids) for r in self.waiting_queue),
+            "num_batches": self.num_batches,  # (the count /start_profile's start_step names)
             "num_grammar_queue_reqs": len(self.grammar_queue),
             "mamba_scheduler_strategy": self.server_args.mamba_scheduler_strategy,
             "mamba_strategy_reason": self.server_args.mamba_strategy_reason,

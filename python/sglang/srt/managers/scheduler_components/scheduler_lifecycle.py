@@ -131,6 +131,8 @@ class SchedulerLifecycleMixin:
     def on_idle(self) -> None:
         """Check the pools once per idle period (nothing changes while idle): by counts in production,
         the full walk with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE (on in the test suite)."""
+        if self.profiler is not None and self.profiler.active:
+            self.profiler.on_idle()  # (a profile whose batches have all run is written now)
         if self.idle_checked:
             return
         self.idle_checked = True
