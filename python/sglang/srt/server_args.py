@@ -85,6 +85,8 @@ class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs, LoRAArgs):  # (fields 
     enable_metrics: bool = False
     log_level: str = "info"
     log_requests: bool = False
+    log_requests_level: int = 2  # upstream's 0-3 (`managers/request_log.py`)
+    log_requests_format: str = "text"  # or "json"
     # Upstream's "Decode batch." log line every this many decode batches (`batch_stats_log.py`).
     decode_log_interval: int = 40
     skip_server_warmup: bool = False

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.configs.presets import is_preset
 from sglang.srt.environ import envs
@@ -120,6 +120,8 @@ def check_basic_flags(args: ServerArgs) -> None:
     if args.tool_call_parser is not None:
         _choice("--tool-call-parser", args.tool_call_parser, ["auto", *sorted(TOOL_CALL_PARSERS)])
     _choice("--grammar-backend", args.grammar_backend, GRAMMAR_BACKEND_CHOICES)
+    _choice("--log-requests-level", args.log_requests_level, [0, 1, 2, 3])
+    _choice("--log-requests-format", args.log_requests_format, ["text", "json"])
     _choice("SGLANG_SHAPE_WARMUP", envs.SGLANG_SHAPE_WARMUP.get(), ["auto", "on", "off"])
     try:
         _positive("SGLANG_MEDIA_MEMORY_MB", envs.SGLANG_MEDIA_MEMORY_MB.get())
@@ -415,9 +417,9 @@ def _is_loopback(host: str) -> bool:
         return False  # a host name, which may resolve to any interface
 
 
-def _choice(flag: str, value: str, choices: list[str]) -> None:
+def _choice(flag: str, value: Any, choices: list[Any]) -> None:
     if value not in choices:
-        raise ServerArgsError(f"{flag} must be one of {', '.join(choices)}, got {value!r}.")
+        raise ServerArgsError(f"{flag} must be one of {', '.join(map(str, choices))}, got {value!r}.")
 
 
 def _positive(flag: str, value: int) -> None:

@@ -102,7 +102,18 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
     g.add_argument("--enable-metrics", action="store_true")
     # Any case, as upstream (it looks the name up upper-cased).
     g.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
-    g.add_argument("--log-requests", action="store_true")
+    g.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="Log each request when it arrives and when it ends (and HTTP access lines); see --log-requests-level.",
+    )
+    g.add_argument(
+        "--log-requests-level",
+        type=int,
+        default=default("log_requests_level"),
+        help="0: metadata; 1: and sampling parameters; 2: and the first 2,048 characters of input and output; 3: all.",
+    )
+    g.add_argument("--log-requests-format", default=default("log_requests_format"), choices=["text", "json"])
     g.add_argument(
         "--decode-log-interval",
         type=int,

@@ -207,7 +207,7 @@ REFUSED: dict[str, str] = {
         --enable-tokenizer-batch-encode --disable-tokenizer-batch-decode --config=
     """,
     "observability": """
-        --log-level-http= --log-requests-level= --log-requests-format= --log-requests-target+
+        --log-level-http= --log-requests-target+
         --uvicorn-access-log-exclude-prefixes+ --crash-dump-folder= --show-time-cost --enable-mfu-metrics
         --enable-metrics-for-all-schedulers --load-snapshot-publish-interval= --tokenizer-metrics-custom-labels-header=
         --tokenizer-metrics-allowed-custom-labels+ --extra-metric-labels= --prompt-tokens-buckets+

@@ -10,7 +10,9 @@
 - `--allow-auto-truncate`: a prompt over the limit (token ids, text, chat) keeps its first tokens;
 - `--abort-on-priority-when-disabled` (no priority scheduling here): a request naming a priority gets 503;
 - `--max-queued-requests 1` with `--max-running-requests 1`: a request beyond the one waiting gets 503
-  "The request queue is full.", the others are served, and nothing is left held.
+  "The request queue is full.", the others are served, and nothing is left held;
+- `--log-requests --log-requests-level 1 --log-requests-format json`: a JSON line when a request arrives
+  (its sampling parameters, not its text) and one when it finishes.
 
 The start-time refusals (one sentence naming the flag) are in test/unit/foundation/test_server_args_frontend.py.
 """
@@ -47,6 +49,7 @@ class TestFrontendFlags(ServerTestCase):
         "--max-running-requests", "1", "--max-queued-requests", "1", "--abort-on-priority-when-disabled",
         "--allow-auto-truncate", "--context-length", "512",  # (the long prompts below: ~510 tokens)
         "--ssl-keyfile", "WORKDIR/key.pem", "--ssl-certfile", "WORKDIR/cert.pem",
+        "--log-requests", "--log-requests-level", "1", "--log-requests-format", "json",
     ]  # fmt: skip
 
     @classmethod
@@ -174,3 +177,14 @@ class TestFrontendFlags(ServerTestCase):
             self.assertEqual(r.json()["choices"][0]["text"], self.post("/detokenize", {
                 "tokens": (ids[:limit] if prompt is ids else self.post("/tokenize", {"prompt": text}).json()["tokens"][:limit]),
                 "skip_special_tokens": False}).json()["text"])  # fmt: skip
+
+    def test_the_request_log_has_a_json_line_at_arrival_and_at_finish(self):
+        body = {"text": "A secret prompt", "rid": "logged-1", "sampling_params": {"max_new_tokens": 3, "temperature": 0.5}}
+        self.assertEqual(self.post("/generate", body).status_code, 200)
+        lines = [line[line.index("{"):] for line in self.server.log_text().splitlines() if '"logged-1"' in line]
+        events = {e["event"]: e for e in map(json.loads, lines)}
+        received, finished = events["request.received"], events["request.finished"]
+        self.assertEqual(received["sampling_params"]["temperature"], 0.5)
+        self.assertNotIn("text", received)  # (level 1: no input or output)
+        self.assertEqual((finished["completion_tokens"], finished["finish_reason"]["type"]), (3, "length"))
+        self.assertNotIn("secret", self.server.log_text())

@@ -37,6 +37,7 @@ from sglang.srt.entrypoints.openai.serving_score import OpenAIServingScore
 from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
 from sglang.srt.entrypoints.server_warmup import needs_shape_warmup, run_server_warmup, warmup_prompt_lengths
 from sglang.srt.environ import envs
+from sglang.srt.managers.request_log import observers
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.metrics.collector import MetricsCollector
 from sglang.srt.metrics.scheduler_collector import STARTUP_PHASES
@@ -91,7 +92,7 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
             model_name, server_args.bucket_time_to_first_token, server_args.bucket_inter_token_latency,
             server_args.bucket_e2e_request_latency,
         )  # fmt: skip
-    tm.observer = metrics
+    tm.observer = observers(server_args, metrics)
     sampling_defaults = {}
     if server_args.sampling_defaults == "model":
         sampling_defaults = model_sampling_defaults(server_args.model_config.path)

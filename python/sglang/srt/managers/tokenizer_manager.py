@@ -46,6 +46,7 @@ from sglang.srt.managers.io_struct import (
     PortArgs,
     SchedulerHeartbeat,
 )
+from sglang.srt.managers.request_log import observers
 from sglang.srt.managers.request_validation import (
     TEXT_WITHOUT_TOKENIZER,
     NormalizedRequest,
@@ -150,9 +151,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         self._memory_resumed.set()
         self._memory_lock = asyncio.Lock()
         self.rid_to_state: dict[str, ReqState] = {}
-        # Optional observer (the metrics collector): on_first_token, on_tokens (those after the first
-        # message's), on_finish, and on_abort for a request whose caller went away before it finished.
-        self.observer: Any = None
+        # `request_log.Observers` (metrics, --log-requests): the requests' arrival, tokens, finish, abort.
+        self.observer: Any = observers(server_args)
         self._token_text: dict[int, str] = {}
         self._control_waiters: dict[type, asyncio.Future] = {}
         self._weight_update_lock = asyncio.Lock()
@@ -279,6 +279,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
                 state = ReqState(item, time.time(), yield_event, obj.log_metrics)
                 self.rid_to_state[item.req.rid] = state
                 states.append(state)
+            if self.observer is not None and obj.log_metrics:
+                self.observer.on_arrival(states)
             # A batch goes in one message, so the scheduler admits it together.
             reqs = [item.req for item in items]
             self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs))
@@ -392,12 +394,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
                 continue
             first = state.apply(out, i)
             if self.observer is not None and state.log_metrics:
-                if first:
-                    self.observer.on_first_token(state)
-                elif out.output_ids[i]:
-                    self.observer.on_tokens(state, len(out.output_ids[i]))
-                if state.finished:
-                    self.observer.on_finish(state)
+                self.observer.on_message(state, first, len(out.output_ids[i]))
             state.event.set()
 
     # ---- control -----------------------------------------------------------------------------------
