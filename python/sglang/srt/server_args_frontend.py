@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sglang.srt.metrics.token_buckets import token_buckets
 from sglang.srt.server_args_checks import ServerArgsError
 
 if TYPE_CHECKING:
@@ -47,6 +48,12 @@ class FrontendArgs:
     bucket_time_to_first_token: list[float] | None = None
     bucket_inter_token_latency: list[float] | None = None
     bucket_e2e_request_latency: list[float] | None = None
+    # The token histograms' bucket rules (`metrics/token_buckets.py`); None: upstream's default.
+    prompt_tokens_buckets: list[str] | None = None
+    generation_tokens_buckets: list[str] | None = None
+    collect_tokens_histogram: bool = False  # (upstream's deprecated switch: they are always collected)
+    # Log a garbage collection that took longer than this (seconds) in every process; 0: off.
+    gc_warning_threshold_secs: float = 0.0
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
@@ -117,6 +124,20 @@ def add_frontend_cli_args(parser: argparse.ArgumentParser) -> None:
             metavar="SECONDS",
             help=f"The bucket bounds of /metrics' {what} histogram (--enable-metrics), ascending.",
         )
+    for flag in ("prompt", "generation"):
+        g.add_argument(
+            f"--{flag}-tokens-buckets",
+            nargs="+",
+            default=None,
+            help=f"The buckets of /metrics' {flag} tokens histogram: default, tse MIDDLE BASE COUNT, or custom B1 B2 ...",
+        )
+    g.add_argument("--collect-tokens-histogram", action="store_true")
+    g.add_argument(
+        "--gc-warning-threshold-secs",
+        type=float,
+        default=0.0,
+        help="Log a garbage collection longer than this many seconds, in every process (0: off).",
+    )
     g.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this private key (PEM).")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM).")
     g.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM), as uvicorn's ssl_ca_certs.")
@@ -171,6 +192,13 @@ def check_frontend_flags(args: ServerArgs) -> None:
         if bounds is not None and (not bounds or any(not b > 0 for b in bounds) or sorted(set(bounds)) != list(bounds)):
             flag = "--bucket-" + name.replace("_", "-")
             raise ServerArgsError(f"{flag} takes positive bounds in ascending order, each once; got {bounds}.")
+    for flag in ("prompt", "generation"):
+        try:
+            token_buckets(getattr(args, f"{flag}_tokens_buckets"), f"--{flag}-tokens-buckets")
+        except ValueError as e:
+            raise ServerArgsError(str(e)) from None
+    if not args.gc_warning_threshold_secs >= 0:
+        raise ServerArgsError(f"--gc-warning-threshold-secs must be 0 or more, got {args.gc_warning_threshold_secs}.")
     if args.response_store_max_mb < 1:
         raise ServerArgsError(f"--response-store-max-mb must be at least 1, got {args.response_store_max_mb}.")
     if args.enable_response_store and args.disaggregation_mode != "null":

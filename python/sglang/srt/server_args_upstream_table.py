@@ -210,13 +210,13 @@ REFUSED: dict[str, str] = {
         --log-level-http= --log-requests-target+
         --uvicorn-access-log-exclude-prefixes+ --crash-dump-folder= --show-time-cost --enable-mfu-metrics
         --enable-metrics-for-all-schedulers --load-snapshot-publish-interval= --tokenizer-metrics-custom-labels-header=
-        --tokenizer-metrics-allowed-custom-labels+ --extra-metric-labels= --prompt-tokens-buckets+
-        --generation-tokens-buckets+ --gc-warning-threshold-secs= --enable-request-time-stats-logging
+        --tokenizer-metrics-allowed-custom-labels+ --extra-metric-labels=
+        --enable-request-time-stats-logging
         --kv-events-config= --load-publish-endpoint= --enable-forward-pass-metrics --forward-pass-metrics-worker-id=
         --forward-pass-metrics-ipc-name= --enable-trace --trace-modules= --otlp-traces-endpoint= --otlp-service-name=
         --export-metrics-to-file --export-metrics-to-file-dir= --kv-canary= --kv-canary-sweep-interval=
         --kv-canary-real-data= --debug-tensor-dump-output-folder= --debug-tensor-dump-layers+
-        --debug-tensor-dump-input-file= --forward-hooks= --enable-layerwise-nvtx-marker --collect-tokens-histogram
+        --debug-tensor-dump-input-file= --forward-hooks= --enable-layerwise-nvtx-marker
     """,
     "pd": """
         --disaggregation-decode-allocation-policy= --disaggregation-enable-kv-checksum

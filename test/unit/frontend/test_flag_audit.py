@@ -39,6 +39,7 @@ NO_EFFECT = {
     "enable_torch_compile": True,
     "torch_compile_max_bs": 16,
     "constrained_json_whitespace_pattern": r"[\n\t ]*",
+    "collect_tokens_histogram": True,
     "speculative_ngram_min_bfs_breadth": 2,
     "speculative_ngram_max_bfs_breadth": 4,
 }

@@ -41,6 +41,7 @@ from sglang.srt.managers.request_log import observers
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.metrics.collector import MetricsCollector
 from sglang.srt.metrics.scheduler_collector import STARTUP_PHASES
+from sglang.srt.metrics.token_buckets import token_buckets
 from sglang.srt.sampling.model_defaults import model_sampling_defaults
 from sglang.srt.utils.auth import ApiKeyCheck
 
@@ -91,6 +92,8 @@ def create_app(server_args: Any, tm: TokenizerManager, model_info: dict[str, Any
         metrics = MetricsCollector(
             model_name, server_args.bucket_time_to_first_token, server_args.bucket_inter_token_latency,
             server_args.bucket_e2e_request_latency,
+            token_buckets(server_args.prompt_tokens_buckets, "--prompt-tokens-buckets"),
+            token_buckets(server_args.generation_tokens_buckets, "--generation-tokens-buckets"),
         )  # fmt: skip
     tm.observer = observers(server_args, metrics)
     sampling_defaults = {}

@@ -61,6 +61,8 @@ NO_EFFECT_FLAGS = {
     "torch_compile_max_bs": "torch.compile is not used (see --enable-torch-compile)",
     "constrained_json_whitespace_pattern": "upstream reads it for the outlines grammar backend only; "
     "xgrammar's JSON whitespace is set by --constrained-json-disable-any-whitespace",
+    "collect_tokens_histogram": "the token histograms are always collected with --enable-metrics (as "
+    "upstream's since it deprecated this flag); --prompt-tokens-buckets and --generation-tokens-buckets set them",
     "speculative_ngram_min_bfs_breadth": "NGRAM drafts are one chain (breadth 1): the most recent "
     "continuation of the longest matching suffix",
     "speculative_ngram_max_bfs_breadth": "NGRAM drafts are one chain (breadth 1): the most recent "

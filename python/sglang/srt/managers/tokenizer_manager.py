@@ -70,6 +70,7 @@ from sglang.srt.multimodal.media_io import MediaPolicy, MediaReader, RequestRead
 from sglang.srt.multimodal.media_pool import MediaCancelled, MediaJob
 from sglang.srt.multimodal.processor import ImageInputProcessor, attach_media, per_prompt
 from sglang.srt.server_args_frontend import read_chat_template
+from sglang.srt.utils.gc_watch import watch_gc
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         self.rid_to_state: dict[str, ReqState] = {}
         # `request_log.Observers` (metrics, --log-requests): the requests' arrival, tokens, finish, abort.
         self.observer: Any = observers(server_args)
+        watch_gc(server_args.gc_warning_threshold_secs)  # (this process's; the children's: `configure_subprocess`)
         self._token_text: dict[int, str] = {}
         self._control_waiters: dict[type, asyncio.Future] = {}
         self._weight_update_lock = asyncio.Lock()

@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sglang.srt.metrics.scheduler_collector import SchedulerStateCollector
+from sglang.srt.metrics.token_buckets import DEFAULT_TOKEN_BUCKETS
 
 # This server's buckets for time to first token and request latency (since before upstream's names
 # were adopted): they start at 10 ms, where upstream's start at 0.1 s, below which small models' times
@@ -51,9 +52,12 @@ class MetricsCollector:
         ttft_buckets: Sequence[float] | None = None,
         itl_buckets: Sequence[float] | None = None,
         e2e_buckets: Sequence[float] | None = None,
+        prompt_token_buckets: Sequence[float] = DEFAULT_TOKEN_BUCKETS,
+        generation_token_buckets: Sequence[float] = DEFAULT_TOKEN_BUCKETS,
     ):
         """The buckets: --bucket-time-to-first-token, --bucket-inter-token-latency and
-        --bucket-e2e-request-latency (None: this module's defaults)."""
+        --bucket-e2e-request-latency (None: this module's defaults); --prompt-tokens-buckets and
+        --generation-tokens-buckets' (`token_buckets.py`)."""
         disable_created_metrics()
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -113,6 +117,18 @@ class MetricsCollector:
             "Histogram of end-to-end request latency in seconds.",
             tuple(e2e_buckets or LATENCY_BUCKETS),
         )
+        # Upstream's token histograms (a request's prompt, the part of it the cache did not hold, its output).
+        self.prompt_tokens_histogram = histogram(
+            "sglang:prompt_tokens_histogram", "Histogram of prompt token length.", tuple(prompt_token_buckets)
+        )
+        self.uncached_prompt_tokens_histogram = histogram(
+            "sglang:uncached_prompt_tokens_histogram",
+            "Histogram of uncached (compute) prompt token length.",
+            tuple(prompt_token_buckets),
+        )
+        self.generation_tokens_histogram = histogram(
+            "sglang:generation_tokens_histogram", "Histogram of generation token length.", tuple(generation_token_buckets)
+        )
         self.scheduler = SchedulerStateCollector(model_name)
         self.registry.register(self.scheduler)
         self.registry.register(_ProcessCpu(self.scheduler))
@@ -145,6 +161,9 @@ class MetricsCollector:
         self.generation_tokens.inc(state.completion_tokens)
         self.cached_tokens.inc(state.cached_tokens)
         self.e2e.observe(state.finish_time - state.created_time)
+        self.prompt_tokens_histogram.observe(state.prompt_tokens)
+        self.uncached_prompt_tokens_histogram.observe(state.prompt_tokens - state.cached_tokens)
+        self.generation_tokens_histogram.observe(state.completion_tokens)
 
     # ---- HTTP (RequestGuard's HttpObserver) --------------------------------------------------------
 

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from sglang.srt.utils.gc_watch import watch_gc
+
 LOG_FORMAT = "[%(asctime)s %(name)s] %(levelname)s %(message)s"
 
 
@@ -27,9 +29,10 @@ def configure_logging(log_level: str, prefix: str = "") -> None:
 
 
 def apply_gc_threshold(server_args) -> None:
-    """--gc-threshold: the process's `gc.set_threshold` (None: Python's)."""
+    """--gc-threshold: the process's `gc.set_threshold` (None: Python's); --gc-warning-threshold-secs."""
     if server_args.gc_threshold:
         gc.set_threshold(*server_args.gc_threshold)
+    watch_gc(server_args.gc_warning_threshold_secs)
 
 
 def configure_subprocess(server_args, name: str) -> None:
