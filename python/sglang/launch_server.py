@@ -94,7 +94,7 @@ def _serve(server_args: ServerArgs, sock: socket.socket, tokenizer: Any, launche
     from sglang.srt.entrypoints.http_server import create_app
     from sglang.srt.environ import envs
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
-    from sglang.srt.server_args_frontend import uvicorn_ssl
+    from sglang.srt.server_args_frontend import filter_access_log, uvicorn_ssl
 
     class Server(uvicorn.Server):
         backend_error: str | None = None
@@ -137,6 +137,7 @@ def _serve(server_args: ServerArgs, sock: socket.socket, tokenizer: Any, launche
             http=timed_h11_protocol(envs.SGLANG_HTTP_READ_TIMEOUT.get()),
             **uvicorn_ssl(server_args),  # --ssl-keyfile / --ssl-certfile (server_args_frontend)
         )
+        filter_access_log(server_args)
         server = Server(config)
         server.run(sockets=[sock])
     finally:

@@ -54,6 +54,8 @@ class FrontendArgs:
     collect_tokens_histogram: bool = False  # (upstream's deprecated switch: they are always collected)
     # Log a garbage collection that took longer than this (seconds) in every process; 0: off.
     gc_warning_threshold_secs: float = 0.0
+    # With --log-requests: uvicorn's access lines of paths with these prefixes are left out.
+    uvicorn_access_log_exclude_prefixes: list[str] = field(default_factory=list)
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
@@ -137,6 +139,12 @@ def add_frontend_cli_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="Log a garbage collection longer than this many seconds, in every process (0: off).",
+    )
+    g.add_argument(
+        "--uvicorn-access-log-exclude-prefixes",
+        nargs="*",
+        default=[],
+        help="Leave out of the access log (--log-requests) the requests whose path starts with one of these.",
     )
     g.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this private key (PEM).")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM).")
@@ -248,3 +256,23 @@ def uvicorn_ssl(args: ServerArgs) -> dict[str, Any]:
         return {}
     return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
             "ssl_ca_certs": args.ssl_ca_certs, "ssl_keyfile_password": args.ssl_keyfile_password}  # fmt: skip
+
+
+class _AccessPathFilter(logging.Filter):
+    """Drops uvicorn's access lines of paths with one of `prefixes` (its record's args: client, method,
+    path, HTTP version, status)."""
+
+    def __init__(self, prefixes: list[str]):
+        super().__init__()
+        self.prefixes = tuple(prefixes)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) >= 3 else ""
+        return not (isinstance(path, str) and path.startswith(self.prefixes))
+
+
+def filter_access_log(args: ServerArgs) -> None:
+    """--uvicorn-access-log-exclude-prefixes (after uvicorn configured its loggers)."""
+    if args.uvicorn_access_log_exclude_prefixes:
+        logging.getLogger("uvicorn.access").addFilter(_AccessPathFilter(args.uvicorn_access_log_exclude_prefixes))

@@ -208,7 +208,7 @@ REFUSED: dict[str, str] = {
     """,
     "observability": """
         --log-level-http= --log-requests-target+
-        --uvicorn-access-log-exclude-prefixes+ --crash-dump-folder= --show-time-cost --enable-mfu-metrics
+        --crash-dump-folder= --show-time-cost --enable-mfu-metrics
         --enable-metrics-for-all-schedulers --load-snapshot-publish-interval= --tokenizer-metrics-custom-labels-header=
         --tokenizer-metrics-allowed-custom-labels+ --extra-metric-labels=
         --enable-request-time-stats-logging

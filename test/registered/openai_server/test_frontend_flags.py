@@ -12,7 +12,8 @@
 - `--max-queued-requests 1` with `--max-running-requests 1`: a request beyond the one waiting gets 503
   "The request queue is full.", the others are served, and nothing is left held;
 - `--log-requests --log-requests-level 1 --log-requests-format json`: a JSON line when a request arrives
-  (its sampling parameters, not its text) and one when it finishes.
+  (its sampling parameters, not its text) and one when it finishes;
+- `--uvicorn-access-log-exclude-prefixes /health /get_model`: no access line for those paths.
 
 The start-time refusals (one sentence naming the flag) are in test/unit/foundation/test_server_args_frontend.py.
 """
@@ -50,6 +51,7 @@ class TestFrontendFlags(ServerTestCase):
         "--allow-auto-truncate", "--context-length", "512",  # (the long prompts below: ~510 tokens)
         "--ssl-keyfile", "WORKDIR/key.pem", "--ssl-certfile", "WORKDIR/cert.pem",
         "--log-requests", "--log-requests-level", "1", "--log-requests-format", "json",
+        "--uvicorn-access-log-exclude-prefixes", "/health", "/get_model",
     ]  # fmt: skip
 
     @classmethod
@@ -188,3 +190,11 @@ class TestFrontendFlags(ServerTestCase):
         self.assertNotIn("text", received)  # (level 1: no input or output)
         self.assertEqual((finished["completion_tokens"], finished["finish_reason"]["type"]), (3, "length"))
         self.assertNotIn("secret", self.server.log_text())
+
+    def test_the_access_log_leaves_out_the_excluded_paths(self):
+        for path in ("/health", "/get_model_info", "/v1/models"):
+            self.assertEqual(self.get(path).status_code, 200)
+        log = self.server.log_text()
+        self.assertIn('"GET /v1/models HTTP/1.1" 200', log)
+        self.assertNotIn("GET /health", log)
+        self.assertNotIn("GET /get_model_info", log)
