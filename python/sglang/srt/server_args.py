@@ -113,6 +113,9 @@ class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs, LoRAArgs):  # (fields 
     enable_return_hidden_states: bool = False
     # Requests may ask for the experts their positions were routed to (model_executor/routed_experts.py).
     enable_return_routed_experts: bool = False
+    # Upstream's expert distribution recorder (model_executor/expert_distribution.py): "stat" or "stat_approx".
+    expert_distribution_recorder_mode: str | None = None
+    expert_distribution_recorder_buffer_size: int | None = None  # steps kept (None: 1,000; -1: one sum)
     # Requests may carry a custom logit processor (sampling/custom_logit_processor.py): its code runs here.
     enable_custom_logit_processor: bool = False
     # Unsigned ones (no SGLANG_LOGIT_PROCESSOR_SECRET) from beyond this machine: refused at start unless set.

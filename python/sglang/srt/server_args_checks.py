@@ -138,6 +138,16 @@ def check_basic_flags(args: ServerArgs) -> None:
             "--enable-return-routed-experts is not supported with --enable-hierarchical-cache or "
             "--disaggregation-mode (a position's routing stays with its KV slot on this server's device)."
         )
+    if args.expert_distribution_recorder_mode in ("per_pass", "per_token"):
+        raise ServerArgsError(
+            f"--expert-distribution-recorder-mode {args.expert_distribution_recorder_mode} is not built here: "
+            "use stat (each forward's tokens per layer and expert), or return_routed_experts for each token's experts."
+        )
+    if args.expert_distribution_recorder_mode is not None:
+        _choice("--expert-distribution-recorder-mode", args.expert_distribution_recorder_mode, ["stat", "stat_approx"])
+    size = args.expert_distribution_recorder_buffer_size
+    if size is not None and (size == 0 or size < -1):
+        raise ServerArgsError(f"--expert-distribution-recorder-buffer-size must be -1 or at least 1, got {size}.")
     if not 0 < args.port < 65536:
         raise ServerArgsError(f"--port must be between 1 and 65535, got {args.port}.")
     if args.admin_api_key and args.admin_api_key == args.api_key:

@@ -201,6 +201,18 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
         "upstream's format, for RL routing replay); off, such a request is a 400.",
     )
     g.add_argument(
+        "--expert-distribution-recorder-mode",
+        default=None,
+        help="stat (or stat_approx, the same here): /start_expert_distribution_record and "
+        "/dump_expert_distribution_record record and write each MoE layer's tokens per expert, per forward.",
+    )
+    g.add_argument(
+        "--expert-distribution-recorder-buffer-size",
+        type=int,
+        default=None,
+        help="The forwards the expert distribution keeps (default 1000); -1: every one, summed.",
+    )
+    g.add_argument(
         "--enable-custom-logit-processor",
         action="store_true",
         help="Let requests carry a custom logit processor (custom_logit_processor, made by "

@@ -85,8 +85,8 @@ REFUSED: dict[str, str] = {
         --deepep-mode= --deepep-dispatcher-output-dtype= --flashinfer-a2a-dispatch-type=
         --ep-num-redundant-experts= --ep-dispatch-algorithm= --init-expert-location= --enable-eplb
         --eplb-algorithm= --eplb-rebalance-num-iterations= --eplb-rebalance-layers-per-chunk=
-        --eplb-min-rebalancing-utilization-threshold= --expert-distribution-recorder-mode=
-        --expert-distribution-recorder-buffer-size= --expert-balancedness-report-mode= --deepep-config=
+        --eplb-min-rebalancing-utilization-threshold=
+        --expert-balancedness-report-mode= --deepep-config=
         --elastic-ep-backend= --enable-elastic-expert-backup --mooncake-ib-device= --enable-waterfill
         --elastic-ep-join-mode= --elastic-ep-scale-timeout= --elastic-ep-join-rank-offset=
         --elastic-ep-initial-size= --max-ep-size= --disable-shared-experts-fusion --enforce-shared-experts-fusion

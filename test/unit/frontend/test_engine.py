@@ -14,6 +14,7 @@ import types
 
 import numpy as np
 import pytest
+import torch
 
 import sglang
 from sglang.srt.configs.presets import resolve_model_path
@@ -222,10 +223,12 @@ def test_a_control_call_fails_at_once_when_the_scheduler_is_gone():
 
 def test_real_scheduler_through_the_engine(tmp_path):
     # Also under SGLANG_CPROFILE_DIR: the scheduler process writes its profile when the engine stops it.
-    with envs.SGLANG_CPROFILE_DIR.override(str(tmp_path)):
+    with envs.SGLANG_CPROFILE_DIR.override(str(tmp_path)), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path / "experts"))
         eng = sglang.Engine(
-            model_path="tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer_lazy", enable_return_routed_experts=True
-        )
+            model_path="tiny-qwen3-next", mamba_scheduler_strategy="extra_buffer_lazy", enable_return_routed_experts=True,
+            expert_distribution_recorder_mode="stat",
+        )  # fmt: skip
     with eng:
         out = eng.generate(input_ids=list(range(3, 40)), sampling_params=GREEDY, return_logprob=True)
         assert out["meta_info"]["completion_tokens"] == 6 and "routed_experts" not in out["meta_info"]
@@ -239,6 +242,13 @@ def test_real_scheduler_through_the_engine(tmp_path):
         first_id, first_lp = out["output_ids"][0], out["meta_info"]["output_token_logprobs"][0][0]
         (score,) = eng.score(query=list(range(3, 30)), items=[list(range(30, 40))], label_token_ids=[first_id, 7])
         assert abs(score[0] - math.exp(first_lp)) < 1e-6 and 0 < score[1] < 1
+        # Upstream's expert distribution recorder: the routers' picks of the forwards run meanwhile.
+        assert eng.start_expert_distribution_record().success
+        eng.generate(input_ids=list(range(3, 20)), sampling_params=GREEDY)
+        assert eng.stop_expert_distribution_record().success
+        dumped = eng.dump_expert_distribution_record()
+        count = torch.load(dumped.message, weights_only=True)["logical_count"]
+        assert str(tmp_path / "experts") in dumped.message and count.sum().item() == (17 + 5) * 2 * 4  # (k 2, 4 layers)
         # Upstream's Engine.start_profile / stop_profile: a trace of the batches run meanwhile.
         with envs.SGLANG_TORCH_PROFILER_DIR.override(str(tmp_path)):
             assert eng.start_profile(output_dir="prof", profile_id="eng", with_stack=False).success

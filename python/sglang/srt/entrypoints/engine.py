@@ -23,6 +23,7 @@ from typing import Any
 from sglang.srt.entrypoints.process_launcher import SchedulerEntry, ServerStartupError, launch_subprocesses
 from sglang.srt.lora.lora_registry import parse_load_lora_adapter, parse_unload_lora_adapter
 from sglang.srt.managers.io_struct import (
+    ExpertDistributionReqOutput,
     FlushCacheReqOutput,
     GenerateReqInput,
     ProfileReqOutput,
@@ -341,6 +342,17 @@ class Engine:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
         obj = parse_memory_occupation({"tags": tags}, ResumeMemoryOccupationReqInput)
         return self._run(self.tokenizer_manager.resume_memory_occupation(obj))
+
+    def start_expert_distribution_record(self) -> ExpertDistributionReqOutput:
+        """Upstream's (--expert-distribution-recorder-mode): clear the record and record."""
+        return self._run(self.tokenizer_manager.expert_distribution("start"))
+
+    def stop_expert_distribution_record(self) -> ExpertDistributionReqOutput:
+        return self._run(self.tokenizer_manager.expert_distribution("stop"))
+
+    def dump_expert_distribution_record(self) -> ExpertDistributionReqOutput:
+        """Write the record (`message`: the file) and clear it."""
+        return self._run(self.tokenizer_manager.expert_distribution("dump"))
 
     def freeze_gc(self) -> None:
         """Upstream's: after a warm-up, freeze the collector in every process (`TokenizerManager.freeze_gc`)."""

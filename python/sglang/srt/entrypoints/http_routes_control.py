@@ -1,5 +1,5 @@
 """The control routes (admin ones, `utils/auth.py`): flush the cache, pause and continue generation,
-abort requests, start and stop the profiler, freeze the collector."""
+abort requests, start and stop the profiler and the expert distribution recorder, freeze the collector."""
 
 from __future__ import annotations
 
@@ -88,3 +88,37 @@ async def freeze_gc(s: Server) -> Response:
     """Upstream's (after a warm-up): `TokenizerManager.freeze_gc`."""
     await s.tm.freeze_gc()
     return PlainTextResponse("Garbage collection frozen.\n")
+
+
+EXPERT_DISTRIBUTION_REPLIES = {
+    "start": "Start recording the expert distribution.\n",
+    "stop": "Stop recording the expert distribution.\n",
+    "dump": "Dump expert distribution record.\n",
+}
+
+
+async def _expert_distribution(s: Server, action: str) -> Response:
+    out = await s.tm.expert_distribution(action)
+    if not out.success:
+        return PlainTextResponse(f"{out.message}\n", 400)
+    return PlainTextResponse(EXPERT_DISTRIBUTION_REPLIES[action])
+
+
+@router.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+@admin
+async def start_expert_distribution_record(s: Server) -> Response:
+    """Upstream's (--expert-distribution-recorder-mode): clear the record and record."""
+    return await _expert_distribution(s, "start")
+
+
+@router.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+@admin
+async def stop_expert_distribution_record(s: Server) -> Response:
+    return await _expert_distribution(s, "stop")
+
+
+@router.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+@admin
+async def dump_expert_distribution_record(s: Server) -> Response:
+    """Write the record to SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR and clear it."""
+    return await _expert_distribution(s, "dump")

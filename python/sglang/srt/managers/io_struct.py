@@ -377,6 +377,19 @@ class FreezeGCReqOutput:
 
 
 @dataclass
+class ExpertDistributionReq:
+    """/start_expert_distribution_record ("start"), /stop_... ("stop") or /dump_... ("dump")."""
+
+    action: str
+
+
+@dataclass
+class ExpertDistributionReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass
 class HealthCheckReq:
     pass
 

@@ -1,6 +1,6 @@
 """The TokenizerManager's weight and memory calls (upstream's RL refit routes), at upstream's module name:
 updates from disk, tensors and a trainer's process group, reads of a parameter, memory release and
-resume, the weight version; the profiler's start and stop, and /freeze_gc. Each holds new requests at the TokenizerManager's gates while it needs to,
+resume, the weight version; the profiler's start and stop, the expert distribution recorder, and /freeze_gc. Each holds new requests at the TokenizerManager's gates while it needs to,
 and goes to the scheduler as a control call (`TokenizerManager._control`)."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from typing import Any, Protocol
 from sglang.srt.managers.io_struct import (
     DestroyWeightsUpdateGroupReqInput,
     DestroyWeightsUpdateGroupReqOutput,
+    ExpertDistributionReq,
+    ExpertDistributionReqOutput,
     FreezeGCReq,
     FreezeGCReqOutput,
     GetWeightsByNameReqInput,
@@ -151,6 +153,10 @@ class TokenizerCommunicatorMixin:
         stall a process while they walk every object, walk only what is made later."""
         gc.freeze()
         return await self._control(FreezeGCReq(), FreezeGCReqOutput, CONTROL_TIMEOUT_S)
+
+    async def expert_distribution(self, action: str) -> ExpertDistributionReqOutput:
+        """The expert distribution recorder's "start", "stop" or "dump" (a dump's message: its file)."""
+        return await self._control(ExpertDistributionReq(action), ExpertDistributionReqOutput, CONTROL_TIMEOUT_S)
 
     async def start_profile(self, req: ProfileReq) -> ProfileReqOutput:
         """Start the schedulers' torch profiler (`req` checked by `profile_request`); no time limit."""

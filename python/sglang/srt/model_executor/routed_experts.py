@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from sglang.srt.model_executor.expert_distribution import ExpertDistribution
+
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
@@ -42,12 +44,15 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class RoutedExpertsCapture:
     def __init__(self, num_layers: int, top_k: int, kv_slots: int, device: str, rows: int = 256):
         """`rows`: at least the tokens of the largest CUDA-graph batch (graphs write into this buffer at
-        the address they were captured with); larger eager forwards use a second buffer, grown as needed."""
+        the address they were captured with); larger eager forwards use a second buffer, grown as needed.
+        `kv_slots` 0: no host table (only the expert distribution reads the routing)."""
         self.num_layers, self.top_k = num_layers, top_k
         self.device = device
         self.rows = self._zeros(rows)
         self.big: torch.Tensor | None = None
-        self.by_slot = torch.zeros(kv_slots, num_layers, top_k, dtype=torch.int32)
+        self.by_slot = torch.zeros(kv_slots, num_layers, top_k, dtype=torch.int32) if kv_slots else None
+        # --expert-distribution-recorder-mode: the counts each forward's routing adds to, while recording.
+        self.distribution: ExpertDistribution | None = None
 
     def _zeros(self, rows: int) -> torch.Tensor:
         return torch.zeros(rows, self.num_layers, self.top_k, dtype=torch.int32, device=self.device)
@@ -62,7 +67,8 @@ class RoutedExpertsCapture:
 
     @classmethod
     def create(cls, server_args: Any, model: nn.Module, kv_slots: int, device: str) -> RoutedExpertsCapture | None:
-        if not server_args.enable_return_routed_experts:
+        returned, recorded = server_args.enable_return_routed_experts, server_args.expert_distribution_recorder_mode
+        if not returned and recorded is None:
             return None
         from sglang.srt.server_args_checks import ServerArgsError
 
@@ -71,14 +77,17 @@ class RoutedExpertsCapture:
         layers = getattr(hf, "num_hidden_layers", None)
         graph_bs = max(server_args.cuda_graph_bs or [server_args.cuda_graph_max_bs or 0])
         rows = max(256, graph_bs * max(1, server_args.speculative_num_draft_tokens or 1))
-        capture = cls(layers, top_k, kv_slots, device, rows) if top_k and layers else None
+        capture = cls(layers, top_k, kv_slots if returned else 0, device, rows) if top_k and layers else None
         if capture is None or not capture.attach(model):
-            raise ServerArgsError(
-                "--enable-return-routed-experts needs a mixture-of-experts checkpoint; this one has no "
-                "routed experts."
-            )
-        table = capture.by_slot.numel() * capture.by_slot.element_size()
-        logger.info("Routed experts: %.1f MiB of host memory (%d KV slots).", table / 2**20, kv_slots)
+            flag = "--enable-return-routed-experts" if returned else "--expert-distribution-recorder-mode"
+            raise ServerArgsError(f"{flag} needs a mixture-of-experts checkpoint; this one has no routed experts.")
+        if recorded is not None:
+            size = server_args.expert_distribution_recorder_buffer_size or 1000
+            capture.distribution = ExpertDistribution(layers, capture.num_experts, size, device)
+            capture.distribution.moe_layers = torch.tensor(sorted(capture.moe_layers), device=device)
+        if capture.by_slot is not None:
+            table = capture.by_slot.numel() * capture.by_slot.element_size()
+            logger.info("Routed experts: %.1f MiB of host memory (%d KV slots).", table / 2**20, kv_slots)
         return capture
 
     def attach(self, model: nn.Module) -> int:
@@ -88,13 +97,15 @@ class RoutedExpertsCapture:
         from sglang.srt.lora.lora_manager import drop_decode_blocks
 
         drop_decode_blocks(model)  # (the CPU decode blocks route past `RoutedExperts.forward`)
-        count = 0
+        self.moe_layers: set[int] = set()
+        self.num_experts = 0
         for name, module in model.named_modules():
             match = _LAYER.search(name)
             if isinstance(module, RoutedExperts) and match and not name.startswith("mtp"):
                 module.routing_capture, module.routing_layer = self, int(match.group(1))
-                count += 1
-        return count
+                self.moe_layers.add(module.routing_layer)
+                self.num_experts = max(self.num_experts, module.global_num_experts)
+        return len(self.moe_layers)
 
     def record(self, layer: int, ids: torch.Tensor) -> None:
         """Layer `layer`'s top-k ids [T, k] of this forward's rows."""
@@ -102,10 +113,14 @@ class RoutedExpertsCapture:
         self._buffer(tokens)[:tokens, layer].copy_(ids)
 
     def commit(self, fb: ForwardBatch) -> None:
-        """The forward's rows to the host table at their KV slots (after the layers ran)."""
-        loc = fb.out_cache_loc.to("cpu")
-        tokens = loc.shape[0]
-        self.by_slot[loc] = self._buffer(tokens)[:tokens].to("cpu")
+        """The forward's rows to the host table at their KV slots (after the layers ran), and to the
+        expert distribution while it records."""
+        tokens = fb.out_cache_loc.shape[0]
+        rows = self._buffer(tokens)[:tokens]
+        if self.distribution is not None:
+            self.distribution.add(rows)
+        if self.by_slot is not None:
+            self.by_slot[fb.out_cache_loc.to("cpu")] = rows.to("cpu")
 
     def rows_of(self, slots: list[int]) -> torch.Tensor:
         """The rows of KV slots `slots` (a request's positions in order): a copy [n, layers, k], which

@@ -11,13 +11,13 @@ import os
 import time
 from typing import Any
 
-from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import (
     HEARTBEAT_INTERVAL_S,
     AbortReq,
     BatchTokenizedGenerateReqInput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
+    ExpertDistributionReq,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     FreezeGCReq,
@@ -28,7 +28,6 @@ from sglang.srt.managers.io_struct import (
     PauseGenerationReqOutput,
     PortArgs,
     ProfileReq,
-    ProfileReqOutput,
     SchedulerHeartbeat,
     TokenizedGenerateReqInput,
 )
@@ -36,7 +35,7 @@ from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.scheduler_components import priority_scheduling as prio
 from sglang.srt.managers.scheduler_components.loop_times import clock
 from sglang.srt.managers.scheduler_components.request_control import GenerationPause, RequestDeadlines
-from sglang.srt.managers.scheduler_components.scheduler_profiler import SchedulerProfiler
+from sglang.srt.managers.scheduler_components.scheduler_profiler_mixin import SchedulerProfilerMixin
 from sglang.srt.managers.scheduler_components.tp_broadcast import Tick, TpBroadcast
 from sglang.srt.sampling.custom_logit_processor import load_processor_agreed
 
@@ -49,7 +48,7 @@ GRAMMAR_WAIT_MS = 2
 DISAGG_TRANSFER_POLL_MS = 1
 
 
-class SchedulerIOMixin:
+class SchedulerIOMixin(SchedulerProfilerMixin):
     def init_io(self, port_args: PortArgs | None = None) -> None:
         self.port_args = port_args
         # In-process sinks (tests, or before sockets exist): what would be sent to each process.
@@ -205,28 +204,12 @@ class SchedulerIOMixin:
                 gc.freeze()
                 self.send_to_detokenizer(obj)  # (which has no other way in)
                 self.send_to_tokenizer(FreezeGCReqOutput(True, f"{gc.get_freeze_count()} objects frozen."))
+            elif isinstance(obj, ExpertDistributionReq):
+                self.send_to_tokenizer(self.expert_distribution(obj.action))
             elif isinstance(obj, ProfileReq):
                 self.send_to_tokenizer(self.profile(obj))
             elif not (self.process_weights_message(obj) or self.process_lora_message(obj)):
                 logger.warning("The scheduler ignores an unknown message %r.", type(obj).__name__)
-
-    def profile(self, req: ProfileReq) -> ProfileReqOutput:
-        """/start_profile and /stop_profile on this rank (every rank runs them: each writes its trace)."""
-        if self.profiler is None:
-            tp_rank = self.tp.rank.tp_rank if self.tp is not None else 0
-            max_steps = envs.SGLANG_PROFILE_MAX_STEPS.get()
-            self.profiler = SchedulerProfiler(tp_rank, self.dp_rank, max_steps, self._wait_in_flight)
-        out = self.profiler.handle(req, self.num_batches)
-        if self.tp is not None:  # (a rank that could not start or write says so, whichever rank answers)
-            error = self.tp.agree_outcome(None if out.success else out.message, "none of them profiles")
-            if error is not None and out.success and req.type == "start":
-                self.profiler.abandon()  # (the ranks stay alike: a retry starts on every rank)
-            out = ProfileReqOutput(error is None, error or out.message)
-        return out
-
-    def _wait_in_flight(self) -> None:
-        for _, fut in self.in_flight:
-            fut.result().wait()
 
     # ---- intake and aborts -----------------------------------------------------------------------
 
