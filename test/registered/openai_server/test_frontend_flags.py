@@ -198,3 +198,16 @@ class TestFrontendFlags(ServerTestCase):
         self.assertIn('"GET /v1/models HTTP/1.1" 200', log)
         self.assertNotIn("GET /health", log)
         self.assertNotIn("GET /get_model_info", log)
+
+    def test_configure_logging_raises_the_level_at_run_time(self):
+        """Upstream's /configure_logging: at level 3 the prompt's text is logged; back to 1 it is not."""
+        try:
+            self.assertEqual(self.post("/configure_logging", {"log_requests_level": 3}).status_code, 200)
+            self.post("/generate", {"text": "A plain prompt", "rid": "logged-3", "sampling_params": {"max_new_tokens": 2}})
+        finally:
+            self.post("/configure_logging", {"log_requests_level": 1})
+        lines = [line[line.index("{"):] for line in self.server.log_text().splitlines() if '"logged-3"' in line]
+        received = next(e for e in map(json.loads, lines) if e["event"] == "request.received")
+        self.assertEqual(received["text"], "A plain prompt")
+        refused = self.post("/configure_logging", {"crash_dump_folder": "/tmp/x"})
+        self.assertEqual((refused.status_code, refused.json()["error"]["param"]), (400, "crash_dump_folder"))

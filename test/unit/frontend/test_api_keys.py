@@ -33,6 +33,7 @@ ADMIN_ROUTES = {
     "/start_profile",
     "/stop_profile",
     "/freeze_gc",
+    "/configure_logging",
     "/start_expert_distribution_record",
     "/stop_expert_distribution_record",
     "/dump_expert_distribution_record",

@@ -79,3 +79,29 @@ def test_each_event_goes_to_the_observers_with_a_method_for_it():
 def test_a_bad_value_is_refused_at_start_naming_the_flag(flag, value):
     with pytest.raises(ServerArgsError, match="--" + flag.replace("_", "-")):
         ServerArgs(**{flag: value})
+
+
+def test_configure_logging_turns_the_log_on_and_refuses_what_is_not_built(caplog):
+    """Upstream's /configure_logging: the request log made anew beside the other observers (the metrics
+    kept), its level and format; the dump fields and unknown ones are 400s naming them."""
+    from sglang.srt.managers.request_log import configure_logging
+    from sglang.srt.managers.request_validation import RequestError
+
+    args, metrics = ServerArgs(), SimpleNamespace()
+    fan = configure_logging({"log_requests": True, "log_requests_level": 3, "log_requests_format": "json"}, args,
+                            Observers(metrics))  # fmt: skip
+    assert fan.observers[0] is metrics and isinstance(fan.observers[1], RequestLog)
+    assert (fan.observers[1].level, fan.observers[1].fmt) == (3, "json") and args.log_requests_level == 3
+    assert configure_logging({"log_requests": False}, args, fan).observers == [metrics]
+    assert configure_logging({}, ServerArgs(), None) is None
+    try:
+        configure_logging({"log_level": "WARNING"}, args, None)
+        assert logging.getLogger().level == logging.WARNING
+    finally:
+        logging.getLogger().setLevel(logging.INFO)
+    for body, field in (({"dump_requests_folder": "/tmp/x"}, "dump_requests_folder"),
+                        ({"log_requests_level": 7}, "log_requests_level"), ({"log_requests": "yes"}, "log_requests"),
+                        ({"verbose": True}, "verbose")):  # fmt: skip
+        with pytest.raises(RequestError) as e:
+            configure_logging(body, ServerArgs(), None)
+        assert e.value.param == field

@@ -1,5 +1,6 @@
 """The control routes (admin ones, `utils/auth.py`): flush the cache, pause and continue generation,
-abort requests, start and stop the profiler and the expert distribution recorder, freeze the collector."""
+abort requests, start and stop the profiler and the expert distribution recorder, freeze the collector,
+configure the request log."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi.responses import PlainTextResponse, Response
 from sglang.srt.entrypoints.http_context import Server
 from sglang.srt.entrypoints.http_errors import ErrorMappingRoute, json_object, json_response
 from sglang.srt.managers.profile_request import parse_profile_request
+from sglang.srt.managers.request_log import configure_logging as apply_logging
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.utils.auth import AuthLevel, auth_level
 
@@ -88,6 +90,14 @@ async def freeze_gc(s: Server) -> Response:
     """Upstream's (after a warm-up): `TokenizerManager.freeze_gc`."""
     await s.tm.freeze_gc()
     return PlainTextResponse("Garbage collection frozen.\n")
+
+
+@router.api_route("/configure_logging", methods=["GET", "POST"])
+@admin
+async def configure_logging(request: Request, s: Server) -> Response:
+    """Upstream's: the request log's switch, level and format, and the HTTP process's log level."""
+    s.tm.observer = apply_logging(json_object(await request.body()), s.server_args, s.tm.observer)
+    return Response(status_code=200)
 
 
 EXPERT_DISTRIBUTION_REPLIES = {

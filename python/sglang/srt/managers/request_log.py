@@ -64,6 +64,47 @@ def observers(server_args: Any, metrics: Any = None) -> Observers | None:
     return found if found else None
 
 
+def configure_logging(data: Any, server_args: Any, current: Observers | None) -> Observers | None:
+    """Upstream's /configure_logging body applied to this process: `log_requests`, `log_requests_level`,
+    `log_requests_format` (the request log made anew; returns the observers to use) and `log_level` (this
+    process's loggers). Its request dumps are not built: those fields refused naming them."""
+    from sglang.srt.managers.request_validation import RequestError
+    from sglang.srt.server_args_checks import LOG_LEVELS
+
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise RequestError("The body must be a JSON object of /configure_logging's fields.", None)
+    checks = {
+        "log_requests": (lambda v: isinstance(v, bool), "true or false"),
+        "log_requests_level": (lambda v: v in (0, 1, 2, 3) and not isinstance(v, bool), "0, 1, 2 or 3"),
+        "log_requests_format": (lambda v: v in ("text", "json"), "text or json"),
+        "log_level": (lambda v: isinstance(v, str) and v.lower() in LOG_LEVELS, ", ".join(LOG_LEVELS)),
+    }
+    dumps = (
+        "dump_requests_folder",
+        "dump_requests_threshold",
+        "crash_dump_folder",
+        "dump_requests_exclude_meta_keys",
+    )
+    for name, value in data.items():
+        if name in dumps:
+            if value is not None:
+                raise RequestError(f"{name}: request dumps are not built here; use log_requests.", name)
+        elif name not in checks:
+            raise RequestError(f"{name} is not a field of /configure_logging.", name)
+        elif value is not None and not checks[name][0](value):
+            raise RequestError(f"{name} must be {checks[name][1]}, got {value!r}.", name)
+    for name in ("log_requests", "log_requests_level", "log_requests_format"):
+        if data.get(name) is not None:
+            setattr(server_args, name, data[name])
+    if data.get("log_level") is not None:
+        logging.getLogger().setLevel(data["log_level"].upper())
+    kept = [o for o in (current.observers if current else []) if not isinstance(o, RequestLog)]
+    log = RequestLog(server_args.log_requests_level, server_args.log_requests_format)
+    found = Observers(*kept, log if server_args.log_requests else None)
+    return found if found else None
+
+
 class RequestLog:
     def __init__(self, level: int, fmt: str):
         self.level, self.fmt = level, fmt
@@ -84,7 +125,11 @@ class RequestLog:
     def on_arrival(self, states: list[Any]) -> None:
         for state in states:
             req = state.req
-            fields: dict[str, Any] = {"rid": req.rid, "prompt_tokens": len(req.input_ids), "stream": req.stream}
+            fields: dict[str, Any] = {
+                "rid": req.rid,
+                "prompt_tokens": len(req.input_ids),
+                "stream": req.stream,
+            }
             if req.lora_id is not None:
                 fields["lora_id"] = req.lora_id
             if req.priority is not None:
