@@ -181,12 +181,15 @@ class TestFrontendFlags(ServerTestCase):
                 "skip_special_tokens": False}).json()["text"])  # fmt: skip
 
     def test_the_request_log_has_a_json_line_at_arrival_and_at_finish(self):
-        body = {"text": "A secret prompt", "rid": "logged-1", "sampling_params": {"max_new_tokens": 3, "temperature": 0.5}}
+        # (logit_bias: int keys, which orjson refused, a 500; log_metrics false: logged all the same)
+        params = {"max_new_tokens": 3, "temperature": 0.5, "logit_bias": {"5": 1.0}}
+        body = {"text": "A secret prompt", "rid": "logged-1", "sampling_params": params, "log_metrics": False}
         self.assertEqual(self.post("/generate", body).status_code, 200)
         lines = [line[line.index("{"):] for line in self.server.log_text().splitlines() if '"logged-1"' in line]
         events = {e["event"]: e for e in map(json.loads, lines)}
         received, finished = events["request.received"], events["request.finished"]
         self.assertEqual(received["sampling_params"]["temperature"], 0.5)
+        self.assertEqual(received["sampling_params"]["logit_bias"], {"5": 1.0})
         self.assertNotIn("text", received)  # (level 1: no input or output)
         self.assertEqual((finished["completion_tokens"], finished["finish_reason"]["type"]), (3, "length"))
         self.assertNotIn("secret", self.server.log_text())

@@ -133,6 +133,7 @@ def request_state(created: float, stream: bool = True) -> SimpleNamespace:
         completion_tokens=0,
         cached_tokens=3,
         req=SimpleNamespace(stream=stream),
+        log_metrics=True,
     )
 
 

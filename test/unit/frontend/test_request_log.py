@@ -22,8 +22,9 @@ LONG = "x" * (CUT + 10)
 
 
 def _state(text: str = "hello", output: str = "world") -> SimpleNamespace:
+    params = SamplingParams.from_dict({"max_new_tokens": 7, "logit_bias": {"5": 1.0}, "custom_params": {"x": 2**70}})
     req = SimpleNamespace(rid="r1", input_ids=list(range(CUT + 5)), input_text=text, stream=False, lora_id=None,
-                          priority=3, sampling_params=SamplingParams.from_dict({"max_new_tokens": 7}))  # fmt: skip
+                          priority=3, sampling_params=params, warmup=False)  # fmt: skip
     return SimpleNamespace(req=req, rid="r1", finished_reason={"type": "length"}, prompt_tokens=CUT + 5,
                            completion_tokens=7, cached_tokens=2, created_time=10.0, finish_time=10.5,
                            text=output, output_ids=[1, 2, 3], finished=True)  # fmt: skip
@@ -45,8 +46,9 @@ def test_each_level_keeps_what_upstreams_keeps(caplog, level):
     assert finished["event"] == "request.finished" and finished["e2e_latency"] == 0.5
     assert finished["completion_tokens"] == 7 and finished["finish_reason"] == {"type": "length"}
     assert ("sampling_params" in received) == (level >= 1)
-    if level >= 1:
-        assert received["sampling_params"]["max_new_tokens"] == 7
+    if level >= 1:  # (int keys and integers past 64 bits too: orjson refuses both as they are)
+        assert received["sampling_params"]["max_new_tokens"] == 7 and received["sampling_params"]["custom_params"] == {"x": 2**70}
+        assert received["sampling_params"]["logit_bias"] == {"5": 1.0}
     assert ("text" in received) == ("out_text" in finished) == (level >= 2)
     if level == 2:  # (cut to 2,048, as upstream's partial input and output)
         assert received["text"] == "x" * CUT + "..." and finished["out_text"] == "x" * CUT + "..."
@@ -105,3 +107,19 @@ def test_configure_logging_turns_the_log_on_and_refuses_what_is_not_built(caplog
         with pytest.raises(RequestError) as e:
             configure_logging(body, ServerArgs(), None)
         assert e.value.param == field
+
+
+def test_the_servers_own_requests_are_not_logged_and_a_failing_observer_fails_nothing(caplog):
+    state = _state()
+    state.req.warmup = True  # (the warm-up, /health_generate)
+    assert _lines(caplog, 2, "text", state) == []
+
+    class Broken:
+        def on_arrival(self, states):
+            raise ValueError("boom")
+
+    seen = []
+    fan = Observers(Broken(), SimpleNamespace(on_arrival=seen.append))
+    with caplog.at_level(logging.ERROR):
+        fan.on_arrival([_state()])
+    assert len(seen) == 1 and "Broken.on_arrival failed" in caplog.text

@@ -73,6 +73,7 @@ def test_the_routes_answer_and_refuse_bad_parameters(busy_state):
         reply = orjson.loads(body)
         assert status == 200 and reply["dp_rank_count"] == 1 and reply["aggregate"]["total_waiting_reqs"] == 3
         for path, param in (("/v1/loads?dp_rank=3", "dp_rank"), ("/v1/loads?dp_rank=x", "dp_rank"),
+                            ("/v1/loads?dp_rank=%C2%B2", "dp_rank"), ("/v1/loads?dp_rank=" + "1" * 5000, "dp_rank"),
                             ("/v1/loads?include=gpu", "include"), ("/v1/loads?format=xml", "format")):  # fmt: skip
             status, body = asyncio.run(get(app, path))
             assert status == 400 and orjson.loads(body)["error"]["param"] == param, (path, body)

@@ -26,12 +26,16 @@ def test_the_bucket_rules_give_upstreams_bounds():
     # (upstream's documented example)
     assert token_buckets(["tse", "1000", "2", "8"], "--f") == (984, 992, 996, 998, 1000, 1002, 1004, 1008, 1016)
     assert token_buckets(["custom", "10", "50", "100", "500"], "--f") == (10, 50, 100, 500)
+    # Upstream's rules: ceil(COUNT / 2) each side, no bound below 0; custom bounds sorted, each once.
+    assert token_buckets(["tse", "1000", "2", "5"], "--f") == (992, 996, 998, 1000, 1002, 1004, 1008)
+    assert token_buckets(["tse", "10", "4", "4"], "--f") == (0, 6, 10, 14, 26)
+    assert token_buckets(["custom", "50", "10", "50"], "--f") == (10, 50)
 
 
 @pytest.mark.parametrize(
     "rule",
-    [["custom", "50", "10"], ["custom"], ["tse", "10", "2", "8"], ["tse", "1000", "1", "8"], ["linear", "1"],
-     ["custom", "ten"]],
+    [["custom"], ["custom", "inf"], ["custom", "nan"], ["tse", "1000", "1", "8"], ["tse", "1000", "2", "5000"],
+     ["tse", "1e300", "1e300", "4"], ["linear", "1"], ["custom", "ten"]],
 )  # fmt: skip
 def test_a_bad_rule_is_refused_at_start_naming_the_flag(rule):
     with pytest.raises(ServerArgsError, match="^--generation-tokens-buckets"):
@@ -42,7 +46,8 @@ def test_each_finish_is_observed_in_the_three_histograms():
     m = MetricsCollector("m", prompt_token_buckets=(10, 100), generation_token_buckets=(5, 50))
     for prompt, cached, output in ((40, 30, 7), (150, 0, 3)):
         m.on_finish(SimpleNamespace(finished_reason={"type": "stop"}, prompt_tokens=prompt, cached_tokens=cached,
-                                    completion_tokens=output, finish_time=2.0, created_time=1.0))  # fmt: skip
+                                    completion_tokens=output, finish_time=2.0, created_time=1.0, log_metrics=True))  # fmt: skip
+    m.on_finish(SimpleNamespace(log_metrics=False))  # (a request that asked not to be counted: ignored)
     families = {f.name: f for f in text_string_to_metric_families(m.render(None).decode())}
 
     def buckets(name: str) -> dict[str, float]:

@@ -91,3 +91,23 @@ def test_without_the_flag_the_calls_are_refused_and_bad_flags_at_start():
             ServerArgs(**flags)
     with pytest.raises(ServerArgsError, match="--expert-distribution-recorder-mode needs a mixture-of-experts"):
         SchedulerHarness("tiny-bamba", expert_distribution_recorder_mode="stat")
+
+
+def test_a_failed_dump_keeps_the_record_and_the_server(tmp_path, monkeypatch):
+    """A folder that cannot be made (a file on its way): the dump says so and keeps what was recorded
+    (the scheduler died on torch.save's RuntimeError before, and the record was cleared first); the next
+    dump, to a folder that works, has every step. A buffer past 1 GiB is refused at start."""
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path / "afile" / "sub"))
+    h = SchedulerHarness(expert_distribution_recorder_mode="stat", disable_overlap_schedule=True)
+    try:
+        h.control_reply(ExpertDistributionReq("start"))
+        h.generate(token_ids(16, seed=4), 3)
+        failed = h.control_reply(ExpertDistributionReq("dump"))
+        assert not failed.success and "not written" in failed.message
+        monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path / "ok"))
+        assert _dump(h)["logical_count"].shape[0] == 3 and [p.name for p in (tmp_path / "ok").iterdir()][0].endswith(".pt")
+    finally:
+        h.shutdown()
+    with pytest.raises(ServerArgsError, match="GiB of counts on the device"):
+        SchedulerHarness(expert_distribution_recorder_mode="stat", expert_distribution_recorder_buffer_size=10_000_000)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,7 +45,7 @@ async def health_generate(s: Server) -> Response:
     )
 
     async def run() -> None:
-        async for _ in s.tm.generate_request(obj):
+        async for _ in s.tm.generate_request(obj, warmup=True):  # (the server's own: not logged)
             pass
 
     try:
@@ -93,7 +94,7 @@ async def get_loads(request: Request, s: Server) -> Response:
     """Upstream's load report: `?dp_rank=N`, `?include=core,memory,queues,disagg|all`, `?format=prometheus`."""
     query = request.query_params
     dp_rank, fmt = query.get("dp_rank"), query.get("format", "json")
-    if dp_rank is not None and not dp_rank.isdigit():
+    if dp_rank is not None and not re.fullmatch(r"[0-9]{1,6}", dp_rank):
         raise RequestError(f"dp_rank must be a replica's number, got {dp_rank!r}.", "dp_rank")
     if fmt not in ("json", "prometheus"):
         raise RequestError(f"format must be json or prometheus, got {fmt!r}.", "format")

@@ -6,7 +6,8 @@ priority); 1 also the sampling parameters; 2 also the input and output, each cut
 characters (ids: 2,048 of them), as upstream cuts them; 3 all of them, whole. Formats: `text` (`Receive:
 rid=..., ...` and `Finish: ...`, the values as Python shows them) or `json` (one object a line:
 `{"event": "request.received" | "request.finished" | "request.aborted", "timestamp", ...}`).
-The server's warm-up request is not logged (nor counted in the metrics).
+The server's own requests (its warm-up, /health_generate) are not logged; every client's is, whatever
+its `log_metrics` (which only keeps it out of the metrics, as upstream's).
 
 `Observers` is what `TokenizerManager.observer` holds: the metrics collector and this log, each told of
 the events it has a method for.
@@ -15,6 +16,7 @@ the events it has a method for.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import time
 from typing import Any
@@ -27,7 +29,8 @@ CUT = 2048  # level 2: the characters of a text (or the ids) a line keeps, as up
 
 
 class Observers:
-    """The TokenizerManager's observers: each event goes to those that have a method for it."""
+    """The TokenizerManager's observers: each event goes to those that have a method for it. An observer
+    that fails is logged, never the request's failure (its reply, or the other requests of a message)."""
 
     def __init__(self, *observers: Any):
         self.observers = [o for o in observers if o is not None]
@@ -38,8 +41,12 @@ class Observers:
     def _tell(self, event: str, *args: Any) -> None:
         for o in self.observers:
             method = getattr(o, event, None)
-            if method is not None:
+            if method is None:
+                continue
+            try:
                 method(*args)
+            except Exception:  # noqa: BLE001 - observing must not fail what it observes
+                logger.exception("%s.%s failed.", type(o).__name__, event)
 
     def on_arrival(self, states: list[Any]) -> None:
         self._tell("on_arrival", states)
@@ -117,7 +124,11 @@ class RequestLog:
     def _emit(self, event: str, head: str, fields: dict[str, Any]) -> None:
         if self.fmt == "json":
             stamp = datetime.datetime.now(datetime.timezone.utc).isoformat()
-            line = orjson.dumps({"event": event, "timestamp": stamp, **fields}, default=str).decode()
+            body = {"event": event, "timestamp": stamp, **fields}
+            try:
+                line = orjson.dumps(body, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+            except TypeError:  # (an integer past 64 bits: a seed, a stop id, a custom parameter)
+                line = json.dumps(body, default=str)
         else:
             line = f"{head}: " + ", ".join(f"{k}={v!r}" for k, v in fields.items())
         logger.info(line)
@@ -125,6 +136,8 @@ class RequestLog:
     def on_arrival(self, states: list[Any]) -> None:
         for state in states:
             req = state.req
+            if req.warmup:  # (the server's own: its warm-up and /health_generate)
+                continue
             fields: dict[str, Any] = {
                 "rid": req.rid,
                 "prompt_tokens": len(req.input_ids),
@@ -144,6 +157,8 @@ class RequestLog:
             self._emit("request.received", "Receive", fields)
 
     def _end(self, state: Any, event: str, head: str) -> None:
+        if state.req.warmup:
+            return
         fields: dict[str, Any] = {
             "rid": state.rid,
             "finish_reason": state.finished_reason,

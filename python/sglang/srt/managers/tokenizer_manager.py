@@ -256,7 +256,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         request has several outputs). Raises RequestError before anything is sent, ServerAbortError
         when the server ends a request. `trusted`: an in-process caller (Engine), whose media items
         may name any local file; HTTP routes leave it False (docs/multimodal.md). `warmup`: the server's
-        warm-up request (`TokenizedGenerateReqInput.warmup`)."""
+        own request, its warm-up or /health_generate (`TokenizedGenerateReqInput.warmup`; not logged)."""
         items, is_list = await self.normalize(obj, trusted, request)
         for item in items:
             item.req.warmup = warmup
@@ -281,7 +281,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
                 state = ReqState(item, time.time(), yield_event, obj.log_metrics)
                 self.rid_to_state[item.req.rid] = state
                 states.append(state)
-            if self.observer is not None and obj.log_metrics:
+            if self.observer is not None:
                 self.observer.on_arrival(states)
             # A batch goes in one message, so the scheduler admits it together.
             reqs = [item.req for item in items]
@@ -299,7 +299,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             for state in states:
                 if not state.finished:
                     self.abort_request(state.rid)
-                    if self.observer is not None and state.log_metrics:
+                    if self.observer is not None:
                         self.observer.on_abort(state)
                 self.rid_to_state.pop(state.rid, None)
 
@@ -395,7 +395,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             if state is None:  # its caller is gone (aborted) or it belongs to nobody
                 continue
             first = state.apply(out, i)
-            if self.observer is not None and state.log_metrics:
+            if self.observer is not None:
                 self.observer.on_message(state, first, len(out.output_ids[i]))
             state.event.set()
 

@@ -135,14 +135,18 @@ class MetricsCollector:
 
     # ---- requests (TokenizerManager) ---------------------------------------------------------------
 
+    # (A request that asked `log_metrics: false`, and the server's own, are not counted: upstream's.)
+
     def on_first_token(self, state: Any) -> None:
+        if not state.log_metrics:
+            return
         self.ttft.observe(state.first_token_time - state.created_time)
         state.last_token_time = state.first_token_time
 
     def on_tokens(self, state: Any, num_new_tokens: int) -> None:
         """`num_new_tokens` arrived after the first: each counts once in the inter-token latency, at the
         interval since the previous arrival shared among them (upstream's observation)."""
-        if state.last_token_time is None or num_new_tokens <= 0:
+        if state.last_token_time is None or num_new_tokens <= 0 or not state.log_metrics:
             return  # not streamed: no arrival times
         now = time.time()
         interval = now - state.last_token_time
@@ -151,9 +155,12 @@ class MetricsCollector:
             self.itl.observe(interval / num_new_tokens)
 
     def on_abort(self, state: Any) -> None:
-        self.num_aborted.inc()
+        if state.log_metrics:
+            self.num_aborted.inc()
 
     def on_finish(self, state: Any) -> None:
+        if not state.log_metrics:
+            return
         self.num_requests.inc()
         if state.finished_reason.get("type") == "abort":
             self.num_aborted.inc()

@@ -1,10 +1,14 @@
 """Upstream's bucket rules of the token histograms (`--prompt-tokens-buckets`,
 `--generation-tokens-buckets`): `default` (upstream's bounds, 100 to 1,100,000 tokens); `tse MIDDLE BASE
-COUNT`, two-sided exponential bounds around MIDDLE (MIDDLE +- BASE**i for i = 1 .. COUNT // 2, and MIDDLE:
-`tse 1000 2 8` gives 984, 992, 996, 998, 1000, 1002, 1004, 1008, 1016); `custom B1 B2 ...` the bounds given."""
+COUNT`, two-sided exponential bounds around MIDDLE (MIDDLE +- BASE**i for i = 1 .. ceil(COUNT / 2), none
+below 0, and MIDDLE: `tse 1000 2 8` gives 984, 992, 996, 998, 1000, 1002, 1004, 1008, 1016); `custom B1
+B2 ...` the bounds given, sorted, each once (upstream's rules)."""
 
 from __future__ import annotations
 
+import math
+
+MAX_TSE_COUNT = 1000  # (a histogram of more bounds than this costs every scrape)
 # Upstream's default bounds for both histograms (tokens).
 DEFAULT_TOKEN_BUCKETS = (
     100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000, 12500, 15000,
@@ -22,21 +26,31 @@ def token_buckets(rule: list[str] | None, flag: str) -> tuple[float, ...]:
         values = [float(a) for a in args]
     except ValueError:
         raise ValueError(f"{flag} {kind}: its values must be numbers, got {' '.join(args)}.") from None
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{flag} {kind}: its values must be finite, got {' '.join(args)}.")
     if kind == "tse":
-        if len(values) != 3 or values[1] <= 1 or values[2] < 2 or values[2] != int(values[2]):
+        if (
+            len(values) != 3
+            or values[1] <= 1
+            or not 1 <= values[2] <= MAX_TSE_COUNT
+            or values[2] != int(values[2])
+        ):
             raise ValueError(
-                f"{flag} tse takes MIDDLE BASE COUNT (BASE above 1, COUNT an integer of 2 or more)."
+                f"{flag} tse takes MIDDLE BASE COUNT (BASE above 1, COUNT an integer from 1 to {MAX_TSE_COUNT})."
             )
         middle, base, count = values[0], values[1], int(values[2])
-        offsets = [base**i for i in range(1, count // 2 + 1)]
-        bounds = sorted({middle, *(middle - d for d in offsets), *(middle + d for d in offsets)})
-        if bounds[0] < 0:
-            raise ValueError(
-                f"{flag} tse {' '.join(args)}: its lowest bound {bounds[0]:g} is below 0 tokens."
-            )
-        return tuple(bounds)
+        bounds = {middle}
+        for i in range(1, math.ceil(count / 2) + 1):  # (upstream's: ceil(COUNT / 2) each side, none below 0)
+            try:
+                distance = base**i
+            except OverflowError:
+                raise ValueError(f"{flag} tse {' '.join(args)}: BASE ** {i} is too large.") from None
+            bounds |= {middle + distance, max(0.0, middle - distance)}
+        if not all(math.isfinite(b) for b in bounds):
+            raise ValueError(f"{flag} tse {' '.join(args)}: its bounds are too large.")
+        return tuple(sorted(bounds))
     if kind == "custom":
-        if not values or any(v < 0 for v in values) or sorted(set(values)) != values:
-            raise ValueError(f"{flag} custom takes bounds of 0 or more in ascending order, each once.")
-        return tuple(values)
+        if not values:
+            raise ValueError(f"{flag} custom takes one bound or more.")
+        return tuple(sorted(set(values)))  # (upstream's: sorted, each once)
     raise ValueError(f"{flag} takes default, tse MIDDLE BASE COUNT or custom B1 B2 ..., got {rule[0]!r}.")

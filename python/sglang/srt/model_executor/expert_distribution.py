@@ -15,7 +15,7 @@ since the start summed into one row (upstream keeps each; summed over the steps 
 `$SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR/expert_distribution_recorder_<time>.pt` (default /tmp; with
 --dp-size, `_dp<rank>` before `.pt`, one file per replica) as upstream's stat mode writes it,
 `{"rank": 0, "logical_count": int32 [steps, num_hidden_layers, num_experts]}` (the oldest step first), and
-clears the record. Under tensor or expert parallelism every rank's routers pick alike (the router is
+clears the record (a dump that fails keeps it, for the next). Under tensor or expert parallelism every rank's routers pick alike (the router is
 not sharded): TP rank 0 writes.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 
 import torch
@@ -82,17 +83,26 @@ class ExpertDistribution:
                 logger.warning("The expert distribution was not being recorded.")
             self.recording = False
             return True, "Stopped recording the expert distribution."
+        if not writes:  # (another TP rank writes the same counts)
+            self.reset()
+            return True, ""
         folder = os.environ.get("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR") or "/tmp"
         suffix = "" if dp_rank is None else f"_dp{dp_rank}"
         path = os.path.join(folder, f"expert_distribution_recorder_{time.time()}{suffix}.pt")
         record = {"rank": 0, "logical_count": self.logical_count()}
-        self.reset()
-        if not writes:
-            return True, ""
-        try:
+        try:  # (a new file renamed into place; what fails keeps the record for the next dump)
             os.makedirs(folder, exist_ok=True)
-            torch.save(record, path)
-        except OSError as e:
-            return False, f"The expert distribution was not written to {path}: {e}"
+            fd, tmp = tempfile.mkstemp(prefix=".expert-distribution-", suffix=".pt", dir=folder)
+            os.close(fd)
+            try:
+                torch.save(record, tmp)
+                os.replace(tmp, path)
+            finally:
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
+        except Exception as e:  # noqa: BLE001 - torch.save reports a full disk as a RuntimeError
+            logger.exception("The expert distribution was not written.")
+            return False, f"The expert distribution was not written to {folder}: {type(e).__name__}: {e}"
+        self.reset()
         logger.info("Wrote the expert distribution (%d steps) to %s.", record["logical_count"].shape[0], path)
         return True, path

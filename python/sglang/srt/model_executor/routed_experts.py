@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# The expert distribution's steps at most (device memory beside the pools, which are not sized for it).
+MAX_RECORD_BYTES = 1 << 30
 
 
 class RoutedExpertsCapture:
@@ -83,6 +85,12 @@ class RoutedExpertsCapture:
             raise ServerArgsError(f"{flag} needs a mixture-of-experts checkpoint; this one has no routed experts.")
         if recorded is not None:
             size = server_args.expert_distribution_recorder_buffer_size or 1000
+            step = layers * capture.num_experts * 4
+            if size * step > MAX_RECORD_BYTES:
+                raise ServerArgsError(
+                    f"--expert-distribution-recorder-buffer-size {size} keeps {size * step / 2**30:.1f} GiB of counts "
+                    f"on the device ({step} bytes a step); keep at most {MAX_RECORD_BYTES // step} steps, or -1 for one sum."
+                )
             capture.distribution = ExpertDistribution(layers, capture.num_experts, size, device)
             capture.distribution.moe_layers = torch.tensor(sorted(capture.moe_layers), device=device)
         if capture.by_slot is not None:
