@@ -96,11 +96,12 @@ def test_configure_logging_turns_the_log_on_and_refuses_what_is_not_built(caplog
     assert (fan.observers[1].level, fan.observers[1].fmt) == (3, "json") and args.log_requests_level == 3
     assert configure_logging({"log_requests": False}, args, fan).observers == [metrics]
     assert configure_logging({}, ServerArgs(), None) is None
+    was = logging.getLogger().level
     try:
-        configure_logging({"log_level": "WARNING"}, args, None)
-        assert logging.getLogger().level == logging.WARNING
+        configure_logging({"log_level": "ERROR"}, args, None)
+        assert logging.getLogger().level == logging.ERROR
     finally:
-        logging.getLogger().setLevel(logging.INFO)
+        logging.getLogger().setLevel(was)  # (the other tests' process: its level as it was)
     for body, field in (({"dump_requests_folder": "/tmp/x"}, "dump_requests_folder"),
                         ({"log_requests_level": 7}, "log_requests_level"), ({"log_requests": "yes"}, "log_requests"),
                         ({"verbose": True}, "verbose")):  # fmt: skip
