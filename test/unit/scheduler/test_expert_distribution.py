@@ -111,3 +111,27 @@ def test_a_failed_dump_keeps_the_record_and_the_server(tmp_path, monkeypatch):
         h.shutdown()
     with pytest.raises(ServerArgsError, match="GiB of counts on the device"):
         SchedulerHarness(expert_distribution_recorder_mode="stat", expert_distribution_recorder_buffer_size=10_000_000)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_counts_from_cuda_graph_replays_are_the_returned_routing(tmp_path, monkeypatch):
+    """On CUDA the decode steps replay graphs, which write the routing into the capture's fixed rows (a
+    batch of 3 padded to 4): the counts are the histogram of the routing the requests return, padding
+    left out."""
+    monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path))
+    h = SchedulerHarness(device="cuda", dtype="float32", enable_return_routed_experts=True,
+                         expert_distribution_recorder_mode="stat", cuda_graph_bs=[1, 2, 4])  # fmt: skip
+    assert h.sched.model_runner.graph_runner is not None
+    hf = h.server_args.model_config.arch.hf_config
+    layers, k = hf.num_hidden_layers, hf.num_experts_per_tok
+    try:
+        h.control_reply(ExpertDistributionReq("start"))
+        rids = [h.submit(token_ids(30 + 7 * i, seed=30 + i), 10, return_routed_experts=True) for i in range(3)]
+        h.run()
+        count = _dump(h)["logical_count"].sum(0)
+        rows = np.concatenate([decode(h.outputs[r], layers, k) for r in rids])
+        for i in range(layers):
+            assert (count[i].numpy() == np.bincount(rows[:, i].ravel(), minlength=count.shape[1])).all(), i
+    finally:
+        h.shutdown()

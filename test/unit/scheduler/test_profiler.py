@@ -14,6 +14,7 @@ import os
 import threading
 
 import pytest
+import torch
 
 from sglang.srt.managers.io_struct import ProfileReq
 from sglang.srt.managers.profile_request import parse_profile_request
@@ -234,5 +235,27 @@ def test_a_symlink_never_takes_a_trace_outside_the_root(tmp_path):
         h.generate(token_ids(16, seed=13), max_new_tokens=2)
         stop = h.control_reply(ProfileReq(type="stop"))
         assert not stop.success and "outside" in stop.message and sorted(os.listdir(outside)) == ["victim.txt"]
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_trace_has_the_kernels_and_the_memory_snapshot(tmp_path):
+    """On CUDA: activities CPU, GPU, MEM and CUDA_PROFILER over decode steps that replay CUDA graphs: the
+    trace holds the GPU's kernels (CUPTI sees a graph's too), MEM writes its snapshot beside it, and the
+    CUDA profiler range opens and closes without error."""
+    h = SchedulerHarness(device="cuda")
+    assert h.sched.model_runner.graph_runner is not None
+    try:
+        req = parse_profile_request(
+            {"num_steps": 4, "with_stack": False, "profile_id": "gpu", "activities": ["CPU", "GPU", "MEM", "CUDA_PROFILER"]},
+            cuda=True, ranks=1,
+        )  # fmt: skip
+        assert h.control_reply(req).success
+        h.generate(token_ids(24, seed=14), max_new_tokens=8)
+        events = _events(str(tmp_path / "gpu-TP-0.trace.json.gz"))
+        assert any(e.get("cat") == "kernel" for e in events), {e.get("cat") for e in events}
+        assert (tmp_path / "gpu-TP-0-memory.pickle").stat().st_size > 0 and not h.sched.profiler.active
     finally:
         h.shutdown()
