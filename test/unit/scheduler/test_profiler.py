@@ -259,3 +259,27 @@ def test_gpu_trace_has_the_kernels_and_the_memory_snapshot(tmp_path):
         assert (tmp_path / "gpu-TP-0-memory.pickle").stat().st_size > 0 and not h.sched.profiler.active
     finally:
         h.shutdown()
+
+
+def test_each_stage_trace_has_its_own_bound_and_files_get_the_usual_mode(tmp_path, monkeypatch):
+    """By stage at SGLANG_PROFILE_MAX_STEPS 6, num_steps 2: the EXTEND trace spans two prompts' prefills
+    and the decodes between (6 batches), and the DECODE trace then still runs its 2 decode batches (the
+    bound had counted the EXTEND trace's batches too: DECODE was written after 1). Traces have the mode a
+    plain open gives (they were renamed into place from mkstemp's 0600)."""
+    monkeypatch.setenv("SGLANG_PROFILE_MAX_STEPS", "6")
+    h = SchedulerHarness(disable_overlap_schedule=True)
+    try:
+        h.sched.profiler = None
+        _start(h, tmp_path, profile_id="b", profile_by_stage=True, num_steps=2, with_stack=False)
+        written = []
+        write = h.sched.profiler._write
+        h.sched.profiler._write = lambda: (written.append((h.sched.profiler.stage, h.sched.profiler.steps)), write())[1]
+        for seed in (20, 21):
+            h.generate(token_ids(16, seed=seed), max_new_tokens=5)
+        assert written == [("EXTEND", 2), ("DECODE", 2)], written
+        umask = os.umask(0o022)
+        os.umask(umask)
+        assert (tmp_path / "b-TP-0-DECODE.trace.json.gz").stat().st_mode & 0o777 == 0o666 & ~umask
+        assert not [p for p in os.listdir(tmp_path) if p.startswith(".partial-")]
+    finally:
+        h.shutdown()

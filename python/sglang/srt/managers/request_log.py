@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -128,7 +129,7 @@ class RequestLog:
             try:
                 line = orjson.dumps(body, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
             except TypeError:  # (an integer past 64 bits: a seed, a stop id, a custom parameter)
-                line = json.dumps(body, default=str)
+                line = json.dumps(_finite(body), default=str)
         else:
             line = f"{head}: " + ", ".join(f"{k}={v!r}" for k, v in fields.items())
         logger.info(line)
@@ -178,3 +179,14 @@ class RequestLog:
     def on_abort(self, state: Any) -> None:
         """The caller went away before the request finished (its stream closed, its client left)."""
         self._end(state, "request.aborted", "Abort")
+
+
+def _finite(value: Any) -> Any:
+    """`value` with its non-finite floats as None (JSON has no NaN, which orjson writes as null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

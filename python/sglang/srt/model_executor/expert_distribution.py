@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 
 import torch
+
+from sglang.srt.utils.atomic_file import write_file
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +93,7 @@ class ExpertDistribution:
         record = {"rank": 0, "logical_count": self.logical_count()}
         try:  # (a new file renamed into place; what fails keeps the record for the next dump)
             os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".expert-distribution-", suffix=".pt", dir=folder)
-            os.close(fd)
-            try:
-                torch.save(record, tmp)
-                os.replace(tmp, path)
-            finally:
-                if os.path.lexists(tmp):
-                    os.unlink(tmp)
+            write_file(folder, os.path.basename(path), lambda tmp: torch.save(record, tmp))
         except Exception as e:  # noqa: BLE001 - torch.save reports a full disk as a RuntimeError
             logger.exception("The expert distribution was not written.")
             return False, f"The expert distribution was not written to {folder}: {type(e).__name__}: {e}"

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 
 from sglang.srt.managers.io_struct import ProfileReq, ProfileReqOutput
 from sglang.srt.managers.profile_request import profile_root
+from sglang.srt.utils.atomic_file import write_file
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class SchedulerProfiler:
             logger.exception("The profiler did not start.")
             self.abandon()
             return f"The profiler did not start: {type(e).__name__}: {e}"
-        self.stage, self.steps, self.started = stage, 0, True
+        self.stage, self.steps, self.traced, self.started = stage, 0, 0, True  # (each trace its own bound)
         where = f" ({stage} batches)" if stage else ""
         logger.info(
             "Profiling starts%s; traces go to %s (profile id %s).", where, req.output_dir, req.profile_id
@@ -179,11 +179,11 @@ class SchedulerProfiler:
             folder = _checked_folder(req.output_dir)
             if profiler is not None:
                 self.written.append(
-                    _write_file(folder, f"{name}.trace.json.gz", profiler.export_chrome_trace)
+                    write_file(folder, f"{name}.trace.json.gz", profiler.export_chrome_trace)
                 )
             if "MEM" in req.activities:
                 self.written.append(
-                    _write_file(folder, f"{name}-memory.pickle", torch.cuda.memory._dump_snapshot)
+                    write_file(folder, f"{name}-memory.pickle", torch.cuda.memory._dump_snapshot)
                 )
         except Exception as e:  # noqa: BLE001 - the reply says it; the server goes on
             logger.exception("The profile was not written.")
@@ -234,18 +234,3 @@ def _checked_folder(output_dir: str) -> str:
     if os.path.realpath(real) != real:
         raise ValueError(f"{output_dir} changed while it was made")
     return real
-
-
-def _write_file(folder: str, name: str, write: Callable[[str], Any]) -> str:
-    """`write(path)` to a new file of its own in `folder`, then renamed to `name` there (a symlink of
-    that name is replaced, never written through)."""
-    fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=name, dir=folder)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, os.path.join(folder, name))
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-    return os.path.join(folder, name)
