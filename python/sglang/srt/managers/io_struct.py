@@ -18,6 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from sglang.srt.managers.io_struct_ops import (  # noqa: F401 - upstream keeps them here: re-exported
+    ExpertDistributionReq,
+    ExpertDistributionReqOutput,
+    FreezeGCReq,
+    FreezeGCReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
+)
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 LogprobEntry = tuple[float, int]
@@ -335,58 +343,6 @@ class GetInternalStateReqOutput:
     """Live scheduler state: request counts, pool usage and strategy, for /get_server_info."""
 
     internal_state: dict[str, Any]
-
-
-@dataclass
-class ProfileReq:
-    """/start_profile (`type` "start") or /stop_profile ("stop"), checked by `profile_request`: the
-    scheduler's torch profiler (`scheduler_profiler.py`). `output_dir` is absolute."""
-
-    type: str = "start"
-    output_dir: str = ""
-    start_step: int | None = None
-    num_steps: int | None = None
-    activities: tuple[str, ...] = ("CPU", "GPU")
-    with_stack: bool = True
-    record_shapes: bool = False
-    profile_by_stage: bool = False
-    stages: tuple[str, ...] = ("EXTEND", "DECODE")  # those traced with profile_by_stage
-    profile_id: str = ""
-    profile_prefix: str | None = None
-
-    @property
-    def file_prefix(self) -> str:
-        return f"{self.profile_prefix}-" if self.profile_prefix else ""
-
-
-@dataclass
-class ProfileReqOutput:
-    success: bool
-    message: str
-
-
-@dataclass
-class FreezeGCReq:
-    """/freeze_gc: every process moves what it holds now out of the cyclic collector's reach."""
-
-
-@dataclass
-class FreezeGCReqOutput:
-    success: bool
-    message: str
-
-
-@dataclass
-class ExpertDistributionReq:
-    """/start_expert_distribution_record ("start"), /stop_... ("stop") or /dump_... ("dump")."""
-
-    action: str
-
-
-@dataclass
-class ExpertDistributionReqOutput:
-    success: bool
-    message: str
 
 
 @dataclass
