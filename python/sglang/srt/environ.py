@@ -110,6 +110,7 @@ class Envs:
     SGLANG_TORCH_PROFILER_DIR = EnvStr("/tmp", "Where /start_profile writes traces (output_dir: inside it).")
     SGLANG_PROFILE_WITH_STACK = EnvBool(True, "/start_profile's with_stack where the request does not say.")
     SGLANG_PROFILE_RECORD_SHAPES = EnvBool(False, "/start_profile's record_shapes where the request does not say.")
+    SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR = EnvStr("/tmp", "Where /dump_expert_distribution_record writes.")
     SGLANG_PROFILE_MAX_STEPS = EnvInt(2_000, "The most batches one profile traces (it grows in memory with each).")
     SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR = EnvStr(
         "/tmp/hicache", "The disk tier of --hicache-storage-backend file (mem_cache/disk_tier.py)."

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -518,6 +519,13 @@ def test_the_openai_routes_build_a_long_reply_off_the_event_loop(route):
 
     request = SimpleNamespace(body=read, url=SimpleNamespace(path="/v1/x"), is_disconnected=None)
 
+    # Where each reply (or chunk) was built: the echo replies' builds are short even on the loop, so
+    # the thread is what says they left it.
+    threads = []
+    for name in ("_json_reply", "_chunk_events"):
+        built = getattr(serving, name)
+        setattr(serving, name, lambda *a, _f=built: (threads.append(threading.current_thread()), _f(*a))[1])
+
     async def main() -> tuple[float, bytes]:
         async with LoopBystander() as bystander:
             reply = await serving.handle(request)
@@ -533,3 +541,4 @@ def test_the_openai_routes_build_a_long_reply_off_the_event_loop(route):
         assert len(logprobs["tokens"]) == positions + 1  # (the answer's one token after the prompt's)
         assert logprobs["token_logprobs"][0] is None and len(logprobs["top_logprobs"][1]) == 20
     assert stall < 0.3, stall
+    assert threads and threading.main_thread() not in threads

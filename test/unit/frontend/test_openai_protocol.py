@@ -316,6 +316,8 @@ def test_logprob_formats():
     tail, _ = completion_logprobs(META, 1, 2, False)
     assert tail.tokens == ["é"] and tail.text_offset == [2] and tail.top_logprobs == [None]
     chat = orjson.loads(orjson.dumps(chat_logprobs(META, 0).model_dump()))  # (what a reply writes)
+    # (the plain forms too: the replies' fast path, an orjson piece, is model_dump's python mode only)
+    assert json.loads(chat_logprobs(META, 0).model_dump_json()) == chat == chat_logprobs(META, 0).model_dump(mode="json")
     assert chat["content"][1]["bytes"] == [0xC3, 0xA9]
     assert [t["token"] for t in chat["content"][0]["top_logprobs"]] == ["ab", "c"]
 

@@ -118,8 +118,11 @@ def test_a_profile_nobody_stops_ends_at_the_step_bound(tmp_path, monkeypatch):
     try:
         h.sched.profiler = None
         _start(h, tmp_path, profile_id="bound", with_stack=False)
+        written = []
+        write = h.sched.profiler._write
+        h.sched.profiler._write = lambda: (written.append(h.sched.profiler.steps), write())[1]
         h.generate(token_ids(16, seed=7), max_new_tokens=6)
-        assert (tmp_path / "bound-TP-0.trace.json.gz").exists() and not h.sched.profiler.active
+        assert written == [2] and (tmp_path / "bound-TP-0.trace.json.gz").exists() and not h.sched.profiler.active
     finally:
         h.shutdown()
 

@@ -65,10 +65,11 @@ class Observers:
         self._tell("on_abort", state)
 
 
-def observers(server_args: Any, metrics: Any = None) -> Observers | None:
-    """What a TokenizerManager observes with: `metrics` and, with --log-requests, the request log."""
+def observers(server_args: Any, *others: Any) -> Observers | None:
+    """What a TokenizerManager observes with: `others` (the metrics) and, with --log-requests, the
+    request log."""
     log = RequestLog(server_args.log_requests_level, server_args.log_requests_format)
-    found = Observers(metrics, log if server_args.log_requests else None)
+    found = Observers(*others, log if server_args.log_requests else None)
     return found if found else None
 
 
@@ -108,9 +109,7 @@ def configure_logging(data: Any, server_args: Any, current: Observers | None) ->
     if data.get("log_level") is not None:
         logging.getLogger().setLevel(data["log_level"].upper())
     kept = [o for o in (current.observers if current else []) if not isinstance(o, RequestLog)]
-    log = RequestLog(server_args.log_requests_level, server_args.log_requests_format)
-    found = Observers(*kept, log if server_args.log_requests else None)
-    return found if found else None
+    return observers(server_args, *kept)
 
 
 class RequestLog:

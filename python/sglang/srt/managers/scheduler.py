@@ -18,7 +18,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
 
 from sglang.srt.constrained.xgrammar_backend import create_grammar_backend
 from sglang.srt.environ import envs
@@ -45,7 +44,7 @@ from sglang.srt.managers.scheduler_components.scheduler_update_weights_mixin imp
 from sglang.srt.managers.scheduler_components.scheduler_watchdog import (
     SchedulerWatchdogError,
     exit_now,
-    stuck_forward_message,
+    wait_forward,
     watch_inline_forward,
 )
 from sglang.srt.managers.scheduler_components.tp_broadcast import (
@@ -62,7 +61,6 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_worker import (
     ForwardWorker,
     LaunchedBatch,
-    RanFuture,
     pre_forward_ops,
     run_state_ops_here,
 )
@@ -371,15 +369,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
     def process_oldest(self) -> None:
         batch, fut = self.in_flight.popleft()
         times, start = self.loop_times, clock()
-        try:
-            result = fut.result(timeout=self.watchdog_timeout).wait(self.watchdog_timeout)
-            if isinstance(fut, RanFuture) and self.watchdog_timeout is not None:
-                # Run on this thread: in a scheduler process `watch_inline_forward` ends one that runs
-                # too long; elsewhere (an in-process scheduler) it is reported once it returns.
-                if fut.seconds > self.watchdog_timeout:
-                    raise TimeoutError
-        except (FutureTimeoutError, TimeoutError):
-            raise SchedulerWatchdogError(stuck_forward_message(batch, self.watchdog_timeout)) from None
+        result = wait_forward(batch, fut, self.watchdog_timeout)
         landed = clock()
         processors = batch.forward_batch.custom_logit
         if processors is not None and processors.errors:

@@ -195,9 +195,7 @@ class ReqState:
         if scan is not None and scan.work(self.text) > OFF_LOOP_SCAN:
             await asyncio.to_thread(scan.scan, self.text)
         taken = self._take()
-        if taken.entries > OFF_LOOP_ENTRIES:
-            return await asyncio.to_thread(without_gc, self._build, taken, token_texts)
-        return self._build(taken, token_texts)
+        return await built_off_loop_if_large(taken.entries, self._build, taken, token_texts)
 
     def _take(self) -> _Taken:
         """What the next reply holds, as it is now: the text, ids and counts, and a range of each list

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from sglang.srt.environ import envs
 from sglang.srt.utils.atomic_file import write_file
 
 logger = logging.getLogger(__name__)
@@ -35,12 +36,15 @@ MODES = ("stat", "stat_approx")  # (stat_approx: upstream's DeepEP approximation
 
 
 class ExpertDistribution:
-    def __init__(self, num_layers: int, num_experts: int, buffer_size: int, device: str):
-        self.num_layers, self.num_experts = num_layers, num_experts
+    def __init__(
+        self, num_layers: int, num_experts: int, moe_layers: list[int], buffer_size: int, device: str
+    ):
+        """`moe_layers`: the layers with routed experts (`RoutedExpertsCapture`); the others count 0."""
+        self.num_experts = num_experts
         self.sum_only = buffer_size < 0
         rows = 1 if self.sum_only else buffer_size
         self.steps = torch.zeros(rows, num_layers, num_experts, dtype=torch.int32, device=device)
-        self.moe_layers: torch.Tensor | None = None  # the layers with routed experts (`RoutedExpertsCapture`)
+        self.moe_layers = torch.tensor(sorted(moe_layers), dtype=torch.long, device=device)
         self.recording = False
         self.next = 0  # the row the next step goes to
         self.count = 0  # steps recorded since the last reset
@@ -87,7 +91,7 @@ class ExpertDistribution:
         if not writes:  # (another TP rank writes the same counts)
             self.reset()
             return True, ""
-        folder = os.environ.get("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR") or "/tmp"
+        folder = envs.SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR.get() or "/tmp"
         suffix = "" if dp_rank is None else f"_dp{dp_rank}"
         path = os.path.join(folder, f"expert_distribution_recorder_{time.time()}{suffix}.pt")
         record = {"rank": 0, "logical_count": self.logical_count()}

@@ -68,8 +68,13 @@ class RoutedExpertsCapture:
         return self.big
 
     @classmethod
-    def create(cls, server_args: Any, model: nn.Module, kv_slots: int, device: str) -> RoutedExpertsCapture | None:
-        returned, recorded = server_args.enable_return_routed_experts, server_args.expert_distribution_recorder_mode
+    def create(
+        cls, server_args: Any, model: nn.Module, kv_slots: int, device: str
+    ) -> RoutedExpertsCapture | None:
+        returned, recorded = (
+            server_args.enable_return_routed_experts,
+            server_args.expert_distribution_recorder_mode,
+        )
         if not returned and recorded is None:
             return None
         from sglang.srt.server_args_checks import ServerArgsError
@@ -82,7 +87,9 @@ class RoutedExpertsCapture:
         capture = cls(layers, top_k, kv_slots if returned else 0, device, rows) if top_k and layers else None
         if capture is None or not capture.attach(model):
             flag = "--enable-return-routed-experts" if returned else "--expert-distribution-recorder-mode"
-            raise ServerArgsError(f"{flag} needs a mixture-of-experts checkpoint; this one has no routed experts.")
+            raise ServerArgsError(
+                f"{flag} needs a mixture-of-experts checkpoint; this one has no routed experts."
+            )
         if recorded is not None:
             size = server_args.expert_distribution_recorder_buffer_size or 1000
             step = layers * capture.num_experts * 4
@@ -91,8 +98,9 @@ class RoutedExpertsCapture:
                     f"--expert-distribution-recorder-buffer-size {size} keeps {size * step / 2**30:.1f} GiB of counts "
                     f"on the device ({step} bytes a step); keep at most {MAX_RECORD_BYTES // step} steps, or -1 for one sum."
                 )
-            capture.distribution = ExpertDistribution(layers, capture.num_experts, size, device)
-            capture.distribution.moe_layers = torch.tensor(sorted(capture.moe_layers), device=device)
+            capture.distribution = ExpertDistribution(
+                layers, capture.num_experts, capture.moe_layers, size, device
+            )
         if capture.by_slot is not None:
             table = capture.by_slot.numel() * capture.by_slot.element_size()
             logger.info("Routed experts: %.1f MiB of host memory (%d KV slots).", table / 2**20, kv_slots)
@@ -116,7 +124,15 @@ class RoutedExpertsCapture:
         return len(self.moe_layers)
 
     def record(self, layer: int, ids: torch.Tensor) -> None:
-        """Layer `layer`'s top-k ids [T, k] of this forward's rows."""
+        """Layer `layer`'s top-k ids [T, k] of this forward's rows (an eager forward that nobody reads the
+        rows of, with only the expert distribution's flag and it not recording, skips the copy; a CUDA graph
+        being captured always records)."""
+        if (
+            self.by_slot is None
+            and not self.distribution.recording
+            and not torch.cuda.is_current_stream_capturing()
+        ):
+            return
         tokens = ids.shape[0]
         self._buffer(tokens)[:tokens, layer].copy_(ids)
 

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, model_serializer
 
 
 class _Response(BaseModel):
@@ -30,13 +30,16 @@ class ChoiceLogprobs(_Response):
     `bytes`, `top_logprobs` of `token`, `logprob`, `bytes`), written by orjson in one piece: pydantic's
     serializer holds the GIL through a whole list (0.4-0.8 s at the entry bound), so a reply built on a
     worker thread still stalled the event loop. `model_dump` gives an `orjson.Fragment` for this field,
-    which orjson writes as it is (every reply goes through `json_response` or `sse`)."""
+    which orjson writes as it is (every reply goes through `json_response` or `sse`); `model_dump_json`
+    and `model_dump(mode="json")` give the plain form."""
 
     content: list[dict[str, Any]]
 
-    @model_serializer
-    def _as_json(self) -> Any:
-        return orjson.Fragment(orjson.dumps({"content": self.content}))
+    @model_serializer(mode="wrap")
+    def _as_json(self, handler: Any, info: SerializationInfo) -> Any:
+        if info.mode == "python":  # (what json_response and sse write, with orjson)
+            return orjson.Fragment(orjson.dumps({"content": self.content}))
+        return handler(self)  # (model_dump_json, model_dump(mode="json"): the plain form)
 
 
 class CompletionLogprobs(_Response):

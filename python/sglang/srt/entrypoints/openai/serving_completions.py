@@ -111,7 +111,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         if req.logprobs is not None:
             sent, offset = progress[index]
             logprobs, offset = completion_logprobs(meta, sent, offset, req.logprobs > 0, lp=logprobs)
-            progress[index] = (sent + len(meta.get("output_token_logprobs", [])[sent:]), offset)
+            progress[index] = (max(sent, len(meta.get("output_token_logprobs", []))), offset)
         delta = echoed + delta
         reason, matched = finish_reason(meta)
         if not (delta or reason or (logprobs and logprobs.tokens)):

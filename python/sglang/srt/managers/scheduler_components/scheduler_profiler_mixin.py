@@ -5,15 +5,10 @@ on every TP rank (the same messages); it does not import `scheduler.py`."""
 
 from __future__ import annotations
 
-from concurrent.futures import TimeoutError as FutureTimeoutError
-
 from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import ExpertDistributionReqOutput, ProfileReq, ProfileReqOutput
 from sglang.srt.managers.scheduler_components.scheduler_profiler import SchedulerProfiler
-from sglang.srt.managers.scheduler_components.scheduler_watchdog import (
-    SchedulerWatchdogError,
-    stuck_forward_message,
-)
+from sglang.srt.managers.scheduler_components.scheduler_watchdog import wait_forward
 
 
 class SchedulerProfilerMixin:
@@ -44,7 +39,4 @@ class SchedulerProfilerMixin:
     def _wait_in_flight(self) -> None:
         """Until the batches launched so far have run (not processed), within --watchdog-timeout each."""
         for batch, fut in self.in_flight:
-            try:
-                fut.result(timeout=self.watchdog_timeout).wait(self.watchdog_timeout)
-            except (FutureTimeoutError, TimeoutError):
-                raise SchedulerWatchdogError(stuck_forward_message(batch, self.watchdog_timeout)) from None
+            wait_forward(batch, fut, self.watchdog_timeout)

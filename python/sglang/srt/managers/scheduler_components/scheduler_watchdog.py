@@ -42,3 +42,22 @@ def stuck_forward_message(batch: Any, timeout: float) -> str:
         f"{batch.batch_size} requests, {batch.forward_batch.num_tokens} tokens, rids "
         f"{[r.rid for r in batch.reqs[:8]]}) did not finish within --watchdog-timeout {timeout:g} s."
     )
+
+
+def wait_forward(batch: Any, fut: Any, timeout: float | None) -> Any:
+    """The host result of `batch`'s forward (`fut`, the forward worker's), once it has run: a
+    SchedulerWatchdogError naming the batch where that took past --watchdog-timeout `timeout` (None: no
+    limit). A forward run on the scheduler thread (`RanFuture`) is judged by how long it ran."""
+    from concurrent.futures import TimeoutError as FutureTimeoutError
+
+    from sglang.srt.model_executor.forward_worker import RanFuture
+
+    try:
+        result = fut.result(timeout=timeout).wait(timeout)
+        if isinstance(fut, RanFuture) and timeout is not None and fut.seconds > timeout:
+            # (in a scheduler process `watch_inline_forward` ends one that runs too long; elsewhere, an
+            # in-process scheduler, it is reported once it returns)
+            raise TimeoutError
+    except (FutureTimeoutError, TimeoutError):
+        raise SchedulerWatchdogError(stuck_forward_message(batch, timeout)) from None
+    return result
