@@ -112,6 +112,10 @@ class Envs:
     SGLANG_PROFILE_RECORD_SHAPES = EnvBool(False, "/start_profile's record_shapes where the request does not say.")
     SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR = EnvStr("/tmp", "Where /dump_expert_distribution_record writes.")
     SGLANG_PROFILE_MAX_STEPS = EnvInt(2_000, "The most batches one profile traces (it grows in memory with each).")
+    # Sessions (managers/session_controller.py): what all open sessions may hold in the HTTP process.
+    SGLANG_MAX_OPEN_SESSIONS = EnvInt(1_024, "The most sessions open at once (/open_session).")
+    SGLANG_SESSION_MAX_REQUESTS = EnvInt(65_536, "The most requests all open sessions keep.")
+    SGLANG_SESSION_MAX_TOKENS = EnvInt(1 << 24, "The most token ids all open sessions keep (4 bytes each).")
     SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR = EnvStr(
         "/tmp/hicache", "The disk tier of --hicache-storage-backend file (mem_cache/disk_tier.py)."
     )

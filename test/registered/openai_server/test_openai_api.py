@@ -239,6 +239,32 @@ class TestOpenAIServer(ServerTestCase):
         with self.assertRaises(openai.AuthenticationError):
             bad.models.list()
 
+    def test_a_session_turn_is_the_whole_prompt_served_from_the_cache(self) -> None:
+        """Upstream's sessions over HTTP: a turn that names the earlier one is served as its whole prompt
+        (input, outputs, new ids: the same tokens and logprobs as that prompt sent at once) and reuses the
+        earlier turn's cached state (64 of its 76 positions: the last chunk boundary it reached)."""
+        sid = self.post("/open_session", {"capacity_of_str_len": 1000}).json()
+        self.assertEqual(self.post("/open_session", {"session_id": sid}).status_code, 400)
+        r = self.post("/open_session", {"streaming": True})
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "streaming"))
+        greedy = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+        prompt = [10 + (i * 7) % 300 for i in range(70)]  # (no cached prefix from other tests)
+        rid = f"turn-{uuid.uuid4().hex}"
+        first = self.generate(input_ids=prompt, sampling_params=greedy, rid=rid, session_params={"id": sid})
+        new = {"input_ids": [5, 6, 7], "sampling_params": greedy, "return_logprob": True}
+        turn = self.generate(**new, session_params={"id": sid, "rid": rid})
+        whole = self.generate(**{**new, "input_ids": prompt + first["output_ids"] + [5, 6, 7]})
+        self.assertEqual(turn["output_ids"], whole["output_ids"])
+        # 1e-4: the project's float32 bound between a cache hit and a cold prefill (the two may hit the
+        # cache at different boundaries).
+        for (a, _, _), (b, _, _) in zip(turn["meta_info"]["output_token_logprobs"], whole["meta_info"]["output_token_logprobs"], strict=True):  # fmt: skip
+            self.assertAlmostEqual(a, b, delta=1e-4)
+        self.assertEqual(turn["meta_info"]["prompt_tokens"], 70 + 6 + 3)
+        self.assertGreaterEqual(turn["meta_info"]["cached_tokens"], 64)
+        self.assertEqual(self.post("/close_session", {"session_id": sid}).status_code, 200)
+        r = self.post("/generate", {**new, "session_params": {"id": sid, "rid": rid}})
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "session_params.id"))
+
     def test_native_generate_batch_and_stream(self) -> None:
         # ignore_eos (both requests): at the default temperature an unseeded request draws from the
         # server's generator, whose state depends on every request and batch before it, and the random

@@ -46,6 +46,7 @@ NORMAL_ROUTES = {
     "/v1/models": "GET",
     "/get_model_info": "GET",
     "/v1/completions": "POST",
+    "/open_session": "POST",
 }
 
 

@@ -56,7 +56,7 @@ def test_unset_upstream_fields_and_router_fields_are_accepted():
         ("return_entropy", "true"),
         ("max_thinking_tokens", "0"),
         ("background", "true"),
-        ("session_params", '{"id": "s"}'),
+        ("return_prompt_token_ids", "true"),
     ],
 )
 def test_a_feature_this_server_lacks_is_refused_naming_the_field(field, value):

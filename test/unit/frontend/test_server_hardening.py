@@ -7,7 +7,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from sglang.srt.entrypoints.engine import build_server_info
+from sglang.srt.entrypoints.server_info import build_server_info
 from sglang.srt.server_args import REDACTED, ServerArgs, ServerArgsError
 from sglang.test.ci_register import register_cpu_ci
 

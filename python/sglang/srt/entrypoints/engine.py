@@ -21,11 +21,13 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 from sglang.srt.entrypoints.process_launcher import SchedulerEntry, ServerStartupError, launch_subprocesses
+from sglang.srt.entrypoints.server_info import build_server_info
 from sglang.srt.lora.lora_registry import parse_load_lora_adapter, parse_unload_lora_adapter
 from sglang.srt.managers.io_struct import (
     ExpertDistributionReqOutput,
     FlushCacheReqOutput,
     GenerateReqInput,
+    OpenSessionReqInput,
     ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
@@ -33,7 +35,6 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
 )
 from sglang.srt.managers.profile_request import parse_profile_request
-from sglang.srt.managers.request_validation import max_samples_per_request
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.managers.weight_update_request import (
     check_tensor_load_format,
@@ -46,32 +47,9 @@ from sglang.srt.managers.weight_update_request import (
 )
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.server_args_upstream import upstream_engine_kwargs
-from sglang.version import __version__
 
 # The reply of /load_lora_adapter and /unload_lora_adapter (upstream's fields).
 LORA_REPLY = ("success", "error_message", "loaded_adapters")
-
-
-def build_server_info(
-    server_args: ServerArgs, model_info: dict[str, Any], state: dict[str, Any], tm: Any = None
-) -> dict:
-    """The /get_server_info body: every server arg (secrets redacted) and the resolved values derived
-    from them, the scheduler's limits and its live state. `tm`: the tokenizer manager whose limits it
-    reports (its fan-out bound: None, no bound, in an Engine); without one, the flags' values."""
-    info = server_args.public_dict()
-    info["mamba_radix_cache_strategy"] = server_args.mamba_radix_cache_strategy
-    info["mamba_cache_chunk_size"] = server_args.mamba_cache_chunk_size
-    info["max_request_body_size"] = server_args.request_body_limit
-    info.update(model_info)
-    if tm is not None:
-        info["max_samples_per_request"] = tm.max_samples_per_request
-    else:
-        info["max_samples_per_request"] = max_samples_per_request(
-            server_args.max_samples_per_request, model_info["max_running_requests"]
-        )
-    info["internal_states"] = [state]
-    info["version"] = __version__
-    return info
 
 
 class Engine:
@@ -132,6 +110,7 @@ class Engine:
         priority: int | list[int] | None = None,
         lora_path: str | list[str | None] | None = None,
         return_routed_experts: bool | list[bool] = False,
+        session_params: dict | list[dict | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of chunks
         (text and output_ids cumulative; logprob lists and hidden states only what is new, the input
@@ -139,7 +118,8 @@ class Engine:
         `return_hidden_states` (with enable_return_hidden_states), and the cache namespace of
         `extra_key` / `cache_salt`, `priority` (--enable-priority-scheduling; docs/server.md), and
         `lora_path`, a loaded LoRA adapter's name (--enable-lora; docs/lora.md), and
-        `return_routed_experts` (with enable_return_routed_experts: meta_info["routed_experts"])."""
+        `return_routed_experts` (with enable_return_routed_experts: meta_info["routed_experts"]), and
+        `session_params`, which continues an earlier request of a session (`open_session`)."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
         if not stream:
             return self._run(_first(self.tokenizer_manager.generate_request(obj, trusted=True)))
@@ -200,6 +180,7 @@ class Engine:
         priority: int | list[int] | None = None,
         lora_path: str | list[str | None] | None = None,
         return_routed_experts: bool | list[bool] = False,
+        session_params: dict | list[dict | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As `generate`, from any event loop; with stream=True, await it for an async iterator."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
@@ -231,6 +212,18 @@ class Engine:
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self._loop.call_soon_threadsafe(self.tokenizer_manager.abort_request, rid, abort_all)
+
+    def open_session(
+        self, capacity_of_str_len: int = 0, session_id: str | None = None, streaming: bool = False,
+        timeout: float | None = None,
+    ) -> str:  # fmt: skip
+        """Upstream's: open a session (`generate(session_params={"id": ...})` continues its requests) and
+        return its id; RequestError naming the field (a duplicate id, `streaming`: not supported)."""
+        obj = OpenSessionReqInput(capacity_of_str_len, session_id, streaming, timeout)
+        return self._run(_call(self.tokenizer_manager.sessions.open, obj))
+
+    def close_session(self, session_id: str) -> None:
+        self._run(_call(self.tokenizer_manager.sessions.close, session_id))
 
     def flush_cache(self) -> FlushCacheReqOutput:
         """Empty the prefix cache; fails (success=False) while requests are running."""
@@ -440,6 +433,10 @@ def _current_task_cancelling() -> bool:
     return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
 
 
+async def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)  # (on the loop that owns the TokenizerManager: nothing of it is thread-safe)
+
+
 async def _first(agen: AsyncIterator[Any]) -> Any:
     async for item in agen:
         await agen.aclose()
@@ -466,6 +463,7 @@ def _make_obj(
     priority: Any = None,
     lora_path: Any = None,
     return_routed_experts: Any = False,
+    session_params: Any = None,
 ) -> GenerateReqInput:
     return GenerateReqInput(
         text=prompt,
@@ -486,4 +484,5 @@ def _make_obj(
         priority=priority,
         lora_path=lora_path,
         return_routed_experts=return_routed_experts,
+        session_params=session_params,
     )

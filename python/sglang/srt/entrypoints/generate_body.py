@@ -59,7 +59,6 @@ UNSUPPORTED = {
     "image_max_dynamic_patch": "dynamic image patching",
     "video_max_dynamic_patch": "dynamic image patching",
     "images_config": "per-request image settings (the checkpoint's image processor settings apply)",
-    "session_params": "sessions",
     "lora_id": "LoRA adapter ids (name the adapter in lora_path)",
     "positional_embed_overrides": "embedding overrides",
     "return_sampling_mask": "sampling masks",

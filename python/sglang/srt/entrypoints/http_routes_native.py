@@ -1,5 +1,5 @@
-"""SGLang's native routes: health, model and server info, the loads (`server_loads`), /generate, and
-/metrics (`metrics_router`, with --enable-metrics). Errors are raised and answered by `http_errors`."""
+"""SGLang's native routes: health, model and server info, the loads (`server_loads`), /generate, the
+sessions (/open_session, /close_session: `session_controller`), and /metrics (`metrics_router`, with --enable-metrics). Errors are raised and answered by `http_errors`."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from sglang.srt.entrypoints.engine import build_server_info
 from sglang.srt.entrypoints.generate_body import parse_generate_body
 from sglang.srt.entrypoints.http_context import Server
-from sglang.srt.entrypoints.http_errors import ErrorMappingRoute, json_response
+from sglang.srt.entrypoints.http_errors import ErrorMappingRoute, json_object, json_response
 from sglang.srt.entrypoints.openai.serving_base import SSEResponse, sse, sse_stream, start_generation
+from sglang.srt.entrypoints.server_info import build_server_info
 from sglang.srt.entrypoints.server_loads import legacy_loads, v1_loads, v1_loads_body, v1_loads_prometheus
-from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.io_struct import GenerateReqInput, OpenSessionReqInput
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError
 
@@ -113,6 +113,25 @@ async def generate(request: Request, s: Server) -> Response:
         return SSEResponse(sse_stream(_native_events(first, gen)))
     await gen.aclose()
     return json_response(first)
+
+
+@router.api_route("/open_session", methods=["GET", "POST"])
+async def open_session(request: Request, s: Server) -> Response:
+    """Upstream's: the new session's id, as a JSON string (a duplicate id or a bad field: 400)."""
+    data = json_object(await request.body())
+    if not isinstance(data, dict):
+        raise RequestError("The request body must be a JSON object.", None, "invalid_type")
+    fields = ("capacity_of_str_len", "session_id", "streaming", "timeout")
+    obj = OpenSessionReqInput(**{k: data[k] for k in fields if data.get(k) is not None})
+    return json_response(s.tm.sessions.open(obj))
+
+
+@router.api_route("/close_session", methods=["GET", "POST"])
+async def close_session(request: Request, s: Server) -> Response:
+    """Upstream's: 200 whether or not the session was open."""
+    data = json_object(await request.body())
+    s.tm.sessions.close(data.get("session_id") if isinstance(data, dict) else None)
+    return Response(status_code=200)
 
 
 async def _native_events(first: Any, gen: AsyncIterator[Any]) -> AsyncIterator[bytes]:

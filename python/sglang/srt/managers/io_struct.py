@@ -86,6 +86,20 @@ class GenerateReqInput:
     # Videos (upstream's): one video or a list per prompt, each a video file (as an image_data item) or
     # a list of frames (each as an image_data item); docs/multimodal.md.
     video_data: Any = None
+    # Sessions (upstream's): {"id", "rid", "offset", "replace", "drop_previous_output"}, one for every
+    # prompt or one per prompt; the request continues an earlier one of the session (session_controller.py).
+    session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+
+
+@dataclass
+class OpenSessionReqInput:
+    """/open_session's body and Engine.open_session's arguments (upstream's; `capacity_of_str_len` is
+    kept for compatibility and bounds nothing, as upstream's)."""
+
+    capacity_of_str_len: int = 0
+    session_id: str | None = None
+    streaming: bool | None = None
+    timeout: float | None = None  # seconds without a request after which the session closes
 
 
 @dataclass

@@ -90,6 +90,7 @@ class NormalizedRequest:
     index: int
     return_text_in_logprobs: bool
     prompt: int = 0  # which prompt of the call it samples (its images are that prompt's)
+    session: Any = None  # with session_params: its `session_controller.SessionPlan`
 
 
 def hidden_states_refused(server_args: Any) -> str | None:

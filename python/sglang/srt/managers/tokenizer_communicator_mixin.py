@@ -1,7 +1,9 @@
-"""The TokenizerManager's weight and memory calls (upstream's RL refit routes), at upstream's module name:
-updates from disk, tensors and a trainer's process group, reads of a parameter, memory release and
-resume, the weight version; the profiler's start and stop, the expert distribution recorder, and /freeze_gc. Each holds new requests at the TokenizerManager's gates while it needs to,
-and goes to the scheduler as a control call (`TokenizerManager._control`)."""
+"""The TokenizerManager's control calls, at upstream's module name: pausing and continuing generation,
+and the weight and memory calls (upstream's RL refit routes): updates from disk, tensors and a trainer's
+process group, reads of a parameter, memory release and resume, the weight version; the profiler's start
+and stop, the expert distribution recorder, and /freeze_gc. Each holds new requests at the
+TokenizerManager's gates while it needs to, and goes to the scheduler as a control call
+(`TokenizerManager._control`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import gc
 from typing import Any, Protocol
 
 from sglang.srt.managers.io_struct import (
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
     DestroyWeightsUpdateGroupReqInput,
     DestroyWeightsUpdateGroupReqOutput,
     ExpertDistributionReq,
@@ -21,6 +25,8 @@ from sglang.srt.managers.io_struct import (
     InitWeightsUpdateGroupReqOutput,
     LoadLoRAAdapterReqInput,
     LoadLoRAAdapterReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
     ProfileReq,
     ProfileReqOutput,
     ReleaseMemoryOccupationReqInput,
@@ -49,6 +55,36 @@ class DisconnectCheck(Protocol):
 
 class TokenizerCommunicatorMixin:
     """Mixed into `TokenizerManager`, whose gates, locks and control calls these use."""
+
+    async def pause_generation(self, mode: str, timeout: float = CONTROL_TIMEOUT_S) -> None:
+        """Upstream's modes: "abort" aborts every request and holds new ones here; "retract" and
+        "in_place" pause the scheduler (see `PauseGenerationReqInput`). New requests wait in every mode
+        until `continue_generation`. A pause that fails (TimeoutError) leaves the pause state as it was."""
+        was_paused = not self._unpaused.is_set()
+        self._unpaused.clear()
+        try:
+            if mode != "abort":
+                await self._control(PauseGenerationReqInput(mode), PauseGenerationReqOutput, timeout)
+                self._scheduler_paused = True
+                return
+            # One abort suffices: it follows every request already sent on the same ordered socket.
+            self.abort_request(abort_all=True)
+            if not await self._wait_until(self._all_finished, None, timeout):
+                raise TimeoutError(f"Requests were still running {timeout:.0f} s after they were aborted.")
+        except BaseException:
+            if not was_paused:
+                self._unpaused.set()
+            raise
+
+    async def continue_generation(self, timeout: float = CONTROL_TIMEOUT_S) -> None:
+        """Resume: new requests go through again even if the scheduler does not answer (its own pause,
+        if any, then holds them in its queue)."""
+        try:
+            if self._scheduler_paused:  # an "abort" pause never reached the scheduler
+                await self._control(ContinueGenerationReqInput(), ContinueGenerationReqOutput, timeout)
+                self._scheduler_paused = False
+        finally:
+            self._unpaused.set()
 
     async def update_weights_from_disk(
         self, obj: UpdateWeightFromDiskReqInput, request: DisconnectCheck | None = None

@@ -34,15 +34,11 @@ from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
     BatchTokenizedGenerateReqInput,
-    ContinueGenerationReqInput,
-    ContinueGenerationReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
-    PauseGenerationReqInput,
-    PauseGenerationReqOutput,
     PortArgs,
     SchedulerHeartbeat,
 )
@@ -59,6 +55,7 @@ from sglang.srt.managers.request_validation import (
     max_samples_per_request,
     parse_prompts,
 )
+from sglang.srt.managers.session_controller import SessionController
 from sglang.srt.managers.text_encoder import TextEncoder
 from sglang.srt.managers.tokenizer_communicator_mixin import (
     CONTROL_TIMEOUT_S,
@@ -152,6 +149,9 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         self._memory_resumed.set()
         self._memory_lock = asyncio.Lock()
         self.rid_to_state: dict[str, ReqState] = {}
+        # /open_session, /close_session and the requests' session_params (session_controller.py).
+        refusal = None if server_args.disaggregation_mode == "null" else "Sessions are not supported with --disaggregation-mode."
+        self.sessions = SessionController(refusal, getattr(self.tokenizer, "bos_token_id", None))
         # `request_log.Observers` (metrics, --log-requests): the requests' arrival, tokens, finish, abort.
         self.observer: Any = observers(server_args)
         watch_gc(server_args.gc_warning_threshold_secs)  # (this process's; the children's: `configure_subprocess`)
@@ -224,7 +224,13 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         else:
             truncate = self.limits.auto_truncate and obj.image_data is None and obj.video_data is None
             encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len, truncate=truncate)
+        sessions = None
+        if obj.session_params is not None:  # (each prompt's history goes before it: checked as its input)
+            media = obj.image_data is not None or obj.video_data is not None
+            sessions = self.sessions.build_prompts(obj.session_params, prompts, encoded, media)
         items, is_list = build_requests(obj, prompts, encoded, self.limits)
+        for item in items if sessions is not None else ():
+            item.session = sessions[item.prompt]
         media = {"image_data": obj.image_data, "video_data": obj.video_data}
         p = self.image_processor
         # The request's media work: one item at a time in the media pool, dropped once `request` is gone.
@@ -274,6 +280,10 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         for item in items:
             if item.req.rid in self.rid_to_state:
                 raise RequestError(f"A request with rid {item.req.rid!r} is already running.", "rid")
+        if any(item.session is not None for item in items):
+            replaced = self.sessions.begin([i.session for i in items], [i.req.rid for i in items], [i.req.input_ids for i in items])  # fmt: skip
+            for rid in replaced:
+                self.abort_request(rid)
         yield_event = asyncio.Event()
         states: list[ReqState] = []
         try:
@@ -302,6 +312,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
                     if self.observer is not None:
                         self.observer.on_abort(state)
                 self.rid_to_state.pop(state.rid, None)
+                self.sessions.end(state.item.session, state.output_ids)
 
     async def _wait_event(
         self, event: asyncio.Event, request: DisconnectCheck | None, clear: bool = True
@@ -409,36 +420,6 @@ class TokenizerManager(TokenizerCommunicatorMixin):
     async def get_internal_state(self, timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
         out = await self._control(GetInternalStateReq(), GetInternalStateReqOutput, timeout)
         return out.internal_state
-
-    async def pause_generation(self, mode: str, timeout: float = CONTROL_TIMEOUT_S) -> None:
-        """Upstream's modes: "abort" aborts every request and holds new ones here; "retract" and
-        "in_place" pause the scheduler (see `PauseGenerationReqInput`). New requests wait in every mode
-        until `continue_generation`. A pause that fails (TimeoutError) leaves the pause state as it was."""
-        was_paused = not self._unpaused.is_set()
-        self._unpaused.clear()
-        try:
-            if mode != "abort":
-                await self._control(PauseGenerationReqInput(mode), PauseGenerationReqOutput, timeout)
-                self._scheduler_paused = True
-                return
-            # One abort suffices: it follows every request already sent on the same ordered socket.
-            self.abort_request(abort_all=True)
-            if not await self._wait_until(self._all_finished, None, timeout):
-                raise TimeoutError(f"Requests were still running {timeout:.0f} s after they were aborted.")
-        except BaseException:
-            if not was_paused:
-                self._unpaused.set()
-            raise
-
-    async def continue_generation(self, timeout: float = CONTROL_TIMEOUT_S) -> None:
-        """Resume: new requests go through again even if the scheduler does not answer (its own pause,
-        if any, then holds them in its queue)."""
-        try:
-            if self._scheduler_paused:  # an "abort" pause never reached the scheduler
-                await self._control(ContinueGenerationReqInput(), ContinueGenerationReqOutput, timeout)
-                self._scheduler_paused = False
-        finally:
-            self._unpaused.set()
 
     def _all_finished(self) -> bool:
         return all(s.finished for s in self.rid_to_state.values())
