@@ -7,8 +7,20 @@ from __future__ import annotations
 import pytest
 
 from sglang.srt.entrypoints.parallel_layout import plan_schedulers
-from sglang.srt.managers.data_parallel_controller import LoadBalancer, ReplicaLoad, merge_replies
-from sglang.srt.managers.io_struct import FlushCacheReqOutput, GetInternalStateReqOutput, PortArgs
+from sglang.srt.managers.data_parallel_controller import (
+    DataParallelController,
+    LoadBalancer,
+    ReplicaLoad,
+    merge_replies,
+)
+from sglang.srt.managers.io_struct import (
+    BatchTokenizedGenerateReqInput,
+    FlushCacheReqOutput,
+    GetInternalStateReqOutput,
+    PortArgs,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, ServerArgsError, prepare_server_args
 from sglang.srt.utils.process import available_cores
 from sglang.test.ci_register import register_cpu_ci
@@ -119,6 +131,23 @@ def test_round_robin_and_shortest_queue():
     assert [sq.pick() for _ in range(5)] == [1, 2, 1, 2, 1]
     sq.report(ReplicaLoad(0, 0))
     assert sq.pick() == 0
+    # A request that names its replica (a session's turn) goes there whatever the method, and counts
+    # there; round robin's order for the others stays as it was.
+    assert [rr.pick(), rr.pick(routed=2), rr.pick(routed=2), rr.pick()] == [1, 2, 2, 2]
+    assert sq.pick(routed=0) == 0 and sq.load[0] == 2
+
+
+def test_the_controller_sends_a_request_to_the_replica_it_names():
+    controller = DataParallelController.__new__(DataParallelController)  # (its sockets only: no process)
+    sent: list[list[str]] = [[], []]
+    controller.to_replicas = [
+        type("Sock", (), {"send_pyobj": lambda _, r, d=d: sent[d].append(r.rid)})() for d in (0, 1)
+    ]
+    controller.balancer = LoadBalancer(2, "round_robin")
+    reqs = [TokenizedGenerateReqInput(rid, None, [1], SamplingParams(), routed_dp_rank=d)
+            for rid, d in [("a", 1), ("b", None), ("c", 1), ("d", None)]]  # fmt: skip
+    controller.dispatch(BatchTokenizedGenerateReqInput(reqs))
+    assert sent == [["b"], ["a", "c", "d"]]
 
 
 def test_control_replies_merge_into_one():

@@ -10,7 +10,9 @@ prefix cache) is checked over HTTP in test_openai_api.py."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,23 +21,31 @@ from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import GenerateReqInput, OpenSessionReqInput
 from sglang.srt.managers.request_validation import Prompts, RequestError
 from sglang.srt.managers.session_controller import SessionController
+from sglang.srt.managers.text_encoder import Encoded
 from sglang.test import fake_scheduler
 from sglang.test.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=8, suite="per-commit-cpu")
 
 BOS = 1
+LIMITS = SimpleNamespace(auto_truncate=False, context_len=10_000, max_req_input_len=10_000)
 
 
 def build(ctrl: SessionController, params, *ids_lists: list[int]):
     prompts = Prompts([], [list(x) for x in ids_lists], len(ids_lists) > 1)
-    return ctrl.build_prompts(params, prompts, [], media=False), prompts.ids
+    return ctrl.build_prompts(params, prompts, [], False, LIMITS), prompts.ids
+
+
+def item(plan, rid: str, ids: list[int], max_new: int = 4) -> SimpleNamespace:
+    """What `begin` reads of a `NormalizedRequest`."""
+    params = SimpleNamespace(max_new_tokens=max_new)
+    return SimpleNamespace(session=plan, req=SimpleNamespace(rid=rid, input_ids=ids, sampling_params=params))
 
 
 def turn(ctrl: SessionController, params, ids: list[int], rid: str, output: list[int] | None = None):
     """Build, send and (with `output`) end one turn: its plan, its whole prompt, the rids to abort."""
     plans, full = build(ctrl, params, ids)
-    aborted = ctrl.begin(plans, [rid], full)
+    aborted = ctrl.begin([item(plans[0], rid, full[0])])
     if output is not None:
         ctrl.end(plans[0], output)
     return plans[0], full[0], aborted
@@ -45,6 +55,14 @@ def refused(fn, *args) -> RequestError:
     with pytest.raises(RequestError) as e:
         fn(*args)
     return e.value
+
+
+def held(ctrl: SessionController) -> tuple[int, int]:
+    """The accounting, checked against the live turns it counts."""
+    turns = [t for s in ctrl.sessions.values() for t in s.turns.values()]
+    assert ctrl.num_turns == len(turns)
+    assert ctrl.num_tokens == sum(len(t.own) + t.reserved for t in turns)
+    return ctrl.num_turns, ctrl.num_tokens
 
 
 def test_a_turn_is_its_parents_ids_then_its_own_as_upstream_builds_them():
@@ -59,14 +77,29 @@ def test_a_turn_is_its_parents_ids_then_its_own_as_upstream_builds_them():
     assert turn(ctrl, {**s, "rid": "t1", "offset": -1}, [15], "t5", [])[1] == [BOS, 10, 11, 20, 15]
     assert turn(ctrl, {**s, "rid": "t1", "offset": 2}, [16], "t6", [])[1] == [BOS, 10, 16]
     assert turn(ctrl, {**s, "rid": "t1", "offset": 0}, [17], "t7", [])[1] == [BOS, 10, 11, 20, 21, 17]
-    # A batch: one object for every prompt, or one per prompt (null: that prompt is no turn).
-    plans, full = build(ctrl, [{**s, "rid": "t1"}, None], [30], [31])
-    assert full == [[BOS, 10, 11, 20, 21, 30], [31]] and plans[1] is None
+    assert turn(ctrl, {**s, "rid": "t3", "offset": -2}, [18], "t8", [])[1] == [BOS, 10, 11, 20, 21, 12, 18]
+    # A batch: one object for every prompt, or one per prompt (null or {}: that prompt is no turn).
+    plans, full = build(ctrl, [{**s, "rid": "t1"}, None, {}], [30], [31], [32])
+    assert full == [[BOS, 10, 11, 20, 21, 30], [31], [32]] and plans[1:] == [None, None]
     plans, full = build(ctrl, {**s, "rid": "t1"}, [30], [31])
     assert full == [[BOS, 10, 11, 20, 21, 30], [BOS, 10, 11, 20, 21, 31]]
-    assert ctrl.num_turns == 7 and ctrl.num_tokens == sum(
-        len(t.ids) for t in ctrl.sessions[sid].turns.values()
-    )
+    assert build(ctrl, {}, [33]) == ([None], [[33]])  # upstream reads an empty object as no session
+    assert held(ctrl) == (8, 3 + 2 + 2 + 1 + 1 + 1 + 1 + 1 + 1)  # each turn's own ids only
+
+
+def test_a_long_conversation_holds_its_history_once():
+    """Each turn keeps its own ids and where it branches off: 3 turns of 1,000 new ids hold 3,000 + their
+    outputs, not the 6,000 + that whole prompts would (the bound would run out quadratically)."""
+    ctrl = SessionController()
+    sid = ctrl.open(OpenSessionReqInput())
+    parent = None
+    for k in range(3):
+        params = {"id": sid} if parent is None else {"id": sid, "rid": parent}
+        _, full, _ = turn(ctrl, params, list(range(1000 * k, 1000 * (k + 1))), f"t{k}", [7])
+        parent = f"t{k}"
+    assert len(full) == 3000 + 2 and full[-1001] == 7
+    assert held(ctrl) == (3, 3003)
+    assert ctrl.sessions[sid].turns["t2"].prefix(3003) == full + [7]
 
 
 def test_replace_forgets_the_later_turns_and_names_the_running_ones():
@@ -77,19 +110,20 @@ def test_replace_forgets_the_later_turns_and_names_the_running_ones():
     turn(ctrl, {**s, "rid": "t1"}, [11], "t2", [21])
     running, _, _ = turn(ctrl, {**s, "rid": "t2"}, [12], "t3")  # not ended: still running
     sibling, _, _ = turn(ctrl, {**s, "rid": "t1"}, [13], "t4", [23])
+    assert held(ctrl) == (4, 2 + 2 + (1 + 4) + 2)  # the running one counts its max_new_tokens
     _, full, aborted = turn(ctrl, {**s, "rid": "t1", "replace": True}, [14], "t5", [24])
     assert full == [10, 20, 14] and aborted == ["t3"]
     assert sorted(ctrl.sessions[sid].turns) == ["t1", "t5"]
     e = refused(build, ctrl, {**s, "rid": "t2"}, [1])
     assert e.param == "session_params.rid" and "'t2'" in e.message
-    assert (ctrl.num_turns, ctrl.num_tokens) == (2, 2 + 3 + 1)
+    assert held(ctrl) == (2, 4)
     ctrl.end(running, [99, 98])  # the aborted turn's end counts nowhere
-    assert (ctrl.num_turns, ctrl.num_tokens) == (2, 6)
+    assert held(ctrl) == (2, 4) and ctrl.sessions[sid].running == 0
     # No rid: every turn goes (the running ones named).
     turn(ctrl, {**s, "rid": "t5"}, [15], "t6")
     _, full, aborted = turn(ctrl, {**s, "replace": True}, [16], "t7", [])
     assert full == [16] and aborted == ["t6"] and sorted(ctrl.sessions[sid].turns) == ["t7"]
-    assert (ctrl.num_turns, ctrl.num_tokens) == (1, 1)
+    assert held(ctrl) == (1, 1)
     assert not sibling.turn.live
 
 
@@ -114,11 +148,21 @@ def test_every_refusal_names_its_field():
     ]
     for params, param in cases:
         assert refused(build, ctrl, params, [1]).param == param, params
-    assert refused(build, ctrl, {"id": sid, "replace": True}, [1], [2]).param == "session_params.replace"
     prompts = Prompts([], [[1]], False)
-    assert refused(ctrl.build_prompts, {"id": sid}, prompts, [], True).param == "session_params"  # media
+    assert (
+        refused(ctrl.build_prompts, {"id": sid}, prompts, [], True, LIMITS).param == "session_params"
+    )  # media
+    # The whole prompt is checked against the context, named as the client sent its part.
+    short = SimpleNamespace(auto_truncate=False, context_len=3, max_req_input_len=3)
+    prompts = Prompts(["hi"], [None], False)
+    e = refused(ctrl.build_prompts, {"id": sid, "rid": "done"}, prompts, [Encoded([5, 6], 2)], False, short)
+    assert e.param == "text" and "4 tokens" in e.message
     plans, full = build(ctrl, {"id": sid, "rid": "done"}, [1])
-    assert refused(ctrl.begin, plans, ["done"], full).param == "rid"  # a rid the session has already
+    assert refused(ctrl.begin, [item(plans[0], "done", full[0])]).param == "rid"  # a rid the session has
+    # replace in a request of several turns (prompts or samples): they would replace each other.
+    plans, full = build(ctrl, {"id": sid, "replace": True}, [1])
+    samples = [item(copy.copy(plans[0]), f"r-{j}", full[0]) for j in range(2)]
+    assert refused(ctrl.begin, samples).param == "session_params.replace"
     for obj, param in [
         (OpenSessionReqInput(session_id="s"), "session_id"),  # open already
         (OpenSessionReqInput(session_id=""), "session_id"),
@@ -145,45 +189,67 @@ def test_a_close_or_replace_between_build_and_send_is_refused_at_send():
     turn(ctrl, {"id": sid, "rid": "t1"}, [11], "t2", [21])
     plans, full = build(ctrl, {"id": sid, "rid": "t2"}, [12])
     turn(ctrl, {"id": sid, "rid": "t1", "replace": True}, [13], "t3", [])  # forgets t2
-    e = refused(ctrl.begin, plans, ["t4"], full)
+    e = refused(ctrl.begin, [item(plans[0], "t4", full[0])])
     assert e.param == "session_params.rid" and "replaced" in e.message
     plans, full = build(ctrl, {"id": sid, "rid": "t3"}, [14])
     assert ctrl.close(sid) and not ctrl.close(sid)
-    e = refused(ctrl.begin, plans, ["t5"], full)
+    e = refused(ctrl.begin, [item(plans[0], "t5", full[0])])
     assert e.param == "session_params.id" and "closed" in e.message
     ctrl.open(OpenSessionReqInput(session_id=sid))  # the same id again: still not the session it was built in
-    assert refused(ctrl.begin, plans, ["t5"], full).param == "session_params.id"
-    assert (ctrl.num_turns, ctrl.num_tokens) == (0, 0)
+    assert refused(ctrl.begin, [item(plans[0], "t5", full[0])]).param == "session_params.id"
+    assert held(ctrl) == (0, 0)
 
 
-def test_the_bounds_refuse_with_their_names_and_closing_gives_everything_back():
+def test_the_bounds_count_what_running_turns_may_add_and_closing_gives_everything_back():
     with (
         envs.SGLANG_MAX_OPEN_SESSIONS.override(2),
-        envs.SGLANG_SESSION_MAX_TOKENS.override(10),
+        envs.SGLANG_SESSION_MAX_TOKENS.override(25),
         envs.SGLANG_SESSION_MAX_REQUESTS.override(3),
     ):
         ctrl = SessionController()
     a, b = ctrl.open(OpenSessionReqInput()), ctrl.open(OpenSessionReqInput())
     assert "SGLANG_MAX_OPEN_SESSIONS" in refused(ctrl.open, OpenSessionReqInput()).message
-    turn(ctrl, {"id": a}, [1] * 6, "a1", [2, 2])
-    plans, full = build(ctrl, {"id": b}, [3] * 3)  # 8 + 3 > 10 tokens
-    assert "SGLANG_SESSION_MAX_TOKENS" in refused(ctrl.begin, plans, ["b1"], full).message
-    turn(ctrl, {"id": b}, [3], "b1", [])
-    turn(ctrl, {"id": b}, [3], "b2", [])
-    plans, full = build(ctrl, {"id": b}, [3])  # a fourth request
-    assert "SGLANG_SESSION_MAX_REQUESTS" in refused(ctrl.begin, plans, ["b3"], full).message
+    plans, full = build(ctrl, {"id": a}, [1] * 6)
+    running = item(plans[0], "a1", full[0], max_new=10)
+    ctrl.begin([running])  # 6 + 10 of 25
+    plans, full = build(ctrl, {"id": b}, [3] * 6)  # 6 + 4 more: over, though no output came yet
+    assert "SGLANG_SESSION_MAX_TOKENS" in refused(ctrl.begin, [item(plans[0], "b1", full[0])]).message
+    ctrl.end(running.session, [2] * 12)  # more than it reserved: kept to its max_new_tokens
+    assert held(ctrl) == (1, 16)
+    ctrl.begin([item(plans[0], "b1", full[0], max_new=2)])
+    assert held(ctrl) == (2, 24)
+    plans, full = build(ctrl, {"id": b}, [3])
+    ctrl.begin([item(plans[0], "b2", full[0], max_new=0)])
+    plans, full = build(ctrl, {"id": b}, [3])  # a fourth request (and one token too many)
+    assert "SGLANG_SESSION_MAX_REQUESTS" in refused(ctrl.begin, [item(plans[0], "b3", full[0], 0)]).message
     assert ctrl.close(a) and ctrl.close(b)
-    assert (ctrl.num_turns, ctrl.num_tokens, len(ctrl.sessions)) == (0, 0, 0)
+    assert held(ctrl) == (0, 0) and not ctrl.sessions
 
 
-def test_a_session_idle_past_its_timeout_closes():
+def test_a_session_times_out_only_idle():
+    """`timeout` counts from the last request sent or ended, and never while one runs."""
     ctrl = SessionController()
     idle = ctrl.open(OpenSessionReqInput(timeout=0.05))
-    busy = ctrl.open(OpenSessionReqInput(timeout=60))
+    busy = ctrl.open(OpenSessionReqInput(timeout=0.05))
     turn(ctrl, {"id": idle}, [1, 2], "x", [3])
+    running, _, _ = turn(ctrl, {"id": busy}, [1, 2], "y")
     time.sleep(0.1)
     assert refused(build, ctrl, {"id": idle, "rid": "x"}, [4]).param == "session_params.id"
-    assert list(ctrl.sessions) == [busy] and (ctrl.num_turns, ctrl.num_tokens) == (0, 0)
+    assert list(ctrl.sessions) == [busy]
+    ctrl.end(running, [5])
+    assert build(ctrl, {"id": busy, "rid": "y"}, [4])[1] == [[1, 2, 5, 4]]  # ended just now: not idle
+    assert held(ctrl) == (1, 3)
+
+
+def test_each_session_runs_on_one_replica_and_sessions_take_turns():
+    ctrl = SessionController(dp_size=2)
+    sids = [ctrl.open(OpenSessionReqInput()) for _ in range(3)]
+    assert [ctrl.sessions[s].dp_rank for s in sids] == [0, 1, 0]
+    plans, full = build(ctrl, {"id": sids[1]}, [1])
+    sent = item(plans[0], "z", full[0])
+    ctrl.begin([sent])
+    assert sent.req.routed_dp_rank == 1
+    assert SessionController().open(OpenSessionReqInput(session_id="one")) == "one"
 
 
 @pytest.fixture(scope="module")
@@ -206,9 +272,23 @@ def test_turns_through_the_tokenizer_manager(engine):
         input_ids=[7, 8], sampling_params=greedy, rid="u2", session_params={"id": sid, "rid": "u1"}
     )
     assert second["meta_info"]["prompt_tokens"] == len(prompt) + 4 + 2
+    u2 = tm.sessions.sessions[sid].turns["u2"]
+    assert u2.prefix(len(u2)) == prompt + first["output_ids"] + [7, 8] + second["output_ids"]
+    # n > 1: each sample is a turn of its own, with its own output (they shared one record, and one
+    # sample stayed unfinished forever while the other kept the first one's output).
+    sampled = {"max_new_tokens": 3, "temperature": 1.0, "n": 2, "sampling_seed": 5, "ignore_eos": True}
+    outs = engine.generate(
+        input_ids=[9], sampling_params=sampled, rid="s", session_params={"id": sid, "rid": "u2"}
+    )
+    assert outs[0]["output_ids"] != outs[1]["output_ids"]
+    for j, out in enumerate(outs):
+        t = tm.sessions.sessions[sid].turns[f"s-{j}"]
+        assert t.done and t.prefix(len(t)) == u2.prefix(len(u2)) + [9] + out["output_ids"]
     assert (
-        tm.sessions.sessions[sid].turns["u2"].ids.tolist()
-        == prompt + first["output_ids"] + [7, 8] + second["output_ids"]
+        engine.generate(input_ids=[9], sampling_params=greedy, session_params={})["meta_info"][
+            "prompt_tokens"
+        ]
+        == 1
     )
 
     async def replace_a_running_turn() -> tuple[dict, dict]:
@@ -234,7 +314,11 @@ def test_turns_through_the_tokenizer_manager(engine):
     )
     assert len(aborted["output_ids"]) < 400
     assert replacing["meta_info"]["finish_reason"]["type"] == "length"
-    assert sorted(tm.sessions.sessions[sid].turns) == ["u1", "u2", "u4"]
+    assert sorted(tm.sessions.sessions[sid].turns) == [
+        "u1",
+        "u2",
+        "u4",
+    ]  # (the samples went with u2's later turns)
 
     async def close_while_paused() -> BaseException | None:
         await tm.pause_generation("abort")

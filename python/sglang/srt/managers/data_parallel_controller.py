@@ -9,7 +9,8 @@ whose rank 0 it talks to):
 
 A generate request goes to one replica (--load-balance-method: round_robin, or shortest_queue: the
 replica holding the fewest unfinished requests, from the `ReplicaLoad` each reports when its count
-changes, plus what was sent since). An abort goes to every replica (the one that does not hold the rid
+changes, plus what was sent since), or to the one it names (`routed_dp_rank`: a session's turns go to
+the replica whose prefix cache holds the earlier turns). An abort goes to every replica (the one that does not hold the rid
 ignores it). Any other message is a control call: every replica gets it, and their replies become one
 (`merge_replies`: success only if every replica succeeded; internal state per replica). Outputs go
 from each replica to the detokenizer directly.
@@ -72,12 +73,16 @@ class LoadBalancer:
         self.next = 0
         self.load = [0] * dp_size  # the replica's last report plus what was sent to it since
 
-    def pick(self) -> int:
-        if self.method == "shortest_queue":
-            d = min(range(self.dp_size), key=lambda i: (self.load[i], (i - self.next) % self.dp_size))
+    def pick(self, routed: int | None = None) -> int:
+        """`routed`: the replica the request must run on (a session's), taken whatever the method."""
+        if routed is not None:
+            d = routed % self.dp_size  # (the others' turn order stays as it was)
         else:
-            d = self.next
-        self.next = (d + 1) % self.dp_size
+            if self.method == "shortest_queue":
+                d = min(range(self.dp_size), key=lambda i: (self.load[i], (i - self.next) % self.dp_size))
+            else:
+                d = self.next
+            self.next = (d + 1) % self.dp_size
         self.load[d] += 1
         return d
 
@@ -173,7 +178,7 @@ class DataParallelController:
 
     def dispatch(self, obj: Any) -> None:
         if isinstance(obj, TokenizedGenerateReqInput):
-            self.to_replicas[self.balancer.pick()].send_pyobj(obj)
+            self.to_replicas[self.balancer.pick(obj.routed_dp_rank)].send_pyobj(obj)
         elif isinstance(obj, BatchTokenizedGenerateReqInput):
             for item in obj.batch:
                 self.dispatch(item)

@@ -124,6 +124,8 @@ class TokenizedGenerateReqInput:
     # The server's warm-up (`server_warmup.py`, through `generate_request(warmup=True)`, never a body
     # field): its namespace stays off the host and disk tiers.
     warmup: bool = False
+    # Data parallelism: the replica to run on (a session's turns: the one holding its cache), or None.
+    routed_dp_rank: int | None = None
 
 
 @dataclass

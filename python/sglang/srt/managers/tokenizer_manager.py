@@ -19,6 +19,7 @@ All methods run on the loop that called `start()`; nothing here is thread-safe.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -150,8 +151,10 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         self._memory_lock = asyncio.Lock()
         self.rid_to_state: dict[str, ReqState] = {}
         # /open_session, /close_session and the requests' session_params (session_controller.py).
-        refusal = None if server_args.disaggregation_mode == "null" else "Sessions are not supported with --disaggregation-mode."
-        self.sessions = SessionController(refusal, getattr(self.tokenizer, "bos_token_id", None))
+        refusal = "Sessions are not supported with --disaggregation-mode."
+        refusal = None if server_args.disaggregation_mode == "null" else refusal
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        self.sessions = SessionController(refusal, bos, server_args.dp_size)
         # `request_log.Observers` (metrics, --log-requests): the requests' arrival, tokens, finish, abort.
         self.observer: Any = observers(server_args)
         watch_gc(server_args.gc_warning_threshold_secs)  # (this process's; the children's: `configure_subprocess`)
@@ -225,12 +228,12 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             truncate = self.limits.auto_truncate and obj.image_data is None and obj.video_data is None
             encoded = await self.encoder.encode_many(prompts.texts, self.limits.context_len, truncate=truncate)
         sessions = None
-        if obj.session_params is not None:  # (each prompt's history goes before it: checked as its input)
+        if obj.session_params:  # (each prompt's history goes before it: checked as its input)
             media = obj.image_data is not None or obj.video_data is not None
-            sessions = self.sessions.build_prompts(obj.session_params, prompts, encoded, media)
+            sessions = self.sessions.build_prompts(obj.session_params, prompts, encoded, media, self.limits)
         items, is_list = build_requests(obj, prompts, encoded, self.limits)
         for item in items if sessions is not None else ():
-            item.session = sessions[item.prompt]
+            item.session = copy.copy(sessions[item.prompt])  # (each sample is a turn of its own)
         media = {"image_data": obj.image_data, "video_data": obj.video_data}
         p = self.image_processor
         # The request's media work: one item at a time in the media pool, dropped once `request` is gone.
@@ -280,19 +283,18 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         for item in items:
             if item.req.rid in self.rid_to_state:
                 raise RequestError(f"A request with rid {item.req.rid!r} is already running.", "rid")
-        if any(item.session is not None for item in items):
-            replaced = self.sessions.begin([i.session for i in items], [i.req.rid for i in items], [i.req.input_ids for i in items])  # fmt: skip
-            for rid in replaced:
-                self.abort_request(rid)
         yield_event = asyncio.Event()
         states: list[ReqState] = []
         try:
+            replaced = self.sessions.begin(items) if any(i.session is not None for i in items) else ()
             for item in items:
                 state = ReqState(item, time.time(), yield_event, obj.log_metrics)
                 self.rid_to_state[item.req.rid] = state
                 states.append(state)
             if self.observer is not None:
                 self.observer.on_arrival(states)
+            for rid in replaced:  # (running turns a session's replace forgot)
+                self.abort_request(rid)
             # A batch goes in one message, so the scheduler admits it together.
             reqs = [item.req for item in items]
             self._send.send_pyobj(reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs))
@@ -307,12 +309,12 @@ class TokenizerManager(TokenizerCommunicatorMixin):
                 yield outs if is_list else outs[0]
         finally:
             for state in states:
+                self.sessions.end(state.item.session, state.output_ids)
                 if not state.finished:
                     self.abort_request(state.rid)
                     if self.observer is not None:
                         self.observer.on_abort(state)
                 self.rid_to_state.pop(state.rid, None)
-                self.sessions.end(state.item.session, state.output_ids)
 
     async def _wait_event(
         self, event: asyncio.Event, request: DisconnectCheck | None, clear: bool = True
