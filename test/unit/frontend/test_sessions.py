@@ -78,13 +78,15 @@ def test_a_turn_is_its_parents_ids_then_its_own_as_upstream_builds_them():
     assert turn(ctrl, {**s, "rid": "t1", "offset": 2}, [16], "t6", [])[1] == [BOS, 10, 16]
     assert turn(ctrl, {**s, "rid": "t1", "offset": 0}, [17], "t7", [])[1] == [BOS, 10, 11, 20, 21, 17]
     assert turn(ctrl, {**s, "rid": "t3", "offset": -2}, [18], "t8", [])[1] == [BOS, 10, 11, 20, 21, 12, 18]
+    # An offset before the start leaves no history, and a continuation's BOS still goes (upstream's rule).
+    assert turn(ctrl, {**s, "rid": "t1", "offset": -10}, [BOS, 19], "t9", [])[1] == [19]
     # A batch: one object for every prompt, or one per prompt (null or {}: that prompt is no turn).
     plans, full = build(ctrl, [{**s, "rid": "t1"}, None, {}], [30], [31], [32])
     assert full == [[BOS, 10, 11, 20, 21, 30], [31], [32]] and plans[1:] == [None, None]
     plans, full = build(ctrl, {**s, "rid": "t1"}, [30], [31])
     assert full == [[BOS, 10, 11, 20, 21, 30], [BOS, 10, 11, 20, 21, 31]]
     assert build(ctrl, {}, [33]) == ([None], [[33]])  # upstream reads an empty object as no session
-    assert held(ctrl) == (8, 3 + 2 + 2 + 1 + 1 + 1 + 1 + 1 + 1)  # each turn's own ids only
+    assert held(ctrl) == (9, 3 + 2 + 2 + 1 + 1 + 1 + 1 + 1 + 1 + 1)  # each turn's own ids only
 
 
 def test_a_long_conversation_holds_its_history_once():
@@ -222,6 +224,10 @@ def test_the_bounds_count_what_running_turns_may_add_and_closing_gives_everythin
     ctrl.begin([item(plans[0], "b2", full[0], max_new=0)])
     plans, full = build(ctrl, {"id": b}, [3])  # a fourth request (and one token too many)
     assert "SGLANG_SESSION_MAX_REQUESTS" in refused(ctrl.begin, [item(plans[0], "b3", full[0], 0)]).message
+    # A replace frees what it forgets first: at the bound, a client can still roll its session back.
+    plans, full = build(ctrl, {"id": b, "replace": True}, [3] * 8)
+    assert ctrl.begin([item(plans[0], "b4", full[0], max_new=1)]) == ["b1", "b2"]
+    assert held(ctrl) == (2, 16 + 9)
     assert ctrl.close(a) and ctrl.close(b)
     assert held(ctrl) == (0, 0) and not ctrl.sessions
 
@@ -273,6 +279,7 @@ def test_turns_through_the_tokenizer_manager(engine):
     )
     assert second["meta_info"]["prompt_tokens"] == len(prompt) + 4 + 2
     u2 = tm.sessions.sessions[sid].turns["u2"]
+    u2_len = len(u2)
     assert u2.prefix(len(u2)) == prompt + first["output_ids"] + [7, 8] + second["output_ids"]
     # n > 1: each sample is a turn of its own, with its own output (they shared one record, and one
     # sample stayed unfinished forever while the other kept the first one's output).
@@ -290,6 +297,25 @@ def test_turns_through_the_tokenizer_manager(engine):
         ]
         == 1
     )
+
+    async def continue_on_the_finished_chunk() -> dict:
+        """A streaming client continues as soon as it reads the last chunk, before its call returns (the
+        turn counted as running until then: a 400)."""
+        params = {"id": sid, "rid": "u2"}
+        obj = GenerateReqInput(
+            input_ids=[4], sampling_params=greedy, rid="st", stream=True, session_params=params
+        )
+        stream = tm.generate_request(obj)
+        try:
+            async for chunk in stream:
+                if chunk["meta_info"]["finish_reason"] is not None:
+                    params = {"id": sid, "rid": "st"}
+                    more = GenerateReqInput(input_ids=[3], sampling_params=greedy, session_params=params)
+                    return await _first(tm.generate_request(more))
+        finally:
+            await stream.aclose()
+
+    assert engine._run(continue_on_the_finished_chunk())["meta_info"]["prompt_tokens"] == u2_len + 1 + 4 + 1
 
     async def replace_a_running_turn() -> tuple[dict, dict]:
         long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}  # ~2 s of 5 ms steps

@@ -189,7 +189,7 @@ class SessionController:
             plan = self._plan(params)
             if not isinstance(ids, list):
                 raise RequestError("input_ids must be a list of token ids.", "input_ids", "invalid_type")
-            if plan.cut and ids and ids[0] == self.bos_token_id:
+            if plan.parent is not None and ids and ids[0] == self.bos_token_id:
                 ids = ids[1:]  # (upstream's rule: the history has its BOS already)
             whole = plan.parent.prefix(plan.cut) + ids if plan.parent is not None else ids
             if not limits.auto_truncate:
@@ -225,37 +225,40 @@ class SessionController:
                 message = f"rid {item.req.rid!r} names a request of session {session.session_id!r} already; "
                 raise RequestError(message + "send a new rid.", "rid")
             new_tokens += len(item.req.input_ids) - min(plan.cut, len(item.req.input_ids)) + _max_new(item)
-        if self.num_turns + len(plans) > self.max_turns:
-            message = f"Sessions hold {self.num_turns} requests, the most this server keeps "
-            raise RequestError(
-                message + "(SGLANG_SESSION_MAX_REQUESTS); close sessions first.", "session_params"
+        # A replace frees what it forgets before the new turn is counted (a client at the bound can roll back).
+        removed: list[Turn] = []
+        if len(plans) == 1 and plans[0].replace:
+            plan = plans[0]
+            removed = (
+                list(plan.session.turns.values()) if plan.parent is None else _subtree(plan.parent.children)
             )
-        if self.num_tokens + new_tokens > self.max_tokens:
+        freed_tokens = sum(len(t.own) + t.reserved for t in removed)
+        if self.num_turns - len(removed) + len(plans) > self.max_turns:
+            message = f"Sessions hold {self.num_turns} requests, the most this server keeps "
+            message += "(SGLANG_SESSION_MAX_REQUESTS); close sessions first."
+            raise RequestError(message, "session_params")
+        if self.num_tokens - freed_tokens + new_tokens > self.max_tokens:
             message = (
                 f"Sessions hold {self.num_tokens} tokens with the outputs running turns may add, the most "
             )
             message += "this server keeps (SGLANG_SESSION_MAX_TOKENS); close sessions first."
             raise RequestError(message, "session_params")
-        to_abort: list[str] = []
+        to_abort = [t.rid for t in removed if not t.done]
+        for t in removed:
+            del t.session.turns[t.rid]
+        self._drop(removed)
         for item in items:
             plan = item.session
             if plan is None:
                 continue
             session, parent = plan.session, plan.parent
             session.last_active = now
-            if plan.replace:
-                removed = list(session.turns.values()) if parent is None else _subtree(parent.children)
-                to_abort += [t.rid for t in removed if not t.done]
-                for t in removed:
-                    del session.turns[t.rid]
-                self._drop(removed)
-                if parent is not None:
-                    parent.children.clear()
+            if plan.replace and parent is not None:
+                parent.children.clear()
             ids = item.req.input_ids
             cut = min(plan.cut, len(ids))  # (--allow-auto-truncate may have cut into the history)
-            turn = Turn(
-                item.req.rid, session, parent, cut, array("i", ids[cut:]), len(ids) - cut, _max_new(item)
-            )
+            own = array("i", ids[cut:])
+            turn = Turn(item.req.rid, session, parent, cut, own, len(own), _max_new(item))
             session.turns[turn.rid] = turn
             session.running += 1
             if parent is not None:

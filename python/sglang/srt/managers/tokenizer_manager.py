@@ -408,6 +408,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             if state is None:  # its caller is gone (aborted) or it belongs to nobody
                 continue
             first = state.apply(out, i)
+            if state.finished:  # (a session's next turn may continue it now, before its call returns)
+                self.sessions.end(state.item.session, state.output_ids)
             if self.observer is not None:
                 self.observer.on_message(state, first, len(out.output_ids[i]))
             state.event.set()
