@@ -9,8 +9,8 @@ keeps only its own ids and where it branches off its parent, so a conversation's
 
 The TokenizerManager owns the sessions: it builds a session request into its whole prompt here and sends
 it as any other (under data parallelism to its session's replica), so the scheduler needs nothing more,
-and the prefix cache reuses the earlier turn's KV and recurrent state (its snapshot at the last cache
-boundary the turn reached). Upstream's streaming sessions, which hold a request's KV and state slot
+and the prefix cache reuses the earlier turn's KV and recurrent state (every strategy keeps a finished
+request's state at its end). Upstream's streaming sessions, which hold a request's KV and state slot
 between turns, are not built: `streaming` is refused with a sentence, as `--enable-streaming-session` is
 at start.
 
