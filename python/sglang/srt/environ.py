@@ -112,6 +112,7 @@ class Envs:
     SGLANG_PROFILE_RECORD_SHAPES = EnvBool(False, "/start_profile's record_shapes where the request does not say.")
     SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR = EnvStr("/tmp", "Where /dump_expert_distribution_record writes.")
     SGLANG_PROFILE_MAX_STEPS = EnvInt(2_000, "The most batches one profile traces (it grows in memory with each).")
+    SGLANG_MAX_THINK_TOKENS = EnvInt(-1, "--enable-strict-thinking's thinking budget where a request sets none (-1: none).")
     # Sessions (managers/session_controller.py): what all open sessions may hold in the HTTP process.
     SGLANG_MAX_OPEN_SESSIONS = EnvInt(1_024, "The most sessions open at once (/open_session).")
     SGLANG_SESSION_MAX_REQUESTS = EnvInt(65_536, "The most requests all open sessions keep.")

@@ -105,6 +105,9 @@ class ServerArgs(HiCacheArgs, FrontendArgs, PriorityArgs, LoRAArgs):  # (fields 
     sampling_defaults: str = "model"
     # Chat answers' reasoning into `reasoning_content` (parser/reasoning_parser.py).
     reasoning_parser: str | None = None
+    # With it: a request that requires reasoning may not end or call a tool while thinking, and its thinking
+    # budget is enforced (constrained/reasoning_grammar.py).
+    enable_strict_thinking: bool = False
     # Chat answers' tool calls into `tool_calls` (function_call/function_call_parser.py).
     tool_call_parser: str | None = None
     # Constrained decoding (sglang/srt/constrained/): json_schema, regex, ebnf and structural_tag requests.

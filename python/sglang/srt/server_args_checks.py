@@ -117,6 +117,8 @@ def check_basic_flags(args: ServerArgs) -> None:
         _choice("--mamba-ssm-dtype", args.mamba_ssm_dtype, ["float32", "bfloat16", "float16"])
     if args.reasoning_parser is not None:
         _choice("--reasoning-parser", args.reasoning_parser, ["auto", *sorted(REASONING_FORMATS)])
+    if args.enable_strict_thinking and args.reasoning_parser is None:
+        raise ServerArgsError("--enable-strict-thinking needs --reasoning-parser (the think markers it enforces).")
     if args.tool_call_parser is not None:
         _choice("--tool-call-parser", args.tool_call_parser, ["auto", *sorted(TOOL_CALL_PARSERS)])
     _choice("--grammar-backend", args.grammar_backend, GRAMMAR_BACKEND_CHOICES)

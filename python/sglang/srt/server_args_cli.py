@@ -179,6 +179,13 @@ def add_cli_args(parser: argparse.ArgumentParser, fields: dict[str, Any]) -> Non
         "for Nemotron 3, qwen3-thinking for thinking-only checkpoints, deepseek-r1; auto: the model's).",
     )
     g.add_argument(
+        "--enable-strict-thinking",
+        action="store_true",
+        help="Upstream's: while a request thinks (its answer starts in the reasoning) it may not end or call "
+        "a tool, and its thinking budget (max_thinking_tokens, custom_params.thinking_budget, "
+        "SGLANG_MAX_THINK_TOKENS) forces the end of the reasoning; needs --reasoning-parser.",
+    )
+    g.add_argument(
         "--tool-call-parser",
         default=None,
         metavar=_listed(["auto", *sorted(TOOL_CALL_PARSERS)]),

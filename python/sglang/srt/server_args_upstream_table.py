@@ -201,7 +201,7 @@ REFUSED: dict[str, str] = {
         --smg-http-sidecar-port|--grpc-http-sidecar-port= --warmups= --enable-http2 --http2-max-concurrent-streams=
         --http2-initial-connection-window-size= --enable-ssl-refresh --trust-request-chat-template
         --hf-chat-template-name= --completion-template= --file-storage-path= --return-input-ids --return-output-ids
-        --strip-thinking-cache --enable-strict-thinking --tool-server= --batch-notify-size=
+        --strip-thinking-cache --tool-server= --batch-notify-size=
         --incremental-streaming-output|--stream-output --enable-streaming-session --constrained-json-max-whitespace-cnt=
         --enable-dynamic-batch-tokenizer --dynamic-batch-tokenizer-batch-size= --dynamic-batch-tokenizer-batch-timeout=
         --enable-tokenizer-batch-encode --disable-tokenizer-batch-decode --config=

@@ -67,7 +67,7 @@ class TestOpenAIServer(ServerTestCase):
     server_args = [
         "--mamba-scheduler-strategy", "extra_buffer_lazy", "--enable-metrics", "--reasoning-parser", "qwen3",
         "--tool-call-parser", "qwen25", "--constrained-json-disable-any-whitespace",
-        "--enable-return-hidden-states", "--enable-response-store",
+        "--enable-return-hidden-states", "--enable-response-store", "--enable-strict-thinking",
     ]  # fmt: skip
     api_key = "sk-test-key"
 
@@ -119,6 +119,19 @@ class TestOpenAIServer(ServerTestCase):
         plain = self.chat(max_tokens=6, temperature=0, extra_body={"ignore_eos": True}).choices[0].message
         self.assertIsNone(getattr(plain, "reasoning_content", None))  # no think block: all content
         self.assertTrue(plain.content)
+
+    def test_a_grammar_applies_after_the_reasoning_the_answer_starts_in(self) -> None:
+        """With --reasoning-parser the answer of an open think block thinks first and its regex applies
+        after `</think>` (before, the regex held from the first token: the digits landed in
+        reasoning_content and content stayed empty); --enable-strict-thinking's budget (upstream's
+        custom_params.thinking_budget) ends a random model's thinking, which never would."""
+        messages = MESSAGES + [{"role": "assistant", "content": "<think>\n"}]
+        extra = {"continue_final_message": True, "regex": "[0-9]{4}", "custom_params": {"thinking_budget": 3}}
+        message = self.client.chat.completions.create(
+            model=self.model, messages=messages, max_tokens=30, temperature=0, extra_body=extra
+        ).choices[0].message
+        self.assertRegex(message.content, r"^[0-9]{4}$")
+        self.assertTrue(message.reasoning_content)
 
     def test_a_chat_with_tools_answers(self) -> None:
         # The tiny model calls nothing: the answer is content (the parsing of calls, whole and streamed:

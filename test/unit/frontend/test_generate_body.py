@@ -54,7 +54,7 @@ def test_unset_upstream_fields_and_router_fields_are_accepted():
         ("lora_id", '"my-adapter-id"'),
         ("audio_data", '"x.wav"'),
         ("return_entropy", "true"),
-        ("max_thinking_tokens", "0"),
+        ("return_bytes", "true"),
         ("background", "true"),
         ("return_prompt_token_ids", "true"),
     ],

@@ -52,15 +52,16 @@ class RequestGrammar:
         # Ended for its cost (`OutputCheckBudget`) at its next finish check: it fills no mask meanwhile.
         self.stopped = False
 
-    def catch_up(self, output_ids: list[int]) -> None:
-        """Accept the output tokens after the last accepted one; raises GrammarRejectedToken."""
-        if self.stopped or self.accepted >= len(output_ids):
+    def catch_up(self, output_ids: list[int], offset: int = 0) -> None:
+        """Accept the output tokens after the last accepted one (the grammar's output begins at `offset`:
+        after the reasoning, `reasoning_grammar.py`); raises GrammarRejectedToken."""
+        if self.stopped or offset + self.accepted >= len(output_ids):
             return
         matcher, start = self.matcher, clock()
         try:
-            for token in output_ids[self.accepted :]:
+            for token in output_ids[offset + self.accepted :]:
                 if self.terminated or not matcher.accept_token(token):
-                    raise GrammarRejectedToken(f"token {token} at output position {self.accepted}")
+                    raise GrammarRejectedToken(f"token {token} at output position {offset + self.accepted}")
                 self.accepted += 1
                 self.terminated = matcher.is_terminated()
         finally:

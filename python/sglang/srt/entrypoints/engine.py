@@ -111,6 +111,8 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_routed_experts: bool | list[bool] = False,
         session_params: dict | list[dict | None] | None = None,
+        require_reasoning: bool | list[bool] = False,
+        max_thinking_tokens: int | list[int | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a batch (or n > 1) a list; with stream=True an iterator of chunks
         (text and output_ids cumulative; logprob lists and hidden states only what is new, the input
@@ -119,7 +121,8 @@ class Engine:
         `extra_key` / `cache_salt`, `priority` (--enable-priority-scheduling; docs/server.md), and
         `lora_path`, a loaded LoRA adapter's name (--enable-lora; docs/lora.md), and
         `return_routed_experts` (with enable_return_routed_experts: meta_info["routed_experts"]), and
-        `session_params`, which continues an earlier request of a session (`open_session`)."""
+        `session_params`, which continues an earlier request of a session (`open_session`), and the
+        reasoning control `require_reasoning` / `max_thinking_tokens` (constrained/reasoning_grammar.py)."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
         if not stream:
             return self._run(_first(self.tokenizer_manager.generate_request(obj, trusted=True)))
@@ -181,6 +184,8 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_routed_experts: bool | list[bool] = False,
         session_params: dict | list[dict | None] | None = None,
+        require_reasoning: bool | list[bool] = False,
+        max_thinking_tokens: int | list[int | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As `generate`, from any event loop; with stream=True, await it for an async iterator."""
         obj = _make_obj(**{k: v for k, v in locals().items() if k != "self"})
@@ -464,6 +469,8 @@ def _make_obj(
     lora_path: Any = None,
     return_routed_experts: Any = False,
     session_params: Any = None,
+    require_reasoning: Any = False,
+    max_thinking_tokens: Any = None,
 ) -> GenerateReqInput:
     return GenerateReqInput(
         text=prompt,
@@ -485,4 +492,6 @@ def _make_obj(
         lora_path=lora_path,
         return_routed_experts=return_routed_experts,
         session_params=session_params,
+        require_reasoning=require_reasoning,
+        max_thinking_tokens=max_thinking_tokens,
     )

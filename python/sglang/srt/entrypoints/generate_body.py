@@ -68,8 +68,6 @@ UNSUPPORTED = {
     "return_entropy": "entropy",
     "return_bytes": "image generation",
     "return_prompt_token_ids": "prompt token ids in the reply",
-    "require_reasoning": "reasoning control",
-    "max_thinking_tokens": "reasoning control",
     "multi_item_delimiter_indices": "multi-item scoring",
     "background": "background requests",
 }

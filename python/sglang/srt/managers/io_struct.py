@@ -89,6 +89,11 @@ class GenerateReqInput:
     # Sessions (upstream's): {"id", "rid", "offset", "replace", "drop_previous_output"}, one for every
     # prompt or one per prompt; the request continues an earlier one of the session (session_controller.py).
     session_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    # Upstream's reasoning control (needs --reasoning-parser): the answer starts inside the model's
+    # reasoning, so a grammar applies after it; and, with --enable-strict-thinking, the most thinking
+    # tokens it may sample (constrained/reasoning_grammar.py). One for every prompt, or one per prompt.
+    require_reasoning: bool | list[bool] = False
+    max_thinking_tokens: int | list[int | None] | None = None
 
 
 @dataclass
@@ -124,6 +129,7 @@ class TokenizedGenerateReqInput:
     # The server's warm-up (`server_warmup.py`, through `generate_request(warmup=True)`, never a body
     # field): its namespace stays off the host and disk tiers.
     warmup: bool = False
+    require_reasoning: bool = False  # (its thinking budget is in sampling_params.custom_params)
     # Data parallelism: the replica to run on (a session's turns: the one holding its cache), or None.
     routed_dp_rank: int | None = None
 

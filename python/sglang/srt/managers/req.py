@@ -100,6 +100,7 @@ class Req:
         "lora_id",
         "lora_slot",
         "grammar",
+        "require_reasoning",
         "return_hidden_states",
         "return_routed_experts",
         "routed_experts",
@@ -200,6 +201,9 @@ class Req:
         # Constrained decoding: the matcher of its grammar (`constrained/xgrammar_backend.py`), set once
         # the scheduler compiled it.
         self.grammar: RequestGrammar | None = None
+        # Its answer starts inside the model's reasoning (upstream's require_reasoning): a grammar applies
+        # after it (constrained/reasoning_grammar.py).
+        self.require_reasoning = False
         # return_hidden_states: how many positions' final hidden states it has, from 0 on (a retracted
         # request recomputes none of them: admission matches its prefix up to there), and the rows not
         # sent yet (tensors [n, hidden] on the host; the scheduler keeps none after sending them).

@@ -33,5 +33,7 @@ class RequestLimits:
     # --preferred-sampling-params: sampling_params for the fields a request leaves unset (`request_sampling`).
     preferred_sampling_params: dict[str, Any] | None = None
     auto_truncate: bool = False  # --allow-auto-truncate: a prompt over the limit is cut, not refused
+    reasoning_parser: bool = False  # --reasoning-parser (and a tokenizer): require_reasoning is served
+    strict_thinking: bool = False  # --enable-strict-thinking: max_thinking_tokens is served
     # The adapters a request may name (`lora/lora_registry.LoRARegistry`); None: a test's limits, no LoRA.
     lora: Any = None

@@ -24,6 +24,7 @@ from sglang.srt.managers.logprob_limits import (
     check_logprob_entries,
     check_logprobs_per_position,
 )
+from sglang.srt.managers.reasoning_control import check_reasoning, with_thinking_budget
 from sglang.srt.managers.request_error import RequestError
 from sglang.srt.managers.request_limits import RequestLimits
 from sglang.srt.managers.request_sampling import PromptSamplingParams
@@ -249,6 +250,7 @@ BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 PER_ITEM_FIELDS = (
     "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
     "return_hidden_states", "custom_logit_processor", "priority", "lora_path", "return_routed_experts",
+    "require_reasoning", "max_thinking_tokens",
 )  # fmt: skip
 
 
@@ -334,6 +336,7 @@ def build_requests(
             message = "return_routed_experts needs the server started with --enable-return-routed-experts."
             raise RequestError(message, "return_routed_experts")
         processor = check_custom_logit_processor(per_item["custom_logit_processor"][i], limits)
+        reasoning, budget = check_reasoning(per_item["require_reasoning"][i], per_item["max_thinking_tokens"][i], limits)
         priority = per_item["priority"][i]
         if priority is not None and (
             isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 1 << 62
@@ -358,6 +361,7 @@ def build_requests(
             sample_params = replace(
                 params, n=1, sampling_seed=seed, max_new_tokens=max_new, min_new_tokens=min_new,
                 stop=list(params.stop), stop_regex=list(params.stop_regex),
+                custom_params=with_thinking_budget(params.custom_params, budget),
             )  # fmt: skip
             req = TokenizedGenerateReqInput(
                 rid=base if n == 1 else f"{base}-{j}",
@@ -376,6 +380,7 @@ def build_requests(
                 custom_logit_processor=processor,
                 priority=priority,
                 lora_id=lora_id,
+                require_reasoning=reasoning,
             )
             out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs, i))
     rids = [r.req.rid for r in out]
@@ -471,6 +476,7 @@ def _per_item(value: Any, size: int, name: str, is_batch: bool) -> list[Any]:
     defaults = {"sampling_params": None, "rid": None, "return_logprob": False}
     defaults |= {"logprob_start_len": -1, "top_logprobs_num": 0, "return_hidden_states": False}
     defaults |= {"custom_logit_processor": None, "priority": None, "lora_path": None, "return_routed_experts": False}
+    defaults |= {"require_reasoning": False, "max_thinking_tokens": None}
     defaults |= dict.fromkeys(BOOTSTRAP_FIELDS + NAMESPACE_FIELDS)
     if value is None:
         value = defaults[name]

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+from sglang.srt.constrained.reasoning_grammar import ReasoningTokens
 from sglang.srt.constrained.xgrammar_backend import create_grammar_backend
 from sglang.srt.environ import envs
 from sglang.srt.managers.finish_checker import FinishChecker
@@ -147,7 +148,8 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
         self.finisher = FinishChecker.from_server_args(server_args)
         vocab_size, eos = server_args.model_config.vocab_size, self.finisher.eos_token_ids
         backend, why_none = create_grammar_backend(server_args, self.finisher.tokenizer, vocab_size, eos)
-        self.grammar_queue = GrammarQueue(backend, self.admit_request, self.refuse_request, why_none)
+        reasoning = ReasoningTokens.create(server_args, self.finisher.tokenizer, vocab_size, eos)
+        self.grammar_queue = GrammarQueue(backend, self.admit_request, self.refuse_request, why_none, reasoning)
         self.weight_update = WeightUpdate(self.model_runner.load_like_current)
         self.weights_groups = WeightsUpdateGroups(self.model_runner.device)
         self.custom_logit_reqs = 0  # requests with a custom logit processor

@@ -130,6 +130,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             max_hidden_state_floats=server_args.max_hidden_state_floats_per_request,
             preferred_sampling_params=server_args.preferred_sampling_params,
             auto_truncate=server_args.allow_auto_truncate,
+            reasoning_parser=server_args.reasoning_parser is not None and self.encoder is not None,
+            strict_thinking=server_args.enable_strict_thinking,
             lora=self.lora,
         )
         # The model's image processor (None: a text-only model).

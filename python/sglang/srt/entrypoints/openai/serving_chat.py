@@ -172,9 +172,9 @@ class OpenAIServingChat(OpenAIServingBase):
         if fmt is not None:
             req._continues_message = bool(prefix.strip())
             # Only the template's own tail counts (a message may mention <think>). It takes a second
-            # rendering, needless where the answer is not split, starts in the reasoning anyway, or
-            # no think tag is anywhere.
-            if req.separate_reasoning and not fmt.always_reasoning and THINK_START in prompt + prefix:
+            # rendering, needless where the answer starts in the reasoning anyway, or no think tag is
+            # anywhere (the answer's split and its grammar's start both read it).
+            if not fmt.always_reasoning and THINK_START in prompt + prefix:
                 try:
                     base = tokenizer.apply_chat_template(
                         messages, tokenize=False, add_generation_prompt=False, **tools, **variables
@@ -208,6 +208,9 @@ class OpenAIServingChat(OpenAIServingBase):
             stream=req.stream,
             image_data=[url for m in req.messages for url in m.image_urls()] or None,
             video_data=[url for m in req.messages for url in m.video_urls()] or None,
+            # A grammar (and --enable-strict-thinking) applies after the reasoning the answer starts in.
+            require_reasoning=self.reasoning_format is not None and not req.forces_tool_calls
+            and (self.reasoning_format.always_reasoning or req._prompt_opens_reasoning),
             **req.passthrough_fields(),
         )
 

@@ -32,6 +32,7 @@ from sglang.srt.constrained.grammar_spec import error_text, grammar_key
 from sglang.srt.environ import envs
 
 if TYPE_CHECKING:
+    from sglang.srt.constrained.reasoning_grammar import ReasoningTokens
     from sglang.srt.constrained.xgrammar_backend import GrammarBackend
     from sglang.srt.managers.schedule_batch import Req
 
@@ -43,8 +44,12 @@ class GrammarQueue:
         on_ready: Callable[[Req], None],
         on_error: Callable[[Req, str, str], None],
         disabled_reason: str = "",
+        reasoning: ReasoningTokens | None = None,
     ):
         self.backend = backend
+        # --reasoning-parser: a request that requires reasoning holds its grammar after it, and under
+        # --enable-strict-thinking a `ReasoningGrammar` even without one (constrained/reasoning_grammar.py).
+        self.reasoning = reasoning
         self.disabled_reason = disabled_reason  # why there is no backend
         self.on_ready = on_ready
         self.on_error = on_error  # (request, message, field): ends it with a 400
@@ -66,6 +71,8 @@ class GrammarQueue:
         """Take `req` if it has a grammar (True); else leave it to the caller (False)."""
         key = grammar_key(req.sampling_params)
         if key is None:
+            req.grammar = self._after_reasoning(req, None)
+            self.held += req.grammar is not None  # (no compile: it runs as a request without a grammar)
             return False
         if self.backend is None:
             message = f"{key[0]} needs constrained decoding, and {self.disabled_reason}; leave it out."
@@ -111,10 +118,16 @@ class GrammarQueue:
             elif req.rid in failed:
                 self.on_error(req, f"{kind} could not be compiled: {failed[req.rid]}.", kind)
             else:
-                req.grammar = self.backend.matcher(fut.result())
+                req.grammar = self._after_reasoning(req, self.backend.matcher(fut.result()))
                 self.held += 1
                 self.on_ready(req)
         return True
+
+    def _after_reasoning(self, req: Req, grammar: Any) -> Any:
+        """What `req` holds: `grammar` (None: none), after its reasoning where it requires some."""
+        if self.reasoning is None or not req.require_reasoning:
+            return grammar
+        return self.reasoning.grammar(grammar, (req.sampling_params.custom_params or {}).get("thinking_budget"))
 
     def _failed(self, compiles: list[tuple[str, Future]]) -> dict[str, str]:
         """rid -> why its compile failed, of `compiles` (waited for): here, or under TP on any rank (one

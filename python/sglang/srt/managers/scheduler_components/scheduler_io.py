@@ -226,7 +226,7 @@ class SchedulerIOMixin(SchedulerProfilerMixin):
         )
         req.bootstrap = recv.bootstrap
         req.extra_key, req.lora_id = recv.extra_key, recv.lora_id
-        req.priority = recv.priority
+        req.priority, req.require_reasoning = recv.priority, recv.require_reasoning
         if recv.warmup:
             self.tree_cache.keep_off_host(recv.extra_key)
         req.return_hidden_states, req.return_routed_experts = recv.return_hidden_states, recv.return_routed_experts
