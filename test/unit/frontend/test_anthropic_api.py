@@ -125,6 +125,14 @@ def test_the_request_maps_onto_the_chat_request():
     kept = MessagesRequest.model_validate({"messages": USER, "max_tokens": 1, "thinking": {"type": "enabled"},
                                            "chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
     assert kept.chat_request().chat_template_kwargs == {"enable_thinking": False}, "the request's own wins"
+    # thinking.budget_tokens is the thinking budget (--enable-strict-thinking enforces it); the request's
+    # own custom_params.thinking_budget wins.
+    budgeted = {"messages": USER, "max_tokens": 9, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    assert MessagesRequest.model_validate(budgeted).chat_request().custom_params == {"thinking_budget": 1024}
+    own = {**budgeted, "custom_params": {"thinking_budget": 5, "x": 1}}
+    assert MessagesRequest.model_validate(own).chat_request().custom_params == {"thinking_budget": 5, "x": 1}
+    off = {**budgeted, "thinking": {"type": "disabled", "budget_tokens": 1024}}
+    assert MessagesRequest.model_validate(off).chat_request().custom_params is None
     anyone = MessagesRequest.model_validate({"messages": USER, "max_tokens": 1, "tools": TOOLS,
                                              "tool_choice": {"type": "any"}})  # fmt: skip
     assert anyone.chat_request().tool_choice == "required"

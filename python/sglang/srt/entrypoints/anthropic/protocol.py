@@ -8,7 +8,8 @@ tool message, before the message's own text), an assistant message's `text`, `th
 (dropped: it holds nothing this server can read) and `tool_use` (its calls). `system` (a string or text
 blocks) is a first system message. `thinking` ({"type": "enabled" | "disabled"}) sets the template's
 `enable_thinking` unless the request's `chat_template_kwargs` does (Qwen3 and Qwen3.5's switch); its
-`budget_tokens` is accepted and not enforced.
+`budget_tokens` becomes the thinking budget (`custom_params.thinking_budget`, unless the request sets
+one), which the server enforces under --enable-strict-thinking (upstream accepts it and ignores it).
 """
 
 from __future__ import annotations
@@ -134,6 +135,10 @@ class MessagesRequest(BaseModel):
         kwargs = body.get("chat_template_kwargs")
         if enabled in ("enabled", "disabled") and isinstance(kwargs or {}, dict):  # (else chat's 400 names it)
             body["chat_template_kwargs"] = {"enable_thinking": enabled == "enabled", **(kwargs or {})}
+        budget, custom = (self.thinking or {}).get("budget_tokens"), body.get("custom_params")
+        if enabled == "enabled" and isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0:
+            if isinstance(custom or {}, dict):  # (else chat's 400 names it)
+                body["custom_params"] = {"thinking_budget": budget, **(custom or {})}
         last = body["messages"][-1] if body["messages"] else {}
         if last.get("role") == "assistant":  # Anthropic's prefill: the answer goes on from its text
             if last.get("tool_calls") or last.get("reasoning_content") or not isinstance(last.get("content"), str):
