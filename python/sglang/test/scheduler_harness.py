@@ -116,6 +116,7 @@ class SchedulerHarness:
         custom_logit_processor: str | None = None,
         warmup: bool = False,
         lora: str | None = None,
+        require_reasoning: bool = False,
         **sampling: Any,
     ) -> str:
         """`lora`: the name of an adapter of --lora-paths (its id and cache namespace as the tokenizer
@@ -140,6 +141,7 @@ class SchedulerHarness:
                 custom_logit_processor=custom_logit_processor,
                 warmup=warmup,
                 lora_id=None if lora is None else self.lora_id(lora),
+                require_reasoning=require_reasoning,
             )
         )
         self.outputs[rid] = Output(rid)

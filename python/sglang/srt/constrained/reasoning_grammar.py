@@ -12,7 +12,9 @@ without a grammar after it): while thinking it may not end or call a tool (the e
 the single-token tool-call tags are masked), and its thinking budget (`max_thinking_tokens`, or
 `sampling_params.custom_params["thinking_budget"]`, else SGLANG_MAX_THINK_TOKENS; -1: none) counts the
 thinking tokens it samples: once they reach it, the next tokens are forced to the rest of the think-end
-marker. Tokens of the marker a model starts itself do not count, and a marker it began is finished.
+marker (a marker the model began is finished, not begun again), so a budget of N gives N sampled
+tokens, then the marker's forced ones. A request whose thinking ended with no grammar after it drops its
+`ReasoningGrammar` (`released`): it drafts again, and the overlap schedule looks ahead again.
 
 The object has `RequestGrammar`'s interface (`catch_up`, `fill`, `terminated`, `accepted`, `stopped`,
 `take_spent`), so the scheduler's masks, finish checks and output budget treat it as any grammar.
@@ -20,6 +22,7 @@ The object has `RequestGrammar`'s interface (`catch_up`, `fill`, `terminated`, `
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,8 @@ from sglang.srt.parser.reasoning_parser import THINK_END
 
 if TYPE_CHECKING:
     from sglang.srt.constrained.xgrammar_backend import RequestGrammar
+
+logger = logging.getLogger(__name__)
 
 # Banned while thinking under strict thinking, where each is one token (upstream's Qwen3 list: these and
 # the end-of-sequence ids).
@@ -56,8 +61,13 @@ class ReasoningTokens:
         if not server_args.reasoning_parser or tokenizer is None:
             return None
         end_ids = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+        if not end_ids or max(end_ids) >= vocab_size:  # (a token past the logits: nothing could force it)
+            logger.warning("%s encodes to %s, outside the model's %d logits: grammars start at the first token.",
+                           THINK_END, end_ids, vocab_size)  # fmt: skip
+            return None
         tags = [tokenizer.encode(tag, add_special_tokens=False) for tag in TOOL_TAGS]
-        excluded = sorted({t for t in eos_ids if t < vocab_size} | {ids[0] for ids in tags if len(ids) == 1})
+        excluded = {t for t in eos_ids} | {ids[0] for ids in tags if len(ids) == 1}
+        excluded = sorted(t for t in excluded if t < vocab_size)
         strict = bool(server_args.enable_strict_thinking)
         return cls(end_ids, tuple(excluded), strict, envs.SGLANG_MAX_THINK_TOKENS.get(), vocab_size)
 
@@ -74,8 +84,8 @@ class ReasoningTokens:
 
 
 class ReasoningGrammar:
-    __slots__ = ("inner", "tokens", "budget", "vocab_size", "accepted", "thinking", "count", "matched",
-                 "tail", "think_len", "spent", "stopped")  # fmt: skip
+    __slots__ = ("inner", "tokens", "budget", "vocab_size", "accepted", "thinking", "count", "forced_n",
+                 "matched", "tail", "think_len", "spent", "stopped")  # fmt: skip
 
     def __init__(self, inner: RequestGrammar | None, tokens: ReasoningTokens, budget: int):
         self.inner = inner
@@ -85,6 +95,7 @@ class ReasoningGrammar:
         self.accepted = 0  # output tokens taken (its thinking's, then its grammar's)
         self.thinking = True
         self.count = 0  # thinking tokens taken, the marker's included
+        self.forced_n = 0  # of them, the ones the budget forced
         self.matched = 0  # how much of the think-end marker the output ends with
         self.tail: tuple[int, ...] = ()  # its last thinking tokens (as many as the marker has)
         self.think_len = 0  # the output tokens of the thinking phase, its marker included
@@ -95,9 +106,15 @@ class ReasoningGrammar:
     def terminated(self) -> bool:
         return not self.thinking and self.inner is not None and self.inner.terminated
 
+    @property
+    def released(self) -> bool:
+        """Its thinking ended and no grammar follows: nothing is left to mask (the scheduler drops it)."""
+        return not self.thinking and self.inner is None
+
     def forced(self) -> int | None:
-        """The token the budget forces next (the marker's next one), or None."""
-        if self.thinking and 0 <= self.budget <= self.count - self.matched:
+        """The token the budget forces next (the marker's next one), or None: once the tokens the request
+        sampled while thinking (a marker it began and left included) reach the budget."""
+        if self.thinking and 0 <= self.budget <= self.count - self.forced_n:
             return self.tokens.end_ids[self.matched]
         return None
 
@@ -115,6 +132,7 @@ class ReasoningGrammar:
                     raise GrammarRejectedToken(f"token {token} at output position {self.accepted} (not while thinking)")  # fmt: skip
                 self.accepted += 1
                 self.count += 1
+                self.forced_n += forced is not None
                 self.tail = (self.tail + (token,))[-len(end) :]
                 self.matched = next((k for k in range(len(self.tail), 0, -1) if self.tail[-k:] == end[:k]), 0)
                 if self.matched == len(end):

@@ -314,7 +314,8 @@ class FinishChecker:
                     # A PD decode server's first token is the prefill server's, sampled under its flags.
                     message += (
                         " The prefill server sampled it: start both servers of the pair with the same "
-                        "--grammar-backend and --constrained-json-disable-any-whitespace."
+                        "--grammar-backend, --constrained-json-disable-any-whitespace, --reasoning-parser, "
+                        "--enable-strict-thinking and SGLANG_MAX_THINK_TOKENS."
                     )
                 work.done = {"type": "abort", "status_code": 500, "message": message}
                 return work

@@ -22,6 +22,9 @@ def check_reasoning(require: Any, budget: Any, limits: Any) -> tuple[bool, int |
     if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget < MAX_THINKING_TOKENS:
         message = "max_thinking_tokens must be an integer >= 0, or null."
         raise RequestError(message, "max_thinking_tokens", "invalid_type")
+    if not require:
+        message = "max_thinking_tokens budgets a request's reasoning: send require_reasoning: true with it."
+        raise RequestError(message, "max_thinking_tokens")
     if not limits.strict_thinking:
         # Upstream's words.
         message = "max_thinking_tokens requires the server to be launched with --enable-strict-thinking"

@@ -163,6 +163,7 @@ class Scheduler(SchedulerIOMixin, SchedulerLifecycleMixin, SchedulerUpdateWeight
             stream_interval=server_args.stream_interval,
             fast_path=self.fast_path,
         )
+        self.result_processor.release_grammar = self.release_grammar
         self.result_processor.routed_experts = getattr(self.model_runner, "routed_experts", None)
         self.spec = None  # --speculative-algorithm: builds verify batches and commits their results
         if server_args.speculative_algorithm is not None:

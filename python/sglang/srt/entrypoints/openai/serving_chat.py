@@ -174,7 +174,9 @@ class OpenAIServingChat(OpenAIServingBase):
             # Only the template's own tail counts (a message may mention <think>). It takes a second
             # rendering, needless where the answer starts in the reasoning anyway, or no think tag is
             # anywhere (the answer's split and its grammar's start both read it).
-            if not fmt.always_reasoning and THINK_START in prompt + prefix:
+            if fmt.always_reasoning:  # (its models may leave the opening tag out: a continued message may close it)
+                req._prompt_opens_reasoning = prompt_opens_reasoning(THINK_START + prefix)
+            elif THINK_START in prompt + prefix:
                 try:
                     base = tokenizer.apply_chat_template(
                         messages, tokenize=False, add_generation_prompt=False, **tools, **variables
@@ -209,8 +211,9 @@ class OpenAIServingChat(OpenAIServingBase):
             image_data=[url for m in req.messages for url in m.image_urls()] or None,
             video_data=[url for m in req.messages for url in m.video_urls()] or None,
             # A grammar (and --enable-strict-thinking) applies after the reasoning the answer starts in.
-            require_reasoning=self.reasoning_format is not None and not req.forces_tool_calls
-            and (self.reasoning_format.always_reasoning or req._prompt_opens_reasoning),
+            require_reasoning=self.reasoning_format is not None
+            and not req.forces_tool_calls
+            and req._prompt_opens_reasoning,
             **req.passthrough_fields(),
         )
 

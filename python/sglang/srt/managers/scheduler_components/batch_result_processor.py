@@ -76,6 +76,8 @@ class BatchResultProcessor:
         self.deferred_releases: list[Req] = []
         # --enable-return-routed-experts: the model runner's table (`model_executor/routed_experts.py`).
         self.routed_experts: Any = None
+        # The scheduler drops a grammar with nothing left to mask (`Scheduler.release_grammar`).
+        self.release_grammar: Callable[[Req], None] = lambda req: None
         # Speculative decoding: commits a verify batch's result (`speculative/ngram_worker.py`).
         self.process_verify: Callable[[ScheduleBatch, HostBatchResult], None] | None = None
 
@@ -242,6 +244,8 @@ class BatchResultProcessor:
                 return False
         if check != "none":
             self.finisher.check_finished(req)
+            if req.finished_reason is None and getattr(req.grammar, "released", False):
+                self.release_grammar(req)  # (a reasoning grammar whose thinking ended, with nothing after)
         return req.finished_reason is not None
 
     @staticmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from sglang.srt.constrained.measured import is_measured
 from sglang.srt.managers.schedule_policy import cacheable_len
 from sglang.srt.managers.scheduler_components.priority_scheduling import preemption_victims
 from sglang.srt.mem_cache.common import release_kv_cache
@@ -101,6 +102,15 @@ class SchedulerLifecycleMixin:
             self.retract(req)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def release_grammar(self, req: Req) -> None:
+        """`req` runs on without its grammar (a reasoning grammar with nothing after its thinking): its
+        decode rows, quick check and output check budget are those of a request without one."""
+        self.grammar_queue.discard(req)
+        self.rows_cache.clear()
+        self.finisher.set_quick_check(req)
+        if not is_measured(req):
+            self.finisher.budget.forget(req)
 
     def remove_request(self, req: Req) -> None:
         if req.bootstrap is not None and self.disagg is not None:
