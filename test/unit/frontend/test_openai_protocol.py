@@ -170,6 +170,28 @@ def test_chat_template_kwargs_and_continue_final_message():
     assert encoded[-1] == "\nassistant: Once upon"
 
 
+def test_reasoning_effort_switches_the_templates_thinking():
+    """OpenAI's reasoning_effort (and the Responses API's reasoning.effort), upstream's mapping: "none"
+    turns the template's thinking off, any other level on; the request's own chat_template_kwargs win."""
+    serving, _ = _chat_serving()
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    for effort, thinking in [("none", False), ("high", True), (0.5, True)]:
+        _chat_input(serving, {**hi, "reasoning_effort": effort})
+        assert serving.tm.tokenizer.kwargs == {"enable_thinking": thinking}, effort
+    _chat_input(serving, {**hi, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}})
+    assert serving.tm.tokenizer.kwargs == {"enable_thinking": True}
+    _chat_input(serving, hi)
+    assert serving.tm.tokenizer.kwargs == {}
+    for bad in ("huge", 1.5):
+        with pytest.raises(RequestError) as e:
+            _chat_input(serving, {**hi, "reasoning_effort": bad})
+        assert e.value.param == "reasoning_effort"
+    from sglang.srt.entrypoints.openai.responses_protocol import ResponsesRequest
+
+    responses = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "none"}})
+    assert responses.chat_request([{"role": "user", "content": "hi"}]).reasoning_effort == "none"
+
+
 def test_chat_template_kwargs_are_template_variables_only():
     """Not the arguments of transformers' `apply_chat_template` (the real tokenizer's): `chat_template`
     would render a template the request brings on the server, `tools` would pass the tools refusal."""

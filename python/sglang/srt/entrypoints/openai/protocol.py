@@ -376,6 +376,9 @@ class ChatCompletionRequest(_SamplingFields):
     # continuing the last message when it is the assistant's (its text is the answer's beginning).
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
+    # OpenAI's (upstream's mapping): "none" turns the template's thinking off (enable_thinking: false),
+    # any other effort on, unless chat_template_kwargs says; no token budget follows from it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | float | None = None
     # Upstream's, with --reasoning-parser: split the answer's reasoning into `reasoning_content`
     # (false: the text as generated), and stream it as it comes (false: in one piece when it ends).
     separate_reasoning: bool = True
@@ -387,6 +390,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
+        effort = self.reasoning_effort
+        if isinstance(effort, float) and not 0 <= effort < 1:
+            raise _field_error("reasoning_effort", "reasoning_effort must be a level or a number in [0, 1)")
         if self.top_logprobs and not self.logprobs:
             raise _field_error("top_logprobs", "top_logprobs needs logprobs set to true")
         if self.forces_tool_calls:

@@ -6,7 +6,8 @@ Accepted as OpenAI defines them: `input` (a string or a list of items), `instruc
 `tool_choice`, `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, `top_logprobs`,
 `include` (`message.output_text.logprobs`), `text.format` (text, json_object, json_schema), `stream`,
 `store`, `previous_response_id`, `background`, `metadata` (OpenAI's bounds: 16 keys of at most 64
-characters, values of at most 512), `user`, `truncation`, `reasoning`, `service_tier`, `prompt_cache_key`,
+characters, values of at most 512), `user`, `truncation`, `reasoning` (its `effort` as chat's
+`reasoning_effort`), `service_tier`, `prompt_cache_key`,
 `safety_identifier`; and the chat route's extensions (`top_k`, `min_p`, penalties, `seed`, `stop`, ...).
 """
 
@@ -244,6 +245,7 @@ class ResponsesRequest(BaseModel):
             top_logprobs=self.top_logprobs,
             user=self.user,
             response_format=self.response_format(),
+            reasoning_effort=(self.reasoning or {}).get("effort"),  # (its effort, as chat's reasoning_effort)
         )
         if tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

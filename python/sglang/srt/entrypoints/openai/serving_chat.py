@@ -149,7 +149,8 @@ class OpenAIServingChat(OpenAIServingBase):
         prefix = ""
         if req.continue_final_message and messages[-1]["role"] == "assistant":
             prefix = messages.pop()["content"]
-        variables = {**self.template_defaults, **(req.chat_template_kwargs or {})}
+        thinking = {} if req.reasoning_effort is None else {"enable_thinking": req.reasoning_effort != "none"}
+        variables = {**self.template_defaults, **thinking, **(req.chat_template_kwargs or {})}
         # Only the template's own variables: not apply_chat_template's arguments (`chat_template`
         # would let a request render a template of its own on the server, `tools` would pass by the
         # request's own field and its checks).
