@@ -133,6 +133,28 @@ class TestOpenAIServer(ServerTestCase):
         self.assertRegex(message.content, r"^[0-9]{4}$")
         self.assertTrue(message.reasoning_content)
 
+    def test_token_in_token_out(self) -> None:
+        """Upstream's TITO extensions, as RL rollouts read them: a chat choice's prompt_token_ids (sent
+        back as input_ids they give the same answer), response_token_ids (the ids of meta_info's output
+        logprobs, one per completion token); /generate's prompt_token_ids on the reply and every chunk;
+        a stream that asks for them is a 400 naming the field."""
+        body = {"model": self.model, "messages": MESSAGES, "max_tokens": 5, "temperature": 0, "logprobs": True,
+                "return_token_ids": True, "return_meta_info": True, "ignore_eos": True}  # fmt: skip
+        choice = self.post("/v1/chat/completions", body).json()["choices"][0]
+        meta, ids = choice["meta_info"], choice["response_token_ids"]
+        self.assertEqual(ids, [entry[1] for entry in meta["output_token_logprobs"]])
+        self.assertEqual((len(ids), meta["completion_tokens"]), (5, 5))
+        again = self.post("/v1/chat/completions", {**body, "input_ids": choice["prompt_token_ids"]}).json()
+        self.assertEqual(again["choices"][0]["response_token_ids"], ids)
+        self.assertEqual(again["usage"]["prompt_tokens"], len(choice["prompt_token_ids"]))
+        r = self.post("/v1/chat/completions", {**body, "stream": True})
+        self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, "return_token_ids"))
+        native = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}, "return_prompt_token_ids": True}
+        self.assertEqual(self.generate(**native)["prompt_token_ids"], [5, 6, 7])
+        chunks = sse_events(self.post("/generate", {**native, "stream": True}, stream=True))[:-1]
+        self.assertTrue(chunks and all(c["prompt_token_ids"] == [5, 6, 7] for c in chunks))
+        self.assertNotIn("prompt_token_ids", self.generate(input_ids=[5, 6, 7]))
+
     def test_a_chat_with_tools_answers(self) -> None:
         # The tiny model calls nothing: the answer is content (the parsing of calls, whole and streamed:
         # test/unit/frontend/test_tool_call_parser.py).

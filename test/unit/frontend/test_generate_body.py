@@ -56,7 +56,7 @@ def test_unset_upstream_fields_and_router_fields_are_accepted():
         ("return_entropy", "true"),
         ("return_bytes", "true"),
         ("background", "true"),
-        ("return_prompt_token_ids", "true"),
+        ("return_sampling_mask", "true"),
     ],
 )
 def test_a_feature_this_server_lacks_is_refused_naming_the_field(field, value):

@@ -67,7 +67,6 @@ UNSUPPORTED = {
     "return_indexer_topk": "indexer top-k",
     "return_entropy": "entropy",
     "return_bytes": "image generation",
-    "return_prompt_token_ids": "prompt token ids in the reply",
     "multi_item_delimiter_indices": "multi-item scoring",
     "background": "background requests",
 }

@@ -51,6 +51,7 @@ class GenerateReqInput:
     # upstream's `token_ids_logprob` (one list for every prompt, or one list per prompt).
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False  # upstream's: each reply's "prompt_token_ids" (the prompt's ids)
     stream: bool = False
     # False: the request is left out of the metrics (health checks).
     log_metrics: bool = True

@@ -91,6 +91,7 @@ class NormalizedRequest:
     index: int
     return_text_in_logprobs: bool
     prompt: int = 0  # which prompt of the call it samples (its images are that prompt's)
+    return_prompt_token_ids: bool = False  # its replies carry "prompt_token_ids" (upstream's)
     session: Any = None  # with session_params: its `session_controller.SessionPlan`
 
 
@@ -290,10 +291,9 @@ def build_requests(
         for name in PER_ITEM_FIELDS + BOOTSTRAP_FIELDS + NAMESPACE_FIELDS
     }
     token_ids_lists = _token_ids_logprob(obj.token_ids_logprob, size, prompts.is_batch, limits)
-    if not isinstance(obj.return_text_in_logprobs, bool):
-        raise RequestError(
-            "return_text_in_logprobs must be a boolean.", "return_text_in_logprobs", "invalid_type"
-        )
+    for name in ("return_text_in_logprobs", "return_prompt_token_ids"):
+        if not isinstance(getattr(obj, name), bool):
+            raise RequestError(f"{name} must be a boolean.", name, "invalid_type")
     if not isinstance(obj.stream, bool):
         raise RequestError("stream must be a boolean.", "stream", "invalid_type")
 
@@ -382,7 +382,7 @@ def build_requests(
                 lora_id=lora_id,
                 require_reasoning=reasoning,
             )
-            out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs, i))
+            out.append(NormalizedRequest(req, len(out), obj.return_text_in_logprobs, i, obj.return_prompt_token_ids))
     rids = [r.req.rid for r in out]
     if len(set(rids)) != len(rids):
         raise RequestError("rid values must be unique within a request.", "rid")

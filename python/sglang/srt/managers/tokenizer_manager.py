@@ -365,6 +365,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         out["meta_info"]["weight_version"] = self.server_args.weight_version
         if self.tokenizer is None:
             del out["text"]  # upstream's reply without a tokenizer: output_ids and meta_info
+        if state.item.return_prompt_token_ids:  # (every chunk of a stream too, as upstream's)
+            out["prompt_token_ids"] = list(state.item.req.input_ids)
         return out
 
     def token_texts(self, ids: list[int]) -> list[str]:

@@ -18,13 +18,16 @@ from pydantic import (
     Field,
     PrivateAttr,
     StrictInt,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from sglang.srt.constrained.grammar_spec import json_error
+from sglang.srt.entrypoints.openai.protocol_errors import (  # noqa: F401 - re-exported: the routes import it here
+    _field_error,
+    request_error_from_validation,
+)
 from sglang.srt.entrypoints.openai.protocol_responses import (  # noqa: F401 - upstream's import path
     AssistantMessage,
     ChatChoice,
@@ -41,7 +44,6 @@ from sglang.srt.entrypoints.openai.protocol_responses import (  # noqa: F401 - u
     PromptTokensDetails,
     UsageInfo,
 )
-from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.sampling.sampling_params import MAX_N
 
 MAX_TOP_LOGPROBS = 20
@@ -379,6 +381,13 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's (upstream's mapping): "none" turns the template's thinking off (enable_thinking: false),
     # any other effort on, unless chat_template_kwargs says; no token budget follows from it.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | float | None = None
+    # Upstream's token-in token-out extensions (RL rollouts), whole answers only: each choice's
+    # `prompt_token_ids`, `response_token_ids` (its output ids as sampled) and `meta_info` (the native
+    # reply's); and `input_ids`, the prompt's ids as they are, in place of the template's rendering.
+    return_prompt_token_ids: bool = False
+    return_token_ids: bool = False
+    return_meta_info: bool = False
+    input_ids: list[int] | None = None
     # Upstream's, with --reasoning-parser: split the answer's reasoning into `reasoning_content`
     # (false: the text as generated), and stream it as it comes (false: in one piece when it ends).
     separate_reasoning: bool = True
@@ -393,6 +402,9 @@ class ChatCompletionRequest(_SamplingFields):
         effort = self.reasoning_effort
         if isinstance(effort, float) and not 0 <= effort < 1:
             raise _field_error("reasoning_effort", "reasoning_effort must be a level or a number in [0, 1)")
+        for name in ("return_prompt_token_ids", "return_token_ids", "return_meta_info"):
+            if getattr(self, name) and self.stream:  # (upstream's words)
+                raise _field_error(name, f"{name} is not supported with streaming. Please set stream=false when using {name}=true")  # fmt: skip
         if self.top_logprobs and not self.logprobs:
             raise _field_error("top_logprobs", "top_logprobs needs logprobs set to true")
         if self.forces_tool_calls:
@@ -445,50 +457,3 @@ def forced_tool_schema(tools: list[Tool], choice: str | dict[str, Any]) -> dict[
         message = f"tool_choice names {name!r}, which is not one of the request's tools"
         raise _field_error("tool_choice", message)
     return {"type": "array", "minItems": 1, "maxItems": 1, "items": call(tool)}
-
-
-class _FieldError(ValueError):
-    def __init__(self, field: str, message: str, code: str = "invalid_value"):
-        super().__init__(message)
-        self.field = field
-        self.code = code
-
-
-def _field_error(field: str, message: str, code: str = "invalid_value") -> _FieldError:
-    return _FieldError(field, message, code)
-
-
-def request_error_from_validation(exc: ValidationError) -> RequestError:
-    """The first validation error as a RequestError whose message names the field."""
-    err = exc.errors(include_url=False)[0]
-    kind = err.get("type", "")
-    if kind == "json_invalid":
-        return RequestError(
-            f"The request body is not valid JSON: {err.get('ctx', {}).get('error', '')}.",
-            None,
-            "invalid_json",
-        )
-    loc = list(err.get("loc", ()))
-    ctx_err = (err.get("ctx") or {}).get("error")
-    if isinstance(ctx_err, _FieldError):
-        return RequestError(f"{ctx_err.field}: {ctx_err}.", ctx_err.field, ctx_err.code)
-    if not loc and kind in ("model_type", "model_attributes_type"):
-        return RequestError("The request body must be a JSON object.", None, "invalid_type")
-    param = _loc_to_param(loc)
-    if kind == "missing":
-        return RequestError(f"{param} is required.", param, "missing_required_parameter")
-    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-    code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
-    return RequestError(f"{param}: {msg}.", param, code)
-
-
-def _loc_to_param(loc: list[Any]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif any(c in part for c in "[(-") or part in ("str", "int", "float", "bool"):
-            continue  # pydantic's tag of a union branch (`list[str]`), not part of the field name
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "body"

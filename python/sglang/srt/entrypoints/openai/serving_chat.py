@@ -190,7 +190,10 @@ class OpenAIServingChat(OpenAIServingBase):
         return await self.tm.encode(prompt + prefix, "messages", add_special_tokens=False, truncate=not media)
 
     async def to_generate_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
-        input_ids = await self.apply_chat_template(req)
+        # (upstream's input_ids: the prompt as the client tokenized it, with no media: the template's
+        # placeholders are not there)
+        input_ids = req.input_ids if req.input_ids is not None else await self.apply_chat_template(req)
+        media = req.input_ids is None
         sampling_params = req.sampling_params()
         # Without max_tokens / max_completion_tokens an answer runs to its end or the context length,
         # as upstream's chat (the native default, 128 tokens, is /generate's).
@@ -209,8 +212,9 @@ class OpenAIServingChat(OpenAIServingBase):
             top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True,
             stream=req.stream,
-            image_data=[url for m in req.messages for url in m.image_urls()] or None,
-            video_data=[url for m in req.messages for url in m.video_urls()] or None,
+            image_data=media and [url for m in req.messages for url in m.image_urls()] or None,
+            video_data=media and [url for m in req.messages for url in m.video_urls()] or None,
+            return_prompt_token_ids=req.return_prompt_token_ids or req.return_token_ids,
             # A grammar (and --enable-strict-thinking) applies after the reasoning the answer starts in.
             require_reasoning=self.reasoning_format is not None
             and not req.forces_tool_calls
@@ -253,6 +257,7 @@ class OpenAIServingChat(OpenAIServingBase):
             finish_reason=reason,
             matched_stop=matched,
             **self.hidden_states_field(req, out["meta_info"]),
+            **token_fields(req, out),
         )
 
     def opening_choice(self, index: int) -> ChatStreamChoice:
@@ -375,3 +380,15 @@ class OpenAIServingChat(OpenAIServingBase):
             finish_reason=reason,
             matched_stop=matched,
         )
+
+
+def token_fields(req: ChatCompletionRequest, out: dict) -> dict[str, Any]:
+    """A choice's token-in token-out fields, as upstream's: where the request asked for them."""
+    fields: dict[str, Any] = {}
+    if req.return_prompt_token_ids or req.return_token_ids:
+        fields["prompt_token_ids"] = out["prompt_token_ids"]
+    if req.return_token_ids:
+        fields["response_token_ids"] = out["output_ids"]
+    if req.return_meta_info:
+        fields["meta_info"] = out["meta_info"]
+    return fields
