@@ -24,6 +24,9 @@ class FakeTemplate:
     def encode(self, text, add_special_tokens=False):
         return list(text)
 
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
 
 class FakeChatTokenizerManager:
     """Answers every request with `answer` (streamed two characters a chunk), recording the prompts."""
@@ -62,7 +65,10 @@ class FakeChatTokenizerManager:
                     lo = 0 if not obj.stream else (cuts[k - 1] if k else 0)
                     meta["output_token_logprobs"] = [(-0.5, ord(c), c) for c in self.answer[lo:cut]]
                     meta["output_top_logprobs"] = [[(-0.5, ord(c), c)] for c in self.answer[lo:cut]]
-                yield {"text": self.answer[:cut], "meta_info": meta}
+                out = {"text": self.answer[:cut], "output_ids": [ord(c) for c in self.answer[:cut]], "meta_info": meta}
+                if obj.return_prompt_token_ids:
+                    out["prompt_token_ids"] = list(obj.input_ids)
+                yield out
         except (asyncio.CancelledError, GeneratorExit):
             self.aborted += 1
             raise

@@ -175,14 +175,14 @@ def test_reasoning_effort_switches_the_templates_thinking():
     turns the template's thinking off, any other level on; the request's own chat_template_kwargs win."""
     serving, _ = _chat_serving()
     hi = {"messages": [{"role": "user", "content": "hi"}]}
-    for effort, thinking in [("none", False), ("high", True), (0.5, True)]:
+    for effort, thinking in [("none", False), ("high", True), (0.5, True), (0, True)]:
         _chat_input(serving, {**hi, "reasoning_effort": effort})
         assert serving.tm.tokenizer.kwargs == {"enable_thinking": thinking}, effort
     _chat_input(serving, {**hi, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}})
     assert serving.tm.tokenizer.kwargs == {"enable_thinking": True}
     _chat_input(serving, hi)
     assert serving.tm.tokenizer.kwargs == {}
-    for bad in ("huge", 1.5):
+    for bad in ("huge", 1.5, 0.995):
         with pytest.raises(RequestError) as e:
             _chat_input(serving, {**hi, "reasoning_effort": bad})
         assert e.value.param == "reasoning_effort"
@@ -190,6 +190,56 @@ def test_reasoning_effort_switches_the_templates_thinking():
 
     responses = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "none"}})
     assert responses.chat_request([{"role": "user", "content": "hi"}]).reasoning_effort == "none"
+    HI = [{"role": "user", "content": "hi"}]  # noqa: N806
+    for bad in ("bogus", 0.5, True):  # (named as the Responses API names it; a level only there)
+        with pytest.raises(RequestError) as e:
+            ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": bad}}).chat_request(HI)
+        assert e.value.param == "reasoning.effort", bad
+
+
+def test_token_in_token_out_fields_and_pretokenized_prompts():
+    """Each choice's prompt_token_ids / response_token_ids / meta_info where asked; input_ids in place of
+    the template (a 400 naming it with an image; its own name in the native checks' errors; whether it
+    leaves a think block open is read from its tokens); the stream refusal names the field."""
+    from types import SimpleNamespace
+
+    from sglang.test.fake_chat import FakeChatTokenizerManager
+
+    tm = FakeChatTokenizerManager("ok")
+    serving = OpenAIServingChat(tm, "m", reasoning_parser="qwen3")
+
+    def reply(body: dict):
+        async def read():
+            return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
+
+        request = SimpleNamespace(body=read, url=SimpleNamespace(path="/v1/chat/completions"), is_disconnected=None)
+        return orjson.loads(asyncio.run(serving.handle(request)).body)
+
+    (choice,) = reply({"return_token_ids": True, "return_meta_info": True})["choices"]
+    assert choice["response_token_ids"] == [ord("o"), ord("k")] and choice["prompt_token_ids"] == tm.prompts[-1]
+    assert choice["meta_info"]["completion_tokens"] == 2
+    plain = reply({})["choices"][0]
+    assert not {"prompt_token_ids", "response_token_ids", "meta_info"} & set(plain)
+    ids = [ord(c) for c in "<think>\n"]
+    reply({"input_ids": ids, "regex": "[0-9]+"})
+    assert tm.prompts[-1] == ids  # the template bypassed
+    obj = asyncio.run(serving.to_generate_input(parse_model(ChatCompletionRequest, orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "input_ids": ids}))))  # fmt: skip
+    assert obj.require_reasoning, "its tokens leave a think block open"
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,x"}}]}
+    with pytest.raises(RequestError) as e:
+        reply({"messages": [image], "input_ids": [5]})
+    assert e.value.param == "input_ids"
+    req = parse_model(ChatCompletionRequest, orjson.dumps({"model": "m", "messages": [image], "input_ids": [5]}))
+    assert serving.rename(RequestError("input_ids[0] = -1 is outside", "input_ids"), req).param == "input_ids"
+    assert serving.rename(RequestError("input_ids is too long", "input_ids")).param == "messages"
+    for name in ("return_prompt_token_ids", "return_token_ids", "return_meta_info"):
+        with pytest.raises(RequestError) as e:
+            reply({name: True, "stream": True})
+        assert e.value.param == name and "stream=false" in e.value.message
+    with pytest.raises(RequestError) as e:
+        reply({"reasoning_effort": False})
+    assert e.value.param == "reasoning_effort"
 
 
 def test_chat_template_kwargs_are_template_variables_only():

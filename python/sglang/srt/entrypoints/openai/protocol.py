@@ -397,11 +397,18 @@ class ChatCompletionRequest(_SamplingFields):
     _prompt_opens_reasoning: bool = PrivateAttr(default=False)
     _continues_message: bool = PrivateAttr(default=False)
 
+    @field_validator("reasoning_effort", mode="before")
+    @classmethod
+    def _effort(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # (pydantic would take false for 0.0)
+            raise ValueError("reasoning_effort must be a level (none, low, ...) or a number, not a boolean")
+        return v
+
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
         effort = self.reasoning_effort
-        if isinstance(effort, float) and not 0 <= effort < 1:
-            raise _field_error("reasoning_effort", "reasoning_effort must be a level or a number in [0, 1)")
+        if isinstance(effort, float) and not 0 <= effort <= 0.99:  # (upstream's range)
+            raise _field_error("reasoning_effort", "reasoning_effort must be a level or a number in [0, 0.99]")
         for name in ("return_prompt_token_ids", "return_token_ids", "return_meta_info"):
             if getattr(self, name) and self.stream:  # (upstream's words)
                 raise _field_error(name, f"{name} is not supported with streaming. Please set stream=false when using {name}=true")  # fmt: skip

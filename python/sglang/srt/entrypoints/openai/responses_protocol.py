@@ -53,6 +53,7 @@ CHAT_TO_RESPONSES = {
     "max_completion_tokens": "max_output_tokens",
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
 }
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 # OpenAI's fields for what this server does not have: a 400 naming them, not a silent answer without them.
@@ -230,6 +231,13 @@ class ResponsesRequest(BaseModel):
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
 
+    def reasoning_effort(self) -> str | None:
+        """`reasoning.effort`, as chat's `reasoning_effort` (a level: OpenAI's Responses API has no number)."""
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and not isinstance(effort, str):
+            raise RequestError("reasoning.effort must be a level (none, minimal, low, medium, high).", "reasoning.effort")
+        return effort
+
     def chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat completion request that answers this one (a RequestError in this API's names)."""
         tools = self.function_tools()
@@ -245,7 +253,7 @@ class ResponsesRequest(BaseModel):
             top_logprobs=self.top_logprobs,
             user=self.user,
             response_format=self.response_format(),
-            reasoning_effort=(self.reasoning or {}).get("effort"),  # (its effort, as chat's reasoning_effort)
+            reasoning_effort=self.reasoning_effort(),
         )
         if tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

@@ -143,14 +143,16 @@ class OpenAIServingBase:
         try:
             first, gen = await start_generation(self.tm, obj, request)
         except RequestError as e:
-            raise self.rename(e) from None
+            raise self.rename(e, req) from None
         except ServerAbortError as e:
             raise self.rename_abort(req, e) from None
         if getattr(req, "stream", False):
             return SSEResponse(sse_stream(self.stream_events(req, obj, first, gen)))
         await gen.aclose()
         # A reply with many logprobs (a long answer, an echoed prompt) is built off the event loop.
-        entries = sum(reply_entries(out["meta_info"]) for out in as_list(first))
+        # (token-in token-out ids count as entries too: a long prompt's ids in each of n choices)
+        outs = as_list(first)
+        entries = sum(reply_entries(out["meta_info"]) + len(out.get("prompt_token_ids", ())) for out in outs)
         return await built_off_loop_if_large(entries, self._json_reply, req, obj, first)
 
     def _json_reply(self, req: Any, obj: GenerateReqInput, first: Any) -> Response:
@@ -166,13 +168,17 @@ class OpenAIServingBase:
             prompt,
         )
 
-    def rename(self, err: RequestError) -> RequestError:
+    def rename(self, err: RequestError, req: Any = None) -> RequestError:
         """A native validation error in this API's words: its field, and the native field names in its
-        message (only those: an English word that happens to be a native name stays)."""
+        message (only those: an English word that happens to be a native name stays). A chat request that
+        sent `input_ids` itself (upstream's pretokenized prompt) keeps that name."""
+        names = self.param_names
+        if getattr(req, "input_ids", None) is not None:
+            names = {k: v for k, v in names.items() if k != "input_ids"}
         param = err.param or ""
-        new = self.param_names.get(param) or param.removeprefix("sampling_params.") or None
+        new = names.get(param) or param.removeprefix("sampling_params.") or None
         message = err.message
-        for native, public in self.param_names.items():
+        for native, public in names.items():
             word = re.escape(native.removeprefix("sampling_params."))
             message = re.sub(rf"\b{word}\b", public, message)
         return RequestError(message, new, err.code)

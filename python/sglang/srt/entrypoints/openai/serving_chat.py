@@ -190,10 +190,10 @@ class OpenAIServingChat(OpenAIServingBase):
         return await self.tm.encode(prompt + prefix, "messages", add_special_tokens=False, truncate=not media)
 
     async def to_generate_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
-        # (upstream's input_ids: the prompt as the client tokenized it, with no media: the template's
-        # placeholders are not there)
         input_ids = req.input_ids if req.input_ids is not None else await self.apply_chat_template(req)
         media = req.input_ids is None
+        if not media:
+            input_ids = self._pretokenized(req, input_ids)
         sampling_params = req.sampling_params()
         # Without max_tokens / max_completion_tokens an answer runs to its end or the context length,
         # as upstream's chat (the native default, 128 tokens, is /generate's).
@@ -221,6 +221,25 @@ class OpenAIServingChat(OpenAIServingBase):
             and req._prompt_opens_reasoning,
             **req.passthrough_fields(),
         )
+
+    def _pretokenized(self, req: ChatCompletionRequest, ids: list[int]) -> list[int]:
+        """Upstream's `input_ids`: the prompt as the client rendered and tokenized it (a 400 with media:
+        the template places their tokens), cut as --allow-auto-truncate cuts a prompt; whether it leaves a
+        think block open is read from its last tokens."""
+        if any(m.image_urls() or m.video_urls() for m in req.messages):
+            message = "input_ids is the whole prompt, with no place for the messages' images or videos: send "
+            raise RequestError(message + "those without input_ids.", "input_ids")
+        limits = self.tm.limits
+        if getattr(limits, "auto_truncate", False):
+            ids = ids[: limits.max_req_input_len]
+        fmt = self.reasoning_format
+        if fmt is not None:
+            try:
+                tail = self.tm.tokenizer.decode(ids[-64:])
+            except Exception:  # noqa: BLE001 - ids outside the vocabulary: the native check says so
+                tail = ""
+            req._prompt_opens_reasoning = fmt.always_reasoning or prompt_opens_reasoning(tail)
+        return ids
 
     def _reasoning_parser(self, req: ChatCompletionRequest) -> ReasoningParser | None:
         # (A forced call leaves the answer no room for reasoning: its grammar starts at the first token.)
