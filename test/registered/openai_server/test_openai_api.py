@@ -133,6 +133,25 @@ class TestOpenAIServer(ServerTestCase):
         self.assertRegex(message.content, r"^[0-9]{4}$")
         self.assertTrue(message.reasoning_content)
 
+    def test_a_thinking_budget_then_a_regex_on_generate(self) -> None:
+        """/generate's require_reasoning and max_thinking_tokens (this server: --reasoning-parser qwen3
+        --enable-strict-thinking): 4 thinking tokens, the forced </think> (6 tokens in the tiny
+        tokenizer), then the regex; without require_reasoning the regex holds from the first token."""
+        end = self.post("/tokenize", {"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+        params = {"max_new_tokens": 40, "temperature": 0.7, "sampling_seed": 3, "regex": "[0-9]{4}"}
+        body = {"input_ids": [5, 6, 7], "sampling_params": params}
+        out = self.generate(**body, require_reasoning=True, max_thinking_tokens=4)
+        ids = out["output_ids"]
+        self.assertEqual(ids[4 : 4 + len(end)], end)
+        self.assertRegex(out["text"], r"</think>[0-9]{4}$")
+        self.assertEqual(out["meta_info"]["finish_reason"]["type"], "stop")
+        self.assertRegex(self.generate(**body)["text"], r"^[0-9]{4}$")
+        for extra, param in [({"max_thinking_tokens": -1}, "max_thinking_tokens"),
+                             ({"require_reasoning": "yes"}, "require_reasoning"),
+                             ({"max_thinking_tokens": 3}, "max_thinking_tokens")]:  # fmt: skip
+            r = self.post("/generate", {**body, **extra})
+            self.assertEqual((r.status_code, r.json()["error"]["param"]), (400, param))
+
     def test_token_in_token_out(self) -> None:
         """Upstream's TITO extensions, as RL rollouts read them: a chat choice's prompt_token_ids (sent
         back as input_ids they give the same answer), response_token_ids (the ids of meta_info's output

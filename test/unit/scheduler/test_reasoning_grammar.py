@@ -7,13 +7,11 @@ marker, and text the regex matches."""
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import sglang
 from sglang.srt.constrained.reasoning_grammar import ReasoningGrammar, ReasoningTokens
 from sglang.srt.constrained.vocab_mask import allowed_tokens
 from sglang.srt.constrained.xgrammar_backend import GrammarRejectedToken
@@ -127,37 +125,6 @@ def test_a_budget_needs_strict_thinking_and_the_default_is_the_env():
     assert (made.end_ids, made.excluded, made.strict, made.default_budget) == (END, (EOS, TOOL), True, 11)
     assert ReasoningTokens.create(args, tok, 100, {EOS}) is None  # the marker is past the logits
     assert ReasoningTokens.create(SimpleNamespace(reasoning_parser=None), tok, 512, set()) is None
-
-
-@pytest.fixture(scope="module")
-def engine():
-    eng = sglang.Engine(model_path="tiny-qwen3-next", reasoning_parser="qwen3", enable_strict_thinking=True)
-    yield eng
-    eng.shutdown()
-
-
-def test_a_budget_then_a_regex_through_the_engine(engine):
-    tok = engine.tokenizer_manager.tokenizer
-    end = tok.encode("</think>", add_special_tokens=False)
-    assert tuple(end) == END
-    params = {"max_new_tokens": 40, "temperature": 0.7, "sampling_seed": 3, "regex": "[0-9]{4}"}
-    out = engine.generate(
-        input_ids=[5, 6, 7], sampling_params=params, require_reasoning=True, max_thinking_tokens=4
-    )
-    ids = out["output_ids"]
-    assert tuple(ids[4:10]) == END and EOS not in ids[:4], ids
-    assert re.fullmatch(r"[0-9]{4}", tok.decode(ids[10:], skip_special_tokens=True)), out["text"]
-    assert out["meta_info"]["finish_reason"]["type"] == "stop"
-    # Without require_reasoning the regex holds from the first token (as before).
-    plain = engine.generate(input_ids=[5, 6, 7], sampling_params=params)
-    assert re.fullmatch(r"[0-9]{4}", plain["text"]), plain["text"]
-    for body, param in [
-        ({"max_thinking_tokens": -1}, "max_thinking_tokens"),
-        ({"require_reasoning": "yes"}, "require_reasoning"),
-    ]:
-        with pytest.raises(RequestError) as e:
-            engine.generate(input_ids=[5], sampling_params=params, **body)
-        assert e.value.param == param
 
 
 def test_a_request_without_a_grammar_drops_its_mask_when_its_thinking_ends():
