@@ -80,7 +80,10 @@ class Turn:
                 parts.append(turn.own[: length - turn.cut])
                 length = turn.cut
             turn = turn.parent
-        return [t for part in reversed(parts) for t in part]
+        out = array("i")
+        for part in reversed(parts):
+            out.extend(part)  # (in C: a long history is copied, not iterated in Python)
+        return out.tolist()
 
 
 @dataclass(eq=False)
@@ -245,7 +248,7 @@ class SessionController:
             raise RequestError(message, "session_params")
         to_abort = [t.rid for t in removed if not t.done]
         for t in removed:
-            del t.session.turns[t.rid]
+            t.session.turns.pop(t.rid, None)
         self._drop(removed)
         for item in items:
             plan = item.session
