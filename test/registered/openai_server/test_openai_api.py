@@ -173,6 +173,19 @@ class TestOpenAIServer(ServerTestCase):
         chunks = sse_events(self.post("/generate", {**native, "stream": True}, stream=True))[:-1]
         self.assertTrue(chunks and all(c["prompt_token_ids"] == [5, 6, 7] for c in chunks))
         self.assertNotIn("prompt_token_ids", self.generate(input_ids=[5, 6, 7]))
+        # /v1/completions' return_token_ids: whole, and streamed (the new ids in each chunk, the prompt's
+        # in each choice's first), n = 2.
+        body = {"model": self.model, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "n": 2,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        whole = self.post("/v1/completions", body).json()["choices"]
+        self.assertEqual([c["prompt_token_ids"] for c in whole], [[5, 6, 7]] * 2)
+        self.assertEqual(whole[0]["token_ids"], self.generate(input_ids=[5, 6, 7], sampling_params={
+            "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})["output_ids"])  # fmt: skip
+        events = sse_events(self.post("/v1/completions", {**body, "stream": True}, stream=True))[:-1]
+        for i in range(2):
+            mine = [c for e in events for c in e["choices"] if c["index"] == i]
+            self.assertEqual(sum((c.get("token_ids") or [] for c in mine), []), whole[i]["token_ids"])
+            self.assertEqual([c["prompt_token_ids"] for c in mine if "prompt_token_ids" in c], [[5, 6, 7]])
 
     def test_a_chat_with_tools_answers(self) -> None:
         # The tiny model calls nothing: the answer is content (the parsing of calls, whole and streamed:

@@ -242,6 +242,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # Upstream's token-in token-out: each choice's `token_ids` (streamed: the new ones in each chunk) and
+    # `prompt_token_ids` (streamed: in its first chunk).
+    return_token_ids: bool = False
     _echoed: list[str] = PrivateAttr(default_factory=list)  # (set by the route: each prompt's text)
 
     @field_validator("prompt")

@@ -299,6 +299,7 @@ class OpenAIServingBase:
             delta = chunk["text"][sent_text[i] :]
             sent_text[i] = len(chunk["text"])
             meta = merged.setdefault(i, StreamMerger()).merge(chunk["meta_info"])
+            progress[("chunk", i)] = chunk  # (the chunk itself: its cumulative ids, for a choice that sends them)
             # A chunk with many logprobs (an echoed prompt's, the first chunk) is built off the event loop.
             events = await built_off_loop_if_large(
                 reply_entries(chunk["meta_info"]), self._chunk_events, req, i, delta, meta, progress, event

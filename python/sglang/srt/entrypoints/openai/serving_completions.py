@@ -70,6 +70,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             top_logprobs_num=req.logprobs or 0,
             return_text_in_logprobs=True,
             stream=req.stream,
+            return_prompt_token_ids=req.return_token_ids,
             **req.passthrough_fields(),
         )
 
@@ -99,25 +100,32 @@ class OpenAIServingCompletion(OpenAIServingBase):
         return CompletionChoice(
             index=index, text=echoed + out["text"], logprobs=logprobs, finish_reason=reason, matched_stop=matched,
             **self.hidden_states_field(req, out["meta_info"]),
+            **({"token_ids": out["output_ids"], "prompt_token_ids": out["prompt_token_ids"]} if req.return_token_ids else {}),
         )  # fmt: skip
 
     def stream_choice(
         self, req: CompletionRequest, index: int, delta: str, meta: dict, progress: dict
     ) -> CompletionChoice | None:
-        logprobs, echoed = None, ""
+        logprobs, echoed, ids = None, "", {}
         if index not in progress:  # the choice's first chunk: with echo, the prompt comes first
             echoed, logprobs, offset = self._echo(req, index, meta)
             progress[index] = (0, offset)
+            if req.return_token_ids:
+                ids["prompt_token_ids"] = progress[("chunk", index)]["prompt_token_ids"]
+        if req.return_token_ids:  # (the chunk's ids are cumulative: the new ones go)
+            output_ids = progress[("chunk", index)]["output_ids"]
+            ids["token_ids"] = output_ids[progress.get(("ids", index), 0) :]
+            progress[("ids", index)] = len(output_ids)
         if req.logprobs is not None:
             sent, offset = progress[index]
             logprobs, offset = completion_logprobs(meta, sent, offset, req.logprobs > 0, lp=logprobs)
             progress[index] = (max(sent, len(meta.get("output_token_logprobs", []))), offset)
         delta = echoed + delta
         reason, matched = finish_reason(meta)
-        if not (delta or reason or (logprobs and logprobs.tokens)):
+        if not (delta or reason or (logprobs and logprobs.tokens) or ids.get("token_ids") or "prompt_token_ids" in ids):
             return None
         return CompletionChoice(
-            index=index, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
+            index=index, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched, **ids
         )
 
     def hidden_states_choice(self, index: int, states: list) -> CompletionChoice:
