@@ -22,7 +22,7 @@ class FakeTemplate:
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def encode(self, text, add_special_tokens=False):
-        return list(text)
+        return [ord(c) for c in text]  # (as FakeChatTokenizerManager.encode: a character a token)
 
     def decode(self, ids):
         return "".join(chr(i) for i in ids)

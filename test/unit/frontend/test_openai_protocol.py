@@ -233,6 +233,10 @@ def test_token_in_token_out_fields_and_pretokenized_prompts():
     req = parse_model(ChatCompletionRequest, orjson.dumps({"model": "m", "messages": [image], "input_ids": [5]}))
     assert serving.rename(RequestError("input_ids[0] = -1 is outside", "input_ids"), req).param == "input_ids"
     assert serving.rename(RequestError("input_ids is too long", "input_ids")).param == "messages"
+    for bad in ([True, 5], ["7"], [1.0]):  # (as /generate refuses them: not token ids)
+        with pytest.raises(RequestError) as e:
+            reply({"input_ids": bad})
+        assert e.value.param.startswith("input_ids"), bad
     for name in ("return_prompt_token_ids", "return_token_ids", "return_meta_info"):
         with pytest.raises(RequestError) as e:
             reply({name: True, "stream": True})

@@ -145,6 +145,15 @@ def test_a_request_without_a_grammar_drops_its_mask_when_its_thinking_ends():
     h.shutdown()
 
 
+def test_a_tags_last_place_in_token_ids():
+    from sglang.srt.parser.reasoning_parser import last_index
+
+    ids = [7, 1, 2, 9, 1, 2, 5] + [0x0201, 0x0100]  # (the last two's bytes hold 1, 2 across a word boundary)
+    assert last_index(ids, [1, 2]) == 4 and last_index(ids, [2, 5]) == 5 and last_index(ids, [3]) == -1
+    assert last_index(ids, []) == -1 and last_index([], [1]) == -1
+    assert last_index([0x0100, 0x0002], [1 << 16 | 0x0100 >> 8]) == -1  # a misaligned match only
+
+
 def test_the_limits_refuse_what_the_server_cannot_serve():
     from sglang.srt.managers.reasoning_control import check_reasoning
 
@@ -175,7 +184,10 @@ def _refusal(fn, *args) -> str:
         (None, "<think>\n", False, False),  # no parser: nothing is waited for
     ],
 )
-def test_the_chat_route_requires_reasoning_where_the_answer_starts_in_it(parser, prefix, tools, expected):
+@pytest.mark.parametrize("pretokenized", [False, True], ids=["template", "input_ids"])
+def test_the_chat_route_requires_reasoning_where_the_answer_starts_in_it(
+    parser, prefix, tools, expected, pretokenized
+):
     import asyncio
 
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
@@ -192,5 +204,17 @@ def test_the_chat_route_requires_reasoning_where_the_answer_starts_in_it(parser,
     if tools:
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         body |= {"tools": [tool], "tool_choice": "required", "regex": None}
+    if (
+        pretokenized
+    ):  # (the same prompt as the client's own ids: read from its tags' ids, whatever its length)
+        # (a long history; with a closed block in it where the parser's model opens its own tag: for an
+        # always-thinking parser a closed block with no opening tag after it reads as closed)
+        always = parser in ("qwen3-thinking", "deepseek-r1")
+        history = (
+            "<assistant>" + "x" * 300 + ("" if always else "<think>a</think>b")
+            if prefix is None or tools
+            else ""
+        )
+        body |= {"input_ids": [ord(c) for c in "<user>|hi" + history + (prefix or "<assistant>")]}
     obj = asyncio.run(serving.to_generate_input(ChatCompletionRequest.model_validate(body)))
     assert obj.require_reasoning is expected

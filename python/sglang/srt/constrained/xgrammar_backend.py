@@ -42,6 +42,7 @@ class RequestGrammar:
     time its accepts and fills took since the finish check last took it (`take_spent`)."""
 
     __slots__ = ("matcher", "vocab_size", "accepted", "terminated", "spent", "stopped")
+    released = False  # (never: a reasoning grammar's is when its thinking ends with nothing after it)
 
     def __init__(self, matcher: Any, vocab_size: int):
         self.matcher = matcher

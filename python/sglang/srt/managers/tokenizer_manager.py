@@ -366,7 +366,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         if self.tokenizer is None:
             del out["text"]  # upstream's reply without a tokenizer: output_ids and meta_info
         if state.item.return_prompt_token_ids:  # (every chunk of a stream too, as upstream's)
-            out["prompt_token_ids"] = list(state.item.req.input_ids)
+            out["prompt_token_ids"] = state.item.req.input_ids  # (not changed once sent: no copy per chunk)
         return out
 
     def token_texts(self, ids: list[int]) -> list[str]:

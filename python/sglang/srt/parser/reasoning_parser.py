@@ -19,6 +19,7 @@ cutting of a text into pieces gives what the whole text gives.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 from sglang.srt.utils.text_markers import partial_marker_len
@@ -44,10 +45,30 @@ FORMATS = {
 }
 
 
-def prompt_opens_reasoning(generation_prompt: str) -> bool:
+def prompt_opens_reasoning(generation_prompt: str, always: bool = False) -> bool:
     """Whether `generation_prompt` (the template's tail after the messages, and a continued message)
-    ends inside a think block (its last opening tag is not closed)."""
-    return generation_prompt.rfind(THINK_START) > generation_prompt.rfind(THINK_END)
+    ends inside a think block (its last opening tag is not closed); `always`: the block is open from
+    the start (a model that may leave the opening tag out), closed only by an end tag after the last
+    opening one."""
+    return opens_at(generation_prompt.rfind(THINK_START), generation_prompt.rfind(THINK_END), always)
+
+
+def opens_at(start: int, end: int, always: bool = False) -> bool:
+    """The rule of `prompt_opens_reasoning` on where the last opening and end tags are (-1: none), in
+    text or in token ids."""
+    return start > end or (always and end < 0)
+
+
+def last_index(ids: list[int], marker: list[int]) -> int:
+    """Where `marker` (a tag's token ids) last occurs in `ids`, or -1; a search in C (bytes.rfind on
+    the ids' 4-byte words), so a long prompt costs no Python loop."""
+    if not marker:
+        return -1
+    hay, needle = array("i", ids).tobytes(), array("i", marker).tobytes()
+    at = hay.rfind(needle)
+    while at >= 0 and at % 4:  # (a match across two ids' bytes: look further left)
+        at = hay.rfind(needle, 0, at + len(needle) - 1)
+    return at // 4 if at >= 0 else -1
 
 
 class ReasoningParser:

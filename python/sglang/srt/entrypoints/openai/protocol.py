@@ -390,7 +390,7 @@ class ChatCompletionRequest(_SamplingFields):
     return_prompt_token_ids: bool = False
     return_token_ids: bool = False
     return_meta_info: bool = False
-    input_ids: list[int] | None = None
+    input_ids: list[StrictInt] | None = None  # (as /generate's: true or "7" is not a token id)
     # Upstream's, with --reasoning-parser: split the answer's reasoning into `reasoning_content`
     # (false: the text as generated), and stream it as it comes (false: in one piece when it ends).
     separate_reasoning: bool = True

@@ -298,11 +298,14 @@ class OpenAIServingBase:
                     yield event([opening])
             delta = chunk["text"][sent_text[i] :]
             sent_text[i] = len(chunk["text"])
+            entries = reply_entries(chunk["meta_info"])
+            if ("chunk", i) not in progress:  # (a choice's first chunk may carry the prompt's ids)
+                entries += len(chunk.get("prompt_token_ids", ()))
             meta = merged.setdefault(i, StreamMerger()).merge(chunk["meta_info"])
             progress[("chunk", i)] = chunk  # (the chunk itself: its cumulative ids, for a choice that sends them)
             # A chunk with many logprobs (an echoed prompt's, the first chunk) is built off the event loop.
             events = await built_off_loop_if_large(
-                reply_entries(chunk["meta_info"]), self._chunk_events, req, i, delta, meta, progress, event
+                entries, self._chunk_events, req, i, delta, meta, progress, event
             )
             for one in events:
                 yield one

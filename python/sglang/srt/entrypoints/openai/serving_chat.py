@@ -22,11 +22,14 @@ from sglang.srt.entrypoints.openai.serving_base import (
 )
 from sglang.srt.function_call.function_call_parser import ToolCallParser, tool_call
 from sglang.srt.managers.io_struct import GenerateReqInput
-from sglang.srt.managers.request_validation import RequestError
+from sglang.srt.managers.request_validation import RequestError, auto_truncated
 from sglang.srt.parser.reasoning_parser import (
     FORMATS,
+    THINK_END,
     THINK_START,
     ReasoningParser,
+    last_index,
+    opens_at,
     prompt_opens_reasoning,
 )
 
@@ -176,7 +179,7 @@ class OpenAIServingChat(OpenAIServingBase):
             # rendering, needless where the answer starts in the reasoning anyway, or no think tag is
             # anywhere (the answer's split and its grammar's start both read it).
             if fmt.always_reasoning:  # (its models may leave the opening tag out: a continued message may close it)
-                req._prompt_opens_reasoning = prompt_opens_reasoning(THINK_START + prefix)
+                req._prompt_opens_reasoning = prompt_opens_reasoning(prefix, always=True)
             elif THINK_START in prompt + prefix:
                 try:
                     base = tokenizer.apply_chat_template(
@@ -225,20 +228,18 @@ class OpenAIServingChat(OpenAIServingBase):
     def _pretokenized(self, req: ChatCompletionRequest, ids: list[int]) -> list[int]:
         """Upstream's `input_ids`: the prompt as the client rendered and tokenized it (a 400 with media:
         the template places their tokens), cut as --allow-auto-truncate cuts a prompt; whether it leaves a
-        think block open is read from its last tokens."""
+        think block open is read from its think tags' token ids (the whole prompt's last of each)."""
         if any(m.image_urls() or m.video_urls() for m in req.messages):
             message = "input_ids is the whole prompt, with no place for the messages' images or videos: send "
             raise RequestError(message + "those without input_ids.", "input_ids")
         limits = self.tm.limits
         if getattr(limits, "auto_truncate", False):
-            ids = ids[: limits.max_req_input_len]
+            ids = auto_truncated(ids, limits, "input_ids")
         fmt = self.reasoning_format
         if fmt is not None:
-            try:
-                tail = self.tm.tokenizer.decode(ids[-64:])
-            except Exception:  # noqa: BLE001 - ids outside the vocabulary: the native check says so
-                tail = ""
-            req._prompt_opens_reasoning = fmt.always_reasoning or prompt_opens_reasoning(tail)
+            encode = self.tm.tokenizer.encode
+            start, end = (last_index(ids, encode(tag, add_special_tokens=False)) for tag in (THINK_START, THINK_END))
+            req._prompt_opens_reasoning = opens_at(start, end, fmt.always_reasoning)
         return ids
 
     def _reasoning_parser(self, req: ChatCompletionRequest) -> ReasoningParser | None:

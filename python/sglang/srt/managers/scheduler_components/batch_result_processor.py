@@ -244,7 +244,7 @@ class BatchResultProcessor:
                 return False
         if check != "none":
             self.finisher.check_finished(req)
-            if req.finished_reason is None and getattr(req.grammar, "released", False):
+            if req.grammar is not None and req.grammar.released and req.finished_reason is None:
                 self.release_grammar(req)  # (a reasoning grammar whose thinking ended, with nothing after)
         return req.finished_reason is not None
 
