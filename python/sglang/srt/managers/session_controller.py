@@ -83,7 +83,7 @@ class Turn:
         out = array("i")
         for part in reversed(parts):
             out.extend(part)  # (in C: a long history is copied, not iterated in Python)
-        return out.tolist()
+        return list(out)
 
 
 @dataclass(eq=False)
