@@ -542,3 +542,34 @@ def test_the_openai_routes_build_a_long_reply_off_the_event_loop(route):
         assert logprobs["token_logprobs"][0] is None and len(logprobs["top_logprobs"][1]) == 20
     assert stall < 0.3, stall
     assert threads and threading.main_thread() not in threads
+
+
+def test_a_whole_context_of_prompt_ids_is_built_off_the_event_loop():
+    """Token-in token-out's largest reply: a chat choice with return_token_ids and return_meta_info of a
+    prompt at Qwen3-Next's whole context (262,143 ids; the reply grows with the context, no further
+    bound: the prompt is the client's own). Its ids count toward building it off the loop, so a bystander
+    on the loop waits briefly; counted as logprob entries only (0), it was built on the loop (0.3 s for
+    n = 64 prompts' worth in the review). 0.3 s: as the test above."""
+    tm = _OneReplyTokenizerManager(1, echo=False)
+    tm.reply = {**tm.reply, "prompt_token_ids": list(range(262_143))}
+    serving = OpenAIServingChat(tm, "m")
+    body = {"messages": [{"role": "user", "content": "x"}], "return_token_ids": True, "return_meta_info": True}
+
+    async def read():
+        return orjson.dumps(body)
+
+    request = SimpleNamespace(body=read, url=SimpleNamespace(path="/v1/x"), is_disconnected=None)
+    threads = []
+    built = serving._json_reply
+    serving._json_reply = lambda *a: (threads.append(threading.current_thread()), built(*a))[1]
+
+    async def main() -> tuple[float, bytes]:
+        async with LoopBystander() as bystander:
+            reply = await serving.handle(request)
+        return bystander.worst, reply.body
+
+    stall, body_bytes = asyncio.run(main())
+    choice = orjson.loads(body_bytes)["choices"][0]
+    assert len(choice["prompt_token_ids"]) == 262_143 and choice["response_token_ids"] == [7]
+    assert threads and threading.main_thread() not in threads
+    assert stall < 0.3, stall
