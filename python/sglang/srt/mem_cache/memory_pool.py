@@ -31,6 +31,8 @@ def byte_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
 
 
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
 class ReqToTokenPool:
     """Request rows. `req_to_token[row, i]` is the KV slot of position i of the request in `row`;
     row 0 is padding (padded batch rows point at it).
@@ -117,13 +119,16 @@ class MHATokenToKVPool:
         v_scale: float = 1.0,
     ) -> None:
         """Stores `k / k_scale` and `v / v_scale` at `loc`, converted to the pool's dtype
-        (`--kv-cache-dtype`; float8 e4m3fn saturates at +-448 as torch converts; the scales are the
-        layer's `kv_scales`, `layers/attention/kv_scales.py`)."""
+        (`--kv-cache-dtype`; the scales are the layer's `kv_scales`, `layers/attention/kv_scales.py`).
+        float8 e4m3fn saturates at +-448: clamped here, because torch's CUDA conversion turns a value
+        past the range into NaN (its CPU one saturates), and a NaN key poisons every later token."""
         i = self._index(layer_id)
         if k_scale != 1.0:
             k = k.float() / k_scale
         if v_scale != 1.0:
             v = v.float() / v_scale
+        if self.dtype == torch.float8_e4m3fn:
+            k, v = k.clamp(-E4M3_MAX, E4M3_MAX), v.clamp(-E4M3_MAX, E4M3_MAX)
         for buf, new in ((self.k_buffer[i], k.to(self.dtype)), (self.v_buffer[i], v.to(self.dtype))):
             byte_rows(buf)[loc] = byte_rows(new)  # (float8 as bytes, as upstream does)
 
