@@ -191,8 +191,9 @@ class Envs:
     SGLANG_GPU_ROPE_BACKEND = EnvStr("auto", "GPU rotary embedding: auto, torch or triton.")
     # MoE on a GPU, the same choices: Qwen3-Next's softmax top-k in one Triton launch
     # (layers/moe/routing_triton.py) and the token bookkeeping around the grouped GEMMs in three
-    # (layers/moe/dispatch_triton.py); triton_fused: that, and the bf16 / fp16 experts' GEMMs as fused
-    # Triton grouped GEMMs (layers/moe/fused_moe_triton.py; not the default until a GPU measures it).
+    # (layers/moe/dispatch_triton.py); auto on CUDA also runs the bf16 / fp16 experts' GEMMs of decode
+    # batches (up to 256 tokens) as fused Triton grouped GEMMs (layers/moe/fused_moe_triton.py; faster
+    # there on an H200, slower at prefill chunks); triton_fused: every batch; triton: none.
     SGLANG_GPU_MOE_BACKEND = EnvStr("auto", "GPU MoE routing and dispatch: auto, torch, triton or triton_fused.")
     # Routed experts of a block-FP8 checkpoint (or --quantization fp8): auto = kept FP8 on CUDA (1 byte a
     # weight, `fused_moe_fp8_triton.py`), dequantized at load elsewhere; fp8 keeps them FP8 on any device

@@ -108,6 +108,28 @@ def test_the_shared_expert_runs_as_one_more_expert(interpret, monkeypatch, maske
     assert tables == [tuned]
 
 
+def test_auto_runs_the_fused_gemms_for_decode_batches_only(interpret, monkeypatch):
+    """SGLANG_GPU_MOE_BACKEND=auto on CUDA (here: the Triton choice made as on CUDA, the kernels
+    interpreted) runs batches of up to FUSED_AUTO_MAX_TOKENS tokens through the fused GEMMs (an H200
+    measured them faster there) and larger ones through the grouped_mm path (faster at prefill chunks);
+    triton_fused runs every batch fused, triton none. Both paths agree within TOL_FP16."""
+    from sglang.srt.layers.moe import experts as ex
+
+    monkeypatch.setattr(ex, "triton_chosen", lambda choice, *a, **k: choice.get() != "torch")
+    monkeypatch.setattr(ex, "FUSED_AUTO_MAX_TOKENS", 4)
+    calls, real = [], ft.fused_experts
+    monkeypatch.setattr(ft, "fused_experts", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for backend, fused_sizes in (("auto", [3, 4]), ("triton_fused", [3, 4, 5]), ("triton", [])):
+        layer, calls[:] = make_layer(4, 64, 32, "silu", True), []
+        with envs.SGLANG_GPU_MOE_BACKEND.override(backend), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
+            layer.process_weights_after_loading()
+            for tokens in (3, 4, 5):
+                weights, ids = routing(tokens, 2, 4, seed=tokens)
+                x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).half()
+                assert_close_to(layer(x, weights, ids), layer.forward_device(x, weights, ids, grouped=False), TOL_FP16)
+        assert calls == fused_sizes, backend
+
+
 def test_no_fused_gemms_where_they_would_not_run(interpret, ops):
     """SGLANG_GPU_MOE_BACKEND=triton_fused builds the fused GEMMs (and stacks the shared expert) only for
     16-bit experts the C++ op does not serve: a float32 layer on CPU keeps the C++ op's transposed storage

@@ -12,8 +12,8 @@ padded batched form with room for every token in every expert, up to BATCHED_MAX
 sizes; larger batches take the per-expert path, one sync per layer). A fixed number of launches per
 layer either way, so it is also what a CUDA graph can capture; on CUDA the bookkeeping around the
 grouped GEMMs is three Triton launches (`dispatch_triton.py`, `SGLANG_GPU_MOE_BACKEND`, which also puts
-Qwen3-Next's routing on its Triton kernel; its value `triton_fused` runs 16-bit batches as fused Triton
-grouped GEMMs instead, `fused_moe_triton.py`). On CPU, decode-size batches take the grouped GEMMs too
+Qwen3-Next's routing on its Triton kernel). 16-bit decode batches (up to FUSED_AUTO_MAX_TOKENS tokens)
+run as fused Triton grouped GEMMs instead (`fused_moe_triton.py`; `triton_fused`: every batch). On CPU, decode-size batches take the grouped GEMMs too
 (any float dtype there), faster than the padded block; for small experts, sgl-kernel's C++ op instead
 (`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
 parameters stored transposed (`process_weights_after_loading`). The layer's shared expert (and its sigmoid
@@ -60,6 +60,13 @@ CPU_OP_MAX_EXPERT_WEIGHTS = 128 * 1024
 # Qwen3-Next's MoE block (one thread): fused / unfused 24 / 47 us at 1 token, 82 / 94 us at 64, 252 / 241
 # at 256, 489 / 426 at 500.
 CPU_OP_MAX_SHARED_TOKENS = 128
+# SGLANG_GPU_MOE_BACKEND=auto on CUDA: 16-bit batches of at most this many tokens (decode) run the fused
+# Triton GEMMs (`fused_moe_triton.py`), larger ones (prefill chunks) the grouped_mm path. Measured on an
+# H200 (2026-11-30, `benchmark/gpu/README.md`), the 80B's MoE layer with its shared expert stacked and the
+# committed tiles: fused 1.36-1.56x the grouped_mm path at 1 / 8 / 64 / 256 tokens (64-84 % of the weight
+# floor against 41-57 %), and the 80B slice's decode step 1.09-1.29x; its prefill of 8,192-token chunks
+# 0.81x. Between 256 and 8,192 tokens nothing is measured: the grouped path, as before.
+FUSED_AUTO_MAX_TOKENS = 256
 
 
 class RoutedExperts(nn.Module):
@@ -119,8 +126,9 @@ class RoutedExperts(nn.Module):
     def process_weights_after_loading(self) -> None:
         """On CPU, where the C++ op serves this layer, store w13 / w2 transposed (contiguous [E, H, R] and
         [E, I, H]; the parameters become views of them with their usual shapes, so every torch path
-        reads them as before). Elsewhere, with SGLANG_GPU_MOE_BACKEND=triton_fused, the fused GEMMs for
-        16-bit experts. Runs once however often it is called."""
+        reads them as before). On CUDA (SGLANG_GPU_MOE_BACKEND auto, up to FUSED_AUTO_MAX_TOKENS tokens;
+        triton_fused, any batch), the fused GEMMs for 16-bit experts. Runs once however often it is
+        called."""
         self.triton = triton_chosen(
             envs.SGLANG_GPU_MOE_BACKEND, self.w13.device,
             "sglang.srt.layers.moe.dispatch_triton", "sglang.srt.layers.moe.routing_triton",
@@ -128,7 +136,8 @@ class RoutedExperts(nn.Module):
         )  # fmt: skip
         if not self.fp8:  # the C++ op takes float weights
             self._use_cpu_op()
-        fused = self.triton and envs.SGLANG_GPU_MOE_BACKEND.get() == "triton_fused"
+        backend = envs.SGLANG_GPU_MOE_BACKEND.get()
+        fused = self.triton and backend in ("auto", "triton_fused")
         if self.fused_gemms is None and fused and not self.fp8 and self.cpu_ops is None:
             # (imported here: a CPU install may lack triton)
             from sglang.srt.layers.moe.fused_moe_triton import FusedExperts
@@ -136,7 +145,8 @@ class RoutedExperts(nn.Module):
             # Only for the dtypes it serves: for others (float32) it would run nothing, yet stack the
             # shared expert (a copy of the weights); and the C++ op reads its own transposed storage.
             if self.w13.dtype in FusedExperts.DTYPES:
-                self.fused_gemms = FusedExperts(self)
+                bound = FUSED_AUTO_MAX_TOKENS if backend == "auto" else None
+                self.fused_gemms = FusedExperts(self, max_tokens=bound)
 
     def _use_cpu_op(self) -> None:
         """Where sgl-kernel's C++ op serves this layer (CPU, its activations, small experts), sets

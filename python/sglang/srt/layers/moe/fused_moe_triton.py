@@ -1,5 +1,5 @@
-"""The routed experts in bfloat16 / float16 on CUDA as fused Triton grouped GEMMs
-(`SGLANG_GPU_MOE_BACKEND=triton_fused`): the FP8 experts' kernel (`fused_moe_fp8_triton._moe_gemm_kernel`)
+"""The routed experts in bfloat16 / float16 on CUDA as fused Triton grouped GEMMs (decode batches by
+default, `experts.FUSED_AUTO_MAX_TOKENS`; every batch with `SGLANG_GPU_MOE_BACKEND=triton_fused`): the FP8 experts' kernel (`fused_moe_fp8_triton._moe_gemm_kernel`)
 with `FP8=False`. One layer's forward, a fixed number of launches and no host read (a CUDA graph can
 capture it), against `RoutedExperts.forward_device`'s gathered copy, two `torch._grouped_mm` and a
 separate activation:
@@ -117,8 +117,9 @@ class FusedExperts:
 
     DTYPES = (torch.bfloat16, torch.float16)
 
-    def __init__(self, experts: nn.Module):
+    def __init__(self, experts: nn.Module, max_tokens: int | None = None):
         self.table = self._table(experts.w13.shape[0], experts.w2)
+        self.max_tokens = max_tokens  # larger batches take the grouped_mm path (None: none do)
         self.silu_mul = experts.gated and experts.act is F.silu
         self.shared: tuple[nn.Module, nn.Module | None] | None = None  # (the MLP, its gate)
         self.stack: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) of E + 1 experts
@@ -130,7 +131,8 @@ class FusedExperts:
         return tuned_table(gemm_experts, inter, hidden, w2.dtype, device_name(w2.device)) or {}
 
     def serves(self, experts: nn.Module, x: torch.Tensor) -> bool:
-        return x.dtype == experts.w13.dtype and x.dtype in self.DTYPES
+        fits = self.max_tokens is None or x.shape[0] <= self.max_tokens
+        return fits and x.dtype == experts.w13.dtype and x.dtype in self.DTYPES
 
     def fuse_shared(self, experts: nn.Module, mlp: nn.Module, gate: nn.Module | None) -> None:
         """Append `mlp` (and its [1, H] sigmoid `gate`, or None) as expert E where it has the routed
