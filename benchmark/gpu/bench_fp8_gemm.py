@@ -75,10 +75,12 @@ def dense_rows(device: str, tiny: bool, reps: int, sweep: bool, decode_only: boo
             }
             if m <= 64:
                 table = fk.gemm_config(m)
-                for label, split in (("fp8 split-k", 0), ("fp8 unsplit", 1)):
+                # (split as the automatic rule would at any K: the server splits only from SPLIT_K_MIN_K)
+                splits = fk.auto_splits(table, m, n, aq.device)
+                for label, split in (("fp8 split-k", splits), ("fp8 unsplit", 1)):
                     cases[label] = partial(gemm, aq, a_scale=a_s, config=table._replace(split_k=split))
             if sweep:
-                for _, cfg in fk.GEMM_CONFIGS:
+                for cfg in (*(cfg for _, cfg in fk.GEMM_CONFIGS), *fk.GEMM_SWEEP_ONLY):
                     label = f"fp8 {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k}"
                     cases[label] = partial(gemm, aq, a_scale=a_s, config=cfg)
             times = round_robin(cases, device, reps)

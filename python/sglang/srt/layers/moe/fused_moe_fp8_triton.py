@@ -57,16 +57,17 @@ class MoeGemmConfig(NamedTuple):
     num_stages: int
 
 
-# Tiles by the mean rows per expert (T k / E), the first whose bound holds it; autotune-free, chosen and
-# not yet measured (no GPU when written). Decode at the 80B's shapes (512 experts, top 10) has 1.25 rows
-# per expert at batch 64 and 5 at 256: a tile of 16 rows (mma's smallest useful M) wastes the least, and
-# the work is reading each touched expert's weights once, so 64-column tiles give more programs to
-# stream them. Prefill (8,192 tokens: 160 rows per expert) takes upstream's default for block FP8,
-# 64 x 128 x 128 with 4 warps and 3 stages; between them 32-row tiles. BLOCK_K is the scale block.
-# Each row compiles for sm_90 without spilling (test_fused_moe_fp8_triton.py); `bench_fp8_gemm.py
-# --sweep` times every row on a GPU.
+# Tiles by the mean rows per expert (T k / E), the first whose bound holds it; autotune-free. Decode at the
+# 80B's shapes (512 experts, top 10) has 1.25 rows per expert at batch 64 and 5 at 256: a tile of 16 rows
+# (mma's smallest useful M) wastes the least, and the work is reading each touched expert's weights once,
+# so 64-column tiles give more programs to stream them. Prefill (8,192 tokens: 160 rows per expert) takes
+# upstream's default for block FP8, 64 x 128 x 128 with 4 warps and 3 stages; between them 32-row tiles.
+# BLOCK_K is the scale block. Measured on an H200 (2026-11-30, `bench_fp8_gemm.py --sweep`, the 80B's
+# experts): 16 x 64 fastest at 1.25 and 5 rows (at 5: 0.51 ms against 32 x 128's 0.59, which the first
+# bound of 4 gave), 64 x 128 at 160 (1.85 ms; 32 x 128 3.04). Each row compiles for sm_90 without
+# spilling (test_fused_moe_fp8_triton.py).
 MOE_GEMM_CONFIGS: tuple[tuple[float, MoeGemmConfig], ...] = (
-    (4.0, MoeGemmConfig(16, 64, 128, 4, 4)),
+    (8.0, MoeGemmConfig(16, 64, 128, 4, 4)),
     (32.0, MoeGemmConfig(32, 128, 128, 4, 4)),
     (float("inf"), MoeGemmConfig(64, 128, 128, 4, 3)),
 )

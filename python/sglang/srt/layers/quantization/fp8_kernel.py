@@ -59,30 +59,31 @@ class GemmConfig(NamedTuple):
 
 
 # Tiles by shape class, the first whose `max_m` holds M (autotune-free: a server must not time configs at
-# its first request, nor a CUDA graph capture). Chosen, not yet measured (no GPU was lent when written):
-# BLOCK_K = 128 is the scale block, so each K step takes one a scale per row and one b scale per column
-# block; decode (M <= 16) reads the weights once and is bandwidth-bound, so a 16-row tile (mma's
-# smallest useful M) and 64-column tiles give N / 64 programs to stream the weight (32 at N = 2,048);
-# prefill takes 128 x 128 tiles with 8 warps (two wgmma warp groups), 3 stages of 32 KiB of fp8 operands
-# in shared memory; between them 64-row tiles. GROUP_M orders the programs so that consecutive ones share
-# a tiles in L2. Each config compiles for sm_90 without spilling (test_fp8_gemm_triton.py checks every
-# row); `benchmark/gpu/bench_fp8_gemm.py --sweep` times every row at every shape on a GPU, which is how
-# this table should be revised.
+# its first request, nor a CUDA graph capture). BLOCK_K = 128 is the scale block, so each K step takes one
+# a scale per row and one b scale per column block; GROUP_M orders the programs so that consecutive ones
+# share a tiles in L2. Each config compiles for sm_90 without spilling (test_fp8_gemm_triton.py checks every
+# row). Measured on an H200 (2026-11-30, `benchmark/gpu/bench_fp8_gemm.py --sweep`, the 80B's seven dense
+# shapes and Nemotron's 4,096-wide one): decode (M <= 16) reads the weights once, 16-row tiles of 64
+# columns; up to M = 256 the 64 x 64 tiles took 0.84x the time of 64 x 128 summed over the shapes (at
+# M = 256: faster on 7 of 8); prefill the 64 x 128 tiles with 4 warps and 4 stages 0.97x that of
+# 128 x 128 with 8 warps and 3 (`GEMM_SWEEP_ONLY`, still timed by the sweep).
 GEMM_CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (16, GemmConfig(16, 64, 128, 1, 4, 4, split_k=0)),
-    (64, GemmConfig(64, 64, 128, 4, 4, 4)),
-    (256, GemmConfig(64, 128, 128, 8, 4, 4)),
-    (1 << 62, GemmConfig(128, 128, 128, 8, 8, 3)),
+    (256, GemmConfig(64, 64, 128, 4, 4, 4)),
+    (1 << 62, GemmConfig(64, 128, 128, 8, 4, 4)),
 )
+GEMM_SWEEP_ONLY: tuple[GemmConfig, ...] = (GemmConfig(128, 128, 128, 8, 8, 3),)
 
 
-# Decode (M <= 16) splits K (issue 53, review item 6; chosen by reasoning, not yet measured: the benchmark
-# times it against the unsplit tile, `benchmark/gpu/bench_fp8_gemm.py`). Such a GEMM streams the weight
-# once and is bound by HBM bandwidth, which a GPU reaches only with programs on most of its SMs; unsplit,
-# the 16 x 64 tiles give N / 64 programs: 32 at N = 2,048 (the 80B's out_proj / o_proj), 8 at 512 (k / v),
-# 1 at 64, on the H200's 132 SMs. Split K ways, each program streams K / S of its columns and writes its
-# float32 partial tile, and one sum adds the S partials (deterministic, unlike atomics): S * M * N * 4
-# bytes written and read again, 64 KiB at M = 1, N = 2,048, S = 8, against the 4 MiB weight.
+# Decode (M <= 16) splits K where K is at least SPLIT_K_MIN_K. Such a GEMM streams the weight once and is
+# bound by HBM bandwidth, which a GPU reaches only with programs on most of its SMs; unsplit, the 16 x 64
+# tiles give N / 64 programs: 32 at N = 2,048, 8 at 512 (k / v), 1 at 64, on the H200's 132 SMs. Split K
+# ways, each program streams K / S of its columns and writes its float32 partial tile, and one sum adds the
+# S partials (deterministic, unlike atomics): S * M * N * 4 bytes written and read again. Measured on an
+# H200 (2026-11-30) at M 1 / 8 / 16: the split 1.15-1.18x faster at K 4,096 (N 2,048), but 1.1-1.5x slower
+# at K 2,048 (N 64 to 12,288) and 1.8x at K 512: a program streams too little there for the partial sums'
+# extra launch to pay.
+SPLIT_K_MIN_K = 4096
 SPLIT_K_PROGRAMS_PER_SM = 2
 _SMS_OFF_CUDA = 132  # (the interpreter: an H200's count, so that the split chosen is the GPU's)
 
@@ -98,14 +99,21 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def auto_splits(cfg: GemmConfig, m: int, n: int, device: torch.device) -> int:
+    """The parts that bring the grid of `cfg`'s tiles over [m, n] to ~SPLIT_K_PROGRAMS_PER_SM per SM."""
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    return -(-SPLIT_K_PROGRAMS_PER_SM * _sm_count(device) // tiles)
+
+
 def split_k_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device, scale_k: int = BLOCK) -> int:
     """The K columns each program of a split GEMM takes (whole `scale_k` blocks), or 0: no split (the
     config's `split_k` is 1, or the split leaves one part)."""
     k_blocks = -(-k // scale_k)
     splits = cfg.split_k
+    if splits == 0 and k < SPLIT_K_MIN_K:
+        return 0
     if splits == 0:
-        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        splits = -(-SPLIT_K_PROGRAMS_PER_SM * _sm_count(device) // tiles)
+        splits = auto_splits(cfg, m, n, device)
     per_split = -(-k_blocks // max(1, min(splits, k_blocks)))
     return per_split * scale_k if per_split < k_blocks else 0
 
