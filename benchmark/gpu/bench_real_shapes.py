@@ -62,7 +62,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _runner(path: Path, device: str, dtype: str, max_bs: int, max_tokens: int):
+def _runner(path: Path, device: str, dtype: str, max_bs: int, max_tokens: int, quantization: str | None = None):
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import ServerArgs
 
@@ -74,6 +74,7 @@ def _runner(path: Path, device: str, dtype: str, max_bs: int, max_tokens: int):
         max_mamba_cache_size=max_bs * 2 + 2,
         max_running_requests=max_bs,
         random_seed=0,
+        quantization=quantization,
     )
     return ModelRunner(args)
 
@@ -196,12 +197,16 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
             "make_s": round(make_s, 1),
         }
     ]
+    if args.quantization:  # (the floors and shares stay the bf16 weights': compare the steps)
+        rows[0]["quantization"] = f"{args.quantization} (at load); floors and shares of the bf16 weights"
     runner = None
     if not args.dry_run:
         t = time.perf_counter()
         longest = max([n for n in args.prefill if n <= config.max_position_embeddings], default=0)
         max_tokens = max(max(args.batches) * (args.prompt_len + args.steps + 8), longest + 64)
-        runner = _runner(path, device, "bfloat16" if cuda else "float32", max(args.batches), max_tokens)
+        runner = _runner(
+            path, device, "bfloat16" if cuda else "float32", max(args.batches), max_tokens, args.quantization
+        )
         rows[0]["load_s"] = round(time.perf_counter() - t, 1)
         progress(f"{name}: runner ready in {rows[0]['load_s']} s")
     print(json.dumps(rows[0]), flush=True)
@@ -282,7 +287,8 @@ def table(rows: list[dict]) -> str:
     s = rows[0]
     out = [
         f"### {s['model']}: slice {s['slice']} ({s['slice_layers']} of {s['full_layers']} layers), "
-        f"{s['params'] / 1e9:.2f}B parameters, {s['weight_gb']} GB",
+        f"{s['params'] / 1e9:.2f}B parameters, {s['weight_gb']} GB"
+        + (f"; {s['quantization']}" if "quantization" in s else ""),
         "",
         "| batch | step | floor | share | experts / layer | step without layers | full model: step | floor | share |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -331,6 +337,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak (default: by the device's name)")
     parser.add_argument("--ckpt-dir", help="keep the slices here and reuse them (default: a temporary folder)")
     parser.add_argument("--out", help="also write the rows as DIR/real_shapes.json")
+    parser.add_argument(
+        "--quantization", choices=["fp8"], help="quantize the bf16 slice at load (issue 53: FP8 against bf16)"
+    )
     args = parser.parse_args()
     unknown = [m for m in args.models.split(",") if m not in rs.SLICES]
     if unknown:

@@ -4,8 +4,8 @@
 # beforehand): the wheels, the GPU tests (marked `gpu`, in eight groups at once: the tests use small fixed
 # pools, so they share the GPU; then PD's alone), then the benchmarks one at a time. Logs come back under
 # $OUT (default /tmp/gpu-out): summary.txt, and logs.tar.gz holding tests-GROUP.log and bench.log (one file:
-# the device tool brings back at most 8). PD's staged pairs need Mooncake: also carry the trimmed wheel that
-# benchmark/gpu/fetch_mooncake_wheel.sh puts in .whl/.
+# the device tool brings back at most 8). PD's pairs need the router and the staged ones Mooncake: also
+# carry what benchmark/gpu/fetch_router_wheel.sh and benchmark/gpu/fetch_mooncake_wheel.sh put in .whl/.
 #   bash benchmark/gpu/run_gpu_checks.sh tests                # the GPU tests, ~5 min
 #   bash benchmark/gpu/run_gpu_checks.sh engine_vs_hf decode_step kernels state_copy sampler   # ~9 min
 #   (engine_profile: bench_engine_vs_hf's graphs run under cProfile, the top host functions of every thread;
@@ -50,6 +50,9 @@ pack_logs() {  # every log in one file beside summary.txt (the device tool bring
 }
 trap 'save_autotune; pack_logs' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
+for t in .whl/*.tar.xz; do  # (sglang-router, stripped to fit: benchmark/gpu/fetch_router_wheel.sh)
+  [ -e "$t" ] && tar -xJf "$t" -C .site
+done
 export PYTHONPATH=$PWD/.site:$PWD/python SGLANG_CACHE_DIR=$PWD/.sgcache PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
   >> "$OUT/summary.txt" 2>&1
@@ -72,8 +75,9 @@ group() {  # name, pytest targets...
   # SIGINT at the limit (then SIGKILL 20 s later): pytest stops as at ^C and still prints the failures, the
   # summary and the durations (under timeout's default SIGTERM it dies printing nothing). -v names each
   # test as it finishes, so a group cut short still says which ran.
+  # (-o faulthandler_timeout: a test running over 120 s has every thread's stack dumped, once)
   timeout -s INT -k 20 "$limit" python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short \
-    --durations=8 "$@" > "$OUT/tests-$name.log" 2>&1
+    -o faulthandler_timeout=120 --durations=8 "$@" > "$OUT/tests-$name.log" 2>&1
   echo "tests $name: exit $? ($(tail -1 "$OUT/tests-$name.log"))" >> "$OUT/summary.txt"
   grep -E '^(FAILED|ERROR) ' "$OUT/tests-$name.log" | cut -c1-400 | head -40 >> "$OUT/summary.txt"
 }
@@ -129,7 +133,9 @@ bench() {  # limit, name, command...
   # GPU_DRY_RUN=1: each chosen step's limit and command only (a CPU check of the script's plan).
   [ -n "${GPU_DRY_RUN:-}" ] && { echo "bench $name: would run ${limit} s: $*" >> "$OUT/summary.txt"; return; }
   echo "=== $name" >> "$OUT/bench.log"
-  timeout -s INT -k 20 "$limit" "$@" >> "$OUT/bench.log" 2>&1  # (^C: a traceback says where it was)
+  # (^C: a traceback says where the main thread was; 10 s before it, every thread's stack: stack_dump/)
+  PYTHONPATH=$PWD/benchmark/gpu/stack_dump:$PYTHONPATH SGLANG_DUMP_STACKS_AFTER_S=$((limit > 30 ? limit - 10 : 0)) \
+    timeout -s INT -k 20 "$limit" "$@" >> "$OUT/bench.log" 2>&1
   echo "bench $name: exit $?" >> "$OUT/summary.txt"
 }
 bench 150 decode_step python3 benchmark/gpu/bench_decode_step.py
@@ -163,6 +169,9 @@ bench 90 moe python3 benchmark/gpu/bench_kernels.py --moe --reps 10
 #   OUT=$OUT GPU_DEADLINE_S=570 bash benchmark/gpu/run_gpu_checks.sh real_80b real_35b real_nemotron
 REAL="python3 benchmark/gpu/bench_real_shapes.py --ckpt-dir .gpu-cache/slices --models"
 bench 200 real_80b $REAL qwen3-next-80b
+# real_80b_fp8 (issue 53's target: FP8 decode at batch 64 / 256 at least 1.6x bf16's tokens/s): the same
+# bf16 slice quantized at load (--quantization fp8: block FP8 weights, the FP8 experts), the same rows
+bench 200 real_80b_fp8 $REAL qwen3-next-80b --quantization fp8
 bench 170 real_35b $REAL qwen3.5-35b-a3b
 bench 150 real_nemotron $REAL nemotron-h-8b
 # serving_80b (issue 55, item 5): bench_serving_strategies.py, the three strategies' servers on the 80B slice
