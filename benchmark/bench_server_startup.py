@@ -50,6 +50,7 @@ class Server:
             *server_args,
         ]  # fmt: skip
         start = time.perf_counter()
+        self.launched_wall = time.time()
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -92,6 +93,25 @@ def start_breakdown(server: Server) -> dict[str, float]:
         if found:
             times[key] = float(found.group(1))
     return times
+
+
+LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})[ \]]")
+
+
+def log_timeline(server: Server, most: int = 40) -> list[str]:
+    """The server log's timestamped lines up to healthy, each as seconds after the launch: where a start
+    went outside the scheduler's own phases (imports, process starts, tokenizer, warm-ups)."""
+    out = []
+    for line in server.log_path.read_text(errors="replace").splitlines():
+        found = LOG_TIME.match(line)
+        if not found:
+            continue
+        wall = time.mktime(time.strptime(found.group(1), "%Y-%m-%d %H:%M:%S")) + int(found.group(2)) / 1e3
+        after = wall - server.launched_wall
+        if after > server.healthy_s + 1:
+            break
+        out.append(f"  {after:7.2f} {line[found.end():].strip()[:150]}")
+    return out[:most] + [f"  {server.healthy_s:7.2f} /health answered 200"]
 
 
 def triton_cache_dir() -> Path:
@@ -147,6 +167,7 @@ def main() -> None:
                     continue
                 parts = start_breakdown(server)
                 print("last start, s: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+                print("last start's log, s after the launch:", *log_timeline(server), sep="\n")
                 runs = []
                 for run in range(args.serving_runs):
                     since = time.time()
@@ -156,7 +177,8 @@ def main() -> None:
                     shown = ", ".join(kernels[:8]) + (" ..." if len(kernels) > 8 else "")
                     print(
                         f"serving run {run + 1}: {result['output_throughput']:.1f} output tok/s, "
-                        f"{result['duration']:.2f} s; compiled after ready: {len(kernels)} kernel(s)"
+                        f"{result['duration']:.2f} s, median TTFT {result['median_ttft_ms']:.1f} ms, median ITL "
+                        f"{result['median_itl_ms']:.2f} ms; compiled after ready: {len(kernels)} kernel(s)"
                         f"{' (' + shown + ')' if kernels else ''}, {autotunes} autotune result(s)"
                     )
                 if len(runs) >= 2:

@@ -187,3 +187,28 @@ def test_kernel_census_counts_what_the_triton_norm_saves():
     # the lm_head, the argmax and the future tokens' write (11 with a `where` for the placeholders and
     # a float32 copy of the logits).
     assert fused["outside_graph"] == 5
+
+
+def test_server_startup_timeline_reads_the_log_up_to_healthy(tmp_path):
+    """bench_server_startup.py's timeline (the GPU run's start took 45 s, 28 of them outside the
+    scheduler's own phases): each timestamped log line as seconds after the launch, lines past healthy
+    (+1 s) left out, untimed lines (uvicorn's) skipped, /health last."""
+    sys.path.insert(0, str(GPU_BENCH.parent))
+    try:
+        import bench_server_startup as bss
+    finally:
+        sys.path.remove(str(GPU_BENCH.parent))
+    launched = time.mktime(time.strptime("2026-11-30 19:00:00", "%Y-%m-%d %H:%M:%S"))
+    log = tmp_path / "server.log"
+    log.write_text(
+        "[2026-11-30 19:00:02,500] INFO launcher: Starting the scheduler, the detokenizer.\n"
+        "INFO:     Started server process [1]\n"
+        "[2026-11-30 19:00:30,250 scheduler] INFO Model loaded\n"
+        "[2026-11-30 19:00:45,000] INFO ready\n"
+        "[2026-11-30 19:01:00,000 scheduler] INFO Prefill batch after the start\n"
+    )
+    server = bss.Server.__new__(bss.Server)  # (no launch: the fields the timeline reads)
+    server.log_path, server.launched_wall, server.healthy_s = log, launched, 45.1
+    lines = bss.log_timeline(server)
+    assert [line.split()[0] for line in lines] == ["2.50", "30.25", "45.00", "45.10"]
+    assert lines[0].endswith("Starting the scheduler, the detokenizer.") and "health" in lines[-1]

@@ -249,6 +249,8 @@ def start_subprocesses(server_args: Any, scheduler_entry: SchedulerEntry | None 
         starting.launched.extra_ipc_names = controller.ipc_names
         args = (port_args, controller.replica_inputs, controller.reply_ipc)
         children.append(("data-parallel controller", run_data_parallel_controller_process, args))
+    # (Timestamped: a start's log then says how long the children took to import and report.)
+    logger.info("Starting the %s.", ", the ".join(name for name, _, _ in children))
     try:
         for name, target, args in children:
             reader, writer = ctx.Pipe(duplex=False)
