@@ -19,6 +19,9 @@ Rows:
 - moe: the 80B's routed experts (512 x width 512, top 10, hidden 2,048) through `RoutedExperts` at
   1 / 64 / 256 / 8,192 tokens under uniform random routing: FP8 weights (the FP8 kernels) against the
   same layer in bfloat16 (grouped GEMMs).
+Where torch's block-wise `_scaled_mm` runs (`SGLANG_FP8_GEMM_BACKEND=cublas`, `fp8_scaled_mm.py`), each
+dense row also times it (`fp8 cublas`, with the quantization `fp8+quant cublas`) and gives
+`cublas_over_triton`, `cublas_over_bf16` and its share of the FP8 peak: whether it should be the default.
 `--sweep` adds one row per (shape, tile) of `fp8_kernel.GEMM_CONFIGS` and of the MoE table: how those
 tables were meant to be revised (they were chosen without a GPU).
 """
@@ -57,8 +60,12 @@ def _peak_tflops(device: str) -> float | None:
 
 def dense_rows(device: str, tiny: bool, reps: int, sweep: bool, decode_only: bool = False) -> list[dict]:
     from sglang.srt.layers.quantization import fp8_kernel as fk
+    from sglang.srt.layers.quantization import fp8_scaled_mm as sm
 
     peak, bandwidth = _peak_tflops(device), peak_bandwidth(device)
+    # torch's block-wise _scaled_mm (SGLANG_FP8_GEMM_BACKEND=cublas): where the probe passes (its warning
+    # in the log says why not)
+    cublas = device == "cuda" and sm.available(torch.device(device))
     rows = []
     for name, n, k in TINY_DENSE if tiny else DENSE_SHAPES:
         w_bf16 = (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
@@ -73,6 +80,9 @@ def dense_rows(device: str, tiny: bool, reps: int, sweep: bool, decode_only: boo
                 "fp8+quant": partial(gemm, a),
                 "bf16": partial(torch.matmul, a, w_bf16.t()),
             }
+            if cublas and sm.fits(m, n, k, (128, 128)):
+                cases["fp8 cublas"] = partial(sm.scaled_mm_blockwise, aq, a_s, w, w_scale, torch.bfloat16)
+                cases["fp8+quant cublas"] = partial(_quant_then_scaled_mm, a, w, w_scale)
             if m <= 64:
                 table = fk.gemm_config(m)
                 # (split as the automatic rule would at any K: the server splits only from SPLIT_K_MIN_K)
@@ -98,10 +108,24 @@ def dense_rows(device: str, tiny: bool, reps: int, sweep: bool, decode_only: boo
                 row["split_k_over_unsplit"] = round(times.device["fp8 unsplit"] / times.device["fp8 split-k"], 2)
             if peak:
                 row["share_of_fp8_peak"] = round(flops / times.device["fp8"] / 1e12 / peak, 3)
+            if "fp8 cublas" in times.device:
+                row["cublas_over_triton"] = round(times.device["fp8"] / times.device["fp8 cublas"], 2)
+                row["cublas_over_bf16"] = round(times.device["bf16"] / times.device["fp8 cublas"], 2)
+                if peak:
+                    row["cublas_share_of_fp8_peak"] = round(flops / times.device["fp8 cublas"] / 1e12 / peak, 3)
+            elif device == "cuda":
+                row["fp8_cublas"] = "shape does not fit" if cublas else "unavailable (the log says why)"
             if bandwidth and m <= 256:
                 row["weight_bandwidth_share"] = round(n * k / times.device["fp8"] / bandwidth, 3)
             rows.append(row)
     return rows
+
+
+def _quant_then_scaled_mm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    from sglang.srt.layers.quantization import fp8_kernel as fk
+    from sglang.srt.layers.quantization import fp8_scaled_mm as sm
+
+    return sm.scaled_mm_blockwise(*fk.per_token_group_quant_fp8(a), w, w_scale, torch.bfloat16)
 
 
 def moe_rows(device: str, tiny: bool, reps: int, sweep: bool) -> list[dict]:

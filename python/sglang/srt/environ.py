@@ -195,6 +195,9 @@ class Envs:
     # batches (up to 256 tokens) as fused Triton grouped GEMMs (layers/moe/fused_moe_triton.py; faster
     # there on an H200, slower at prefill chunks); triton_fused: every batch; triton: none.
     SGLANG_GPU_MOE_BACKEND = EnvStr("auto", "GPU MoE routing and dispatch: auto, torch, triton or triton_fused.")
+    # The dense block-FP8 GEMM on CUDA: auto / triton = the Triton kernel (layers/quantization/fp8_kernel.py);
+    # cublas = torch._scaled_mm with block-wise scales where it runs (fp8_scaled_mm.py; probed at load).
+    SGLANG_FP8_GEMM_BACKEND = EnvStr("auto", "Block-FP8 dense GEMM on CUDA: auto, triton or cublas.")
     # Routed experts of a block-FP8 checkpoint (or --quantization fp8): auto = kept FP8 on CUDA (1 byte a
     # weight, `fused_moe_fp8_triton.py`), dequantized at load elsewhere; fp8 keeps them FP8 on any device
     # (on CPU the kernels' torch twin runs them: tests); dequantize dequantizes them everywhere.

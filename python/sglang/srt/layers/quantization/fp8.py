@@ -422,6 +422,10 @@ def fp8_block_kernel(device: torch.device):
     except ImportError as e:
         logger.warning("The block-FP8 GEMM is unavailable (%s); FP8 linears dequantize per forward.", e)
         return None
+    from sglang.srt.layers.quantization import fp8_scaled_mm
+
+    if fp8_scaled_mm.chosen():  # SGLANG_FP8_GEMM_BACKEND=cublas: probed here, once, not under a capture
+        fp8_scaled_mm.available(device)
     return w8a8_block_fp8_matmul
 
 
