@@ -126,6 +126,33 @@ def measure_prefill(runner, device: str, tokens: int, chunk: int, reps: int) -> 
     return statistics.median(times[1:])
 
 
+def prefill_kernel_table(runner, device: str, tokens: int, chunk: int, top: int = 15) -> list[dict]:
+    """One more prefill of `tokens` under torch's profiler: the `top` kernels (CUDA; on a CPU the ops) by
+    total time, each with its share of the summed time, count and mean: where prefill goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    driver = RunnerDriver(runner)
+    prompt = _prompt(tokens, tokens + 1)
+    req = driver.new_request()
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for start in range(0, tokens, chunk):
+            driver.extend([Extend(req, prompt[start : start + chunk])], return_logprob=False)
+        _sync(device)
+    driver.free(req)
+    events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == cuda]
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in events) or 1.0
+    events.sort(key=own, reverse=True)
+    return [
+        {"kernel": e.key[:90], "ms": round(own(e) / 1e3, 3), "share": round(own(e) / total, 3), "calls": e.count}
+        for e in events[:top]
+    ]
+
+
 @contextmanager
 def without_layers(runner, layers: int, recapture_after: bool = True):
     """The runner's model with its `layers` decoder layers taken out (the ModuleList of that length the
@@ -263,6 +290,8 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
             row["skipped"] = f"beyond the model's {config.max_position_embeddings}-token context"
         elif runner is not None:
             seconds = measure_prefill(runner, device, tokens, chunk, args.reps)
+            if args.kernel_table and tokens == min(t for t in args.prefill if t <= config.max_position_embeddings):
+                row["kernels"] = prefill_kernel_table(runner, device, tokens, chunk)
             full_s = seconds * spec.full_layers / spec.slice_layers
             row.update(
                 seconds=_r(seconds),
@@ -337,6 +366,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak (default: by the device's name)")
     parser.add_argument("--ckpt-dir", help="keep the slices here and reuse them (default: a temporary folder)")
     parser.add_argument("--out", help="also write the rows as DIR/real_shapes.json")
+    parser.add_argument(
+        "--kernel-table", action="store_true", help="the shortest prefill's top kernels, profiled once more"
+    )
     parser.add_argument(
         "--quantization", choices=["fp8"], help="quantize the bf16 slice at load (issue 53: FP8 against bf16)"
     )

@@ -168,7 +168,7 @@ bench 90 moe python3 benchmark/gpu/bench_kernels.py --moe --reps 10
 # step is sized at ~3 min (writing 14.4 GB, loading, graph capture, 4 batches, 2 prefills):
 #   OUT=$OUT GPU_DEADLINE_S=570 bash benchmark/gpu/run_gpu_checks.sh real_80b real_35b real_nemotron
 REAL="python3 benchmark/gpu/bench_real_shapes.py --ckpt-dir .gpu-cache/slices --models"
-bench 200 real_80b $REAL qwen3-next-80b
+bench 200 real_80b $REAL qwen3-next-80b --kernel-table
 # real_80b_fp8 (issue 53's target: FP8 decode at batch 64 / 256 at least 1.6x bf16's tokens/s): the same
 # bf16 slice quantized at load (--quantization fp8: block FP8 weights, the FP8 experts), the same rows
 bench 200 real_80b_fp8 $REAL qwen3-next-80b --quantization fp8
