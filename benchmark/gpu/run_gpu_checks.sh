@@ -51,7 +51,7 @@ pack_logs() {  # every log in one file beside summary.txt (the device tool bring
 trap 'save_autotune; pack_logs' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
 for t in .whl/*.tar.xz; do  # (sglang-router, stripped to fit: benchmark/gpu/fetch_router_wheel.sh)
-  [ -e "$t" ] && tar -xJf "$t" -C .site
+  [ -e "$t" ] && { tar -xJf "$t" -C .site || echo "unpacking $t failed (exit $?)" >> "$OUT/summary.txt"; }
 done
 export PYTHONPATH=$PWD/.site:$PWD/python SGLANG_CACHE_DIR=$PWD/.sgcache PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -150,10 +150,10 @@ bench 45 state_copy python3 benchmark/bench_state_copy.py --device cuda --second
 bench 40 sampler python3 benchmark/bench_sampler.py --device cuda --reps 5
 bench 180 fp8_gemm python3 benchmark/gpu/bench_fp8_gemm.py --reps 10 --sweep
 # tune_moe (issue 55): the fused bf16 MoE GEMMs' tiles timed at the 80B's and the 35B-A3B's expert shapes
-# (benchmark/gpu/tune_fused_moe.py, ~3 min on an H200 by its design, not yet run); its JSON files come back
-# in $OUT/moe-configs.tar.gz (copy them into python/sglang/srt/layers/moe/configs/) and are put there on
-# this machine too, so that `moe` (bench_kernels.py --moe: SGLANG_GPU_MOE_BACKEND=triton_fused's
-# GEMMs vs the grouped_mm path at the 80B's shapes, with the floor) runs with them:
+# (benchmark/gpu/tune_fused_moe.py, ~2 min on an H200 on 2026-11-30); its JSON files come back in
+# $OUT/moe-configs.tar.gz (copy them into python/sglang/srt/layers/moe/configs/) and are put there on
+# this machine too, so that `moe` (bench_kernels.py --moe: the fused GEMMs vs the grouped_mm path at the
+# 80B's shapes, with the floor) runs with them:
 #   bash benchmark/gpu/run_gpu_checks.sh tune_moe moe
 bench 240 tune_moe python3 benchmark/gpu/tune_fused_moe.py --out "$OUT/moe-configs"
 if [ -d "$OUT/moe-configs" ]; then

@@ -193,8 +193,11 @@ class Envs:
     # (layers/moe/routing_triton.py) and the token bookkeeping around the grouped GEMMs in three
     # (layers/moe/dispatch_triton.py); auto on CUDA also runs the bf16 / fp16 experts' GEMMs of decode
     # batches (up to 256 tokens) as fused Triton grouped GEMMs (layers/moe/fused_moe_triton.py; faster
-    # there on an H200, slower at prefill chunks); triton_fused: every batch; triton: none.
-    SGLANG_GPU_MOE_BACKEND = EnvStr("auto", "GPU MoE routing and dispatch: auto, torch, triton or triton_fused.")
+    # there on an H200, slower at prefill chunks); triton: the same on any device; triton_fused: the
+    # fused GEMMs at every size; triton_grouped: the grouped_mm GEMMs at every size (the old default).
+    SGLANG_GPU_MOE_BACKEND = EnvStr(
+        "auto", "GPU MoE routing and dispatch: auto, torch, triton, triton_fused or triton_grouped."
+    )
     # The dense block-FP8 GEMM on CUDA: auto / triton = the Triton kernel (layers/quantization/fp8_kernel.py);
     # cublas = torch._scaled_mm with block-wise scales where it runs (fp8_scaled_mm.py; probed at load).
     SGLANG_FP8_GEMM_BACKEND = EnvStr("auto", "Block-FP8 dense GEMM on CUDA: auto, triton or cublas.")

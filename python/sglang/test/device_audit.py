@@ -150,6 +150,7 @@ class RecordedLaunches:
         "sglang.srt.layers.moe.routing_triton",
         "sglang.srt.layers.moe.dispatch_triton",
         "sglang.srt.layers.moe.elementwise_triton",
+        "sglang.srt.layers.moe.fused_moe_fp8_triton",  # (the fused 16-bit MoE GEMMs' kernel too)
     )
 
     def __init__(self) -> None:
@@ -181,7 +182,9 @@ class RecordedLaunches:
 
 
 # What CUDA runs by default, forced where the meta device stands in for it: the Triton decode steps,
-# norms, rotary embedding, MoE routing and dispatch, the packed extend (FLA's on a GPU; the same packed layout), no CPU C++ ops.
+# norms, rotary embedding, MoE routing and dispatch with the fused 16-bit MoE GEMMs up to 256 tokens
+# (`triton`: auto's CUDA choice on any device), the packed extend (FLA's on a GPU; the same packed
+# layout), no CPU C++ ops.
 CUDA_DEFAULT_ENV = {
     "SGLANG_GDN_DECODE_BACKEND": "triton",
     "SGLANG_MAMBA2_DECODE_BACKEND": "triton",

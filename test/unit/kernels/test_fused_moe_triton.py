@@ -111,15 +111,17 @@ def test_the_shared_expert_runs_as_one_more_expert(interpret, monkeypatch, maske
 def test_auto_runs_the_fused_gemms_for_decode_batches_only(interpret, monkeypatch):
     """SGLANG_GPU_MOE_BACKEND=auto on CUDA (here: the Triton choice made as on CUDA, the kernels
     interpreted) runs batches of up to FUSED_AUTO_MAX_TOKENS tokens through the fused GEMMs (an H200
-    measured them faster there) and larger ones through the grouped_mm path (faster at prefill chunks);
-    triton_fused runs every batch fused, triton none. Both paths agree within TOL_FP16."""
+    measured them faster there) and larger ones through the grouped_mm path (faster at prefill chunks),
+    as triton does on any device; triton_fused runs every batch fused, triton_grouped none. Both paths
+    agree within TOL_FP16."""
     from sglang.srt.layers.moe import experts as ex
 
     monkeypatch.setattr(ex, "triton_chosen", lambda choice, *a, **k: choice.get() != "torch")
     monkeypatch.setattr(ex, "FUSED_AUTO_MAX_TOKENS", 4)
     calls, real = [], ft.fused_experts
     monkeypatch.setattr(ft, "fused_experts", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for backend, fused_sizes in (("auto", [3, 4]), ("triton_fused", [3, 4, 5]), ("triton", [])):
+    cases = (("auto", [3, 4]), ("triton", [3, 4]), ("triton_fused", [3, 4, 5]), ("triton_grouped", []))
+    for backend, fused_sizes in cases:
         layer, calls[:] = make_layer(4, 64, 32, "silu", True), []
         with envs.SGLANG_GPU_MOE_BACKEND.override(backend), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
             layer.process_weights_after_loading()
@@ -203,7 +205,7 @@ def test_a_bad_backend_value_is_one_sentence():
         layer.process_weights_after_loading()
     assert (
         str(err.value)
-        == "SGLANG_GPU_MOE_BACKEND must be one of auto, torch, triton, triton_fused; got 'fused'."
+        == "SGLANG_GPU_MOE_BACKEND must be one of auto, torch, triton, triton_fused, triton_grouped; got 'fused'."
     )
 
 

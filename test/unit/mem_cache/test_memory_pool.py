@@ -137,10 +137,12 @@ def test_kv_pool_maps_full_attention_layers_only():
         kv.get_kv_buffer(2)
 
 
-def test_a_float8_pool_saturates_keys_and_values_past_its_range():
-    """K / V past e4m3's +-448 (a checkpoint without its kv scales) are stored as +-448. The pool clamps
-    before converting: torch's CUDA conversion (c10's scalar one) makes NaN of them, where the CPU's
-    saturates, and a NaN key poisons every later token's attention (seen on an H200: the unscaled run of
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_float8_pool_saturates_keys_and_values_past_its_range(dtype):
+    """K / V past the pool's range (e4m3's +-448: a checkpoint without its kv scales) are stored as its
+    largest value. The pool clamps before converting: torch's CUDA conversion to e4m3 (c10's scalar one)
+    makes NaN of them, where the CPU's saturates, and its e5m2 conversion makes inf anywhere; a NaN or inf
+    key poisons every later token's attention (seen on an H200: the unscaled run of
     test_kv_cache_scales.py ended in a device-side assert). So the conversion must only ever see values
     in range; a TorchFunctionMode records what each float8 conversion is handed."""
     from torch.overrides import TorchFunctionMode
@@ -150,17 +152,20 @@ def test_a_float8_pool_saturates_keys_and_values_past_its_range():
     class RecordFloat8Casts(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is torch.Tensor.to and torch.float8_e4m3fn in (*args[1:], kwargs.get("dtype")):
+            if func is torch.Tensor.to and dtype in (*args[1:], kwargs.get("dtype")):
                 seen.append(args[0].abs().max().item())
             return func(*args, **kwargs)
 
-    kv = MHATokenToKVPool(16, 4, torch.float8_e4m3fn, 2, 8, layer_ids=[0])
-    big = torch.tensor([1e4, -600.0, 3.0, float("inf")]).repeat(2, 2, 2)[:, :, :8].reshape(2, 2, 8)
+    top = torch.finfo(dtype).max
+    kv = MHATokenToKVPool(16, 4, dtype, 2, 8, layer_ids=[0])
+    big = torch.tensor([1e6, -600.0, 3.0, float("inf")]).repeat(2, 2, 2)[:, :, :8].reshape(2, 2, 8)
     with RecordFloat8Casts():
         kv.set_kv_buffer(0, torch.tensor([1, 2]), big, -big, k_scale=0.5, v_scale=1.0)
-    assert len(seen) == 2 and max(seen) <= 448.0, seen
+    assert len(seen) == 2 and max(seen) <= top, seen
     k, v = (b[1:3].float() for b in kv.get_kv_buffer(0))
-    assert torch.equal(k, (big / 0.5).clamp(-448, 448)) and torch.equal(v, (-big).clamp(-448, 448))
+    assert torch.isfinite(k).all() and torch.isfinite(v).all()
+    assert torch.equal(k, (big / 0.5).clamp(-top, top).to(dtype).float())
+    assert torch.equal(v, (-big).clamp(-top, top).to(dtype).float())
 
 
 def test_pool_sizing_from_flags_and_from_a_budget():

@@ -245,7 +245,7 @@ def test_placeholders_resolve_in_one_gather():
     assert seen[-1].tolist() == [9, 49]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the grouped GEMMs' MoE path
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the fused GEMMs' MoE path
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_cuda_default_kernels_are_device_clean(preset, dtype, monkeypatch):
     """What CUDA runs by default where the test above runs torch: Triton attention, the Triton decode
@@ -297,12 +297,14 @@ def test_the_cuda_default_kernels_are_device_clean(preset, dtype, monkeypatch):
     decode_step = "_gdn_decode_kernel" if "qwen" in preset else "_mamba2_decode_kernel"
     kernels = {name for name, _ in launches.calls}
     expected = {"_extend_kernel", "_decode_stage1_kernel", "_conv_extend_kernel", "_rmsnorm_kernel", decode_step}
-    if dtype == "bfloat16":  # the MoE bookkeeping around the grouped GEMMs (bfloat16 on a GPU)
-        expected |= {"_align_kernel", "_offsets_kernel", "_combine_kernel"}
+    if dtype == "bfloat16":  # the MoE as a GPU runs it at these sizes: sorted, the fused GEMMs, combined
+        expected |= {"_align_kernel", "_offsets_kernel", "_moe_gemm_kernel", "_combine_kernel"}
     if "qwen" in preset:  # Nemotron-H's attention has no rotary embedding, its routing is grouped
         expected |= {"_rope_kernel", "_softmax_topk_kernel"}
-        if dtype == "bfloat16":  # gated experts and a gated shared expert
-            expected |= {"_silu_mul_kernel", "_add_sigmoid_mul_kernel"}
+    if dtype == "bfloat16" and "qwen" in preset:
+        # Gated experts: silu(gate) * up in the GEMM's epilogue; the gated shared expert is one more
+        # expert of the same launches (the grouped path's separate kernels for both stay unused).
+        assert not kernels & {"_silu_mul_kernel", "_add_sigmoid_mul_kernel"}, kernels
     assert expected <= kernels, kernels
     assert all(devices == {"meta"} for _, devices in launches.calls), launches.calls
     assert copier.devices and set(copier.devices) == {"meta"}

@@ -31,7 +31,7 @@ def byte_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
 
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+FLOAT8_MAX = {t: torch.finfo(t).max for t in (torch.float8_e4m3fn, torch.float8_e5m2)}  # 448, 57,344
 
 class ReqToTokenPool:
     """Request rows. `req_to_token[row, i]` is the KV slot of position i of the request in `row`;
@@ -120,15 +120,17 @@ class MHATokenToKVPool:
     ) -> None:
         """Stores `k / k_scale` and `v / v_scale` at `loc`, converted to the pool's dtype
         (`--kv-cache-dtype`; the scales are the layer's `kv_scales`, `layers/attention/kv_scales.py`).
-        float8 e4m3fn saturates at +-448: clamped here, because torch's CUDA conversion turns a value
-        past the range into NaN (its CPU one saturates), and a NaN key poisons every later token."""
+        A float8 pool saturates at its largest value (e4m3fn +-448, e5m2 +-57,344): clamped here, because
+        torch's conversions do not saturate everywhere (e4m3fn on CUDA makes NaN of a value past the range,
+        e5m2 makes inf on any device), and a NaN or inf key poisons every later token's attention."""
         i = self._index(layer_id)
         if k_scale != 1.0:
             k = k.float() / k_scale
         if v_scale != 1.0:
             v = v.float() / v_scale
-        if self.dtype == torch.float8_e4m3fn:
-            k, v = k.clamp(-E4M3_MAX, E4M3_MAX), v.clamp(-E4M3_MAX, E4M3_MAX)
+        if self.dtype in FLOAT8_MAX:
+            top = FLOAT8_MAX[self.dtype]
+            k, v = k.clamp(-top, top), v.clamp(-top, top)
         for buf, new in ((self.k_buffer[i], k.to(self.dtype)), (self.v_buffer[i], v.to(self.dtype))):
             byte_rows(buf)[loc] = byte_rows(new)  # (float8 as bytes, as upstream does)
 

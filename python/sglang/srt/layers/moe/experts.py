@@ -13,7 +13,8 @@ sizes; larger batches take the per-expert path, one sync per layer). A fixed num
 layer either way, so it is also what a CUDA graph can capture; on CUDA the bookkeeping around the
 grouped GEMMs is three Triton launches (`dispatch_triton.py`, `SGLANG_GPU_MOE_BACKEND`, which also puts
 Qwen3-Next's routing on its Triton kernel). 16-bit decode batches (up to FUSED_AUTO_MAX_TOKENS tokens)
-run as fused Triton grouped GEMMs instead (`fused_moe_triton.py`; `triton_fused`: every batch). On CPU, decode-size batches take the grouped GEMMs too
+run as fused Triton grouped GEMMs instead (`fused_moe_triton.py`; `triton_fused`: every batch;
+`triton_grouped`: none). On CPU, decode-size batches take the grouped GEMMs too
 (any float dtype there), faster than the padded block; for small experts, sgl-kernel's C++ op instead
 (`sgl-kernel/csrc/moe_cpu.cpp`, `SGLANG_CPU_MOE_BACKEND`), whose weights are the same
 parameters stored transposed (`process_weights_after_loading`). The layer's shared expert (and its sigmoid
@@ -63,9 +64,11 @@ CPU_OP_MAX_SHARED_TOKENS = 128
 # SGLANG_GPU_MOE_BACKEND=auto on CUDA: 16-bit batches of at most this many tokens (decode) run the fused
 # Triton GEMMs (`fused_moe_triton.py`), larger ones (prefill chunks) the grouped_mm path. Measured on an
 # H200 (2026-11-30, `benchmark/gpu/README.md`), the 80B's MoE layer with its shared expert stacked and the
-# committed tiles: fused 1.36-1.56x the grouped_mm path at 1 / 8 / 64 / 256 tokens (64-84 % of the weight
-# floor against 41-57 %), and the 80B slice's decode step 1.09-1.29x; its prefill of 8,192-token chunks
-# 0.81x. Between 256 and 8,192 tokens nothing is measured: the grouped path, as before.
+# committed tiles: fused 1.56 / 1.57 / 1.49 / 1.36x the grouped_mm path at 1 / 8 / 64 / 256 tokens (23 / 64
+# / 84 / 78 % of the weight floor against 15 / 41 / 56 / 57 %), and the 80B slice's decode step
+# 1.09-1.29x; its prefill of 8,192-token chunks 0.81x. Between 256 and 8,192 tokens nothing is measured:
+# the grouped path, as before. SGLANG_GPU_MOE_BACKEND=triton_grouped keeps the grouped path at every size
+# (the default before; a benchmark's baseline).
 FUSED_AUTO_MAX_TOKENS = 256
 
 
@@ -117,7 +120,7 @@ class RoutedExperts(nn.Module):
         self.act_code = CPU_OP_ACTIVATIONS.get(act)
         self.cpu_ops = None  # set by process_weights_after_loading where the C++ op serves this layer
         self.triton = False  # the Triton bookkeeping around the grouped GEMMs (CUDA; set at load)
-        # SGLANG_GPU_MOE_BACKEND=triton_fused: the fused Triton GEMMs serve 16-bit batches (set at load).
+        # The fused Triton GEMMs for 16-bit batches (CUDA's default up to FUSED_AUTO_MAX_TOKENS; set at load).
         self.fused_gemms = None
         # Set by fuse_shared_expert: (the shared expert, its gate) and the op's arguments for them.
         self.fused_shared: tuple[nn.Module, nn.Linear | None] | None = None
@@ -126,18 +129,18 @@ class RoutedExperts(nn.Module):
     def process_weights_after_loading(self) -> None:
         """On CPU, where the C++ op serves this layer, store w13 / w2 transposed (contiguous [E, H, R] and
         [E, I, H]; the parameters become views of them with their usual shapes, so every torch path
-        reads them as before). On CUDA (SGLANG_GPU_MOE_BACKEND auto, up to FUSED_AUTO_MAX_TOKENS tokens;
-        triton_fused, any batch), the fused GEMMs for 16-bit experts. Runs once however often it is
-        called."""
+        reads them as before). On CUDA (SGLANG_GPU_MOE_BACKEND auto, or triton on any device: up to
+        FUSED_AUTO_MAX_TOKENS tokens; triton_fused: any batch; triton_grouped: none), the fused GEMMs for
+        16-bit experts. Runs once however often it is called."""
         self.triton = triton_chosen(
             envs.SGLANG_GPU_MOE_BACKEND, self.w13.device,
             "sglang.srt.layers.moe.dispatch_triton", "sglang.srt.layers.moe.routing_triton",
-            "sglang.srt.layers.moe.elementwise_triton", also_triton=("triton_fused",),
+            "sglang.srt.layers.moe.elementwise_triton", also_triton=("triton_fused", "triton_grouped"),
         )  # fmt: skip
         if not self.fp8:  # the C++ op takes float weights
             self._use_cpu_op()
         backend = envs.SGLANG_GPU_MOE_BACKEND.get()
-        fused = self.triton and backend in ("auto", "triton_fused")
+        fused = self.triton and backend in ("auto", "triton", "triton_fused")
         if self.fused_gemms is None and fused and not self.fp8 and self.cpu_ops is None:
             # (imported here: a CPU install may lack triton)
             from sglang.srt.layers.moe.fused_moe_triton import FusedExperts
@@ -145,7 +148,7 @@ class RoutedExperts(nn.Module):
             # Only for the dtypes it serves: for others (float32) it would run nothing, yet stack the
             # shared expert (a copy of the weights); and the C++ op reads its own transposed storage.
             if self.w13.dtype in FusedExperts.DTYPES:
-                bound = FUSED_AUTO_MAX_TOKENS if backend == "auto" else None
+                bound = None if backend == "triton_fused" else FUSED_AUTO_MAX_TOKENS
                 self.fused_gemms = FusedExperts(self, max_tokens=bound)
 
     def _use_cpu_op(self) -> None:

