@@ -9,7 +9,10 @@ cache flushed before each, no bench warm-up request) and prints each run's outpu
 first / second ratio: a first run slower than the second paid one-time costs (kernel compiles and
 autotuning) the server's warm-up left to it. It also counts the kernels Triton compiled after ready:
 new compiled-kernel entries (and flash-linear-attention autotune results) in Triton's cache folder
-(TRITON_CACHE_DIR, else ~/.triton/cache) during each run. Nothing compiles on a CPU. On a GPU:
+(TRITON_CACHE_DIR, else ~/.triton/cache) during each run; and the kernels first used after ready,
+compiled or loaded from that cache (the server runs with SGLANG_LOG_TRITON_FIRST_USE=1: on an H200 the
+first run was 0.784x the second with nothing compiled, a cache warm from an earlier benchmark). It
+prints the last start's log lines as seconds after the launch. Nothing compiles on a CPU. On a GPU:
 
     python benchmark/bench_server_startup.py --reps 1 --serving-runs 2 -- --model-path 147m --device cuda
 
@@ -51,8 +54,11 @@ class Server:
         ]  # fmt: skip
         start = time.perf_counter()
         self.launched_wall = time.time()
+        # Each Triton kernel's first use in the server's processes is logged (compiled, or loaded from
+        # the disk cache: both cost, only compiles leave new files): `first_uses` counts them after ready.
+        env = {**os.environ, "SGLANG_LOG_TRITON_FIRST_USE": "1"}
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             while time.perf_counter() - start < timeout:
                 if self.proc.poll() is not None:
@@ -114,6 +120,17 @@ def log_timeline(server: Server, most: int = 40) -> list[str]:
     return out[:most] + [f"  {server.healthy_s:7.2f} /health answered 200"]
 
 
+FIRST_USE = re.compile(r"Triton first use: (\S+)")
+
+
+def first_uses(server: Server, offset: int) -> tuple[list[str], int]:
+    """The kernels the server's log says were first used after byte `offset` of it, and its new end."""
+    with open(server.log_path, "rb") as f:
+        f.seek(offset)
+        text = f.read()
+    return FIRST_USE.findall(text.decode(errors="replace")), offset + len(text)
+
+
 def triton_cache_dir() -> Path:
     return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
 
@@ -169,17 +186,21 @@ def main() -> None:
                 print("last start, s: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
                 print("last start's log, s after the launch:", *log_timeline(server), sep="\n")
                 runs = []
+                _, offset = first_uses(server, 0)
                 for run in range(args.serving_runs):
                     since = time.time()
                     result = serve_once(server, shlex.split(args.bench_args))
                     kernels, autotunes = new_cache_entries(since)
+                    used, offset = first_uses(server, offset)
                     runs.append(result["output_throughput"])
                     shown = ", ".join(kernels[:8]) + (" ..." if len(kernels) > 8 else "")
                     print(
                         f"serving run {run + 1}: {result['output_throughput']:.1f} output tok/s, "
                         f"{result['duration']:.2f} s, median TTFT {result['median_ttft_ms']:.1f} ms, median ITL "
                         f"{result['median_itl_ms']:.2f} ms; compiled after ready: {len(kernels)} kernel(s)"
-                        f"{' (' + shown + ')' if kernels else ''}, {autotunes} autotune result(s)"
+                        f"{' (' + shown + ')' if kernels else ''}, {autotunes} autotune result(s); first used "
+                        f"after ready (compiled or loaded): {len(used)}"
+                        + (f" ({', '.join(sorted(set(used))[:8])})" if used else "")
                     )
                 if len(runs) >= 2:
                     print(f"first / second run throughput: {runs[0] / runs[1]:.3f}")

@@ -108,6 +108,9 @@ class Envs:
     SGLANG_CPROFILE_DIR = EnvOptStr(None, "Write a cProfile of the scheduler process here (utils/host_profile.py).")
     # /start_profile (managers/profile_request.py): where traces go; an output_dir must be inside it.
     SGLANG_TORCH_PROFILER_DIR = EnvStr("/tmp", "Where /start_profile writes traces (output_dir: inside it).")
+    # Log each Triton kernel a process uses for the first time, compiled or loaded from the disk cache
+    # (utils/triton_first_use.py; benchmark/bench_server_startup.py counts those after ready).
+    SGLANG_LOG_TRITON_FIRST_USE = EnvBool(False, "Log each Triton kernel's first use in a process.")
     SGLANG_PROFILE_WITH_STACK = EnvBool(True, "/start_profile's with_stack where the request does not say.")
     SGLANG_PROFILE_RECORD_SHAPES = EnvBool(False, "/start_profile's record_shapes where the request does not say.")
     SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR = EnvStr("/tmp", "Where /dump_expert_distribution_record writes.")

@@ -37,6 +37,9 @@ def apply_gc_threshold(server_args) -> None:
 
 def configure_subprocess(server_args, name: str) -> None:
     configure_logging(server_args.log_level, name)
+    from sglang.srt.utils.triton_first_use import install_if_asked
+
+    install_if_asked()  # (SGLANG_LOG_TRITON_FIRST_USE)
     apply_gc_threshold(server_args)
     if server_args.device == "cpu":
         threads = default_torch_threads()
