@@ -125,6 +125,8 @@ class ModelRunner:
         self.kv_cache_dtype = model_config.kv_cache_torch_dtype
         # For /metrics (sglang:startup_time_seconds by phase, the memory gauges): read, never acted on.
         self.started_at = time.monotonic()
+        # (Timestamped: a start's log then shows how long this process took to get here, its imports.)
+        logger.info("Loading %s on %s (%s).", server_args.model_path, self.device, self.dtype)
         meta = None
         if torch.device(self.device).type == "cuda":
             # Weights the memory budget cannot hold are refused before any loads (they failed later, or
