@@ -147,3 +147,18 @@ def test_auto_truncate_lowers_an_explicit_max_new_tokens_to_what_fits():
     off = RequestLimits(context_len=100, max_req_input_len=97, vocab_size=50)
     with pytest.raises(RequestError, match="max_new_tokens 16 plus the 90 input tokens"):
         build_requests(short, parse_prompts(short, 8), [], off)
+
+
+def test_the_chat_template_call_is_read_only_where_template_kwargs_are_given(monkeypatch):
+    """Reading the chat template call's arguments imports transformers' tokenizer classes and the chat
+    server (~1.4 s on a 2-core VM), which the launcher then paid before starting the scheduler: only a
+    server given --default-chat-template-kwargs reads them (the refusal above still holds)."""
+    from sglang.srt import server_args_frontend as frontend
+
+    real, calls = frontend._template_call_arguments, []
+    monkeypatch.setattr(frontend, "_template_call_arguments", lambda: calls.append(1) or real())
+    args()
+    args("--default-chat-template-kwargs", "{}")
+    assert calls == []
+    args("--default-chat-template-kwargs", '{"enable_thinking": true}')
+    assert calls == [1]
