@@ -23,13 +23,16 @@ MESSAGE = "Triton first use: %s"
 
 def _log_first_use(**kwargs: Any) -> None:
     # (`fn` is Triton's JitFunctionInfo(module, name, jit_function); `repr` names the specialization)
-    name = getattr(kwargs.get("fn"), "name", None) or str(kwargs.get("repr", "?")).split("[", 1)[0]
-    logger.info(MESSAGE, name)
+    try:
+        name = getattr(kwargs.get("fn"), "name", None) or str(kwargs.get("repr", "?")).split("[", 1)[0]
+        logger.info(MESSAGE, name)
+    except Exception:  # noqa: BLE001 - a log line must never stop a compile
+        logger.info(MESSAGE, "?")
 
 
 def install_if_asked() -> bool:
     """Installs the logging hook where SGLANG_LOG_TRITON_FIRST_USE asks (keeping any hook already set,
-    which it then calls first); whether it is installed."""
+    which it calls after logging, with Triton's arguments as they came); whether it is installed."""
     if not envs.SGLANG_LOG_TRITON_FIRST_USE.get():
         return False
     try:
@@ -42,9 +45,9 @@ def install_if_asked() -> bool:
         return False
     previous = runtime.jit_cache_hook
 
-    def hook(**kwargs: Any) -> Any:
+    def hook(*args: Any, **kwargs: Any) -> Any:
         _log_first_use(**kwargs)
-        return previous(**kwargs) if previous is not None else None
+        return previous(*args, **kwargs) if previous is not None else None
 
     runtime.jit_cache_hook = hook
     return True

@@ -1,8 +1,8 @@
 """The routed experts in bfloat16 / float16 on CUDA as fused Triton grouped GEMMs (decode batches by
-default, `experts.FUSED_AUTO_MAX_TOKENS`; every batch with `SGLANG_GPU_MOE_BACKEND=triton_fused`): the FP8 experts' kernel (`fused_moe_fp8_triton._moe_gemm_kernel`)
-with `FP8=False`. One layer's forward, a fixed number of launches and no host read (a CUDA graph can
-capture it), against `RoutedExperts.forward_device`'s gathered copy, two `torch._grouped_mm` and a
-separate activation:
+default, `experts.FUSED_AUTO_MAX_TOKENS`; every batch with `SGLANG_GPU_MOE_BACKEND=triton_fused`): the
+FP8 experts' kernel (`fused_moe_fp8_triton._moe_gemm_kernel`) with `FP8=False`. One layer's forward, a
+fixed number of launches and no host read (a CUDA graph can capture it), against
+`RoutedExperts.forward_device`'s gathered copy, two `torch._grouped_mm` and a separate activation:
 
 1. the assignments sorted by expert (`sort_combine.sort_by_expert`; other EP ranks' assignments, id E,
    sort last, outside `offs`: no tile computes them), and the tiles of each GEMM's BLOCK_M per expert
@@ -27,7 +27,8 @@ The parameters become views of the stack and their old storages are freed (on CU
 device at once): one copy stays, but while a layer is stacked its routed experts are held twice, ~3.2 GB
 for the 80B in bf16 at TP 1 (1 / TP of it per rank), on top of the weights the start's memory check
 counts (it refuses weights over --mem-fraction-static of the device: on an H200 the default, ~0.91 with
-8,192-token chunks, leaves ~13 GB free; a fraction near 1 with weights near it can run out here). Tiles: `moe_configs.py` (JSON files per shape and GPU, a fallback elsewhere).
+8,192-token chunks, leaves ~13 GB free; a fraction near 1 with weights near it can run out here).
+Tiles: `moe_configs.py` (JSON files per shape and GPU, a fallback elsewhere).
 On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, for tests; the torch twin is
 `RoutedExperts.forward_device`."""
 
