@@ -53,24 +53,26 @@ def _operands(m: int, n: int, k: int, seed: int):
 
 
 def test_cublas_serves_the_shapes_that_fit_and_triton_the_rest(interpret, monkeypatch):
-    """With SGLANG_FP8_GEMM_BACKEND=cublas and the probe passed, a GEMM whose K is a multiple of 512 and N
-    of 16 goes to `_scaled_mm` with the layouts ATen checks, and equals the twin; K 640 and an explicit
-    tile (the benchmark's sweep) take the Triton kernel; auto takes Triton everywhere."""
+    """With SGLANG_FP8_GEMM_BACKEND=cublas and the probe passed, an FP8 linear is given
+    `scaled_mm_linear` at load (auto: the Triton kernel); it sends a GEMM whose K is a multiple of 512
+    and N of 16 to `_scaled_mm` with the layouts ATen checks, K 640 to the Triton kernel, and equals
+    the twin either way."""
+    from sglang.srt.layers.quantization.fp8 import fp8_block_kernel
+
     calls: list = []
     monkeypatch.setattr(torch, "_scaled_mm", _emulated_scaled_mm(calls))
     monkeypatch.setattr(sm, "available", lambda device: True)
-    for backend, m, n, k, config, served in (
-        ("cublas", 5, 256, 1024, None, True),
-        ("cublas", 3, 64, 512, None, True),  # (N 64: in_proj_ba's width)
-        ("cublas", 5, 256, 640, None, False),
-        ("cublas", 5, 256, 1024, fk.gemm_config(5), False),
-        ("auto", 5, 256, 1024, None, False),
-    ):
+    cuda = torch.device("cuda")  # (where the load looks the kernel up; nothing runs there)
+    with envs.SGLANG_FP8_GEMM_BACKEND.override("auto"):
+        assert fp8_block_kernel(cuda) is fk.w8a8_block_fp8_matmul
+    with envs.SGLANG_FP8_GEMM_BACKEND.override("cublas"):
+        gemm = fp8_block_kernel(cuda)
+    assert gemm is sm.scaled_mm_linear
+    for m, n, k, served in ((5, 256, 1024, True), (3, 64, 512, True), (5, 256, 640, False)):  # (N 64: in_proj_ba)
         a, w, scale = _operands(m, n, k, seed=m + n + k)
         calls.clear()
-        with envs.SGLANG_FP8_GEMM_BACKEND.override(backend):
-            got = fk.w8a8_block_fp8_matmul(a, w, scale, output_dtype=torch.float32, config=config)
-        assert calls == ([(m, n, k)] if served else []), (backend, m, n, k)
+        got = gemm(a[None], w, scale, [128, 128], torch.float32)[0]  # (leading dims kept)
+        assert calls == ([(m, n, k)] if served else []), (m, n, k)
         want = fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32)
         aq, a_s = fk.per_token_group_quant_fp8_torch(a)
         magnitude = fk.dequantize_block_fp8(aq, a_s, (1, 128)).abs().double() @ (
@@ -119,8 +121,7 @@ def test_gpu_scaled_mm_at_real_shapes(m, n, k):
     a = (torch.randn(m, k, device="cuda") * torch.logspace(-2, 1, k, device="cuda")).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(fk.FP8_DTYPE)
     scale = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-3 + 1e-4
-    with envs.SGLANG_FP8_GEMM_BACKEND.override("cublas"):
-        got = fk.w8a8_block_fp8_matmul(a, w, scale, output_dtype=torch.bfloat16)
+    got = sm.scaled_mm_linear(a, w, scale, (128, 128), torch.bfloat16)
     want = fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32).double()
     q, s = fk.per_token_group_quant_fp8(a)
     magnitude = fk.dequantize_block_fp8(q, s, (1, 128)).abs().double() @ (

@@ -413,8 +413,9 @@ def shard_fp8_like(fp8: Fp8BlockLinear, linear: nn.Linear, name: str, per_tensor
 
 
 def fp8_block_kernel(device: torch.device):
-    """The Triton block-FP8 GEMM (`fp8_kernel.w8a8_block_fp8_matmul`) on CUDA where it imports, else None
-    (the torch path: dequantize, then matmul)."""
+    """The Triton block-FP8 GEMM (`fp8_kernel.w8a8_block_fp8_matmul`; with SGLANG_FP8_GEMM_BACKEND=cublas
+    `fp8_scaled_mm.scaled_mm_linear`) on CUDA where it imports, else None (the torch path: dequantize,
+    then matmul)."""
     if device.type != "cuda":
         return None
     try:
@@ -424,8 +425,10 @@ def fp8_block_kernel(device: torch.device):
         return None
     from sglang.srt.layers.quantization import fp8_scaled_mm
 
-    if fp8_scaled_mm.chosen():  # SGLANG_FP8_GEMM_BACKEND=cublas: probed here, once, not under a capture
-        fp8_scaled_mm.available(device)
+    # SGLANG_FP8_GEMM_BACKEND=cublas: torch's block-wise _scaled_mm where it works here (probed once, at
+    # load: never under a graph capture, and no per-call choice)
+    if fp8_scaled_mm.chosen() and fp8_scaled_mm.available(device):
+        return fp8_scaled_mm.scaled_mm_linear
     return w8a8_block_fp8_matmul
 
 

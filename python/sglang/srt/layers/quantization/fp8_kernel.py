@@ -38,7 +38,6 @@ from typing import NamedTuple
 
 import torch
 
-from sglang.srt.layers.quantization import fp8_scaled_mm
 from sglang.srt.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, dequantize_block_fp8
 
 # Upstream's floor on a group's amax: an all-zero group gets a tiny scale, not a division by zero.
@@ -360,9 +359,6 @@ def w8a8_block_fp8_matmul(
     a_s = a_scale.reshape(-1, a_scale.shape[-1]).float().contiguous()
     assert a_s.shape == (a2.shape[0], -(-k // bk)), f"a_scale has shape {tuple(a_scale.shape)}"
     m = a2.shape[0]
-    if config is None and fp8_scaled_mm.chosen() and fp8_scaled_mm.fits(m, n, k, block_size):
-        if fp8_scaled_mm.available(a.device):  # (probed at load: `fp8.fp8_block_kernel`)
-            return fp8_scaled_mm.scaled_mm_blockwise(a2, a_s, weight, weight_scale_inv, output_dtype).view(*lead, n)
     cfg = config or gemm_config(m)
     assert bk % cfg.block_k == 0 and (cfg.block_n <= bn or cfg.block_n % bn == 0)
     out = torch.empty(m, n, dtype=output_dtype, device=a.device)

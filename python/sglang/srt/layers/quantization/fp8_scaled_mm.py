@@ -1,8 +1,9 @@
 """The block-FP8 dense GEMM through torch's `torch._scaled_mm` with block-wise scales (cuBLAS on Hopper,
 CUDA 12.9+): activations scaled per token and 128 columns (1 x 128), weights per 128 x 128 block, as the
-published FP8 checkpoints store them. `SGLANG_FP8_GEMM_BACKEND=cublas` serves the dense FP8 linears with
-it where a shape fits (K a multiple of 512 and N of 16: every dense projection of the 80B) and the
-one-time probe at load passed; every other GEMM takes the Triton kernel (`fp8_kernel.py`).
+published FP8 checkpoints store them. `SGLANG_FP8_GEMM_BACKEND=cublas` gives the dense FP8 linears
+`scaled_mm_linear` at load (`fp8.fp8_block_kernel`, where the one-time probe passed): it serves a shape
+that fits (K a multiple of 512 and N of 16: every dense projection of the 80B) and hands every other to
+the Triton kernel (`fp8_kernel.w8a8_block_fp8_matmul`). The choice is made once, not per call.
 
 Why: on an H200 (2026-11-30) the Triton kernel reached 19-30 % of the FP8 peak at prefill, slower than
 bf16's cuBLAS GEMM (0.71-0.89x); issue 53 asks 60 %. Not the default until a GPU measures it
@@ -54,6 +55,26 @@ def scaled_mm_blockwise(
     return torch._scaled_mm(
         a, weight.t(), scale_a=scale_a, scale_b=weight_scale.t(), out_dtype=out_dtype, use_fast_accum=False
     )
+
+
+def scaled_mm_linear(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block_size=(128, 128),
+    output_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """`fp8_kernel.w8a8_block_fp8_matmul`'s call (a [..., K] in bf16 / fp16 / fp32, quantized here per
+    token and 128 columns) through the block-wise `_scaled_mm` where the shape fits, else that kernel."""
+    from sglang.srt.layers.quantization import fp8_kernel
+
+    n, k = weight.shape
+    lead = a.shape[:-1]
+    a2 = a.reshape(-1, k)
+    if not fits(a2.shape[0], n, k, block_size):
+        return fp8_kernel.w8a8_block_fp8_matmul(a, weight, weight_scale_inv, block_size, output_dtype)
+    q, scale = fp8_kernel.per_token_group_quant_fp8(a2, block_size[1])
+    return scaled_mm_blockwise(q, scale, weight, weight_scale_inv, output_dtype).view(*lead, n)
 
 
 def available(device: torch.device) -> bool:
