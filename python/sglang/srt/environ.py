@@ -201,6 +201,10 @@ class Envs:
     SGLANG_GPU_MOE_BACKEND = EnvStr(
         "auto", "GPU MoE routing and dispatch: auto, torch, triton, triton_fused or triton_grouped."
     )
+    # Linears of one input as one GEMM where they stack (layers/stacked_linears.py): Qwen3-Next's GDN input
+    # projections, and its MoE router with the shared expert's gate where the fused GEMMs run that expert
+    # (layers/moe/shared_routing.py: one routing launch appends it). False: each its own GEMM (timing).
+    SGLANG_STACK_LINEARS = EnvBool(True, "Run linears of one input as one GEMM where they stack.")
     # The dense block-FP8 GEMM on CUDA: auto / triton = the Triton kernel (layers/quantization/fp8_kernel.py);
     # cublas = torch._scaled_mm with block-wise scales where it runs (fp8_scaled_mm.py; probed at load).
     SGLANG_FP8_GEMM_BACKEND = EnvStr("auto", "Block-FP8 dense GEMM on CUDA: auto, triton or cublas.")

@@ -167,9 +167,9 @@ def test_the_committed_autotune_seed_holds_results_only():
             assert "configs_timings" in json.loads(tar.extractfile(m).read())
 
 
-def _census(*args: str) -> dict:
+def _census(*args: str, model: str = "tiny-nemotron-h") -> dict:
     proc = subprocess.run(
-        [sys.executable, str(GPU_BENCH / "kernel_census.py"), "--model", "tiny-nemotron-h", *args],
+        [sys.executable, str(GPU_BENCH / "kernel_census.py"), "--model", model, *args],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -187,6 +187,27 @@ def test_kernel_census_counts_what_the_triton_norm_saves():
     # the lm_head, the argmax and the future tokens' write (11 with a `where` for the placeholders and
     # a float32 copy of the logits).
     assert fused["outside_graph"] == 5
+
+
+def test_kernel_census_counts_what_the_stacked_linears_save():
+    """Qwen3-Next's decode step with its linears stacked (the default) against SGLANG_STACK_LINEARS=0:
+    each MoE layer saves the shared gate's GEMM, its cast and sigmoid, a fill and two concatenations
+    (the routing launch appends the shared expert's pick: 6), each GDN layer one of its two input
+    projections' GEMMs (1); nothing else changes."""
+    from transformers import AutoConfig
+
+    from sglang.srt.configs.presets import resolve_model_path
+    from sglang.srt.models.qwen3_next import is_sparse_layer
+
+    stacked = _census(model="tiny-qwen3-next")
+    unstacked = _census("--env", "SGLANG_STACK_LINEARS=0", model="tiny-qwen3-next")
+    config = AutoConfig.from_pretrained(resolve_model_path("tiny-qwen3-next"))
+    layers = range(config.num_hidden_layers)
+    moe = sum(is_sparse_layer(config, i) for i in layers)
+    gdn = sum(config.layer_types[i] == "linear_attention" for i in layers)
+    assert moe > 0 and gdn > 0
+    assert unstacked["kernels"] - stacked["kernels"] == 6 * moe + gdn
+    assert unstacked["triton"] == stacked["triton"] and unstacked["outside_graph"] == stacked["outside_graph"]
 
 
 def test_server_startup_timeline_reads_the_log_up_to_healthy(tmp_path):

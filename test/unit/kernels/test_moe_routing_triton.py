@@ -50,16 +50,36 @@ def test_strided_logits_and_an_empty_batch(interpret):
     assert w.shape == ids.shape == (0, 3)
 
 
-def test_compiles_for_sm90():
-    """Qwen3-Next-80B: 512 experts, top 10, bfloat16 logits; compiles for an H100 from this CPU machine,
-    without spilling to local memory."""
+@pytest.mark.parametrize("shared", [0, 1])
+def test_compiles_for_sm90(shared):
+    """Qwen3-Next-80B: 512 experts, top 10, bfloat16 logits (with the shared expert's gate appended:
+    `shared`); compiles for an H100 from this CPU machine, without spilling to local memory."""
     from sglang.srt.layers.moe import routing_triton as mod
     from sglang.test.sm90 import compile_sm90_in_registers
 
     sig = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "logits_stride": "i64",
-           **{k: "constexpr" for k in ("E", "BE", "K", "BK", "RENORMALIZE")}}  # fmt: skip
-    consts = dict(E=512, BE=512, K=10, BK=16, RENORMALIZE=True)
+           **{k: "constexpr" for k in ("E", "BE", "K", "BK", "RENORMALIZE", "SHARED")}}  # fmt: skip
+    consts = dict(E=512, BE=512, K=10, BK=16, RENORMALIZE=True, SHARED=shared)
     compile_sm90_in_registers(mod._softmax_topk_kernel, sig, consts)
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (512, 10), (6, 1)])
+def test_the_shared_expert_is_appended_as_the_last_pick(kernel_device, experts, top_k):
+    """`shared_gate=True`: logits [T, E + 1] whose last column is the shared expert's gate (rows strided:
+    the stacked GEMM's product is sliced) give the routed picks of the first E columns as without it,
+    then id E weighted sigmoid(gate) in float32, as `FusedExperts.forward` appends it in torch."""
+    g = torch.Generator().manual_seed(experts)
+    routed = torch.stack([torch.randperm(experts, generator=g) for _ in range(7)]).sub(experts // 2).div(16)
+    gate = torch.randn(7, 1, generator=g) * 4
+    wide = torch.cat([routed, gate, torch.zeros(7, 5)], 1).to(kernel_device, torch.bfloat16)
+    logits = wide[:, : experts + 1]
+    w, ids = softmax_topk_triton(logits, top_k, True, shared_gate=True)
+    want_w, want_ids = softmax_topk(logits[:, :experts], top_k, True)
+    assert w.shape == ids.shape == (7, top_k + 1)
+    assert torch.equal(ids[:, :top_k], want_ids) and (ids[:, top_k] == experts).all()
+    torch.testing.assert_close(w[:, :top_k], want_w, rtol=1e-5, atol=1e-7)
+    # The sigmoid: 1 / (1 + exp(-x)) where torch has its own; a GPU's exp is ~2 ulp off in float32.
+    torch.testing.assert_close(w[:, top_k], torch.sigmoid(logits[:, experts].float()), rtol=1e-6, atol=1e-7)
 
 
 def test_a_nan_row_keeps_its_ids_in_range(interpret):

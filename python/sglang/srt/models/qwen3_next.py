@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.configs.hybrid_arch import parallel_attention_heads
@@ -25,8 +26,10 @@ from sglang.srt.layers.linear import (
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.moe.router import softmax_topk
+from sglang.srt.layers.moe.shared_routing import SharedRouting
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.layers.stacked_linears import hooked, stack_linear_weights
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
@@ -88,6 +91,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         # The checkpoint lays the projections out per key head; `process_weights_after_loading` regroups them.
         self.projections_grouped = False
         self.cpu_ops = None
+        # Both input projections' weights as one GEMM's (`stacked_linears.py`: one launch per layer less at
+        # decode), set at load where both are plain linears.
+        self.in_proj_stack: torch.Tensor | None = None
 
     def qkvz_sizes(self, grouped: bool | None = None) -> list[int]:
         """The pieces of in_proj_qkvz's full rows that split apart: one block (per key head: a rank's
@@ -111,14 +117,24 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         Once only: the rows are regrouped in place of the checkpoint's."""
         # On CPU the backend computes the gates with one sgl-kernel call (`gdn_gates`), not ~7 small ops.
         self.cpu_ops = cpu_linear_ops(self.A_log.device)
-        if self.projections_grouped:
-            return
-        for proj, sizes in self.projection_pieces().items():
-            proj.weight.data = group_rows_by_piece(proj.weight.data, self.num_k_heads, sizes)
-        # This rank's rows are its heads' in the grouped layout now: so the rule says (gathers, updates).
-        set_weight_shards(self.in_proj_qkvz.weight, column_shard(0, self.qkvz_sizes(grouped=True)))
-        set_weight_shards(self.in_proj_ba.weight, column_shard(0, self.ba_sizes(grouped=True)))
-        self.projections_grouped = True
+        if not self.projections_grouped:
+            for proj, sizes in self.projection_pieces().items():
+                proj.weight.data = group_rows_by_piece(proj.weight.data, self.num_k_heads, sizes)
+            # This rank's rows are its heads' in the grouped layout now: so the rule says (gathers, updates).
+            set_weight_shards(self.in_proj_qkvz.weight, column_shard(0, self.qkvz_sizes(grouped=True)))
+            set_weight_shards(self.in_proj_ba.weight, column_shard(0, self.ba_sizes(grouped=True)))
+            self.projections_grouped = True
+        if self.in_proj_stack is None:
+            self.in_proj_stack = stack_linear_weights([self.in_proj_qkvz, self.in_proj_ba])
+
+    def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(in_proj_qkvz(hidden), in_proj_ba(hidden)): one GEMM on the stack where it serves."""
+        qkvz, ba = self.in_proj_qkvz, self.in_proj_ba
+        if self.in_proj_stack is None or hooked(qkvz, ba):
+            return qkvz(hidden), ba(hidden)
+        y = F.linear(hidden, self.in_proj_stack)
+        n = qkvz.weight.shape[0]
+        return y[:, :n], y[:, n : n + ba.weight.shape[0]]
 
     def served_projection(self, proj: nn.Linear, weight: torch.Tensor) -> torch.Tensor:
         """A (whole) checkpoint `weight` of the input projection `proj` in the rows' order it is served in
@@ -148,7 +164,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return mixed_qkv, z.reshape(t, self.num_v_heads, dv), b.reshape(t, -1), a.reshape(t, -1)
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        mixed_qkv, z, b, a = self._split_projections(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+        mixed_qkv, z, b, a = self._split_projections(*self._projections(hidden))
         core = fb.attn_backend.forward_linear(self, fb, mixed_qkv, a, b)  # the gates are the backend's
         out = self.norm(core.to(hidden.dtype), z)
         return self.out_proj(out.reshape(hidden.shape[0], -1))
@@ -203,11 +219,18 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         )
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
         self.routing_ops = None  # the C++ top-k where the C++ op serves the experts (set at load)
+        # The router and the shared gate as one GEMM and one routing launch (set at load where the fused
+        # GEMMs run the shared expert: `shared_routing.py`).
+        self.shared_routing: SharedRouting | None = None
 
     def process_weights_after_loading(self) -> None:
         self.experts.process_weights_after_loading()
         self.routing_ops = self.experts.cpu_ops
         self.experts.fuse_shared_expert(self.shared_expert, self.shared_expert_gate)
+        if self.shared_routing is None:
+            self.shared_routing = SharedRouting.build(
+                self.gate, self.shared_expert_gate, self.experts, self.shared_expert
+            )
 
     def fused_block(self, norm: RMSNorm) -> MoEBlock | None:
         """`hidden + self(norm(hidden))` as one C++ call, where that applies (`decode_blocks.py`)."""
@@ -216,6 +239,9 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         return MoEBlock.build(norm, self.experts, self.gate.weight, self.routing_ops, shared, routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_routing is not None and self.shared_routing.serves(x):
+            out = self.shared_routing.forward(x, self.top_k, self.norm_topk_prob)
+            return tensor_model_parallel_all_reduce(out)
         # The Triton top-k where the experts run their Triton bookkeeping (SGLANG_GPU_MOE_BACKEND).
         weights, ids = softmax_topk(
             self.gate(x), self.top_k, self.norm_topk_prob, self.routing_ops, self.experts.triton

@@ -201,4 +201,12 @@ class FusedExperts:
             share = torch.sigmoid(shared_gate(x).float())
         ids = torch.cat([ids, ids.new_full((t, 1), e)], 1)
         weights = torch.cat([weights.float(), share], 1)
+        return self.forward_picked(experts, x, weights, ids)
+
+    def forward_picked(
+        self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The stacks' GEMMs on picks [T, k + 1] that already end with the shared expert's (id E, its
+        gate's weight): `forward`'s last step, and `shared_routing.SharedRouting`'s, whose routing
+        kernel writes that pick itself."""
         return fused_experts(x, *self.stack, weights, ids, experts._activate, self.silu_mul, self.stack_table)

@@ -63,7 +63,7 @@ class GDNAttnBackend(MambaAttnBackendBase):
 
                 return gdn_decode_inplace(
                     x, a, b, layer.A_log, layer.dt_bias, self.mamba_pool.layer_cache(lid)[1], self.meta.slots,
-                    layer.num_k_heads, layer.head_k_dim, src_slots=self.meta.src_slots,
+                    layer.num_k_heads, layer.head_k_dim, src_slots=self.meta.src_slots, out_dtype=mixed_qkv.dtype,
                 )  # fmt: skip
             g, beta = gdn_gates(layer, a, b)
             if self.decode_cpp:

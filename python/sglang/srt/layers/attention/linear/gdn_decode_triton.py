@@ -86,11 +86,11 @@ def _gdn_decode_kernel(
         s = s + delta[:, None] * k[None, :]
         tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
         out = sq + delta * tl.reduce(k * q, 0, add)
-        tl.store(out_ptr + (b * NUM_HEADS + h) * V + offs_v, out, mask=mv)
+        tl.store(out_ptr + (b * NUM_HEADS + h) * V + offs_v, out.to(out_ptr.dtype.element_ty), mask=mv)
     else:
         s = s + delta[:, None] * k[None, :]
         out = tl.reduce(s * q[None, :], 1, add)
-        tl.store(out_ptr + (b * NUM_HEADS + h) * V + offs_v, out, mask=mv)
+        tl.store(out_ptr + (b * NUM_HEADS + h) * V + offs_v, out.to(out_ptr.dtype.element_ty), mask=mv)
         tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
 
 
@@ -121,18 +121,20 @@ def gdn_decode_inplace(
     key_heads: int,
     key_dim: int,
     src_slots: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """x [bs, 2 * key_heads * key_dim + H * V], the conv output (rows contiguous); a, b [bs, H] the raw
     gate projections (rows may be strided, the same stride for both); a_log, dt_bias [H]; `ssm` is one
     layer of the pool, [slots, H, V, K] (any float dtype, rows contiguous); `slots` [bs] int64 on the
-    same device. Updates the states of `slots` in place and returns the output [bs, H, V] float32; with
+    same device. Updates the states of `slots` in place and returns the output [bs, H, V] in `out_dtype`
+(rounded to it from float32 as torch's cast rounds: the layer's dtype saves the cast's launch); with
     `src_slots` ([bs], rows distinct from every slot written) it reads the states there instead, which
     stay as they are (a speculative verify's positions, each from the one before)."""
     bs = x.shape[0]
     heads, value_dim = ssm.shape[1], ssm.shape[2]
     assert ssm.shape[3] == key_dim and ssm[0].is_contiguous(), "pool layout [H, V, K]"
     assert x.shape[1] == 2 * key_heads * key_dim + heads * value_dim and heads % key_heads == 0
-    out = torch.empty(bs, heads, value_dim, dtype=torch.float32, device=x.device)
+    out = torch.empty(bs, heads, value_dim, dtype=out_dtype, device=x.device)
     if bs == 0:
         return out
     if x.stride(1) != 1:

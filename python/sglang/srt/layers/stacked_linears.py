@@ -1,0 +1,59 @@
+"""Linears of one input run as one GEMM: their weights become row blocks of one stack (each module's
+`weight` a view of its rows: same shape and values, so loads, weight updates and memory release reach
+the stack), and the caller slices the stacked product. At decode sizes each GEMM is a launch of a few
+microseconds whatever its width, so two projections of the same input in one launch save one per layer
+(`benchmark/gpu/kernel_census.py` counts them). Users: Qwen3-Next's GDN input projections
+(`models/qwen3_next.py`), a MoE router with its shared expert's gate (`layers/moe/shared_routing.py`).
+
+`SGLANG_STACK_LINEARS=0` leaves every linear its own GEMM (to time the difference). A stack applies
+only to plain linears (nn.Linear's own forward on a 16-bit or float32 weight, no bias,
+one dtype and device: an FP8 or LoRA-wrapped module keeps its own forward), and a caller takes it only
+while nothing hooks the modules (`hooked`: an adapter's hook would be passed by).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang.srt.environ import envs
+
+ROW_ALIGN = 8  # the stack's rows padded to a multiple of this (16-bit rows of the product: 16 bytes)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def plain_linear(lin: nn.Module, dtype: torch.dtype | None = None) -> bool:
+    """nn.Linear's forward on its weight (of `dtype` where given; else any of DTYPES), no bias."""
+    return (
+        isinstance(lin, nn.Linear)
+        and type(lin).forward is nn.Linear.forward
+        and "forward" not in lin.__dict__
+        and lin.bias is None
+        and (lin.weight.dtype == dtype if dtype is not None else lin.weight.dtype in DTYPES)
+    )
+
+
+def stack_linear_weights(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """One [rows, in] stack holding the linears' weights one after another (rows padded with zeros to a
+    multiple of ROW_ALIGN at the end), each linear's weight now a view of its rows; None (nothing
+    changed) unless all are plain, of one dtype, device and input width, and SGLANG_STACK_LINEARS is on."""
+    first = linears[0].weight
+    if not envs.SGLANG_STACK_LINEARS.get() or not all(
+        plain_linear(lin, first.dtype) and lin.weight.device == first.device and lin.weight.shape[1] == first.shape[1]
+        for lin in linears
+    ):
+        return None
+    rows = sum(lin.weight.shape[0] for lin in linears)
+    stack = torch.zeros(-(-rows // ROW_ALIGN) * ROW_ALIGN, first.shape[1], dtype=first.dtype, device=first.device)
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        stack[start : start + n] = lin.weight.data
+        lin.weight.data = stack[start : start + n]
+        start += n
+    return stack
+
+
+def hooked(*modules: nn.Module) -> bool:
+    """Whether a forward (pre-)hook sits on any of `modules` (a LoRA adapter's, for one)."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
