@@ -78,13 +78,19 @@ def test_other_ep_ranks_rows_are_sorted_last_and_ignored(interpret):
 
 
 def test_compiles_for_sm90():
-    """Qwen3-Next-80B (512 experts, top 10, hidden 2,048, bfloat16): the three kernels compile for an H100
-    from this CPU machine, at the tiles `moe_align` launches, without spilling to local memory."""
+    """Qwen3-Next-80B (512 experts, top 10, hidden 2,048, bfloat16): the four kernels compile for an H100
+    from this CPU machine, at the tiles `moe_align` and `moe_align_tiles` (513 experts: the shared one
+    stacked, two tile heights) launch, without spilling to local memory."""
     align = {"ids_ptr": "*i64", "token_ptr": "*i64", "inv_ptr": "*i64", "n": "i32",
              **{k: "constexpr" for k in ("TOP_K", "BI", "BJ")}}  # fmt: skip
     compile_sm90_in_registers(dt._align_kernel, align, dict(TOP_K=10, BI=dt._BI, BJ=dt._BJ))
     offsets = {"ids_ptr": "*i64", "offs_ptr": "*i32", "n": "i32", **{k: "constexpr" for k in ("E", "BE", "BJ")}}
     compile_sm90_in_registers(dt._offsets_kernel, offsets, dict(E=512, BE=dt._BE, BJ=dt._BJ))
+    merged = {"ids_ptr": "*i64", "token_ptr": "*i64", "inv_ptr": "*i64", "offs_ptr": "*i32", "tile1_ptr": "*i32",
+              "tile2_ptr": "*i32", "n": "i32", "ALIGN_PROGRAMS": "i32",
+              **{k: "constexpr" for k in ("TOP_K", "E", "BI", "BJ", "BE", "BM1", "BM2")}}  # fmt: skip
+    consts = dict(TOP_K=11, E=513, BI=dt._BI, BJ=dt._BJ, BE=dt._MERGED_BE, BM1=16, BM2=64)
+    compile_sm90_in_registers(dt._align_tiles_kernel, merged, consts)
     combine = {"y_ptr": "*bf16", "inv_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16",
                **{k: "constexpr" for k in ("H", "TOP_K", "BH")}}  # fmt: skip
     compile_sm90_in_registers(dt._combine_kernel, combine, dict(H=2048, TOP_K=10, BH=1024))
@@ -125,3 +131,44 @@ def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset,
     # The same experts with weights ~1e-7 apart and the same float32 products summed in another order; a
     # wrong expert, row or weight moves logprobs by O(0.1).
     torch.testing.assert_close(lp_a, lp_b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 11, 513), (3, 2, 8), (46, 11, 513), (20, 3, 70)])
+@pytest.mark.parametrize("heights", [(16,), (16, 64)])
+def test_align_and_tile_maps_in_one_launch(kernel_device, tokens, top_k, experts, heights):
+    """`moe_align_tiles` (decode batches of the fused GEMMs): `moe_align`'s three outputs and the tile
+    map of each height, as `moe_align` and `tile_map` give them apart; other EP ranks' assignments
+    (id E) sorted last, counted nowhere; an empty batch all zeros."""
+    from sglang.srt.layers.moe.fused_moe_fp8_triton import tile_map_torch
+
+    ids = _ids(tokens, top_k, experts, seed=tokens + top_k).to(kernel_device)
+    ids[::3, -1] = experts  # another rank's
+    token_of, inv, offs, tiles = dt.moe_align_tiles(ids, experts, heights)
+    want = dt.moe_align(ids, experts)
+    assert torch.equal(token_of, want[0]) and torch.equal(inv, want[1]) and torch.equal(offs, want[2])
+    assert len(tiles) == len(heights)
+    for got, block_m in zip(tiles, heights, strict=True):
+        assert got.dtype == torch.int32 and torch.equal(got, tile_map_torch(offs, block_m))
+    _, _, offs0, tiles0 = dt.moe_align_tiles(torch.zeros(0, top_k, dtype=torch.int64, device=kernel_device), 5, heights)
+    assert offs0.tolist() == [0] * 5 and all(t.tolist() == [0] * 5 for t in tiles0)
+
+
+def test_the_fused_gemms_sort_decode_batches_in_one_launch(interpret, monkeypatch):
+    """The fused GEMMs' bookkeeping at decode sizes is one launch (align, offsets and tile maps), above
+    MERGED_MAX_ASSIGNMENTS the launches apart; the outputs are the same either way."""
+    from sglang.srt.layers.moe import fused_moe_triton as ft
+    from sglang.test.moe_checks import TOL_FP16, assert_close_to, make_layer, routing
+
+    layer = make_layer(6, 64, 32, "silu", True)
+    launched = []
+    for name in ("moe_align_tiles", "moe_align"):
+        real = getattr(dt, name)
+        monkeypatch.setattr(dt, name, lambda *a, _real=real, _name=name: launched.append(_name) or _real(*a))
+    weights, ids = routing(5, 2, 6, seed=1)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).half()
+    merged = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
+    monkeypatch.setattr(dt, "MERGED_MAX_ASSIGNMENTS", 4)
+    apart = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
+    assert launched == ["moe_align_tiles", "moe_align"]
+    assert torch.equal(merged, apart)
+    assert_close_to(merged, layer.forward_device(x, weights, ids, grouped=False), TOL_FP16)

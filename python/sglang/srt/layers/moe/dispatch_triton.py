@@ -1,6 +1,7 @@
 """The MoE block's token bookkeeping around its grouped GEMMs in Triton, the CUDA path of
 `RoutedExperts.forward_device` for decode-size batches: torch takes ~15 kernels per layer for it (a
-stable argsort, gathers, a histogram, a cumsum, casts, a zero fill and an `index_add_`), these take three.
+stable argsort, gathers, a histogram, a cumsum, casts, a zero fill and an `index_add_`), these take three
+(two where `moe_align_tiles` serves).
 
 - `moe_align`: for the [T, k] expert ids, the stable sort by expert of the T * k assignments, as the
   token of each sorted row, the sorted position of each assignment (its inverse) and the grouped GEMM's
@@ -11,6 +12,12 @@ stable argsort, gathers, a histogram, a cumsum, casts, a zero fill and an `index
   with an `index_add_`). Rows of weight 0 add nothing whatever they hold (under expert parallelism, other
   ranks' assignments: id `num_experts`, sorted last, outside every group of `offs`, never computed).
 
+- `moe_align_tiles`: `moe_align` and, for the fused GEMMs, their tile maps (`fused_moe_fp8_triton.tile_map`,
+  the cumulative BLOCK_M tiles per expert, for one or two tile heights) in ONE launch, where a decode
+  batch has at most MERGED_MAX_ASSIGNMENTS assignments: align's programs plus one more that counts the
+  offsets and tiles of every expert (E x T k compares in one program: ~0.3M at 512 experts and 512
+  assignments, about a launch's cost), where apart they take three launches (four with two heights).
+
 On CPU tensors the kernels run only under `TRITON_INTERPRET=1`, for tests.
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from sglang.srt.utils.triton_jit import add, jit_for_env
 
@@ -29,8 +37,10 @@ from sglang.srt.utils.triton_jit import add, jit_for_env
 _BI, _BJ, _BE = 32, 64, 32
 
 
-def _align_kernel(ids_ptr, token_ptr, inv_ptr, n, TOP_K: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr):
-    i = tl.program_id(0) * BI + tl.arange(0, BI)
+def _align_block(ids_ptr, token_ptr, inv_ptr, n, block, TOP_K: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr):
+    """Assignments [block * BI, (block + 1) * BI): each one's sorted position (the assignments before it
+    in (expert, index) order) into inv, its token into token_of at that position."""
+    i = block * BI + tl.arange(0, BI)
     mi = i < n
     e_i = tl.load(ids_ptr + i, mask=mi, other=0)
     pos = (i * 0).to(tl.int64)  # zeros made from i (tl.zeros is a jitted helper: triton_jit says why)
@@ -41,6 +51,57 @@ def _align_kernel(ids_ptr, token_ptr, inv_ptr, n, TOP_K: tl.constexpr, BI: tl.co
         pos += tl.reduce((before & (j[None, :] < n)).to(tl.int64), 1, add)
     tl.store(inv_ptr + i, pos, mask=mi)
     tl.store(token_ptr + pos, (i // TOP_K).to(tl.int64), mask=mi)
+
+
+# Jitted at import, as a kernel's callee must be (jit_for_env hands interpreted kernels its interpreted form).
+align_block = JITFunction(_align_block)
+
+
+def _align_kernel(ids_ptr, token_ptr, inv_ptr, n, TOP_K: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr):
+    align_block(ids_ptr, token_ptr, inv_ptr, n, tl.program_id(0), TOP_K, BI, BJ)
+
+
+def _tile_ends(rows, i, carry, tile_ptr, e, m, BLOCK_M: tl.constexpr):
+    """Stores carry + the inclusive sum of ceil(rows / BLOCK_M) over the chunk's experts at tile_ptr + e;
+    returns the carry past the chunk."""
+    tiles = (rows + BLOCK_M - 1) // BLOCK_M
+    inclusive = tl.reduce(tl.where(i[None, :] <= i[:, None], tiles[None, :], 0), 1, add)
+    tl.store(tile_ptr + e, carry + inclusive, mask=m)
+    return carry + tl.reduce(tiles, 0, add)
+
+
+tile_ends = JITFunction(_tile_ends)
+
+
+def _align_tiles_kernel(
+    ids_ptr, token_ptr, inv_ptr, offs_ptr, tile1_ptr, tile2_ptr, n, ALIGN_PROGRAMS,
+    TOP_K: tl.constexpr, E: tl.constexpr, BI: tl.constexpr, BJ: tl.constexpr, BE: tl.constexpr,
+    BM1: tl.constexpr, BM2: tl.constexpr,
+):  # fmt: skip
+    """Programs below ALIGN_PROGRAMS: `_align_kernel`'s. The last: offs and the tile maps of BM1 (and of
+    BM2, where it is not 0), BE experts at a time, each expert's rows counted over every assignment."""
+    pid = tl.program_id(0)
+    if pid < ALIGN_PROGRAMS:
+        align_block(ids_ptr, token_ptr, inv_ptr, n, pid, TOP_K, BI, BJ)
+    else:
+        i = tl.arange(0, BE)
+        carry1 = pid * 0
+        carry2 = pid * 0
+        for e0 in range(0, E, BE):
+            e = e0 + i
+            upto = (e * 0).to(tl.int32)  # assignments of experts <= e, and < e
+            below = (e * 0).to(tl.int32)
+            for j0 in range(0, n, BJ):
+                j = j0 + tl.arange(0, BJ)
+                e_j = tl.load(ids_ptr + j, mask=j < n, other=E)  # masked lanes count for no expert
+                upto += tl.reduce((e_j[None, :] <= e[:, None]).to(tl.int32), 1, add)
+                below += tl.reduce((e_j[None, :] < e[:, None]).to(tl.int32), 1, add)
+            m = e < E
+            tl.store(offs_ptr + e, upto, mask=m)
+            rows = tl.where(m, upto - below, 0)
+            carry1 = tile_ends(rows, i, carry1, tile1_ptr, e, m, BM1)
+            if BM2 != 0:
+                carry2 = tile_ends(rows, i, carry2, tile2_ptr, e, m, BM2)
 
 
 def _offsets_kernel(ids_ptr, offs_ptr, n, E: tl.constexpr, BE: tl.constexpr, BJ: tl.constexpr):
@@ -68,6 +129,36 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     be = min(_BE, triton.next_power_of_2(num_experts))
     jit_for_env(_offsets_kernel)[(triton.cdiv(num_experts, be),)](flat, offs, n, E=num_experts, BE=be, BJ=_BJ)
     return token_of, inv, offs
+
+
+# The one-launch bookkeeping serves batches of at most this many assignments (the last program's
+# compares grow as E x T k): Qwen3-Next-80B's decode batches of up to 46 tokens (top 10 + the shared
+# expert); larger ones take moe_align and tile_map apart (parallel over experts).
+MERGED_MAX_ASSIGNMENTS = 512
+# Experts per chunk of the merged kernel's last program (a BE x BJ compare tile, a BE x BE triangle).
+_MERGED_BE = 64
+
+
+def moe_align_tiles(
+    ids: torch.Tensor, num_experts: int, block_ms: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`moe_align`'s (token_of, inv, offs) and the tile maps of the one or two tile heights `block_ms`
+    (`fused_moe_fp8_triton.tile_map`'s values for each), in one launch (at most MERGED_MAX_ASSIGNMENTS
+    assignments: the caller checks)."""
+    n = ids.numel()
+    assert n <= MERGED_MAX_ASSIGNMENTS and 1 <= len(block_ms) <= 2
+    flat = ids.reshape(-1).contiguous()
+    token_of = torch.empty(n, dtype=torch.int64, device=ids.device)
+    inv = torch.empty(n, dtype=torch.int64, device=ids.device)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    tiles = tuple(torch.empty_like(offs) for _ in block_ms)
+    programs = triton.cdiv(n, _BI)
+    be = min(_MERGED_BE, triton.next_power_of_2(num_experts))
+    jit_for_env(_align_tiles_kernel)[(programs + 1,)](
+        flat, token_of, inv, offs, tiles[0], tiles[-1], n, programs, TOP_K=ids.shape[1], E=num_experts,
+        BI=_BI, BJ=_BJ, BE=be, BM1=block_ms[0], BM2=block_ms[1] if len(block_ms) == 2 else 0,
+    )  # fmt: skip
+    return token_of, inv, offs, tiles
 
 
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BH: tl.constexpr):

@@ -96,12 +96,16 @@ def fused_experts(
     num_experts = w13.shape[0]
     rows = ids.numel()
     cfg13, cfg2 = pick_configs(table, ids.shape[0], rows, num_experts)
-    sorted_ = sort_by_expert(ids, num_experts, use_triton=True)
+    heights = (cfg13.block_m,) if cfg2.block_m == cfg13.block_m else (cfg13.block_m, cfg2.block_m)
+    sorted_ = sort_by_expert(ids, num_experts, use_triton=True, block_ms=heights)
     token_of, offs = sorted_.token_of, sorted_.offs
-    tile_end13 = tile_map(offs, cfg13.block_m) if rows else None
-    tile_end2 = (
-        tile_end13 if cfg2.block_m == cfg13.block_m else (tile_map(offs, cfg2.block_m) if rows else None)
-    )
+    if sorted_.tile_ends is not None:  # (made by the sort's launch)
+        tile_end13, tile_end2 = sorted_.tile_ends[0], sorted_.tile_ends[-1]
+    else:
+        tile_end13 = tile_map(offs, cfg13.block_m) if rows else None
+        tile_end2 = (
+            tile_end13 if cfg2.block_m == cfg13.block_m else (tile_map(offs, cfg2.block_m) if rows else None)
+        )
     x = x if x.stride(-1) == 1 else x.contiguous()
     h = moe_gemm(x, w13, offs, rows, token_of, cfg13, tile_end13, silu_mul=silu_and_mul)
     if not silu_and_mul:

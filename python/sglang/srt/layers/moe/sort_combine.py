@@ -4,7 +4,8 @@ FP8 experts of `fused_moe_fp8_triton.py` and the 16-bit fused GEMMs of `fused_mo
 its routing weights. No host read either way (a CUDA graph can capture both).
 
 Where the Triton bookkeeping serves (`use_triton`, decode sizes up to ALIGN_MAX_ASSIGNMENTS) the sort
-is `dispatch_triton.moe_align` (two launches); elsewhere torch's stable argsort and a histogram. The
+is `dispatch_triton.moe_align` (two launches; one with the fused GEMMs' tile maps for decode batches:
+`moe_align_tiles`); elsewhere torch's stable argsort and a histogram. The
 combine reads each token's rows in pick order (`dispatch_triton.moe_combine` on CUDA or where the Triton
 sort served, a torch loop over the picks elsewhere), sums them in float32 and rounds once to the
 activation dtype; no atomic adds, so the same bits every run. Other EP ranks' assignments (id
@@ -31,15 +32,23 @@ class SortedAssignments(NamedTuple):
     offs: torch.Tensor
     inv: torch.Tensor | None
     order: torch.Tensor | None
+    # The tile maps of the `block_ms` asked for, where the one-launch bookkeeping made them; else None.
+    tile_ends: tuple[torch.Tensor, ...] | None = None
 
 
-def sort_by_expert(ids: torch.Tensor, num_experts: int, use_triton: bool) -> SortedAssignments:
+def sort_by_expert(
+    ids: torch.Tensor, num_experts: int, use_triton: bool, block_ms: tuple[int, ...] = ()
+) -> SortedAssignments:
     """ids [T, k] (local expert ids; `num_experts` for other EP ranks' assignments) sorted by expert,
     stably. `use_triton`: the Triton bookkeeping where the batch is small enough for it (imported here:
-    a CPU install may lack triton)."""
+    a CPU install may lack triton); with `block_ms` (the fused GEMMs' tile heights), decode batches get
+    their tile maps from the same launch (`dispatch_triton.moe_align_tiles`)."""
     if use_triton and ids.numel() <= ALIGN_MAX_ASSIGNMENTS:
         from sglang.srt.layers.moe import dispatch_triton
 
+        if block_ms and ids.numel() <= dispatch_triton.MERGED_MAX_ASSIGNMENTS:
+            token_of, inv, offs, tiles = dispatch_triton.moe_align_tiles(ids, num_experts, block_ms)
+            return SortedAssignments(token_of, offs, inv, None, tiles)
         token_of, inv, offs = dispatch_triton.moe_align(ids, num_experts)
         return SortedAssignments(token_of, offs, inv, None)
     flat = ids.reshape(-1)
