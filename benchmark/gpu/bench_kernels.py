@@ -444,6 +444,17 @@ def moe_experts(device: str, tiny: bool, reps: int, stacked: bool = True) -> lis
     def theirs(x, w, i):
         return layer._add_shared(layer.forward_device(x, w, i), x, *shared)
 
+    def ours_apart(x, w, i):
+        """Ours with the bookkeeping's launches apart (align, offsets, tile maps: 3) where decode batches
+        take one (`dispatch_triton.moe_align_tiles`)."""
+        from sglang.srt.layers.moe import dispatch_triton as dt
+
+        saved, dt.MERGED_MAX_ASSIGNMENTS = dt.MERGED_MAX_ASSIGNMENTS, 0
+        try:
+            return ours(x, w, i)
+        finally:
+            dt.MERGED_MAX_ASSIGNMENTS = saved
+
     for bs in (1, 4) if tiny else (1, 8, 64, 256):
         # Each call on the next of 8 routings: the same one again would find a batch-1 call's experts
         # (60 MB) largely in the H200's 50 MB L2, where a decode step's layer reads them from HBM.
@@ -455,6 +466,7 @@ def moe_experts(device: str, tiny: bool, reps: int, stacked: bool = True) -> lis
         cases = {
             "ours (fused Triton GEMMs)": lambda c=itertools.cycle(inputs): ours(*next(c)),
             "grouped_mm path (forward_device)": lambda c=itertools.cycle(inputs): theirs(*next(c)),
+            "ours, bookkeeping in 3 launches": lambda c=itertools.cycle(inputs): ours_apart(*next(c)),
         }
         times = round_robin(cases, device, reps)
         got, want = ours(*inputs[0]).float(), theirs(*inputs[0]).float()

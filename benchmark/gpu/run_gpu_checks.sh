@@ -50,6 +50,7 @@ pack_logs() {  # every log in one file beside summary.txt (the device tool bring
 }
 trap 'save_autotune; pack_logs' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
+mkdir -p .site
 for t in .whl/*.tar.xz; do  # (sglang-router, stripped to fit: benchmark/gpu/fetch_router_wheel.sh)
   [ -e "$t" ] && { tar -xJf "$t" -C .site || echo "unpacking $t failed (exit $?)" >> "$OUT/summary.txt"; }
 done
@@ -172,6 +173,10 @@ bench 200 real_80b $REAL qwen3-next-80b --kernel-table
 # real_80b_fp8 (issue 53's target: FP8 decode at batch 64 / 256 at least 1.6x bf16's tokens/s): the same
 # bf16 slice quantized at load (--quantization fp8: block FP8 weights, the FP8 experts), the same rows
 bench 200 real_80b_fp8 $REAL qwen3-next-80b --quantization fp8
+# real_80b_unstacked: real_80b with SGLANG_STACK_LINEARS=0 (the router and the shared gate, the GDN's two
+# input projections, each its own GEMM again: 7 launches more per MoE + GDN layer), after real_80b in the
+# same call, so that the decode rows' ratio is the stacking's (~40 s with the slice written)
+bench 120 real_80b_unstacked env SGLANG_STACK_LINEARS=0 $REAL qwen3-next-80b
 bench 170 real_35b $REAL qwen3.5-35b-a3b
 bench 150 real_nemotron $REAL nemotron-h-8b
 # serving_80b (issue 55, item 5): bench_serving_strategies.py, the three strategies' servers on the 80B slice
