@@ -149,10 +149,18 @@ def test_the_router_and_the_shared_gate_run_as_one_gemm_and_one_routing_launch(f
     assert torch.equal(picks[0], picks[1]) and (picks[0][:, -1] == 6).all()
     assert_close_to(got, want, TOL_FP16)
 
-    # An update of the shared gate in place reaches the stacked GEMM.
+    # Updates of the router and the shared gate in place reach the stacked GEMM.
     for block in (stacked, plain):
         block.shared_expert_gate.weight.data.mul_(-3)
+        block.gate.weight.data[:, ::2] *= 2
     assert_close_to(stacked(x), plain(x), TOL_FP16)
+    # --enable-return-routed-experts: the routed picks are recorded, the shared one not.
+    recorded = []
+    stacked.experts.routing_capture = SimpleNamespace(record=lambda layer, ids: recorded.append(ids.clone()))
+    picks.clear()
+    stacked(x)
+    assert len(recorded) == 1 and torch.equal(recorded[0], picks[0][:, :2])
+    stacked.experts.routing_capture = None
 
     # A hook on the router (an adapter's) or a batch past the fused GEMMs' bound: the unstacked path.
     launches.clear()
@@ -164,6 +172,12 @@ def test_the_router_and_the_shared_gate_run_as_one_gemm_and_one_routing_launch(f
     big = torch.randn(5, 64, generator=torch.Generator().manual_seed(5)).half()
     assert_close_to(stacked(big), plain(big), TOL_FP16)
     assert {"shared_gate": True} not in launches
+    # LoRA unfuses a shared expert an adapter changes (`lora_manager.unfuse_shared_experts`): the block
+    # routes as before and the experts' call runs the shared expert as its own modules.
+    stacked.experts.fused_gemms.shared = None
+    launches.clear()
+    assert_close_to(stacked(x), plain(x), TOL_FP16)
+    assert launches == [{}, {}]
 
 
 def test_no_stack_without_the_fused_shared_expert(fused_on_cpu):
@@ -176,4 +190,23 @@ def test_no_stack_without_the_fused_shared_expert(fused_on_cpu):
     other = copy.deepcopy(_moe_block())
     other.shared_expert_gate.weight.data = other.shared_expert_gate.weight.data.float()  # another dtype
     other.process_weights_after_loading()
-    assert other.experts.fused_gemms.shared is not None and other.shared_routing is None
+    # (nor do the fused GEMMs take a gate of another dtype as expert E's weight)
+    assert other.experts.fused_gemms.shared is None and other.shared_routing is None
+
+
+def test_the_load_gives_back_the_blocks_its_stacks_freed(monkeypatch):
+    """On CUDA the start's load empties torch's cache once its steps have run (the storages the stacks
+    replaced would count as used where the pools are sized from the free memory); a weight update's load,
+    on a thread of its own beside the forward, does not synchronise for it; CPU has nothing to give."""
+    import threading
+
+    from sglang.srt.models import registry
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(threading.current_thread().name))
+    registry.release_cached_blocks(torch.device("cuda"))
+    other = threading.Thread(target=registry.release_cached_blocks, args=(torch.device("cuda"),))
+    other.start()
+    other.join()
+    registry.release_cached_blocks(torch.device("cpu"))
+    assert calls == [threading.main_thread().name]

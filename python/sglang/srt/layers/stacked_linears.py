@@ -5,7 +5,10 @@ microseconds whatever its width, so two projections of the same input in one lau
 (`benchmark/gpu/kernel_census.py` counts them). Users: Qwen3-Next's GDN input projections
 (`models/qwen3_next.py`), a MoE router with its shared expert's gate (`layers/moe/shared_routing.py`).
 
-`SGLANG_STACK_LINEARS=0` leaves every linear its own GEMM (to time the difference). A stack applies
+`SGLANG_STACK_LINEARS=0` leaves every linear its own GEMM (to time the difference). The products are the
+same dot products, though not always the same bits: a GEMM of another width may split or order K
+otherwise (cuBLAS picks its kernel by shape; on CPU a float32 GEMM differed in the last bit), so a router
+near a tie may pick another expert with the switch flipped, as with any other kernel choice. A stack applies
 only to plain linears (nn.Linear's own forward on a 16-bit or float32 weight, no bias,
 one dtype and device: an FP8 or LoRA-wrapped module keeps its own forward), and a caller takes it only
 while nothing hooks the modules (`hooked`: an adapter's hook would be passed by).

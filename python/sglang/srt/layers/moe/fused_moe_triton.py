@@ -156,7 +156,7 @@ class FusedExperts:
         fits = (
             self.silu_mul and mlp.act is F.silu and len(linears) == 3
             and all(lin.bias is None for lin in linears)
-            and (gate is None or getattr(gate, "bias", None) is None)
+            and (gate is None or (getattr(gate, "bias", None) is None and gate.weight.dtype == w13.dtype))
             and linears[0].weight.shape == linears[1].weight.shape == (inter, w13.shape[2])
             and linears[2].weight.shape == w2.shape[1:]
             and all(lin.weight.dtype == w13.dtype and lin.weight.device == w13.device for lin in linears)
