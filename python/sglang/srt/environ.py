@@ -192,6 +192,9 @@ class Envs:
     SGLANG_GPU_NORM_BACKEND = EnvStr("auto", "GPU RMSNorm: auto, torch or triton.")
     # Rotary embedding of q and k on a GPU, the same choices: one Triton launch (layers/rotary_triton.py).
     SGLANG_GPU_ROPE_BACKEND = EnvStr("auto", "GPU rotary embedding: auto, torch or triton.")
+    # Elementwise steps outside the MoE on a GPU: auto = one Triton launch each on CUDA (Qwen3-Next's
+    # attention output gate, `out * sigmoid(gate)`: layers/attention/triton_ops/output_gate.py).
+    SGLANG_GPU_ELEMENTWISE_BACKEND = EnvStr("auto", "GPU elementwise steps: auto, torch or triton.")
     # MoE on a GPU, the same choices: Qwen3-Next's softmax top-k in one Triton launch
     # (layers/moe/routing_triton.py) and the token bookkeeping around the grouped GEMMs in three
     # (layers/moe/dispatch_triton.py); auto on CUDA also runs the bf16 / fp16 experts' GEMMs of decode

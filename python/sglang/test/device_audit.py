@@ -145,6 +145,7 @@ class RecordedLaunches:
         "sglang.srt.layers.attention.mamba.decode_triton",
         "sglang.srt.layers.attention.triton_ops.decode_attention",
         "sglang.srt.layers.attention.triton_ops.extend_attention",
+        "sglang.srt.layers.attention.triton_ops.output_gate",
         "sglang.srt.layers.rmsnorm_triton",
         "sglang.srt.layers.rotary_triton",
         "sglang.srt.layers.moe.routing_triton",
@@ -182,7 +183,7 @@ class RecordedLaunches:
 
 
 # What CUDA runs by default, forced where the meta device stands in for it: the Triton decode steps,
-# norms, rotary embedding, MoE routing and dispatch with the fused 16-bit MoE GEMMs up to 256 tokens
+# norms, rotary embedding, attention output gate, MoE routing and dispatch with the fused 16-bit MoE GEMMs up to 256 tokens
 # (`triton`: auto's CUDA choice on any device), the packed extend (FLA's on a GPU; the same packed
 # layout), no CPU C++ ops.
 CUDA_DEFAULT_ENV = {
@@ -194,5 +195,6 @@ CUDA_DEFAULT_ENV = {
     "SGLANG_GPU_NORM_BACKEND": "triton",
     "SGLANG_GPU_ROPE_BACKEND": "triton",
     "SGLANG_GPU_MOE_BACKEND": "triton",
+    "SGLANG_GPU_ELEMENTWISE_BACKEND": "triton",
     "TRITON_INTERPRET": "1",  # what lets `--attention-backend triton` start without CUDA
 }

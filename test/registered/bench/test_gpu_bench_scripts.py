@@ -193,7 +193,8 @@ def test_kernel_census_counts_what_the_stacked_linears_save():
     """Qwen3-Next's decode step with its linears stacked (the default) against SGLANG_STACK_LINEARS=0:
     each MoE layer saves the shared gate's GEMM, its cast and sigmoid, a fill and two concatenations
     (the routing launch appends the shared expert's pick: 6), each GDN layer one of its two input
-    projections' GEMMs (1); nothing else changes."""
+    projections' GEMMs (1), each attention layer two of q / k / v's (2); nothing else changes. And the
+    step at batch 8 launches as many kernels as at batch 1."""
     from transformers import AutoConfig
 
     from sglang.srt.configs.presets import resolve_model_path
@@ -206,8 +207,12 @@ def test_kernel_census_counts_what_the_stacked_linears_save():
     moe = sum(is_sparse_layer(config, i) for i in layers)
     gdn = sum(config.layer_types[i] == "linear_attention" for i in layers)
     assert moe > 0 and gdn > 0
-    assert unstacked["kernels"] - stacked["kernels"] == 6 * moe + gdn
+    attention = config.num_hidden_layers - gdn
+    # q, k and v: two GEMMs fewer per attention layer
+    assert unstacked["kernels"] - stacked["kernels"] == 6 * moe + gdn + 2 * attention
     assert unstacked["triton"] == stacked["triton"] and unstacked["outside_graph"] == stacked["outside_graph"]
+    # No launch grows with the batch (views read in place: the GDN's mixed q|k|v, k, z; nothing copied).
+    assert _census("--batch", "8", model="tiny-qwen3-next")["kernels"] == stacked["kernels"]
 
 
 def test_server_startup_timeline_reads_the_log_up_to_healthy(tmp_path):

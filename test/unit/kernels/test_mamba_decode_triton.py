@@ -41,7 +41,9 @@ def test_conv_update_matches_torch_in_place(interpret, channels, width, bias, dt
     g = torch.Generator().manual_seed(channels + width)
     pool = torch.randn(NUM_SLOTS, channels, width - 1, generator=g).to(dtype)
     before = pool.clone()
-    x = torch.randn(len(SLOTS), channels, generator=g)
+    # x a column slice of a wider product (Qwen3-Next's mixed q|k|v beside z): rows read in place.
+    x = torch.randn(len(SLOTS), channels + 5, generator=g)[:, 2 : 2 + channels]
+    assert not x.is_contiguous()
     weight = torch.randn(channels, width, generator=g)
     b = torch.randn(channels, generator=g) if bias else None
     idx = torch.tensor(SLOTS)
@@ -117,7 +119,7 @@ def test_compiles_for_sm90(state, act):
 
     conv_sig = {
         "x_ptr": f"*{act}", "state_ptr": f"*{state}", "slot_ptr": "*i64", "src_ptr": "*i64", "w_ptr": f"*{act}",
-        "bias_ptr": f"*{act}", "out_ptr": "*fp32", "slot_stride": "i64",
+        "bias_ptr": f"*{act}", "out_ptr": "*fp32", "slot_stride": "i64", "x_stride": "i64",
         **{k: "constexpr" for k in ("CHANNELS", "KEEP", "BKEEP", "BC", "HAS_BIAS")},
     }  # fmt: skip
     for channels, bias in ((10240, True), (8192, False)):

@@ -137,6 +137,24 @@ def test_the_modules_take_the_kernel_when_asked(interpret, monkeypatch):
         m.process_weights_after_loading()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_head_norms_read_strided_views_in_place(kernel_device, dtype):
+    """[tokens, heads, D] views of a wider product (k out of a stacked GEMM's columns, the gated norm's
+    z beside q|k|v) are normed where they lie: no copy first (rows at a token stride and a head stride),
+    the torch form's values."""
+    heads, d = 3, 16
+    m = _module(RMSNorm, dtype, 5, hidden_size=d, eps=1e-6, offset_one=True).to(kernel_device)
+    gm = _module(GatedRMSNorm, dtype, 6, hidden_size=d, eps=1e-6).to(kernel_device)
+    wide = torch.randn(4, 7 * heads * d, generator=torch.Generator().manual_seed(7)).to(kernel_device, dtype)
+    k = wide[:, heads * d : 2 * heads * d].view(4, heads, d)  # token stride 7 H D, head stride D
+    z = wide[:, 5 * heads * d : 6 * heads * d].view(4, heads, d)
+    x = torch.randn(4, heads, d, generator=torch.Generator().manual_seed(8)).to(kernel_device, dtype)
+    for view in (k, z):  # what the kernel reads: the views themselves
+        assert tri._token_head_rows(view, heads).data_ptr() == view.data_ptr()
+    _check(tri.rmsnorm_triton(k, m.weight, m.eps, tri.PLAIN, offset_one=True), m(k))
+    _check(tri.rmsnorm_triton(x, gm.weight, gm.eps, tri.GATE_AFTER, gate=z), gm(x, z), roundings=3)
+
+
 @pytest.mark.parametrize("act", ["bf16", "fp32"])
 def test_compiles_for_sm90(act):
     """Qwen3-Next-80B's hidden norm (2,048, offset one), its gated norm (head dim 128) and Nemotron-H-8B's
@@ -146,7 +164,8 @@ def test_compiles_for_sm90(act):
 
     sig = {
         **{k: f"*{act}" for k in ("x_ptr", "gate_ptr", "w_ptr", "out_ptr", "res_ptr", "sum_ptr")},
-        "x_stride": "i64", "gate_stride": "i64", "res_stride": "i64", "eps": "fp32",
+        "x_stride": "i64", "gate_stride": "i64", "res_stride": "i64", "x_hstride": "i64",
+        "gate_hstride": "i64", "heads": "i32", "eps": "fp32",
         **{k: "constexpr" for k in ("N", "G", "BG", "MODE", "OFFSET_ONE", "ROUND_PRODUCT", "HAS_RESIDUAL")},
     }  # fmt: skip
     rounding = act == "bf16"

@@ -99,6 +99,31 @@ def test_the_gdn_projections_run_as_one_gemm_with_the_same_products():
     assert again.in_proj_stack is None
 
 
+def test_the_attention_projections_run_as_one_gemm():
+    """q (with each head's output gate), k and v of Qwen3-Next's attention from one GEMM on the stack:
+    column slices of its product, the values of the three linears' own."""
+    from sglang.srt.models.qwen3_next import Qwen3NextAttention
+
+    cfg = SimpleNamespace(
+        hidden_size=32, attention_bias=False, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.25, max_position_embeddings=64,
+    )  # fmt: skip
+    layer = Qwen3NextAttention(cfg, 3)
+    for lin in (layer.q_proj, layer.k_proj, layer.v_proj):
+        nn.init.normal_(lin.weight)
+    hidden = torch.randn(4, 32)
+    want = [lin(hidden) for lin in (layer.q_proj, layer.k_proj, layer.v_proj)]
+    layer.process_weights_after_loading()
+    assert layer.qkv_stack is not None and layer.qkv_stack.shape == (64 + 16 + 16, 32)
+    assert layer.v_proj.weight.data_ptr() == layer.qkv_stack[80].data_ptr()
+    got = layer._projections(hidden)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)  # (float32: a GEMM of another width)
+    layer.k_proj.register_forward_pre_hook(lambda *a: None)
+    assert all(t.is_contiguous() for t in layer._projections(hidden))  # hooked: each its own GEMM
+
+
 def _moe_block() -> Qwen3NextSparseMoeBlock:
     cfg = SimpleNamespace(
         hidden_size=64, num_experts_per_tok=2, num_experts=6, moe_intermediate_size=32, hidden_act="silu",

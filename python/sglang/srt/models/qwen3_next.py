@@ -12,8 +12,10 @@ from torch import nn
 
 from sglang.srt.configs.hybrid_arch import parallel_attention_heads
 from sglang.srt.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+from sglang.srt.environ import envs
 from sglang.srt.layers.cpu_ops import cpu_linear_ops
 from sglang.srt.layers.decode_blocks import AttentionBlock, GdnBlock, MLPBlock, MoEBlock
+from sglang.srt.layers.gpu_ops import triton_chosen
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -149,14 +151,16 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         dk, dv, r = self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
         return {self.in_proj_qkvz: [dk, dk, r * dv, r * dv], self.in_proj_ba: [r, r]}
 
-    def _split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """(mixed q|k|v, z [T, Hv, Dv], b, a) from the projections' outputs."""
+    def _split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor, contiguous: bool = True):
+        """(mixed q|k|v, z [T, Hv, Dv], b, a) from the projections' outputs. Without `contiguous` (a
+        decode step: its conv kernel reads strided rows) mixed q|k|v may be a column slice."""
         t = qkvz.shape[0]
         hk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
         if self.projections_grouped:
             qkv_dim = 2 * hk * dk + self.num_v_heads * dv
             z = qkvz[:, qkv_dim:].reshape(t, self.num_v_heads, dv)
-            return qkvz[:, :qkv_dim].contiguous(), z, ba[:, : self.num_v_heads], ba[:, self.num_v_heads :]
+            mixed = qkvz[:, :qkv_dim]
+            return mixed.contiguous() if contiguous else mixed, z, ba[:, : self.num_v_heads], ba[:, self.num_v_heads :]
         r = self.num_v_heads // hk
         q, k, v, z = qkvz.view(t, hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
         b, a = ba.view(t, hk, 2 * r).split([r, r], dim=-1)
@@ -164,7 +168,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return mixed_qkv, z.reshape(t, self.num_v_heads, dv), b.reshape(t, -1), a.reshape(t, -1)
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        mixed_qkv, z, b, a = self._split_projections(*self._projections(hidden))
+        # (a decode step's conv reads the mixed q|k|v columns where they lie: no copy at batches over one)
+        decode = fb.forward_mode.is_decode()
+        mixed_qkv, z, b, a = self._split_projections(*self._projections(hidden), contiguous=not decode)
         core = fb.attn_backend.forward_linear(self, fb, mixed_qkv, a, b)  # the gates are the backend's
         out = self.norm(core.to(hidden.dtype), z)
         return self.out_proj(out.reshape(hidden.shape[0], -1))
@@ -190,15 +196,41 @@ class Qwen3NextAttention(nn.Module):
         self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, offset_one=True)
         self.rotary_emb = get_rope(d, _rope_parameters(config))
         self.attn = RadixAttention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id)
+        # Set at load: q/k/v as one GEMM (`stacked_linears.py`), the output gate in one Triton launch.
+        self.qkv_stack: torch.Tensor | None = None
+        self.gate_triton = False
+
+    def process_weights_after_loading(self) -> None:
+        if self.qkv_stack is None:
+            self.qkv_stack = stack_linear_weights([self.q_proj, self.k_proj, self.v_proj])
+        self.gate_triton = triton_chosen(
+            envs.SGLANG_GPU_ELEMENTWISE_BACKEND, self.o_proj.weight.device,
+            "sglang.srt.layers.attention.triton_ops.output_gate",
+        )  # fmt: skip
+
+    def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_proj, k_proj, v_proj)(hidden): one GEMM on the stack where it serves (column slices of its
+        product, whose rows the norms, the rotary kernel and the KV write read in place)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv_stack is None or hooked(*projs):
+            return tuple(p(hidden) for p in projs)
+        y = F.linear(hidden, self.qkv_stack)
+        nq, nk, nv = (p.weight.shape[0] for p in projs)
+        return y[:, :nq], y[:, nq : nq + nk], y[:, nq + nk : nq + nk + nv]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t, d = hidden.shape[0], self.head_dim
+        qg, k, v = self._projections(hidden)
         # Each head's projection is [query | output gate].
-        q, gate = self.q_proj(hidden).view(t, self.num_heads, 2 * d).split(d, dim=-1)
+        q, gate = qg.view(t, self.num_heads, 2 * d).split(d, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(hidden).view(t, self.num_kv_heads, d))
+        k = self.k_norm(k.view(t, self.num_kv_heads, d))
         q, k = self.rotary_emb(positions, q, k, fb.rope_cache)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(hidden), fb)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, fb)
+        if self.gate_triton:
+            from sglang.srt.layers.attention.triton_ops.output_gate import sigmoid_gate_mul
+
+            return self.o_proj(sigmoid_gate_mul(out, gate))
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
 

@@ -31,6 +31,7 @@ def _conv_update_kernel(
     bias_ptr,
     out_ptr,
     slot_stride,
+    x_stride,
     CHANNELS: tl.constexpr,
     KEEP: tl.constexpr,
     BKEEP: tl.constexpr,
@@ -50,7 +51,7 @@ def _conv_update_kernel(
     state = tl.load(src + tile, mask=m2, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs_c[:, None] * (KEEP + 1) + offs_j[None, :], mask=m2, other=0.0).to(tl.float32)
     w_last = tl.load(w_ptr + offs_c * (KEEP + 1) + KEEP, mask=mc, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + b * CHANNELS + offs_c, mask=mc, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b.to(tl.int64) * x_stride + offs_c, mask=mc, other=0.0).to(tl.float32)
     acc = tl.reduce(state * w, 1, add) + x * w_last
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)
@@ -117,8 +118,8 @@ def causal_conv1d_update_inplace(
     bias: torch.Tensor | None,
     src_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [bs, C]; `conv_state` is one layer of the pool, [slots, C, K-1] (any float dtype, rows
-    contiguous); weight [C, K]; `slots` [bs] int64 on the same device. Shifts the states of `slots` in
+    """x [bs, C] (rows may be strided: a column slice of the projection's product is read in place);
+    `conv_state` is one layer of the pool, [slots, C, K-1] (any float dtype, rows contiguous); weight [C, K]; `slots` [bs] int64 on the same device. Shifts the states of `slots` in
     place and returns silu(conv) [bs, C] float32; with `src_slots` (rows distinct from every slot
     written) the windows are read there and left as they are (a speculative verify)."""
     bs, channels = x.shape
@@ -128,8 +129,10 @@ def causal_conv1d_update_inplace(
     if bs == 0:
         return out
     bc = conv_block(channels, keep)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     jit_for_env(_conv_update_kernel)[(bs, triton.cdiv(channels, bc))](
-        x.contiguous(),
+        x,
         conv_state,
         slots.contiguous(),
         (slots if src_slots is None else src_slots).contiguous(),
@@ -137,6 +140,7 @@ def causal_conv1d_update_inplace(
         bias if bias is not None else weight,  # unread without a bias
         out,
         conv_state.stride(0),
+        x.stride(0),
         CHANNELS=channels,
         KEEP=keep,
         BKEEP=triton.next_power_of_2(keep),
