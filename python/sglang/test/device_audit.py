@@ -146,6 +146,7 @@ class RecordedLaunches:
         "sglang.srt.layers.attention.triton_ops.decode_attention",
         "sglang.srt.layers.attention.triton_ops.extend_attention",
         "sglang.srt.layers.attention.triton_ops.output_gate",
+        "sglang.srt.layers.attention.triton_ops.store_kv",
         "sglang.srt.layers.rmsnorm_triton",
         "sglang.srt.layers.rotary_triton",
         "sglang.srt.layers.moe.routing_triton",

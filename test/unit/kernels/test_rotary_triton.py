@@ -53,19 +53,70 @@ def test_an_empty_batch_launches_nothing(interpret):
     assert q.shape == (0, 2, 16) and k.shape == (0, 1, 16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,rotary_dim,offset_one", [(64, 16, True), (32, 32, False), (24, 12, True)])
+def test_the_heads_norms_in_the_same_launch(kernel_device, dtype, head_dim, rotary_dim, offset_one):
+    """`norms` (Qwen3-Next's q_norm / k_norm): each head normalised, rounded, then rotated, as
+    rope(q_norm(q), k_norm(k)) in torch, on strided q (beside the output gate) and k (a column slice of
+    a stacked product); `forward_with_norms` takes it where the norms run their kernel, else the three
+    calls."""
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    rope = RotaryEmbedding(head_dim, rotary_dim, 10000.0).to(kernel_device)
+    g = torch.Generator().manual_seed(head_dim + rotary_dim)
+    norms = [RMSNorm(head_dim, eps=1e-6, offset_one=offset_one) for _ in range(2)]
+    for m in norms:
+        m.weight.data = (torch.randn(head_dim, generator=g) * 0.3 + (0 if offset_one else 1)).to(kernel_device, dtype)
+    positions = torch.tensor([0, 5, 17, 300, 4095], device=kernel_device)
+    qg = (torch.randn(5, 3, 2 * head_dim, generator=g) * 2).to(kernel_device, dtype)
+    q = qg[..., :head_dim]
+    wide = (torch.randn(5, 3 * head_dim, generator=g) * 2).to(kernel_device, dtype)
+    k = wide[:, head_dim : 2 * head_dim].view(5, 1, head_dim)
+    want_q, want_k = rope(positions, norms[0](q), norms[1](k))
+    for m in norms:
+        m.triton = True  # (their Triton kernel chosen, as on CUDA)
+    rope.triton = True
+    calls = []
+    for m in norms:
+        m.register_forward_hook(lambda *a: calls.append(1))
+    got_q, got_k = rope.forward_with_norms(positions, q, k, *norms)
+    assert calls == []  # one launch: neither norm module ran
+    def close(got, want):
+        # float32: the norm's sum and cos / sin by other code (~1e-6 relative). bfloat16: the norm's
+        # rounding may land one step apart (the interpreter truncates, torch rounds to nearest), and the
+        # rotation mixes two such values, so an output is off by up to a step at the head's largest
+        # magnitude (absolute), plus its own last rounding (relative); a wrong norm is off by O(1).
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            big = want.float().abs().max().item()
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2 * big * 2**-8)
+
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+        close(got, want)
+    norms[1].triton = False  # a norm on its torch form: the three calls, the same values
+    _, got_k2 = rope.forward_with_norms(positions, q, k, *norms)
+    assert calls == [1, 1]
+    close(got_k2, want_k)
+
+
 @pytest.mark.parametrize("act", ["bf16", "fp32"])
-def test_compiles_for_sm90(act):
-    """Qwen3-Next-80B's attention (16 query / 2 KV heads of 256, a quarter rotary) compiles for an H100
-    from this CPU machine, without spilling to local memory."""
+@pytest.mark.parametrize("norm", [False, True])
+def test_compiles_for_sm90(act, norm):
+    """Qwen3-Next-80B's attention (16 query / 2 KV heads of 256, a quarter rotary), with its heads' norms
+    in the launch and without, compiles for an H100 from this CPU machine, without spilling to local
+    memory."""
     from sglang.srt.layers import rotary_triton as mod
     from sglang.test.sm90 import compile_sm90_in_registers
 
     sig = {
         "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", **{k: f"*{act}" for k in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")},
         **{k: "i64" for k in ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h")},
-        **{k: "constexpr" for k in ("HQ", "HK", "D", "HALF", "BHALF", "BREST")},
+        "qw_ptr": f"*{act}", "kw_ptr": f"*{act}", "q_eps": "fp32", "k_eps": "fp32",
+        **{k: "constexpr" for k in ("HQ", "HK", "D", "HALF", "BHALF", "BREST", "NORM", "OFFSET_ONE", "BD")},
     }  # fmt: skip
-    consts = dict(HQ=16, HK=2, D=256, HALF=32, BHALF=32, BREST=256)
+    consts = dict(HQ=16, HK=2, D=256, HALF=32, BHALF=32, BREST=256, NORM=norm, OFFSET_ONE=True, BD=256)
     compile_sm90_in_registers(mod._rope_kernel, sig, consts)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from sglang.srt.environ import envs
 from sglang.srt.layers.cpu_ops import cpu_rope_ops
 from sglang.srt.layers.gpu_ops import triton_chosen
+from sglang.srt.layers.layernorm import RMSNorm
 
 
 class RotaryEmbedding(nn.Module):
@@ -36,6 +37,31 @@ class RotaryEmbedding(nn.Module):
         self.triton = self.rotary_dim > 0 and triton_chosen(
             envs.SGLANG_GPU_ROPE_BACKEND, self.inv_freq.device, "sglang.srt.layers.rotary_triton"
         )
+
+    def forward_with_norms(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: nn.Module,
+        k_norm: nn.Module,
+        cache: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`self(positions, q_norm(q), k_norm(k), cache)` (Qwen3-Next's per-head q / k norms): one Triton
+        launch where the rotation and both norms run their Triton kernels (plain RMSNorms over the head,
+        one offset rule), else the three calls."""
+        d = q.shape[-1]
+        fused = (
+            self.triton and q.dtype == k.dtype
+            and type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.triton and k_norm.triton
+            and q_norm.offset_one == k_norm.offset_one and q_norm.weight.shape == k_norm.weight.shape == (d,)
+        )  # fmt: skip
+        if not fused:
+            return self(positions, q_norm(q), k_norm(k), cache)
+        from sglang.srt.layers.rotary_triton import rotary_triton  # here: a CPU install may lack triton
+
+        norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps), q_norm.offset_one)
+        return rotary_triton(positions, q, k, self.inv_freq, self.rotary_dim, norms=norms)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: dict | None = None

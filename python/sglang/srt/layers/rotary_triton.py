@@ -4,6 +4,11 @@ products, a concatenation). The arithmetic is the torch form's operations: cos a
 inverse frequency in float32, the rotation in float32, one rounding to the activation dtype (a GPU's
 intrinsics may differ from torch's by an ulp or two). On CPU tensors the
 kernel runs only under `TRITON_INTERPRET=1`, for tests.
+
+With `norms` (Qwen3-Next's q_norm and k_norm: an RMSNorm per head, weight offset by one) the same launch
+normalises each head first, as `rmsnorm_triton`'s PLAIN mode does (float32 statistics over the head, the
+product with the weight rounded once to the activation dtype), then rotates the rounded values: one
+launch where the norms and the rotation took three per attention layer.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-from sglang.srt.utils.triton_jit import jit_for_env
+from sglang.srt.utils.triton_jit import add, jit_for_env
 
 
 def _rope_kernel(
@@ -26,41 +32,77 @@ def _rope_kernel(
     q_stride_h,
     k_stride_t,
     k_stride_h,
+    qw_ptr,
+    kw_ptr,
+    q_eps,
+    k_eps,
     HQ: tl.constexpr,
     HK: tl.constexpr,
     D: tl.constexpr,
     HALF: tl.constexpr,
     BHALF: tl.constexpr,
     BREST: tl.constexpr,
+    NORM: tl.constexpr,
+    OFFSET_ONE: tl.constexpr,
+    BD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # q heads first, then k heads
     if h < HQ:
         src = q_ptr + t * q_stride_t + h * q_stride_h
         dst = q_out_ptr + (t * HQ + h) * D
+        w_ptr, eps = qw_ptr, q_eps
     else:
         src = k_ptr + t * k_stride_t + (h - HQ) * k_stride_h
         dst = k_out_ptr + (t * HK + h - HQ) * D
+        w_ptr, eps = kw_ptr, k_eps
+    act = q_out_ptr.dtype.element_ty
     i = tl.arange(0, BHALF)
     mi = i < HALF
     freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=mi, other=0.0).to(tl.float32)
     cos, sin = tl.cos(freq), tl.sin(freq)
     x1 = tl.load(src + i, mask=mi, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + i, mask=mi, other=0.0).to(tl.float32)
-    act = q_out_ptr.dtype.element_ty
+    if NORM:  # the head's RMSNorm first (the PLAIN norm's arithmetic), its result rounded
+        d = tl.arange(0, BD)
+        x = tl.load(src + d, mask=d < D, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 0, add) / D + eps)
+        x1 = normed(x1, w_ptr, i, mi, rstd, OFFSET_ONE).to(act).to(tl.float32)
+        x2 = normed(x2, w_ptr, HALF + i, mi, rstd, OFFSET_ONE).to(act).to(tl.float32)
     tl.store(dst + i, (x1 * cos - x2 * sin).to(act), mask=mi)
     tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(act), mask=mi)
-    if BREST > 0:  # channels past the rotary ones pass through
+    if BREST > 0:  # channels past the rotary ones pass through (normalised first with NORM)
         r = 2 * HALF + tl.arange(0, BREST)
         mr = r < D
-        tl.store(dst + r, tl.load(src + r, mask=mr, other=0.0), mask=mr)
+        rest = tl.load(src + r, mask=mr, other=0.0)
+        if NORM:
+            rest = normed(rest.to(tl.float32), w_ptr, r, mr, rstd, OFFSET_ONE)
+        tl.store(dst + r, rest.to(act), mask=mr)
+
+
+def _normed(x, w_ptr, cols, mask, rstd, OFFSET_ONE: tl.constexpr):
+    """x (float32, channels `cols` of a head) times rstd times the norm's weight (+ 1 with OFFSET_ONE)."""
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET_ONE:
+        w = w + 1.0
+    return (x * rstd) * w
+
+
+# Jitted at import, as a kernel's callee must be (jit_for_env hands interpreted kernels its interpreted form).
+normed = JITFunction(_normed)
 
 
 def rotary_triton(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rotary_dim: int,
+    norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hk, D] (heads and tokens may be strided, channels contiguous) rotated at
-    `positions` [T] over their first `rotary_dim` channels: new contiguous tensors of their dtype."""
+    `positions` [T] over their first `rotary_dim` channels: new contiguous tensors of their dtype.
+    `norms`: ((q's norm weight [D], eps), (k's, eps), offset_one): each head normalised first."""
     t, hq, d = q.shape
     hk = k.shape[1]
     assert q.dtype == k.dtype, "q and k share one dtype"
@@ -71,9 +113,12 @@ def rotary_triton(
     if t == 0:
         return q_out, k_out
     half = rotary_dim // 2
+    (qw, q_eps), (kw, k_eps), offset_one = norms or ((inv_freq, 0.0), (inv_freq, 0.0), False)
     jit_for_env(_rope_kernel)[(t, hq + hk)](
         positions.contiguous(), inv_freq, q, k, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        qw, kw, q_eps, k_eps,
         HQ=hq, HK=hk, D=d, HALF=half, BHALF=triton.next_power_of_2(half),
         BREST=triton.next_power_of_2(d - rotary_dim) if d > rotary_dim else 0,
+        NORM=norms is not None, OFFSET_ONE=offset_one, BD=triton.next_power_of_2(d),
     )  # fmt: skip
     return q_out, k_out

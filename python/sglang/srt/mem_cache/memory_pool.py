@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams
+from sglang.srt.environ import envs
+from sglang.srt.layers.gpu_ops import triton_chosen
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
 from sglang.srt.mem_cache.mamba_strategy import MambaStrategy
 from sglang.srt.mem_cache.state_copy import StateCopier
@@ -98,6 +100,11 @@ class MHATokenToKVPool:
         rows = (size // page_size + 1) * page_size
         self.k_buffer = [torch.zeros(rows, head_num, head_dim, dtype=dtype, device=device) for _ in layer_ids]
         self.v_buffer = [torch.zeros(rows, head_num, head_dim, dtype=dtype, device=device) for _ in layer_ids]
+        # K and V rows in one Triton launch (CUDA; a float8 pool keeps torch's conversion and clamp).
+        self.store_triton = dtype not in FLOAT8_MAX and triton_chosen(
+            envs.SGLANG_GPU_ELEMENTWISE_BACKEND, torch.device(device),
+            "sglang.srt.layers.attention.triton_ops.store_kv",
+        )  # fmt: skip
 
     def _index(self, layer_id: int) -> int:
         try:
@@ -124,6 +131,13 @@ class MHATokenToKVPool:
         torch's conversions do not saturate everywhere (e4m3fn on CUDA makes NaN of a value past the range,
         e5m2 makes inf on any device), and a NaN or inf key poisons every later token's attention."""
         i = self._index(layer_id)
+        if self.store_triton and k_scale == v_scale == 1.0 and k.dtype == v.dtype == self.dtype:
+            from sglang.srt.layers.attention.triton_ops.store_kv import (
+                store_kv,  # (a CPU install may lack triton)
+            )
+
+            store_kv(self.k_buffer[i], self.v_buffer[i], loc, k, v)
+            return
         if k_scale != 1.0:
             k = k.float() / k_scale
         if v_scale != 1.0:

@@ -223,9 +223,8 @@ class Qwen3NextAttention(nn.Module):
         qg, k, v = self._projections(hidden)
         # Each head's projection is [query | output gate].
         q, gate = qg.view(t, self.num_heads, 2 * d).split(d, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(t, self.num_kv_heads, d))
-        q, k = self.rotary_emb(positions, q, k, fb.rope_cache)
+        k = k.view(t, self.num_kv_heads, d)
+        q, k = self.rotary_emb.forward_with_norms(positions, q, k, self.q_norm, self.k_norm, fb.rope_cache)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, fb)
         if self.gate_triton:
             from sglang.srt.layers.attention.triton_ops.output_gate import sigmoid_gate_mul
