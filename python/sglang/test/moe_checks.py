@@ -41,17 +41,17 @@ def assert_close_to(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
 
 def check_layer_runs_fused(monkeypatch, tokens: int, top_k: int, e: int, act: str, gated: bool) -> None:
     """Under TRITON_INTERPRET=1 (float16, 64 hidden, 32 wide): with SGLANG_GPU_MOE_BACKEND=triton_fused
-    the layer's forward runs `fused_experts` once (silu_and_mul for gated silu experts) and equals
-    forward_device's padded block within TOL_FP16."""
+    the layer's forward runs `fused_experts` once (silu_and_mul for gated silu experts, the relu2
+    epilogue for plain relu2 ones) and equals forward_device's padded block within TOL_FP16."""
     layer = make_layer(e, 64, 32, act, gated)
     calls = []
     real = ft.fused_experts
-    monkeypatch.setattr(ft, "fused_experts", lambda *a: calls.append(a[6]) or real(*a))
+    monkeypatch.setattr(ft, "fused_experts", lambda *a: calls.append((a[6], a[8])) or real(*a))
     with envs.SGLANG_GPU_MOE_BACKEND.override("triton_fused"), envs.SGLANG_CPU_MOE_BACKEND.override("torch"):
         layer.process_weights_after_loading()
     assert layer.fused_gemms.table == {}  # no tuned file for "cpu": the fallback tiles
     weights, ids = routing(tokens, top_k, e, seed=tokens)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(3)).half()
     got = layer(x, weights, ids)
-    assert calls == [gated and act == "silu"]
+    assert calls == [(gated and act == "silu", not gated and act == "relu2")]
     assert_close_to(got, layer.forward_device(x, weights, ids, grouped=False), TOL_FP16)

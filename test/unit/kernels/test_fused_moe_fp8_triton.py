@@ -163,7 +163,7 @@ MOE_SIGNATURE = {
     "token_ptr": "*i64", "offs_ptr": "*i32", "tile_end_ptr": "*i32",
     **{name: "i32" for name in ("N", "K", "a_stride", "AS_COLS", "BS_COLS", "b_expert_stride", "bs_expert_stride")},
     **{name: "constexpr" for name in ("E", "E_POW2", "GATHER", "SCALE_N", "SCALE_K", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-                                      "FP8", "SILU_MUL")},
+                                      "FP8", "SILU_MUL", "RELU2")},
 }  # fmt: skip
 
 
@@ -176,7 +176,7 @@ def test_moe_gemm_compiles_for_sm90(cfg, gather):
     the table compiles for sm_90, pipelined, without spills (N, K and the strides multiples of 16 there)."""
     constexprs = dict(E=512, E_POW2=512, GATHER=gather, SCALE_N=128, SCALE_K=128,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP8=True,
-                      SILU_MUL=False)  # fmt: skip
+                      SILU_MUL=False, RELU2=False)  # fmt: skip
     compiled = compile_sm90_in_registers(
         mf._moe_gemm_kernel, MOE_SIGNATURE, constexprs, ("N", "K", "a_stride", "b_expert_stride"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

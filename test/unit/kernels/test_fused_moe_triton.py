@@ -29,10 +29,10 @@ register_cpu_ci(est_time=7, suite="per-commit-cpu")
 
 
 # Per commit: batch 1 and a batch leaving experts empty; the nightly file adds non-silu activations.
-LAYER_CASES = [(1, 2, 4, "silu", True), (9, 3, 8, "silu", True)]
+LAYER_CASES = [(1, 2, 4, "silu", True), (9, 3, 8, "silu", True), (5, 2, 4, "relu2", False)]
 
 
-@pytest.mark.parametrize("tokens,top_k,e,act,gated", LAYER_CASES, ids=["batch1", "empty-experts"])
+@pytest.mark.parametrize("tokens,top_k,e,act,gated", LAYER_CASES, ids=["batch1", "empty-experts", "plain-relu2"])
 def test_layer_runs_the_fused_gemms_and_agrees_with_torch(
     interpret, monkeypatch, tokens, top_k, e, act, gated
 ):

@@ -40,7 +40,7 @@ SIGNATURE = {
     **{name: "i32" for name in ("N", "K", "a_stride", "AS_COLS", "BS_COLS", "b_expert_stride",
                                 "bs_expert_stride")},
     **{name: "constexpr" for name in ("E", "E_POW2", "GATHER", "SCALE_N", "SCALE_K", "BLOCK_M", "BLOCK_N",
-                                      "BLOCK_K", "FP8", "SILU_MUL")},
+                                      "BLOCK_K", "FP8", "SILU_MUL", "RELU2")},
 }  # fmt: skip
 
 
@@ -52,7 +52,7 @@ def test_moe_gemm_bf16_compiles_for_sm90(cfg, gemm):
     memory (the w13 GEMM holds a gate and an up tile per stage)."""
     w13 = gemm == "w13"
     constexprs = dict(E=512, E_POW2=512, GATHER=w13, SCALE_N=1, SCALE_K=1, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP8=False, SILU_MUL=w13)  # fmt: skip
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP8=False, SILU_MUL=w13, RELU2=False)  # fmt: skip
     compiled = compile_sm90_in_registers(
         mf._moe_gemm_kernel, SIGNATURE, constexprs, ("N", "K", "a_stride", "b_expert_stride"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -91,6 +91,39 @@ def test_mamba2_step_matches_torch_in_place(interpret, heads, head_dim, groups, 
         assert head_dim // head_block(head_dim, n) > 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_step_gates_the_raw_dt_in_the_kernel(interpret, dtype):
+    """`gates` (the CUDA path): dt the projection's raw, strided slice, softplus(dt + dt_bias) clamped at
+    dt_min and A = -exp(A_log) computed in the kernel, as the torch form computes them (softplus past
+    its threshold 20 and far below 0 included); y in the layer's dtype, rounded once."""
+    from sglang.srt.layers.attention.mamba.decode_triton import mamba2_decode_inplace
+
+    heads, head_dim, groups, n = 4, 8, 2, 16
+    g = torch.Generator().manual_seed(11)
+    bs = len(SLOTS)
+    pool = (0.3 * torch.randn(NUM_SLOTS, heads, head_dim, n, generator=g)).to(dtype)
+    xbc = torch.randn(bs, heads * head_dim + 2 * groups * n, generator=g)
+    proj = torch.randn(bs, 3 + heads, generator=g) * 3
+    proj[0, 3:] = torch.tensor([25.0, -30.0, 0.0, -4.0])  # past the threshold, far below, at 0, clamped
+    raw = proj[:, 3:]  # the projection's dt columns: rows strided
+    dt_bias, a_log = torch.randn(heads, generator=g), torch.randn(heads, generator=g)
+    dt_min, D = 0.01, torch.randn(heads, generator=g)
+    dt = torch.nn.functional.softplus(raw + dt_bias).clamp(min=dt_min)
+    A = -torch.exp(a_log)
+    x, B, C = xbc.split([heads * head_dim, groups * n, groups * n], dim=-1)
+    B = B.reshape(bs, groups, n).repeat_interleave(heads // groups, dim=1)
+    C = C.reshape(bs, groups, n).repeat_interleave(heads // groups, dim=1)
+    idx = torch.tensor(SLOTS)
+    want_y, want_state = selective_state_update(pool[idx], x.reshape(bs, heads, head_dim), dt, A, B, C, D)
+    y = mamba2_decode_inplace(
+        xbc, raw, None, D, pool, idx, heads, head_dim, groups, n, gates=(dt_bias, a_log, dt_min), out_dtype=dtype
+    )
+    real = [i for i, s in enumerate(SLOTS) if s != 0]
+    assert y.dtype == dtype
+    torch.testing.assert_close(y[real].float(), want_y[real].to(dtype).float(), **TOL[dtype])
+    torch.testing.assert_close(pool[idx][real].float(), want_state[real].to(dtype).float(), **TOL[dtype])
+
+
 def test_empty_batches_launch_nothing(interpret):
     from sglang.srt.layers.attention.mamba.decode_triton import (
         causal_conv1d_update_inplace,
@@ -132,12 +165,15 @@ def test_compiles_for_sm90(state, act):
         }
         compile_sm90_in_registers(mod._conv_update_kernel, conv_sig, consts)
     ssm_sig = {
-        **{k: "*fp32" for k in ("xbc_ptr", "dt_ptr", "a_ptr", "d_ptr")},
-        "state_ptr": f"*{state}", "slot_ptr": "*i64", "src_ptr": "*i64", "y_ptr": "*fp32", "slot_stride": "i64",
-        **{k: "constexpr" for k in ("HEADS", "P", "N", "GROUPS", "BP", "BN")},
+        **{k: "*fp32" for k in ("xbc_ptr", "a_ptr", "d_ptr")}, "dt_ptr": f"*{act}",
+        "state_ptr": f"*{state}", "slot_ptr": "*i64", "src_ptr": "*i64", "y_ptr": f"*{act}", "slot_stride": "i64",
+        "dt_stride": "i64", "dt_bias_ptr": "*fp32", "dt_min": "fp32",
+        **{k: "constexpr" for k in ("HEADS", "P", "N", "GROUPS", "BP", "BN", "GATED")},
     }  # fmt: skip
-    consts = {"HEADS": 128, "P": 64, "N": 128, "GROUPS": 8, "BP": mod.head_block(64, 128), "BN": 128}
-    compile_sm90_in_registers(mod._mamba2_decode_kernel, ssm_sig, consts, num_warps=mod.NUM_WARPS)
+    for gated in (False, True):  # (the gating in the kernel: the CUDA path's)
+        consts = {"HEADS": 128, "P": 64, "N": 128, "GROUPS": 8, "BP": mod.head_block(64, 128), "BN": 128}
+        consts["GATED"] = gated
+        compile_sm90_in_registers(mod._mamba2_decode_kernel, ssm_sig, consts, num_warps=mod.NUM_WARPS)
     ext_sig = {
         "x_ptr": f"*{act}", "state_ptr": f"*{state}", "cu_ptr": "*i64", "slot_ptr": "*i64", "w_ptr": f"*{act}",
         "bias_ptr": f"*{act}", "out_ptr": "*fp32", "slot_stride": "i64",

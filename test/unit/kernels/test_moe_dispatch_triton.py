@@ -99,8 +99,8 @@ def test_compiles_for_sm90():
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
 def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset, monkeypatch):
     """Prefill then 4 greedy decode steps of 2 requests with SGLANG_GPU_MOE_BACKEND=triton (the experts'
-    bookkeeping and, for Qwen3-Next, its routing through the kernels, interpreted; the C++ MoE op off, so
-    the grouped GEMMs run) and =torch: the same tokens and logprobs."""
+    bookkeeping and the routing through the kernels, interpreted; the C++ MoE op off, so the grouped GEMMs
+    run) and =torch: the same tokens and logprobs."""
     from sglang.srt.environ import envs
     from sglang.srt.layers.moe import elementwise_triton as ew
     from sglang.srt.layers.moe import routing_triton
@@ -108,7 +108,8 @@ def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset,
     from sglang.test.model_checks import greedy_tokens_and_logprobs, make_runner
 
     calls = []
-    spied = [(dt, "moe_align"), (routing_triton, "softmax_topk_triton"), (ew, "silu_mul"), (ew, "add_sigmoid_mul")]
+    spied = [(dt, "moe_align"), (routing_triton, "softmax_topk_triton"), (ew, "silu_mul"), (ew, "add_sigmoid_mul"),
+             (routing_triton, "grouped_sigmoid_topk_triton")]  # fmt: skip
     for module, name in spied:
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
@@ -122,7 +123,7 @@ def test_engine_through_the_kernels_as_through_the_torch_form(interpret, preset,
         if backend == "triton":
             # Qwen3-Next: gated experts (silu) and a gated shared expert; Nemotron-H: plain ones (relu2).
             qwen = {"moe_align", "softmax_topk_triton", "silu_mul", "add_sigmoid_mul"}
-            want = qwen if "qwen" in preset else {"moe_align"}
+            want = qwen if "qwen" in preset else {"moe_align", "grouped_sigmoid_topk_triton"}
             assert set(calls) == want, calls
             calls.clear()
     assert not calls

@@ -86,3 +86,52 @@ def test_a_nan_row_keeps_its_ids_in_range(interpret):
     logits = torch.tensor([[float("nan")] * 6, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
     _, ids = softmax_topk_triton(logits, 2, True)
     assert ids[0].min() >= 0 and ids[0].max() < 6 and ids[1].tolist() == [5, 4]
+
+
+@pytest.mark.parametrize(
+    "experts,groups,topk_groups,top_k",
+    [(8, 1, 1, 2), (128, 1, 1, 6), (64, 8, 4, 6), (16, 4, 2, 3), (12, 3, 3, 9)],
+)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouped_sigmoid_topk_matches_the_torch_form(kernel_device, experts, groups, topk_groups, top_k, renormalize):
+    """Nemotron-H's routing (DeepSeek-V3's grouped sigmoid top-k) in one launch against
+    `router.grouped_sigmoid_topk`: the same experts in the same order (distinct scores: no ties) and
+    weights, on strided rows; groups of one expert and groups that all stay chosen included."""
+    from sglang.srt.layers.moe.router import grouped_sigmoid_topk
+    from sglang.srt.layers.moe.routing_triton import grouped_sigmoid_topk_triton
+
+    g = torch.Generator().manual_seed(experts + top_k)
+    wide = torch.randn(7, experts + 3, generator=g) * 2
+    logits = wide[:, 1 : experts + 1].to(kernel_device)  # strided rows
+    bias = (torch.randn(experts, generator=g) * 0.1).to(kernel_device)
+    args = (top_k, bias, groups, topk_groups, renormalize, 2.5)
+    want_w, want_ids = grouped_sigmoid_topk(logits, *args)
+    got_w, got_ids = grouped_sigmoid_topk_triton(logits, *args)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids, want_ids)
+    # The same float32 sigmoid (exp by another library, ~1 ulp) and sums in another order.
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_sigmoid_topk_of_nan_rows_and_empty_batches(interpret):
+    from sglang.srt.layers.moe.routing_triton import grouped_sigmoid_topk_triton
+
+    logits = torch.tensor([[float("nan")] * 8, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]])
+    _, ids = grouped_sigmoid_topk_triton(logits, 2, torch.zeros(8), 2, 1, True, 1.0)
+    assert ids[0].min() >= 0 and ids[0].max() < 8 and ids[1].tolist() == [7, 6]
+    w, ids = grouped_sigmoid_topk_triton(torch.zeros(0, 8), 2, torch.zeros(8), 2, 1, True, 1.0)
+    assert w.shape == ids.shape == (0, 2)
+
+
+def test_grouped_sigmoid_topk_compiles_for_sm90():
+    """Nemotron 3 Nano's routing (128 experts, one group, top 6) and DeepSeek-V3's grouping (256 experts
+    in 8 groups, 4 chosen, top 8): compile for an H100 without spilling to local memory."""
+    from sglang.srt.layers.moe import routing_triton as mod
+    from sglang.test.sm90 import compile_sm90_in_registers
+
+    sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+           "logits_stride": "i64", "scale": "fp32",
+           **{k: "constexpr" for k in ("E", "BE", "GROUPS", "PER_GROUP", "TOPK_GROUPS", "K", "BK", "RENORMALIZE")}}  # fmt: skip
+    for e, groups, chosen, k in ((128, 1, 1, 6), (256, 8, 4, 8)):
+        consts = dict(E=e, BE=e, GROUPS=groups, PER_GROUP=e // groups, TOPK_GROUPS=chosen, K=k, BK=8, RENORMALIZE=True)
+        compile_sm90_in_registers(mod._grouped_sigmoid_topk_kernel, sig, consts)

@@ -55,7 +55,7 @@ def test_an_empty_batch_launches_nothing(interpret):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,rotary_dim,offset_one", [(64, 16, True), (32, 32, False), (24, 12, True)])
-def test_the_heads_norms_in_the_same_launch(kernel_device, dtype, head_dim, rotary_dim, offset_one):
+def test_the_heads_norms_in_the_same_launch(kernel_device, dtype, head_dim, rotary_dim, offset_one, monkeypatch):
     """`norms` (Qwen3-Next's q_norm / k_norm): each head normalised, rounded, then rotated, as
     rope(q_norm(q), k_norm(k)) in torch, on strided q (beside the output gate) and k (a column slice of
     a stacked product); `forward_with_norms` takes it where the norms run their kernel, else the three
@@ -76,11 +76,13 @@ def test_the_heads_norms_in_the_same_launch(kernel_device, dtype, head_dim, rota
     for m in norms:
         m.triton = True  # (their Triton kernel chosen, as on CUDA)
     rope.triton = True
+    from sglang.srt.layers import rmsnorm_triton as tri
+
     calls = []
-    for m in norms:
-        m.register_forward_hook(lambda *a: calls.append(1))
+    real_norm = tri.rmsnorm_triton
+    monkeypatch.setattr(tri, "rmsnorm_triton", lambda *a, **kw: calls.append(1) or real_norm(*a, **kw))
     got_q, got_k = rope.forward_with_norms(positions, q, k, *norms)
-    assert calls == []  # one launch: neither norm module ran
+    assert calls == []  # one launch: neither norm's own kernel ran
     def close(got, want):
         # float32: the norm's sum and cos / sin by other code (~1e-6 relative). bfloat16: the norm's
         # rounding may land one step apart (the interpreter truncates, torch rounds to nearest), and the
@@ -95,10 +97,41 @@ def test_the_heads_norms_in_the_same_launch(kernel_device, dtype, head_dim, rota
     for got, want in ((got_q, want_q), (got_k, want_k)):
         assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
         close(got, want)
-    norms[1].triton = False  # a norm on its torch form: the three calls, the same values
+    # Bit for bit the norm kernel's rounded result rotated by the rotary kernel: round, then rotate.
+    normed = [real_norm(t, m.weight, m.eps, tri.PLAIN, offset_one=offset_one) for t, m in zip((q, k), norms)]
+    apart = rotary_triton(positions, *normed, rope.inv_freq, rotary_dim)
+    assert torch.equal(got_q, apart[0]) and torch.equal(got_k, apart[1])
+    norms[1].triton = False  # a norm on its torch form: the three calls (q's norm its kernel), same values
     _, got_k2 = rope.forward_with_norms(positions, q, k, *norms)
-    assert calls == [1, 1]
+    assert calls == [1]
     close(got_k2, want_k)
+    norms[1].triton = True  # a hooked norm (its module must run): the three calls
+    norms[1].register_forward_hook(lambda *a: calls.append("hook"))
+    rope.forward_with_norms(positions, q, k, *norms)
+    assert calls == [1, 1, 1, "hook"]
+
+
+def test_mrope_positions_keep_their_own_rotation(interpret):
+    """Qwen3.5-VL's mRoPE (positions [3, T]: temporal, height, width) shares Qwen3-Next's attention: with
+    such positions `forward_with_norms` takes the subclass's rotation after the norms, not the fused
+    kernel (which reads one position per token)."""
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.models.multimodal_forward import MRotaryEmbedding
+
+    rope = MRotaryEmbedding(RotaryEmbedding(64, 16, 10000.0), [2, 3, 3])
+    rope.triton = True
+    norms = [RMSNorm(64, eps=1e-6, offset_one=True) for _ in range(2)]
+    for m in norms:
+        m.triton = True
+    g = torch.Generator().manual_seed(9)
+    q, k = torch.randn(4, 2, 64, generator=g), torch.randn(4, 1, 64, generator=g)
+    positions = torch.tensor([[0, 1, 2, 3], [0, 5, 9, 3], [0, 7, 1, 3]])
+    want = rope(positions, norms[0](q), norms[1](k))
+    got = rope.forward_with_norms(positions, q, k, *norms)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # (the same ops but the norms' kernel)
+    text = rope.forward_with_norms(positions[0], q, k, *norms)  # 1-D: the plain rotation, fused
+    assert (text[0] - got[0]).abs().max() > 1e-2  # the height / width turns differ from the temporal
 
 
 @pytest.mark.parametrize("act", ["bf16", "fp32"])

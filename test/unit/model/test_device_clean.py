@@ -300,8 +300,11 @@ def test_the_cuda_default_kernels_are_device_clean(preset, dtype, monkeypatch):
     if dtype == "bfloat16":  # the MoE as a GPU runs it at these sizes: sorted with its tile maps in one
         # launch (decode batches), the fused GEMMs, combined
         expected |= {"_align_tiles_kernel", "_moe_gemm_kernel", "_combine_kernel"}
-    if "qwen" in preset:  # Nemotron-H's attention has no rotary embedding, its routing is grouped
-        expected |= {"_rope_kernel", "_softmax_topk_kernel"}
+    expected.add("_store_kv_kernel")  # K and V into the 16-bit pool, one launch
+    if "qwen" in preset:  # Nemotron-H's attention has no rotary embedding nor output gate
+        expected |= {"_rope_kernel", "_softmax_topk_kernel", "_sigmoid_gate_mul_kernel"}
+    else:  # its routing grouped
+        expected.add("_grouped_sigmoid_topk_kernel")
     if dtype == "bfloat16" and "qwen" in preset:
         # Gated experts: silu(gate) * up in the GEMM's epilogue; the gated shared expert is one more
         # expert of the same launches (the grouped path's separate kernels for both stay unused).

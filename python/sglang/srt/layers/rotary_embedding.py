@@ -15,6 +15,7 @@ from sglang.srt.environ import envs
 from sglang.srt.layers.cpu_ops import cpu_rope_ops
 from sglang.srt.layers.gpu_ops import triton_chosen
 from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.stacked_linears import hooked
 
 
 class RotaryEmbedding(nn.Module):
@@ -49,12 +50,14 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`self(positions, q_norm(q), k_norm(k), cache)` (Qwen3-Next's per-head q / k norms): one Triton
         launch where the rotation and both norms run their Triton kernels (plain RMSNorms over the head,
-        one offset rule), else the three calls."""
+        one offset rule and weight dtype, no hooks) on one-dimensional positions (mRoPE's [3, T] ones take
+        their subclass's `forward`), else the three calls."""
         d = q.shape[-1]
         fused = (
-            self.triton and q.dtype == k.dtype
+            self.triton and q.dtype == k.dtype and positions.dim() == 1
             and type(q_norm) is RMSNorm and type(k_norm) is RMSNorm and q_norm.triton and k_norm.triton
             and q_norm.offset_one == k_norm.offset_one and q_norm.weight.shape == k_norm.weight.shape == (d,)
+            and q_norm.weight.dtype == k_norm.weight.dtype and not hooked(q_norm, k_norm)
         )  # fmt: skip
         if not fused:
             return self(positions, q_norm(q), k_norm(k), cache)

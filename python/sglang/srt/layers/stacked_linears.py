@@ -17,6 +17,7 @@ while nothing hooks the modules (`hooked`: an adapter's hook would be passed by)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.environ import envs
@@ -60,3 +61,17 @@ def stack_linear_weights(linears: list[nn.Linear]) -> torch.Tensor | None:
 def hooked(*modules: nn.Module) -> bool:
     """Whether a forward (pre-)hook sits on any of `modules` (a LoRA adapter's, for one)."""
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def stacked_outputs(x: torch.Tensor, linears: tuple[nn.Linear, ...], stack: torch.Tensor | None) -> tuple:
+    """Each linear's output for x: column slices of one GEMM on `stack` (theirs, from
+    `stack_linear_weights`) where it serves (nothing hooks them), else each linear's own call."""
+    if stack is None or hooked(*linears):
+        return tuple(lin(x) for lin in linears)
+    y = F.linear(x, stack)
+    out, start = [], 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        out.append(y[:, start : start + n])
+        start += n
+    return tuple(out)

@@ -131,7 +131,10 @@ class MHATokenToKVPool:
         torch's conversions do not saturate everywhere (e4m3fn on CUDA makes NaN of a value past the range,
         e5m2 makes inf on any device), and a NaN or inf key poisons every later token's attention."""
         i = self._index(layer_id)
-        if self.store_triton and k_scale == v_scale == 1.0 and k.dtype == v.dtype == self.dtype:
+        if (
+            self.store_triton and k_scale == v_scale == 1.0 and k.dtype == v.dtype == self.dtype
+            and k.stride(-1) == v.stride(-1) == 1 and loc.dim() == 1 and loc.numel() == k.shape[0]
+        ):  # fmt: skip
             from sglang.srt.layers.attention.triton_ops.store_kv import (
                 store_kv,  # (a CPU install may lack triton)
             )

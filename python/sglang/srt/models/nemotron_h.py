@@ -21,6 +21,7 @@ from sglang.srt.layers.mlp import PlainMLP
 from sglang.srt.layers.moe.experts import RoutedExperts
 from sglang.srt.layers.moe.router import grouped_sigmoid_topk
 from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.stacked_linears import stack_linear_weights, stacked_outputs
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
@@ -53,10 +54,15 @@ class NemotronHAttention(nn.Module):
             self, hidden, heads, config.num_key_value_heads, d, bias
         )
         self.attn = RadixAttention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id)
+        self.qkv_stack: torch.Tensor | None = None  # q / k / v as one GEMM (set at load: stacked_linears.py)
+
+    def process_weights_after_loading(self) -> None:
+        if self.qkv_stack is None:
+            self.qkv_stack = stack_linear_weights([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        out = self.attn(self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden), fb)
-        return self.o_proj(out)
+        q, k, v = stacked_outputs(hidden, (self.q_proj, self.k_proj, self.v_proj), self.qkv_stack)
+        return self.o_proj(self.attn(q, k, v, fb))
 
 
 class NemotronHTopkRouter(nn.Module):
@@ -69,6 +75,7 @@ class NemotronHTopkRouter(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
         self.cpu_ops = None  # the C++ top-k: NemotronHMoE sets it where the C++ op serves the experts
+        self.triton = False  # the Triton top-k: NemotronHMoE sets it where the experts' Triton path runs
 
     def groups_hold_top_k(self) -> bool:
         """Whether the grouping can hold top_k experts (the C++ op refuses one that cannot; such a config
@@ -87,6 +94,7 @@ class NemotronHTopkRouter(nn.Module):
             self.norm_topk_prob,
             self.routed_scaling_factor,
             self.cpu_ops,
+            self.triton,
         )
 
 
@@ -116,6 +124,7 @@ class NemotronHMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.experts.process_weights_after_loading()
         self.gate.cpu_ops = self.experts.cpu_ops if self.gate.groups_hold_top_k() else None
+        self.gate.triton = self.experts.triton and self.gate.groups_hold_top_k()
         if self.fc1_latent_proj is None:  # the op's shared expert reads the experts' input
             self.experts.fuse_shared_expert(self.shared_experts)
 

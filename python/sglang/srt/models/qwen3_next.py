@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.configs.hybrid_arch import parallel_attention_heads
@@ -31,7 +30,7 @@ from sglang.srt.layers.moe.router import softmax_topk
 from sglang.srt.layers.moe.shared_routing import SharedRouting
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope
-from sglang.srt.layers.stacked_linears import hooked, stack_linear_weights
+from sglang.srt.layers.stacked_linears import stack_linear_weights, stacked_outputs
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.causal_lm import HybridCausalLM
@@ -131,12 +130,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
 
     def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(in_proj_qkvz(hidden), in_proj_ba(hidden)): one GEMM on the stack where it serves."""
-        qkvz, ba = self.in_proj_qkvz, self.in_proj_ba
-        if self.in_proj_stack is None or hooked(qkvz, ba):
-            return qkvz(hidden), ba(hidden)
-        y = F.linear(hidden, self.in_proj_stack)
-        n = qkvz.weight.shape[0]
-        return y[:, :n], y[:, n : n + ba.weight.shape[0]]
+        return stacked_outputs(hidden, (self.in_proj_qkvz, self.in_proj_ba), self.in_proj_stack)
 
     def served_projection(self, proj: nn.Linear, weight: torch.Tensor) -> torch.Tensor:
         """A (whole) checkpoint `weight` of the input projection `proj` in the rows' order it is served in
@@ -211,12 +205,7 @@ class Qwen3NextAttention(nn.Module):
     def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q_proj, k_proj, v_proj)(hidden): one GEMM on the stack where it serves (column slices of its
         product, whose rows the norms, the rotary kernel and the KV write read in place)."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qkv_stack is None or hooked(*projs):
-            return tuple(p(hidden) for p in projs)
-        y = F.linear(hidden, self.qkv_stack)
-        nq, nk, nv = (p.weight.shape[0] for p in projs)
-        return y[:, :nq], y[:, nq : nq + nk], y[:, nq + nk : nq + nk + nv]
+        return stacked_outputs(hidden, (self.q_proj, self.k_proj, self.v_proj), self.qkv_stack)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t, d = hidden.shape[0], self.head_dim

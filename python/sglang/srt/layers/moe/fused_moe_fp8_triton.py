@@ -88,13 +88,15 @@ def _moe_gemm_kernel(
     N, K, a_stride, AS_COLS, BS_COLS, b_expert_stride, bs_expert_stride,
     E: tl.constexpr, E_POW2: tl.constexpr, GATHER: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
-    SILU_MUL: tl.constexpr,
+    SILU_MUL: tl.constexpr, RELU2: tl.constexpr,
 ):  # fmt: skip
     """c[r] = (a[row r] * as) @ (b[e] * bs[e])^T for the sorted rows r of expert e, one BLOCK_M tile of
     one expert per program along axis 0; a's row is token_ptr[r] where GATHER, else r. FP8: a and b in
     e4m3 with their block scales; else a and b in one 16-bit dtype, no scales (as_ptr, bs_ptr unused),
     and where SILU_MUL, b holds 2N rows (gate then up) and c[r] = silu(a b_gate^T) * (a b_up^T), the
-    gated activation in the epilogue: w2's input straight from w13's GEMM, rounded once."""
+    gated activation in the epilogue: w2's input straight from w13's GEMM, rounded once. RELU2 (plain
+    experts, Nemotron-H's): c[r] = relu(a b^T)^2 in the epilogue, the product rounded to c's dtype first
+    as torch's relu and square of the GEMM's output round it."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     ev = tl.arange(0, E_POW2)
@@ -137,6 +139,9 @@ def _moe_gemm_kernel(
             b_ptrs += BLOCK_K
         if SILU_MUL:
             acc = acc / (1.0 + tl.exp(-acc)) * up
+        if RELU2:
+            h = tl.maximum(acc.to(c_ptr.dtype.element_ty).to(tl.float32), 0.0)
+            acc = h * h
     c_ptrs = c_ptr + rows64[:, None] * N + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
@@ -187,6 +192,7 @@ def launch_moe_gemm(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_size=(BLOCK, BLOCK),
     silu_mul: bool = False,
+    relu2: bool = False,
 ) -> None:
     """Launch `_moe_gemm_kernel` writing out [rows, N]'s rows of experts (`moe_gemm_fp8`'s and
     `fused_moe_triton.moe_gemm`'s launch, operands checked by them): FP8 where `scales` (a's, weight's)
@@ -206,6 +212,7 @@ def launch_moe_gemm(
         w_scale.stride(0) if fp8 else 0, E=num_experts, E_POW2=triton.next_power_of_2(num_experts),
         GATHER=token_of is not None, SCALE_N=block_size[0] if fp8 else 1, SCALE_K=block_size[1] if fp8 else 1,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, FP8=fp8, SILU_MUL=silu_mul,
+        RELU2=relu2,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 

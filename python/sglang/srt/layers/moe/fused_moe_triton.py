@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.activation import relu2
 from sglang.srt.layers.mlp import GatedMLP
 from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig, launch_moe_gemm, tile_map
 from sglang.srt.layers.moe.moe_configs import Table, device_name, pick_configs, tuned_table
@@ -56,11 +57,13 @@ def moe_gemm(
     config: MoeGemmConfig,
     tile_end: torch.Tensor | None = None,
     silu_mul: bool = False,
+    relu2: bool = False,
 ) -> torch.Tensor:
     """The 16-bit grouped GEMM over `rows` sorted rows: row r of expert e (offs[e-1] <= r < offs[e]) is
     a[token_of[r]] where `token_of` is given, else a[r]; weight [E, N, K] in a's dtype. Returns [rows, N]
-    in a's dtype, or [rows, N / 2] = silu(gate) * up where `silu_mul` (weight's rows: gate then up). Rows
-    past offs[-1] belong to no expert and are left unwritten."""
+    in a's dtype, or [rows, N / 2] = silu(gate) * up where `silu_mul` (weight's rows: gate then up), or
+    relu(.)^2 of the product where `relu2`. Rows past offs[-1] belong to no expert and are left
+    unwritten."""
     _, n, k = weight.shape
     if a.dtype != weight.dtype or a.shape[-1] != k or a.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError(
@@ -75,7 +78,7 @@ def moe_gemm(
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     if rows == 0:
         return out
-    launch_moe_gemm(a, weight, out, offs, token_of, config, tile_end, silu_mul=silu_mul)
+    launch_moe_gemm(a, weight, out, offs, token_of, config, tile_end, silu_mul=silu_mul, relu2=relu2)
     return out
 
 
@@ -88,11 +91,13 @@ def fused_experts(
     activate: Callable[[torch.Tensor], torch.Tensor],
     silu_and_mul: bool,
     table: Table | None = None,
+    relu2: bool = False,
 ) -> torch.Tensor:
     """x [T, H] (bf16 / fp16, w13's and w2's dtype), routing `weights` and local expert `ids` [T, k] ->
     [T, H] in x's dtype: sum over k of weight * w2 @ activate(w13 @ x) (see the module docstring).
-    `silu_and_mul`: `activate` is silu(gate) * up of w13's halves, computed in w13's epilogue. `table`:
-    the tuned tiles of this shape (`moe_configs.tuned_table`), None for the fallback."""
+    `silu_and_mul`: `activate` is silu(gate) * up of w13's halves, computed in w13's epilogue; `relu2`:
+    `activate` is relu(.)^2 (plain experts), computed there too. `table`: the tuned tiles of this shape
+    (`moe_configs.tuned_table`), None for the fallback."""
     num_experts = w13.shape[0]
     rows = ids.numel()
     cfg13, cfg2 = pick_configs(table, ids.shape[0], rows, num_experts)
@@ -107,8 +112,8 @@ def fused_experts(
             tile_end13 if cfg2.block_m == cfg13.block_m else (tile_map(offs, cfg2.block_m) if rows else None)
         )
     x = x if x.stride(-1) == 1 else x.contiguous()
-    h = moe_gemm(x, w13, offs, rows, token_of, cfg13, tile_end13, silu_mul=silu_and_mul)
-    if not silu_and_mul:
+    h = moe_gemm(x, w13, offs, rows, token_of, cfg13, tile_end13, silu_mul=silu_and_mul, relu2=relu2)
+    if not (silu_and_mul or relu2):
         h = activate(h).contiguous()
     y = moe_gemm(h, w2, offs, rows, None, cfg2, tile_end2)
     return combine(y, sorted_, weights, x.dtype)
@@ -127,6 +132,7 @@ class FusedExperts:
         self.table = self._table(experts.w13.shape[0], experts.w2)
         self.max_tokens = max_tokens  # larger batches take the grouped_mm path (None: none do)
         self.silu_mul = experts.gated and experts.act is F.silu
+        self.relu2 = not experts.gated and experts.act is relu2  # (Nemotron-H's plain experts)
         self.shared: tuple[nn.Module, nn.Module | None] | None = None  # (the MLP, its gate)
         self.stack: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) of E + 1 experts
         self.stack_table: Table = {}  # the stacks' tiles (E + 1 experts)
@@ -192,7 +198,7 @@ class FusedExperts:
         """The layer's `forward` on its local `weights` / `ids` (other EP ranks' assignments: id E)."""
         if self.shared is None or self.shared != (shared_expert, shared_gate):
             out = fused_experts(
-                x, experts.w13, experts.w2, weights, ids, experts._activate, self.silu_mul, self.table
+                x, experts.w13, experts.w2, weights, ids, experts._activate, self.silu_mul, self.table, self.relu2
             )
             return experts._add_shared(out, x, shared_expert, shared_gate)
         e = experts.num_experts
@@ -213,4 +219,6 @@ class FusedExperts:
         """The stacks' GEMMs on picks [T, k + 1] that already end with the shared expert's (id E, its
         gate's weight): `forward`'s last step, and `shared_routing.SharedRouting`'s, whose routing
         kernel writes that pick itself."""
-        return fused_experts(x, *self.stack, weights, ids, experts._activate, self.silu_mul, self.stack_table)
+        return fused_experts(
+            x, *self.stack, weights, ids, experts._activate, self.silu_mul, self.stack_table, self.relu2
+        )

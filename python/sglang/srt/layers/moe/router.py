@@ -48,10 +48,18 @@ def grouped_sigmoid_topk(
     renormalize: bool,
     routed_scaling_factor: float,
     ops: Any | None = None,
+    triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Nemotron-H (DeepSeek-V3 style): sigmoid scores; experts are chosen by score + correction bias,
     first among the `topk_groups` groups whose two best biased scores sum highest, and weighted by the
-    unbiased score (renormalised, then scaled)."""
+    unbiased score (renormalised, then scaled). `triton`: one Triton launch (`routing_triton.py`, the
+    CUDA path, SGLANG_GPU_MOE_BACKEND)."""
+    if triton:
+        from sglang.srt.layers.moe.routing_triton import grouped_sigmoid_topk_triton
+
+        return grouped_sigmoid_topk_triton(
+            router_logits, top_k, correction_bias, num_groups, topk_groups, renormalize, routed_scaling_factor
+        )
     if cpp_routes(ops, *router_logits.shape):
         return ops.biased_grouped_topk(
             router_logits.float().contiguous(),

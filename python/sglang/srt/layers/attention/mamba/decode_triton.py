@@ -72,12 +72,16 @@ def _mamba2_decode_kernel(
     src_ptr,
     y_ptr,
     slot_stride,
+    dt_stride,
+    dt_bias_ptr,
+    dt_min,
     HEADS: tl.constexpr,
     P: tl.constexpr,
     N: tl.constexpr,
     GROUPS: tl.constexpr,
     BP: tl.constexpr,
     BN: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -91,8 +95,16 @@ def _mamba2_decode_kernel(
     B = tl.load(row + HEADS * P + grp * N + offs_n, mask=mn, other=0.0).to(tl.float32)
     C = tl.load(row + HEADS * P + GROUPS * N + grp * N + offs_n, mask=mn, other=0.0).to(tl.float32)
     bh = b * HEADS + h
-    dt = tl.load(dt_ptr + bh).to(tl.float32)
-    decay = tl.exp(dt * tl.load(a_ptr + h).to(tl.float32))
+    dt = tl.load(dt_ptr + b.to(tl.int64) * dt_stride + h).to(tl.float32)
+    a = tl.load(a_ptr + h).to(tl.float32)
+    if GATED:  # dt and A from the raw projection and the layer's parameters, as the torch form makes them:
+        # softplus (threshold 20; exp(x) where log(1 + exp(x)) loses it) of dt + dt_bias, clamped below
+        # at dt_min; A = -exp(A_log) (a_ptr: A_log)
+        x_dt = dt + tl.load(dt_bias_ptr + h).to(tl.float32)
+        e = tl.exp(tl.minimum(x_dt, 20.0))
+        dt = tl.maximum(tl.where(x_dt > 20.0, x_dt, tl.where(x_dt < -15.0, e, tl.log(1.0 + e))), dt_min)
+        a = -tl.exp(a)
+    decay = tl.exp(dt * a)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     base = state_ptr + slot * slot_stride + h * (P * N)
     src = state_ptr + tl.load(src_ptr + b).to(tl.int64) * slot_stride + h * (P * N)
@@ -101,7 +113,7 @@ def _mamba2_decode_kernel(
     s = tl.load(src + tile, mask=m2, other=0.0).to(tl.float32)
     s = s * decay + (dt * x)[:, None] * B[None, :]
     y = tl.reduce(s * C[None, :], 1, add) + tl.load(d_ptr + h).to(tl.float32) * x
-    tl.store(y_ptr + bh * P + offs_p, y, mask=mp)
+    tl.store(y_ptr + bh * P + offs_p, y.to(y_ptr.dtype.element_ty), mask=mp)
     tl.store(base + tile, s.to(state_ptr.dtype.element_ty), mask=m2)
 
 
@@ -119,9 +131,10 @@ def causal_conv1d_update_inplace(
     src_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [bs, C] (rows may be strided: a column slice of the projection's product is read in place);
-    `conv_state` is one layer of the pool, [slots, C, K-1] (any float dtype, rows contiguous); weight [C, K]; `slots` [bs] int64 on the same device. Shifts the states of `slots` in
-    place and returns silu(conv) [bs, C] float32; with `src_slots` (rows distinct from every slot
-    written) the windows are read there and left as they are (a speculative verify)."""
+    `conv_state` is one layer of the pool, [slots, C, K-1] (any float dtype, rows contiguous); weight
+    [C, K]; `slots` [bs] int64 on the same device. Shifts the states of `slots` in place and returns
+    silu(conv) [bs, C] float32; with `src_slots` (rows distinct from every slot written) the windows are
+    read there and left as they are (a speculative verify)."""
     bs, channels = x.shape
     keep = weight.shape[1] - 1
     assert conv_state.shape[1:] == (channels, keep) and conv_state[0].is_contiguous(), "layout [C, K-1]"
@@ -173,34 +186,46 @@ def mamba2_decode_inplace(
     groups: int,
     state_size: int,
     src_slots: torch.Tensor | None = None,
+    gates: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """xbc [bs, H*P + 2*G*N] (the conv output: x | B | C), dt [bs, H] (softplus'd and clamped), A, D
-    [H]; `ssm` is one layer of the pool, [slots, H, P, N]. Updates the states of `slots` in place and
-    returns y [bs, H, P] float32 (D skip included); with `src_slots` (rows distinct from every slot
-    written) the states are read there and left as they are (a speculative verify)."""
+    """xbc [bs, H*P + 2*G*N] (the conv output: x | B | C), dt [bs, H] (softplus'd and clamped; rows may
+    be strided), A, D [H] (any float dtype); `ssm` is one layer of the pool, [slots, H, P, N]. Updates the
+    states of `slots` in place and returns y [bs, H, P] in `out_dtype` (D skip included; rounded from
+    float32 as torch's cast rounds); with `src_slots` (rows distinct from every slot written) the states
+    are read there and left as they are (a speculative verify). `gates` = (dt_bias, A_log, dt_min): dt is
+    the projection's raw slice and A None, the gating done in the kernel (the torch form's ~6 launches
+    per layer)."""
     bs = xbc.shape[0]
     assert xbc.shape[1] == heads * head_dim + 2 * groups * state_size and heads % groups == 0
     assert ssm.shape[1:] == (heads, head_dim, state_size) and ssm[0].is_contiguous(), "layout [H, P, N]"
-    y = torch.empty(bs, heads, head_dim, dtype=torch.float32, device=xbc.device)
+    y = torch.empty(bs, heads, head_dim, dtype=out_dtype, device=xbc.device)
     if bs == 0:
         return y
+    if dt.stride(-1) != 1:
+        dt = dt.contiguous()
+    dt_bias, a, dt_min = (gates[0].contiguous(), gates[1].contiguous(), float(gates[2])) if gates else (dt, A, 0.0)
     bp = head_block(head_dim, state_size)
     jit_for_env(_mamba2_decode_kernel)[(bs, heads, triton.cdiv(head_dim, bp))](
         xbc.contiguous(),
-        dt.contiguous(),
-        A.contiguous(),
+        dt,
+        a.contiguous(),
         D.contiguous(),
         ssm,
         slots.contiguous(),
         (slots if src_slots is None else src_slots).contiguous(),
         y,
         ssm.stride(0),
+        dt.stride(0),
+        dt_bias,
+        dt_min,
         HEADS=heads,
         P=head_dim,
         N=state_size,
         GROUPS=groups,
         BP=bp,
         BN=triton.next_power_of_2(state_size),
+        GATED=gates is not None,
         num_warps=NUM_WARPS,
     )
     return y

@@ -13,7 +13,6 @@ depend on which path produced it. Returns y [T, H, P] in float32 (D skip include
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +45,17 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
                 layer.conv1d.bias, ssm, self.meta.slots, layer.num_heads, layer.head_dim, layer.n_groups,
                 layer.ssm_state_size,
             )  # fmt: skip
+        if self.decode_in_place and fb.forward_mode.is_decode():
+            # The Triton step (CUDA): the gating (dt's softplus and clamp, A = -exp(A_log)) in the kernel
+            # on the projection's raw dt, y in the layer's dtype (no cast after).
+            from sglang.srt.layers.attention.mamba.decode_triton import mamba2_decode_inplace
+
+            return mamba2_decode_inplace(
+                self.conv_decode(lid, xBC, weight, layer.conv1d.bias), dt, None, layer.D,
+                self.mamba_pool.layer_cache(lid)[1], self.meta.slots, layer.num_heads, layer.head_dim,
+                layer.n_groups, layer.ssm_state_size, src_slots=self.meta.src_slots,
+                gates=(layer.dt_bias, layer.A_log, layer.time_step_min), out_dtype=xBC.dtype,
+            )  # fmt: skip
         if self.cpu_ops is not None and dt.dtype == layer.A_log.dtype == layer.dt_bias.dtype == torch.float32:
             # One C++ call instead of ~6 small ops per layer (the same float32 arithmetic).
             dt, A = self.cpu_ops.mamba2_gating(dt, layer.dt_bias, layer.A_log, layer.time_step_min)
@@ -54,16 +64,8 @@ class Mamba2AttnBackend(MambaAttnBackendBase):
             dt = F.softplus(dt.float() + layer.dt_bias.float()).clamp(min=layer.time_step_min)
         if fb.forward_mode.is_decode():
             xbc = self.conv_decode(lid, xBC, weight, layer.conv1d.bias)
-            if self.decode_in_place or self.decode_cpp:
-                # The Triton kernel (CUDA) and the C++ op (CPU) take the same arguments (and the Triton
-                # one a verify step's source slots).
-                if self.decode_in_place:
-                    from sglang.srt.layers.attention.mamba.decode_triton import mamba2_decode_inplace
-
-                    step = functools.partial(mamba2_decode_inplace, src_slots=self.meta.src_slots)
-                else:
-                    step = self.cpu_ops.mamba2_decode
-                return step(
+            if self.decode_cpp:
+                return self.cpu_ops.mamba2_decode(
                     xbc,
                     dt.contiguous(),
                     A.contiguous(),

@@ -32,12 +32,13 @@ def _store_kv_kernel(
 
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """k_buf, v_buf [rows, H, D] (contiguous, one dtype); k, v [T, H, D] of that dtype (unit last stride);
-    loc [T] the rows to write."""
+    loc [T] the rows to write (in range: the caller's allocator's rows, padding on the dummy row 0)."""
     t, heads, d = k.shape
     assert v.shape == k.shape and k_buf.shape[1:] == (heads, d) and k_buf.is_contiguous() and v_buf.is_contiguous()
     assert k.dtype == v.dtype == k_buf.dtype == v_buf.dtype and k.stride(-1) == v.stride(-1) == 1
+    assert loc.dim() == 1 and loc.numel() == t, "one row per token"
     if t:
         jit_for_env(_store_kv_kernel)[(t, heads)](
-            k, v, k_buf, v_buf, loc, k.stride(0), k.stride(1), v.stride(0), v.stride(1), HEADS=heads, D=d,
+            k, v, k_buf, v_buf, loc.contiguous(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), HEADS=heads, D=d,
             BD=triton.next_power_of_2(d),
         )  # fmt: skip
