@@ -15,6 +15,7 @@ from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.layers.stacked_linears import stack_linear_weights, stacked_outputs
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -46,18 +47,24 @@ class LlamaStyleAttention(nn.Module):
         self.rotary_emb = get_rope(head_dim, rope_parameters) if rope_parameters is not None else None
         scale = head_dim**-0.5 if scale is None else scale
         self.attn = RadixAttention(self.num_heads, head_dim, scale, self.num_kv_heads, layer_id)
+        self.qkv_stack: torch.Tensor | None = None  # q / k / v as one GEMM (set at load: stacked_linears.py)
+
+    def process_weights_after_loading(self) -> None:
+        if self.qkv_stack is None:
+            self.qkv_stack = stack_linear_weights([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t = hidden.shape[0]
-        q, k = self.q_proj(hidden), self.k_proj(hidden)
-        if self.q_norm is not None:
-            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-        if self.rotary_emb is not None:
-            q, k = self.rotary_emb(
-                positions, q.view(t, self.num_heads, -1), k.view(t, self.num_kv_heads, -1), fb.rope_cache
-            )
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), self.v_proj(hidden), fb))
+        q, k, v = stacked_outputs(hidden, (self.q_proj, self.k_proj, self.v_proj), self.qkv_stack)
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        if self.rotary_emb is not None and self.q_norm is not None:  # (one launch on CUDA)
+            q, k = self.rotary_emb.forward_with_norms(positions, q, k, self.q_norm, self.k_norm, fb.rope_cache)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.rotary_emb is not None:
+                q, k = self.rotary_emb(positions, q, k, fb.rope_cache)
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, fb))
 
 
 def set_attention_projections(
