@@ -90,7 +90,7 @@ def test_a_nan_row_keeps_its_ids_in_range(interpret):
 
 @pytest.mark.parametrize(
     "experts,groups,topk_groups,top_k",
-    [(8, 1, 1, 2), (128, 1, 1, 6), (64, 8, 4, 6), (16, 4, 2, 3), (12, 3, 3, 9)],
+    [(8, 1, 1, 2), (128, 1, 1, 6), (64, 8, 4, 6), (16, 4, 2, 3), (12, 3, 3, 9), (8, 8, 3, 3)],
 )
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_grouped_sigmoid_topk_matches_the_torch_form(kernel_device, experts, groups, topk_groups, top_k, renormalize):

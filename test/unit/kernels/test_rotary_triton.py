@@ -98,7 +98,7 @@ def test_the_heads_norms_in_the_same_launch(kernel_device, dtype, head_dim, rota
         assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
         close(got, want)
     # Bit for bit the norm kernel's rounded result rotated by the rotary kernel: round, then rotate.
-    normed = [real_norm(t, m.weight, m.eps, tri.PLAIN, offset_one=offset_one) for t, m in zip((q, k), norms)]
+    normed = [real_norm(t, m.weight, m.eps, tri.PLAIN, offset_one=offset_one) for t, m in zip((q, k), norms, strict=True)]
     apart = rotary_triton(positions, *normed, rope.inv_freq, rotary_dim)
     assert torch.equal(got_q, apart[0]) and torch.equal(got_k, apart[1])
     norms[1].triton = False  # a norm on its torch form: the three calls (q's norm its kernel), same values

@@ -2,8 +2,9 @@
 `weight` a view of its rows: same shape and values, so loads, weight updates and memory release reach
 the stack), and the caller slices the stacked product. At decode sizes each GEMM is a launch of a few
 microseconds whatever its width, so two projections of the same input in one launch save one per layer
-(`benchmark/gpu/kernel_census.py` counts them). Users: Qwen3-Next's GDN input projections
-(`models/qwen3_next.py`), a MoE router with its shared expert's gate (`layers/moe/shared_routing.py`).
+(`benchmark/gpu/kernel_census.py` counts them). Users: Qwen3-Next's GDN input projections and every
+attention's q / k / v (`models/qwen3_next.py`, `models/nemotron_h.py`, `layers/llama_attention.py`), a
+MoE router with its shared expert's gate (`layers/moe/shared_routing.py`).
 
 `SGLANG_STACK_LINEARS=0` leaves every linear its own GEMM (to time the difference). The products are the
 same dot products, though not always the same bits: a GEMM of another width may split or order K

@@ -140,7 +140,7 @@ def _moe_gemm_kernel(
         if SILU_MUL:
             acc = acc / (1.0 + tl.exp(-acc)) * up
         if RELU2:
-            h = tl.maximum(acc.to(c_ptr.dtype.element_ty).to(tl.float32), 0.0)
+            h = tl.maximum(acc.to(c_ptr.dtype.element_ty).to(tl.float32), 0.0, propagate_nan=tl.PropagateNan.ALL)
             acc = h * h
     c_ptrs = c_ptr + rows64[:, None] * N + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])

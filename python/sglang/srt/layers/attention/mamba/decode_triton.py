@@ -101,8 +101,12 @@ def _mamba2_decode_kernel(
         # softplus (threshold 20; exp(x) where log(1 + exp(x)) loses it) of dt + dt_bias, clamped below
         # at dt_min; A = -exp(A_log) (a_ptr: A_log)
         x_dt = dt + tl.load(dt_bias_ptr + h).to(tl.float32)
-        e = tl.exp(tl.minimum(x_dt, 20.0))
-        dt = tl.maximum(tl.where(x_dt > 20.0, x_dt, tl.where(x_dt < -15.0, e, tl.log(1.0 + e))), dt_min)
+        e = tl.exp(tl.minimum(x_dt, 20.0, propagate_nan=tl.PropagateNan.ALL))
+        # log1p(e) to float32 precision (Kahan's form: log(u) scaled by e / (u - 1), u = 1 + e rounded)
+        u = 1.0 + e
+        log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+        dt = tl.where(x_dt > 20.0, x_dt, log1p)
+        dt = tl.maximum(dt, dt_min, propagate_nan=tl.PropagateNan.ALL)  # (torch's clamp keeps a NaN)
         a = -tl.exp(a)
     decay = tl.exp(dt * a)
     slot = tl.load(slot_ptr + b).to(tl.int64)

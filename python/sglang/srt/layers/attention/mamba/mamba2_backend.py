@@ -8,7 +8,8 @@ by the Triton kernels on CUDA (`decode_triton.py`) and sgl-kernel's C++ ops on C
 The layer passes the conv inputs `xBC` [T, I + 2*G*N] (channel order x | B | C) and the raw time step
 dt [T, H]; it reads the layer's `layer_id`, `conv1d`, `A_log`, `D`, `dt_bias`, `time_step_min` and
 sizes. dt = softplus(dt + dt_bias) is clamped to >= time_step_min on both paths, so a state does not
-depend on which path produced it. Returns y [T, H, P] in float32 (D skip included, gate not applied).
+depend on which path produced it. Returns y [T, H, P] (D skip included, gate not applied) in float32,
+or, from the Triton decode step, in the layer's dtype (the rounding the caller's cast would make).
 """
 
 from __future__ import annotations
