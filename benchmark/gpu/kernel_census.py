@@ -7,6 +7,7 @@ batches (benchmark/gpu/README.md), so this count is what fusion has to bring dow
 
     python benchmark/gpu/kernel_census.py                      # tiny-qwen3-next, bfloat16, batch 1
     python benchmark/gpu/kernel_census.py --model tiny-nemotron-h --batch 64 --top 30
+    python benchmark/gpu/kernel_census.py --batch 1 8 64                 # a summary line per batch size
     python benchmark/gpu/kernel_census.py --env SGLANG_GPU_NORM_BACKEND=torch  # the norms' torch form
 """
 
@@ -97,17 +98,19 @@ def census(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-qwen3-next")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="one JSON line per size; details: the first")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE over the CUDA defaults")
     args = parser.parse_args()
     env = dict(kv.split("=", 1) for kv in args.env)
-    by_op, by_line, triton, outside = census(args.model, args.batch, args.dtype, env)
-    total = sum(by_op.values()) + sum(triton.values())
-    print(json.dumps({"model": args.model, "batch": args.batch, "dtype": args.dtype, "env": env, "kernels": total,
-                      "aten": sum(by_op.values()), "triton": sum(triton.values()),
-                      "outside_graph": sum(outside.values())}))  # fmt: skip
+    runs = [(batch, census(args.model, batch, args.dtype, env)) for batch in args.batch]
+    for batch, (by_op, _, triton, outside) in runs:
+        total = sum(by_op.values()) + sum(triton.values())
+        print(json.dumps({"model": args.model, "batch": batch, "dtype": args.dtype, "env": env, "kernels": total,
+                          "aten": sum(by_op.values()), "triton": sum(triton.values()),
+                          "outside_graph": sum(outside.values())}))  # fmt: skip
+    by_op, by_line, triton, outside = runs[0][1]
     print("\nby aten op:")
     for name, n in by_op.most_common(args.top):
         print(f"  {n:5d}  {name}")

@@ -167,13 +167,15 @@ def test_the_committed_autotune_seed_holds_results_only():
             assert "configs_timings" in json.loads(tar.extractfile(m).read())
 
 
-def _census(*args: str, model: str = "tiny-nemotron-h") -> dict:
+def _census(*args: str, model: str = "tiny-nemotron-h", runs: int = 1) -> dict | list[dict]:
+    """The census's summary line (or its first `runs` lines: one per `--batch` size)."""
     proc = subprocess.run(
         [sys.executable, str(GPU_BENCH / "kernel_census.py"), "--model", model, *args],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[0])
+    lines = [json.loads(line) for line in proc.stdout.splitlines()[:runs]]
+    return lines[0] if runs == 1 else lines
 
 
 def test_kernel_census_counts_what_the_triton_norm_saves():
@@ -200,7 +202,8 @@ def test_kernel_census_counts_what_the_stacked_linears_save():
     from sglang.srt.configs.presets import resolve_model_path
     from sglang.srt.models.qwen3_next import is_sparse_layer
 
-    stacked = _census(model="tiny-qwen3-next")
+    stacked, stacked8 = _census("--batch", "1", "8", model="tiny-qwen3-next", runs=2)
+    assert (stacked["batch"], stacked8["batch"]) == (1, 8)
     unstacked = _census("--env", "SGLANG_STACK_LINEARS=0", model="tiny-qwen3-next")
     config = AutoConfig.from_pretrained(resolve_model_path("tiny-qwen3-next"))
     layers = range(config.num_hidden_layers)
@@ -212,7 +215,7 @@ def test_kernel_census_counts_what_the_stacked_linears_save():
     assert unstacked["kernels"] - stacked["kernels"] == 6 * moe + gdn + 2 * attention
     assert unstacked["triton"] == stacked["triton"] and unstacked["outside_graph"] == stacked["outside_graph"]
     # No launch grows with the batch (views read in place: the GDN's mixed q|k|v, k, z; nothing copied).
-    assert _census("--batch", "8", model="tiny-qwen3-next")["kernels"] == stacked["kernels"]
+    assert stacked8["kernels"] == stacked["kernels"]
 
 
 def test_server_startup_timeline_reads_the_log_up_to_healthy(tmp_path):

@@ -40,8 +40,8 @@ def test_compiles_for_sm90():
     from sglang.test.sm90 import compile_sm90_in_registers
 
     sig = {"out_ptr": "*bf16", "gate_ptr": "*bf16", "res_ptr": "*bf16", "out_stride": "i64",
-           "gate_tstride": "i64", "gate_hstride": "i64", **{k: "constexpr" for k in ("HEADS", "D", "BD")}}  # fmt: skip
-    compile_sm90_in_registers(mod._sigmoid_gate_mul_kernel, sig, dict(HEADS=16, D=256, BD=256))
+           "gate_tstride": "i64", "gate_hstride": "i64", **{k: "constexpr" for k in ("HEADS", "D", "BH", "BD")}}  # fmt: skip
+    compile_sm90_in_registers(mod._sigmoid_gate_mul_kernel, sig, dict(HEADS=16, D=256, BH=16, BD=256))
 
 
 def test_the_attention_layer_takes_it_where_the_choice_says(monkeypatch):

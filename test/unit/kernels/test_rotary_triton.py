@@ -147,9 +147,9 @@ def test_compiles_for_sm90(act, norm):
         "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", **{k: f"*{act}" for k in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr")},
         **{k: "i64" for k in ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h")},
         "qw_ptr": f"*{act}", "kw_ptr": f"*{act}", "q_eps": "fp32", "k_eps": "fp32",
-        **{k: "constexpr" for k in ("HQ", "HK", "D", "HALF", "BHALF", "BREST", "NORM", "OFFSET_ONE", "BD")},
+        **{k: "constexpr" for k in ("HQ", "HK", "D", "HALF", "BHALF", "BREST", "NORM", "W_OFFSET", "BD")},
     }  # fmt: skip
-    consts = dict(HQ=16, HK=2, D=256, HALF=32, BHALF=32, BREST=256, NORM=norm, OFFSET_ONE=True, BD=256)
+    consts = dict(HQ=16, HK=2, D=256, HALF=32, BHALF=32, BREST=256, NORM=norm, W_OFFSET=1.0, BD=256)
     compile_sm90_in_registers(mod._rope_kernel, sig, consts)
 
 

@@ -57,5 +57,5 @@ def test_compiles_for_sm90():
 
     sig = {**{k: "*bf16" for k in ("k_ptr", "v_ptr", "kbuf_ptr", "vbuf_ptr")}, "loc_ptr": "*i64",
            **{k: "i64" for k in ("k_tstride", "k_hstride", "v_tstride", "v_hstride")},
-           **{k: "constexpr" for k in ("HEADS", "D", "BD")}}  # fmt: skip
-    compile_sm90_in_registers(mod._store_kv_kernel, sig, dict(HEADS=2, D=256, BD=256))
+           **{k: "constexpr" for k in ("HEADS", "D", "BH", "BD")}}  # fmt: skip
+    compile_sm90_in_registers(mod._store_kv_kernel, sig, dict(HEADS=2, D=256, BH=2, BD=256))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
 from sglang.srt.utils.triton_jit import add, jit_for_env
 
@@ -43,7 +42,7 @@ def _rope_kernel(
     BHALF: tl.constexpr,
     BREST: tl.constexpr,
     NORM: tl.constexpr,
-    OFFSET_ONE: tl.constexpr,
+    W_OFFSET: tl.constexpr,
     BD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -63,12 +62,14 @@ def _rope_kernel(
     cos, sin = tl.cos(freq), tl.sin(freq)
     x1 = tl.load(src + i, mask=mi, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + i, mask=mi, other=0.0).to(tl.float32)
-    if NORM:  # the head's RMSNorm first (the PLAIN norm's arithmetic), its result rounded
+    if NORM:  # the head's RMSNorm first (the PLAIN norm's arithmetic: (x * rstd) * w), its result rounded
         d = tl.arange(0, BD)
         x = tl.load(src + d, mask=d < D, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 0, add) / D + eps)
-        x1 = normed(x1, w_ptr, i, mi, rstd, OFFSET_ONE).to(act).to(tl.float32)
-        x2 = normed(x2, w_ptr, HALF + i, mi, rstd, OFFSET_ONE).to(act).to(tl.float32)
+        w1 = tl.load(w_ptr + i, mask=mi, other=0.0).to(tl.float32) + W_OFFSET
+        w2 = tl.load(w_ptr + HALF + i, mask=mi, other=0.0).to(tl.float32) + W_OFFSET
+        x1 = ((x1 * rstd) * w1).to(act).to(tl.float32)
+        x2 = ((x2 * rstd) * w2).to(act).to(tl.float32)
     tl.store(dst + i, (x1 * cos - x2 * sin).to(act), mask=mi)
     tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(act), mask=mi)
     if BREST > 0:  # channels past the rotary ones pass through (normalised first with NORM)
@@ -76,20 +77,9 @@ def _rope_kernel(
         mr = r < D
         rest = tl.load(src + r, mask=mr, other=0.0)
         if NORM:
-            rest = normed(rest.to(tl.float32), w_ptr, r, mr, rstd, OFFSET_ONE)
+            w_rest = tl.load(w_ptr + r, mask=mr, other=0.0).to(tl.float32) + W_OFFSET
+            rest = (rest.to(tl.float32) * rstd) * w_rest
         tl.store(dst + r, rest.to(act), mask=mr)
-
-
-def _normed(x, w_ptr, cols, mask, rstd, OFFSET_ONE: tl.constexpr):
-    """x (float32, channels `cols` of a head) times rstd times the norm's weight (+ 1 with OFFSET_ONE)."""
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if OFFSET_ONE:
-        w = w + 1.0
-    return (x * rstd) * w
-
-
-# Jitted at import, as a kernel's callee must be (jit_for_env hands interpreted kernels its interpreted form).
-normed = JITFunction(_normed)
 
 
 def rotary_triton(
@@ -119,6 +109,6 @@ def rotary_triton(
         qw, kw, q_eps, k_eps,
         HQ=hq, HK=hk, D=d, HALF=half, BHALF=triton.next_power_of_2(half),
         BREST=triton.next_power_of_2(d - rotary_dim) if d > rotary_dim else 0,
-        NORM=norms is not None, OFFSET_ONE=offset_one, BD=triton.next_power_of_2(d),
+        NORM=norms is not None, W_OFFSET=1.0 if offset_one else 0.0, BD=triton.next_power_of_2(d),
     )  # fmt: skip
     return q_out, k_out

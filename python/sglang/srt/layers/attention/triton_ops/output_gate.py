@@ -18,13 +18,13 @@ from sglang.srt.utils.triton_jit import jit_for_env
 
 def _sigmoid_gate_mul_kernel(
     out_ptr, gate_ptr, res_ptr, out_stride, gate_tstride, gate_hstride, HEADS: tl.constexpr, D: tl.constexpr,
-    BD: tl.constexpr,
+    BH: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
-    """One (token, head): res[t, h D + j] = out[t, h D + j] * sigmoid(gate[t, h, j])."""
+    """One token: res[t, h D + j] = out[t, h D + j] * sigmoid(gate[t, h, j]) over every head h."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    j = tl.arange(0, BD)
-    m = j < D
+    h = tl.arange(0, BH)[:, None]
+    j = tl.arange(0, BD)[None, :]
+    m = (h < HEADS) & (j < D)
     act = res_ptr.dtype.element_ty
     g = tl.load(gate_ptr + t * gate_tstride + h * gate_hstride + j, mask=m, other=0.0).to(tl.float32)
     s = (1.0 / (1.0 + tl.exp(-g))).to(act).to(tl.float32)
@@ -39,8 +39,8 @@ def sigmoid_gate_mul(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     assert out.shape == (t, heads * d) and out.dtype == gate.dtype and out.stride(-1) == gate.stride(-1) == 1
     res = torch.empty(t, heads * d, dtype=out.dtype, device=out.device)
     if t:
-        jit_for_env(_sigmoid_gate_mul_kernel)[(t, heads)](
+        jit_for_env(_sigmoid_gate_mul_kernel)[(t,)](
             out, gate, res, out.stride(0), gate.stride(0), gate.stride(1), HEADS=heads, D=d,
-            BD=triton.next_power_of_2(d),
+            BH=triton.next_power_of_2(heads), BD=triton.next_power_of_2(d),
         )  # fmt: skip
     return res

@@ -17,13 +17,13 @@ from sglang.srt.utils.triton_jit import jit_for_env
 
 def _store_kv_kernel(
     k_ptr, v_ptr, kbuf_ptr, vbuf_ptr, loc_ptr, k_tstride, k_hstride, v_tstride, v_hstride,
-    HEADS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    HEADS: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
-    """One (token, head): its K and V rows copied to row loc[token] of the pool's [rows, HEADS, D]."""
+    """One token: its K and V rows (every head) copied to row loc[token] of the pool's [rows, HEADS, D]."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    d = tl.arange(0, BD)
-    m = d < D
+    h = tl.arange(0, BH)[:, None]
+    d = tl.arange(0, BD)[None, :]
+    m = (h < HEADS) & (d < D)
     row = tl.load(loc_ptr + t).to(tl.int64)
     dst = (row * HEADS + h) * D + d
     tl.store(kbuf_ptr + dst, tl.load(k_ptr + t * k_tstride + h * k_hstride + d, mask=m), mask=m)
@@ -38,7 +38,7 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     assert k.dtype == v.dtype == k_buf.dtype == v_buf.dtype and k.stride(-1) == v.stride(-1) == 1
     assert loc.dim() == 1 and loc.numel() == t, "one row per token"
     if t:
-        jit_for_env(_store_kv_kernel)[(t, heads)](
-            k, v, k_buf, v_buf, loc.contiguous(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), HEADS=heads, D=d,
-            BD=triton.next_power_of_2(d),
+        jit_for_env(_store_kv_kernel)[(t,)](
+            k, v, k_buf, v_buf, loc.contiguous(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            HEADS=heads, D=d, BH=triton.next_power_of_2(heads), BD=triton.next_power_of_2(d),
         )  # fmt: skip
