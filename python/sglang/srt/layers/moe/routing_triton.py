@@ -1,8 +1,9 @@
 """Qwen3-Next's routing (softmax over the experts, top k, renormalised) in one Triton launch, the CUDA path
 of `router.softmax_topk`, where torch takes five kernels per MoE layer (cast, softmax, top-k, sum,
 divide); and Nemotron-H's (DeepSeek-V3's grouped sigmoid top-k, `router.grouped_sigmoid_topk`, ~15
-kernels in torch) in one: `grouped_sigmoid_topk_triton`. The arithmetic is the torch form's in float32; among equal probabilities the lower expert id
-wins. On CPU tensors the kernel runs only under `TRITON_INTERPRET=1`, for tests.
+kernels in torch) in one: `grouped_sigmoid_topk_triton`. The arithmetic is the torch form's in float32;
+among equal scores the lower expert id (group) wins. On CPU tensors the kernels run only under
+`TRITON_INTERPRET=1`, for tests.
 
 `shared_gate=True`: the logits carry one column more, the shared expert's gate (Qwen3-Next's
 `shared_expert_gate`, its row stacked under the router's: `shared_routing.py`), and the kernel appends the
