@@ -23,7 +23,7 @@ def _pools(dtype, backend: str) -> MHATokenToKVPool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_kernel_writes_the_rows_torch_writes(interpret, dtype):
     triton_pool, torch_pool = _pools(dtype, "triton"), _pools(dtype, "torch")
-    assert triton_pool.store_triton and not torch_pool.store_triton
+    assert triton_pool.store_kv is not None and torch_pool.store_kv is None
     g = torch.Generator().manual_seed(1)
     wide = torch.randn(5, 6 * 16, generator=g).to(dtype)  # q | k | v of a stacked product: strided views
     k, v = wide[:, 32:48].view(5, 2, 8), wide[:, 48:64].view(5, 2, 8)
@@ -35,13 +35,11 @@ def test_the_kernel_writes_the_rows_torch_writes(interpret, dtype):
     assert not triton_pool.get_kv_buffer(3)[0].any()  # another layer's buffers untouched
 
 
-def test_float8_pools_and_scales_keep_the_torch_form(interpret, monkeypatch):
-    from sglang.srt.layers.attention.triton_ops import store_kv as mod
-
+def test_float8_pools_and_scales_keep_the_torch_form(interpret):
     calls = []
-    monkeypatch.setattr(mod, "store_kv", lambda *a: calls.append(1))
-    assert not _pools(torch.float8_e4m3fn, "triton").store_triton
+    assert _pools(torch.float8_e4m3fn, "triton").store_kv is None
     pool = _pools(torch.bfloat16, "triton")
+    pool.store_kv = lambda *a: calls.append(1)
     k = v = torch.randn(2, 2, 8).to(torch.bfloat16)
     pool.set_kv_buffer(3, torch.tensor([1, 2]), k, v, k_scale=0.5)
     assert calls == [] and pool.get_kv_buffer(3)[0][1:3].any()

@@ -27,14 +27,14 @@ ROW_ALIGN = 8  # the stack's rows padded to a multiple of this (16-bit rows of t
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def plain_linear(lin: nn.Module, dtype: torch.dtype | None = None) -> bool:
-    """nn.Linear's forward on its weight (of `dtype` where given; else any of DTYPES), no bias."""
+def _plain(lin: nn.Module, dtype: torch.dtype) -> bool:
+    """nn.Linear's forward on its weight of `dtype` (one of DTYPES), no bias."""
     return (
         isinstance(lin, nn.Linear)
         and type(lin).forward is nn.Linear.forward
         and "forward" not in lin.__dict__
         and lin.bias is None
-        and (lin.weight.dtype == dtype if dtype is not None else lin.weight.dtype in DTYPES)
+        and lin.weight.dtype == dtype in DTYPES
     )
 
 
@@ -44,7 +44,7 @@ def stack_linear_weights(linears: list[nn.Linear]) -> torch.Tensor | None:
     changed) unless all are plain, of one dtype, device and input width, and SGLANG_STACK_LINEARS is on."""
     first = linears[0].weight
     if not envs.SGLANG_STACK_LINEARS.get() or not all(
-        plain_linear(lin, first.dtype) and lin.weight.device == first.device and lin.weight.shape[1] == first.shape[1]
+        _plain(lin, first.dtype) and lin.weight.device == first.device and lin.weight.shape[1] == first.shape[1]
         for lin in linears
     ):
         return None

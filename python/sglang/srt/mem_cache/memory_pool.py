@@ -100,11 +100,15 @@ class MHATokenToKVPool:
         rows = (size // page_size + 1) * page_size
         self.k_buffer = [torch.zeros(rows, head_num, head_dim, dtype=dtype, device=device) for _ in layer_ids]
         self.v_buffer = [torch.zeros(rows, head_num, head_dim, dtype=dtype, device=device) for _ in layer_ids]
-        # K and V rows in one Triton launch (CUDA; a float8 pool keeps torch's conversion and clamp).
-        self.store_triton = dtype not in FLOAT8_MAX and triton_chosen(
-            envs.SGLANG_GPU_ELEMENTWISE_BACKEND, torch.device(device),
-            "sglang.srt.layers.attention.triton_ops.store_kv",
-        )  # fmt: skip
+        # K and V rows in one Triton launch (CUDA; a float8 pool keeps torch's conversion and clamp): the
+        # kernel's function where chosen (imported here: a CPU install may lack triton), else None.
+        self.store_kv = None
+        if dtype not in FLOAT8_MAX and triton_chosen(
+            envs.SGLANG_GPU_ELEMENTWISE_BACKEND, torch.device(device), "sglang.srt.layers.attention.triton_ops.store_kv"
+        ):
+            from sglang.srt.layers.attention.triton_ops.store_kv import store_kv
+
+            self.store_kv = store_kv
 
     def _index(self, layer_id: int) -> int:
         try:
@@ -132,14 +136,10 @@ class MHATokenToKVPool:
         e5m2 makes inf on any device), and a NaN or inf key poisons every later token's attention."""
         i = self._index(layer_id)
         if (
-            self.store_triton and k_scale == v_scale == 1.0 and k.dtype == v.dtype == self.dtype
+            self.store_kv is not None and k_scale == v_scale == 1.0 and k.dtype == v.dtype == self.dtype
             and k.stride(-1) == v.stride(-1) == 1 and loc.dim() == 1 and loc.numel() == k.shape[0]
         ):  # fmt: skip
-            from sglang.srt.layers.attention.triton_ops.store_kv import (
-                store_kv,  # (a CPU install may lack triton)
-            )
-
-            store_kv(self.k_buffer[i], self.v_buffer[i], loc, k, v)
+            self.store_kv(self.k_buffer[i], self.v_buffer[i], loc, k, v)
             return
         if k_scale != 1.0:
             k = k.float() / k_scale

@@ -190,17 +190,22 @@ class Qwen3NextAttention(nn.Module):
         self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, offset_one=True)
         self.rotary_emb = get_rope(d, _rope_parameters(config))
         self.attn = RadixAttention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id)
-        # Set at load: q/k/v as one GEMM (`stacked_linears.py`), the output gate in one Triton launch.
+        # Set at load: q/k/v as one GEMM (`stacked_linears.py`), the output gate's Triton launch (its
+        # function, or None: torch's ops).
         self.qkv_stack: torch.Tensor | None = None
-        self.gate_triton = False
+        self.gate_mul = None
 
     def process_weights_after_loading(self) -> None:
         if self.qkv_stack is None:
             self.qkv_stack = stack_linear_weights([self.q_proj, self.k_proj, self.v_proj])
-        self.gate_triton = triton_chosen(
+        self.gate_mul = None
+        if triton_chosen(
             envs.SGLANG_GPU_ELEMENTWISE_BACKEND, self.o_proj.weight.device,
             "sglang.srt.layers.attention.triton_ops.output_gate",
-        )  # fmt: skip
+        ):  # fmt: skip
+            from sglang.srt.layers.attention.triton_ops.output_gate import sigmoid_gate_mul
+
+            self.gate_mul = sigmoid_gate_mul
 
     def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q_proj, k_proj, v_proj)(hidden): one GEMM on the stack where it serves (column slices of its
@@ -215,10 +220,8 @@ class Qwen3NextAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, d)
         q, k = self.rotary_emb.forward_with_norms(positions, q, k, self.q_norm, self.k_norm, fb.rope_cache)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, fb)
-        if self.gate_triton:
-            from sglang.srt.layers.attention.triton_ops.output_gate import sigmoid_gate_mul
-
-            return self.o_proj(sigmoid_gate_mul(out, gate))
+        if self.gate_mul is not None:
+            return self.o_proj(self.gate_mul(out, gate))
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
 

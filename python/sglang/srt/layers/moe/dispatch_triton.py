@@ -114,14 +114,19 @@ def _offsets_kernel(ids_ptr, offs_ptr, n, E: tl.constexpr, BE: tl.constexpr, BJ:
     tl.store(offs_ptr + e, total, mask=e < E)
 
 
+def _align_outputs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """(ids flat and contiguous, token_of [T k] int64, inv [T k] int64, offs [E] int32) for an align launch."""
+    n, device = ids.numel(), ids.device
+    flat = ids.reshape(-1).contiguous()
+    token_of, inv = torch.empty(n, dtype=torch.int64, device=device), torch.empty(n, dtype=torch.int64, device=device)
+    return flat, token_of, inv, torch.empty(num_experts, dtype=torch.int32, device=device)
+
+
 def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] int64 -> (token of each sorted row [T k] int64, sorted position of each assignment in
     row-major [T, k] order [T k] int64, offs [E] int32)."""
     n = ids.numel()
-    flat = ids.reshape(-1).contiguous()
-    token_of = torch.empty(n, dtype=torch.int64, device=ids.device)
-    inv = torch.empty(n, dtype=torch.int64, device=ids.device)
-    offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    flat, token_of, inv, offs = _align_outputs(ids, num_experts)
     if n:
         jit_for_env(_align_kernel)[(triton.cdiv(n, _BI),)](
             flat, token_of, inv, n, TOP_K=ids.shape[1], BI=_BI, BJ=_BJ
@@ -147,10 +152,7 @@ def moe_align_tiles(
     assignments: the caller checks)."""
     n = ids.numel()
     assert n <= MERGED_MAX_ASSIGNMENTS and 1 <= len(block_ms) <= 2
-    flat = ids.reshape(-1).contiguous()
-    token_of = torch.empty(n, dtype=torch.int64, device=ids.device)
-    inv = torch.empty(n, dtype=torch.int64, device=ids.device)
-    offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    flat, token_of, inv, offs = _align_outputs(ids, num_experts)
     tiles = tuple(torch.empty_like(offs) for _ in block_ms)
     programs = triton.cdiv(n, _BI)
     be = min(_MERGED_BE, triton.next_power_of_2(num_experts))

@@ -43,6 +43,7 @@ try:  # the twin serves a CPU install without triton
     import triton
     import triton.language as tl
 
+    from sglang.srt.layers.moe.dispatch_triton import tile_ends
     from sglang.srt.layers.quantization.fp8_kernel import block_scaled_dot
     from sglang.srt.utils.triton_jit import add, jit_for_env
 except ImportError:  # pragma: no cover
@@ -156,10 +157,7 @@ def _tile_map_kernel(offs_ptr, tile_end_ptr, E, BLOCK_M: tl.constexpr, BE: tl.co
         m = ev < E
         end = tl.load(offs_ptr + ev, mask=m, other=0)
         start = tl.load(offs_ptr + ev - 1, mask=m & (ev > 0), other=0)
-        tiles = (end - start + BLOCK_M - 1) // BLOCK_M
-        inclusive = tl.reduce(tl.where(i[None, :] <= i[:, None], tiles[None, :], 0), 1, add)
-        tl.store(tile_end_ptr + ev, carry + inclusive, mask=m)
-        carry += tl.reduce(tiles, 0, add)
+        carry = tile_ends(end - start, i, carry, tile_end_ptr, ev, m, BLOCK_M)
 
 
 # Experts per chunk of `_tile_map_kernel`: a 64 x 64 int32 triangle per step, 8 steps at 512 experts.

@@ -62,6 +62,14 @@ def _softmax_topk_kernel(
     tl.store(ids_ptr + t * (K + SHARED) + slots, picked_id, mask=slots < K + SHARED)
 
 
+def _picks(router_logits: torch.Tensor, picks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the logits with unit column stride, weights [T, picks] float32, ids [T, picks] int64) for a
+    routing launch."""
+    t, device = router_logits.shape[0], router_logits.device
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    return logits, torch.empty(t, picks, dtype=torch.float32, device=device), torch.empty(t, picks, dtype=torch.int64, device=device)
+
+
 def softmax_topk_triton(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, shared_gate: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,11 +79,9 @@ def softmax_topk_triton(
     t, e = router_logits.shape
     e -= int(shared_gate)
     picks = top_k + int(shared_gate)
-    weights = torch.empty(t, picks, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(t, picks, dtype=torch.int64, device=router_logits.device)
+    logits, weights, ids = _picks(router_logits, picks)
     if t == 0:
         return weights, ids
-    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     jit_for_env(_softmax_topk_kernel)[(t,)](
         logits, weights, ids, logits.stride(0),
         E=e, BE=triton.next_power_of_2(e), K=top_k, BK=triton.next_power_of_2(picks), RENORMALIZE=renormalize,
@@ -150,11 +156,9 @@ def grouped_sigmoid_topk_triton(
     weights [T, k] float32, ids [T, k] int64, best first."""
     t, e = router_logits.shape
     assert e % num_groups == 0 and top_k <= topk_groups * (e // num_groups)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    logits, weights, ids = _picks(router_logits, top_k)
     if t == 0:
         return weights, ids
-    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     jit_for_env(_grouped_sigmoid_topk_kernel)[(t,)](
         logits, correction_bias.contiguous(), weights, ids, logits.stride(0), float(routed_scaling_factor),
         E=e, BE=triton.next_power_of_2(e), GROUPS=num_groups, PER_GROUP=e // num_groups,

@@ -23,18 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.environ import envs
-from sglang.srt.layers.stacked_linears import hooked, plain_linear, stack_linear_weights
+from sglang.srt.layers.stacked_linears import hooked, stack_linear_weights
 
 
 class SharedRouting:
     """One MoE block's stacked gates (`build` says where they apply)."""
 
-    def __init__(self, gate: nn.Linear, shared_gate: nn.Linear, experts: nn.Module, shared_expert: nn.Module):
+    def __init__(
+        self, gate: nn.Linear, shared_gate: nn.Linear, experts: nn.Module, shared_expert: nn.Module, stack: torch.Tensor
+    ):
         self.gate, self.shared_gate = gate, shared_gate
         self.experts, self.shared_expert = experts, shared_expert
         self.num_experts = gate.weight.shape[0]
-        self.stack = stack_linear_weights([gate, shared_gate])  # (the caller checked that both stack)
+        self.stack = stack  # the two gates' rows (`stack_linear_weights`)
 
     @classmethod
     def build(
@@ -42,20 +43,18 @@ class SharedRouting:
     ) -> SharedRouting | None:
         """After the experts' load (`fuse_shared_expert`): the stacked gates where the fused GEMMs took
         `shared_expert` with `shared_gate` as expert E of one rank's experts (no expert parallelism: other
-        ranks' ids would need remapping), both gates plain linears of the experts' dtype and device;
-        else None."""
+        ranks' ids would need remapping), both gates of the experts' dtype, [E, H] and [1, H], and they
+        stack (`stack_linear_weights`: plain linears, SGLANG_STACK_LINEARS on); else None."""
         gemms = getattr(experts, "fused_gemms", None)
         if gemms is None or shared_gate is None or gemms.shared != (shared_expert, shared_gate):
             return None
-        w13, e = experts.w13, experts.num_experts
-        plain = all(
-            plain_linear(lin, w13.dtype) and lin.weight.device == w13.device for lin in (gate, shared_gate)
-        )
-        if e != experts.global_num_experts or not plain or gate.weight.shape[0] != e:
+        e = experts.num_experts
+        if e != experts.global_num_experts or gate.weight.dtype != experts.w13.dtype:
             return None
-        if shared_gate.weight.shape != (1, gate.weight.shape[1]) or not envs.SGLANG_STACK_LINEARS.get():
+        if gate.weight.shape[0] != e or shared_gate.weight.shape != (1, gate.weight.shape[1]):
             return None
-        return cls(gate, shared_gate, experts, shared_expert)
+        stack = stack_linear_weights([gate, shared_gate])
+        return None if stack is None else cls(gate, shared_gate, experts, shared_expert, stack)
 
     def serves(self, x: torch.Tensor) -> bool:
         gemms = self.experts.fused_gemms
