@@ -268,7 +268,7 @@ def fused_experts_fp8(
     cfg = config or config_by_mean_rows(MOE_GEMM_CONFIGS, rows, num_experts)
     sorted_ = sort_by_expert(ids, num_experts, use_triton=True, block_ms=(cfg.block_m,))
     token_of, offs = sorted_.token_of, sorted_.offs
-    tile_end = sorted_.tile_ends[0] if sorted_.tile_ends is not None else tile_map(offs, cfg.block_m)
+    tile_end = sorted_.tile_ends[0]
     xq, xs = per_token_group_quant_fp8(x, block_size[1])
     h = moe_gemm_fp8(xq, xs, w13, w13_scale, offs, rows, token_of, x.dtype, cfg, tile_end, block_size)
     if silu_and_mul:

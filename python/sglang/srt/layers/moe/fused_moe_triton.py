@@ -43,7 +43,7 @@ from torch import nn
 
 from sglang.srt.layers.activation import relu2
 from sglang.srt.layers.mlp import GatedMLP
-from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig, launch_moe_gemm, tile_map
+from sglang.srt.layers.moe.fused_moe_fp8_triton import MoeGemmConfig, launch_moe_gemm
 from sglang.srt.layers.moe.moe_configs import Table, device_name, pick_configs, tuned_table
 from sglang.srt.layers.moe.sort_combine import combine, sort_by_expert
 
@@ -104,13 +104,7 @@ def fused_experts(
     heights = (cfg13.block_m,) if cfg2.block_m == cfg13.block_m else (cfg13.block_m, cfg2.block_m)
     sorted_ = sort_by_expert(ids, num_experts, use_triton=True, block_ms=heights)
     token_of, offs = sorted_.token_of, sorted_.offs
-    if sorted_.tile_ends is not None:  # (made by the sort's launch)
-        tile_end13, tile_end2 = sorted_.tile_ends[0], sorted_.tile_ends[-1]
-    else:
-        tile_end13 = tile_map(offs, cfg13.block_m) if rows else None
-        tile_end2 = (
-            tile_end13 if cfg2.block_m == cfg13.block_m else (tile_map(offs, cfg2.block_m) if rows else None)
-        )
+    tile_end13, tile_end2 = sorted_.tile_ends[0], sorted_.tile_ends[-1]
     x = x if x.stride(-1) == 1 else x.contiguous()
     h = moe_gemm(x, w13, offs, rows, token_of, cfg13, tile_end13, silu_mul=silu_and_mul, relu2=relu2)
     if not (silu_and_mul or relu2):

@@ -41,8 +41,9 @@ def sort_by_expert(
 ) -> SortedAssignments:
     """ids [T, k] (local expert ids; `num_experts` for other EP ranks' assignments) sorted by expert,
     stably. `use_triton`: the Triton bookkeeping where the batch is small enough for it (imported here:
-    a CPU install may lack triton); with `block_ms` (the fused GEMMs' tile heights), decode batches get
-    their tile maps from the same launch (`dispatch_triton.moe_align_tiles`)."""
+    a CPU install may lack triton). `block_ms` (the fused GEMMs' one or two tile heights): their tile
+    maps too (`tile_ends`), for decode batches from the sort's own launch
+    (`dispatch_triton.moe_align_tiles`), else one `tile_map` launch each."""
     if use_triton and ids.numel() <= ALIGN_MAX_ASSIGNMENTS:
         from sglang.srt.layers.moe import dispatch_triton
 
@@ -50,14 +51,22 @@ def sort_by_expert(
             token_of, inv, offs, tiles = dispatch_triton.moe_align_tiles(ids, num_experts, block_ms)
             return SortedAssignments(token_of, offs, inv, None, tiles)
         token_of, inv, offs = dispatch_triton.moe_align(ids, num_experts)
-        return SortedAssignments(token_of, offs, inv, None)
+        return _with_tile_maps(SortedAssignments(token_of, offs, inv, None), block_ms)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # One more bucket for other EP ranks' assignments (id num_experts), left out of the offsets.
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
     counts.index_add_(0, flat, torch.ones_like(flat))
     offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
-    return SortedAssignments(order // ids.shape[1], offs, None, order)
+    return _with_tile_maps(SortedAssignments(order // ids.shape[1], offs, None, order), block_ms)
+
+
+def _with_tile_maps(sorted_: SortedAssignments, block_ms: tuple[int, ...]) -> SortedAssignments:
+    if not block_ms:
+        return sorted_
+    from sglang.srt.layers.moe.fused_moe_fp8_triton import tile_map
+
+    return sorted_._replace(tile_ends=tuple(tile_map(sorted_.offs, bm) for bm in block_ms))
 
 
 def combine(
