@@ -97,10 +97,17 @@ def test_the_heads_norms_in_the_same_launch(kernel_device, dtype, head_dim, rota
     for got, want in ((got_q, want_q), (got_k, want_k)):
         assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
         close(got, want)
-    # Bit for bit the norm kernel's rounded result rotated by the rotary kernel: round, then rotate.
+    # The norm kernel's rounded result rotated by the rotary kernel: round, then rotate. Bit for bit
+    # under the interpreter (one summation order); on CUDA the two kernels' sums of squares run in
+    # other trees (their blocks and warps differ: an H200 measured one float32 ulp apart at head 24),
+    # so there the same tolerance as against torch.
     normed = [real_norm(t, m.weight, m.eps, tri.PLAIN, offset_one=offset_one) for t, m in zip((q, k), norms, strict=True)]
     apart = rotary_triton(positions, *normed, rope.inv_freq, rotary_dim)
-    assert torch.equal(got_q, apart[0]) and torch.equal(got_k, apart[1])
+    if got_q.device.type == "cpu":
+        assert torch.equal(got_q, apart[0]) and torch.equal(got_k, apart[1])
+    else:
+        close(got_q, apart[0])
+        close(got_k, apart[1])
     norms[1].triton = False  # a norm on its torch form: the three calls (q's norm its kernel), same values
     _, got_k2 = rope.forward_with_norms(positions, q, k, *norms)
     assert calls == [1]

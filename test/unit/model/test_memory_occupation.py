@@ -28,10 +28,13 @@ def run(runner, prompt: list[int]) -> list[float]:
 def memory_bytes(runner) -> dict[str, int]:
     pools = (runner.req_to_token_pool.req_to_token, runner.mamba_pool.conv_state, runner.mamba_pool.ssm_state,
              *runner.token_to_kv_pool.k_buffer, *runner.token_to_kv_pool.v_buffer)  # fmt: skip
-    return {
-        "weights": sum(p.untyped_storage().nbytes() for p in runner.model.parameters()),
-        "kv_cache": sum(t.untyped_storage().nbytes() for t in pools),
-    }
+    return {"weights": storage_bytes(runner.model.parameters()), "kv_cache": storage_bytes(pools)}
+
+
+def storage_bytes(tensors) -> int:
+    """The bytes of the storages behind `tensors`, each storage once: stacked linears' weights
+    (`stack_linear_weights`) and tied ones are views of one storage, released once."""
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
