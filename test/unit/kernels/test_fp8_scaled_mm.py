@@ -35,6 +35,8 @@ def _emulated_scaled_mm(calls: list, transpose_b_scales: bool = False):
         assert scale_a.shape == (m, kb) and scale_a.stride() == (1, m), "1 x 128: column-major scales"
         assert scale_b.t().shape == (-(-n // 128), kb) and scale_b.t().stride() == (kb, 1), "128 x 128"
         assert scale_a.dtype == scale_b.dtype == torch.float32 and not use_fast_accum
+        # (an H200's cuBLAS found no algorithm for one row: callers pad the rows)
+        assert m % sm.ROW_MULTIPLE == 0, f"{m} rows: cuBLAS may have no algorithm for them"
         calls.append((m, n, k))
         w_scale = scale_b if transpose_b_scales else scale_b.t()  # (a layout misread, for the probe)
         if transpose_b_scales:
@@ -72,7 +74,7 @@ def test_cublas_serves_the_shapes_that_fit_and_triton_the_rest(interpret, monkey
         a, w, scale = _operands(m, n, k, seed=m + n + k)
         calls.clear()
         got = gemm(a[None], w, scale, [128, 128], torch.float32)[0]  # (leading dims kept)
-        assert calls == ([(m, n, k)] if served else []), (m, n, k)
+        assert calls == ([(sm.ROW_MULTIPLE, n, k)] if served else []), (m, n, k)  # (rows padded)
         want = fk.w8a8_block_fp8_matmul_torch(a, w, scale, output_dtype=torch.float32)
         aq, a_s = fk.per_token_group_quant_fp8_torch(a)
         magnitude = fk.dequantize_block_fp8(aq, a_s, (1, 128)).abs().double() @ (

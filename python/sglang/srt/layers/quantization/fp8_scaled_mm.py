@@ -27,6 +27,10 @@ from sglang.srt.environ import envs
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "cublas")
+# Rows of a call, padded up to a multiple of this: on an H200 (torch 2.11, CUDA 13.0, 2026-12-01) cuBLAS
+# found no block-scaled algorithm for one row (CUBLAS_STATUS_NOT_SUPPORTED at N 64-12,288, K 2,048-4,096)
+# and ran 32, 64 and 8,192 rows; 32 is the smallest row count seen to run.
+ROW_MULTIPLE = 32
 _probed: dict[int, bool] = {}  # CUDA device index -> whether torch's block-wise _scaled_mm works there
 
 
@@ -73,8 +77,13 @@ def scaled_mm_linear(
     a2 = a.reshape(-1, k)
     if not fits(a2.shape[0], n, k, block_size):
         return fp8_kernel.w8a8_block_fp8_matmul(a, weight, weight_scale_inv, block_size, output_dtype)
+    m = a2.shape[0]
+    padded = -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
+    if padded != m:  # (zero rows: their outputs are dropped)
+        a2 = torch.nn.functional.pad(a2, (0, 0, 0, padded - m))
     q, scale = fp8_kernel.per_token_group_quant_fp8(a2, block_size[1])
-    return scaled_mm_blockwise(q, scale, weight, weight_scale_inv, output_dtype).view(*lead, n)
+    out = scaled_mm_blockwise(q, scale, weight, weight_scale_inv, output_dtype)
+    return out[:m].view(*lead, n)
 
 
 def available(device: torch.device) -> bool:
