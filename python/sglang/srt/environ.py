@@ -208,6 +208,10 @@ class Envs:
     # projections, and its MoE router with the shared expert's gate where the fused GEMMs run that expert
     # (layers/moe/shared_routing.py: one routing launch appends it). False: each its own GEMM (timing).
     SGLANG_STACK_LINEARS = EnvBool(True, "Run linears of one input as one GEMM where they stack.")
+    # Extend (prefill) attention of the Triton backend on CUDA: auto = torch's FlashAttention-2 varlen
+    # kernel where it applies (layers/attention/flash_extend.py), else the Triton kernel; triton: always
+    # the Triton kernel; flash: required (a GPU without it is a startup error).
+    SGLANG_EXTEND_ATTENTION_BACKEND = EnvStr("auto", "Extend attention on CUDA: auto, triton or flash.")
     # The dense block-FP8 GEMM on CUDA: auto / triton = the Triton kernel (layers/quantization/fp8_kernel.py);
     # cublas = torch._scaled_mm with block-wise scales where it runs (fp8_scaled_mm.py; probed at load).
     SGLANG_FP8_GEMM_BACKEND = EnvStr("auto", "Block-FP8 dense GEMM on CUDA: auto, triton or cublas.")

@@ -82,10 +82,18 @@ def test_cuda_default_kernels_serve_speculative_verifies(preset, oracles, monkey
 
 def test_cuda_default_kernels_serve_mixed_chunks(oracles, monkeypatch):
     """--enable-mixed-chunk through the kernels: decode rows as one-token extends at any position of a
-    page (the Triton extend attention over their prefix, the linear layers' packed extend from the
-    running slots) beside a chunked prompt."""
+    page (the linear layers' packed extend from the running slots) beside a chunked prompt, their
+    attention as CUDA runs an extend: FlashAttention-2's varlen call (`flash_extend.py`; here its torch
+    twin, on this float32 preset) over the batch layout the backend builds from the real batches (the
+    chunks' and the decode rows' prefixes gathered)."""
+    from sglang.srt.layers.attention import flash_extend as fe
+
     for name, value in CUDA_DEFAULT_ENV.items():
         monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(fe, "chosen", lambda device: True)
+    monkeypatch.setattr(fe, "applies", lambda q, k_buf, ks, vs: k_buf.dtype == q.dtype and ks == vs == 1.0)
+    monkeypatch.setattr(fe, "flash_varlen", lambda *a: calls.append(a[3].numel() - 1) or fe.flash_varlen_torch(*a))
     preset = "tiny-qwen3-next"
     h = SchedulerHarness(
         preset, attention_backend="triton", mamba_scheduler_strategy="extra_buffer", page_size=16,
@@ -104,6 +112,7 @@ def test_cuda_default_kernels_serve_mixed_chunks(oracles, monkeypatch):
         for prompt, rid in zip(prompts, (first, second), strict=True):
             h.check_oracle(oracles[preset], prompt, h.outputs[rid], ORACLE_TOL)
         assert sum(n > 0 for n in mixed) >= 2, mixed
+        assert max(calls) >= 2, calls  # (batches of several requests through the varlen layout)
         h.flush_and_check_empty()
     finally:
         h.shutdown()

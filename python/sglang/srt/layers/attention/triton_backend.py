@@ -7,7 +7,9 @@ never gathered. Decode is split over the key range (`--triton-attention-num-kv-s
 and default) and reads all lengths on the device: nothing per batch is decided on the host, so a decode
 is CUDA-graph safe. An extend's per-batch metadata is the new tokens' start offsets (one cumsum on the
 device) and the longest extend (a host int, for the grid; a verify of fixed width gives it without a
-host list, so its graph is CUDA-graph safe too).
+host list, so its graph is CUDA-graph safe too). On CUDA an extend batch that is not a verify takes
+torch's FlashAttention-2 varlen kernel where it applies (`flash_extend.py`), its layout built once per
+batch from the host lists.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang.srt.layers.attention import flash_extend
 from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
 from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -39,6 +42,9 @@ class TritonAttnBackend:
         self.num_kv_splits = num_kv_splits
         self.extend_start_loc: torch.Tensor | None = None
         self.max_extend_len = 0
+        # Extend batches through FlashAttention-2 where it applies (flash_extend.py), decided once.
+        self.flash_extend = flash_extend.chosen(self.req_to_token.device)
+        self.flash_meta: flash_extend.ExtendMeta | None = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_extend():
@@ -46,12 +52,18 @@ class TritonAttnBackend:
             self.extend_start_loc = torch.cumsum(lens, 0) - lens
             # (a graph-shaped verify: its width, with no host list read)
             self.max_extend_len = fb.verify_width or max(fb.extend_seq_lens_cpu, default=0)
+            self.flash_meta = None
+            if self.flash_extend and not fb.forward_mode.is_target_verify():
+                self.flash_meta = flash_extend.build_meta(
+                    self.req_to_token, fb.req_pool_indices_cpu, fb.extend_prefix_lens_cpu,
+                    fb.extend_seq_lens_cpu, lens, fb.seq_lens,
+                )  # fmt: skip
         else:
             self.release_metadata()
 
     def release_metadata(self) -> None:
         """Drop the last batch's metadata (a CUDA graph's capture leaves it in that graph's memory pool)."""
-        self.extend_start_loc, self.max_extend_len = None, 0
+        self.extend_start_loc, self.max_extend_len, self.flash_meta = None, 0, None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, fb: ForwardBatch
@@ -69,6 +81,11 @@ class TritonAttnBackend:
         q = q.reshape(num_tokens, hq, d)
         if q.stride(-1) != 1:
             q = q.contiguous()
+        if self.flash_meta is not None and flash_extend.applies(q, k_buf, k_scale, v_scale):
+            out = flash_extend.extend_attention(
+                q, k.view(-1, hk, d), v.view(-1, hk, d), k_buf, v_buf, self.flash_meta, scaling
+            )
+            return out.view(num_tokens, hq * d)
         out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
         if fb.forward_mode.is_decode():
             decode_attention_fwd(
