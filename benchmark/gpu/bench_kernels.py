@@ -26,6 +26,11 @@ Rows (issue 13's and 12's):
   the E=513 file), against the grouped_mm path with the shared MLP and gate beside it;
   `--moe-unstacked` times the routed experts alone (512, top 10, the E=512 file's tiles).
 
+- Extend attention at Qwen3-Next-80B's heads (`--attention`, these rows only): 8,192 new tokens without
+  and after 24,576 cached keys, our Triton kernel vs torch's FlashAttention-2 varlen kernel as
+  `flash_extend.py` calls it, with TFLOP/s (the 80B slice's 8k prefill spent 36 % of its time in the
+  Triton kernel on an H200, 2026-12-01).
+
 `--sweep` adds, at batch 256, our GDN and Mamba2 decode steps at other (state tile, warps) pairs than
 the defaults (`TILE_FLOATS`, `NUM_WARPS` of their modules), GDN's each with its output from the updated
 and from the decayed tile (`FUSED_OUT`), with the bandwidth each reaches. The GDN prefill row also
@@ -397,6 +402,43 @@ def attention_decode(device: str, tiny: bool, reps: int) -> dict:
     return row
 
 
+def attention_extend(device: str, tiny: bool, reps: int) -> list[dict]:
+    """Extend (prefill) attention at Qwen3-Next-80B's heads (16 / 2 of 256, bf16): 8,192 new tokens
+    without a prefix (a prompt's first chunk) and 8,192 after 24,576 cached keys (the last chunk of a
+    32k prompt): our Triton paged kernel against torch's FlashAttention-2 varlen kernel as the backend
+    calls it (`flash_extend.py`: the prefix gathered, the new K / V as they are), with TFLOP/s."""
+    heads = (4, 2, 16) if tiny else (16, 2, 256)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    shapes = ((0, 64), (64, 32)) if tiny else ((0, 8192), (24576, 8192))
+    return [_extend_row(device, *heads, dtype, prefix, ext, reps) for prefix, ext in shapes]
+
+
+def _extend_row(device: str, hq: int, hk: int, d: int, dtype, prefix: int, ext: int, reps: int) -> dict:
+    from sglang.srt.layers.attention import flash_extend as fe
+    from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+
+    n = prefix + ext
+    k_buf = torch.randn(n + 1, hk, d, device=device, dtype=dtype)
+    v_buf = torch.randn_like(k_buf)
+    r2t = torch.arange(1, n + 1, device=device, dtype=torch.int32).view(1, n)
+    q = torch.randn(ext, hq, d, device=device, dtype=dtype)
+    out = torch.empty_like(q)
+    dev = lambda v: torch.tensor(v, device=device)  # noqa: E731
+    args = (q, k_buf, v_buf, out, r2t, dev([0]), dev([n]), dev([ext]), dev([0]), ext, d**-0.5)
+    cases = {"ours (Triton paged)": lambda: extend_attention_fwd(*args)}
+    if device == "cuda" and fe.available(torch.device(device)):
+        meta = fe.build_meta(r2t, [0], [prefix], [ext], dev([ext]), dev([n]))
+        k_new, v_new = k_buf[1 + prefix :], v_buf[1 + prefix :]
+        cases["torch FlashAttention-2 varlen (flash_extend)"] = lambda: fe.extend_attention(
+            q, k_new, v_new, k_buf, v_buf, meta, d**-0.5
+        )
+    times = round_robin(cases, device, reps)
+    row = _row(f"attention extend {ext} tokens after {prefix}, heads {hq}/{hk}, dim {d}", times)
+    flop = 4 * hq * d * ext * (prefix + (ext + 1) / 2)  # QK^T and PV over the causal keys
+    row["tflops"] = {name: round(flop / t / 1e12, 1) for name, t in times.device.items()}
+    return row
+
+
 def moe_experts(device: str, tiny: bool, reps: int, stacked: bool = True) -> list[dict]:
     """Qwen3-Next-80B's MoE layer (512 routed experts, top 10, hidden 2,048, width 512, bf16) at batch 1 /
     8 / 64 / 256 on uniform random routing: the fused Triton GEMMs (SGLANG_GPU_MOE_BACKEND=triton_fused,
@@ -520,16 +562,21 @@ def main() -> None:
     parser.add_argument(
         "--moe-unstacked", action="store_true", help="--moe without the shared expert (routed experts only)"
     )
+    parser.add_argument(
+        "--attention", action="store_true", help="the extend attention rows only (not in the default set)"
+    )
     args = parser.parse_args()
     rows = []
-    if args.moe:
+    if args.attention:
+        rows += attention_extend(args.device, args.tiny, args.reps)
+    elif args.moe:
         rows += moe_experts(args.device, args.tiny, args.reps, stacked=not args.moe_unstacked)
     else:
         rows.append(gdn_prefill(args.device, args.tiny, args.reps, args.kernels))
         rows += gdn_decode(args.device, args.tiny, args.reps)
         rows += mamba2_decode(args.device, args.tiny, args.reps)
         rows.append(attention_decode(args.device, args.tiny, args.reps))
-    if args.sweep and not args.moe:
+    if args.sweep and not (args.moe or args.attention):
         rows += decode_sweep(args.device, args.tiny, args.reps)
     for row in rows:
         listed = row.pop("kernels_per_call", {})

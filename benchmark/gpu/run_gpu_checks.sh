@@ -162,6 +162,9 @@ if [ -d "$OUT/moe-configs" ]; then
   tar -czf "$OUT/moe-configs.tar.gz" -C "$OUT/moe-configs" . && rm -rf "$OUT/moe-configs"
 fi
 bench 90 moe python3 benchmark/gpu/bench_kernels.py --moe --reps 10
+# attention (issue 55): extend attention at the 80B's heads, 8k tokens without and after 24k cached keys,
+# the Triton kernel vs torch's FlashAttention-2 varlen kernel (flash_extend.py), with TFLOP/s
+bench 90 attention python3 benchmark/gpu/bench_kernels.py --attention --reps 10
 # real_80b / real_nemotron / real_35b (issue 55, item 1): bench_real_shapes.py, one slice each (Qwen3-Next-80B
 # 4 of 48 layers, 14.4 GB; Nemotron-H-8B 13 of 52, 5.7 GB; Qwen3.5-35B-A3B 4 of 40, 8.8 GB), written on the
 # GPU into .gpu-cache/slices (kept for the next call on a warm machine), decode at batch 1/8/64/256 and
