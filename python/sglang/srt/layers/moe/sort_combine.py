@@ -42,8 +42,8 @@ def sort_by_expert(
     """ids [T, k] (local expert ids; `num_experts` for other EP ranks' assignments) sorted by expert,
     stably. `use_triton`: the Triton bookkeeping where the batch is small enough for it (imported here:
     a CPU install may lack triton). `block_ms` (the fused GEMMs' one or two tile heights): their tile
-    maps too (`tile_ends`), for decode batches from the sort's own launch
-    (`dispatch_triton.moe_align_tiles`), else one `tile_map` launch each."""
+    maps too (`tile_ends`): one `tile_map` launch each, or from the sort's own launch where
+    `dispatch_triton.MERGED_MAX_ASSIGNMENTS` allows (`moe_align_tiles`: off, slower on an H200)."""
     if use_triton and ids.numel() <= ALIGN_MAX_ASSIGNMENTS:
         from sglang.srt.layers.moe import dispatch_triton
 
