@@ -154,11 +154,12 @@ def test_align_and_tile_maps_in_one_launch(kernel_device, tokens, top_k, experts
     assert offs0.tolist() == [0] * 5 and all(t.tolist() == [0] * 5 for t in tiles0)
 
 
-def test_the_fused_gemms_sort_in_one_launch_only_where_allowed(interpret, monkeypatch):
-    """The fused GEMMs' bookkeeping takes the launches apart by default (the one-launch kernel measured
-    slower on an H200: MERGED_MAX_ASSIGNMENTS is 0) and the one launch (align, offsets and tile maps)
-    up to MERGED_MAX_ASSIGNMENTS; the outputs are the same either way."""
+def test_the_fused_gemms_sort_eager_batches_in_one_launch_and_captures_in_three(interpret, monkeypatch):
+    """The fused GEMMs' bookkeeping in an eager forward's small batch is one launch (align, offsets and
+    tile maps: less host time); under a CUDA graph's capture (less device time on an H200) and above
+    MERGED_MAX_ASSIGNMENTS the launches apart; the outputs are the same either way."""
     from sglang.srt.layers.moe import fused_moe_triton as ft
+    from sglang.srt.layers.moe import sort_combine
     from sglang.test.moe_checks import TOL_FP16, assert_close_to, make_layer, routing
 
     layer = make_layer(6, 64, 32, "silu", True)
@@ -168,12 +169,14 @@ def test_the_fused_gemms_sort_in_one_launch_only_where_allowed(interpret, monkey
         monkeypatch.setattr(dt, name, lambda *a, _real=real, _name=name: launched.append(_name) or _real(*a))
     weights, ids = routing(5, 2, 6, seed=1)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).half()
-    default = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
-    monkeypatch.setattr(dt, "MERGED_MAX_ASSIGNMENTS", dt.KERNEL_MAX_ASSIGNMENTS)
     merged = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
+    with monkeypatch.context() as m:
+        m.setattr(sort_combine, "in_graph_capture", lambda ids: True)
+        captured = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
     monkeypatch.setattr(dt, "MERGED_MAX_ASSIGNMENTS", 4)  # (10 assignments: over it)
     apart = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
-    assert launched == ["moe_align", "moe_align_tiles", "moe_align"]
-    assert torch.equal(default, apart)
+    assert launched == ["moe_align_tiles", "moe_align", "moe_align"]
+    assert torch.equal(captured, apart)
+    assert not sort_combine.in_graph_capture(ids)  # (CPU tensors: never)
     assert torch.equal(merged, apart)
     assert_close_to(merged, layer.forward_device(x, weights, ids, grouped=False), TOL_FP16)

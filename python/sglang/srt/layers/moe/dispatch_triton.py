@@ -136,15 +136,15 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     return token_of, inv, offs
 
 
-# The one-launch bookkeeping (`moe_align_tiles`) serves batches of at most this many assignments: 0, it
-# is off. On an H200 (2026-12-01, `bench_kernels.py --moe`, the 80B's MoE layer with its shared expert,
-# device time as a graph replays it) the layer took 0.0682 / 0.1672 ms at 1 / 8 tokens with it against
-# 0.0603 / 0.1584 ms with moe_align and tile_map apart (3 launches), the same at 64 / 256 tokens: its last
-# program recounts every expert's rows in 9 sequential chunks of 64, where the offsets kernel spreads
-# them over 9 programs and tile_map reads them. The kernel's own bound is KERNEL_MAX_ASSIGNMENTS (the
-# last program's compares grow as E x T k; the bench's one-launch column raises this to it).
-KERNEL_MAX_ASSIGNMENTS = 512
-MERGED_MAX_ASSIGNMENTS = 0
+# The one-launch bookkeeping (`moe_align_tiles`) serves eager forwards' batches of at most this many
+# assignments (the last program's compares grow as E x T k: the 80B's batches of up to 46 tokens); a CUDA
+# graph being captured takes the three launches (`sort_combine.sort_by_expert`). On an H200 (2026-12-01,
+# `bench_kernels.py --moe`, the 80B's MoE layer with its shared expert) the one launch cost the device
+# more, 0.0682 / 0.1672 ms at 1 / 8 tokens against 0.0603 / 0.1584 ms (its last program recounts every
+# expert's rows in 9 sequential chunks of 64, where the offsets kernel spreads them over 9 programs and
+# tile_map reads them; the same at 64 / 256 tokens), and the host less, 0.48 / 0.59 ms for the layer
+# launched eagerly against 0.58 / 0.59 ms (two Triton launches fewer).
+MERGED_MAX_ASSIGNMENTS = 512
 # Experts per chunk of the merged kernel's last program (a BE x BJ compare tile, a BE x BE triangle).
 _MERGED_BE = 64
 
@@ -153,10 +153,10 @@ def moe_align_tiles(
     ids: torch.Tensor, num_experts: int, block_ms: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """`moe_align`'s (token_of, inv, offs) and the tile maps of the one or two tile heights `block_ms`
-    (`fused_moe_fp8_triton.tile_map`'s values for each), in one launch (at most KERNEL_MAX_ASSIGNMENTS
-    assignments: the caller checks; not the default: MERGED_MAX_ASSIGNMENTS says why)."""
+    (`fused_moe_fp8_triton.tile_map`'s values for each), in one launch (at most MERGED_MAX_ASSIGNMENTS
+    assignments: the caller checks; eager forwards only: MERGED_MAX_ASSIGNMENTS says why)."""
     n = ids.numel()
-    assert n <= KERNEL_MAX_ASSIGNMENTS and 1 <= len(block_ms) <= 2
+    assert n <= MERGED_MAX_ASSIGNMENTS and 1 <= len(block_ms) <= 2
     flat, token_of, inv, offs = _align_outputs(ids, num_experts)
     tiles = tuple(torch.empty_like(offs) for _ in block_ms)
     programs = triton.cdiv(n, _BI)

@@ -36,18 +36,26 @@ class SortedAssignments(NamedTuple):
     tile_ends: tuple[torch.Tensor, ...] | None = None
 
 
+def in_graph_capture(ids: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on `ids`' device (its replays pay no host launch cost, so
+    fewer launches save nothing there: `dispatch_triton.MERGED_MAX_ASSIGNMENTS`). The kernel census,
+    which runs a graph's body eagerly on the meta device, stands it in."""
+    return ids.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def sort_by_expert(
     ids: torch.Tensor, num_experts: int, use_triton: bool, block_ms: tuple[int, ...] = ()
 ) -> SortedAssignments:
     """ids [T, k] (local expert ids; `num_experts` for other EP ranks' assignments) sorted by expert,
     stably. `use_triton`: the Triton bookkeeping where the batch is small enough for it (imported here:
     a CPU install may lack triton). `block_ms` (the fused GEMMs' one or two tile heights): their tile
-    maps too (`tile_ends`): one `tile_map` launch each, or from the sort's own launch where
-    `dispatch_triton.MERGED_MAX_ASSIGNMENTS` allows (`moe_align_tiles`: off, slower on an H200)."""
+    maps too (`tile_ends`): in an eager forward's small batches from the sort's own launch
+    (`dispatch_triton.moe_align_tiles`: less host time), else (a CUDA graph's capture: less device time)
+    one `tile_map` launch each."""
     if use_triton and ids.numel() <= ALIGN_MAX_ASSIGNMENTS:
         from sglang.srt.layers.moe import dispatch_triton
 
-        if block_ms and ids.numel() <= dispatch_triton.MERGED_MAX_ASSIGNMENTS:
+        if block_ms and ids.numel() <= dispatch_triton.MERGED_MAX_ASSIGNMENTS and not in_graph_capture(ids):
             token_of, inv, offs, tiles = dispatch_triton.moe_align_tiles(ids, num_experts, block_ms)
             return SortedAssignments(token_of, offs, inv, None, tiles)
         token_of, inv, offs = dispatch_triton.moe_align(ids, num_experts)
