@@ -5,6 +5,12 @@ request moves (its prompt's KV and its recurrent state).
 
     python benchmark/bench_pd.py                       # both presets, 512-token prompts, 32 new tokens
     python benchmark/bench_pd.py --preset tiny-qwen3-next --num-prompts 32 --input-len 1024
+    python benchmark/bench_pd.py --device cuda        # CUDA pools on one GPU (run_gpu_checks.sh pd_gpu)
+
+On CUDA all three servers share the GPU with fixed pools (65,536 tokens, 64 mamba slots: a few MB of the
+tiny presets; without both sizes each server's budget would be measured against the others' memory)
+and the pair moves its KV and state through pinned host buffers (disaggregation/staging.py) unless
+Mooncake's CUDA build is installed: `transfer_path` says which.
 
 Sequential requests alternate between the two targets (so machine noise hits both alike); each prompt is
 fresh random tokens (no cache hits). Medians; ratios are PD over single.
@@ -63,11 +69,13 @@ def bench_preset(preset: str, args) -> dict:
     def prompt() -> list[int]:
         return [rng.randrange(3, 500) for _ in range(args.input_len)]
 
-    single = ServerProcess(["--model-path", path])
+    gpu = ["--device", "cuda", "--max-total-tokens", "65536", "--max-mamba-cache-size", "64"] if args.device == "cuda" else []
+    single = ServerProcess(["--model-path", path, *gpu])
     prefill = decode = router = None
     try:
         single.wait_ready()
-        prefill, decode, router, _ = start_pd(path)
+        prefill, decode, router, _ = start_pd(path, gpu, gpu)
+        path_used = "staged" if "through a" in decode.log_text() else "direct"
         targets = {"single": single.base_url, "pd": router.base_url}
         for url in targets.values():  # warm up
             stream_one(url, prompt(), 4)
@@ -92,6 +100,8 @@ def bench_preset(preset: str, args) -> dict:
     seconds = after["seconds"] - before["seconds"]
     return {
         "preset": preset,
+        "device": args.device,
+        "transfer_path": path_used,
         **{f"{k}_ms_{name}": 1000 * med(name, k) for k in ("ttft", "itl", "e2e") for name in rows},
         **{f"throughput_{name}": tput[name] for name in tput},
         "bytes_per_request": moved / max(n, 1),
@@ -107,6 +117,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     presets = args.preset or ["tiny-qwen3-next", "tiny-nemotron-h"]
     results = [bench_preset(p, args) for p in presets]

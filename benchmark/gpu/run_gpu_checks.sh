@@ -147,6 +147,9 @@ bench 150 ngram python3 benchmark/bench_speculative_ngram.py --model-path 147m -
 # mtp: NEXTN on the demo model against plain decoding, and its MTP layer's CUDA graphs (draft loop and
 # after each forward) on vs off (mtp_graphs_speedup; not yet run on a GPU)
 bench 150 mtp python3 benchmark/bench_speculative_mtp.py --device cuda --reps 2
+# pd_gpu (issue 56's measurement): PD on CUDA pools (one GPU, staged unless Mooncake's CUDA build is
+# here) against a single server: TTFT / ITL, throughput, bytes and milliseconds each request's transfer took
+bench 150 pd_gpu python3 benchmark/bench_pd.py --device cuda --preset tiny-qwen3-next --num-prompts 8
 bench 45 state_copy python3 benchmark/bench_state_copy.py --device cuda --seconds 0.1
 bench 40 sampler python3 benchmark/bench_sampler.py --device cuda --reps 5
 bench 180 fp8_gemm python3 benchmark/gpu/bench_fp8_gemm.py --reps 10 --sweep
