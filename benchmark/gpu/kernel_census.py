@@ -68,17 +68,14 @@ def census(
         # The captured body, run eagerly (no GPU here), its ops marked.
         graphs = runner.graph_runner = CudaGraphRunner(runner, [batch], use_graphs=False)
         body, in_body = graphs._body, []
-        from sglang.srt.layers.moe import sort_combine
-
-        captured = sort_combine.in_graph_capture
+        from sglang.srt.utils.graph_capture import graph_body
 
         def marked_body(fb):
             in_body.append(True)
-            sort_combine.in_graph_capture = lambda ids: True  # (the body as a capture runs it)
             try:
-                return body(fb)
+                with graph_body():  # (the body as a capture runs it)
+                    return body(fb)
             finally:
-                sort_combine.in_graph_capture = captured
                 in_body.pop()
 
         graphs._body = marked_body

@@ -156,10 +156,11 @@ def test_align_and_tile_maps_in_one_launch(kernel_device, tokens, top_k, experts
 
 def test_the_fused_gemms_sort_eager_batches_in_one_launch_and_captures_in_three(interpret, monkeypatch):
     """The fused GEMMs' bookkeeping in an eager forward's small batch is one launch (align, offsets and
-    tile maps: less host time); under a CUDA graph's capture (less device time on an H200) and above
+    tile maps: less host time); in a CUDA graph's body, its warm-up and capture (less device time on an
+    H200), and above
     MERGED_MAX_ASSIGNMENTS the launches apart; the outputs are the same either way."""
     from sglang.srt.layers.moe import fused_moe_triton as ft
-    from sglang.srt.layers.moe import sort_combine
+    from sglang.srt.utils.graph_capture import graph_body, in_graph_body
     from sglang.test.moe_checks import TOL_FP16, assert_close_to, make_layer, routing
 
     layer = make_layer(6, 64, 32, "silu", True)
@@ -170,13 +171,12 @@ def test_the_fused_gemms_sort_eager_batches_in_one_launch_and_captures_in_three(
     weights, ids = routing(5, 2, 6, seed=1)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).half()
     merged = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
-    with monkeypatch.context() as m:
-        m.setattr(sort_combine, "in_graph_capture", lambda ids: True)
+    with graph_body():  # (a graph's warm-up and capture)
         captured = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
     monkeypatch.setattr(dt, "MERGED_MAX_ASSIGNMENTS", 4)  # (10 assignments: over it)
     apart = ft.fused_experts(x, layer.w13, layer.w2, weights, ids, layer._activate, True)
     assert launched == ["moe_align_tiles", "moe_align", "moe_align"]
     assert torch.equal(captured, apart)
-    assert not sort_combine.in_graph_capture(ids)  # (CPU tensors: never)
+    assert not in_graph_body(ids.device)  # (outside a body, on CPU tensors: never)
     assert torch.equal(merged, apart)
     assert_close_to(merged, layer.forward_device(x, weights, ids, grouped=False), TOL_FP16)

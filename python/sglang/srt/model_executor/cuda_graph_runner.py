@@ -39,6 +39,7 @@ import torch
 
 from sglang.srt.distributed.parallel_state import tp_gather
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
+from sglang.srt.utils.graph_capture import graph_body
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -388,14 +389,15 @@ def capture_graph(body, device: torch.device, pool) -> tuple[torch.cuda.CUDAGrap
     end the capture or fail that thread; the bodies make no unsafe call themselves."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            body()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = body()
+    with graph_body():  # (warm-up and capture take the same kernels: utils/graph_capture.py)
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = body()
     return graph, out
 
 

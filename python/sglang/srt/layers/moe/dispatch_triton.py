@@ -138,7 +138,7 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
 
 # The one-launch bookkeeping (`moe_align_tiles`) serves eager forwards' batches of at most this many
 # assignments (the last program's compares grow as E x T k: the 80B's batches of up to 46 tokens); a CUDA
-# graph being captured takes the three launches (`sort_combine.sort_by_expert`). On an H200 (2026-12-01,
+# graph's body (its warm-up and capture, `utils.graph_capture`) takes the three launches. On an H200 (2026-12-01,
 # `bench_kernels.py --moe`, the 80B's MoE layer with its shared expert) the one launch cost the device
 # more, 0.0682 / 0.1672 ms at 1 / 8 tokens against 0.0603 / 0.1584 ms (likely its last program, which recounts every
 # expert's rows in 9 sequential chunks of 64, where the offsets kernel spreads them over 9 programs and

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from sglang.srt.utils.graph_capture import in_graph_body
+
 # The Triton bookkeeping (`dispatch_triton.py`) serves batches of at most this many assignments: its
 # compares grow as their square; 4,096 (256 tokens x top-16) is 16M compares, a few us on a GPU.
 ALIGN_MAX_ASSIGNMENTS = 4096
@@ -36,13 +38,6 @@ class SortedAssignments(NamedTuple):
     tile_ends: tuple[torch.Tensor, ...] | None = None
 
 
-def in_graph_capture(ids: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on `ids`' device (its replays pay no host launch cost, so
-    fewer launches save nothing there: `dispatch_triton.MERGED_MAX_ASSIGNMENTS`). The kernel census,
-    which runs a graph's body eagerly on the meta device, stands it in."""
-    return ids.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def sort_by_expert(
     ids: torch.Tensor, num_experts: int, use_triton: bool, block_ms: tuple[int, ...] = ()
 ) -> SortedAssignments:
@@ -50,12 +45,12 @@ def sort_by_expert(
     stably. `use_triton`: the Triton bookkeeping where the batch is small enough for it (imported here:
     a CPU install may lack triton). `block_ms` (the fused GEMMs' one or two tile heights): their tile
     maps too (`tile_ends`): in an eager forward's small batches from the sort's own launch
-    (`dispatch_triton.moe_align_tiles`: less host time), else (a CUDA graph's capture: less device time)
-    one `tile_map` launch each."""
+    (`dispatch_triton.moe_align_tiles`: less host time), else (a CUDA graph's body: less device time,
+    `utils.graph_capture`) one `tile_map` launch each."""
     if use_triton and ids.numel() <= ALIGN_MAX_ASSIGNMENTS:
         from sglang.srt.layers.moe import dispatch_triton
 
-        if block_ms and ids.numel() <= dispatch_triton.MERGED_MAX_ASSIGNMENTS and not in_graph_capture(ids):
+        if block_ms and ids.numel() <= dispatch_triton.MERGED_MAX_ASSIGNMENTS and not in_graph_body(ids.device):
             token_of, inv, offs, tiles = dispatch_triton.moe_align_tiles(ids, num_experts, block_ms)
             return SortedAssignments(token_of, offs, inv, None, tiles)
         token_of, inv, offs = dispatch_triton.moe_align(ids, num_experts)
