@@ -427,7 +427,7 @@ def _extend_row(device: str, hq: int, hk: int, d: int, dtype, prefix: int, ext: 
     args = (q, k_buf, v_buf, out, r2t, dev([0]), dev([n]), dev([ext]), dev([0]), ext, d**-0.5)
     cases = {"ours (Triton paged)": lambda: extend_attention_fwd(*args)}
     if device == "cuda" and fe.available(torch.device(device)):
-        meta = fe.build_meta(r2t, [0], [prefix], [ext], dev([ext]), dev([n]))
+        meta = fe.build_meta(r2t, [0], [prefix], [ext], dev([ext]), dev([n]), 2 * hk * d * k_buf.element_size())
         k_new, v_new = k_buf[1 + prefix :], v_buf[1 + prefix :]
         cases["torch FlashAttention-2 varlen (flash_extend)"] = lambda: fe.extend_attention(
             q, k_new, v_new, k_buf, v_buf, meta, d**-0.5

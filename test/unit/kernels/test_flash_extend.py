@@ -17,6 +17,7 @@ from sglang.test.ci_register import register_cpu_ci
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
 NUM_SLOTS = 600
+KEY_BYTES = 2 * 2 * 256 * 2  # (K and V of 2 heads of 256 in bf16: the 80B's)
 
 
 def _twin(q, k, v, cu_q, cu_k, max_q, max_k, scale, *, top_left=False):
@@ -29,17 +30,17 @@ def _twin(q, k, v, cu_q, cu_k, max_q, max_k, scale, *, top_left=False):
     return fe.flash_varlen_torch(q, k[index], v[index], cu_q, cu_q, max_q, max_q, scale)
 
 
-def _batch(hq, hk, d, dtype, prefix, ext, rows, seed=0):
+def _batch(hq, hk, d, dtype, prefix, ext, rows, seed=0, num_slots=NUM_SLOTS):
     g = torch.Generator().manual_seed(seed)
     lens = [p + e for p, e in zip(prefix, ext, strict=True)]
-    perm = torch.randperm(NUM_SLOTS, generator=g).int()
-    r2t = torch.zeros(max(rows) + 2, 256, dtype=torch.int32)
+    perm = torch.randperm(num_slots, generator=g).int()
+    r2t = torch.zeros(max(rows) + 2, max(256, max(lens)), dtype=torch.int32)
     off = 0
     for row, n in zip(rows, lens, strict=True):
         r2t[row, :n] = perm[off : off + n]
         off += n
-    k_buf = torch.randn(NUM_SLOTS, hk, d, generator=g).to(dtype)
-    v_buf = torch.randn(NUM_SLOTS, hk, d, generator=g).to(dtype)
+    k_buf = torch.randn(num_slots, hk, d, generator=g).to(dtype)
+    v_buf = torch.randn(num_slots, hk, d, generator=g).to(dtype)
     q = torch.randn(sum(ext), hq, d, generator=g).to(dtype)
     # The new tokens' K / V as the layer computed them (already stored in the pool at their slots).
     new = torch.cat([r2t[r, p : p + e] for r, p, e in zip(rows, prefix, ext, strict=True)]).long()
@@ -69,7 +70,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "prefix,ext,rows",
-    [([0, 17, 130], [90, 40, 3], [2, 5, 9]), ([0, 0], [7, 30], [1, 0]), ([0], [1], [3]), ([200, 3], [1, 1], [0, 4])],
+    [([0, 17, 130], [90, 40, 3], [2, 5, 9]), ([0, 0], [7, 30], [1, 0]), ([0], [1], [3]), ([20, 3], [1, 2], [0, 4])],
 )
 def test_the_batch_layout_gives_each_query_its_requests_keys(monkeypatch, dtype, prefix, ext, rows):
     """Gathered prefixes (a request's row, prefix and new keys), cumulative lengths, GQA heads: the
@@ -78,7 +79,7 @@ def test_the_batch_layout_gives_each_query_its_requests_keys(monkeypatch, dtype,
     monkeypatch.setattr(fe, "flash_varlen", _twin)
     hq, hk, d, scale = 4, 2, 32, 0.2
     r2t, k_buf, v_buf, q, k_new, v_new, lens = _batch(hq, hk, d, dtype, prefix, ext, rows)
-    meta = fe.build_meta(r2t, rows, prefix, ext, torch.tensor(ext), torch.tensor(lens))
+    meta = fe.build_meta(r2t, rows, prefix, ext, torch.tensor(ext), torch.tensor(lens), KEY_BYTES)
     assert (meta.key_index is None) == (not any(prefix))
     assert meta.max_q == max(ext) and meta.max_k == max(lens)
     assert meta.cu_q.dtype == meta.cu_k.dtype == torch.int32 and meta.cu_k[-1].item() == (
@@ -108,9 +109,25 @@ def _want_new(q, k_new, v_new, ext, scale):
 def test_no_layout_without_the_host_lists():
     r2t = torch.zeros(4, 16, dtype=torch.int32)
     lens = torch.tensor([3, 4])
-    assert fe.build_meta(r2t, [], [], [], lens[:0], lens[:0]) is None
-    assert fe.build_meta(r2t, [0, 1], [0], [3, 4], lens, lens) is None  # (a list missing: the Triton kernel)
-    assert fe.build_meta(r2t, [0], [2], [0], lens[:1], lens[:1]) is None
+    assert fe.build_meta(r2t, [], [], [], lens[:0], lens[:0], KEY_BYTES) is None
+    assert fe.build_meta(r2t, [0, 1], [0], [3, 4], lens, lens, KEY_BYTES) is None  # (a list missing: Triton's)
+    assert fe.build_meta(r2t, [0], [2], [0], lens[:1], lens[:1], KEY_BYTES) is None
+
+
+def test_prefixes_are_gathered_only_where_it_pays(monkeypatch):
+    """Up to MAX_KEYS_PER_QUERY keys per query and GATHER_MAX_BYTES of K and V per layer (decode rows of
+    a mixed batch, one query over a long context each, read their keys in place: the Triton kernel)."""
+    r2t = torch.zeros(70, 1100, dtype=torch.int32)
+    dev = torch.tensor
+    chunk = fe.build_meta(r2t, [0], [1000], [100], dev([100]), dev([1100]), KEY_BYTES)  # 11 keys a query
+    assert chunk is not None and chunk.key_index.numel() == 1100
+    rows = list(range(64))  # 64 decode rows of 1,000 keys beside a chunk of 100: 640 keys a query
+    mixed = ([0] + [999] * 64, [100] + [1] * 64, [100] + [1] * 64, [100] + [1000] * 64)
+    assert fe.build_meta(r2t, [65, *rows], mixed[0], mixed[1], dev(mixed[2]), dev(mixed[3]), KEY_BYTES) is None
+    monkeypatch.setattr(fe, "GATHER_MAX_BYTES", 1100 * KEY_BYTES - 1)  # one byte short of the chunk's keys
+    assert fe.build_meta(r2t, [0], [1000], [100], dev([100]), dev([1100]), KEY_BYTES) is None
+    no_prefix = fe.build_meta(r2t, [0], [0], [100], dev([100]), dev([100]), 10**12)  # (nothing to gather)
+    assert no_prefix is not None and no_prefix.key_index is None
 
 
 def test_applies_only_where_the_kernel_computes_the_same():
@@ -177,7 +194,7 @@ def test_the_triton_backend_takes_it_for_extends_not_verifies(monkeypatch):
     prefix, ext, rows = [0, 9], [6, 4], [1, 3]
     r2t, k_buf, v_buf, q, k_new, v_new, lens = _batch(hq, hk, d, torch.bfloat16, prefix, ext, rows)
     pool = SimpleNamespace(
-        set_kv_buffer=lambda *a: None, get_kv_buffer=lambda layer_id: (k_buf, v_buf)
+        set_kv_buffer=lambda *a: None, get_kv_buffer=lambda layer_id: (k_buf, v_buf), k_buffer=[k_buf]
     )  # (the pool already holds the new tokens)
     backend = tb.TritonAttnBackend(SimpleNamespace(req_to_token=r2t), pool)
     assert backend.flash_extend
@@ -210,18 +227,12 @@ def test_gpu_kernel_at_the_80b_heads(dtype):
     cached prefixes of 0 / 17 / 1,030 keys and extends over several of its tiles, against float64."""
     assert fe.available(torch.device("cuda")), "torch's FlashAttention varlen kernel does not run here"
     prefix, ext, rows = [0, 17, 1030], [300, 140, 3], [2, 5, 9]
-    global NUM_SLOTS
-    saved, NUM_SLOTS = NUM_SLOTS, 4096
-    try:
-        r2t, k_buf, v_buf, q, k_new, v_new, lens = _batch(16, 2, 256, dtype, prefix, ext, rows, seed=5)
-    finally:
-        NUM_SLOTS = saved
-    r2t = torch.nn.functional.pad(r2t, (0, 2048 - r2t.shape[1]))
+    r2t, k_buf, v_buf, q, k_new, v_new, lens = _batch(16, 2, 256, dtype, prefix, ext, rows, seed=5, num_slots=4096)
     dev = [t.cuda() for t in (r2t, k_buf, v_buf, q, k_new, v_new)]
-    meta = fe.build_meta(dev[0], rows, prefix, ext, torch.tensor(ext).cuda(), torch.tensor(lens).cuda())
+    meta = fe.build_meta(dev[0], rows, prefix, ext, torch.tensor(ext).cuda(), torch.tensor(lens).cuda(), KEY_BYTES)
     got = fe.extend_attention(dev[3], dev[4], dev[5], dev[1], dev[2], meta, 256**-0.5)
     want = _want(q, k_buf, v_buf, r2t, rows, prefix, ext, lens, 256**-0.5)
     torch.testing.assert_close(got.cpu().double(), want, **TOL[torch.bfloat16])
-    meta0 = fe.build_meta(dev[0], rows[:1], prefix[:1], ext[:1], torch.tensor(ext[:1]).cuda(), torch.tensor(lens[:1]).cuda())  # no prefix: the new K / V as they are
+    meta0 = fe.build_meta(dev[0], rows[:1], prefix[:1], ext[:1], torch.tensor(ext[:1]).cuda(), torch.tensor(lens[:1]).cuda(), KEY_BYTES)  # no prefix: the new K / V as they are
     got0 = fe.extend_attention(dev[3][:300], dev[4][:300], dev[5][:300], dev[1], dev[2], meta0, 256**-0.5)
     torch.testing.assert_close(got0.cpu().double(), want[:300], **TOL[torch.bfloat16])

@@ -13,8 +13,8 @@ causal mask is FlashAttention's bottom-right one (query j of a request with pref
 0..p + j), GQA is native (KV head h // group). Not for: a graph-shaped verify (the Triton kernel is
 graph safe), float32, a float8 or scaled KV pool, head dims over 256 or not a multiple of 8, GPUs
 before sm_80; the Triton kernel serves those. `SGLANG_EXTEND_ATTENTION_BACKEND`: auto (this where it
-applies and the one-time probe passed), triton (never), flash (required: a GPU without it is a startup
-error)."""
+applies and the one-time probe passed), triton (never), flash (where it applies, and a GPU without it
+is a startup error). Batches with prefixes gather their keys only where that pays (`build_meta`)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "flash")
 MAX_HEAD_DIM = 256
+# A batch whose requests have cached prefixes takes this kernel only where gathering their keys pays: at
+# most this many keys per query (a 128k prompt's last chunk of 8,192 has 16; decode rows of a mixed
+# batch, one query over their whole context each, soon pass it: the Triton kernel reads their keys in
+# place) and at most GATHER_MAX_BYTES of K and V per layer (transient memory the pools' sizing does
+# not reserve: 64 rows of 32k keys at the 80B's 2 KV heads of 256 would be 4 GiB).
+MAX_KEYS_PER_QUERY = 16
+GATHER_MAX_BYTES = 512 * 2**20
 _probed: dict[int, bool] = {}  # CUDA device index -> whether the kernel runs and agrees there
 
 
@@ -81,9 +88,12 @@ def build_meta(
     extend_lens: list[int],
     extend_lens_dev: torch.Tensor,
     seq_lens_dev: torch.Tensor,
+    key_bytes: int,
 ) -> ExtendMeta | None:
-    """The batch's layout from its host lists (sizes and slices: None where they are missing or empty)
-    and its device lengths (the cumulative sums: nothing is copied from the host, no sync)."""
+    """The batch's layout from its host lists (sizes and slices) and its device lengths (the cumulative
+    sums: nothing is copied from the host, no sync); `key_bytes`: one key's K and V in the pool (all
+    heads). None where the lists are missing or empty, or where the prefixes' gather would not pay
+    (MAX_KEYS_PER_QUERY, GATHER_MAX_BYTES): the Triton kernel then."""
     bs = len(rows)
     if bs == 0 or len(prefix_lens) != bs or len(extend_lens) != bs or min(extend_lens) <= 0:
         return None
@@ -91,6 +101,9 @@ def build_meta(
     if not any(prefix_lens):
         return ExtendMeta(cu_q, cu_q, max(extend_lens), max(extend_lens), None)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    keys = sum(seq_lens)
+    if keys > MAX_KEYS_PER_QUERY * sum(extend_lens) or keys * key_bytes > GATHER_MAX_BYTES:
+        return None
     key_index = torch.cat([req_to_token[r, :n] for r, n in zip(rows, seq_lens, strict=True)]).long()
     return ExtendMeta(cu_q, _cumsum(seq_lens_dev), max(extend_lens), max(seq_lens), key_index)
 

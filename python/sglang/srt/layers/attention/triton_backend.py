@@ -45,6 +45,9 @@ class TritonAttnBackend:
         # Extend batches through FlashAttention-2 where it applies (flash_extend.py), decided once.
         self.flash_extend = flash_extend.chosen(self.req_to_token.device)
         self.flash_meta: flash_extend.ExtendMeta | None = None
+        # One key's K and V (all heads; every layer's buffer is alike): the flash path's gather bound.
+        k0 = token_to_kv_pool.k_buffer[0] if token_to_kv_pool.k_buffer else None
+        self.key_bytes = 2 * k0[0].numel() * k0.element_size() if k0 is not None else 0
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_extend():
@@ -56,7 +59,7 @@ class TritonAttnBackend:
             if self.flash_extend and not fb.forward_mode.is_target_verify():
                 self.flash_meta = flash_extend.build_meta(
                     self.req_to_token, fb.req_pool_indices_cpu, fb.extend_prefix_lens_cpu,
-                    fb.extend_seq_lens_cpu, lens, fb.seq_lens,
+                    fb.extend_seq_lens_cpu, lens, fb.seq_lens, self.key_bytes,
                 )  # fmt: skip
         else:
             self.release_metadata()
