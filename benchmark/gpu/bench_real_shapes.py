@@ -62,10 +62,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _runner(path: Path, device: str, dtype: str, max_bs: int, max_tokens: int, quantization: str | None = None):
+def _runner(
+    path: Path, device: str, dtype: str, max_bs: int, max_tokens: int, quantization: str | None = None,
+    verify_width: int = 0,
+):  # fmt: skip
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import ServerArgs
 
+    # (--verify-width: the target's verify rows and graphs as NGRAM sizes them; NEXTN's verify is the
+    # same forward, its drafts the MTP layer's)
+    spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": verify_width} if verify_width else {}
     args = ServerArgs(
         model_path=str(path),
         device=device,
@@ -75,6 +81,7 @@ def _runner(path: Path, device: str, dtype: str, max_bs: int, max_tokens: int, q
         max_running_requests=max_bs,
         random_seed=0,
         quantization=quantization,
+        **spec,
     )
     return ModelRunner(args)
 
@@ -101,6 +108,31 @@ def measure_decode(runner, device: str, batch: int, steps: int, prompt_len: int,
     for _ in range(steps):
         t = time.perf_counter()
         driver.decode(reqs, return_logprob=False)  # ends in next_token_ids.tolist()
+        walls.append(time.perf_counter() - t)
+    for r in reqs:
+        driver.free(r)
+    return statistics.median(walls)
+
+
+def measure_verify(runner, batch: int, steps: int, prompt_len: int, chunk: int, width: int) -> float:
+    """Median wall seconds of one speculative verify of `batch` requests, each its last token and
+    `width` - 1 drafts (graph-shaped: the verify graphs where captured), as `measure_decode` times a
+    decode step."""
+    from sglang.test.runner_driver import Extend, RunnerDriver
+
+    driver = RunnerDriver(runner)
+    reqs = [driver.new_request() for _ in range(batch)]
+    per = max(1, chunk // prompt_len)
+    for i in range(0, batch, per):
+        group = reqs[i : i + per]
+        driver.extend([Extend(r, _prompt(prompt_len, i + j)) for j, r in enumerate(group)], return_logprob=False)
+    drafts = [[7] * (width - 1)] * batch
+    for _ in range(3):
+        driver.verify(reqs, drafts, return_logprob=False, graph_shaped=True)
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        driver.verify(reqs, drafts, return_logprob=False, graph_shaped=True)  # ends in the sampled ids' read
         walls.append(time.perf_counter() - t)
     for r in reqs:
         driver.free(r)
@@ -230,10 +262,12 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
     if not args.dry_run:
         t = time.perf_counter()
         longest = max([n for n in args.prefill if n <= config.max_position_embeddings], default=0)
-        max_tokens = max(max(args.batches) * (args.prompt_len + args.steps + 8), longest + 64)
+        per_request = args.prompt_len + args.steps + 8 + (args.steps + 3) * args.verify_width
+        max_tokens = max(max(args.batches) * per_request, longest + 64)
         runner = _runner(
-            path, device, "bfloat16" if cuda else "float32", max(args.batches), max_tokens, args.quantization
-        )
+            path, device, "bfloat16" if cuda else "float32", max(args.batches), max_tokens, args.quantization,
+            args.verify_width,
+        )  # fmt: skip
         rows[0]["load_s"] = round(time.perf_counter() - t, 1)
         progress(f"{name}: runner ready in {rows[0]['load_s']} s")
     print(json.dumps(rows[0]), flush=True)
@@ -242,11 +276,15 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
         chunk = runner.server_args.chunked_prefill_size or 0
         chunk = chunk if chunk > 0 else max(args.prefill)
     context = args.prompt_len + 3 + args.steps // 2  # mean context over the timed steps
-    steps, steps0 = {}, {}
+    steps, steps0, verifies = {}, {}, {}
     if runner is not None:
         for batch in args.batches:
             steps[batch] = measure_decode(runner, device, batch, args.steps, args.prompt_len, chunk) * 1e3
             progress(f"{name}: decode batch {batch}: {steps[batch]:.3f} ms")
+        for batch in [b for b in args.batches if b <= 16] if args.verify_width else []:
+            # (before the step without layers: the graphs are then the whole model's)
+            verifies[batch] = measure_verify(runner, batch, args.steps, args.prompt_len, chunk, args.verify_width) * 1e3
+            progress(f"{name}: verify of {args.verify_width} at batch {batch}: {verifies[batch]:.3f} ms")
         with without_layers(runner, spec.slice_layers, recapture_after=False):  # (prefills follow)
             for batch in args.batches:
                 steps0[batch] = measure_decode(runner, device, batch, args.steps, args.prompt_len, chunk) * 1e3
@@ -274,6 +312,14 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
                 full_step_ms=_r(full_step),
                 full_share=_r(row["full_floor_ms"] / full_step),
             )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for batch, verify in verifies.items():
+        # Issue 57's target: a verify of 3-4 drafts at most 1.3x a decode step at batch 1-16, so that an
+        # acceptance length of 2 gives 1.5x the decode tokens/s (the drafts' own steps left out here).
+        row = {"model": name, "kind": "verify", "batch": batch, "width": args.verify_width,
+               "verify_ms": _r(verify), "decode_ms": _r(steps[batch]),
+               "verify_over_decode": _r(verify / steps[batch])}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
     for tokens in args.prefill:
@@ -344,6 +390,13 @@ def table(rows: list[dict]) -> str:
                 f"| {r['tokens']} | {r['gflop_per_token']} | {sec(r.get('seconds'))} | {r.get('tok_s', '-')} | {r.get('tflops', '-')} | "
                 f"{pct(r.get('share_peak'))} | {sec(r.get('full_seconds'))} | {r.get('full_tok_s', '-')} |"
             )
+    verifies = [r for r in rows if r["kind"] == "verify"]
+    if verifies:
+        out += ["", "| verify batch | positions | verify | decode step | verify / decode |", "|---|---|---|---|---|"]
+        out += [
+            f"| {r['batch']} | {r['width']} | {ms(r['verify_ms'])} | {ms(r['decode_ms'])} | {r['verify_over_decode']:.2f}x |"
+            for r in verifies
+        ]
     return "\n".join(out)
 
 
@@ -372,6 +425,11 @@ def main() -> None:
     parser.add_argument(
         "--quantization", choices=["fp8"], help="quantize the bf16 slice at load (issue 53: FP8 against bf16)"
     )
+    parser.add_argument(
+        "--verify-width", type=int, default=0,
+        help="also time a speculative verify of this many positions (the last token + drafts) at batches up "
+        "to 16 against the decode step (issue 57)",
+    )  # fmt: skip
     args = parser.parse_args()
     unknown = [m for m in args.models.split(",") if m not in rs.SLICES]
     if unknown:

@@ -183,6 +183,9 @@ bench 200 real_80b_fp8 $REAL qwen3-next-80b --quantization fp8
 # input projections, each its own GEMM again: 7 launches more per MoE + GDN layer), after real_80b in the
 # same call, so that the decode rows' ratio is the stacking's (~40 s with the slice written)
 bench 120 real_80b_unstacked env SGLANG_STACK_LINEARS=0 $REAL qwen3-next-80b
+# real_80b_verify (issue 57): the same slice's decode steps and a speculative verify of 4 positions (the
+# target's verify rows and graphs, as NEXTN with 3 drafts runs them) at batch 1 and 8: verify / decode
+bench 150 real_80b_verify $REAL qwen3-next-80b --verify-width 4 --batches 1,8 --prefill 8192
 bench 170 real_35b $REAL qwen3.5-35b-a3b
 bench 150 real_nemotron $REAL nemotron-h-8b
 # serving_80b (issue 55, item 5): bench_serving_strategies.py, the three strategies' servers on the 80B slice

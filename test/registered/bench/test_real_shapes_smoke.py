@@ -154,3 +154,19 @@ def test_without_layers_recaptures_the_graph_bodies_and_puts_the_layers_back(tmp
         without = brs.measure_decode(runner, "cpu", 8, 3, 32, 2048)
     again = brs.measure_decode(runner, "cpu", 8, 3, 32, 2048)
     assert without < with_layers / 2 and again > 2 * without, (with_layers, without, again)
+
+
+def test_the_verify_rows_time_a_graph_shaped_verify_against_the_decode_step(tmp_path):
+    """--verify-width (issue 57): a verify of that many positions at the batches up to 16, its row
+    beside the decode step of the same batch, and the table's verify section."""
+    rows, stdout = _run(
+        "--device", "cpu", "--tiny", "--models", "qwen3-next-80b", "--batches", "1,2,32", "--prefill", "256",
+        "--steps", "2", "--reps", "1", "--verify-width", "3", "--ckpt-dir", str(tmp_path),
+    )  # fmt: skip
+    decode = {r["batch"]: r["step_ms"] for r in rows if r["kind"] == "decode"}
+    verify = [r for r in rows if r["kind"] == "verify"]
+    assert [r["batch"] for r in verify] == [1, 2]  # (32: over issue 57's batches)
+    for r in verify:
+        assert r["width"] == 3 and r["verify_ms"] > 0 and r["decode_ms"] == decode[r["batch"]]
+        assert r["verify_over_decode"] == pytest.approx(r["verify_ms"] / r["decode_ms"], rel=2e-3)
+    assert "| verify batch | positions |" in stdout
