@@ -5,8 +5,8 @@ Some per-commit files run a case per path and leave out the cases that repeat a 
 (`ci_register.per_commit_cases`, or a skip naming this file): here they run whole, in a subprocess with
 SGLANG_TEST_FULL_MATRIX=1 (Nemotron-H's PD pair through the protocol tests, its NGRAM verifies in the
 graph's shape and through the CUDA kernels interpreted; Falcon-H1's CUDA-default kernels; the demo model's
-training run twice, bit for bit; Nemotron-H's NGRAM server; the engine-vs-HF bench script's and the norms'
-census's CPU checks; Nemotron-H's padded graph replay)."""
+training run twice, bit for bit, and its shipped weights' held-out loss; Nemotron-H's NGRAM server; the
+engine-vs-HF bench script's and the norms' census's CPU checks; Nemotron-H's padded graph replay)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,9 @@ def demo_path() -> str:
     return resolve_model_path(DEMO)
 
 
+@pytest.mark.skipif(
+    not full_matrix(), reason="the shipped weights' held-out loss through transformers: in the nightly full matrix"
+)
 def test_the_shipped_weights_model_the_held_out_text(demo_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
