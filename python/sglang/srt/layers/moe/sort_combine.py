@@ -4,8 +4,9 @@ FP8 experts of `fused_moe_fp8_triton.py` and the 16-bit fused GEMMs of `fused_mo
 its routing weights. No host read either way (a CUDA graph can capture both).
 
 Where the Triton bookkeeping serves (`use_triton`, decode sizes up to ALIGN_MAX_ASSIGNMENTS) the sort
-is `dispatch_triton.moe_align` (two launches; one with the fused GEMMs' tile maps for decode batches:
-`moe_align_tiles`); elsewhere torch's stable argsort and a histogram. The
+is `dispatch_triton.moe_align` (two launches; in an eager forward's decode batches one with the fused
+GEMMs' tile maps, `moe_align_tiles`: a graph's body takes them apart, `utils/graph_capture.py`);
+elsewhere torch's stable argsort and a histogram. The
 combine reads each token's rows in pick order (`dispatch_triton.moe_combine` on CUDA or where the Triton
 sort served, a torch loop over the picks elsewhere), sums them in float32 and rounds once to the
 activation dtype; no atomic adds, so the same bits every run. Other EP ranks' assignments (id
