@@ -93,6 +93,27 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def measure_decode(runner, device: str, batch: int, steps: int, prompt_len: int, chunk: int) -> float:
     """Median wall seconds of one decode step of `batch` requests."""
+    return _median_step(
+        runner, device, batch, steps, prompt_len, chunk,
+        lambda driver, reqs: driver.decode(reqs, return_logprob=False),  # ends in next_token_ids.tolist()
+    )  # fmt: skip
+
+
+def measure_verify(runner, device: str, batch: int, steps: int, prompt_len: int, chunk: int, width: int) -> float:
+    """Median wall seconds of one speculative verify of `batch` requests, each its last token and
+    `width` - 1 drafts (graph-shaped: the verify graphs where captured), as `measure_decode` times a
+    decode step."""
+    drafts = [[7] * (width - 1)] * batch
+    return _median_step(
+        runner, device, batch, steps, prompt_len, chunk,
+        lambda driver, reqs: driver.verify(reqs, drafts, return_logprob=False, graph_shaped=True),
+    )  # fmt: skip
+
+
+def _median_step(runner, device: str, batch: int, steps: int, prompt_len: int, chunk: int, step) -> float:
+    """`batch` requests prefilled (`prompt_len` tokens each, as many a chunk as fit), three untimed
+    `step(driver, reqs)` calls, then the median wall seconds of `steps` more (each ends in a host read
+    of its sampled ids: the device is done)."""
     from sglang.test.runner_driver import Extend, RunnerDriver
 
     driver = RunnerDriver(runner)
@@ -102,37 +123,12 @@ def measure_decode(runner, device: str, batch: int, steps: int, prompt_len: int,
         group = reqs[i : i + per]
         driver.extend([Extend(r, _prompt(prompt_len, i + j)) for j, r in enumerate(group)], return_logprob=False)
     for _ in range(3):
-        driver.decode(reqs, return_logprob=False)
+        step(driver, reqs)
     _sync(device)
     walls = []
     for _ in range(steps):
         t = time.perf_counter()
-        driver.decode(reqs, return_logprob=False)  # ends in next_token_ids.tolist()
-        walls.append(time.perf_counter() - t)
-    for r in reqs:
-        driver.free(r)
-    return statistics.median(walls)
-
-
-def measure_verify(runner, batch: int, steps: int, prompt_len: int, chunk: int, width: int) -> float:
-    """Median wall seconds of one speculative verify of `batch` requests, each its last token and
-    `width` - 1 drafts (graph-shaped: the verify graphs where captured), as `measure_decode` times a
-    decode step."""
-    from sglang.test.runner_driver import Extend, RunnerDriver
-
-    driver = RunnerDriver(runner)
-    reqs = [driver.new_request() for _ in range(batch)]
-    per = max(1, chunk // prompt_len)
-    for i in range(0, batch, per):
-        group = reqs[i : i + per]
-        driver.extend([Extend(r, _prompt(prompt_len, i + j)) for j, r in enumerate(group)], return_logprob=False)
-    drafts = [[7] * (width - 1)] * batch
-    for _ in range(3):
-        driver.verify(reqs, drafts, return_logprob=False, graph_shaped=True)
-    walls = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        driver.verify(reqs, drafts, return_logprob=False, graph_shaped=True)  # ends in the sampled ids' read
+        step(driver, reqs)
         walls.append(time.perf_counter() - t)
     for r in reqs:
         driver.free(r)
@@ -283,7 +279,9 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
             progress(f"{name}: decode batch {batch}: {steps[batch]:.3f} ms")
         for batch in [b for b in args.batches if b <= 16] if args.verify_width else []:
             # (before the step without layers: the graphs are then the whole model's)
-            verifies[batch] = measure_verify(runner, batch, args.steps, args.prompt_len, chunk, args.verify_width) * 1e3
+            verifies[batch] = (
+                measure_verify(runner, device, batch, args.steps, args.prompt_len, chunk, args.verify_width) * 1e3
+            )
             progress(f"{name}: verify of {args.verify_width} at batch {batch}: {verifies[batch]:.3f} ms")
         with without_layers(runner, spec.slice_layers, recapture_after=False):  # (prefills follow)
             for batch in args.batches:

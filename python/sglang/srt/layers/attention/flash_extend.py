@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.utils.device_probe import probed_once
 
 logger = logging.getLogger(__name__)
 
@@ -137,12 +138,7 @@ def available(device: torch.device) -> bool:
     """Whether the kernel runs on `device` and computes the bottom-right causal GQA attention this module
     needs (checked once per device against float32 math: a torch without the varlen kernel, a GPU
     before sm_80 or another mask convention each turn it off with one warning)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _probed:
-        _probed[index] = _probe(torch.device("cuda", index))
-    return _probed[index]
+    return probed_once(_probed, device, _probe)
 
 
 def _probe(device: torch.device) -> bool:

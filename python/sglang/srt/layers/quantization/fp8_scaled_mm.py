@@ -23,6 +23,7 @@ import logging
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.utils.device_probe import probed_once
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +92,7 @@ def available(device: torch.device) -> bool:
     (checked once per device, at load; a CUDA graph must not capture the check): torch older than the
     block-wise scales, CUDA before 12.9, a GPU cuBLAS has no such kernel for, or scales read in another
     layout each turn it off with one warning."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _probed:
-        _probed[index] = _probe(torch.device("cuda", index))
-    return _probed[index]
+    return probed_once(_probed, device, _probe)
 
 
 def _probe(device: torch.device) -> bool:
