@@ -103,7 +103,8 @@ def measure_verify(runner, device: str, batch: int, steps: int, prompt_len: int,
     """Median wall seconds of one speculative verify of `batch` requests, each its last token and
     `width` - 1 drafts (graph-shaped: the verify graphs where captured), as `measure_decode` times a
     decode step."""
-    drafts = [[7] * (width - 1)] * batch
+    # (each request's own drafts: one token repeated would route every position to the same experts)
+    drafts = [_prompt(width - 1, 1000 + i) for i in range(batch)]
     return _median_step(
         runner, device, batch, steps, prompt_len, chunk,
         lambda driver, reqs: driver.verify(reqs, drafts, return_logprob=False, graph_shaped=True),
@@ -315,9 +316,12 @@ def run_model(name: str, args, bandwidth: float, peak: float) -> list[dict]:
     for batch, verify in verifies.items():
         # Issue 57's target: a verify of 3-4 drafts at most 1.3x a decode step at batch 1-16, so that an
         # acceptance length of 2 gives 1.5x the decode tokens/s (the drafts' own steps left out here).
+        graphs = runner.graph_runner
         row = {"model": name, "kind": "verify", "batch": batch, "width": args.verify_width,
                "verify_ms": _r(verify), "decode_ms": _r(steps[batch]),
-               "verify_over_decode": _r(verify / steps[batch])}  # fmt: skip
+               "verify_over_decode": _r(verify / steps[batch]),
+               # (whether a captured verify graph served it: a capture that failed leaves it eager)
+               "graph": bool(graphs is not None and graphs.use_graphs and batch <= graphs.verify_max_bs())}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
     for tokens in args.prefill:
@@ -429,6 +433,8 @@ def main() -> None:
         "to 16 against the decode step (issue 57)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.verify_width == 1 or args.verify_width < 0:
+        parser.error("--verify-width: a verify has 2 positions or more (the last token and its drafts); 0 leaves it out")
     unknown = [m for m in args.models.split(",") if m not in rs.SLICES]
     if unknown:
         parser.error(f"--models: unknown {unknown}; choose from {list(rs.SLICES)}")

@@ -176,6 +176,9 @@ bench 90 attention python3 benchmark/gpu/bench_kernels.py --attention --reps 10
 #   OUT=$OUT GPU_DEADLINE_S=570 bash benchmark/gpu/run_gpu_checks.sh real_80b real_35b real_nemotron
 REAL="python3 benchmark/gpu/bench_real_shapes.py --ckpt-dir .gpu-cache/slices --models"
 bench 200 real_80b $REAL qwen3-next-80b --kernel-table
+# real_80b_verify (issue 57): the same slice's decode steps and a speculative verify of 4 positions (the
+# target's verify rows and graphs, as NEXTN with 3 drafts runs them) at batch 1 and 8: verify / decode
+bench 150 real_80b_verify $REAL qwen3-next-80b --verify-width 4 --batches 1,8 --prefill 8192
 # real_80b_fp8 (issue 53's target: FP8 decode at batch 64 / 256 at least 1.6x bf16's tokens/s): the same
 # bf16 slice quantized at load (--quantization fp8: block FP8 weights, the FP8 experts), the same rows
 bench 200 real_80b_fp8 $REAL qwen3-next-80b --quantization fp8
@@ -183,9 +186,6 @@ bench 200 real_80b_fp8 $REAL qwen3-next-80b --quantization fp8
 # input projections, each its own GEMM again: 7 launches more per MoE + GDN layer), after real_80b in the
 # same call, so that the decode rows' ratio is the stacking's (~40 s with the slice written)
 bench 120 real_80b_unstacked env SGLANG_STACK_LINEARS=0 $REAL qwen3-next-80b
-# real_80b_verify (issue 57): the same slice's decode steps and a speculative verify of 4 positions (the
-# target's verify rows and graphs, as NEXTN with 3 drafts runs them) at batch 1 and 8: verify / decode
-bench 150 real_80b_verify $REAL qwen3-next-80b --verify-width 4 --batches 1,8 --prefill 8192
 bench 170 real_35b $REAL qwen3.5-35b-a3b
 bench 150 real_nemotron $REAL nemotron-h-8b
 # serving_80b (issue 55, item 5): bench_serving_strategies.py, the three strategies' servers on the 80B slice

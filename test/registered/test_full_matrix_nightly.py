@@ -19,7 +19,7 @@ import pytest
 
 from sglang.test.ci_register import FULL_MATRIX_ENV, register_cpu_ci
 
-register_cpu_ci(est_time=400, suite="nightly-cpu")
+register_cpu_ci(est_time=460, suite="nightly-cpu")
 
 TEST_ROOT = Path(__file__).resolve().parents[1]
 FILES = [

@@ -39,8 +39,9 @@ THEMES: dict[str, str] = {
     "hardware": "only NVIDIA CUDA GPUs and the CPU are supported (no AMD ROCm, Ascend NPU, Intel XPU, Apple "
     "MLX or Ray backend); choose between them with --device",
     "kernels": "this server picks its kernels per layer type itself (Triton on CUDA, with torch's "
-    "FlashAttention-2 for prefill attention where it applies; torch or C++ on CPU) and has no switch for "
-    "this one; choose the attention kernels with --attention-backend",
+    "FlashAttention-2 for prefill attention where it applies, SGLANG_EXTEND_ATTENTION_BACKEND=triton "
+    "keeping the Triton kernel; torch or C++ on CPU) and has no such flag; choose the attention kernels "
+    "with --attention-backend",
     "graphs": "CUDA graphs are captured for decode and speculative verify forwards (and NEXTN's draft loops, "
     "argmax drafts for every request, and MTP layer after them) only; configure them "
     "with --cuda-graph-max-bs, --cuda-graph-bs and --disable-cuda-graph",

@@ -156,7 +156,7 @@ def test_without_layers_recaptures_the_graph_bodies_and_puts_the_layers_back(tmp
     assert without < with_layers / 2 and again > 2 * without, (with_layers, without, again)
 
 
-def test_the_verify_rows_time_a_graph_shaped_verify_against_the_decode_step(tmp_path):
+def test_the_verify_rows_time_a_verify_against_the_decode_step(tmp_path):
     """--verify-width (issue 57): a verify of that many positions at the batches up to 16, its row
     beside the decode step of the same batch, and the table's verify section."""
     rows, stdout = _run(
@@ -168,5 +168,6 @@ def test_the_verify_rows_time_a_graph_shaped_verify_against_the_decode_step(tmp_
     assert [r["batch"] for r in verify] == [1, 2]  # (32: over issue 57's batches)
     for r in verify:
         assert r["width"] == 3 and r["verify_ms"] > 0 and r["decode_ms"] == decode[r["batch"]]
+        assert r["graph"] is False  # (CPU: no captured graphs)
         assert r["verify_over_decode"] == pytest.approx(r["verify_ms"] / r["decode_ms"], rel=2e-3)
     assert "| verify batch | positions |" in stdout

@@ -18,7 +18,7 @@ from sglang.test.ci_register import full_matrix, register_cpu_ci
 from sglang.test.test_utils import looks_like_python
 from sglang.tools.train_tiny_model import corpus_files, held_out_loss, read, token_stream
 
-register_cpu_ci(est_time=75, suite="per-commit-cpu")
+register_cpu_ci(est_time=65, suite="per-commit-cpu")
 
 DEMO = "tiny-qwen3-next-demo"
 PROMPT = "def fibonacci(n):"

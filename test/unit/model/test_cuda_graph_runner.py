@@ -21,7 +21,7 @@ from sglang.test.ci_register import per_commit_cases, register_cpu_ci
 from sglang.test.model_checks import make_runner, random_ids
 from sglang.test.runner_driver import Extend, RunnerDriver
 
-register_cpu_ci(est_time=32, suite="per-commit-cpu")
+register_cpu_ci(est_time=24, suite="per-commit-cpu")
 
 
 @pytest.fixture

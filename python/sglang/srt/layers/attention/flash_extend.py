@@ -10,9 +10,9 @@ How: the batch's queries [T, Hq, D] in one varlen call; a request's keys are its
 cached prefix and the new tokens (stored before the call), gathered once per batch for every layer
 (`ExtendMeta.key_index`), or the layer's new K / V as they are when no request has a prefix. The
 causal mask is FlashAttention's bottom-right one (query j of a request with prefix p sees keys
-0..p + j), GQA is native (KV head h // group). Not for: a graph-shaped verify (the Triton kernel is
-graph safe), float32, a float8 or scaled KV pool, head dims over 256 or not a multiple of 8, GPUs
-before sm_80; the Triton kernel serves those. `SGLANG_EXTEND_ATTENTION_BACKEND`: auto (this where it
+0..p + j), GQA is native (KV head h // group). Not for: a verify (the Triton kernel is graph safe),
+float32, a float8 or scaled KV pool, head dims over 256 or not a multiple of 8, GPUs before sm_80; the
+Triton kernel serves those. `SGLANG_EXTEND_ATTENTION_BACKEND`: auto (this where it
 applies and the one-time probe passed), triton (never), flash (where it applies, and a GPU without it
 is a startup error). Batches with prefixes gather their keys only where that pays (`build_meta`)."""
 
