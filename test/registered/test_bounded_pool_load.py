@@ -5,14 +5,15 @@ stays up, and nothing is held once idle and flushed. Bounded in time and count."
 from __future__ import annotations
 
 import time
+import unittest
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from sglang.test.ci_register import register_cpu_ci
+from sglang.test.ci_register import full_matrix, register_cpu_ci
 from sglang.test.test_utils import ServerTestCase
 
-register_cpu_ci(est_time=50, suite="per-commit-cpu")
+register_cpu_ci(est_time=35, suite="per-commit-cpu")
 
 NUM_CLIENTS = 64
 TURNS = 4
@@ -71,6 +72,8 @@ class TestBoundedPoolLoadLazy(_BoundedPoolLoad):
     strategy = "extra_buffer_lazy"
 
 
+# (Per commit the default strategy; extra_buffer's run in the nightly full matrix.)
+@unittest.skipUnless(full_matrix(), "extra_buffer under the bounded load: in the nightly full matrix")
 class TestBoundedPoolLoadExtraBuffer(_BoundedPoolLoad):
     strategy = "extra_buffer"
 

@@ -6,7 +6,9 @@ Some per-commit files run a case per path and leave out the cases that repeat a 
 SGLANG_TEST_FULL_MATRIX=1 (Nemotron-H's PD pair through the protocol tests, its NGRAM verifies in the
 graph's shape and through the CUDA kernels interpreted; Falcon-H1's CUDA-default kernels; the demo model's
 training run twice, bit for bit, and its shipped weights' held-out loss; Nemotron-H's NGRAM server; the
-engine-vs-HF bench script's and the norms' census's CPU checks; Nemotron-H's padded graph replay)."""
+engine-vs-HF bench script's and the norms' census's CPU checks; Nemotron-H's padded graph replay and its
+CUDA-default kernels through the engine; Qwen3-Next's large page with allocation failures; the bounded
+load under extra_buffer)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import pytest
 
 from sglang.test.ci_register import FULL_MATRIX_ENV, register_cpu_ci
 
-register_cpu_ci(est_time=460, suite="nightly-cpu")
+register_cpu_ci(est_time=500, suite="nightly-cpu")
 
 TEST_ROOT = Path(__file__).resolve().parents[1]
 FILES = [
@@ -30,6 +32,8 @@ FILES = [
     "registered/models_e2e/test_speculative_ngram_models.py",
     "registered/bench/test_gpu_bench_scripts.py",
     "unit/model/test_cuda_graph_runner.py",
+    "registered/models_e2e/test_qwen3_next_models.py",
+    "registered/test_bounded_pool_load.py",
 ]
 
 

@@ -9,11 +9,13 @@ deferred copy-on-write of a hit's checkpoint, and the KL check must then fail.
 
 from __future__ import annotations
 
-from sglang.test.ci_register import register_cpu_ci
+import unittest
+
+from sglang.test.ci_register import full_matrix, register_cpu_ci
 from sglang.test.kits import KLDivergenceMixin, PrefixCacheBranchingMixin, ReferenceMatchMixin
 from sglang.test.test_utils import ServerTestCase
 
-register_cpu_ci(est_time=75, suite="per-commit-cpu")
+register_cpu_ci(est_time=62, suite="per-commit-cpu")
 
 LAZY = ["--mamba-scheduler-strategy", "extra_buffer_lazy"]
 
@@ -54,6 +56,9 @@ class TestQwen3NextLazyExtraBufferAllocFail(_AllocFail, TestQwen3NextLazyExtraBu
     pass
 
 
+# (Per commit the allocation failures at page 16 and the large page without them; both together in the
+# nightly full matrix: test/registered/test_full_matrix_nightly.py.)
+@unittest.skipUnless(full_matrix(), "the large page's allocation failures: in the nightly full matrix")
 class TestQwen3NextLazyExtraBufferLargePageAllocFail(_AllocFail, TestQwen3NextLazyExtraBufferLargePage):
     pass
 
