@@ -85,25 +85,12 @@ def test_the_batch_layout_gives_each_query_its_requests_keys(monkeypatch, dtype,
     assert meta.cu_q.dtype == meta.cu_k.dtype == torch.int32 and meta.cu_k[-1].item() == (
         sum(lens) if any(prefix) else sum(ext)
     )
+    want = _want(q, k_buf, v_buf, r2t, rows, prefix, ext, lens, scale)
     if meta.key_index is None:
         k_buf, v_buf = torch.full_like(k_buf, float("nan")), torch.full_like(v_buf, float("nan"))
     got = fe.extend_attention(q, k_new, v_new, k_buf, v_buf, meta, scale)
-    want = _want(q, k_buf if any(prefix) else None, v_buf, r2t, rows, prefix, ext, lens, scale) if any(
-        prefix
-    ) else _want_new(q, k_new, v_new, ext, scale)
     assert got.shape == q.shape and got.dtype == dtype
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
-
-
-def _want_new(q, k_new, v_new, ext, scale):
-    """No prefixes: each request's new tokens are its keys, in order."""
-    idx = torch.arange(sum(ext))
-    r2t = torch.zeros(len(ext), max(ext), dtype=torch.int32)
-    off = 0
-    for i, e in enumerate(ext):
-        r2t[i, :e] = idx[off : off + e]
-        off += e
-    return _want(q, k_new, v_new, r2t, list(range(len(ext))), [0] * len(ext), ext, ext, scale)
 
 
 def test_no_layout_without_the_host_lists():

@@ -162,3 +162,22 @@ def test_an_aborted_request_returns_no_routes():
         h.flush_and_check_empty()
     finally:
         h.shutdown()
+
+
+def test_a_graph_body_always_records_the_routing():
+    """With nobody reading the routes (no host table, no distribution recording) an eager forward skips
+    the copy; a CUDA graph's body, its warm-up as its capture (`utils/graph_capture.graph_body`), always
+    records, since the graph's replays serve later forwards that may read them."""
+    from sglang.srt.model_executor.expert_distribution import ExpertDistribution
+    from sglang.srt.model_executor.routed_experts import RoutedExpertsCapture
+    from sglang.srt.utils.graph_capture import graph_body
+
+    capture = RoutedExpertsCapture(num_layers=2, top_k=2, kv_slots=0, device="cpu", rows=4)
+    capture.distribution = ExpertDistribution(2, 4, [0, 1], 10, "cpu")  # (--expert-distribution-recorder-mode)
+    assert not capture.distribution.recording
+    ids = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32)
+    capture.record(1, ids)
+    assert not capture.rows.any()
+    with graph_body():
+        capture.record(1, ids)
+    assert torch.equal(capture.rows[:2, 1], ids) and not capture.rows[:, 0].any()

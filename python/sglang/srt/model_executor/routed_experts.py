@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from sglang.srt.model_executor.expert_distribution import ExpertDistribution
+from sglang.srt.utils.graph_capture import in_graph_body
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -125,13 +126,9 @@ class RoutedExpertsCapture:
 
     def record(self, layer: int, ids: torch.Tensor) -> None:
         """Layer `layer`'s top-k ids [T, k] of this forward's rows (an eager forward that nobody reads the
-        rows of, with only the expert distribution's flag and it not recording, skips the copy; a CUDA graph
-        being captured always records)."""
-        if (
-            self.by_slot is None
-            and not self.distribution.recording
-            and not torch.cuda.is_current_stream_capturing()
-        ):
+        rows of, with only the expert distribution's flag and it not recording, skips the copy; a CUDA
+        graph's body, its warm-up and capture, always records: `utils/graph_capture.py`)."""
+        if self.by_slot is None and not self.distribution.recording and not in_graph_body(ids.device):
             return
         tokens = ids.shape[0]
         self._buffer(tokens)[:tokens, layer].copy_(ids)

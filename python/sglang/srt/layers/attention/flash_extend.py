@@ -56,9 +56,9 @@ def chosen(device: torch.device) -> bool:
     value = envs.SGLANG_EXTEND_ATTENTION_BACKEND.get()
     if value not in BACKENDS:
         raise ValueError(f"SGLANG_EXTEND_ATTENTION_BACKEND must be one of {', '.join(BACKENDS)}; got {value!r}.")
+    if value == "flash" and device.type != "cuda":
+        raise ValueError("SGLANG_EXTEND_ATTENTION_BACKEND=flash needs a CUDA device.")
     if value == "triton" or device.type != "cuda":
-        if value == "flash" and device.type != "cuda":
-            raise ValueError("SGLANG_EXTEND_ATTENTION_BACKEND=flash needs a CUDA device.")
         return False
     ok = available(device)
     if value == "flash" and not ok:

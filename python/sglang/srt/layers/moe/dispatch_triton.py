@@ -139,14 +139,14 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
 
 
 # The one-launch bookkeeping (`moe_align_tiles`) serves eager forwards' batches of at most this many
-# assignments (the last program's compares grow as E x T k: the 80B's batches of up to 46 tokens); a CUDA
-# graph's body (its warm-up and capture, `utils.graph_capture`) takes the three launches. On an H200 (2026-12-01,
-# `bench_kernels.py --moe`, the 80B's MoE layer with its shared expert) the one launch cost the device
-# more, 0.0682 / 0.1672 ms at 1 / 8 tokens against 0.0603 / 0.1584 ms (likely its last program, which recounts every
-# expert's rows in 9 sequential chunks of 64, where the offsets kernel spreads them over 9 programs and
-# tile_map reads them; at 64 / 256 tokens, over this bound, both are the three), and the host less: the
-# layer launched eagerly took 0.48 / 0.62 ms against 0.58 / 0.59 ms (two Triton launches fewer; the
-# eager timings vary by ~0.03 ms run to run).
+# assignments (the last program's compares grow as E x T k: the 80B's batches of up to 46 tokens); a
+# CUDA graph's body (its warm-up and capture, `utils.graph_capture`) takes the three launches. On an
+# H200 (2026-12-01, `bench_kernels.py --moe`, the 80B's MoE layer with its shared expert) the one launch
+# cost the device more, 0.0682 / 0.1672 ms at 1 / 8 tokens against 0.0603 / 0.1584 ms (likely its last
+# program, which recounts every expert's rows in 9 sequential chunks of 64, where the offsets kernel
+# spreads them over 9 programs and tile_map reads them; 64 / 256 tokens are over this bound), and the
+# host less: the layer launched eagerly took 0.48 / 0.62 ms against 0.58 / 0.59 ms (two Triton launches
+# fewer; eager timings vary by ~0.03 ms run to run).
 MERGED_MAX_ASSIGNMENTS = 512
 # Experts per chunk of the merged kernel's last program (a BE x BJ compare tile, a BE x BE triangle).
 _MERGED_BE = 64
