@@ -9,6 +9,8 @@ batches (benchmark/gpu/README.md), so this count is what fusion has to bring dow
     python benchmark/gpu/kernel_census.py --model tiny-nemotron-h --batch 64 --top 30
     python benchmark/gpu/kernel_census.py --batch 1 8 64                 # a summary line per batch size
     python benchmark/gpu/kernel_census.py --env SGLANG_GPU_NORM_BACKEND=torch  # the norms' torch form
+    python benchmark/gpu/kernel_census.py --quantization fp8 --override moe_intermediate_size=128 \
+        --override shared_expert_intermediate_size=128   # FP8 at an expert width of whole scale blocks
 """
 
 from __future__ import annotations
@@ -36,8 +38,21 @@ class _OneLaunchStateCopy:
         self.launches.calls.append(("state_clear", {"meta"}))
 
 
+def _fp8_as_on_cuda(launches) -> None:
+    """FP8 laid out and run as on CUDA, on the meta device: FP8 linears (`Fp8BlockLinear` with the
+    Triton block GEMM) and FP8 experts, the FP8 kernels' launches recorded."""
+    from sglang.srt.layers import stacked_linears
+    from sglang.srt.layers.quantization import fp8, fp8_kernel
+    from sglang.srt.models import registry
+
+    fp8_kernel.jit_for_env = launches
+    fp8_kernel.triton_serves = lambda t: True
+    fp8.fp8_block_kernel = stacked_linears.fp8_block_kernel = lambda device: fp8_kernel.w8a8_block_fp8_matmul
+    registry.fp8_layout = lambda config, device: None if config is None else fp8.Fp8Layout(True, True)
+
+
 def census(
-    model: str, batch: int, dtype: str, env: dict | None = None
+    model: str, batch: int, dtype: str, env: dict | None = None, quantization: str | None = None
 ) -> tuple[Counter, Counter, Counter, Counter]:
     """(ops by name, ops by runtime line, Triton launches by kernel, and the ops outside the CUDA graph's
     body by runtime line) of one decode step of `batch`, run as the engine runs it (the forward worker,
@@ -49,6 +64,8 @@ def census(
     launches = RecordedLaunches()
     for module, name, value in launches.patches():
         setattr(module, name, value)
+    if quantization:
+        _fp8_as_on_cuda(launches)
 
     from sglang.srt.environ import envs
     from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
@@ -60,6 +77,7 @@ def census(
     args = ServerArgs(
         model_path=model, dtype=dtype, attention_backend="triton", page_size=16, max_total_tokens=16384,
         max_mamba_cache_size=3 * batch + 8, max_running_requests=batch, mamba_scheduler_strategy="extra_buffer",
+        quantization=quantization,
     )  # fmt: skip
     args.device = "meta"  # after validation, which accepts only the devices users may name
     with DeviceAudit(), envs.SGLANG_MAMBA_STATE_COPY_BACKEND.override("torch"):
@@ -97,6 +115,17 @@ def census(
     )
 
 
+def _variant(preset: str, overrides: dict[str, str]) -> str:
+    """A random checkpoint of `preset`'s architecture with `overrides` (JSON values) on its config."""
+    import tempfile
+
+    from sglang.srt.configs.presets import PRESETS
+    from sglang.tools.make_tiny_model import make_tiny_model
+
+    out = tempfile.mkdtemp(prefix="census-")
+    return str(make_tiny_model(PRESETS[preset], out, overrides={k: json.loads(v) for k, v in overrides.items()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-qwen3-next")
@@ -104,14 +133,22 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE over the CUDA defaults")
+    parser.add_argument("--quantization", choices=["fp8"], help="FP8 as CUDA runs it (quantized at load)")
+    parser.add_argument(
+        "--override", action="append", default=[],
+        help="KEY=VALUE (a JSON value) on the preset's config: a variant written to a temporary folder",
+    )  # fmt: skip
     args = parser.parse_args()
     env = dict(kv.split("=", 1) for kv in args.env)
-    runs = [(batch, census(args.model, batch, args.dtype, env)) for batch in args.batch]
+    if args.override:
+        args.model = _variant(args.model, dict(kv.split("=", 1) for kv in args.override))
+    runs = [(batch, census(args.model, batch, args.dtype, env, args.quantization)) for batch in args.batch]
     for batch, (by_op, _, triton, outside) in runs:
         total = sum(by_op.values()) + sum(triton.values())
-        print(json.dumps({"model": args.model, "batch": batch, "dtype": args.dtype, "env": env, "kernels": total,
+        print(json.dumps({"model": args.model, "batch": batch, "dtype": args.dtype, "env": env,
+                          "quantization": args.quantization, "kernels": total,
                           "aten": sum(by_op.values()), "triton": sum(triton.values()),
-                          "outside_graph": sum(outside.values())}))  # fmt: skip
+                          "outside_graph": sum(outside.values()), "triton_by_kernel": dict(triton)}))  # fmt: skip
     by_op, by_line, triton, outside = runs[0][1]
     print("\nby aten op:")
     for name, n in by_op.most_common(args.top):

@@ -219,6 +219,10 @@ class Envs:
     # weight, `fused_moe_fp8_triton.py`), dequantized at load elsewhere; fp8 keeps them FP8 on any device
     # (on CPU the kernels' torch twin runs them: tests); dequantize dequantizes them everywhere.
     SGLANG_FP8_EXPERTS = EnvStr("auto", "Block-FP8 routed experts: auto, fp8 or dequantize.")
+    # The quantizable linears of such a checkpoint: auto = `Fp8BlockLinear`s on CUDA (the block GEMM),
+    # dequantized at load elsewhere; fp8 keeps them FP8 on any device (on CPU each forward dequantizes
+    # the weight: tests of CUDA's layout, its stacks and the FP8 shared expert); dequantize everywhere.
+    SGLANG_FP8_LINEARS = EnvStr("auto", "Block-FP8 linears: auto, fp8 or dequantize.")
     # CPU rotary embedding of float32 q/k: auto = one sgl-kernel C++ call where built, else the torch ops.
     SGLANG_CPU_ROPE_BACKEND = EnvStr("auto", "CPU rotary embedding: auto, torch or cpp.")
     # CPU sampling of float32 logits (with or without top-k / top-p / min-p cuts): auto = one sgl-kernel

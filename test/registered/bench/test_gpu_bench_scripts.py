@@ -227,6 +227,33 @@ def test_kernel_census_counts_what_the_stacked_linears_save():
     assert stacked8["kernels"] == stacked["kernels"]
 
 
+def test_kernel_census_counts_what_fp8s_stacks_save():
+    """Qwen3-Next's decode step in block FP8 as CUDA lays it out (experts and shared expert 128 wide:
+    whole scale blocks, as published): each FP8 linear or stack of them (q / k / v, each o_proj and
+    out_proj) one activation quantization and one block GEMM; each MoE layer's shared expert inside its
+    FP8 experts' two grouped GEMMs, whose inputs take one quantization each (x; silu(gate) * up, fused),
+    and the router with the shared gate one GEMM and one routing launch: no shared-expert kernel of its
+    own (before: its three linears' six launches, the activation and the gated add)."""
+    from transformers import AutoConfig
+
+    from sglang.srt.configs.presets import resolve_model_path
+    from sglang.srt.models.qwen3_next import is_sparse_layer
+
+    widths = ("--override", "moe_intermediate_size=128", "--override", "shared_expert_intermediate_size=128")
+    fp8 = _census("--quantization", "fp8", *widths, model="tiny-qwen3-next")
+    config = AutoConfig.from_pretrained(resolve_model_path("tiny-qwen3-next"))
+    layers = range(config.num_hidden_layers)
+    moe = sum(is_sparse_layer(config, i) for i in layers)
+    gdn = sum(config.layer_types[i] == "linear_attention" for i in layers)
+    attention = config.num_hidden_layers - gdn
+    by = fp8["triton_by_kernel"]
+    assert by["_gemm_kernel"] == gdn + 2 * attention  # (the GDN's input projections stay dense, stacked)
+    assert by["_quant_kernel"] == by["_gemm_kernel"] + 2 * moe
+    assert by["_moe_gemm_kernel"] == 2 * moe and by["_softmax_topk_kernel"] == moe
+    assert "_silu_mul_kernel" not in by and "_add_sigmoid_mul_kernel" not in by
+    assert fp8["outside_graph"] == 5
+
+
 def test_server_startup_timeline_reads_the_log_up_to_healthy(tmp_path):
     """bench_server_startup.py's timeline (the GPU run's start took 45 s, 28 of them outside the
     scheduler's own phases): each timestamped log line as seconds after the launch, lines past healthy

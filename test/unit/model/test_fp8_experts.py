@@ -132,11 +132,20 @@ def test_straddling_gate_and_up_are_requantized_together():
             assert torch.equal(_bits(ex.w2[e]), _bits(ckpt[f"{name}.{e}.down_proj.weight"]))
 
 
-def _logprobs(path: str, mode: str) -> list[float]:
-    with envs.SGLANG_FP8_EXPERTS.override(mode):
-        driver = RunnerDriver(make_runner(path, page_size=16))
+def _logprobs(path: str, mode: str, linears: str = "auto", check=None) -> list[float]:
+    with envs.SGLANG_FP8_EXPERTS.override(mode), envs.SGLANG_FP8_LINEARS.override(linears):
+        runner = make_runner(path, page_size=16)
+    if check is not None:
+        check(runner.model)
+    driver = RunnerDriver(runner)
     req = driver.new_request()
     return prefill(driver, req, random_ids(80, seed=1), cuts=[40]) + decode_steps(driver, [req], 6)[0]
+
+
+def _exact_activations(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantization made exact (values as they are, scale 1): what is left to compare is
+    where the weights come from."""
+    return x.float().contiguous(), torch.ones(*x.shape[:-1], -(-x.shape[-1] // group))
 
 
 @pytest.mark.parametrize("preset", ["tiny-nemotron-h-fp8", "tiny-nemotron-h-fp8-modelopt", "qwen_i128"])
@@ -147,13 +156,9 @@ def test_logprobs_through_the_twin_equal_the_dequantized_paths(preset, request, 
     made exact here, what is left is where the weights come from, and the two agree within float32
     summation order (1e-4, the oracle bound; a misplaced expert or scale moves them by > 0.1)."""
     path = request.getfixturevalue(preset) if preset == "qwen_i128" else resolve_model_path(preset)
-
-    def exact(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-        return x.float().contiguous(), torch.ones(*x.shape[:-1], -(-x.shape[-1] // group))
-
     calls = []
     twin = fused_moe_fp8_triton.fused_experts_fp8_torch
-    monkeypatch.setattr(fused_moe_fp8_triton, "per_token_group_quant_fp8_torch", exact)
+    monkeypatch.setattr(fused_moe_fp8_triton, "per_token_group_quant_fp8_torch", _exact_activations)
     monkeypatch.setattr(
         fused_moe_fp8_triton, "fused_experts_fp8_torch", lambda *a: calls.append(1) or twin(*a)
     )
@@ -162,6 +167,38 @@ def test_logprobs_through_the_twin_equal_the_dequantized_paths(preset, request, 
     calls.clear()
     dense = _logprobs(path, "dequantize")
     assert not calls
+    assert max_abs(fp8, dense) < 1e-4
+
+
+def test_cudas_fp8_layout_with_its_stacks_serves_the_dequantized_paths_logprobs(tmp_path, monkeypatch):
+    """CUDA's FP8 layout through the engine on the CPU (SGLANG_FP8_LINEARS / SGLANG_FP8_EXPERTS=fp8),
+    with 128-wide experts and shared expert (whole scale blocks, as published): q / k / v as one FP8
+    stack, each layer's shared expert as expert E of its FP8 experts (the twin runs the stacks), against
+    every weight dequantized at load: with the twin's activation quantization made exact, the two agree
+    within float32 summation order (1e-4, the oracle bound; a misplaced scale block or a wrong shared
+    pick moves them by > 0.1)."""
+    from sglang.srt.layers.moe.fp8_fused_experts import Fp8FusedExperts
+    from sglang.srt.layers.stacked_linears import Fp8Stack
+
+    make_tiny_model(
+        "qwen3_next", tmp_path, quantize="fp8-block",
+        overrides={"moe_intermediate_size": 128, "shared_expert_intermediate_size": 128},
+    )  # fmt: skip
+    monkeypatch.setattr(fused_moe_fp8_triton, "per_token_group_quant_fp8_torch", _exact_activations)
+    seen = []
+
+    def layout(model: torch.nn.Module) -> None:
+        for m in model.modules():
+            if getattr(m, "qkv_stack", None) is not None:
+                seen.append(type(m.qkv_stack))
+            gemms = getattr(m, "fused_gemms", None)
+            if gemms is not None:
+                seen.append((type(gemms), gemms.shared is not None))
+
+    fp8 = _logprobs(str(tmp_path), "fp8", linears="fp8", check=layout)
+    layers = load_hf_config(str(tmp_path)).num_hidden_layers
+    assert seen.count(Fp8Stack) >= 1 and seen.count((Fp8FusedExperts, True)) == layers, seen
+    dense = _logprobs(str(tmp_path), "dequantize", linears="dequantize")
     assert max_abs(fp8, dense) < 1e-4
 
 

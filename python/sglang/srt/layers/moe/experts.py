@@ -21,7 +21,8 @@ parameters stored transposed (`process_weights_after_loading`). The layer's shar
 gate, Qwen3-Next) is added here too: where the C++ op serves the layer, it runs inside the same call
 (`fuse_shared_expert`). Experts whose weights are float8_e4m3fn (block FP8, with `w13_weight_scale_inv` /
 `w2_weight_scale_inv`) take `fused_moe_fp8_triton.py` instead: its Triton kernels where the Triton path
-serves (CUDA), its torch twin elsewhere; the weights' dtype alone decides."""
+serves (CUDA), its torch twin elsewhere; the weights' dtype alone decides. Their FP8 shared expert runs
+as one more expert of theirs where it fits (`fp8_fused_experts.py`)."""
 
 from __future__ import annotations
 
@@ -150,6 +151,10 @@ class RoutedExperts(nn.Module):
             if self.w13.dtype in FusedExperts.DTYPES:
                 bound = None if backend == "triton_fused" else FUSED_AUTO_MAX_TOKENS
                 self.fused_gemms = FusedExperts(self, max_tokens=bound)
+        if self.fused_gemms is None and self.fp8:  # (the shared expert as one more FP8 expert)
+            from sglang.srt.layers.moe.fp8_fused_experts import Fp8FusedExperts
+
+            self.fused_gemms = Fp8FusedExperts(self)
 
     def _use_cpu_op(self) -> None:
         """Where sgl-kernel's C++ op serves this layer (CPU, its activations, small experts), sets
@@ -262,10 +267,12 @@ class RoutedExperts(nn.Module):
         masked = self.num_experts != self.global_num_experts
         if masked:
             weights, ids = self._local_assignments(weights, ids)
-        if self.fp8:
-            return self._add_shared(self._routed_fp8(x, weights, ids), x, shared_expert, shared_gate)
         if self.fused_gemms is not None and self.fused_gemms.serves(self, x):
             return self.fused_gemms.forward(self, x, weights, ids, shared_expert, shared_gate)
+        if self.fp8:  # (the routed FP8 experts alone: `fp8_fused_experts.py`)
+            from sglang.srt.layers.moe.fp8_fused_experts import routed_fp8
+
+            return self._add_shared(routed_fp8(self, x, weights, ids), x, shared_expert, shared_gate)
         if masked and self.cpu_op_serves(ids.numel()):
             return self._add_shared(self._cpu_op_local(x, weights, ids), x, shared_expert, shared_gate)
         if self.cpu_op_serves(ids.numel()):
@@ -317,22 +324,6 @@ class RoutedExperts(nn.Module):
         """Experts stored in block FP8 (float8_e4m3fn weights with `w13_weight_scale_inv` and
         `w2_weight_scale_inv`, upstream's names, set by the loader): decided by the weights' dtype alone."""
         return self.w13.dtype == torch.float8_e4m3fn
-
-    def _routed_fp8(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The FP8 experts: the Triton kernels where the Triton path serves (CUDA), else their torch twin
-        (`fused_moe_fp8_triton.py`; imported here: a CPU install may lack triton)."""
-        scales = (getattr(self, "w13_weight_scale_inv", None), getattr(self, "w2_weight_scale_inv", None))
-        if scales[0] is None or scales[1] is None:
-            raise ValueError("FP8 experts need w13_weight_scale_inv and w2_weight_scale_inv (block scales).")
-        block = tuple(getattr(self, "weight_block_size", None) or (128, 128))
-        args = (x, self.w13, scales[0], self.w2, scales[1], weights, ids, self._activate, block)
-        if self.triton:
-            from sglang.srt.layers.moe.fused_moe_fp8_triton import fused_experts_fp8
-
-            return fused_experts_fp8(*args, silu_and_mul=self.gated and self.act is F.silu)
-        from sglang.srt.layers.moe.fused_moe_fp8_triton import fused_experts_fp8_torch
-
-        return fused_experts_fp8_torch(*args)
 
     def cpu_op_serves(self, assignments: int) -> bool:
         """Whether the C++ op runs a batch of this many (token, expert) assignments."""

@@ -191,10 +191,7 @@ class FusedExperts:
     ) -> torch.Tensor:
         """The layer's `forward` on its local `weights` / `ids` (other EP ranks' assignments: id E)."""
         if self.shared is None or self.shared != (shared_expert, shared_gate):
-            out = fused_experts(
-                x, experts.w13, experts.w2, weights, ids, experts._activate, self.silu_mul, self.table, self.relu2
-            )
-            return experts._add_shared(out, x, shared_expert, shared_gate)
+            return experts._add_shared(self.routed(experts, x, weights, ids), x, shared_expert, shared_gate)
         e = experts.num_experts
         if e != experts.global_num_experts:
             ids = torch.where(ids == e, e + 1, ids)  # other EP ranks' id, past the shared expert's
@@ -206,6 +203,12 @@ class FusedExperts:
         ids = torch.cat([ids, ids.new_full((t, 1), e)], 1)
         weights = torch.cat([weights.float(), share], 1)
         return self.forward_picked(experts, x, weights, ids)
+
+    def routed(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts alone (the shared expert runs beside them)."""
+        return fused_experts(
+            x, experts.w13, experts.w2, weights, ids, experts._activate, self.silu_mul, self.table, self.relu2
+        )
 
     def forward_picked(
         self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor

@@ -1,7 +1,7 @@
 """`SharedRouting`: a MoE block's router and its shared expert's sigmoid gate as one GEMM and one routing
 launch, where the fused GEMMs run the shared expert as expert E (`fused_moe_triton.FusedExperts`: CUDA's
-default for 16-bit batches of up to `experts.FUSED_AUTO_MAX_TOKENS` tokens; Qwen3-Next, Qwen3.5-MoE and
-their MTP layers).
+default for 16-bit batches of up to `experts.FUSED_AUTO_MAX_TOKENS` tokens; `fp8_fused_experts` for
+block-FP8 experts, every batch; Qwen3-Next, Qwen3.5-MoE and their MTP layers).
 
 Without it, each MoE layer of a decode step runs, around the router's GEMM and its top-k, the shared
 gate's GEMM, a cast, a sigmoid, a fill and two concatenations to append the shared expert as each token's
@@ -43,23 +43,26 @@ class SharedRouting:
     ) -> SharedRouting | None:
         """After the experts' load (`fuse_shared_expert`): the stacked gates where the fused GEMMs took
         `shared_expert` with `shared_gate` as expert E of one rank's experts (no expert parallelism: other
-        ranks' ids would need remapping), both gates of the experts' dtype, [E, H] and [1, H], and they
-        stack (`stack_linear_weights`: plain linears, SGLANG_STACK_LINEARS on); else None."""
+        ranks' ids would need remapping), both gates of one 16-bit or float32 dtype (FP8 experts' gates
+        are kept in the serving dtype), [E, H] and [1, H], and they stack (`stack_linear_weights`: plain
+        linears, SGLANG_STACK_LINEARS on); else None. (A batch of another dtype than the gates' takes the
+        routing apart: `serves`.)"""
         gemms = getattr(experts, "fused_gemms", None)
         if gemms is None or shared_gate is None or gemms.shared != (shared_expert, shared_gate):
             return None
         e = experts.num_experts
-        if e != experts.global_num_experts or gate.weight.dtype != experts.w13.dtype:
+        if e != experts.global_num_experts or not experts.triton:  # (the routing kernel is Triton's)
             return None
         if gate.weight.shape[0] != e or shared_gate.weight.shape != (1, gate.weight.shape[1]):
             return None
         stack = stack_linear_weights([gate, shared_gate])
-        return None if stack is None else cls(gate, shared_gate, experts, shared_expert, stack)
+        return cls(gate, shared_gate, experts, shared_expert, stack) if isinstance(stack, torch.Tensor) else None
 
     def serves(self, x: torch.Tensor) -> bool:
         gemms = self.experts.fused_gemms
         return (
             not hooked(self.gate, self.shared_gate)
+            and x.dtype == self.stack.dtype
             and gemms is not None
             and gemms.shared == (self.shared_expert, self.shared_gate)
             and gemms.serves(self.experts, x)

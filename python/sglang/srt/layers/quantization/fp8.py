@@ -88,16 +88,20 @@ def fp8_layout(config: Fp8Config | None, device: str | torch.device) -> Fp8Layou
     """The FP8 layout of a model loaded with `config` on `device`, or None (no FP8 anywhere). Experts:
     `SGLANG_FP8_EXPERTS` auto = FP8 on CUDA, dequantized elsewhere (the CPU's C++ op takes float
     weights); fp8 = FP8 on any device (on CPU the experts run `fused_experts_fp8_torch`: tests);
-    dequantize = dequantized everywhere."""
+    dequantize = dequantized everywhere. Linears: `SGLANG_FP8_LINEARS`, the same choices (fp8 on CPU:
+    each forward dequantizes)."""
     from sglang.srt.environ import envs
 
     if config is None:
         return None
     cuda = torch.device(device).type == "cuda"
-    choice = envs.SGLANG_FP8_EXPERTS.get().strip().lower()
-    if choice not in ("auto", "fp8", "dequantize"):
-        raise ValueError(f"SGLANG_FP8_EXPERTS must be auto, fp8 or dequantize, got {choice!r}.")
-    return Fp8Layout(linears=cuda, experts=choice == "fp8" or (choice == "auto" and cuda))
+    chosen = []
+    for var in (envs.SGLANG_FP8_LINEARS, envs.SGLANG_FP8_EXPERTS):
+        choice = var.get().strip().lower()
+        if choice not in ("auto", "fp8", "dequantize"):
+            raise ValueError(f"{var.name} must be auto, fp8 or dequantize, got {choice!r}.")
+        chosen.append(choice == "fp8" or (choice == "auto" and cuda))
+    return Fp8Layout(linears=chosen[0], experts=chosen[1])
 
 
 class Fp8ConfigError(ValueError):
@@ -372,16 +376,24 @@ class Fp8BlockLinear(nn.Module):
         return dequantize_block_fp8(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is not None and x.is_cuda:
-            out = self._kernel(x, self.weight, self.weight_scale_inv, list(self.block), x.dtype)
-        else:
-            out = F.linear(x, self.dequantized_weight(x.dtype))
+        out = block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self._kernel)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={list(self.block)}"
+
+
+def block_fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], kernel
+) -> torch.Tensor:
+    """x times the block-FP8 `weight` (with its `scale_inv`) transposed, in x's dtype: `kernel`
+    (`fp8_block_kernel`'s, set where the weight is on CUDA, so x is too) where given, else the
+    dequantized weight times x (torch)."""
+    if kernel is not None:
+        return kernel(x, weight, scale_inv, list(block), x.dtype)
+    return F.linear(x, dequantize_block_fp8(weight, scale_inv, block, x.dtype))
 
 
 def shard_fp8_like(fp8: Fp8BlockLinear, linear: nn.Linear, name: str, per_tensor: bool = False) -> None:
