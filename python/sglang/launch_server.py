@@ -13,6 +13,15 @@ import time
 # (Before the imports below: the start's log says what they and the flags' checks took, `main`.)
 _MODULE_START = time.perf_counter()
 
+if __name__ == "__main__":
+    import sys
+
+    from sglang.srt.entrypoints import prestart
+
+    # The scheduler's and the detokenizer's processes, spawned now: their imports run beside this
+    # process's imports and flag checks instead of after them (`prestart.py`).
+    prestart.prestart(sys.argv[1:])
+
 import errno  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402

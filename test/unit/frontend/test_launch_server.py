@@ -110,6 +110,19 @@ def test_an_unloadable_tokenizer_stops_the_started_subprocesses(preset_paths, tm
     assert _processes_with(marker) == []
 
 
+def test_a_refused_flag_leaves_no_process_of_the_launch():
+    """The launcher spawns its children before it checks the flags (`prestart.py`): a refused flag
+    stops them as it exits (status 2, one sentence), none is left."""
+    marker = f"sglang-launch-test-{uuid.uuid4().hex}"
+    proc = launch("--page-size", "0", env={**os.environ, "SGLANG_TEST_LAUNCH_MARKER": marker})
+    assert proc.returncode == 2, proc.stderr
+    assert_one_error(proc, "--page-size must be a positive integer")
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(marker) == []
+
+
 def _processes_with(marker: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang.srt.entrypoints import prestart
 from sglang.srt.entrypoints.parallel_layout import plan_schedulers
 from sglang.srt.managers.data_parallel_controller import run_data_parallel_controller_process
 from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
@@ -253,19 +254,27 @@ def start_subprocesses(server_args: Any, scheduler_entry: SchedulerEntry | None 
     logger.info("Starting the %s.", ", the ".join(name for name, _, _ in children))
     try:
         for name, target, args in children:
-            reader, writer = ctx.Pipe(duplex=False)
-            # The pipe's writer goes third, where every entry takes it (after server_args, port_args).
-            child_args = (server_args, args[0], writer, *args[1:])
-            proc = ctx.Process(
-                target=child_main, args=(name, target, pdeathsig, *child_args), name=f"sglang-{name}"
-            )
-            proc.start()
-            writer.close()  # the child holds its own copy; EOF on the reader then means the child is gone
+            # (a child spawned before the flags were checked, its imports done meanwhile: `prestart.py`)
+            warm = prestart.take(name)
+            assigned = warm.assign(name, target, (server_args, args[0]), args[1:]) if warm else None
+            if assigned is not None:
+                proc, reader = assigned
+            else:
+                reader, writer = ctx.Pipe(duplex=False)
+                # The pipe's writer goes third, where every entry takes it (after server_args, port_args).
+                child_args = (server_args, args[0], writer, *args[1:])
+                proc = ctx.Process(
+                    target=child_main, args=(name, target, pdeathsig, *child_args), name=f"sglang-{name}"
+                )
+                proc.start()
+                writer.close()  # the child holds its own copy; EOF on the reader then means it is gone
             starting.launched.processes.append(proc)
             starting.readers.append((name, proc, reader))
     except BaseException:
         starting.shutdown()
         raise
+    finally:
+        prestart.release()  # (warm children this start had no use for)
     return starting
 
 
