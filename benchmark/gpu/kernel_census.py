@@ -117,12 +117,15 @@ def census(
 
 def _variant(preset: str, overrides: dict[str, str]) -> str:
     """A random checkpoint of `preset`'s architecture with `overrides` (JSON values) on its config."""
+    import atexit
+    import shutil
     import tempfile
 
     from sglang.srt.configs.presets import PRESETS
     from sglang.tools.make_tiny_model import make_tiny_model
 
     out = tempfile.mkdtemp(prefix="census-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     return str(make_tiny_model(PRESETS[preset], out, overrides={k: json.loads(v) for k, v in overrides.items()}))
 
 

@@ -208,6 +208,9 @@ class Envs:
     # projections, and its MoE router with the shared expert's gate where the fused GEMMs run that expert
     # (layers/moe/shared_routing.py: one routing launch appends it). False: each its own GEMM (timing).
     SGLANG_STACK_LINEARS = EnvBool(True, "Run linears of one input as one GEMM where they stack.")
+    # `python -m sglang.launch_server` spawns its children before it checks the flags (entrypoints/
+    # prestart.py, which reads this from os.environ itself: it runs before this module is imported).
+    SGLANG_PRESTART_CHILDREN = EnvBool(True, "Spawn the server's children before the flags' checks.")
     # Extend (prefill) attention of the Triton backend on CUDA: auto = torch's FlashAttention-2 varlen
     # kernel where it applies (layers/attention/flash_extend.py), else the Triton kernel; triton: always
     # the Triton kernel; flash: required (a GPU without it is a startup error).

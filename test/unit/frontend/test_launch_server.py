@@ -114,9 +114,23 @@ def test_a_refused_flag_leaves_no_process_of_the_launch():
     """The launcher spawns its children before it checks the flags (`prestart.py`): a refused flag
     stops them as it exits (status 2, one sentence), none is left."""
     marker = f"sglang-launch-test-{uuid.uuid4().hex}"
-    proc = launch("--page-size", "0", env={**os.environ, "SGLANG_TEST_LAUNCH_MARKER": marker})
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "sglang.launch_server", "--page-size", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "SGLANG_TEST_LAUNCH_MARKER": marker},
+    )  # fmt: skip
+    most = 0  # (the launcher and its warm children, seen while it imports and checks the flags)
+    deadline = time.monotonic() + 120
+    while popen.poll() is None and time.monotonic() < deadline:
+        most = max(most, len(_processes_with(marker)))
+        time.sleep(0.05)
+    if popen.poll() is None:
+        popen.kill()  # (a launcher that hangs at exit: joining children no one stopped)
+    stdout, stderr = popen.communicate(timeout=30)
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
     assert proc.returncode == 2, proc.stderr
     assert_one_error(proc, "--page-size must be a positive integer")
+    assert most >= 3, most  # the launcher, a scheduler's and the detokenizer's warm children
     deadline = time.monotonic() + 10
     while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)

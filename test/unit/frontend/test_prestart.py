@@ -57,6 +57,34 @@ def test_a_warm_child_runs_what_it_is_given_and_the_rest_are_stopped():
         prestart.release()
 
 
+def test_the_launcher_runs_its_children_in_the_warm_ones_and_spawns_for_a_dead_one():
+    """`start_subprocesses` hands the detokenizer to its warm child (the same process) and, the
+    scheduler's warm child having died, spawns a scheduler as before; the start serves, nothing is
+    left in the pool."""
+    import sglang
+
+    prestart.prestart([])
+    try:
+        warm = {w.kind: w for w in prestart._pool}
+        assert set(warm) == {"scheduler", "other"}
+        warm["scheduler"].proc.kill()
+        warm["scheduler"].proc.join(10)
+        eng = sglang.Engine(
+            scheduler_entry=fake_scheduler.run_scheduler_process, model_path="tiny-qwen3-next"
+        )
+        try:
+            pids = {p.name: p.pid for p in eng._launched.processes}
+            assert pids["sglang-detokenizer"] == warm["other"].proc.pid
+            assert pids["sglang-scheduler"] not in (warm["scheduler"].proc.pid, warm["other"].proc.pid)
+            out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "temperature": 0})
+            assert len(out["output_ids"]) == 3 and out["text"]  # (the warm detokenizer turned ids to text)
+        finally:
+            eng.shutdown()
+        assert prestart._pool == []
+    finally:
+        prestart.release()
+
+
 def test_help_and_the_switch_start_none(monkeypatch):
     prestart.prestart(["--help"])
     monkeypatch.setenv("SGLANG_PRESTART_CHILDREN", "0")

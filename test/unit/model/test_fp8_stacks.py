@@ -2,7 +2,8 @@
 block, its bytes and scales as they were) and an FP8 MoE layer's shared expert run as expert E of its
 FP8 experts (`moe/fp8_fused_experts.py`), with the router and the shared gate as one GEMM
 (`shared_routing.py`): under `TRITON_INTERPRET=1` as CUDA runs them, against the layers apart. Through
-the engine: test_fp8_shared_expert_engine.py; the launches they save: test_gpu_bench_scripts.py's census."""
+the engine: test_fp8_experts.py (CUDA's layout on the CPU); the launches they save:
+test_gpu_bench_scripts.py's census."""
 
 from __future__ import annotations
 
@@ -48,15 +49,16 @@ def test_fp8_linears_stack_from_block_rows_with_their_bytes_and_scales():
     want = [lin(x) for lin in linears]
     stack = stack_linear_weights(linears)
     assert isinstance(stack, Fp8Stack)
-    assert (
-        stack.starts == (0, 256, 384) and stack.weight.shape == (514, 192) and stack.scale_inv.shape == (5, 2)
-    )
+    # (514 rows, padded to 520 as a 16-bit stack's are: still 5 rows of scale blocks)
+    assert stack.starts == (0, 256, 384) and stack.weight.shape == (520, 192)
+    assert stack.scale_inv.shape == (5, 2)
     assert stack.weight.dtype == FP8_DTYPE and stack.kernel is None  # (CPU: the dequantized torch path)
     for lin, start, (w, s) in zip(linears, stack.starts, before, strict=True):
         assert torch.equal(_bits(lin.weight), _bits(w)) and torch.equal(lin.weight_scale_inv, s)
         assert lin.weight.data_ptr() == stack.weight[start].data_ptr()
         assert lin.weight_scale_inv.data_ptr() == stack.scale_inv[start // 128].data_ptr()
     assert not stack.weight[200:256].float().any() and not stack.weight[320:384].float().any()
+    assert not stack.weight[514:].float().any()
     got = stacked_outputs(x, tuple(linears), stack)
     for g_, w_ in zip(got, want, strict=True):
         assert g_.shape == w_.shape

@@ -23,6 +23,7 @@ import argparse
 import atexit
 import importlib
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401 - its exit hook (joining the children) registers first: ours runs before it
 import os
 from typing import Any
 
@@ -52,12 +53,16 @@ class Warm:
     ) -> tuple[mp.process.BaseProcess, Any] | None:
         """Run `target(*args, ready_writer, *rest)` in the child (the launcher's child arguments:
         server_args and port_args, the ready pipe's writer, the rest); (its process, the ready reader),
-        or None where the child is gone (it is then stopped, and the launcher spawns one)."""
+        or None where the child is gone (it is then stopped, and the launcher spawns one). Anything else
+        that fails here stops it too, and is raised."""
         try:
             self.control.send((name, target, args, rest))
         except OSError:  # (BrokenPipeError: it died while it imported)
             self.stop()
             return None
+        except BaseException:
+            self.stop()
+            raise
         self.control.close()
         self.proc.name = f"sglang-{name}"
         return self.proc, self.reader
@@ -71,6 +76,15 @@ class Warm:
 
 
 _pool: list[Warm] = []
+_registered = False  # (`release` at exit)
+
+
+class _QuietParser(argparse.ArgumentParser):
+    """Raises where argparse would print its usage and exit: the launcher's own parser reports a bad
+    flag, in one sentence."""
+
+    def error(self, message: str):
+        raise ValueError(message)
 
 
 def children_for(argv: list[str]) -> dict[str, int]:
@@ -78,14 +92,14 @@ def children_for(argv: list[str]) -> dict[str, int]:
     (times the data-parallel replicas), and on node 0 the detokenizer (and with data parallelism its
     controller). A command line this cannot read gives the plain start's; a wrong count costs nothing
     but time."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--tp-size", "--tp", type=int, default=1)
+    p = _QuietParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--tp-size", "--tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     try:
         args, _ = p.parse_known_args(argv)
-    except SystemExit:  # (a malformed value: the real parser says so)
+    except ValueError:  # (a malformed value: the real parser says so, once)
         return {"scheduler": 1, "other": 1}
     ranks = max(1, max(1, args.tp_size) * max(1, args.dp_size) // max(1, args.nnodes))
     if args.node_rank > 0:
@@ -96,21 +110,31 @@ def children_for(argv: list[str]) -> dict[str, int]:
 def prestart(argv: list[str]) -> None:
     """Spawn the warm children a start with `argv` will use (none for --help, nor with
     SGLANG_PRESTART_CHILDREN=0: read here, before `environ` is imported)."""
-    if any(a in ("-h", "--help") for a in argv) or os.environ.get("SGLANG_PRESTART_CHILDREN", "1") == "0":
+    off = os.environ.get("SGLANG_PRESTART_CHILDREN", "1").strip().lower() in ("0", "false", "no", "off")
+    if off or any(a in ("-h", "--help") for a in argv):
         return
-    ctx = mp.get_context("spawn")
-    for kind, count in children_for(argv).items():
-        for i in range(count):
-            control_reader, control = ctx.Pipe(duplex=False)
-            reader, writer = ctx.Pipe(duplex=False)
-            args = (kind, control_reader, writer)
-            proc = ctx.Process(target=warm_child, args=args, name=f"sglang-prestarted-{kind}-{i}")
-            proc.start()
-            control_reader.close()
-            writer.close()
-            _pool.append(Warm(kind, proc, control, reader))
-    if _pool:
+    global _registered
+    if not _registered:  # (before the first spawn: a start that fails half-way leaves none either; after
+        # multiprocessing's own exit hook, which joins the children: atexit runs the last first)
         atexit.register(release)
+        _registered = True
+    ctx = mp.get_context("spawn")
+    try:
+        for kind, count in children_for(argv).items():
+            for i in range(count):
+                control_reader, control = ctx.Pipe(duplex=False)
+                reader, writer = ctx.Pipe(duplex=False)
+                args = (kind, control_reader, writer)
+                proc = ctx.Process(target=warm_child, args=args, name=f"sglang-prestarted-{kind}-{i}")
+                try:
+                    proc.start()
+                finally:
+                    control_reader.close()
+                    writer.close()
+                _pool.append(Warm(kind, proc, control, reader))
+    except BaseException:
+        release()
+        raise
 
 
 def take(name: str) -> Warm | None:

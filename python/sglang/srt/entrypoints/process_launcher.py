@@ -255,7 +255,7 @@ def start_subprocesses(server_args: Any, scheduler_entry: SchedulerEntry | None 
     try:
         for name, target, args in children:
             # (a child spawned before the flags were checked, its imports done meanwhile: `prestart.py`)
-            warm = prestart.take(name)
+            warm = prestart.take(name)  # (`assign` stops it if anything fails: no child goes astray)
             assigned = warm.assign(name, target, (server_args, args[0]), args[1:]) if warm else None
             if assigned is not None:
                 proc, reader = assigned

@@ -82,6 +82,7 @@ def _stack_fp8(linears: list[Fp8BlockLinear]) -> Fp8Stack:
     for lin in linears:
         starts.append(-(-rows // b0) * b0)
         rows = starts[-1] + lin.weight.shape[0]
+    rows = -(-rows // ROW_ALIGN) * ROW_ALIGN  # (the product's rows aligned as a 16-bit stack's; same blocks)
     weight = torch.zeros(rows, first.weight.shape[1], dtype=FP8_DTYPE, device=device)
     scale = torch.ones(-(-rows // b0), first.weight_scale_inv.shape[1], dtype=torch.float32, device=device)
     for lin, start in zip(linears, starts, strict=True):

@@ -37,6 +37,8 @@ class Fp8FusedExperts(FusedExperts):
     `forward_picked`, `shared`), its GEMMs those of its FP8 experts on any batch."""
 
     def __init__(self, experts: nn.Module):
+        # (`FusedExperts`' fields that have no use here: tiles come from `fused_moe_fp8_triton`'s table)
+        self.table, self.stack_table, self.max_tokens, self.relu2 = {}, {}, None, False
         self.silu_mul = experts.gated and experts.act is F.silu
         self.shared: tuple[nn.Module, nn.Module | None] | None = None
         # (w13, its scales, w2, its scales) of E + 1 experts
@@ -68,6 +70,9 @@ class Fp8FusedExperts(FusedExperts):
             )
             and linears[0].weight.shape == linears[1].weight.shape == (inter, hidden)
             and linears[2].weight.shape == w2.shape[1:]
+            and 2 * linears[0].weight_scale_inv.shape[0] == s13.shape[1]
+            and linears[0].weight_scale_inv.shape[1:] == s13.shape[2:]
+            and linears[2].weight_scale_inv.shape == s2.shape[1:]
         )  # fmt: skip
         if not fits:
             return

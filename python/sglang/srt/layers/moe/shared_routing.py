@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.layers.stacked_linears import hooked, stack_linear_weights
+from sglang.srt.layers.stacked_linears import DTYPES, hooked, stack_linear_weights
 
 
 class SharedRouting:
@@ -55,8 +55,10 @@ class SharedRouting:
             return None
         if gate.weight.shape[0] != e or shared_gate.weight.shape != (1, gate.weight.shape[1]):
             return None
+        if not all(isinstance(g.weight, torch.Tensor) and g.weight.dtype in DTYPES for g in (gate, shared_gate)):
+            return None  # (an FP8 gate: its stack would not be a weight F.linear takes)
         stack = stack_linear_weights([gate, shared_gate])
-        return cls(gate, shared_gate, experts, shared_expert, stack) if isinstance(stack, torch.Tensor) else None
+        return None if stack is None else cls(gate, shared_gate, experts, shared_expert, stack)
 
     def serves(self, x: torch.Tensor) -> bool:
         gemms = self.experts.fused_gemms
