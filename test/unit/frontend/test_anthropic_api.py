@@ -248,9 +248,9 @@ def test_review_fixes_prefill_is_error_null_stream_and_a_big_integer_in_a_call()
 
 
 def test_a_stream_quiet_through_a_long_call_sends_pings(monkeypatch):
-    from sglang.srt.entrypoints.anthropic import serving as anthropic_serving
+    from sglang.srt.entrypoints import stream_keepalive
 
-    monkeypatch.setattr(anthropic_serving, "PING_SECONDS", 0.0)
+    monkeypatch.setattr(stream_keepalive, "KEEPALIVE_SECONDS", 0.0)
     serving = _serving("<think>plan</think>" + CALL)
     _, whole = _create(serving, tools=TOOLS)
     _, events = _create(serving, stream=True, tools=TOOLS)

@@ -540,9 +540,9 @@ def test_a_reply_too_large_to_store_says_it_was_not_stored():
 
 
 def test_a_stream_quiet_through_a_long_call_sends_keepalive_comments(monkeypatch):
-    from sglang.srt.entrypoints.openai import serving_base
+    from sglang.srt.entrypoints import stream_keepalive
 
-    monkeypatch.setattr(serving_base, "KEEPALIVE_SECONDS", 0.0)
+    monkeypatch.setattr(stream_keepalive, "KEEPALIVE_SECONDS", 0.0)
 
     async def chunks():
         reply = await _serving("<think>plan</think>" + CALL).create(_request({"input": "x", "tools": TOOLS, "stream": True}))

@@ -420,6 +420,7 @@ def test_parallel_tool_calls_false_gives_at_most_one_call_whole_streamed_and_for
 def test_a_chat_stream_quiet_through_a_long_call_sends_keepalive_comments(monkeypatch):
     """The call is sent when its block closes: the chunks before say nothing, so the stream sends SSE
     comments (which clients skip) where it was quiet too long, and the same chunks otherwise."""
+    from sglang.srt.entrypoints import stream_keepalive
     from sglang.srt.entrypoints.openai import serving_base
     from sglang.test.fake_chat import FakeChatTokenizerManager
 
@@ -432,10 +433,10 @@ def test_a_chat_stream_quiet_through_a_long_call_sends_keepalive_comments(monkey
         return [chunk async for chunk in serving.stream_events(req, obj, first, gen)]
 
     plain = asyncio.run(stream())
-    monkeypatch.setattr(serving_base, "KEEPALIVE_SECONDS", 0.0)
+    monkeypatch.setattr(stream_keepalive, "KEEPALIVE_SECONDS", 0.0)
     kept = asyncio.run(stream())
-    assert serving_base.SSE_KEEPALIVE not in plain and serving_base.SSE_KEEPALIVE in kept
-    without = [c for c in kept if c != serving_base.SSE_KEEPALIVE]
+    assert stream_keepalive.SSE_COMMENT not in plain and stream_keepalive.SSE_COMMENT in kept
+    without = [c for c in kept if c != stream_keepalive.SSE_COMMENT]
 
     def choices(chunks: list[bytes]) -> list:  # (a call's id is made each time)
         return [json.loads(re.sub(rb'"id":"call_\w+"', b'"id":""', c[6:]))["choices"] for c in chunks]

@@ -14,7 +14,6 @@ Errors are Anthropic's body, `{"type": "error", "error": {"type", "message"}}`, 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +24,7 @@ from fastapi.responses import Response
 from sglang.srt.entrypoints.anthropic.protocol import MessagesRequest
 from sglang.srt.entrypoints.openai.serving_base import SSEResponse, parse_json_model, start_generation
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglang.srt.entrypoints.stream_keepalive import Keepalive
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
 from sglang.srt.managers.tokenizer_output import StreamMerger
@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 SIGNATURE = "sglang"  # a thinking block's signature: Anthropic's verifies a trace; this server keeps none
-PING_SECONDS = 5.0  # a stream that sent nothing for this long sends a ping (a long tool call, held to its end)
 
 
 def error_response(status: int, message: str) -> Response:
@@ -129,7 +128,7 @@ class AnthropicServing:
         progress: dict[Any, Any] = {}
         merger = StreamMerger()
         sent, reason, matched, last = 0, None, None, chunk
-        quiet_since = time.monotonic()
+        keepalive = Keepalive(lambda: builder.emit("ping"))  # (Anthropic's keep-alive event)
         try:
             while chunk is not None:
                 delta, sent = chunk["text"][sent:], len(chunk["text"])
@@ -142,11 +141,8 @@ class AnthropicServing:
                         builder.call(call)
                     if choice.finish_reason is not None:
                         reason, matched = choice.finish_reason, choice.matched_stop
-                if not events and time.monotonic() - quiet_since > PING_SECONDS:
-                    events.append(builder.emit("ping"))  # (Anthropic's keep-alive: proxies cut silent streams)
-                for event in events:
+                for event in keepalive.events(events):
                     yield event
-                quiet_since = time.monotonic() if events else quiet_since
                 last, chunk = chunk, await anext(gen, None)
             for event in builder.finish(reason, matched, last):
                 yield event

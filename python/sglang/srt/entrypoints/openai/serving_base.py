@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ from sglang.srt.entrypoints.http_errors import (
     server_abort_body,
 )
 from sglang.srt.entrypoints.openai.protocol import UsageInfo, request_error_from_validation
+from sglang.srt.entrypoints.stream_keepalive import SSE_COMMENT, Keepalive
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import (
@@ -39,9 +39,6 @@ from sglang.srt.managers.tokenizer_output import StreamMerger, built_off_loop_if
 logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
-# An SSE comment (clients skip it) sent by a stream that sent nothing for KEEPALIVE_SECONDS.
-SSE_KEEPALIVE = b": keepalive\n\n"
-KEEPALIVE_SECONDS = 5.0
 
 
 def sse(obj: Any) -> bytes:
@@ -288,7 +285,7 @@ class OpenAIServingBase:
             return sse(self.stream_response_model(id=stream_id, model=model, choices=choices, **extra))
 
         chunk = first
-        quiet_since = time.monotonic()
+        keepalive = Keepalive(SSE_COMMENT)  # (a tool call is sent when whole: the stream may go quiet)
         while chunk is not None:
             i = chunk.get("index", 0)
             if i not in sent_text:
@@ -307,13 +304,8 @@ class OpenAIServingBase:
             events = await built_off_loop_if_large(
                 entries, self._chunk_events, req, i, delta, meta, progress, event
             )
-            for one in events:
+            for one in keepalive.events(list(events)):
                 yield one
-            if events:
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since > KEEPALIVE_SECONDS:
-                quiet_since = time.monotonic()
-                yield SSE_KEEPALIVE  # (a tool call is sent when whole: proxies cut a stream silent too long)
             last[i] = chunk
             chunk = await anext(gen, None)
         if req.include_usage or self.include_usage:

@@ -28,7 +28,6 @@ from sglang.srt.entrypoints.http_errors import (
     json_response,
     server_abort_body,
 )
-from sglang.srt.entrypoints.openai import serving_base
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sglang.srt.entrypoints.openai.response_store import RUNNING, ResponseStore, StoredResponse
 from sglang.srt.entrypoints.openai.responses_items import input_messages, new_id, stored_input_items
@@ -39,13 +38,13 @@ from sglang.srt.entrypoints.openai.responses_protocol import (
     responses_error,
 )
 from sglang.srt.entrypoints.openai.serving_base import (
-    SSE_KEEPALIVE,
     SSEResponse,
     parse_json_model,
     start_generation,
     usage,
 )
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
+from sglang.srt.entrypoints.stream_keepalive import SSE_COMMENT, Keepalive
 from sglang.srt.managers.request_validation import RequestError
 from sglang.srt.managers.tokenizer_manager import BackendDeadError, ClientDisconnected, ServerAbortError
 from sglang.srt.managers.tokenizer_output import StreamMerger, built_off_loop_if_large, reply_entries
@@ -364,7 +363,7 @@ class OpenAIServingResponses:
         progress: dict[Any, Any] = {}
         merger = StreamMerger()
         sent, sent_tokens, reason, last = 0, 0, None, chunk
-        quiet_since = time.monotonic()
+        keepalive = Keepalive(SSE_COMMENT)
         while chunk is not None:
             delta, sent = chunk["text"][sent:], len(chunk["text"])
             meta = merger.merge(chunk["meta_info"])
@@ -381,11 +380,8 @@ class OpenAIServingResponses:
                 for call in choice.delta.tool_calls or []:
                     builder.call(call)
                 reason = choice.finish_reason or reason
-            if not events and time.monotonic() - quiet_since > serving_base.KEEPALIVE_SECONDS:
-                events.append(SSE_KEEPALIVE)  # (an SSE comment: clients skip it, proxies see traffic)
-            for event in events:
+            for event in keepalive.events(events):
                 yield event
-            quiet_since = time.monotonic() if events else quiet_since
             last, chunk = chunk, await anext(gen, None)
         for event in builder.finish(reason == "length"):
             yield event
