@@ -20,6 +20,7 @@ from sglang.srt.layers.stacked_linears import Fp8Stack, stack_linear_weights, st
 from sglang.srt.models.qwen3_next import Qwen3NextSparseMoeBlock
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.moe_checks import TOL_FP16, assert_close_to
+from sglang.test.stack_checks import assert_left_as_they_are
 
 register_cpu_ci(est_time=8, suite="per-commit-cpu")
 
@@ -108,13 +109,7 @@ def test_fp8_linears_that_do_not_stack_are_left_as_they_are(why):
         b.reduce_results = True  # (a row-parallel linear's all-reduce)
     elif why == "mixed":
         b = nn.Linear(192, 64, bias=False)
-    ptrs = (a.weight.data_ptr(), b.weight.data_ptr())
-    if why == "switch":
-        with envs.SGLANG_STACK_LINEARS.override(False):
-            assert stack_linear_weights([a, b]) is None
-    else:
-        assert stack_linear_weights([a, b]) is None
-    assert (a.weight.data_ptr(), b.weight.data_ptr()) == ptrs
+    assert_left_as_they_are([a, b], switch_off=why == "switch")
 
 
 def _fp8_moe_block(inter: int = 128, shared_inter: int = 128) -> Qwen3NextSparseMoeBlock:

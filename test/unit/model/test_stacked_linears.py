@@ -21,6 +21,7 @@ from sglang.srt.layers.stacked_linears import ROW_ALIGN, stack_linear_weights
 from sglang.srt.models.qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextSparseMoeBlock
 from sglang.test.ci_register import register_cpu_ci
 from sglang.test.moe_checks import TOL_FP16, assert_close_to
+from sglang.test.stack_checks import assert_left_as_they_are
 
 register_cpu_ci(est_time=6, suite="per-commit-cpu")
 
@@ -58,13 +59,7 @@ def test_linears_that_do_not_stack_are_left_as_they_are(why, monkeypatch):
         b.weight.data = torch.randn(4, 8)
     elif why == "forward":
         b.forward = lambda x: F.linear(x, b.weight) * 2  # a wrapped module: its own forward stays
-    ptrs = (a.weight.data_ptr(), b.weight.data_ptr())
-    if why == "switch":
-        with envs.SGLANG_STACK_LINEARS.override(False):
-            assert stack_linear_weights([a, b]) is None
-    else:
-        assert stack_linear_weights([a, b]) is None
-    assert (a.weight.data_ptr(), b.weight.data_ptr()) == ptrs
+    assert_left_as_they_are([a, b], switch_off=why == "switch")
 
 
 def _gdn_config(**extra) -> SimpleNamespace:
