@@ -4,6 +4,8 @@ in process (no rank is started here: test_tp_server.py runs them)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from sglang.srt.entrypoints.parallel_layout import plan_schedulers
@@ -80,7 +82,7 @@ def test_a_bad_combination_is_one_sentence_naming_the_flag(argv, sentence):
 
 
 def _ports() -> PortArgs:
-    return PortArgs("ipc:///tmp/t", "ipc:///tmp/s", "ipc:///tmp/d")
+    return PortArgs.init_new()
 
 
 def test_one_rank_is_the_plain_scheduler():
@@ -117,6 +119,8 @@ def test_data_parallel_replicas_each_form_their_own_group_behind_the_controller(
     assert [s.port_args.scheduler_input_ipc_name for s in specs[::2]] == controller.replica_inputs
     assert {s.port_args.tokenizer_ipc_name for s in specs} == {controller.reply_ipc}
     assert {s.port_args.detokenizer_ipc_name for s in specs} == {ports.detokenizer_ipc_name}
+    # The controller's sockets sit in the server's IPC folder, removed with it at shutdown.
+    assert {os.path.dirname(n.removeprefix("ipc://")) for n in controller.replica_inputs} == {ports.ipc_dir}
     assert specs[3].name == "scheduler (DP rank 1, TP rank 1)" and specs[0].rank.timeout_s == 9
 
 

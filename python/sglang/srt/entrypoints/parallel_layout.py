@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +35,6 @@ class ControllerSpec:
     replica_inputs: list[str]
     reply_ipc: str
 
-    @property
-    def ipc_names(self) -> list[str]:
-        return [*self.replica_inputs, self.reply_ipc]
-
 
 def plan_schedulers(
     server_args: Any, port_args: PortArgs
@@ -50,7 +45,7 @@ def plan_schedulers(
     controller = None
     replica_ports = [port_args]
     if dp > 1:
-        controller = ControllerSpec([_ipc_name(f"dp{d}") for d in range(dp)], _ipc_name("dp-replies"))
+        controller = ControllerSpec([port_args.ipc_name(f"dp{d}") for d in range(dp)], port_args.ipc_name("dp-replies"))
         replica_ports = [
             dataclasses.replace(
                 port_args, scheduler_input_ipc_name=name, tokenizer_ipc_name=controller.reply_ipc
@@ -93,6 +88,3 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def _ipc_name(tag: str) -> str:
-    return f"ipc://{tempfile.NamedTemporaryFile(prefix=f'sglang-{tag}-', delete=False).name}"

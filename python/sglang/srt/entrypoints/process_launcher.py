@@ -124,7 +124,6 @@ class LaunchedProcesses:
     port_args: PortArgs
     model_info: dict[str, Any]
     processes: list[mp.process.BaseProcess] = field(default_factory=list)
-    extra_ipc_names: list[str] = field(default_factory=list)  # the data-parallel controller's
 
     def failure(self) -> str | None:
         """Why the children cannot serve (one of them has exited), or None while all of them run."""
@@ -152,16 +151,7 @@ class LaunchedProcesses:
                 proc.kill()
                 proc.join(1.0)
         self.processes = []
-        for name in (
-            self.port_args.tokenizer_ipc_name,
-            self.port_args.scheduler_input_ipc_name,
-            self.port_args.detokenizer_ipc_name,
-            *self.extra_ipc_names,
-        ):
-            try:
-                os.unlink(name.removeprefix("ipc://"))
-            except OSError:
-                pass
+        self.port_args.remove_ipc_dir()  # (the data-parallel controller's sockets too)
 
 
 def default_scheduler_entry() -> SchedulerEntry:
@@ -247,7 +237,6 @@ def start_subprocesses(server_args: Any, scheduler_entry: SchedulerEntry | None 
     if server_args.node_rank == 0:  # (another node runs its schedulers only: `serve_other_node`)
         children.append(("detokenizer", run_detokenizer_process, (port_args,)))
     if controller is not None:
-        starting.launched.extra_ipc_names = controller.ipc_names
         args = (port_args, controller.replica_inputs, controller.reply_ipc)
         children.append(("data-parallel controller", run_data_parallel_controller_process, args))
     # (Timestamped: a start's log then says how long the children took to import and report.)

@@ -15,6 +15,7 @@ Logprob entries are (logprob, token_id) pairs; top logprobs are lists of such pa
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -472,17 +473,38 @@ class BatchStrOut:
 
 @dataclass
 class PortArgs:
-    """IPC endpoints (ZMQ `ipc://` names) of the three processes."""
+    """IPC endpoints (ZMQ `ipc://` names) of the three processes, in one private folder (`ipc_dir`, mode
+    0700) that also holds the data-parallel controller's (`ipc_name`). The folder goes with its sockets:
+    at `remove_ipc_dir` (the launcher's shutdown), or when the PortArgs that made it is collected or this
+    process exits (a tokenizer manager some test or tool never shut down)."""
 
     tokenizer_ipc_name: str
     scheduler_input_ipc_name: str
     detokenizer_ipc_name: str
+    ipc_dir: str = ""
 
     @classmethod
     def init_new(cls) -> PortArgs:
+        import shutil
         import tempfile
+        import weakref
 
-        def name(tag: str) -> str:
-            return f"ipc://{tempfile.NamedTemporaryFile(prefix=f'sglang-{tag}-', delete=False).name}"
+        folder = tempfile.mkdtemp(prefix="sglang-ipc-")
+        names = (f"ipc://{os.path.join(folder, tag)}" for tag in ("tokenizer", "scheduler", "detokenizer"))
+        made = cls(*names, ipc_dir=folder)
+        # (Not pickled: the children's copies remove nothing; this process's copy, which outlives them.)
+        weakref.finalize(made, shutil.rmtree, folder, ignore_errors=True)
+        return made
 
-        return cls(name("tokenizer"), name("scheduler"), name("detokenizer"))
+    def ipc_name(self, tag: str) -> str:
+        """Another socket of this server's (the data-parallel controller's), in the same folder."""
+        if not self.ipc_dir:
+            raise ValueError("this PortArgs has no IPC folder (made by PortArgs.init_new)")
+        return f"ipc://{os.path.join(self.ipc_dir, tag)}"
+
+    def remove_ipc_dir(self) -> None:
+        """Remove the folder and every socket in it (once the processes bound to them are gone)."""
+        import shutil
+
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
