@@ -84,7 +84,7 @@ class NemotronHTopkRouter(nn.Module):
         return experts % self.n_group == 0 and self.top_k <= self.topk_group * (experts // self.n_group)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float())  # (the weight is float32 already: `fp32_param_suffixes`)
         return grouped_sigmoid_topk(
             logits,
             self.top_k,
@@ -213,7 +213,9 @@ class NemotronHModel(nn.Module):
 
 class NemotronHForCausalLM(HybridCausalLM):
     backbone_attr = "backbone"
-    fp32_param_suffixes = ("A_log", "dt_bias", ".D", "e_score_correction_bias")
+    # The router's weight too: its logits are float32 (as transformers computes them), and a 16-bit copy
+    # would be cast on every forward (a launch and the [experts, hidden] float32 copy per MoE layer).
+    fp32_param_suffixes = ("A_log", "dt_bias", ".D", "e_score_correction_bias", ".mixer.gate.weight")
 
     def __init__(self, config: Any):
         backbone = NemotronHModel(config)
