@@ -27,29 +27,29 @@ import logging  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
-from sglang.srt.entrypoints.process_launcher import (  # noqa: E402
-    LaunchedProcesses,
-    ServerStartupError,
-    check_flag_support,
-    start_subprocesses,
-)
-from sglang.srt.managers.tokenizer_manager import DISCONNECT_POLL_S  # noqa: E402
-from sglang.srt.server_args import ServerArgs, ServerArgsError, prepare_server_args  # noqa: E402
+# The server's own modules are imported in the functions, not here: every child the server spawns runs
+# this module again as `__mp_main__` (multiprocessing's spawn imports the parent's main module), and they
+# took ~2.4 s of CPU in each (the detokenizer's whole start, which needs none of them).
+if TYPE_CHECKING:
+    from sglang.srt.entrypoints.process_launcher import LaunchedProcesses
+    from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger("sglang.launch_server")
 
 # Seconds the server keeps answering after its backend failed, so that waiting requests and health
-# checks get their 503 before it shuts down: a full poll period of the waiters, plus a margin (a waiter
-# whose poll just missed the failure sees it on its next one).
-BACKEND_FAILURE_DRAIN_S = DISCONNECT_POLL_S + 0.5
+# checks get their 503 before it shuts down: a full poll period of the waiters (DISCONNECT_POLL_S), plus
+# a margin (a waiter whose poll just missed the failure sees it on its next one).
+BACKEND_FAILURE_DRAIN_MARGIN_S = 0.5
 
 
 def launch_server(server_args: ServerArgs) -> int:
     """Bind the port, start the subprocesses, load the tokenizer and wait for the subprocesses (each
     failure is one sentence, and nothing is left running), then serve HTTP until interrupted (status 0)
     or until the backend fails (status 1); the subprocesses stop with it."""
+    from sglang.srt.entrypoints.process_launcher import check_flag_support, start_subprocesses
+
     check_flag_support(server_args)  # before anything else fails for a flag that is refused anyway
     if server_args.node_rank > 0:
         return serve_other_node(server_args)
@@ -76,6 +76,8 @@ def serve_other_node(server_args: ServerArgs) -> int:
     """--node-rank above 0: this node's tensor-parallel ranks only (node 0 serves HTTP and talks to them
     through its rank 0). Runs until one of them exits (status 1: a rank of another node is gone, or
     this one), or until interrupted (status 0); the ranks stop with it."""
+    from sglang.srt.entrypoints.process_launcher import start_subprocesses
+
     signal.signal(signal.SIGTERM, _raise_system_exit)
     launched = start_subprocesses(server_args).wait_ready()
     logger.info(
@@ -106,8 +108,10 @@ def _serve(server_args: ServerArgs, sock: socket.socket, tokenizer: Any, launche
     from sglang.srt.entrypoints.http_guard import timed_h11_protocol
     from sglang.srt.entrypoints.http_server import create_app
     from sglang.srt.environ import envs
-    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.managers.tokenizer_manager import DISCONNECT_POLL_S, TokenizerManager
     from sglang.srt.server_args_frontend import filter_access_log, uvicorn_ssl
+
+    drain_s = DISCONNECT_POLL_S + BACKEND_FAILURE_DRAIN_MARGIN_S
 
     class Server(uvicorn.Server):
         backend_error: str | None = None
@@ -120,8 +124,8 @@ def _serve(server_args: ServerArgs, sock: socket.socket, tokenizer: Any, launche
 
         async def on_tick(self, counter: int) -> bool:
             # Every 0.1 s. A dead child or a stalled scheduler ends the server rather than leave it up
-            # and unable to serve: for BACKEND_FAILURE_DRAIN_S it still answers (503 for waiting
-            # requests, /health and new requests), then it shuts down.
+            # and unable to serve: for `drain_s` it still answers (503 for waiting requests, /health
+            # and new requests), then it shuts down.
             should_exit = await super().on_tick(counter)
             if self.backend_error is None:
                 self.backend_error = tm.health.error()
@@ -129,7 +133,7 @@ def _serve(server_args: ServerArgs, sock: socket.socket, tokenizer: Any, launche
                     return should_exit
                 self.failed_at = time.monotonic()
                 logger.error("%s The server shuts down.", self.backend_error)
-            return should_exit or time.monotonic() - self.failed_at >= BACKEND_FAILURE_DRAIN_S
+            return should_exit or time.monotonic() - self.failed_at >= drain_s
 
     # uvicorn re-raises SIGTERM after its graceful shutdown; as an exception (not the default action,
     # which ends the process on the spot) it lets the `finally` below stop the subprocesses.
@@ -163,6 +167,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before anything starts: a port in use fails at once. It listens only
     once uvicorn serves on it (`create_server` calls listen), so a client that connects while the model
     loads is refused at once instead of hanging in the backlog; "ready" is logged after that."""
+    from sglang.srt.entrypoints.process_launcher import ServerStartupError
+
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -186,6 +192,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def load_server_tokenizer(server_args: ServerArgs) -> Any:
     """The TokenizerManager's tokenizer, loaded before the subprocesses (which load it too) start; None
     with --skip-tokenizer-init."""
+    from sglang.srt.entrypoints.process_launcher import ServerStartupError
     from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
     if server_args.skip_tokenizer_init:
@@ -205,6 +212,9 @@ def _raise_system_exit(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sglang.srt.entrypoints.process_launcher import ServerStartupError
+    from sglang.srt.server_args import ServerArgsError, prepare_server_args
+
     imported = time.perf_counter()
     try:
         server_args = prepare_server_args(sys.argv[1:] if argv is None else argv)

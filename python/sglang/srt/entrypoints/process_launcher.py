@@ -30,7 +30,7 @@ from typing import Any
 from sglang.srt.entrypoints import prestart
 from sglang.srt.entrypoints.parallel_layout import plan_schedulers
 from sglang.srt.managers.data_parallel_controller import run_data_parallel_controller_process
-from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+from sglang.srt.managers.detokenizer_manager import DetokenizerArgs, run_detokenizer_process
 from sglang.srt.managers.io_struct import PortArgs
 from sglang.srt.utils.child_process import exit_with_parent
 
@@ -230,14 +230,15 @@ def start_subprocesses(server_args: Any, scheduler_entry: SchedulerEntry | None 
     # The kernel's parent-death signal follows the starting thread: ask for it only when that thread
     # lives as long as this process (an Engine may be created on a short-lived thread).
     pdeathsig = threading.current_thread() is threading.main_thread()
+    # (name, entry, its arguments: the flags (the detokenizer's few: `DetokenizerArgs`), port args, more)
     children: list[tuple[str, Callable, tuple]] = [
-        (spec.name, entry, (spec.port_args,) if spec.rank is None else (spec.port_args, spec.rank))
+        (spec.name, entry, (server_args, spec.port_args) + (() if spec.rank is None else (spec.rank,)))
         for spec in specs
     ]
     if server_args.node_rank == 0:  # (another node runs its schedulers only: `serve_other_node`)
-        children.append(("detokenizer", run_detokenizer_process, (port_args,)))
+        children.append(("detokenizer", run_detokenizer_process, (DetokenizerArgs.of(server_args), port_args)))
     if controller is not None:
-        args = (port_args, controller.replica_inputs, controller.reply_ipc)
+        args = (server_args, port_args, controller.replica_inputs, controller.reply_ipc)
         children.append(("data-parallel controller", run_data_parallel_controller_process, args))
     # (Timestamped: a start's log then says how long the children took to import and report.)
     logger.info("Starting the %s.", ", the ".join(name for name, _, _ in children))
@@ -245,13 +246,13 @@ def start_subprocesses(server_args: Any, scheduler_entry: SchedulerEntry | None 
         for name, target, args in children:
             # (a child spawned before the flags were checked, its imports done meanwhile: `prestart.py`)
             warm = prestart.take(name)  # (`assign` stops it if anything fails: no child goes astray)
-            assigned = warm.assign(name, target, (server_args, args[0]), args[1:]) if warm else None
+            assigned = warm.assign(name, target, args[:2], args[2:]) if warm else None
             if assigned is not None:
                 proc, reader = assigned
             else:
                 reader, writer = ctx.Pipe(duplex=False)
-                # The pipe's writer goes third, where every entry takes it (after server_args, port_args).
-                child_args = (server_args, args[0], writer, *args[1:])
+                # The pipe's writer goes third, where every entry takes it (after the flags, port_args).
+                child_args = (*args[:2], writer, *args[2:])
                 proc = ctx.Process(
                     target=child_main, args=(name, target, pdeathsig, *child_args), name=f"sglang-{name}"
                 )

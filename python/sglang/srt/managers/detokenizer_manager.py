@@ -6,6 +6,11 @@ Text is produced incrementally per request. A byte-level tokenizer can split one
 over several tokens; decoding such a partial sequence yields U+FFFD, so text is held back until the
 character is complete and is flushed (as it is) when the request finishes. A request's state is freed
 with its final message.
+
+The process imports neither torch nor transformers: it is started with `DetokenizerArgs` (not the
+ServerArgs, whose import takes torch) and decodes with what the HTTP process's `DecoderSpec` says
+(`decode_tokenizer.py`); token outputs that arrive before the spec wait for it (SPEC_WAIT_S at most,
+after which the tokenizer is loaded here).
 """
 
 from __future__ import annotations
@@ -13,16 +18,34 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from sglang.srt.managers.decode_tokenizer import DecoderSpec, load_decoder
 from sglang.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, FreezeGCReq, PortArgs
-from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
+# Token outputs wait this long at most for the HTTP process's DecoderSpec (sent as it starts, before any
+# request), after which this process loads the tokenizer itself.
+SPEC_WAIT_S = 30.0
+
+
+@dataclass
+class DetokenizerArgs:
+    """What this process needs of the flags."""
+
+    log_level: str
+    skip_tokenizer_init: bool
+    tokenizer_path: str
+
+    @classmethod
+    def of(cls, server_args: Any) -> DetokenizerArgs:
+        return cls(server_args.log_level, server_args.skip_tokenizer_init, server_args.tokenizer_path)
 
 
 class IncrementalDetokenizer:
@@ -60,10 +83,37 @@ class IncrementalDetokenizer:
 
 
 class DetokenizerManager:
-    def __init__(self, tokenizer: Any):
-        """`tokenizer` None (--skip-tokenizer-init): the ids pass through with no text."""
+    def __init__(self, tokenizer: Any, tokenizer_path: str | None = None):
+        """`tokenizer` None: with a `tokenizer_path`, token outputs wait for the HTTP process's
+        DecoderSpec (`take_spec`); without (--skip-tokenizer-init), the ids pass through with no text."""
         self.tokenizer = tokenizer
+        self.tokenizer_path = tokenizer_path
         self.states: dict[str, IncrementalDetokenizer] = {}
+        self.waiting: list[BatchTokenIDOut] = []  # outputs that came before the decoder
+        self.waiting_since = 0.0
+
+    def take_spec(self, spec: DecoderSpec) -> list[BatchStrOut]:
+        """The decoder (the first spec only), then the replies to the outputs that waited for it."""
+        if self.tokenizer is None and self.tokenizer_path is not None:
+            self.tokenizer = load_decoder(spec, self.tokenizer_path)
+        replies = [self.handle_batch_token_id_out(out) for out in self.waiting]
+        self.waiting.clear()
+        return replies
+
+    def take_output(self, out: BatchTokenIDOut) -> list[BatchStrOut]:
+        """Its reply, or none yet while the decoder has not come."""
+        if self.tokenizer is None and self.tokenizer_path is not None:
+            self.waiting_since = self.waiting_since if self.waiting else time.monotonic()
+            self.waiting.append(out)
+            return []
+        return [self.handle_batch_token_id_out(out)]
+
+    def wait_ms(self) -> int | None:
+        """How long the process may wait for its next message: forever (None) unless outputs wait for
+        the decoder, SPEC_WAIT_S after the first of them at most."""
+        if not self.waiting:
+            return None
+        return max(0, int((self.waiting_since + SPEC_WAIT_S - time.monotonic()) * 1000))
 
     def handle_batch_token_id_out(self, out: BatchTokenIDOut) -> BatchStrOut:
         texts = self._texts(out) if self.tokenizer is not None else [""] * len(out.rids)
@@ -113,14 +163,11 @@ def _drops_stop_token(reason: dict | None) -> bool:
     return bool(reason) and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
 
 
-def run_detokenizer_process(server_args: Any, port_args: PortArgs, pipe_writer: Any = None) -> None:
+def run_detokenizer_process(args: DetokenizerArgs, port_args: PortArgs, pipe_writer: Any = None) -> None:
     """Process entry: serve until the process is stopped. The launcher makes it exit with its parent."""
-    logging.basicConfig(
-        level=server_args.log_level.upper(), format="[%(asctime)s detokenizer] %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s detokenizer] %(levelname)s %(message)s")
     try:
-        skip = server_args.skip_tokenizer_init
-        manager = DetokenizerManager(None if skip else get_tokenizer(server_args.tokenizer_path))
+        manager = DetokenizerManager(None, None if args.skip_tokenizer_init else args.tokenizer_path)
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         send = ctx.socket(zmq.PUSH)
@@ -137,10 +184,20 @@ def run_detokenizer_process(server_args: Any, port_args: PortArgs, pipe_writer: 
     if pipe_writer is not None:
         pipe_writer.send({"status": "ready"})
     while True:
-        msg = recv.recv_pyobj()
-        if isinstance(msg, BatchTokenIDOut):
-            send.send_pyobj(manager.handle_batch_token_id_out(msg))
-        elif isinstance(msg, FreezeGCReq):
-            gc.freeze()
+        wait = manager.wait_ms()
+        if wait is not None and not recv.poll(wait):
+            logger.warning("No decoder spec from the HTTP process in %.0f s: loading the tokenizer.", SPEC_WAIT_S)
+            replies = manager.take_spec(DecoderSpec(None))
         else:
-            logger.warning("Detokenizer ignores an unexpected message %s", type(msg).__name__)
+            msg = recv.recv_pyobj()
+            replies = []
+            if isinstance(msg, DecoderSpec):
+                replies = manager.take_spec(msg)
+            elif isinstance(msg, BatchTokenIDOut):
+                replies = manager.take_output(msg)
+            elif isinstance(msg, FreezeGCReq):
+                gc.freeze()
+            else:
+                logger.warning("Detokenizer ignores an unexpected message %s", type(msg).__name__)
+        for reply in replies:
+            send.send_pyobj(reply)

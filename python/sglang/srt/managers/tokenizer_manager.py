@@ -31,6 +31,7 @@ import zmq.asyncio
 from sglang.srt.configs.presets import resolve_model_path
 from sglang.srt.lora.lora_registry import LoRARegistry
 from sglang.srt.managers.backend_health import BackendDeadError, BackendHealth
+from sglang.srt.managers.decode_tokenizer import decoder_spec
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -185,6 +186,13 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         self._send = zmq.Context.instance().socket(zmq.PUSH)
         self._send.setsockopt(zmq.SNDHWM, 0)
         self._send.connect(self.port_args.scheduler_input_ipc_name)
+        # The detokenizer decodes with this tokenizer (its backend: `decode_tokenizer.py`); the socket stays
+        # open until close, so that a detokenizer still starting gets the spec once it binds.
+        self._to_detokenizer = None
+        if self.tokenizer is not None:
+            self._to_detokenizer = zmq.Context.instance().socket(zmq.PUSH)
+            self._to_detokenizer.connect(self.port_args.detokenizer_ipc_name)
+            self._to_detokenizer.send_pyobj(decoder_spec(self.tokenizer))
         self._recv_task = asyncio.create_task(self._recv_loop())
         self._watch_task = asyncio.create_task(self.health.watch())
 
@@ -200,6 +208,8 @@ class TokenizerManager(TokenizerCommunicatorMixin):
             self._recv_task = None
             self._recv.close(linger=0)
             self._send.close(linger=0)
+            if self._to_detokenizer is not None:
+                self._to_detokenizer.close(linger=0)
             self._ctx.term()
 
     # ---- generation --------------------------------------------------------------------------------
