@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from sglang.srt.managers import detokenizer_manager
-from sglang.srt.managers.decode_tokenizer import BackendDecoder, DecoderSpec, decoder_spec
+from sglang.srt.managers.decode_tokenizer import BackendDecoder, DecoderSpec, decoder_spec, load_decoder
 from sglang.srt.managers.detokenizer_manager import DetokenizerManager
 from sglang.srt.managers.io_struct import BatchTokenIDOut
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
@@ -111,3 +111,34 @@ def test_the_detokenizer_and_a_childs_run_of_the_launcher_import_neither_torch_n
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_backend_that_cannot_be_serialized_or_rebuilt_falls_back_to_transformers():
+    tokenizer = get_tokenizer("tiny-qwen3-next")
+
+    class Unserializable:
+        def to_str(self) -> str:
+            raise Exception("Custom PreTokenizer cannot be serialized")  # (what tokenizers raises)
+
+    tokenizer._tokenizer = Unserializable()
+    assert decoder_spec(tokenizer) == DecoderSpec(None)
+    # A spec the detokenizer's tokenizers cannot read: the tokenizer through transformers, same text.
+    decoder = load_decoder(DecoderSpec("{not json"), "tiny-qwen3-next")
+    ids = get_tokenizer("tiny-qwen3-next").encode(TEXT)
+    assert not isinstance(decoder, BackendDecoder) and decoder.decode(ids) == TEXT
+
+
+def test_a_tokenizer_manager_whose_start_fails_closes_what_it_opened():
+    import asyncio
+
+    from sglang.srt.managers.io_struct import PortArgs
+    from sglang.test.app_harness import build_app
+
+    _, tm = build_app()
+    ports = PortArgs.init_new()
+    # A socket path past the system's limit: the detokenizer's connect fails after two sockets opened.
+    tm.port_args = PortArgs(ports.tokenizer_ipc_name, ports.scheduler_input_ipc_name, "ipc:///" + "x" * 300)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - zmq's error for the path
+        asyncio.run(tm.start())
+    assert tm._ctx is None and tm._recv.closed and tm._send.closed
+    tm.encoder.close()

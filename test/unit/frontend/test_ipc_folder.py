@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import os
 import stat
+import subprocess
+import sys
 import tempfile
 
 import zmq
@@ -51,3 +53,22 @@ def test_shutdown_removes_the_bound_sockets_and_their_folder(monkeypatch, tmp_pa
         for sock in sockets:
             sock.close(linger=0)
         ctx.term()
+
+
+def test_a_forked_child_that_exits_leaves_the_folder_to_its_parent(tmp_path):
+    """The removal hook is inherited by a child forked from the server's process (a script around an
+    Engine that forks a worker): its normal exit must not remove the sockets the server still serves."""
+    code = (
+        "import os, sys, tempfile\n"
+        f"tempfile.tempdir = {str(tmp_path)!r}\n"
+        "from sglang.srt.managers.io_struct import PortArgs\n"
+        "ports = PortArgs.init_new()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(0)  # (a normal exit: the exit hooks run)\n"
+        "os.waitpid(pid, 0)\n"
+        "assert os.path.isdir(ports.ipc_dir), 'the child removed the folder'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp_path.iterdir()) == []  # (and the parent's own exit removed it)

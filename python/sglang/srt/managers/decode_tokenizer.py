@@ -11,8 +11,11 @@ says so and the detokenizer loads the tokenizer through transformers itself, as 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # transformers' decode of a tokenizer with a `tokenizers` backend, when it is nothing but the backend's.
 _PLAIN_DECODE = {("decode", "PreTrainedTokenizerBase.decode"), ("_decode", "TokenizersBackend._decode")}
@@ -35,7 +38,25 @@ def decoder_spec(tokenizer: Any) -> DecoderSpec:
     )
     if backend is None or not plain or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return DecoderSpec(None)
-    return DecoderSpec(backend.to_str())
+    try:
+        return DecoderSpec(backend.to_str())
+    except Exception:  # noqa: BLE001 - e.g. a custom pre-tokenizer (tokenizers cannot serialize it)
+        return DecoderSpec(None)
+
+
+def send_decoder_spec(tokenizer: Any, detokenizer_ipc_name: str) -> Any:
+    """Send the detokenizer this tokenizer's spec (nothing without a tokenizer: --skip-tokenizer-init);
+    returns the socket, which the caller keeps open until it closes (a detokenizer still starting gets
+    the spec once it binds), or None."""
+    if tokenizer is None:
+        return None
+    import zmq
+
+    spec = decoder_spec(tokenizer)
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(detokenizer_ipc_name)
+    sock.send_pyobj(spec)
+    return sock
 
 
 class BackendDecoder:
@@ -53,7 +74,10 @@ class BackendDecoder:
 def load_decoder(spec: DecoderSpec | None, tokenizer_path: str) -> Any:
     """What decodes for the detokenizer: the backend of `spec`, else the tokenizer through transformers."""
     if spec is not None and spec.backend_json is not None:
-        return BackendDecoder(spec.backend_json)
+        try:
+            return BackendDecoder(spec.backend_json)
+        except Exception:  # noqa: BLE001 - the tokenizer through transformers still decodes
+            logger.exception("The tokenizer's backend cannot be rebuilt here: loading the tokenizer.")
     from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
     return get_tokenizer(tokenizer_path)

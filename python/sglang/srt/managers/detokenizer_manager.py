@@ -185,7 +185,7 @@ def run_detokenizer_process(args: DetokenizerArgs, port_args: PortArgs, pipe_wri
         pipe_writer.send({"status": "ready"})
     while True:
         wait = manager.wait_ms()
-        if wait is not None and not recv.poll(wait):
+        if wait is not None and (wait == 0 or not recv.poll(wait)):  # (overdue even while messages come)
             logger.warning("No decoder spec from the HTTP process in %.0f s: loading the tokenizer.", SPEC_WAIT_S)
             replies = manager.take_spec(DecoderSpec(None))
         else:

@@ -15,7 +15,6 @@ Logprob entries are (logprob, token_id) pairs; top logprobs are lists of such pa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -27,6 +26,7 @@ from sglang.srt.managers.io_struct_ops import (  # noqa: F401 - upstream keeps t
     ProfileReq,
     ProfileReqOutput,
 )
+from sglang.srt.managers.port_args import PortArgs  # noqa: F401 - re-exported (its users import it here)
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 LogprobEntry = tuple[float, int]
@@ -469,42 +469,3 @@ class BatchStrOut:
     spec_counts: list[list[int]] = field(default_factory=list)
     output_hidden_states: list[Any] = field(default_factory=list)
     routed_experts: list[Any] = field(default_factory=list)
-
-
-@dataclass
-class PortArgs:
-    """IPC endpoints (ZMQ `ipc://` names) of the three processes, in one private folder (`ipc_dir`, mode
-    0700) that also holds the data-parallel controller's (`ipc_name`). The folder goes with its sockets:
-    at `remove_ipc_dir` (the launcher's shutdown), or when the PortArgs that made it is collected or this
-    process exits (a tokenizer manager some test or tool never shut down)."""
-
-    tokenizer_ipc_name: str
-    scheduler_input_ipc_name: str
-    detokenizer_ipc_name: str
-    ipc_dir: str = ""
-
-    @classmethod
-    def init_new(cls) -> PortArgs:
-        import shutil
-        import tempfile
-        import weakref
-
-        folder = tempfile.mkdtemp(prefix="sglang-ipc-")
-        names = (f"ipc://{os.path.join(folder, tag)}" for tag in ("tokenizer", "scheduler", "detokenizer"))
-        made = cls(*names, ipc_dir=folder)
-        # (Not pickled: the children's copies remove nothing; this process's copy, which outlives them.)
-        weakref.finalize(made, shutil.rmtree, folder, ignore_errors=True)
-        return made
-
-    def ipc_name(self, tag: str) -> str:
-        """Another socket of this server's (the data-parallel controller's), in the same folder."""
-        if not self.ipc_dir:
-            raise ValueError("this PortArgs has no IPC folder (made by PortArgs.init_new)")
-        return f"ipc://{os.path.join(self.ipc_dir, tag)}"
-
-    def remove_ipc_dir(self) -> None:
-        """Remove the folder and every socket in it (once the processes bound to them are gone)."""
-        import shutil
-
-        if self.ipc_dir:
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -31,7 +31,7 @@ import zmq.asyncio
 from sglang.srt.configs.presets import resolve_model_path
 from sglang.srt.lora.lora_registry import LoRARegistry
 from sglang.srt.managers.backend_health import BackendDeadError, BackendHealth
-from sglang.srt.managers.decode_tokenizer import decoder_spec
+from sglang.srt.managers.decode_tokenizer import send_decoder_spec
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -179,22 +179,28 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         if self._recv_task is not None:
             return
         self._ctx = zmq.asyncio.Context()
-        self._recv = self._ctx.socket(zmq.PULL)
-        self._recv.bind(self.port_args.tokenizer_ipc_name)
-        # A plain (blocking) socket with no high-water mark: sends never wait, so they are safe from
-        # `finally` blocks of cancelled coroutines.
-        self._send = zmq.Context.instance().socket(zmq.PUSH)
-        self._send.setsockopt(zmq.SNDHWM, 0)
-        self._send.connect(self.port_args.scheduler_input_ipc_name)
-        # The detokenizer decodes with this tokenizer (its backend: `decode_tokenizer.py`); the socket stays
-        # open until close, so that a detokenizer still starting gets the spec once it binds.
-        self._to_detokenizer = None
-        if self.tokenizer is not None:
-            self._to_detokenizer = zmq.Context.instance().socket(zmq.PUSH)
-            self._to_detokenizer.connect(self.port_args.detokenizer_ipc_name)
-            self._to_detokenizer.send_pyobj(decoder_spec(self.tokenizer))
+        self._recv = self._send = self._to_detokenizer = None
+        try:
+            self._recv = self._ctx.socket(zmq.PULL)
+            self._recv.bind(self.port_args.tokenizer_ipc_name)
+            # A plain (blocking) socket with no high-water mark: sends never wait (safe in `finally` blocks)
+            self._send = zmq.Context.instance().socket(zmq.PUSH)
+            self._send.setsockopt(zmq.SNDHWM, 0)
+            self._send.connect(self.port_args.scheduler_input_ipc_name)
+            # What the detokenizer decodes with (`decode_tokenizer.py`).
+            self._to_detokenizer = send_decoder_spec(self.tokenizer, self.port_args.detokenizer_ipc_name)
+        except BaseException:
+            self._close_sockets()
+            raise
         self._recv_task = asyncio.create_task(self._recv_loop())
         self._watch_task = asyncio.create_task(self.health.watch())
+
+    def _close_sockets(self) -> None:
+        for sock in (self._recv, self._send, self._to_detokenizer):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+        self._ctx = None
 
     async def close(self) -> None:
         if self.encoder is not None:
@@ -206,11 +212,7 @@ class TokenizerManager(TokenizerCommunicatorMixin):
         if self._recv_task is not None:
             self._recv_task.cancel()
             self._recv_task = None
-            self._recv.close(linger=0)
-            self._send.close(linger=0)
-            if self._to_detokenizer is not None:
-                self._to_detokenizer.close(linger=0)
-            self._ctx.term()
+            self._close_sockets()
 
     # ---- generation --------------------------------------------------------------------------------
 
