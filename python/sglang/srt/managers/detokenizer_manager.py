@@ -92,9 +92,13 @@ class DetokenizerManager:
         self.waiting: list[BatchTokenIDOut] = []  # outputs that came before the decoder
         self.waiting_since = 0.0
 
+    @property
+    def needs_decoder(self) -> bool:
+        return self.tokenizer is None and self.tokenizer_path is not None
+
     def take_spec(self, spec: DecoderSpec) -> list[BatchStrOut]:
         """The decoder (the first spec only), then the replies to the outputs that waited for it."""
-        if self.tokenizer is None and self.tokenizer_path is not None:
+        if self.needs_decoder:
             self.tokenizer = load_decoder(spec, self.tokenizer_path)
         replies = [self.handle_batch_token_id_out(out) for out in self.waiting]
         self.waiting.clear()
@@ -102,7 +106,7 @@ class DetokenizerManager:
 
     def take_output(self, out: BatchTokenIDOut) -> list[BatchStrOut]:
         """Its reply, or none yet while the decoder has not come."""
-        if self.tokenizer is None and self.tokenizer_path is not None:
+        if self.needs_decoder:
             self.waiting_since = self.waiting_since if self.waiting else time.monotonic()
             self.waiting.append(out)
             return []
